@@ -1,0 +1,55 @@
+"""The ``moonep-sim`` command. Each subcommand lives in its own module of this package and exposes
+``register(subparsers)``, which adds its parser and sets ``func`` (called with the parsed args, returns
+an exit code). User errors (:class:`MoonEPSimError`) print one line and exit 2; Ctrl-C exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from moonep_sim import __version__
+from moonep_sim.errors import MoonEPSimError
+
+# order = order in --help
+_COMMANDS = ("demo", "models", "trace", "plan", "simulate", "topologies", "compare", "sweep",
+             "calibrate", "validate", "testbed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moonep-sim",
+        description="Simulated expert-parallel communication for MoE models: replay routing traces "
+                    "through dispatch strategies, for real over gloo and on a simulated GPU cluster.")
+    parser.add_argument("--version", action="version", version=f"moonep-sim {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMANDS:
+        try:
+            mod = importlib.import_module(f"moonep_sim.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"moonep_sim.cli.{name}":
+                continue  # not built yet
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except MoonEPSimError as e:
+        print(f"moonep-sim: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("moonep-sim: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""The package's exceptions.
+
+Every error a user can cause is a :class:`MoonEPSimError`; its message is one line worded
+``name (value) must <constraint> (other value): reason`` or ``FILE: record N: field: expected X, found Y``.
+The CLI prints it alone (no traceback) and exits with status 2.
+"""
+
+
+class MoonEPSimError(Exception):
+    """Base of every error moonep-sim raises for bad input or a failed run."""
+
+
+class ConfigError(MoonEPSimError, ValueError):
+    """A configuration value (shape, option, preset name, world size) is invalid."""
+
+
+class TraceFormatError(MoonEPSimError, ValueError):
+    """A trace or source file is malformed, truncated, or contradicts itself."""
+
+
+class PlanError(MoonEPSimError, ValueError):
+    """A routing cannot be planned (expert id out of range, duplicate ids, ...)."""
+
+
+class CommError(MoonEPSimError, RuntimeError):
+    """A collective failed or timed out; names the phase and the rank(s) involved."""
+
+
+def require(ok: bool, message: str, exc: type[MoonEPSimError] = ConfigError) -> None:
+    """Raise ``exc(message)`` unless ``ok``: the one-line input check used across the package."""
+    if not ok:
+        raise exc(message)

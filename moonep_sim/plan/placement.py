@@ -1,0 +1,124 @@
+"""Where things live: ranks in nodes (ClusterShape) and experts on ranks (Placement).
+
+Notation: R ranks, G GPUs (ranks) per node, E experts, S expert slots (physical expert
+instances; S == E without replicas).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moonep_sim.errors import ConfigError, require
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """R ranks grouped in nodes of ``gpus_per_node`` consecutive ranks."""
+
+    ranks: int
+    gpus_per_node: int = 0  # 0 = all ranks in one node
+
+    def __post_init__(self) -> None:
+        require(self.ranks >= 1, f"ranks ({self.ranks}) must be >= 1")
+        if self.gpus_per_node == 0:
+            object.__setattr__(self, "gpus_per_node", self.ranks)
+        require(self.gpus_per_node >= 1, f"gpus_per_node ({self.gpus_per_node}) must be >= 1")
+        require(self.ranks % self.gpus_per_node == 0,
+                f"ranks ({self.ranks}) must be divisible by gpus_per_node ({self.gpus_per_node})")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.ranks // self.gpus_per_node
+
+    def node_of(self, rank_R: np.ndarray | int) -> np.ndarray | int:
+        return rank_R // self.gpus_per_node
+
+    def local_index(self, rank_R: np.ndarray | int) -> np.ndarray | int:
+        return rank_R % self.gpus_per_node
+
+    def node_of_rank(self) -> np.ndarray:
+        """int64 [R]: node of each rank."""
+        return np.arange(self.ranks, dtype=np.int64) // self.gpus_per_node
+
+    def intra_node_RR(self) -> np.ndarray:
+        """bool [R, R]: True where source and destination share a node (diagonal included)."""
+        n = self.node_of_rank()
+        return n[:, None] == n[None, :]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Expert slots on ranks. Slot s holds expert ``slot_expert_S[s]`` on rank ``slot_rank_S[s]``.
+
+    Slots are sorted by rank (and by position within a rank). ``home_E[e]`` is the rank that owns
+    expert e's master weights (and receives its reduced gradient); a slot on another rank is a
+    replica (static, e.g. EPLB) whose weights are already resident.
+    """
+
+    num_experts: int
+    ranks: int
+    slot_rank_S: np.ndarray
+    slot_expert_S: np.ndarray
+    home_E: np.ndarray
+
+    def __post_init__(self) -> None:
+        E, R = self.num_experts, self.ranks
+        sr, se, h = (np.asarray(a, dtype=np.int64) for a in (self.slot_rank_S, self.slot_expert_S, self.home_E))
+        object.__setattr__(self, "slot_rank_S", sr)
+        object.__setattr__(self, "slot_expert_S", se)
+        object.__setattr__(self, "home_E", h)
+        require(sr.shape == se.shape and sr.ndim == 1, "slot_rank_S and slot_expert_S must be 1-D of one length")
+        require(h.shape == (E,), f"home_E length ({h.shape}) must equal num_experts ({E})")
+        require(bool(((sr >= 0) & (sr < R)).all()), f"slot ranks must lie in [0, {R})")
+        require(bool(((se >= 0) & (se < E)).all()), f"slot experts must lie in [0, {E})")
+        require(bool((np.diff(sr) >= 0).all()), "slots must be sorted by rank")
+        have = np.zeros(E, dtype=bool)
+        have[se] = True
+        missing = np.flatnonzero(~have)
+        require(missing.size == 0, f"every expert must have a slot; experts {missing[:8].tolist()} have none")
+        home_ok = np.zeros(E, dtype=bool)
+        home_ok[se[sr == h[se]]] = True
+        require(bool(home_ok.all()), "every expert must have a slot on its home rank")
+
+    @classmethod
+    def home_groups(cls, num_experts: int, ranks: int) -> "Placement":
+        """Contiguous home groups: rank h owns experts [h*epn, (h+1)*epn), epn = E / R."""
+        if num_experts % ranks:
+            raise ConfigError(f"num_experts ({num_experts}) must be divisible by ranks ({ranks}) "
+                              "for home-group placement")
+        epn = num_experts // ranks
+        e = np.arange(num_experts, dtype=np.int64)
+        return cls(num_experts, ranks, e // epn, e, e // epn)
+
+    @classmethod
+    def from_map(cls, home_E: np.ndarray | list[int], ranks: int) -> "Placement":
+        """A custom expert -> rank map (one slot per expert, sorted by rank then expert id)."""
+        h = np.asarray(home_E, dtype=np.int64)
+        if h.ndim != 1 or ((h < 0) | (h >= ranks)).any():
+            raise ConfigError(f"expert map values must be ranks in [0, {ranks})")
+        order = np.lexsort((np.arange(h.size), h))
+        return cls(h.size, ranks, h[order], order, h)
+
+    @classmethod
+    def with_replicas(cls, home_E: np.ndarray, replica_rank: np.ndarray, replica_expert: np.ndarray,
+                      ranks: int) -> "Placement":
+        """Home slots plus static replicas ``(replica_rank[i], replica_expert[i])``."""
+        h = np.asarray(home_E, dtype=np.int64)
+        r = np.concatenate([h, np.asarray(replica_rank, dtype=np.int64)])
+        e = np.concatenate([np.arange(h.size), np.asarray(replica_expert, dtype=np.int64)])
+        order = np.argsort(r, kind="stable")
+        return cls(h.size, ranks, r[order], e[order], h)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.slot_rank_S.size)
+
+    @property
+    def experts_per_rank(self) -> int:
+        """epn = E / R (home slots per rank under home-group placement)."""
+        return self.num_experts // self.ranks
+
+    def slots_per_rank_R(self) -> np.ndarray:
+        return np.bincount(self.slot_rank_S, minlength=self.ranks)

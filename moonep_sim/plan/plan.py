@@ -1,0 +1,686 @@
+"""The Plan: plain data that says how one MoE layer's tokens move and where experts compute.
+
+A strategy (``moonep_sim.strategies``) turns one layer's *global* routing into a Plan; both
+executors (``moonep_sim.gloo`` for real tensors, ``moonep_sim.sim`` for the simulated cluster) carry
+out any Plan unchanged and never look at the strategy's name.
+
+Notation
+--------
+R ranks; T tokens of all ranks, concatenated in rank order (rank r owns tokens
+``[tok_off_R[r], tok_off_R[r] + tokens_per_rank_R[r])``); K top-k; an *entry* is one (token, k)
+pair with flat id ``e = t*K + k``; E experts; S expert slots (expert instances on ranks, see
+``slot_*``); M messages (rows moved) of one hop; W final expert rows of all ranks (concatenated in
+rank order, rank r's rows ``[row_off_R[r], row_off_R[r] + rows_R[r])``).
+
+Data movement model
+-------------------
+Dispatch is a chain of *hops*. Buffer 0 on rank r is its input tokens ``x[tokens_per_rank_R[r], H]``.
+Hop h moves M rows: message m copies row ``src_row_M[m]`` of buffer h on ``src_rank_M[m]`` into row
+``dst_row_M[m]`` of buffer h+1 on ``dst_rank_M[m]`` (``src_row == -1``: a zero padding row is sent).
+A hop's messages are sorted by (src_rank, dst_rank), and each (dst_rank, dst_row) is written once.
+After the last hop, rank r builds its expert-grouped rows by a local gather:
+final row w = last buffer row ``expand_src_row_W[w]`` (-1 = zero padding row). Several final rows
+may read the same buffer row: that is deduplication (a row sent once, expanded at the destination).
+
+Combine is the exact reverse (adjoint): each final row's expert output is multiplied by its entry's
+routing weight, summed into the buffer rows it was expanded from, and sent back hop by hop, each
+hop scatter-adding into the rows it came from. The backward of dispatch is a combine on the same
+Plan and vice versa; so backward traffic follows from forward traffic.
+
+Expert weights: slot s runs expert ``slot_expert_S[s]`` on ``slot_rank_S[s]`` with weights homed on
+``slot_home_S[s]``. A slot whose home differs from its rank is a *copy*: its weights are prefetched
+from the home before expert compute, and in backward its weight gradient (fp32) is reduced home.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from moonep_sim.errors import PlanError
+from moonep_sim.plan.placement import ClusterShape
+
+SCOPES = ("global", "intra_node", "inter_node")
+
+
+@dataclass(frozen=True)
+class RowCosts:
+    """Byte sizes a Plan's traffic is counted in.
+
+    dispatch_row_bytes: one dispatched row (bf16: 2*H; fp8: H + H/128*4).
+    combine_row_bytes: one combined row, and one gradient row in backward (bf16: 2*H).
+    weight_bytes: one expert's weights (gate, up, down) moved by a prefetch.
+    grad_bytes: one expert's weight gradient (fp32) moved by a gradient reduce.
+    """
+
+    dispatch_row_bytes: int
+    combine_row_bytes: int
+    weight_bytes: int = 0
+    grad_bytes: int = 0
+
+    @classmethod
+    def from_model(cls, model, dispatch_dtype: str = "bf16") -> "RowCosts":
+        return cls(model.dispatch_row_bytes(dispatch_dtype), model.combine_row_bytes,
+                   model.expert_weight_bytes, model.expert_grad_bytes)
+
+
+@dataclass(frozen=True)
+class GlobalRouting:
+    """One layer's routing of all ranks' tokens, concatenated in rank order.
+
+    topk_ids_TK: int64 [T, K], experts in [0, E), distinct within a token.
+    topk_weights_TK: float32 [T, K], routing weights.
+    tokens_per_rank_R: int64 [R], sums to T.
+    num_experts: E.
+    """
+
+    topk_ids_TK: np.ndarray
+    topk_weights_TK: np.ndarray
+    tokens_per_rank_R: np.ndarray
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        ids = np.asarray(self.topk_ids_TK)
+        w = np.asarray(self.topk_weights_TK, dtype=np.float32)
+        tpr = np.asarray(self.tokens_per_rank_R, dtype=np.int64)
+        object.__setattr__(self, "topk_ids_TK", ids.astype(np.int64, copy=False))
+        object.__setattr__(self, "topk_weights_TK", w)
+        object.__setattr__(self, "tokens_per_rank_R", tpr)
+        if ids.ndim != 2:
+            raise PlanError(f"topk_ids shape ({list(ids.shape)}) must be [T, K]")
+        if w.shape != ids.shape:
+            raise PlanError(f"topk_weights shape ({list(w.shape)}) must equal topk_ids shape ({list(ids.shape)})")
+        if tpr.ndim != 1 or tpr.size < 1 or (tpr < 0).any():
+            raise PlanError(f"tokens_per_rank ({tpr.tolist()}) must be a non-empty list of counts >= 0")
+        if int(tpr.sum()) != ids.shape[0]:
+            raise PlanError(f"tokens_per_rank sum ({int(tpr.sum())}) must equal the number of tokens ({ids.shape[0]})")
+        K, E = ids.shape[1], self.num_experts
+        if K > E:
+            raise PlanError(f"top_k ({K}) must be <= num_experts ({E})")
+        if ids.size:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= E:
+                bad = lo if lo < 0 else hi
+                t = int(np.argmax(((ids < 0) | (ids >= E)).any(axis=1)))
+                raise PlanError(f"expert id ({bad}) must lie in [0, {E}) (num_experts): token {t} routes to {ids[t].tolist()}")
+            if K > 1:
+                s = np.sort(ids, axis=1)
+                dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
+                if dup.any():
+                    t = int(np.argmax(dup))
+                    raise PlanError(f"topk_ids of token {t} ({ids[t].tolist()}) must be distinct experts: "
+                                    "a token cannot pick one expert twice")
+
+    @classmethod
+    def split_evenly(cls, topk_ids_TK: np.ndarray, topk_weights_TK: np.ndarray, num_experts: int,
+                     ranks: int) -> "GlobalRouting":
+        """Split T tokens over R ranks as evenly as possible (the first T % R ranks get one more)."""
+        T = np.asarray(topk_ids_TK).shape[0]
+        tpr = np.full(ranks, T // ranks, dtype=np.int64)
+        tpr[: T % ranks] += 1
+        return cls(topk_ids_TK, topk_weights_TK, tpr, num_experts)
+
+    @property
+    def ranks(self) -> int:
+        return int(self.tokens_per_rank_R.size)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.topk_ids_TK.shape[0])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.topk_ids_TK.shape[1])
+
+    def tok_off_R(self) -> np.ndarray:
+        """int64 [R+1]: token offsets of each rank."""
+        return np.concatenate([[0], np.cumsum(self.tokens_per_rank_R)])
+
+    def src_rank_T(self) -> np.ndarray:
+        """int64 [T]: the rank each token lives on."""
+        return np.repeat(np.arange(self.ranks, dtype=np.int64), self.tokens_per_rank_R)
+
+    def counts_E(self) -> np.ndarray:
+        return np.bincount(self.topk_ids_TK.ravel(), minlength=self.num_experts).astype(np.int64)
+
+    def counts_RE(self) -> np.ndarray:
+        """int64 [R, E]: tokens per (source rank, expert) -- MoonEP's ``tpe``."""
+        src = np.repeat(self.src_rank_T(), self.top_k)
+        flat = src * self.num_experts + self.topk_ids_TK.ravel()
+        return np.bincount(flat, minlength=self.ranks * self.num_experts).reshape(self.ranks, self.num_experts)
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One all-to-all of rows (see the module docstring). M messages, sorted by (src, dst).
+
+    scope: which ranks may talk -- ``global``, ``intra_node`` (same node) or ``inter_node`` (same
+        local index on different nodes, or self).
+    src_rank_M, src_row_M (-1 = zero row), dst_rank_M, dst_row_M: int64 [M].
+    dst_rows_R: int64 [R], rows of the buffer this hop fills on each rank.
+    """
+
+    scope: str
+    src_rank_M: np.ndarray
+    src_row_M: np.ndarray
+    dst_rank_M: np.ndarray
+    dst_row_M: np.ndarray
+    dst_rows_R: np.ndarray
+
+    def rows_RR(self, ranks: int) -> np.ndarray:
+        """int64 [R, R]: rows sent from each source to each destination (diagonal: local copies)."""
+        return np.bincount(self.src_rank_M * ranks + self.dst_rank_M,
+                           minlength=ranks * ranks).reshape(ranks, ranks)
+
+
+@dataclass(frozen=True)
+class CommPhase:
+    """One communication phase of a layer, as the executors and reports see it.
+
+    name: e.g. ``dispatch.0``, ``prefetch``, ``combine.0``, ``grad_reduce``.
+    kind: ``dispatch`` | ``combine`` | ``prefetch`` | ``migrate`` | ``grad_reduce``.
+    direction: ``forward`` | ``backward``.  scope: as :class:`Hop`.
+    bytes_RR: int64 [R, R] bytes from source to destination (diagonal: local, crosses no link).
+    msgs_RR: int64 [R, R] rows (or expert tensors) from source to destination.
+    """
+
+    name: str
+    kind: str
+    direction: str
+    scope: str
+    bytes_RR: np.ndarray
+    msgs_RR: np.ndarray
+
+    def remote_bytes(self) -> int:
+        return int(self.bytes_RR.sum() - np.trace(self.bytes_RR))
+
+    def split_bytes(self, cluster: ClusterShape) -> tuple[int, int]:
+        """(intra-node, inter-node) bytes that cross a link (diagonal excluded)."""
+        intra = cluster.intra_node_RR()
+        off = ~np.eye(cluster.ranks, dtype=bool)
+        return int(self.bytes_RR[intra & off].sum()), int(self.bytes_RR[~intra].sum())
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one layer's tokens move and where experts run. All arrays are numpy, int64 unless noted.
+
+    strategy / options: who planned it and with what options (reports only; executors ignore them).
+    cluster: ranks and nodes.  num_experts (E), top_k (K).  tokens_per_rank_R: [R].
+    costs: byte sizes of rows and expert weights.
+    token_padding: each slot's row segment is padded to a multiple of this (1 = none).
+
+    Per entry ([T, K], entry e = t*K + k):
+      entry_rank_TK: destination rank, -1 = dropped.
+      entry_row_TK: row in that rank's expert-grouped layout, -1 = dropped.
+      entry_dup_TK: bool; True if an earlier entry of the same token is sent to the same rank, so
+        this one shares that row (sent once, expanded there; it keeps its own weight).
+      entry_weight_TK: float32 routing weight of each entry.
+
+    Per slot ([S], sorted by rank; a rank's slots are laid out in this order):
+      slot_rank_S, slot_expert_S, slot_home_S (rank owning the weights; != slot_rank for a copy),
+      slot_offset_S (first row within the rank), slot_rows_S (real rows),
+      slot_padded_S (rows allocated, real + padding; a multiple of token_padding).
+
+    Per final row ([W], ranks concatenated):
+      row_entry_W: entry id (t*K + k) computed at this row, -1 = padding.
+      expand_src_row_W: row of the last hop's buffer on the same rank this row is gathered from,
+        -1 = zero padding row.
+
+    hops: the dispatch hops in order (combine runs them in reverse).
+    migrate_expert_X / migrate_src_X / migrate_dst_X: [X] expert weights moved because a static
+      placement changed (charged in forward; no gradient flows back). Empty for most strategies.
+    capacity_R: [R] maximum rows a rank may hold (static buffer size), or None if unbounded.
+    plan_seconds: wall time the planner took.
+    """
+
+    strategy: str
+    options: dict[str, Any]
+    cluster: ClusterShape
+    num_experts: int
+    top_k: int
+    tokens_per_rank_R: np.ndarray
+    costs: RowCosts
+    token_padding: int
+    entry_rank_TK: np.ndarray
+    entry_row_TK: np.ndarray
+    entry_dup_TK: np.ndarray
+    entry_weight_TK: np.ndarray
+    slot_rank_S: np.ndarray
+    slot_expert_S: np.ndarray
+    slot_home_S: np.ndarray
+    slot_offset_S: np.ndarray
+    slot_rows_S: np.ndarray
+    slot_padded_S: np.ndarray
+    row_entry_W: np.ndarray
+    expand_src_row_W: np.ndarray
+    hops: tuple[Hop, ...]
+    migrate_expert_X: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    migrate_src_X: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    migrate_dst_X: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    capacity_R: np.ndarray | None = None
+    plan_seconds: float = 0.0
+
+    # -- sizes ----------------------------------------------------------------------------
+    @property
+    def ranks(self) -> int:
+        return self.cluster.ranks
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.entry_rank_TK.shape[0])
+
+    def rows_R(self) -> np.ndarray:
+        """[R] rows of each rank's expert-grouped layout, padding included."""
+        return np.bincount(self.slot_rank_S, weights=self.slot_padded_S, minlength=self.ranks).astype(np.int64)
+
+    def real_rows_R(self) -> np.ndarray:
+        """[R] real (non-padding) rows each rank computes."""
+        return np.bincount(self.slot_rank_S, weights=self.slot_rows_S, minlength=self.ranks).astype(np.int64)
+
+    def row_off_R(self) -> np.ndarray:
+        """[R+1] offsets of each rank's rows in the concatenated row arrays."""
+        return np.concatenate([[0], np.cumsum(self.rows_R())])
+
+    def tok_off_R(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.tokens_per_rank_R)])
+
+    def rank_slots(self, rank: int) -> slice:
+        """The slice of slot arrays belonging to ``rank``."""
+        lo, hi = np.searchsorted(self.slot_rank_S, [rank, rank + 1])
+        return slice(int(lo), int(hi))
+
+    def is_copy_S(self) -> np.ndarray:
+        """bool [S]: slots whose weights are prefetched from another rank."""
+        return self.slot_home_S != self.slot_rank_S
+
+    def tokens_per_expert_RE(self) -> np.ndarray:
+        """[R, E] real rows each rank computes per expert (copies included)."""
+        flat = self.slot_rank_S * self.num_experts + self.slot_expert_S
+        return np.bincount(flat, weights=self.slot_rows_S,
+                           minlength=self.ranks * self.num_experts).reshape(self.ranks, self.num_experts).astype(np.int64)
+
+    @property
+    def dropped(self) -> int:
+        return int((self.entry_rank_TK < 0).sum())
+
+    @property
+    def padded(self) -> int:
+        return int((self.slot_padded_S - self.slot_rows_S).sum())
+
+    @property
+    def weight_copies(self) -> int:
+        return int(self.is_copy_S().sum())
+
+    # -- communication phases --------------------------------------------------------------
+    def _weights_RR(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        R = self.ranks
+        return np.bincount(src * R + dst, minlength=R * R).reshape(R, R).astype(np.int64)
+
+    def phases(self, direction: str = "forward") -> list[CommPhase]:
+        """The layer's communication phases in order.
+
+        forward:  dispatch.0..H-1, prefetch (copies), migrate (if any), combine.H-1..0
+        backward: combine_bwd.0..H-1 (gradient rows follow dispatch), dispatch_bwd.H-1..0 (follow
+                  combine), grad_reduce (copies' fp32 weight gradients go home).
+        Dispatch rows cost ``dispatch_row_bytes`` (forward only); combine and every backward row
+        cost ``combine_row_bytes``.
+        """
+        R, c = self.ranks, self.costs
+        copies = self.is_copy_S()
+        copy_RR = self._weights_RR(self.slot_home_S[copies], self.slot_rank_S[copies])
+        out: list[CommPhase] = []
+        hop_rows = [h.rows_RR(R) for h in self.hops]
+        if direction == "forward":
+            for i, (h, rr) in enumerate(zip(self.hops, hop_rows)):
+                out.append(CommPhase(f"dispatch.{i}", "dispatch", direction, h.scope, rr * c.dispatch_row_bytes, rr))
+            out.append(CommPhase("prefetch", "prefetch", direction, "global", copy_RR * c.weight_bytes, copy_RR))
+            if self.migrate_expert_X.size:
+                mig = self._weights_RR(self.migrate_src_X, self.migrate_dst_X)
+                out.append(CommPhase("migrate", "migrate", direction, "global", mig * c.weight_bytes, mig))
+            for i in reversed(range(len(self.hops))):
+                rr = hop_rows[i].T
+                out.append(CommPhase(f"combine.{i}", "combine", direction, self.hops[i].scope,
+                                     rr * c.combine_row_bytes, rr))
+        elif direction == "backward":
+            for i, (h, rr) in enumerate(zip(self.hops, hop_rows)):
+                out.append(CommPhase(f"combine_bwd.{i}", "dispatch", direction, h.scope, rr * c.combine_row_bytes, rr))
+            for i in reversed(range(len(self.hops))):
+                rr = hop_rows[i].T
+                out.append(CommPhase(f"dispatch_bwd.{i}", "combine", direction, self.hops[i].scope,
+                                     rr * c.combine_row_bytes, rr))
+            out.append(CommPhase("grad_reduce", "grad_reduce", direction, "global", copy_RR.T * c.grad_bytes, copy_RR.T))
+        else:
+            raise PlanError(f"direction ({direction!r}) must be 'forward' or 'backward'")
+        return out
+
+    def bytes_summary(self) -> dict[str, int]:
+        """Bytes that cross a link (local copies excluded), by phase kind and by link class.
+
+        Keys: dispatch, combine, prefetch, migrate, grad_reduce (backward), intra_node, inter_node
+        (forward and backward together).
+        """
+        out = dict(dispatch=0, combine=0, prefetch=0, migrate=0, grad_reduce=0, intra_node=0, inter_node=0)
+        for direction in ("forward", "backward"):
+            for p in self.phases(direction):
+                intra, inter = p.split_bytes(self.cluster)
+                if direction == "forward" or p.kind == "grad_reduce":
+                    out[p.kind] += intra + inter
+                out["intra_node"] += intra
+                out["inter_node"] += inter
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """The machine-readable summary ``moonep-sim plan --json`` prints."""
+        real = self.real_rows_R()
+        return {
+            "strategy": self.strategy,
+            "options": {k: v for k, v in self.options.items() if _jsonable(v)},
+            "ranks": self.ranks,
+            "gpus_per_node": self.cluster.gpus_per_node,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "tokens": self.num_tokens,
+            "recv_rows_per_rank": real.tolist(),
+            "rows_per_rank_padded": self.rows_R().tolist(),
+            "max_over_mean_rows": float(real.max() / max(real.mean(), 1e-12)) if real.size else 0.0,
+            "dropped": self.dropped,
+            "padded": self.padded,
+            "duplicates_avoided": int(self.entry_dup_TK.sum()),
+            "weight_copies": self.weight_copies,
+            "migrations": int(self.migrate_expert_X.size),
+            "hops": len(self.hops),
+            "bytes": self.bytes_summary(),
+            "plan_seconds": self.plan_seconds,
+            "invariant_violations": validate(self),
+        }
+
+
+def _jsonable(v: Any) -> bool:
+    return isinstance(v, (int, float, str, bool, type(None)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Invariants
+# ---------------------------------------------------------------------------------------------
+
+def validate(plan: Plan) -> list[str]:
+    """Check a Plan's invariants; returns the violated ones as sentences (empty list: valid).
+
+    Holds for every strategy: shapes agree; slots sorted by rank, contiguous and padded as stated;
+    every kept entry computed exactly once, at a slot of its expert, at the row it names; every
+    hop well-formed (sorted, in range, in scope, each destination row written once); every final
+    row traces back through the hops to its entry's token (so no row is misrouted); duplicates
+    share a destination with an earlier entry of their token; copies come from a resident home;
+    capacity respected.
+    """
+    v: list[str] = []
+    R, E, K = plan.ranks, plan.num_experts, plan.top_k
+    T = plan.num_tokens
+    N = T * K
+    if plan.tokens_per_rank_R.shape != (R,) or int(plan.tokens_per_rank_R.sum()) != T:
+        return [f"tokens_per_rank ({plan.tokens_per_rank_R.tolist()}) must have R={R} entries summing to T={T}"]
+    for name in ("entry_rank_TK", "entry_row_TK", "entry_dup_TK", "entry_weight_TK"):
+        if getattr(plan, name).shape != (T, K):
+            v.append(f"{name} shape {list(getattr(plan, name).shape)} must be [{T}, {K}]")
+    S = plan.slot_rank_S.size
+    for name in ("slot_expert_S", "slot_home_S", "slot_offset_S", "slot_rows_S", "slot_padded_S"):
+        if getattr(plan, name).shape != (S,):
+            v.append(f"{name} must have S={S} entries")
+    if v:
+        return v
+    if S and ((plan.slot_rank_S < 0) | (plan.slot_rank_S >= R)).any():
+        return ["slot ranks must lie in [0, R)"]
+    if (np.diff(plan.slot_rank_S) < 0).any():
+        v.append("slots must be sorted by rank")
+    if ((plan.slot_expert_S < 0) | (plan.slot_expert_S >= E)).any():
+        v.append("slot experts must lie in [0, E)")
+    if (plan.slot_padded_S < plan.slot_rows_S).any():
+        v.append("slot_padded must be >= slot_rows")
+    if plan.token_padding > 1 and (plan.slot_padded_S % plan.token_padding).any():
+        v.append(f"slot_padded must be a multiple of token_padding ({plan.token_padding})")
+    rows_R = plan.rows_R()
+    first = np.searchsorted(plan.slot_rank_S, np.arange(R))
+    exp_off = np.cumsum(plan.slot_padded_S) - plan.slot_padded_S
+    exp_off = exp_off - np.concatenate([[0], np.cumsum(plan.slot_padded_S)])[first][plan.slot_rank_S]
+    if not np.array_equal(exp_off, plan.slot_offset_S):
+        v.append("slot_offset must be the running sum of slot_padded within each rank")
+    if v:
+        return v
+    W = int(rows_R.sum())
+    if plan.row_entry_W.shape != (W,) or plan.expand_src_row_W.shape != (W,):
+        return [f"row_entry and expand_src_row must have W={W} rows (sum of padded slot rows)"]
+    row_off = plan.row_off_R()
+
+    # entries <-> rows
+    rank_e = plan.entry_rank_TK.ravel()
+    row_e = plan.entry_row_TK.ravel()
+    kept = rank_e >= 0
+    if ((rank_e < -1) | (rank_e >= R)).any():
+        v.append("entry_rank must be -1 or a rank in [0, R)")
+        return v
+    if (row_e[kept] < 0).any() or (row_e[kept] >= rows_R[rank_e[kept]]).any() or (row_e[~kept] != -1).any():
+        v.append("entry_row must be a row of the destination rank (or -1 when dropped)")
+        return v
+    grow = row_off[rank_e[kept]] + row_e[kept]
+    eid = np.flatnonzero(kept)
+    if not np.array_equal(plan.row_entry_W[grow], eid):
+        v.append("row_entry must name, at each kept entry's row, that entry (conservation)")
+    real_rows = plan.row_entry_W >= 0
+    if int(real_rows.sum()) != eid.size:
+        v.append(f"final rows holding entries ({int(real_rows.sum())}) must equal kept entries ({eid.size}): "
+                 "every kept entry lands exactly once")
+    # row -> slot -> expert must match the entry's expert
+    row_rank = np.repeat(np.arange(R), rows_R)
+    row_slot = np.repeat(np.arange(S), plan.slot_padded_S)
+    pos_in_slot = np.arange(W) - row_off[row_rank] - plan.slot_offset_S[row_slot]
+    is_real_pos = pos_in_slot < plan.slot_rows_S[row_slot]
+    if not np.array_equal(is_real_pos, real_rows):
+        v.append("each slot's first slot_rows rows must hold entries and the rest be padding")
+    # the entry's expert is recovered from the routing only via the plan's slots
+    if (np.bincount(row_slot[real_rows], minlength=S) != plan.slot_rows_S).any():
+        v.append("slot_rows must count the entries in each slot")
+    # duplicates share the rank of an earlier entry of the same token
+    dup = plan.entry_dup_TK
+    if dup.any():
+        ranks_TK = plan.entry_rank_TK
+        same = (ranks_TK[:, :, None] == ranks_TK[:, None, :]) & np.tri(K, k=-1, dtype=bool)[None]
+        ok = same.any(axis=2) & (ranks_TK >= 0)
+        if (dup & ~ok).any():
+            v.append("a duplicate entry must share its destination rank with an earlier entry of its token")
+    # copies: home must hold the expert
+    cp = plan.slot_home_S != plan.slot_rank_S
+    if cp.any():
+        resident = set(zip(plan.slot_rank_S[~cp].tolist(), plan.slot_expert_S[~cp].tolist()))
+        bad = [(int(h), int(e)) for h, e in zip(plan.slot_home_S[cp], plan.slot_expert_S[cp]) if (int(h), int(e)) not in resident]
+        if bad:
+            v.append(f"copied experts must be resident on their home rank; (home, expert) {bad[:4]} are not")
+    if plan.capacity_R is not None and (rows_R > plan.capacity_R).any():
+        r = int(np.argmax(rows_R > plan.capacity_R))
+        v.append(f"rank {r} rows ({int(rows_R[r])}) must be <= capacity ({int(plan.capacity_R[r])})")
+
+    # hops: well-formed and provenance
+    node = plan.cluster.node_of_rank()
+    local = np.arange(R) % plan.cluster.gpus_per_node
+    origin = np.arange(T, dtype=np.int64)  # buffer 0: token ids, ranks concatenated
+    buf_off = plan.tok_off_R()
+    for i, h in enumerate(plan.hops):
+        m = h.src_rank_M.size
+        if not all(a.shape == (m,) for a in (h.src_row_M, h.dst_rank_M, h.dst_row_M)) or h.dst_rows_R.shape != (R,):
+            v.append(f"hop {i}: message arrays must share one length and dst_rows_R have R entries")
+            return v
+        if h.scope not in SCOPES:
+            v.append(f"hop {i}: scope ({h.scope!r}) must be one of {SCOPES}")
+        if m and (((h.src_rank_M < 0) | (h.src_rank_M >= R) | (h.dst_rank_M < 0) | (h.dst_rank_M >= R)).any()):
+            v.append(f"hop {i}: ranks must lie in [0, R)")
+            return v
+        key = h.src_rank_M * R + h.dst_rank_M
+        if (np.diff(key) < 0).any():
+            v.append(f"hop {i}: messages must be sorted by (src_rank, dst_rank)")
+        src_rows = np.diff(buf_off)
+        if m and ((h.src_row_M < -1) | (h.src_row_M >= src_rows[h.src_rank_M])).any():
+            v.append(f"hop {i}: src_row must be -1 or a row of the source buffer")
+            return v
+        if m and ((h.dst_row_M < 0) | (h.dst_row_M >= h.dst_rows_R[h.dst_rank_M])).any():
+            v.append(f"hop {i}: dst_row must be a row of the destination buffer")
+            return v
+        dst_off = np.concatenate([[0], np.cumsum(h.dst_rows_R)])
+        gdst = dst_off[h.dst_rank_M] + h.dst_row_M
+        if np.unique(gdst).size != m:
+            v.append(f"hop {i}: each destination row must be written once")
+        if h.scope == "intra_node" and (node[h.src_rank_M] != node[h.dst_rank_M]).any():
+            v.append(f"hop {i}: intra_node scope must not cross nodes")
+        if h.scope == "inter_node" and (local[h.src_rank_M] != local[h.dst_rank_M]).any():
+            v.append(f"hop {i}: inter_node scope must connect equal local indices only")
+        new_origin = np.full(int(dst_off[-1]), -2, dtype=np.int64)  # -2 never written, -1 zero row
+        src_g = buf_off[h.src_rank_M] + h.src_row_M
+        new_origin[gdst] = np.where(h.src_row_M >= 0, origin[np.maximum(src_g, 0)], -1)
+        origin, buf_off = new_origin, dst_off
+    # final gather
+    last_rows = np.diff(buf_off)
+    exp = plan.expand_src_row_W
+    if ((exp < -1) | (exp >= last_rows[row_rank])).any():
+        v.append("expand_src_row must be -1 or a row of the last buffer on the same rank")
+        return v
+    final_origin = np.where(exp >= 0, origin[np.maximum(buf_off[row_rank] + exp, 0)], -1)
+    want = np.where(real_rows, plan.row_entry_W // max(K, 1), -1)
+    if (real_rows & (exp < 0)).any():
+        v.append("every real row must be gathered from a buffer row")
+    bad = real_rows & (final_origin != want)
+    if bad.any():
+        w = int(np.argmax(bad))
+        v.append(f"row {w} of rank {int(row_rank[w])} must hold token {int(want[w])} but receives "
+                 f"{'nothing' if final_origin[w] == -2 else 'token ' + str(int(final_origin[w]))} (misrouted)")
+    return v
+
+
+def check(plan: Plan) -> Plan:
+    """Raise :class:`PlanError` listing the violated invariants; return the plan if valid."""
+    errs = validate(plan)
+    if errs:
+        raise PlanError(f"plan of strategy {plan.strategy!r} violates {len(errs)} invariant(s): " + "; ".join(errs))
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# Builders shared by strategies
+# ---------------------------------------------------------------------------------------------
+
+def layout_slots(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
+                 min_rows_S: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Expert-grouped layout from each entry's slot (vectorised).
+
+    entry_slot_N: int64 [N] slot of each entry in flat entry order (e = t*K + k), -1 = dropped.
+    slot_rank_S: int64 [S] sorted.  min_rows_S: optional [S] rows to allocate at least (capacity pad).
+    Returns (slot_rows_S, slot_padded_S, slot_offset_S, entry_row_N): entries keep their global
+    order within a slot (tokens of source ranks concatenated in rank order, then k).
+    """
+    S = slot_rank_S.size
+    N = entry_slot_N.size
+    kept = entry_slot_N >= 0
+    slot_rows = np.bincount(entry_slot_N[kept], minlength=S).astype(np.int64)
+    padded = slot_rows if min_rows_S is None else np.maximum(slot_rows, min_rows_S)
+    tp = max(int(token_padding), 1)
+    padded = (padded + tp - 1) // tp * tp
+    cum = np.cumsum(padded) - padded
+    R = int(slot_rank_S.max()) + 1 if S else 0
+    first = np.searchsorted(slot_rank_S, np.arange(R))
+    rank_base = np.concatenate([[0], np.cumsum(padded)])[first]
+    offset = cum - rank_base[slot_rank_S] if S else cum
+    # position of each entry within its slot: stable sort by slot keeps the global entry order
+    entry_row = np.full(N, -1, dtype=np.int64)
+    ks = np.flatnonzero(kept)
+    sl = entry_slot_N[ks]
+    order = np.argsort(sl, kind="stable")
+    starts = np.cumsum(slot_rows) - slot_rows
+    pos = np.empty(ks.size, dtype=np.int64)
+    pos[order] = np.arange(ks.size, dtype=np.int64) - np.repeat(starts, slot_rows)
+    entry_row[ks] = offset[sl] + pos
+    return slot_rows, padded, offset, entry_row
+
+
+def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_off_R: np.ndarray,
+                        top_k: int, ranks: int, dedup: bool):
+    """One global hop sending each kept entry's token to its destination rank.
+
+    With ``dedup`` a token is sent once per destination rank; otherwise once per entry.
+    The receive buffer on each rank holds rows ordered by (source rank, token, k).
+    Returns (hop, entry_buf_row_N, entry_dup_N): the Hop, each entry's row in the receive buffer
+    (-1 dropped), and the duplicate flags.
+    """
+    N = entry_rank_N.size
+    kept = np.flatnonzero(entry_rank_N >= 0)
+    dst = entry_rank_N[kept]
+    tok = kept // top_k
+    order = np.argsort(dst, kind="stable")  # (dst, entry) order
+    d_s, t_s = dst[order], tok[order]
+    if dedup:
+        first = np.ones(order.size, dtype=bool)
+        first[1:] = (d_s[1:] != d_s[:-1]) | (t_s[1:] != t_s[:-1])
+    else:
+        first = np.ones(order.size, dtype=bool)
+    msg_of_sorted = np.cumsum(first) - 1
+    msg_dst = d_s[first]
+    msg_tok = t_s[first]
+    n_msg = msg_dst.size
+    per_dst = np.bincount(msg_dst, minlength=ranks)
+    dst_start = np.cumsum(per_dst) - per_dst
+    msg_row = np.arange(n_msg, dtype=np.int64) - dst_start[msg_dst]
+    entry_buf_row = np.full(N, -1, dtype=np.int64)
+    entry_buf_row[kept[order]] = msg_row[msg_of_sorted]
+    entry_dup = np.zeros(N, dtype=bool)
+    entry_dup[kept[order]] = ~first
+    msg_src = src_rank_T[msg_tok]
+    o2 = np.argsort(msg_src, kind="stable")  # (src, dst, token): messages were in (dst, token) order
+    hop = Hop("global", msg_src[o2], (msg_tok - tok_off_R[msg_src])[o2], msg_dst[o2], msg_row[o2],
+              per_dst.astype(np.int64))
+    return hop, entry_buf_row, entry_dup
+
+
+def plan_from_slots(strategy: str, options: dict[str, Any], routing: GlobalRouting, cluster: ClusterShape,
+                    costs: RowCosts, slot_rank_S: np.ndarray, slot_expert_S: np.ndarray, slot_home_S: np.ndarray,
+                    entry_slot_TK: np.ndarray, *, dedup: bool, token_padding: int = 1,
+                    min_rows_S: np.ndarray | None = None, capacity_R: np.ndarray | None = None,
+                    started: float | None = None, **extra) -> Plan:
+    """A single-hop Plan from each entry's slot: the builder behind most strategies.
+
+    entry_slot_TK: int64 [T, K] index into the slot arrays (which must be sorted by rank), -1 =
+    dropped. The hop sends tokens straight to the slot's rank (deduplicated per rank if ``dedup``);
+    the destination expands them into the expert-grouped layout.
+    """
+    T, K = routing.topk_ids_TK.shape
+    R = cluster.ranks
+    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
+    slot_rows, padded, offset, entry_row = layout_slots(entry_slot, slot_rank_S, token_padding, min_rows_S)
+    entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
+    hop, entry_buf_row, entry_dup = single_hop_messages(entry_rank, routing.src_rank_T(), routing.tok_off_R(),
+                                                        K, R, dedup)
+    rows_R = np.bincount(slot_rank_S, weights=padded, minlength=R).astype(np.int64)
+    row_off = np.concatenate([[0], np.cumsum(rows_R)])
+    W = int(row_off[-1])
+    row_entry = np.full(W, -1, dtype=np.int64)
+    expand = np.full(W, -1, dtype=np.int64)
+    kept = np.flatnonzero(entry_slot >= 0)
+    g = row_off[entry_rank[kept]] + entry_row[kept]
+    row_entry[g] = kept
+    expand[g] = entry_buf_row[kept]
+    return Plan(
+        strategy=strategy, options=dict(options), cluster=cluster, num_experts=routing.num_experts, top_k=K,
+        tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),
+        entry_rank_TK=entry_rank.reshape(T, K), entry_row_TK=entry_row.reshape(T, K),
+        entry_dup_TK=entry_dup.reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
+        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slot_expert_S, dtype=np.int64),
+        slot_home_S=np.asarray(slot_home_S, dtype=np.int64), slot_offset_S=offset, slot_rows_S=slot_rows,
+        slot_padded_S=padded, row_entry_W=row_entry, expand_src_row_W=expand, hops=(hop,),
+        capacity_R=capacity_R,
+        plan_seconds=(time.perf_counter() - started) if started is not None else 0.0, **extra)
+
+
+def concat_ranks(parts: Iterable[np.ndarray]) -> np.ndarray:
+    """Concatenate per-rank int64 arrays (helper for multi-hop builders)."""
+    parts = list(parts)
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)

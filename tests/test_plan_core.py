@@ -1,0 +1,86 @@
+"""The Plan model's shared builders and validate(): valid plans pass, corrupted ones are caught."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from conftest import random_routing
+from moonep_sim.errors import ConfigError, PlanError
+from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, validate
+from moonep_sim.strategies import PlanContext, make_plan
+
+
+def _plan(dedup=True, token_padding=4):
+    ids, w = random_routing(48, 3, 8, seed=3, skew=1.0)
+    r = GlobalRouting.split_evenly(ids, w, 8, 4)
+    return make_plan("alltoall", r, PlanContext.default(8, 4, 2, token_padding=token_padding), dedup=dedup)
+
+
+def test_alltoall_plan_valid_and_rows_trace_back():
+    for dedup in (False, True):
+        p = _plan(dedup)
+        assert validate(p) == []
+        assert p.real_rows_R().sum() == 48 * 3
+        # dedup: a message per (token, rank) pair
+        pairs = {(t, int(r)) for t in range(48) for r in p.entry_rank_TK[t]}
+        assert p.hops[0].src_rank_M.size == (len(pairs) if dedup else 48 * 3)
+
+
+def test_validate_catches_misrouted_row():
+    p = _plan()
+    h = p.hops[0]
+    bad_src_row = h.src_row_M.copy()
+    bad_src_row[0] = (bad_src_row[0] + 1) % int(p.tokens_per_rank_R[h.src_rank_M[0]])
+    bad = dataclasses.replace(p, hops=(dataclasses.replace(h, src_row_M=bad_src_row),))
+    errs = validate(bad)
+    assert any("misrouted" in e for e in errs)
+
+
+def test_validate_catches_lost_entry_and_bad_layout():
+    p = _plan()
+    re = p.row_entry_W.copy()
+    re[np.flatnonzero(re >= 0)[0]] = -1
+    assert any("conservation" in e for e in validate(dataclasses.replace(p, row_entry_W=re)))
+    off = p.slot_offset_S.copy()
+    off[1] += 1
+    assert any("slot_offset" in e for e in validate(dataclasses.replace(p, slot_offset_S=off)))
+
+
+def test_validate_catches_capacity_and_scope():
+    p = _plan()
+    cap = p.rows_R() - 1
+    assert any("capacity" in e for e in validate(dataclasses.replace(p, capacity_R=cap)))
+    h = dataclasses.replace(p.hops[0], scope="intra_node")
+    assert any("cross nodes" in e for e in validate(dataclasses.replace(p, hops=(h,))))
+
+
+def test_phases_bytes_follow_hops():
+    p = _plan(dedup=True)
+    fwd = p.phases("forward")
+    assert [ph.name for ph in fwd] == ["dispatch.0", "prefetch", "combine.0"]
+    np.testing.assert_array_equal(fwd[0].msgs_RR, fwd[2].msgs_RR.T)
+    bwd = p.phases("backward")
+    assert [ph.name for ph in bwd] == ["combine_bwd.0", "dispatch_bwd.0", "grad_reduce"]
+    assert fwd[0].msgs_RR.sum() == p.hops[0].src_rank_M.size
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(ids=[[0, 9]], E=8), r"expert id \(9\) must lie in \[0, 8\)"),
+    (dict(ids=[[-1, 2]], E=8), r"expert id \(-1\) must lie"),
+    (dict(ids=[[3, 3]], E=8), r"must be distinct experts"),
+    (dict(ids=[[0, 1, 2]], E=2), r"top_k \(3\) must be <= num_experts \(2\)"),
+])
+def test_bad_routing_rejected(kwargs, match):
+    ids = np.array(kwargs["ids"])
+    with pytest.raises(PlanError, match=match):
+        GlobalRouting(ids, np.ones(ids.shape, np.float32), [ids.shape[0]], kwargs["E"])
+
+
+def test_bad_shapes_rejected():
+    with pytest.raises(ConfigError, match=r"ranks \(6\) must be divisible by gpus_per_node \(4\)"):
+        ClusterShape(6, 4)
+    with pytest.raises(ConfigError, match=r"num_experts \(10\) must be divisible by ranks \(4\)"):
+        Placement.home_groups(10, 4)
