@@ -102,6 +102,13 @@ class Placement:
         return cls(h.size, ranks, h[order], order, h)
 
     @classmethod
+    def round_robin(cls, num_experts: int, ranks: int) -> "Placement":
+        """Expert e homed on rank ``e % R`` (strided; any E >= R, spreads neighbouring experts)."""
+        require(num_experts >= ranks, f"num_experts ({num_experts}) must be >= ranks ({ranks}) so every "
+                                      "rank holds an expert")
+        return cls.from_map(np.arange(num_experts, dtype=np.int64) % ranks, ranks)
+
+    @classmethod
     def with_replicas(cls, home_E: np.ndarray, replica_rank: np.ndarray, replica_expert: np.ndarray,
                       ranks: int) -> "Placement":
         """Home slots plus static replicas ``(replica_rank[i], replica_expert[i])``."""

@@ -458,38 +458,62 @@ def validate(plan: Plan) -> list[str]:
     # entries <-> rows
     rank_e = plan.entry_rank_TK.ravel()
     row_e = plan.entry_row_TK.ravel()
-    kept = rank_e >= 0
-    if ((rank_e < -1) | (rank_e >= R)).any():
+    if rank_e.size and (int(rank_e.min()) < -1 or int(rank_e.max()) >= R):
         v.append("entry_rank must be -1 or a rank in [0, R)")
         return v
-    if (row_e[kept] < 0).any() or (row_e[kept] >= rows_R[rank_e[kept]]).any() or (row_e[~kept] != -1).any():
+    kept = rank_e >= 0
+    all_kept = bool(kept.all())
+    if all_kept:  # dropless strategies: skip the masked copies
+        rank_k, row_k, eid = rank_e, row_e, np.arange(rank_e.size, dtype=np.int64)
+    else:
+        rank_k, row_k, eid = rank_e[kept], row_e[kept], np.flatnonzero(kept)
+    if ((row_k.size and int(row_k.min()) < 0) or (row_k >= rows_R[rank_k]).any()
+            or (not all_kept and (row_e[~kept] != -1).any())):
         v.append("entry_row must be a row of the destination rank (or -1 when dropped)")
         return v
-    grow = row_off[rank_e[kept]] + row_e[kept]
-    eid = np.flatnonzero(kept)
+    grow = row_off[rank_k] + row_k
+    del rank_k, row_k
     if not np.array_equal(plan.row_entry_W[grow], eid):
         v.append("row_entry must name, at each kept entry's row, that entry (conservation)")
+    del grow
     real_rows = plan.row_entry_W >= 0
-    if int(real_rows.sum()) != eid.size:
-        v.append(f"final rows holding entries ({int(real_rows.sum())}) must equal kept entries ({eid.size}): "
-                 "every kept entry lands exactly once")
-    # row -> slot -> expert must match the entry's expert
+    if int(np.count_nonzero(real_rows)) != eid.size:
+        v.append(f"final rows holding entries ({int(np.count_nonzero(real_rows))}) must equal kept entries "
+                 f"({eid.size}): every kept entry lands exactly once")
+    # row -> slot: each slot's segment is slot_rows real rows then padding (padded >= rows here)
     row_rank = np.repeat(np.arange(R), rows_R)
-    row_slot = np.repeat(np.arange(S), plan.slot_padded_S)
-    pos_in_slot = np.arange(W) - row_off[row_rank] - plan.slot_offset_S[row_slot]
-    is_real_pos = pos_in_slot < plan.slot_rows_S[row_slot]
+    seg_len = np.stack([plan.slot_rows_S, plan.slot_padded_S - plan.slot_rows_S], axis=1).ravel()
+    is_real_pos = np.repeat(np.tile(np.array([True, False]), S), seg_len)
     if not np.array_equal(is_real_pos, real_rows):
         v.append("each slot's first slot_rows rows must hold entries and the rest be padding")
+    del is_real_pos
     # the entry's expert is recovered from the routing only via the plan's slots
-    if (np.bincount(row_slot[real_rows], minlength=S) != plan.slot_rows_S).any():
+    real_cum = np.concatenate([[0], np.cumsum(real_rows.view(np.uint8), dtype=np.int64)])
+    slot_end = np.cumsum(plan.slot_padded_S)
+    if ((real_cum[slot_end] - real_cum[slot_end - plan.slot_padded_S]) != plan.slot_rows_S).any():
         v.append("slot_rows must count the entries in each slot")
+    del real_cum
     # duplicates share the rank of an earlier entry of the same token
     dup = plan.entry_dup_TK
     if dup.any():
-        ranks_TK = plan.entry_rank_TK
-        same = (ranks_TK[:, :, None] == ranks_TK[:, None, :]) & np.tri(K, k=-1, dtype=bool)[None]
-        ok = same.any(axis=2) & (ranks_TK >= 0)
-        if (dup & ~ok).any():
+        # per token, a bit set of the ranks its earlier entries go to (64 ranks per word)
+        has = np.flatnonzero(dup.any(axis=1))  # only tokens with a duplicate need the check
+        ranks_TK, dup_TK = plan.entry_rank_TK[has], dup[has]
+        seen = np.zeros((has.size, (R + 63) // 64), dtype=np.uint64)
+        tok = np.arange(has.size)
+        bad_dup = False
+        for k in range(K):
+            col = ranks_TK[:, k]
+            valid = col >= 0
+            word = np.where(valid, col >> 6, 0)
+            bit = np.left_shift(np.uint64(1), (col & 63).astype(np.uint64))
+            cur = seen[tok, word]
+            had = ((cur & bit) != 0) & valid
+            if (dup_TK[:, k] & ~had).any():
+                bad_dup = True
+                break
+            seen[tok, word] = cur | np.where(valid, bit, np.uint64(0))
+        if bad_dup:
             v.append("a duplicate entry must share its destination rank with an earlier entry of its token")
     # copies: home must hold the expert
     cp = plan.slot_home_S != plan.slot_rank_S
@@ -514,22 +538,23 @@ def validate(plan: Plan) -> list[str]:
             return v
         if h.scope not in SCOPES:
             v.append(f"hop {i}: scope ({h.scope!r}) must be one of {SCOPES}")
-        if m and (((h.src_rank_M < 0) | (h.src_rank_M >= R) | (h.dst_rank_M < 0) | (h.dst_rank_M >= R)).any()):
+        if m and (min(int(h.src_rank_M.min()), int(h.dst_rank_M.min())) < 0
+                  or max(int(h.src_rank_M.max()), int(h.dst_rank_M.max())) >= R):
             v.append(f"hop {i}: ranks must lie in [0, R)")
             return v
         key = h.src_rank_M * R + h.dst_rank_M
         if (np.diff(key) < 0).any():
             v.append(f"hop {i}: messages must be sorted by (src_rank, dst_rank)")
         src_rows = np.diff(buf_off)
-        if m and ((h.src_row_M < -1) | (h.src_row_M >= src_rows[h.src_rank_M])).any():
+        if m and (int(h.src_row_M.min()) < -1 or (h.src_row_M >= src_rows[h.src_rank_M]).any()):
             v.append(f"hop {i}: src_row must be -1 or a row of the source buffer")
             return v
-        if m and ((h.dst_row_M < 0) | (h.dst_row_M >= h.dst_rows_R[h.dst_rank_M])).any():
+        if m and (int(h.dst_row_M.min()) < 0 or (h.dst_row_M >= h.dst_rows_R[h.dst_rank_M]).any()):
             v.append(f"hop {i}: dst_row must be a row of the destination buffer")
             return v
         dst_off = np.concatenate([[0], np.cumsum(h.dst_rows_R)])
         gdst = dst_off[h.dst_rank_M] + h.dst_row_M
-        if np.unique(gdst).size != m:
+        if m and np.bincount(gdst, minlength=int(dst_off[-1])).max() > 1:
             v.append(f"hop {i}: each destination row must be written once")
         if h.scope == "intra_node" and (node[h.src_rank_M] != node[h.dst_rank_M]).any():
             v.append(f"hop {i}: intra_node scope must not cross nodes")
@@ -542,11 +567,11 @@ def validate(plan: Plan) -> list[str]:
     # final gather
     last_rows = np.diff(buf_off)
     exp = plan.expand_src_row_W
-    if ((exp < -1) | (exp >= last_rows[row_rank])).any():
+    if exp.size and (int(exp.min()) < -1 or (exp >= last_rows[row_rank]).any()):
         v.append("expand_src_row must be -1 or a row of the last buffer on the same rank")
         return v
     final_origin = np.where(exp >= 0, origin[np.maximum(buf_off[row_rank] + exp, 0)], -1)
-    want = np.where(real_rows, plan.row_entry_W // max(K, 1), -1)
+    want = np.where(real_rows, _div_k(plan.row_entry_W, max(K, 1)), -1)
     if (real_rows & (exp < 0)).any():
         v.append("every real row must be gathered from a buffer row")
     bad = real_rows & (final_origin != want)
@@ -569,6 +594,87 @@ def check(plan: Plan) -> Plan:
 # Builders shared by strategies
 # ---------------------------------------------------------------------------------------------
 
+def _small_key_dtype(n_keys: int) -> type:
+    """Smallest unsigned dtype holding ``n_keys`` distinct keys (int64 beyond 16 bits)."""
+    return np.uint8 if n_keys <= 1 << 8 else np.uint16 if n_keys <= 1 << 16 else np.int64
+
+
+def _stable_order(key_N: np.ndarray, n_keys: int) -> np.ndarray:
+    """int64 [N] permutation that sorts ``key_N`` (integers in [0, n_keys)) stably.
+
+    numpy's stable sort is a radix sort for integer dtypes of 16 bits or less (one or two passes
+    over the data) and a merge/tim sort otherwise, so the key is narrowed to the smallest unsigned
+    dtype that holds ``n_keys`` values first.
+    """
+    return np.argsort(key_N.astype(_small_key_dtype(n_keys), copy=False), kind="stable")
+
+
+def _div_k(entry_N: np.ndarray, top_k: int) -> np.ndarray:
+    """Token of each flat entry id (``e // K``; a shift when K is a power of two)."""
+    if top_k & (top_k - 1) == 0:
+        return entry_N >> (top_k.bit_length() - 1)
+    return entry_N // top_k
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What :func:`layout_slots` computes, plus the slot-sorted entry order it came from.
+
+    order_N: int64 [N] entries sorted by (slot, entry); the first ``n_drop`` are the dropped ones.
+    grow_K: int64 [N - n_drop] global final row (ranks concatenated) of ``order_N[n_drop:]``,
+      increasing: slots are sorted by rank and laid out in order within a rank.
+    rows_R: int64 [R] padded rows of each rank.
+    """
+
+    slot_rows_S: np.ndarray
+    slot_padded_S: np.ndarray
+    slot_offset_S: np.ndarray
+    entry_row_N: np.ndarray
+    order_N: np.ndarray
+    n_drop: int
+    rows_R: np.ndarray
+    grow_K: np.ndarray
+
+
+def _sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slot_rank_S: np.ndarray,
+                   token_padding: int, min_rows_S: np.ndarray | None, ranks: int | None) -> _Layout:
+    """The expert-grouped layout from entries already sorted by (slot, entry) (dropped first)."""
+    S = slot_rank_S.size
+    N = order_N.size
+    padded = slot_rows_S if min_rows_S is None else np.maximum(slot_rows_S, min_rows_S)
+    tp = max(int(token_padding), 1)
+    padded = (padded + tp - 1) // tp * tp
+    cum = np.cumsum(padded) - padded
+    R = int(slot_rank_S.max()) + 1 if S else 0
+    first = np.searchsorted(slot_rank_S, np.arange(R))
+    rank_base = np.concatenate([[0], np.cumsum(padded)])[first]
+    offset = cum - rank_base[slot_rank_S] if S else cum
+    # sorted position p of a kept entry of slot s: global row = cum[s] + (p - n_drop - start[s]),
+    # row within its rank = that - rank_base[rank of s] = offset[s] + (p - n_drop - start[s])
+    starts = np.cumsum(slot_rows_S) - slot_rows_S
+    n_kept = N - n_drop
+    grow = np.repeat(cum - starts, slot_rows_S)
+    grow += np.arange(n_kept, dtype=np.int64)
+    entry_row = np.empty(N, dtype=np.int64)
+    entry_row[order_N[:n_drop]] = -1
+    entry_row[order_N[n_drop:]] = grow - np.repeat(cum - offset, slot_rows_S)
+    nR = R if ranks is None else int(ranks)
+    rows_R = np.bincount(slot_rank_S, weights=padded, minlength=nR).astype(np.int64)
+    return _Layout(slot_rows_S, padded, offset, entry_row, order_N, n_drop, rows_R, grow)
+
+
+def _layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int,
+            min_rows_S: np.ndarray | None, ranks: int | None = None) -> _Layout:
+    S = slot_rank_S.size
+    # key 0 = dropped, key s+1 = slot s: one counting pass and one small-int radix sort
+    key = entry_slot_N.astype(_small_key_dtype(S + 1), copy=True)
+    key += 1
+    counts = np.bincount(key, minlength=S + 1).astype(np.int64)
+    order = _stable_order(key, S + 1)
+    del key
+    return _sorted_layout(order, int(counts[0]), counts[1:], slot_rank_S, token_padding, min_rows_S, ranks)
+
+
 def layout_slots(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
                  min_rows_S: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Expert-grouped layout from each entry's slot (vectorised).
@@ -578,50 +684,61 @@ def layout_slots(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_paddin
     Returns (slot_rows_S, slot_padded_S, slot_offset_S, entry_row_N): entries keep their global
     order within a slot (tokens of source ranks concatenated in rank order, then k).
     """
-    S = slot_rank_S.size
-    N = entry_slot_N.size
-    kept = entry_slot_N >= 0
-    slot_rows = np.bincount(entry_slot_N[kept], minlength=S).astype(np.int64)
-    padded = slot_rows if min_rows_S is None else np.maximum(slot_rows, min_rows_S)
-    tp = max(int(token_padding), 1)
-    padded = (padded + tp - 1) // tp * tp
-    cum = np.cumsum(padded) - padded
-    R = int(slot_rank_S.max()) + 1 if S else 0
-    first = np.searchsorted(slot_rank_S, np.arange(R))
-    rank_base = np.concatenate([[0], np.cumsum(padded)])[first]
-    offset = cum - rank_base[slot_rank_S] if S else cum
-    # position of each entry within its slot: stable sort by slot keeps the global entry order
-    entry_row = np.full(N, -1, dtype=np.int64)
-    ks = np.flatnonzero(kept)
-    sl = entry_slot_N[ks]
-    order = np.argsort(sl, kind="stable")
-    starts = np.cumsum(slot_rows) - slot_rows
-    pos = np.empty(ks.size, dtype=np.int64)
-    pos[order] = np.arange(ks.size, dtype=np.int64) - np.repeat(starts, slot_rows)
-    entry_row[ks] = offset[sl] + pos
-    return slot_rows, padded, offset, entry_row
+    lay = _layout(np.asarray(entry_slot_N, dtype=np.int64), np.asarray(slot_rank_S, dtype=np.int64),
+                  token_padding, min_rows_S)
+    return lay.slot_rows_S, lay.slot_padded_S, lay.slot_offset_S, lay.entry_row_N
 
 
-def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_off_R: np.ndarray,
-                        top_k: int, ranks: int, dedup: bool):
-    """One global hop sending each kept entry's token to its destination rank.
+def _src_dst_order(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, top_k: int, ranks: int):
+    """Kept entries sorted stably by (source rank, destination rank), and entries per (src, dst).
 
-    With ``dedup`` a token is sent once per destination rank; otherwise once per entry.
-    The receive buffer on each rank holds rows ordered by (source rank, token, k).
-    Returns (hop, entry_buf_row_N, entry_dup_N): the Hop, each entry's row in the receive buffer
-    (-1 dropped), and the duplicate flags.
+    Requires tokens in rank order (``src_rank_T`` non-decreasing, as in every GlobalRouting).
+    Returns (order_kept, ecnt): int64 [N_kept] entry ids; int64 [R*R] entries of each
+    (src, dst) block, src-major. Each source rank's entries are a contiguous run, sorted by
+    destination alone with a one-byte radix sort per run (R < 255); otherwise one sort of the
+    key ``src*R + dst``.
     """
+    R, K, N = ranks, top_k, entry_rank_N.size
+    if R < 255:
+        tok_bound = np.searchsorted(src_rank_T, np.arange(R + 1))
+        d8 = entry_rank_N.astype(np.uint8)  # dropped (-1) becomes 255 and sorts last in its run
+        ecnt = np.zeros((R, R), dtype=np.int64)
+        parts = []
+        for r in range(R):
+            lo, hi = int(tok_bound[r]) * K, int(tok_bound[r + 1]) * K
+            if hi == lo:
+                continue
+            run = d8[lo:hi]
+            c = np.bincount(run, minlength=256)
+            ecnt[r] = c[:R]
+            o = np.argsort(run, kind="stable")[: int(c[:R].sum())]
+            o += lo
+            parts.append(o)
+        order = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return order, ecnt.ravel()
+    n_keys = R * R + 1
+    dt = _small_key_dtype(n_keys)
+    key = np.repeat((src_rank_T * R).astype(dt), K)
+    key += entry_rank_N.astype(dt)
+    drop = entry_rank_N < 0
+    key[drop] = R * R
+    order = _stable_order(key, n_keys)
+    ecnt = np.bincount(key, minlength=n_keys)[: R * R].astype(np.int64)
+    return order[: N - int(np.count_nonzero(drop))], ecnt
+
+
+def _single_hop_any_order(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_off_R: np.ndarray,
+                          top_k: int, ranks: int, dedup: bool):
+    """:func:`single_hop_messages` for tokens not in rank order (receive rows in token order)."""
     N = entry_rank_N.size
     kept = np.flatnonzero(entry_rank_N >= 0)
     dst = entry_rank_N[kept]
     tok = kept // top_k
     order = np.argsort(dst, kind="stable")  # (dst, entry) order
     d_s, t_s = dst[order], tok[order]
+    first = np.ones(order.size, dtype=bool)
     if dedup:
-        first = np.ones(order.size, dtype=bool)
         first[1:] = (d_s[1:] != d_s[:-1]) | (t_s[1:] != t_s[:-1])
-    else:
-        first = np.ones(order.size, dtype=bool)
     msg_of_sorted = np.cumsum(first) - 1
     msg_dst = d_s[first]
     msg_tok = t_s[first]
@@ -640,6 +757,109 @@ def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_of
     return hop, entry_buf_row, entry_dup
 
 
+def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_off_R: np.ndarray,
+                        top_k: int, ranks: int, dedup: bool):
+    """One global hop sending each kept entry's token to its destination rank.
+
+    With ``dedup`` a token is sent once per destination rank; otherwise once per entry.
+    The receive buffer on each rank holds rows ordered by (source rank, token, k).
+    Returns (hop, entry_buf_row_N, entry_dup_N): the Hop, each entry's row in the receive buffer
+    (-1 dropped), and the duplicate flags.
+    """
+    entry_rank_N = np.asarray(entry_rank_N, dtype=np.int64)
+    src_rank_T = np.asarray(src_rank_T, dtype=np.int64)
+    N, R, K = entry_rank_N.size, int(ranks), max(int(top_k), 1)
+    if src_rank_T.size and not bool((np.diff(src_rank_T) >= 0).all()):
+        return _single_hop_any_order(entry_rank_N, src_rank_T, np.asarray(tok_off_R, dtype=np.int64), K, R, dedup)
+    # kept entries in (src, dst, entry) order = the hop's message order; entries of one token are
+    # adjacent within a (src, dst) block, so per-destination dedup compares neighbours
+    order, ecnt = _src_dst_order(entry_rank_N, src_rank_T, K, R)
+    n_kept = order.size
+    ebound = np.concatenate([[0], np.cumsum(ecnt)])  # entry-domain bounds of the R*R blocks
+    if dedup and n_kept:
+        tok_s = _div_k(order, K)
+        first = np.empty(n_kept, dtype=bool)
+        first[0] = True
+        np.not_equal(tok_s[1:], tok_s[:-1], out=first[1:])
+        first[ebound[:-1][ecnt > 0]] = True  # a new (src, dst) block starts a new message
+        msg_idx = np.flatnonzero(first)
+        msg_tok = tok_s[msg_idx]
+        del tok_s
+        mcum = np.cumsum(first.view(np.uint8), dtype=np.int64)  # messages up to and including p
+        cnt = np.concatenate([[0], mcum])[ebound]
+        cnt = cnt[1:] - cnt[:-1]
+    else:
+        msg_tok = _div_k(order, K)
+        cnt = ecnt
+        first = mcum = None
+    n_msg = msg_tok.size
+    cnt_RR = cnt.reshape(R, R)  # [src, dst]
+    per_dst = cnt_RR.sum(axis=0)
+    block_start = np.cumsum(cnt) - cnt  # first message of each (src, dst) block
+    dst_row0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()  # its first receive row
+    blocks = np.arange(R * R, dtype=np.int64)
+    msg_row = np.repeat(dst_row0 - block_start, cnt)
+    msg_row += np.arange(n_msg, dtype=np.int64)
+    msg_src = np.repeat(blocks // R, cnt)
+    msg_dst = np.repeat(blocks % R, cnt)
+    src_row = msg_tok - np.repeat(np.asarray(tok_off_R, dtype=np.int64)[blocks // R], cnt)
+    del msg_tok
+    entry_buf_row = np.full(N, -1, dtype=np.int64)
+    entry_dup = np.zeros(N, dtype=bool)
+    if first is not None:
+        mcum -= 1
+        entry_buf_row[order] = msg_row[mcum]
+        del mcum
+        np.logical_not(first, out=first)
+        entry_dup[order] = first
+    else:
+        entry_buf_row[order] = msg_row
+    hop = Hop("global", msg_src, src_row, msg_dst, msg_row, per_dst)
+    return hop, entry_buf_row, entry_dup
+
+
+def _plan_from_order(strategy: str, options: dict[str, Any], routing: GlobalRouting, cluster: ClusterShape,
+                     costs: RowCosts, slot_rank_S: np.ndarray, slot_expert_S: np.ndarray, slot_home_S: np.ndarray,
+                     order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, *, dedup: bool,
+                     token_padding: int = 1, min_rows_S: np.ndarray | None = None,
+                     capacity_R: np.ndarray | None = None, started: float | None = None, **extra) -> Plan:
+    """:func:`plan_from_slots` from entries already sorted by (slot, entry), dropped ones first.
+
+    For planners that know this order without sorting (``moonep`` derives it from its per-expert
+    order). ``slot_rows_S[s]`` entries of slot s follow the ``n_drop`` dropped ones, slot by slot.
+    """
+    T, K = routing.topk_ids_TK.shape
+    R = cluster.ranks
+    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    lay = _sorted_layout(order_N, n_drop, slot_rows_S, slot_rank_S, token_padding, min_rows_S, R)
+    kept_sorted = order_N[n_drop:]
+    entry_rank = np.empty(T * K, dtype=np.int64)
+    entry_rank[order_N[:n_drop]] = -1
+    entry_rank[kept_sorted] = np.repeat(slot_rank_S, slot_rows_S)
+    hop, entry_buf_row, entry_dup = single_hop_messages(entry_rank, routing.src_rank_T(), routing.tok_off_R(),
+                                                        K, R, dedup)
+    W = int(lay.rows_R.sum())
+    if lay.grow_K.size == W:  # no padding rows: the final rows are the slot-sorted kept entries
+        row_entry = kept_sorted.copy()
+        expand = entry_buf_row[kept_sorted]
+    else:
+        row_entry = np.full(W, -1, dtype=np.int64)
+        expand = np.full(W, -1, dtype=np.int64)
+        row_entry[lay.grow_K] = kept_sorted
+        expand[lay.grow_K] = entry_buf_row[kept_sorted]
+    del entry_buf_row
+    return Plan(
+        strategy=strategy, options=dict(options), cluster=cluster, num_experts=routing.num_experts, top_k=K,
+        tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),
+        entry_rank_TK=entry_rank.reshape(T, K), entry_row_TK=lay.entry_row_N.reshape(T, K),
+        entry_dup_TK=entry_dup.reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
+        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slot_expert_S, dtype=np.int64),
+        slot_home_S=np.asarray(slot_home_S, dtype=np.int64), slot_offset_S=lay.slot_offset_S,
+        slot_rows_S=lay.slot_rows_S, slot_padded_S=lay.slot_padded_S, row_entry_W=row_entry,
+        expand_src_row_W=expand, hops=(hop,), capacity_R=capacity_R,
+        plan_seconds=(time.perf_counter() - started) if started is not None else 0.0, **extra)
+
+
 def plan_from_slots(strategy: str, options: dict[str, Any], routing: GlobalRouting, cluster: ClusterShape,
                     costs: RowCosts, slot_rank_S: np.ndarray, slot_expert_S: np.ndarray, slot_home_S: np.ndarray,
                     entry_slot_TK: np.ndarray, *, dedup: bool, token_padding: int = 1,
@@ -651,33 +871,17 @@ def plan_from_slots(strategy: str, options: dict[str, Any], routing: GlobalRouti
     dropped. The hop sends tokens straight to the slot's rank (deduplicated per rank if ``dedup``);
     the destination expands them into the expert-grouped layout.
     """
-    T, K = routing.topk_ids_TK.shape
-    R = cluster.ranks
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
     entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
-    slot_rows, padded, offset, entry_row = layout_slots(entry_slot, slot_rank_S, token_padding, min_rows_S)
-    entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
-    hop, entry_buf_row, entry_dup = single_hop_messages(entry_rank, routing.src_rank_T(), routing.tok_off_R(),
-                                                        K, R, dedup)
-    rows_R = np.bincount(slot_rank_S, weights=padded, minlength=R).astype(np.int64)
-    row_off = np.concatenate([[0], np.cumsum(rows_R)])
-    W = int(row_off[-1])
-    row_entry = np.full(W, -1, dtype=np.int64)
-    expand = np.full(W, -1, dtype=np.int64)
-    kept = np.flatnonzero(entry_slot >= 0)
-    g = row_off[entry_rank[kept]] + entry_row[kept]
-    row_entry[g] = kept
-    expand[g] = entry_buf_row[kept]
-    return Plan(
-        strategy=strategy, options=dict(options), cluster=cluster, num_experts=routing.num_experts, top_k=K,
-        tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),
-        entry_rank_TK=entry_rank.reshape(T, K), entry_row_TK=entry_row.reshape(T, K),
-        entry_dup_TK=entry_dup.reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
-        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slot_expert_S, dtype=np.int64),
-        slot_home_S=np.asarray(slot_home_S, dtype=np.int64), slot_offset_S=offset, slot_rows_S=slot_rows,
-        slot_padded_S=padded, row_entry_W=row_entry, expand_src_row_W=expand, hops=(hop,),
-        capacity_R=capacity_R,
-        plan_seconds=(time.perf_counter() - started) if started is not None else 0.0, **extra)
+    S = slot_rank_S.size
+    key = entry_slot.astype(_small_key_dtype(S + 1), copy=True)
+    key += 1  # key 0 = dropped, key s+1 = slot s: one counting pass and one small-int radix sort
+    counts = np.bincount(key, minlength=S + 1).astype(np.int64)
+    order = _stable_order(key, S + 1)
+    del key
+    return _plan_from_order(strategy, options, routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S,
+                            order, int(counts[0]), counts[1:], dedup=dedup, token_padding=token_padding,
+                            min_rows_S=min_rows_S, capacity_R=capacity_R, started=started, **extra)
 
 
 def concat_ranks(parts: Iterable[np.ndarray]) -> np.ndarray:

@@ -177,6 +177,9 @@ def _read_header(path: Path) -> dict:
     return header
 
 
+_NP_DTYPES = {"I16": np.int16, "I32": np.int32, "I64": np.int64, "F32": np.float32, "F16": np.float16,
+              "BF16": np.float32}
+
 _EXPECTED = {  # name -> (allowed dtypes, shape template)
     "topk_ids": (("I16", "I32", "I64"), ("L", "T", "K")),
     "topk_weights": (("F32", "F16", "BF16"), ("L", "T", "K")),
@@ -257,8 +260,12 @@ class Trace:
                                    f"{self.meta.layer_ids}") from None
 
     def _slice(self, name: str, i: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-        sl = self._open().get_slice(name)
         stop = self.meta.num_tokens if stop is None else stop
+        dtype, shape = self._shapes[name]
+        if name != "counts" and (min(stop, shape[1]) <= start or shape[2] == 0):
+            # safetensors refuses empty slices: build the empty result here
+            return np.zeros((max(0, min(stop, shape[1]) - start), shape[2]), dtype=_NP_DTYPES[dtype])
+        sl = self._open().get_slice(name)
         return sl[i:i + 1, start:stop][0] if name != "counts" else sl[i:i + 1][0]
 
     def layer(self, index: int, start: int = 0, stop: int | None = None) -> LayerRouting:

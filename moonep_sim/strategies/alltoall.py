@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from moonep_sim.plan import GlobalRouting, Plan, plan_from_slots
+from moonep_sim.plan.multihop import home_slots
 from moonep_sim.strategies import PlanContext, register
 
 
@@ -29,11 +30,7 @@ def home_slot_of_expert(ctx: PlanContext) -> np.ndarray:
           options={"dedup": (bool, False, "send a token once per destination rank, expand there")})
 def plan(routing: GlobalRouting, ctx: PlanContext, dedup: bool = False) -> Plan:
     t0 = time.perf_counter()
-    p = ctx.placement
-    home = p.slot_rank_S == p.home_E[p.slot_expert_S]
     # only home slots are used: replicas (if any) are ignored by this strategy
-    sr, se = p.slot_rank_S[home], p.slot_expert_S[home]
-    slot_of = np.empty(p.num_experts, dtype=np.int64)
-    slot_of[se] = np.arange(se.size)
+    sr, se, slot_of = home_slots(ctx.placement)
     return plan_from_slots("alltoall", {"dedup": dedup}, routing, ctx.cluster, ctx.costs, sr, se, sr,
                            slot_of[routing.topk_ids_TK], dedup=dedup, token_padding=ctx.token_padding, started=t0)

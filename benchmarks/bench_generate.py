@@ -1,0 +1,61 @@
+"""Trace generation, import and inspect speeds (prints one line per measurement).
+
+    python benchmarks/bench_generate.py [--tokens 64x8192] [--maxvio 1.0]
+
+Default: a Kimi-K3-shaped layer (E=896, K=16) for 64 ranks x 8192 tokens = 524288 tokens
+(8.4M (token, k) entries), MoonEP's method at maxvio 1; then the imports of the real files
+(when ../shared/traces/real exists) and `inspect` of the generated layer written to disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from moonep_sim.routing.generators import generate, generate_trace
+from moonep_sim.routing.importers import load_source
+from moonep_sim.routing.metrics import inspect_trace
+
+REAL = Path(__file__).resolve().parents[2] / "shared" / "traces" / "real"
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="64x8192")
+    ap.add_argument("--maxvio", type=float, default=1.0)
+    a = ap.parse_args()
+    T = 1
+    for p in a.tokens.split("x"):
+        T *= int(p)
+    E, K = 896, 16
+    g, s = timed(lambda: generate(E, K, T, seed=0, maxvio=a.maxvio))
+    b = g.report["blocks"][0]
+    print(f"generate E={E} K={K} T={T} ({T * K / 1e6:.1f}M entries) maxvio={a.maxvio}: {s:.2f} s "
+          f"(realised maxvio {b['maxvio']:.4f}, sigma {b['sigma']:.4f}, {b['calibration_samples']} sampling pass(es))")
+    _, s = timed(lambda: generate(E, K, T, seed=0, sigma=b["sigma"]))
+    print(f"generate same shape, fixed sigma (one sampling pass): {s:.2f} s")
+    _, s = timed(lambda: generate(E, K, T, seed=0, sigma=b["sigma"], groups=8, topk_groups=4))
+    print(f"generate same shape, group-limited 4 of 8 groups: {s:.2f} s")
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "k3.safetensors"
+        _, s = timed(lambda: generate_trace(path, E, K, T, seed=0, sigma=b["sigma"]))
+        print(f"generate + write trace ({path.stat().st_size / 2**20:.0f} MiB): {s:.2f} s")
+        _, s = timed(lambda: inspect_trace(path, ranks=64, gpus_per_node=8))
+        print(f"inspect that trace with --ranks 64 --gpus-per-node 8: {s:.2f} s")
+    if REAL.is_dir():
+        for f in sorted(REAL.glob("*.json*")):
+            imp, s = timed(lambda: load_source(f))
+            n = imp.meta.import_report.get("records", "")
+            print(f"import {f.name} ({f.stat().st_size / 1e6:.1f} MB{', %s records' % n if n else ''}): {s:.3f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""``moonep-sim plan``: plan one layer of a trace with one strategy and summarise the Plan.
+
+Tokens of the layer are split evenly over the ranks (the first T % R ranks get one more). Row and
+weight sizes come from ``--model``, else the trace's ``meta.model``, else a default shape
+(``custom_model(E, K)``: hidden 1024, expert FFN 512, i.e. 2048-byte bf16 rows and 3 MiB experts).
+For ``deepep`` with ``--opt max_nodes=M`` and a trace holding ``router_logits``, the tokens are
+re-routed with node-limited selection (one expert group per node) before planning.
+"""
+
+from __future__ import annotations
+
+from moonep_sim.cli.common import console, parse_kv, print_json
+from moonep_sim.errors import ConfigError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="plan one layer of a trace with a strategy and summarise it")
+    p.add_argument("--trace", required=True, help="token-level trace (.safetensors)")
+    p.add_argument("--strategy", required=True, help="strategy name (see --list)")
+    p.add_argument("--ranks", type=int, required=True, help="EP ranks (GPUs)")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: all ranks in one node)")
+    p.add_argument("--layer", type=int, default=None, help="model layer id (default: the trace's first layer)")
+    p.add_argument("--opt", action="append", default=[], metavar="K=V", help="strategy option (repeatable)")
+    p.add_argument("--model", default=None, help="model preset for row/weight sizes (default: the trace's)")
+    p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16", help="dispatched row dtype")
+    p.add_argument("--token-padding", type=int, default=1, help="pad each expert segment to a multiple of N rows")
+    p.add_argument("--placement", choices=("home", "round-robin"), default="home",
+                   help="expert homes: contiguous groups (home) or expert e on rank e %% R (round-robin)")
+    p.add_argument("--json", action="store_true", help="print Plan.summary() as JSON")
+    p.set_defaults(func=run)
+
+
+def build(args):
+    """(plan, model name) from parsed arguments -- shared with tests."""
+    from moonep_sim.models import custom_model, get_model
+    from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
+    from moonep_sim.routing.trace import Trace
+    from moonep_sim.strategies import PlanContext, get_strategy
+
+    if args.token_padding < 1:
+        raise ConfigError(f"--token-padding ({args.token_padding}) must be >= 1")
+    spec = get_strategy(args.strategy)
+    opts = spec.parse_options(parse_kv(args.opt))
+    trace = Trace(args.trace)
+    m = trace.meta
+    cluster = ClusterShape(args.ranks, args.gpus_per_node)
+    index = 0 if args.layer is None else trace.layer_index(args.layer)
+    lr = trace.layer(index)
+    ids, w = lr.topk_ids_TK, lr.topk_weights_TK
+    name = args.model or m.model
+    if name:
+        model = get_model(name)
+        if (model.num_experts, model.top_k) != (m.num_experts, m.top_k):
+            raise ConfigError(f"model {model.name} (E={model.num_experts}, K={model.top_k}) must match the "
+                              f"trace (E={m.num_experts}, K={m.top_k})")
+    else:
+        model = custom_model(m.num_experts, m.top_k)
+    if args.placement == "home":
+        placement = Placement.home_groups(m.num_experts, args.ranks)
+    else:
+        placement = Placement.round_robin(m.num_experts, args.ranks)
+    ctx = PlanContext(cluster, placement, RowCosts.from_model(model, args.dispatch_dtype), args.token_padding)
+    if args.strategy == "deepep" and opts.get("max_nodes") and trace.has("router_logits"):
+        from moonep_sim.strategies.deepep import node_limited_topk
+        ids, w = node_limited_topk(trace.router_logits(index), m.top_k, cluster.num_nodes, opts["max_nodes"],
+                                   score=model.router)
+    routing = GlobalRouting.split_evenly(ids, w, m.num_experts, args.ranks)
+    return spec.plan_fn(routing, ctx, **opts), model.name
+
+
+def _mib(b: int) -> str:
+    return f"{b / 2**20:,.2f}"
+
+
+def run(args) -> int:
+    plan, model_name = build(args)
+    s = plan.summary()
+    if args.json:
+        s["model"] = model_name
+        s["layer"] = args.layer
+        print_json(s)
+        return 0 if not s["invariant_violations"] else 1
+    from rich.table import Table
+    c = console()
+    rows = s["recv_rows_per_rank"]
+    mean = sum(rows) / max(len(rows), 1)
+    t = Table(title=f"plan: {s['strategy']} on {args.trace} (model {model_name}, R={s['ranks']}, "
+                    f"G={s['gpus_per_node']}, E={s['num_experts']}, K={s['top_k']}, T={s['tokens']})")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    t.add_row("options", ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                   for k, v in s["options"].items()) or "-")
+    t.add_row("rows per rank (min / mean / max)", f"{min(rows)} / {mean:.1f} / {max(rows)}" if rows else "-")
+    t.add_row("max / mean rows", f"{s['max_over_mean_rows']:.3f}")
+    t.add_row("dropped entries", str(s["dropped"]))
+    t.add_row("padded rows", str(s["padded"]))
+    t.add_row("duplicates avoided", str(s["duplicates_avoided"]))
+    t.add_row("weight copies / migrations", f"{s['weight_copies']} / {s['migrations']}")
+    t.add_row("hops", str(s["hops"]))
+    for k in ("dispatch", "combine", "prefetch", "migrate", "grad_reduce", "intra_node", "inter_node"):
+        t.add_row(f"{k} MiB" + (" (fwd+bwd)" if k in ("intra_node", "inter_node") else ""), _mib(s["bytes"][k]))
+    t.add_row("plan seconds", f"{s['plan_seconds']:.4f}")
+    t.add_row("invariant violations", str(len(s["invariant_violations"])))
+    c.print(t)
+    for v in s["invariant_violations"]:
+        c.print(f"[red]violation:[/red] {v}")
+    return 0 if not s["invariant_violations"] else 1

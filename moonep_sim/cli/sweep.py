@@ -1,0 +1,87 @@
+"""``moonep-sim sweep``: layer time per strategy versus imbalance, EP size or a topology constant."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moonep_sim.cli.common import print_json, to_jsonable
+from moonep_sim.report.tables import wide_console as console
+from moonep_sim.errors import ConfigError
+
+
+def register(sub) -> None:
+    from moonep_sim.cli.compare import DEFAULT_STRATEGIES
+
+    p = sub.add_parser("sweep", help="sweep maxvio, EP size or a topology constant; line plots + JSON",
+                       description="Generate routing for a model preset (MoonEP's method: lognormal expert "
+                                   "popularity, sigma bisected to hit each target maxvio), plan every strategy "
+                                   "at every value, simulate, and plot layer time and its ratio to the lower bound.")
+    p.add_argument("--model", required=True, help="model preset (`moonep-sim models`)")
+    p.add_argument("--over", required=True,
+                   help="maxvio | ep | a numeric topology constant (e.g. nic_bandwidth_GBps, fabric_oversubscription)")
+    p.add_argument("--values", default=None,
+                   help="comma-separated values (default: maxvio 0.2,1,10,20; ep 8,16,32,64; required otherwise)")
+    p.add_argument("--strategies", default=DEFAULT_STRATEGIES, help=f"comma-separated (default {DEFAULT_STRATEGIES})")
+    p.add_argument("--opt", action="append", default=[], metavar="STRATEGY.KEY=VALUE", help="strategy option (repeatable)")
+    p.add_argument("--topology", default="h800-cx7", help="simulated cluster preset or TOML file (default h800-cx7)")
+    p.add_argument("--ranks", type=int, default=64, help="EP size when not sweeping it (default 64)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the topology's)")
+    p.add_argument("--tokens-per-rank", type=int, default=1024, help="tokens on each rank (default 1024)")
+    p.add_argument("--maxvio", type=float, default=1.0, help="imbalance when not sweeping it (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"), help="dispatch row dtype (default bf16)")
+    p.add_argument("--out", default="moonep-sim-out/sweep", help="directory for sweep.json and sweep.png")
+    p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    p.set_defaults(func=run)
+
+
+def _values(args) -> list[float]:
+    from moonep_sim.report.sweep import EP_SIZES, MAXVIO_TARGETS
+
+    if args.values is None:
+        if args.over == "maxvio":
+            return list(MAXVIO_TARGETS)
+        if args.over == "ep":
+            return [float(v) for v in EP_SIZES]
+        raise ConfigError(f"--values must be given when sweeping a topology constant ({args.over})")
+    try:
+        return [float(v) for v in args.values.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"--values ({args.values!r}) must be comma-separated numbers") from None
+
+
+def run(args) -> int:
+    from moonep_sim.cli.compare import progress_bar
+    from moonep_sim.io import write_text_atomic
+    from moonep_sim.models import get_model
+    from moonep_sim.report import plots
+    from moonep_sim.report.compare import parse_strategies
+    from moonep_sim.report.sweep import SweepConfig, check, sweep
+    from moonep_sim.report.tables import sweep_table
+
+    model = get_model(args.model)
+    cfg = SweepConfig(model, args.over, _values(args), parse_strategies(args.strategies, args.opt), args.topology,
+                      args.ranks, args.gpus_per_node or 0, args.tokens_per_rank, args.maxvio, args.seed, args.dtype)
+    check(cfg)  # every input checked before any work
+    c = console()
+    if args.json:
+        rep = sweep(cfg)
+    else:
+        prog, cb = progress_bar(c, "sweep")
+        with prog:
+            rep = sweep(cfg, progress=cb)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    png = plots.sweep_lines(rep, out / "sweep.png")
+    rep["files"] = {"plot": str(png), "report": str(out / "sweep.json")}
+    write_text_atomic(out / "sweep.json", json.dumps(to_jsonable(rep), indent=1))
+    if args.json:
+        print_json(rep)
+        return 0
+    c.print(sweep_table(rep))
+    tp = rep["topology"]
+    c.print(f"[dim]simulated on {tp['name']}: {tp['constants'].get('description', '')}; "
+            f"{rep['tokens_per_rank']} tokens per rank; took {rep['seconds']:.1f} s[/dim]")
+    c.print(f"wrote {png}, {out / 'sweep.json'}")
+    return 0

@@ -1,0 +1,272 @@
+"""``moonep-sim trace``: import, generate, inspect and re-route routing traces."""
+
+from __future__ import annotations
+
+import time
+
+from moonep_sim.cli.common import console, parse_int_list, print_json
+from moonep_sim.errors import ConfigError
+
+
+def _tokens(text: str) -> int:
+    """``8192`` or ``64x8192`` (ranks x tokens per rank)."""
+    try:
+        n = 1
+        for part in text.lower().split("x"):
+            n *= int(part)
+        return n
+    except ValueError:
+        raise ConfigError(f"--tokens ({text!r}) must be an integer or RANKSxTOKENS like 64x8192") from None
+
+
+def register(sub) -> None:
+    p = sub.add_parser("trace", help="import, generate, inspect and re-route routing traces")
+    tsub = p.add_subparsers(dest="trace_command", metavar="ACTION")
+    p.set_defaults(func=lambda a: (p.print_help(), 0)[1])
+
+    # -- import
+    pi = tsub.add_parser("import", help="convert a routing log / histogram / array to a trace")
+    pi.add_argument("src", help="source file (JSONL records, vLLM route log, counts JSON, .npy/.npz)")
+    pi.add_argument("-o", "--out", required=True, help="output trace (.safetensors)")
+    pi.add_argument("--format", default="auto",
+                    choices=("auto", "jsonl-records", "vllm-routes", "counts-json", "npy"))
+    pi.add_argument("--model", help="model preset (its experts and top-k must agree with the file)")
+    pi.add_argument("--num-experts", type=int, help="number of experts E (default: from the file)")
+    pi.add_argument("--top-k", type=int, help="top-k (counts histograms carry none; default 1 there)")
+    pi.add_argument("--warmup-min-rows", type=int, default=64,
+                    help="shortest run of identical uniform-weight rows dropped as warm-up (0: keep all)")
+    pi.add_argument("--json", action="store_true", help="print the import report as JSON")
+    pi.set_defaults(func=run_import)
+
+    # -- gen
+    pg = tsub.add_parser("gen", help="generate a synthetic trace (MoonEP's method and others)")
+    shape = pg.add_argument_group("shape")
+    shape.add_argument("--model", help="model preset (sets E, K, and its expert groups)")
+    shape.add_argument("--num-experts", type=int)
+    shape.add_argument("--top-k", type=int)
+    shape.add_argument("--tokens", required=True, type=_tokens, help="tokens per step (T or RANKSxT)")
+    shape.add_argument("--layers", type=int, default=1)
+    shape.add_argument("--steps", type=int, default=1)
+    shape.add_argument("--seed", type=int, required=True)
+    pop = pg.add_mutually_exclusive_group(required=True)
+    pop.add_argument("--maxvio", type=float, help="target maxvio (lognormal popularity, sigma by bisection)")
+    pop.add_argument("--sigma", type=float, help="lognormal popularity with this sigma")
+    pop.add_argument("--zipf", type=float, help="Zipf popularity exponent a")
+    pop.add_argument("--hot", type=int, help="number of hot experts (with --hot-share)")
+    pop.add_argument("--uniform", action="store_true")
+    pg.add_argument("--hot-share", type=float, help="share of selections the hot experts take")
+    pg.add_argument("--drift", type=float, default=0.0, help="popularity drift per step, in [0, 1]")
+    pg.add_argument("--layer-variation", type=float, default=0.0, help="per-layer popularity variation [0, 1]")
+    pg.add_argument("--groups", type=int, help="expert groups G (group-limited routing)")
+    pg.add_argument("--topk-groups", type=int, help="groups kept per token M")
+    pg.add_argument("--logits", action="store_true", help="store router logits (for `trace route`)")
+    pg.add_argument("-o", "--out", required=True)
+    pg.add_argument("--json", action="store_true")
+    pg.set_defaults(func=run_gen)
+
+    # -- inspect
+    pn = tsub.add_parser("inspect", help="per-layer load statistics of a trace")
+    pn.add_argument("file")
+    pn.add_argument("--json", action="store_true")
+    pn.add_argument("--ranks", type=int, help="EP ranks R (per-rank loads, distinct ranks per token)")
+    pn.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (per-node loads)")
+    pn.add_argument("--layers", help="model layer ids, e.g. 0,2,5-7 (default all)")
+    pn.add_argument("--top", type=int, default=0, help="hottest experts counted in top_share (default E/16)")
+    pn.set_defaults(func=run_inspect)
+
+    # -- route
+    pr = tsub.add_parser("route", help="re-route a trace from its router logits (balanced or not)")
+    pr.add_argument("src", nargs="?", help="trace with router_logits (or use --synthetic)")
+    pr.add_argument("-o", "--out", required=True)
+    pr.add_argument("--mode", default="topk", choices=("topk", "bias", "quantile", "group"))
+    pr.add_argument("--score", default="softmax", choices=("softmax", "sigmoid"))
+    pr.add_argument("--top-k", type=int, help="top-k (default: the trace's)")
+    pr.add_argument("--groups", type=int, default=1)
+    pr.add_argument("--topk-groups", type=int, default=1)
+    pr.add_argument("--calib-tokens", type=int, help="calibration batch: the first N tokens (default all)")
+    pr.add_argument("--bias-file", help=".npy float array [E]: fixed expert bias for --mode bias")
+    pr.add_argument("--bias-rounds", type=int, default=100)
+    pr.add_argument("--bias-update", type=float, default=1e-3)
+    syn = pr.add_argument_group("synthetic logits (instead of SRC)")
+    syn.add_argument("--synthetic", type=_tokens, metavar="TOKENS", help="generate logits for this many tokens")
+    syn.add_argument("--num-experts", type=int)
+    syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("--skew", type=float, default=1.0, help="spread of per-expert popularity in the logits")
+    syn.add_argument("--layers", type=int, default=1)
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=run_route)
+
+
+# ---------------------------------------------------------------------------------- actions
+def run_import(a) -> int:
+    from moonep_sim.routing.importers import import_trace
+
+    t0 = time.perf_counter()
+    meta = import_trace(a.src, a.out, a.format, model=a.model, num_experts=a.num_experts, top_k=a.top_k,
+                        warmup_min_rows=a.warmup_min_rows)
+    out = {"out": a.out, "kind": meta.kind, "layers": meta.num_layers, "tokens": meta.num_tokens,
+           "num_experts": meta.num_experts, "top_k": meta.top_k, "steps": meta.steps,
+           "import_report": meta.import_report, "seconds": round(time.perf_counter() - t0, 3)}
+    if a.json:
+        print_json(out)
+        return 0
+    r = meta.import_report
+    c = console()
+    c.print(f"{a.src} -> {a.out}: {meta.kind}-level, {meta.num_layers} layers, {meta.num_tokens} tokens, "
+            f"E={meta.num_experts}, K={meta.top_k} ({out['seconds']} s)")
+    for k in ("warmup_rows_dropped", "duplicate_records_dropped", "tokens_missing_layers_dropped",
+              "records_of_incomplete_tokens_dropped", "non_route_records_skipped"):
+        if k in r:
+            c.print(f"  {k.replace('_', ' ')}: {r[k]}")
+    for k in ("weights", "top_k", "num_experts", "num_tokens"):
+        if isinstance(r.get(k), str):
+            c.print(f"  note: {k}: {r[k]}")
+    return 0
+
+
+def run_gen(a) -> int:
+    from moonep_sim.models import get_model
+    from moonep_sim.routing.generators import generate_trace
+
+    groups, topk_groups = a.groups, a.topk_groups
+    if a.model:
+        if a.num_experts is not None or a.top_k is not None:
+            raise ConfigError("--model and --num-experts/--top-k must not be combined: the preset sets E and K")
+        m = get_model(a.model)
+        E, K = m.num_experts, m.top_k
+        groups = m.n_groups if groups is None else groups
+        topk_groups = m.topk_groups if topk_groups is None else topk_groups
+    else:
+        if a.num_experts is None or a.top_k is None:
+            raise ConfigError("--num-experts and --top-k (or --model) must be given")
+        E, K = a.num_experts, a.top_k
+    groups = groups or 1
+    topk_groups = topk_groups or (groups if groups > 1 else 1)
+    t0 = time.perf_counter()
+    rep = generate_trace(a.out, E, K, a.tokens, a.seed, model=a.model, layers=a.layers, steps=a.steps,
+                         maxvio=a.maxvio, sigma=a.sigma, zipf=a.zipf, hot=a.hot, hot_share=a.hot_share,
+                         uniform=a.uniform, drift=a.drift, layer_variation=a.layer_variation,
+                         groups=groups, topk_groups=topk_groups, with_logits=a.logits)
+    secs = time.perf_counter() - t0
+    if a.json:
+        print_json({"out": a.out, "num_experts": E, "top_k": K, "tokens_per_step": a.tokens,
+                    "seconds": round(secs, 3), **rep})
+        return 0
+    mv = rep["realised_maxvio"]
+    c = console()
+    c.print(f"wrote {a.out}: E={E} K={K} {a.layers} layer(s) x {a.steps} step(s) x {a.tokens} tokens, "
+            f"{rep['popularity']} {rep['params']} seed={a.seed} ({secs:.2f} s)")
+    c.print(f"  realised maxvio per (layer, step): min {min(mv):.4f}  mean {sum(mv) / len(mv):.4f}  "
+            f"max {max(mv):.4f}")
+    return 0
+
+
+def run_inspect(a) -> int:
+    from moonep_sim.routing.metrics import inspect_trace
+
+    layers = parse_int_list(a.layers, "--layers")
+    res = inspect_trace(a.file, ranks=a.ranks, gpus_per_node=a.gpus_per_node, layers=layers, top=a.top)
+    if a.json:
+        print_json(res)
+        return 0
+    from rich.table import Table
+
+    c = console()
+    if c.width < 110:
+        c.width = 110
+    c.print(f"{a.file}: {res['kind']}-level, model={res['model']}, {res['layers']} layers, tokens={res['tokens']}, "
+            f"E={res['num_experts']}, K={res['top_k']}, steps={res['steps']}")
+    if res["source"]:
+        c.print(f"[dim]source: {res['source']}[/dim]")
+    t = Table()
+    top_n = res["per_layer"][0]["top_n"] if res["per_layer"] else 0
+    cols = ["layer", "maxvio", "max/mean", "gini", f"top{top_n} share"]
+    lay = res.get("layout")
+    if lay:
+        cols += ["rank max/mean", "node max/mean", "ranks/token", "nodes/token"]
+    for col in cols:
+        t.add_column(col, justify="right")
+    est = False
+    for p in res["per_layer"]:
+        row = [str(p["layer"]), f"{p['maxvio']:.3f}", f"{p['max_over_mean']:.3f}", f"{p['gini']:.3f}",
+               f"{p['top_share']:.3f}"]
+        if lay:
+            def fmt(v):
+                return "n/a" if v is None else f"{v:.2f}" + ("*" if p.get("distinct_is_estimate") else "")
+            est = est or bool(p.get("distinct_is_estimate"))
+            row += [f"{p['rank_max_over_mean']:.3f}", f"{p['node_max_over_mean']:.3f}",
+                    fmt(p["mean_distinct_ranks"]), fmt(p["mean_distinct_nodes"])]
+        t.add_row(*row)
+    c.print(t)
+    if lay:
+        c.print(f"layout: {lay['ranks']} ranks, {lay['gpus_per_node']} per node, {lay['nodes']} nodes, {lay['experts']}")
+    if est:
+        c.print("* " + res["per_layer"][0]["distinct_note"])
+    return 0
+
+
+def run_route(a) -> int:
+    import numpy as np
+
+    from moonep_sim.routing.router import replay_trace
+
+    kwargs = dict(score=a.score, calib_tokens=a.calib_tokens, groups=a.groups, topk_groups=a.topk_groups,
+                  bias_rounds=a.bias_rounds, bias_update=a.bias_update)
+    if a.bias_file:
+        if a.mode not in ("bias", "group"):
+            raise ConfigError(f"--bias-file needs --mode bias or group (found --mode {a.mode})")
+        try:
+            b = np.load(a.bias_file, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as e:
+            raise ConfigError(f"--bias-file ({a.bias_file}) must be a readable .npy float array [E] "
+                              f"(never a pickle): {e}") from None
+        if not isinstance(b, np.ndarray) or b.ndim != 1 or b.dtype.kind != "f":
+            raise ConfigError(f"--bias-file ({a.bias_file}) must hold a 1-D float array [E]")
+        kwargs["bias_E"] = b
+    src = a.src
+    if a.synthetic is not None:
+        if src is not None:
+            raise ConfigError("SRC and --synthetic must not be combined")
+        if a.num_experts is None or a.top_k is None:
+            raise ConfigError("--synthetic needs --num-experts and --top-k")
+        src = _synthetic_source(a)
+    elif src is None:
+        raise ConfigError("SRC (a trace with router_logits) or --synthetic TOKENS must be given")
+    try:
+        rep = replay_trace(src, a.out, a.mode, top_k=a.top_k, **kwargs)
+    finally:
+        if a.synthetic is not None:
+            import os
+            os.unlink(src)
+    if a.json:
+        print_json(rep)
+        return 0
+    c = console()
+    c.print(f"wrote {a.out}: router replay --mode {a.mode} --score {a.score}, K={rep['top_k']}")
+    for p in rep["per_layer"]:
+        c.print(f"  layer {p['layer']}: max/mean {p['max_over_mean']:.4f} (calibration batch of "
+                f"{p['calib_tokens']} tokens: {p['calib_max_over_mean']:.4f})")
+    return 0
+
+
+def _synthetic_source(a) -> str:
+    """A temporary trace holding synthetic logits (deleted after the replay)."""
+    import os
+    import tempfile
+
+    import numpy as np
+
+    from moonep_sim.routing.router import synthetic_logits
+    from moonep_sim.routing.trace import TraceMeta, write_trace
+
+    E, K, T, L = a.num_experts, a.top_k, a.synthetic, a.layers
+    lg = np.stack([synthetic_logits(T, E, a.seed + 1000 * i, skew=a.skew) for i in range(L)])
+    ids = np.argsort(-lg, axis=2)[:, :, :K]
+    w = np.full(ids.shape, 1.0 / K, np.float32)
+    fd, path = tempfile.mkstemp(suffix=".safetensors", prefix=".moonep-synth-")
+    os.close(fd)
+    meta = TraceMeta(kind="tokens", num_experts=E, top_k=K, layer_ids=list(range(L)), num_tokens=T,
+                     source=f"synthetic router logits (skew={a.skew}, seed={a.seed})",
+                     attribution="synthetic (moonep-sim)")
+    write_trace(path, meta, {"topk_ids": ids, "topk_weights": w, "router_logits": lg})
+    return path

@@ -1,0 +1,74 @@
+"""``moonep-sim validate``: simulated (calibrated local-gloo) versus measured (gloo) layer times."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moonep_sim.cli.common import print_json, to_jsonable
+from moonep_sim.report.tables import wide_console as console
+
+
+def register(sub) -> None:
+    p = sub.add_parser("validate", help="fidelity: replay traces for real and simulated; error per case, rank agreement",
+                       description="Replays shipped traces and generated routings through every strategy, for "
+                                   "real over gloo and simulated on the calibrated local-gloo topology, and "
+                                   "reports the error per case, the median absolute error and whether the "
+                                   "strategies rank in the same order.")
+    p.add_argument("--quick", action="store_true", help="two cases and four strategies (a few minutes)")
+    p.add_argument("--strategies", default=None, help="comma-separated (default: all; --quick: alltoall,capacity,"
+                                                      "hierarchical,moonep)")
+    p.add_argument("--nproc", type=int, default=4, help="gloo processes (default 4)")
+    p.add_argument("--traces-dir", default=None, help="where the shipped traces are (default: the repository's traces/)")
+    p.add_argument("--out", default="moonep-sim-out/validate", help="directory for fidelity.json and fidelity.png")
+    p.add_argument("--json", action="store_true", help="print the JSON report")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from moonep_sim.cli.compare import progress_bar
+    from moonep_sim.cli.demo import _trace_path
+    from moonep_sim.errors import require
+    from moonep_sim.io import write_text_atomic
+    from moonep_sim.report import calibrate as cal
+    from moonep_sim.report import fidelity as F
+    from moonep_sim.report.plots import fidelity_scatter
+    from moonep_sim.report.tables import fidelity_table
+
+    require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")
+    traces = args.traces_dir or str(_trace_path().parent)
+    strategies = (args.strategies.split(",") if args.strategies
+                  else list(F.QUICK_STRATEGIES if args.quick else F.ALL_STRATEGIES))
+    cfg = F.FidelityConfig(F.default_cases(args.quick, traces), [s.strip() for s in strategies if s.strip()], args.nproc)
+    c = console()
+    path = cal.calibrated_path()
+    calibrated = path.is_file()
+    if not args.json:
+        c.print(f"[dim]local-gloo constants: {path if calibrated else 'shipped preset defaults (no calibration file; run `moonep-sim calibrate` first)'}[/dim]")
+    if args.json:
+        rep = F.validate(cfg)
+    else:
+        prog, cb = progress_bar(c, "validate")
+        with prog:
+            rep = F.validate(cfg, progress=cb)
+    rep["calibrated"] = calibrated
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    png = fidelity_scatter(rep["cases"], out / "fidelity.png", rep["topology"]["name"])
+    rep["files"] = {"plot": str(png), "report": str(out / "fidelity.json")}
+    write_text_atomic(out / "fidelity.json", json.dumps(to_jsonable(rep), indent=1))
+    if args.json:
+        print_json({k: v for k, v in rep.items() if k != "compare_reports"})
+        return 0
+    c.print(fidelity_table(rep))
+    for pc in rep["per_case"]:
+        mark = "same order" if pc["same_order"] else "DIFFERENT order"
+        c.print(f"{pc['case']}: measured {' < '.join(pc['measured_order'])}; simulated "
+                f"{' < '.join(pc['simulated_order'])} ({mark}, Kendall tau {pc['kendall_tau']:.2f})")
+    s = rep["summary"]
+    c.print(f"median |error| {s['median_abs_error'] * 100:.1f}% (max {s['max_abs_error'] * 100:.0f}%, "
+            f"{s['within_25pct'] * 100:.0f}% of points within 25%); same strategy order in "
+            f"{s['same_order_cases']}/{s['cases']} cases, mean Kendall tau {s['mean_kendall_tau']:.2f}; "
+            f"took {rep['seconds']:.0f} s")
+    c.print(f"wrote {png}, {out / 'fidelity.json'}")
+    return 0

@@ -1,0 +1,11 @@
+"""Executor 1: real tensors over ``torch.distributed`` with the gloo backend.
+
+``Buffer`` (dispatch, combine, prefetch_weight, reduce_grad) carries out any strategy's Plan;
+``moe.EPMoELayer`` is a reference MoE layer on it and ``moe.dense_moe`` the single-process layer
+it must equal; ``replay`` replays a trace under torchrun; ``launcher`` starts ranks.
+"""
+
+from moonep_sim.gloo.buffer import Buffer
+from moonep_sim.gloo.handle import Handle, build_handle
+
+__all__ = ["Buffer", "Handle", "build_handle"]

@@ -1,0 +1,478 @@
+"""The gloo executor: a MoonEP-style Buffer that carries out any Plan on real tensors.
+
+Notation
+--------
+R ranks of the EP group; s tokens on this rank (``s <= capacity``); H hidden; K top-k; E experts;
+W rows of this rank's expert-grouped layout (padding included); L slots on this rank; X expert
+copies this rank computes; P elements of one expert's flattened weights.
+
+Data flow of one layer (``moonep_sim.plan.plan`` describes the Plan's data movement model)::
+
+    dispatch: one all_gather of every rank's (s, topk_ids, topk_weights)  -> same Plan on every rank
+              hop 0..H-1: index_select send rows, all_to_all_single(scope group), place rows
+              expand: local gather into the expert-grouped layout
+    prefetch_weight: all_to_all_single of the copies' flattened weights (home -> copy rank)
+    combine:  weight each row, scatter-add through expand, hops H-1..0 in reverse (index_add_)
+    reduce_grad: all_to_all_single of the copies' weight gradients (copy rank -> home), index_add_
+
+The executor never looks at the strategy's name: it moves rows exactly as the Plan says.
+
+Failure behaviour: every collective is issued asynchronously and waited on with ``timeout_s``;
+a failed or timed-out collective raises :class:`~moonep_sim.errors.CommError` naming the phase
+(``dispatch.0``, ``combine.1``, ``prefetch``, ...), this rank, and the peers that had not reached
+the phase (read from a progress record each rank keeps in the process group's store).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import zlib
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moonep_sim.errors import CommError, ConfigError, require
+from moonep_sim.gloo.handle import Handle, HopIndex, build_handle
+from moonep_sim.plan import GlobalRouting, Placement, Plan, RowCosts, check
+from moonep_sim.strategies import PlanContext, get_strategy, make_plan
+
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16)
+
+# fields compared across ranks at build time, in this order
+_FINGERPRINT_FIELDS = ("num_experts", "top_k", "hidden", "strategy", "options", "capacity", "gpus_per_node",
+                       "token_padding", "dispatch_dtype", "world_size")
+
+
+def _code(v: Any) -> int:
+    """A value as one int64: integers as themselves, anything else as a crc32 of its repr."""
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        return int(v)
+    return zlib.crc32(repr(v).encode()) | (1 << 40)
+
+
+class Buffer:
+    """Dispatch / combine / prefetch / gradient reduce over one EP process group (gloo).
+
+    Create once per EP group, on every rank, with the same configuration (checked: one small
+    all_gather of a fingerprint; a differing field raises :class:`ConfigError` naming the field
+    and the ranks).
+
+    group: the EP process group (None = the default group); its ranks are EP ranks 0..R-1 in
+      ascending global rank order.
+    capacity: S, the most tokens one rank passes to :meth:`dispatch`.  hidden: H.
+    top_k: K.  num_experts: E, homed in contiguous groups (rank h owns ``[h*E/R, (h+1)*E/R)``)
+      unless ``placement`` is given.
+    strategy / options: the planner (``moonep_sim.strategies``) and its options.
+    gpus_per_node: ranks per node for ``intra_node`` / ``inter_node`` hops (0 = one node).
+    timeout_s: limit on every collective (seconds).
+    dispatch_dtype: the dtype rows travel in during dispatch (combine and gradients travel in the
+      input's dtype).  token_padding: pad each slot's rows to a multiple of this.
+    expert_ffn: H', used only for the byte counts of weight prefetch / gradient reduce.
+    validate_plans: check every Plan's invariants before executing it (cheap; on by default).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, capacity: int, hidden: int, top_k: int,
+                 num_experts: int, strategy: str = "moonep", options: dict[str, Any] | None = None,
+                 gpus_per_node: int = 0, timeout_s: float = 60.0, dispatch_dtype: torch.dtype = torch.float32,
+                 token_padding: int = 1, expert_ffn: int = 0, placement: Placement | None = None,
+                 validate_plans: bool = True) -> None:
+        require(dist.is_available() and dist.is_initialized(),
+                "torch.distributed (not initialised) must be initialised (dist.init_process_group('gloo')) "
+                "before building a Buffer")
+        require(capacity >= 1, f"capacity ({capacity}) must be >= 1")
+        require(hidden >= 1, f"hidden ({hidden}) must be >= 1")
+        require(1 <= top_k <= num_experts, f"top_k ({top_k}) must lie in [1, num_experts={num_experts}]")
+        require(timeout_s > 0, f"timeout_s ({timeout_s}) must be > 0")
+        require(dispatch_dtype in _FLOAT_DTYPES, f"dispatch_dtype ({dispatch_dtype}) must be one of {_FLOAT_DTYPES}")
+        require(token_padding >= 1, f"token_padding ({token_padding}) must be >= 1")
+        self.group = group if group is not None else dist.group.WORLD
+        self.members = list(dist.get_process_group_ranks(self.group))
+        self.world_size = len(self.members)
+        self.rank = dist.get_rank(self.group)
+        spec = get_strategy(strategy)  # ConfigError before any communication
+        self.strategy = strategy
+        self.options = spec.parse_options(dict(options or {}))
+        self.capacity, self.hidden, self.top_k, self.num_experts = int(capacity), int(hidden), int(top_k), int(num_experts)
+        self.gpus_per_node = int(gpus_per_node) or self.world_size
+        self.timeout_s = float(timeout_s)
+        self.dispatch_dtype = dispatch_dtype
+        self.token_padding = int(token_padding)
+        self.validate_plans = validate_plans
+        self._timeout = datetime.timedelta(seconds=self.timeout_s)
+        self._seq = 0
+        self._store = None
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            self._store = dist.PrefixStore(f"moonep_sim/ep{self.members[0]}x{self.world_size}/", store)
+        except Exception:  # no store available: failures name the phase but not the silent peer
+            self._store = None
+        self._mark("build.check")
+        self._check_config()
+        # after the check every rank agrees on the values below, so group creation is aligned
+        require(self.world_size % self.gpus_per_node == 0,
+                f"world size ({self.world_size}) must be divisible by gpus_per_node ({self.gpus_per_node})")
+        if placement is None:
+            require(num_experts % self.world_size == 0,
+                    f"num_experts ({num_experts}) must be divisible by the world size ({self.world_size}) "
+                    "for home-group placement")
+        elem = torch.tensor([], dtype=dispatch_dtype).element_size()
+        costs = RowCosts(hidden * elem, hidden * 4, 3 * hidden * expert_ffn * 4, 3 * hidden * expert_ffn * 4)
+        default = PlanContext.default(num_experts, self.world_size, self.gpus_per_node, costs, self.token_padding)
+        self.ctx = default if placement is None else PlanContext(default.cluster, placement, costs, self.token_padding)
+        self._groups = self._make_groups()
+
+    # -- setup --------------------------------------------------------------------------------
+    def _fingerprint(self) -> list[int]:
+        vals = dict(num_experts=self.num_experts, top_k=self.top_k, hidden=self.hidden, strategy=self.strategy,
+                    options=sorted(self.options.items()), capacity=self.capacity,
+                    gpus_per_node=self.gpus_per_node, token_padding=self.token_padding,
+                    dispatch_dtype=str(self.dispatch_dtype), world_size=self.world_size)
+        self._fp_values = vals
+        return [_code(vals[f]) for f in _FINGERPRINT_FIELDS]
+
+    def _check_config(self) -> None:
+        mine = torch.tensor(self._fingerprint(), dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._run("build.check", "all_gather", lambda: dist.all_gather(out, mine, group=self.group, async_op=True),
+                  range(self.world_size))
+        allfp = torch.stack(out)
+        for j, f in enumerate(_FINGERPRINT_FIELDS):
+            col = allfp[:, j]
+            if (col != col[0]).any():
+                differ = torch.nonzero(col != col[0]).flatten().tolist()
+                same = torch.nonzero(col == col[0]).flatten().tolist()
+                mine_v = self._fp_values[f]
+                shown = col.tolist() if f in ("num_experts", "top_k", "hidden", "capacity", "gpus_per_node",
+                                              "token_padding", "world_size") else None
+                detail = (f"values by rank {shown}" if shown is not None else f"this rank has {mine_v!r}")
+                raise ConfigError(f"Buffer {f} must be equal on every rank (ranks {same} agree with rank 0, ranks "
+                                  f"{differ} differ; {detail}): build the Buffer with one configuration")
+
+    def _new_group(self, ep_ranks: Sequence[int]):
+        return dist.new_group([self.members[r] for r in ep_ranks], timeout=self._timeout, backend="gloo")
+
+    def _make_groups(self) -> dict[str, Any]:
+        """Process groups with this Buffer's timeout: global, this rank's node, this rank's rail.
+
+        ``dist.new_group`` is collective over the default group: every rank creates every group, in
+        the same order (nodes ascending, then local indices ascending). A scope whose group has one
+        member is executed locally (None).
+        """
+        R, G = self.world_size, self.gpus_per_node
+        glob = self._new_group(range(R)) if R > 1 else None
+        intra = inter = None
+        n_nodes = R // G
+        for n in range(n_nodes):
+            ranks = list(range(n * G, (n + 1) * G))
+            if G == R:
+                g = glob
+            elif G > 1:
+                g = self._new_group(ranks)
+            else:
+                g = None
+            if self.rank in ranks:
+                intra = g
+        for loc in range(G):
+            ranks = list(range(loc, R, G))
+            if n_nodes == R:
+                g = glob
+            elif n_nodes > 1:
+                g = self._new_group(ranks)
+            else:
+                g = None
+            if self.rank in ranks:
+                inter = g
+        return {"global": glob, "intra_node": intra, "inter_node": inter}
+
+    # -- failure handling ---------------------------------------------------------------------
+    def _mark(self, phase: str) -> None:
+        """Record that this rank enters collective number ``seq`` (phase) -- read when a peer fails."""
+        self._seq += 1
+        if self._store is not None:
+            try:
+                self._store.set(f"r{self.rank}", f"{self._seq}|{phase}")
+            except Exception:
+                self._store = None
+
+    def _suspects(self, peers: Sequence[int]) -> str:
+        if self._store is None:
+            return "peer unknown: no progress store"
+        behind, gone = [], []
+        try:
+            for p in peers:
+                if p == self.rank:
+                    continue
+                if not self._store.check([f"r{p}"]):
+                    gone.append(p)
+                    continue
+                seq, phase = self._store.get(f"r{p}").decode().split("|", 1)
+                if int(seq) < self._seq:
+                    behind.append(f"{p} (last entered {phase})")
+        except Exception:
+            return "peer unknown: progress store unreachable"
+        if gone:
+            return f"peer rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} never started"
+        if behind:
+            return f"peer rank{'s' if len(behind) > 1 else ''} {', '.join(behind)} stopped responding?"
+        return "every peer reached this phase; one may have died inside it"
+
+    def _run(self, phase: str, op: str, issue: Callable[[], Any], peers: Sequence[int]) -> None:
+        t0 = time.perf_counter()
+        try:
+            work = issue()
+            if work is not None:
+                work.wait(timeout=self._timeout)
+        except RuntimeError as e:
+            dt = time.perf_counter() - t0
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+            what = f"timed out after {self.timeout_s:.1f} s" if timed_out else f"failed after {dt:.1f} s"
+            raise CommError(f"{phase} {op} {what} on rank {self.rank} ({self._suspects(peers)}): "
+                            f"{text[:240]}") from None
+
+    def _all_to_all(self, phase: str, scope: str, members: Sequence[int], send: torch.Tensor,
+                    send_splits: Sequence[int], recv_splits: Sequence[int]) -> torch.Tensor:
+        """Rows ``send`` split per member -> rows received, grouped by member (``all_to_all_single``)."""
+        self._mark(phase)
+        group = self._groups[scope] if len(members) > 1 else None
+        if group is None:  # a one-member scope: the only message is to oneself
+            return send
+        send = send.contiguous()
+        out = send.new_empty((int(sum(recv_splits)),) + tuple(send.shape[1:]))
+        self._run(phase, "all_to_all", lambda: dist.all_to_all_single(
+            out, send, list(recv_splits), list(send_splits), group=group, async_op=True), members)
+        return out
+
+    # -- planning -----------------------------------------------------------------------------
+    def check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Shapes, dtypes, ranges and s <= capacity, checked locally before any communication."""
+        H, K, E, S = self.hidden, self.top_k, self.num_experts, self.capacity
+        require(isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] == H,
+                f"x shape ({list(getattr(x, 'shape', []))}) must be [s, {H}] (hidden)")
+        require(x.dtype in _FLOAT_DTYPES, f"x dtype ({x.dtype}) must be floating point")
+        s = x.shape[0]
+        require(s <= S, f"tokens ({s}) must be <= capacity ({S}): build the Buffer with a larger capacity")
+        require(isinstance(topk_ids, torch.Tensor) and tuple(topk_ids.shape) == (s, K),
+                f"topk_ids shape ({list(getattr(topk_ids, 'shape', []))}) must be [{s}, {K}] (tokens, top_k)")
+        require(topk_ids.dtype in _INT_DTYPES, f"topk_ids dtype ({topk_ids.dtype}) must be int64, int32 or int16")
+        require(isinstance(topk_weights, torch.Tensor) and tuple(topk_weights.shape) == (s, K),
+                f"topk_weights shape ({list(getattr(topk_weights, 'shape', []))}) must be [{s}, {K}]")
+        require(topk_weights.dtype in _FLOAT_DTYPES, f"topk_weights dtype ({topk_weights.dtype}) must be floating point")
+        if s:
+            lo, hi = int(topk_ids.min()), int(topk_ids.max())
+            require(lo >= 0 and hi < E, f"topk_ids value ({lo if lo < 0 else hi}) must lie in [0, {E}) (num_experts)")
+            if K > 1:
+                srt = torch.sort(topk_ids, dim=1).values
+                dup = (srt[:, 1:] == srt[:, :-1]).any(dim=1)
+                if bool(dup.any()):
+                    t = int(torch.nonzero(dup)[0])
+                    raise ConfigError(f"topk_ids of token {t} ({topk_ids[t].tolist()}) must be distinct experts")
+
+    def exchange_routing(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> tuple[GlobalRouting, np.ndarray]:
+        """ONE all_gather of every rank's (s, ids, weights), padded to capacity.
+
+        Each rank packs ``[s, wide, ids (S*K), weight bits (S*K)]`` as int64: weights travel as
+        their exact bits (float64 when ``wide``, else float32). Returns the global routing (for the
+        planner, float32 weights) and the weights at full precision (float64 [T, K]).
+        """
+        S, K, R = self.capacity, self.top_k, self.world_size
+        s = topk_ids.shape[0]
+        buf = torch.zeros(2 + 2 * S * K, dtype=torch.int64)
+        buf[0] = s
+        wide = topk_weights.dtype == torch.float64
+        buf[1] = int(wide)
+        buf[2:2 + s * K] = topk_ids.reshape(-1).to(torch.int64)
+        w = topk_weights.detach().contiguous()
+        bits = w.view(torch.int64) if wide else w.to(torch.float32).view(torch.int32).to(torch.int64)
+        buf[2 + S * K:2 + S * K + s * K] = bits.reshape(-1)
+        if R > 1:
+            out = [torch.empty_like(buf) for _ in range(R)]
+            self._mark("dispatch.exchange")
+            self._run("dispatch.exchange", "all_gather",
+                      lambda: dist.all_gather(out, buf, group=self._groups["global"], async_op=True), range(R))
+            allb = torch.stack(out).numpy()
+        else:
+            allb = buf.numpy()[None]
+        s_R = allb[:, 0].astype(np.int64)
+        keep = np.arange(S)[None, :] < s_R[:, None]
+        ids = allb[:, 2:2 + S * K].reshape(R, S, K)[keep]
+        raw = allb[:, 2 + S * K:].reshape(R, S, K)
+        w64 = np.where(allb[:, 1].astype(bool)[:, None, None], raw.view(np.float64),
+                       raw.astype(np.int32).view(np.float32).astype(np.float64))[keep]
+        return GlobalRouting(ids, w64.astype(np.float32), s_R, self.num_experts), w64
+
+    def plan_handle(self, routing: GlobalRouting, weights_TK: np.ndarray | None = None) -> Handle:
+        """Plan ``routing`` (identically on every rank) and build this rank's handle."""
+        return self.handle_for(make_plan(self.strategy, routing, self.ctx, **self.options), weights_TK)
+
+    def handle_for(self, plan: Plan, weights_TK: np.ndarray | None = None) -> Handle:
+        """This rank's handle for a given Plan (every rank must pass the same Plan)."""
+        require(plan.ranks == self.world_size and plan.num_experts == self.num_experts and plan.top_k == self.top_k,
+                f"plan shape (ranks {plan.ranks}, experts {plan.num_experts}, top_k {plan.top_k}) must match the "
+                f"Buffer ({self.world_size}, {self.num_experts}, {self.top_k})")
+        require(plan.cluster.gpus_per_node == self.gpus_per_node,
+                f"plan gpus_per_node ({plan.cluster.gpus_per_node}) must equal the Buffer's ({self.gpus_per_node})")
+        if self.validate_plans:
+            check(plan)
+        return build_handle(plan, self.rank, self.ctx.placement.home_E, weights_TK)
+
+    # -- row movement (no autograd; the autograd functions call these) ---------------------------
+    def dispatch_rows(self, handle: Handle, x: torch.Tensor, phase: str = "dispatch",
+                      comm_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[s, C] -> [W, C]: hops forward, then the expand gather (rows travel in ``comm_dtype``)."""
+        buf = x if comm_dtype is None or comm_dtype == x.dtype else x.to(comm_dtype)
+        for i, hop in enumerate(handle.hops):
+            send = hop.send.gather(buf)
+            recv = self._all_to_all(f"{phase}.{i}", hop.scope, hop.members, send, hop.send_splits, hop.recv_splits)
+            buf = hop.recv.place(recv)
+        out = handle.expand.gather(buf)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def combine_rows(self, handle: Handle, y: torch.Tensor, phase: str = "combine") -> torch.Tensor:
+        """[W, C] -> [s, C]: the adjoint of :meth:`dispatch_rows` (sums, no routing weights)."""
+        buf = handle.expand.scatter_add(y)
+        for i in reversed(range(len(handle.hops))):
+            hop: HopIndex = handle.hops[i]
+            send = hop.recv.gather_back.gather(buf)
+            recv = self._all_to_all(f"{phase}.{i}", hop.scope, hop.members, send, hop.recv_splits, hop.send_splits)
+            buf = hop.send.scatter_add(recv)
+        return buf
+
+    def prefetch_flat(self, handle: Handle, local_flat: torch.Tensor, phase: str = "prefetch") -> torch.Tensor:
+        """[epn_r, P] home experts' flattened weights -> [X, P] this rank's copies (slot order)."""
+        send = local_flat.index_select(0, handle.pf_send_local) if handle.pf_send_local.numel() else \
+            local_flat.new_zeros((0,) + tuple(local_flat.shape[1:]))
+        recv = self._all_to_all(phase, "global", range(self.world_size), send, handle.pf_send_splits,
+                                handle.pf_recv_splits) if self.world_size > 1 else send
+        out = recv.new_empty(recv.shape)
+        if recv.shape[0]:
+            out.index_copy_(0, handle.pf_recv_pos, recv)
+        return out
+
+    def reduce_flat(self, handle: Handle, copy_flat: torch.Tensor, n_home: int, phase: str = "grad_reduce") -> torch.Tensor:
+        """[X, P] copies' gradients -> [epn_r, P] their sums at the home experts (zeros elsewhere)."""
+        send = copy_flat.index_select(0, handle.pf_recv_pos) if copy_flat.shape[0] else copy_flat
+        recv = self._all_to_all(phase, "global", range(self.world_size), send.contiguous(), handle.pf_recv_splits,
+                                handle.pf_send_splits) if self.world_size > 1 else send
+        out = copy_flat.new_zeros((n_home,) + tuple(copy_flat.shape[1:]))
+        if recv.shape[0]:
+            out.index_add_(0, handle.pf_send_local, recv)
+        return out
+
+    # -- public API -----------------------------------------------------------------------------
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                 *, handle: Handle | None = None):
+        """Send each token to where the Plan computes its experts.
+
+        x: [s, H] float, 0 <= s <= capacity.  topk_ids: [s, K] int, experts in [0, E), distinct per
+        token.  topk_weights: [s, K] float routing weights (differentiable: their gradient flows
+        back when :meth:`combine` is given ``recv_weights``).  handle: reuse a previous dispatch's
+        Plan (no exchange, no planning); ``topk_ids`` / ``topk_weights`` are then ignored and
+        the handle's weights are used.
+
+        Returns ``(recv_x [W, H], recv_weights [W], cu_seqlens [L+1] int64, handle)``: rows
+        grouped by slot (slot i owns rows ``cu_seqlens[i]:cu_seqlens[i+1]``, the first
+        ``handle.slot_rows[i]`` real, the rest zero padding), each row's routing weight (0 for
+        padding). Differentiable in ``x`` and ``topk_weights``.
+        """
+        from moonep_sim.gloo.autograd import dispatch_fn
+
+        if handle is None:
+            require(topk_ids is not None and topk_weights is not None,
+                    "topk_ids and topk_weights (None) must be given unless a handle is reused")
+            self.check_inputs(x, topk_ids, topk_weights)
+            handle = self.plan_handle(*self.exchange_routing(topk_ids, topk_weights))
+            w = topk_weights
+        else:
+            require(tuple(x.shape) == (handle.num_tokens, self.hidden),
+                    f"x shape ({list(x.shape)}) must be [{handle.num_tokens}, {self.hidden}] (the handle's tokens)")
+            w = handle.token_weights
+        recv_x, recv_w = dispatch_fn(self, handle, x, w)
+        return recv_x, recv_w, handle.cu_seqlens, handle
+
+    def combine(self, y: torch.Tensor, handle: Handle, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """[W, H] expert outputs -> [s, H]: each token's sum of ``weight * output`` over its rows.
+
+        weights: [W] per-row routing weights (``recv_weights`` from :meth:`dispatch`, to let their
+        gradient flow); None = the handle's weights (no gradient to them).
+        """
+        from moonep_sim.gloo.autograd import combine_fn
+
+        require(y.dim() == 2 and y.shape[0] == handle.rows,
+                f"y shape ({list(y.shape)}) must be [{handle.rows}, C] (the handle's rows)")
+        w = handle.row_weights.to(y.dtype) if weights is None else weights
+        require(tuple(w.shape) == (handle.rows,), f"weights shape ({list(w.shape)}) must be [{handle.rows}]")
+        return combine_fn(self, handle, y, w)
+
+    def prefetch_weight(self, handle: Handle, local_weights, *, tie: torch.Tensor | None = None):
+        """The weights of this rank's copy slots, fetched from their home ranks.
+
+        local_weights: a tuple/list of tensors ``[epn_r, ...]`` (one per projection, e.g. gate
+        ``[epn_r, H, H']``, up, down) or a dict of them, row i = ``handle.home_experts[i]``.
+        Returns the same structure with ``[X, ...]`` tensors, row j = this rank's j-th copy slot
+        (``handle.slot_weight_index`` of a copy slot). Differentiable: the backward reduces the
+        copies' gradients to their homes.
+
+        tie: when training, pass ``recv_x`` (the dispatched rows) and use the rows returned with the
+        copies -- ``copies, recv_x = buffer.prefetch_weight(handle, w, tie=recv_x)``: this chains the
+        gradient reduce before dispatch's backward on every rank (backward collectives must run in
+        one order everywhere, including on ranks without copies). Without ``tie`` only the copies
+        are returned.
+        """
+        from moonep_sim.gloo.autograd import prefetch_fn
+
+        keys, tensors = _unpack(local_weights)
+        n_home = int(handle.home_experts.numel())
+        for k, t in zip(keys, tensors):
+            require(t.shape[0] == n_home, f"local weight {k} rows ({t.shape[0]}) must equal this rank's home "
+                                          f"experts ({n_home})")
+        t = tie if tie is not None else torch.zeros(0)
+        t_out, copies = prefetch_fn(self, handle, t, *tensors)
+        packed = _pack(local_weights, keys, copies)
+        return (packed, t_out) if tie is not None else packed
+
+    def reduce_grad(self, handle: Handle, copy_grads, local_grads):
+        """``local_grads`` plus the sum of every copy's gradient of each home expert (new tensors).
+
+        copy_grads: same structure as :meth:`prefetch_weight`'s result ([X, ...] per projection).
+        local_grads: same structure as its input ([epn_r, ...]).
+        """
+        ckeys, ctensors = _unpack(copy_grads)
+        lkeys, ltensors = _unpack(local_grads)
+        require(ckeys == lkeys, f"copy_grads keys ({ckeys}) must match local_grads keys ({lkeys})")
+        flat = _flatten(ctensors, handle.num_copies)
+        red = self.reduce_flat(handle, flat, int(handle.home_experts.numel()))
+        parts = _unflatten(red, ltensors)
+        return _pack(local_grads, lkeys, tuple(lg + p for lg, p in zip(ltensors, parts)))
+
+
+def _unpack(obj) -> tuple[list, tuple[torch.Tensor, ...]]:
+    if isinstance(obj, dict):
+        return list(obj.keys()), tuple(obj.values())
+    require(isinstance(obj, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in obj),
+            "weights must be a tuple/list or dict of tensors")
+    return list(range(len(obj))), tuple(obj)
+
+
+def _pack(like, keys, tensors):
+    if isinstance(like, dict):
+        return dict(zip(keys, tensors))
+    return tuple(tensors)
+
+
+def _flatten(tensors: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
+    """[rows, P]: each tensor [rows, ...] flattened per row and concatenated."""
+    if not tensors:
+        return torch.zeros(rows, 0)
+    return torch.cat([t.reshape(rows, int(np.prod(t.shape[1:]))) for t in tensors], dim=1).contiguous()
+
+
+def _unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Split [n, P] back into tensors shaped like ``like[i]`` (with n rows)."""
+    n = flat.shape[0]
+    sizes = [int(np.prod(t.shape[1:])) for t in like]
+    return tuple(p.reshape((n,) + tuple(t.shape[1:])) for p, t in zip(torch.split(flat, sizes, dim=1), like))

@@ -1,0 +1,333 @@
+"""One rank's view of a Plan: the index tensors the gloo executor moves rows with.
+
+Everything here is pure (numpy in, torch index tensors out, no communication), so one process can
+build every rank's :class:`Handle` from one Plan and check the data movement without spawning
+ranks (see :func:`emulate_dispatch` / :func:`emulate_combine`).
+
+Notation
+--------
+R ranks of the EP group; s tokens on this rank; K top-k; C columns of a payload (H for rows, H+K
+when routing-weight gradients ride along); m rows sent or received by this rank in one hop; n rows
+of a hop's buffer on this rank; W rows of this rank's expert-grouped layout (padding included);
+L local slots of this rank; X expert copies (slots whose weights are prefetched).
+
+Conventions: a hop's split sizes are listed per member of the hop's scope group, members in
+ascending EP rank (the order ``dist.new_group(sorted ranks)`` numbers them). A -1 row index is a
+zero padding row (dispatch) or a row whose contribution is discarded (combine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moonep_sim.errors import PlanError
+from moonep_sim.plan import Plan
+
+
+def scope_members(scope: str, rank: int, ranks: int, gpus_per_node: int) -> np.ndarray:
+    """int64 [g]: EP ranks ``rank`` may talk to in ``scope``, ascending (its group's members)."""
+    G = gpus_per_node
+    if scope == "global":
+        return np.arange(ranks, dtype=np.int64)
+    if scope == "intra_node":
+        n = rank // G
+        return np.arange(n * G, (n + 1) * G, dtype=np.int64)
+    if scope == "inter_node":
+        return np.arange(rank % G, ranks, G, dtype=np.int64)
+    raise PlanError(f"hop scope ({scope!r}) must be one of global, intra_node, inter_node")
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+
+
+def _inverse_if_permutation(idx: np.ndarray, n: int) -> np.ndarray | None:
+    """The inverse of ``idx`` if it is a permutation of range(n), else None."""
+    if idx.size != n or (idx < 0).any():
+        return None
+    seen = np.zeros(n, dtype=bool)
+    seen[idx] = True
+    if not seen.all():
+        return None
+    inv = np.empty(n, dtype=np.int64)
+    inv[idx] = np.arange(n, dtype=np.int64)
+    return inv
+
+
+@dataclass(frozen=True)
+class RowMap:
+    """A gather of rows ``out[i] = src[idx[i]]`` (idx -1: zero row) and its adjoint scatter-add.
+
+    idx: int64 [m] source row per output row, -1 = zero row.  n_src: rows of the source.
+    Precomputed shortcuts: ``identity`` (idx == arange(n_src)), ``inverse`` (idx is a permutation:
+    the adjoint is a gather by the inverse), ``pad_pos`` (output rows that are zero).
+    """
+
+    idx: torch.Tensor
+    n_src: int
+    identity: bool
+    inverse: torch.Tensor | None
+    safe_idx: torch.Tensor  # idx with -1 replaced by 0 (gather) ...
+    pad_pos: torch.Tensor  # ... then these output rows are zeroed
+    add_idx: torch.Tensor  # idx with -1 replaced by n_src (adjoint: scatter into a discarded extra row)
+
+    @classmethod
+    def build(cls, idx: np.ndarray, n_src: int) -> "RowMap":
+        idx = np.asarray(idx, dtype=np.int64)
+        if idx.size and (idx.max(initial=-1) >= n_src or idx.min(initial=0) < -1):
+            raise PlanError(f"row index ({int(idx.max())}) must be -1 or < buffer rows ({n_src})")
+        identity = idx.size == n_src and bool((idx == np.arange(n_src)).all())
+        inv = None if identity else _inverse_if_permutation(idx, n_src)
+        pad = idx < 0
+        return cls(_t(idx), int(n_src), identity, None if inv is None else _t(inv),
+                   _t(np.where(pad, 0, idx)), _t(np.flatnonzero(pad)), _t(np.where(pad, n_src, idx)))
+
+    @property
+    def rows(self) -> int:
+        return int(self.idx.numel())
+
+    def gather(self, src: torch.Tensor) -> torch.Tensor:
+        """[m, C] rows of ``src[n_src, C]`` (zero rows where idx is -1)."""
+        if self.identity:
+            return src
+        if self.n_src == 0:
+            return src.new_zeros((self.rows,) + tuple(src.shape[1:]))
+        out = src.index_select(0, self.safe_idx)
+        if self.pad_pos.numel():
+            out.index_fill_(0, self.pad_pos, 0)
+        return out
+
+    def scatter_add(self, vals: torch.Tensor) -> torch.Tensor:
+        """The adjoint of :meth:`gather`: [n_src, C] sums of ``vals[m, C]`` into their source rows."""
+        if self.identity:
+            return vals
+        if self.inverse is not None:
+            return vals.index_select(0, self.inverse)
+        out = vals.new_zeros((self.n_src + 1,) + tuple(vals.shape[1:]))
+        out.index_add_(0, self.add_idx, vals)
+        return out[: self.n_src]
+
+
+@dataclass(frozen=True)
+class Placer:
+    """Placing received rows into a buffer: ``buf[rows[i]] = recv[i]``; rows not named stay zero."""
+
+    rows: torch.Tensor  # int64 [m] destination row of each received row, in receive order
+    n_dst: int
+    identity: bool
+    gather_back: RowMap  # the adjoint: recv = buf[rows]
+
+    @classmethod
+    def build(cls, rows: np.ndarray, n_dst: int) -> "Placer":
+        rows = np.asarray(rows, dtype=np.int64)
+        identity = rows.size == n_dst and bool((rows == np.arange(n_dst)).all())
+        return cls(_t(rows), int(n_dst), identity, RowMap.build(rows, n_dst))
+
+    def place(self, recv: torch.Tensor) -> torch.Tensor:
+        if self.identity:
+            return recv
+        out = recv.new_zeros((self.n_dst,) + tuple(recv.shape[1:]))
+        out.index_copy_(0, self.rows, recv)
+        return out
+
+
+@dataclass(frozen=True)
+class HopIndex:
+    """This rank's part of one dispatch hop.
+
+    scope: ``global`` | ``intra_node`` | ``inter_node``; members: int64 [g] EP ranks of the scope
+    group, ascending. send: gathers the m_send rows to send from the source buffer (in send order:
+    by destination, then the Plan's message order). send_splits / recv_splits: rows per member.
+    recv: places received rows (grouped by source member) into the next buffer.
+    """
+
+    scope: str
+    members: tuple[int, ...]
+    send: RowMap
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    recv: Placer
+
+
+@dataclass(frozen=True)
+class Handle:
+    """The result of one dispatch on one rank: the Plan and this rank's precomputed indices.
+
+    Reusable: :meth:`Buffer.dispatch` with ``handle=`` and every backward pass move rows with it
+    again without exchanging routing or re-planning (as MoonEP's backward does). Immutable; index
+    tensors are CPU int64 and must not be modified.
+
+    plan: the layer's Plan (all ranks).  rank: this rank's EP rank.  num_tokens: s.
+    hops: per dispatch hop, this rank's :class:`HopIndex`.  expand: the final local gather from
+    the last hop's buffer into the expert-grouped layout (W rows).
+    row_entry: int64 [W] global entry id (t*K + k) of each row, -1 padding.
+    row_k: int64 [W] k of each row's entry (-1 padding).  row_weights: [W] routing weight of each
+    row (0 for padding; float64 if the weights were dispatched in float64, else float32).
+    token_weights: [s, K] this rank's routing weights (same dtype).
+    cu_seqlens: int64 [L+1] row offsets of this rank's slots (padding included).
+    slot_expert / slot_rows / slot_is_copy: [L] expert, real rows and "weights fetched" flag of each
+      local slot (a Plan copy, or a resident replica whose master weights live on another rank).
+    slot_weight_index: int64 [L] index of the slot's weights: into the rank's home experts for a
+      home slot, into the prefetched copies for a copy slot.
+    home_experts: int64 [epn_r] experts whose master weights live on this rank (ascending).
+    Prefetch (weights of X copies, one row of P elements per expert):
+      pf_send_local: int64 [x_send] home-expert index of each expert sent, in send order.
+      pf_send_splits / pf_recv_splits: experts per rank.  pf_recv_pos: int64 [X] position in this
+      rank's copy list of each received expert, in receive order.
+    """
+
+    plan: Plan
+    rank: int
+    num_tokens: int
+    hops: tuple[HopIndex, ...]
+    expand: RowMap
+    row_entry: torch.Tensor
+    row_k: torch.Tensor
+    row_weights: torch.Tensor
+    token_weights: torch.Tensor
+    cu_seqlens: torch.Tensor
+    slot_expert: torch.Tensor
+    slot_rows: torch.Tensor
+    slot_is_copy: torch.Tensor
+    slot_weight_index: torch.Tensor
+    home_experts: torch.Tensor
+    pf_send_local: torch.Tensor
+    pf_send_splits: tuple[int, ...]
+    pf_recv_splits: tuple[int, ...]
+    pf_recv_pos: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        """W: rows of this rank's expert-grouped layout."""
+        return self.expand.rows
+
+    @property
+    def num_copies(self) -> int:
+        return int(self.pf_recv_pos.numel())
+
+    @property
+    def top_k(self) -> int:
+        return self.plan.top_k
+
+
+def build_handle(plan: Plan, rank: int, home_E: np.ndarray, weights_TK: np.ndarray | None = None) -> Handle:
+    """Rank ``rank``'s :class:`Handle` for ``plan`` (vectorised over messages and rows).
+
+    home_E: int64 [E] the rank holding each expert's master weights (the weights the executor is
+    given). A copy slot's weights are fetched from its ``slot_home``, which must hold the master
+    weights; a non-copy slot must run an expert whose master weights are on its own rank.
+    """
+    R, K, E = plan.ranks, plan.top_k, plan.num_experts
+    G = plan.cluster.gpus_per_node
+    home_E = np.asarray(home_E, dtype=np.int64)
+    if home_E.shape != (E,):
+        raise PlanError(f"home_E length ({home_E.size}) must equal num_experts ({E})")
+    s = int(plan.tokens_per_rank_R[rank])
+    hops: list[HopIndex] = []
+    n_src = s
+    for i, h in enumerate(plan.hops):
+        members = scope_members(h.scope, rank, R, G)
+        lo, hi = np.searchsorted(h.src_rank_M, [rank, rank + 1])
+        send_dst = h.dst_rank_M[lo:hi]
+        pos = np.searchsorted(members, send_dst)
+        if send_dst.size and ((pos >= members.size) | (members[np.minimum(pos, members.size - 1)] != send_dst)).any():
+            raise PlanError(f"hop {i} ({h.scope}): rank {rank} sends outside its scope group {members.tolist()}")
+        send_splits = np.bincount(pos, minlength=members.size)
+        recv_mask = h.dst_rank_M == rank
+        recv_src = h.src_rank_M[recv_mask]
+        rpos = np.searchsorted(members, recv_src)
+        if recv_src.size and ((rpos >= members.size) | (members[np.minimum(rpos, members.size - 1)] != recv_src)).any():
+            raise PlanError(f"hop {i} ({h.scope}): rank {rank} receives from outside its scope group {members.tolist()}")
+        recv_splits = np.bincount(rpos, minlength=members.size)
+        n_dst = int(h.dst_rows_R[rank])
+        hops.append(HopIndex(h.scope, tuple(int(m) for m in members), RowMap.build(h.src_row_M[lo:hi], n_src),
+                             tuple(int(c) for c in send_splits), tuple(int(c) for c in recv_splits),
+                             Placer.build(h.dst_row_M[recv_mask], n_dst)))
+        n_src = n_dst
+    row_off = plan.row_off_R()
+    rows = slice(int(row_off[rank]), int(row_off[rank + 1]))
+    expand = RowMap.build(plan.expand_src_row_W[rows], n_src)
+    row_entry = plan.row_entry_W[rows]
+    real = row_entry >= 0
+    w_TK = plan.entry_weight_TK if weights_TK is None else weights_TK
+    w_flat = np.asarray(w_TK).ravel()
+    row_w = np.where(real, w_flat[np.maximum(row_entry, 0)] if w_flat.size else 0.0, 0.0).astype(w_flat.dtype)
+    lo_t = int(plan.tok_off_R()[rank])
+    tok_w = np.ascontiguousarray(np.asarray(w_TK)[lo_t:lo_t + s])
+    row_k = np.where(real, row_entry % max(K, 1), -1)
+
+    # slots and weights
+    sl = plan.rank_slots(rank)
+    padded = plan.slot_padded_S[sl]
+    cu = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)
+    experts = plan.slot_expert_S[sl]
+    # A slot needs fetched weights when the Plan calls it a copy, or when it is a resident replica
+    # of an expert whose master weights live elsewhere (a static placement such as EPLB's): the
+    # executor holds master weights on home ranks only, so both are fetched from the master's rank
+    # each step and their gradients reduced there.
+    fetch_S = plan.is_copy_S() | (home_E[plan.slot_expert_S] != plan.slot_rank_S)
+    is_copy = fetch_S[sl]
+    home_experts = np.flatnonzero(home_E == rank)
+    local_of_E = np.full(E, -1, dtype=np.int64)
+    local_of_E[home_experts] = np.arange(home_experts.size)
+    copies = np.flatnonzero(fetch_S)  # global list of fetched slots, slot order
+    c_dst, c_exp = plan.slot_rank_S[copies], plan.slot_expert_S[copies]
+    c_src = home_E[c_exp]
+    weight_index = np.where(is_copy, np.cumsum(is_copy) - 1, local_of_E[experts])
+    # sends: my experts to others, ordered by (dst, slot); receives: ordered by (src, slot)
+    mine = np.flatnonzero(c_src == rank)
+    mine = mine[np.argsort(c_dst[mine], kind="stable")]
+    send_local = local_of_E[c_exp[mine]]
+    send_splits = np.bincount(c_dst[mine], minlength=R)
+    to_me = np.flatnonzero(c_dst == rank)  # in slot order = my copy list order
+    order = np.argsort(c_src[to_me], kind="stable")
+    recv_pos = np.arange(to_me.size, dtype=np.int64)[order]
+    recv_splits = np.bincount(c_src[to_me], minlength=R)
+    return Handle(plan=plan, rank=rank, num_tokens=s, hops=tuple(hops), expand=expand,
+                  row_entry=_t(row_entry), row_k=_t(row_k), row_weights=torch.from_numpy(row_w),
+                  token_weights=torch.from_numpy(tok_w),
+                  cu_seqlens=_t(cu), slot_expert=_t(experts), slot_rows=_t(plan.slot_rows_S[sl]),
+                  slot_is_copy=torch.from_numpy(is_copy.copy()), slot_weight_index=_t(weight_index),
+                  home_experts=_t(home_experts), pf_send_local=_t(send_local),
+                  pf_send_splits=tuple(int(c) for c in send_splits),
+                  pf_recv_splits=tuple(int(c) for c in recv_splits), pf_recv_pos=_t(recv_pos))
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process emulation of all ranks (tests and plan debugging; no torch.distributed)
+# ---------------------------------------------------------------------------------------------
+
+def _emulate_hop(send_R: list[torch.Tensor], send_splits_R: list[tuple[int, ...]],
+                 members_R: list[tuple[int, ...]], rank_count: int) -> list[torch.Tensor]:
+    """What ``all_to_all_single`` delivers to each rank: chunks from each member in member order."""
+    chunks = []
+    for r in range(rank_count):
+        chunks.append(dict(zip(members_R[r], torch.split(send_R[r], list(send_splits_R[r])))))
+    return [torch.cat([chunks[src][r] for src in members_R[r]]) for r in range(rank_count)]
+
+
+def emulate_dispatch(handles: list[Handle], x_R: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Dispatch every rank's rows ``x_R[r] [s_r, C]`` in one process; returns each rank's [W_r, C]."""
+    R = len(handles)
+    buf = list(x_R)
+    for i in range(len(handles[0].hops)):
+        hs = [h.hops[i] for h in handles]
+        send = [hs[r].send.gather(buf[r]) for r in range(R)]
+        recv = _emulate_hop(send, [hs[r].send_splits for r in range(R)], [hs[r].members for r in range(R)], R)
+        buf = [hs[r].recv.place(recv[r]) for r in range(R)]
+    return [handles[r].expand.gather(buf[r]) for r in range(R)]
+
+
+def emulate_combine(handles: list[Handle], y_R: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The adjoint of :func:`emulate_dispatch` (no routing weights): each rank's [s_r, C]."""
+    R = len(handles)
+    buf = [handles[r].expand.scatter_add(y_R[r]) for r in range(R)]
+    for i in reversed(range(len(handles[0].hops))):
+        hs = [h.hops[i] for h in handles]
+        send = [hs[r].recv.gather_back.gather(buf[r]) for r in range(R)]
+        recv = _emulate_hop(send, [hs[r].recv_splits for r in range(R)], [hs[r].members for r in range(R)], R)
+        buf = [hs[r].send.scatter_add(recv[r]) for r in range(R)]
+    return buf

@@ -1,0 +1,400 @@
+"""Calibrate the ``local-gloo`` topology: measure this machine, fit constants, write a TOML file.
+
+What is measured (each in P spawned processes, for every P asked, all ranks at once):
+
+- gloo ``all_to_all_single`` with a message of m bytes from every rank to every other rank, for a
+  few sizes m; each repeat is bracketed by a barrier and its time is the slowest rank's; the
+  figure kept is the median over repeats (robust to the odd descheduled process).
+- the expert SwiGLU ``(silu(x W1) * (x W3)) W2`` in float32 with torch, all P ranks computing at
+  the same time, timed until every rank is done (a barrier, whose bare cost is subtracted), so
+  CPU sharing between processes is part of the figure; a few row counts.
+
+What is fitted (weighted least squares, each point weighted by 1/time, so small and large sizes
+count alike):
+
+- per P: ``t(m) = latency + (P-1) * m / bw_proc`` -> ``latency_us[P]`` and the per-process
+  bandwidth ``bw_proc[P]`` (bytes each process sends per second);
+- across P: latency as ``base + per_peer * (P-1)``; bandwidth as
+  ``bw_proc(P) = min(port, aggregate / P)`` (every process has a port of ``port`` bytes/s, and
+  all processes share a host-wide ``aggregate`` -- memory bandwidth, CPU cores);
+- compute per P: ``t(flops) = launch + flops / flops_per_s``.
+
+The result is written atomically as the TOML file the simulator's ``local-gloo`` preset reads
+(``moonep_sim.sim.topology.calibrated_topology_path()``, format in ``docs/topology.md``), with the
+raw measurements and the full fit alongside (``local-gloo.measurements.json``). The simulator
+shares a port max-min between transfers and has no host-wide limit, so the file carries the
+per-process bandwidth fitted at the process count runs will use (``--target-nproc``, default the
+largest measured); the fits at every P and the ``min(port, aggregate/P)`` model are in its
+``[sources]``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from moonep_sim.errors import CommError, ConfigError, require
+from moonep_sim.io import write_text_atomic
+
+DEFAULT_NPROCS = (2, 4)
+DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
+QUICK_SIZES_BYTES = (4 << 10, 256 << 10, 2 << 20)
+# SwiGLU shapes (rows, hidden, ffn) timed for the compute fit
+DEFAULT_SWIGLU_SHAPES = ((64, 512, 1024), (256, 512, 1024), (1024, 512, 1024))
+QUICK_SWIGLU_SHAPES = ((64, 512, 1024), (512, 512, 1024))
+
+
+# -- measurement -------------------------------------------------------------------------------
+def _worker(rank: int, world: int, store: str, sizes: Sequence[int], shapes: Sequence[tuple[int, int, int]],
+            repeats: int, warmup: int, out: str) -> None:
+    """One process of a measurement run (module level: picklable for the spawn start method)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        a2a: list[dict[str, Any]] = []
+        for size in sizes:
+            n = max(1, int(size) // 4)  # float32 elements per peer message
+            x = torch.ones(n * world)
+            y = torch.empty_like(x)
+            for _ in range(warmup):
+                dist.all_to_all_single(y, x)
+            t_S = torch.zeros(repeats, dtype=torch.float64)
+            for i in range(repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_to_all_single(y, x)
+                t_S[i] = time.perf_counter() - t0
+            dist.all_reduce(t_S, op=dist.ReduceOp.MAX)
+            a2a.append({"nproc": world, "bytes_per_peer": n * 4, "seconds": t_S.tolist()})
+        # memory bandwidth: a 32 MiB float32 copy, all ranks at once
+        src = torch.ones(8 << 20)
+        dst = torch.empty_like(src)
+        m_S = torch.zeros(repeats, dtype=torch.float64)
+        for i in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            m_S[i] = time.perf_counter() - t0
+        dist.all_reduce(m_S, op=dist.ReduceOp.MAX)
+        mem = [{"nproc": world, "bytes": src.numel() * 4, "seconds": m_S.tolist()}]
+        # the cost of a bare barrier, subtracted from "compute then barrier" below
+        b_S = torch.zeros(repeats, dtype=torch.float64)
+        for i in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.barrier()
+            b_S[i] = time.perf_counter() - t0
+        dist.all_reduce(b_S, op=dist.ReduceOp.MAX)
+        barrier_s = float(b_S.median())
+        comp: list[dict[str, Any]] = []
+        for rows, hidden, ffn in shapes:
+            g = torch.Generator().manual_seed(rank)
+            x = torch.randn(rows, hidden, generator=g)
+            w1 = torch.randn(hidden, ffn, generator=g) * 0.02
+            w3 = torch.randn(hidden, ffn, generator=g) * 0.02
+            w2 = torch.randn(ffn, hidden, generator=g) * 0.02
+
+            def swiglu() -> torch.Tensor:
+                return (torch.nn.functional.silu(x @ w1) * (x @ w3)) @ w2
+
+            flops = 6 * rows * hidden * ffn
+            inner = max(1, round(2e9 / flops))  # enough calls per repeat to dwarf the barrier
+            for _ in range(warmup):
+                swiglu()
+            t_S = torch.zeros(repeats, dtype=torch.float64)
+            for i in range(repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    swiglu()
+                dist.barrier()  # the time until *every* rank is done: CPU sharing counts
+                t_S[i] = time.perf_counter() - t0
+            dist.all_reduce(t_S, op=dist.ReduceOp.MAX)
+            t_S = ((t_S - barrier_s) / inner).clamp_min(1e-7)
+            comp.append({"nproc": world, "rows": rows, "hidden": hidden, "ffn": ffn,
+                         "flops": flops, "seconds": t_S.tolist(), "calls_per_repeat": inner,
+                         "barrier_s": barrier_s})
+        if rank == 0:
+            Path(out).write_text(json.dumps({"alltoall": a2a, "swiglu": comp, "memcopy": mem}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(nproc: int, sizes_bytes: Sequence[int], swiglu_shapes: Sequence[tuple[int, int, int]],
+            repeats: int = 9, warmup: int = 2, timeout_s: float = 300.0) -> dict[str, list[dict[str, Any]]]:
+    """Run one measurement with ``nproc`` spawned processes; returns ``{"alltoall": [...], "swiglu": [...]}``.
+
+    Each record keeps every repeat's time (``seconds``, the slowest rank's). Processes are
+    terminated if anything fails, times out, or the caller is interrupted (Ctrl-C).
+    """
+    import torch.multiprocessing as mp
+
+    require(nproc >= 2, f"nproc ({nproc}) must be >= 2: an all-to-all needs two processes")
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="moonep-cal-") as tmp:
+        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
+        env_backup = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned children
+        procs = []
+        try:
+            for r in range(nproc):
+                p = ctx.Process(target=_worker, args=(r, nproc, store, list(sizes_bytes), list(swiglu_shapes),
+                                                      repeats, warmup, out), daemon=True)
+                p.start()
+                procs.append(p)
+            deadline = time.monotonic() + timeout_s
+            for p in procs:
+                p.join(max(0.1, deadline - time.monotonic()))
+            bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+            if bad:
+                what = "timed out" if any(c is None for _, c in bad) else "failed"
+                raise CommError(f"calibration with nproc ({nproc}) {what}: ranks {[r for r, _ in bad]} "
+                                f"(exit codes {[c for _, c in bad]})")
+            return json.loads(Path(out).read_text())
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(1)
+            if env_backup is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = env_backup
+
+
+# -- fitting -------------------------------------------------------------------------------------
+def _wls_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Fit ``y = a + b*x`` minimising the squared *relative* error; returns (a, b), both >= 0."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    require(x.size >= 2 and np.unique(x).size >= 2, f"a line fit needs at least two distinct points ({x.size} given)")
+    w = 1.0 / np.maximum(y, 1e-12)
+    A = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
+    (a, b), *_ = np.linalg.lstsq(A, y * w, rcond=None)
+    if a < 0:  # latency cannot be negative: refit through the origin
+        a, b = 0.0, float(np.sum(w * w * x * y) / np.sum(w * w * x * x))
+    if b <= 0:  # no measurable size dependence: constant time
+        a, b = float(np.median(y)), 0.0
+    return float(a), float(b)
+
+
+@dataclass(frozen=True)
+class CalibrationFit:
+    """Fitted local-gloo constants (SI units inside the names).
+
+    latency_us_P / proc_gbps_P / flops_per_s_P / launch_us_P: per process count P (keys are P).
+    latency_base_us, latency_per_peer_us: latency(P) = base + per_peer * (P-1).
+    port_gbps, aggregate_gbps: per-process bandwidth model ``min(port, aggregate / P)`` (GB/s = 1e9 B/s).
+    compute_flops_per_s: per-process FLOP/s with the most processes measured (CPU shared);
+    compute_flops_per_s_alone: with the fewest; launch_us: fixed cost of one expert GEMM chain.
+    mem_gbps_P: per P, bytes of a large float32 copy per second per process (the copy's size over
+    its time: each byte is read once and written once).  cpu_cores: os.cpu_count() here.
+    """
+
+    latency_us_P: dict[int, float]
+    proc_gbps_P: dict[int, float]
+    flops_per_s_P: dict[int, float]
+    launch_us_P: dict[int, float]
+    latency_base_us: float
+    latency_per_peer_us: float
+    port_gbps: float
+    aggregate_gbps: float
+    compute_flops_per_s: float
+    compute_flops_per_s_alone: float
+    launch_us: float
+    mem_gbps_P: dict[int, float] = field(default_factory=dict)
+    cpu_cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+    def proc_gbps(self, nproc: int) -> float:
+        return min(self.port_gbps, self.aggregate_gbps / nproc)
+
+    def latency_us(self, nproc: int) -> float:
+        return self.latency_base_us + self.latency_per_peer_us * (nproc - 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("latency_us_P", "proc_gbps_P", "flops_per_s_P", "launch_us_P", "mem_gbps_P"):
+            d[k] = {str(p): v for p, v in d[k].items()}
+        return d
+
+
+def fit(measurements: dict[str, list[dict[str, Any]]]) -> CalibrationFit:
+    """Fit the local-gloo constants from measurement records (see :func:`measure`).
+
+    ``measurements["alltoall"]``: records with ``nproc``, ``bytes_per_peer``, ``seconds`` (list of
+    repeats); ``measurements["swiglu"]``: records with ``nproc``, ``flops``, ``seconds``.
+    """
+    a2a, comp = measurements.get("alltoall", []), measurements.get("swiglu", [])
+    require(len(a2a) > 0, "calibration needs all-to-all measurements (none given)")
+    require(len(comp) > 0, "calibration needs SwiGLU measurements (none given)")
+    lat_P: dict[int, float] = {}
+    bw_P: dict[int, float] = {}
+    for P in sorted({int(r["nproc"]) for r in a2a}):
+        rec = [r for r in a2a if int(r["nproc"]) == P]
+        m = np.array([r["bytes_per_peer"] for r in rec], float)
+        t = np.array([statistics.median(r["seconds"]) for r in rec], float)
+        a, b = _wls_line(m * (P - 1), t)  # t = latency + bytes_sent_per_process / bw
+        lat_P[P] = a * 1e6
+        bw_P[P] = (1.0 / b) / 1e9 if b > 0 else math.inf
+    Ps = sorted(lat_P)
+    if len(Ps) >= 2:
+        x = np.array(Ps, float) - 1
+        per_peer, base = np.polyfit(x, np.array([lat_P[p] for p in Ps]), 1)
+        if per_peer < 0:
+            per_peer, base = 0.0, float(np.median([lat_P[p] for p in Ps]))
+        if base < 0:
+            base, per_peer = 0.0, float(np.sum(x * [lat_P[p] for p in Ps]) / np.sum(x * x))
+    else:
+        base, per_peer = lat_P[Ps[0]] * 0.5, lat_P[Ps[0]] * 0.5 / max(Ps[0] - 1, 1)
+    finite = {p: v for p, v in bw_P.items() if math.isfinite(v)}
+    require(len(finite) > 0, "calibration measured no size dependence in the all-to-all: use larger --sizes")
+    port = max(finite.values())  # fewest processes: each one gets its own port bandwidth
+    aggregate = min(p * v for p, v in finite.items())  # most processes: the shared host limit binds
+    aggregate = max(aggregate, port)  # one process alone never exceeds its port
+
+    fl_P: dict[int, float] = {}
+    launch_P: dict[int, float] = {}
+    for P in sorted({int(r["nproc"]) for r in comp}):
+        rec = [r for r in comp if int(r["nproc"]) == P]
+        f = np.array([r["flops"] for r in rec], float)
+        t = np.array([statistics.median(r["seconds"]) for r in rec], float)
+        if np.unique(f).size >= 2:
+            a, b = _wls_line(f, t)
+        else:
+            a, b = 0.0, float(t.mean() / f.mean())
+        fl_P[P] = 1.0 / b if b > 0 else float(f.max() / t.max())
+        launch_P[P] = a * 1e6
+    cP = sorted(fl_P)
+    mem_P = {int(r["nproc"]): float(r["bytes"]) / statistics.median(r["seconds"]) / 1e9
+             for r in measurements.get("memcopy", [])}
+    return CalibrationFit(lat_P, bw_P, fl_P, launch_P, float(base), float(per_peer), float(port), float(aggregate),
+                          fl_P[cP[-1]], fl_P[cP[0]], float(np.median(list(launch_P.values()))), mem_P)
+
+
+# -- the topology file ---------------------------------------------------------------------------
+def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Sequence[int]):
+    """The calibrated ``local-gloo`` :class:`~moonep_sim.sim.topology.Topology` for runs of ``nproc``
+    processes.
+
+    All processes form one "node" whose "NVLink" port per process is the gloo loopback path:
+    bandwidth = the fitted per-process bandwidth at ``nproc`` (so CPU and memory sharing between
+    that many processes is inside the figure; the simulator shares each port max-min between the
+    transfers using it), latency = the fitted all-to-all latency at ``nproc``. "GPU" compute is
+    the measured per-process SwiGLU FLOP/s with ``nproc`` processes computing at once; memory
+    bandwidth the measured per-process copy rate. Constants not measured keep the shipped
+    preset's values (listed in ``sources``).
+    """
+    from dataclasses import replace
+
+    from moonep_sim.sim.topology import load_topology, topology_from_dict
+
+    import tomllib
+    from importlib import resources
+
+    base = topology_from_dict(tomllib.loads(
+        resources.files("moonep_sim.data").joinpath("topology-local-gloo.toml").read_text()), "preset local-gloo")
+    f = fit_
+    near = min(f.proc_gbps_P, key=lambda p: abs(p - nproc))
+    bw = f.proc_gbps_P[near] if near == nproc else f.proc_gbps(nproc)
+    lat = f.latency_us_P[near] if near == nproc else f.latency_us(nproc)
+    cnear = min(f.flops_per_s_P, key=lambda p: abs(p - nproc))
+    flops = f.flops_per_s_P[cnear]
+    mem = f.mem_gbps_P.get(cnear) or base.gpu_mem_bandwidth_GBps
+    host = f"{f.cpu_cores} CPU cores, measured with {list(nprocs_measured)} processes"
+    how = "fit t = latency + (P-1) * m / bandwidth over message sizes m (median of repeats, slowest rank)"
+    sources = {
+        "nvlink_bandwidth_GBps": f"moonep-sim calibrate: gloo all_to_all_single, per process at P={near}; {how}",
+        "nvlink_latency_us": f"moonep-sim calibrate: the same fit's latency at P={near}",
+        "nic": "unused: every process is in one node (copied from the NVLink figures)",
+        "gpu_tflops": f"moonep-sim calibrate: float32 SwiGLU, {cnear} processes computing at once, fit t = launch + flops / rate",
+        "gpu_launch_us": "moonep-sim calibrate: the same fit's intercept",
+        "gpu_mem_bandwidth_GBps": (f"moonep-sim calibrate: 32 MiB float32 copy, {cnear} processes at once"
+                                   if f.mem_gbps_P else "shipped preset value (not measured)"),
+        "plan_fixed_us": "shipped preset value (not measured)",
+        "per_nproc": "; ".join(f"P={p}: latency {f.latency_us_P[p]:.1f} us, {f.proc_gbps_P[p]:.4f} GB/s"
+                               for p in sorted(f.proc_gbps_P)) + "; " + "; ".join(
+            f"P={p}: {f.flops_per_s_P[p] / 1e9:.2f} GFLOP/s" for p in sorted(f.flops_per_s_P)),
+        "bandwidth_model": f"per process min(port {f.port_gbps:.4f}, aggregate {f.aggregate_gbps:.4f} / P) GB/s",
+    }
+    _ = load_topology
+    return replace(
+        base,
+        description=(f"this machine's CPU processes over loopback gloo, calibrated by moonep-sim calibrate "
+                     f"for {nproc} processes ({host}) at {time.strftime('%Y-%m-%d %H:%M')}"),
+        nvlink_bandwidth_GBps=round(bw, 6), nvlink_latency_us=round(lat, 3), nvlink_efficiency=1.0,
+        nic_bandwidth_GBps=round(bw, 6), nic_latency_us=round(lat, 3), nic_efficiency=1.0,
+        gpu_tflops=round(flops / 1e12, 6), gpu_compute_efficiency=1.0,
+        gpu_mem_bandwidth_GBps=round(mem, 4), gpu_mem_efficiency=1.0,
+        gpu_launch_us=round(f.launch_us_P[cnear], 3),
+        sources=sources, path="")
+
+
+def calibrated_path() -> Path:
+    """Where the ``local-gloo`` preset reads its calibration from."""
+    try:
+        from moonep_sim.sim.topology import calibrated_topology_path
+        return Path(calibrated_topology_path())
+    except ImportError:  # simulator not installed in this tree yet: same default it documents
+        home = os.environ.get("MOONEP_SIM_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "moonep-sim")
+        return Path(home) / "local-gloo.toml"
+
+
+@dataclass
+class CalibrationResult:
+    fit: CalibrationFit
+    measurements: dict[str, list[dict[str, Any]]]
+    path: Path | None
+    seconds: float
+    topology: Any = None
+
+
+def calibrate(nprocs: Sequence[int] = DEFAULT_NPROCS, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
+              swiglu_shapes: Sequence[tuple[int, int, int]] = DEFAULT_SWIGLU_SHAPES, repeats: int = 9,
+              out: str | os.PathLike | None = None, write: bool = True,
+              progress: Callable[[str], None] | None = None, target_nproc: int | None = None) -> CalibrationResult:
+    """Measure, fit and (if ``write``) write the local-gloo topology file to ``out`` (default:
+    :func:`calibrated_path`), with constants for runs of ``target_nproc`` processes (default: the
+    largest measured); the raw measurements go beside it (``.measurements.json``)."""
+    nprocs = sorted(set(int(p) for p in nprocs))
+    for p in nprocs:
+        require(2 <= p <= 64, f"nproc ({p}) must lie in [2, 64]")
+    require(len(sizes_bytes) >= 2, f"sizes ({list(sizes_bytes)}) must hold at least two message sizes")
+    for s in sizes_bytes:
+        require(4 <= s <= 1 << 30, f"message size ({s} bytes) must lie in [4 B, 1 GiB]")
+    require(repeats >= 1, f"repeats ({repeats}) must be >= 1")
+    t0 = time.perf_counter()
+    merged: dict[str, list[dict[str, Any]]] = {"alltoall": [], "swiglu": [], "memcopy": []}
+    for p in nprocs:
+        if progress:
+            progress(f"measuring with {p} processes ...")
+        m = measure(p, sizes_bytes, swiglu_shapes, repeats=repeats)
+        merged["alltoall"] += m["alltoall"]
+        merged["swiglu"] += m["swiglu"]
+        merged["memcopy"] += m.get("memcopy", [])
+    f = fit(merged)
+    target = int(target_nproc or max(nprocs))
+    topo = local_gloo_topology(f, target, nprocs)
+    path = None
+    if write:
+        path = Path(out) if out else calibrated_path()
+        write_text_atomic(path, topo.to_toml())
+        write_text_atomic(path.with_suffix(".measurements.json"),
+                          json.dumps({"fit": f.to_dict(), "measurements": merged, "target_nproc": target}, indent=1))
+    return CalibrationResult(f, merged, path, time.perf_counter() - t0, topo)

@@ -1,0 +1,454 @@
+"""Compare dispatch strategies on one routing: every strategy planned on the same layers, each
+plan timed on a simulated cluster, and (optionally) replayed for real over gloo.
+
+Every strategy's figures come from its *own* Plan: ``make_plan(name, routing, ctx)`` is called once
+per (strategy, layer), its ``summary()`` is stored verbatim in the report, and the simulator times
+exactly that plan. A simulated figure is always stored with the topology (name and constants)
+that produced it.
+
+Notation: R ranks, E experts, K top-k, T tokens of all ranks; ``_RR`` [source, destination].
+
+Routing sources (``--trace``):
+
+- a trace file (``traces/mixtral-8x7b_humaneval.safetensors``): its tokens are split evenly over
+  the R ranks, layer by layer;
+- ``gen:KEY=VALUE,...`` -- generated routing (MoonEP's method, see
+  :mod:`moonep_sim.routing.generators`): ``model=`` (preset; default mixtral-8x7b), one popularity
+  (``maxvio=``, ``sigma=``, ``zipf=``, ``uniform=1``, ``hot=N,hot-share=F``), ``tokens-per-rank=``
+  (default 512), ``layers=`` (default 1), ``seed=`` (default 0).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from moonep_sim.errors import ConfigError, require
+from moonep_sim.models import ModelSpec, custom_model, get_model
+from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
+from moonep_sim.routing.trace import LayerRouting
+
+GEN_PREFIX = "gen:"
+_GEN_KEYS = {"model", "maxvio", "sigma", "zipf", "uniform", "hot", "hot_share", "tokens_per_rank", "layers",
+             "seed", "groups", "topk_groups", "experts", "top_k"}
+
+
+# -- routing sources ------------------------------------------------------------------------------
+@dataclass
+class RoutingSource:
+    """Where a comparison's routing comes from.
+
+    label: short human description.  num_experts (E), top_k (K).  model: preset (or custom shape).
+    layer_ids: the layers to compare.  path: trace file (None for generated routing until it is
+    written for a real replay, see :meth:`trace_file`).  gen: parsed ``gen:`` options.
+    """
+
+    label: str
+    num_experts: int
+    top_k: int
+    model: ModelSpec
+    layer_ids: list[int]
+    path: Path | None = None
+    gen: dict[str, Any] = field(default_factory=dict)
+    tokens: int | None = None
+    _trace: Any = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"label": self.label, "path": str(self.path) if self.path else None, "generated": self.gen or None,
+                "num_experts": self.num_experts, "top_k": self.top_k, "model": self.model.name,
+                "layers": self.layer_ids, "tokens": self.tokens}
+
+    def layer(self, layer_id: int, ranks: int) -> LayerRouting:
+        """The global routing of one layer (all ranks' tokens)."""
+        if self.gen:
+            from moonep_sim.routing.generators import generate_layer
+
+            g = self.gen
+            pop = {k: g[k] for k in ("maxvio", "sigma", "zipf", "hot", "hot_share", "uniform") if k in g}
+            if not pop:
+                pop = {"maxvio": 1.0}
+            extra = {k: g[k] for k in ("groups", "topk_groups") if k in g}
+            r = generate_layer(self.num_experts, self.top_k, int(g["tokens_per_rank"]) * ranks,
+                               int(g.get("seed", 0)) * 1009 + int(layer_id), **pop, **extra)
+            return LayerRouting(r.topk_ids_TK, r.topk_weights_TK, self.num_experts, layer_id)
+        return self._trace.layer(self._trace.layer_index(layer_id))
+
+    def trace_file(self, dest_dir: Path, ranks: int) -> Path:
+        """A trace file holding exactly the compared layers (written for generated routing)."""
+        if self.path is not None:
+            return self.path
+        from moonep_sim.routing.trace import TraceMeta, write_trace
+
+        layers = [self.layer(i, ranks) for i in self.layer_ids]
+        ids = np.stack([l.topk_ids_TK for l in layers]).astype(np.int32)
+        w = np.stack([l.topk_weights_TK for l in layers]).astype(np.float32)
+        meta = TraceMeta(kind="tokens", num_experts=self.num_experts, top_k=self.top_k, layer_ids=list(self.layer_ids),
+                         num_tokens=int(ids.shape[1]), model=self.model.name if self.model.name in _presets() else None,
+                         source=f"synthetic: {self.label}", attribution="synthetic (moonep-sim)")
+        dest = Path(dest_dir) / "generated.safetensors"
+        write_trace(dest, meta, {"topk_ids": ids, "topk_weights": w})
+        return dest
+
+
+def _presets():
+    from moonep_sim.models import PRESETS
+    return PRESETS
+
+
+def parse_gen(spec: str) -> dict[str, Any]:
+    """``gen:model=kimi-k3,maxvio=10,tokens-per-rank=512`` -> dict of typed values."""
+    body = spec[len(GEN_PREFIX):]
+    out: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in body.split(","))):
+        if "=" not in part:
+            raise ConfigError(f"--trace gen: entry ({part!r}) must look like key=value, e.g. "
+                              "gen:model=kimi-k3,maxvio=10,tokens-per-rank=512")
+        k, v = (s.strip() for s in part.split("=", 1))
+        k = k.replace("-", "_")
+        if k not in _GEN_KEYS:
+            raise ConfigError(f"--trace gen: key ({k!r}) must be one of {sorted(_GEN_KEYS)}")
+        if k == "model":
+            out[k] = v
+            continue
+        try:
+            num = float(v)
+        except ValueError:
+            raise ConfigError(f"--trace gen: {k} ({v!r}) must be a number") from None
+        if k in ("tokens_per_rank", "layers", "seed", "hot", "groups", "topk_groups", "experts", "top_k"):
+            require(num == int(num), f"--trace gen: {k} ({v}) must be an integer")
+            num = int(num)
+        if k == "uniform":
+            num = bool(num)
+        out[k] = num
+    out.setdefault("tokens_per_rank", 512)
+    out.setdefault("layers", 1)
+    out.setdefault("seed", 0)
+    require(out["tokens_per_rank"] >= 1, f"--trace gen: tokens-per-rank ({out['tokens_per_rank']}) must be >= 1")
+    require(out["layers"] >= 1, f"--trace gen: layers ({out['layers']}) must be >= 1")
+    return out
+
+
+def open_source(trace: str, layers: Sequence[int] | None = None, model: str | None = None) -> RoutingSource:
+    """Open a trace file or parse a ``gen:`` spec; checks everything cheap up front."""
+    if trace.startswith(GEN_PREFIX):
+        g = parse_gen(trace)
+        name = model or g.get("model") or "mixtral-8x7b"
+        m = get_model(name)
+        if "experts" in g or "top_k" in g:
+            m = custom_model(int(g.get("experts", m.num_experts)), int(g.get("top_k", m.top_k)), m.hidden,
+                             m.expert_ffn, name=f"{m.name}-custom", dispatch_hidden=m.dispatch_hidden)
+        if m.n_groups > 1 and "groups" not in g:
+            g["groups"], g["topk_groups"] = m.n_groups, m.topk_groups
+        ids = list(layers) if layers else list(range(int(g["layers"])))
+        pop = ", ".join(f"{k}={g[k]:g}" if isinstance(g[k], float) else f"{k}={g[k]}"
+                        for k in ("maxvio", "sigma", "zipf", "hot", "hot_share", "uniform") if k in g) or "maxvio=1"
+        label = f"generated {m.name} ({pop}, {g['tokens_per_rank']} tokens/rank)"
+        return RoutingSource(label, m.num_experts, m.top_k, m, ids, None, g)
+    from moonep_sim.routing.trace import Trace
+
+    path = Path(trace)
+    require(path.exists(), f"--trace ({trace}) must be an existing trace file or gen:KEY=VALUE,...")
+    tr = Trace(path)
+    require(tr.meta.kind == "tokens", f"--trace ({trace}) must be a token-level trace (this one holds only counts)")
+    E, K = tr.meta.num_experts, tr.meta.top_k
+    name = model or tr.meta.model
+    if name:
+        m = get_model(name)
+        require(m.num_experts == E and m.top_k == K,
+                f"model ({name}: E={m.num_experts}, K={m.top_k}) must match the trace ({trace}: E={E}, K={K})")
+    else:
+        m = custom_model(E, K)
+    all_ids = list(tr.meta.layer_ids)
+    if layers:
+        for l in layers:
+            require(l in all_ids, f"--layers entry ({l}) must be one of the trace's layer ids "
+                                  f"({all_ids[0]}..{all_ids[-1]})")
+        ids = list(layers)
+    else:
+        ids = all_ids
+    return RoutingSource(f"{path.name} ({m.name}, {tr.meta.num_tokens} tokens)", E, K, m, ids, path,
+                         tokens=tr.meta.num_tokens, _trace=tr)
+
+
+# -- strategies -------------------------------------------------------------------------------------
+def parse_strategies(text: str, opts: Sequence[str] | None = None) -> list[tuple[str, dict[str, str]]]:
+    """``"alltoall,moonep"`` and ``["moonep.token_padding=128"]`` -> [(name, options)], all checked."""
+    from moonep_sim.strategies import available, get_strategy
+
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    require(len(names) > 0, "--strategies must name at least one strategy")
+    require(len(set(names)) == len(names), f"--strategies ({text}) must not repeat a strategy")
+    specs = {n: get_strategy(n) for n in names}
+    per: dict[str, dict[str, str]] = {n: {} for n in names}
+    for o in opts or []:
+        if "=" not in o or "." not in o.split("=", 1)[0]:
+            raise ConfigError(f"--opt ({o!r}) must look like STRATEGY.key=value, e.g. capacity.capacity_factor=1.25")
+        k, v = o.split("=", 1)
+        s, key = k.split(".", 1)
+        require(s in per, f"--opt strategy ({s!r}) must be one of --strategies ({', '.join(names)})")
+        per[s][key.strip().replace("-", "_")] = v.strip()
+    for n in names:
+        specs[n].parse_options(per[n])  # raises on an unknown option or a bad value
+    _ = available
+    return [(n, per[n]) for n in names]
+
+
+# -- cluster ----------------------------------------------------------------------------------------
+def check_cluster(source: RoutingSource, ranks: int, gpus_per_node: int) -> ClusterShape:
+    require(ranks >= 1, f"--ranks ({ranks}) must be >= 1")
+    require(source.num_experts % ranks == 0,
+            f"--ranks ({ranks}) must divide the routing's expert count (E={source.num_experts}): each rank "
+            f"owns E/R experts (try --ranks {_divisors_hint(source.num_experts)})")
+    g = gpus_per_node or ranks
+    require(ranks % g == 0, f"--ranks ({ranks}) must be divisible by --gpus-per-node ({g})")
+    return ClusterShape(ranks, g)
+
+
+def _divisors_hint(E: int) -> str:
+    return ", ".join(str(d) for d in (2, 4, 8, 16, 32, 64, 128) if E % d == 0 and d <= E) or "1"
+
+
+def plan_context(source: RoutingSource, cluster: ClusterShape, dispatch_dtype: str = "bf16",
+                 token_padding: int = 1):
+    from moonep_sim.strategies import PlanContext
+
+    costs = RowCosts.from_model(source.model, dispatch_dtype)
+    return PlanContext(cluster, Placement.home_groups(source.num_experts, cluster.ranks), costs, token_padding)
+
+
+# -- the simulator, through one narrow door -----------------------------------------------------------
+def load_topology(name: str, cluster: ClusterShape | None = None):
+    """A simulator topology preset (or TOML path); with ``cluster``, its GPUs per node match the plan's."""
+    from moonep_sim.sim.topology import load_topology as _load
+
+    return _load(name, gpus_per_node=cluster.gpus_per_node if cluster is not None else None)
+
+
+def simulate(plan, topo, model: ModelSpec, **opts):
+    from moonep_sim import sim
+
+    return sim.simulate_layer(plan, topo, model, sim.SimOptions(**opts))
+
+
+def topology_info(topo) -> dict[str, Any]:
+    """Name and every constant of a topology (what a simulated figure is reported with)."""
+    c = topo.constants() if hasattr(topo, "constants") else {"repr": repr(topo)}
+    return {"name": getattr(topo, "name", "?"), "path": getattr(topo, "path", "") or None,
+            "constants": _jsonable_dict(c)}
+
+
+def _jsonable_dict(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {str(k): _jsonable_dict(v) for k, v in d.items()}
+    if isinstance(d, (list, tuple)):
+        return [_jsonable_dict(v) for v in d]
+    if isinstance(d, np.ndarray):
+        return d.tolist()
+    if isinstance(d, np.generic):
+        return d.item()
+    if isinstance(d, float) and not math.isfinite(d):
+        return str(d)
+    if isinstance(d, (str, int, float, bool)) or d is None:
+        return d
+    return str(d)
+
+
+def _short(v: Any) -> str:
+    """A one-line description of a straggler / busiest port record."""
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict):
+        for k in ("describe", "label", "name", "what"):
+            if k in v and isinstance(v[k], str):
+                return v[k]
+        return ", ".join(f"{k}={v[k]}" for k in list(v)[:3])
+    return str(v)
+
+
+# -- the comparison ---------------------------------------------------------------------------------
+@dataclass
+class CompareConfig:
+    """A comparison run (see ``moonep-sim compare --help``)."""
+
+    trace: str
+    strategies: list[tuple[str, dict[str, str]]]
+    topology: str
+    ranks: int
+    gpus_per_node: int = 0
+    layers: list[int] | None = None
+    model: str | None = None
+    dispatch_dtype: str = "bf16"
+    token_padding: int = 1
+    real: bool = False
+    nproc: int = 4
+    real_timeout_s: float = 600.0
+    real_args: list[str] = field(default_factory=list)
+
+
+def _sum_dicts(acc: dict[str, float], d: dict[str, Any]) -> None:
+    for k, v in d.items():
+        if isinstance(v, (int, float, np.integer, np.floating)):
+            acc[k] = acc.get(k, 0) + v
+
+
+def compare(cfg: CompareConfig, progress: Callable[[str, int, int], None] | None = None,
+            source: RoutingSource | None = None) -> dict[str, Any]:
+    """Plan, simulate (and replay) every strategy on the same layers; return the JSON report."""
+    from moonep_sim.strategies import make_plan
+
+    t_start = time.perf_counter()
+    source = source or open_source(cfg.trace, cfg.layers, cfg.model)
+    cluster = check_cluster(source, cfg.ranks, cfg.gpus_per_node)
+    topo = load_topology(cfg.topology, cluster)
+    ctx = plan_context(source, cluster, cfg.dispatch_dtype, cfg.token_padding)
+    local_topo = load_topology("local-gloo", cluster) if cfg.real else None
+    R = cluster.ranks
+    rep: dict[str, Any] = {
+        "kind": "compare",
+        "routing": source.describe(),
+        "model": source.model.to_dict(),
+        "cluster": {"ranks": R, "gpus_per_node": cluster.gpus_per_node, "nodes": cluster.num_nodes},
+        "dispatch_dtype": cfg.dispatch_dtype,
+        "token_padding": cfg.token_padding,
+        "topology": topology_info(topo),
+        "strategies": {},
+    }
+    acc: dict[str, dict[str, Any]] = {}
+    for name, opts in cfg.strategies:
+        acc[name] = {"options": dict(opts), "layers": [], "bytes": {}, "phases": {}, "rows_R": np.zeros(R),
+                     "dispatch_RR": np.zeros((R, R)), "local_phases": {}, "local_us": []}
+    total_steps = len(source.layer_ids) * len(cfg.strategies)
+    step = 0
+    for lid in source.layer_ids:
+        lr = source.layer(lid, R)
+        routing = GlobalRouting.split_evenly(lr.topk_ids_TK, lr.topk_weights_TK, source.num_experts, R)
+        for name, opts in cfg.strategies:
+            if progress:
+                progress(f"layer {lid}: {name}", step, total_steps)
+            a = acc[name]
+            plan = make_plan(name, routing, ctx, **opts)
+            summ = plan.summary()
+            res = simulate(plan, topo, source.model)
+            sd = _jsonable_dict(res.to_dict())
+            entry = {"layer": int(lid), "plan": _jsonable_dict(summ), "sim": sd}
+            if local_topo is not None:
+                lres = simulate(plan, local_topo, source.model)
+                entry["sim_local"] = _jsonable_dict(lres.to_dict())
+                a["local_us"].append(float(lres.layer_time_us))
+                _sum_dicts(a["local_phases"], dict(lres.phases_us))
+            a["layers"].append(entry)
+            _sum_dicts(a["bytes"], summ["bytes"])
+            _sum_dicts(a["phases"], dict(res.phases_us))
+            a["rows_R"] += np.asarray(summ["recv_rows_per_rank"], float)
+            for p in plan.phases("forward"):
+                if p.kind == "dispatch":
+                    a["dispatch_RR"] += p.bytes_RR
+            step += 1
+    if progress:
+        progress("done", total_steps, total_steps)
+    L = len(source.layer_ids)
+    for name, _ in cfg.strategies:
+        a = acc[name]
+        times = [e["sim"]["layer_time_us"] for e in a["layers"]]
+        lbs = [e["sim"]["lower_bound_us"] for e in a["layers"]]
+        worst = int(np.argmax(times))
+        mom = [e["plan"]["max_over_mean_rows"] for e in a["layers"]]
+        rows_max = [max(e["plan"]["recv_rows_per_rank"]) for e in a["layers"]]
+        rows_mean = [float(np.mean(e["plan"]["recv_rows_per_rank"])) for e in a["layers"]]
+        b = {k: int(v) for k, v in a["bytes"].items()}
+        rep["strategies"][name] = {
+            "options": a["options"],
+            "plan_bytes": b,
+            "weight_bytes": int(b.get("prefetch", 0) + b.get("migrate", 0)),
+            "dropped": int(sum(e["plan"]["dropped"] for e in a["layers"])),
+            "padded": int(sum(e["plan"]["padded"] for e in a["layers"])),
+            "weight_copies": int(sum(e["plan"]["weight_copies"] for e in a["layers"])),
+            "rows_max": float(np.mean(rows_max)),
+            "rows_mean": float(np.mean(rows_mean)),
+            "rows_max_over_mean": float(np.mean(mom)),
+            "rows_per_rank_mean": (a["rows_R"] / L).tolist(),
+            "dispatch_bytes_RR": a["dispatch_RR"].astype(np.int64).tolist(),
+            "plan_seconds": float(sum(e["plan"]["plan_seconds"] for e in a["layers"])),
+            "invariant_violations": sum(len(e["plan"]["invariant_violations"]) for e in a["layers"]),
+            "sim": {
+                "topology": rep["topology"]["name"],
+                "layer_time_us_mean": float(np.mean(times)),
+                "layer_time_us_total": float(np.sum(times)),
+                "phases_us_mean": {k: float(v) / L for k, v in a["phases"].items()},
+                "lower_bound_us_mean": float(np.mean(lbs)),
+                "ratio_to_lower_bound": float(np.sum(times) / max(np.sum(lbs), 1e-12)),
+                "straggler": _short(a["layers"][worst]["sim"].get("straggler")),
+                "busiest_port": _short(a["layers"][worst]["sim"].get("busiest_port")),
+                "slowest_layer": a["layers"][worst]["layer"],
+            },
+            "layers": a["layers"],
+        }
+        if local_topo is not None:
+            rep["strategies"][name]["sim_local"] = {
+                "topology": "local-gloo",
+                "layer_time_us_mean": float(np.mean(a["local_us"])),
+                "phases_us_mean": {k: float(v) / L for k, v in a["local_phases"].items()},
+            }
+    if cfg.real:
+        rep["real"] = run_real(cfg, source, cluster, local_topo, rep, progress)
+    rep["seconds"] = time.perf_counter() - t_start
+    return rep
+
+
+# -- real replay ----------------------------------------------------------------------------------------
+def run_real(cfg: CompareConfig, source: RoutingSource, cluster: ClusterShape, local_topo, rep: dict[str, Any],
+             progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """Replay every strategy over gloo with ``cfg.nproc`` local processes; pair with the simulated
+    time of the same plans on the calibrated local-gloo topology."""
+    import tempfile
+
+    from moonep_sim.gloo.launcher import run_replay
+
+    out: dict[str, Any] = {"nproc": cfg.nproc, "topology": topology_info(local_topo), "strategies": {}}
+    with tempfile.TemporaryDirectory(prefix="moonep-compare-") as tmp:
+        trace_path = source.trace_file(Path(tmp), cluster.ranks)
+        n = len(cfg.strategies)
+        for i, (name, opts) in enumerate(cfg.strategies):
+            if progress:
+                progress(f"gloo replay: {name}", i, n)
+            argv = replay_argv(trace_path, name, opts, source, cfg)
+            res = run_replay(cfg.nproc, argv, timeout_s=cfg.real_timeout_s)
+            meas_ms = _measured_layer_ms(res)
+            sim_ms = rep["strategies"][name]["sim_local"]["layer_time_us_mean"] / 1e3
+            out["strategies"][name] = {
+                "measured_ms_mean": meas_ms,
+                "simulated_ms_mean": sim_ms,
+                "sim_over_measured": sim_ms / meas_ms if meas_ms > 0 else None,
+                "correct": res.get("correct"),
+                "replay": _jsonable_dict(res),
+            }
+    return out
+
+
+def replay_argv(trace_path: Path, strategy: str, opts: dict[str, str], source: RoutingSource,
+                cfg: CompareConfig) -> list[str]:
+    argv = ["--trace", str(trace_path), "--strategy", strategy,
+            "--layers", ",".join(str(l) for l in source.layer_ids)]
+    if source.model.name in _presets():
+        argv += ["--model", source.model.name]
+    for k, v in opts.items():
+        argv += ["--opt", f"{k}={v}"]
+    return argv + list(cfg.real_args)
+
+
+def _measured_layer_ms(res: dict[str, Any]) -> float:
+    """Mean measured time of one layer in a replay result."""
+    total = res.get("total_ms")
+    layers = res.get("layers")
+    nl = len(layers) if isinstance(layers, (list, tuple)) else int(layers or 1)
+    if isinstance(total, (list, tuple)):
+        return float(np.mean(total))
+    return float(total) / max(nl, 1)

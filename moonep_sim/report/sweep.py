@@ -1,0 +1,178 @@
+"""Sweep one knob and time every strategy at each value: imbalance (maxvio), EP size, or a
+topology constant.
+
+- ``maxvio``: MoonEP's methodology -- expert popularity ``p_e ∝ exp(N(0, sigma))``, sigma found by
+  bisection to hit each target maxvio (default targets 0.2, 1, 10, 20), K distinct experts per
+  token (:mod:`moonep_sim.routing.generators`); ``tokens_per_rank`` tokens on each of R ranks.
+- ``ep``: EP sizes (ranks); every rank keeps ``tokens_per_rank`` tokens, the imbalance is fixed
+  (``maxvio``, default 1).
+- any numeric topology field (``nic_bandwidth_GBps``, ``nvlink_bandwidth_GBps``,
+  ``fabric_oversubscription``, ``gpu_tflops`` ...): the routing is fixed, the constant varies.
+
+Every point plans each strategy on the same routing (its own Plan) and simulates it; the report
+keeps, per strategy and point, the layer time, the phases, the lower bound and their ratio, and
+the topology constants used.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from moonep_sim.errors import ConfigError, require
+from moonep_sim.models import ModelSpec
+from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
+from moonep_sim.report.compare import _jsonable_dict, _short, load_topology, simulate, topology_info
+
+MAXVIO_TARGETS = (0.2, 1.0, 10.0, 20.0)
+EP_SIZES = (8, 16, 32, 64)
+
+
+@dataclass
+class SweepConfig:
+    """A sweep (see ``moonep-sim sweep --help``)."""
+
+    model: ModelSpec
+    over: str
+    values: list[float]
+    strategies: list[tuple[str, dict[str, str]]]
+    topology: str
+    ranks: int = 64
+    gpus_per_node: int = 0
+    tokens_per_rank: int = 1024
+    maxvio: float = 1.0
+    seed: int = 0
+    dispatch_dtype: str = "bf16"
+    token_padding: int = 1
+
+
+def topology_params(topo) -> list[str]:
+    """Numeric topology constants that ``--over`` may name."""
+    return [f.name for f in fields(topo) if f.type in (float, int, "float", "int") and f.name != "nodes"]
+
+
+def check(cfg: SweepConfig) -> Any:
+    """Validate everything before any work; returns the loaded base topology."""
+    m = cfg.model
+    topo = load_topology(cfg.topology)
+    require(len(cfg.values) >= 1, "--values must hold at least one value")
+    require(cfg.tokens_per_rank >= 1, f"--tokens-per-rank ({cfg.tokens_per_rank}) must be >= 1")
+    if cfg.over == "maxvio":
+        hi = m.num_experts / m.top_k - 1
+        for v in cfg.values:
+            require(0 < v <= hi, f"maxvio ({v:g}) must lie in (0, E/K-1 = {hi:g}] for {m.name} (E={m.num_experts}, "
+                                 f"K={m.top_k})")
+        sizes = [cfg.ranks]
+    elif cfg.over == "ep":
+        sizes = [int(v) for v in cfg.values]
+        for v in cfg.values:
+            require(v == int(v) and v >= 1, f"EP size ({v:g}) must be a positive integer")
+    else:
+        params = topology_params(topo)
+        require(cfg.over in params, f"--over ({cfg.over!r}) must be maxvio, ep or a topology constant: "
+                                    f"{', '.join(params)}")
+        sizes = [cfg.ranks]
+        for v in cfg.values:
+            replace(topo, **{cfg.over: type(getattr(topo, cfg.over))(v)})  # the topology checks the value
+    for R in sizes:
+        require(m.num_experts % R == 0,
+                f"EP size ({R}) must divide {m.name}'s expert count (E={m.num_experts}): each rank owns E/R experts")
+        g = min(cfg.gpus_per_node or topo.gpus_per_node, R)
+        require(R % g == 0, f"EP size ({R}) must be divisible by gpus per node ({g})")
+    if cfg.over != "maxvio":
+        hi = m.num_experts / m.top_k - 1
+        require(0 < cfg.maxvio <= hi, f"--maxvio ({cfg.maxvio:g}) must lie in (0, {hi:g}] for {m.name}")
+    return topo
+
+
+def _routing(cfg: SweepConfig, ranks: int, maxvio: float, seed: int):
+    from moonep_sim.routing.generators import generate_layer
+    from moonep_sim.routing.metrics import maxvio as maxvio_of
+
+    m = cfg.model
+    extra = {"groups": m.n_groups, "topk_groups": m.topk_groups} if m.n_groups > 1 else {}
+    lr = generate_layer(m.num_experts, m.top_k, cfg.tokens_per_rank * ranks, seed, maxvio=maxvio, **extra)
+    gr = GlobalRouting.split_evenly(lr.topk_ids_TK, lr.topk_weights_TK, m.num_experts, ranks)
+    return gr, float(maxvio_of(gr.counts_E()))
+
+
+def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    from moonep_sim.strategies import PlanContext, make_plan
+
+    t0 = time.perf_counter()
+    base = check(cfg)
+    m = cfg.model
+    costs = RowCosts.from_model(m, cfg.dispatch_dtype)
+    names = [n for n, _ in cfg.strategies]
+    out_s = {n: {"options": dict(o), "layer_time_us": [], "lower_bound_us": [], "ratio_to_lower_bound": [],
+                 "phases_us": [], "dropped": [], "weight_bytes": [], "rows_max_over_mean": [], "straggler": [],
+                 "plan_seconds": [], "sim_seconds": []} for n, o in cfg.strategies}
+    points: list[dict[str, Any]] = []
+    total = len(cfg.values) * len(names)
+    step = 0
+    fixed = None
+    if cfg.over not in ("maxvio", "ep"):
+        fixed = _routing(cfg, cfg.ranks, cfg.maxvio, cfg.seed)
+    for v in cfg.values:
+        ranks = int(v) if cfg.over == "ep" else cfg.ranks
+        topo = base
+        if cfg.over not in ("maxvio", "ep"):
+            topo = replace(base, **{cfg.over: type(getattr(base, cfg.over))(v)})
+        if progress:
+            progress(f"{cfg.over}={v:g}: routing", step, total)
+        if fixed is not None:
+            routing, realised = fixed
+        else:
+            routing, realised = _routing(cfg, ranks, v if cfg.over == "maxvio" else cfg.maxvio, cfg.seed)
+        g = min(cfg.gpus_per_node or topo.gpus_per_node, ranks)
+        cluster = ClusterShape(ranks, g)
+        topo_g = topo.with_gpus_per_node(g) if hasattr(topo, "with_gpus_per_node") else topo
+        ctx = PlanContext(cluster, Placement.home_groups(m.num_experts, ranks), costs, cfg.token_padding)
+        points.append({"value": v, "ranks": ranks, "gpus_per_node": g, "tokens": routing.num_tokens,
+                       "realised_maxvio": realised, "topology": topology_info(topo_g)})
+        for name, opts in cfg.strategies:
+            if progress:
+                progress(f"{cfg.over}={v:g}: {name}", step, total)
+            s = out_s[name]
+            t1 = time.perf_counter()
+            plan = make_plan(name, routing, ctx, **opts)
+            t2 = time.perf_counter()
+            res = simulate(plan, topo_g, m)
+            t3 = time.perf_counter()
+            real = plan.real_rows_R()
+            s["layer_time_us"].append(float(res.layer_time_us))
+            s["lower_bound_us"].append(float(res.lower_bound_us))
+            s["ratio_to_lower_bound"].append(float(res.ratio_to_lower_bound))
+            s["phases_us"].append({k: float(x) for k, x in dict(res.phases_us).items()})
+            s["dropped"].append(plan.dropped)
+            wb = plan.weight_copies * plan.costs.weight_bytes + int(plan.migrate_expert_X.size) * plan.costs.weight_bytes
+            s["weight_bytes"].append(int(wb))
+            s["rows_max_over_mean"].append(float(real.max() / max(real.mean(), 1e-12)))
+            s["straggler"].append(_short(_jsonable_dict(res.to_dict()).get("straggler")))
+            s["plan_seconds"].append(t2 - t1)
+            s["sim_seconds"].append(t3 - t2)
+            step += 1
+    if progress:
+        progress("done", total, total)
+    lb = [min(out_s[n]["lower_bound_us"][i] for n in names) for i in range(len(cfg.values))]
+    return {
+        "kind": "sweep",
+        "over": cfg.over,
+        "values": [float(v) for v in cfg.values],
+        "model": m.to_dict(),
+        "topology": topology_info(base),
+        "cluster": {"ranks": cfg.ranks if cfg.over != "ep" else None,
+                    "gpus_per_node": cfg.gpus_per_node or base.gpus_per_node},
+        "tokens_per_rank": cfg.tokens_per_rank,
+        "maxvio": cfg.maxvio if cfg.over != "maxvio" else None,
+        "seed": cfg.seed,
+        "dispatch_dtype": cfg.dispatch_dtype,
+        "points": points,
+        "lower_bound_us": lb,
+        "strategies": out_s,
+        "seconds": time.perf_counter() - t0,
+    }

@@ -1,0 +1,140 @@
+"""Terminal tables (rich) of compare, sweep and fidelity reports, built from their JSON dicts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moonep_sim.report.plots import PHASE_ORDER, grouped_phases
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:,.1f}"
+
+
+def _time(us: float) -> str:
+    """Three significant digits, in us, ms or s."""
+    if us == 0:
+        return "0"
+    if us >= 1e6:
+        return f"{us / 1e6:.3g} s"
+    return f"{us / 1e3:.3g} ms" if us >= 1000 else f"{us:.3g} us"
+
+
+def compare_table(report: dict[str, Any]) -> list:
+    """Tables of one comparison: (1) simulated time per phase, ratio to the lower bound and the
+    straggler; (2) load, bytes per link class, weights moved, drops; (3) with real runs, measured
+    vs simulated (local-gloo) side by side."""
+    from rich.table import Table
+
+    strat = report["strategies"]
+    groups = {n: grouped_phases(s["sim"]["phases_us_mean"]) for n, s in strat.items()}
+    phase_cols = [g for g in PHASE_ORDER if any(gr.get(g, 0) > 0 for gr in groups.values())]
+    topo = report["topology"]["name"]
+    cl = report["cluster"]
+    best = min(s["sim"]["layer_time_us_mean"] for s in strat.values())
+    t = Table(title=(f"simulated on {topo}, EP{cl['ranks']} = {cl['nodes']} node(s) x {cl['gpus_per_node']}: "
+                     f"mean per layer over {len(report['routing']['layers'])} layer(s) of {report['routing']['label']}"),
+              title_justify="left")
+    t.add_column("strategy", style="bold")
+    t.add_column("layer time", justify="right")
+    for g in phase_cols:
+        t.add_column(g, justify="right")
+    t.add_column("x LB", justify="right")
+    t.add_column("straggler")
+    for n, s in strat.items():
+        sim = s["sim"]
+        row = [n, _time(sim["layer_time_us_mean"])] + [_time(groups[n].get(g, 0.0)) for g in phase_cols]
+        row += [f"{sim['ratio_to_lower_bound']:.2f}", sim["straggler"]]
+        t.add_row(*row, style="green" if sim["layer_time_us_mean"] == best else None)
+    t2 = Table(title="load and traffic (from each strategy's plan; bytes summed over layers, forward + backward)",
+               title_justify="left")
+    for col in ("strategy", "rows max/mean", "NVLink MiB", "NIC MiB", "weights MiB", "dropped", "padded"):
+        t2.add_column(col, justify="left" if col == "strategy" else "right", style="bold" if col == "strategy" else None)
+    for n, s in strat.items():
+        b = s["plan_bytes"]
+        t2.add_row(n, f"{s['rows_max']:,.0f}/{s['rows_mean']:,.0f} ({s['rows_max_over_mean']:.2f})",
+                   _mib(b.get("intra_node", 0)), _mib(b.get("inter_node", 0)), _mib(s["weight_bytes"]),
+                   f"{s['dropped']:,}", f"{s['padded']:,}")
+    out = [t, t2]
+    real = report.get("real")
+    if real:
+        t3 = Table(title=f"real: gloo, {real['nproc']} local processes, vs the same plans simulated on "
+                         f"{real['topology']['name']} (mean per layer)", title_justify="left")
+        for col in ("strategy", "measured", "simulated", "sim/measured", "correct"):
+            t3.add_column(col, justify="left" if col == "strategy" else "right", style="bold" if col == "strategy" else None)
+        for n in strat:
+            r = real["strategies"].get(n)
+            if not r:
+                continue
+            ratio = r["sim_over_measured"]
+            t3.add_row(n, f"{r['measured_ms_mean']:.2f} ms", f"{r['simulated_ms_mean']:.2f} ms",
+                       f"{ratio:.2f}" if ratio else "-", {True: "yes", False: "NO"}.get(r.get("correct"), "-"))
+        out.append(t3)
+    return out
+
+
+def compare_footer(report: dict[str, Any]) -> list[str]:
+    """Lines under the table: which constants produced the figures, and what the columns mean."""
+    c = report["topology"]["constants"]
+    lines = [f"simulated on topology {report['topology']['name']}: " + _topo_line(c)]
+    if report.get("real"):
+        lc = report["real"]["topology"]["constants"]
+        lines.append(f"measured: gloo, {report['real']['nproc']} local processes; sim local-gloo: " + _topo_line(lc))
+    lines.append("NVLink / NIC MiB: bytes crossing intra-node / inter-node links, forward + backward, summed over "
+                 "layers; weights MiB: expert weights moved (prefetch + migrate); x lower bound: layer time over "
+                 "max(busiest-port bytes / bandwidth, even compute)")
+    return lines
+
+
+def _topo_line(c: dict[str, Any]) -> str:
+    keys = [("gpus_per_node", "G={}"), ("nvlink_bandwidth_GBps", "NVLink {} GB/s"),
+            ("nvlink_latency_us", "{} us"), ("nic_bandwidth_GBps", "NIC {} GB/s"),
+            ("gpu_tflops", "{} TFLOP/s"), ("gpu_compute_efficiency", "eff {}")]
+    out = []
+    for k, fmt in keys:
+        if k in c:
+            v = c[k]
+            out.append(fmt.format(f"{v:g}" if isinstance(v, float) else v))
+    return ", ".join(out)
+
+
+def sweep_table(report: dict[str, Any]):
+    from rich.table import Table
+
+    t = Table(title=f"sweep over {report['over']}: simulated layer time (x lower bound) -- "
+                    f"{report['model']['name']} on {report['topology']['name']}", title_justify="left")
+    t.add_column(report["over"], justify="right")
+    names = list(report["strategies"])
+    for n in names:
+        t.add_column(n, justify="right")
+    for i, v in enumerate(report["values"]):
+        row = [f"{v:g}" if isinstance(v, float) else str(v)]
+        for n in names:
+            s = report["strategies"][n]
+            row.append(f"{_time(s['layer_time_us'][i])} ({s['ratio_to_lower_bound'][i]:.2f}x)")
+        t.add_row(*row)
+    return t
+
+
+def fidelity_table(report: dict[str, Any]):
+    from rich.table import Table
+
+    t = Table(title=f"fidelity: measured (gloo, {report['nproc']} processes) vs simulated ({report['topology']['name']})",
+              title_justify="left")
+    for col in ("case", "strategy", "measured ms", "simulated ms", "error"):
+        t.add_column(col, justify="left" if col in ("case", "strategy") else "right")
+    for c in report["cases"]:
+        t.add_row(c["case"], c["strategy"], f"{c['measured_ms']:.2f}", f"{c['simulated_ms']:.2f}",
+                  f"{c['error'] * 100:+.0f}%")
+    return t
+
+
+def wide_console(min_width: int = 132):
+    """A rich console; when the output is not a terminal (a file, a pipe), at least ``min_width``
+    columns wide so that report tables do not wrap."""
+    from rich.console import Console
+
+    c = Console()
+    if not c.is_terminal and c.width < min_width:
+        c = Console(width=min_width)
+    return c

@@ -1,0 +1,387 @@
+"""Synthetic routing, deterministic by seed.
+
+Notation: L layers, S steps, T tokens (per step), K top-k, E experts, G expert groups.
+
+Method (MoonEP's benchmark method, generalised):
+
+1. **Popularity.** A standard-normal score ``z_E`` is drawn once from the seed. Each popularity
+   model maps it to log-popularity ``logp_E``:
+
+   - ``maxvio`` / ``sigma``: lognormal, ``logp = sigma * z`` (``p_e ∝ exp(N(0, sigma))``); with a
+     target maxvio, sigma is found by bisection in log scale (below);
+   - ``zipf``: ``p ∝ 1 / rank^a`` where rank orders experts by z;
+   - ``hot``: the N experts with the largest z are r times as popular as the others, r set so they
+     take the chosen share of all selections;
+   - ``uniform``: all equal.
+
+   Per-layer variation v mixes a fresh normal per layer into z (``sqrt(1-v^2) z + v z'``);
+   drift d does the same from step to step (an AR(1) walk), so popularity moves across steps.
+2. **Sampling.** K distinct experts per token without replacement, with probability proportional to
+   ``p_e`` at each draw: the Gumbel top-k trick, run as the equivalent *exponential race* (the K
+   smallest of ``X_te / p_e`` with ``X ~ Exp(1)``; ``-log`` of it is ``logp + Gumbel``), chunked
+   over tokens with ``np.argpartition`` so memory stays bounded. The perturbed scores
+   ``logp_e - log X_te`` act as router logits: ids are their top-K (ordered by score), weights
+   their softmax over the chosen K, and ``--logits`` stores them.
+3. **Group-limited routing** (DeepSeek-V3 style): experts form G contiguous groups; a group's
+   score is the sum of its two best expert scores; each token keeps its top-M groups and picks
+   its top-K experts inside them.
+
+**Hitting a maxvio target.** ``maxvio = max_e(T_e / mean_T) - 1`` over one block's counts (a
+block is one (layer, step)). sigma is first set by bisection on the *expected* maxvio: inclusion
+probabilities of the race (``pi_e = 1 - exp(-p_e tau)``, tau such that ``sum pi = K``) plus the
+binomial noise of the hottest expert (fixed-seed normal draws); the block is then sampled, and if
+its realised maxvio is more than 2% off, sigma is refined by bisection on the realised statistic
+with the same seed (same random draws, so it is a deterministic function of sigma). A target
+above ``E/K - 1`` is impossible (an expert takes at most one selection per token); a target below
+the sampling-noise floor (the maxvio of uniform popularity at this token count) is unreachable;
+both raise a one-line :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moonep_sim.errors import ConfigError, require
+from moonep_sim.routing.metrics import gini, maxvio as maxvio_of
+from moonep_sim.routing.trace import LayerRouting, TraceMeta, write_trace
+
+CHUNK_ELEMS = 1 << 22      # tokens per chunk = CHUNK_ELEMS // E (fixed: results never depend on the machine)
+TOLERANCE = 0.05           # promised relative accuracy of a maxvio target
+_REFINE_TOL = 0.02         # refine when the first realised value is further off than this
+_LOGP_FLOOR = -80.0        # log-popularity clipped here (exp stays a normal float32)
+SIGMA_MIN, SIGMA_MAX = 1e-4, 64.0
+
+
+# ---------------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class PopularitySpec:
+    """Exactly one popularity model: ``maxvio`` (target), ``sigma`` (fixed lognormal spread),
+    ``zipf`` (exponent a > 0), ``hot`` + ``hot_share`` (N hot experts taking share F of
+    selections), or ``uniform``."""
+
+    maxvio: float | None = None
+    sigma: float | None = None
+    zipf: float | None = None
+    hot: int | None = None
+    hot_share: float | None = None
+    uniform: bool = False
+
+    @property
+    def kind(self) -> str:
+        given = [k for k in ("maxvio", "sigma", "zipf", "hot") if getattr(self, k) is not None]
+        if self.uniform:
+            given.append("uniform")
+        if len(given) != 1:
+            raise ConfigError(f"popularity ({', '.join(given) or 'none'}) must be exactly one of "
+                              "maxvio, sigma, zipf, hot (+hot_share), uniform")
+        return given[0]
+
+    def check(self, num_experts: int, top_k: int) -> None:
+        kind = self.kind
+        E, K = num_experts, top_k
+        if kind == "maxvio":
+            require(math.isfinite(self.maxvio) and self.maxvio > 0,
+                    f"maxvio ({self.maxvio}) must be > 0 (use uniform for no skew)")
+            require(self.maxvio <= E / K - 1 + 1e-12,
+                    f"maxvio ({self.maxvio}) must be <= E/K - 1 ({E / K - 1:g}, E={E}, K={K}): an expert "
+                    "takes at most one selection per token, so T_e <= T = (E/K) * mean_T")
+        elif kind == "sigma":
+            require(math.isfinite(self.sigma) and self.sigma >= 0, f"sigma ({self.sigma}) must be >= 0")
+        elif kind == "zipf":
+            require(math.isfinite(self.zipf) and self.zipf > 0, f"zipf ({self.zipf}) must be > 0")
+        elif kind == "hot":
+            require(self.hot_share is not None, "hot_share must be given with hot")
+            require(1 <= self.hot < E, f"hot ({self.hot}) must be in [1, num_experts={E})")
+            lo, hi = self.hot / E, min(1.0, self.hot / K)
+            require(lo <= self.hot_share <= hi,
+                    f"hot_share ({self.hot_share}) must be in [{lo:g}, {hi:g}] for {self.hot} hot experts "
+                    f"of E={E}, K={K}: at least their uniform share, at most one selection per token each")
+        if kind != "hot":
+            require(self.hot_share is None, "hot_share needs hot")
+
+
+@dataclass
+class Generated:
+    """A generated routing: ids/weights [L, S*T, K], step [S*T], optional logits [L, S*T, E]."""
+
+    topk_ids_LTK: np.ndarray
+    topk_weights_LTK: np.ndarray
+    step_T: np.ndarray
+    router_logits_LTE: np.ndarray | None
+    num_experts: int
+    report: dict[str, Any] = field(default_factory=dict)
+
+    def layer(self, i: int) -> LayerRouting:
+        return LayerRouting(self.topk_ids_LTK[i], self.topk_weights_LTK[i], self.num_experts, i)
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _rng(seed: int, *path: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([int(seed), *[int(p) for p in path]]))
+
+
+def inclusion_probs(logp_E: np.ndarray, top_k: int) -> np.ndarray:
+    """Probability that each expert is among a token's K (race approximation), float64 [E].
+
+    ``pi_e = 1 - exp(-p_e * tau)`` with tau solving ``sum_e pi_e = K`` (log-scale bisection).
+    """
+    p = np.exp(np.asarray(logp_E, np.float64) - np.max(logp_E))
+    lo, hi = -60.0, 60.0
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        if (-np.expm1(-p * math.exp(mid))).sum() < top_k:
+            lo = mid
+        else:
+            hi = mid
+    return -np.expm1(-p * math.exp(0.5 * (lo + hi)))
+
+
+def _expected_maxvio(logp_E: np.ndarray, top_k: int, tokens: int, noise_M_E: np.ndarray) -> float:
+    pi = inclusion_probs(logp_E, top_k)
+    mean = tokens * top_k / pi.size
+    c = tokens * pi + np.sqrt(tokens * pi * (1 - pi)) * noise_M_E
+    return float(np.mean(c.max(axis=1)) / mean - 1.0)
+
+
+def sample_topk(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
+                groups: int = 1, topk_groups: int = 1, with_logits: bool = False
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """K distinct experts per token, drawn without replacement with probability ∝ exp(logp).
+
+    Returns ids int64 [T, K] (by descending score), weights float32 [T, K] (softmax of the chosen
+    scores), and the scores float32 [T, E] when ``with_logits``. Chunked: at most
+    ``CHUNK_ELEMS`` floats of noise live at once.
+    """
+    E, K = int(np.size(logp_E)), int(top_k)
+    lp = np.maximum(np.asarray(logp_E, np.float64) - np.max(logp_E), _LOGP_FLOOR)
+    lp32 = lp.astype(np.float32)
+    inv_p = np.exp(-lp).astype(np.float32)
+    grouped = groups > 1 and topk_groups < groups
+    ids = np.empty((tokens, K), np.int64)
+    w = np.empty((tokens, K), np.float32)
+    logits = np.empty((tokens, E), np.float32) if with_logits else None
+    chunk = max(1, CHUNK_ELEMS // E)
+    for s in range(0, tokens, chunk):
+        n = min(chunk, tokens - s)
+        x = rng.standard_exponential((n, E), dtype=np.float32)
+        if grouped or with_logits:
+            score = lp32 - np.log(np.maximum(x, np.float32(1e-30)))      # logp + Gumbel
+            if with_logits:
+                logits[s:s + n] = score
+            if grouped:
+                score = _mask_groups(score, groups, topk_groups)
+            key = -score
+        else:
+            key = x
+            key *= inv_p                                                 # X / p: smaller wins
+        part = np.argpartition(key, K - 1, axis=1)[:, :K] if K < E else np.tile(np.arange(E), (n, 1))
+        kv = np.take_along_axis(key, part, axis=1)
+        order = np.argsort(kv, axis=1, kind="stable")
+        ids[s:s + n] = np.take_along_axis(part, order, axis=1)
+        kv = np.take_along_axis(kv, order, axis=1).astype(np.float64)
+        # chosen scores: -log(key) (race) or -key (scores); softmax over the K chosen
+        sc = kv if (grouped or with_logits) else np.log(np.maximum(kv, 1e-300))
+        sc = -(sc - sc[:, :1])
+        e = np.exp(sc)
+        w[s:s + n] = e / e.sum(axis=1, keepdims=True)
+    return ids, w, logits
+
+
+def _mask_groups(score_TE: np.ndarray, groups: int, topk_groups: int) -> np.ndarray:
+    """Scores with every expert outside each token's top-M groups set to -inf (a copy)."""
+    T, E = score_TE.shape
+    g = score_TE.reshape(T, groups, E // groups)
+    if E // groups >= 2:
+        top2 = np.partition(g, E // groups - 2, axis=2)[:, :, -2:]
+        gscore = top2.sum(axis=2)
+    else:
+        gscore = g[:, :, 0]
+    keep = np.argpartition(-gscore, topk_groups - 1, axis=1)[:, :topk_groups]
+    mask = np.ones((T, groups), bool)
+    np.put_along_axis(mask, keep, False, axis=1)
+    out = g.copy()
+    out[mask] = -np.inf
+    return out.reshape(T, E)
+
+
+def _logp_for(spec: PopularitySpec, z_E: np.ndarray, top_k: int, sigma: float | None = None) -> np.ndarray:
+    kind = spec.kind
+    E = z_E.size
+    if kind in ("maxvio", "sigma"):
+        return (sigma if sigma is not None else spec.sigma) * z_E
+    if kind == "uniform":
+        return np.zeros(E)
+    rank = np.empty(E, np.int64)
+    rank[np.argsort(-z_E, kind="stable")] = np.arange(E)
+    if kind == "zipf":
+        return -spec.zipf * np.log1p(rank)
+    # hot: N hottest-z experts get log-ratio lr, chosen so their expected share is hot_share
+    hot = rank < spec.hot
+    lo, hi = 0.0, 60.0
+    for _ in range(80):
+        mid = 0.5 * (lo + hi)
+        share = inclusion_probs(np.where(hot, mid, 0.0), top_k)[hot].sum() / top_k
+        lo, hi = (mid, hi) if share < spec.hot_share else (lo, mid)
+    return np.where(hot, 0.5 * (lo + hi), 0.0)
+
+
+def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed: int, path: tuple,
+           groups: int, topk_groups: int, with_logits: bool) -> tuple:
+    """Sample one (layer, step) block; returns ids, weights, logits, info."""
+    kind = spec.kind
+    draw = lambda sig: sample_topk(_logp_for(spec, z_E, top_k, sig), top_k, tokens, _rng(seed, 1, *path),
+                                   groups=groups, topk_groups=topk_groups, with_logits=with_logits)
+    if kind != "maxvio":
+        ids, w, lg = draw(None)
+        return ids, w, lg, {}
+    target = spec.maxvio
+    E = z_E.size
+    noise = _rng(seed, 2, *path).standard_normal((16, E))
+    f = lambda ls: _expected_maxvio(math.exp(ls) * z_E, top_k, tokens, noise)
+    lo, hi = math.log(SIGMA_MIN), math.log(SIGMA_MAX)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    ls = 0.5 * (lo + hi)
+    evals = []
+
+    def realised(log_sigma: float):
+        ids, w, lg = draw(math.exp(log_sigma))
+        mv = maxvio_of(np.bincount(ids.ravel(), minlength=E))
+        evals.append((abs(mv / target - 1), log_sigma, mv, ids, w, lg))
+        return mv
+
+    mv = realised(ls)
+    if abs(mv / target - 1) > _REFINE_TOL:
+        # bracket the target on the realised statistic, then bisect (same seed: same draws)
+        step = math.log(1.25)
+        direction = 1.0 if mv < target else -1.0
+        a = ls
+        b = ls
+        for _ in range(40):
+            b = min(max(b + direction * step, math.log(SIGMA_MIN)), math.log(SIGMA_MAX))
+            mvb = realised(b)
+            if (mvb - target) * direction >= 0 or abs(mvb / target - 1) <= _REFINE_TOL:
+                break
+            if b in (math.log(SIGMA_MIN), math.log(SIGMA_MAX)):
+                break
+            a = b
+            step *= 1.5
+        lo_, hi_ = (a, b) if direction > 0 else (b, a)
+        for _ in range(20):
+            if min(e[0] for e in evals) <= _REFINE_TOL:
+                break
+            mid = 0.5 * (lo_ + hi_)
+            mvm = realised(mid)
+            lo_, hi_ = (mid, hi_) if mvm < target else (lo_, mid)
+    err, ls_best, mv_best, ids, w, lg = min(evals, key=lambda e: e[0])
+    if err > TOLERANCE:
+        all_mv = [e[2] for e in evals]
+        if mv_best > target:
+            raise ConfigError(
+                f"maxvio ({target}) must be >= the sampling-noise floor (about {min(all_mv):.3g} for "
+                f"T={tokens} tokens, E={E}, K={top_k}): counts of uniform popularity already vary that "
+                "much; use more tokens or --uniform")
+        raise ConfigError(f"maxvio ({target}) must be reachable (E={E}, K={top_k}, T={tokens}): the best "
+                          f"realised value was {mv_best:.4g} at sigma={math.exp(ls_best):.4g}")
+    return ids, w, lg, {"sigma": math.exp(ls_best), "calibration_samples": len(evals)}
+
+
+# ---------------------------------------------------------------------------------- public API
+def generate(num_experts: int, top_k: int, tokens: int, seed: int, *, layers: int = 1, steps: int = 1,
+             maxvio: float | None = None, sigma: float | None = None, zipf: float | None = None,
+             hot: int | None = None, hot_share: float | None = None, uniform: bool = False,
+             drift: float = 0.0, layer_variation: float = 0.0, groups: int = 1, topk_groups: int = 1,
+             with_logits: bool = False) -> Generated:
+    """Generate ``layers`` x ``steps`` blocks of ``tokens`` tokens each (see the module docstring).
+
+    tokens: T per step (the trace holds S*T tokens per layer, step-major). drift, layer_variation
+    in [0, 1]. groups / topk_groups: group-limited routing (1 / 1 = none). Deterministic by seed.
+    """
+    spec = PopularitySpec(maxvio, sigma, zipf, hot, hot_share, uniform)
+    E, K = int(num_experts), int(top_k)
+    require(E >= 1, f"num_experts ({E}) must be >= 1")
+    require(1 <= K <= E, f"top_k ({K}) must be in [1, num_experts={E}]")
+    require(tokens >= 1, f"tokens ({tokens}) must be >= 1")
+    require(layers >= 1, f"layers ({layers}) must be >= 1")
+    require(steps >= 1, f"steps ({steps}) must be >= 1")
+    require(0.0 <= drift <= 1.0, f"drift ({drift}) must be in [0, 1]")
+    require(0.0 <= layer_variation <= 1.0, f"layer_variation ({layer_variation}) must be in [0, 1]")
+    spec.check(E, K)
+    grouped = groups > 1 or topk_groups > 1
+    if grouped:
+        require(groups >= 1 and E % groups == 0, f"groups ({groups}) must divide num_experts ({E})")
+        require(1 <= topk_groups <= groups, f"topk_groups ({topk_groups}) must be in [1, groups={groups}]")
+        require(K <= topk_groups * (E // groups),
+                f"top_k ({K}) must be <= topk_groups * E/groups ({topk_groups * (E // groups)}): the "
+                "kept groups must hold K experts")
+    N = tokens * steps
+    ids = np.empty((layers, N, K), np.int64)
+    w = np.empty((layers, N, K), np.float32)
+    lg = np.empty((layers, N, E), np.float32) if with_logits else None
+    z_base = _rng(seed, 0).standard_normal(E)
+    blocks = []
+    for li in range(layers):
+        z = z_base
+        if layer_variation > 0:
+            z = math.sqrt(1 - layer_variation ** 2) * z + layer_variation * _rng(seed, 3, li).standard_normal(E)
+        for si in range(steps):
+            if si > 0 and drift > 0:
+                z = math.sqrt(1 - drift ** 2) * z + drift * _rng(seed, 4, li, si).standard_normal(E)
+            b_ids, b_w, b_lg, info = _block(spec, z, K, tokens, seed, (li, si), groups, topk_groups,
+                                            with_logits)
+            sl = slice(si * tokens, (si + 1) * tokens)
+            ids[li, sl], w[li, sl] = b_ids, b_w
+            if with_logits:
+                lg[li, sl] = b_lg
+            c = np.bincount(b_ids.ravel(), minlength=E)
+            blocks.append({"layer": li, "step": si, "maxvio": maxvio_of(c), "gini": gini(c), **info})
+    report = {
+        "popularity": spec.kind,
+        "params": {k: v for k, v in (("maxvio", maxvio), ("sigma", sigma), ("zipf", zipf), ("hot", hot),
+                                     ("hot_share", hot_share)) if v is not None},
+        "seed": int(seed), "drift": drift, "layer_variation": layer_variation,
+        "groups": groups, "topk_groups": topk_groups,
+        "realised_maxvio": [b["maxvio"] for b in blocks],
+        "blocks": blocks,
+    }
+    if spec.kind == "hot":
+        hot_ids = np.argsort(-z_base, kind="stable")[:hot]
+        report["hot_experts_layer0"] = np.sort(hot_ids).tolist()
+    step = np.repeat(np.arange(steps, dtype=np.int32), tokens)
+    return Generated(ids, w, step, lg, E, report)
+
+
+def generate_layer(num_experts: int, top_k: int, tokens: int, seed: int, **popularity) -> LayerRouting:
+    """One layer of ``tokens`` tokens (one step): ``generate(...).layer(0)``.
+
+    Keyword arguments: one of ``maxvio=``, ``sigma=``, ``zipf=``, ``hot=`` + ``hot_share=``,
+    ``uniform=True``; optionally ``groups=``, ``topk_groups=``.
+    """
+    return generate(num_experts, top_k, tokens, seed, **popularity).layer(0)
+
+
+def generate_trace(path, num_experts: int, top_k: int, tokens: int, seed: int, *, model: str | None = None,
+                   **kwargs) -> dict[str, Any]:
+    """Generate (see :func:`generate`) and write a trace file atomically; returns the report."""
+    g = generate(num_experts, top_k, tokens, seed, **kwargs)
+    L = g.topk_ids_LTK.shape[0]
+    steps = int(kwargs.get("steps", 1))
+    desc = ", ".join(f"{k}={v}" for k, v in g.report["params"].items()) or g.report["popularity"]
+    meta = TraceMeta(
+        kind="tokens", num_experts=num_experts, top_k=top_k, layer_ids=list(range(L)),
+        num_tokens=int(g.topk_ids_LTK.shape[1]), model=model,
+        steps=f"{steps} step(s) of {tokens} tokens each (step tensor)",
+        source=f"synthetic: moonep-sim trace gen ({desc}, seed={seed})",
+        attribution="synthetic (moonep-sim)",
+        import_report={"generator": g.report},
+    )
+    tensors = {"topk_ids": g.topk_ids_LTK, "topk_weights": g.topk_weights_LTK, "step": g.step_T}
+    if g.router_logits_LTE is not None:
+        tensors["router_logits"] = g.router_logits_LTE
+    write_trace(path, meta, tensors)
+    return g.report

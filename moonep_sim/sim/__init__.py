@@ -1,0 +1,23 @@
+"""Executor 2: a discrete-event (simpy) model of a multi-node GPU cluster that times any Plan.
+
+Topologies (``topology``), a flow-level max-min fair network (``network``), a roofline grouped
+GEMM (``compute``), the layer timeline with the real executor's dependencies (``timeline``),
+faults and stragglers (``faults``), the lower bound (``lower_bound``) and Perfetto traces
+(``perfetto``).
+"""
+
+from moonep_sim.sim.faults import DegradedLink, SlowGPU, Stall, parse_faults
+from moonep_sim.sim.lower_bound import LowerBound, lower_bound
+from moonep_sim.sim.timeline import SimOptions, SimResult, simulate_layer, simulate_layers
+from moonep_sim.sim.topology import (Topology, calibrated_topology_path, list_topologies, load_topology,
+                                     read_topology_file)
+
+
+def lower_bound_us(plan, topo, model, backward: bool = False) -> float:
+    """The layer's lower bound in microseconds (``moonep_sim.sim.lower_bound``)."""
+    return lower_bound(plan, model, topo, backward).lower_bound_us
+
+
+__all__ = ["DegradedLink", "LowerBound", "SimOptions", "SimResult", "SlowGPU", "Stall", "Topology",
+           "calibrated_topology_path", "list_topologies", "load_topology", "lower_bound", "lower_bound_us",
+           "parse_faults", "read_topology_file", "simulate_layer", "simulate_layers"]

@@ -1,0 +1,127 @@
+"""A layer's lower bound: ``max(comm_LB, compute_LB)`` (DESIGN section 6), sound for every strategy.
+
+Notation: R ranks, E experts, N nodes; ``n[r, e]`` = kept (token, k) entries of rank r's tokens
+routed to expert e (distinct tokens: a token picks an expert once). Row sizes: D dispatch row,
+C combine (and gradient) row; W one expert's weights, Gb its fp32 gradient.
+
+compute_LB
+    The plan's real rows' FLOPs, and the weights of every expert with rows read once, spread
+    perfectly evenly over the R GPUs at the achievable peak (roofline of the totals), plus one
+    launch (``compute.compute_lower_bound_us``). Dropped entries are not computed by anyone, so
+    they are not counted (a dropping strategy solves a smaller problem; the bound is the plan's).
+
+comm_LB (per rank, then per node; the maximum is taken)
+    Let ``n_1 >= n_2 >= ...`` be rank r's counts for the experts *not resident* on r (resident =
+    a non-copy slot of the plan on r). Whatever a strategy does, for each such expert either its
+    weights come to r (W bytes into r) or every token of r routed to it leaves r (one row out
+    each, and at least one result row back). Bringing the j largest experts' weights leaves at
+    least ``n_{j+1}`` distinct tokens that must go out and come back, so r's ports carry at least
+    ``in_j = j*W + C*n_{j+1}`` and ``out_j = D*n_{j+1}`` bytes. The bound for r is
+    ``min_j max(in_j / in_bw, out_j / out_bw)`` plus one link latency when it is non-zero, where
+    in_bw / out_bw are r's NVLink plus NIC bandwidths (as the simulator's effective rates; the
+    NIC only when there are several nodes, NVLink only when the node has several GPUs).
+    The node bound is the same with counts summed over the node's ranks, resident = on any of
+    its ranks, and bandwidth = the node's NICs. With backward included (a training step) the
+    same choice also costs ``j*Gb`` out (the copies' gradients go home) and the tokens' gradient
+    rows go both ways: ``in_j = j*W + 2C*n``, ``out_j = j*Gb + (D + C)*n``.
+    Dedup (a token sent once for several experts) cannot beat it: ``n_{j+1}`` counts distinct
+    tokens of *one* expert. Copies of copies cannot beat it: any weight bytes enter r's ports.
+
+The bound is for nominal hardware: faults only slow the simulation down; jitter, which can be
+faster than nominal on a draw, is the one input under which the bound may be beaten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moonep_sim.models import ModelSpec
+from moonep_sim.plan import Plan
+from moonep_sim.sim.compute import compute_lower_bound_us
+from moonep_sim.sim.topology import Topology
+
+
+@dataclass(frozen=True)
+class LowerBound:
+    lower_bound_us: float
+    comm_us: float
+    compute_us: float
+    binding: str        # "compute" | "rank R ports" | "node N NICs"
+
+    def to_dict(self) -> dict:
+        return dict(lower_bound_us=self.lower_bound_us, comm_us=self.comm_us, compute_us=self.compute_us,
+                    binding=self.binding)
+
+
+def entry_counts_RE(plan: Plan) -> np.ndarray:
+    """int64 [R, E]: kept entries per (source rank of the token, expert), from the plan's rows."""
+    R, E, K = plan.ranks, plan.num_experts, plan.top_k
+    row_slot = np.repeat(np.arange(plan.slot_rank_S.size), plan.slot_padded_S)
+    real = plan.row_entry_W >= 0
+    ent = plan.row_entry_W[real]
+    exp = plan.slot_expert_S[row_slot[real]]
+    src = np.searchsorted(plan.tok_off_R()[1:], ent // K, side="right")
+    return np.bincount(src * E + exp, minlength=R * E).reshape(R, E)
+
+
+def _choice_bound(n_XE: np.ndarray, resident_XE: np.ndarray, a_in: float, b_in: float, a_out: float,
+                  b_out: float, bw_in: float, bw_out: float) -> np.ndarray:
+    """[X] min over j of max(in_j / bw_in, out_j / bw_out) (see the module docstring)."""
+    m = np.where(resident_XE, 0, n_XE).astype(np.float64)
+    srt = -np.sort(-m, axis=1)
+    X, E = srt.shape
+    nxt = np.concatenate([srt, np.zeros((X, 1))], axis=1)  # n_{j+1} for j = 0..E
+    j = np.arange(E + 1, dtype=np.float64)[None, :]
+    t_in = (j * a_in + b_in * nxt) / bw_in
+    t_out = (j * a_out + b_out * nxt) / bw_out
+    # fetching weights for experts with zero tokens is never useful: j beyond the non-zero count adds cost only
+    return np.maximum(t_in, t_out).min(axis=1)
+
+
+def lower_bound(plan: Plan, model: ModelSpec, topo: Topology, backward: bool = False) -> LowerBound:
+    """The layer's lower bound (forward, or forward + backward when ``backward``)."""
+    R, E = plan.ranks, plan.num_experts
+    c = plan.costs
+    D, C, W, Gb = float(c.dispatch_row_bytes), float(c.combine_row_bytes), float(c.weight_bytes), float(c.grad_bytes)
+    if backward:
+        a_in, b_in, a_out, b_out = W, 2 * C, Gb, D + C
+    else:
+        a_in, b_in, a_out, b_out = W, C, 0.0, D
+    comp = compute_lower_bound_us(plan, model, topo, False)
+    if backward:
+        comp += compute_lower_bound_us(plan, model, topo, True)
+    n_RE = entry_counts_RE(plan)
+    res = np.zeros((R, E), dtype=bool)
+    home = ~plan.is_copy_S()
+    res[plan.slot_rank_S[home], plan.slot_expert_S[home]] = True
+    G = min(topo.gpus_per_node, R)
+    nodes = topo.num_nodes(R)
+    comm, binding = 0.0, "compute"
+    bw = (topo.nvlink_bytes_per_us if G > 1 else 0.0) + (topo.nic_bytes_per_us if nodes > 1 else 0.0)
+    if bw > 0:
+        lat = min(topo.nvlink_latency_us if G > 1 else np.inf, topo.nic_latency_us if nodes > 1 else np.inf)
+        t_R = _choice_bound(n_RE, res, a_in, b_in, a_out, b_out, bw, bw)
+        t_R = np.where(t_R > 0, t_R + lat, 0.0)
+        r = int(np.argmax(t_R))
+        comm, binding = float(t_R[r]), f"rank {r} ports"
+    if nodes > 1:
+        node = np.arange(R) // G
+        n_NE = np.zeros((nodes, E), dtype=np.int64)
+        np.add.at(n_NE, node, n_RE)
+        res_NE = np.zeros((nodes, E), dtype=bool)
+        np.logical_or.at(res_NE, node, res)
+        gpus_N = np.bincount(node, minlength=nodes).astype(np.float64)
+        bwn = gpus_N[:, None] * topo.nic_bytes_per_us
+        t_N = np.array([_choice_bound(n_NE[i:i + 1], res_NE[i:i + 1], a_in, b_in, a_out, b_out,
+                                      float(bwn[i, 0]), float(bwn[i, 0]))[0] for i in range(nodes)])
+        t_N = np.where(t_N > 0, t_N + topo.nic_latency_us, 0.0)
+        k = int(np.argmax(t_N))
+        if t_N[k] > comm:
+            comm, binding = float(t_N[k]), f"node {k} NICs"
+    lb = max(comm, comp)
+    return LowerBound(lb, comm, comp, binding if comm >= comp else "compute")
+
+
+__all__ = ["LowerBound", "entry_counts_RE", "lower_bound"]

@@ -1,0 +1,238 @@
+"""Cluster topologies: the hardware a Plan is timed on (TOML files and presets).
+
+Notation: R ranks (GPUs), G GPUs per node, N nodes, P ports. Units: bandwidths in GB/s
+(1 GB/s = 1e9 bytes per second = 1e3 bytes per microsecond) *per direction*, latencies in
+microseconds, compute in TFLOP/s (1e12 FLOP per second). Simulated time is always microseconds.
+
+A topology is a node of ``gpus_per_node`` GPUs joined by NVLink (each GPU has one NVLink port to a
+switch, ``nvlink.bandwidth_GBps`` each way), and nodes joined by a rail-optimised fabric: GPU i of
+every node has its own NIC (``nic.bandwidth_GBps`` each way) on leaf switch i ("rail" i); a
+transfer between different rails climbs through the spine, whose per-rail up/down capacity is the
+rail's total NIC bandwidth divided by ``fabric.oversubscription``. The file format is documented
+in ``docs/topology.md``; :func:`load_topology` reads a preset name or a file.
+
+``local-gloo`` models this machine's CPU processes; :func:`load_topology` prefers the calibrated
+file that ``moonep-sim calibrate`` writes at :func:`calibrated_topology_path` when it exists.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import asdict, dataclass, field, fields, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from moonep_sim.errors import ConfigError, require
+
+_PRESET_PREFIX = "topology-"
+#: TOML table -> (field prefix, keys). A key ``k`` of table ``t`` sets field ``{prefix}{k}``.
+_TABLES = {
+    "node": ("", ("gpus_per_node", "nodes")),
+    "nvlink": ("nvlink_", ("bandwidth_GBps", "latency_us", "efficiency")),
+    "nic": ("nic_", ("bandwidth_GBps", "latency_us", "efficiency")),
+    "fabric": ("fabric_", ("oversubscription", "latency_us")),
+    "gpu": ("gpu_", ("tflops", "mem_bandwidth_GBps", "compute_efficiency", "mem_efficiency", "launch_us")),
+    "planning": ("plan_", ("fixed_us",)),
+}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """One cluster's constants (see the module docstring for units and the fabric model).
+
+    name / description: identification.  sources: constant name -> where its value comes from.
+    gpus_per_node (G): GPUs joined by NVLink.  nodes: 0 = as many as the plan's ranks need.
+    nvlink_bandwidth_GBps, nvlink_latency_us, nvlink_efficiency: each GPU's NVLink port.
+    nic_bandwidth_GBps, nic_latency_us, nic_efficiency: each GPU's NIC (one per GPU, one rail each).
+    fabric_oversubscription: >= 1; the spine carries (rail NIC bandwidth / this) per rail and
+        direction. fabric_latency_us: extra latency of a cross-rail (spine) path.
+    gpu_tflops, gpu_mem_bandwidth_GBps: dense bf16 peak and memory bandwidth of one GPU.
+    gpu_compute_efficiency, gpu_mem_efficiency: the achieved fraction of each in a grouped GEMM.
+    gpu_launch_us: fixed cost of one grouped-GEMM launch.
+    plan_fixed_us: fixed cost of planning on the GPU (besides the count all-gather).
+    efficiency factors multiply the peak: the simulator uses ``bandwidth * efficiency``.
+    """
+
+    name: str
+    description: str = ""
+    gpus_per_node: int = 8
+    nodes: int = 0
+    nvlink_bandwidth_GBps: float = 160.0
+    nvlink_latency_us: float = 3.0
+    nvlink_efficiency: float = 1.0
+    nic_bandwidth_GBps: float = 50.0
+    nic_latency_us: float = 5.0
+    nic_efficiency: float = 1.0
+    fabric_oversubscription: float = 1.0
+    fabric_latency_us: float = 1.0
+    gpu_tflops: float = 989.0
+    gpu_mem_bandwidth_GBps: float = 3350.0
+    gpu_compute_efficiency: float = 0.6
+    gpu_mem_efficiency: float = 0.8
+    gpu_launch_us: float = 10.0
+    plan_fixed_us: float = 20.0
+    sources: dict[str, str] = field(default_factory=dict)
+    path: str = ""
+
+    def __post_init__(self) -> None:
+        require(self.gpus_per_node >= 1, f"gpus_per_node ({self.gpus_per_node}) must be >= 1 (topology {self.name})")
+        require(self.nodes >= 0, f"nodes ({self.nodes}) must be >= 0 (topology {self.name}): 0 = derived from ranks")
+        for f in ("nvlink_bandwidth_GBps", "nic_bandwidth_GBps", "gpu_tflops", "gpu_mem_bandwidth_GBps"):
+            require(getattr(self, f) > 0, f"{f} ({getattr(self, f)}) must be > 0 (topology {self.name})")
+        for f in ("nvlink_efficiency", "nic_efficiency", "gpu_compute_efficiency", "gpu_mem_efficiency"):
+            v = getattr(self, f)
+            require(0 < v <= 1, f"{f} ({v}) must lie in (0, 1] (topology {self.name})")
+        for f in ("nvlink_latency_us", "nic_latency_us", "fabric_latency_us", "gpu_launch_us", "plan_fixed_us"):
+            require(getattr(self, f) >= 0, f"{f} ({getattr(self, f)}) must be >= 0 (topology {self.name})")
+        require(self.fabric_oversubscription >= 1,
+                f"fabric oversubscription ({self.fabric_oversubscription}) must be >= 1 (topology {self.name})")
+
+    # -- effective rates (bytes per microsecond, FLOP per microsecond) --------------------
+    @property
+    def nvlink_bytes_per_us(self) -> float:
+        return self.nvlink_bandwidth_GBps * self.nvlink_efficiency * 1e3
+
+    @property
+    def nic_bytes_per_us(self) -> float:
+        return self.nic_bandwidth_GBps * self.nic_efficiency * 1e3
+
+    @property
+    def flops_per_us(self) -> float:
+        return self.gpu_tflops * self.gpu_compute_efficiency * 1e6
+
+    @property
+    def mem_bytes_per_us(self) -> float:
+        return self.gpu_mem_bandwidth_GBps * self.gpu_mem_efficiency * 1e3
+
+    def num_nodes(self, ranks: int) -> int:
+        """Nodes a run of ``ranks`` GPUs occupies (``nodes`` if fixed, else ceil(R / G))."""
+        need = -(-ranks // self.gpus_per_node)
+        if self.nodes:
+            require(ranks <= self.nodes * self.gpus_per_node,
+                    f"ranks ({ranks}) must be <= nodes x gpus_per_node ({self.nodes} x {self.gpus_per_node}) "
+                    f"of topology {self.name}")
+        return need
+
+    def with_gpus_per_node(self, gpus_per_node: int | None) -> "Topology":
+        if gpus_per_node is None or gpus_per_node == self.gpus_per_node:
+            return self
+        require(gpus_per_node >= 1, f"gpus_per_node ({gpus_per_node}) must be >= 1")
+        return replace(self, gpus_per_node=int(gpus_per_node))
+
+    def constants(self) -> dict[str, Any]:
+        """Every constant, as a flat JSON-able dict (what reports print next to a figure)."""
+        d = asdict(self)
+        d.pop("path")
+        return d
+
+    def to_toml(self) -> str:
+        """The topology as a TOML document in the ``docs/topology.md`` format."""
+        lines = [f"name = {_toml_str(self.name)}", f"description = {_toml_str(self.description)}", ""]
+        for table, (prefix, keys) in _TABLES.items():
+            lines.append(f"[{table}]")
+            for k in keys:
+                lines.append(f"{k} = {_toml_val(getattr(self, prefix + k))}")
+            lines.append("")
+        if self.sources:
+            lines.append("[sources]")
+            for k, v in self.sources.items():
+                lines.append(f"{k} = {_toml_str(v)}")
+        return "\n".join(lines) + "\n"
+
+
+def _toml_str(s: str) -> str:
+    return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _toml_val(v: Any) -> str:
+    return _toml_str(v) if isinstance(v, str) else repr(v)
+
+
+def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>") -> Topology:
+    """Build a :class:`Topology` from a parsed TOML document (unknown keys are errors)."""
+    kw: dict[str, Any] = {}
+    names = {f.name: f for f in fields(Topology)}
+    for key, val in doc.items():
+        if key in ("name", "description"):
+            kw[key] = str(val)
+        elif key == "sources":
+            require(isinstance(val, dict), f"{origin}: [sources] must be a table of strings")
+            kw["sources"] = {str(k): str(v) for k, v in val.items()}
+        elif key in _TABLES:
+            prefix, keys = _TABLES[key]
+            require(isinstance(val, dict), f"{origin}: {key} must be a table [{key}]")
+            for k, v in val.items():
+                require(k in keys, f"{origin}: [{key}] key ({k!r}) must be one of {', '.join(keys)}")
+                typ = names[prefix + k].type
+                want_int = typ in (int, "int")
+                ok = isinstance(v, int) if want_int else isinstance(v, (int, float))
+                require(ok and not isinstance(v, bool),
+                        f"{origin}: [{key}] {k}: expected {'an integer' if want_int else 'a number'}, found {v!r}")
+                kw[prefix + k] = int(v) if want_int else float(v)
+        else:
+            require(False, f"{origin}: key ({key!r}) must be one of name, description, sources, "
+                           f"{', '.join(_TABLES)}")
+    require("name" in kw, f"{origin}: name must be given")
+    return Topology(**kw, path=origin)
+
+
+def read_topology_file(path: str | os.PathLike) -> Topology:
+    p = Path(path)
+    try:
+        doc = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"topology file ({p}) must exist") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: must be valid TOML: {e}") from None
+    return topology_from_dict(doc, str(p))
+
+
+def calibrated_topology_path() -> Path:
+    """Where ``moonep-sim calibrate`` writes the measured ``local-gloo`` topology.
+
+    ``$MOONEP_SIM_HOME/local-gloo.toml``, by default ``~/.cache/moonep-sim/local-gloo.toml``.
+    """
+    home = os.environ.get("MOONEP_SIM_HOME")
+    base = Path(home) if home else Path.home() / ".cache" / "moonep-sim"
+    return base / "local-gloo.toml"
+
+
+def _preset_files() -> dict[str, Any]:
+    out = {}
+    for entry in resources.files("moonep_sim.data").iterdir():
+        n = entry.name
+        if n.startswith(_PRESET_PREFIX) and n.endswith(".toml"):
+            out[n[len(_PRESET_PREFIX):-5]] = entry
+    return dict(sorted(out.items()))
+
+
+def list_topologies() -> list[str]:
+    """Names of the shipped presets."""
+    return list(_preset_files())
+
+
+def load_topology(name_or_path: str | os.PathLike, gpus_per_node: int | None = None) -> Topology:
+    """A preset by name (``h800-cx7``, ``h20``, ``h200``, ``gb200-nvl72``, ``local-gloo``) or a TOML file.
+
+    ``local-gloo`` is read from :func:`calibrated_topology_path` when that file exists (measured on
+    this machine by ``moonep-sim calibrate``), else from the shipped defaults.
+    ``gpus_per_node`` overrides the file's value.
+    """
+    s = str(name_or_path)
+    presets = _preset_files()
+    if s in presets:
+        if s == "local-gloo" and calibrated_topology_path().is_file():
+            topo = read_topology_file(calibrated_topology_path())
+        else:
+            topo = topology_from_dict(tomllib.loads(presets[s].read_text()), f"preset {s}")
+    elif s.endswith(".toml") or os.path.sep in s or Path(s).is_file():
+        topo = read_topology_file(s)
+    else:
+        raise ConfigError(f"topology ({s!r}) must be a preset ({', '.join(presets)}) or a .toml file")
+    return topo.with_gpus_per_node(gpus_per_node)
+
+
+__all__ = ["Topology", "calibrated_topology_path", "list_topologies", "load_topology", "read_topology_file",
+           "topology_from_dict"]

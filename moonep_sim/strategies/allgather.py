@@ -1,0 +1,44 @@
+"""``allgather``: all-gather the tokens, reduce-scatter the outputs (Megatron-Core's ``allgather``).
+
+Anchor: Megatron-Core's ``MoEAllGatherTokenDispatcher``. Every rank's token rows go to every rank
+(one all-gather: each rank then holds all T tokens, in global order), and each rank computes the
+entries of the experts it holds; combine is the reverse, a reduce-scatter in which every rank sends
+a (partial, often zero) output row of every token back to the token's owner. It ignores the
+routing when moving data, so its traffic is ``(R-1)*T`` rows each way whatever the skew: a
+routing-oblivious reference. Experts are taken at their home rank.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from moonep_sim.plan import GlobalRouting, Hop, Plan
+from moonep_sim.plan.multihop import assemble_plan, dup_flags, home_slots
+from moonep_sim.strategies import PlanContext, register
+
+# Notation: T tokens, K top-k, R ranks, M = R*T messages.
+
+
+@register("allgather", summary="all-gather every token to every rank, reduce-scatter back (Megatron-Core)")
+def plan(routing: GlobalRouting, ctx: PlanContext) -> Plan:
+    t0 = time.perf_counter()
+    R, T, K = ctx.cluster.ranks, routing.num_tokens, routing.top_k
+    sr, se, slot_of = home_slots(ctx.placement)
+    # messages sorted by (src, dst, token): src r sends its tokens [off_r, off_r + s_r) to every dst
+    tok_off = routing.tok_off_R()
+    tpr = routing.tokens_per_rank_R
+    src_T = routing.src_rank_T()
+    # for each source rank, its token block repeated for every destination
+    tok = np.concatenate([np.tile(np.arange(tok_off[r], tok_off[r + 1]), R) for r in range(R)]) if T \
+        else np.zeros(0, np.int64)  # loop over ranks only; sizes grow with tokens inside numpy
+    src = src_T[tok] if T else tok
+    dst = np.concatenate([np.repeat(np.arange(R), tpr[r]) for r in range(R)]) if T else tok
+    hop = Hop("global", src.astype(np.int64), (tok - tok_off[src]).astype(np.int64), dst.astype(np.int64),
+              tok.astype(np.int64), np.full(R, T, dtype=np.int64))
+    entry_slot = slot_of[routing.topk_ids_TK].ravel()
+    entry_rank = sr[entry_slot]
+    entry_buf_row = np.repeat(np.arange(T, dtype=np.int64), K)  # every rank's buffer holds token t at row t
+    return assemble_plan("allgather", {}, routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [hop],
+                         entry_buf_row, dup_flags(entry_rank, K), token_padding=ctx.token_padding, started=t0)

@@ -1,0 +1,258 @@
+"""``eplb``: static redundant experts planned from past load (DeepSeek's EPLB).
+
+Anchor: DeepSeek's Expert Parallelism Load Balancer (EPLB, 2025). From a window of past per-expert
+loads it replicates the hottest experts into ``num_redundant`` extra slots (greedy: each extra slot
+goes to the expert with the highest load per replica), then packs them onto GPUs with a balanced
+greedy packing -- hierarchically when expert groups divide among nodes (groups onto nodes, then
+replicas within each node, then replicas onto that node's GPUs), globally otherwise. Each token
+entry then picks one replica of its expert (round-robin in global order, or contiguous shares).
+
+The placement is static within a window: replica weights are resident (no per-step prefetch, no
+gradient reduce -- the inference setting EPLB was built for); when the placement changes between
+windows, every (GPU, expert) that is new is charged one weight migration (``migrate_*`` fields of
+the Plan) from a GPU that held the expert before, on the same node when possible. Planned on past
+load, it lags drift: DeepSeek reported a balancedness (mean / max GPU load) of 0.31 on the next
+window when planned on the previous one.
+
+Pure functions: :func:`replicate_experts`, :func:`balanced_packing`, :func:`rebalance` and
+:func:`migrations`; :class:`EPLBPlanner` is the caller-held state (a window of loads and the
+placement in force) for replaying windows one after another.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from moonep_sim.errors import ConfigError, require
+from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, plan_from_slots
+from moonep_sim.strategies import PlanContext, register
+
+# Notation: E experts, R ranks (GPUs), G GPUs per node, S slots (physical experts, E + redundant),
+# X items being packed, W windows of history, T tokens, K top-k, N = T*K entries.
+
+
+def replicate_experts(load_E: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy replication: each of the ``num_slots - E`` extra slots goes to the expert with the
+    highest load per replica (ties: lowest id). Returns (slot_expert_S, replicas_E): experts
+    0..E-1 first, then the extra slots in the order they were handed out."""
+    load = np.asarray(load_E, dtype=np.float64)
+    E = load.size
+    require(num_slots >= E, f"slots ({num_slots}) must be >= num_experts ({E})")
+    cnt = np.ones(E, dtype=np.int64)
+    extra = np.empty(num_slots - E, dtype=np.int64)
+    for i in range(num_slots - E):  # loop over redundant slots (a few dozen), not tokens
+        e = int(np.argmax(load / cnt))
+        extra[i] = e
+        cnt[e] += 1
+    return np.concatenate([np.arange(E, dtype=np.int64), extra]), cnt
+
+
+def balanced_packing(weight_X: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pack X items into ``num_packs`` packs of X/num_packs items each, heaviest item first into
+    the lightest pack that is not full (ties: lowest pack, then lowest item id).
+    Returns (pack_X, rank_in_pack_X)."""
+    w = np.asarray(weight_X, dtype=np.float64)
+    X = w.size
+    require(num_packs >= 1 and X % num_packs == 0,
+            f"items ({X}) must be divisible by packs ({num_packs}) for balanced packing")
+    per = X // num_packs
+    pack = np.empty(X, dtype=np.int64)
+    rank = np.empty(X, dtype=np.int64)
+    load = np.zeros(num_packs)
+    fill = np.zeros(num_packs, dtype=np.int64)
+    for i in np.argsort(-w, kind="stable"):  # loop over experts/slots (<= E + redundant), not tokens
+        p = int(np.argmin(np.where(fill < per, load, np.inf)))
+        pack[i], rank[i] = p, fill[p]
+        load[p] += w[i]
+        fill[p] += 1
+    return pack, rank
+
+
+def rebalance(load_E: np.ndarray, num_slots: int, num_groups: int, cluster: ClusterShape) -> tuple[np.ndarray, str]:
+    """EPLB's placement: ``slot_expert_S`` in rank-major order (rank r holds slots
+    ``[r*S/R, (r+1)*S/R)``), and the policy used (``hierarchical`` or ``global``).
+
+    Hierarchical (``E % num_groups == 0`` and ``num_groups % nodes == 0``): contiguous expert groups
+    are packed onto nodes by group load; each node replicates its experts into S/nodes slots; each
+    node's slots (load = expert load / replicas) are packed onto its GPUs. Global otherwise: one
+    node, one group.
+    """
+    load = np.asarray(load_E, dtype=np.float64)
+    E, R, G = load.size, cluster.ranks, cluster.gpus_per_node
+    nodes = cluster.num_nodes
+    require(num_slots % R == 0, f"slots ({num_slots}) must be divisible by ranks ({R}): every GPU holds "
+                                "the same number of slots")
+    hier = num_groups >= 1 and E % num_groups == 0 and num_groups % nodes == 0 and nodes > 1
+    if not hier:
+        nodes, G, num_groups = 1, R, 1
+    gsize = E // num_groups
+    # 1. groups onto nodes
+    group_load = load.reshape(num_groups, gsize).sum(axis=1)
+    gpack, grank = balanced_packing(group_load, nodes)
+    per_node_groups = num_groups // nodes
+    # node n's experts, in (rank-in-pack, position in group) order
+    node_experts = np.empty((nodes, per_node_groups * gsize), dtype=np.int64)
+    g = np.arange(num_groups)
+    node_experts[gpack[:, None], grank[:, None] * gsize + np.arange(gsize)[None, :]] = \
+        g[:, None] * gsize + np.arange(gsize)[None, :]
+    slots_per_node = num_slots // nodes
+    slots_per_gpu = num_slots // R
+    out = np.empty(num_slots, dtype=np.int64)
+    for n in range(nodes):  # loop over nodes
+        exps = node_experts[n]
+        phy, cnt = replicate_experts(load[exps], slots_per_node)
+        phy_load = load[exps][phy] / cnt[phy]
+        pack, rank = balanced_packing(phy_load, G)
+        pos = n * slots_per_node + pack * slots_per_gpu + rank
+        out[pos] = exps[phy]
+    return out, "hierarchical" if hier else "global"
+
+
+def migrations(old_slot_rank_S: np.ndarray, old_slot_expert_S: np.ndarray, new_slot_rank_S: np.ndarray,
+               new_slot_expert_S: np.ndarray, num_experts: int, cluster: ClusterShape
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Weight moves from an old placement to a new one: (expert_X, src_X, dst_X), one per (rank,
+    expert) the new placement needs and the old did not have, sourced from a rank that held the
+    expert before -- on the destination's node if possible, else the lowest such rank."""
+    R, E = cluster.ranks, num_experts
+    old_has = np.zeros(R * E, dtype=bool)
+    old_has[np.asarray(old_slot_rank_S) * E + np.asarray(old_slot_expert_S)] = True
+    pairs = np.unique(np.asarray(new_slot_rank_S) * E + np.asarray(new_slot_expert_S))
+    pairs = pairs[~old_has[pairs]]
+    dst, exp = pairs // E, pairs % E
+    if pairs.size == 0:
+        z = np.zeros(0, np.int64)
+        return z, z, z
+    node = cluster.node_of_rank()
+    cand = old_has.reshape(R, E)[:, exp].T  # [X, R]
+    require(bool(cand.any(axis=1).all()), "every migrated expert must be held somewhere in the old placement")
+    score = cand * (1 + (node[None, :] == node[dst][:, None]))
+    src = np.argmax(score, axis=1).astype(np.int64)
+    return exp.astype(np.int64), src, dst.astype(np.int64)
+
+
+def balancedness(load_R: np.ndarray) -> float:
+    """Mean over max of per-GPU load (1 = perfectly balanced; DeepSeek EPLB's metric)."""
+    load = np.asarray(load_R, dtype=np.float64)
+    return float(load.mean() / load.max()) if load.size and load.max() > 0 else 1.0
+
+
+def choose_replicas(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_experts: int, choice: str) -> np.ndarray:
+    """int64 [N]: the slot each entry uses. The j-th entry of expert e in global order takes
+    replica ``j % c_e`` (round_robin) or ``j * c_e // n_e`` (contiguous: equal consecutive shares)."""
+    E = num_experts
+    rep = np.argsort(slot_expert_S, kind="stable")  # slots grouped by expert, in slot order
+    c = np.bincount(slot_expert_S, minlength=E)
+    c_start = np.cumsum(c) - c
+    n_e = np.bincount(ids_N, minlength=E)
+    order = np.argsort(ids_N, kind="stable")
+    j = np.empty(ids_N.size, dtype=np.int64)
+    j[order] = np.arange(ids_N.size) - (np.cumsum(n_e) - n_e)[ids_N[order]]
+    if choice == "round_robin":
+        r = j % c[ids_N]
+    elif choice == "contiguous":
+        r = j * c[ids_N] // np.maximum(n_e[ids_N], 1)
+    else:
+        raise ConfigError(f"choice ({choice!r}) must be 'round_robin' or 'contiguous'")
+    return rep[c_start[ids_N] + r]
+
+
+def _array_option(v):
+    """Option converter: an array of loads, or a path to a ``.npy`` file (read without pickle)."""
+    if v is None or isinstance(v, np.ndarray):
+        return v
+    if isinstance(v, (str, Path)):
+        try:
+            return np.load(v, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"history ({str(v)!r}) must be a readable .npy file of loads [W, E]: {e}") from None
+    return np.asarray(v)
+
+
+_array_option.__name__ = "array or .npy path"
+
+
+def default_redundant(num_experts: int, ranks: int) -> int:
+    """R extra slots, plus what makes E + extra divisible by R."""
+    return -(-(num_experts + ranks) // ranks) * ranks - num_experts
+
+
+@register("eplb", summary="static redundant experts from past load (DeepSeek EPLB), weight migration charged",
+          options={"num_redundant": (int, -1, "extra slots (-1: R, rounded so every GPU holds as many)"),
+                   "groups": (int, 0, "expert groups for hierarchical packing (0: one per node)"),
+                   "choice": (str, "round_robin", "replica per entry: round_robin or contiguous"),
+                   "dedup": (bool, False, "send a token once per destination rank"),
+                   "history": (_array_option, None, "past loads [W, E] (array or .npy path); "
+                                                    "default: this layer's own counts (oracle)"),
+                   "previous": (_array_option, None, "slot experts of the placement in force (rank-major "
+                                                     "[S]); default: the context's placement")})
+def plan(routing: GlobalRouting, ctx: PlanContext, num_redundant: int = -1, groups: int = 0,
+         choice: str = "round_robin", dedup: bool = False, history: np.ndarray | None = None,
+         previous: np.ndarray | None = None) -> Plan:
+    t0 = time.perf_counter()
+    E, R = routing.num_experts, ctx.cluster.ranks
+    if num_redundant < 0:
+        num_redundant = default_redundant(E, R)
+    S = E + num_redundant
+    require(S % R == 0, f"num_redundant ({num_redundant}) must make num_experts + num_redundant ({S}) "
+                        f"divisible by ranks ({R}): every GPU holds the same number of slots")
+    if history is None:
+        load = routing.counts_E().astype(np.float64)
+        source = "current"
+    else:
+        h = np.asarray(history, dtype=np.float64)
+        h = h[None] if h.ndim == 1 else h
+        require(h.ndim == 2 and h.shape[1] == E, f"history shape ({list(h.shape)}) must be [W, {E}] (num_experts)")
+        require(bool(np.isfinite(h).all() and (h >= 0).all()), "history loads must be finite and >= 0")
+        load = h.sum(axis=0)
+        source = f"history[{h.shape[0]}]"
+    num_groups = groups or ctx.cluster.num_nodes
+    slot_expert, policy = rebalance(load, S, num_groups, ctx.cluster)
+    slot_rank = np.repeat(np.arange(R, dtype=np.int64), S // R)
+    if previous is None:
+        old_r, old_e = ctx.placement.slot_rank_S, ctx.placement.slot_expert_S
+    else:
+        prev = np.asarray(previous, dtype=np.int64).ravel()
+        require(prev.size % R == 0 and bool(((prev >= 0) & (prev < E)).all()),
+                f"previous placement ({prev.size} slots) must list experts in [0, {E}), a multiple of ranks ({R})")
+        old_r, old_e = np.repeat(np.arange(R, dtype=np.int64), prev.size // R), prev
+    mx, ms, md = migrations(old_r, old_e, slot_rank, slot_expert, E, ctx.cluster)
+    entry_slot = choose_replicas(routing.topk_ids_TK.ravel(), slot_expert, E, choice)
+    opts = {"num_redundant": num_redundant, "groups": num_groups, "choice": choice, "dedup": dedup,
+            "policy": policy, "load_source": source,
+            "planned_balancedness": balancedness(np.bincount(slot_rank, weights=load[slot_expert]
+                                                             / np.bincount(slot_expert, minlength=E)[slot_expert],
+                                                             minlength=R))}
+    return plan_from_slots("eplb", opts, routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_rank,
+                           entry_slot.reshape(routing.topk_ids_TK.shape), dedup=dedup,
+                           token_padding=ctx.token_padding, started=t0,
+                           migrate_expert_X=mx, migrate_src_X=ms, migrate_dst_X=md)
+
+
+class EPLBPlanner:
+    """Caller-held EPLB state: a sliding window of per-expert loads and the placement in force.
+
+    ``plan(routing, ctx)`` plans on the loads observed so far (or the routing's own counts when
+    none were observed), charges migration from the placement in force, then makes the new
+    placement the one in force. ``observe(counts_E)`` appends one window's loads.
+    """
+
+    def __init__(self, window: int = 1, **options):
+        require(window >= 1, f"window ({window}) must be >= 1")
+        self.window = window
+        self.options = options
+        self._history: list[np.ndarray] = []
+        self.slot_expert_S: np.ndarray | None = None
+
+    def observe(self, counts_E: np.ndarray) -> None:
+        self._history = (self._history + [np.asarray(counts_E, dtype=np.float64)])[-self.window:]
+
+    def plan(self, routing: GlobalRouting, ctx: PlanContext) -> Plan:
+        from moonep_sim.strategies import make_plan
+        hist = np.stack(self._history) if self._history else None
+        p = make_plan("eplb", routing, ctx, history=hist, previous=self.slot_expert_S, **self.options)
+        self.slot_expert_S = p.slot_expert_S.copy()
+        return p

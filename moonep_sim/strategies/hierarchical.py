@@ -1,0 +1,37 @@
+"""``hierarchical``: Tutel's 2DH two-phase all-to-all (intra-node first, then across nodes).
+
+Anchor: Tutel (Hwang et al., 2023), "2D hierarchical all-to-all". Hop 0 stays inside a node: GPU
+(node n, local i) sends to local GPU (n, j) every row bound for local index j on *any* node. Hop 1
+crosses nodes only between GPUs of equal local index: (n, j) sends to (m, j) the rows bound for
+node m. Messages across the network become fewer and larger (G times fewer peers per NIC), at the
+price of a second pass over NVLink.
+
+Option ``dedup``: a token crosses each hop once per receiving GPU (and is expanded at its final
+GPU); without it every (token, k) entry is its own row on both hops. Experts are taken at their
+home rank (replicas of a custom placement are not used).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from moonep_sim.plan import GlobalRouting, Plan
+from moonep_sim.plan.multihop import home_slots, plan_from_routes
+from moonep_sim.strategies import PlanContext, register
+
+
+@register("hierarchical", summary="Tutel 2DH: intra-node all-to-all, then inter-node between equal local ranks",
+          options={"dedup": (bool, False, "send a token once per receiving GPU on each hop")})
+def plan(routing: GlobalRouting, ctx: PlanContext, dedup: bool = False) -> Plan:
+    t0 = time.perf_counter()
+    G = ctx.cluster.gpus_per_node
+    sr, se, slot_of = home_slots(ctx.placement)
+    entry_slot = slot_of[routing.topk_ids_TK].ravel()
+    dst = sr[entry_slot]
+    src = np.repeat(routing.src_rank_T(), routing.top_k)
+    via = (src // G) * G + dst % G  # same node as the source, local index of the destination
+    return plan_from_routes("hierarchical", {"dedup": dedup}, routing, ctx.cluster, ctx.costs, sr, se, sr,
+                            entry_slot.reshape(routing.topk_ids_TK.shape), [via], ("intra_node", "inter_node"),
+                            (dedup, dedup), token_padding=ctx.token_padding, started=t0)

@@ -1,0 +1,251 @@
+"""Importers: every real file, format detection, and every bad-input case (one line, exit 2,
+no output file)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from conftest import SHARED_REAL
+from moonep_sim.cli import main
+from moonep_sim.errors import TraceFormatError
+from moonep_sim.routing.importers import detect_format, import_trace, load_source
+from moonep_sim.routing.trace import Trace
+
+MIXTRAL = SHARED_REAL / "mixtral-8x7b_humaneval_routing.jsonl"
+OLMOE = SHARED_REAL / "olmoe-1b-7b_layer0_vllm_routes.jsonl"
+SWITCH = SHARED_REAL / "switch-base-128_expert_counts.json"
+needs_real = pytest.mark.skipif(not SHARED_REAL.is_dir(), reason=f"real traces folder {SHARED_REAL} absent")
+
+
+# ---------------------------------------------------------------------------------- real files
+@needs_real
+def test_mixtral_records(tmp_path):
+    out = tmp_path / "m.safetensors"
+    assert detect_format(MIXTRAL) == "jsonl-records"
+    assert main(["trace", "import", str(MIXTRAL), "-o", str(out), "--model", "mixtral-8x7b"]) == 0
+    tr = Trace(out)
+    m = tr.meta
+    assert (m.num_experts, m.top_k, m.layer_ids, m.num_tokens) == (8, 2, list(range(32)), 333)
+    assert m.import_report["tokens_missing_layers_dropped"] == 5
+    assert m.import_report["duplicate_records_dropped"] == 0
+    assert "Mario928/speculative-moe" in m.attribution
+    # hand check: the first records of the file are problem 0, layer 0, tokens 0.. in order
+    recs = [json.loads(l) for l in MIXTRAL.read_text().splitlines()[:3]]
+    lr = tr.layer(0)
+    for t, r in enumerate(recs):
+        assert lr.topk_ids_TK[t].tolist() == r["experts"]
+        np.testing.assert_allclose(lr.topk_weights_TK[t], r["gating_probs"], rtol=1e-6)
+    steps = tr.steps()
+    assert steps.tolist() == [0] * 81 + [1] * 252        # problem 0: tokens 0..80, problem 1: 0..251 complete
+
+
+@needs_real
+def test_olmoe_vllm_warmup_dropped(tmp_path):
+    out = tmp_path / "o.safetensors"
+    assert detect_format(OLMOE) == "vllm-routes"
+    m = import_trace(OLMOE, out, model="olmoe-1b-7b")
+    rep = m.import_report
+    assert rep["warmup_rows_dropped"] == 2048
+    assert rep["warmup_blocks"][0]["first_record"] == 2 and rep["warmup_blocks"][0]["rows"] == 2048
+    assert (m.num_tokens, m.num_experts, m.top_k, m.layer_ids) == (6519 - 2048, 64, 8, [0])
+    # the first kept token is the file's token_idx 2048
+    first = json.loads(OLMOE.read_text().splitlines()[1 + 2048])
+    assert first["token_idx"] == 2048
+    assert Trace(out).layer(0).topk_ids_TK[0].tolist() == first["topk_ids"]
+    # disabling the detection keeps every row
+    m2 = import_trace(OLMOE, tmp_path / "o2.safetensors", warmup_min_rows=0)
+    assert m2.num_tokens == 6519
+
+
+@needs_real
+def test_switch_counts(tmp_path):
+    out = tmp_path / "s.safetensors"
+    assert detect_format(SWITCH) == "counts-json"
+    m = import_trace(SWITCH, out)
+    doc = json.loads(SWITCH.read_text())
+    tr = Trace(out)
+    assert m.kind == "counts" and m.layer_ids == [1, 3, 5, 7, 9, 11] and m.top_k == 1
+    assert m.num_tokens == 206866
+    for i, lid in enumerate(m.layer_ids):
+        want = [doc["expert_usage_by_layer"][str(lid)][str(e)] for e in range(128)]
+        assert tr.counts(i).tolist() == want
+    assert "assumed 1" in m.import_report["top_k"]
+
+
+@needs_real
+def test_inspect_json_checked_by_hand(tmp_path, capsys):
+    """maxvio / gini / top share / distinct ranks of the Mixtral trace, recomputed from records."""
+    out = tmp_path / "m.safetensors"
+    import_trace(MIXTRAL, out)
+    capsys.readouterr()
+    assert main(["trace", "inspect", str(out), "--json", "--ranks", "4", "--gpus-per-node", "2",
+                 "--layers", "0,31", "--top", "2"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert (res["layers"], res["tokens"], res["num_experts"], res["top_k"]) == (2, 333, 8, 2)
+    # independent recomputation from the raw records (complete tokens only)
+    recs = [json.loads(l) for l in MIXTRAL.read_text().splitlines()]
+    per_tok = {}
+    for r in recs:
+        per_tok.setdefault((r["problem_id"], r["token_idx"]), []).append(r)
+    for entry in res["per_layer"]:
+        lay = entry["layer"]
+        counts = [0] * 8
+        ranks_touched = []
+        for rs in per_tok.values():
+            if len(rs) != 32:
+                continue
+            (r,) = [x for x in rs if x["layer"] == lay]
+            for e in r["experts"]:
+                counts[e] += 1
+            ranks_touched.append(len({e * 4 // 8 for e in r["experts"]}))
+        mean = sum(counts) / 8
+        assert entry["maxvio"] == pytest.approx(max(counts) / mean - 1)
+        xs = sorted(counts)
+        g = sum((2 * (i + 1) - 8 - 1) * x for i, x in enumerate(xs)) / (8 * sum(xs))
+        assert entry["gini"] == pytest.approx(g)
+        assert entry["top_share"] == pytest.approx(sum(sorted(counts)[-2:]) / sum(counts))
+        assert entry["rank_loads"] == [counts[2 * r] + counts[2 * r + 1] for r in range(4)]
+        assert entry["mean_distinct_ranks"] == pytest.approx(sum(ranks_touched) / len(ranks_touched))
+        assert entry["distinct_is_estimate"] is False
+
+
+@needs_real
+def test_inspect_counts_labels_estimate(tmp_path):
+    from moonep_sim.routing.metrics import inspect_trace
+    out = tmp_path / "s.safetensors"
+    import_trace(SWITCH, out)
+    res = inspect_trace(out, ranks=8, gpus_per_node=4)
+    p = res["per_layer"][0]
+    assert p["distinct_is_estimate"] is True and "estimate" in p["distinct_note"]
+    assert p["mean_distinct_ranks"] == pytest.approx(1.0)   # top-1: one rank per token, exactly
+
+
+# ---------------------------------------------------------------------------------- arrays
+def test_npy_and_npz(tmp_path):
+    rng = np.random.default_rng(0)
+    ids = np.argsort(rng.random((50, 3, 16)), axis=2)[:, :, :4]        # [T, L, K]
+    np.save(tmp_path / "r.npy", ids)
+    m = import_trace(tmp_path / "r.npy", tmp_path / "r.safetensors", num_experts=16)
+    tr = Trace(tmp_path / "r.safetensors")
+    assert (m.num_tokens, m.num_layers, m.top_k, m.num_experts) == (50, 3, 4, 16)
+    np.testing.assert_array_equal(tr.layer(2).topk_ids_TK, ids[:, 2])
+    w = rng.random((50, 3, 4)).astype(np.float32)
+    np.savez(tmp_path / "r.npz", topk_ids=ids, topk_weights=w, layer_ids=np.array([3, 7, 11]))
+    m = import_trace(tmp_path / "r.npz", tmp_path / "z.safetensors", num_experts=16)
+    assert m.layer_ids == [3, 7, 11]
+    np.testing.assert_array_equal(Trace(tmp_path / "z.safetensors").layer(1).topk_weights_TK, w[:, 1])
+
+
+# ---------------------------------------------------------------------------------- bad input
+def _jsonl(path, recs):
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def _rec(tok, layer, experts, w=None, pid=0):
+    return {"problem_id": pid, "token_idx": tok, "layer": layer, "experts": experts,
+            "gating_probs": w if w is not None else [0.6, 0.4][:len(experts)] + [0.0] * (len(experts) - 2)}
+
+
+GOOD = [_rec(t, l, [t % 4, (t + 1) % 4]) for t in range(3) for l in range(2)]
+
+
+def _pickle(p):
+    p.write_bytes(pickle.dumps({"a": 1}))
+
+
+def _object_npy(p):
+    with open(p, "wb") as f:
+        np.lib.format.write_array(f, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+
+
+BAD_CASES = {
+    # name: (writer(path), file name, extra CLI args, regex the one-line message must match)
+    "empty": (lambda p: p.write_text(""), "e.jsonl", [], r"e\.jsonl: expected routing data, found an empty file"),
+    "malformed": (lambda p: p.write_text(json.dumps(GOOD[0]) + "\n{not json\n"), "m.jsonl", [],
+                  r"m\.jsonl: record 2: expected a JSON object, found invalid JSON"),
+    "truncated": (lambda p: p.write_text(json.dumps(GOOD[0]) + "\n" + json.dumps(GOOD[1])[:30]), "t.jsonl", [],
+                  r"t\.jsonl: record 2: .*invalid JSON .*truncated"),
+    "unknown": (lambda p: p.write_text("hello world\n"), "u.txt", [], r"u\.txt: expected one of the formats"),
+    "out_of_range": (lambda p: _jsonl(p, GOOD[:3] + [_rec(9, 0, [1, 8])]), "r.jsonl", ["--num-experts", "8"],
+                     r"r\.jsonl: record 4: experts: expected ids in \[0, 8\), found \[1, 8\]"),
+    "negative": (lambda p: _jsonl(p, [_rec(0, 0, [-1, 2])]), "n.jsonl", ["--num-experts", "4"],
+                 r"record 1: experts: expected ids in \[0, 4\), found \[-1, 2\]"),
+    "topk_width": (lambda p: _jsonl(p, GOOD[:2] + [_rec(5, 0, [0, 1, 2], [0.5, 0.3, 0.2])]), "w.jsonl", [],
+                   r"w\.jsonl: record 3: experts: expected 2 ids .*found 3"),
+    "nan_weight": (lambda p: p.write_text(json.dumps(GOOD[0]) + "\n" +
+                                          json.dumps(_rec(1, 0, [0, 1], [float("nan"), 0.5])) + "\n"),
+                   "nan.jsonl", [], r"nan\.jsonl: record 2: gating_probs: expected finite numbers, found \[nan, 0\.5\]"),
+    "meta_topk": (lambda p: _jsonl(p, [{"type": "meta", "top_k": 8, "num_experts": 64}] +
+                                   [{"type": "route", "req_id": "a", "token_idx": 0, "layer": 0,
+                                     "topk_ids": [1, 2], "topk_weights": [0.5, 0.5]}]),
+                  "v.jsonl", [], r"v\.jsonl: record 2: topk_ids: expected 8 ids \(meta top_k\), found 2"),
+    "meta_layers": (lambda p: _jsonl(p, [{"type": "meta", "top_k": 2, "layers_logged": [0]}] +
+                                     [{"type": "route", "req_id": "a", "token_idx": 0, "layer": 3,
+                                       "topk_ids": [1, 2], "topk_weights": [0.5, 0.5]}]),
+                    "v2.jsonl", [], r"record 2: layer: expected one of meta layers_logged \[0\], found 3"),
+    "model_contradicts": (lambda p: _jsonl(p, GOOD), "mc.jsonl", ["--model", "olmoe-1b-7b"],
+                          r"mc\.jsonl: num_experts: expected 64 .*|top_k: expected 8 \(model olmoe-1b-7b\), found 2"),
+    "conflicting_duplicate": (lambda p: _jsonl(p, GOOD + [_rec(0, 0, [2, 3])]), "d.jsonl", [],
+                              r"d\.jsonl: record 7: experts: expected a duplicate of record 1"),
+    "counts_negative": (lambda p: p.write_text(json.dumps({"expert_usage_by_layer": {"0": {"0": 3, "1": -2}}})),
+                        "c.json", [], r"c\.json: expert_usage_by_layer\[0\]\[1\]: expected a count .*found -2"),
+    "counts_total": (lambda p: p.write_text(json.dumps({"expert_usage_by_layer": {"0": {"0": 3, "1": 2}},
+                                                        "layer_analysis": {"0": {"total_usage": 9}}})),
+                     "ct.json", [], r"layer_analysis\[0\]\.total_usage: expected 5 .*found 9"),
+    "counts_truncated": (lambda p: p.write_text('{"expert_usage_by_layer": {"0": {"0": 3, '), "tr.json", [],
+                         r"tr\.json: expected JSON, found invalid JSON"),
+    "pickle": (_pickle, "x.pkl", [], r"x\.pkl: expected routing data, found a Python pickle"),
+    "pickle_npy": (_object_npy, "o.npy", [], r"o\.npy: expected a numeric array, found an object array"),
+    "npy_float": (lambda p: np.save(p, np.zeros((3, 1, 2))), "f.npy", ["--num-experts", "4"],
+                  r"f\.npy: topk_ids: expected an integer array, found dtype float64"),
+    "npy_range": (lambda p: np.save(p, np.array([[[0, 1]], [[2, 9]]])), "g.npy", ["--num-experts", "4"],
+                  r"g\.npy: token 1: layer 0: topk_ids: expected ids in \[0, 4\), found \[2, 9\]"),
+    "npy_truncated": (lambda p: (np.save(p, np.zeros((100, 2, 2), np.int64)),
+                                 p.write_bytes(p.read_bytes()[:300])), "h.npy", ["--num-experts", "4"],
+                      r"h\.npy: expected a readable numpy file"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CASES))
+def test_bad_input_one_line_exit2_no_output(name, tmp_path, capsys):
+    writer, fname, extra, pattern = BAD_CASES[name]
+    src = tmp_path / fname
+    writer(src)
+    out = tmp_path / "out" / "t.safetensors"
+    rc = main(["trace", "import", str(src), "-o", str(out), *extra])
+    err = capsys.readouterr().err
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moonep-sim: error: "), err
+    import re
+    assert re.search(pattern, lines[0]), lines[0]
+    assert not out.exists()
+    assert not out.parent.exists() or not any(out.parent.iterdir())
+
+
+def test_bad_case_table_covers_the_required_regimes():
+    required = {"malformed", "truncated", "empty", "unknown", "out_of_range", "negative", "topk_width",
+                "nan_weight", "meta_topk", "pickle", "pickle_npy"}
+    assert required <= set(BAD_CASES)
+
+
+def test_exact_duplicates_and_missing_layers_are_dropped_with_counts(tmp_path):
+    recs = GOOD + [GOOD[0], GOOD[3]] + [_rec(7, 0, [1, 2])]          # 2 exact dups, token 7 lacks layer 1
+    imp = load_source(_jsonl(tmp_path / "d.jsonl", recs))
+    rep = imp.meta.import_report
+    assert rep["duplicate_records_dropped"] == 2
+    assert rep["tokens_missing_layers_dropped"] == 1
+    assert imp.meta.num_tokens == 3 and imp.tensors["topk_ids"].shape == (2, 3, 2)
+
+
+def test_missing_file_and_bad_format_name(tmp_path):
+    with pytest.raises(TraceFormatError, match="expected a file, found none"):
+        load_source(tmp_path / "nope.jsonl")
+    (tmp_path / "a.jsonl").write_text(json.dumps(GOOD[0]) + "\n")
+    with pytest.raises(TraceFormatError, match=r"--format \('xml'\) must be"):
+        load_source(tmp_path / "a.jsonl", "xml")

@@ -1,0 +1,259 @@
+"""The shared Plan builders keep their outputs while their implementations are optimised.
+
+``ref_*`` below are the first, straightforward implementations of ``layout_slots``,
+``single_hop_messages`` and ``plan_from_slots`` (argsort-based, int64 throughout), kept verbatim as
+slow references: the package's versions must return identical arrays (values and dtypes) on
+literal small cases and on hypothesis-drawn ones (drops, padding, minimum rows, dedup on/off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, RowCosts, layout_slots, plan_from_slots, \
+    single_hop_messages, validate
+from moonep_sim.plan.plan import Hop
+
+
+# --- references (the original implementations) ---------------------------------------------------
+
+def ref_layout_slots(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
+                 min_rows_S: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Expert-grouped layout from each entry's slot (vectorised).
+
+    entry_slot_N: int64 [N] slot of each entry in flat entry order (e = t*K + k), -1 = dropped.
+    slot_rank_S: int64 [S] sorted.  min_rows_S: optional [S] rows to allocate at least (capacity pad).
+    Returns (slot_rows_S, slot_padded_S, slot_offset_S, entry_row_N): entries keep their global
+    order within a slot (tokens of source ranks concatenated in rank order, then k).
+    """
+    S = slot_rank_S.size
+    N = entry_slot_N.size
+    kept = entry_slot_N >= 0
+    slot_rows = np.bincount(entry_slot_N[kept], minlength=S).astype(np.int64)
+    padded = slot_rows if min_rows_S is None else np.maximum(slot_rows, min_rows_S)
+    tp = max(int(token_padding), 1)
+    padded = (padded + tp - 1) // tp * tp
+    cum = np.cumsum(padded) - padded
+    R = int(slot_rank_S.max()) + 1 if S else 0
+    first = np.searchsorted(slot_rank_S, np.arange(R))
+    rank_base = np.concatenate([[0], np.cumsum(padded)])[first]
+    offset = cum - rank_base[slot_rank_S] if S else cum
+    # position of each entry within its slot: stable sort by slot keeps the global entry order
+    entry_row = np.full(N, -1, dtype=np.int64)
+    ks = np.flatnonzero(kept)
+    sl = entry_slot_N[ks]
+    order = np.argsort(sl, kind="stable")
+    starts = np.cumsum(slot_rows) - slot_rows
+    pos = np.empty(ks.size, dtype=np.int64)
+    pos[order] = np.arange(ks.size, dtype=np.int64) - np.repeat(starts, slot_rows)
+    entry_row[ks] = offset[sl] + pos
+    return slot_rows, padded, offset, entry_row
+
+
+def ref_single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_off_R: np.ndarray,
+                        top_k: int, ranks: int, dedup: bool):
+    """One global hop sending each kept entry's token to its destination rank.
+
+    With ``dedup`` a token is sent once per destination rank; otherwise once per entry.
+    The receive buffer on each rank holds rows ordered by (source rank, token, k).
+    Returns (hop, entry_buf_row_N, entry_dup_N): the Hop, each entry's row in the receive buffer
+    (-1 dropped), and the duplicate flags.
+    """
+    N = entry_rank_N.size
+    kept = np.flatnonzero(entry_rank_N >= 0)
+    dst = entry_rank_N[kept]
+    tok = kept // top_k
+    order = np.argsort(dst, kind="stable")  # (dst, entry) order
+    d_s, t_s = dst[order], tok[order]
+    if dedup:
+        first = np.ones(order.size, dtype=bool)
+        first[1:] = (d_s[1:] != d_s[:-1]) | (t_s[1:] != t_s[:-1])
+    else:
+        first = np.ones(order.size, dtype=bool)
+    msg_of_sorted = np.cumsum(first) - 1
+    msg_dst = d_s[first]
+    msg_tok = t_s[first]
+    n_msg = msg_dst.size
+    per_dst = np.bincount(msg_dst, minlength=ranks)
+    dst_start = np.cumsum(per_dst) - per_dst
+    msg_row = np.arange(n_msg, dtype=np.int64) - dst_start[msg_dst]
+    entry_buf_row = np.full(N, -1, dtype=np.int64)
+    entry_buf_row[kept[order]] = msg_row[msg_of_sorted]
+    entry_dup = np.zeros(N, dtype=bool)
+    entry_dup[kept[order]] = ~first
+    msg_src = src_rank_T[msg_tok]
+    o2 = np.argsort(msg_src, kind="stable")  # (src, dst, token): messages were in (dst, token) order
+    hop = Hop("global", msg_src[o2], (msg_tok - tok_off_R[msg_src])[o2], msg_dst[o2], msg_row[o2],
+              per_dst.astype(np.int64))
+    return hop, entry_buf_row, entry_dup
+
+
+def ref_plan_from_slots(strategy: str, options: dict[str, Any], routing: GlobalRouting, cluster: ClusterShape,
+                    costs: RowCosts, slot_rank_S: np.ndarray, slot_expert_S: np.ndarray, slot_home_S: np.ndarray,
+                    entry_slot_TK: np.ndarray, *, dedup: bool, token_padding: int = 1,
+                    min_rows_S: np.ndarray | None = None, capacity_R: np.ndarray | None = None,
+                    started: float | None = None, **extra) -> Plan:
+    """A single-hop Plan from each entry's slot: the builder behind most strategies.
+
+    entry_slot_TK: int64 [T, K] index into the slot arrays (which must be sorted by rank), -1 =
+    dropped. The hop sends tokens straight to the slot's rank (deduplicated per rank if ``dedup``);
+    the destination expands them into the expert-grouped layout.
+    """
+    T, K = routing.topk_ids_TK.shape
+    R = cluster.ranks
+    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
+    slot_rows, padded, offset, entry_row = ref_layout_slots(entry_slot, slot_rank_S, token_padding, min_rows_S)
+    entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
+    hop, entry_buf_row, entry_dup = ref_single_hop_messages(entry_rank, routing.src_rank_T(), routing.tok_off_R(),
+                                                        K, R, dedup)
+    rows_R = np.bincount(slot_rank_S, weights=padded, minlength=R).astype(np.int64)
+    row_off = np.concatenate([[0], np.cumsum(rows_R)])
+    W = int(row_off[-1])
+    row_entry = np.full(W, -1, dtype=np.int64)
+    expand = np.full(W, -1, dtype=np.int64)
+    kept = np.flatnonzero(entry_slot >= 0)
+    g = row_off[entry_rank[kept]] + entry_row[kept]
+    row_entry[g] = kept
+    expand[g] = entry_buf_row[kept]
+    return Plan(
+        strategy=strategy, options=dict(options), cluster=cluster, num_experts=routing.num_experts, top_k=K,
+        tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),
+        entry_rank_TK=entry_rank.reshape(T, K), entry_row_TK=entry_row.reshape(T, K),
+        entry_dup_TK=entry_dup.reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
+        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slot_expert_S, dtype=np.int64),
+        slot_home_S=np.asarray(slot_home_S, dtype=np.int64), slot_offset_S=offset, slot_rows_S=slot_rows,
+        slot_padded_S=padded, row_entry_W=row_entry, expand_src_row_W=expand, hops=(hop,),
+        capacity_R=capacity_R,
+        plan_seconds=(time.perf_counter() - started) if started is not None else 0.0, **extra)
+
+
+
+# --- literal pins ----------------------------------------------------------------------------------
+# 2 ranks (3 + 2 tokens), K=2, slots: rank 0 -> s0, s1; rank 1 -> s2, s3; entry 6 dropped.
+SLOT_RANK = np.array([0, 0, 1, 1])
+ENTRY_SLOT = np.array([0, 2, 1, 3, 2, 3, -1, 0, 3, 1])
+SRC_RANK_T = np.array([0, 0, 0, 1, 1])
+TOK_OFF = np.array([0, 3, 5])
+
+
+def _eq(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_layout_slots_literal():
+    rows, padded, off, row = layout_slots(ENTRY_SLOT, SLOT_RANK, 2)
+    for got, want in zip((rows, padded, off, row), ([2, 2, 2, 3], [2, 2, 2, 4], [0, 2, 0, 2],
+                                                   [0, 0, 2, 2, 1, 3, -1, 1, 4, 3])):
+        _eq(got, np.array(want, dtype=np.int64))
+    rows, padded, off, row = layout_slots(ENTRY_SLOT, SLOT_RANK, 1, np.array([0, 3, 0, 0]))
+    _eq(padded, np.array([2, 3, 2, 3]))
+    _eq(off, np.array([0, 2, 0, 2]))
+
+
+def test_single_hop_messages_literal():
+    er = np.where(ENTRY_SLOT >= 0, SLOT_RANK[np.maximum(ENTRY_SLOT, 0)], -1)
+    hop, br, dup = single_hop_messages(er, SRC_RANK_T, TOK_OFF, 2, 2, True)
+    _eq(hop.src_rank_M, np.array([0, 0, 0, 0, 0, 1, 1, 1]))
+    _eq(hop.src_row_M, np.array([0, 1, 0, 1, 2, 0, 1, 1]))
+    _eq(hop.dst_rank_M, np.array([0, 0, 1, 1, 1, 0, 0, 1]))
+    _eq(hop.dst_row_M, np.array([0, 1, 0, 1, 2, 2, 3, 3]))
+    _eq(hop.dst_rows_R, np.array([4, 4]))
+    _eq(br, np.array([0, 0, 1, 1, 2, 2, -1, 2, 3, 3]))
+    _eq(dup, np.array([0, 0, 0, 0, 0, 1, 0, 0, 0, 0], dtype=bool))
+    hop, br, dup = single_hop_messages(er, SRC_RANK_T, TOK_OFF, 2, 2, False)
+    _eq(hop.dst_row_M, np.array([0, 1, 0, 1, 2, 3, 2, 3, 4]))
+    _eq(hop.dst_rows_R, np.array([4, 5]))
+    _eq(br, np.array([0, 0, 1, 1, 2, 3, -1, 2, 4, 3]))
+    assert not dup.any()
+
+
+# --- hypothesis: optimised == reference ------------------------------------------------------------
+
+@st.composite
+def slot_cases(draw):
+    R = draw(st.integers(1, 5))
+    per_rank = draw(st.lists(st.integers(0, 4), min_size=R, max_size=R))
+    if sum(per_rank) == 0:
+        per_rank[0] = 1
+    slot_rank = np.repeat(np.arange(R), per_rank).astype(np.int64)
+    S = slot_rank.size
+    tpr = np.array(draw(st.lists(st.integers(0, 6), min_size=R, max_size=R)), dtype=np.int64)
+    K = draw(st.integers(1, 4))
+    T = int(tpr.sum())
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    entry_slot = rng.integers(-1 if draw(st.booleans()) else 0, S, T * K).astype(np.int64)
+    tp = draw(st.sampled_from([1, 2, 3, 8]))
+    min_rows = rng.integers(0, 5, S).astype(np.int64) if draw(st.booleans()) else None
+    # shuffled source ranks (tokens not in rank order) take the general sort path
+    shuffle = draw(st.booleans())
+    return R, slot_rank, tpr, K, entry_slot, tp, min_rows, bool(draw(st.booleans())), shuffle, seed
+
+
+@settings(max_examples=150, deadline=None)
+@given(slot_cases())
+def test_builders_match_reference(case):
+    R, slot_rank, tpr, K, entry_slot, tp, min_rows, dedup, shuffle, seed = case
+    for got, want in zip(layout_slots(entry_slot, slot_rank, tp, min_rows),
+                         ref_layout_slots(entry_slot, slot_rank, tp, min_rows)):
+        _eq(got, want)
+    entry_rank = np.where(entry_slot >= 0, slot_rank[np.maximum(entry_slot, 0)], -1)
+    src_T = np.repeat(np.arange(R), tpr)
+    if shuffle:
+        src_T = np.random.default_rng(seed + 1).permutation(src_T)
+    off = np.concatenate([[0], np.cumsum(tpr)])
+    hop, br, dup = single_hop_messages(entry_rank, src_T, off, K, R, dedup)
+    rhop, rbr, rdup = ref_single_hop_messages(entry_rank, src_T, off, K, R, dedup)
+    for f in dataclasses.fields(Hop):
+        if f.name != "scope":
+            _eq(getattr(hop, f.name), getattr(rhop, f.name))
+    _eq(br, rbr)
+    _eq(dup, rdup)
+    if shuffle:
+        return
+    # the whole Plan
+    T = int(tpr.sum())
+    E = int(slot_rank.size)
+    ids = np.tile(np.arange(K), (T, 1))  # routing ids only feed shapes here; slots are given
+    routing = GlobalRouting(ids, np.ones((T, K), np.float32), tpr, max(E, K))
+    cl = ClusterShape(R, 1)
+    costs = RowCosts(4, 2, 100, 200)
+    args = ("x", {}, routing, cl, costs, slot_rank, np.zeros(E, np.int64), slot_rank, entry_slot.reshape(T, K))
+    kw = dict(dedup=dedup, token_padding=tp, min_rows_S=min_rows)
+    p, q = plan_from_slots(*args, **kw), ref_plan_from_slots(*args, **kw)
+    for f in dataclasses.fields(Plan):
+        a, b = getattr(p, f.name), getattr(q, f.name)
+        if f.name == "hops":
+            for ha, hb in zip(a, b):
+                for g in dataclasses.fields(Hop):
+                    if g.name != "scope":
+                        _eq(getattr(ha, g.name), getattr(hb, g.name))
+        elif isinstance(a, np.ndarray):
+            _eq(a, b)
+
+
+def test_single_hop_many_ranks_matches_reference():
+    # R >= 255 takes the (src*R + dst) key sort instead of the per-source one-byte sort
+    R, K = 300, 3
+    rng = np.random.default_rng(7)
+    tpr = rng.integers(0, 3, R)
+    src_T = np.repeat(np.arange(R), tpr)
+    off = np.concatenate([[0], np.cumsum(tpr)])
+    entry_rank = rng.integers(-1, R, src_T.size * K)
+    entry_rank[::K] = entry_rank[1::K]  # some duplicates for dedup
+    for dedup in (False, True):
+        got = single_hop_messages(entry_rank, src_T, off, K, R, dedup)
+        want = ref_single_hop_messages(entry_rank, src_T, off, K, R, dedup)
+        for f in dataclasses.fields(Hop):
+            if f.name != "scope":
+                _eq(getattr(got[0], f.name), getattr(want[0], f.name))
+        _eq(got[1], want[1])
+        _eq(got[2], want[2])

@@ -1,0 +1,121 @@
+"""Calibration: fitting on synthetic measurements, the topology it writes, and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moonep_sim.cli import main
+from moonep_sim.errors import ConfigError
+from moonep_sim.report import calibrate as cal
+
+
+def synthetic(lat_us: dict[int, float], bw_gbps: dict[int, float], flops: dict[int, float], launch_us: float,
+              noise: float = 0.0, seed: int = 0) -> dict:
+    """Measurements drawn from the model the fit assumes (optionally with multiplicative noise)."""
+    rng = np.random.default_rng(seed)
+    a2a, comp, mem = [], [], []
+    for P in lat_us:
+        for m in (4096, 65536, 1 << 20, 4 << 20):
+            t = lat_us[P] * 1e-6 + (P - 1) * m / (bw_gbps[P] * 1e9)
+            a2a.append({"nproc": P, "bytes_per_peer": m, "seconds": list(t * (1 + noise * rng.standard_normal(7)))})
+        for rows in (64, 256, 1024):
+            f = 6 * rows * 512 * 1024
+            t = launch_us * 1e-6 + f / flops[P]
+            comp.append({"nproc": P, "rows": rows, "hidden": 512, "ffn": 1024, "flops": f,
+                         "seconds": list(t * (1 + noise * rng.standard_normal(7)))})
+        mem.append({"nproc": P, "bytes": 32 << 20, "seconds": [(32 << 20) / (5e9 / P)] * 3})
+    return {"alltoall": a2a, "swiglu": comp, "memcopy": mem}
+
+
+def test_fit_recovers_exact_constants():
+    m = synthetic({2: 150.0, 4: 450.0}, {2: 1.5, 4: 0.75}, {2: 80e9, 4: 40e9}, launch_us=20.0)
+    f = cal.fit(m)
+    assert f.latency_us_P[2] == pytest.approx(150.0, rel=1e-6)
+    assert f.latency_us_P[4] == pytest.approx(450.0, rel=1e-6)
+    assert f.proc_gbps_P[2] == pytest.approx(1.5, rel=1e-6)
+    assert f.proc_gbps_P[4] == pytest.approx(0.75, rel=1e-6)
+    # latency(P) = base + per_peer * (P-1): 150 = b + p, 450 = b + 3p
+    assert f.latency_per_peer_us == pytest.approx(150.0, rel=1e-6)
+    assert f.latency_base_us == pytest.approx(0.0, abs=1e-6)
+    # bandwidth model min(port, aggregate / P): port 1.5, aggregate 3.0
+    assert f.port_gbps == pytest.approx(1.5)
+    assert f.aggregate_gbps == pytest.approx(3.0)
+    assert f.proc_gbps(8) == pytest.approx(3.0 / 8)
+    assert f.flops_per_s_P[4] == pytest.approx(40e9, rel=1e-6)
+    assert f.compute_flops_per_s == pytest.approx(40e9, rel=1e-6)
+    assert f.compute_flops_per_s_alone == pytest.approx(80e9, rel=1e-6)
+    assert f.launch_us_P[2] == pytest.approx(20.0, rel=1e-4)
+    assert f.mem_gbps_P[2] == pytest.approx(2.5)
+
+
+def test_fit_is_robust_to_noise_and_outliers():
+    m = synthetic({2: 200.0, 4: 600.0}, {2: 1.2, 4: 0.9}, {2: 60e9, 4: 30e9}, launch_us=50.0, noise=0.05, seed=3)
+    # one wild repeat per record (a descheduled process): the median must ignore it
+    for r in m["alltoall"] + m["swiglu"]:
+        r["seconds"][0] *= 50
+    f = cal.fit(m)
+    assert f.proc_gbps_P[2] == pytest.approx(1.2, rel=0.1)
+    assert f.proc_gbps_P[4] == pytest.approx(0.9, rel=0.1)
+    assert f.latency_us_P[4] == pytest.approx(600.0, rel=0.15)
+    assert f.flops_per_s_P[4] == pytest.approx(30e9, rel=0.1)
+
+
+def test_fit_never_returns_negative_latency():
+    # a measurement where small messages are *faster* per byte than the line: intercept would go < 0
+    m = synthetic({2: 0.0, 4: 0.0}, {2: 1.0, 4: 1.0}, {2: 1e10, 4: 1e10}, launch_us=0.0)
+    for r in m["alltoall"]:
+        if r["bytes_per_peer"] == 4096:
+            r["seconds"] = [s * 0.5 for s in r["seconds"]]
+    f = cal.fit(m)
+    assert min(f.latency_us_P.values()) >= 0
+    assert all(np.isfinite(v) and v > 0 for v in f.proc_gbps_P.values())
+
+
+def test_fit_needs_measurements():
+    with pytest.raises(ConfigError, match="all-to-all measurements"):
+        cal.fit({"alltoall": [], "swiglu": []})
+
+
+def test_topology_written_from_fit_loads_in_the_simulator(tmp_path, monkeypatch):
+    sim_topology = pytest.importorskip("moonep_sim.sim.topology")
+    m = synthetic({2: 150.0, 4: 450.0}, {2: 1.5, 4: 0.75}, {2: 80e9, 4: 40e9}, launch_us=20.0)
+    f = cal.fit(m)
+    topo = cal.local_gloo_topology(f, 4, (2, 4))
+    path = tmp_path / "local-gloo.toml"
+    path.write_text(topo.to_toml())
+    back = sim_topology.read_topology_file(path)
+    assert back.name == "local-gloo"
+    assert back.nvlink_bandwidth_GBps == pytest.approx(0.75)
+    assert back.nvlink_latency_us == pytest.approx(450.0)
+    assert back.gpu_tflops * 1e12 == pytest.approx(40e9, rel=1e-4)
+    assert back.gpu_launch_us == pytest.approx(20.0, rel=1e-3)
+    assert "calibrate" in back.sources["nvlink_bandwidth_GBps"]
+    # the preset reads it from $MOONEP_SIM_HOME
+    monkeypatch.setenv("MOONEP_SIM_HOME", str(tmp_path))
+    assert sim_topology.load_topology("local-gloo").nvlink_bandwidth_GBps == pytest.approx(0.75)
+    # for a process count between/beyond the measured ones, the bandwidth model is used
+    t8 = cal.local_gloo_topology(f, 8, (2, 4))
+    assert t8.nvlink_bandwidth_GBps == pytest.approx(f.proc_gbps(8), rel=1e-4)
+
+
+def test_calibrate_cli_rejects_bad_input(capsys):
+    assert main(["calibrate", "--nproc", "1"]) == 2
+    assert "nproc (1) must lie in [2, 64]" in capsys.readouterr().err
+    assert main(["calibrate", "--sizes", "4x"]) == 2
+    assert "--sizes entry ('4x')" in capsys.readouterr().err
+    assert main(["calibrate", "--sizes", "4K"]) == 2
+    assert "at least two message sizes" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_calibrate_measures_and_writes(tmp_path):
+    """A real (tiny) calibration with 2 processes: sane positive constants, file written atomically."""
+    out = tmp_path / "cal" / "local-gloo.toml"
+    res = cal.calibrate((2,), (4096, 1 << 20), ((64, 128, 256), (256, 128, 256)), repeats=3, out=out)
+    assert out.exists() and out.with_suffix(".measurements.json").exists()
+    assert not [p for p in out.parent.iterdir() if p.name.endswith(".part")]
+    f = res.fit
+    assert f.proc_gbps_P[2] > 0 and np.isfinite(f.proc_gbps_P[2])
+    assert f.flops_per_s_P[2] > 1e6
+    assert {r["bytes_per_peer"] for r in res.measurements["alltoall"]} == {4096, 1 << 20}
