@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, RowCosts, layout_slots, plan_from_slots, \
     single_hop_messages, validate
-from moonep_sim.plan.plan import Hop
+from moonep_sim.plan.plan import SCOPES, Hop
 
 
 # --- references (the original implementations) ---------------------------------------------------
@@ -132,6 +132,156 @@ def ref_plan_from_slots(strategy: str, options: dict[str, Any], routing: GlobalR
         capacity_R=capacity_R,
         plan_seconds=(time.perf_counter() - started) if started is not None else 0.0, **extra)
 
+
+
+def ref_validate(plan: Plan) -> list[str]:
+    """Check a Plan's invariants; returns the violated ones as sentences (empty list: valid).
+
+    Holds for every strategy: shapes agree; slots sorted by rank, contiguous and padded as stated;
+    every kept entry computed exactly once, at a slot of its expert, at the row it names; every
+    hop well-formed (sorted, in range, in scope, each destination row written once); every final
+    row traces back through the hops to its entry's token (so no row is misrouted); duplicates
+    share a destination with an earlier entry of their token; copies come from a resident home;
+    capacity respected.
+    """
+    v: list[str] = []
+    R, E, K = plan.ranks, plan.num_experts, plan.top_k
+    T = plan.num_tokens
+    N = T * K
+    if plan.tokens_per_rank_R.shape != (R,) or int(plan.tokens_per_rank_R.sum()) != T:
+        return [f"tokens_per_rank ({plan.tokens_per_rank_R.tolist()}) must have R={R} entries summing to T={T}"]
+    for name in ("entry_rank_TK", "entry_row_TK", "entry_dup_TK", "entry_weight_TK"):
+        if getattr(plan, name).shape != (T, K):
+            v.append(f"{name} shape {list(getattr(plan, name).shape)} must be [{T}, {K}]")
+    S = plan.slot_rank_S.size
+    for name in ("slot_expert_S", "slot_home_S", "slot_offset_S", "slot_rows_S", "slot_padded_S"):
+        if getattr(plan, name).shape != (S,):
+            v.append(f"{name} must have S={S} entries")
+    if v:
+        return v
+    if S and ((plan.slot_rank_S < 0) | (plan.slot_rank_S >= R)).any():
+        return ["slot ranks must lie in [0, R)"]
+    if (np.diff(plan.slot_rank_S) < 0).any():
+        v.append("slots must be sorted by rank")
+    if ((plan.slot_expert_S < 0) | (plan.slot_expert_S >= E)).any():
+        v.append("slot experts must lie in [0, E)")
+    if (plan.slot_padded_S < plan.slot_rows_S).any():
+        v.append("slot_padded must be >= slot_rows")
+    if plan.token_padding > 1 and (plan.slot_padded_S % plan.token_padding).any():
+        v.append(f"slot_padded must be a multiple of token_padding ({plan.token_padding})")
+    rows_R = plan.rows_R()
+    first = np.searchsorted(plan.slot_rank_S, np.arange(R))
+    exp_off = np.cumsum(plan.slot_padded_S) - plan.slot_padded_S
+    exp_off = exp_off - np.concatenate([[0], np.cumsum(plan.slot_padded_S)])[first][plan.slot_rank_S]
+    if not np.array_equal(exp_off, plan.slot_offset_S):
+        v.append("slot_offset must be the running sum of slot_padded within each rank")
+    if v:
+        return v
+    W = int(rows_R.sum())
+    if plan.row_entry_W.shape != (W,) or plan.expand_src_row_W.shape != (W,):
+        return [f"row_entry and expand_src_row must have W={W} rows (sum of padded slot rows)"]
+    row_off = plan.row_off_R()
+
+    # entries <-> rows
+    rank_e = plan.entry_rank_TK.ravel()
+    row_e = plan.entry_row_TK.ravel()
+    kept = rank_e >= 0
+    if ((rank_e < -1) | (rank_e >= R)).any():
+        v.append("entry_rank must be -1 or a rank in [0, R)")
+        return v
+    if (row_e[kept] < 0).any() or (row_e[kept] >= rows_R[rank_e[kept]]).any() or (row_e[~kept] != -1).any():
+        v.append("entry_row must be a row of the destination rank (or -1 when dropped)")
+        return v
+    grow = row_off[rank_e[kept]] + row_e[kept]
+    eid = np.flatnonzero(kept)
+    if not np.array_equal(plan.row_entry_W[grow], eid):
+        v.append("row_entry must name, at each kept entry's row, that entry (conservation)")
+    real_rows = plan.row_entry_W >= 0
+    if int(real_rows.sum()) != eid.size:
+        v.append(f"final rows holding entries ({int(real_rows.sum())}) must equal kept entries ({eid.size}): "
+                 "every kept entry lands exactly once")
+    # row -> slot -> expert must match the entry's expert
+    row_rank = np.repeat(np.arange(R), rows_R)
+    row_slot = np.repeat(np.arange(S), plan.slot_padded_S)
+    pos_in_slot = np.arange(W) - row_off[row_rank] - plan.slot_offset_S[row_slot]
+    is_real_pos = pos_in_slot < plan.slot_rows_S[row_slot]
+    if not np.array_equal(is_real_pos, real_rows):
+        v.append("each slot's first slot_rows rows must hold entries and the rest be padding")
+    # the entry's expert is recovered from the routing only via the plan's slots
+    if (np.bincount(row_slot[real_rows], minlength=S) != plan.slot_rows_S).any():
+        v.append("slot_rows must count the entries in each slot")
+    # duplicates share the rank of an earlier entry of the same token
+    dup = plan.entry_dup_TK
+    if dup.any():
+        ranks_TK = plan.entry_rank_TK
+        same = (ranks_TK[:, :, None] == ranks_TK[:, None, :]) & np.tri(K, k=-1, dtype=bool)[None]
+        ok = same.any(axis=2) & (ranks_TK >= 0)
+        if (dup & ~ok).any():
+            v.append("a duplicate entry must share its destination rank with an earlier entry of its token")
+    # copies: home must hold the expert
+    cp = plan.slot_home_S != plan.slot_rank_S
+    if cp.any():
+        resident = set(zip(plan.slot_rank_S[~cp].tolist(), plan.slot_expert_S[~cp].tolist()))
+        bad = [(int(h), int(e)) for h, e in zip(plan.slot_home_S[cp], plan.slot_expert_S[cp]) if (int(h), int(e)) not in resident]
+        if bad:
+            v.append(f"copied experts must be resident on their home rank; (home, expert) {bad[:4]} are not")
+    if plan.capacity_R is not None and (rows_R > plan.capacity_R).any():
+        r = int(np.argmax(rows_R > plan.capacity_R))
+        v.append(f"rank {r} rows ({int(rows_R[r])}) must be <= capacity ({int(plan.capacity_R[r])})")
+
+    # hops: well-formed and provenance
+    node = plan.cluster.node_of_rank()
+    local = np.arange(R) % plan.cluster.gpus_per_node
+    origin = np.arange(T, dtype=np.int64)  # buffer 0: token ids, ranks concatenated
+    buf_off = plan.tok_off_R()
+    for i, h in enumerate(plan.hops):
+        m = h.src_rank_M.size
+        if not all(a.shape == (m,) for a in (h.src_row_M, h.dst_rank_M, h.dst_row_M)) or h.dst_rows_R.shape != (R,):
+            v.append(f"hop {i}: message arrays must share one length and dst_rows_R have R entries")
+            return v
+        if h.scope not in SCOPES:
+            v.append(f"hop {i}: scope ({h.scope!r}) must be one of {SCOPES}")
+        if m and (((h.src_rank_M < 0) | (h.src_rank_M >= R) | (h.dst_rank_M < 0) | (h.dst_rank_M >= R)).any()):
+            v.append(f"hop {i}: ranks must lie in [0, R)")
+            return v
+        key = h.src_rank_M * R + h.dst_rank_M
+        if (np.diff(key) < 0).any():
+            v.append(f"hop {i}: messages must be sorted by (src_rank, dst_rank)")
+        src_rows = np.diff(buf_off)
+        if m and ((h.src_row_M < -1) | (h.src_row_M >= src_rows[h.src_rank_M])).any():
+            v.append(f"hop {i}: src_row must be -1 or a row of the source buffer")
+            return v
+        if m and ((h.dst_row_M < 0) | (h.dst_row_M >= h.dst_rows_R[h.dst_rank_M])).any():
+            v.append(f"hop {i}: dst_row must be a row of the destination buffer")
+            return v
+        dst_off = np.concatenate([[0], np.cumsum(h.dst_rows_R)])
+        gdst = dst_off[h.dst_rank_M] + h.dst_row_M
+        if np.unique(gdst).size != m:
+            v.append(f"hop {i}: each destination row must be written once")
+        if h.scope == "intra_node" and (node[h.src_rank_M] != node[h.dst_rank_M]).any():
+            v.append(f"hop {i}: intra_node scope must not cross nodes")
+        if h.scope == "inter_node" and (local[h.src_rank_M] != local[h.dst_rank_M]).any():
+            v.append(f"hop {i}: inter_node scope must connect equal local indices only")
+        new_origin = np.full(int(dst_off[-1]), -2, dtype=np.int64)  # -2 never written, -1 zero row
+        src_g = buf_off[h.src_rank_M] + h.src_row_M
+        new_origin[gdst] = np.where(h.src_row_M >= 0, origin[np.maximum(src_g, 0)], -1)
+        origin, buf_off = new_origin, dst_off
+    # final gather
+    last_rows = np.diff(buf_off)
+    exp = plan.expand_src_row_W
+    if ((exp < -1) | (exp >= last_rows[row_rank])).any():
+        v.append("expand_src_row must be -1 or a row of the last buffer on the same rank")
+        return v
+    final_origin = np.where(exp >= 0, origin[np.maximum(buf_off[row_rank] + exp, 0)], -1)
+    want = np.where(real_rows, plan.row_entry_W // max(K, 1), -1)
+    if (real_rows & (exp < 0)).any():
+        v.append("every real row must be gathered from a buffer row")
+    bad = real_rows & (final_origin != want)
+    if bad.any():
+        w = int(np.argmax(bad))
+        v.append(f"row {w} of rank {int(row_rank[w])} must hold token {int(want[w])} but receives "
+                 f"{'nothing' if final_origin[w] == -2 else 'token ' + str(int(final_origin[w]))} (misrouted)")
+    return v
 
 
 # --- literal pins ----------------------------------------------------------------------------------
@@ -257,3 +407,37 @@ def test_single_hop_many_ranks_matches_reference():
                 _eq(getattr(got[0], f.name), getattr(want[0], f.name))
         _eq(got[1], want[1])
         _eq(got[2], want[2])
+
+
+_INT_FIELDS = ("entry_rank_TK", "entry_row_TK", "slot_offset_S", "slot_rows_S", "slot_padded_S", "row_entry_W",
+               "expand_src_row_W")
+_HOP_FIELDS = ("src_rank_M", "src_row_M", "dst_rank_M", "dst_row_M")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from(_INT_FIELDS + _HOP_FIELDS + ("entry_dup_TK", "none")),
+       st.integers(-2, 2), st.booleans(), st.sampled_from([1, 4]))
+def test_validate_matches_reference_on_corrupted_plans(seed, field, delta, dedup, tp):
+    """validate() reports exactly what the original implementation reports, valid or corrupted."""
+    from conftest import random_routing
+    from moonep_sim.strategies import PlanContext, make_plan
+    rng = np.random.default_rng(seed)
+    R, E, K = 4, 8, 3
+    ids, w = random_routing(int(rng.integers(1, 30)), K, E, seed=seed % 1000, skew=1.0)
+    routing = GlobalRouting.split_evenly(ids, w, E, R)
+    p = make_plan("alltoall", routing, PlanContext.default(E, R, 2, token_padding=tp), dedup=dedup)
+    if field in _HOP_FIELDS:
+        a = getattr(p.hops[0], field).copy()
+        if a.size:
+            a[rng.integers(a.size)] += delta
+        p = dataclasses.replace(p, hops=(dataclasses.replace(p.hops[0], **{field: a}),))
+    elif field == "entry_dup_TK":
+        a = p.entry_dup_TK.copy()
+        a.flat[rng.integers(a.size)] ^= True
+        p = dataclasses.replace(p, entry_dup_TK=a)
+    elif field != "none":
+        a = getattr(p, field).copy()
+        if a.size:
+            a.flat[rng.integers(a.size)] += delta
+        p = dataclasses.replace(p, **{field: a})
+    assert validate(p) == ref_validate(p)

@@ -25,7 +25,8 @@ def synthetic(lat_us: dict[int, float], bw_gbps: dict[int, float], flops: dict[i
             comp.append({"nproc": P, "rows": rows, "hidden": 512, "ffn": 1024, "flops": f,
                          "seconds": list(t * (1 + noise * rng.standard_normal(7)))})
         mem.append({"nproc": P, "bytes": 32 << 20, "seconds": [(32 << 20) / (5e9 / P)] * 3})
-    return {"alltoall": a2a, "swiglu": comp, "memcopy": mem}
+    plan = [{"seconds": [0.002, 0.001, 0.003]}]
+    return {"alltoall": a2a, "swiglu": comp, "memcopy": mem, "planning": plan}
 
 
 def test_fit_recovers_exact_constants():
@@ -47,6 +48,7 @@ def test_fit_recovers_exact_constants():
     assert f.compute_flops_per_s_alone == pytest.approx(80e9, rel=1e-6)
     assert f.launch_us_P[2] == pytest.approx(20.0, rel=1e-4)
     assert f.mem_gbps_P[2] == pytest.approx(2.5)
+    assert f.plan_us == pytest.approx(2000.0)
 
 
 def test_fit_is_robust_to_noise_and_outliers():
@@ -90,6 +92,8 @@ def test_topology_written_from_fit_loads_in_the_simulator(tmp_path, monkeypatch)
     assert back.nvlink_latency_us == pytest.approx(450.0)
     assert back.gpu_tflops * 1e12 == pytest.approx(40e9, rel=1e-4)
     assert back.gpu_launch_us == pytest.approx(20.0, rel=1e-3)
+    assert back.plan_fixed_us == pytest.approx(2000.0)
+    assert back.gpu_mem_bandwidth_GBps == pytest.approx(5.0 / 4 / 2)  # measured at P=4, halved (bf16 bytes)
     assert "calibrate" in back.sources["nvlink_bandwidth_GBps"]
     # the preset reads it from $MOONEP_SIM_HOME
     monkeypatch.setenv("MOONEP_SIM_HOME", str(tmp_path))
@@ -112,7 +116,8 @@ def test_calibrate_cli_rejects_bad_input(capsys):
 def test_calibrate_measures_and_writes(tmp_path):
     """A real (tiny) calibration with 2 processes: sane positive constants, file written atomically."""
     out = tmp_path / "cal" / "local-gloo.toml"
-    res = cal.calibrate((2,), (4096, 1 << 20), ((64, 128, 256), (256, 128, 256)), repeats=3, out=out)
+    res = cal.calibrate((2,), (4096, 1 << 20), ((64, 128, 256), (256, 128, 256)), repeats=3, out=out,
+                        inner_flops=1e7)
     assert out.exists() and out.with_suffix(".measurements.json").exists()
     assert not [p for p in out.parent.iterdir() if p.name.endswith(".part")]
     f = res.fit

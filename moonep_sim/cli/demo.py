@@ -48,7 +48,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     c = console()
     if args.fast:
-        args.layers, args.strategies, args.nproc, args.gpus_per_node = "0", "alltoall,moonep", 2, 1
+        args.layers, args.strategies, args.nproc, args.gpus_per_node = "0", "alltoall,moonep", 2, 2
     trace = _trace_path()
     require(trace.exists(), f"shipped trace ({trace}) must exist: run the demo from the repository root")
     source = open_source(str(trace), parse_int_list(args.layers, "--layers"))

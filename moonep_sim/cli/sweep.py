@@ -44,6 +44,12 @@ def _values(args) -> list[float]:
             return list(MAXVIO_TARGETS)
         if args.over == "ep":
             return [float(v) for v in EP_SIZES]
+        from moonep_sim.report.compare import load_topology
+        from moonep_sim.report.sweep import topology_params
+
+        params = topology_params(load_topology(args.topology))
+        if args.over not in params:
+            raise ConfigError(f"--over ({args.over!r}) must be maxvio, ep or a topology constant: {', '.join(params)}")
         raise ConfigError(f"--values must be given when sweeping a topology constant ({args.over})")
     try:
         return [float(v) for v in args.values.split(",") if v.strip()]

@@ -59,7 +59,7 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, y, row_weights, buffer, handle: Handle):
         ctx.buffer, ctx.handle = buffer, handle
         ctx.save_for_backward(y, row_weights)
-        return buffer.combine_rows(handle, (y * row_weights[:, None].to(y.dtype)).contiguous(), "combine")
+        return buffer.combine_rows(handle, y.contiguous(), "combine", row_weights=row_weights)
 
     @staticmethod
     def backward(ctx, g_out):

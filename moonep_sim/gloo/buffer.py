@@ -104,6 +104,7 @@ class Buffer:
         self.validate_plans = validate_plans
         self._timeout = datetime.timedelta(seconds=self.timeout_s)
         self._seq = 0
+        self._workspace: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         self._store = None
         try:
             store = dist.distributed_c10d._get_default_store()
@@ -228,21 +229,23 @@ class Buffer:
                 work.wait(timeout=self._timeout)
         except RuntimeError as e:
             dt = time.perf_counter() - t0
-            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            text = _gloo_text(e)
             timed_out = "timed out" in text.lower() or "timeout" in text.lower()
             what = f"timed out after {self.timeout_s:.1f} s" if timed_out else f"failed after {dt:.1f} s"
             raise CommError(f"{phase} {op} {what} on rank {self.rank} ({self._suspects(peers)}): "
                             f"{text[:240]}") from None
 
     def _all_to_all(self, phase: str, scope: str, members: Sequence[int], send: torch.Tensor,
-                    send_splits: Sequence[int], recv_splits: Sequence[int]) -> torch.Tensor:
+                    send_splits: Sequence[int], recv_splits: Sequence[int],
+                    out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``send`` split per member -> rows received, grouped by member (``all_to_all_single``)."""
         self._mark(phase)
         group = self._groups[scope] if len(members) > 1 else None
         if group is None:  # a one-member scope: the only message is to oneself
             return send
         send = send.contiguous()
-        out = send.new_empty((int(sum(recv_splits)),) + tuple(send.shape[1:]))
+        if out is None or out.data_ptr() == send.data_ptr():
+            out = send.new_empty((int(sum(recv_splits)),) + tuple(send.shape[1:]))
         self._run(phase, "all_to_all", lambda: dist.all_to_all_single(
             out, send, list(recv_splits), list(send_splits), group=group, async_op=True), members)
         return out
@@ -321,26 +324,66 @@ class Buffer:
         return build_handle(plan, self.rank, self.ctx.placement.home_E, weights_TK)
 
     # -- row movement (no autograd; the autograd functions call these) ---------------------------
+    def _ws(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """A reusable workspace [rows, C] (grown when needed) for rows consumed inside one call.
+
+        Intermediate send / receive buffers live here, so a layer does not fault in fresh pages
+        for them on every call (MoonEP sizes its buffers once). Never returned to the caller.
+        """
+        cols = int(np.prod(like.shape[1:]))
+        key = (name, like.dtype)
+        t = self._workspace.get(key)
+        if t is None or t.numel() < rows * cols:
+            t = torch.empty(rows * cols, dtype=like.dtype)
+            self._workspace[key] = t
+        return t[: rows * cols].view((rows,) + tuple(like.shape[1:]))
+
+    def _owned(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, copied if it lives in a workspace (results never alias workspaces)."""
+        for ws in self._workspace.values():
+            if t.numel() and ws.numel() and t.untyped_storage().data_ptr() == ws.untyped_storage().data_ptr():
+                return t.clone()
+        return t
+
     def dispatch_rows(self, handle: Handle, x: torch.Tensor, phase: str = "dispatch",
                       comm_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """[s, C] -> [W, C]: hops forward, then the expand gather (rows travel in ``comm_dtype``)."""
+        """[s, C] -> [W, C]: hops forward, then the expand gather (rows travel in ``comm_dtype``).
+
+        The last hop's rows are gathered straight into the expert-grouped layout (``handle.final``).
+        """
         buf = x if comm_dtype is None or comm_dtype == x.dtype else x.to(comm_dtype)
+        n = len(handle.hops)
+        if n == 0:
+            out = handle.expand.gather(buf)
         for i, hop in enumerate(handle.hops):
-            send = hop.send.gather(buf)
-            recv = self._all_to_all(f"{phase}.{i}", hop.scope, hop.members, send, hop.send_splits, hop.recv_splits)
-            buf = hop.recv.place(recv)
-        out = handle.expand.gather(buf)
+            send = hop.send.gather(buf, out=self._ws("send", hop.send.rows, buf))
+            recv = self._all_to_all(f"{phase}.{i}", hop.scope, hop.members, send, hop.send_splits, hop.recv_splits,
+                                    out=self._ws(f"recv{i % 2}", int(sum(hop.recv_splits)), buf))
+            if i < n - 1:
+                buf = hop.recv.place(recv)
+            else:
+                out = self._owned(handle.final.gather(recv))
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
-    def combine_rows(self, handle: Handle, y: torch.Tensor, phase: str = "combine") -> torch.Tensor:
-        """[W, C] -> [s, C]: the adjoint of :meth:`dispatch_rows` (sums, no routing weights)."""
-        buf = handle.expand.scatter_add(y)
-        for i in reversed(range(len(handle.hops))):
+    def combine_rows(self, handle: Handle, y: torch.Tensor, phase: str = "combine",
+                     row_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """[W, C] -> [s, C]: the adjoint of :meth:`dispatch_rows` (sums; rows first multiplied by
+        ``row_weights`` [W] when given, fused into the first gather where the layout allows)."""
+        n = len(handle.hops)
+        first = handle.final if n else handle.expand
+        if row_weights is not None and first.inverse is not None:
+            buf = torch.index_select(y, 0, first.inverse, out=self._ws("cbuf", y.shape[0], y))
+            buf.mul_(row_weights.index_select(0, first.inverse).to(buf.dtype)[:, None])
+        else:
+            yw = y if row_weights is None else y * row_weights[:, None].to(y.dtype)
+            buf = first.scatter_add(yw)
+        for i in reversed(range(n)):
             hop: HopIndex = handle.hops[i]
-            send = hop.recv.gather_back.gather(buf)
-            recv = self._all_to_all(f"{phase}.{i}", hop.scope, hop.members, send, hop.recv_splits, hop.send_splits)
+            send = buf if i == n - 1 else hop.recv.gather_back.gather(buf, out=self._ws("send", hop.recv.gather_back.rows, buf))
+            recv = self._all_to_all(f"{phase}.{i}", hop.scope, hop.members, send, hop.recv_splits, hop.send_splits,
+                                    out=self._ws(f"recv{i % 2}", int(sum(hop.send_splits)), buf))
             buf = hop.send.scatter_add(recv)
-        return buf
+        return self._owned(buf)
 
     def prefetch_flat(self, handle: Handle, local_flat: torch.Tensor, phase: str = "prefetch") -> torch.Tensor:
         """[epn_r, P] home experts' flattened weights -> [X, P] this rank's copies (slot order)."""
@@ -448,6 +491,14 @@ class Buffer:
         red = self.reduce_flat(handle, flat, int(handle.home_experts.numel()))
         parts = _unflatten(red, ltensors)
         return _pack(local_grads, lkeys, tuple(lg + p for lg, p in zip(ltensors, parts)))
+
+
+def _gloo_text(e: BaseException) -> str:
+    """The first line of a gloo error without its source location and boilerplate advice."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(" This is typically", 1)[0].strip()
 
 
 def _unpack(obj) -> tuple[list, tuple[torch.Tensor, ...]]:

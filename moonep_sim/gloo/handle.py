@@ -89,19 +89,25 @@ class RowMap:
     def rows(self) -> int:
         return int(self.idx.numel())
 
-    def gather(self, src: torch.Tensor) -> torch.Tensor:
-        """[m, C] rows of ``src[n_src, C]`` (zero rows where idx is -1)."""
+    def gather(self, src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[m, C] rows of ``src[n_src, C]`` (zero rows where idx is -1); ``out``: optional workspace.
+
+        Aliasing: with ``identity`` the result IS ``src`` (no copy).
+        """
         if self.identity:
             return src
         if self.n_src == 0:
             return src.new_zeros((self.rows,) + tuple(src.shape[1:]))
-        out = src.index_select(0, self.safe_idx)
+        out = src.index_select(0, self.safe_idx) if out is None else torch.index_select(src, 0, self.safe_idx, out=out)
         if self.pad_pos.numel():
             out.index_fill_(0, self.pad_pos, 0)
         return out
 
     def scatter_add(self, vals: torch.Tensor) -> torch.Tensor:
-        """The adjoint of :meth:`gather`: [n_src, C] sums of ``vals[m, C]`` into their source rows."""
+        """The adjoint of :meth:`gather`: [n_src, C] sums of ``vals[m, C]`` into their source rows.
+
+        Aliasing: with ``identity`` the result IS ``vals``.
+        """
         if self.identity:
             return vals
         if self.inverse is not None:
@@ -162,7 +168,9 @@ class Handle:
 
     plan: the layer's Plan (all ranks).  rank: this rank's EP rank.  num_tokens: s.
     hops: per dispatch hop, this rank's :class:`HopIndex`.  expand: the final local gather from
-    the last hop's buffer into the expert-grouped layout (W rows).
+    the last hop's buffer into the expert-grouped layout (W rows).  final: ``expand`` composed with
+    the last hop's placement -- the expert-grouped rows gathered straight from the rows as they
+    arrive (one index pass instead of two; None without hops).
     row_entry: int64 [W] global entry id (t*K + k) of each row, -1 padding.
     row_k: int64 [W] k of each row's entry (-1 padding).  row_weights: [W] routing weight of each
     row (0 for padding; float64 if the weights were dispatched in float64, else float32).
@@ -184,6 +192,7 @@ class Handle:
     num_tokens: int
     hops: tuple[HopIndex, ...]
     expand: RowMap
+    final: RowMap | None
     row_entry: torch.Tensor
     row_k: torch.Tensor
     row_weights: torch.Tensor
@@ -250,6 +259,14 @@ def build_handle(plan: Plan, rank: int, home_E: np.ndarray, weights_TK: np.ndarr
     row_off = plan.row_off_R()
     rows = slice(int(row_off[rank]), int(row_off[rank + 1]))
     expand = RowMap.build(plan.expand_src_row_W[rows], n_src)
+    final = None
+    if hops:
+        last = plan.hops[-1]
+        recv_rows = last.dst_row_M[last.dst_rank_M == rank]
+        pos_in_recv = np.full(n_src, -1, dtype=np.int64)
+        pos_in_recv[recv_rows] = np.arange(recv_rows.size, dtype=np.int64)
+        exp = plan.expand_src_row_W[rows]
+        final = RowMap.build(np.where(exp >= 0, pos_in_recv[np.maximum(exp, 0)], -1), int(recv_rows.size))
     row_entry = plan.row_entry_W[rows]
     real = row_entry >= 0
     w_TK = plan.entry_weight_TK if weights_TK is None else weights_TK
@@ -286,7 +303,7 @@ def build_handle(plan: Plan, rank: int, home_E: np.ndarray, weights_TK: np.ndarr
     order = np.argsort(c_src[to_me], kind="stable")
     recv_pos = np.arange(to_me.size, dtype=np.int64)[order]
     recv_splits = np.bincount(c_src[to_me], minlength=R)
-    return Handle(plan=plan, rank=rank, num_tokens=s, hops=tuple(hops), expand=expand,
+    return Handle(plan=plan, rank=rank, num_tokens=s, hops=tuple(hops), expand=expand, final=final,
                   row_entry=_t(row_entry), row_k=_t(row_k), row_weights=torch.from_numpy(row_w),
                   token_weights=torch.from_numpy(tok_w),
                   cu_seqlens=_t(cu), slot_expert=_t(experts), slot_rows=_t(plan.slot_rows_S[sl]),
@@ -313,21 +330,27 @@ def emulate_dispatch(handles: list[Handle], x_R: list[torch.Tensor]) -> list[tor
     """Dispatch every rank's rows ``x_R[r] [s_r, C]`` in one process; returns each rank's [W_r, C]."""
     R = len(handles)
     buf = list(x_R)
-    for i in range(len(handles[0].hops)):
+    n = len(handles[0].hops)
+    if n == 0:
+        return [handles[r].expand.gather(buf[r]) for r in range(R)]
+    for i in range(n):
         hs = [h.hops[i] for h in handles]
         send = [hs[r].send.gather(buf[r]) for r in range(R)]
         recv = _emulate_hop(send, [hs[r].send_splits for r in range(R)], [hs[r].members for r in range(R)], R)
-        buf = [hs[r].recv.place(recv[r]) for r in range(R)]
-    return [handles[r].expand.gather(buf[r]) for r in range(R)]
+        buf = [hs[r].recv.place(recv[r]) for r in range(R)] if i < n - 1 else recv
+    return [handles[r].final.gather(buf[r]) for r in range(R)]
 
 
 def emulate_combine(handles: list[Handle], y_R: list[torch.Tensor]) -> list[torch.Tensor]:
     """The adjoint of :func:`emulate_dispatch` (no routing weights): each rank's [s_r, C]."""
     R = len(handles)
-    buf = [handles[r].expand.scatter_add(y_R[r]) for r in range(R)]
-    for i in reversed(range(len(handles[0].hops))):
+    n = len(handles[0].hops)
+    if n == 0:
+        return [handles[r].expand.scatter_add(y_R[r]) for r in range(R)]
+    buf = [handles[r].final.scatter_add(y_R[r]) for r in range(R)]
+    for i in reversed(range(n)):
         hs = [h.hops[i] for h in handles]
-        send = [hs[r].recv.gather_back.gather(buf[r]) for r in range(R)]
+        send = buf if i == n - 1 else [hs[r].recv.gather_back.gather(buf[r]) for r in range(R)]
         recv = _emulate_hop(send, [hs[r].recv_splits for r in range(R)], [hs[r].members for r in range(R)], R)
         buf = [hs[r].send.scatter_add(recv[r]) for r in range(R)]
     return buf

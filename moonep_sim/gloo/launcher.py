@@ -3,8 +3,8 @@
 ``run_replay(nproc, argv, timeout_s)`` runs ``python -m torch.distributed.run --standalone
 --nproc_per_node N -m moonep_sim.gloo.replay ARGV --json TMP`` and returns the parsed JSON.
 ``spawn_ranks(target, world, ...)`` starts ``world`` plain processes that rendezvous over a
-TCPStore on a free local port (no torchrun agent, so a rank's failure is seen by the others only
-through the executor's own timeouts), runs ``target(rank, world, **kwargs)`` on each and returns
+TCPStore the caller hosts on a free local port (no torchrun agent, so a rank's failure is seen by
+the others only through the executor's own timeouts), runs ``target(rank, world, **kwargs)`` on each and returns
 every rank's exit code, output and result.
 
 Both run children in their own process group and kill the whole group on timeout or Ctrl-C, so no
@@ -59,9 +59,11 @@ def run_replay(nproc: int, argv: Sequence[str], timeout_s: float = 600.0, *, env
                quiet: bool = True) -> dict[str, Any]:
     """Run the replay on ``nproc`` local gloo ranks under torchrun; return its JSON report.
 
-    argv: replay arguments (``--trace T --strategy S ...``; ``--json`` is added). Raises
-    :class:`CommError` (with the tail of the ranks' output) if the run fails or exceeds
-    ``timeout_s``; the process group is killed in that case and on KeyboardInterrupt.
+    argv: replay arguments (``--trace T --strategy S ...``; ``--json`` is added). If a rank
+    reports an error, it is raised here as its own class (ConfigError, TraceFormatError, PlanError,
+    CommError) with its one-line message; any other failure, or exceeding ``timeout_s``, raises
+    :class:`CommError` with the tail of the ranks' output. The process group is killed on
+    timeout and on KeyboardInterrupt.
     """
     if nproc < 1:
         raise ConfigError(f"nproc ({nproc}) must be >= 1")
@@ -87,10 +89,25 @@ def run_replay(nproc: int, argv: Sequence[str], timeout_s: float = 600.0, *, env
                 _kill_group(p)
                 p.wait()
         if p.returncode != 0 or not out.exists():
-            raise CommError(f"replay ({nproc} ranks) exit status ({p.returncode}) must be 0: {_tail(text)}")
+            raise _replay_error(nproc, p.returncode, text)
         if not quiet:
             print(text, end="")
         return json.loads(out.read_text())
+
+
+def _replay_error(nproc: int, code: int | None, text: str) -> MoonEPSimError:
+    """The ranks' own one-line error (re-raised as its class), else the tail of their output."""
+    import moonep_sim.errors as errors
+
+    for ln in (text or "").splitlines():
+        if "moonep-sim: error:" in ln:
+            msg = ln.split("moonep-sim: error:", 1)[1].strip()
+            for cls in (errors.ConfigError, errors.TraceFormatError, errors.PlanError, errors.CommError):
+                if f"{cls.__name__}: " in msg:
+                    where, rest = msg.split(f"{cls.__name__}: ", 1)
+                    return cls(f"{rest} ({where.strip().rstrip(':')} of {nproc})")
+            return CommError(f"replay ({nproc} ranks) failed: {msg}")
+    return CommError(f"replay ({nproc} ranks) exit status ({code}) must be 0: {_tail(text)}")
 
 
 def _tail(text: str, lines: int = 6) -> str:
@@ -118,28 +135,39 @@ class RankResult:
 
 def spawn_ranks(target: str, world: int, kwargs: dict[str, Any] | None = None, *, timeout_s: float = 120.0,
                 pythonpath: Sequence[str] = (), kill_on_failure: bool = True,
-                pg_timeout_s: float = 60.0, wait_for: Sequence[int] | None = None) -> list[RankResult]:
+                pg_timeout_s: float = 60.0, wait_for: Sequence[int] | None = None,
+                env: dict[str, str] | None = None) -> list[RankResult]:
     """Run ``module:function`` on ``world`` fresh processes joined in one gloo group.
 
     The function is called as ``fn(rank, world, **kwargs)`` after ``init_process_group("gloo")``
     and returns a dict of JSON scalars and numpy arrays (saved by each rank, read back here, never
     unpickled). With ``kill_on_failure`` the others are killed as soon as one rank fails (so a
     failing rank never leaves the rest waiting); without it they are left to fail on their own
-    (failure tests), and ``timeout_s`` bounds the whole run. ``wait_for``: stop (killing the
+    (failure tests), and ``timeout_s`` bounds the whole run. ``env``: extra environment for the
+    ranks. ``wait_for``: stop (killing the
     rest) as soon as these ranks have exited, e.g. the survivors of a rank made to stall.
     """
+    import datetime
+
+    import torch.distributed as dist
+
     port = free_port()
+    # the rendezvous store lives in this process (as torchrun's agent hosts it), so it outlives
+    # any rank: survivors can still read the progress of a rank that died
+    store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)))
     with tempfile.TemporaryDirectory(prefix="moonep_spawn_") as tmp:
         procs = []
         logs = []
         for r in range(world):
             log = open(Path(tmp) / f"rank{r}.log", "w+")
             logs.append(log)
-            env = _child_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
-                              "WORLD_SIZE": str(world), "LOCAL_RANK": str(r)}, pythonpath)
+            child_env = _child_env({**(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                    "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r)}, pythonpath)
             cmd = [sys.executable, "-m", "moonep_sim.gloo.launcher", "--worker", target, "--out", tmp,
                    "--kwargs", json.dumps(kwargs or {}), "--pg-timeout", str(pg_timeout_s)]
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
+                                          start_new_session=True))
         deadline = time.monotonic() + timeout_s
         killed: set[int] = set()
         try:
@@ -172,6 +200,7 @@ def spawn_ranks(target: str, world: int, kwargs: dict[str, Any] | None = None, *
                 with np.load(npath, allow_pickle=False) as z:
                     res.update({k: z[k] for k in z.files})
             results.append(RankResult(r, None if r in killed else p.returncode, text, res))
+        del store
         return results
 
 
@@ -182,7 +211,9 @@ def _worker(target: str, out_dir: str, kwargs: dict[str, Any], pg_timeout_s: flo
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=pg_timeout_s))
+        dist.init_process_group("gloo", rank=rank, world_size=world, store=store,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         mod_name, fn_name = target.split(":")
         fn = getattr(importlib.import_module(mod_name), fn_name)

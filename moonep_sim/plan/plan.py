@@ -482,7 +482,8 @@ def validate(plan: Plan) -> list[str]:
                  f"({eid.size}): every kept entry lands exactly once")
     # row -> slot: each slot's segment is slot_rows real rows then padding (padded >= rows here)
     row_rank = np.repeat(np.arange(R), rows_R)
-    seg_len = np.stack([plan.slot_rows_S, plan.slot_padded_S - plan.slot_rows_S], axis=1).ravel()
+    real_S = np.maximum(plan.slot_rows_S, 0)  # a negative count means no real rows
+    seg_len = np.stack([real_S, plan.slot_padded_S - real_S], axis=1).ravel()
     is_real_pos = np.repeat(np.tile(np.array([True, False]), S), seg_len)
     if not np.array_equal(is_real_pos, real_rows):
         v.append("each slot's first slot_rows rows must hold entries and the rest be padding")
@@ -703,18 +704,18 @@ def _src_dst_order(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, top_k: int,
         tok_bound = np.searchsorted(src_rank_T, np.arange(R + 1))
         d8 = entry_rank_N.astype(np.uint8)  # dropped (-1) becomes 255 and sorts last in its run
         ecnt = np.zeros((R, R), dtype=np.int64)
-        parts = []
         for r in range(R):
             lo, hi = int(tok_bound[r]) * K, int(tok_bound[r + 1]) * K
-            if hi == lo:
-                continue
-            run = d8[lo:hi]
-            c = np.bincount(run, minlength=256)
-            ecnt[r] = c[:R]
-            o = np.argsort(run, kind="stable")[: int(c[:R].sum())]
-            o += lo
-            parts.append(o)
-        order = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+            if hi > lo:
+                ecnt[r] = np.bincount(d8[lo:hi], minlength=256)[:R]
+        order = np.empty(int(ecnt.sum()), dtype=np.int64)
+        pos = 0
+        for r in range(R):
+            lo, hi = int(tok_bound[r]) * K, int(tok_bound[r + 1]) * K
+            nk = int(ecnt[r].sum())
+            if nk:
+                np.add(np.argsort(d8[lo:hi], kind="stable")[:nk], lo, out=order[pos:pos + nk])
+                pos += nk
         return order, ecnt.ravel()
     n_keys = R * R + 1
     dt = _small_key_dtype(n_keys)
@@ -786,8 +787,10 @@ def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_of
         msg_tok = tok_s[msg_idx]
         del tok_s
         mcum = np.cumsum(first.view(np.uint8), dtype=np.int64)  # messages up to and including p
-        cnt = np.concatenate([[0], mcum])[ebound]
-        cnt = cnt[1:] - cnt[:-1]
+        m_at = np.zeros(ebound.size, dtype=np.int64)  # messages before each block bound
+        nz = ebound > 0
+        m_at[nz] = mcum[ebound[nz] - 1]
+        cnt = m_at[1:] - m_at[:-1]
     else:
         msg_tok = _div_k(order, K)
         cnt = ecnt
@@ -802,7 +805,8 @@ def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_of
     msg_row += np.arange(n_msg, dtype=np.int64)
     msg_src = np.repeat(blocks // R, cnt)
     msg_dst = np.repeat(blocks % R, cnt)
-    src_row = msg_tok - np.repeat(np.asarray(tok_off_R, dtype=np.int64)[blocks // R], cnt)
+    src_row = msg_tok if msg_tok is not order else msg_tok.copy()
+    src_row -= np.repeat(np.asarray(tok_off_R, dtype=np.int64)[blocks // R], cnt)  # token -> row on its rank
     del msg_tok
     entry_buf_row = np.full(N, -1, dtype=np.int64)
     entry_dup = np.zeros(N, dtype=bool)

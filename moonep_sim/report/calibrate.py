@@ -56,7 +56,7 @@ QUICK_SWIGLU_SHAPES = ((64, 512, 1024), (512, 512, 1024))
 
 # -- measurement -------------------------------------------------------------------------------
 def _worker(rank: int, world: int, store: str, sizes: Sequence[int], shapes: Sequence[tuple[int, int, int]],
-            repeats: int, warmup: int, out: str) -> None:
+            repeats: int, warmup: int, out: str, inner_flops: float = 2e9) -> None:
     """One process of a measurement run (module level: picklable for the spawn start method)."""
     import torch
     import torch.distributed as dist
@@ -111,7 +111,7 @@ def _worker(rank: int, world: int, store: str, sizes: Sequence[int], shapes: Seq
                 return (torch.nn.functional.silu(x @ w1) * (x @ w3)) @ w2
 
             flops = 6 * rows * hidden * ffn
-            inner = max(1, round(2e9 / flops))  # enough calls per repeat to dwarf the barrier
+            inner = max(1, round(inner_flops / flops))  # enough calls per repeat to dwarf the barrier
             for _ in range(warmup):
                 swiglu()
             t_S = torch.zeros(repeats, dtype=torch.float64)
@@ -135,7 +135,8 @@ def _worker(rank: int, world: int, store: str, sizes: Sequence[int], shapes: Seq
 
 
 def measure(nproc: int, sizes_bytes: Sequence[int], swiglu_shapes: Sequence[tuple[int, int, int]],
-            repeats: int = 9, warmup: int = 2, timeout_s: float = 300.0) -> dict[str, list[dict[str, Any]]]:
+            repeats: int = 9, warmup: int = 2, timeout_s: float = 300.0,
+            inner_flops: float = 2e9) -> dict[str, list[dict[str, Any]]]:
     """Run one measurement with ``nproc`` spawned processes; returns ``{"alltoall": [...], "swiglu": [...]}``.
 
     Each record keeps every repeat's time (``seconds``, the slowest rank's). Processes are
@@ -153,7 +154,7 @@ def measure(nproc: int, sizes_bytes: Sequence[int], swiglu_shapes: Sequence[tupl
         try:
             for r in range(nproc):
                 p = ctx.Process(target=_worker, args=(r, nproc, store, list(sizes_bytes), list(swiglu_shapes),
-                                                      repeats, warmup, out), daemon=True)
+                                                      repeats, warmup, out, inner_flops), daemon=True)
                 p.start()
                 procs.append(p)
             deadline = time.monotonic() + timeout_s
@@ -178,6 +179,29 @@ def measure(nproc: int, sizes_bytes: Sequence[int], swiglu_shapes: Sequence[tupl
                 os.environ.pop("OMP_NUM_THREADS", None)
             else:
                 os.environ["OMP_NUM_THREADS"] = env_backup
+
+
+def measure_planning(repeats: int = 7) -> dict[str, Any]:
+    """CPU time to plan one small synthetic layer (512 tokens, E=64, K=8, 4 ranks) with the flat
+    all-to-all planner and build one rank's handle -- what every replay rank does per layer before
+    moving rows. A fixed synthetic routing, not a replayed trace. Median of ``repeats``."""
+    from moonep_sim.gloo.handle import build_handle
+    from moonep_sim.plan import GlobalRouting
+    from moonep_sim.strategies import PlanContext, make_plan
+
+    rng = np.random.default_rng(0)
+    T, E, K, R = 512, 64, 8, 4
+    ids = np.argsort(rng.random((T, E)), axis=1)[:, :K]
+    w = np.full((T, K), 1.0 / K, np.float32)
+    routing = GlobalRouting.split_evenly(ids, w, E, R)
+    ctx = PlanContext.default(E, R)
+    t_S = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        plan = make_plan("alltoall", routing, ctx)
+        build_handle(plan, 0, ctx.placement.home_E, w)
+        t_S.append(time.perf_counter() - t0)
+    return {"tokens": T, "experts": E, "top_k": K, "ranks": R, "seconds": t_S[1:]}
 
 
 # -- fitting -------------------------------------------------------------------------------------
@@ -205,7 +229,8 @@ class CalibrationFit:
     compute_flops_per_s: per-process FLOP/s with the most processes measured (CPU shared);
     compute_flops_per_s_alone: with the fewest; launch_us: fixed cost of one expert GEMM chain.
     mem_gbps_P: per P, bytes of a large float32 copy per second per process (the copy's size over
-    its time: each byte is read once and written once).  cpu_cores: os.cpu_count() here.
+    its time: each byte is read once and written once).  plan_us: CPU time to plan a small synthetic
+    layer and build a handle (None if not measured).  cpu_cores: os.cpu_count() here.
     """
 
     latency_us_P: dict[int, float]
@@ -220,6 +245,7 @@ class CalibrationFit:
     compute_flops_per_s_alone: float
     launch_us: float
     mem_gbps_P: dict[int, float] = field(default_factory=dict)
+    plan_us: float | None = None
     cpu_cores: int = field(default_factory=lambda: os.cpu_count() or 1)
 
     def proc_gbps(self, nproc: int) -> float:
@@ -284,8 +310,10 @@ def fit(measurements: dict[str, list[dict[str, Any]]]) -> CalibrationFit:
     cP = sorted(fl_P)
     mem_P = {int(r["nproc"]): float(r["bytes"]) / statistics.median(r["seconds"]) / 1e9
              for r in measurements.get("memcopy", [])}
+    plan_us = [statistics.median(r["seconds"]) * 1e6 for r in measurements.get("planning", [])]
     return CalibrationFit(lat_P, bw_P, fl_P, launch_P, float(base), float(per_peer), float(port), float(aggregate),
-                          fl_P[cP[-1]], fl_P[cP[0]], float(np.median(list(launch_P.values()))), mem_P)
+                          fl_P[cP[-1]], fl_P[cP[0]], float(np.median(list(launch_P.values()))), mem_P,
+                          plan_us=float(plan_us[0]) if plan_us else None)
 
 
 # -- the topology file ---------------------------------------------------------------------------
@@ -316,7 +344,9 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
     lat = f.latency_us_P[near] if near == nproc else f.latency_us(nproc)
     cnear = min(f.flops_per_s_P, key=lambda p: abs(p - nproc))
     flops = f.flops_per_s_P[cnear]
-    mem = f.mem_gbps_P.get(cnear) or base.gpu_mem_bandwidth_GBps
+    # the simulator counts expert activations and weights in bf16 bytes; the CPU replay moves float32,
+    # twice as many bytes: the bf16-equivalent bandwidth is half the measured one
+    mem = f.mem_gbps_P[cnear] / 2 if f.mem_gbps_P.get(cnear) else base.gpu_mem_bandwidth_GBps
     host = f"{f.cpu_cores} CPU cores, measured with {list(nprocs_measured)} processes"
     how = "fit t = latency + (P-1) * m / bandwidth over message sizes m (median of repeats, slowest rank)"
     sources = {
@@ -325,9 +355,11 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
         "nic": "unused: every process is in one node (copied from the NVLink figures)",
         "gpu_tflops": f"moonep-sim calibrate: float32 SwiGLU, {cnear} processes computing at once, fit t = launch + flops / rate",
         "gpu_launch_us": "moonep-sim calibrate: the same fit's intercept",
-        "gpu_mem_bandwidth_GBps": (f"moonep-sim calibrate: 32 MiB float32 copy, {cnear} processes at once"
+        "gpu_mem_bandwidth_GBps": (f"moonep-sim calibrate: 32 MiB float32 copy, {cnear} processes at once, "
+                                   "halved (the simulator counts bf16 bytes, the CPU replay moves float32)"
                                    if f.mem_gbps_P else "shipped preset value (not measured)"),
-        "plan_fixed_us": "shipped preset value (not measured)",
+        "plan_fixed_us": ("moonep-sim calibrate: CPU time to plan a synthetic 512-token E=64 K=8 layer (alltoall) "
+                          "and build a handle" if f.plan_us is not None else "shipped preset value (not measured)"),
         "per_nproc": "; ".join(f"P={p}: latency {f.latency_us_P[p]:.1f} us, {f.proc_gbps_P[p]:.4f} GB/s"
                                for p in sorted(f.proc_gbps_P)) + "; " + "; ".join(
             f"P={p}: {f.flops_per_s_P[p] / 1e9:.2f} GFLOP/s" for p in sorted(f.flops_per_s_P)),
@@ -343,6 +375,7 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
         gpu_tflops=round(flops / 1e12, 6), gpu_compute_efficiency=1.0,
         gpu_mem_bandwidth_GBps=round(mem, 4), gpu_mem_efficiency=1.0,
         gpu_launch_us=round(f.launch_us_P[cnear], 3),
+        plan_fixed_us=round(f.plan_us, 3) if f.plan_us is not None else base.plan_fixed_us,
         sources=sources, path="")
 
 
@@ -368,7 +401,8 @@ class CalibrationResult:
 def calibrate(nprocs: Sequence[int] = DEFAULT_NPROCS, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
               swiglu_shapes: Sequence[tuple[int, int, int]] = DEFAULT_SWIGLU_SHAPES, repeats: int = 9,
               out: str | os.PathLike | None = None, write: bool = True,
-              progress: Callable[[str], None] | None = None, target_nproc: int | None = None) -> CalibrationResult:
+              progress: Callable[[str], None] | None = None, target_nproc: int | None = None,
+              inner_flops: float = 2e9) -> CalibrationResult:
     """Measure, fit and (if ``write``) write the local-gloo topology file to ``out`` (default:
     :func:`calibrated_path`), with constants for runs of ``target_nproc`` processes (default: the
     largest measured); the raw measurements go beside it (``.measurements.json``)."""
@@ -384,10 +418,11 @@ def calibrate(nprocs: Sequence[int] = DEFAULT_NPROCS, sizes_bytes: Sequence[int]
     for p in nprocs:
         if progress:
             progress(f"measuring with {p} processes ...")
-        m = measure(p, sizes_bytes, swiglu_shapes, repeats=repeats)
+        m = measure(p, sizes_bytes, swiglu_shapes, repeats=repeats, inner_flops=inner_flops)
         merged["alltoall"] += m["alltoall"]
         merged["swiglu"] += m["swiglu"]
         merged["memcopy"] += m.get("memcopy", [])
+    merged["planning"] = [measure_planning()]
     f = fit(merged)
     target = int(target_nproc or max(nprocs))
     topo = local_gloo_topology(f, target, nprocs)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -260,17 +260,41 @@ def _jsonable_dict(d: Any) -> Any:
 
 
 def _short(v: Any) -> str:
-    """A one-line description of a straggler / busiest port record."""
+    """A one-line description of a straggler (``{rank, cause, detail}``) or busiest port record."""
     if v is None:
         return "-"
     if isinstance(v, str):
         return v
     if isinstance(v, dict):
+        if "rank" in v and "cause" in v:
+            return f"rank {v['rank']}: {v['cause']}"
+        if "name" in v and "utilisation" in v:
+            return f"{v['name']} ({float(v['utilisation']) * 100:.0f}% busy)"
         for k in ("describe", "label", "name", "what"):
             if k in v and isinstance(v[k], str):
                 return v[k]
         return ", ".join(f"{k}={v[k]}" for k in list(v)[:3])
     return str(v)
+
+
+CRITICAL_PARTS = ("plan", "dispatch + wait", "compute", "combine")
+
+
+def critical_breakdown(sim: dict[str, Any]) -> dict[str, float]:
+    """Split a simulated layer time along its critical rank (the one whose expert compute ends
+    last): planning, then dispatch and any wait for copied weights until its compute starts, its
+    expert compute, and the combine until the layer ends. The parts sum to ``layer_time_us``."""
+    total = float(sim["layer_time_us"])
+    pr = sim.get("per_rank") or {}
+    starts, durs = pr.get("compute_start_us"), pr.get("compute_us")
+    if not starts or not durs:
+        return {"plan": 0.0, "dispatch + wait": 0.0, "compute": 0.0, "combine": total}
+    ends = np.asarray(starts, float) + np.asarray(durs, float)
+    r = int(np.argmax(ends))
+    pre = float(starts[r])
+    plan = min(float(sim.get("phases_us", {}).get("plan", 0.0)), pre)
+    comp = float(durs[r])
+    return {"plan": plan, "dispatch + wait": pre - plan, "compute": comp, "combine": max(total - pre - comp, 0.0)}
 
 
 # -- the comparison ---------------------------------------------------------------------------------
@@ -290,7 +314,20 @@ class CompareConfig:
     real: bool = False
     nproc: int = 4
     real_timeout_s: float = 600.0
+    real_hidden: int = 512
+    real_ffn: int = 1024
+    real_iters: int = 3
     real_args: list[str] = field(default_factory=list)
+
+    def local_model(self, source: "RoutingSource") -> ModelSpec:
+        """The expert shape the real replay runs (float32 SwiGLU of real_hidden x real_ffn)."""
+        return custom_model(source.num_experts, source.top_k, self.real_hidden, self.real_ffn,
+                            name=f"replay-H{self.real_hidden}-F{self.real_ffn}")
+
+    def local_costs(self) -> RowCosts:
+        """Byte sizes of the real replay (float32 rows and weights, as the gloo Buffer counts them)."""
+        H, F = self.real_hidden, self.real_ffn
+        return RowCosts(H * 4, H * 4, 3 * H * F * 4, 3 * H * F * 4)
 
 
 def _sum_dicts(acc: dict[str, float], d: dict[str, Any]) -> None:
@@ -340,13 +377,16 @@ def compare(cfg: CompareConfig, progress: Callable[[str, int, int], None] | None
             sd = _jsonable_dict(res.to_dict())
             entry = {"layer": int(lid), "plan": _jsonable_dict(summ), "sim": sd}
             if local_topo is not None:
-                lres = simulate(plan, local_topo, source.model)
+                # the same plan, its bytes counted as the replay moves them (float32, H x F experts)
+                lres = simulate(replace(plan, costs=cfg.local_costs()), local_topo, cfg.local_model(source))
                 entry["sim_local"] = _jsonable_dict(lres.to_dict())
+                entry["sim_local_bytes"] = replace(plan, costs=cfg.local_costs()).bytes_summary()
                 a["local_us"].append(float(lres.layer_time_us))
                 _sum_dicts(a["local_phases"], dict(lres.phases_us))
             a["layers"].append(entry)
             _sum_dicts(a["bytes"], summ["bytes"])
             _sum_dicts(a["phases"], dict(res.phases_us))
+            _sum_dicts(a.setdefault("critical", {}), critical_breakdown(sd))
             a["rows_R"] += np.asarray(summ["recv_rows_per_rank"], float)
             for p in plan.phases("forward"):
                 if p.kind == "dispatch":
@@ -383,6 +423,7 @@ def compare(cfg: CompareConfig, progress: Callable[[str, int, int], None] | None
                 "layer_time_us_mean": float(np.mean(times)),
                 "layer_time_us_total": float(np.sum(times)),
                 "phases_us_mean": {k: float(v) / L for k, v in a["phases"].items()},
+                "critical_us_mean": {k: float(a["critical"].get(k, 0.0)) / L for k in CRITICAL_PARTS},
                 "lower_bound_us_mean": float(np.mean(lbs)),
                 "ratio_to_lower_bound": float(np.sum(times) / max(np.sum(lbs), 1e-12)),
                 "straggler": _short(a["layers"][worst]["sim"].get("straggler")),
@@ -412,7 +453,8 @@ def run_real(cfg: CompareConfig, source: RoutingSource, cluster: ClusterShape, l
 
     from moonep_sim.gloo.launcher import run_replay
 
-    out: dict[str, Any] = {"nproc": cfg.nproc, "topology": topology_info(local_topo), "strategies": {}}
+    out: dict[str, Any] = {"nproc": cfg.nproc, "topology": topology_info(local_topo), "hidden": cfg.real_hidden,
+                           "ffn": cfg.real_ffn, "dtype": "float32", "iters": cfg.real_iters, "strategies": {}}
     with tempfile.TemporaryDirectory(prefix="moonep-compare-") as tmp:
         trace_path = source.trace_file(Path(tmp), cluster.ranks)
         n = len(cfg.strategies)
@@ -423,22 +465,38 @@ def run_real(cfg: CompareConfig, source: RoutingSource, cluster: ClusterShape, l
             res = run_replay(cfg.nproc, argv, timeout_s=cfg.real_timeout_s)
             meas_ms = _measured_layer_ms(res)
             sim_ms = rep["strategies"][name]["sim_local"]["layer_time_us_mean"] / 1e3
+            # the replay planned the same routing with the same strategy: its bytes must be ours
+            local_bytes = _local_bytes(rep["strategies"][name], cfg)
+            theirs = [{k: v for k, v in e["bytes"].items() if k != "sent"} for e in res.get("per_layer", [])]
             out["strategies"][name] = {
                 "measured_ms_mean": meas_ms,
                 "simulated_ms_mean": sim_ms,
                 "sim_over_measured": sim_ms / meas_ms if meas_ms > 0 else None,
+                "measured_phases_ms_mean": {k: v["max_ms"] / max(len(source.layer_ids), 1)
+                                            for k, v in res.get("phases", {}).items()},
                 "correct": res.get("correct"),
+                "same_plan_bytes": (theirs == local_bytes) if theirs else None,
                 "replay": _jsonable_dict(res),
             }
     return out
 
 
+def _local_bytes(strat: dict[str, Any], cfg: CompareConfig) -> list[dict[str, int]]:
+    """Per layer, the plan's bytes counted with the replay's row sizes."""
+    return [dict(e["sim_local_bytes"]) for e in strat["layers"] if "sim_local_bytes" in e]
+
+
 def replay_argv(trace_path: Path, strategy: str, opts: dict[str, str], source: RoutingSource,
                 cfg: CompareConfig) -> list[str]:
-    argv = ["--trace", str(trace_path), "--strategy", strategy,
-            "--layers", ",".join(str(l) for l in source.layer_ids)]
-    if source.model.name in _presets():
-        argv += ["--model", source.model.name]
+    """Arguments of ``moonep_sim.gloo.replay`` for one strategy (layers given as trace positions)."""
+    if source.path is not None:
+        positions = [source._trace.layer_index(l) for l in source.layer_ids]
+    else:  # the generated trace file holds exactly the compared layers, in order
+        positions = list(range(len(source.layer_ids)))
+    argv = ["--trace", str(trace_path), "--strategy", strategy, "--layers", ",".join(map(str, positions)),
+            "--hidden", str(cfg.real_hidden), "--ffn", str(cfg.real_ffn), "--iters", str(cfg.real_iters),
+            "--gpus-per-node", str(cfg.gpus_per_node or cfg.nproc), "--token-padding", str(cfg.token_padding),
+            "--quiet"]
     for k, v in opts.items():
         argv += ["--opt", f"{k}={v}"]
     return argv + list(cfg.real_args)

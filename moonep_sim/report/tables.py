@@ -26,9 +26,11 @@ def compare_table(report: dict[str, Any]) -> list:
     vs simulated (local-gloo) side by side."""
     from rich.table import Table
 
+    from moonep_sim.report.compare import CRITICAL_PARTS
+
     strat = report["strategies"]
     groups = {n: grouped_phases(s["sim"]["phases_us_mean"]) for n, s in strat.items()}
-    phase_cols = [g for g in PHASE_ORDER if any(gr.get(g, 0) > 0 for gr in groups.values())]
+    span_cols = [g for g in ("prefetch", "migrate") if any(gr.get(g, 0) > 0 for gr in groups.values())]
     topo = report["topology"]["name"]
     cl = report["cluster"]
     best = min(s["sim"]["layer_time_us_mean"] for s in strat.values())
@@ -37,13 +39,17 @@ def compare_table(report: dict[str, Any]) -> list:
               title_justify="left")
     t.add_column("strategy", style="bold")
     t.add_column("layer time", justify="right")
-    for g in phase_cols:
+    for g in CRITICAL_PARTS:
         t.add_column(g, justify="right")
+    for g in span_cols:
+        t.add_column(f"{g} span", justify="right")
     t.add_column("x LB", justify="right")
     t.add_column("straggler")
     for n, s in strat.items():
         sim = s["sim"]
-        row = [n, _time(sim["layer_time_us_mean"])] + [_time(groups[n].get(g, 0.0)) for g in phase_cols]
+        crit = sim["critical_us_mean"]
+        row = [n, _time(sim["layer_time_us_mean"])] + [_time(crit.get(g, 0.0)) for g in CRITICAL_PARTS]
+        row += [_time(groups[n].get(g, 0.0)) for g in span_cols]
         row += [f"{sim['ratio_to_lower_bound']:.2f}", sim["straggler"]]
         t.add_row(*row, style="green" if sim["layer_time_us_mean"] == best else None)
     t2 = Table(title="load and traffic (from each strategy's plan; bytes summed over layers, forward + backward)",
@@ -80,6 +86,8 @@ def compare_footer(report: dict[str, Any]) -> list[str]:
     if report.get("real"):
         lc = report["real"]["topology"]["constants"]
         lines.append(f"measured: gloo, {report['real']['nproc']} local processes; sim local-gloo: " + _topo_line(lc))
+    lines.append("plan .. combine: the layer time split along the rank whose expert compute ends last (they sum to "
+                 "it); prefetch/migrate span: first start to last end of the weight copies")
     lines.append("NVLink / NIC MiB: bytes crossing intra-node / inter-node links, forward + backward, summed over "
                  "layers; weights MiB: expert weights moved (prefetch + migrate); x lower bound: layer time over "
                  "max(busiest-port bytes / bandwidth, even compute)")

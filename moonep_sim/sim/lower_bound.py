@@ -15,8 +15,10 @@ comm_LB (per rank, then per node; the maximum is taken)
     a non-copy slot of the plan on r). Whatever a strategy does, for each such expert either its
     weights come to r (W bytes into r) or every token of r routed to it leaves r (one row out
     each, and at least one result row back). Bringing the j largest experts' weights leaves at
-    least ``n_{j+1}`` distinct tokens that must go out and come back, so r's ports carry at least
-    ``in_j = j*W + C*n_{j+1}`` and ``out_j = D*n_{j+1}`` bytes. The bound for r is
+    least ``L_j = max(n_{j+1}, T_r - (n_1 + ... + n_j))`` distinct tokens that must go out and come
+    back (T_r: r's tokens with at least one non-resident expert; j experts' weights can keep at
+    most ``n_1 + ... + n_j`` of them home), so r's ports carry at least ``in_j = j*W + C*L_j`` and
+    ``out_j = D*L_j`` bytes. The bound for r is
     ``min_j max(in_j / in_bw, out_j / out_bw)`` plus one link latency when it is non-zero, where
     in_bw / out_bw are r's NVLink plus NIC bandwidths (as the simulator's effective rates; the
     NIC only when there are several nodes, NVLink only when the node has several GPUs).
@@ -57,22 +59,44 @@ class LowerBound:
 
 def entry_counts_RE(plan: Plan) -> np.ndarray:
     """int64 [R, E]: kept entries per (source rank of the token, expert), from the plan's rows."""
-    R, E, K = plan.ranks, plan.num_experts, plan.top_k
-    row_slot = np.repeat(np.arange(plan.slot_rank_S.size), plan.slot_padded_S)
-    real = plan.row_entry_W >= 0
-    ent = plan.row_entry_W[real]
-    exp = plan.slot_expert_S[row_slot[real]]
-    src = np.searchsorted(plan.tok_off_R()[1:], ent // K, side="right")
-    return np.bincount(src * E + exp, minlength=R * E).reshape(R, E)
+    return _Entries(plan).n_RE
+
+
+class _Entries:
+    """The plan's kept entries as (token, expert, source rank) arrays, read from its rows."""
+
+    def __init__(self, plan: Plan):
+        R, E, K = plan.ranks, plan.num_experts, plan.top_k
+        row_slot = np.repeat(np.arange(plan.slot_rank_S.size, dtype=np.int32), plan.slot_padded_S)
+        real = plan.row_entry_W >= 0
+        ent = plan.row_entry_W[real]
+        self.exp = plan.slot_expert_S[row_slot[real]]
+        self.tok = ent // K
+        self.T = plan.num_tokens
+        self.src_T = np.repeat(np.arange(R), plan.tokens_per_rank_R)
+        self.src = self.src_T[self.tok]
+        self.n_RE = np.bincount(self.src * E + self.exp, minlength=R * E).reshape(R, E)
+
+    def tokens_needing(self, resident_XE: np.ndarray, group_R: np.ndarray | None = None) -> np.ndarray:
+        """[X] tokens of each group with a kept entry whose expert is not resident in the group."""
+        g = self.src if group_R is None else group_R[self.src]
+        need = ~resident_XE[g, self.exp]
+        flag = np.zeros(self.T, dtype=bool)
+        flag[self.tok[need]] = True
+        gt = self.src_T if group_R is None else group_R[self.src_T]
+        return np.bincount(gt[flag], minlength=resident_XE.shape[0])
 
 
 def _choice_bound(n_XE: np.ndarray, resident_XE: np.ndarray, a_in: float, b_in: float, a_out: float,
-                  b_out: float, bw_in: float, bw_out: float) -> np.ndarray:
+                  b_out: float, bw_in: float, bw_out: float, tokens_X: np.ndarray | None = None) -> np.ndarray:
     """[X] min over j of max(in_j / bw_in, out_j / bw_out) (see the module docstring)."""
     m = np.where(resident_XE, 0, n_XE).astype(np.float64)
     srt = -np.sort(-m, axis=1)
     X, E = srt.shape
     nxt = np.concatenate([srt, np.zeros((X, 1))], axis=1)  # n_{j+1} for j = 0..E
+    if tokens_X is not None:  # tokens left uncovered by any j experts' weights
+        covered = np.concatenate([np.zeros((X, 1)), np.cumsum(srt, axis=1)], axis=1)
+        nxt = np.maximum(nxt, np.asarray(tokens_X, np.float64)[:, None] - covered)
     j = np.arange(E + 1, dtype=np.float64)[None, :]
     t_in = (j * a_in + b_in * nxt) / bw_in
     t_out = (j * a_out + b_out * nxt) / bw_out
@@ -92,17 +116,18 @@ def lower_bound(plan: Plan, model: ModelSpec, topo: Topology, backward: bool = F
     comp = compute_lower_bound_us(plan, model, topo, False)
     if backward:
         comp += compute_lower_bound_us(plan, model, topo, True)
-    n_RE = entry_counts_RE(plan)
     res = np.zeros((R, E), dtype=bool)
     home = ~plan.is_copy_S()
     res[plan.slot_rank_S[home], plan.slot_expert_S[home]] = True
+    ents = _Entries(plan)
+    n_RE, tok_R = ents.n_RE, ents.tokens_needing(res)
     G = min(topo.gpus_per_node, R)
     nodes = topo.num_nodes(R)
     comm, binding = 0.0, "compute"
     bw = (topo.nvlink_bytes_per_us if G > 1 else 0.0) + (topo.nic_bytes_per_us if nodes > 1 else 0.0)
     if bw > 0:
         lat = min(topo.nvlink_latency_us if G > 1 else np.inf, topo.nic_latency_us if nodes > 1 else np.inf)
-        t_R = _choice_bound(n_RE, res, a_in, b_in, a_out, b_out, bw, bw)
+        t_R = _choice_bound(n_RE, res, a_in, b_in, a_out, b_out, bw, bw, tok_R)
         t_R = np.where(t_R > 0, t_R + lat, 0.0)
         r = int(np.argmax(t_R))
         comm, binding = float(t_R[r]), f"rank {r} ports"
@@ -112,10 +137,11 @@ def lower_bound(plan: Plan, model: ModelSpec, topo: Topology, backward: bool = F
         np.add.at(n_NE, node, n_RE)
         res_NE = np.zeros((nodes, E), dtype=bool)
         np.logical_or.at(res_NE, node, res)
+        tok_N = ents.tokens_needing(res_NE, node)
         gpus_N = np.bincount(node, minlength=nodes).astype(np.float64)
-        bwn = gpus_N[:, None] * topo.nic_bytes_per_us
+        bwn = gpus_N * topo.nic_bytes_per_us
         t_N = np.array([_choice_bound(n_NE[i:i + 1], res_NE[i:i + 1], a_in, b_in, a_out, b_out,
-                                      float(bwn[i, 0]), float(bwn[i, 0]))[0] for i in range(nodes)])
+                                      float(bwn[i]), float(bwn[i]), tok_N[i:i + 1])[0] for i in range(nodes)])
         t_N = np.where(t_N > 0, t_N + topo.nic_latency_us, 0.0)
         k = int(np.argmax(t_N))
         if t_N[k] > comm:

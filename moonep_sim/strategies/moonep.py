@@ -173,7 +173,7 @@ def entry_slots(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.ndarray
           options={"dedup": (bool, True, "send a token once per destination rank, expand there")})
 def plan(routing: GlobalRouting, ctx: PlanContext, dedup: bool = True) -> Plan:
     t0 = time.perf_counter()
-    E, R, K = routing.num_experts, ctx.cluster.ranks, routing.top_k
+    E, R = routing.num_experts, ctx.cluster.ranks
     if E % R:
         raise ConfigError(f"num_experts ({E}) must be divisible by ranks ({R}) for moonep's home-group placement")
     if routing.ranks != R:

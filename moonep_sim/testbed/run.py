@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from moonep_sim.errors import CommError, ConfigError, require
+from moonep_sim.errors import CommError, require
 from moonep_sim.testbed.netns import NODE_IFNAME, Testbed, TestbedSpec
 
 REPLAY_MODULE = "moonep_sim.gloo.replay"
@@ -183,9 +183,10 @@ def measure_tcp(tb: Testbed, src: int, dst: int, nbytes: int = 8 << 20, port: in
     sink = subprocess.Popen(tb.exec_prefix(dst) + py + ["tcp-sink", "--bind", spec.ip(dst), "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        line = sink.stdout.readline().strip()
-        require(line == "ready", f"tcp probe sink on node {dst} must start: {sink.stderr.read().strip()[-300:]}",
-                CommError)
+        line = sink.stdout.readline().strip()  # the sink prints 'ready' once listening, or exits
+        if line != "ready":
+            _kill_group(sink)
+            raise CommError(f"tcp probe sink on node {dst} must start: {sink.stderr.read().strip()[-300:]}")
         snd = subprocess.run(tb.exec_prefix(src) + py + ["tcp-send", "--to", spec.ip(dst), "--port", str(port),
                                                          "--bytes", str(nbytes), "--pings", str(pings)],
                              capture_output=True, text=True, timeout=timeout_s)
@@ -244,7 +245,7 @@ def describe(spec: TestbedSpec, gpus_per_node: int) -> dict:
 def run_testbed(spec: TestbedSpec, launch: LaunchSpec | None, *, probe_tcp: bool = True,
                 probe_gloo: bool = False, keep_logs: bool = False, topology_out: str | None = None,
                 topology_base: str | None = None, log_dir: str | None = None,
-                on_ready=None) -> TestbedRun:
+                on_ready=None, gpus_per_node: int | None = None) -> TestbedRun:
     """Build the testbed, probe the links, run ``launch`` (a replay) across the nodes, write the
     matching simulator topology, tear everything down. ``launch=None`` only probes.
 
@@ -252,7 +253,7 @@ def run_testbed(spec: TestbedSpec, launch: LaunchSpec | None, *, probe_tcp: bool
     t0 = time.perf_counter()
     tmp = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix=f"{spec.prefix}-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    gpn = launch.gpus_per_node if launch else 1
+    gpn = launch.gpus_per_node if launch else (gpus_per_node or 1)
     probes: dict = {}
     replay = None
     topo_path = None

@@ -1,0 +1,216 @@
+"""The gloo executor, measured: its overhead over raw all_to_all, and layer time under imbalance.
+
+    python benchmarks/bench_gloo.py overhead   [--ranks 4 --hidden 1024 --tokens 4096 --experts 16 --top-k 2] [--malloc-tuning]
+    python benchmarks/bench_gloo.py imbalance  [--ranks 4 --hidden 256 --ffn 512 --tokens 2048 --maxvio 0.2,1,10]
+
+overhead: in ONE run of R gloo ranks, balanced routing (every expert gets exactly T*K/E entries),
+each iteration times (a) ``dispatch + combine`` of the flat ``alltoall`` strategy through the
+Buffer including the routing exchange and planning, (b) the same with a reused handle (no
+exchange, no planning), (c) two raw ``all_to_all_single`` calls moving the same rows with the
+same split sizes into preallocated buffers. The three alternate within each iteration, after a
+barrier; a variant's time is the max over ranks, and the report gives medians over iterations
+and the ratios (a)/(c), (b)/(c).
+
+imbalance: routing by MoonEP's method (lognormal popularity, sigma bisected to the target maxvio,
+K distinct experts per token; ``moonep_sim.routing.generators``), one forward layer
+(dispatch with exchange and planning, prefetch, SwiGLU experts, combine) per strategy; the
+strategies are interleaved within each iteration (so machine noise hits them alike); time =
+median over iterations of the max over ranks. Reports what it measures.
+
+Prints a table; ``--json OUT`` writes the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = str(Path(__file__).resolve().parent)
+
+
+def _sync_time(fn) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _max_over_ranks(v: list[float]) -> np.ndarray:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(v, dtype=torch.float64)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return torch.stack(out).max(dim=0).values.numpy()
+
+
+def overhead_worker(rank, world, hidden, tokens, experts, top_k, iters):
+    import torch
+    import torch.distributed as dist
+
+    from moonep_sim.gloo.buffer import Buffer
+
+    T = tokens * world
+    ids_all = (np.arange(T)[:, None] * top_k + np.arange(top_k)[None, :]) % experts  # perfectly balanced
+    ids = torch.from_numpy(ids_all[rank * tokens:(rank + 1) * tokens].copy())
+    w = torch.full((tokens, top_k), 1.0 / top_k)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(rank))
+    buf = Buffer(capacity=tokens, hidden=hidden, top_k=top_k, num_experts=experts, strategy="alltoall",
+                 timeout_s=120, validate_plans=False)
+    h = buf.dispatch(x, ids, w)[3]
+    hop = h.hops[0]
+    send = torch.randn(sum(hop.send_splits), hidden)
+    recv = torch.empty(sum(hop.recv_splits), hidden)
+    back = torch.empty_like(send)
+    group = buf._groups["global"]
+
+    def full():
+        rows, rw, _, hh = buf.dispatch(x, ids, w)
+        buf.combine(rows, hh, rw)
+
+    def reuse():
+        rows, rw, _, _ = buf.dispatch(x, handle=h)
+        buf.combine(rows, h, rw)
+
+    def raw():
+        dist.all_to_all_single(recv, send, list(hop.recv_splits), list(hop.send_splits), group=group)
+        dist.all_to_all_single(back, recv, list(hop.send_splits), list(hop.recv_splits), group=group)
+
+    for fn in (full, reuse, raw):  # warm-up
+        _sync_time(fn)
+    rows = []
+    for it in range(iters):
+        order = [full, reuse, raw] if it % 2 == 0 else [raw, reuse, full]
+        t = {fn.__name__: _sync_time(fn) for fn in order}
+        rows.append([t["full"], t["reuse"], t["raw"]])
+    mx = _max_over_ranks(list(np.asarray(rows).ravel())).reshape(iters, 3)
+    med = np.median(mx, axis=0)
+    row_bytes = hidden * 4
+    remote = int(h.plan.hops[0].rows_RR(world).sum() - np.trace(h.plan.hops[0].rows_RR(world))) * row_bytes
+    return {"full_ms": med[0] * 1e3, "reuse_ms": med[1] * 1e3, "raw_ms": med[2] * 1e3,
+            "ratio_full": med[0] / med[2], "ratio_reuse": med[1] / med[2],
+            "rows_per_rank": int(h.rows), "remote_bytes_per_direction": remote}
+
+
+def imbalance_worker(rank, world, hidden, ffn, tokens, experts, top_k, maxvios, iters, seed):
+    import torch
+
+    from moonep_sim.gloo.buffer import Buffer
+    from moonep_sim.gloo.moe import expert_forward, init_experts
+    from moonep_sim.routing.generators import generate_layer
+    from moonep_sim.routing.metrics import maxvio as maxvio_of
+    from moonep_sim.strategies import available
+
+    T = tokens * world
+    full_w = init_experts(experts, hidden, ffn, seed)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    names = list(available())
+    bufs = {n: Buffer(capacity=tokens, hidden=hidden, top_k=top_k, num_experts=experts, strategy=n,
+                      timeout_s=120, validate_plans=False, expert_ffn=ffn) for n in names}
+    for mv in maxvios:
+        lr = generate_layer(experts, top_k, T, seed, maxvio=mv)
+        real_mv = float(maxvio_of(lr.counts_E()))
+        ids = torch.from_numpy(lr.topk_ids_TK[rank * tokens:(rank + 1) * tokens].copy())
+        w = torch.from_numpy(lr.topk_weights_TK[rank * tokens:(rank + 1) * tokens].copy())
+        layers, info = {}, {}
+        for n in names:
+            buf = bufs[n]
+            home = torch.from_numpy(np.flatnonzero(buf.ctx.placement.home_E == rank))
+            params = [p[home] for p in full_w]
+
+            def layer(buf=buf, params=params, n=n):
+                rows, rw, _, h = buf.dispatch(x, ids, w)
+                copies = buf.prefetch_weight(h, params)
+                y = expert_forward(rows, h, params, copies)
+                buf.combine(y, h, rw)
+                info[n] = h
+
+            layers[n] = layer
+            _sync_time(layer)  # warm-up
+        # strategies interleaved within each iteration, so machine noise hits them alike
+        ts = np.array([[_sync_time(layers[n]) for n in names] for _ in range(iters)])
+        med = np.median(_max_over_ranks(list(ts.ravel())).reshape(iters, len(names)), axis=0)
+        for j, n in enumerate(names):
+            p = info[n].plan
+            real = p.real_rows_R()
+            out[f"{mv}/{n}"] = {"maxvio_target": mv, "maxvio": real_mv, "strategy": n, "layer_ms": float(med[j]) * 1e3,
+                                "max_rows": int(p.rows_R().max()), "max_over_mean_rows": float(real.max() / real.mean()),
+                                "dropped": p.dropped, "weight_copies": p.weight_copies}
+    return {"rows": json.dumps(list(out.values()))}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["overhead", "imbalance"])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=None)
+    ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per rank")
+    ap.add_argument("--experts", type=int, default=None)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--maxvio", default="0.2,1,10")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--malloc-tuning", action="store_true",
+                    help="run the ranks with glibc's mmap disabled and trimming off (MALLOC_MMAP_MAX_=0, "
+                         "MALLOC_TRIM_THRESHOLD_=16 GiB): freed blocks stay mapped, so fresh tensors do not "
+                         "page-fault (a CPU stand-in for a caching allocator)")
+    a = ap.parse_args(argv)
+    sys.path.insert(0, HERE)
+    from moonep_sim.gloo.launcher import spawn_ranks
+
+    env = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(16 << 30)} if a.malloc_tuning else {}
+
+    if a.what == "overhead":
+        kw = dict(hidden=a.hidden or 1024, tokens=a.tokens or 4096, experts=a.experts or 16, top_k=a.top_k,
+                  iters=a.iters)
+        res = spawn_ranks("bench_gloo:overhead_worker", a.ranks, kw, timeout_s=900, pythonpath=[HERE], env=env)
+    else:
+        kw = dict(hidden=a.hidden or 256, ffn=a.ffn, tokens=a.tokens or 2048, experts=a.experts or 32,
+                  top_k=a.top_k, maxvios=[float(v) for v in a.maxvio.split(",")], iters=a.iters, seed=a.seed)
+        res = spawn_ranks("bench_gloo:imbalance_worker", a.ranks, kw, timeout_s=1800, pythonpath=[HERE], env=env)
+    for r in res:
+        if not r.ok:
+            raise SystemExit(f"rank {r.rank} failed: {r.output[-2000:]}")
+    r0 = res[0].result
+    report = {"what": a.what, "ranks": a.ranks, **kw, "cpu_count": os.cpu_count(), "malloc_tuning": a.malloc_tuning,
+              "loadavg_after": os.getloadavg()}
+    if a.what == "overhead":
+        report.update(r0)
+        print(f"overhead on {a.ranks} ranks, H={kw['hidden']}, {kw['tokens']} tokens/rank, E={kw['experts']} "
+              f"K={kw['top_k']}, balanced, fp32 rows ({r0['rows_per_rank']} rows/rank, "
+              f"{r0['remote_bytes_per_direction'] / 2**20:.1f} MiB cross-rank per direction), median of {a.iters}:")
+        print(f"  (malloc tuning {'on' if a.malloc_tuning else 'off'}; load average after "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+        print(f"  raw 2x all_to_all_single        {r0['raw_ms']:8.1f} ms")
+        print(f"  dispatch+combine (plan each)    {r0['full_ms']:8.1f} ms   ratio {r0['ratio_full']:.2f}x")
+        print(f"  dispatch+combine (reuse handle) {r0['reuse_ms']:8.1f} ms   ratio {r0['ratio_reuse']:.2f}x")
+    else:
+        rows = json.loads(r0["rows"])
+        report["results"] = rows
+        print(f"imbalance on {a.ranks} ranks, H={kw['hidden']} F={kw['ffn']}, {kw['tokens']} tokens/rank, "
+              f"E={kw['experts']} K={kw['top_k']}; forward layer ms (median of {a.iters}, max over ranks)")
+        print(f"  {'strategy':<13}" + "".join(f"  maxvio {m:<6}" for m in kw["maxvios"]))
+        for n in sorted({r["strategy"] for r in rows}):
+            cells = [r for r in rows if r["strategy"] == n]
+            print(f"  {n:<13}" + "".join(f"  {c['layer_ms']:7.1f} ms  " for c in cells)
+                  + "   max/mean rows " + ", ".join(f"{c['max_over_mean_rows']:.2f}" for c in cells))
+        print("  realised maxvio: " + ", ".join(f"{r['maxvio']:.2f}" for r in rows[:: len({x['strategy'] for x in rows})]))
+    if a.json:
+        from moonep_sim.io import write_text_atomic
+        write_text_atomic(a.json, json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""Measured (testbed) versus simulated layer times: the agreement table.
+
+For each testbed shape (N nodes x G ranks) the testbed is built once; a gloo probe measures what
+the shaped links deliver (that fixes ``nic.efficiency`` and ``nic.latency_us`` of the matching
+topology, :mod:`moonep_sim.testbed.topology`); then every (trace, strategy) is replayed for real
+with ``moonep_sim.gloo.replay`` and the very same plans are simulated on that topology with the
+replay's row and expert sizes (float32 rows of H, SwiGLU experts of H x F). A run with one node's
+link slowed (``degrade``) checks that the slow node is the straggler in both: measured from the
+tbf byte counters (the link with the longest busy time, bytes / rate) and simulated from the
+result's ``busiest_port`` and ``straggler``.
+
+Reported per row: measured ms per layer (replay ``total_ms`` / layers: max over ranks of the mean
+over iterations), simulated ms per layer, ratio simulated / measured; per (shape, trace): whether
+the strategies rank the same (Kendall tau and exact order); overall the median absolute error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from moonep_sim.errors import require
+from moonep_sim.io import write_text_atomic
+from moonep_sim.testbed.netns import Testbed, TestbedSpec, format_rate
+from moonep_sim.testbed.run import LaunchSpec, launch_nodes, measure_gloo, signals_raise
+
+STRATEGIES = ("alltoall", "hierarchical", "deepep", "moonep")
+
+
+@dataclass(frozen=True)
+class AgreeCase:
+    """One routing source: a trace file, the layer positions replayed, tokens used per layer."""
+
+    label: str
+    trace: str
+    layers: tuple[int, ...] = (0,)
+    max_tokens: int = 0
+
+
+@dataclass
+class AgreeConfig:
+    shapes: Sequence[tuple[int, int]] = ((2, 2), (2, 4))
+    cases: Sequence[AgreeCase] = ()
+    strategies: Sequence[str] = STRATEGIES
+    rate_bps: int = 200_000_000
+    hidden: int = 512
+    ffn: int = 64
+    iters: int = 3
+    degrade: tuple[int, int] | None = (1, 50_000_000)  # (node, rate) for the straggler run
+    degrade_case: int = 0  # index into cases
+    timeout_s: float = 600.0
+    base_topology: str | None = None
+    work_dir: str | None = None
+
+
+def default_cases(work_dir: Path, repo: Path) -> list[AgreeCase]:
+    """The shipped traces plus a skewed synthetic one (E=64, K=8, maxvio 4, written here)."""
+    from moonep_sim.routing.generators import generate_trace
+
+    syn = work_dir / "synthetic_e64_k8_maxvio4.safetensors"
+    if not syn.exists():
+        generate_trace(syn, 64, 8, 1024, seed=7, maxvio=4.0)
+    return [AgreeCase("olmoe-1b-7b L0 (1024 tok)", str(repo / "traces/olmoe-1b-7b_layer0.safetensors"), (0,), 1024),
+            AgreeCase("mixtral-8x7b humaneval L0,L31", str(repo / "traces/mixtral-8x7b_humaneval.safetensors"), (0, 31), 0),
+            AgreeCase("synthetic E64 K8 maxvio 4", str(syn), (0,), 0)]
+
+
+def replay_args(case: AgreeCase, strategy: str, gpus_per_node: int, hidden: int, ffn: int, iters: int,
+                json_out: str) -> tuple[str, ...]:
+    args = ["--trace", case.trace, "--strategy", strategy, "--layers", ",".join(map(str, case.layers)),
+            "--hidden", str(hidden), "--ffn", str(ffn), "--gpus-per-node", str(gpus_per_node),
+            "--iters", str(iters), "--no-check", "--quiet", "--json", json_out]
+    if case.max_tokens:
+        args += ["--max-tokens", str(case.max_tokens)]
+    return tuple(args)
+
+
+def simulate_case(case: AgreeCase, strategy: str, ranks: int, gpus_per_node: int, hidden: int, ffn: int,
+                  topo, faults: tuple = ()) -> dict:
+    """Simulate the replay's plans (same token split, placement and sizes) on ``topo``; ms per layer."""
+    from moonep_sim.models import custom_model
+    from moonep_sim.plan import GlobalRouting, RowCosts
+    from moonep_sim.routing.trace import Trace
+    from moonep_sim.sim import SimOptions, simulate_layer
+    from moonep_sim.strategies import PlanContext, make_plan
+
+    tr = Trace(case.trace)
+    E, K = tr.meta.num_experts, tr.meta.top_k
+    T = int(tr.meta.num_tokens) if not case.max_tokens else min(int(tr.meta.num_tokens), case.max_tokens)
+    costs = RowCosts(hidden * 4, hidden * 4, 3 * hidden * ffn * 4, 3 * hidden * ffn * 4)
+    ctx = PlanContext.default(E, ranks, gpus_per_node, costs)
+    model = custom_model(E, K, hidden, ffn, name=f"replay-H{hidden}-F{ffn}")
+    times, straggler, busiest = [], [], []
+    for li in case.layers:
+        lr = tr.layer(li, 0, T)
+        routing = GlobalRouting.split_evenly(lr.topk_ids_TK, lr.topk_weights_TK, E, ranks)
+        res = simulate_layer(make_plan(strategy, routing, ctx), topo, model, SimOptions(faults=faults))
+        times.append(res.layer_time_us / 1e3)
+        straggler.append(dict(res.straggler))
+        busiest.append(dict(res.busiest_port))
+    return {"ms_per_layer": float(np.mean(times)), "layers_ms": times, "straggler": straggler, "busiest_port": busiest}
+
+
+def _qdisc_bytes(stats: dict[str, str]) -> dict[str, int]:
+    out = {}
+    for k, text in stats.items():
+        m = re.search(r"Sent (\d+) bytes", text)
+        out[k] = int(m.group(1)) if m else 0
+    return out
+
+
+def link_busy_ms(before: dict[str, int], after: dict[str, int], spec: TestbedSpec) -> dict[str, float]:
+    """Per node link direction (``n<i>.egress`` / ``n<i>.ingress``): bytes through its tbf during the
+    run over its rate, in ms -- how long that link was necessarily busy."""
+    out = {}
+    for k in after:
+        node = int(k[1:].split(".")[0])
+        out[k] = 8e3 * (after[k] - before.get(k, 0)) / spec.node_rate(node)
+    return out
+
+
+def _node_of_port(name: str, gpus_per_node: int) -> int | None:
+    m = re.search(r"(\d+)", str(name))
+    return int(m.group(1)) // gpus_per_node if m else None
+
+
+def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
+    n, s, pairs = len(a), 0, 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            s += int(np.sign(a[i] - a[j]) * np.sign(b[i] - b[j]))
+            pairs += 1
+    return s / pairs if pairs else 1.0
+
+
+def run_agreement(cfg: AgreeConfig, progress: Callable[[str], None] | None = None,
+                  json_out: str | None = None) -> dict:
+    from moonep_sim.testbed.topology import degraded_faults, testbed_topology
+
+    say = progress or (lambda s: None)
+    work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="msim-agree-"))
+    work.mkdir(parents=True, exist_ok=True)
+    repo = Path(__file__).resolve().parents[2]
+    cases = list(cfg.cases) or default_cases(work, repo)
+    report: dict = {"config": {"shapes": [list(s) for s in cfg.shapes], "strategies": list(cfg.strategies),
+                               "rate": format_rate(cfg.rate_bps), "hidden": cfg.hidden, "ffn": cfg.ffn,
+                               "iters": cfg.iters, "cases": [c.__dict__ for c in cases],
+                               "degrade": list(cfg.degrade) if cfg.degrade else None},
+                    "shapes": [], "rows": [], "straggler": []}
+
+    def save():
+        if json_out:
+            write_text_atomic(json_out, json.dumps(report, indent=2, default=str))
+
+    t_start = time.perf_counter()
+    with signals_raise():
+        for (N, G) in cfg.shapes:
+            spec = TestbedSpec(nodes=N, rate_bps=cfg.rate_bps)
+            logs = work / f"logs-{N}x{G}"
+            logs.mkdir(exist_ok=True)
+            with Testbed(spec) as tb:
+                say(f"{N}x{G}: probing the links with gloo")
+                probes = {"gloo": measure_gloo(tb, G, logs, mbytes=8.0, reps=3)}
+                topo = testbed_topology(spec, G, probes, cfg.base_topology)
+                write_text_atomic(work / f"topology-{N}x{G}.toml", topo.to_toml())
+                report["shapes"].append({"nodes": N, "gpus_per_node": G, "probe": probes["gloo"],
+                                         "topology": str(work / f"topology-{N}x{G}.toml"),
+                                         "topology_constants": topo.constants()})
+                for case in cases:
+                    for strat in cfg.strategies:
+                        say(f"{N}x{G} {case.label} {strat}")
+                        out = work / f"replay-{N}x{G}-{len(report['rows'])}.json"
+                        launch_nodes(tb, LaunchSpec(G, module_args=replay_args(case, strat, G, cfg.hidden, cfg.ffn,
+                                                                               cfg.iters, str(out)),
+                                                    timeout_s=cfg.timeout_s), logs)
+                        rep = json.loads(out.read_text())
+                        meas = rep["total_ms"] / len(rep["layers"])
+                        sim = simulate_case(case, strat, N * G, G, cfg.hidden, cfg.ffn, topo)
+                        report["rows"].append({
+                            "nodes": N, "gpus_per_node": G, "case": case.label, "strategy": strat,
+                            "measured_ms": meas, "simulated_ms": sim["ms_per_layer"],
+                            "ratio": sim["ms_per_layer"] / meas,
+                            "measured_dispatch_ms": rep["dispatch_ms"] / len(rep["layers"]),
+                            "measured_combine_ms": rep["combine_ms"] / len(rep["layers"]),
+                            "bytes_sent": rep["bytes_sent"], "sim_busiest_port": sim["busiest_port"][0]})
+                        save()
+            if cfg.degrade and N >= 2:
+                node, rate = cfg.degrade
+                require(0 <= node < N, f"degrade node ({node}) must be in [0, {N})")
+                dspec = TestbedSpec(nodes=N, rate_bps=cfg.rate_bps, node_rate_bps={node: rate})
+                case = cases[cfg.degrade_case]
+                with Testbed(dspec) as tb:
+                    for strat in cfg.strategies:
+                        say(f"{N}x{G} degraded node {node} {format_rate(rate)}: {case.label} {strat}")
+                        out = work / f"replay-{N}x{G}-degraded-{strat}.json"
+                        before = _qdisc_bytes(tb.qdisc_stats())
+                        launch_nodes(tb, LaunchSpec(G, module_args=replay_args(case, strat, G, cfg.hidden, cfg.ffn,
+                                                                               cfg.iters, str(out)),
+                                                    timeout_s=cfg.timeout_s), logs)
+                        busy = link_busy_ms(before, _qdisc_bytes(tb.qdisc_stats()), dspec)
+                        rep = json.loads(out.read_text())
+                        sim = simulate_case(case, strat, N * G, G, cfg.hidden, cfg.ffn, topo,
+                                            degraded_faults(dspec, G))
+                        base = next((r for r in report["rows"] if r["nodes"] == N and r["gpus_per_node"] == G
+                                     and r["case"] == case.label and r["strategy"] == strat), None)
+                        meas = rep["total_ms"] / len(rep["layers"])
+                        busiest_link = max(busy, key=busy.get)
+                        bp = sim["busiest_port"][0]
+                        st = sim["straggler"][0]
+                        report["straggler"].append({
+                            "nodes": N, "gpus_per_node": G, "case": case.label, "strategy": strat,
+                            "degraded_node": node, "degraded_rate": format_rate(rate),
+                            "measured_ms": meas, "simulated_ms": sim["ms_per_layer"],
+                            "measured_slowdown": meas / base["measured_ms"] if base else None,
+                            "simulated_slowdown": sim["ms_per_layer"] / base["simulated_ms"] if base else None,
+                            "measured_busiest_link": busiest_link,
+                            "measured_busiest_node": int(busiest_link[1:].split(".")[0]),
+                            "link_busy_ms": busy,
+                            "sim_busiest_port": bp.get("name"),
+                            "sim_busiest_node": _node_of_port(bp.get("name", ""), G),
+                            "sim_straggler_rank": st.get("rank"),
+                            "sim_straggler_node": (int(st["rank"]) // G) if st.get("rank") is not None else None,
+                            "sim_straggler_cause": st.get("cause")})
+                        save()
+    report["summary"] = summarize(report)
+    report["wall_s"] = time.perf_counter() - t_start
+    save()
+    return report
+
+
+def summarize(report: dict) -> dict:
+    rows = report["rows"]
+    errs = [abs(r["ratio"] - 1) for r in rows]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["nodes"], r["gpus_per_node"], r["case"]), []).append(r)
+    ranking = []
+    for (N, G, case), rs in groups.items():
+        m = [r["measured_ms"] for r in rs]
+        s = [r["simulated_ms"] for r in rs]
+        order_m = [rs[i]["strategy"] for i in np.argsort(m)]
+        order_s = [rs[i]["strategy"] for i in np.argsort(s)]
+        ranking.append({"nodes": N, "gpus_per_node": G, "case": case, "measured_order": order_m,
+                        "simulated_order": order_s, "same_order": order_m == order_s,
+                        "same_fastest": order_m[0] == order_s[0], "kendall_tau": kendall_tau(m, s)})
+    st = report.get("straggler", [])
+    return {"rows": len(rows), "median_abs_error": statistics.median(errs) if errs else None,
+            "max_abs_error": max(errs) if errs else None, "ranking": ranking,
+            "same_order_groups": sum(g["same_order"] for g in ranking), "groups": len(ranking),
+            "straggler_agree": sum(1 for s in st if s["measured_busiest_node"] == s["degraded_node"]
+                                   and s["sim_busiest_node"] == s["degraded_node"]),
+            "straggler_runs": len(st)}
+
+
+def markdown_table(report: dict) -> str:
+    """The agreement table (and the straggler table) as Markdown."""
+    lines = ["| nodes x ranks | routing | strategy | measured ms/layer | simulated ms/layer | sim / measured |",
+             "| --- | --- | --- | ---: | ---: | ---: |"]
+    for r in report["rows"]:
+        lines.append(f"| {r['nodes']}x{r['gpus_per_node']} | {r['case']} | {r['strategy']} | "
+                     f"{r['measured_ms']:.1f} | {r['simulated_ms']:.1f} | {r['ratio']:.2f} |")
+    s = report.get("summary") or summarize(report)
+    lines += ["", "| nodes x ranks | routing | measured order (fastest first) | simulated order | same | Kendall tau |",
+              "| --- | --- | --- | --- | --- | ---: |"]
+    for g in s["ranking"]:
+        lines.append(f"| {g['nodes']}x{g['gpus_per_node']} | {g['case']} | {' < '.join(g['measured_order'])} | "
+                     f"{' < '.join(g['simulated_order'])} | {'yes' if g['same_order'] else 'no'} | {g['kendall_tau']:.2f} |")
+    if report.get("straggler"):
+        lines += ["", "| nodes x ranks | strategy | slow node | measured ms (slowdown) | simulated ms (slowdown) | "
+                      "measured busiest link | simulated busiest port | simulated straggler |",
+                  "| --- | --- | --- | ---: | ---: | --- | --- | --- |"]
+        for t in report["straggler"]:
+            ms = f"{t['measured_slowdown']:.2f}x" if t["measured_slowdown"] else "-"
+            ss = f"{t['simulated_slowdown']:.2f}x" if t["simulated_slowdown"] else "-"
+            lines.append(f"| {t['nodes']}x{t['gpus_per_node']} | {t['strategy']} | {t['degraded_node']} "
+                         f"({t['degraded_rate']}) | {t['measured_ms']:.1f} ({ms}) | {t['simulated_ms']:.1f} ({ss}) | "
+                         f"{t['measured_busiest_link']} (node {t['measured_busiest_node']}) | "
+                         f"{t['sim_busiest_port']} (node {t['sim_busiest_node']}) | rank {t['sim_straggler_rank']} "
+                         f"(node {t['sim_straggler_node']}, {t['sim_straggler_cause']}) |")
+    med = s["median_abs_error"]
+    lines += ["", f"Median absolute error {med:.1%} over {s['rows']} runs (max {s['max_abs_error']:.1%}); "
+                  f"same strategy order in {s['same_order_groups']} of {s['groups']} groups; degraded node is the "
+                  f"busiest link in both in {s['straggler_agree']} of {s['straggler_runs']} runs."
+              if med is not None else "no rows"]
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""The simulator topology that describes a testbed, so ``moonep-sim simulate`` predicts its runs.
+
+- Intra-node (``[nvlink]``, ``[gpu]``, ``[planning]``): this machine's processes, taken from the
+  calibrated ``local-gloo`` topology (``moonep-sim calibrate``) when it exists, else the
+  ``local-gloo`` preset defaults: ranks of one node talk over that namespace's loopback exactly as
+  the ``local-gloo`` ranks do.
+- Inter-node (``[nic]``): a node's G ranks share its one shaped veth link, while the simulator gives
+  every GPU its own NIC; the testbed therefore gives each rank ``rate / G`` (exact whenever all G
+  ranks of a node send at once, as in every all-to-all hop). ``nic.efficiency`` is what gloo gets of
+  the tbf rate, measured by a uniform all-to-all across the nodes with the same G when the gloo
+  probe ran (gloo's TCP pairs do not keep both directions of one pair busy at once: measured 0.46
+  of the rate per direction with 1 rank per node, 0.73 with 2, 0.84 with 4, at 200 Mbit/s), else the
+  TCP payload fraction (about 0.95), else 0.95. ``nic.latency_us`` is half the measured gloo
+  point-to-point round trip (else the TCP one, else 200 us).
+- A degraded node (``--node-bandwidth i:RATE``) is not a topology constant (those are uniform):
+  :func:`degraded_faults` gives the matching simulator faults, ``DegradedLink(rank, RATE / rate,
+  "nic")`` for each of that node's ranks (CLI: ``--degrade-nic RANK:FACTOR``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from moonep_sim.io import write_text_atomic
+from moonep_sim.testbed.netns import TestbedSpec, format_rate
+
+DEFAULT_NIC_EFFICIENCY = 0.95
+DEFAULT_NIC_LATENCY_US = 200.0
+
+
+def base_topology(base: str | None = None):
+    """The intra-node constants: ``base`` (a preset name or TOML file) or ``local-gloo`` (the
+    calibrated file when present, else the preset)."""
+    from moonep_sim.sim.topology import load_topology
+    return load_topology(base or "local-gloo")
+
+
+def testbed_topology(spec: TestbedSpec, gpus_per_node: int, probes: dict | None = None, base: str | None = None):
+    """A :class:`moonep_sim.sim.topology.Topology` for ``spec`` with G ranks per node (see module doc)."""
+    probes = probes or {}
+    b = base_topology(base)
+    G = int(gpus_per_node)
+    sources = dict(b.sources)
+    sources = {k: v for k, v in sources.items() if not k.startswith("nic")}
+    eff, eff_src = DEFAULT_NIC_EFFICIENCY, "assumed: TCP payload over wire bytes at MTU 1500 (~0.95)"
+    lat, lat_src = DEFAULT_NIC_LATENCY_US, "assumed"
+    gl = probes.get("gloo") or {}
+    tcp = (probes.get("tcp") or [{}])[0]
+    if gl.get("a2a_node_bits_per_s"):
+        eff = min(1.0, gl["a2a_node_bits_per_s"] / spec.rate_bps)
+        eff_src = (f"measured: gloo all_to_all_single across the testbed ({gl['nodes']} nodes x "
+                   f"{gl['gpus_per_node']} ranks), {gl['a2a_node_bits_per_s'] / 1e6:.1f} Mbit/s per node "
+                   f"and direction of a {format_rate(spec.rate_bps)} tbf link")
+    elif tcp.get("bits_per_s"):
+        eff = min(1.0, tcp["bits_per_s"] / spec.node_rate(tcp.get("dst", 0)))
+        eff_src = f"measured: one TCP stream, {tcp['bits_per_s'] / 1e6:.1f} Mbit/s payload"
+    if gl.get("p2p_rtt_us"):
+        lat, lat_src = gl["p2p_rtt_us"] / 2, "measured: half the gloo send/recv round trip of a 4-byte tensor"
+    elif tcp.get("rtt_us_median"):
+        lat, lat_src = tcp["rtt_us_median"] / 2, "measured: half the TCP 1-byte round trip"
+    sources.update({
+        "nic_bandwidth_GBps": f"tbf rate {format_rate(spec.rate_bps)} per node and direction, shared by its "
+                              f"{G} ranks: rate / 8 / G",
+        "nic_efficiency": eff_src,
+        "nic_latency_us": lat_src,
+        "testbed": f"{spec.nodes} network namespaces x {G} ranks; intra-node constants from {b.name} ({b.path or 'preset'})",
+    })
+    slow = {i: spec.node_rate(i) for i in range(spec.nodes) if spec.node_rate(i) != spec.rate_bps}
+    if slow:
+        sources["degraded_nodes"] = ", ".join(f"node {i}: {format_rate(r)} (use degraded_faults / --degrade-nic)"
+                                              for i, r in slow.items())
+    return replace(b, name=f"testbed-{spec.nodes}x{G}-{format_rate(spec.rate_bps)}",
+                   description=f"Emulated testbed: {spec.nodes} nodes x {G} ranks, tbf {format_rate(spec.rate_bps)} "
+                               f"per node link and direction",
+                   gpus_per_node=G, nodes=spec.nodes,
+                   nic_bandwidth_GBps=spec.rate_bps / 8 / 1e9 / G, nic_efficiency=round(eff, 4),
+                   nic_latency_us=round(lat, 1), fabric_oversubscription=1.0, fabric_latency_us=0.0,
+                   sources=sources, path="")
+
+
+def degraded_faults(spec: TestbedSpec, gpus_per_node: int) -> tuple:
+    """Simulator faults for the testbed's slower nodes: each of their ranks' NIC at RATE / rate.
+    (A faster-than-default node cannot be expressed as a fault; it is left out.)"""
+    from moonep_sim.sim.faults import DegradedLink
+    out = []
+    for i in range(spec.nodes):
+        f = spec.node_rate(i) / spec.rate_bps
+        if f < 1:
+            out += [DegradedLink(i * gpus_per_node + g, f, "nic") for g in range(gpus_per_node)]
+    return tuple(out)
+
+
+def degrade_nic_args(spec: TestbedSpec, gpus_per_node: int) -> list[str]:
+    """The ``moonep-sim simulate`` flags matching :func:`degraded_faults`."""
+    out: list[str] = []
+    for f in degraded_faults(spec, gpus_per_node):
+        out += ["--degrade-nic", f"{f.rank}:{f.factor:g}"]
+    return out
+
+
+def write_topology(path: str | Path, spec: TestbedSpec, gpus_per_node: int, probes: dict | None = None,
+                   base: str | None = None) -> Path:
+    """Write the testbed's topology TOML atomically; returns the path."""
+    topo = testbed_topology(spec, gpus_per_node, probes, base)
+    write_text_atomic(path, topo.to_toml())
+    return Path(path)

@@ -1,0 +1,40 @@
+"""The torchrun replay: a trace replayed over gloo ranks, checked against the dense reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from moonep_sim.errors import ConfigError
+from moonep_sim.gloo.launcher import run_replay
+from moonep_sim.routing.generators import generate_trace
+
+KEYS = {"strategy", "world_size", "layers", "dispatch_ms", "combine_ms", "total_ms", "bytes_sent", "correct",
+        "options", "per_layer", "phases", "prefetch_ms", "expert_ms", "backward_ms"}
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    path = tmp_path_factory.mktemp("replay") / "t.safetensors"
+    generate_trace(path, 8, 2, 61, 4, layers=2, maxvio=1.0)
+    return path
+
+
+def test_replay_two_hop_strategy_forward_and_backward_is_correct(trace):
+    rep = run_replay(4, ["--trace", trace, "--strategy", "hierarchical", "--opt", "dedup=1", "--hidden", "16",
+                         "--ffn", "8", "--backward", "--gpus-per-node", "2", "--iters", "1", "--warmup", "0",
+                         "--timeout", "30"], timeout_s=120)
+    assert KEYS <= set(rep)
+    assert rep["strategy"] == "hierarchical" and rep["options"] == {"dedup": True}
+    assert rep["world_size"] == 4 and rep["layers"] == [0, 1] and rep["tokens_per_rank"] == [16, 15, 15, 15]
+    assert rep["correct"] is True
+    assert all(e["correct"] and e["hops"] == 2 for e in rep["per_layer"])
+    assert rep["bytes_sent"] == sum(e["bytes"]["sent"] for e in rep["per_layer"]) > 0
+    for e in rep["per_layer"]:
+        assert e["bytes"]["inter_node"] > 0 and sum(e["recv_rows_per_rank"]) == 61 * 2 - 0
+        for ph in e["phases"].values():
+            assert ph["max_ms"] >= ph["mean_ms"] >= 0
+
+
+def test_replay_of_a_bad_strategy_fails_with_one_clear_line(trace):
+    with pytest.raises(ConfigError, match=r"^strategy \('nope'\) must be one of: .*\(rank \d of 2\)$"):
+        run_replay(2, ["--trace", trace, "--strategy", "nope"], timeout_s=60)

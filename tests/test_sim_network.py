@@ -1,0 +1,151 @@
+"""The flow-level network: analytic cases, the water-filling against a slow reference, tolerance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import simpy
+from hypothesis import given, settings, strategies as st
+
+from moonep_sim.sim.network import FlowNetwork, PortMap, waterfill
+from moonep_sim.sim.topology import Topology
+
+TOPO = Topology("t", gpus_per_node=4, nvlink_bandwidth_GBps=100.0, nvlink_latency_us=2.0, nic_bandwidth_GBps=25.0,
+                nic_latency_us=5.0, fabric_latency_us=0.0, gpu_mem_bandwidth_GBps=1000.0)
+NV, NIC = 100e3, 25e3  # bytes per us
+
+
+def run_phases(R, phases_RR, tol=0.0, topo=TOPO):
+    """Every rank sends phase i+1 once it received all of phase i. Returns (end time, net)."""
+    env = simpy.Environment()
+    net = FlowNetwork(env, PortMap.build(topo, R), tol)
+    pids = [net.expect(f"p{i}", (b > 0).sum(0)) for i, b in enumerate(phases_RR)]
+
+    def rank(r):
+        for pid, b in zip(pids, phases_RR):
+            net.submit(pid, r, np.arange(R), b[r], b[r].astype(float))
+            yield net.received(pid, r)
+
+    for r in range(R):
+        env.process(rank(r))
+    env.run()
+    return float(np.nanmax(net.records()["end"])), net
+
+
+def test_one_flow_is_latency_plus_bytes_over_bandwidth():
+    b = np.zeros((2, 2)); b[0, 1] = 1e6
+    t, _ = run_phases(2, [b])
+    assert t == pytest.approx(2.0 + 1e6 / NV, rel=1e-12)
+    b8 = np.zeros((8, 8)); b8[0, 5] = 1e6          # other node, other rail: NIC + spine latency
+    t, _ = run_phases(8, [b8])
+    assert t == pytest.approx(5.0 + 1e6 / NIC, rel=1e-12)
+
+
+@pytest.mark.parametrize("n", [2, 3, 7])
+def test_n_flows_through_one_port_share_it_equally(n):
+    R = 4 if n < 4 else 8
+    topo = Topology("one-node", gpus_per_node=8, nvlink_bandwidth_GBps=100.0, nvlink_latency_us=2.0)
+    b = np.zeros((8, 8)); b[1:n + 1, 0] = 1e6        # n senders into rank 0's NVLink-in
+    env = simpy.Environment()
+    net = FlowNetwork(env, PortMap.build(topo, 8), 0.0)
+    pid = net.expect("p", (b > 0).sum(0))
+    for s in range(8):
+        net.submit(pid, s, np.arange(8), b[s], b[s])
+    env.run(until=2.0 + 1e-9)
+    env.run(until=3.0)
+    assert np.allclose(net._a_rate, NV / n)
+    env.run()
+    assert np.allclose(net.records()["end"], 2.0 + n * 1e6 / NV)
+    assert R >= 2
+
+
+def test_uniform_all_to_all_matches_closed_form():
+    R, G, b = 16, 4, 3e5
+    B = np.full((R, R), b)
+    t, net = run_phases(R, [B])
+    nv_t = 2.0 + (G - 1) * b / NV
+    nic_t = 5.0 + (R - G) * b / NIC  # rails differ for most pairs; the spine never binds (no oversubscription)
+    assert t == pytest.approx(max(nv_t, nic_t), rel=1e-9)
+    assert net.records()["bytes"].sum() == pytest.approx(B.sum())
+
+
+def test_two_phases_that_do_not_overlap_take_the_sum():
+    R = 8
+    A = np.full((R, R), 2e5)
+    rng = np.random.default_rng(0)
+    Bm = np.full((R, R), 1e5) * (1 + (np.arange(R)[None, :] == 3))  # rank 3 receives twice as much
+    ta, _ = run_phases(R, [A])
+    tb, _ = run_phases(R, [Bm])
+    tab, _ = run_phases(R, [A, Bm])
+    assert tab == pytest.approx(ta + tb, rel=1e-9)
+    assert rng is not None
+
+
+def test_oversubscribed_spine_binds_cross_rail_traffic():
+    topo = Topology("os", gpus_per_node=2, nvlink_bandwidth_GBps=100.0, nic_bandwidth_GBps=25.0,
+                    nic_latency_us=0.0, fabric_latency_us=0.0, nvlink_latency_us=0.0, fabric_oversubscription=4.0)
+    R = 4  # 2 nodes x 2 rails; ranks 0 -> 3 and 2 -> 1 both climb rail 0's spine-up port
+    b = np.zeros((R, R)); b[0, 3] = 1e6; b[2, 1] = 1e6
+    t, _ = run_phases(R, [b], topo=topo)
+    spine = 2 * NIC / 4.0
+    assert t == pytest.approx(1e6 / (spine / 2), rel=1e-9)
+    flat = Topology("flat", **{**{k: v for k, v in topo.__dict__.items() if k not in ("name", "fabric_oversubscription")}})
+    t1, _ = run_phases(R, [b], topo=flat)
+    assert t1 == pytest.approx(1e6 / NIC, rel=1e-9)
+
+
+def slow_waterfill(paths, cap):
+    """Obviously-correct progressive filling, one flow at a time."""
+    F = len(paths)
+    rate = [0.0] * F
+    frozen = [False] * F
+    capl = list(cap)
+    while not all(frozen):
+        best = float("inf")
+        for p in range(len(capl)):
+            n = sum(1 for f in range(F) if not frozen[f] and p in paths[f])
+            if n:
+                best = min(best, capl[p] / n)
+        for f in range(F):
+            if not frozen[f]:
+                rate[f] += best
+                for p in paths[f]:
+                    capl[p] -= best
+        for p in range(len(capl)):
+            if capl[p] <= 1e-9 * cap[p]:
+                for f in range(F):
+                    if p in paths[f]:
+                        frozen[f] = True
+    return np.array(rate)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 12), st.integers(2, 6), st.integers(0, 10_000))
+def test_waterfill_matches_slow_reference(F, P, seed):
+    rng = np.random.default_rng(seed)
+    cap = rng.uniform(1, 10, P)
+    paths = [sorted(set(rng.choice(P, size=rng.integers(1, min(P, 3) + 1), replace=False).tolist())) for _ in range(F)]
+    arr = np.full((F, 4), P, dtype=np.int64)
+    for f, p in enumerate(paths):
+        arr[f, :len(p)] = p
+    rate, bneck, _ = waterfill(arr, np.concatenate([cap, [np.inf]]), 0.0)
+    ref = slow_waterfill(paths, cap)
+    assert np.allclose(rate, ref, rtol=1e-9)
+    use = np.zeros(P)
+    for f, p in enumerate(paths):
+        use[p] += rate[f]
+    assert (use <= cap * (1 + 1e-9)).all()               # feasible
+    assert all(bneck[f] in paths[f] for f in range(F))    # every flow names a port of its own path
+
+
+def test_tolerance_is_only_slower_and_close_to_exact():
+    rng = np.random.default_rng(3)
+    R = 32
+    pop = np.exp(rng.normal(0, 0.5, R))
+    B = rng.poisson(200 * pop[None, :] / pop.mean(), (R, R)) * 7168.0
+    C = rng.poisson(200, (R, R)) * 7168.0
+    exact, n0 = run_phases(R, [B, C], tol=0.0)
+    for tol in (0.001, 0.002, 0.005):
+        approx, n1 = run_phases(R, [B, C], tol=tol)
+        assert exact * (1 - 1e-9) <= approx <= exact * (1 + 6 * tol)
+        assert n1.ticks < n0.ticks
