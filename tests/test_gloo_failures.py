@@ -10,7 +10,6 @@ import os
 import threading
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from moonep_sim.gloo.launcher import spawn_ranks

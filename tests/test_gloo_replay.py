@@ -36,5 +36,5 @@ def test_replay_two_hop_strategy_forward_and_backward_is_correct(trace):
 
 
 def test_replay_of_a_bad_strategy_fails_with_one_clear_line(trace):
-    with pytest.raises(ConfigError, match=r"^strategy \('nope'\) must be one of: .*\(rank \d of 2\)$"):
-        run_replay(2, ["--trace", trace, "--strategy", "nope"], timeout_s=60)
+    with pytest.raises(ConfigError, match=r"^strategy \('nope'\) must be one of: .*\(rank 0 of 1\)$"):
+        run_replay(1, ["--trace", trace, "--strategy", "nope"], timeout_s=60)

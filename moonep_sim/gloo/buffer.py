@@ -62,7 +62,9 @@ class Buffer:
     and the ranks).
 
     group: the EP process group (None = the default group); its ranks are EP ranks 0..R-1 in
-      ascending global rank order.
+      ascending global rank order. The Buffer creates its own gloo subgroups with
+      ``dist.new_group``, which every rank of the default group must call: build the Buffer on all
+      ranks of the default group, in the same order as any other group creation.
     capacity: S, the most tokens one rank passes to :meth:`dispatch`.  hidden: H.
     top_k: K.  num_experts: E, homed in contiguous groups (rank h owns ``[h*E/R, (h+1)*E/R)``)
       unless ``placement`` is given.
@@ -338,8 +340,10 @@ class Buffer:
             self._workspace[key] = t
         return t[: rows * cols].view((rows,) + tuple(like.shape[1:]))
 
-    def _owned(self, t: torch.Tensor) -> torch.Tensor:
-        """``t``, copied if it lives in a workspace (results never alias workspaces)."""
+    def _owned(self, t: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """``t``, copied if it lives in a workspace or is the caller's ``source`` (results never alias)."""
+        if t.numel() and t.data_ptr() == source.data_ptr():
+            return t.clone()
         for ws in self._workspace.values():
             if t.numel() and ws.numel() and t.untyped_storage().data_ptr() == ws.untyped_storage().data_ptr():
                 return t.clone()
@@ -354,7 +358,7 @@ class Buffer:
         buf = x if comm_dtype is None or comm_dtype == x.dtype else x.to(comm_dtype)
         n = len(handle.hops)
         if n == 0:
-            out = handle.expand.gather(buf)
+            out = self._owned(handle.expand.gather(buf), x)
         for i, hop in enumerate(handle.hops):
             send = hop.send.gather(buf, out=self._ws("send", hop.send.rows, buf))
             recv = self._all_to_all(f"{phase}.{i}", hop.scope, hop.members, send, hop.send_splits, hop.recv_splits,
@@ -362,7 +366,7 @@ class Buffer:
             if i < n - 1:
                 buf = hop.recv.place(recv)
             else:
-                out = self._owned(handle.final.gather(recv))
+                out = self._owned(handle.final.gather(recv), x)
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def combine_rows(self, handle: Handle, y: torch.Tensor, phase: str = "combine",
@@ -383,7 +387,7 @@ class Buffer:
             recv = self._all_to_all(f"{phase}.{i}", hop.scope, hop.members, send, hop.recv_splits, hop.send_splits,
                                     out=self._ws(f"recv{i % 2}", int(sum(hop.send_splits)), buf))
             buf = hop.send.scatter_add(recv)
-        return self._owned(buf)
+        return self._owned(buf, y)
 
     def prefetch_flat(self, handle: Handle, local_flat: torch.Tensor, phase: str = "prefetch") -> torch.Tensor:
         """[epn_r, P] home experts' flattened weights -> [X, P] this rank's copies (slot order)."""

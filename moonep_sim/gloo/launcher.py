@@ -215,6 +215,7 @@ def _worker(target: str, out_dir: str, kwargs: dict[str, Any], pg_timeout_s: flo
                               timeout=datetime.timedelta(seconds=pg_timeout_s))
         dist.init_process_group("gloo", rank=rank, world_size=world, store=store,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
+        dist.barrier()  # start together: process start-up skew must not eat into short timeouts
         mod_name, fn_name = target.split(":")
         fn = getattr(importlib.import_module(mod_name), fn_name)
         res = fn(rank, world, **kwargs) or {}

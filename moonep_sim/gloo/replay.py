@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moonep_sim.errors import CommError, ConfigError, MoonEPSimError, require
+from moonep_sim.errors import CommError, MoonEPSimError, require
 from moonep_sim.io import write_text_atomic
 
 PHASES = ("exchange", "plan", "dispatch", "prefetch", "expert", "combine", "backward", "total")
@@ -86,7 +86,6 @@ def _stats(v_R: np.ndarray) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
     from moonep_sim.gloo.buffer import Buffer
     from moonep_sim.gloo.moe import dense_moe, expert_forward, init_experts
-    from moonep_sim.plan import GlobalRouting
     from moonep_sim.routing.trace import Trace
 
     rank, R = dist.get_rank(), dist.get_world_size()

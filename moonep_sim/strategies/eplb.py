@@ -188,7 +188,8 @@ def default_redundant(num_experts: int, ranks: int) -> int:
                    "history": (_array_option, None, "past loads [W, E] (array or .npy path); "
                                                     "default: this layer's own counts (oracle)"),
                    "previous": (_array_option, None, "slot experts of the placement in force (rank-major "
-                                                     "[S]); default: the context's placement")})
+                                                     "[S]); migration from it is charged. Default: none "
+                                                     "charged (the new placement is taken as in force)")})
 def plan(routing: GlobalRouting, ctx: PlanContext, num_redundant: int = -1, groups: int = 0,
          choice: str = "round_robin", dedup: bool = False, history: np.ndarray | None = None,
          previous: np.ndarray | None = None) -> Plan:
@@ -212,8 +213,8 @@ def plan(routing: GlobalRouting, ctx: PlanContext, num_redundant: int = -1, grou
     num_groups = groups or ctx.cluster.num_nodes
     slot_expert, policy = rebalance(load, S, num_groups, ctx.cluster)
     slot_rank = np.repeat(np.arange(R, dtype=np.int64), S // R)
-    if previous is None:
-        old_r, old_e = ctx.placement.slot_rank_S, ctx.placement.slot_expert_S
+    if previous is None:  # no placement in force given: the planned one is taken as already in place
+        old_r, old_e = slot_rank, slot_expert
     else:
         prev = np.asarray(previous, dtype=np.int64).ravel()
         require(prev.size % R == 0 and bool(((prev >= 0) & (prev < E)).all()),
@@ -253,6 +254,8 @@ class EPLBPlanner:
     def plan(self, routing: GlobalRouting, ctx: PlanContext) -> Plan:
         from moonep_sim.strategies import make_plan
         hist = np.stack(self._history) if self._history else None
-        p = make_plan("eplb", routing, ctx, history=hist, previous=self.slot_expert_S, **self.options)
+        # the first plan moves weights from the context's placement (home groups by default)
+        prev = self.slot_expert_S if self.slot_expert_S is not None else ctx.placement.slot_expert_S
+        p = make_plan("eplb", routing, ctx, history=hist, previous=prev, **self.options)
         self.slot_expert_S = p.slot_expert_S.copy()
         return p
