@@ -34,7 +34,7 @@ def register(sub) -> None:
     p.add_argument("--backward", action="store_true", help="also simulate the backward (a training step)")
     p.add_argument("--no-overlap-prefetch", action="store_true", help="send copied weights after dispatch")
     p.add_argument("--chunks", type=int, default=1, help="pipeline dispatch/compute/combine in N chunks")
-    p.add_argument("--tol", type=float, default=None, help="network coalescing tolerance (0 = exact; default 0.005)")
+    p.add_argument("--tol", type=float, default=None, help="network coalescing tolerance (0 = exact; default 0.002)")
     p.add_argument("--slow-gpu", action="append", default=[], metavar="RANK:FACTOR", help="rank computes at FACTOR speed")
     p.add_argument("--degrade-nic", action="append", default=[], metavar="RANK:FACTOR", help="rank's NIC at FACTOR bandwidth")
     p.add_argument("--degrade-nvlink", action="append", default=[], metavar="RANK:FACTOR",

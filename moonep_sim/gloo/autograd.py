@@ -77,8 +77,9 @@ class _Prefetch(torch.autograd.Function):
 
         ctx.buffer, ctx.handle = buffer, handle
         ctx.shapes = [t.shape for t in local]
-        n_home = int(handle.home_experts.numel())
-        flat = buffer.prefetch_flat(handle, _flatten(local, n_home))
+        # only the experts this rank sends are flattened (never all of its weights)
+        sent = handle.pf_send_local
+        flat = buffer.prefetch_flat(handle, _flatten([t.index_select(0, sent) for t in local], int(sent.numel())))
         like = [t.new_empty((0,) + tuple(t.shape[1:])) for t in local]
         return (tie.view_as(tie),) + _unflatten(flat, like)
 

@@ -389,12 +389,14 @@ class Buffer:
             buf = hop.send.scatter_add(recv)
         return self._owned(buf, y)
 
-    def prefetch_flat(self, handle: Handle, local_flat: torch.Tensor, phase: str = "prefetch") -> torch.Tensor:
-        """[epn_r, P] home experts' flattened weights -> [X, P] this rank's copies (slot order)."""
-        send = local_flat.index_select(0, handle.pf_send_local) if handle.pf_send_local.numel() else \
-            local_flat.new_zeros((0,) + tuple(local_flat.shape[1:]))
-        recv = self._all_to_all(phase, "global", range(self.world_size), send, handle.pf_send_splits,
-                                handle.pf_recv_splits) if self.world_size > 1 else send
+    def prefetch_flat(self, handle: Handle, send_flat: torch.Tensor, phase: str = "prefetch") -> torch.Tensor:
+        """[x_send, P] flattened weights of the home experts this rank sends (``pf_send_local``
+        order) -> [X, P] this rank's copies (slot order). No collective when no rank fetches."""
+        if handle.num_fetched_global == 0 or self.world_size == 1:
+            recv = send_flat
+        else:
+            recv = self._all_to_all(phase, "global", range(self.world_size), send_flat, handle.pf_send_splits,
+                                    handle.pf_recv_splits)
         out = recv.new_empty(recv.shape)
         if recv.shape[0]:
             out.index_copy_(0, handle.pf_recv_pos, recv)
@@ -402,10 +404,12 @@ class Buffer:
 
     def reduce_flat(self, handle: Handle, copy_flat: torch.Tensor, n_home: int, phase: str = "grad_reduce") -> torch.Tensor:
         """[X, P] copies' gradients -> [epn_r, P] their sums at the home experts (zeros elsewhere)."""
+        out = copy_flat.new_zeros((n_home,) + tuple(copy_flat.shape[1:]))
+        if handle.num_fetched_global == 0:
+            return out
         send = copy_flat.index_select(0, handle.pf_recv_pos) if copy_flat.shape[0] else copy_flat
         recv = self._all_to_all(phase, "global", range(self.world_size), send.contiguous(), handle.pf_recv_splits,
                                 handle.pf_send_splits) if self.world_size > 1 else send
-        out = copy_flat.new_zeros((n_home,) + tuple(copy_flat.shape[1:]))
         if recv.shape[0]:
             out.index_add_(0, handle.pf_send_local, recv)
         return out

@@ -183,6 +183,8 @@ class Handle:
     home_experts: int64 [epn_r] experts whose master weights live on this rank (ascending).
     Prefetch (weights of X copies, one row of P elements per expert):
       pf_send_local: int64 [x_send] home-expert index of each expert sent, in send order.
+      num_fetched_global: fetched slots over all ranks (0: prefetch and gradient reduce are skipped
+        on every rank, no collective is issued).
       pf_send_splits / pf_recv_splits: experts per rank.  pf_recv_pos: int64 [X] position in this
       rank's copy list of each received expert, in receive order.
     """
@@ -207,6 +209,7 @@ class Handle:
     pf_send_splits: tuple[int, ...]
     pf_recv_splits: tuple[int, ...]
     pf_recv_pos: torch.Tensor
+    num_fetched_global: int = 0
 
     @property
     def rows(self) -> int:
@@ -310,7 +313,8 @@ def build_handle(plan: Plan, rank: int, home_E: np.ndarray, weights_TK: np.ndarr
                   slot_is_copy=torch.from_numpy(is_copy.copy()), slot_weight_index=_t(weight_index),
                   home_experts=_t(home_experts), pf_send_local=_t(send_local),
                   pf_send_splits=tuple(int(c) for c in send_splits),
-                  pf_recv_splits=tuple(int(c) for c in recv_splits), pf_recv_pos=_t(recv_pos))
+                  pf_recv_splits=tuple(int(c) for c in recv_splits), pf_recv_pos=_t(recv_pos),
+                  num_fetched_global=int(copies.size))
 
 
 # ---------------------------------------------------------------------------------------------

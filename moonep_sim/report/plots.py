@@ -182,7 +182,7 @@ def sweep_lines(report: dict[str, Any], dest: str | os.PathLike) -> Path:
         a2.plot(xs, v["ratio_to_lower_bound"], marker="o", label=name)
     lb = report.get("lower_bound_us")
     if lb:
-        a1.plot(xs, np.array(lb) * scale, ls=":", color="black", label="lower bound")
+        a1.plot(xs, np.array(lb) * scale, ls=":", color="black", label="lower bound (dropless)")
     for a in (a1, a2):
         a.set_xlabel(xlabel)
         if over in ("maxvio", "ep") and min(xs) > 0 and max(xs) / min(xs) >= 20:

@@ -100,6 +100,16 @@ def _routing(cfg: SweepConfig, ranks: int, maxvio: float, seed: int):
     return gr, float(maxvio_of(gr.counts_E()))
 
 
+def routing_lower_bound(strategies: dict[str, dict[str, list]], points: int) -> list[float]:
+    """Per point, the smallest lower bound among the strategies that drop no token (a strategy that
+    drops tokens has less work to bound); all strategies if every one drops."""
+    out = []
+    for i in range(points):
+        keep = [s["lower_bound_us"][i] for s in strategies.values() if s["dropped"][i] == 0]
+        out.append(min(keep or [s["lower_bound_us"][i] for s in strategies.values()]))
+    return out
+
+
 def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     from moonep_sim.strategies import PlanContext, make_plan
 
@@ -158,7 +168,7 @@ def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = N
             step += 1
     if progress:
         progress("done", total, total)
-    lb = [min(out_s[n]["lower_bound_us"][i] for n in names) for i in range(len(cfg.values))]
+    lb = routing_lower_bound(out_s, len(cfg.values))
     return {
         "kind": "sweep",
         "over": cfg.over,

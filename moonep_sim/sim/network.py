@@ -178,8 +178,10 @@ def waterfill(path_FL: np.ndarray, cap_P: np.ndarray, tol: float = 0.0) -> tuple
         frozen = hit.any(axis=1)
         fi = idx[frozen]
         rate[fi] = level
-        hp = hit[frozen]
-        bneck[fi] = p[frozen][np.arange(fi.size), hp.argmax(axis=1)]
+        pf = p[frozen]
+        # name the most contended saturated port of each flow (ties: first on the path)
+        score = np.where(hit[frozen], n[pf], -1.0)
+        bneck[fi] = pf[np.arange(fi.size), score.argmax(axis=1)]
         keep = ~frozen
         idx = idx[keep]
         p = p[keep]

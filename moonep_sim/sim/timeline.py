@@ -43,7 +43,7 @@ from moonep_sim.sim.lower_bound import lower_bound
 from moonep_sim.sim.network import FlowNetwork, PortMap
 from moonep_sim.sim.topology import Topology
 
-DEFAULT_TOL = 0.005
+DEFAULT_TOL = 0.002
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class SimOptions:
         factor stretching every compute and transfer (0 = none).
     faults: SlowGPU / DegradedLink / Stall objects (``moonep_sim.sim.faults``).
     tol: network coalescing tolerance (``moonep_sim.sim.network``): 0 = exact flow-level model;
-        the default 0.005 is at most ~1% slower than exact (tested) and much faster at large R.
+        the default 0.002 is at most ~1.5% slower than exact (tested: <= 6 x tol) and much faster at large R.
     isolate: ``"dispatch"`` or ``"combine"``: time only those phases, all ranks starting at 0,
         no planning and no compute (how DeepEP times a kernel alone).
     timeline: record per-rank spans and port utilisation counters for a Perfetto trace.
@@ -195,6 +195,7 @@ class _Sim:
         self.compute_gate: list[list[str]] = [["" for _ in range(R)] for _ in self.stages]
         self.stage_end = np.zeros((len(self.stages), R))
         self.stage_start = np.zeros((len(self.stages), R))
+        self._busy: np.ndarray | None = None
 
     # -- helpers -------------------------------------------------------------------------
     def _jit(self, shape) -> np.ndarray:
@@ -262,15 +263,26 @@ class _Sim:
         if self.opts.overlap_prefetch:
             for w in wts:
                 self._send(w, r)
-        for j in range(self.opts.chunks):
-            for h, row in enumerate(pre):
-                t0 = env.now
-                self._send(row[j], r)
-                yield self.net.received(row[j][0], r)
-                self.spans.append((r, prefix + self.net.phase_name(row[j][0])[len(prefix):], t0, env.now))
+        if pre:
+            procs = [env.process(self._hop(r, pre, h, None, prefix)) for h in range(len(pre))]
+            yield env.all_of(procs)
         if not self.opts.overlap_prefetch:
             for w in wts:
                 self._send(w, r)
+
+    def _hop(self, r, rows, h, first_gate, prefix):
+        """Rank r's part of hop h, chunk by chunk: chunk j is sent once r received chunk j of the
+        previous hop (or ``first_gate[j]`` fired, for the first hop) and chunk j-1 of this hop."""
+        env = self.env
+        for j in range(self.opts.chunks):
+            if h > 0:
+                yield self.net.received(rows[h - 1][j][0], r)
+            elif first_gate is not None:
+                yield first_gate[j]
+            t0 = env.now
+            self._send(rows[h][j], r)
+            yield self.net.received(rows[h][j][0], r)
+            self.spans.append((r, prefix + self.net.phase_name(rows[h][j][0])[len(prefix):], t0, env.now))
 
     def _computer(self, si, d: _Direction, r, start_ev, pre, wts, aft, comp_done, jit, prefix):
         env = self.env
@@ -299,7 +311,7 @@ class _Sim:
             t0 = env.now
             if self.opts.isolate is None:
                 yield env.timeout(float(d.compute_R[r] * jit[j]))
-            self.spans.append((r, prefix + ("expert_bwd" if d.direction == "backward" else "expert"), t0, env.now))
+                self.spans.append((r, prefix + ("expert_bwd" if d.direction == "backward" else "expert"), t0, env.now))
             comp_done[j].succeed()
         self.compute_end[si, r] = env.now
         for a in aft:
@@ -308,20 +320,16 @@ class _Sim:
     def _combiner(self, si, d: _Direction, r, start_ev, post, aft, comp_done, fin, prefix):
         env = self.env
         yield start_ev
-        for j in range(self.opts.chunks):
-            if self.opts.isolate != "combine":
-                yield comp_done[j]
-            if j == 0:
-                st = self._stall(r, "combine", si)
-                if st > 0:
-                    t0 = env.now
-                    yield env.timeout(st)
-                    self.spans.append((r, prefix + "stall", t0, env.now))
-            for row in post:
-                t0 = env.now
-                self._send(row[j], r)
-                yield self.net.received(row[j][0], r)
-                self.spans.append((r, prefix + self.net.phase_name(row[j][0])[len(prefix):], t0, env.now))
+        gate = None if self.opts.isolate == "combine" else comp_done
+        st = self._stall(r, "combine", si)
+        if st > 0:
+            yield comp_done[0] if gate is not None else env.timeout(0)
+            t0 = env.now
+            yield env.timeout(st)
+            self.spans.append((r, prefix + "stall", t0, env.now))
+        if post:
+            procs = [env.process(self._hop(r, post, h, gate, prefix)) for h in range(len(post))]
+            yield env.all_of(procs)
         if aft:
             yield env.all_of([self.net.received(a[0], r) for a in aft])
         yield comp_done[-1]
@@ -365,7 +373,7 @@ def _straggler(sim: _Sim, rec, end_R: np.ndarray) -> dict[str, Any]:
         if rec["end"].size == 0:
             return dict(rank=last_rank, cause="none", detail="no transfers")
         f = int(np.nanargmax(rec["end"]))
-        p = int(rec["bneck"][f])
+        p = _critical_port(sim, rec, f)
         owner = p % sim.R if p < 5 * sim.R else -1
         return dict(rank=owner if owner >= 0 else int(rec["dst"][f]), cause=_port_cause(sim, p),
                     detail=f"last transfer {int(rec['src'][f])}->{int(rec['dst'][f])} limited by {ports.name(p)}")
@@ -398,7 +406,7 @@ def _straggler(sim: _Sim, rec, end_R: np.ndarray) -> dict[str, Any]:
         m = np.ones(rec["end"].size, dtype=bool)
     idx = np.flatnonzero(m)
     f = int(idx[np.nanargmax(rec["end"][idx])])
-    p = int(rec["bneck"][f])
+    p = _critical_port(sim, rec, f)
     cause = _port_cause(sim, p)
     owner = p % sim.R if p < 5 * sim.R else int(rec["dst"][f])
     if cause == "tokens received":
@@ -409,6 +417,18 @@ def _straggler(sim: _Sim, rec, end_R: np.ndarray) -> dict[str, Any]:
     else:
         det = f"{want}: port {ports.name(p)} at {ports.cap_P[p] / ports.nominal_cap_P[p]:.2g}x bandwidth limits the last transfer"
     return dict(rank=owner, cause=cause, detail=det)
+
+
+def _critical_port(sim: _Sim, rec, f: int) -> int:
+    """The port on flow f's path that was busy longest over the run (bytes / its bandwidth): the
+    resource that kept the flow's last bytes waiting (a degraded port's busy time grows with it)."""
+    if sim._busy is None:
+        sim._busy = sim.net.port_bytes() / sim.ports.cap_P[:-1]
+    path = sim.ports.route(rec["src"][f:f + 1], rec["dst"][f:f + 1])[0]
+    path = path[path < sim.ports.num_ports]
+    if path.size == 0:
+        return int(rec["bneck"][f])
+    return int(path[np.argmax(sim._busy[path])])
 
 
 def _port_cause(sim: _Sim, p: int) -> str:
