@@ -70,7 +70,12 @@ def test_deepep_reroutes_from_logits_and_eplb_reads_history(tmp_path, capsys):
     np.save(tmp_path / "h.npy", np.arange(16, dtype=np.int64)[None].repeat(3, 0))
     s = _json(capsys, ["plan", "--trace", t, "--strategy", "eplb", "--ranks", "8", "--gpus-per-node", "2",
                        "--opt", f"history={tmp_path / 'h.npy'}", "--placement", "round-robin"])
-    assert s["options"]["load_source"] == "history[3]" and s["migrations"] > 0
+    # no placement in force given: the new one is taken as in place, nothing is charged
+    assert s["options"]["load_source"] == "history[3]" and s["migrations"] == 0
+    np.save(tmp_path / "prev.npy", np.arange(16 + 8, dtype=np.int64) % 16)  # 3 slots per rank
+    s = _json(capsys, ["plan", "--trace", t, "--strategy", "eplb", "--ranks", "8", "--gpus-per-node", "2",
+                       "--opt", f"history={tmp_path / 'h.npy'}", "--opt", f"previous={tmp_path / 'prev.npy'}"])
+    assert s["migrations"] > 0 and s["bytes"]["migrate"] > 0
 
 
 def _bad_ids_trace(path, ids, E, K):

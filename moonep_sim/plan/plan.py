@@ -623,7 +623,8 @@ class _Layout:
 
     order_N: int64 [N] entries sorted by (slot, entry); the first ``n_drop`` are the dropped ones.
     grow_K: int64 [N - n_drop] global final row (ranks concatenated) of ``order_N[n_drop:]``,
-      increasing: slots are sorted by rank and laid out in order within a rank.
+      increasing: slots are sorted by rank and laid out in order within a rank. None when the
+      layout has no padding rows (the global rows are then simply 0, 1, 2, ...).
     rows_R: int64 [R] padded rows of each rank.
     """
 
@@ -634,7 +635,7 @@ class _Layout:
     order_N: np.ndarray
     n_drop: int
     rows_R: np.ndarray
-    grow_K: np.ndarray
+    grow_K: np.ndarray | None
 
 
 def _sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slot_rank_S: np.ndarray,
@@ -650,15 +651,21 @@ def _sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, sl
     first = np.searchsorted(slot_rank_S, np.arange(R))
     rank_base = np.concatenate([[0], np.cumsum(padded)])[first]
     offset = cum - rank_base[slot_rank_S] if S else cum
-    # sorted position p of a kept entry of slot s: global row = cum[s] + (p - n_drop - start[s]),
-    # row within its rank = that - rank_base[rank of s] = offset[s] + (p - n_drop - start[s])
+    # sorted position p of a kept entry of slot s: row within its rank = offset[s] + (p - n_drop -
+    # start[s]); global row (ranks concatenated) = cum[s] + (p - n_drop - start[s])
     starts = np.cumsum(slot_rows_S) - slot_rows_S
     n_kept = N - n_drop
-    grow = np.repeat(cum - starts, slot_rows_S)
-    grow += np.arange(n_kept, dtype=np.int64)
+    row_sorted = np.repeat(offset - starts, slot_rows_S)
+    row_sorted += np.arange(n_kept, dtype=np.int64)
     entry_row = np.empty(N, dtype=np.int64)
     entry_row[order_N[:n_drop]] = -1
-    entry_row[order_N[n_drop:]] = grow - np.repeat(cum - offset, slot_rows_S)
+    entry_row[order_N[n_drop:]] = row_sorted
+    if int(padded.sum()) == n_kept:  # no padding rows: global rows are 0..n_kept-1 in this order
+        grow = None
+    else:
+        grow = row_sorted
+        grow += np.repeat(cum - offset, slot_rows_S)
+    del row_sorted
     nR = R if ranks is None else int(ranks)
     rows_R = np.bincount(slot_rank_S, weights=padded, minlength=nR).astype(np.int64)
     return _Layout(slot_rows_S, padded, offset, entry_row, order_N, n_drop, rows_R, grow)
@@ -843,7 +850,7 @@ def _plan_from_order(strategy: str, options: dict[str, Any], routing: GlobalRout
     hop, entry_buf_row, entry_dup = single_hop_messages(entry_rank, routing.src_rank_T(), routing.tok_off_R(),
                                                         K, R, dedup)
     W = int(lay.rows_R.sum())
-    if lay.grow_K.size == W:  # no padding rows: the final rows are the slot-sorted kept entries
+    if lay.grow_K is None:  # no padding rows: the final rows are the slot-sorted kept entries
         row_entry = kept_sorted.copy()
         expand = entry_buf_row[kept_sorted]
     else:
