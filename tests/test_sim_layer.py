@@ -212,3 +212,23 @@ def test_lower_bound_compute_side_is_work_over_ranks():
     flops = plan.real_rows_R().sum() * m.expert_flops_per_row()
     assert lb.compute_us >= flops / (8 * topo.flops_per_us)
     assert lb.lower_bound_us == max(lb.comm_us, lb.compute_us)
+
+
+from hypothesis import HealthCheck, given, settings, strategies as hst  # noqa: E402
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hst.integers(0, 10_000), hst.floats(0.0, 3.0), hst.sampled_from([(4, 2), (8, 4), (8, 8)]),
+       hst.integers(1, 96))
+def test_lower_bound_is_never_beaten_on_random_routings(seed, skew, shape, t_per):
+    R, G = shape
+    topo = load_topology("h800-cx7", gpus_per_node=G)
+    for s in STRATEGIES:
+        try:
+            plan = plan_for(s, R=R, G=G, T_per=t_per, skew=skew, seed=seed)
+        except Exception as e:  # a strategy may refuse a routing with a one-line planning error
+            from moonep_sim.errors import MoonEPSimError
+            assert isinstance(e, MoonEPSimError)
+            continue
+        res = simulate_layer(plan, topo, MODEL, SimOptions(tol=0.0, backward=bool(seed % 2)))
+        assert res.layer_time_us >= res.lower_bound_us * (1 - 1e-12), (s, res.lower_bound)

@@ -25,6 +25,7 @@ the phase (read from a progress record each rank keeps in the process group's st
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 import zlib
@@ -35,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from moonep_sim.errors import CommError, ConfigError, require
-from moonep_sim.gloo.handle import Handle, HopIndex, build_handle
+from moonep_sim.gloo.handle import Handle, HopIndex, build_handle, direct_index
 from moonep_sim.plan import GlobalRouting, Placement, Plan, RowCosts, check
 from moonep_sim.strategies import PlanContext, get_strategy, make_plan
 
@@ -44,7 +45,12 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16)
 
 # fields compared across ranks at build time, in this order
 _FINGERPRINT_FIELDS = ("num_experts", "top_k", "hidden", "strategy", "options", "capacity", "gpus_per_node",
-                       "token_padding", "dispatch_dtype", "world_size")
+                       "token_padding", "dispatch_dtype", "world_size", "direct")
+_DIRECT_MODES = ("auto", "on", "off")
+# direct="auto": point-to-point runs only while no rank has more than this many remote runs and a
+# remote run carries at least this many bytes on average (else one all_to_all_single is cheaper)
+_DIRECT_MAX_RUNS = 64
+_DIRECT_MIN_RUN_BYTES = 64 << 10
 
 
 def _code(v: Any) -> int:
@@ -75,13 +81,26 @@ class Buffer:
       input's dtype).  token_padding: pad each slot's rows to a multiple of this.
     expert_ffn: H', used only for the byte counts of weight prefetch / gradient reduce.
     validate_plans: check every Plan's invariants before executing it (cheap; on by default).
+    direct: how the last hop moves rows. ``"auto"`` (default): point-to-point runs straight into
+      and out of the expert-grouped layout (:class:`~moonep_sim.gloo.handle.DirectIndex`) when the
+      Plan allows it (its last hop maps rows one-to-one onto the layout) and the runs are few and
+      large (at most 64 remote runs per rank, 64 KiB per run on average); otherwise one
+      ``all_to_all_single`` into a receive buffer plus a local gather. ``"on"``: runs whenever
+      the Plan allows, whatever their size. ``"off"``: always ``all_to_all_single``. Decided from
+      the Plan alone, identically on every rank; results are identical either way.
+
+    Results (dispatch's rows, combine's outputs) are fresh tensors to the caller, but their
+    memory is recycled: once nothing references a result any more (no tensor, view or autograd
+    record), a later call of the same kind may write its result into the same memory instead of
+    allocating (large fresh CPU tensors page-fault on first touch, which costs as much as a pass
+    over the rows). A result still referenced is never reused.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, capacity: int, hidden: int, top_k: int,
                  num_experts: int, strategy: str = "moonep", options: dict[str, Any] | None = None,
                  gpus_per_node: int = 0, timeout_s: float = 60.0, dispatch_dtype: torch.dtype = torch.float32,
                  token_padding: int = 1, expert_ffn: int = 0, placement: Placement | None = None,
-                 validate_plans: bool = True) -> None:
+                 validate_plans: bool = True, direct: str = "auto") -> None:
         require(dist.is_available() and dist.is_initialized(),
                 "torch.distributed (not initialised) must be initialised (dist.init_process_group('gloo')) "
                 "before building a Buffer")
@@ -91,6 +110,9 @@ class Buffer:
         require(timeout_s > 0, f"timeout_s ({timeout_s}) must be > 0")
         require(dispatch_dtype in _FLOAT_DTYPES, f"dispatch_dtype ({dispatch_dtype}) must be one of {_FLOAT_DTYPES}")
         require(token_padding >= 1, f"token_padding ({token_padding}) must be >= 1")
+        require(direct in _DIRECT_MODES, f"direct ({direct!r}) must be one of {_DIRECT_MODES}")
+        self.direct = direct
+        self._results: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
         self.group = group if group is not None else dist.group.WORLD
         self.members = list(dist.get_process_group_ranks(self.group))
         self.world_size = len(self.members)
@@ -133,7 +155,7 @@ class Buffer:
         vals = dict(num_experts=self.num_experts, top_k=self.top_k, hidden=self.hidden, strategy=self.strategy,
                     options=sorted(self.options.items()), capacity=self.capacity,
                     gpus_per_node=self.gpus_per_node, token_padding=self.token_padding,
-                    dispatch_dtype=str(self.dispatch_dtype), world_size=self.world_size)
+                    dispatch_dtype=str(self.dispatch_dtype), world_size=self.world_size, direct=self.direct)
         self._fp_values = vals
         return [_code(vals[f]) for f in _FINGERPRINT_FIELDS]
 
@@ -323,7 +345,14 @@ class Buffer:
                 f"plan gpus_per_node ({plan.cluster.gpus_per_node}) must equal the Buffer's ({self.gpus_per_node})")
         if self.validate_plans:
             check(plan)
-        return build_handle(plan, self.rank, self.ctx.placement.home_E, weights_TK)
+        handle = build_handle(plan, self.rank, self.ctx.placement.home_E, weights_TK)
+        if self.direct != "off" and plan.hops:
+            elem = torch.tensor([], dtype=self.dispatch_dtype).element_size()
+            d = direct_index(plan, self.rank, None if self.direct == "on" else _DIRECT_MAX_RUNS,
+                             _DIRECT_MIN_RUN_BYTES, self.hidden * elem)
+            if d is not None:
+                handle = dataclasses.replace(handle, direct=d)
+        return handle
 
     # -- row movement (no autograd; the autograd functions call these) ---------------------------
     def _ws(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
@@ -339,6 +368,51 @@ class Buffer:
             t = torch.empty(rows * cols, dtype=like.dtype)
             self._workspace[key] = t
         return t[: rows * cols].view((rows,) + tuple(like.shape[1:]))
+
+    def _result(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor to return to the caller, in recycled memory when possible.
+
+        Memory from an earlier result of this kind is reused only when nothing references it any
+        more (its storage's only owner is this pool); the tensor returned is a new tensor object,
+        not a view, so autograd treats it as any fresh output.
+        """
+        shape = tuple(int(v) for v in shape)
+        numel = int(np.prod(shape)) if shape else 1
+        pool = self._results.setdefault((name, dtype), [])
+        base = None
+        for b in pool:
+            if b.numel() >= numel and _unreferenced(b):
+                base = b
+                break
+        if base is None:
+            base = torch.empty(numel, dtype=dtype)
+            pool.append(base)
+            if len(pool) > 3:  # forget the oldest (still-referenced memory stays with its users)
+                pool.pop(0)
+        return torch.empty(0, dtype=dtype).set_(base.untyped_storage(), 0, shape)
+
+    def _p2p(self, phase: str, scope: str, ops: Sequence[tuple[str, torch.Tensor, int, int]],
+             local: Callable[[], None] | None = None) -> None:
+        """Issue every ``(op, tensor, ep_peer, tag)`` (``send`` / ``recv``) at once, run ``local``
+        meanwhile, then wait for all with the Buffer's timeout (one deadline for the phase)."""
+        self._mark(phase)
+        group = self._groups[scope]
+        peers = sorted({p for _, _, p, _ in ops} | {self.rank})
+        works: list[Any] = []
+
+        def issue():
+            for op, t, p, tag in ops:
+                fn = dist.isend if op == "send" else dist.irecv
+                works.append(fn(t, self.members[p], group=group, tag=tag))
+            return None
+
+        self._run(phase, "send/recv", issue, peers)
+        if local is not None:
+            local()
+        deadline = time.perf_counter() + self.timeout_s
+        for w in works:
+            left = max(deadline - time.perf_counter(), 1e-3)
+            self._run(phase, "send/recv", lambda w=w, left=left: _Waited(w, left), peers)
 
     def _owned(self, t: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         """``t``, copied if it lives in a workspace or is the caller's ``source`` (results never alias)."""

@@ -73,6 +73,8 @@ class RowMap:
     safe_idx: torch.Tensor  # idx with -1 replaced by 0 (gather) ...
     pad_pos: torch.Tensor  # ... then these output rows are zeroed
     add_idx: torch.Tensor  # idx with -1 replaced by n_src (adjoint: scatter into a discarded extra row)
+    bag_rows: torch.Tensor | None = None  # rows with idx >= 0 grouped by idx (stable): the adjoint as bags
+    bag_offsets: torch.Tensor | None = None  # int64 [n_src] start of each source row's bag in bag_rows
 
     @classmethod
     def build(cls, idx: np.ndarray, n_src: int) -> "RowMap":
@@ -82,8 +84,15 @@ class RowMap:
         identity = idx.size == n_src and bool((idx == np.arange(n_src)).all())
         inv = None if identity else _inverse_if_permutation(idx, n_src)
         pad = idx < 0
+        bag_rows = bag_off = None
+        if not identity and inv is None:
+            order = np.argsort(idx, kind="stable")
+            bag_rows = order[int(pad.sum()):]
+            bag_off = np.concatenate([[0], np.cumsum(np.bincount(idx[~pad], minlength=n_src))[:-1]]) if n_src else \
+                np.zeros(0, dtype=np.int64)
         return cls(_t(idx), int(n_src), identity, None if inv is None else _t(inv),
-                   _t(np.where(pad, 0, idx)), _t(np.flatnonzero(pad)), _t(np.where(pad, n_src, idx)))
+                   _t(np.where(pad, 0, idx)), _t(np.flatnonzero(pad)), _t(np.where(pad, n_src, idx)),
+                   None if bag_rows is None else _t(bag_rows), None if bag_off is None else _t(bag_off))
 
     @property
     def rows(self) -> int:
@@ -115,6 +124,32 @@ class RowMap:
         out = vals.new_zeros((self.n_src + 1,) + tuple(vals.shape[1:]))
         out.index_add_(0, self.add_idx, vals)
         return out[: self.n_src]
+
+    def reduce_into(self, vals: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`scatter_add` of ``vals * weights[:, None]`` written into ``out`` [n_src, C].
+
+        One pass over ``vals`` (a weighted bag sum per source row: ``embedding_bag``'s kernel)
+        where the dtype allows; ``weights`` [m] (optional) in ``vals``' dtype. Returns ``out``.
+        """
+        if vals.dim() == 2 and vals.dtype in (torch.float32, torch.float64, torch.bfloat16) and self.n_src and \
+                vals.shape[0] and vals.is_contiguous():
+            rows, offs = self.bag_rows, self.bag_offsets
+            if rows is None:  # identity or a permutation: every source row is a bag of one
+                rows = torch.arange(self.n_src) if self.identity else self.inverse
+                offs = torch.arange(self.n_src)
+            e = torch.empty(0, dtype=torch.int64)
+            psw = None if weights is None else weights.index_select(0, rows)
+            torch.ops.aten._embedding_bag_forward_only.out(
+                vals, rows, offs, False, 0, False, psw, False, -1, out0=out, out1=e, out2=e.clone(),
+                out3=e.clone())
+            return out
+        yw = vals if weights is None else vals * weights[:, None]
+        if self.inverse is not None or self.identity:
+            return torch.index_select(yw, 0, torch.arange(self.n_src) if self.identity else self.inverse, out=out)
+        out.zero_()
+        keep = self.idx >= 0
+        out.index_add_(0, self.idx[keep], yw[keep] if not bool(keep.all()) else yw)
+        return out
 
 
 @dataclass(frozen=True)
@@ -159,6 +194,117 @@ class HopIndex:
 
 
 @dataclass(frozen=True)
+class DirectIndex:
+    """The last hop moved by point-to-point messages straight between the caller's rows and the
+    expert-grouped layout (no receive buffer, no final gather; combine sends straight from the
+    layout), for a hop whose rows map one-to-one onto the layout's real rows.
+
+    Within a slot, rows are ordered by global entry, so the rows one source sends for one slot
+    fill ONE contiguous block of the destination's layout: a *run*. A run is one message
+    (``isend``/``irecv`` of a row range); a source's rows for itself are gathered straight into
+    the layout. Every rank derives every run from the Plan alone, so both ends agree on them.
+
+    Runs are tuples ``(peer, tag, a, b, n)`` of n rows:
+      send_runs: this rank -> peer (a: offset in the remote-send workspace, b: offset in the hop's
+        full send list, i.e. the combine receive buffer).
+      recv_runs: peer -> this rank (a: layout row, b unused).
+      self_runs: (a: layout row, b: offset in the send list) of rows this rank keeps.
+    The send list is this rank's rows of the hop ordered by (destination, destination's layout
+    row) -- not the Plan's message order.
+    remote_send: gathers the remote rows, in send-list order, from the hop's source buffer.
+    list_map: the whole send list as a map onto the source buffer (its adjoint reduces combine's
+      received rows). list_src: int64 [m] source-buffer row of each row of the send list.
+    pad_pos: int64 layout rows that are padding (zeroed).
+    """
+
+    send_runs: tuple[tuple[int, int, int, int, int], ...]
+    recv_runs: tuple[tuple[int, int, int, int, int], ...]
+    self_runs: tuple[tuple[int, int, int, int, int], ...]
+    remote_send: RowMap
+    list_map: RowMap  # the send list -> source buffer rows (combine reduces the received list with it)
+    list_src: torch.Tensor
+    pad_pos: torch.Tensor
+    rows: int  # W
+    list_rows: int  # m
+
+    @property
+    def messages(self) -> int:
+        return len(self.send_runs) + len(self.recv_runs)
+
+
+def direct_index(plan: Plan, rank: int, max_runs: int | None = 64, min_run_bytes: int = 64 << 10,
+                 row_bytes: int = 1) -> DirectIndex | None:
+    """This rank's :class:`DirectIndex` for ``plan``'s last hop, or None where it does not apply.
+
+    Applies when the last hop has no zero rows and its message rows map one-to-one onto the
+    layout's real rows (no expansion of a row into several); and, unless ``max_runs`` is None,
+    when no rank sends or receives more than ``max_runs`` remote runs and the mean remote run
+    carries at least ``min_run_bytes`` (``row_bytes`` per row): otherwise a single
+    ``all_to_all_single`` plus a local gather is cheaper than many small messages. The decision
+    depends on the Plan only, so every rank takes the same one. Vectorised over rows.
+    """
+    if not plan.hops:
+        return None
+    R = plan.ranks
+    last = plan.hops[-1]
+    src, dst = last.src_rank_M, last.dst_rank_M
+    srow, drow = last.src_row_M, last.dst_row_M
+    if srow.size and (srow < 0).any():
+        return None
+    buf_off = np.concatenate([[0], np.cumsum(last.dst_rows_R)]).astype(np.int64)
+    row_off = plan.row_off_R()
+    exp = plan.expand_src_row_W
+    w_rank = np.repeat(np.arange(R, dtype=np.int64), np.diff(row_off))
+    real = exp >= 0
+    key = buf_off[w_rank[real]] + exp[real]
+    mkey = buf_off[dst] + drow
+    nbuf = int(buf_off[-1])
+    if key.size != mkey.size or (key.size and (np.bincount(key, minlength=nbuf).max() > 1
+                                              or np.bincount(mkey, minlength=nbuf).max() > 1)):
+        return None
+    inv = np.full(nbuf, -1, dtype=np.int64)
+    inv[key] = np.flatnonzero(real)
+    pos = inv[mkey] if mkey.size else mkey
+    if pos.size and (pos < 0).any():
+        return None
+    # rows of one (src, dst) message may travel in any order both ends agree on: layout order,
+    # so that each run is one contiguous block at both ends
+    order = np.lexsort((pos, dst, src))
+    src, dst, srow, pos = src[order], dst[order], srow[order], pos[order]
+    M = src.size
+    brk = np.ones(M, dtype=bool)
+    brk[1:] = (src[1:] != src[:-1]) | (dst[1:] != dst[:-1]) | (pos[1:] != pos[:-1] + 1)
+    starts = np.flatnonzero(brk)
+    lens = np.diff(np.append(starts, M))
+    r_src, r_dst, r_pos = src[starts], dst[starts], pos[starts]
+    pair = r_src * R + r_dst
+    pfirst = np.ones(starts.size, dtype=bool)
+    pfirst[1:] = pair[1:] != pair[:-1]
+    tag = np.arange(starts.size) - np.maximum.accumulate(np.where(pfirst, np.arange(starts.size), 0))
+    remote = r_src != r_dst
+    if max_runs is not None and remote.any():
+        most = max(np.bincount(r_src[remote], minlength=R).max(), np.bincount(r_dst[remote], minlength=R).max())
+        if most > max_runs or lens[remote].mean() * row_bytes < min_run_bytes:
+            return None
+    lo, hi = np.searchsorted(src, [rank, rank + 1])
+    mine_remote = dst[lo:hi] != rank
+    ws_off = np.cumsum(mine_remote) - mine_remote  # offset among remote rows of each send-list row
+    sel = np.flatnonzero((r_src == rank) & remote)
+    send_runs = tuple((int(r_dst[i]), int(tag[i]), int(ws_off[starts[i] - lo]), int(starts[i] - lo), int(lens[i]))
+                      for i in sel)
+    sel = np.flatnonzero((r_dst == rank) & remote)
+    recv_runs = tuple((int(r_src[i]), int(tag[i]), int(r_pos[i] - row_off[rank]), 0, int(lens[i])) for i in sel)
+    sel = np.flatnonzero((r_src == rank) & ~remote)
+    self_runs = tuple((rank, 0, int(r_pos[i] - row_off[rank]), int(starts[i] - lo), int(lens[i])) for i in sel)
+    n_prev = int(plan.hops[-2].dst_rows_R[rank]) if len(plan.hops) > 1 else int(plan.tokens_per_rank_R[rank])
+    my_src = srow[lo:hi]
+    local = exp[row_off[rank]:row_off[rank + 1]]
+    return DirectIndex(send_runs, recv_runs, self_runs, RowMap.build(my_src[mine_remote], n_prev),
+                       RowMap.build(my_src, n_prev), _t(my_src), _t(np.flatnonzero(local < 0)), int(local.size),
+                       int(hi - lo))
+
+
+@dataclass(frozen=True)
 class Handle:
     """The result of one dispatch on one rank: the Plan and this rank's precomputed indices.
 
@@ -187,6 +333,8 @@ class Handle:
         on every rank, no collective is issued).
       pf_send_splits / pf_recv_splits: experts per rank.  pf_recv_pos: int64 [X] position in this
       rank's copy list of each received expert, in receive order.
+    direct: the last hop as point-to-point runs straight into / out of the layout
+      (:class:`DirectIndex`), or None (``all_to_all_single`` plus the ``final`` gather).
     """
 
     plan: Plan
@@ -210,6 +358,7 @@ class Handle:
     pf_recv_splits: tuple[int, ...]
     pf_recv_pos: torch.Tensor
     num_fetched_global: int = 0
+    direct: DirectIndex | None = None
 
     @property
     def rows(self) -> int:

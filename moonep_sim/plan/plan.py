@@ -671,16 +671,22 @@ def _sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, sl
     return _Layout(slot_rows_S, padded, offset, entry_row, order_N, n_drop, rows_R, grow)
 
 
+def _slot_sort(entry_slot_N: np.ndarray, num_slots: int) -> tuple[np.ndarray, int, np.ndarray]:
+    """Entries sorted by (slot, entry), dropped (-1) first: (order_N, n_drop, slot_rows_S).
+
+    One counting pass and one stable radix sort on a small-int key (0 = dropped, s+1 = slot s).
+    """
+    key = entry_slot_N.astype(_small_key_dtype(num_slots + 1), copy=True)
+    key += 1
+    counts = np.bincount(key, minlength=num_slots + 1).astype(np.int64)
+    order = _stable_order(key, num_slots + 1)
+    return order, int(counts[0]), counts[1:]
+
+
 def _layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int,
             min_rows_S: np.ndarray | None, ranks: int | None = None) -> _Layout:
-    S = slot_rank_S.size
-    # key 0 = dropped, key s+1 = slot s: one counting pass and one small-int radix sort
-    key = entry_slot_N.astype(_small_key_dtype(S + 1), copy=True)
-    key += 1
-    counts = np.bincount(key, minlength=S + 1).astype(np.int64)
-    order = _stable_order(key, S + 1)
-    del key
-    return _sorted_layout(order, int(counts[0]), counts[1:], slot_rank_S, token_padding, min_rows_S, ranks)
+    order, n_drop, slot_rows = _slot_sort(entry_slot_N, slot_rank_S.size)
+    return _sorted_layout(order, n_drop, slot_rows, slot_rank_S, token_padding, min_rows_S, ranks)
 
 
 def layout_slots(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
@@ -884,14 +890,9 @@ def plan_from_slots(strategy: str, options: dict[str, Any], routing: GlobalRouti
     """
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
     entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
-    S = slot_rank_S.size
-    key = entry_slot.astype(_small_key_dtype(S + 1), copy=True)
-    key += 1  # key 0 = dropped, key s+1 = slot s: one counting pass and one small-int radix sort
-    counts = np.bincount(key, minlength=S + 1).astype(np.int64)
-    order = _stable_order(key, S + 1)
-    del key
+    order, n_drop, slot_rows = _slot_sort(entry_slot, slot_rank_S.size)
     return _plan_from_order(strategy, options, routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S,
-                            order, int(counts[0]), counts[1:], dedup=dedup, token_padding=token_padding,
+                            order, n_drop, slot_rows, dedup=dedup, token_padding=token_padding,
                             min_rows_S=min_rows_S, capacity_R=capacity_R, started=started, **extra)
 
 

@@ -67,15 +67,17 @@ class _Entries:
 
     def __init__(self, plan: Plan):
         R, E, K = plan.ranks, plan.num_experts, plan.top_k
-        row_slot = np.repeat(np.arange(plan.slot_rank_S.size, dtype=np.int32), plan.slot_padded_S)
-        real = plan.row_entry_W >= 0
-        ent = plan.row_entry_W[real]
-        self.exp = plan.slot_expert_S[row_slot[real]]
+        exp_W = np.repeat(plan.slot_expert_S.astype(np.int32), plan.slot_padded_S)
+        if plan.padded:
+            real = plan.row_entry_W >= 0
+            ent, self.exp = plan.row_entry_W[real], exp_W[real]
+        else:
+            ent, self.exp = plan.row_entry_W, exp_W
         self.tok = ent // K
         self.T = plan.num_tokens
-        self.src_T = np.repeat(np.arange(R), plan.tokens_per_rank_R)
+        self.src_T = np.repeat(np.arange(R, dtype=np.int32), plan.tokens_per_rank_R)
         self.src = self.src_T[self.tok]
-        self.n_RE = np.bincount(self.src * E + self.exp, minlength=R * E).reshape(R, E)
+        self.n_RE = np.bincount(self.src.astype(np.int64) * E + self.exp, minlength=R * E).reshape(R, E)
 
     def tokens_needing(self, resident_XE: np.ndarray, group_R: np.ndarray | None = None) -> np.ndarray:
         """[X] tokens of each group with a kept entry whose expert is not resident in the group."""
