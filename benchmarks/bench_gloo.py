@@ -66,12 +66,16 @@ def overhead_worker(rank, world, hidden, tokens, experts, top_k, iters):
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(rank))
     buf = Buffer(capacity=tokens, hidden=hidden, top_k=top_k, num_experts=experts, strategy="alltoall",
                  timeout_s=120, validate_plans=False)
+    buf_a2a = Buffer(capacity=tokens, hidden=hidden, top_k=top_k, num_experts=experts, strategy="alltoall",
+                     timeout_s=120, validate_plans=False, direct="off")
     h = buf.dispatch(x, ids, w)[3]
+    h_a2a = buf_a2a.dispatch(x, ids, w)[3]
     hop = h.hops[0]
     send = torch.randn(sum(hop.send_splits), hidden)
     recv = torch.empty(sum(hop.recv_splits), hidden)
     back = torch.empty_like(send)
     group = buf._groups["global"]
+    tok_out = torch.empty(tokens, hidden)
 
     def full():
         rows, rw, _, hh = buf.dispatch(x, ids, w)
@@ -81,24 +85,47 @@ def overhead_worker(rank, world, hidden, tokens, experts, top_k, iters):
         rows, rw, _, _ = buf.dispatch(x, handle=h)
         buf.combine(rows, h, rw)
 
+    def reuse_a2a():
+        rows, rw, _, _ = buf_a2a.dispatch(x, handle=h_a2a)
+        buf_a2a.combine(rows, h_a2a, rw)
+
     def raw():
         dist.all_to_all_single(recv, send, list(hop.recv_splits), list(hop.send_splits), group=group)
         dist.all_to_all_single(back, recv, list(hop.send_splits), list(hop.recv_splits), group=group)
 
-    for fn in (full, reuse, raw):  # warm-up
+    def floor():
+        # the least any executor starting from token-major rows must do with all_to_all_single:
+        # one gather of the token rows into send order, the two all-to-alls, one (weighted) reduce
+        # back into token rows -- no layout change, no weighting pass, no allocation
+        hop.send.gather(x, out=send)
+        raw()
+        hop.send.reduce_into(back, tok_out, torch.full((back.shape[0],), 0.5))
+
+    def passes():  # the floor's two local passes alone
+        hop.send.gather(x, out=send)
+        hop.send.reduce_into(back, tok_out, torch.full((back.shape[0],), 0.5))
+
+    def memcpy():  # one copy of this rank's rows (32 MiB at the defaults)
+        back.copy_(send)
+
+    fns = [full, reuse, reuse_a2a, raw, floor, passes, memcpy]
+    names = [f.__name__ for f in fns]
+    for fn in fns:  # warm-up
         _sync_time(fn)
     rows = []
     for it in range(iters):
-        order = [full, reuse, raw] if it % 2 == 0 else [raw, reuse, full]
+        order = fns if it % 2 == 0 else fns[::-1]
         t = {fn.__name__: _sync_time(fn) for fn in order}
-        rows.append([t["full"], t["reuse"], t["raw"]])
-    mx = _max_over_ranks(list(np.asarray(rows).ravel())).reshape(iters, 3)
-    med = np.median(mx, axis=0)
+        rows.append([t[n] for n in names])
+    mx = _max_over_ranks(list(np.asarray(rows).ravel())).reshape(iters, len(fns))
+    med = dict(zip(names, np.median(mx, axis=0)))
     row_bytes = hidden * 4
     remote = int(h.plan.hops[0].rows_RR(world).sum() - np.trace(h.plan.hops[0].rows_RR(world))) * row_bytes
-    return {"full_ms": med[0] * 1e3, "reuse_ms": med[1] * 1e3, "raw_ms": med[2] * 1e3,
-            "ratio_full": med[0] / med[2], "ratio_reuse": med[1] / med[2],
-            "rows_per_rank": int(h.rows), "remote_bytes_per_direction": remote}
+    out = {f"{n}_ms": float(v) * 1e3 for n, v in med.items()}
+    out.update({f"ratio_{n}": float(med[n] / med["raw"]) for n in names if n != "raw"})
+    out.update({"rows_per_rank": int(h.rows), "remote_bytes_per_direction": remote,
+                "direct_messages_per_rank": int(h.direct.messages) if h.direct is not None else 0})
+    return out
 
 
 def imbalance_worker(rank, world, hidden, ffn, tokens, experts, top_k, maxvios, iters, seed):
@@ -193,9 +220,14 @@ def main(argv=None) -> None:
               f"{r0['remote_bytes_per_direction'] / 2**20:.1f} MiB cross-rank per direction), median of {a.iters}:")
         print(f"  (malloc tuning {'on' if a.malloc_tuning else 'off'}; load average after "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
-        print(f"  raw 2x all_to_all_single        {r0['raw_ms']:8.1f} ms")
-        print(f"  dispatch+combine (plan each)    {r0['full_ms']:8.1f} ms   ratio {r0['ratio_full']:.2f}x")
-        print(f"  dispatch+combine (reuse handle) {r0['reuse_ms']:8.1f} ms   ratio {r0['ratio_reuse']:.2f}x")
+        print(f"  raw 2x all_to_all_single          {r0['raw_ms']:8.1f} ms")
+        print(f"  dispatch+combine (plan each)      {r0['full_ms']:8.1f} ms   ratio {r0['ratio_full']:.2f}x")
+        print(f"  dispatch+combine (reuse handle)   {r0['reuse_ms']:8.1f} ms   ratio {r0['ratio_reuse']:.2f}x"
+              f"   ({r0['direct_messages_per_rank']} point-to-point messages per rank)")
+        print(f"  same, direct='off' (all_to_all)   {r0['reuse_a2a_ms']:8.1f} ms   ratio {r0['ratio_reuse_a2a']:.2f}x")
+        print(f"  floor: gather + raw + reduce      {r0['floor_ms']:8.1f} ms   ratio {r0['ratio_floor']:.2f}x")
+        print(f"  the floor's two local passes      {r0['passes_ms']:8.1f} ms   ratio {r0['ratio_passes']:.2f}x")
+        print(f"  one memcpy of the rows            {r0['memcpy_ms']:8.1f} ms   ratio {r0['ratio_memcpy']:.2f}x")
     else:
         rows = json.loads(r0["rows"])
         report["results"] = rows

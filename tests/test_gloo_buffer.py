@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moonep_sim.errors import ConfigError, PlanError
-from moonep_sim.gloo.handle import build_handle, emulate_combine, emulate_dispatch
+from moonep_sim.gloo.handle import build_handle, direct_index, emulate_combine, emulate_dispatch
 from moonep_sim.gloo.launcher import free_port, spawn_ranks
 from moonep_sim.plan import GlobalRouting, Hop, plan_from_slots, validate
 from moonep_sim.strategies import PlanContext, available, make_plan
@@ -122,6 +122,83 @@ def test_emulated_hops_move_rows_where_the_plan_says(T, seed, skew):
         np.testing.assert_array_equal(back, x * kept[:, None], err_msg=plan.strategy)
 
 
+def emulate_direct(plan, x_R):
+    """Every rank's DirectIndex of a single-hop ``plan``, its runs delivered in one process:
+    (dispatched layouts, combined tokens, runs used)."""
+    R = plan.ranks
+    ds = [direct_index(plan, r, max_runs=None) for r in range(R)]
+    if ds[0] is None:
+        return None
+    msgs = {}
+    for r, d in enumerate(ds):
+        send = d.remote_send.gather(x_R[r])
+        for p, tag, a, _, m in d.send_runs:
+            msgs[(r, p, tag)] = send[a:a + m]
+    lay = []
+    for r, d in enumerate(ds):
+        out = torch.full((d.rows, x_R[r].shape[1]), float("nan"), dtype=x_R[r].dtype)
+        for p, tag, a, _, m in d.recv_runs:
+            out[a:a + m] = msgs.pop((p, r, tag))
+        for _, _, a, b, m in d.self_runs:
+            out[a:a + m] = x_R[r][d.list_src[b:b + m]]
+        out[d.pad_pos] = 0
+        lay.append(out)
+    assert not msgs  # every message sent was received exactly once
+    back = {}
+    for r, d in enumerate(ds):
+        for p, tag, a, _, m in d.recv_runs:
+            back[(r, p, tag)] = lay[r][a:a + m]
+    toks = []
+    for r, d in enumerate(ds):
+        lst = torch.full((d.list_rows, x_R[r].shape[1]), float("nan"), dtype=x_R[r].dtype)
+        for p, tag, _, b, m in d.send_runs:
+            lst[b:b + m] = back.pop((p, r, tag))
+        for _, _, a, b, m in d.self_runs:
+            lst[b:b + m] = lay[r][a:a + m]
+        toks.append(d.list_map.scatter_add(lst))
+    assert not back
+    return lay, toks, sum(len(d.send_runs) + len(d.self_runs) for d in ds)
+
+
+@settings(max_examples=15, deadline=None)
+@given(T=st.integers(1, 30), seed=st.integers(0, 10_000), skew=st.sampled_from([0.0, 1.0, 3.0]))
+def test_direct_runs_move_rows_where_the_plan_says(T, seed, skew):
+    """The point-to-point runs (direct="on") deliver the same layout and combine as the Plan says."""
+    R = 4
+    routing = routing_for(T, R, seed, skew)
+    ctx = PlanContext.default(E, R, G)
+    x = np.stack([np.arange(T), routing.src_rank_T(), 1000 + np.arange(T)], axis=1).astype(np.float64)
+    off = routing.tok_off_R()
+    x_R = [torch.from_numpy(x[off[r]:off[r + 1]]) for r in range(R)]
+    used = 0
+    for plan in all_plans(routing, ctx):
+        got = emulate_direct(plan, x_R) if len(plan.hops) == 1 else None
+        if got is None:
+            continue
+        lay, toks, runs = got
+        used += 1
+        for r in range(R):
+            np.testing.assert_array_equal(lay[r].numpy(), expected_rows(plan, x, r), err_msg=plan.strategy)
+        kept = (plan.entry_rank_TK >= 0).sum(1)
+        np.testing.assert_array_equal(torch.cat(toks).numpy(), x * kept[:, None], err_msg=plan.strategy)
+        # a run is one (source, destination) block: never more runs than rows, at least one per pair used
+        assert runs <= int(plan.hops[0].src_rank_M.size)
+        assert runs >= len(set(zip(plan.hops[0].src_rank_M.tolist(), plan.hops[0].dst_rank_M.tolist())))
+    assert used >= 2  # the flat all-to-all (and others) qualify
+
+
+def test_direct_runs_apply_only_to_one_to_one_hops():
+    routing = routing_for(40, 4, 3)
+    ctx = PlanContext.default(E, 4, G)
+    flat = make_plan("alltoall", routing, ctx)
+    assert direct_index(flat, 0, max_runs=None) is not None
+    # dedup: one received row feeds several layout rows -> not direct
+    assert direct_index(make_plan("alltoall", routing, ctx, dedup=True), 0, max_runs=None) is None
+    # the size rule: tiny runs are not worth a message each
+    assert direct_index(flat, 0, max_runs=64, min_run_bytes=64 << 10, row_bytes=4) is None
+    assert direct_index(flat, 0, max_runs=0, min_run_bytes=0) is None
+
+
 def test_hand_built_plans_are_valid_and_multi_hop():
     routing = routing_for(21, 4, 0)
     ctx = PlanContext.default(E, 4, G)
@@ -146,7 +223,7 @@ def test_out_of_scope_hop_is_rejected():
 
 # -- spawned gloo ranks ---------------------------------------------------------------------------
 
-def movement_worker(rank, world, T, seed):
+def movement_worker(rank, world, T, seed, direct="off"):
     from moonep_sim.gloo.buffer import Buffer
 
     routing = routing_for(T, world, seed)
@@ -154,7 +231,8 @@ def movement_worker(rank, world, T, seed):
     lo, hi = int(off[rank]), int(off[rank + 1])
     x = np.stack([np.arange(T), routing.src_rank_T(), 1000 + np.arange(T), -np.arange(T)], 1).astype(np.float64)
     buf = Buffer(capacity=int(routing.tokens_per_rank_R.max()), hidden=H, top_k=K, num_experts=E,
-                 strategy="alltoall", gpus_per_node=G, timeout_s=30, dispatch_dtype=torch.float64, expert_ffn=3)
+                 strategy="alltoall", gpus_per_node=G, timeout_s=30, dispatch_dtype=torch.float64, expert_ffn=3,
+                 direct=direct)
     ids = torch.from_numpy(routing.topk_ids_TK[lo:hi])
     w = torch.from_numpy(routing.topk_weights_TK[lo:hi])
     xr = torch.from_numpy(x[lo:hi])
@@ -167,6 +245,7 @@ def movement_worker(rank, world, T, seed):
                                                                                      dtype=torch.float64))
     for i, plan in enumerate(all_plans(routing, buf.ctx)):
         h = buf.handle_for(plan)
+        res[f"{i}/direct"] = h.direct is not None
         rows = buf.dispatch_rows(h, xr)
         res[f"{i}/rows_bad"] = int((rows.numpy() != expected_rows(plan, x, rank)).any(axis=1).sum())
         res[f"{i}/rows"] = int(rows.shape[0])
@@ -198,12 +277,24 @@ def movement_worker(rank, world, T, seed):
                                          for r_ in red))
         res[f"{i}/hops"] = len(plan.hops)
         res[f"{i}/name"] = plan.strategy
+    # results are recycled only once nothing references them (a fresh Buffer: an empty pool)
+    buf = Buffer(capacity=int(routing.tokens_per_rank_R.max()), hidden=H, top_k=K, num_experts=E,
+                 strategy="alltoall", gpus_per_node=G, timeout_s=30, dispatch_dtype=torch.float64, direct=direct)
+    h = buf.handle_for(make_plan("alltoall", routing, buf.ctx))
+    a = buf.dispatch_rows(h, xr)
+    a_ptr, a_copy = a.data_ptr(), a.clone()
+    b = buf.dispatch_rows(h, 2 * xr)
+    res["held_not_reused"] = bool(b.data_ptr() != a_ptr and torch.equal(a, a_copy))
+    del a
+    c = buf.dispatch_rows(h, 3 * xr)
+    res["freed_reused"] = bool(c.data_ptr() == a_ptr and torch.equal(c, 3 * a_copy))
     return res
 
 
-def test_rows_land_where_the_plan_says_on_gloo():
+@pytest.mark.parametrize("direct", ["off", "on"])
+def test_rows_land_where_the_plan_says_on_gloo(direct):
     world = 4
-    results = spawn_ranks("test_gloo_buffer:movement_worker", world, dict(T=23, seed=5), timeout_s=180,
+    results = spawn_ranks("test_gloo_buffer:movement_worker", world, dict(T=23, seed=5, direct=direct), timeout_s=180,
                           pythonpath=[HERE])
     for r in results:
         assert r.ok, f"rank {r.rank} failed (exit {r.returncode}): {r.output[-3000:]}"
@@ -221,6 +312,12 @@ def test_rows_land_where_the_plan_says_on_gloo():
             assert r[f"{i}/prefetch_bad"] == 0 and r[f"{i}/reduce_bad"] == 0, name
     # the table covers multi-hop plans and plans with copies, non-vacuously
     assert ("relay", 2) in names
+    assert all(r["held_not_reused"] for r in res) and all(r["freed_reused"] for r in res)
+    used_direct = {res[0][f"{i}/name"] for i in range(n) if res[0][f"{i}/direct"]}
+    if direct == "off":
+        assert not used_direct
+    else:  # single- and multi-hop plans took the point-to-point path
+        assert {"alltoall", "relay"} <= used_direct, used_direct
     i_copies = [i for i in range(n) if res[0][f"{i}/name"] == "copies"][0]
     assert all(r[f"{i_copies}/copies"] == 2 for r in res)
     assert sum(r[f"{i}/rows"] for r in res for i in range(n)) > 0

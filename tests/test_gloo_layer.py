@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from moonep_sim.gloo.launcher import spawn_ranks
@@ -46,7 +47,7 @@ def tokens_of(rank, world, T):
     return int(off[rank]), int(off[rank + 1])
 
 
-def layer_worker(rank, world, variants, T, H, F, E, K, G, seed):
+def layer_worker(rank, world, variants, T, H, F, E, K, G, seed, direct="auto"):
     from moonep_sim.gloo.buffer import Buffer
     from moonep_sim.gloo.moe import EPMoELayer
 
@@ -55,7 +56,7 @@ def layer_worker(rank, world, variants, T, H, F, E, K, G, seed):
     res = {}
     for i, (name, opts) in enumerate(variants):
         buf = Buffer(capacity=(T + world - 1) // world, hidden=H, top_k=K, num_experts=E, strategy=name,
-                     options=opts, gpus_per_node=G, timeout_s=30, dispatch_dtype=torch.float64)
+                     options=opts, gpus_per_node=G, timeout_s=30, dispatch_dtype=torch.float64, direct=direct)
         layer = EPMoELayer(buf, F, router_w=router_w, experts_w=experts).double()
         xr = x[lo:hi].clone().requires_grad_(True)
         out = layer(xr)
@@ -64,19 +65,24 @@ def layer_worker(rank, world, variants, T, H, F, E, K, G, seed):
         res.update({f"{i}/out": out.detach(), f"{i}/gx": xr.grad, f"{i}/grouter": layer.router_w.grad,
                     f"{i}/ggate": layer.gate.grad, f"{i}/gup": layer.up.grad, f"{i}/gdown": layer.down.grad,
                     f"{i}/home": layer.home_experts, f"{i}/keep": p.entry_rank_TK >= 0,
-                    f"{i}/copies": np.array(layer.last_handle.num_copies), f"{i}/hops": np.array(len(p.hops))})
+                    f"{i}/copies": np.array(layer.last_handle.num_copies), f"{i}/hops": np.array(len(p.hops)),
+                    f"{i}/direct": np.array(layer.last_handle.direct is not None)})
     return res
 
 
-def test_layer_matches_dense_reference_for_every_strategy():
+@pytest.mark.parametrize("direct", ["auto", "on"])
+def test_layer_matches_dense_reference_for_every_strategy(direct):
+    """direct="on": the last hop by point-to-point runs wherever the Plan allows (at these tiny
+    sizes "auto" keeps every Plan on all_to_all_single)."""
     vs = variants()
     world = 4
-    results = spawn_ranks("test_gloo_layer:layer_worker", world, dict(variants=vs, **CFG), timeout_s=240,
-                          pythonpath=[HERE])
+    results = spawn_ranks("test_gloo_layer:layer_worker", world, dict(variants=vs, direct=direct, **CFG),
+                          timeout_s=240, pythonpath=[HERE])
     for r in results:
         assert r.ok, f"rank {r.rank} failed (exit {r.returncode}): {r.output[-3000:]}"
     x, router_w, grad_out, experts = make_inputs(**CFG)
     seen_copies = seen_multihop = seen_drops = False
+    seen_direct = set()
     for i, (name, opts) in enumerate(vs):
         keep = results[0].result[f"{i}/keep"]
         xx = x.clone().requires_grad_(True)
@@ -99,8 +105,16 @@ def test_layer_matches_dense_reference_for_every_strategy():
         seen_copies |= sum(int(r.result[f"{i}/copies"]) for r in results) > 0
         seen_multihop |= int(results[0].result[f"{i}/hops"]) > 1
         seen_drops |= not keep.all()
+        if all(bool(r.result[f"{i}/direct"]) for r in results):
+            seen_direct.add((name, int(results[0].result[f"{i}/hops"])))
     # the case table must cover the regimes it claims (when the strategies producing them exist)
     names = {n for n, _ in vs}
     assert seen_multihop == bool(names & {"hierarchical", "deepep"})
     assert seen_drops == ("capacity" in names)
     assert seen_copies == bool(names & {"moonep", "eplb"})
+    if direct == "auto":
+        assert not seen_direct
+    elif "alltoall" in names:
+        assert ("alltoall", 1) in seen_direct, seen_direct
+        if "hierarchical" in names:  # a two-hop Plan whose last hop goes by runs
+            assert ("hierarchical", 2) in seen_direct, seen_direct

@@ -9,7 +9,7 @@ from moonep_sim.gloo.launcher import run_replay
 from moonep_sim.routing.generators import generate_trace
 
 KEYS = {"strategy", "world_size", "layers", "dispatch_ms", "combine_ms", "total_ms", "bytes_sent", "correct",
-        "options", "per_layer", "phases", "prefetch_ms", "expert_ms", "backward_ms"}
+        "options", "per_layer", "phases", "prefetch_ms", "expert_ms", "backward_ms", "phases_R", "slowest_rank"}
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,14 @@ def test_replay_two_hop_strategy_forward_and_backward_is_correct(trace):
         assert e["bytes"]["inter_node"] > 0 and sum(e["recv_rows_per_rank"]) == 61 * 2 - 0
         for ph in e["phases"].values():
             assert ph["max_ms"] >= ph["mean_ms"] >= 0
+        # every rank's own phase times, consistent with the max / mean over ranks
+        for name, ph in e["phases"].items():
+            per_rank = e["phases_R"][name]
+            assert len(per_rank) == 4
+            assert max(per_rank) == pytest.approx(ph["max_ms"]) and sum(per_rank) / 4 == pytest.approx(ph["mean_ms"])
+    for name, per_rank in rep["phases_R"].items():
+        assert per_rank == pytest.approx([sum(e["phases_R"][name][r] for e in rep["per_layer"]) for r in range(4)])
+        assert rep["slowest_rank"][name] == per_rank.index(max(per_rank))
 
 
 def test_replay_of_a_bad_strategy_fails_with_one_clear_line(trace):

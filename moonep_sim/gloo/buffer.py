@@ -51,6 +51,7 @@ _DIRECT_MODES = ("auto", "on", "off")
 # remote run carries at least this many bytes on average (else one all_to_all_single is cheaper)
 _DIRECT_MAX_RUNS = 64
 _DIRECT_MIN_RUN_BYTES = 64 << 10
+_WEIGHT_TAG = 1 << 20  # tag offset of the routing-weight message that rides with each combine run
 
 
 def _code(v: Any) -> int:
@@ -223,7 +224,13 @@ class Buffer:
             except Exception:
                 self._store = None
 
-    def _suspects(self, peers: Sequence[int]) -> str:
+    def _suspects(self, peers: Sequence[int], focus: int | None = None) -> str:
+        """Which peers had not reached this phase; ``focus``: the one peer of a failed message,
+        named alone when it is behind (else every peer is checked)."""
+        if focus is not None:
+            alone = self._suspects([focus])
+            if alone.startswith("peer rank"):
+                return alone
         if self._store is None:
             return "peer unknown: no progress store"
         behind, gone = [], []
@@ -245,7 +252,8 @@ class Buffer:
             return f"peer rank{'s' if len(behind) > 1 else ''} {', '.join(behind)} stopped responding?"
         return "every peer reached this phase; one may have died inside it"
 
-    def _run(self, phase: str, op: str, issue: Callable[[], Any], peers: Sequence[int]) -> None:
+    def _run(self, phase: str, op: str, issue: Callable[[], Any], peers: Sequence[int],
+             focus: int | None = None) -> None:
         t0 = time.perf_counter()
         try:
             work = issue()
@@ -256,7 +264,7 @@ class Buffer:
             text = _gloo_text(e)
             timed_out = "timed out" in text.lower() or "timeout" in text.lower()
             what = f"timed out after {self.timeout_s:.1f} s" if timed_out else f"failed after {dt:.1f} s"
-            raise CommError(f"{phase} {op} {what} on rank {self.rank} ({self._suspects(peers)}): "
+            raise CommError(f"{phase} {op} {what} on rank {self.rank} ({self._suspects(peers, focus)}): "
                             f"{text[:240]}") from None
 
     def _all_to_all(self, phase: str, scope: str, members: Sequence[int], send: torch.Tensor,
@@ -391,28 +399,29 @@ class Buffer:
                 pool.pop(0)
         return torch.empty(0, dtype=dtype).set_(base.untyped_storage(), 0, shape)
 
-    def _p2p(self, phase: str, scope: str, ops: Sequence[tuple[str, torch.Tensor, int, int]],
+    def _p2p(self, phase: str, scope: str, ops: Sequence[tuple[Any, Any, int, int]],
              local: Callable[[], None] | None = None) -> None:
-        """Issue every ``(op, tensor, ep_peer, tag)`` (``send`` / ``recv``) at once, run ``local``
-        meanwhile, then wait for all with the Buffer's timeout (one deadline for the phase)."""
+        """Issue every ``(op, tensor, ep_peer, tag)`` (``send`` / ``recv``; an ``op`` that is a
+        callable is local work run at that point, e.g. filling the next send), run ``local``
+        meanwhile, then wait for each with the Buffer's timeout."""
         self._mark(phase)
         group = self._groups[scope]
-        peers = sorted({p for _, _, p, _ in ops} | {self.rank})
-        works: list[Any] = []
-
-        def issue():
-            for op, t, p, tag in ops:
-                fn = dist.isend if op == "send" else dist.irecv
-                works.append(fn(t, self.members[p], group=group, tag=tag))
-            return None
-
-        self._run(phase, "send/recv", issue, peers)
+        works: list[tuple[Any, int]] = []
+        members = range(self.world_size) if scope == "global" else \
+            sorted({o[2] for o in ops if not callable(o[0])} | {self.rank})
+        # a failed message names its peer when that peer is behind (else every member is checked:
+        # the peer may have exited after a failure of its own)
+        for op, t, p, tag in ops:
+            if callable(op):  # local work between messages (e.g. filling the next send)
+                op()
+                continue
+            fn = dist.isend if op == "send" else dist.irecv
+            self._run(phase, "send/recv", lambda fn=fn, t=t, p=p, tag=tag: works.append(
+                (fn(t, self.members[p], group=group, tag=tag), p)), members, p)
         if local is not None:
             local()
-        deadline = time.perf_counter() + self.timeout_s
-        for w in works:
-            left = max(deadline - time.perf_counter(), 1e-3)
-            self._run(phase, "send/recv", lambda w=w, left=left: _Waited(w, left), peers)
+        for w, p in works:
+            self._run(phase, "send/recv", lambda w=w: w, members, p)
 
     def _owned(self, t: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         """``t``, copied if it lives in a workspace or is the caller's ``source`` (results never alias)."""
@@ -427,29 +436,73 @@ class Buffer:
                       comm_dtype: torch.dtype | None = None) -> torch.Tensor:
         """[s, C] -> [W, C]: hops forward, then the expand gather (rows travel in ``comm_dtype``).
 
-        The last hop's rows are gathered straight into the expert-grouped layout (``handle.final``).
+        The last hop's rows land in the expert-grouped layout directly (``handle.direct``: runs
+        received straight into it) or through one gather from the receive buffer (``handle.final``).
         """
         buf = x if comm_dtype is None or comm_dtype == x.dtype else x.to(comm_dtype)
         n = len(handle.hops)
         if n == 0:
             out = self._owned(handle.expand.gather(buf), x)
         for i, hop in enumerate(handle.hops):
+            if i == n - 1 and handle.direct is not None:
+                out = self._dispatch_direct(handle, hop, buf, f"{phase}.{i}")
+                break
             send = hop.send.gather(buf, out=self._ws("send", hop.send.rows, buf))
             recv = self._all_to_all(f"{phase}.{i}", hop.scope, hop.members, send, hop.send_splits, hop.recv_splits,
                                     out=self._ws(f"recv{i % 2}", int(sum(hop.recv_splits)), buf))
             if i < n - 1:
                 buf = hop.recv.place(recv)
+            elif handle.final.identity:
+                out = self._owned(recv, x)
             else:
-                out = self._owned(handle.final.gather(recv), x)
+                out = handle.final.gather(recv, out=self._result(phase, (handle.final.rows,) + tuple(recv.shape[1:]),
+                                                                 recv.dtype))
         return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def _dispatch_direct(self, handle: Handle, hop: HopIndex, buf: torch.Tensor, phase: str) -> torch.Tensor:
+        """The last hop as runs: remote rows gathered once into a send workspace and sent, each
+        received run written straight into its block of the layout, own rows gathered into it."""
+        d = handle.direct
+        out = self._result(phase.split(".")[0], (d.rows,) + tuple(buf.shape[1:]), buf.dtype)
+        ops: list[tuple[Any, Any, int, int]] = [("recv", out[a:a + m], p, tag) for p, tag, a, _, m in d.recv_runs]
+        rs = d.remote_send
+        if rs.identity or rs.n_src == 0 or rs.pad_pos.numel():
+            send = rs.gather(buf, out=self._ws("send", rs.rows, buf)) if d.send_runs else buf
+            ops += [("send", send[a:a + m], p, tag) for p, tag, a, _, m in d.send_runs]
+        else:  # each run gathered just before it is sent: the first messages leave while the rest gather
+            send = self._ws("send", rs.rows, buf)
+            for p, tag, a, _, m in d.send_runs:
+                ops.append((lambda a=a, m=m: torch.index_select(buf, 0, rs.safe_idx[a:a + m], out=send[a:a + m]),
+                            None, p, tag))
+                ops.append(("send", send[a:a + m], p, tag))
+
+        def local():
+            for _, _, a, b, m in d.self_runs:
+                torch.index_select(buf, 0, d.list_src[b:b + m], out=out[a:a + m])
+            if d.pad_pos.numel():
+                out.index_fill_(0, d.pad_pos, 0)
+
+        if ops:
+            self._p2p(phase, hop.scope, ops, local)
+        else:
+            self._mark(phase)
+            local()
+        return out
 
     def combine_rows(self, handle: Handle, y: torch.Tensor, phase: str = "combine",
                      row_weights: torch.Tensor | None = None) -> torch.Tensor:
         """[W, C] -> [s, C]: the adjoint of :meth:`dispatch_rows` (sums; rows first multiplied by
         ``row_weights`` [W] when given, fused into the first gather where the layout allows)."""
         n = len(handle.hops)
+        direct = handle.direct is not None and n > 0
         first = handle.final if n else handle.expand
-        if row_weights is not None and first.inverse is not None:
+        # single direct hop: rows travel unweighted, their weights with them (one small message
+        # per run), and the receiver weights them inside its reduction (no pass of its own)
+        w_at_dst = direct and n == 1 and row_weights is not None
+        if direct:
+            src = y if row_weights is None or w_at_dst else torch.mul(y, row_weights[:, None].to(y.dtype),
+                                                                       out=self._ws("cbuf", y.shape[0], y))
+        elif row_weights is not None and first.inverse is not None:
             buf = torch.index_select(y, 0, first.inverse, out=self._ws("cbuf", y.shape[0], y))
             buf.mul_(row_weights.index_select(0, first.inverse).to(buf.dtype)[:, None])
         else:
@@ -457,11 +510,51 @@ class Buffer:
             buf = first.scatter_add(yw)
         for i in reversed(range(n)):
             hop: HopIndex = handle.hops[i]
-            send = buf if i == n - 1 else hop.recv.gather_back.gather(buf, out=self._ws("send", hop.recv.gather_back.rows, buf))
-            recv = self._all_to_all(f"{phase}.{i}", hop.scope, hop.members, send, hop.recv_splits, hop.send_splits,
-                                    out=self._ws(f"recv{i % 2}", int(sum(hop.send_splits)), buf))
-            buf = hop.send.scatter_add(recv)
+            recv_w = None
+            if i == n - 1 and direct:
+                recv, recv_w = self._combine_direct(handle, hop, src, f"{phase}.{i}", f"recv{i % 2}",
+                                                    row_weights.to(y.dtype).contiguous() if w_at_dst else None)
+                back = handle.direct.list_map
+            else:
+                send = buf if i == n - 1 else hop.recv.gather_back.gather(
+                    buf, out=self._ws("send", hop.recv.gather_back.rows, buf))
+                recv = self._all_to_all(f"{phase}.{i}", hop.scope, hop.members, send, hop.recv_splits,
+                                        hop.send_splits, out=self._ws(f"recv{i % 2}", int(sum(hop.send_splits)), buf))
+                back = hop.send
+            if i == 0 and (not back.identity or recv_w is not None):
+                buf = back.reduce_into(recv, self._result(phase, (back.n_src,) + tuple(recv.shape[1:]), recv.dtype),
+                                       recv_w)
+            else:
+                buf = back.scatter_add(recv)
         return self._owned(buf, y)
+
+    def _combine_direct(self, handle: Handle, hop: HopIndex, src: torch.Tensor, phase: str, ws: str,
+                        weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The adjoint of :meth:`_dispatch_direct`: layout runs sent straight from ``src`` [W, C],
+        received into the send list's order (reduced by ``handle.direct.list_map``); ``weights``
+        [W] (optional) travel alongside, one message per run. Returns (rows, their weights)."""
+        d = handle.direct
+        recv = self._ws(ws, d.list_rows, src)
+        ops = [("recv", recv[b:b + m], p, tag) for p, tag, _, b, m in d.send_runs]
+        ops += [("send", src[a:a + m], p, tag) for p, tag, a, _, m in d.recv_runs]
+        recv_w = None
+        if weights is not None:
+            recv_w = self._ws("cw", d.list_rows, weights)
+            ops += [("recv", recv_w[b:b + m], p, tag + _WEIGHT_TAG) for p, tag, _, b, m in d.send_runs]
+            ops += [("send", weights[a:a + m], p, tag + _WEIGHT_TAG) for p, tag, a, _, m in d.recv_runs]
+
+        def local():
+            for _, _, a, b, m in d.self_runs:
+                recv[b:b + m].copy_(src[a:a + m])
+                if recv_w is not None:
+                    recv_w[b:b + m].copy_(weights[a:a + m])
+
+        if ops:
+            self._p2p(phase, hop.scope, ops, local)
+        else:
+            self._mark(phase)
+            local()
+        return recv, recv_w
 
     def prefetch_flat(self, handle: Handle, send_flat: torch.Tensor, phase: str = "prefetch") -> torch.Tensor:
         """[x_send, P] flattened weights of the home experts this rank sends (``pf_send_local``
@@ -573,6 +666,19 @@ class Buffer:
         red = self.reduce_flat(handle, flat, int(handle.home_experts.numel()))
         parts = _unflatten(red, ltensors)
         return _pack(local_grads, lkeys, tuple(lg + p for lg, p in zip(ltensors, parts)))
+
+
+def _unreferenced(t: torch.Tensor) -> bool:
+    """True when ``t`` (held only by the caller) is the sole owner of its storage: no other tensor,
+    view or autograd record shares it. Conservative: False when the count cannot be read."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return False
+    try:
+        # owners: t itself and the temporary storage object made here
+        return t._use_count() == 1 and count(t.untyped_storage()._cdata) <= 2
+    except Exception:
+        return False
 
 
 def _gloo_text(e: BaseException) -> str:

@@ -6,8 +6,10 @@ Each selected layer's tokens are split over the ranks as ``GlobalRouting.split_e
 first T % R ranks get one more); routing comes from the trace (no router). Per layer and iteration
 every rank times its phases (exchange + plan + row movement = dispatch, prefetch, expert compute,
 combine, backward); the report gives, per phase, the max and the mean over ranks of the per-rank
-mean over iterations. Bytes are the Plan's (``Plan.bytes_summary``: bytes that cross a link, rows
-of ``H * element size`` bytes). Unless ``--no-check``, rank 0 compares outputs (and with
+mean over iterations, and every rank's own figure (``phases_R``: phase -> ms per rank, per layer
+and summed over layers; ``slowest_rank``: phase -> the rank with the largest sum), so a straggler
+rank can be named from a measured run. Bytes are the Plan's (``Plan.bytes_summary``: bytes that
+cross a link, rows of ``H * element size`` bytes). Unless ``--no-check``, rank 0 compares outputs (and with
 ``--backward`` the input and expert-weight gradients) with the dense single-process layer on the
 gathered inputs, with the Plan's drops applied.
 
@@ -162,6 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         entry = {
             "layer": li, "layer_id": int(lr.layer),
             "phases": {name: _stats(allt_RP[:, j]) for j, name in enumerate(PHASES)},
+            "phases_R": {name: [float(v) * 1e3 for v in allt_RP[:, j]] for j, name in enumerate(PHASES)},
             "bytes": {**fwd, "sent": int(sent)},
             "recv_rows_per_rank": plan.real_rows_R().tolist(),
             "rows_per_rank_padded": plan.rows_R().tolist(),
@@ -176,6 +179,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     if rank != 0:
         return None
     totals = {name: sum(e["phases"][name]["max_ms"] for e in per_layer) for name in PHASES}
+    # per rank, summed over layers: which rank is slow in which phase (a straggler)
+    phases_R = {name: [float(v) for v in np.sum([e["phases_R"][name] for e in per_layer], axis=0)] for name in PHASES}
     checked = [e["correct"] for e in per_layer if e["correct"] is not None]
     return {
         "strategy": args.strategy, "options": buf.options, "world_size": R, "gpus_per_node": buf.gpus_per_node,
@@ -186,6 +191,8 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         "combine_ms": totals["combine"], "backward_ms": totals["backward"], "total_ms": totals["total"],
         "phases": {name: {"max_ms": totals[name],
                           "mean_ms": sum(e["phases"][name]["mean_ms"] for e in per_layer)} for name in PHASES},
+        "phases_R": phases_R,
+        "slowest_rank": {name: int(np.argmax(v)) for name, v in phases_R.items()},
         "bytes_sent": int(sum(e["bytes"]["sent"] for e in per_layer)),
         "correct": (all(checked) if checked else None),
         "max_abs_err": max((e["max_abs_err"] for e in per_layer if e["max_abs_err"] is not None), default=None),

@@ -23,6 +23,130 @@ from moonep_sim.plan.placement import ClusterShape
 from moonep_sim.plan.plan import GlobalRouting, Hop, Plan, RowCosts, layout_slots
 
 
+def stable_order(key_N: np.ndarray, n_keys: int) -> np.ndarray:
+    """int64 [N] permutation sorting ``key_N`` (integers in [0, n_keys)) stably.
+
+    numpy's stable sort is a radix sort for integer dtypes of 16 bits or less, so keys of up to 16
+    bits are sorted in one pass on a narrowed copy, and wider keys least-significant 16-bit digit
+    first (one stable pass per digit: a radix sort whose digits are 16 bits wide).
+    """
+    if n_keys <= 1 << 8:
+        return np.argsort(key_N.astype(np.uint8, copy=False), kind="stable")
+    if n_keys <= 1 << 16:
+        return np.argsort(key_N.astype(np.uint16, copy=False), kind="stable")
+    key = np.asarray(key_N, dtype=np.int64)
+    order = np.argsort((key & 0xFFFF).astype(np.uint16), kind="stable")
+    shift = 16
+    while (n_keys - 1) >> shift:
+        digit = ((key[order] >> shift) & 0xFFFF).astype(np.uint16)
+        order = order[np.argsort(digit, kind="stable")]
+        shift += 16
+    return order
+
+
+def _route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,
+               ranks: int, scope: str) -> tuple[Hop, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`route_hop`, also returning the (dst, gid, entry) order of the entries and the flags
+    marking the first entry of each message in that order (the others share its row)."""
+    n = dst_rank_N.size
+    R = int(ranks)
+    if n == 0:
+        z = np.zeros(0, np.int64)
+        return Hop(scope, z, z, z, z, np.zeros(R, np.int64)), z, z, np.zeros(0, dtype=bool)
+    if n > 1 and bool((gid_N[1:] < gid_N[:-1]).any()):  # general case: sort on (dst, gid)
+        G = int(gid_N.max()) + 1
+        order = np.argsort(dst_rank_N * G + gid_N, kind="stable")
+    else:  # gid non-decreasing in entry order: a stable sort on dst alone gives (dst, gid, entry)
+        order = stable_order(dst_rank_N, R)
+    cnt_D = np.bincount(dst_rank_N, minlength=R)
+    gs = gid_N[order]
+    first = np.empty(n, dtype=bool)
+    np.not_equal(gs[1:], gs[:-1], out=first[1:])
+    first[0] = True
+    bound = (np.cumsum(cnt_D) - cnt_D)[cnt_D > 0]
+    first[bound] = True  # a new destination starts a new message
+    lead = order[first]  # one representative entry per message: the first in entry order
+    M = lead.size
+    m_gid = gs[first]
+    del gs
+    mcum = np.cumsum(first.view(np.uint8), dtype=np.int64)  # messages up to and including each sorted entry
+    ends = np.cumsum(cnt_D)
+    m_at = np.where(ends > 0, mcum[np.maximum(ends - 1, 0)], 0)  # messages before each dst's end
+    per_dst = np.diff(np.concatenate([[0], m_at])).astype(np.int64)  # messages per destination
+    # messages are in (dst, gid) order; the receive buffer of each dst is in (src, gid) order
+    m_src = src_rank_N[lead]
+    m_srow = src_row_N[lead]
+    del lead
+    m_dst = np.repeat(np.arange(R, dtype=np.int64), per_dst)
+    o2 = stable_order(m_dst * R + m_src, R * R)  # (dst, src, gid); keeps each dst's block in place
+    dst_start = np.cumsum(per_dst) - per_dst
+    m_row = np.empty(M, dtype=np.int64)
+    m_row[o2] = np.arange(M, dtype=np.int64) - np.repeat(dst_start, per_dst)
+    del o2
+    key3 = m_src * R + m_dst
+    o3 = stable_order(key3, R * R)  # (src, dst, gid): the hop's message order
+    cnt3 = np.bincount(key3, minlength=R * R)
+    del key3
+    blocks = np.arange(R * R, dtype=np.int64)
+    hop = Hop(scope, np.repeat(blocks // R, cnt3), m_srow[o3], np.repeat(blocks % R, cnt3), m_row[o3], per_dst)
+    dst_row = np.empty(n, dtype=np.int64)
+    mcum -= 1
+    dst_row[order] = m_row[mcum]
+    return hop, dst_row, order, first
+
+
+def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray,
+                       gid_N: np.ndarray | None, ranks: int, scope: str) -> tuple[Hop, np.ndarray]:
+    """:func:`route_hop` for entries in entry order whose messages have one source each.
+
+    Requires ``gid_N`` non-decreasing (None: every entry its own message) and entries with equal
+    (dst, gid) to sit on one source rank -- true for a hop's tokens leaving their own rank, and
+    for any hop without deduplication. One stable 16-bit radix sort on ``src*R + dst`` then yields
+    the hop's message order (src, dst, gid) directly: equal gids of a (src, dst) block are
+    neighbours, each first one a message, and a destination's receive rows follow the blocks.
+    """
+    n, R = dst_rank_N.size, int(ranks)
+    key = src_rank_N * R
+    key += dst_rank_N
+    order = stable_order(key, R * R)
+    ecnt = np.bincount(key, minlength=R * R)  # entries per (src, dst) block, src-major
+    del key
+    if gid_N is not None and n:
+        gs = gid_N[order]
+        first = np.empty(n, dtype=bool)
+        first[0] = True
+        np.not_equal(gs[1:], gs[:-1], out=first[1:])
+        del gs
+        ebound = np.cumsum(ecnt) - ecnt
+        first[ebound[ecnt > 0]] = True  # a new (src, dst) block starts a new message
+        mcum = np.cumsum(first.view(np.uint8), dtype=np.int64)  # messages up to and including each entry
+        ends = np.cumsum(ecnt)
+        m_at = np.where(ends > 0, mcum[np.maximum(ends - 1, 0)], 0)
+        cnt = np.diff(np.concatenate([[0], m_at])).astype(np.int64)
+        lead = order[first]
+        del first
+    else:
+        cnt, mcum, lead = ecnt.astype(np.int64), None, order
+    M = lead.size
+    cnt_RR = cnt.reshape(R, R)  # [src, dst]
+    per_dst = cnt_RR.sum(axis=0)
+    block_start = np.cumsum(cnt) - cnt  # first message of each (src, dst) block
+    dst_row0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()  # its first receive row
+    blocks = np.arange(R * R, dtype=np.int64)
+    m_row = np.repeat(dst_row0 - block_start, cnt)
+    m_row += np.arange(M, dtype=np.int64)
+    hop = Hop(scope, np.repeat(blocks // R, cnt), src_row_N[lead], np.repeat(blocks % R, cnt), m_row,
+              per_dst.astype(np.int64))
+    del lead
+    dst_row = np.empty(n, dtype=np.int64)
+    if mcum is None:
+        dst_row[order] = m_row
+    else:
+        mcum -= 1
+        dst_row[order] = m_row[mcum]
+    return hop, dst_row
+
+
 def route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,
               ranks: int, scope: str) -> tuple[Hop, np.ndarray]:
     """One hop of a route, vectorised over the (kept) entries that take part in it.
@@ -32,48 +156,42 @@ def route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndar
     (token id to deduplicate, entry id not to); entries with equal (dst, gid) share one message,
     whose source is the first such entry's (lowest entry order) -- equal tokens, so any is correct.
     Returns (hop, dst_row_N): the Hop and each entry's row in the hop's receive buffer.
+
+    When ``gid_N`` is non-decreasing (entries in entry order, as :func:`plan_from_routes` passes
+    them) the entries are sorted by destination alone with a one-byte radix sort, and messages
+    by (dst, src) and (src, dst) with 16-bit ones.
     """
-    n = dst_rank_N.size
-    if n == 0:
-        z = np.zeros(0, np.int64)
-        return Hop(scope, z, z, z, z, np.zeros(ranks, np.int64)), z
-    G = int(gid_N.max()) + 1
-    key = dst_rank_N * G + gid_N
-    order = np.argsort(key, kind="stable")
-    ks = key[order]
-    first = np.ones(n, dtype=bool)
-    first[1:] = ks[1:] != ks[:-1]
-    msg_of_sorted = np.cumsum(first) - 1
-    lead = order[first]  # one representative entry per message
-    m_dst, m_gid = dst_rank_N[lead], gid_N[lead]
-    m_src, m_srow = src_rank_N[lead], src_row_N[lead]
-    # receive buffer order on each destination: (src, gid); messages sorted by (src, dst, gid)
-    o2 = np.argsort((m_dst * ranks + m_src) * G + m_gid, kind="stable")
-    per_dst = np.bincount(m_dst, minlength=ranks).astype(np.int64)
-    dst_start = np.cumsum(per_dst) - per_dst
-    m_row = np.empty(lead.size, dtype=np.int64)
-    m_row[o2] = np.arange(lead.size, dtype=np.int64) - dst_start[m_dst[o2]]
-    o3 = np.argsort((m_src * ranks + m_dst) * G + m_gid, kind="stable")
-    hop = Hop(scope, m_src[o3], m_srow[o3], m_dst[o3], m_row[o3], per_dst)
-    dst_row = np.empty(n, dtype=np.int64)
-    dst_row[order] = m_row[msg_of_sorted]
+    hop, dst_row, _, _ = _route_hop(np.asarray(src_rank_N, dtype=np.int64), np.asarray(src_row_N, dtype=np.int64),
+                                    np.asarray(dst_rank_N, dtype=np.int64), np.asarray(gid_N, dtype=np.int64),
+                                    ranks, scope)
     return hop, dst_row
 
 
 def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
     """bool [N]: True for a kept entry whose token has an earlier kept entry at the same rank."""
+    entry_rank_N = np.asarray(entry_rank_N, dtype=np.int64)
     N = entry_rank_N.size
-    kept = np.flatnonzero(entry_rank_N >= 0)
     dup = np.zeros(N, dtype=bool)
-    if kept.size == 0:
+    if N == 0:
         return dup
     R = int(entry_rank_N.max()) + 1
-    key = (kept // top_k) * R + entry_rank_N[kept]
-    order = np.argsort(key, kind="stable")
-    ks = key[order]
-    later = np.zeros(kept.size, dtype=bool)
-    later[1:] = ks[1:] == ks[:-1]
-    dup[kept[order[later]]] = True
+    if R == 0:
+        return dup
+    if entry_rank_N.min() >= 0:
+        kept, rank = None, entry_rank_N
+    else:
+        kept = np.flatnonzero(entry_rank_N >= 0)
+        rank = entry_rank_N[kept]
+    # kept entries sorted stably by rank: (rank, token, entry); a later entry of an equal (rank,
+    # token) pair is a duplicate
+    order = stable_order(rank, R)
+    tok = (np.arange(N, dtype=np.int64) if kept is None else kept)[order] // max(int(top_k), 1)
+    cnt = np.bincount(rank, minlength=R)
+    later = np.zeros(order.size, dtype=bool)
+    np.equal(tok[1:], tok[:-1], out=later[1:])
+    later[(np.cumsum(cnt) - cnt)[cnt > 0]] = False  # a new rank starts a new group
+    sel = order[later]
+    dup[sel if kept is None else kept[sel]] = True
     return dup
 
 
@@ -150,20 +268,43 @@ def plan_from_routes(strategy: str, options: dict[str, Any], routing: GlobalRout
                         f"hops ({H}): H-1 intermediate ranks and H flags")
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
     entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
-    kept = np.flatnonzero(entry_slot >= 0)
-    tok = kept // max(K, 1)
-    src = routing.src_rank_T()[tok]
-    pos = [src] + [np.asarray(v, dtype=np.int64).ravel()[kept] for v in via_N] + [slot_rank_S[entry_slot[kept]]]
-    row = tok - routing.tok_off_R()[src]
+    N = entry_slot.size
+    K1 = max(K, 1)
+    all_kept = bool(N == 0 or entry_slot.min() >= 0)
+    kept = np.arange(N, dtype=np.int64) if all_kept else np.flatnonzero(entry_slot >= 0)
+    tok = kept >> (K1.bit_length() - 1) if K1 & (K1 - 1) == 0 else kept // K1
+    src_T = routing.src_rank_T()
+    src = np.repeat(src_T, K) if all_kept else src_T[tok]
+    pick = (lambda a: a) if all_kept else (lambda a: a[kept])
+    pos = [src] + [pick(np.asarray(v, dtype=np.int64).ravel()) for v in via_N] + [slot_rank_S[pick(entry_slot)]]
+    row = tok - np.repeat(routing.tok_off_R()[:-1], routing.tokens_per_rank_R * K) if all_kept \
+        else tok - routing.tok_off_R()[src]
+    entry_rank = pos[H] if all_kept else np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
+    entry_dup = None
     hops = []
     for h in range(H):
-        gid = tok if dedup[h] else kept
-        hop, row = route_hop(pos[h], row, pos[h + 1], gid, R, scopes[h])
+        if h == 0 or not dedup[h]:
+            # hop 0 leaves each token's own rank; without dedup every entry is its own message: either
+            # way each message has one source, and one (src, dst) radix sort orders the hop
+            hop, row = _route_hop_grouped(pos[h], row, pos[h + 1], tok if dedup[h] else None, R, scopes[h])
+        else:
+            hop = None
+            if h == H - 1:
+                # the last hop's messages are (token, final rank) pairs, one per non-duplicate entry;
+                # the grouped form is exact when it finds that many (no message with two sources)
+                entry_dup = dup_flags(entry_rank, K)
+                hop2, row2 = _route_hop_grouped(pos[h], row, pos[h + 1], tok, R, scopes[h])
+                if hop2.src_rank_M.size == kept.size - int(np.count_nonzero(entry_dup)):
+                    hop, row = hop2, row2
+                del hop2, row2
+            if hop is None:
+                hop, row, _, _ = _route_hop(pos[h], row, pos[h + 1], tok, R, scopes[h])
         hops.append(hop)
-    entry_buf_row = np.full(entry_slot.size, -1, dtype=np.int64)
-    entry_buf_row[kept] = row
-    entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
-    entry_dup = dup_flags(entry_rank, K) if dedup[-1] else np.zeros(entry_slot.size, dtype=bool)
+    entry_buf_row = row if all_kept else np.full(N, -1, dtype=np.int64)
+    if not all_kept:
+        entry_buf_row[kept] = row
+    if entry_dup is None:
+        entry_dup = dup_flags(entry_rank, K) if dedup[-1] else np.zeros(N, dtype=bool)
     return assemble_plan(strategy, options, routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S,
                          entry_slot, hops, entry_buf_row, entry_dup, token_padding=token_padding,
                          started=started, **extra)

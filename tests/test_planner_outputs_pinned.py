@@ -1,0 +1,610 @@
+"""The planners of ``capacity``, ``hierarchical``, ``deepep``, ``allgather`` and ``eplb`` (and the
+multi-hop builders behind them) keep their outputs while their implementations are optimised.
+
+``ref_*`` below are the first, straightforward implementations (argsort/lexsort over int64 keys),
+kept verbatim as slow references; only the names of the functions they call were given the same
+``ref_`` prefix. Every field of the package's Plans (values and dtypes, hops included; not
+``plan_seconds``) must equal the reference's, on named small cases, on hypothesis-drawn routings
+(uneven ranks, padding, custom placements with replicas, every option variant) and on a
+medium-sized skewed layer. ``plan_from_slots``, ``layout_slots`` and ``single_hop_messages`` are
+pinned the same way in ``tests/test_plan_builders.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import random_routing
+from moonep_sim.errors import ConfigError, PlanError, require
+from moonep_sim.plan import ClusterShape, GlobalRouting, Hop, Placement, Plan, RowCosts, layout_slots, \
+    plan_from_slots
+from moonep_sim.strategies import PlanContext, make_plan
+from moonep_sim.strategies.eplb import balancedness, default_redundant, migrations, rebalance
+
+# Notation: T tokens, K top-k, E experts, R ranks, G GPUs per node, N = T*K entries, S slots.
+
+# ==================================================================================================
+# references (the original implementations)
+# ==================================================================================================
+
+# --- moonep_sim.plan.multihop ------------------------------------------------------------------
+
+def ref_route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,
+              ranks: int, scope: str) -> tuple[Hop, np.ndarray]:
+    """One hop of a route, vectorised over the (kept) entries that take part in it.
+
+    src_rank_N, src_row_N: where each entry's token sits before the hop (rank, buffer row).
+    dst_rank_N: the rank the entry's token must reach.  gid_N: message key within a destination
+    (token id to deduplicate, entry id not to); entries with equal (dst, gid) share one message,
+    whose source is the first such entry's (lowest entry order) -- equal tokens, so any is correct.
+    Returns (hop, dst_row_N): the Hop and each entry's row in the hop's receive buffer.
+    """
+    n = dst_rank_N.size
+    if n == 0:
+        z = np.zeros(0, np.int64)
+        return Hop(scope, z, z, z, z, np.zeros(ranks, np.int64)), z
+    G = int(gid_N.max()) + 1
+    key = dst_rank_N * G + gid_N
+    order = np.argsort(key, kind="stable")
+    ks = key[order]
+    first = np.ones(n, dtype=bool)
+    first[1:] = ks[1:] != ks[:-1]
+    msg_of_sorted = np.cumsum(first) - 1
+    lead = order[first]  # one representative entry per message
+    m_dst, m_gid = dst_rank_N[lead], gid_N[lead]
+    m_src, m_srow = src_rank_N[lead], src_row_N[lead]
+    # receive buffer order on each destination: (src, gid); messages sorted by (src, dst, gid)
+    o2 = np.argsort((m_dst * ranks + m_src) * G + m_gid, kind="stable")
+    per_dst = np.bincount(m_dst, minlength=ranks).astype(np.int64)
+    dst_start = np.cumsum(per_dst) - per_dst
+    m_row = np.empty(lead.size, dtype=np.int64)
+    m_row[o2] = np.arange(lead.size, dtype=np.int64) - dst_start[m_dst[o2]]
+    o3 = np.argsort((m_src * ranks + m_dst) * G + m_gid, kind="stable")
+    hop = Hop(scope, m_src[o3], m_srow[o3], m_dst[o3], m_row[o3], per_dst)
+    dst_row = np.empty(n, dtype=np.int64)
+    dst_row[order] = m_row[msg_of_sorted]
+    return hop, dst_row
+
+
+def ref_dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
+    """bool [N]: True for a kept entry whose token has an earlier kept entry at the same rank."""
+    N = entry_rank_N.size
+    kept = np.flatnonzero(entry_rank_N >= 0)
+    dup = np.zeros(N, dtype=bool)
+    if kept.size == 0:
+        return dup
+    R = int(entry_rank_N.max()) + 1
+    key = (kept // top_k) * R + entry_rank_N[kept]
+    order = np.argsort(key, kind="stable")
+    ks = key[order]
+    later = np.zeros(kept.size, dtype=bool)
+    later[1:] = ks[1:] == ks[:-1]
+    dup[kept[order[later]]] = True
+    return dup
+
+
+def ref_assemble_plan(strategy: str, options: dict[str, Any], routing: GlobalRouting, cluster: ClusterShape,
+                  costs: RowCosts, slot_rank_S: np.ndarray, slot_expert_S: np.ndarray, slot_home_S: np.ndarray,
+                  entry_slot_N: np.ndarray, hops: Sequence[Hop], entry_buf_row_N: np.ndarray,
+                  entry_dup_N: np.ndarray, *, token_padding: int = 1, min_rows_S: np.ndarray | None = None,
+                  pad_slot_P: np.ndarray | None = None, pad_buf_row_P: np.ndarray | None = None,
+                  capacity_R: np.ndarray | None = None, started: float | None = None, **extra) -> Plan:
+    """A Plan from explicit hops and each entry's row in the last hop's buffer.
+
+    entry_slot_N: int64 [N] slot of each entry (slots sorted by rank), -1 = dropped.
+    entry_buf_row_N: int64 [N] row of the last buffer (on the entry's rank) holding its token.
+    entry_dup_N: bool [N] duplicate flags (see :class:`Plan`).
+    pad_slot_P / pad_buf_row_P: optional padding rows that *arrived* over the wire (zero rows sent
+    with ``src_row == -1``) and are computed by slot ``pad_slot_P[p]``: they fill that slot's
+    padding rows in order; padding rows beyond them read the local zero row (-1).
+    """
+    T, K = routing.topk_ids_TK.shape
+    R = cluster.ranks
+    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    entry_slot = np.asarray(entry_slot_N, dtype=np.int64).ravel()
+    slot_rows, padded, offset, entry_row = layout_slots(entry_slot, slot_rank_S, token_padding, min_rows_S)
+    entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
+    rows_R = np.bincount(slot_rank_S, weights=padded, minlength=R).astype(np.int64)
+    row_off = np.concatenate([[0], np.cumsum(rows_R)])
+    W = int(row_off[-1])
+    row_entry = np.full(W, -1, dtype=np.int64)
+    expand = np.full(W, -1, dtype=np.int64)
+    kept = np.flatnonzero(entry_slot >= 0)
+    g = row_off[entry_rank[kept]] + entry_row[kept]
+    row_entry[g] = kept
+    expand[g] = np.asarray(entry_buf_row_N, dtype=np.int64)[kept]
+    if pad_slot_P is not None and len(pad_slot_P):
+        ps = np.asarray(pad_slot_P, dtype=np.int64)
+        order = np.argsort(ps, kind="stable")
+        ps_sorted = ps[order]
+        cnt = np.bincount(ps, minlength=slot_rank_S.size)
+        if (cnt > padded - slot_rows).any():
+            s = int(np.argmax(cnt > padded - slot_rows))
+            raise PlanError(f"padding rows of slot {s} ({int(cnt[s])}) must fit its padding "
+                            f"({int(padded[s] - slot_rows[s])})")
+        j = np.arange(ps.size) - (np.cumsum(cnt) - cnt)[ps_sorted]
+        gp = row_off[slot_rank_S[ps_sorted]] + offset[ps_sorted] + slot_rows[ps_sorted] + j
+        expand[gp] = np.asarray(pad_buf_row_P, dtype=np.int64)[order]
+    return Plan(
+        strategy=strategy, options=dict(options), cluster=cluster, num_experts=routing.num_experts, top_k=K,
+        tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),
+        entry_rank_TK=entry_rank.reshape(T, K), entry_row_TK=entry_row.reshape(T, K),
+        entry_dup_TK=np.asarray(entry_dup_N, dtype=bool).reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
+        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slot_expert_S, dtype=np.int64),
+        slot_home_S=np.asarray(slot_home_S, dtype=np.int64), slot_offset_S=offset, slot_rows_S=slot_rows,
+        slot_padded_S=padded, row_entry_W=row_entry, expand_src_row_W=expand, hops=tuple(hops),
+        capacity_R=capacity_R,
+        plan_seconds=(time.perf_counter() - started) if started is not None else 0.0, **extra)
+
+
+def ref_plan_from_routes(strategy: str, options: dict[str, Any], routing: GlobalRouting, cluster: ClusterShape,
+                     costs: RowCosts, slot_rank_S: np.ndarray, slot_expert_S: np.ndarray, slot_home_S: np.ndarray,
+                     entry_slot_TK: np.ndarray, via_N: Sequence[np.ndarray], scopes: Sequence[str],
+                     dedup: Sequence[bool], *, token_padding: int = 1, started: float | None = None,
+                     **extra) -> Plan:
+    """A multi-hop Plan: entry e's token goes src -> via_N[0][e] -> ... -> its slot's rank.
+
+    entry_slot_TK: int64 [T, K] slot per entry (-1 dropped).  via_N: H-1 int64 [N] arrays, the
+    intermediate rank of each entry after hops 0..H-2 (values at dropped entries are ignored).
+    scopes / dedup: one per hop (H = len(scopes)); dedup[h] sends a token once per receiving rank.
+    """
+    T, K = routing.topk_ids_TK.shape
+    R = cluster.ranks
+    H = len(scopes)
+    if len(via_N) != H - 1 or len(dedup) != H:
+        raise PlanError(f"route ({len(via_N)} intermediate ranks, {len(dedup)} dedup flags) must match "
+                        f"hops ({H}): H-1 intermediate ranks and H flags")
+    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
+    kept = np.flatnonzero(entry_slot >= 0)
+    tok = kept // max(K, 1)
+    src = routing.src_rank_T()[tok]
+    pos = [src] + [np.asarray(v, dtype=np.int64).ravel()[kept] for v in via_N] + [slot_rank_S[entry_slot[kept]]]
+    row = tok - routing.tok_off_R()[src]
+    hops = []
+    for h in range(H):
+        gid = tok if dedup[h] else kept
+        hop, row = ref_route_hop(pos[h], row, pos[h + 1], gid, R, scopes[h])
+        hops.append(hop)
+    entry_buf_row = np.full(entry_slot.size, -1, dtype=np.int64)
+    entry_buf_row[kept] = row
+    entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
+    entry_dup = ref_dup_flags(entry_rank, K) if dedup[-1] else np.zeros(entry_slot.size, dtype=bool)
+    return ref_assemble_plan(strategy, options, routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S,
+                         entry_slot, hops, entry_buf_row, entry_dup, token_padding=token_padding,
+                         started=started, **extra)
+
+
+def ref_home_slots(placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(slot_rank_S, slot_expert_S, slot_of_E): a placement's home slots only (replicas ignored),
+    sorted by rank, and the index of each expert's home slot among them."""
+    p = placement
+    home = p.slot_rank_S == p.home_E[p.slot_expert_S]
+    sr, se = p.slot_rank_S[home], p.slot_expert_S[home]
+    slot_of = np.empty(p.num_experts, dtype=np.int64)
+    slot_of[se] = np.arange(se.size)
+    return sr, se, slot_of
+
+
+# --- moonep_sim.strategies.capacity ------------------------------------------------------------
+
+def ref_capacity_per_rank_R(tokens_per_rank_R: np.ndarray, top_k: int, num_experts: int, cf: float) -> np.ndarray:
+    """int64 [R]: rows each source rank may send each expert, ``ceil(s_r*K/E*cf)``."""
+    s = np.asarray(tokens_per_rank_R, dtype=np.int64)
+    # exact ceil of s*K*cf/E, guarding float noise (e.g. 0.1*30 = 3.0000000000000004)
+    x = s * top_k * float(cf) / num_experts
+    return np.ceil(np.round(x, 9)).astype(np.int64)
+
+
+def ref_keep_mask_N(ids_N: np.ndarray, weights_N: np.ndarray, src_N: np.ndarray, cap_R: np.ndarray,
+                num_experts: int, drop: str) -> np.ndarray:
+    """bool [N]: which entries fit their (source rank, expert) capacity (vectorised).
+
+    drop=weight keeps the highest weights (ties: earlier entry first); drop=position keeps the
+    earliest entries (token order, then k).
+    """
+    n = ids_N.size
+    group = src_N * num_experts + ids_N
+    if drop == "weight":
+        # lexsort is stable: equal (group, weight) keep entry order, so earlier entries win ties
+        order = np.lexsort((-weights_N.astype(np.float64), group))
+    else:
+        order = np.argsort(group, kind="stable")
+    gs = group[order]
+    cnt = np.bincount(gs, minlength=int(cap_R.size) * num_experts) if n else np.zeros(0, np.int64)
+    start = np.cumsum(cnt) - cnt
+    rank_in_group = np.arange(n, dtype=np.int64) - start[gs]
+    keep = np.empty(n, dtype=bool)
+    keep[order] = rank_in_group < cap_R[gs // num_experts]
+    return keep
+
+
+def ref_capacity(routing: GlobalRouting, ctx: PlanContext, cf: float = 1.0, drop: str = "weight", pad: bool = True) -> Plan:
+    t0 = time.perf_counter()
+    require(cf > 0 and math.isfinite(cf), f"cf ({cf:g}) must be > 0: the capacity factor scales the "
+                                          "rows each expert takes")
+    if drop not in ("weight", "position"):
+        raise ConfigError(f"drop ({drop!r}) must be 'weight' or 'position'")
+    T, K = routing.topk_ids_TK.shape
+    E, R = routing.num_experts, ctx.cluster.ranks
+    sr, se, slot_of = ref_home_slots(ctx.placement)
+    S = sr.size
+    cap_R = ref_capacity_per_rank_R(routing.tokens_per_rank_R, K, E, cf)
+    ids = routing.topk_ids_TK.ravel()
+    src = np.repeat(routing.src_rank_T(), K)
+    keep = ref_keep_mask_N(ids, routing.topk_weights_TK.ravel(), src, cap_R, E, drop)
+    entry_slot = np.where(keep, slot_of[ids], -1)
+    kept = np.flatnonzero(keep)
+    tok = kept // max(K, 1)
+    k_slot = entry_slot[kept]
+    k_src = src[kept]
+    k_dst = sr[k_slot]
+    # receive buffer on each destination: blocks (src rank, slot in rank order), each C_src rows when
+    # padding (kept rows first, zero rows after), or only the kept rows without padding
+    per_rs = np.bincount(k_src * S + k_slot, minlength=R * S).reshape(R, S)  # kept rows per (src, slot)
+    block_RS = np.broadcast_to(cap_R[:, None], (R, S)) if pad else per_rs
+    # offset of block (r, s) within its destination buffer: blocks ordered by (src r, slot s)
+    dst_of_S = sr
+    blk_dst = np.broadcast_to(dst_of_S[None, :], (R, S)).ravel()
+    blk_len = np.ascontiguousarray(block_RS).ravel().astype(np.int64)
+    blk_key = blk_dst * (R * S) + np.arange(R * S)  # (dst, src, slot) order
+    o = np.argsort(blk_key, kind="stable")
+    lens = blk_len[o]
+    cum = np.cumsum(lens) - lens
+    dst_start = np.concatenate([[0], np.cumsum(np.bincount(blk_dst, weights=blk_len, minlength=R))]).astype(np.int64)
+    blk_off = np.empty(R * S, dtype=np.int64)
+    blk_off[o] = cum - dst_start[blk_dst[o]]
+    dst_rows_R = np.bincount(blk_dst, weights=blk_len, minlength=R).astype(np.int64)
+    # position of each kept entry within its (src, slot) block: global order (layout order)
+    b = k_src * S + k_slot
+    ob = np.argsort(b, kind="stable")
+    cnt_b = per_rs.ravel()
+    pos = np.empty(kept.size, dtype=np.int64)
+    pos[ob] = np.arange(kept.size) - (np.cumsum(cnt_b) - cnt_b)[b[ob]]
+    e_buf_row = blk_off[b] + pos
+    # messages: kept rows, plus zero rows (C_r - kept) of each block when padding
+    m_src = [k_src]
+    m_srow = [tok - routing.tok_off_R()[k_src]]
+    m_dst = [k_dst]
+    m_row = [e_buf_row]
+    pad_slot = pad_row = np.zeros(0, np.int64)
+    if pad:
+        zeros = (block_RS - per_rs).ravel()
+        zb = np.repeat(np.arange(R * S), zeros)
+        zj = np.arange(zb.size) - np.repeat(np.cumsum(zeros) - zeros, zeros)
+        pad_row = blk_off[zb] + cnt_b[zb] + zj
+        pad_slot = zb % S
+        m_src.append(zb // S)
+        m_srow.append(np.full(zb.size, -1, np.int64))
+        m_dst.append(dst_of_S[pad_slot])
+        m_row.append(pad_row)
+    ms, mr, md, mw = (np.concatenate(a) for a in (m_src, m_srow, m_dst, m_row))
+    # (src, dst, dst_row) order; dst rows are unique per dst, so one int64 key sorts them
+    om = np.argsort((ms * R + md) * (int(dst_rows_R.max()) + 1) + mw)
+    hop = Hop("global", ms[om], mr[om], md[om], mw[om], dst_rows_R)
+    entry_buf_row = np.full(T * K, -1, dtype=np.int64)
+    entry_buf_row[kept] = e_buf_row
+    # static capacity: per slot sum_r C_r rows, rounded up to token_padding
+    tp = max(int(ctx.token_padding), 1)
+    slot_cap = np.full(S, int(cap_R.sum()), dtype=np.int64)
+    slot_cap = (slot_cap + tp - 1) // tp * tp
+    capacity_R = np.bincount(sr, weights=slot_cap, minlength=R).astype(np.int64)
+    return ref_assemble_plan("capacity", {"cf": cf, "drop": drop, "pad": pad,
+                                      "capacity_per_source_rank": int(cap_R.max()) if R else 0},
+                         routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [hop], entry_buf_row,
+                         np.zeros(T * K, dtype=bool), token_padding=tp,
+                         min_rows_S=slot_cap if pad else None, pad_slot_P=pad_slot, pad_buf_row_P=pad_row,
+                         capacity_R=capacity_R, started=t0)
+
+
+# --- moonep_sim.strategies.hierarchical --------------------------------------------------------
+
+def ref_hierarchical(routing: GlobalRouting, ctx: PlanContext, dedup: bool = False) -> Plan:
+    t0 = time.perf_counter()
+    G = ctx.cluster.gpus_per_node
+    sr, se, slot_of = ref_home_slots(ctx.placement)
+    entry_slot = slot_of[routing.topk_ids_TK].ravel()
+    dst = sr[entry_slot]
+    src = np.repeat(routing.src_rank_T(), routing.top_k)
+    via = (src // G) * G + dst % G  # same node as the source, local index of the destination
+    return ref_plan_from_routes("hierarchical", {"dedup": dedup}, routing, ctx.cluster, ctx.costs, sr, se, sr,
+                            entry_slot.reshape(routing.topk_ids_TK.shape), [via], ("intra_node", "inter_node"),
+                            (dedup, dedup), token_padding=ctx.token_padding, started=t0)
+
+
+# --- moonep_sim.strategies.deepep --------------------------------------------------------------
+
+def ref_nodes_per_token_T(node_TK: np.ndarray) -> np.ndarray:
+    """int64 [T]: distinct nodes among each token's K destinations."""
+    if node_TK.size == 0:
+        return np.zeros(node_TK.shape[0], dtype=np.int64)
+    s = np.sort(node_TK, axis=1)
+    return 1 + (s[:, 1:] != s[:, :-1]).sum(axis=1).astype(np.int64)
+
+
+def ref_deepep(routing: GlobalRouting, ctx: PlanContext, max_nodes: int = 0) -> Plan:
+    t0 = time.perf_counter()
+    require(max_nodes >= 0, f"max_nodes ({max_nodes}) must be >= 0 (0 = no limit)")
+    G = ctx.cluster.gpus_per_node
+    sr, se, slot_of = ref_home_slots(ctx.placement)
+    ids = routing.topk_ids_TK
+    entry_slot = slot_of[ids]
+    dst_TK = sr[entry_slot]
+    npt = ref_nodes_per_token_T(dst_TK // G)
+    if max_nodes and npt.size and int(npt.max()) > max_nodes:
+        t = int(np.argmax(npt > max_nodes))
+        raise PlanError(f"nodes of token {t} ({int(npt[t])}) must be <= max_nodes ({max_nodes}): the given "
+                        "routing is not node-limited; route from logits with node_limited_topk")
+    src = np.repeat(routing.src_rank_T(), routing.top_k)
+    via = (dst_TK.ravel() // G) * G + src % G  # destination node, the source's local index
+    opts = {"max_nodes": max_nodes,
+            "max_nodes_per_token": int(npt.max()) if npt.size else 0,
+            "mean_nodes_per_token": float(npt.mean()) if npt.size else 0.0}
+    return ref_plan_from_routes("deepep", opts, routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [via],
+                            ("inter_node", "intra_node"), (True, True), token_padding=ctx.token_padding,
+                            started=t0)
+
+
+# --- moonep_sim.strategies.allgather -----------------------------------------------------------
+
+def ref_allgather(routing: GlobalRouting, ctx: PlanContext) -> Plan:
+    t0 = time.perf_counter()
+    R, T, K = ctx.cluster.ranks, routing.num_tokens, routing.top_k
+    sr, se, slot_of = ref_home_slots(ctx.placement)
+    # messages sorted by (src, dst, token): src r sends its tokens [off_r, off_r + s_r) to every dst
+    tok_off = routing.tok_off_R()
+    tpr = routing.tokens_per_rank_R
+    src_T = routing.src_rank_T()
+    # for each source rank, its token block repeated for every destination
+    tok = np.concatenate([np.tile(np.arange(tok_off[r], tok_off[r + 1]), R) for r in range(R)]) if T \
+        else np.zeros(0, np.int64)  # loop over ranks only; sizes grow with tokens inside numpy
+    src = src_T[tok] if T else tok
+    dst = np.concatenate([np.repeat(np.arange(R), tpr[r]) for r in range(R)]) if T else tok
+    hop = Hop("global", src.astype(np.int64), (tok - tok_off[src]).astype(np.int64), dst.astype(np.int64),
+              tok.astype(np.int64), np.full(R, T, dtype=np.int64))
+    entry_slot = slot_of[routing.topk_ids_TK].ravel()
+    entry_rank = sr[entry_slot]
+    entry_buf_row = np.repeat(np.arange(T, dtype=np.int64), K)  # every rank's buffer holds token t at row t
+    return ref_assemble_plan("allgather", {}, routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [hop],
+                         entry_buf_row, ref_dup_flags(entry_rank, K), token_padding=ctx.token_padding, started=t0)
+
+
+# --- moonep_sim.strategies.eplb ----------------------------------------------------------------
+
+def ref_choose_replicas(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_experts: int, choice: str) -> np.ndarray:
+    """int64 [N]: the slot each entry uses. The j-th entry of expert e in global order takes
+    replica ``j % c_e`` (round_robin) or ``j * c_e // n_e`` (contiguous: equal consecutive shares)."""
+    E = num_experts
+    rep = np.argsort(slot_expert_S, kind="stable")  # slots grouped by expert, in slot order
+    c = np.bincount(slot_expert_S, minlength=E)
+    c_start = np.cumsum(c) - c
+    n_e = np.bincount(ids_N, minlength=E)
+    order = np.argsort(ids_N, kind="stable")
+    j = np.empty(ids_N.size, dtype=np.int64)
+    j[order] = np.arange(ids_N.size) - (np.cumsum(n_e) - n_e)[ids_N[order]]
+    if choice == "round_robin":
+        r = j % c[ids_N]
+    elif choice == "contiguous":
+        r = j * c[ids_N] // np.maximum(n_e[ids_N], 1)
+    else:
+        raise ConfigError(f"choice ({choice!r}) must be 'round_robin' or 'contiguous'")
+    return rep[c_start[ids_N] + r]
+
+
+def ref_eplb(routing: GlobalRouting, ctx: PlanContext, num_redundant: int = -1, groups: int = 0,
+         choice: str = "round_robin", dedup: bool = False, history: np.ndarray | None = None,
+         previous: np.ndarray | None = None) -> Plan:
+    t0 = time.perf_counter()
+    E, R = routing.num_experts, ctx.cluster.ranks
+    if num_redundant < 0:
+        num_redundant = default_redundant(E, R)
+    S = E + num_redundant
+    require(S % R == 0, f"num_redundant ({num_redundant}) must make num_experts + num_redundant ({S}) "
+                        f"divisible by ranks ({R}): every GPU holds the same number of slots")
+    if history is None:
+        load = routing.counts_E().astype(np.float64)
+        source = "current"
+    else:
+        h = np.asarray(history, dtype=np.float64)
+        h = h[None] if h.ndim == 1 else h
+        require(h.ndim == 2 and h.shape[1] == E, f"history shape ({list(h.shape)}) must be [W, {E}] (num_experts)")
+        require(bool(np.isfinite(h).all() and (h >= 0).all()), "history loads must be finite and >= 0")
+        load = h.sum(axis=0)
+        source = f"history[{h.shape[0]}]"
+    num_groups = groups or ctx.cluster.num_nodes
+    slot_expert, policy = rebalance(load, S, num_groups, ctx.cluster)
+    slot_rank = np.repeat(np.arange(R, dtype=np.int64), S // R)
+    if previous is None:  # no placement in force given: the planned one is taken as already in place
+        old_r, old_e = slot_rank, slot_expert
+    else:
+        prev = np.asarray(previous, dtype=np.int64).ravel()
+        require(prev.size % R == 0 and bool(((prev >= 0) & (prev < E)).all()),
+                f"previous placement ({prev.size} slots) must list experts in [0, {E}), a multiple of ranks ({R})")
+        old_r, old_e = np.repeat(np.arange(R, dtype=np.int64), prev.size // R), prev
+    mx, ms, md = migrations(old_r, old_e, slot_rank, slot_expert, E, ctx.cluster)
+    entry_slot = ref_choose_replicas(routing.topk_ids_TK.ravel(), slot_expert, E, choice)
+    opts = {"num_redundant": num_redundant, "groups": num_groups, "choice": choice, "dedup": dedup,
+            "policy": policy, "load_source": source,
+            "planned_balancedness": balancedness(np.bincount(slot_rank, weights=load[slot_expert]
+                                                             / np.bincount(slot_expert, minlength=E)[slot_expert],
+                                                             minlength=R))}
+    return plan_from_slots("eplb", opts, routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_rank,
+                           entry_slot.reshape(routing.topk_ids_TK.shape), dedup=dedup,
+                           token_padding=ctx.token_padding, started=t0,
+                           migrate_expert_X=mx, migrate_src_X=ms, migrate_dst_X=md)
+
+
+# ==================================================================================================
+# comparison
+# ==================================================================================================
+
+REFS = {"capacity": ref_capacity, "hierarchical": ref_hierarchical, "deepep": ref_deepep,
+        "allgather": ref_allgather, "eplb": ref_eplb}
+VARIANTS = {
+    "capacity": [{}, {"cf": 0.5, "drop": "position"}, {"cf": 2.0, "pad": False}, {"cf": 0.25},
+                 {"cf": 0.7, "pad": False, "drop": "position"}],
+    "hierarchical": [{}, {"dedup": True}],
+    "deepep": [{}],
+    "allgather": [{}],
+    "eplb": [{}, {"choice": "contiguous", "dedup": True}, {"num_redundant": 0}],
+}
+COSTS = RowCosts(dispatch_row_bytes=7, combine_row_bytes=5, weight_bytes=11, grad_bytes=13)
+
+
+def _eq(name: str, a, b) -> None:
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype, f"{name}: dtype {a.dtype} != reference {b.dtype}"
+    assert a.shape == b.shape, f"{name}: shape {a.shape} != reference {b.shape}"
+    if not np.array_equal(a, b):
+        bad = np.flatnonzero((a != b).ravel())
+        raise AssertionError(f"{name}: {bad.size} elements differ from the reference, first at flat index "
+                             f"{int(bad[0])}: {a.ravel()[bad[0]]} != {b.ravel()[bad[0]]}")
+
+
+def assert_same_plan(p: Plan, q: Plan) -> None:
+    """Every field of two Plans equal (arrays: values, shapes and dtypes), plan_seconds excepted."""
+    for f in dataclasses.fields(Plan):
+        a, b = getattr(p, f.name), getattr(q, f.name)
+        if f.name == "plan_seconds":
+            continue
+        if f.name == "hops":
+            assert len(a) == len(b), f"hops: {len(a)} != reference {len(b)}"
+            for i, (ha, hb) in enumerate(zip(a, b)):
+                assert ha.scope == hb.scope, f"hop {i} scope {ha.scope} != reference {hb.scope}"
+                for g in dataclasses.fields(Hop):
+                    if g.name != "scope":
+                        _eq(f"hop {i} {g.name}", getattr(ha, g.name), getattr(hb, g.name))
+        elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            if a is None or b is None:
+                assert a is b, f"{f.name}: {a!r} != reference {b!r}"
+            else:
+                _eq(f.name, a, b)
+        else:
+            assert a == b, f"{f.name}: {a!r} != reference {b!r}"
+
+
+def compare(name: str, routing: GlobalRouting, ctx: PlanContext, **opts) -> Plan:
+    p = make_plan(name, routing, ctx, **opts)
+    q = REFS[name](routing, ctx, **opts)
+    assert_same_plan(p, q)
+    return p
+
+
+def _routing(T_per_rank, K: int, E: int, seed: int, skew: float = 1.0) -> GlobalRouting:
+    tpr = np.asarray(T_per_rank, dtype=np.int64)
+    ids, w = random_routing(int(tpr.sum()), K, E, seed, skew)
+    return GlobalRouting(ids, w.astype(np.float32), tpr, E)
+
+
+# --- named cases ----------------------------------------------------------------------------------
+
+def _named_cases():
+    rng = np.random.default_rng(5)
+    out = {}
+    out["even_R8_G4"] = (_routing([40] * 8, 4, 32, 1), PlanContext(ClusterShape(8, 4), Placement.home_groups(32, 8),
+                                                                  COSTS, 1))
+    out["uneven_R4_G2_pad4"] = (_routing([0, 7, 31, 3], 3, 12, 2, 2.0),
+                                PlanContext(ClusterShape(4, 2), Placement.home_groups(12, 4), COSTS, 4))
+    out["one_token"] = (_routing([1, 0], 2, 4, 3), PlanContext(ClusterShape(2, 1), Placement.home_groups(4, 2),
+                                                              COSTS, 1))
+    out["no_tokens"] = (_routing([0, 0, 0, 0], 2, 8, 4), PlanContext(ClusterShape(4, 2), Placement.home_groups(8, 4),
+                                                                    COSTS, 2))
+    ids = np.tile(np.array([5, 1, 2]), (30, 1))  # every token on the same experts
+    out["same_experts"] = (GlobalRouting(ids, rng.random((30, 3)).astype(np.float32), np.array([10, 10, 5, 5]), 8),
+                           PlanContext(ClusterShape(4, 2), Placement.home_groups(8, 4), COSTS, 1))
+    w = np.round(rng.random((48, 2)).astype(np.float32) * 4) / 4  # many equal weights: tie order matters
+    ids = np.stack([rng.permutation(6)[:2] for _ in range(48)])
+    out["weight_ties"] = (GlobalRouting(ids, w, np.array([24, 12, 6, 6]), 8),
+                          PlanContext(ClusterShape(4, 4), Placement.home_groups(8, 4), COSTS, 1))
+    # a custom placement whose home slots are not in expert order, with replicas (ignored by these
+    # strategies, but their slot indices shift the home slots')
+    E, R = 8, 4
+    slot_rank = np.array([0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 3])
+    slot_expert = np.array([3, 0, 5, 6, 1, 2, 7, 3, 4, 5, 1])
+    home = np.array([0, 3, 2, 2, 3, 0, 1, 2])
+    out["custom_placement"] = (_routing([9, 3, 12, 6], 3, E, 6, 1.5),
+                               PlanContext(ClusterShape(R, 2), Placement(E, R, slot_rank, slot_expert, home),
+                                           COSTS, 2))
+    return out
+
+
+NAMED = _named_cases()
+
+
+@pytest.mark.parametrize("case", sorted(NAMED))
+@pytest.mark.parametrize("name", sorted(REFS))
+def test_named_cases_match_reference(name, case):
+    routing, ctx = NAMED[case]
+    for opts in VARIANTS[name]:
+        compare(name, routing, ctx, **opts)
+
+
+def test_named_cases_cover_their_regimes():
+    """The table holds what it claims: drops and padding, empty ranks, padding of slots, duplicates."""
+    r, ctx = NAMED["uneven_R4_G2_pad4"]
+    assert (r.tokens_per_rank_R == 0).any() and ctx.token_padding > 1
+    cap = make_plan("capacity", *NAMED["same_experts"], cf=0.5)
+    assert cap.dropped > 0 and cap.padded > 0
+    assert make_plan("capacity", *NAMED["even_R8_G4"], cf=8.0).dropped == 0  # 40 rows per (rank, expert): no drop
+    w = NAMED["weight_ties"][0].topk_weights_TK
+    assert np.unique(w).size < w.size // 2
+    dp = make_plan("deepep", *NAMED["even_R8_G4"])
+    assert dp.entry_dup_TK.any() and len(dp.hops) == 2
+    assert NAMED["no_tokens"][0].num_tokens == 0
+    p = NAMED["custom_placement"][1].placement
+    assert (p.slot_rank_S != p.home_E[p.slot_expert_S]).any()  # replicas present
+
+
+# --- hypothesis ------------------------------------------------------------------------------------
+
+@st.composite
+def cases(draw):
+    G = draw(st.sampled_from([1, 2, 4]))
+    R = G * draw(st.integers(1, 3))
+    E = R * draw(st.integers(1, 4))
+    K = draw(st.integers(1, min(E, 5)))
+    tpr = np.array(draw(st.lists(st.integers(0, 20), min_size=R, max_size=R)), dtype=np.int64)
+    T = int(tpr.sum())
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    skew = draw(st.sampled_from([0.0, 1.0, 3.0]))
+    if T:
+        g = rng.normal(0, skew, E)[None, :] + rng.gumbel(size=(T, E))
+        ids = np.argsort(-g, axis=1)[:, :K].astype(np.int64)
+    else:
+        ids = np.zeros((0, K), np.int64)
+    # quantised weights make ties common (drop=weight breaks them by entry order)
+    levels = draw(st.sampled_from([0, 3]))
+    w = rng.random((T, K)).astype(np.float32)
+    if levels:
+        w = np.floor(w * levels).astype(np.float32)
+    tp = draw(st.sampled_from([1, 3, 4]))
+    return GlobalRouting(ids, w, tpr, E), PlanContext(ClusterShape(R, G), Placement.home_groups(E, R), COSTS, tp)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.sampled_from(sorted(REFS)), st.integers(0, 4))
+def test_random_cases_match_reference(case, name, variant):
+    routing, ctx = case
+    opts = VARIANTS[name][variant % len(VARIANTS[name])]
+    compare(name, routing, ctx, **opts)
+
+
+def test_medium_layer_matches_reference():
+    """A skewed layer big enough for every fast path: R=16 (G=4), E=64, K=6, uneven tokens."""
+    rng = np.random.default_rng(11)
+    tpr = rng.integers(100, 400, 16)
+    routing = _routing(tpr, 6, 64, 12, 1.2)
+    for tp in (1, 8):
+        ctx = PlanContext(ClusterShape(16, 4), Placement.home_groups(64, 16), COSTS, tp)
+        for name in sorted(REFS):
+            for opts in VARIANTS[name]:
+                compare(name, routing, ctx, **opts)
