@@ -20,7 +20,7 @@ import numpy as np
 
 from moonep_sim.errors import PlanError
 from moonep_sim.plan.placement import ClusterShape
-from moonep_sim.plan.plan import GlobalRouting, Hop, Plan, RowCosts, layout_slots
+from moonep_sim.plan.plan import GlobalRouting, Hop, Plan, RowCosts, _layout
 
 
 def stable_order(key_N: np.ndarray, n_keys: int) -> np.ndarray:
@@ -214,28 +214,37 @@ def assemble_plan(strategy: str, options: dict[str, Any], routing: GlobalRouting
     R = cluster.ranks
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
     entry_slot = np.asarray(entry_slot_N, dtype=np.int64).ravel()
-    slot_rows, padded, offset, entry_row = layout_slots(entry_slot, slot_rank_S, token_padding, min_rows_S)
-    entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
-    rows_R = np.bincount(slot_rank_S, weights=padded, minlength=R).astype(np.int64)
-    row_off = np.concatenate([[0], np.cumsum(rows_R)])
+    entry_buf_row = np.asarray(entry_buf_row_N, dtype=np.int64)
+    # entries sorted by (slot, entry), dropped first: the final rows in order (see plan.layout_slots)
+    lay = _layout(entry_slot, slot_rank_S, token_padding, min_rows_S, R)
+    slot_rows, padded, offset, entry_row = lay.slot_rows_S, lay.slot_padded_S, lay.slot_offset_S, lay.entry_row_N
+    kept_sorted = lay.order_N[lay.n_drop:]
+    if lay.n_drop:
+        entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
+    else:
+        entry_rank = slot_rank_S[entry_slot]
+    row_off = np.concatenate([[0], np.cumsum(lay.rows_R)])
     W = int(row_off[-1])
-    row_entry = np.full(W, -1, dtype=np.int64)
-    expand = np.full(W, -1, dtype=np.int64)
-    kept = np.flatnonzero(entry_slot >= 0)
-    g = row_off[entry_rank[kept]] + entry_row[kept]
-    row_entry[g] = kept
-    expand[g] = np.asarray(entry_buf_row_N, dtype=np.int64)[kept]
+    if lay.grow_K is None:  # no padding rows: final row w holds the w-th slot-sorted kept entry
+        row_entry = kept_sorted.copy()
+        expand = entry_buf_row[kept_sorted]
+    else:
+        row_entry = np.full(W, -1, dtype=np.int64)
+        expand = np.full(W, -1, dtype=np.int64)
+        row_entry[lay.grow_K] = kept_sorted
+        expand[lay.grow_K] = entry_buf_row[kept_sorted]
+    del lay, kept_sorted
     if pad_slot_P is not None and len(pad_slot_P):
         ps = np.asarray(pad_slot_P, dtype=np.int64)
-        order = np.argsort(ps, kind="stable")
-        ps_sorted = ps[order]
         cnt = np.bincount(ps, minlength=slot_rank_S.size)
         if (cnt > padded - slot_rows).any():
             s = int(np.argmax(cnt > padded - slot_rows))
             raise PlanError(f"padding rows of slot {s} ({int(cnt[s])}) must fit its padding "
                             f"({int(padded[s] - slot_rows[s])})")
-        j = np.arange(ps.size) - (np.cumsum(cnt) - cnt)[ps_sorted]
-        gp = row_off[slot_rank_S[ps_sorted]] + offset[ps_sorted] + slot_rows[ps_sorted] + j
+        order = stable_order(ps, slot_rank_S.size)  # padding rows by slot, arrival order kept
+        # the j-th arrived padding row of slot s fills row slot_rows[s] + j of its segment
+        gp = np.repeat(row_off[slot_rank_S] + offset + slot_rows - (np.cumsum(cnt) - cnt), cnt)
+        gp += np.arange(ps.size, dtype=np.int64)
         expand[gp] = np.asarray(pad_buf_row_P, dtype=np.int64)[order]
     return Plan(
         strategy=strategy, options=dict(options), cluster=cluster, num_experts=routing.num_experts, top_k=K,
