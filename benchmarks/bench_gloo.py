@@ -6,10 +6,14 @@
 overhead: in ONE run of R gloo ranks, balanced routing (every expert gets exactly T*K/E entries),
 each iteration times (a) ``dispatch + combine`` of the flat ``alltoall`` strategy through the
 Buffer including the routing exchange and planning, (b) the same with a reused handle (no
-exchange, no planning), (c) two raw ``all_to_all_single`` calls moving the same rows with the
-same split sizes into preallocated buffers. The three alternate within each iteration, after a
-barrier; a variant's time is the max over ranks, and the report gives medians over iterations
-and the ratios (a)/(c), (b)/(c).
+exchange, no planning), (b') the same with ``direct="off"`` (one ``all_to_all_single`` per hop
+instead of point-to-point runs), (c) two raw ``all_to_all_single`` calls moving the same rows
+with the same split sizes into preallocated buffers, (d) the floor: the least any executor
+starting from token-major rows can do with ``all_to_all_single`` (one gather into send order,
+(c), one weighted reduce back into token rows, all into preallocated buffers), (e) the floor's
+two local passes alone, (f) one plain copy of the rows. The variants alternate within each
+iteration (reversed every other one), each after a barrier; a variant's time is the max over
+ranks, and the report gives medians over iterations and each variant's ratio to (c).
 
 imbalance: routing by MoonEP's method (lognormal popularity, sigma bisected to the target maxvio,
 K distinct experts per token; ``moonep_sim.routing.generators``), one forward layer

@@ -608,3 +608,83 @@ def test_medium_layer_matches_reference():
         for name in sorted(REFS):
             for opts in VARIANTS[name]:
                 compare(name, routing, ctx, **opts)
+
+
+# --- the builders on their own, beyond what the strategies pass them -------------------------------
+
+def test_keep_mask_matches_reference_on_special_weights():
+    """NaN, infinities, signed zeros, negatives, subnormals and many ties: the radix key orders
+    weights exactly as the reference's float sort does."""
+    from moonep_sim.strategies.capacity import keep_mask_N
+    rng = np.random.default_rng(3)
+    special = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45, 0.5, -0.5, 1.0, 3.0e38],
+                       dtype=np.float32)
+    R, E, n = 3, 5, 4000
+    ids = rng.integers(0, E, n)
+    src = np.sort(rng.integers(0, R, n))
+    for w in (special[rng.integers(0, special.size, n)], rng.normal(size=n).astype(np.float32)):
+        for cap in (np.array([0, 3, 40]), np.array([500, 1, 7])):
+            for drop in ("weight", "position"):
+                _eq(f"keep {drop}", keep_mask_N(ids, w, src, cap, E, drop), ref_keep_mask_N(ids, w, src, cap, E, drop))
+    # more than 2**16 (source rank, expert) groups: the group key takes two radix digits
+    R, E, n = 300, 250, 20000
+    ids, src = rng.integers(0, E, n), rng.integers(0, R, n)
+    w = np.floor(rng.random(n) * 4).astype(np.float32)
+    cap = rng.integers(0, 3, R)
+    for drop in ("weight", "position"):
+        _eq(f"keep {drop} wide", keep_mask_N(ids, w, src, cap, E, drop), ref_keep_mask_N(ids, w, src, cap, E, drop))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([3, 8, 70, 300]), st.booleans())
+def test_route_hop_and_dup_flags_match_reference(seed, R, monotone):
+    """The general ``route_hop`` (any gid order, messages with several candidate sources) and
+    ``dup_flags`` (the bit-set path up to 64 ranks, the sort path beyond, with dropped entries)."""
+    from moonep_sim.plan.multihop import dup_flags, route_hop
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 400))
+    src = rng.integers(0, R, n)
+    srow = rng.integers(0, 50, n)
+    dst = rng.integers(0, R, n)
+    gid = rng.integers(0, max(n // 3, 1), n)
+    if monotone:
+        gid = np.sort(gid)
+    hop, row = route_hop(src, srow, dst, gid, R, "global")
+    rhop, rrow = ref_route_hop(src, srow, dst, gid, R, "global")
+    for g in dataclasses.fields(Hop):
+        if g.name != "scope":
+            _eq(g.name, getattr(hop, g.name), getattr(rhop, g.name))
+    _eq("dst_row", row, rrow)
+    K = int(rng.integers(1, 6))
+    er = rng.integers(-1, R, K * int(rng.integers(0, 60)))
+    er[::2] = np.maximum(er[::2], 0)
+    _eq("dup", dup_flags(er, K), ref_dup_flags(er, K))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.integers(0, 2**31 - 1), st.sampled_from([2, 3]), st.booleans())
+def test_plan_from_routes_matches_reference(case, seed, H, table):
+    """Routes given per entry (arbitrary intermediate ranks: a token's entries bound for one rank
+    may pass different ranks) or as [R, R] tables, with dropped entries and every dedup choice."""
+    from moonep_sim.plan.multihop import home_slots, plan_from_routes
+    routing, ctx = case
+    rng = np.random.default_rng(seed)
+    R, (T, K) = ctx.cluster.ranks, routing.topk_ids_TK.shape
+    sr, se, slot_of = home_slots(ctx.placement)
+    entry_slot = slot_of[routing.topk_ids_TK]
+    if rng.random() < 0.5:
+        entry_slot = np.where(rng.random(entry_slot.shape) < 0.2, -1, entry_slot)
+    dedup = tuple(bool(b) for b in rng.integers(0, 2, H))
+    scopes = ("global",) * H
+    if table:
+        tabs = [rng.integers(0, R, (R, R)) for _ in range(H - 1)]
+        src = np.repeat(routing.src_rank_T(), K)
+        dst = sr[np.maximum(entry_slot.ravel(), 0)]
+        vias = [t[src, dst] for t in tabs]
+    else:
+        vias = [rng.integers(0, R, T * K) for _ in range(H - 1)]
+    args = ("r", {}, routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot)
+    want = ref_plan_from_routes(*args, vias, scopes, dedup, token_padding=ctx.token_padding)
+    got = plan_from_routes(*args, tabs if table else vias, scopes, dedup, token_padding=ctx.token_padding,
+                           via_table=table)
+    assert_same_plan(got, want)

@@ -11,7 +11,7 @@ from moonep_sim.report import calibrate as cal
 
 
 def synthetic(lat_us: dict[int, float], bw_gbps: dict[int, float], flops: dict[int, float], launch_us: float,
-              noise: float = 0.0, seed: int = 0) -> dict:
+              noise: float = 0.0, seed: int = 0, cores: int = 4) -> dict:
     """Measurements drawn from the model the fit assumes (optionally with multiplicative noise)."""
     rng = np.random.default_rng(seed)
     a2a, comp, mem = [], [], []
@@ -26,7 +26,7 @@ def synthetic(lat_us: dict[int, float], bw_gbps: dict[int, float], flops: dict[i
                          "seconds": list(t * (1 + noise * rng.standard_normal(7)))})
         mem.append({"nproc": P, "bytes": 32 << 20, "seconds": [(32 << 20) / (5e9 / P)] * 3})
     plan = [{"seconds": [0.002, 0.001, 0.003]}]
-    return {"alltoall": a2a, "swiglu": comp, "memcopy": mem, "planning": plan}
+    return {"alltoall": a2a, "swiglu": comp, "memcopy": mem, "planning": plan, "host": [{"cpu_cores": cores}]}
 
 
 def test_fit_recovers_exact_constants():
@@ -101,6 +101,31 @@ def test_topology_written_from_fit_loads_in_the_simulator(tmp_path, monkeypatch)
     # for a process count between/beyond the measured ones, the bandwidth model is used
     t8 = cal.local_gloo_topology(f, 8, (2, 4))
     assert t8.nvlink_bandwidth_GBps == pytest.approx(f.proc_gbps(8), rel=1e-4)
+
+
+def test_cpu_rates_are_written_per_core_with_the_sharing_and_row_passes(tmp_path):
+    """With P processes on fewer cores, CPU rates measured all-at-once are de-shared (x P / cores) and
+    the cores go into [host]; the simulator re-applies max(1, ranks / cores), so a 4-rank layer on
+    the written topology computes exactly as fast as measured with 4 processes."""
+    m = synthetic({2: 150.0, 4: 450.0}, {2: 1.5, 4: 0.75}, {2: 80e9, 4: 40e9}, launch_us=20.0, cores=2)
+    m["rowpass"] = [{"nproc": 4, "op": op, "bytes": 16 << 20, "seconds": [(16 << 20) / 0.5e9] * 3}
+                    for op in ("gather", "scatter_add")]
+    m["planning"] = [{"seconds": [0.003] * 3, "plan_seconds": [0.001] * 3}]
+    f = cal.fit(m)
+    assert f.cpu_cores == 2 and f.share(4) == 2.0 and f.share(2) == 1.0
+    assert f.rowpass_gbps_P[4] == pytest.approx(0.5)
+    assert f.handle_us == pytest.approx(2000.0)
+    topo = cal.local_gloo_topology(f, 4, (2, 4))
+    assert topo.host_cores_per_node == 2.0
+    assert topo.gpu_tflops * 1e12 == pytest.approx(80e9, rel=1e-4)  # 40e9 with 4 on 2 cores -> 80e9 a core
+    assert topo.gpu_launch_us == pytest.approx(10.0, rel=1e-3)
+    assert topo.host_copy_bandwidth_GBps == pytest.approx(1.0)
+    assert topo.plan_measured_factor == 1.0 and topo.plan_fixed_us == pytest.approx(4000.0)  # handle x 2
+    assert topo.nvlink_duplex == "half" and topo.plan_routing_bytes_per_entry == 16.0
+    assert list(topo.cpu_share_R(4)) == [2.0] * 4 and list(topo.cpu_share_R(2)) == [1.0] * 2
+    back = pytest.importorskip("moonep_sim.sim.topology").read_topology_file(
+        (tmp_path / "t.toml").write_text(topo.to_toml()) and tmp_path / "t.toml")
+    assert back.host_copy_bandwidth_GBps == topo.host_copy_bandwidth_GBps and back.nic_duplex == "half"
 
 
 def test_calibrate_cli_rejects_bad_input(capsys):

@@ -11,9 +11,19 @@ Data flow of one layer (``moonep_sim.plan.plan`` describes the Plan's data movem
     dispatch: one all_gather of every rank's (s, topk_ids, topk_weights)  -> same Plan on every rank
               hop 0..H-1: index_select send rows, all_to_all_single(scope group), place rows
               expand: local gather into the expert-grouped layout
+              (last hop "direct": per (source, slot) runs sent with isend/irecv straight into the
+              layout -- no receive buffer, no expand gather; see DirectIndex)
     prefetch_weight: all_to_all_single of the copies' flattened weights (home -> copy rank)
-    combine:  weight each row, scatter-add through expand, hops H-1..0 in reverse (index_add_)
+    combine:  weight each row, scatter-add through expand, hops H-1..0 in reverse; the last
+              reduction into the token rows is one weighted bag sum (embedding_bag's kernel)
+              (last hop "direct": runs sent straight from the layout, their routing weights
+              alongside, and the weighting done inside the receiver's reduction)
     reduce_grad: all_to_all_single of the copies' weight gradients (copy rank -> home), index_add_
+
+Local passes over the rows are what this executor costs beyond the communication on CPUs (over
+loopback TCP a byte sent costs about one memory copy): with a direct last hop a single-hop
+dispatch + combine makes one gather of the token rows into send order and one weighted reduce
+back into token rows, the least any executor starting from token-major rows can do.
 
 The executor never looks at the strategy's name: it moves rows exactly as the Plan says.
 

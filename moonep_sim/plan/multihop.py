@@ -96,7 +96,8 @@ def _route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.nda
 
 
 def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray,
-                       gid_N: np.ndarray | None, ranks: int, scope: str) -> tuple[Hop, np.ndarray]:
+                       gid_N: np.ndarray | None, ranks: int, scope: str, dup_N: int | None = None,
+                       kept_N: np.ndarray | None = None):
     """:func:`route_hop` for entries in entry order whose messages have one source each.
 
     Requires ``gid_N`` non-decreasing (None: every entry its own message) and entries with equal
@@ -104,6 +105,9 @@ def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N
     for any hop without deduplication. One stable 16-bit radix sort on ``src*R + dst`` then yields
     the hop's message order (src, dst, gid) directly: equal gids of a (src, dst) block are
     neighbours, each first one a message, and a destination's receive rows follow the blocks.
+    Returns (hop, dst_row_N), and with ``dup_N`` (the number of all entries) a third item: bool
+    [dup_N] flags of the entries (``kept_N[i]`` for entry i, or i itself) that are not the first
+    of their message.
     """
     n, R = dst_rank_N.size, int(ranks)
     key = src_rank_N * R
@@ -124,9 +128,15 @@ def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N
         m_at = np.where(ends > 0, mcum[np.maximum(ends - 1, 0)], 0)
         cnt = np.diff(np.concatenate([[0], m_at])).astype(np.int64)
         lead = order[first]
+        if dup_N is not None:
+            dup = np.zeros(dup_N, dtype=bool)
+            later = order[~first]
+            dup[later if kept_N is None else kept_N[later]] = True
+            del later
         del first
     else:
         cnt, mcum, lead = ecnt.astype(np.int64), None, order
+        dup = np.zeros(dup_N or 0, dtype=bool)
     M = lead.size
     cnt_RR = cnt.reshape(R, R)  # [src, dst]
     per_dst = cnt_RR.sum(axis=0)
@@ -144,7 +154,7 @@ def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N
     else:
         mcum -= 1
         dst_row[order] = m_row[mcum]
-    return hop, dst_row
+    return (hop, dst_row) if dup_N is None else (hop, dst_row, dup)
 
 
 def route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,
@@ -176,6 +186,20 @@ def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
         return dup
     R = int(entry_rank_N.max()) + 1
     if R == 0:
+        return dup
+    K = max(int(top_k), 1)
+    if R <= 64 and N % K == 0:
+        # per token, a bit set of the ranks its earlier entries went to: K passes over the tokens
+        rank_TK = entry_rank_N.reshape(-1, K)
+        dup_TK = dup.reshape(-1, K)
+        seen = np.zeros(rank_TK.shape[0], dtype=np.uint64)
+        one = np.uint64(1)
+        for k in range(K):  # loop over top-k slots, not tokens
+            col = rank_TK[:, k]
+            bit = np.left_shift(one, np.maximum(col, 0).astype(np.uint64))
+            bit[col < 0] = 0  # dropped entries are never duplicates and mark nothing
+            np.not_equal(seen & bit, 0, out=dup_TK[:, k])
+            seen |= bit
         return dup
     if entry_rank_N.min() >= 0:
         kept, rank = None, entry_rank_N
@@ -262,11 +286,14 @@ def plan_from_routes(strategy: str, options: dict[str, Any], routing: GlobalRout
                      costs: RowCosts, slot_rank_S: np.ndarray, slot_expert_S: np.ndarray, slot_home_S: np.ndarray,
                      entry_slot_TK: np.ndarray, via_N: Sequence[np.ndarray], scopes: Sequence[str],
                      dedup: Sequence[bool], *, token_padding: int = 1, started: float | None = None,
-                     **extra) -> Plan:
+                     via_table: bool = False, **extra) -> Plan:
     """A multi-hop Plan: entry e's token goes src -> via_N[0][e] -> ... -> its slot's rank.
 
     entry_slot_TK: int64 [T, K] slot per entry (-1 dropped).  via_N: H-1 int64 [N] arrays, the
-    intermediate rank of each entry after hops 0..H-2 (values at dropped entries are ignored).
+    intermediate rank of each entry after hops 0..H-2 (values at dropped entries are ignored); with
+    ``via_table`` H-1 int64 [R, R] tables instead, ``via[s, d]`` the intermediate rank of every
+    token going from source rank s to final rank d (a route that depends on its ends only, as
+    Tutel's 2DH and DeepEP's are; it lets the last hop be ordered with one radix sort).
     scopes / dedup: one per hop (H = len(scopes)); dedup[h] sends a token once per receiving rank.
     """
     T, K = routing.topk_ids_TK.shape
@@ -285,7 +312,19 @@ def plan_from_routes(strategy: str, options: dict[str, Any], routing: GlobalRout
     src_T = routing.src_rank_T()
     src = np.repeat(src_T, K) if all_kept else src_T[tok]
     pick = (lambda a: a) if all_kept else (lambda a: a[kept])
-    pos = [src] + [pick(np.asarray(v, dtype=np.int64).ravel()) for v in via_N] + [slot_rank_S[pick(entry_slot)]]
+    dst = slot_rank_S[pick(entry_slot)]
+    if via_table:
+        for v in via_N:
+            if np.shape(v) != (R, R):
+                raise PlanError(f"via table shape ({list(np.shape(v))}) must be [R, R] = [{R}, {R}]")
+        ends = src * R
+        ends += dst
+        mids = [np.asarray(v, dtype=np.int64).ravel()[ends] for v in via_N]
+        del ends
+    else:
+        mids = [pick(np.asarray(v, dtype=np.int64).ravel()) for v in via_N]
+    pos = [src] + mids + [dst]
+    del mids
     row = tok - np.repeat(routing.tok_off_R()[:-1], routing.tokens_per_rank_R * K) if all_kept \
         else tok - routing.tok_off_R()[src]
     entry_rank = pos[H] if all_kept else np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
@@ -298,7 +337,12 @@ def plan_from_routes(strategy: str, options: dict[str, Any], routing: GlobalRout
             hop, row = _route_hop_grouped(pos[h], row, pos[h + 1], tok if dedup[h] else None, R, scopes[h])
         else:
             hop = None
-            if h == H - 1:
+            if h == H - 1 and via_table:
+                # the hop's source is via[s, d]: one per (token, final rank), so messages group as
+                # (src, dst, token) and the entries after the first of each are the duplicates
+                hop, row, entry_dup = _route_hop_grouped(pos[h], row, pos[h + 1], tok, R, scopes[h],
+                                                         dup_N=N, kept_N=None if all_kept else kept)
+            elif h == H - 1:
                 # the last hop's messages are (token, final rank) pairs, one per non-duplicate entry;
                 # the grouped form is exact when it finds that many (no message with two sources)
                 entry_dup = dup_flags(entry_rank, K)

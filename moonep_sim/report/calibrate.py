@@ -90,6 +90,30 @@ def _worker(rank: int, world: int, store: str, sizes: Sequence[int], shapes: Seq
             m_S[i] = time.perf_counter() - t0
         dist.all_reduce(m_S, op=dist.ReduceOp.MAX)
         mem = [{"nproc": world, "bytes": src.numel() * 4, "seconds": m_S.tolist()}]
+        # the executor's local passes over rows: a gather of rows in a random order (index_select)
+        # and a scatter-add of rows into random places (index_add_), each into a reused workspace and
+        # into a fresh tensor (the executor does both; a fresh one pays its page faults), 4 MiB of
+        # float32 rows (2048 of 512: the row count of a small replayed layer per rank)
+        nrows, width = 2048, 512
+        rows_x = torch.ones(nrows, width)
+        rows_y = torch.empty_like(rows_x)
+        perm = torch.randperm(nrows, generator=torch.Generator().manual_seed(rank))
+        ops = {"gather": lambda: torch.index_select(rows_x, 0, perm, out=rows_y),
+               "gather_fresh": lambda: torch.index_select(rows_x, 0, perm),
+               "scatter_add": lambda: rows_y.index_add_(0, perm, rows_x),
+               "scatter_add_fresh": lambda: torch.zeros_like(rows_x).index_add_(0, perm, rows_x)}
+        passes = []
+        for op, fn in ops.items():
+            c_S = torch.zeros(repeats, dtype=torch.float64)
+            for i in range(repeats + 1):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(4):
+                    fn()
+                if i > 0:
+                    c_S[i - 1] = (time.perf_counter() - t0) / 4
+            dist.all_reduce(c_S, op=dist.ReduceOp.MAX)
+            passes.append({"nproc": world, "op": op, "bytes": nrows * width * 4, "seconds": c_S.tolist()})
         # the cost of a bare barrier, subtracted from "compute then barrier" below
         b_S = torch.zeros(repeats, dtype=torch.float64)
         for i in range(repeats):
@@ -128,7 +152,7 @@ def _worker(rank: int, world: int, store: str, sizes: Sequence[int], shapes: Seq
                          "flops": flops, "seconds": t_S.tolist(), "calls_per_repeat": inner,
                          "barrier_s": barrier_s})
         if rank == 0:
-            Path(out).write_text(json.dumps({"alltoall": a2a, "swiglu": comp, "memcopy": mem}))
+            Path(out).write_text(json.dumps({"alltoall": a2a, "swiglu": comp, "memcopy": mem, "rowpass": passes}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -184,7 +208,10 @@ def measure(nproc: int, sizes_bytes: Sequence[int], swiglu_shapes: Sequence[tupl
 def measure_planning(repeats: int = 7) -> dict[str, Any]:
     """CPU time to plan one small synthetic layer (512 tokens, E=64, K=8, 4 ranks) with the flat
     all-to-all planner and build one rank's handle -- what every replay rank does per layer before
-    moving rows. A fixed synthetic routing, not a replayed trace. Median of ``repeats``."""
+    moving rows. A fixed synthetic routing, not a replayed trace. Median of ``repeats``.
+    ``plan_seconds``: the planner alone (as ``Plan.plan_seconds`` records it); ``seconds``: planner
+    plus handle; their difference is the handle's cost (the ``[planning] fixed_us`` constant when
+    the planner's own measured time is charged per Plan)."""
     from moonep_sim.gloo.handle import build_handle
     from moonep_sim.plan import GlobalRouting
     from moonep_sim.strategies import PlanContext, make_plan
@@ -195,13 +222,22 @@ def measure_planning(repeats: int = 7) -> dict[str, Any]:
     w = np.full((T, K), 1.0 / K, np.float32)
     routing = GlobalRouting.split_evenly(ids, w, E, R)
     ctx = PlanContext.default(E, R)
-    t_S = []
+    t_S, p_S = [], []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
         plan = make_plan("alltoall", routing, ctx)
         build_handle(plan, 0, ctx.placement.home_E, w)
         t_S.append(time.perf_counter() - t0)
-    return {"tokens": T, "experts": E, "top_k": K, "ranks": R, "seconds": t_S[1:]}
+        p_S.append(float(plan.plan_seconds))
+    return {"tokens": T, "experts": E, "top_k": K, "ranks": R, "seconds": t_S[1:], "plan_seconds": p_S[1:]}
+
+
+def host_cores() -> int:
+    """CPU cores this process may run on (its affinity set, else ``os.cpu_count()``)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 # -- fitting -------------------------------------------------------------------------------------
@@ -230,7 +266,12 @@ class CalibrationFit:
     compute_flops_per_s_alone: with the fewest; launch_us: fixed cost of one expert GEMM chain.
     mem_gbps_P: per P, bytes of a large float32 copy per second per process (the copy's size over
     its time: each byte is read once and written once).  plan_us: CPU time to plan a small synthetic
-    layer and build a handle (None if not measured).  cpu_cores: os.cpu_count() here.
+    layer and build a handle (None if not measured).  cpu_cores: the cores this process may run on
+    (``host_cores()``; a ``{"host": [{"cpu_cores": n}]}`` record overrides it).
+    rowpass_gbps_P: per P, row bytes per second of one local pass over rows (4 MiB of float32 rows
+    over the mean time of a random gather and a random scatter-add, each into a reused and into a
+    fresh tensor), all P processes at once.
+    handle_us: the handle's share of ``plan_us`` (plan + handle minus the planner alone).
     """
 
     latency_us_P: dict[int, float]
@@ -246,7 +287,13 @@ class CalibrationFit:
     launch_us: float
     mem_gbps_P: dict[int, float] = field(default_factory=dict)
     plan_us: float | None = None
-    cpu_cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+    cpu_cores: int = field(default_factory=lambda: host_cores())
+    rowpass_gbps_P: dict[int, float] = field(default_factory=dict)
+    handle_us: float | None = None
+
+    def share(self, nproc: int) -> float:
+        """How much P processes computing at once stretch each one's CPU work: max(1, P / cores)."""
+        return max(1.0, nproc / max(self.cpu_cores, 1))
 
     def proc_gbps(self, nproc: int) -> float:
         return min(self.port_gbps, self.aggregate_gbps / nproc)
@@ -256,7 +303,7 @@ class CalibrationFit:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("latency_us_P", "proc_gbps_P", "flops_per_s_P", "launch_us_P", "mem_gbps_P"):
+        for k in ("latency_us_P", "proc_gbps_P", "flops_per_s_P", "launch_us_P", "mem_gbps_P", "rowpass_gbps_P"):
             d[k] = {str(p): v for p, v in d[k].items()}
         return d
 
@@ -311,9 +358,21 @@ def fit(measurements: dict[str, list[dict[str, Any]]]) -> CalibrationFit:
     mem_P = {int(r["nproc"]): float(r["bytes"]) / statistics.median(r["seconds"]) / 1e9
              for r in measurements.get("memcopy", [])}
     plan_us = [statistics.median(r["seconds"]) * 1e6 for r in measurements.get("planning", [])]
+    handle_us = [max(0.0, statistics.median(r["seconds"]) - statistics.median(r["plan_seconds"])) * 1e6
+                 for r in measurements.get("planning", []) if r.get("plan_seconds")]
+    rp: dict[int, list[tuple[float, float]]] = {}
+    for r in measurements.get("rowpass", []):
+        rp.setdefault(int(r["nproc"]), []).append((float(r["bytes"]), statistics.median(r["seconds"])))
+    # bytes over the mean time of the variants: a pass of the executor's mix of ops
+    rowpass_P = {p: float(np.mean([b for b, _ in v]) / np.mean([t for _, t in v]) / 1e9) for p, v in rp.items()}
+    extra: dict[str, Any] = {}
+    host = measurements.get("host") or []
+    if host and host[0].get("cpu_cores"):
+        extra["cpu_cores"] = int(host[0]["cpu_cores"])
     return CalibrationFit(lat_P, bw_P, fl_P, launch_P, float(base), float(per_peer), float(port), float(aggregate),
                           fl_P[cP[-1]], fl_P[cP[0]], float(np.median(list(launch_P.values()))), mem_P,
-                          plan_us=float(plan_us[0]) if plan_us else None)
+                          plan_us=float(plan_us[0]) if plan_us else None, rowpass_gbps_P=rowpass_P,
+                          handle_us=float(handle_us[0]) if handle_us else None, **extra)
 
 
 # -- the topology file ---------------------------------------------------------------------------
@@ -343,39 +402,74 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
     bw = f.proc_gbps_P[near] if near == nproc else f.proc_gbps(nproc)
     lat = f.latency_us_P[near] if near == nproc else f.latency_us(nproc)
     cnear = min(f.flops_per_s_P, key=lambda p: abs(p - nproc))
-    flops = f.flops_per_s_P[cnear]
+    # CPU work is modelled per core: the simulator stretches it by max(1, ranks / cores) itself
+    # (``[host] cores_per_node``), so rates measured with P processes at once are de-shared here
+    s_c = f.share(cnear)
+    flops = f.flops_per_s_P[cnear] * s_c
     # the simulator counts expert activations and weights in bf16 bytes; the CPU replay moves float32,
     # twice as many bytes: the bf16-equivalent bandwidth is half the measured one
-    mem = f.mem_gbps_P[cnear] / 2 if f.mem_gbps_P.get(cnear) else base.gpu_mem_bandwidth_GBps
+    mem = f.mem_gbps_P[cnear] * s_c / 2 if f.mem_gbps_P.get(cnear) else base.gpu_mem_bandwidth_GBps
+    if f.rowpass_gbps_P:
+        rnear = min(f.rowpass_gbps_P, key=lambda p: abs(p - nproc))
+        copy_gbps = f.rowpass_gbps_P[rnear] * f.share(rnear)
+    else:
+        rnear, copy_gbps = None, base.host_copy_bandwidth_GBps
+    measured_plan = f.handle_us is not None
     host = f"{f.cpu_cores} CPU cores, measured with {list(nprocs_measured)} processes"
     how = "fit t = latency + (P-1) * m / bandwidth over message sizes m (median of repeats, slowest rank)"
+    desh = f"de-shared: x max(1, P / {f.cpu_cores} cores) = {s_c:g} (the simulator re-applies the sharing)"
     sources = {
         "nvlink_bandwidth_GBps": f"moonep-sim calibrate: gloo all_to_all_single, per process at P={near}; {how}",
         "nvlink_latency_us": f"moonep-sim calibrate: the same fit's latency at P={near}",
         "nic": "unused: every process is in one node (copied from the NVLink figures)",
-        "gpu_tflops": f"moonep-sim calibrate: float32 SwiGLU, {cnear} processes computing at once, fit t = launch + flops / rate",
-        "gpu_launch_us": "moonep-sim calibrate: the same fit's intercept",
+        "duplex": "half: a gloo TCP pair has one thread that alternately writes and reads, so both directions "
+                  "of one pair share its rate (testbed probe: a 2-rank exchange gets ~0.5 of the link each way)",
+        "gpu_tflops": f"moonep-sim calibrate: float32 SwiGLU, {cnear} processes computing at once, fit t = launch + "
+                      f"flops / rate; {desh}",
+        "gpu_launch_us": f"moonep-sim calibrate: the same fit's intercept, divided by {s_c:g}",
         "gpu_mem_bandwidth_GBps": (f"moonep-sim calibrate: 32 MiB float32 copy, {cnear} processes at once, "
-                                   "halved (the simulator counts bf16 bytes, the CPU replay moves float32)"
+                                   f"halved (the simulator counts bf16 bytes, the CPU replay moves float32); {desh}"
                                    if f.mem_gbps_P else "shipped preset value (not measured)"),
-        "plan_fixed_us": ("moonep-sim calibrate: CPU time to plan a synthetic 512-token E=64 K=8 layer (alltoall) "
+        "host_cores_per_node": f"moonep-sim calibrate: CPU cores this process may run on ({f.cpu_cores})",
+        "host_copy_bandwidth_GBps": (f"moonep-sim calibrate: torch index_select (random gather) and index_add_ "
+                                     f"(random scatter-add), into a reused and a fresh tensor, of 2048 float32 rows "
+                                     f"of 512, {rnear} processes at once: bytes over the mean time, "
+                                     f"x max(1, P / cores)" if rnear is not None
+                                     else "shipped preset value (not measured)"),
+        "plan_fixed_us": ("moonep-sim calibrate: CPU time to build one rank's handle for a synthetic 512-token "
+                          f"E=64 K=8 layer (alltoall), x max(1, {nproc} / {f.cpu_cores} cores)" if measured_plan else
+                          "moonep-sim calibrate: CPU time to plan a synthetic 512-token E=64 K=8 layer (alltoall) "
                           "and build a handle" if f.plan_us is not None else "shipped preset value (not measured)"),
+        "plan_measured_factor": ("1: each Plan's own measured planner time (Plan.plan_seconds) is charged, "
+                                 "stretched by the CPU sharing" if measured_plan else "off (not measured)"),
+        "plan_routing_bytes_per_entry": "16: the gloo executor all-gathers every token's routing as int64 "
+                                        "(expert id + weight bits) per (token, k) entry",
         "per_nproc": "; ".join(f"P={p}: latency {f.latency_us_P[p]:.1f} us, {f.proc_gbps_P[p]:.4f} GB/s"
                                for p in sorted(f.proc_gbps_P)) + "; " + "; ".join(
-            f"P={p}: {f.flops_per_s_P[p] / 1e9:.2f} GFLOP/s" for p in sorted(f.flops_per_s_P)),
+            f"P={p}: {f.flops_per_s_P[p] / 1e9:.2f} GFLOP/s" for p in sorted(f.flops_per_s_P)) + "".join(
+            f"; P={p}: row pass {v:.3f} GB/s" for p, v in sorted(f.rowpass_gbps_P.items())),
         "bandwidth_model": f"per process min(port {f.port_gbps:.4f}, aggregate {f.aggregate_gbps:.4f} / P) GB/s",
     }
     _ = load_topology
+    if measured_plan:
+        plan_fixed = float(f.handle_us) * f.share(nproc)
+    elif f.plan_us is not None:
+        plan_fixed = float(f.plan_us)
+    else:
+        plan_fixed = base.plan_fixed_us
     return replace(
         base,
         description=(f"this machine's CPU processes over loopback gloo, calibrated by moonep-sim calibrate "
                      f"for {nproc} processes ({host}) at {time.strftime('%Y-%m-%d %H:%M')}"),
         nvlink_bandwidth_GBps=round(bw, 6), nvlink_latency_us=round(lat, 3), nvlink_efficiency=1.0,
         nic_bandwidth_GBps=round(bw, 6), nic_latency_us=round(lat, 3), nic_efficiency=1.0,
+        nvlink_duplex="half", nic_duplex="half",
         gpu_tflops=round(flops / 1e12, 6), gpu_compute_efficiency=1.0,
         gpu_mem_bandwidth_GBps=round(mem, 4), gpu_mem_efficiency=1.0,
-        gpu_launch_us=round(f.launch_us_P[cnear], 3),
-        plan_fixed_us=round(f.plan_us, 3) if f.plan_us is not None else base.plan_fixed_us,
+        gpu_launch_us=round(f.launch_us_P[cnear] / s_c, 3),
+        host_cores_per_node=float(f.cpu_cores), host_copy_bandwidth_GBps=round(copy_gbps, 4),
+        plan_fixed_us=round(plan_fixed, 3), plan_measured_factor=1.0 if measured_plan else 0.0,
+        plan_routing_bytes_per_entry=16.0,
         sources=sources, path="")
 
 
@@ -414,7 +508,8 @@ def calibrate(nprocs: Sequence[int] = DEFAULT_NPROCS, sizes_bytes: Sequence[int]
         require(4 <= s <= 1 << 30, f"message size ({s} bytes) must lie in [4 B, 1 GiB]")
     require(repeats >= 1, f"repeats ({repeats}) must be >= 1")
     t0 = time.perf_counter()
-    merged: dict[str, list[dict[str, Any]]] = {"alltoall": [], "swiglu": [], "memcopy": []}
+    merged: dict[str, list[dict[str, Any]]] = {"alltoall": [], "swiglu": [], "memcopy": [], "rowpass": [],
+                                                "host": [{"cpu_cores": host_cores()}]}
     for p in nprocs:
         if progress:
             progress(f"measuring with {p} processes ...")
@@ -422,6 +517,7 @@ def calibrate(nprocs: Sequence[int] = DEFAULT_NPROCS, sizes_bytes: Sequence[int]
         merged["alltoall"] += m["alltoall"]
         merged["swiglu"] += m["swiglu"]
         merged["memcopy"] += m.get("memcopy", [])
+        merged["rowpass"] += m.get("rowpass", [])
     merged["planning"] = [measure_planning()]
     f = fit(merged)
     target = int(target_nproc or max(nprocs))

@@ -1,7 +1,7 @@
 """Flow-level network model on simpy: ports shared max-min fairly by concurrent transfers.
 
 Notation: R ranks, G GPUs per node, F flows (one per (phase, source, destination) with bytes > 0),
-P ports, L = 4 ports per path at most (shorter paths are padded with a dummy port of infinite
+P ports, L = 5 ports per path at most (shorter paths are padded with a dummy port of infinite
 capacity). Units: bytes, microseconds, bytes per microsecond.
 
 Ports
@@ -15,6 +15,12 @@ spine-down port. Paths:
 - other node, same rail: ``nic_out[src] -> nic_in[dst]`` (the rail's leaf switch is non-blocking);
 - other node, other rail: ``nic_out[src] -> spine_up[rail(src)] -> spine_down[rail(dst)] -> nic_in[dst]``;
   a spine port carries ``nodes * nic_bandwidth / oversubscription``.
+
+With ``duplex = "half"`` on a link class, every pair of ranks {a, b} joined by that class also has
+a *pair* port, appended to the path of both ``a -> b`` and ``b -> a``: the two directions of the
+pair's connection share one capacity (the class's per-direction bandwidth, scaled by the slower
+end's degradation), as a gloo TCP pair whose one thread alternately writes and reads. Pair ports
+exist only when some class is half duplex (the GPU presets have none).
 
 Each flow waits the path's latency, then transmits; concurrent flows get the max-min fair
 allocation (progressive filling: all unfrozen flows grow together until a port saturates; flows
@@ -43,7 +49,7 @@ import simpy
 
 from moonep_sim.sim.topology import Topology
 
-L_PATH = 4
+L_PATH = 5
 _DONE_REL = 1e-9
 
 
@@ -64,6 +70,7 @@ class PortMap:
     lat_nic_us: float
     lat_spine_us: float
     spine_binds: bool = True
+    pairs: bool = False
 
     KINDS = ("nvlink_out", "nvlink_in", "nic_out", "nic_in", "hbm")
 
@@ -82,15 +89,28 @@ class PortMap:
         nv, nic = topo.nvlink_bytes_per_us, topo.nic_bytes_per_us
         hbm = topo.mem_bytes_per_us / 2.0
         spine = nodes * nic / topo.fabric_oversubscription
+        pairs = topo.nvlink_duplex == "half" or topo.nic_duplex == "half"
+        pair_nom = np.zeros(0)
+        pair_cap = np.zeros(0)
+        if pairs:  # port base + a * R + b (a < b) for the pair {a, b}; unused slots never bind
+            a, b = np.divmod(np.arange(R * R), R)
+            same_node = (a // G) == (b // G)
+            half = np.where(same_node, topo.nvlink_duplex == "half", topo.nic_duplex == "half")
+            pair_nom = np.where(half & (a < b), np.where(same_node, nv, nic), np.inf)
+            fac = np.where(same_node, np.minimum(nvf[a], nvf[b]), np.minimum(nicf[a], nicf[b]))
+            pair_cap = np.where(np.isfinite(pair_nom), pair_nom * fac, np.inf)
         nominal = np.concatenate([np.full(R, nv), np.full(R, nv), np.full(R, nic), np.full(R, nic), np.full(R, hbm),
-                                  np.full(2 * rails, spine), [np.inf]])
+                                  np.full(2 * rails, spine), pair_nom, [np.inf]])
         cap = nominal.copy()
         cap[0:R] *= nvf
         cap[R:2 * R] *= nvf
         cap[2 * R:3 * R] *= nicf
         cap[3 * R:4 * R] *= nicf
+        if pairs:
+            base = 5 * R + 2 * rails
+            cap[base:base + R * R] = pair_cap
         return cls(R, G, rails, nodes, cap, nominal, topo.nvlink_latency_us, topo.nic_latency_us,
-                   topo.nic_latency_us + topo.fabric_latency_us, bool(spine_binds))
+                   topo.nic_latency_us + topo.fabric_latency_us, bool(spine_binds), bool(pairs))
 
     @property
     def num_ports(self) -> int:
@@ -105,10 +125,15 @@ class PortMap:
         if p < 5 * R:
             return f"rank{p % R}.{self.KINDS[p // R]}"
         p -= 5 * R
+        if p >= 2 * self.rails:
+            a, b = divmod(p - 2 * self.rails, R)
+            return f"pair{a}-{b}"
         return f"rail{p % self.rails}.spine_{'up' if p < self.rails else 'down'}"
 
     def kind(self, p: int) -> str:
         R = self.ranks
+        if p >= 5 * R + 2 * self.rails:
+            return "pair"
         return self.KINDS[p // R] if p < 5 * R else ("spine_up" if p - 5 * R < self.rails else "spine_down")
 
     def paths(self, src_F: np.ndarray, dst_F: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -134,6 +159,11 @@ class PortMap:
             path[cross, 2] = 5 * R + self.rails + rail_d[cross]
             path[cross, 3] = 3 * R + dst_F[cross]
         lat[cross] = self.lat_spine_us
+        if self.pairs:
+            other = ~same
+            lo, hi = np.minimum(src_F, dst_F), np.maximum(src_F, dst_F)
+            col = L_PATH - 1 if self.spine_binds else 2
+            path[other, col] = 5 * R + 2 * self.rails + lo[other] * R + hi[other]
         return path, lat
 
     def route(self, src_F: np.ndarray, dst_F: np.ndarray) -> np.ndarray:

@@ -138,6 +138,38 @@ class _Direction:
     after: list[CommPhase]
     compute_R: np.ndarray          # one chunk's compute time per rank (faults applied)
     plan_us: float
+    pre_copy: list[np.ndarray] = field(default_factory=list)    # [hop] -> [R] us before sending (gather)
+    post_copy: list[np.ndarray] = field(default_factory=list)   # [hop] -> [R] us after receiving
+    post_pre_copy: list[np.ndarray] = field(default_factory=list)   # combine hops: before sending
+    post_post_copy: list[np.ndarray] = field(default_factory=list)  # combine hops: after receiving
+
+
+def _copy_us(plan: Plan, topo: Topology, direction: str, pre: list[CommPhase], post: list[CommPhase],
+             share_R: np.ndarray) -> tuple[list, list, list, list]:
+    """Per hop and rank, the executor's local passes over rows (``host_copy_bandwidth_GBps``):
+    a gather of the rows a rank sends before each hop and a pass over the rows it receives after
+    it; the last dispatch hop's pass is the expand into the rank's final rows and the first
+    combine hop's the weighted gather of them. Zero when the rate is 0 (GPU presets)."""
+    rate = topo.copy_bytes_per_us
+    R = plan.ranks
+    if rate <= 0:
+        z = [np.zeros(R) for _ in pre], [np.zeros(R) for _ in pre], [np.zeros(R) for _ in post], \
+            [np.zeros(R) for _ in post]
+        return z
+    rows_R = plan.rows_R().astype(np.float64)
+    fwd = direction == "forward"
+    disp_row = plan.costs.dispatch_row_bytes if fwd else plan.costs.combine_row_bytes
+    comb_row = plan.costs.combine_row_bytes
+    k = share_R / rate
+    d_pre = [p.bytes_RR.sum(axis=1) * k for p in pre]
+    d_post = [p.bytes_RR.sum(axis=0) * k for p in pre]
+    if d_post:
+        d_post[-1] = rows_R * disp_row * k
+    c_pre = [p.bytes_RR.sum(axis=1) * k for p in post]
+    c_post = [p.bytes_RR.sum(axis=0) * k for p in post]
+    if c_pre:
+        c_pre[0] = rows_R * comb_row * k
+    return d_pre, d_post, c_pre, c_post
 
 
 def _direction(plan: Plan, model: ModelSpec, topo: Topology, direction: str, opts: SimOptions,
@@ -154,18 +186,25 @@ def _direction(plan: Plan, model: ModelSpec, topo: Topology, direction: str, opt
         weights, post, after = [], [], []
     elif opts.isolate == "combine":
         pre, weights, after = [], [], []
+    share_R = topo.cpu_share_R(plan.ranks)
     comp = rank_compute_us(plan, model, topo, backward=(direction == "backward"), chunks=opts.chunks,
-                           speed_R=fs.gpu_speed_R)
+                           speed_R=fs.gpu_speed_R) * share_R
     plan_us = 0.0
     if direction == "forward" and opts.planning and opts.isolate is None:
         R = plan.ranks
         counts_bytes = (R - 1) * plan.num_experts * 4.0  # everyone's int32 per-expert counts
+        if topo.plan_routing_bytes_per_entry > 0:  # every token's routing, padded to the largest rank
+            counts_bytes = (R - 1) * float(np.max(plan.tokens_per_rank_R)) * plan.top_k * \
+                topo.plan_routing_bytes_per_entry
         G = min(topo.gpus_per_node, R)
         slow_bw, lat = (topo.nic_bytes_per_us, topo.nic_latency_us) if topo.num_nodes(R) > 1 else \
             (topo.nvlink_bytes_per_us, topo.nvlink_latency_us)
         steps = int(np.ceil(np.log2(R))) if R > 1 else 0
         plan_us = topo.plan_fixed_us + steps * lat + (counts_bytes / slow_bw if R > 1 and G >= 1 else 0.0)
-    return _Direction(direction, pre, weights, post, after, comp, plan_us)
+        if topo.plan_measured_factor > 0:  # every rank plans the same global Plan on its share of the cores
+            plan_us += topo.plan_measured_factor * float(plan.plan_seconds) * 1e6 * float(share_R.max())
+    d_pre, d_post, c_pre, c_post = _copy_us(plan, topo, direction, pre, post, share_R)
+    return _Direction(direction, pre, weights, post, after, comp, plan_us, d_pre, d_post, c_pre, c_post)
 
 
 class _Sim:
@@ -196,6 +235,7 @@ class _Sim:
         self.stage_end = np.zeros((len(self.stages), R))
         self.stage_start = np.zeros((len(self.stages), R))
         self._busy: np.ndarray | None = None
+        self._done_ev: dict[tuple, list[list[simpy.Event]]] = {}
 
     # -- helpers -------------------------------------------------------------------------
     def _jit(self, shape) -> np.ndarray:
@@ -264,25 +304,47 @@ class _Sim:
             for w in wts:
                 self._send(w, r)
         if pre:
-            procs = [env.process(self._hop(r, pre, h, None, prefix)) for h in range(len(pre))]
+            done = self._done(si, "pre", r, len(pre))
+            procs = [env.process(self._hop(r, pre, h, None, prefix, d.pre_copy[h][r], d.post_copy[h][r], done))
+                     for h in range(len(pre))]
             yield env.all_of(procs)
         if not self.opts.overlap_prefetch:
             for w in wts:
                 self._send(w, r)
 
-    def _hop(self, r, rows, h, first_gate, prefix):
+    def _done(self, si: int, side: str, r: int, hops: int) -> list[list[simpy.Event]]:
+        """Per (hop, chunk): fires once rank r received that chunk and made its local pass over it."""
+        key = (si, side, r)
+        if key not in self._done_ev:
+            self._done_ev[key] = [[self.env.event() for _ in range(self.opts.chunks)] for _ in range(hops)]
+        return self._done_ev[key]
+
+    def _hop(self, r, rows, h, first_gate, prefix, pre_us=0.0, post_us=0.0, done=None):
         """Rank r's part of hop h, chunk by chunk: chunk j is sent once r received chunk j of the
-        previous hop (or ``first_gate[j]`` fired, for the first hop) and chunk j-1 of this hop."""
+        previous hop and made its local pass over it (or ``first_gate[j]`` fired, for the first
+        hop) and chunk j-1 of this hop; ``pre_us`` / ``post_us`` (whole hop, split over chunks) are
+        the local gather before sending and the pass over the received rows."""
         env = self.env
-        for j in range(self.opts.chunks):
+        c = self.opts.chunks
+        for j in range(c):
             if h > 0:
-                yield self.net.received(rows[h - 1][j][0], r)
+                yield done[h - 1][j] if done is not None else self.net.received(rows[h - 1][j][0], r)
             elif first_gate is not None:
                 yield first_gate[j]
+            if pre_us > 0:
+                t0 = env.now
+                yield env.timeout(float(pre_us) / c)
+                self.spans.append((r, prefix + "copy", t0, env.now))
             t0 = env.now
             self._send(rows[h][j], r)
             yield self.net.received(rows[h][j][0], r)
             self.spans.append((r, prefix + self.net.phase_name(rows[h][j][0])[len(prefix):], t0, env.now))
+            if post_us > 0:
+                t0 = env.now
+                yield env.timeout(float(post_us) / c)
+                self.spans.append((r, prefix + "copy", t0, env.now))
+            if done is not None:
+                done[h][j].succeed()
 
     def _computer(self, si, d: _Direction, r, start_ev, pre, wts, aft, comp_done, jit, prefix):
         env = self.env
@@ -292,7 +354,7 @@ class _Sim:
         for j in range(self.opts.chunks):
             gate = "start"
             if pre:
-                yield self.net.received(pre[-1][j][0], r)
+                yield self._done(si, "pre", r, len(pre))[-1][j]
                 gate = "dispatch"
             if j == 0 and wts:
                 t_before = env.now
@@ -328,7 +390,9 @@ class _Sim:
             yield env.timeout(st)
             self.spans.append((r, prefix + "stall", t0, env.now))
         if post:
-            procs = [env.process(self._hop(r, post, h, gate, prefix)) for h in range(len(post))]
+            done = self._done(si, "post", r, len(post))
+            procs = [env.process(self._hop(r, post, h, gate, prefix, d.post_pre_copy[h][r], d.post_post_copy[h][r],
+                                           done)) for h in range(len(post))]
             yield env.all_of(procs)
         if aft:
             yield env.all_of([self.net.received(a[0], r) for a in aft])
@@ -354,7 +418,7 @@ def _phase_spans(net: FlowNetwork, rec: dict[str, np.ndarray], spans) -> dict[st
             add(base, float(rec["start"][m].min()), float(rec["end"][m].max()))
     for _, name, a, b in spans:
         base = name.split("#")[0]
-        if base.endswith(("plan", "expert", "expert_bwd", "stall")):
+        if base.endswith(("plan", "expert", "expert_bwd", "stall", "copy")):
             add(base, a, b)
     return {k: float(b - a) for k, (a, b) in out.items()}
 
@@ -446,7 +510,8 @@ def _result(sim: _Sim, wall: float) -> SimResult:
     t_end = float(max(end_R.max() if end_R.size else 0.0, rec["end"].max() if rec["end"].size else 0.0))
     pb = net.port_bytes()
     busy = pb / ports.cap_P[:-1]
-    bp = int(np.argmax(busy)) if pb.size else 0
+    phys = 5 * R + 2 * ports.rails  # rank and spine ports (pair ports of half-duplex links are not "a port")
+    bp = int(np.argmax(busy[:phys])) if pb.size else 0
     busiest = dict(name=ports.name(bp), bytes=float(pb[bp]), busy_us=float(busy[bp]),
                    utilisation=float(busy[bp] / t_end) if t_end > 0 else 0.0,
                    bandwidth_GBps=float(ports.cap_P[bp] / 1e3))

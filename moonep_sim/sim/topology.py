@@ -30,12 +30,14 @@ _PRESET_PREFIX = "topology-"
 #: TOML table -> (field prefix, keys). A key ``k`` of table ``t`` sets field ``{prefix}{k}``.
 _TABLES = {
     "node": ("", ("gpus_per_node", "nodes")),
-    "nvlink": ("nvlink_", ("bandwidth_GBps", "latency_us", "efficiency")),
-    "nic": ("nic_", ("bandwidth_GBps", "latency_us", "efficiency")),
+    "nvlink": ("nvlink_", ("bandwidth_GBps", "latency_us", "efficiency", "duplex")),
+    "nic": ("nic_", ("bandwidth_GBps", "latency_us", "efficiency", "duplex")),
     "fabric": ("fabric_", ("oversubscription", "latency_us")),
     "gpu": ("gpu_", ("tflops", "mem_bandwidth_GBps", "compute_efficiency", "mem_efficiency", "launch_us")),
-    "planning": ("plan_", ("fixed_us",)),
+    "host": ("host_", ("cores_per_node", "copy_bandwidth_GBps")),
+    "planning": ("plan_", ("fixed_us", "measured_factor", "routing_bytes_per_entry")),
 }
+DUPLEX = ("full", "half")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,28 @@ class Topology:
     gpu_launch_us: fixed cost of one grouped-GEMM launch.
     plan_fixed_us: fixed cost of planning on the GPU (besides the count all-gather).
     efficiency factors multiply the peak: the simulator uses ``bandwidth * efficiency``.
+
+    Terms a cluster of CPU processes needs and a GPU cluster does not (all off by default, so the
+    GPU presets ignore them; see ``docs/topology.md``):
+
+    nvlink_duplex, nic_duplex: ``"full"`` (default) or ``"half"``: both directions of one rank
+        pair's connection share one capacity (the link class's per-direction bandwidth), as a
+        gloo TCP pair does (one thread alternately writes and reads).
+    host_cores_per_node: CPU cores that a node's ranks share (0 = not modelled). A rank's CPU
+        work (expert compute, local copies, planning) is stretched by
+        ``max(1, ranks on its node / cores_per_node)``; ``gpu_tflops``, ``gpu_mem_bandwidth_GBps``,
+        ``host_copy_bandwidth_GBps`` are then the rates of one process with a core to itself.
+    host_copy_bandwidth_GBps: rate of one local pass over rows (a gather or scatter-add of row
+        bytes) by the executor, 0 = free. Charged per rank and hop: a gather of the rows a rank
+        sends before each hop, a pass over the rows it receives after each hop; the last dispatch
+        hop's pass is the expand into the expert layout (the rank's final rows) and the first
+        combine hop's the weighted gather of them.
+    plan_measured_factor: 0 = off; else planning also costs ``factor x plan.plan_seconds`` (the
+        planner's own measured CPU time for this Plan, made in the simulating process), stretched
+        by the CPU sharing above -- every rank plans the same global Plan.
+    plan_routing_bytes_per_entry: 0 = the planning all-gather moves per-expert counts (4 bytes x
+        E per rank); > 0 = it moves every token's routing, this many bytes per (token, k) entry,
+        padded to the largest rank's token count.
     """
 
     name: str
@@ -73,6 +97,12 @@ class Topology:
     gpu_mem_efficiency: float = 0.8
     gpu_launch_us: float = 10.0
     plan_fixed_us: float = 20.0
+    nvlink_duplex: str = "full"
+    nic_duplex: str = "full"
+    host_cores_per_node: float = 0.0
+    host_copy_bandwidth_GBps: float = 0.0
+    plan_measured_factor: float = 0.0
+    plan_routing_bytes_per_entry: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
     path: str = ""
 
@@ -84,7 +114,12 @@ class Topology:
         for f in ("nvlink_efficiency", "nic_efficiency", "gpu_compute_efficiency", "gpu_mem_efficiency"):
             v = getattr(self, f)
             require(0 < v <= 1, f"{f} ({v}) must lie in (0, 1] (topology {self.name})")
-        for f in ("nvlink_latency_us", "nic_latency_us", "fabric_latency_us", "gpu_launch_us", "plan_fixed_us"):
+        for f in ("nvlink_duplex", "nic_duplex"):
+            require(getattr(self, f) in DUPLEX,
+                    f"{f} ({getattr(self, f)!r}) must be one of {', '.join(DUPLEX)} (topology {self.name})")
+        for f in ("nvlink_latency_us", "nic_latency_us", "fabric_latency_us", "gpu_launch_us", "plan_fixed_us",
+                  "host_cores_per_node", "host_copy_bandwidth_GBps", "plan_measured_factor",
+                  "plan_routing_bytes_per_entry"):
             require(getattr(self, f) >= 0, f"{f} ({getattr(self, f)}) must be >= 0 (topology {self.name})")
         require(self.fabric_oversubscription >= 1,
                 f"fabric oversubscription ({self.fabric_oversubscription}) must be >= 1 (topology {self.name})")
@@ -105,6 +140,23 @@ class Topology:
     @property
     def mem_bytes_per_us(self) -> float:
         return self.gpu_mem_bandwidth_GBps * self.gpu_mem_efficiency * 1e3
+
+    @property
+    def copy_bytes_per_us(self) -> float:
+        """Local row-pass rate (bytes per microsecond); 0 = passes are free."""
+        return self.host_copy_bandwidth_GBps * 1e3
+
+    def cpu_share_R(self, ranks: int) -> "np.ndarray":
+        """float64 [R]: how much a rank's CPU work is stretched by the ranks sharing its node's
+        cores (``max(1, ranks on the node / host_cores_per_node)``; all ones when not modelled)."""
+        import numpy as np
+
+        if self.host_cores_per_node <= 0 or ranks <= 0:
+            return np.ones(max(ranks, 0))
+        G = min(self.gpus_per_node, ranks)
+        node_R = np.arange(ranks) // G
+        per_node = np.bincount(node_R)[node_R].astype(np.float64)
+        return np.maximum(1.0, per_node / self.host_cores_per_node)
 
     def num_nodes(self, ranks: int) -> int:
         """Nodes a run of ``ranks`` GPUs occupies (``nodes`` if fixed, else ceil(R / G))."""
@@ -166,6 +218,10 @@ def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>") -> Topology:
             for k, v in val.items():
                 require(k in keys, f"{origin}: [{key}] key ({k!r}) must be one of {', '.join(keys)}")
                 typ = names[prefix + k].type
+                if typ in (str, "str"):
+                    require(isinstance(v, str), f"{origin}: [{key}] {k}: expected a string, found {v!r}")
+                    kw[prefix + k] = v
+                    continue
                 want_int = typ in (int, "int")
                 ok = isinstance(v, int) if want_int else isinstance(v, (int, float))
                 require(ok and not isinstance(v, bool),

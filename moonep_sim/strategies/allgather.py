@@ -29,14 +29,21 @@ def plan(routing: GlobalRouting, ctx: PlanContext) -> Plan:
     # messages sorted by (src, dst, token): src r sends its tokens [off_r, off_r + s_r) to every dst
     tok_off = routing.tok_off_R()
     tpr = routing.tokens_per_rank_R
-    src_T = routing.src_rank_T()
-    # for each source rank, its token block repeated for every destination
-    tok = np.concatenate([np.tile(np.arange(tok_off[r], tok_off[r + 1]), R) for r in range(R)]) if T \
-        else np.zeros(0, np.int64)  # loop over ranks only; sizes grow with tokens inside numpy
-    src = src_T[tok] if T else tok
-    dst = np.concatenate([np.repeat(np.arange(R), tpr[r]) for r in range(R)]) if T else tok
-    hop = Hop("global", src.astype(np.int64), (tok - tok_off[src]).astype(np.int64), dst.astype(np.int64),
-              tok.astype(np.int64), np.full(R, T, dtype=np.int64))
+    M = R * T
+    tok = np.empty(M, dtype=np.int64)  # the token, = its row in every receive buffer
+    src_row = np.empty(M, dtype=np.int64)
+    dst = np.empty(M, dtype=np.int64)
+    for r in range(R):  # loop over ranks only; each block [R, s_r] is filled by numpy
+        s_r, lo = int(tpr[r]), int(tok_off[r]) * R
+        if s_r == 0:
+            continue
+        blk = slice(lo, lo + R * s_r)
+        rows = np.arange(s_r, dtype=np.int64)
+        src_row[blk].reshape(R, s_r)[:] = rows[None, :]
+        tok[blk].reshape(R, s_r)[:] = (rows + int(tok_off[r]))[None, :]
+        dst[blk].reshape(R, s_r)[:] = np.arange(R, dtype=np.int64)[:, None]
+    src = np.repeat(np.arange(R, dtype=np.int64), tpr * R)
+    hop = Hop("global", src, src_row, dst, tok, np.full(R, T, dtype=np.int64))
     entry_slot = slot_of[routing.topk_ids_TK].ravel()
     entry_rank = sr[entry_slot]
     entry_buf_row = np.repeat(np.arange(T, dtype=np.int64), K)  # every rank's buffer holds token t at row t

@@ -22,7 +22,7 @@ import numpy as np
 
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.plan import GlobalRouting, Hop, Plan
-from moonep_sim.plan.multihop import assemble_plan, home_slots
+from moonep_sim.plan.multihop import assemble_plan, home_slots, stable_order
 from moonep_sim.strategies import PlanContext, register
 
 # Notation: T tokens, K top-k, E experts, R ranks, S slots (home slots, one per expert),
@@ -37,6 +37,35 @@ def capacity_per_rank_R(tokens_per_rank_R: np.ndarray, top_k: int, num_experts: 
     return np.ceil(np.round(x, 9)).astype(np.int64)
 
 
+def _desc_weight_key_N(weights_N: np.ndarray) -> np.ndarray:
+    """uint32 [N]: a key that sorts float32 weights from highest to lowest (NaN last).
+
+    The float32 bit pattern, made monotonic (sign bit flipped for >= 0, all bits for < 0), then
+    complemented; -0.0 is folded into +0.0 first so the two tie, as they compare equal.
+    """
+    w = np.asarray(weights_N, dtype=np.float32) + np.float32(0.0)  # -0.0 + 0.0 = +0.0
+    u = w.view(np.uint32)
+    neg = (u >> np.uint32(31)).astype(bool)
+    key = np.where(neg, u, ~(u | np.uint32(0x80000000)))  # ~ascending key: descending order
+    key[np.isnan(w)] = np.uint32(0xFFFFFFFF)  # NaN ranks after every number (as in a float sort)
+    return key
+
+
+def _group_order(group_N: np.ndarray, n_groups: int, weights_N: np.ndarray | None) -> np.ndarray:
+    """int64 [N] entries sorted stably by group, and within a group by descending weight when
+    ``weights_N`` is given (ties: entry order) -- a least-significant-digit radix sort of 16-bit
+    digits (weight low, weight high, then the group's digits)."""
+    if weights_N is None:
+        return stable_order(group_N, n_groups)
+    wkey = _desc_weight_key_N(weights_N)
+    order = np.argsort((wkey & np.uint32(0xFFFF)).astype(np.uint16), kind="stable")
+    hi = (wkey >> np.uint32(16)).astype(np.uint16)
+    del wkey
+    order = order[np.argsort(hi[order], kind="stable")]
+    del hi
+    return order[stable_order(group_N[order], n_groups)]
+
+
 def keep_mask_N(ids_N: np.ndarray, weights_N: np.ndarray, src_N: np.ndarray, cap_R: np.ndarray,
                 num_experts: int, drop: str) -> np.ndarray:
     """bool [N]: which entries fit their (source rank, expert) capacity (vectorised).
@@ -44,19 +73,18 @@ def keep_mask_N(ids_N: np.ndarray, weights_N: np.ndarray, src_N: np.ndarray, cap
     drop=weight keeps the highest weights (ties: earlier entry first); drop=position keeps the
     earliest entries (token order, then k).
     """
+    ids_N = np.asarray(ids_N, dtype=np.int64)
+    src_N = np.asarray(src_N, dtype=np.int64)
+    cap_R = np.asarray(cap_R, dtype=np.int64)
     n = ids_N.size
+    n_groups = int(cap_R.size) * num_experts
     group = src_N * num_experts + ids_N
-    if drop == "weight":
-        # lexsort is stable: equal (group, weight) keep entry order, so earlier entries win ties
-        order = np.lexsort((-weights_N.astype(np.float64), group))
-    else:
-        order = np.argsort(group, kind="stable")
-    gs = group[order]
-    cnt = np.bincount(gs, minlength=int(cap_R.size) * num_experts) if n else np.zeros(0, np.int64)
-    start = np.cumsum(cnt) - cnt
-    rank_in_group = np.arange(n, dtype=np.int64) - start[gs]
+    order = _group_order(group, n_groups, weights_N if drop == "weight" else None)
+    cnt = np.bincount(group, minlength=n_groups) if n else np.zeros(n_groups, np.int64)
+    # the sorted entries of group g sit at [start_g, start_g + cnt_g); the first cap_g stay
+    limit_G = np.cumsum(cnt) - cnt + np.repeat(cap_R, num_experts)
     keep = np.empty(n, dtype=bool)
-    keep[order] = rank_in_group < cap_R[gs // num_experts]
+    keep[order] = np.arange(n, dtype=np.int64) < np.repeat(limit_G, cnt)
     return keep
 
 
@@ -77,17 +105,35 @@ def plan(routing: GlobalRouting, ctx: PlanContext, cf: float = 1.0, drop: str = 
     S = sr.size
     cap_R = capacity_per_rank_R(routing.tokens_per_rank_R, K, E, cf)
     ids = routing.topk_ids_TK.ravel()
-    src = np.repeat(routing.src_rank_T(), K)
-    keep = keep_mask_N(ids, routing.topk_weights_TK.ravel(), src, cap_R, E, drop)
+    N = ids.size
+    # group = (source rank, home slot): the same groups as (source rank, expert) -- one home slot
+    # per expert -- but numbered in message order. A: entries sorted by (src, slot, entry).
+    n_groups = R * S
+    group = np.repeat(routing.src_rank_T() * S, K)
+    group += slot_of[ids]
+    A = stable_order(group, n_groups)
+    cnt_G = np.bincount(group, minlength=n_groups).astype(np.int64)  # entries per (src, slot)
+    cap_G = np.repeat(cap_R, S)
+    start_G = np.cumsum(cnt_G) - cnt_G
+    if drop == "weight":  # keep the cap_G heaviest of each group (ties: earlier entry first)
+        W_order = _group_order(group, n_groups, routing.topk_weights_TK.ravel())
+        keep = np.empty(N, dtype=bool)
+        keep[W_order] = np.arange(N, dtype=np.int64) < np.repeat(start_G + cap_G, cnt_G)
+        del W_order
+        keep_A = keep[A]
+    else:  # keep the first cap_G of each group in entry order
+        keep_A = np.arange(N, dtype=np.int64) < np.repeat(start_G + cap_G, cnt_G)
+        keep = np.empty(N, dtype=bool)
+        keep[A] = keep_A
+    del group
     entry_slot = np.where(keep, slot_of[ids], -1)
-    kept = np.flatnonzero(keep)
-    tok = kept // max(K, 1)
-    k_slot = entry_slot[kept]
-    k_src = src[kept]
-    k_dst = sr[k_slot]
+    del keep
+    ke = A[keep_A]  # kept entries in (src, slot, entry) order: the hop's order of kept rows
+    del A, keep_A
+    kc_G = np.minimum(cnt_G, cap_G)  # kept rows per (src, slot) block
+    per_rs = kc_G.reshape(R, S)
     # receive buffer on each destination: blocks (src rank, slot in rank order), each C_src rows when
     # padding (kept rows first, zero rows after), or only the kept rows without padding
-    per_rs = np.bincount(k_src * S + k_slot, minlength=R * S).reshape(R, S)  # kept rows per (src, slot)
     block_RS = np.broadcast_to(cap_R[:, None], (R, S)) if pad else per_rs
     # offset of block (r, s) within its destination buffer: blocks ordered by (src r, slot s)
     dst_of_S = sr
@@ -101,35 +147,34 @@ def plan(routing: GlobalRouting, ctx: PlanContext, cf: float = 1.0, drop: str = 
     blk_off = np.empty(R * S, dtype=np.int64)
     blk_off[o] = cum - dst_start[blk_dst[o]]
     dst_rows_R = np.bincount(blk_dst, weights=blk_len, minlength=R).astype(np.int64)
-    # position of each kept entry within its (src, slot) block: global order (layout order)
-    b = k_src * S + k_slot
-    ob = np.argsort(b, kind="stable")
-    cnt_b = per_rs.ravel()
-    pos = np.empty(kept.size, dtype=np.int64)
-    pos[ob] = np.arange(kept.size) - (np.cumsum(cnt_b) - cnt_b)[b[ob]]
-    e_buf_row = blk_off[b] + pos
-    # messages: kept rows, plus zero rows (C_r - kept) of each block when padding
-    m_src = [k_src]
-    m_srow = [tok - routing.tok_off_R()[k_src]]
-    m_dst = [k_dst]
-    m_row = [e_buf_row]
-    pad_slot = pad_row = np.zeros(0, np.int64)
-    if pad:
-        zeros = (block_RS - per_rs).ravel()
-        zb = np.repeat(np.arange(R * S), zeros)
-        zj = np.arange(zb.size) - np.repeat(np.cumsum(zeros) - zeros, zeros)
-        pad_row = blk_off[zb] + cnt_b[zb] + zj
-        pad_slot = zb % S
-        m_src.append(zb // S)
-        m_srow.append(np.full(zb.size, -1, np.int64))
-        m_dst.append(dst_of_S[pad_slot])
-        m_row.append(pad_row)
-    ms, mr, md, mw = (np.concatenate(a) for a in (m_src, m_srow, m_dst, m_row))
-    # (src, dst, dst_row) order; dst rows are unique per dst, so one int64 key sorts them
-    om = np.argsort((ms * R + md) * (int(dst_rows_R.max()) + 1) + mw)
-    hop = Hop("global", ms[om], mr[om], md[om], mw[om], dst_rows_R)
+    # messages in (src, slot, row in block) order = (src, dst, dst_row) order, as slots are sorted
+    # by rank and a (src, dst) pair's blocks lie in slot order in the destination's buffer
+    M = int(blk_len.sum())
+    m_start = np.cumsum(blk_len) - blk_len
+    m_src = np.repeat(np.arange(R, dtype=np.int64), blk_len.reshape(R, S).sum(axis=1))
+    m_dst = np.repeat(np.tile(dst_of_S, R), blk_len)
+    m_row = np.repeat(blk_off - m_start, blk_len)
+    m_row += np.arange(M, dtype=np.int64)
+    # source row of a kept entry: its token's row on its own rank
+    K1 = max(K, 1)
+    k_row = ke >> (K1.bit_length() - 1) if K1 & (K1 - 1) == 0 else ke // K1
+    k_row -= np.repeat(routing.tok_off_R()[:-1], per_rs.sum(axis=1))
     entry_buf_row = np.full(T * K, -1, dtype=np.int64)
-    entry_buf_row[kept] = e_buf_row
+    pad_slot = pad_row = np.zeros(0, np.int64)
+    if pad:  # each block: its kept rows, then C_src - kept zero rows (src_row -1)
+        is_kept_M = np.arange(M, dtype=np.int64) < np.repeat(m_start + kc_G, blk_len)
+        m_srow = np.full(M, -1, dtype=np.int64)
+        m_srow[is_kept_M] = k_row
+        entry_buf_row[ke] = m_row[is_kept_M]
+        np.logical_not(is_kept_M, out=is_kept_M)
+        pad_row = m_row[is_kept_M]
+        pad_slot = np.repeat(np.tile(np.arange(S, dtype=np.int64), R), blk_len - kc_G)
+        del is_kept_M
+    else:
+        m_srow = k_row
+        entry_buf_row[ke] = m_row
+    del ke, k_row
+    hop = Hop("global", m_src, m_srow, m_dst, m_row, dst_rows_R)
     # static capacity: per slot sum_r C_r rows, rounded up to token_padding
     tp = max(int(ctx.token_padding), 1)
     slot_cap = np.full(S, int(cap_R.sum()), dtype=np.int64)

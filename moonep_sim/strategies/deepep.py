@@ -82,11 +82,11 @@ def plan(routing: GlobalRouting, ctx: PlanContext, max_nodes: int = 0) -> Plan:
         t = int(np.argmax(npt > max_nodes))
         raise PlanError(f"nodes of token {t} ({int(npt[t])}) must be <= max_nodes ({max_nodes}): the given "
                         "routing is not node-limited; route from logits with node_limited_topk")
-    src = np.repeat(routing.src_rank_T(), routing.top_k)
-    via = (dst_TK.ravel() // G) * G + src % G  # destination node, the source's local index
+    rank = np.arange(ctx.cluster.ranks, dtype=np.int64)
+    via_RR = (rank[None, :] // G) * G + rank[:, None] % G  # via[s, d]: d's node, s's local index
     opts = {"max_nodes": max_nodes,
             "max_nodes_per_token": int(npt.max()) if npt.size else 0,
             "mean_nodes_per_token": float(npt.mean()) if npt.size else 0.0}
-    return plan_from_routes("deepep", opts, routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [via],
+    return plan_from_routes("deepep", opts, routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [via_RR],
                             ("inter_node", "intra_node"), (True, True), token_padding=ctx.token_padding,
-                            started=t0)
+                            started=t0, via_table=True)

@@ -28,6 +28,7 @@ import numpy as np
 
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, plan_from_slots
+from moonep_sim.plan.multihop import stable_order
 from moonep_sim.strategies import PlanContext, register
 
 # Notation: E experts, R ranks (GPUs), G GPUs per node, S slots (physical experts, E + redundant),
@@ -148,9 +149,10 @@ def choose_replicas(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_experts: i
     c = np.bincount(slot_expert_S, minlength=E)
     c_start = np.cumsum(c) - c
     n_e = np.bincount(ids_N, minlength=E)
-    order = np.argsort(ids_N, kind="stable")
+    order = stable_order(ids_N, E)  # entries by expert, in global order (a radix sort)
     j = np.empty(ids_N.size, dtype=np.int64)
-    j[order] = np.arange(ids_N.size) - (np.cumsum(n_e) - n_e)[ids_N[order]]
+    j[order] = np.arange(ids_N.size, dtype=np.int64) - np.repeat(np.cumsum(n_e) - n_e, n_e)
+    del order
     if choice == "round_robin":
         r = j % c[ids_N]
     elif choice == "contiguous":

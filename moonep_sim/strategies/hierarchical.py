@@ -28,10 +28,10 @@ def plan(routing: GlobalRouting, ctx: PlanContext, dedup: bool = False) -> Plan:
     t0 = time.perf_counter()
     G = ctx.cluster.gpus_per_node
     sr, se, slot_of = home_slots(ctx.placement)
-    entry_slot = slot_of[routing.topk_ids_TK].ravel()
-    dst = sr[entry_slot]
-    src = np.repeat(routing.src_rank_T(), routing.top_k)
-    via = (src // G) * G + dst % G  # same node as the source, local index of the destination
+    R = ctx.cluster.ranks
+    rank = np.arange(R, dtype=np.int64)
+    # via[s, d]: on the source's node, at the destination's local index
+    via_RR = (rank[:, None] // G) * G + rank[None, :] % G
     return plan_from_routes("hierarchical", {"dedup": dedup}, routing, ctx.cluster, ctx.costs, sr, se, sr,
-                            entry_slot.reshape(routing.topk_ids_TK.shape), [via], ("intra_node", "inter_node"),
-                            (dedup, dedup), token_padding=ctx.token_padding, started=t0)
+                            slot_of[routing.topk_ids_TK], [via_RR], ("intra_node", "inter_node"),
+                            (dedup, dedup), token_padding=ctx.token_padding, started=t0, via_table=True)
