@@ -622,8 +622,10 @@ def test_keep_mask_matches_reference_on_special_weights():
     R, E, n = 3, 5, 4000
     ids = rng.integers(0, E, n)
     src = np.sort(rng.integers(0, R, n))
-    for w in (special[rng.integers(0, special.size, n)], rng.normal(size=n).astype(np.float32)):
-        for cap in (np.array([0, 3, 40]), np.array([500, 1, 7])):
+    few = np.array([0.0, -0.0, np.nan, -np.nan, -1e-45], dtype=np.float32)  # ties at every cut
+    for w in (special[rng.integers(0, special.size, n)], few[rng.integers(0, few.size, n)],
+              rng.normal(size=n).astype(np.float32)):
+        for cap in (np.array([0, 3, 40]), np.array([500, 1, 7]), rng.integers(0, 300, R)):
             for drop in ("weight", "position"):
                 _eq(f"keep {drop}", keep_mask_N(ids, w, src, cap, E, drop), ref_keep_mask_N(ids, w, src, cap, E, drop))
     # more than 2**16 (source rank, expert) groups: the group key takes two radix digits

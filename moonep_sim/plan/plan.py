@@ -42,6 +42,7 @@ import numpy as np
 
 from moonep_sim.errors import PlanError
 from moonep_sim.plan.placement import ClusterShape
+from moonep_sim.routing.trace import find_bad_token
 
 SCOPES = ("global", "intra_node", "inter_node")
 
@@ -100,19 +101,15 @@ class GlobalRouting:
         K, E = ids.shape[1], self.num_experts
         if K > E:
             raise PlanError(f"top_k ({K}) must be <= num_experts ({E})")
-        if ids.size:
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= E:
-                bad = lo if lo < 0 else hi
-                t = int(np.argmax(((ids < 0) | (ids >= E)).any(axis=1)))
-                raise PlanError(f"expert id ({bad}) must lie in [0, {E}) (num_experts): token {t} routes to {ids[t].tolist()}")
-            if K > 1:
-                s = np.sort(ids, axis=1)
-                dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
-                if dup.any():
-                    t = int(np.argmax(dup))
-                    raise PlanError(f"topk_ids of token {t} ({ids[t].tolist()}) must be distinct experts: "
-                                    "a token cannot pick one expert twice")
+        bad = find_bad_token(ids, E)
+        if bad is not None:
+            kind, t = bad
+            if kind == "range":
+                v = ids[t][(ids[t] < 0) | (ids[t] >= E)][0]
+                raise PlanError(f"expert id ({int(v)}) must lie in [0, {E}) (num_experts): token {t} routes to "
+                                f"{ids[t].tolist()}")
+            raise PlanError(f"topk_ids of token {t} ({ids[t].tolist()}) must be distinct experts: "
+                            "a token cannot pick one expert twice")
 
     @classmethod
     def split_evenly(cls, topk_ids_TK: np.ndarray, topk_weights_TK: np.ndarray, num_experts: int,

@@ -308,22 +308,31 @@ class Trace:
                 f"tokens={m.num_tokens}, E={m.num_experts}, K={m.top_k})")
 
 
+def find_bad_token(ids_TK: np.ndarray, num_experts: int) -> tuple[str, int] | None:
+    """The first token breaking the routing rules, vectorised: ``("range", t)`` when token t has an
+    expert id outside [0, E), ``("duplicate", t)`` when it picks one expert twice; None if valid."""
+    if ids_TK.size == 0:
+        return None
+    bad = (ids_TK < 0) | (ids_TK >= num_experts)
+    if bad.any():
+        return "range", int(np.argmax(bad.any(axis=1)))
+    if ids_TK.shape[1] > 1:
+        s = np.sort(ids_TK, axis=1)
+        dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
+        if dup.any():
+            return "duplicate", int(np.argmax(dup))
+    return None
+
+
 def check_routing(ids_TK: np.ndarray, weights_TK: np.ndarray | None, num_experts: int, where: str) -> None:
     """Vectorised checks of one layer's routing; raises TraceFormatError naming the first bad token."""
     if ids_TK.ndim != 2:
         raise TraceFormatError(f"{where}: topk_ids: expected shape [T, K], found {list(ids_TK.shape)}")
-    if ids_TK.size:
-        bad = (ids_TK < 0) | (ids_TK >= num_experts)
-        if bad.any():
-            t = int(np.argmax(bad.any(axis=1)))
-            raise TraceFormatError(f"{where}: token {t}: topk_ids: expected ids in [0, {num_experts}), "
-                                   f"found {ids_TK[t].tolist()}")
-        s = np.sort(ids_TK, axis=1)
-        dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
-        if dup.any():
-            t = int(np.argmax(dup))
-            raise TraceFormatError(f"{where}: token {t}: topk_ids: expected distinct experts, "
-                                   f"found {ids_TK[t].tolist()}")
+    bad = find_bad_token(ids_TK, num_experts)
+    if bad is not None:
+        kind, t = bad
+        expected = f"ids in [0, {num_experts})" if kind == "range" else "distinct experts"
+        raise TraceFormatError(f"{where}: token {t}: topk_ids: expected {expected}, found {ids_TK[t].tolist()}")
     if weights_TK is not None:
         if weights_TK.shape != ids_TK.shape:
             raise TraceFormatError(f"{where}: topk_weights: expected shape {list(ids_TK.shape)}, "
