@@ -690,3 +690,12 @@ def test_plan_from_routes_matches_reference(case, seed, H, table):
     got = plan_from_routes(*args, tabs if table else vias, scopes, dedup, token_padding=ctx.token_padding,
                            via_table=table)
     assert_same_plan(got, want)
+
+
+def test_nodes_per_token_matches_reference():
+    from moonep_sim.strategies.deepep import nodes_per_token_T
+    rng = np.random.default_rng(9)
+    for hi in (1, 8, 64, 200):  # bit-set path below 64 nodes, sort path from 64
+        node = rng.integers(0, hi, (300, 6))
+        _eq(f"nodes < {hi}", nodes_per_token_T(node), ref_nodes_per_token_T(node))
+    _eq("no tokens", nodes_per_token_T(np.zeros((0, 3), np.int64)), ref_nodes_per_token_T(np.zeros((0, 3), np.int64)))

@@ -91,9 +91,10 @@ def test_topology_written_from_fit_loads_in_the_simulator(tmp_path, monkeypatch)
     assert back.nvlink_bandwidth_GBps == pytest.approx(0.75)
     assert back.nvlink_latency_us == pytest.approx(450.0)
     assert back.gpu_tflops * 1e12 == pytest.approx(40e9, rel=1e-4)
-    assert back.gpu_launch_us == pytest.approx(20.0, rel=1e-3)
+    assert back.gpu_slot_us == pytest.approx(20.0, rel=1e-3) and back.gpu_launch_us == 0.0
     assert back.plan_fixed_us == pytest.approx(2000.0)
-    assert back.gpu_mem_bandwidth_GBps == pytest.approx(5.0 / 4 / 2)  # measured at P=4, halved (bf16 bytes)
+    # measured at P=4: copy size rate x 2 (read + write traffic) / 2 (bf16 bytes)
+    assert back.gpu_mem_bandwidth_GBps == pytest.approx(5.0 / 4)
     assert "calibrate" in back.sources["nvlink_bandwidth_GBps"]
     # the preset reads it from $MOONEP_SIM_HOME
     monkeypatch.setenv("MOONEP_SIM_HOME", str(tmp_path))
@@ -117,8 +118,9 @@ def test_cpu_rates_are_written_per_core_with_the_sharing_and_row_passes(tmp_path
     assert f.handle_us == pytest.approx(2000.0)
     topo = cal.local_gloo_topology(f, 4, (2, 4))
     assert topo.host_cores_per_node == 2.0
-    assert topo.gpu_tflops * 1e12 == pytest.approx(80e9, rel=1e-4)  # 40e9 with 4 on 2 cores -> 80e9 a core
-    assert topo.gpu_launch_us == pytest.approx(10.0, rel=1e-3)
+    assert topo.gpu_tflops * 1e12 == pytest.approx(80e9, rel=1e-4)  # P=2 on 2 cores: a core each
+    assert topo.gpu_slot_us == pytest.approx(20.0, rel=1e-3)  # from P=2 (no oversubscription)
+    assert topo.gpu_padding_compute == 0.0
     assert topo.host_copy_bandwidth_GBps == pytest.approx(1.0)
     assert topo.plan_measured_factor == 1.0 and topo.plan_fixed_us == pytest.approx(4000.0)  # handle x 2
     assert topo.nvlink_duplex == "half" and topo.plan_routing_bytes_per_entry == 16.0

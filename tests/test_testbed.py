@@ -108,6 +108,16 @@ def test_topology_matches_the_testbed():
     assert degrade_nic_args(spec, 2) == ["--degrade-nic", "2:0.25", "--degrade-nic", "3:0.25"]
     no_probe = testbed_topology(spec, 2, {}, base="local-gloo")
     assert no_probe.nic_efficiency == pytest.approx(0.95)
+    # gloo's pairs are half duplex; this machine's cores are split over the emulated nodes
+    from moonep_sim.sim import load_topology
+    assert topo.nic_duplex == "half" and topo.nic_attach == "node"
+    from moonep_sim.testbed.agreement import _node_of_port
+    assert _node_of_port("node1.nic_out", 2) == 1 and _node_of_port("rank3.nic_out", 2) == 1
+    assert topo.host_cores_per_node == pytest.approx(load_topology("local-gloo").host_cores_per_node / 2)
+    # one rank per node: the half-duplex pair alone explains 0.5 of a uniform all-to-all, so a probe
+    # measuring 0.46 of the rate leaves an efficiency of 0.92 (not counted twice)
+    g1 = {"gloo": {"a2a_node_bits_per_s": 0.46 * 2e8, "p2p_rtt_us": 400.0, "nodes": 2, "gpus_per_node": 1}}
+    assert testbed_topology(spec, 1, g1, base="local-gloo").nic_efficiency == pytest.approx(0.92)
 
 
 def test_cli_without_root_says_so(monkeypatch, capsys):

@@ -45,14 +45,14 @@ def stable_order(key_N: np.ndarray, n_keys: int) -> np.ndarray:
 
 
 def _route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,
-               ranks: int, scope: str) -> tuple[Hop, np.ndarray, np.ndarray, np.ndarray]:
-    """:func:`route_hop`, also returning the (dst, gid, entry) order of the entries and the flags
-    marking the first entry of each message in that order (the others share its row)."""
+               ranks: int, scope: str) -> tuple[Hop, np.ndarray]:
+    """:func:`route_hop` for int64 arrays: any gid order, and entries of one message may sit on
+    different sources (the message takes the first entry's)."""
     n = dst_rank_N.size
     R = int(ranks)
     if n == 0:
         z = np.zeros(0, np.int64)
-        return Hop(scope, z, z, z, z, np.zeros(R, np.int64)), z, z, np.zeros(0, dtype=bool)
+        return Hop(scope, z, z, z, z, np.zeros(R, np.int64)), z
     if n > 1 and bool((gid_N[1:] < gid_N[:-1]).any()):  # general case: sort on (dst, gid)
         G = int(gid_N.max()) + 1
         order = np.argsort(dst_rank_N * G + gid_N, kind="stable")
@@ -67,7 +67,6 @@ def _route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.nda
     first[bound] = True  # a new destination starts a new message
     lead = order[first]  # one representative entry per message: the first in entry order
     M = lead.size
-    m_gid = gs[first]
     del gs
     mcum = np.cumsum(first.view(np.uint8), dtype=np.int64)  # messages up to and including each sorted entry
     ends = np.cumsum(cnt_D)
@@ -92,7 +91,7 @@ def _route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.nda
     dst_row = np.empty(n, dtype=np.int64)
     mcum -= 1
     dst_row[order] = m_row[mcum]
-    return hop, dst_row, order, first
+    return hop, dst_row
 
 
 def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray,
@@ -114,13 +113,12 @@ def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N
     key += dst_rank_N
     order = stable_order(key, R * R)
     ecnt = np.bincount(key, minlength=R * R)  # entries per (src, dst) block, src-major
-    del key
     if gid_N is not None and n:
-        gs = gid_N[order]
+        gs = np.take(gid_N, order, out=key, mode="clip")  # (reuses key's memory; order is in range)
         first = np.empty(n, dtype=bool)
         first[0] = True
         np.not_equal(gs[1:], gs[:-1], out=first[1:])
-        del gs
+        del gs, key
         ebound = np.cumsum(ecnt) - ecnt
         first[ebound[ecnt > 0]] = True  # a new (src, dst) block starts a new message
         mcum = np.cumsum(first.view(np.uint8), dtype=np.int64)  # messages up to and including each entry
@@ -135,6 +133,7 @@ def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N
             del later
         del first
     else:
+        del key
         cnt, mcum, lead = ecnt.astype(np.int64), None, order
         dup = np.zeros(dup_N or 0, dtype=bool)
     M = lead.size
@@ -167,14 +166,12 @@ def route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndar
     whose source is the first such entry's (lowest entry order) -- equal tokens, so any is correct.
     Returns (hop, dst_row_N): the Hop and each entry's row in the hop's receive buffer.
 
-    When ``gid_N`` is non-decreasing (entries in entry order, as :func:`plan_from_routes` passes
-    them) the entries are sorted by destination alone with a one-byte radix sort, and messages
-    by (dst, src) and (src, dst) with 16-bit ones.
+    When ``gid_N`` is non-decreasing (entries in entry order) the entries are sorted by destination
+    alone with a radix sort, and the messages by (dst, src) and (src, dst) with 16-bit ones.
+    :func:`plan_from_routes` uses a one-sort form where each message has a single source.
     """
-    hop, dst_row, _, _ = _route_hop(np.asarray(src_rank_N, dtype=np.int64), np.asarray(src_row_N, dtype=np.int64),
-                                    np.asarray(dst_rank_N, dtype=np.int64), np.asarray(gid_N, dtype=np.int64),
-                                    ranks, scope)
-    return hop, dst_row
+    return _route_hop(np.asarray(src_rank_N, dtype=np.int64), np.asarray(src_row_N, dtype=np.int64),
+                      np.asarray(dst_rank_N, dtype=np.int64), np.asarray(gid_N, dtype=np.int64), ranks, scope)
 
 
 def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
@@ -307,10 +304,17 @@ def plan_from_routes(strategy: str, options: dict[str, Any], routing: GlobalRout
     N = entry_slot.size
     K1 = max(K, 1)
     all_kept = bool(N == 0 or entry_slot.min() >= 0)
-    kept = np.arange(N, dtype=np.int64) if all_kept else np.flatnonzero(entry_slot >= 0)
-    tok = kept >> (K1.bit_length() - 1) if K1 & (K1 - 1) == 0 else kept // K1
     src_T = routing.src_rank_T()
-    src = np.repeat(src_T, K) if all_kept else src_T[tok]
+    if all_kept:  # (no array of kept entry ids: they are 0..N-1)
+        kept = None
+        tok = np.repeat(np.arange(T, dtype=np.int64), K)
+        src = np.repeat(src_T, K)
+        row = np.repeat(np.arange(T, dtype=np.int64) - routing.tok_off_R()[src_T], K)
+    else:
+        kept = np.flatnonzero(entry_slot >= 0)
+        tok = kept >> (K1.bit_length() - 1) if K1 & (K1 - 1) == 0 else kept // K1
+        src = src_T[tok]
+        row = tok - routing.tok_off_R()[src]
     pick = (lambda a: a) if all_kept else (lambda a: a[kept])
     dst = slot_rank_S[pick(entry_slot)]
     if via_table:
@@ -325,8 +329,7 @@ def plan_from_routes(strategy: str, options: dict[str, Any], routing: GlobalRout
         mids = [pick(np.asarray(v, dtype=np.int64).ravel()) for v in via_N]
     pos = [src] + mids + [dst]
     del mids
-    row = tok - np.repeat(routing.tok_off_R()[:-1], routing.tokens_per_rank_R * K) if all_kept \
-        else tok - routing.tok_off_R()[src]
+    n_kept = N if all_kept else kept.size
     entry_rank = pos[H] if all_kept else np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
     entry_dup = None
     hops = []
@@ -341,17 +344,17 @@ def plan_from_routes(strategy: str, options: dict[str, Any], routing: GlobalRout
                 # the hop's source is via[s, d]: one per (token, final rank), so messages group as
                 # (src, dst, token) and the entries after the first of each are the duplicates
                 hop, row, entry_dup = _route_hop_grouped(pos[h], row, pos[h + 1], tok, R, scopes[h],
-                                                         dup_N=N, kept_N=None if all_kept else kept)
+                                                         dup_N=N, kept_N=kept)
             elif h == H - 1:
                 # the last hop's messages are (token, final rank) pairs, one per non-duplicate entry;
                 # the grouped form is exact when it finds that many (no message with two sources)
                 entry_dup = dup_flags(entry_rank, K)
                 hop2, row2 = _route_hop_grouped(pos[h], row, pos[h + 1], tok, R, scopes[h])
-                if hop2.src_rank_M.size == kept.size - int(np.count_nonzero(entry_dup)):
+                if hop2.src_rank_M.size == n_kept - int(np.count_nonzero(entry_dup)):
                     hop, row = hop2, row2
                 del hop2, row2
             if hop is None:
-                hop, row, _, _ = _route_hop(pos[h], row, pos[h + 1], tok, R, scopes[h])
+                hop, row = _route_hop(pos[h], row, pos[h + 1], tok, R, scopes[h])
         hops.append(hop)
     entry_buf_row = row if all_kept else np.full(N, -1, dtype=np.int64)
     if not all_kept:

@@ -8,6 +8,10 @@ What is measured (each in P spawned processes, for every P asked, all ranks at o
 - the expert SwiGLU ``(silu(x W1) * (x W3)) W2`` in float32 with torch, all P ranks computing at
   the same time, timed until every rank is done (a barrier, whose bare cost is subtracted), so
   CPU sharing between processes is part of the figure; a few row counts.
+- a 32 MiB float32 copy, and the executor's local passes over rows (``index_select`` /
+  ``index_add_`` of 4 MiB of float32 rows into reused and fresh tensors), all P ranks at once.
+- in this process: the CPU time to plan a synthetic layer (``Plan.plan_seconds``) and to plan it
+  and build one rank's handle; the difference is the handle's cost.
 
 What is fitted (weighted least squares, each point weighted by 1/time, so small and large sizes
 count alike):
@@ -18,6 +22,11 @@ count alike):
   ``bw_proc(P) = min(port, aggregate / P)`` (every process has a port of ``port`` bytes/s, and
   all processes share a host-wide ``aggregate`` -- memory bandwidth, CPU cores);
 - compute per P: ``t(flops) = launch + flops / flops_per_s``.
+
+CPU rates (SwiGLU FLOP/s and its per-call intercept, copy and row-pass rates) are written per
+core, from the largest P that does not exceed the cores, with ``[host] cores_per_node`` = the
+cores: the simulator stretches CPU work by ``max(1, ranks / cores)`` itself. Nothing is fitted on
+replayed traces.
 
 The result is written atomically as the TOML file the simulator's ``local-gloo`` preset reads
 (``moonep_sim.sim.topology.calibrated_topology_path()``, format in ``docs/topology.md``), with the
@@ -401,23 +410,32 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
     near = min(f.proc_gbps_P, key=lambda p: abs(p - nproc))
     bw = f.proc_gbps_P[near] if near == nproc else f.proc_gbps(nproc)
     lat = f.latency_us_P[near] if near == nproc else f.latency_us(nproc)
-    cnear = min(f.flops_per_s_P, key=lambda p: abs(p - nproc))
     # CPU work is modelled per core: the simulator stretches it by max(1, ranks / cores) itself
-    # (``[host] cores_per_node``), so rates measured with P processes at once are de-shared here
+    # (``[host] cores_per_node``). Rates are taken from the largest process count that does not
+    # oversubscribe the cores (more processes than cores add time-slicing stalls to short timed
+    # operations that the sharing factor already accounts for), de-shared if every count did.
+    def cpu_p(measured) -> int:
+        ok = [p for p in measured if p <= f.cpu_cores]
+        return max(ok) if ok else min(measured)
+
+    cnear = cpu_p(f.flops_per_s_P)
     s_c = f.share(cnear)
     flops = f.flops_per_s_P[cnear] * s_c
-    # the simulator counts expert activations and weights in bf16 bytes; the CPU replay moves float32,
-    # twice as many bytes: the bf16-equivalent bandwidth is half the measured one
-    mem = f.mem_gbps_P[cnear] * s_c / 2 if f.mem_gbps_P.get(cnear) else base.gpu_mem_bandwidth_GBps
+    # memory bandwidth counts traffic (each byte of a copy is read and written: 2 x the copy's size
+    # per second); the simulator counts expert activations and weights in bf16 bytes while the CPU
+    # replay moves float32, twice as many: the bf16-equivalent traffic rate is the copy-size rate
+    mnear = cpu_p(f.mem_gbps_P) if f.mem_gbps_P else cnear
+    mem = f.mem_gbps_P[mnear] * f.share(mnear) if f.mem_gbps_P else base.gpu_mem_bandwidth_GBps
     if f.rowpass_gbps_P:
-        rnear = min(f.rowpass_gbps_P, key=lambda p: abs(p - nproc))
+        rnear = cpu_p(f.rowpass_gbps_P)
         copy_gbps = f.rowpass_gbps_P[rnear] * f.share(rnear)
     else:
         rnear, copy_gbps = None, base.host_copy_bandwidth_GBps
     measured_plan = f.handle_us is not None
     host = f"{f.cpu_cores} CPU cores, measured with {list(nprocs_measured)} processes"
     how = "fit t = latency + (P-1) * m / bandwidth over message sizes m (median of repeats, slowest rank)"
-    desh = f"de-shared: x max(1, P / {f.cpu_cores} cores) = {s_c:g} (the simulator re-applies the sharing)"
+    desh = (f"per core: P={cnear} <= {f.cpu_cores} cores" if s_c == 1 else
+            f"de-shared: x max(1, P / {f.cpu_cores} cores) = {s_c:g}") + " (the simulator applies the sharing)"
     sources = {
         "nvlink_bandwidth_GBps": f"moonep-sim calibrate: gloo all_to_all_single, per process at P={near}; {how}",
         "nvlink_latency_us": f"moonep-sim calibrate: the same fit's latency at P={near}",
@@ -426,9 +444,13 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
                   "of one pair share its rate (testbed probe: a 2-rank exchange gets ~0.5 of the link each way)",
         "gpu_tflops": f"moonep-sim calibrate: float32 SwiGLU, {cnear} processes computing at once, fit t = launch + "
                       f"flops / rate; {desh}",
-        "gpu_launch_us": f"moonep-sim calibrate: the same fit's intercept, divided by {s_c:g}",
-        "gpu_mem_bandwidth_GBps": (f"moonep-sim calibrate: 32 MiB float32 copy, {cnear} processes at once, "
-                                   f"halved (the simulator counts bf16 bytes, the CPU replay moves float32); {desh}"
+        "gpu_slot_us": f"moonep-sim calibrate: the same fit's intercept (one SwiGLU call: the replay runs one "
+                       f"matmul chain per expert slot), divided by {s_c:g}",
+        "gpu_launch_us": "0: the fixed cost is per slot (gpu_slot_us)",
+        "gpu_padding_compute": "0: the gloo replay skips padding rows (they stay zero)",
+        "gpu_mem_bandwidth_GBps": (f"moonep-sim calibrate: 32 MiB float32 copy, {mnear} processes at once, "
+                                   f"read + write traffic (2 x size / time), halved (the simulator counts bf16 "
+                                   f"bytes, the CPU replay moves float32); {desh}"
                                    if f.mem_gbps_P else "shipped preset value (not measured)"),
         "host_cores_per_node": f"moonep-sim calibrate: CPU cores this process may run on ({f.cpu_cores})",
         "host_copy_bandwidth_GBps": (f"moonep-sim calibrate: torch index_select (random gather) and index_add_ "
@@ -466,7 +488,7 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
         nvlink_duplex="half", nic_duplex="half",
         gpu_tflops=round(flops / 1e12, 6), gpu_compute_efficiency=1.0,
         gpu_mem_bandwidth_GBps=round(mem, 4), gpu_mem_efficiency=1.0,
-        gpu_launch_us=round(f.launch_us_P[cnear] / s_c, 3),
+        gpu_launch_us=0.0, gpu_slot_us=round(f.launch_us_P[cnear] / s_c, 3), gpu_padding_compute=0.0,
         host_cores_per_node=float(f.cpu_cores), host_copy_bandwidth_GBps=round(copy_gbps, 4),
         plan_fixed_us=round(plan_fixed, 3), plan_measured_factor=1.0 if measured_plan else 0.0,
         plan_routing_bytes_per_entry=16.0,

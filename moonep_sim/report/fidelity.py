@@ -10,13 +10,16 @@ topology (both through :func:`moonep_sim.report.compare.compare`). Reported:
   simulated times and whether the order is exactly the same; overall, the share of cases with the
   same order and the mean tau.
 
-The constants come from ``moonep-sim calibrate`` (microbenchmarks only: gloo all-to-all and a
-SwiGLU matmul); nothing is fitted on the replay cases validated here.
+The constants come from ``moonep-sim calibrate`` (microbenchmarks only: gloo all-to-all, a
+SwiGLU matmul, memory copies and row gathers/scatter-adds, planning a synthetic layer); nothing is
+fitted on the replay cases validated here. The report records the load average at the start and
+the end (other jobs on the machine inflate the measured times).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -101,6 +104,7 @@ def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | No
                                            parse_strategies)
 
     t0 = time.perf_counter()
+    load_start = _loadavg()
     strategies = parse_strategies(",".join(cfg.strategies))
     topo = load_topology("local-gloo")
     sources = []
@@ -140,4 +144,13 @@ def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | No
     return {"kind": "fidelity", "nproc": cfg.nproc, "topology": topology_info(topo),
             "strategies": [nm for nm, _ in strategies], "cases": points, "per_case": per_case,
             "summary": summarise(points, per_case), "seconds": time.perf_counter() - t0,
+            "load_average": {"start": load_start, "end": _loadavg()},
             "compare_reports": reports}
+
+
+def _loadavg() -> list[float] | None:
+    """The machine's 1, 5 and 15 minute load averages (other jobs inflate measured times)."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None

@@ -13,7 +13,9 @@ For every slot with rows (padding rows included: they are computed too), one Swi
 - time = ``max(FLOPs / (peak * compute_efficiency), bytes / (mem_bw * mem_efficiency))``.
 
 A rank's time is the sum over its slots plus one launch cost ``gpu_launch_us`` (per chunk when
-the dispatch is pipelined in chunks). Backward: twice the FLOPs (input and weight gradients),
+the dispatch is pipelined in chunks), plus ``gpu_slot_us`` per slot with rows (0 on the GPU
+presets: one grouped GEMM). ``gpu_padding_compute`` < 1 charges only that fraction of the
+padding rows (an executor that skips them; 1 on the GPU presets). Backward: twice the FLOPs (input and weight gradients),
 weights read again plus their fp32 gradient written (``3 * D * H' * (2 + 4)`` bytes), twice the
 activation bytes. A slow GPU divides both peaks by its speed factor.
 """
@@ -52,9 +54,19 @@ def rank_compute_us(plan: Plan, model: ModelSpec, topo: Topology, backward: bool
     flops, fixed, per_row = slot_work(plan, model, backward)
     c = max(int(chunks), 1)
     rows = plan.slot_padded_S.astype(np.float64) / c
+    pad = topo.gpu_padding_compute
+    if pad < 1:  # an executor that skips (part of) the padding rows
+        real = plan.slot_rows_S.astype(np.float64)
+        eff = real + pad * (plan.slot_padded_S - real)
+        scale = np.divide(eff, plan.slot_padded_S, out=np.zeros_like(eff), where=plan.slot_padded_S > 0)
+        flops = flops * scale
+        rows = rows * scale
+        fixed = np.where(eff > 0, fixed, 0.0)
     t_flop = (flops / c) / topo.flops_per_us
     t_mem = (fixed + rows * per_row) / topo.mem_bytes_per_us
     t_slot = np.maximum(t_flop, t_mem)
+    if topo.gpu_slot_us > 0:  # one matmul chain per expert slot with rows
+        t_slot = t_slot + np.where(rows > 0, topo.gpu_slot_us, 0.0)
     t_R = np.bincount(plan.slot_rank_S, weights=t_slot, minlength=R)
     if speed_R is not None:
         t_R = t_R / np.asarray(speed_R, dtype=np.float64)

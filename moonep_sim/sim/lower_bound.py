@@ -126,7 +126,8 @@ def lower_bound(plan: Plan, model: ModelSpec, topo: Topology, backward: bool = F
     G = min(topo.gpus_per_node, R)
     nodes = topo.num_nodes(R)
     comm, binding = 0.0, "compute"
-    bw = (topo.nvlink_bytes_per_us if G > 1 else 0.0) + (topo.nic_bytes_per_us if nodes > 1 else 0.0)
+    nic_rank = topo.nic_bytes_per_us * (G if topo.nic_attach == "node" else 1)  # a node's link: any rank may use it all
+    bw = (topo.nvlink_bytes_per_us if G > 1 else 0.0) + (nic_rank if nodes > 1 else 0.0)
     if bw > 0:
         lat = min(topo.nvlink_latency_us if G > 1 else np.inf, topo.nic_latency_us if nodes > 1 else np.inf)
         t_R = _choice_bound(n_RE, res, a_in, b_in, a_out, b_out, bw, bw, tok_R)

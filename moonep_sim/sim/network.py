@@ -1,7 +1,7 @@
 """Flow-level network model on simpy: ports shared max-min fairly by concurrent transfers.
 
 Notation: R ranks, G GPUs per node, F flows (one per (phase, source, destination) with bytes > 0),
-P ports, L = 5 ports per path at most (shorter paths are padded with a dummy port of infinite
+P ports, L = 7 ports per path at most (shorter paths are padded with a dummy port of infinite
 capacity). Units: bytes, microseconds, bytes per microsecond.
 
 Ports
@@ -21,6 +21,11 @@ a *pair* port, appended to the path of both ``a -> b`` and ``b -> a``: the two d
 pair's connection share one capacity (the class's per-direction bandwidth, scaled by the slower
 end's degradation), as a gloo TCP pair whose one thread alternately writes and reads. Pair ports
 exist only when some class is half duplex (the GPU presets have none).
+
+With ``nic.attach = "node"`` a node's ranks share one network link (processes behind one
+interface): every inter-node flow also crosses ``node<n>.nic_out`` of its source node and
+``node<n>.nic_in`` of its destination node, each of ``G x nic bandwidth``, and each rank's own NIC
+ports get that same capacity (one rank alone may use the whole link).
 
 Each flow waits the path's latency, then transmits; concurrent flows get the max-min fair
 allocation (progressive filling: all unfrozen flows grow together until a port saturates; flows
@@ -49,7 +54,7 @@ import simpy
 
 from moonep_sim.sim.topology import Topology
 
-L_PATH = 5
+L_PATH = 7
 _DONE_REL = 1e-9
 
 
@@ -71,6 +76,7 @@ class PortMap:
     lat_spine_us: float
     spine_binds: bool = True
     pairs: bool = False
+    node_links: bool = False
 
     KINDS = ("nvlink_out", "nvlink_in", "nic_out", "nic_in", "hbm")
 
@@ -90,6 +96,9 @@ class PortMap:
         hbm = topo.mem_bytes_per_us / 2.0
         spine = nodes * nic / topo.fabric_oversubscription
         pairs = topo.nvlink_duplex == "half" or topo.nic_duplex == "half"
+        node_links = topo.nic_attach == "node" and nodes > 1
+        if topo.nic_attach == "node":  # one link per node; any of its ranks may use all of it
+            nic = nic * G
         pair_nom = np.zeros(0)
         pair_cap = np.zeros(0)
         if pairs:  # port base + a * R + b (a < b) for the pair {a, b}; unused slots never bind
@@ -99,18 +108,34 @@ class PortMap:
             pair_nom = np.where(half & (a < b), np.where(same_node, nv, nic), np.inf)
             fac = np.where(same_node, np.minimum(nvf[a], nvf[b]), np.minimum(nicf[a], nicf[b]))
             pair_cap = np.where(np.isfinite(pair_nom), pair_nom * fac, np.inf)
+        node_nom = np.full(2 * nodes, nic) if node_links else np.zeros(0)
+        node_cap = node_nom.copy()
+        if node_links:  # a node link is as fast as its slowest rank's NIC factor
+            nf = np.array([nicf[n * G:(n + 1) * G].min() for n in range(nodes)])
+            node_cap = node_nom * np.concatenate([nf, nf])
         nominal = np.concatenate([np.full(R, nv), np.full(R, nv), np.full(R, nic), np.full(R, nic), np.full(R, hbm),
-                                  np.full(2 * rails, spine), pair_nom, [np.inf]])
+                                  np.full(2 * rails, spine), pair_nom, node_nom, [np.inf]])
         cap = nominal.copy()
         cap[0:R] *= nvf
         cap[R:2 * R] *= nvf
         cap[2 * R:3 * R] *= nicf
         cap[3 * R:4 * R] *= nicf
+        base = 5 * R + 2 * rails
         if pairs:
-            base = 5 * R + 2 * rails
             cap[base:base + R * R] = pair_cap
+        nb = base + (R * R if pairs else 0)
+        if node_links:
+            cap[nb:nb + 2 * nodes] = node_cap
         return cls(R, G, rails, nodes, cap, nominal, topo.nvlink_latency_us, topo.nic_latency_us,
-                   topo.nic_latency_us + topo.fabric_latency_us, bool(spine_binds), bool(pairs))
+                   topo.nic_latency_us + topo.fabric_latency_us, bool(spine_binds), bool(pairs), bool(node_links))
+
+    @property
+    def pair_base(self) -> int:
+        return 5 * self.ranks + 2 * self.rails
+
+    @property
+    def node_base(self) -> int:
+        return self.pair_base + (self.ranks * self.ranks if self.pairs else 0)
 
     @property
     def num_ports(self) -> int:
@@ -124,46 +149,73 @@ class PortMap:
         R = self.ranks
         if p < 5 * R:
             return f"rank{p % R}.{self.KINDS[p // R]}"
-        p -= 5 * R
-        if p >= 2 * self.rails:
-            a, b = divmod(p - 2 * self.rails, R)
+        if p >= self.node_base:
+            n = p - self.node_base
+            return f"node{n % self.nodes}.nic_{'out' if n < self.nodes else 'in'}"
+        if p >= self.pair_base:
+            a, b = divmod(p - self.pair_base, R)
             return f"pair{a}-{b}"
+        p -= 5 * R
         return f"rail{p % self.rails}.spine_{'up' if p < self.rails else 'down'}"
 
     def kind(self, p: int) -> str:
         R = self.ranks
-        if p >= 5 * R + 2 * self.rails:
+        if p >= self.node_base:
+            return "node_nic_out" if p - self.node_base < self.nodes else "node_nic_in"
+        if p >= self.pair_base:
             return "pair"
         return self.KINDS[p // R] if p < 5 * R else ("spine_up" if p - 5 * R < self.rails else "spine_down")
 
+    def physical(self, p: int) -> bool:
+        """Whether port p is a rank's, a spine's or a node link's (not a half-duplex pair's)."""
+        return p < self.pair_base or p >= self.node_base
+
     def paths(self, src_F: np.ndarray, dst_F: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(path_FL int64 [F, 4], latency_F float64 [F]) of transfers ``src -> dst`` (vectorised)."""
+        """(path_FL int64 [F, L_PATH], latency_F float64 [F]) of transfers ``src -> dst`` (vectorised).
+
+        Columns: the first port, the spine up/down (only when it can bind), the last port, then the
+        pair port (half duplex) and the node links (``nic.attach = "node"``) where they exist."""
         R, G = self.ranks, self.gpus_per_node
         F = src_F.size
-        path = np.full((F, L_PATH), self.dummy, dtype=np.int64)
         lat = np.zeros(F)
         same = src_F == dst_F
         same_node = (src_F // G == dst_F // G) & ~same
         rail_s, rail_d = src_F % G, dst_F % G
         inter = ~same & ~same_node
         cross = inter & (rail_s != rail_d)
-        path[same, 0] = 4 * R + src_F[same]
-        path[same_node, 0] = src_F[same_node]
-        path[same_node, 1] = R + dst_F[same_node]
+        cols: list[np.ndarray] = []
+        c0 = np.full(F, self.dummy, dtype=np.int64)
+        c1 = np.full(F, self.dummy, dtype=np.int64)
+        c0[same] = 4 * R + src_F[same]
+        c0[same_node] = src_F[same_node]
+        c1[same_node] = R + dst_F[same_node]
         lat[same_node] = self.lat_nvlink_us
-        path[inter, 0] = 2 * R + src_F[inter]
-        path[inter, 1] = 3 * R + dst_F[inter]
+        c0[inter] = 2 * R + src_F[inter]
         lat[inter] = self.lat_nic_us
-        if self.spine_binds:
-            path[cross, 1] = 5 * R + rail_s[cross]
-            path[cross, 2] = 5 * R + self.rails + rail_d[cross]
-            path[cross, 3] = 3 * R + dst_F[cross]
         lat[cross] = self.lat_spine_us
+        cols.append(c0)
+        if self.spine_binds:
+            up = np.full(F, self.dummy, dtype=np.int64)
+            down = np.full(F, self.dummy, dtype=np.int64)
+            up[cross] = 5 * R + rail_s[cross]
+            down[cross] = 5 * R + self.rails + rail_d[cross]
+            cols += [up, down]
+        c1[inter] = 3 * R + dst_F[inter]
+        cols.append(c1)
         if self.pairs:
+            pc = np.full(F, self.dummy, dtype=np.int64)
             other = ~same
             lo, hi = np.minimum(src_F, dst_F), np.maximum(src_F, dst_F)
-            col = L_PATH - 1 if self.spine_binds else 2
-            path[other, col] = 5 * R + 2 * self.rails + lo[other] * R + hi[other]
+            pc[other] = self.pair_base + lo[other] * R + hi[other]
+            cols.append(pc)
+        if self.node_links:
+            no = np.full(F, self.dummy, dtype=np.int64)
+            ni = np.full(F, self.dummy, dtype=np.int64)
+            no[inter] = self.node_base + src_F[inter] // G
+            ni[inter] = self.node_base + self.nodes + dst_F[inter] // G
+            cols += [no, ni]
+        path = np.full((F, L_PATH), self.dummy, dtype=np.int64)
+        path[:, :len(cols)] = np.stack(cols, axis=1)
         return path, lat
 
     def route(self, src_F: np.ndarray, dst_F: np.ndarray) -> np.ndarray:

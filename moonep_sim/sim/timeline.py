@@ -142,6 +142,8 @@ class _Direction:
     post_copy: list[np.ndarray] = field(default_factory=list)   # [hop] -> [R] us after receiving
     post_pre_copy: list[np.ndarray] = field(default_factory=list)   # combine hops: before sending
     post_post_copy: list[np.ndarray] = field(default_factory=list)  # combine hops: after receiving
+    w_pre_R: np.ndarray | None = None    # us: the home's pass over the expert weights it sends
+    w_post_R: np.ndarray | None = None   # us: the receiver's pass over the weights it receives
 
 
 def _copy_us(plan: Plan, topo: Topology, direction: str, pre: list[CommPhase], post: list[CommPhase],
@@ -204,7 +206,13 @@ def _direction(plan: Plan, model: ModelSpec, topo: Topology, direction: str, opt
         if topo.plan_measured_factor > 0:  # every rank plans the same global Plan on its share of the cores
             plan_us += topo.plan_measured_factor * float(plan.plan_seconds) * 1e6 * float(share_R.max())
     d_pre, d_post, c_pre, c_post = _copy_us(plan, topo, direction, pre, post, share_R)
-    return _Direction(direction, pre, weights, post, after, comp, plan_us, d_pre, d_post, c_pre, c_post)
+    w_pre = w_post = None
+    if topo.copy_bytes_per_us > 0 and weights:  # weights too are gathered to send and placed on arrival
+        k = share_R / topo.copy_bytes_per_us
+        w_pre = sum(p.bytes_RR.sum(axis=1) for p in weights) * k
+        w_post = sum(p.bytes_RR.sum(axis=0) for p in weights) * k
+    return _Direction(direction, pre, weights, post, after, comp, plan_us, d_pre, d_post, c_pre, c_post,
+                      w_pre, w_post)
 
 
 class _Sim:
@@ -301,6 +309,7 @@ class _Sim:
             yield env.timeout(st)
             self.spans.append((r, prefix + "stall", t0, env.now))
         if self.opts.overlap_prefetch:
+            yield from self._weight_pass(d, r, prefix)
             for w in wts:
                 self._send(w, r)
         if pre:
@@ -309,8 +318,16 @@ class _Sim:
                      for h in range(len(pre))]
             yield env.all_of(procs)
         if not self.opts.overlap_prefetch:
+            yield from self._weight_pass(d, r, prefix)
             for w in wts:
                 self._send(w, r)
+
+    def _weight_pass(self, d: _Direction, r: int, prefix: str):
+        """The home's local pass over the weights it sends (``host_copy_bandwidth_GBps``)."""
+        if d.w_pre_R is not None and d.w_pre_R[r] > 0:
+            t0 = self.env.now
+            yield self.env.timeout(float(d.w_pre_R[r]))
+            self.spans.append((r, prefix + "copy", t0, self.env.now))
 
     def _done(self, si: int, side: str, r: int, hops: int) -> list[list[simpy.Event]]:
         """Per (hop, chunk): fires once rank r received that chunk and made its local pass over it."""
@@ -359,6 +376,10 @@ class _Sim:
             if j == 0 and wts:
                 t_before = env.now
                 yield env.all_of([self.net.received(w[0], r) for w in wts])
+                if d.w_post_R is not None and d.w_post_R[r] > 0:
+                    t0 = env.now
+                    yield env.timeout(float(d.w_post_R[r]))
+                    self.spans.append((r, prefix + "copy", t0, env.now))
                 if env.now > t_before:
                     gate = "weights"
             if j == 0:
@@ -510,8 +531,9 @@ def _result(sim: _Sim, wall: float) -> SimResult:
     t_end = float(max(end_R.max() if end_R.size else 0.0, rec["end"].max() if rec["end"].size else 0.0))
     pb = net.port_bytes()
     busy = pb / ports.cap_P[:-1]
-    phys = 5 * R + 2 * ports.rails  # rank and spine ports (pair ports of half-duplex links are not "a port")
-    bp = int(np.argmax(busy[:phys])) if pb.size else 0
+    # rank, spine and node-link ports (the pair ports of half-duplex links are not a device's port)
+    phys_busy = np.where([ports.physical(p) for p in range(busy.size)], busy, -np.inf) if busy.size else busy
+    bp = int(np.argmax(phys_busy)) if pb.size else 0
     busiest = dict(name=ports.name(bp), bytes=float(pb[bp]), busy_us=float(busy[bp]),
                    utilisation=float(busy[bp] / t_end) if t_end > 0 else 0.0,
                    bandwidth_GBps=float(ports.cap_P[bp] / 1e3))

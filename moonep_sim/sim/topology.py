@@ -31,13 +31,15 @@ _PRESET_PREFIX = "topology-"
 _TABLES = {
     "node": ("", ("gpus_per_node", "nodes")),
     "nvlink": ("nvlink_", ("bandwidth_GBps", "latency_us", "efficiency", "duplex")),
-    "nic": ("nic_", ("bandwidth_GBps", "latency_us", "efficiency", "duplex")),
+    "nic": ("nic_", ("bandwidth_GBps", "latency_us", "efficiency", "duplex", "attach")),
     "fabric": ("fabric_", ("oversubscription", "latency_us")),
-    "gpu": ("gpu_", ("tflops", "mem_bandwidth_GBps", "compute_efficiency", "mem_efficiency", "launch_us")),
+    "gpu": ("gpu_", ("tflops", "mem_bandwidth_GBps", "compute_efficiency", "mem_efficiency", "launch_us", "slot_us",
+                     "padding_compute")),
     "host": ("host_", ("cores_per_node", "copy_bandwidth_GBps")),
     "planning": ("plan_", ("fixed_us", "measured_factor", "routing_bytes_per_entry")),
 }
 DUPLEX = ("full", "half")
+ATTACH = ("gpu", "node")
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,9 @@ class Topology:
     nvlink_duplex, nic_duplex: ``"full"`` (default) or ``"half"``: both directions of one rank
         pair's connection share one capacity (the link class's per-direction bandwidth), as a
         gloo TCP pair does (one thread alternately writes and reads).
+    nic_attach: ``"gpu"`` (default: one NIC per GPU, on its rail) or ``"node"``: one link per node
+        of ``gpus_per_node x nic.bandwidth_GBps`` shared max-min by all the node's inter-node flows,
+        any one rank able to use all of it (processes behind one network interface).
     host_cores_per_node: CPU cores that a node's ranks share (0 = not modelled). A rank's CPU
         work (expert compute, local copies, planning) is stretched by
         ``max(1, ranks on its node / cores_per_node)``; ``gpu_tflops``, ``gpu_mem_bandwidth_GBps``,
@@ -71,6 +76,10 @@ class Topology:
         sends before each hop, a pass over the rows it receives after each hop; the last dispatch
         hop's pass is the expand into the expert layout (the rank's final rows) and the first
         combine hop's the weighted gather of them.
+    gpu_slot_us: fixed cost per expert slot with rows (0 = one grouped GEMM per rank: only
+        ``gpu_launch_us``); an executor that runs one matmul chain per expert pays it per slot.
+    gpu_padding_compute: the fraction of padding rows that cost compute (1 = a static-shape
+        grouped GEMM computes them, the default; 0 = the executor skips them).
     plan_measured_factor: 0 = off; else planning also costs ``factor x plan.plan_seconds`` (the
         planner's own measured CPU time for this Plan, made in the simulating process), stretched
         by the CPU sharing above -- every rank plans the same global Plan.
@@ -97,8 +106,11 @@ class Topology:
     gpu_mem_efficiency: float = 0.8
     gpu_launch_us: float = 10.0
     plan_fixed_us: float = 20.0
+    gpu_slot_us: float = 0.0
+    gpu_padding_compute: float = 1.0
     nvlink_duplex: str = "full"
     nic_duplex: str = "full"
+    nic_attach: str = "gpu"
     host_cores_per_node: float = 0.0
     host_copy_bandwidth_GBps: float = 0.0
     plan_measured_factor: float = 0.0
@@ -114,13 +126,17 @@ class Topology:
         for f in ("nvlink_efficiency", "nic_efficiency", "gpu_compute_efficiency", "gpu_mem_efficiency"):
             v = getattr(self, f)
             require(0 < v <= 1, f"{f} ({v}) must lie in (0, 1] (topology {self.name})")
+        require(self.nic_attach in ATTACH,
+                f"nic_attach ({self.nic_attach!r}) must be one of {', '.join(ATTACH)} (topology {self.name})")
         for f in ("nvlink_duplex", "nic_duplex"):
             require(getattr(self, f) in DUPLEX,
                     f"{f} ({getattr(self, f)!r}) must be one of {', '.join(DUPLEX)} (topology {self.name})")
         for f in ("nvlink_latency_us", "nic_latency_us", "fabric_latency_us", "gpu_launch_us", "plan_fixed_us",
-                  "host_cores_per_node", "host_copy_bandwidth_GBps", "plan_measured_factor",
+                  "host_cores_per_node", "host_copy_bandwidth_GBps", "gpu_slot_us", "plan_measured_factor",
                   "plan_routing_bytes_per_entry"):
             require(getattr(self, f) >= 0, f"{f} ({getattr(self, f)}) must be >= 0 (topology {self.name})")
+        require(0 <= self.gpu_padding_compute <= 1,
+                f"gpu padding_compute ({self.gpu_padding_compute}) must lie in [0, 1] (topology {self.name})")
         require(self.fabric_oversubscription >= 1,
                 f"fabric oversubscription ({self.fabric_oversubscription}) must be >= 1 (topology {self.name})")
 

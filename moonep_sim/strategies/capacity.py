@@ -51,19 +51,44 @@ def _desc_weight_key_N(weights_N: np.ndarray) -> np.ndarray:
     return key
 
 
-def _group_order(group_N: np.ndarray, n_groups: int, weights_N: np.ndarray | None) -> np.ndarray:
-    """int64 [N] entries sorted stably by group, and within a group by descending weight when
-    ``weights_N`` is given (ties: entry order) -- a least-significant-digit radix sort of 16-bit
-    digits (weight low, weight high, then the group's digits)."""
-    if weights_N is None:
-        return stable_order(group_N, n_groups)
-    wkey = _desc_weight_key_N(weights_N)
-    order = np.argsort((wkey & np.uint32(0xFFFF)).astype(np.uint16), kind="stable")
-    hi = (wkey >> np.uint32(16)).astype(np.uint16)
+def _keep_heaviest_A(group_N: np.ndarray, A_N: np.ndarray, cnt_G: np.ndarray, cap_G: np.ndarray,
+                     weights_N: np.ndarray) -> np.ndarray:
+    """bool [N], in the order ``A_N`` (entries sorted stably by group): whether each entry is among
+    the ``cap_G`` heaviest of its group (ties: earlier entry first) -- :func:`keep_mask_N`'s
+    ``drop=weight`` without a sort of the entries by weight.
+
+    One value sort of ``group << 32 | weight key`` (fast: no permutation to carry) gives each
+    group's threshold, the cap-th heaviest weight; an entry stays if it is heavier, or if it ties
+    the threshold and is among the first ties (in entry order) still within the capacity.
+    """
+    N = A_N.size
+    wkey = _desc_weight_key_N(weights_N)  # ascending = heaviest first
+    packed = group_N << 32
+    packed |= wkey
+    packed.sort()
+    start_G = np.cumsum(cnt_G) - cnt_G
+    over = (cnt_G > cap_G) & (cap_G > 0)
+    thr_G = np.full(cnt_G.size, 0xFFFFFFFF, dtype=np.int64)  # groups within capacity keep all
+    thr_G[over] = packed[start_G[over] + cap_G[over] - 1] & 0xFFFFFFFF
+    thr_G[(cnt_G > cap_G) & (cap_G <= 0)] = 0  # no capacity: only ties of key 0 compete, for 0 places
+    del packed
+    w_A = wkey[A_N].astype(np.int64)
     del wkey
-    order = order[np.argsort(hi[order], kind="stable")]
-    del hi
-    return order[stable_order(group_N[order], n_groups)]
+    thr_A = np.repeat(thr_G, cnt_G)
+    less = w_A < thr_A
+    eq = w_A == thr_A
+    del w_A, thr_A
+    c_less = np.concatenate([[0], np.cumsum(less.view(np.uint8), dtype=np.int64)])
+    n_less_G = c_less[start_G + cnt_G] - c_less[start_G]  # entries heavier than the threshold
+    del c_less
+    c_eq = np.cumsum(eq.view(np.uint8), dtype=np.int64)  # running count of ties, through each entry
+    eq_before_G = np.concatenate([[0], c_eq])[start_G]
+    # ties of group g kept: the first cap_g - n_less_g of them, i.e. running tie count <= that
+    limit_G = eq_before_G + np.maximum(cap_G - n_less_G, 0)
+    keep = c_eq <= np.repeat(limit_G, cnt_G)
+    keep &= eq
+    keep |= less
+    return keep
 
 
 def keep_mask_N(ids_N: np.ndarray, weights_N: np.ndarray, src_N: np.ndarray, cap_R: np.ndarray,
@@ -79,12 +104,14 @@ def keep_mask_N(ids_N: np.ndarray, weights_N: np.ndarray, src_N: np.ndarray, cap
     n = ids_N.size
     n_groups = int(cap_R.size) * num_experts
     group = src_N * num_experts + ids_N
-    order = _group_order(group, n_groups, weights_N if drop == "weight" else None)
-    cnt = np.bincount(group, minlength=n_groups) if n else np.zeros(n_groups, np.int64)
-    # the sorted entries of group g sit at [start_g, start_g + cnt_g); the first cap_g stay
-    limit_G = np.cumsum(cnt) - cnt + np.repeat(cap_R, num_experts)
+    A = stable_order(group, n_groups)  # (group, entry) order
+    cnt = np.bincount(group, minlength=n_groups).astype(np.int64) if n else np.zeros(n_groups, np.int64)
+    cap_G = np.repeat(cap_R, num_experts)
     keep = np.empty(n, dtype=bool)
-    keep[order] = np.arange(n, dtype=np.int64) < np.repeat(limit_G, cnt)
+    if drop == "weight":
+        keep[A] = _keep_heaviest_A(group, A, cnt, cap_G, weights_N)
+    else:  # the sorted entries of group g sit at [start_g, start_g + cnt_g); the first cap_g stay
+        keep[A] = np.arange(n, dtype=np.int64) < np.repeat(np.cumsum(cnt) - cnt + cap_G, cnt)
     return keep
 
 
@@ -116,11 +143,9 @@ def plan(routing: GlobalRouting, ctx: PlanContext, cf: float = 1.0, drop: str = 
     cap_G = np.repeat(cap_R, S)
     start_G = np.cumsum(cnt_G) - cnt_G
     if drop == "weight":  # keep the cap_G heaviest of each group (ties: earlier entry first)
-        W_order = _group_order(group, n_groups, routing.topk_weights_TK.ravel())
+        keep_A = _keep_heaviest_A(group, A, cnt_G, cap_G, routing.topk_weights_TK.ravel())
         keep = np.empty(N, dtype=bool)
-        keep[W_order] = np.arange(N, dtype=np.int64) < np.repeat(start_G + cap_G, cnt_G)
-        del W_order
-        keep_A = keep[A]
+        keep[A] = keep_A
     else:  # keep the first cap_G of each group in entry order
         keep_A = np.arange(N, dtype=np.int64) < np.repeat(start_G + cap_G, cnt_G)
         keep = np.empty(N, dtype=bool)

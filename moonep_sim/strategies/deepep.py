@@ -36,6 +36,12 @@ def nodes_per_token_T(node_TK: np.ndarray) -> np.ndarray:
     """int64 [T]: distinct nodes among each token's K destinations."""
     if node_TK.size == 0:
         return np.zeros(node_TK.shape[0], dtype=np.int64)
+    if hasattr(np, "bitwise_count") and int(node_TK.min()) >= 0 and int(node_TK.max()) < 64:
+        # a bit set of each token's nodes (numpy >= 2.0 counts its bits)
+        seen = np.zeros(node_TK.shape[0], dtype=np.uint64)
+        for k in range(node_TK.shape[1]):  # loop over top-k slots, not tokens
+            seen |= np.left_shift(np.uint64(1), node_TK[:, k].astype(np.uint64))
+        return np.bitwise_count(seen).astype(np.int64)
     s = np.sort(node_TK, axis=1)
     return 1 + (s[:, 1:] != s[:, :-1]).sum(axis=1).astype(np.int64)
 
@@ -76,8 +82,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, max_nodes: int = 0) -> Plan:
     sr, se, slot_of = home_slots(ctx.placement)
     ids = routing.topk_ids_TK
     entry_slot = slot_of[ids]
-    dst_TK = sr[entry_slot]
-    npt = nodes_per_token_T(dst_TK // G)
+    npt = nodes_per_token_T((sr // G)[entry_slot])
     if max_nodes and npt.size and int(npt.max()) > max_nodes:
         t = int(np.argmax(npt > max_nodes))
         raise PlanError(f"nodes of token {t} ({int(npt[t])}) must be <= max_nodes ({max_nodes}): the given "

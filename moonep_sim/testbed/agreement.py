@@ -128,6 +128,9 @@ def link_busy_ms(before: dict[str, int], after: dict[str, int], spec: TestbedSpe
 
 
 def _node_of_port(name: str, gpus_per_node: int) -> int | None:
+    m = re.match(r"node(\d+)\.", str(name))  # a node link (nic.attach = "node")
+    if m:
+        return int(m.group(1))
     m = re.search(r"(\d+)", str(name))
     return int(m.group(1)) // gpus_per_node if m else None
 
@@ -161,6 +164,7 @@ def run_agreement(cfg: AgreeConfig, progress: Callable[[str], None] | None = Non
             write_text_atomic(json_out, json.dumps(report, indent=2, default=str))
 
     t_start = time.perf_counter()
+    report["load_average_start"] = _loadavg()
     with signals_raise():
         for (N, G) in cfg.shapes:
             spec = TestbedSpec(nodes=N, rate_bps=cfg.rate_bps)
@@ -232,8 +236,17 @@ def run_agreement(cfg: AgreeConfig, progress: Callable[[str], None] | None = Non
                         save()
     report["summary"] = summarize(report)
     report["wall_s"] = time.perf_counter() - t_start
+    report["load_average_end"] = _loadavg()
     save()
     return report
+
+
+def _loadavg() -> list[float] | None:
+    import os
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def summarize(report: dict) -> dict:
@@ -290,4 +303,7 @@ def markdown_table(report: dict) -> str:
                   f"same strategy order in {s['same_order_groups']} of {s['groups']} groups; degraded node is the "
                   f"busiest link in both in {s['straggler_agree']} of {s['straggler_runs']} runs."
               if med is not None else "no rows"]
+    if report.get("load_average_start") or report.get("load_average_end"):
+        lines.append(f"Load average (1, 5, 15 min) at the start {report.get('load_average_start')}, "
+                     f"at the end {report.get('load_average_end')}.")
     return "\n".join(lines)

@@ -4,14 +4,22 @@
   calibrated ``local-gloo`` topology (``moonep-sim calibrate``) when it exists, else the
   ``local-gloo`` preset defaults: ranks of one node talk over that namespace's loopback exactly as
   the ``local-gloo`` ranks do.
-- Inter-node (``[nic]``): a node's G ranks share its one shaped veth link, while the simulator gives
-  every GPU its own NIC; the testbed therefore gives each rank ``rate / G`` (exact whenever all G
-  ranks of a node send at once, as in every all-to-all hop). ``nic.efficiency`` is what gloo gets of
+- Inter-node (``[nic]``): a node's G ranks share its one shaped veth link: ``nic.attach = "node"``
+  (one link of ``G x nic.bandwidth_GBps`` per node, shared max-min by the node's inter-node flows,
+  any rank able to use all of it) with ``nic.bandwidth_GBps = rate / G``. ``nic.efficiency`` is what gloo gets of
   the tbf rate, measured by a uniform all-to-all across the nodes with the same G when the gloo
   probe ran (gloo's TCP pairs do not keep both directions of one pair busy at once: measured 0.46
   of the rate per direction with 1 rank per node, 0.73 with 2, 0.84 with 4, at 200 Mbit/s), else the
   TCP payload fraction (about 0.95), else 0.95. ``nic.latency_us`` is half the measured gloo
   point-to-point round trip (else the TCP one, else 200 us).
+- gloo's TCP pair is half duplex (one thread alternately writes and reads): the testbed sets
+  ``nic.duplex = "half"``, so both directions of one rank pair share one link's rate.
+  The probe's uniform all-to-all already feels this with 1 rank per node (each pair carries both
+  directions: the model's own per-node rate is ``min(1, (N-1) G^2 / 2)`` of the full-duplex one),
+  so ``nic.efficiency`` is the measured fraction divided by that (it is not counted twice).
+- CPU: every emulated node runs on this one machine, so its cores (``[host] cores_per_node`` of the
+  base topology, i.e. the calibrated cores of this machine) are split over the N nodes:
+  ``cores_per_node = cores / N``; the simulator stretches CPU work by ``ranks per node / that``.
 - A degraded node (``--node-bandwidth i:RATE``) is not a topology constant (those are uniform):
   :func:`degraded_faults` gives the matching simulator faults, ``DegradedLink(rank, RATE / rate,
   "nic")`` for each of that node's ranks (CLI: ``--degrade-nic RANK:FACTOR``).
@@ -48,10 +56,12 @@ def testbed_topology(spec: TestbedSpec, gpus_per_node: int, probes: dict | None 
     gl = probes.get("gloo") or {}
     tcp = (probes.get("tcp") or [{}])[0]
     if gl.get("a2a_node_bits_per_s"):
-        eff = min(1.0, gl["a2a_node_bits_per_s"] / spec.rate_bps)
+        half = uniform_half_duplex_fraction(int(gl.get("nodes", spec.nodes)), int(gl.get("gpus_per_node", G)))
+        eff = min(1.0, gl["a2a_node_bits_per_s"] / spec.rate_bps / half)
         eff_src = (f"measured: gloo all_to_all_single across the testbed ({gl['nodes']} nodes x "
                    f"{gl['gpus_per_node']} ranks), {gl['a2a_node_bits_per_s'] / 1e6:.1f} Mbit/s per node "
-                   f"and direction of a {format_rate(spec.rate_bps)} tbf link")
+                   f"and direction of a {format_rate(spec.rate_bps)} tbf link, divided by {half:g} (what "
+                   f"half-duplex pairs alone leave of a uniform all-to-all in the model)")
     elif tcp.get("bits_per_s"):
         eff = min(1.0, tcp["bits_per_s"] / spec.node_rate(tcp.get("dst", 0)))
         eff_src = f"measured: one TCP stream, {tcp['bits_per_s'] / 1e6:.1f} Mbit/s payload"
@@ -70,13 +80,29 @@ def testbed_topology(spec: TestbedSpec, gpus_per_node: int, probes: dict | None 
     if slow:
         sources["degraded_nodes"] = ", ".join(f"node {i}: {format_rate(r)} (use degraded_faults / --degrade-nic)"
                                               for i, r in slow.items())
+    cores = b.host_cores_per_node / spec.nodes if b.host_cores_per_node > 0 else 0.0
+    sources["nic_attach"] = "node: the node's ranks share its one veth link (tbf)"
+    sources["nic_duplex"] = "half: gloo's TCP pair carries one direction at a time (testbed probe: a 2-rank exchange " \
+                            "gets ~0.5 of the link each way)"
+    if cores:
+        sources["host_cores_per_node"] = (f"{b.host_cores_per_node:g} cores of this machine ({b.name}) shared by "
+                                          f"the {spec.nodes} emulated nodes")
     return replace(b, name=f"testbed-{spec.nodes}x{G}-{format_rate(spec.rate_bps)}",
                    description=f"Emulated testbed: {spec.nodes} nodes x {G} ranks, tbf {format_rate(spec.rate_bps)} "
                                f"per node link and direction",
                    gpus_per_node=G, nodes=spec.nodes,
                    nic_bandwidth_GBps=spec.rate_bps / 8 / 1e9 / G, nic_efficiency=round(eff, 4),
-                   nic_latency_us=round(lat, 1), fabric_oversubscription=1.0, fabric_latency_us=0.0,
-                   sources=sources, path="")
+                   nic_latency_us=round(lat, 1), nic_duplex="half", nic_attach="node", fabric_oversubscription=1.0,
+                   fabric_latency_us=0.0, host_cores_per_node=round(cores, 6), sources=sources, path="")
+
+
+def uniform_half_duplex_fraction(nodes: int, gpus_per_node: int) -> float:
+    """What half-duplex pairs leave of a uniform all-to-all's per-node rate in the simulator: a node
+    link C carries (N-1) G^2 flows out, each inter-node pair 2 flows (one per direction) on the
+    same C, so a flow gets ``min(1/((N-1) G^2), 1/2)`` of it: ``min(1, (N-1) G^2 / 2)`` of the
+    full-duplex rate (0.5 with one rank per node on 2 nodes, 1 from 2 ranks per node)."""
+    G = max(gpus_per_node, 1)
+    return min(1.0, max(nodes - 1, 1) * G * G / 2.0)
 
 
 def degraded_faults(spec: TestbedSpec, gpus_per_node: int) -> tuple:
