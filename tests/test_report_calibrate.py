@@ -89,7 +89,9 @@ def test_topology_written_from_fit_loads_in_the_simulator(tmp_path, monkeypatch)
     back = sim_topology.read_topology_file(path)
     assert back.name == "local-gloo"
     assert back.nvlink_bandwidth_GBps == pytest.approx(0.75)
-    assert back.nvlink_latency_us == pytest.approx(450.0)
+    # latency(P) = 0 + 150 x (P-1): the link keeps the base, each message costs 150 us
+    assert back.nvlink_latency_us == pytest.approx(0.0, abs=1e-6)
+    assert back.host_message_us == pytest.approx(150.0)
     assert back.gpu_tflops * 1e12 == pytest.approx(40e9, rel=1e-4)
     assert back.gpu_slot_us == pytest.approx(20.0, rel=1e-3) and back.gpu_launch_us == 0.0
     assert back.plan_fixed_us == pytest.approx(2000.0)
@@ -112,17 +114,21 @@ def test_cpu_rates_are_written_per_core_with_the_sharing_and_row_passes(tmp_path
     m["rowpass"] = [{"nproc": 4, "op": op, "bytes": 16 << 20, "seconds": [(16 << 20) / 0.5e9] * 3}
                     for op in ("gather", "scatter_add")]
     m["planning"] = [{"seconds": [0.003] * 3, "plan_seconds": [0.001] * 3}]
+    m["memcopy"].append({"nproc": 4, "bytes": 32 << 20, "seconds": [(32 << 20) / 0.4e9] * 3, "fresh": True})
     f = cal.fit(m)
+    assert f.mem_gbps_P[4] == pytest.approx(5.0 / 4) and f.fresh_copy_gbps_P[4] == pytest.approx(0.4)
     assert f.cpu_cores == 2 and f.share(4) == 2.0 and f.share(2) == 1.0
     assert f.rowpass_gbps_P[4] == pytest.approx(0.5)
     assert f.handle_us == pytest.approx(2000.0)
     topo = cal.local_gloo_topology(f, 4, (2, 4))
-    assert topo.host_cores_per_node == 2.0
+    assert topo.host_cores == 2.0 and topo.host_nodes_per_host == 0
     assert topo.gpu_tflops * 1e12 == pytest.approx(80e9, rel=1e-4)  # P=2 on 2 cores: a core each
     assert topo.gpu_slot_us == pytest.approx(20.0, rel=1e-3)  # from P=2 (no oversubscription)
     assert topo.gpu_padding_compute == 0.0
     assert topo.host_copy_bandwidth_GBps == pytest.approx(1.0)
     assert topo.plan_measured_factor == 1.0 and topo.plan_fixed_us == pytest.approx(4000.0)  # handle x 2
+    assert topo.host_weight_copy_bandwidth_GBps == pytest.approx(0.8)  # 0.4 with 4 on 2 cores
+    assert topo.nvlink_latency_us == pytest.approx(0.0, abs=1e-6) and topo.host_message_us == pytest.approx(150.0)
     assert topo.nvlink_duplex == "half" and topo.plan_routing_bytes_per_entry == 16.0
     assert list(topo.cpu_share_R(4)) == [2.0] * 4 and list(topo.cpu_share_R(2)) == [1.0] * 2
     back = pytest.importorskip("moonep_sim.sim.topology").read_topology_file(

@@ -52,7 +52,8 @@ def dispatch_us(plan, topo) -> float:
 def test_gpu_presets_leave_every_cpu_term_off(name):
     t = load_topology(name)
     assert (t.nvlink_duplex, t.nic_duplex, t.nic_attach) == ("full", "full", "gpu")
-    assert t.host_cores_per_node == 0 and t.host_copy_bandwidth_GBps == 0 and t.gpu_slot_us == 0
+    assert t.host_cores == 0 and t.host_copy_bandwidth_GBps == 0 and t.gpu_slot_us == 0
+    assert t.host_message_us == 0
     assert t.gpu_padding_compute == 1 and t.plan_measured_factor == 0 and t.plan_routing_bytes_per_entry == 0
     assert np.all(t.cpu_share_R(16) == 1.0)
 
@@ -85,10 +86,12 @@ def test_cpu_cores_stretch_compute_by_ranks_over_cores():
     plan = uniform_plan(4)
     topo = replace(BASE, gpu_tflops=1e-3, gpu_mem_bandwidth_GBps=1e3)  # compute dominates
     alone = simulate_layer(plan, topo, MODEL).per_rank["compute_us"]
-    shared = simulate_layer(plan, replace(topo, host_cores_per_node=2.0), MODEL).per_rank["compute_us"]
+    shared = simulate_layer(plan, replace(topo, host_cores=2.0), MODEL).per_rank["compute_us"]
     assert np.allclose(np.array(shared), 2 * np.array(alone))
-    assert list(replace(topo, host_cores_per_node=8.0).cpu_share_R(4)) == [1.0] * 4  # more cores than ranks
-    assert list(replace(topo, host_cores_per_node=1.0, gpus_per_node=2).cpu_share_R(6)) == [2.0] * 6
+    assert list(replace(topo, host_cores=8.0).cpu_share_R(4)) == [1.0] * 4  # more cores than ranks
+    assert list(replace(topo, host_cores=1.0, gpus_per_node=2).cpu_share_R(6)) == [2.0] * 6  # a host per node
+    # every node on one host (nodes emulated on one machine): all 6 ranks share the 2 cores
+    assert list(replace(topo, host_cores=2.0, gpus_per_node=2, host_nodes_per_host=0).cpu_share_R(6)) == [3.0] * 6
 
 
 def test_row_passes_add_the_gather_and_expand_time_to_a_hop():
@@ -101,7 +104,7 @@ def test_row_passes_add_the_gather_and_expand_time_to_a_hop():
     final = plan.rows_R()[0] * plan.costs.dispatch_row_bytes
     assert got == pytest.approx((sent + final) / (rate_GBps * 1e3), rel=1e-6)
     # and the core sharing stretches them
-    both = replace(topo, host_cores_per_node=1.0)
+    both = replace(topo, host_cores=1.0)
     assert dispatch_us(plan, both) - dispatch_us(plan, BASE) == pytest.approx(2 * got, rel=1e-6)
 
 
@@ -123,7 +126,7 @@ def test_measured_planning_and_routing_gather():
     plan = replace(uniform_plan(4), plan_seconds=0.002)
     r0 = simulate_layer(plan, BASE, MODEL).phases_us["plan"] if "plan" in \
         simulate_layer(plan, BASE, MODEL).phases_us else 0.0
-    t = replace(BASE, plan_measured_factor=1.0, host_cores_per_node=2.0)
+    t = replace(BASE, plan_measured_factor=1.0, host_cores=2.0)
     assert simulate_layer(plan, t, MODEL).phases_us["plan"] == pytest.approx(r0 + 2000.0 * 2, rel=1e-6)
     routed = replace(BASE, plan_routing_bytes_per_entry=16.0)
     want = 3 * 64 * MODEL.top_k * 16.0 / 1e3  # (R-1) x tokens of the largest rank x K x 16 B at 1 GB/s
@@ -159,8 +162,18 @@ def test_node_attached_nic_lets_a_hot_rank_use_its_node_link():
     assert res.busiest_port["name"].startswith(("node", "rank"))
 
 
+def test_message_cost_grows_with_the_peers_a_rank_sends_to():
+    """A 4-rank all-to-all pays 3 messages per sender, a 2-rank exchange 1."""
+    msg = 100.0
+    u, x = uniform_plan(4), exchange_plan()
+    t = replace(BASE, host_message_us=msg)
+    assert dispatch_us(u, t) == pytest.approx(dispatch_us(u, BASE) + 3 * msg, rel=1e-6)
+    assert dispatch_us(x, t) == pytest.approx(dispatch_us(x, BASE) + msg, rel=1e-6)
+
+
 def test_toml_round_trip_and_bad_values(tmp_path):
-    t = replace(BASE, nvlink_duplex="half", nic_duplex="half", nic_attach="node", host_cores_per_node=2.0, host_copy_bandwidth_GBps=3.0,
+    t = replace(BASE, nvlink_duplex="half", nic_duplex="half", nic_attach="node", host_cores=2.0,
+                host_message_us=7.0, host_copy_bandwidth_GBps=3.0,
                 gpu_slot_us=5.0, gpu_padding_compute=0.0, plan_measured_factor=1.0, plan_routing_bytes_per_entry=16.0)
     import tomllib
     back = topology_from_dict(tomllib.loads(t.to_toml()), "x")
@@ -187,3 +200,17 @@ def test_weight_copies_pay_a_pass_at_the_home_and_at_the_receiver():
     # the receiver cannot start computing before the weights' arrival pass (and the home's gather)
     assert yes.per_rank["compute_start_us"][r] >= no.per_rank["compute_start_us"][r] + recv_R[r] / (rate * 1e3)
     assert yes.layer_time_us > no.layer_time_us
+    # a slower rate for (fresh, large) weight buffers applies to them only
+    slow_w = simulate_layer(plan, replace(BASE, host_copy_bandwidth_GBps=rate, host_weight_copy_bandwidth_GBps=rate / 4),
+                            MODEL, SimOptions(tol=0.0))
+    assert slow_w.per_rank["compute_start_us"][r] >= no.per_rank["compute_start_us"][r] + recv_R[r] / (rate / 4 * 1e3)
+
+
+def test_a_degraded_node_link_names_a_rank_of_that_node():
+    from moonep_sim.sim import DegradedLink
+    plan = uniform_plan(4, G=2)
+    topo = replace(BASE, gpus_per_node=2, nic_attach="node", nic_duplex="half", gpu_tflops=10.0)
+    res = simulate_layer(plan, topo, MODEL, SimOptions(faults=(DegradedLink(2, 0.25, "nic"),
+                                                               DegradedLink(3, 0.25, "nic"))))
+    assert res.busiest_port["name"].startswith("node1.")
+    assert res.straggler["rank"] in (2, 3) and res.straggler["cause"] == "slow port"

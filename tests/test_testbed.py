@@ -113,7 +113,7 @@ def test_topology_matches_the_testbed():
     assert topo.nic_duplex == "half" and topo.nic_attach == "node"
     from moonep_sim.testbed.agreement import _node_of_port
     assert _node_of_port("node1.nic_out", 2) == 1 and _node_of_port("rank3.nic_out", 2) == 1
-    assert topo.host_cores_per_node == pytest.approx(load_topology("local-gloo").host_cores_per_node / 2)
+    assert topo.host_cores == load_topology("local-gloo").host_cores and topo.host_nodes_per_host == 0
     # one rank per node: the half-duplex pair alone explains 0.5 of a uniform all-to-all, so a probe
     # measuring 0.46 of the rate leaves an efficiency of 0.92 (not counted twice)
     g1 = {"gloo": {"a2a_node_bits_per_s": 0.46 * 2e8, "p2p_rtt_us": 400.0, "nodes": 2, "gpus_per_node": 1}}

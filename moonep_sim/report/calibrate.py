@@ -24,8 +24,8 @@ count alike):
 - compute per P: ``t(flops) = launch + flops / flops_per_s``.
 
 CPU rates (SwiGLU FLOP/s and its per-call intercept, copy and row-pass rates) are written per
-core, from the largest P that does not exceed the cores, with ``[host] cores_per_node`` = the
-cores: the simulator stretches CPU work by ``max(1, ranks / cores)`` itself. Nothing is fitted on
+core, from the largest P that does not exceed the cores, with ``[host] cores`` = the cores and
+``nodes_per_host = 0`` (every process on this one machine, however the ranks are grouped in nodes): the simulator stretches CPU work by ``max(1, ranks / cores)`` itself. Nothing is fitted on
 replayed traces.
 
 The result is written atomically as the TOML file the simulator's ``local-gloo`` preset reads
@@ -99,6 +99,16 @@ def _worker(rank: int, world: int, store: str, sizes: Sequence[int], shapes: Seq
             m_S[i] = time.perf_counter() - t0
         dist.all_reduce(m_S, op=dist.ReduceOp.MAX)
         mem = [{"nproc": world, "bytes": src.numel() * 4, "seconds": m_S.tolist()}]
+        # the same copy into a freshly allocated tensor (what a pass over copied expert weights does)
+        f_S = torch.zeros(repeats, dtype=torch.float64)
+        for i in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fresh = src.clone()
+            f_S[i] = time.perf_counter() - t0
+            del fresh
+        dist.all_reduce(f_S, op=dist.ReduceOp.MAX)
+        mem.append({"nproc": world, "bytes": src.numel() * 4, "seconds": f_S.tolist(), "fresh": True})
         # the executor's local passes over rows: a gather of rows in a random order (index_select)
         # and a scatter-add of rows into random places (index_add_), each into a reused workspace and
         # into a fresh tensor (the executor does both; a fresh one pays its page faults), 4 MiB of
@@ -281,6 +291,7 @@ class CalibrationFit:
     over the mean time of a random gather and a random scatter-add, each into a reused and into a
     fresh tensor), all P processes at once.
     handle_us: the handle's share of ``plan_us`` (plan + handle minus the planner alone).
+    fresh_copy_gbps_P: per P, bytes per second of the 32 MiB copy into a freshly allocated tensor.
     """
 
     latency_us_P: dict[int, float]
@@ -299,6 +310,7 @@ class CalibrationFit:
     cpu_cores: int = field(default_factory=lambda: host_cores())
     rowpass_gbps_P: dict[int, float] = field(default_factory=dict)
     handle_us: float | None = None
+    fresh_copy_gbps_P: dict[int, float] = field(default_factory=dict)
 
     def share(self, nproc: int) -> float:
         """How much P processes computing at once stretch each one's CPU work: max(1, P / cores)."""
@@ -312,7 +324,8 @@ class CalibrationFit:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("latency_us_P", "proc_gbps_P", "flops_per_s_P", "launch_us_P", "mem_gbps_P", "rowpass_gbps_P"):
+        for k in ("latency_us_P", "proc_gbps_P", "flops_per_s_P", "launch_us_P", "mem_gbps_P", "rowpass_gbps_P",
+                  "fresh_copy_gbps_P"):
             d[k] = {str(p): v for p, v in d[k].items()}
         return d
 
@@ -365,7 +378,9 @@ def fit(measurements: dict[str, list[dict[str, Any]]]) -> CalibrationFit:
         launch_P[P] = a * 1e6
     cP = sorted(fl_P)
     mem_P = {int(r["nproc"]): float(r["bytes"]) / statistics.median(r["seconds"]) / 1e9
-             for r in measurements.get("memcopy", [])}
+             for r in measurements.get("memcopy", []) if not r.get("fresh")}
+    fresh_P = {int(r["nproc"]): float(r["bytes"]) / statistics.median(r["seconds"]) / 1e9
+               for r in measurements.get("memcopy", []) if r.get("fresh")}
     plan_us = [statistics.median(r["seconds"]) * 1e6 for r in measurements.get("planning", [])]
     handle_us = [max(0.0, statistics.median(r["seconds"]) - statistics.median(r["plan_seconds"])) * 1e6
                  for r in measurements.get("planning", []) if r.get("plan_seconds")]
@@ -381,7 +396,7 @@ def fit(measurements: dict[str, list[dict[str, Any]]]) -> CalibrationFit:
     return CalibrationFit(lat_P, bw_P, fl_P, launch_P, float(base), float(per_peer), float(port), float(aggregate),
                           fl_P[cP[-1]], fl_P[cP[0]], float(np.median(list(launch_P.values()))), mem_P,
                           plan_us=float(plan_us[0]) if plan_us else None, rowpass_gbps_P=rowpass_P,
-                          handle_us=float(handle_us[0]) if handle_us else None, **extra)
+                          handle_us=float(handle_us[0]) if handle_us else None, fresh_copy_gbps_P=fresh_P, **extra)
 
 
 # -- the topology file ---------------------------------------------------------------------------
@@ -411,7 +426,7 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
     bw = f.proc_gbps_P[near] if near == nproc else f.proc_gbps(nproc)
     lat = f.latency_us_P[near] if near == nproc else f.latency_us(nproc)
     # CPU work is modelled per core: the simulator stretches it by max(1, ranks / cores) itself
-    # (``[host] cores_per_node``). Rates are taken from the largest process count that does not
+    # (``[host] cores``). Rates are taken from the largest process count that does not
     # oversubscribe the cores (more processes than cores add time-slicing stalls to short timed
     # operations that the sharing factor already accounts for), de-shared if every count did.
     def cpu_p(measured) -> int:
@@ -432,13 +447,29 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
     else:
         rnear, copy_gbps = None, base.host_copy_bandwidth_GBps
     measured_plan = f.handle_us is not None
+    if f.fresh_copy_gbps_P:
+        fnear = cpu_p(f.fresh_copy_gbps_P)
+        wcopy = f.fresh_copy_gbps_P[fnear] * f.share(fnear)
+    else:
+        fnear, wcopy = None, base.host_weight_copy_bandwidth_GBps
+    # latency(P) = base + per_peer * (P-1): the link latency is the base and every message a rank
+    # sends costs per_peer (``[host] message_us``), so an all-to-all of P ranks takes latency(P) and a
+    # 2-rank hop latency(2); with one process count measured, its whole latency stays on the link
+    if len(f.latency_us_P) >= 2:
+        lat0, msg = float(f.latency_base_us), float(f.latency_per_peer_us)
+    else:
+        lat0, msg = float(lat), 0.0
     host = f"{f.cpu_cores} CPU cores, measured with {list(nprocs_measured)} processes"
     how = "fit t = latency + (P-1) * m / bandwidth over message sizes m (median of repeats, slowest rank)"
     desh = (f"per core: P={cnear} <= {f.cpu_cores} cores" if s_c == 1 else
             f"de-shared: x max(1, P / {f.cpu_cores} cores) = {s_c:g}") + " (the simulator applies the sharing)"
     sources = {
         "nvlink_bandwidth_GBps": f"moonep-sim calibrate: gloo all_to_all_single, per process at P={near}; {how}",
-        "nvlink_latency_us": f"moonep-sim calibrate: the same fit's latency at P={near}",
+        "nvlink_latency_us": ("moonep-sim calibrate: the base of latency(P) = base + per_peer x (P-1) over the "
+                              "measured P" if len(f.latency_us_P) >= 2 else
+                              f"moonep-sim calibrate: the same fit's latency at P={near}"),
+        "host_message_us": "moonep-sim calibrate: per_peer of latency(P) = base + per_peer x (P-1): each message a "
+                           "rank sends in a phase",
         "nic": "unused: every process is in one node (copied from the NVLink figures)",
         "duplex": "half: a gloo TCP pair has one thread that alternately writes and reads, so both directions "
                   "of one pair share its rate (testbed probe: a 2-rank exchange gets ~0.5 of the link each way)",
@@ -452,12 +483,16 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
                                    f"read + write traffic (2 x size / time), halved (the simulator counts bf16 "
                                    f"bytes, the CPU replay moves float32); {desh}"
                                    if f.mem_gbps_P else "shipped preset value (not measured)"),
-        "host_cores_per_node": f"moonep-sim calibrate: CPU cores this process may run on ({f.cpu_cores})",
+        "host_cores": f"moonep-sim calibrate: CPU cores this process may run on ({f.cpu_cores}); nodes_per_host = 0: "
+                      "every rank runs on this machine, whatever gpus_per_node groups them into",
         "host_copy_bandwidth_GBps": (f"moonep-sim calibrate: torch index_select (random gather) and index_add_ "
                                      f"(random scatter-add), into a reused and a fresh tensor, of 2048 float32 rows "
                                      f"of 512, {rnear} processes at once: bytes over the mean time, "
                                      f"x max(1, P / cores)" if rnear is not None
                                      else "shipped preset value (not measured)"),
+        "host_weight_copy_bandwidth_GBps": (f"moonep-sim calibrate: 32 MiB float32 copy into a fresh tensor "
+                                            f"(clone), {fnear} processes at once, x max(1, P / cores)"
+                                            if fnear is not None else "not measured: the row-pass rate is used"),
         "plan_fixed_us": ("moonep-sim calibrate: CPU time to build one rank's handle for a synthetic 512-token "
                           f"E=64 K=8 layer (alltoall), x max(1, {nproc} / {f.cpu_cores} cores)" if measured_plan else
                           "moonep-sim calibrate: CPU time to plan a synthetic 512-token E=64 K=8 layer (alltoall) "
@@ -483,13 +518,14 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
         base,
         description=(f"this machine's CPU processes over loopback gloo, calibrated by moonep-sim calibrate "
                      f"for {nproc} processes ({host}) at {time.strftime('%Y-%m-%d %H:%M')}"),
-        nvlink_bandwidth_GBps=round(bw, 6), nvlink_latency_us=round(lat, 3), nvlink_efficiency=1.0,
-        nic_bandwidth_GBps=round(bw, 6), nic_latency_us=round(lat, 3), nic_efficiency=1.0,
+        nvlink_bandwidth_GBps=round(bw, 6), nvlink_latency_us=round(lat0, 3), nvlink_efficiency=1.0,
+        nic_bandwidth_GBps=round(bw, 6), nic_latency_us=round(lat0, 3), nic_efficiency=1.0,
+        host_message_us=round(msg, 3), host_weight_copy_bandwidth_GBps=round(wcopy, 4),
         nvlink_duplex="half", nic_duplex="half",
         gpu_tflops=round(flops / 1e12, 6), gpu_compute_efficiency=1.0,
         gpu_mem_bandwidth_GBps=round(mem, 4), gpu_mem_efficiency=1.0,
         gpu_launch_us=0.0, gpu_slot_us=round(f.launch_us_P[cnear] / s_c, 3), gpu_padding_compute=0.0,
-        host_cores_per_node=float(f.cpu_cores), host_copy_bandwidth_GBps=round(copy_gbps, 4),
+        host_cores=float(f.cpu_cores), host_nodes_per_host=0, host_copy_bandwidth_GBps=round(copy_gbps, 4),
         plan_fixed_us=round(plan_fixed, 3), plan_measured_factor=1.0 if measured_plan else 0.0,
         plan_routing_bytes_per_entry=16.0,
         sources=sources, path="")

@@ -97,6 +97,7 @@ class FidelityConfig:
     strategies: list[str] = field(default_factory=lambda: list(ALL_STRATEGIES))
     nproc: int = 4
     timeout_s: float = 600.0
+    iters: int = 5  # timed replay iterations per strategy (after one warm-up): small layers are noisy
 
 
 def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
@@ -120,7 +121,8 @@ def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | No
         if progress:
             progress(case.name, i, n)
         cc = CompareConfig(case.trace, strategies, "local-gloo", cfg.nproc, case.gpus_per_node or cfg.nproc,
-                           src.layer_ids, src.model.name, real=True, nproc=cfg.nproc, real_timeout_s=cfg.timeout_s)
+                           src.layer_ids, src.model.name, real=True, nproc=cfg.nproc, real_timeout_s=cfg.timeout_s,
+                           real_iters=cfg.iters)
         rep = compare(cc, source=src)
         reports.append(rep)
         meas, sim = [], []
@@ -141,7 +143,7 @@ def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | No
         progress("done", n, n)
     from moonep_sim.report.compare import topology_info
 
-    return {"kind": "fidelity", "nproc": cfg.nproc, "topology": topology_info(topo),
+    return {"kind": "fidelity", "nproc": cfg.nproc, "iters": cfg.iters, "topology": topology_info(topo),
             "strategies": [nm for nm, _ in strategies], "cases": points, "per_case": per_case,
             "summary": summarise(points, per_case), "seconds": time.perf_counter() - t0,
             "load_average": {"start": load_start, "end": _loadavg()},

@@ -27,7 +27,8 @@ interface): every inter-node flow also crosses ``node<n>.nic_out`` of its source
 ``node<n>.nic_in`` of its destination node, each of ``G x nic bandwidth``, and each rank's own NIC
 ports get that same capacity (one rank alone may use the whole link).
 
-Each flow waits the path's latency, then transmits; concurrent flows get the max-min fair
+Each flow waits the path's latency (plus ``host_message_us`` per other rank its sender sends to in
+that phase: a serial per-message cost, 0 on the GPU presets), then transmits; concurrent flows get the max-min fair
 allocation (progressive filling: all unfrozen flows grow together until a port saturates; flows
 through it freeze), computed vectorised over all active flows at once with numpy.
 
@@ -77,6 +78,7 @@ class PortMap:
     spine_binds: bool = True
     pairs: bool = False
     node_links: bool = False
+    message_us: float = 0.0
 
     KINDS = ("nvlink_out", "nvlink_in", "nic_out", "nic_in", "hbm")
 
@@ -127,7 +129,8 @@ class PortMap:
         if node_links:
             cap[nb:nb + 2 * nodes] = node_cap
         return cls(R, G, rails, nodes, cap, nominal, topo.nvlink_latency_us, topo.nic_latency_us,
-                   topo.nic_latency_us + topo.fabric_latency_us, bool(spine_binds), bool(pairs), bool(node_links))
+                   topo.nic_latency_us + topo.fabric_latency_us, bool(spine_binds), bool(pairs), bool(node_links),
+                   float(topo.host_message_us))
 
     @property
     def pair_base(self) -> int:
@@ -346,6 +349,9 @@ class FlowNetwork:
             return
         src_F = np.full(dst.size, src, dtype=np.int64)
         path, lat = self.ports.paths(src_F, dst)
+        if self.ports.message_us > 0:  # the sender's serial per-message cost (host_message_us)
+            remote = dst != src
+            lat = lat + np.where(remote, self.ports.message_us * float(remote.sum()), 0.0)
         now = self.env.now
         ids = np.arange(self._n_flows, self._n_flows + dst.size)
         self._n_flows += dst.size

@@ -203,12 +203,14 @@ def _direction(plan: Plan, model: ModelSpec, topo: Topology, direction: str, opt
             (topo.nvlink_bytes_per_us, topo.nvlink_latency_us)
         steps = int(np.ceil(np.log2(R))) if R > 1 else 0
         plan_us = topo.plan_fixed_us + steps * lat + (counts_bytes / slow_bw if R > 1 and G >= 1 else 0.0)
+        plan_us += topo.host_message_us * (R - 1)  # every rank's message to each other rank
         if topo.plan_measured_factor > 0:  # every rank plans the same global Plan on its share of the cores
             plan_us += topo.plan_measured_factor * float(plan.plan_seconds) * 1e6 * float(share_R.max())
     d_pre, d_post, c_pre, c_post = _copy_us(plan, topo, direction, pre, post, share_R)
     w_pre = w_post = None
-    if topo.copy_bytes_per_us > 0 and weights:  # weights too are gathered to send and placed on arrival
-        k = share_R / topo.copy_bytes_per_us
+    w_rate = topo.host_weight_copy_bandwidth_GBps * 1e3 or topo.copy_bytes_per_us
+    if w_rate > 0 and weights:  # weights too are gathered to send and placed on arrival
+        k = share_R / w_rate
         w_pre = sum(p.bytes_RR.sum(axis=1) for p in weights) * k
         w_post = sum(p.bytes_RR.sum(axis=0) for p in weights) * k
     return _Direction(direction, pre, weights, post, after, comp, plan_us, d_pre, d_post, c_pre, c_post,
@@ -459,8 +461,8 @@ def _straggler(sim: _Sim, rec, end_R: np.ndarray) -> dict[str, Any]:
             return dict(rank=last_rank, cause="none", detail="no transfers")
         f = int(np.nanargmax(rec["end"]))
         p = _critical_port(sim, rec, f)
-        owner = p % sim.R if p < 5 * sim.R else -1
-        return dict(rank=owner if owner >= 0 else int(rec["dst"][f]), cause=_port_cause(sim, p),
+        owner = _port_owner(sim, rec, p, f)
+        return dict(rank=owner, cause=_port_cause(sim, p),
                     detail=f"last transfer {int(rec['src'][f])}->{int(rec['dst'][f])} limited by {ports.name(p)}")
     c_end, c_start = sim.compute_end[si], sim.compute_start[si]
     rc = int(np.argmax(c_end))
@@ -493,7 +495,7 @@ def _straggler(sim: _Sim, rec, end_R: np.ndarray) -> dict[str, Any]:
     f = int(idx[np.nanargmax(rec["end"][idx])])
     p = _critical_port(sim, rec, f)
     cause = _port_cause(sim, p)
-    owner = p % sim.R if p < 5 * sim.R else int(rec["dst"][f])
+    owner = _port_owner(sim, rec, p, f)
     if cause == "tokens received":
         rr = recv_rows[owner] if seg == "dispatch" else rows_R[owner]
         det = (f"{want}: rank {owner} {'receives' if seg == 'dispatch' else 'returns'} {int(rr)} rows "
@@ -502,6 +504,16 @@ def _straggler(sim: _Sim, rec, end_R: np.ndarray) -> dict[str, Any]:
     else:
         det = f"{want}: port {ports.name(p)} at {ports.cap_P[p] / ports.nominal_cap_P[p]:.2g}x bandwidth limits the last transfer"
     return dict(rank=owner, cause=cause, detail=det)
+
+
+def _port_owner(sim: _Sim, rec, p: int, f: int) -> int:
+    """The rank a port belongs to: its own rank; for a node link's out port the flow's source (a
+    rank of that node); for a pair, spine or node-in port the flow's destination."""
+    if 0 <= p < 5 * sim.R:
+        return int(p % sim.R)
+    if sim.ports.node_links and sim.ports.node_base <= p < sim.ports.node_base + sim.ports.nodes:
+        return int(rec["src"][f])
+    return int(rec["dst"][f])
 
 
 def _critical_port(sim: _Sim, rec, f: int) -> int:

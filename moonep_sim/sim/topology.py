@@ -35,7 +35,7 @@ _TABLES = {
     "fabric": ("fabric_", ("oversubscription", "latency_us")),
     "gpu": ("gpu_", ("tflops", "mem_bandwidth_GBps", "compute_efficiency", "mem_efficiency", "launch_us", "slot_us",
                      "padding_compute")),
-    "host": ("host_", ("cores_per_node", "copy_bandwidth_GBps")),
+    "host": ("host_", ("cores", "nodes_per_host", "copy_bandwidth_GBps", "message_us", "weight_copy_bandwidth_GBps")),
     "planning": ("plan_", ("fixed_us", "measured_factor", "routing_bytes_per_entry")),
 }
 DUPLEX = ("full", "half")
@@ -67,15 +67,22 @@ class Topology:
     nic_attach: ``"gpu"`` (default: one NIC per GPU, on its rail) or ``"node"``: one link per node
         of ``gpus_per_node x nic.bandwidth_GBps`` shared max-min by all the node's inter-node flows,
         any one rank able to use all of it (processes behind one network interface).
-    host_cores_per_node: CPU cores that a node's ranks share (0 = not modelled). A rank's CPU
-        work (expert compute, local copies, planning) is stretched by
-        ``max(1, ranks on its node / cores_per_node)``; ``gpu_tflops``, ``gpu_mem_bandwidth_GBps``,
+    host_cores: CPU cores of one host (0 = not modelled).  host_nodes_per_host: how many nodes
+        share one host (0 = every node on one host, e.g. ranks emulating nodes on one machine;
+        default 1). A rank's CPU work (expert compute, local copies, planning) is stretched by
+        ``max(1, ranks on its host / host_cores)``; ``gpu_tflops``, ``gpu_mem_bandwidth_GBps``,
         ``host_copy_bandwidth_GBps`` are then the rates of one process with a core to itself.
     host_copy_bandwidth_GBps: rate of one local pass over rows (a gather or scatter-add of row
         bytes) by the executor, 0 = free. Charged per rank and hop: a gather of the rows a rank
         sends before each hop, a pass over the rows it receives after each hop; the last dispatch
         hop's pass is the expand into the expert layout (the rank's final rows) and the first
         combine hop's the weighted gather of them.
+    host_weight_copy_bandwidth_GBps: rate of the pass over copied expert weights (gathered at the
+        home before sending, placed at the receiver): large, freshly allocated buffers; 0 = the
+        row-pass rate.
+    host_message_us: serial cost per message at the sender: in each phase a rank's transfers
+        start after the path latency plus ``message_us x`` the number of other ranks it sends to
+        (0 = none; the link latency then stands for a whole all-to-all, as on GPUs).
     gpu_slot_us: fixed cost per expert slot with rows (0 = one grouped GEMM per rank: only
         ``gpu_launch_us``); an executor that runs one matmul chain per expert pays it per slot.
     gpu_padding_compute: the fraction of padding rows that cost compute (1 = a static-shape
@@ -111,8 +118,11 @@ class Topology:
     nvlink_duplex: str = "full"
     nic_duplex: str = "full"
     nic_attach: str = "gpu"
-    host_cores_per_node: float = 0.0
+    host_cores: float = 0.0
+    host_nodes_per_host: int = 1
     host_copy_bandwidth_GBps: float = 0.0
+    host_message_us: float = 0.0
+    host_weight_copy_bandwidth_GBps: float = 0.0
     plan_measured_factor: float = 0.0
     plan_routing_bytes_per_entry: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
@@ -120,6 +130,8 @@ class Topology:
 
     def __post_init__(self) -> None:
         require(self.gpus_per_node >= 1, f"gpus_per_node ({self.gpus_per_node}) must be >= 1 (topology {self.name})")
+        require(self.host_nodes_per_host >= 0,
+                f"host nodes_per_host ({self.host_nodes_per_host}) must be >= 0 (topology {self.name}): 0 = all on one host")
         require(self.nodes >= 0, f"nodes ({self.nodes}) must be >= 0 (topology {self.name}): 0 = derived from ranks")
         for f in ("nvlink_bandwidth_GBps", "nic_bandwidth_GBps", "gpu_tflops", "gpu_mem_bandwidth_GBps"):
             require(getattr(self, f) > 0, f"{f} ({getattr(self, f)}) must be > 0 (topology {self.name})")
@@ -132,7 +144,7 @@ class Topology:
             require(getattr(self, f) in DUPLEX,
                     f"{f} ({getattr(self, f)!r}) must be one of {', '.join(DUPLEX)} (topology {self.name})")
         for f in ("nvlink_latency_us", "nic_latency_us", "fabric_latency_us", "gpu_launch_us", "plan_fixed_us",
-                  "host_cores_per_node", "host_copy_bandwidth_GBps", "gpu_slot_us", "plan_measured_factor",
+                  "host_cores", "host_nodes_per_host", "host_copy_bandwidth_GBps", "host_message_us", "host_weight_copy_bandwidth_GBps", "gpu_slot_us", "plan_measured_factor",
                   "plan_routing_bytes_per_entry"):
             require(getattr(self, f) >= 0, f"{f} ({getattr(self, f)}) must be >= 0 (topology {self.name})")
         require(0 <= self.gpu_padding_compute <= 1,
@@ -163,16 +175,17 @@ class Topology:
         return self.host_copy_bandwidth_GBps * 1e3
 
     def cpu_share_R(self, ranks: int) -> "np.ndarray":
-        """float64 [R]: how much a rank's CPU work is stretched by the ranks sharing its node's
-        cores (``max(1, ranks on the node / host_cores_per_node)``; all ones when not modelled)."""
+        """float64 [R]: how much a rank's CPU work is stretched by the ranks sharing its host's
+        cores (``max(1, ranks on its host / host_cores)``; all ones when not modelled)."""
         import numpy as np
 
-        if self.host_cores_per_node <= 0 or ranks <= 0:
+        if self.host_cores <= 0 or ranks <= 0:
             return np.ones(max(ranks, 0))
         G = min(self.gpus_per_node, ranks)
         node_R = np.arange(ranks) // G
-        per_node = np.bincount(node_R)[node_R].astype(np.float64)
-        return np.maximum(1.0, per_node / self.host_cores_per_node)
+        host_R = node_R // self.host_nodes_per_host if self.host_nodes_per_host > 0 else np.zeros(ranks, np.int64)
+        per_host = np.bincount(host_R)[host_R].astype(np.float64)
+        return np.maximum(1.0, per_host / self.host_cores)
 
     def num_nodes(self, ranks: int) -> int:
         """Nodes a run of ``ranks`` GPUs occupies (``nodes`` if fixed, else ceil(R / G))."""

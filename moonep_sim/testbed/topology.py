@@ -17,9 +17,9 @@
   The probe's uniform all-to-all already feels this with 1 rank per node (each pair carries both
   directions: the model's own per-node rate is ``min(1, (N-1) G^2 / 2)`` of the full-duplex one),
   so ``nic.efficiency`` is the measured fraction divided by that (it is not counted twice).
-- CPU: every emulated node runs on this one machine, so its cores (``[host] cores_per_node`` of the
-  base topology, i.e. the calibrated cores of this machine) are split over the N nodes:
-  ``cores_per_node = cores / N``; the simulator stretches CPU work by ``ranks per node / that``.
+- CPU: every emulated node runs on this one machine: ``[host] cores`` of the base topology (the
+  calibrated cores of this machine) with ``nodes_per_host = 0`` (all N nodes on one host); the
+  simulator stretches CPU work by ``max(1, N x G / cores)``.
 - A degraded node (``--node-bandwidth i:RATE``) is not a topology constant (those are uniform):
   :func:`degraded_faults` gives the matching simulator faults, ``DegradedLink(rank, RATE / rate,
   "nic")`` for each of that node's ranks (CLI: ``--degrade-nic RANK:FACTOR``).
@@ -80,12 +80,12 @@ def testbed_topology(spec: TestbedSpec, gpus_per_node: int, probes: dict | None 
     if slow:
         sources["degraded_nodes"] = ", ".join(f"node {i}: {format_rate(r)} (use degraded_faults / --degrade-nic)"
                                               for i, r in slow.items())
-    cores = b.host_cores_per_node / spec.nodes if b.host_cores_per_node > 0 else 0.0
+    cores = b.host_cores
     sources["nic_attach"] = "node: the node's ranks share its one veth link (tbf)"
     sources["nic_duplex"] = "half: gloo's TCP pair carries one direction at a time (testbed probe: a 2-rank exchange " \
                             "gets ~0.5 of the link each way)"
     if cores:
-        sources["host_cores_per_node"] = (f"{b.host_cores_per_node:g} cores of this machine ({b.name}) shared by "
+        sources["host_cores"] = (f"{b.host_cores:g} cores of this machine ({b.name}) shared by "
                                           f"the {spec.nodes} emulated nodes")
     return replace(b, name=f"testbed-{spec.nodes}x{G}-{format_rate(spec.rate_bps)}",
                    description=f"Emulated testbed: {spec.nodes} nodes x {G} ranks, tbf {format_rate(spec.rate_bps)} "
@@ -93,7 +93,7 @@ def testbed_topology(spec: TestbedSpec, gpus_per_node: int, probes: dict | None 
                    gpus_per_node=G, nodes=spec.nodes,
                    nic_bandwidth_GBps=spec.rate_bps / 8 / 1e9 / G, nic_efficiency=round(eff, 4),
                    nic_latency_us=round(lat, 1), nic_duplex="half", nic_attach="node", fabric_oversubscription=1.0,
-                   fabric_latency_us=0.0, host_cores_per_node=round(cores, 6), sources=sources, path="")
+                   fabric_latency_us=0.0, host_cores=cores, host_nodes_per_host=0, sources=sources, path="")
 
 
 def uniform_half_duplex_fraction(nodes: int, gpus_per_node: int) -> float:
