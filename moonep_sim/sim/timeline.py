@@ -523,6 +523,8 @@ def _critical_port(sim: _Sim, rec, f: int) -> int:
         sim._busy = sim.net.port_bytes() / sim.ports.cap_P[:-1]
     path = sim.ports.route(rec["src"][f:f + 1], rec["dst"][f:f + 1])[0]
     path = path[path < sim.ports.num_ports]
+    phys = path[[sim.ports.physical(int(q)) for q in path]] if path.size else path
+    path = phys if phys.size else path  # name a device's port, not a half-duplex pair
     if path.size == 0:
         return int(rec["bneck"][f])
     return int(path[np.argmax(sim._busy[path])])
