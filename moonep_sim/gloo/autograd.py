@@ -10,7 +10,10 @@ X expert copies on this rank, P elements of one expert's flattened weights.
 - combine (y [W,H], row_weights [W]) -> [s,H] = sum over a token's rows of weight * y. Backward: a
   dispatch of grad_out on the same Plan; grad_y = g * weight, grad_weight = <g, y> per row.
 - prefetch (tie, home expert weights [epn_r, ...] per projection) -> (tie, copies [X, ...]).
-  Backward: the copies' gradients are reduced (summed) into their home experts' gradients.
+  Plan copies are fetched each call; resident replicas' rows may come from the Buffer's cache
+  (values fetched earlier from the same master weights). Backward: every fetched slot's gradient,
+  cached or not, is reduced (summed) into its home expert's gradient, so gradients reach the master
+  weights either way.
 
 Backward collectives must run in the same order on every rank, and every rank must run them even
 when its own part is empty (a rank without copies still takes part in the gradient reduce).
@@ -72,14 +75,14 @@ class _Combine(torch.autograd.Function):
 
 class _Prefetch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, buffer, handle: Handle, tie, *local):
-        from moonep_sim.gloo.buffer import _flatten, _unflatten
+    def forward(ctx, buffer, handle: Handle, cache_key, tie, *local):
+        from moonep_sim.gloo.buffer import _unflatten
 
         ctx.buffer, ctx.handle = buffer, handle
         ctx.shapes = [t.shape for t in local]
-        # only the experts this rank sends are flattened (never all of its weights)
-        sent = handle.pf_send_local
-        flat = buffer.prefetch_flat(handle, _flatten([t.index_select(0, sent) for t in local], int(sent.numel())))
+        # only the experts this rank sends are flattened (never all of its weights); resident
+        # replicas come from the Buffer's cache when their placement is unchanged
+        flat = buffer.fetch_weights_flat(handle, local, cache_key)
         like = [t.new_empty((0,) + tuple(t.shape[1:])) for t in local]
         return (tie.view_as(tie),) + _unflatten(flat, like)
 
@@ -92,7 +95,7 @@ class _Prefetch(torch.autograd.Function):
         flat = _flatten([g.contiguous() for g in g_copies], handle.num_copies)
         red = ctx.buffer.reduce_flat(handle, flat, n_home)
         like = [g.new_empty((0,) + tuple(s[1:])) for g, s in zip(g_copies, ctx.shapes)]
-        return (None, None, g_tie) + _unflatten(red, like)
+        return (None, None, None, g_tie) + _unflatten(red, like)
 
 
 def dispatch_fn(buffer, handle: Handle, x: torch.Tensor, topk_weights: torch.Tensor):
@@ -103,7 +106,7 @@ def combine_fn(buffer, handle: Handle, y: torch.Tensor, row_weights: torch.Tenso
     return _Combine.apply(y, row_weights, buffer, handle)
 
 
-def prefetch_fn(buffer, handle: Handle, tie: torch.Tensor, *local: torch.Tensor):
+def prefetch_fn(buffer, handle: Handle, tie: torch.Tensor, *local: torch.Tensor, cache_key=None):
     """(tie passed through, copies...). The tie orders the backward: see the module docstring."""
-    out = _Prefetch.apply(buffer, handle, tie, *local)
+    out = _Prefetch.apply(buffer, handle, cache_key, tie, *local)
     return out[0], tuple(out[1:])

@@ -140,6 +140,12 @@ class Buffer:
         self._timeout = datetime.timedelta(seconds=self.timeout_s)
         self._seq = 0
         self._workspace: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        # resident replicas' fetched weights per cache key: (resident_key, experts, [X_res, P] rows)
+        self._replicas: dict[Any, tuple[bytes, torch.Tensor, torch.Tensor]] = {}
+        self.fetch_calls = 0  # prefetch all_to_alls issued (a step with Plan copies only counts one)
+        self.replica_fetches = 0  # of those, fetches that (re)filled the resident replicas' cache
+        self.fetched_experts = 0  # experts' weights received by this rank, all calls together
+        self.last_fetched = 0  # experts' weights received by this rank in the latest prefetch
         self._store = None
         try:
             store = dist.distributed_c10d._get_default_store()
@@ -579,6 +585,60 @@ class Buffer:
             out.index_copy_(0, handle.pf_recv_pos, recv)
         return out
 
+    def invalidate_replicas(self) -> None:
+        """Forget the cached weights of resident replicas: the next prefetch fetches them again.
+
+        Call it on every rank (each rank decides from its own cache whether a fetch collective
+        runs) whenever master weights change, e.g. after an optimizer step.
+        """
+        self._replicas.clear()
+
+    def fetch_weights_flat(self, handle: Handle, local: Sequence[torch.Tensor], cache_key: Any = None,
+                           phase: str = "prefetch") -> torch.Tensor:
+        """[X, P] flattened weights of this rank's fetched slots (slot order) from ``local``
+        ([epn_r, ...] home experts per projection). Plan copies are fetched every call; resident
+        replicas are served from the cache entry ``cache_key`` when its resident set equals the
+        handle's (``handle.resident_key``), else fetched with the copies and cached. Every rank
+        decides alike from the Plan and its cache, so the collectives match."""
+        X, n_res = handle.num_copies, int(handle.resident_pos.numel())
+        entry = self._replicas.get(cache_key)
+        hit = entry is not None and entry[0] == handle.resident_key
+        if hit:
+            sent, n_glob = handle.pfc_send_local, handle.num_plan_copies_global
+            splits = (handle.pfc_send_splits, handle.pfc_recv_splits)
+            pos = handle.pfc_recv_pos
+        else:
+            sent, n_glob = handle.pf_send_local, handle.num_fetched_global
+            splits = (handle.pf_send_splits, handle.pf_recv_splits)
+            pos = handle.pf_recv_pos
+        send_flat = _flatten([t.index_select(0, sent) for t in local], int(sent.numel()))
+        if n_glob == 0 or self.world_size == 1:
+            recv = send_flat
+        else:
+            recv = self._all_to_all(phase, "global", range(self.world_size), send_flat, *splits)
+            self.fetch_calls += 1
+            self.replica_fetches += int(not hit and handle.num_fetched_global > handle.num_plan_copies_global)
+        self.last_fetched = int(recv.shape[0])
+        self.fetched_experts += self.last_fetched
+        out = recv.new_empty((X,) + tuple(recv.shape[1:]))
+        if recv.shape[0]:
+            out.index_copy_(0, pos, recv)
+        if hit:
+            if n_res:
+                _, experts, rows = entry
+                require(rows.shape[1:] == out.shape[1:] and rows.dtype == out.dtype,
+                        f"weights ({list(out.shape[1:])} {out.dtype}) must match the cached resident replicas' "
+                        f"({list(rows.shape[1:])} {rows.dtype}) for cache key {cache_key!r}: "
+                        "use one cache key per set of weights")
+                at = torch.searchsorted(experts, handle.resident_expert)
+                out.index_copy_(0, handle.resident_pos, rows.index_select(0, at))
+        else:
+            e = handle.resident_expert
+            order = torch.argsort(e, stable=True)
+            rows = out.index_select(0, handle.resident_pos.index_select(0, order)).detach()
+            self._replicas[cache_key] = (handle.resident_key, e.index_select(0, order), rows)
+        return out
+
     def reduce_flat(self, handle: Handle, copy_flat: torch.Tensor, n_home: int, phase: str = "grad_reduce") -> torch.Tensor:
         """[X, P] copies' gradients -> [epn_r, P] their sums at the home experts (zeros elsewhere)."""
         out = copy_flat.new_zeros((n_home,) + tuple(copy_flat.shape[1:]))
@@ -636,7 +696,8 @@ class Buffer:
         require(tuple(w.shape) == (handle.rows,), f"weights shape ({list(w.shape)}) must be [{handle.rows}]")
         return combine_fn(self, handle, y, w)
 
-    def prefetch_weight(self, handle: Handle, local_weights, *, tie: torch.Tensor | None = None):
+    def prefetch_weight(self, handle: Handle, local_weights, *, tie: torch.Tensor | None = None,
+                        cache_key: Any = None):
         """The weights of this rank's copy slots, fetched from their home ranks.
 
         local_weights: a tuple/list of tensors ``[epn_r, ...]`` (one per projection, e.g. gate
@@ -644,6 +705,12 @@ class Buffer:
         Returns the same structure with ``[X, ...]`` tensors, row j = this rank's j-th copy slot
         (``handle.slot_weight_index`` of a copy slot). Differentiable: the backward reduces the
         copies' gradients to their homes.
+
+        Plan copies are fetched on every call. Resident replicas (fetched slots the Plan does not
+        call copies, e.g. EPLB's static replicas) are fetched once and cached under ``cache_key``
+        (any hashable, the same on every rank; one key per set of weights, e.g. the layer index)
+        until the set of resident (rank, expert) pairs changes or :meth:`invalidate_replicas` is
+        called -- which must follow any change of the master weights (an optimizer step).
 
         tie: when training, pass ``recv_x`` (the dispatched rows) and use the rows returned with the
         copies -- ``copies, recv_x = buffer.prefetch_weight(handle, w, tie=recv_x)``: this chains the
@@ -659,7 +726,7 @@ class Buffer:
             require(t.shape[0] == n_home, f"local weight {k} rows ({t.shape[0]}) must equal this rank's home "
                                           f"experts ({n_home})")
         t = tie if tie is not None else torch.zeros(0)
-        t_out, copies = prefetch_fn(self, handle, t, *tensors)
+        t_out, copies = prefetch_fn(self, handle, t, *tensors, cache_key=cache_key)
         packed = _pack(local_weights, keys, copies)
         return (packed, t_out) if tie is not None else packed
 

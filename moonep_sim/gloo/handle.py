@@ -333,6 +333,17 @@ class Handle:
         on every rank, no collective is issued).
       pf_send_splits / pf_recv_splits: experts per rank.  pf_recv_pos: int64 [X] position in this
       rank's copy list of each received expert, in receive order.
+    The fetched slots are the Plan's copies (``plan.is_copy_S()``: fetched every step) and the
+    *resident replicas* (slots of an expert whose master weights live on another rank that the Plan
+    does not call copies, e.g. EPLB's static replicas): their weights are fetched once and kept by
+    the :class:`~moonep_sim.gloo.buffer.Buffer` until the resident set changes.
+      pfc_send_local / pfc_send_splits / pfc_recv_splits / pfc_recv_pos: the same as ``pf_*`` for
+        the Plan copies only (``pfc_recv_pos``: positions in the full copy list, X rows).
+      num_plan_copies_global: Plan-copy slots over all ranks (0: no collective for them).
+      resident_pos / resident_expert: int64 [X_res] position in this rank's copy list and expert of
+        each of its resident replicas.
+      resident_key: bytes naming the global set of resident (rank, expert) pairs (every rank
+        builds the same key from the Plan, so every rank agrees on whether a fetch runs).
     direct: the last hop as point-to-point runs straight into / out of the layout
       (:class:`DirectIndex`), or None (``all_to_all_single`` plus the ``final`` gather).
     """
@@ -359,6 +370,14 @@ class Handle:
     pf_recv_pos: torch.Tensor
     num_fetched_global: int = 0
     direct: DirectIndex | None = None
+    pfc_send_local: torch.Tensor | None = None
+    pfc_send_splits: tuple[int, ...] = ()
+    pfc_recv_splits: tuple[int, ...] = ()
+    pfc_recv_pos: torch.Tensor | None = None
+    num_plan_copies_global: int = 0
+    resident_pos: torch.Tensor | None = None
+    resident_expert: torch.Tensor | None = None
+    resident_key: bytes = b""
 
     @property
     def rows(self) -> int:
@@ -433,11 +452,16 @@ def build_handle(plan: Plan, rank: int, home_E: np.ndarray, weights_TK: np.ndarr
     padded = plan.slot_padded_S[sl]
     cu = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)
     experts = plan.slot_expert_S[sl]
-    # A slot needs fetched weights when the Plan calls it a copy, or when it is a resident replica
-    # of an expert whose master weights live elsewhere (a static placement such as EPLB's): the
-    # executor holds master weights on home ranks only, so both are fetched from the master's rank
-    # each step and their gradients reduced there.
-    fetch_S = plan.is_copy_S() | (home_E[plan.slot_expert_S] != plan.slot_rank_S)
+    # A slot needs fetched weights when the Plan calls it a copy (fetched every step), or when it
+    # is a resident replica of an expert whose master weights live elsewhere (a static placement
+    # such as EPLB's): the executor holds master weights on home ranks only, so a resident
+    # replica's weights are fetched once and cached by the Buffer while the resident set stays the
+    # same. Both kinds have their gradients reduced to the master in backward.
+    plan_copy_S = plan.is_copy_S()
+    fetch_S = plan_copy_S | (home_E[plan.slot_expert_S] != plan.slot_rank_S)
+    resident_S = fetch_S & ~plan_copy_S
+    pairs = np.unique(plan.slot_rank_S[resident_S].astype(np.int64) * E + plan.slot_expert_S[resident_S])
+    resident_key = np.array([R, E], dtype=np.int64).tobytes() + pairs.tobytes()
     is_copy = fetch_S[sl]
     home_experts = np.flatnonzero(home_E == rank)
     local_of_E = np.full(E, -1, dtype=np.int64)
@@ -446,15 +470,24 @@ def build_handle(plan: Plan, rank: int, home_E: np.ndarray, weights_TK: np.ndarr
     c_dst, c_exp = plan.slot_rank_S[copies], plan.slot_expert_S[copies]
     c_src = home_E[c_exp]
     weight_index = np.where(is_copy, np.cumsum(is_copy) - 1, local_of_E[experts])
-    # sends: my experts to others, ordered by (dst, slot); receives: ordered by (src, slot)
-    mine = np.flatnonzero(c_src == rank)
-    mine = mine[np.argsort(c_dst[mine], kind="stable")]
-    send_local = local_of_E[c_exp[mine]]
-    send_splits = np.bincount(c_dst[mine], minlength=R)
-    to_me = np.flatnonzero(c_dst == rank)  # in slot order = my copy list order
-    order = np.argsort(c_src[to_me], kind="stable")
-    recv_pos = np.arange(to_me.size, dtype=np.int64)[order]
-    recv_splits = np.bincount(c_src[to_me], minlength=R)
+
+    def exchange(sel: np.ndarray):
+        """Sends (my experts to others, by (dst, slot)) and receives (by (src, slot)) of the
+        fetched slots ``sel`` (bool over the global fetched list); receive positions index this
+        rank's full copy list."""
+        mine = np.flatnonzero((c_src == rank) & sel)
+        mine = mine[np.argsort(c_dst[mine], kind="stable")]
+        to_me = np.flatnonzero(c_dst == rank)  # in slot order = my copy list order
+        pos = np.flatnonzero(sel[to_me])
+        order = np.argsort(c_src[to_me[pos]], kind="stable")
+        return (local_of_E[c_exp[mine]], np.bincount(c_dst[mine], minlength=R), pos[order],
+                np.bincount(c_src[to_me[pos]], minlength=R))
+
+    send_local, send_splits, recv_pos, recv_splits = exchange(np.ones(copies.size, dtype=bool))
+    c_copy = plan_copy_S[copies]
+    csend_local, csend_splits, crecv_pos, crecv_splits = exchange(c_copy)
+    mine_c = c_dst == rank
+    res_pos = np.flatnonzero(~c_copy[mine_c])
     return Handle(plan=plan, rank=rank, num_tokens=s, hops=tuple(hops), expand=expand, final=final,
                   row_entry=_t(row_entry), row_k=_t(row_k), row_weights=torch.from_numpy(row_w),
                   token_weights=torch.from_numpy(tok_w),
@@ -463,7 +496,11 @@ def build_handle(plan: Plan, rank: int, home_E: np.ndarray, weights_TK: np.ndarr
                   home_experts=_t(home_experts), pf_send_local=_t(send_local),
                   pf_send_splits=tuple(int(c) for c in send_splits),
                   pf_recv_splits=tuple(int(c) for c in recv_splits), pf_recv_pos=_t(recv_pos),
-                  num_fetched_global=int(copies.size))
+                  num_fetched_global=int(copies.size), pfc_send_local=_t(csend_local),
+                  pfc_send_splits=tuple(int(c) for c in csend_splits),
+                  pfc_recv_splits=tuple(int(c) for c in crecv_splits), pfc_recv_pos=_t(crecv_pos),
+                  num_plan_copies_global=int(c_copy.sum()), resident_pos=_t(res_pos),
+                  resident_expert=_t(c_exp[mine_c][res_pos]), resident_key=resident_key)
 
 
 # ---------------------------------------------------------------------------------------------

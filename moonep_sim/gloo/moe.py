@@ -97,7 +97,9 @@ class EPMoELayer(torch.nn.Module):
     Parameters: ``router_w`` [E, H] (replicated: its gradient is this rank's contribution; sum
     it over ranks as data parallelism would), ``gate``/``up`` [epn_r, H, F], ``down`` [epn_r, F, H]
     for the experts homed on this rank (``home_experts``). Copies of hot experts are prefetched per
-    step from their homes; their gradients are reduced home in backward.
+    step from their homes (resident replicas once, then from the Buffer's cache: call
+    ``buffer.invalidate_replicas()`` on every rank after an optimizer step); their gradients are
+    reduced home in backward.
 
     forward(x [s, H], routing=None) -> [s, H]. ``routing`` (ids, weights) replaces the router
     (trace replay). ``last_handle`` keeps the latest dispatch's handle (for inspection).
@@ -119,12 +121,13 @@ class EPMoELayer(torch.nn.Module):
         self.up = torch.nn.Parameter(experts_w[1][self.home_experts].clone())
         self.down = torch.nn.Parameter(experts_w[2][self.home_experts].clone())
         self.last_handle: Handle | None = None
+        self.cache_key = object()  # this layer's entry in the Buffer's resident-replica cache
 
     def forward(self, x: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         ids, w = routing if routing is not None else route(x, self.router_w, self.buffer.top_k)
         rows, row_w, _, handle = self.buffer.dispatch(x, ids, w)
         self.last_handle = handle
         home = (self.gate, self.up, self.down)
-        copies, rows = self.buffer.prefetch_weight(handle, home, tie=rows)
+        copies, rows = self.buffer.prefetch_weight(handle, home, tie=rows, cache_key=self.cache_key)
         y = expert_forward(rows, handle, home, copies)
         return self.buffer.combine(y, handle, row_w)

@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             t.append(time.perf_counter())
             rows, row_w, _, _ = buf.dispatch(xi, handle=handle)
             t.append(time.perf_counter())
-            copies, rows = buf.prefetch_weight(handle, tuple(params), tie=rows)
+            copies, rows = buf.prefetch_weight(handle, tuple(params), tie=rows, cache_key=li)
             t.append(time.perf_counter())
             y = expert_forward(rows, handle, params, copies)
             t.append(time.perf_counter())
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         sent = sum(p.remote_bytes() for p in plan.phases("forward"))
         if args.backward:
             sent += sum(p.remote_bytes() for p in plan.phases("backward"))
-        n_fetched = torch.tensor([handle.num_copies])
+        n_fetched = torch.tensor([buf.last_fetched])  # actually fetched in the last iteration (cached replicas not)
         all_f = [torch.empty_like(n_fetched) for _ in range(R)]
         dist.all_gather(all_f, n_fetched)
         entry = {
