@@ -46,3 +46,12 @@ def test_replay_two_hop_strategy_forward_and_backward_is_correct(trace):
 def test_replay_of_a_bad_strategy_fails_with_one_clear_line(trace):
     with pytest.raises(ConfigError, match=r"^strategy \('nope'\) must be one of: .*\(rank 0 of 1\)$"):
         run_replay(1, ["--trace", trace, "--strategy", "nope"], timeout_s=60)
+
+
+def test_replay_of_eplb_fetches_resident_replicas_once_per_layer(trace):
+    """eplb's replicas are resident: after the warm-up iteration nothing is fetched, and each layer
+    (one Buffer, one cache entry per layer) still computes with its own weights."""
+    rep = run_replay(4, ["--trace", trace, "--strategy", "eplb", "--hidden", "16", "--ffn", "8", "--backward",
+                         "--gpus-per-node", "2", "--iters", "2", "--warmup", "1", "--timeout", "30"], timeout_s=120)
+    assert rep["correct"] is True
+    assert all(e["correct"] and e["weight_copies"] == 0 and e["fetched_weights"] == 0 for e in rep["per_layer"])
