@@ -53,7 +53,9 @@ def test_dead_rank_makes_the_others_fail_naming_phase_and_rank():
         # the survivors fail in the exchange or in the first hop, depending on how far they got
         # before the victim's sockets closed; either way the phase and the victim are named
         assert re.search(r"CommError: dispatch\.(exchange all_gather|0 (all_to_all|send/recv)) failed", r.output), r.output
-        assert f"on rank {r.rank}" in r.output and f"peer rank {VICTIM} (last entered dispatch.exchange)" in r.output
+        # the victim is named among the silent peers (a survivor that is merely behind may be too)
+        assert f"on rank {r.rank}" in r.output, r.output
+        assert re.search(rf"peer ranks? (\d+ \([^)]*\), )*{VICTIM} \(last entered dispatch\.exchange\)", r.output), r.output
 
 
 def test_stalled_rank_times_out_the_others_naming_phase_and_rank():
@@ -64,7 +66,7 @@ def test_stalled_rank_times_out_the_others_naming_phase_and_rank():
             continue
         assert r.returncode == 1, r.output
         assert f"CommError: dispatch.exchange all_gather timed out after {TIMEOUT_S:.1f} s" in r.output, r.output
-        assert f"peer rank {VICTIM} (last entered build.check) stopped responding?" in r.output, r.output
+        assert re.search(rf"peer ranks? (\d+ \([^)]*\), )*{VICTIM} \(last entered build\.check\)", r.output), r.output
 
 
 def test_config_differing_across_ranks_is_detected_at_build():
