@@ -603,6 +603,12 @@ class Buffer:
         X, n_res = handle.num_copies, int(handle.resident_pos.numel())
         entry = self._replicas.get(cache_key)
         hit = entry is not None and entry[0] == handle.resident_key
+        if (hit and X == n_res and handle.num_plan_copies_global == 0 and torch.equal(entry[1], handle.resident_expert)
+                and torch.equal(handle.resident_pos, torch.arange(X))):
+            # no rank fetches anything and every slot here is a cached resident replica in the cached
+            # order: no collective and no copy (callers must not modify the returned weights in place)
+            self.last_fetched = 0
+            return entry[2]
         if hit:
             sent, n_glob = handle.pfc_send_local, handle.num_plan_copies_global
             splits = (handle.pfc_send_splits, handle.pfc_recv_splits)
@@ -630,13 +636,13 @@ class Buffer:
                         f"weights ({list(out.shape[1:])} {out.dtype}) must match the cached resident replicas' "
                         f"({list(rows.shape[1:])} {rows.dtype}) for cache key {cache_key!r}: "
                         "use one cache key per set of weights")
-                at = torch.searchsorted(experts, handle.resident_expert)
+                order = torch.argsort(experts, stable=True)
+                at = order.index_select(0, torch.searchsorted(experts.index_select(0, order), handle.resident_expert))
                 out.index_copy_(0, handle.resident_pos, rows.index_select(0, at))
         else:
-            e = handle.resident_expert
-            order = torch.argsort(e, stable=True)
-            rows = out.index_select(0, handle.resident_pos.index_select(0, order)).detach()
-            self._replicas[cache_key] = (handle.resident_key, e.index_select(0, order), rows)
+            # cache the resident replicas' rows in this handle's order (experts distinct per rank)
+            rows = out.index_select(0, handle.resident_pos).detach()
+            self._replicas[cache_key] = (handle.resident_key, handle.resident_expert.clone(), rows)
         return out
 
     def reduce_flat(self, handle: Handle, copy_flat: torch.Tensor, n_home: int, phase: str = "grad_reduce") -> torch.Tensor:

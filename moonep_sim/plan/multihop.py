@@ -20,7 +20,7 @@ import numpy as np
 
 from moonep_sim.errors import PlanError
 from moonep_sim.plan.placement import ClusterShape
-from moonep_sim.plan.plan import GlobalRouting, Hop, Plan, RowCosts, _layout
+from moonep_sim.plan.plan import GlobalRouting, Hop, Plan, RowCosts, _block_messages, _layout
 
 
 def stable_order(key_N: np.ndarray, n_keys: int) -> np.ndarray:
@@ -136,16 +136,8 @@ def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N
         del key
         cnt, mcum, lead = ecnt.astype(np.int64), None, order
         dup = np.zeros(dup_N or 0, dtype=bool)
-    M = lead.size
-    cnt_RR = cnt.reshape(R, R)  # [src, dst]
-    per_dst = cnt_RR.sum(axis=0)
-    block_start = np.cumsum(cnt) - cnt  # first message of each (src, dst) block
-    dst_row0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()  # its first receive row
-    blocks = np.arange(R * R, dtype=np.int64)
-    m_row = np.repeat(dst_row0 - block_start, cnt)
-    m_row += np.arange(M, dtype=np.int64)
-    hop = Hop(scope, np.repeat(blocks // R, cnt), src_row_N[lead], np.repeat(blocks % R, cnt), m_row,
-              per_dst.astype(np.int64))
+    m_src, m_dst, m_row, per_dst = _block_messages(cnt, R)
+    hop = Hop(scope, m_src, src_row_N[lead], m_dst, m_row, per_dst)
     del lead
     dst_row = np.empty(n, dtype=np.int64)
     if mcum is None:

@@ -805,18 +805,9 @@ def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_of
         msg_tok = _div_k(order, K)
         cnt = ecnt
         first = mcum = None
-    n_msg = msg_tok.size
-    cnt_RR = cnt.reshape(R, R)  # [src, dst]
-    per_dst = cnt_RR.sum(axis=0)
-    block_start = np.cumsum(cnt) - cnt  # first message of each (src, dst) block
-    dst_row0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()  # its first receive row
-    blocks = np.arange(R * R, dtype=np.int64)
-    msg_row = np.repeat(dst_row0 - block_start, cnt)
-    msg_row += np.arange(n_msg, dtype=np.int64)
-    msg_src = np.repeat(blocks // R, cnt)
-    msg_dst = np.repeat(blocks % R, cnt)
+    msg_src, msg_dst, msg_row, per_dst = _block_messages(cnt, R)
     src_row = msg_tok if msg_tok is not order else msg_tok.copy()
-    src_row -= np.repeat(np.asarray(tok_off_R, dtype=np.int64)[blocks // R], cnt)  # token -> row on its rank
+    src_row -= np.asarray(tok_off_R, dtype=np.int64)[msg_src]  # token -> row on its rank
     del msg_tok
     entry_buf_row = np.full(N, -1, dtype=np.int64)
     entry_dup = np.zeros(N, dtype=bool)
@@ -830,6 +821,22 @@ def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_of
         entry_buf_row[order] = msg_row
     hop = Hop("global", msg_src, src_row, msg_dst, msg_row, per_dst)
     return hop, entry_buf_row, entry_dup
+
+
+def _block_messages(cnt: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Messages laid out in (src, dst) blocks, ``cnt[src*R + dst]`` in each, in message order.
+
+    Returns (src_rank_M, dst_rank_M, dst_row_M, per_dst_R): each destination's receive buffer holds
+    its messages in (source rank, message order) order, so dst_row numbers them that way.
+    """
+    cnt_RR = cnt.reshape(R, R)  # [src, dst]
+    per_dst = cnt_RR.sum(axis=0).astype(np.int64)
+    block_start = np.cumsum(cnt) - cnt  # first message of each (src, dst) block
+    dst_row0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()  # its first receive row
+    blocks = np.arange(R * R, dtype=np.int64)
+    row = np.repeat(dst_row0 - block_start, cnt)
+    row += np.arange(row.size, dtype=np.int64)
+    return np.repeat(blocks // R, cnt), np.repeat(blocks % R, cnt), row, per_dst
 
 
 def _plan_from_order(strategy: str, options: dict[str, Any], routing: GlobalRouting, cluster: ClusterShape,
