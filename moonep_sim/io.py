@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
+
+import numpy as np
 
 
 @contextlib.contextmanager
@@ -34,3 +37,26 @@ def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
 def write_text_atomic(dest: str | os.PathLike, text: str) -> None:
     with atomic_path(dest) as tmp:
         tmp.write_text(text)
+
+
+def to_jsonable(obj: Any, *, lenient: bool = False) -> Any:
+    """numpy scalars/arrays -> Python values, recursively (dict keys become strings).
+
+    lenient: also turn non-finite floats and objects JSON cannot hold into strings (reports that
+    carry arbitrary simulator and replay records).
+    """
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v, lenient=lenient) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v, lenient=lenient) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if not lenient:
+        return obj
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)

@@ -9,7 +9,6 @@ import pytest
 
 from conftest import TRACES
 from moonep_sim.cli import main
-from moonep_sim.errors import ConfigError
 from moonep_sim.plan import GlobalRouting
 
 pytest.importorskip("moonep_sim.sim")

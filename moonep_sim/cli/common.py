@@ -6,22 +6,8 @@ import json
 import sys
 from typing import Any
 
-import numpy as np
-
 from moonep_sim.errors import ConfigError
-
-
-def to_jsonable(obj: Any) -> Any:
-    """numpy scalars/arrays -> Python values, recursively."""
-    if isinstance(obj, dict):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [to_jsonable(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return obj
+from moonep_sim.io import to_jsonable
 
 
 def print_json(obj: Any) -> None:

@@ -8,7 +8,6 @@ time, the phases, the lower bound, the straggler (rank and cause) and the busies
 
 from __future__ import annotations
 
-import math
 import time
 
 from moonep_sim.cli.common import console, parse_int_list, parse_kv, print_json

@@ -20,7 +20,7 @@ import numpy as np
 
 from moonep_sim.errors import PlanError
 from moonep_sim.plan.placement import ClusterShape
-from moonep_sim.plan.plan import GlobalRouting, Hop, Plan, RowCosts, _block_messages, _layout
+from moonep_sim.plan.plan import GlobalRouting, Hop, Plan, RowCosts, _block_messages, _final_rows, _layout
 
 
 def stable_order(key_N: np.ndarray, n_keys: int) -> np.ndarray:
@@ -237,15 +237,7 @@ def assemble_plan(strategy: str, options: dict[str, Any], routing: GlobalRouting
     else:
         entry_rank = slot_rank_S[entry_slot]
     row_off = np.concatenate([[0], np.cumsum(lay.rows_R)])
-    W = int(row_off[-1])
-    if lay.grow_K is None:  # no padding rows: final row w holds the w-th slot-sorted kept entry
-        row_entry = kept_sorted.copy()
-        expand = entry_buf_row[kept_sorted]
-    else:
-        row_entry = np.full(W, -1, dtype=np.int64)
-        expand = np.full(W, -1, dtype=np.int64)
-        row_entry[lay.grow_K] = kept_sorted
-        expand[lay.grow_K] = entry_buf_row[kept_sorted]
+    row_entry, expand = _final_rows(lay, kept_sorted, entry_buf_row)
     del lay, kept_sorted
     if pad_slot_P is not None and len(pad_slot_P):
         ps = np.asarray(pad_slot_P, dtype=np.int64)

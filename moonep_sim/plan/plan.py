@@ -417,7 +417,6 @@ def validate(plan: Plan) -> list[str]:
     v: list[str] = []
     R, E, K = plan.ranks, plan.num_experts, plan.top_k
     T = plan.num_tokens
-    N = T * K
     if plan.tokens_per_rank_R.shape != (R,) or int(plan.tokens_per_rank_R.sum()) != T:
         return [f"tokens_per_rank ({plan.tokens_per_rank_R.tolist()}) must have R={R} entries summing to T={T}"]
     for name in ("entry_rank_TK", "entry_row_TK", "entry_dup_TK", "entry_weight_TK"):
@@ -839,6 +838,19 @@ def _block_messages(cnt: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray, np
     return np.repeat(blocks // R, cnt), np.repeat(blocks % R, cnt), row, per_dst
 
 
+def _final_rows(lay, kept_sorted: np.ndarray, entry_buf_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row_entry_W, expand_src_row_W) from the layout ``lay`` (see :func:`_layout`), the kept entries
+    in slot order and each entry's row in the last hop's buffer; padding rows get -1."""
+    if lay.grow_K is None:  # no padding rows: the final rows are the slot-sorted kept entries
+        return kept_sorted.copy(), entry_buf_row[kept_sorted]
+    W = int(lay.rows_R.sum())
+    row_entry = np.full(W, -1, dtype=np.int64)
+    expand = np.full(W, -1, dtype=np.int64)
+    row_entry[lay.grow_K] = kept_sorted
+    expand[lay.grow_K] = entry_buf_row[kept_sorted]
+    return row_entry, expand
+
+
 def _plan_from_order(strategy: str, options: dict[str, Any], routing: GlobalRouting, cluster: ClusterShape,
                      costs: RowCosts, slot_rank_S: np.ndarray, slot_expert_S: np.ndarray, slot_home_S: np.ndarray,
                      order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, *, dedup: bool,
@@ -859,15 +871,7 @@ def _plan_from_order(strategy: str, options: dict[str, Any], routing: GlobalRout
     entry_rank[kept_sorted] = np.repeat(slot_rank_S, slot_rows_S)
     hop, entry_buf_row, entry_dup = single_hop_messages(entry_rank, routing.src_rank_T(), routing.tok_off_R(),
                                                         K, R, dedup)
-    W = int(lay.rows_R.sum())
-    if lay.grow_K is None:  # no padding rows: the final rows are the slot-sorted kept entries
-        row_entry = kept_sorted.copy()
-        expand = entry_buf_row[kept_sorted]
-    else:
-        row_entry = np.full(W, -1, dtype=np.int64)
-        expand = np.full(W, -1, dtype=np.int64)
-        row_entry[lay.grow_K] = kept_sorted
-        expand[lay.grow_K] = entry_buf_row[kept_sorted]
+    row_entry, expand = _final_rows(lay, kept_sorted, entry_buf_row)
     del entry_buf_row
     return Plan(
         strategy=strategy, options=dict(options), cluster=cluster, num_experts=routing.num_experts, top_k=K,

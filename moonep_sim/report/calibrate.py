@@ -43,7 +43,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -52,7 +51,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from moonep_sim.errors import CommError, ConfigError, require
+from moonep_sim.errors import CommError, require
 from moonep_sim.io import write_text_atomic
 
 DEFAULT_NPROCS = (2, 4)
@@ -416,7 +415,7 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
 
     from moonep_sim.sim.topology import load_topology, topology_from_dict
 
-    import tomllib
+    from moonep_sim.sim.topology import tomllib
     from importlib import resources
 
     base = topology_from_dict(tomllib.loads(

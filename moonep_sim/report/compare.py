@@ -20,16 +20,15 @@ Routing sources (``--trace``):
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec, custom_model, get_model
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
 from moonep_sim.routing.trace import LayerRouting
@@ -240,23 +239,7 @@ def topology_info(topo) -> dict[str, Any]:
     """Name and every constant of a topology (what a simulated figure is reported with)."""
     c = topo.constants() if hasattr(topo, "constants") else {"repr": repr(topo)}
     return {"name": getattr(topo, "name", "?"), "path": getattr(topo, "path", "") or None,
-            "constants": _jsonable_dict(c)}
-
-
-def _jsonable_dict(d: Any) -> Any:
-    if isinstance(d, dict):
-        return {str(k): _jsonable_dict(v) for k, v in d.items()}
-    if isinstance(d, (list, tuple)):
-        return [_jsonable_dict(v) for v in d]
-    if isinstance(d, np.ndarray):
-        return d.tolist()
-    if isinstance(d, np.generic):
-        return d.item()
-    if isinstance(d, float) and not math.isfinite(d):
-        return str(d)
-    if isinstance(d, (str, int, float, bool)) or d is None:
-        return d
-    return str(d)
+            "constants": to_jsonable(c, lenient=True)}
 
 
 def _short(v: Any) -> str:
@@ -374,12 +357,12 @@ def compare(cfg: CompareConfig, progress: Callable[[str, int, int], None] | None
             plan = make_plan(name, routing, ctx, **opts)
             summ = plan.summary()
             res = simulate(plan, topo, source.model)
-            sd = _jsonable_dict(res.to_dict())
-            entry = {"layer": int(lid), "plan": _jsonable_dict(summ), "sim": sd}
+            sd = to_jsonable(res.to_dict(), lenient=True)
+            entry = {"layer": int(lid), "plan": to_jsonable(summ, lenient=True), "sim": sd}
             if local_topo is not None:
                 # the same plan, its bytes counted as the replay moves them (float32, H x F experts)
                 lres = simulate(replace(plan, costs=cfg.local_costs()), local_topo, cfg.local_model(source))
-                entry["sim_local"] = _jsonable_dict(lres.to_dict())
+                entry["sim_local"] = to_jsonable(lres.to_dict(), lenient=True)
                 entry["sim_local_bytes"] = replace(plan, costs=cfg.local_costs()).bytes_summary()
                 a["local_us"].append(float(lres.layer_time_us))
                 _sum_dicts(a["local_phases"], dict(lres.phases_us))
@@ -476,7 +459,7 @@ def run_real(cfg: CompareConfig, source: RoutingSource, cluster: ClusterShape, l
                                             for k, v in res.get("phases", {}).items()},
                 "correct": res.get("correct"),
                 "same_plan_bytes": (theirs == local_bytes) if theirs else None,
-                "replay": _jsonable_dict(res),
+                "replay": to_jsonable(res, lenient=True),
             }
     return out
 

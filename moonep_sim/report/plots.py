@@ -108,7 +108,7 @@ def layer_time_bars(report: dict[str, Any], dest: str | os.PathLike) -> Path:
         ax2.bar(xr + 0.2, sim, 0.4, label=f"simulated ({real['topology']['name']})", color="#ff7f0e")
         ax2.set_xticks(xr, rn, rotation=20, ha="right")
         ax2.set_ylabel("layer time (ms)")
-        ax2.set_title(f"real gloo vs simulated local-gloo (mean over layers)", fontsize=10)
+        ax2.set_title("real gloo vs simulated local-gloo (mean over layers)", fontsize=10)
         ax2.legend(fontsize=8)
     return _save(fig, dest)
 

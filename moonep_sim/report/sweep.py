@@ -16,17 +16,15 @@ the topology constants used.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-import numpy as np
-
-from moonep_sim.errors import ConfigError, require
+from moonep_sim.errors import require
+from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
-from moonep_sim.report.compare import _jsonable_dict, _short, load_topology, simulate, topology_info
+from moonep_sim.report.compare import _short, load_topology, simulate, topology_info
 
 MAXVIO_TARGETS = (0.2, 1.0, 10.0, 20.0)
 EP_SIZES = (8, 16, 32, 64)
@@ -162,7 +160,7 @@ def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = N
             wb = plan.weight_copies * plan.costs.weight_bytes + int(plan.migrate_expert_X.size) * plan.costs.weight_bytes
             s["weight_bytes"].append(int(wb))
             s["rows_max_over_mean"].append(float(real.max() / max(real.mean(), 1e-12)))
-            s["straggler"].append(_short(_jsonable_dict(res.to_dict()).get("straggler")))
+            s["straggler"].append(_short(to_jsonable(res.to_dict(), lenient=True).get("straggler")))
             s["plan_seconds"].append(t2 - t1)
             s["sim_seconds"].append(t3 - t2)
             step += 1

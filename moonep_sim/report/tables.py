@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moonep_sim.report.plots import PHASE_ORDER, grouped_phases
+from moonep_sim.report.plots import grouped_phases
 
 
 def _mib(b: float) -> str:

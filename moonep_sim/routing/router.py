@@ -223,7 +223,7 @@ def replay_layer(logits_TE: np.ndarray, top_k: int, mode: str = "topk", *, score
 def replay_trace(src, out, mode: str = "topk", *, top_k: int | None = None, **kwargs) -> dict[str, Any]:
     """Re-route every layer of the trace ``src`` (which must hold ``router_logits``) and write the
     result to ``out`` atomically (logits and steps kept). Returns the replay report."""
-    from moonep_sim.routing.trace import Trace, TraceMeta, write_trace
+    from moonep_sim.routing.trace import Trace, write_trace
     from dataclasses import replace
 
     tr = Trace(src)

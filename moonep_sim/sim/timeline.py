@@ -28,7 +28,7 @@ each rank (a training step). :func:`simulate_layers` chains several layers on ea
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np

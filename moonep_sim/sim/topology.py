@@ -18,7 +18,10 @@ file that ``moonep-sim calibrate`` writes at :func:`calibrated_topology_path` wh
 from __future__ import annotations
 
 import os
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path

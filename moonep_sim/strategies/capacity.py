@@ -61,7 +61,6 @@ def _keep_heaviest_A(group_N: np.ndarray, A_N: np.ndarray, cnt_G: np.ndarray, ca
     group's threshold, the cap-th heaviest weight; an entry stays if it is heavier, or if it ties
     the threshold and is among the first ties (in entry order) still within the capacity.
     """
-    N = A_N.size
     wkey = _desc_weight_key_N(weights_N)  # ascending = heaviest first
     packed = group_N << 32
     packed |= wkey

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from moonep_sim.errors import CommError, ConfigError, require
+from moonep_sim.errors import CommError, require
 
 PROJECT_PREFIX = "msim"
 NODE_IFNAME = "eth0"  # the node-side end of its veth, inside the node's namespace
