@@ -24,10 +24,8 @@ from hypothesis import strategies as st
 
 from conftest import random_routing
 from moonep_sim.errors import ConfigError, PlanError, require
-from moonep_sim.plan import ClusterShape, GlobalRouting, Hop, Placement, Plan, RowCosts, layout_slots, \
-    plan_from_slots
+from moonep_sim.plan import ClusterShape, GlobalRouting, Hop, Placement, Plan, RowCosts, layout_slots
 from moonep_sim.strategies import PlanContext, make_plan
-from moonep_sim.strategies.eplb import balancedness, default_redundant, migrations, rebalance
 
 # Notation: T tokens, K top-k, E experts, R ranks, G GPUs per node, N = T*K entries, S slots.
 
@@ -399,47 +397,17 @@ def ref_choose_replicas(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_expert
     return rep[c_start[ids_N] + r]
 
 
-def ref_eplb(routing: GlobalRouting, ctx: PlanContext, num_redundant: int = -1, groups: int = 0,
-         choice: str = "round_robin", dedup: bool = False, history: np.ndarray | None = None,
-         previous: np.ndarray | None = None) -> Plan:
-    t0 = time.perf_counter()
-    E, R = routing.num_experts, ctx.cluster.ranks
-    if num_redundant < 0:
-        num_redundant = default_redundant(E, R)
-    S = E + num_redundant
-    require(S % R == 0, f"num_redundant ({num_redundant}) must make num_experts + num_redundant ({S}) "
-                        f"divisible by ranks ({R}): every GPU holds the same number of slots")
-    if history is None:
-        load = routing.counts_E().astype(np.float64)
-        source = "current"
-    else:
-        h = np.asarray(history, dtype=np.float64)
-        h = h[None] if h.ndim == 1 else h
-        require(h.ndim == 2 and h.shape[1] == E, f"history shape ({list(h.shape)}) must be [W, {E}] (num_experts)")
-        require(bool(np.isfinite(h).all() and (h >= 0).all()), "history loads must be finite and >= 0")
-        load = h.sum(axis=0)
-        source = f"history[{h.shape[0]}]"
-    num_groups = groups or ctx.cluster.num_nodes
-    slot_expert, policy = rebalance(load, S, num_groups, ctx.cluster)
-    slot_rank = np.repeat(np.arange(R, dtype=np.int64), S // R)
-    if previous is None:  # no placement in force given: the planned one is taken as already in place
-        old_r, old_e = slot_rank, slot_expert
-    else:
-        prev = np.asarray(previous, dtype=np.int64).ravel()
-        require(prev.size % R == 0 and bool(((prev >= 0) & (prev < E)).all()),
-                f"previous placement ({prev.size} slots) must list experts in [0, {E}), a multiple of ranks ({R})")
-        old_r, old_e = np.repeat(np.arange(R, dtype=np.int64), prev.size // R), prev
-    mx, ms, md = migrations(old_r, old_e, slot_rank, slot_expert, E, ctx.cluster)
-    entry_slot = ref_choose_replicas(routing.topk_ids_TK.ravel(), slot_expert, E, choice)
-    opts = {"num_redundant": num_redundant, "groups": num_groups, "choice": choice, "dedup": dedup,
-            "policy": policy, "load_source": source,
-            "planned_balancedness": balancedness(np.bincount(slot_rank, weights=load[slot_expert]
-                                                             / np.bincount(slot_expert, minlength=E)[slot_expert],
-                                                             minlength=R))}
-    return plan_from_slots("eplb", opts, routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_rank,
-                           entry_slot.reshape(routing.topk_ids_TK.shape), dedup=dedup,
-                           token_padding=ctx.token_padding, started=t0,
-                           migrate_expert_X=mx, migrate_src_X=ms, migrate_dst_X=md)
+def ref_eplb(routing: GlobalRouting, ctx: PlanContext, **opts) -> Plan:
+    """eplb's planning body was not rewritten, only its replica choice: run the module's own body
+    with the reference choice swapped in."""
+    import moonep_sim.strategies.eplb as eplb_mod
+
+    fast = eplb_mod.choose_replicas
+    eplb_mod.choose_replicas = ref_choose_replicas
+    try:
+        return eplb_mod.plan(routing, ctx, **opts)
+    finally:
+        eplb_mod.choose_replicas = fast
 
 
 # ==================================================================================================
