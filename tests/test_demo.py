@@ -38,9 +38,13 @@ def test_demo_fast(tmp_path, capsys, monkeypatch):
     assert rep["real"]["nproc"] == 2 and rep["real"]["topology"]["name"] == "local-gloo"
     for name, r in rep["real"]["strategies"].items():
         assert r["correct"] is True, name  # the gloo replay matched the dense reference
-        assert r["measured_ms_mean"] > 0 and r["simulated_ms_mean"] > 0
+        assert r["measured_ms"] > 0 and r["simulated_ms"] > 0
         # the replay planned exactly the plan that was simulated (bytes at the replay's row size)
         assert r["same_plan_bytes"] is True, name
+        assert len(r["measured_ms_samples"]) == rep["real"]["iters"]  # one matched sample per iteration
+    rk = rep["real"]["ranking"]
+    assert rk["pairs"] == 1 and set(rk["measured_order"]) == {"alltoall", "moonep"}
+    assert "measured order:" in text
     for f in ("layer_time.png", "rows_per_rank.png", "traffic.png"):
         assert (tmp_path / "demo" / f).stat().st_size > 1000
     assert _children() <= before  # no stray rank processes

@@ -108,8 +108,8 @@ def test_topology_written_from_fit_loads_in_the_simulator(tmp_path, monkeypatch)
 
 def test_cpu_rates_are_written_per_core_with_the_sharing_and_row_passes(tmp_path):
     """With P processes on fewer cores, CPU rates measured all-at-once are de-shared (x P / cores) and
-    the cores go into [host]; the simulator re-applies max(1, ranks / cores), so a 4-rank layer on
-    the written topology computes exactly as fast as measured with 4 processes."""
+    the cores go into [host]; the simulator shares them among the busy ranks again, so 4 ranks
+    computing at once on the written topology compute exactly as fast as measured with 4 processes."""
     m = synthetic({2: 150.0, 4: 450.0}, {2: 1.5, 4: 0.75}, {2: 80e9, 4: 40e9}, launch_us=20.0, cores=2)
     m["rowpass"] = [{"nproc": 4, "op": op, "bytes": 16 << 20, "seconds": [(16 << 20) / 0.5e9] * 3}
                     for op in ("gather", "scatter_add")]
@@ -126,11 +126,11 @@ def test_cpu_rates_are_written_per_core_with_the_sharing_and_row_passes(tmp_path
     assert topo.gpu_slot_us == pytest.approx(20.0, rel=1e-3)  # from P=2 (no oversubscription)
     assert topo.gpu_padding_compute == 0.0
     assert topo.host_copy_bandwidth_GBps == pytest.approx(1.0)
-    assert topo.plan_measured_factor == 1.0 and topo.plan_fixed_us == pytest.approx(4000.0)  # handle x 2
+    assert topo.plan_measured_factor == 1.0 and topo.plan_fixed_us == pytest.approx(2000.0)  # one process: per core
     assert topo.host_weight_copy_bandwidth_GBps == pytest.approx(0.8)  # 0.4 with 4 on 2 cores
     assert topo.nvlink_latency_us == pytest.approx(0.0, abs=1e-6) and topo.host_message_us == pytest.approx(150.0)
     assert topo.nvlink_duplex == "half" and topo.plan_routing_bytes_per_entry == 16.0
-    assert list(topo.cpu_share_R(4)) == [2.0] * 4 and list(topo.cpu_share_R(2)) == [1.0] * 2
+    assert topo.host_R(4).tolist() == [0] * 4  # all ranks on this one machine
     back = pytest.importorskip("moonep_sim.sim.topology").read_topology_file(
         (tmp_path / "t.toml").write_text(topo.to_toml()) and tmp_path / "t.toml")
     assert back.host_copy_bandwidth_GBps == topo.host_copy_bandwidth_GBps and back.nic_duplex == "half"

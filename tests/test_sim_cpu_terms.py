@@ -55,7 +55,7 @@ def test_gpu_presets_leave_every_cpu_term_off(name):
     assert t.host_cores == 0 and t.host_copy_bandwidth_GBps == 0 and t.gpu_slot_us == 0
     assert t.host_message_us == 0
     assert t.gpu_padding_compute == 1 and t.plan_measured_factor == 0 and t.plan_routing_bytes_per_entry == 0
-    assert np.all(t.cpu_share_R(16) == 1.0)
+    assert t.host_R(16) is None  # no shared cores: CPU work is a plain delay
 
 
 def test_half_duplex_pair_halves_a_two_rank_exchange_but_not_a_uniform_all_to_all():
@@ -82,16 +82,31 @@ def test_half_duplex_pair_scales_with_a_degraded_end():
     assert slow == pytest.approx(2 * dispatch_us(plan, topo), rel=1e-6)
 
 
-def test_cpu_cores_stretch_compute_by_ranks_over_cores():
-    plan = uniform_plan(4)
-    topo = replace(BASE, gpu_tflops=1e-3, gpu_mem_bandwidth_GBps=1e3)  # compute dominates
+def test_cpu_cores_are_shared_by_the_busy_ranks_only():
+    # compute dominates; near-instant links, so every rank starts computing at the same moment
+    topo = replace(BASE, gpu_tflops=1e-3, gpu_mem_bandwidth_GBps=1e3, nvlink_bandwidth_GBps=1e6, nic_bandwidth_GBps=1e6)
+    plan = uniform_plan(4, strategy="moonep")  # every rank computes exactly as many rows
     alone = simulate_layer(plan, topo, MODEL).per_rank["compute_us"]
     shared = simulate_layer(plan, replace(topo, host_cores=2.0), MODEL).per_rank["compute_us"]
-    assert np.allclose(np.array(shared), 2 * np.array(alone))
-    assert list(replace(topo, host_cores=8.0).cpu_share_R(4)) == [1.0] * 4  # more cores than ranks
-    assert list(replace(topo, host_cores=1.0, gpus_per_node=2).cpu_share_R(6)) == [2.0] * 6  # a host per node
+    assert np.allclose(np.array(shared), 2 * np.array(alone), rtol=1e-6)  # 4 busy ranks on 2 cores: half speed
+    # unequal ranks: processor sharing, worked by hand from each rank's own work
+    hot = uniform_plan(4, skew=2.0, seed=5)
+    w = np.sort(np.array(simulate_layer(hot, topo, MODEL).per_rank["compute_us"]))
+    end = np.array(simulate_layer(hot, replace(topo, host_cores=2.0), MODEL).per_rank["compute_us"])
+    assert w[-1] > w[0] * 1.2  # the routing is skewed
+    want, t, left, n = [], 0.0, list(w), 4
+    for i in range(4):  # jobs all start together (the dispatch ends together): finish in size order
+        dt = (left[i] - (w[i - 1] if i else 0.0)) / min(1.0, 2.0 / n)
+        t += dt
+        want.append(t)
+        n -= 1
+    assert np.allclose(np.sort(end), want, rtol=1e-3)
+    assert end.max() < 2 * w[-1]  # the hottest rank gets a core to itself once the others wait
+    # which ranks share a host
+    assert replace(topo, host_cores=8.0).host_R(4).tolist() == [0] * 4
+    assert replace(topo, host_cores=1.0, gpus_per_node=2).host_R(6).tolist() == [0, 0, 1, 1, 2, 2]  # a host per node
     # every node on one host (nodes emulated on one machine): all 6 ranks share the 2 cores
-    assert list(replace(topo, host_cores=2.0, gpus_per_node=2, host_nodes_per_host=0).cpu_share_R(6)) == [3.0] * 6
+    assert replace(topo, host_cores=2.0, gpus_per_node=2, host_nodes_per_host=0).host_R(6).tolist() == [0] * 6
 
 
 def test_row_passes_add_the_gather_and_expand_time_to_a_hop():

@@ -37,7 +37,9 @@ def register(sub) -> None:
     p.add_argument("--model", default=None, help="model preset for row and weight sizes (default: the trace's)")
     p.add_argument("--real", action="store_true", help="also replay every strategy over gloo with --nproc processes")
     p.add_argument("--nproc", type=int, default=4, help="processes for --real (default 4; EP size = nproc)")
-    p.add_argument("--real-timeout", type=float, default=600.0, help="seconds allowed per real replay")
+    p.add_argument("--real-timeout", type=float, default=600.0, help="seconds allowed for the real replay")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations of the real replay (default 10), every "
+                                                         "strategy in turn: matched samples for the rank test")
     p.add_argument("--out", default="moonep-sim-out/compare", help="directory for report.json and the PNG plots")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
@@ -61,6 +63,7 @@ def build_config(args, source):
     require(args.token_padding >= 1, f"--token-padding ({args.token_padding}) must be >= 1")
     if args.real:
         require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")
+        require(args.iters >= 1, f"--iters ({args.iters}) must be >= 1")
         require(args.ranks in (None, args.nproc),
                 f"--ranks ({args.ranks}) must equal --nproc ({args.nproc}) with --real: each process is one EP rank")
     ranks = args.ranks or default_ranks(source.num_experts, args.real, args.nproc)
@@ -70,7 +73,8 @@ def build_config(args, source):
     if args.real:
         load_topology("local-gloo")
     return CompareConfig(args.trace, strategies, args.topology, ranks, g, source.layer_ids, source.model.name,
-                         args.dtype, args.token_padding, args.real, args.nproc, args.real_timeout)
+                         args.dtype, args.token_padding, args.real, args.nproc, args.real_timeout,
+                         real_iters=args.iters)
 
 
 def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, str]:

@@ -26,6 +26,7 @@ def register(sub) -> None:
     p.add_argument("--out", default="moonep-sim-out/demo", help="directory for report.json and the plots")
     p.add_argument("--no-calibrate", action="store_true",
                    help="if no calibration file exists, use the shipped local-gloo defaults instead of a quick calibration")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations of the real replay (default 10)")
     p.add_argument("--fast", action="store_true", help="one layer, alltoall and moonep, 2 processes (a smoke test)")
     p.set_defaults(func=run)
 
@@ -54,6 +55,7 @@ def run(args) -> int:
     source = open_source(str(trace), parse_int_list(args.layers, "--layers"))
     strategies = parse_strategies(args.strategies)
     require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")
+    require(args.iters >= 1, f"--iters ({args.iters}) must be >= 1")
     cluster = check_cluster(source, args.nproc, args.gpus_per_node)
     load_topology(args.topology, cluster)
 
@@ -72,7 +74,7 @@ def run(args) -> int:
         c.print(f"[dim]  measured in {res.seconds:.0f} s, wrote {res.path} (`moonep-sim calibrate` does a fuller job)[/dim]")
 
     cfg = CompareConfig(str(trace), strategies, args.topology, args.nproc, args.gpus_per_node, source.layer_ids,
-                        source.model.name, real=True, nproc=args.nproc, real_timeout_s=300.0)
+                        source.model.name, real=True, nproc=args.nproc, real_timeout_s=300.0, real_iters=args.iters)
     c.print(f"replaying {source.label}, layers {args.layers}, through {', '.join(n for n, _ in strategies)}: "
             f"gloo with {args.nproc} processes ({cluster.num_nodes} emulated node(s) of {cluster.gpus_per_node}), "
             f"and simulated on local-gloo and {args.topology}")

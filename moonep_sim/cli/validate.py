@@ -14,11 +14,14 @@ def register(sub) -> None:
                        description="Replays shipped traces and generated routings through every strategy, for "
                                    "real over gloo and simulated on the calibrated local-gloo topology, and "
                                    "reports the error per case, the median absolute error and whether the "
-                                   "strategies rank in the same order.")
+                                   "simulator orders the strategies as the measurements do (every pair a sign "
+                                   "test over matched, interleaved iterations resolves).")
     p.add_argument("--quick", action="store_true", help="two cases and four strategies (a few minutes)")
     p.add_argument("--strategies", default=None, help="comma-separated (default: all; --quick: alltoall,capacity,"
                                                       "hierarchical,moonep)")
     p.add_argument("--nproc", type=int, default=4, help="gloo processes (default 4)")
+    p.add_argument("--iters", type=int, default=12, help="timed interleaved iterations per case (default 12; the "
+                                                         "sign test needs >= 6 to resolve any pair)")
     p.add_argument("--traces-dir", default=None, help="where the shipped traces are (default: the repository's traces/)")
     p.add_argument("--out", default="moonep-sim-out/validate", help="directory for fidelity.json and fidelity.png")
     p.add_argument("--json", action="store_true", help="print the JSON report")
@@ -39,7 +42,9 @@ def run(args) -> int:
     traces = args.traces_dir or str(_trace_path().parent)
     strategies = (args.strategies.split(",") if args.strategies
                   else list(F.QUICK_STRATEGIES if args.quick else F.ALL_STRATEGIES))
-    cfg = F.FidelityConfig(F.default_cases(args.quick, traces), [s.strip() for s in strategies if s.strip()], args.nproc)
+    require(args.iters >= 1, f"--iters ({args.iters}) must be >= 1")
+    cfg = F.FidelityConfig(F.default_cases(args.quick, traces), [s.strip() for s in strategies if s.strip()],
+                           args.nproc, iters=args.iters)
     c = console()
     path = cal.calibrated_path()
     calibrated = path.is_file()
@@ -62,13 +67,17 @@ def run(args) -> int:
         return 0
     c.print(fidelity_table(rep))
     for pc in rep["per_case"]:
-        mark = "same order" if pc["same_order"] else "DIFFERENT order"
-        c.print(f"{pc['case']}: measured {' < '.join(pc['measured_order'])}; simulated "
-                f"{' < '.join(pc['simulated_order'])} ({mark}, Kendall tau {pc['kendall_tau']:.2f})")
+        mark = "agrees" if pc["agrees"] else "DISAGREES"
+        c.print(f"{pc['case']}: measured {pc['measured_order_text']}; simulated {' < '.join(pc['simulated_order'])} "
+                f"({mark}: {pc['resolved_agree']}/{pc['resolved_pairs']} resolved pairs; exact order "
+                f"{'same' if pc['same_order'] else 'different'}, Kendall tau {pc['kendall_tau']:.2f})")
+        for d in pc["disagreements"]:
+            c.print(f"  [yellow]{d}[/yellow]")
     s = rep["summary"]
     c.print(f"median |error| {s['median_abs_error'] * 100:.1f}% (max {s['max_abs_error'] * 100:.0f}%, "
-            f"{s['within_25pct'] * 100:.0f}% of points within 25%); same strategy order in "
-            f"{s['same_order_cases']}/{s['cases']} cases, mean Kendall tau {s['mean_kendall_tau']:.2f}; "
-            f"took {rep['seconds']:.0f} s")
+            f"{s['within_25pct'] * 100:.0f}% of points within 25%); simulated order agrees with every resolved "
+            f"measured pair in {s['rank_agree_cases']}/{s['cases']} cases ({s['resolved_agree']}/"
+            f"{s['resolved_pairs']} resolved pairs of {s['pairs']}); exact order in {s['same_order_cases']}/"
+            f"{s['cases']} cases, mean Kendall tau {s['mean_kendall_tau']:.2f}; took {rep['seconds']:.0f} s")
     c.print(f"wrote {png}, {out / 'fidelity.json'}")
     return 0

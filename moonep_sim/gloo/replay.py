@@ -8,10 +8,18 @@ every rank times its phases (exchange + plan + row movement = dispatch, prefetch
 combine, backward); the report gives, per phase, the max and the mean over ranks of the per-rank
 mean over iterations, and every rank's own figure (``phases_R``: phase -> ms per rank, per layer
 and summed over layers; ``slowest_rank``: phase -> the rank with the largest sum), so a straggler
-rank can be named from a measured run. Bytes are the Plan's (``Plan.bytes_summary``: bytes that
+rank can be named from a measured run. Per iteration, the layer's time is the slowest rank's
+(``per_layer[*].iter_total_ms``); averaged over the layers they give one sample per iteration
+(``layer_ms_samples``, median ``layer_ms_median``). Bytes are the Plan's (``Plan.bytes_summary``: bytes that
 cross a link, rows of ``H * element size`` bytes). Unless ``--no-check``, rank 0 compares outputs (and with
 ``--backward`` the input and expert-weight gradients) with the dense single-process layer on the
 gathered inputs, with the Plan's drops applied.
+
+``--strategy a,b,c`` replays several strategies in one process group, interleaved step by step
+(iteration i runs each in turn, the order rotated every iteration), so that two strategies' i-th
+samples are taken moments apart: the matched pairs ``moonep_sim.report.ranking`` tests. The JSON
+is then ``{"strategies": {name: report}, "order": [...], "interleaved": true, ...}``; ``--opt
+STRATEGY.key=value`` sets one strategy's option, ``--opt key=value`` every strategy's.
 
 Notation: T tokens of a layer, s tokens of this rank, H hidden, F expert width, E experts, K top-k.
 """
@@ -40,8 +48,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torc
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="launch/replay.py", description="Replay a trace over gloo (under torchrun).")
     ap.add_argument("--trace", required=True, help="trace file (moonep-sim safetensors format)")
-    ap.add_argument("--strategy", default="moonep")
-    ap.add_argument("--opt", action="append", default=[], metavar="K=V", help="strategy option (repeatable)")
+    ap.add_argument("--strategy", default="moonep", help="strategy, or several comma-separated (interleaved)")
+    ap.add_argument("--opt", action="append", default=[], metavar="[S.]K=V",
+                    help="strategy option (repeatable): S.K=V for strategy S only, K=V for all")
     ap.add_argument("--layers", default=None, help="comma-separated layer positions in the trace (default: all)")
     ap.add_argument("--hidden", type=int, default=64, help="H (default 64)")
     ap.add_argument("--ffn", type=int, default=128, help="expert intermediate width F (default 128)")
@@ -85,12 +94,33 @@ def _stats(v_R: np.ndarray) -> dict[str, float]:
     return {"max_ms": float(v_R.max()) * 1e3, "mean_ms": float(v_R.mean()) * 1e3}
 
 
+def _strategy_opts(names: Sequence[str], items: Sequence[str]) -> dict[str, dict[str, str]]:
+    """``--opt`` items per strategy: ``STRATEGY.key=value`` (where STRATEGY is one of ``names``)
+    applies to that strategy, a plain ``key=value`` to every one."""
+    out: dict[str, dict[str, str]] = {n: {} for n in names}
+    for k, v in _parse_opts(items).items():
+        head, _, rest = k.partition(".")
+        if rest and head in out:
+            out[head][rest] = v
+        else:
+            for n in names:
+                out[n][k] = v
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Replay every ``--strategy`` (comma-separated) on the same tokens. With several, the steps are
+    interleaved: iteration i runs each strategy in turn (the order rotated by one each iteration),
+    so load drifts on the machine reach every strategy alike and iteration i of two strategies is a
+    matched pair. Returns (on rank 0) one strategy's report, or ``{"strategies": {name: report}}``."""
     from moonep_sim.gloo.buffer import Buffer
-    from moonep_sim.gloo.moe import dense_moe, expert_forward, init_experts
+    from moonep_sim.gloo.moe import dense_moe, init_experts
     from moonep_sim.routing.trace import Trace
 
     rank, R = dist.get_rank(), dist.get_world_size()
+    names = [n.strip() for n in str(args.strategy).split(",") if n.strip()]
+    require(len(names) >= 1 and len(set(names)) == len(names),
+            f"--strategy ({args.strategy!r}) must name one or more distinct strategies, comma-separated")
     trace = Trace(args.trace)
     meta = trace.meta
     require(meta.kind == "tokens", f"trace kind ({meta.kind!r}) must be 'tokens' for a replay (routing per token)")
@@ -110,89 +140,142 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     capacity = int(tpr.max())
     check = args.check if args.check is not None else T * H <= (1 << 22)
     dtype = _DTYPES[args.dispatch_dtype]
-    buf = Buffer(capacity=capacity, hidden=H, top_k=K, num_experts=E, strategy=args.strategy,
-                 options=_parse_opts(args.opt), gpus_per_node=args.gpus_per_node, timeout_s=args.timeout,
-                 dispatch_dtype=dtype, token_padding=args.token_padding, expert_ffn=F)
-    home = torch.from_numpy(np.flatnonzero(buf.ctx.placement.home_E == rank))
-    per_layer = []
+    opts = _strategy_opts(names, args.opt)
+    bufs = {n: Buffer(capacity=capacity, hidden=H, top_k=K, num_experts=E, strategy=n, options=opts[n],
+                      gpus_per_node=args.gpus_per_node, timeout_s=args.timeout, dispatch_dtype=dtype,
+                      token_padding=args.token_padding, expert_ffn=F) for n in names}
+    # per layer: this rank's tokens, inputs and home experts' weights (shared by the strategies
+    # whose placement gives this rank the same home experts)
+    inputs, weights = [], {}
     for li in layers:
         lr = trace.layer(li, 0, T)
-        ids = torch.from_numpy(np.ascontiguousarray(lr.topk_ids_TK[lo:hi]))
-        w = torch.from_numpy(np.ascontiguousarray(lr.topk_weights_TK[lo:hi]))
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + li * 1009 + rank)
         x = torch.randn(hi - lo, H, generator=gen)
-        grad_out = torch.randn(hi - lo, H, generator=gen)
-        full_w = init_experts(E, H, F, seed=args.seed * 7919 + li)
-        params = [p[home].clone().requires_grad_(args.backward) for p in full_w]
-        times = np.zeros((args.iters, len(PHASES)))
-        for it in range(args.warmup + args.iters):
-            for p in params:
-                p.grad = None
-            xi = x.clone().requires_grad_(args.backward)
-            dist.barrier()
-            t = [time.perf_counter()]
-            routing, w64 = buf.exchange_routing(ids, w)
-            t.append(time.perf_counter())
-            handle = buf.plan_handle(routing, w64)
-            t.append(time.perf_counter())
-            rows, row_w, _, _ = buf.dispatch(xi, handle=handle)
-            t.append(time.perf_counter())
-            copies, rows = buf.prefetch_weight(handle, tuple(params), tie=rows, cache_key=li)
-            t.append(time.perf_counter())
-            y = expert_forward(rows, handle, params, copies)
-            t.append(time.perf_counter())
-            out = buf.combine(y, handle, row_w)
-            t.append(time.perf_counter())
-            if args.backward:
-                (out * grad_out).sum().backward()
-            t.append(time.perf_counter())
-            if it >= args.warmup:
-                d = np.diff(t)  # exchange, plan, rows, prefetch, expert, combine, backward
-                times[it - args.warmup] = [d[0], d[1], d[0] + d[1] + d[2], d[3], d[4], d[5], d[6], t[-1] - t[0]]
-        mean_phase = torch.from_numpy(times.mean(axis=0))
-        allt = [torch.empty_like(mean_phase) for _ in range(R)]
-        dist.all_gather(allt, mean_phase)
-        allt_RP = torch.stack(allt).numpy()
-        plan = handle.plan
-        fwd = plan.bytes_summary()
-        sent = sum(p.remote_bytes() for p in plan.phases("forward"))
-        if args.backward:
-            sent += sum(p.remote_bytes() for p in plan.phases("backward"))
-        n_fetched = torch.tensor([buf.last_fetched])  # actually fetched in the last iteration (cached replicas not)
-        all_f = [torch.empty_like(n_fetched) for _ in range(R)]
-        dist.all_gather(all_f, n_fetched)
-        entry = {
-            "layer": li, "layer_id": int(lr.layer),
-            "phases": {name: _stats(allt_RP[:, j]) for j, name in enumerate(PHASES)},
-            "phases_R": {name: [float(v) * 1e3 for v in allt_RP[:, j]] for j, name in enumerate(PHASES)},
-            "bytes": {**fwd, "sent": int(sent)},
-            "recv_rows_per_rank": plan.real_rows_R().tolist(),
-            "rows_per_rank_padded": plan.rows_R().tolist(),
-            "dropped": plan.dropped, "padded": plan.padded, "weight_copies": plan.weight_copies,
-            "fetched_weights": int(sum(int(f) for f in all_f)), "hops": len(plan.hops),
-            "plan_seconds": plan.plan_seconds, "correct": None, "max_abs_err": None,
-        }
-        if check:
-            entry.update(_check(rank, buf, handle, lr, x, xi, out, grad_out, params, full_w, capacity, tpr,
-                                args.backward, dtype, dense_moe))
-        per_layer.append(entry)
+        inputs.append((lr, torch.from_numpy(np.ascontiguousarray(lr.topk_ids_TK[lo:hi])),
+                       torch.from_numpy(np.ascontiguousarray(lr.topk_weights_TK[lo:hi])), x,
+                       torch.randn(hi - lo, H, generator=gen), init_experts(E, H, F, seed=args.seed * 7919 + li)))
+    S, L, n_it = len(names), len(layers), args.warmup + args.iters
+    times = np.zeros((S, L, args.iters, len(PHASES)))
+    entries: dict[tuple[int, int], dict[str, Any]] = {}
+    for it in range(n_it):
+        for k in range(S):
+            si = (k + it) % S
+            buf = bufs[names[si]]
+            home = np.flatnonzero(buf.ctx.placement.home_E == rank)
+            for j, li in enumerate(layers):
+                lr, ids, w, x, grad_out, full_w = inputs[j]
+                key = (j, home.tobytes())
+                if key not in weights:
+                    hm = torch.from_numpy(home)
+                    weights[key] = [p[hm].clone().requires_grad_(args.backward) for p in full_w]
+                params = weights[key]
+                step = _step(buf, ids, w, x, params, grad_out, li, args.backward)
+                if it >= args.warmup:
+                    times[si, j, it - args.warmup] = step["times"]
+                if it == n_it - 1:
+                    chk = _check(rank, buf, step["handle"], lr, x, step["xi"], step["out"], grad_out, params,
+                                 full_w, capacity, tpr, args.backward, dtype, dense_moe) if check else None
+                    entries[(si, j)] = _layer_entry(buf, step, lr, chk)
+    # every rank's per-iteration phase times -> rank 0
+    mine = torch.from_numpy(times)
+    allt = [torch.empty_like(mine) for _ in range(R)]
+    dist.all_gather(allt, mine)
+    all_RSLIP = torch.stack(allt).numpy()
+    fetched = torch.tensor([[entries[(si, j)]["fetched"] for j in range(L)] for si in range(S)], dtype=torch.int64)
+    all_f = [torch.empty_like(fetched) for _ in range(R)]
+    dist.all_gather(all_f, fetched)
+    fetched_SL = torch.stack(all_f).sum(dim=0).numpy()
     if rank != 0:
         return None
-    totals = {name: sum(e["phases"][name]["max_ms"] for e in per_layer) for name in PHASES}
+    reps = {}
+    for si, name in enumerate(names):
+        per_layer = []
+        for j, li in enumerate(layers):
+            e = dict(entries[(si, j)])
+            e.pop("fetched")
+            e["fetched_weights"] = int(fetched_SL[si, j])
+            t_RIP = all_RSLIP[:, si, j]
+            mean_RP = t_RIP.mean(axis=1)
+            e["phases"] = {name_: _stats(mean_RP[:, p]) for p, name_ in enumerate(PHASES)}
+            e["phases_R"] = {name_: [float(v) * 1e3 for v in mean_RP[:, p]] for p, name_ in enumerate(PHASES)}
+            e["iter_total_ms"] = [float(v) * 1e3 for v in t_RIP[:, :, -1].max(axis=0)]
+            per_layer.append(e)
+        reps[name] = _report(args, bufs[name], name, layers, T, tpr, per_layer)
+    if S == 1:
+        return reps[names[0]]
+    return {"strategies": reps, "order": names, "interleaved": True, "iters": args.iters, "warmup": args.warmup,
+            "world_size": R, "trace": str(args.trace), "layers": layers}
+
+
+def _step(buf, ids, w, x, params, grad_out, li: int, backward: bool) -> dict[str, Any]:
+    """One timed step of one layer: exchange, plan, dispatch, prefetch, experts, combine (and backward)."""
+    from moonep_sim.gloo.moe import expert_forward
+
+    for p in params:
+        p.grad = None
+    xi = x.clone().requires_grad_(backward)
+    dist.barrier()
+    t = [time.perf_counter()]
+    routing, w64 = buf.exchange_routing(ids, w)
+    t.append(time.perf_counter())
+    handle = buf.plan_handle(routing, w64)
+    t.append(time.perf_counter())
+    rows, row_w, _, _ = buf.dispatch(xi, handle=handle)
+    t.append(time.perf_counter())
+    copies, rows = buf.prefetch_weight(handle, tuple(params), tie=rows, cache_key=li)
+    t.append(time.perf_counter())
+    y = expert_forward(rows, handle, params, copies)
+    t.append(time.perf_counter())
+    out = buf.combine(y, handle, row_w)
+    t.append(time.perf_counter())
+    if backward:
+        (out * grad_out).sum().backward()
+    t.append(time.perf_counter())
+    d = np.diff(t)  # exchange, plan, rows, prefetch, expert, combine, backward
+    return {"times": [d[0], d[1], d[0] + d[1] + d[2], d[3], d[4], d[5], d[6], t[-1] - t[0]],
+            "handle": handle, "xi": xi, "out": out}
+
+
+def _layer_entry(buf, step: dict[str, Any], lr, checked: dict[str, Any] | None) -> dict[str, Any]:
+    """What the report says of one layer (its Plan's bytes and rows; the check's outcome)."""
+    plan = step["handle"].plan
+    sent = sum(p.remote_bytes() for p in plan.phases("forward"))
+    if step["xi"].requires_grad:
+        sent += sum(p.remote_bytes() for p in plan.phases("backward"))
+    e = {"layer": None, "layer_id": int(lr.layer), "bytes": {**plan.bytes_summary(), "sent": int(sent)},
+         "recv_rows_per_rank": plan.real_rows_R().tolist(), "rows_per_rank_padded": plan.rows_R().tolist(),
+         "dropped": plan.dropped, "padded": plan.padded, "weight_copies": plan.weight_copies,
+         "fetched": int(buf.last_fetched),  # actually fetched in the last iteration (cached replicas not)
+         "hops": len(plan.hops), "plan_seconds": plan.plan_seconds, "correct": None, "max_abs_err": None}
+    if checked:
+        e.update(checked)
+    return e
+
+
+def _report(args, buf, name: str, layers: list[int], T: int, tpr: np.ndarray,
+            per_layer: list[dict[str, Any]]) -> dict[str, Any]:
+    for e, li in zip(per_layer, layers):
+        e["layer"] = li
+    totals = {p: sum(e["phases"][p]["max_ms"] for e in per_layer) for p in PHASES}
     # per rank, summed over layers: which rank is slow in which phase (a straggler)
-    phases_R = {name: [float(v) for v in np.sum([e["phases_R"][name] for e in per_layer], axis=0)] for name in PHASES}
+    phases_R = {p: [float(v) for v in np.sum([e["phases_R"][p] for e in per_layer], axis=0)] for p in PHASES}
     checked = [e["correct"] for e in per_layer if e["correct"] is not None]
+    # per iteration: the layers' times (max over ranks) averaged over layers -> one sample per iteration
+    samples = np.mean([e["iter_total_ms"] for e in per_layer], axis=0)
     return {
-        "strategy": args.strategy, "options": buf.options, "world_size": R, "gpus_per_node": buf.gpus_per_node,
-        "trace": str(args.trace), "layers": layers, "hidden": H, "ffn": F, "num_experts": E, "top_k": K,
-        "tokens": T, "tokens_per_rank": tpr.tolist(), "iters": args.iters, "warmup": args.warmup,
+        "strategy": name, "options": buf.options, "world_size": buf.world_size, "gpus_per_node": buf.gpus_per_node,
+        "trace": str(args.trace), "layers": layers, "hidden": args.hidden, "ffn": args.ffn,
+        "num_experts": buf.num_experts, "top_k": buf.top_k, "tokens": T, "tokens_per_rank": tpr.tolist(),
+        "iters": args.iters, "warmup": args.warmup,
         "backward": bool(args.backward), "dispatch_dtype": args.dispatch_dtype,
         "dispatch_ms": totals["dispatch"], "prefetch_ms": totals["prefetch"], "expert_ms": totals["expert"],
         "combine_ms": totals["combine"], "backward_ms": totals["backward"], "total_ms": totals["total"],
-        "phases": {name: {"max_ms": totals[name],
-                          "mean_ms": sum(e["phases"][name]["mean_ms"] for e in per_layer)} for name in PHASES},
+        "layer_ms_samples": [float(v) for v in samples],
+        "layer_ms_median": float(np.median(samples)),
+        "phases": {p: {"max_ms": totals[p], "mean_ms": sum(e["phases"][p]["mean_ms"] for e in per_layer)}
+                   for p in PHASES},
         "phases_R": phases_R,
-        "slowest_rank": {name: int(np.argmax(v)) for name, v in phases_R.items()},
+        "slowest_rank": {p: int(np.argmax(v)) for p, v in phases_R.items()},
         "bytes_sent": int(sum(e["bytes"]["sent"] for e in per_layer)),
         "correct": (all(checked) if checked else None),
         "max_abs_err": max((e["max_abs_err"] for e in per_layer if e["max_abs_err"] is not None), default=None),
@@ -240,6 +323,11 @@ def _check(rank, buf, handle, lr, x, xi, out, grad_out, params, full_w, capacity
     return {"correct": bool(rel <= tol), "max_abs_err": float(max(errs)), "max_rel_err": float(rel)}
 
 
+def _each(rep: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-strategy reports of a replay result (one, or several when interleaved)."""
+    return list(rep["strategies"].values()) if "strategies" in rep else [rep]
+
+
 def _summary(rep: dict[str, Any]) -> str:
     lines = [f"replay {rep['strategy']} {rep['options']} on {rep['world_size']} ranks, {rep['tokens']} tokens, "
              f"H={rep['hidden']} F={rep['ffn']}, layers {rep['layers']}"]
@@ -264,9 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.json:
                 write_text_atomic(args.json, json.dumps(rep, indent=1, sort_keys=True))
             if not args.quiet:
-                print(_summary(rep), flush=True)
+                print("\n".join(_summary(r) for r in _each(rep)), flush=True)
         dist.barrier()
-        code = 0 if rep is None or rep["correct"] is not False else 3
+        code = 0 if rep is None or all(r["correct"] is not False for r in _each(rep)) else 3
     except MoonEPSimError as e:
         rank = os.environ.get("RANK", "?")
         print(f"moonep-sim: error: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

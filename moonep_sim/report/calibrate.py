@@ -25,7 +25,9 @@ count alike):
 
 CPU rates (SwiGLU FLOP/s and its per-call intercept, copy and row-pass rates) are written per
 core, from the largest P that does not exceed the cores, with ``[host] cores`` = the cores and
-``nodes_per_host = 0`` (every process on this one machine, however the ranks are grouped in nodes): the simulator stretches CPU work by ``max(1, ranks / cores)`` itself. Nothing is fitted on
+``nodes_per_host = 0`` (every process on this one machine, however the ranks are grouped in
+nodes): the simulator shares the cores among the ranks busy at each moment itself (processor
+sharing, ``moonep_sim.sim.cpu``). Nothing is fitted on
 replayed traces.
 
 The result is written atomically as the TOML file the simulator's ``local-gloo`` preset reads
@@ -424,7 +426,7 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
     near = min(f.proc_gbps_P, key=lambda p: abs(p - nproc))
     bw = f.proc_gbps_P[near] if near == nproc else f.proc_gbps(nproc)
     lat = f.latency_us_P[near] if near == nproc else f.latency_us(nproc)
-    # CPU work is modelled per core: the simulator stretches it by max(1, ranks / cores) itself
+    # CPU work is modelled per core: the simulator shares the cores among the busy ranks itself
     # (``[host] cores``). Rates are taken from the largest process count that does not
     # oversubscribe the cores (more processes than cores add time-slicing stalls to short timed
     # operations that the sharing factor already accounts for), de-shared if every count did.
@@ -493,11 +495,11 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
                                             f"(clone), {fnear} processes at once, x max(1, P / cores)"
                                             if fnear is not None else "not measured: the row-pass rate is used"),
         "plan_fixed_us": ("moonep-sim calibrate: CPU time to build one rank's handle for a synthetic 512-token "
-                          f"E=64 K=8 layer (alltoall), x max(1, {nproc} / {f.cpu_cores} cores)" if measured_plan else
+                          "E=64 K=8 layer (alltoall), one process: per core" if measured_plan else
                           "moonep-sim calibrate: CPU time to plan a synthetic 512-token E=64 K=8 layer (alltoall) "
                           "and build a handle" if f.plan_us is not None else "shipped preset value (not measured)"),
         "plan_measured_factor": ("1: each Plan's own measured planner time (Plan.plan_seconds) is charged, "
-                                 "stretched by the CPU sharing" if measured_plan else "off (not measured)"),
+                                 "run on the shared cores" if measured_plan else "off (not measured)"),
         "plan_routing_bytes_per_entry": "16: the gloo executor all-gathers every token's routing as int64 "
                                         "(expert id + weight bits) per (token, k) entry",
         "per_nproc": "; ".join(f"P={p}: latency {f.latency_us_P[p]:.1f} us, {f.proc_gbps_P[p]:.4f} GB/s"
@@ -508,7 +510,7 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
     }
     _ = load_topology
     if measured_plan:
-        plan_fixed = float(f.handle_us) * f.share(nproc)
+        plan_fixed = float(f.handle_us)  # one process alone: per core (the simulator shares the cores)
     elif f.plan_us is not None:
         plan_fixed = float(f.plan_us)
     else:

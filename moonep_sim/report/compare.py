@@ -299,7 +299,7 @@ class CompareConfig:
     real_timeout_s: float = 600.0
     real_hidden: int = 512
     real_ffn: int = 1024
-    real_iters: int = 3
+    real_iters: int = 10
     real_args: list[str] = field(default_factory=list)
 
     def local_model(self, source: "RoutingSource") -> ModelSpec:
@@ -436,24 +436,30 @@ def run_real(cfg: CompareConfig, source: RoutingSource, cluster: ClusterShape, l
 
     from moonep_sim.gloo.launcher import run_replay
 
+    from moonep_sim.report.ranking import agreement
+
     out: dict[str, Any] = {"nproc": cfg.nproc, "topology": topology_info(local_topo), "hidden": cfg.real_hidden,
                            "ffn": cfg.real_ffn, "dtype": "float32", "iters": cfg.real_iters, "strategies": {}}
+    names = [name for name, _ in cfg.strategies]
     with tempfile.TemporaryDirectory(prefix="moonep-compare-") as tmp:
         trace_path = source.trace_file(Path(tmp), cluster.ranks)
-        n = len(cfg.strategies)
-        for i, (name, opts) in enumerate(cfg.strategies):
-            if progress:
-                progress(f"gloo replay: {name}", i, n)
-            argv = replay_argv(trace_path, name, opts, source, cfg)
-            res = run_replay(cfg.nproc, argv, timeout_s=cfg.real_timeout_s)
-            meas_ms = _measured_layer_ms(res)
+        if progress:
+            progress(f"gloo replay: {', '.join(names)} interleaved", 0, 1)
+        # one process group replays every strategy, step by step in turn: matched samples
+        res_all = run_replay(cfg.nproc, replay_argv(trace_path, cfg.strategies, source, cfg),
+                             timeout_s=cfg.real_timeout_s)
+        per = res_all["strategies"] if "strategies" in res_all else {names[0]: res_all}
+        for name in names:
+            res = per[name]
+            meas_ms = float(res["layer_ms_median"])
             sim_ms = rep["strategies"][name]["sim_local"]["layer_time_us_mean"] / 1e3
             # the replay planned the same routing with the same strategy: its bytes must be ours
             local_bytes = _local_bytes(rep["strategies"][name], cfg)
             theirs = [{k: v for k, v in e["bytes"].items() if k != "sent"} for e in res.get("per_layer", [])]
             out["strategies"][name] = {
-                "measured_ms_mean": meas_ms,
-                "simulated_ms_mean": sim_ms,
+                "measured_ms": meas_ms,
+                "measured_ms_samples": res["layer_ms_samples"],
+                "simulated_ms": sim_ms,
                 "sim_over_measured": sim_ms / meas_ms if meas_ms > 0 else None,
                 "measured_phases_ms_mean": {k: v["max_ms"] / max(len(source.layer_ids), 1)
                                             for k, v in res.get("phases", {}).items()},
@@ -461,6 +467,10 @@ def run_real(cfg: CompareConfig, source: RoutingSource, cluster: ClusterShape, l
                 "same_plan_bytes": (theirs == local_bytes) if theirs else None,
                 "replay": to_jsonable(res, lenient=True),
             }
+        if progress:
+            progress("gloo replay: done", 1, 1)
+    out["ranking"] = agreement({n: out["strategies"][n]["measured_ms_samples"] for n in names},
+                               {n: out["strategies"][n]["simulated_ms"] for n in names})
     return out
 
 
@@ -469,27 +479,20 @@ def _local_bytes(strat: dict[str, Any], cfg: CompareConfig) -> list[dict[str, in
     return [dict(e["sim_local_bytes"]) for e in strat["layers"] if "sim_local_bytes" in e]
 
 
-def replay_argv(trace_path: Path, strategy: str, opts: dict[str, str], source: RoutingSource,
+def replay_argv(trace_path: Path, strategies: Sequence[tuple[str, dict[str, str]]], source: RoutingSource,
                 cfg: CompareConfig) -> list[str]:
-    """Arguments of ``moonep_sim.gloo.replay`` for one strategy (layers given as trace positions)."""
+    """Arguments of ``moonep_sim.gloo.replay`` replaying ``strategies`` interleaved (layers given as
+    trace positions; options as ``--opt STRATEGY.key=value``)."""
     if source.path is not None:
         positions = [source._trace.layer_index(l) for l in source.layer_ids]
     else:  # the generated trace file holds exactly the compared layers, in order
         positions = list(range(len(source.layer_ids)))
-    argv = ["--trace", str(trace_path), "--strategy", strategy, "--layers", ",".join(map(str, positions)),
+    argv = ["--trace", str(trace_path), "--strategy", ",".join(n for n, _ in strategies),
+            "--layers", ",".join(map(str, positions)),
             "--hidden", str(cfg.real_hidden), "--ffn", str(cfg.real_ffn), "--iters", str(cfg.real_iters),
             "--gpus-per-node", str(cfg.gpus_per_node or cfg.nproc), "--token-padding", str(cfg.token_padding),
             "--quiet"]
-    for k, v in opts.items():
-        argv += ["--opt", f"{k}={v}"]
+    for name, opts in strategies:
+        for k, v in opts.items():
+            argv += ["--opt", f"{name}.{k}={v}"]
     return argv + list(cfg.real_args)
-
-
-def _measured_layer_ms(res: dict[str, Any]) -> float:
-    """Mean measured time of one layer in a replay result."""
-    total = res.get("total_ms")
-    layers = res.get("layers")
-    nl = len(layers) if isinstance(layers, (list, tuple)) else int(layers or 1)
-    if isinstance(total, (list, tuple)):
-        return float(np.mean(total))
-    return float(total) / max(nl, 1)

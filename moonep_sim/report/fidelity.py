@@ -6,9 +6,15 @@ topology (both through :func:`moonep_sim.report.compare.compare`). Reported:
 
 - the signed error per (case, strategy): ``simulated / measured - 1``;
 - the median absolute error over all of them (target: <= 25%);
-- whether the strategies rank in the same order: per case, Kendall's tau between measured and
-  simulated times and whether the order is exactly the same; overall, the share of cases with the
-  same order and the mean tau.
+- whether the strategies rank in the same order (:mod:`moonep_sim.report.ranking`): all strategies
+  of a case are replayed in one process group, interleaved step by step, so each iteration gives
+  matched samples; a pair of strategies is ordered by the measurements when a sign test over the
+  matched iterations resolves it (p < 0.05), and the simulator agrees when it orders every resolved
+  pair the same way (target: every case). Also reported: the exact order of the medians, whether it
+  is identical, and Kendall's tau (strict figures that count measured ties as orders).
+
+The measured layer time is the median over iterations of the slowest rank's time for the layer
+(averaged over the case's layers), which is what the simulator's layer time describes.
 
 The constants come from ``moonep-sim calibrate`` (microbenchmarks only: gloo all-to-all, a
 SwiGLU matmul, memory copies and row gathers/scatter-adds, planning a synthetic layer); nothing is
@@ -18,7 +24,6 @@ the end (other jobs on the machine inflate the measured times).
 
 from __future__ import annotations
 
-import itertools
 import os
 import statistics
 import time
@@ -57,25 +62,9 @@ def default_cases(quick: bool, traces_dir: str = "traces") -> list[Case]:
     return cases
 
 
-def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
-    """Kendall's tau-a between two equally long sequences (1 = same order, -1 = reversed)."""
-    n = len(a)
-    require(n == len(b), "kendall_tau needs sequences of equal length")
-    if n < 2:
-        return 1.0
-    s = 0
-    for i, j in itertools.combinations(range(n), 2):
-        x, y = a[i] - a[j], b[i] - b[j]
-        s += (x > 0) - (x < 0) if y > 0 else -((x > 0) - (x < 0)) if y < 0 else 0
-    return s / (n * (n - 1) / 2)
-
-
-def same_order(a: Sequence[float], b: Sequence[float]) -> bool:
-    return sorted(range(len(a)), key=lambda i: a[i]) == sorted(range(len(b)), key=lambda i: b[i])
-
-
 def summarise(cases: list[dict[str, Any]], per_case: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median absolute error and rank agreement from case records (``measured_ms``, ``simulated_ms``)."""
+    """Median absolute error and rank agreement from case records (``measured_ms``, ``simulated_ms``;
+    per case the :func:`moonep_sim.report.ranking.agreement` fields)."""
     errs = [abs(c["error"]) for c in cases]
     taus = [c["kendall_tau"] for c in per_case]
     return {
@@ -84,10 +73,14 @@ def summarise(cases: list[dict[str, Any]], per_case: list[dict[str, Any]]) -> di
         "median_abs_error": statistics.median(errs) if errs else None,
         "max_abs_error": max(errs) if errs else None,
         "within_25pct": sum(e <= 0.25 for e in errs) / len(errs) if errs else None,
+        "resolved_pairs": sum(c["resolved_pairs"] for c in per_case),
+        "resolved_agree": sum(c["resolved_agree"] for c in per_case),
+        "pairs": sum(c["pairs"] for c in per_case),
+        "rank_agree_cases": sum(bool(c["agrees"]) for c in per_case),
         "same_order_cases": sum(bool(c["same_order"]) for c in per_case),
         "mean_kendall_tau": statistics.mean(taus) if taus else None,
         "pass_error": bool(errs) and statistics.median(errs) <= 0.25,
-        "pass_rank": bool(per_case) and all(c["same_order"] for c in per_case),
+        "pass_rank": bool(per_case) and all(c["agrees"] for c in per_case),
     }
 
 
@@ -97,7 +90,7 @@ class FidelityConfig:
     strategies: list[str] = field(default_factory=lambda: list(ALL_STRATEGIES))
     nproc: int = 4
     timeout_s: float = 600.0
-    iters: int = 5  # timed replay iterations per strategy (after one warm-up): small layers are noisy
+    iters: int = 12  # timed interleaved iterations (after one warm-up): matched samples for the sign test
 
 
 def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
@@ -125,20 +118,14 @@ def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | No
                            real_iters=cfg.iters)
         rep = compare(cc, source=src)
         reports.append(rep)
-        meas, sim = [], []
         for name, _ in strategies:
             r = rep["real"]["strategies"][name]
-            m, s = r["measured_ms_mean"], r["simulated_ms_mean"]
+            m, s = r["measured_ms"], r["simulated_ms"]
             points.append({"case": case.name, "strategy": name, "measured_ms": m, "simulated_ms": s,
-                           "error": s / m - 1 if m > 0 else float("inf"), "correct": r.get("correct")})
-            meas.append(m)
-            sim.append(s)
-        names = [nm for nm, _ in strategies]
+                           "error": s / m - 1 if m > 0 else float("inf"), "correct": r.get("correct"),
+                           "measured_ms_samples": r["measured_ms_samples"]})
         per_case.append({"case": case.name, "trace": case.trace, "layers": src.layer_ids,
-                         "gpus_per_node": case.gpus_per_node or cfg.nproc,
-                         "measured_order": [names[j] for j in sorted(range(len(meas)), key=meas.__getitem__)],
-                         "simulated_order": [names[j] for j in sorted(range(len(sim)), key=sim.__getitem__)],
-                         "kendall_tau": kendall_tau(meas, sim), "same_order": same_order(meas, sim)})
+                         "gpus_per_node": case.gpus_per_node or cfg.nproc, **rep["real"]["ranking"]})
     if progress:
         progress("done", n, n)
     from moonep_sim.report.compare import topology_info

@@ -101,14 +101,14 @@ def layer_time_bars(report: dict[str, Any], dest: str | os.PathLike) -> Path:
     if real:
         ax2 = axes[0][1]
         rn = [n for n in names if n in real["strategies"]]
-        meas = np.array([real["strategies"][n]["measured_ms_mean"] for n in rn])
-        sim = np.array([real["strategies"][n]["simulated_ms_mean"] for n in rn])
+        meas = np.array([real["strategies"][n]["measured_ms"] for n in rn])
+        sim = np.array([real["strategies"][n]["simulated_ms"] for n in rn])
         xr = np.arange(len(rn))
         ax2.bar(xr - 0.2, meas, 0.4, label=f"measured (gloo, {real['nproc']} processes)", color="#1f77b4")
         ax2.bar(xr + 0.2, sim, 0.4, label=f"simulated ({real['topology']['name']})", color="#ff7f0e")
         ax2.set_xticks(xr, rn, rotation=20, ha="right")
         ax2.set_ylabel("layer time (ms)")
-        ax2.set_title("real gloo vs simulated local-gloo (mean over layers)", fontsize=10)
+        ax2.set_title("real gloo (median over iterations) vs simulated local-gloo", fontsize=10)
         ax2.legend(fontsize=8)
     return _save(fig, dest)
 

@@ -65,7 +65,8 @@ def compare_table(report: dict[str, Any]) -> list:
     real = report.get("real")
     if real:
         t3 = Table(title=f"real: gloo, {real['nproc']} local processes, vs the same plans simulated on "
-                         f"{real['topology']['name']} (mean per layer)", title_justify="left")
+                         f"{real['topology']['name']} (per layer; measured: median over {real['iters']} interleaved "
+                         f"iterations)", title_justify="left")
         for col in ("strategy", "measured", "simulated", "sim/measured", "correct"):
             t3.add_column(col, justify="left" if col == "strategy" else "right", style="bold" if col == "strategy" else None)
         for n in strat:
@@ -73,7 +74,7 @@ def compare_table(report: dict[str, Any]) -> list:
             if not r:
                 continue
             ratio = r["sim_over_measured"]
-            t3.add_row(n, f"{r['measured_ms_mean']:.2f} ms", f"{r['simulated_ms_mean']:.2f} ms",
+            t3.add_row(n, f"{r['measured_ms']:.2f} ms", f"{r['simulated_ms']:.2f} ms",
                        f"{ratio:.2f}" if ratio else "-", {True: "yes", False: "NO"}.get(r.get("correct"), "-"))
         out.append(t3)
     return out
@@ -86,6 +87,12 @@ def compare_footer(report: dict[str, Any]) -> list[str]:
     if report.get("real"):
         lc = report["real"]["topology"]["constants"]
         lines.append(f"measured: gloo, {report['real']['nproc']} local processes; sim local-gloo: " + _topo_line(lc))
+        rk = report["real"].get("ranking")
+        if rk:
+            lines.append(f"measured order: {rk['measured_order_text']} ('<' resolved by a sign test over matched "
+                         f"iterations at p < {rk['alpha']:g}, '~' a measured tie); simulated order: "
+                         f"{' < '.join(rk['simulated_order'])}; the simulator agrees with {rk['resolved_agree']} "
+                         f"of {rk['resolved_pairs']} resolved pairs")
     lines.append("plan .. combine: the layer time split along the rank whose expert compute ends last (they sum to "
                  "it); prefetch/migrate span: first start to last end of the weight copies")
     lines.append("NVLink / NIC MiB: bytes crossing intra-node / inter-node links, forward + backward, summed over "

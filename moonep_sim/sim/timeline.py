@@ -38,6 +38,7 @@ from moonep_sim.errors import ConfigError, require
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import CommPhase, Plan
 from moonep_sim.sim.compute import rank_compute_us
+from moonep_sim.sim.cpu import HostCPU
 from moonep_sim.sim.faults import FaultState, lognormal_factors
 from moonep_sim.sim.lower_bound import lower_bound
 from moonep_sim.sim.network import FlowNetwork, PortMap
@@ -136,8 +137,9 @@ class _Direction:
     weights: list[CommPhase]
     post: list[CommPhase]
     after: list[CommPhase]
-    compute_R: np.ndarray          # one chunk's compute time per rank (faults applied)
-    plan_us: float
+    compute_R: np.ndarray          # one chunk's compute work per rank (us of one core / GPU; faults applied)
+    plan_cpu_us: float             # planning work (us of one core / GPU)
+    plan_comm_us: float            # the planning all-gather (latency and bytes)
     pre_copy: list[np.ndarray] = field(default_factory=list)    # [hop] -> [R] us before sending (gather)
     post_copy: list[np.ndarray] = field(default_factory=list)   # [hop] -> [R] us after receiving
     post_pre_copy: list[np.ndarray] = field(default_factory=list)   # combine hops: before sending
@@ -146,8 +148,8 @@ class _Direction:
     w_post_R: np.ndarray | None = None   # us: the receiver's pass over the weights it receives
 
 
-def _copy_us(plan: Plan, topo: Topology, direction: str, pre: list[CommPhase], post: list[CommPhase],
-             share_R: np.ndarray) -> tuple[list, list, list, list]:
+def _copy_us(plan: Plan, topo: Topology, direction: str, pre: list[CommPhase],
+             post: list[CommPhase]) -> tuple[list, list, list, list]:
     """Per hop and rank, the executor's local passes over rows (``host_copy_bandwidth_GBps``):
     a gather of the rows a rank sends before each hop and a pass over the rows it receives after
     it; the last dispatch hop's pass is the expand into the rank's final rows and the first
@@ -162,7 +164,7 @@ def _copy_us(plan: Plan, topo: Topology, direction: str, pre: list[CommPhase], p
     fwd = direction == "forward"
     disp_row = plan.costs.dispatch_row_bytes if fwd else plan.costs.combine_row_bytes
     comb_row = plan.costs.combine_row_bytes
-    k = share_R / rate
+    k = 1.0 / rate
     d_pre = [p.bytes_RR.sum(axis=1) * k for p in pre]
     d_post = [p.bytes_RR.sum(axis=0) * k for p in pre]
     if d_post:
@@ -188,10 +190,9 @@ def _direction(plan: Plan, model: ModelSpec, topo: Topology, direction: str, opt
         weights, post, after = [], [], []
     elif opts.isolate == "combine":
         pre, weights, after = [], [], []
-    share_R = topo.cpu_share_R(plan.ranks)
     comp = rank_compute_us(plan, model, topo, backward=(direction == "backward"), chunks=opts.chunks,
-                           speed_R=fs.gpu_speed_R) * share_R
-    plan_us = 0.0
+                           speed_R=fs.gpu_speed_R)
+    plan_cpu = plan_comm = 0.0
     if direction == "forward" and opts.planning and opts.isolate is None:
         R = plan.ranks
         counts_bytes = (R - 1) * plan.num_experts * 4.0  # everyone's int32 per-expert counts
@@ -202,18 +203,19 @@ def _direction(plan: Plan, model: ModelSpec, topo: Topology, direction: str, opt
         slow_bw, lat = (topo.nic_bytes_per_us, topo.nic_latency_us) if topo.num_nodes(R) > 1 else \
             (topo.nvlink_bytes_per_us, topo.nvlink_latency_us)
         steps = int(np.ceil(np.log2(R))) if R > 1 else 0
-        plan_us = topo.plan_fixed_us + steps * lat + (counts_bytes / slow_bw if R > 1 and G >= 1 else 0.0)
-        plan_us += topo.host_message_us * (R - 1)  # every rank's message to each other rank
-        if topo.plan_measured_factor > 0:  # every rank plans the same global Plan on its share of the cores
-            plan_us += topo.plan_measured_factor * float(plan.plan_seconds) * 1e6 * float(share_R.max())
-    d_pre, d_post, c_pre, c_post = _copy_us(plan, topo, direction, pre, post, share_R)
+        plan_comm = steps * lat + (counts_bytes / slow_bw if R > 1 and G >= 1 else 0.0)
+        plan_comm += topo.host_message_us * (R - 1)  # every rank's message to each other rank
+        plan_cpu = topo.plan_fixed_us
+        if topo.plan_measured_factor > 0:  # every rank plans the same global Plan (on the shared cores)
+            plan_cpu += topo.plan_measured_factor * float(plan.plan_seconds) * 1e6
+    d_pre, d_post, c_pre, c_post = _copy_us(plan, topo, direction, pre, post)
     w_pre = w_post = None
     w_rate = topo.host_weight_copy_bandwidth_GBps * 1e3 or topo.copy_bytes_per_us
     if w_rate > 0 and weights:  # weights too are gathered to send and placed on arrival
-        k = share_R / w_rate
+        k = 1.0 / w_rate
         w_pre = sum(p.bytes_RR.sum(axis=1) for p in weights) * k
         w_post = sum(p.bytes_RR.sum(axis=0) for p in weights) * k
-    return _Direction(direction, pre, weights, post, after, comp, plan_us, d_pre, d_post, c_pre, c_post,
+    return _Direction(direction, pre, weights, post, after, comp, plan_cpu, plan_comm, d_pre, d_post, c_pre, c_post,
                       w_pre, w_post)
 
 
@@ -232,6 +234,9 @@ class _Sim:
         self.ports = PortMap.build(topo, R, self.fs.nvlink_factor_R, self.fs.nic_factor_R)
         self.net = FlowNetwork(self.env, self.ports, opts.tol, record_util=opts.timeline)
         self.rng = np.random.default_rng(opts.seed)
+        host_R = topo.host_R(R)  # CPU processes sharing a host's cores (None on GPU presets)
+        self.host_R = host_R
+        self.cpus = None if host_R is None else [HostCPU(self.env, topo.host_cores) for _ in range(int(host_R.max()) + 1)]
         self.spans: list[tuple[int, str, float, float]] = []   # (rank, name, start, end)
         self.stages: list[tuple[int, _Direction]] = []
         for li, p in enumerate(plans):
@@ -245,9 +250,16 @@ class _Sim:
         self.stage_end = np.zeros((len(self.stages), R))
         self.stage_start = np.zeros((len(self.stages), R))
         self._busy: np.ndarray | None = None
-        self._done_ev: dict[tuple, list[list[simpy.Event]]] = {}
+        self._done_ev: dict[tuple, Any] = {}
 
     # -- helpers -------------------------------------------------------------------------
+    def _work(self, r: int, us: float) -> simpy.Event:
+        """Rank r's local work of ``us`` microseconds (of one core / its GPU): on its host's shared
+        cores when CPU sharing is modelled, else a plain delay."""
+        if self.cpus is None:
+            return self.env.timeout(us)
+        return self.cpus[int(self.host_R[r])].run(us)
+
     def _jit(self, shape) -> np.ndarray:
         return lognormal_factors(self.rng, self.opts.jitter, shape)
 
@@ -301,10 +313,12 @@ class _Sim:
         env = self.env
         yield start_ev
         self.stage_start[si, r] = env.now
-        if d.plan_us > 0:
+        if d.plan_cpu_us > 0 or d.plan_comm_us > 0:
             t0 = env.now
-            yield env.timeout(d.plan_us)
+            yield self._work(r, d.plan_cpu_us)
+            yield env.timeout(d.plan_comm_us)
             self.spans.append((r, prefix + "plan", t0, env.now))
+        self._planned(si, r).succeed()
         st = self._stall(r, "dispatch", si)
         if st > 0:
             t0 = env.now
@@ -328,8 +342,15 @@ class _Sim:
         """The home's local pass over the weights it sends (``host_copy_bandwidth_GBps``)."""
         if d.w_pre_R is not None and d.w_pre_R[r] > 0:
             t0 = self.env.now
-            yield self.env.timeout(float(d.w_pre_R[r]))
+            yield self._work(r, float(d.w_pre_R[r]))
             self.spans.append((r, prefix + "copy", t0, self.env.now))
+
+    def _planned(self, si: int, r: int) -> simpy.Event:
+        """Fires once rank r finished planning stage si (at once when there is no planning)."""
+        key = (si, "planned", r)
+        if key not in self._done_ev:
+            self._done_ev[key] = self.env.event()
+        return self._done_ev[key]
 
     def _done(self, si: int, side: str, r: int, hops: int) -> list[list[simpy.Event]]:
         """Per (hop, chunk): fires once rank r received that chunk and made its local pass over it."""
@@ -352,7 +373,7 @@ class _Sim:
                 yield first_gate[j]
             if pre_us > 0:
                 t0 = env.now
-                yield env.timeout(float(pre_us) / c)
+                yield self._work(r, float(pre_us) / c)
                 self.spans.append((r, prefix + "copy", t0, env.now))
             t0 = env.now
             self._send(rows[h][j], r)
@@ -360,7 +381,7 @@ class _Sim:
             self.spans.append((r, prefix + self.net.phase_name(rows[h][j][0])[len(prefix):], t0, env.now))
             if post_us > 0:
                 t0 = env.now
-                yield env.timeout(float(post_us) / c)
+                yield self._work(r, float(post_us) / c)
                 self.spans.append((r, prefix + "copy", t0, env.now))
             if done is not None:
                 done[h][j].succeed()
@@ -368,8 +389,7 @@ class _Sim:
     def _computer(self, si, d: _Direction, r, start_ev, pre, wts, aft, comp_done, jit, prefix):
         env = self.env
         yield start_ev
-        if d.plan_us > 0:
-            yield env.timeout(d.plan_us)
+        yield self._planned(si, r)
         for j in range(self.opts.chunks):
             gate = "start"
             if pre:
@@ -380,7 +400,7 @@ class _Sim:
                 yield env.all_of([self.net.received(w[0], r) for w in wts])
                 if d.w_post_R is not None and d.w_post_R[r] > 0:
                     t0 = env.now
-                    yield env.timeout(float(d.w_post_R[r]))
+                    yield self._work(r, float(d.w_post_R[r]))
                     self.spans.append((r, prefix + "copy", t0, env.now))
                 if env.now > t_before:
                     gate = "weights"
@@ -395,7 +415,7 @@ class _Sim:
                 self.compute_gate[si][r] = gate
             t0 = env.now
             if self.opts.isolate is None:
-                yield env.timeout(float(d.compute_R[r] * jit[j]))
+                yield self._work(r, float(d.compute_R[r] * jit[j]))
                 self.spans.append((r, prefix + ("expert_bwd" if d.direction == "backward" else "expert"), t0, env.now))
             comp_done[j].succeed()
         self.compute_end[si, r] = env.now

@@ -72,8 +72,9 @@ class Topology:
         any one rank able to use all of it (processes behind one network interface).
     host_cores: CPU cores of one host (0 = not modelled).  host_nodes_per_host: how many nodes
         share one host (0 = every node on one host, e.g. ranks emulating nodes on one machine;
-        default 1). A rank's CPU work (expert compute, local copies, planning) is stretched by
-        ``max(1, ranks on its host / host_cores)``; ``gpu_tflops``, ``gpu_mem_bandwidth_GBps``,
+        default 1). A rank's CPU work (expert compute, local copies, planning) runs on its host's
+        cores by processor sharing (``moonep_sim.sim.cpu``): while n of the host's ranks are busy
+        each progresses at ``min(1, host_cores / n)``; ``gpu_tflops``, ``gpu_mem_bandwidth_GBps``,
         ``host_copy_bandwidth_GBps`` are then the rates of one process with a core to itself.
     host_copy_bandwidth_GBps: rate of one local pass over rows (a gather or scatter-add of row
         bytes) by the executor, 0 = free. Charged per rank and hop: a gather of the rows a rank
@@ -91,8 +92,8 @@ class Topology:
     gpu_padding_compute: the fraction of padding rows that cost compute (1 = a static-shape
         grouped GEMM computes them, the default; 0 = the executor skips them).
     plan_measured_factor: 0 = off; else planning also costs ``factor x plan.plan_seconds`` (the
-        planner's own measured CPU time for this Plan, made in the simulating process), stretched
-        by the CPU sharing above -- every rank plans the same global Plan.
+        planner's own measured CPU time for this Plan, made in the simulating process), run on
+        the shared cores above -- every rank plans the same global Plan at once.
     plan_routing_bytes_per_entry: 0 = the planning all-gather moves per-expert counts (4 bytes x
         E per rank); > 0 = it moves every token's routing, this many bytes per (token, k) entry,
         padded to the largest rank's token count.
@@ -177,18 +178,16 @@ class Topology:
         """Local row-pass rate (bytes per microsecond); 0 = passes are free."""
         return self.host_copy_bandwidth_GBps * 1e3
 
-    def cpu_share_R(self, ranks: int) -> "np.ndarray":
-        """float64 [R]: how much a rank's CPU work is stretched by the ranks sharing its host's
-        cores (``max(1, ranks on its host / host_cores)``; all ones when not modelled)."""
+    def host_R(self, ranks: int) -> "np.ndarray | None":
+        """int64 [R]: the host (set of ``host_cores`` shared cores) each rank runs on; None when
+        CPU sharing is not modelled (``host_cores`` 0, as on the GPU presets)."""
         import numpy as np
 
         if self.host_cores <= 0 or ranks <= 0:
-            return np.ones(max(ranks, 0))
+            return None
         G = min(self.gpus_per_node, ranks)
         node_R = np.arange(ranks) // G
-        host_R = node_R // self.host_nodes_per_host if self.host_nodes_per_host > 0 else np.zeros(ranks, np.int64)
-        per_host = np.bincount(host_R)[host_R].astype(np.float64)
-        return np.maximum(1.0, per_host / self.host_cores)
+        return node_R // self.host_nodes_per_host if self.host_nodes_per_host > 0 else np.zeros(ranks, np.int64)
 
     def num_nodes(self, ranks: int) -> int:
         """Nodes a run of ``ranks`` GPUs occupies (``nodes`` if fixed, else ceil(R / G))."""

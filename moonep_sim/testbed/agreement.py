@@ -2,16 +2,19 @@
 
 For each testbed shape (N nodes x G ranks) the testbed is built once; a gloo probe measures what
 the shaped links deliver (that fixes ``nic.efficiency`` and ``nic.latency_us`` of the matching
-topology, :mod:`moonep_sim.testbed.topology`); then every (trace, strategy) is replayed for real
-with ``moonep_sim.gloo.replay`` and the very same plans are simulated on that topology with the
+topology, :mod:`moonep_sim.testbed.topology`); then every trace is replayed for real with
+``moonep_sim.gloo.replay``, all strategies in one process group, interleaved step by step (matched
+samples per iteration), and the very same plans are simulated on that topology with the
 replay's row and expert sizes (float32 rows of H, SwiGLU experts of H x F). A run with one node's
 link slowed (``degrade``) checks that the slow node is the straggler in both: measured from the
 tbf byte counters (the link with the longest busy time, bytes / rate) and simulated from the
 result's ``busiest_port`` and ``straggler``.
 
-Reported per row: measured ms per layer (replay ``total_ms`` / layers: max over ranks of the mean
-over iterations), simulated ms per layer, ratio simulated / measured; per (shape, trace): whether
-the strategies rank the same (Kendall tau and exact order); overall the median absolute error.
+Reported per row: measured ms per layer (the replay's ``layer_ms_median``: median over iterations
+of the slowest rank's layer time), simulated ms per layer, ratio simulated / measured; per (shape,
+trace) the rank agreement of :func:`moonep_sim.report.ranking.agreement` (every pair of strategies
+a sign test over the matched iterations resolves must be simulated in the same order; also the
+exact order and Kendall tau); overall the median absolute error.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 
 from moonep_sim.errors import require
 from moonep_sim.io import write_text_atomic
+from moonep_sim.report.ranking import agreement
 from moonep_sim.testbed.netns import Testbed, TestbedSpec, format_rate
 from moonep_sim.testbed.run import LaunchSpec, launch_nodes, measure_gloo, signals_raise
 
@@ -53,7 +57,7 @@ class AgreeConfig:
     rate_bps: int = 200_000_000
     hidden: int = 512
     ffn: int = 64
-    iters: int = 3
+    iters: int = 10
     degrade: tuple[int, int] | None = (1, 50_000_000)  # (node, rate) for the straggler run
     degrade_case: int = 0  # index into cases
     timeout_s: float = 600.0
@@ -135,15 +139,6 @@ def _node_of_port(name: str, gpus_per_node: int) -> int | None:
     return int(m.group(1)) // gpus_per_node if m else None
 
 
-def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
-    n, s, pairs = len(a), 0, 0
-    for i in range(n):
-        for j in range(i + 1, n):
-            s += int(np.sign(a[i] - a[j]) * np.sign(b[i] - b[j]))
-            pairs += 1
-    return s / pairs if pairs else 1.0
-
-
 def run_agreement(cfg: AgreeConfig, progress: Callable[[str], None] | None = None,
                   json_out: str | None = None) -> dict:
     from moonep_sim.testbed.topology import degraded_faults, testbed_topology
@@ -178,44 +173,39 @@ def run_agreement(cfg: AgreeConfig, progress: Callable[[str], None] | None = Non
                 report["shapes"].append({"nodes": N, "gpus_per_node": G, "probe": probes["gloo"],
                                          "topology": str(work / f"topology-{N}x{G}.toml"),
                                          "topology_constants": topo.constants()})
-                for case in cases:
+                for ci, case in enumerate(cases):
+                    say(f"{N}x{G} {case.label}: {', '.join(cfg.strategies)} interleaved")
+                    out = work / f"replay-{N}x{G}-{ci}.json"
+                    reps = _replay_all(tb, case, cfg, G, out, logs)
                     for strat in cfg.strategies:
-                        say(f"{N}x{G} {case.label} {strat}")
-                        out = work / f"replay-{N}x{G}-{len(report['rows'])}.json"
-                        launch_nodes(tb, LaunchSpec(G, module_args=replay_args(case, strat, G, cfg.hidden, cfg.ffn,
-                                                                               cfg.iters, str(out)),
-                                                    timeout_s=cfg.timeout_s), logs)
-                        rep = json.loads(out.read_text())
-                        meas = rep["total_ms"] / len(rep["layers"])
+                        rep = reps[strat]
+                        meas = rep["layer_ms_median"]
                         sim = simulate_case(case, strat, N * G, G, cfg.hidden, cfg.ffn, topo)
                         report["rows"].append({
                             "nodes": N, "gpus_per_node": G, "case": case.label, "strategy": strat,
-                            "measured_ms": meas, "simulated_ms": sim["ms_per_layer"],
-                            "ratio": sim["ms_per_layer"] / meas,
+                            "measured_ms": meas, "measured_ms_samples": rep["layer_ms_samples"],
+                            "simulated_ms": sim["ms_per_layer"], "ratio": sim["ms_per_layer"] / meas,
                             "measured_dispatch_ms": rep["dispatch_ms"] / len(rep["layers"]),
                             "measured_combine_ms": rep["combine_ms"] / len(rep["layers"]),
                             "bytes_sent": rep["bytes_sent"], "sim_busiest_port": sim["busiest_port"][0]})
-                        save()
+                    save()
             if cfg.degrade and N >= 2:
                 node, rate = cfg.degrade
                 require(0 <= node < N, f"degrade node ({node}) must be in [0, {N})")
                 dspec = TestbedSpec(nodes=N, rate_bps=cfg.rate_bps, node_rate_bps={node: rate})
                 case = cases[cfg.degrade_case]
                 with Testbed(dspec) as tb:
-                    for strat in cfg.strategies:
+                    for strat in cfg.strategies:  # one at a time: the tbf byte counters are per run
                         say(f"{N}x{G} degraded node {node} {format_rate(rate)}: {case.label} {strat}")
                         out = work / f"replay-{N}x{G}-degraded-{strat}.json"
                         before = _qdisc_bytes(tb.qdisc_stats())
-                        launch_nodes(tb, LaunchSpec(G, module_args=replay_args(case, strat, G, cfg.hidden, cfg.ffn,
-                                                                               cfg.iters, str(out)),
-                                                    timeout_s=cfg.timeout_s), logs)
+                        rep = _replay_all(tb, case, cfg, G, out, logs, (strat,))[strat]
                         busy = link_busy_ms(before, _qdisc_bytes(tb.qdisc_stats()), dspec)
-                        rep = json.loads(out.read_text())
                         sim = simulate_case(case, strat, N * G, G, cfg.hidden, cfg.ffn, topo,
                                             degraded_faults(dspec, G))
                         base = next((r for r in report["rows"] if r["nodes"] == N and r["gpus_per_node"] == G
                                      and r["case"] == case.label and r["strategy"] == strat), None)
-                        meas = rep["total_ms"] / len(rep["layers"])
+                        meas = rep["layer_ms_median"]
                         busiest_link = max(busy, key=busy.get)
                         bp = sim["busiest_port"][0]
                         st = sim["straggler"][0]
@@ -241,6 +231,17 @@ def run_agreement(cfg: AgreeConfig, progress: Callable[[str], None] | None = Non
     return report
 
 
+def _replay_all(tb, case: AgreeCase, cfg: AgreeConfig, G: int, out: Path, logs: Path,
+                strategies: Sequence[str] | None = None) -> dict[str, dict]:
+    """Replay ``strategies`` (default: all of ``cfg``) interleaved across the testbed's nodes;
+    strategy -> its replay report."""
+    names = list(strategies or cfg.strategies)
+    launch_nodes(tb, LaunchSpec(G, module_args=replay_args(case, ",".join(names), G, cfg.hidden, cfg.ffn, cfg.iters,
+                                                           str(out)), timeout_s=cfg.timeout_s), logs)
+    rep = json.loads(out.read_text())
+    return rep["strategies"] if "strategies" in rep else {names[0]: rep}
+
+
 def _loadavg() -> list[float] | None:
     import os
     try:
@@ -257,17 +258,18 @@ def summarize(report: dict) -> dict:
         groups.setdefault((r["nodes"], r["gpus_per_node"], r["case"]), []).append(r)
     ranking = []
     for (N, G, case), rs in groups.items():
-        m = [r["measured_ms"] for r in rs]
-        s = [r["simulated_ms"] for r in rs]
-        order_m = [rs[i]["strategy"] for i in np.argsort(m)]
-        order_s = [rs[i]["strategy"] for i in np.argsort(s)]
-        ranking.append({"nodes": N, "gpus_per_node": G, "case": case, "measured_order": order_m,
-                        "simulated_order": order_s, "same_order": order_m == order_s,
-                        "same_fastest": order_m[0] == order_s[0], "kendall_tau": kendall_tau(m, s)})
+        ag = agreement({r["strategy"]: r["measured_ms_samples"] for r in rs},
+                       {r["strategy"]: r["simulated_ms"] for r in rs})
+        ranking.append({"nodes": N, "gpus_per_node": G, "case": case, **ag,
+                        "same_fastest": ag["measured_order"][0] == ag["simulated_order"][0]})
     st = report.get("straggler", [])
     return {"rows": len(rows), "median_abs_error": statistics.median(errs) if errs else None,
             "max_abs_error": max(errs) if errs else None, "ranking": ranking,
             "same_order_groups": sum(g["same_order"] for g in ranking), "groups": len(ranking),
+            "rank_agree_groups": sum(g["agrees"] for g in ranking),
+            "resolved_pairs": sum(g["resolved_pairs"] for g in ranking),
+            "resolved_agree": sum(g["resolved_agree"] for g in ranking),
+            "pairs": sum(g["pairs"] for g in ranking),
             "straggler_agree": sum(1 for s in st if s["measured_busiest_node"] == s["degraded_node"]
                                    and s["sim_busiest_node"] == s["degraded_node"]),
             "straggler_runs": len(st)}
@@ -281,11 +283,13 @@ def markdown_table(report: dict) -> str:
         lines.append(f"| {r['nodes']}x{r['gpus_per_node']} | {r['case']} | {r['strategy']} | "
                      f"{r['measured_ms']:.1f} | {r['simulated_ms']:.1f} | {r['ratio']:.2f} |")
     s = report.get("summary") or summarize(report)
-    lines += ["", "| nodes x ranks | routing | measured order (fastest first) | simulated order | same | Kendall tau |",
-              "| --- | --- | --- | --- | --- | ---: |"]
+    lines += ["", "| nodes x ranks | routing | measured order (fastest first; ~ a measured tie) | simulated order | "
+                  "resolved pairs agreeing | exact order | Kendall tau |",
+              "| --- | --- | --- | --- | ---: | --- | ---: |"]
     for g in s["ranking"]:
-        lines.append(f"| {g['nodes']}x{g['gpus_per_node']} | {g['case']} | {' < '.join(g['measured_order'])} | "
-                     f"{' < '.join(g['simulated_order'])} | {'yes' if g['same_order'] else 'no'} | {g['kendall_tau']:.2f} |")
+        lines.append(f"| {g['nodes']}x{g['gpus_per_node']} | {g['case']} | {g['measured_order_text']} | "
+                     f"{' < '.join(g['simulated_order'])} | {g['resolved_agree']}/{g['resolved_pairs']} | "
+                     f"{'same' if g['same_order'] else 'different'} | {g['kendall_tau']:.2f} |")
     if report.get("straggler"):
         lines += ["", "| nodes x ranks | strategy | slow node | measured ms (slowdown) | simulated ms (slowdown) | "
                       "measured busiest link | simulated busiest port | simulated straggler |",
@@ -300,7 +304,9 @@ def markdown_table(report: dict) -> str:
                          f"(node {t['sim_straggler_node']}, {t['sim_straggler_cause']}) |")
     med = s["median_abs_error"]
     lines += ["", f"Median absolute error {med:.1%} over {s['rows']} runs (max {s['max_abs_error']:.1%}); "
-                  f"same strategy order in {s['same_order_groups']} of {s['groups']} groups; degraded node is the "
+                  f"the simulated order agrees with every resolved measured pair in {s['rank_agree_groups']} of "
+                  f"{s['groups']} groups ({s['resolved_agree']}/{s['resolved_pairs']} resolved pairs of "
+                  f"{s['pairs']}; exact order in {s['same_order_groups']}); degraded node is the "
                   f"busiest link in both in {s['straggler_agree']} of {s['straggler_runs']} runs."
               if med is not None else "no rows"]
     if report.get("load_average_start") or report.get("load_average_end"):

@@ -19,7 +19,7 @@
   so ``nic.efficiency`` is the measured fraction divided by that (it is not counted twice).
 - CPU: every emulated node runs on this one machine: ``[host] cores`` of the base topology (the
   calibrated cores of this machine) with ``nodes_per_host = 0`` (all N nodes on one host); the
-  simulator stretches CPU work by ``max(1, N x G / cores)``.
+  simulator shares those cores among the ranks busy at each moment (processor sharing).
 - A degraded node (``--node-bandwidth i:RATE``) is not a topology constant (those are uniform):
   :func:`degraded_faults` gives the matching simulator faults, ``DegradedLink(rank, RATE / rate,
   "nic")`` for each of that node's ranks (CLI: ``--degrade-nic RANK:FACTOR``).
