@@ -55,3 +55,33 @@ def test_replay_of_eplb_fetches_resident_replicas_once_per_layer(trace):
                          "--gpus-per-node", "2", "--iters", "2", "--warmup", "1", "--timeout", "30"], timeout_s=120)
     assert rep["correct"] is True
     assert all(e["correct"] and e["weight_copies"] == 0 and e["fetched_weights"] == 0 for e in rep["per_layer"])
+
+
+def test_replay_of_several_strategies_interleaved(trace):
+    """One process group replays every strategy in turn each iteration: each is checked against the
+    dense layer, carries one sample per iteration, and per-strategy options reach only their own."""
+    rep = run_replay(4, ["--trace", trace, "--strategy", "alltoall,hierarchical,moonep",
+                         "--opt", "hierarchical.dedup=1", "--hidden", "16", "--ffn", "8", "--gpus-per-node", "2",
+                         "--iters", "3", "--warmup", "1", "--timeout", "30"], timeout_s=180)
+    assert rep["interleaved"] is True and rep["order"] == ["alltoall", "hierarchical", "moonep"]
+    assert set(rep["strategies"]) == {"alltoall", "hierarchical", "moonep"}
+    assert rep["strategies"]["hierarchical"]["options"] == {"dedup": True}
+    assert rep["strategies"]["alltoall"]["options"].get("dedup") is not True  # its own default
+    for name, r in rep["strategies"].items():
+        assert KEYS <= set(r) and r["strategy"] == name and r["correct"] is True, name
+        assert len(r["layer_ms_samples"]) == 3 and min(r["layer_ms_samples"]) > 0
+        assert r["layer_ms_median"] == pytest.approx(sorted(r["layer_ms_samples"])[1])
+        for e in r["per_layer"]:
+            assert len(e["iter_total_ms"]) == 3
+            # a sample is the slowest rank's iteration: at least the mean over iterations of any rank
+            assert max(e["iter_total_ms"]) >= max(e["phases_R"]["total"]) - 1e-9
+        # samples: the layers' iteration times averaged over the layers
+        for i in range(3):
+            assert r["layer_ms_samples"][i] == pytest.approx(sum(e["iter_total_ms"][i] for e in r["per_layer"]) / 2)
+    assert rep["strategies"]["hierarchical"]["per_layer"][0]["hops"] == 2
+    assert rep["strategies"]["alltoall"]["per_layer"][0]["hops"] == 1
+
+
+def test_replay_rejects_a_repeated_strategy(trace):
+    with pytest.raises(ConfigError, match=r"--strategy \('alltoall,alltoall'\) must name one or more distinct"):
+        run_replay(1, ["--trace", trace, "--strategy", "alltoall,alltoall"], timeout_s=60)

@@ -89,9 +89,11 @@ def test_topology_written_from_fit_loads_in_the_simulator(tmp_path, monkeypatch)
     back = sim_topology.read_topology_file(path)
     assert back.name == "local-gloo"
     assert back.nvlink_bandwidth_GBps == pytest.approx(0.75)
-    # latency(P) = 0 + 150 x (P-1): the link keeps the base, each message costs 150 us
-    assert back.nvlink_latency_us == pytest.approx(0.0, abs=1e-6)
-    assert back.host_message_us == pytest.approx(150.0)
+    # every hop of a 4-process job pays the latency measured with 4 processes, whatever its peers
+    assert back.nvlink_latency_us == pytest.approx(450.0) and back.nic_latency_us == pytest.approx(450.0)
+    assert back.host_message_us == 0.0
+    # a target P between the measured ones: latency(P) = base + per_peer x (P-1) = 150 x 2
+    assert cal.local_gloo_topology(f, 3, (2, 4)).nvlink_latency_us == pytest.approx(300.0)
     assert back.gpu_tflops * 1e12 == pytest.approx(40e9, rel=1e-4)
     assert back.gpu_slot_us == pytest.approx(20.0, rel=1e-3) and back.gpu_launch_us == 0.0
     assert back.plan_fixed_us == pytest.approx(2000.0)
@@ -128,7 +130,7 @@ def test_cpu_rates_are_written_per_core_with_the_sharing_and_row_passes(tmp_path
     assert topo.host_copy_bandwidth_GBps == pytest.approx(1.0)
     assert topo.plan_measured_factor == 1.0 and topo.plan_fixed_us == pytest.approx(2000.0)  # one process: per core
     assert topo.host_weight_copy_bandwidth_GBps == pytest.approx(0.8)  # 0.4 with 4 on 2 cores
-    assert topo.nvlink_latency_us == pytest.approx(0.0, abs=1e-6) and topo.host_message_us == pytest.approx(150.0)
+    assert topo.nvlink_latency_us == pytest.approx(450.0) and topo.host_message_us == 0.0
     assert topo.nvlink_duplex == "half" and topo.plan_routing_bytes_per_entry == 16.0
     assert topo.host_R(4).tolist() == [0] * 4  # all ranks on this one machine
     back = pytest.importorskip("moonep_sim.sim.topology").read_topology_file(

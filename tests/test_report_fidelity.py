@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moonep_sim.report.fidelity import default_cases, summarise
-from moonep_sim.report.ranking import agreement, kendall_tau, order, order_text, resolved_pairs, sign_test_p
+from moonep_sim.report.ranking import agreement, holm, kendall_tau, order, order_text, resolved_pairs, sign_test_p
 
 
 def _tau_reference(a, b):
@@ -74,9 +74,34 @@ def test_sign_test_is_a_symmetric_probability(diffs):
     assert p == pytest.approx(min(1.0, brute))  # P(split at least as lopsided), by enumeration
 
 
+@pytest.mark.parametrize("ps, want", [
+    ([0.01, 0.04, 0.03], [True, False, False]),     # 0.01 < 0.05/3; 0.03 >= 0.05/2: stop
+    ([0.001, 0.02, 0.04], [True, True, True]),      # 0.001 < 0.05/3, 0.02 < 0.05/2, 0.04 < 0.05/1
+    ([0.02, 0.001], [True, True]),                  # order of the input does not matter
+    ([0.03, 0.001, 0.2], [False, True, False]),
+    ([], []),
+])
+def test_holm_hand_worked(ps, want):
+    assert holm(ps) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=25))
+def test_holm_is_between_bonferroni_and_uncorrected(ps):
+    got = holm(ps)
+    for p, ok in zip(ps, got):
+        if p < 0.05 / max(len(ps), 1):
+            assert ok  # Bonferroni's rejections are Holm's
+        if ok:
+            assert p < 0.05  # and Holm rejects nothing the uncorrected test would keep
+    # a rejected p-value rejects every smaller one
+    for p, ok in zip(ps, got):
+        assert all(o for q, o in zip(ps, got) if q < p) or not ok
+
+
 def test_resolved_pairs_and_agreement():
     rng = np.random.default_rng(1)
-    noise = lambda: rng.normal(0, 0.3, 12)  # noqa: E731
+    noise = lambda: rng.normal(0, 0.3, 16)  # noqa: E731
     samples = {"a": 10 + noise(), "b": 10 + noise(), "c": 14 + noise()}  # a ~ b < c
     pairs = {frozenset((p["faster"], p["slower"])): p for p in resolved_pairs(samples)}
     assert pairs[frozenset("ac")]["resolved"] and pairs[frozenset("ac")]["faster"] == "a"

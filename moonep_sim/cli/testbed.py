@@ -62,9 +62,9 @@ def register(sub) -> None:
     a.add_argument("--bandwidth", default="200mbit")
     a.add_argument("--hidden", type=int, default=512)
     a.add_argument("--ffn", type=int, default=64)
-    a.add_argument("--iters", type=int, default=10,
-                   help="timed interleaved iterations per routing (default 10; the sign test resolves a pair "
-                        "from 6 on)")
+    a.add_argument("--iters", type=int, default=12,
+                   help="timed interleaved iterations per routing (default 12: enough for the Holm-corrected "
+                        "sign tests of 4 strategies)")
     a.add_argument("--degrade", default="1:50mbit", help="NODE:RATE of the straggler run ('' = none)")
     a.add_argument("--base-topology", default=None)
     a.add_argument("--work-dir", default=None, help="keep replays, logs, topologies here")

@@ -74,21 +74,22 @@ def _worker(rank: int, world: int, store: str, sizes: Sequence[int], shapes: Seq
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        a2a: list[dict[str, Any]] = []
-        for size in sizes:
-            n = max(1, int(size) // 4)  # float32 elements per peer message
-            x = torch.ones(n * world)
-            y = torch.empty_like(x)
-            for _ in range(warmup):
-                dist.all_to_all_single(y, x)
-            t_S = torch.zeros(repeats, dtype=torch.float64)
-            for i in range(repeats):
+        # all-to-all as the executor runs it (into a freshly allocated output), the sizes
+        # interleaved (each round times every size, the order rotated), so a load change on the
+        # machine reaches every size alike
+        xs = [torch.ones(max(1, int(size) // 4) * world) for size in sizes]
+        t_NS = torch.zeros(len(xs), repeats, dtype=torch.float64)
+        for i in range(-warmup, repeats):
+            for k in range(len(xs)):
+                j = (k + i) % len(xs)
                 dist.barrier()
                 t0 = time.perf_counter()
-                dist.all_to_all_single(y, x)
-                t_S[i] = time.perf_counter() - t0
-            dist.all_reduce(t_S, op=dist.ReduceOp.MAX)
-            a2a.append({"nproc": world, "bytes_per_peer": n * 4, "seconds": t_S.tolist()})
+                dist.all_to_all_single(torch.empty_like(xs[j]), xs[j])
+                if i >= 0:
+                    t_NS[j, i] = time.perf_counter() - t0
+        dist.all_reduce(t_NS, op=dist.ReduceOp.MAX)
+        a2a: list[dict[str, Any]] = [{"nproc": world, "bytes_per_peer": int(x.numel() // world) * 4,
+                                      "seconds": t_NS[j].tolist()} for j, x in enumerate(xs)]
         # memory bandwidth: a 32 MiB float32 copy, all ranks at once
         src = torch.ones(8 << 20)
         dst = torch.empty_like(src)
@@ -453,24 +454,22 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
         wcopy = f.fresh_copy_gbps_P[fnear] * f.share(fnear)
     else:
         fnear, wcopy = None, base.host_weight_copy_bandwidth_GBps
-    # latency(P) = base + per_peer * (P-1): the link latency is the base and every message a rank
-    # sends costs per_peer (``[host] message_us``), so an all-to-all of P ranks takes latency(P) and a
-    # 2-rank hop latency(2); with one process count measured, its whole latency stays on the link
-    if len(f.latency_us_P) >= 2:
-        lat0, msg = float(f.latency_base_us), float(f.latency_per_peer_us)
-    else:
-        lat0, msg = float(lat), 0.0
+    # A collective's fixed cost is set by how many processes share this machine's cores (every rank
+    # of the job is active at once), not by how many peers one hop has: latency(P) grows with P
+    # because P > cores processes time-slice. So every hop of a P-process job gets latency(P) on its
+    # links, and no per-message term (the fit across P stays in [sources]).
+    lat0, msg = float(lat), 0.0
     host = f"{f.cpu_cores} CPU cores, measured with {list(nprocs_measured)} processes"
     how = "fit t = latency + (P-1) * m / bandwidth over message sizes m (median of repeats, slowest rank)"
     desh = (f"per core: P={cnear} <= {f.cpu_cores} cores" if s_c == 1 else
             f"de-shared: x max(1, P / {f.cpu_cores} cores) = {s_c:g}") + " (the simulator applies the sharing)"
     sources = {
         "nvlink_bandwidth_GBps": f"moonep-sim calibrate: gloo all_to_all_single, per process at P={near}; {how}",
-        "nvlink_latency_us": ("moonep-sim calibrate: the base of latency(P) = base + per_peer x (P-1) over the "
-                              "measured P" if len(f.latency_us_P) >= 2 else
-                              f"moonep-sim calibrate: the same fit's latency at P={near}"),
-        "host_message_us": "moonep-sim calibrate: per_peer of latency(P) = base + per_peer x (P-1): each message a "
-                           "rank sends in a phase",
+        "nvlink_latency_us": (f"moonep-sim calibrate: the same fit's latency at P={nproc}"
+                              + ("" if near == nproc else f" (from latency(P) = base + per_peer x (P-1))")
+                              + ": every hop of a job of that many processes pays it, whatever its peers "
+                                "(the processes time-slice the cores)"),
+        "host_message_us": "0: the per-collective cost is all in the link latency (latency(P) at the job's P)",
         "nic": "unused: every process is in one node (copied from the NVLink figures)",
         "duplex": "half: a gloo TCP pair has one thread that alternately writes and reads, so both directions "
                   "of one pair share its rate (testbed probe: a 2-rank exchange gets ~0.5 of the link each way)",

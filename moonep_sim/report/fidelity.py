@@ -9,8 +9,8 @@ topology (both through :func:`moonep_sim.report.compare.compare`). Reported:
 - whether the strategies rank in the same order (:mod:`moonep_sim.report.ranking`): all strategies
   of a case are replayed in one process group, interleaved step by step, so each iteration gives
   matched samples; a pair of strategies is ordered by the measurements when a sign test over the
-  matched iterations resolves it (p < 0.05), and the simulator agrees when it orders every resolved
-  pair the same way (target: every case). Also reported: the exact order of the medians, whether it
+  matched iterations resolves it (Holm-corrected over the case's pairs at 0.05), and the simulator
+  agrees when it orders every resolved pair the same way (target: every case). Also reported: the exact order of the medians, whether it
   is identical, and Kendall's tau (strict figures that count measured ties as orders).
 
 The measured layer time is the median over iterations of the slowest rank's time for the layer
@@ -76,6 +76,8 @@ def summarise(cases: list[dict[str, Any]], per_case: list[dict[str, Any]]) -> di
         "resolved_pairs": sum(c["resolved_pairs"] for c in per_case),
         "resolved_agree": sum(c["resolved_agree"] for c in per_case),
         "pairs": sum(c["pairs"] for c in per_case),
+        "uncorrected_pairs": sum(c.get("uncorrected_pairs", 0) for c in per_case),
+        "uncorrected_agree": sum(c.get("uncorrected_agree", 0) for c in per_case),
         "rank_agree_cases": sum(bool(c["agrees"]) for c in per_case),
         "same_order_cases": sum(bool(c["same_order"]) for c in per_case),
         "mean_kendall_tau": statistics.mean(taus) if taus else None,
@@ -90,7 +92,7 @@ class FidelityConfig:
     strategies: list[str] = field(default_factory=lambda: list(ALL_STRATEGIES))
     nproc: int = 4
     timeout_s: float = 600.0
-    iters: int = 12  # timed interleaved iterations (after one warm-up): matched samples for the sign test
+    iters: int = 16  # timed interleaved iterations (after one warm-up): matched samples for the sign test
 
 
 def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:

@@ -3,11 +3,16 @@
 Measured times on a shared machine carry noise: two strategies a few percent apart swap places
 from run to run. So an order is only *measured* where the measurements resolve it. With the
 replay's interleaved samples (``--strategy a,b,...``: iteration i runs every strategy moments
-apart), each pair of strategies has matched samples ``a_i, b_i``; the pair is **resolved** when
-an exact two-sided sign test on ``a_i - b_i`` rejects "either is as likely to be faster" at level
-``alpha`` (default 0.05; e.g. at least 9 of 10 or 10 of 12 iterations favour one). The simulator
-agrees with the measured order when, for every resolved pair, it puts the same strategy first.
-Unresolved pairs (measured ties) constrain nothing; they are reported.
+apart), each pair of strategies has matched samples ``a_i, b_i``, and an exact two-sided sign
+test on ``a_i - b_i`` (``scipy.stats.binomtest``) asks whether either strategy is as likely to be
+faster. A case compares many pairs at once (21 for 7 strategies), so at level 0.05 about one tied
+pair in twenty would look resolved by chance; Holm's step-down procedure keeps the chance of even
+one such false resolution in a case below ``alpha`` (default 0.05): the pairs' p-values sorted
+ascending, the i-th (from 0) must be below ``alpha / (m - i)``, stopping at the first that is not.
+Those pairs are **resolved** (with 16 matched iterations: one strategy faster in at least 15 of
+16 for the first). The simulator agrees with the measured order when, for every resolved pair, it
+puts the same strategy first. Unresolved pairs (measured ties) constrain nothing; they are
+reported, with the pairs that would be resolved without the correction.
 
 Also reported, for every case: the exact order of the medians (measured and simulated), whether
 they are identical, and Kendall's tau-a between them -- strict figures that count measured ties
@@ -17,7 +22,6 @@ as orders.
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -45,19 +49,30 @@ def order(names: Sequence[str], values: Sequence[float]) -> list[str]:
 def sign_test_p(diffs: Sequence[float]) -> float:
     """Exact two-sided sign test: the probability, if each nonzero difference were as likely
     positive as negative, of a split at least as lopsided as observed (zeros dropped; 1.0 if none)."""
+    from scipy.stats import binomtest
+
     d = np.asarray(diffs, dtype=np.float64)
     pos, neg = int((d > 0).sum()), int((d < 0).sum())
-    n = pos + neg
-    if n == 0:
+    if pos + neg == 0:
         return 1.0
-    k = min(pos, neg)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0 ** n
-    return min(1.0, 2.0 * tail)
+    return float(binomtest(pos, pos + neg, 0.5).pvalue)
+
+
+def holm(pvalues: Sequence[float], alpha: float = ALPHA) -> list[bool]:
+    """Holm's step-down procedure: which hypotheses are rejected with family-wise error <= alpha."""
+    m = len(pvalues)
+    out = [False] * m
+    for i, j in enumerate(sorted(range(m), key=lambda j: pvalues[j])):
+        if pvalues[j] >= alpha / (m - i):
+            break
+        out[j] = True
+    return out
 
 
 def resolved_pairs(samples: Mapping[str, Sequence[float]], alpha: float = ALPHA) -> list[dict[str, Any]]:
     """Every pair of strategies with matched samples: which is faster by the median of the paired
-    differences, the sign test's p-value and whether the pair is resolved (p < alpha)."""
+    differences, the sign test's p-value, whether the pair is resolved (Holm over all the pairs at
+    ``alpha``) and whether it would be without the correction (p < alpha)."""
     names = list(samples)
     out = []
     for a, b in itertools.combinations(names, 2):
@@ -69,8 +84,10 @@ def resolved_pairs(samples: Mapping[str, Sequence[float]], alpha: float = ALPHA)
         fast, slow = (a, b) if med < 0 or (med == 0 and np.median(sa) <= np.median(sb)) else (b, a)
         p = sign_test_p(d)
         base = float(np.median(samples[slow]))
-        out.append({"faster": fast, "slower": slow, "p": p, "resolved": p < alpha,
+        out.append({"faster": fast, "slower": slow, "p": p, "resolved_uncorrected": p < alpha,
                     "median_gap": abs(med) / base if base > 0 else 0.0})
+    for pair, ok in zip(out, holm([q["p"] for q in out], alpha)):
+        pair["resolved"] = ok
     return out
 
 
@@ -87,6 +104,8 @@ def agreement(samples: Mapping[str, Sequence[float]], simulated: Mapping[str, fl
         p["simulated_agrees"] = simulated[p["faster"]] < simulated[p["slower"]]
     res = [p for p in pairs if p["resolved"]]
     wrong = [p for p in res if not p["simulated_agrees"]]
+    loose = [p for p in pairs if p["resolved_uncorrected"]]
+    loose_wrong = [p for p in loose if not p["simulated_agrees"]]
     return {
         "measured_order": order(names, med), "simulated_order": order(names, sim),
         "measured_order_text": order_text(names, med, pairs),
@@ -95,6 +114,7 @@ def agreement(samples: Mapping[str, Sequence[float]], simulated: Mapping[str, fl
         "disagreements": [f"{p['faster']} < {p['slower']} measured (p={p['p']:.3f}, "
                           f"{p['median_gap']:.1%} apart), simulated the other way" for p in wrong],
         "agrees": not wrong, "alpha": alpha,
+        "uncorrected_pairs": len(loose), "uncorrected_agree": len(loose) - len(loose_wrong),
     }
 
 
@@ -109,4 +129,4 @@ def order_text(names: Sequence[str], values: Sequence[float], pairs: Sequence[Ma
     return text
 
 
-__all__ = ["ALPHA", "agreement", "kendall_tau", "order", "order_text", "resolved_pairs", "sign_test_p"]
+__all__ = ["ALPHA", "agreement", "holm", "kendall_tau", "order", "order_text", "resolved_pairs", "sign_test_p"]

@@ -57,7 +57,7 @@ class AgreeConfig:
     rate_bps: int = 200_000_000
     hidden: int = 512
     ffn: int = 64
-    iters: int = 10
+    iters: int = 12
     degrade: tuple[int, int] | None = (1, 50_000_000)  # (node, rate) for the straggler run
     degrade_case: int = 0  # index into cases
     timeout_s: float = 600.0

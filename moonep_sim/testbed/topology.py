@@ -11,7 +11,8 @@
   probe ran (gloo's TCP pairs do not keep both directions of one pair busy at once: measured 0.46
   of the rate per direction with 1 rank per node, 0.73 with 2, 0.84 with 4, at 200 Mbit/s), else the
   TCP payload fraction (about 0.95), else 0.95. ``nic.latency_us`` is half the measured gloo
-  point-to-point round trip (else the TCP one, else 200 us).
+  point-to-point round trip (else the TCP one, else 200 us), or the intra-node hop latency when
+  that is larger (a hop's fixed cost comes from the processes time-slicing this machine's cores).
 - gloo's TCP pair is half duplex (one thread alternately writes and reads): the testbed sets
   ``nic.duplex = "half"``, so both directions of one rank pair share one link's rate.
   The probe's uniform all-to-all already feels this with 1 rank per node (each pair carries both
@@ -69,6 +70,9 @@ def testbed_topology(spec: TestbedSpec, gpus_per_node: int, probes: dict | None 
         lat, lat_src = gl["p2p_rtt_us"] / 2, "measured: half the gloo send/recv round trip of a 4-byte tensor"
     elif tcp.get("rtt_us_median"):
         lat, lat_src = tcp["rtt_us_median"] / 2, "measured: half the TCP 1-byte round trip"
+    if b.nvlink_latency_us > lat:  # a hop across nodes costs at least what one within a node does
+        lat, lat_src = b.nvlink_latency_us, (f"the intra-node hop latency of {b.name} ({lat_src}: "
+                                             f"{lat:.0f} us, less)")
     sources.update({
         "nic_bandwidth_GBps": f"tbf rate {format_rate(spec.rate_bps)} per node and direction, shared by its "
                               f"{G} ranks: rate / 8 / G",
