@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gloo.py overhead   [--ranks 4 --hidden 1024 --tokens 4096 --experts 16 --top-k 2] [--malloc-tuning]
     python benchmarks/bench_gloo.py imbalance  [--ranks 4 --hidden 256 --ffn 512 --tokens 2048 --maxvio 0.2,1,10]
+    python benchmarks/bench_gloo.py starve     [--ranks 4 --kib 384 --mm 0,10,40]
 
 overhead: in ONE run of R gloo ranks, balanced routing (every expert gets exactly T*K/E entries),
 each iteration times (a) ``dispatch + combine`` of the flat ``alltoall`` strategy through the
@@ -20,6 +21,14 @@ K distinct experts per token; ``moonep_sim.routing.generators``), one forward la
 (dispatch with exchange and planning, prefetch, SwiGLU experts, combine) per strategy; the
 strategies are interleaved within each iteration (so machine noise hits them alike); time =
 median over iterations of the max over ranks. Reports what it measures.
+
+starve: an all_to_all_single of ``--kib`` KiB per peer into a fresh output, after a barrier, then
+``m`` float32 matmuls (256x512 @ 512x1024) on every rank as soon as its own call returns, for each
+m of ``--mm``. Every rank records when it entered and left the call (``time.perf_counter``: the
+same clock in every process of the machine); reported: median over iterations of (the last rank
+to leave) minus (the last rank to enter) -- the collective's own time once everybody is in it --
+per m. With more ranks than cores, ranks that leave early and compute take the cores from those
+whose transfer is still in flight (gloo's loopback TCP copies need the CPU too).
 
 Prints a table; ``--json OUT`` writes the numbers.
 """
@@ -180,9 +189,40 @@ def imbalance_worker(rank, world, hidden, ffn, tokens, experts, top_k, maxvios, 
     return {"rows": json.dumps(list(out.values()))}
 
 
+def starve_worker(rank, world, kib, mms, iters):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    x = torch.ones((kib << 10) // 4 * world)
+    a, b = torch.randn(256, 512), torch.randn(512, 1024)
+    out = {}
+    for m in mms:
+        t_I2 = []
+        for i in range(iters + 2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_to_all_single(torch.empty_like(x), x)
+            t1 = time.perf_counter()
+            for _ in range(m):
+                torch.mm(a, b)
+            if i >= 2:
+                t_I2.append((t0, t1))
+        t = torch.tensor(t_I2, dtype=torch.float64)
+        allt = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(allt, t)
+        T = torch.stack(allt).numpy()  # [R, iters, (enter, leave)]
+        own = T[:, :, 1].max(axis=0) - T[:, :, 0].max(axis=0)
+        out[str(m)] = {"collective_ms_median": float(np.median(own)) * 1e3,
+                       "entry_spread_ms_median": float(np.median(T[:, :, 0].max(axis=0) - T[:, :, 0].min(axis=0))) * 1e3}
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["overhead", "imbalance"])
+    ap.add_argument("what", choices=["overhead", "imbalance", "starve"])
+    ap.add_argument("--kib", type=int, default=384, help="starve: KiB per peer")
+    ap.add_argument("--mm", default="0,10,40", help="starve: matmuls each rank runs right after the call")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=None)
     ap.add_argument("--ffn", type=int, default=512)
@@ -190,7 +230,7 @@ def main(argv=None) -> None:
     ap.add_argument("--experts", type=int, default=None)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--maxvio", default="0.2,1,10")
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=None, help="iterations (default 5; starve: 12)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--malloc-tuning", action="store_true",
@@ -205,11 +245,14 @@ def main(argv=None) -> None:
 
     if a.what == "overhead":
         kw = dict(hidden=a.hidden or 1024, tokens=a.tokens or 4096, experts=a.experts or 16, top_k=a.top_k,
-                  iters=a.iters)
+                  iters=a.iters or 5)
         res = spawn_ranks("bench_gloo:overhead_worker", a.ranks, kw, timeout_s=900, pythonpath=[HERE], env=env)
+    elif a.what == "starve":
+        kw = dict(kib=a.kib, mms=[int(v) for v in a.mm.split(",")], iters=a.iters or 12)
+        res = spawn_ranks("bench_gloo:starve_worker", a.ranks, kw, timeout_s=900, pythonpath=[HERE], env=env)
     else:
         kw = dict(hidden=a.hidden or 256, ffn=a.ffn, tokens=a.tokens or 2048, experts=a.experts or 32,
-                  top_k=a.top_k, maxvios=[float(v) for v in a.maxvio.split(",")], iters=a.iters, seed=a.seed)
+                  top_k=a.top_k, maxvios=[float(v) for v in a.maxvio.split(",")], iters=a.iters or 5, seed=a.seed)
         res = spawn_ranks("bench_gloo:imbalance_worker", a.ranks, kw, timeout_s=1800, pythonpath=[HERE], env=env)
     for r in res:
         if not r.ok:
@@ -232,6 +275,15 @@ def main(argv=None) -> None:
         print(f"  floor: gather + raw + reduce      {r0['floor_ms']:8.1f} ms   ratio {r0['ratio_floor']:.2f}x")
         print(f"  the floor's two local passes      {r0['passes_ms']:8.1f} ms   ratio {r0['ratio_passes']:.2f}x")
         print(f"  one memcpy of the rows            {r0['memcpy_ms']:8.1f} ms   ratio {r0['ratio_memcpy']:.2f}x")
+    elif a.what == "starve":
+        report["results"] = r0
+        print(f"starve on {a.ranks} ranks ({os.cpu_count()} cores): all_to_all_single of {kw['kib']} KiB per peer, "
+              f"then m matmuls per rank; median of {kw['iters']}")
+        base = r0[str(kw["mms"][0])]["collective_ms_median"]
+        for m in kw["mms"]:
+            v = r0[str(m)]
+            print(f"  m = {m:3d}: collective (last leave - last enter) {v['collective_ms_median']:7.2f} ms "
+                  f"({v['collective_ms_median'] / base:.1f}x)   entry spread {v['entry_spread_ms_median']:.2f} ms")
     else:
         rows = json.loads(r0["rows"])
         report["results"] = rows

@@ -55,7 +55,7 @@ def test_gpu_presets_leave_every_cpu_term_off(name):
     assert t.host_cores == 0 and t.host_copy_bandwidth_GBps == 0 and t.gpu_slot_us == 0
     assert t.host_message_us == 0
     assert t.gpu_padding_compute == 1 and t.plan_measured_factor == 0 and t.plan_routing_bytes_per_entry == 0
-    assert t.host_R(16) is None  # no shared cores: CPU work is a plain delay
+    assert t.host_R(16) is None and np.all(t.cpu_share_R(16) == 1.0)  # no shared cores: CPU work is a plain delay
 
 
 def test_half_duplex_pair_halves_a_two_rank_exchange_but_not_a_uniform_all_to_all():
@@ -82,9 +82,24 @@ def test_half_duplex_pair_scales_with_a_degraded_end():
     assert slow == pytest.approx(2 * dispatch_us(plan, topo), rel=1e-6)
 
 
-def test_cpu_cores_are_shared_by_the_busy_ranks_only():
+def test_static_sharing_stretches_cpu_work_by_ranks_over_cores():
+    plan = uniform_plan(4, skew=2.0, seed=5)
+    topo = replace(BASE, gpu_tflops=1e-3, gpu_mem_bandwidth_GBps=1e3)  # compute dominates
+    alone = simulate_layer(plan, topo, MODEL).per_rank["compute_us"]
+    shared = simulate_layer(plan, replace(topo, host_cores=2.0), MODEL).per_rank["compute_us"]
+    assert replace(topo, host_cores=2.0).host_sharing == "static"  # the default
+    assert np.allclose(np.array(shared), 2 * np.array(alone))  # every rank, busy or not, at half speed
+    assert list(replace(topo, host_cores=8.0).cpu_share_R(4)) == [1.0] * 4  # more cores than ranks
+    assert list(replace(topo, host_cores=1.0, gpus_per_node=2).cpu_share_R(6)) == [2.0] * 6  # a host per node
+    assert list(replace(topo, host_cores=2.0, gpus_per_node=2, host_nodes_per_host=0).cpu_share_R(6)) == [3.0] * 6
+    with pytest.raises(ConfigError, match=r"host sharing \('fair'\) must be one of static, processor"):
+        replace(topo, host_sharing="fair")
+
+
+def test_processor_sharing_gives_the_cores_to_the_busy_ranks_only():
     # compute dominates; near-instant links, so every rank starts computing at the same moment
-    topo = replace(BASE, gpu_tflops=1e-3, gpu_mem_bandwidth_GBps=1e3, nvlink_bandwidth_GBps=1e6, nic_bandwidth_GBps=1e6)
+    topo = replace(BASE, gpu_tflops=1e-3, gpu_mem_bandwidth_GBps=1e3, nvlink_bandwidth_GBps=1e6, nic_bandwidth_GBps=1e6,
+                   host_sharing="processor")
     plan = uniform_plan(4, strategy="moonep")  # every rank computes exactly as many rows
     alone = simulate_layer(plan, topo, MODEL).per_rank["compute_us"]
     shared = simulate_layer(plan, replace(topo, host_cores=2.0), MODEL).per_rank["compute_us"]

@@ -483,6 +483,9 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
                                    f"read + write traffic (2 x size / time), halved (the simulator counts bf16 "
                                    f"bytes, the CPU replay moves float32); {desh}"
                                    if f.mem_gbps_P else "shipped preset value (not measured)"),
+        "host_sharing": "static: every rank's CPU work stretched by max(1, ranks / cores); exact processor sharing "
+                        "of the compute alone ('processor') leaves out the CPU the loopback transfers need and "
+                        "under-predicts (docs/topology.md)",
         "host_cores": f"moonep-sim calibrate: CPU cores this process may run on ({f.cpu_cores}); nodes_per_host = 0: "
                       "every rank runs on this machine, whatever gpus_per_node groups them into",
         "host_copy_bandwidth_GBps": (f"moonep-sim calibrate: torch index_select (random gather) and index_add_ "

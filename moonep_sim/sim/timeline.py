@@ -236,7 +236,9 @@ class _Sim:
         self.rng = np.random.default_rng(opts.seed)
         host_R = topo.host_R(R)  # CPU processes sharing a host's cores (None on GPU presets)
         self.host_R = host_R
-        self.cpus = None if host_R is None else [HostCPU(self.env, topo.host_cores) for _ in range(int(host_R.max()) + 1)]
+        self.share_R = topo.cpu_share_R(R)  # "static" sharing's stretch
+        self.cpus = None if host_R is None or topo.host_sharing != "processor" else \
+            [HostCPU(self.env, topo.host_cores) for _ in range(int(host_R.max()) + 1)]
         self.spans: list[tuple[int, str, float, float]] = []   # (rank, name, start, end)
         self.stages: list[tuple[int, _Direction]] = []
         for li, p in enumerate(plans):
@@ -254,10 +256,10 @@ class _Sim:
 
     # -- helpers -------------------------------------------------------------------------
     def _work(self, r: int, us: float) -> simpy.Event:
-        """Rank r's local work of ``us`` microseconds (of one core / its GPU): on its host's shared
-        cores when CPU sharing is modelled, else a plain delay."""
+        """Rank r's local work of ``us`` microseconds (of one core / its GPU): a delay stretched by
+        the rank's static CPU share (1 on GPU presets), or a job on its host's processor-shared cores."""
         if self.cpus is None:
-            return self.env.timeout(us)
+            return self.env.timeout(us * float(self.share_R[r]))
         return self.cpus[int(self.host_R[r])].run(us)
 
     def _jit(self, shape) -> np.ndarray:

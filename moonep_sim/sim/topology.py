@@ -38,11 +38,13 @@ _TABLES = {
     "fabric": ("fabric_", ("oversubscription", "latency_us")),
     "gpu": ("gpu_", ("tflops", "mem_bandwidth_GBps", "compute_efficiency", "mem_efficiency", "launch_us", "slot_us",
                      "padding_compute")),
-    "host": ("host_", ("cores", "nodes_per_host", "copy_bandwidth_GBps", "message_us", "weight_copy_bandwidth_GBps")),
+    "host": ("host_", ("cores", "nodes_per_host", "sharing", "copy_bandwidth_GBps", "message_us",
+                       "weight_copy_bandwidth_GBps")),
     "planning": ("plan_", ("fixed_us", "measured_factor", "routing_bytes_per_entry")),
 }
 DUPLEX = ("full", "half")
 ATTACH = ("gpu", "node")
+SHARING = ("static", "processor")
 
 
 @dataclass(frozen=True)
@@ -72,10 +74,17 @@ class Topology:
         any one rank able to use all of it (processes behind one network interface).
     host_cores: CPU cores of one host (0 = not modelled).  host_nodes_per_host: how many nodes
         share one host (0 = every node on one host, e.g. ranks emulating nodes on one machine;
-        default 1). A rank's CPU work (expert compute, local copies, planning) runs on its host's
-        cores by processor sharing (``moonep_sim.sim.cpu``): while n of the host's ranks are busy
-        each progresses at ``min(1, host_cores / n)``; ``gpu_tflops``, ``gpu_mem_bandwidth_GBps``,
-        ``host_copy_bandwidth_GBps`` are then the rates of one process with a core to itself.
+        default 1). A rank's CPU work (expert compute, local copies, planning) shares its host's
+        cores; ``gpu_tflops``, ``gpu_mem_bandwidth_GBps``, ``host_copy_bandwidth_GBps`` are then
+        the rates of one process with a core to itself.
+    host_sharing: how (when ``host_cores`` > 0). ``"static"`` (default): every rank's CPU work is
+        stretched by ``max(1, ranks on its host / host_cores)`` at all times, as if every rank were
+        always busy -- which also stands in for the CPU the ranks' loopback transfers need (gloo's
+        TCP copies run on the same cores, so a collective some ranks leave for compute while
+        others still wait on it is starved: see ``docs/topology.md``). ``"processor"``: exact
+        processor sharing of the CPU work alone (``moonep_sim.sim.cpu``): while n of the host's
+        ranks are busy each progresses at ``min(1, host_cores / n)``, a waiting rank uses nothing,
+        and transfers use no CPU.
     host_copy_bandwidth_GBps: rate of one local pass over rows (a gather or scatter-add of row
         bytes) by the executor, 0 = free. Charged per rank and hop: a gather of the rows a rank
         sends before each hop, a pass over the rows it receives after each hop; the last dispatch
@@ -124,6 +133,7 @@ class Topology:
     nic_attach: str = "gpu"
     host_cores: float = 0.0
     host_nodes_per_host: int = 1
+    host_sharing: str = "static"
     host_copy_bandwidth_GBps: float = 0.0
     host_message_us: float = 0.0
     host_weight_copy_bandwidth_GBps: float = 0.0
@@ -144,6 +154,8 @@ class Topology:
             require(0 < v <= 1, f"{f} ({v}) must lie in (0, 1] (topology {self.name})")
         require(self.nic_attach in ATTACH,
                 f"nic_attach ({self.nic_attach!r}) must be one of {', '.join(ATTACH)} (topology {self.name})")
+        require(self.host_sharing in SHARING,
+                f"host sharing ({self.host_sharing!r}) must be one of {', '.join(SHARING)} (topology {self.name})")
         for f in ("nvlink_duplex", "nic_duplex"):
             require(getattr(self, f) in DUPLEX,
                     f"{f} ({getattr(self, f)!r}) must be one of {', '.join(DUPLEX)} (topology {self.name})")
@@ -177,6 +189,16 @@ class Topology:
     def copy_bytes_per_us(self) -> float:
         """Local row-pass rate (bytes per microsecond); 0 = passes are free."""
         return self.host_copy_bandwidth_GBps * 1e3
+
+    def cpu_share_R(self, ranks: int) -> "np.ndarray":
+        """float64 [R]: ``max(1, ranks on its host / host_cores)`` per rank (all ones when CPU
+        sharing is not modelled): the stretch of ``"static"`` sharing."""
+        import numpy as np
+
+        host = self.host_R(ranks)
+        if host is None:
+            return np.ones(max(ranks, 0))
+        return np.maximum(1.0, np.bincount(host)[host].astype(np.float64) / self.host_cores)
 
     def host_R(self, ranks: int) -> "np.ndarray | None":
         """int64 [R]: the host (set of ``host_cores`` shared cores) each rank runs on; None when
