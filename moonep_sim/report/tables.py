@@ -89,8 +89,8 @@ def compare_footer(report: dict[str, Any]) -> list[str]:
         lines.append(f"measured: gloo, {report['real']['nproc']} local processes; sim local-gloo: " + _topo_line(lc))
         rk = report["real"].get("ranking")
         if rk:
-            lines.append(f"measured order: {rk['measured_order_text']} ('<' resolved by a sign test over matched "
-                         f"iterations at p < {rk['alpha']:g}, '~' a measured tie); simulated order: "
+            lines.append(f"measured order: {rk['measured_order_text']} ('<' resolved by sign tests over matched "
+                         f"iterations, Holm-corrected at {rk['alpha']:g}; '~' a measured tie); simulated order: "
                          f"{' < '.join(rk['simulated_order'])}; the simulator agrees with {rk['resolved_agree']} "
                          f"of {rk['resolved_pairs']} resolved pairs")
     lines.append("plan .. combine: the layer time split along the rank whose expert compute ends last (they sum to "
