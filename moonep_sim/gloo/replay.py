@@ -144,16 +144,23 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     bufs = {n: Buffer(capacity=capacity, hidden=H, top_k=K, num_experts=E, strategy=n, options=opts[n],
                       gpus_per_node=args.gpus_per_node, timeout_s=args.timeout, dispatch_dtype=dtype,
                       token_padding=args.token_padding, expert_ffn=F) for n in names}
-    # per layer: this rank's tokens, inputs and home experts' weights (shared by the strategies
-    # whose placement gives this rank the same home experts)
+    # per layer: this rank's tokens and inputs, and its home experts' weights (one copy per distinct
+    # home set: strategies whose placement gives this rank the same experts share it); every
+    # expert's weights are kept only for the dense reference check
+    homes = {n: np.flatnonzero(b.ctx.placement.home_E == rank) for n, b in bufs.items()}
     inputs, weights = [], {}
-    for li in layers:
+    for j, li in enumerate(layers):
         lr = trace.layer(li, 0, T)
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + li * 1009 + rank)
         x = torch.randn(hi - lo, H, generator=gen)
+        full_w = init_experts(E, H, F, seed=args.seed * 7919 + li)
+        for home in homes.values():
+            if (j, home.tobytes()) not in weights:
+                hm = torch.from_numpy(home)
+                weights[(j, home.tobytes())] = [p[hm].clone().requires_grad_(args.backward) for p in full_w]
         inputs.append((lr, torch.from_numpy(np.ascontiguousarray(lr.topk_ids_TK[lo:hi])),
                        torch.from_numpy(np.ascontiguousarray(lr.topk_weights_TK[lo:hi])), x,
-                       torch.randn(hi - lo, H, generator=gen), init_experts(E, H, F, seed=args.seed * 7919 + li)))
+                       torch.randn(hi - lo, H, generator=gen), full_w if check else None))
     S, L, n_it = len(names), len(layers), args.warmup + args.iters
     times = np.zeros((S, L, args.iters, len(PHASES)))
     entries: dict[tuple[int, int], dict[str, Any]] = {}
@@ -161,14 +168,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         for k in range(S):
             si = (k + it) % S
             buf = bufs[names[si]]
-            home = np.flatnonzero(buf.ctx.placement.home_E == rank)
             for j, li in enumerate(layers):
                 lr, ids, w, x, grad_out, full_w = inputs[j]
-                key = (j, home.tobytes())
-                if key not in weights:
-                    hm = torch.from_numpy(home)
-                    weights[key] = [p[hm].clone().requires_grad_(args.backward) for p in full_w]
-                params = weights[key]
+                params = weights[(j, homes[names[si]].tobytes())]
                 step = _step(buf, ids, w, x, params, grad_out, li, args.backward)
                 if it >= args.warmup:
                     times[si, j, it - args.warmup] = step["times"]
