@@ -183,6 +183,23 @@ def test_two_node_replay_and_cleanup(tmp_path):
 
 
 @pytest.mark.root
+@pytest.mark.slow
+@needs_netns
+def test_gloo_probe_measures_rtt_all_to_all_and_rail_exchange(tmp_path):
+    from moonep_sim.testbed.netns import Testbed
+    from moonep_sim.testbed.run import measure_gloo
+
+    spec = TestbedSpec(nodes=2, rate_bps=10**9)
+    with Testbed(spec) as tb:
+        g = measure_gloo(tb, 2, tmp_path, mbytes=2.0, reps=1)
+    assert (g["world_size"], g["nodes"], g["gpus_per_node"]) == (4, 2, 2)
+    assert g["p2p_rtt_us"] > 0
+    for key in ("p2p_bits_per_s", "a2a_node_bits_per_s", "rail_node_bits_per_s"):
+        assert 0 < g[key] <= 1.0e9, key  # under the tbf cap of each node link
+    assert _leftovers(spec) == []
+
+
+@pytest.mark.root
 @needs_netns
 def test_failed_run_cleans_up(tmp_path):
     from moonep_sim.testbed.run import run_testbed

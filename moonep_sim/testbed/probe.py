@@ -84,7 +84,10 @@ def tcp_send(to: str, port: int, nbytes: int, pings: int) -> dict:
 def gloo_probe(json_out: str | None, mbytes: float, reps: int) -> dict:
     """Across nodes under torchrun: (1) ping-pong of a 4-byte tensor between rank 0 and the first
     rank of the last node; (2) a one-way transfer of ``mbytes`` between them; (3) an all-to-all of
-    ``mbytes`` per rank (split evenly over ranks) on all ranks. Reports medians over ``reps``."""
+    ``mbytes`` per rank (split evenly over ranks) on all ranks; (4) with two nodes, a rail
+    exchange: every rank sends its uniform all-to-all's off-node bytes to its one peer on the
+    other node (hierarchical's inter-node hop: G flows per node link and direction instead of
+    G x G). Reports medians over ``reps``."""
     import torch
     import torch.distributed as dist
 
@@ -143,9 +146,25 @@ def gloo_probe(json_out: str | None, mbytes: float, reps: int) -> dict:
         off_node_bytes = local * (world - local) / world * n * 4
         res["a2a_node_off_bytes"] = off_node_bytes
         res["a2a_node_bits_per_s"] = 8 * off_node_bytes / float(t_all) if nodes > 1 else None
-        if json_out:
-            from moonep_sim.io import write_text_atomic
-            write_text_atomic(json_out, json.dumps(res, indent=2))
+    if nodes == 2:  # rail exchange: the same off-node bytes per node, one remote peer per rank
+        m = (n // world) * local  # elements to the rail peer (= what the all-to-all sent off-node)
+        peer_r = (rank + local) % world
+        splits = [m if r == peer_r else 0 for r in range(world)]
+        send_r, recv_r = big[:m].clone(), torch.empty(m)
+        times = []
+        for i in range(reps + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_to_all_single(recv_r, send_r, splits, splits)
+            times.append(time.perf_counter() - t0)
+        t_rail = torch.tensor([median(times[1:])])
+        dist.all_reduce(t_rail, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            res["rail_seconds"] = float(t_rail)
+            res["rail_node_bits_per_s"] = 8 * local * m * 4 / float(t_rail)
+    if rank == 0 and json_out:
+        from moonep_sim.io import write_text_atomic
+        write_text_atomic(json_out, json.dumps(res, indent=2))
     dist.barrier()
     dist.destroy_process_group()
     return res
