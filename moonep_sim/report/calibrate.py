@@ -466,7 +466,7 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
     sources = {
         "nvlink_bandwidth_GBps": f"moonep-sim calibrate: gloo all_to_all_single, per process at P={near}; {how}",
         "nvlink_latency_us": (f"moonep-sim calibrate: the same fit's latency at P={nproc}"
-                              + ("" if near == nproc else f" (from latency(P) = base + per_peer x (P-1))")
+                              + ("" if near == nproc else " (from latency(P) = base + per_peer x (P-1))")
                               + ": every hop of a job of that many processes pays it, whatever its peers "
                                 "(the processes time-slice the cores)"),
         "host_message_us": "0: the per-collective cost is all in the link latency (latency(P) at the job's P)",

@@ -28,9 +28,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
-
-from moonep_sim.errors import require
+from typing import Any, Callable
 
 ALL_STRATEGIES = ("alltoall", "capacity", "allgather", "hierarchical", "deepep", "eplb", "moonep")
 QUICK_STRATEGIES = ("alltoall", "capacity", "hierarchical", "moonep")
