@@ -368,3 +368,18 @@ def test_bad_input_is_rejected_before_communication(world_of_one):
     assert out.shape == (3, H)
     rows, rw, cu, h = buf.dispatch(x[:0], ids[:0], w[:0])
     assert rows.shape == (0, H) and buf.combine(rows, h).shape == (0, H)
+
+
+@pytest.mark.parametrize("strategy, opts", [("alltoall", {}), ("alltoall", {"dedup": True}), ("hierarchical", {}),
+                                            ("deepep", {}), ("moonep", {}), ("capacity", {}), ("eplb", {})])
+@pytest.mark.parametrize("max_runs, min_bytes, row_bytes", [(None, 0, 1), (16, 64 << 10, 4), (64, 0, 1), (2, 0, 1)])
+def test_the_simulator_sees_the_executors_direct_decision(strategy, opts, max_runs, min_bytes, row_bytes):
+    """``moonep_sim.plan.direct.last_hop_is_direct`` (numpy, what the simulator calls) decides as
+    the executor's ``direct_index`` does, for every rank."""
+    from moonep_sim.plan.direct import last_hop_is_direct
+
+    routing = routing_for(64, 4, 5)
+    plan = make_plan(strategy, routing, PlanContext.default(E, 4, G), **opts)
+    want = last_hop_is_direct(plan, row_bytes, max_runs, min_bytes)
+    for r in range(4):
+        assert (direct_index(plan, r, max_runs, min_bytes, row_bytes) is not None) == want

@@ -244,3 +244,25 @@ def test_a_degraded_node_link_names_a_rank_of_that_node():
                                                                DegradedLink(3, 0.25, "nic"))))
     assert res.busiest_port["name"].startswith("node1.")
     assert res.straggler["rank"] in (2, 3) and res.straggler["cause"] == "slow port"
+
+
+def test_point_to_point_hops_get_their_own_inter_node_efficiency():
+    """With ``nic_p2p_efficiency`` the inter-node flows of a last hop the executor sends
+    point-to-point move at that efficiency instead of ``nic_efficiency``; other hops do not."""
+    from moonep_sim.plan.direct import last_hop_is_direct
+
+    topo = replace(BASE, gpus_per_node=2, nic_efficiency=0.5)
+    hier = uniform_plan(4, G=2, T_per=4096, strategy="hierarchical")
+    assert last_hop_is_direct(hier, int(hier.costs.dispatch_row_bytes))  # few large runs: point-to-point
+    slow = dispatch_us(hier, topo)
+    fast = dispatch_us(hier, replace(topo, nic_p2p_efficiency=1.0))
+    assert fast < slow
+    # only the inter-node hop speeds up, and by no more than the efficiency ratio
+    assert fast >= slow * 0.5 - 1e-6
+    assert dispatch_us(hier, replace(topo, nic_p2p_efficiency=0.5)) == pytest.approx(slow)  # same figure: no change
+    # a last hop with many small runs goes as one all_to_all_single: unchanged
+    small = uniform_plan(4, G=2, T_per=16, strategy="hierarchical")
+    assert not last_hop_is_direct(small, int(small.costs.dispatch_row_bytes))
+    assert dispatch_us(small, replace(topo, nic_p2p_efficiency=1.0)) == pytest.approx(dispatch_us(small, topo))
+    with pytest.raises(ConfigError, match=r"nic p2p_efficiency \(1.5\) must lie in \[0, 1\]"):
+        replace(topo, nic_p2p_efficiency=1.5)

@@ -110,6 +110,9 @@ def test_topology_matches_the_testbed():
     assert degrade_nic_args(spec, 2) == ["--degrade-nic", "2:0.25", "--degrade-nic", "3:0.25"]
     no_probe = testbed_topology(spec, 2, {}, base="local-gloo")
     assert no_probe.nic_efficiency == pytest.approx(0.95)
+    assert no_probe.nic_p2p_efficiency == 0.0 and topo.nic_p2p_efficiency == 0.0  # not probed: as nic_efficiency
+    p2p = testbed_topology(spec, 2, {"gloo": {**probes["gloo"], "p2p_bits_per_s": 1.9e8}}, base="local-gloo")
+    assert p2p.nic_p2p_efficiency == pytest.approx(0.95) and "gloo send" in p2p.sources["nic_p2p_efficiency"]
     # gloo's pairs are half duplex; this machine's cores are split over the emulated nodes
     from moonep_sim.sim import load_topology
     assert topo.nic_duplex == "half" and topo.nic_attach == "node"

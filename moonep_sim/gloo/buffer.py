@@ -48,6 +48,7 @@ import torch.distributed as dist
 from moonep_sim.errors import CommError, ConfigError, require
 from moonep_sim.gloo.handle import Handle, HopIndex, build_handle, direct_index
 from moonep_sim.plan import GlobalRouting, Placement, Plan, RowCosts, check
+from moonep_sim.plan.direct import MAX_RUNS, MIN_RUN_BYTES
 from moonep_sim.strategies import PlanContext, get_strategy, make_plan
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -57,14 +58,9 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16)
 _FINGERPRINT_FIELDS = ("num_experts", "top_k", "hidden", "strategy", "options", "capacity", "gpus_per_node",
                        "token_padding", "dispatch_dtype", "world_size", "direct")
 _DIRECT_MODES = ("auto", "on", "off")
-# direct="auto": point-to-point runs only while no rank has more than this many remote runs and a
-# remote run carries at least this many bytes on average (else one all_to_all_single is cheaper).
-# Measured with 4 ranks on 2 cores: 12 runs of ~1 MiB per rank, direct beats all_to_all (1.65x vs
-# 2.08x the raw all-to-alls, bench_gloo.py overhead); 48 runs of ~128 KiB per rank (OLMoE-shaped
-# layer, 512 tokens per rank), all_to_all is ~6% faster -- each message needs its process
-# scheduled, which costs most when the ranks outnumber the cores.
-_DIRECT_MAX_RUNS = 16
-_DIRECT_MIN_RUN_BYTES = 64 << 10
+# direct="auto": the executor's point-to-point thresholds (moonep_sim.plan.direct: measured there)
+_DIRECT_MAX_RUNS = MAX_RUNS
+_DIRECT_MIN_RUN_BYTES = MIN_RUN_BYTES
 _WEIGHT_TAG = 1 << 20  # tag offset of the routing-weight message that rides with each combine run
 
 

@@ -25,6 +25,7 @@ import torch
 
 from moonep_sim.errors import PlanError
 from moonep_sim.plan import Plan
+from moonep_sim.plan.direct import MAX_RUNS, MIN_RUN_BYTES, last_hop_runs, runs_are_direct
 
 
 def scope_members(scope: str, rank: int, ranks: int, gpus_per_node: int) -> np.ndarray:
@@ -232,7 +233,7 @@ class DirectIndex:
         return len(self.send_runs) + len(self.recv_runs)
 
 
-def direct_index(plan: Plan, rank: int, max_runs: int | None = 64, min_run_bytes: int = 64 << 10,
+def direct_index(plan: Plan, rank: int, max_runs: int | None = MAX_RUNS, min_run_bytes: int = MIN_RUN_BYTES,
                  row_bytes: int = 1) -> DirectIndex | None:
     """This rank's :class:`DirectIndex` for ``plan``'s last hop, or None where it does not apply.
 
@@ -241,51 +242,17 @@ def direct_index(plan: Plan, rank: int, max_runs: int | None = 64, min_run_bytes
     when no rank sends or receives more than ``max_runs`` remote runs and the mean remote run
     carries at least ``min_run_bytes`` (``row_bytes`` per row): otherwise a single
     ``all_to_all_single`` plus a local gather is cheaper than many small messages. The decision
-    depends on the Plan only, so every rank takes the same one. Vectorised over rows.
+    depends on the Plan only, so every rank takes the same one (``moonep_sim.plan.direct``, which
+    the simulator uses too). Vectorised over rows.
     """
-    if not plan.hops:
+    runs = last_hop_runs(plan)
+    if runs is None or not runs_are_direct(runs, plan.ranks, max_runs, min_run_bytes, row_bytes):
         return None
-    R = plan.ranks
-    last = plan.hops[-1]
-    src, dst = last.src_rank_M, last.dst_rank_M
-    srow, drow = last.src_row_M, last.dst_row_M
-    if srow.size and (srow < 0).any():
-        return None
-    buf_off = np.concatenate([[0], np.cumsum(last.dst_rows_R)]).astype(np.int64)
+    src, dst, srow = runs.src, runs.dst, runs.srow
+    starts, lens, r_src, r_dst, r_pos, tag = runs.starts, runs.lens, runs.r_src, runs.r_dst, runs.r_pos, runs.tag
+    remote = runs.remote
     row_off = plan.row_off_R()
     exp = plan.expand_src_row_W
-    w_rank = np.repeat(np.arange(R, dtype=np.int64), np.diff(row_off))
-    real = exp >= 0
-    key = buf_off[w_rank[real]] + exp[real]
-    mkey = buf_off[dst] + drow
-    nbuf = int(buf_off[-1])
-    if key.size != mkey.size or (key.size and (np.bincount(key, minlength=nbuf).max() > 1
-                                              or np.bincount(mkey, minlength=nbuf).max() > 1)):
-        return None
-    inv = np.full(nbuf, -1, dtype=np.int64)
-    inv[key] = np.flatnonzero(real)
-    pos = inv[mkey] if mkey.size else mkey
-    if pos.size and (pos < 0).any():
-        return None
-    # rows of one (src, dst) message may travel in any order both ends agree on: layout order,
-    # so that each run is one contiguous block at both ends
-    order = np.lexsort((pos, dst, src))
-    src, dst, srow, pos = src[order], dst[order], srow[order], pos[order]
-    M = src.size
-    brk = np.ones(M, dtype=bool)
-    brk[1:] = (src[1:] != src[:-1]) | (dst[1:] != dst[:-1]) | (pos[1:] != pos[:-1] + 1)
-    starts = np.flatnonzero(brk)
-    lens = np.diff(np.append(starts, M))
-    r_src, r_dst, r_pos = src[starts], dst[starts], pos[starts]
-    pair = r_src * R + r_dst
-    pfirst = np.ones(starts.size, dtype=bool)
-    pfirst[1:] = pair[1:] != pair[:-1]
-    tag = np.arange(starts.size) - np.maximum.accumulate(np.where(pfirst, np.arange(starts.size), 0))
-    remote = r_src != r_dst
-    if max_runs is not None and remote.any():
-        most = max(np.bincount(r_src[remote], minlength=R).max(), np.bincount(r_dst[remote], minlength=R).max())
-        if most > max_runs or lens[remote].mean() * row_bytes < min_run_bytes:
-            return None
     lo, hi = np.searchsorted(src, [rank, rank + 1])
     mine_remote = dst[lo:hi] != rank
     ws_off = np.cumsum(mine_remote) - mine_remote  # offset among remote rows of each send-list row

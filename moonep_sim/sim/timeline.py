@@ -146,6 +146,7 @@ class _Direction:
     post_post_copy: list[np.ndarray] = field(default_factory=list)  # combine hops: after receiving
     w_pre_R: np.ndarray | None = None    # us: the home's pass over the expert weights it sends
     w_post_R: np.ndarray | None = None   # us: the receiver's pass over the weights it receives
+    p2p_RR: np.ndarray | None = None     # [R, R] time scale of the point-to-point hop's flows (None: none)
 
 
 def _copy_us(plan: Plan, topo: Topology, direction: str, pre: list[CommPhase],
@@ -216,7 +217,22 @@ def _direction(plan: Plan, model: ModelSpec, topo: Topology, direction: str, opt
         w_pre = sum(p.bytes_RR.sum(axis=1) for p in weights) * k
         w_post = sum(p.bytes_RR.sum(axis=0) for p in weights) * k
     return _Direction(direction, pre, weights, post, after, comp, plan_cpu, plan_comm, d_pre, d_post, c_pre, c_post,
-                      w_pre, w_post)
+                      w_pre, w_post, _p2p_scale(plan, topo) if plan.hops else None)
+
+
+def _p2p_scale(plan: Plan, topo: Topology) -> np.ndarray | None:
+    """[R, R] factor on the transfer time of the last dispatch hop (and its adjoint, the first
+    combine hop) when the gloo executor sends it point-to-point and the topology gives such
+    inter-node transfers their own efficiency (``nic_p2p_efficiency``); None otherwise."""
+    if topo.nic_p2p_efficiency <= 0 or topo.nic_p2p_efficiency == topo.nic_efficiency:
+        return None
+    from moonep_sim.plan.direct import last_hop_is_direct
+
+    if not last_hop_is_direct(plan, int(plan.costs.dispatch_row_bytes)):
+        return None
+    node_R = np.arange(plan.ranks) // min(topo.gpus_per_node, plan.ranks)
+    cross = node_R[:, None] != node_R[None, :]
+    return np.where(cross, topo.nic_efficiency / topo.nic_p2p_efficiency, 1.0)
 
 
 class _Sim:
@@ -265,10 +281,11 @@ class _Sim:
     def _jit(self, shape) -> np.ndarray:
         return lognormal_factors(self.rng, self.opts.jitter, shape)
 
-    def _register(self, prefix: str, phases: list[CommPhase], chunks: int):
-        """[phase][chunk] -> (pid, bytes_RR, eff_RR)."""
+    def _register(self, prefix: str, phases: list[CommPhase], chunks: int, scales: Sequence | None = None):
+        """[phase][chunk] -> (pid, bytes_RR, eff_RR); ``scales[i]``: an [R, R] factor on phase i's
+        transfer times (or None)."""
         out = []
-        for p in phases:
+        for i, p in enumerate(phases):
             row = []
             b = p.bytes_RR.astype(np.float64) / chunks
             cnt = (b > 0).sum(axis=0)
@@ -276,6 +293,8 @@ class _Sim:
                 name = p.name if chunks == 1 else f"{p.name}#{j}"
                 pid = self.net.expect(prefix + name, cnt)
                 eff = b * self._jit(b.shape) if self.opts.jitter > 0 else b
+                if scales is not None and scales[i] is not None:
+                    eff = eff * scales[i]
                 row.append((pid, b, eff))
             out.append(row)
         return out
@@ -292,9 +311,9 @@ class _Sim:
             prefix = f"L{li}." if len(self.plans) > 1 else ""
             if d.direction == "backward":
                 prefix += "bwd." if not prefix else ""
-            pre = self._register(prefix, d.pre, c)
+            pre = self._register(prefix, d.pre, c, [None] * (len(d.pre) - 1) + [d.p2p_RR])
             wts = [row[0] for row in self._register(prefix, d.weights, 1)]
-            post = self._register(prefix, d.post, c)
+            post = self._register(prefix, d.post, c, [d.p2p_RR] + [None] * (len(d.post) - 1))
             aft = [row[0] for row in self._register(prefix, d.after, 1)]
             comp_jit = self._jit((c, R)) if self.opts.jitter > 0 else np.ones((c, R))
             done = []

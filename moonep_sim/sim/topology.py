@@ -34,7 +34,7 @@ _PRESET_PREFIX = "topology-"
 _TABLES = {
     "node": ("", ("gpus_per_node", "nodes")),
     "nvlink": ("nvlink_", ("bandwidth_GBps", "latency_us", "efficiency", "duplex")),
-    "nic": ("nic_", ("bandwidth_GBps", "latency_us", "efficiency", "duplex", "attach")),
+    "nic": ("nic_", ("bandwidth_GBps", "latency_us", "efficiency", "p2p_efficiency", "duplex", "attach")),
     "fabric": ("fabric_", ("oversubscription", "latency_us")),
     "gpu": ("gpu_", ("tflops", "mem_bandwidth_GBps", "compute_efficiency", "mem_efficiency", "launch_us", "slot_us",
                      "padding_compute")),
@@ -69,6 +69,11 @@ class Topology:
     nvlink_duplex, nic_duplex: ``"full"`` (default) or ``"half"``: both directions of one rank
         pair's connection share one capacity (the link class's per-direction bandwidth), as a
         gloo TCP pair does (one thread alternately writes and reads).
+    nic_p2p_efficiency: 0 (default) = ``nic_efficiency`` for every hop; else the efficiency of the
+        inter-node transfers of hops the gloo executor sends point-to-point (its last hop when
+        ``moonep_sim.plan.direct.last_hop_is_direct`` says so, and that hop's adjoint in combine):
+        over shaped TCP links gloo's ``all_to_all_single`` and its ``isend``/``irecv`` reach
+        different fractions of the link (the testbed probe measures both).
     nic_attach: ``"gpu"`` (default: one NIC per GPU, on its rail) or ``"node"``: one link per node
         of ``gpus_per_node x nic.bandwidth_GBps`` shared max-min by all the node's inter-node flows,
         any one rank able to use all of it (processes behind one network interface).
@@ -118,6 +123,7 @@ class Topology:
     nic_bandwidth_GBps: float = 50.0
     nic_latency_us: float = 5.0
     nic_efficiency: float = 1.0
+    nic_p2p_efficiency: float = 0.0
     fabric_oversubscription: float = 1.0
     fabric_latency_us: float = 1.0
     gpu_tflops: float = 989.0
@@ -154,6 +160,9 @@ class Topology:
             require(0 < v <= 1, f"{f} ({v}) must lie in (0, 1] (topology {self.name})")
         require(self.nic_attach in ATTACH,
                 f"nic_attach ({self.nic_attach!r}) must be one of {', '.join(ATTACH)} (topology {self.name})")
+        require(0 <= self.nic_p2p_efficiency <= 1,
+                f"nic p2p_efficiency ({self.nic_p2p_efficiency}) must lie in [0, 1] (topology {self.name}): "
+                f"0 = nic efficiency")
         require(self.host_sharing in SHARING,
                 f"host sharing ({self.host_sharing!r}) must be one of {', '.join(SHARING)} (topology {self.name})")
         for f in ("nvlink_duplex", "nic_duplex"):

@@ -13,6 +13,10 @@
   TCP payload fraction (about 0.95), else 0.95. ``nic.latency_us`` is half the measured gloo
   point-to-point round trip (else the TCP one, else 200 us), or the intra-node hop latency when
   that is larger (a hop's fixed cost comes from the processes time-slicing this machine's cores).
+  ``nic.p2p_efficiency`` is what one gloo ``send`` between two nodes gets of the rate (the probe's
+  one-way transfer, about 0.97): the executor sends a last hop of few large runs point-to-point
+  (``moonep_sim.plan.direct``), which gloo drives closer to the link rate than its
+  ``all_to_all_single`` (about 0.8 at 200 Mbit/s).
 - gloo's TCP pair is half duplex (one thread alternately writes and reads): the testbed sets
   ``nic.duplex = "half"``, so both directions of one rank pair share one link's rate.
   The probe's uniform all-to-all already feels this with 1 rank per node (each pair carries both
@@ -66,6 +70,11 @@ def testbed_topology(spec: TestbedSpec, gpus_per_node: int, probes: dict | None 
     elif tcp.get("bits_per_s"):
         eff = min(1.0, tcp["bits_per_s"] / spec.node_rate(tcp.get("dst", 0)))
         eff_src = f"measured: one TCP stream, {tcp['bits_per_s'] / 1e6:.1f} Mbit/s payload"
+    p2p_eff, p2p_src = 0.0, "not measured: the same as nic_efficiency"
+    if gl.get("p2p_bits_per_s"):
+        p2p_eff = round(min(1.0, gl["p2p_bits_per_s"] / spec.rate_bps), 4)
+        p2p_src = (f"measured: a gloo send between two nodes, {gl['p2p_bits_per_s'] / 1e6:.1f} Mbit/s one way of a "
+                   f"{format_rate(spec.rate_bps)} link (for the hops the executor sends point-to-point)")
     if gl.get("p2p_rtt_us"):
         lat, lat_src = gl["p2p_rtt_us"] / 2, "measured: half the gloo send/recv round trip of a 4-byte tensor"
     elif tcp.get("rtt_us_median"):
@@ -78,6 +87,7 @@ def testbed_topology(spec: TestbedSpec, gpus_per_node: int, probes: dict | None 
                               f"{G} ranks: rate / 8 / G",
         "nic_efficiency": eff_src,
         "nic_latency_us": lat_src,
+        "nic_p2p_efficiency": p2p_src,
         "testbed": f"{spec.nodes} network namespaces x {G} ranks; intra-node constants from {b.name} ({b.path or 'preset'})",
     })
     slow = {i: spec.node_rate(i) for i in range(spec.nodes) if spec.node_rate(i) != spec.rate_bps}
@@ -96,6 +106,7 @@ def testbed_topology(spec: TestbedSpec, gpus_per_node: int, probes: dict | None 
                                f"per node link and direction",
                    gpus_per_node=G, nodes=spec.nodes,
                    nic_bandwidth_GBps=spec.rate_bps / 8 / 1e9 / G, nic_efficiency=round(eff, 4),
+                   nic_p2p_efficiency=p2p_eff,
                    nic_latency_us=round(lat, 1), nic_duplex="half", nic_attach="node", fabric_oversubscription=1.0,
                    fabric_latency_us=0.0, host_cores=cores, host_nodes_per_host=0, sources=sources, path="")
 
