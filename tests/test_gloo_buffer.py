@@ -103,14 +103,19 @@ def expected_rows(plan, x_TC, rank):
 
 # -- in-process emulation -------------------------------------------------------------------------
 
+def traceable(T, R, seed, skew):
+    """Routing, context, and token rows that name themselves: (token, source rank, 1000 + token);
+    plus each rank's token offsets."""
+    routing = routing_for(T, R, seed, skew)
+    x = np.stack([np.arange(T), routing.src_rank_T(), 1000 + np.arange(T)], axis=1).astype(np.float64)
+    return routing, PlanContext.default(E, R, G), x, routing.tok_off_R()
+
+
 @settings(max_examples=15, deadline=None)
 @given(T=st.integers(1, 30), seed=st.integers(0, 10_000), skew=st.sampled_from([0.0, 1.0, 3.0]))
 def test_emulated_hops_move_rows_where_the_plan_says(T, seed, skew):
     R = 4
-    routing = routing_for(T, R, seed, skew)
-    ctx = PlanContext.default(E, R, G)
-    x = np.stack([np.arange(T), routing.src_rank_T(), 1000 + np.arange(T)], axis=1).astype(np.float64)
-    off = routing.tok_off_R()
+    routing, ctx, x, off = traceable(T, R, seed, skew)
     for plan in all_plans(routing, ctx):
         assert validate(plan) == [], plan.strategy
         hs = [build_handle(plan, r, ctx.placement.home_E) for r in range(R)]
@@ -165,10 +170,7 @@ def emulate_direct(plan, x_R):
 def test_direct_runs_move_rows_where_the_plan_says(T, seed, skew):
     """The point-to-point runs (direct="on") deliver the same layout and combine as the Plan says."""
     R = 4
-    routing = routing_for(T, R, seed, skew)
-    ctx = PlanContext.default(E, R, G)
-    x = np.stack([np.arange(T), routing.src_rank_T(), 1000 + np.arange(T)], axis=1).astype(np.float64)
-    off = routing.tok_off_R()
+    routing, ctx, x, off = traceable(T, R, seed, skew)
     x_R = [torch.from_numpy(x[off[r]:off[r + 1]]) for r in range(R)]
     used = 0
     for plan in all_plans(routing, ctx):

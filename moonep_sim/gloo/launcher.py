@@ -55,6 +55,11 @@ def _kill_group(p: subprocess.Popen) -> None:
         pass
 
 
+def reports_by_strategy(rep: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A replay's JSON as strategy -> that strategy's report (one, or several when interleaved)."""
+    return rep["strategies"] if "strategies" in rep else {rep["strategy"]: rep}
+
+
 def run_replay(nproc: int, argv: Sequence[str], timeout_s: float = 600.0, *, env: dict[str, str] | None = None,
                quiet: bool = True) -> dict[str, Any]:
     """Run the replay on ``nproc`` local gloo ranks under torchrun; return its JSON report.

@@ -327,7 +327,9 @@ def _check(rank, buf, handle, lr, x, xi, out, grad_out, params, full_w, capacity
 
 def _each(rep: dict[str, Any]) -> list[dict[str, Any]]:
     """The per-strategy reports of a replay result (one, or several when interleaved)."""
-    return list(rep["strategies"].values()) if "strategies" in rep else [rep]
+    from moonep_sim.gloo.launcher import reports_by_strategy
+
+    return list(reports_by_strategy(rep).values())
 
 
 def _summary(rep: dict[str, Any]) -> str:

@@ -434,7 +434,7 @@ def run_real(cfg: CompareConfig, source: RoutingSource, cluster: ClusterShape, l
     time of the same plans on the calibrated local-gloo topology."""
     import tempfile
 
-    from moonep_sim.gloo.launcher import run_replay
+    from moonep_sim.gloo.launcher import reports_by_strategy, run_replay
 
     from moonep_sim.report.ranking import agreement
 
@@ -448,7 +448,7 @@ def run_real(cfg: CompareConfig, source: RoutingSource, cluster: ClusterShape, l
         # one process group replays every strategy, step by step in turn: matched samples
         res_all = run_replay(cfg.nproc, replay_argv(trace_path, cfg.strategies, source, cfg),
                              timeout_s=cfg.real_timeout_s)
-        per = res_all["strategies"] if "strategies" in res_all else {names[0]: res_all}
+        per = reports_by_strategy(res_all)
         for name in names:
             res = per[name]
             meas_ms = float(res["layer_ms_median"])

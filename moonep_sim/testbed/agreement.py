@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from moonep_sim.errors import require
+from moonep_sim.gloo.launcher import reports_by_strategy
 from moonep_sim.io import write_text_atomic
 from moonep_sim.report.ranking import agreement
 from moonep_sim.testbed.netns import Testbed, TestbedSpec, format_rate
@@ -77,9 +78,9 @@ def default_cases(work_dir: Path, repo: Path) -> list[AgreeCase]:
             AgreeCase("synthetic E64 K8 maxvio 4", str(syn), (0,), 0)]
 
 
-def replay_args(case: AgreeCase, strategy: str, gpus_per_node: int, hidden: int, ffn: int, iters: int,
+def replay_args(case: AgreeCase, strategies: str, gpus_per_node: int, hidden: int, ffn: int, iters: int,
                 json_out: str) -> tuple[str, ...]:
-    args = ["--trace", case.trace, "--strategy", strategy, "--layers", ",".join(map(str, case.layers)),
+    args = ["--trace", case.trace, "--strategy", strategies, "--layers", ",".join(map(str, case.layers)),
             "--hidden", str(hidden), "--ffn", str(ffn), "--gpus-per-node", str(gpus_per_node),
             "--iters", str(iters), "--no-check", "--quiet", "--json", json_out]
     if case.max_tokens:
@@ -238,8 +239,7 @@ def _replay_all(tb, case: AgreeCase, cfg: AgreeConfig, G: int, out: Path, logs: 
     names = list(strategies or cfg.strategies)
     launch_nodes(tb, LaunchSpec(G, module_args=replay_args(case, ",".join(names), G, cfg.hidden, cfg.ffn, cfg.iters,
                                                            str(out)), timeout_s=cfg.timeout_s), logs)
-    rep = json.loads(out.read_text())
-    return rep["strategies"] if "strategies" in rep else {names[0]: rep}
+    return reports_by_strategy(json.loads(out.read_text()))
 
 
 def _loadavg() -> list[float] | None:
