@@ -1,4 +1,4 @@
-"""torchrun entry point: replay a trace over gloo. See ``moonep_sim.gloo.replay`` and the README.
+"""torchrun entry point: replay a trace over gloo. See ``moonep_sim.gloo.replay`` and docs/gloo.md.
 
     torchrun --nproc_per_node 4 launch/replay.py --trace T --strategy moonep --backward --json out.json
 """

@@ -45,7 +45,8 @@ PHASES = ("exchange", "plan", "dispatch", "prefetch", "expert", "combine", "back
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The replay's command line (``launch/replay.py``; also rendered into docs/cli.md)."""
     ap = argparse.ArgumentParser(prog="launch/replay.py", description="Replay a trace over gloo (under torchrun).")
     ap.add_argument("--trace", required=True, help="trace file (moonep-sim safetensors format)")
     ap.add_argument("--strategy", default="moonep", help="strategy, or several comma-separated (interleaved)")
@@ -68,7 +69,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="compare with the dense reference (default: on when T*H <= 2**22)")
     ap.add_argument("--no-check", dest="check", action="store_false")
     ap.add_argument("--quiet", action="store_true")
-    return ap.parse_args(argv)
+    return ap
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _parse_opts(items: Sequence[str]) -> dict[str, str]:

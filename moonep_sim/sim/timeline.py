@@ -488,7 +488,7 @@ def _phase_spans(net: FlowNetwork, rec: dict[str, np.ndarray], spans) -> dict[st
 
 
 def _straggler(sim: _Sim, rec, end_R: np.ndarray) -> dict[str, Any]:
-    """Name the rank and cause behind the end time (see the README's simulator section)."""
+    """Name the rank and cause behind the end time (see docs/simulator.md, faults and stragglers)."""
     ports, fs = sim.ports, sim.fs
     si = 0
     plan = sim.plans[0]

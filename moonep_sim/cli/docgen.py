@@ -1,0 +1,64 @@
+"""Render the command-line reference (docs/cli.md) from the argparse parsers themselves.
+
+    python -m moonep_sim.cli.docgen > docs/cli.md
+
+``tests/test_cli_docs.py`` fails when docs/cli.md differs from this output, so the reference never
+drifts from the parsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+WIDTH = 100  # fixed, so the output does not depend on the terminal
+
+
+def _fixed_width(parser: argparse.ArgumentParser) -> None:
+    base = parser.formatter_class
+    if not getattr(base, "_docgen_fixed", False):
+        fixed = functools.partial(base, width=WIDTH, max_help_position=32)
+        fixed._docgen_fixed = True  # type: ignore[attr-defined]
+        parser.formatter_class = fixed  # type: ignore[assignment]
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.ArgumentParser]]:
+    out: list[tuple[str, argparse.ArgumentParser]] = []
+    for action in parser._actions:  # argparse has no public walk over subcommands
+        if isinstance(action, argparse._SubParsersAction):
+            seen: set[int] = set()
+            for name, sub in action.choices.items():
+                if id(sub) not in seen:  # aliases map to the same parser
+                    seen.add(id(sub))
+                    out.append((name, sub))
+    return out
+
+
+def _section(parser: argparse.ArgumentParser, level: int, lines: list[str]) -> None:
+    _fixed_width(parser)
+    lines += [f"{'#' * level} `{parser.prog}`", "", "```", parser.format_help().rstrip(), "```", ""]
+    for _, sub in _subparsers(parser):
+        _section(sub, min(level + 1, 4), lines)
+
+
+def render() -> str:
+    from moonep_sim.cli import build_parser
+    from moonep_sim.gloo.replay import build_parser as replay_parser
+
+    lines = ["# Command-line reference", "",
+             "Generated from the parsers by `python -m moonep_sim.cli.docgen > docs/cli.md`; do not edit",
+             "by hand (a test checks it is up to date). What each command is for: the README's",
+             "\"CLI at a glance\"; how to use them together: [getting-started.md](getting-started.md).", ""]
+    _section(build_parser(), 2, lines)
+    _section(replay_parser(), 2, lines)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> int:
+    sys.stdout.write(render())
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
