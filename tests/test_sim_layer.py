@@ -232,3 +232,16 @@ def test_lower_bound_is_never_beaten_on_random_routings(seed, skew, shape, t_per
             continue
         res = simulate_layer(plan, topo, MODEL, SimOptions(tol=0.0, backward=bool(seed % 2)))
         assert res.layer_time_us >= res.lower_bound_us * (1 - 1e-12), (s, res.lower_bound)
+
+
+def test_host_planning_of_a_plan_is_charged_in_the_planning_step():
+    """A Plan's ``host_plan_us`` (a host-side planner, e.g. LLEP's Python loop) delays the layer by
+    exactly that much: it sits on every rank's planning step, before any transfer."""
+    import dataclasses
+
+    topo = load_topology("h800-cx7", gpus_per_node=4)
+    plan = plan_for("alltoall")
+    base = simulate_layer(plan, topo, MODEL, SimOptions(tol=0.0))
+    slow = simulate_layer(dataclasses.replace(plan, host_plan_us=250.0), topo, MODEL, SimOptions(tol=0.0))
+    assert slow.layer_time_us == pytest.approx(base.layer_time_us + 250.0, rel=1e-9)
+    assert slow.phases_us["plan"] == pytest.approx(base.phases_us["plan"] + 250.0, rel=1e-9)

@@ -109,7 +109,7 @@ def build_plans(args, topo):
         E = model.num_experts
         layers_ids = [0]
     ctx = PlanContext(cluster, Placement.home_groups(E, R), RowCosts.from_model(model, args.dispatch_dtype),
-                      args.token_padding)
+                      args.token_padding, topo)
     plans = []
     for ids, w in routings:
         routing = GlobalRouting.split_evenly(ids, w, E, R)

@@ -231,6 +231,10 @@ class Plan:
     migrate_expert_X / migrate_src_X / migrate_dst_X: [X] expert weights moved because a static
       placement changed (charged in forward; no gradient flows back). Empty for most strategies.
     capacity_R: [R] maximum rows a rank may hold (static buffer size), or None if unbounded.
+    host_plan_us: planning work the layer waits for on the host besides the planner every
+      strategy pays (a device-to-host copy of the counts, a Python planning loop, a barrier), in
+      microseconds of the modelled cluster; the simulator adds it to the planning step. 0 for
+      planners that run on the GPU.
     plan_seconds: wall time the planner took.
     """
 
@@ -259,6 +263,7 @@ class Plan:
     migrate_src_X: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     migrate_dst_X: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     capacity_R: np.ndarray | None = None
+    host_plan_us: float = 0.0
     plan_seconds: float = 0.0
 
     # -- sizes ----------------------------------------------------------------------------

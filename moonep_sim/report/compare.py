@@ -214,11 +214,12 @@ def _divisors_hint(E: int) -> str:
 
 
 def plan_context(source: RoutingSource, cluster: ClusterShape, dispatch_dtype: str = "bf16",
-                 token_padding: int = 1):
+                 token_padding: int = 1, topology=None):
     from moonep_sim.strategies import PlanContext
 
     costs = RowCosts.from_model(source.model, dispatch_dtype)
-    return PlanContext(cluster, Placement.home_groups(source.num_experts, cluster.ranks), costs, token_padding)
+    return PlanContext(cluster, Placement.home_groups(source.num_experts, cluster.ranks), costs, token_padding,
+                       topology)
 
 
 # -- the simulator, through one narrow door -----------------------------------------------------------
@@ -328,7 +329,7 @@ def compare(cfg: CompareConfig, progress: Callable[[str, int, int], None] | None
     source = source or open_source(cfg.trace, cfg.layers, cfg.model)
     cluster = check_cluster(source, cfg.ranks, cfg.gpus_per_node)
     topo = load_topology(cfg.topology, cluster)
-    ctx = plan_context(source, cluster, cfg.dispatch_dtype, cfg.token_padding)
+    ctx = plan_context(source, cluster, cfg.dispatch_dtype, cfg.token_padding, topo)
     local_topo = load_topology("local-gloo", cluster) if cfg.real else None
     R = cluster.ranks
     rep: dict[str, Any] = {

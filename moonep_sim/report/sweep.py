@@ -139,7 +139,7 @@ def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = N
         g = min(cfg.gpus_per_node or topo.gpus_per_node, ranks)
         cluster = ClusterShape(ranks, g)
         topo_g = topo.with_gpus_per_node(g) if hasattr(topo, "with_gpus_per_node") else topo
-        ctx = PlanContext(cluster, Placement.home_groups(m.num_experts, ranks), costs, cfg.token_padding)
+        ctx = PlanContext(cluster, Placement.home_groups(m.num_experts, ranks), costs, cfg.token_padding, topo_g)
         points.append({"value": v, "ranks": ranks, "gpus_per_node": g, "tokens": routing.num_tokens,
                        "realised_maxvio": realised, "topology": topology_info(topo_g)})
         for name, opts in cfg.strategies:

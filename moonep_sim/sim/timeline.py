@@ -14,7 +14,7 @@ the strategy's name. Per direction the phases are grouped by kind:
 - ``grad_reduce``: the copies' weight gradients, sent home after the backward compute.
 
 Dependencies per rank r (as the real executor runs them):
-planning (forward only: a fixed cost plus an all-gather of the per-expert counts) -> r sends its
+planning (forward only: a fixed cost, the Plan's ``host_plan_us``, plus an all-gather of the per-expert counts) -> r sends its
 hop-0 rows; r sends hop h+1 rows once it has received all its hop-h rows -> weights: sent by the
 home at planning end (``overlap_prefetch``) or once the home has received its last dispatch hop ->
 expert compute on r once its last-hop rows and its copies' weights arrived -> r sends its first
@@ -206,7 +206,7 @@ def _direction(plan: Plan, model: ModelSpec, topo: Topology, direction: str, opt
         steps = int(np.ceil(np.log2(R))) if R > 1 else 0
         plan_comm = steps * lat + (counts_bytes / slow_bw if R > 1 and G >= 1 else 0.0)
         plan_comm += topo.host_message_us * (R - 1)  # every rank's message to each other rank
-        plan_cpu = topo.plan_fixed_us
+        plan_cpu = topo.plan_fixed_us + float(plan.host_plan_us)  # a host-side planner's own work
         if topo.plan_measured_factor > 0:  # every rank plans the same global Plan (on the shared cores)
             plan_cpu += topo.plan_measured_factor * float(plan.plan_seconds) * 1e6
     d_pre, d_post, c_pre, c_post = _copy_us(plan, topo, direction, pre, post)

@@ -29,18 +29,23 @@ class PlanContext:
 
     cluster: ranks and nodes.  placement: home slots of experts (home groups by default).
     costs: row and weight byte sizes.  token_padding: pad each slot's rows to a multiple of this.
+    topology: optional, the modelled cluster's constants (a ``moonep_sim.sim.Topology``, read
+        duck-typed: link bandwidths and efficiencies, GPU rates) for planners that price their
+        choices (``costaware``); None = such planners use their documented defaults. Planners
+        must not need it to produce a valid Plan.
     """
 
     cluster: ClusterShape
     placement: Placement
     costs: RowCosts
     token_padding: int = 1
+    topology: Any = None
 
     @classmethod
     def default(cls, num_experts: int, ranks: int, gpus_per_node: int = 0, costs: RowCosts | None = None,
-                token_padding: int = 1) -> "PlanContext":
+                token_padding: int = 1, topology: Any = None) -> "PlanContext":
         return cls(ClusterShape(ranks, gpus_per_node), Placement.home_groups(num_experts, ranks),
-                   costs or RowCosts(2, 2, 0, 0), token_padding)
+                   costs or RowCosts(2, 2, 0, 0), token_padding, topology)
 
 
 @dataclass(frozen=True)
