@@ -1,4 +1,6 @@
-"""Model presets: the MoE shapes of ../ANCHORS (Kimi K3/K2, DeepSeek-V3, Qwen3, Mixtral, ...).
+"""Model presets: the MoE shapes of ../ANCHORS (Kimi K3/K2, DeepSeek-V3, Qwen3, Mixtral, ...), and
+``resolve_model``: a preset name, a TOML/JSON model file, a Hugging Face config.json or a mapping of
+fields -> a :class:`ModelSpec` (every command that costs rows or weights takes its model through it).
 
 Row-size conventions (DeepEP's):
 - bf16 row: ``dispatch_hidden * 2`` bytes.
@@ -10,7 +12,11 @@ Row-size conventions (DeepEP's):
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping
 
 from moonep_sim.errors import ConfigError, require
 
@@ -29,6 +35,7 @@ class ModelSpec:
     n_groups / topk_groups: expert groups for group-limited routing (DeepSeek-V3: 8 / 4); 1 / 1 = none.
     router: ``softmax`` or ``sigmoid`` scores.
     note: provenance or caveats.
+    source: where the shape comes from (a config file's address, or the file it was read from).
     """
 
     name: str
@@ -44,6 +51,7 @@ class ModelSpec:
     topk_groups: int = 1
     router: str = "softmax"
     note: str = ""
+    source: str = ""
 
     def __post_init__(self) -> None:
         if self.dispatch_hidden == 0:
@@ -107,6 +115,8 @@ class ModelSpec:
         return d
 
 
+_HF = "huggingface.co/{}/blob/main/config.json"
+
 PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("kimi-k3", 93, 92, 896, 16, 2, 7168, 3072, dispatch_hidden=3584, router="sigmoid",
               note="routed experts appear to work in a 3584-wide latent (read from the weight "
@@ -119,6 +129,17 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("mixtral-8x7b", 32, 32, 8, 2, 0, 4096, 14336, note="the shipped real trace"),
     ModelSpec("gpt-oss-120b", 36, 36, 128, 4, 0, 2880, 2880),
     ModelSpec("olmoe-1b-7b", 16, 16, 64, 8, 0, 2048, 1024, note="the shipped real trace"),
+    # The four below: values from each model's public Hugging Face config.json (docs/traces.md
+    # lists the sources; `source` names the file).
+    ModelSpec("qwen1.5-moe-a2.7b", 24, 24, 60, 4, 4, 2048, 1408,
+              note="shared expert FFN 5632 = 4 x 1408, counted as 4 shared experts; "
+                   "top-k weights not renormalised (norm_topk_prob false)",
+              source=_HF.format("Qwen/Qwen1.5-MoE-A2.7B")),
+    ModelSpec("qwen3-30b-a3b", 48, 48, 128, 8, 0, 2048, 768, source=_HF.format("Qwen/Qwen3-30B-A3B")),
+    ModelSpec("deepseek-v2-lite", 27, 26, 64, 6, 2, 2048, 1408,
+              note="first layer dense (first_k_dense_replace 1); greedy top-6, no expert groups",
+              source=_HF.format("deepseek-ai/DeepSeek-V2-Lite")),
+    ModelSpec("gpt-oss-20b", 24, 24, 32, 4, 0, 2880, 2880, source=_HF.format("openai/gpt-oss-20b")),
 ]}
 
 
@@ -136,3 +157,156 @@ def custom_model(num_experts: int, top_k: int, hidden: int = 1024, expert_ffn: i
     """A model of an explicit shape (for traces that name no preset)."""
     return ModelSpec(name, kw.pop("layers", 1), kw.pop("moe_layers", 1), num_experts, top_k,
                      kw.pop("shared_experts", 0), hidden, expert_ffn, **kw)
+
+
+# ---------------------------------------------------------------------------------- any model shape
+# A model file (TOML or JSON) or mapping: key -> ModelSpec field. The first four are required.
+MODEL_FILE_FIELDS: dict[str, str] = {
+    "num_experts": "num_experts", "top_k": "top_k", "hidden": "hidden", "expert_ffn": "expert_ffn",
+    "name": "name", "dispatch_hidden": "dispatch_hidden", "groups": "n_groups", "n_groups": "n_groups",
+    "topk_groups": "topk_groups", "shared_experts": "shared_experts", "layers": "layers",
+    "moe_layers": "moe_layers", "router": "router", "note": "note", "source": "source",
+}
+_REQUIRED = ("num_experts", "top_k", "hidden", "expert_ffn")
+_INT_FIELDS = {"num_experts", "top_k", "hidden", "expert_ffn", "dispatch_hidden", "n_groups", "topk_groups",
+               "shared_experts", "layers", "moe_layers"}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def model_from_fields(fields: Mapping[str, Any], where: str = "model") -> ModelSpec:
+    """A ModelSpec from the fields of a model file (see ``MODEL_FILE_FIELDS``); one-line errors."""
+    unknown = sorted(set(fields) - set(MODEL_FILE_FIELDS))
+    if unknown:
+        raise ConfigError(f"{where}: field ({unknown[0]!r}) must be one of {', '.join(MODEL_FILE_FIELDS)}")
+    missing = [k for k in _REQUIRED if k not in fields]
+    if missing:
+        raise ConfigError(f"{where}: fields ({', '.join(missing)}) must be given: a model needs "
+                          f"{', '.join(_REQUIRED)}")
+    kw: dict[str, Any] = {}
+    for key, value in fields.items():
+        f = MODEL_FILE_FIELDS[key]
+        if f in _INT_FIELDS and not _is_int(value):
+            raise ConfigError(f"{where}: {key} ({value!r}) must be an integer")
+        if f not in _INT_FIELDS and not isinstance(value, str):
+            raise ConfigError(f"{where}: {key} ({value!r}) must be a string")
+        kw[f] = value
+    layers = kw.pop("layers", 1)
+    moe_layers = kw.pop("moe_layers", layers)
+    name = kw.pop("name", "custom")
+    try:
+        return ModelSpec(name, layers, moe_layers, kw.pop("num_experts"), kw.pop("top_k"),
+                         kw.pop("shared_experts", 0), kw.pop("hidden"), kw.pop("expert_ffn"), **kw)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def model_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json", name: str = "") -> ModelSpec:
+    """A ModelSpec from a Hugging Face ``config.json`` of a MoE model (Mixtral, Qwen-MoE, OLMoE,
+    DeepSeek-V2/V3, GPT-OSS field names)."""
+    def first(*keys, default=None):
+        for k in keys:
+            if cfg.get(k) is not None:
+                return cfg[k]
+        return default
+
+    E = first("num_experts", "num_local_experts", "n_routed_experts")
+    K = first("num_experts_per_tok", "experts_per_token", "moe_topk")
+    H = first("hidden_size")
+    F = first("moe_intermediate_size", "intermediate_size")
+    if not all(_is_int(v) for v in (E, K, H, F)):
+        raise ConfigError(f"{where}: a Hugging Face MoE config must give the experts (num_experts / "
+                          "num_local_experts / n_routed_experts), top-k (num_experts_per_tok), "
+                          "hidden_size and moe_intermediate_size or intermediate_size")
+    layers = first("num_hidden_layers", default=1)
+    moe_layers = layers - int(first("first_k_dense_replace", default=0)) - len(first("mlp_only_layers", default=[]))
+    step = int(first("decoder_sparse_step", "moe_layer_freq", default=1) or 1)
+    if step > 1:
+        moe_layers = layers // step
+    shared = first("n_shared_experts", default=0) or 0
+    shared_ffn = first("shared_expert_intermediate_size", default=0) or 0
+    if not shared and shared_ffn:
+        shared = max(1, round(shared_ffn / F))
+    fields = {"name": (name or str(first("_name_or_path", "model_type", default="custom"))).split("/")[-1].lower(),
+              "num_experts": E, "top_k": K, "hidden": H, "expert_ffn": F, "layers": layers,
+              "moe_layers": max(1, moe_layers), "shared_experts": int(shared),
+              "groups": int(first("n_group", default=1) or 1), "topk_groups": int(first("topk_group", default=1) or 1),
+              "router": "sigmoid" if first("scoring_func") == "sigmoid" else "softmax", "source": where}
+    return model_from_fields(fields, where)
+
+
+def _read_model_file(path: Path) -> ModelSpec:
+    where = str(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"--model ({where}) must be a readable file: {e.strerror}") from None
+    if path.suffix.lower() == ".toml":
+        try:
+            import tomllib
+        except ModuleNotFoundError:   # Python < 3.11
+            import tomli as tomllib
+        try:
+            doc = tomllib.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"{where}: expected a TOML model file, found invalid TOML ({e})") from None
+        doc = doc.get("model", doc) if isinstance(doc.get("model"), dict) else doc
+    else:
+        try:
+            doc = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{where}: expected a JSON model file, found invalid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{where}: expected a table/object of model fields, found {type(doc).__name__}")
+    if "hidden_size" in doc or "model_type" in doc:
+        return model_from_hf_config(doc, where, name=path.parent.name if path.name == "config.json" else path.stem)
+    doc = dict(doc)
+    doc.setdefault("name", path.stem)
+    doc.setdefault("source", where)
+    return model_from_fields(doc, where)
+
+
+def resolve_model(spec: "ModelSpec | str | os.PathLike | Mapping[str, Any]") -> ModelSpec:
+    """The model a command costs rows and weights with, from whatever a user gave:
+
+    - a :class:`ModelSpec` (returned as is);
+    - a preset name (``moonep-sim models`` lists them);
+    - a path to a ``.toml`` or ``.json`` model file with the fields of ``MODEL_FILE_FIELDS``
+      (``num_experts``, ``top_k``, ``hidden``, ``expert_ffn`` required; ``name``, ``dispatch_hidden``,
+      ``groups``, ``topk_groups``, ``shared_experts``, ``layers``, ``moe_layers``, ``router``
+      optional; a TOML file may hold them under ``[model]``), or a Hugging Face ``config.json``;
+    - a mapping of those fields (e.g. a trace's ``model_spec`` metadata).
+
+    Raises :class:`ConfigError` (one line) otherwise.
+    """
+    if isinstance(spec, ModelSpec):
+        return spec
+    if isinstance(spec, Mapping):
+        return model_from_fields(spec)
+    if isinstance(spec, (str, os.PathLike)):
+        text = os.fspath(spec)
+        if text in PRESETS:
+            return PRESETS[text]
+        if text.lower() in PRESETS:
+            return PRESETS[text.lower()]
+        path = Path(text)
+        if path.suffix.lower() in (".toml", ".json") or path.is_file():
+            if not path.is_file():
+                raise ConfigError(f"--model ({text!r}) must be a preset or an existing .toml/.json file: "
+                                  "no such file")
+            return _read_model_file(path)
+        raise ConfigError(f"--model ({text!r}) must be a preset ({', '.join(sorted(PRESETS))}) "
+                          "or a .toml/.json model file")
+    raise ConfigError(f"model ({spec!r}) must be a preset name, a model file path, a mapping of fields "
+                      "or a ModelSpec")
+
+
+def model_fields(m: ModelSpec) -> dict[str, Any]:
+    """The model-file fields of ``m`` (what a trace stores as ``model_spec``; ``resolve_model`` reads
+    them back to an equal ModelSpec)."""
+    return {"name": m.name, "num_experts": m.num_experts, "top_k": m.top_k, "hidden": m.hidden,
+            "expert_ffn": m.expert_ffn, "dispatch_hidden": m.dispatch_hidden, "groups": m.n_groups,
+            "topk_groups": m.topk_groups, "shared_experts": m.shared_experts, "layers": m.layers,
+            "moe_layers": m.moe_layers, "router": m.router, "note": m.note, "source": m.source}

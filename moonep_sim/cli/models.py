@@ -28,6 +28,6 @@ def run(args) -> int:
     c = console()
     c.print(t)
     for m in PRESETS.values():
-        if m.note:
-            c.print(f"[dim]{m.name}: {m.note}[/dim]")
+        if m.note or m.source:
+            c.print(f"[dim]{m.name}: {'; '.join(x for x in (m.note, m.source and 'source: ' + m.source) if x)}[/dim]")
     return 0

@@ -19,8 +19,10 @@ Metadata: the safetensors header's ``__metadata__`` holds one key, ``moonep_sim`
 a JSON object: ``format_version`` (1), ``kind`` (``tokens`` or ``counts``), ``model`` (preset name
 or null), ``num_experts``, ``top_k``, ``layer_ids`` (model layer index of each of the L layers),
 ``num_tokens`` (T; for count traces the number of tokens the counts came from, may be null),
-``steps`` (a sentence on how tokens group into steps), ``source``, ``attribution``, and
-``import_report`` (what an importer dropped and why).
+``steps`` (a sentence on how tokens group into steps), ``source``, ``attribution``,
+``import_report`` (what an importer dropped and why), and optionally ``model_spec`` (the model's
+shape as ``models.resolve_model`` reads it, for models that are not presets) and
+``num_experts_inferred`` (true when E was only inferred from the largest expert id).
 
 Layers are stored layer-major so one layer is one contiguous slice; reading is lazy: opening a
 trace reads only the header, and :meth:`Trace.layer` memory-maps one layer's slice.
@@ -60,6 +62,8 @@ class TraceMeta:
     attribution: str = ""
     import_report: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    model_spec: dict[str, Any] | None = None
+    num_experts_inferred: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -106,6 +110,14 @@ class TraceMeta:
             raise bad("num_tokens", "null or an integer >= 0", self.num_tokens)
         if self.kind == "tokens" and self.num_tokens is None:
             raise bad("num_tokens", "an integer for a token-level trace", None)
+        if self.model_spec is not None:
+            if not isinstance(self.model_spec, dict):
+                raise bad("model_spec", "null or an object of model fields", self.model_spec)
+            for k in ("num_experts", "top_k"):
+                if self.model_spec.get(k) != getattr(self, k):
+                    raise bad(f"model_spec.{k}", f"{getattr(self, k)} (the trace's {k})", self.model_spec.get(k))
+        if not isinstance(self.num_experts_inferred, bool):
+            raise bad("num_experts_inferred", "true or false", self.num_experts_inferred)
 
 
 @dataclass(frozen=True)
@@ -301,6 +313,15 @@ class Trace:
         if not self.has("step"):
             return None
         return self._open().get_tensor("step").astype(np.int64)
+
+    def model(self):
+        """The trace's model (a :class:`moonep_sim.models.ModelSpec`) from its metadata
+        (``model_spec``, else the preset ``model``), or None when it names none."""
+        from moonep_sim.models import resolve_model
+
+        if self.meta.model_spec:
+            return resolve_model(self.meta.model_spec)
+        return resolve_model(self.meta.model) if self.meta.model else None
 
     def __repr__(self) -> str:
         m = self.meta

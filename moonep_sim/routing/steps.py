@@ -1,0 +1,136 @@
+"""Steps of a trace: which tokens form one batch as a dispatch sees it, and selecting some of them.
+
+Notation: T tokens, S steps, K top-k.
+
+A token-level trace may carry ``step`` (int [T], non-decreasing, dense 0..S-1: importers keep one
+step per forward pass where the source shows them, see ``importers``); without it every token is in
+step 0. Steps are contiguous token ranges, so a selection of steps is a list of token ranges and
+reading it never copies more than the selected tokens.
+
+Selection grammar (``--steps``): ``all``, ``N``, ``A-B`` (inclusive), ``A-`` (A to the last step),
+and comma-separated lists of those (``0,2,5-7``). Step numbers are the trace's (0-based).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from moonep_sim.errors import ConfigError, TraceFormatError
+from moonep_sim.routing.trace import LayerRouting, Trace
+
+_PART = re.compile(r"^\s*(\d+)\s*(?:(-)\s*(\d+)?)?\s*$")
+
+
+@dataclass(frozen=True)
+class StepSelection:
+    """Selected steps as inclusive ranges ``(first, last)``; ``last`` None = to the last step.
+
+    text: the selection as the user wrote it (for messages and reports).
+    """
+
+    ranges: tuple[tuple[int, int | None], ...]
+    text: str
+
+    def steps(self, num_steps: int) -> np.ndarray:
+        """Selected step ids, int64 sorted and distinct, checked against ``num_steps`` (S)."""
+        out = []
+        for a, b in self.ranges:
+            last = num_steps - 1 if b is None else b
+            if a > num_steps - 1 or last > num_steps - 1:
+                raise ConfigError(f"--steps ({self.text}) must select steps of the trace: it has {num_steps} "
+                                  f"step(s), 0-{num_steps - 1}")
+            out.append(np.arange(a, last + 1, dtype=np.int64))
+        return np.unique(np.concatenate(out)) if out else np.zeros(0, np.int64)
+
+
+def parse_steps(text: "str | StepSelection | None") -> StepSelection | None:
+    """``--steps`` text -> a :class:`StepSelection`; None or ``all`` -> None (every token)."""
+    if text is None or isinstance(text, StepSelection):
+        return text
+    if text.strip().lower() in ("", "all"):
+        return None
+    ranges = []
+    for part in text.split(","):
+        m = _PART.match(part)
+        if not m:
+            raise ConfigError(f"--steps ({text!r}) must be step numbers and ranges like 10-20, 0,2,5-7 or 10-")
+        a = int(m.group(1))
+        if m.group(2) is None:
+            b: int | None = a
+        else:
+            b = int(m.group(3)) if m.group(3) is not None else None
+        if b is not None and b < a:
+            raise ConfigError(f"--steps ({text!r}) must give ranges first-last with first <= last, found {a}-{b}")
+        ranges.append((a, b))
+    return StepSelection(tuple(ranges), text.strip())
+
+
+def step_bounds(step_T: np.ndarray | None, num_tokens: int) -> np.ndarray:
+    """Token offsets of each step, int64 [S+1]: step s holds tokens ``[b[s], b[s+1])``."""
+    if step_T is None or num_tokens == 0:
+        return np.array([0, num_tokens], np.int64)
+    step_T = np.asarray(step_T, np.int64)
+    if step_T.shape != (num_tokens,) or step_T[0] < 0 or (np.diff(step_T) < 0).any():
+        raise TraceFormatError(f"step: expected non-decreasing step ids >= 0 of shape [{num_tokens}], "
+                               f"found shape {list(step_T.shape)}")
+    S = int(step_T[-1]) + 1
+    return np.searchsorted(step_T, np.arange(S + 1), side="left").astype(np.int64)
+
+
+def token_ranges(step_T: np.ndarray | None, num_tokens: int,
+                 steps: "str | StepSelection | None") -> list[tuple[int, int]]:
+    """Token ranges ``[start, stop)`` of the selected steps (merged where adjacent, in order)."""
+    sel = parse_steps(steps)
+    if sel is None:
+        return [(0, num_tokens)]
+    b = step_bounds(step_T, num_tokens)
+    chosen = sel.steps(len(b) - 1)
+    out: list[tuple[int, int]] = []
+    for s in chosen.tolist():      # one iteration per selected step, not per token
+        lo, hi = int(b[s]), int(b[s + 1])
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def token_index(step_T: np.ndarray | None, num_tokens: int, steps: "str | StepSelection | None") -> np.ndarray:
+    """Indices of the tokens of the selected steps, int64 [T'] ascending."""
+    rs = token_ranges(step_T, num_tokens, steps)
+    return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in rs]) if rs else np.zeros(0, np.int64)
+
+
+def select_layer(layer: LayerRouting, step_T: np.ndarray | None, steps: "str | StepSelection | None") -> LayerRouting:
+    """The tokens of ``layer`` that belong to the selected steps (``step_T``: [T] of that routing)."""
+    if parse_steps(steps) is None:
+        return layer
+    idx = token_index(step_T, layer.num_tokens, steps)
+    return LayerRouting(layer.topk_ids_TK[idx], layer.topk_weights_TK[idx], layer.num_experts, layer.layer)
+
+
+def read_layer(trace: "Trace | str", index: int, steps: "str | StepSelection | None" = None) -> LayerRouting:
+    """Routing of the ``index``-th stored layer of ``trace``, only the tokens of the selected steps
+    (reads those token ranges only). ``steps``: ``--steps`` text, a StepSelection, or None (all)."""
+    tr = trace if isinstance(trace, Trace) else Trace(trace)
+    T = tr.meta.num_tokens or 0
+    if parse_steps(steps) is None:
+        return tr.layer(index)
+    parts = [tr.layer(index, a, b) for a, b in token_ranges(tr.steps(), T, steps)]
+    if len(parts) == 1:
+        return parts[0]
+    return LayerRouting(np.concatenate([p.topk_ids_TK for p in parts]),
+                        np.concatenate([p.topk_weights_TK for p in parts]), tr.meta.num_experts,
+                        tr.meta.layer_ids[index])
+
+
+def selected_steps_T(trace: "Trace | str", steps: "str | StepSelection | None" = None) -> np.ndarray:
+    """The step id of each selected token, int64 [T'] (what ``read_layer`` returns rows for)."""
+    tr = trace if isinstance(trace, Trace) else Trace(trace)
+    T = tr.meta.num_tokens or 0
+    st = tr.steps()
+    st = np.zeros(T, np.int64) if st is None else st
+    return st[token_index(tr.steps(), T, steps)]
