@@ -135,6 +135,44 @@ def test_hot_receiver_is_the_straggler_by_tokens_received():
     assert res.busiest_port["name"].startswith("rank0.")
 
 
+def test_backward_step_blames_the_gradient_reduce_when_it_ends_the_step():
+    # moonep copies hot experts; in the backward their fp32 weight gradients (4x the bf16 weight
+    # bytes) go home after compute and arrive last. The straggler names that phase by its kind
+    # (issue: it used to blame "combine ... tokens received" by matching phase names).
+    from moonep_sim.routing.generators import generate_layer
+
+    model = get_model("deepseek-v3")
+    R = 16
+    lr = generate_layer(model.num_experts, model.top_k, 512 * R, 0, maxvio=3.0)
+    g = GlobalRouting.split_evenly(lr.topk_ids_TK, lr.topk_weights_TK, model.num_experts, R)
+    ctx = PlanContext(ClusterShape(R, 8), Placement.home_groups(model.num_experts, R), RowCosts.from_model(model), 1)
+    plan = make_plan("moonep", g, ctx)
+    assert plan.weight_copies > 0
+    res = simulate_layer(plan, load_topology("h800-cx7"), model, SimOptions(backward=True))
+    assert res.straggler["phase"] == "grad_reduce" and res.straggler["cause"] == "gradients received"
+    assert res.straggler["detail"].startswith("grad_reduce (backward): rank")
+    # the gradient reduce is what ends the step: its span reaches the step's end
+    assert res.phases_us["bwd.grad_reduce"] > 0.2 * res.layer_time_us
+    fwd = simulate_layer(plan, load_topology("h800-cx7"), model)
+    assert fwd.straggler["phase"] != "grad_reduce"
+
+
+def test_phase_records_carry_typed_kinds_scopes_and_directions():
+    from moonep_sim.plan.kinds import Direction, PhaseKind, Scope
+
+    plan = plan_for("hierarchical", R=8, G=4)
+    for direction in Direction:
+        for p in plan.phases(direction):
+            assert isinstance(p.kind, PhaseKind) and isinstance(p.scope, Scope) and p.direction is direction
+    bwd = {p.name: p.kind for p in plan.phases("backward")}
+    assert bwd["combine_bwd.0"] is PhaseKind.DISPATCH and bwd["dispatch_bwd.0"] is PhaseKind.COMBINE
+    assert plan.hops and all(isinstance(h.scope, Scope) for h in plan.hops)
+    res = simulate_layer(plan, load_topology("h800-cx7", gpus_per_node=4), MODEL,
+                         SimOptions(backward=True, timeline=True))
+    kinds = {e["args"]["kind"] for e in res.timeline_events if e.get("pid") == 1 and e.get("ph") == "X"}
+    assert {"planning", "dispatch", "combine", "expert_compute"} <= kinds
+
+
 def test_isolated_dispatch_excludes_compute_and_planning():
     plan = plan_for("alltoall")
     topo = load_topology("h800-cx7", gpus_per_node=4)

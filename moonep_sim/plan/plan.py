@@ -41,10 +41,9 @@ from typing import Any, Iterable
 import numpy as np
 
 from moonep_sim.errors import PlanError
+from moonep_sim.plan.kinds import SCOPES, Direction, PhaseKind, Scope
 from moonep_sim.plan.placement import ClusterShape
 from moonep_sim.routing.trace import find_bad_token
-
-SCOPES = ("global", "intra_node", "inter_node")
 
 
 @dataclass(frozen=True)
@@ -154,18 +153,23 @@ class GlobalRouting:
 class Hop:
     """One all-to-all of rows (see the module docstring). M messages, sorted by (src, dst).
 
-    scope: which ranks may talk -- ``global``, ``intra_node`` (same node) or ``inter_node`` (same
-        local index on different nodes, or self).
+    scope: which ranks may talk (:class:`~moonep_sim.plan.kinds.Scope`; a plain string naming a
+        member is converted) -- ``global``, ``intra_node`` (same node) or ``inter_node`` (same
+        local index on different nodes, or self). An unknown string is kept for ``validate`` to name.
     src_rank_M, src_row_M (-1 = zero row), dst_rank_M, dst_row_M: int64 [M].
     dst_rows_R: int64 [R], rows of the buffer this hop fills on each rank.
     """
 
-    scope: str
+    scope: Scope
     src_rank_M: np.ndarray
     src_row_M: np.ndarray
     dst_rank_M: np.ndarray
     dst_row_M: np.ndarray
     dst_rows_R: np.ndarray
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scope, Scope) and self.scope in SCOPES:
+            object.__setattr__(self, "scope", Scope(self.scope))
 
     def rows_RR(self, ranks: int) -> np.ndarray:
         """int64 [R, R]: rows sent from each source to each destination (diagonal: local copies)."""
@@ -177,17 +181,18 @@ class Hop:
 class CommPhase:
     """One communication phase of a layer, as the executors and reports see it.
 
-    name: e.g. ``dispatch.0``, ``prefetch``, ``combine.0``, ``grad_reduce``.
-    kind: ``dispatch`` | ``combine`` | ``prefetch`` | ``migrate`` | ``grad_reduce``.
-    direction: ``forward`` | ``backward``.  scope: as :class:`Hop`.
+    name: e.g. ``dispatch.0``, ``prefetch``, ``combine.0``, ``grad_reduce`` (for display).
+    kind: its role (:class:`~moonep_sim.plan.kinds.PhaseKind`): DISPATCH | COMBINE | PREFETCH |
+        MIGRATE | GRAD_REDUCE. Code selects phases by kind, never by name.
+    direction: :class:`~moonep_sim.plan.kinds.Direction`.  scope: :class:`~moonep_sim.plan.kinds.Scope`.
     bytes_RR: int64 [R, R] bytes from source to destination (diagonal: local, crosses no link).
     msgs_RR: int64 [R, R] rows (or expert tensors) from source to destination.
     """
 
     name: str
-    kind: str
-    direction: str
-    scope: str
+    kind: PhaseKind
+    direction: Direction
+    scope: Scope
     bytes_RR: np.ndarray
     msgs_RR: np.ndarray
 
@@ -336,25 +341,27 @@ class Plan:
         copy_RR = self._weights_RR(self.slot_home_S[copies], self.slot_rank_S[copies])
         out: list[CommPhase] = []
         hop_rows = [h.rows_RR(R) for h in self.hops]
-        if direction == "forward":
+        K, G = PhaseKind, Scope.GLOBAL
+        if direction == Direction.FORWARD:
+            d = Direction.FORWARD
             for i, (h, rr) in enumerate(zip(self.hops, hop_rows)):
-                out.append(CommPhase(f"dispatch.{i}", "dispatch", direction, h.scope, rr * c.dispatch_row_bytes, rr))
-            out.append(CommPhase("prefetch", "prefetch", direction, "global", copy_RR * c.weight_bytes, copy_RR))
+                out.append(CommPhase(f"dispatch.{i}", K.DISPATCH, d, h.scope, rr * c.dispatch_row_bytes, rr))
+            out.append(CommPhase("prefetch", K.PREFETCH, d, G, copy_RR * c.weight_bytes, copy_RR))
             if self.migrate_expert_X.size:
                 mig = self._weights_RR(self.migrate_src_X, self.migrate_dst_X)
-                out.append(CommPhase("migrate", "migrate", direction, "global", mig * c.weight_bytes, mig))
+                out.append(CommPhase("migrate", K.MIGRATE, d, G, mig * c.weight_bytes, mig))
             for i in reversed(range(len(self.hops))):
                 rr = hop_rows[i].T
-                out.append(CommPhase(f"combine.{i}", "combine", direction, self.hops[i].scope,
-                                     rr * c.combine_row_bytes, rr))
-        elif direction == "backward":
+                out.append(CommPhase(f"combine.{i}", K.COMBINE, d, self.hops[i].scope, rr * c.combine_row_bytes, rr))
+        elif direction == Direction.BACKWARD:
+            d = Direction.BACKWARD
             for i, (h, rr) in enumerate(zip(self.hops, hop_rows)):
-                out.append(CommPhase(f"combine_bwd.{i}", "dispatch", direction, h.scope, rr * c.combine_row_bytes, rr))
+                out.append(CommPhase(f"combine_bwd.{i}", K.DISPATCH, d, h.scope, rr * c.combine_row_bytes, rr))
             for i in reversed(range(len(self.hops))):
                 rr = hop_rows[i].T
-                out.append(CommPhase(f"dispatch_bwd.{i}", "combine", direction, self.hops[i].scope,
+                out.append(CommPhase(f"dispatch_bwd.{i}", K.COMBINE, d, self.hops[i].scope,
                                      rr * c.combine_row_bytes, rr))
-            out.append(CommPhase("grad_reduce", "grad_reduce", direction, "global", copy_RR.T * c.grad_bytes, copy_RR.T))
+            out.append(CommPhase("grad_reduce", K.GRAD_REDUCE, d, G, copy_RR.T * c.grad_bytes, copy_RR.T))
         else:
             raise PlanError(f"direction ({direction!r}) must be 'forward' or 'backward'")
         return out
@@ -369,8 +376,8 @@ class Plan:
         for direction in ("forward", "backward"):
             for p in self.phases(direction):
                 intra, inter = p.split_bytes(self.cluster)
-                if direction == "forward" or p.kind == "grad_reduce":
-                    out[p.kind] += intra + inter
+                if direction == "forward" or p.kind == PhaseKind.GRAD_REDUCE:
+                    out[p.kind.value] += intra + inter
                 out["intra_node"] += intra
                 out["inter_node"] += inter
         return out

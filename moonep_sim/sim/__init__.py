@@ -1,9 +1,11 @@
 """Executor 2: a discrete-event (simpy) model of a multi-node GPU cluster that times any Plan.
 
 Topologies (``topology``), a flow-level max-min fair network (``network``), a roofline grouped
-GEMM (``compute``), the layer timeline with the real executor's dependencies (``timeline``),
-faults and stragglers (``faults``), the lower bound (``lower_bound``) and Perfetto traces
-(``perfetto``).
+GEMM (``compute``), host CPU sharing (``cpu``), faults (``faults``), the lower bound
+(``lower_bound``) and Perfetto traces (``perfetto``). A step is simulated by ``timeline`` (the
+front: :func:`simulate_layer`, :func:`simulate_layers`) from ``options`` (:class:`SimOptions`),
+``program`` (a layer's direction as phases grouped by kind, with its local work), ``engine`` (the
+simpy processes per rank) and ``analysis`` (phase spans, straggler, busiest port, :class:`SimResult`).
 """
 
 from moonep_sim.sim.faults import DegradedLink, SlowGPU, Stall, parse_faults

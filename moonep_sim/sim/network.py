@@ -49,6 +49,7 @@ Stale completion events are invalidated by a version counter.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import simpy
@@ -289,6 +290,7 @@ class FlowNetwork:
         self._group_left: list[np.ndarray] = []
         self._group_events: list[list[simpy.Event]] = []
         self._phase_names: list[str] = []
+        self._phase_tags: list[Any] = []  # per phase id: the caller's tag (the timeline's PhaseTag)
         # active flows
         self._a_path = np.zeros((0, L_PATH), dtype=np.int64)
         self._a_rem = np.zeros(0)
@@ -318,10 +320,13 @@ class FlowNetwork:
         self.util_samples: list[tuple[float, np.ndarray]] = []
 
     # -- phases and receive groups ---------------------------------------------------------
-    def expect(self, name: str, count_R: np.ndarray) -> int:
-        """Register a phase instance; ``count_R[d]`` flows will arrive at rank d. Returns its id."""
+    def expect(self, name: str, count_R: np.ndarray, tag: Any = None) -> int:
+        """Register a phase instance; ``count_R[d]`` flows will arrive at rank d. Returns its id.
+
+        tag: carried with the phase (and so with every flow of it) for the caller's analyses."""
         pid = len(self._phase_names)
         self._phase_names.append(name)
+        self._phase_tags.append(tag)
         left = np.asarray(count_R, dtype=np.int64).copy()
         evs = [self.env.event() for _ in range(left.size)]
         for d in np.flatnonzero(left == 0):
@@ -336,6 +341,14 @@ class FlowNetwork:
 
     def phase_name(self, pid: int) -> str:
         return self._phase_names[pid]
+
+    def phase_tag(self, pid: int) -> Any:
+        """The ``tag`` phase ``pid`` was registered with."""
+        return self._phase_tags[pid]
+
+    @property
+    def num_phases(self) -> int:
+        return len(self._phase_names)
 
     # -- sending -------------------------------------------------------------------------
     def submit(self, pid: int, src: int, dst_F: np.ndarray, bytes_F: np.ndarray, eff_bytes_F: np.ndarray) -> None:

@@ -22,15 +22,18 @@ MAX_FLOW_EVENTS = 20000
 
 
 def trace_events(spans, net, rec: dict[str, np.ndarray], ranks: int) -> list[dict[str, Any]]:
+    """The events of a run: ``spans`` are ``moonep_sim.sim.engine.Span`` records, ``net`` the
+    FlowNetwork and ``rec`` its flow records."""
     ev: list[dict[str, Any]] = [
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "ranks"}},
         {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "ports"}},
     ]
     for r in range(ranks):
         ev.append({"ph": "M", "pid": 1, "tid": r, "name": "thread_name", "args": {"name": f"rank {r}"}})
-    for r, name, a, b in spans:
-        ev.append({"ph": "X", "pid": 1, "tid": int(r), "name": name, "ts": float(a), "dur": float(max(b - a, 0.0)),
-                   "cat": name.split(".")[0]})
+    for s in spans:  # moonep_sim.sim.engine.Span
+        ev.append({"ph": "X", "pid": 1, "tid": int(s.rank), "name": s.name, "ts": float(s.start_us),
+                   "dur": float(max(s.end_us - s.start_us, 0.0)), "cat": s.name.split(".")[0],
+                   "args": {"kind": s.kind.value, "direction": s.direction.value}})
     pb = net.port_bytes()
     ports = net.ports
     busy = pb / ports.cap_P[:-1]

@@ -1,0 +1,271 @@
+"""A finished simulation read back: phase spans, the straggler, the busiest port, the result.
+
+Notation: R ranks, F flows, P ports. Times in microseconds of simulated time.
+
+Phases are selected by their :class:`~moonep_sim.plan.kinds.PhaseKind` (each flow's phase carries
+a :class:`~moonep_sim.sim.engine.PhaseTag`, each span its kind), never by parsing phase names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moonep_sim.errors import ConfigError, require
+from moonep_sim.plan.kinds import COMM_KINDS, Direction, PhaseKind
+from moonep_sim.sim.engine import StepSim
+from moonep_sim.sim.lower_bound import lower_bound
+from moonep_sim.sim.network import FlowNetwork
+from moonep_sim.sim.perfetto import trace_events
+
+# straggler cause of a flow bottlenecked by a port at its nominal bandwidth, by the flow's kind
+_LOAD_CAUSE = {PhaseKind.DISPATCH: "tokens received", PhaseKind.COMBINE: "tokens received",
+               PhaseKind.PREFETCH: "weights received", PhaseKind.MIGRATE: "weights received",
+               PhaseKind.GRAD_REDUCE: "gradients received"}
+
+
+@dataclass
+class SimResult:
+    """One simulation's outcome (see :meth:`to_dict` for the JSON form).
+
+    layer_time_us: from 0 to the last rank's end (all layers and directions simulated).
+    phases_us: phase name -> span (first start to last end, over ranks and chunks) in us.
+    lower_bound_us / ratio_to_lower_bound: DESIGN section 6 (``moonep_sim.sim.lower_bound``);
+        0 / 0 in ``isolate`` mode.
+    straggler: {rank, cause, phase, detail} (see :func:`straggler`).  busiest_port: {name, bytes, utilisation, busy_us}.
+    per_rank: lists over ranks (end_us, compute_us, recv_rows ...).  layers_us: per layer span.
+    timeline_events: Trace Event Format events (``moonep_sim.sim.perfetto``), when recorded.
+    """
+
+    strategy: str
+    topology: str
+    ranks: int
+    layer_time_us: float
+    phases_us: dict[str, float]
+    lower_bound_us: float
+    ratio_to_lower_bound: float
+    lower_bound: dict[str, Any]
+    straggler: dict[str, Any]
+    busiest_port: dict[str, Any]
+    per_rank: dict[str, list]
+    port_bytes: dict[str, float]
+    flow_bytes: float
+    layers_us: list[float]
+    sim_stats: dict[str, Any]
+    topology_constants: dict[str, Any]
+    options: dict[str, Any]
+    timeline_events: list[dict] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in (
+            "strategy", "topology", "ranks", "layer_time_us", "phases_us", "lower_bound_us", "ratio_to_lower_bound",
+            "lower_bound", "straggler", "busiest_port", "layers_us", "per_rank", "sim_stats", "options")}
+        d["sim_wall_seconds"] = self.sim_stats.get("wall_seconds", 0.0)
+        d["topology_constants"] = self.topology_constants
+        return d
+
+
+def phase_spans(net: FlowNetwork, rec: dict[str, np.ndarray], spans) -> dict[str, float]:
+    """Phase name (chunk suffix ``#j`` dropped) -> span in us, first start to last end over ranks
+    and chunks: network phases from the flow records, local work (planning, expert compute,
+    stalls, host copies) from the spans."""
+    out: dict[str, tuple[float, float]] = {}
+
+    def add(name, a, b):
+        lo, hi = out.get(name, (np.inf, -np.inf))
+        out[name] = (min(lo, a), max(hi, b))
+
+    if rec["phase"].size:
+        for pid in np.unique(rec["phase"]).tolist():
+            m = rec["phase"] == pid
+            base = net.phase_name(pid).split("#")[0]
+            add(base, float(rec["start"][m].min()), float(rec["end"][m].max()))
+    for s in spans:
+        if s.kind not in COMM_KINDS:
+            add(s.name.split("#")[0], s.start_us, s.end_us)
+    return {k: float(b - a) for k, (a, b) in out.items()}
+
+
+def _flow_tags(sim: StepSim, rec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per flow: its phase's kind (str values), direction (str values) and layer."""
+    tags = [sim.net.phase_tag(p) for p in range(sim.net.num_phases)]
+    kind_P = np.array([t.kind.value for t in tags] or [""], dtype=object)
+    dir_P = np.array([t.direction.value for t in tags] or [""], dtype=object)
+    layer_P = np.array([t.layer for t in tags] or [0], dtype=np.int64)
+    ph = rec["phase"].astype(np.int64)
+    return kind_P[ph], dir_P[ph], layer_P[ph]
+
+
+def _label(tag) -> str:
+    """``combine``, or ``grad_reduce (backward)``: a flow's kind, with its direction if backward."""
+    return tag.kind.value + (" (backward)" if tag.direction == Direction.BACKWARD else "")
+
+
+def straggler(sim: StepSim, rec, end_R: np.ndarray) -> dict[str, Any]:
+    """Name the rank, the cause and the phase kind behind the end time (docs/simulator.md, faults
+    and stragglers).
+
+    On the rank whose first-stage compute ended last, the longest of three segments decides:
+    its compute (cause ``compute``), the wait before it (``dispatch``: an injected stall, the
+    copies' weights, or the latest DISPATCH / PREFETCH flow into it of the first stage) or the
+    tail after it to the step's end (the latest-ending COMBINE or GRAD_REDUCE flow of any stage).
+    For a flow, the port on its path that was busy longest decides the cause: ``slow port`` if
+    degraded, else the load it carries by the flow's kind (``tokens received``, ``weights
+    received``, ``gradients received``). ``phase`` is that flow's :class:`PhaseKind` value.
+    """
+    ports, fs = sim.ports, sim.fs
+    si = 0
+    plan = sim.plans[0]
+    rows_R = plan.real_rows_R()
+    recv_rows = np.zeros(sim.R)
+    for h in plan.hops[-1:]:
+        recv_rows = np.bincount(h.dst_rank_M, minlength=sim.R).astype(float)
+    last_rank = int(np.argmax(end_R))
+    if sim.opts.isolate is not None or rec["end"].size == 0:
+        if rec["end"].size == 0:
+            return dict(rank=last_rank, cause="none", phase=None, detail="no transfers")
+        f = int(np.nanargmax(rec["end"]))
+        p = critical_port(sim, rec, f)
+        owner = port_owner(sim, rec, p, f)
+        tag = sim.net.phase_tag(int(rec["phase"][f]))
+        return dict(rank=owner, cause=port_cause(sim, p, tag.kind), phase=tag.kind.value,
+                    detail=f"last transfer {int(rec['src'][f])}->{int(rec['dst'][f])} limited by {ports.name(p)}")
+    c_end, c_start = sim.compute_end[si], sim.compute_start[si]
+    rc = int(np.argmax(c_end))
+    dur = c_end[rc] - c_start[rc]
+    t_disp = c_start[rc] - sim.stage_start[si, rc]
+    t_tail = float(end_R.max()) - c_end[rc]
+    gate = sim.compute_gate[si][rc]
+    stall = sum(us for (r, _), us in fs.stall_us.items() if r == rc)
+    mean_rows = max(float(rows_R.mean()), 1e-9)
+    seg = max(("compute", dur), ("dispatch", t_disp), ("combine", t_tail), key=lambda x: x[1])[0]
+    if stall > 0 and stall >= 0.25 * max(dur, t_disp, t_tail):
+        return dict(rank=rc, cause="stall", phase=PhaseKind.STALL.value, detail=f"rank {rc} stalled {stall:.1f} us")
+    if seg == "compute":
+        sp = fs.gpu_speed_R[rc]
+        det = (f"expert compute {dur:.1f} us on {int(rows_R[rc])} rows ({rows_R[rc] / mean_rows:.2f}x mean)"
+               + (f", GPU at {sp:g}x speed" if sp != 1 else ""))
+        return dict(rank=rc, cause="compute", phase=PhaseKind.EXPERT_COMPUTE.value, detail=det)
+    if seg == "dispatch" and gate == "weights":
+        return dict(rank=rc, cause="weight prefetch", phase=PhaseKind.PREFETCH.value,
+                    detail=f"rank {rc} waited for copied expert weights")
+    kind_F, dir_F, layer_F = _flow_tags(sim, rec)
+    # the latest-ending flow of the segment's phases decides the port
+    if seg == "combine":
+        m = np.isin(kind_F, [PhaseKind.COMBINE.value, PhaseKind.GRAD_REDUCE.value])
+    else:  # the first stage's (layer 0, forward) flows into rc before its compute
+        m = (np.isin(kind_F, [PhaseKind.DISPATCH.value, PhaseKind.PREFETCH.value]) & (dir_F == Direction.FORWARD.value)
+             & (layer_F == 0) & (rec["dst"] == rc))
+    if not m.any():
+        m = np.ones(rec["end"].size, dtype=bool)
+    if (m & (rec["src"] != rec["dst"])).any():  # a rank's copy to itself crosses no link
+        m = m & (rec["src"] != rec["dst"])
+    idx = np.flatnonzero(m)
+    f = int(idx[np.nanargmax(rec["end"][idx])])
+    tag = sim.net.phase_tag(int(rec["phase"][f]))
+    p = critical_port(sim, rec, f)
+    cause = port_cause(sim, p, tag.kind)
+    owner = port_owner(sim, rec, p, f)
+    what = _label(tag)
+    if cause == "tokens received":
+        into = tag.kind == PhaseKind.DISPATCH
+        rr = recv_rows[owner] if into else rows_R[owner]
+        det = (f"{what}: rank {owner} {'receives' if into else 'returns'} {int(rr)} rows "
+               f"({rr / max(float(recv_rows.mean() if into else mean_rows), 1e-9):.2f}x mean); "
+               f"port {ports.name(p)} is the bottleneck")
+    elif cause in ("weights received", "gradients received"):
+        pm = rec["phase"] == rec["phase"][f]
+        into_R = np.bincount(rec["dst"][pm].astype(np.int64), weights=rec["bytes"][pm], minlength=sim.R)
+        nz = into_R[into_R > 0]
+        det = (f"{what}: rank {owner} receives {into_R[owner] / 2**20:.1f} MiB of expert "
+               f"{'gradients' if tag.kind == PhaseKind.GRAD_REDUCE else 'weights'} "
+               f"({into_R[owner] / max(float(nz.mean()) if nz.size else 0.0, 1e-9):.2f}x the mean receiver); "
+               f"port {ports.name(p)} is the bottleneck")
+    else:
+        det = f"{what}: port {ports.name(p)} at {ports.cap_P[p] / ports.nominal_cap_P[p]:.2g}x bandwidth limits the last transfer"
+    return dict(rank=owner, cause=cause, phase=tag.kind.value, detail=det)
+
+
+def port_owner(sim: StepSim, rec, p: int, f: int) -> int:
+    """The rank a port belongs to: its own rank; for a node link's out port the flow's source (a
+    rank of that node); for a pair, spine or node-in port the flow's destination."""
+    if 0 <= p < 5 * sim.R:
+        return int(p % sim.R)
+    if sim.ports.node_links and sim.ports.node_base <= p < sim.ports.node_base + sim.ports.nodes:
+        return int(rec["src"][f])
+    return int(rec["dst"][f])
+
+
+def critical_port(sim: StepSim, rec, f: int) -> int:
+    """The port on flow f's path that was busy longest over the run (bytes / its bandwidth): the
+    resource that kept the flow's last bytes waiting (a degraded port's busy time grows with it)."""
+    if sim.busy_P is None:
+        sim.busy_P = sim.net.port_bytes() / sim.ports.cap_P[:-1]
+    path = sim.ports.route(rec["src"][f:f + 1], rec["dst"][f:f + 1])[0]
+    path = path[path < sim.ports.num_ports]
+    phys = path[[sim.ports.physical(int(q)) for q in path]] if path.size else path
+    path = phys if phys.size else path  # name a device's port, not a half-duplex pair
+    if path.size == 0:
+        return int(rec["bneck"][f])
+    return int(path[np.argmax(sim.busy_P[path])])
+
+
+def port_cause(sim: StepSim, p: int, kind: PhaseKind) -> str:
+    """Why a flow of ``kind`` waited on port ``p``: ``latency`` (no port), ``slow port`` (degraded),
+    else the load the port carried (by the flow's kind)."""
+    if p < 0:
+        return "latency"
+    deg = sim.ports.cap_P[p] < sim.ports.nominal_cap_P[p] * (1 - 1e-9)
+    return "slow port" if deg else _LOAD_CAUSE[kind]
+
+
+def sim_result(sim: StepSim, wall: float) -> SimResult:
+    """Assemble the :class:`SimResult` of a finished run (``wall``: seconds it took)."""
+    net, ports, R = sim.net, sim.ports, sim.R
+    rec = net.records()
+    require(not np.isnan(rec["end"]).any(), "simulation ended with unfinished transfers (internal error)", ConfigError)
+    end_R = sim.stage_end[-1].copy()
+    t_end = float(max(end_R.max() if end_R.size else 0.0, rec["end"].max() if rec["end"].size else 0.0))
+    pb = net.port_bytes()
+    busy = pb / ports.cap_P[:-1]
+    # rank, spine and node-link ports (the pair ports of half-duplex links are not a device's port)
+    phys_busy = np.where([ports.physical(p) for p in range(busy.size)], busy, -np.inf) if busy.size else busy
+    bp = int(np.argmax(phys_busy)) if pb.size else 0
+    busiest = dict(name=ports.name(bp), bytes=float(pb[bp]), busy_us=float(busy[bp]),
+                   utilisation=float(busy[bp] / t_end) if t_end > 0 else 0.0,
+                   bandwidth_GBps=float(ports.cap_P[bp] / 1e3))
+    plan0 = sim.plans[0]
+    if sim.opts.isolate is None:
+        lbs = [lower_bound(p, sim.model, sim.topo, backward=sim.opts.backward) for p in sim.plans]
+        lb_us = float(sum(x.lower_bound_us for x in lbs))
+        lb = lbs[0].to_dict() if len(lbs) == 1 else dict(lower_bound_us=lb_us, layers=[x.to_dict() for x in lbs])
+    else:
+        lb_us, lb = 0.0, {}
+    phases = phase_spans(net, rec, sim.spans)
+    layers_us = []
+    for li in range(len(sim.plans)):
+        idx = [si for si, (l, _) in enumerate(sim.stages) if l == li]
+        layers_us.append(float(sim.stage_end[idx].max() - sim.stage_start[idx].min()))
+    top = np.argsort(-busy)[:8]
+    per_rank = dict(end_us=end_R.tolist(),
+                    compute_us=(sim.compute_end[0] - sim.compute_start[0]).tolist(),
+                    compute_start_us=sim.compute_start[0].tolist(),
+                    rows=plan0.real_rows_R().tolist(), padded_rows=plan0.rows_R().tolist())
+    stats = dict(wall_seconds=wall, flows=int(rec["src"].size), ticks=net.ticks, fill_iterations=net.fill_iterations,
+                 tol=sim.opts.tol)
+    opts = {k: (v if k != "faults" else [repr(f) for f in v]) for k, v in sim.opts.__dict__.items()}
+    res = SimResult(
+        strategy=plan0.strategy, topology=sim.topo.name, ranks=R, layer_time_us=t_end, phases_us=phases,
+        lower_bound_us=lb_us, ratio_to_lower_bound=(t_end / lb_us if lb_us > 0 else 0.0), lower_bound=lb,
+        straggler=straggler(sim, rec, end_R), busiest_port=busiest, per_rank=per_rank,
+        port_bytes={ports.name(int(p)): float(pb[p]) for p in top if pb[p] > 0},
+        flow_bytes=float(rec["bytes"].sum()), layers_us=layers_us, sim_stats=stats,
+        topology_constants=sim.topo.constants(), options=opts)
+    if sim.opts.timeline:
+        res.timeline_events = trace_events(sim.spans, net, rec, R)
+    return res
+
+
+__all__ = ["SimResult", "critical_port", "phase_spans", "port_cause", "port_owner", "sim_result", "straggler"]

@@ -1,0 +1,307 @@
+"""The simpy processes that run a step: per rank a dispatcher, a computer and a combiner per stage.
+
+Notation: R ranks, c chunks. Times in microseconds of simulated time.
+
+A *stage* is one direction of one layer (a :class:`~moonep_sim.sim.program.StageProgram`); stages
+are chained per rank (rank r starts stage s+1 once it finished stage s). Dependencies per rank r
+(as the real executor runs them): planning (forward only) -> r sends its hop-0 rows; r sends hop
+h+1 rows once it has received all its hop-h rows -> weights: sent by the home at planning end
+(``overlap_prefetch``) or once the home has received its last dispatch hop -> expert compute on r
+once its last-hop rows and its copies' weights arrived -> r sends its first combine hop when its
+compute ends; later combine hops once it received the previous one -> the copies' gradients are
+sent home after the backward compute. With ``chunks = c`` every dispatch and combine phase is split
+in c equal parts: rank r sends chunk j+1 of a hop once it received chunk j of it, computes chunk j
+once chunk j arrived, and combines chunk j after computing it (a pipeline).
+
+Every network phase is registered with a :class:`PhaseTag` (kind, direction, scope, layer), so
+each flow record names its phase's kind; every local span is a typed :class:`Span`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+import simpy
+
+from moonep_sim.errors import require
+from moonep_sim.models import ModelSpec
+from moonep_sim.plan import CommPhase, Plan
+from moonep_sim.plan.kinds import Direction, PhaseKind, Scope
+from moonep_sim.sim.cpu import HostCPU
+from moonep_sim.sim.faults import FaultState, lognormal_factors
+from moonep_sim.sim.network import FlowNetwork, PortMap
+from moonep_sim.sim.options import SimOptions
+from moonep_sim.sim.program import StageProgram, stage_program
+from moonep_sim.sim.topology import Topology
+
+
+@dataclass(frozen=True)
+class PhaseTag:
+    """What a registered network phase is: the Plan phase's kind, direction and scope, the layer
+    (index into the simulated plans) and the Plan's phase name (e.g. ``combine_bwd.0``)."""
+
+    kind: PhaseKind
+    direction: Direction
+    scope: Scope
+    layer: int
+    name: str
+
+
+class Span(NamedTuple):
+    """A rank's span of local work or of one hop (from sending to having received), in us."""
+
+    rank: int
+    name: str
+    kind: PhaseKind
+    direction: Direction
+    start_us: float
+    end_us: float
+
+
+class StepSim:
+    """One simpy run over a sequence of (plan, direction) stages chained per rank.
+
+    After ``build()`` and ``env.run()``: ``spans`` (typed :class:`Span` records of local work and
+    hops), ``compute_start`` / ``compute_end`` / ``stage_start`` / ``stage_end`` ([stage, R] us),
+    ``compute_gate`` ([stage][R]: what compute waited for last: start, dispatch, weights, stall)
+    and the networks flow records, each flows phase carrying a :class:`PhaseTag`.
+    """
+
+    def __init__(self, plans: Sequence[Plan], topo: Topology, model: ModelSpec, opts: SimOptions):
+        self.plans, self.topo, self.model, self.opts = plans, topo, model, opts
+        R = plans[0].ranks
+        for p in plans:
+            require(p.ranks == R, f"plan ranks ({p.ranks}) must all equal the first plan's ({R})")
+        self.R = R
+        topo.num_nodes(R)
+        self.fs = FaultState.build(opts.faults, R)
+        self.env = simpy.Environment()
+        self.ports = PortMap.build(topo, R, self.fs.nvlink_factor_R, self.fs.nic_factor_R)
+        self.net = FlowNetwork(self.env, self.ports, opts.tol, record_util=opts.timeline)
+        self.rng = np.random.default_rng(opts.seed)
+        host_R = topo.host_R(R)  # CPU processes sharing a host's cores (None on GPU presets)
+        self.host_R = host_R
+        self.share_R = topo.cpu_share_R(R)  # "static" sharing's stretch
+        self.cpus = None if host_R is None or topo.host_sharing != "processor" else \
+            [HostCPU(self.env, topo.host_cores) for _ in range(int(host_R.max()) + 1)]
+        self.spans: list[Span] = []
+        self.stages: list[tuple[int, StageProgram]] = []
+        for li, p in enumerate(plans):
+            self.stages.append((li, stage_program(p, model, topo, Direction.FORWARD, opts, self.fs)))
+        if opts.backward and opts.isolate is None:
+            for li in reversed(range(len(plans))):
+                self.stages.append((li, stage_program(plans[li], model, topo, Direction.BACKWARD, opts, self.fs)))
+        self.compute_start = np.zeros((len(self.stages), R))
+        self.compute_end = np.zeros((len(self.stages), R))
+        self.compute_gate: list[list[str]] = [["" for _ in range(R)] for _ in self.stages]
+        self.stage_end = np.zeros((len(self.stages), R))
+        self.stage_start = np.zeros((len(self.stages), R))
+        self.busy_P: np.ndarray | None = None  # us each port was busy (set by the analysis)
+        self._done_ev: dict[tuple, Any] = {}
+
+    # -- helpers -------------------------------------------------------------------------
+    def _work(self, r: int, us: float) -> simpy.Event:
+        """Rank r's local work of ``us`` microseconds (of one core / its GPU): a delay stretched by
+        the rank's static CPU share (1 on GPU presets), or a job on its host's processor-shared cores."""
+        if self.cpus is None:
+            return self.env.timeout(us * float(self.share_R[r]))
+        return self.cpus[int(self.host_R[r])].run(us)
+
+    def _span(self, r: int, name: str, kind: PhaseKind, direction: Direction, t0: float) -> None:
+        """Record rank r's span from ``t0`` to now."""
+        self.spans.append(Span(r, name, kind, direction, t0, self.env.now))
+
+    def _jit(self, shape) -> np.ndarray:
+        return lognormal_factors(self.rng, self.opts.jitter, shape)
+
+    def _register(self, prefix: str, layer: int, phases: list[CommPhase], chunks: int,
+                  scales: Sequence | None = None):
+        """[phase][chunk] -> (pid, bytes_RR, eff_RR); ``scales[i]``: an [R, R] factor on phase i's
+        transfer times (or None). Each phase instance is registered with its :class:`PhaseTag`."""
+        out = []
+        for i, p in enumerate(phases):
+            row = []
+            b = p.bytes_RR.astype(np.float64) / chunks
+            cnt = (b > 0).sum(axis=0)
+            for j in range(chunks):
+                name = p.name if chunks == 1 else f"{p.name}#{j}"
+                pid = self.net.expect(prefix + name, cnt, PhaseTag(p.kind, p.direction, p.scope, layer, p.name))
+                eff = b * self._jit(b.shape) if self.opts.jitter > 0 else b
+                if scales is not None and scales[i] is not None:
+                    eff = eff * scales[i]
+                row.append((pid, b, eff))
+            out.append(row)
+        return out
+
+    def _send(self, item, r: int) -> None:
+        pid, b, eff = item
+        self.net.submit(pid, r, np.arange(self.R), b[r], eff[r])
+
+    # -- the processes -------------------------------------------------------------------
+    def build(self) -> None:
+        env, R, c = self.env, self.R, self.opts.chunks
+        start = [env.event().succeed() for _ in range(R)]
+        for si, (li, d) in enumerate(self.stages):
+            prefix = f"L{li}." if len(self.plans) > 1 else ""
+            if d.direction == "backward":
+                prefix += "bwd." if not prefix else ""
+            pre = self._register(prefix, li, d.pre, c, [None] * (len(d.pre) - 1) + [d.p2p_RR])
+            wts = [row[0] for row in self._register(prefix, li, d.weights, 1)]
+            post = self._register(prefix, li, d.post, c, [d.p2p_RR] + [None] * (len(d.post) - 1))
+            aft = [row[0] for row in self._register(prefix, li, d.after, 1)]
+            comp_jit = self._jit((c, R)) if self.opts.jitter > 0 else np.ones((c, R))
+            done = []
+            for r in range(R):
+                comp_done = [env.event() for _ in range(c)]
+                fin = env.event()
+                env.process(self._dispatcher(si, d, r, start[r], pre, wts, prefix))
+                env.process(self._computer(si, d, r, start[r], pre, wts, aft, comp_done, comp_jit[:, r], prefix))
+                env.process(self._combiner(si, d, r, start[r], post, aft, comp_done, fin, prefix))
+                done.append(fin)
+            start = done
+
+    def _stall(self, r: int, phase: str, stage_index: int):
+        us = self.fs.stall_us.get((r, phase), 0.0) if stage_index == 0 else 0.0
+        return us
+
+    def _dispatcher(self, si, d: StageProgram, r, start_ev, pre, wts, prefix):
+        env = self.env
+        yield start_ev
+        self.stage_start[si, r] = env.now
+        if d.plan_cpu_us > 0 or d.plan_comm_us > 0:
+            t0 = env.now
+            yield self._work(r, d.plan_cpu_us)
+            yield env.timeout(d.plan_comm_us)
+            self._span(r, prefix + "plan", PhaseKind.PLANNING, d.direction, t0)
+        self._planned(si, r).succeed()
+        st = self._stall(r, "dispatch", si)
+        if st > 0:
+            t0 = env.now
+            yield env.timeout(st)
+            self._span(r, prefix + "stall", PhaseKind.STALL, d.direction, t0)
+        if self.opts.overlap_prefetch:
+            yield from self._weight_pass(d, r, prefix)
+            for w in wts:
+                self._send(w, r)
+        if pre:
+            done = self._done(si, "pre", r, len(pre))
+            procs = [env.process(self._hop(r, pre, h, None, prefix, d.pre_copy[h][r], d.post_copy[h][r], done))
+                     for h in range(len(pre))]
+            yield env.all_of(procs)
+        if not self.opts.overlap_prefetch:
+            yield from self._weight_pass(d, r, prefix)
+            for w in wts:
+                self._send(w, r)
+
+    def _weight_pass(self, d: StageProgram, r: int, prefix: str):
+        """The home's local pass over the weights it sends (``host_copy_bandwidth_GBps``)."""
+        if d.w_pre_R is not None and d.w_pre_R[r] > 0:
+            t0 = self.env.now
+            yield self._work(r, float(d.w_pre_R[r]))
+            self._span(r, prefix + "copy", PhaseKind.COPY, d.direction, t0)
+
+    def _planned(self, si: int, r: int) -> simpy.Event:
+        """Fires once rank r finished planning stage si (at once when there is no planning)."""
+        key = (si, "planned", r)
+        if key not in self._done_ev:
+            self._done_ev[key] = self.env.event()
+        return self._done_ev[key]
+
+    def _done(self, si: int, side: str, r: int, hops: int) -> list[list[simpy.Event]]:
+        """Per (hop, chunk): fires once rank r received that chunk and made its local pass over it."""
+        key = (si, side, r)
+        if key not in self._done_ev:
+            self._done_ev[key] = [[self.env.event() for _ in range(self.opts.chunks)] for _ in range(hops)]
+        return self._done_ev[key]
+
+    def _hop(self, r, rows, h, first_gate, prefix, pre_us=0.0, post_us=0.0, done=None):
+        """Rank r's part of hop h, chunk by chunk: chunk j is sent once r received chunk j of the
+        previous hop and made its local pass over it (or ``first_gate[j]`` fired, for the first
+        hop) and chunk j-1 of this hop; ``pre_us`` / ``post_us`` (whole hop, split over chunks) are
+        the local gather before sending and the pass over the received rows."""
+        env = self.env
+        c = self.opts.chunks
+        for j in range(c):
+            pid = rows[h][j][0]
+            tag = self.net.phase_tag(pid)
+            if h > 0:
+                yield done[h - 1][j] if done is not None else self.net.received(rows[h - 1][j][0], r)
+            elif first_gate is not None:
+                yield first_gate[j]
+            if pre_us > 0:
+                t0 = env.now
+                yield self._work(r, float(pre_us) / c)
+                self._span(r, prefix + "copy", PhaseKind.COPY, tag.direction, t0)
+            t0 = env.now
+            self._send(rows[h][j], r)
+            yield self.net.received(rows[h][j][0], r)
+            self._span(r, prefix + self.net.phase_name(pid)[len(prefix):], tag.kind, tag.direction, t0)
+            if post_us > 0:
+                t0 = env.now
+                yield self._work(r, float(post_us) / c)
+                self._span(r, prefix + "copy", PhaseKind.COPY, tag.direction, t0)
+            if done is not None:
+                done[h][j].succeed()
+
+    def _computer(self, si, d: StageProgram, r, start_ev, pre, wts, aft, comp_done, jit, prefix):
+        env = self.env
+        yield start_ev
+        yield self._planned(si, r)
+        for j in range(self.opts.chunks):
+            gate = "start"
+            if pre:
+                yield self._done(si, "pre", r, len(pre))[-1][j]
+                gate = "dispatch"
+            if j == 0 and wts:
+                t_before = env.now
+                yield env.all_of([self.net.received(w[0], r) for w in wts])
+                if d.w_post_R is not None and d.w_post_R[r] > 0:
+                    t0 = env.now
+                    yield self._work(r, float(d.w_post_R[r]))
+                    self._span(r, prefix + "copy", PhaseKind.COPY, d.direction, t0)
+                if env.now > t_before:
+                    gate = "weights"
+            if j == 0:
+                st = self._stall(r, "compute", si)
+                if st > 0:
+                    t0 = env.now
+                    yield env.timeout(st)
+                    self._span(r, prefix + "stall", PhaseKind.STALL, d.direction, t0)
+                    gate = "stall"
+                self.compute_start[si, r] = env.now
+                self.compute_gate[si][r] = gate
+            t0 = env.now
+            if self.opts.isolate is None:
+                yield self._work(r, float(d.compute_R[r] * jit[j]))
+                name = "expert_bwd" if d.direction == Direction.BACKWARD else "expert"
+                self._span(r, prefix + name, PhaseKind.EXPERT_COMPUTE, d.direction, t0)
+            comp_done[j].succeed()
+        self.compute_end[si, r] = env.now
+        for a in aft:
+            self._send(a, r)
+
+    def _combiner(self, si, d: StageProgram, r, start_ev, post, aft, comp_done, fin, prefix):
+        env = self.env
+        yield start_ev
+        gate = None if self.opts.isolate == "combine" else comp_done
+        st = self._stall(r, "combine", si)
+        if st > 0:
+            yield comp_done[0] if gate is not None else env.timeout(0)
+            t0 = env.now
+            yield env.timeout(st)
+            self._span(r, prefix + "stall", PhaseKind.STALL, d.direction, t0)
+        if post:
+            done = self._done(si, "post", r, len(post))
+            procs = [env.process(self._hop(r, post, h, gate, prefix, d.post_pre_copy[h][r], d.post_post_copy[h][r],
+                                           done)) for h in range(len(post))]
+            yield env.all_of(procs)
+        if aft:
+            yield env.all_of([self.net.received(a[0], r) for a in aft])
+        yield comp_done[-1]
+        self.stage_end[si, r] = env.now
+        fin.succeed()
+
+
+__all__ = ["PhaseTag", "Span", "StepSim"]

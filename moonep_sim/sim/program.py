@@ -1,0 +1,155 @@
+"""The program of one direction of one layer, read from the Plan's phases by kind.
+
+Notation: R ranks, H hops. Times in microseconds of simulated time.
+
+:func:`stage_program` groups ``plan.phases(direction)`` by :class:`~moonep_sim.plan.kinds.PhaseKind`
+(DISPATCH before compute, PREFETCH / MIGRATE weights before compute, COMBINE after it,
+GRAD_REDUCE after the backward compute) and prices the local work around them: each rank's expert
+compute, the planning cost (forward only) and the executor's host passes over rows and weights.
+The engine (``moonep_sim.sim.engine``) runs such programs; it never looks at the strategy's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moonep_sim.errors import ConfigError, require
+from moonep_sim.models import ModelSpec
+from moonep_sim.plan import CommPhase, Plan
+from moonep_sim.plan.direct import last_hop_is_direct
+from moonep_sim.plan.kinds import COMM_KINDS, WEIGHT_KINDS, Direction, PhaseKind
+from moonep_sim.sim.compute import rank_compute_us
+from moonep_sim.sim.faults import FaultState
+from moonep_sim.sim.options import SimOptions
+from moonep_sim.sim.topology import Topology
+
+
+@dataclass
+class StageProgram:
+    """One direction of one layer, as the engine runs it on every rank.
+
+    pre: DISPATCH phases (hops before compute) in order.  weights: PREFETCH / MIGRATE phases.
+    post: COMBINE phases (hops after compute) in order.  after: GRAD_REDUCE phases.
+    compute_R: [R] one chunk's compute work per rank (us of one core / GPU; faults applied).
+    plan_cpu_us: planning work (us of one core / GPU).  plan_comm_us: the planning all-gather.
+    pre_copy / post_copy: [hop] -> [R] us of the host pass before sending / after receiving a
+        dispatch hop; post_pre_copy / post_post_copy: the same for combine hops.
+    w_pre_R / w_post_R: [R] us of the home's pass over the weights it sends / the receiver's pass
+        over the weights it receives (None: no such pass).
+    p2p_RR: [R, R] time scale of the point-to-point hop's flows (None: none).
+    """
+
+    direction: Direction
+    pre: list[CommPhase]
+    weights: list[CommPhase]
+    post: list[CommPhase]
+    after: list[CommPhase]
+    compute_R: np.ndarray
+    plan_cpu_us: float
+    plan_comm_us: float
+    pre_copy: list[np.ndarray] = field(default_factory=list)
+    post_copy: list[np.ndarray] = field(default_factory=list)
+    post_pre_copy: list[np.ndarray] = field(default_factory=list)
+    post_post_copy: list[np.ndarray] = field(default_factory=list)
+    w_pre_R: np.ndarray | None = None
+    w_post_R: np.ndarray | None = None
+    p2p_RR: np.ndarray | None = None
+
+
+def host_copy_us(plan: Plan, topo: Topology, direction: Direction, pre: list[CommPhase],
+                 post: list[CommPhase]) -> tuple[list, list, list, list]:
+    """Per hop and rank, the executor's local passes over rows (``host_copy_bandwidth_GBps``):
+    a gather of the rows a rank sends before each hop and a pass over the rows it receives after
+    it; the last dispatch hop's pass is the expand into the rank's final rows and the first
+    combine hop's the weighted gather of them. Zero when the rate is 0 (GPU presets)."""
+    rate = topo.copy_bytes_per_us
+    R = plan.ranks
+    if rate <= 0:
+        z = [np.zeros(R) for _ in pre], [np.zeros(R) for _ in pre], [np.zeros(R) for _ in post], \
+            [np.zeros(R) for _ in post]
+        return z
+    rows_R = plan.rows_R().astype(np.float64)
+    fwd = direction == Direction.FORWARD
+    disp_row = plan.costs.dispatch_row_bytes if fwd else plan.costs.combine_row_bytes
+    comb_row = plan.costs.combine_row_bytes
+    k = 1.0 / rate
+    d_pre = [p.bytes_RR.sum(axis=1) * k for p in pre]
+    d_post = [p.bytes_RR.sum(axis=0) * k for p in pre]
+    if d_post:
+        d_post[-1] = rows_R * disp_row * k
+    c_pre = [p.bytes_RR.sum(axis=1) * k for p in post]
+    c_post = [p.bytes_RR.sum(axis=0) * k for p in post]
+    if c_pre:
+        c_pre[0] = rows_R * comb_row * k
+    return d_pre, d_post, c_pre, c_post
+
+
+def planning_us(plan: Plan, topo: Topology) -> tuple[float, float]:
+    """(planning work on one core / GPU, the planning all-gather) in us: a fixed cost, the Plan's
+    ``host_plan_us`` (plus the measured planner time scaled by ``plan_measured_factor``) and an all-gather of the per-expert
+    counts (or of every token's routing, with ``plan_routing_bytes_per_entry``)."""
+    R = plan.ranks
+    counts_bytes = (R - 1) * plan.num_experts * 4.0  # everyone's int32 per-expert counts
+    if topo.plan_routing_bytes_per_entry > 0:  # every token's routing, padded to the largest rank
+        counts_bytes = (R - 1) * float(np.max(plan.tokens_per_rank_R)) * plan.top_k * \
+            topo.plan_routing_bytes_per_entry
+    G = min(topo.gpus_per_node, R)
+    slow_bw, lat = (topo.nic_bytes_per_us, topo.nic_latency_us) if topo.num_nodes(R) > 1 else \
+        (topo.nvlink_bytes_per_us, topo.nvlink_latency_us)
+    steps = int(np.ceil(np.log2(R))) if R > 1 else 0
+    plan_comm = steps * lat + (counts_bytes / slow_bw if R > 1 and G >= 1 else 0.0)
+    plan_comm += topo.host_message_us * (R - 1)  # every rank's message to each other rank
+    plan_cpu = topo.plan_fixed_us + float(plan.host_plan_us)  # a host-side planner's own work
+    if topo.plan_measured_factor > 0:  # every rank plans the same global Plan (on the shared cores)
+        plan_cpu += topo.plan_measured_factor * float(plan.plan_seconds) * 1e6
+    return plan_cpu, plan_comm
+
+
+def stage_program(plan: Plan, model: ModelSpec, topo: Topology, direction: Direction, opts: SimOptions,
+                  fs: FaultState) -> StageProgram:
+    """The program of ``plan``'s ``direction`` (see the module docstring)."""
+    direction = Direction(direction)
+    ph = plan.phases(direction)
+    for p in ph:
+        require(p.kind in COMM_KINDS, f"phase {p.name} kind ({p.kind!r}) must be one of "
+                f"{sorted(k.value for k in COMM_KINDS)}", ConfigError)
+    pre = [p for p in ph if p.kind == PhaseKind.DISPATCH]
+    weights = [p for p in ph if p.kind in WEIGHT_KINDS]
+    post = [p for p in ph if p.kind == PhaseKind.COMBINE]
+    after = [p for p in ph if p.kind == PhaseKind.GRAD_REDUCE]
+    if opts.isolate == "dispatch":
+        weights, post, after = [], [], []
+    elif opts.isolate == "combine":
+        pre, weights, after = [], [], []
+    comp = rank_compute_us(plan, model, topo, backward=(direction == Direction.BACKWARD), chunks=opts.chunks,
+                           speed_R=fs.gpu_speed_R)
+    plan_cpu = plan_comm = 0.0
+    if direction == Direction.FORWARD and opts.planning and opts.isolate is None:
+        plan_cpu, plan_comm = planning_us(plan, topo)
+    d_pre, d_post, c_pre, c_post = host_copy_us(plan, topo, direction, pre, post)
+    w_pre = w_post = None
+    w_rate = topo.host_weight_copy_bandwidth_GBps * 1e3 or topo.copy_bytes_per_us
+    if w_rate > 0 and weights:  # weights too are gathered to send and placed on arrival
+        k = 1.0 / w_rate
+        w_pre = sum(p.bytes_RR.sum(axis=1) for p in weights) * k
+        w_post = sum(p.bytes_RR.sum(axis=0) for p in weights) * k
+    return StageProgram(direction, pre, weights, post, after, comp, plan_cpu, plan_comm, d_pre, d_post, c_pre,
+                        c_post, w_pre, w_post, p2p_scale(plan, topo) if plan.hops else None)
+
+
+def p2p_scale(plan: Plan, topo: Topology) -> np.ndarray | None:
+    """[R, R] factor on the transfer time of the last dispatch hop (and its adjoint, the first
+    combine hop) when the gloo executor sends it point-to-point and the topology gives such
+    inter-node transfers their own efficiency (``nic_p2p_efficiency``); None otherwise."""
+    if topo.nic_p2p_efficiency <= 0 or topo.nic_p2p_efficiency == topo.nic_efficiency:
+        return None
+    if not last_hop_is_direct(plan, int(plan.costs.dispatch_row_bytes)):
+        return None
+    node_R = np.arange(plan.ranks) // min(topo.gpus_per_node, plan.ranks)
+    cross = node_R[:, None] != node_R[None, :]
+    return np.where(cross, topo.nic_efficiency / topo.nic_p2p_efficiency, 1.0)
+
+
+__all__ = ["StageProgram", "host_copy_us", "p2p_scale", "planning_us", "stage_program"]
