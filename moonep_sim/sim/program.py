@@ -1,6 +1,6 @@
 """The program of one direction of one layer, read from the Plan's phases by kind.
 
-Notation: R ranks, H hops. Times in microseconds of simulated time.
+Notation: R ranks. Times in microseconds of simulated time.
 
 :func:`stage_program` groups ``plan.phases(direction)`` by :class:`~moonep_sim.plan.kinds.PhaseKind`
 (DISPATCH before compute, PREFETCH / MIGRATE weights before compute, COMBINE after it,
