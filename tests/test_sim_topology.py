@@ -15,9 +15,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_presets_exist_with_documented_constants():
-    assert set(list_topologies()) >= {"h800-cx7", "h20", "h200", "gb200-nvl72", "local-gloo"}
+    assert set(list_topologies()) >= {"h800-cx7", "h100-cx7", "h20", "h200", "b200", "gb200-nvl72", "local-gloo"}
     h800 = load_topology("h800-cx7")
-    assert (h800.gpus_per_node, h800.nvlink_bandwidth_GBps, h800.nic_bandwidth_GBps) == (8, 160.0, 50.0)
+    # H800 NVLink: 400 GB/s bidirectional; DeepEP's "~160 GB/s" is what its kernels reach (the efficiency)
+    assert (h800.gpus_per_node, h800.nvlink_bandwidth_GBps, h800.nic_bandwidth_GBps) == (8, 200.0, 50.0)
     assert load_topology("h200").nvlink_bandwidth_GBps == 450.0
     assert load_topology("h20").gpu_tflops == pytest.approx(148.0)
     nvl = load_topology("gb200-nvl72")

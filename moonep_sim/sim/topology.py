@@ -40,11 +40,17 @@ _TABLES = {
                      "padding_compute")),
     "host": ("host_", ("cores", "nodes_per_host", "sharing", "copy_bandwidth_GBps", "message_us",
                        "weight_copy_bandwidth_GBps")),
-    "planning": ("plan_", ("fixed_us", "measured_factor", "routing_bytes_per_entry")),
+    "planning": ("plan_", ("fixed_us", "measured_factor", "routing_bytes_per_entry", "per_entry_ns", "per_cell_ns")),
+    "kernel": ("kernel_", ("dispatch_fixed_us", "combine_fixed_us", "relay_message_rows", "nic_message_us")),
+    "sm": ("sm_", ("count", "copy_GBps")),
+    "weights": ("weights_", ("engine", "nvlink_efficiency", "nic_efficiency", "sms")),
 }
+#: Table -> the constants it holds, as reports group them (``moonep-sim topologies``).
+KERNEL_TABLES = ("kernel", "sm", "weights")
 DUPLEX = ("full", "half")
 ATTACH = ("gpu", "node")
 SHARING = ("static", "processor")
+WEIGHT_ENGINES = ("copy_engine", "sm")
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,34 @@ class Topology:
     plan_routing_bytes_per_entry: 0 = the planning all-gather moves per-expert counts (4 bytes x
         E per rank); > 0 = it moves every token's routing, this many bytes per (token, k) entry,
         padded to the largest rank's token count.
+
+    GPU kernel terms (``moonep_sim.sim.kernels`` has their closed forms; every one is 0 = off, as on
+    the CPU presets, which have not measured them):
+
+    plan_per_entry_ns, plan_per_cell_ns: planning on the GPU grows with the work: ``per_entry_ns``
+        per (token, k) entry of the largest rank (the local count and row-assignment passes) and
+        ``per_cell_ns`` per cell of the ``E x R`` count matrix (the balancing solve), on top of
+        ``plan_fixed_us``.
+    kernel_dispatch_fixed_us, kernel_combine_fixed_us: fixed cost of one dispatch / combine kernel
+        launch on a rank (launch, count notification, flag polling), paid before its first bytes
+        move; a Plan whose hops are separate kernels pays it per hop, a relayed Plan (one kernel
+        forwarding as rows arrive, ``moonep_sim.plan.kernel.KernelSpec.relay``) once.
+    kernel_relay_message_rows: rows per message a relay rank forwards as they arrive (0 = relays
+        wait for their whole hop, as separate collectives do). Only Plans that declare relayed hops
+        use it.
+    kernel_nic_message_us: serial NIC cost per message (one RDMA write per row) for Plans that send
+        one message per row (``KernelSpec.row_messages``, the low-latency kernels).
+    sm_count: SMs per GPU (0 = SM-limited copies off).  sm_copy_GBps: copy rate one SM drives
+        (GB/s) in a GPU-initiated copy kernel. A Plan that declares an SM budget b
+        (``KernelSpec.sms``) gets per-rank send and receive ports of ``min(b, sm_count) x
+        sm_copy_GBps`` on every transfer of its dispatch and combine hops (local copies
+        included), separately from the links' ``bandwidth x efficiency``.
+    weights_engine: what copies expert weights (prefetch, migration, gradient reduce):
+        ``"copy_engine"`` (default: DMA engines, no SM port) or ``"sm"`` (an SM kernel of
+        ``weights_sms`` SMs, through the send/receive SM ports).
+    weights_nvlink_efficiency, weights_nic_efficiency: the achieved fraction of the NVLink / NIC
+        bandwidth of one large weight copy (0 = the link class's ``efficiency``): large DMA copies
+        reach more of a link than a kernel's row messages.
     """
 
     name: str
@@ -145,6 +179,18 @@ class Topology:
     host_weight_copy_bandwidth_GBps: float = 0.0
     plan_measured_factor: float = 0.0
     plan_routing_bytes_per_entry: float = 0.0
+    plan_per_entry_ns: float = 0.0
+    plan_per_cell_ns: float = 0.0
+    kernel_dispatch_fixed_us: float = 0.0
+    kernel_combine_fixed_us: float = 0.0
+    kernel_relay_message_rows: int = 0
+    kernel_nic_message_us: float = 0.0
+    sm_count: int = 0
+    sm_copy_GBps: float = 0.0
+    weights_engine: str = "copy_engine"
+    weights_nvlink_efficiency: float = 0.0
+    weights_nic_efficiency: float = 0.0
+    weights_sms: int = 0
     sources: dict[str, str] = field(default_factory=dict)
     path: str = ""
 
@@ -170,8 +216,22 @@ class Topology:
                     f"{f} ({getattr(self, f)!r}) must be one of {', '.join(DUPLEX)} (topology {self.name})")
         for f in ("nvlink_latency_us", "nic_latency_us", "fabric_latency_us", "gpu_launch_us", "plan_fixed_us",
                   "host_cores", "host_nodes_per_host", "host_copy_bandwidth_GBps", "host_message_us", "host_weight_copy_bandwidth_GBps", "gpu_slot_us", "plan_measured_factor",
-                  "plan_routing_bytes_per_entry"):
+                  "plan_routing_bytes_per_entry", "plan_per_entry_ns", "plan_per_cell_ns", "kernel_dispatch_fixed_us",
+                  "kernel_combine_fixed_us", "kernel_relay_message_rows", "kernel_nic_message_us", "sm_count",
+                  "sm_copy_GBps", "weights_sms"):
             require(getattr(self, f) >= 0, f"{f} ({getattr(self, f)}) must be >= 0 (topology {self.name})")
+        for f in ("weights_nvlink_efficiency", "weights_nic_efficiency"):
+            v = getattr(self, f)
+            require(0 <= v <= 1, f"{f} ({v}) must lie in [0, 1] (topology {self.name}): 0 = the link's efficiency")
+        require(self.weights_engine in WEIGHT_ENGINES,
+                f"weights engine ({self.weights_engine!r}) must be one of {', '.join(WEIGHT_ENGINES)} "
+                f"(topology {self.name})")
+        require((self.sm_count > 0) == (self.sm_copy_GBps > 0),
+                f"sm count ({self.sm_count}) and sm copy_GBps ({self.sm_copy_GBps}) must be both 0 (off) or both "
+                f"> 0 (topology {self.name})")
+        require(self.weights_engine != "sm" or (self.weights_sms > 0 and self.sm_count > 0),
+                f"weights sms ({self.weights_sms}) must be > 0, with [sm] count and copy_GBps set, when weights "
+                f"engine is 'sm' (topology {self.name})")
         require(0 <= self.gpu_padding_compute <= 1,
                 f"gpu padding_compute ({self.gpu_padding_compute}) must lie in [0, 1] (topology {self.name})")
         require(self.fabric_oversubscription >= 1,
@@ -193,6 +253,24 @@ class Topology:
     @property
     def mem_bytes_per_us(self) -> float:
         return self.gpu_mem_bandwidth_GBps * self.gpu_mem_efficiency * 1e3
+
+    def sm_bytes_per_us(self, sms: int) -> float:
+        """Copy rate (bytes per microsecond) of a kernel on ``sms`` SMs of one GPU: ``min(sms,
+        sm_count) x sm_copy_GBps``; ``inf`` when SM limits are off (``sm_count`` 0) or ``sms`` is 0
+        (the kernel declares no budget)."""
+        if self.sm_count <= 0 or sms <= 0:
+            return float("inf")
+        return min(int(sms), self.sm_count) * self.sm_copy_GBps * 1e3
+
+    @property
+    def weights_nvlink_bytes_per_us(self) -> float:
+        """Rate of one large expert-weight copy over NVLink (bytes per microsecond), before any SM cap."""
+        return self.nvlink_bandwidth_GBps * (self.weights_nvlink_efficiency or self.nvlink_efficiency) * 1e3
+
+    @property
+    def weights_nic_bytes_per_us(self) -> float:
+        """Rate of one large expert-weight copy over the NIC (bytes per microsecond), before any SM cap."""
+        return self.nic_bandwidth_GBps * (self.weights_nic_efficiency or self.nic_efficiency) * 1e3
 
     @property
     def copy_bytes_per_us(self) -> float:

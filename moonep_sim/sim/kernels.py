@@ -1,0 +1,125 @@
+"""GPU kernel terms of the simulator, in closed form (each is off on a topology that leaves it 0).
+
+Units: bytes, microseconds, bytes per microsecond (1 GB/s = 1e3 bytes/us). Every function here is
+what the timeline (``moonep_sim.sim.timeline``) charges for one kernel, one relay or one copy when
+nothing else competes; the unit tests compare the simulator against them. Constants live on
+:class:`moonep_sim.sim.topology.Topology` (tables ``[kernel]``, ``[sm]``, ``[weights]`` and the
+planning terms), each with its source and status in the preset's ``[sources]``.
+
+- **Fixed cost per kernel** (``kernel_dispatch_fixed_us`` / ``kernel_combine_fixed_us``): launch,
+  count notification and flag polling of one kernel, paid by each rank before it sends; a Plan of
+  separate per-hop collectives pays it per hop, a relayed Plan once (:func:`kernel_launches`).
+- **SM-limited copies** (``sm_count``, ``sm_copy_GBps``): a kernel on b SMs sends and receives at
+  most ``min(b, sm_count) x sm_copy_GBps`` per GPU (:func:`sm_cap_bytes_per_us`), whatever the
+  links allow; the network carries it as one send and one receive port per rank.
+- **Relayed forwarding** (``kernel_relay_message_rows``): a relay forwards rows as they arrive in
+  messages of m rows, so hop h+1 overlaps hop h (:func:`relay_two_hop_us`).
+- **Per-message NIC cost** (``kernel_nic_message_us``): one RDMA write per row for the low-latency
+  kernels (:func:`row_messages_us`).
+- **Planning as a function of the work** (:func:`planning_us`).
+- **Weight copies** (``[weights]``): one expert copy over NVLink or the NIC, by copy engine or SMs
+  (:func:`weight_copy_us`), what prefetch, migration and gradient reduce move.
+"""
+
+from __future__ import annotations
+
+import math
+
+from moonep_sim.plan.kernel import ALL_SMS, KernelSpec
+from moonep_sim.sim.topology import Topology
+
+
+def kernel_sms(topo: Topology, spec: KernelSpec | None) -> int:
+    """SMs a Plan's kernels use on ``topo``: 0 = no SM cap (none declared, or SM limits off)."""
+    if spec is None or spec.sms == 0 or topo.sm_count <= 0:
+        return 0
+    return topo.sm_count if spec.sms == ALL_SMS else min(int(spec.sms), topo.sm_count)
+
+
+def sm_cap_bytes_per_us(topo: Topology, spec: KernelSpec | None) -> float:
+    """Per-rank send (and, separately, receive) cap of the Plan's kernels; ``inf`` = none."""
+    return topo.sm_bytes_per_us(kernel_sms(topo, spec))
+
+
+def kernel_fixed_us(topo: Topology, kind: str) -> float:
+    """Fixed cost of one ``"dispatch"`` or ``"combine"`` kernel launch on one rank."""
+    if kind == "dispatch":
+        return topo.kernel_dispatch_fixed_us
+    if kind == "combine":
+        return topo.kernel_combine_fixed_us
+    raise ValueError(f"kind ({kind!r}) must be 'dispatch' or 'combine'")
+
+
+def kernel_launches(spec: KernelSpec | None, hops: int) -> int:
+    """Kernel launches of one dispatch (or combine) of a ``hops``-hop Plan: 1 when relayed."""
+    if hops <= 0:
+        return 0
+    return 1 if (spec is not None and spec.relay) else hops
+
+
+def relay_active(topo: Topology, spec: KernelSpec | None) -> bool:
+    """Whether relays forward as rows arrive (the Plan declares it and the topology sets a message size)."""
+    return spec is not None and spec.relay and topo.kernel_relay_message_rows > 0
+
+
+def class_bytes_per_us(topo: Topology, inter_node: bool) -> float:
+    """Effective rate of one link class (NIC when ``inter_node``, else NVLink)."""
+    return topo.nic_bytes_per_us if inter_node else topo.nvlink_bytes_per_us
+
+
+def message_us(topo: Topology, row_bytes: float, inter_node: bool, sms: float = math.inf) -> float:
+    """Time one relay message (``kernel_relay_message_rows`` rows) takes on a link of its class,
+    alone, capped by the SM rate ``sms`` (bytes/us): the head start a relay waits before it
+    forwards, and the tail it forwards after its last rows arrived."""
+    rate = min(class_bytes_per_us(topo, inter_node), sms)
+    return topo.kernel_relay_message_rows * float(row_bytes) / rate
+
+
+def relay_two_hop_us(bytes0: float, rate0: float, lat0_us: float, bytes1: float, rate1: float, lat1_us: float,
+                     msg0_us: float, msg1_us: float) -> float:
+    """One source -> one relay -> one destination, nothing else on the links, rows forwarded in
+    messages: the relay starts forwarding one message after hop 0 starts arriving, and its last
+    message leaves once the last rows arrived.
+
+    ``max(lat0 + msg0 + lat1 + bytes1 / rate1, lat0 + bytes0 / rate0 + lat1 + msg1)`` -- the
+    pipeline bound: the slower stage's whole transfer plus one message of the other and both
+    latencies. (Without relaying the same hops take ``lat0 + bytes0 / rate0 + lat1 + bytes1 / rate1``.)
+    """
+    return max(lat0_us + msg0_us + lat1_us + bytes1 / rate1, lat0_us + bytes0 / rate0 + lat1_us + msg1_us)
+
+
+def row_messages_us(topo: Topology, messages: float) -> float:
+    """Serial NIC cost of ``messages`` one-row RDMA writes from one rank (low-latency kernels)."""
+    return topo.kernel_nic_message_us * float(messages)
+
+
+def planning_us(topo: Topology, entries_per_rank: float, experts: int, ranks: int) -> float:
+    """Planning work on one GPU: ``plan_fixed_us + entries x per_entry_ns + E x R x per_cell_ns``
+    (entries: (token, k) entries of the largest rank; the count all-gather is charged apart)."""
+    return (topo.plan_fixed_us + float(entries_per_rank) * topo.plan_per_entry_ns * 1e-3
+            + float(experts) * float(ranks) * topo.plan_per_cell_ns * 1e-3)
+
+
+def weight_copy_bytes_per_us(topo: Topology, inter_node: bool, engine: str | None = None, sms: int | None = None) -> float:
+    """Rate of one large expert-weight copy alone: the link class's weight rate (``[weights]``
+    efficiency), capped by ``sms x sm_copy_GBps`` when an SM kernel copies (``engine`` ``"sm"``;
+    default: the topology's ``weights_engine`` and ``weights_sms``)."""
+    engine = engine or topo.weights_engine
+    rate = topo.weights_nic_bytes_per_us if inter_node else topo.weights_nvlink_bytes_per_us
+    if engine == "sm":
+        rate = min(rate, topo.sm_bytes_per_us(topo.weights_sms if sms is None else sms))
+    return rate
+
+
+def weight_copy_us(topo: Topology, nbytes: float, inter_node: bool, engine: str | None = None,
+                   sms: int | None = None) -> float:
+    """Time of one copy of ``nbytes`` of expert weights between two GPUs with nothing else on the
+    links: latency of the class plus bytes over :func:`weight_copy_bytes_per_us` (what a planner
+    that prices copies should charge; the simulator shares the links with whatever else runs)."""
+    lat = topo.nic_latency_us if inter_node else topo.nvlink_latency_us
+    return lat + float(nbytes) / weight_copy_bytes_per_us(topo, inter_node, engine, sms)
+
+
+__all__ = ["class_bytes_per_us", "kernel_fixed_us", "kernel_launches", "kernel_sms", "message_us", "planning_us",
+           "relay_active", "relay_two_hop_us", "row_messages_us", "sm_cap_bytes_per_us", "weight_copy_bytes_per_us",
+           "weight_copy_us"]
