@@ -88,8 +88,9 @@ def main() -> None:
               f"{1 / best:>9.2f} {res.layer_time_us:>10.1f} {res.ratio_to_lower_bound:>8.2f} {growth:>7.2f}", flush=True)
         del plan
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(strategy=a.strategy, model=m.name, topology=topo.name, tol=a.tol, rows=rows), f, indent=2)
+        from moonep_sim.io import write_text_atomic
+        write_text_atomic(a.json, json.dumps(dict(strategy=a.strategy, model=m.name, topology=topo.name, tol=a.tol,
+                                                  rows=rows), indent=2), what="--json")
 
 
 if __name__ == "__main__":

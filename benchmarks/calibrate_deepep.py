@@ -101,8 +101,8 @@ def main() -> None:
         print(f"{kind:<10} {R:>3} {link:<7} {r['dispatch_GBps']:>12.1f} {pd:>9.0f} {100 * ed:>+5.0f}%   "
               f"{r['combine_GBps']:>11.1f} {pc:>9.0f} {100 * ec:>+5.0f}%  {r['strategy']}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=2)
+        from moonep_sim.io import write_text_atomic
+        write_text_atomic(a.json, json.dumps(out, indent=2), what="--json")
 
 
 if __name__ == "__main__":

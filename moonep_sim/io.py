@@ -1,42 +1,250 @@
-"""Side-effect helpers at the edge: atomic file writes (nothing half-written, ever)."""
+"""Side-effect helpers at the edge: the one atomic writer every output goes through.
+
+Guarantees of :func:`write_bytes_atomic` (and the helpers built on it):
+
+* **Nothing half-written.** The content is serialised to bytes first, written to a temporary file
+  in the destination's own folder, fsynced, then renamed onto the destination (``os.replace``: a
+  reader sees the old file or the new one, never a mix), and the folder is fsynced.
+* **Nothing left behind.** On an error the temporary file is removed. A writer killed outright
+  (SIGKILL, power loss) cannot clean up; its temporary file is named
+  ``.<dest name>.<pid>.<8 hex>.msim-tmp`` and the next write into that folder removes every such
+  file whose process is gone.
+* **Ordinary mode.** The file is created with mode ``0o666`` less the umask (as ``open`` would),
+  never the ``0600`` of ``mkstemp``.
+* **One-line refusals**, before anything is written (:func:`check_output_path`): a destination that
+  is a directory or not a regular file, a missing or unwritable folder, or a destination that is one
+  of the command's inputs (``trace import X -o X`` would destroy the source).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
-import tempfile
+import re
+import secrets
+import stat
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from moonep_sim.errors import ConfigError
+
+TEMP_SUFFIX = ".msim-tmp"
+_TEMP_RE = re.compile(r"^\..+\.(?P<pid>\d+)\.[0-9a-f]{8}" + re.escape(TEMP_SUFFIX) + "$")
+
+PathLike = str | os.PathLike
+
+
+def file_kind(mode: int) -> str:
+    """A word for what a path is (``stat.S_IFMT`` of ``mode``): used in refusals."""
+    for test, word in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISREG, "a regular file")):
+        if test(mode):
+            return word
+    return "not a regular file"
+
+
+def temp_name(dest: Path) -> Path:
+    """The temporary file beside ``dest`` a write uses (our naming: see the module docstring)."""
+    return dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_temps(folder: PathLike) -> list[Path]:
+    """Remove temporary files of our naming in ``folder`` whose writing process is gone; returns them.
+
+    Only files matching ``.<name>.<pid>.<8 hex>.msim-tmp`` are touched, and only when ``pid`` is
+    not a live process (a live writer's file, in this process or another, is left alone)."""
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for e in entries:
+        m = _TEMP_RE.match(e.name)
+        if not m or int(m["pid"]) == os.getpid() or _pid_alive(int(m["pid"])):
+            continue
+        with contextlib.suppress(OSError):
+            if e.is_file(follow_symlinks=False):
+                os.unlink(e.path)
+                removed.append(Path(e.path))
+    return removed
+
+
+def check_input_file(path: PathLike, what: str = "input") -> Path:
+    """Refuse (one line) an input that does not exist or is not a regular file -- before opening it,
+    so a named pipe or a device never blocks the reader. Returns the path."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} ({p}) must be an existing file: no such file") from None
+    except OSError as e:
+        raise ConfigError(f"{what} ({p}) must be a readable file: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{what} ({p}) must be a regular file: it is {file_kind(st.st_mode)}")
+    return p
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
+def check_output_path(dest: PathLike, what: str = "output", inputs: Iterable[PathLike | None] = ()) -> Path:
+    """Refuse (:class:`ConfigError`, one line naming ``what`` and the path) an output path the atomic
+    writer could not honour, before any work is done: a directory or a non-regular file (a pipe, a
+    device), a folder that is missing, not a directory or not writable, or one of ``inputs``.
+    Returns the path."""
+    p = Path(dest)
+    if str(dest) == "":
+        raise ConfigError(f"{what} ('') must be a file path")
+    try:
+        st = p.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        st = None
+    except OSError as e:
+        raise ConfigError(f"{what} ({p}) must be a writable file path: {e.strerror}") from None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{what} ({p}) must be a file path: it is {file_kind(st.st_mode)}")
+    for src in inputs:
+        if src is not None and str(src) != "" and Path(src).exists() and _same_file(p, Path(src)):
+            raise ConfigError(f"{what} ({p}) must differ from the input ({src}): writing it would destroy the input")
+    folder = p.parent
+    try:
+        fst = folder.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} ({p}) must be in an existing folder: {folder} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"{what} ({p}) must be in a readable folder: {folder}: {e.strerror}") from None
+    if not stat.S_ISDIR(fst.st_mode):
+        raise ConfigError(f"{what} ({p}) must be in a folder: {folder} is {file_kind(fst.st_mode)}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} ({p}) must be in a writable folder: {folder} is not writable")
+    return p
+
+
+def check_output_dir(path: PathLike, what: str = "--out") -> Path:
+    """Refuse (one line) an output folder that exists as something else, or that could not be
+    created (its nearest existing ancestor is not a writable directory). Creates nothing."""
+    p = Path(path)
+    if str(path) == "":
+        raise ConfigError(f"{what} ('') must be a folder path")
+    if p.exists():
+        st = p.stat()
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{what} ({p}) must be a folder: it is {file_kind(st.st_mode)}")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ConfigError(f"{what} ({p}) must be a writable folder: it is not writable")
+        return p
+    anc = p.absolute().parent
+    while not anc.exists():
+        anc = anc.parent
+    if not anc.is_dir():
+        raise ConfigError(f"{what} ({p}) must be a folder path: {anc} is {file_kind(anc.stat().st_mode)}")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} ({p}) must be creatable: {anc} is not writable")
+    return p
+
+
+def make_output_dir(path: PathLike, what: str = "--out") -> Path:
+    """:func:`check_output_dir`, then create the folder (and missing parents); one line on failure."""
+    p = check_output_dir(path, what)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{what} ({p}) must be creatable: {e.strerror}") from None
+    return p
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_bytes_atomic(dest: PathLike, data: bytes | bytearray | memoryview, *, what: str = "output",
+                       inputs: Iterable[PathLike | None] = ()) -> Path:
+    """Write ``data`` to ``dest`` atomically (see the module docstring); returns ``dest``.
+
+    Raises :class:`ConfigError` (one line) for a path :func:`check_output_path` refuses, or when
+    the write itself fails (disk full, ...); nothing is left behind in either case."""
+    p = check_output_path(dest, what, inputs)
+    clean_stale_temps(p.parent)
+    tmp = temp_name(p)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, p)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        reason = e.strerror or errno.errorcode.get(e.errno or 0, str(e))
+        raise ConfigError(f"{what} ({p}) must be writable: {reason}") from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(p.parent)
+    return p
+
+
+def write_text_atomic(dest: PathLike, text: str, *, what: str = "output",
+                      inputs: Iterable[PathLike | None] = ()) -> Path:
+    """:func:`write_bytes_atomic` of ``text`` encoded as UTF-8."""
+    return write_bytes_atomic(dest, text.encode("utf-8"), what=what, inputs=inputs)
+
 
 @contextlib.contextmanager
-def atomic_path(dest: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``dest``; on success rename it onto ``dest``, else delete it.
-
-    Writers produce the whole file at the yielded path; readers never see a partial ``dest``.
-    """
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp creates 0600; outputs get the usual mode
+def atomic_path(dest: PathLike, *, what: str = "output") -> Iterator[Path]:
+    """For a writer that can only write to a path: yield a temporary path beside ``dest`` (our
+    naming); on success it is fsynced, given the umask's mode and renamed onto ``dest``, else removed.
+    Prefer :func:`write_bytes_atomic` (serialise to bytes first)."""
+    p = check_output_path(dest, what)
+    clean_stale_temps(p.parent)
+    tmp = temp_name(p)
     try:
-        yield tmp_path
-        os.replace(tmp_path, dest)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        os.close(fd)
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, p)
     finally:
-        if tmp_path.exists():
-            tmp_path.unlink()
-
-
-def write_text_atomic(dest: str | os.PathLike, text: str) -> None:
-    with atomic_path(dest) as tmp:
-        tmp.write_text(text)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    _fsync_dir(p.parent)
 
 
 def to_jsonable(obj: Any, *, lenient: bool = False) -> Any:

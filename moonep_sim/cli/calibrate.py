@@ -48,6 +48,9 @@ def register(sub) -> None:
 def run(args) -> int:
     from moonep_sim.report import calibrate as cal
 
+    if args.out and not args.dry_run:
+        from moonep_sim.io import check_output_path
+        check_output_path(args.out, "-o")  # before measuring, not after
     nprocs = parse_int_list(args.nproc, "--nproc") or []
     sizes = parse_sizes(args.sizes) or list(cal.QUICK_SIZES_BYTES if args.quick else cal.DEFAULT_SIZES_BYTES)
     shapes = cal.QUICK_SWIGLU_SHAPES if args.quick else cal.DEFAULT_SWIGLU_SHAPES

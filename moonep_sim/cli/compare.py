@@ -79,10 +79,10 @@ def build_config(args, source):
 
 def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, str]:
     """report.json and the plots under ``out_dir``; returns {what: path}."""
-    from moonep_sim.io import write_text_atomic
+    from moonep_sim.io import make_output_dir, write_text_atomic
     from moonep_sim.report import plots as P
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out_dir, "--out")
     files: dict[str, str] = {}
     if plots:
         files["layer_time"] = str(P.layer_time_bars(report, out_dir / "layer_time.png"))
@@ -112,6 +112,9 @@ def run(args) -> int:
     from moonep_sim.report.compare import compare, open_source
     from moonep_sim.report.tables import compare_footer, compare_table
 
+    from moonep_sim.io import check_output_dir
+
+    check_output_dir(args.out, "--out")  # before the run, not after it
     layers = parse_int_list(args.layers, "--layers")
     source = open_source(args.trace, layers, args.model)
     cfg = build_config(args, source)

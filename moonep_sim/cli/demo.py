@@ -46,6 +46,9 @@ def run(args) -> int:
                                            parse_strategies)
     from moonep_sim.report.tables import compare_footer, compare_table
 
+    from moonep_sim.io import check_output_dir
+
+    check_output_dir(args.out, "--out")  # before the run, not after it
     t0 = time.perf_counter()
     c = console()
     if args.fast:

@@ -122,6 +122,9 @@ def run(args) -> int:
     from moonep_sim.sim.perfetto import write_trace
     from moonep_sim.sim.timeline import DEFAULT_TOL
 
+    if args.timeline:
+        from moonep_sim.io import check_output_path
+        check_output_path(args.timeline, "--timeline")  # before the run, not after it
     topo = load_topology(args.topology, args.gpus_per_node)
     require(args.chunks >= 1, f"--chunks ({args.chunks}) must be >= 1")
     faults = parse_faults(args.slow_gpu, args.degrade_nic, args.degrade_nvlink, args.stall)

@@ -59,13 +59,14 @@ def _values(args) -> list[float]:
 
 def run(args) -> int:
     from moonep_sim.cli.compare import progress_bar
-    from moonep_sim.io import write_text_atomic
+    from moonep_sim.io import check_output_dir, make_output_dir, write_text_atomic
     from moonep_sim.models import get_model
     from moonep_sim.report import plots
     from moonep_sim.report.compare import parse_strategies
     from moonep_sim.report.sweep import SweepConfig, check, sweep
     from moonep_sim.report.tables import sweep_table
 
+    check_output_dir(args.out, "--out")  # before the run, not after it
     model = get_model(args.model)
     cfg = SweepConfig(model, args.over, _values(args), parse_strategies(args.strategies, args.opt), args.topology,
                       args.ranks, args.gpus_per_node or 0, args.tokens_per_rank, args.maxvio, args.seed, args.dtype)
@@ -78,7 +79,7 @@ def run(args) -> int:
         with prog:
             rep = sweep(cfg, progress=cb)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out, "--out")
     png = plots.sweep_lines(rep, out / "sweep.png")
     rep["files"] = {"plot": str(png), "report": str(out / "sweep.json")}
     write_text_atomic(out / "sweep.json", json.dumps(to_jsonable(rep), indent=1))

@@ -89,6 +89,7 @@ def _run(args) -> int:
     from moonep_sim.testbed.netns import check_host
     from moonep_sim.testbed.run import LaunchSpec, run_testbed
 
+    _check_outputs(args, "json", "topology_out")
     check_host()
     spec = _spec(args)
     require(Path(args.trace).is_file(), f"--trace ({args.trace}) must be an existing trace file")
@@ -122,10 +123,20 @@ def _run(args) -> int:
     return 0
 
 
+def _check_outputs(args, *names: str) -> None:
+    """Refuse unusable output paths before the (long) run."""
+    from moonep_sim.io import check_output_path
+
+    for n in names:
+        if getattr(args, n, None):
+            check_output_path(getattr(args, n), "--" + n.replace("_", "-"))
+
+
 def _probe(args) -> int:
     from moonep_sim.testbed.netns import check_host
     from moonep_sim.testbed.run import run_testbed
 
+    _check_outputs(args, "topology_out")
     check_host()
     res = run_testbed(_spec(args), None, probe_gloo=args.gloo, topology_out=args.topology_out,
                       topology_base=args.base_topology, gpus_per_node=args.gpus_per_node)
@@ -138,6 +149,7 @@ def _agree(args) -> int:
     from moonep_sim.testbed.agreement import AgreeConfig, markdown_table, run_agreement
     from moonep_sim.testbed.netns import check_host, parse_node_rates, parse_rate
 
+    _check_outputs(args, "json", "markdown")
     check_host()
     shapes = []
     for part in args.shapes.split(","):

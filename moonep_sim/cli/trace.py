@@ -223,6 +223,9 @@ def run_route(a) -> int:
         if not isinstance(b, np.ndarray) or b.ndim != 1 or b.dtype.kind != "f":
             raise ConfigError(f"--bias-file ({a.bias_file}) must hold a 1-D float array [E]")
         kwargs["bias_E"] = b
+    from moonep_sim.io import check_output_path
+
+    check_output_path(a.out, "-o", inputs=(a.src,))
     src = a.src
     if a.synthetic is not None:
         if src is not None:

@@ -32,12 +32,13 @@ def run(args) -> int:
     from moonep_sim.cli.compare import progress_bar
     from moonep_sim.cli.demo import _trace_path
     from moonep_sim.errors import require
-    from moonep_sim.io import write_text_atomic
+    from moonep_sim.io import check_output_dir, make_output_dir, write_text_atomic
     from moonep_sim.report import calibrate as cal
     from moonep_sim.report import fidelity as F
     from moonep_sim.report.plots import fidelity_scatter
     from moonep_sim.report.tables import fidelity_table
 
+    check_output_dir(args.out, "--out")  # before the run, not after it
     require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")
     traces = args.traces_dir or str(_trace_path().parent)
     strategies = (args.strategies.split(",") if args.strategies
@@ -58,7 +59,7 @@ def run(args) -> int:
             rep = F.validate(cfg, progress=cb)
     rep["calibrated"] = calibrated
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out, "--out")
     png = fidelity_scatter(rep["cases"], out / "fidelity.png", rep["topology"]["name"])
     rep["files"] = {"plot": str(png), "report": str(out / "fidelity.json")}
     write_text_atomic(out / "fidelity.json", json.dumps(to_jsonable(rep), indent=1))

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from moonep_sim.errors import CommError, MoonEPSimError, require
-from moonep_sim.io import write_text_atomic
+from moonep_sim.io import check_output_path, write_text_atomic
 
 PHASES = ("exchange", "plan", "dispatch", "prefetch", "expert", "combine", "backward", "total")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -352,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = None
     try:
         args = _parse(argv)
+        if args.json:  # every rank refuses alike, before the run (not rank 0 alone, after it)
+            check_output_path(args.json, "--json", inputs=(args.trace,))
         if not dist.is_initialized():
             require("RANK" in os.environ and "WORLD_SIZE" in os.environ,
                     "RANK / WORLD_SIZE (unset) must be set: launch with torchrun --nproc_per_node N launch/replay.py ...")
@@ -359,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rep = run(args)
         if rep is not None:
             if args.json:
-                write_text_atomic(args.json, json.dumps(rep, indent=1, sort_keys=True))
+                write_text_atomic(args.json, json.dumps(rep, indent=1, sort_keys=True), what="--json")
             if not args.quiet:
                 print("\n".join(_summary(r) for r in _each(rep)), flush=True)
         dist.barrier()

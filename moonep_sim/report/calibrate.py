@@ -173,7 +173,7 @@ def _worker(rank: int, world: int, store: str, sizes: Sequence[int], shapes: Seq
                          "flops": flops, "seconds": t_S.tolist(), "calls_per_repeat": inner,
                          "barrier_s": barrier_s})
         if rank == 0:
-            Path(out).write_text(json.dumps({"alltoall": a2a, "swiglu": comp, "memcopy": mem, "rowpass": passes}))
+            write_text_atomic(out, json.dumps({"alltoall": a2a, "swiglu": comp, "memcopy": mem, "rowpass": passes}))
         dist.barrier()
     finally:
         dist.destroy_process_group()

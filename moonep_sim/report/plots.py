@@ -9,13 +9,14 @@ Notation: R ranks; ``_RR`` a [source, destination] matrix.
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from moonep_sim.io import atomic_path
+from moonep_sim.io import write_bytes_atomic
 
 # fixed phase order and colours, so plots of different runs read alike
 PHASE_ORDER = ("plan", "dispatch", "prefetch", "migrate", "compute", "combine", "grad_reduce", "other")
@@ -32,9 +33,12 @@ def _plt():
 
 def _save(fig, dest: str | os.PathLike) -> Path:
     dest = Path(dest)
-    with atomic_path(dest) as tmp:
-        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
-    _plt().close(fig)
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    finally:
+        _plt().close(fig)
+    write_bytes_atomic(dest, buf.getbuffer())
     return dest
 
 

@@ -47,6 +47,7 @@ import numpy as np
 
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.routing.metrics import gini, maxvio as maxvio_of
+from moonep_sim.io import check_output_path
 from moonep_sim.routing.trace import LayerRouting, TraceMeta, write_trace
 
 CHUNK_ELEMS = 1 << 22      # tokens per chunk = CHUNK_ELEMS // E (fixed: results never depend on the machine)
@@ -368,6 +369,7 @@ def generate_layer(num_experts: int, top_k: int, tokens: int, seed: int, **popul
 def generate_trace(path, num_experts: int, top_k: int, tokens: int, seed: int, *, model: str | None = None,
                    **kwargs) -> dict[str, Any]:
     """Generate (see :func:`generate`) and write a trace file atomically; returns the report."""
+    check_output_path(path, "-o")  # before the work
     g = generate(num_experts, top_k, tokens, seed, **kwargs)
     L = g.topk_ids_LTK.shape[0]
     steps = int(kwargs.get("steps", 1))
@@ -383,5 +385,5 @@ def generate_trace(path, num_experts: int, top_k: int, tokens: int, seed: int, *
     tensors = {"topk_ids": g.topk_ids_LTK, "topk_weights": g.topk_weights_LTK, "step": g.step_T}
     if g.router_logits_LTE is not None:
         tensors["router_logits"] = g.router_logits_LTE
-    write_trace(path, meta, tensors)
+    write_trace(path, meta, tensors, what="-o")
     return g.report

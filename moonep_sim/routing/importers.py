@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from moonep_sim.errors import TraceFormatError
+from moonep_sim.io import check_output_path
 from moonep_sim.routing.trace import TraceMeta, write_trace
 
 FORMATS = ("jsonl-records", "vllm-routes", "counts-json", "npy")
@@ -645,6 +646,7 @@ def load_source(src: str | os.PathLike, format: str = "auto", *, model: str | No
 
 def import_trace(src: str | os.PathLike, out: str | os.PathLike, format: str = "auto", **kwargs) -> TraceMeta:
     """Import ``src`` and write the trace ``out`` atomically (nothing is written on error)."""
+    check_output_path(out, "-o", inputs=(src,))  # before parsing: `trace import X -o X` never runs
     imp = load_source(src, format, **kwargs)
-    write_trace(out, imp.meta, imp.tensors)
+    write_trace(out, imp.meta, imp.tensors, what="-o", inputs=(src,))
     return imp.meta

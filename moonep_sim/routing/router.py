@@ -223,9 +223,11 @@ def replay_layer(logits_TE: np.ndarray, top_k: int, mode: str = "topk", *, score
 def replay_trace(src, out, mode: str = "topk", *, top_k: int | None = None, **kwargs) -> dict[str, Any]:
     """Re-route every layer of the trace ``src`` (which must hold ``router_logits``) and write the
     result to ``out`` atomically (logits and steps kept). Returns the replay report."""
+    from moonep_sim.io import check_output_path
     from moonep_sim.routing.trace import Trace, write_trace
     from dataclasses import replace
 
+    check_output_path(out, "-o", inputs=(src,))
     tr = Trace(src)
     m = tr.meta
     K = top_k or m.top_k
@@ -250,5 +252,5 @@ def replay_trace(src, out, mode: str = "topk", *, top_k: int | None = None, **kw
     steps = tr.steps()
     if steps is not None:
         tensors["step"] = steps.astype(np.int32)
-    write_trace(out, meta, tensors)
+    write_trace(out, meta, tensors, what="-o", inputs=(src,))
     return report

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,7 +41,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from moonep_sim.errors import TraceFormatError
-from moonep_sim.io import atomic_path
+from moonep_sim.io import check_output_path, file_kind, write_bytes_atomic
+from moonep_sim.limits import MAX_LAYERS, MAX_NUM_EXPERTS, MAX_TOP_K
 
 FORMAT_VERSION = 1
 META_KEY = "moonep_sim"
@@ -73,11 +75,16 @@ class TraceMeta:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str, where: str) -> "TraceMeta":
+    def from_json(cls, text: Any, where: str) -> "TraceMeta":
+        if not isinstance(text, str):
+            raise TraceFormatError(f"{where}: metadata: {META_KEY}: expected a JSON string, "
+                                   f"found {type(text).__name__}")
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
             raise TraceFormatError(f"{where}: metadata: expected JSON, found invalid JSON ({e.msg})") from None
+        except RecursionError:
+            raise TraceFormatError(f"{where}: metadata: expected JSON, found nesting too deep to parse") from None
         if not isinstance(raw, dict):
             raise TraceFormatError(f"{where}: metadata: expected a JSON object, found {type(raw).__name__}")
         required = ("kind", "num_experts", "top_k", "layer_ids", "num_tokens")
@@ -91,23 +98,28 @@ class TraceMeta:
 
     def check(self, where: str) -> None:
         def bad(fld: str, expected: str, found: Any) -> TraceFormatError:
-            return TraceFormatError(f"{where}: metadata: {fld}: expected {expected}, found {found!r}")
+            text = repr(found)
+            return TraceFormatError(f"{where}: metadata: {fld}: expected {expected}, "
+                                    f"found {text if len(text) <= 80 else text[:77] + '...'}")
 
-        if self.format_version != FORMAT_VERSION:
+        if not _is_int(self.format_version) or self.format_version != FORMAT_VERSION:
             raise bad("format_version", str(FORMAT_VERSION), self.format_version)
         if self.kind not in KINDS:
             raise bad("kind", " or ".join(KINDS), self.kind)
-        if not isinstance(self.num_experts, int) or self.num_experts < 1:
-            raise bad("num_experts", "an integer >= 1", self.num_experts)
-        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.num_experts:
+        if not _is_int(self.num_experts) or not 1 <= self.num_experts <= MAX_NUM_EXPERTS:
+            raise bad("num_experts", f"an integer in [1, {MAX_NUM_EXPERTS}] (the largest expert count "
+                      "moonep-sim handles)", self.num_experts)
+        if not _is_int(self.top_k) or not 1 <= self.top_k <= min(self.num_experts, MAX_TOP_K):
             raise bad("top_k", f"an integer in [1, num_experts={self.num_experts}]", self.top_k)
         if (not isinstance(self.layer_ids, list) or not self.layer_ids
-                or not all(isinstance(x, int) for x in self.layer_ids)):
-            raise bad("layer_ids", "a non-empty list of integers", self.layer_ids)
+                or not all(_is_int(x) and -(1 << 31) <= x < 1 << 31 for x in self.layer_ids)):
+            raise bad("layer_ids", "a non-empty list of 32-bit integers", self.layer_ids)
+        if len(self.layer_ids) > MAX_LAYERS:
+            raise bad("layer_ids", f"at most {MAX_LAYERS} layers", f"{len(self.layer_ids)} layers")
         if len(set(self.layer_ids)) != len(self.layer_ids):
             raise bad("layer_ids", "distinct layer ids", self.layer_ids)
-        if self.num_tokens is not None and (not isinstance(self.num_tokens, int) or self.num_tokens < 0):
-            raise bad("num_tokens", "null or an integer >= 0", self.num_tokens)
+        if self.num_tokens is not None and (not _is_int(self.num_tokens) or not 0 <= self.num_tokens < 1 << 62):
+            raise bad("num_tokens", "null or an integer in [0, 2^62)", self.num_tokens)
         if self.kind == "tokens" and self.num_tokens is None:
             raise bad("num_tokens", "an integer for a token-level trace", None)
         if self.model_spec is not None:
@@ -118,6 +130,18 @@ class TraceMeta:
                     raise bad(f"model_spec.{k}", f"{getattr(self, k)} (the trace's {k})", self.model_spec.get(k))
         if not isinstance(self.num_experts_inferred, bool):
             raise bad("num_experts_inferred", "true or false", self.num_experts_inferred)
+        if self.model is not None and not isinstance(self.model, str):
+            raise bad("model", "null or a preset name", self.model)
+        for fld in ("steps", "source", "attribution"):
+            if not isinstance(getattr(self, fld), str):
+                raise bad(fld, "a string", getattr(self, fld))
+        if not isinstance(self.import_report, dict):
+            raise bad("import_report", "a JSON object", self.import_report)
+
+
+def _is_int(v: Any) -> bool:
+    """A JSON integer (``true``/``false`` are not ids or counts)."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -152,53 +176,125 @@ class LayerRouting:
                             self.num_experts, self.layer)
 
 
-def _read_header(path: Path) -> dict:
-    """Parse a safetensors header without reading the data (and without trusting its sizes)."""
+_MAX_HEADER_BYTES = 100 << 20
+
+# safetensors dtype -> bytes per element (the format's full list; a trace uses a few of them)
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+             "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _read_header(path: Path) -> tuple[bytes, int]:
+    """The raw safetensors header of ``path`` and the length of its data section, read without
+    trusting the file: a non-regular file (a named pipe, a device, a directory) is refused before
+    it is opened, so reading never blocks."""
     where = str(path)
     try:
-        size = path.stat().st_size
+        st = path.stat()
+    except FileNotFoundError:
+        raise TraceFormatError(f"{where}: expected a trace file, found no such file") from None
+    except OSError as e:
+        raise TraceFormatError(f"{where}: cannot read: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise TraceFormatError(f"{where}: expected a regular file (a safetensors trace), found {file_kind(st.st_mode)}")
+    size = st.st_size
+    try:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
                 raise TraceFormatError(f"{where}: expected a safetensors trace (8-byte header length), "
                                        f"found a {size}-byte file")
             (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, 100 << 20):
-                raise TraceFormatError(f"{where}: header: expected length <= {size - 8} bytes, "
-                                       f"found {n} (truncated or not a safetensors file)")
+            if n > min(size - 8, _MAX_HEADER_BYTES):
+                raise TraceFormatError(f"{where}: header: expected length <= {min(size - 8, _MAX_HEADER_BYTES)} "
+                                       f"bytes, found {n} (truncated or not a safetensors file)")
             raw = f.read(n)
     except OSError as e:
         raise TraceFormatError(f"{where}: cannot read: {e.strerror}") from None
+    return raw, size - 8 - n
+
+
+def _parse_header(raw: bytes, data_len: int, where: str) -> dict:
+    """Parse and check a safetensors header: every field of the expected type, every tensor's
+    byte range inside the data section, matching its dtype and shape, the ranges contiguous.
+    After this, no safetensors call on the file can fail on the header."""
     try:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise TraceFormatError(f"{where}: header: expected safetensors JSON, found undecodable bytes") from None
+    except RecursionError:
+        raise TraceFormatError(f"{where}: header: expected safetensors JSON, found nesting too deep to parse") from None
     if not isinstance(header, dict):
-        raise TraceFormatError(f"{where}: header: expected a JSON object")
-    data_len = size - 8 - n
+        raise TraceFormatError(f"{where}: header: expected a JSON object, found {type(header).__name__}")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise TraceFormatError(f"{where}: header: __metadata__: expected an object of strings, "
+                               f"found {type(meta).__name__ if not isinstance(meta, dict) else 'non-string values'}")
+    spans = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        try:
-            end = int(info["data_offsets"][1])
-        except (KeyError, IndexError, TypeError, ValueError):
-            raise TraceFormatError(f"{where}: tensor {name}: expected data_offsets in header") from None
-        if end > data_len:
-            raise TraceFormatError(f"{where}: tensor {name}: expected {end} data bytes, file holds "
-                                   f"{data_len} (truncated)")
+        t = f"{where}: tensor {name}"
+        if not isinstance(info, dict):
+            raise TraceFormatError(f"{t}: expected an object with dtype, shape and data_offsets, "
+                                   f"found {type(info).__name__}")
+        dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
+            raise TraceFormatError(f"{t}: dtype: expected a safetensors dtype name, found {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise TraceFormatError(f"{t}: shape: expected a list of integers >= 0, found {shape!r}")
+        if (not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) for o in offs)
+                or not 0 <= offs[0] <= offs[1]):
+            raise TraceFormatError(f"{t}: data_offsets: expected [begin, end] with 0 <= begin <= end, found {offs!r}")
+        if offs[1] > data_len:
+            raise TraceFormatError(f"{t}: expected {offs[1]} data bytes, file holds {data_len} (truncated)")
+        nbytes = _ITEMSIZE[dtype]
+        for d in shape:
+            nbytes *= d  # Python integers: no overflow however large the shape
+        if nbytes != offs[1] - offs[0]:
+            raise TraceFormatError(f"{t}: expected {nbytes} bytes for dtype {dtype} and shape {shape}, "
+                                   f"found data_offsets {offs} ({offs[1] - offs[0]} bytes)")
+        spans.append((offs[0], offs[1], name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise TraceFormatError(f"{where}: tensor {name}: data_offsets: expected to begin at byte {end} "
+                                   f"(tensors back to back), found {begin}")
+        end = stop
     return header
 
 
-_NP_DTYPES = {"I16": np.int16, "I32": np.int32, "I64": np.int64, "F32": np.float32, "F16": np.float16,
-              "BF16": np.float32}
+_NP_DTYPES = {"I16": np.int16, "I32": np.int32, "I64": np.int64, "F32": np.float32, "F16": np.float16}
 
-_EXPECTED = {  # name -> (allowed dtypes, shape template)
+_EXPECTED = {  # name -> (allowed dtypes, shape template); no BF16: numpy cannot read it
     "topk_ids": (("I16", "I32", "I64"), ("L", "T", "K")),
-    "topk_weights": (("F32", "F16", "BF16"), ("L", "T", "K")),
-    "router_logits": (("F32", "F16", "BF16"), ("L", "T", "E")),
+    "topk_weights": (("F32", "F16"), ("L", "T", "K")),
+    "router_logits": (("F32", "F16"), ("L", "T", "E")),
     "step": (("I32", "I64"), ("T",)),
     "counts": (("I32", "I64"), ("L", "E")),
 }
+
+
+def _check_tensors(m: TraceMeta, shapes: dict, where: str) -> None:
+    """Every tensor known, of an allowed dtype, of the shape the metadata implies."""
+    dims = {"L": m.num_layers, "T": m.num_tokens, "K": m.top_k, "E": m.num_experts}
+    required = ("topk_ids", "topk_weights") if m.kind == "tokens" else ("counts",)
+    for name in required:
+        if name not in shapes:
+            raise TraceFormatError(f"{where}: tensor {name}: expected for a {m.kind}-level trace, missing")
+    for name, (dtype, shape) in shapes.items():
+        if name not in _EXPECTED:
+            raise TraceFormatError(f"{where}: tensor {name}: unknown tensor (expected one of "
+                                   f"{sorted(_EXPECTED)})")
+        dtypes, template = _EXPECTED[name]
+        if dtype not in dtypes:
+            hint = " (numpy cannot read bf16: store float32)" if dtype == "BF16" else ""
+            raise TraceFormatError(f"{where}: tensor {name}: expected dtype {'/'.join(dtypes)}, found {dtype}{hint}")
+        want = tuple(dims[d] for d in template)
+        if m.kind == "counts" and "T" in template:
+            raise TraceFormatError(f"{where}: tensor {name}: not allowed in a counts-level trace")
+        if shape != want:
+            raise TraceFormatError(f"{where}: tensor {name}: expected shape {list(want)} from metadata "
+                                   f"({', '.join(f'{d}={dims[d]}' for d in template)}), found {list(shape)}")
 
 
 class Trace:
@@ -211,39 +307,32 @@ class Trace:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         where = str(self.path)
-        if not self.path.exists():
-            raise TraceFormatError(f"{where}: no such file")
-        header = _read_header(self.path)
-        meta_raw = (header.get("__metadata__") or {}).get(META_KEY)
+        raw, data_len = _read_header(self.path)
+        self.meta, self._shapes = self._validate(_parse_header(raw, data_len, where), where)
+        self._handle = None
+
+    @classmethod
+    def check_bytes(cls, data: bytes, where: str) -> TraceMeta:
+        """Check a whole serialised trace (as :func:`write_trace` is about to write it) the way
+        opening it would; returns its metadata."""
+        if len(data) < 8:
+            raise TraceFormatError(f"{where}: expected a safetensors trace, found {len(data)} bytes")
+        (n,) = struct.unpack("<Q", data[:8])
+        if n > len(data) - 8:
+            raise TraceFormatError(f"{where}: header: expected length <= {len(data) - 8} bytes, found {n}")
+        header = _parse_header(bytes(data[8:8 + n]), len(data) - 8 - n, where)
+        return cls._validate(header, where)[0]
+
+    @staticmethod
+    def _validate(header: dict, where: str) -> tuple[TraceMeta, dict[str, tuple[str, tuple[int, ...]]]]:
+        meta_raw = header.get("__metadata__", {}).get(META_KEY)
         if meta_raw is None:
             raise TraceFormatError(f"{where}: metadata: expected key {META_KEY!r} in the safetensors "
                                    "header (is this a moonep-sim trace? import it with `moonep-sim trace import`)")
-        self.meta = TraceMeta.from_json(meta_raw, where)
-        self._shapes = {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"}
-        self._check_tensors(where)
-        self._handle = None
-
-    # -- checks ---------------------------------------------------------------------------
-    def _check_tensors(self, where: str) -> None:
-        m = self.meta
-        dims = {"L": m.num_layers, "T": m.num_tokens, "K": m.top_k, "E": m.num_experts}
-        required = ("topk_ids", "topk_weights") if m.kind == "tokens" else ("counts",)
-        for name in required:
-            if name not in self._shapes:
-                raise TraceFormatError(f"{where}: tensor {name}: expected for a {m.kind}-level trace, missing")
-        for name, (dtype, shape) in self._shapes.items():
-            if name not in _EXPECTED:
-                raise TraceFormatError(f"{where}: tensor {name}: unknown tensor (expected one of "
-                                       f"{sorted(_EXPECTED)})")
-            dtypes, template = _EXPECTED[name]
-            if dtype not in dtypes:
-                raise TraceFormatError(f"{where}: tensor {name}: expected dtype {'/'.join(dtypes)}, found {dtype}")
-            want = tuple(dims[d] for d in template)
-            if m.kind == "counts" and "T" in template:
-                raise TraceFormatError(f"{where}: tensor {name}: not allowed in a counts-level trace")
-            if shape != want:
-                raise TraceFormatError(f"{where}: tensor {name}: expected shape {list(want)} from metadata "
-                                       f"({', '.join(f'{d}={dims[d]}' for d in template)}), found {list(shape)}")
+        meta = TraceMeta.from_json(meta_raw, where)
+        shapes = {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"}
+        _check_tensors(meta, shapes, where)
+        return meta, shapes
 
     # -- access ---------------------------------------------------------------------------
     def _open(self):
@@ -277,8 +366,11 @@ class Trace:
         if name != "counts" and (min(stop, shape[1]) <= start or shape[2] == 0):
             # safetensors refuses empty slices: build the empty result here
             return np.zeros((max(0, min(stop, shape[1]) - start), shape[2]), dtype=_NP_DTYPES[dtype])
-        sl = self._open().get_slice(name)
-        return sl[i:i + 1, start:stop][0] if name != "counts" else sl[i:i + 1][0]
+        try:
+            sl = self._open().get_slice(name)
+            return sl[i:i + 1, start:stop][0] if name != "counts" else sl[i:i + 1][0]
+        except Exception as e:  # safetensors' own error: a file changed or damaged after opening
+            raise TraceFormatError(f"{self.path}: tensor {name}: cannot read ({e})") from None
 
     def layer(self, index: int, start: int = 0, stop: int | None = None) -> LayerRouting:
         """Routing of the ``index``-th stored layer (tokens [start, stop)), ids checked in range."""
@@ -312,7 +404,19 @@ class Trace:
         """Step index per token, int64 [T], or None when the trace has none (one step)."""
         if not self.has("step"):
             return None
-        return self._open().get_tensor("step").astype(np.int64)
+        try:
+            step_T = self._open().get_tensor("step").astype(np.int64)
+        except Exception as e:  # safetensors' own error: a file changed or damaged after opening
+            raise TraceFormatError(f"{self.path}: tensor step: cannot read ({e})") from None
+        if step_T.size:
+            if step_T[0] < 0:
+                raise TraceFormatError(f"{self.path}: token 0: step: expected >= 0, found {int(step_T[0])}")
+            down = np.diff(step_T) < 0
+            if down.any():
+                t = int(np.argmax(down)) + 1
+                raise TraceFormatError(f"{self.path}: token {t}: step: expected non-decreasing steps, "
+                                       f"found {int(step_T[t])} after {int(step_T[t - 1])}")
+        return step_T
 
     def model(self):
         """The trace's model (a :class:`moonep_sim.models.ModelSpec`) from its metadata
@@ -358,21 +462,25 @@ def check_routing(ids_TK: np.ndarray, weights_TK: np.ndarray | None, num_experts
         if weights_TK.shape != ids_TK.shape:
             raise TraceFormatError(f"{where}: topk_weights: expected shape {list(ids_TK.shape)}, "
                                    f"found {list(weights_TK.shape)}")
-        finite = np.isfinite(weights_TK)
-        if not finite.all():
-            t = int(np.argmax(~finite.all(axis=1)))
-            raise TraceFormatError(f"{where}: token {t}: topk_weights: expected finite values, "
-                                   f"found {weights_TK[t].tolist()}")
+        ok = np.isfinite(weights_TK) & (weights_TK >= 0)
+        if not ok.all():
+            t = int(np.argmax(~ok.all(axis=1)))
+            raise TraceFormatError(f"{where}: token {t}: topk_weights: expected finite values >= 0 "
+                                   f"(gate weights), found {weights_TK[t].tolist()}")
 
 
-def write_trace(path: str | os.PathLike, meta: TraceMeta, tensors: Mapping[str, np.ndarray]) -> Path:
-    """Write a trace atomically (a temp file renamed into place); checks it reads back.
+def write_trace(path: str | os.PathLike, meta: TraceMeta, tensors: Mapping[str, np.ndarray], *,
+                what: str = "output", inputs: tuple = ()) -> Path:
+    """Write a trace atomically (serialised to bytes, checked to read back, then written through
+    :func:`moonep_sim.io.write_bytes_atomic`).
 
     ``tensors`` per the table in the module docstring; ``meta`` must agree with their shapes.
+    ``what``/``inputs``: the output's name in messages and the files it must not overwrite.
     """
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     path = Path(path)
+    check_output_path(path, what, inputs)
     meta.check(str(path))
     arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     if "topk_ids" in arrays:
@@ -384,7 +492,7 @@ def write_trace(path: str | os.PathLike, meta: TraceMeta, tensors: Mapping[str, 
                           meta.num_experts, f"{path}: layer {meta.layer_ids[li]}")
     if "topk_weights" in arrays:
         arrays["topk_weights"] = arrays["topk_weights"].astype(np.float32, copy=False)
-    with atomic_path(path) as tmp:
-        save_file(arrays, str(tmp), metadata={META_KEY: meta.to_json()})
-        Trace(tmp)  # read-back check: shapes agree with metadata
+    data = save(arrays, metadata={META_KEY: meta.to_json()})
+    Trace.check_bytes(data, str(path))  # read-back check: shapes agree with metadata
+    write_bytes_atomic(path, data, what=what, inputs=inputs)
     return path

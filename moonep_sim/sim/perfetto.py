@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from moonep_sim.io import atomic_path
+from moonep_sim.io import write_text_atomic
 
 MAX_PORT_TRACKS = 16
 MAX_FLOW_EVENTS = 20000
@@ -61,9 +61,7 @@ def trace_events(spans, net, rec: dict[str, np.ndarray], ranks: int) -> list[dic
 def write_trace(path: str | os.PathLike, events: list[dict[str, Any]], metadata: dict[str, Any] | None = None) -> None:
     """Write ``{"traceEvents": [...], "displayTimeUnit": "ns", "otherData": {...}}`` atomically."""
     doc = {"traceEvents": events, "displayTimeUnit": "ns", "otherData": metadata or {}}
-    with atomic_path(path) as tmp:
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
+    write_text_atomic(path, json.dumps(doc), what="--timeline")
 
 
 __all__ = ["trace_events", "write_trace"]

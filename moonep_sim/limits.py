@@ -1,0 +1,26 @@
+"""Size limits: the largest shapes moonep-sim accepts from a file or an argument.
+
+Every size that decides an allocation (experts, ranks, tokens, chunks, padding) is bounded by what
+the input justifies: a token count by the bytes that hold the tokens, and the rest by the limits
+below, checked *before* anything is allocated, each refusal naming its limit. They are far above
+any published model or cluster (the largest expert counts in use are in the hundreds) and small
+enough that one array of that size fits in memory.
+"""
+
+MAX_NUM_EXPERTS = 1 << 16
+"""Experts per layer (E); per-expert arrays are [E] or [R, E]."""
+
+MAX_TOP_K = 1 << 10
+"""Experts per token (K)."""
+
+MAX_RANKS = 1 << 14
+"""EP ranks (R) in a simulation or a plan; [R, R] traffic matrices must fit."""
+
+MAX_LAYERS = 1 << 12
+"""Layers stored in one trace (L)."""
+
+MAX_TOKENS = 1 << 28
+"""Tokens of one generated layer or step (T); a stored trace's tokens are bounded by its bytes."""
+
+MAX_ELEMENTS = 1 << 31
+"""Elements of one array built from sizes given by a user (e.g. T * K ids, R * E loads)."""
