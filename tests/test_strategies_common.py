@@ -29,6 +29,9 @@ VARIANTS = {
     "capacity": [{}, {"cf": 0.5, "drop": "position"}, {"cf": 2.0, "pad": False}, {"cf": 0.25}],
     "hierarchical": [{}, {"dedup": True}],
     "eplb": [{}, {"choice": "contiguous", "dedup": True}, {"num_redundant": 0}],
+    "llep": [{}, {"lambda": 0.0, "m": 0}, {"lambda": 0.0, "m": 3, "alpha": 1.0, "dedup": True}],
+    "ultraep": [{}, {"replica_cap": 0}, {"replica_cap": 2, "dedup": True}, {"domain": 1}],
+    "costaware": [{}, {"min_gain": 0.0}, {"mode": "training", "cross_node": False}, {"grid": 1}],
 }
 COSTS = RowCosts(dispatch_row_bytes=7, combine_row_bytes=5, weight_bytes=11, grad_bytes=13)
 KINDS = ("random", "same_experts", "hot_group", "all_remote", "empty_experts")

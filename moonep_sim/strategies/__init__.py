@@ -20,7 +20,8 @@ from typing import Any, Callable
 from moonep_sim.errors import ConfigError
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, Plan, RowCosts
 
-_MODULES = ("moonep", "alltoall", "capacity", "allgather", "hierarchical", "deepep", "eplb")
+_MODULES = ("moonep", "alltoall", "capacity", "allgather", "hierarchical", "deepep", "eplb", "llep", "ultraep",
+            "costaware")
 
 
 @dataclass(frozen=True)

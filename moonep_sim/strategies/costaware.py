@@ -1,0 +1,332 @@
+"""``costaware``: node-deduplicated two-hop transport, plus balance bought only where it pays.
+
+Ours (no published anchor). DeepEP-style transport for the tokens (a token crosses the network
+once per destination node, to the GPU with its own local index there, then NVLink to each target
+GPU), and MoonEP-style per-step copies of hot experts -- but a copy is planned only when the
+straggler time it removes exceeds what its weight bytes cost on the critical path, priced with the
+modelled cluster's rates (``PlanContext.topology``: NVLink and NIC bandwidth x efficiency, GPU
+FLOP/s and memory bandwidth; weight-copy rates where the topology has them), the model's expert
+bytes, in forward (prefetch) and, with ``mode="training"``, backward (fp32 gradient reduce).
+
+Notation
+--------
+R ranks, G GPUs per node, E experts, ``epn = E / R`` (rank h owns experts ``[h*epn, (h+1)*epn)``),
+T tokens, K top-k, N = T*K entries, W one expert's weight bytes, F FLOP/us, M memory bytes/us.
+
+Cost model (estimates in us; the simulator then times the Plan itself)
+----------------------------------------------------------------------
+- Expert compute of a slot with x rows: ``max(x * W / F, W / M)`` (forward FLOPs per row equal
+  the bf16 weight bytes: 2 FLOPs per weight element per row; an active slot reads its weights
+  once). Training adds the backward: twice the FLOPs, weights read again.
+- NVLink rows: each row a rank computes arrives over NVLink and its output returns over NVLink,
+  ``(G-1)/G`` of them from other GPUs: ``rows * (dispatch_row + combine_row) * (G-1)/G / nvlink``.
+- A rank's estimate is the sum of both; the layer's is the largest rank's plus the copies' cost.
+- A copy of W bytes over NVLink (same node) or the NIC (other node) occupies the home's out-port
+  and the receiver's in-port. In forward the weights are sent at planning end: NVLink ports are
+  idle while the tokens cross the network (multi-node), so NVLink copies up to that window
+  (``H``, the estimated network hop of the dispatch) cost nothing; NIC copies share the NIC with
+  that hop and cost their full time. A receiver's estimate grows by its own incoming copy time
+  beyond the window; the layer's by the busiest home's outgoing copy time beyond it. Training
+  adds each copy's fp32 gradient (``grad_bytes``) on the reverse path, with no window.
+
+Planner
+-------
+1. Candidates: no copy (exactly ``deepep``); for each target ``tau`` on a grid of rows per rank
+   between the mean and the largest home load, two allocations -- copies inside the node only,
+   and node-first with cross-node copies allowed; and MoonEP's exact balance (``moonep``'s
+   greedy). For a target, ranks above it (largest excess first) give their excess to receivers
+   below it: same node first, the receiver whose room fits the excess most tightly (else the
+   most room); each receiver is fed by **one** donor rank only and then closed, so it holds at
+   most ``epn`` copy slots (MoonEP's structural bound: static buffers). A donor's quota to a
+   receiver is taken from its experts, largest remaining first.
+2. The candidate with the smallest estimate wins; one with copies must beat the no-copy estimate
+   by at least ``min_gain`` (relative) -- so a balanced routing plans exactly ``deepep`` -- and
+   under heavy skew the targets approach exact balance.
+3. Entries of expert e are split over its ranks in rank order; the route is ``deepep``'s.
+
+The Plan's options report what was accepted and why: the target, copies inside and across
+nodes, the residual max/mean rows, the estimates of the chosen plan, of no copy and of exact
+balance, and a sentence naming the reason. Cross-node copies go to their receiver directly from
+the home (one NIC transfer each); a relay fanning one cross-node copy out inside the destination
+node is not modelled (the executors have no relayed weight copy), which makes cross-node copies
+to several GPUs of one node priced (and timed) as separate transfers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from moonep_sim.errors import require
+from moonep_sim.plan import GlobalRouting, Plan
+from moonep_sim.plan.multihop import plan_from_routes
+from moonep_sim.strategies import PlanContext, register
+from moonep_sim.strategies.llep import require_home_groups
+from moonep_sim.strategies.moonep import capacity_split, copy_slots, entry_slots, greedy_quotas, split_quotas
+
+MODES = ("forward", "training")
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the cost model prices with, in bytes or FLOP per microsecond.
+
+    nvlink / nic: token rows.  weight_nvlink / weight_nic: expert weight copies (the topology's
+    weight-copy rates where it has them, else the link's).  flops / mem: one GPU's achievable rates.
+    source: where they came from (a topology name, or the documented defaults).
+    """
+
+    nvlink: float
+    nic: float
+    weight_nvlink: float
+    weight_nic: float
+    flops: float
+    mem: float
+    source: str
+
+    @classmethod
+    def of(cls, topology: Any) -> "Rates":
+        """Rates from a topology object (duck-typed), or the defaults (``h800-cx7``'s constants)."""
+        if topology is None:
+            return cls(160.0 * 0.88e3, 50.0 * 0.9e3, 160.0 * 0.88e3, 50.0 * 0.9e3, 989.0 * 0.6e6, 3350.0 * 0.8e3,
+                       "defaults (h800-cx7 constants; no topology in the plan context)")
+        t = topology
+        nv = float(t.nvlink_bandwidth_GBps) * float(t.nvlink_efficiency) * 1e3
+        nic = float(t.nic_bandwidth_GBps) * float(t.nic_efficiency) * 1e3
+        # the weight-copy rates of a topology that models them (GB/s, achieved), else the links'
+        w_nv = _rate_GBps(t, ("weight_copy_nvlink_GBps", "nvlink_weight_copy_GBps")) or nv
+        w_nic = _rate_GBps(t, ("weight_copy_rdma_GBps", "weight_copy_nic_GBps", "nic_weight_copy_GBps")) or nic
+        flops = float(t.gpu_tflops) * float(t.gpu_compute_efficiency) * 1e6
+        mem = float(t.gpu_mem_bandwidth_GBps) * float(t.gpu_mem_efficiency) * 1e3
+        return cls(nv, nic, min(w_nv, nv) if w_nv else nv, min(w_nic, nic) if w_nic else nic, flops, mem,
+                   str(getattr(t, "name", "topology")))
+
+
+def _rate_GBps(t: Any, names: tuple[str, ...]) -> float:
+    """The first of ``names`` the topology has with a positive value, in bytes per us (0 = none)."""
+    for n in names:
+        v = getattr(t, n, None)
+        if isinstance(v, (int, float)) and v > 0:
+            return float(v) * 1e3
+    return 0.0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The estimates of the module doc for one layer (all times in us)."""
+
+    rates: Rates
+    gpus_per_node: int
+    weight_bytes: float
+    grad_bytes: float
+    row_bytes: float          # dispatch + combine bytes of one row
+    window_us: float          # forward: NVLink idle while tokens cross the network
+    training: bool
+
+    def rank_us(self, alloc_ER: np.ndarray) -> np.ndarray:
+        """float64 [R]: compute plus NVLink rows of each rank for an allocation."""
+        r = self.rates
+        W = self.weight_bytes
+        x = alloc_ER.astype(np.float64)
+        active = x > 0
+        f = 3.0 if self.training else 1.0  # backward: twice the forward FLOPs
+        m = 2.0 if self.training else 1.0  # backward reads the weights again
+        comp = np.maximum(x * (f * W / r.flops), active * (m * W / r.mem)).sum(axis=0)
+        G = self.gpus_per_node
+        nv = x.sum(axis=0) * self.row_bytes * ((G - 1) / G) / r.nvlink
+        return comp + nv * (2.0 if self.training else 1.0)
+
+    def copy_us(self, alloc_ER: np.ndarray, epn: int) -> tuple[np.ndarray, float]:
+        """Per rank the incoming copy time beyond the window (float64 [R]) and the busiest home's
+        outgoing copy time beyond it (a delay every rank may wait on)."""
+        E, R = alloc_ER.shape
+        home = np.arange(E) // epn
+        ce, cd = np.nonzero(alloc_ER > 0)
+        cp = home[ce] != cd
+        ce, cd = ce[cp], cd[cp]
+        ch = home[ce]
+        G = self.gpus_per_node
+        cross = (ch // G) != (cd // G)
+        r = self.rates
+        t_w = np.where(cross, self.weight_bytes / r.weight_nic, self.weight_bytes / r.weight_nvlink)
+        # NVLink and NIC are separate ports: sum per (rank, port class), window off the NVLink part
+        in_nv = np.bincount(cd[~cross], weights=t_w[~cross], minlength=R)
+        in_nic = np.bincount(cd[cross], weights=t_w[cross], minlength=R)
+        out_nv = np.bincount(ch[~cross], weights=t_w[~cross], minlength=R)
+        out_nic = np.bincount(ch[cross], weights=t_w[cross], minlength=R)
+        w = self.window_us
+        per_in = np.maximum(in_nv - w, 0.0) + in_nic
+        out = float(np.max(np.maximum(out_nv - w, 0.0) + out_nic)) if R else 0.0
+        if self.training and ce.size:  # fp32 gradients back home, after the backward compute
+            g = self.grad_bytes
+            tg = np.where(cross, g / r.weight_nic, g / r.weight_nvlink)
+            per_in = per_in + np.bincount(cd, weights=tg, minlength=R)  # the receiver sends its gradient
+            out += float(np.bincount(ch, weights=tg, minlength=R).max())  # the home receives them all
+        return per_in, out
+
+    def estimate_us(self, alloc_ER: np.ndarray, epn: int) -> float:
+        per_in, out = self.copy_us(alloc_ER, epn)
+        return float(np.max(self.rank_us(alloc_ER) + per_in)) + out
+
+
+def network_window_us(counts_E: np.ndarray, tokens_per_rank_R: np.ndarray, top_k: int, gpus_per_node: int,
+                      ranks: int, dispatch_row_bytes: float, nic_Bpus: float) -> float:
+    """Estimated time the dispatch's network hop keeps NVLink idle (0 on one node): a rank's tokens
+    times the expected remote nodes per token (node shares of the entries, K draws) over the NIC."""
+    nodes = ranks // gpus_per_node
+    if nodes <= 1 or counts_E.sum() == 0:
+        return 0.0
+    share = counts_E.reshape(nodes, -1).sum(axis=1) / float(counts_E.sum())
+    per_node_hit = 1.0 - (1.0 - np.minimum(share, 1.0)) ** top_k  # P(a token touches node n)
+    remote = float(per_node_hit.sum()) * (nodes - 1) / nodes
+    return float(np.mean(tokens_per_rank_R)) * remote * dispatch_row_bytes / nic_Bpus
+
+
+def target_alloc(counts_E: np.ndarray, ranks: int, gpus_per_node: int, tau: int, cross_node: bool) -> np.ndarray:
+    """int64 [E, R]: the allocation that brings ranks to at most ``tau`` rows where receivers allow
+    (step 1 of the module doc; at most R rounds over ranks, never a loop over tokens).
+
+    Each round takes the rank furthest above ``tau`` (h) and an open receiver u below it -- same
+    node first (cross-node only with ``cross_node``), the smallest room that holds h's excess, else
+    the largest room -- and moves *u's whole room* from h to u (MoonEP's rule): u is then full and
+    closed (fed by one donor), and when h overshoots it is left with room a later donor can fill,
+    so no receiver's room is stranded. At ``tau`` = the mean load this reaches exact balance.
+    """
+    counts = np.asarray(counts_E, dtype=np.int64)
+    E, R = counts.size, int(ranks)
+    epn = E // R
+    home = np.arange(E) // epn
+    alloc = np.zeros((E, R), dtype=np.int64)
+    alloc[np.arange(E), home] = counts
+    left = alloc[np.arange(E), home].copy()  # entries of each expert still at its home
+    load = counts.reshape(R, epn).sum(axis=1).astype(np.int64)
+    node = np.arange(R) // gpus_per_node
+    open_ = np.ones(R, dtype=bool)  # never fed by a donor yet
+    blocked = np.zeros(R, dtype=bool)  # donors with no receiver left
+    for _ in range(2 * R + 1):
+        over = np.where(blocked, -1, load - tau)
+        h = int(np.argmax(over))
+        excess = int(over[h])
+        if excess <= 0:
+            break
+        room = tau - load
+        ok = open_ & (room > 0)
+        ok[h] = False
+        same = ok & (node == node[h])
+        cand = np.flatnonzero(same) if same.any() else (np.flatnonzero(ok) if cross_node else np.zeros(0, int))
+        if cand.size == 0:
+            blocked[h] = True
+            continue
+        rc = room[cand]
+        fits = rc >= excess
+        u = int(cand[np.argmin(np.where(fits, rc, np.inf))]) if fits.any() else int(cand[np.argmax(rc)])
+        q = min(int(room[u]), int(alloc[h * epn:(h + 1) * epn, h].sum()))
+        open_[u] = False  # one donor per receiver: at most epn copy slots there
+        own = left[h * epn:(h + 1) * epn]  # a view: the quota from h's experts, largest remaining first
+        while q > 0:
+            le = int(np.argmax(own))
+            take = min(q, int(own[le]))
+            if take <= 0:
+                break
+            e = h * epn + le
+            alloc[e, u] += take
+            alloc[e, h] -= take
+            own[le] -= take
+            load[u] += take
+            load[h] -= take
+            q -= take
+    return alloc
+
+
+def costaware_assign(counts_E: np.ndarray, ranks: int, gpus_per_node: int, model: CostModel, grid: int = 24,
+                     min_gain: float = 0.01, cross_node: bool = True) -> tuple[np.ndarray, dict]:
+    """Pick the allocation with the smallest estimate (steps 1-2). Returns (alloc_ER, info).
+
+    Without ``cross_node`` no candidate copies across nodes (exact balance only on one node)."""
+    counts = np.asarray(counts_E, dtype=np.int64)
+    E, R = counts.size, int(ranks)
+    epn = E // R
+    load = counts.reshape(R, epn).sum(axis=1)
+    base = np.zeros((E, R), dtype=np.int64)
+    base[np.arange(E), np.arange(E) // epn] = counts
+    est_none = model.estimate_us(base, epn)
+    best, best_est, best_kind, best_tau = base, est_none, "none", int(load.max()) if R else 0
+    mean = float(load.sum()) / max(R, 1)
+    exact = None
+    multi = R > gpus_per_node
+    if R > 1 and load.sum() > 0:
+        if cross_node or not multi:
+            z = greedy_quotas(load, capacity_split(int(load.sum()), R))
+            exact = split_quotas(counts, z, epn)
+            est_exact = model.estimate_us(exact, epn)
+            if est_exact < best_est * (1.0 - min_gain):
+                best, best_est, best_kind, best_tau = exact, est_exact, "exact", int(np.ceil(mean))
+        lo, hi = int(np.ceil(mean)), int(load.max())
+        taus = sorted({int(round(v)) for v in np.linspace(lo, hi, grid + 1)[:-1]})
+        for cross in ((False, True) if multi and cross_node else (False,)):
+            for tau in taus:
+                a = target_alloc(counts, R, gpus_per_node, tau, cross)
+                est = model.estimate_us(a, epn)
+                if est < best_est * (1.0 - (min_gain if best_kind == "none" else 0.0)) - 1e-9:
+                    best, best_est, best_kind, best_tau = a, est, "cross-node" if cross else "intra-node", tau
+    return best, {"kind": best_kind, "target_rows": best_tau, "estimate_us": best_est,
+                  "estimate_no_copy_us": est_none,
+                  "estimate_exact_us": model.estimate_us(exact, epn) if exact is not None else est_none}
+
+
+def _why(info: dict, residual: float) -> str:
+    n, x, b = info["estimate_no_copy_us"], info["estimate_exact_us"], info["estimate_us"]
+    if info["kind"] == "none":
+        return (f"no copy: the best balancing estimate does not beat the no-copy one ({n:.0f} us) by the "
+                f"required margin; exact balance would be {x:.0f} us")
+    if info["kind"] == "exact":
+        return f"exact balance pays: {x:.0f} us estimated against {n:.0f} us without copies"
+    return (f"kept max/mean rows {residual:.3f}: {b:.0f} us estimated, against {n:.0f} us without copies and "
+            f"{x:.0f} us at exact balance (the further copies cost more than the straggler time they remove)")
+
+
+@register("costaware", summary="ours: node-dedup two-hop transport plus expert copies only where they pay "
+                               "(priced with the topology's NVLink/NIC/GPU rates)",
+          options={"mode": (str, "forward", "price the forward (prefetch) or training (also the fp32 "
+                                            "gradient reduce and backward compute): forward | training"),
+                   "min_gain": (float, 0.01, "relative estimated gain a plan with copies must show over none"),
+                   "grid": (int, 24, "targets tried between the mean and the largest home load"),
+                   "cross_node": (bool, True, "allow copies to other nodes when they still pay")})
+def plan(routing: GlobalRouting, ctx: PlanContext, mode: str = "forward", min_gain: float = 0.01, grid: int = 24,
+         cross_node: bool = True) -> Plan:
+    t0 = time.perf_counter()
+    require(mode in MODES, f"mode ({mode!r}) must be one of {', '.join(MODES)}")
+    require(0 <= min_gain < 1, f"min_gain ({min_gain}) must lie in [0, 1): a relative gain")
+    require(grid >= 1, f"grid ({grid}) must be >= 1 (targets tried)")
+    epn = require_home_groups(routing, ctx, "costaware")
+    R, G = ctx.cluster.ranks, ctx.cluster.gpus_per_node
+    rates = Rates.of(ctx.topology)
+    c = ctx.costs
+    counts = routing.counts_E()
+    window = network_window_us(counts, routing.tokens_per_rank_R, routing.top_k, G, R, c.dispatch_row_bytes, rates.nic)
+    model = CostModel(rates, G, float(c.weight_bytes), float(c.grad_bytes),
+                      float(c.dispatch_row_bytes + c.combine_row_bytes), 0.8 * window, mode == "training")
+    alloc, info = costaware_assign(counts, R, G, model, grid, min_gain, cross_node)
+    slot_rank, slot_expert, slot_home = copy_slots(alloc, epn)
+    ids = routing.topk_ids_TK
+    entry_slot = entry_slots(ids.ravel(), alloc, slot_rank, slot_expert).reshape(ids.shape)
+    rows = alloc.sum(axis=0)
+    copies = slot_home != slot_rank
+    cross = (slot_home // G) != (slot_rank // G)
+    residual = float(rows.max() / max(rows.mean(), 1e-12)) if rows.size else 0.0
+    opts = {"mode": mode, "min_gain": min_gain, "grid": grid, "cross_node": cross_node,
+            "rates": rates.source, "chosen": info["kind"], "target_rows": int(info["target_rows"]),
+            "copies_intra_node": int((copies & ~cross).sum()), "copies_cross_node": int((copies & cross).sum()),
+            "residual_max_over_mean": residual, "estimate_us": round(info["estimate_us"], 1),
+            "estimate_no_copy_us": round(info["estimate_no_copy_us"], 1),
+            "estimate_exact_us": round(info["estimate_exact_us"], 1), "network_window_us": round(window, 1),
+            "why": _why(info, residual)}
+    rank = np.arange(R, dtype=np.int64)
+    via_RR = (rank[None, :] // G) * G + rank[:, None] % G  # deepep's route: d's node, s's local index
+    return plan_from_routes("costaware", opts, routing, ctx.cluster, c, slot_rank, slot_expert, slot_home, entry_slot,
+                            [via_RR], ("inter_node", "intra_node"), (True, True), token_padding=ctx.token_padding,
+                            started=t0, via_table=True)
+

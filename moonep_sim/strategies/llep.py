@@ -1,0 +1,214 @@
+"""``llep``: Least-Loaded Expert Parallelism (LLEP, ICML 2026), as its public code behaves.
+
+Anchor: SalesforceAIResearch/LeastLoadedEP (``compute_llep_lpt_plan``; ``../shared/ANCHORS.md``).
+Ranks all-reduce their per-expert counts; the planner then runs on the host, in Python, once per
+layer:
+
+1. ``counts_E``: global tokens per expert; each rank's native load is its home group's total.
+2. Fallback: if the per-GPU max/mean native load is below ``lambda`` (default 1.3), plain EP (every
+   entry at its expert's home rank, no weight moved).
+3. Capacity ``cap = int(alpha * (N // R))`` entries per rank (alpha 1.0-1.1; default 1.1).
+4. Experts in decreasing load order (ties: lower id). For expert e of home h: remove e from h's
+   *pending* native load; h keeps ``min(count, cap - effective(h))`` where
+   ``effective(r) = assigned(r) + pending(r)`` (what r already took plus its own experts not yet
+   processed); the excess is spilled, chunk by chunk, to the other rank with the least effective
+   load: each chunk is ``min(remaining, cap - effective(helper))``; a helper whose chunk would be
+   smaller than ``m`` (default 1024) is skipped unless the chunk is the last one; when no helper
+   has room the rest goes to the least-loaded one anyway (the code's two spill loops, "partial
+   native" and "native full", are reproduced: the first re-sorts the helpers after every chunk, the
+   second sorts them once).
+5. Each helper receives the expert's weights point-to-point from the home (a Plan copy: prefetch
+   charged in forward, the fp32 gradient sent back home in backward).
+
+Transport: one variable-size all-to-all of (token, k) rows to the computing rank (``dedup``: a token
+once per destination rank). Entries of expert e are split over its ranks in rank order (the
+planning reference's token ranges cover counts only, so any split with the same counts is the same
+plan for every cost).
+
+Host cost (``Plan.host_plan_us``, charged by the simulator in the planning step): LLEP reads the
+counts back to the host (one device-to-host sync) and plans in a Python loop of ``O(E)`` iterations,
+a spilling one building and sorting the list of R helpers. Modelled, with assumed constants (not
+measured on a GPU host): ``HOST_SYNC_US`` once per layer, ``HOST_US_PER_EXPERT`` per expert with
+tokens, ``HOST_US_PER_HELPER`` per helper considered in a spill round; the plain-EP fallback pays
+the sync only (the imbalance check reads one scalar back).
+
+Notation: R ranks, E experts, ``epn = E / R``, T tokens, K top-k, N = T*K entries.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from moonep_sim.errors import ConfigError, require
+from moonep_sim.plan import GlobalRouting, Plan
+from moonep_sim.plan.plan import _plan_from_order
+from moonep_sim.strategies import PlanContext, register
+from moonep_sim.strategies.moonep import copy_slots, slot_order
+
+#: assumed: one device-to-host copy of the counts plus the per-layer barrier on the EP group
+HOST_SYNC_US = 30.0
+#: assumed: one iteration of the Python loop over experts (no spill)
+HOST_US_PER_EXPERT = 1.0
+#: assumed: per helper considered in one spill round (list building and sorting of R ranks)
+HOST_US_PER_HELPER = 0.5
+
+
+def require_home_groups(routing: GlobalRouting, ctx: PlanContext, name: str) -> int:
+    """epn; raises unless the placement is contiguous home groups (rank h owns [h*epn, (h+1)*epn))."""
+    E, R = routing.num_experts, ctx.cluster.ranks
+    require(routing.ranks == R, f"routing ranks ({routing.ranks}) must equal cluster ranks ({R})")
+    if E % R:
+        raise ConfigError(f"num_experts ({E}) must be divisible by ranks ({R}) for {name}'s home-group placement")
+    epn = E // R
+    p = ctx.placement
+    if p.num_experts != E or p.num_slots != E or not np.array_equal(p.home_E, np.arange(E) // epn):
+        raise ConfigError(f"placement must be home groups (rank h owns experts [h*{epn}, (h+1)*{epn})) for "
+                          f"{name}: its helpers are planned per step, not placed statically")
+    return epn
+
+
+def llep_assign(counts_E: np.ndarray, ranks: int, alpha: float = 1.1, m: int = 1024,
+                lam: float = 1.3) -> tuple[np.ndarray, dict]:
+    """LLEP's least-loaded assignment (module doc, steps 2-4).
+
+    counts_E: int64 [E] global entries per expert; home of e is ``e // (E / ranks)``.
+    Returns (alloc_ER int64 [E, R]: entries of expert e computed on rank r; info dict with
+    ``fallback`` (bool), ``imbalance`` (native max/mean), ``capacity``, ``spill_rounds`` and
+    ``helpers_considered``).
+    """
+    counts = np.asarray(counts_E, dtype=np.int64)
+    E, R = counts.size, int(ranks)
+    epn = E // R
+    native = counts.reshape(R, epn).sum(axis=1)
+    mean = float(native.mean()) if R else 0.0
+    imbalance = float(native.max() / mean) if mean > 0 else 1.0
+    alloc = np.zeros((E, R), dtype=np.int64)
+    home = np.arange(E) // epn
+    alloc[np.arange(E), home] = counts
+    info = {"fallback": True, "imbalance": imbalance, "capacity": 0, "spill_rounds": 0, "helpers_considered": 0}
+    if imbalance < lam or R == 1:
+        return alloc, info
+    alloc[:] = 0
+    total = int(counts.sum())
+    cap = max(int(alpha * (total // R)), 1)
+    info.update(fallback=False, capacity=cap)
+    pending = native.astype(np.int64).copy()
+    assigned = np.zeros(R, dtype=np.int64)
+    rounds = considered = 0
+    # a loop over experts (E per layer), as the public planner runs on the host; not over tokens
+    for e in np.argsort(-counts, kind="stable").tolist():
+        n = int(counts[e])
+        if n == 0:
+            continue
+        h = int(home[e])
+        pending[h] -= n
+        avail = cap - int(assigned[h] + pending[h])
+        if avail >= n:
+            alloc[e, h] += n
+            assigned[h] += n
+            continue
+        if avail > 0:  # partial native, then spill with the helpers re-sorted every round
+            alloc[e, h] += avail
+            assigned[h] += avail
+            remaining = n - avail
+            while remaining > 0:
+                rounds += 1
+                considered += R - 1
+                eff = assigned + pending
+                others = [g for g in np.argsort(eff, kind="stable").tolist() if g != h]
+                if not others:
+                    alloc[e, h] += remaining
+                    assigned[h] += remaining
+                    break
+                done = False
+                for g in others:
+                    room = cap - int(eff[g])
+                    if room <= 0:
+                        continue
+                    chunk = min(remaining, room)
+                    if chunk < m and remaining > chunk:
+                        continue
+                    alloc[e, g] += chunk
+                    assigned[g] += chunk
+                    remaining -= chunk
+                    done = True
+                    break
+                if not done:  # every helper full (or too small): the least effective load takes the rest
+                    g = others[0]
+                    alloc[e, g] += remaining
+                    assigned[g] += remaining
+                    remaining = 0
+        else:  # native full: spill everything, helpers sorted once
+            rounds += 1
+            considered += R - 1
+            eff = assigned + pending
+            others = [g for g in np.argsort(eff, kind="stable").tolist() if g != h]
+            remaining = n
+            for g in others:
+                if remaining <= 0:
+                    break
+                room = cap - int(eff[g])
+                if room <= 0:
+                    continue
+                chunk = min(remaining, room)
+                if chunk < m and remaining > chunk:
+                    continue
+                alloc[e, g] += chunk
+                assigned[g] += chunk
+                remaining -= chunk
+            if remaining > 0:
+                g = others[0] if others else h
+                alloc[e, g] += remaining
+                assigned[g] += remaining
+    info.update(spill_rounds=rounds, helpers_considered=considered)
+    # invariant: per-expert conservation (every entry computed exactly once)
+    if not np.array_equal(alloc.sum(axis=1), counts):
+        raise ConfigError("llep per-expert conservation failed (internal error)")
+    return alloc, info
+
+
+def host_plan_us(info: dict, num_experts_with_tokens: int) -> float:
+    """The modelled host cost of one layer's LLEP planning (module doc)."""
+    if info["fallback"]:
+        return HOST_SYNC_US
+    return (HOST_SYNC_US + HOST_US_PER_EXPERT * num_experts_with_tokens
+            + HOST_US_PER_HELPER * info["helpers_considered"])
+
+
+def plan_from_alloc(name: str, options: dict, routing: GlobalRouting, ctx: PlanContext, alloc_ER: np.ndarray,
+                    epn: int, dedup: bool, started: float, **extra) -> Plan:
+    """A single-hop Plan computing ``alloc[e, r]`` entries of expert e on rank r (copies where r is not
+    e's home), entries split over an expert's ranks in rank order (moonep's layout)."""
+    ids_N = routing.topk_ids_TK.ravel()
+    slot_rank, slot_expert, slot_home = copy_slots(alloc_ER, epn)
+    order, slot_rows = slot_order(ids_N, alloc_ER, slot_rank, slot_expert)
+    return _plan_from_order(name, options, routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_home,
+                            order, 0, slot_rows, dedup=dedup, token_padding=max(int(ctx.token_padding), 1),
+                            started=started, **extra)
+
+
+@register("llep", summary="LLEP (ICML 2026): spill each hot expert's excess to the least-loaded rank above "
+                          "an imbalance threshold; weights point-to-point, host planning charged",
+          options={"alpha": (float, 1.1, "per-rank capacity factor (capacity = alpha x N/R entries)"),
+                   "m": (int, 1024, "smallest spill chunk (entries) unless it is the last"),
+                   "lambda": (float, 1.3, "plain EP below this per-GPU max/mean load"),
+                   "dedup": (bool, False, "send a token once per destination rank, expand there")})
+def plan(routing: GlobalRouting, ctx: PlanContext, **options) -> Plan:
+    t0 = time.perf_counter()
+    alpha = float(options.get("alpha", 1.1))
+    m = int(options.get("m", 1024))
+    lam = float(options.get("lambda", 1.3))
+    dedup = bool(options.get("dedup", False))
+    require(alpha > 0, f"alpha ({alpha}) must be > 0: the per-rank capacity is alpha x N/R entries")
+    require(m >= 0, f"m ({m}) must be >= 0 (entries)")
+    require(lam >= 0, f"lambda ({lam}) must be >= 0 (a max/mean load ratio)")
+    epn = require_home_groups(routing, ctx, "llep")
+    counts = routing.counts_E()
+    alloc, info = llep_assign(counts, ctx.cluster.ranks, alpha, m, lam)
+    host_us = host_plan_us(info, int(np.count_nonzero(counts)))
+    opts = {"alpha": alpha, "m": m, "lambda": lam, "dedup": dedup, "fallback": info["fallback"],
+            "native_max_over_mean": info["imbalance"], "capacity": info["capacity"],
+            "spill_rounds": info["spill_rounds"], "host_plan_us": host_us}
+    return plan_from_alloc("llep", opts, routing, ctx, alloc, epn, dedup, t0, host_plan_us=host_us)
