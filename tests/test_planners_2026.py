@@ -212,8 +212,13 @@ def test_costaware_prices_with_the_topology_rates():
     r = Rates.of(t)
     assert r.nvlink == pytest.approx(50e3) and r.weight_nvlink == r.nvlink and r.weight_nic == pytest.approx(50e3)
     assert r.flops == pytest.approx(50e6) and r.source == "t"
-    t.weight_copy_nvlink_GBps = 20.0  # a topology with its own (slower) weight-copy rate
+    t.weights_nvlink_bytes_per_us = 20e3  # a topology with its own (slower) weight-copy rate
     assert Rates.of(t).weight_nvlink == pytest.approx(20e3)
+    from moonep_sim.sim import load_topology
+
+    h800 = load_topology("h800-cx7")
+    assert Rates.of(h800).weight_nvlink == pytest.approx(h800.weights_nvlink_bytes_per_us)
+    assert Rates.of(h800).weight_nic == pytest.approx(h800.weights_nic_bytes_per_us)
     assert "defaults" in Rates.of(None).source
     # slower weight copies make the same skew buy fewer copies
     rng = np.random.default_rng(5)

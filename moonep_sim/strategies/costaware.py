@@ -75,7 +75,8 @@ class Rates:
     """What the cost model prices with, in bytes or FLOP per microsecond.
 
     nvlink / nic: token rows.  weight_nvlink / weight_nic: expert weight copies (the topology's
-    weight-copy rates where it has them, else the link's).  flops / mem: one GPU's achievable rates.
+    weight-copy rates -- ``weights_nvlink_bytes_per_us`` / ``weights_nic_bytes_per_us``, capped
+    by the SMs of an SM copy kernel -- where it has them, else the link's).  flops / mem: one GPU's achievable rates.
     source: where they came from (a topology name, or the documented defaults).
     """
 
@@ -96,13 +97,22 @@ class Rates:
         t = topology
         nv = float(t.nvlink_bandwidth_GBps) * float(t.nvlink_efficiency) * 1e3
         nic = float(t.nic_bandwidth_GBps) * float(t.nic_efficiency) * 1e3
-        # the weight-copy rates of a topology that models them (GB/s, achieved), else the links'
-        w_nv = _rate_GBps(t, ("weight_copy_nvlink_GBps", "nvlink_weight_copy_GBps")) or nv
-        w_nic = _rate_GBps(t, ("weight_copy_rdma_GBps", "weight_copy_nic_GBps", "nic_weight_copy_GBps")) or nic
+        # the weight-copy rates of a topology that models them (its ``weights_*`` terms: the
+        # engine's achieved fraction of each link, an SM kernel's cap), else the links' rates
+        w_nv = _rate(t, "weights_nvlink_bytes_per_us") or _rate_GBps(t, ("weight_copy_nvlink_GBps",)) or nv
+        w_nic = _rate(t, "weights_nic_bytes_per_us") or _rate_GBps(t, ("weight_copy_rdma_GBps",)) or nic
+        if getattr(t, "weights_engine", "copy_engine") == "sm" and hasattr(t, "sm_bytes_per_us"):
+            cap = float(t.sm_bytes_per_us(int(getattr(t, "weights_sms", 0))))
+            w_nv, w_nic = min(w_nv, cap), min(w_nic, cap)
         flops = float(t.gpu_tflops) * float(t.gpu_compute_efficiency) * 1e6
         mem = float(t.gpu_mem_bandwidth_GBps) * float(t.gpu_mem_efficiency) * 1e3
-        return cls(nv, nic, min(w_nv, nv) if w_nv else nv, min(w_nic, nic) if w_nic else nic, flops, mem,
-                   str(getattr(t, "name", "topology")))
+        return cls(nv, nic, w_nv, w_nic, flops, mem, str(getattr(t, "name", "topology")))
+
+
+def _rate(t: Any, name: str) -> float:
+    """A topology's rate attribute in bytes per us (0 = absent or not positive)."""
+    v = getattr(t, name, None)
+    return float(v) if isinstance(v, (int, float)) and v > 0 else 0.0
 
 
 def _rate_GBps(t: Any, names: tuple[str, ...]) -> float:
