@@ -49,8 +49,8 @@ def test_olmoe_vllm_warmup_dropped(tmp_path):
     assert detect_format(OLMOE) == "vllm-routes"
     m = import_trace(OLMOE, out, model="olmoe-1b-7b")
     rep = m.import_report
-    assert rep["warmup_rows_dropped"] == 2048
-    assert rep["warmup_blocks"][0]["first_record"] == 2 and rep["warmup_blocks"][0]["rows"] == 2048
+    assert rep["dummy_records_dropped"] == 2048 and rep["dummy_rows_by_reason"]["identical_run"] == 2048
+    assert rep["dummy_blocks"][0]["first_record"] == 2 and rep["dummy_blocks"][0]["rows"] == 2048
     assert (m.num_tokens, m.num_experts, m.top_k, m.layer_ids) == (6519 - 2048, 64, 8, [0])
     # the first kept token is the file's token_idx 2048
     first = json.loads(OLMOE.read_text().splitlines()[1 + 2048])
@@ -190,8 +190,15 @@ BAD_CASES = {
                     "v2.jsonl", [], r"record 2: layer: expected one of meta layers_logged \[0\], found 3"),
     "model_contradicts": (lambda p: _jsonl(p, GOOD), "mc.jsonl", ["--model", "olmoe-1b-7b"],
                           r"mc\.jsonl: num_experts: expected 64 .*|top_k: expected 8 \(model olmoe-1b-7b\), found 2"),
-    "conflicting_duplicate": (lambda p: _jsonl(p, GOOD + [_rec(0, 0, [2, 3])]), "d.jsonl", [],
+    "conflicting_duplicate": (lambda p: _jsonl(p, GOOD + [_rec(0, 0, [2, 3])]), "d.jsonl", ["--steps-from", "group"],
                               r"d\.jsonl: record 7: experts: expected a duplicate of record 1"),
+    "conflicting_in_step": (lambda p: _jsonl(p, [dict(r, step=0) for r in GOOD] + [dict(_rec(0, 0, [2, 3]), step=0)]),
+                            "ds.jsonl", [], r"ds\.jsonl: record 7: experts: expected a duplicate of record 1 "
+                                            r"\(same step, token and layer\)"),
+    "steps_from_field_without_field": (lambda p: _jsonl(p, GOOD), "sf.jsonl", ["--steps-from", "field"],
+                                       r"--steps-from: field: expected a step field"),
+    "model_file_bad": (lambda p: _jsonl(p, GOOD), "mf.jsonl", ["--model", "nope.toml"],
+                       r"--model \('nope\.toml'\) must be a preset or an existing \.toml/\.json file"),
     "counts_negative": (lambda p: p.write_text(json.dumps({"expert_usage_by_layer": {"0": {"0": 3, "1": -2}}})),
                         "c.json", [], r"c\.json: expert_usage_by_layer\[0\]\[1\]: expected a count .*found -2"),
     "counts_total": (lambda p: p.write_text(json.dumps({"expert_usage_by_layer": {"0": {"0": 3, "1": 2}},
@@ -237,11 +244,24 @@ def test_bad_case_table_covers_the_required_regimes():
 
 def test_exact_duplicates_and_missing_layers_are_dropped_with_counts(tmp_path):
     recs = GOOD + [GOOD[0], GOOD[3]] + [_rec(7, 0, [1, 2])]          # 2 exact dups, token 7 lacks layer 1
-    imp = load_source(_jsonl(tmp_path / "d.jsonl", recs))
+    # one step per request: the repeats at the end are in the same step as the records they repeat
+    imp = load_source(_jsonl(tmp_path / "d.jsonl", recs), steps_from="group")
     rep = imp.meta.import_report
     assert rep["duplicate_records_dropped"] == 2
     assert rep["tokens_missing_layers_dropped"] == 1
     assert imp.meta.num_tokens == 3 and imp.tensors["topk_ids"].shape == (2, 3, 2)
+
+
+def test_repeats_by_step_rule(tmp_path):
+    """Forward passes: a record repeated right after itself is a duplicate write; the same (request,
+    position, layer) coming back later is the next pass (positions restart), never an error."""
+    recs = GOOD[:2] + [GOOD[1]] + GOOD[2:]                            # exact repeat of the previous layer-1 row
+    imp = load_source(_jsonl(tmp_path / "a.jsonl", recs))
+    assert imp.meta.import_report["duplicate_records_dropped"] == 1 and imp.meta.num_tokens == 3
+    later = GOOD + [_rec(0, 0, [2, 3]), _rec(0, 1, [0, 3])]           # token 0 again, other experts: pass 4
+    imp = load_source(_jsonl(tmp_path / "b.jsonl", later))
+    assert imp.meta.num_tokens == 4 and imp.tensors["step"].tolist() == [0, 1, 2, 3]
+    assert imp.tensors["topk_ids"][0, 3].tolist() == [2, 3]
 
 
 def test_missing_file_and_bad_format_name(tmp_path):

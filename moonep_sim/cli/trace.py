@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 from moonep_sim.cli.common import console, parse_int_list, print_json
@@ -19,6 +20,11 @@ def _tokens(text: str) -> int:
         raise ConfigError(f"--tokens ({text!r}) must be an integer or RANKSxTOKENS like 64x8192") from None
 
 
+def import_formats() -> tuple[str, ...]:
+    from moonep_sim.routing.importers import formats
+    return formats()
+
+
 def register(sub) -> None:
     p = sub.add_parser("trace", help="import, generate, inspect and re-route routing traces")
     tsub = p.add_subparsers(dest="trace_command", metavar="ACTION")
@@ -28,15 +34,28 @@ def register(sub) -> None:
     pi = tsub.add_parser("import", help="convert a routing log / histogram / array to a trace")
     pi.add_argument("src", help="source file (JSONL records, vLLM route log, counts JSON, .npy/.npz)")
     pi.add_argument("-o", "--out", required=True, help="output trace (.safetensors)")
-    pi.add_argument("--format", default="auto",
-                    choices=("auto", "jsonl-records", "vllm-routes", "counts-json", "npy"))
-    pi.add_argument("--model", help="model preset (its experts and top-k must agree with the file)")
-    pi.add_argument("--num-experts", type=int, help="number of experts E (default: from the file)")
+    pi.add_argument("--format", default="auto", choices=("auto",) + import_formats(),
+                    help="source format (default: detected; `moonep-sim trace formats` lists them)")
+    pi.add_argument("--model", help="model preset or a .toml/.json model file (its experts and top-k must "
+                                    "agree with the file; stored with the trace)")
+    pi.add_argument("--num-experts", type=int, help="number of experts E (default: the file's metadata or "
+                                                     "--model; inferred from the largest id only as a last resort)")
     pi.add_argument("--top-k", type=int, help="top-k (counts histograms carry none; default 1 there)")
+    pi.add_argument("--steps-from", default="auto", choices=("auto", "field", "passes", "group", "none"),
+                    help="how records group into steps: auto (a step/batch/iter field if present, else "
+                         "forward passes), field, passes, group (one step per request id), none")
     pi.add_argument("--warmup-min-rows", type=int, default=64,
-                    help="shortest run of identical uniform-weight rows dropped as warm-up (0: keep all)")
+                    help="shortest run of rows of one layer with one identical expert set dropped as a dummy "
+                         "block, whatever its weights (0: keep them)")
+    pi.add_argument("--capture-min-rows", type=int, default=8,
+                    help="shortest power-of-two step of one identical expert set dropped as a graph-capture "
+                         "block (0: keep them)")
     pi.add_argument("--json", action="store_true", help="print the import report as JSON")
     pi.set_defaults(func=run_import)
+
+    # -- formats
+    pf = tsub.add_parser("formats", help="the source formats `trace import` reads and the field names it accepts")
+    pf.set_defaults(func=run_formats)
 
     # -- gen
     pg = tsub.add_parser("gen", help="generate a synthetic trace (MoonEP's method and others)")
@@ -72,6 +91,7 @@ def register(sub) -> None:
     pn.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (per-node loads)")
     pn.add_argument("--layers", help="model layer ids, e.g. 0,2,5-7 (default all)")
     pn.add_argument("--top", type=int, default=0, help="hottest experts counted in top_share (default E/16)")
+    pn.add_argument("--steps", help="inspect only these steps, e.g. 10-20 or 0,3,5- (default: all)")
     pn.set_defaults(func=run_inspect)
 
     # -- route
@@ -103,24 +123,43 @@ def run_import(a) -> int:
 
     t0 = time.perf_counter()
     meta = import_trace(a.src, a.out, a.format, model=a.model, num_experts=a.num_experts, top_k=a.top_k,
-                        warmup_min_rows=a.warmup_min_rows)
+                        warmup_min_rows=a.warmup_min_rows, capture_min_rows=a.capture_min_rows,
+                        steps_from=a.steps_from)
     out = {"out": a.out, "kind": meta.kind, "layers": meta.num_layers, "tokens": meta.num_tokens,
            "num_experts": meta.num_experts, "top_k": meta.top_k, "steps": meta.steps,
            "import_report": meta.import_report, "seconds": round(time.perf_counter() - t0, 3)}
+    r = meta.import_report
+    for w in r.get("warnings", []):
+        print(f"moonep-sim: warning: {w}", file=sys.stderr)
     if a.json:
         print_json(out)
         return 0
-    r = meta.import_report
     c = console()
     c.print(f"{a.src} -> {a.out}: {meta.kind}-level, {meta.num_layers} layers, {meta.num_tokens} tokens, "
-            f"E={meta.num_experts}, K={meta.top_k} ({out['seconds']} s)")
-    for k in ("warmup_rows_dropped", "duplicate_records_dropped", "tokens_missing_layers_dropped",
+            f"{r.get('steps', 1)} step(s), E={meta.num_experts}{' (inferred)' if meta.num_experts_inferred else ''}, "
+            f"K={meta.top_k} ({out['seconds']} s)")
+    for k in ("dummy_records_dropped", "duplicate_records_dropped", "tokens_missing_layers_dropped",
               "records_of_incomplete_tokens_dropped", "non_route_records_skipped"):
-        if k in r:
+        if r.get(k):
             c.print(f"  {k.replace('_', ' ')}: {r[k]}")
-    for k in ("weights", "top_k", "num_experts", "num_tokens"):
+    if r.get("dummy_records_dropped"):
+        reasons = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in r["dummy_rows_by_reason"].items() if v)
+        c.print(f"  dummy rows by reason: {reasons} ({r['dummy_blocks_total']} block(s))")
+    if r.get("fields_ignored"):
+        c.print(f"  fields ignored: {', '.join(r['fields_ignored'])}")
+    for k in ("weights", "top_k", "num_tokens"):
         if isinstance(r.get(k), str):
             c.print(f"  note: {k}: {r[k]}")
+    return 0
+
+
+def run_formats(a) -> int:
+    from moonep_sim.routing.importers import fields_markdown, formats_markdown
+    print(formats_markdown())
+    print()
+    print("Field names of the record logs (jsonl-records, vllm-routes):")
+    print()
+    print(fields_markdown())
     return 0
 
 
@@ -165,7 +204,8 @@ def run_inspect(a) -> int:
     from moonep_sim.routing.metrics import inspect_trace
 
     layers = parse_int_list(a.layers, "--layers")
-    res = inspect_trace(a.file, ranks=a.ranks, gpus_per_node=a.gpus_per_node, layers=layers, top=a.top)
+    res = inspect_trace(a.file, ranks=a.ranks, gpus_per_node=a.gpus_per_node, layers=layers, top=a.top,
+                        steps=a.steps)
     if a.json:
         print_json(res)
         return 0
@@ -174,13 +214,21 @@ def run_inspect(a) -> int:
     c = console()
     if c.width < 110:
         c.width = 110
+    st = res["steps"]
+    inferred = " (inferred from the largest id)" if res["num_experts_inferred"] else ""
     c.print(f"{a.file}: {res['kind']}-level, model={res['model']}, {res['layers']} layers, tokens={res['tokens']}, "
-            f"E={res['num_experts']}, K={res['top_k']}, steps={res['steps']}")
+            f"E={res['num_experts']}{inferred}, K={res['top_k']}, steps={st['count']}"
+            + (f" (selected {st['selected']} of {st['of']})" if st["selected"] != "all" else ""))
     if res["source"]:
         c.print(f"[dim]source: {res['source']}[/dim]")
+    if st["tokens_per_step"]:
+        tp, mv = st["tokens_per_step"], st["maxvio_per_step"]
+        c.print(f"per step: tokens min {tp['min']:.0f} / median {tp['median']:.0f} / max {tp['max']:.0f}; "
+                f"maxvio (mean over layers) min {mv['min']:.3f} / median {mv['median']:.3f} / max {mv['max']:.3f}")
     t = Table()
     top_n = res["per_layer"][0]["top_n"] if res["per_layer"] else 0
-    cols = ["layer", "maxvio", "max/mean", "gini", f"top{top_n} share"]
+    per_step = st["count"] > 1
+    cols = ["layer", "maxvio", "max/mean", "gini", f"top{top_n} share"] + (["step maxvio min/med/max"] if per_step else [])
     lay = res.get("layout")
     if lay:
         cols += ["rank max/mean", "node max/mean", "ranks/token", "nodes/token"]
@@ -190,6 +238,9 @@ def run_inspect(a) -> int:
     for p in res["per_layer"]:
         row = [str(p["layer"]), f"{p['maxvio']:.3f}", f"{p['max_over_mean']:.3f}", f"{p['gini']:.3f}",
                f"{p['top_share']:.3f}"]
+        if per_step:
+            q = p["maxvio_per_step"]
+            row.append(f"{q['min']:.2f}/{q['median']:.2f}/{q['max']:.2f}")
         if lay:
             def fmt(v):
                 return "n/a" if v is None else f"{v:.2f}" + ("*" if p.get("distinct_is_estimate") else "")

@@ -164,14 +164,28 @@ def layer_stats(counts_E: np.ndarray, *, layer: int, top: int = 0,
     return out
 
 
+def _spread(v: np.ndarray) -> dict[str, float] | None:
+    v = np.asarray(v, dtype=np.float64)
+    if v.size == 0:
+        return None
+    return {"min": float(v.min()), "median": float(np.median(v)), "max": float(v.max())}
+
+
 def inspect_trace(path, *, ranks: int | None = None, gpus_per_node: int = 0,
-                  layers: Iterable[int] | None = None, top: int = 0,
+                  layers: Iterable[int] | None = None, top: int = 0, steps=None,
                   chunk_tokens: int = 1 << 20) -> dict[str, Any]:
     """Statistics of a trace file, read one layer (and at most ``chunk_tokens`` tokens) at a time.
 
     ``layers``: model layer ids to inspect (default all). ``ranks``/``gpus_per_node``: EP layout for
-    per-rank/per-node loads and distinct ranks/nodes per token.
+    per-rank/per-node loads and distinct ranks/nodes per token. ``steps``: a step selection
+    (``routing.steps`` grammar, e.g. ``"10-20"``; default all tokens).
+
+    Per-step figures (token-level traces): ``steps`` holds the number of steps, tokens per step and
+    the maxvio of each step (mean over the inspected layers) as min/median/max; each layer's entry
+    holds its own ``maxvio_per_step`` spread. A step's maxvio is computed on that step's tokens alone,
+    so small steps (decode passes of a few rows) have large maxvio by construction.
     """
+    from moonep_sim.routing.steps import parse_steps, step_bounds, token_ranges
     from moonep_sim.routing.trace import Trace
 
     tr = Trace(path)
@@ -185,6 +199,17 @@ def inspect_trace(path, *, ranks: int | None = None, gpus_per_node: int = 0,
     idx = [tr.layer_index(l) for l in want]
     per_layer = []
     T = m.num_tokens or 0
+    sel = parse_steps(steps)
+    if m.kind == "counts" and sel is not None:
+        raise ConfigError(f"--steps ({sel.text}) needs a token-level trace: a counts-level trace has one step")
+    step_T = tr.steps() if m.kind == "tokens" else None
+    bounds = step_bounds(step_T, T)
+    S = len(bounds) - 1
+    ranges = token_ranges(step_T, T, sel) if m.kind == "tokens" else []
+    chosen = sel.steps(S) if sel is not None else np.arange(S)
+    n_S = np.diff(bounds)[chosen]
+    mv_LS = []
+    T_sel = int(sum(b - a for a, b in ranges))
     for i in idx:
         if m.kind == "counts":
             c = tr.counts(i)
@@ -192,27 +217,41 @@ def inspect_trace(path, *, ranks: int | None = None, gpus_per_node: int = 0,
                                          tokens=m.num_tokens, counts_only=True, top_k=m.top_k))
             continue
         c = np.zeros(m.num_experts, dtype=np.int64)
+        c_SE = np.zeros((S, m.num_experts), dtype=np.int64)
         dr = dn = 0
-        for start in range(0, T, chunk_tokens):
-            lr = tr.layer(i, start, min(T, start + chunk_tokens))
-            c += lr.counts_E()
-            if layout is not None:
-                dr += int(distinct_per_token(lr.topk_ids_TK, layout.expert_rank_E).sum())
-                dn += int(distinct_per_token(lr.topk_ids_TK, layout.expert_node_E).sum())
-            del lr
-        per_layer.append(layer_stats(c, layer=m.layer_ids[i], top=top, layout=layout,
-                                     distinct_ranks_sum=dr, distinct_nodes_sum=dn, tokens=T))
-    steps = tr.steps()
+        for lo, hi in ranges:
+            for start in range(lo, hi, chunk_tokens):
+                stop = min(hi, start + chunk_tokens)
+                lr = tr.layer(i, start, stop)
+                c += lr.counts_E()
+                s_T = (step_T[start:stop] if step_T is not None else np.zeros(stop - start, np.int64))
+                flat = np.repeat(s_T, lr.top_k) * m.num_experts + lr.topk_ids_TK.reshape(-1)
+                c_SE += np.bincount(flat, minlength=S * m.num_experts).reshape(S, m.num_experts)
+                if layout is not None:
+                    dr += int(distinct_per_token(lr.topk_ids_TK, layout.expert_rank_E).sum())
+                    dn += int(distinct_per_token(lr.topk_ids_TK, layout.expert_node_E).sum())
+                del lr
+        st = layer_stats(c, layer=m.layer_ids[i], top=top, layout=layout,
+                         distinct_ranks_sum=dr, distinct_nodes_sum=dn, tokens=T_sel)
+        mv_S = _maxvio_rows(c_SE[chosen])
+        mv_LS.append(mv_S)
+        st["maxvio_per_step"] = _spread(mv_S)
+        per_layer.append(st)
     out: dict[str, Any] = {
         "file": str(path),
         "kind": m.kind,
         "model": m.model,
         "layers": len(per_layer),
         "layer_ids": [m.layer_ids[i] for i in idx],
-        "tokens": m.num_tokens,
+        "tokens": T_sel if m.kind == "tokens" else m.num_tokens,
         "num_experts": m.num_experts,
+        "num_experts_inferred": m.num_experts_inferred,
         "top_k": m.top_k,
-        "steps": int(steps.max()) + 1 if steps is not None and steps.size else 1,
+        "num_steps": int(len(chosen)),
+        "steps": {"count": int(len(chosen)), "selected": sel.text if sel is not None else "all",
+                  "of": S, "rule": m.steps,
+                  "tokens_per_step": _spread(n_S) if m.kind == "tokens" else None,
+                  "maxvio_per_step": _spread(np.mean(mv_LS, axis=0)) if mv_LS else None},
         "source": m.source,
         "import_report": m.import_report,
     }
@@ -223,3 +262,11 @@ def inspect_trace(path, *, ranks: int | None = None, gpus_per_node: int = 0,
         out["mean_maxvio"] = float(np.mean([p["maxvio"] for p in per_layer]))
     out["per_layer"] = per_layer
     return out
+
+
+def _maxvio_rows(c_SE: np.ndarray) -> np.ndarray:
+    """maxvio of each row of a count matrix, float64 [S] (0 for all-zero rows)."""
+    c = c_SE.astype(np.float64)
+    mean = c.mean(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(mean > 0, c.max(axis=1) / mean - 1.0, 0.0)

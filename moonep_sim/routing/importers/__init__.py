@@ -1,0 +1,101 @@
+"""Importers: routing recorded elsewhere -> a moonep-sim trace (see ``routing/trace.py``).
+
+Each source format is one module of this package registering itself (``registry.register``): a
+name, a sniffing function, a loader, and the sentences the docs' format table is generated from
+(``formats_markdown``; the record logs' field names: ``fields_markdown``). ``detect_format`` asks
+the sniffers in priority order; ``load_source`` parses without writing; ``import_trace`` writes the
+trace atomically (nothing is written on error).
+
+Formats: ``npy`` (arrays), ``vllm-routes`` and ``jsonl-records`` (record logs, see ``records.py``
+for steps, dummy blocks and duplicates), ``counts-json`` (histograms).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from moonep_sim.errors import TraceFormatError
+from moonep_sim.io import check_output_path
+from moonep_sim.routing.importers import counts_json, jsonl_records, npy, vllm_routes  # noqa: F401 (register)
+from moonep_sim.routing.importers.common import (FIELDS, STEPS_FROM, ImportOptions, Imported, err,
+                                                 fields_markdown, model_of)
+from moonep_sim.routing.importers.registry import IMPORTERS, Importer, Sniff, by_priority, formats, formats_markdown
+from moonep_sim.routing.trace import TraceMeta, write_trace
+
+FORMATS = formats()
+
+__all__ = ["FIELDS", "FORMATS", "IMPORTERS", "ImportOptions", "Imported", "Importer", "Sniff", "STEPS_FROM",
+           "detect_format", "fields_markdown", "formats", "formats_markdown", "import_trace", "load_source"]
+
+
+def _is_pickle(head: bytes) -> bool:
+    return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """The importer format of ``path`` (one of ``formats()``), from its first bytes and first record."""
+    p = Path(path)
+    where = str(p)
+    if not p.is_file():
+        raise err(where, "expected a file, found none" if not p.exists() else "expected a file, found a directory")
+    with open(p, "rb") as f:
+        head = f.read(4096)
+    if not head.strip():
+        raise err(where, "expected routing data, found an empty file")
+    if _is_pickle(head):
+        raise err(where, "expected routing data, found a Python pickle (pickled files are never loaded; "
+                         "save arrays with numpy.save or as JSON)")
+    is_numpy = head.startswith(b"\x93NUMPY") or head.startswith(b"PK\x03\x04")
+    if p.suffix in (".npy", ".npz") and not is_numpy:
+        raise err(where, f"expected a {p.suffix} file (numpy magic bytes), found other content")
+    first = None
+    if not is_numpy:
+        line = head.decode("utf-8", errors="replace").lstrip().split("\n", 1)[0].strip()
+        try:
+            first = json.loads(line)
+        except json.JSONDecodeError:
+            first = None      # a multi-line JSON document, or not JSON
+    s = Sniff(p, head, first)
+    for imp in by_priority():
+        if imp.sniff(s):
+            return imp.name
+    raise err(where, f"expected one of the formats {', '.join(formats())}, found unrecognised content "
+                     f"starting {head[:24]!r}")
+
+
+def load_source(src: str | os.PathLike, format: str = "auto", *, model=None, num_experts: int | None = None,
+                top_k: int | None = None, warmup_min_rows: int = 64, capture_min_rows: int = 8,
+                steps_from: str = "auto", dominant_share: float = 0.3) -> Imported:
+    """Parse ``src`` into trace metadata and tensors (nothing is written).
+
+    format: ``auto`` or a registered format. model: a preset name, a model file or a ModelSpec (its
+    E and K must agree with the file). Other options: see :class:`common.ImportOptions`.
+    """
+    path = Path(src)
+    if format == "auto":
+        format = detect_format(path)
+    elif format not in IMPORTERS:
+        raise TraceFormatError(f"--format ({format!r}) must be auto or one of {', '.join(formats())}")
+    else:
+        detect_format(path)  # existence, emptiness, pickle checks
+    if steps_from not in STEPS_FROM:
+        raise TraceFormatError(f"--steps-from ({steps_from!r}) must be one of {', '.join(STEPS_FROM)}")
+    for name, v in (("--warmup-min-rows", warmup_min_rows), ("--capture-min-rows", capture_min_rows)):
+        if not isinstance(v, int) or v < 0:
+            raise TraceFormatError(f"{name} ({v!r}) must be an integer >= 0 (0 disables the detection)")
+    if not 0 < dominant_share <= 1:
+        raise TraceFormatError(f"dominant_share ({dominant_share!r}) must be in (0, 1]")
+    opts = ImportOptions(model=model, num_experts=num_experts, top_k=top_k, warmup_min_rows=warmup_min_rows,
+                         capture_min_rows=capture_min_rows, steps_from=steps_from, dominant_share=dominant_share)
+    model_of(opts)     # a bad --model fails before the file is parsed
+    return IMPORTERS[format].load(path, format, opts)
+
+
+def import_trace(src: str | os.PathLike, out: str | os.PathLike, format: str = "auto", **kwargs) -> TraceMeta:
+    """Import ``src`` and write the trace ``out`` atomically (nothing is written on error)."""
+    check_output_path(out, "-o", inputs=(src,))  # before parsing: `trace import X -o X` never runs
+    imp = load_source(src, format, **kwargs)
+    write_trace(out, imp.meta, imp.tensors, what="-o", inputs=(src,))
+    return imp.meta

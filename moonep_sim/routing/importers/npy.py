@@ -1,0 +1,124 @@
+"""``npy``: ``[T, L, K]`` (or ``[T, K]``) integer arrays in ``.npy``, or ``.npz`` with ``topk_ids``
+(or ``routed_experts``, the shape in which vLLM returns routed experts) and optionally
+``topk_weights``, ``step``, ``layer_ids``. Read with ``allow_pickle=False``: pickled data is never
+loaded."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moonep_sim.errors import TraceFormatError
+from moonep_sim.routing.importers.common import (ImportOptions, Imported, attribution, check_top_k, err,
+                                                 model_meta, resolve_experts, sanity_warnings)
+from moonep_sim.routing.importers.registry import Importer, Sniff, register
+from moonep_sim.routing.trace import TraceMeta
+
+
+def sniff(s: Sniff) -> bool:
+    return s.head.startswith(b"\x93NUMPY") or s.head.startswith(b"PK\x03\x04")
+
+
+def load_npy(path: Path, fmt: str, opts: ImportOptions) -> Imported:
+    where = str(path)
+    extra: dict[str, np.ndarray] = {}
+    try:
+        obj = np.load(path, allow_pickle=False)
+        if isinstance(obj, np.lib.npyio.NpzFile):
+            with obj:
+                keys = list(obj.files)
+                main = "topk_ids" if "topk_ids" in keys else ("routed_experts" if "routed_experts" in keys
+                                                             else (keys[0] if len(keys) == 1 else None))
+                if main is None:
+                    raise err(where, f"expected an array named topk_ids in the .npz, found {keys}")
+                ids = obj[main]
+                for k in ("topk_weights", "step", "layer_ids"):
+                    if k in keys:
+                        extra[k] = obj[k]
+        else:
+            ids = obj
+    except TraceFormatError:
+        raise
+    except ValueError as e:
+        if "allow_pickle" in str(e) or "Object arrays" in str(e):
+            raise err(where, "expected a numeric array, found an object array stored by pickle "
+                              "(pickled data is never loaded)") from None
+        raise err(where, f"expected a readable numpy file, found {e} (truncated?)") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as e:
+        raise err(where, f"expected a readable numpy file, found {type(e).__name__}: {e} (truncated?)") from None
+    if ids.dtype.kind not in "iu":
+        raise err(where, f"topk_ids: expected an integer array, found dtype {ids.dtype}")
+    if ids.ndim == 2:
+        ids = ids[:, None, :]
+    if ids.ndim != 3 or ids.shape[0] == 0 or ids.shape[2] == 0:
+        raise err(where, f"topk_ids: expected shape [tokens, layers, k] with tokens, k >= 1, found {list(ids.shape)}")
+    T, L, K = ids.shape
+    report: dict[str, Any] = {"format": "npy", "shape_TLK": [T, L, K]}
+    E, inferred = resolve_experts(where, opts, None, ids, report)
+    check_top_k(where, K, opts)
+    ids_LTK = np.ascontiguousarray(ids.transpose(1, 0, 2)).astype(np.int64)
+    bad = (ids_LTK < 0) | (ids_LTK >= E)
+    if bad.any():
+        l, t = np.unravel_index(int(np.argmax(bad.any(axis=2))), (L, T))
+        raise err(where, f"token {t}: layer {l}: topk_ids: expected ids in [0, {E}), found {ids_LTK[l, t].tolist()}")
+    s = np.sort(ids_LTK, axis=2)
+    dup = (s[:, :, 1:] == s[:, :, :-1]).any(axis=2)
+    if dup.any():
+        l, t = np.unravel_index(int(np.argmax(dup)), (L, T))
+        raise err(where, f"token {t}: layer {l}: topk_ids: expected distinct experts, found {ids_LTK[l, t].tolist()}")
+    if "topk_weights" in extra:
+        w = extra["topk_weights"]
+        if w.shape != (T, L, K) and not (w.ndim == 2 and L == 1 and w.shape == (T, K)):
+            raise err(where, f"topk_weights: expected shape {[T, L, K]} (as topk_ids), found {list(w.shape)}")
+        if w.dtype.kind != "f":
+            raise err(where, f"topk_weights: expected a float array, found dtype {w.dtype}")
+        w_LTK = np.ascontiguousarray(w.reshape(T, L, K).transpose(1, 0, 2)).astype(np.float32)
+        fin = np.isfinite(w_LTK).all(axis=2)
+        if not fin.all():
+            l, t = np.unravel_index(int(np.argmax(~fin)), (L, T))
+            raise err(where, f"token {t}: layer {l}: topk_weights: expected finite numbers, found {w_LTK[l, t].tolist()}")
+    else:
+        w_LTK = np.full((L, T, K), 1.0 / K, np.float32)
+        report["weights"] = "absent in the source: set to 1/K"
+    tensors = {"topk_ids": ids_LTK, "topk_weights": w_LTK}
+    steps = "one step holds all tokens"
+    if "step" in extra:
+        st = extra["step"]
+        if st.shape != (T,) or st.dtype.kind not in "iu" or (T > 1 and (np.diff(st) < 0).any()):
+            raise err(where, f"step: expected non-decreasing integers of shape [{T}], found shape "
+                              f"{list(st.shape)} dtype {st.dtype}")
+        tensors["step"] = st.astype(np.int32)
+        steps = "step tensor from the source"
+    layer_ids = list(range(L))
+    if "layer_ids" in extra:
+        li = extra["layer_ids"]
+        if li.shape != (L,) or li.dtype.kind not in "iu":
+            raise err(where, f"layer_ids: expected {L} integers, found shape {list(li.shape)} dtype {li.dtype}")
+        layer_ids = [int(x) for x in li]
+    report["tokens"], report["layers"] = T, L
+    step_T = tensors["step"].astype(np.int64) if "step" in tensors else None
+    if step_T is not None:
+        _, step_T = np.unique(step_T, return_inverse=True)
+        step_T = step_T.reshape(-1)
+        tensors["step"] = step_T.astype(np.int32)
+    report["warnings"] = report.get("warnings", []) + sanity_warnings(ids_LTK, step_T, E, layer_ids,
+                                                                       opts.dominant_share)
+    if not report["warnings"]:
+        del report["warnings"]
+    meta = TraceMeta(kind="tokens", num_experts=E, top_k=K, layer_ids=layer_ids, num_tokens=T,
+                     steps=steps, source=f"imported from {path.name} (npy)", attribution=attribution(path),
+                     import_report=report, num_experts_inferred=inferred, **model_meta(opts))
+    return Imported(meta, tensors)
+
+
+register(Importer(
+    name="npy",
+    summary="`[tokens, layers, k]` (or `[tokens, k]`) integer expert ids in `.npy`, or `.npz` with "
+            "`topk_ids`/`routed_experts` and optionally `topk_weights`, `step`, `layer_ids`",
+    drops="nothing is dropped (arrays carry no dummy-block evidence beyond the sanity warnings); absent "
+          "weights become 1/K; without `--num-experts`/`--model` the expert count is inferred from the "
+          "largest id, with a warning",
+    sniff=sniff, load=load_npy, priority=100))
