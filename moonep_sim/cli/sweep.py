@@ -33,7 +33,84 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"), help="dispatch row dtype (default bf16)")
     p.add_argument("--out", default="moonep-sim-out/sweep", help="directory for sweep.json and sweep.png")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    p.add_argument("--by", default=None, choices=BY_KNOBS,
+                   help="a second knob (rows): sweep --over once per --by-values value and write a winner map "
+                        "(winner.png, winner.json, winner.md: the fastest strategy per cell and its margin over "
+                        "the runner-up)")
+    p.add_argument("--by-values", default=None, help="comma-separated values of --by (required with --by)")
     p.set_defaults(func=run)
+
+
+#: second knobs of a winner map: the SweepConfig field each one sets
+BY_KNOBS = ("tokens-per-rank", "maxvio", "ep")
+
+
+def _by_values(args) -> list[float]:
+    if args.by is None:
+        if args.by_values is not None:
+            raise ConfigError("--by-values needs --by (the knob they are values of)")
+        return []
+    if args.by_values is None:
+        raise ConfigError(f"--by-values must be given with --by ({args.by})")
+    if args.by == args.over or (args.by == "ep" and args.over == "ep"):
+        raise ConfigError(f"--by ({args.by}) must differ from --over ({args.over})")
+    try:
+        vals = [float(v) for v in args.by_values.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"--by-values ({args.by_values!r}) must be comma-separated numbers") from None
+    if not vals:
+        raise ConfigError("--by-values must hold at least one value")
+    if args.by in ("tokens-per-rank", "ep"):
+        for v in vals:
+            if v != int(v) or v < 1:
+                raise ConfigError(f"--by-values ({v:g}) must be positive integers for --by {args.by}")
+    return vals
+
+
+def _by_config(cfg, knob: str, v: float):
+    from dataclasses import replace
+
+    if knob == "tokens-per-rank":
+        return replace(cfg, tokens_per_rank=int(v))
+    if knob == "maxvio":
+        return replace(cfg, maxvio=float(v))
+    return replace(cfg, ranks=int(v))
+
+
+def run_winner_map(args, cfg, by_vals: list[float]) -> int:
+    """One sweep per --by value, then the winner map of them all."""
+    from moonep_sim.cli.compare import progress_bar
+    from moonep_sim.io import write_text_atomic
+    from moonep_sim.report.sweep import check, sweep
+    from moonep_sim.report.winner import winner_heatmap, winner_map, winner_table_md
+
+    cfgs = [_by_config(cfg, args.by, v) for v in by_vals]
+    for c in cfgs:
+        check(c)  # every input checked before any work
+    con = console()
+    reps = []
+    for v, c in zip(by_vals, cfgs):
+        if args.json:
+            reps.append((v, sweep(c)))
+        else:
+            prog, cb = progress_bar(con, f"sweep {args.by}={v:g}")
+            with prog:
+                reps.append((v, sweep(c, progress=cb)))
+    m = winner_map(reps, args.by)
+    m["sweeps"] = [r for _, r in reps]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    png = winner_heatmap(m, out / "winner.png")
+    md = winner_table_md(m)
+    write_text_atomic(out / "winner.md", md + "\n")
+    m["files"] = {"plot": str(png), "report": str(out / "winner.json"), "table": str(out / "winner.md")}
+    write_text_atomic(out / "winner.json", json.dumps(to_jsonable(m), indent=1))
+    if args.json:
+        print_json(m)
+        return 0
+    con.print(md)
+    con.print(f"wrote {png}, {out / 'winner.json'}, {out / 'winner.md'}")
+    return 0
 
 
 def _values(args) -> list[float]:
@@ -70,6 +147,9 @@ def run(args) -> int:
     model = get_model(args.model)
     cfg = SweepConfig(model, args.over, _values(args), parse_strategies(args.strategies, args.opt), args.topology,
                       args.ranks, args.gpus_per_node or 0, args.tokens_per_rank, args.maxvio, args.seed, args.dtype)
+    by_vals = _by_values(args)
+    if by_vals:
+        return run_winner_map(args, cfg, by_vals)
     check(cfg)  # every input checked before any work
     c = console()
     if args.json:
