@@ -3,8 +3,8 @@
 Usage: ``python benchmarks/calibrate_deepep.py [--tokens 4096] [--seed 0] [--json OUT]``
 
 DeepEP's published setup (../shared ANCHORS): 4096 tokens per rank, hidden 7168, 256 experts,
-top-8 experts within the top-4 of 8 expert groups (uniform random scores, as DeepEP's tests draw
-them), FP8 dispatch, BF16 combine. Each kernel is timed alone (``SimOptions(isolate=...)``: all
+top-8 experts within the top-``min(nodes, 4)`` node groups (|N(0,1)| + 1 scores, one expert group
+per node, as DeepEP's ``tests/test_internode.py`` draws them), FP8 dispatch, BF16 combine. Each kernel is timed alone (``SimOptions(isolate=...)``: all
 ranks start together, no planning, no compute), and bandwidth is counted as DeepEP counts it:
 
 - intranode (NVLink): rows each rank receives (its last-hop rows, its own included) x row bytes;
@@ -14,7 +14,8 @@ ranks start together, no planning, no compute), and bandwidth is counted as Deep
 with fp8 rows ``hidden * (1 + 4/128)`` bytes for dispatch and bf16 rows ``2 * hidden`` for combine,
 averaged over ranks. The ``deepep`` strategy is used (``alltoall`` with dedup if it is missing).
 Constants: see ``moonep-sim topologies``; ``nvlink.efficiency`` of h800-cx7 is FITTED on the
-intranode dispatch row; the other three rows are checks.
+intranode dispatch row; the other three rows are checks. ``benchmarks/fidelity_gpu.py`` is the full
+leave-one-out table (every anchor row, each constant fitted on one named row).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
 from moonep_sim.sim import SimOptions, load_topology, simulate_layer
 from moonep_sim.strategies import PlanContext, available, make_plan
 
-CHUNKS = 4  # DeepEP forwards RDMA-received rows over NVLink while more arrive: modelled as a 4-chunk pipeline
+CHUNKS = 1  # DeepEP's relays forward rows as they arrive: the deepep Plan declares relayed hops (no chunk knob)
 
 PUBLISHED = [  # (type, EP, dispatch GB/s, combine GB/s, counted link)
     ("intranode", 8, 153.0, 158.0, "NVLink"),
@@ -37,8 +38,14 @@ PUBLISHED = [  # (type, EP, dispatch GB/s, combine GB/s, counted link)
 ]
 
 
-def deepep_routing(R: int, tokens: int, seed: int, E: int = 256, K: int = 8, groups: int = 8, topk_groups: int = 4):
-    """DeepEP's test routing: scores |N(0,1)| + 1, top-`topk_groups` groups by max score, top-K inside."""
+def deepep_routing(R: int, tokens: int, seed: int, E: int = 256, K: int = 8, groups: int | None = None,
+                   topk_groups: int | None = None):
+    """DeepEP's test routing: scores |N(0,1)| + 1, top-`topk_groups` groups by max score, top-K inside;
+    by default one group per node (8 GPUs) and ``min(nodes, 4)`` groups kept, as DeepEP's tests do
+    (a single node: 8 groups, top 4, the intranode test's setting)."""
+    nodes = max(R // 8, 1)
+    groups = groups or (nodes if nodes > 1 else 8)
+    topk_groups = topk_groups or (min(nodes, 4) if nodes > 1 else 4)
     rng = np.random.default_rng(seed)
     T = R * tokens
     scores = np.abs(rng.standard_normal((T, E)).astype(np.float32)) + 1

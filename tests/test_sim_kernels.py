@@ -69,3 +69,83 @@ def test_weight_copy_closed_form_and_h800_epic_row():
 def test_bad_kernel_constants_fail_with_one_line(doc, match):
     with pytest.raises(ConfigError, match=match):
         topology_from_dict({"name": "x", **doc})
+
+
+# -- the timeline against the closed forms (one flow, one kernel, one relay) ---------------------
+import dataclasses  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from moonep_sim.models import custom_model  # noqa: E402
+from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts  # noqa: E402
+from moonep_sim.sim import SimOptions, simulate_layer  # noqa: E402
+from moonep_sim.sim.kernels import message_us  # noqa: E402
+from moonep_sim.strategies import PlanContext, make_plan  # noqa: E402
+
+ROW = 1000  # bytes per row, dispatch and combine alike
+MODEL = custom_model(4, 1)
+
+
+def _topo(**tables):
+    doc = {"name": "t", "node": {"gpus_per_node": 2},
+           "nvlink": {"bandwidth_GBps": 10.0, "latency_us": 0.0, "efficiency": 1.0},
+           "nic": {"bandwidth_GBps": 2.0, "latency_us": 0.0, "efficiency": 1.0},
+           "fabric": {"latency_us": 0.0}, "planning": {"fixed_us": 0.0}}
+    for k, v in tables.items():
+        doc[k] = {**doc.get(k, {}), **v}
+    return topology_from_dict(doc)
+
+
+def _plan(strategy, ids_T, tokens_per_rank, R=4, G=2, **opts):
+    ids = np.asarray(ids_T, np.int64)[:, None]
+    g = GlobalRouting(ids, np.ones_like(ids, dtype=np.float32), np.asarray(tokens_per_rank), 4)
+    ctx = PlanContext(ClusterShape(R, G), Placement.home_groups(4, R), RowCosts(ROW, ROW), 1)
+    return make_plan(strategy, g, ctx, **opts)
+
+
+def _iso(plan, topo, what="dispatch"):
+    return simulate_layer(plan, topo, MODEL, SimOptions(isolate=what, tol=0.0)).layer_time_us
+
+
+def test_one_flow_is_capped_by_the_senders_sms():
+    # rank 0 sends 100 rows to rank 1 (same node, NVLink 10 GB/s); a 2-SM kernel at 1 GB/s per SM
+    plan = dataclasses.replace(_plan("alltoall", [1] * 100, [100, 0, 0, 0]), kernel=KernelSpec(sms=2))
+    free = _iso(plan, _topo())
+    capped = _iso(plan, _topo(sm={"count": 8, "copy_GBps": 1.0}))
+    assert free == pytest.approx(100 * ROW / 10e3)
+    assert capped == pytest.approx(100 * ROW / 2e3)
+    # a Plan that declares no budget is not capped
+    assert _iso(dataclasses.replace(plan, kernel=None), _topo(sm={"count": 8, "copy_GBps": 1.0})) == \
+        pytest.approx(free)
+
+
+def test_one_kernel_pays_its_fixed_cost_once_per_launch():
+    kern = {"dispatch_fixed_us": 30.0, "combine_fixed_us": 20.0}
+    one_hop = _plan("alltoall", [1] * 100, [100, 0, 0, 0])
+    base_d, base_c = _iso(one_hop, _topo()), _iso(one_hop, _topo(), "combine")
+    assert _iso(one_hop, _topo(kernel=kern)) == pytest.approx(base_d + 30.0)
+    assert _iso(one_hop, _topo(kernel=kern), "combine") == pytest.approx(base_c + 20.0)
+    # two hops as separate collectives pay it per hop; the relayed deepep kernel once
+    two = _plan("hierarchical", [3] * 100, [100, 0, 0, 0])
+    assert len(two.hops) == 2
+    assert _iso(two, _topo(kernel=kern)) == pytest.approx(_iso(two, _topo()) + 60.0)
+    relayed = _plan("deepep", [3] * 100, [100, 0, 0, 0])
+    assert relayed.kernel.relay
+    assert _iso(relayed, _topo(kernel=kern)) == pytest.approx(_iso(relayed, _topo()) + 30.0)
+
+
+def test_one_relay_forwards_as_rows_arrive():
+    # rank 0 -> relay 2 (node 1, same local index: NIC 2 GB/s) -> rank 3 (NVLink 10 GB/s)
+    plan = dataclasses.replace(_plan("deepep", [3] * 100, [100, 0, 0, 0]), kernel=KernelSpec(relay=True))
+    assert [h.rows_RR(4)[0, 2] for h in plan.hops[:1]] == [100] and plan.hops[1].rows_RR(4)[2, 3] == 100
+    lat = {"nvlink": {"latency_us": 1.0}, "nic": {"latency_us": 2.0}}
+    sync = _iso(plan, _topo(**lat))
+    assert sync == pytest.approx(2.0 + 100 * ROW / 2e3 + 1.0 + 100 * ROW / 10e3)
+    topo = _topo(kernel={"relay_message_rows": 4}, **lat)
+    m0, m1 = message_us(topo, ROW, True), message_us(topo, ROW, False)
+    want = relay_two_hop_us(100 * ROW, 2e3, 2.0, 100 * ROW, 10e3, 1.0, m0, m1)
+    assert _iso(plan, topo) == pytest.approx(want)
+    assert want < sync
+    # the slow stage second: combine runs the hops back (NVLink first, then the NIC)
+    want_c = relay_two_hop_us(100 * ROW, 10e3, 1.0, 100 * ROW, 2e3, 2.0, m1, m0)
+    assert _iso(plan, topo, "combine") == pytest.approx(want_c)

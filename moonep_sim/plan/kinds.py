@@ -35,6 +35,8 @@ class PhaseKind(_StrEnum):
     EXPERT_COMPUTE: the grouped expert GEMMs (simulator spans).
     COPY: a host's local pass over rows or weights before sending or after receiving.
     STALL: an injected wait (``moonep_sim.sim.faults.Stall``).
+    KERNEL_FIXED: a GPU kernel's fixed cost (launch, notify, flag polling) before it moves bytes
+        (simulator spans; ``moonep_sim.sim.kernels``).
     """
 
     DISPATCH = "dispatch"
@@ -46,6 +48,7 @@ class PhaseKind(_StrEnum):
     EXPERT_COMPUTE = "expert_compute"
     COPY = "copy"
     STALL = "stall"
+    KERNEL_FIXED = "kernel_fixed"
 
 
 COMM_KINDS = frozenset({PhaseKind.DISPATCH, PhaseKind.COMBINE, PhaseKind.PREFETCH, PhaseKind.MIGRATE,

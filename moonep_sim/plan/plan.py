@@ -41,6 +41,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from moonep_sim.errors import PlanError
+from moonep_sim.plan.kernel import KernelSpec
 from moonep_sim.plan.kinds import SCOPES, Direction, PhaseKind, Scope
 from moonep_sim.plan.placement import ClusterShape
 from moonep_sim.routing.trace import find_bad_token
@@ -241,6 +242,9 @@ class Plan:
       microseconds of the modelled cluster; the simulator adds it to the planning step. 0 for
       planners that run on the GPU.
     plan_seconds: wall time the planner took.
+    kernel: how the GPU kernels this Plan stands for move its rows (SM budget, relayed hops,
+      one message per row; :class:`~moonep_sim.plan.kernel.KernelSpec`), read by the simulator
+      only; None = a generic collective per hop with no SM cap.
     """
 
     strategy: str
@@ -270,6 +274,7 @@ class Plan:
     capacity_R: np.ndarray | None = None
     host_plan_us: float = 0.0
     plan_seconds: float = 0.0
+    kernel: KernelSpec | None = None
 
     # -- sizes ----------------------------------------------------------------------------
     @property

@@ -191,8 +191,9 @@ def straggler(sim: StepSim, rec, end_R: np.ndarray) -> dict[str, Any]:
 def port_owner(sim: StepSim, rec, p: int, f: int) -> int:
     """The rank a port belongs to: its own rank; for a node link's out port the flow's source (a
     rank of that node); for a pair, spine or node-in port the flow's destination."""
-    if 0 <= p < 5 * sim.R:
-        return int(p % sim.R)
+    own = sim.ports.owner(p)
+    if own is not None:
+        return own
     if sim.ports.node_links and sim.ports.node_base <= p < sim.ports.node_base + sim.ports.nodes:
         return int(rec["src"][f])
     return int(rec["dst"][f])
@@ -203,7 +204,8 @@ def critical_port(sim: StepSim, rec, f: int) -> int:
     resource that kept the flow's last bytes waiting (a degraded port's busy time grows with it)."""
     if sim.busy_P is None:
         sim.busy_P = sim.net.port_bytes() / sim.ports.cap_P[:-1]
-    path = sim.ports.route(rec["src"][f:f + 1], rec["dst"][f:f + 1])[0]
+    sm = sim.net.flow_sm({k: v[f:f + 1] for k, v in rec.items()})
+    path = sim.ports.route(rec["src"][f:f + 1], rec["dst"][f:f + 1], sm)[0]
     path = path[path < sim.ports.num_ports]
     phys = path[[sim.ports.physical(int(q)) for q in path]] if path.size else path
     path = phys if phys.size else path  # name a device's port, not a half-duplex pair

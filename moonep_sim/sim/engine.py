@@ -9,7 +9,11 @@ h+1 rows once it has received all its hop-h rows -> weights: sent by the home at
 (``overlap_prefetch``) or once the home has received its last dispatch hop -> expert compute on r
 once its last-hop rows and its copies' weights arrived -> r sends its first combine hop when its
 compute ends; later combine hops once it received the previous one -> the copies' gradients are
-sent home after the backward compute. With ``chunks = c`` every dispatch and combine phase is split
+sent home after the backward compute. GPU kernel terms (``moonep_sim.sim.kernels``): a rank pays
+a kernel's fixed cost before it sends each hop (once per direction for a relayed Plan); in a
+relayed Plan a relay sends hop h+1 once the first message of hop h reached it (not once all of
+it did), and a receiver holds hop h+1 only once every relay feeding it received its hop-h rows
+and forwarded the last message. With ``chunks = c`` every dispatch and combine phase is split
 in c equal parts: rank r sends chunk j+1 of a hop once it received chunk j of it, computes chunk j
 once chunk j arrived, and combines chunk j after computing it (a pipeline).
 
@@ -31,6 +35,7 @@ from moonep_sim.plan import CommPhase, Plan
 from moonep_sim.plan.kinds import Direction, PhaseKind, Scope
 from moonep_sim.sim.cpu import HostCPU
 from moonep_sim.sim.faults import FaultState, lognormal_factors
+from moonep_sim.sim.kernels import sm_cap_bytes_per_us
 from moonep_sim.sim.network import FlowNetwork, PortMap
 from moonep_sim.sim.options import SimOptions
 from moonep_sim.sim.program import StageProgram, stage_program
@@ -78,7 +83,8 @@ class StepSim:
         topo.num_nodes(R)
         self.fs = FaultState.build(opts.faults, R)
         self.env = simpy.Environment()
-        self.ports = PortMap.build(topo, R, self.fs.nvlink_factor_R, self.fs.nic_factor_R)
+        self.ports = PortMap.build(topo, R, self.fs.nvlink_factor_R, self.fs.nic_factor_R,
+                                   sm_cap_bytes_per_us(topo, plans[0].kernel))
         self.net = FlowNetwork(self.env, self.ports, opts.tol, record_util=opts.timeline)
         self.rng = np.random.default_rng(opts.seed)
         host_R = topo.host_R(R)  # CPU processes sharing a host's cores (None on GPU presets)
@@ -100,6 +106,8 @@ class StepSim:
         self.stage_start = np.zeros((len(self.stages), R))
         self.busy_P: np.ndarray | None = None  # us each port was busy (set by the analysis)
         self._done_ev: dict[tuple, Any] = {}
+        self._done_t: dict[tuple, float] = {}     # (stage, side, hop, chunk, rank) -> when it held that hop
+        self._first: dict[tuple, list] = {}       # (stage, side, hop, chunk, rank) -> [event, earliest time]
 
     # -- helpers -------------------------------------------------------------------------
     def _work(self, r: int, us: float) -> simpy.Event:
@@ -117,7 +125,7 @@ class StepSim:
         return lognormal_factors(self.rng, self.opts.jitter, shape)
 
     def _register(self, prefix: str, layer: int, phases: list[CommPhase], chunks: int,
-                  scales: Sequence | None = None):
+                  scales: Sequence | None = None, sm: bool = False):
         """[phase][chunk] -> (pid, bytes_RR, eff_RR); ``scales[i]``: an [R, R] factor on phase i's
         transfer times (or None). Each phase instance is registered with its :class:`PhaseTag`."""
         out = []
@@ -127,7 +135,7 @@ class StepSim:
             cnt = (b > 0).sum(axis=0)
             for j in range(chunks):
                 name = p.name if chunks == 1 else f"{p.name}#{j}"
-                pid = self.net.expect(prefix + name, cnt, PhaseTag(p.kind, p.direction, p.scope, layer, p.name))
+                pid = self.net.expect(prefix + name, cnt, PhaseTag(p.kind, p.direction, p.scope, layer, p.name), sm=sm)
                 eff = b * self._jit(b.shape) if self.opts.jitter > 0 else b
                 if scales is not None and scales[i] is not None:
                     eff = eff * scales[i]
@@ -147,10 +155,10 @@ class StepSim:
             prefix = f"L{li}." if len(self.plans) > 1 else ""
             if d.direction == "backward":
                 prefix += "bwd." if not prefix else ""
-            pre = self._register(prefix, li, d.pre, c, [None] * (len(d.pre) - 1) + [d.p2p_RR])
-            wts = [row[0] for row in self._register(prefix, li, d.weights, 1)]
-            post = self._register(prefix, li, d.post, c, [d.p2p_RR] + [None] * (len(d.post) - 1))
-            aft = [row[0] for row in self._register(prefix, li, d.after, 1)]
+            pre = self._register(prefix, li, d.pre, c, d.pre_scale, sm=d.sm)
+            wts = [row[0] for row in self._register(prefix, li, d.weights, 1, [d.w_scale_RR] * len(d.weights))]
+            post = self._register(prefix, li, d.post, c, d.post_scale, sm=d.sm)
+            aft = [row[0] for row in self._register(prefix, li, d.after, 1, [d.w_scale_RR] * len(d.after))]
             comp_jit = self._jit((c, R)) if self.opts.jitter > 0 else np.ones((c, R))
             done = []
             for r in range(R):
@@ -187,7 +195,8 @@ class StepSim:
                 self._send(w, r)
         if pre:
             done = self._done(si, "pre", r, len(pre))
-            procs = [env.process(self._hop(r, pre, h, None, prefix, d.pre_copy[h][r], d.post_copy[h][r], done))
+            procs = [env.process(self._hop(r, pre, h, None, prefix, d.pre_copy[h][r], d.post_copy[h][r], done,
+                                           (si, "pre", d, d.relay_pre, d.fixed_pre_us)))
                      for h in range(len(pre))]
             yield env.all_of(procs)
         if not self.opts.overlap_prefetch:
@@ -216,33 +225,80 @@ class StepSim:
             self._done_ev[key] = [[self.env.event() for _ in range(self.opts.chunks)] for _ in range(hops)]
         return self._done_ev[key]
 
-    def _hop(self, r, rows, h, first_gate, prefix, pre_us=0.0, post_us=0.0, done=None):
+    def _first_message(self, key: tuple) -> list:
+        if key not in self._first:
+            self._first[key] = [self.env.event(), np.inf]
+        return self._first[key]
+
+    def _announce(self, si, side, h, j, r, relay_RR, b_R) -> None:
+        """Rank r starts sending hop h chunk j: each receiver holds its first message of it after
+        ``relay_RR[r, d]`` us (the earliest sender decides)."""
+        now = self.env.now
+        for d in np.flatnonzero(b_R > 0).tolist():
+            slot = self._first_message((si, side, h, j, d))
+            t = now + float(relay_RR[r, d])
+            if t < slot[1]:
+                slot[1] = t
+                ev = slot[0]
+                self.env.timeout(t - now).callbacks.append(lambda _e, ev=ev: None if ev.triggered else ev.succeed())
+
+    def _relay_tail(self, si, side, h, j, r, rows, relay_RR, hops):
+        """Rank r holds relayed hop h chunk j once every relay v that sends to it held its hop h-1
+        chunk j and forwarded the last message (``relay_RR[v, r]`` after)."""
+        b = rows[h][j][1][:, r]
+        t_need = self.env.now
+        for v in np.flatnonzero(b > 0).tolist():
+            yield self._done(si, side, v, hops)[h - 1][j]
+            t_need = max(t_need, self._done_t[(si, side, h - 1, j, v)] + float(relay_RR[v, r]))
+        if t_need > self.env.now:
+            yield self.env.timeout(t_need - self.env.now)
+
+    def _hop(self, r, rows, h, first_gate, prefix, pre_us=0.0, post_us=0.0, done=None, kern=None):
         """Rank r's part of hop h, chunk by chunk: chunk j is sent once r received chunk j of the
         previous hop and made its local pass over it (or ``first_gate[j]`` fired, for the first
         hop) and chunk j-1 of this hop; ``pre_us`` / ``post_us`` (whole hop, split over chunks) are
-        the local gather before sending and the pass over the received rows."""
+        the local gather before sending and the pass over the received rows.
+
+        ``kern`` = (stage, side, program, relay_RR list or None, fixed us): the kernel terms. The
+        fixed cost is paid before the first chunk of every hop (only hop 0 when relayed). With
+        ``relay_RR``, hop h > 0 is sent once r holds the first message of hop h-1 (or all of it,
+        if that is sooner), and r holds hop h once the relays feeding it finished (see
+        :meth:`_relay_tail`)."""
         env = self.env
         c = self.opts.chunks
+        si, side, prog, relay, fixed = kern if kern is not None else (None, None, None, None, 0.0)
         for j in range(c):
             pid = rows[h][j][0]
             tag = self.net.phase_tag(pid)
-            if h > 0:
+            if h > 0 and relay is not None:
+                yield env.any_of([self._first_message((si, side, h - 1, j, r))[0], done[h - 1][j]])
+            elif h > 0:
                 yield done[h - 1][j] if done is not None else self.net.received(rows[h - 1][j][0], r)
             elif first_gate is not None:
                 yield first_gate[j]
+            if j == 0 and fixed > 0 and (h == 0 or not prog.relayed):
+                t0 = env.now
+                yield env.timeout(fixed)
+                self._span(r, prefix + "kernel_fixed", PhaseKind.KERNEL_FIXED, tag.direction, t0)
             if pre_us > 0:
                 t0 = env.now
                 yield self._work(r, float(pre_us) / c)
                 self._span(r, prefix + "copy", PhaseKind.COPY, tag.direction, t0)
             t0 = env.now
+            if relay is not None and h + 1 < len(rows):
+                self._announce(si, side, h, j, r, relay[h], rows[h][j][1][r])
             self._send(rows[h][j], r)
             yield self.net.received(rows[h][j][0], r)
+            if relay is not None and h > 0:
+                yield from self._relay_tail(si, side, h, j, r, rows, relay[h], len(rows))
             self._span(r, prefix + self.net.phase_name(pid)[len(prefix):], tag.kind, tag.direction, t0)
             if post_us > 0:
                 t0 = env.now
                 yield self._work(r, float(post_us) / c)
                 self._span(r, prefix + "copy", PhaseKind.COPY, tag.direction, t0)
             if done is not None:
+                if si is not None:
+                    self._done_t[(si, side, h, j, r)] = env.now
                 done[h][j].succeed()
 
     def _computer(self, si, d: StageProgram, r, start_ev, pre, wts, aft, comp_done, jit, prefix):
@@ -295,7 +351,8 @@ class StepSim:
         if post:
             done = self._done(si, "post", r, len(post))
             procs = [env.process(self._hop(r, post, h, gate, prefix, d.post_pre_copy[h][r], d.post_post_copy[h][r],
-                                           done)) for h in range(len(post))]
+                                           done, (si, "post", d, d.relay_post, d.fixed_post_us)))
+                     for h in range(len(post))]
             yield env.all_of(procs)
         if aft:
             yield env.all_of([self.net.received(a[0], r) for a in aft])

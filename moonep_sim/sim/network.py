@@ -1,7 +1,7 @@
 """Flow-level network model on simpy: ports shared max-min fairly by concurrent transfers.
 
 Notation: R ranks, G GPUs per node, F flows (one per (phase, source, destination) with bytes > 0),
-P ports, L = 7 ports per path at most (shorter paths are padded with a dummy port of infinite
+P ports, L = 9 ports per path at most (shorter paths are padded with a dummy port of infinite
 capacity). Units: bytes, microseconds, bytes per microsecond.
 
 Ports
@@ -21,6 +21,12 @@ a *pair* port, appended to the path of both ``a -> b`` and ``b -> a``: the two d
 pair's connection share one capacity (the class's per-direction bandwidth, scaled by the slower
 end's degradation), as a gloo TCP pair whose one thread alternately writes and reads. Pair ports
 exist only when some class is half duplex (the GPU presets have none).
+
+SM-limited copies: when a kernel's SM budget caps its copy rate (``sm_bytes_per_us`` finite, see
+``moonep_sim.sim.kernels``), every rank also has an ``sm_send`` and an ``sm_recv`` port of that
+capacity, and the flows of phases registered with ``sm=True`` cross the sender's ``sm_send`` and
+the receiver's ``sm_recv`` (local copies included): the SMs driving a kernel limit what a GPU
+moves, separately from its links. Flows of other phases (copy-engine weight copies) skip them.
 
 With ``nic.attach = "node"`` a node's ranks share one network link (processes behind one
 interface): every inter-node flow also crosses ``node<n>.nic_out`` of its source node and
@@ -56,7 +62,7 @@ import simpy
 
 from moonep_sim.sim.topology import Topology
 
-L_PATH = 7
+L_PATH = 9
 _DONE_REL = 1e-9
 
 
@@ -80,12 +86,15 @@ class PortMap:
     pairs: bool = False
     node_links: bool = False
     message_us: float = 0.0
+    sm_ports: bool = False
 
     KINDS = ("nvlink_out", "nvlink_in", "nic_out", "nic_in", "hbm")
 
     @classmethod
     def build(cls, topo: Topology, ranks: int, nvlink_factor_R: np.ndarray | None = None,
-              nic_factor_R: np.ndarray | None = None) -> "PortMap":
+              nic_factor_R: np.ndarray | None = None, sm_bytes_per_us: float = np.inf) -> "PortMap":
+        """Ports of ``ranks`` GPUs on ``topo``; ``sm_bytes_per_us`` finite adds each rank's SM send
+        and receive ports of that capacity (the Plan's kernel SM cap)."""
         R = ranks
         G = min(topo.gpus_per_node, R)
         nodes = topo.num_nodes(R)
@@ -116,8 +125,10 @@ class PortMap:
         if node_links:  # a node link is as fast as its slowest rank's NIC factor
             nf = np.array([nicf[n * G:(n + 1) * G].min() for n in range(nodes)])
             node_cap = node_nom * np.concatenate([nf, nf])
+        sm_ports = bool(np.isfinite(sm_bytes_per_us))
+        sm_nom = np.full(2 * R, float(sm_bytes_per_us)) if sm_ports else np.zeros(0)
         nominal = np.concatenate([np.full(R, nv), np.full(R, nv), np.full(R, nic), np.full(R, nic), np.full(R, hbm),
-                                  np.full(2 * rails, spine), pair_nom, node_nom, [np.inf]])
+                                  np.full(2 * rails, spine), pair_nom, node_nom, sm_nom, [np.inf]])
         cap = nominal.copy()
         cap[0:R] *= nvf
         cap[R:2 * R] *= nvf
@@ -131,7 +142,7 @@ class PortMap:
             cap[nb:nb + 2 * nodes] = node_cap
         return cls(R, G, rails, nodes, cap, nominal, topo.nvlink_latency_us, topo.nic_latency_us,
                    topo.nic_latency_us + topo.fabric_latency_us, bool(spine_binds), bool(pairs), bool(node_links),
-                   float(topo.host_message_us))
+                   float(topo.host_message_us), sm_ports)
 
     @property
     def pair_base(self) -> int:
@@ -140,6 +151,11 @@ class PortMap:
     @property
     def node_base(self) -> int:
         return self.pair_base + (self.ranks * self.ranks if self.pairs else 0)
+
+    @property
+    def sm_base(self) -> int:
+        """First SM port: ``sm_base + r`` is rank r's ``sm_send``, ``sm_base + R + r`` its ``sm_recv``."""
+        return self.node_base + (2 * self.nodes if self.node_links else 0)
 
     @property
     def num_ports(self) -> int:
@@ -153,6 +169,9 @@ class PortMap:
         R = self.ranks
         if p < 5 * R:
             return f"rank{p % R}.{self.KINDS[p // R]}"
+        if self.sm_ports and p >= self.sm_base:
+            q = p - self.sm_base
+            return f"rank{q % R}.{'sm_send' if q < R else 'sm_recv'}"
         if p >= self.node_base:
             n = p - self.node_base
             return f"node{n % self.nodes}.nic_{'out' if n < self.nodes else 'in'}"
@@ -164,6 +183,8 @@ class PortMap:
 
     def kind(self, p: int) -> str:
         R = self.ranks
+        if self.sm_ports and p >= self.sm_base:
+            return "sm_send" if p - self.sm_base < R else "sm_recv"
         if p >= self.node_base:
             return "node_nic_out" if p - self.node_base < self.nodes else "node_nic_in"
         if p >= self.pair_base:
@@ -174,11 +195,21 @@ class PortMap:
         """Whether port p is a rank's, a spine's or a node link's (not a half-duplex pair's)."""
         return p < self.pair_base or p >= self.node_base
 
-    def paths(self, src_F: np.ndarray, dst_F: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def owner(self, p: int) -> int | None:
+        """The rank whose own port p is (NVLink, NIC, HBM and SM ports), else None."""
+        R = self.ranks
+        if 0 <= p < 5 * R:
+            return int(p % R)
+        if self.sm_ports and self.sm_base <= p < self.sm_base + 2 * R:
+            return int((p - self.sm_base) % R)
+        return None
+
+    def paths(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(path_FL int64 [F, L_PATH], latency_F float64 [F]) of transfers ``src -> dst`` (vectorised).
 
         Columns: the first port, the spine up/down (only when it can bind), the last port, then the
-        pair port (half duplex) and the node links (``nic.attach = "node"``) where they exist."""
+        pair port (half duplex), the node links (``nic.attach = "node"``) and the SM send / receive
+        ports (of flows with ``sm_F`` True, when the map has SM ports) where they exist."""
         R, G = self.ranks, self.gpus_per_node
         F = src_F.size
         lat = np.zeros(F)
@@ -218,14 +249,21 @@ class PortMap:
             no[inter] = self.node_base + src_F[inter] // G
             ni[inter] = self.node_base + self.nodes + dst_F[inter] // G
             cols += [no, ni]
+        if self.sm_ports and sm_F is not None and np.any(sm_F):
+            ss = np.full(F, self.dummy, dtype=np.int64)
+            sr = np.full(F, self.dummy, dtype=np.int64)
+            m = np.asarray(sm_F, dtype=bool)
+            ss[m] = self.sm_base + src_F[m]
+            sr[m] = self.sm_base + R + dst_F[m]
+            cols += [ss, sr]
         path = np.full((F, L_PATH), self.dummy, dtype=np.int64)
         path[:, :len(cols)] = np.stack(cols, axis=1)
         return path, lat
 
-    def route(self, src_F: np.ndarray, dst_F: np.ndarray) -> np.ndarray:
+    def route(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None) -> np.ndarray:
         """path_FL including spine ports even where they cannot bind (for byte accounting)."""
         full = PortMap(**{**self.__dict__, "spine_binds": True})
-        return full.paths(src_F, dst_F)[0]
+        return full.paths(src_F, dst_F, sm_F)[0]
 
 
 def waterfill(path_FL: np.ndarray, cap_P: np.ndarray, tol: float = 0.0) -> tuple[np.ndarray, np.ndarray, int]:
@@ -291,6 +329,7 @@ class FlowNetwork:
         self._group_events: list[list[simpy.Event]] = []
         self._phase_names: list[str] = []
         self._phase_tags: list[Any] = []  # per phase id: the caller's tag (the timeline's PhaseTag)
+        self._phase_sm: list[bool] = []   # per phase id: its flows cross the SM send / receive ports
         # active flows
         self._a_path = np.zeros((0, L_PATH), dtype=np.int64)
         self._a_rem = np.zeros(0)
@@ -320,13 +359,15 @@ class FlowNetwork:
         self.util_samples: list[tuple[float, np.ndarray]] = []
 
     # -- phases and receive groups ---------------------------------------------------------
-    def expect(self, name: str, count_R: np.ndarray, tag: Any = None) -> int:
+    def expect(self, name: str, count_R: np.ndarray, tag: Any = None, sm: bool = False) -> int:
         """Register a phase instance; ``count_R[d]`` flows will arrive at rank d. Returns its id.
 
-        tag: carried with the phase (and so with every flow of it) for the caller's analyses."""
+        tag: carried with the phase (and so with every flow of it) for the caller's analyses.
+        sm: its flows cross the SM send / receive ports (when the port map has them)."""
         pid = len(self._phase_names)
         self._phase_names.append(name)
         self._phase_tags.append(tag)
+        self._phase_sm.append(bool(sm))
         left = np.asarray(count_R, dtype=np.int64).copy()
         evs = [self.env.event() for _ in range(left.size)]
         for d in np.flatnonzero(left == 0):
@@ -361,7 +402,7 @@ class FlowNetwork:
         if dst.size == 0:
             return
         src_F = np.full(dst.size, src, dtype=np.int64)
-        path, lat = self.ports.paths(src_F, dst)
+        path, lat = self.ports.paths(src_F, dst, np.full(dst.size, self._phase_sm[pid]) if self.ports.sm_ports else None)
         if self.ports.message_us > 0:  # the sender's serial per-message cost (host_message_us)
             remote = dst != src
             lat = lat + np.where(remote, self.ports.message_us * float(remote.sum()), 0.0)
@@ -492,9 +533,15 @@ class FlowNetwork:
         rec = self.records()
         if rec["src"].size == 0:
             return np.zeros(self.ports.num_ports)
-        path = self.ports.route(rec["src"], rec["dst"])
+        path = self.ports.route(rec["src"], rec["dst"], self.flow_sm(rec))
         return np.bincount(path.ravel(), weights=np.repeat(rec["bytes"], L_PATH),
                            minlength=self.ports.cap_P.size)[:-1]
+
+    def flow_sm(self, rec: dict[str, np.ndarray]) -> np.ndarray | None:
+        """bool [F]: which recorded flows crossed SM ports (None when the port map has none)."""
+        if not self.ports.sm_ports:
+            return None
+        return np.asarray(self._phase_sm, dtype=bool)[rec["phase"]] if rec["phase"].size else np.zeros(0, bool)
 
     @property
     def idle(self) -> bool:

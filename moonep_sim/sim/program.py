@@ -22,6 +22,8 @@ from moonep_sim.plan.direct import last_hop_is_direct
 from moonep_sim.plan.kinds import COMM_KINDS, WEIGHT_KINDS, Direction, PhaseKind
 from moonep_sim.sim.compute import rank_compute_us
 from moonep_sim.sim.faults import FaultState
+from moonep_sim.sim.kernels import kernel_fixed_us, message_us, relay_active, sm_cap_bytes_per_us, weight_copy_bytes_per_us
+from moonep_sim.sim.kernels import planning_us as kernel_planning_us
 from moonep_sim.sim.options import SimOptions
 from moonep_sim.sim.topology import Topology
 
@@ -39,6 +41,17 @@ class StageProgram:
     w_pre_R / w_post_R: [R] us of the home's pass over the weights it sends / the receiver's pass
         over the weights it receives (None: no such pass).
     p2p_RR: [R, R] time scale of the point-to-point hop's flows (None: none).
+
+    GPU kernel terms (``moonep_sim.sim.kernels``; all neutral when the topology leaves them 0):
+    pre_scale / post_scale: [hop] -> [R, R] time scale of each hop's flows (point-to-point
+        efficiency, per-message NIC cost) or None.  w_scale_RR: the same for weight copies (their
+        own link efficiency and engine).
+    fixed_pre_us / fixed_post_us: fixed cost of one dispatch / combine kernel launch.
+    relayed: one kernel per direction whose relays forward as rows arrive (pays its fixed cost
+        once); else every hop is a launch of its own.
+    relay_pre / relay_post: [hop] -> [R, R] us from a sender starting (or a relay finishing) its
+        part of the hop to the receiver holding one message of it (latency + one message) when
+        relayed, else None.  sm: the hops' flows cross the SM send / receive ports.
     """
 
     direction: Direction
@@ -56,6 +69,15 @@ class StageProgram:
     w_pre_R: np.ndarray | None = None
     w_post_R: np.ndarray | None = None
     p2p_RR: np.ndarray | None = None
+    pre_scale: list = field(default_factory=list)
+    post_scale: list = field(default_factory=list)
+    w_scale_RR: np.ndarray | None = None
+    fixed_pre_us: float = 0.0
+    fixed_post_us: float = 0.0
+    relayed: bool = False
+    relay_pre: list | None = None
+    relay_post: list | None = None
+    sm: bool = False
 
 
 def host_copy_us(plan: Plan, topo: Topology, direction: Direction, pre: list[CommPhase],
@@ -101,7 +123,9 @@ def planning_us(plan: Plan, topo: Topology) -> tuple[float, float]:
     steps = int(np.ceil(np.log2(R))) if R > 1 else 0
     plan_comm = steps * lat + (counts_bytes / slow_bw if R > 1 and G >= 1 else 0.0)
     plan_comm += topo.host_message_us * (R - 1)  # every rank's message to each other rank
-    plan_cpu = topo.plan_fixed_us + float(plan.host_plan_us)  # a host-side planner's own work
+    entries = float(np.max(plan.tokens_per_rank_R)) * plan.top_k if R else 0.0
+    # a fixed cost plus the work (moonep_sim.sim.kernels.planning_us), and a host-side planner's own work
+    plan_cpu = kernel_planning_us(topo, entries, plan.num_experts, R) + float(plan.host_plan_us)
     if topo.plan_measured_factor > 0:  # every rank plans the same global Plan (on the shared cores)
         plan_cpu += topo.plan_measured_factor * float(plan.plan_seconds) * 1e6
     return plan_cpu, plan_comm
@@ -135,8 +159,84 @@ def stage_program(plan: Plan, model: ModelSpec, topo: Topology, direction: Direc
         k = 1.0 / w_rate
         w_pre = sum(p.bytes_RR.sum(axis=1) for p in weights) * k
         w_post = sum(p.bytes_RR.sum(axis=0) for p in weights) * k
-    return StageProgram(direction, pre, weights, post, after, comp, plan_cpu, plan_comm, d_pre, d_post, c_pre,
-                        c_post, w_pre, w_post, p2p_scale(plan, topo) if plan.hops else None)
+    p2p = p2p_scale(plan, topo) if plan.hops else None
+    prog = StageProgram(direction, pre, weights, post, after, comp, plan_cpu, plan_comm, d_pre, d_post, c_pre,
+                        c_post, w_pre, w_post, p2p)
+    kernel_terms(prog, plan, topo)
+    return prog
+
+
+def _node_R(plan: Plan, topo: Topology) -> np.ndarray:
+    return np.arange(plan.ranks) // min(topo.gpus_per_node, plan.ranks)
+
+
+def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology) -> np.ndarray | None:
+    """[R, R] time scale that charges ``kernel_nic_message_us`` per row of the phase's inter-node
+    flows (one RDMA write per row), at the NIC's rate; None when off."""
+    if topo.kernel_nic_message_us <= 0 or plan.kernel is None or not plan.kernel.row_messages:
+        return None
+    node = _node_R(plan, topo)
+    cross = node[:, None] != node[None, :]
+    extra = phase.msgs_RR.astype(np.float64) * topo.kernel_nic_message_us * topo.nic_bytes_per_us
+    b = phase.bytes_RR.astype(np.float64)
+    return np.where(cross & (b > 0), 1.0 + np.divide(extra, b, out=np.zeros_like(b), where=b > 0), 1.0)
+
+
+def _relay_RR(phase: CommPhase, plan: Plan, topo: Topology, sm_cap: float) -> np.ndarray:
+    """[R, R] us for one relay message of ``phase`` to reach its receiver: path latency plus one
+    message of ``kernel_relay_message_rows`` rows at the pair's link rate (capped by the SM rate)."""
+    node = _node_R(plan, topo)
+    cross = node[:, None] != node[None, :]
+    rows = float(phase.msgs_RR.sum())
+    row_bytes = float(phase.bytes_RR.sum()) / rows if rows > 0 else 0.0
+    R = plan.ranks
+    same = np.eye(R, dtype=bool)
+    lat = np.where(cross, topo.nic_latency_us, topo.nvlink_latency_us)
+    msg = np.where(cross, message_us(topo, row_bytes, True, sm_cap), message_us(topo, row_bytes, False, sm_cap))
+    local = topo.kernel_relay_message_rows * row_bytes / min(topo.mem_bytes_per_us / 2.0, sm_cap)
+    return np.where(same, local, lat + msg)
+
+
+def _weights_scale(plan: Plan, topo: Topology) -> np.ndarray | None:
+    """[R, R] time scale of weight copies: their own link efficiency (``[weights]``) and engine
+    against the link class's kernel rate that the network's ports run at; None when neutral."""
+    node = _node_R(plan, topo)
+    cross = node[:, None] != node[None, :]
+    nv = topo.nvlink_bytes_per_us / weight_copy_bytes_per_us(topo, False)
+    nic = topo.nic_bytes_per_us / weight_copy_bytes_per_us(topo, True)
+    if nv == 1.0 and nic == 1.0:
+        return None
+    sc = np.where(cross, nic, nv)
+    np.fill_diagonal(sc, 1.0)
+    return sc
+
+
+def kernel_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
+    """Fill ``prog``'s GPU kernel terms from the Plan's :class:`~moonep_sim.plan.kernel.KernelSpec`
+    and the topology (``moonep_sim.sim.kernels``)."""
+    spec = plan.kernel
+    sm_cap = sm_cap_bytes_per_us(topo, spec)
+    prog.sm = bool(np.isfinite(sm_cap))
+    prog.fixed_pre_us = kernel_fixed_us(topo, "dispatch")
+    prog.fixed_post_us = kernel_fixed_us(topo, "combine")
+    prog.relayed = bool(spec is not None and spec.relay)
+
+    def scales(phases: list[CommPhase], p2p_at: int) -> list:
+        out = []
+        for i, ph in enumerate(phases):
+            sc = prog.p2p_RR if (i == p2p_at and prog.p2p_RR is not None) else None
+            m = _row_messages_scale(ph, plan, topo)
+            if m is not None:
+                sc = m if sc is None else sc * m
+            out.append(sc)
+        return out
+
+    prog.pre_scale = scales(prog.pre, len(prog.pre) - 1)
+    prog.post_scale = scales(prog.post, 0)
+    prog.w_scale_RR = _weights_scale(plan, topo) if prog.weights else None
+    if relay_active(topo, spec):
+        prog.relay_pre = [_relay_RR(p, plan, topo, sm_cap) for p in prog.pre]
+        prog.relay_post = [_relay_RR(p, plan, topo, sm_cap) for p in prog.post]
 
 
 def p2p_scale(plan: Plan, topo: Topology) -> np.ndarray | None:
@@ -152,4 +252,4 @@ def p2p_scale(plan: Plan, topo: Topology) -> np.ndarray | None:
     return np.where(cross, topo.nic_efficiency / topo.nic_p2p_efficiency, 1.0)
 
 
-__all__ = ["StageProgram", "host_copy_us", "p2p_scale", "planning_us", "stage_program"]
+__all__ = ["StageProgram", "host_copy_us", "kernel_terms", "p2p_scale", "planning_us", "stage_program"]

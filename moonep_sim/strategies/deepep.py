@@ -20,12 +20,14 @@ options.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 
 from moonep_sim.errors import PlanError, require
 from moonep_sim.plan import GlobalRouting, Plan
+from moonep_sim.plan.kernel import KernelSpec
 from moonep_sim.plan.multihop import home_slots, plan_from_routes
 from moonep_sim.strategies import PlanContext, register
 
@@ -74,8 +76,9 @@ def deepep_rdma_bytes(plan: Plan) -> int:
 
 
 @register("deepep", summary="DeepEP normal kernels: once per destination node over RDMA, then NVLink forward",
-          options={"max_nodes": (int, 0, "check that no token spans more than this many nodes (0 = no limit)")})
-def plan(routing: GlobalRouting, ctx: PlanContext, max_nodes: int = 0) -> Plan:
+          options={"max_nodes": (int, 0, "check that no token spans more than this many nodes (0 = no limit)"),
+                   "sms": (int, 24, "SMs its kernels use (DeepEP's normal kernels: 20-24; 0 = no SM cap, -1 = all)")})
+def plan(routing: GlobalRouting, ctx: PlanContext, max_nodes: int = 0, sms: int = 24) -> Plan:
     t0 = time.perf_counter()
     require(max_nodes >= 0, f"max_nodes ({max_nodes}) must be >= 0 (0 = no limit)")
     G = ctx.cluster.gpus_per_node
@@ -92,6 +95,8 @@ def plan(routing: GlobalRouting, ctx: PlanContext, max_nodes: int = 0) -> Plan:
     opts = {"max_nodes": max_nodes,
             "max_nodes_per_token": int(npt.max()) if npt.size else 0,
             "mean_nodes_per_token": float(npt.mean()) if npt.size else 0.0}
-    return plan_from_routes("deepep", opts, routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [via_RR],
-                            ("inter_node", "intra_node"), (True, True), token_padding=ctx.token_padding,
-                            started=t0, via_table=True)
+    out = plan_from_routes("deepep", opts, routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [via_RR],
+                           ("inter_node", "intra_node"), (True, True), token_padding=ctx.token_padding,
+                           started=t0, via_table=True)
+    # one kernel: the relay (same local index on the destination node) forwards rows as they arrive
+    return dataclasses.replace(out, kernel=KernelSpec(sms=sms, relay=True))

@@ -45,12 +45,14 @@ Algorithm (DESIGN.md section 3; the public MoonEP planning reference)
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 
 from moonep_sim.errors import ConfigError, PlanError
 from moonep_sim.plan import GlobalRouting, Plan
+from moonep_sim.plan.kernel import KernelSpec
 from moonep_sim.plan.plan import _plan_from_order, _stable_order
 from moonep_sim.strategies import PlanContext, register
 
@@ -170,8 +172,9 @@ def entry_slots(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.ndarray
 
 @register("moonep",
           summary="MoonEP: per-step redundant copies of hot experts on under-loaded ranks; exactly s*K rows per rank",
-          options={"dedup": (bool, True, "send a token once per destination rank, expand there")})
-def plan(routing: GlobalRouting, ctx: PlanContext, dedup: bool = True) -> Plan:
+          options={"dedup": (bool, True, "send a token once per destination rank, expand there"),
+                   "sms": (int, 32, "SMs its kernels use (MoonEP's benchmark gives it 32; 0 = no SM cap, -1 = all)")})
+def plan(routing: GlobalRouting, ctx: PlanContext, dedup: bool = True, sms: int = 32) -> Plan:
     t0 = time.perf_counter()
     E, R = routing.num_experts, ctx.cluster.ranks
     if E % R:
@@ -195,6 +198,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, dedup: bool = True) -> Plan:
     # static buffer: cap real rows plus padding of at most 2*epn segments (home + copies)
     capacity = cap_R + 2 * epn * (tp - 1)
     # same Plan as plan_from_slots(..., entry_slots(...)), without sorting the entries a second time
-    return _plan_from_order("moonep", {"dedup": dedup}, routing, ctx.cluster, ctx.costs, slot_rank, slot_expert,
-                            slot_home, order, 0, slot_rows, dedup=dedup, token_padding=tp, capacity_R=capacity,
-                            started=t0)
+    out = _plan_from_order("moonep", {"dedup": dedup}, routing, ctx.cluster, ctx.costs, slot_rank,
+                           slot_expert, slot_home, order, 0, slot_rows, dedup=dedup, token_padding=tp,
+                           capacity_R=capacity, started=t0)
+    return dataclasses.replace(out, kernel=KernelSpec(sms=sms))
