@@ -42,7 +42,9 @@ Planner
 2. The candidate with the smallest estimate wins; one with copies must beat the no-copy estimate
    by at least ``min_gain`` (relative) -- so a balanced routing plans exactly ``deepep`` -- and
    under heavy skew the targets approach exact balance.
-3. Entries of expert e are split over its ranks in rank order; the route is ``deepep``'s.
+3. Entries of expert e are split over its ranks in rank order; the route is ``deepep``'s. On one
+   node there is no network hop to deduplicate: the tokens take one NVLink hop, sent once per
+   destination GPU (``moonep``'s transport), so exact balance there is ``moonep``'s plan.
 
 The Plan's options report what was accepted and why: the target, copies inside and across
 nodes, the residual max/mean rows, the estimates of the chosen plan, of no copy and of exact
@@ -64,7 +66,7 @@ from moonep_sim.errors import require
 from moonep_sim.plan import GlobalRouting, Plan
 from moonep_sim.plan.multihop import plan_from_routes
 from moonep_sim.strategies import PlanContext, register
-from moonep_sim.strategies.llep import require_home_groups
+from moonep_sim.strategies.llep import plan_from_alloc, require_home_groups
 from moonep_sim.strategies.moonep import capacity_split, copy_slots, entry_slots, greedy_quotas, split_quotas
 
 MODES = ("forward", "training")
@@ -321,8 +323,6 @@ def plan(routing: GlobalRouting, ctx: PlanContext, mode: str = "forward", min_ga
                       float(c.dispatch_row_bytes + c.combine_row_bytes), 0.8 * window, mode == "training")
     alloc, info = costaware_assign(counts, R, G, model, grid, min_gain, cross_node)
     slot_rank, slot_expert, slot_home = copy_slots(alloc, epn)
-    ids = routing.topk_ids_TK
-    entry_slot = entry_slots(ids.ravel(), alloc, slot_rank, slot_expert).reshape(ids.shape)
     rows = alloc.sum(axis=0)
     copies = slot_home != slot_rank
     cross = (slot_home // G) != (slot_rank // G)
@@ -334,6 +334,10 @@ def plan(routing: GlobalRouting, ctx: PlanContext, mode: str = "forward", min_ga
             "estimate_no_copy_us": round(info["estimate_no_copy_us"], 1),
             "estimate_exact_us": round(info["estimate_exact_us"], 1), "network_window_us": round(window, 1),
             "why": _why(info, residual)}
+    if ctx.cluster.num_nodes == 1:  # one node: no network hop to dedup, one NVLink hop (moonep's transport)
+        return plan_from_alloc("costaware", opts, routing, ctx, alloc, epn, True, t0)
+    ids = routing.topk_ids_TK
+    entry_slot = entry_slots(ids.ravel(), alloc, slot_rank, slot_expert).reshape(ids.shape)
     rank = np.arange(R, dtype=np.int64)
     via_RR = (rank[None, :] // G) * G + rank[:, None] % G  # deepep's route: d's node, s's local index
     return plan_from_routes("costaware", opts, routing, ctx.cluster, c, slot_rank, slot_expert, slot_home, entry_slot,
