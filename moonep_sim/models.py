@@ -208,7 +208,7 @@ def model_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json", nam
     DeepSeek-V2/V3, GPT-OSS field names)."""
     def first(*keys, default=None):
         for k in keys:
-            if cfg.get(k) is not None:
+            if cfg.get(k) not in (None, ""):
                 return cfg[k]
         return default
 
