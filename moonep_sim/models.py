@@ -143,13 +143,10 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
 ]}
 
 
-def get_model(name: str) -> ModelSpec:
-    """The preset called ``name``; a clear error listing the known ones otherwise."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ConfigError(f"model ({name!r}) must be one of the presets: "
-                          f"{', '.join(sorted(PRESETS))}") from None
+def get_model(name: "str | os.PathLike | ModelSpec") -> ModelSpec:
+    """The model called ``name``: a preset, or (see :func:`resolve_model`) a TOML/JSON model file;
+    a clear error listing the presets otherwise."""
+    return resolve_model(name)
 
 
 def custom_model(num_experts: int, top_k: int, hidden: int = 1024, expert_ffn: int = 512,
@@ -294,10 +291,10 @@ def resolve_model(spec: "ModelSpec | str | os.PathLike | Mapping[str, Any]") -> 
         path = Path(text)
         if path.suffix.lower() in (".toml", ".json") or path.is_file():
             if not path.is_file():
-                raise ConfigError(f"--model ({text!r}) must be a preset or an existing .toml/.json file: "
+                raise ConfigError(f"model ({text!r}) must be a preset or an existing .toml/.json file: "
                                   "no such file")
             return _read_model_file(path)
-        raise ConfigError(f"--model ({text!r}) must be a preset ({', '.join(sorted(PRESETS))}) "
+        raise ConfigError(f"model ({text!r}) must be one of the presets ({', '.join(sorted(PRESETS))}) "
                           "or a .toml/.json model file")
     raise ConfigError(f"model ({spec!r}) must be a preset name, a model file path, a mapping of fields "
                       "or a ModelSpec")

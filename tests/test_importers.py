@@ -198,7 +198,7 @@ BAD_CASES = {
     "steps_from_field_without_field": (lambda p: _jsonl(p, GOOD), "sf.jsonl", ["--steps-from", "field"],
                                        r"--steps-from: field: expected a step field"),
     "model_file_bad": (lambda p: _jsonl(p, GOOD), "mf.jsonl", ["--model", "nope.toml"],
-                       r"--model \('nope\.toml'\) must be a preset or an existing \.toml/\.json file"),
+                       r"model \('nope\.toml'\) must be a preset or an existing \.toml/\.json file"),
     "counts_negative": (lambda p: p.write_text(json.dumps({"expert_usage_by_layer": {"0": {"0": 3, "1": -2}}})),
                         "c.json", [], r"c\.json: expert_usage_by_layer\[0\]\[1\]: expected a count .*found -2"),
     "counts_total": (lambda p: p.write_text(json.dumps({"expert_usage_by_layer": {"0": {"0": 3, "1": 2}},

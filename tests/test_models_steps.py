@@ -69,7 +69,7 @@ def test_bad_model_files(tmp_path, text, match):
 
 
 def test_bad_model_names(tmp_path):
-    with pytest.raises(ConfigError, match="must be a preset"):
+    with pytest.raises(ConfigError, match=r"model \('mixtral-9x9b'\) must be one of the presets"):
         resolve_model("mixtral-9x9b")
     with pytest.raises(ConfigError, match="no such file"):
         resolve_model(str(tmp_path / "absent.toml"))
@@ -110,3 +110,20 @@ def test_bad_step_selection(tmp_path, text, match):
     path, *_ = _stepped_trace(tmp_path, [5, 1, 1, 7, 0, 3])
     with pytest.raises(ConfigError, match=match):
         read_layer(path, 0, text)
+
+
+def test_plan_costs_rows_with_a_model_file(tmp_path, capsys):
+    """`--model FILE` reaches a command that costs rows: plan's row bytes follow the file's width."""
+    from moonep_sim.cli import main
+    path, *_ = _stepped_trace(tmp_path, [40, 24])
+    f = tmp_path / "wide.toml"
+    f.write_text("num_experts = 16\ntop_k = 4\nhidden = 4096\nexpert_ffn = 1024\n")
+    out = {}
+    for name, model in (("file", str(f)), ("trace", None)):
+        argv = ["plan", "--trace", str(path), "--strategy", "alltoall", "--ranks", "4", "--json"]
+        assert main(argv + (["--model", model] if model else [])) == 0
+        out[name] = json.loads(capsys.readouterr().out)
+    assert out["file"]["model"] == "wide"
+    b_file, b_default = out["file"]["bytes"], out["trace"]["bytes"]   # default shape: 1024 wide
+    moved = [k for k in b_file if b_default[k]]
+    assert moved and all(b_file[k] == 4 * b_default[k] for k in moved)

@@ -97,7 +97,7 @@ class Recording:
     def meta(self, num_tokens: int, num_steps: int, source: str, attribution: str) -> TraceMeta:
         return TraceMeta(kind="tokens", num_experts=self.num_experts, top_k=self.top_k,
                          layer_ids=list(self.layer_ids), num_tokens=num_tokens,
-                         model=self.model_name or None, model_spec=self.model_fields,
+                         model=None, model_spec=self.model_fields,
                          steps=f"one step per forward call of the model ({num_steps} steps)", source=source,
                          attribution=attribution,
                          import_report={"format": "recorded", "steps": num_steps, "tokens": num_tokens})

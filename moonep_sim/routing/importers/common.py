@@ -118,15 +118,15 @@ def model_of(opts: ImportOptions):
 
 
 def model_meta(opts: ImportOptions) -> dict[str, Any]:
-    """TraceMeta fields naming the model: ``model`` (its name) and ``model_spec`` (its shape, kept for
-    models that are not presets)."""
+    """TraceMeta fields naming the model: ``model`` (a preset's name) or ``model_spec`` (the shape of a
+    model that is not a preset; ``Trace.model()`` reads either)."""
     m = model_of(opts)
     if m is None:
         return {}
     from moonep_sim.models import PRESETS, model_fields
     if PRESETS.get(m.name) == m:
         return {"model": m.name}
-    return {"model": m.name, "model_spec": model_fields(m)}
+    return {"model": None, "model_spec": model_fields(m)}   # `model` names presets only
 
 
 def resolve_experts(where: str, opts: ImportOptions, in_file: Any, ids: np.ndarray | None,
