@@ -78,8 +78,9 @@ def copy_plan(routing, ctx):
     ids = routing.topk_ids_TK
     even = (np.arange(ids.shape[0]) % 2 == 0)[:, None]
     entry_slot = np.where(even & (copy_slot[ids] >= 0), copy_slot[ids], home_slot[ids])
-    return plan_from_slots("copies", {}, routing, ctx.cluster, ctx.costs, rank, expert, home, entry_slot,
-                           dedup=True, token_padding=2)
+    plan = plan_from_slots(routing, ctx.cluster, ctx.costs, rank, expert, home, entry_slot, dedup=True,
+                           token_padding=2)
+    return dataclasses.replace(plan, strategy="copies")
 
 
 def all_plans(routing, ctx):

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, RowCosts, layout_slots, plan_from_slots, \
     single_hop_messages, validate
-from moonep_sim.plan.plan import SCOPES, Hop
+from moonep_sim.plan import SCOPES, Hop
 
 
 # --- references (the original implementations) ---------------------------------------------------
@@ -376,9 +376,10 @@ def test_builders_match_reference(case):
     routing = GlobalRouting(ids, np.ones((T, K), np.float32), tpr, max(E, K))
     cl = ClusterShape(R, 1)
     costs = RowCosts(4, 2, 100, 200)
-    args = ("x", {}, routing, cl, costs, slot_rank, np.zeros(E, np.int64), slot_rank, entry_slot.reshape(T, K))
+    args = (routing, cl, costs, slot_rank, np.zeros(E, np.int64), slot_rank, entry_slot.reshape(T, K))
     kw = dict(dedup=dedup, token_padding=tp, min_rows_S=min_rows)
-    p, q = plan_from_slots(*args, **kw), ref_plan_from_slots(*args, **kw)
+    # builders leave strategy and options to the registry (make_plan stamps them)
+    p, q = plan_from_slots(*args, **kw), ref_plan_from_slots("", {}, *args, **kw)
     for f in dataclasses.fields(Plan):
         a, b = getattr(p, f.name), getattr(q, f.name)
         if f.name == "hops":

@@ -57,6 +57,31 @@ def test_validate_catches_capacity_and_scope():
     assert any("cross nodes" in e for e in validate(dataclasses.replace(p, hops=(h,))))
 
 
+@pytest.mark.parametrize("corrupt, check_name, match", [
+    (lambda p: dataclasses.replace(p, entry_row_TK=p.entry_row_TK[:-1]), "shapes", r"entry_row_TK shape"),
+    (lambda p: dataclasses.replace(p, slot_rank_S=p.slot_rank_S[::-1].copy()), "slots", r"sorted by rank"),
+    (lambda p: dataclasses.replace(p, row_entry_W=np.where(p.row_entry_W == 0, -1, p.row_entry_W)), "entries",
+     r"conservation"),
+    (lambda p: dataclasses.replace(p, entry_dup_TK=np.ones_like(p.entry_dup_TK)), "duplicates",
+     r"duplicate entry must share"),
+    (lambda p: dataclasses.replace(p, slot_home_S=(p.slot_home_S + 1) % 4), "copies", r"resident on their home"),
+    (lambda p: dataclasses.replace(p, capacity_R=p.rows_R() - 1), "capacity", r"must be <= capacity"),
+    (lambda p: dataclasses.replace(p, hops=(dataclasses.replace(p.hops[0], scope="sideways"),)), "hop_provenance",
+     r"scope \('sideways'\) must be one of"),
+])
+def test_check_names_the_failed_check(corrupt, check_name, match):
+    from moonep_sim.plan import CHECKS, check, violations
+
+    assert check_name in [name for name, _ in CHECKS]
+    bad = corrupt(_plan())
+    found = violations(bad)
+    assert found and found[0].check == check_name, found
+    with pytest.raises(PlanError, match=rf"^plan of strategy 'alltoall' fails check\(s\) {check_name}\b.*"
+                                        rf"\[{check_name}\] .*{match}"):
+        check(bad)
+    assert check(_plan()) is not None
+
+
 def test_phases_bytes_follow_hops():
     p = _plan(dedup=True)
     fwd = p.phases("forward")

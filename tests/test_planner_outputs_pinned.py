@@ -405,7 +405,7 @@ def ref_eplb(routing: GlobalRouting, ctx: PlanContext, **opts) -> Plan:
     fast = eplb_mod.choose_replicas
     eplb_mod.choose_replicas = ref_choose_replicas
     try:
-        return eplb_mod.plan(routing, ctx, **opts)
+        return make_plan("eplb", routing, ctx, **opts)  # the registry stamps name, options and time
     finally:
         eplb_mod.choose_replicas = fast
 
@@ -637,7 +637,7 @@ def test_route_hop_and_dup_flags_match_reference(seed, R, monotone):
 def test_plan_from_routes_matches_reference(case, seed, H, table):
     """Routes given per entry (arbitrary intermediate ranks: a token's entries bound for one rank
     may pass different ranks) or as [R, R] tables, with dropped entries and every dedup choice."""
-    from moonep_sim.plan.multihop import home_slots, plan_from_routes
+    from moonep_sim.plan import home_slots, plan_from_routes
     routing, ctx = case
     rng = np.random.default_rng(seed)
     R, (T, K) = ctx.cluster.ranks, routing.topk_ids_TK.shape
@@ -654,8 +654,9 @@ def test_plan_from_routes_matches_reference(case, seed, H, table):
         vias = [t[src, dst] for t in tabs]
     else:
         vias = [rng.integers(0, R, T * K) for _ in range(H - 1)]
-    args = ("r", {}, routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot)
-    want = ref_plan_from_routes(*args, vias, scopes, dedup, token_padding=ctx.token_padding)
+    args = (routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot)
+    # builders leave strategy and options to the registry (make_plan stamps them)
+    want = ref_plan_from_routes("", {}, *args, vias, scopes, dedup, token_padding=ctx.token_padding)
     got = plan_from_routes(*args, tabs if table else vias, scopes, dedup, token_padding=ctx.token_padding,
                            via_table=table)
     assert_same_plan(got, want)

@@ -217,9 +217,9 @@ def test_strategy_properties(name, case, variant):
     spec = get_strategy(name)
     opts = VARIANTS.get(name, [{}])
     opts = opts[variant % len(opts)]
-    p = spec.plan_fn(routing, ctx, **spec.parse_options(opts))
+    p = spec.plan(routing, ctx, **opts)
     check_properties(name, p, routing)
-    q = spec.plan_fn(routing, ctx, **spec.parse_options(opts))
+    q = spec.plan(routing, ctx, **opts)
     assert plans_equal(p, q), "planning must be deterministic"
 
 
@@ -228,8 +228,7 @@ def test_plan_summary_has_the_documented_keys(name):
     rng = np.random.default_rng(0)
     ids = make_ids("random", 40, 2, 8, 4, [10] * 4, rng)
     r = GlobalRouting.split_evenly(ids, np.full(ids.shape, 0.5, np.float32), 8, 4)
-    s = get_strategy(name).plan_fn(r, PlanContext(ClusterShape(4, 2), Placement.home_groups(8, 4), COSTS),
-                                   **get_strategy(name).defaults())
+    s = get_strategy(name).plan(r, PlanContext(ClusterShape(4, 2), Placement.home_groups(8, 4), COSTS))
     s = s.summary()
     for k in ("strategy", "ranks", "recv_rows_per_rank", "dropped", "padded", "weight_copies", "bytes",
               "plan_seconds", "invariant_violations"):

@@ -65,7 +65,7 @@ def build(args):
         ids, w = node_limited_topk(trace.router_logits(index), m.top_k, cluster.num_nodes, opts["max_nodes"],
                                    score=model.router)
     routing = GlobalRouting.split_evenly(ids, w, m.num_experts, args.ranks)
-    return spec.plan_fn(routing, ctx, **opts), model.name
+    return spec.plan(routing, ctx, **opts), model.name
 
 
 def _mib(b: int) -> str:

@@ -113,7 +113,7 @@ def build_plans(args, topo):
     plans = []
     for ids, w in routings:
         routing = GlobalRouting.split_evenly(ids, w, E, R)
-        plans.append(spec.plan_fn(routing, ctx, **opts))
+        plans.append(spec.plan(routing, ctx, **opts))
     return plans, model, layers_ids
 
 

@@ -6,7 +6,7 @@ R ranks of the EP group; s tokens on this rank (``s <= capacity``); H hidden; K 
 W rows of this rank's expert-grouped layout (padding included); L slots on this rank; X expert
 copies this rank computes; P elements of one expert's flattened weights.
 
-Data flow of one layer (``moonep_sim.plan.plan`` describes the Plan's data movement model)::
+Data flow of one layer (``moonep_sim.plan.ir`` describes the Plan's data movement model)::
 
     dispatch: one all_gather of every rank's (s, topk_ids, topk_weights)  -> same Plan on every rank
               hop 0..H-1: index_select send rows, all_to_all_single(scope group), place rows

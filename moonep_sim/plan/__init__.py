@@ -1,8 +1,23 @@
-"""The Plan data model, expert placement and invariants."""
+"""The Plan: its IR, typed phase vocabulary, named invariant checks, builders and placement.
 
+Modules, bottom-up: ``kinds`` (PhaseKind, Scope, Direction), ``order`` (sorting primitives),
+``placement`` (ClusterShape, Placement), ``validate`` (the named checks), ``ir`` (RowCosts,
+GlobalRouting, Hop, CommPhase, Plan), ``build`` (the public single-hop builder API),
+``multihop`` (routes over several hops), ``direct`` (the executors' point-to-point decision).
+Strategies (``moonep_sim.strategies``) use the builders exported here, never private helpers.
+"""
+
+from moonep_sim.plan.build import (SlotLayout, block_messages, final_rows, layout_slots, plan_from_order,
+                                   plan_from_slots, single_hop_messages, slot_layout, slot_sort, sorted_layout)
+from moonep_sim.plan.ir import CommPhase, GlobalRouting, Hop, Plan, RowCosts
+from moonep_sim.plan.kinds import SCOPES, Direction, PhaseKind, Scope
+from moonep_sim.plan.multihop import assemble_plan, dup_flags, home_slots, plan_from_routes, route_hop
+from moonep_sim.plan.order import entry_token, stable_order
 from moonep_sim.plan.placement import ClusterShape, Placement
-from moonep_sim.plan.plan import (CommPhase, GlobalRouting, Hop, Plan, RowCosts, check, layout_slots,
-                                  plan_from_slots, single_hop_messages, validate)
+from moonep_sim.plan.validate import CHECKS, Violation, check, validate, violations
 
-__all__ = ["ClusterShape", "CommPhase", "GlobalRouting", "Hop", "Placement", "Plan", "RowCosts", "check",
-           "layout_slots", "plan_from_slots", "single_hop_messages", "validate"]
+__all__ = ["CHECKS", "ClusterShape", "CommPhase", "Direction", "GlobalRouting", "Hop", "PhaseKind", "Placement",
+           "Plan", "RowCosts", "SCOPES", "Scope", "SlotLayout", "Violation", "assemble_plan", "block_messages",
+           "check", "dup_flags", "entry_token", "final_rows", "home_slots", "layout_slots", "plan_from_order",
+           "plan_from_routes", "plan_from_slots", "route_hop", "single_hop_messages", "slot_layout", "slot_sort",
+           "sorted_layout", "stable_order", "validate", "violations"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moonep_sim.plan.plan import Plan
+from moonep_sim.plan.ir import Plan
 
 #: the executor's defaults (``Buffer(direct="auto")``): point-to-point runs only while no rank has
 #: more than MAX_RUNS remote runs and a remote run carries at least MIN_RUN_BYTES on average (else

@@ -1,6 +1,6 @@
 """Builders for plans whose tokens travel over several hops (Tutel 2DH, DeepEP) or carry padding rows.
 
-Notation (as in :mod:`moonep_sim.plan.plan`): R ranks, T tokens (ranks concatenated), K top-k,
+Notation (as in :mod:`moonep_sim.plan.ir`): R ranks, T tokens (ranks concatenated), K top-k,
 N = T*K entries (flat id ``e = t*K + k``), S slots, M messages of one hop, P padding rows.
 
 A *route* gives, for every entry, the rank its token sits on after each hop: ``via_N[h]`` after
@@ -13,35 +13,15 @@ of each hop is ordered by (source rank, token, k), so messages come out sorted b
 
 from __future__ import annotations
 
-import time
 from typing import Any, Sequence
 
 import numpy as np
 
 from moonep_sim.errors import PlanError
+from moonep_sim.plan.build import block_messages, final_rows, slot_layout
+from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
+from moonep_sim.plan.order import stable_order
 from moonep_sim.plan.placement import ClusterShape
-from moonep_sim.plan.plan import GlobalRouting, Hop, Plan, RowCosts, _block_messages, _final_rows, _layout
-
-
-def stable_order(key_N: np.ndarray, n_keys: int) -> np.ndarray:
-    """int64 [N] permutation sorting ``key_N`` (integers in [0, n_keys)) stably.
-
-    numpy's stable sort is a radix sort for integer dtypes of 16 bits or less, so keys of up to 16
-    bits are sorted in one pass on a narrowed copy, and wider keys least-significant 16-bit digit
-    first (one stable pass per digit: a radix sort whose digits are 16 bits wide).
-    """
-    if n_keys <= 1 << 8:
-        return np.argsort(key_N.astype(np.uint8, copy=False), kind="stable")
-    if n_keys <= 1 << 16:
-        return np.argsort(key_N.astype(np.uint16, copy=False), kind="stable")
-    key = np.asarray(key_N, dtype=np.int64)
-    order = np.argsort((key & 0xFFFF).astype(np.uint16), kind="stable")
-    shift = 16
-    while (n_keys - 1) >> shift:
-        digit = ((key[order] >> shift) & 0xFFFF).astype(np.uint16)
-        order = order[np.argsort(digit, kind="stable")]
-        shift += 16
-    return order
 
 
 def _route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,
@@ -136,7 +116,7 @@ def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N
         del key
         cnt, mcum, lead = ecnt.astype(np.int64), None, order
         dup = np.zeros(dup_N or 0, dtype=bool)
-    m_src, m_dst, m_row, per_dst = _block_messages(cnt, R)
+    m_src, m_dst, m_row, per_dst = block_messages(cnt, R)
     hop = Hop(scope, m_src, src_row_N[lead], m_dst, m_row, per_dst)
     del lead
     dst_row = np.empty(n, dtype=np.int64)
@@ -208,20 +188,23 @@ def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
     return dup
 
 
-def assemble_plan(strategy: str, options: dict[str, Any], routing: GlobalRouting, cluster: ClusterShape,
-                  costs: RowCosts, slot_rank_S: np.ndarray, slot_expert_S: np.ndarray, slot_home_S: np.ndarray,
-                  entry_slot_N: np.ndarray, hops: Sequence[Hop], entry_buf_row_N: np.ndarray,
-                  entry_dup_N: np.ndarray, *, token_padding: int = 1, min_rows_S: np.ndarray | None = None,
-                  pad_slot_P: np.ndarray | None = None, pad_buf_row_P: np.ndarray | None = None,
-                  capacity_R: np.ndarray | None = None, started: float | None = None, **extra) -> Plan:
+def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
+                  slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_N: np.ndarray, hops: Sequence[Hop],
+                  entry_buf_row_N: np.ndarray, entry_dup_N: np.ndarray, *, token_padding: int = 1,
+                  min_rows_S: np.ndarray | None = None, pad_slot_P: np.ndarray | None = None,
+                  pad_buf_row_P: np.ndarray | None = None, capacity_R: np.ndarray | None = None,
+                  options: dict[str, Any] | None = None, **extra) -> Plan:
     """A Plan from explicit hops and each entry's row in the last hop's buffer.
 
+    slot_rank_S / slot_expert_S / slot_home_S: int64 [S] the slots, sorted by rank.
+    hops: the dispatch hops in order (see :class:`~moonep_sim.plan.Hop`).
     entry_slot_N: int64 [N] slot of each entry (slots sorted by rank), -1 = dropped.
     entry_buf_row_N: int64 [N] row of the last buffer (on the entry's rank) holding its token.
     entry_dup_N: bool [N] duplicate flags (see :class:`Plan`).
     pad_slot_P / pad_buf_row_P: optional padding rows that *arrived* over the wire (zero rows sent
     with ``src_row == -1``) and are computed by slot ``pad_slot_P[p]``: they fill that slot's
     padding rows in order; padding rows beyond them read the local zero row (-1).
+    options: what the planner reports (``make_plan`` overlays them on the parsed options).
     """
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
@@ -229,7 +212,7 @@ def assemble_plan(strategy: str, options: dict[str, Any], routing: GlobalRouting
     entry_slot = np.asarray(entry_slot_N, dtype=np.int64).ravel()
     entry_buf_row = np.asarray(entry_buf_row_N, dtype=np.int64)
     # entries sorted by (slot, entry), dropped first: the final rows in order (see plan.layout_slots)
-    lay = _layout(entry_slot, slot_rank_S, token_padding, min_rows_S, R)
+    lay = slot_layout(entry_slot, slot_rank_S, token_padding, min_rows_S, R)
     slot_rows, padded, offset, entry_row = lay.slot_rows_S, lay.slot_padded_S, lay.slot_offset_S, lay.entry_row_N
     kept_sorted = lay.order_N[lay.n_drop:]
     if lay.n_drop:
@@ -237,7 +220,7 @@ def assemble_plan(strategy: str, options: dict[str, Any], routing: GlobalRouting
     else:
         entry_rank = slot_rank_S[entry_slot]
     row_off = np.concatenate([[0], np.cumsum(lay.rows_R)])
-    row_entry, expand = _final_rows(lay, kept_sorted, entry_buf_row)
+    row_entry, expand = final_rows(lay, kept_sorted, entry_buf_row)
     del lay, kept_sorted
     if pad_slot_P is not None and len(pad_slot_P):
         ps = np.asarray(pad_slot_P, dtype=np.int64)
@@ -252,22 +235,21 @@ def assemble_plan(strategy: str, options: dict[str, Any], routing: GlobalRouting
         gp += np.arange(ps.size, dtype=np.int64)
         expand[gp] = np.asarray(pad_buf_row_P, dtype=np.int64)[order]
     return Plan(
-        strategy=strategy, options=dict(options), cluster=cluster, num_experts=routing.num_experts, top_k=K,
+        strategy="", options=dict(options or {}), cluster=cluster, num_experts=routing.num_experts, top_k=K,
         tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),
         entry_rank_TK=entry_rank.reshape(T, K), entry_row_TK=entry_row.reshape(T, K),
         entry_dup_TK=np.asarray(entry_dup_N, dtype=bool).reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
         slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slot_expert_S, dtype=np.int64),
         slot_home_S=np.asarray(slot_home_S, dtype=np.int64), slot_offset_S=offset, slot_rows_S=slot_rows,
         slot_padded_S=padded, row_entry_W=row_entry, expand_src_row_W=expand, hops=tuple(hops),
-        capacity_R=capacity_R,
-        plan_seconds=(time.perf_counter() - started) if started is not None else 0.0, **extra)
+        capacity_R=capacity_R, **extra)
 
 
-def plan_from_routes(strategy: str, options: dict[str, Any], routing: GlobalRouting, cluster: ClusterShape,
-                     costs: RowCosts, slot_rank_S: np.ndarray, slot_expert_S: np.ndarray, slot_home_S: np.ndarray,
-                     entry_slot_TK: np.ndarray, via_N: Sequence[np.ndarray], scopes: Sequence[str],
-                     dedup: Sequence[bool], *, token_padding: int = 1, started: float | None = None,
-                     via_table: bool = False, **extra) -> Plan:
+def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
+                     slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_TK: np.ndarray,
+                     via_N: Sequence[np.ndarray], scopes: Sequence[str], dedup: Sequence[bool], *,
+                     token_padding: int = 1, via_table: bool = False, options: dict[str, Any] | None = None,
+                     **extra) -> Plan:
     """A multi-hop Plan: entry e's token goes src -> via_N[0][e] -> ... -> its slot's rank.
 
     entry_slot_TK: int64 [T, K] slot per entry (-1 dropped).  via_N: H-1 int64 [N] arrays, the
@@ -345,9 +327,8 @@ def plan_from_routes(strategy: str, options: dict[str, Any], routing: GlobalRout
         entry_buf_row[kept] = row
     if entry_dup is None:
         entry_dup = dup_flags(entry_rank, K) if dedup[-1] else np.zeros(N, dtype=bool)
-    return assemble_plan(strategy, options, routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S,
-                         entry_slot, hops, entry_buf_row, entry_dup, token_padding=token_padding,
-                         started=started, **extra)
+    return assemble_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot, hops,
+                         entry_buf_row, entry_dup, token_padding=token_padding, options=options, **extra)
 
 
 def home_slots(placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -359,3 +340,6 @@ def home_slots(placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     slot_of = np.empty(p.num_experts, dtype=np.int64)
     slot_of[se] = np.arange(se.size)
     return sr, se, slot_of
+
+
+__all__ = ["assemble_plan", "dup_flags", "home_slots", "plan_from_routes", "route_hop"]

@@ -3,25 +3,40 @@
 Adding a strategy
 -----------------
 1. Create ``moonep_sim/strategies/<name>.py`` with a pure function
-   ``plan(routing: GlobalRouting, ctx: PlanContext, **options) -> Plan`` -- usually built with
-   :func:`moonep_sim.plan.plan_from_slots` (single hop) or by listing :class:`~moonep_sim.plan.Hop`
-   objects yourself (multi-hop).
-2. Decorate it with ``@register("<name>", summary="...", options={"opt": (type, default, "help")})``.
-3. Add the module name to ``_MODULES`` below. Both executors run the new strategy unchanged, and
+   ``plan(routing: GlobalRouting, ctx: PlanContext, *, opt1, opt2) -> Plan`` built with the public
+   builders of ``moonep_sim.plan`` (:func:`~moonep_sim.plan.plan_from_slots` for a single hop,
+   :func:`~moonep_sim.plan.plan_from_routes` / :func:`~moonep_sim.plan.assemble_plan` for hops
+   of your own). Pass ``options={...}`` to the builder only for what the planner resolves or
+   measures (a default it computed, a statistic); the registry does the rest.
+2. Decorate it with ``@register("<name>", summary="...", options={"opt": Option(type, default,
+   "help", choices=..., check=..., constraint=...)})``. The schema is the one source of defaults
+   (the function's options take none) and of validation: values from strings are converted
+   strictly (booleans accept true/false, yes/no, on/off, 1/0 only), checked against ``choices``
+   and ``check``; a bad value is a one-line :class:`~moonep_sim.errors.ConfigError`.
+3. Add the module name to ``_MODULES`` below. :func:`make_plan` parses the options, times the
+   planner and stamps the Plan's ``strategy``, ``options`` (parsed, overlaid with what the planner
+   reported) and ``plan_seconds``. Both executors run the new strategy unchanged, and
    ``tests/test_strategies_common.py`` checks its invariants with hypothesis automatically.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+import numpy as np
 
 from moonep_sim.errors import ConfigError
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, Plan, RowCosts
 
 _MODULES = ("moonep", "alltoall", "capacity", "allgather", "hierarchical", "deepep", "eplb", "llep", "ultraep",
             "costaware")
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -50,54 +65,131 @@ class PlanContext:
 
 
 @dataclass(frozen=True)
+class Option:
+    """One strategy option's schema.
+
+    type: ``bool``, ``int``, ``float``, ``str`` or a converter function (its ``__name__`` names the
+        expected form in errors).  default: the value when not given (the one source of defaults).
+    help: one line for ``--help`` and docs.  choices: the allowed values (None: any).
+    check: a predicate the converted value must satisfy (None: any); ``constraint`` words it for
+        the error (``"must be >= 0 (0 = no limit)"``).
+    """
+
+    type: Any
+    default: Any
+    help: str
+    choices: tuple | None = None
+    check: Callable[[Any], bool] | None = None
+    constraint: str = ""
+
+    def parse(self, strategy: str, name: str, v: Any) -> Any:
+        """Convert and check one value (a string from ``--opt k=v`` or a Python value); a bad one
+        raises ``ConfigError("option NAME (VALUE) must ...: strategy S")``."""
+        if v is None:
+            return None
+
+        def bad(what: str, shown: Any = v) -> ConfigError:
+            return ConfigError(f"option {name} ({_show(shown)}) {what} (strategy {strategy})")
+
+        typ = self.type
+        if typ is bool:
+            if isinstance(v, str):
+                low = v.strip().lower()
+                if low not in _TRUE + _FALSE:
+                    raise bad(f"must be a boolean: one of {'/'.join(_TRUE + _FALSE)}")
+                v = low in _TRUE
+            elif isinstance(v, (bool, int, np.bool_, np.integer)) and v in (0, 1):
+                v = bool(v)
+            else:
+                raise bad("must be a boolean (true or false)")
+        elif typ is int:
+            try:
+                if isinstance(v, (bool, np.bool_)) or (isinstance(v, float) and not v.is_integer()):
+                    raise ValueError
+                v = int(v)
+            except (TypeError, ValueError):
+                raise bad("must be an integer") from None
+        elif typ is float:
+            try:
+                v = float(v)
+            except (TypeError, ValueError):
+                raise bad("must be a number") from None
+        else:
+            try:
+                v = typ(v)
+            except (TypeError, ValueError) as e:
+                raise bad(f"must be a {getattr(typ, '__name__', 'value')}: {e}") from None
+        if self.choices is not None and v not in self.choices:
+            alts = [repr(c) for c in self.choices]
+            raise bad("must be " + (" or ".join(alts) if len(alts) <= 2 else ", ".join(alts[:-1]) + " or " + alts[-1]), v)
+        if self.check is not None and not self.check(v):
+            raise bad(self.constraint or "is out of range", v)
+        return v
+
+
+def _show(v: Any) -> str:
+    """A value as an error message shows it: numbers plainly (``0``, ``-1.5``, ``nan``), strings quoted."""
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, np.ndarray):
+        return f"array of shape {list(v.shape)}"
+    return repr(v)
+
+
+@dataclass(frozen=True)
 class StrategySpec:
+    """A registered strategy: its name, one-line summary, planner function and option schema."""
+
     name: str
     summary: str
     plan_fn: Callable[..., Plan]
-    options: dict[str, tuple[type, Any, str]] = field(default_factory=dict)
+    options: dict[str, Option] = field(default_factory=dict)
 
     def defaults(self) -> dict[str, Any]:
-        return {k: d for k, (_, d, _) in self.options.items()}
+        return {k: o.default for k, o in self.options.items()}
 
     def parse_options(self, raw: dict[str, Any]) -> dict[str, Any]:
-        """Options from strings (CLI ``--opt k=v``) or values, checked against the declared ones."""
+        """Options from strings (CLI ``--opt k=v``) or values, checked against the schema; every
+        option present (defaults filled in)."""
         out = self.defaults()
         for k, v in raw.items():
             if k not in self.options:
                 raise ConfigError(f"option ({k!r}) must be one of strategy {self.name!r}'s options: "
                                   f"{sorted(self.options) or 'none'}")
-            typ = self.options[k][0]
-            if isinstance(v, str) and typ is bool:
-                v = v.lower() in ("1", "true", "yes", "on")
-            try:
-                out[k] = typ(v) if v is not None else None
-            except (TypeError, ValueError):
-                raise ConfigError(f"option {k} ({v!r}) must be a {typ.__name__}") from None
+            out[k] = self.options[k].parse(self.name, k, v)
         return out
+
+    def plan(self, routing: GlobalRouting, ctx: PlanContext, **options) -> Plan:
+        """Parse ``options``, run the planner and stamp the Plan (see the module docstring)."""
+        opts = self.parse_options(options)
+        t0 = time.perf_counter()
+        p = self.plan_fn(routing, ctx, **opts)
+        seconds = time.perf_counter() - t0
+        return dataclasses.replace(p, strategy=self.name, options={**opts, **p.options}, plan_seconds=seconds)
 
 
 _REGISTRY: dict[str, StrategySpec] = {}
 
 
-def register(name: str, summary: str, options: dict[str, tuple[type, Any, str]] | None = None):
-    """Decorator: register ``plan_fn`` as strategy ``name``."""
+def register(name: str, summary: str, options: dict[str, Option] | None = None):
+    """Decorator: register ``plan_fn`` as strategy ``name`` with its option schema."""
+    schema = {}
+    for k, o in (options or {}).items():
+        schema[k] = o if isinstance(o, Option) else Option(*o)  # (type, default, help) also accepted
+
     def deco(fn: Callable[..., Plan]) -> Callable[..., Plan]:
-        _REGISTRY[name] = StrategySpec(name, summary, fn, dict(options or {}))
+        _REGISTRY[name] = StrategySpec(name, summary, fn, schema)
         return fn
     return deco
 
 
 def _load_all() -> None:
     for mod in _MODULES:
-        try:
-            importlib.import_module(f"moonep_sim.strategies.{mod}")
-        except ModuleNotFoundError as e:  # a strategy module not written yet
-            if e.name != f"moonep_sim.strategies.{mod}":
-                raise
+        importlib.import_module(f"moonep_sim.strategies.{mod}")
 
 
 def available() -> dict[str, StrategySpec]:
-    """All registered strategies, by name."""
+    """All registered strategies, by name (sorted): the one list every report and test uses."""
     _load_all()
     return dict(sorted(_REGISTRY.items()))
 
@@ -110,9 +202,9 @@ def get_strategy(name: str) -> StrategySpec:
 
 
 def make_plan(name: str, routing: GlobalRouting, ctx: PlanContext, **options) -> Plan:
-    """Plan ``routing`` with strategy ``name`` (options checked against its declared ones)."""
-    spec = get_strategy(name)
-    return spec.plan_fn(routing, ctx, **spec.parse_options(options))
+    """Plan ``routing`` with strategy ``name``: options checked against its schema; the Plan
+    stamped with the strategy's name, its options and the planning time."""
+    return get_strategy(name).plan(routing, ctx, **options)
 
 
-__all__ = ["PlanContext", "StrategySpec", "available", "get_strategy", "make_plan", "register"]
+__all__ = ["Option", "PlanContext", "StrategySpec", "available", "get_strategy", "make_plan", "register"]

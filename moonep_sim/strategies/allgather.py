@@ -10,12 +10,9 @@ routing-oblivious reference. Experts are taken at their home rank.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
-from moonep_sim.plan import GlobalRouting, Hop, Plan
-from moonep_sim.plan.multihop import assemble_plan, dup_flags, home_slots
+from moonep_sim.plan import GlobalRouting, Hop, Plan, Scope, assemble_plan, dup_flags, home_slots
 from moonep_sim.strategies import PlanContext, register
 
 # Notation: T tokens, K top-k, R ranks, M = R*T messages.
@@ -23,7 +20,6 @@ from moonep_sim.strategies import PlanContext, register
 
 @register("allgather", summary="all-gather every token to every rank, reduce-scatter back (Megatron-Core)")
 def plan(routing: GlobalRouting, ctx: PlanContext) -> Plan:
-    t0 = time.perf_counter()
     R, T, K = ctx.cluster.ranks, routing.num_tokens, routing.top_k
     sr, se, slot_of = home_slots(ctx.placement)
     # messages sorted by (src, dst, token): src r sends its tokens [off_r, off_r + s_r) to every dst
@@ -43,9 +39,9 @@ def plan(routing: GlobalRouting, ctx: PlanContext) -> Plan:
         tok[blk].reshape(R, s_r)[:] = (rows + int(tok_off[r]))[None, :]
         dst[blk].reshape(R, s_r)[:] = np.arange(R, dtype=np.int64)[:, None]
     src = np.repeat(np.arange(R, dtype=np.int64), tpr * R)
-    hop = Hop("global", src, src_row, dst, tok, np.full(R, T, dtype=np.int64))
+    hop = Hop(Scope.GLOBAL, src, src_row, dst, tok, np.full(R, T, dtype=np.int64))
     entry_slot = slot_of[routing.topk_ids_TK].ravel()
     entry_rank = sr[entry_slot]
     entry_buf_row = np.repeat(np.arange(T, dtype=np.int64), K)  # every rank's buffer holds token t at row t
-    return assemble_plan("allgather", {}, routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [hop],
-                         entry_buf_row, dup_flags(entry_rank, K), token_padding=ctx.token_padding, started=t0)
+    return assemble_plan(routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [hop], entry_buf_row,
+                         dup_flags(entry_rank, K), token_padding=ctx.token_padding)

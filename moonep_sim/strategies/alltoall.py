@@ -8,13 +8,10 @@ destination rank and expanded there (as DeepEP and MoonEP do).
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
-from moonep_sim.plan import GlobalRouting, Plan, plan_from_slots
-from moonep_sim.plan.multihop import home_slots
-from moonep_sim.strategies import PlanContext, register
+from moonep_sim.plan import GlobalRouting, Plan, home_slots, plan_from_slots
+from moonep_sim.strategies import Option, PlanContext, register
 
 
 def home_slot_of_expert(ctx: PlanContext) -> np.ndarray:
@@ -27,10 +24,9 @@ def home_slot_of_expert(ctx: PlanContext) -> np.ndarray:
 
 
 @register("alltoall", summary="flat dropless variable-size all-to-all to each expert's home rank (Megatron-Core)",
-          options={"dedup": (bool, False, "send a token once per destination rank, expand there")})
-def plan(routing: GlobalRouting, ctx: PlanContext, dedup: bool = False) -> Plan:
-    t0 = time.perf_counter()
+          options={"dedup": Option(bool, False, "send a token once per destination rank, expand there")})
+def plan(routing: GlobalRouting, ctx: PlanContext, *, dedup: bool) -> Plan:
     # only home slots are used: replicas (if any) are ignored by this strategy
     sr, se, slot_of = home_slots(ctx.placement)
-    return plan_from_slots("alltoall", {"dedup": dedup}, routing, ctx.cluster, ctx.costs, sr, se, sr,
-                           slot_of[routing.topk_ids_TK], dedup=dedup, token_padding=ctx.token_padding, started=t0)
+    return plan_from_slots(routing, ctx.cluster, ctx.costs, sr, se, sr, slot_of[routing.topk_ids_TK], dedup=dedup,
+                           token_padding=ctx.token_padding)

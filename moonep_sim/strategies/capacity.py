@@ -16,14 +16,11 @@ the kept rows (drop without pad). There is no deduplication: each kept (token, k
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 
-from moonep_sim.errors import ConfigError, require
-from moonep_sim.plan import GlobalRouting, Hop, Plan
-from moonep_sim.plan.multihop import assemble_plan, home_slots, stable_order
-from moonep_sim.strategies import PlanContext, register
+from moonep_sim.plan import GlobalRouting, Hop, Plan, Scope, assemble_plan, home_slots, stable_order
+from moonep_sim.strategies import Option, PlanContext, register
 
 # Notation: T tokens, K top-k, E experts, R ranks, S slots (home slots, one per expert),
 # N = T*K entries, M messages.
@@ -116,15 +113,12 @@ def keep_mask_N(ids_N: np.ndarray, weights_N: np.ndarray, src_N: np.ndarray, cap
 
 @register("capacity", summary="capacity factor: at most ceil(s*K/E*cf) rows per (source rank, expert), "
                               "drop overflow, pad to capacity (Megatron drop-and-pad, GShard)",
-          options={"cf": (float, 1.0, "capacity factor (> 0)"),
-                   "drop": (str, "weight", "drop policy: weight (lowest weight first) or position (latest first)"),
-                   "pad": (bool, True, "send and compute zero rows up to capacity (static shapes)")})
-def plan(routing: GlobalRouting, ctx: PlanContext, cf: float = 1.0, drop: str = "weight", pad: bool = True) -> Plan:
-    t0 = time.perf_counter()
-    require(cf > 0 and math.isfinite(cf), f"cf ({cf:g}) must be > 0: the capacity factor scales the "
-                                          "rows each expert takes")
-    if drop not in ("weight", "position"):
-        raise ConfigError(f"drop ({drop!r}) must be 'weight' or 'position'")
+          options={"cf": Option(float, 1.0, "capacity factor (> 0)", check=lambda v: v > 0 and math.isfinite(v),
+                                constraint="must be > 0: the capacity factor scales the rows each expert takes"),
+                   "drop": Option(str, "weight", "drop policy: weight (lowest weight first) or position (latest first)",
+                                  choices=("weight", "position")),
+                   "pad": Option(bool, True, "send and compute zero rows up to capacity (static shapes)")})
+def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad: bool) -> Plan:
     T, K = routing.topk_ids_TK.shape
     E, R = routing.num_experts, ctx.cluster.ranks
     sr, se, slot_of = home_slots(ctx.placement)
@@ -198,15 +192,13 @@ def plan(routing: GlobalRouting, ctx: PlanContext, cf: float = 1.0, drop: str = 
         m_srow = k_row
         entry_buf_row[ke] = m_row
     del ke, k_row
-    hop = Hop("global", m_src, m_srow, m_dst, m_row, dst_rows_R)
+    hop = Hop(Scope.GLOBAL, m_src, m_srow, m_dst, m_row, dst_rows_R)
     # static capacity: per slot sum_r C_r rows, rounded up to token_padding
     tp = max(int(ctx.token_padding), 1)
     slot_cap = np.full(S, int(cap_R.sum()), dtype=np.int64)
     slot_cap = (slot_cap + tp - 1) // tp * tp
     capacity_R = np.bincount(sr, weights=slot_cap, minlength=R).astype(np.int64)
-    return assemble_plan("capacity", {"cf": cf, "drop": drop, "pad": pad,
-                                      "capacity_per_source_rank": int(cap_R.max()) if R else 0},
-                         routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [hop], entry_buf_row,
+    return assemble_plan(routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [hop], entry_buf_row,
                          np.zeros(T * K, dtype=bool), token_padding=tp,
                          min_rows_S=slot_cap if pad else None, pad_slot_P=pad_slot, pad_buf_row_P=pad_row,
-                         capacity_R=capacity_R, started=t0)
+                         capacity_R=capacity_R, options={"capacity_per_source_rank": int(cap_R.max()) if R else 0})

@@ -20,16 +20,12 @@ options.
 
 from __future__ import annotations
 
-import dataclasses
-import time
-
 import numpy as np
 
 from moonep_sim.errors import PlanError, require
-from moonep_sim.plan import GlobalRouting, Plan
+from moonep_sim.plan import GlobalRouting, Plan, Scope, home_slots, plan_from_routes
 from moonep_sim.plan.kernel import KernelSpec
-from moonep_sim.plan.multihop import home_slots, plan_from_routes
-from moonep_sim.strategies import PlanContext, register
+from moonep_sim.strategies import Option, PlanContext, register
 
 # Notation: T tokens, K top-k, E experts, R ranks, G GPUs per node, N = T*K entries.
 
@@ -76,11 +72,11 @@ def deepep_rdma_bytes(plan: Plan) -> int:
 
 
 @register("deepep", summary="DeepEP normal kernels: once per destination node over RDMA, then NVLink forward",
-          options={"max_nodes": (int, 0, "check that no token spans more than this many nodes (0 = no limit)"),
-                   "sms": (int, 24, "SMs its kernels use (DeepEP's normal kernels: 20-24; 0 = no SM cap, -1 = all)")})
-def plan(routing: GlobalRouting, ctx: PlanContext, max_nodes: int = 0, sms: int = 24) -> Plan:
-    t0 = time.perf_counter()
-    require(max_nodes >= 0, f"max_nodes ({max_nodes}) must be >= 0 (0 = no limit)")
+          options={"max_nodes": Option(int, 0, "check that no token spans more than this many nodes (0 = no limit)",
+                                       check=lambda v: v >= 0, constraint="must be >= 0 (0 = no limit)"),
+                   "sms": Option(int, 24, "SMs its kernels use (DeepEP's normal kernels: 20-24; 0 = no SM cap, -1 = all)",
+                                 check=lambda v: v >= -1, constraint="must be >= 1, 0 (no SM cap) or -1 (all)")})
+def plan(routing: GlobalRouting, ctx: PlanContext, *, max_nodes: int, sms: int) -> Plan:
     G = ctx.cluster.gpus_per_node
     sr, se, slot_of = home_slots(ctx.placement)
     ids = routing.topk_ids_TK
@@ -92,11 +88,9 @@ def plan(routing: GlobalRouting, ctx: PlanContext, max_nodes: int = 0, sms: int 
                         "routing is not node-limited; route from logits with node_limited_topk")
     rank = np.arange(ctx.cluster.ranks, dtype=np.int64)
     via_RR = (rank[None, :] // G) * G + rank[:, None] % G  # via[s, d]: d's node, s's local index
-    opts = {"max_nodes": max_nodes,
-            "max_nodes_per_token": int(npt.max()) if npt.size else 0,
+    opts = {"max_nodes_per_token": int(npt.max()) if npt.size else 0,
             "mean_nodes_per_token": float(npt.mean()) if npt.size else 0.0}
-    out = plan_from_routes("deepep", opts, routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [via_RR],
-                           ("inter_node", "intra_node"), (True, True), token_padding=ctx.token_padding,
-                           started=t0, via_table=True)
     # one kernel: the relay (same local index on the destination node) forwards rows as they arrive
-    return dataclasses.replace(out, kernel=KernelSpec(sms=sms, relay=True))
+    return plan_from_routes(routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [via_RR],
+                            (Scope.INTER_NODE, Scope.INTRA_NODE), (True, True), token_padding=ctx.token_padding,
+                            via_table=True, options=opts, kernel=KernelSpec(sms=sms, relay=True))

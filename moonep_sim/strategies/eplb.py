@@ -21,15 +21,13 @@ placement in force) for replaying windows one after another.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
 
 from moonep_sim.errors import ConfigError, require
-from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, plan_from_slots
-from moonep_sim.plan.multihop import stable_order
-from moonep_sim.strategies import PlanContext, register
+from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, plan_from_slots, stable_order
+from moonep_sim.strategies import Option, PlanContext, make_plan, register
 
 # Notation: E experts, R ranks (GPUs), G GPUs per node, S slots (physical experts, E + redundant),
 # X items being packed, W windows of history, T tokens, K top-k, N = T*K entries.
@@ -183,19 +181,22 @@ def default_redundant(num_experts: int, ranks: int) -> int:
 
 
 @register("eplb", summary="static redundant experts from past load (DeepSeek EPLB), weight migration charged",
-          options={"num_redundant": (int, -1, "extra slots (-1: R, rounded so every GPU holds as many)"),
-                   "groups": (int, 0, "expert groups for hierarchical packing (0: one per node)"),
-                   "choice": (str, "round_robin", "replica per entry: round_robin or contiguous"),
-                   "dedup": (bool, False, "send a token once per destination rank"),
-                   "history": (_array_option, None, "past loads [W, E] (array or .npy path); "
-                                                    "default: this layer's own counts (oracle)"),
-                   "previous": (_array_option, None, "slot experts of the placement in force (rank-major "
-                                                     "[S]); migration from it is charged. Default: none "
-                                                     "charged (the new placement is taken as in force)")})
-def plan(routing: GlobalRouting, ctx: PlanContext, num_redundant: int = -1, groups: int = 0,
-         choice: str = "round_robin", dedup: bool = False, history: np.ndarray | None = None,
-         previous: np.ndarray | None = None) -> Plan:
-    t0 = time.perf_counter()
+          options={"num_redundant": Option(int, -1, "extra slots (-1: R, rounded so every GPU holds as many)",
+                                           check=lambda v: v >= -1,
+                                           constraint="must be >= 0, or -1 for the default (R extra slots, "
+                                                      "rounded so every GPU holds as many)"),
+                   "groups": Option(int, 0, "expert groups for hierarchical packing (0: one per node)",
+                                    check=lambda v: v >= 0, constraint="must be >= 0 (0: one group per node)"),
+                   "choice": Option(str, "round_robin", "replica per entry: round_robin or contiguous",
+                                    choices=("round_robin", "contiguous")),
+                   "dedup": Option(bool, False, "send a token once per destination rank"),
+                   "history": Option(_array_option, None, "past loads [W, E] (array or .npy path); "
+                                                          "default: this layer's own counts (oracle)"),
+                   "previous": Option(_array_option, None, "slot experts of the placement in force (rank-major "
+                                                           "[S]); migration from it is charged. Default: none "
+                                                           "charged (the new placement is taken as in force)")})
+def plan(routing: GlobalRouting, ctx: PlanContext, *, num_redundant: int, groups: int, choice: str, dedup: bool,
+         history: np.ndarray | None, previous: np.ndarray | None) -> Plan:
     E, R = routing.num_experts, ctx.cluster.ranks
     if num_redundant < 0:
         num_redundant = default_redundant(E, R)
@@ -224,14 +225,13 @@ def plan(routing: GlobalRouting, ctx: PlanContext, num_redundant: int = -1, grou
         old_r, old_e = np.repeat(np.arange(R, dtype=np.int64), prev.size // R), prev
     mx, ms, md = migrations(old_r, old_e, slot_rank, slot_expert, E, ctx.cluster)
     entry_slot = choose_replicas(routing.topk_ids_TK.ravel(), slot_expert, E, choice)
-    opts = {"num_redundant": num_redundant, "groups": num_groups, "choice": choice, "dedup": dedup,
-            "policy": policy, "load_source": source,
+    opts = {"num_redundant": num_redundant, "groups": num_groups, "policy": policy, "load_source": source,
             "planned_balancedness": balancedness(np.bincount(slot_rank, weights=load[slot_expert]
                                                              / np.bincount(slot_expert, minlength=E)[slot_expert],
                                                              minlength=R))}
-    return plan_from_slots("eplb", opts, routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_rank,
+    return plan_from_slots(routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_rank,
                            entry_slot.reshape(routing.topk_ids_TK.shape), dedup=dedup,
-                           token_padding=ctx.token_padding, started=t0,
+                           token_padding=ctx.token_padding, options=opts,
                            migrate_expert_X=mx, migrate_src_X=ms, migrate_dst_X=md)
 
 
@@ -254,7 +254,6 @@ class EPLBPlanner:
         self._history = (self._history + [np.asarray(counts_E, dtype=np.float64)])[-self.window:]
 
     def plan(self, routing: GlobalRouting, ctx: PlanContext) -> Plan:
-        from moonep_sim.strategies import make_plan
         hist = np.stack(self._history) if self._history else None
         # the first plan moves weights from the context's placement (home groups by default)
         prev = self.slot_expert_S if self.slot_expert_S is not None else ctx.placement.slot_expert_S

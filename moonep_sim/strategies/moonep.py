@@ -45,16 +45,12 @@ Algorithm (DESIGN.md section 3; the public MoonEP planning reference)
 
 from __future__ import annotations
 
-import dataclasses
-import time
-
 import numpy as np
 
 from moonep_sim.errors import ConfigError, PlanError
-from moonep_sim.plan import GlobalRouting, Plan
+from moonep_sim.plan import GlobalRouting, Plan, plan_from_order, stable_order
 from moonep_sim.plan.kernel import KernelSpec
-from moonep_sim.plan.plan import _plan_from_order, _stable_order
-from moonep_sim.strategies import PlanContext, register
+from moonep_sim.strategies import Option, PlanContext, register
 
 
 def capacity_split(total_entries: int, ranks: int) -> np.ndarray:
@@ -154,7 +150,7 @@ def slot_order(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.ndarray,
     slot_rows = alloc_ER[slot_expert_S, slot_rank_S]
     if int(slot_rows.sum()) != ids_N.size:
         raise PlanError("every allocated (expert, rank) pair must have a slot (internal error)")
-    order_e = _stable_order(ids_N, E)
+    order_e = stable_order(ids_N, E)
     slot_start = np.cumsum(slot_rows) - slot_rows
     idx = np.repeat(piece_start_ER[slot_expert_S, slot_rank_S] - slot_start, slot_rows)
     idx += np.arange(ids_N.size, dtype=np.int64)
@@ -172,10 +168,10 @@ def entry_slots(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.ndarray
 
 @register("moonep",
           summary="MoonEP: per-step redundant copies of hot experts on under-loaded ranks; exactly s*K rows per rank",
-          options={"dedup": (bool, True, "send a token once per destination rank, expand there"),
-                   "sms": (int, 32, "SMs its kernels use (MoonEP's benchmark gives it 32; 0 = no SM cap, -1 = all)")})
-def plan(routing: GlobalRouting, ctx: PlanContext, dedup: bool = True, sms: int = 32) -> Plan:
-    t0 = time.perf_counter()
+          options={"dedup": Option(bool, True, "send a token once per destination rank, expand there"),
+                   "sms": Option(int, 32, "SMs its kernels use (MoonEP's benchmark gives it 32; 0 = no SM cap, -1 = all)",
+                                 check=lambda v: v >= -1, constraint="must be >= 1, 0 (no SM cap) or -1 (all)")})
+def plan(routing: GlobalRouting, ctx: PlanContext, *, dedup: bool, sms: int) -> Plan:
     E, R = routing.num_experts, ctx.cluster.ranks
     if E % R:
         raise ConfigError(f"num_experts ({E}) must be divisible by ranks ({R}) for moonep's home-group placement")
@@ -198,7 +194,5 @@ def plan(routing: GlobalRouting, ctx: PlanContext, dedup: bool = True, sms: int 
     # static buffer: cap real rows plus padding of at most 2*epn segments (home + copies)
     capacity = cap_R + 2 * epn * (tp - 1)
     # same Plan as plan_from_slots(..., entry_slots(...)), without sorting the entries a second time
-    out = _plan_from_order("moonep", {"dedup": dedup}, routing, ctx.cluster, ctx.costs, slot_rank,
-                           slot_expert, slot_home, order, 0, slot_rows, dedup=dedup, token_padding=tp,
-                           capacity_R=capacity, started=t0)
-    return dataclasses.replace(out, kernel=KernelSpec(sms=sms))
+    return plan_from_order(routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_home, order, 0, slot_rows,
+                           dedup=dedup, token_padding=tp, capacity_R=capacity, kernel=KernelSpec(sms=sms))

@@ -1,0 +1,348 @@
+"""The public builder API strategies use to make single-hop Plans (multi-hop: ``multihop``).
+
+Notation as in ``moonep_sim.plan.ir``: R ranks, T tokens (ranks concatenated), K top-k, N = T*K
+entries (flat id ``e = t*K + k``), S slots, M messages of one hop, W final rows.
+
+Typical use, in a strategy (``moonep_sim.strategies``)::
+
+    sr, se, slot_of = home_slots(ctx.placement)          # moonep_sim.plan.multihop
+    return plan_from_slots(routing, ctx.cluster, ctx.costs, sr, se, sr, slot_of[routing.topk_ids_TK],
+                           dedup=dedup, token_padding=ctx.token_padding)
+
+The pieces, for planners that need them: :func:`slot_sort` / :func:`sorted_layout` /
+:func:`slot_layout` / :func:`layout_slots` (the expert-grouped layout), :func:`single_hop_messages`
+(one global hop), :func:`block_messages` (messages of (src, dst) blocks), :func:`final_rows`
+(final rows from a layout), :func:`plan_from_order` (a Plan from an already slot-sorted order) and
+the sorting primitives :func:`stable_order`, :func:`entry_token` (``moonep_sim.plan.order``).
+Builders leave ``strategy`` empty and ``plan_seconds`` 0: the registry's ``make_plan`` stamps them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
+from moonep_sim.plan.kinds import Scope
+from moonep_sim.plan.order import entry_token, small_key_dtype, stable_order
+from moonep_sim.plan.placement import ClusterShape
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """An expert-grouped layout of final rows (what :func:`layout_slots` returns, plus the
+    slot-sorted entry order it came from).
+
+    slot_rows_S / slot_padded_S / slot_offset_S: as in :class:`~moonep_sim.plan.Plan`.
+    entry_row_N: int64 [N] each entry's row within its rank's layout, -1 = dropped.
+
+    order_N: int64 [N] entries sorted by (slot, entry); the first ``n_drop`` are the dropped ones.
+    grow_K: int64 [N - n_drop] global final row (ranks concatenated) of ``order_N[n_drop:]``,
+      increasing: slots are sorted by rank and laid out in order within a rank. None when the
+      layout has no padding rows (the global rows are then simply 0, 1, 2, ...).
+    rows_R: int64 [R] padded rows of each rank.
+    """
+
+    slot_rows_S: np.ndarray
+    slot_padded_S: np.ndarray
+    slot_offset_S: np.ndarray
+    entry_row_N: np.ndarray
+    order_N: np.ndarray
+    n_drop: int
+    rows_R: np.ndarray
+    grow_K: np.ndarray | None
+
+
+def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slot_rank_S: np.ndarray,
+                  token_padding: int = 1, min_rows_S: np.ndarray | None = None,
+                  ranks: int | None = None) -> SlotLayout:
+    """The expert-grouped layout from entries already sorted by (slot, entry), dropped first.
+
+    order_N: int64 [N] entry ids in that order (as :func:`slot_sort` returns); n_drop: how many
+    dropped ones lead; slot_rows_S: int64 [S] entries of each slot, in order after them.
+    slot_rank_S: int64 [S] sorted.  token_padding: pad each slot's rows to a multiple of this.
+    min_rows_S: optional [S] rows to allocate at least (capacity padding).  ranks: R (default:
+    the largest slot rank + 1).
+    """
+    S = slot_rank_S.size
+    N = order_N.size
+    padded = slot_rows_S if min_rows_S is None else np.maximum(slot_rows_S, min_rows_S)
+    tp = max(int(token_padding), 1)
+    padded = (padded + tp - 1) // tp * tp
+    cum = np.cumsum(padded) - padded
+    R = int(slot_rank_S.max()) + 1 if S else 0
+    first = np.searchsorted(slot_rank_S, np.arange(R))
+    rank_base = np.concatenate([[0], np.cumsum(padded)])[first]
+    offset = cum - rank_base[slot_rank_S] if S else cum
+    # sorted position p of a kept entry of slot s: row within its rank = offset[s] + (p - n_drop -
+    # start[s]); global row (ranks concatenated) = cum[s] + (p - n_drop - start[s])
+    starts = np.cumsum(slot_rows_S) - slot_rows_S
+    n_kept = N - n_drop
+    row_sorted = np.repeat(offset - starts, slot_rows_S)
+    row_sorted += np.arange(n_kept, dtype=np.int64)
+    entry_row = np.empty(N, dtype=np.int64)
+    entry_row[order_N[:n_drop]] = -1
+    entry_row[order_N[n_drop:]] = row_sorted
+    if int(padded.sum()) == n_kept:  # no padding rows: global rows are 0..n_kept-1 in this order
+        grow = None
+    else:
+        grow = row_sorted
+        grow += np.repeat(cum - offset, slot_rows_S)
+    del row_sorted
+    nR = R if ranks is None else int(ranks)
+    rows_R = np.bincount(slot_rank_S, weights=padded, minlength=nR).astype(np.int64)
+    return SlotLayout(slot_rows_S, padded, offset, entry_row, order_N, n_drop, rows_R, grow)
+
+
+def slot_sort(entry_slot_N: np.ndarray, num_slots: int) -> tuple[np.ndarray, int, np.ndarray]:
+    """Entries sorted by (slot, entry), dropped (-1) first: (order_N, n_drop, slot_rows_S).
+
+    entry_slot_N: int64 [N] slot of each entry (in [0, num_slots)), -1 = dropped.
+
+    One counting pass and one stable radix sort on a small-int key (0 = dropped, s+1 = slot s).
+    """
+    key = entry_slot_N.astype(small_key_dtype(num_slots + 1), copy=True)
+    key += 1
+    counts = np.bincount(key, minlength=num_slots + 1).astype(np.int64)
+    order = stable_order(key, num_slots + 1)
+    return order, int(counts[0]), counts[1:]
+
+
+def slot_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
+                min_rows_S: np.ndarray | None = None, ranks: int | None = None) -> SlotLayout:
+    """:func:`sorted_layout` of the entries' slots (int64 [N], -1 = dropped): sorts them first."""
+    order, n_drop, slot_rows = slot_sort(entry_slot_N, slot_rank_S.size)
+    return sorted_layout(order, n_drop, slot_rows, slot_rank_S, token_padding, min_rows_S, ranks)
+
+
+def layout_slots(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
+                 min_rows_S: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Expert-grouped layout from each entry's slot (vectorised).
+
+    entry_slot_N: int64 [N] slot of each entry in flat entry order (e = t*K + k), -1 = dropped.
+    slot_rank_S: int64 [S] sorted.  min_rows_S: optional [S] rows to allocate at least (capacity pad).
+    Returns (slot_rows_S, slot_padded_S, slot_offset_S, entry_row_N): entries keep their global
+    order within a slot (tokens of source ranks concatenated in rank order, then k).
+    """
+    lay = slot_layout(np.asarray(entry_slot_N, dtype=np.int64), np.asarray(slot_rank_S, dtype=np.int64),
+                      token_padding, min_rows_S)
+    return lay.slot_rows_S, lay.slot_padded_S, lay.slot_offset_S, lay.entry_row_N
+
+
+def _src_dst_order(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, top_k: int, ranks: int):
+    """Kept entries sorted stably by (source rank, destination rank), and entries per (src, dst).
+
+    Requires tokens in rank order (``src_rank_T`` non-decreasing, as in every GlobalRouting).
+    Returns (order_kept, ecnt): int64 [N_kept] entry ids; int64 [R*R] entries of each
+    (src, dst) block, src-major. Each source rank's entries are a contiguous run, sorted by
+    destination alone with a one-byte radix sort per run (R < 255); otherwise one sort of the
+    key ``src*R + dst``.
+    """
+    R, K, N = ranks, top_k, entry_rank_N.size
+    if R < 255:
+        tok_bound = np.searchsorted(src_rank_T, np.arange(R + 1))
+        d8 = entry_rank_N.astype(np.uint8)  # dropped (-1) becomes 255 and sorts last in its run
+        ecnt = np.zeros((R, R), dtype=np.int64)
+        for r in range(R):
+            lo, hi = int(tok_bound[r]) * K, int(tok_bound[r + 1]) * K
+            if hi > lo:
+                ecnt[r] = np.bincount(d8[lo:hi], minlength=256)[:R]
+        order = np.empty(int(ecnt.sum()), dtype=np.int64)
+        pos = 0
+        for r in range(R):
+            lo, hi = int(tok_bound[r]) * K, int(tok_bound[r + 1]) * K
+            nk = int(ecnt[r].sum())
+            if nk:
+                np.add(np.argsort(d8[lo:hi], kind="stable")[:nk], lo, out=order[pos:pos + nk])
+                pos += nk
+        return order, ecnt.ravel()
+    n_keys = R * R + 1
+    dt = small_key_dtype(n_keys)
+    key = np.repeat((src_rank_T * R).astype(dt), K)
+    key += entry_rank_N.astype(dt)
+    drop = entry_rank_N < 0
+    key[drop] = R * R
+    order = stable_order(key, n_keys)
+    ecnt = np.bincount(key, minlength=n_keys)[: R * R].astype(np.int64)
+    return order[: N - int(np.count_nonzero(drop))], ecnt
+
+
+def _single_hop_any_order(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_off_R: np.ndarray,
+                          top_k: int, ranks: int, dedup: bool):
+    """:func:`single_hop_messages` for tokens not in rank order (receive rows in token order)."""
+    N = entry_rank_N.size
+    kept = np.flatnonzero(entry_rank_N >= 0)
+    dst = entry_rank_N[kept]
+    tok = kept // top_k
+    order = np.argsort(dst, kind="stable")  # (dst, entry) order
+    d_s, t_s = dst[order], tok[order]
+    first = np.ones(order.size, dtype=bool)
+    if dedup:
+        first[1:] = (d_s[1:] != d_s[:-1]) | (t_s[1:] != t_s[:-1])
+    msg_of_sorted = np.cumsum(first) - 1
+    msg_dst = d_s[first]
+    msg_tok = t_s[first]
+    n_msg = msg_dst.size
+    per_dst = np.bincount(msg_dst, minlength=ranks)
+    dst_start = np.cumsum(per_dst) - per_dst
+    msg_row = np.arange(n_msg, dtype=np.int64) - dst_start[msg_dst]
+    entry_buf_row = np.full(N, -1, dtype=np.int64)
+    entry_buf_row[kept[order]] = msg_row[msg_of_sorted]
+    entry_dup = np.zeros(N, dtype=bool)
+    entry_dup[kept[order]] = ~first
+    msg_src = src_rank_T[msg_tok]
+    o2 = np.argsort(msg_src, kind="stable")  # (src, dst, token): messages were in (dst, token) order
+    hop = Hop(Scope.GLOBAL, msg_src[o2], (msg_tok - tok_off_R[msg_src])[o2], msg_dst[o2], msg_row[o2],
+              per_dst.astype(np.int64))
+    return hop, entry_buf_row, entry_dup
+
+
+def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_off_R: np.ndarray,
+                        top_k: int, ranks: int, dedup: bool):
+    """One global hop sending each kept entry's token to its destination rank.
+
+    With ``dedup`` a token is sent once per destination rank; otherwise once per entry.
+    The receive buffer on each rank holds rows ordered by (source rank, token, k).
+    Returns (hop, entry_buf_row_N, entry_dup_N): the Hop, each entry's row in the receive buffer
+    (-1 dropped), and the duplicate flags.
+    """
+    entry_rank_N = np.asarray(entry_rank_N, dtype=np.int64)
+    src_rank_T = np.asarray(src_rank_T, dtype=np.int64)
+    N, R, K = entry_rank_N.size, int(ranks), max(int(top_k), 1)
+    if src_rank_T.size and not bool((np.diff(src_rank_T) >= 0).all()):
+        return _single_hop_any_order(entry_rank_N, src_rank_T, np.asarray(tok_off_R, dtype=np.int64), K, R, dedup)
+    # kept entries in (src, dst, entry) order = the hop's message order; entries of one token are
+    # adjacent within a (src, dst) block, so per-destination dedup compares neighbours
+    order, ecnt = _src_dst_order(entry_rank_N, src_rank_T, K, R)
+    n_kept = order.size
+    ebound = np.concatenate([[0], np.cumsum(ecnt)])  # entry-domain bounds of the R*R blocks
+    if dedup and n_kept:
+        tok_s = entry_token(order, K)
+        first = np.empty(n_kept, dtype=bool)
+        first[0] = True
+        np.not_equal(tok_s[1:], tok_s[:-1], out=first[1:])
+        first[ebound[:-1][ecnt > 0]] = True  # a new (src, dst) block starts a new message
+        msg_idx = np.flatnonzero(first)
+        msg_tok = tok_s[msg_idx]
+        del tok_s
+        mcum = np.cumsum(first.view(np.uint8), dtype=np.int64)  # messages up to and including p
+        m_at = np.zeros(ebound.size, dtype=np.int64)  # messages before each block bound
+        nz = ebound > 0
+        m_at[nz] = mcum[ebound[nz] - 1]
+        cnt = m_at[1:] - m_at[:-1]
+    else:
+        msg_tok = entry_token(order, K)
+        cnt = ecnt
+        first = mcum = None
+    msg_src, msg_dst, msg_row, per_dst = block_messages(cnt, R)
+    src_row = msg_tok if msg_tok is not order else msg_tok.copy()
+    src_row -= np.asarray(tok_off_R, dtype=np.int64)[msg_src]  # token -> row on its rank
+    del msg_tok
+    entry_buf_row = np.full(N, -1, dtype=np.int64)
+    entry_dup = np.zeros(N, dtype=bool)
+    if first is not None:
+        mcum -= 1
+        entry_buf_row[order] = msg_row[mcum]
+        del mcum
+        np.logical_not(first, out=first)
+        entry_dup[order] = first
+    else:
+        entry_buf_row[order] = msg_row
+    hop = Hop(Scope.GLOBAL, msg_src, src_row, msg_dst, msg_row, per_dst)
+    return hop, entry_buf_row, entry_dup
+
+
+def block_messages(cnt: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Messages laid out in (src, dst) blocks, ``cnt[src*R + dst]`` in each (int64 [R*R],
+    src-major), in message order.
+
+    Returns (src_rank_M, dst_rank_M, dst_row_M, per_dst_R): each destination's receive buffer holds
+    its messages in (source rank, message order) order, so dst_row numbers them that way.
+    """
+    cnt_RR = cnt.reshape(R, R)  # [src, dst]
+    per_dst = cnt_RR.sum(axis=0).astype(np.int64)
+    block_start = np.cumsum(cnt) - cnt  # first message of each (src, dst) block
+    dst_row0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()  # its first receive row
+    blocks = np.arange(R * R, dtype=np.int64)
+    row = np.repeat(dst_row0 - block_start, cnt)
+    row += np.arange(row.size, dtype=np.int64)
+    return np.repeat(blocks // R, cnt), np.repeat(blocks % R, cnt), row, per_dst
+
+
+def final_rows(lay: SlotLayout, kept_sorted: np.ndarray, entry_buf_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row_entry_W, expand_src_row_W) from the layout ``lay``, the kept entries in slot order
+    (``lay.order_N[lay.n_drop:]``) and each entry's row (int64 [N]) in the last hop's buffer;
+    padding rows get -1."""
+    if lay.grow_K is None:  # no padding rows: the final rows are the slot-sorted kept entries
+        return kept_sorted.copy(), entry_buf_row[kept_sorted]
+    W = int(lay.rows_R.sum())
+    row_entry = np.full(W, -1, dtype=np.int64)
+    expand = np.full(W, -1, dtype=np.int64)
+    row_entry[lay.grow_K] = kept_sorted
+    expand[lay.grow_K] = entry_buf_row[kept_sorted]
+    return row_entry, expand
+
+
+def plan_from_order(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
+                    slot_expert_S: np.ndarray, slot_home_S: np.ndarray, order_N: np.ndarray, n_drop: int,
+                    slot_rows_S: np.ndarray, *, dedup: bool, token_padding: int = 1,
+                    min_rows_S: np.ndarray | None = None, capacity_R: np.ndarray | None = None,
+                    options: dict[str, Any] | None = None, **extra) -> Plan:
+    """:func:`plan_from_slots` from entries already sorted by (slot, entry), dropped ones first.
+
+    For planners that know this order without sorting (``moonep`` derives it from its per-expert
+    order): ``order_N`` int64 [N] entry ids, the ``n_drop`` dropped ones first, then
+    ``slot_rows_S[s]`` entries of each slot s, slot by slot.
+    """
+    T, K = routing.topk_ids_TK.shape
+    R = cluster.ranks
+    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    lay = sorted_layout(order_N, n_drop, slot_rows_S, slot_rank_S, token_padding, min_rows_S, R)
+    kept_sorted = order_N[n_drop:]
+    entry_rank = np.empty(T * K, dtype=np.int64)
+    entry_rank[order_N[:n_drop]] = -1
+    entry_rank[kept_sorted] = np.repeat(slot_rank_S, slot_rows_S)
+    hop, entry_buf_row, entry_dup = single_hop_messages(entry_rank, routing.src_rank_T(), routing.tok_off_R(),
+                                                        K, R, dedup)
+    row_entry, expand = final_rows(lay, kept_sorted, entry_buf_row)
+    del entry_buf_row
+    return Plan(
+        strategy="", options=dict(options or {}), cluster=cluster, num_experts=routing.num_experts, top_k=K,
+        tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),
+        entry_rank_TK=entry_rank.reshape(T, K), entry_row_TK=lay.entry_row_N.reshape(T, K),
+        entry_dup_TK=entry_dup.reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
+        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slot_expert_S, dtype=np.int64),
+        slot_home_S=np.asarray(slot_home_S, dtype=np.int64), slot_offset_S=lay.slot_offset_S,
+        slot_rows_S=lay.slot_rows_S, slot_padded_S=lay.slot_padded_S, row_entry_W=row_entry,
+        expand_src_row_W=expand, hops=(hop,), capacity_R=capacity_R, **extra)
+
+
+def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
+                    slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_TK: np.ndarray, *, dedup: bool,
+                    token_padding: int = 1, min_rows_S: np.ndarray | None = None,
+                    capacity_R: np.ndarray | None = None, options: dict[str, Any] | None = None,
+                    **extra) -> Plan:
+    """A single-hop Plan from each entry's slot: the builder behind most strategies.
+
+    slot_rank_S / slot_expert_S / slot_home_S: int64 [S] the slots (sorted by rank; a slot whose
+    home differs from its rank is a copy whose weights are prefetched).
+    entry_slot_TK: int64 [T, K] index into the slot arrays, -1 = dropped. The hop sends tokens
+    straight to the slot's rank (deduplicated per rank if ``dedup``); the destination expands them
+    into the expert-grouped layout, each slot padded to a multiple of ``token_padding`` and to at
+    least ``min_rows_S`` rows. capacity_R: optional [R] rows a rank may hold.
+    options: what the planner reports (resolved options, statistics); ``make_plan`` overlays them
+    on the parsed options and stamps the strategy's name and planning time.
+    extra: further :class:`~moonep_sim.plan.Plan` fields (``migrate_*_X``, ``host_plan_us``).
+    """
+    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
+    order, n_drop, slot_rows = slot_sort(entry_slot, slot_rank_S.size)
+    return plan_from_order(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, order, n_drop,
+                           slot_rows, dedup=dedup, token_padding=token_padding, min_rows_S=min_rows_S,
+                           capacity_R=capacity_R, options=options, **extra)
+
+
+__all__ = ["SlotLayout", "block_messages", "entry_token", "final_rows", "layout_slots", "plan_from_order",
+           "plan_from_slots", "single_hop_messages", "slot_layout", "slot_sort", "sorted_layout", "stable_order"]

@@ -1,0 +1,45 @@
+"""Sorting primitives the Plan builders and ``validate`` share.
+
+Notation: N items (entries of a layer, flat id ``e = t*K + k``), K top-k.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def small_key_dtype(n_keys: int) -> type:
+    """Smallest unsigned dtype holding ``n_keys`` distinct keys (int64 beyond 16 bits)."""
+    return np.uint8 if n_keys <= 1 << 8 else np.uint16 if n_keys <= 1 << 16 else np.int64
+
+
+def stable_order(key_N: np.ndarray, n_keys: int) -> np.ndarray:
+    """int64 [N] permutation sorting ``key_N`` (integers in [0, n_keys)) stably.
+
+    numpy's stable sort is a radix sort for integer dtypes of 16 bits or less, so keys of up to 16
+    bits are sorted in one pass on a narrowed copy, and wider keys least-significant 16-bit digit
+    first (one stable pass per digit: a radix sort whose digits are 16 bits wide). A stable sort's
+    permutation is unique, so this equals ``np.argsort(key_N, kind="stable")``.
+    """
+    if n_keys <= 1 << 8:
+        return np.argsort(key_N.astype(np.uint8, copy=False), kind="stable")
+    if n_keys <= 1 << 16:
+        return np.argsort(key_N.astype(np.uint16, copy=False), kind="stable")
+    key = np.asarray(key_N, dtype=np.int64)
+    order = np.argsort((key & 0xFFFF).astype(np.uint16), kind="stable")
+    shift = 16
+    while (n_keys - 1) >> shift:
+        digit = ((key[order] >> shift) & 0xFFFF).astype(np.uint16)
+        order = order[np.argsort(digit, kind="stable")]
+        shift += 16
+    return order
+
+
+def entry_token(entry_N: np.ndarray, top_k: int) -> np.ndarray:
+    """Token of each flat entry id (``e // K``; a shift when K is a power of two)."""
+    if top_k & (top_k - 1) == 0:
+        return entry_N >> (top_k.bit_length() - 1)
+    return entry_N // top_k
+
+
+__all__ = ["entry_token", "small_key_dtype", "stable_order"]

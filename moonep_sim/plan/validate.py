@@ -1,0 +1,291 @@
+"""A Plan's invariants, as named checks run in order.
+
+Notation as in ``moonep_sim.plan.ir``: R ranks, T tokens, K top-k, E experts, S slots, M messages
+of a hop, W final rows (ranks concatenated).
+
+Every strategy's Plan must pass every check; the executors rely on them:
+
+- ``shapes``: array shapes agree with R, T, K and S; slot ranks lie in [0, R).
+- ``slots``: slots sorted by rank, experts in range, padded as stated, contiguous offsets; the
+  final-row arrays have W rows.
+- ``entries``: every kept entry is computed exactly once, at a slot of its expert's segment, at
+  the row it names (conservation); slot segments are real rows then padding.
+- ``duplicates``: a duplicate entry shares its destination rank with an earlier entry of its token.
+- ``copies``: a copied expert is resident on its home rank.
+- ``capacity``: no rank holds more rows than its capacity.
+- ``hop_provenance``: every hop is well-formed (sorted, in range, in scope, each destination row
+  written once) and every final row traces back through the hops to its entry's token, so no row
+  is misrouted.
+
+A check that finds the Plan too malformed for the later ones stops the run. :func:`validate`
+returns the violations as sentences, :func:`violations` with the check that found each, and
+:func:`check` raises :class:`~moonep_sim.errors.PlanError` naming the failed checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, NamedTuple
+
+import numpy as np
+
+from moonep_sim.errors import PlanError
+from moonep_sim.plan.kinds import SCOPES, Scope
+from moonep_sim.plan.order import entry_token
+
+if TYPE_CHECKING:  # the IR imports this module (Plan.summary reports the violations)
+    from moonep_sim.plan.ir import Plan
+
+
+class Violation(NamedTuple):
+    """One broken invariant: the check that found it and the sentence saying what must hold."""
+
+    check: str
+    message: str
+
+
+@dataclass
+class _State:
+    """What earlier checks derived and later ones reuse (one validate run)."""
+
+    out: list[Violation] = field(default_factory=list)
+    rows_R: np.ndarray | None = None       # padded rows per rank
+    row_off: np.ndarray | None = None      # [R+1] offsets of each rank's final rows
+    real_rows_W: np.ndarray | None = None  # bool: final row holds an entry
+    row_rank_W: np.ndarray | None = None   # rank of each final row
+
+
+# A check appends to st.out and returns False when the later checks cannot run.
+CheckFn = Callable[["Plan", _State, Callable[[str], None]], bool]
+
+
+def _check_shapes(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
+    R, K, T = plan.ranks, plan.top_k, plan.num_tokens
+    if plan.tokens_per_rank_R.shape != (R,) or int(plan.tokens_per_rank_R.sum()) != T:
+        bad(f"tokens_per_rank ({plan.tokens_per_rank_R.tolist()}) must have R={R} entries summing to T={T}")
+        return False
+    n = len(st.out)
+    for name in ("entry_rank_TK", "entry_row_TK", "entry_dup_TK", "entry_weight_TK"):
+        if getattr(plan, name).shape != (T, K):
+            bad(f"{name} shape {list(getattr(plan, name).shape)} must be [{T}, {K}]")
+    S = plan.slot_rank_S.size
+    for name in ("slot_expert_S", "slot_home_S", "slot_offset_S", "slot_rows_S", "slot_padded_S"):
+        if getattr(plan, name).shape != (S,):
+            bad(f"{name} must have S={S} entries")
+    if len(st.out) > n:
+        return False
+    if S and ((plan.slot_rank_S < 0) | (plan.slot_rank_S >= R)).any():
+        bad("slot ranks must lie in [0, R)")
+        return False
+    return True
+
+
+def _check_slots(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
+    R, E = plan.ranks, plan.num_experts
+    n = len(st.out)
+    if (np.diff(plan.slot_rank_S) < 0).any():
+        bad("slots must be sorted by rank")
+    if ((plan.slot_expert_S < 0) | (plan.slot_expert_S >= E)).any():
+        bad("slot experts must lie in [0, E)")
+    if (plan.slot_padded_S < plan.slot_rows_S).any():
+        bad("slot_padded must be >= slot_rows")
+    if plan.token_padding > 1 and (plan.slot_padded_S % plan.token_padding).any():
+        bad(f"slot_padded must be a multiple of token_padding ({plan.token_padding})")
+    rows_R = plan.rows_R()
+    first = np.searchsorted(plan.slot_rank_S, np.arange(R))
+    exp_off = np.cumsum(plan.slot_padded_S) - plan.slot_padded_S
+    exp_off = exp_off - np.concatenate([[0], np.cumsum(plan.slot_padded_S)])[first][plan.slot_rank_S]
+    if not np.array_equal(exp_off, plan.slot_offset_S):
+        bad("slot_offset must be the running sum of slot_padded within each rank")
+    if len(st.out) > n:
+        return False
+    W = int(rows_R.sum())
+    if plan.row_entry_W.shape != (W,) or plan.expand_src_row_W.shape != (W,):
+        bad(f"row_entry and expand_src_row must have W={W} rows (sum of padded slot rows)")
+        return False
+    st.rows_R, st.row_off = rows_R, plan.row_off_R()
+    return True
+
+
+def _check_entries(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
+    R, S = plan.ranks, plan.slot_rank_S.size
+    rows_R = st.rows_R
+    rank_e = plan.entry_rank_TK.ravel()
+    row_e = plan.entry_row_TK.ravel()
+    if rank_e.size and (int(rank_e.min()) < -1 or int(rank_e.max()) >= R):
+        bad("entry_rank must be -1 or a rank in [0, R)")
+        return False
+    kept = rank_e >= 0
+    all_kept = bool(kept.all())
+    if all_kept:  # dropless strategies: skip the masked copies
+        rank_k, row_k, eid = rank_e, row_e, np.arange(rank_e.size, dtype=np.int64)
+    else:
+        rank_k, row_k, eid = rank_e[kept], row_e[kept], np.flatnonzero(kept)
+    if ((row_k.size and int(row_k.min()) < 0) or (row_k >= rows_R[rank_k]).any()
+            or (not all_kept and (row_e[~kept] != -1).any())):
+        bad("entry_row must be a row of the destination rank (or -1 when dropped)")
+        return False
+    grow = st.row_off[rank_k] + row_k
+    del rank_k, row_k
+    if not np.array_equal(plan.row_entry_W[grow], eid):
+        bad("row_entry must name, at each kept entry's row, that entry (conservation)")
+    del grow
+    real_rows = plan.row_entry_W >= 0
+    if int(np.count_nonzero(real_rows)) != eid.size:
+        bad(f"final rows holding entries ({int(np.count_nonzero(real_rows))}) must equal kept entries "
+            f"({eid.size}): every kept entry lands exactly once")
+    # row -> slot: each slot's segment is slot_rows real rows then padding (padded >= rows here)
+    st.row_rank_W = np.repeat(np.arange(R), rows_R)
+    st.real_rows_W = real_rows
+    real_S = np.maximum(plan.slot_rows_S, 0)  # a negative count means no real rows
+    seg_len = np.stack([real_S, plan.slot_padded_S - real_S], axis=1).ravel()
+    is_real_pos = np.repeat(np.tile(np.array([True, False]), S), seg_len)
+    if not np.array_equal(is_real_pos, real_rows):
+        bad("each slot's first slot_rows rows must hold entries and the rest be padding")
+    del is_real_pos
+    # the entry's expert is recovered from the routing only via the plan's slots
+    real_cum = np.concatenate([[0], np.cumsum(real_rows.view(np.uint8), dtype=np.int64)])
+    slot_end = np.cumsum(plan.slot_padded_S)
+    if ((real_cum[slot_end] - real_cum[slot_end - plan.slot_padded_S]) != plan.slot_rows_S).any():
+        bad("slot_rows must count the entries in each slot")
+    return True
+
+
+def _check_duplicates(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
+    R, K = plan.ranks, plan.top_k
+    dup = plan.entry_dup_TK
+    if not dup.any():
+        return True
+    # per token, a bit set of the ranks its earlier entries go to (64 ranks per word)
+    has = np.flatnonzero(dup.any(axis=1))  # only tokens with a duplicate need the check
+    ranks_TK, dup_TK = plan.entry_rank_TK[has], dup[has]
+    seen = np.zeros((has.size, (R + 63) // 64), dtype=np.uint64)
+    tok = np.arange(has.size)
+    for k in range(K):  # loop over top-k slots, not tokens
+        col = ranks_TK[:, k]
+        valid = col >= 0
+        word = np.where(valid, col >> 6, 0)
+        bit = np.left_shift(np.uint64(1), (col & 63).astype(np.uint64))
+        cur = seen[tok, word]
+        had = ((cur & bit) != 0) & valid
+        if (dup_TK[:, k] & ~had).any():
+            bad("a duplicate entry must share its destination rank with an earlier entry of its token")
+            break
+        seen[tok, word] = cur | np.where(valid, bit, np.uint64(0))
+    return True
+
+
+def _check_copies(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
+    cp = plan.slot_home_S != plan.slot_rank_S
+    if cp.any():
+        resident = set(zip(plan.slot_rank_S[~cp].tolist(), plan.slot_expert_S[~cp].tolist()))
+        miss = [(int(h), int(e)) for h, e in zip(plan.slot_home_S[cp], plan.slot_expert_S[cp])
+                if (int(h), int(e)) not in resident]
+        if miss:
+            bad(f"copied experts must be resident on their home rank; (home, expert) {miss[:4]} are not")
+    return True
+
+
+def _check_capacity(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
+    rows_R = st.rows_R
+    if plan.capacity_R is not None and (rows_R > plan.capacity_R).any():
+        r = int(np.argmax(rows_R > plan.capacity_R))
+        bad(f"rank {r} rows ({int(rows_R[r])}) must be <= capacity ({int(plan.capacity_R[r])})")
+    return True
+
+
+def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
+    R, K, T = plan.ranks, plan.top_k, plan.num_tokens
+    node = plan.cluster.node_of_rank()
+    local = np.arange(R) % plan.cluster.gpus_per_node
+    origin = np.arange(T, dtype=np.int64)  # buffer 0: token ids, ranks concatenated
+    buf_off = plan.tok_off_R()
+    for i, h in enumerate(plan.hops):
+        m = h.src_rank_M.size
+        if not all(a.shape == (m,) for a in (h.src_row_M, h.dst_rank_M, h.dst_row_M)) or h.dst_rows_R.shape != (R,):
+            bad(f"hop {i}: message arrays must share one length and dst_rows_R have R entries")
+            return False
+        if h.scope not in SCOPES:
+            bad(f"hop {i}: scope ({h.scope!r}) must be one of {SCOPES}")
+        if m and (min(int(h.src_rank_M.min()), int(h.dst_rank_M.min())) < 0
+                  or max(int(h.src_rank_M.max()), int(h.dst_rank_M.max())) >= R):
+            bad(f"hop {i}: ranks must lie in [0, R)")
+            return False
+        key = h.src_rank_M * R + h.dst_rank_M
+        if (np.diff(key) < 0).any():
+            bad(f"hop {i}: messages must be sorted by (src_rank, dst_rank)")
+        src_rows = np.diff(buf_off)
+        if m and (int(h.src_row_M.min()) < -1 or (h.src_row_M >= src_rows[h.src_rank_M]).any()):
+            bad(f"hop {i}: src_row must be -1 or a row of the source buffer")
+            return False
+        if m and (int(h.dst_row_M.min()) < 0 or (h.dst_row_M >= h.dst_rows_R[h.dst_rank_M]).any()):
+            bad(f"hop {i}: dst_row must be a row of the destination buffer")
+            return False
+        dst_off = np.concatenate([[0], np.cumsum(h.dst_rows_R)])
+        gdst = dst_off[h.dst_rank_M] + h.dst_row_M
+        if m and np.bincount(gdst, minlength=int(dst_off[-1])).max() > 1:
+            bad(f"hop {i}: each destination row must be written once")
+        if h.scope == Scope.INTRA_NODE and (node[h.src_rank_M] != node[h.dst_rank_M]).any():
+            bad(f"hop {i}: intra_node scope must not cross nodes")
+        if h.scope == Scope.INTER_NODE and (local[h.src_rank_M] != local[h.dst_rank_M]).any():
+            bad(f"hop {i}: inter_node scope must connect equal local indices only")
+        new_origin = np.full(int(dst_off[-1]), -2, dtype=np.int64)  # -2 never written, -1 zero row
+        src_g = buf_off[h.src_rank_M] + h.src_row_M
+        new_origin[gdst] = np.where(h.src_row_M >= 0, origin[np.maximum(src_g, 0)], -1)
+        origin, buf_off = new_origin, dst_off
+    # final gather
+    row_rank, real_rows = st.row_rank_W, st.real_rows_W
+    last_rows = np.diff(buf_off)
+    exp = plan.expand_src_row_W
+    if exp.size and (int(exp.min()) < -1 or (exp >= last_rows[row_rank]).any()):
+        bad("expand_src_row must be -1 or a row of the last buffer on the same rank")
+        return False
+    final_origin = np.where(exp >= 0, origin[np.maximum(buf_off[row_rank] + exp, 0)], -1)
+    want = np.where(real_rows, entry_token(plan.row_entry_W, max(K, 1)), -1)
+    if (real_rows & (exp < 0)).any():
+        bad("every real row must be gathered from a buffer row")
+    wrong = real_rows & (final_origin != want)
+    if wrong.any():
+        w = int(np.argmax(wrong))
+        bad(f"row {w} of rank {int(row_rank[w])} must hold token {int(want[w])} but receives "
+            f"{'nothing' if final_origin[w] == -2 else 'token ' + str(int(final_origin[w]))} (misrouted)")
+    return True
+
+
+CHECKS: tuple[tuple[str, CheckFn], ...] = (
+    ("shapes", _check_shapes),
+    ("slots", _check_slots),
+    ("entries", _check_entries),
+    ("duplicates", _check_duplicates),
+    ("copies", _check_copies),
+    ("capacity", _check_capacity),
+    ("hop_provenance", _check_hop_provenance),
+)
+"""The named checks, in the order they run (see the module docstring)."""
+
+
+def violations(plan: Plan) -> list[Violation]:
+    """Run the checks in order; every broken invariant with the check that found it (empty: valid)."""
+    st = _State()
+    for name, fn in CHECKS:
+        if not fn(plan, st, lambda msg, name=name: st.out.append(Violation(name, msg))):
+            break
+    return st.out
+
+
+def validate(plan: Plan) -> list[str]:
+    """Check a Plan's invariants; returns the violated ones as sentences (empty list: valid)."""
+    return [v.message for v in violations(plan)]
+
+
+def check(plan: Plan) -> Plan:
+    """Raise :class:`PlanError` naming each failed check and its violations; return the plan if valid."""
+    errs = violations(plan)
+    if errs:
+        failed = list(dict.fromkeys(v.check for v in errs))
+        raise PlanError(f"plan of strategy {plan.strategy!r} fails check(s) {', '.join(failed)}: "
+                        + "; ".join(f"[{v.check}] {v.message}" for v in errs))
+    return plan
+
+
+__all__ = ["CHECKS", "Violation", "check", "validate", "violations"]
