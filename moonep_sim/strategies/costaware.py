@@ -56,16 +56,13 @@ to several GPUs of one node priced (and timed) as separate transfers.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from moonep_sim.errors import require
-from moonep_sim.plan import GlobalRouting, Plan
-from moonep_sim.plan.multihop import plan_from_routes
-from moonep_sim.strategies import PlanContext, register
+from moonep_sim.plan import GlobalRouting, Plan, Scope, plan_from_routes
+from moonep_sim.strategies import Option, PlanContext, register
 from moonep_sim.strategies.llep import plan_from_alloc, require_home_groups
 from moonep_sim.strategies.moonep import capacity_split, copy_slots, entry_slots, greedy_quotas, split_quotas
 
@@ -302,17 +299,15 @@ def _why(info: dict, residual: float) -> str:
 
 @register("costaware", summary="ours: node-dedup two-hop transport plus expert copies only where they pay "
                                "(priced with the topology's NVLink/NIC/GPU rates)",
-          options={"mode": (str, "forward", "price the forward (prefetch) or training (also the fp32 "
-                                            "gradient reduce and backward compute): forward | training"),
-                   "min_gain": (float, 0.01, "relative estimated gain a plan with copies must show over none"),
-                   "grid": (int, 24, "targets tried between the mean and the largest home load"),
-                   "cross_node": (bool, True, "allow copies to other nodes when they still pay")})
-def plan(routing: GlobalRouting, ctx: PlanContext, mode: str = "forward", min_gain: float = 0.01, grid: int = 24,
-         cross_node: bool = True) -> Plan:
-    t0 = time.perf_counter()
-    require(mode in MODES, f"mode ({mode!r}) must be one of {', '.join(MODES)}")
-    require(0 <= min_gain < 1, f"min_gain ({min_gain}) must lie in [0, 1): a relative gain")
-    require(grid >= 1, f"grid ({grid}) must be >= 1 (targets tried)")
+          options={"mode": Option(str, "forward", "price the forward (prefetch) or training (also the fp32 "
+                                                  "gradient reduce and backward compute): forward | training",
+                                  choices=MODES),
+                   "min_gain": Option(float, 0.01, "relative estimated gain a plan with copies must show over none",
+                                      check=lambda v: 0 <= v < 1, constraint="must lie in [0, 1): a relative gain"),
+                   "grid": Option(int, 24, "targets tried between the mean and the largest home load",
+                                  check=lambda v: v >= 1, constraint="must be >= 1 (targets tried)"),
+                   "cross_node": Option(bool, True, "allow copies to other nodes when they still pay")})
+def plan(routing: GlobalRouting, ctx: PlanContext, *, mode: str, min_gain: float, grid: int, cross_node: bool) -> Plan:
     epn = require_home_groups(routing, ctx, "costaware")
     R, G = ctx.cluster.ranks, ctx.cluster.gpus_per_node
     rates = Rates.of(ctx.topology)
@@ -327,20 +322,19 @@ def plan(routing: GlobalRouting, ctx: PlanContext, mode: str = "forward", min_ga
     copies = slot_home != slot_rank
     cross = (slot_home // G) != (slot_rank // G)
     residual = float(rows.max() / max(rows.mean(), 1e-12)) if rows.size else 0.0
-    opts = {"mode": mode, "min_gain": min_gain, "grid": grid, "cross_node": cross_node,
-            "rates": rates.source, "chosen": info["kind"], "target_rows": int(info["target_rows"]),
+    opts = {"rates": rates.source, "chosen": info["kind"], "target_rows": int(info["target_rows"]),
             "copies_intra_node": int((copies & ~cross).sum()), "copies_cross_node": int((copies & cross).sum()),
             "residual_max_over_mean": residual, "estimate_us": round(info["estimate_us"], 1),
             "estimate_no_copy_us": round(info["estimate_no_copy_us"], 1),
             "estimate_exact_us": round(info["estimate_exact_us"], 1), "network_window_us": round(window, 1),
             "why": _why(info, residual)}
     if ctx.cluster.num_nodes == 1:  # one node: no network hop to dedup, one NVLink hop (moonep's transport)
-        return plan_from_alloc("costaware", opts, routing, ctx, alloc, epn, True, t0)
+        return plan_from_alloc(routing, ctx, alloc, epn, True, options=opts)
     ids = routing.topk_ids_TK
     entry_slot = entry_slots(ids.ravel(), alloc, slot_rank, slot_expert).reshape(ids.shape)
     rank = np.arange(R, dtype=np.int64)
     via_RR = (rank[None, :] // G) * G + rank[:, None] % G  # deepep's route: d's node, s's local index
-    return plan_from_routes("costaware", opts, routing, ctx.cluster, c, slot_rank, slot_expert, slot_home, entry_slot,
-                            [via_RR], ("inter_node", "intra_node"), (True, True), token_padding=ctx.token_padding,
-                            started=t0, via_table=True)
+    return plan_from_routes(routing, ctx.cluster, c, slot_rank, slot_expert, slot_home, entry_slot, [via_RR],
+                            (Scope.INTER_NODE, Scope.INTRA_NODE), (True, True), token_padding=ctx.token_padding,
+                            via_table=True, options=opts)
 

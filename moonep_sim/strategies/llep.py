@@ -37,14 +37,11 @@ Notation: R ranks, E experts, ``epn = E / R``, T tokens, K top-k, N = T*K entrie
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from moonep_sim.errors import ConfigError, require
-from moonep_sim.plan import GlobalRouting, Plan
-from moonep_sim.plan.plan import _plan_from_order
-from moonep_sim.strategies import PlanContext, register
+from moonep_sim.plan import GlobalRouting, Plan, plan_from_order
+from moonep_sim.strategies import Option, PlanContext, register
 from moonep_sim.strategies.moonep import copy_slots, slot_order
 
 #: assumed: one device-to-host copy of the counts plus the per-layer barrier on the EP group
@@ -177,38 +174,36 @@ def host_plan_us(info: dict, num_experts_with_tokens: int) -> float:
             + HOST_US_PER_HELPER * info["helpers_considered"])
 
 
-def plan_from_alloc(name: str, options: dict, routing: GlobalRouting, ctx: PlanContext, alloc_ER: np.ndarray,
-                    epn: int, dedup: bool, started: float, **extra) -> Plan:
+def plan_from_alloc(routing: GlobalRouting, ctx: PlanContext, alloc_ER: np.ndarray, epn: int, dedup: bool,
+                    options: dict | None = None, **extra) -> Plan:
     """A single-hop Plan computing ``alloc[e, r]`` entries of expert e on rank r (copies where r is not
-    e's home), entries split over an expert's ranks in rank order (moonep's layout)."""
+    e's home), entries split over an expert's ranks in rank order (moonep's layout). ``options``:
+    what the planner reports (see :func:`moonep_sim.plan.plan_from_slots`)."""
     ids_N = routing.topk_ids_TK.ravel()
     slot_rank, slot_expert, slot_home = copy_slots(alloc_ER, epn)
     order, slot_rows = slot_order(ids_N, alloc_ER, slot_rank, slot_expert)
-    return _plan_from_order(name, options, routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_home,
-                            order, 0, slot_rows, dedup=dedup, token_padding=max(int(ctx.token_padding), 1),
-                            started=started, **extra)
+    return plan_from_order(routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_home, order, 0, slot_rows,
+                           dedup=dedup, token_padding=max(int(ctx.token_padding), 1), options=options, **extra)
 
 
 @register("llep", summary="LLEP (ICML 2026): spill each hot expert's excess to the least-loaded rank above "
                           "an imbalance threshold; weights point-to-point, host planning charged",
-          options={"alpha": (float, 1.1, "per-rank capacity factor (capacity = alpha x N/R entries)"),
-                   "m": (int, 1024, "smallest spill chunk (entries) unless it is the last"),
-                   "lambda": (float, 1.3, "plain EP below this per-GPU max/mean load"),
-                   "dedup": (bool, False, "send a token once per destination rank, expand there")})
+          options={"alpha": Option(float, 1.1, "per-rank capacity factor (capacity = alpha x N/R entries)",
+                                   check=lambda v: v > 0 and np.isfinite(v),
+                                   constraint="must be > 0: the per-rank capacity is alpha x N/R entries"),
+                   "m": Option(int, 1024, "smallest spill chunk (entries) unless it is the last",
+                               check=lambda v: v >= 0, constraint="must be >= 0 (entries)"),
+                   "lambda": Option(float, 1.3, "plain EP below this per-GPU max/mean load",
+                                    check=lambda v: v >= 0 and np.isfinite(v),
+                                    constraint="must be >= 0 (a max/mean load ratio)"),
+                   "dedup": Option(bool, False, "send a token once per destination rank, expand there")})
 def plan(routing: GlobalRouting, ctx: PlanContext, **options) -> Plan:
-    t0 = time.perf_counter()
-    alpha = float(options.get("alpha", 1.1))
-    m = int(options.get("m", 1024))
-    lam = float(options.get("lambda", 1.3))
-    dedup = bool(options.get("dedup", False))
-    require(alpha > 0, f"alpha ({alpha}) must be > 0: the per-rank capacity is alpha x N/R entries")
-    require(m >= 0, f"m ({m}) must be >= 0 (entries)")
-    require(lam >= 0, f"lambda ({lam}) must be >= 0 (a max/mean load ratio)")
+    # ``lambda`` is a Python keyword: the options arrive as a mapping (all present, checked)
+    alpha, m, lam, dedup = options["alpha"], options["m"], options["lambda"], options["dedup"]
     epn = require_home_groups(routing, ctx, "llep")
     counts = routing.counts_E()
     alloc, info = llep_assign(counts, ctx.cluster.ranks, alpha, m, lam)
     host_us = host_plan_us(info, int(np.count_nonzero(counts)))
-    opts = {"alpha": alpha, "m": m, "lambda": lam, "dedup": dedup, "fallback": info["fallback"],
-            "native_max_over_mean": info["imbalance"], "capacity": info["capacity"],
+    opts = {"fallback": info["fallback"], "native_max_over_mean": info["imbalance"], "capacity": info["capacity"],
             "spill_rounds": info["spill_rounds"], "host_plan_us": host_us}
-    return plan_from_alloc("llep", opts, routing, ctx, alloc, epn, dedup, t0, host_plan_us=host_us)
+    return plan_from_alloc(routing, ctx, alloc, epn, dedup, options=opts, host_plan_us=host_us)

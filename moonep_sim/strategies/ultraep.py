@@ -29,13 +29,11 @@ Notation: R ranks, E experts, ``epn = E / R``, D ranks per NVLink domain, N = T*
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from moonep_sim.errors import require
 from moonep_sim.plan import GlobalRouting, Plan
-from moonep_sim.strategies import PlanContext, register
+from moonep_sim.strategies import Option, PlanContext, register
 from moonep_sim.strategies.llep import plan_from_alloc, require_home_groups
 
 
@@ -124,17 +122,17 @@ def ultraep_assign(counts_E: np.ndarray, ranks: int, domain: int, gpus_per_node:
 
 @register("ultraep", summary="UltraEP: per-layer quota by binary search on a load threshold; replicas inside "
                              "the NVLink domain, capped per replica; weights copied directly",
-          options={"epsilon": (float, 0.01, "relative tolerance of the threshold search"),
-                   "replica_cap": (int, 1024, "most entries one replica takes (0 = no cap)"),
-                   "domain": (int, 0, "ranks per NVLink domain (0 = one node)"),
-                   "max_replicas": (int, -1, "most replicas one rank holds (-1 = E/R)"),
-                   "dedup": (bool, False, "send a token once per destination rank, expand there")})
-def plan(routing: GlobalRouting, ctx: PlanContext, epsilon: float = 0.01, replica_cap: int = 1024, domain: int = 0,
-         max_replicas: int = -1, dedup: bool = False) -> Plan:
-    t0 = time.perf_counter()
-    require(0 < epsilon < 1, f"epsilon ({epsilon}) must lie in (0, 1): a relative tolerance")
-    require(replica_cap >= 0, f"replica_cap ({replica_cap}) must be >= 0 (0 = no cap)")
-    require(max_replicas >= -1, f"max_replicas ({max_replicas}) must be >= 0, or -1 for E/R")
+          options={"epsilon": Option(float, 0.01, "relative tolerance of the threshold search",
+                                     check=lambda v: 0 < v < 1, constraint="must lie in (0, 1): a relative tolerance"),
+                   "replica_cap": Option(int, 1024, "most entries one replica takes (0 = no cap)",
+                                         check=lambda v: v >= 0, constraint="must be >= 0 (0 = no cap)"),
+                   "domain": Option(int, 0, "ranks per NVLink domain (0 = one node)",
+                                    check=lambda v: v >= 0, constraint="must be >= 0 (0 = one node)"),
+                   "max_replicas": Option(int, -1, "most replicas one rank holds (-1 = E/R)",
+                                          check=lambda v: v >= -1, constraint="must be >= 0, or -1 for E/R"),
+                   "dedup": Option(bool, False, "send a token once per destination rank, expand there")})
+def plan(routing: GlobalRouting, ctx: PlanContext, *, epsilon: float, replica_cap: int, domain: int,
+         max_replicas: int, dedup: bool) -> Plan:
     epn = require_home_groups(routing, ctx, "ultraep")
     R, G = ctx.cluster.ranks, ctx.cluster.gpus_per_node
     D = domain or G
@@ -143,7 +141,6 @@ def plan(routing: GlobalRouting, ctx: PlanContext, epsilon: float = 0.01, replic
     alloc, info = ultraep_assign(routing.counts_E(), R, D, G, replica_cap, epsilon,
                                  None if max_replicas < 0 else max_replicas)
     rows = alloc.sum(axis=0)
-    opts = {"epsilon": epsilon, "replica_cap": replica_cap, "domain": D, "max_replicas": max_replicas,
-            "dedup": dedup, "threshold": info["threshold"], "search_iterations": info["iterations"],
+    opts = {"domain": D, "threshold": info["threshold"], "search_iterations": info["iterations"],
             "max_over_mean": float(rows.max() / max(rows.mean(), 1e-12)) if rows.size else 0.0}
-    return plan_from_alloc("ultraep", opts, routing, ctx, alloc, epn, dedup, t0)
+    return plan_from_alloc(routing, ctx, alloc, epn, dedup, options=opts)
