@@ -270,3 +270,31 @@ def test_missing_file_and_bad_format_name(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps(GOOD[0]) + "\n")
     with pytest.raises(TraceFormatError, match=r"--format \('xml'\) must be"):
         load_source(tmp_path / "a.jsonl", "xml")
+
+
+# ---------------------------------------------------------------------------------- shipped traces
+@needs_real
+@pytest.mark.parametrize("src,shipped,kwargs", [
+    (MIXTRAL, "mixtral-8x7b_humaneval.safetensors", {"model": "mixtral-8x7b"}),
+    (OLMOE, "olmoe-1b-7b_layer0.safetensors", {"model": "olmoe-1b-7b"}),
+    (SWITCH, "switch-base-128_counts.safetensors", {"top_k": 1}),
+])
+def test_shipped_traces_are_what_the_importer_makes(src, shipped, kwargs):
+    from pathlib import Path
+    tr = Trace(Path(__file__).resolve().parents[1] / "traces" / shipped)
+    imp = load_source(src, **kwargs)
+    assert tr.meta.import_report == json.loads(json.dumps(imp.meta.import_report))
+    for name, arr in imp.tensors.items():
+        got = tr._open().get_tensor(name)
+        np.testing.assert_array_equal(got, arr.astype(got.dtype))
+
+
+def test_shipped_recordings_are_labelled_synthetic():
+    from pathlib import Path
+    files = sorted((Path(__file__).resolve().parents[1] / "traces").glob("recorded-random_*.safetensors"))
+    assert len(files) == 3
+    for f in files:
+        tr = Trace(f)
+        assert "RANDOM weights" in tr.meta.attribution and "not real routing" in tr.meta.attribution
+        assert np.bincount(tr.steps()).tolist() == [128] + [4] * 15
+        assert tr.meta.num_layers == 4 and tr.model().num_experts == tr.meta.num_experts
