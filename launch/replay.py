@@ -1,6 +1,11 @@
-"""torchrun entry point: replay a trace over gloo. See ``moonep_sim.gloo.replay`` and docs/gloo.md.
+"""Replay a trace over gloo. See ``moonep_sim.gloo.replay`` and docs/gloo.md.
 
-    torchrun --nproc_per_node 4 launch/replay.py --trace T --strategy moonep --backward --json out.json
+    python launch/replay.py --nproc 4 --trace T --strategy moonep --backward --json out.json
+
+starts 4 local ranks itself (rendezvous store and gloo bound to loopback) and exits with the
+failing rank's status and one error line (2 bad input, 1 a failed collective, 130 on Ctrl-C).
+Under torchrun (``torchrun --nproc_per_node 4 launch/replay.py ...``) it runs as one rank; a
+failure then also gets torchrun's own report.
 """
 
 from moonep_sim.gloo.replay import main

@@ -6,6 +6,10 @@ The CLI prints it alone (no traceback) and exits with status 2.
 """
 
 
+import argparse
+import sys
+
+
 class MoonEPSimError(Exception):
     """Base of every error moonep-sim raises for bad input or a failed run."""
 
@@ -30,3 +34,14 @@ def require(ok: bool, message: str, exc: type[MoonEPSimError] = ConfigError) -> 
     """Raise ``exc(message)`` unless ``ok``: the one-line input check used across the package."""
     if not ok:
         raise exc(message)
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, like every other refusal:
+    ``moonep-sim: error: <command>: <argparse's message>`` on stderr, exit status 2 (argparse's own
+    prints the whole usage first). Subparsers made from it are of this class too."""
+
+    def error(self, message: str):  # noqa: D102 (argparse's hook)
+        print(f"moonep-sim: error: {self.prog}: {message.splitlines()[0] if message else 'bad arguments'}",
+              file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -1,78 +1,118 @@
-"""Failure behaviour of the gloo executor: a dead or stalled rank, and configuration that differs.
+"""Failure behaviour of the gloo executor: a stopped or dead rank is named, and configuration that differs.
 
 Ranks are plain processes (no torchrun agent to kill the survivors), so the survivors must fail
-by themselves, within the executor's timeout, naming the phase and the silent rank.
+by themselves, within the executor's timeout, naming the phase and the silent rank -- from its
+heartbeat (moonep_sim.gloo.liveness), not only from how far it got.
 """
 
 from __future__ import annotations
 
-import re
-
 import os
-import threading
+import re
+import signal
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from moonep_sim.gloo.launcher import spawn_ranks
 
 HERE = str(Path(__file__).resolve().parent)
-WORLD, VICTIM, TIMEOUT_S = 3, 2, 3.0
+WORLD, TIMEOUT_S = 3, 2.0
+# where the victim goes silent, by the phase the survivors are then stuck in
+POINTS = ("build", "exchange", "hop", "combine", "next_step")
+RUNS = 10
+CONCURRENT = 5
 
 
-def fail_worker(rank, world, mode, victim, timeout_s):
+def fault_worker(rank, world, victim, point, sig, timeout_s, mode="fault"):
     from moonep_sim.gloo.buffer import Buffer
 
+    def maybe_die(here):
+        if rank == victim and here and point == here:
+            os.kill(os.getpid(), getattr(signal, sig))  # SIGSTOP: stopped; SIGKILL: dead
+
+    maybe_die("build")
     top_k = 3 if (mode == "config" and rank == victim) else 2
     buf = Buffer(capacity=4, hidden=4, top_k=top_k, num_experts=6, strategy="alltoall", timeout_s=timeout_s)
     x = torch.randn(4, 4)
     ids = torch.tensor([[0, 5], [1, 4], [2, 3], [3, 0]])
     w = torch.ones(4, 2)
-    if rank == victim and mode == "exit":
-        buf.exchange_routing(ids, w)  # takes part in the exchange, then dies before the first hop
-        os._exit(7)
-    if rank == victim and mode == "stall":
-        threading.Event().wait()  # never returns: a rank that stopped responding
-    buf.dispatch(x, ids, w)
+    for step in range(2):
+        maybe_die("exchange" if step == 0 else "next_step")
+        routing, w64 = buf.exchange_routing(ids, w)
+        handle = buf.plan_handle(routing, w64)
+        maybe_die("hop" if step == 0 else "")
+        rows, row_w, _, _ = buf.dispatch(x, handle=handle)
+        maybe_die("combine" if step == 0 else "")
+        buf.combine(rows, handle, row_w)
     return {"finished": True}
 
 
-def run(mode):
-    survivors = [r for r in range(WORLD) if r != VICTIM]
-    return spawn_ranks("test_gloo_failures:fail_worker", WORLD, dict(mode=mode, victim=VICTIM, timeout_s=TIMEOUT_S),
-                       timeout_s=90, pythonpath=[HERE], kill_on_failure=False, wait_for=survivors)
+def _named_silent(output: str) -> list[int]:
+    m = re.search(r"silent peer ranks? (.*?)\)\): ", output)
+    return [int(v) for v in re.findall(r"(?:^|, )(\d+) \(", m.group(1))] if m else []
 
 
-def test_dead_rank_makes_the_others_fail_naming_phase_and_rank():
-    res = run("exit")
-    assert res[VICTIM].returncode == 7
-    for r in res:
-        if r.rank == VICTIM:
-            continue
+def _fault_run(sig: str, i: int) -> str | None:
+    """Run ``i``: victim and point in turn; returns what went wrong, or None."""
+    victim, point = i % WORLD, POINTS[i % len(POINTS)]
+    survivors = [r for r in range(WORLD) if r != victim]
+    res = spawn_ranks("test_gloo_failures:fault_worker", WORLD,
+                      dict(victim=victim, point=point, sig=sig, timeout_s=TIMEOUT_S),
+                      timeout_s=90, pythonpath=[HERE], kill_on_failure=False, wait_for=survivors)
+    want_victim = None if sig == "SIGSTOP" else -signal.SIGKILL  # a stopped victim is killed by the spawner
+    problems = []
+    if res[victim].returncode != want_victim:
+        problems.append(f"victim exit {res[victim].returncode}")
+    for r in survivors:
+        out = res[r].output
+        if res[r].returncode != 1 or not re.search(
+                rf"CommError: \S+ \S+ (timed out|failed) after [\d.]+ s on rank {r} ", out):
+            problems.append(f"rank {r} exit {res[r].returncode}: {out.strip()[-300:]}")
+        elif _named_silent(out) != [victim]:
+            problems.append(f"rank {r} named {_named_silent(out)}: {out.strip()[-300:]}")
+    return f"run {i} ({sig} rank {victim} at {point}): " + "; ".join(problems) if problems else None
+
+
+def _fault_runs(sig: str) -> list[str]:
+    """RUNS runs, CONCURRENT at a time (each its own store and ranks: they share nothing; most of a
+    run is waiting on timeouts); returns a description of every run that failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        return [b for b in pool.map(lambda i: _fault_run(sig, i), range(RUNS)) if b]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
+def test_stopped_or_killed_rank_is_named_in_every_run(sig):
+    t0 = time.monotonic()
+    bad = _fault_runs(sig)
+    print(f"{RUNS} {sig} runs in {time.monotonic() - t0:.1f} s")
+    assert not bad, f"{len(bad)} of {RUNS} runs did not name the victim alone:\n" + "\n".join(bad)
+
+
+def test_dead_rank_named_with_phase():
+    """One quick run of each kind outside the slow suite: the victim dies after the exchange."""
+    res = spawn_ranks("test_gloo_failures:fault_worker", WORLD,
+                      dict(victim=2, point="hop", sig="SIGKILL", timeout_s=TIMEOUT_S),
+                      timeout_s=90, pythonpath=[HERE], kill_on_failure=False, wait_for=[0, 1])
+    assert res[2].returncode == -signal.SIGKILL
+    for r in res[:2]:
         assert r.returncode == 1, r.output
-        # the survivors fail in the exchange or in the first hop, depending on how far they got
-        # before the victim's sockets closed; either way the phase and the victim are named
-        assert re.search(r"CommError: dispatch\.(exchange all_gather|0 (all_to_all|send/recv)) failed", r.output), r.output
-        # the victim is named among the silent peers (a survivor that is merely behind may be too)
-        assert f"on rank {r.rank}" in r.output, r.output
-        assert re.search(rf"peer ranks? (\d+ \([^)]*\), )*{VICTIM} \(last entered dispatch\.exchange\)", r.output), r.output
-
-
-def test_stalled_rank_times_out_the_others_naming_phase_and_rank():
-    res = run("stall")
-    assert res[VICTIM].returncode is None  # still blocked: killed by the spawner once the others exited
-    for r in res:
-        if r.rank == VICTIM:
-            continue
-        assert r.returncode == 1, r.output
-        assert f"CommError: dispatch.exchange all_gather timed out after {TIMEOUT_S:.1f} s" in r.output, r.output
-        assert re.search(rf"peer ranks? (\d+ \([^)]*\), )*{VICTIM} \(last entered build\.check\)", r.output), r.output
+        # the survivors fail in the first hop (the victim's sockets closed): phase, rank and victim named
+        assert re.search(rf"CommError: dispatch\.0 (all_to_all|send/recv) failed after [\d.]+ s on rank {r.rank} "
+                         r"\(silent peer rank 2 \(no heartbeat for [\d.]+ s: stopped or dead; "
+                         r"last entered dispatch\.exchange\)\)", r.output), r.output
 
 
 def test_config_differing_across_ranks_is_detected_at_build():
-    res = spawn_ranks("test_gloo_failures:fail_worker", WORLD, dict(mode="config", victim=VICTIM, timeout_s=10),
+    res = spawn_ranks("test_gloo_failures:fault_worker", WORLD,
+                      dict(victim=2, point="", sig="", timeout_s=10, mode="config"),
                       timeout_s=60, pythonpath=[HERE], kill_on_failure=False)
     for r in res:
         assert r.returncode == 2, r.output
         assert "ConfigError: Buffer top_k must be equal on every rank (ranks [0, 1] agree with rank 0, " \
-               f"ranks [{VICTIM}] differ; values by rank [2, 2, 3])" in r.output, r.output
+               "ranks [2] differ; values by rank [2, 2, 3])" in r.output, r.output

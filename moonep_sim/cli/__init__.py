@@ -10,7 +10,7 @@ import importlib
 import sys
 
 from moonep_sim import __version__
-from moonep_sim.errors import MoonEPSimError
+from moonep_sim.errors import MoonEPSimError, OneLineArgumentParser
 
 # order = order in --help
 _COMMANDS = ("demo", "models", "trace", "plan", "simulate", "topologies", "compare", "sweep",
@@ -18,7 +18,7 @@ _COMMANDS = ("demo", "models", "trace", "plan", "simulate", "topologies", "compa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="moonep-sim",
         description="Simulated expert-parallel communication for MoE models: replay routing traces "
                     "through dispatch strategies, for real over gloo and on a simulated GPU cluster.")

@@ -2,7 +2,8 @@
 
 ``Buffer`` (dispatch, combine, prefetch_weight, reduce_grad) carries out any strategy's Plan;
 ``moe.EPMoELayer`` is a reference MoE layer on it and ``moe.dense_moe`` the single-process layer
-it must equal; ``replay`` replays a trace under torchrun; ``launcher`` starts ranks.
+it must equal; ``replay`` replays a trace (on local ranks it starts, or under torchrun); ``launcher`` starts
+ranks; ``liveness`` names a stopped or dead rank.
 """
 
 from moonep_sim.gloo.buffer import Buffer

@@ -30,14 +30,14 @@ The executor never looks at the strategy's name: it moves rows exactly as the Pl
 Failure behaviour: every collective is issued asynchronously and waited on with ``timeout_s``;
 a failed or timed-out collective raises :class:`~moonep_sim.errors.CommError` naming the phase
 (``dispatch.0``, ``combine.1``, ``prefetch``, ...), this rank, and the peers that had not reached
-the phase (read from a progress record each rank keeps in the process group's store).
+the phase, or first of all the peer whose heartbeat stopped (a stopped or dead process); see
+:mod:`moonep_sim.gloo.liveness`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import time
 import zlib
 from typing import Any, Callable, Sequence
 
@@ -45,8 +45,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moonep_sim.errors import CommError, ConfigError, require
+from moonep_sim.errors import ConfigError, require
 from moonep_sim.gloo.handle import Handle, HopIndex, build_handle, direct_index
+from moonep_sim.gloo.liveness import PhaseTracker
 from moonep_sim.plan import GlobalRouting, Placement, Plan, RowCosts, check
 from moonep_sim.plan.direct import MAX_RUNS, MIN_RUN_BYTES
 from moonep_sim.strategies import PlanContext, get_strategy, make_plan
@@ -138,7 +139,6 @@ class Buffer:
         self.token_padding = int(token_padding)
         self.validate_plans = validate_plans
         self._timeout = datetime.timedelta(seconds=self.timeout_s)
-        self._seq = 0
         self._workspace: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         # resident replicas' fetched weights per cache key: (resident_key, experts, [X_res, P] rows)
         self._replicas: dict[Any, tuple[bytes, torch.Tensor, torch.Tensor]] = {}
@@ -146,12 +146,9 @@ class Buffer:
         self.replica_fetches = 0  # of those, fetches that (re)filled the resident replicas' cache
         self.fetched_experts = 0  # experts' weights received by this rank, all calls together
         self.last_fetched = 0  # experts' weights received by this rank in the latest prefetch
-        self._store = None
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            self._store = dist.PrefixStore(f"moonep_sim/ep{self.members[0]}x{self.world_size}/", store)
-        except Exception:  # no store available: failures name the phase but not the silent peer
-            self._store = None
+        # progress records and heartbeats in the store: a failure names the silent peer
+        self._tracker = PhaseTracker(f"moonep_sim/ep{self.members[0]}x{self.world_size}/", self.rank, self.members,
+                                     self.timeout_s)
         self._mark("build.check")
         self._check_config()
         # after the check every rank agrees on the values below, so group creation is aligned
@@ -231,57 +228,21 @@ class Buffer:
         return {"global": glob, "intra_node": intra, "inter_node": inter}
 
     # -- failure handling ---------------------------------------------------------------------
+    @property
+    def _seq(self) -> int:
+        """Collectives this rank has entered (phase progress)."""
+        return self._tracker.seq
+
     def _mark(self, phase: str) -> None:
-        """Record that this rank enters collective number ``seq`` (phase) -- read when a peer fails."""
-        self._seq += 1
-        if self._store is not None:
-            try:
-                self._store.set(f"r{self.rank}", f"{self._seq}|{phase}")
-            except Exception:
-                self._store = None
+        """Record that this rank enters a phase (see :class:`~moonep_sim.gloo.liveness.PhaseTracker`)."""
+        self._tracker.mark(phase)
 
     def _suspects(self, peers: Sequence[int], focus: int | None = None) -> str:
-        """Which peers had not reached this phase; ``focus``: the one peer of a failed message,
-        named alone when it is behind (else every peer is checked)."""
-        if focus is not None:
-            alone = self._suspects([focus])
-            if alone.startswith("peer rank"):
-                return alone
-        if self._store is None:
-            return "peer unknown: no progress store"
-        behind, gone = [], []
-        try:
-            for p in peers:
-                if p == self.rank:
-                    continue
-                if not self._store.check([f"r{p}"]):
-                    gone.append(p)
-                    continue
-                seq, phase = self._store.get(f"r{p}").decode().split("|", 1)
-                if int(seq) < self._seq:
-                    behind.append(f"{p} (last entered {phase})")
-        except Exception:
-            return "peer unknown: progress store unreachable"
-        if gone:
-            return f"peer rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} never started"
-        if behind:
-            return f"peer rank{'s' if len(behind) > 1 else ''} {', '.join(behind)} stopped responding?"
-        return "every peer reached this phase; one may have died inside it"
+        return self._tracker.suspects(peers, focus)
 
     def _run(self, phase: str, op: str, issue: Callable[[], Any], peers: Sequence[int],
              focus: int | None = None) -> None:
-        t0 = time.perf_counter()
-        try:
-            work = issue()
-            if work is not None:
-                work.wait(timeout=self._timeout)
-        except RuntimeError as e:
-            dt = time.perf_counter() - t0
-            text = _gloo_text(e)
-            timed_out = "timed out" in text.lower() or "timeout" in text.lower()
-            what = f"timed out after {self.timeout_s:.1f} s" if timed_out else f"failed after {dt:.1f} s"
-            raise CommError(f"{phase} {op} {what} on rank {self.rank} ({self._suspects(peers, focus)}): "
-                            f"{text[:240]}") from None
+        self._tracker.run(phase, op, issue, peers, focus)
 
     def _all_to_all(self, phase: str, scope: str, members: Sequence[int], send: torch.Tensor,
                     send_splits: Sequence[int], recv_splits: Sequence[int],
@@ -762,14 +723,6 @@ def _unreferenced(t: torch.Tensor) -> bool:
         return t._use_count() == 1 and count(t.untyped_storage()._cdata) <= 2
     except Exception:
         return False
-
-
-def _gloo_text(e: BaseException) -> str:
-    """The first line of a gloo error without its source location and boilerplate advice."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if text.startswith("[") and "] " in text:
-        text = text.split("] ", 1)[1]
-    return text.split(" This is typically", 1)[0].strip()
 
 
 def _unpack(obj) -> tuple[list, tuple[torch.Tensor, ...]]:

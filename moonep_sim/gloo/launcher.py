@@ -1,14 +1,19 @@
-"""Starting gloo ranks as processes: the torchrun replay, and a small rank spawner for tests.
+"""Starting gloo ranks as local processes: the replay, and a small rank spawner for tests.
 
-``run_replay(nproc, argv, timeout_s)`` runs ``python -m torch.distributed.run --standalone
---nproc_per_node N -m moonep_sim.gloo.replay ARGV --json TMP`` and returns the parsed JSON.
-``spawn_ranks(target, world, ...)`` starts ``world`` plain processes that rendezvous over a
-TCPStore the caller hosts on a free local port (no torchrun agent, so a rank's failure is seen by
-the others only through the executor's own timeouts), runs ``target(rank, world, **kwargs)`` on each and returns
-every rank's exit code, output and result.
+``run_replay(nproc, argv, timeout_s)`` starts ``nproc`` processes of ``python -m
+moonep_sim.gloo.replay ARGV --json TMP`` and returns the parsed JSON; a rank's error comes back
+as its own exception class with its one line. ``spawn_ranks(target, world, ...)`` starts ``world``
+plain processes, runs ``target(rank, world, **kwargs)`` on each and returns every rank's exit
+code, output and result.
 
-Both run children in their own process group and kill the whole group on timeout or Ctrl-C, so no
-stray process survives; both set ``OMP_NUM_THREADS=1`` unless already set.
+Both host the rendezvous store in this process (so it outlives any rank: survivors can still read
+a dead rank's progress and heartbeat), **bound to the loopback interface** (a TCPStore server
+otherwise listens on every interface), and ranks connect to it as clients
+(``TORCHELASTIC_USE_AGENT_STORE``); gloo's own sockets are bound to loopback too
+(``GLOO_SOCKET_IFNAME=lo``) unless the caller's environment sets an interface. No torchrun agent
+is involved, so each rank's exit code is seen directly. Both run children in their own process
+group and kill the whole group on timeout or Ctrl-C, so no stray process survives; both set
+``OMP_NUM_THREADS=1`` unless already set.
 """
 
 from __future__ import annotations
@@ -39,6 +44,35 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_store(world: int, timeout_s: float):
+    """A TCPStore server for ``world`` client ranks listening on 127.0.0.1 only (on a free port);
+    returns ``(store, port)``. The listening socket is bound here and handed to the store (which
+    then owns it): torch's own server would listen on every interface."""
+    import datetime
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((LOOPBACK, 0))
+    sock.listen(1024)
+    port = int(sock.getsockname()[1])
+    store = dist.TCPStore(LOOPBACK, port, world + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)), master_listen_fd=sock.fileno())
+    sock.detach()  # the store closes it
+    return store, port
+
+
+def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    env = {"MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+           "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    if "GLOO_SOCKET_IFNAME" not in os.environ and sys.platform.startswith("linux"):
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
+
+
 def _child_env(extra: dict[str, str] | None = None, pythonpath: Sequence[str] = ()) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -61,58 +95,98 @@ def reports_by_strategy(rep: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def run_replay(nproc: int, argv: Sequence[str], timeout_s: float = 600.0, *, env: dict[str, str] | None = None,
-               quiet: bool = True) -> dict[str, Any]:
-    """Run the replay on ``nproc`` local gloo ranks under torchrun; return its JSON report.
+               quiet: bool = True, grace_s: float = 10.0) -> dict[str, Any]:
+    """Run the replay on ``nproc`` local gloo ranks; return its JSON report.
 
-    argv: replay arguments (``--trace T --strategy S ...``; ``--json`` is added). If a rank
-    reports an error, it is raised here as its own class (ConfigError, TraceFormatError, PlanError,
-    CommError) with its one-line message; any other failure, or exceeding ``timeout_s``, raises
-    :class:`CommError` with the tail of the ranks' output. The process group is killed on
-    timeout and on KeyboardInterrupt.
+    argv: replay arguments (``--trace T --strategy S ...``; ``--json`` is added). If a rank fails,
+    the first rank's error to arrive is raised here as its own class (ConfigError, TraceFormatError,
+    PlanError, CommError) with its one-line message; a rank that fails without one, or exceeding
+    ``timeout_s``, raises :class:`CommError` with the tail of its output. Once one rank has failed
+    the others get ``grace_s`` to fail by themselves (naming the phase), then are killed. The
+    process group is killed on timeout and on KeyboardInterrupt (re-raised).
     """
     if nproc < 1:
         raise ConfigError(f"nproc ({nproc}) must be >= 1")
     with tempfile.TemporaryDirectory(prefix="moonep_replay_") as tmp:
         out = Path(tmp) / "replay.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               "-m", "moonep_sim.gloo.replay", *map(str, argv), "--json", str(out)]
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env=_child_env(env), start_new_session=True)
+        store, port = loopback_store(nproc, timeout_s)
+        procs, logs = [], []
         try:
-            text, _ = p.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(p)
-            text, _ = p.communicate()
-            raise CommError(f"replay ({nproc} ranks) must finish within timeout ({timeout_s:.0f} s): killed; "
-                            f"output tail: {_tail(text)}") from None
+            for r in range(nproc):
+                log = open(Path(tmp) / f"rank{r}.log", "w+")
+                logs.append(log)
+                cmd = [sys.executable, "-m", "moonep_sim.gloo.replay", *map(str, argv), "--json", str(out)]
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                              env=_child_env({**(env or {}), **_rank_env(r, nproc, port)}),
+                                              start_new_session=True))
+            order = _wait_ranks(procs, timeout_s, grace_s)
         except BaseException:
-            _kill_group(p)
-            p.wait()
-            raise
-        finally:
-            if p.poll() is None:
+            for p in procs:
                 _kill_group(p)
                 p.wait()
-        if p.returncode != 0 or not out.exists():
-            raise _replay_error(nproc, p.returncode, text)
+            raise
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    _kill_group(p)
+                    p.wait()
+            texts = []
+            for log in logs:
+                log.seek(0)
+                texts.append(log.read())
+                log.close()
+            del store
+        codes = [p.returncode for p in procs]
+        if order == "timeout":
+            raise CommError(f"replay ({nproc} ranks) must finish within timeout ({timeout_s:.0f} s): killed; "
+                            f"output tail: {_tail(texts[0])}") from None
+        if any(c != 0 for c in codes) or not out.exists():
+            raise _replay_error(nproc, codes, texts, order)
         if not quiet:
-            print(text, end="")
+            print(texts[0], end="")
         return json.loads(out.read_text())
 
 
-def _replay_error(nproc: int, code: int | None, text: str) -> MoonEPSimError:
-    """The ranks' own one-line error (re-raised as its class), else the tail of their output."""
+def _wait_ranks(procs: list[subprocess.Popen], timeout_s: float, grace_s: float) -> list[int] | str:
+    """Wait for every rank; returns the ranks that failed in the order they exited, or "timeout"."""
+    deadline = time.monotonic() + timeout_s
+    failed: list[int] = []
+    while any(p.poll() is None for p in procs):
+        for r, p in enumerate(procs):
+            if p.poll() not in (None, 0) and r not in failed:
+                failed.append(r)
+                deadline = min(deadline, time.monotonic() + grace_s)
+        if time.monotonic() > deadline:
+            if not failed:
+                return "timeout"
+            break
+        time.sleep(0.05)
+    failed += [r for r, p in enumerate(procs) if p.poll() not in (None, 0) and r not in failed]
+    return failed
+
+
+def _replay_error(nproc: int, codes: list[int | None], texts: list[str], order: list[int]) -> MoonEPSimError:
+    """The failing ranks' own one-line error (re-raised as its class): the first rank to fail with
+    one, preferring an input error (every rank refuses bad input alike) over the CommErrors its
+    exit caused in the others; else the tail of the first failing rank's output."""
     import moonep_sim.errors as errors
 
-    for ln in (text or "").splitlines():
-        if "moonep-sim: error:" in ln:
-            msg = ln.split("moonep-sim: error:", 1)[1].strip()
-            for cls in (errors.ConfigError, errors.TraceFormatError, errors.PlanError, errors.CommError):
-                if f"{cls.__name__}: " in msg:
-                    where, rest = msg.split(f"{cls.__name__}: ", 1)
-                    return cls(f"{rest} ({where.strip().rstrip(':')} of {nproc})")
-            return CommError(f"replay ({nproc} ranks) failed: {msg}")
-    return CommError(f"replay ({nproc} ranks) exit status ({code}) must be 0: {_tail(text)}")
+    classes = (errors.ConfigError, errors.TraceFormatError, errors.PlanError, errors.CommError)
+    found = []
+    for r in order or range(len(texts)):
+        for ln in (texts[r] or "").splitlines():
+            if "moonep-sim: error:" in ln:
+                found.append((r, ln.split("moonep-sim: error:", 1)[1].strip()))
+                break
+    found.sort(key=lambda rm: "CommError: " in rm[1])  # stable: input errors first, then by exit order
+    for r, msg in found:
+        for cls in classes:
+            if f"{cls.__name__}: " in msg:
+                where, rest = msg.split(f"{cls.__name__}: ", 1)
+                return cls(f"{rest} ({where.strip().rstrip(':') or f'rank {r}'} of {nproc})")
+        return CommError(f"replay ({nproc} ranks) failed: {msg}")
+    r = (order or [0])[0]
+    return CommError(f"replay rank {r} of {nproc} exit status ({codes[r]}) must be 0: {_tail(texts[r])}")
 
 
 def _tail(text: str, lines: int = 6) -> str:
@@ -152,23 +226,16 @@ def spawn_ranks(target: str, world: int, kwargs: dict[str, Any] | None = None, *
     ranks. ``wait_for``: stop (killing the
     rest) as soon as these ranks have exited, e.g. the survivors of a rank made to stall.
     """
-    import datetime
-
-    import torch.distributed as dist
-
-    port = free_port()
     # the rendezvous store lives in this process (as torchrun's agent hosts it), so it outlives
-    # any rank: survivors can still read the progress of a rank that died
-    store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)))
+    # any rank: survivors can still read the progress and heartbeat of a rank that died
+    store, port = loopback_store(world, timeout_s)
     with tempfile.TemporaryDirectory(prefix="moonep_spawn_") as tmp:
         procs = []
         logs = []
         for r in range(world):
             log = open(Path(tmp) / f"rank{r}.log", "w+")
             logs.append(log)
-            child_env = _child_env({**(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                                    "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r)}, pythonpath)
+            child_env = _child_env({**(env or {}), **_rank_env(r, world, port)}, pythonpath)
             cmd = [sys.executable, "-m", "moonep_sim.gloo.launcher", "--worker", target, "--out", tmp,
                    "--kwargs", json.dumps(kwargs or {}), "--pg-timeout", str(pg_timeout_s)]
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
@@ -220,6 +287,8 @@ def _worker(target: str, out_dir: str, kwargs: dict[str, Any], pg_timeout_s: flo
                               timeout=datetime.timedelta(seconds=pg_timeout_s))
         dist.init_process_group("gloo", rank=rank, world_size=world, store=store,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
+        from moonep_sim.gloo.liveness import ensure_heartbeat
+        ensure_heartbeat(rank)
         dist.barrier()  # start together: process start-up skew must not eat into short timeouts
         mod_name, fn_name = target.split(":")
         fn = getattr(importlib.import_module(mod_name), fn_name)
@@ -247,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--pg-timeout", type=float, default=60.0)
     a = ap.parse_args(argv)
     rc = _worker(a.worker, a.out, json.loads(a.kwargs), a.pg_timeout)
+    from moonep_sim.gloo.liveness import announce
+    announce(f"exited {rc}")  # the peers must not take this rank's silence for a stopped process
     sys.stdout.flush()
     sys.stderr.flush()
     # exit without running process-group destructors: after a failed collective they may block

@@ -1,6 +1,7 @@
-"""Replay a routing trace layer by layer on real tensors over gloo (run under torchrun).
+"""Replay a routing trace layer by layer on real tensors over gloo.
 
-    torchrun --nproc_per_node 4 launch/replay.py --trace T --strategy moonep --hidden 64 --backward --json out.json
+    python launch/replay.py --nproc 4 --trace T --strategy moonep --hidden 64 --backward --json out.json
+    torchrun --nproc_per_node 4 launch/replay.py --trace T ...      (one rank per process)
 
 Each selected layer's tokens are split over the ranks as ``GlobalRouting.split_evenly`` does (the
 first T % R ranks get one more); routing comes from the trace (no router). Per layer and iteration
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moonep_sim.errors import CommError, MoonEPSimError, require
+from moonep_sim.errors import CommError, ConfigError, MoonEPSimError, OneLineArgumentParser, require
 from moonep_sim.io import check_output_path, write_text_atomic
 
 PHASES = ("exchange", "plan", "dispatch", "prefetch", "expert", "combine", "backward", "total")
@@ -47,7 +48,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torc
 
 def build_parser() -> argparse.ArgumentParser:
     """The replay's command line (``launch/replay.py``; also rendered into docs/cli.md)."""
-    ap = argparse.ArgumentParser(prog="launch/replay.py", description="Replay a trace over gloo (under torchrun).")
+    ap = OneLineArgumentParser(prog="launch/replay.py",
+                               description="Replay a trace over gloo: on N local ranks with --nproc N, or as "
+                                           "one rank under torchrun.")
+    ap.add_argument("--nproc", type=int, default=None,
+                    help="start N local ranks (store and gloo on loopback; exit status and error line of "
+                         "the failing rank); without it, run as one rank of a torchrun job")
     ap.add_argument("--trace", required=True, help="trace file (moonep-sim safetensors format)")
     ap.add_argument("--strategy", default="moonep", help="strategy, or several comma-separated (interleaved)")
     ap.add_argument("--opt", action="append", default=[], metavar="[S.]K=V",
@@ -85,14 +91,66 @@ def _parse_opts(items: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def _gather_rows(t: torch.Tensor, capacity: int, group) -> list[torch.Tensor]:
+def _gather_rows(t: torch.Tensor, capacity: int, group, phase: str = "check.gather") -> list[torch.Tensor]:
     """Every rank's [s_r, C] tensor (padded to capacity for the all_gather)."""
     R = dist.get_world_size(group)
     pad = t.new_zeros((capacity,) + tuple(t.shape[1:]))
     pad[: t.shape[0]] = t
     out = [torch.empty_like(pad) for _ in range(R)]
-    dist.all_gather(out, pad, group=group)
+    _collective(phase, "all_gather", lambda: dist.all_gather(out, pad, group=group, async_op=True))
     return out
+
+
+def _collective(phase: str, op: str, issue) -> None:
+    """A collective of the replay itself (outside any Buffer), named by its phase: on failure a
+    CommError names the phase and the silent peer (see moonep_sim.gloo.liveness)."""
+    if not _TRACKER:  # run() called without main(): track with the default group's timeout
+        from moonep_sim.gloo.liveness import PhaseTracker
+        _TRACKER.append(PhaseTracker("moonep_sim/replay/", dist.get_rank(), range(dist.get_world_size()), 600.0))
+    _TRACKER[0].collective(phase, op, issue)
+
+
+# the replay's phase tracker (one replay per rank process; set in main)
+_TRACKER: list = []
+
+
+def _parse_layers(text: str | None, n_layers: int) -> list[int]:
+    """``--layers 0,2,3`` -> positions in the trace, each checked."""
+    if text is None:
+        return list(range(n_layers))
+    out = []
+    for v in text.split(","):
+        v = v.strip()
+        if not v:
+            continue
+        try:
+            out.append(int(v))
+        except ValueError:
+            raise ConfigError(f"--layers ({text!r}) must be comma-separated layer positions like 0,2,3") from None
+    require(out, f"--layers ({text!r}) must name at least one layer position")
+    for li in out:
+        require(0 <= li < n_layers, f"--layers entry ({li}) must lie in [0, {n_layers}) (layers of the trace)")
+    return out
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Every numeric argument in range, before any rank starts work."""
+    import math
+
+    from moonep_sim.limits import MAX_RANKS
+
+    require(args.hidden >= 1 and args.ffn >= 1, f"--hidden ({args.hidden}) and --ffn ({args.ffn}) must be >= 1")
+    require(args.hidden <= 1 << 16 and args.ffn <= 1 << 16,
+            f"--hidden ({args.hidden}) and --ffn ({args.ffn}) must be <= 65536 (a CPU replay)")
+    require(args.iters >= 1 and args.warmup >= 0, f"--iters ({args.iters}) must be >= 1 and --warmup ({args.warmup}) >= 0")
+    require(args.iters + args.warmup <= 10000, f"--iters + --warmup ({args.iters + args.warmup}) must be <= 10000")
+    require(args.max_tokens >= 0, f"--max-tokens ({args.max_tokens}) must be >= 0 (0: all tokens)")
+    require(math.isfinite(args.timeout) and 0 < args.timeout <= 86400,
+            f"--timeout ({args.timeout}) must be in (0, 86400] seconds")
+    require(1 <= args.token_padding <= 1 << 16, f"--token-padding ({args.token_padding}) must be in [1, 65536]")
+    require(args.gpus_per_node >= 0, f"--gpus-per-node ({args.gpus_per_node}) must be >= 0 (0: one node)")
+    if args.nproc is not None:
+        require(1 <= args.nproc <= min(MAX_RANKS, 256), f"--nproc ({args.nproc}) must be in [1, 256]")
 
 
 def _stats(v_R: np.ndarray) -> dict[str, float]:
@@ -132,10 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     E, K, H, F = meta.num_experts, meta.top_k, args.hidden, args.ffn
     require(H >= 1 and F >= 1, f"hidden ({H}) and ffn ({F}) must be >= 1")
     require(args.iters >= 1 and args.warmup >= 0, f"iters ({args.iters}) must be >= 1 and warmup ({args.warmup}) >= 0")
-    layers = list(range(trace.num_layers)) if args.layers is None else \
-        [int(v) for v in args.layers.split(",") if v.strip()]
-    for li in layers:
-        require(0 <= li < trace.num_layers, f"layer ({li}) must lie in [0, {trace.num_layers}) (layers of the trace)")
+    layers = _parse_layers(args.layers, trace.num_layers)
     T = int(meta.num_tokens) if not args.max_tokens else min(int(meta.num_tokens), args.max_tokens)
     require(T >= R, f"tokens ({T}) must be >= world size ({R}) to give every rank a token")
     tpr = np.full(R, T // R, dtype=np.int64)
@@ -186,11 +241,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     # every rank's per-iteration phase times -> rank 0
     mine = torch.from_numpy(times)
     allt = [torch.empty_like(mine) for _ in range(R)]
-    dist.all_gather(allt, mine)
+    _collective("report.gather_times", "all_gather", lambda: dist.all_gather(allt, mine, async_op=True))
     all_RSLIP = torch.stack(allt).numpy()
     fetched = torch.tensor([[entries[(si, j)]["fetched"] for j in range(L)] for si in range(S)], dtype=torch.int64)
     all_f = [torch.empty_like(fetched) for _ in range(R)]
-    dist.all_gather(all_f, fetched)
+    _collective("report.gather_fetched", "all_gather", lambda: dist.all_gather(all_f, fetched, async_op=True))
     fetched_SL = torch.stack(all_f).sum(dim=0).numpy()
     if rank != 0:
         return None
@@ -221,7 +276,7 @@ def _step(buf, ids, w, x, params, grad_out, li: int, backward: bool) -> dict[str
     for p in params:
         p.grad = None
     xi = x.clone().requires_grad_(backward)
-    dist.barrier()
+    _collective(f"layer{li}.step_barrier", "barrier", lambda: dist.barrier(async_op=True))
     t = [time.perf_counter()]
     routing, w64 = buf.exchange_routing(ids, w)
     t.append(time.perf_counter())
@@ -348,38 +403,98 @@ def _summary(rep: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point (``launch/replay.py`` and ``python -m moonep_sim.gloo.replay``). Exits non-zero on error."""
+    """Entry point (``launch/replay.py`` and ``python -m moonep_sim.gloo.replay``).
+
+    With ``--nproc N`` (and not already a rank): start N local ranks (:func:`launch`). Otherwise run
+    as one rank: exit 0, 3 when a result check failed, 2 on bad input and 1 when a collective failed
+    (one line ``moonep-sim: error: rank R: Class: message`` on stderr), 130 on Ctrl-C."""
+    if argv is None:
+        argv = sys.argv[1:]
+    if "RANK" not in os.environ and any(a == "--nproc" or a.startswith("--nproc=") for a in argv):
+        sys.exit(launch(argv))
     args = None
+    rank = os.environ.get("RANK", "?")
+    from moonep_sim.gloo.liveness import PhaseTracker, announce
     try:
         args = _parse(argv)
+        _check_args(args)
         if args.json:  # every rank refuses alike, before the run (not rank 0 alone, after it)
             check_output_path(args.json, "--json", inputs=(args.trace,))
         if not dist.is_initialized():
             require("RANK" in os.environ and "WORLD_SIZE" in os.environ,
-                    "RANK / WORLD_SIZE (unset) must be set: launch with torchrun --nproc_per_node N launch/replay.py ...")
+                    "RANK / WORLD_SIZE (unset) must be set: run with --nproc N, or under torchrun "
+                    "--nproc_per_node N launch/replay.py ...")
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(args.timeout, 1.0)))
+        _TRACKER[:] = [PhaseTracker("moonep_sim/replay/", dist.get_rank(), range(dist.get_world_size()),
+                                    args.timeout)]
         rep = run(args)
         if rep is not None:
             if args.json:
                 write_text_atomic(args.json, json.dumps(rep, indent=1, sort_keys=True), what="--json")
             if not args.quiet:
                 print("\n".join(_summary(r) for r in _each(rep)), flush=True)
-        dist.barrier()
+        _collective("exit.barrier", "barrier", lambda: dist.barrier(async_op=True))
         code = 0 if rep is None or all(r["correct"] is not False for r in _each(rep)) else 3
     except MoonEPSimError as e:
-        rank = os.environ.get("RANK", "?")
         print(f"moonep-sim: error: rank {rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         code = 1 if isinstance(e, CommError) else 2
-    except RuntimeError as e:  # a collective outside the Buffer (report gathering) failed
-        rank = os.environ.get("RANK", "?")
+    except RuntimeError as e:  # a collective no tracker watched (process-group set-up)
         line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"moonep-sim: error: rank {rank}: CommError: replay report collective failed: {line[:240]}",
+        phase = _TRACKER[0].phase if _TRACKER else "start"
+        print(f"moonep-sim: error: rank {rank}: CommError: replay collective failed after {phase}: {line[:240]}",
               file=sys.stderr, flush=True)
         code = 1
+    except KeyboardInterrupt:
+        if rank in ("0", "?"):
+            print("moonep-sim: interrupted", file=sys.stderr, flush=True)
+        code = 130
+    announce(f"exited {code}")
     sys.stdout.flush()
     sys.stderr.flush()
     # leave without process-group destructors: after a failed collective they can block
     os._exit(code)
+
+
+def launch(argv: Sequence[str]) -> int:
+    """``--nproc N``: run the replay on N local ranks (:func:`moonep_sim.gloo.launcher.run_replay`)
+    and print its summary; on failure print the failing rank's one line and return its status
+    (2 bad input, 1 a failed collective), 130 on Ctrl-C."""
+    from moonep_sim.gloo.launcher import run_replay
+
+    try:
+        args = _parse(argv)
+        _check_args(args)
+        if args.json:
+            check_output_path(args.json, "--json", inputs=(args.trace,))
+        rest = _strip_launch_args(argv)
+        rep = run_replay(args.nproc, rest, timeout_s=max(600.0, 10 * args.timeout))
+        if args.json:
+            write_text_atomic(args.json, json.dumps(rep, indent=1, sort_keys=True), what="--json")
+        if not args.quiet:
+            print("\n".join(_summary(r) for r in _each(rep)), flush=True)
+        return 0 if all(r["correct"] is not False for r in _each(rep)) else 3
+    except MoonEPSimError as e:
+        print(f"moonep-sim: error: {e}", file=sys.stderr, flush=True)
+        return 1 if isinstance(e, CommError) else 2
+    except KeyboardInterrupt:
+        print("moonep-sim: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+def _strip_launch_args(argv: Sequence[str]) -> list[str]:
+    """``argv`` without ``--nproc N`` and ``--json PATH`` (the launcher owns both)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--nproc", "--json"):
+            skip = True
+            continue
+        if a.startswith(("--nproc=", "--json=")):
+            continue
+        out.append(a)
+    return out
 
 
 if __name__ == "__main__":

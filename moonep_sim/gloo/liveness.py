@@ -1,0 +1,245 @@
+"""Naming the silent peer: heartbeats and phase progress kept in the process group's store.
+
+When a collective fails or times out, the rank that sees it must say *which* peer is at fault. A
+peer's progress alone cannot tell: a rank stopped with SIGSTOP (or dead) may have entered the same
+phase as everyone else before going silent. So each rank process keeps a **heartbeat**: a daemon
+thread that increments a counter in the store every ``HEARTBEAT_INTERVAL_S`` (over its own store
+connection, so a blocked collective never delays it). A failing rank watches every member's
+counter for up to ``LIVENESS_WINDOW_S``: a peer whose counter does not move is stopped or dead, and
+is named as the silent peer; a peer that announced its own failure or exit (it writes its state
+before leaving) is never blamed for its silence.
+
+Progress comes second: each rank records the phase it enters (``mark``), so a live peer that is
+merely behind is named with the last phase it entered, and every failure names its own phase.
+
+Store keys (under ``moonep_sim/live/``): ``hb<rank>`` the heartbeat counter, ``st<rank>`` a state
+a rank announces (``failed in PHASE``, ``exited N``); progress keys live under each tracker's prefix
+(``<prefix>r<ep rank>`` = ``seq|phase``). Ranks here are global process-group ranks unless named
+"EP rank".
+
+The heartbeat is a process-wide resource (one thread per rank process, started by the first
+tracker, living until the process exits); it is the one piece of module state here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch.distributed as dist
+
+from moonep_sim.errors import CommError
+
+HEARTBEAT_INTERVAL_S = 0.2
+LIVENESS_WINDOW_S = 2.0  # a live rank beats ~10 times in this window, even on a loaded machine
+_ROOT = "moonep_sim/live/"
+
+
+class _Heartbeat:
+    """One rank's heartbeat thread (see the module docstring)."""
+
+    def __init__(self, store, rank: int, interval_s: float):
+        self.rank = rank
+        try:
+            own = store.clone()  # its own connection: never queued behind the main thread's calls
+        except Exception:
+            own = store
+        self._store = dist.PrefixStore(_ROOT, own)
+        self._stop = threading.Event()
+        self._interval_s = interval_s
+        self._store.set(f"hb{rank}", "0")
+        self._thread = threading.Thread(target=self._beat, name=f"moonep-heartbeat-{rank}", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        n = 0
+        while not self._stop.wait(self._interval_s):
+            n += 1
+            try:
+                self._store.set(f"hb{self.rank}", str(n))
+            except Exception:  # the store is gone (the job is ending): nothing left to tell
+                return
+
+    def announce(self, state: str) -> None:
+        with contextlib.suppress(Exception):
+            self._store.set(f"st{self.rank}", state)
+
+
+_PROCESS_HEARTBEAT: _Heartbeat | None = None  # this process's heartbeat (one rank per process)
+
+
+def default_store():
+    """The default process group's store, or None (no group, or a backend without one)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def ensure_heartbeat(rank: int | None = None, interval_s: float = HEARTBEAT_INTERVAL_S) -> bool:
+    """Start this process's heartbeat (once); True when one runs."""
+    global _PROCESS_HEARTBEAT
+    if _PROCESS_HEARTBEAT is not None:
+        return True
+    store = default_store()
+    if store is None:
+        return False
+    try:
+        _PROCESS_HEARTBEAT = _Heartbeat(store, dist.get_rank() if rank is None else rank, interval_s)
+    except Exception:
+        return False
+    return True
+
+
+def announce(state: str) -> None:
+    """Tell the peers why this rank is about to go quiet (``failed in PHASE``, ``exited 0``), so its
+    silence is not taken for a stopped or dead process. A no-op without a heartbeat."""
+    if _PROCESS_HEARTBEAT is not None:
+        _PROCESS_HEARTBEAT.announce(state)
+
+
+def _read(store, key: str) -> str | None:
+    if not store.check([key]):
+        return None
+    return store.get(key).decode()
+
+
+def silent_ranks(ranks: Sequence[int], me: int, window_s: float = LIVENESS_WINDOW_S,
+                 store=None) -> tuple[dict[int, str], dict[int, str]]:
+    """Watch the heartbeats of ``ranks`` (global ranks, ``me`` skipped) for up to ``window_s``.
+
+    Returns ``(silent, announced)``: rank -> why it is silent (``"no heartbeat for 2.0 s"``,
+    ``"never started"``), and rank -> the state it announced (those are never called silent).
+    Returns early once every rank has beaten or announced."""
+    store = store or default_store()
+    if store is None:
+        return {}, {}
+    live = dist.PrefixStore(_ROOT, store)
+    others = [r for r in ranks if r != me]
+    first = {r: _read(live, f"hb{r}") for r in others}
+    pending = set(others)
+    announced: dict[int, str] = {}
+    t0 = time.monotonic()
+    while True:
+        for r in list(pending):
+            st = _read(live, f"st{r}")
+            if st is not None:
+                announced[r] = st
+                pending.discard(r)
+            elif first[r] is not None and _read(live, f"hb{r}") != first[r]:
+                pending.discard(r)
+        if not pending or time.monotonic() - t0 >= window_s:
+            break
+        time.sleep(HEARTBEAT_INTERVAL_S / 2)  # polling the peers' counters, on the failure path only
+    silent = {r: ("never started" if first[r] is None else f"no heartbeat for {window_s:.1f} s: stopped or dead")
+              for r in sorted(pending)}
+    return silent, announced
+
+
+class PhaseTracker:
+    """Phase progress and failure naming for one group of ranks (a Buffer's EP group, a replay).
+
+    prefix: store prefix of this group's progress records. rank: this rank's index in ``members``
+    (global ranks of the group, in EP order). timeout_s: the limit :meth:`run` waits for."""
+
+    def __init__(self, prefix: str, rank: int, members: Sequence[int], timeout_s: float):
+        self.rank = rank
+        self.members = list(members)
+        self.timeout_s = float(timeout_s)
+        self._timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.seq = 0
+        self.phase = "start"
+        store = default_store()
+        self._base = store
+        self._store = dist.PrefixStore(prefix, store) if store is not None else None
+        ensure_heartbeat(self.members[rank])
+
+    def mark(self, phase: str) -> None:
+        """Record that this rank enters collective number ``seq`` (phase) -- read when a peer fails."""
+        self.seq += 1
+        self.phase = phase
+        if self._store is not None:
+            try:
+                self._store.set(f"r{self.rank}", f"{self.seq}|{phase}")
+            except Exception:
+                self._store = None
+
+    def _progress(self, p: int) -> tuple[int, str] | None:
+        if self._store is None or not self._store.check([f"r{p}"]):
+            return None
+        seq, phase = self._store.get(f"r{p}").decode().split("|", 1)
+        return int(seq), phase
+
+    def suspects(self, peers: Sequence[int], focus: int | None = None) -> str:
+        """Who is at fault, in words. First liveness over every member: a peer whose heartbeat
+        stopped (stopped or dead) is named, with the last phase it entered. Failing that,
+        progress over ``peers`` (EP ranks): ``focus`` (the one peer of a failed message) alone when
+        it is behind, else every peer that had not reached this phase."""
+        if self._store is None:
+            return "peer unknown: no progress store"
+        try:
+            silent, announced = silent_ranks(self.members, self.members[self.rank], store=self._base)
+            if silent:
+                ep = {g: i for i, g in enumerate(self.members)}
+                parts = []
+                for g, why in silent.items():
+                    prog = self._progress(ep[g])
+                    last = f"; last entered {prog[1]}" if prog else ""
+                    parts.append(f"{ep[g]} ({why}{last})")
+                return f"silent peer rank{'s' if len(parts) > 1 else ''} {', '.join(parts)}"
+            behind, gone = [], []
+            for p in ([focus] if focus is not None else []) + [p for p in peers if p != focus]:
+                if p == self.rank:
+                    continue
+                prog = self._progress(p)
+                if prog is None:
+                    gone.append(p)
+                elif prog[0] < self.seq:
+                    behind.append(f"{p} (last entered {prog[1]})")
+                if p == focus and (behind or gone):
+                    break
+        except Exception:
+            return "peer unknown: progress store unreachable"
+        failed = [f"{i} ({st})" for i, g in enumerate(self.members) if (st := announced.get(g))]
+        tail = f"; peer{'s' if len(failed) > 1 else ''} {', '.join(failed)}" if failed else ""
+        if gone:
+            return f"peer rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} never started{tail}"
+        if behind:
+            return f"peer rank{'s' if len(behind) > 1 else ''} {', '.join(behind)} behind, alive{tail}"
+        return "every peer alive and at this phase" + tail
+
+    def run(self, phase: str, op: str, issue: Callable[[], Any], peers: Sequence[int] | None = None,
+            focus: int | None = None) -> Any:
+        """Issue a collective (``issue`` returns its async work, or None) and wait for it with the
+        timeout; on failure announce it, then raise :class:`CommError` naming ``phase``, ``op``,
+        this rank and the culprit. Returns the work's result (None)."""
+        peers = range(len(self.members)) if peers is None else peers
+        t0 = time.perf_counter()
+        try:
+            work = issue()
+            if work is not None:
+                work.wait(timeout=self._timeout)
+        except RuntimeError as e:
+            dt = time.perf_counter() - t0
+            text = gloo_text(e)
+            timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+            what = f"timed out after {self.timeout_s:.1f} s" if timed_out else f"failed after {dt:.1f} s"
+            announce(f"failed in {phase}")
+            raise CommError(f"{phase} {op} {what} on rank {self.rank} ({self.suspects(peers, focus)}): "
+                            f"{text[:240]}") from None
+
+    def collective(self, phase: str, op: str, issue: Callable[[], Any]) -> None:
+        """:meth:`mark` then :meth:`run` over every member: a named barrier or gather."""
+        self.mark(phase)
+        self.run(phase, op, issue)
+
+
+def gloo_text(e: BaseException) -> str:
+    """The first line of a gloo error without its source location and boilerplate advice."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(" This is typically", 1)[0].strip()
