@@ -127,3 +127,18 @@ def test_plan_costs_rows_with_a_model_file(tmp_path, capsys):
     b_file, b_default = out["file"]["bytes"], out["trace"]["bytes"]   # default shape: 1024 wide
     moved = [k for k in b_file if b_default[k]]
     assert moved and all(b_file[k] == 4 * b_default[k] for k in moved)
+
+
+def test_trace_gen_stores_a_model_file(tmp_path):
+    from moonep_sim.cli import main
+    f = tmp_path / "g.toml"
+    f.write_text("num_experts = 24\ntop_k = 3\nhidden = 512\nexpert_ffn = 256\ngroups = 4\ntopk_groups = 2\n")
+    out = tmp_path / "g.safetensors"
+    assert main(["trace", "gen", "--model", str(f), "--tokens", "256", "--seed", "0", "--maxvio", "0.5",
+                 "-o", str(out)]) == 0
+    tr = Trace(out)
+    assert tr.meta.model is None and tr.model() == resolve_model(str(f))
+    out2 = tmp_path / "p.safetensors"
+    assert main(["trace", "gen", "--model", "gpt-oss-20b", "--tokens", "256", "--seed", "0", "--uniform",
+                 "-o", str(out2)]) == 0
+    assert Trace(out2).meta.model == "gpt-oss-20b"

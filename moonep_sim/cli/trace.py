@@ -60,7 +60,8 @@ def register(sub) -> None:
     # -- gen
     pg = tsub.add_parser("gen", help="generate a synthetic trace (MoonEP's method and others)")
     shape = pg.add_argument_group("shape")
-    shape.add_argument("--model", help="model preset (sets E, K, and its expert groups)")
+    shape.add_argument("--model", help="model preset or .toml/.json model file (sets E, K, its expert groups; "
+                                       "stored with the trace)")
     shape.add_argument("--num-experts", type=int)
     shape.add_argument("--top-k", type=int)
     shape.add_argument("--tokens", required=True, type=_tokens, help="tokens per step (T or RANKSxT)")
@@ -170,7 +171,7 @@ def run_gen(a) -> int:
     groups, topk_groups = a.groups, a.topk_groups
     if a.model:
         if a.num_experts is not None or a.top_k is not None:
-            raise ConfigError("--model and --num-experts/--top-k must not be combined: the preset sets E and K")
+            raise ConfigError("--model and --num-experts/--top-k must not be combined: the model sets E and K")
         m = get_model(a.model)
         E, K = m.num_experts, m.top_k
         groups = m.n_groups if groups is None else groups
@@ -182,7 +183,7 @@ def run_gen(a) -> int:
     groups = groups or 1
     topk_groups = topk_groups or (groups if groups > 1 else 1)
     t0 = time.perf_counter()
-    rep = generate_trace(a.out, E, K, a.tokens, a.seed, model=a.model, layers=a.layers, steps=a.steps,
+    rep = generate_trace(a.out, E, K, a.tokens, a.seed, model=m if a.model else None, layers=a.layers, steps=a.steps,
                          maxvio=a.maxvio, sigma=a.sigma, zipf=a.zipf, hot=a.hot, hot_share=a.hot_share,
                          uniform=a.uniform, drift=a.drift, layer_variation=a.layer_variation,
                          groups=groups, topk_groups=topk_groups, with_logits=a.logits)

@@ -366,17 +366,25 @@ def generate_layer(num_experts: int, top_k: int, tokens: int, seed: int, **popul
     return generate(num_experts, top_k, tokens, seed, **popularity).layer(0)
 
 
-def generate_trace(path, num_experts: int, top_k: int, tokens: int, seed: int, *, model: str | None = None,
+def generate_trace(path, num_experts: int, top_k: int, tokens: int, seed: int, *, model=None,
                    **kwargs) -> dict[str, Any]:
-    """Generate (see :func:`generate`) and write a trace file atomically; returns the report."""
+    """Generate (see :func:`generate`) and write a trace file atomically; returns the report.
+
+    model: a preset name, a model file or a ModelSpec (``models.resolve_model``), stored with the
+    trace (a preset by name, any other shape as ``model_spec``)."""
     check_output_path(path, "-o")  # before the work
+    model_meta: dict[str, Any] = {}
+    if model is not None:
+        from moonep_sim.models import PRESETS, model_fields, resolve_model
+        m = resolve_model(model)
+        model_meta = {"model": m.name} if PRESETS.get(m.name) == m else {"model_spec": model_fields(m)}
     g = generate(num_experts, top_k, tokens, seed, **kwargs)
     L = g.topk_ids_LTK.shape[0]
     steps = int(kwargs.get("steps", 1))
     desc = ", ".join(f"{k}={v}" for k, v in g.report["params"].items()) or g.report["popularity"]
     meta = TraceMeta(
         kind="tokens", num_experts=num_experts, top_k=top_k, layer_ids=list(range(L)),
-        num_tokens=int(g.topk_ids_LTK.shape[1]), model=model,
+        num_tokens=int(g.topk_ids_LTK.shape[1]), **model_meta,
         steps=f"{steps} step(s) of {tokens} tokens each (step tensor)",
         source=f"synthetic: moonep-sim trace gen ({desc}, seed={seed})",
         attribution="synthetic (moonep-sim)",
