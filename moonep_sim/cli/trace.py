@@ -50,6 +50,9 @@ def register(sub) -> None:
     pi.add_argument("--capture-min-rows", type=int, default=8,
                     help="shortest power-of-two step of one identical expert set dropped as a graph-capture "
                          "block (0: keep them)")
+    pi.add_argument("--dominant-share", type=float, default=0.3,
+                    help="warn when one expert set holds more than this share of a layer's kept rows "
+                         "(at least 4x a uniform set's share)")
     pi.add_argument("--json", action="store_true", help="print the import report as JSON")
     pi.set_defaults(func=run_import)
 
@@ -125,7 +128,7 @@ def run_import(a) -> int:
     t0 = time.perf_counter()
     meta = import_trace(a.src, a.out, a.format, model=a.model, num_experts=a.num_experts, top_k=a.top_k,
                         warmup_min_rows=a.warmup_min_rows, capture_min_rows=a.capture_min_rows,
-                        steps_from=a.steps_from)
+                        steps_from=a.steps_from, dominant_share=a.dominant_share)
     out = {"out": a.out, "kind": meta.kind, "layers": meta.num_layers, "tokens": meta.num_tokens,
            "num_experts": meta.num_experts, "top_k": meta.top_k, "steps": meta.steps,
            "import_report": meta.import_report, "seconds": round(time.perf_counter() - t0, 3)}

@@ -1,6 +1,8 @@
 """Importers: routing recorded elsewhere -> a moonep-sim trace (see ``routing/trace.py``).
 
-Each source format is one module of this package registering itself (``registry.register``): a
+Each source format is one module of this package registering itself (``registry.register``; every
+module here other than ``registry``, ``common`` and ``records`` is imported, so a new format is one
+new file): a
 name, a sniffing function, a loader, and the sentences the docs' format table is generated from
 (``formats_markdown``; the record logs' field names: ``fields_markdown``). ``detect_format`` asks
 the sniffers in priority order; ``load_source`` parses without writing; ``import_trace`` writes the
@@ -16,13 +18,22 @@ import json
 import os
 from pathlib import Path
 
+import importlib
+import pkgutil
+
 from moonep_sim.errors import TraceFormatError
 from moonep_sim.io import check_output_path
-from moonep_sim.routing.importers import counts_json, jsonl_records, npy, vllm_routes  # noqa: F401 (register)
 from moonep_sim.routing.importers.common import (FIELDS, STEPS_FROM, ImportOptions, Imported, err,
                                                  fields_markdown, model_of)
 from moonep_sim.routing.importers.registry import IMPORTERS, Importer, Sniff, by_priority, formats, formats_markdown
 from moonep_sim.routing.trace import TraceMeta, write_trace
+
+# Every module of this package other than the shared machinery is a format: importing it registers it,
+# so adding a format is adding one file.
+_MACHINERY = {"registry", "common", "records"}
+for _m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+    if _m.name not in _MACHINERY and not _m.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_m.name}")
 
 FORMATS = formats()
 
@@ -86,7 +97,7 @@ def load_source(src: str | os.PathLike, format: str = "auto", *, model=None, num
         if not isinstance(v, int) or v < 0:
             raise TraceFormatError(f"{name} ({v!r}) must be an integer >= 0 (0 disables the detection)")
     if not 0 < dominant_share <= 1:
-        raise TraceFormatError(f"dominant_share ({dominant_share!r}) must be in (0, 1]")
+        raise TraceFormatError(f"--dominant-share ({dominant_share!r}) must be in (0, 1]")
     opts = ImportOptions(model=model, num_experts=num_experts, top_k=top_k, warmup_min_rows=warmup_min_rows,
                          capture_min_rows=capture_min_rows, steps_from=steps_from, dominant_share=dominant_share)
     model_of(opts)     # a bad --model fails before the file is parsed

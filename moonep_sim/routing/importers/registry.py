@@ -2,8 +2,8 @@
 loader; ``detect_format`` asks each sniffer in priority order, and the docs' format table is
 generated from the registrations (``formats_markdown``).
 
-Adding a format is one new module in this package that calls :func:`register` (and one import line
-in ``__init__``).
+Adding a format is one new module in this package that calls :func:`register` (the package imports
+every module it holds).
 """
 
 from __future__ import annotations
