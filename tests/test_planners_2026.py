@@ -146,7 +146,7 @@ def test_costaware_approaches_exact_balance_under_heavy_skew():
     rng = np.random.default_rng(0)
     c = (rng.lognormal(0, 2.5, 64) * 500).astype(np.int64) + 10
     r = routing_from_counts(c, 16)
-    p = make_plan("costaware", r, ctx_for(64, 16, 8, CHEAP))  # copies nearly free: balance pays
+    p = make_plan("costaware", r, ctx_for(64, 16, 16, CHEAP))  # one node, copies nearly free: balance pays
     assert validate(p) == []
     rows = p.real_rows_R()
     native = c.reshape(16, 4).sum(axis=1)
@@ -223,8 +223,9 @@ def test_costaware_prices_with_the_topology_rates():
     # slower weight copies make the same skew buy fewer copies
     rng = np.random.default_rng(5)
     c = (rng.lognormal(0, 2.0, 64) * 3000).astype(np.int64)
-    fast = CostModel(Rates.of(None), 8, 66e6, 132e6, 14336, 0.0, False)
-    slow = CostModel(Rates(141e3, 45e3, 1e3, 1e3, 593e6, 2.68e6, "slow copies"), 8, 66e6, 132e6, 14336, 0.0, False)
+    fast = CostModel(Rates.of(None), 8, 66e6, 132e6, 7168, 7168, 0.0, 0.0, False)
+    slow = CostModel(Rates(141e3, 45e3, 1e3, 1e3, 593e6, 2.68e6, "slow copies"), 8, 66e6, 132e6, 7168, 7168, 0.0, 0.0,
+                     False)
     a_fast, _ = costaware_assign(c, 16, 8, fast)
     a_slow, _ = costaware_assign(c, 16, 8, slow)
     home = np.arange(64) // 4

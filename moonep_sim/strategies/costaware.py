@@ -18,16 +18,20 @@ Cost model (estimates in us; the simulator then times the Plan itself)
 - Expert compute of a slot with x rows: ``max(x * W / F, W / M)`` (forward FLOPs per row equal
   the bf16 weight bytes: 2 FLOPs per weight element per row; an active slot reads its weights
   once). Training adds the backward: twice the FLOPs, weights read again.
-- NVLink rows: each row a rank computes arrives over NVLink and its output returns over NVLink,
-  ``(G-1)/G`` of them from other GPUs: ``rows * (dispatch_row + combine_row) * (G-1)/G / nvlink``.
-- A rank's estimate is the sum of both; the layer's is the largest rank's plus the copies' cost.
+- NVLink rows, ``(G-1)/G`` of a rank's rows from or to other GPUs, at the NVLink rate capped by
+  the kernels' SMs (``sms``). Across nodes the relayed kernel forwards the dispatch over NVLink
+  while it crosses the network (the network hop ``H``, estimated from the node shares of the
+  entries), so after that hop a rank's path is its compute plus its outputs over NVLink to the
+  relays; the network then carries every rank's outputs, so the layer cannot end before the mean
+  rank's compute plus the combine's network hop (a floor no balancing lowers: mild imbalance
+  hides under it). On one node both the dispatch and the combine rows cross NVLink.
 - A copy of W bytes over NVLink (same node) or the NIC (other node) occupies the home's out-port
-  and the receiver's in-port. In forward the weights are sent at planning end: NVLink ports are
-  idle while the tokens cross the network (multi-node), so NVLink copies up to that window
-  (``H``, the estimated network hop of the dispatch) cost nothing; NIC copies share the NIC with
-  that hop and cost their full time. A receiver's estimate grows by its own incoming copy time
-  beyond the window; the layer's by the busiest home's outgoing copy time beyond it. Training
-  adds each copy's fp32 gradient (``grad_bytes``) on the reverse path, with no window.
+  and the receiver's in-port (at the topology's weight-copy rates). Weights are sent at planning
+  end: a rank's NVLink port is free for them during the network hop for the part its own token
+  rows leave; NIC copies share the NIC with that hop and cost their full time. A receiver's
+  estimate grows by its incoming copy time beyond its window; the layer's by the busiest home's
+  outgoing copy time beyond it. Training adds each copy's fp32 gradient (``grad_bytes``) on the
+  reverse path, with no window.
 
 Planner
 -------
@@ -62,6 +66,7 @@ from typing import Any
 import numpy as np
 
 from moonep_sim.plan import GlobalRouting, Plan, Scope, plan_from_routes
+from moonep_sim.plan.kernel import KernelSpec
 from moonep_sim.strategies import Option, PlanContext, register
 from moonep_sim.strategies.llep import plan_from_alloc, require_home_groups
 from moonep_sim.strategies.moonep import capacity_split, copy_slots, entry_slots, greedy_quotas, split_quotas
@@ -88,14 +93,18 @@ class Rates:
     source: str
 
     @classmethod
-    def of(cls, topology: Any) -> "Rates":
-        """Rates from a topology object (duck-typed), or the defaults (``h800-cx7``'s constants)."""
+    def of(cls, topology: Any, sms: int = 0) -> "Rates":
+        """Rates from a topology object (duck-typed), or the defaults (``h800-cx7``'s constants).
+        ``sms``: the kernels' SM budget (0 = none, -1 = all): token rows over NVLink are capped by
+        what that many SMs copy (the topology's ``sm_bytes_per_us``), as the simulator caps them."""
         if topology is None:
             return cls(160.0 * 0.88e3, 50.0 * 0.9e3, 160.0 * 0.88e3, 50.0 * 0.9e3, 989.0 * 0.6e6, 3350.0 * 0.8e3,
                        "defaults (h800-cx7 constants; no topology in the plan context)")
         t = topology
         nv = float(t.nvlink_bandwidth_GBps) * float(t.nvlink_efficiency) * 1e3
         nic = float(t.nic_bandwidth_GBps) * float(t.nic_efficiency) * 1e3
+        if sms and hasattr(t, "sm_bytes_per_us") and int(getattr(t, "sm_count", 0)) > 0:
+            nv = min(nv, float(t.sm_bytes_per_us(int(t.sm_count) if sms < 0 else int(sms))))
         # the weight-copy rates of a topology that models them (its ``weights_*`` terms: the
         # engine's achieved fraction of each link, an SM kernel's cap), else the links' rates
         w_nv = _rate(t, "weights_nvlink_bytes_per_us") or _rate_GBps(t, ("weight_copy_nvlink_GBps",)) or nv
@@ -125,28 +134,49 @@ def _rate_GBps(t: Any, names: tuple[str, ...]) -> float:
 
 @dataclass(frozen=True)
 class CostModel:
-    """The estimates of the module doc for one layer (all times in us)."""
+    """The estimates of the module doc for one layer (all times in us).
+
+    window_us: the dispatch's network hop (0 on one node); combine_window_us: the combine's.
+    Across nodes the relayed kernel forwards rows over NVLink while they cross the network, so
+    after compute a rank still sends its own rows' outputs over NVLink to the relays, while the
+    network carries everyone's: the layer ends at the later of the straggler's compute plus its
+    NVLink combine, and the mean rank's compute plus the combine's network hop (a floor no
+    balancing lowers). On one node every row crosses NVLink before and after compute.
+    """
 
     rates: Rates
     gpus_per_node: int
     weight_bytes: float
     grad_bytes: float
-    row_bytes: float          # dispatch + combine bytes of one row
-    window_us: float          # forward: NVLink idle while tokens cross the network
+    dispatch_row_bytes: float
+    combine_row_bytes: float
+    window_us: float
+    combine_window_us: float
     training: bool
 
-    def rank_us(self, alloc_ER: np.ndarray) -> np.ndarray:
-        """float64 [R]: compute plus NVLink rows of each rank for an allocation."""
-        r = self.rates
-        W = self.weight_bytes
+    def _comp_us(self, alloc_ER: np.ndarray) -> np.ndarray:
+        r, W = self.rates, self.weight_bytes
         x = alloc_ER.astype(np.float64)
-        active = x > 0
         f = 3.0 if self.training else 1.0  # backward: twice the forward FLOPs
         m = 2.0 if self.training else 1.0  # backward reads the weights again
-        comp = np.maximum(x * (f * W / r.flops), active * (m * W / r.mem)).sum(axis=0)
+        return np.maximum(x * (f * W / r.flops), (x > 0) * (m * W / r.mem)).sum(axis=0)
+
+    def _nv_us(self, alloc_ER: np.ndarray, row_bytes: float) -> np.ndarray:
         G = self.gpus_per_node
-        nv = x.sum(axis=0) * self.row_bytes * ((G - 1) / G) / r.nvlink
-        return comp + nv * (2.0 if self.training else 1.0)
+        return alloc_ER.sum(axis=0).astype(np.float64) * row_bytes * ((G - 1) / G) / self.rates.nvlink
+
+    def rank_us(self, alloc_ER: np.ndarray) -> np.ndarray:
+        """float64 [R]: each rank's compute plus the NVLink rows on its critical path."""
+        b = 2.0 if self.training else 1.0  # backward moves the same rows again
+        nv = self._nv_us(alloc_ER, self.combine_row_bytes)
+        if self.window_us <= 0:  # one node: the dispatch's NVLink rows too
+            nv = nv + self._nv_us(alloc_ER, self.dispatch_row_bytes)
+        return self._comp_us(alloc_ER) + b * nv
+
+    def floor_us(self, alloc_ER: np.ndarray) -> float:
+        """What no balancing lowers: the mean rank's compute plus the combine's network hop."""
+        b = 2.0 if self.training else 1.0
+        return float(self._comp_us(alloc_ER).mean()) + b * self.combine_window_us
 
     def copy_us(self, alloc_ER: np.ndarray, epn: int) -> tuple[np.ndarray, float]:
         """Per rank the incoming copy time beyond the window (float64 [R]) and the busiest home's
@@ -166,7 +196,9 @@ class CostModel:
         in_nic = np.bincount(cd[cross], weights=t_w[cross], minlength=R)
         out_nv = np.bincount(ch[~cross], weights=t_w[~cross], minlength=R)
         out_nic = np.bincount(ch[cross], weights=t_w[cross], minlength=R)
-        w = self.window_us
+        # the relayed kernel forwards tokens over NVLink while they cross the network: a rank's NVLink
+        # port is free for weights only for the part of the window its own token rows leave
+        w = np.maximum(self.window_us - self._nv_us(alloc_ER, self.dispatch_row_bytes), 0.0)
         per_in = np.maximum(in_nv - w, 0.0) + in_nic
         out = float(np.max(np.maximum(out_nv - w, 0.0) + out_nic)) if R else 0.0
         if self.training and ce.size:  # fp32 gradients back home, after the backward compute
@@ -177,8 +209,9 @@ class CostModel:
         return per_in, out
 
     def estimate_us(self, alloc_ER: np.ndarray, epn: int) -> float:
+        """The layer's estimate after the dispatch's network hop (the part balancing can change)."""
         per_in, out = self.copy_us(alloc_ER, epn)
-        return float(np.max(self.rank_us(alloc_ER) + per_in)) + out
+        return max(float(np.max(self.rank_us(alloc_ER) + per_in)), self.floor_us(alloc_ER)) + out
 
 
 def network_window_us(counts_E: np.ndarray, tokens_per_rank_R: np.ndarray, top_k: int, gpus_per_node: int,
@@ -299,7 +332,10 @@ def _why(info: dict, residual: float) -> str:
 
 @register("costaware", summary="ours: node-dedup two-hop transport plus expert copies only where they pay "
                                "(priced with the topology's NVLink/NIC/GPU rates)",
-          options={"mode": Option(str, "forward", "price the forward (prefetch) or training (also the fp32 "
+          options={"sms": Option(int, -2, "SMs its kernels use: -2 = DeepEP's 24 across nodes and MoonEP's 32 on "
+                                          "one node; 0 = no SM cap, -1 = all",
+                                 check=lambda v: v >= -2, constraint="must be >= -2 (-2 = auto, -1 = all SMs)"),
+                   "mode": Option(str, "forward", "price the forward (prefetch) or training (also the fp32 "
                                                   "gradient reduce and backward compute): forward | training",
                                   choices=MODES),
                    "min_gain": Option(float, 0.01, "relative estimated gain a plan with copies must show over none",
@@ -307,15 +343,19 @@ def _why(info: dict, residual: float) -> str:
                    "grid": Option(int, 24, "targets tried between the mean and the largest home load",
                                   check=lambda v: v >= 1, constraint="must be >= 1 (targets tried)"),
                    "cross_node": Option(bool, True, "allow copies to other nodes when they still pay")})
-def plan(routing: GlobalRouting, ctx: PlanContext, *, mode: str, min_gain: float, grid: int, cross_node: bool) -> Plan:
+def plan(routing: GlobalRouting, ctx: PlanContext, *, sms: int, mode: str, min_gain: float, grid: int,
+         cross_node: bool) -> Plan:
     epn = require_home_groups(routing, ctx, "costaware")
     R, G = ctx.cluster.ranks, ctx.cluster.gpus_per_node
-    rates = Rates.of(ctx.topology)
+    one_node = ctx.cluster.num_nodes == 1
+    sms_used = sms if sms != -2 else (32 if one_node else 24)
+    rates = Rates.of(ctx.topology, sms_used)
     c = ctx.costs
     counts = routing.counts_E()
     window = network_window_us(counts, routing.tokens_per_rank_R, routing.top_k, G, R, c.dispatch_row_bytes, rates.nic)
-    model = CostModel(rates, G, float(c.weight_bytes), float(c.grad_bytes),
-                      float(c.dispatch_row_bytes + c.combine_row_bytes), 0.8 * window, mode == "training")
+    comb_window = window * c.combine_row_bytes / max(c.dispatch_row_bytes, 1)
+    model = CostModel(rates, G, float(c.weight_bytes), float(c.grad_bytes), float(c.dispatch_row_bytes),
+                      float(c.combine_row_bytes), window, comb_window, mode == "training")
     alloc, info = costaware_assign(counts, R, G, model, grid, min_gain, cross_node)
     slot_rank, slot_expert, slot_home = copy_slots(alloc, epn)
     rows = alloc.sum(axis=0)
@@ -328,13 +368,14 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, mode: str, min_gain: float
             "estimate_no_copy_us": round(info["estimate_no_copy_us"], 1),
             "estimate_exact_us": round(info["estimate_exact_us"], 1), "network_window_us": round(window, 1),
             "why": _why(info, residual)}
-    if ctx.cluster.num_nodes == 1:  # one node: no network hop to dedup, one NVLink hop (moonep's transport)
-        return plan_from_alloc(routing, ctx, alloc, epn, True, options=opts)
+    opts["sms_used"] = sms_used
+    if one_node:  # no network hop to dedup: one NVLink hop, MoonEP's transport and kernel
+        return plan_from_alloc(routing, ctx, alloc, epn, True, options=opts, kernel=KernelSpec(sms=sms_used))
     ids = routing.topk_ids_TK
     entry_slot = entry_slots(ids.ravel(), alloc, slot_rank, slot_expert).reshape(ids.shape)
     rank = np.arange(R, dtype=np.int64)
     via_RR = (rank[None, :] // G) * G + rank[:, None] % G  # deepep's route: d's node, s's local index
+    # DeepEP's kernel: the relay (same local index on the destination node) forwards rows as they arrive
     return plan_from_routes(routing, ctx.cluster, c, slot_rank, slot_expert, slot_home, entry_slot, [via_RR],
                             (Scope.INTER_NODE, Scope.INTRA_NODE), (True, True), token_padding=ctx.token_padding,
-                            via_table=True, options=opts)
-
+                            via_table=True, options=opts, kernel=KernelSpec(sms=sms_used, relay=True))
