@@ -82,7 +82,9 @@ def test_torchrun_command_and_env():
     spec = TestbedSpec(nodes=2, rate_bps=10**9, tag=77)
     launch = LaunchSpec(4, module_args=("--trace", "t.safetensors", "--json", "/tmp/o.json"), master_port=29600)
     cmd = torchrun_command(spec, launch, 1)
-    assert cmd[:5] == ["ip", "netns", "exec", "msim77n1", sys.executable]
+    # inside the node's network namespace, as a job in its own PID namespace (it dies with the testbed)
+    assert cmd[:9] == ["ip", "netns", "exec", "msim77n1", "unshare", "--pid", "--fork", "--kill-child=SIGKILL",
+                       sys.executable]
     i = cmd.index("torch.distributed.run")
     opts = dict(zip(cmd[i + 1::2], cmd[i + 2::2]))
     assert opts["--nnodes"] == "2" and opts["--node-rank"] == "1" and opts["--nproc-per-node"] == "4"

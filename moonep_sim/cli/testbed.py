@@ -72,7 +72,7 @@ def register(sub) -> None:
     a.add_argument("--markdown", default=None)
     a.set_defaults(func=_agree)
 
-    c = s.add_parser("cleanup", help="remove testbed namespaces left by a killed run")
+    c = s.add_parser("cleanup", help="remove testbed namespaces and temporary folders left by a killed run")
     c.add_argument("--all", action="store_true", help="also those of testbeds whose process still runs")
     c.set_defaults(func=_cleanup)
     p.set_defaults(func=lambda args: (p.print_help(), 0)[1])
@@ -87,15 +87,19 @@ def _spec(args):
 
 def _run(args) -> int:
     from moonep_sim.testbed.netns import check_host
-    from moonep_sim.testbed.run import LaunchSpec, run_testbed
 
     _check_outputs(args, "json", "topology_out")
     check_host()
     spec = _spec(args)
     require(Path(args.trace).is_file(), f"--trace ({args.trace}) must be an existing trace file")
     import tempfile
-    tmp = tempfile.mkdtemp(prefix=f"{spec.prefix}-replay-")
-    out = str(Path(tmp) / "replay.json")
+    with tempfile.TemporaryDirectory(prefix=f"{spec.prefix}-replay-") as tmp:  # removed after the run
+        return _run_in(args, spec, str(Path(tmp) / "replay.json"))
+
+
+def _run_in(args, spec, out: str) -> int:
+    from moonep_sim.testbed.run import LaunchSpec, run_testbed
+
     rargs = ["--trace", str(Path(args.trace).resolve()), "--strategy", args.strategy, "--hidden", str(args.hidden),
              "--ffn", str(args.ffn), "--iters", str(args.iters), "--gpus-per-node", str(args.gpus_per_node),
              "--quiet", "--json", out]
@@ -174,7 +178,9 @@ def _agree(args) -> int:
 
 
 def _cleanup(args) -> int:
-    from moonep_sim.testbed.netns import cleanup
+    from moonep_sim.testbed.netns import cleanup, cleanup_folders
     removed = cleanup(all_tags=args.all)
-    print(f"removed {len(removed)} namespace(s)" + (f": {', '.join(removed)}" if removed else ""))
+    folders = cleanup_folders(all_tags=args.all)
+    print(f"removed {len(removed)} namespace(s)" + (f": {', '.join(removed)}" if removed else "")
+          + f"; {len(folders)} temporary folder(s)" + (f": {', '.join(folders)}" if folders else ""))
     return 0

@@ -107,7 +107,7 @@ def run_replay(nproc: int, argv: Sequence[str], timeout_s: float = 600.0, *, env
     """
     if nproc < 1:
         raise ConfigError(f"nproc ({nproc}) must be >= 1")
-    with tempfile.TemporaryDirectory(prefix="moonep_replay_") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"msim{os.getpid()}-replay-") as tmp:
         out = Path(tmp) / "replay.json"
         store, port = loopback_store(nproc, timeout_s)
         procs, logs = [], []
@@ -229,7 +229,7 @@ def spawn_ranks(target: str, world: int, kwargs: dict[str, Any] | None = None, *
     # the rendezvous store lives in this process (as torchrun's agent hosts it), so it outlives
     # any rank: survivors can still read the progress and heartbeat of a rank that died
     store, port = loopback_store(world, timeout_s)
-    with tempfile.TemporaryDirectory(prefix="moonep_spawn_") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"msim{os.getpid()}-spawn-") as tmp:
         procs = []
         logs = []
         for r in range(world):

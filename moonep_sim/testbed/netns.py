@@ -32,8 +32,10 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping, Sequence
 
 from moonep_sim.errors import CommError, require
@@ -185,6 +187,24 @@ def check_host() -> None:
                                "and tc qdiscs needs CAP_NET_ADMIN (try sudo)")
 
 
+# a node's job runs in its own PID namespace: when its first process (the job's root) dies, the
+# kernel kills every process of the namespace; ``--kill-child`` kills that root when ``unshare``
+# dies, and ``die_with_parent`` kills ``unshare`` when the testbed process dies (even by SIGKILL)
+JOB_PREFIX = ("unshare", "--pid", "--fork", "--kill-child=SIGKILL")
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for a job's process: SIGKILL it when the process that started it dies."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def _run(cmd: Sequence[str], timeout_s: float = 30.0) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout_s)
@@ -255,9 +275,35 @@ def delete_namespaces(namespaces: Sequence[str]) -> list[str]:
     return failed
 
 
+_FOLDER_RE = re.compile(rf"^{PROJECT_PREFIX}(\d+)-")
+
+
+def project_folders(tag: int | None = None) -> list[Path]:
+    """Temporary folders of testbed runs (``<tmp>/msim<tag>-*``: logs, replay outputs)."""
+    root = Path(tempfile.gettempdir())
+    out = []
+    for p in root.iterdir():
+        m = _FOLDER_RE.match(p.name)
+        if m and p.is_dir() and not p.is_symlink() and (tag is None or int(m.group(1)) == tag):
+            out.append(p)
+    return sorted(out)
+
+
+def cleanup_folders(all_tags: bool = False, tag: int | None = None) -> list[str]:
+    """Remove testbed runs' temporary folders: those of ``tag``; else those whose owner process is
+    gone (or every testbed's with ``all_tags``). Returns the folders removed."""
+    found = project_folders(tag)
+    if tag is None and not all_tags:
+        found = [p for p in found if not _pid_alive(int(_FOLDER_RE.match(p.name).group(1)))]
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+    return [str(p) for p in found if not p.exists()]
+
+
 def cleanup(all_tags: bool = False, tag: int | None = None) -> list[str]:
     """Remove leftover testbed namespaces: those of ``tag``; else those whose owner process is gone
-    (or every testbed's with ``all_tags``). Returns the namespaces removed."""
+    (or every testbed's with ``all_tags``). Returns the namespaces removed. (Folders:
+    :func:`cleanup_folders`.)"""
     check_host()
     found = project_namespaces(tag)
     if tag is None and not all_tags:
@@ -281,8 +327,9 @@ class Testbed:
         self._up = False
 
     def exec_prefix(self, node: int) -> list[str]:
-        """Prefix a command with this to run it inside node ``node``'s namespace."""
-        return ["ip", "netns", "exec", self.spec.ns(node)]
+        """Prefix a command with this to run it inside node ``node``'s namespace, as a job in its
+        own PID namespace (start it with ``preexec_fn=die_with_parent`` so it dies with this process)."""
+        return ["ip", "netns", "exec", self.spec.ns(node), *JOB_PREFIX]
 
     def up(self) -> "Testbed":
         check_host()

@@ -15,7 +15,10 @@ what the simulator's topology assumes (with ``c10d`` node ranks follow arrival o
 Teardown is unconditional: ``try/finally`` around the run, SIGTERM/SIGHUP turned into an exit that
 runs the ``finally`` (Ctrl-C already raises), every ``torchrun`` in its own process group (killed
 as a group), and finally every process still inside the namespaces is killed before they are
-deleted. ``moonep-sim testbed cleanup`` removes what a killed (SIGKILL) run left behind.
+deleted. A run killed outright (SIGKILL) cannot tear down, but its jobs still die with it: each
+node's job runs in its own PID namespace whose root is killed when the testbed process dies
+(``unshare --pid --kill-child`` under a parent-death signal), and the kernel then kills the rest.
+``moonep-sim testbed cleanup`` removes the namespaces and temporary folders such a run left.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from moonep_sim.errors import CommError, require
-from moonep_sim.testbed.netns import NODE_IFNAME, Testbed, TestbedSpec
+from moonep_sim.testbed.netns import JOB_PREFIX, NODE_IFNAME, Testbed, TestbedSpec, die_with_parent
 
 REPLAY_MODULE = "moonep_sim.gloo.replay"
 PROBE_MODULE = "moonep_sim.testbed.probe"
@@ -64,7 +67,7 @@ class LaunchSpec:
 def torchrun_command(tb: TestbedSpec, launch: LaunchSpec, node: int) -> list[str]:
     """The command that starts node ``node``'s ranks inside its namespace (pure)."""
     require(0 <= node < tb.nodes, f"node ({node}) must be in [0, {tb.nodes})")
-    return ["ip", "netns", "exec", tb.ns(node), launch.python, "-m", "torch.distributed.run",
+    return ["ip", "netns", "exec", tb.ns(node), *JOB_PREFIX, launch.python, "-m", "torch.distributed.run",
             "--nnodes", str(tb.nodes), "--node-rank", str(node), "--nproc-per-node", str(launch.gpus_per_node),
             "--master-addr", tb.ip(0), "--master-port", str(launch.master_port),
             "--max-restarts", "0", "--monitor-interval", "0.2",
@@ -148,7 +151,7 @@ def launch_nodes(tb: Testbed, launch: LaunchSpec, log_dir: Path) -> float:
             with open(log, "wb") as fh:
                 procs.append(subprocess.Popen(torchrun_command(tb.spec, launch, i), env=env, stdout=fh,
                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                              start_new_session=True))
+                                              start_new_session=True, preexec_fn=die_with_parent))
         deadline = t0 + launch.timeout_s
         while True:
             codes = [p.poll() for p in procs]
@@ -181,7 +184,8 @@ def measure_tcp(tb: Testbed, src: int, dst: int, nbytes: int = 8 << 20, port: in
     spec = tb.spec
     py = [sys.executable, "-m", PROBE_MODULE]
     sink = subprocess.Popen(tb.exec_prefix(dst) + py + ["tcp-sink", "--bind", spec.ip(dst), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=die_with_parent)
     try:
         line = sink.stdout.readline().strip()  # the sink prints 'ready' once listening, or exits
         if line != "ready":
@@ -189,7 +193,7 @@ def measure_tcp(tb: Testbed, src: int, dst: int, nbytes: int = 8 << 20, port: in
             raise CommError(f"tcp probe sink on node {dst} must start: {sink.stderr.read().strip()[-300:]}")
         snd = subprocess.run(tb.exec_prefix(src) + py + ["tcp-send", "--to", spec.ip(dst), "--port", str(port),
                                                          "--bytes", str(nbytes), "--pings", str(pings)],
-                             capture_output=True, text=True, timeout=timeout_s)
+                             capture_output=True, text=True, timeout=timeout_s, preexec_fn=die_with_parent)
         require(snd.returncode == 0, f"tcp probe from node {src} to node {dst} must succeed: "
                                      f"{snd.stderr.strip()[-300:]}", CommError)
         out, _err = sink.communicate(timeout=timeout_s)
