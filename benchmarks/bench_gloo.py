@@ -71,15 +71,17 @@ def overhead_worker(rank, world, hidden, tokens, experts, top_k, iters):
     import torch.distributed as dist
 
     from moonep_sim.gloo.buffer import Buffer
+    from moonep_sim.strategies import PlanContext, planner
 
     T = tokens * world
+    a2a = planner("alltoall", PlanContext.default(experts, world))
     ids_all = (np.arange(T)[:, None] * top_k + np.arange(top_k)[None, :]) % experts  # perfectly balanced
     ids = torch.from_numpy(ids_all[rank * tokens:(rank + 1) * tokens].copy())
     w = torch.full((tokens, top_k), 1.0 / top_k)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(rank))
-    buf = Buffer(capacity=tokens, hidden=hidden, top_k=top_k, num_experts=experts, strategy="alltoall",
+    buf = Buffer(capacity=tokens, hidden=hidden, top_k=top_k, num_experts=experts, planner=a2a,
                  timeout_s=120, validate_plans=False)
-    buf_a2a = Buffer(capacity=tokens, hidden=hidden, top_k=top_k, num_experts=experts, strategy="alltoall",
+    buf_a2a = Buffer(capacity=tokens, hidden=hidden, top_k=top_k, num_experts=experts, planner=a2a,
                      timeout_s=120, validate_plans=False, direct="off")
     h = buf.dispatch(x, ids, w)[3]
     h_a2a = buf_a2a.dispatch(x, ids, w)[3]
@@ -87,7 +89,7 @@ def overhead_worker(rank, world, hidden, tokens, experts, top_k, iters):
     send = torch.randn(sum(hop.send_splits), hidden)
     recv = torch.empty(sum(hop.recv_splits), hidden)
     back = torch.empty_like(send)
-    group = buf._groups["global"]
+    group = buf.comm.scopes["global"]
     tok_out = torch.empty(tokens, hidden)
 
     def full():
@@ -148,15 +150,17 @@ def imbalance_worker(rank, world, hidden, ffn, tokens, experts, top_k, maxvios, 
     from moonep_sim.gloo.moe import expert_forward, init_experts
     from moonep_sim.routing.generators import generate_layer
     from moonep_sim.routing.metrics import maxvio as maxvio_of
-    from moonep_sim.strategies import available
+    from moonep_sim.plan import RowCosts
+    from moonep_sim.strategies import PlanContext, available, planner
 
     T = tokens * world
     full_w = init_experts(experts, hidden, ffn, seed)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(rank))
     out = {}
     names = list(available())
-    bufs = {n: Buffer(capacity=tokens, hidden=hidden, top_k=top_k, num_experts=experts, strategy=n,
-                      timeout_s=120, validate_plans=False, expert_ffn=ffn) for n in names}
+    ctx = PlanContext.default(experts, world, 0, RowCosts.for_rows(hidden, 4, ffn))
+    bufs = {n: Buffer(capacity=tokens, hidden=hidden, top_k=top_k, num_experts=experts, planner=planner(n, ctx),
+                      timeout_s=120, validate_plans=False) for n in names}
     for mv in maxvios:
         lr = generate_layer(experts, top_k, T, seed, maxvio=mv)
         real_mv = float(maxvio_of(lr.counts_E()))
@@ -165,7 +169,7 @@ def imbalance_worker(rank, world, hidden, ffn, tokens, experts, top_k, maxvios, 
         layers, info = {}, {}
         for n in names:
             buf = bufs[n]
-            home = torch.from_numpy(np.flatnonzero(buf.ctx.placement.home_E == rank))
+            home = torch.from_numpy(np.flatnonzero(buf.home_E == rank))
             params = [p[home] for p in full_w]
 
             def layer(buf=buf, params=params, n=n):

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from moonep_sim.errors import ConfigError, PlanError
 from moonep_sim.gloo.handle import build_handle, direct_index, emulate_combine, emulate_dispatch
 from moonep_sim.gloo.launcher import free_port, spawn_ranks
-from moonep_sim.plan import GlobalRouting, Hop, plan_from_slots, validate
-from moonep_sim.strategies import PlanContext, available, make_plan
+from moonep_sim.plan import GlobalRouting, Hop, RowCosts, plan_from_slots, validate
+from moonep_sim.strategies import PlanContext, available, make_plan, planner
 
 HERE = str(Path(__file__).resolve().parent)
 E, K, H, G = 8, 3, 4, 2
@@ -233,8 +233,9 @@ def movement_worker(rank, world, T, seed, direct="off"):
     off = routing.tok_off_R()
     lo, hi = int(off[rank]), int(off[rank + 1])
     x = np.stack([np.arange(T), routing.src_rank_T(), 1000 + np.arange(T), -np.arange(T)], 1).astype(np.float64)
+    ctx = PlanContext.default(E, world, G, RowCosts.for_rows(H, 8, 3))
     buf = Buffer(capacity=int(routing.tokens_per_rank_R.max()), hidden=H, top_k=K, num_experts=E,
-                 strategy="alltoall", gpus_per_node=G, timeout_s=30, dispatch_dtype=torch.float64, expert_ffn=3,
+                 planner=planner("alltoall", ctx), gpus_per_node=G, timeout_s=30, dispatch_dtype=torch.float64,
                  direct=direct)
     ids = torch.from_numpy(routing.topk_ids_TK[lo:hi])
     w = torch.from_numpy(routing.topk_weights_TK[lo:hi])
@@ -246,10 +247,10 @@ def movement_worker(rank, world, T, seed, direct="off"):
     gen = torch.Generator().manual_seed(seed)
     home_w = (torch.randn(E, 2, 3, generator=gen, dtype=torch.float64), torch.randn(E, 5, generator=gen,
                                                                                      dtype=torch.float64))
-    for i, plan in enumerate(all_plans(routing, buf.ctx)):
+    for i, plan in enumerate(all_plans(routing, ctx)):
         h = buf.handle_for(plan)
         res[f"{i}/direct"] = h.direct is not None
-        rows = buf.dispatch_rows(h, xr)
+        rows = buf.rows.dispatch_rows(h, xr)
         res[f"{i}/rows_bad"] = int((rows.numpy() != expected_rows(plan, x, rank)).any(axis=1).sum())
         res[f"{i}/rows"] = int(rows.shape[0])
         ones = torch.ones(h.rows, dtype=torch.float64)
@@ -271,7 +272,7 @@ def movement_worker(rank, world, T, seed, direct="off"):
         lg = tuple(torch.zeros_like(t) for t in local)
         red = buf.reduce_grad(h, cg, lg)
         # expected: copy j on rank r contributes (r+1)*(j+1) to its expert's home
-        fetch = plan.is_copy_S() | (buf.ctx.placement.home_E[plan.slot_expert_S] != plan.slot_rank_S)
+        fetch = plan.is_copy_S() | (buf.home_E[plan.slot_expert_S] != plan.slot_rank_S)
         cr, ce = plan.slot_rank_S[fetch], plan.slot_expert_S[fetch]
         j = np.concatenate([np.arange((cr == r).sum()) for r in range(world)])
         want_E = np.bincount(ce, weights=(cr + 1) * (j + 1), minlength=E)
@@ -282,14 +283,15 @@ def movement_worker(rank, world, T, seed, direct="off"):
         res[f"{i}/name"] = plan.strategy
     # results are recycled only once nothing references them (a fresh Buffer: an empty pool)
     buf = Buffer(capacity=int(routing.tokens_per_rank_R.max()), hidden=H, top_k=K, num_experts=E,
-                 strategy="alltoall", gpus_per_node=G, timeout_s=30, dispatch_dtype=torch.float64, direct=direct)
-    h = buf.handle_for(make_plan("alltoall", routing, buf.ctx))
-    a = buf.dispatch_rows(h, xr)
+                 planner=planner("alltoall", ctx), gpus_per_node=G, timeout_s=30, dispatch_dtype=torch.float64,
+                 direct=direct)
+    h = buf.handle_for(make_plan("alltoall", routing, ctx))
+    a = buf.rows.dispatch_rows(h, xr)
     a_ptr, a_copy = a.data_ptr(), a.clone()
-    b = buf.dispatch_rows(h, 2 * xr)
+    b = buf.rows.dispatch_rows(h, 2 * xr)
     res["held_not_reused"] = bool(b.data_ptr() != a_ptr and torch.equal(a, a_copy))
     del a
-    c = buf.dispatch_rows(h, 3 * xr)
+    c = buf.rows.dispatch_rows(h, 3 * xr)
     res["freed_reused"] = bool(c.data_ptr() == a_ptr and torch.equal(c, 3 * a_copy))
     return res
 
@@ -340,11 +342,12 @@ def world_of_one():
 def test_bad_input_is_rejected_before_communication(world_of_one):
     from moonep_sim.gloo.buffer import Buffer
 
-    buf = Buffer(capacity=4, hidden=H, top_k=2, num_experts=4, strategy="alltoall", timeout_s=5)
+    ctx = PlanContext.default(4, 1)
+    buf = Buffer(capacity=4, hidden=H, top_k=2, num_experts=4, planner=planner("alltoall", ctx), timeout_s=5)
     x = torch.zeros(4, H)
     ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]])
     w = torch.ones(4, 2)
-    seq0 = buf._seq
+    seq0 = buf.comm.seq
     with pytest.raises(ConfigError, match=r"tokens \(5\) must be <= capacity \(4\)"):
         buf.dispatch(torch.zeros(5, H), torch.zeros(5, 2, dtype=torch.long), torch.ones(5, 2))
     with pytest.raises(ConfigError, match=r"x shape \(\[4, 3\]\) must be \[s, 4\]"):
@@ -361,11 +364,13 @@ def test_bad_input_is_rejected_before_communication(world_of_one):
         buf.dispatch(x, torch.zeros(4, 2, dtype=torch.long), w)
     with pytest.raises(ConfigError, match="topk_weights shape"):
         buf.dispatch(x, ids, torch.ones(4))
-    assert buf._seq == seq0  # nothing was communicated
+    assert buf.comm.seq == seq0  # nothing was communicated
     with pytest.raises(ConfigError, match=r"strategy \('nope'\) must be one of"):
-        Buffer(capacity=4, hidden=H, top_k=2, num_experts=4, strategy="nope")
+        planner("nope", ctx)
     with pytest.raises(ConfigError, match="option"):
-        Buffer(capacity=4, hidden=H, top_k=2, num_experts=4, strategy="alltoall", options={"bogus": 1})
+        planner("alltoall", ctx, bogus=1)
+    with pytest.raises(ConfigError, match=r"planner \('alltoall'\) must be callable"):
+        Buffer(capacity=4, hidden=H, top_k=2, num_experts=4, planner="alltoall")
     # a good batch works in a world of one, and uneven sizes (s < capacity, s = 0) are fine
     out = buf.combine(*buf.dispatch(x[:3], ids[:3], w[:3])[0:1], buf.dispatch(x[:3], ids[:3], w[:3])[3])
     assert out.shape == (3, H)

@@ -28,6 +28,7 @@ CONCURRENT = 5
 
 def fault_worker(rank, world, victim, point, sig, timeout_s, mode="fault"):
     from moonep_sim.gloo.buffer import Buffer
+    from moonep_sim.strategies import PlanContext, planner
 
     def maybe_die(here):
         if rank == victim and here and point == here:
@@ -35,7 +36,8 @@ def fault_worker(rank, world, victim, point, sig, timeout_s, mode="fault"):
 
     maybe_die("build")
     top_k = 3 if (mode == "config" and rank == victim) else 2
-    buf = Buffer(capacity=4, hidden=4, top_k=top_k, num_experts=6, strategy="alltoall", timeout_s=timeout_s)
+    buf = Buffer(capacity=4, hidden=4, top_k=top_k, num_experts=6, planner=planner("alltoall", PlanContext.default(6, world)),
+                 timeout_s=timeout_s)
     x = torch.randn(4, 4)
     ids = torch.tensor([[0, 5], [1, 4], [2, 3], [3, 0]])
     w = torch.ones(4, 2)

@@ -50,13 +50,17 @@ def tokens_of(rank, world, T):
 def layer_worker(rank, world, variants, T, H, F, E, K, G, seed, direct="auto"):
     from moonep_sim.gloo.buffer import Buffer
     from moonep_sim.gloo.moe import EPMoELayer
+    from moonep_sim.plan import RowCosts
+    from moonep_sim.strategies import PlanContext, planner
 
     x, router_w, grad_out, experts = make_inputs(T, H, F, E, seed)
     lo, hi = tokens_of(rank, world, T)
     res = {}
     for i, (name, opts) in enumerate(variants):
-        buf = Buffer(capacity=(T + world - 1) // world, hidden=H, top_k=K, num_experts=E, strategy=name,
-                     options=opts, gpus_per_node=G, timeout_s=30, dispatch_dtype=torch.float64, direct=direct)
+        ctx = PlanContext.default(E, world, G, RowCosts.for_rows(H, 8))
+        buf = Buffer(capacity=(T + world - 1) // world, hidden=H, top_k=K, num_experts=E,
+                     planner=planner(name, ctx, **opts), gpus_per_node=G, timeout_s=30, dispatch_dtype=torch.float64,
+                     direct=direct)
         layer = EPMoELayer(buf, F, router_w=router_w, experts_w=experts).double()
         xr = x[lo:hi].clone().requires_grad_(True)
         out = layer(xr)
@@ -123,11 +127,13 @@ def test_layer_matches_dense_reference_for_every_strategy(direct):
 def replica_cache_worker(rank, world, T, H, F, E, K, G, seed):
     from moonep_sim.gloo.buffer import Buffer
     from moonep_sim.gloo.moe import EPMoELayer
+    from moonep_sim.strategies import PlanContext, planner
 
     x, router_w, grad_out, experts = make_inputs(T, H, F, E, seed)
     lo, hi = tokens_of(rank, world, T)
-    buf = Buffer(capacity=(T + world - 1) // world, hidden=H, top_k=K, num_experts=E, strategy="eplb",
-                 gpus_per_node=G, timeout_s=30, dispatch_dtype=torch.float64)
+    buf = Buffer(capacity=(T + world - 1) // world, hidden=H, top_k=K, num_experts=E,
+                 planner=planner("eplb", PlanContext.default(E, world, G)), gpus_per_node=G, timeout_s=30,
+                 dispatch_dtype=torch.float64)
     layer = EPMoELayer(buf, F, router_w=router_w, experts_w=experts).double()
     res = {}
     for step in range(3):

@@ -82,3 +82,32 @@ def test_cli_bad_option_exits_2_with_one_line():
     assert r.stderr.strip().splitlines() == [
         "moonep-sim: error: option dedup ('flase') must be a boolean: one of 1/true/yes/on/0/false/no/off "
         "(strategy alltoall)"]
+
+
+def test_planner_binds_a_strategy_for_an_executor():
+    from moonep_sim.strategies import Planner, planner
+
+    routing, ctx = _case()
+    p = planner("alltoall", ctx, dedup="yes")
+    assert isinstance(p, Planner) and p.name == "alltoall" and p.options == {"dedup": True}
+    plan = p(routing)
+    assert plan.strategy == "alltoall" and plan.options["dedup"] is True
+    with pytest.raises(ConfigError, match=r"option dedup \('maybe'\)"):
+        planner("alltoall", ctx, dedup="maybe")  # checked when bound, before any executor runs
+
+
+def test_gloo_executor_modules_do_not_import_the_strategies():
+    """The executor takes a planner callable; only the replay program (its caller) binds strategies."""
+    import ast
+    from pathlib import Path
+
+    import moonep_sim.gloo as gloo
+
+    folder = Path(gloo.__file__).parent
+    for f in sorted(folder.glob("*.py")):
+        if f.name == "replay.py":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.startswith("moonep_sim.strategies") for n in names), f.name

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from moonep_sim.gloo.handle import Handle
+from moonep_sim.gloo.rows import flatten_rows, unflatten_rows
 
 
 class _Dispatch(torch.autograd.Function):
@@ -36,7 +37,7 @@ class _Dispatch(torch.autograd.Function):
         ctx.buffer, ctx.handle = buffer, handle
         ctx.K = topk_weights.shape[1] if topk_weights.dim() == 2 else handle.top_k
         ctx.w_dtype = topk_weights.dtype
-        rows = buffer.dispatch_rows(handle, x, "dispatch", comm_dtype=buffer.dispatch_dtype)
+        rows = buffer.rows.dispatch_rows(handle, x, "dispatch", comm_dtype=buffer.dispatch_dtype)
         return rows, handle.row_weights.to(x.dtype)
 
     @staticmethod
@@ -51,7 +52,7 @@ class _Dispatch(torch.autograd.Function):
             payload = torch.cat([g_rows, onehot], dim=1)
         else:
             payload = g_rows
-        out = buffer.combine_rows(handle, payload.contiguous(), "dispatch_bwd")
+        out = buffer.rows.combine_rows(handle, payload.contiguous(), "dispatch_bwd")
         g_x = out[:, :H]
         g_tw = out[:, H:].to(ctx.w_dtype) if need_w else None
         return g_x, g_tw, None, None
@@ -62,12 +63,12 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, y, row_weights, buffer, handle: Handle):
         ctx.buffer, ctx.handle = buffer, handle
         ctx.save_for_backward(y, row_weights)
-        return buffer.combine_rows(handle, y.contiguous(), "combine", row_weights=row_weights)
+        return buffer.rows.combine_rows(handle, y.contiguous(), "combine", row_weights=row_weights)
 
     @staticmethod
     def backward(ctx, g_out):
         y, w = ctx.saved_tensors
-        g = ctx.buffer.dispatch_rows(ctx.handle, g_out.contiguous(), "combine_bwd")
+        g = ctx.buffer.rows.dispatch_rows(ctx.handle, g_out.contiguous(), "combine_bwd")
         g_y = g * w[:, None].to(g.dtype) if ctx.needs_input_grad[0] else None
         g_w = (g * y).sum(dim=1).to(w.dtype) if ctx.needs_input_grad[1] else None
         return g_y, g_w, None, None
@@ -76,26 +77,22 @@ class _Combine(torch.autograd.Function):
 class _Prefetch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, buffer, handle: Handle, cache_key, tie, *local):
-        from moonep_sim.gloo.buffer import _unflatten
-
         ctx.buffer, ctx.handle = buffer, handle
         ctx.shapes = [t.shape for t in local]
         # only the experts this rank sends are flattened (never all of its weights); resident
         # replicas come from the Buffer's cache when their placement is unchanged
-        flat = buffer.fetch_weights_flat(handle, local, cache_key)
+        flat = buffer.rows.fetch_weights_flat(handle, local, cache_key)
         like = [t.new_empty((0,) + tuple(t.shape[1:])) for t in local]
-        return (tie.view_as(tie),) + _unflatten(flat, like)
+        return (tie.view_as(tie),) + unflatten_rows(flat, like)
 
     @staticmethod
     def backward(ctx, g_tie, *g_copies):
-        from moonep_sim.gloo.buffer import _flatten, _unflatten
-
         handle = ctx.handle
         n_home = int(handle.home_experts.numel())
-        flat = _flatten([g.contiguous() for g in g_copies], handle.num_copies)
-        red = ctx.buffer.reduce_flat(handle, flat, n_home)
+        flat = flatten_rows([g.contiguous() for g in g_copies], handle.num_copies)
+        red = ctx.buffer.rows.reduce_flat(handle, flat, n_home)
         like = [g.new_empty((0,) + tuple(s[1:])) for g, s in zip(g_copies, ctx.shapes)]
-        return (None, None, None, g_tie) + _unflatten(red, like)
+        return (None, None, None, g_tie) + unflatten_rows(red, like)
 
 
 def dispatch_fn(buffer, handle: Handle, x: torch.Tensor, topk_weights: torch.Tensor):

@@ -178,7 +178,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     matched pair. Returns (on rank 0) one strategy's report, or ``{"strategies": {name: report}}``."""
     from moonep_sim.gloo.buffer import Buffer
     from moonep_sim.gloo.moe import dense_moe, init_experts
+    from moonep_sim.plan import RowCosts
     from moonep_sim.routing.trace import Trace
+    from moonep_sim.strategies import PlanContext, planner
 
     rank, R = dist.get_rank(), dist.get_world_size()
     names = [n.strip() for n in str(args.strategy).split(",") if n.strip()]
@@ -201,13 +203,16 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     check = args.check if args.check is not None else T * H <= (1 << 22)
     dtype = _DTYPES[args.dispatch_dtype]
     opts = _strategy_opts(names, args.opt)
-    bufs = {n: Buffer(capacity=capacity, hidden=H, top_k=K, num_experts=E, strategy=n, options=opts[n],
-                      gpus_per_node=args.gpus_per_node, timeout_s=args.timeout, dispatch_dtype=dtype,
-                      token_padding=args.token_padding, expert_ffn=F) for n in names}
+    # the planners: each strategy bound to the replay's context (this program is the Buffer's caller)
+    costs = RowCosts.for_rows(H, torch.tensor([], dtype=dtype).element_size(), F)
+    ctx = PlanContext.default(E, R, args.gpus_per_node, costs, args.token_padding)
+    bufs = {n: Buffer(capacity=capacity, hidden=H, top_k=K, num_experts=E, planner=planner(n, ctx, **opts[n]),
+                      gpus_per_node=args.gpus_per_node, timeout_s=args.timeout, dispatch_dtype=dtype)
+            for n in names}
     # per layer: this rank's tokens and inputs, and its home experts' weights (one copy per distinct
     # home set: strategies whose placement gives this rank the same experts share it); every
     # expert's weights are kept only for the dense reference check
-    homes = {n: np.flatnonzero(b.ctx.placement.home_E == rank) for n, b in bufs.items()}
+    homes = {n: np.flatnonzero(b.home_E == rank) for n, b in bufs.items()}
     inputs, weights = [], {}
     for j, li in enumerate(layers):
         lr = trace.layer(li, 0, T)
@@ -325,7 +330,7 @@ def _report(args, buf, name: str, layers: list[int], T: int, tpr: np.ndarray,
     # per iteration: the layers' times (max over ranks) averaged over layers -> one sample per iteration
     samples = np.mean([e["iter_total_ms"] for e in per_layer], axis=0)
     return {
-        "strategy": name, "options": buf.options, "world_size": buf.world_size, "gpus_per_node": buf.gpus_per_node,
+        "strategy": name, "options": buf.planner.options, "world_size": buf.world_size, "gpus_per_node": buf.gpus_per_node,
         "trace": str(args.trace), "layers": layers, "hidden": args.hidden, "ffn": args.ffn,
         "num_experts": buf.num_experts, "top_k": buf.top_k, "tokens": T, "tokens_per_rank": tpr.tolist(),
         "iters": args.iters, "warmup": args.warmup,
@@ -372,7 +377,7 @@ def _check(rank, buf, handle, lr, x, xi, out, grad_out, params, full_w, capacity
         (ref * cut(gos).double()).sum().backward()
         errs.append(float((cut(gxs).double() - X.grad).abs().max()))
         scale.append(float(X.grad.abs().max()))
-        home_E = buf.ctx.placement.home_E
+        home_E = buf.home_E
         P = [int(np.prod(p.shape[1:])) for p in full_w]
         for r in range(buf.world_size):
             experts = np.flatnonzero(home_E == r)

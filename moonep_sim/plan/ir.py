@@ -72,6 +72,14 @@ class RowCosts:
         return cls(model.dispatch_row_bytes(dispatch_dtype), model.combine_row_bytes,
                    model.expert_weight_bytes, model.expert_grad_bytes)
 
+    @classmethod
+    def for_rows(cls, hidden: int, dispatch_elem_bytes: int = 4, expert_ffn: int = 0) -> "RowCosts":
+        """Byte sizes as the gloo executor moves rows of ``hidden`` elements: dispatched rows of
+        ``dispatch_elem_bytes`` per element, combined rows in float32, an expert's weights (gate,
+        up, down: ``3 * hidden * expert_ffn`` elements) and their gradient in float32."""
+        w = 3 * int(hidden) * int(expert_ffn) * 4
+        return cls(int(hidden) * int(dispatch_elem_bytes), int(hidden) * 4, w, w)
+
 
 @dataclass(frozen=True)
 class GlobalRouting:

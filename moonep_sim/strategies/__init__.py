@@ -207,4 +207,29 @@ def make_plan(name: str, routing: GlobalRouting, ctx: PlanContext, **options) ->
     return get_strategy(name).plan(routing, ctx, **options)
 
 
-__all__ = ["Option", "PlanContext", "StrategySpec", "available", "get_strategy", "make_plan", "register"]
+@dataclass(frozen=True)
+class Planner:
+    """A strategy bound to its context and options: ``planner(routing) -> Plan``.
+
+    What an executor that plans per step takes (the gloo ``Buffer``'s ``planner``): it needs no
+    strategy registry of its own. ``name`` and ``options`` (parsed, defaults filled in) identify
+    it, e.g. to check that every rank plans alike.
+    """
+
+    name: str
+    ctx: PlanContext
+    options: dict[str, Any]
+
+    def __call__(self, routing: GlobalRouting) -> Plan:
+        return make_plan(self.name, routing, self.ctx, **self.options)
+
+
+def planner(name: str, ctx: PlanContext, **options) -> Planner:
+    """Strategy ``name`` bound to ``ctx`` and ``options`` (checked now, so a bad option fails
+    before any communication)."""
+    spec = get_strategy(name)
+    return Planner(name, ctx, spec.parse_options(options))
+
+
+__all__ = ["Option", "PlanContext", "Planner", "StrategySpec", "available", "get_strategy", "make_plan", "planner",
+           "register"]
