@@ -1,8 +1,9 @@
 """Executor 1: real tensors over ``torch.distributed`` with the gloo backend.
 
 ``Buffer`` (dispatch, combine, prefetch_weight, reduce_grad, invalidate_replicas) carries out the
-Plans of the planner callable it is given (``moonep_sim.strategies.planner`` makes one; this
-package never imports the strategies); its parts are ``comm`` (groups, timed collectives, failure
+Plans of the planner callable it is given (``moonep_sim.strategies.planner`` makes one; the
+executor modules never import the strategies, only the ``replay`` program, its caller, binds
+them); its parts are ``comm`` (groups, timed collectives, failure
 naming), ``rows`` (the row engine) and ``pool`` (reused memory);
 ``moe.EPMoELayer`` is a reference MoE layer on it and ``moe.dense_moe`` the single-process layer
 it must equal; ``replay`` replays a trace (on local ranks it starts, or under torchrun); ``launcher`` starts
