@@ -241,3 +241,36 @@ def test_docs_tables_come_from_the_registry():
     doc = (Path(__file__).resolve().parent.parent / "docs" / "traces.md").read_text()
     assert formats_markdown() in doc and fields_markdown() in doc
     assert set(formats()) == {"npy", "vllm-routes", "jsonl-records", "counts-json"}
+
+
+def _steps_reference(lay, grp, tok):
+    """The step rule record by record (slow, obviously the documented greedy split): per layer, a
+    new step where the log went back to an earlier layer since this layer's previous record, where
+    the same request's position does not increase, or where a request seen in the current step
+    comes back after another request."""
+    P, state, out = 0, {}, []
+    for i in range(len(lay)):
+        if i and lay[i] < lay[i - 1]:
+            P += 1
+        l, g, t = lay[i], grp[i], tok[i]
+        s = state.get(l)
+        if s is None:
+            s = state[l] = {"step": 0, "seen": {g}, "last": (g, t), "P": P}
+        else:
+            lg, lt = s["last"]
+            new = P != s["P"] or (g == lg and t <= lt) or (g != lg and g in s["seen"])
+            if new:
+                s["step"] += 1
+                s["seen"] = set()
+            s["seen"].add(g)
+            s["last"], s["P"] = (g, t), P
+        out.append(s["step"])
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(0, 4)), min_size=1, max_size=60))
+def test_pass_rule_matches_its_reference(recs):
+    from moonep_sim.routing.importers.records import steps_by_passes
+    lay, grp, tok = (np.array(x, np.int64) for x in zip(*recs))
+    assert steps_by_passes(lay, grp, tok).tolist() == _steps_reference(lay.tolist(), grp.tolist(), tok.tolist())
