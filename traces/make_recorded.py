@@ -1,7 +1,7 @@
 """Write the shipped `recorded-random_*` traces: routing recorded with `moonep_sim.routing.record`
 from tiny transformers MoE models with the expert counts and top-k of real models but RANDOMLY
-INITIALISED weights (nothing is downloaded). They are not real routing (a random router is close
-to uniform); they show what a recording holds: one step per forward call of `generate()` (a
+INITIALISED weights (nothing is downloaded). They are not real routing (a random router's load
+says nothing about a trained one's); they show what a recording holds: one step per forward call of `generate()` (a
 prefill of 4 x 32 rows, then decode passes of 4 rows), several layers, the router's own ids and
 weights. Run from the repository root: `python traces/make_recorded.py` (needs `transformers`)."""
 

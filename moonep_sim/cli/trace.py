@@ -216,9 +216,10 @@ def run_inspect(a) -> int:
     from rich.table import Table
 
     c = console()
-    if c.width < 110:
-        c.width = 110
     st = res["steps"]
+    need = 110 + (20 if st["count"] > 1 else 0)           # every column at full width, never truncated
+    if c.width < need:
+        c.width = need
     inferred = " (inferred from the largest id)" if res["num_experts_inferred"] else ""
     c.print(f"{a.file}: {res['kind']}-level, model={res['model']}, {res['layers']} layers, tokens={res['tokens']}, "
             f"E={res['num_experts']}{inferred}, K={res['top_k']}, steps={st['count']}"
@@ -244,7 +245,7 @@ def run_inspect(a) -> int:
                f"{p['top_share']:.3f}"]
         if per_step:
             q = p["maxvio_per_step"]
-            row.append(f"{q['min']:.2f}/{q['median']:.2f}/{q['max']:.2f}")
+            row.append(f"{q['min']:.1f}/{q['median']:.1f}/{q['max']:.1f}")
         if lay:
             def fmt(v):
                 return "n/a" if v is None else f"{v:.2f}" + ("*" if p.get("distinct_is_estimate") else "")
