@@ -274,3 +274,15 @@ def test_pass_rule_matches_its_reference(recs):
     from moonep_sim.routing.importers.records import steps_by_passes
     lay, grp, tok = (np.array(x, np.int64) for x in zip(*recs))
     assert steps_by_passes(lay, grp, tok).tolist() == _steps_reference(lay.tolist(), grp.tolist(), tok.tolist())
+
+
+def test_sparse_per_step_maxvio_equals_the_dense_count():
+    from moonep_sim.routing.metrics import per_step_maxvio, step_expert_counts
+    rng = np.random.default_rng(4)
+    E, K = 12, 3
+    step = np.sort(rng.choice([0, 1, 2, 4, 5], 300))                # step 3 is empty
+    ids = np.argsort(rng.random((300, E)), axis=1)[:, :K]
+    n_S = np.bincount(step, minlength=6)
+    got = per_step_maxvio(*step_expert_counts(step, ids, E), n_S, K, E)
+    want = [maxvio(np.bincount(ids[step == s].ravel(), minlength=E)) for s in range(6)]
+    np.testing.assert_allclose(got, want)

@@ -164,6 +164,29 @@ def layer_stats(counts_E: np.ndarray, *, layer: int, top: int = 0,
     return out
 
 
+def step_expert_counts(step_T: np.ndarray, ids_TK: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Selections per (step, expert) pair that occurs, sparse: keys ``step * E + expert`` (int64,
+    sorted) and counts. Memory grows with the pairs present, never with steps x experts."""
+    K = ids_TK.shape[1]
+    key = np.repeat(np.asarray(step_T, np.int64), K) * num_experts + np.asarray(ids_TK, np.int64).reshape(-1)
+    return np.unique(key, return_counts=True)
+
+
+def per_step_maxvio(keys: np.ndarray, counts: np.ndarray, tokens_S: np.ndarray, top_k: int,
+                    num_experts: int) -> np.ndarray:
+    """maxvio of each step (float64 [S]) from sparse (step, expert) counts and tokens per step;
+    0 for an empty step."""
+    S = len(tokens_S)
+    max_S = np.zeros(S, np.float64)
+    if keys.size:
+        s_of = keys // num_experts
+        starts = np.flatnonzero(np.concatenate([[True], s_of[1:] != s_of[:-1]]))
+        max_S[s_of[starts]] = np.maximum.reduceat(counts.astype(np.float64), starts)
+    mean_S = np.asarray(tokens_S, np.float64) * top_k / num_experts
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(mean_S > 0, max_S / mean_S - 1.0, 0.0)
+
+
 def _spread(v: np.ndarray) -> dict[str, float] | None:
     v = np.asarray(v, dtype=np.float64)
     if v.size == 0:
@@ -217,7 +240,7 @@ def inspect_trace(path, *, ranks: int | None = None, gpus_per_node: int = 0,
                                          tokens=m.num_tokens, counts_only=True, top_k=m.top_k))
             continue
         c = np.zeros(m.num_experts, dtype=np.int64)
-        c_SE = np.zeros((S, m.num_experts), dtype=np.int64)
+        parts_k, parts_c = [], []
         dr = dn = 0
         for lo, hi in ranges:
             for start in range(lo, hi, chunk_tokens):
@@ -225,15 +248,19 @@ def inspect_trace(path, *, ranks: int | None = None, gpus_per_node: int = 0,
                 lr = tr.layer(i, start, stop)
                 c += lr.counts_E()
                 s_T = (step_T[start:stop] if step_T is not None else np.zeros(stop - start, np.int64))
-                flat = np.repeat(s_T, lr.top_k) * m.num_experts + lr.topk_ids_TK.reshape(-1)
-                c_SE += np.bincount(flat, minlength=S * m.num_experts).reshape(S, m.num_experts)
+                kk, cc = step_expert_counts(s_T, lr.topk_ids_TK, m.num_experts)
+                parts_k.append(kk)
+                parts_c.append(cc)
                 if layout is not None:
                     dr += int(distinct_per_token(lr.topk_ids_TK, layout.expert_rank_E).sum())
                     dn += int(distinct_per_token(lr.topk_ids_TK, layout.expert_node_E).sum())
                 del lr
+        keys, inv = np.unique(np.concatenate(parts_k) if parts_k else np.zeros(0, np.int64), return_inverse=True)
+        counts = np.bincount(inv.reshape(-1), weights=np.concatenate(parts_c) if parts_c else None,
+                             minlength=len(keys)).astype(np.int64)
+        mv_S = per_step_maxvio(keys, counts, np.diff(bounds), m.top_k, m.num_experts)[chosen]
         st = layer_stats(c, layer=m.layer_ids[i], top=top, layout=layout,
                          distinct_ranks_sum=dr, distinct_nodes_sum=dn, tokens=T_sel)
-        mv_S = _maxvio_rows(c_SE[chosen])
         mv_LS.append(mv_S)
         st["maxvio_per_step"] = _spread(mv_S)
         per_layer.append(st)
@@ -262,11 +289,3 @@ def inspect_trace(path, *, ranks: int | None = None, gpus_per_node: int = 0,
         out["mean_maxvio"] = float(np.mean([p["maxvio"] for p in per_layer]))
     out["per_layer"] = per_layer
     return out
-
-
-def _maxvio_rows(c_SE: np.ndarray) -> np.ndarray:
-    """maxvio of each row of a count matrix, float64 [S] (0 for all-zero rows)."""
-    c = c_SE.astype(np.float64)
-    mean = c.mean(axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(mean > 0, c.max(axis=1) / mean - 1.0, 0.0)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from moonep_sim.errors import TraceFormatError
+from moonep_sim.routing.metrics import per_step_maxvio, step_expert_counts
 from moonep_sim.routing.trace import TraceMeta
 
 # role -> accepted field names of record logs, first match wins (decided on the first route record).
@@ -181,18 +182,6 @@ def set_ids(ids_NK: np.ndarray) -> np.ndarray:
     return inv.reshape(-1).astype(np.int64)
 
 
-def per_step_maxvio(ids_TK: np.ndarray, step_T: np.ndarray, num_steps: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    """maxvio of each step (float64 [S]) and tokens per step (int64 [S]), vectorised."""
-    K = ids_TK.shape[1]
-    flat = (np.repeat(step_T.astype(np.int64), K) * num_experts + ids_TK.reshape(-1))
-    c_SE = np.bincount(flat, minlength=num_steps * num_experts).reshape(num_steps, num_experts)
-    n_S = np.bincount(step_T, minlength=num_steps).astype(np.int64)
-    mean_S = c_SE.sum(axis=1) / num_experts
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mv_S = np.where(mean_S > 0, c_SE.max(axis=1) / mean_S - 1.0, 0.0)
-    return mv_S, n_S
-
-
 def sanity_warnings(ids_LTK: np.ndarray, step_T: np.ndarray | None, num_experts: int, layer_ids: list[int],
                     dominant_share: float) -> list[str]:
     """Warnings about kept rows that look like dummy traffic left in:
@@ -218,7 +207,8 @@ def sanity_warnings(ids_LTK: np.ndarray, step_T: np.ndarray | None, num_experts:
     if step_T is not None and T:
         S = int(step_T.max()) + 1
         for li in range(L):
-            mv_S, n_S = per_step_maxvio(ids_LTK[li], step_T, S, num_experts)
+            n_S = np.bincount(step_T, minlength=S)
+            mv_S = per_step_maxvio(*step_expert_counts(step_T, ids_LTK[li], num_experts), n_S, K, num_experts)
             ok = n_S * K / num_experts >= 16
             if ok.sum() < 3:
                 continue
