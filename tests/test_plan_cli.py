@@ -88,14 +88,14 @@ def _bad_ids_trace(path, ids, E, K):
 
 
 @pytest.mark.parametrize("make, extra, match", [
-    (lambda p: _trace(p), ["--ranks", "6", "--gpus-per-node", "4"],
-     r"ranks \(6\) must be divisible by gpus_per_node \(4\)"),
-    (lambda p: _trace(p), ["--ranks", "3"], r"num_experts \(8\) must be divisible by ranks \(3\)"),
+    (lambda p: _trace(p), ["--ranks", "8", "--gpus-per-node", "3"],
+     r"--ranks \(8\) must be divisible by --gpus-per-node \(3\)"),
+    (lambda p: _trace(p), ["--ranks", "3"], r"--ranks \(3\) must divide the routing's expert count \(E=8\)"),
     (lambda p: _trace(p), ["--ranks", "4", "--strategy", "capacity", "--opt", "cf=0"], r"cf \(0\) must be > 0"),
     (lambda p: _trace(p), ["--ranks", "4", "--strategy", "nope"], r"strategy \('nope'\) must be one of"),
     (lambda p: _trace(p), ["--ranks", "4", "--opt", "colour=red"], r"option \('colour'\) must be one of"),
-    (lambda p: _trace(p), ["--ranks", "4", "--layer", "7"], r"layer \(7\) must be one of the trace's layers"),
-    (lambda p: _trace(p), ["--ranks", "4", "--model", "kimi-k3"], r"model kimi-k3 \(E=896, K=16\) must match"),
+    (lambda p: _trace(p), ["--ranks", "4", "--layer", "7"], r"layers entry \(7\) must be one of the trace's layer ids"),
+    (lambda p: _trace(p), ["--ranks", "4", "--model", "kimi-k3"], r"model \(kimi-k3: E=896, K=16\) must match the trace"),
     (lambda p: _bad_ids_trace(p, np.array([[0, 9], [1, 2]]), 8, 2), ["--ranks", "4"],
      r"token 0: topk_ids: expected ids in \[0, 8\), found \[0, 9\]"),
     (lambda p: _bad_ids_trace(p, np.array([[0, 1, 2]]), 2, 3), ["--ranks", "2"],

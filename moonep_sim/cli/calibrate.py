@@ -46,7 +46,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from moonep_sim.report import calibrate as cal
+    from moonep_sim.experiments import calibrate as cal
 
     if args.out and not args.dry_run:
         from moonep_sim.io import check_output_path

@@ -1,13 +1,19 @@
-"""Helpers shared by subcommands: JSON output, option parsing, a rich console."""
+"""Helpers shared by subcommands: JSON output, option parsing, the shared flags, progress."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from typing import Any
+import threading
+import time
+from typing import Any, Callable, Iterator
 
 from moonep_sim.errors import ConfigError
 from moonep_sim.io import to_jsonable
+
+#: Seconds between progress lines when stderr is not a terminal (a log file, CI, a pipe).
+PROGRESS_INTERVAL_S = 15.0
 
 
 def print_json(obj: Any) -> None:
@@ -24,6 +30,26 @@ def parse_kv(items: list[str] | None, what: str = "--opt") -> dict[str, str]:
         k, v = it.split("=", 1)
         out[k.strip().replace("-", "_")] = v.strip()
     return out
+
+
+def parse_strategy_opts(items: list[str] | None, names: list[str]) -> dict[str, dict[str, str]]:
+    """``--opt STRATEGY.key=value`` (or ``key=value`` when one strategy is named) -> per strategy."""
+    per: dict[str, dict[str, str]] = {n: {} for n in names}
+    for o in items or []:
+        if "=" not in o:
+            raise ConfigError(f"--opt ({o!r}) must look like STRATEGY.key=value, e.g. capacity.cf=1.25")
+        k, v = o.split("=", 1)
+        if "." in k:
+            s, key = k.split(".", 1)
+        elif len(names) == 1:
+            s, key = names[0], k
+        else:
+            raise ConfigError(f"--opt ({o!r}) must look like STRATEGY.key=value, e.g. capacity.cf=1.25, "
+                              "when several strategies are named")
+        if s not in per:
+            raise ConfigError(f"--opt strategy ({s!r}) must be one of the strategies ({', '.join(names)})")
+        per[s][key.strip().replace("-", "_")] = v.strip()
+    return per
 
 
 def parse_int_list(text: str | None, what: str) -> list[int] | None:
@@ -46,6 +72,103 @@ def parse_int_list(text: str | None, what: str) -> list[int] | None:
     return out
 
 
+# -- shared flags: one spelling, one meaning, everywhere ----------------------------------------------
+def add_dispatch_dtype(p, default: str = "bf16") -> None:
+    """``--dispatch-dtype bf16|fp8`` (``--dtype`` and ``bfloat16`` still accepted)."""
+    p.add_argument("--dispatch-dtype", "--dtype", dest="dispatch_dtype", default=default, type=_sim_dtype,
+                   choices=("bf16", "fp8"), help=f"dispatched row dtype (default {default}; bfloat16 = bf16; "
+                                                 "--dtype is an older spelling)")
+
+
+def _sim_dtype(text: str) -> str:
+    return {"bfloat16": "bf16", "float8": "fp8"}.get(text, text)
+
+
+def add_strategies(p, default: str) -> None:
+    p.add_argument("--strategies", default=default,
+                   help=f"comma-separated strategies (default {default}; `moonep-sim strategies` lists them "
+                        "with their options)")
+    p.add_argument("--opt", action="append", default=[], metavar="STRATEGY.KEY=VALUE",
+                   help="a strategy option, e.g. capacity.cf=1.25 (repeatable)")
+
+
+def add_layers(p, default_text: str = "all of the trace") -> None:
+    p.add_argument("--layers", default=None, help=f"layer ids, e.g. 0,5-7 (default: {default_text})")
+
+
+def add_steps(p) -> None:
+    p.add_argument("--steps", default=None, metavar="SEL",
+                   help="use only these steps of the trace: all, N, A-B, A-, or a comma list (default: every token)")
+
+
 def console():
     from rich.console import Console
     return Console()
+
+
+# -- progress -------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def progress(c, description: str, interval_s: float = PROGRESS_INTERVAL_S,
+             lines: bool = False) -> Iterator[Callable[[str, int, int], None]]:
+    """A progress callback ``(message, done, total)`` for a long command.
+
+    On a terminal: a rich progress bar. Otherwise (a log, CI, a pipe): one line on stderr when the
+    step changes, at most every ``interval_s``, and a heartbeat line every ``interval_s`` while one
+    step runs long (a real replay is one blocking call), so the command never goes silent. ``lines``
+    forces the plain lines (for ``--json``, whose stdout must stay JSON).
+    """
+    if c.is_terminal and not lines:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        prog = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[what]}"), TimeElapsedColumn(), console=c, transient=True)
+        task = prog.add_task(description, total=None, what="")
+        with prog:
+            yield lambda msg, done, total: prog.update(task, completed=done, total=total, what=msg)
+        return
+    reporter = _LineProgress(description, interval_s)
+    reporter.start()
+    try:
+        yield reporter.update
+    finally:
+        reporter.stop()
+
+
+class _LineProgress:
+    """Plain progress lines on stderr (see :func:`progress`)."""
+
+    def __init__(self, description: str, interval_s: float):
+        self.description, self.interval_s = description, interval_s
+        self.t0 = time.monotonic()
+        self.last_print = -1e9
+        self.state = ("starting", 0, 0)
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="moonep-sim-progress", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def _line(self, note: str = "") -> None:
+        msg, done, total = self.state
+        frac = f" {done}/{total}" if total else ""
+        print(f"[{self.description}{frac}, {time.monotonic() - self.t0:.0f} s] {msg}{note}", file=sys.stderr,
+              flush=True)
+        self.last_print = time.monotonic()
+
+    def update(self, msg: str, done: int, total: int) -> None:
+        with self.lock:
+            changed = msg != self.state[0]
+            self.state = (msg, done, total)
+            if changed and (time.monotonic() - self.last_print >= self.interval_s or done == 0 or msg == "done"):
+                self._line()
+
+    def _beat(self) -> None:
+        while not self.done.wait(self.interval_s / 3):
+            with self.lock:
+                if time.monotonic() - self.last_print >= self.interval_s:
+                    self._line(" (still running)")

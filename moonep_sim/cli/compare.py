@@ -1,28 +1,31 @@
-"""``moonep-sim compare``: every strategy on one routing, simulated (and replayed for real)."""
+"""``moonep-sim compare``: every strategy on one routing, simulated (and replayed for real).
+
+A thin adapter over :meth:`moonep_sim.experiments.Scenario.compare`; the tables and plots come from
+:mod:`moonep_sim.report`.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from moonep_sim.cli.common import parse_int_list, print_json, to_jsonable
-from moonep_sim.report.tables import wide_console as console
+from moonep_sim.cli.common import (add_steps, add_dispatch_dtype, add_layers, add_strategies, parse_int_list, parse_strategy_opts,
+                                   print_json, progress, to_jsonable)
 from moonep_sim.errors import require
+from moonep_sim.experiments.scenario import DEFAULT_STRATEGIES as _DEFAULTS
+from moonep_sim.report.tables import wide_console as console
 
-DEFAULT_STRATEGIES = "alltoall,capacity,hierarchical,moonep"
+DEFAULT_STRATEGIES = ",".join(_DEFAULTS)
 
 
 def add_cluster_args(p, topology_default: str = "h800-cx7") -> None:
-    p.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                   help=f"comma-separated strategies (default {DEFAULT_STRATEGIES}; see `moonep-sim plan --list`)")
-    p.add_argument("--opt", action="append", default=[], metavar="STRATEGY.KEY=VALUE",
-                   help="a strategy option, e.g. capacity.capacity_factor=1.25 (repeatable)")
+    add_strategies(p, DEFAULT_STRATEGIES)
     p.add_argument("--topology", default=topology_default,
                    help=f"simulated cluster: a preset (`moonep-sim topologies`) or a TOML file (default {topology_default})")
     p.add_argument("--ranks", type=int, default=None, help="EP size R (default: --nproc with --real, else 8 or the "
                                                            "largest divisor of E up to 8)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the topology's, at most R)")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"), help="dispatch row dtype (default bf16)")
+    add_dispatch_dtype(p)
     p.add_argument("--token-padding", type=int, default=1, help="pad each expert segment to a multiple of this")
 
 
@@ -33,7 +36,8 @@ def register(sub) -> None:
     p.add_argument("--trace", required=True,
                    help="trace file, or generated routing gen:model=kimi-k3,maxvio=10,tokens-per-rank=512[,layers=1,seed=0]")
     add_cluster_args(p)
-    p.add_argument("--layers", default=None, help="layer ids to compare, e.g. 0,5-7 (default: all of the trace)")
+    add_steps(p)
+    add_layers(p)
     p.add_argument("--model", default=None, help="model preset for row and weight sizes (default: the trace's)")
     p.add_argument("--real", action="store_true", help="also replay every strategy over gloo with --nproc processes")
     p.add_argument("--nproc", type=int, default=4, help="processes for --real (default 4; EP size = nproc)")
@@ -46,35 +50,27 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def default_ranks(num_experts: int, real: bool, nproc: int) -> int:
-    if real:
-        return nproc
-    for r in (8, 4, 2, 1):
-        if num_experts % r == 0:
-            return r
-    return 1
+def scenario(args, routing=None, layers=None):
+    """The Scenario these arguments describe; checked (one line on bad input) before any work."""
+    from moonep_sim.experiments import Scenario
 
-
-def build_config(args, source):
-    """Check every input (before any work) and build the CompareConfig."""
-    from moonep_sim.report.compare import CompareConfig, check_cluster, load_topology, parse_strategies
-
-    strategies = parse_strategies(args.strategies, args.opt)
-    require(args.token_padding >= 1, f"--token-padding ({args.token_padding}) must be >= 1")
+    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     if args.real:
         require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")
         require(args.iters >= 1, f"--iters ({args.iters}) must be >= 1")
         require(args.ranks in (None, args.nproc),
                 f"--ranks ({args.ranks}) must equal --nproc ({args.nproc}) with --real: each process is one EP rank")
-    ranks = args.ranks or default_ranks(source.num_experts, args.real, args.nproc)
-    topo = load_topology(args.topology)
-    g = args.gpus_per_node or min(topo.gpus_per_node, ranks)
-    check_cluster(source, ranks, g)
+    sc = Scenario(routing=routing or args.trace, model=getattr(args, "model", None),
+                  cluster=((args.nproc if args.real else args.ranks) or 0, args.gpus_per_node or 0),
+                  topology=args.topology, strategies=names, options=parse_strategy_opts(args.opt, names),
+                  layers=layers if layers is not None else parse_int_list(getattr(args, "layers", None), "--layers"),
+                  steps=getattr(args, "steps", None),
+                  dispatch_dtype=args.dispatch_dtype, token_padding=args.token_padding)
+    sc.resolved  # noqa: B018 -- check everything now
     if args.real:
+        from moonep_sim.experiments.compare import load_topology
         load_topology("local-gloo")
-    return CompareConfig(args.trace, strategies, args.topology, ranks, g, source.layer_ids, source.model.name,
-                         args.dtype, args.token_padding, args.real, args.nproc, args.real_timeout,
-                         real_iters=args.iters)
+    return sc
 
 
 def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, str]:
@@ -94,40 +90,21 @@ def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, 
     return files
 
 
-def progress_bar(c, description: str):
-    """A rich progress bar and a callback ``(msg, done, total)`` that advances it."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    prog = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[what]}"), TimeElapsedColumn(), console=c, transient=True)
-    task = prog.add_task(description, total=None, what="")
-
-    def cb(msg: str, done: int, total: int) -> None:
-        prog.update(task, completed=done, total=total, what=msg)
-
-    return prog, cb
-
-
 def run(args) -> int:
-    from moonep_sim.report.compare import compare, open_source
     from moonep_sim.report.tables import compare_footer, compare_table
 
     from moonep_sim.io import check_output_dir
 
     check_output_dir(args.out, "--out")  # before the run, not after it
-    layers = parse_int_list(args.layers, "--layers")
-    source = open_source(args.trace, layers, args.model)
-    cfg = build_config(args, source)
+    sc = scenario(args)
     c = console()
+    kw = dict(real=args.real, nproc=args.nproc if args.real else None, iters=args.iters, timeout_s=args.real_timeout)
+    with progress(c, "compare", lines=args.json) as cb:
+        rep = sc.compare(progress=cb, **kw).to_dict()
+    files = write_outputs(rep, Path(args.out), plots=not args.no_plots)
     if args.json:
-        rep = compare(cfg, source=source)
-        write_outputs(rep, Path(args.out), plots=not args.no_plots)
         print_json(rep)
         return 0
-    prog, cb = progress_bar(c, "compare")
-    with prog:
-        rep = compare(cfg, progress=cb, source=source)
-    files = write_outputs(rep, Path(args.out), plots=not args.no_plots)
     for t in compare_table(rep):
         c.print(t)
     for line in compare_footer(rep):

@@ -38,13 +38,13 @@ def _trace_path() -> Path:
 
 
 def run(args) -> int:
-    from moonep_sim.cli.common import parse_int_list
-    from moonep_sim.cli.compare import progress_bar, write_outputs
+    from moonep_sim.cli.common import parse_int_list, progress
+    from moonep_sim.cli.compare import write_outputs
     from moonep_sim.errors import require
-    from moonep_sim.report import calibrate as cal
-    from moonep_sim.report.compare import (CompareConfig, check_cluster, compare, load_topology, open_source,
-                                           parse_strategies)
-    from moonep_sim.report.tables import compare_footer, compare_table
+    from moonep_sim.experiments import Scenario
+    from moonep_sim.experiments import calibrate as cal
+    from moonep_sim.experiments.compare import load_topology
+    from moonep_sim.report.tables import compare_footer, compare_table, resolved_line, weight_tradeoff_lines
 
     from moonep_sim.io import check_output_dir
 
@@ -55,40 +55,48 @@ def run(args) -> int:
         args.layers, args.strategies, args.nproc, args.gpus_per_node = "0", "alltoall,moonep", 2, 2
     trace = _trace_path()
     require(trace.exists(), f"shipped trace ({trace}) must exist: run the demo from the repository root")
-    source = open_source(str(trace), parse_int_list(args.layers, "--layers"))
-    strategies = parse_strategies(args.strategies)
     require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")
     require(args.iters >= 1, f"--iters ({args.iters}) must be >= 1")
-    cluster = check_cluster(source, args.nproc, args.gpus_per_node)
-    load_topology(args.topology, cluster)
+    sc = Scenario(routing=str(trace), cluster=(args.nproc, args.gpus_per_node), topology=args.topology,
+                  strategies=args.strategies, layers=parse_int_list(args.layers, "--layers"))
+    rs = sc.resolved  # everything checked before any work
 
     # the local topology: calibrated file, a quick calibration now, or the shipped defaults
     path = cal.calibrated_path()
-    if path.is_file():
-        c.print(f"[dim]local-gloo: calibrated constants from {path}[/dim]")
+    quality = cal.calibration_kind(path)
+    if quality is not None:
+        c.print(f"[dim]local-gloo: calibrated constants from {path} ({quality} calibration)[/dim]")
     elif args.no_calibrate or args.fast:
+        quality = "none"
         c.print("[dim]local-gloo: no calibration file; using the shipped preset defaults "
                 "(run `moonep-sim calibrate` to measure this machine)[/dim]")
     else:
         c.print(f"[dim]local-gloo: no calibration file at {path}; running a quick calibration "
                 f"({args.nproc} processes) ...[/dim]")
         res = cal.calibrate((args.nproc,), cal.QUICK_SIZES_BYTES, cal.QUICK_SWIGLU_SHAPES, repeats=5,
-                            target_nproc=args.nproc)
+                            target_nproc=args.nproc, kind="quick")
+        quality = "quick"
         c.print(f"[dim]  measured in {res.seconds:.0f} s, wrote {res.path} (`moonep-sim calibrate` does a fuller job)[/dim]")
+    load_topology("local-gloo")
 
-    cfg = CompareConfig(str(trace), strategies, args.topology, args.nproc, args.gpus_per_node, source.layer_ids,
-                        source.model.name, real=True, nproc=args.nproc, real_timeout_s=300.0, real_iters=args.iters)
-    c.print(f"replaying {source.label}, layers {args.layers}, through {', '.join(n for n, _ in strategies)}: "
-            f"gloo with {args.nproc} processes ({cluster.num_nodes} emulated node(s) of {cluster.gpus_per_node}), "
+    names = [n for n, _ in rs.strategies]
+    c.print(f"replaying {rs.source.label}, layers {args.layers}, through {', '.join(names)}: "
+            f"gloo with {args.nproc} processes ({rs.cluster.num_nodes} emulated node(s) of {rs.cluster.gpus_per_node}), "
             f"and simulated on local-gloo and {args.topology}")
-    prog, cb = progress_bar(c, "demo")
-    with prog:
-        rep = compare(cfg, progress=cb, source=source)
+    with progress(c, "demo") as cb:
+        rep = sc.compare(real=True, nproc=args.nproc, iters=args.iters, timeout_s=300.0, progress=cb).to_dict()
     files = write_outputs(rep, Path(args.out))
     for t in compare_table(rep):
         c.print(t)
     for line in compare_footer(rep):
         c.print(f"[dim]{line}[/dim]")
+    for line in [resolved_line(rep), *weight_tradeoff_lines(rep)]:
+        if line:
+            c.print(line, highlight=False)
+    if quality in ("quick", "none"):
+        c.print(f"[yellow]warning: the simulated local-gloo column uses {'a quick calibration' if quality == 'quick' else 'uncalibrated preset defaults'} "
+                "of this machine; run `moonep-sim calibrate` (about 15 s) for the constants behind "
+                "docs/results/fidelity.md[/yellow]")
     c.print(f"plots: {files['layer_time']}, {files['rows_per_rank']}, {files['traffic']}")
     c.print(f"report: {files['report']}   (demo took {time.perf_counter() - t0:.0f} s)")
     bad = [n for n, r in rep["real"]["strategies"].items() if r.get("correct") is False]

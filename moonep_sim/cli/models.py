@@ -16,15 +16,13 @@ def run(args) -> int:
     if args.json:
         print_json([m.to_dict() for m in PRESETS.values()])
         return 0
-    from rich.table import Table
-    t = Table(title="model presets (row bytes: one dispatched row; expert MiB: gate+up+down, bf16)")
-    for col in ("name", "E", "K", "shared", "hidden", "H'", "row width", "bf16 row B", "fp8 row B",
-                "expert MiB"):
-        t.add_column(col)
-    for m in PRESETS.values():
-        t.add_row(m.name, str(m.num_experts), str(m.top_k), str(m.shared_experts), str(m.hidden),
-                  str(m.expert_ffn), str(m.dispatch_hidden), str(m.row_bytes_bf16), str(m.row_bytes_fp8),
-                  f"{m.expert_weight_bytes / 2**20:.1f}")
+    from moonep_sim.report.tables import fitted_table
+
+    rows = [[m.name, str(m.num_experts), str(m.top_k), str(m.shared_experts), str(m.hidden), str(m.expert_ffn),
+             str(m.dispatch_hidden), str(m.row_bytes_bf16), str(m.row_bytes_fp8),
+             f"{m.expert_weight_bytes / 2**20:.1f}"] for m in PRESETS.values()]
+    t = fitted_table("model presets (row: dispatched row width; B: bytes of one row; expert MiB: gate+up+down, bf16)",
+                     ("name", "E", "K", "shared", "hidden", "H'", "row", "bf16 B", "fp8 B", "expert MiB"), rows)
     c = console()
     c.print(t)
     for m in PRESETS.values():

@@ -4,25 +4,27 @@ Tokens of the layer are split evenly over the ranks (the first T % R ranks get o
 weight sizes come from ``--model``, else the trace's ``meta.model``, else a default shape
 (``custom_model(E, K)``: hidden 1024, expert FFN 512, i.e. 2048-byte bf16 rows and 3 MiB experts).
 For ``deepep`` with ``--opt max_nodes=M`` and a trace holding ``router_logits``, the tokens are
-re-routed with node-limited selection (one expert group per node) before planning.
+re-routed with node-limited selection (one expert group per node) before planning. A thin adapter
+over :meth:`moonep_sim.experiments.Scenario.plans`.
 """
 
 from __future__ import annotations
 
-from moonep_sim.cli.common import console, parse_kv, print_json
-from moonep_sim.errors import ConfigError
+from moonep_sim.cli.common import add_steps, add_dispatch_dtype, console, parse_kv, print_json
 
 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="plan one layer of a trace with a strategy and summarise it")
-    p.add_argument("--trace", required=True, help="token-level trace (.safetensors)")
-    p.add_argument("--strategy", required=True, help="strategy name (see --list)")
+    p.add_argument("--trace", required=True,
+                   help="token-level trace (.safetensors), or generated routing gen:model=...,maxvio=...")
+    p.add_argument("--strategy", required=True, help="strategy name (`moonep-sim strategies` lists them)")
     p.add_argument("--ranks", type=int, required=True, help="EP ranks (GPUs)")
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: all ranks in one node)")
-    p.add_argument("--layer", type=int, default=None, help="model layer id (default: the trace's first layer)")
+    add_steps(p)
+    p.add_argument("--layer", type=int, default=None, help="layer id (default: the trace's first layer)")
     p.add_argument("--opt", action="append", default=[], metavar="K=V", help="strategy option (repeatable)")
     p.add_argument("--model", default=None, help="model preset for row/weight sizes (default: the trace's)")
-    p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16", help="dispatched row dtype")
+    add_dispatch_dtype(p)
     p.add_argument("--token-padding", type=int, default=1, help="pad each expert segment to a multiple of N rows")
     p.add_argument("--placement", choices=("home", "round-robin"), default="home",
                    help="expert homes: contiguous groups (home) or expert e on rank e %% R (round-robin)")
@@ -30,42 +32,22 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def scenario(args):
+    """The Scenario these arguments describe (shared with tests)."""
+    from moonep_sim.experiments import Scenario
+
+    return Scenario(routing=args.trace, model=args.model, cluster=(args.ranks, args.gpus_per_node or args.ranks),
+                    strategies=[(args.strategy, parse_kv(args.opt))],
+                    layers=None if args.layer is None else [args.layer], steps=args.steps,
+                    dispatch_dtype=args.dispatch_dtype,
+                    token_padding=args.token_padding, placement=args.placement)
+
+
 def build(args):
     """(plan, model name) from parsed arguments -- shared with tests."""
-    from moonep_sim.models import custom_model, get_model
-    from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
-    from moonep_sim.routing.trace import Trace
-    from moonep_sim.strategies import PlanContext, get_strategy
-
-    if args.token_padding < 1:
-        raise ConfigError(f"--token-padding ({args.token_padding}) must be >= 1")
-    spec = get_strategy(args.strategy)
-    opts = spec.parse_options(parse_kv(args.opt))
-    trace = Trace(args.trace)
-    m = trace.meta
-    cluster = ClusterShape(args.ranks, args.gpus_per_node)
-    index = 0 if args.layer is None else trace.layer_index(args.layer)
-    lr = trace.layer(index)
-    ids, w = lr.topk_ids_TK, lr.topk_weights_TK
-    name = args.model or m.model
-    if name:
-        model = get_model(name)
-        if (model.num_experts, model.top_k) != (m.num_experts, m.top_k):
-            raise ConfigError(f"model {model.name} (E={model.num_experts}, K={model.top_k}) must match the "
-                              f"trace (E={m.num_experts}, K={m.top_k})")
-    else:
-        model = custom_model(m.num_experts, m.top_k)
-    if args.placement == "home":
-        placement = Placement.home_groups(m.num_experts, args.ranks)
-    else:
-        placement = Placement.round_robin(m.num_experts, args.ranks)
-    ctx = PlanContext(cluster, placement, RowCosts.from_model(model, args.dispatch_dtype), args.token_padding)
-    if args.strategy == "deepep" and opts.get("max_nodes") and trace.has("router_logits"):
-        from moonep_sim.strategies.deepep import node_limited_topk
-        ids, w = node_limited_topk(trace.router_logits(index), m.top_k, cluster.num_nodes, opts["max_nodes"],
-                                   score=model.router)
-    routing = GlobalRouting.split_evenly(ids, w, m.num_experts, args.ranks)
-    return spec.plan(routing, ctx, **opts), model.name
+    sc = scenario(args)
+    res = sc.plans()
+    return res.items[0].plan, res.model
 
 
 def _mib(b: int) -> str:

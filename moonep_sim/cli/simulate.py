@@ -1,34 +1,38 @@
 """``moonep-sim simulate``: time a strategy's Plan of one or more layers on a simulated cluster.
 
 Routing comes from a trace (``--trace``) or is generated (``--gen maxvio=10,model=kimi-k3,
-tokens-per-rank=8192[,seed=0]``). Tokens of a layer are split evenly over ``--ranks`` (default:
-one node of the topology). GPUs per node default to the topology's. The summary names the layer
+tokens-per-rank=8192[,seed=0]``, the grammar of :mod:`moonep_sim.experiments.routing`). Tokens of a
+layer are split evenly over ``--ranks``. A thin adapter over
+:meth:`moonep_sim.experiments.Scenario.simulate`. The summary names the layer
 time, the phases, the lower bound, the straggler (rank and cause) and the busiest port.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
-from moonep_sim.cli.common import console, parse_int_list, parse_kv, print_json
-from moonep_sim.errors import ConfigError, require
+from moonep_sim.cli.common import add_steps, add_dispatch_dtype, console, parse_int_list, parse_kv, print_json
+from moonep_sim.errors import require
 
 
 def register(sub) -> None:
     p = sub.add_parser("simulate", help="time a strategy on a simulated GPU cluster (straggler, busiest port)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", help="token-level trace (.safetensors)")
+    src.add_argument("--trace", help="token-level trace (.safetensors), or gen:KEY=VALUE,... as --gen")
     src.add_argument("--gen", metavar="K=V,...",
-                     help="generated routing instead of a trace: maxvio=X (or sigma/zipf/uniform=1), model=PRESET, "
-                          "tokens-per-rank=N, seed=S")
-    p.add_argument("--strategy", required=True, help="strategy name")
+                     help="generated routing instead of a trace, e.g. model=kimi-k3,maxvio=10,tokens-per-rank=4096 "
+                          "(keys and defaults: docs/traces.md; default model=mixtral-8x7b,maxvio=1,"
+                          "tokens-per-rank=512)")
+    p.add_argument("--strategy", required=True, help="strategy name (`moonep-sim strategies` lists them)")
     p.add_argument("--topology", default="h800-cx7", help="preset name or .toml file (see `moonep-sim topologies`)")
-    p.add_argument("--ranks", type=int, default=None, help="EP ranks (default: gpus per node of the topology)")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="override the topology's GPUs per node")
+    p.add_argument("--ranks", type=int, default=None, help="EP ranks (default: 8, or the largest divisor of E below)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the topology's, at most R)")
+    add_steps(p)
     p.add_argument("--layers", default=None, help="trace layer ids to chain in one step, e.g. 0,1,5-7 (default: first)")
     p.add_argument("--opt", action="append", default=[], metavar="K=V", help="strategy option (repeatable)")
     p.add_argument("--model", default=None, help="model preset (default: the trace's or the --gen model)")
-    p.add_argument("--dispatch-dtype", choices=("bf16", "fp8"), default="bf16", help="dispatched row dtype")
+    add_dispatch_dtype(p)
     p.add_argument("--token-padding", type=int, default=1, help="pad each expert segment to a multiple of N rows")
     p.add_argument("--backward", action="store_true", help="also simulate the backward (a training step)")
     p.add_argument("--no-overlap-prefetch", action="store_true", help="send copied weights after dispatch")
@@ -47,94 +51,52 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _gen_routing(spec: str, ranks: int, seed: int):
-    from moonep_sim.models import get_model
-    kv = parse_kv([s for s in spec.split(",") if s.strip()], "--gen")
-    model = get_model(kv.pop("model", "kimi-k3"))
-    try:
-        tpr = int(kv.pop("tokens_per_rank", "4096"))
-        gseed = int(kv.pop("seed", seed))
-        pop = {k: (True if k == "uniform" else float(v)) for k, v in kv.items()}
-    except ValueError as e:
-        raise ConfigError(f"--gen ({spec!r}) must hold numbers: {e}") from None
-    if not pop:
-        pop = {"maxvio": 1.0}
-    require(tpr >= 1, f"--gen tokens-per-rank ({tpr}) must be >= 1")
-    try:
-        from moonep_sim.routing.generators import generate_layer
-    except ImportError:  # pragma: no cover - generators ship with the package
-        generate_layer = None
-    if generate_layer is not None:
-        lr = generate_layer(model.num_experts, model.top_k, tpr * ranks, gseed, **pop)
-        return lr.topk_ids_TK, lr.topk_weights_TK, model, f"generated {spec}"
-    raise ConfigError("--gen needs moonep_sim.routing.generators")  # pragma: no cover
+def scenario(args):
+    """The Scenario these arguments describe (shared with tests)."""
+    from moonep_sim.experiments import GeneratorSpec, Scenario
 
-
-def build_plans(args, topo):
-    """(plans, model) from parsed arguments (shared with tests)."""
-    from moonep_sim.models import custom_model, get_model
-    from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
-    from moonep_sim.strategies import PlanContext, get_strategy
-
-    spec = get_strategy(args.strategy)
-    opts = spec.parse_options(parse_kv(args.opt))
-    R = args.ranks or topo.gpus_per_node
-    require(R >= 1, f"--ranks ({R}) must be >= 1")
-    require(args.token_padding >= 1, f"--token-padding ({args.token_padding}) must be >= 1")
-    G = min(topo.gpus_per_node, R)
-    require(R % G == 0, f"--ranks ({R}) must be a multiple of the GPUs per node ({G}) of topology {topo.name}")
-    cluster = ClusterShape(R, G)
-    layers_ids: list = []
-    if args.trace:
-        from moonep_sim.routing.trace import Trace
-        trace = Trace(args.trace)
-        m = trace.meta
-        wanted = parse_int_list(args.layers, "--layers") or [m.layer_ids[0]]
-        name = args.model or m.model
-        model = get_model(name) if name else custom_model(m.num_experts, m.top_k)
-        require((model.num_experts, model.top_k) == (m.num_experts, m.top_k),
-                f"model {model.name} (E={model.num_experts}, K={model.top_k}) must match the trace "
-                f"(E={m.num_experts}, K={m.top_k})")
-        routings = []
-        for lid in wanted:
-            lr = trace.layer(trace.layer_index(lid))
-            routings.append((lr.topk_ids_TK, lr.topk_weights_TK))
-        layers_ids = wanted
-        E = m.num_experts
+    if args.gen:
+        spec = GeneratorSpec.parse(args.gen)
+        if "seed" not in {k.strip().replace("_", "-") for k in (kv.split("=")[0] for kv in args.gen.split(","))}:
+            spec = dataclasses.replace(spec, seed=args.seed)  # --seed seeds the routing unless the spec does
+        routing, layers = spec, [0]
     else:
-        ids, w, model, _ = _gen_routing(args.gen, R, args.seed)
-        if args.model:
-            model = get_model(args.model)
-        routings = [(ids, w)]
-        E = model.num_experts
-        layers_ids = [0]
-    ctx = PlanContext(cluster, Placement.home_groups(E, R), RowCosts.from_model(model, args.dispatch_dtype),
-                      args.token_padding, topo)
-    plans = []
-    for ids, w in routings:
-        routing = GlobalRouting.split_evenly(ids, w, E, R)
-        plans.append(spec.plan(routing, ctx, **opts))
-    return plans, model, layers_ids
+        routing, layers = args.trace, parse_int_list(args.layers, "--layers")
+    sc = Scenario(routing=routing, model=args.model, cluster=(args.ranks or 0, args.gpus_per_node or 0),
+                  topology=args.topology, strategies=[(args.strategy, parse_kv(args.opt))], layers=layers,
+                  steps=args.steps if not args.gen else None,
+                  dispatch_dtype=args.dispatch_dtype, token_padding=args.token_padding)
+    if layers is None:  # a trace's first layer unless --layers says otherwise
+        sc = dataclasses.replace(sc, layers=sc.resolved.source.layer_ids[:1])
+    return sc
+
+
+def build_plans(args):
+    """(plans, model, layer ids) from parsed arguments (shared with tests)."""
+    sc = scenario(args)
+    res = sc.plans()
+    return [it.plan for it in res.items], sc.resolved.source.model, list(sc.resolved.source.layer_ids)
 
 
 def run(args) -> int:
-    from moonep_sim.sim import SimOptions, load_topology, parse_faults, simulate_layers
+    from moonep_sim.sim import parse_faults
     from moonep_sim.sim.perfetto import write_trace
     from moonep_sim.sim.timeline import DEFAULT_TOL
 
     if args.timeline:
         from moonep_sim.io import check_output_path
         check_output_path(args.timeline, "--timeline")  # before the run, not after it
-    topo = load_topology(args.topology, args.gpus_per_node)
     require(args.chunks >= 1, f"--chunks ({args.chunks}) must be >= 1")
     faults = parse_faults(args.slow_gpu, args.degrade_nic, args.degrade_nvlink, args.stall)
+    sc = scenario(args)
+    rs = sc.resolved  # everything checked before any work
+    topo, model, layer_ids = rs.topology, rs.source.model, list(rs.source.layer_ids)
     t0 = time.perf_counter()
-    plans, model, layer_ids = build_plans(args, topo)
-    plan_s = time.perf_counter() - t0
-    opts = SimOptions(backward=args.backward, overlap_prefetch=not args.no_overlap_prefetch, chunks=args.chunks,
+    out = sc.simulate(backward=args.backward, overlap_prefetch=not args.no_overlap_prefetch, chunks=args.chunks,
                       seed=args.seed, faults=tuple(faults), jitter=args.jitter,
                       tol=DEFAULT_TOL if args.tol is None else args.tol, timeline=bool(args.timeline))
-    res = simulate_layers(plans, topo, model, opts)
+    res = out.raw[args.strategy]
+    plan_s = time.perf_counter() - t0 - res.sim_stats["wall_seconds"]
     if args.timeline:
         write_trace(args.timeline, res.timeline_events,
                     {"strategy": res.strategy, "topology": res.topology, "ranks": res.ranks,

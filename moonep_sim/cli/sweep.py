@@ -1,13 +1,16 @@
-"""``moonep-sim sweep``: layer time per strategy versus imbalance, EP size or a topology constant."""
+"""``moonep-sim sweep``: layer time per strategy versus imbalance, EP size or a topology constant.
+
+A thin adapter over :meth:`moonep_sim.experiments.Scenario.sweep`.
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from moonep_sim.cli.common import print_json, to_jsonable
-from moonep_sim.report.tables import wide_console as console
+from moonep_sim.cli.common import add_dispatch_dtype, add_strategies, parse_strategy_opts, print_json, progress, to_jsonable
 from moonep_sim.errors import ConfigError
+from moonep_sim.report.tables import wide_console as console
 
 
 def register(sub) -> None:
@@ -21,16 +24,16 @@ def register(sub) -> None:
     p.add_argument("--over", required=True,
                    help="maxvio | ep | a numeric topology constant (e.g. nic_bandwidth_GBps, fabric_oversubscription)")
     p.add_argument("--values", default=None,
-                   help="comma-separated values (default: maxvio 0.2,1,10,20; ep 8,16,32,64; required otherwise)")
-    p.add_argument("--strategies", default=DEFAULT_STRATEGIES, help=f"comma-separated (default {DEFAULT_STRATEGIES})")
-    p.add_argument("--opt", action="append", default=[], metavar="STRATEGY.KEY=VALUE", help="strategy option (repeatable)")
+                   help="comma-separated values (default: maxvio 0.2,1,10,20 where the model's E/K allows, else "
+                        "filled with 5,2,0.5; ep 8,16,32,64 that divide E; required for a topology constant)")
+    add_strategies(p, DEFAULT_STRATEGIES)
     p.add_argument("--topology", default="h800-cx7", help="simulated cluster preset or TOML file (default h800-cx7)")
     p.add_argument("--ranks", type=int, default=64, help="EP size when not sweeping it (default 64)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the topology's)")
     p.add_argument("--tokens-per-rank", type=int, default=1024, help="tokens on each rank (default 1024)")
     p.add_argument("--maxvio", type=float, default=1.0, help="imbalance when not sweeping it (default 1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"), help="dispatch row dtype (default bf16)")
+    add_dispatch_dtype(p)
     p.add_argument("--out", default="moonep-sim-out/sweep", help="directory for sweep.json and sweep.png")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     p.add_argument("--by", default=None, choices=BY_KNOBS,
@@ -79,9 +82,8 @@ def _by_config(cfg, knob: str, v: float):
 
 def run_winner_map(args, cfg, by_vals: list[float]) -> int:
     """One sweep per --by value, then the winner map of them all."""
-    from moonep_sim.cli.compare import progress_bar
-    from moonep_sim.io import write_text_atomic
-    from moonep_sim.report.sweep import check, sweep
+    from moonep_sim.experiments.sweep import check, sweep
+    from moonep_sim.io import make_output_dir, write_text_atomic
     from moonep_sim.report.winner import winner_heatmap, winner_map, winner_table_md
 
     cfgs = [_by_config(cfg, args.by, v) for v in by_vals]
@@ -90,16 +92,12 @@ def run_winner_map(args, cfg, by_vals: list[float]) -> int:
     con = console()
     reps = []
     for v, c in zip(by_vals, cfgs):
-        if args.json:
-            reps.append((v, sweep(c)))
-        else:
-            prog, cb = progress_bar(con, f"sweep {args.by}={v:g}")
-            with prog:
-                reps.append((v, sweep(c, progress=cb)))
+        with progress(con, f"sweep {args.by}={v:g}", lines=args.json) as cb:
+            reps.append((v, sweep(c, progress=cb)))
     m = winner_map(reps, args.by)
     m["sweeps"] = [r for _, r in reps]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out, "--out")
     png = winner_heatmap(m, out / "winner.png")
     md = winner_table_md(m)
     write_text_atomic(out / "winner.md", md + "\n")
@@ -113,51 +111,40 @@ def run_winner_map(args, cfg, by_vals: list[float]) -> int:
     return 0
 
 
-def _values(args) -> list[float]:
-    from moonep_sim.report.sweep import EP_SIZES, MAXVIO_TARGETS
-
-    if args.values is None:
-        if args.over == "maxvio":
-            return list(MAXVIO_TARGETS)
-        if args.over == "ep":
-            return [float(v) for v in EP_SIZES]
-        from moonep_sim.report.compare import load_topology
-        from moonep_sim.report.sweep import topology_params
-
-        params = topology_params(load_topology(args.topology))
-        if args.over not in params:
-            raise ConfigError(f"--over ({args.over!r}) must be maxvio, ep or a topology constant: {', '.join(params)}")
-        raise ConfigError(f"--values must be given when sweeping a topology constant ({args.over})")
+def _values(text: str | None) -> list[float] | None:
+    if text is None:
+        return None
     try:
-        return [float(v) for v in args.values.split(",") if v.strip()]
+        return [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ConfigError(f"--values ({args.values!r}) must be comma-separated numbers") from None
+        raise ConfigError(f"--values ({text!r}) must be comma-separated numbers") from None
+
+
+def scenario(args):
+    from moonep_sim.experiments import GeneratorSpec, Scenario
+
+    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    spec = GeneratorSpec(model=args.model, maxvio=args.maxvio, tokens_per_rank=args.tokens_per_rank, seed=args.seed)
+    return Scenario(routing=spec, cluster=(args.ranks, args.gpus_per_node or 0), topology=args.topology,
+                    strategies=names, options=parse_strategy_opts(args.opt, names), dispatch_dtype=args.dispatch_dtype)
 
 
 def run(args) -> int:
-    from moonep_sim.cli.compare import progress_bar
+    from moonep_sim.experiments.sweep import check
     from moonep_sim.io import check_output_dir, make_output_dir, write_text_atomic
-    from moonep_sim.models import get_model
     from moonep_sim.report import plots
-    from moonep_sim.report.compare import parse_strategies
-    from moonep_sim.report.sweep import SweepConfig, check, sweep
     from moonep_sim.report.tables import sweep_table
 
     check_output_dir(args.out, "--out")  # before the run, not after it
-    model = get_model(args.model)
-    cfg = SweepConfig(model, args.over, _values(args), parse_strategies(args.strategies, args.opt), args.topology,
-                      args.ranks, args.gpus_per_node or 0, args.tokens_per_rank, args.maxvio, args.seed, args.dtype)
+    sc = scenario(args)
+    cfg = sc.sweep_config(args.over, _values(args.values))
     by_vals = _by_values(args)
     if by_vals:
         return run_winner_map(args, cfg, by_vals)
     check(cfg)  # every input checked before any work
     c = console()
-    if args.json:
-        rep = sweep(cfg)
-    else:
-        prog, cb = progress_bar(c, "sweep")
-        with prog:
-            rep = sweep(cfg, progress=cb)
+    with progress(c, "sweep", lines=args.json) as cb:
+        rep = sc.sweep(args.over, cfg.values, progress=cb).to_dict()
     out = Path(args.out)
     make_output_dir(out, "--out")
     png = plots.sweep_lines(rep, out / "sweep.png")

@@ -34,7 +34,7 @@ def register(sub) -> None:
     shape_args(r)
     r.add_argument("--trace", required=True)
     r.add_argument("--strategy", default="moonep")
-    r.add_argument("--layers", default=None, help="layer positions in the trace, e.g. 0,1")
+    r.add_argument("--layers", default=None, help="layer ids, e.g. 0,5-7 (default: all of the trace)")
     r.add_argument("--hidden", type=int, default=512)
     r.add_argument("--ffn", type=int, default=64)
     r.add_argument("--max-tokens", type=int, default=0)
@@ -117,9 +117,7 @@ def _run_in(args, spec, out: str) -> int:
     if args.json:
         from moonep_sim.io import write_text_atomic
         write_text_atomic(args.json, json.dumps(d, indent=2, default=str))
-    rep = res.replay or {}
-    summary = {k: rep.get(k) for k in ("strategy", "world_size", "layers", "dispatch_ms", "combine_ms", "total_ms",
-                                       "bytes_sent", "correct")}
+    summary = run_summary(res.replay or {})
     summary["tcp_mbit_per_s"] = [round(t["bits_per_s"] / 1e6, 1) for t in res.probes.get("tcp", [])]
     summary["topology"] = res.topology_path
     summary["logs"] = res.logs
@@ -134,6 +132,23 @@ def _check_outputs(args, *names: str) -> None:
     for n in names:
         if getattr(args, n, None):
             check_output_path(getattr(args, n), "--" + n.replace("_", "-"))
+
+
+_SUMMARY_KEYS = ("strategy", "world_size", "layers", "layer_ms_median", "dispatch_ms", "combine_ms", "total_ms",
+                 "bytes_sent", "correct")
+
+
+def run_summary(replay: dict) -> dict:
+    """The replay's headline figures; with several strategies (``--strategy a,b``), one entry each."""
+    from moonep_sim.gloo.launcher import reports_by_strategy
+
+    if not replay:
+        return {k: None for k in _SUMMARY_KEYS}
+    per = reports_by_strategy(replay)
+    if "strategies" not in replay:
+        return {k: replay.get(k) for k in _SUMMARY_KEYS}
+    return {"strategies": {n: {k: r.get(k) for k in _SUMMARY_KEYS if k != "strategy"} for n, r in per.items()},
+            "order": replay.get("order"), "interleaved": replay.get("interleaved")}
 
 
 def _probe(args) -> int:

@@ -24,15 +24,17 @@ def run(args) -> int:
         print_json({"topologies": [dict(t.constants(), file=t.path) for t in topos],
                     "calibrated_local_gloo": str(cal), "calibrated_exists": cal.is_file()})
         return 0
-    from rich.table import Table
-    tab = Table(title="topology presets (bandwidths GB/s per direction per GPU; x efficiency = used by the simulator)")
-    for col in ("name", "GPUs/node", "NVLink", "NIC", "oversub", "TFLOP/s", "HBM GB/s", "launch us", "from"):
-        tab.add_column(col)
-    for t in topos:
-        tab.add_row(t.name, str(t.gpus_per_node), f"{t.nvlink_bandwidth_GBps:g} x{t.nvlink_efficiency:g}",
-                    f"{t.nic_bandwidth_GBps:g} x{t.nic_efficiency:g}", f"{t.fabric_oversubscription:g}",
-                    f"{t.gpu_tflops:g} x{t.gpu_compute_efficiency:g}", f"{t.gpu_mem_bandwidth_GBps:g}",
-                    f"{t.gpu_launch_us:g}", t.path)
+    from moonep_sim.report.tables import fitted_table
+
+    def n(v: float) -> str:  # short, never in exponent form
+        return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+    rows = [[t.name, str(t.gpus_per_node), f"{n(t.nvlink_bandwidth_GBps)}x{n(t.nvlink_efficiency)}",
+             f"{n(t.nic_bandwidth_GBps)}x{n(t.nic_efficiency)}", n(t.fabric_oversubscription),
+             f"{n(t.gpu_tflops)}x{n(t.gpu_compute_efficiency)}", n(t.gpu_mem_bandwidth_GBps), n(t.gpu_launch_us)]
+            for t in topos]
+    tab = fitted_table("topology presets (GB/s per direction per GPU, x the efficiency the simulator applies)",
+                       ("name", "GPUs per node", "NVLink", "NIC", "over- sub", "TFLOP/s", "HBM GB/s", "launch us"), rows)
     c = console()
     c.print(tab)
     kt = Table(title="GPU kernel terms (0 = off; moonep_sim.sim.kernels; status of each in the sources below)")
@@ -50,7 +52,7 @@ def run(args) -> int:
                    f"{t.plan_fixed_us:g} + {t.plan_per_entry_ns:g} + {t.plan_per_cell_ns:g}")
     c.print(kt)
     for t in topos:
-        c.print(f"[bold]{t.name}[/bold]: {t.description}")
+        c.print(f"[bold]{t.name}[/bold] ({t.path}): {t.description}")
         for k, v in t.sources.items():
             c.print(f"  {k}: {v}")
     c.print(f"local-gloo calibrated file: {cal} ({'present, used' if cal.is_file() else 'absent, defaults used'})")

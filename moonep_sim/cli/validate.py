@@ -1,4 +1,7 @@
-"""``moonep-sim validate``: simulated (calibrated local-gloo) versus measured (gloo) layer times."""
+"""``moonep-sim validate``: simulated (calibrated local-gloo) versus measured (gloo) layer times.
+
+A thin adapter over :func:`moonep_sim.experiments.validate.validate`.
+"""
 
 from __future__ import annotations
 
@@ -29,12 +32,12 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from moonep_sim.cli.compare import progress_bar
+    from moonep_sim.cli.common import progress
     from moonep_sim.cli.demo import _trace_path
     from moonep_sim.errors import require
     from moonep_sim.io import check_output_dir, make_output_dir, write_text_atomic
-    from moonep_sim.report import calibrate as cal
-    from moonep_sim.report import fidelity as F
+    from moonep_sim.experiments import calibrate as cal
+    from moonep_sim.experiments import validate as F
     from moonep_sim.report.plots import fidelity_scatter
     from moonep_sim.report.tables import fidelity_table
 
@@ -51,12 +54,8 @@ def run(args) -> int:
     calibrated = path.is_file()
     if not args.json:
         c.print(f"[dim]local-gloo constants: {path if calibrated else 'shipped preset defaults (no calibration file; run `moonep-sim calibrate` first)'}[/dim]")
-    if args.json:
-        rep = F.validate(cfg)
-    else:
-        prog, cb = progress_bar(c, "validate")
-        with prog:
-            rep = F.validate(cfg, progress=cb)
+    with progress(c, "validate", lines=args.json) as cb:
+        rep = F.validate(cfg, progress=cb)
     rep["calibrated"] = calibrated
     out = Path(args.out)
     make_output_dir(out, "--out")

@@ -18,7 +18,7 @@ gathered inputs, with the Plan's drops applied.
 
 ``--strategy a,b,c`` replays several strategies in one process group, interleaved step by step
 (iteration i runs each in turn, the order rotated every iteration), so that two strategies' i-th
-samples are taken moments apart: the matched pairs ``moonep_sim.report.ranking`` tests. The JSON
+samples are taken moments apart: the matched pairs ``moonep_sim.experiments.ranking`` tests. The JSON
 is then ``{"strategies": {name: report}, "order": [...], "interleaved": true, ...}``; ``--opt
 STRATEGY.key=value`` sets one strategy's option, ``--opt key=value`` every strategy's.
 
@@ -44,6 +44,11 @@ from moonep_sim.io import check_output_path, write_text_atomic
 
 PHASES = ("exchange", "plan", "dispatch", "prefetch", "expert", "combine", "backward", "total")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "fp64": "float64"}
+
+
+def _dtype_name(text: str) -> str:
+    return _DTYPE_ALIASES.get(text, text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--strategy", default="moonep", help="strategy, or several comma-separated (interleaved)")
     ap.add_argument("--opt", action="append", default=[], metavar="[S.]K=V",
                     help="strategy option (repeatable): S.K=V for strategy S only, K=V for all")
-    ap.add_argument("--layers", default=None, help="comma-separated layer positions in the trace (default: all)")
+    ap.add_argument("--layers", default=None,
+                    help="layer ids to replay (the trace's layer_ids, as everywhere else), e.g. 0,5-7 (default: all)")
     ap.add_argument("--hidden", type=int, default=64, help="H (default 64)")
     ap.add_argument("--ffn", type=int, default=128, help="expert intermediate width F (default 128)")
     ap.add_argument("--max-tokens", type=int, default=0, help="use only the first N tokens of each layer")
@@ -68,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--json", default=None, help="write the report here (atomically, by rank 0)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds before a collective is declared failed")
-    ap.add_argument("--dispatch-dtype", default="float32", choices=sorted(_DTYPES))
+    ap.add_argument("--dispatch-dtype", default="float32", type=_dtype_name, choices=sorted(_DTYPES),
+                    help="dtype of the dispatched rows (bf16 is accepted for bfloat16, fp32 for float32)")
     ap.add_argument("--token-padding", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--check", dest="check", action="store_true", default=None,
@@ -80,6 +87,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    """``"0,2,5-7"`` -> ``[0, 2, 5, 6, 7]``."""
+    out: list[int] = []
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            a, sep, b = part.partition("-")
+            out.extend(range(int(a), int(b) + 1) if sep and a else [int(part)])
+    except ValueError:
+        raise ConfigError(f"{what} ({text!r}) must be a list of integers like 0,2,5-7") from None
+    return out
 
 
 def _parse_opts(items: Sequence[str]) -> dict[str, str]:
@@ -114,23 +133,13 @@ def _collective(phase: str, op: str, issue) -> None:
 _TRACKER: list = []
 
 
-def _parse_layers(text: str | None, n_layers: int) -> list[int]:
-    """``--layers 0,2,3`` -> positions in the trace, each checked."""
+def _parse_layers(text: str | None, trace) -> list[int]:
+    """``--layers 0,2,5-7`` (layer ids, as in every command) -> their positions in the trace, each checked."""
     if text is None:
-        return list(range(n_layers))
-    out = []
-    for v in text.split(","):
-        v = v.strip()
-        if not v:
-            continue
-        try:
-            out.append(int(v))
-        except ValueError:
-            raise ConfigError(f"--layers ({text!r}) must be comma-separated layer positions like 0,2,3") from None
-    require(out, f"--layers ({text!r}) must name at least one layer position")
-    for li in out:
-        require(0 <= li < n_layers, f"--layers entry ({li}) must lie in [0, {n_layers}) (layers of the trace)")
-    return out
+        return list(range(trace.num_layers))
+    ids = _int_list(text, "--layers")
+    require(ids, f"--layers ({text!r}) must name at least one layer id")
+    return [trace.layer_index(lid) for lid in ids]  # an id the trace lacks: one line naming its layer ids
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -192,7 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     E, K, H, F = meta.num_experts, meta.top_k, args.hidden, args.ffn
     require(H >= 1 and F >= 1, f"hidden ({H}) and ffn ({F}) must be >= 1")
     require(args.iters >= 1 and args.warmup >= 0, f"iters ({args.iters}) must be >= 1 and warmup ({args.warmup}) >= 0")
-    layers = _parse_layers(args.layers, trace.num_layers)
+    layers = _parse_layers(args.layers, trace)
     T = int(meta.num_tokens) if not args.max_tokens else min(int(meta.num_tokens), args.max_tokens)
     require(T >= R, f"tokens ({T}) must be >= world size ({R}) to give every rank a token")
     tpr = np.full(R, T // R, dtype=np.int64)
@@ -322,7 +331,7 @@ def _layer_entry(buf, step: dict[str, Any], lr, checked: dict[str, Any] | None) 
 def _report(args, buf, name: str, layers: list[int], T: int, tpr: np.ndarray,
             per_layer: list[dict[str, Any]]) -> dict[str, Any]:
     for e, li in zip(per_layer, layers):
-        e["layer"] = li
+        e["layer"] = li  # the stored position; e["layer_id"] is the model layer id
     totals = {p: sum(e["phases"][p]["max_ms"] for e in per_layer) for p in PHASES}
     # per rank, summed over layers: which rank is slow in which phase (a straggler)
     phases_R = {p: [float(v) for v in np.sum([e["phases_R"][p] for e in per_layer], axis=0)] for p in PHASES}

@@ -1,7 +1,7 @@
 """PNG plots of compare and sweep reports (matplotlib, Agg backend: no display needed).
 
 Every plot has a title, axis labels with units and a legend. Each function takes the JSON-ready
-report dict that :mod:`moonep_sim.report.compare` / :mod:`~moonep_sim.report.sweep` build and a
+report dict that :mod:`moonep_sim.experiments.compare` / :mod:`~moonep_sim.experiments.sweep` build and a
 destination path, writes the file atomically, and returns the path.
 
 Notation: R ranks; ``_RR`` a [source, destination] matrix.
@@ -75,7 +75,7 @@ def layer_time_bars(report: dict[str, Any], dest: str | os.PathLike) -> Path:
     ncols = 2 if real else 1
     fig, axes = plt.subplots(1, ncols, figsize=(max(6.0, 1.3 * len(names) + 3) * ncols, 4.6), squeeze=False)
     ax = axes[0][0]
-    from moonep_sim.report.compare import CRITICAL_PARTS
+    from moonep_sim.experiments.compare import CRITICAL_PARTS
 
     groups = [strat[n]["sim"]["critical_us_mean"] for n in names]
     total = [strat[n]["sim"]["layer_time_us_mean"] for n in names]

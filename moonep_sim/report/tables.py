@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from moonep_sim.report.plots import grouped_phases
 
@@ -26,7 +26,7 @@ def compare_table(report: dict[str, Any]) -> list:
     vs simulated (local-gloo) side by side."""
     from rich.table import Table
 
-    from moonep_sim.report.compare import CRITICAL_PARTS
+    from moonep_sim.experiments.compare import CRITICAL_PARTS
 
     strat = report["strategies"]
     groups = {n: grouped_phases(s["sim"]["phases_us_mean"]) for n, s in strat.items()}
@@ -101,6 +101,53 @@ def compare_footer(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def resolved_line(report: dict[str, Any]) -> str | None:
+    """Which pairs of strategies the real measurements resolved (the rest are measured ties)."""
+    rk = (report.get("real") or {}).get("ranking")
+    if not rk:
+        return None
+    if not rk.get("resolved"):
+        return (f"the measurements resolved no pair of strategies (all {rk['pairs']} pairs are measured ties at "
+                f"this noise level; more --iters may resolve some)")
+    return (f"the measurements resolved {len(rk['resolved'])} of {rk['pairs']} pairs: {', '.join(rk['resolved'])} "
+            f"(the other pairs are measured ties)")
+
+
+def weight_tradeoff_lines(report: dict[str, Any]) -> list[str]:
+    """For each strategy that moves expert weights: what it bought (rows taken off the busiest rank)
+    and what it paid (weight bytes), against the flat all-to-all (or the strategy moving the fewest
+    weight bytes), from the Plans' own figures in the report, per layer."""
+    s = report["strategies"]
+    movers = [n for n, v in s.items() if v.get("weight_bytes", 0) > 0]
+    others = [n for n in s if n not in movers]
+    if not movers or not others:
+        return []
+    base = "alltoall" if "alltoall" in others else others[0]
+    b = s[base]
+    L = max(len(report["routing"].get("layers") or []), 1)
+    m = report.get("model", {})
+    w_mib = m.get("expert_weight_bytes", 0) / 2**20
+    out = []
+    for n in movers:
+        v = s[n]
+        tok = (b["plan_bytes"].get("dispatch", 0) + b["plan_bytes"].get("combine", 0)) / L / 2**20
+        wb = v["weight_bytes"] / L / 2**20
+        rows_saved = b["rows_max"] - v["rows_max"]
+        t_n, t_b = v["sim"]["layer_time_us_mean"], b["sim"]["layer_time_us_mean"]
+        out.append(
+            f"why {n} is {'slower' if t_n > t_b else 'faster'} than {base} here ({t_n / 1e3:.3g} vs {t_b / 1e3:.3g} ms "
+            f"per layer simulated): it balances rows -- busiest rank {b['rows_max']:.0f} -> {v['rows_max']:.0f} rows "
+            f"(max/mean {b['rows_max_over_mean']:.2f} -> {v['rows_max_over_mean']:.2f}), {rows_saved:.0f} rows off the "
+            f"busiest rank per layer -- by copying {v['weight_copies'] / L:.1f} experts per layer"
+            + (f" of {w_mib:,.0f} MiB each" if w_mib else "")
+            + f": {wb:,.0f} MiB of expert weights moved per layer (forward), against {tok:,.1f} MiB of token rows "
+              f"{base} moves (dispatch + combine). "
+            + ("Moving whole experts costs more than the imbalance it removes: few, large experts (as "
+               f"{m.get('name', 'this model')}'s) favour moving rows; many small ones (Kimi K3: 896 of 63 MiB) favour "
+               "copies." if t_n > t_b else "Here the copies pay for themselves."))
+    return out
+
+
 def _topo_line(c: dict[str, Any]) -> str:
     keys = [("gpus_per_node", "G={}"), ("nvlink_bandwidth_GBps", "NVLink {} GB/s"),
             ("nvlink_latency_us", "{} us"), ("nic_bandwidth_GBps", "NIC {} GB/s"),
@@ -141,6 +188,22 @@ def fidelity_table(report: dict[str, Any]):
     for c in report["cases"]:
         t.add_row(c["case"], c["strategy"], f"{c['measured_ms']:.2f}", f"{c['simulated_ms']:.2f}",
                   f"{c['error'] * 100:+.0f}%")
+    return t
+
+
+def fitted_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]):
+    """A compact table whose cells never truncate: every column is at least as wide as its widest
+    value (headers may wrap instead), no vertical rules. Eight-column presets fit in 80 columns."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 1), collapse_padding=True)
+    for i, col in enumerate(columns):
+        width = max([len(str(r[i])) for r in rows] + [1])
+        longest_word = max(len(w) for w in str(col).split())
+        t.add_column(col, justify="left" if i == 0 else "right", min_width=width, max_width=max(width, longest_word))
+    for r in rows:
+        t.add_row(*map(str, r))
     return t
 
 

@@ -1,6 +1,6 @@
 """Winner maps: over two knobs, the fastest strategy of every cell and its margin over the runner-up.
 
-Input: sweep reports (the dicts :mod:`moonep_sim.report.sweep` builds), one per value of the second
+Input: sweep reports (the dicts :mod:`moonep_sim.experiments.sweep` builds), one per value of the second
 knob (rows, y), each sweeping the first knob (columns, x). Output: a map dict (JSON-ready), a
 heat map PNG (cell colour = the winner, label = winner and its margin) and a Markdown table.
 

@@ -12,7 +12,7 @@ result's ``busiest_port`` and ``straggler``.
 
 Reported per row: measured ms per layer (the replay's ``layer_ms_median``: median over iterations
 of the slowest rank's layer time), simulated ms per layer, ratio simulated / measured; per (shape,
-trace) the rank agreement of :func:`moonep_sim.report.ranking.agreement` (every pair of strategies
+trace) the rank agreement of :func:`moonep_sim.experiments.ranking.agreement` (every pair of strategies
 a sign test over the matched iterations resolves must be simulated in the same order; also the
 exact order and Kendall tau); overall the median absolute error.
 """
@@ -33,7 +33,7 @@ import numpy as np
 from moonep_sim.errors import require
 from moonep_sim.gloo.launcher import reports_by_strategy
 from moonep_sim.io import write_text_atomic
-from moonep_sim.report.ranking import agreement
+from moonep_sim.experiments.ranking import agreement
 from moonep_sim.testbed.netns import Testbed, TestbedSpec, format_rate
 from moonep_sim.testbed.run import LaunchSpec, launch_nodes, measure_gloo, signals_raise
 
@@ -42,7 +42,7 @@ STRATEGIES = ("alltoall", "hierarchical", "deepep", "moonep")
 
 @dataclass(frozen=True)
 class AgreeCase:
-    """One routing source: a trace file, the layer positions replayed, tokens used per layer."""
+    """One routing source: a trace file, the layer ids replayed, tokens used per layer."""
 
     label: str
     trace: str
@@ -90,27 +90,28 @@ def replay_args(case: AgreeCase, strategies: str, gpus_per_node: int, hidden: in
 
 def simulate_case(case: AgreeCase, strategy: str, ranks: int, gpus_per_node: int, hidden: int, ffn: int,
                   topo, faults: tuple = ()) -> dict:
-    """Simulate the replay's plans (same token split, placement and sizes) on ``topo``; ms per layer."""
+    """Simulate the replay's plans (same token split, placement and sizes) on ``topo``; ms per layer.
+    Through :class:`moonep_sim.experiments.Scenario`, as every other command."""
+    from moonep_sim.experiments import Scenario
+    from moonep_sim.experiments.compare import replay_costs
     from moonep_sim.models import custom_model
-    from moonep_sim.plan import GlobalRouting, RowCosts
+    from moonep_sim.plan import GlobalRouting
     from moonep_sim.routing.trace import Trace
-    from moonep_sim.sim import SimOptions, simulate_layer
-    from moonep_sim.strategies import PlanContext, make_plan
 
     tr = Trace(case.trace)
     E, K = tr.meta.num_experts, tr.meta.top_k
     T = int(tr.meta.num_tokens) if not case.max_tokens else min(int(tr.meta.num_tokens), case.max_tokens)
-    costs = RowCosts(hidden * 4, hidden * 4, 3 * hidden * ffn * 4, 3 * hidden * ffn * 4)
-    ctx = PlanContext.default(E, ranks, gpus_per_node, costs)
     model = custom_model(E, K, hidden, ffn, name=f"replay-H{hidden}-F{ffn}")
     times, straggler, busiest = [], [], []
-    for li in case.layers:
-        lr = tr.layer(li, 0, T)
+    for lid in case.layers:
+        lr = tr.layer(tr.layer_index(lid), 0, T)  # the replay's first T tokens of the layer
         routing = GlobalRouting.split_evenly(lr.topk_ids_TK, lr.topk_weights_TK, E, ranks)
-        res = simulate_layer(make_plan(strategy, routing, ctx), topo, model, SimOptions(faults=faults))
-        times.append(res.layer_time_us / 1e3)
-        straggler.append(dict(res.straggler))
-        busiest.append(dict(res.busiest_port))
+        sc = Scenario(routing=routing, model=model, cluster=(ranks, gpus_per_node), topology=topo,
+                      strategies=[strategy], costs=replay_costs(hidden, ffn))
+        res = sc.simulate(faults=tuple(faults)).per_strategy[strategy]
+        times.append(res["layer_time_us"] / 1e3)
+        straggler.append(dict(res["straggler"]))
+        busiest.append(dict(res["busiest_port"]))
     return {"ms_per_layer": float(np.mean(times)), "layers_ms": times, "straggler": straggler, "busiest_port": busiest}
 
 

@@ -1,4 +1,5 @@
-"""compare / sweep reports: JSON contents, each strategy's figures from its own Plan, plots, bad input."""
+"""compare / sweep through moonep_sim.experiments: JSON contents, each strategy's figures from its own
+Plan, plots, bad input."""
 
 from __future__ import annotations
 
@@ -11,17 +12,18 @@ from conftest import TRACES
 from moonep_sim.cli import main
 from moonep_sim.plan import GlobalRouting
 
-pytest.importorskip("moonep_sim.sim")
 MIXTRAL = TRACES / "mixtral-8x7b_humaneval.safetensors"
 STRATS = "alltoall,capacity,hierarchical,moonep"
 
 
 @pytest.fixture(scope="module")
 def report():
-    from moonep_sim.report.compare import CompareConfig, compare, parse_strategies
+    from moonep_sim.experiments import Scenario
 
-    cfg = CompareConfig(str(MIXTRAL), parse_strategies(STRATS), "h800-cx7", ranks=4, gpus_per_node=2, layers=[0, 5])
-    return compare(cfg)
+    res = Scenario(routing=str(MIXTRAL), cluster="4/2", strategies=STRATS, layers=[0, 5]).compare()
+    assert tuple(res.strategies) == tuple(STRATS.split(","))
+    assert res.layer_time_us["moonep"] == res.to_dict()["strategies"]["moonep"]["sim"]["layer_time_us_mean"]
+    return res.to_dict()
 
 
 def test_report_has_the_documented_keys(report):
@@ -46,11 +48,12 @@ def test_report_has_the_documented_keys(report):
 
 def test_each_strategy_numbers_come_from_its_own_plan(report):
     """Bytes, drops and rows per rank equal make_plan(...).summary() of that strategy, layer by layer."""
-    from moonep_sim.report.compare import open_source, plan_context
+    from moonep_sim.experiments.compare import plan_context
+    from moonep_sim.experiments.routing import open_routing
     from moonep_sim.plan import ClusterShape
     from moonep_sim.strategies import make_plan
 
-    src = open_source(str(MIXTRAL), [0, 5])
+    src = open_routing(str(MIXTRAL), [0, 5])
     ctx = plan_context(src, ClusterShape(4, 2))
     totals: dict[str, dict[str, int]] = {}
     for lid in (0, 5):
@@ -75,11 +78,12 @@ def test_each_strategy_numbers_come_from_its_own_plan(report):
 
 
 def test_simulated_time_is_the_simulator_on_that_plan(report):
-    from moonep_sim.report.compare import load_topology, open_source, plan_context, simulate
+    from moonep_sim.experiments.compare import load_topology, plan_context, simulate
+    from moonep_sim.experiments.routing import open_routing
     from moonep_sim.plan import ClusterShape
     from moonep_sim.strategies import make_plan
 
-    src = open_source(str(MIXTRAL), [5])
+    src = open_routing(str(MIXTRAL), [5])
     cl = ClusterShape(4, 2)
     lr = src.layer(5, 4)
     g = GlobalRouting.split_evenly(lr.topk_ids_TK, lr.topk_weights_TK, 8, 4)
@@ -100,9 +104,9 @@ def test_plots_are_written(report, tmp_path):
 
 
 def test_generated_routing_source():
-    from moonep_sim.report.compare import open_source
+    from moonep_sim.experiments.routing import open_routing
 
-    src = open_source("gen:model=kimi-k2,maxvio=4,tokens-per-rank=64,layers=2,seed=3")
+    src = open_routing("gen:model=kimi-k2,maxvio=4,tokens-per-rank=64,layers=2,seed=3")
     assert (src.num_experts, src.top_k, src.layer_ids) == (384, 8, [0, 1])
     a, b = src.layer(0, 8), src.layer(0, 8)
     assert a.topk_ids_TK.shape == (512, 8)
@@ -132,7 +136,7 @@ def test_compare_bad_trace(capsys, tmp_path):
     assert main(["compare", "--trace", str(tmp_path / "missing.safetensors")]) == 2
     assert "must be an existing trace file" in capsys.readouterr().err
     assert main(["compare", "--trace", "gen:model=kimi-k3,bogus=1"]) == 2
-    assert "gen: key ('bogus')" in capsys.readouterr().err
+    assert "generator spec key ('bogus') must be one of: model, maxvio" in capsys.readouterr().err
 
 
 def test_compare_cli_writes_report_and_plots(tmp_path, capsys):
@@ -148,13 +152,12 @@ def test_compare_cli_writes_report_and_plots(tmp_path, capsys):
 
 
 def test_sweep_over_maxvio_and_a_topology_constant(tmp_path):
-    from moonep_sim.models import get_model
-    from moonep_sim.report.compare import parse_strategies
-    from moonep_sim.report.sweep import SweepConfig, sweep
+    from moonep_sim.experiments import Scenario
 
-    m = get_model("olmoe-1b-7b")
-    rep = sweep(SweepConfig(m, "maxvio", [0.5, 3.0], parse_strategies("alltoall,moonep"), "h800-cx7", ranks=16,
-                            gpus_per_node=8, tokens_per_rank=64))
+    sc = Scenario(routing="gen:model=olmoe-1b-7b,tokens-per-rank=64", cluster="16/8", strategies="alltoall,moonep")
+    res = sc.sweep(over="maxvio", values=[0.5, 3.0])
+    assert res.values == (0.5, 3.0) and len(res.layer_time_us["moonep"]) == 2
+    rep = res.to_dict()
     assert rep["values"] == [0.5, 3.0]
     assert [p["realised_maxvio"] for p in rep["points"]] == pytest.approx([0.5, 3.0], rel=0.1)
     for s in rep["strategies"].values():
@@ -163,8 +166,8 @@ def test_sweep_over_maxvio_and_a_topology_constant(tmp_path):
     a, b = rep["strategies"]["alltoall"], rep["strategies"]["moonep"]
     assert a["rows_max_over_mean"][1] > a["rows_max_over_mean"][0]
     assert max(b["rows_max_over_mean"]) < 1.05
-    rep2 = sweep(SweepConfig(m, "nic_bandwidth_GBps", [25, 100], parse_strategies("alltoall"), "h800-cx7",
-                             ranks=16, gpus_per_node=8, tokens_per_rank=64))
+    rep2 = Scenario(routing="gen:model=olmoe-1b-7b,tokens-per-rank=64", cluster="16/8", strategies="alltoall").sweep(
+        over="nic_bandwidth_GBps", values=[25, 100]).to_dict()
     t = rep2["strategies"]["alltoall"]["layer_time_us"]
     assert t[0] > t[1]  # a faster NIC is never slower
     assert [p["topology"]["constants"]["nic_bandwidth_GBps"] for p in rep2["points"]] == [25, 100]
@@ -173,7 +176,7 @@ def test_sweep_over_maxvio_and_a_topology_constant(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "kimi-k9", "--over", "maxvio"], "model ('kimi-k9') must be one of the presets"),
+    (["--model", "kimi-k9", "--over", "maxvio"], "--model ('kimi-k9') must be a preset"),
     (["--model", "kimi-k3", "--over", "maxvio", "--values", "100"], "maxvio (100) must lie in (0, E/K-1 = 55]"),
     (["--model", "kimi-k3", "--over", "ep", "--values", "8,48"], "EP size (48) must divide kimi-k3's expert count"),
     (["--model", "kimi-k3", "--over", "color"], "--over ('color') must be maxvio, ep or a topology constant"),

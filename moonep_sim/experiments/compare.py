@@ -8,14 +8,8 @@ that produced it.
 
 Notation: R ranks, E experts, K top-k, T tokens of all ranks; ``_RR`` [source, destination].
 
-Routing sources (``--trace``):
-
-- a trace file (``traces/mixtral-8x7b_humaneval.safetensors``): its tokens are split evenly over
-  the R ranks, layer by layer;
-- ``gen:KEY=VALUE,...`` -- generated routing (MoonEP's method, see
-  :mod:`moonep_sim.routing.generators`): ``model=`` (preset; default mixtral-8x7b), one popularity
-  (``maxvio=``, ``sigma=``, ``zipf=``, ``uniform=1``, ``hot=N,hot-share=F``), ``tokens-per-rank=``
-  (default 512), ``layers=`` (default 1), ``seed=`` (default 0).
+Routing sources: :mod:`moonep_sim.experiments.routing` (a trace file, whose tokens are split
+evenly over the R ranks layer by layer, or a generator spec).
 """
 
 from __future__ import annotations
@@ -29,156 +23,14 @@ import numpy as np
 
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.io import to_jsonable
-from moonep_sim.models import ModelSpec, custom_model, get_model
+from moonep_sim.models import ModelSpec, custom_model
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
-from moonep_sim.routing.trace import LayerRouting
-
-GEN_PREFIX = "gen:"
-_GEN_KEYS = {"model", "maxvio", "sigma", "zipf", "uniform", "hot", "hot_share", "tokens_per_rank", "layers",
-             "seed", "groups", "topk_groups", "experts", "top_k"}
-
-
-# -- routing sources ------------------------------------------------------------------------------
-@dataclass
-class RoutingSource:
-    """Where a comparison's routing comes from.
-
-    label: short human description.  num_experts (E), top_k (K).  model: preset (or custom shape).
-    layer_ids: the layers to compare.  path: trace file (None for generated routing until it is
-    written for a real replay, see :meth:`trace_file`).  gen: parsed ``gen:`` options.
-    """
-
-    label: str
-    num_experts: int
-    top_k: int
-    model: ModelSpec
-    layer_ids: list[int]
-    path: Path | None = None
-    gen: dict[str, Any] = field(default_factory=dict)
-    tokens: int | None = None
-    _trace: Any = None
-
-    def describe(self) -> dict[str, Any]:
-        return {"label": self.label, "path": str(self.path) if self.path else None, "generated": self.gen or None,
-                "num_experts": self.num_experts, "top_k": self.top_k, "model": self.model.name,
-                "layers": self.layer_ids, "tokens": self.tokens}
-
-    def layer(self, layer_id: int, ranks: int) -> LayerRouting:
-        """The global routing of one layer (all ranks' tokens)."""
-        if self.gen:
-            from moonep_sim.routing.generators import generate_layer
-
-            g = self.gen
-            pop = {k: g[k] for k in ("maxvio", "sigma", "zipf", "hot", "hot_share", "uniform") if k in g}
-            if not pop:
-                pop = {"maxvio": 1.0}
-            extra = {k: g[k] for k in ("groups", "topk_groups") if k in g}
-            r = generate_layer(self.num_experts, self.top_k, int(g["tokens_per_rank"]) * ranks,
-                               int(g.get("seed", 0)) * 1009 + int(layer_id), **pop, **extra)
-            return LayerRouting(r.topk_ids_TK, r.topk_weights_TK, self.num_experts, layer_id)
-        return self._trace.layer(self._trace.layer_index(layer_id))
-
-    def trace_file(self, dest_dir: Path, ranks: int) -> Path:
-        """A trace file holding exactly the compared layers (written for generated routing)."""
-        if self.path is not None:
-            return self.path
-        from moonep_sim.routing.trace import TraceMeta, write_trace
-
-        layers = [self.layer(i, ranks) for i in self.layer_ids]
-        ids = np.stack([l.topk_ids_TK for l in layers]).astype(np.int32)
-        w = np.stack([l.topk_weights_TK for l in layers]).astype(np.float32)
-        meta = TraceMeta(kind="tokens", num_experts=self.num_experts, top_k=self.top_k, layer_ids=list(self.layer_ids),
-                         num_tokens=int(ids.shape[1]), model=self.model.name if self.model.name in _presets() else None,
-                         source=f"synthetic: {self.label}", attribution="synthetic (moonep-sim)")
-        dest = Path(dest_dir) / "generated.safetensors"
-        write_trace(dest, meta, {"topk_ids": ids, "topk_weights": w})
-        return dest
-
-
-def _presets():
-    from moonep_sim.models import PRESETS
-    return PRESETS
-
-
-def parse_gen(spec: str) -> dict[str, Any]:
-    """``gen:model=kimi-k3,maxvio=10,tokens-per-rank=512`` -> dict of typed values."""
-    body = spec[len(GEN_PREFIX):]
-    out: dict[str, Any] = {}
-    for part in filter(None, (p.strip() for p in body.split(","))):
-        if "=" not in part:
-            raise ConfigError(f"--trace gen: entry ({part!r}) must look like key=value, e.g. "
-                              "gen:model=kimi-k3,maxvio=10,tokens-per-rank=512")
-        k, v = (s.strip() for s in part.split("=", 1))
-        k = k.replace("-", "_")
-        if k not in _GEN_KEYS:
-            raise ConfigError(f"--trace gen: key ({k!r}) must be one of {sorted(_GEN_KEYS)}")
-        if k == "model":
-            out[k] = v
-            continue
-        try:
-            num = float(v)
-        except ValueError:
-            raise ConfigError(f"--trace gen: {k} ({v!r}) must be a number") from None
-        if k in ("tokens_per_rank", "layers", "seed", "hot", "groups", "topk_groups", "experts", "top_k"):
-            require(num == int(num), f"--trace gen: {k} ({v}) must be an integer")
-            num = int(num)
-        if k == "uniform":
-            num = bool(num)
-        out[k] = num
-    out.setdefault("tokens_per_rank", 512)
-    out.setdefault("layers", 1)
-    out.setdefault("seed", 0)
-    require(out["tokens_per_rank"] >= 1, f"--trace gen: tokens-per-rank ({out['tokens_per_rank']}) must be >= 1")
-    require(out["layers"] >= 1, f"--trace gen: layers ({out['layers']}) must be >= 1")
-    return out
-
-
-def open_source(trace: str, layers: Sequence[int] | None = None, model: str | None = None) -> RoutingSource:
-    """Open a trace file or parse a ``gen:`` spec; checks everything cheap up front."""
-    if trace.startswith(GEN_PREFIX):
-        g = parse_gen(trace)
-        name = model or g.get("model") or "mixtral-8x7b"
-        m = get_model(name)
-        if "experts" in g or "top_k" in g:
-            m = custom_model(int(g.get("experts", m.num_experts)), int(g.get("top_k", m.top_k)), m.hidden,
-                             m.expert_ffn, name=f"{m.name}-custom", dispatch_hidden=m.dispatch_hidden)
-        if m.n_groups > 1 and "groups" not in g:
-            g["groups"], g["topk_groups"] = m.n_groups, m.topk_groups
-        ids = list(layers) if layers else list(range(int(g["layers"])))
-        pop = ", ".join(f"{k}={g[k]:g}" if isinstance(g[k], float) else f"{k}={g[k]}"
-                        for k in ("maxvio", "sigma", "zipf", "hot", "hot_share", "uniform") if k in g) or "maxvio=1"
-        label = f"generated {m.name} ({pop}, {g['tokens_per_rank']} tokens/rank)"
-        return RoutingSource(label, m.num_experts, m.top_k, m, ids, None, g)
-    from moonep_sim.routing.trace import Trace
-
-    path = Path(trace)
-    require(path.exists(), f"--trace ({trace}) must be an existing trace file or gen:KEY=VALUE,...")
-    tr = Trace(path)
-    require(tr.meta.kind == "tokens", f"--trace ({trace}) must be a token-level trace (this one holds only counts)")
-    E, K = tr.meta.num_experts, tr.meta.top_k
-    name = model or tr.meta.model
-    if name:
-        m = get_model(name)
-        require(m.num_experts == E and m.top_k == K,
-                f"model ({name}: E={m.num_experts}, K={m.top_k}) must match the trace ({trace}: E={E}, K={K})")
-    else:
-        m = custom_model(E, K)
-    all_ids = list(tr.meta.layer_ids)
-    if layers:
-        for l in layers:
-            require(l in all_ids, f"--layers entry ({l}) must be one of the trace's layer ids "
-                                  f"({all_ids[0]}..{all_ids[-1]})")
-        ids = list(layers)
-    else:
-        ids = all_ids
-    return RoutingSource(f"{path.name} ({m.name}, {tr.meta.num_tokens} tokens)", E, K, m, ids, path,
-                         tokens=tr.meta.num_tokens, _trace=tr)
-
+from moonep_sim.experiments.routing import RoutingSource, open_routing
 
 # -- strategies -------------------------------------------------------------------------------------
 def parse_strategies(text: str, opts: Sequence[str] | None = None) -> list[tuple[str, dict[str, str]]]:
     """``"alltoall,moonep"`` and ``["moonep.token_padding=128"]`` -> [(name, options)], all checked."""
-    from moonep_sim.strategies import available, get_strategy
+    from moonep_sim.strategies import get_strategy
 
     names = [s.strip() for s in text.split(",") if s.strip()]
     require(len(names) > 0, "--strategies must name at least one strategy")
@@ -187,14 +39,13 @@ def parse_strategies(text: str, opts: Sequence[str] | None = None) -> list[tuple
     per: dict[str, dict[str, str]] = {n: {} for n in names}
     for o in opts or []:
         if "=" not in o or "." not in o.split("=", 1)[0]:
-            raise ConfigError(f"--opt ({o!r}) must look like STRATEGY.key=value, e.g. capacity.capacity_factor=1.25")
+            raise ConfigError(f"--opt ({o!r}) must look like STRATEGY.key=value, e.g. capacity.cf=1.25")
         k, v = o.split("=", 1)
         s, key = k.split(".", 1)
         require(s in per, f"--opt strategy ({s!r}) must be one of --strategies ({', '.join(names)})")
         per[s][key.strip().replace("-", "_")] = v.strip()
     for n in names:
         specs[n].parse_options(per[n])  # raises on an unknown option or a bad value
-    _ = available
     return [(n, per[n]) for n in names]
 
 
@@ -223,11 +74,22 @@ def plan_context(source: RoutingSource, cluster: ClusterShape, dispatch_dtype: s
 
 
 # -- the simulator, through one narrow door -----------------------------------------------------------
-def load_topology(name: str, cluster: ClusterShape | None = None):
-    """A simulator topology preset (or TOML path); with ``cluster``, its GPUs per node match the plan's."""
+def load_topology(name, cluster: ClusterShape | None = None):
+    """A simulator topology preset, TOML path or Topology; with ``cluster``, its GPUs per node match
+    the plan's."""
+    from moonep_sim.sim.topology import Topology
     from moonep_sim.sim.topology import load_topology as _load
 
-    return _load(name, gpus_per_node=cluster.gpus_per_node if cluster is not None else None)
+    g = cluster.gpus_per_node if cluster is not None else None
+    if isinstance(name, Topology):
+        return name.with_gpus_per_node(g)
+    return _load(name, gpus_per_node=g)
+
+
+def replay_costs(hidden: int, ffn: int) -> RowCosts:
+    """Byte sizes of a gloo replay: float32 rows of ``hidden`` and SwiGLU experts of hidden x ffn, as
+    the gloo Buffer counts them."""
+    return RowCosts(hidden * 4, hidden * 4, 3 * hidden * ffn * 4, 3 * hidden * ffn * 4)
 
 
 def simulate(plan, topo, model: ModelSpec, **opts):
@@ -310,8 +172,7 @@ class CompareConfig:
 
     def local_costs(self) -> RowCosts:
         """Byte sizes of the real replay (float32 rows and weights, as the gloo Buffer counts them)."""
-        H, F = self.real_hidden, self.real_ffn
-        return RowCosts(H * 4, H * 4, 3 * H * F * 4, 3 * H * F * 4)
+        return replay_costs(self.real_hidden, self.real_ffn)
 
 
 def _sum_dicts(acc: dict[str, float], d: dict[str, Any]) -> None:
@@ -321,15 +182,15 @@ def _sum_dicts(acc: dict[str, float], d: dict[str, Any]) -> None:
 
 
 def compare(cfg: CompareConfig, progress: Callable[[str, int, int], None] | None = None,
-            source: RoutingSource | None = None) -> dict[str, Any]:
+            source: RoutingSource | None = None, ctx=None) -> dict[str, Any]:
     """Plan, simulate (and replay) every strategy on the same layers; return the JSON report."""
     from moonep_sim.strategies import make_plan
 
     t_start = time.perf_counter()
-    source = source or open_source(cfg.trace, cfg.layers, cfg.model)
+    source = source or open_routing(cfg.trace, cfg.layers, cfg.model)
     cluster = check_cluster(source, cfg.ranks, cfg.gpus_per_node)
     topo = load_topology(cfg.topology, cluster)
-    ctx = plan_context(source, cluster, cfg.dispatch_dtype, cfg.token_padding, topo)
+    ctx = ctx or plan_context(source, cluster, cfg.dispatch_dtype, cfg.token_padding, topo)
     local_topo = load_topology("local-gloo", cluster) if cfg.real else None
     R = cluster.ranks
     rep: dict[str, Any] = {
@@ -349,8 +210,7 @@ def compare(cfg: CompareConfig, progress: Callable[[str, int, int], None] | None
     total_steps = len(source.layer_ids) * len(cfg.strategies)
     step = 0
     for lid in source.layer_ids:
-        lr = source.layer(lid, R)
-        routing = GlobalRouting.split_evenly(lr.topk_ids_TK, lr.topk_weights_TK, source.num_experts, R)
+        routing = source.global_routing(lid, R)
         for name, opts in cfg.strategies:
             if progress:
                 progress(f"layer {lid}: {name}", step, total_steps)
@@ -437,7 +297,7 @@ def run_real(cfg: CompareConfig, source: RoutingSource, cluster: ClusterShape, l
 
     from moonep_sim.gloo.launcher import reports_by_strategy, run_replay
 
-    from moonep_sim.report.ranking import agreement
+    from moonep_sim.experiments.ranking import agreement
 
     out: dict[str, Any] = {"nproc": cfg.nproc, "topology": topology_info(local_topo), "hidden": cfg.real_hidden,
                            "ffn": cfg.real_ffn, "dtype": "float32", "iters": cfg.real_iters, "strategies": {}}
@@ -482,18 +342,21 @@ def _local_bytes(strat: dict[str, Any], cfg: CompareConfig) -> list[dict[str, in
 
 def replay_argv(trace_path: Path, strategies: Sequence[tuple[str, dict[str, str]]], source: RoutingSource,
                 cfg: CompareConfig) -> list[str]:
+    """Arguments of ``moonep_sim.gloo.replay`` for a comparison's real replay."""
+    return replay_argv_for(trace_path, strategies, source.layer_ids, hidden=cfg.real_hidden, ffn=cfg.real_ffn,
+                           iters=cfg.real_iters, gpus_per_node=cfg.gpus_per_node or cfg.nproc,
+                           token_padding=cfg.token_padding) + list(cfg.real_args)
+
+
+def replay_argv_for(trace_path: Path, strategies: Sequence[tuple[str, dict[str, Any]]], layer_ids: Sequence[int], *,
+                    hidden: int, ffn: int, iters: int, gpus_per_node: int, token_padding: int = 1) -> list[str]:
     """Arguments of ``moonep_sim.gloo.replay`` replaying ``strategies`` interleaved (layers given as
-    trace positions; options as ``--opt STRATEGY.key=value``)."""
-    if source.path is not None:
-        positions = [source._trace.layer_index(l) for l in source.layer_ids]
-    else:  # the generated trace file holds exactly the compared layers, in order
-        positions = list(range(len(source.layer_ids)))
+    layer ids; options as ``--opt STRATEGY.key=value``)."""
     argv = ["--trace", str(trace_path), "--strategy", ",".join(n for n, _ in strategies),
-            "--layers", ",".join(map(str, positions)),
-            "--hidden", str(cfg.real_hidden), "--ffn", str(cfg.real_ffn), "--iters", str(cfg.real_iters),
-            "--gpus-per-node", str(cfg.gpus_per_node or cfg.nproc), "--token-padding", str(cfg.token_padding),
+            "--layers", ",".join(map(str, layer_ids)), "--hidden", str(hidden), "--ffn", str(ffn),
+            "--iters", str(iters), "--gpus-per-node", str(gpus_per_node), "--token-padding", str(token_padding),
             "--quiet"]
     for name, opts in strategies:
         for k, v in opts.items():
             argv += ["--opt", f"{name}.{k}={v}"]
-    return argv + list(cfg.real_args)
+    return argv

@@ -544,6 +544,18 @@ def calibrated_path() -> Path:
         return Path(home) / "local-gloo.toml"
 
 
+def calibration_kind(path: Path | None = None) -> str | None:
+    """``full`` or ``quick`` for the calibration file at ``path`` (default: :func:`calibrated_path`),
+    from the measurements written beside it; None when there is no calibration file."""
+    path = Path(path) if path else calibrated_path()
+    if not path.is_file():
+        return None
+    try:
+        return str(json.loads(path.with_suffix(".measurements.json").read_text()).get("kind", "full"))
+    except (OSError, ValueError):
+        return "full"
+
+
 @dataclass
 class CalibrationResult:
     fit: CalibrationFit
@@ -557,10 +569,11 @@ def calibrate(nprocs: Sequence[int] = DEFAULT_NPROCS, sizes_bytes: Sequence[int]
               swiglu_shapes: Sequence[tuple[int, int, int]] = DEFAULT_SWIGLU_SHAPES, repeats: int = 9,
               out: str | os.PathLike | None = None, write: bool = True,
               progress: Callable[[str], None] | None = None, target_nproc: int | None = None,
-              inner_flops: float = 2e9) -> CalibrationResult:
+              inner_flops: float = 2e9, kind: str = "full") -> CalibrationResult:
     """Measure, fit and (if ``write``) write the local-gloo topology file to ``out`` (default:
     :func:`calibrated_path`), with constants for runs of ``target_nproc`` processes (default: the
-    largest measured); the raw measurements go beside it (``.measurements.json``)."""
+    largest measured); the raw measurements go beside it (``.measurements.json``), with ``kind``
+    (``full``, or ``quick`` for the demo's short run: :func:`calibration_kind` reads it back)."""
     nprocs = sorted(set(int(p) for p in nprocs))
     for p in nprocs:
         require(2 <= p <= 64, f"nproc ({p}) must lie in [2, 64]")
@@ -588,5 +601,6 @@ def calibrate(nprocs: Sequence[int] = DEFAULT_NPROCS, sizes_bytes: Sequence[int]
         path = Path(out) if out else calibrated_path()
         write_text_atomic(path, topo.to_toml())
         write_text_atomic(path.with_suffix(".measurements.json"),
-                          json.dumps({"fit": f.to_dict(), "measurements": merged, "target_nproc": target}, indent=1))
+                          json.dumps({"fit": f.to_dict(), "measurements": merged, "target_nproc": target, "kind": kind},
+                                     indent=1))
     return CalibrationResult(f, merged, path, time.perf_counter() - t0, topo)

@@ -2,11 +2,11 @@
 
 For every case (a shipped trace or generated routing) and every strategy, the same Plan is
 replayed for real over gloo with N local processes and simulated on the calibrated ``local-gloo``
-topology (both through :func:`moonep_sim.report.compare.compare`). Reported:
+topology (both through :func:`moonep_sim.experiments.compare.compare`). Reported:
 
 - the signed error per (case, strategy): ``simulated / measured - 1``;
 - the median absolute error over all of them (target: <= 25%);
-- whether the strategies rank in the same order (:mod:`moonep_sim.report.ranking`): all strategies
+- whether the strategies rank in the same order (:mod:`moonep_sim.experiments.ranking`): all strategies
   of a case are replayed in one process group, interleaved step by step, so each iteration gives
   matched samples; a pair of strategies is ordered by the measurements when a sign test over the
   matched iterations resolves it (Holm-corrected over the case's pairs at 0.05), and the simulator
@@ -62,7 +62,7 @@ def default_cases(quick: bool, traces_dir: str = "traces") -> list[Case]:
 
 def summarise(cases: list[dict[str, Any]], per_case: list[dict[str, Any]]) -> dict[str, Any]:
     """Median absolute error and rank agreement from case records (``measured_ms``, ``simulated_ms``;
-    per case the :func:`moonep_sim.report.ranking.agreement` fields)."""
+    per case the :func:`moonep_sim.experiments.ranking.agreement` fields)."""
     errs = [abs(c["error"]) for c in cases]
     taus = [c["kendall_tau"] for c in per_case]
     return {
@@ -94,8 +94,9 @@ class FidelityConfig:
 
 
 def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
-    from moonep_sim.report.compare import (CompareConfig, check_cluster, compare, load_topology, open_source,
-                                           parse_strategies)
+    from moonep_sim.experiments.compare import (CompareConfig, check_cluster, compare, load_topology,
+                                                parse_strategies)
+    from moonep_sim.experiments.routing import open_routing
 
     t0 = time.perf_counter()
     load_start = _loadavg()
@@ -103,7 +104,7 @@ def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | No
     topo = load_topology("local-gloo")
     sources = []
     for case in cfg.cases:  # check every case before running anything
-        src = open_source(case.trace, list(case.layers) if case.layers else None)
+        src = open_routing(case.trace, list(case.layers) if case.layers else None)
         check_cluster(src, cfg.nproc, case.gpus_per_node or cfg.nproc)
         sources.append(src)
     points: list[dict[str, Any]] = []
@@ -128,7 +129,7 @@ def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | No
                          "gpus_per_node": case.gpus_per_node or cfg.nproc, **rep["real"]["ranking"]})
     if progress:
         progress("done", n, n)
-    from moonep_sim.report.compare import topology_info
+    from moonep_sim.experiments.compare import topology_info
 
     return {"kind": "fidelity", "nproc": cfg.nproc, "iters": cfg.iters, "topology": topology_info(topo),
             "strategies": [nm for nm, _ in strategies], "cases": points, "per_case": per_case,

@@ -7,7 +7,7 @@ import pytest
 
 from moonep_sim.cli import main
 from moonep_sim.errors import ConfigError
-from moonep_sim.report import calibrate as cal
+from moonep_sim.experiments import calibrate as cal
 
 
 def synthetic(lat_us: dict[int, float], bw_gbps: dict[int, float], flops: dict[int, float], launch_us: float,

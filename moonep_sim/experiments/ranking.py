@@ -114,6 +114,7 @@ def agreement(samples: Mapping[str, Sequence[float]], simulated: Mapping[str, fl
         "disagreements": [f"{p['faster']} < {p['slower']} measured (p={p['p']:.3f}, "
                           f"{p['median_gap']:.1%} apart), simulated the other way" for p in wrong],
         "agrees": not wrong, "alpha": alpha,
+        "resolved": [f"{p['faster']} < {p['slower']}" for p in res],
         "uncorrected_pairs": len(loose), "uncorrected_agree": len(loose) - len(loose_wrong),
     }
 

@@ -2,8 +2,9 @@
 topology constant.
 
 - ``maxvio``: MoonEP's methodology -- expert popularity ``p_e ∝ exp(N(0, sigma))``, sigma found by
-  bisection to hit each target maxvio (default targets 0.2, 1, 10, 20), K distinct experts per
-  token (:mod:`moonep_sim.routing.generators`); ``tokens_per_rank`` tokens on each of R ranks.
+  bisection to hit each target maxvio (default targets: :func:`default_values`, 0.2, 1, 10, 20
+  where the model allows them), K distinct experts per token
+  (:mod:`moonep_sim.routing.generators`); ``tokens_per_rank`` tokens on each of R ranks.
 - ``ep``: EP sizes (ranks); every rank keeps ``tokens_per_rank`` tokens, the imbalance is fixed
   (``maxvio``, default 1).
 - any numeric topology field (``nic_bandwidth_GBps``, ``nvlink_bandwidth_GBps``,
@@ -24,10 +25,41 @@ from moonep_sim.errors import require
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
-from moonep_sim.report.compare import _short, load_topology, simulate, topology_info
+from moonep_sim.experiments.compare import _short, load_topology, simulate, topology_info
 
 MAXVIO_TARGETS = (0.2, 1.0, 10.0, 20.0)
+_MAXVIO_FILL = (5.0, 2.0, 0.5)  # taken, in this order, when a model's E/K rules out some targets
 EP_SIZES = (8, 16, 32, 64)
+
+
+def maxvio_targets(model: ModelSpec) -> list[float]:
+    """Four maxvio targets the model can reach: MAXVIO_TARGETS up to 0.8 x (E/K - 1) (an expert
+    takes at most one selection per token, so maxvio <= E/K - 1, and targets close to it need
+    every token to pick the hottest expert), filled with 5, 2, 0.5 when some are out of reach."""
+    cap = 0.8 * (model.num_experts / model.top_k - 1)
+    vals = [v for v in MAXVIO_TARGETS if v <= cap]
+    for v in _MAXVIO_FILL:
+        if len(vals) >= len(MAXVIO_TARGETS):
+            break
+        if v <= cap and v not in vals:
+            vals.append(v)
+    return sorted(vals)
+
+
+def default_values(over: str, model: ModelSpec, topology: str | None = None) -> list[float]:
+    """The default values of a sweep over ``over`` (maxvio: :func:`maxvio_targets`; ep: the EP
+    sizes that divide E); a topology constant has no default."""
+    from moonep_sim.errors import ConfigError
+
+    if over == "maxvio":
+        return maxvio_targets(model)
+    if over == "ep":
+        return [float(v) for v in EP_SIZES if model.num_experts % v == 0] or [1.0]
+    if topology is not None:
+        params = topology_params(load_topology(topology))
+        if over not in params:
+            raise ConfigError(f"--over ({over!r}) must be maxvio, ep or a topology constant: {', '.join(params)}")
+    raise ConfigError(f"--values must be given when sweeping a topology constant ({over})")
 
 
 @dataclass

@@ -1,0 +1,29 @@
+"""``moonep-sim strategies``: list the dispatch strategies with their options and defaults."""
+
+from __future__ import annotations
+
+from moonep_sim.cli.common import console, print_json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("strategies", help="list the dispatch strategies with their options and defaults")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from moonep_sim.strategies import available
+
+    specs = available()
+    if args.json:
+        print_json({n: {"summary": s.summary,
+                        "options": {k: {"type": t.__name__, "default": d, "help": h}
+                                    for k, (t, d, h) in s.options.items()}} for n, s in specs.items()})
+        return 0
+    c = console()
+    for name, s in specs.items():
+        c.print(f"[bold]{name}[/bold]: {s.summary}")
+        for k, (t, d, h) in s.options.items():
+            c.print(f"    {k}={d!r} ({t.__name__}): {h}", highlight=False)
+    c.print("[dim]pass options as --opt STRATEGY.key=value (compare, sweep) or --opt key=value (plan, simulate)[/dim]")
+    return 0

@@ -1,0 +1,52 @@
+"""The package reads bottom-up: routing -> plan -> strategies -> (sim, gloo) -> experiments -> report
+-> testbed -> cli. No module imports a package above its own (function-level imports included),
+and report/ only renders: it imports none of the executors or planners."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "moonep_sim"
+# the shared base (errors, io, models, data) sits below everything
+LEVEL = {"routing": 1, "plan": 2, "strategies": 3, "sim": 4, "gloo": 4, "experiments": 5, "report": 6,
+         "testbed": 7, "cli": 8}
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m.split(".")[1] for m in out if m.startswith("moonep_sim.") and len(m.split(".")) > 1}
+
+
+def _packages() -> dict[str, list[Path]]:
+    return {p.name: sorted(p.rglob("*.py")) for p in PKG.iterdir() if p.is_dir() and p.name in LEVEL}
+
+
+def test_every_package_has_a_level():
+    assert set(_packages()) == set(LEVEL), "a new package needs its place in LEVEL (and in docs/concepts.md)"
+
+
+def test_no_package_imports_a_package_above_it():
+    bad = []
+    for pkg, files in _packages().items():
+        for f in files:
+            for dep in _imports(f):
+                if dep in LEVEL and LEVEL[dep] > LEVEL[pkg]:
+                    bad.append(f"{f.relative_to(PKG.parent)} imports moonep_sim.{dep}")
+    assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def test_report_only_renders():
+    bad = [f"{f.relative_to(PKG.parent)} imports moonep_sim.{dep}" for f in _packages()["report"]
+           for dep in _imports(f) if dep in ("gloo", "sim", "strategies", "testbed")]
+    assert not bad, "\n".join(bad)
+
+
+def test_testbed_does_not_use_report():
+    bad = [f"{f.relative_to(PKG.parent)}" for f in _packages()["testbed"] if "report" in _imports(f)]
+    assert not bad, bad
