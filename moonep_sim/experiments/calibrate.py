@@ -54,7 +54,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from moonep_sim.errors import CommError, require
-from moonep_sim.io import write_text_atomic
+from moonep_sim.io import make_output_dir, write_text_atomic
 
 DEFAULT_NPROCS = (2, 4)
 DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 512 << 10, 4 << 20)
@@ -599,6 +599,7 @@ def calibrate(nprocs: Sequence[int] = DEFAULT_NPROCS, sizes_bytes: Sequence[int]
     path = None
     if write:
         path = Path(out) if out else calibrated_path()
+        make_output_dir(path.parent, "calibration folder")  # ~/.cache/moonep-sim on a fresh machine
         write_text_atomic(path, topo.to_toml())
         write_text_atomic(path.with_suffix(".measurements.json"),
                           json.dumps({"fit": f.to_dict(), "measurements": merged, "target_nproc": target, "kind": kind},
