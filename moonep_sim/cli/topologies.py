@@ -37,19 +37,20 @@ def run(args) -> int:
                        ("name", "GPUs per node", "NVLink", "NIC", "over- sub", "TFLOP/s", "HBM GB/s", "launch us"), rows)
     c = console()
     c.print(tab)
-    kt = Table(title="GPU kernel terms (0 = off; moonep_sim.sim.kernels; status of each in the sources below)")
-    for col in ("name", "SMs x GB/s per SM", "SM cap GB/s (all SMs)", "fixed us dispatch/combine", "relay rows/msg",
-                "NIC us/msg", "weights (engine, NVLink/NIC GB/s)", "planning us + ns/entry + ns/(E x R)"):
-        kt.add_column(col)
+    krows = []
     for t in topos:
         cap = t.sm_bytes_per_us(t.sm_count) / 1e3
-        kt.add_row(t.name, f"{t.sm_count} x {t.sm_copy_GBps:g}" if t.sm_count else "off",
+        krows.append([t.name, f"{t.sm_count} x {t.sm_copy_GBps:g}" if t.sm_count else "off",
                    f"{cap:,.0f}" if t.sm_count else "-",
                    f"{t.kernel_dispatch_fixed_us:g} / {t.kernel_combine_fixed_us:g}",
                    f"{t.kernel_relay_message_rows}" if t.kernel_relay_message_rows else "off (whole hops)",
                    f"{t.kernel_nic_message_us:g}",
                    f"{t.weights_engine}, {t.weights_nvlink_bytes_per_us / 1e3:,.0f} / {t.weights_nic_bytes_per_us / 1e3:,.1f}",
-                   f"{t.plan_fixed_us:g} + {t.plan_per_entry_ns:g} + {t.plan_per_cell_ns:g}")
+                   f"{t.plan_fixed_us:g} + {t.plan_per_entry_ns:g} + {t.plan_per_cell_ns:g}"])
+    kt = fitted_table("GPU kernel terms (0 = off; moonep_sim.sim.kernels; status of each in the sources below)",
+                      ("name", "SMs x GB/s per SM", "SM cap GB/s (all SMs)", "fixed us dispatch/combine",
+                       "relay rows/msg", "NIC us/msg", "weights (engine, NVLink/NIC GB/s)",
+                       "planning us + ns/entry + ns/(E x R)"), krows, wrap=True)
     c.print(kt)
     for t in topos:
         c.print(f"[bold]{t.name}[/bold] ({t.path}): {t.description}")

@@ -73,7 +73,8 @@ def layer_time_bars(report: dict[str, Any], dest: str | os.PathLike) -> Path:
     names = list(strat)
     real = report.get("real")
     ncols = 2 if real else 1
-    fig, axes = plt.subplots(1, ncols, figsize=(max(6.0, 1.3 * len(names) + 3) * ncols, 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, ncols, figsize=(max(6.0, 1.3 * len(names) + 3) * ncols + 2.5, 4.6), squeeze=False,
+                             layout="constrained")
     ax = axes[0][0]
     from moonep_sim.experiments.compare import CRITICAL_PARTS
 
@@ -84,6 +85,9 @@ def layer_time_bars(report: dict[str, Any], dest: str | os.PathLike) -> Path:
     bottom = np.zeros(len(names))
     colors = {"plan": PHASE_COLORS["plan"], "dispatch + wait": PHASE_COLORS["dispatch"],
               "compute": PHASE_COLORS["compute"], "combine": PHASE_COLORS["combine"]}
+    tot = np.array(total) * scale
+    # one strategy far above the rest (moonep's weight copies on Mixtral) would squash the others: log axis
+    log = len(tot) > 1 and tot.max() > 10 * max(tot.min(), 1e-12)
     for g in CRITICAL_PARTS:
         vals = np.array([gr.get(g, 0.0) for gr in groups]) * scale
         if not vals.any():
@@ -92,16 +96,22 @@ def layer_time_bars(report: dict[str, Any], dest: str | os.PathLike) -> Path:
         bottom += vals
     lb = np.array([strat[n]["sim"]["lower_bound_us_mean"] for n in names]) * scale
     ax.hlines(lb, x - 0.3, x + 0.3, color="black", lw=2, zorder=5, label="lower bound")
-    for xi, t in zip(x, np.array(total) * scale):
-        ax.annotate(f"{t:.3g}", (xi, t), ha="center", va="bottom", fontsize=8)
+    for xi, t in zip(x, tot):
+        ax.annotate(f"{t:.3g}", (xi, t), xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
+                    fontsize=8)
     ax.set_xticks(x, names, rotation=20, ha="right")
-    ax.set_ylabel(f"simulated layer time ({unit})")
+    ax.set_ylabel(f"simulated layer time ({unit}{', log scale' if log else ''})")
     topo = report["topology"]["name"]
     ax.set_title(f"simulated layer time -- {topo}, EP{report['cluster']['ranks']} (mean over layers)", fontsize=10)
-    ax.set_ylim(0, max(total + [1e-9]) * scale * 1.25)
-    ax.legend(fontsize=8, loc="upper left", ncol=2)
-    ax.text(0.0, -0.3, "split along the rank whose expert compute ends last ('dispatch + wait' includes "
-            "waiting for copied weights)", transform=ax.transAxes, fontsize=7, color="dimgray")
+    if log:
+        ax.set_yscale("log")
+        ax.set_ylim(max(min(tot.min(), lb[lb > 0].min() if (lb > 0).any() else tot.min()) / 3, 1e-9), tot.max() * 3)
+    else:
+        ax.set_ylim(0, max(tot.max(), 1e-9) * 1.15)
+    # the legend sits outside the axes, so no value label or bar hides under it
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.supxlabel("split along the rank whose expert compute ends last ('dispatch + wait' includes waiting for "
+                  "copied weights)", fontsize=7, color="dimgray")
     if real:
         ax2 = axes[0][1]
         rn = [n for n in names if n in real["strategies"]]
@@ -113,7 +123,8 @@ def layer_time_bars(report: dict[str, Any], dest: str | os.PathLike) -> Path:
         ax2.set_xticks(xr, rn, rotation=20, ha="right")
         ax2.set_ylabel("layer time (ms)")
         ax2.set_title("real gloo (median over iterations) vs simulated local-gloo", fontsize=10)
-        ax2.legend(fontsize=8)
+        ax2.set_ylim(0, max(float(np.max(np.r_[meas, sim])), 1e-9) * 1.15)
+        ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, dest)
 
 
@@ -135,8 +146,7 @@ def rows_per_rank(report: dict[str, Any], dest: str | os.PathLike) -> Path:
     mean = float(np.mean(strat[names[0]]["rows_per_rank_mean"])) if names else 0.0
     ax.axhline(mean, color="black", ls=":", lw=1, label="mean rows per rank")
     ax.set_xlabel("rank")
-    if R <= 16:
-        ax.set_xticks(ranks)
+    _integer_ticks(ax.xaxis, R)
     ax.set_ylabel("rows computed per layer (token-expert pairs)")
     ax.set_title(f"rows per rank -- {report['routing']['label']}")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -151,8 +161,10 @@ def traffic_heatmaps(report: dict[str, Any], dest: str | os.PathLike) -> Path:
     n = len(names)
     cols = min(n, 4)
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols + 0.8, 3.3 * rows + 0.6), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols + 1.4, 3.3 * rows + 0.8), squeeze=False,
+                             layout="constrained")
     mats = [np.asarray(strat[s]["dispatch_bytes_RR"], float) / 2**20 for s in names]
+    R = mats[0].shape[0] if mats else 1
     vmax = max([float(m.max()) for m in mats] + [1e-9])
     im = None
     for i, ax in enumerate(axes.ravel()):
@@ -161,13 +173,24 @@ def traffic_heatmaps(report: dict[str, Any], dest: str | os.PathLike) -> Path:
             continue
         im = ax.imshow(mats[i], cmap="viridis", vmin=0, vmax=vmax, interpolation="nearest")
         ax.set_title(names[i], fontsize=9)
-        ax.set_xlabel("destination rank")
-        ax.set_ylabel("source rank")
+        _integer_ticks(ax.xaxis, R)  # ranks are whole numbers
+        _integer_ticks(ax.yaxis, R)
+        # axis labels once per row / column, so neighbouring panels do not overlap them
+        if i // cols == rows - 1 or i + cols >= n:
+            ax.set_xlabel("destination rank")
+        if i % cols == 0:
+            ax.set_ylabel("source rank")
     if im is not None:
         cb = fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.85)
         cb.set_label("dispatch MiB, all hops, summed over layers (diagonal: local)")
     fig.suptitle(f"dispatch traffic matrix -- {report['routing']['label']}")
     return _save(fig, dest)
+
+
+def _integer_ticks(axis, n: int, most: int = 8) -> None:
+    """Whole-number ticks 0..n-1 on ``axis``: all of them up to ``most``, else an even spacing."""
+    step = max(1, int(np.ceil(n / most)))
+    axis.set_ticks(np.arange(0, n, step))
 
 
 def sweep_lines(report: dict[str, Any], dest: str | os.PathLike) -> Path:
@@ -176,7 +199,7 @@ def sweep_lines(report: dict[str, Any], dest: str | os.PathLike) -> Path:
     plt = _plt()
     over = report["over"]
     xs = report["values"]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.4))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.4), layout="constrained")
     tmax = max([max(v["layer_time_us"]) for v in report["strategies"].values()] + [1.0])
     unit, scale = _unit(tmax)
     xlabel = {"maxvio": "target maxvio (hottest expert load / mean - 1)", "ep": "EP size (ranks)"}.get(
@@ -187,10 +210,17 @@ def sweep_lines(report: dict[str, Any], dest: str | os.PathLike) -> Path:
     lb = report.get("lower_bound_us")
     if lb:
         a1.plot(xs, np.array(lb) * scale, ls=":", color="black", label="lower bound (dropless)")
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+
     for a in (a1, a2):
         a.set_xlabel(xlabel)
         if over in ("maxvio", "ep") and min(xs) > 0 and max(xs) / min(xs) >= 20:
             a.set_xscale("log")
+            # ticks at the swept values only: the log axis's own minor labels overlap them
+            a.xaxis.set_major_locator(FixedLocator(xs))
+            a.xaxis.set_minor_locator(NullLocator())
+            a.xaxis.set_minor_formatter(NullFormatter())
+            a.set_xticks(xs, [f"{v:g}" for v in xs])
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
     a1.set_ylabel(f"simulated layer time ({unit})")

@@ -191,9 +191,10 @@ def fidelity_table(report: dict[str, Any]):
     return t
 
 
-def fitted_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]):
+def fitted_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], wrap: bool = False):
     """A compact table whose cells never truncate: every column is at least as wide as its widest
-    value (headers may wrap instead), no vertical rules. Eight-column presets fit in 80 columns."""
+    value (headers may wrap instead), no vertical rules. Eight-column presets fit in 80 columns.
+    ``wrap``: only the first column (the names users type) is kept whole; other cells may wrap."""
     from rich import box
     from rich.table import Table
 
@@ -201,7 +202,11 @@ def fitted_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str
     for i, col in enumerate(columns):
         width = max([len(str(r[i])) for r in rows] + [1])
         longest_word = max(len(w) for w in str(col).split())
-        t.add_column(col, justify="left" if i == 0 else "right", min_width=width, max_width=max(width, longest_word))
+        if wrap and i > 0:
+            t.add_column(col, justify="right", min_width=min(longest_word, 8), overflow="fold")
+        else:
+            t.add_column(col, justify="left" if i == 0 else "right", min_width=width,
+                         max_width=max(width, longest_word), no_wrap=i == 0)
     for r in rows:
         t.add_row(*map(str, r))
     return t

@@ -1,0 +1,180 @@
+"""What a newcomer hit (issue 16, item 6), each pinned: tables that keep names whole at 80 columns,
+one flag spelling, strict generator specs, progress when not on a terminal, default sweep values
+every preset can reach, plots that stay readable, the testbed's multi-strategy summary."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from conftest import TRACES
+from moonep_sim.cli import main
+from moonep_sim.errors import ConfigError
+from moonep_sim.models import PRESETS
+
+MIXTRAL = TRACES / "mixtral-8x7b_humaneval.safetensors"
+
+
+@pytest.mark.parametrize("cmd", ["models", "topologies"])
+@pytest.mark.parametrize("width", [80, 100])
+def test_tables_keep_names_whole(cmd, width, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", str(width))
+    assert main([cmd]) == 0
+    out = capsys.readouterr().out
+    from moonep_sim.sim.topology import list_topologies
+
+    names = list(PRESETS) if cmd == "models" else list_topologies()
+    for n in names:
+        assert re.search(rf"^{re.escape(n)}\s", out, re.M), f"{n} truncated or wrapped at {width} columns"
+    assert "…" not in out  # nothing cut short: long cells wrap (fold) instead
+
+
+def test_compare_help_cites_what_exists(capsys):
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # help text wraps at the terminal width
+    assert "plan --list" not in text and "capacity_factor" not in text
+    assert "moonep-sim strategies" in text and "capacity.cf=" in text
+    assert main(["strategies"]) == 0
+    assert "cf=1.0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cmd", [["plan", "--trace", str(MIXTRAL), "--strategy", "alltoall", "--ranks", "4", "--json"],
+                                 ["simulate", "--trace", str(MIXTRAL), "--strategy", "alltoall", "--ranks", "4",
+                                  "--json"]])
+def test_one_dtype_flag_with_old_spellings(cmd, capsys):
+    import json
+
+    for flag, value in (("--dispatch-dtype", "fp8"), ("--dtype", "fp8"), ("--dispatch-dtype", "bfloat16")):
+        assert main(cmd + [flag, value]) == 0, (flag, value)
+        json.loads(capsys.readouterr().out)
+    with pytest.raises(SystemExit) as e:
+        main(cmd + ["--dispatch-dtype", "fp4"])
+    assert e.value.code == 2
+
+
+def test_generator_spec_is_strict_and_shared(capsys):
+    from moonep_sim.experiments import GEN_DEFAULTS, GeneratorSpec
+
+    for argv in (["simulate", "--gen", "maxvoi=10", "--strategy", "moonep"],
+                 ["compare", "--trace", "gen:maxvoi=10"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "generator spec key ('maxvoi') must be one of: model, maxvio" in err
+    with pytest.raises(ConfigError, match="at most one popularity"):
+        GeneratorSpec.parse("maxvio=2,zipf=1.1")
+    with pytest.raises(ConfigError, match="must be given once"):
+        GeneratorSpec.parse("seed=1,seed=2")
+    with pytest.raises(ConfigError, match="tokens-per-rank .* must be an integer"):
+        GeneratorSpec.parse("tokens-per-rank=1.5")
+    g = GeneratorSpec.parse("gen:model=kimi-k3,maxvio=10,tokens-per-rank=64")
+    assert GeneratorSpec.parse(g.text()) == g
+    d = GeneratorSpec()
+    assert (d.model, d.tokens_per_rank, d.popularity()) == (GEN_DEFAULTS["model"], GEN_DEFAULTS["tokens_per_rank"],
+                                                             {"maxvio": GEN_DEFAULTS["maxvio"]})
+
+
+def test_progress_lines_when_not_on_a_terminal(capsys):
+    from moonep_sim.cli.common import progress
+
+    c = Console(file=io.StringIO(), force_terminal=False)
+    with progress(c, "job", interval_s=0.05) as cb:
+        cb("step a", 0, 2)
+        cb("step b", 1, 2)  # within the interval: not printed on its own
+        for _ in range(40):  # a long blocking step: the heartbeat speaks up
+            if "still running" in capsys.readouterr().err:
+                break
+            import time
+            time.sleep(0.05)
+        else:
+            pytest.fail("no heartbeat line while a step ran long")
+        cb("done", 2, 2)
+    err = capsys.readouterr().err
+    assert "[job 2/2" in err and "done" in err
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_default_maxvio_targets_are_reachable_for_every_preset(name):
+    from moonep_sim.experiments.sweep import maxvio_targets
+
+    m = PRESETS[name]
+    vals = maxvio_targets(m)
+    assert len(vals) == 4 and vals == sorted(set(vals))
+    assert all(0 < v <= m.num_experts / m.top_k - 1 for v in vals)
+
+
+def test_sweep_defaults_run_on_mixtral(tmp_path):
+    """Mixtral (E/K - 1 = 3): the old default targets 10 and 20 were impossible."""
+    assert main(["sweep", "--model", "mixtral-8x7b", "--over", "maxvio", "--ranks", "8", "--tokens-per-rank", "256",
+                 "--strategies", "alltoall", "--out", str(tmp_path / "s"), "--json"]) == 0
+
+
+def _capture_figures(monkeypatch):
+    from moonep_sim.report import plots
+
+    figs = []
+    monkeypatch.setattr(plots, "_save", lambda fig, dest: figs.append(fig) or dest)
+    return plots, figs
+
+
+def _report():
+    from moonep_sim.experiments import Scenario
+
+    return Scenario(routing=str(MIXTRAL), cluster="4/2", strategies="alltoall,capacity,moonep", layers=[0]).compare(
+    ).to_dict()
+
+
+def test_plots_stay_readable(monkeypatch, tmp_path):
+    plots, figs = _capture_figures(monkeypatch)
+    rep = _report()
+    plots.layer_time_bars(rep, tmp_path / "a.png")
+    ax = figs[-1].axes[0]
+    assert ax.get_yscale() == "log"  # moonep's weight copies are >10x the others: a linear axis squashes them
+    leg = ax.get_legend()
+    fig = figs[-1]
+    fig.canvas.draw()
+    lb, ab = leg.get_window_extent(), ax.get_window_extent()
+    assert lb.x0 >= ab.x1 - 1  # the legend sits beside the axes, over no bar or value label
+    plots.traffic_heatmaps(rep, tmp_path / "t.png")
+    for a in figs[-1].axes[:3]:
+        for t in list(a.get_xticks()) + list(a.get_yticks()):
+            assert float(t).is_integer()  # ranks are whole numbers
+    assert sum(bool(a.get_ylabel()) for a in figs[-1].axes[:3]) == 1  # one y label per row
+    sw = {"over": "maxvio", "values": [0.2, 1, 10, 20], "model": {"name": "m"}, "topology": {"name": "t"},
+          "cluster": {"ranks": 8}, "lower_bound_us": [1, 1, 1, 1],
+          "strategies": {"a": {"layer_time_us": [1, 2, 3, 4], "ratio_to_lower_bound": [1, 2, 3, 4]}}}
+    plots.sweep_lines(sw, tmp_path / "s.png")
+    a1 = figs[-1].axes[0]
+    assert a1.get_xscale() == "log"
+    assert [float(t) for t in a1.get_xticks()] == [0.2, 1, 10, 20]
+    assert not [t for t in a1.xaxis.get_minorticklabels() if t.get_text()]
+
+
+def test_testbed_multi_strategy_summary_is_not_null():
+    from moonep_sim.cli.testbed import run_summary
+
+    one = {"strategy": "a", "world_size": 4, "layers": [0], "layer_ms_median": 1.5, "dispatch_ms": 1.0,
+           "combine_ms": 0.5, "total_ms": 2.0, "bytes_sent": 10, "correct": True}
+    two = {"strategies": {"a": one, "b": dict(one, strategy="b", layer_ms_median=2.5)}, "order": ["a", "b"],
+           "interleaved": True}
+    s1 = run_summary(one)
+    assert s1["strategy"] == "a" and s1["layer_ms_median"] == 1.5
+    s2 = run_summary(two)
+    assert s2["strategies"]["b"]["layer_ms_median"] == 2.5 and s2["strategies"]["a"]["world_size"] == 4
+    assert all(v is not None for r in s2["strategies"].values() for v in r.values())
+
+
+def test_demo_explains_weights_vs_rows():
+    from moonep_sim.report.tables import weight_tradeoff_lines
+
+    rep = _report()
+    lines = weight_tradeoff_lines(rep)
+    assert len(lines) == 1 and lines[0].startswith("why moonep is slower than alltoall")
+    s = rep["strategies"]
+    assert f"{s['moonep']['weight_bytes'] / 2**20:,.0f} MiB of expert weights" in lines[0]
+    assert f"{s['alltoall']['rows_max']:.0f} -> {s['moonep']['rows_max']:.0f} rows" in lines[0]
+    assert "336 MiB each" in lines[0]
