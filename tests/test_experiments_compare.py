@@ -176,7 +176,7 @@ def test_sweep_over_maxvio_and_a_topology_constant(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--model", "kimi-k9", "--over", "maxvio"], "--model ('kimi-k9') must be a preset"),
+    (["--model", "kimi-k9", "--over", "maxvio"], "model ('kimi-k9') must be one of the presets"),
     (["--model", "kimi-k3", "--over", "maxvio", "--values", "100"], "maxvio (100) must lie in (0, E/K-1 = 55]"),
     (["--model", "kimi-k3", "--over", "ep", "--values", "8,48"], "EP size (48) must divide kimi-k3's expert count"),
     (["--model", "kimi-k3", "--over", "color"], "--over ('color') must be maxvio, ep or a topology constant"),

@@ -17,13 +17,15 @@ def run(args) -> int:
     specs = available()
     if args.json:
         print_json({n: {"summary": s.summary,
-                        "options": {k: {"type": t.__name__, "default": d, "help": h}
-                                    for k, (t, d, h) in s.options.items()}} for n, s in specs.items()})
+                        "options": {k: {"type": getattr(o.type, "__name__", str(o.type)), "default": o.default,
+                                        "help": o.help, "choices": list(o.choices) if o.choices else None}
+                                    for k, o in s.options.items()}} for n, s in specs.items()})
         return 0
     c = console()
     for name, s in specs.items():
         c.print(f"[bold]{name}[/bold]: {s.summary}")
-        for k, (t, d, h) in s.options.items():
-            c.print(f"    {k}={d!r} ({t.__name__}): {h}", highlight=False)
+        for k, o in s.options.items():
+            choices = f"; one of {', '.join(map(str, o.choices))}" if o.choices else ""
+            c.print(f"    {k}={o.default!r} ({getattr(o.type, '__name__', o.type)}{choices}): {o.help}", highlight=False)
     c.print("[dim]pass options as --opt STRATEGY.key=value (compare, sweep) or --opt key=value (plan, simulate)[/dim]")
     return 0
