@@ -85,3 +85,18 @@ def test_replay_of_several_strategies_interleaved(trace):
 def test_replay_rejects_a_repeated_strategy(trace):
     with pytest.raises(ConfigError, match=r"--strategy \('alltoall,alltoall'\) must name one or more distinct"):
         run_replay(1, ["--trace", trace, "--strategy", "alltoall,alltoall"], timeout_s=60)
+
+
+def test_replay_of_selected_steps(tmp_path):
+    """--steps replays only those steps' tokens: the rows each rank receives are those of steps 1-2."""
+    import numpy as np
+
+    from moonep_sim.routing.steps import read_layer
+    path = tmp_path / "s.safetensors"
+    generate_trace(path, 8, 2, 20, 5, layers=1, steps=3, maxvio=1.0)
+    rep = run_replay(2, ["--trace", path, "--strategy", "alltoall", "--steps", "1-2", "--hidden", "16",
+                         "--ffn", "8", "--iters", "1", "--warmup", "0", "--timeout", "30"], timeout_s=120)
+    assert rep["correct"] is True and rep["tokens"] == 40
+    ids = read_layer(path, 0, "1-2").topk_ids_TK
+    home = np.arange(8) * 2 // 8
+    assert rep["per_layer"][0]["recv_rows_per_rank"] == np.bincount(home[ids.ravel()], minlength=2).tolist()

@@ -124,9 +124,9 @@ def test_plan_costs_rows_with_a_model_file(tmp_path, capsys):
         assert main(argv + (["--model", model] if model else [])) == 0
         out[name] = json.loads(capsys.readouterr().out)
     assert out["file"]["model"] == "wide"
-    b_file, b_default = out["file"]["bytes"], out["trace"]["bytes"]   # default shape: 1024 wide
-    moved = [k for k in b_file if b_default[k]]
-    assert moved and all(b_file[k] == 4 * b_default[k] for k in moved)
+    b_file, b_trace = out["file"]["bytes"], out["trace"]["bytes"]   # the trace's stored model: 64 wide
+    moved = [k for k in b_file if b_trace[k]]
+    assert moved and all(b_file[k] == 64 * b_trace[k] for k in moved)
 
 
 def test_trace_gen_stores_a_model_file(tmp_path):
@@ -142,3 +142,19 @@ def test_trace_gen_stores_a_model_file(tmp_path):
     assert main(["trace", "gen", "--model", "gpt-oss-20b", "--tokens", "256", "--seed", "0", "--uniform",
                  "-o", str(out2)]) == 0
     assert Trace(out2).meta.model == "gpt-oss-20b"
+
+
+def test_experiments_cost_rows_with_the_traces_stored_model(tmp_path):
+    """A trace imported or generated with a model file carries its shape; the experiments layer
+    (every command) uses it when no --model is given."""
+    from moonep_sim.experiments.routing import open_routing
+    path, *_ = _stepped_trace(tmp_path, [8, 8])          # model_spec: hidden 64, expert FFN 32
+    src = open_routing(str(path))
+    assert (src.model.hidden, src.model.expert_ffn, src.model.name) == (64, 32, "t")
+    assert open_routing(str(path), model=str(_toml(tmp_path))).model.hidden == 128   # --model FILE wins
+
+
+def _toml(tmp_path):
+    f = tmp_path / "m.toml"
+    f.write_text("num_experts = 16\ntop_k = 4\nhidden = 128\nexpert_ffn = 64\n")
+    return f

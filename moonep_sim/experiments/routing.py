@@ -278,9 +278,8 @@ def open_routing(routing: "str | Path | GeneratorSpec | GlobalRouting", layers: 
     tr = Trace(path)
     require(tr.meta.kind == "tokens", f"trace ({routing}) must be a token-level trace (this one holds only counts)")
     E, K = tr.meta.num_experts, tr.meta.top_k
-    name = model or tr.meta.model
-    if name:
-        m = resolve_model(name)
+    m = resolve_model(model) if model else tr.model()   # the trace's preset or stored shape (model_spec)
+    if m is not None:
         require(m.num_experts == E and m.top_k == K,
                 f"model ({m.name}: E={m.num_experts}, K={m.top_k}) must match the trace ({routing}: E={E}, K={K})")
     else:

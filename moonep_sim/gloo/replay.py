@@ -67,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="layer ids to replay (the trace's layer_ids, as everywhere else), e.g. 0,5-7 (default: all)")
     ap.add_argument("--hidden", type=int, default=64, help="H (default 64)")
     ap.add_argument("--ffn", type=int, default=128, help="expert intermediate width F (default 128)")
-    ap.add_argument("--max-tokens", type=int, default=0, help="use only the first N tokens of each layer")
+    ap.add_argument("--steps", default=None, metavar="SEL",
+                    help="replay only these steps of the trace: N, A-B, A-, or a comma list (default: every token)")
+    ap.add_argument("--max-tokens", type=int, default=0, help="use only the first N tokens of each layer "
+                                                              "(of the selected steps)")
     ap.add_argument("--backward", action="store_true", help="also run and time the backward pass")
     ap.add_argument("--gpus-per-node", type=int, default=0, help="ranks per node for two-hop strategies (0 = one node)")
     ap.add_argument("--iters", type=int, default=3)
@@ -202,7 +205,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     require(H >= 1 and F >= 1, f"hidden ({H}) and ffn ({F}) must be >= 1")
     require(args.iters >= 1 and args.warmup >= 0, f"iters ({args.iters}) must be >= 1 and warmup ({args.warmup}) >= 0")
     layers = _parse_layers(args.layers, trace)
-    T = int(meta.num_tokens) if not args.max_tokens else min(int(meta.num_tokens), args.max_tokens)
+    from moonep_sim.routing.steps import read_layer, token_ranges
+    steps = getattr(args, "steps", None)
+    T_sel = sum(b - a for a, b in token_ranges(trace.steps(), int(meta.num_tokens), steps))
+    T = T_sel if not args.max_tokens else min(T_sel, args.max_tokens)
     require(T >= R, f"tokens ({T}) must be >= world size ({R}) to give every rank a token")
     tpr = np.full(R, T // R, dtype=np.int64)
     tpr[: T % R] += 1
@@ -224,7 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     homes = {n: np.flatnonzero(b.home_E == rank) for n, b in bufs.items()}
     inputs, weights = [], {}
     for j, li in enumerate(layers):
-        lr = trace.layer(li, 0, T)
+        lr = trace.layer(li, 0, T) if steps is None else read_layer(trace, li, steps).take(0, T)
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + li * 1009 + rank)
         x = torch.randn(hi - lo, H, generator=gen)
         full_w = init_experts(E, H, F, seed=args.seed * 7919 + li)
