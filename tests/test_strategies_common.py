@@ -144,11 +144,16 @@ def check_properties(name: str, plan, routing) -> None:
     R = plan.ranks
     fwd = {p.name: p for p in plan.phases("forward")}
     bwd = {p.name: p for p in plan.phases("backward")}
+    # a strategy may price its own wire format (deepep-ll: FP8 rows with scales and a header);
+    # the combine row and the weights stay the context's
+    assert plan.costs.dispatch_row_bytes >= 1
+    assert (plan.costs.combine_row_bytes, plan.costs.weight_bytes, plan.costs.grad_bytes) == \
+        (COSTS.combine_row_bytes, COSTS.weight_bytes, COSTS.grad_bytes)
     for i, h in enumerate(plan.hops):
         rr = h.rows_RR(R)
         assert rr.sum() == h.src_rank_M.size
         np.testing.assert_array_equal(fwd[f"dispatch.{i}"].msgs_RR, rr)
-        np.testing.assert_array_equal(fwd[f"dispatch.{i}"].bytes_RR, rr * COSTS.dispatch_row_bytes)
+        np.testing.assert_array_equal(fwd[f"dispatch.{i}"].bytes_RR, rr * plan.costs.dispatch_row_bytes)
         np.testing.assert_array_equal(fwd[f"combine.{i}"].bytes_RR, rr.T * COSTS.combine_row_bytes)
         np.testing.assert_array_equal(bwd[f"combine_bwd.{i}"].bytes_RR, rr * COSTS.combine_row_bytes)
     copies = plan.is_copy_S()

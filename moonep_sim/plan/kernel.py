@@ -28,11 +28,13 @@ class KernelSpec:
     row_messages: True = every row is its own message (one RDMA write per (token, expert)
         selection, as the low-latency kernels send), charged ``kernel_nic_message_us`` each at the
         sending NIC.
+    nic_only: True = same-node peers also go through the NICs (pure-RDMA kernels), not NVLink.
     """
 
     sms: int = 0
     relay: bool = False
     row_messages: bool = False
+    nic_only: bool = False
 
     def __post_init__(self) -> None:
         require(self.sms >= ALL_SMS, f"kernel sms ({self.sms}) must be >= -1 (-1 = all SMs, 0 = not declared)")

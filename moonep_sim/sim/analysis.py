@@ -204,8 +204,8 @@ def critical_port(sim: StepSim, rec, f: int) -> int:
     resource that kept the flow's last bytes waiting (a degraded port's busy time grows with it)."""
     if sim.busy_P is None:
         sim.busy_P = sim.net.port_bytes() / sim.ports.cap_P[:-1]
-    sm = sim.net.flow_sm({k: v[f:f + 1] for k, v in rec.items()})
-    path = sim.ports.route(rec["src"][f:f + 1], rec["dst"][f:f + 1], sm)[0]
+    one = {k: v[f:f + 1] for k, v in rec.items()}
+    path = sim.ports.route(rec["src"][f:f + 1], rec["dst"][f:f + 1], sim.net.flow_sm(one), sim.net.flow_nic(one))[0]
     path = path[path < sim.ports.num_ports]
     phys = path[[sim.ports.physical(int(q)) for q in path]] if path.size else path
     path = phys if phys.size else path  # name a device's port, not a half-duplex pair

@@ -125,7 +125,7 @@ class StepSim:
         return lognormal_factors(self.rng, self.opts.jitter, shape)
 
     def _register(self, prefix: str, layer: int, phases: list[CommPhase], chunks: int,
-                  scales: Sequence | None = None, sm: bool = False):
+                  scales: Sequence | None = None, sm: bool = False, nic_only: bool = False):
         """[phase][chunk] -> (pid, bytes_RR, eff_RR); ``scales[i]``: an [R, R] factor on phase i's
         transfer times (or None). Each phase instance is registered with its :class:`PhaseTag`."""
         out = []
@@ -135,7 +135,8 @@ class StepSim:
             cnt = (b > 0).sum(axis=0)
             for j in range(chunks):
                 name = p.name if chunks == 1 else f"{p.name}#{j}"
-                pid = self.net.expect(prefix + name, cnt, PhaseTag(p.kind, p.direction, p.scope, layer, p.name), sm=sm)
+                pid = self.net.expect(prefix + name, cnt, PhaseTag(p.kind, p.direction, p.scope, layer, p.name), sm=sm,
+                                      nic_only=nic_only)
                 eff = b * self._jit(b.shape) if self.opts.jitter > 0 else b
                 if scales is not None and scales[i] is not None:
                     eff = eff * scales[i]
@@ -155,9 +156,9 @@ class StepSim:
             prefix = f"L{li}." if len(self.plans) > 1 else ""
             if d.direction == "backward":
                 prefix += "bwd." if not prefix else ""
-            pre = self._register(prefix, li, d.pre, c, d.pre_scale, sm=d.sm)
+            pre = self._register(prefix, li, d.pre, c, d.pre_scale, sm=d.sm, nic_only=d.nic_only)
             wts = [row[0] for row in self._register(prefix, li, d.weights, 1, [d.w_scale_RR] * len(d.weights))]
-            post = self._register(prefix, li, d.post, c, d.post_scale, sm=d.sm)
+            post = self._register(prefix, li, d.post, c, d.post_scale, sm=d.sm, nic_only=d.nic_only)
             aft = [row[0] for row in self._register(prefix, li, d.after, 1, [d.w_scale_RR] * len(d.after))]
             comp_jit = self._jit((c, R)) if self.opts.jitter > 0 else np.ones((c, R))
             done = []

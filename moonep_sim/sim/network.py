@@ -204,17 +204,21 @@ class PortMap:
             return int((p - self.sm_base) % R)
         return None
 
-    def paths(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def paths(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None,
+              nic_F: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(path_FL int64 [F, L_PATH], latency_F float64 [F]) of transfers ``src -> dst`` (vectorised).
 
         Columns: the first port, the spine up/down (only when it can bind), the last port, then the
         pair port (half duplex), the node links (``nic.attach = "node"``) and the SM send / receive
-        ports (of flows with ``sm_F`` True, when the map has SM ports) where they exist."""
+        ports (of flows with ``sm_F`` True, when the map has SM ports) where they exist. Flows with
+        ``nic_F`` True take the NIC path between ranks of one node too (pure-RDMA kernels)."""
         R, G = self.ranks, self.gpus_per_node
         F = src_F.size
         lat = np.zeros(F)
         same = src_F == dst_F
         same_node = (src_F // G == dst_F // G) & ~same
+        if nic_F is not None:
+            same_node &= ~np.asarray(nic_F, dtype=bool)
         rail_s, rail_d = src_F % G, dst_F % G
         inter = ~same & ~same_node
         cross = inter & (rail_s != rail_d)
@@ -260,10 +264,11 @@ class PortMap:
         path[:, :len(cols)] = np.stack(cols, axis=1)
         return path, lat
 
-    def route(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None) -> np.ndarray:
+    def route(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None,
+              nic_F: np.ndarray | None = None) -> np.ndarray:
         """path_FL including spine ports even where they cannot bind (for byte accounting)."""
         full = PortMap(**{**self.__dict__, "spine_binds": True})
-        return full.paths(src_F, dst_F, sm_F)[0]
+        return full.paths(src_F, dst_F, sm_F, nic_F)[0]
 
 
 def waterfill(path_FL: np.ndarray, cap_P: np.ndarray, tol: float = 0.0) -> tuple[np.ndarray, np.ndarray, int]:
@@ -330,6 +335,7 @@ class FlowNetwork:
         self._phase_names: list[str] = []
         self._phase_tags: list[Any] = []  # per phase id: the caller's tag (the timeline's PhaseTag)
         self._phase_sm: list[bool] = []   # per phase id: its flows cross the SM send / receive ports
+        self._phase_nic: list[bool] = []  # per phase id: same-node flows take the NIC path
         # active flows
         self._a_path = np.zeros((0, L_PATH), dtype=np.int64)
         self._a_rem = np.zeros(0)
@@ -359,15 +365,17 @@ class FlowNetwork:
         self.util_samples: list[tuple[float, np.ndarray]] = []
 
     # -- phases and receive groups ---------------------------------------------------------
-    def expect(self, name: str, count_R: np.ndarray, tag: Any = None, sm: bool = False) -> int:
+    def expect(self, name: str, count_R: np.ndarray, tag: Any = None, sm: bool = False, nic_only: bool = False) -> int:
         """Register a phase instance; ``count_R[d]`` flows will arrive at rank d. Returns its id.
 
         tag: carried with the phase (and so with every flow of it) for the caller's analyses.
-        sm: its flows cross the SM send / receive ports (when the port map has them)."""
+        sm: its flows cross the SM send / receive ports (when the port map has them).
+        nic_only: its flows between ranks of one node take the NIC path, not NVLink."""
         pid = len(self._phase_names)
         self._phase_names.append(name)
         self._phase_tags.append(tag)
         self._phase_sm.append(bool(sm))
+        self._phase_nic.append(bool(nic_only))
         left = np.asarray(count_R, dtype=np.int64).copy()
         evs = [self.env.event() for _ in range(left.size)]
         for d in np.flatnonzero(left == 0):
@@ -402,7 +410,8 @@ class FlowNetwork:
         if dst.size == 0:
             return
         src_F = np.full(dst.size, src, dtype=np.int64)
-        path, lat = self.ports.paths(src_F, dst, np.full(dst.size, self._phase_sm[pid]) if self.ports.sm_ports else None)
+        path, lat = self.ports.paths(src_F, dst, np.full(dst.size, self._phase_sm[pid]) if self.ports.sm_ports else None,
+                                     np.full(dst.size, True) if self._phase_nic[pid] else None)
         if self.ports.message_us > 0:  # the sender's serial per-message cost (host_message_us)
             remote = dst != src
             lat = lat + np.where(remote, self.ports.message_us * float(remote.sum()), 0.0)
@@ -533,7 +542,7 @@ class FlowNetwork:
         rec = self.records()
         if rec["src"].size == 0:
             return np.zeros(self.ports.num_ports)
-        path = self.ports.route(rec["src"], rec["dst"], self.flow_sm(rec))
+        path = self.ports.route(rec["src"], rec["dst"], self.flow_sm(rec), self.flow_nic(rec))
         return np.bincount(path.ravel(), weights=np.repeat(rec["bytes"], L_PATH),
                            minlength=self.ports.cap_P.size)[:-1]
 
@@ -542,6 +551,12 @@ class FlowNetwork:
         if not self.ports.sm_ports:
             return None
         return np.asarray(self._phase_sm, dtype=bool)[rec["phase"]] if rec["phase"].size else np.zeros(0, bool)
+
+    def flow_nic(self, rec: dict[str, np.ndarray]) -> np.ndarray | None:
+        """bool [F]: which recorded flows took the NIC path inside a node (None when none did)."""
+        if not any(self._phase_nic):
+            return None
+        return np.asarray(self._phase_nic, dtype=bool)[rec["phase"]] if rec["phase"].size else np.zeros(0, bool)
 
     @property
     def idle(self) -> bool:

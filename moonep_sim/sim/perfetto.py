@@ -45,7 +45,7 @@ def trace_events(spans, net, rec: dict[str, np.ndarray], ranks: int) -> list[dic
             ev.append({"ph": "C", "pid": 2, "name": f"util {ports.name(p)}", "ts": float(t),
                        "args": {"utilisation": round(float(util[p]), 6)}})
     if rec["src"].size and top:
-        path = ports.route(rec["src"], rec["dst"], net.flow_sm(rec))
+        path = ports.route(rec["src"], rec["dst"], net.flow_sm(rec), net.flow_nic(rec))
         n = 0
         for k, p in enumerate(top):
             fl = np.flatnonzero((path == p).any(axis=1))

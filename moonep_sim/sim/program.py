@@ -52,6 +52,7 @@ class StageProgram:
     relay_pre / relay_post: [hop] -> [R, R] us from a sender starting (or a relay finishing) its
         part of the hop to the receiver holding one message of it (latency + one message) when
         relayed, else None.  sm: the hops' flows cross the SM send / receive ports.
+    nic_only: the hops' flows between ranks of one node take the NIC path (pure-RDMA kernels).
     """
 
     direction: Direction
@@ -78,6 +79,7 @@ class StageProgram:
     relay_pre: list | None = None
     relay_post: list | None = None
     sm: bool = False
+    nic_only: bool = False
 
 
 def host_copy_us(plan: Plan, topo: Topology, direction: Direction, pre: list[CommPhase],
@@ -177,6 +179,8 @@ def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology) -> np.ndar
         return None
     node = _node_R(plan, topo)
     cross = node[:, None] != node[None, :]
+    if plan.kernel.nic_only:
+        cross = ~np.eye(plan.ranks, dtype=bool)
     extra = phase.msgs_RR.astype(np.float64) * topo.kernel_nic_message_us * topo.nic_bytes_per_us
     b = phase.bytes_RR.astype(np.float64)
     return np.where(cross & (b > 0), 1.0 + np.divide(extra, b, out=np.zeros_like(b), where=b > 0), 1.0)
@@ -217,6 +221,7 @@ def kernel_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
     spec = plan.kernel
     sm_cap = sm_cap_bytes_per_us(topo, spec)
     prog.sm = bool(np.isfinite(sm_cap))
+    prog.nic_only = bool(spec is not None and spec.nic_only)
     prog.fixed_pre_us = kernel_fixed_us(topo, "dispatch")
     prog.fixed_post_us = kernel_fixed_us(topo, "combine")
     prog.relayed = bool(spec is not None and spec.relay)

@@ -32,7 +32,7 @@ import numpy as np
 from moonep_sim.errors import ConfigError
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, Plan, RowCosts
 
-_MODULES = ("moonep", "alltoall", "capacity", "allgather", "hierarchical", "deepep", "eplb", "llep", "ultraep",
+_MODULES = ("moonep", "alltoall", "capacity", "allgather", "hierarchical", "deepep", "deepep_ll", "eplb", "llep", "ultraep",
             "costaware")
 
 _TRUE = ("1", "true", "yes", "on")

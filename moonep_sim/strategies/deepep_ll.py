@@ -1,0 +1,72 @@
+"""``deepep-ll``: DeepEP's low-latency kernels (the decode regime).
+
+Anchor: DeepEP (DeepSeek, 2025) low-latency dispatch and combine. Every (token, expert) selection
+is one message straight to the expert's rank: no node deduplication, no relay, no count
+exchange. Receive buffers are fixed: ``[local experts, max tokens x ranks]`` rows per rank (static
+shapes, CUDA-graph friendly), of which the routing fills some. Dispatch rows are FP8 with one fp32
+scale per 128 channels and a 16-byte header (``H + H/128*4 + 16`` bytes; option ``dispatch_dtype
+= "bf16"``: ``2H + 16``); combine rows are BF16 (``2H``). Same-node peers go over NVLink, as the
+kernels do since mid-2025 (option ``nvlink = false``: every peer over the NIC, the original
+pure-RDMA kernels). The kernels use every SM and send one RDMA write per row, which the simulator
+charges at the NIC (``moonep_sim.sim.kernels``).
+
+How DeepEP counts its bandwidth (ANCHORS): bytes per selection times the number of selections,
+the local rank included, over the kernel's time (:func:`ll_counted_bytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from moonep_sim.errors import require
+from moonep_sim.plan import GlobalRouting, Plan, RowCosts, plan_from_slots
+from moonep_sim.plan.kernel import ALL_SMS, KernelSpec
+from moonep_sim.plan.multihop import home_slots
+from moonep_sim.strategies import PlanContext, register
+
+HEADER_BYTES = 16  # per message: the source token index and routing metadata
+
+
+def ll_row_costs(costs: RowCosts, dispatch_dtype: str = "fp8") -> RowCosts:
+    """The low-latency kernels' row sizes from the context's (whose combine row is bf16 ``2H``)."""
+    H = costs.combine_row_bytes // 2
+    disp = (H + H // 128 * 4 if dispatch_dtype == "fp8" else 2 * H) + HEADER_BYTES
+    return RowCosts(int(disp), int(costs.combine_row_bytes), costs.weight_bytes, costs.grad_bytes)
+
+
+def ll_counted_bytes(plan: Plan, kind: str = "dispatch") -> int:
+    """DeepEP's byte count for its low-latency bandwidth: every kept selection (local rank
+    included) times the row size of ``kind``."""
+    rows = int((plan.entry_rank_TK >= 0).sum())
+    return rows * (plan.costs.dispatch_row_bytes if kind == "dispatch" else plan.costs.combine_row_bytes)
+
+
+@register("deepep-ll",
+          summary="DeepEP low-latency kernels: one message per (token, expert) straight to its rank, fixed buffers",
+          options={"dispatch_dtype": (str, "fp8", "fp8 (per-128 scales + 16-byte header) or bf16 dispatch rows"),
+                   "max_tokens": (int, 0, "tokens per rank the fixed buffers hold (0 = the largest rank's count)"),
+                   "nvlink": (bool, True, "same-node peers over NVLink (false: every peer over the NIC)"),
+                   "sms": (int, ALL_SMS, "SMs the kernels use (-1 = all, 0 = no SM cap)")})
+def plan(routing: GlobalRouting, ctx: PlanContext, dispatch_dtype: str = "fp8", max_tokens: int = 0,
+         nvlink: bool = True, sms: int = ALL_SMS) -> Plan:
+    t0 = time.perf_counter()
+    require(dispatch_dtype in ("fp8", "bf16"), f"dispatch_dtype ({dispatch_dtype!r}) must be 'fp8' or 'bf16'")
+    most = int(routing.tokens_per_rank_R.max()) if routing.tokens_per_rank_R.size else 0
+    require(max_tokens >= 0, f"max_tokens ({max_tokens}) must be >= 0 (0 = the largest rank's token count)")
+    require(max_tokens == 0 or max_tokens >= most,
+            f"max_tokens ({max_tokens}) must be >= the largest rank's token count ({most}): the buffers are fixed")
+    T_max = max_tokens or most
+    sr, se, slot_of = home_slots(ctx.placement)
+    R = ctx.cluster.ranks
+    local_E = np.bincount(sr, minlength=R)
+    # fixed receive buffers: [local experts, max tokens x ranks] rows, padded segments included
+    tp = max(int(ctx.token_padding), 1)
+    capacity = local_E * (T_max * R + (tp - 1))
+    out = plan_from_slots("deepep-ll", {"dispatch_dtype": dispatch_dtype, "max_tokens": T_max, "nvlink": nvlink},
+                          routing, ctx.cluster, ll_row_costs(ctx.costs, dispatch_dtype), sr, se, sr,
+                          slot_of[routing.topk_ids_TK], dedup=False, token_padding=tp, capacity_R=capacity,
+                          started=t0)
+    return dataclasses.replace(out, kernel=KernelSpec(sms=sms, row_messages=True, nic_only=not nvlink))
