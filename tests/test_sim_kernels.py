@@ -149,3 +149,22 @@ def test_one_relay_forwards_as_rows_arrive():
     # the slow stage second: combine runs the hops back (NVLink first, then the NIC)
     want_c = relay_two_hop_us(100 * ROW, 10e3, 1.0, 100 * ROW, 2e3, 2.0, m1, m0)
     assert _iso(plan, topo, "combine") == pytest.approx(want_c)
+
+
+def test_cli_isolate_prints_the_kernel_counted_as_published(capsys):
+    import json
+
+    from moonep_sim.cli import main
+
+    args = ["simulate", "--gen", "model=deepseek-v3,uniform=1,tokens-per-rank=64", "--strategy", "deepep",
+            "--ranks", "16", "--dispatch-dtype", "fp8", "--isolate", "dispatch", "--json"]
+    assert main(args) == 0
+    d = json.loads(capsys.readouterr().out)
+    k = d["kernel"]
+    assert k["kernel"] == "dispatch" and k["row_bytes"] == 7168 + 7168 // 128 * 4
+    assert 0 < k["rank_mean_us"] <= k["span_us"] == pytest.approx(d["layer_time_us"])
+    # DeepEP's internode count: unique (token, node) pairs, local node included (<= 2 nodes per token here)
+    assert 64 * k["row_bytes"] <= k["node_pairs"] <= 2 * 64 * k["row_bytes"]
+    assert k["node_pairs_GBps"] == pytest.approx(k["node_pairs"] / k["rank_mean_us"] / 1e3)
+    assert main(args[:-1]) == 0
+    assert "unique (token, node) pairs" in capsys.readouterr().out

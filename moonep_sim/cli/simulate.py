@@ -37,6 +37,9 @@ def register(sub) -> None:
     p.add_argument("--backward", action="store_true", help="also simulate the backward (a training step)")
     p.add_argument("--no-overlap-prefetch", action="store_true", help="send copied weights after dispatch")
     p.add_argument("--chunks", type=int, default=1, help="pipeline dispatch/compute/combine in N chunks")
+    p.add_argument("--isolate", choices=("dispatch", "combine"), default=None,
+                   help="time that kernel alone (all ranks start together; no planning, no compute) and print its "
+                        "bandwidth counted as DeepEP and MoonEP count it (docs/simulator.md)")
     p.add_argument("--tol", type=float, default=None, help="network coalescing tolerance (0 = exact; default 0.002)")
     p.add_argument("--slow-gpu", action="append", default=[], metavar="RANK:FACTOR", help="rank computes at FACTOR speed")
     p.add_argument("--degrade-nic", action="append", default=[], metavar="RANK:FACTOR", help="rank's NIC at FACTOR bandwidth")
@@ -94,19 +97,37 @@ def run(args) -> int:
     t0 = time.perf_counter()
     out = sc.simulate(backward=args.backward, overlap_prefetch=not args.no_overlap_prefetch, chunks=args.chunks,
                       seed=args.seed, faults=tuple(faults), jitter=args.jitter,
-                      tol=DEFAULT_TOL if args.tol is None else args.tol, timeline=bool(args.timeline))
+                      tol=DEFAULT_TOL if args.tol is None else args.tol, timeline=bool(args.timeline),
+                      isolate=args.isolate)
     res = out.raw[args.strategy]
     plan_s = time.perf_counter() - t0 - res.sim_stats["wall_seconds"]
     if args.timeline:
         write_trace(args.timeline, res.timeline_events,
                     {"strategy": res.strategy, "topology": res.topology, "ranks": res.ranks,
                      "layer_time_us": res.layer_time_us})
+    kern = None
+    if args.isolate:
+        require(len(layer_ids) == 1,
+                f"--isolate times one layer's kernel: --layers must name one layer, not {len(layer_ids)}")
+        from moonep_sim.sim.kernels import isolated_kernel_figures
+        kern = isolated_kernel_figures(sc.plans().items[0].plan, res, args.isolate)
     if args.json:
         d = res.to_dict()
         d.update(model=model.name, layers=layer_ids, plan_wall_seconds=plan_s)
+        if kern is not None:
+            d["kernel"] = kern
         print_json(d)
         return 0
     c = console()
+    if kern is not None:
+        c.print(f"[bold]{args.isolate} kernel alone[/bold]: {kern['rank_mean_us']:,.1f} us per rank (mean of each "
+                f"rank's own kernel time, as DeepEP times it), {kern['span_us']:,.1f} us to the last rank; "
+                f"row {kern['row_bytes']} B")
+        for k, how in (("rows_received", "rows received per rank, own included (DeepEP intranode / NVLink)"),
+                       ("node_pairs", "unique (token, node) pairs incl. the local node (DeepEP internode / RDMA)"),
+                       ("selections", "every (token, expert) selection (DeepEP low-latency; MoonEP's logical with 2H rows)")):
+            if k in kern:
+                c.print(f"  {kern[k + '_GBps']:,.1f} GB/s  {how}: {kern[k] / 1e6:,.2f} MB per rank")
     c.print(f"[bold]{res.strategy}[/bold] on [bold]{topo.name}[/bold]: {res.ranks} ranks "
             f"({min(topo.gpus_per_node, res.ranks)} per node), model {model.name}, layers {layer_ids}"
             f"{', forward + backward' if args.backward else ', forward'}")

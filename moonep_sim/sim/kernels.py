@@ -123,3 +123,42 @@ def weight_copy_us(topo: Topology, nbytes: float, inter_node: bool, engine: str 
 __all__ = ["class_bytes_per_us", "kernel_fixed_us", "kernel_launches", "kernel_sms", "message_us", "planning_us",
            "relay_active", "relay_two_hop_us", "row_messages_us", "sm_cap_bytes_per_us", "weight_copy_bytes_per_us",
            "weight_copy_us"]
+
+
+def isolated_kernel_figures(plan, res, what: str) -> dict:
+    """A kernel timed alone (``SimOptions(isolate=what)``), counted the ways publishers count it.
+
+    Times: ``rank_mean_us`` -- each rank's own kernel time (common start to holding its output),
+    averaged over ranks, as DeepEP's tests time a kernel; ``span_us`` -- to the last rank.
+    Bytes per rank (``row``: the kernel's row, ``plan.costs.dispatch_row_bytes`` for dispatch,
+    ``combine_row_bytes`` for combine; FP8 rows are ``H (1 + 4/128)`` as DeepEP counts them):
+
+    - ``rows_received``: rows the rank holds after the last hop, its own included, x row -- DeepEP's
+      intranode (NVLink) bandwidth;
+    - ``node_pairs``: unique (token, destination node) pairs of the rank's tokens, the local node
+      included, x row -- DeepEP's internode (RDMA) bandwidth (multi-node plans only);
+    - ``selections``: every kept (token, expert) selection, x row -- DeepEP's low-latency bandwidth
+      (whose FP8 row carries a 16-byte header) and, with a ``2H`` row, MoonEP's logical bandwidth.
+
+    Each ``*_GBps`` is that byte count over ``rank_mean_us``.
+    """
+    import numpy as np
+
+    R = plan.ranks
+    row = plan.costs.dispatch_row_bytes if what == "dispatch" else plan.costs.combine_row_bytes
+    t_mean = float(np.mean(res.per_rank["end_us"])) if R else 0.0
+    out = dict(kernel=what, rank_mean_us=t_mean, span_us=float(res.layer_time_us), row_bytes=int(row))
+    kept = plan.entry_rank_TK >= 0
+    if plan.hops:
+        out["rows_received"] = float(plan.hops[-1].dst_rows_R.mean()) * row
+    out["selections"] = float(kept.sum()) / max(R, 1) * row
+    G = plan.cluster.gpus_per_node
+    if R > G:
+        node = np.where(kept, plan.entry_rank_TK // G, -1)
+        s = np.sort(node, axis=1)
+        uniq = ((s[:, 1:] != s[:, :-1]) & (s[:, 1:] >= 0)).sum(axis=1) + (s[:, :1] >= 0).sum(axis=1)
+        out["node_pairs"] = float(uniq.sum()) / R * row
+    for k in ("rows_received", "node_pairs", "selections"):
+        if k in out and t_mean > 0:
+            out[k + "_GBps"] = out[k] / t_mean / 1e3
+    return out

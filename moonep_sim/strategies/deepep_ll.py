@@ -16,16 +16,12 @@ the local rank included, over the kernel's time (:func:`ll_counted_bytes`).
 
 from __future__ import annotations
 
-import dataclasses
-import time
-
 import numpy as np
 
 from moonep_sim.errors import require
-from moonep_sim.plan import GlobalRouting, Plan, RowCosts, plan_from_slots
+from moonep_sim.plan import GlobalRouting, Plan, RowCosts, home_slots, plan_from_slots
 from moonep_sim.plan.kernel import ALL_SMS, KernelSpec
-from moonep_sim.plan.multihop import home_slots
-from moonep_sim.strategies import PlanContext, register
+from moonep_sim.strategies import Option, PlanContext, register
 
 HEADER_BYTES = 16  # per message: the source token index and routing metadata
 
@@ -46,16 +42,16 @@ def ll_counted_bytes(plan: Plan, kind: str = "dispatch") -> int:
 
 @register("deepep-ll",
           summary="DeepEP low-latency kernels: one message per (token, expert) straight to its rank, fixed buffers",
-          options={"dispatch_dtype": (str, "fp8", "fp8 (per-128 scales + 16-byte header) or bf16 dispatch rows"),
-                   "max_tokens": (int, 0, "tokens per rank the fixed buffers hold (0 = the largest rank's count)"),
-                   "nvlink": (bool, True, "same-node peers over NVLink (false: every peer over the NIC)"),
-                   "sms": (int, ALL_SMS, "SMs the kernels use (-1 = all, 0 = no SM cap)")})
-def plan(routing: GlobalRouting, ctx: PlanContext, dispatch_dtype: str = "fp8", max_tokens: int = 0,
-         nvlink: bool = True, sms: int = ALL_SMS) -> Plan:
-    t0 = time.perf_counter()
-    require(dispatch_dtype in ("fp8", "bf16"), f"dispatch_dtype ({dispatch_dtype!r}) must be 'fp8' or 'bf16'")
+          options={"dispatch_dtype": Option(str, "fp8", "dispatch rows: fp8 (per-128 scales + 16-byte header) or bf16",
+                                            choices=("fp8", "bf16")),
+                   "max_tokens": Option(int, 0, "tokens per rank the fixed buffers hold (0 = the largest rank's count)",
+                                        check=lambda v: v >= 0, constraint="must be >= 0 (0 = the largest rank's count)"),
+                   "nvlink": Option(bool, True, "same-node peers over NVLink (false: every peer over the NIC)"),
+                   "sms": Option(int, ALL_SMS, "SMs the kernels use (-1 = all, 0 = no SM cap)",
+                                 check=lambda v: v >= -1, constraint="must be >= 1, 0 (no SM cap) or -1 (all)")})
+def plan(routing: GlobalRouting, ctx: PlanContext, *, dispatch_dtype: str, max_tokens: int, nvlink: bool,
+         sms: int) -> Plan:
     most = int(routing.tokens_per_rank_R.max()) if routing.tokens_per_rank_R.size else 0
-    require(max_tokens >= 0, f"max_tokens ({max_tokens}) must be >= 0 (0 = the largest rank's token count)")
     require(max_tokens == 0 or max_tokens >= most,
             f"max_tokens ({max_tokens}) must be >= the largest rank's token count ({most}): the buffers are fixed")
     T_max = max_tokens or most
@@ -65,8 +61,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, dispatch_dtype: str = "fp8", 
     # fixed receive buffers: [local experts, max tokens x ranks] rows, padded segments included
     tp = max(int(ctx.token_padding), 1)
     capacity = local_E * (T_max * R + (tp - 1))
-    out = plan_from_slots("deepep-ll", {"dispatch_dtype": dispatch_dtype, "max_tokens": T_max, "nvlink": nvlink},
-                          routing, ctx.cluster, ll_row_costs(ctx.costs, dispatch_dtype), sr, se, sr,
-                          slot_of[routing.topk_ids_TK], dedup=False, token_padding=tp, capacity_R=capacity,
-                          started=t0)
-    return dataclasses.replace(out, kernel=KernelSpec(sms=sms, row_messages=True, nic_only=not nvlink))
+    return plan_from_slots(routing, ctx.cluster, ll_row_costs(ctx.costs, dispatch_dtype), sr, se, sr,
+                           slot_of[routing.topk_ids_TK], dedup=False, token_padding=tp, capacity_R=capacity,
+                           options={"max_tokens": T_max},
+                           kernel=KernelSpec(sms=sms, row_messages=True, nic_only=not nvlink))
