@@ -343,8 +343,10 @@ def render(results: list[dict], shape: list[dict], topos: dict, meta: dict) -> s
         err = "(fitted)" if r["role"].startswith("fit:") else f"{100 * r['error']:+.1f}%"
         L.append(f"| {r['id']} | {r['source']} | {r['setup']} | {r['metric']} ({r['unit']}) | {_fmt(r['published'])} | "
                  f"{_fmt(r['value'])} | {r['role']} | {err} | {r.get('bound', '')} |")
-    L += ["", "Counting: " + "; ".join(sorted({f"{r['metric']}: {r['counted']}" for r in results
-                                              if r['spec']['kind'] == 'normal'}))[:2000], ""]
+    L += ["", "Counting (as the publishers count): DeepEP normal intranode = rows each rank receives, its own "
+          "included, x row bytes; internode = unique (token, node) pairs, local node included, x row bytes; "
+          "low-latency = the kernel time (each rank's own, averaged over ranks). Weight copies and planning: "
+          "closed forms of moonep_sim.sim.kernels.", ""]
     trend = [r for r in results if r["id"].startswith("normal-ep") and r["id"].endswith("dispatch")]
     L += ["## DeepEP normal kernels across EP sizes (H800)", "",
           "| EP | published dispatch GB/s | simulated | local-node share of counted pairs | NIC ceiling net of it | binding |",
