@@ -156,12 +156,6 @@ class GlobalRouting:
     def counts_E(self) -> np.ndarray:
         return np.bincount(self.topk_ids_TK.ravel(), minlength=self.num_experts).astype(np.int64)
 
-    def counts_RE(self) -> np.ndarray:
-        """int64 [R, E]: tokens per (source rank, expert) -- MoonEP's ``tpe``."""
-        src = np.repeat(self.src_rank_T(), self.top_k)
-        flat = src * self.num_experts + self.topk_ids_TK.ravel()
-        return np.bincount(flat, minlength=self.ranks * self.num_experts).reshape(self.ranks, self.num_experts)
-
 
 @dataclass(frozen=True)
 class Hop:

@@ -32,12 +32,6 @@ class ClusterShape:
     def num_nodes(self) -> int:
         return self.ranks // self.gpus_per_node
 
-    def node_of(self, rank_R: np.ndarray | int) -> np.ndarray | int:
-        return rank_R // self.gpus_per_node
-
-    def local_index(self, rank_R: np.ndarray | int) -> np.ndarray | int:
-        return rank_R % self.gpus_per_node
-
     def node_of_rank(self) -> np.ndarray:
         """int64 [R]: node of each rank."""
         return np.arange(self.ranks, dtype=np.int64) // self.gpus_per_node
@@ -108,24 +102,6 @@ class Placement:
                                       "rank holds an expert")
         return cls.from_map(np.arange(num_experts, dtype=np.int64) % ranks, ranks)
 
-    @classmethod
-    def with_replicas(cls, home_E: np.ndarray, replica_rank: np.ndarray, replica_expert: np.ndarray,
-                      ranks: int) -> "Placement":
-        """Home slots plus static replicas ``(replica_rank[i], replica_expert[i])``."""
-        h = np.asarray(home_E, dtype=np.int64)
-        r = np.concatenate([h, np.asarray(replica_rank, dtype=np.int64)])
-        e = np.concatenate([np.arange(h.size), np.asarray(replica_expert, dtype=np.int64)])
-        order = np.argsort(r, kind="stable")
-        return cls(h.size, ranks, r[order], e[order], h)
-
     @property
     def num_slots(self) -> int:
         return int(self.slot_rank_S.size)
-
-    @property
-    def experts_per_rank(self) -> int:
-        """epn = E / R (home slots per rank under home-group placement)."""
-        return self.num_experts // self.ranks
-
-    def slots_per_rank_R(self) -> np.ndarray:
-        return np.bincount(self.slot_rank_S, minlength=self.ranks)

@@ -8,19 +8,8 @@ destination rank and expanded there (as DeepEP and MoonEP do).
 
 from __future__ import annotations
 
-import numpy as np
-
 from moonep_sim.plan import GlobalRouting, Plan, home_slots, plan_from_slots
 from moonep_sim.strategies import Option, PlanContext, register
-
-
-def home_slot_of_expert(ctx: PlanContext) -> np.ndarray:
-    """int64 [E]: index of each expert's home slot in the placement's slot arrays."""
-    p = ctx.placement
-    home = p.slot_rank_S == p.home_E[p.slot_expert_S]
-    slot_of = np.empty(p.num_experts, dtype=np.int64)
-    slot_of[p.slot_expert_S[home]] = np.flatnonzero(home)
-    return slot_of
 
 
 @register("alltoall", summary="flat dropless variable-size all-to-all to each expert's home rank (Megatron-Core)",
