@@ -296,6 +296,7 @@ def movement_worker(rank, world, T, seed, direct="off"):
     return res
 
 
+@pytest.mark.slow  # spawns 4 gloo ranks
 @pytest.mark.parametrize("direct", ["off", "on"])
 def test_rows_land_where_the_plan_says_on_gloo(direct):
     world = 4

@@ -18,6 +18,8 @@ import torch
 
 from moonep_sim.gloo.launcher import spawn_ranks
 
+pytestmark = pytest.mark.slow  # every test here starts gloo ranks in processes (-m "not slow" skips them)
+
 HERE = str(Path(__file__).resolve().parent)
 WORLD, TIMEOUT_S = 3, 2.0
 # where the victim goes silent, by the phase the survivors are then stuck in

@@ -17,6 +17,8 @@ from moonep_sim.gloo.launcher import spawn_ranks
 from moonep_sim.gloo.moe import dense_moe, init_experts
 from moonep_sim.strategies import available
 
+pytestmark = pytest.mark.slow  # every test here starts gloo ranks in processes (-m "not slow" skips them)
+
 HERE = str(Path(__file__).resolve().parent)
 CFG = dict(T=42, H=8, F=6, E=8, K=3, G=2, seed=3)
 

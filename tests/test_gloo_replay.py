@@ -8,6 +8,8 @@ from moonep_sim.errors import ConfigError
 from moonep_sim.gloo.launcher import run_replay
 from moonep_sim.routing.generators import generate_trace
 
+pytestmark = pytest.mark.slow  # every test here starts gloo ranks in processes (-m "not slow" skips them)
+
 KEYS = {"strategy", "world_size", "layers", "dispatch_ms", "combine_ms", "total_ms", "bytes_sent", "correct",
         "options", "per_layer", "phases", "prefetch_ms", "expert_ms", "backward_ms", "phases_R", "slowest_rank"}
 

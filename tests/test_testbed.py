@@ -215,6 +215,7 @@ def test_gloo_probe_measures_rtt_all_to_all_and_rail_exchange(tmp_path):
 
 
 @pytest.mark.root
+@pytest.mark.slow
 @needs_netns
 def test_failed_run_cleans_up(tmp_path):
     from moonep_sim.testbed.run import run_testbed
