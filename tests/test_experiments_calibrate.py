@@ -80,7 +80,8 @@ def test_fit_needs_measurements():
 
 
 def test_topology_written_from_fit_loads_in_the_simulator(tmp_path, monkeypatch):
-    sim_topology = pytest.importorskip("moonep_sim.sim.topology")
+    from moonep_sim.sim import topology as sim_topology
+
     m = synthetic({2: 150.0, 4: 450.0}, {2: 1.5, 4: 0.75}, {2: 80e9, 4: 40e9}, launch_us=20.0)
     f = cal.fit(m)
     topo = cal.local_gloo_topology(f, 4, (2, 4))
@@ -133,7 +134,8 @@ def test_cpu_rates_are_written_per_core_with_the_sharing_and_row_passes(tmp_path
     assert topo.nvlink_latency_us == pytest.approx(450.0) and topo.host_message_us == 0.0
     assert topo.nvlink_duplex == "half" and topo.plan_routing_bytes_per_entry == 16.0
     assert topo.host_R(4).tolist() == [0] * 4  # all ranks on this one machine
-    back = pytest.importorskip("moonep_sim.sim.topology").read_topology_file(
+    from moonep_sim.sim.topology import read_topology_file
+    back = read_topology_file(
         (tmp_path / "t.toml").write_text(topo.to_toml()) and tmp_path / "t.toml")
     assert back.host_copy_bandwidth_GBps == topo.host_copy_bandwidth_GBps and back.nic_duplex == "half"
 

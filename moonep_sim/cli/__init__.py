@@ -25,13 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"moonep-sim {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMANDS:
-        try:
-            mod = importlib.import_module(f"moonep_sim.cli.{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"moonep_sim.cli.{name}":
-                continue  # not built yet
-            raise
-        mod.register(sub)
+        importlib.import_module(f"moonep_sim.cli.{name}").register(sub)
     return parser
 
 

@@ -536,12 +536,9 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
 
 def calibrated_path() -> Path:
     """Where the ``local-gloo`` preset reads its calibration from."""
-    try:
-        from moonep_sim.sim.topology import calibrated_topology_path
-        return Path(calibrated_topology_path())
-    except ImportError:  # simulator not installed in this tree yet: same default it documents
-        home = os.environ.get("MOONEP_SIM_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "moonep-sim")
-        return Path(home) / "local-gloo.toml"
+    from moonep_sim.sim.topology import calibrated_topology_path
+
+    return Path(calibrated_topology_path())
 
 
 def calibration_kind(path: Path | None = None) -> str | None:
