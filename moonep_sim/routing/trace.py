@@ -310,6 +310,8 @@ class Trace:
         raw, data_len = _read_header(self.path)
         self.meta, self._shapes = self._validate(_parse_header(raw, data_len, where), where)
         self._handle = None
+        if self.has("step"):
+            self.steps()  # [T] integers, cheap: a trace with decreasing steps is refused when opened
 
     @classmethod
     def check_bytes(cls, data: bytes, where: str) -> TraceMeta:
@@ -421,11 +423,15 @@ class Trace:
     def model(self):
         """The trace's model (a :class:`moonep_sim.models.ModelSpec`) from its metadata
         (``model_spec``, else the preset ``model``), or None when it names none."""
+        from moonep_sim.errors import MoonEPSimError
         from moonep_sim.models import resolve_model
 
-        if self.meta.model_spec:
-            return resolve_model(self.meta.model_spec)
-        return resolve_model(self.meta.model) if self.meta.model else None
+        try:
+            if self.meta.model_spec:
+                return resolve_model(self.meta.model_spec)
+            return resolve_model(self.meta.model) if self.meta.model else None
+        except MoonEPSimError as e:  # the file names a model this installation does not know
+            raise TraceFormatError(f"{self.path}: metadata: model: {e}") from None
 
     def __repr__(self) -> str:
         m = self.meta

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 import importlib
 import pkgutil
 
 from moonep_sim.errors import TraceFormatError
-from moonep_sim.io import check_output_path
-from moonep_sim.routing.importers.common import (FIELDS, STEPS_FROM, ImportOptions, Imported, err,
+from moonep_sim.io import check_output_path, file_kind
+from moonep_sim.routing.importers.common import (FIELDS, STEPS_FROM, ImportOptions, Imported, check_sizes, err,
                                                  fields_markdown, model_of)
 from moonep_sim.routing.importers.registry import IMPORTERS, Importer, Sniff, by_priority, formats, formats_markdown
 from moonep_sim.routing.trace import TraceMeta, write_trace
@@ -41,6 +42,15 @@ __all__ = ["FIELDS", "FORMATS", "IMPORTERS", "ImportOptions", "Imported", "Impor
            "detect_format", "fields_markdown", "formats", "formats_markdown", "import_trace", "load_source"]
 
 
+def _is_safetensors(head: bytes, size: int) -> bool:
+    """An 8-byte little-endian header length that fits the file, then a JSON object: checked before
+    the pickle test, since a length whose low byte is 0x80 looks like a pickle's first bytes."""
+    if len(head) < 9:
+        return False
+    n = int.from_bytes(head[:8], "little")
+    return 2 <= n <= size - 8 and head[8:9] == b"{"
+
+
 def _is_pickle(head: bytes) -> bool:
     return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
@@ -49,12 +59,24 @@ def detect_format(path: str | os.PathLike) -> str:
     """The importer format of ``path`` (one of ``formats()``), from its first bytes and first record."""
     p = Path(path)
     where = str(p)
-    if not p.is_file():
-        raise err(where, "expected a file, found none" if not p.exists() else "expected a file, found a directory")
-    with open(p, "rb") as f:
-        head = f.read(4096)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise err(where, "expected a file, found none") from None
+    except OSError as e:
+        raise err(where, f"expected a readable file, found {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):  # before opening: a named pipe would block the read
+        raise err(where, f"expected a regular file, found {file_kind(st.st_mode)}")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        raise err(where, f"expected a readable file, found {e.strerror}") from None
     if not head.strip():
         raise err(where, "expected routing data, found an empty file")
+    if _is_safetensors(head, st.st_size):
+        raise err(where, "expected routing data to import, found a safetensors file (a moonep-sim trace is "
+                         "used as it is; other safetensors files are not routing logs)")
     if _is_pickle(head):
         raise err(where, "expected routing data, found a Python pickle (pickled files are never loaded; "
                          "save arrays with numpy.save or as JSON)")
@@ -66,7 +88,7 @@ def detect_format(path: str | os.PathLike) -> str:
         line = head.decode("utf-8", errors="replace").lstrip().split("\n", 1)[0].strip()
         try:
             first = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             first = None      # a multi-line JSON document, or not JSON
     s = Sniff(p, head, first)
     for imp in by_priority():
@@ -100,6 +122,7 @@ def load_source(src: str | os.PathLike, format: str = "auto", *, model=None, num
         raise TraceFormatError(f"--dominant-share ({dominant_share!r}) must be in (0, 1]")
     opts = ImportOptions(model=model, num_experts=num_experts, top_k=top_k, warmup_min_rows=warmup_min_rows,
                          capture_min_rows=capture_min_rows, steps_from=steps_from, dominant_share=dominant_share)
+    check_sizes(opts)  # --num-experts / --top-k in range before the file is parsed
     model_of(opts)     # a bad --model fails before the file is parsed
     return IMPORTERS[format].load(path, format, opts)
 

@@ -6,6 +6,7 @@ Notation: L layers, T tokens, K top-k, E experts, S steps.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from moonep_sim.errors import TraceFormatError
+from moonep_sim.limits import MAX_NUM_EXPERTS, MAX_TOP_K
 from moonep_sim.routing.metrics import per_step_maxvio, step_expert_counts
 from moonep_sim.routing.trace import TraceMeta
 
@@ -88,6 +90,31 @@ def err(where: str, msg: str) -> TraceFormatError:
     return TraceFormatError(f"{where}: {msg}")
 
 
+def is_int(v: Any) -> bool:
+    """A JSON integer (``true``/``false`` are not ids, counts or sizes)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def load_json(where: str, data: bytes | str, what: str = "JSON") -> Any:
+    """``json.loads`` with every failure (invalid, not UTF-8, nested too deep) as one line."""
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        pos = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise err(where, f"expected {what}, found invalid JSON{pos} ({getattr(e, 'msg', e)}; truncated?)") from None
+    except RecursionError:
+        raise err(where, f"expected {what}, found JSON nested too deep to parse") from None
+
+
+def check_sizes(opts: "ImportOptions") -> None:
+    """--num-experts and --top-k in range (before the file is read)."""
+    if opts.num_experts is not None and (not is_int(opts.num_experts)
+                                         or not 1 <= opts.num_experts <= MAX_NUM_EXPERTS):
+        raise TraceFormatError(f"--num-experts ({opts.num_experts}) must be an integer in [1, {MAX_NUM_EXPERTS}]")
+    if opts.top_k is not None and (not is_int(opts.top_k) or not 1 <= opts.top_k <= MAX_TOP_K):
+        raise TraceFormatError(f"--top-k ({opts.top_k}) must be an integer in [1, {MAX_TOP_K}]")
+
+
 def first_true(mask_N: np.ndarray) -> int:
     return int(np.argmax(mask_N))
 
@@ -138,8 +165,9 @@ def resolve_experts(where: str, opts: ImportOptions, in_file: Any, ids: np.ndarr
     if opts.num_experts is not None:
         given.append(("--num-experts", int(opts.num_experts)))
     if in_file is not None:
-        if not isinstance(in_file, int) or isinstance(in_file, bool) or in_file < 1:
-            raise err(where, f"metadata: num_experts: expected an integer >= 1, found {in_file!r}")
+        if not is_int(in_file) or not 1 <= in_file <= MAX_NUM_EXPERTS:
+            raise err(where, f"metadata: num_experts: expected an integer in [1, {MAX_NUM_EXPERTS}] (the largest "
+                             f"expert count moonep-sim handles), found {in_file!r}")
         given.append(("the file's num_experts", in_file))
     m = model_of(opts)
     if m is not None:
@@ -153,6 +181,9 @@ def resolve_experts(where: str, opts: ImportOptions, in_file: Any, ids: np.ndarr
     if ids is None or ids.size == 0:
         raise err(where, "num_experts: expected --num-experts or --model, found neither")
     E = max(int(ids.max()) + 1, 1)
+    if E > MAX_NUM_EXPERTS:
+        raise err(where, f"expert id ({E - 1}) must be < {MAX_NUM_EXPERTS} (the largest expert count moonep-sim "
+                         "handles): the expert count would be inferred from it")
     report["num_experts"] = f"inferred from the largest id: {E}"
     report.setdefault("warnings", []).append(
         f"num_experts inferred as {E} from the largest expert id: if the model has more experts, every load "

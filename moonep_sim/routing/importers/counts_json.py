@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from moonep_sim.routing.importers.common import (ImportOptions, Imported, attribution, check_top_k, err,
-                                                 model_meta, model_of, resolve_experts)
+from moonep_sim.routing.importers.common import (ImportOptions, Imported, attribution, check_top_k, err, is_int,
+                                                 load_json, model_meta, model_of, resolve_experts)
 from moonep_sim.routing.importers.registry import Importer, Sniff, register
 from moonep_sim.routing.trace import TraceMeta
 
@@ -29,14 +29,15 @@ def load_counts(path: Path, fmt: str, opts: ImportOptions) -> Imported:
     text = path.read_bytes()
     if not text.strip():
         raise err(where, "expected a JSON expert-count histogram, found an empty file")
-    try:
-        doc = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        pos = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
-        raise err(where, f"expected JSON, found invalid JSON{pos} ({getattr(e, 'msg', e)}; truncated?)") from None
+    doc = load_json(where, text)
     file_E = file_K = file_layers = None
     if isinstance(doc, dict):
         file_E, file_K, file_layers = doc.get("num_experts"), doc.get("top_k"), doc.get("layers")
+        if file_K is not None and (not is_int(file_K) or file_K < 1):
+            raise err(where, f"top_k: expected an integer >= 1, found {json.dumps(file_K)[:40]}")
+        if file_layers is not None and (not isinstance(file_layers, list)
+                                        or not all(is_int(x) for x in file_layers)):
+            raise err(where, f"layers: expected a list of integer layer ids, found {json.dumps(file_layers)[:60]}")
         for key in ("expert_usage_by_layer", "counts", "expert_counts"):
             if key in doc:
                 body, field = doc[key], key
@@ -61,6 +62,8 @@ def load_counts(path: Path, fmt: str, opts: ImportOptions) -> Imported:
             layer_ids.append(int(lk))
         except ValueError:
             raise err(where, f"{field}: layer key: expected an integer, found {lk!r}") from None
+        if not 0 <= layer_ids[-1] < 1 << 31:
+            raise err(where, f"{field}: layer key: expected a layer id in [0, 2^31), found {lk!r}")
         if isinstance(v, dict):
             try:
                 pairs = [(int(e), c) for e, c in v.items()]
@@ -95,9 +98,14 @@ def load_counts(path: Path, fmt: str, opts: ImportOptions) -> Imported:
             counts_LE[i, list(e)] = c
     # cross-check per-layer totals that some exporters write alongside
     analysis = doc.get("layer_analysis") if isinstance(doc, dict) else None
+    if analysis is not None and not isinstance(analysis, dict):
+        raise err(where, f"layer_analysis: expected an object of per-layer objects, found {type(analysis).__name__}")
     if isinstance(analysis, dict):
         for i, lk in enumerate(layer_ids):
-            tot = (analysis.get(str(lk)) or {}).get("total_usage")
+            entry = analysis.get(str(lk)) or {}
+            if not isinstance(entry, dict):
+                raise err(where, f"layer_analysis[{lk}]: expected an object, found {json.dumps(entry)[:40]}")
+            tot = entry.get("total_usage")
             if tot is not None and tot != int(counts_LE[i].sum()):
                 raise err(where, f"layer_analysis[{lk}].total_usage: expected {int(counts_LE[i].sum())} "
                                   f"(the sum of its counts), found {tot}: metadata contradicts the counts")

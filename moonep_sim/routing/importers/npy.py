@@ -22,9 +22,71 @@ def sniff(s: Sniff) -> bool:
     return s.head.startswith(b"\x93NUMPY") or s.head.startswith(b"PK\x03\x04")
 
 
+# an .npz may inflate to at most this many times its own size (with a floor): more is a
+# decompression bomb, refused before anything is inflated
+MAX_INFLATION = 200
+MIN_INFLATED_BYTES = 256 << 20
+
+
+def _npy_header(f, where: str, member: str = "") -> tuple[tuple[int, ...], np.dtype, int]:
+    """Shape, dtype and data bytes promised by an .npy header (read without reading the data)."""
+    what = f"member {member}: " if member else ""
+    try:
+        version = np.lib.format.read_magic(f)
+        reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _fortran, dtype = reader(f)
+    except (ValueError, OSError, EOFError, SyntaxError) as e:
+        raise err(where, f"{what}expected a .npy array header, found {str(e).splitlines()[0][:80]}") from None
+    if dtype.hasobject:
+        raise err(where, f"{what}expected a numeric array, found an object array stored by pickle "
+                         "(pickled data is never loaded)")
+    n = dtype.itemsize
+    for d in shape:
+        n *= int(d)  # Python integers: no overflow
+    return tuple(int(d) for d in shape), dtype, n
+
+
+def _check_sizes(path: Path, where: str) -> None:
+    """Every array's promised size against what the file can hold, before numpy allocates it: an
+    .npy's data must be in the file; an .npz must hold only .npy members whose inflated size is
+    what their headers promise and at most MAX_INFLATION times the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(4)
+        f.seek(0)
+        if magic != b"PK\x03\x04":
+            _shape, _dtype, n = _npy_header(f, where)
+            held = size - f.tell()
+            if n > held:
+                raise err(where, f"expected {n} bytes of array data (shape {list(_shape)}, {_dtype}), the file "
+                                 f"holds {held} (truncated?)")
+            return
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+            if not infos:
+                raise err(where, "expected arrays in the .npz, found an empty archive")
+            limit = max(MIN_INFLATED_BYTES, MAX_INFLATION * size)
+            total = sum(i.file_size for i in infos)
+            if total > limit:
+                raise err(where, f"expected at most {limit} bytes once inflated ({MAX_INFLATION}x the file's "
+                                 f"size), found members of {total} bytes (a decompression bomb?)")
+            for i in infos:
+                if not i.filename.endswith(".npy"):
+                    raise err(where, f"member {i.filename}: expected a .npy array, found another file")
+                with z.open(i) as m:
+                    _shape, _dtype, n = _npy_header(m, where, i.filename)
+                    if n > i.file_size:
+                        raise err(where, f"member {i.filename}: expected {n} bytes of array data (shape "
+                                         f"{list(_shape)}), found {i.file_size} bytes in the archive")
+    except (zipfile.BadZipFile, OSError, EOFError, NotImplementedError) as e:
+        raise err(where, f"expected a readable .npz archive, found {type(e).__name__}: {e} (truncated?)") from None
+
+
 def load_npy(path: Path, fmt: str, opts: ImportOptions) -> Imported:
     where = str(path)
     extra: dict[str, np.ndarray] = {}
+    _check_sizes(path, where)
     try:
         obj = np.load(path, allow_pickle=False)
         if isinstance(obj, np.lib.npyio.NpzFile):
@@ -76,10 +138,11 @@ def load_npy(path: Path, fmt: str, opts: ImportOptions) -> Imported:
         if w.dtype.kind != "f":
             raise err(where, f"topk_weights: expected a float array, found dtype {w.dtype}")
         w_LTK = np.ascontiguousarray(w.reshape(T, L, K).transpose(1, 0, 2)).astype(np.float32)
-        fin = np.isfinite(w_LTK).all(axis=2)
+        fin = (np.isfinite(w_LTK) & (w_LTK >= 0)).all(axis=2)
         if not fin.all():
             l, t = np.unravel_index(int(np.argmax(~fin)), (L, T))
-            raise err(where, f"token {t}: layer {l}: topk_weights: expected finite numbers, found {w_LTK[l, t].tolist()}")
+            raise err(where, f"token {t}: layer {l}: topk_weights: expected finite numbers >= 0, "
+                             f"found {w_LTK[l, t].tolist()}")
     else:
         w_LTK = np.full((L, T, K), 1.0 / K, np.float32)
         report["weights"] = "absent in the source: set to 1/K"

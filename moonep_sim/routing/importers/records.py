@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from moonep_sim.routing.importers.common import (FIELDS, QUIET_FIELDS, REQUIRED_ROLES, ImportOptions, Imported,
-                                                 attribution, check_top_k, err, first_true, model_meta, pick,
+                                                 attribution, check_top_k, err, first_true, is_int, model_meta, pick,
                                                  resolve_experts, sanity_warnings, set_ids)
 from moonep_sim.routing.trace import TraceMeta
 
@@ -72,7 +72,7 @@ def parse_records(path: Path) -> dict[str, Any]:
         decoded = json.loads(b"[" + b",".join(s for _, s in numbered) + b"]")
         if len(decoded) != len(numbered):
             raise ValueError("a line held more than one JSON value")
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         decoded = None
     for j, (lineno, s) in enumerate(numbered):
         if decoded is not None:
@@ -84,6 +84,9 @@ def parse_records(path: Path) -> dict[str, Any]:
                 hint = " (truncated last line?)" if truncated and lineno == len(lines) else ""
                 raise err(where, f"record {lineno}: expected a JSON object, found invalid JSON "
                                  f"({getattr(e, 'msg', str(e))}){hint}") from None
+            except RecursionError:
+                raise err(where, f"record {lineno}: expected a JSON object, found JSON nested too deep "
+                                 "to parse") from None
         if not isinstance(rec, dict):
             raise err(where, f"record {lineno}: expected a JSON object, found {type(rec).__name__}")
         kind = rec.get("type")
@@ -143,17 +146,25 @@ def parse_records(path: Path) -> dict[str, Any]:
         raise err(where, "expected at least one route record, found none")
     line_N = np.asarray(line_l, np.int64)
 
+    # JSON true/false decode as Python bools, which numpy silently turns into 1/0: when the file
+    # holds the words at all, the (slow, exact) per-record type check below runs
+    maybe_bools = b"true" in data or b"false" in data
+
     def ints(values, fld: str, shape_ok) -> np.ndarray:
         try:
             a = np.asarray(values)
-        except ValueError:
+        except (ValueError, OverflowError):
             a = np.asarray(values, dtype=object)
-        if a.dtype.kind in "iu" and shape_ok(a):
+        if a.dtype.kind in "iu" and shape_ok(a) and not maybe_bools:
             return a.astype(np.int64)
-        for i, v in enumerate(values):  # error path only: find the offending record
+        for i, v in enumerate(values):  # error path (or true/false in the file): find the offending record
             vv = v if isinstance(v, list) else [v]
             if not all(isinstance(x, int) and not isinstance(x, bool) for x in vv):
                 raise err(where, f"record {line_N[i]}: {fld}: expected integers, found {json.dumps(v)[:60]}")
+            if not all(-(1 << 63) <= x < 1 << 63 for x in vv):
+                raise err(where, f"record {line_N[i]}: {fld}: expected 64-bit integers, found {json.dumps(v)[:60]}")
+        if a.dtype.kind in "iu" and shape_ok(a):
+            return a.astype(np.int64)
         raise err(where, f"{fld}: expected integers, found dtype {a.dtype}")
 
     ids_NK = ints(ids_l, names["ids"], lambda a: a.ndim == 2)
@@ -163,12 +174,14 @@ def parse_records(path: Path) -> dict[str, Any]:
     if names["weights"] is not None:
         try:
             w_NK = np.asarray(w_l, dtype=np.float64)
+            if w_NK.ndim != 2:
+                raise ValueError("nested lists")
         except (ValueError, TypeError):
             for i, v in enumerate(w_l):
                 if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
                     raise err(where, f"record {line_N[i]}: {names['weights']}: expected numbers, "
                                      f"found {json.dumps(v)[:60]}") from None
-            raise
+            raise err(where, f"{names['weights']}: expected lists of numbers") from None
     used = {v for v in names.values() if v}
     ignored = sorted(seen_keys - used - QUIET_FIELDS)
     return {"meta": meta_line, "names": names, "group_N": np.asarray(g_l, np.int64),
@@ -271,7 +284,8 @@ def assign_steps(mode: str, r: dict, keep: np.ndarray) -> tuple[np.ndarray, str]
 def dummy_rows(r: dict, keep: np.ndarray, step: np.ndarray, sid: np.ndarray, opts: ImportOptions
                ) -> tuple[np.ndarray, list[dict], dict[str, int]]:
     """Rows in dummy blocks (bool [N]), the blocks, and rows per reason. Judged by routing only."""
-    lay, line = r["layer_N"], r["line_N"]
+    lay_id, line = r["layer_N"], r["line_N"]
+    lay = np.unique(lay_id, return_inverse=True)[1].reshape(-1)  # dense 0..L-1: keys and counts stay small
     N = len(lay)
     mask = np.zeros(N, bool)
     blocks: list[dict] = []
@@ -300,7 +314,7 @@ def dummy_rows(r: dict, keep: np.ndarray, step: np.ndarray, sid: np.ndarray, opt
                 rows = rows[np.isin(key, u[whole])]
             mask[rows] = True
             per_reason["identical_run"] += len(rows)
-            blocks.append({"reason": "identical_run", "layer": int(lay[rows[0]]), "first_record": int(line[rows[0]]),
+            blocks.append({"reason": "identical_run", "layer": int(lay_id[rows[0]]), "first_record": int(line[rows[0]]),
                            "rows": int(len(rows)), "experts": np.sort(r["ids_NK"][rows[0]]).tolist()})
     # graph capture: a whole (layer, step) of power-of-two size with one expert set
     if opts.capture_min_rows > 0:
@@ -321,7 +335,7 @@ def dummy_rows(r: dict, keep: np.ndarray, step: np.ndarray, sid: np.ndarray, opt
                 continue
             mask[rows] = True
             per_reason["graph_capture"] += int(fresh.sum())
-            blocks.append({"reason": "graph_capture", "layer": int(lay[rows[0]]), "first_record": int(line[rows[0]]),
+            blocks.append({"reason": "graph_capture", "layer": int(lay_id[rows[0]]), "first_record": int(line[rows[0]]),
                            "rows": int(len(rows)), "step": int(step[rows[0]]),
                            "experts": np.sort(r["ids_NK"][rows[0]]).tolist()})
     blocks.sort(key=lambda b: b["first_record"])
@@ -343,6 +357,8 @@ def load_records(path: Path, fmt: str, opts: ImportOptions) -> Imported:
     # -- metadata against records
     E, inferred = resolve_experts(where, opts, meta_line.get("num_experts"), ids, report)
     mk = meta_line.get("top_k")
+    if mk is not None and not is_int(mk):
+        raise err(where, f"meta top_k: expected an integer, found {json.dumps(mk)[:40]}")
     if mk is not None and mk != K:
         raise err(where, f"record {line[0]}: {names['ids']}: expected {mk} ids (meta top_k), found {K}: "
                          "metadata contradicts the records")
@@ -360,7 +376,13 @@ def load_records(path: Path, fmt: str, opts: ImportOptions) -> Imported:
         if (arr < 0).any():
             i = first_true(arr < 0)
             raise err(where, f"record {line[i]}: {names[role]}: expected >= 0, found {int(arr[i])}")
+    if (lay >= 1 << 31).any():  # layer ids are 32-bit in a trace
+        i = first_true(lay >= 1 << 31)
+        raise err(where, f"record {line[i]}: {names['layer']}: expected a layer id < 2^31, found {int(lay[i])}")
     logged = meta_line.get("layers_logged")
+    if logged is not None and (not isinstance(logged, list) or not logged
+                               or not all(is_int(x) and 0 <= x < 1 << 31 for x in logged)):
+        raise err(where, f"meta layers_logged: expected a non-empty list of layer ids, found {json.dumps(logged)[:60]}")
     if logged is not None:
         extra = ~np.isin(lay, np.asarray(logged, np.int64))
         if extra.any():
