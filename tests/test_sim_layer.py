@@ -178,7 +178,8 @@ def test_isolated_dispatch_excludes_compute_and_planning():
     topo = load_topology("h800-cx7", gpus_per_node=4)
     iso = simulate_layer(plan, topo, MODEL, SimOptions(isolate="dispatch"))
     full = simulate_layer(plan, topo, MODEL)
-    assert set(iso.phases_us) <= {"dispatch.0", "kernel_fixed"} and "dispatch.0" in iso.phases_us
+    assert set(iso.phases_us) <= {"dispatch.0", "dispatch.0.fixed"} and "dispatch.0" in iso.phases_us
+    assert iso.phases_us.get("dispatch.0.fixed", 0.0) == pytest.approx(topo.kernel_dispatch_fixed_us)
     assert iso.layer_time_us < full.layer_time_us
     # the kernel's fixed cost, then its bytes
     assert iso.layer_time_us == pytest.approx(iso.phases_us["dispatch.0"] + topo.kernel_dispatch_fixed_us)

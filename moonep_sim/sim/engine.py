@@ -280,7 +280,8 @@ class StepSim:
             if j == 0 and fixed > 0 and (h == 0 or not prog.relayed):
                 t0 = env.now
                 yield env.timeout(fixed)
-                self._span(r, prefix + "kernel_fixed", PhaseKind.KERNEL_FIXED, tag.direction, t0)
+                # named after its hop (``dispatch.0.fixed``), so phases_us gives each launch's own span
+                self._span(r, f"{prefix}{tag.name}.fixed", PhaseKind.KERNEL_FIXED, tag.direction, t0)
             if pre_us > 0:
                 t0 = env.now
                 yield self._work(r, float(pre_us) / c)
