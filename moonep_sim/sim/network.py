@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 import simpy
 
+from moonep_sim.errors import require
 from moonep_sim.sim.topology import Topology
 
 L_PATH = 9
@@ -204,64 +205,104 @@ class PortMap:
             return int((p - self.sm_base) % R)
         return None
 
+    # -- sender / receiver sides ----------------------------------------------------------
+    # Every path is the sender's ports of its block followed by the receiver's ports of its block
+    # (plus the pair port of a half-duplex link). Blocks: 0 same rank (HBM copy), 1 same node
+    # (NVLink), 2 other node (NIC; same rail only when the spine can bind), 3 other node, other
+    # rail (NIC and spine; only when the spine can bind); with SM ports, blocks 4-7 are the same
+    # for flows of SM-driven phases, which also cross the sender's sm_send and the receiver's
+    # sm_recv. A port added to the model must be listed here on the side of the rank it belongs
+    # to: ``paths`` and the simulator's solver (:class:`BlockCounts`) both read these tables.
+    BLOCKS = ("local", "nvlink", "nic", "nic_spine")
+
+    @property
+    def num_blocks(self) -> int:
+        return 8 if self.sm_ports else 4
+
+    def pair_class(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None,
+                   nic_F: np.ndarray | None = None) -> np.ndarray:
+        """int64 [F]: the block of each transfer ``src -> dst`` (``BLOCKS`` index, + 4 for flows of
+        SM-driven phases when the map has SM ports; flows with ``nic_F`` True take the NIC path
+        between ranks of one node too)."""
+        src_F = np.asarray(src_F, dtype=np.int64)
+        dst_F = np.asarray(dst_F, dtype=np.int64)
+        G = self.gpus_per_node
+        same_node = (src_F // G) == (dst_F // G)
+        if nic_F is not None:
+            same_node &= ~np.asarray(nic_F, dtype=bool)
+        cls = np.where(src_F == dst_F, 0, np.where(same_node, 1, 2))
+        if self.spine_binds:
+            cls = np.where((cls == 2) & (src_F % G != dst_F % G), 3, cls)
+        if self.sm_ports and sm_F is not None:
+            cls = cls + 4 * np.asarray(sm_F, dtype=np.int64)
+        return cls
+
+    def side_ports(self) -> tuple[np.ndarray, np.ndarray]:
+        """(src_BRK int64 [B, R, Ks], dst_BRK int64 [B, R, Kd]): per block b and rank r, the ports
+        r's transfers of that block cross as sender (src) and as receiver (dst), padded with the
+        dummy port. B = ``num_blocks``."""
+        R, G = self.ranks, self.gpus_per_node
+        r = np.arange(R)
+        dm = self.dummy
+        node, rail = r // G, r % G
+        col = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
+        src: list[list[np.ndarray]] = [[col(4 * R + r)], [col(r)], [col(2 * R + r)], [col(2 * R + r)]]
+        dst: list[list[np.ndarray]] = [[], [col(R + r)], [col(3 * R + r)], [col(3 * R + r)]]
+        if self.spine_binds:
+            src[3].append(col(5 * R + rail))
+            dst[3].insert(0, col(5 * R + self.rails + rail))
+        if self.node_links:
+            for b in (2, 3):
+                src[b].append(col(self.node_base + node))
+                dst[b].append(col(self.node_base + self.nodes + node))
+        if self.sm_ports:
+            src += [c + [col(self.sm_base + r)] for c in src]
+            dst += [c + [col(self.sm_base + R + r)] for c in dst]
+        B = len(src)
+        ks = max(len(c) for c in src)
+        kd = max(max(len(c) for c in dst), 1)
+        src_BRK = np.full((B, R, ks), dm, dtype=np.int64)
+        dst_BRK = np.full((B, R, kd), dm, dtype=np.int64)
+        for b in range(B):
+            for k, c in enumerate(src[b]):
+                src_BRK[b, :, k] = c
+            for k, c in enumerate(dst[b]):
+                dst_BRK[b, :, k] = c
+        return src_BRK, dst_BRK
+
+    def latency(self, src_F: np.ndarray, dst_F: np.ndarray, nic_F: np.ndarray | None = None) -> np.ndarray:
+        """float64 [F]: path latency (us) of transfers ``src -> dst``: none on the same rank, NVLink's
+        in a node (unless ``nic_F``), the NIC's on one rail, NIC + fabric across rails."""
+        src_F = np.asarray(src_F, dtype=np.int64)
+        dst_F = np.asarray(dst_F, dtype=np.int64)
+        G = self.gpus_per_node
+        same_node = (src_F // G) == (dst_F // G)
+        if nic_F is not None:
+            same_node &= ~np.asarray(nic_F, dtype=bool)
+        lat = np.where(src_F == dst_F, 0.0, np.where(same_node, self.lat_nvlink_us, self.lat_nic_us))
+        return np.where(~same_node & (src_F % G != dst_F % G), self.lat_spine_us, lat)
+
     def paths(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None,
               nic_F: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(path_FL int64 [F, L_PATH], latency_F float64 [F]) of transfers ``src -> dst`` (vectorised).
 
-        Columns: the first port, the spine up/down (only when it can bind), the last port, then the
-        pair port (half duplex), the node links (``nic.attach = "node"``) and the SM send / receive
-        ports (of flows with ``sm_F`` True, when the map has SM ports) where they exist. Flows with
-        ``nic_F`` True take the NIC path between ranks of one node too (pure-RDMA kernels)."""
-        R, G = self.ranks, self.gpus_per_node
+        Columns: the sender's ports of the transfer's block, then the receiver's (``side_ports``;
+        SM send / receive ports for flows with ``sm_F`` True when the map has them), then the pair
+        port (half duplex) where it exists; padded with the dummy port. Flows with ``nic_F`` True
+        take the NIC path between ranks of one node too (pure-RDMA kernels). Latency: ``latency``."""
+        src_F = np.asarray(src_F, dtype=np.int64)
+        dst_F = np.asarray(dst_F, dtype=np.int64)
         F = src_F.size
-        lat = np.zeros(F)
-        same = src_F == dst_F
-        same_node = (src_F // G == dst_F // G) & ~same
-        if nic_F is not None:
-            same_node &= ~np.asarray(nic_F, dtype=bool)
-        rail_s, rail_d = src_F % G, dst_F % G
-        inter = ~same & ~same_node
-        cross = inter & (rail_s != rail_d)
-        cols: list[np.ndarray] = []
-        c0 = np.full(F, self.dummy, dtype=np.int64)
-        c1 = np.full(F, self.dummy, dtype=np.int64)
-        c0[same] = 4 * R + src_F[same]
-        c0[same_node] = src_F[same_node]
-        c1[same_node] = R + dst_F[same_node]
-        lat[same_node] = self.lat_nvlink_us
-        c0[inter] = 2 * R + src_F[inter]
-        lat[inter] = self.lat_nic_us
-        lat[cross] = self.lat_spine_us
-        cols.append(c0)
-        if self.spine_binds:
-            up = np.full(F, self.dummy, dtype=np.int64)
-            down = np.full(F, self.dummy, dtype=np.int64)
-            up[cross] = 5 * R + rail_s[cross]
-            down[cross] = 5 * R + self.rails + rail_d[cross]
-            cols += [up, down]
-        c1[inter] = 3 * R + dst_F[inter]
-        cols.append(c1)
+        src_BRK, dst_BRK = self.side_ports()
+        cls = self.pair_class(src_F, dst_F, sm_F, nic_F)
+        lat = self.latency(src_F, dst_F, nic_F)
+        cols = [src_BRK[cls, src_F], dst_BRK[cls, dst_F]]
         if self.pairs:
-            pc = np.full(F, self.dummy, dtype=np.int64)
-            other = ~same
             lo, hi = np.minimum(src_F, dst_F), np.maximum(src_F, dst_F)
-            pc[other] = self.pair_base + lo[other] * R + hi[other]
-            cols.append(pc)
-        if self.node_links:
-            no = np.full(F, self.dummy, dtype=np.int64)
-            ni = np.full(F, self.dummy, dtype=np.int64)
-            no[inter] = self.node_base + src_F[inter] // G
-            ni[inter] = self.node_base + self.nodes + dst_F[inter] // G
-            cols += [no, ni]
-        if self.sm_ports and sm_F is not None and np.any(sm_F):
-            ss = np.full(F, self.dummy, dtype=np.int64)
-            sr = np.full(F, self.dummy, dtype=np.int64)
-            m = np.asarray(sm_F, dtype=bool)
-            ss[m] = self.sm_base + src_F[m]
-            sr[m] = self.sm_base + R + dst_F[m]
-            cols += [ss, sr]
+            cols.append(np.where(src_F != dst_F, self.pair_base + lo * self.ranks + hi, self.dummy)[:, None])
+        cat = np.concatenate(cols, axis=1)
         path = np.full((F, L_PATH), self.dummy, dtype=np.int64)
-        path[:, :len(cols)] = np.stack(cols, axis=1)
+        path[:, :cat.shape[1]] = cat
         return path, lat
 
     def route(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None,
@@ -317,15 +358,276 @@ def waterfill(path_FL: np.ndarray, cap_P: np.ndarray, tol: float = 0.0) -> tuple
     return rate, bneck, it
 
 
+class BlockCounts:
+    """Active transfers counted per (sender, receiver) pair, one dense matrix per block, and their
+    exact max-min fair rates (the solver for port maps without half-duplex pair ports).
+
+    Every path is the sender's ``side_ports`` of its block followed by the receiver's, so a
+    transfer's rate is ``min(level of its sender node, level of its receiver node)``, where a
+    *node* is (block, rank) on one side; a node freezes when the first of its ports saturates.
+
+    Progressive filling, batched: the shares ``(cap - frozen load) / unfrozen count`` of the ports
+    are sorted; a run of ports of one side, each belonging to its own node (no two of them share a
+    transfer), saturate one after another at their own shares (freezing one can only raise the
+    shares of ports it shares transfers with, never those of the others in the run), so the whole
+    run freezes in one step; then shares are recomputed. Only the rows (columns) of the nodes that
+    freeze are read. One fill costs O(steps x (nodes + ports log ports) + R x frozen nodes),
+    against O(iterations x active flows) for :func:`waterfill`; the rates equal :func:`waterfill`
+    's with ``tol = 0`` (tested).
+
+    Storage per block: ``M`` [R, W] counts of active transfers by sender row and receiver column
+    (W = R for other-node blocks; G for the NVLink block, column j meaning rank node*G + j; 1 for
+    the local block) and its transpose ``MT`` [R, W] by receiver row.
+    """
+
+    def __init__(self, ports: PortMap):
+        self.ports = ports
+        R, G = ports.ranks, ports.gpus_per_node
+        self.R, self.G = R, G
+        src_BRK, dst_BRK = ports.side_ports()
+        B = ports.num_blocks
+        self.B = B
+        self.blocks = [b for b in range(B) if b % 4 != 3 or ports.spine_binds]
+        self.width = tuple((1, G, R, R)[b % 4] for b in range(B))
+        self.M = [np.zeros((R, w)) for w in self.width]
+        self.MT = [np.zeros((R, w)) for w in self.width]
+        self.cnt_src = np.zeros(B * R)   # active transfers per sender node (block-major)
+        self.cnt_dst = np.zeros(B * R)
+        r = np.arange(R)
+        # rank of row r's column j (node blocks: r's node), clipped: columns past R hold 0 counts
+        self.node_cols_RG = np.minimum((r // G)[:, None] * G + np.arange(G)[None, :], R - 1)
+        self.self_cols_R1 = r[:, None]
+        dm = ports.dummy
+        P1 = ports.cap_P.size
+        unused = np.ones(B, dtype=bool)
+        unused[self.blocks] = False
+        src_BRK = src_BRK.copy()
+        dst_BRK = dst_BRK.copy()
+        src_BRK[unused] = dm
+        dst_BRK[unused] = dm
+        self.ps = src_BRK.reshape(B * R, -1)   # ports of each sender node
+        self.pd = dst_BRK.reshape(B * R, -1)
+        # per port: its side (0 sender, 1 receiver) and its node when it belongs to exactly one
+        self.port_side = np.full(P1, -1, dtype=np.int64)
+        self.port_node = np.full(P1, -1, dtype=np.int64)
+        for side, pp in ((0, self.ps), (1, self.pd)):
+            node = np.repeat(np.arange(pp.shape[0]), pp.shape[1])
+            flat = pp.ravel()
+            real = flat != dm
+            mult = np.bincount(flat[real], minlength=P1)
+            self.port_side[flat[real]] = side
+            one = real & (mult[flat] == 1)
+            self.port_node[flat[one]] = side * B * R + node[one]
+        self.port_node[mult_both(self.ps, self.pd, dm, P1)] = -1
+        k = max(self.ps.shape[1], self.pd.shape[1])
+        pad = lambda pp: np.concatenate([pp, np.full((pp.shape[0], k - pp.shape[1]), dm)], axis=1)  # noqa: E731
+        self.pall = np.concatenate([pad(self.ps), pad(self.pd)])   # ports of sender nodes, then receiver nodes
+        # whether some node has two ports that belong to it alone (then a run keeps each node once)
+        own = self.port_node[self.pall]
+        own = np.where(self.pall == dm, -1, own)
+        self.shared_nodes = bool(((own >= 0).sum(axis=1) > 1).any())
+
+    def cells(self, blk_F, src_F, dst_F):
+        """Columns of transfers in M (sender row) and in MT (receiver row)."""
+        G = self.G
+        c = blk_F % 4
+        j = np.where(c >= 2, dst_F, np.where(c == 1, dst_F % G, 0))
+        i = np.where(c >= 2, src_F, np.where(c == 1, src_F % G, 0))
+        return j, i
+
+    def add(self, blk_F, src_F, dst_F, sign: float) -> None:
+        """Count transfers in (sign = 1) or out (sign = -1)."""
+        if blk_F.size == 0:
+            return
+        j, i = self.cells(blk_F, src_F, dst_F)
+        R = self.R
+        for b in np.unique(blk_F).tolist():
+            m = blk_F == b
+            np.add.at(self.M[b], (src_F[m], j[m]), sign)
+            np.add.at(self.MT[b], (dst_F[m], i[m]), sign)
+        n = self.B * R
+        self.cnt_src += sign * np.bincount(blk_F * R + src_F, minlength=n)
+        self.cnt_dst += sign * np.bincount(blk_F * R + dst_F, minlength=n)
+
+    def _cols(self, b: int, rows: np.ndarray) -> np.ndarray | None:
+        """Rank index of each column of rows ``rows`` of block b (None: the identity, all ranks)."""
+        if b % 4 == 0:
+            return self.self_cols_R1[rows]
+        if b % 4 == 1:
+            return self.node_cols_RG[rows]
+        return None
+
+    def fill(self, cap_P: np.ndarray):
+        """Exact max-min fair levels of the counted transfers (batched progressive filling).
+
+        Returns (level_src [BR], level_dst [BR], port_src [BR], port_dst [BR], steps): per node
+        (block-major) the level (bytes/us) at which it froze (inf if it carried nothing unfrozen)
+        and the saturated port that froze it (-1 if none)."""
+        R = self.R
+        N = self.B * R
+        P1 = cap_P.size
+        dm = self.ports.dummy
+        cap = np.asarray(cap_P, dtype=np.float64)
+        cnt = np.concatenate([self.cnt_src, self.cnt_dst])   # unfrozen transfers per node
+        frz = np.zeros(2 * N)                                # frozen load (bytes/us) per node
+        lev = np.full(2 * N, np.inf)
+        bport = np.full(2 * N, -1, dtype=np.int64)
+        free = np.ones(2 * N, dtype=bool)
+        pall, K = self.pall, self.pall.shape[1]
+        pflat = pall.ravel()
+        hit = np.full(P1, -1, dtype=np.int64)
+        steps = 0
+        while cnt.any():
+            steps += 1
+            w = cnt if K == 1 else np.repeat(cnt, K)
+            n = np.bincount(pflat, weights=w, minlength=P1)
+            fr = np.bincount(pflat, weights=frz if K == 1 else np.repeat(frz, K), minlength=P1)
+            n[dm] = 0.0
+            cand = np.flatnonzero(n)
+            share = (cap[cand] - fr[cand]) / n[cand]
+            order = np.argsort(share, kind="stable")
+            cand, share = cand[order], share[order]
+            # the run: one side, single-node ports, each node once (a multi-node port runs alone)
+            side = self.port_side[cand]
+            cut = cand.size
+            other = np.flatnonzero(side != side[0])
+            if other.size:
+                cut = int(other[0])
+            node = self.port_node[cand[:cut]]
+            if node[0] < 0:
+                cut = 1
+            else:
+                multi = np.flatnonzero(node < 0)
+                if multi.size:
+                    cut = int(multi[0])
+                if self.shared_nodes:  # a node with two single-node ports: keep each node once
+                    _, first = np.unique(node[:cut], return_index=True)
+                    if first.size < cut:
+                        dup = np.ones(cut, dtype=bool)
+                        dup[first] = False
+                        cut = int(np.flatnonzero(dup)[0])
+            run, lv = cand[:cut], share[:cut]
+            s0 = int(side[0])
+            lo, hi = s0 * N, (s0 + 1) * N
+            # the run's nodes (a node's first saturating port freezes it)
+            hit[run] = np.arange(cut)
+            if K == 1:
+                k_N = hit[pall[lo:hi, 0]]
+                k_N[k_N < 0] = cut
+            else:
+                k_NK = hit[pall[lo:hi]]
+                k_N = np.where(k_NK >= 0, k_NK, cut).min(axis=1)
+            hit[run] = -1
+            hit[dm] = -1
+            nodes = np.flatnonzero((k_N < cut) & (cnt[lo:hi] > 0))
+            if nodes.size == 0:  # pragma: no cover - the run's ports carry unfrozen transfers
+                raise RuntimeError("progressive filling made no progress")
+            kn = k_N[nodes]
+            lvn = lv[kn]
+            g = lo + nodes
+            lev[g] = lvn
+            bport[g] = run[kn]
+            free[g] = False
+            frz[g] += lvn * cnt[g]
+            cnt[g] = 0.0
+            # their cells leave the other side's free nodes: counts, and load at the cells' level
+            mats = self.M if s0 == 0 else self.MT
+            olo = N - lo
+            blk, rows = np.divmod(nodes, R)
+            for b in self.blocks:
+                sel = blk == b
+                if not sel.any():
+                    continue
+                rb = rows[sel]
+                lb = lvn[sel]
+                cols = self._cols(b, rb)
+                base = olo + b * R
+                of = free[base:base + R]
+                Mrb = mats[b][rb]
+                if cols is None:
+                    both = np.stack([np.ones(rb.size), lb]) @ Mrb
+                    cnt[base:base + R] -= both[0] * of
+                    frz[base:base + R] += both[1] * of
+                else:
+                    Z = Mrb * of[cols]
+                    cnt[base:base + R] -= np.bincount(cols.ravel(), weights=Z.ravel(), minlength=R)
+                    frz[base:base + R] += np.bincount(cols.ravel(), weights=(lb[:, None] * Z).ravel(), minlength=R)
+        return lev[:N], lev[N:], bport[:N], bport[N:], steps
+
+    def rates(self, filled, blk_F, src_F, dst_F) -> tuple[np.ndarray, np.ndarray]:
+        """(rate_F, bottleneck_port_F) of transfers from a :meth:`fill` result."""
+        lev_s, lev_d, bp_s, bp_d, _ = filled
+        a = blk_F * self.R + src_F
+        c = blk_F * self.R + dst_F
+        ls, ld = lev_s[a], lev_d[c]
+        use_src = ls <= ld
+        return np.where(use_src, ls, ld), np.where(use_src, bp_s[a], bp_d[c])
+
+
+def mult_both(ps: np.ndarray, pd: np.ndarray, dm: int, P1: int) -> np.ndarray:
+    """Ports listed on both sides (none in the built-in model; such a port never runs with others)."""
+    a = np.zeros(P1, dtype=bool)
+    a[ps.ravel()] = True
+    b = np.zeros(P1, dtype=bool)
+    b[pd.ravel()] = True
+    both = a & b
+    both[dm] = False
+    return np.flatnonzero(both)
+
+
+class _Buffer:
+    """Growable columns of active flows: slots [0, n) are in use; dead slots are dropped in bulk."""
+
+    def __init__(self, cols: dict[str, tuple]):
+        self.cols = cols
+        self.n = 0
+        self.data = {k: np.zeros((16,) + shape, dtype=dt) for k, (dt, shape) in cols.items()}
+
+    def __getattr__(self, k):
+        d = self.__dict__.get("data")
+        if d is None or k not in d:
+            raise AttributeError(k)
+        return d[k][:self.n]
+
+    def append(self, **vals) -> None:
+        m = next(iter(vals.values())).shape[0]
+        need = self.n + m
+        cap = next(iter(self.data.values())).shape[0]
+        if need > cap:
+            new = max(need, 2 * cap)
+            for k, arr in self.data.items():
+                grown = np.zeros((new,) + arr.shape[1:], dtype=arr.dtype)
+                grown[:self.n] = arr[:self.n]
+                self.data[k] = grown
+        for k, v in vals.items():
+            self.data[k][self.n:need] = v
+        self.n = need
+
+    def keep(self, mask: np.ndarray) -> None:
+        m = int(mask.sum())
+        for k, arr in self.data.items():
+            arr[:m] = arr[:self.n][mask]
+        self.n = m
+
+
 class FlowNetwork:
     """Transfers of a simulation, on a simpy Environment (see the module docstring).
 
     Usage: ``expect(phase, count_R)`` once per phase instance (how many flows each rank will
     receive), then ranks call ``submit(phase, src, dst_F, bytes_F, eff_bytes_F)`` when they send,
     and wait on ``received(phase, dst)``. Records one row per finished flow for reports.
+
+    Solver: :class:`BlockCounts` (exact max-min fair levels from per-pair counts) unless the port
+    map has half-duplex pair ports, then :func:`waterfill` over per-flow paths (``solver``: "auto",
+    "blocks" or "paths"). Per active flow the state is (rate, remaining bytes at t0, t0, finish
+    time); a tick touches a flow's state only when its rate changed.
     """
 
-    def __init__(self, env: simpy.Environment, ports: PortMap, tol: float = 0.0, record_util: bool = False):
+    def __init__(self, env: simpy.Environment, ports: PortMap, tol: float = 0.0, record_util: bool = False,
+                 solver: str = "auto"):
+        require(solver in ("auto", "blocks", "paths"), f"solver ({solver!r}) must be 'auto', 'blocks' or 'paths'")
+        require(not (solver == "blocks" and ports.pairs),
+                "solver ('blocks') must not be used with half-duplex pair ports: their paths are not per-side")
         self.env = env
         self.ports = ports
         self.tol = float(tol)
@@ -336,15 +638,18 @@ class FlowNetwork:
         self._phase_tags: list[Any] = []  # per phase id: the caller's tag (the timeline's PhaseTag)
         self._phase_sm: list[bool] = []   # per phase id: its flows cross the SM send / receive ports
         self._phase_nic: list[bool] = []  # per phase id: same-node flows take the NIC path
-        # active flows
-        self._a_path = np.zeros((0, L_PATH), dtype=np.int64)
-        self._a_rem = np.zeros(0)
-        self._a_rate = np.zeros(0)
-        self._a_bneck = np.zeros(0, dtype=np.int64)
-        self._a_id = np.zeros(0, dtype=np.int64)
-        self._a_key = np.zeros(0, dtype=np.int64)  # receive group: phase id * R + dst
+        use_blocks = solver == "blocks" or (solver == "auto" and not ports.pairs)
+        self._blocks = BlockCounts(ports) if use_blocks else None
+        cols = dict(rate=(np.float64, ()), rem0=(np.float64, ()), t0=(np.float64, ()), fin=(np.float64, ()),
+                    id=(np.int64, ()), key=(np.int64, ()), src=(np.int64, ()), dst=(np.int64, ()),
+                    blk=(np.int64, ()), alive=(np.bool_, ()))
+        if not use_blocks:
+            cols["path"] = (np.int64, (L_PATH,))
+        self._a = _Buffer(cols)
+        self._dead = 0
+        self._filled = None
         # pending (submitted, waiting for latency): lists of arrays
-        self._pend: list[tuple[np.ndarray, ...]] = []  # (ready, path, eff, id, key)
+        self._pend: list[tuple[np.ndarray, ...]] = []  # (ready, path, eff, id, key, src, dst, blk)
         # per-flow records (by id)
         self._rec_src: list[np.ndarray] = []
         self._rec_dst: list[np.ndarray] = []
@@ -355,7 +660,6 @@ class FlowNetwork:
         self._end = np.zeros(0)
         self._bneck = np.zeros(0, dtype=np.int64)
         self._ready = np.zeros(0)
-        self._t_u = 0.0
         self._last_fill = -np.inf
         self._horizon = 0.0  # when the active traffic would drain at the current rates (time scale)
         self._version = 0
@@ -410,8 +714,12 @@ class FlowNetwork:
         if dst.size == 0:
             return
         src_F = np.full(dst.size, src, dtype=np.int64)
-        path, lat = self.ports.paths(src_F, dst, np.full(dst.size, self._phase_sm[pid]) if self.ports.sm_ports else None,
-                                     np.full(dst.size, True) if self._phase_nic[pid] else None)
+        sm_F = np.full(dst.size, self._phase_sm[pid]) if self.ports.sm_ports else None
+        nic_F = np.full(dst.size, True) if self._phase_nic[pid] else None
+        blk = self.ports.pair_class(src_F, dst, sm_F, nic_F)
+        lat = self.ports.latency(src_F, dst, nic_F)
+        path = np.zeros((dst.size, 0), dtype=np.int64) if self._blocks is not None else \
+            self.ports.paths(src_F, dst, sm_F, nic_F)[0]
         if self.ports.message_us > 0:  # the sender's serial per-message cost (host_message_us)
             remote = dst != src
             lat = lat + np.where(remote, self.ports.message_us * float(remote.sum()), 0.0)
@@ -425,7 +733,7 @@ class FlowNetwork:
         self._rec_start.append(np.full(dst.size, float(now)))
         ready = now + lat
         self._pend.append((ready, path, np.asarray(eff_bytes_F, dtype=np.float64)[keep], ids,
-                           pid * self.ports.ranks + dst))
+                           pid * self.ports.ranks + dst, src_F, dst, blk))
         self._request_tick(float(ready.min()))
 
     def _grow(self) -> None:
@@ -451,6 +759,17 @@ class FlowNetwork:
             ev = self.env.timeout(t - self.env.now)
             ev.callbacks.append(lambda _e, v=v: self._tick(v))
 
+    def _bottlenecks(self, sel: np.ndarray) -> np.ndarray:
+        """Bottleneck port of active flows ``sel`` under the last fill."""
+        a = self._a
+        if self._blocks is None:
+            return self._filled[sel]
+        lev_s, lev_d, bp_s, bp_d, _ = self._filled
+        R = self.ports.ranks
+        i = a.blk[sel] * R + a.src[sel]
+        j = a.blk[sel] * R + a.dst[sel]
+        return np.where(lev_s[i] <= lev_d[j], bp_s[i], bp_d[j])
+
     def _tick(self, version: int) -> None:
         if version != self._version:
             return  # stale: superseded by a later rate change
@@ -458,21 +777,23 @@ class FlowNetwork:
         t = float(self.env.now)
         self.ticks += 1
         self._grow()
-        # 1. advance
-        dt = t - self._t_u
-        if dt > 0 and self._a_rem.size:
-            self._a_rem -= self._a_rate * dt
-        self._t_u = t
-        # 2. completions
-        if self._a_rem.size:
-            done = self._a_rem <= _DONE_REL * (self._a_rate + 1.0) * max(t, 1.0)
+        a = self._a
+        # 1. completions (a flow's finish time is exact at its current rate)
+        if a.n:
+            done = a.fin <= t + 2e-9 * max(t, 1.0)
             if done.any():
-                self._complete(self._a_id[done], self._a_bneck[done], self._a_key[done], t)
-                keep = ~done
-                self._a_path, self._a_rem = self._a_path[keep], self._a_rem[keep]
-                self._a_rate, self._a_bneck, self._a_id = self._a_rate[keep], self._a_bneck[keep], self._a_id[keep]
-                self._a_key = self._a_key[keep]
-        # 3. activations
+                sel = np.flatnonzero(done)
+                self._complete(a.id[sel], self._bottlenecks(sel), a.key[sel], t)
+                if self._blocks is not None:
+                    self._blocks.add(a.blk[sel], a.src[sel], a.dst[sel], -1.0)
+                a.alive[sel] = False
+                a.fin[sel] = np.inf
+                a.rem0[sel] = np.inf
+                self._dead += sel.size
+                if 2 * self._dead > a.n:
+                    a.keep(a.alive.copy())
+                    self._dead = 0
+        # 2. activations
         if self._pend:
             still = []
             add: list[tuple[np.ndarray, ...]] = []
@@ -481,39 +802,70 @@ class FlowNetwork:
                 if ok.all():
                     add.append(item)
                 elif ok.any():
-                    add.append(tuple(a[ok] for a in item))
-                    still.append(tuple(a[~ok] for a in item))
+                    add.append(tuple(x[ok] for x in item))
+                    still.append(tuple(x[~ok] for x in item))
                 else:
                     still.append(item)
             self._pend = still
             if add:
-                ids = np.concatenate([a[3] for a in add])
+                cat = lambda k: np.concatenate([x[k] for x in add])  # noqa: E731
+                ids = cat(3)
                 self._ready[ids] = t
-                self._a_path = np.concatenate([self._a_path] + [a[1] for a in add])
-                self._a_rem = np.concatenate([self._a_rem] + [a[2] for a in add])
-                self._a_id = np.concatenate([self._a_id, ids])
-                self._a_key = np.concatenate([self._a_key] + [a[4] for a in add])
-                self._a_rate = np.concatenate([self._a_rate, np.zeros(ids.size)])
-                self._a_bneck = np.concatenate([self._a_bneck, np.full(ids.size, -1, dtype=np.int64)])
-        # 4. rates
-        rate, bneck, it = waterfill(self._a_path, self.ports.cap_P, self.tol)
-        self._a_rate, self._a_bneck = rate, bneck
+                m = ids.size
+                src_F, dst_F, blk_F = cat(5), cat(6), cat(7)
+                extra = {} if self._blocks is not None else dict(path=cat(1))
+                a.append(rate=np.zeros(m), rem0=cat(2), t0=np.full(m, t), fin=np.full(m, np.inf), id=ids,
+                         key=cat(4), src=src_F, dst=dst_F, blk=blk_F, alive=np.ones(m, dtype=bool), **extra)
+                if self._blocks is not None:
+                    self._blocks.add(blk_F, src_F, dst_F, 1.0)
+        # 3. rates: exact max-min levels, then only flows whose rate changed are touched
+        if self._blocks is not None:
+            self._filled = self._blocks.fill(self.ports.cap_P)
+            lev_s, lev_d = self._filled[0], self._filled[1]
+            R = self.ports.ranks
+            rate = np.minimum(lev_s[a.blk * R + a.src], lev_d[a.blk * R + a.dst])
+            it = self._filled[-1]
+        else:
+            live = np.flatnonzero(a.alive)
+            r_live, b_live, it = waterfill(a.path[live], self.ports.cap_P, self.tol)
+            rate = np.ones(a.n)
+            rate[live] = r_live
+            bneck = np.full(a.n, -1, dtype=np.int64)
+            bneck[live] = b_live
+            self._filled = bneck
         self.fill_iterations += it
         self._last_fill = t
+        ch = np.flatnonzero((rate != a.rate) & a.alive)
+        if ch.size:
+            rem0 = a.rem0
+            rem0[ch] -= a.rate[ch] * (t - a.t0[ch])
+            a.t0[ch] = t
+            a.rate[ch] = rate[ch]
+            fin = t + rem0[ch] / rate[ch]
+            a.fin[ch] = fin
+            fin_live = fin[np.isfinite(fin)]
+            if fin_live.size:
+                self._horizon = max(self._horizon, float(fin_live.max()))
         if self.record_util:
-            use = np.bincount(self._a_path.ravel(), weights=np.repeat(rate, L_PATH),
+            live = np.flatnonzero(a.alive)
+            if self._blocks is None:
+                path = a.path[live]
+            else:
+                bc, R = self._blocks, self.ports.ranks
+                path = np.concatenate([bc.ps[a.blk[live] * R + a.src[live]], bc.pd[a.blk[live] * R + a.dst[live]]], axis=1)
+            use = np.bincount(path.ravel(), weights=np.repeat(a.rate[live], path.shape[1]),
                               minlength=self.ports.cap_P.size)[:-1]
             self.util_samples.append((t, use / self.ports.cap_P[:-1]))
-        # 5. next tick
-        nxt = np.inf
-        if self._a_rem.size:
-            left = self._a_rem / rate
-            nxt = t + float(left.min())
-            self._horizon = max(self._horizon, t + float(left.max()))
+        # 4. next tick
+        nxt = float(a.fin.min()) if a.n else np.inf
         if self._pend:
             nxt = min(nxt, min(float(item[0].min()) for item in self._pend))
         if np.isfinite(nxt):
             self._request_tick(nxt)
+
+    def active_rates(self) -> np.ndarray:
+        """float64 [active flows]: the current rate (bytes/us) of every transferring flow."""
+        return self._a.rate[self._a.alive].copy()
 
     def _complete(self, ids: np.ndarray, bneck: np.ndarray, key: np.ndarray, t: float) -> None:
         self._end[ids] = t
@@ -553,14 +905,14 @@ class FlowNetwork:
         return np.asarray(self._phase_sm, dtype=bool)[rec["phase"]] if rec["phase"].size else np.zeros(0, bool)
 
     def flow_nic(self, rec: dict[str, np.ndarray]) -> np.ndarray | None:
-        """bool [F]: which recorded flows took the NIC path inside a node (None when none did)."""
+        """bool [F]: which recorded flows took the NIC path inside a node (None when no phase did)."""
         if not any(self._phase_nic):
             return None
         return np.asarray(self._phase_nic, dtype=bool)[rec["phase"]] if rec["phase"].size else np.zeros(0, bool)
 
     @property
     def idle(self) -> bool:
-        return self._a_rem.size == 0 and not self._pend
+        return not self._a.alive.any() and not self._pend
 
 
 __all__ = ["FlowNetwork", "PortMap", "waterfill"]
