@@ -1,15 +1,21 @@
-"""Simulator speed: wall seconds to simulate one Kimi K3 MoE layer (forward) against EP size.
+"""Simulator speed: wall seconds to simulate one imbalanced MoE layer (forward) against EP size.
 
-Usage::
+Usage (the figures in docs/results/scale.md)::
 
-    python benchmarks/bench_sim.py [--ranks 8,16,32,64,128,256,512,1024] [--strategy alltoall]
-        [--tokens-per-rank 8192] [--max-tokens 2097152] [--tol 0.005] [--sigma 0.3] [--json OUT]
+    python benchmarks/bench_sim.py --ranks 64,256,1024 --json OUT.json
+    python benchmarks/bench_sim.py --ranks 64,128,256 --strategies alltoall --tol 0   # exact mode
 
-Routing: Gumbel top-k over a lognormal expert popularity (sigma), drawn in chunks of tokens so
-memory stays bounded. Planning is timed separately from simulation. Tokens per rank are reduced
-for the largest EP sizes so that R * tokens <= --max-tokens (the planner's [T, K] arrays must fit
-in memory); the simulation's cost depends on R (flows per phase = R^2), not on tokens. Prints a
-table of simulated layers per second and how the cost grows between sizes.
+Workload: a model of ``--experts`` experts (default 1024, at least the largest EP size), top-8,
+hidden 7168, expert FFN 2048, bf16 rows, on ``h800-cx7``; routing from the project's generator
+(``moonep_sim.routing.generators.generate``) with maxvio 1 on a block of up to 65,536 tokens, tiled
+to ``ranks x tokens-per-rank`` tokens (tokens per rank: 8192, reduced so the total stays within
+``--max-tokens``); experts homed in contiguous groups. Planning is timed apart (``plan_s``); the
+row's ``sim_seconds`` is the best of ``--repeat`` runs of ``simulate_layer`` (forward), which
+includes the lower bound and result analysis. Each row also records the process CPU seconds of
+that run and the 1-minute load average, since the machine may be shared.
+
+The growth exponent is the least-squares slope of log(sim_seconds) against log(ranks) per
+strategy, and per step between consecutive sizes.
 """
 
 from __future__ import annotations
@@ -17,80 +23,102 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import numpy as np
 
-from moonep_sim.models import get_model
+from moonep_sim.models import custom_model
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
+from moonep_sim.routing.generators import generate
+from moonep_sim.routing.metrics import maxvio
 from moonep_sim.sim import SimOptions, load_topology, simulate_layer
-from moonep_sim.sim.timeline import DEFAULT_TOL
-from moonep_sim.strategies import PlanContext, available, make_plan
+from moonep_sim.sim.options import DEFAULT_TOL
+from moonep_sim.strategies import PlanContext, make_plan
+
+BLOCK_TOKENS = 65536
 
 
-def gumbel_topk(T: int, K: int, E: int, sigma: float, seed: int, chunk: int = 65536):
-    """[T, K] distinct expert ids (Gumbel top-k over lognormal popularity) and weights."""
-    rng = np.random.default_rng(seed)
-    logp = rng.normal(0.0, sigma, E)
-    ids = np.empty((T, K), np.int64)
-    for a in range(0, T, chunk):
-        b = min(T, a + chunk)
-        g = logp[None, :] + rng.gumbel(size=(b - a, E))
-        ids[a:b] = np.argpartition(-g, K - 1, axis=1)[:, :K]
-    w = np.full((T, K), 1.0 / K, np.float32)
-    return ids, w
+def routing_for(R: int, tokens_per_rank: int, E: int, K: int, mv: float, seed: int) -> GlobalRouting:
+    """maxvio-``mv`` routing of R x tokens_per_rank tokens (a generated block, tiled)."""
+    T = R * tokens_per_rank
+    g = generate(E, K, min(T, BLOCK_TOKENS), seed, maxvio=mv)
+    ids, w = g.topk_ids_LTK[0], g.topk_weights_LTK[0]
+    reps = -(-T // ids.shape[0])
+    ids = np.tile(ids, (reps, 1))[:T]
+    w = np.tile(w, (reps, 1))[:T]
+    return GlobalRouting.split_evenly(ids, w, E, R)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ranks", default="8,16,32,64,128,256")
-    ap.add_argument("--strategy", default="alltoall")
-    ap.add_argument("--model", default="kimi-k3")
+    ap.add_argument("--ranks", default="64,256,1024", help="comma-separated EP sizes")
+    ap.add_argument("--strategies", default="alltoall,moonep")
     ap.add_argument("--topology", default="h800-cx7")
+    ap.add_argument("--experts", type=int, default=1024)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--maxvio", type=float, default=1.0)
     ap.add_argument("--tokens-per-rank", type=int, default=8192)
-    ap.add_argument("--max-tokens", type=int, default=2 * 1024 * 1024)
-    ap.add_argument("--sigma", type=float, default=0.3)
+    ap.add_argument("--max-tokens", type=int, default=1 << 20)
     ap.add_argument("--tol", type=float, default=DEFAULT_TOL)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    m = get_model(a.model)
+    ranks = [int(x) for x in a.ranks.split(",")]
+    strategies = a.strategies.split(",")
+    E = a.experts
+    if max(ranks) > E:
+        raise SystemExit(f"moonep-sim: error: --experts ({E}) must be >= the largest EP size ({max(ranks)})")
+    m = custom_model(E, a.top_k, hidden=7168, expert_ffn=2048, name=f"bench-e{E}-k{a.top_k}")
     topo = load_topology(a.topology)
     rows = []
-    print(f"strategy {a.strategy} ({'available' if a.strategy in available() else 'MISSING'}), model {m.name}, "
-          f"topology {topo.name}, tol {a.tol}")
-    print(f"{'EP':>5} {'tokens/rank':>11} {'flows':>8} {'ticks':>6} {'plan s':>7} {'sim s':>7} "
-          f"{'layers/s':>9} {'sim us':>10} {'LB ratio':>8} {'cost x':>7}")
-    prev = None
-    for R in [int(x) for x in a.ranks.split(",")]:
+    print(f"model {m.name} (E={E}, K={a.top_k}, hidden 7168, ffn 2048, bf16), topology {topo.name}, "
+          f"maxvio {a.maxvio}, tol {a.tol}, load {os.getloadavg()[0]:.2f}")
+    print(f"{'strategy':>9} {'EP':>5} {'tok/rank':>8} {'maxvio':>6} {'flows':>8} {'ticks':>6} {'steps':>6} "
+          f"{'plan s':>7} {'sim s':>7} {'cpu s':>7} {'layer us':>10} {'load':>5}")
+    for R in ranks:
         tpr = min(a.tokens_per_rank, a.max_tokens // R)
-        ids, w = gumbel_topk(R * tpr, m.top_k, m.num_experts, a.sigma, seed=R)
-        routing = GlobalRouting.split_evenly(ids, w, m.num_experts, R)
-        # contiguous home groups; E need not divide by R (896 experts on 256 ranks: 3 or 4 each)
-        home = np.arange(m.num_experts) * R // m.num_experts
-        ctx = PlanContext(ClusterShape(R, min(8, R)), Placement.from_map(home, R),
-                          RowCosts.from_model(m, "bf16"), 1)
-        t0 = time.perf_counter()
-        plan = make_plan(a.strategy, routing, ctx)
-        plan_s = time.perf_counter() - t0
-        del ids, w, routing
-        best = math.inf
-        for _ in range(a.repeat):
+        routing = routing_for(R, tpr, E, a.top_k, a.maxvio, a.seed)
+        mv = maxvio(np.bincount(routing.topk_ids_TK.ravel(), minlength=E))
+        home = np.arange(E) * R // E
+        ctx = PlanContext(ClusterShape(R, min(8, R)), Placement.from_map(home, R), RowCosts.from_model(m, "bf16"), 1)
+        for s in strategies:
             t0 = time.perf_counter()
-            res = simulate_layer(plan, topo, m, SimOptions(tol=a.tol))
-            best = min(best, time.perf_counter() - t0)
-        growth = (best / prev) if prev else float("nan")
-        prev = best
-        rows.append(dict(ranks=R, tokens_per_rank=tpr, flows=res.sim_stats["flows"], ticks=res.sim_stats["ticks"],
-                         plan_s=plan_s, sim_s=best, layers_per_s=1 / best, layer_time_us=res.layer_time_us,
-                         ratio_to_lower_bound=res.ratio_to_lower_bound))
-        print(f"{R:>5} {tpr:>11} {res.sim_stats['flows']:>8} {res.sim_stats['ticks']:>6} {plan_s:>7.2f} {best:>7.2f} "
-              f"{1 / best:>9.2f} {res.layer_time_us:>10.1f} {res.ratio_to_lower_bound:>8.2f} {growth:>7.2f}", flush=True)
-        del plan
+            plan = make_plan(s, routing, ctx)
+            plan_s = time.perf_counter() - t0
+            best, cpu, res = math.inf, math.inf, None
+            for _ in range(a.repeat):
+                c0, t0 = time.process_time(), time.perf_counter()
+                res = simulate_layer(plan, topo, m, SimOptions(tol=a.tol))
+                wall = time.perf_counter() - t0
+                if wall < best:
+                    best, cpu = wall, time.process_time() - c0
+            load = os.getloadavg()[0]
+            st = res.sim_stats
+            rows.append(dict(strategy=s, ranks=R, tokens_per_rank=tpr, maxvio=mv, flows=st["flows"], ticks=st["ticks"],
+                             fill_steps=st["fill_iterations"], plan_s=plan_s, sim_seconds=best, cpu_seconds=cpu,
+                             layer_time_us=res.layer_time_us, load_1min=load))
+            print(f"{s:>9} {R:>5} {tpr:>8} {mv:>6.2f} {st['flows']:>8} {st['ticks']:>6} {st['fill_iterations']:>6} "
+                  f"{plan_s:>7.2f} {best:>7.2f} {cpu:>7.2f} {res.layer_time_us:>10.1f} {load:>5.2f}", flush=True)
+            del plan
+        del routing
+    growth = {}
+    for s in strategies:
+        pts = [(r["ranks"], r["sim_seconds"]) for r in rows if r["strategy"] == s]
+        if len(pts) >= 2:
+            x, y = np.log([p[0] for p in pts]), np.log([p[1] for p in pts])
+            slope = float(np.polyfit(x, y, 1)[0])
+            steps = {f"{pts[i][0]}->{pts[i + 1][0]}": float((y[i + 1] - y[i]) / (x[i + 1] - x[i]))
+                     for i in range(len(pts) - 1)}
+            growth[s] = dict(exponent=slope, steps=steps)
+            print(f"{s}: sim_seconds grows as R^{slope:.2f} (" + ", ".join(f"{k}: {v:.2f}" for k, v in steps.items())
+                  + ")")
     if a.json:
         from moonep_sim.io import write_text_atomic
-        write_text_atomic(a.json, json.dumps(dict(strategy=a.strategy, model=m.name, topology=topo.name, tol=a.tol,
-                                                  rows=rows), indent=2), what="--json")
+        write_text_atomic(a.json, json.dumps(dict(model=m.name, experts=E, top_k=a.top_k, topology=topo.name,
+                                                  maxvio_target=a.maxvio, tol=a.tol, rows=rows, growth=growth),
+                                             indent=2), what="--json")
 
 
 if __name__ == "__main__":
