@@ -135,6 +135,7 @@ def test_costaware_reduces_to_deepep_on_balanced_routing():
     ctx = ctx_for(64, 16, 8)
     a, b = make_plan("costaware", r, ctx), make_plan("deepep", r, ctx)
     assert a.weight_copies == 0 and a.options["chosen"] == "none"
+    assert a.kernel == b.kernel  # DeepEP's relayed kernel, same SM budget
     np.testing.assert_array_equal(a.entry_rank_TK, b.entry_rank_TK)
     np.testing.assert_array_equal(a.entry_row_TK, b.entry_row_TK)
     assert len(a.hops) == len(b.hops) == 2

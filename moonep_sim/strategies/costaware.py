@@ -38,14 +38,17 @@ Planner
 1. Candidates: no copy (exactly ``deepep``); for each target ``tau`` on a grid of rows per rank
    between the mean and the largest home load, two allocations -- copies inside the node only,
    and node-first with cross-node copies allowed; and MoonEP's exact balance (``moonep``'s
-   greedy). For a target, ranks above it (largest excess first) give their excess to receivers
-   below it: same node first, the receiver whose room fits the excess most tightly (else the
-   most room); each receiver is fed by **one** donor rank only and then closed, so it holds at
-   most ``epn`` copy slots (MoonEP's structural bound: static buffers). A donor's quota to a
-   receiver is taken from its experts, largest remaining first.
+   greedy). For a target (:func:`target_alloc`), the rank furthest above it gives a receiver
+   below it that receiver's whole room (MoonEP's rule; same node first, the tightest room that
+   holds the excess, else the largest), so each receiver is fed by **one** donor rank and holds
+   at most ``epn`` copy slots (MoonEP's structural bound: static buffers), and a donor that
+   overshoots is left with room a later donor fills. A donor's quota is taken from its experts,
+   largest remaining first.
 2. The candidate with the smallest estimate wins; one with copies must beat the no-copy estimate
-   by at least ``min_gain`` (relative) -- so a balanced routing plans exactly ``deepep`` -- and
-   under heavy skew the targets approach exact balance.
+   by at least ``min_gain`` (relative) -- so a balanced routing plans exactly ``deepep``. Under
+   heavy skew the winning targets approach balance inside nodes, and exact balance where copies
+   are cheap against the compute they move (on one node, MoonEP's plan itself); across nodes only
+   where a NIC copy still pays.
 3. Entries of expert e are split over its ranks in rank order; the route is ``deepep``'s. On one
    node there is no network hop to deduplicate: the tokens take one NVLink hop, sent once per
    destination GPU (``moonep``'s transport), so exact balance there is ``moonep``'s plan.
