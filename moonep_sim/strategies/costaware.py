@@ -29,8 +29,9 @@ Cost model (estimates in us; the simulator then times the Plan itself)
   and the receiver's in-port (at the topology's weight-copy rates). Weights are sent at planning
   end: a rank's NVLink port is free for them during the network hop for the part its own token
   rows leave; NIC copies share the NIC with that hop and cost their full time. A receiver's
-  estimate grows by its incoming copy time beyond its window; the layer's by the busiest home's
-  outgoing copy time beyond it. Training adds each copy's fp32 gradient (``grad_bytes``) on the
+  estimate grows by the wait for its copies beyond its window (its in-port, and its donor's
+  out-port that all the donor's copies share); the layer's by the busiest home's NIC copies,
+  which hold back that home's tokens on the network hop. Training adds each copy's fp32 gradient (``grad_bytes``) on the
   reverse path, with no window.
 
 Planner
@@ -182,8 +183,9 @@ class CostModel:
         return float(self._comp_us(alloc_ER).mean()) + b * self.combine_window_us
 
     def copy_us(self, alloc_ER: np.ndarray, epn: int) -> tuple[np.ndarray, float]:
-        """Per rank the incoming copy time beyond the window (float64 [R]) and the busiest home's
-        outgoing copy time beyond it (a delay every rank may wait on)."""
+        """Per rank the wait for its copies beyond the window (float64 [R]: its own in-port and its
+        donor's out-port), and the busiest home's NIC copy time (a delay of the network hop every
+        rank waits on)."""
         E, R = alloc_ER.shape
         home = np.arange(E) // epn
         ce, cd = np.nonzero(alloc_ER > 0)
@@ -202,8 +204,16 @@ class CostModel:
         # the relayed kernel forwards tokens over NVLink while they cross the network: a rank's NVLink
         # port is free for weights only for the part of the window its own token rows leave
         w = np.maximum(self.window_us - self._nv_us(alloc_ER, self.dispatch_row_bytes), 0.0)
-        per_in = np.maximum(in_nv - w, 0.0) + in_nic
-        out = float(np.max(np.maximum(out_nv - w, 0.0) + out_nic)) if R else 0.0
+        # a receiver's weights arrive when both its in-port and its (one) donor's out-port have
+        # moved them: the donor's copies share its port, so each of its receivers waits for all
+        donor = np.full(R, -1, dtype=np.int64)
+        donor[cd] = ch
+        has = donor >= 0
+        d_nv = np.where(has, out_nv[np.maximum(donor, 0)], 0.0)
+        d_nic = np.where(has, out_nic[np.maximum(donor, 0)], 0.0)
+        per_in = np.maximum(np.maximum(in_nv, d_nv) - w, 0.0) + np.maximum(in_nic, d_nic)
+        # NIC copies also hold back the donor's own tokens on the network hop every rank waits on
+        out = float(out_nic.max()) if R else 0.0
         if self.training and ce.size:  # fp32 gradients back home, after the backward compute
             g = self.grad_bytes
             tg = np.where(cross, g / r.weight_nic, g / r.weight_nvlink)
@@ -375,7 +385,10 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, sms: int, mode: str, min_g
     if one_node:  # no network hop to dedup: one NVLink hop, MoonEP's transport and kernel
         return plan_from_alloc(routing, ctx, alloc, epn, True, options=opts, kernel=KernelSpec(sms=sms_used))
     ids = routing.topk_ids_TK
-    entry_slot = entry_slots(ids.ravel(), alloc, slot_rank, slot_expert).reshape(ids.shape)
+    if copies.any():
+        entry_slot = entry_slots(ids.ravel(), alloc, slot_rank, slot_expert).reshape(ids.shape)
+    else:  # no copy: every entry at its expert's home slot (slots are the experts in order)
+        entry_slot = ids
     rank = np.arange(R, dtype=np.int64)
     via_RR = (rank[None, :] // G) * G + rank[:, None] % G  # deepep's route: d's node, s's local index
     # DeepEP's kernel: the relay (same local index on the destination node) forwards rows as they arrive
