@@ -41,7 +41,16 @@ def register(sub) -> None:
                         "(winner.png, winner.json, winner.md: the fastest strategy per cell and its margin over "
                         "the runner-up)")
     p.add_argument("--by-values", default=None, help="comma-separated values of --by (required with --by)")
+    add_parallel(p)
     p.set_defaults(func=run)
+
+
+def add_parallel(p) -> None:
+    """--jobs / --cluster: where independent points run (``moonep_sim.experiments.parallel``)."""
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes for independent points (default: the cores; 1 = serial)")
+    p.add_argument("--cluster", default=None, metavar="ADDRESS",
+                   help="run the points on a Dask scheduler (tcp://host:8786; pip install 'moonep-sim[cluster]')")
 
 
 #: second knobs of a winner map: the SweepConfig field each one sets
@@ -93,7 +102,7 @@ def run_winner_map(args, cfg, by_vals: list[float]) -> int:
     reps = []
     for v, c in zip(by_vals, cfgs):
         with progress(con, f"sweep {args.by}={v:g}", lines=args.json) as cb:
-            reps.append((v, sweep(c, progress=cb)))
+            reps.append((v, sweep(c, progress=cb, jobs=args.jobs, cluster=args.cluster)))
     m = winner_map(reps, args.by)
     m["sweeps"] = [r for _, r in reps]
     out = Path(args.out)
@@ -130,6 +139,7 @@ def scenario(args):
 
 
 def run(args) -> int:
+    from moonep_sim.experiments.parallel import check_jobs
     from moonep_sim.experiments.sweep import check
     from moonep_sim.io import check_output_dir, make_output_dir, write_text_atomic
     from moonep_sim.report import plots
@@ -142,9 +152,10 @@ def run(args) -> int:
     if by_vals:
         return run_winner_map(args, cfg, by_vals)
     check(cfg)  # every input checked before any work
+    check_jobs(args.jobs)
     c = console()
     with progress(c, "sweep", lines=args.json) as cb:
-        rep = sc.sweep(args.over, cfg.values, progress=cb).to_dict()
+        rep = sc.sweep(args.over, cfg.values, progress=cb, jobs=args.jobs, cluster=args.cluster).to_dict()
     out = Path(args.out)
     make_output_dir(out, "--out")
     png = plots.sweep_lines(rep, out / "sweep.png")

@@ -285,14 +285,16 @@ class Scenario:
                             {n: r.get("correct") for n, r in per.items()}, to_jsonable(rep, lenient=True))
 
     def sweep(self, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None,
-              progress: Progress | None = None) -> SweepResult:
+              progress: Progress | None = None, jobs: int | None = 1, cluster: str | None = None) -> SweepResult:
         """Vary ``over`` (``maxvio``, ``ep`` or a numeric topology constant) through ``values``
         (default: :func:`moonep_sim.experiments.sweep.default_values`); each point plans every
         strategy on generated routing (this scenario's generator spec, or the model's defaults) and
-        simulates it on the topology."""
+        simulates it on the topology. Points run in ``jobs`` worker processes (None: the cores) or on
+        a Dask ``cluster`` address (:mod:`moonep_sim.experiments.parallel`), same report as serial."""
         from moonep_sim.experiments.sweep import sweep
 
-        return SweepResult.from_report(sweep(self.sweep_config(over, values, maxvio=maxvio), progress=progress))
+        return SweepResult.from_report(sweep(self.sweep_config(over, values, maxvio=maxvio), progress=progress,
+                                             jobs=jobs, cluster=cluster))
 
     def sweep_config(self, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None):
         """The :class:`~moonep_sim.experiments.sweep.SweepConfig` of :meth:`sweep` (checked by ``check``)."""

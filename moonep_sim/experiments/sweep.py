@@ -140,62 +140,71 @@ def routing_lower_bound(strategies: dict[str, dict[str, list]], points: int) -> 
     return out
 
 
-def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+def _point(task) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """One sweep value: routing, then every strategy planned and simulated (runs in a worker)."""
     from moonep_sim.strategies import PlanContext, make_plan
+
+    cfg, base, v, fixed = task
+    m = cfg.model
+    costs = RowCosts.from_model(m, cfg.dispatch_dtype)
+    ranks = int(v) if cfg.over == "ep" else cfg.ranks
+    topo = base
+    if cfg.over not in ("maxvio", "ep"):
+        topo = replace(base, **{cfg.over: type(getattr(base, cfg.over))(v)})
+    if fixed is not None:
+        routing, realised = fixed
+    else:
+        routing, realised = _routing(cfg, ranks, v if cfg.over == "maxvio" else cfg.maxvio, cfg.seed)
+    g = min(cfg.gpus_per_node or topo.gpus_per_node, ranks)
+    cluster = ClusterShape(ranks, g)
+    topo_g = topo.with_gpus_per_node(g) if hasattr(topo, "with_gpus_per_node") else topo
+    ctx = PlanContext(cluster, Placement.home_groups(m.num_experts, ranks), costs, cfg.token_padding, topo_g)
+    point = {"value": v, "ranks": ranks, "gpus_per_node": g, "tokens": routing.num_tokens,
+             "realised_maxvio": realised, "topology": topology_info(topo_g)}
+    per: dict[str, dict[str, Any]] = {}
+    for name, opts in cfg.strategies:
+        t1 = time.perf_counter()
+        plan = make_plan(name, routing, ctx, **opts)
+        t2 = time.perf_counter()
+        res = simulate(plan, topo_g, m)
+        t3 = time.perf_counter()
+        real = plan.real_rows_R()
+        wb = plan.weight_copies * plan.costs.weight_bytes + int(plan.migrate_expert_X.size) * plan.costs.weight_bytes
+        per[name] = {"layer_time_us": float(res.layer_time_us), "lower_bound_us": float(res.lower_bound_us),
+                     "ratio_to_lower_bound": float(res.ratio_to_lower_bound),
+                     "phases_us": {k: float(x) for k, x in dict(res.phases_us).items()},
+                     "dropped": plan.dropped, "weight_bytes": int(wb),
+                     "rows_max_over_mean": float(real.max() / max(real.mean(), 1e-12)),
+                     "straggler": _short(to_jsonable(res.to_dict(), lenient=True).get("straggler")),
+                     "plan_seconds": t2 - t1, "sim_seconds": t3 - t2}
+    return point, per
+
+
+def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = None, *, jobs: int | None = 1,
+          cluster: str | None = None) -> dict[str, Any]:
+    """Run the sweep; its values are independent points, computed in ``jobs`` worker processes or
+    on a Dask ``cluster`` (``moonep_sim.experiments.parallel``) with the same report as serially."""
+    from moonep_sim.experiments.parallel import run_points
 
     t0 = time.perf_counter()
     base = check(cfg)
     m = cfg.model
-    costs = RowCosts.from_model(m, cfg.dispatch_dtype)
     names = [n for n, _ in cfg.strategies]
     out_s = {n: {"options": dict(o), "layer_time_us": [], "lower_bound_us": [], "ratio_to_lower_bound": [],
                  "phases_us": [], "dropped": [], "weight_bytes": [], "rows_max_over_mean": [], "straggler": [],
                  "plan_seconds": [], "sim_seconds": []} for n, o in cfg.strategies}
-    points: list[dict[str, Any]] = []
-    total = len(cfg.values) * len(names)
-    step = 0
+    total = len(cfg.values)
     fixed = None
     if cfg.over not in ("maxvio", "ep"):
         fixed = _routing(cfg, cfg.ranks, cfg.maxvio, cfg.seed)
-    for v in cfg.values:
-        ranks = int(v) if cfg.over == "ep" else cfg.ranks
-        topo = base
-        if cfg.over not in ("maxvio", "ep"):
-            topo = replace(base, **{cfg.over: type(getattr(base, cfg.over))(v)})
-        if progress:
-            progress(f"{cfg.over}={v:g}: routing", step, total)
-        if fixed is not None:
-            routing, realised = fixed
-        else:
-            routing, realised = _routing(cfg, ranks, v if cfg.over == "maxvio" else cfg.maxvio, cfg.seed)
-        g = min(cfg.gpus_per_node or topo.gpus_per_node, ranks)
-        cluster = ClusterShape(ranks, g)
-        topo_g = topo.with_gpus_per_node(g) if hasattr(topo, "with_gpus_per_node") else topo
-        ctx = PlanContext(cluster, Placement.home_groups(m.num_experts, ranks), costs, cfg.token_padding, topo_g)
-        points.append({"value": v, "ranks": ranks, "gpus_per_node": g, "tokens": routing.num_tokens,
-                       "realised_maxvio": realised, "topology": topology_info(topo_g)})
-        for name, opts in cfg.strategies:
-            if progress:
-                progress(f"{cfg.over}={v:g}: {name}", step, total)
-            s = out_s[name]
-            t1 = time.perf_counter()
-            plan = make_plan(name, routing, ctx, **opts)
-            t2 = time.perf_counter()
-            res = simulate(plan, topo_g, m)
-            t3 = time.perf_counter()
-            real = plan.real_rows_R()
-            s["layer_time_us"].append(float(res.layer_time_us))
-            s["lower_bound_us"].append(float(res.lower_bound_us))
-            s["ratio_to_lower_bound"].append(float(res.ratio_to_lower_bound))
-            s["phases_us"].append({k: float(x) for k, x in dict(res.phases_us).items()})
-            s["dropped"].append(plan.dropped)
-            wb = plan.weight_copies * plan.costs.weight_bytes + int(plan.migrate_expert_X.size) * plan.costs.weight_bytes
-            s["weight_bytes"].append(int(wb))
-            s["rows_max_over_mean"].append(float(real.max() / max(real.mean(), 1e-12)))
-            s["straggler"].append(_short(to_jsonable(res.to_dict(), lenient=True).get("straggler")))
-            s["plan_seconds"].append(t2 - t1)
-            s["sim_seconds"].append(t3 - t2)
-            step += 1
+    tasks = [(cfg, base, v, fixed) for v in cfg.values]
+    results = run_points(_point, tasks, jobs=jobs, cluster=cluster, progress=progress,
+                         label=lambda t: f"{cfg.over}={t[2]:g}")
+    points = [pt for pt, _ in results]
+    for _, per in results:
+        for name in names:
+            for k, x in per[name].items():
+                out_s[name][k].append(x)
     if progress:
         progress("done", total, total)
     lb = routing_lower_bound(out_s, len(cfg.values))
