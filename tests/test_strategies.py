@@ -13,7 +13,7 @@ from conftest import random_routing
 from test_strategies_common import COSTS, check_properties
 from moonep_sim.errors import ConfigError, PlanError
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, validate
-from moonep_sim.strategies import PlanContext, make_plan
+from moonep_sim.strategies import PlanContext, available, make_plan
 from moonep_sim.strategies.capacity import capacity_per_rank_R
 from moonep_sim.strategies.deepep import deepep_rdma_bytes, node_limited_topk, nodes_per_token_T
 from moonep_sim.strategies.eplb import (EPLBPlanner, balanced_packing, balancedness, migrations, rebalance,
@@ -287,14 +287,19 @@ def test_eplb_migration_only_when_the_placement_changes():
 
 # -- placements -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["alltoall", "capacity", "allgather", "hierarchical", "deepep", "eplb"])
+@pytest.mark.parametrize("name", sorted(available()))
 def test_strategies_with_a_custom_placement(name):
     E, R, G = 10, 4, 2  # E not divisible by R: round-robin homes via a custom map
     placement = Placement.round_robin(E, R)
     assert placement.home_E.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
     ctx = PlanContext(ClusterShape(R, G), placement, COSTS, 2)
     r = _routing(T=37, K=3, E=E, R=R, seed=2, tpr=[10, 0, 20, 7])
-    p = make_plan(name, r, ctx)
+    try:
+        p = make_plan(name, r, ctx)
+    except ConfigError as e:  # planners of per-step copies need home groups: they say so in one line
+        assert "home group" in str(e) or "home-group" in str(e), str(e)
+        assert "\n" not in str(e)
+        return
     check_properties(name, p, r)
 
 

@@ -45,7 +45,7 @@ def run(args) -> int:
     require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")
     traces = args.traces_dir or str(_trace_path().parent)
     strategies = (args.strategies.split(",") if args.strategies
-                  else list(F.QUICK_STRATEGIES if args.quick else F.ALL_STRATEGIES))
+                  else list(F.QUICK_STRATEGIES) if args.quick else F.all_strategies())
     require(args.iters >= 1, f"--iters ({args.iters}) must be >= 1")
     cfg = F.FidelityConfig(F.default_cases(args.quick, traces), [s.strip() for s in strategies if s.strip()],
                            args.nproc, iters=args.iters)

@@ -30,8 +30,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-ALL_STRATEGIES = ("alltoall", "capacity", "allgather", "hierarchical", "deepep", "eplb", "moonep")
+from moonep_sim.strategies import available
+
 QUICK_STRATEGIES = ("alltoall", "capacity", "hierarchical", "moonep")
+
+
+def all_strategies() -> list[str]:
+    """Every registered strategy (the registry is the one list)."""
+    return list(available())
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,7 @@ def summarise(cases: list[dict[str, Any]], per_case: list[dict[str, Any]]) -> di
 @dataclass
 class FidelityConfig:
     cases: list[Case]
-    strategies: list[str] = field(default_factory=lambda: list(ALL_STRATEGIES))
+    strategies: list[str] = field(default_factory=all_strategies)
     nproc: int = 4
     timeout_s: float = 600.0
     iters: int = 16  # timed interleaved iterations (after one warm-up): matched samples for the sign test
