@@ -22,8 +22,8 @@ from moonep_sim.sim.perfetto import trace_events
 
 # straggler cause of a flow bottlenecked by a port at its nominal bandwidth, by the flow's kind
 _LOAD_CAUSE = {PhaseKind.DISPATCH: "tokens received", PhaseKind.COMBINE: "tokens received",
-               PhaseKind.PREFETCH: "weights received", PhaseKind.MIGRATE: "weights received",
-               PhaseKind.GRAD_REDUCE: "gradients received"}
+               PhaseKind.PREFETCH: "weight traffic", PhaseKind.MIGRATE: "weight traffic",
+               PhaseKind.GRAD_REDUCE: "gradient traffic"}  # (the detail says which side the port is)
 
 
 @dataclass
@@ -112,8 +112,9 @@ def straggler(sim: StepSim, rec, end_R: np.ndarray) -> dict[str, Any]:
     copies' weights, or the latest DISPATCH / PREFETCH flow into it of the first stage) or the
     tail after it to the step's end (the latest-ending COMBINE or GRAD_REDUCE flow of any stage).
     For a flow, the port on its path that was busy longest decides the cause: ``slow port`` if
-    degraded, else the load it carries by the flow's kind (``tokens received``, ``weights
-    received``, ``gradients received``). ``phase`` is that flow's :class:`PhaseKind` value.
+    degraded, else the load it carries by the flow's kind (``tokens received``, ``weight
+    traffic``, ``gradient traffic``; the detail says whether the port's rank sends or receives
+    it). ``phase`` is that flow's :class:`PhaseKind` value.
     """
     ports, fs = sim.ports, sim.fs
     si = 0
@@ -175,14 +176,17 @@ def straggler(sim: StepSim, rec, end_R: np.ndarray) -> dict[str, Any]:
         det = (f"{what}: rank {owner} {'receives' if into else 'returns'} {int(rr)} rows "
                f"({rr / max(float(recv_rows.mean() if into else mean_rows), 1e-9):.2f}x mean); "
                f"port {ports.name(p)} is the bottleneck")
-    elif cause in ("weights received", "gradients received"):
+    elif cause in ("weight traffic", "gradient traffic"):
+        # the port's owner sends these bytes (its out port) or receives them; count its side
+        sends = owner == int(rec["src"][f]) and owner != int(rec["dst"][f])
         pm = rec["phase"] == rec["phase"][f]
-        into_R = np.bincount(rec["dst"][pm].astype(np.int64), weights=rec["bytes"][pm], minlength=sim.R)
-        nz = into_R[into_R > 0]
-        det = (f"{what}: rank {owner} receives {into_R[owner] / 2**20:.1f} MiB of expert "
+        side = rec["src"] if sends else rec["dst"]
+        by_R = np.bincount(side[pm].astype(np.int64), weights=rec["bytes"][pm], minlength=sim.R)
+        nz = by_R[by_R > 0]
+        det = (f"{what}: rank {owner} {'sends' if sends else 'receives'} {by_R[owner] / 2**20:.1f} MiB of expert "
                f"{'gradients' if tag.kind == PhaseKind.GRAD_REDUCE else 'weights'} "
-               f"({into_R[owner] / max(float(nz.mean()) if nz.size else 0.0, 1e-9):.2f}x the mean receiver); "
-               f"port {ports.name(p)} is the bottleneck")
+               f"({by_R[owner] / max(float(nz.mean()) if nz.size else 0.0, 1e-9):.2f}x the mean "
+               f"{'sender' if sends else 'receiver'}); port {ports.name(p)} is the bottleneck")
     else:
         det = f"{what}: port {ports.name(p)} at {ports.cap_P[p] / ports.nominal_cap_P[p]:.2g}x bandwidth limits the last transfer"
     return dict(rank=owner, cause=cause, phase=tag.kind.value, detail=det)
