@@ -73,3 +73,29 @@ def test_sweep_cli_takes_jobs(tmp_path, capsys):
                "--out", str(tmp_path / "t")])
     assert rc == 2
     assert "--jobs (0) must be >= 1" in capsys.readouterr().err
+
+
+def _compare_without_timings(rep):
+    rep = dict(rep)
+    rep.pop("seconds", None)
+    out = {}
+    for n, s in rep["strategies"].items():
+        s = {k: v for k, v in s.items() if k not in ("plan_seconds", "layers")}
+        out[n] = s
+    layers = {n: [{k: v for k, v in e.items() if k != "plan"} | {"plan": {k: v for k, v in e["plan"].items()
+                                                                           if k != "plan_seconds"}}
+                  for e in s["layers"]] for n, s in rep["strategies"].items()}
+    for n in layers:
+        for e in layers[n]:
+            e["sim"] = {k: v for k, v in e["sim"].items() if k not in ("sim_wall_seconds", "sim_stats")}
+    rep["strategies"] = out
+    rep["layers"] = layers
+    return rep
+
+
+def test_compare_in_worker_processes_matches_serial():
+    sc = Scenario(routing="gen:model=olmoe-1b-7b,tokens-per-rank=64,layers=2", cluster="16/8",
+                  strategies="alltoall,moonep,eplb")
+    serial = sc.compare(jobs=1).to_dict()
+    parallel = sc.compare(jobs=2).to_dict()
+    assert _compare_without_timings(parallel) == _compare_without_timings(serial)

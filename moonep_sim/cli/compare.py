@@ -47,6 +47,8 @@ def register(sub) -> None:
     p.add_argument("--out", default="moonep-sim-out/compare", help="directory for report.json and the PNG plots")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    from moonep_sim.cli.sweep import add_parallel
+    add_parallel(p)
     p.set_defaults(func=run)
 
 
@@ -98,7 +100,11 @@ def run(args) -> int:
     check_output_dir(args.out, "--out")  # before the run, not after it
     sc = scenario(args)
     c = console()
-    kw = dict(real=args.real, nproc=args.nproc if args.real else None, iters=args.iters, timeout_s=args.real_timeout)
+    from moonep_sim.experiments.parallel import check_jobs
+
+    check_jobs(args.jobs)
+    kw = dict(real=args.real, nproc=args.nproc if args.real else None, iters=args.iters, timeout_s=args.real_timeout,
+              jobs=args.jobs, cluster=args.cluster)
     with progress(c, "compare", lines=args.json) as cb:
         rep = sc.compare(progress=cb, **kw).to_dict()
     files = write_outputs(rep, Path(args.out), plots=not args.no_plots)

@@ -28,6 +28,8 @@ def register(sub) -> None:
     p.add_argument("--traces-dir", default=None, help="where the shipped traces are (default: the repository's traces/)")
     p.add_argument("--out", default="moonep-sim-out/validate", help="directory for fidelity.json and fidelity.png")
     p.add_argument("--json", action="store_true", help="print the JSON report")
+    from moonep_sim.cli.sweep import add_parallel
+    add_parallel(p)
     p.set_defaults(func=run)
 
 
@@ -47,6 +49,8 @@ def run(args) -> int:
     strategies = (args.strategies.split(",") if args.strategies
                   else list(F.QUICK_STRATEGIES) if args.quick else F.all_strategies())
     require(args.iters >= 1, f"--iters ({args.iters}) must be >= 1")
+    from moonep_sim.experiments.parallel import check_jobs
+    check_jobs(args.jobs)
     cfg = F.FidelityConfig(F.default_cases(args.quick, traces), [s.strip() for s in strategies if s.strip()],
                            args.nproc, iters=args.iters)
     c = console()
@@ -55,7 +59,7 @@ def run(args) -> int:
     if not args.json:
         c.print(f"[dim]local-gloo constants: {path if calibrated else 'shipped preset defaults (no calibration file; run `moonep-sim calibrate` first)'}[/dim]")
     with progress(c, "validate", lines=args.json) as cb:
-        rep = F.validate(cfg, progress=cb)
+        rep = F.validate(cfg, progress=cb, jobs=args.jobs, cluster=args.cluster)
     rep["calibrated"] = calibrated
     out = Path(args.out)
     make_output_dir(out, "--out")

@@ -181,11 +181,37 @@ def _sum_dicts(acc: dict[str, float], d: dict[str, Any]) -> None:
             acc[k] = acc.get(k, 0) + v
 
 
-def compare(cfg: CompareConfig, progress: Callable[[str, int, int], None] | None = None,
-            source: RoutingSource | None = None, ctx=None) -> dict[str, Any]:
-    """Plan, simulate (and replay) every strategy on the same layers; return the JSON report."""
+def _compare_point(task):
+    """One (layer, strategy) of a comparison: plan, simulate (and the local-gloo simulation)."""
     from moonep_sim.strategies import make_plan
 
+    cfg, routing, lid, name, opts, ctx, topo, local_topo, model, local_model = task
+    plan = make_plan(name, routing, ctx, **opts)
+    summ = plan.summary()
+    res = simulate(plan, topo, model)
+    sd = to_jsonable(res.to_dict(), lenient=True)
+    entry = {"layer": int(lid), "plan": to_jsonable(summ, lenient=True), "sim": sd}
+    local_phases: dict[str, float] = {}
+    if local_topo is not None:
+        # the same plan, its bytes counted as the replay moves them (float32, H x F experts)
+        lres = simulate(replace(plan, costs=cfg.local_costs()), local_topo, local_model)
+        entry["sim_local"] = to_jsonable(lres.to_dict(), lenient=True)
+        entry["sim_local_bytes"] = replace(plan, costs=cfg.local_costs()).bytes_summary()
+        local_phases = dict(lres.phases_us)
+    disp = np.zeros((plan.ranks, plan.ranks))
+    for p in plan.phases("forward"):
+        if p.kind == "dispatch":
+            disp += p.bytes_RR
+    return entry, summ["bytes"], dict(res.phases_us), local_phases, np.asarray(summ["recv_rows_per_rank"], float), disp
+
+
+def compare(cfg: CompareConfig, progress: Callable[[str, int, int], None] | None = None,
+            source: RoutingSource | None = None, ctx=None, *, jobs: int | None = 1,
+            cluster: str | None = None) -> dict[str, Any]:
+    """Plan, simulate (and replay) every strategy on the same layers; return the JSON report. The
+    (layer, strategy) points run in ``jobs`` worker processes or on a Dask ``cluster``
+    (:mod:`moonep_sim.experiments.parallel`), with the same report as serially."""
+    address = cluster  # the Dask scheduler (``cluster`` below is the EP cluster shape)
     t_start = time.perf_counter()
     source = source or open_routing(cfg.trace, cfg.layers, cfg.model)
     cluster = check_cluster(source, cfg.ranks, cfg.gpus_per_node)
@@ -208,34 +234,27 @@ def compare(cfg: CompareConfig, progress: Callable[[str, int, int], None] | None
         acc[name] = {"options": dict(opts), "layers": [], "bytes": {}, "phases": {}, "rows_R": np.zeros(R),
                      "dispatch_RR": np.zeros((R, R)), "local_phases": {}, "local_us": []}
     total_steps = len(source.layer_ids) * len(cfg.strategies)
-    step = 0
+    from moonep_sim.experiments.parallel import run_points
+
+    tasks = []
     for lid in source.layer_ids:
         routing = source.global_routing(lid, R)
         for name, opts in cfg.strategies:
-            if progress:
-                progress(f"layer {lid}: {name}", step, total_steps)
-            a = acc[name]
-            plan = make_plan(name, routing, ctx, **opts)
-            summ = plan.summary()
-            res = simulate(plan, topo, source.model)
-            sd = to_jsonable(res.to_dict(), lenient=True)
-            entry = {"layer": int(lid), "plan": to_jsonable(summ, lenient=True), "sim": sd}
-            if local_topo is not None:
-                # the same plan, its bytes counted as the replay moves them (float32, H x F experts)
-                lres = simulate(replace(plan, costs=cfg.local_costs()), local_topo, cfg.local_model(source))
-                entry["sim_local"] = to_jsonable(lres.to_dict(), lenient=True)
-                entry["sim_local_bytes"] = replace(plan, costs=cfg.local_costs()).bytes_summary()
-                a["local_us"].append(float(lres.layer_time_us))
-                _sum_dicts(a["local_phases"], dict(lres.phases_us))
-            a["layers"].append(entry)
-            _sum_dicts(a["bytes"], summ["bytes"])
-            _sum_dicts(a["phases"], dict(res.phases_us))
-            _sum_dicts(a.setdefault("critical", {}), critical_breakdown(sd))
-            a["rows_R"] += np.asarray(summ["recv_rows_per_rank"], float)
-            for p in plan.phases("forward"):
-                if p.kind == "dispatch":
-                    a["dispatch_RR"] += p.bytes_RR
-            step += 1
+            tasks.append((cfg, routing, int(lid), name, dict(opts), ctx, topo, local_topo, source.model,
+                          cfg.local_model(source) if local_topo is not None else None))
+    results = run_points(_compare_point, tasks, jobs=jobs, cluster=address, progress=progress,
+                         label=lambda t: f"layer {t[2]}: {t[3]}")
+    for (_, _, _, name, _, _, _, _, _, _), (entry, summ_bytes, phases, local_phases, rows, disp) in zip(tasks, results):
+        a = acc[name]
+        if "sim_local" in entry:
+            a["local_us"].append(float(entry["sim_local"]["layer_time_us"]))
+            _sum_dicts(a["local_phases"], local_phases)
+        a["layers"].append(entry)
+        _sum_dicts(a["bytes"], summ_bytes)
+        _sum_dicts(a["phases"], phases)
+        _sum_dicts(a.setdefault("critical", {}), critical_breakdown(entry["sim"]))
+        a["rows_R"] += rows
+        a["dispatch_RR"] += disp
     if progress:
         progress("done", total_steps, total_steps)
     L = len(source.layer_ids)

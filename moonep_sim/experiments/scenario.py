@@ -234,9 +234,12 @@ class Scenario:
 
     # -- compare, replay, sweep ---------------------------------------------------------------------
     def compare(self, real: bool = False, *, nproc: int | None = None, iters: int = 10, hidden: int = 512,
-                ffn: int = 1024, timeout_s: float = 600.0, progress: Progress | None = None) -> CompareResult:
+                ffn: int = 1024, timeout_s: float = 600.0, progress: Progress | None = None, jobs: int | None = 1,
+                cluster: str | None = None) -> CompareResult:
         """Every strategy on the same layers, simulated (per layer); with ``real``, also replayed
-        over gloo by ``nproc`` local processes (= the scenario's ranks), interleaved."""
+        over gloo by ``nproc`` local processes (= the scenario's ranks), interleaved. The simulated
+        (layer, strategy) points run in ``jobs`` worker processes or on a Dask ``cluster``; the
+        real replay always runs alone (timings)."""
         from moonep_sim.experiments.compare import CompareConfig, compare
 
         rs = self.resolved
@@ -253,7 +256,7 @@ class Scenario:
                             rs.cluster.gpus_per_node, list(rs.source.layer_ids), rs.source.model.name,
                             normalise_dtype(self.dispatch_dtype), self.token_padding, real=real, nproc=nproc or 4,
                             real_timeout_s=timeout_s, real_hidden=hidden, real_ffn=ffn, real_iters=iters)
-        rep = compare(cfg, progress=progress, source=rs.source, ctx=rs.ctx)
+        rep = compare(cfg, progress=progress, source=rs.source, ctx=rs.ctx, jobs=jobs, cluster=cluster)
         return CompareResult.from_report(rep)
 
     def replay(self, nproc: int | None = None, *, iters: int = 3, warmup: int = 1, hidden: int = 64,

@@ -99,7 +99,10 @@ class FidelityConfig:
     iters: int = 16  # timed interleaved iterations (after one warm-up): matched samples for the sign test
 
 
-def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | None = None, *, jobs: int | None = 1,
+             cluster: str | None = None) -> dict[str, Any]:
+    """Replay and simulate every case; the simulated points run in ``jobs`` worker processes or on a
+    Dask ``cluster`` (same report), the gloo replays one at a time (they are the measurement)."""
     from moonep_sim.experiments.compare import (CompareConfig, check_cluster, compare, load_topology,
                                                 parse_strategies)
     from moonep_sim.experiments.routing import open_routing
@@ -123,7 +126,7 @@ def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | No
         cc = CompareConfig(case.trace, strategies, "local-gloo", cfg.nproc, case.gpus_per_node or cfg.nproc,
                            src.layer_ids, src.model.name, real=True, nproc=cfg.nproc, real_timeout_s=cfg.timeout_s,
                            real_iters=cfg.iters)
-        rep = compare(cc, source=src)
+        rep = compare(cc, source=src, jobs=jobs, cluster=cluster)
         reports.append(rep)
         for name, _ in strategies:
             r = rep["real"]["strategies"][name]
