@@ -60,3 +60,18 @@ def test_sweep_by_writes_a_winner_map(tmp_path):
     assert (out / "winner.png").stat().st_size > 0 and "tokens-per-rank" in (out / "winner.md").read_text()
     bad = subprocess.run(cmd[:-1] + ["--by-values", "16,x"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "moonep-sim: error: --by-values" in bad.stderr
+
+
+def test_scenario_winner_map_is_the_python_api():
+    from moonep_sim.experiments import Scenario
+
+    sc = Scenario(routing="gen:model=mixtral-8x7b,tokens-per-rank=256", cluster="4/2",
+                  strategies=["deepep", "costaware"], topology="h800-cx7")
+    m = sc.winner_map("maxvio", [1.0, 3.0], "tokens-per-rank", [256, 512])
+    assert m["x"]["values"] == [1.0, 3.0] and m["y"] == {"knob": "tokens-per-rank", "values": [256.0, 512.0]}
+    assert len(m["sweeps"]) == 2 and m["sweeps"][1]["tokens_per_rank"] == 512
+    for row in m["cells"]:
+        for c in row:
+            assert c["time_us"] == min(c["times_us"].values())
+    with pytest.raises(ConfigError, match="by"):
+        sc.winner_map("maxvio", [1.0], "maxvio", [1.0])

@@ -93,7 +93,8 @@ def run_winner_map(args, cfg, by_vals: list[float]) -> int:
     """One sweep per --by value, then the winner map of them all."""
     from moonep_sim.experiments.sweep import check, sweep
     from moonep_sim.io import make_output_dir, write_text_atomic
-    from moonep_sim.report.winner import winner_heatmap, winner_map, winner_table_md
+    from moonep_sim.experiments.winner import winner_map
+    from moonep_sim.report.winner import winner_heatmap, winner_table_md
 
     cfgs = [_by_config(cfg, args.by, v) for v in by_vals]
     for c in cfgs:

@@ -299,6 +299,30 @@ class Scenario:
         return SweepResult.from_report(sweep(self.sweep_config(over, values, maxvio=maxvio), progress=progress,
                                              jobs=jobs, cluster=cluster))
 
+    def winner_map(self, over: str, values: Sequence[float] | None, by: str, by_values: Sequence[float], *,
+                   maxvio: float | None = None, progress: Progress | None = None, jobs: int | None = 1,
+                   cluster: str | None = None) -> dict[str, Any]:
+        """The fastest strategy per cell over two knobs: one :meth:`sweep` of ``over`` per value of
+        ``by`` (``tokens-per-rank``, ``maxvio`` or ``ep``), combined by
+        :func:`moonep_sim.experiments.winner.winner_map` (each cell: winner, margin over the
+        runner-up, every strategy's time; ``sweeps`` holds the full reports)."""
+        from dataclasses import replace
+
+        from moonep_sim.experiments.sweep import check, sweep
+        from moonep_sim.experiments.winner import winner_map
+
+        require(by in ("tokens-per-rank", "maxvio", "ep"), f"by ({by!r}) must be tokens-per-rank, maxvio or ep")
+        require(by != over, f"by ({by}) must differ from over ({over})")
+        base = self.sweep_config(over, values, maxvio=maxvio)
+        field = {"tokens-per-rank": "tokens_per_rank", "maxvio": "maxvio", "ep": "ranks"}[by]
+        cfgs = [replace(base, **{field: (float(v) if by == "maxvio" else int(v))}) for v in by_values]
+        for c in cfgs:
+            check(c)  # every input checked before any work
+        reps = [(float(v), sweep(c, progress=progress, jobs=jobs, cluster=cluster)) for v, c in zip(by_values, cfgs)]
+        m = winner_map(reps, by)
+        m["sweeps"] = [r for _, r in reps]
+        return m
+
     def sweep_config(self, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None):
         """The :class:`~moonep_sim.experiments.sweep.SweepConfig` of :meth:`sweep` (checked by ``check``)."""
         from moonep_sim.experiments.sweep import SweepConfig, default_values

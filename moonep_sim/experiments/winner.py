@@ -1,0 +1,68 @@
+"""Winner maps: over two knobs, the fastest strategy of every cell and its margin over the runner-up.
+
+Input: sweep reports (what :func:`moonep_sim.experiments.sweep.sweep` returns), one per value of a
+second knob (rows, y), each sweeping the first knob (columns, x); :meth:`Scenario.winner_map
+<moonep_sim.experiments.Scenario.winner_map>` runs them. Output: a map dict (JSON-ready) that
+:mod:`moonep_sim.report.winner` renders as a heat map and a table.
+
+A strategy that dropped entries at a point did less work than the dropless ones: it is listed
+with its time but never wins that cell (``dropped`` in the cell says who was left out).
+
+Notation: X columns (first knob's values), Y rows (second knob's values).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from moonep_sim.errors import require
+
+#: relative difference under which strategies share a cell (a tie, e.g. a planner that planned no copy
+#: and its base strategy)
+TIE = 5e-4
+
+
+def cell(times_us: dict[str, float], dropped: dict[str, int] | None = None) -> dict[str, Any]:
+    """The winner of one cell: fastest dropless strategy, the runner-up and the margin
+    (runner-up time / winner time - 1; 0 when only one strategy competes). Strategies within
+    ``TIE`` of the winner are listed in ``tied`` (the winner is the lowest time, then the name), and
+    the runner-up is then the fastest strategy outside the tie."""
+    dropped = dropped or {}
+    ok = sorted((t, n) for n, t in times_us.items() if not dropped.get(n) and np.isfinite(t))
+    require(len(ok) >= 1, "a winner-map cell needs at least one dropless strategy")
+    (t1, n1) = ok[0]
+    tied = [n for t, n in ok if t <= t1 * (1 + TIE)]
+    rest = ok[len(tied):] if len(tied) > 1 else ok[1:]
+    t2, n2 = rest[0] if rest else (t1, None)
+    return {"winner": n1, "time_us": float(t1), "runner_up": n2, "runner_up_us": float(t2),
+            "margin": float(t2 / t1 - 1.0) if t1 > 0 else 0.0, "tied": tied if len(tied) > 1 else [],
+            "times_us": {n: float(t) for n, t in times_us.items()},
+            "dropped": sorted(n for n in times_us if dropped.get(n))}
+
+
+def winner_map(reports: Sequence[tuple[float, dict[str, Any]]], y_knob: str) -> dict[str, Any]:
+    """Map dict from ``[(y value, sweep report)]``; every report sweeps the same x knob and values."""
+    require(len(reports) >= 1, "a winner map needs at least one sweep")
+    x_knob = reports[0][1]["over"]
+    xs = list(reports[0][1]["values"])
+    rows = []
+    for y, rep in reports:
+        require(rep["over"] == x_knob and list(rep["values"]) == xs,
+                f"sweep at {y_knob}={y} must sweep {x_knob} over {xs} like the first")
+        st = rep["strategies"]
+        row = []
+        for i in range(len(xs)):
+            row.append(cell({n: s["layer_time_us"][i] for n, s in st.items()},
+                            {n: int(s["dropped"][i]) for n, s in st.items()}))
+        rows.append(row)
+    first = reports[0][1]
+    return {"kind": "winner_map", "x": {"knob": x_knob, "values": [float(v) for v in xs]},
+            "y": {"knob": y_knob, "values": [float(y) for y, _ in reports]},
+            "strategies": list(first["strategies"]), "model": first.get("model", {}).get("name"),
+            "topology": first.get("topology", {}).get("name"), "cluster": first.get("cluster"),
+            "cells": rows}
+
+
+__all__ = ["TIE", "cell", "winner_map"]
