@@ -174,7 +174,7 @@ def test_phase_records_carry_typed_kinds_scopes_and_directions():
     res = simulate_layer(plan, load_topology("h800-cx7", gpus_per_node=4), MODEL,
                          SimOptions(backward=True, timeline=True))
     kinds = {e["args"]["kind"] for e in res.timeline_events if e.get("pid") == 1 and e.get("ph") == "X"}
-    assert {"planning", "dispatch", "combine", "expert_compute"} <= kinds
+    assert {"planning", "routing_gather", "dispatch", "combine", "expert_compute"} <= kinds
 
 
 def test_isolated_dispatch_excludes_compute_and_planning():

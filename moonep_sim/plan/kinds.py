@@ -31,7 +31,8 @@ class PhaseKind(_StrEnum):
     PREFETCH: a copy's expert weights sent from its home before compute (forward).
     MIGRATE: expert weights moved because a static placement changed (forward).
     GRAD_REDUCE: a copy's fp32 weight gradient sent home after the backward compute.
-    PLANNING: the planner's work and its all-gather of the routing (forward, simulator spans).
+    PLANNING: the planner's work (forward, simulator spans).
+    ROUTING_GATHER: the all-gather of every rank's routing (or counts) before planning.
     EXPERT_COMPUTE: the grouped expert GEMMs (simulator spans).
     COPY: a host's local pass over rows or weights before sending or after receiving.
     STALL: an injected wait (``moonep_sim.sim.faults.Stall``).
@@ -45,6 +46,7 @@ class PhaseKind(_StrEnum):
     MIGRATE = "migrate"
     GRAD_REDUCE = "grad_reduce"
     PLANNING = "planning"
+    ROUTING_GATHER = "routing_gather"
     EXPERT_COMPUTE = "expert_compute"
     COPY = "copy"
     STALL = "stall"

@@ -182,8 +182,11 @@ class StepSim:
         if d.plan_cpu_us > 0 or d.plan_comm_us > 0:
             t0 = env.now
             yield self._work(r, d.plan_cpu_us)
-            yield env.timeout(d.plan_comm_us)
             self._span(r, prefix + "plan", PhaseKind.PLANNING, d.direction, t0)
+            if d.plan_comm_us > 0:  # the all-gather of the routing: its own kind, in the same "plan" phase
+                t1 = env.now
+                yield env.timeout(d.plan_comm_us)
+                self._span(r, prefix + "plan", PhaseKind.ROUTING_GATHER, d.direction, t1)
         self._planned(si, r).succeed()
         st = self._stall(r, "dispatch", si)
         if st > 0:
