@@ -178,3 +178,24 @@ def test_demo_explains_weights_vs_rows():
     assert f"{s['moonep']['weight_bytes'] / 2**20:,.0f} MiB of expert weights" in lines[0]
     assert f"{s['alltoall']['rows_max']:.0f} -> {s['moonep']['rows_max']:.0f} rows" in lines[0]
     assert "336 MiB each" in lines[0]
+
+
+def test_quick_calibration_is_recognised(tmp_path):
+    """The demo warns when the local-gloo constants come from its quick calibration."""
+    import json
+
+    from moonep_sim.experiments.calibrate import QUICK_SIZES_BYTES, calibration_kind
+
+    toml = tmp_path / "local-gloo.toml"
+    assert calibration_kind(toml) is None
+    toml.write_text("name = 'local-gloo'\n")
+    meas = tmp_path / "local-gloo.measurements.json"
+    for kind in ("quick", "full"):
+        meas.write_text(json.dumps({"kind": kind, "measurements": {"alltoall": []}}))
+        assert calibration_kind(toml) == kind
+    # files written before the kind field: told apart by the message sizes measured
+    rows = [{"bytes_per_peer": b} for b in QUICK_SIZES_BYTES]
+    meas.write_text(json.dumps({"measurements": {"alltoall": rows}}))
+    assert calibration_kind(toml) == "quick"
+    meas.write_text(json.dumps({"measurements": {"alltoall": rows + [{"bytes_per_peer": 4 << 20}]}}))
+    assert calibration_kind(toml) == "full"

@@ -543,14 +543,19 @@ def calibrated_path() -> Path:
 
 def calibration_kind(path: Path | None = None) -> str | None:
     """``full`` or ``quick`` for the calibration file at ``path`` (default: :func:`calibrated_path`),
-    from the measurements written beside it; None when there is no calibration file."""
+    from the measurements written beside it (files from before the ``kind`` field: ``quick`` when
+    they hold only the quick message sizes); None when there is no calibration file."""
     path = Path(path) if path else calibrated_path()
     if not path.is_file():
         return None
     try:
-        return str(json.loads(path.with_suffix(".measurements.json").read_text()).get("kind", "full"))
+        d = json.loads(path.with_suffix(".measurements.json").read_text())
     except (OSError, ValueError):
         return "full"
+    if "kind" in d:
+        return str(d["kind"])
+    sizes = {r.get("bytes_per_peer") for r in d.get("measurements", {}).get("alltoall", [])}
+    return "quick" if sizes and sizes <= set(QUICK_SIZES_BYTES) else "full"
 
 
 @dataclass

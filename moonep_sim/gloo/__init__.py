@@ -7,10 +7,12 @@ them); its parts are ``comm`` (groups, timed collectives, failure
 naming), ``rows`` (the row engine) and ``pool`` (reused memory);
 ``moe.EPMoELayer`` is a reference MoE layer on it and ``moe.dense_moe`` the single-process layer
 it must equal; ``replay`` replays a trace (on local ranks it starts, or under torchrun); ``launcher`` starts
-ranks; ``liveness`` names a stopped or dead rank.
+ranks; ``liveness`` names a stopped or dead rank; ``teardown.shutdown`` ends a job in the safe
+order (barrier, threads joined, groups destroyed) -- call it instead of ``dist.destroy_process_group``.
 """
 
 from moonep_sim.gloo.buffer import Buffer
 from moonep_sim.gloo.handle import Handle, build_handle
+from moonep_sim.gloo.teardown import shutdown
 
-__all__ = ["Buffer", "Handle", "build_handle"]
+__all__ = ["Buffer", "Handle", "build_handle", "shutdown"]

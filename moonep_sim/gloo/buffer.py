@@ -56,6 +56,7 @@ import torch.distributed as dist
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.gloo.autograd import combine_fn, dispatch_fn, prefetch_fn
 from moonep_sim.gloo.comm import GroupComm
+from moonep_sim.gloo.teardown import register_at_exit
 from moonep_sim.gloo.handle import Handle, build_handle, direct_index
 from moonep_sim.gloo.pool import RowPool
 from moonep_sim.gloo.rows import RowEngine, flatten_rows, unflatten_rows
@@ -139,6 +140,7 @@ class Buffer:
         self.planner = planner
         self.direct = direct
         self.comm = GroupComm(group, timeout_s)
+        register_at_exit()  # a job that never shuts down still ends in the safe order (gloo.teardown)
         self.group, self.members = self.comm.group, self.comm.members
         self.world_size, self.rank = self.comm.world_size, self.comm.rank
         self.capacity, self.hidden, self.top_k, self.num_experts = int(capacity), int(hidden), int(top_k), int(num_experts)

@@ -50,6 +50,7 @@ class _Heartbeat:
         self._store = dist.PrefixStore(_ROOT, own)
         self._stop = threading.Event()
         self._interval_s = interval_s
+        self.state = ""  # what this rank last announced
         self._store.set(f"hb{rank}", "0")
         self._thread = threading.Thread(target=self._beat, name=f"moonep-heartbeat-{rank}", daemon=True)
         self._thread.start()
@@ -64,6 +65,7 @@ class _Heartbeat:
                 return
 
     def announce(self, state: str) -> None:
+        self.state = state
         with contextlib.suppress(Exception):
             self._store.set(f"st{self.rank}", state)
 
@@ -92,6 +94,21 @@ def ensure_heartbeat(rank: int | None = None, interval_s: float = HEARTBEAT_INTE
     except Exception:
         return False
     return True
+
+
+def announced_failure() -> bool:
+    """True when this process announced a failure (``failed in PHASE``)."""
+    return _PROCESS_HEARTBEAT is not None and _PROCESS_HEARTBEAT.state.startswith("failed")
+
+
+def stop_heartbeat(timeout_s: float = 5.0) -> None:
+    """Stop this process's heartbeat thread and join it (process teardown,
+    :func:`moonep_sim.gloo.teardown.shutdown`): no thread is left inside a store call at exit."""
+    global _PROCESS_HEARTBEAT
+    hb, _PROCESS_HEARTBEAT = _PROCESS_HEARTBEAT, None
+    if hb is not None:
+        hb._stop.set()
+        hb._thread.join(timeout_s)
 
 
 def announce(state: str) -> None:
