@@ -1,7 +1,7 @@
 """Autograd for the gloo executor: dispatch, combine and prefetch as differentiable functions.
 
 Notation: s tokens on this rank, K top-k, H hidden, W rows of this rank's expert-grouped layout,
-X expert copies on this rank, P elements of one expert's flattened weights.
+X expert copies on this rank, Q elements of one expert's flattened weights.
 
 - dispatch (x [s,H], topk_weights [s,K]) -> (rows [W,H], row_weights [W]). Backward: ONE combine on
   the same Plan, without routing weights, of ``[grad_rows | grad_row_weights one-hot at k]``

@@ -13,7 +13,7 @@ Notation
 --------
 R ranks of the EP group; s tokens on this rank (``s <= capacity``); H hidden; K top-k; E experts;
 W rows of this rank's expert-grouped layout (padding included); X expert copies this rank
-computes; P elements of one expert's flattened weights; epn_r home experts of this rank.
+computes; Q elements of one expert's flattened weights; epn_r home experts of this rank.
 
 Data flow of one layer (``moonep_sim.plan.ir`` describes the Plan's data movement model)::
 
@@ -295,7 +295,7 @@ class Buffer:
         Plan (no exchange, no planning); ``topk_ids`` / ``topk_weights`` are then ignored and
         the handle's weights are used.
 
-        Returns ``(recv_x [W, H], recv_weights [W], cu_seqlens [L+1] int64, handle)``: rows
+        Returns ``(recv_x [W, H], recv_weights [W], cu_seqlens [S+1] int64, handle)``: rows
         grouped by slot (slot i owns rows ``cu_seqlens[i]:cu_seqlens[i+1]``, the first
         ``handle.slot_rows[i]`` real, the rest zero padding), each row's routing weight (0 for
         padding). Differentiable in ``x`` and ``topk_weights``.

@@ -9,7 +9,8 @@ Notation
 R ranks of the EP group; s tokens on this rank; K top-k; C columns of a payload (H for rows, H+K
 when routing-weight gradients ride along); m rows sent or received by this rank in one hop; n rows
 of a hop's buffer on this rank; W rows of this rank's expert-grouped layout (padding included);
-L local slots of this rank; X expert copies (slots whose weights are prefetched).
+S slots of this rank; X expert copies (slots whose weights are prefetched); Q elements of one
+expert's flattened weights.
 
 Conventions: a hop's split sizes are listed per member of the hop's scope group, members in
 ascending EP rank (the order ``dist.new_group(sorted ranks)`` numbers them). A -1 row index is a
@@ -288,13 +289,13 @@ class Handle:
     row_k: int64 [W] k of each row's entry (-1 padding).  row_weights: [W] routing weight of each
     row (0 for padding; float64 if the weights were dispatched in float64, else float32).
     token_weights: [s, K] this rank's routing weights (same dtype).
-    cu_seqlens: int64 [L+1] row offsets of this rank's slots (padding included).
-    slot_expert / slot_rows / slot_is_copy: [L] expert, real rows and "weights fetched" flag of each
+    cu_seqlens: int64 [S+1] row offsets of this rank's slots (padding included).
+    slot_expert / slot_rows / slot_is_copy: [S] expert, real rows and "weights fetched" flag of each
       local slot (a Plan copy, or a resident replica whose master weights live on another rank).
-    slot_weight_index: int64 [L] index of the slot's weights: into the rank's home experts for a
+    slot_weight_index: int64 [S] index of the slot's weights: into the rank's home experts for a
       home slot, into the prefetched copies for a copy slot.
     home_experts: int64 [epn_r] experts whose master weights live on this rank (ascending).
-    Prefetch (weights of X copies, one row of P elements per expert):
+    Prefetch (weights of X copies, one row of Q elements per expert):
       pf_send_local: int64 [x_send] home-expert index of each expert sent, in send order.
       num_fetched_global: fetched slots over all ranks (0: prefetch and gradient reduce are skipped
         on every rank, no collective is issued).

@@ -1,7 +1,7 @@
 """A reference MoE layer over the gloo Buffer, and the dense single-process layer it must equal.
 
 Notation: T tokens of all ranks, s tokens of this rank, H hidden, F expert intermediate width
-(H'), E experts, K top-k, W rows of this rank's expert-grouped layout, L its slots, epn_r experts
+(H'), E experts, K top-k, W rows of this rank's expert-grouped layout, S its slots, epn_r experts
 homed on this rank, X its expert copies.
 
 Expert e is a SwiGLU: ``y = (silu(x @ gate[e]) * (x @ up[e])) @ down[e]`` with gate, up

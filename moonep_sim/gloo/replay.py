@@ -371,7 +371,7 @@ def _check(rank, buf, handle, lr, x, xi, out, grad_out, params, full_w, capacity
     xs = _gather_rows(x, capacity, None)
     gos = _gather_rows(grad_out, capacity, None)
     gxs = _gather_rows(xi.grad, capacity, None) if backward else None
-    if backward:  # every rank's home-expert gradients, [epn_r, P] padded to E rows
+    if backward:  # every rank's home-expert gradients, [epn_r, Q] padded to E rows
         n_home = int(params[0].shape[0])
         flat = torch.cat([p.grad.reshape(n_home, -1) for p in params], dim=1)
         allg = _gather_rows(flat, buf.num_experts, None)

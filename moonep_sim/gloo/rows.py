@@ -45,7 +45,7 @@ class RowEngine:
     def __init__(self, comm: GroupComm, pool: RowPool | None = None) -> None:
         self.comm = comm
         self.pool = pool or RowPool()
-        # resident replicas' fetched weights per cache key: (resident_key, experts, [X_res, P] rows)
+        # resident replicas' fetched weights per cache key: (resident_key, experts, [X_res, Q] rows)
         self._replicas: dict[Any, tuple[bytes, torch.Tensor, torch.Tensor]] = {}
         self.fetch_calls = 0
         self.replica_fetches = 0
@@ -182,7 +182,7 @@ class RowEngine:
 
     def fetch_weights_flat(self, handle: Handle, local: Sequence[torch.Tensor], cache_key: Any = None,
                            phase: str = "prefetch") -> torch.Tensor:
-        """[X, P] flattened weights of this rank's fetched slots (slot order) from ``local``
+        """[X, Q] flattened weights of this rank's fetched slots (slot order) from ``local``
         ([epn_r, ...] home experts per projection). Plan copies are fetched every call; resident
         replicas are served from the cache entry ``cache_key`` when its resident set equals the
         handle's (``handle.resident_key``), else fetched with the copies and cached. Every rank
@@ -233,7 +233,7 @@ class RowEngine:
         return out
 
     def reduce_flat(self, handle: Handle, copy_flat: torch.Tensor, n_home: int, phase: str = "grad_reduce") -> torch.Tensor:
-        """[X, P] copies' gradients -> [epn_r, P] their sums at the home experts (zeros elsewhere)."""
+        """[X, Q] copies' gradients -> [epn_r, Q] their sums at the home experts (zeros elsewhere)."""
         out = copy_flat.new_zeros((n_home,) + tuple(copy_flat.shape[1:]))
         if handle.num_fetched_global == 0:
             return out
@@ -246,14 +246,14 @@ class RowEngine:
 
 
 def flatten_rows(tensors: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
-    """[rows, P]: each tensor [rows, ...] flattened per row and concatenated."""
+    """[rows, Q]: each tensor [rows, ...] flattened per row and concatenated."""
     if not tensors:
         return torch.zeros(rows, 0)
     return torch.cat([t.reshape(rows, int(np.prod(t.shape[1:]))) for t in tensors], dim=1).contiguous()
 
 
 def unflatten_rows(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Split [n, P] back into tensors shaped like ``like[i]`` (with n rows)."""
+    """Split [n, Q] back into tensors shaped like ``like[i]`` (with n rows)."""
     n = flat.shape[0]
     sizes = [int(np.prod(t.shape[1:])) for t in like]
     return tuple(p.reshape((n,) + tuple(t.shape[1:])) for p, t in zip(torch.split(flat, sizes, dim=1), like))

@@ -3,7 +3,9 @@
 Modules, bottom-up: ``kinds`` (PhaseKind, Scope, Direction), ``order`` (sorting primitives),
 ``placement`` (ClusterShape, Placement), ``validate`` (the named checks), ``ir`` (RowCosts,
 GlobalRouting, Hop, CommPhase, Plan), ``build`` (the public single-hop builder API),
-``multihop`` (routes over several hops), ``direct`` (the executors' point-to-point decision).
+``multihop`` (routes over several hops), ``kernel`` (KernelSpec: the GPU kernels behind a Plan,
+for the simulator), ``direct`` (the executors' point-to-point decision). Module map:
+docs/architecture.md.
 Strategies (``moonep_sim.strategies``) use the builders exported here, never private helpers.
 """
 
