@@ -168,3 +168,28 @@ def test_cli_isolate_prints_the_kernel_counted_as_published(capsys):
     assert k["node_pairs_GBps"] == pytest.approx(k["node_pairs"] / k["rank_mean_us"] / 1e3)
     assert main(args[:-1]) == 0
     assert "unique (token, node) pairs" in capsys.readouterr().out
+
+
+def test_sm_bound_kernel_names_the_sm_port():
+    plan = dataclasses.replace(_plan("alltoall", [1] * 100, [100, 0, 0, 0]), kernel=KernelSpec(sms=2))
+    res = simulate_layer(plan, _topo(sm={"count": 8, "copy_GBps": 1.0}), MODEL, SimOptions(isolate="dispatch", tol=0.0))
+    assert res.busiest_port["name"] in ("rank0.sm_send", "rank1.sm_recv")
+    assert "sm_" in res.straggler["detail"]
+
+
+def test_weight_copies_by_sms_are_slower_than_by_copy_engine_when_the_sms_bind():
+    from moonep_sim.routing.generators import generate_layer
+    from moonep_sim.models import custom_model
+
+    m = custom_model(8, 2, hidden=512, expert_ffn=1024)
+    lr = generate_layer(8, 2, 2048, 0, maxvio=3.0)
+    g = GlobalRouting.split_evenly(lr.topk_ids_TK, lr.topk_weights_TK, 8, 2)
+    ctx = PlanContext(ClusterShape(2, 2), Placement.home_groups(8, 2), RowCosts.from_model(m), 1)
+    plan = make_plan("moonep", g, ctx, sms=0)
+    assert plan.weight_copies > 0
+    ce = _topo(weights={"nvlink_efficiency": 1.0}, sm={"count": 8, "copy_GBps": 0.5})
+    sm = _topo(weights={"nvlink_efficiency": 1.0, "engine": "sm", "sms": 1}, sm={"count": 8, "copy_GBps": 0.5})
+    t_ce = simulate_layer(plan, ce, m, SimOptions(tol=0.0)).phases_us["prefetch"]
+    t_sm = simulate_layer(plan, sm, m, SimOptions(tol=0.0)).phases_us["prefetch"]
+    # one SM at 0.5 GB/s against NVLink at 10 GB/s: 20 x slower per copy
+    assert t_sm > 5 * t_ce
