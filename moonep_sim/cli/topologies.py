@@ -52,6 +52,16 @@ def run(args) -> int:
                        "relay rows/msg", "NIC us/msg", "weights (engine, NVLink/NIC GB/s)",
                        "planning us + ns/entry + ns/(E x R)"), krows, wrap=True)
     c.print(kt)
+    # the SM budgets the strategies declare (option ``sms``; -1 = all SMs) and the cap each gets
+    from moonep_sim.strategies import available
+
+    budgets = {name: spec.options["sms"].default for name, spec in available().items() if "sms" in spec.options}
+    if budgets:
+        brows = [[t.name] + [(f"{t.sm_bytes_per_us(t.sm_count if b < 0 else b) / 1e3:,.0f}" if t.sm_count and b else "-")
+                             for b in budgets.values()] for t in topos]
+        c.print(fitted_table("SM cap per GPU and direction (GB/s) at each strategy's declared SM budget (option sms; "
+                             "'-' = no cap)", ["name"] + [f"{k} ({'all' if b < 0 else b} SMs)" for k, b in budgets.items()],
+                             brows))
     for t in topos:
         c.print(f"[bold]{t.name}[/bold] ({t.path}): {t.description}")
         for k, v in t.sources.items():
