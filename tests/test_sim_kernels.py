@@ -193,3 +193,15 @@ def test_weight_copies_by_sms_are_slower_than_by_copy_engine_when_the_sms_bind()
     t_sm = simulate_layer(plan, sm, m, SimOptions(tol=0.0)).phases_us["prefetch"]
     # one SM at 0.5 GB/s against NVLink at 10 GB/s: 20 x slower per copy
     assert t_sm > 5 * t_ce
+
+
+def test_cli_isolate_of_several_layers_is_one_line_before_any_work(capsys):
+    from pathlib import Path
+
+    from moonep_sim.cli import main
+
+    trace = Path(__file__).resolve().parent.parent / "traces" / "mixtral-8x7b_humaneval.safetensors"
+    rc = main(["simulate", "--trace", str(trace), "--layers", "0,1", "--strategy", "deepep", "--ranks", "8",
+               "--isolate", "dispatch"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "--isolate times one layer's kernel" in err

@@ -94,6 +94,8 @@ def run(args) -> int:
     sc = scenario(args)
     rs = sc.resolved  # everything checked before any work
     topo, model, layer_ids = rs.topology, rs.source.model, list(rs.source.layer_ids)
+    require(not args.isolate or len(layer_ids) == 1,
+            f"--isolate times one layer's kernel: --layers must name one layer, not {len(layer_ids)}")
     t0 = time.perf_counter()
     out = sc.simulate(backward=args.backward, overlap_prefetch=not args.no_overlap_prefetch, chunks=args.chunks,
                       seed=args.seed, faults=tuple(faults), jitter=args.jitter,
@@ -107,8 +109,6 @@ def run(args) -> int:
                      "layer_time_us": res.layer_time_us})
     kern = None
     if args.isolate:
-        require(len(layer_ids) == 1,
-                f"--isolate times one layer's kernel: --layers must name one layer, not {len(layer_ids)}")
         from moonep_sim.sim.kernels import isolated_kernel_figures
         kern = isolated_kernel_figures(sc.plans().items[0].plan, res, args.isolate)
     if args.json:
