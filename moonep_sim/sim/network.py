@@ -500,7 +500,10 @@ class BlockCounts:
             cand, share = cand[order], share[order]
             # the run: a prefix of ports whose nodes are all distinct with no active cell between
             # two of them (then no port of the run shares a transfer with an earlier one)
-            cut = self._run_cut(cand[:RUN_MAX])
+            for width in (8, 64, RUN_MAX):  # short runs are the common case: try small prefixes first
+                cut = self._run_cut(cand[:width])
+                if cut < width or width >= cand.size:
+                    break
             run, lv = cand[:cut], share[:cut]
             # the run's nodes (a node's first saturating port freezes it), side by side
             hit[run] = np.arange(cut)
