@@ -409,7 +409,11 @@ class BlockCounts:
         self.B = B
         self.blocks = [b for b in range(B) if b % 4 != 3 or ports.spine_binds]
         self.width = tuple((1, G, R, R)[b % 4] for b in range(B))
-        self.M = [np.zeros((R, w)) for w in self.width]
+        # the blocks' M matrices are views of one flat buffer, so a cell of any block is one gather
+        self.m_off = np.concatenate([[0], np.cumsum([R * w for w in self.width])]).astype(np.int64)
+        self.m_flat = np.zeros(int(self.m_off[-1]))
+        self.M = [self.m_flat[self.m_off[b]:self.m_off[b + 1]].reshape(R, w) for b, w in enumerate(self.width)]
+        self.width_B = np.asarray(self.width, dtype=np.int64)
         self.MT = [np.zeros((R, w)) for w in self.width]
         self.cnt_src = np.zeros(B * R)   # active transfers per sender node (block-major)
         self.cnt_dst = np.zeros(B * R)
@@ -437,6 +441,11 @@ class BlockCounts:
         o = np.argsort(flat[real], kind="stable")
         self.pn_nodes = g[real][o]
         self.pn_ptr = np.concatenate([[0], np.cumsum(np.bincount(flat[real], minlength=P1))])
+        # simple: every node has one port and every port one node (no SM ports, spine or node links)
+        per_port = np.diff(self.pn_ptr)
+        self.simple = self.pall.shape[1] == 1 and int(per_port.max(initial=0)) <= 1
+        self.port_one = np.full(P1, -1, dtype=np.int64)
+        self.port_one[flat[real]] = g[real]
 
     def cells(self, blk_F, src_F, dst_F):
         """Columns of transfers in M (sender row) and in MT (receiver row)."""
@@ -531,39 +540,39 @@ class BlockCounts:
         node belongs to two ports and no node has an active cell with a node of an earlier port
         on the other side (at least 1)."""
         R, N, G = self.R, self.B * self.R, self.G
-        ptr, pn = self.pn_ptr, self.pn_nodes
-        lens = ptr[cand + 1] - ptr[cand]
-        tot = int(lens.sum())
-        start = np.repeat(ptr[cand] - np.cumsum(lens) + lens, lens)
-        node = pn[start + np.arange(tot)]
-        pos = np.repeat(np.arange(cand.size), lens)
         cut = cand.size
-        # a node of two ports: cut at the later one
-        o = np.argsort(node, kind="stable")
-        sn, sp = node[o], pos[o]
-        dup = np.flatnonzero(sn[1:] == sn[:-1])
-        if dup.size:
-            cut = int(sp[dup + 1].min())
-        keep = pos < cut
-        node, pos = node[keep], pos[keep]
+        if self.simple:  # one node per port, one port per node: no node can repeat
+            node, pos = self.port_one[cand], np.arange(cand.size)
+        else:
+            ptr, pn = self.pn_ptr, self.pn_nodes
+            lens = ptr[cand + 1] - ptr[cand]
+            tot = int(lens.sum())
+            start = np.repeat(ptr[cand] - np.cumsum(lens) + lens, lens)
+            node = pn[start + np.arange(tot)]
+            pos = np.repeat(np.arange(cand.size), lens)
+            # a node of two ports: cut at the later one
+            o = np.argsort(node, kind="stable")
+            sn, sp = node[o], pos[o]
+            dup = np.flatnonzero(sn[1:] == sn[:-1])
+            if dup.size:
+                cut = int(sp[dup + 1].min())
+            keep = pos < cut
+            node, pos = node[keep], pos[keep]
         is_s = node < N
         if not is_s.any() or is_s.all():
             return max(cut, 1)
         bs, rs = np.divmod(node[is_s], R)
         bd, rd = np.divmod(node[~is_s] - N, R)
-        ps_, pd_ = pos[is_s], pos[~is_s]
-        for b in np.intersect1d(bs, bd).tolist():
-            i, j = np.flatnonzero(bs == b), np.flatnonzero(bd == b)
-            s_, d_ = rs[i][:, None], rd[j][None, :]
-            if b % 4 >= 2:
-                c = self.M[b][s_, d_]
-            elif b % 4 == 1:
-                c = np.where(s_ // G == d_ // G, self.M[b][s_, d_ % G], 0.0)
-            else:
-                c = np.where(s_ == d_, self.M[b][s_, 0 * d_], 0.0)
-            hit = np.nonzero(c > 0)
-            if hit[0].size:
-                cut = min(cut, int(np.maximum(ps_[i][hit[0]], pd_[j][hit[1]]).min()))
+        ii, jj = np.nonzero(bs[:, None] == bd[None, :])   # sender/receiver node pairs of one block
+        if ii.size:
+            b, s_, d_ = bs[ii], rs[ii], rd[jj]
+            kind = b % 4
+            col = np.where(kind >= 2, d_, np.where(kind == 1, d_ % G, 0))
+            valid = (kind >= 2) | ((kind == 1) & (s_ // G == d_ // G)) | ((kind == 0) & (s_ == d_))
+            c = self.m_flat[self.m_off[b] + s_ * self.width_B[b] + col]
+            hit = np.flatnonzero(valid & (c > 0))
+            if hit.size:
+                cut = min(cut, int(np.maximum(pos[is_s][ii[hit]], pos[~is_s][jj[hit]]).min()))
         return max(cut, 1)
 
     def _freeze(self, nodes, kn, s0, run, lv, lev, bport, free, frz, cnt) -> None:
