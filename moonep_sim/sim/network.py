@@ -687,7 +687,8 @@ class FlowNetwork:
         self._blocks = BlockCounts(ports) if use_blocks else None
         cols = dict(rate=(np.float64, ()), rem0=(np.float64, ()), t0=(np.float64, ()), fin=(np.float64, ()),
                     id=(np.int64, ()), key=(np.int64, ()), src=(np.int64, ()), dst=(np.int64, ()),
-                    blk=(np.int64, ()), alive=(np.bool_, ()))
+                    blk=(np.int64, ()), alive=(np.bool_, ()),
+                    ns=(np.int64, ()), nd=(np.int64, ()))   # sender / receiver node (block * R + rank)
         if not use_blocks:
             cols["path"] = (np.int64, (L_PATH,))
         self._a = _Buffer(cols)
@@ -811,8 +812,8 @@ class FlowNetwork:
             return self._filled[sel]
         lev_s, lev_d, bp_s, bp_d, _ = self._filled
         R = self.ports.ranks
-        i = a.blk[sel] * R + a.src[sel]
-        j = a.blk[sel] * R + a.dst[sel]
+        i = a.ns[sel]
+        j = a.nd[sel]
         return np.where(lev_s[i] <= lev_d[j], bp_s[i], bp_d[j])
 
     def _tick(self, version: int) -> None:
@@ -860,15 +861,15 @@ class FlowNetwork:
                 src_F, dst_F, blk_F = cat(5), cat(6), cat(7)
                 extra = {} if self._blocks is not None else dict(path=cat(1))
                 a.append(rate=np.zeros(m), rem0=cat(2), t0=np.full(m, t), fin=np.full(m, np.inf), id=ids,
-                         key=cat(4), src=src_F, dst=dst_F, blk=blk_F, alive=np.ones(m, dtype=bool), **extra)
+                         key=cat(4), src=src_F, dst=dst_F, blk=blk_F, alive=np.ones(m, dtype=bool),
+                         ns=blk_F * self.ports.ranks + src_F, nd=blk_F * self.ports.ranks + dst_F, **extra)
                 if self._blocks is not None:
                     self._blocks.add(blk_F, src_F, dst_F, 1.0)
         # 3. rates: exact max-min levels, then only flows whose rate changed are touched
         if self._blocks is not None:
             self._filled = self._blocks.fill(self.ports.cap_P)
             lev_s, lev_d = self._filled[0], self._filled[1]
-            R = self.ports.ranks
-            rate = np.minimum(lev_s[a.blk * R + a.src], lev_d[a.blk * R + a.dst])
+            rate = np.minimum(lev_s[a.ns], lev_d[a.nd])
             it = self._filled[-1]
         else:
             live = np.flatnonzero(a.alive)
