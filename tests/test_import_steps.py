@@ -58,6 +58,7 @@ def make_log(seed, *, E=16, K=2, layer_ids=(0, 1), passes=4, positions="restart"
         P.append(("real", rows))
     recs, want, tok_of = [], [], []                           # want: (pass, req, pos, layer, ids, w)
     dummy = 0
+    prev_kind, prev_sets = None, None
     for pi, (kind, rows) in enumerate(P):
         ids_l, w_l = [], []
         for li in range(L):
@@ -66,6 +67,12 @@ def make_log(seed, *, E=16, K=2, layer_ids=(0, 1), passes=4, positions="restart"
                 ids[:] = np.sort(rng.choice(E, K, replace=False))[None]
             ids_l.append(ids)
             w_l.append(w)
+        if kind == "real" and prev_kind == "dummy" and all(
+                (np.sort(ids_l[li], axis=1) == prev_sets[li]).all() for li in range(L)):
+            # a real pass that repeats the dummy pass before it at every row of every layer is a dummy
+            # by any routing evidence: give one of its rows another set
+            ids_l[0][0] = (ids_l[0][0] + 1) % E
+        prev_kind, prev_sets = kind, [np.sort(x[:1], axis=1) for x in ids_l]
         for li, lay in enumerate(layer_ids):
             for j, (req, pos) in enumerate(rows):
                 rec = {names["group"]: f"r{req}" if positions == "real" else "batch",

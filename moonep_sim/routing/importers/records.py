@@ -426,7 +426,14 @@ def load_records(path: Path, fmt: str, opts: ImportOptions) -> Imported:
         _, tkey = np.unique(np.stack([step, grp, tok], 1), axis=0, return_inverse=True)
         tkey = tkey.reshape(-1)
     if dmask.any():
-        dummy_tok = np.isin(tkey, np.unique(tkey[dmask])) & keep
+        # a token is a dummy when every layer it has is in a dummy block (warm-up and capture passes
+        # repeat one set at every layer); a real token that repeats a block's set at one layer by chance
+        # stays
+        _, tinv = np.unique(tkey[keep], return_inverse=True)
+        rows_per_tok = np.bincount(tinv)
+        dummy_per_tok = np.bincount(tinv, weights=dmask[keep], minlength=len(rows_per_tok))
+        dummy_tok = np.zeros(N, bool)
+        dummy_tok[keep] = (dummy_per_tok == rows_per_tok)[tinv]
         keep &= ~dummy_tok
         report["dummy_records_dropped"] = int(dummy_tok.sum())
     else:
