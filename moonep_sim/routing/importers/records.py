@@ -26,7 +26,8 @@ What happens to a log, in order (every drop is counted in the trace's ``import_r
    steps, rows of a step it covers only in part are kept: real rows that repeat the set by
    chance), and a whole step of a
    power-of-two size >= ``capture_min_rows`` whose rows of a layer all carry one expert set (CUDA
-   graph capture). Every token with a dummy row is dropped, counted per reason.
+   graph capture). A token whose rows at every layer it has are dummy rows is dropped, counted per
+   reason.
 6. **Duplicates within a step** (same request, position and layer): equal ones dropped, different
    ones an error naming both records.
 7. **Tokens missing layers** (generation stopped, log cut mid-pass): dropped.
