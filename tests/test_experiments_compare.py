@@ -187,3 +187,32 @@ def test_sweep_bad_input(argv, message, capsys, tmp_path):
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_scenario_replay_runs_the_strategies_over_gloo():
+    """Scenario.replay: the same scenario replayed for real (2 ranks, small rows), every strategy
+    checked against the dense reference."""
+    from moonep_sim.experiments import Scenario
+
+    res = Scenario(routing=str(MIXTRAL), cluster="2/2", strategies="alltoall,moonep", layers=[0, 31]).replay(
+        nproc=2, iters=1, warmup=0, hidden=32, ffn=64, check=True, timeout_s=120)
+    assert res.strategies == ("alltoall", "moonep")
+    assert all(v > 0 for v in res.measured_ms.values())
+    assert res.correct == {"alltoall": True, "moonep": True}
+    rep = res.to_dict()
+    assert rep["strategies"]["moonep"]["layers"] == [0, 31] or rep["strategies"]["moonep"]["per_layer"]
+
+
+def test_scenario_plans_simulate_and_steps():
+    from moonep_sim.experiments import Scenario
+
+    sc = Scenario(routing=str(MIXTRAL), cluster="4/2", strategies=["alltoall", ("capacity", {"cf": 1.5})],
+                  layers=[0], steps="0")
+    plans = sc.plans()
+    assert plans.plan("capacity").options["cf"] == 1.5
+    assert sum(plans.plan("alltoall").summary()["recv_rows_per_rank"]) == 2 * sc.resolved.source.tokens
+    assert sc.resolved.source.tokens < 333  # step 0 only
+    sim = sc.simulate()
+    assert set(sim.layer_time_us) == {"alltoall", "capacity"} and sim.to_dict()["topology"]["name"] == "h800-cx7"
+    with pytest.raises(Exception, match="generator spec key"):
+        Scenario(routing="gen:maxvoi=3").check()

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from conftest import TRACES
 from moonep_sim.cli import main
-from moonep_sim.errors import ConfigError
+from moonep_sim.errors import ConfigError, MoonEPSimError
 from moonep_sim.models import PRESETS
 
 MIXTRAL = TRACES / "mixtral-8x7b_humaneval.safetensors"
@@ -199,3 +199,30 @@ def test_quick_calibration_is_recognised(tmp_path):
     assert calibration_kind(toml) == "quick"
     meas.write_text(json.dumps({"measurements": {"alltoall": rows + [{"bytes_per_peer": 4 << 20}]}}))
     assert calibration_kind(toml) == "full"
+
+
+def test_layers_are_ids_in_the_replay_as_everywhere(tmp_path):
+    """`launch/replay.py --layers` names layer ids (the trace's layer_ids), not stored positions."""
+    from moonep_sim.gloo.replay import _parse_layers
+    from moonep_sim.routing.trace import Trace, TraceMeta, write_trace
+
+    ids = np.stack([np.tile([[0, 1], [2, 3]], (4, 1))] * 2).astype(np.int32)  # [L=2, T=8, K=2]
+    path = write_trace(tmp_path / "t.safetensors",
+                       TraceMeta(kind="tokens", num_experts=4, top_k=2, layer_ids=[3, 7], num_tokens=8),
+                       {"topk_ids": ids, "topk_weights": np.ones(ids.shape, np.float32)})
+    tr = Trace(path)
+    assert _parse_layers("7", tr) == [1] and _parse_layers("3,7", tr) == [0, 1]
+    assert _parse_layers(None, tr) == [0, 1]
+    with pytest.raises(MoonEPSimError, match=r"layer \(1\) must be one of the trace.s layers"):
+        _parse_layers("1", tr)
+
+
+def test_demo_names_the_resolved_pairs():
+    from moonep_sim.report.tables import resolved_line
+
+    rep = {"real": {"ranking": {"resolved": ["alltoall < moonep"], "pairs": 6}}}
+    assert resolved_line(rep) == ("the measurements resolved 1 of 6 pairs: alltoall < moonep "
+                                  "(the other pairs are measured ties)")
+    rep["real"]["ranking"]["resolved"] = []
+    assert "resolved no pair" in resolved_line(rep)
+    assert resolved_line({"strategies": {}}) is None
