@@ -24,7 +24,7 @@ import numpy as np
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec, custom_model
-from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
+from moonep_sim.plan import ClusterShape, Placement, RowCosts
 from moonep_sim.experiments.routing import RoutingSource, open_routing
 
 # -- strategies -------------------------------------------------------------------------------------
