@@ -10,6 +10,7 @@ from pathlib import Path
 
 from moonep_sim.cli.common import add_dispatch_dtype, add_strategies, parse_strategy_opts, print_json, progress, to_jsonable
 from moonep_sim.errors import ConfigError
+from moonep_sim.experiments.routing import GEN_DEFAULTS
 from moonep_sim.report.tables import wide_console as console
 
 
@@ -30,8 +31,10 @@ def register(sub) -> None:
     p.add_argument("--topology", default="h800-cx7", help="simulated cluster preset or TOML file (default h800-cx7)")
     p.add_argument("--ranks", type=int, default=64, help="EP size when not sweeping it (default 64)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the topology's)")
-    p.add_argument("--tokens-per-rank", type=int, default=1024, help="tokens on each rank (default 1024)")
-    p.add_argument("--maxvio", type=float, default=1.0, help="imbalance when not sweeping it (default 1)")
+    p.add_argument("--tokens-per-rank", type=int, default=GEN_DEFAULTS["tokens_per_rank"],
+                   help=f"tokens on each rank (default {GEN_DEFAULTS['tokens_per_rank']}, as for every generated routing)")
+    p.add_argument("--maxvio", type=float, default=GEN_DEFAULTS["maxvio"],
+                   help=f"imbalance when not sweeping it (default {GEN_DEFAULTS['maxvio']:g})")
     p.add_argument("--seed", type=int, default=0)
     add_dispatch_dtype(p)
     p.add_argument("--out", default="moonep-sim-out/sweep", help="directory for sweep.json and sweep.png")
