@@ -6,8 +6,8 @@ preset and tokens per rank S, routing is MoonEP's lognormal generator at each ``
 tokens split evenly), and three plans are simulated:
 
 - ``exact``: ``moonep`` (every rank computes exactly S*K rows; hot experts' weights prefetched);
-- ``none``: the same single-hop transport with no copy (``alltoall`` with ``dedup``, which is
-  ``moonep`` minus its balancing);
+- ``none``: the same single-hop transport with no copy (``alltoall`` with ``dedup`` on MoonEP's
+  kernel, 32 SMs: ``moonep`` minus its balancing);
 - ``costaware``: ours (copies only where its cost model says they pay).
 
 The break-even S* of a (preset, maxvio) is the smallest S from which exact balance is faster than
@@ -20,6 +20,7 @@ time they remove. Written as JSON (``--json PATH``) and printed as a Markdown ta
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -31,9 +32,10 @@ REPO = Path(__file__).resolve().parents[1]
 from moonep_sim.io import write_text_atomic  # noqa: E402
 from moonep_sim.models import get_model  # noqa: E402
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts  # noqa: E402
+from moonep_sim.plan.kernel import KernelSpec  # noqa: E402
 from moonep_sim.routing.generators import generate_layer  # noqa: E402
 from moonep_sim.sim import SimOptions, load_topology, simulate_layer  # noqa: E402
-from moonep_sim.strategies import PlanContext, make_plan  # noqa: E402
+from moonep_sim.strategies import PlanContext, get_strategy, make_plan  # noqa: E402
 
 VARIANTS = (("exact", "moonep", {}), ("none", "alltoall", {"dedup": True}), ("costaware", "costaware", {}))
 
@@ -80,6 +82,8 @@ def main() -> int:
                     if key == "costaware" and args.backward:
                         o = {"mode": "training"}
                     p = make_plan(strat, routings[S], ctx, **o)
+                    if key == "none":  # moonep's kernel (its SM budget), without its copies
+                        p = dataclasses.replace(p, kernel=KernelSpec(sms=int(get_strategy("moonep").defaults()["sms"])))
                     res[key].append(simulate_layer(p, topo, m, opts).layer_time_us)
                     if key == "costaware":
                         copies.append(p.weight_copies)
