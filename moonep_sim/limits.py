@@ -22,5 +22,20 @@ MAX_LAYERS = 1 << 12
 MAX_TOKENS = 1 << 28
 """Tokens of one generated layer or step (T); a stored trace's tokens are bounded by its bytes."""
 
-MAX_ELEMENTS = 1 << 31
-"""Elements of one array built from sizes given by a user (e.g. T * K ids, R * E loads)."""
+MAX_ELEMENTS = 1 << 28
+"""Elements of one array built from sizes given by a user (e.g. L * T * K generated ids: 2 GiB as int64)."""
+
+MAX_TOKEN_PADDING = 1 << 16
+"""Rows a slot is padded to a multiple of (padding multiplies rows: a slot of one token becomes P rows)."""
+
+MAX_CHUNKS = 1 << 12
+"""Pipeline chunks of one simulated layer (each chunk is its own set of simulated transfers)."""
+
+MAX_STALL_US = 1e12
+"""A simulated stall (microseconds; about 11 days)."""
+
+MAX_JITTER_CV = 10.0
+"""Coefficient of variation of the simulator's lognormal jitter."""
+
+MAX_TOKENS_PER_RANK = 1 << 20
+"""Tokens on one rank in generated routing or a sweep (a real batch holds thousands)."""

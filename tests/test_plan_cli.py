@@ -91,7 +91,7 @@ def _bad_ids_trace(path, ids, E, K):
     (lambda p: _trace(p), ["--ranks", "8", "--gpus-per-node", "3"],
      r"--ranks \(8\) must be divisible by --gpus-per-node \(3\)"),
     (lambda p: _trace(p), ["--ranks", "3"], r"--ranks \(3\) must divide the routing's expert count \(E=8\)"),
-    (lambda p: _trace(p), ["--ranks", "4", "--strategy", "capacity", "--opt", "cf=0"], r"cf \(0\) must be > 0"),
+    (lambda p: _trace(p), ["--ranks", "4", "--strategy", "capacity", "--opt", "cf=0"], r"cf \(0\) must be in \(0, 1024\]"),
     (lambda p: _trace(p), ["--ranks", "4", "--strategy", "nope"], r"strategy \('nope'\) must be one of"),
     (lambda p: _trace(p), ["--ranks", "4", "--opt", "colour=red"], r"option \('colour'\) must be one of"),
     (lambda p: _trace(p), ["--ranks", "4", "--layer", "7"], r"layers entry \(7\) must be one of the trace's layer ids"),

@@ -43,8 +43,10 @@ def test_property_checker_catches_a_wrong_expert():
 
 # -- capacity ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("cf, match", [(0, r"cf \(0\) must be > 0"), (-1.5, r"cf \(-1.5\) must be > 0"),
-                                       (float("nan"), r"cf \(nan\) must be > 0")])
+@pytest.mark.parametrize("cf, match", [(0, r"cf \(0\) must be in \(0, 1024\]"),
+                                       (-1.5, r"cf \(-1.5\) must be in \(0, 1024\]"),
+                                       (float("nan"), r"cf \(nan\) must be in \(0, 1024\]"),
+                                       (1e308, r"cf \(1e\+308\) must be in \(0, 1024\]")])
 def test_capacity_factor_must_be_positive(cf, match):
     with pytest.raises(ConfigError, match=match):
         make_plan("capacity", _routing(), _ctx(16, 8, 4), cf=cf)

@@ -49,7 +49,7 @@ def test_builders_leave_the_stamp_to_the_registry():
     ("eplb", {"num_redundant": "2.5"}, r"^option num_redundant \('2.5'\) must be an integer \(strategy eplb\)$"),
     ("eplb", {"groups": -1}, r"^option groups \(-1\) must be >= 0 \(0: one group per node\) \(strategy eplb\)$"),
     ("eplb", {"choice": "hash"}, r"^option choice \('hash'\) must be 'round_robin' or 'contiguous' \(strategy eplb\)$"),
-    ("capacity", {"cf": "inf"}, r"^option cf \(inf\) must be > 0: the capacity factor"),
+    ("capacity", {"cf": "inf"}, r"^option cf \(inf\) must be in \(0, 1024\]: the capacity factor"),
     ("capacity", {"cf": "x"}, r"^option cf \('x'\) must be a number \(strategy capacity\)$"),
     ("capacity", {"drop": "random"}, r"^option drop \('random'\) must be 'weight' or 'position' \(strategy capacity\)$"),
     ("deepep", {"max_nodes": -1}, r"^option max_nodes \(-1\) must be >= 0 \(0 = no limit\) \(strategy deepep\)$"),

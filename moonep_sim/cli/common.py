@@ -64,12 +64,34 @@ def parse_int_list(text: str | None, what: str) -> list[int] | None:
                 continue
             if "-" in part[1:]:
                 a, b = part.split("-", 1) if not part.startswith("-") else (part, part)
-                out.extend(range(int(a), int(b) + 1))
+                lo, hi = int(a), int(b)
+                if lo > hi:
+                    raise ConfigError(f"{what} ({text!r}) must give ranges low-high: {part} runs backwards")
+                if hi - lo >= 1 << 16:
+                    raise ConfigError(f"{what} ({text!r}) must give ranges of at most 65536 values: {part}")
+                out.extend(range(lo, hi + 1))
             else:
                 out.append(int(part))
     except ValueError:
         raise ConfigError(f"{what} ({text!r}) must be a list of integers like 0,2,5-7") from None
+    if not out:
+        raise ConfigError(f"{what} ({text!r}) must name at least one integer, like 0,2,5-7")
     return out
+
+
+def check_int(value: int | None, flag: str, lo: int, hi: int, meaning: str = "") -> None:
+    """Refuse an explicitly given integer argument outside [lo, hi] (None: not given, the default applies)."""
+    if value is not None and not lo <= value <= hi:
+        raise ConfigError(f"{flag} ({value}) must be in [{lo}, {hi}]" + (f": {meaning}" if meaning else ""))
+
+
+def check_cluster_args(args, gpus_min: int = 1) -> None:
+    """--ranks and --gpus-per-node as given (0 is not "the default": leave the flag out for that)."""
+    from moonep_sim.limits import MAX_RANKS
+
+    check_int(getattr(args, "ranks", None), "--ranks", 1, MAX_RANKS, "EP ranks")
+    check_int(getattr(args, "gpus_per_node", None), "--gpus-per-node", gpus_min, MAX_RANKS,
+              "GPUs per node" + (" (0: all ranks in one node)" if gpus_min == 0 else ""))
 
 
 # -- shared flags: one spelling, one meaning, everywhere ----------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moonep_sim.cli.common import (add_steps, add_dispatch_dtype, add_layers, add_strategies, parse_int_list, parse_strategy_opts,
+from moonep_sim.cli.common import (add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies, parse_int_list, parse_strategy_opts,
                                    print_json, progress, to_jsonable)
 from moonep_sim.errors import require
 from moonep_sim.experiments.scenario import DEFAULT_STRATEGIES as _DEFAULTS
@@ -57,6 +57,7 @@ def scenario(args, routing=None, layers=None):
     from moonep_sim.experiments import Scenario
 
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    check_cluster_args(args)
     if args.real:
         require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")
         require(args.iters >= 1, f"--iters ({args.iters}) must be >= 1")

@@ -10,7 +10,7 @@ over :meth:`moonep_sim.experiments.Scenario.plans`.
 
 from __future__ import annotations
 
-from moonep_sim.cli.common import add_steps, add_dispatch_dtype, console, parse_kv, print_json
+from moonep_sim.cli.common import add_dispatch_dtype, add_steps, check_cluster_args, console, parse_kv, print_json
 
 
 def register(sub) -> None:
@@ -36,6 +36,7 @@ def scenario(args):
     """The Scenario these arguments describe (shared with tests)."""
     from moonep_sim.experiments import Scenario
 
+    check_cluster_args(args, gpus_min=0)
     return Scenario(routing=args.trace, model=args.model, cluster=(args.ranks, args.gpus_per_node or args.ranks),
                     strategies=[(args.strategy, parse_kv(args.opt))],
                     layers=None if args.layer is None else [args.layer], steps=args.steps,

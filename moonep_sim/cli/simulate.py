@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from moonep_sim.cli.common import add_steps, add_dispatch_dtype, console, parse_int_list, parse_kv, print_json
+from moonep_sim.cli.common import (add_dispatch_dtype, add_steps, check_cluster_args, check_int, console, parse_int_list,
+                                   parse_kv, print_json)
+from moonep_sim.limits import MAX_CHUNKS
 from moonep_sim.errors import require
 
 
@@ -58,6 +60,7 @@ def scenario(args):
     """The Scenario these arguments describe (shared with tests)."""
     from moonep_sim.experiments import GeneratorSpec, Scenario
 
+    check_cluster_args(args)
     if args.gen:
         spec = GeneratorSpec.parse(args.gen)
         if "seed" not in {k.strip().replace("_", "-") for k in (kv.split("=")[0] for kv in args.gen.split(","))}:
@@ -89,7 +92,7 @@ def run(args) -> int:
     if args.timeline:
         from moonep_sim.io import check_output_path
         check_output_path(args.timeline, "--timeline")  # before the run, not after it
-    require(args.chunks >= 1, f"--chunks ({args.chunks}) must be >= 1")
+    check_int(args.chunks, "--chunks", 1, MAX_CHUNKS, "pipeline chunks")
     faults = parse_faults(args.slow_gpu, args.degrade_nic, args.degrade_nvlink, args.stall)
     sc = scenario(args)
     rs = sc.resolved  # everything checked before any work

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moonep_sim.cli.common import add_dispatch_dtype, add_strategies, parse_strategy_opts, print_json, progress, to_jsonable
+from moonep_sim.cli.common import (add_dispatch_dtype, add_strategies, check_cluster_args, check_int, parse_strategy_opts,
+                                   print_json, progress, to_jsonable)
+from moonep_sim.limits import MAX_TOKENS_PER_RANK
 from moonep_sim.errors import ConfigError
 from moonep_sim.experiments.routing import GEN_DEFAULTS
 from moonep_sim.report.tables import wide_console as console
@@ -137,6 +139,8 @@ def scenario(args):
     from moonep_sim.experiments import GeneratorSpec, Scenario
 
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    check_cluster_args(args)
+    check_int(args.tokens_per_rank, "--tokens-per-rank", 1, MAX_TOKENS_PER_RANK)
     spec = GeneratorSpec(model=args.model, maxvio=args.maxvio, tokens_per_rank=args.tokens_per_rank, seed=args.seed)
     return Scenario(routing=spec, cluster=(args.ranks, args.gpus_per_node or 0), topology=args.topology,
                     strategies=names, options=parse_strategy_opts(args.opt, names), dispatch_dtype=args.dispatch_dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -208,6 +209,8 @@ def run_inspect(a) -> int:
     from moonep_sim.routing.metrics import inspect_trace
 
     layers = parse_int_list(a.layers, "--layers")
+    if a.top < 0:
+        raise ConfigError(f"--top ({a.top}) must be >= 0 (0: E/16 experts)")
     res = inspect_trace(a.file, ranks=a.ranks, gpus_per_node=a.gpus_per_node, layers=layers, top=a.top,
                         steps=a.steps)
     if a.json:
@@ -280,14 +283,33 @@ def run_route(a) -> int:
             raise ConfigError(f"--bias-file ({a.bias_file}) must hold a 1-D float array [E]")
         kwargs["bias_E"] = b
     from moonep_sim.io import check_output_path
+    from moonep_sim.limits import MAX_LAYERS, MAX_NUM_EXPERTS
+    from moonep_sim.routing.generators import check_size
 
     check_output_path(a.out, "-o", inputs=(a.src,))
+    for flag, v, lo in (("--groups", a.groups, 1), ("--topk-groups", a.topk_groups, 1), ("--bias-rounds", a.bias_rounds, 0),
+                        ("--calib-tokens", a.calib_tokens, 1), ("--top-k", a.top_k, 1)):
+        if v is not None and v < lo:
+            raise ConfigError(f"{flag} ({v}) must be >= {lo}")
+    if not (math.isfinite(a.bias_update) and a.bias_update > 0):
+        raise ConfigError(f"--bias-update ({a.bias_update}) must be a finite number > 0")
     src = a.src
     if a.synthetic is not None:
         if src is not None:
             raise ConfigError("SRC and --synthetic must not be combined")
         if a.num_experts is None or a.top_k is None:
             raise ConfigError("--synthetic needs --num-experts and --top-k")
+        if not 1 <= a.num_experts <= MAX_NUM_EXPERTS:
+            raise ConfigError(f"--num-experts ({a.num_experts}) must be in [1, {MAX_NUM_EXPERTS}]")
+        if not 1 <= a.top_k <= a.num_experts:
+            raise ConfigError(f"--top-k ({a.top_k}) must be in [1, --num-experts={a.num_experts}]")
+        if not 1 <= a.layers <= MAX_LAYERS:
+            raise ConfigError(f"--layers ({a.layers}) must be in [1, {MAX_LAYERS}]")
+        if not (math.isfinite(a.skew) and a.skew >= 0):
+            raise ConfigError(f"--skew ({a.skew}) must be a finite number >= 0")
+        if a.synthetic < 1:
+            raise ConfigError(f"--synthetic ({a.synthetic}) must be >= 1 token")
+        check_size(a.synthetic, a.num_experts, a.layers)  # the logits are [L, T, E]
         src = _synthetic_source(a)
     elif src is None:
         raise ConfigError("SRC (a trace with router_logits) or --synthetic TOKENS must be given")

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.limits import MAX_TOKENS_PER_RANK
 from moonep_sim.models import ModelSpec, custom_model
 from moonep_sim.plan import GlobalRouting
 from moonep_sim.routing.trace import LayerRouting
@@ -77,7 +78,8 @@ class GeneratorSpec:
                                 f"maxvio, sigma, zipf, uniform, hot (got {', '.join(pops)})")
         require((self.hot is None) == (self.hot_share is None),
                 "generator spec hot and hot-share must be given together")
-        require(self.tokens_per_rank >= 1, f"generator spec tokens-per-rank ({self.tokens_per_rank}) must be >= 1")
+        require(1 <= self.tokens_per_rank <= MAX_TOKENS_PER_RANK,
+                f"generator spec tokens-per-rank ({self.tokens_per_rank}) must be in [1, {MAX_TOKENS_PER_RANK}]")
         require(self.layers >= 1, f"generator spec layers ({self.layers}) must be >= 1")
         if self.maxvio is not None:
             require(self.maxvio > 0, f"generator spec maxvio ({self.maxvio:g}) must be > 0")

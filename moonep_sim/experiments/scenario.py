@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.limits import MAX_TOKEN_PADDING
 from moonep_sim.experiments.results import (CompareResult, LayerPlans, PlansResult, ReplayResult, SimulateResult,
                                             SweepResult)
 from moonep_sim.experiments.routing import GeneratorSpec, RoutingSource, open_routing
@@ -148,7 +149,8 @@ class Scenario:
         from moonep_sim.strategies import PlanContext
 
         dtype = normalise_dtype(self.dispatch_dtype)
-        require(self.token_padding >= 1, f"token padding ({self.token_padding}) must be >= 1")
+        require(1 <= self.token_padding <= MAX_TOKEN_PADDING,
+                f"token padding ({self.token_padding}) must be in [1, {MAX_TOKEN_PADDING}]")
         require(self.placement in ("home", "round-robin"),
                 f"placement ({self.placement!r}) must be home or round-robin")
         strategies = strategy_list(self.strategies, self.options)

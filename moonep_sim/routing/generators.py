@@ -48,6 +48,7 @@ import numpy as np
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.routing.metrics import gini, maxvio as maxvio_of
 from moonep_sim.io import check_output_path
+from moonep_sim.limits import MAX_ELEMENTS, MAX_LAYERS, MAX_NUM_EXPERTS
 from moonep_sim.routing.trace import LayerRouting, TraceMeta, write_trace
 
 CHUNK_ELEMS = 1 << 22      # tokens per chunk = CHUNK_ELEMS // E (fixed: results never depend on the machine)
@@ -305,11 +306,12 @@ def generate(num_experts: int, top_k: int, tokens: int, seed: int, *, layers: in
     """
     spec = PopularitySpec(maxvio, sigma, zipf, hot, hot_share, uniform)
     E, K = int(num_experts), int(top_k)
-    require(E >= 1, f"num_experts ({E}) must be >= 1")
+    require(1 <= E <= MAX_NUM_EXPERTS, f"num_experts ({E}) must be in [1, {MAX_NUM_EXPERTS}]")
     require(1 <= K <= E, f"top_k ({K}) must be in [1, num_experts={E}]")
     require(tokens >= 1, f"tokens ({tokens}) must be >= 1")
-    require(layers >= 1, f"layers ({layers}) must be >= 1")
+    require(1 <= layers <= MAX_LAYERS, f"layers ({layers}) must be in [1, {MAX_LAYERS}]")
     require(steps >= 1, f"steps ({steps}) must be >= 1")
+    check_size(tokens, K, layers, steps)
     require(0.0 <= drift <= 1.0, f"drift ({drift}) must be in [0, 1]")
     require(0.0 <= layer_variation <= 1.0, f"layer_variation ({layer_variation}) must be in [0, 1]")
     spec.check(E, K)
@@ -364,6 +366,13 @@ def generate_layer(num_experts: int, top_k: int, tokens: int, seed: int, **popul
     ``uniform=True``; optionally ``groups=``, ``topk_groups=``.
     """
     return generate(num_experts, top_k, tokens, seed, **popularity).layer(0)
+
+
+def check_size(tokens: int, top_k: int, layers: int = 1, steps: int = 1) -> None:
+    """Refuse, before allocating, routing larger than :data:`moonep_sim.limits.MAX_ELEMENTS` ids."""
+    n = int(tokens) * int(top_k) * int(layers) * int(steps)
+    require(n <= MAX_ELEMENTS, f"tokens ({tokens}) x top_k ({top_k}) x layers ({layers}) x steps ({steps}) = {n} "
+                               f"expert ids must be <= {MAX_ELEMENTS} (the largest routing moonep-sim generates)")
 
 
 def generate_trace(path, num_experts: int, top_k: int, tokens: int, seed: int, *, model=None,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.limits import MAX_STALL_US
 
 STALL_PHASES = ("dispatch", "compute", "combine")
 LINKS = ("nic", "nvlink")
@@ -33,7 +34,8 @@ class SlowGPU:
 
     def __post_init__(self) -> None:
         require(self.rank >= 0, f"slow GPU rank ({self.rank}) must be >= 0")
-        require(self.factor > 0, f"slow GPU factor ({self.factor}) must be > 0: a speed factor, 0.5 = half speed")
+        require(0 < self.factor < float("inf"),
+                f"slow GPU factor ({self.factor}) must be finite and > 0: a speed factor, 0.5 = half speed")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class Stall:
 
     def __post_init__(self) -> None:
         require(self.rank >= 0, f"stall rank ({self.rank}) must be >= 0")
-        require(self.us >= 0, f"stall duration ({self.us}) must be >= 0 microseconds")
+        require(0 <= self.us <= MAX_STALL_US, f"stall duration ({self.us}) must be in [0, {MAX_STALL_US:g}] microseconds")
         require(self.phase in STALL_PHASES, f"stall phase ({self.phase!r}) must be one of {STALL_PHASES}")
 
 

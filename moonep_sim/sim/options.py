@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moonep_sim.errors import require
+from moonep_sim.limits import MAX_CHUNKS, MAX_JITTER_CV
 
 DEFAULT_TOL = 0.002
 
@@ -41,8 +42,9 @@ class SimOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "faults", tuple(self.faults or ()))
-        require(self.chunks >= 1, f"chunks ({self.chunks}) must be >= 1")
-        require(self.jitter >= 0, f"jitter ({self.jitter}) must be >= 0 (a coefficient of variation)")
+        require(1 <= self.chunks <= MAX_CHUNKS, f"chunks ({self.chunks}) must be in [1, {MAX_CHUNKS}]")
+        require(0 <= self.jitter <= MAX_JITTER_CV,
+                f"jitter ({self.jitter}) must be in [0, {MAX_JITTER_CV:g}] (a coefficient of variation)")
         require(0 <= self.tol < 0.2, f"tol ({self.tol}) must lie in [0, 0.2)")
         require(self.isolate in (None, "dispatch", "combine"),
                 f"isolate ({self.isolate!r}) must be None, 'dispatch' or 'combine'")

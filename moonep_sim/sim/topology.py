@@ -424,6 +424,8 @@ def load_topology(name_or_path: str | os.PathLike, gpus_per_node: int | None = N
         else:
             topo = topology_from_dict(tomllib.loads(presets[s].read_text()), f"preset {s}")
     elif s.endswith(".toml") or os.path.sep in s or Path(s).is_file():
+        if Path(s).exists() and not Path(s).is_file():
+            raise ConfigError(f"topology file ({s}) must be a regular file: it is not (a directory?)")
         topo = read_topology_file(s)
     else:
         raise ConfigError(f"topology ({s!r}) must be a preset ({', '.join(presets)}) or a .toml file")

@@ -15,15 +15,19 @@ the kept rows (drop without pad). There is no deduplication: each kept (token, k
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
+from moonep_sim.errors import require
+from moonep_sim.limits import MAX_ELEMENTS
 from moonep_sim.plan import GlobalRouting, Hop, Plan, Scope, assemble_plan, home_slots, stable_order
 from moonep_sim.strategies import Option, PlanContext, register
 
 # Notation: T tokens, K top-k, E experts, R ranks, S slots (home slots, one per expert),
 # N = T*K entries, M messages.
+
+
+MAX_CF = 1024.0  # a capacity factor beyond any use (E/K is already every token)
 
 
 def capacity_per_rank_R(tokens_per_rank_R: np.ndarray, top_k: int, num_experts: int, cf: float) -> np.ndarray:
@@ -113,8 +117,9 @@ def keep_mask_N(ids_N: np.ndarray, weights_N: np.ndarray, src_N: np.ndarray, cap
 
 @register("capacity", summary="capacity factor: at most ceil(s*K/E*cf) rows per (source rank, expert), "
                               "drop overflow, pad to capacity (Megatron drop-and-pad, GShard)",
-          options={"cf": Option(float, 1.0, "capacity factor (> 0)", check=lambda v: v > 0 and math.isfinite(v),
-                                constraint="must be > 0: the capacity factor scales the rows each expert takes"),
+          options={"cf": Option(float, 1.0, "capacity factor (> 0)", check=lambda v: 0 < v <= MAX_CF,
+                                constraint=f"must be in (0, {MAX_CF:g}]: the capacity factor scales the rows each "
+                                           "expert takes"),
                    "drop": Option(str, "weight", "drop policy: weight (lowest weight first) or position (latest first)",
                                   choices=("weight", "position")),
                    "pad": Option(bool, True, "send and compute zero rows up to capacity (static shapes)")})
@@ -124,6 +129,9 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     sr, se, slot_of = home_slots(ctx.placement)
     S = sr.size
     cap_R = capacity_per_rank_R(routing.tokens_per_rank_R, K, E, cf)
+    rows = int(cap_R.sum()) * E  # padded rows of the whole layer, before anything is allocated
+    require(rows <= MAX_ELEMENTS, f"option cf ({cf:g}) must give at most {MAX_ELEMENTS} padded rows per layer, "
+                                  f"found {rows} (strategy capacity)")
     ids = routing.topk_ids_TK.ravel()
     N = ids.size
     # group = (source rank, home slot): the same groups as (source rank, expert) -- one home slot

@@ -42,7 +42,7 @@ class Case:
     id: str
     group: str
     make: Callable[[Path], list[str]]
-    names: str
+    names: str  # a regular expression
     tags: tuple[str, ...] = field(default=())
 
     def build(self, indir: Path, outdir: Path) -> list[str]:
