@@ -165,10 +165,24 @@ def _array_option(v):
     if v is None or isinstance(v, np.ndarray):
         return v
     if isinstance(v, (str, Path)):
+        from moonep_sim.io import check_input_file
+
+        check_input_file(v, "history")  # a named pipe or a directory is refused before it is opened
         try:
-            return np.load(v, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"history ({str(v)!r}) must be a readable .npy file of loads [W, E]: {e}") from None
+            obj = np.load(v, allow_pickle=False)
+            if isinstance(obj, np.lib.npyio.NpzFile):
+                with obj:
+                    names = list(obj.files)
+                    if len(names) != 1:
+                        raise ConfigError(f"history ({str(v)!r}) must be a .npy file or an .npz holding one "
+                                          f"array of loads [W, E], found {len(names)} arrays {names[:4]}")
+                    obj = obj[names[0]]
+        except (OSError, ValueError, EOFError) as e:
+            raise ConfigError(f"history ({str(v)!r}) must be a readable .npy file of loads [W, E]: "
+                              f"{str(e).splitlines()[0][:120]}") from None
+        if obj.dtype.kind not in "iuf":
+            raise ConfigError(f"history ({str(v)!r}) must hold numeric loads [W, E], found dtype {obj.dtype}")
+        return obj
     return np.asarray(v)
 
 
@@ -200,6 +214,8 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, num_redundant: int, groups
     E, R = routing.num_experts, ctx.cluster.ranks
     if num_redundant < 0:
         num_redundant = default_redundant(E, R)
+    require(num_redundant <= E * R, f"option num_redundant ({num_redundant}) must be <= num_experts x ranks "
+                                    f"({E * R}): beyond that every rank already holds every expert")
     S = E + num_redundant
     require(S % R == 0, f"num_redundant ({num_redundant}) must make num_experts + num_redundant ({S}) "
                         f"divisible by ranks ({R}): every GPU holds the same number of slots")

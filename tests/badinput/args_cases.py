@@ -122,3 +122,37 @@ def argument_cases(Case) -> list:
             return list(argv)
         out.append(Case(key, "arguments", make, names))
     return out
+
+
+# eplb's history file and redundant slots
+EPLB = ["simulate", "--gen", GEN, "--strategy", "eplb", "--ranks", "2"]
+
+
+def _eplb_case(name: str, opt: str, setup, names: str):
+    def make(d: Path, opt=opt, setup=setup) -> list[str]:
+        setup(d)
+        return [*EPLB, "--opt", opt]
+    return (name, make, names)
+
+
+def _npz(d: Path, n: int) -> None:
+    np.savez(d / "h.npz", **{f"a{i}": np.ones((2, 8)) for i in range(n)})
+
+
+EPLB_CASES = [
+    _eplb_case("history-empty-npz", "history={in}/h.npz", lambda d: _npz(d, 0), "history"),
+    _eplb_case("history-two-arrays", "history={in}/h.npz", lambda d: _npz(d, 2), "history"),
+    _eplb_case("history-fifo", "history={in}/h.npy", lambda d: __import__("os").mkfifo(d / "h.npy"), "history"),
+    _eplb_case("history-dir", "history={in}", lambda d: None, "history"),
+    _eplb_case("history-text", "history={in}/h.npy", lambda d: (d / "h.npy").write_text("1,2,3"), "history"),
+    _eplb_case("history-shape", "history={in}/h.npy", lambda d: np.save(d / "h.npy", np.ones(3)), "history"),
+    _eplb_case("num-redundant-1e9", "num_redundant=1000000000", lambda d: None, "num_redundant"),
+    _eplb_case("num-redundant-negative", "num_redundant=-5", lambda d: None, "num_redundant"),
+    _eplb_case("groups-negative", "groups=-1", lambda d: None, "groups"),
+]
+
+_argument_cases = argument_cases
+
+
+def argument_cases(Case) -> list:  # noqa: F811 -- the table's cases, then eplb's
+    return _argument_cases(Case) + [Case(f"args-eplb-{n}", "arguments", mk, names) for n, mk, names in EPLB_CASES]
