@@ -39,7 +39,7 @@ def test_bad_input_exits_2_with_the_ranks_one_line(trace, tmp_path, case):
             "layer_range": ["--trace", trace, "--layers", "0,7"],
             "bad_strategy": ["--trace", trace, "--strategy", "nope"],
             "json_dir": ["--trace", trace, "--json", tmp_path]}[case]
-    want = {"missing_trace": "nope.safetensors", "bad_layers": "--layers ('a')", "layer_range": "--layers entry (7)",
+    want = {"missing_trace": "nope.safetensors", "bad_layers": "--layers ('a')", "layer_range": "layer (7) must be one of the trace's layers",
             "bad_strategy": "strategy ('nope')", "json_dir": "--json ("}[case]
     p = _replay("--nproc", 2, *args, "--iters", 1, "--warmup", 0, "--hidden", 8, "--ffn", 8)
     lines = p.stderr.strip().splitlines()
