@@ -52,33 +52,36 @@ def _desc_weight_key_N(weights_N: np.ndarray) -> np.ndarray:
     return key
 
 
-def _keep_heaviest_A(group_N: np.ndarray, A_N: np.ndarray, cnt_G: np.ndarray, cap_G: np.ndarray,
+def _keep_heaviest_A(A_N: np.ndarray, cnt_G: np.ndarray, cap_G: np.ndarray,
                      weights_N: np.ndarray) -> np.ndarray:
     """bool [N], in the order ``A_N`` (entries sorted stably by group): whether each entry is among
     the ``cap_G`` heaviest of its group (ties: earlier entry first) -- :func:`keep_mask_N`'s
     ``drop=weight`` without a sort of the entries by weight.
 
-    One value sort of ``group << 32 | weight key`` (fast: no permutation to carry) gives each
-    group's threshold, the cap-th heaviest weight; an entry stays if it is heavier, or if it ties
+    One value sort of ``group << 32 | weight key`` over the groups above capacity (fast: no
+    permutation to carry) gives each group's threshold, the cap-th heaviest weight; an entry stays if it is heavier, or if it ties
     the threshold and is among the first ties (in entry order) still within the capacity.
     """
     wkey = _desc_weight_key_N(weights_N)  # ascending = heaviest first
-    packed = group_N << 32
-    packed |= wkey
-    packed.sort()
+    w_A = wkey[A_N]
+    del wkey
     start_G = np.cumsum(cnt_G) - cnt_G
     over = (cnt_G > cap_G) & (cap_G > 0)
     thr_G = np.full(cnt_G.size, 0xFFFFFFFF, dtype=np.int64)  # groups within capacity keep all
-    thr_G[over] = packed[start_G[over] + cap_G[over] - 1] & 0xFFFFFFFF
+    if over.any():  # only the entries of groups over capacity are sorted (A_N keeps groups contiguous)
+        cnt_O = cnt_G[over]
+        packed = np.repeat(np.arange(cnt_O.size, dtype=np.int64) << 32, cnt_O)
+        packed |= w_A[np.repeat(over, cnt_G)]
+        packed.sort()
+        thr_G[over] = packed[np.cumsum(cnt_O) - cnt_O + cap_G[over] - 1] & 0xFFFFFFFF
+        del packed
     thr_G[(cnt_G > cap_G) & (cap_G <= 0)] = 0  # no capacity: only ties of key 0 compete, for 0 places
-    del packed
-    w_A = wkey[A_N].astype(np.int64)
-    del wkey
-    thr_A = np.repeat(thr_G, cnt_G)
+    thr_A = np.repeat(thr_G.astype(np.uint32), cnt_G)
     less = w_A < thr_A
     eq = w_A == thr_A
     del w_A, thr_A
-    c_less = np.concatenate([[0], np.cumsum(less.view(np.uint8), dtype=np.int64)])
+    c_less = np.zeros(less.size + 1, dtype=np.int64)
+    np.cumsum(less.view(np.uint8), dtype=np.int64, out=c_less[1:])
     n_less_G = c_less[start_G + cnt_G] - c_less[start_G]  # entries heavier than the threshold
     del c_less
     c_eq = np.cumsum(eq.view(np.uint8), dtype=np.int64)  # running count of ties, through each entry
@@ -109,7 +112,7 @@ def keep_mask_N(ids_N: np.ndarray, weights_N: np.ndarray, src_N: np.ndarray, cap
     cap_G = np.repeat(cap_R, num_experts)
     keep = np.empty(n, dtype=bool)
     if drop == "weight":
-        keep[A] = _keep_heaviest_A(group, A, cnt, cap_G, weights_N)
+        keep[A] = _keep_heaviest_A(A, cnt, cap_G, weights_N)
     else:  # the sorted entries of group g sit at [start_g, start_g + cnt_g); the first cap_g stay
         keep[A] = np.arange(n, dtype=np.int64) < np.repeat(np.cumsum(cnt) - cnt + cap_G, cnt)
     return keep
@@ -144,7 +147,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     cap_G = np.repeat(cap_R, S)
     start_G = np.cumsum(cnt_G) - cnt_G
     if drop == "weight":  # keep the cap_G heaviest of each group (ties: earlier entry first)
-        keep_A = _keep_heaviest_A(group, A, cnt_G, cap_G, routing.topk_weights_TK.ravel())
+        keep_A = _keep_heaviest_A(A, cnt_G, cap_G, routing.topk_weights_TK.ravel())
         keep = np.empty(N, dtype=bool)
         keep[A] = keep_A
     else:  # keep the first cap_G of each group in entry order
