@@ -76,7 +76,7 @@ def _route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.nda
 
 def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray,
                        gid_N: np.ndarray | None, ranks: int, scope: str, dup_N: int | None = None,
-                       kept_N: np.ndarray | None = None):
+                       kept_N: np.ndarray | None = None, src_sorted: bool = False, gid_shift: int = -1):
     """:func:`route_hop` for entries in entry order whose messages have one source each.
 
     Requires ``gid_N`` non-decreasing (None: every entry its own message) and entries with equal
@@ -87,14 +87,37 @@ def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N
     Returns (hop, dst_row_N), and with ``dup_N`` (the number of all entries) a third item: bool
     [dup_N] flags of the entries (``kept_N[i]`` for entry i, or i itself) that are not the first
     of their message.
+
+    ``src_sorted``: the caller knows ``src_rank_N`` is non-decreasing (a hop leaving the tokens'
+    own ranks); with R <= 256 each source's run is then sorted by destination with a one-byte
+    radix sort (the same permutation). ``gid_shift`` >= 0: the caller knows ``gid_N[i] == i >>
+    gid_shift`` (token of entry i, all entries kept, K a power of two), which saves a gather.
     """
     n, R = dst_rank_N.size, int(ranks)
-    key = src_rank_N * R
-    key += dst_rank_N
-    order = stable_order(key, R * R)
-    ecnt = np.bincount(key, minlength=R * R)  # entries per (src, dst) block, src-major
+    if src_sorted and R <= 256:
+        order = np.empty(n, dtype=np.int64)
+        ecnt_RR = np.zeros((R, R), dtype=np.int64)
+        bound = np.searchsorted(src_rank_N, np.arange(R + 1))
+        for r in range(R):  # loop over source ranks, not entries
+            lo, hi = int(bound[r]), int(bound[r + 1])
+            if hi > lo:
+                d8 = dst_rank_N[lo:hi].astype(np.uint8)
+                ecnt_RR[r] = np.bincount(d8, minlength=R)
+                np.add(np.argsort(d8, kind="stable"), lo, out=order[lo:hi])
+        ecnt = ecnt_RR.ravel()
+        key = None
+    else:
+        key = src_rank_N * R
+        key += dst_rank_N
+        order = stable_order(key, R * R)
+        ecnt = np.bincount(key, minlength=R * R)  # entries per (src, dst) block, src-major
     if gid_N is not None and n:
-        gs = np.take(gid_N, order, out=key, mode="clip")  # (reuses key's memory; order is in range)
+        if gid_shift >= 0:
+            gs = order >> gid_shift
+        elif key is None:
+            gs = np.take(gid_N, order)
+        else:
+            gs = np.take(gid_N, order, out=key, mode="clip")  # (reuses key's memory; order is in range)
         first = np.empty(n, dtype=bool)
         first[0] = True
         np.not_equal(gs[1:], gs[:-1], out=first[1:])
@@ -296,6 +319,8 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
     pos = [src] + mids + [dst]
     del mids
     n_kept = N if all_kept else kept.size
+    src_sorted = bool(src_T.size < 2 or (np.diff(src_T) >= 0).all())  # tokens in rank order (as usual)
+    shift = K1.bit_length() - 1 if all_kept and K1 & (K1 - 1) == 0 else -1  # tok[i] == i >> shift
     entry_rank = pos[H] if all_kept else np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
     entry_dup = None
     hops = []
@@ -303,19 +328,20 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
         if h == 0 or not dedup[h]:
             # hop 0 leaves each token's own rank; without dedup every entry is its own message: either
             # way each message has one source, and one (src, dst) radix sort orders the hop
-            hop, row = _route_hop_grouped(pos[h], row, pos[h + 1], tok if dedup[h] else None, R, scopes[h])
+            hop, row = _route_hop_grouped(pos[h], row, pos[h + 1], tok if dedup[h] else None, R, scopes[h],
+                                          src_sorted=h == 0 and src_sorted, gid_shift=shift)
         else:
             hop = None
             if h == H - 1 and via_table:
                 # the hop's source is via[s, d]: one per (token, final rank), so messages group as
                 # (src, dst, token) and the entries after the first of each are the duplicates
                 hop, row, entry_dup = _route_hop_grouped(pos[h], row, pos[h + 1], tok, R, scopes[h],
-                                                         dup_N=N, kept_N=kept)
+                                                         dup_N=N, kept_N=kept, gid_shift=shift)
             elif h == H - 1:
                 # the last hop's messages are (token, final rank) pairs, one per non-duplicate entry;
                 # the grouped form is exact when it finds that many (no message with two sources)
                 entry_dup = dup_flags(entry_rank, K)
-                hop2, row2 = _route_hop_grouped(pos[h], row, pos[h + 1], tok, R, scopes[h])
+                hop2, row2 = _route_hop_grouped(pos[h], row, pos[h + 1], tok, R, scopes[h], gid_shift=shift)
                 if hop2.src_rank_M.size == n_kept - int(np.count_nonzero(entry_dup)):
                     hop, row = hop2, row2
                 del hop2, row2
