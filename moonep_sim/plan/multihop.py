@@ -186,11 +186,18 @@ def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
         dup_TK = dup.reshape(-1, K)
         seen = np.zeros(rank_TK.shape[0], dtype=np.uint64)
         one = np.uint64(1)
+        any_drop = bool(entry_rank_N.min() < 0)
+        bit = np.empty(rank_TK.shape[0], dtype=np.uint64)
+        hit = np.empty(rank_TK.shape[0], dtype=np.uint64)
         for k in range(K):  # loop over top-k slots, not tokens
             col = rank_TK[:, k]
-            bit = np.left_shift(one, np.maximum(col, 0).astype(np.uint64))
-            bit[col < 0] = 0  # dropped entries are never duplicates and mark nothing
-            np.not_equal(seen & bit, 0, out=dup_TK[:, k])
+            if any_drop:
+                np.left_shift(one, np.maximum(col, 0).astype(np.uint64), out=bit)
+                bit[col < 0] = 0  # dropped entries are never duplicates and mark nothing
+            else:
+                np.left_shift(one, col.astype(np.uint64), out=bit)
+            np.bitwise_and(seen, bit, out=hit)
+            np.not_equal(hit, 0, out=dup_TK[:, k])
             seen |= bit
         return dup
     if entry_rank_N.min() >= 0:
