@@ -274,9 +274,9 @@ def block_messages(cnt: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray, np.
 def final_rows(lay: SlotLayout, kept_sorted: np.ndarray, entry_buf_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(row_entry_W, expand_src_row_W) from the layout ``lay``, the kept entries in slot order
     (``lay.order_N[lay.n_drop:]``) and each entry's row (int64 [N]) in the last hop's buffer;
-    padding rows get -1."""
+    padding rows get -1. Without padding rows, row_entry_W is ``kept_sorted`` itself (no copy)."""
     if lay.grow_K is None:  # no padding rows: the final rows are the slot-sorted kept entries
-        return kept_sorted.copy(), entry_buf_row[kept_sorted]
+        return kept_sorted, entry_buf_row[kept_sorted]
     W = int(lay.rows_R.sum())
     row_entry = np.full(W, -1, dtype=np.int64)
     expand = np.full(W, -1, dtype=np.int64)
