@@ -232,3 +232,19 @@ def test_costaware_prices_with_the_topology_rates():
     home = np.arange(64) // 4
     n = lambda a: int(((a > 0) & (home[:, None] != np.arange(16)[None, :])).sum())  # noqa: E731
     assert n(a_slow) < n(a_fast)
+
+
+@settings(max_examples=30, deadline=None)
+@given(counts_st, st.integers(0, 2), st.integers(0, 2 ** 16))
+def test_costaware_split_entry_slots_equal_moonep_layout(case, ti, seed):
+    """The sparse entry-to-slot assignment (only split experts sorted) equals moonep's full one."""
+    from moonep_sim.strategies.costaware import split_entry_slots
+    from moonep_sim.strategies.moonep import copy_slots, entry_slots
+
+    R, epn, raw = case
+    c = _counts(R, epn, raw)
+    load = c.reshape(R, epn).sum(axis=1)
+    alloc = target_alloc(c, R, R, int(np.ceil(load.mean())) + ti * 50, True)
+    ids = np.random.default_rng(seed).permutation(np.repeat(np.arange(c.size), c))
+    sr, se, _ = copy_slots(alloc, epn)
+    np.testing.assert_array_equal(split_entry_slots(ids, alloc, sr, se), entry_slots(ids, alloc, sr, se))

@@ -73,7 +73,9 @@ from moonep_sim.plan import GlobalRouting, Plan, Scope, plan_from_routes
 from moonep_sim.plan.kernel import KernelSpec
 from moonep_sim.strategies import Option, PlanContext, register
 from moonep_sim.strategies.llep import plan_from_alloc, require_home_groups
-from moonep_sim.strategies.moonep import capacity_split, copy_slots, entry_slots, greedy_quotas, split_quotas
+from moonep_sim.errors import PlanError
+from moonep_sim.plan import stable_order
+from moonep_sim.strategies.moonep import capacity_split, copy_slots, greedy_quotas, split_quotas
 
 MODES = ("forward", "training")
 
@@ -332,6 +334,37 @@ def costaware_assign(counts_E: np.ndarray, ranks: int, gpus_per_node: int, model
                   "estimate_exact_us": model.estimate_us(exact, epn) if exact is not None else est_none}
 
 
+def split_entry_slots(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.ndarray,
+                      slot_expert_S: np.ndarray) -> np.ndarray:
+    """int64 [N] slot of each entry, the same as :func:`moonep_sim.strategies.moonep.entry_slots`
+    (an expert's entries in global order cut into pieces of ``alloc[e, 0], alloc[e, 1], ...``),
+    but sorting only the entries of experts that are split over several ranks: the others take
+    their one slot by a gather. A planner with a few copies sorts a few percent of the entries."""
+    E, R = alloc_ER.shape
+    slot_of_ER = np.full((E, R), -1, dtype=np.int64)
+    slot_of_ER[slot_expert_S, slot_rank_S] = np.arange(slot_rank_S.size, dtype=np.int64)
+    has = alloc_ER > 0
+    first_E = slot_of_ER[np.arange(E), np.argmax(has, axis=1)]  # an unused expert: its first slot
+    out = first_E[ids_N]
+    split_E = has.sum(axis=1) > 1
+    if not split_E.any():
+        return out
+    sel = np.flatnonzero(split_E[ids_N])  # entries of split experts, in entry (global) order
+    sid_E = np.cumsum(split_E) - 1
+    key = sid_E[ids_N[sel]]
+    n_split = int(split_E.sum())
+    o = stable_order(key, n_split)  # by expert, global order kept within each
+    cnt = np.bincount(key, minlength=n_split)
+    pos = np.arange(sel.size, dtype=np.int64)  # position in the experts' concatenated runs
+    bounds = np.cumsum(alloc_ER[split_E].ravel())  # piece ends, expert-major then rank order
+    flat = np.searchsorted(bounds, pos, side="right")  # the piece (expert j, rank r) holding it
+    experts = np.flatnonzero(split_E)
+    if int(cnt.sum()) != int(bounds[-1]):
+        raise PlanError("split experts' entries must match their allocation (internal error)")
+    out[sel[o]] = slot_of_ER[experts[flat // R], flat % R]
+    return out
+
+
 def _why(info: dict, residual: float) -> str:
     n, x, b = info["estimate_no_copy_us"], info["estimate_exact_us"], info["estimate_us"]
     if info["kind"] == "none":
@@ -386,7 +419,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, sms: int, mode: str, min_g
         return plan_from_alloc(routing, ctx, alloc, epn, True, options=opts, kernel=KernelSpec(sms=sms_used))
     ids = routing.topk_ids_TK
     if copies.any():
-        entry_slot = entry_slots(ids.ravel(), alloc, slot_rank, slot_expert).reshape(ids.shape)
+        entry_slot = split_entry_slots(ids.ravel(), alloc, slot_rank, slot_expert).reshape(ids.shape)
     else:  # no copy: every entry at its expert's home slot (slots are the experts in order)
         entry_slot = ids
     rank = np.arange(R, dtype=np.int64)
