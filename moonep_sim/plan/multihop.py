@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from moonep_sim.errors import PlanError
-from moonep_sim.plan.build import block_messages, final_rows, slot_layout
+from moonep_sim.plan.build import block_messages, final_rows, slot_layout, sorted_layout
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.order import stable_order
 from moonep_sim.plan.placement import ClusterShape
@@ -223,7 +223,8 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
                   entry_buf_row_N: np.ndarray, entry_dup_N: np.ndarray, *, token_padding: int = 1,
                   min_rows_S: np.ndarray | None = None, pad_slot_P: np.ndarray | None = None,
                   pad_buf_row_P: np.ndarray | None = None, capacity_R: np.ndarray | None = None,
-                  options: dict[str, Any] | None = None, **extra) -> Plan:
+                  options: dict[str, Any] | None = None,
+                  slot_order: tuple[np.ndarray, int, np.ndarray] | None = None, **extra) -> Plan:
     """A Plan from explicit hops and each entry's row in the last hop's buffer.
 
     slot_rank_S / slot_expert_S / slot_home_S: int64 [S] the slots, sorted by rank.
@@ -235,6 +236,9 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     with ``src_row == -1``) and are computed by slot ``pad_slot_P[p]``: they fill that slot's
     padding rows in order; padding rows beyond them read the local zero row (-1).
     options: what the planner reports (``make_plan`` overlays them on the parsed options).
+    slot_order: optional ``(order_N, n_drop, slot_rows_S)`` for a planner that knows the entries'
+    (slot, entry) order, dropped first (what :func:`~moonep_sim.plan.build.slot_sort` returns of
+    ``entry_slot_N``): it saves that sort.
     """
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
@@ -242,7 +246,11 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     entry_slot = np.asarray(entry_slot_N, dtype=np.int64).ravel()
     entry_buf_row = np.asarray(entry_buf_row_N, dtype=np.int64)
     # entries sorted by (slot, entry), dropped first: the final rows in order (see plan.layout_slots)
-    lay = slot_layout(entry_slot, slot_rank_S, token_padding, min_rows_S, R)
+    if slot_order is None:
+        lay = slot_layout(entry_slot, slot_rank_S, token_padding, min_rows_S, R)
+    else:
+        lay = sorted_layout(slot_order[0], int(slot_order[1]), np.asarray(slot_order[2], dtype=np.int64),
+                            slot_rank_S, token_padding, min_rows_S, R)
     slot_rows, padded, offset, entry_row = lay.slot_rows_S, lay.slot_padded_S, lay.slot_offset_S, lay.entry_row_N
     kept_sorted = lay.order_N[lay.n_drop:]
     if lay.n_drop:

@@ -161,6 +161,18 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     del A, keep_A
     kc_G = np.minimum(cnt_G, cap_G)  # kept rows per (src, slot) block
     per_rs = kc_G.reshape(R, S)
+    # the layout's (slot, entry) order, dropped entries first: the kept entries are ke with its
+    # (src, slot) blocks moved to (slot, src) order (tokens are in rank order), no sort needed
+    n_kept = ke.size
+    order_N = np.empty(N, dtype=np.int64)
+    order_N[:N - n_kept] = np.flatnonzero(entry_slot < 0)
+    kc_SR = np.ascontiguousarray(per_rs.T)
+    to_SR = np.cumsum(kc_SR.ravel()) - kc_SR.ravel()  # block start in (slot, src) order
+    move = np.repeat(to_SR.reshape(S, R).T.ravel() - (np.cumsum(kc_G) - kc_G), kc_G)
+    move += np.arange(n_kept, dtype=np.int64)
+    order_N[N - n_kept:][move] = ke
+    del move
+    slot_order = (order_N, N - n_kept, kc_SR.sum(axis=1))
     # receive buffer on each destination: blocks (src rank, slot in rank order), each C_src rows when
     # padding (kept rows first, zero rows after), or only the kept rows without padding
     block_RS = np.broadcast_to(cap_R[:, None], (R, S)) if pad else per_rs
@@ -212,4 +224,5 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     return assemble_plan(routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [hop], entry_buf_row,
                          np.zeros(T * K, dtype=bool), token_padding=tp,
                          min_rows_S=slot_cap if pad else None, pad_slot_P=pad_slot, pad_buf_row_P=pad_row,
-                         capacity_R=capacity_R, options={"capacity_per_source_rank": int(cap_R.max()) if R else 0})
+                         capacity_R=capacity_R, options={"capacity_per_source_rank": int(cap_R.max()) if R else 0},
+                         slot_order=slot_order)
