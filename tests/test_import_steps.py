@@ -91,8 +91,19 @@ def make_log(seed, *, E=16, K=2, layer_ids=(0, 1), passes=4, positions="restart"
                 else:
                     want.append((pi, req, pos, li, ids_l[li][j], w_l[li][j]))
     if missing and L > 1:         # remove records of real tokens: those tokens miss a layer, are dropped
+        # a pass keeps at least one record of every layer: a pass that lost a whole layer leaves no
+        # boundary in a log without a step field (documented in docs/traces.md)
         real_idx = [i for i, t in enumerate(tok_of) if t[0] == "real"]
-        drop = set(rng.choice(real_idx, size=min(missing, len(real_idx)), replace=False).tolist())
+        left = {}
+        for i in real_idx:
+            key = (tok_of[i][1], recs[i][names["layer"]])
+            left[key] = left.get(key, 0) + 1
+        drop = set()
+        for i in rng.permutation(real_idx).tolist():
+            key = (tok_of[i][1], recs[i][names["layer"]])
+            if len(drop) < missing and left[key] > 1:
+                left[key] -= 1
+                drop.add(i)
         removed = {tok_of[i][1:] for i in drop}
         recs = [r for i, r in enumerate(recs) if i not in drop]
         want = [x for x in want if (x[0], x[1], x[2]) not in removed]
