@@ -399,16 +399,20 @@ def ref_choose_replicas(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_expert
 
 
 def ref_eplb(routing: GlobalRouting, ctx: PlanContext, **opts) -> Plan:
-    """eplb's planning body was not rewritten, only its replica choice: run the module's own body
-    with the reference choice swapped in."""
+    """eplb's planning body was not rewritten, only its replica choice and the entries' slot order:
+    run the module's own body with the reference choice (and a plain stable sort) swapped in."""
     import moonep_sim.strategies.eplb as eplb_mod
 
-    fast = eplb_mod.choose_replicas
-    eplb_mod.choose_replicas = ref_choose_replicas
+    def ref_ordered(ids_N, slot_expert_S, num_experts, choice):
+        slot = ref_choose_replicas(ids_N, slot_expert_S, num_experts, choice)
+        return slot, np.argsort(slot, kind="stable"), np.bincount(slot, minlength=slot_expert_S.size)
+
+    fast = eplb_mod.choose_replicas_ordered
+    eplb_mod.choose_replicas_ordered = ref_ordered
     try:
         return make_plan("eplb", routing, ctx, **opts)  # the registry stamps name, options and time
     finally:
-        eplb_mod.choose_replicas = fast
+        eplb_mod.choose_replicas_ordered = fast
 
 
 # ==================================================================================================

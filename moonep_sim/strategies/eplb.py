@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from moonep_sim.errors import ConfigError, require
-from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, plan_from_slots, stable_order
+from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, plan_from_order, stable_order
 from moonep_sim.strategies import Option, PlanContext, make_plan, register
 
 # Notation: E experts, R ranks (GPUs), G GPUs per node, S slots (physical experts, E + redundant),
@@ -142,7 +142,18 @@ def balancedness(load_R: np.ndarray) -> float:
 def choose_replicas(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_experts: int, choice: str) -> np.ndarray:
     """int64 [N]: the slot each entry uses. The j-th entry of expert e in global order takes
     replica ``j % c_e`` (round_robin) or ``j * c_e // n_e`` (contiguous: equal consecutive shares)."""
+    return choose_replicas_ordered(ids_N, slot_expert_S, num_experts, choice)[0]
+
+
+def choose_replicas_ordered(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_experts: int,
+                            choice: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(entry_slot_N, order_N, slot_rows_S): :func:`choose_replicas`, plus the entries sorted by
+    (slot, entry) and the entries of each slot -- what ``slot_sort`` would return, without a sort:
+    a slot's entries are those of its expert with one replica index, in global order, so the
+    j-th entry of expert e sits at row ``j // c_e`` (round_robin) or ``j - ceil(r * n_e / c_e)``
+    (contiguous, r its replica) of its slot."""
     E = num_experts
+    S = slot_expert_S.size
     rep = np.argsort(slot_expert_S, kind="stable")  # slots grouped by expert, in slot order
     c = np.bincount(slot_expert_S, minlength=E)
     c_start = np.cumsum(c) - c
@@ -151,13 +162,25 @@ def choose_replicas(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_experts: i
     j = np.empty(ids_N.size, dtype=np.int64)
     j[order] = np.arange(ids_N.size, dtype=np.int64) - np.repeat(np.cumsum(n_e) - n_e, n_e)
     del order
+    c_N = c[ids_N]
     if choice == "round_robin":
-        r = j % c[ids_N]
+        r = j % c_N
+        pos = j // c_N
     elif choice == "contiguous":
-        r = j * c[ids_N] // np.maximum(n_e[ids_N], 1)
+        n_N = np.maximum(n_e[ids_N], 1)
+        r = j * c_N // n_N
+        pos = j - (r * n_N + c_N - 1) // c_N
+        del n_N
     else:
         raise ConfigError(f"choice ({choice!r}) must be 'round_robin' or 'contiguous'")
-    return rep[c_start[ids_N] + r]
+    del j, c_N
+    entry_slot = rep[c_start[ids_N] + r]
+    del r
+    slot_rows = np.bincount(entry_slot, minlength=S).astype(np.int64)
+    pos += (np.cumsum(slot_rows) - slot_rows)[entry_slot]
+    order_N = np.empty(ids_N.size, dtype=np.int64)
+    order_N[pos] = np.arange(ids_N.size, dtype=np.int64)
+    return entry_slot, order_N, slot_rows
 
 
 def _array_option(v):
@@ -240,14 +263,14 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, num_redundant: int, groups
                 f"previous placement ({prev.size} slots) must list experts in [0, {E}), a multiple of ranks ({R})")
         old_r, old_e = np.repeat(np.arange(R, dtype=np.int64), prev.size // R), prev
     mx, ms, md = migrations(old_r, old_e, slot_rank, slot_expert, E, ctx.cluster)
-    entry_slot = choose_replicas(routing.topk_ids_TK.ravel(), slot_expert, E, choice)
+    entry_slot, order, slot_rows = choose_replicas_ordered(routing.topk_ids_TK.ravel(), slot_expert, E, choice)
+    del entry_slot  # (the slot of each entry is implied by the order and the slots' rows)
     opts = {"num_redundant": num_redundant, "groups": num_groups, "policy": policy, "load_source": source,
             "planned_balancedness": balancedness(np.bincount(slot_rank, weights=load[slot_expert]
                                                              / np.bincount(slot_expert, minlength=E)[slot_expert],
                                                              minlength=R))}
-    return plan_from_slots(routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_rank,
-                           entry_slot.reshape(routing.topk_ids_TK.shape), dedup=dedup,
-                           token_padding=ctx.token_padding, options=opts,
+    return plan_from_order(routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_rank, order, 0, slot_rows,
+                           dedup=dedup, token_padding=ctx.token_padding, options=opts,
                            migrate_expert_X=mx, migrate_src_X=ms, migrate_dst_X=md)
 
 
