@@ -130,10 +130,15 @@ def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N
         cnt = np.diff(np.concatenate([[0], m_at])).astype(np.int64)
         lead = order[first]
         if dup_N is not None:
-            dup = np.zeros(dup_N, dtype=bool)
-            later = order[~first]
-            dup[later if kept_N is None else kept_N[later]] = True
-            del later
+            np.logical_not(first, out=first)  # now: later entries of a message
+            if kept_N is None and dup_N == n:  # order is a permutation of every entry
+                dup = np.empty(n, dtype=bool)
+                dup[order] = first
+            else:
+                dup = np.zeros(dup_N, dtype=bool)
+                later = order[first]
+                dup[later if kept_N is None else kept_N[later]] = True
+                del later
         del first
     else:
         del key
@@ -147,7 +152,7 @@ def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N
         dst_row[order] = m_row
     else:
         mcum -= 1
-        dst_row[order] = m_row[mcum]
+        dst_row[order] = np.take(m_row, mcum, out=mcum)  # (in place: element i reads mcum[i] first)
     return (hop, dst_row) if dup_N is None else (hop, dst_row, dup)
 
 
