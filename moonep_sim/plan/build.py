@@ -271,17 +271,21 @@ def block_messages(cnt: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray, np.
     return np.repeat(blocks // R, cnt), np.repeat(blocks % R, cnt), row, per_dst
 
 
-def final_rows(lay: SlotLayout, kept_sorted: np.ndarray, entry_buf_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def final_rows(lay: SlotLayout, kept_sorted: np.ndarray, entry_buf_row: np.ndarray | None,
+               kept_buf_row: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(row_entry_W, expand_src_row_W) from the layout ``lay``, the kept entries in slot order
-    (``lay.order_N[lay.n_drop:]``) and each entry's row (int64 [N]) in the last hop's buffer;
+    (``lay.order_N[lay.n_drop:]``) and each entry's row (int64 [N]) in the last hop's buffer
+    (or ``kept_buf_row``: those rows of the kept entries in slot order, when the caller has them);
     padding rows get -1. Without padding rows, row_entry_W is ``kept_sorted`` itself (no copy)."""
+    if kept_buf_row is None:
+        kept_buf_row = entry_buf_row[kept_sorted]
     if lay.grow_K is None:  # no padding rows: the final rows are the slot-sorted kept entries
-        return kept_sorted, entry_buf_row[kept_sorted]
+        return kept_sorted, kept_buf_row
     W = int(lay.rows_R.sum())
     row_entry = np.full(W, -1, dtype=np.int64)
     expand = np.full(W, -1, dtype=np.int64)
     row_entry[lay.grow_K] = kept_sorted
-    expand[lay.grow_K] = entry_buf_row[kept_sorted]
+    expand[lay.grow_K] = kept_buf_row
     return row_entry, expand
 
 

@@ -225,11 +225,11 @@ def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
 
 def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
                   slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_N: np.ndarray, hops: Sequence[Hop],
-                  entry_buf_row_N: np.ndarray, entry_dup_N: np.ndarray, *, token_padding: int = 1,
+                  entry_buf_row_N: np.ndarray | None, entry_dup_N: np.ndarray, *, token_padding: int = 1,
                   min_rows_S: np.ndarray | None = None, pad_slot_P: np.ndarray | None = None,
                   pad_buf_row_P: np.ndarray | None = None, capacity_R: np.ndarray | None = None,
                   options: dict[str, Any] | None = None,
-                  slot_order: tuple[np.ndarray, int, np.ndarray] | None = None, **extra) -> Plan:
+                  slot_order: tuple | None = None, **extra) -> Plan:
     """A Plan from explicit hops and each entry's row in the last hop's buffer.
 
     slot_rank_S / slot_expert_S / slot_home_S: int64 [S] the slots, sorted by rank.
@@ -243,13 +243,17 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     options: what the planner reports (``make_plan`` overlays them on the parsed options).
     slot_order: optional ``(order_N, n_drop, slot_rows_S)`` for a planner that knows the entries'
     (slot, entry) order, dropped first (what :func:`~moonep_sim.plan.build.slot_sort` returns of
-    ``entry_slot_N``): it saves that sort.
+    ``entry_slot_N``): it saves that sort. A fourth item, int64 [N - n_drop] the last-buffer row of
+    each kept entry in that order, may stand in for ``entry_buf_row_N`` (then None).
     """
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
     entry_slot = np.asarray(entry_slot_N, dtype=np.int64).ravel()
-    entry_buf_row = np.asarray(entry_buf_row_N, dtype=np.int64)
+    kept_buf_row = None if slot_order is None or len(slot_order) < 4 else np.asarray(slot_order[3], dtype=np.int64)
+    if entry_buf_row_N is None and kept_buf_row is None:
+        raise PlanError("entry_buf_row_N (None) must be given unless slot_order carries the kept entries' rows")
+    entry_buf_row = None if entry_buf_row_N is None else np.asarray(entry_buf_row_N, dtype=np.int64)
     # entries sorted by (slot, entry), dropped first: the final rows in order (see plan.layout_slots)
     if slot_order is None:
         lay = slot_layout(entry_slot, slot_rank_S, token_padding, min_rows_S, R)
@@ -263,7 +267,7 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     else:
         entry_rank = slot_rank_S[entry_slot]
     row_off = np.concatenate([[0], np.cumsum(lay.rows_R)])
-    row_entry, expand = final_rows(lay, kept_sorted, entry_buf_row)
+    row_entry, expand = final_rows(lay, kept_sorted, entry_buf_row, kept_buf_row)
     del lay, kept_sorted
     if pad_slot_P is not None and len(pad_slot_P):
         ps = np.asarray(pad_slot_P, dtype=np.int64)

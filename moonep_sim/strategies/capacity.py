@@ -171,8 +171,6 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     move = np.repeat(to_SR.reshape(S, R).T.ravel() - (np.cumsum(kc_G) - kc_G), kc_G)
     move += np.arange(n_kept, dtype=np.int64)
     order_N[N - n_kept:][move] = ke
-    del move
-    slot_order = (order_N, N - n_kept, kc_SR.sum(axis=1))
     # receive buffer on each destination: blocks (src rank, slot in rank order), each C_src rows when
     # padding (kept rows first, zero rows after), or only the kept rows without padding
     block_RS = np.broadcast_to(cap_R[:, None], (R, S)) if pad else per_rs
@@ -200,20 +198,20 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     K1 = max(K, 1)
     k_row = ke >> (K1.bit_length() - 1) if K1 & (K1 - 1) == 0 else ke // K1
     k_row -= np.repeat(routing.tok_off_R()[:-1], per_rs.sum(axis=1))
-    entry_buf_row = np.full(T * K, -1, dtype=np.int64)
+    buf_row_K = np.empty(n_kept, dtype=np.int64)  # receive row of each kept entry, in layout order
     pad_slot = pad_row = np.zeros(0, np.int64)
     if pad:  # each block: its kept rows, then C_src - kept zero rows (src_row -1)
         is_kept_M = np.arange(M, dtype=np.int64) < np.repeat(m_start + kc_G, blk_len)
         m_srow = np.full(M, -1, dtype=np.int64)
         m_srow[is_kept_M] = k_row
-        entry_buf_row[ke] = m_row[is_kept_M]
+        buf_row_K[move] = m_row[is_kept_M]
         np.logical_not(is_kept_M, out=is_kept_M)
         pad_row = m_row[is_kept_M]
         pad_slot = np.repeat(np.tile(np.arange(S, dtype=np.int64), R), blk_len - kc_G)
         del is_kept_M
     else:
         m_srow = k_row
-        entry_buf_row[ke] = m_row
+        buf_row_K[move] = m_row
     del ke, k_row
     hop = Hop(Scope.GLOBAL, m_src, m_srow, m_dst, m_row, dst_rows_R)
     # static capacity: per slot sum_r C_r rows, rounded up to token_padding
@@ -221,8 +219,8 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     slot_cap = np.full(S, int(cap_R.sum()), dtype=np.int64)
     slot_cap = (slot_cap + tp - 1) // tp * tp
     capacity_R = np.bincount(sr, weights=slot_cap, minlength=R).astype(np.int64)
-    return assemble_plan(routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [hop], entry_buf_row,
+    return assemble_plan(routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [hop], None,
                          np.zeros(T * K, dtype=bool), token_padding=tp,
                          min_rows_S=slot_cap if pad else None, pad_slot_P=pad_slot, pad_buf_row_P=pad_row,
                          capacity_R=capacity_R, options={"capacity_per_source_rank": int(cap_R.max()) if R else 0},
-                         slot_order=slot_order)
+                         slot_order=(order_N, N - n_kept, kc_SR.sum(axis=1), buf_row_K))
