@@ -9,7 +9,7 @@ import pickle
 import numpy as np
 import pytest
 
-from conftest import SHARED_REAL
+from conftest import SHARED_REAL, TRACES
 from moonep_sim.cli import main
 from moonep_sim.errors import TraceFormatError
 from moonep_sim.routing.importers import detect_format, import_trace, load_source
@@ -18,6 +18,7 @@ from moonep_sim.routing.trace import Trace
 MIXTRAL = SHARED_REAL / "mixtral-8x7b_humaneval_routing.jsonl"
 OLMOE = SHARED_REAL / "olmoe-1b-7b_layer0_vllm_routes.jsonl"
 SWITCH = SHARED_REAL / "switch-base-128_expert_counts.json"
+QWEN = TRACES / "qwen1.5-moe-a2.7b_layer0_vllm_routes_sample.jsonl"   # shipped in the repository: no skip
 needs_real = pytest.mark.skipif(not SHARED_REAL.is_dir(), reason=f"real traces folder {SHARED_REAL} absent")
 
 
@@ -59,6 +60,43 @@ def test_olmoe_vllm_warmup_dropped(tmp_path):
     # disabling the detection keeps every row
     m2 = import_trace(OLMOE, tmp_path / "o2.safetensors", warmup_min_rows=0)
     assert m2.num_tokens == 6519
+
+
+def test_qwen_vllm_dummy_block_cut_short_is_dropped(tmp_path):
+    """A real log cut to 81 rows of its dummy block (one expert set, NON-uniform weights) + 246 rows of
+    real traffic (traces/cut_qwen15_sample.py): the identical run is dropped by routing, not weights."""
+    from moonep_sim.routing.metrics import maxvio
+    assert detect_format(QWEN) == "vllm-routes"
+    lines = QWEN.read_text().splitlines()
+    rows = [json.loads(l) for l in lines[1:]]
+    assert len(rows) == 327 and all(r["topk_ids"] == [43, 5, 7, 58] for r in rows[:81])
+    assert len(set(rows[0]["topk_weights"])) == 4                 # the dummy weights are not uniform
+    m = import_trace(QWEN, tmp_path / "q.safetensors", model="qwen1.5-moe-a2.7b")
+    rep = m.import_report
+    assert rep["dummy_records_dropped"] == 81 and rep["dummy_rows_by_reason"] == {"identical_run": 81, "graph_capture": 0}
+    assert rep["dummy_blocks"] == [{"reason": "identical_run", "layer": 0, "first_record": 2, "rows": 81,
+                                    "experts": [5, 7, 43, 58]}]
+    assert (m.num_tokens, m.num_experts, m.top_k, m.layer_ids) == (246, 60, 4, [0])
+    assert "weiran0129/vLLM-MoE-Logger @ 43d608127447b9e1bd2ec87e503f934d6f95e195" in m.attribution
+    tr = Trace(tmp_path / "q.safetensors")
+    # one step per forward pass (token_idx restarts at 0): a pass cut at token_idx 2, then 17 whole ones
+    assert np.bincount(tr.steps()).tolist() == [14, 16, 16, 16, 16, 15, 15, 14, 13, 13, 13, 13, 13, 12, 12, 12, 12, 11]
+    ids_TK = tr.layer(0).topk_ids_TK
+    assert ids_TK[0].tolist() == rows[81]["topk_ids"] and ids_TK[-1].tolist() == rows[-1]["topk_ids"]
+    # maxvio of the kept rows, by hand from the file's real rows, against the trace's
+    kept = maxvio(np.bincount(ids_TK.ravel(), minlength=60))
+    hand = maxvio(np.bincount(np.array([r["topk_ids"] for r in rows[81:]]).ravel(), minlength=60))
+    assert kept == pytest.approx(hand) and kept < 1.0              # 0.585: real layer-0 traffic, 246 tokens
+    # keeping the dummies (detection off, or a threshold above the cut block's 81 rows) inflates it
+    for wmr in (0, 82):
+        m2 = import_trace(QWEN, tmp_path / f"d{wmr}.safetensors", model="qwen1.5-moe-a2.7b", warmup_min_rows=wmr)
+        assert m2.num_tokens == 327 and m2.import_report["dummy_records_dropped"] == 0
+        with_dummies = maxvio(np.bincount(Trace(tmp_path / f"d{wmr}.safetensors").layer(0).topk_ids_TK.ravel(),
+                                          minlength=60))
+        assert with_dummies > 5 * kept                             # 3.68 vs 0.585
+    # the threshold is inclusive: a block of exactly --warmup-min-rows rows is dropped
+    assert import_trace(QWEN, tmp_path / "d81.safetensors", model="qwen1.5-moe-a2.7b",
+                        warmup_min_rows=81).num_tokens == 246
 
 
 @needs_real
@@ -277,11 +315,11 @@ def test_missing_file_and_bad_format_name(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- shipped traces
-@needs_real
 @pytest.mark.parametrize("src,shipped,kwargs", [
-    (MIXTRAL, "mixtral-8x7b_humaneval.safetensors", {"model": "mixtral-8x7b"}),
-    (OLMOE, "olmoe-1b-7b_layer0.safetensors", {"model": "olmoe-1b-7b"}),
-    (SWITCH, "switch-base-128_counts.safetensors", {"top_k": 1}),
+    pytest.param(MIXTRAL, "mixtral-8x7b_humaneval.safetensors", {"model": "mixtral-8x7b"}, marks=needs_real),
+    pytest.param(OLMOE, "olmoe-1b-7b_layer0.safetensors", {"model": "olmoe-1b-7b"}, marks=needs_real),
+    pytest.param(SWITCH, "switch-base-128_counts.safetensors", {"top_k": 1}, marks=needs_real),
+    (QWEN, "qwen1.5-moe-a2.7b_layer0.safetensors", {"model": "qwen1.5-moe-a2.7b"}),
 ])
 def test_shipped_traces_are_what_the_importer_makes(src, shipped, kwargs):
     from pathlib import Path
