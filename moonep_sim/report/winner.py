@@ -44,7 +44,7 @@ def winner_table_md(m: dict[str, Any]) -> str:
 
 def winner_heatmap(m: dict[str, Any], dest: str | os.PathLike, title: str | None = None) -> Path:
     """PNG heat map: colour = the cell's winner, brightness = its margin over the runner-up
-    (saturated at 25%), label = winner and margin."""
+    (saturated at 25%), label = winner, margin and the runner-up it is measured against."""
     from matplotlib.patches import Patch
 
     from moonep_sim.report.plots import _plt, _save
@@ -66,14 +66,15 @@ def winner_heatmap(m: dict[str, Any], dest: str | os.PathLike, title: str | None
     for i, row in enumerate(m["cells"]):
         for j, c in enumerate(row):
             who = " =\n".join(c["tied"]) if c.get("tied") else c["winner"]
-            ax.text(j, i, f"{who}\n+{100 * c['margin']:.1f}%\n{c['time_us'] / 1e3:.2f} ms",
+            ru = f" vs {c['runner_up']}" if c.get("runner_up") else ""
+            ax.text(j, i, f"{who}\n+{100 * c['margin']:.1f}%{ru}\n{c['time_us'] / 1e3:.2f} ms",
                     ha="center", va="center", fontsize=8)
     ax.set_xticks(range(len(xs)), [_fmt(v) for v in xs])
     ax.set_yticks(range(len(ys)), [_fmt(v) for v in ys])
     ax.set_xlabel(m["x"]["knob"])
     ax.set_ylabel(m["y"]["knob"])
     ax.set_title(title or f"fastest strategy per cell ({m.get('model')}, {m.get('topology')}); "
-                          "margin over the runner-up", fontsize=9)
+                          "margin vs the runner-up", fontsize=9)
     ax.legend(handles=[Patch(color=colors[n], label=n) for n in winners], loc="upper left",
               bbox_to_anchor=(1.01, 1.0), fontsize=8, title="winner")
     return _save(fig, dest)
