@@ -106,6 +106,14 @@ def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N
                 np.add(np.argsort(d8, kind="stable"), lo, out=order[lo:hi])
         ecnt = ecnt_RR.ravel()
         key = None
+    elif R * R <= 1 << 16 and (gid_N is None or gid_shift >= 0):  # a 16-bit key, sorted in place
+        key16 = np.empty(n, dtype=np.uint16)
+        np.multiply(src_rank_N, R, out=key16, casting="unsafe")  # (values < R*R fit)
+        np.add(key16, dst_rank_N, out=key16, casting="unsafe")
+        order = stable_order(key16, R * R)
+        ecnt = np.bincount(key16, minlength=R * R)  # entries per (src, dst) block, src-major
+        del key16
+        key = None
     else:
         key = src_rank_N * R
         key += dst_rank_N
@@ -329,22 +337,32 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
         src = src_T[tok]
         row = tok - routing.tok_off_R()[src]
     pick = (lambda a: a) if all_kept else (lambda a: a[kept])
+    n_kept = N if all_kept else kept.size
+    src_sorted = bool(src_T.size < 2 or (np.diff(src_T) >= 0).all())  # tokens in rank order (as usual)
+    shift = K1.bit_length() - 1 if all_kept and K1 & (K1 - 1) == 0 else -1  # tok[i] == i >> shift
     dst = slot_rank_S[pick(entry_slot)]
     if via_table:
         for v in via_N:
             if np.shape(v) != (R, R):
                 raise PlanError(f"via table shape ({list(np.shape(v))}) must be [R, R] = [{R}, {R}]")
-        ends = src * R
-        ends += dst
-        mids = [np.asarray(v, dtype=np.int64).ravel()[ends] for v in via_N]
-        del ends
+        tables = [np.asarray(v, dtype=np.int64) for v in via_N]
+        if src_sorted and R <= 256:  # each source rank's entries are one run: look up its table row
+            bound = np.searchsorted(src, np.arange(R + 1))
+            mids = [np.empty(n_kept, dtype=np.int64) for _ in tables]
+            for r in range(R):  # loop over source ranks, not entries
+                lo, hi = int(bound[r]), int(bound[r + 1])
+                if hi > lo:
+                    for m, v in zip(mids, tables):
+                        np.take(v[r], dst[lo:hi], out=m[lo:hi])
+        else:
+            ends = src * R
+            ends += dst
+            mids = [v.ravel()[ends] for v in tables]
+            del ends
     else:
         mids = [pick(np.asarray(v, dtype=np.int64).ravel()) for v in via_N]
     pos = [src] + mids + [dst]
     del mids
-    n_kept = N if all_kept else kept.size
-    src_sorted = bool(src_T.size < 2 or (np.diff(src_T) >= 0).all())  # tokens in rank order (as usual)
-    shift = K1.bit_length() - 1 if all_kept and K1 & (K1 - 1) == 0 else -1  # tok[i] == i >> shift
     entry_rank = pos[H] if all_kept else np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
     entry_dup = None
     hops = []
