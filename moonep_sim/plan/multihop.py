@@ -76,7 +76,8 @@ def _route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.nda
 
 def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray,
                        gid_N: np.ndarray | None, ranks: int, scope: str, dup_N: int | None = None,
-                       kept_N: np.ndarray | None = None, src_sorted: bool = False, gid_shift: int = -1):
+                       kept_N: np.ndarray | None = None, src_sorted: bool = False, gid_shift: int = -1,
+                       tok_off_R: np.ndarray | None = None):
     """:func:`route_hop` for entries in entry order whose messages have one source each.
 
     Requires ``gid_N`` non-decreasing (None: every entry its own message) and entries with equal
@@ -91,7 +92,10 @@ def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N
     ``src_sorted``: the caller knows ``src_rank_N`` is non-decreasing (a hop leaving the tokens'
     own ranks); with R <= 256 each source's run is then sorted by destination with a one-byte
     radix sort (the same permutation). ``gid_shift`` >= 0: the caller knows ``gid_N[i] == i >>
-    gid_shift`` (token of entry i, all entries kept, K a power of two), which saves a gather.
+    gid_shift`` (token of entry i, all entries kept, K a power of two), which saves a gather;
+    with ``tok_off_R`` (int64 [R+1] first token of each rank) as well, the caller also knows
+    ``src_row_N[i] == (i >> gid_shift) - tok_off_R[src_rank_N[i]]`` (a hop leaving the tokens'
+    own ranks), and the messages' source rows are computed rather than gathered.
     """
     n, R = dst_rank_N.size, int(ranks)
     if src_sorted and R <= 256:
@@ -153,7 +157,13 @@ def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N
         cnt, mcum, lead = ecnt.astype(np.int64), None, order
         dup = np.zeros(dup_N or 0, dtype=bool)
     m_src, m_dst, m_row, per_dst = block_messages(cnt, R)
-    hop = Hop(scope, m_src, src_row_N[lead], m_dst, m_row, per_dst)
+    if tok_off_R is not None and gid_shift >= 0:
+        m_srow = lead >> gid_shift
+        m_srow -= np.asarray(tok_off_R, dtype=np.int64)[m_src]
+    else:
+        m_srow = src_row_N[lead]
+    hop = Hop(scope, m_src, m_srow, m_dst, m_row, per_dst)
+    del m_srow
     del lead
     dst_row = np.empty(n, dtype=np.int64)
     if mcum is None:
@@ -371,7 +381,8 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
             # hop 0 leaves each token's own rank; without dedup every entry is its own message: either
             # way each message has one source, and one (src, dst) radix sort orders the hop
             hop, row = _route_hop_grouped(pos[h], row, pos[h + 1], tok if dedup[h] else None, R, scopes[h],
-                                          src_sorted=h == 0 and src_sorted, gid_shift=shift)
+                                          src_sorted=h == 0 and src_sorted, gid_shift=shift,
+                                          tok_off_R=routing.tok_off_R() if h == 0 else None)
         else:
             hop = None
             if h == H - 1 and via_table:
