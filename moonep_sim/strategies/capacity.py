@@ -140,8 +140,12 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     # group = (source rank, home slot): the same groups as (source rank, expert) -- one home slot
     # per expert -- but numbered in message order. A: entries sorted by (src, slot, entry).
     n_groups = R * S
-    group = np.repeat(routing.src_rank_T() * S, K)
-    group += slot_of[ids]
+    if n_groups <= 1 << 16:  # 16-bit group ids: no [N] int64 temporaries, and the radix sort's own key
+        group = np.repeat((routing.src_rank_T() * S).astype(np.uint16), K)
+        group += np.take(slot_of.astype(np.uint16), ids)
+    else:
+        group = np.repeat(routing.src_rank_T() * S, K)
+        group += slot_of[ids]
     A = stable_order(group, n_groups)
     cnt_G = np.bincount(group, minlength=n_groups).astype(np.int64)  # entries per (src, slot)
     cap_G = np.repeat(cap_R, S)
