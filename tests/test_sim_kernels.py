@@ -134,6 +134,18 @@ def test_one_kernel_pays_its_fixed_cost_once_per_launch():
     assert _iso(relayed, _topo(kernel=kern)) == pytest.approx(_iso(relayed, _topo()) + 30.0)
 
 
+def test_kernels_without_a_planning_step_are_charged_no_planning():
+    from moonep_sim.sim.program import planning_us as plan_step_us
+    t = load_topology("h800-cx7")
+    ll = _plan("deepep-ll", [1] * 100, [100, 0, 0, 0])
+    assert ll.kernel is not None and not ll.kernel.planned
+    assert plan_step_us(ll, t) == (0.0, 0.0)
+    planned = _plan("deepep", [1] * 100, [100, 0, 0, 0])
+    cpu_us, comm_us = plan_step_us(planned, t)
+    assert cpu_us > 0 and comm_us > 0
+    assert plan_step_us(dataclasses.replace(planned, kernel=KernelSpec(relay=True, planned=False)), t) == (0.0, 0.0)
+
+
 def test_one_relay_forwards_as_rows_arrive():
     # rank 0 -> relay 2 (node 1, same local index: NIC 2 GB/s) -> rank 3 (NVLink 10 GB/s)
     plan = dataclasses.replace(_plan("deepep", [3] * 100, [100, 0, 0, 0]), kernel=KernelSpec(relay=True))

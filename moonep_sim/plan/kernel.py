@@ -29,12 +29,16 @@ class KernelSpec:
         selection, as the low-latency kernels send), charged ``kernel_nic_message_us`` each at the
         sending NIC.
     nic_only: True = same-node peers also go through the NICs (pure-RDMA kernels), not NVLink.
+    planned: False = the kernels need no planning step before they run: no count exchange and no
+        layout (the low-latency kernels write into fixed buffers and carry the counts themselves),
+        so the simulator charges no planning work and no planning all-gather.
     """
 
     sms: int = 0
     relay: bool = False
     row_messages: bool = False
     nic_only: bool = False
+    planned: bool = True
 
     def __post_init__(self) -> None:
         require(self.sms >= ALL_SMS, f"kernel sms ({self.sms}) must be >= -1 (-1 = all SMs, 0 = not declared)")

@@ -113,7 +113,10 @@ def host_copy_us(plan: Plan, topo: Topology, direction: Direction, pre: list[Com
 def planning_us(plan: Plan, topo: Topology) -> tuple[float, float]:
     """(planning work on one core / GPU, the planning all-gather) in us: a fixed cost, the Plan's
     ``host_plan_us`` (plus the measured planner time scaled by ``plan_measured_factor``) and an all-gather of the per-expert
-    counts (or of every token's routing, with ``plan_routing_bytes_per_entry``)."""
+    counts (or of every token's routing, with ``plan_routing_bytes_per_entry``). Nothing for a Plan
+    whose kernels need no planning step (``KernelSpec.planned`` False)."""
+    if plan.kernel is not None and not plan.kernel.planned:
+        return 0.0, 0.0
     R = plan.ranks
     counts_bytes = (R - 1) * plan.num_experts * 4.0  # everyone's int32 per-expert counts
     if topo.plan_routing_bytes_per_entry > 0:  # every token's routing, padded to the largest rank

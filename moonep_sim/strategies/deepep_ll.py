@@ -64,4 +64,4 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, dispatch_dtype: str, max_t
     return plan_from_slots(routing, ctx.cluster, ll_row_costs(ctx.costs, dispatch_dtype), sr, se, sr,
                            slot_of[routing.topk_ids_TK], dedup=False, token_padding=tp, capacity_R=capacity,
                            options={"max_tokens": T_max},
-                           kernel=KernelSpec(sms=sms, row_messages=True, nic_only=not nvlink))
+                           kernel=KernelSpec(sms=sms, row_messages=True, nic_only=not nvlink, planned=False))
