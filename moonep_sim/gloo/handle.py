@@ -312,6 +312,12 @@ class Handle:
         each of its resident replicas.
       resident_key: bytes naming the global set of resident (rank, expert) pairs (every rank
         builds the same key from the Plan, so every rank agrees on whether a fetch runs).
+    Relayed copies (stage 1, ``plan.slot_src_S``): the ``pf_*`` / ``pfc_*`` exchanges carry stage
+    0 only; a second round then forwards each relay's received copy to its node's receivers.
+      r1_send_pos: int64 positions in this rank's copy list of the copies it forwards, in send
+        order.  r1_send_splits / r1_recv_splits: copies per rank.  r1_recv_pos: positions in this
+        rank's copy list of the relayed copies it receives, in receive order.
+      num_relayed_global: stage-1 copies over all ranks (0: no second round).
     direct: the last hop as point-to-point runs straight into / out of the layout
       (:class:`DirectIndex`), or None (``all_to_all_single`` plus the ``final`` gather).
     """
@@ -346,6 +352,11 @@ class Handle:
     resident_pos: torch.Tensor | None = None
     resident_expert: torch.Tensor | None = None
     resident_key: bytes = b""
+    r1_send_pos: torch.Tensor | None = None
+    r1_send_splits: tuple[int, ...] = ()
+    r1_recv_pos: torch.Tensor | None = None
+    r1_recv_splits: tuple[int, ...] = ()
+    num_relayed_global: int = 0
 
     @property
     def rows(self) -> int:
@@ -354,7 +365,7 @@ class Handle:
 
     @property
     def num_copies(self) -> int:
-        return int(self.pf_recv_pos.numel())
+        return int(self.slot_is_copy.sum())
 
     @property
     def top_k(self) -> int:
@@ -451,9 +462,22 @@ def build_handle(plan: Plan, rank: int, home_E: np.ndarray, weights_TK: np.ndarr
         return (local_of_E[c_exp[mine]], np.bincount(c_dst[mine], minlength=R), pos[order],
                 np.bincount(c_src[to_me[pos]], minlength=R))
 
-    send_local, send_splits, recv_pos, recv_splits = exchange(np.ones(copies.size, dtype=bool))
     c_copy = plan_copy_S[copies]
-    csend_local, csend_splits, crecv_pos, crecv_splits = exchange(c_copy)
+    c_src1 = plan.copy_src_S()[copies]
+    s1 = c_copy & (c_src1 != plan.slot_home_S[copies])  # relayed copies (stage 1)
+    send_local, send_splits, recv_pos, recv_splits = exchange(~s1)
+    csend_local, csend_splits, crecv_pos, crecv_splits = exchange(c_copy & ~s1)
+    # stage 1: a relay forwards the copy it received (a row of its copy list) to its node's receivers
+    start = np.searchsorted(c_dst, np.arange(R + 1))  # fetched slots are in slot order: by rank
+    key = c_dst * E + c_exp
+    ko = np.argsort(key, kind="stable")
+    mine1 = np.flatnonzero(s1 & (c_src1 == rank))
+    mine1 = mine1[np.argsort(c_dst[mine1], kind="stable")]
+    at = ko[np.searchsorted(key[ko], rank * E + c_exp[mine1])]  # the relay's own copy of the expert
+    r1_send = at - start[rank]
+    to_me = np.flatnonzero(c_dst == rank)
+    pos1 = np.flatnonzero(s1[to_me])
+    pos1 = pos1[np.argsort(c_src1[to_me[pos1]], kind="stable")]
     mine_c = c_dst == rank
     res_pos = np.flatnonzero(~c_copy[mine_c])
     return Handle(plan=plan, rank=rank, num_tokens=s, hops=tuple(hops), expand=expand, final=final,
@@ -468,7 +492,11 @@ def build_handle(plan: Plan, rank: int, home_E: np.ndarray, weights_TK: np.ndarr
                   pfc_send_splits=tuple(int(c) for c in csend_splits),
                   pfc_recv_splits=tuple(int(c) for c in crecv_splits), pfc_recv_pos=_t(crecv_pos),
                   num_plan_copies_global=int(c_copy.sum()), resident_pos=_t(res_pos),
-                  resident_expert=_t(c_exp[mine_c][res_pos]), resident_key=resident_key)
+                  resident_expert=_t(c_exp[mine_c][res_pos]), resident_key=resident_key,
+                  r1_send_pos=_t(r1_send), r1_send_splits=tuple(int(c) for c in np.bincount(c_dst[mine1], minlength=R)),
+                  r1_recv_pos=_t(pos1),
+                  r1_recv_splits=tuple(int(c) for c in np.bincount(c_src1[to_me[pos1]], minlength=R)),
+                  num_relayed_global=int(s1.sum()))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -216,6 +216,14 @@ class RowEngine:
         out = recv.new_empty((X,) + tuple(recv.shape[1:]))
         if recv.shape[0]:
             out.index_copy_(0, pos, recv)
+        if handle.num_relayed_global and self.comm.world_size > 1:  # stage 1: relays forward their copies
+            fwd = out.index_select(0, handle.r1_send_pos).contiguous()
+            got = self.comm.all_to_all(phase + ".1", "global", range(self.comm.world_size), fwd,
+                                       handle.r1_send_splits, handle.r1_recv_splits)
+            self.fetch_calls += 1
+            self.fetched_experts += int(got.shape[0])
+            if got.shape[0]:
+                out.index_copy_(0, handle.r1_recv_pos, got)
         if hit:
             if n_res:
                 _, experts, rows = entry
@@ -237,6 +245,12 @@ class RowEngine:
         out = copy_flat.new_zeros((n_home,) + tuple(copy_flat.shape[1:]))
         if handle.num_fetched_global == 0:
             return out
+        if handle.num_relayed_global and self.comm.world_size > 1:  # adjoint of stage 1: into the relays first
+            back = copy_flat.index_select(0, handle.r1_recv_pos).contiguous()
+            got = self.comm.all_to_all(phase + ".1", "global", range(self.comm.world_size), back,
+                                       handle.r1_recv_splits, handle.r1_send_splits)
+            if got.shape[0]:
+                copy_flat = copy_flat.clone().index_add_(0, handle.r1_send_pos, got)
         send = copy_flat.index_select(0, handle.pf_recv_pos) if copy_flat.shape[0] else copy_flat
         recv = self.comm.all_to_all(phase, "global", range(self.comm.world_size), send.contiguous(), handle.pf_recv_splits,
                                 handle.pf_send_splits) if self.comm.world_size > 1 else send

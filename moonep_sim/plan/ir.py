@@ -195,6 +195,9 @@ class CommPhase:
     direction: :class:`~moonep_sim.plan.kinds.Direction`.  scope: :class:`~moonep_sim.plan.kinds.Scope`.
     bytes_RR: int64 [R, R] bytes from source to destination (diagonal: local, crosses no link).
     msgs_RR: int64 [R, R] rows (or expert tensors) from source to destination.
+    after: name of a phase of the same direction whose arrival at a rank gates that rank's sends of
+        this one (a relay forwards what it received: ``prefetch.1`` after ``prefetch``, and
+        ``grad_reduce`` after ``grad_reduce.1``); None = no such gate.
     """
 
     name: str
@@ -203,6 +206,7 @@ class CommPhase:
     scope: Scope
     bytes_RR: np.ndarray
     msgs_RR: np.ndarray
+    after: str | None = None
 
     def remote_bytes(self) -> int:
         return int(self.bytes_RR.sum() - np.trace(self.bytes_RR))
@@ -236,6 +240,10 @@ class Plan:
       slot_rank_S, slot_expert_S, slot_home_S (rank owning the weights; != slot_rank for a copy),
       slot_offset_S (first row within the rank), slot_rows_S (real rows),
       slot_padded_S (rows allocated, real + padding; a multiple of token_padding).
+      slot_src_S: the rank a copy slot's weights come from, or None (every copy from its home).
+        A copy whose source is its home is *stage 0*; one whose source is another rank is *stage
+        1*: that rank is on the receiver's node and holds a stage-0 copy of the same expert (a
+        relay fanning one cross-node copy out over NVLink). Non-copy slots name their own rank.
 
     Per final row ([W], ranks concatenated):
       row_entry_W: entry id (t*K + k) computed at this row, -1 = padding.
@@ -284,6 +292,7 @@ class Plan:
     host_plan_us: float = 0.0
     plan_seconds: float = 0.0
     kernel: KernelSpec | None = None
+    slot_src_S: np.ndarray | None = None
 
     # -- sizes ----------------------------------------------------------------------------
     @property
@@ -317,6 +326,14 @@ class Plan:
     def is_copy_S(self) -> np.ndarray:
         """bool [S]: slots whose weights are prefetched from another rank."""
         return self.slot_home_S != self.slot_rank_S
+
+    def copy_src_S(self) -> np.ndarray:
+        """[S] the rank each slot's weights come from (its home unless relayed; see ``slot_src_S``)."""
+        return self.slot_home_S if self.slot_src_S is None else self.slot_src_S
+
+    def copy_stage_S(self) -> np.ndarray:
+        """int64 [S]: 0 for a slot fed from its home (or no copy), 1 for a copy fed by a relay."""
+        return (self.copy_src_S() != self.slot_home_S).astype(np.int64)
 
     def tokens_per_expert_RE(self) -> np.ndarray:
         """[R, E] real rows each rank computes per expert (copies included)."""
@@ -352,7 +369,10 @@ class Plan:
         """
         R, c = self.ranks, self.costs
         copies = self.is_copy_S()
+        stage1 = copies & (self.copy_stage_S() == 1)
+        copies = copies & ~stage1
         copy_RR = self._weights_RR(self.slot_home_S[copies], self.slot_rank_S[copies])
+        relay_RR = self._weights_RR(self.copy_src_S()[stage1], self.slot_rank_S[stage1]) if stage1.any() else None
         out: list[CommPhase] = []
         hop_rows = [h.rows_RR(R) for h in self.hops]
         K, G = PhaseKind, Scope.GLOBAL
@@ -361,6 +381,9 @@ class Plan:
             for i, (h, rr) in enumerate(zip(self.hops, hop_rows)):
                 out.append(CommPhase(f"dispatch.{i}", K.DISPATCH, d, h.scope, rr * c.dispatch_row_bytes, rr))
             out.append(CommPhase("prefetch", K.PREFETCH, d, G, copy_RR * c.weight_bytes, copy_RR))
+            if relay_RR is not None:  # stage 1: each relay forwards its stage-0 copy inside its node
+                out.append(CommPhase("prefetch.1", K.PREFETCH, d, Scope.INTRA_NODE, relay_RR * c.weight_bytes,
+                                     relay_RR, after="prefetch"))
             if self.migrate_expert_X.size:
                 mig = self._weights_RR(self.migrate_src_X, self.migrate_dst_X)
                 out.append(CommPhase("migrate", K.MIGRATE, d, G, mig * c.weight_bytes, mig))
@@ -375,7 +398,13 @@ class Plan:
                 rr = hop_rows[i].T
                 out.append(CommPhase(f"dispatch_bwd.{i}", K.COMBINE, d, self.hops[i].scope,
                                      rr * c.combine_row_bytes, rr))
-            out.append(CommPhase("grad_reduce", K.GRAD_REDUCE, d, G, copy_RR.T * c.grad_bytes, copy_RR.T))
+            if relay_RR is not None:  # the adjoint: stage 1 reduced into the relays first, then stage 0 home
+                out.append(CommPhase("grad_reduce.1", K.GRAD_REDUCE, d, Scope.INTRA_NODE, relay_RR.T * c.grad_bytes,
+                                     relay_RR.T))
+                out.append(CommPhase("grad_reduce", K.GRAD_REDUCE, d, G, copy_RR.T * c.grad_bytes, copy_RR.T,
+                                     after="grad_reduce.1"))
+            else:
+                out.append(CommPhase("grad_reduce", K.GRAD_REDUCE, d, G, copy_RR.T * c.grad_bytes, copy_RR.T))
         else:
             raise PlanError(f"direction ({direction!r}) must be 'forward' or 'backward'")
         return out

@@ -11,7 +11,8 @@ Every strategy's Plan must pass every check; the executors rely on them:
 - ``entries``: every kept entry is computed exactly once, at a slot of its expert's segment, at
   the row it names (conservation); slot segments are real rows then padding.
 - ``duplicates``: a duplicate entry shares its destination rank with an earlier entry of its token.
-- ``copies``: a copied expert is resident on its home rank.
+- ``copies``: a copied expert is resident on its home rank; a stage-1 (relayed) copy's source is
+  another rank of its node holding a stage-0 copy of the expert.
 - ``capacity``: no rank holds more rows than its capacity.
 - ``hop_provenance``: every hop is well-formed (sorted, in range, in scope, each destination row
   written once) and every final row traces back through the hops to its entry's token, so no row
@@ -183,6 +184,27 @@ def _check_copies(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
                 if (int(h), int(e)) not in resident]
         if miss:
             bad(f"copied experts must be resident on their home rank; (home, expert) {miss[:4]} are not")
+    if plan.slot_src_S is not None:
+        src = np.asarray(plan.slot_src_S)
+        if src.shape != plan.slot_home_S.shape:
+            bad(f"slot_src_S shape ({list(src.shape)}) must equal the slots' ({list(plan.slot_home_S.shape)})")
+            return True
+        s1 = cp & (src != plan.slot_home_S)
+        if (~cp & (src != plan.slot_rank_S)).any():
+            bad("a slot that is not a copy must name its own rank as its weights' source")
+        if s1.any():
+            node = plan.cluster.node_of_rank()
+            off = s1 & (node[np.clip(src, 0, plan.ranks - 1)] != node[plan.slot_rank_S])
+            off |= s1 & ((src < 0) | (src >= plan.ranks) | (src == plan.slot_rank_S))
+            if off.any():
+                i = int(np.argmax(off))
+                bad(f"stage-1 copy of expert {int(plan.slot_expert_S[i])} on rank {int(plan.slot_rank_S[i])}: its "
+                    f"relay ({int(src[i])}) must be another rank of the receiver's node")
+            s0 = cp & ~s1
+            held = set(zip(plan.slot_rank_S[s0].tolist(), plan.slot_expert_S[s0].tolist()))
+            miss = [(int(r), int(e)) for r, e in zip(src[s1], plan.slot_expert_S[s1]) if (int(r), int(e)) not in held]
+            if miss:
+                bad(f"a stage-1 copy's relay must hold a stage-0 copy of its expert; (relay, expert) {miss[:4]} do not")
     return True
 
 

@@ -7,7 +7,9 @@ are chained per rank (rank r starts stage s+1 once it finished stage s). Depende
 (as the real executor runs them): planning (forward only) -> r sends its hop-0 rows; r sends hop
 h+1 rows once it has received all its hop-h rows -> weights: sent by the home at planning end
 (``overlap_prefetch``) or once the home has received its last dispatch hop -> expert compute on r
-once its last-hop rows and its copies' weights arrived -> r sends its first combine hop when its
+once its last-hop rows and its copies' weights arrived (a relay forwards a stage-1 copy once its
+own stage-0 copy arrived; in backward it sends its reduced gradient home once its stage-1
+receivers' gradients arrived) -> r sends its first combine hop when its
 compute ends; later combine hops once it received the previous one -> the copies' gradients are
 sent home after the backward compute. GPU kernel terms (``moonep_sim.sim.kernels``): a rank pays
 a kernel's fixed cost before it sends each hop (once per direction for a relayed Plan); in a
@@ -195,8 +197,7 @@ class StepSim:
             self._span(r, prefix + "stall", PhaseKind.STALL, d.direction, t0)
         if self.opts.overlap_prefetch:
             yield from self._weight_pass(d, r, prefix)
-            for w in wts:
-                self._send(w, r)
+            self._send_gated(d.weights, wts, r)
         if pre:
             done = self._done(si, "pre", r, len(pre))
             procs = [env.process(self._hop(r, pre, h, None, prefix, d.pre_copy[h][r], d.post_copy[h][r], done,
@@ -205,8 +206,21 @@ class StepSim:
             yield env.all_of(procs)
         if not self.opts.overlap_prefetch:
             yield from self._weight_pass(d, r, prefix)
-            for w in wts:
-                self._send(w, r)
+            self._send_gated(d.weights, wts, r)
+
+    def _send_gated(self, phases, items, r: int) -> None:
+        """Rank r sends its part of each phase now, or -- for a phase with ``after`` (a relay's
+        stage) -- once r received every flow of the named phase (at once if it receives none)."""
+        names = [p.name for p in phases]
+        for p, it in zip(phases, items):
+            if p.after is None or p.after not in names:
+                self._send(it, r)
+            else:
+                self.env.process(self._send_after(items[names.index(p.after)], it, r))
+
+    def _send_after(self, gate, item, r: int):
+        yield self.net.received(gate[0], r)
+        self._send(item, r)
 
     def _weight_pass(self, d: StageProgram, r: int, prefix: str):
         """The home's local pass over the weights it sends (``host_copy_bandwidth_GBps``)."""
@@ -340,8 +354,7 @@ class StepSim:
                 self._span(r, prefix + name, PhaseKind.EXPERT_COMPUTE, d.direction, t0)
             comp_done[j].succeed()
         self.compute_end[si, r] = env.now
-        for a in aft:
-            self._send(a, r)
+        self._send_gated(d.after, aft, r)
 
     def _combiner(self, si, d: StageProgram, r, start_ev, post, aft, comp_done, fin, prefix):
         env = self.env

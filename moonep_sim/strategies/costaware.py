@@ -56,14 +56,17 @@ Planner
 
 The Plan's options report what was accepted and why: the target, copies inside and across
 nodes, the residual max/mean rows, the estimates of the chosen plan, of no copy and of exact
-balance, and a sentence naming the reason. Cross-node copies go to their receiver directly from
-the home (one NIC transfer each); a relay fanning one cross-node copy out inside the destination
-node is not modelled (the executors have no relayed weight copy), which makes cross-node copies
-to several GPUs of one node priced (and timed) as separate transfers.
+balance, and a sentence naming the reason. Cross-node copies of one expert to several GPUs of one
+node are relayed (:func:`relay_sources`, the Plan's ``slot_src_S``): the home sends it once over
+the NIC to the lowest such rank (stage 0), which fans it out over NVLink (stage 1) once it has
+arrived; gradients take the reverse path (stage 1 summed into the relay, then one NIC transfer
+home). The cost model prices exactly that (NIC once per node, then the relay's NVLink fan-out);
+both executors run it (the simulator gates the relay's sends on its arrival, gloo runs two rounds).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,7 +190,8 @@ class CostModel:
     def copy_us(self, alloc_ER: np.ndarray, epn: int) -> tuple[np.ndarray, float]:
         """Per rank the wait for its copies beyond the window (float64 [R]: its own in-port and its
         donor's out-port), and the busiest home's NIC copy time (a delay of the network hop every
-        rank waits on)."""
+        rank waits on). Copies of one expert to several ranks of one remote node are relayed
+        (:func:`relay_sources`): one NIC copy to the relay, then NVLink copies from it."""
         E, R = alloc_ER.shape
         home = np.arange(E) // epn
         ce, cd = np.nonzero(alloc_ER > 0)
@@ -195,13 +199,16 @@ class CostModel:
         ce, cd = ce[cp], cd[cp]
         ch = home[ce]
         G = self.gpus_per_node
-        cross = (ch // G) != (cd // G)
+        src = relay_sources(ce, cd, ch, G)
+        fan = src != ch  # stage 1: from the relay over NVLink, after the relay's NIC copy arrived
+        cross = ((ch // G) != (cd // G)) & ~fan
         r = self.rates
         t_w = np.where(cross, self.weight_bytes / r.weight_nic, self.weight_bytes / r.weight_nvlink)
+        s0 = ~fan
         # NVLink and NIC are separate ports: sum per (rank, port class), window off the NVLink part
-        in_nv = np.bincount(cd[~cross], weights=t_w[~cross], minlength=R)
+        in_nv = np.bincount(cd[s0 & ~cross], weights=t_w[s0 & ~cross], minlength=R)
         in_nic = np.bincount(cd[cross], weights=t_w[cross], minlength=R)
-        out_nv = np.bincount(ch[~cross], weights=t_w[~cross], minlength=R)
+        out_nv = np.bincount(ch[s0 & ~cross], weights=t_w[s0 & ~cross], minlength=R)
         out_nic = np.bincount(ch[cross], weights=t_w[cross], minlength=R)
         # the relayed kernel forwards tokens over NVLink while they cross the network: a rank's NVLink
         # port is free for weights only for the part of the window its own token rows leave
@@ -213,20 +220,52 @@ class CostModel:
         has = donor >= 0
         d_nv = np.where(has, out_nv[np.maximum(donor, 0)], 0.0)
         d_nic = np.where(has, out_nic[np.maximum(donor, 0)], 0.0)
-        per_in = np.maximum(np.maximum(in_nv, d_nv) - w, 0.0) + np.maximum(in_nic, d_nic)
+        nic_arrive = np.maximum(in_nic, d_nic)
+        per_in = np.maximum(np.maximum(in_nv, d_nv) - w, 0.0) + nic_arrive
+        if fan.any():  # a fan-out copy starts when its relay's NIC copies arrived, then shares the
+            # relay's NVLink out-port with its other fan-out copies and the receiver's in-port
+            f_out = np.bincount(src[fan], weights=t_w[fan], minlength=R)
+            f_in = np.bincount(cd[fan], weights=t_w[fan], minlength=R)
+            t_f = nic_arrive[src[fan]] + np.maximum(f_out[src[fan]], f_in[cd[fan]])
+            np.maximum.at(per_in, cd[fan], t_f)
         # NIC copies also hold back the donor's own tokens on the network hop every rank waits on
         out = float(out_nic.max()) if R else 0.0
-        if self.training and ce.size:  # fp32 gradients back home, after the backward compute
+        if self.training and ce.size:  # fp32 gradients: fan-out ones into the relay, then home
             g = self.grad_bytes
             tg = np.where(cross, g / r.weight_nic, g / r.weight_nvlink)
             per_in = per_in + np.bincount(cd, weights=tg, minlength=R)  # the receiver sends its gradient
-            out += float(np.bincount(ch, weights=tg, minlength=R).max())  # the home receives them all
+            if fan.any():  # the relay receives its fan-out gradients before it sends its own home
+                per_in = per_in + np.bincount(src[fan], weights=tg[fan], minlength=R)
+            out += float(np.bincount(ch[s0], weights=tg[s0], minlength=R).max())  # the home receives them
         return per_in, out
 
     def estimate_us(self, alloc_ER: np.ndarray, epn: int) -> float:
         """The layer's estimate after the dispatch's network hop (the part balancing can change)."""
         per_in, out = self.copy_us(alloc_ER, epn)
         return max(float(np.max(self.rank_us(alloc_ER) + per_in)), self.floor_us(alloc_ER)) + out
+
+
+def relay_sources(expert_C: np.ndarray, rank_C: np.ndarray, home_C: np.ndarray, gpus_per_node: int) -> np.ndarray:
+    """int64 [C]: where each copy's weights come from. Copies of one expert to several ranks of one
+    node other than its home's are relayed: the lowest such rank (the relay) gets it from the home
+    over the NIC (stage 0), the others from the relay over NVLink (stage 1). Every other copy comes
+    from its home. C copies, given as (expert, receiving rank, home rank)."""
+    src = np.asarray(home_C, dtype=np.int64).copy()
+    if src.size == 0:
+        return src
+    G = int(gpus_per_node)
+    cross = (home_C // G) != (rank_C // G)
+    if not cross.any():
+        return src
+    idx = np.flatnonzero(cross)
+    key = expert_C[idx].astype(np.int64) * (int(rank_C.max()) // G + 1) + rank_C[idx] // G
+    o = np.lexsort((rank_C[idx], key))  # by (expert, node), lowest rank first
+    ks = key[o]
+    first = np.ones(ks.size, dtype=bool)
+    first[1:] = ks[1:] != ks[:-1]
+    lead = np.maximum.accumulate(np.where(first, np.arange(ks.size), 0))  # each group's relay
+    src[idx[o]] = np.where(first, src[idx[o]], rank_C[idx[o[lead]]])
+    return src
 
 
 def network_window_us(counts_E: np.ndarray, tokens_per_rank_R: np.ndarray, top_k: int, gpus_per_node: int,
@@ -417,6 +456,11 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, sms: int, mode: str, min_g
     opts["sms_used"] = sms_used
     if one_node:  # no network hop to dedup: one NVLink hop, MoonEP's transport and kernel
         return plan_from_alloc(routing, ctx, alloc, epn, True, options=opts, kernel=KernelSpec(sms=sms_used))
+    src = slot_home.copy()
+    src[~copies] = slot_rank[~copies]
+    src[copies] = relay_sources(slot_expert[copies], slot_rank[copies], slot_home[copies], G)
+    relayed = copies & (src != slot_home)
+    opts["copies_relayed"] = int(relayed.sum())  # of copies_cross_node: fed over NVLink by a relay
     ids = routing.topk_ids_TK
     if copies.any():
         entry_slot = split_entry_slots(ids.ravel(), alloc, slot_rank, slot_expert).reshape(ids.shape)
@@ -425,6 +469,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, sms: int, mode: str, min_g
     rank = np.arange(R, dtype=np.int64)
     via_RR = (rank[None, :] // G) * G + rank[:, None] % G  # deepep's route: d's node, s's local index
     # DeepEP's kernel: the relay (same local index on the destination node) forwards rows as they arrive
-    return plan_from_routes(routing, ctx.cluster, c, slot_rank, slot_expert, slot_home, entry_slot, [via_RR],
-                            (Scope.INTER_NODE, Scope.INTRA_NODE), (True, True), token_padding=ctx.token_padding,
-                            via_table=True, options=opts, kernel=KernelSpec(sms=sms_used, relay=True))
+    p = plan_from_routes(routing, ctx.cluster, c, slot_rank, slot_expert, slot_home, entry_slot, [via_RR],
+                         (Scope.INTER_NODE, Scope.INTRA_NODE), (True, True), token_padding=ctx.token_padding,
+                         via_table=True, options=opts, kernel=KernelSpec(sms=sms_used, relay=True))
+    return dataclasses.replace(p, slot_src_S=src) if relayed.any() else p
