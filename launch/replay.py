@@ -1,4 +1,4 @@
-"""Replay a trace over gloo. See ``moonep_sim.gloo.replay`` and docs/gloo.md.
+"""Replay a trace over gloo. See ``moonep_sim.experiments.replay_rank`` and docs/gloo.md.
 
     python launch/replay.py --nproc 4 --trace T --strategy moonep --backward --json out.json
 
@@ -8,7 +8,7 @@ Under torchrun (``torchrun --nproc_per_node 4 launch/replay.py ...``) it runs as
 failure then also gets torchrun's own report.
 """
 
-from moonep_sim.gloo.replay import main
+from moonep_sim.experiments.replay_rank import main
 
 if __name__ == "__main__":
     main()

@@ -14,7 +14,8 @@ Modules: :mod:`~.routing` (trace / generator spec / in-memory routing, one gramm
 defaults), :mod:`~.scenario`, :mod:`~.results` (typed results with ``to_dict()``),
 :mod:`~.compare`, :mod:`~.sweep`, :mod:`~.validate` (fidelity against gloo replays),
 :mod:`~.calibrate` (measure this machine: the local-gloo topology), :mod:`~.ranking` (which
-strategy orders the measurements resolve). Every ``moonep-sim`` command is a thin adapter over
+strategy orders the measurements resolve), :mod:`~.replay_rank` (the gloo replay's rank program,
+``launch/replay.py``: it binds strategies to the gloo executor). Every ``moonep-sim`` command is a thin adapter over
 these; :mod:`moonep_sim.report` only renders what they return. docs/experiments.md has the guide.
 """
 

@@ -314,9 +314,9 @@ def run_real(cfg: CompareConfig, source: RoutingSource, cluster: ClusterShape, l
     time of the same plans on the calibrated local-gloo topology."""
     import tempfile
 
-    from moonep_sim.gloo.launcher import reports_by_strategy, run_replay
-
     from moonep_sim.experiments.ranking import agreement
+    from moonep_sim.experiments.replay_rank import run_replay
+    from moonep_sim.gloo.launcher import reports_by_strategy
 
     out: dict[str, Any] = {"nproc": cfg.nproc, "topology": topology_info(local_topo), "hidden": cfg.real_hidden,
                            "ffn": cfg.real_ffn, "dtype": "float32", "iters": cfg.real_iters, "strategies": {}}
@@ -361,7 +361,7 @@ def _local_bytes(strat: dict[str, Any], cfg: CompareConfig) -> list[dict[str, in
 
 def replay_argv(trace_path: Path, strategies: Sequence[tuple[str, dict[str, str]]], source: RoutingSource,
                 cfg: CompareConfig) -> list[str]:
-    """Arguments of ``moonep_sim.gloo.replay`` for a comparison's real replay."""
+    """Arguments of ``moonep_sim.experiments.replay_rank`` for a comparison's real replay."""
     return replay_argv_for(trace_path, strategies, source.layer_ids, hidden=cfg.real_hidden, ffn=cfg.real_ffn,
                            iters=cfg.real_iters, gpus_per_node=cfg.gpus_per_node or cfg.nproc,
                            token_padding=cfg.token_padding) + list(cfg.real_args)
@@ -369,7 +369,7 @@ def replay_argv(trace_path: Path, strategies: Sequence[tuple[str, dict[str, str]
 
 def replay_argv_for(trace_path: Path, strategies: Sequence[tuple[str, dict[str, Any]]], layer_ids: Sequence[int], *,
                     hidden: int, ffn: int, iters: int, gpus_per_node: int, token_padding: int = 1) -> list[str]:
-    """Arguments of ``moonep_sim.gloo.replay`` replaying ``strategies`` interleaved (layers given as
+    """Arguments of ``moonep_sim.experiments.replay_rank`` replaying ``strategies`` interleaved (layers given as
     layer ids; options as ``--opt STRATEGY.key=value``)."""
     argv = ["--trace", str(trace_path), "--strategy", ",".join(n for n, _ in strategies),
             "--layers", ",".join(map(str, layer_ids)), "--hidden", str(hidden), "--ffn", str(ffn),

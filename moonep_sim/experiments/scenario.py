@@ -267,7 +267,8 @@ class Scenario:
         """Replay the strategies over gloo with ``nproc`` local processes (default: the scenario's
         ranks), interleaved step by step; the replay's JSON report per strategy."""
         from moonep_sim.experiments.compare import replay_argv_for
-        from moonep_sim.gloo.launcher import reports_by_strategy, run_replay
+        from moonep_sim.experiments.replay_rank import run_replay
+        from moonep_sim.gloo.launcher import reports_by_strategy
 
         rs = self.resolved
         nproc = nproc or rs.cluster.ranks

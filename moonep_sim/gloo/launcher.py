@@ -1,8 +1,9 @@
-"""Starting gloo ranks as local processes: the replay, and a small rank spawner for tests.
+"""Starting gloo ranks as local processes: a rank program (the replay), and a small rank spawner for tests.
 
-``run_replay(nproc, argv, timeout_s)`` starts ``nproc`` processes of ``python -m
-moonep_sim.gloo.replay ARGV --json TMP`` and returns the parsed JSON; a rank's error comes back
-as its own exception class with its one line. ``spawn_ranks(target, world, ...)`` starts ``world``
+``run_rank_program(module, nproc, argv, timeout_s)`` starts ``nproc`` processes of ``python -m
+MODULE ARGV --json TMP`` and returns the parsed JSON; a rank's error comes back as its own
+exception class with its one line (the replay, ``moonep_sim.experiments.replay_rank``, runs
+through it: ``replay_rank.run_replay``). ``spawn_ranks(target, world, ...)`` starts ``world``
 plain processes, runs ``target(rank, world, **kwargs)`` on each and returns every rank's exit
 code, output and result.
 
@@ -94,11 +95,12 @@ def reports_by_strategy(rep: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return rep["strategies"] if "strategies" in rep else {rep["strategy"]: rep}
 
 
-def run_replay(nproc: int, argv: Sequence[str], timeout_s: float = 600.0, *, env: dict[str, str] | None = None,
-               quiet: bool = True, grace_s: float = 10.0) -> dict[str, Any]:
-    """Run the replay on ``nproc`` local gloo ranks; return its JSON report.
+def run_rank_program(module: str, nproc: int, argv: Sequence[str], timeout_s: float = 600.0, *,
+                     env: dict[str, str] | None = None, quiet: bool = True, grace_s: float = 10.0) -> dict[str, Any]:
+    """Run ``python -m module`` (a rank program: the replay) on ``nproc`` local gloo ranks; return
+    the JSON report rank 0 writes to the path of the ``--json`` argument added here.
 
-    argv: replay arguments (``--trace T --strategy S ...``; ``--json`` is added). If a rank fails,
+    argv: the program's arguments (``--trace T --strategy S ...``). If a rank fails,
     the first rank's error to arrive is raised here as its own class (ConfigError, TraceFormatError,
     PlanError, CommError) with its one-line message; a rank that fails without one, or exceeding
     ``timeout_s``, raises :class:`CommError` with the tail of its output. Once one rank has failed
@@ -115,7 +117,7 @@ def run_replay(nproc: int, argv: Sequence[str], timeout_s: float = 600.0, *, env
             for r in range(nproc):
                 log = open(Path(tmp) / f"rank{r}.log", "w+")
                 logs.append(log)
-                cmd = [sys.executable, "-m", "moonep_sim.gloo.replay", *map(str, argv), "--json", str(out)]
+                cmd = [sys.executable, "-m", module, *map(str, argv), "--json", str(out)]
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                               env=_child_env({**(env or {}), **_rank_env(r, nproc, port)}),
                                               start_new_session=True))

@@ -1,4 +1,4 @@
-"""Replay a routing trace layer by layer on real tensors over gloo.
+"""Replay a routing trace layer by layer on real tensors over gloo (the rank program).
 
     python launch/replay.py --nproc 4 --trace T --strategy moonep --hidden 64 --backward --json out.json
     torchrun --nproc_per_node 4 launch/replay.py --trace T ...      (one rank per process)
@@ -22,6 +22,11 @@ samples are taken moments apart: the matched pairs ``moonep_sim.experiments.rank
 is then ``{"strategies": {name: report}, "order": [...], "interleaved": true, ...}``; ``--opt
 STRATEGY.key=value`` sets one strategy's option, ``--opt key=value`` every strategy's.
 
+The program sits above the gloo executor: it binds each strategy name to its planner
+(``moonep_sim.strategies.planner``) and hands the planner callable to ``moonep_sim.gloo.Buffer``.
+Every rank runs ``python -m moonep_sim.experiments.replay_rank``; :func:`run_replay` starts them on
+local ranks (``moonep_sim.gloo.launcher.run_rank_program``).
+
 Notation: T tokens of a layer, s tokens of this rank, H hidden, F expert width, E experts, K top-k.
 """
 
@@ -42,6 +47,7 @@ import torch.distributed as dist
 from moonep_sim.errors import CommError, ConfigError, MoonEPSimError, OneLineArgumentParser, require
 from moonep_sim.io import check_output_path, write_text_atomic
 
+MODULE = "moonep_sim.experiments.replay_rank"  # what every rank runs (python -m MODULE)
 PHASES = ("exchange", "plan", "dispatch", "prefetch", "expert", "combine", "backward", "total")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "fp64": "float64"}
@@ -423,7 +429,7 @@ def _summary(rep: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point (``launch/replay.py`` and ``python -m moonep_sim.gloo.replay``).
+    """Entry point (``launch/replay.py`` and ``python -m moonep_sim.experiments.replay_rank``).
 
     With ``--nproc N`` (and not already a rank): start N local ranks (:func:`launch`). Otherwise run
     as one rank: exit 0, 3 when a result check failed, 2 on bad input and 1 when a collective failed
@@ -476,11 +482,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def launch(argv: Sequence[str]) -> int:
-    """``--nproc N``: run the replay on N local ranks (:func:`moonep_sim.gloo.launcher.run_replay`)
-    and print its summary; on failure print the failing rank's one line and return its status
-    (2 bad input, 1 a failed collective), 130 on Ctrl-C."""
-    from moonep_sim.gloo.launcher import run_replay
-
+    """``--nproc N``: run the replay on N local ranks (:func:`run_replay`) and print its summary;
+    on failure print the failing rank's one line and return its status (2 bad input, 1 a failed
+    collective), 130 on Ctrl-C."""
     try:
         args = _parse(argv)
         _check_args(args)
@@ -499,6 +503,17 @@ def launch(argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         print("moonep-sim: interrupted", file=sys.stderr, flush=True)
         return 130
+
+
+def run_replay(nproc: int, argv: Sequence[str], timeout_s: float = 600.0, **kw: Any) -> dict[str, Any]:
+    """Run the replay on ``nproc`` local gloo ranks; return its JSON report.
+
+    argv: replay arguments (``--trace T --strategy S ...``; ``--json`` is added); ``kw``: ``env``,
+    ``quiet``, ``grace_s`` of :func:`moonep_sim.gloo.launcher.run_rank_program` (which raises a
+    failing rank's own error class with its one line)."""
+    from moonep_sim.gloo.launcher import run_rank_program
+
+    return run_rank_program(MODULE, nproc, argv, timeout_s, **kw)
 
 
 def _strip_launch_args(argv: Sequence[str]) -> list[str]:
