@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from moonep_sim.errors import ConfigError
-from moonep_sim.report.winner import cell, winner_heatmap, winner_map, winner_table_md
+from moonep_sim.experiments.winner import cell, winner_map
+from moonep_sim.report.winner import winner_heatmap, winner_table_md
 
 
 def test_cell_picks_the_fastest_dropless_strategy_and_its_margin():

@@ -227,6 +227,8 @@ def compare(cfg: CompareConfig, progress: Callable[[str, int, int], None] | None
         "dispatch_dtype": cfg.dispatch_dtype,
         "token_padding": cfg.token_padding,
         "topology": topology_info(topo),
+        # the parts of sim.critical_us_mean, in the order a layer runs them (report renders them so)
+        "critical_parts": list(CRITICAL_PARTS),
         "strategies": {},
     }
     acc: dict[str, dict[str, Any]] = {}

@@ -76,8 +76,6 @@ def layer_time_bars(report: dict[str, Any], dest: str | os.PathLike) -> Path:
     fig, axes = plt.subplots(1, ncols, figsize=(max(6.0, 1.3 * len(names) + 3) * ncols + 2.5, 4.6), squeeze=False,
                              layout="constrained")
     ax = axes[0][0]
-    from moonep_sim.experiments.compare import CRITICAL_PARTS
-
     groups = [strat[n]["sim"]["critical_us_mean"] for n in names]
     total = [strat[n]["sim"]["layer_time_us_mean"] for n in names]
     unit, scale = _unit(max(total + [1.0]))
@@ -88,7 +86,7 @@ def layer_time_bars(report: dict[str, Any], dest: str | os.PathLike) -> Path:
     tot = np.array(total) * scale
     # one strategy far above the rest (moonep's weight copies on Mixtral) would squash the others: log axis
     log = len(tot) > 1 and tot.max() > 10 * max(tot.min(), 1e-12)
-    for g in CRITICAL_PARTS:
+    for g in report["critical_parts"]:
         vals = np.array([gr.get(g, 0.0) for gr in groups]) * scale
         if not vals.any():
             continue

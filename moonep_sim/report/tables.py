@@ -26,9 +26,8 @@ def compare_table(report: dict[str, Any]) -> list:
     vs simulated (local-gloo) side by side."""
     from rich.table import Table
 
-    from moonep_sim.experiments.compare import CRITICAL_PARTS
-
     strat = report["strategies"]
+    parts = report["critical_parts"]  # the parts of sim.critical_us_mean, in run order
     groups = {n: grouped_phases(s["sim"]["phases_us_mean"]) for n, s in strat.items()}
     span_cols = [g for g in ("prefetch", "migrate") if any(gr.get(g, 0) > 0 for gr in groups.values())]
     topo = report["topology"]["name"]
@@ -39,7 +38,7 @@ def compare_table(report: dict[str, Any]) -> list:
               title_justify="left")
     t.add_column("strategy", style="bold")
     t.add_column("layer time", justify="right")
-    for g in CRITICAL_PARTS:
+    for g in parts:
         t.add_column(g, justify="right")
     for g in span_cols:
         t.add_column(f"{g} span", justify="right")
@@ -48,7 +47,7 @@ def compare_table(report: dict[str, Any]) -> list:
     for n, s in strat.items():
         sim = s["sim"]
         crit = sim["critical_us_mean"]
-        row = [n, _time(sim["layer_time_us_mean"])] + [_time(crit.get(g, 0.0)) for g in CRITICAL_PARTS]
+        row = [n, _time(sim["layer_time_us_mean"])] + [_time(crit.get(g, 0.0)) for g in parts]
         row += [_time(groups[n].get(g, 0.0)) for g in span_cols]
         row += [f"{sim['ratio_to_lower_bound']:.2f}", sim["straggler"]]
         t.add_row(*row, style="green" if sim["layer_time_us_mean"] == best else None)

@@ -1,6 +1,6 @@
 """Winner maps rendered: a heat map PNG (cell colour = the winner, label = winner and its margin
 over the runner-up) and a Markdown table, from the map dict :mod:`moonep_sim.experiments.winner`
-builds (``cell`` and ``winner_map`` are re-exported here).
+builds (``cell`` and ``winner_map`` are there).
 
 Notation: X columns (first knob's values), Y rows (second knob's values).
 """
@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from moonep_sim.experiments.winner import TIE, cell, winner_map  # noqa: F401 (re-exported)
 
 # fixed colours per strategy so maps of different runs read alike (others cycle through tab20)
 STRATEGY_COLORS = {"costaware": "#2ca02c", "deepep": "#1f77b4", "moonep": "#ff7f0e", "llep": "#9467bd",
@@ -80,4 +78,4 @@ def winner_heatmap(m: dict[str, Any], dest: str | os.PathLike, title: str | None
     return _save(fig, dest)
 
 
-__all__ = ["STRATEGY_COLORS", "cell", "winner_heatmap", "winner_map", "winner_table_md"]
+__all__ = ["STRATEGY_COLORS", "winner_heatmap", "winner_table_md"]
