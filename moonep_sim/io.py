@@ -53,7 +53,8 @@ def temp_name(dest: Path) -> Path:
     return dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one that is not ours to signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -75,7 +76,7 @@ def clean_stale_temps(folder: PathLike) -> list[Path]:
         return removed
     for e in entries:
         m = _TEMP_RE.match(e.name)
-        if not m or int(m["pid"]) == os.getpid() or _pid_alive(int(m["pid"])):
+        if not m or int(m["pid"]) == os.getpid() or pid_alive(int(m["pid"])):
             continue
         with contextlib.suppress(OSError):
             if e.is_file(follow_symlinks=False):

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from moonep_sim.errors import CommError, require
+from moonep_sim.io import pid_alive
 
 PROJECT_PREFIX = "msim"
 NODE_IFNAME = "eth0"  # the node-side end of its veth, inside the node's namespace
@@ -232,16 +233,6 @@ def namespace_pids(ns: str) -> list[int]:
     return [int(p) for p in out.split() if p.isdigit()]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def kill_namespace_processes(namespaces: Sequence[str], grace_s: float = 3.0) -> list[int]:
     """SIGTERM every process inside the given (testbed) namespaces, SIGKILL what remains after
     ``grace_s``. Returns the pids signalled. Only processes living in these namespaces are touched:
@@ -253,10 +244,10 @@ def kill_namespace_processes(namespaces: Sequence[str], grace_s: float = 3.0) ->
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_pid_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
         time.sleep(0.05)
     for p in pids:
-        if _pid_alive(p):
+        if pid_alive(p):
             try:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
@@ -294,7 +285,7 @@ def cleanup_folders(all_tags: bool = False, tag: int | None = None) -> list[str]
     gone (or every testbed's with ``all_tags``). Returns the folders removed."""
     found = project_folders(tag)
     if tag is None and not all_tags:
-        found = [p for p in found if not _pid_alive(int(_FOLDER_RE.match(p.name).group(1)))]
+        found = [p for p in found if not pid_alive(int(_FOLDER_RE.match(p.name).group(1)))]
     for p in found:
         shutil.rmtree(p, ignore_errors=True)
     return [str(p) for p in found if not p.exists()]
@@ -307,7 +298,7 @@ def cleanup(all_tags: bool = False, tag: int | None = None) -> list[str]:
     check_host()
     found = project_namespaces(tag)
     if tag is None and not all_tags:
-        found = [ns for ns in found if not _pid_alive(int(_NAME_RE.match(ns).group(1)))]
+        found = [ns for ns in found if not pid_alive(int(_NAME_RE.match(ns).group(1)))]
     failed = delete_namespaces(found)
     if failed:
         raise CommError(f"namespaces ({', '.join(failed)}) must be deletable: still present after ip netns del")
