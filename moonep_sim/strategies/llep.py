@@ -94,6 +94,11 @@ def llep_assign(counts_E: np.ndarray, ranks: int, alpha: float = 1.1, m: int = 1
     pending = native.astype(np.int64).copy()
     assigned = np.zeros(R, dtype=np.int64)
     rounds = considered = 0
+
+    def give(e: int, g: int, k: int) -> None:  # k entries of expert e computed on rank g
+        alloc[e, g] += k
+        assigned[g] += k
+
     # a loop over experts (E per layer), as the public planner runs on the host; not over tokens
     for e in np.argsort(-counts, kind="stable").tolist():
         n = int(counts[e])
@@ -103,67 +108,55 @@ def llep_assign(counts_E: np.ndarray, ranks: int, alpha: float = 1.1, m: int = 1
         pending[h] -= n
         avail = cap - int(assigned[h] + pending[h])
         if avail >= n:
-            alloc[e, h] += n
-            assigned[h] += n
+            give(e, h, n)
             continue
         if avail > 0:  # partial native, then spill with the helpers re-sorted every round
-            alloc[e, h] += avail
-            assigned[h] += avail
+            give(e, h, avail)
             remaining = n - avail
             while remaining > 0:
                 rounds += 1
                 considered += R - 1
                 eff = assigned + pending
-                others = [g for g in np.argsort(eff, kind="stable").tolist() if g != h]
+                others = _helpers_by_load(eff, h)
                 if not others:
-                    alloc[e, h] += remaining
-                    assigned[h] += remaining
+                    give(e, h, remaining)
                     break
-                done = False
-                for g in others:
-                    room = cap - int(eff[g])
-                    if room <= 0:
-                        continue
-                    chunk = min(remaining, room)
-                    if chunk < m and remaining > chunk:
-                        continue
-                    alloc[e, g] += chunk
-                    assigned[g] += chunk
-                    remaining -= chunk
-                    done = True
-                    break
-                if not done:  # every helper full (or too small): the least effective load takes the rest
-                    g = others[0]
-                    alloc[e, g] += remaining
-                    assigned[g] += remaining
-                    remaining = 0
+                # one chunk per round, to the least effective load that takes one (else it takes the rest)
+                g, chunk = next(((g, c) for g in others if (c := _chunk(remaining, cap - int(eff[g]), m))),
+                                (others[0], remaining))
+                give(e, g, chunk)
+                remaining -= chunk
         else:  # native full: spill everything, helpers sorted once
             rounds += 1
             considered += R - 1
             eff = assigned + pending
-            others = [g for g in np.argsort(eff, kind="stable").tolist() if g != h]
+            others = _helpers_by_load(eff, h)
             remaining = n
             for g in others:
                 if remaining <= 0:
                     break
-                room = cap - int(eff[g])
-                if room <= 0:
-                    continue
-                chunk = min(remaining, room)
-                if chunk < m and remaining > chunk:
-                    continue
-                alloc[e, g] += chunk
-                assigned[g] += chunk
+                chunk = _chunk(remaining, cap - int(eff[g]), m)
+                give(e, g, chunk)
                 remaining -= chunk
             if remaining > 0:
-                g = others[0] if others else h
-                alloc[e, g] += remaining
-                assigned[g] += remaining
+                give(e, others[0] if others else h, remaining)
     info.update(spill_rounds=rounds, helpers_considered=considered)
     # invariant: per-expert conservation (every entry computed exactly once)
     if not np.array_equal(alloc.sum(axis=1), counts):
         raise ConfigError("llep per-expert conservation failed (internal error)")
     return alloc, info
+
+
+def _helpers_by_load(eff_R: np.ndarray, home: int) -> list[int]:
+    """Every rank but ``home``, least effective load (assigned + pending) first (stable)."""
+    return [g for g in np.argsort(eff_R, kind="stable").tolist() if g != home]
+
+
+def _chunk(remaining: int, room: int, m: int) -> int:
+    """Entries a helper with ``room`` free slots takes of ``remaining``: as many as fit, but no
+    piece smaller than ``m`` unless it is the last; 0 when the helper is skipped."""
+    chunk = min(remaining, room)
+    return chunk if room > 0 and (chunk >= m or remaining <= chunk) else 0
 
 
 def host_plan_us(info: dict, num_experts_with_tokens: int) -> float:
