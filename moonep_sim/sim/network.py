@@ -239,17 +239,25 @@ class PortMap:
     def num_blocks(self) -> int:
         return 8 if self.sm_ports else 4
 
-    def pair_class(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None,
-                   nic_F: np.ndarray | None = None) -> np.ndarray:
-        """int64 [F]: the block of each transfer ``src -> dst`` (``BLOCKS`` index, + 4 for flows of
-        SM-driven phases when the map has SM ports; flows with ``nic_F`` True take the NIC path
-        between ranks of one node too)."""
+    def _over_nvlink(self, src_F: np.ndarray, dst_F: np.ndarray,
+                     nic_F: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(src_F, dst_F as int64 [F], same_node_F bool [F]): the transfer stays in its node, over
+        NVLink (flows with ``nic_F`` True take the NIC path between ranks of one node too)."""
         src_F = np.asarray(src_F, dtype=np.int64)
         dst_F = np.asarray(dst_F, dtype=np.int64)
         G = self.gpus_per_node
         same_node = (src_F // G) == (dst_F // G)
         if nic_F is not None:
             same_node &= ~np.asarray(nic_F, dtype=bool)
+        return src_F, dst_F, same_node
+
+    def pair_class(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None,
+                   nic_F: np.ndarray | None = None) -> np.ndarray:
+        """int64 [F]: the block of each transfer ``src -> dst`` (``BLOCKS`` index, + 4 for flows of
+        SM-driven phases when the map has SM ports; flows with ``nic_F`` True take the NIC path
+        between ranks of one node too)."""
+        src_F, dst_F, same_node = self._over_nvlink(src_F, dst_F, nic_F)
+        G = self.gpus_per_node
         cls = np.where(src_F == dst_F, 0, np.where(same_node, 1, 2))
         if self.spine_binds:
             cls = np.where((cls == 2) & (src_F % G != dst_F % G), 3, cls)
@@ -293,12 +301,8 @@ class PortMap:
     def latency(self, src_F: np.ndarray, dst_F: np.ndarray, nic_F: np.ndarray | None = None) -> np.ndarray:
         """float64 [F]: path latency (us) of transfers ``src -> dst``: none on the same rank, NVLink's
         in a node (unless ``nic_F``), the NIC's on one rail, NIC + fabric across rails."""
-        src_F = np.asarray(src_F, dtype=np.int64)
-        dst_F = np.asarray(dst_F, dtype=np.int64)
+        src_F, dst_F, same_node = self._over_nvlink(src_F, dst_F, nic_F)
         G = self.gpus_per_node
-        same_node = (src_F // G) == (dst_F // G)
-        if nic_F is not None:
-            same_node &= ~np.asarray(nic_F, dtype=bool)
         lat = np.where(src_F == dst_F, 0.0, np.where(same_node, self.lat_nvlink_us, self.lat_nic_us))
         return np.where(~same_node & (src_F % G != dst_F % G), self.lat_spine_us, lat)
 
