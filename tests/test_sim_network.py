@@ -226,15 +226,18 @@ def test_block_solver_matches_per_flow_waterfill(topo_name, kind, R, seed, degra
 @given(st.sampled_from(sorted(TOPOS)), st.sampled_from(["skew", "hot-sender", "sparse", "ties"]),
        st.integers(4, 16), st.integers(0, 10_000), st.sampled_from([0.001, 0.002, 0.005, 0.02]))
 def test_coalescing_is_never_faster_than_exact_and_within_tolerance(topo_name, kind, R, seed, tol):
-    """tol > 0 only delays the end: the last transfer ends no earlier than in exact mode and at most
-    20 x tol later (relative; the documented bound: a chain of phases pays up to two tick gaps per
-    hop, measured up to 13 x tol on these staggered two-phase cases); a single receive group may
-    move either way (a delayed transfer frees capacity for others), by at most 20 x tol of the end."""
+    """tol > 0 delays completions to ticks: the last transfer ends at most 20 x tol later than in
+    exact mode (relative; the documented bound: a chain of phases pays up to two tick gaps per hop,
+    measured up to 13 x tol on these staggered two-phase cases) and no more than tol earlier. Max-min
+    sharing is not monotone: a transfer that ends later holds a shared port longer, so a transfer
+    that competes with it elsewhere can end (and a later phase start) slightly earlier; found at
+    2e-5 relative (R=14, sparse, oversubscribed). A single receive group may move either way by at
+    most 20 x tol of the end."""
     topo = TOPOS[topo_name]
     phases = random_phases(np.random.default_rng(seed), R, kind)
     ex, _ = run_solver(R, phases, topo, 0.0, "blocks", stagger_us=1.3)
     ap, _ = run_solver(R, phases, topo, tol, "blocks", stagger_us=1.3)
-    assert ap["end"].max() >= ex["end"].max() * (1 - 1e-9)
+    assert ap["end"].max() >= ex["end"].max() * (1 - tol)
     assert ap["end"].max() <= ex["end"].max() * (1 + 20 * tol)
     # per receive group (phase, receiver)
     key_e = ex["phase"] * R + ex["dst"]
