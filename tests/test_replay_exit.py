@@ -109,3 +109,18 @@ def test_rendezvous_store_listens_on_loopback_only():
     assert env["MASTER_ADDR"] == "127.0.0.1" and env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         assert env["GLOO_SOCKET_IFNAME"] == "lo"
+
+
+def test_interrupt_during_rank_start_is_delivered_after_every_rank_is_listed():
+    """A Ctrl-C that lands while the ranks are being started waits until the list of started ranks
+    is complete (so the cleanup kills every one), then arrives as usual."""
+    from moonep_sim.gloo.launcher import _interrupts_deferred
+    started = []
+    with pytest.raises(KeyboardInterrupt):
+        with _interrupts_deferred():
+            for r in range(3):
+                started.append(r)
+                if r == 0:
+                    os.kill(os.getpid(), signal.SIGINT)
+    assert started == [0, 1, 2]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -20,6 +20,7 @@ group and kill the whole group on timeout or Ctrl-C, so no stray process survive
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -28,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -83,6 +85,27 @@ def _child_env(extra: dict[str, str] | None = None, pythonpath: Sequence[str] = 
     return env
 
 
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Hold SIGINT and SIGTERM back while the block runs and deliver them when it ends: a Ctrl-C
+    that lands inside ``subprocess.Popen`` (after the fork, before it returns) would otherwise leave
+    a started rank that no list holds, so nothing kills it. The ranks start with default handlers
+    (a Python handler does not survive exec)."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or any(signal.getsignal(s) is None for s in sigs):
+        yield  # handlers can only be set from the main thread, and restored only if Python set them
+        return
+    got: list[int] = []
+    old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if got:
+            signal.raise_signal(got[0])
+
+
 def _kill_group(p: subprocess.Popen) -> None:
     try:
         os.killpg(p.pid, signal.SIGKILL)
@@ -114,13 +137,14 @@ def run_rank_program(module: str, nproc: int, argv: Sequence[str], timeout_s: fl
         store, port = loopback_store(nproc, timeout_s)
         procs, logs = [], []
         try:
-            for r in range(nproc):
-                log = open(Path(tmp) / f"rank{r}.log", "w+")
-                logs.append(log)
-                cmd = [sys.executable, "-m", module, *map(str, argv), "--json", str(out)]
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                              env=_child_env({**(env or {}), **_rank_env(r, nproc, port)}),
-                                              start_new_session=True))
+            with _interrupts_deferred():
+                for r in range(nproc):
+                    log = open(Path(tmp) / f"rank{r}.log", "w+")
+                    logs.append(log)
+                    cmd = [sys.executable, "-m", module, *map(str, argv), "--json", str(out)]
+                    procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                                  env=_child_env({**(env or {}), **_rank_env(r, nproc, port)}),
+                                                  start_new_session=True))
             order = _wait_ranks(procs, timeout_s, grace_s)
         except BaseException:
             for p in procs:
