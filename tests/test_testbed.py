@@ -189,7 +189,9 @@ def test_two_node_replay_and_cleanup(tmp_path):
     assert res.replay["world_size"] == 2 and res.replay["correct"] is True
     assert res.replay["bytes_sent"] > 0
     tcp = res.probes["tcp"][0]
-    assert 0.5e9 < tcp["bits_per_s"] <= 1.0e9 * _burst_allowance(tcp["bytes"], spec.shape(0).burst_bytes, buckets=2)
+    # the upper bound is the shaping (tbf rate plus its bucket); the lower one only says the link is not
+    # mis-shaped by an order of magnitude: a loaded machine's probe process may get the CPU late
+    assert 0.2e9 < tcp["bits_per_s"] <= 1.0e9 * _burst_allowance(tcp["bytes"], spec.shape(0).burst_bytes, buckets=2)
     assert "Sent" in res.probes["qdisc"]["n0.egress"]
     assert (tmp_path / "topo.toml").read_text().count("[nic]") == 1
     assert _leftovers(spec) == []
