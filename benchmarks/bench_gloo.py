@@ -90,7 +90,7 @@ def overhead_worker(rank, world, hidden, tokens, experts, top_k, iters):
     recv = torch.empty(sum(hop.recv_splits), hidden)
     back = torch.empty_like(send)
     group = buf.comm.scopes["global"]
-    tok_out = torch.empty(tokens, hidden)
+    half = torch.full((back.shape[0],), 0.5)
 
     def full():
         rows, rw, _, hh = buf.dispatch(x, ids, w)
@@ -111,14 +111,15 @@ def overhead_worker(rank, world, hidden, tokens, experts, top_k, iters):
     def floor():
         # the least any executor starting from token-major rows must do with all_to_all_single:
         # one gather of the token rows into send order, the two all-to-alls, one (weighted) reduce
-        # back into token rows -- no layout change, no weighting pass, no allocation
+        # back into token rows -- no layout change, no weighting pass (the reduce is the executor's
+        # own weighted bag sum, which returns a tensor of its own)
         hop.send.gather(x, out=send)
         raw()
-        hop.send.reduce_into(back, tok_out, torch.full((back.shape[0],), 0.5))
+        hop.send.reduce(back, half)
 
     def passes():  # the floor's two local passes alone
         hop.send.gather(x, out=send)
-        hop.send.reduce_into(back, tok_out, torch.full((back.shape[0],), 0.5))
+        hop.send.reduce(back, half)
 
     def memcpy():  # one copy of this rank's rows (32 MiB at the defaults)
         back.copy_(send)
@@ -268,7 +269,7 @@ def main(argv=None) -> None:
         report.update(r0)
         print(f"overhead on {a.ranks} ranks, H={kw['hidden']}, {kw['tokens']} tokens/rank, E={kw['experts']} "
               f"K={kw['top_k']}, balanced, fp32 rows ({r0['rows_per_rank']} rows/rank, "
-              f"{r0['remote_bytes_per_direction'] / 2**20:.1f} MiB cross-rank per direction), median of {a.iters}:")
+              f"{r0['remote_bytes_per_direction'] / 2**20:.1f} MiB cross-rank per direction), median of {kw['iters']}:")
         print(f"  (malloc tuning {'on' if a.malloc_tuning else 'off'}; load average after "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
         print(f"  raw 2x all_to_all_single          {r0['raw_ms']:8.1f} ms")

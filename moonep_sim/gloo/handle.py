@@ -127,11 +127,15 @@ class RowMap:
         out.index_add_(0, self.add_idx, vals)
         return out[: self.n_src]
 
-    def reduce_into(self, vals: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`scatter_add` of ``vals * weights[:, None]`` written into ``out`` [n_src, C].
+    def reduce(self, vals: torch.Tensor, weights: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`scatter_add` of ``vals * weights[:, None]``: [n_src, C] (``weights`` [m] optional,
+        in ``vals``' dtype).
 
-        One pass over ``vals`` (a weighted bag sum per source row: ``embedding_bag``'s kernel)
-        where the dtype allows; ``weights`` [m] (optional) in ``vals``' dtype. Returns ``out``.
+        One pass over ``vals`` (a weighted bag sum per source row: ``embedding_bag``'s kernel) where
+        the dtype allows; that kernel returns a tensor of its own (its ``out=`` overload computes
+        into a fresh tensor and then copies it: one more pass over the result), so ``out`` is used
+        only on the other paths (or freshly allocated there when None).
         """
         if vals.dim() == 2 and vals.dtype in (torch.float32, torch.float64, torch.bfloat16) and self.n_src and \
                 vals.shape[0] and vals.is_contiguous():
@@ -139,12 +143,20 @@ class RowMap:
             if rows is None:  # identity or a permutation: every source row is a bag of one
                 rows = torch.arange(self.n_src) if self.identity else self.inverse
                 offs = torch.arange(self.n_src)
-            e = torch.empty(0, dtype=torch.int64)
             psw = None if weights is None else weights.index_select(0, rows)
-            torch.ops.aten._embedding_bag_forward_only.out(
-                vals, rows, offs, False, 0, False, psw, False, -1, out0=out, out1=e, out2=e.clone(),
-                out3=e.clone())
-            return out
+            return torch.ops.aten._embedding_bag_forward_only(vals, rows, offs, False, 0, False, psw, False, -1)[0]
+        if out is None:
+            out = vals.new_empty((self.n_src,) + tuple(vals.shape[1:]))
+        return self._reduce_slow(vals, out, weights)
+
+    def reduce_into(self, vals: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`reduce` written into ``out`` [n_src, C]. Returns ``out``."""
+        r = self.reduce(vals, weights, out)
+        if r is not out:
+            out.copy_(r)
+        return out
+
+    def _reduce_slow(self, vals: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         yw = vals if weights is None else vals * weights[:, None]
         if self.inverse is not None or self.identity:
             return torch.index_select(yw, 0, torch.arange(self.n_src) if self.identity else self.inverse, out=out)

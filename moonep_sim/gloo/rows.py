@@ -146,8 +146,8 @@ class RowEngine:
                                         hop.send_splits, out=self.pool.workspace(f"recv{i % 2}", int(sum(hop.send_splits)), buf))
                 back = hop.send
             if i == 0 and (not back.identity or recv_w is not None):
-                buf = back.reduce_into(recv, self.pool.result(phase, (back.n_src,) + tuple(recv.shape[1:]), recv.dtype),
-                                       recv_w)
+                buf = back.reduce(recv, recv_w, self.pool.result(phase, (back.n_src,) + tuple(recv.shape[1:]),
+                                                                 recv.dtype))
             else:
                 buf = back.scatter_add(recv)
         return self.pool.owned(buf, y)
