@@ -30,7 +30,7 @@ from moonep_sim.gloo.comm import GroupComm
 from moonep_sim.gloo.handle import Handle, HopIndex
 from moonep_sim.gloo.pool import RowPool
 
-_WEIGHT_TAG = 1 << 20  # tag offset of the routing-weight message that rides with each combine run
+_WEIGHT_TAG = 1 << 20  # tag of the routing-weight message that rides with a peer's combine runs
 
 
 class RowEngine:
@@ -121,7 +121,7 @@ class RowEngine:
         direct = handle.direct is not None and n > 0
         first = handle.final if n else handle.expand
         # single direct hop: rows travel unweighted, their weights with them (one small message
-        # per run), and the receiver weights them inside its reduction (no pass of its own)
+        # per peer), and the receiver weights them inside its reduction (no pass of its own)
         w_at_dst = direct and n == 1 and row_weights is not None
         if direct:
             src = y if row_weights is None or w_at_dst else torch.mul(y, row_weights[:, None].to(y.dtype),
@@ -156,16 +156,24 @@ class RowEngine:
                         weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The adjoint of :meth:`_dispatch_direct`: layout runs sent straight from ``src`` [W, C],
         received into the send list's order (reduced by ``handle.direct.list_map``); ``weights``
-        [W] (optional) travel alongside, one message per run. Returns (rows, their weights)."""
+        [W] (optional) travel alongside, one message per peer. Returns (rows, their weights)."""
         d = handle.direct
         recv = self.pool.workspace(ws, d.list_rows, src)
         ops = [("recv", recv[b:b + m], p, tag) for p, tag, _, b, m in d.send_runs]
         ops += [("send", src[a:a + m], p, tag) for p, tag, a, _, m in d.recv_runs]
         recv_w = None
         if weights is not None:
+            # one weight message per peer: a peer's runs are contiguous in the send list and
+            # ordered by layout row at both ends, so the runs' weights concatenate in the same order
             recv_w = self.pool.workspace("cw", d.list_rows, weights)
-            ops += [("recv", recv_w[b:b + m], p, tag + _WEIGHT_TAG) for p, tag, _, b, m in d.send_runs]
-            ops += [("send", weights[a:a + m], p, tag + _WEIGHT_TAG) for p, tag, a, _, m in d.recv_runs]
+            got: dict[int, list[int]] = {}
+            for p, _, _, b, m in d.send_runs:
+                got.setdefault(p, [b, b])[1] = b + m
+            ops += [("recv", recv_w[b0:b1], p, _WEIGHT_TAG) for p, (b0, b1) in got.items()]
+            sent: dict[int, list[torch.Tensor]] = {}
+            for p, _, a, _, m in d.recv_runs:
+                sent.setdefault(p, []).append(weights[a:a + m])
+            ops += [("send", w[0] if len(w) == 1 else torch.cat(w), p, _WEIGHT_TAG) for p, w in sent.items()]
 
         def local():
             for _, _, a, b, m in d.self_runs:
