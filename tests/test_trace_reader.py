@@ -3,13 +3,18 @@ file and the field, no allocation a file cannot justify, no read that blocks."""
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 import threading
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "badinput"))
+from corpus import safetensors_bytes  # noqa: E402
 
 from moonep_sim.errors import TraceFormatError
 from moonep_sim.limits import MAX_NUM_EXPERTS
@@ -31,21 +36,9 @@ def good_tensors():
 
 
 def raw_file(path, tensors=None, metadata=None, header_edit=None, data_edit=None):
-    """A safetensors file built by hand, so any field can be wrong."""
-    tensors = good_tensors() if tensors is None else tensors
-    header, data, off = {}, b"", 0
-    for name, (dt, arr) in tensors.items():
-        b = np.ascontiguousarray(arr).tobytes()
-        header[name] = {"dtype": dt, "shape": list(arr.shape), "data_offsets": [off, off + len(b)]}
-        data += b
-        off += len(b)
-    header["__metadata__"] = {META_KEY: json.dumps(meta() if metadata is None else metadata)}
-    if header_edit:
-        header_edit(header)
-    if data_edit:
-        data = data_edit(data)
-    h = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(h)) + h + data)
+    """A safetensors file built by hand (the bad-input corpus's builder), so any field can be wrong."""
+    path.write_bytes(safetensors_bytes(good_tensors() if tensors is None else tensors,
+                                       meta() if metadata is None else metadata, header_edit, data_edit))
     return path
 
 
