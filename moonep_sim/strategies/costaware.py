@@ -75,7 +75,7 @@ import numpy as np
 from moonep_sim.plan import GlobalRouting, Plan, Scope, plan_from_routes
 from moonep_sim.plan.kernel import KernelSpec
 from moonep_sim.strategies import Option, PlanContext, register
-from moonep_sim.strategies.llep import plan_from_alloc, require_home_groups
+from moonep_sim.strategies.llep import native_alloc, plan_from_alloc, require_home_groups
 from moonep_sim.errors import PlanError
 from moonep_sim.plan import stable_order
 from moonep_sim.strategies.moonep import capacity_split, copy_slots, greedy_quotas, split_quotas
@@ -291,14 +291,10 @@ def target_alloc(counts_E: np.ndarray, ranks: int, gpus_per_node: int, tau: int,
     closed (fed by one donor), and when h overshoots it is left with room a later donor can fill,
     so no receiver's room is stranded. At ``tau`` = the mean load this reaches exact balance.
     """
-    counts = np.asarray(counts_E, dtype=np.int64)
-    E, R = counts.size, int(ranks)
+    counts, home, alloc, load = native_alloc(counts_E, ranks)
+    E, R = alloc.shape
     epn = E // R
-    home = np.arange(E) // epn
-    alloc = np.zeros((E, R), dtype=np.int64)
-    alloc[np.arange(E), home] = counts
-    left = alloc[np.arange(E), home].copy()  # entries of each expert still at its home
-    load = counts.reshape(R, epn).sum(axis=1).astype(np.int64)
+    left = counts.copy()  # entries of each expert still at its home
     node = np.arange(R) // gpus_per_node
     open_ = np.ones(R, dtype=bool)  # never fed by a donor yet
     blocked = np.zeros(R, dtype=bool)  # donors with no receiver left

@@ -66,6 +66,18 @@ def require_home_groups(routing: GlobalRouting, ctx: PlanContext, name: str) -> 
     return epn
 
 
+def native_alloc(counts_E: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Plain EP, the start of every balancing planner: (counts int64 [E], home int64 [E] = e // (E /
+    ranks), alloc_ER int64 [E, R] with every expert's entries on its home, load_R int64 [R])."""
+    counts = np.asarray(counts_E, dtype=np.int64)
+    E, R = counts.size, int(ranks)
+    epn = E // R
+    home = np.arange(E) // epn
+    alloc = np.zeros((E, R), dtype=np.int64)
+    alloc[np.arange(E), home] = counts
+    return counts, home, alloc, counts.reshape(R, epn).sum(axis=1)
+
+
 def llep_assign(counts_E: np.ndarray, ranks: int, alpha: float = 1.1, m: int = 1024,
                 lam: float = 1.3) -> tuple[np.ndarray, dict]:
     """LLEP's least-loaded assignment (module doc, steps 2-4).
@@ -75,15 +87,10 @@ def llep_assign(counts_E: np.ndarray, ranks: int, alpha: float = 1.1, m: int = 1
     ``fallback`` (bool), ``imbalance`` (native max/mean), ``capacity``, ``spill_rounds`` and
     ``helpers_considered``).
     """
-    counts = np.asarray(counts_E, dtype=np.int64)
-    E, R = counts.size, int(ranks)
-    epn = E // R
-    native = counts.reshape(R, epn).sum(axis=1)
+    counts, home, alloc, native = native_alloc(counts_E, ranks)
+    E, R = alloc.shape
     mean = float(native.mean()) if R else 0.0
     imbalance = float(native.max() / mean) if mean > 0 else 1.0
-    alloc = np.zeros((E, R), dtype=np.int64)
-    home = np.arange(E) // epn
-    alloc[np.arange(E), home] = counts
     info = {"fallback": True, "imbalance": imbalance, "capacity": 0, "spill_rounds": 0, "helpers_considered": 0}
     if imbalance < lam or R == 1:
         return alloc, info

@@ -34,7 +34,7 @@ import numpy as np
 from moonep_sim.errors import require
 from moonep_sim.plan import GlobalRouting, Plan
 from moonep_sim.strategies import Option, PlanContext, register
-from moonep_sim.strategies.llep import plan_from_alloc, require_home_groups
+from moonep_sim.strategies.llep import native_alloc, plan_from_alloc, require_home_groups
 
 
 def quota_for(counts_E: np.ndarray, ranks: int, domain: int, gpus_per_node: int, tau: float,
@@ -44,13 +44,9 @@ def quota_for(counts_E: np.ndarray, ranks: int, domain: int, gpus_per_node: int,
     Returns (alloc_ER int64 [E, R], feasible). Infeasible allocations are still valid (every
     entry computed once); they just leave some rank above ``tau``.
     """
-    counts = np.asarray(counts_E, dtype=np.int64)
-    E, R = counts.size, int(ranks)
+    counts, home, alloc, load = native_alloc(counts_E, ranks)
+    E, R = alloc.shape
     epn = E // R
-    home = np.arange(E) // epn
-    alloc = np.zeros((E, R), dtype=np.int64)
-    alloc[np.arange(E), home] = counts
-    load = counts.reshape(R, epn).sum(axis=1).astype(np.int64)
     cap_tau = int(np.floor(tau))
     n_rep = np.zeros(R, dtype=np.int64)
     feasible = True
