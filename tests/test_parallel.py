@@ -46,6 +46,15 @@ def test_sweep_in_worker_processes_matches_serial():
     assert len(parallel["strategies"]["moonep"]["sim_seconds"]) == 3
 
 
+@pytest.mark.parametrize("over, values", [("ep", [8.0, 16.0]), ("nic_bandwidth_GBps", [25.0, 50.0])])
+def test_staged_sweep_over_ep_and_a_topology_constant_matches_serial(over, values):
+    # worker processes run routing per value, then one task per (value, strategy)
+    serial = _scenario().sweep(over=over, values=values, jobs=1).to_dict()
+    parallel = _scenario().sweep(over=over, values=values, jobs=2).to_dict()
+    assert _without_timings(parallel) == _without_timings(serial)
+    assert [p["value"] for p in parallel["points"]] == values
+
+
 def test_sweep_on_a_local_dask_cluster_matches_serial():
     distributed = pytest.importorskip("distributed", reason="the cluster extra (Dask distributed) is not installed")
     values = [0.5, 3.0]

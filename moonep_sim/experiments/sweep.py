@@ -140,11 +140,10 @@ def routing_lower_bound(strategies: dict[str, dict[str, list]], points: int) -> 
     return out
 
 
-def _point(task) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """One sweep value: routing, then every strategy planned and simulated (runs in a worker)."""
-    from moonep_sim.strategies import PlanContext, make_plan
+def _point_setup(cfg: SweepConfig, base, v: float, fixed):
+    """One sweep value's ranks, topology, routing and plan context, and its report entry."""
+    from moonep_sim.strategies import PlanContext
 
-    cfg, base, v, fixed = task
     m = cfg.model
     costs = RowCosts.from_model(m, cfg.dispatch_dtype)
     ranks = int(v) if cfg.over == "ep" else cfg.ranks
@@ -161,30 +160,82 @@ def _point(task) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     ctx = PlanContext(cluster, Placement.home_groups(m.num_experts, ranks), costs, cfg.token_padding, topo_g)
     point = {"value": v, "ranks": ranks, "gpus_per_node": g, "tokens": routing.num_tokens,
              "realised_maxvio": realised, "topology": topology_info(topo_g)}
-    per: dict[str, dict[str, Any]] = {}
-    for name, opts in cfg.strategies:
-        t1 = time.perf_counter()
-        plan = make_plan(name, routing, ctx, **opts)
-        t2 = time.perf_counter()
-        res = simulate(plan, topo_g, m)
-        t3 = time.perf_counter()
-        real = plan.real_rows_R()
-        wb = plan.weight_copies * plan.costs.weight_bytes + int(plan.migrate_expert_X.size) * plan.costs.weight_bytes
-        per[name] = {"layer_time_us": float(res.layer_time_us), "lower_bound_us": float(res.lower_bound_us),
-                     "ratio_to_lower_bound": float(res.ratio_to_lower_bound),
-                     "phases_us": {k: float(x) for k, x in dict(res.phases_us).items()},
-                     "dropped": plan.dropped, "weight_bytes": int(wb),
-                     "rows_max_over_mean": float(real.max() / max(real.mean(), 1e-12)),
-                     "straggler": _short(to_jsonable(res.to_dict(), lenient=True).get("straggler")),
-                     "plan_seconds": t2 - t1, "sim_seconds": t3 - t2}
-    return point, per
+    return routing, ctx, topo_g, point
+
+
+def _strategy_at(cfg: SweepConfig, routing, ctx, topo, name: str, opts: dict) -> dict[str, Any]:
+    """One strategy planned and simulated on one point's routing."""
+    from moonep_sim.strategies import make_plan
+
+    t1 = time.perf_counter()
+    plan = make_plan(name, routing, ctx, **opts)
+    t2 = time.perf_counter()
+    res = simulate(plan, topo, cfg.model)
+    t3 = time.perf_counter()
+    real = plan.real_rows_R()
+    wb = plan.weight_copies * plan.costs.weight_bytes + int(plan.migrate_expert_X.size) * plan.costs.weight_bytes
+    return {"layer_time_us": float(res.layer_time_us), "lower_bound_us": float(res.lower_bound_us),
+            "ratio_to_lower_bound": float(res.ratio_to_lower_bound),
+            "phases_us": {k: float(x) for k, x in dict(res.phases_us).items()},
+            "dropped": plan.dropped, "weight_bytes": int(wb),
+            "rows_max_over_mean": float(real.max() / max(real.mean(), 1e-12)),
+            "straggler": _short(to_jsonable(res.to_dict(), lenient=True).get("straggler")),
+            "plan_seconds": t2 - t1, "sim_seconds": t3 - t2}
+
+
+def _point(task) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """One sweep value: routing, then every strategy planned and simulated (one task: the serial
+    and Dask paths)."""
+    cfg, base, v, fixed = task
+    routing, ctx, topo, point = _point_setup(cfg, base, v, fixed)
+    return point, {name: _strategy_at(cfg, routing, ctx, topo, name, opts) for name, opts in cfg.strategies}
+
+
+# The worker-process path runs in two stages: every value's routing (one task per value), then one
+# task per (value, strategy). Routing generation costs differ a lot between values (a low maxvio
+# target needs several calibration samples), so whole-value tasks leave one worker idle at the
+# end; the finer second stage balances. Its workers are forked after the first stage and read the
+# routings from this module (copy-on-write), so no routing is pickled per task.
+_SETUPS: list = []
+
+
+def _setup_task(task):
+    cfg, base, v, fixed = task
+    routing, _, _, point = _point_setup(cfg, base, v, fixed)
+    return routing, point["realised_maxvio"]
+
+
+def _strategy_task(task) -> dict[str, Any]:
+    cfg, i, name, opts = task
+    routing, ctx, topo, _ = _SETUPS[i]
+    return _strategy_at(cfg, routing, ctx, topo, name, opts)
+
+
+def _run_staged(cfg: SweepConfig, base, fixed, jobs: int | None, progress) -> list:
+    from moonep_sim.experiments.parallel import run_points
+
+    if fixed is None:
+        routings = run_points(_setup_task, [(cfg, base, v, None) for v in cfg.values], jobs=jobs,
+                              progress=progress, label=lambda t: f"{cfg.over}={t[2]:g} routing")
+    else:
+        routings = [fixed] * len(cfg.values)
+    _SETUPS[:] = [_point_setup(cfg, base, v, fixed) for v, fixed in zip(cfg.values, routings)]
+    try:
+        tasks = [(cfg, i, name, opts) for i in range(len(cfg.values)) for name, opts in cfg.strategies]
+        per = run_points(_strategy_task, tasks, jobs=jobs, progress=progress,
+                         label=lambda t: f"{cfg.over}={cfg.values[t[1]]:g} {t[2]}")
+        n = len(cfg.strategies)
+        return [(_SETUPS[i][3], {name: per[i * n + j] for j, (name, _) in enumerate(cfg.strategies)})
+                for i in range(len(cfg.values))]
+    finally:
+        _SETUPS.clear()
 
 
 def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = None, *, jobs: int | None = 1,
           cluster: str | None = None) -> dict[str, Any]:
     """Run the sweep; its values are independent points, computed in ``jobs`` worker processes or
     on a Dask ``cluster`` (``moonep_sim.experiments.parallel``) with the same report as serially."""
-    from moonep_sim.experiments.parallel import run_points
+    from moonep_sim.experiments.parallel import check_jobs, run_points
 
     t0 = time.perf_counter()
     base = check(cfg)
@@ -198,8 +249,11 @@ def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = N
     if cfg.over not in ("maxvio", "ep"):
         fixed = _routing(cfg, cfg.ranks, cfg.maxvio, cfg.seed)
     tasks = [(cfg, base, v, fixed) for v in cfg.values]
-    results = run_points(_point, tasks, jobs=jobs, cluster=cluster, progress=progress,
-                         label=lambda t: f"{cfg.over}={t[2]:g}")
+    if cluster or check_jobs(jobs) == 1 or total * len(cfg.strategies) <= 1:
+        results = run_points(_point, tasks, jobs=jobs, cluster=cluster, progress=progress,
+                             label=lambda t: f"{cfg.over}={t[2]:g}")
+    else:
+        results = _run_staged(cfg, base, fixed, jobs, progress)
     points = [pt for pt, _ in results]
     for _, per in results:
         for name in names:
