@@ -112,3 +112,14 @@ def test_bad_input_one_line_exit_2(tmp_path, capsys, make, extra, match):
     assert err.startswith("moonep-sim: error: ") and "\n" not in err
     import re
     assert re.search(match, err), err
+
+
+def test_plan_topology_sets_the_rates_a_copy_pricing_planner_uses(tmp_path, capsys):
+    t = _trace(tmp_path / "t.safetensors", E=16, K=4, model=None)
+    argv = ["plan", "--trace", t, "--strategy", "costaware", "--ranks", "8", "--gpus-per-node", "4"]
+    default = _json(capsys, argv)
+    b200 = _json(capsys, argv + ["--topology", "b200"])
+    assert default["options"]["rates"] == "h800-cx7" and b200["options"]["rates"] == "b200"
+    assert b200["options"]["estimate_no_copy_us"] < default["options"]["estimate_no_copy_us"]  # faster links
+    assert main(argv + ["--topology", "nope"]) == 2
+    assert "topology ('nope') must be a preset" in capsys.readouterr().err

@@ -20,6 +20,10 @@ def register(sub) -> None:
     p.add_argument("--strategy", required=True, help="strategy name (`moonep-sim strategies` lists them)")
     p.add_argument("--ranks", type=int, required=True, help="EP ranks (GPUs)")
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: all ranks in one node)")
+    p.add_argument("--topology", default=None,
+                   help="preset name or .toml file whose link and kernel terms price weight copies for the planners "
+                        "that weigh them (costaware, llep, ultraep); default: "
+                        "h800-cx7 (`moonep-sim topologies` lists the presets)")
     add_steps(p)
     p.add_argument("--layer", type=int, default=None, help="layer id (default: the trace's first layer)")
     p.add_argument("--opt", action="append", default=[], metavar="K=V", help="strategy option (repeatable)")
@@ -37,7 +41,9 @@ def scenario(args):
     from moonep_sim.experiments import Scenario
 
     check_cluster_args(args, gpus_min=0)
+    topology = {} if args.topology is None else {"topology": args.topology}
     return Scenario(routing=args.trace, model=args.model, cluster=(args.ranks, args.gpus_per_node or args.ranks),
+                    **topology,
                     strategies=[(args.strategy, parse_kv(args.opt))],
                     layers=None if args.layer is None else [args.layer], steps=args.steps,
                     dispatch_dtype=args.dispatch_dtype,
