@@ -63,30 +63,39 @@ def entry_counts_RE(plan: Plan) -> np.ndarray:
 
 
 class _Entries:
-    """The plan's kept entries as (token, expert, source rank) arrays, read from its rows."""
+    """The plan's kept entries as (token, expert, source rank) arrays, read from its rows.
+
+    Per entry only what the bound needs is kept: its token ``tok`` and its (source rank, expert)
+    cell ``key = src * E + exp`` (int32 where they fit: these arrays have one element per entry,
+    8M at EP256 with 1M tokens of top-8, so their width is most of the bound's cost)."""
 
     def __init__(self, plan: Plan):
         R, E, K = plan.ranks, plan.num_experts, plan.top_k
-        exp_W = np.repeat(plan.slot_expert_S.astype(np.int32), plan.slot_padded_S)
+        self.R, self.E, self.T = R, E, plan.num_tokens
+        i_tok = np.int32 if self.T * K < 2**31 else np.int64
+        i_key = np.int32 if R * E < 2**31 else np.int64
+        exp_W = np.repeat(plan.slot_expert_S.astype(i_key), plan.slot_padded_S)
+        ent = plan.row_entry_W
         if plan.padded:
-            real = plan.row_entry_W >= 0
-            ent, self.exp = plan.row_entry_W[real], exp_W[real]
-        else:
-            ent, self.exp = plan.row_entry_W, exp_W
-        self.tok = ent // K
-        self.T = plan.num_tokens
-        self.src_T = np.repeat(np.arange(R, dtype=np.int32), plan.tokens_per_rank_R)
-        self.src = self.src_T[self.tok]
-        self.n_RE = np.bincount(self.src.astype(np.int64) * E + self.exp, minlength=R * E).reshape(R, E)
+            real = ent >= 0
+            ent, exp_W = ent[real], exp_W[real]
+        self.tok = ent.astype(i_tok) // i_tok(K)
+        # tokens are numbered rank by rank: rank r's are [off[r], off[r + 1])
+        self.tok_off_R1 = np.concatenate([[0], np.cumsum(plan.tokens_per_rank_R)]).astype(np.int64)
+        src_T = np.repeat(np.arange(R, dtype=i_key), plan.tokens_per_rank_R)
+        self.key = src_T[self.tok]
+        self.key *= i_key(E)
+        self.key += exp_W
+        self.n_RE = np.bincount(self.key, minlength=R * E).reshape(R, E)
 
-    def tokens_needing(self, resident_XE: np.ndarray, group_R: np.ndarray | None = None) -> np.ndarray:
-        """[X] tokens of each group with a kept entry whose expert is not resident in the group."""
-        g = self.src if group_R is None else group_R[self.src]
-        need = ~resident_XE[g, self.exp]
+    def tokens_needing(self, resident_RE: np.ndarray) -> np.ndarray:
+        """int64 [R]: tokens of each rank with a kept entry whose expert ``resident_RE`` (bool
+        [R, E], per source rank) does not hold."""
+        need = (~np.asarray(resident_RE, dtype=bool)).ravel()[self.key]
         flag = np.zeros(self.T, dtype=bool)
         flag[self.tok[need]] = True
-        gt = self.src_T if group_R is None else group_R[self.src_T]
-        return np.bincount(gt[flag], minlength=resident_XE.shape[0])
+        c = np.concatenate([[0], np.cumsum(flag, dtype=np.int64)])
+        return c[self.tok_off_R1[1:]] - c[self.tok_off_R1[:-1]]
 
 
 def _choice_bound(n_XE: np.ndarray, resident_XE: np.ndarray, a_in: float, b_in: float, a_out: float,
@@ -140,7 +149,7 @@ def lower_bound(plan: Plan, model: ModelSpec, topo: Topology, backward: bool = F
         np.add.at(n_NE, node, n_RE)
         res_NE = np.zeros((nodes, E), dtype=bool)
         np.logical_or.at(res_NE, node, res)
-        tok_N = ents.tokens_needing(res_NE, node)
+        tok_N = np.bincount(node, weights=ents.tokens_needing(res_NE[node]), minlength=nodes).astype(np.int64)
         gpus_N = np.bincount(node, minlength=nodes).astype(np.float64)
         bwn = gpus_N * topo.nic_bytes_per_us
         t_N = np.array([_choice_bound(n_NE[i:i + 1], res_NE[i:i + 1], a_in, b_in, a_out, b_out,
