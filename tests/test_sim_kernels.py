@@ -217,3 +217,26 @@ def test_cli_isolate_of_several_layers_is_one_line_before_any_work(capsys):
                "--isolate", "dispatch"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "--isolate times one layer's kernel" in err
+
+
+def test_ep16_diagnostic_own_rows_cancel_and_no_checked_limit_binds():
+    """The fidelity report's EP16 section: a GPU's own rows are the same share of EP8's counted rows
+    and of EP16's forwarded rows (DeepEP's routing spreads a token's experts evenly), so counting them
+    on both sides leaves the forwarding-to-intranode ratio unchanged; the checked limits do not bind."""
+    import sys
+    from pathlib import Path
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        import fidelity_gpu as F
+    finally:
+        sys.path.remove(bench)
+    from moonep_sim.sim import load_topology
+    d = F.relay_diagnostic({n: load_topology(n) for n in ("h800-cx7", "b200")})
+    assert abs(d["own_share_ep8"] - 1 / 8) < 0.01 and abs(d["own_share_ep16"] - 1 / 8) < 0.01
+    assert abs(d["own_rows_ratio"] / d["forward_vs_intranode"] - 1) < 0.01
+    assert d["forward_vs_intranode"] < 0.95          # the miss the section explains
+    assert d["forwarder_role_GBps"] < d["sm_role_cap_GBps"] and d["receiver_role_GBps"] < d["sm_role_cap_GBps"]
+    assert d["forwarder_pair_GBps"] < d["forwarder_pair_cap_GBps"]
+    assert d["intranode_pair_GBps"] < d["intranode_pair_cap_GBps"]
+    assert d["rdma_window_bind_us"] > 10 * d["nic_latency_us"] and d["nvl_window_bind_us"] > 10 * d["nvlink_latency_us"]
