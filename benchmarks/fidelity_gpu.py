@@ -388,7 +388,8 @@ def render_diagnostic(d: dict) -> list[str]:
         "2025-02; PR #130 (2025-04-22: IBGDA instead of IBRC, a QP per channel) re-listed EP32 (44 -> 58, 47 -> 57) "
         "and EP64 (46 -> 51, 45 -> 50) only. At EP16 the NIC carries "
         f"{f(d['rdma_pair_GBps'])} GB/s at the published rate (half the counted pairs are the local node's), so a "
-        "transport change is not expected to move EP16: the miss is the model's, not the row's age.", ""]
+        "transport change is not expected to move EP16: the miss is the model's, not the row's age. The EP16 combine "
+        "(the same rows in reverse, bound on the relays' NVLink-in) misses for the same reason.", ""]
 
 
 # -- MoonEP's benchmark shape (predictions only) -----------------------------------------------
