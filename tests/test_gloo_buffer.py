@@ -154,16 +154,19 @@ def emulate_direct(plan, x_R):
     for r, d in enumerate(ds):
         for p, tag, a, _, m in d.recv_runs:
             back[(r, p, tag)] = lay[r][a:a + m]
-    toks = []
+    toks, split = [], []
     for r, d in enumerate(ds):
         lst = torch.full((d.list_rows, x_R[r].shape[1]), float("nan"), dtype=x_R[r].dtype)
         for p, tag, _, b, m in d.send_runs:
             lst[b:b + m] = back.pop((p, r, tag))
+        # the split reduce reads kept rows from the layout and never the kept rows' list positions (NaN)
+        zeros = lambda r=r: torch.empty((x_R[r].shape[0], x_R[r].shape[1]), dtype=x_R[r].dtype)
+        split.append(d.split.add_remote(d.split.local(lay[r], None, zeros), lst, None))
         for _, _, a, b, m in d.self_runs:
             lst[b:b + m] = lay[r][a:a + m]
         toks.append(d.list_map.scatter_add(lst))
     assert not back
-    return lay, toks, sum(len(d.send_runs) + len(d.self_runs) for d in ds)
+    return lay, toks, sum(len(d.send_runs) + len(d.self_runs) for d in ds), split
 
 
 @settings(max_examples=15, deadline=None)
@@ -178,12 +181,13 @@ def test_direct_runs_move_rows_where_the_plan_says(T, seed, skew):
         got = emulate_direct(plan, x_R) if len(plan.hops) == 1 else None
         if got is None:
             continue
-        lay, toks, runs = got
+        lay, toks, runs, split = got
         used += 1
         for r in range(R):
             np.testing.assert_array_equal(lay[r].numpy(), expected_rows(plan, x, r), err_msg=plan.strategy)
         kept = (plan.entry_rank_TK >= 0).sum(1)
         np.testing.assert_array_equal(torch.cat(toks).numpy(), x * kept[:, None], err_msg=plan.strategy)
+        np.testing.assert_array_equal(torch.cat(split).numpy(), x * kept[:, None], err_msg=plan.strategy)
         # a run is one (source, destination) block: never more runs than rows, at least one per pair used
         assert runs <= int(plan.hops[0].src_rank_M.size)
         assert runs >= len(set(zip(plan.hops[0].src_rank_M.tolist(), plan.hops[0].dst_rank_M.tolist())))
@@ -200,6 +204,35 @@ def test_direct_runs_apply_only_to_one_to_one_hops():
     # the size rule: tiny runs are not worth a message each
     assert direct_index(flat, 0, max_runs=64, min_run_bytes=64 << 10, row_bytes=4) is None
     assert direct_index(flat, 0, max_runs=0, min_run_bytes=0) is None
+
+
+@pytest.mark.parametrize("csr", [True, False])
+def test_split_reduce_equals_the_weighted_reduce_of_the_whole_list(csr, monkeypatch):
+    """Combine's two-part reduce (kept rows from the layout, received rows from the list) equals the
+    weighted reduce of the whole receive list; ``csr=False``: the path for builds without the sparse
+    accumulate."""
+    import moonep_sim.gloo.handle as handle_mod
+
+    if not csr:
+        monkeypatch.setattr(handle_mod, "csr_addmm_ok", lambda dtype: False)
+    plan = make_plan("alltoall", routing_for(40, 4, 3), PlanContext.default(E, 4, G))
+    g = torch.Generator().manual_seed(0)
+    for r in range(4):
+        d = direct_index(plan, r, max_runs=None)
+        y = torch.randn(d.rows, 5, generator=g, dtype=torch.float64)
+        w = torch.rand(d.rows, generator=g, dtype=torch.float64)
+        lst = torch.randn(d.list_rows, 5, generator=g, dtype=torch.float64)
+        lw = torch.rand(d.list_rows, generator=g, dtype=torch.float64)
+        for _, _, a, b, m in d.self_runs:  # the whole list holds the kept rows too
+            lst[b:b + m], lw[b:b + m] = y[a:a + m], w[a:a + m]
+        want = d.list_map.reduce(lst, lw)
+        holes, hw = lst.clone(), lw.clone()
+        for _, _, a, b, m in d.self_runs:
+            holes[b:b + m], hw[b:b + m] = float("nan"), float("nan")
+        zeros = lambda: torch.empty(d.split.tokens, 5, dtype=torch.float64)
+        got = d.split.add_remote(d.split.local(y, w, zeros), holes, hw)
+        assert d.self_runs and d.send_runs, "both parts are exercised"
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12, atol=1e-12)
 
 
 def test_hand_built_plans_are_valid_and_multi_hop():

@@ -19,7 +19,10 @@ zero padding row (dispatch) or a row whose contribution is discarded (combine).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
 
 import numpy as np
 import torch
@@ -207,6 +210,101 @@ class HopIndex:
     recv: Placer
 
 
+@lru_cache(maxsize=None)
+def csr_addmm_ok(dtype: torch.dtype) -> bool:
+    """True when this torch build accumulates a sparse CSR matrix times dense rows into an existing
+    tensor (``torch.addmm(out, S_csr, rows, out=out)``) for ``dtype`` (float32 / float64 with MKL;
+    not bfloat16). Probed once per dtype with a 2x2 product checked against its known value."""
+    if dtype not in (torch.float32, torch.float64):
+        return False
+    try:
+        out = torch.ones(2, 1, dtype=dtype)
+        s = _csr(torch.tensor([0, 1, 1]), torch.tensor([1]), torch.tensor([2.0], dtype=dtype), (2, 2))
+        torch.addmm(out, s, torch.tensor([[5.0], [7.0]], dtype=dtype), out=out)
+        return out.flatten().tolist() == [15.0, 1.0]
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """A sparse CSR matrix from index arrays built (and checked) once per handle."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+        return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
+
+
+@dataclass(frozen=True)
+class SplitReduce:
+    """Combine's reduce of a direct last hop in two parts, so the rows a rank keeps for its own
+    tokens are read where they lie (in the expert outputs) instead of first being copied into the
+    receive list:
+
+        out[t] = sum over t's kept rows r of w[r] * y[r]          (``local``: one weighted bag sum,
+                                                                     run while the messages travel)
+               + sum over t's received rows p of w'[p] * recv[p]  (``add_remote``: one sparse-times-
+                                                                     dense accumulate into ``out``)
+
+    loc_rows: int64 [n_keep] layout rows of the kept rows, grouped by token (stable).
+    loc_offs: int64 [s] start of each token's bag in ``loc_rows``.
+    rem_crow: int64 [s+1] CSR row pointers of each token's received rows.
+    rem_col: int64 [n_recv] send-list positions of the received rows, grouped by token (stable).
+    tokens: s.  list_rows: m (rows of the receive list).
+    """
+
+    loc_rows: torch.Tensor
+    loc_offs: torch.Tensor
+    rem_crow: torch.Tensor
+    rem_col: torch.Tensor
+    tokens: int
+    list_rows: int
+
+    @classmethod
+    def build(cls, list_src: np.ndarray, self_runs, n_tokens: int) -> "SplitReduce":
+        """list_src: int64 [m] token of each send-list row; self_runs: (rank, 0, a, b, n) runs kept
+        (layout rows a.., send-list rows b..). Vectorised over rows (a loop over runs only)."""
+        m = int(list_src.size)
+        keep_b = np.concatenate([np.arange(b, b + n, dtype=np.int64) for _, _, _, b, n in self_runs]) \
+            if self_runs else np.zeros(0, dtype=np.int64)
+        keep_a = np.concatenate([np.arange(a, a + n, dtype=np.int64) for _, _, a, _, n in self_runs]) \
+            if self_runs else np.zeros(0, dtype=np.int64)
+        kept = np.zeros(m, dtype=bool)
+        kept[keep_b] = True
+        tok_keep = list_src[keep_b]
+        order = np.argsort(tok_keep, kind="stable")
+        counts = np.bincount(tok_keep, minlength=n_tokens)
+        loc_offs = np.concatenate([[0], np.cumsum(counts)[:-1]]) if n_tokens else np.zeros(0, dtype=np.int64)
+        rem_b = np.flatnonzero(~kept)
+        tok_rem = list_src[rem_b]
+        rorder = np.argsort(tok_rem, kind="stable")
+        rem_crow = np.concatenate([[0], np.cumsum(np.bincount(tok_rem, minlength=n_tokens))])
+        return cls(_t(keep_a[order]), _t(loc_offs), _t(rem_crow), _t(rem_b[rorder]), int(n_tokens), m)
+
+    def local(self, y: torch.Tensor, weights: torch.Tensor | None,
+              zeros: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """[s, C]: each token's weighted sum over its kept rows of ``y`` [W, C] (``weights`` [W] in
+        y's dtype, or None = 1). ``zeros()`` gives [s, C] memory to zero and return when nothing is
+        kept. The result is a tensor of its own (the bag sum's), written again by :meth:`add_remote`."""
+        if self.loc_rows.numel() == 0 or y.shape[0] == 0:
+            return zeros().zero_()
+        psw = None if weights is None else weights.index_select(0, self.loc_rows)
+        return torch.ops.aten._embedding_bag_forward_only(y, self.loc_rows, self.loc_offs, False, 0, False, psw,
+                                                          False, -1)[0]
+
+    def add_remote(self, out: torch.Tensor, recv: torch.Tensor, recv_w: torch.Tensor | None) -> torch.Tensor:
+        """``out`` [s, C] += each token's weighted sum over its received rows of ``recv`` [m, C]
+        (``recv_w`` [m], or None = 1), in place; one pass over the received rows. Returns ``out``."""
+        n = int(self.rem_col.numel())
+        if n == 0 or self.tokens == 0:
+            return out
+        vals = torch.ones(n, dtype=recv.dtype) if recv_w is None else recv_w.index_select(0, self.rem_col)
+        if csr_addmm_ok(recv.dtype):
+            s = _csr(self.rem_crow, self.rem_col, vals, (self.tokens, self.list_rows))
+            return torch.addmm(out, s, recv, out=out)
+        offs = self.rem_crow[:-1]
+        return out.add_(torch.ops.aten._embedding_bag_forward_only(recv, self.rem_col, offs, False, 0, False, vals,
+                                                                   False, -1)[0])
+
+
 @dataclass(frozen=True)
 class DirectIndex:
     """The last hop moved by point-to-point messages straight between the caller's rows and the
@@ -229,6 +327,8 @@ class DirectIndex:
     list_map: the whole send list as a map onto the source buffer (its adjoint reduces combine's
       received rows). list_src: int64 [m] source-buffer row of each row of the send list.
     pad_pos: int64 layout rows that are padding (zeroed).
+    split: combine's reduce in two parts (kept rows read from the expert outputs, received rows
+      from the receive list): :class:`SplitReduce`.
     """
 
     send_runs: tuple[tuple[int, int, int, int, int], ...]
@@ -240,6 +340,7 @@ class DirectIndex:
     pad_pos: torch.Tensor
     rows: int  # W
     list_rows: int  # m
+    split: SplitReduce | None = None
 
     @property
     def messages(self) -> int:
@@ -281,7 +382,7 @@ def direct_index(plan: Plan, rank: int, max_runs: int | None = MAX_RUNS, min_run
     local = exp[row_off[rank]:row_off[rank + 1]]
     return DirectIndex(send_runs, recv_runs, self_runs, RowMap.build(my_src[mine_remote], n_prev),
                        RowMap.build(my_src, n_prev), _t(my_src), _t(np.flatnonzero(local < 0)), int(local.size),
-                       int(hi - lo))
+                       int(hi - lo), SplitReduce.build(my_src, self_runs, n_prev))
 
 
 @dataclass(frozen=True)

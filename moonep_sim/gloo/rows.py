@@ -10,7 +10,9 @@ weights; epn_r home experts of this rank.
   no receive buffer, no expand gather; see ``moonep_sim.gloo.handle.DirectIndex``);
 - combine: weight each row, scatter-add through expand, hops in reverse; the last reduction into
   the token rows is one weighted bag sum (last hop "direct": runs sent straight from the layout,
-  their routing weights alongside, the weighting done inside the receiver's reduction);
+  their routing weights alongside, the weighting done inside the receiver's reduction; the rows
+  a rank keeps for its own tokens are summed straight from the layout while the messages travel,
+  and the received rows added by one sparse accumulate: see ``handle.SplitReduce``);
 - weights: one ``all_to_all_single`` of the copies' flattened weights (home -> copy rank), resident
   replicas cached per key; gradients: the reverse, ``index_add_`` at the home.
 
@@ -20,14 +22,14 @@ No autograd here: ``moonep_sim.gloo.autograd`` wraps these. Memory comes from a
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from moonep_sim.errors import require
 from moonep_sim.gloo.comm import GroupComm
-from moonep_sim.gloo.handle import Handle, HopIndex
+from moonep_sim.gloo.handle import Handle, HopIndex, csr_addmm_ok
 from moonep_sim.gloo.pool import RowPool
 
 _WEIGHT_TAG = 1 << 20  # tag of the routing-weight message that rides with a peer's combine runs
@@ -136,9 +138,17 @@ class RowEngine:
             hop: HopIndex = handle.hops[i]
             recv_w = None
             if i == n - 1 and direct:
-                recv, recv_w = self._combine_direct(handle, hop, src, f"{phase}.{i}", f"recv{i % 2}",
-                                                    row_weights.to(y.dtype).contiguous() if w_at_dst else None)
-                back = handle.direct.list_map
+                d = handle.direct
+                split = d.split is not None and src.dim() == 2 and src.is_contiguous() and csr_addmm_ok(src.dtype)
+                recv, recv_w, part = self._combine_direct(
+                    handle, hop, src, f"{phase}.{i}", f"recv{i % 2}",
+                    row_weights.to(y.dtype).contiguous() if w_at_dst else None,
+                    (lambda: self.pool.result(f"{phase}.split", (d.split.tokens,) + tuple(src.shape[1:]), src.dtype))
+                    if split else None)
+                if part is not None:  # kept rows already summed from src: add the received ones
+                    buf = d.split.add_remote(part, recv, recv_w)
+                    continue
+                back = d.list_map
             else:
                 send = buf if i == n - 1 else hop.recv.gather_back.gather(
                     buf, out=self.pool.workspace("send", hop.recv.gather_back.rows, buf))
@@ -153,10 +163,16 @@ class RowEngine:
         return self.pool.owned(buf, y)
 
     def _combine_direct(self, handle: Handle, hop: HopIndex, src: torch.Tensor, phase: str, ws: str,
-                        weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        weights: torch.Tensor | None = None,
+                        split_zeros: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The adjoint of :meth:`_dispatch_direct`: layout runs sent straight from ``src`` [W, C],
         received into the send list's order (reduced by ``handle.direct.list_map``); ``weights``
-        [W] (optional) travel alongside, one message per peer. Returns (rows, their weights)."""
+        [W] (optional) travel alongside, one message per peer. Returns (rows, their weights, None).
+
+        With ``split_zeros`` (gives [s, C] memory, see :class:`~moonep_sim.gloo.handle.SplitReduce`) the
+        rows this rank keeps are not copied into the receive list: while the messages travel they
+        are summed into the token rows straight from ``src``, returned third (the caller adds the
+        received rows)."""
         d = handle.direct
         recv = self.pool.workspace(ws, d.list_rows, src)
         ops = [("recv", recv[b:b + m], p, tag) for p, tag, _, b, m in d.send_runs]
@@ -175,7 +191,12 @@ class RowEngine:
                 sent.setdefault(p, []).append(weights[a:a + m])
             ops += [("send", w[0] if len(w) == 1 else torch.cat(w), p, _WEIGHT_TAG) for p, w in sent.items()]
 
+        part: list[torch.Tensor] = []
+
         def local():
+            if split_zeros is not None:
+                part.append(d.split.local(src, weights, split_zeros))
+                return
             for _, _, a, b, m in d.self_runs:
                 recv[b:b + m].copy_(src[a:a + m])
                 if recv_w is not None:
@@ -186,7 +207,7 @@ class RowEngine:
         else:
             self.comm.mark(phase)
             local()
-        return recv, recv_w
+        return recv, recv_w, part[0] if part else None
 
     def fetch_weights_flat(self, handle: Handle, local: Sequence[torch.Tensor], cache_key: Any = None,
                            phase: str = "prefetch") -> torch.Tensor:
