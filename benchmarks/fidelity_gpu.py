@@ -344,6 +344,7 @@ def relay_diagnostic(topos: dict, seed: int = 0) -> dict:
         forwarder_pair_GBps=pair16, intranode_pair_cap_GBps=ch * INTRANODE_WARPS_PER_PEER * per_warp,
         intranode_pair_GBps=pair8,
         forwarder_warp_bound_GBps=pub16 * ch * FORWARDER_WARPS_PER_PEER * per_warp / pair16,
+        warp_rate_to_bind_GBps=pair16 / (ch * FORWARDER_WARPS_PER_PEER),
         rdma_pair_GBps=rdma_pair, rdma_window_bind_us=lat_rdma, nvl_window_bind_us=lat_nvl,
         nic_latency_us=h800.nic_latency_us, nvlink_latency_us=h800.nvlink_latency_us, channels=ch)
     return out
@@ -373,7 +374,8 @@ def render_diagnostic(d: dict) -> list[str]:
         f"{f(d['forwarder_pair_GBps'])} GB/s (intranode pair {f(d['intranode_pair_GBps'])}) | {d['channels']} x 1 x "
         f"{d['per_warp_GBps']:.2f} GB/s per warp (B200 per-SM rate / 24 warps) = {f(d['forwarder_pair_cap_GBps'])} "
         f"(intranode {d['channels']} x 3: {f(d['intranode_pair_cap_GBps'])}) | no: would cap EP16 at "
-        f"{f(d['forwarder_warp_bound_GBps'])} GB/s, above the NVLink bound |",
+        f"{f(d['forwarder_warp_bound_GBps'])} GB/s, above the NVLink bound; binds at the published rate only if an "
+        f"H800 warp moves <= {d['warp_rate_to_bind_GBps']:.2f} GB/s (unpublished) |",
         f"| (c) windows: `get_dispatch_config(16)` buffers of {DEEPEP_EP16_RDMA_BUFFER_TOKENS} RDMA / "
         f"{DEEPEP_EP16_NVL_BUFFER_TOKENS} NVLink tokens per channel and peer (DeepEP's test also sweeps the chunk "
         f"sizes and reports the best) | busiest RDMA pair {f(d['rdma_pair_GBps'])}, NVLink pair "
