@@ -442,3 +442,17 @@ def test_validate_matches_reference_on_corrupted_plans(seed, field, delta, dedup
             a.flat[rng.integers(a.size)] += delta
         p = dataclasses.replace(p, **{field: a})
     assert validate(p) == ref_validate(p)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(-50, 50), st.integers(0, 6)), max_size=12))
+def test_segment_ranges_matches_repeat_arange(segs):
+    """``segment_ranges`` (one array, cumulative sum in place) equals the two-temporary form, empty
+    segments and negative starts included."""
+    from moonep_sim.plan.order import segment_ranges
+    first = np.array([f for f, _ in segs], dtype=np.int64)
+    lens = np.array([n for _, n in segs], dtype=np.int64)
+    start = np.cumsum(lens) - lens
+    want = np.repeat(first - start, lens) + np.arange(int(lens.sum()), dtype=np.int64)
+    got = segment_ranges(first, lens)
+    assert got.dtype == np.int64 and np.array_equal(got, want)

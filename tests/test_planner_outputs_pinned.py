@@ -572,11 +572,13 @@ def test_random_cases_match_reference(case, name, variant):
     compare(name, routing, ctx, **opts)
 
 
-def test_medium_layer_matches_reference():
-    """A skewed layer big enough for every fast path: R=16 (G=4), E=64, K=6, uneven tokens."""
+@pytest.mark.parametrize("K", [6, 8])
+def test_medium_layer_matches_reference(K):
+    """A skewed layer big enough for every fast path: R=16 (G=4), E=64, K=6 or 8 (a power of two:
+    tokens by a shift, the table-route path of ``plan_from_routes``), uneven tokens."""
     rng = np.random.default_rng(11)
     tpr = rng.integers(100, 400, 16)
-    routing = _routing(tpr, 6, 64, 12, 1.2)
+    routing = _routing(tpr, K, 64, 12, 1.2)
     for tp in (1, 8):
         ctx = PlanContext(ClusterShape(16, 4), Placement.home_groups(64, 16), COSTS, tp)
         for name in sorted(REFS):

@@ -26,7 +26,7 @@ import numpy as np
 
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.kinds import Scope
-from moonep_sim.plan.order import entry_token, small_key_dtype, stable_order
+from moonep_sim.plan.order import entry_token, segment_ranges, small_key_dtype, stable_order
 from moonep_sim.plan.placement import ClusterShape
 
 
@@ -76,21 +76,16 @@ def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slo
     first = np.searchsorted(slot_rank_S, np.arange(R))
     rank_base = np.concatenate([[0], np.cumsum(padded)])[first]
     offset = cum - rank_base[slot_rank_S] if S else cum
-    # sorted position p of a kept entry of slot s: row within its rank = offset[s] + (p - n_drop -
-    # start[s]); global row (ranks concatenated) = cum[s] + (p - n_drop - start[s])
-    starts = np.cumsum(slot_rows_S) - slot_rows_S
+    # sorted position p of a kept entry of slot s, the j-th of its slot: row within its rank =
+    # offset[s] + j; global row (ranks concatenated) = cum[s] + j
     n_kept = N - n_drop
-    row_sorted = np.repeat(offset - starts, slot_rows_S)
-    row_sorted += np.arange(n_kept, dtype=np.int64)
+    row_sorted = segment_ranges(offset, slot_rows_S)
     entry_row = np.empty(N, dtype=np.int64)
     entry_row[order_N[:n_drop]] = -1
     entry_row[order_N[n_drop:]] = row_sorted
-    if int(padded.sum()) == n_kept:  # no padding rows: global rows are 0..n_kept-1 in this order
-        grow = None
-    else:
-        grow = row_sorted
-        grow += np.repeat(cum - offset, slot_rows_S)
     del row_sorted
+    # no padding rows: global rows are 0..n_kept-1 in this order
+    grow = None if int(padded.sum()) == n_kept else segment_ranges(cum, slot_rows_S)
     nR = R if ranks is None else int(ranks)
     rows_R = np.bincount(slot_rank_S, weights=padded, minlength=nR).astype(np.int64)
     return SlotLayout(slot_rows_S, padded, offset, entry_row, order_N, n_drop, rows_R, grow)
@@ -265,9 +260,9 @@ def block_messages(cnt: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray, np.
     per_dst = cnt_RR.sum(axis=0).astype(np.int64)
     block_start = np.cumsum(cnt) - cnt  # first message of each (src, dst) block
     dst_row0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()  # its first receive row
+    del block_start
     blocks = np.arange(R * R, dtype=np.int64)
-    row = np.repeat(dst_row0 - block_start, cnt)
-    row += np.arange(row.size, dtype=np.int64)
+    row = segment_ranges(dst_row0, cnt)
     return np.repeat(blocks // R, cnt), np.repeat(blocks % R, cnt), row, per_dst
 
 

@@ -74,10 +74,11 @@ def _route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.nda
     return hop, dst_row
 
 
-def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray,
+def _route_hop_grouped(src_rank_N: np.ndarray | None, src_row_N: np.ndarray | None, dst_rank_N: np.ndarray,
                        gid_N: np.ndarray | None, ranks: int, scope: str, dup_N: int | None = None,
                        kept_N: np.ndarray | None = None, src_sorted: bool = False, gid_shift: int = -1,
-                       tok_off_R: np.ndarray | None = None):
+                       tok_off_R: np.ndarray | None = None, src_bound_R: np.ndarray | None = None,
+                       group: bool | None = None):
     """:func:`route_hop` for entries in entry order whose messages have one source each.
 
     Requires ``gid_N`` non-decreasing (None: every entry its own message) and entries with equal
@@ -89,43 +90,49 @@ def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N
     [dup_N] flags of the entries (``kept_N[i]`` for entry i, or i itself) that are not the first
     of their message.
 
+    Rank arrays may be int64 or, with R <= 256, uint8 (what :func:`plan_from_routes` passes).
     ``src_sorted``: the caller knows ``src_rank_N`` is non-decreasing (a hop leaving the tokens'
     own ranks); with R <= 256 each source's run is then sorted by destination with a one-byte
-    radix sort (the same permutation). ``gid_shift`` >= 0: the caller knows ``gid_N[i] == i >>
+    radix sort (the same permutation). ``src_bound_R`` (int64 [R+1]): those runs' bounds, given
+    instead of ``src_rank_N`` (then None). ``gid_shift`` >= 0: the caller knows ``gid_N[i] == i >>
     gid_shift`` (token of entry i, all entries kept, K a power of two), which saves a gather;
-    with ``tok_off_R`` (int64 [R+1] first token of each rank) as well, the caller also knows
-    ``src_row_N[i] == (i >> gid_shift) - tok_off_R[src_rank_N[i]]`` (a hop leaving the tokens'
-    own ranks), and the messages' source rows are computed rather than gathered.
+    ``group`` (default: ``gid_N is not None``) then says whether entries of one token share a
+    message, and ``gid_N`` may be None. With ``tok_off_R`` (int64 [R+1] first token of each rank)
+    as well, the caller also knows ``src_row_N[i] == (i >> gid_shift) - tok_off_R[src_rank_N[i]]``
+    (a hop leaving the tokens' own ranks): the messages' source rows are computed rather than
+    gathered, and ``src_row_N`` may be None.
     """
     n, R = dst_rank_N.size, int(ranks)
-    if src_sorted and R <= 256:
+    group = gid_N is not None if group is None else bool(group)
+    if (src_sorted or src_bound_R is not None) and R <= 256:
         order = np.empty(n, dtype=np.int64)
         ecnt_RR = np.zeros((R, R), dtype=np.int64)
-        bound = np.searchsorted(src_rank_N, np.arange(R + 1))
+        bound = src_bound_R if src_bound_R is not None else np.searchsorted(src_rank_N, np.arange(R + 1))
         for r in range(R):  # loop over source ranks, not entries
             lo, hi = int(bound[r]), int(bound[r + 1])
             if hi > lo:
-                d8 = dst_rank_N[lo:hi].astype(np.uint8)
+                d8 = dst_rank_N[lo:hi].astype(np.uint8, copy=False)
                 ecnt_RR[r] = np.bincount(d8, minlength=R)
                 np.add(np.argsort(d8, kind="stable"), lo, out=order[lo:hi])
         ecnt = ecnt_RR.ravel()
         key = None
-    elif R * R <= 1 << 16 and (gid_N is None or gid_shift >= 0):  # a 16-bit key, sorted in place
+    elif R * R <= 1 << 16 and (not group or gid_shift >= 0):  # a 16-bit key, sorted in place
         key16 = np.empty(n, dtype=np.uint16)
-        np.multiply(src_rank_N, R, out=key16, casting="unsafe")  # (values < R*R fit)
-        np.add(key16, dst_rank_N, out=key16, casting="unsafe")
+        np.multiply(src_rank_N, R, out=key16, dtype=np.uint16, casting="unsafe")  # (values < R*R fit)
+        np.add(key16, dst_rank_N, out=key16, dtype=np.uint16, casting="unsafe")
         order = stable_order(key16, R * R)
         ecnt = np.bincount(key16, minlength=R * R)  # entries per (src, dst) block, src-major
         del key16
         key = None
     else:
-        key = src_rank_N * R
+        key = src_rank_N.astype(np.int64) * R
         key += dst_rank_N
         order = stable_order(key, R * R)
         ecnt = np.bincount(key, minlength=R * R)  # entries per (src, dst) block, src-major
-    if gid_N is not None and n:
+    if group and n:
+        # one [n] int64 buffer serves as each sorted entry's gid, then as the running message count
         if gid_shift >= 0:
-            gs = order >> gid_shift
+            gs = np.right_shift(order, gid_shift, out=key if key is not None else np.empty(n, dtype=np.int64))
         elif key is None:
             gs = np.take(gid_N, order)
         else:
@@ -133,10 +140,11 @@ def _route_hop_grouped(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N
         first = np.empty(n, dtype=bool)
         first[0] = True
         np.not_equal(gs[1:], gs[:-1], out=first[1:])
-        del gs, key
         ebound = np.cumsum(ecnt) - ecnt
         first[ebound[ecnt > 0]] = True  # a new (src, dst) block starts a new message
-        mcum = np.cumsum(first.view(np.uint8), dtype=np.int64)  # messages up to and including each entry
+        mcum = np.cumsum(first.view(np.uint8), dtype=np.int64,  # messages up to and including each entry
+                         out=gs if gs.dtype == np.int64 else None)
+        del gs, key
         ends = np.cumsum(ecnt)
         m_at = np.where(ends > 0, mcum[np.maximum(ends - 1, 0)], 0)
         cnt = np.diff(np.concatenate([[0], m_at])).astype(np.int64)
@@ -247,7 +255,7 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
                   min_rows_S: np.ndarray | None = None, pad_slot_P: np.ndarray | None = None,
                   pad_buf_row_P: np.ndarray | None = None, capacity_R: np.ndarray | None = None,
                   options: dict[str, Any] | None = None,
-                  slot_order: tuple | None = None, **extra) -> Plan:
+                  slot_order: tuple | None = None, entry_rank_N: np.ndarray | None = None, **extra) -> Plan:
     """A Plan from explicit hops and each entry's row in the last hop's buffer.
 
     slot_rank_S / slot_expert_S / slot_home_S: int64 [S] the slots, sorted by rank.
@@ -263,6 +271,8 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     (slot, entry) order, dropped first (what :func:`~moonep_sim.plan.build.slot_sort` returns of
     ``entry_slot_N``): it saves that sort. A fourth item, int64 [N - n_drop] the last-buffer row of
     each kept entry in that order, may stand in for ``entry_buf_row_N`` (then None).
+    entry_rank_N: optional int64 [N] each entry's rank (``slot_rank_S[entry_slot_N]``, -1 dropped)
+    when the caller has it already: the Plan's ``entry_rank_TK`` (not copied).
     """
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
@@ -280,7 +290,9 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
                             slot_rank_S, token_padding, min_rows_S, R)
     slot_rows, padded, offset, entry_row = lay.slot_rows_S, lay.slot_padded_S, lay.slot_offset_S, lay.entry_row_N
     kept_sorted = lay.order_N[lay.n_drop:]
-    if lay.n_drop:
+    if entry_rank_N is not None:
+        entry_rank = np.asarray(entry_rank_N, dtype=np.int64).ravel()
+    elif lay.n_drop:
         entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
     else:
         entry_rank = slot_rank_S[entry_slot]
@@ -336,6 +348,13 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
     K1 = max(K, 1)
     all_kept = bool(N == 0 or entry_slot.min() >= 0)
     src_T = routing.src_rank_T()
+    src_sorted = bool(src_T.size < 2 or (np.diff(src_T) >= 0).all())  # tokens in rank order (as usual)
+    shift = K1.bit_length() - 1 if all_kept and K1 & (K1 - 1) == 0 else -1  # tok[i] == i >> shift
+    if (via_table and shift >= 0 and src_sorted and 0 < R <= 256
+            and all(h == 0 or not dedup[h] or h == H - 1 for h in range(H))):
+        return _plan_from_table_routes(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot,
+                                       via_N, scopes, dedup, shift, token_padding=token_padding, options=options,
+                                       **extra)
     if all_kept:  # (no array of kept entry ids: they are 0..N-1)
         kept = None
         tok = np.repeat(np.arange(T, dtype=np.int64), K)
@@ -348,8 +367,6 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
         row = tok - routing.tok_off_R()[src]
     pick = (lambda a: a) if all_kept else (lambda a: a[kept])
     n_kept = N if all_kept else kept.size
-    src_sorted = bool(src_T.size < 2 or (np.diff(src_T) >= 0).all())  # tokens in rank order (as usual)
-    shift = K1.bit_length() - 1 if all_kept and K1 & (K1 - 1) == 0 else -1  # tok[i] == i >> shift
     dst = slot_rank_S[pick(entry_slot)]
     if via_table:
         for v in via_N:
@@ -408,6 +425,61 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
         entry_dup = dup_flags(entry_rank, K) if dedup[-1] else np.zeros(N, dtype=bool)
     return assemble_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot, hops,
                          entry_buf_row, entry_dup, token_padding=token_padding, options=options, **extra)
+
+
+def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
+                            slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_N: np.ndarray,
+                            via_RR: Sequence[np.ndarray], scopes: Sequence[str], dedup: Sequence[bool], shift: int, *,
+                            token_padding: int, options: dict[str, Any] | None, **extra) -> Plan:
+    """:func:`plan_from_routes` for the usual case: routes given as [R, R] tables, every entry kept,
+    K a power of two (``K == 1 << shift``), tokens in rank order, R <= 256, and no deduplicating
+    hop between the first and the last.
+
+    An entry's token (``e >> shift``), source rank (its run of entries) and source row then follow
+    from its id, so no [N] array of them is built; the ranks an entry passes are one byte each.
+    The Plan equals the general path's (``tests/test_planner_outputs_pinned.py``).
+    """
+    R, H = cluster.ranks, len(scopes)
+    N = entry_slot_N.size
+    tok_off = routing.tok_off_R()
+    bound = tok_off << shift  # entries of source rank r: [bound[r], bound[r + 1])
+    tables = []
+    for v in via_RR:
+        t = np.asarray(v)
+        if t.shape != (R, R):
+            raise PlanError(f"via table shape ({list(t.shape)}) must be [R, R] = [{R}, {R}]")
+        if t.size and (int(t.min()) < 0 or int(t.max()) >= R):
+            raise PlanError(f"via table values ({int(t.min())}..{int(t.max())}) must be ranks in [0, {R})")
+        tables.append(t.astype(np.uint8))
+    entry_rank = slot_rank_S[entry_slot_N]  # int64 [N]: the Plan's entry_rank (every entry kept)
+    dst8 = entry_rank.astype(np.uint8)
+    mids = [np.empty(N, dtype=np.uint8) for _ in tables]
+    for r in range(R):  # each source rank's entries are one run: look up its table row
+        lo, hi = int(bound[r]), int(bound[r + 1])
+        if hi > lo:
+            for m, t in zip(mids, tables):
+                np.take(t[r], dst8[lo:hi], out=m[lo:hi])
+    pos = [None] + mids + [dst8]
+    del mids
+    entry_dup = None
+    row = None
+    hops = []
+    for h in range(H):
+        if h == 0:  # tokens leave their own ranks: runs by source, rows by arithmetic
+            hop, row = _route_hop_grouped(None, None, pos[1], None, R, scopes[0], gid_shift=shift, tok_off_R=tok_off,
+                                          src_bound_R=bound, group=dedup[0])
+        elif dedup[h]:  # the last hop (see the caller's condition): messages group as (src, dst, token)
+            hop, row, entry_dup = _route_hop_grouped(pos[h], row, pos[h + 1], None, R, scopes[h], dup_N=N,
+                                                     gid_shift=shift, group=True)
+        else:
+            hop, row = _route_hop_grouped(pos[h], row, pos[h + 1], None, R, scopes[h], gid_shift=shift, group=False)
+        pos[h] = None
+        hops.append(hop)
+    del pos, dst8
+    if entry_dup is None:
+        entry_dup = dup_flags(entry_rank, routing.top_k) if dedup[-1] else np.zeros(N, dtype=bool)
+    return assemble_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot_N, hops, row,
+                         entry_dup, token_padding=token_padding, options=options, entry_rank_N=entry_rank, **extra)
 
 
 def home_slots(placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -35,6 +35,30 @@ def stable_order(key_N: np.ndarray, n_keys: int) -> np.ndarray:
     return order
 
 
+def segment_ranges(first_B: np.ndarray, lens_B: np.ndarray) -> np.ndarray:
+    """int64 [sum(lens_B)]: the ranges ``first_B[b], first_B[b] + 1, ..., first_B[b] + lens_B[b] - 1``
+    of B segments, concatenated (``np.repeat(first_B - start_B, lens_B) + np.arange(total)``).
+
+    Built in one array (ones, the jump at each segment's start, then a cumulative sum in place): no
+    [total]-sized temporary, which at millions of rows costs as much as the arithmetic.
+    """
+    first = np.asarray(first_B, dtype=np.int64)
+    lens = np.asarray(lens_B, dtype=np.int64)
+    total = int(lens.sum())
+    out = np.ones(total, dtype=np.int64)
+    if total == 0:
+        return out
+    nz = lens > 0
+    f, n = first[nz], lens[nz]
+    start = np.cumsum(n) - n
+    # at a segment's start the value jumps from the previous segment's last value to its first
+    jump = f.copy()
+    jump[1:] -= f[:-1] + n[:-1] - 1
+    out[start] = jump
+    np.cumsum(out, out=out)
+    return out
+
+
 def entry_token(entry_N: np.ndarray, top_k: int) -> np.ndarray:
     """Token of each flat entry id (``e // K``; a shift when K is a power of two)."""
     if top_k & (top_k - 1) == 0:
@@ -42,4 +66,4 @@ def entry_token(entry_N: np.ndarray, top_k: int) -> np.ndarray:
     return entry_N // top_k
 
 
-__all__ = ["entry_token", "small_key_dtype", "stable_order"]
+__all__ = ["entry_token", "segment_ranges", "small_key_dtype", "stable_order"]

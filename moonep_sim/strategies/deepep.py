@@ -31,15 +31,16 @@ from moonep_sim.strategies import Option, PlanContext, register
 
 
 def nodes_per_token_T(node_TK: np.ndarray) -> np.ndarray:
-    """int64 [T]: distinct nodes among each token's K destinations."""
+    """int64 [T]: distinct nodes among each token's K destinations (node_TK: any integer dtype)."""
     if node_TK.size == 0:
         return np.zeros(node_TK.shape[0], dtype=np.int64)
-    if hasattr(np, "bitwise_count") and int(node_TK.min()) >= 0 and int(node_TK.max()) < 64:
-        # a bit set of each token's nodes (numpy >= 2.0 counts its bits)
-        seen = np.zeros(node_TK.shape[0], dtype=np.uint64)
-        for k in range(node_TK.shape[1]):  # loop over top-k slots, not tokens
-            seen |= np.left_shift(np.uint64(1), node_TK[:, k].astype(np.uint64))
-        return np.bitwise_count(seen).astype(np.int64)
+    lo, hi = int(node_TK.min()), int(node_TK.max())
+    if hasattr(np, "bitwise_count") and lo >= 0 and hi < 64:
+        # a bit set of each token's nodes in the narrowest word that holds them, OR-reduced over
+        # its K entries (numpy >= 2.0 counts the bits)
+        dt = np.uint8 if hi < 8 else np.uint16 if hi < 16 else np.uint32 if hi < 32 else np.uint64
+        bits = np.left_shift(dt(1), node_TK.astype(dt))
+        return np.bitwise_count(np.bitwise_or.reduce(bits, axis=1)).astype(np.int64)
     s = np.sort(node_TK, axis=1)
     return 1 + (s[:, 1:] != s[:, :-1]).sum(axis=1).astype(np.int64)
 
@@ -81,7 +82,9 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, max_nodes: int, sms: int) 
     sr, se, slot_of = home_slots(ctx.placement)
     ids = routing.topk_ids_TK
     entry_slot = slot_of[ids]
-    npt = nodes_per_token_T((sr // G)[entry_slot])
+    node_S = sr // G
+    # nodes per token from one-byte node ids (an [N] gather of bytes, not of int64) when they fit
+    npt = nodes_per_token_T((node_S.astype(np.uint8) if node_S.size and node_S.max() < 256 else node_S)[entry_slot])
     if max_nodes and npt.size and int(npt.max()) > max_nodes:
         t = int(np.argmax(npt > max_nodes))
         raise PlanError(f"nodes of token {t} ({int(npt[t])}) must be <= max_nodes ({max_nodes}): the given "
