@@ -456,3 +456,22 @@ def test_segment_ranges_matches_repeat_arange(segs):
     want = np.repeat(first - start, lens) + np.arange(int(lens.sum()), dtype=np.int64)
     got = segment_ranges(first, lens)
     assert got.dtype == np.int64 and np.array_equal(got, want)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), max_size=12), st.integers(0, 4))
+def test_segment_mask_matches_reference(gaps_lens, tail):
+    """``segment_mask`` marks exactly the disjoint segments, adjacent and empty ones included."""
+    from moonep_sim.plan.order import segment_mask
+    start, pos = [], 0
+    for gap, n in gaps_lens:
+        pos += gap
+        start.append(pos)
+        pos += n
+    lens = [n for _, n in gaps_lens]
+    n_total = pos + tail
+    want = np.zeros(n_total, dtype=bool)
+    for a, n in zip(start, lens):
+        want[a:a + n] = True
+    got = segment_mask(np.array(start, dtype=np.int64), np.array(lens, dtype=np.int64), n_total)
+    assert got.dtype == bool and np.array_equal(got, want)

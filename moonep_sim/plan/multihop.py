@@ -20,7 +20,7 @@ import numpy as np
 from moonep_sim.errors import PlanError
 from moonep_sim.plan.build import block_messages, final_rows, slot_layout, sorted_layout
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
-from moonep_sim.plan.order import stable_order
+from moonep_sim.plan.order import segment_ranges, stable_order
 from moonep_sim.plan.placement import ClusterShape
 
 
@@ -260,7 +260,8 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
 
     slot_rank_S / slot_expert_S / slot_home_S: int64 [S] the slots, sorted by rank.
     hops: the dispatch hops in order (see :class:`~moonep_sim.plan.Hop`).
-    entry_slot_N: int64 [N] slot of each entry (slots sorted by rank), -1 = dropped.
+    entry_slot_N: int64 [N] slot of each entry (slots sorted by rank), -1 = dropped; None when
+    ``slot_order`` and ``entry_rank_N`` are given (nothing else needs it).
     entry_buf_row_N: int64 [N] row of the last buffer (on the entry's rank) holding its token.
     entry_dup_N: bool [N] duplicate flags (see :class:`Plan`).
     pad_slot_P / pad_buf_row_P: optional padding rows that *arrived* over the wire (zero rows sent
@@ -277,7 +278,9 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    entry_slot = np.asarray(entry_slot_N, dtype=np.int64).ravel()
+    if entry_slot_N is None and (slot_order is None or entry_rank_N is None):
+        raise PlanError("entry_slot_N (None) must be given unless slot_order and entry_rank_N are")
+    entry_slot = None if entry_slot_N is None else np.asarray(entry_slot_N, dtype=np.int64).ravel()
     kept_buf_row = None if slot_order is None or len(slot_order) < 4 else np.asarray(slot_order[3], dtype=np.int64)
     if entry_buf_row_N is None and kept_buf_row is None:
         raise PlanError("entry_buf_row_N (None) must be given unless slot_order carries the kept entries' rows")
@@ -306,11 +309,11 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
             s = int(np.argmax(cnt > padded - slot_rows))
             raise PlanError(f"padding rows of slot {s} ({int(cnt[s])}) must fit its padding "
                             f"({int(padded[s] - slot_rows[s])})")
-        order = stable_order(ps, slot_rank_S.size)  # padding rows by slot, arrival order kept
+        pad_row = np.asarray(pad_buf_row_P, dtype=np.int64)
+        if ps.size > 1 and bool((ps[1:] < ps[:-1]).any()):  # padding rows by slot, arrival order kept
+            pad_row = pad_row[stable_order(ps, slot_rank_S.size)]
         # the j-th arrived padding row of slot s fills row slot_rows[s] + j of its segment
-        gp = np.repeat(row_off[slot_rank_S] + offset + slot_rows - (np.cumsum(cnt) - cnt), cnt)
-        gp += np.arange(ps.size, dtype=np.int64)
-        expand[gp] = np.asarray(pad_buf_row_P, dtype=np.int64)[order]
+        expand[segment_ranges(row_off[slot_rank_S] + offset + slot_rows, cnt)] = pad_row
     return Plan(
         strategy="", options=dict(options or {}), cluster=cluster, num_experts=routing.num_experts, top_k=K,
         tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),

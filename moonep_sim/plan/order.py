@@ -59,6 +59,22 @@ def segment_ranges(first_B: np.ndarray, lens_B: np.ndarray) -> np.ndarray:
     return out
 
 
+def segment_mask(start_B: np.ndarray, lens_B: np.ndarray, n: int) -> np.ndarray:
+    """bool [n]: True on ``[start_B[b], start_B[b] + lens_B[b])`` for each of B disjoint segments.
+
+    One int8 array of +1/-1 marks at the segments' ends (B-sized scatter-adds), summed in place:
+    no [n]-sized integer temporary.
+    """
+    start = np.asarray(start_B, dtype=np.int64)
+    lens = np.asarray(lens_B, dtype=np.int64)
+    nz = lens > 0
+    d = np.zeros(int(n) + 1, dtype=np.int8)
+    np.add.at(d, start[nz], 1)
+    np.add.at(d, start[nz] + lens[nz], -1)  # (where one segment ends as the next starts, they cancel)
+    np.cumsum(d, dtype=np.int8, out=d)  # 1 inside a segment, 0 outside (segments are disjoint)
+    return d[:-1].view(bool)
+
+
 def entry_token(entry_N: np.ndarray, top_k: int) -> np.ndarray:
     """Token of each flat entry id (``e // K``; a shift when K is a power of two)."""
     if top_k & (top_k - 1) == 0:
@@ -66,4 +82,4 @@ def entry_token(entry_N: np.ndarray, top_k: int) -> np.ndarray:
     return entry_N // top_k
 
 
-__all__ = ["entry_token", "segment_ranges", "small_key_dtype", "stable_order"]
+__all__ = ["entry_token", "segment_mask", "segment_ranges", "small_key_dtype", "stable_order"]

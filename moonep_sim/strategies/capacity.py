@@ -21,6 +21,7 @@ import numpy as np
 from moonep_sim.errors import require
 from moonep_sim.limits import MAX_ELEMENTS
 from moonep_sim.plan import GlobalRouting, Hop, Plan, Scope, assemble_plan, home_slots, stable_order
+from moonep_sim.plan.order import segment_mask, segment_ranges, small_key_dtype
 from moonep_sim.strategies import Option, PlanContext, register
 
 # Notation: T tokens, K top-k, E experts, R ranks, S slots (home slots, one per expert),
@@ -44,12 +45,18 @@ def _desc_weight_key_N(weights_N: np.ndarray) -> np.ndarray:
     The float32 bit pattern, made monotonic (sign bit flipped for >= 0, all bits for < 0), then
     complemented; -0.0 is folded into +0.0 first so the two tie, as they compare equal.
     """
-    w = np.asarray(weights_N, dtype=np.float32) + np.float32(0.0)  # -0.0 + 0.0 = +0.0
-    u = w.view(np.uint32)
-    neg = (u >> np.uint32(31)).astype(bool)
-    key = np.where(neg, u, ~(u | np.uint32(0x80000000)))  # ~ascending key: descending order
-    key[np.isnan(w)] = np.uint32(0xFFFFFFFF)  # NaN ranks after every number (as in a float sort)
-    return key
+    return _desc_key_inplace(np.asarray(weights_N, dtype=np.float32) + np.float32(0.0))  # -0.0 + 0.0 = +0.0
+
+
+def _desc_key_inplace(w_N: np.ndarray) -> np.ndarray:
+    """:func:`_desc_weight_key_N` of float32 ``w_N`` (no -0.0 left), written over ``w_N``'s own
+    memory (returned as its uint32 view): for a sign bit 0, ``~(u | 1 << 31) == 0x7FFFFFFF - u``;
+    negative weights keep their bits; NaN becomes 0xFFFFFFFF."""
+    nan = np.isnan(w_N)
+    u = w_N.view(np.uint32)
+    np.subtract(np.uint32(0x7FFFFFFF), u, out=u, where=u < np.uint32(0x80000000))
+    u[nan] = np.uint32(0xFFFFFFFF)  # NaN ranks after every number (as in a float sort)
+    return u
 
 
 def _keep_heaviest_A(A_N: np.ndarray, cnt_G: np.ndarray, cap_G: np.ndarray,
@@ -58,39 +65,39 @@ def _keep_heaviest_A(A_N: np.ndarray, cnt_G: np.ndarray, cap_G: np.ndarray,
     the ``cap_G`` heaviest of its group (ties: earlier entry first) -- :func:`keep_mask_N`'s
     ``drop=weight`` without a sort of the entries by weight.
 
-    One value sort of ``group << 32 | weight key`` over the groups above capacity (fast: no
-    permutation to carry) gives each group's threshold, the cap-th heaviest weight; an entry stays if it is heavier, or if it ties
-    the threshold and is among the first ties (in entry order) still within the capacity.
+    A group within its capacity keeps every entry, one without capacity none. For the groups above
+    capacity (their entries only): one value sort of ``group << 32 | weight key`` (fast: no
+    permutation to carry, and groups arrive in order) gives each group's threshold, the cap-th
+    heaviest key, and how many entries are heavier (where the threshold first appears); an entry
+    stays if it is heavier, or if it ties the threshold and is among the first ties (in entry
+    order) still within the capacity.
     """
-    wkey = _desc_weight_key_N(weights_N)  # ascending = heaviest first
-    w_A = wkey[A_N]
-    del wkey
-    start_G = np.cumsum(cnt_G) - cnt_G
+    n = A_N.size
     over = (cnt_G > cap_G) & (cap_G > 0)
-    thr_G = np.full(cnt_G.size, 0xFFFFFFFF, dtype=np.int64)  # groups within capacity keep all
-    if over.any():  # only the entries of groups over capacity are sorted (A_N keeps groups contiguous)
-        cnt_O = cnt_G[over]
-        packed = np.repeat(np.arange(cnt_O.size, dtype=np.int64) << 32, cnt_O)
-        packed |= w_A[np.repeat(over, cnt_G)]
-        packed.sort()
-        thr_G[over] = packed[np.cumsum(cnt_O) - cnt_O + cap_G[over] - 1] & 0xFFFFFFFF
-        del packed
-    thr_G[(cnt_G > cap_G) & (cap_G <= 0)] = 0  # no capacity: only ties of key 0 compete, for 0 places
-    thr_A = np.repeat(thr_G.astype(np.uint32), cnt_G)
-    less = w_A < thr_A
-    eq = w_A == thr_A
-    del w_A, thr_A
-    c_less = np.zeros(less.size + 1, dtype=np.int64)
-    np.cumsum(less.view(np.uint8), dtype=np.int64, out=c_less[1:])
-    n_less_G = c_less[start_G + cnt_G] - c_less[start_G]  # entries heavier than the threshold
-    del c_less
-    c_eq = np.cumsum(eq.view(np.uint8), dtype=np.int64)  # running count of ties, through each entry
-    eq_before_G = np.concatenate([[0], c_eq])[start_G]
-    # ties of group g kept: the first cap_g - n_less_g of them, i.e. running tie count <= that
-    limit_G = eq_before_G + np.maximum(cap_G - n_less_G, 0)
-    keep = c_eq <= np.repeat(limit_G, cnt_G)
-    keep &= eq
-    keep |= less
+    keep = np.repeat(cnt_G <= cap_G, cnt_G)  # groups within capacity keep all, groups without none
+    if not over.any():
+        return keep
+    sel = np.repeat(over, cnt_G)  # entries (in A order) of the groups above capacity
+    w_O = np.asarray(weights_N, dtype=np.float32)[A_N[sel]]
+    w_O += np.float32(0.0)  # -0.0 + 0.0 = +0.0
+    key_O = _desc_key_inplace(w_O)  # ascending = heaviest first
+    cnt_O, cap_O = cnt_G[over], cap_G[over]
+    g_O = np.arange(cnt_O.size, dtype=np.int64) << 32
+    packed = np.repeat(g_O, cnt_O)
+    packed |= key_O
+    packed.sort(kind="stable")  # (a value sort; the stable kind runs fastest on group-ordered input)
+    seg_O = np.cumsum(cnt_O) - cnt_O  # each group's first position among the selected entries
+    thr_O = packed[seg_O + cap_O - 1] & 0xFFFFFFFF  # the cap-th heaviest key of each group
+    n_less_O = np.searchsorted(packed, g_O | thr_O) - seg_O  # entries heavier than the threshold
+    del packed
+    thr_x = np.repeat(thr_O.astype(np.uint32), cnt_O)
+    keep_O = key_O < thr_x
+    tie = np.flatnonzero(key_O == thr_x)  # ties of the threshold (few), in entry order per group
+    del thr_x, key_O, w_O
+    g_tie = np.searchsorted(seg_O, tie, side="right") - 1
+    rank_tie = np.arange(tie.size, dtype=np.int64) - np.searchsorted(tie, seg_O)[g_tie]
+    keep_O[tie[rank_tie < (cap_O - n_less_O)[g_tie]]] = True  # the first cap - n_less ties stay
+    keep[sel] = keep_O
     return keep
 
 
@@ -114,7 +121,7 @@ def keep_mask_N(ids_N: np.ndarray, weights_N: np.ndarray, src_N: np.ndarray, cap
     if drop == "weight":
         keep[A] = _keep_heaviest_A(A, cnt, cap_G, weights_N)
     else:  # the sorted entries of group g sit at [start_g, start_g + cnt_g); the first cap_g stay
-        keep[A] = np.arange(n, dtype=np.int64) < np.repeat(np.cumsum(cnt) - cnt + cap_G, cnt)
+        keep[A] = segment_mask(np.cumsum(cnt) - cnt, np.minimum(cnt, np.maximum(cap_G, 0)), n)
     return keep
 
 
@@ -138,43 +145,43 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     ids = routing.topk_ids_TK.ravel()
     N = ids.size
     # group = (source rank, home slot): the same groups as (source rank, expert) -- one home slot
-    # per expert -- but numbered in message order. A: entries sorted by (src, slot, entry).
-    n_groups = R * S
-    if n_groups <= 1 << 16:  # 16-bit group ids: no [N] int64 temporaries, and the radix sort's own key
-        group = np.repeat((routing.src_rank_T() * S).astype(np.uint16), K)
-        group += np.take(slot_of.astype(np.uint16), ids)
-    else:
-        group = np.repeat(routing.src_rank_T() * S, K)
-        group += slot_of[ids]
-    A = stable_order(group, n_groups)
-    cnt_G = np.bincount(group, minlength=n_groups).astype(np.int64)  # entries per (src, slot)
+    # per expert -- but numbered in message order. A: entries sorted by (src, slot, entry). Tokens
+    # are in rank order, so each source rank's entries are one run: a stable sort of each run by
+    # slot (a small radix sort whose scratch stays in cache) orders them all
+    slot_key = np.take(slot_of.astype(small_key_dtype(S)), ids)  # [N] each entry's home slot, narrow
+    bound = routing.tok_off_R() * K  # entries of source rank r: [bound[r], bound[r + 1])
+    A = np.empty(N, dtype=np.int64)
+    cnt_RS = np.zeros((R, S), dtype=np.int64)
+    for r in range(R):  # loop over source ranks, not entries
+        lo, hi = int(bound[r]), int(bound[r + 1])
+        if hi > lo:
+            k = slot_key[lo:hi]
+            cnt_RS[r] = np.bincount(k, minlength=S)
+            np.add(np.argsort(k, kind="stable"), lo, out=A[lo:hi])
+    cnt_G = cnt_RS.ravel()  # entries per (src, slot)
     cap_G = np.repeat(cap_R, S)
-    start_G = np.cumsum(cnt_G) - cnt_G
+    kc_G = np.minimum(cnt_G, cap_G)  # kept rows per (src, slot) block
     if drop == "weight":  # keep the cap_G heaviest of each group (ties: earlier entry first)
         keep_A = _keep_heaviest_A(A, cnt_G, cap_G, routing.topk_weights_TK.ravel())
-        keep = np.empty(N, dtype=bool)
-        keep[A] = keep_A
     else:  # keep the first cap_G of each group in entry order
-        keep_A = np.arange(N, dtype=np.int64) < np.repeat(start_G + cap_G, cnt_G)
-        keep = np.empty(N, dtype=bool)
-        keep[A] = keep_A
-    del group
-    entry_slot = np.where(keep, slot_of[ids], -1)
-    del keep
+        keep_A = segment_mask(np.cumsum(cnt_G) - cnt_G, kc_G, N)
+    drop_N = np.ones(N, dtype=bool)
+    drop_N[A[keep_A]] = False
     ke = A[keep_A]  # kept entries in (src, slot, entry) order: the hop's order of kept rows
     del A, keep_A
-    kc_G = np.minimum(cnt_G, cap_G)  # kept rows per (src, slot) block
+    entry_rank = np.take(sr, slot_key)  # int64 [N] the Plan's entry_rank (-1 dropped)
+    entry_rank[drop_N] = -1
+    del slot_key
     per_rs = kc_G.reshape(R, S)
     # the layout's (slot, entry) order, dropped entries first: the kept entries are ke with its
     # (src, slot) blocks moved to (slot, src) order (tokens are in rank order), no sort needed
     n_kept = ke.size
     order_N = np.empty(N, dtype=np.int64)
-    order_N[:N - n_kept] = np.flatnonzero(entry_slot < 0)
+    order_N[:N - n_kept] = np.flatnonzero(drop_N)
+    del drop_N
     kc_SR = np.ascontiguousarray(per_rs.T)
-    to_SR = np.cumsum(kc_SR.ravel()) - kc_SR.ravel()  # block start in (slot, src) order
-    move = np.repeat(to_SR.reshape(S, R).T.ravel() - (np.cumsum(kc_G) - kc_G), kc_G)
-    move += np.arange(n_kept, dtype=np.int64)
-    order_N[N - n_kept:][move] = ke
+    kstart_RS = (np.cumsum(kc_G) - kc_G).reshape(R, S)  # block starts within ke
+    np.take(ke, segment_ranges(kstart_RS.T.ravel(), kc_SR.ravel()), out=order_N[N - n_kept:])
     # receive buffer on each destination: blocks (src rank, slot in rank order), each C_src rows when
     # padding (kept rows first, zero rows after), or only the kept rows without padding
     block_RS = np.broadcast_to(cap_R[:, None], (R, S)) if pad else per_rs
@@ -196,35 +203,38 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     m_start = np.cumsum(blk_len) - blk_len
     m_src = np.repeat(np.arange(R, dtype=np.int64), blk_len.reshape(R, S).sum(axis=1))
     m_dst = np.repeat(np.tile(dst_of_S, R), blk_len)
-    m_row = np.repeat(blk_off - m_start, blk_len)
-    m_row += np.arange(M, dtype=np.int64)
+    m_row = segment_ranges(blk_off, blk_len)
     # source row of a kept entry: its token's row on its own rank
     K1 = max(K, 1)
     k_row = ke >> (K1.bit_length() - 1) if K1 & (K1 - 1) == 0 else ke // K1
-    k_row -= np.repeat(routing.tok_off_R()[:-1], per_rs.sum(axis=1))
-    buf_row_K = np.empty(n_kept, dtype=np.int64)  # receive row of each kept entry, in layout order
+    del ke
+    k_bound = np.concatenate([[0], np.cumsum(per_rs.sum(axis=1))])
+    tok_off = routing.tok_off_R()
+    for r in range(R):  # ke is in source-rank order: subtract each rank's first token in place
+        k_row[k_bound[r]:k_bound[r + 1]] -= tok_off[r]
+    # receive row of each kept entry in layout (slot, src, entry) order: block (r, s) holds its
+    # kept rows first, at blk_off[r, s] + j
+    blk_off_SR = blk_off.reshape(R, S).T.ravel()
+    buf_row_K = segment_ranges(blk_off_SR, kc_SR.ravel())
     pad_slot = pad_row = np.zeros(0, np.int64)
     if pad:  # each block: its kept rows, then C_src - kept zero rows (src_row -1)
-        is_kept_M = np.arange(M, dtype=np.int64) < np.repeat(m_start + kc_G, blk_len)
         m_srow = np.full(M, -1, dtype=np.int64)
-        m_srow[is_kept_M] = k_row
-        buf_row_K[move] = m_row[is_kept_M]
-        np.logical_not(is_kept_M, out=is_kept_M)
-        pad_row = m_row[is_kept_M]
-        pad_slot = np.repeat(np.tile(np.arange(S, dtype=np.int64), R), blk_len - kc_G)
-        del is_kept_M
+        m_srow[segment_mask(m_start, kc_G, M)] = k_row
+        # the zero rows by (slot, src): the order assemble_plan lays them out in (no sort needed)
+        npad_SR = (blk_len - kc_G).reshape(R, S).T.ravel()
+        pad_row = segment_ranges(blk_off_SR + kc_SR.ravel(), npad_SR)
+        pad_slot = np.repeat(np.arange(S, dtype=np.int64), npad_SR.reshape(S, R).sum(axis=1))
     else:
         m_srow = k_row
-        buf_row_K[move] = m_row
-    del ke, k_row
+    del k_row
     hop = Hop(Scope.GLOBAL, m_src, m_srow, m_dst, m_row, dst_rows_R)
     # static capacity: per slot sum_r C_r rows, rounded up to token_padding
     tp = max(int(ctx.token_padding), 1)
     slot_cap = np.full(S, int(cap_R.sum()), dtype=np.int64)
     slot_cap = (slot_cap + tp - 1) // tp * tp
     capacity_R = np.bincount(sr, weights=slot_cap, minlength=R).astype(np.int64)
-    return assemble_plan(routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [hop], None,
+    return assemble_plan(routing, ctx.cluster, ctx.costs, sr, se, sr, None, [hop], None,
                          np.zeros(T * K, dtype=bool), token_padding=tp,
                          min_rows_S=slot_cap if pad else None, pad_slot_P=pad_slot, pad_buf_row_P=pad_row,
                          capacity_R=capacity_R, options={"capacity_per_source_rank": int(cap_R.max()) if R else 0},
-                         slot_order=(order_N, N - n_kept, kc_SR.sum(axis=1), buf_row_K))
+                         slot_order=(order_N, N - n_kept, kc_SR.sum(axis=1), buf_row_K), entry_rank_N=entry_rank)
