@@ -1,6 +1,6 @@
 """The gloo executor, measured: its overhead over raw all_to_all, and layer time under imbalance.
 
-    python benchmarks/bench_gloo.py overhead   [--ranks 4 --hidden 1024 --tokens 4096 --experts 16 --top-k 2] [--malloc-tuning]
+    python benchmarks/bench_gloo.py overhead   [--ranks 4 --hidden 1024 --tokens 4096 --experts 16 --top-k 2] [--pin] [--malloc-tuning]
     python benchmarks/bench_gloo.py imbalance  [--ranks 4 --hidden 256 --ffn 512 --tokens 2048 --maxvio 0.2,1,10]
     python benchmarks/bench_gloo.py starve     [--ranks 4 --kib 384 --mm 0,10,40]
 
@@ -14,7 +14,10 @@ starting from token-major rows can do with ``all_to_all_single`` (one gather int
 (c), one weighted reduce back into token rows, all into preallocated buffers), (e) the floor's
 two local passes alone, (f) one plain copy of the rows. The variants alternate within each
 iteration (reversed every other one), each after a barrier; a variant's time is the max over
-ranks, and the report gives medians over iterations and each variant's ratio to (c).
+ranks, and the report gives medians over iterations (15 by default) and each variant's ratio to
+(c), and the same for CPU time (each rank's user + system seconds over all its threads, mean over
+ranks: less sensitive than wall time to other jobs on a shared machine). ``--pin`` pins each rank
+(all its threads) to one core.
 
 imbalance: routing by MoonEP's method (lognormal popularity, sigma bisected to the target maxvio,
 K distinct experts per token; ``moonep_sim.routing.generators``), one forward layer
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -56,17 +60,49 @@ def _sync_time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _max_over_ranks(v: list[float]) -> np.ndarray:
+def _cpu_s() -> float:
+    """CPU seconds this process has used so far, all its threads (gloo's transport threads too),
+    user + system."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _sync_time_cpu(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this rank) of one call of ``fn`` after a barrier."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    c0, t0 = _cpu_s(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, _cpu_s() - c0
+
+
+def _over_ranks(v: list[float], how: str = "max") -> np.ndarray:
     import torch
     import torch.distributed as dist
 
     t = torch.tensor(v, dtype=torch.float64)
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
-    return torch.stack(out).max(dim=0).values.numpy()
+    st = torch.stack(out)
+    return (st.max(dim=0).values if how == "max" else st.mean(dim=0)).numpy()
 
 
-def overhead_worker(rank, world, hidden, tokens, experts, top_k, iters):
+def _max_over_ranks(v: list[float]) -> np.ndarray:
+    return _over_ranks(v, "max")
+
+
+def _pin_threads(core: int) -> None:
+    """Pin every thread of this process (the caller's, gloo's transport threads, the heartbeat) to
+    one core; threads started later inherit it."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
+def overhead_worker(rank, world, hidden, tokens, experts, top_k, iters, pin=False):
     import torch
     import torch.distributed as dist
 
@@ -85,6 +121,8 @@ def overhead_worker(rank, world, hidden, tokens, experts, top_k, iters):
                      timeout_s=120, validate_plans=False, direct="off")
     h = buf.dispatch(x, ids, w)[3]
     h_a2a = buf_a2a.dispatch(x, ids, w)[3]
+    if pin:
+        _pin_threads(rank % os.cpu_count())
     hop = h.hops[0]
     send = torch.randn(sum(hop.send_splits), hidden)
     recv = torch.empty(sum(hop.recv_splits), hidden)
@@ -128,17 +166,27 @@ def overhead_worker(rank, world, hidden, tokens, experts, top_k, iters):
     names = [f.__name__ for f in fns]
     for fn in fns:  # warm-up
         _sync_time(fn)
-    rows = []
+    rows, cpus = [], []
     for it in range(iters):
         order = fns if it % 2 == 0 else fns[::-1]
-        t = {fn.__name__: _sync_time(fn) for fn in order}
-        rows.append([t[n] for n in names])
-    mx = _max_over_ranks(list(np.asarray(rows).ravel())).reshape(iters, len(fns))
+        t = {fn.__name__: _sync_time_cpu(fn) for fn in order}
+        rows.append([t[n][0] for n in names])
+        cpus.append([t[n][1] for n in names])
+    mx = _over_ranks(list(np.asarray(rows).ravel())).reshape(iters, len(fns))
+    cpu = _over_ranks(list(np.asarray(cpus).ravel()), "mean").reshape(iters, len(fns))
     med = dict(zip(names, np.median(mx, axis=0)))
+    med_cpu = dict(zip(names, np.median(cpu, axis=0)))
     row_bytes = hidden * 4
     remote = int(h.plan.hops[0].rows_RR(world).sum() - np.trace(h.plan.hops[0].rows_RR(world))) * row_bytes
     out = {f"{n}_ms": float(v) * 1e3 for n, v in med.items()}
     out.update({f"ratio_{n}": float(med[n] / med["raw"]) for n in names if n != "raw"})
+    out["ratio_reuse_to_floor"] = float(med["reuse"] / med["floor"])
+    # per iteration, then the median: the two variants of one iteration met the same machine load
+    out["ratio_reuse_median_of_iters"] = float(np.median(mx[:, names.index("reuse")] / mx[:, names.index("raw")]))
+    out["ratio_reuse_to_floor_median_of_iters"] = float(np.median(mx[:, names.index("reuse")]
+                                                                  / mx[:, names.index("floor")]))
+    out.update({f"{n}_cpu_ms": float(v) * 1e3 for n, v in med_cpu.items()})
+    out.update({f"cpu_ratio_{n}": float(med_cpu[n] / med_cpu["raw"]) for n in names if n != "raw"})
     out.update({"rows_per_rank": int(h.rows), "remote_bytes_per_direction": remote,
                 "direct_messages_per_rank": int(h.direct.messages) if h.direct is not None else 0})
     return out
@@ -235,9 +283,10 @@ def main(argv=None) -> None:
     ap.add_argument("--experts", type=int, default=None)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--maxvio", default="0.2,1,10")
-    ap.add_argument("--iters", type=int, default=None, help="iterations (default 5; starve: 12)")
+    ap.add_argument("--iters", type=int, default=None, help="iterations (default 5; overhead: 15; starve: 12)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--pin", action="store_true", help="overhead: pin rank r (all its threads) to core r mod cores")
     ap.add_argument("--malloc-tuning", action="store_true",
                     help="run the ranks with glibc's mmap disabled and trimming off (MALLOC_MMAP_MAX_=0, "
                          "MALLOC_TRIM_THRESHOLD_=16 GiB): freed blocks stay mapped, so fresh tensors do not "
@@ -250,7 +299,7 @@ def main(argv=None) -> None:
 
     if a.what == "overhead":
         kw = dict(hidden=a.hidden or 1024, tokens=a.tokens or 4096, experts=a.experts or 16, top_k=a.top_k,
-                  iters=a.iters or 5)
+                  iters=a.iters or 15, pin=a.pin)
         res = spawn_ranks("bench_gloo:overhead_worker", a.ranks, kw, timeout_s=900, pythonpath=[HERE], env=env)
     elif a.what == "starve":
         kw = dict(kib=a.kib, mms=[int(v) for v in a.mm.split(",")], iters=a.iters or 12)
@@ -272,14 +321,21 @@ def main(argv=None) -> None:
               f"{r0['remote_bytes_per_direction'] / 2**20:.1f} MiB cross-rank per direction), median of {kw['iters']}:")
         print(f"  (malloc tuning {'on' if a.malloc_tuning else 'off'}; load average after "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
-        print(f"  raw 2x all_to_all_single          {r0['raw_ms']:8.1f} ms")
-        print(f"  dispatch+combine (plan each)      {r0['full_ms']:8.1f} ms   ratio {r0['ratio_full']:.2f}x")
-        print(f"  dispatch+combine (reuse handle)   {r0['reuse_ms']:8.1f} ms   ratio {r0['ratio_reuse']:.2f}x"
-              f"   ({r0['direct_messages_per_rank']} point-to-point messages per rank)")
-        print(f"  same, direct='off' (all_to_all)   {r0['reuse_a2a_ms']:8.1f} ms   ratio {r0['ratio_reuse_a2a']:.2f}x")
-        print(f"  floor: gather + raw + reduce      {r0['floor_ms']:8.1f} ms   ratio {r0['ratio_floor']:.2f}x")
-        print(f"  the floor's two local passes      {r0['passes_ms']:8.1f} ms   ratio {r0['ratio_passes']:.2f}x")
-        print(f"  one memcpy of the rows            {r0['memcpy_ms']:8.1f} ms   ratio {r0['ratio_memcpy']:.2f}x")
+        print(f"  ranks pinned one core each: {'yes' if kw['pin'] else 'no'}; wall = max over ranks, CPU = mean "
+              f"over ranks of the rank's CPU time (all its threads, user + system)")
+        print(f"  {'variant':<34}{'wall':>9}   {'ratio':>6}   {'CPU':>8}   {'ratio':>6}")
+        lines = [("raw 2x all_to_all_single", "raw"), ("dispatch+combine (plan each)", "full"),
+                 ("dispatch+combine (reuse handle)", "reuse"), ("same, direct='off' (all_to_all)", "reuse_a2a"),
+                 ("floor: gather + raw + reduce", "floor"), ("the floor's two local passes", "passes"),
+                 ("one memcpy of the rows", "memcpy")]
+        for label, n in lines:
+            ratio = 1.0 if n == "raw" else r0[f"ratio_{n}"]
+            cratio = 1.0 if n == "raw" else r0[f"cpu_ratio_{n}"]
+            print(f"  {label:<34}{r0[f'{n}_ms']:7.1f} ms  {ratio:5.2f}x  {r0[f'{n}_cpu_ms']:6.1f} ms  {cratio:5.2f}x")
+        print(f"  reused handle / raw: {r0['ratio_reuse']:.2f}x (median of per-iteration ratios "
+              f"{r0['ratio_reuse_median_of_iters']:.2f}x; target at 2 ranks: 1.25x); reused handle / floor: "
+              f"{r0['ratio_reuse_to_floor']:.2f}x (per iteration {r0['ratio_reuse_to_floor_median_of_iters']:.2f}x; "
+              f"target at 4 ranks: 1.1x); {r0['direct_messages_per_rank']} point-to-point messages per rank")
     elif a.what == "starve":
         report["results"] = r0
         print(f"starve on {a.ranks} ranks ({os.cpu_count()} cores): all_to_all_single of {kw['kib']} KiB per peer, "
