@@ -513,10 +513,12 @@ class BlockCounts:
             cand, share = cand[order], share[order]
             # the run: a prefix of ports whose nodes are all distinct with no active cell between
             # two of them (then no port of the run shares a transfer with an earlier one)
-            for width in (8, 64, RUN_MAX):  # short runs are the common case: try small prefixes first
-                cut = self._run_cut(cand[:width])
-                if cut < width or width >= cand.size:
-                    break
+            cut = self._switch_cut(cand[:RUN_MAX]) if self.simple else None
+            if cut is None:
+                for width in (8, 64, RUN_MAX):  # short runs are the common case: try small prefixes first
+                    cut = self._run_cut(cand[:width])
+                    if cut < width or width >= cand.size:
+                        break
             run, lv = cand[:cut], share[:cut]
             # the run's nodes (a node's first saturating port freezes it), side by side
             hit[run] = np.arange(cut)
@@ -538,6 +540,42 @@ class BlockCounts:
             if not frozen_any:  # pragma: no cover - the run's ports carry unfrozen transfers
                 raise RuntimeError("progressive filling made no progress")
         return lev[:N], lev[N:], bport[:N], bport[N:], steps
+
+    def _switch_cut(self, cand: np.ndarray) -> int | None:
+        """The run's length in the simple case (one node per port) when it ends where the ports
+        first switch side: ``cand`` all of one side (no two of them can share a transfer), or the
+        first port of the other side has an active cell with a port before it. None when that
+        port has none (then :meth:`_run_cut` decides). Same answer as :meth:`_run_cut`, which
+        cuts at the first port sharing a transfer with an earlier one, in a few array operations."""
+        N, R, G = self.B * self.R, self.R, self.G
+        node = self.port_one[cand]
+        is_s = node < N
+        sw = np.flatnonzero(is_s != is_s[0])
+        if sw.size == 0:
+            return cand.size
+        q = int(sw[0])
+        x = int(node[q])
+        if is_s[0]:   # senders before q, a receiver at q
+            b, d = divmod(x - N, R)
+            bb, s_ = np.divmod(node[:q], R)
+        else:
+            b, s = divmod(x, R)
+            bb, d_ = np.divmod(node[:q] - N, R)
+        ys = np.flatnonzero(bb == b)
+        if ys.size == 0:
+            return None
+        kind, w, off = b % 4, int(self.width_B[b]), int(self.m_off[b])
+        if is_s[0]:
+            s_ = s_[ys]
+            col = d if kind >= 2 else (d % G if kind == 1 else 0)
+            c = self.m_flat[off + s_ * w + col]
+            valid = True if kind >= 2 else ((s_ // G == d // G) if kind == 1 else (s_ == d))
+        else:
+            d_ = d_[ys]
+            col = d_ if kind >= 2 else (d_ % G if kind == 1 else 0)
+            c = self.m_flat[off + s * w + col]
+            valid = True if kind >= 2 else ((s // G == d_ // G) if kind == 1 else (s == d_))
+        return q if bool(np.any(valid & (c > 0))) else None
 
     def _run_cut(self, cand: np.ndarray) -> int:
         """Length of the run: the longest prefix of ports ``cand`` (in share order) in which no
@@ -681,7 +719,7 @@ class FlowNetwork:
         self.ports = ports
         self.tol = float(tol)
         self.record_util = record_util
-        self._group_left: list[np.ndarray] = []
+        self._left = np.zeros(0, dtype=np.int64)   # flows still to arrive per (phase, receiver): pid * R + dst
         self._group_events: list[list[simpy.Event]] = []
         self._phase_names: list[str] = []
         self._phase_tags: list[Any] = []  # per phase id: the caller's tag (the timeline's PhaseTag)
@@ -697,6 +735,7 @@ class FlowNetwork:
             cols["path"] = (np.int64, (L_PATH,))
         self._a = _Buffer(cols)
         self._dead = 0
+        self._sentinel = ports.num_blocks * ports.ranks   # node index of finished flows (level 0)
         self._filled = None
         # pending (submitted, waiting for latency): lists of arrays
         self._pend: list[tuple[np.ndarray, ...]] = []  # (ready, path, eff, id, key, src, dst, blk)
@@ -730,11 +769,12 @@ class FlowNetwork:
         self._phase_tags.append(tag)
         self._phase_sm.append(bool(sm))
         self._phase_nic.append(bool(nic_only))
-        left = np.asarray(count_R, dtype=np.int64).copy()
+        left = np.asarray(count_R, dtype=np.int64).ravel().copy()
+        require(left.size == self.ports.ranks, f"count_R size ({left.size}) must equal the ranks ({self.ports.ranks})")
         evs = [self.env.event() for _ in range(left.size)]
         for d in np.flatnonzero(left == 0):
             evs[d].succeed()
-        self._group_left.append(left)
+        self._left = np.concatenate([self._left, left])
         self._group_events.append(evs)
         return pid
 
@@ -830,15 +870,17 @@ class FlowNetwork:
         a = self._a
         # 1. completions (a flow's finish time is exact at its current rate)
         if a.n:
-            done = a.fin <= t + 2e-9 * max(t, 1.0)
-            if done.any():
-                sel = np.flatnonzero(done)
+            sel = np.flatnonzero(a.fin <= t + 2e-9 * max(t, 1.0))
+            if sel.size:
                 self._complete(a.id[sel], self._bottlenecks(sel), a.key[sel], t)
                 if self._blocks is not None:
                     self._blocks.add(a.blk[sel], a.src[sel], a.dst[sel], -1.0)
                 a.alive[sel] = False
                 a.fin[sel] = np.inf
                 a.rem0[sel] = np.inf
+                a.rate[sel] = 0.0          # dead: rate 0 at the sentinel node (level 0), never changes
+                a.ns[sel] = self._sentinel
+                a.nd[sel] = self._sentinel
                 self._dead += sel.size
                 if 2 * self._dead > a.n:
                     a.keep(a.alive.copy())
@@ -873,19 +915,19 @@ class FlowNetwork:
         if self._blocks is not None:
             self._filled = self._blocks.fill(self.ports.cap_P)
             lev_s, lev_d = self._filled[0], self._filled[1]
-            rate = np.minimum(lev_s[a.ns], lev_d[a.nd])
+            rate = np.minimum(np.append(lev_s, 0.0)[a.ns], np.append(lev_d, 0.0)[a.nd])
             it = self._filled[-1]
         else:
             live = np.flatnonzero(a.alive)
             r_live, b_live, it = waterfill(a.path[live], self.ports.cap_P, self.tol)
-            rate = np.ones(a.n)
+            rate = np.zeros(a.n)
             rate[live] = r_live
             bneck = np.full(a.n, -1, dtype=np.int64)
             bneck[live] = b_live
             self._filled = bneck
         self.fill_iterations += it
         self._last_fill = t
-        ch = np.flatnonzero((rate != a.rate) & a.alive)
+        ch = np.flatnonzero(rate != a.rate)   # dead flows keep rate 0
         if ch.size:
             rem0 = a.rem0
             rem0[ch] -= a.rate[ch] * (t - a.t0[ch])
@@ -922,12 +964,11 @@ class FlowNetwork:
         self._bneck[ids] = bneck
         uk, cnt = np.unique(key, return_counts=True)
         R = self.ports.ranks
-        for k, c in zip(uk.tolist(), cnt.tolist()):
+        left = self._left
+        left[uk] -= cnt
+        for k in uk[left[uk] == 0].tolist():   # receive groups complete in key order
             p, d = divmod(k, R)
-            left = self._group_left[p]
-            left[d] -= c
-            if left[d] == 0:
-                self._group_events[p][d].succeed()
+            self._group_events[p][d].succeed()
 
     # -- results ---------------------------------------------------------------------------
     def records(self) -> dict[str, np.ndarray]:
