@@ -586,6 +586,18 @@ def test_medium_layer_matches_reference(K):
                 compare(name, routing, ctx, **opts)
 
 
+def test_many_ranks_match_reference():
+    """More than 256 ranks: rank ids no longer fit a byte and (src, dst) keys no longer 16 bits, so
+    the route hops and capacity's groups take their wide-key paths."""
+    R, G, E = 264, 8, 264
+    rng = np.random.default_rng(5)
+    routing = _routing(rng.integers(0, 4, R), 4, E, 3, 1.0)
+    ctx = PlanContext(ClusterShape(R, G), Placement.home_groups(E, R), COSTS, 1)
+    for name in ("deepep", "hierarchical", "capacity"):
+        for opts in VARIANTS[name]:
+            compare(name, routing, ctx, **opts)
+
+
 # --- the builders on their own, beyond what the strategies pass them -------------------------------
 
 def test_keep_mask_matches_reference_on_special_weights():

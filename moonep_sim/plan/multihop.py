@@ -129,26 +129,27 @@ def _route_hop_grouped(src_rank_N: np.ndarray | None, src_row_N: np.ndarray | No
         key += dst_rank_N
         order = stable_order(key, R * R)
         ecnt = np.bincount(key, minlength=R * R)  # entries per (src, dst) block, src-major
+    row_sorted = None
     if group and n:
-        # one [n] int64 buffer serves as each sorted entry's gid, then as the running message count
+        # one [n] int64 buffer holds each sorted entry's gid, then its receive row
+        buf = key if key is not None else np.empty(n, dtype=np.int64)
         if gid_shift >= 0:
-            gs = np.right_shift(order, gid_shift, out=key if key is not None else np.empty(n, dtype=np.int64))
-        elif key is None:
-            gs = np.take(gid_N, order)
-        else:
-            gs = np.take(gid_N, order, out=key, mode="clip")  # (reuses key's memory; order is in range)
+            gs = np.right_shift(order, gid_shift, out=buf)
+        else:  # (order is in range: clip mode writes straight into buf)
+            gs = np.take(np.asarray(gid_N, dtype=np.int64), order, out=buf, mode="clip")
+        del key
         first = np.empty(n, dtype=bool)
         first[0] = True
         np.not_equal(gs[1:], gs[:-1], out=first[1:])
+        del gs
         ebound = np.cumsum(ecnt) - ecnt
-        first[ebound[ecnt > 0]] = True  # a new (src, dst) block starts a new message
-        mcum = np.cumsum(first.view(np.uint8), dtype=np.int64,  # messages up to and including each entry
-                         out=gs if gs.dtype == np.int64 else None)
-        del gs, key
-        ends = np.cumsum(ecnt)
-        m_at = np.where(ends > 0, mcum[np.maximum(ends - 1, 0)], 0)
-        cnt = np.diff(np.concatenate([[0], m_at])).astype(np.int64)
-        lead = order[first]
+        nzb = ecnt > 0
+        first[ebound[nzb]] = True  # a new (src, dst) block starts a new message
+        lead_pos = np.flatnonzero(first)  # sorted position of each message's first entry
+        cnt = np.diff(np.searchsorted(lead_pos, np.concatenate([[0], np.cumsum(ecnt)])))  # messages per block
+        lead = order[lead_pos]
+        del lead_pos
+        np.copyto(buf, first)  # 1 where a message starts: running sums count messages
         if dup_N is not None:
             np.logical_not(first, out=first)  # now: later entries of a message
             if kept_N is None and dup_N == n:  # order is a permutation of every entry
@@ -160,9 +161,19 @@ def _route_hop_grouped(src_rank_N: np.ndarray | None, src_row_N: np.ndarray | No
                 dup[later if kept_N is None else kept_N[later]] = True
                 del later
         del first
+        # the receive row of a sorted entry is its message's: block b's messages take rows
+        # dst_row0[b], dst_row0[b] + 1, ... (see block_messages), so a running sum of the message
+        # starts, with a jump to dst_row0[b] at each block's first entry, gives every entry's row
+        cnt_RR = cnt.reshape(R, R)
+        r0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()[nzb]
+        c_b = cnt[nzb]
+        jump = r0.copy()
+        jump[1:] -= r0[:-1] + c_b[:-1] - 1  # from the previous block's last row
+        buf[ebound[nzb]] = jump
+        row_sorted = np.cumsum(buf, out=buf)
     else:
         del key
-        cnt, mcum, lead = ecnt.astype(np.int64), None, order
+        cnt, lead = ecnt.astype(np.int64), order
         dup = np.zeros(dup_N or 0, dtype=bool)
     m_src, m_dst, m_row, per_dst = block_messages(cnt, R)
     if tok_off_R is not None and gid_shift >= 0:
@@ -174,11 +185,7 @@ def _route_hop_grouped(src_rank_N: np.ndarray | None, src_row_N: np.ndarray | No
     del m_srow
     del lead
     dst_row = np.empty(n, dtype=np.int64)
-    if mcum is None:
-        dst_row[order] = m_row
-    else:
-        mcum -= 1
-        dst_row[order] = np.take(m_row, mcum, out=mcum)  # (in place: element i reads mcum[i] first)
+    dst_row[order] = m_row if row_sorted is None else row_sorted
     return (hop, dst_row) if dup_N is None else (hop, dst_row, dup)
 
 
@@ -376,6 +383,9 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
             if np.shape(v) != (R, R):
                 raise PlanError(f"via table shape ({list(np.shape(v))}) must be [R, R] = [{R}, {R}]")
         tables = [np.asarray(v, dtype=np.int64) for v in via_N]
+        for t in tables:
+            if t.size and (int(t.min()) < 0 or int(t.max()) >= R):
+                raise PlanError(f"via table values ({int(t.min())}..{int(t.max())}) must be ranks in [0, {R})")
         if src_sorted and R <= 256:  # each source rank's entries are one run: look up its table row
             bound = np.searchsorted(src, np.arange(R + 1))
             mids = [np.empty(n_kept, dtype=np.int64) for _ in tables]
@@ -383,7 +393,7 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
                 lo, hi = int(bound[r]), int(bound[r + 1])
                 if hi > lo:
                     for m, v in zip(mids, tables):
-                        np.take(v[r], dst[lo:hi], out=m[lo:hi])
+                        np.take(v[r], dst[lo:hi], out=m[lo:hi], mode="clip")
         else:
             ends = src * R
             ends += dst
@@ -461,7 +471,7 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
         lo, hi = int(bound[r]), int(bound[r + 1])
         if hi > lo:
             for m, t in zip(mids, tables):
-                np.take(t[r], dst8[lo:hi], out=m[lo:hi])
+                np.take(t[r], dst8[lo:hi], out=m[lo:hi], mode="clip")  # (values checked above)
     pos = [None] + mids + [dst8]
     del mids
     entry_dup = None

@@ -181,7 +181,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     del drop_N
     kc_SR = np.ascontiguousarray(per_rs.T)
     kstart_RS = (np.cumsum(kc_G) - kc_G).reshape(R, S)  # block starts within ke
-    np.take(ke, segment_ranges(kstart_RS.T.ravel(), kc_SR.ravel()), out=order_N[N - n_kept:])
+    np.take(ke, segment_ranges(kstart_RS.T.ravel(), kc_SR.ravel()), out=order_N[N - n_kept:], mode="clip")
     # receive buffer on each destination: blocks (src rank, slot in rank order), each C_src rows when
     # padding (kept rows first, zero rows after), or only the kept rows without padding
     block_RS = np.broadcast_to(cap_R[:, None], (R, S)) if pad else per_rs
