@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, RowCosts, layout_slots, plan_from_slots, \
@@ -475,3 +476,17 @@ def test_segment_mask_matches_reference(gaps_lens, tail):
         want[a:a + n] = True
     got = segment_mask(np.array(start, dtype=np.int64), np.array(lens, dtype=np.int64), n_total)
     assert got.dtype == bool and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("n, n_keys, seed", [(131_073, 300, 0), (262_144, 4096, 1), (400_000, 65_536, 2),
+                                             (140_000, 257, 3)])
+def test_stable_order_chunked_matches_argsort(n, n_keys, seed):
+    """Above a few chunks of entries the 16-bit stable order is sorted chunk by chunk and moved
+    block by block: it must still be numpy's stable argsort, skewed and sorted keys included."""
+    from moonep_sim.plan.order import stable_order
+    rng = np.random.default_rng(seed)
+    for key in (rng.integers(0, n_keys, n), np.minimum(rng.geometric(0.01, n), n_keys - 1),
+                np.sort(rng.integers(0, n_keys, n))):
+        key16 = key.astype(np.uint16)
+        assert np.array_equal(stable_order(key16, n_keys), np.argsort(key16, kind="stable"))
+        assert np.array_equal(stable_order(key.astype(np.int64), n_keys), np.argsort(key16, kind="stable"))
