@@ -7,9 +7,12 @@ once, then K distinct experts per token by the Gumbel top-k trick (``argpartitio
 
 For each strategy in ``moonep_sim.strategies.available()`` (default options), the plan is built
 ``--repeats`` times; the table shows the first (cold) run, the best and the median run (wall
-clock), the best CPU time of this process, and entries per second of the best wall-clock run. For ``moonep`` it also reports the peak memory that planning
-allocates (numpy allocations traced with ``tracemalloc`` during one extra run, excluding the
-routing input), the process's peak RSS, the time of ``validate(plan)``, and the speed ratio of the
+clock), the best CPU time of this process (user + system seconds, and the two apart: system time
+is mostly the kernel handing out fresh zeroed pages for large arrays), entries per second of the
+best wall-clock run, and each strategy's peak memory: what planning allocates (numpy allocations
+traced with ``tracemalloc`` during one extra run, excluding the routing input; ``--no-memory``
+skips it) and the process's peak RSS over the timed runs (Linux; reset before each strategy).
+For ``moonep`` it also reports the time of ``validate(plan)``, and the speed ratio of the
 vectorised planner against the slow pure-Python reference planner of ``tests/test_moonep.py`` on a
 small case (measured in this run).
 
@@ -61,19 +64,51 @@ def maxvio(counts_E: np.ndarray) -> float:
     return float(counts_E.max() / counts_E.mean() - 1.0)
 
 
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (Linux: ``/proc/self/clear_refs``); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak RSS since start or the last :func:`reset_peak_rss` (Linux VmHWM)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def time_strategy(name: str, routing: GlobalRouting, ctx: PlanContext, repeats: int) -> dict:
-    times, cpu = [], []
+    """Plan ``repeats`` times: wall and CPU seconds (user and system apart) of each run, and the
+    process's peak RSS while planning (routing and earlier plans' freed memory included)."""
+    times, cpu, user, system = [], [], [], []
+    gc.collect()
+    can_reset = reset_peak_rss()
     for _ in range(repeats):
         gc.collect()
-        t0, c0 = time.perf_counter(), time.process_time()
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         plan = make_plan(name, routing, ctx)
         times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        user.append(r1.ru_utime - r0.ru_utime)
+        system.append(r1.ru_stime - r0.ru_stime)
+        cpu.append(user[-1] + system[-1])
         del plan
     n = routing.num_tokens * routing.top_k
     best = min(times)
+    b = int(np.argmin(cpu))
     return {"strategy": name, "first_s": times[0], "best_s": best, "median_s": statistics.median(times),
-            "best_cpu_s": min(cpu), "entries_per_s": n / best, "runs": len(times)}
+            "first_cpu_s": cpu[0], "best_cpu_s": cpu[b], "best_cpu_user_s": user[b], "best_cpu_system_s": system[b],
+            "entries_per_s": n / best, "runs": len(times),
+            "peak_rss_bytes": peak_rss_bytes() if can_reset else None}
 
 
 def traced_peak_bytes(name: str, routing: GlobalRouting, ctx: PlanContext) -> int:
@@ -121,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--strategies", default="", help="comma-separated (default: every registered strategy)")
     ap.add_argument("--no-validate", action="store_true", help="skip timing validate(moonep plan)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the extra traced run per strategy (peak memory)")
     ap.add_argument("--json", default="", help="also write the results to this file")
     a = ap.parse_args(argv)
 
@@ -135,22 +171,33 @@ def main(argv: list[str] | None = None) -> int:
           f"-> {routing.num_tokens} tokens, {n} entries; sigma={a.sigma} maxvio={mv:.2f} (generated in {gen_s:.1f} s)")
     names = [s for s in a.strategies.split(",") if s] or list(available())
     rows = []
-    print(f"{'strategy':14s} {'first s':>8s} {'best s':>8s} {'median s':>9s} {'best cpu s':>11s} {'Mentries/s':>11s}")
+    print(f"{'strategy':14s} {'first s':>8s} {'best s':>8s} {'median s':>9s} {'best cpu s':>11s} {'(user':>6s} "
+          f"{'+ sys)':>6s} {'Mentries/s':>11s} {'peak GiB':>9s} {'RSS GiB':>8s}")
+    run_peak = 0  # the whole run's peak RSS (each strategy resets the kernel's count)
     for name in names:
+        run_peak = max(run_peak, peak_rss_bytes() or 0)
         try:
             r = time_strategy(name, routing, ctx, a.repeats)
+            r["traced_peak_bytes"] = None if a.no_memory else traced_peak_bytes(name, routing, ctx)
         except Exception as e:  # a strategy that fails is reported, the others still run
             rows.append({"strategy": name, "error": f"{type(e).__name__}: {e}"})
             print(f"{name:14s} error: {type(e).__name__}: {str(e)[:80]}")
             continue
         rows.append(r)
+        peak = "-" if r["traced_peak_bytes"] is None else f"{r['traced_peak_bytes'] / 2**30:.2f}"
+        rss = "-" if r["peak_rss_bytes"] is None else f"{r['peak_rss_bytes'] / 2**30:.2f}"
         print(f"{name:14s} {r['first_s']:8.2f} {r['best_s']:8.2f} {r['median_s']:9.2f} {r['best_cpu_s']:11.2f} "
-              f"{r['entries_per_s'] / 1e6:11.2f}")
+              f"{r['best_cpu_user_s']:6.2f} {r['best_cpu_system_s']:6.2f} {r['entries_per_s'] / 1e6:11.2f} "
+              f"{peak:>9s} {rss:>8s}")
+    print("best cpu s: user + system time of the run with the least; peak GiB: bytes numpy allocated while "
+          "planning (tracemalloc, one extra run, routing excluded); RSS GiB: the process's peak RSS over the "
+          "timed runs (routing and the process's other memory included)")
     result = {"loadavg_1min_start": load0, "ranks": a.ranks, "gpus_per_node": a.gpus_per_node, "experts": a.experts, "top_k": a.top_k,
               "tokens_per_rank": a.tokens_per_rank, "entries": n, "sigma": a.sigma, "maxvio": mv, "seed": a.seed,
               "strategies": rows}
     if "moonep" in names:
-        peak = traced_peak_bytes("moonep", routing, ctx)
+        peak = next((r.get("traced_peak_bytes") for r in rows if r["strategy"] == "moonep"), None)
+        peak = traced_peak_bytes("moonep", routing, ctx) if peak is None else peak
         plan = make_plan("moonep", routing, ctx)
         extra = {"moonep_traced_peak_bytes": peak, "moonep_weight_copies": plan.weight_copies,
                  "moonep_max_rows": int(plan.real_rows_R().max()), "moonep_min_rows": int(plan.real_rows_R().min())}
@@ -173,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     result["loadavg_1min_end"] = os.getloadavg()[0]
     print(f"load average (1 min) at start {result['loadavg_1min_start']:.1f}, at end {result['loadavg_1min_end']:.1f} "
           f"on {os.cpu_count()} CPUs (other processes slow the wall times)")
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    rss = max(run_peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
     result["process_peak_rss_bytes"] = rss
     print(f"process peak RSS (routing, all plans, validate): {rss / 2**30:.2f} GiB")
     if a.json:
