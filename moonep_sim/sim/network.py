@@ -450,6 +450,10 @@ class BlockCounts:
         self.simple = self.pall.shape[1] == 1 and int(per_port.max(initial=0)) <= 1
         self.port_one = np.full(P1, -1, dtype=np.int64)
         self.port_one[flat[real]] = g[real]
+        # simple case: the nodes that have a port, in port order, and their ports
+        self.block_starts = np.arange(B + 1) * R
+        self.pps = np.flatnonzero(self.port_one >= 0)
+        self.nps = self.port_one[self.pps]
 
     def cells(self, blk_F, src_F, dst_F):
         """Columns of transfers in M (sender row) and in MT (receiver row)."""
@@ -497,6 +501,9 @@ class BlockCounts:
         lev = np.full(2 * N, np.inf)
         bport = np.full(2 * N, -1, dtype=np.int64)
         free = np.ones(2 * N, dtype=bool)
+        if self.simple:
+            steps = self._fill_simple(cap, cnt, frz, lev, bport, free)
+            return lev[:N], lev[N:], bport[:N], bport[N:], steps
         pall, K = self.pall, self.pall.shape[1]
         pflat = pall.ravel()
         hit = np.full(P1, -1, dtype=np.int64)
@@ -513,12 +520,10 @@ class BlockCounts:
             cand, share = cand[order], share[order]
             # the run: a prefix of ports whose nodes are all distinct with no active cell between
             # two of them (then no port of the run shares a transfer with an earlier one)
-            cut = self._switch_cut(cand[:RUN_MAX]) if self.simple else None
-            if cut is None:
-                for width in (8, 64, RUN_MAX):  # short runs are the common case: try small prefixes first
-                    cut = self._run_cut(cand[:width])
-                    if cut < width or width >= cand.size:
-                        break
+            for width in (8, 64, RUN_MAX):  # short runs are the common case: try small prefixes first
+                cut = self._run_cut(cand[:width])
+                if cut < width or width >= cand.size:
+                    break
             run, lv = cand[:cut], share[:cut]
             # the run's nodes (a node's first saturating port freezes it), side by side
             hit[run] = np.arange(cut)
@@ -541,18 +546,60 @@ class BlockCounts:
                 raise RuntimeError("progressive filling made no progress")
         return lev[:N], lev[N:], bport[:N], bport[N:], steps
 
-    def _switch_cut(self, cand: np.ndarray) -> int | None:
-        """The run's length in the simple case (one node per port) when it ends where the ports
-        first switch side: ``cand`` all of one side (no two of them can share a transfer), or the
+    def _fill_simple(self, cap, cnt, frz, lev, bport, free) -> int:
+        """:meth:`fill` when every node has one port and every port one node (``simple``): the
+        same steps and arithmetic, in node space (a port's count and frozen load are its node's;
+        ties in share order still go to the lower port). Returns the steps."""
+        N = self.B * self.R
+        nps, pps = self.nps, self.pps
+        cap_n = cap[pps]
+        steps = 0
+        while cnt.any():
+            steps += 1
+            live = cnt[nps] != 0
+            cn = nps[live]
+            share = (cap_n[live] - frz[cn]) / cnt[cn]
+            order = np.argsort(share, kind="stable")
+            cn, share = cn[order], share[order]
+            cut = self._switch_cut(cn[:RUN_MAX])
+            if cut is None:
+                cand = pps[live][order]
+                for width in (8, 64, RUN_MAX):  # short runs are the common case: try small prefixes first
+                    cut = self._run_cut(cand[:width])
+                    if cut < width or width >= cand.size:
+                        break
+            rn, lv = cn[:cut], share[:cut]
+            run = pps[live][order[:cut]]
+            frozen_any = False
+            for s0 in (0, 1):
+                lo = s0 * N
+                side = (rn >= lo) & (rn < lo + N)
+                if not side.any():
+                    continue
+                nodes, kn = rn[side] - lo, np.flatnonzero(side)
+                o = np.argsort(nodes)            # nodes in increasing order, as :meth:`fill` visits them
+                nodes, kn = nodes[o], kn[o]
+                keep = cnt[lo + nodes] > 0
+                if not keep.all():
+                    nodes, kn = nodes[keep], kn[keep]
+                if nodes.size:
+                    frozen_any = True
+                    self._freeze(nodes, kn, s0, run, lv, lev, bport, free, frz, cnt)
+            if not frozen_any:  # pragma: no cover - the run's ports carry unfrozen transfers
+                raise RuntimeError("progressive filling made no progress")
+        return steps
+
+    def _switch_cut(self, node: np.ndarray) -> int | None:
+        """The run's length in the simple case (one node per port; ``node``: the ports' nodes in
+        share order) when it ends where the ports first switch side: all of one side (no two of them can share a transfer), or the
         first port of the other side has an active cell with a port before it. None when that
         port has none (then :meth:`_run_cut` decides). Same answer as :meth:`_run_cut`, which
         cuts at the first port sharing a transfer with an earlier one, in a few array operations."""
         N, R, G = self.B * self.R, self.R, self.G
-        node = self.port_one[cand]
         is_s = node < N
         sw = np.flatnonzero(is_s != is_s[0])
         if sw.size == 0:
-            return cand.size
+            return node.size
         q = int(sw[0])
         x = int(node[q])
         if is_s[0]:   # senders before q, a receiver at q
@@ -632,13 +679,14 @@ class BlockCounts:
         # their cells leave the other side's free nodes: counts, and load at the cells' level
         mats = self.M if s0 == 0 else self.MT
         olo = N - lo
-        blk, rows = np.divmod(nodes, R)
+        rows = nodes % R
+        bounds = np.searchsorted(nodes, self.block_starts).tolist()   # nodes are sorted: a block is a slice
         for b in self.blocks:
-            sel = blk == b
-            if not sel.any():
+            i0, i1 = bounds[b], bounds[b + 1]
+            if i0 == i1:
                 continue
-            rb = rows[sel]
-            lb = lvn[sel]
+            rb = rows[i0:i1]
+            lb = lvn[i0:i1]
             cols = self._cols(b, rb)
             base = olo + b * R
             of = free[base:base + R]
