@@ -225,14 +225,15 @@ def test_block_solver_matches_per_flow_waterfill(topo_name, kind, R, seed, degra
 @settings(max_examples=15, deadline=None)
 @given(st.sampled_from(sorted(TOPOS)), st.sampled_from(["skew", "hot-sender", "sparse", "ties"]),
        st.integers(4, 16), st.integers(0, 10_000), st.sampled_from([0.001, 0.002, 0.005, 0.02]))
-def test_coalescing_is_never_faster_than_exact_and_within_tolerance(topo_name, kind, R, seed, tol):
-    """tol > 0 delays completions to ticks: the last transfer ends at most 20 x tol later than in
-    exact mode (relative; the documented bound: a chain of phases pays up to two tick gaps per hop,
-    measured up to 13 x tol on these staggered two-phase cases) and no more than tol earlier. Max-min
-    sharing is not monotone: a transfer that ends later holds a shared port longer, so a transfer
-    that competes with it elsewhere can end (and a later phase start) slightly earlier; found at
-    2e-5 relative (R=14, sparse, oversubscribed). A single receive group may move either way by at
-    most 20 x tol of the end."""
+def test_coalescing_stays_within_tolerance_of_exact(topo_name, kind, R, seed, tol):
+    """tol > 0 only delays events (completions and starts move to the next tick), yet the end is
+    not bounded below by the exact end: max-min sharing is not monotone (a transfer that ends late
+    holds a shared port longer, so one that competes with it elsewhere runs faster, see
+    test_coalescing_can_end_earlier_than_exact). On these random and adversarial families the
+    last transfer ends at most 20 x tol later than exact (a chain of phases pays up to two tick
+    gaps per hop; measured up to 13 x tol) and at most tol earlier (2e-5 relative seen: R=14,
+    sparse, oversubscribed). A single receive group may move either way by at most 20 x tol of
+    the end."""
     topo = TOPOS[topo_name]
     phases = random_phases(np.random.default_rng(seed), R, kind)
     ex, _ = run_solver(R, phases, topo, 0.0, "blocks", stagger_us=1.3)
@@ -248,6 +249,65 @@ def test_coalescing_is_never_faster_than_exact_and_within_tolerance(topo_name, k
     np.maximum.at(last_a, key_a, ap["end"])
     ok = np.isfinite(last_e)
     assert (np.abs(last_a[ok] - last_e[ok]) <= 20 * tol * ex["end"].max() + 1e-9).all()
+
+
+ONE_GPU = Topology("g1", gpus_per_node=1, nic_bandwidth_GBps=10.0, nic_latency_us=0.0, fabric_latency_us=0.0)
+
+
+def rate_drop_case(tol, k=5, m=9, b_bytes=4e6, a_bytes=2e5, c_bytes=2e6, z_bytes=1.6e7):
+    """An adversarial pattern for coalescing (one GPU per node: every transfer crosses its
+    sender's nic_out and its receiver's nic_in). C (rank 1 -> 0) shares rank 0's nic_in with k
+    transfers B_i (rank 2+i -> 0), each held down at its sender by m short transfers A (2+i ->
+    other ranks). While the A transfers run, C gets most of rank 0's port; once they end, the B
+    transfers speed up and C drops to 1 / (k+1) of it. A small transfer E ends just before the A
+    transfers, so with tol > 0 a tick falls there and the A completions wait one gap: C keeps its
+    high rate that much longer and ends early, and rank 0, once C arrived, sends Z (the end).
+    Returns (end of the last transfer, end of C)."""
+    R = 2 + k + m * k + 2
+    env = simpy.Environment()
+    net = FlowNetwork(env, PortMap.build(ONE_GPU, R), tol)
+    one = lambda r: np.bincount([r], minlength=R)  # noqa: E731
+    pB = net.expect("B", k * one(0))
+    pA = net.expect("A", np.r_[np.zeros(2 + k), np.ones(m * k), np.zeros(2)])
+    pC, pZ, pE = net.expect("C", one(0)), net.expect("Z", one(R - 1)), net.expect("E", one(R - 2))
+    for i in range(k):
+        a_b = np.full(m, a_bytes)
+        net.submit(pB, 2 + i, np.array([0]), np.array([b_bytes]), np.array([b_bytes]))
+        net.submit(pA, 2 + i, 2 + k + i * m + np.arange(m), a_b, a_b)
+    net.submit(pC, 1, np.array([0]), np.array([c_bytes]), np.array([c_bytes]))
+
+    def rank0():
+        yield net.received(pC, 0)
+        net.submit(pZ, 0, np.array([R - 1]), np.array([z_bytes]), np.array([z_bytes]))
+
+    def early():
+        yield env.timeout(a_bytes / (ONE_GPU.nic_bytes_per_us / (m + 1)) - 1.5)
+        net.submit(pE, R - 3, np.array([R - 2]), np.array([1e4]), np.array([1e4]))
+
+    env.process(rank0())
+    env.process(early())
+    env.run()
+    rec = net.records()
+    return float(rec["end"].max()), float(rec["end"][rec["phase"] == pC].max())
+
+
+def test_coalescing_can_end_earlier_than_exact():
+    """Why the tolerance cannot promise "never earlier than exact": delaying the A completions
+    (as a tick gap does) hands C capacity that the exact model gives to the B transfers, so C ends
+    about 10 x tol early and the end of the run more than tol early (docs/simulator.md). Pinned
+    here so the documented behaviour cannot drift; the end stays within 20 x tol of exact."""
+    tol = 0.02
+    end_x, c_x = rate_drop_case(0.0)
+    end_t, c_t = rate_drop_case(tol)
+    # exact: while the A transfers run (their first 200 us) each B_i gets 1/10 of its sender's
+    # port and C the other half of rank 0's; after them C gets 1/6 of it
+    cap = ONE_GPU.nic_bytes_per_us
+    t_a = 2e5 / (cap / 10)
+    assert c_x == pytest.approx(t_a + (2e6 - cap / 2 * t_a) / (cap / 6), rel=1e-9)
+    assert end_x == pytest.approx(c_x + 1.6e7 / cap, rel=1e-9)
+    assert c_t < c_x * (1 - 5 * tol)          # one transfer: 9.8 x tol early
+    assert end_t < end_x * (1 - tol)          # the end: 1.6 x tol early
+    assert end_t >= end_x * (1 - 20 * tol)
 
 
 @pytest.mark.parametrize("topo_name", sorted(TOPOS))

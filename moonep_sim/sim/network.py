@@ -59,15 +59,18 @@ Rates are recomputed only at *ticks*: when a flow finishes or becomes ready. Eve
 happens at one simulated instant is handled by one tick (all flows submitted together are batched
 into one recomputation). With tolerance ``tol > 0`` ticks are additionally kept at least
 ``tol * max(now, drain horizon)`` apart: a flow that finishes between ticks is completed at the
-next tick (its receiver learns of it late and its capacity idles meanwhile), and a flow that
+next tick (its receiver learns of it late and it keeps its share of its ports meanwhile), and a flow that
 becomes ready between ticks starts at the next tick. (The per-flow :func:`waterfill` also freezes
 ports whose shares lie within ``tol`` of the bottleneck together; the block solver is exact.)
-Every approximation only delays the end: the last transfer never ends before the exact model's
-(``tol = 0``), and at most ~20 x tol later (relative; a chain of phases pays up to two gaps per
-hop: measured up to 13 x tol on small staggered two-phase cases, well under 1% at the default
-0.002 on MoE layers; tested), while the number of rate recomputations drops from O(F) to
-O(log(t_end) / tol). A single receive group may end slightly earlier or later than exact (a
-delayed transfer frees capacity for others). Stale completion events are invalidated by a
+Every approximation only delays events, never moves one earlier, and the number of rate
+recomputations drops from O(F) to O(log(t_end) / tol). The end is still not bounded below by the
+exact model's (``tol = 0``): max-min sharing is not monotone (a transfer completed late keeps its
+share of a port, the ones sharing that port run slower, so the ones competing with *them* run
+faster), and no ``c x tol`` bound holds for every plan (a constructed case ends 1.6 x tol early,
+one of its transfers 9.8 x tol; docs/simulator.md). Tested on random and adversarial families:
+between (1 - tol) and (1 + 20 x tol) times the exact end (a chain of phases pays up to two gaps
+per hop: measured up to 13 x tol late on small staggered two-phase cases, well under 1% at the
+default 0.002 on MoE layers). Stale completion events are invalidated by a
 version counter.
 """
 
