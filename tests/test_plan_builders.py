@@ -483,10 +483,14 @@ def test_segment_mask_matches_reference(gaps_lens, tail):
 def test_stable_order_chunked_matches_argsort(n, n_keys, seed):
     """Above a few chunks of entries the 16-bit stable order is sorted chunk by chunk and moved
     block by block: it must still be numpy's stable argsort, skewed and sorted keys included."""
-    from moonep_sim.plan.order import stable_order
+    from moonep_sim.plan.order import key_counts, stable_order, stable_order_counts
     rng = np.random.default_rng(seed)
     for key in (rng.integers(0, n_keys, n), np.minimum(rng.geometric(0.01, n), n_keys - 1),
                 np.sort(rng.integers(0, n_keys, n))):
         key16 = key.astype(np.uint16)
         assert np.array_equal(stable_order(key16, n_keys), np.argsort(key16, kind="stable"))
         assert np.array_equal(stable_order(key.astype(np.int64), n_keys), np.argsort(key16, kind="stable"))
+        order, counts = stable_order_counts(key16, n_keys)
+        assert np.array_equal(order, np.argsort(key16, kind="stable"))
+        assert counts.dtype == np.int64 and np.array_equal(counts, np.bincount(key16, minlength=n_keys))
+        assert np.array_equal(key_counts(key16, n_keys), counts)

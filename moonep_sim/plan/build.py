@@ -26,7 +26,7 @@ import numpy as np
 
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.kinds import Scope
-from moonep_sim.plan.order import entry_token, segment_ranges, small_key_dtype, stable_order
+from moonep_sim.plan.order import entry_token, segment_ranges, small_key_dtype, stable_order, stable_order_counts
 from moonep_sim.plan.placement import ClusterShape
 
 
@@ -100,8 +100,7 @@ def slot_sort(entry_slot_N: np.ndarray, num_slots: int) -> tuple[np.ndarray, int
     """
     key = entry_slot_N.astype(small_key_dtype(num_slots + 1), copy=True)
     key += 1
-    counts = np.bincount(key, minlength=num_slots + 1).astype(np.int64)
-    order = stable_order(key, num_slots + 1)
+    order, counts = stable_order_counts(key, num_slots + 1)
     return order, int(counts[0]), counts[1:]
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from moonep_sim.errors import PlanError
 from moonep_sim.plan.build import block_messages, final_rows, slot_layout, sorted_layout
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
-from moonep_sim.plan.order import segment_ranges, stable_order
+from moonep_sim.plan.order import segment_ranges, stable_order, stable_order_counts
 from moonep_sim.plan.placement import ClusterShape
 
 
@@ -120,8 +120,7 @@ def _route_hop_grouped(src_rank_N: np.ndarray | None, src_row_N: np.ndarray | No
         key16 = np.empty(n, dtype=np.uint16)
         np.multiply(src_rank_N, R, out=key16, dtype=np.uint16, casting="unsafe")  # (values < R*R fit)
         np.add(key16, dst_rank_N, out=key16, dtype=np.uint16, casting="unsafe")
-        order = stable_order(key16, R * R)
-        ecnt = np.bincount(key16, minlength=R * R)  # entries per (src, dst) block, src-major
+        order, ecnt = stable_order_counts(key16, R * R)  # and entries per (src, dst) block, src-major
         del key16
         key = None
     else:

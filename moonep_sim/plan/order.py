@@ -44,12 +44,35 @@ def stable_order(key_N: np.ndarray, n_keys: int) -> np.ndarray:
 CHUNK = 1 << 15
 
 
-def _chunked_order(key16_N: np.ndarray, n_keys: int, chunks: int) -> np.ndarray:
+def key_counts(key_N: np.ndarray, n_keys: int) -> np.ndarray:
+    """int64 [n_keys]: ``np.bincount(key_N, minlength=n_keys)`` counted chunk by chunk, so that a
+    narrow key array is never widened to an [N] int64 copy (what ``bincount`` does in one call)."""
+    n = key_N.size
+    if n <= 4 * CHUNK:
+        return np.bincount(key_N, minlength=n_keys).astype(np.int64, copy=False)
+    out = np.zeros(n_keys, dtype=np.int64)
+    for lo in range(0, n, 4 * CHUNK):  # loop over chunks, not entries
+        out += np.bincount(key_N[lo:lo + 4 * CHUNK], minlength=n_keys)
+    return out
+
+
+def stable_order_counts(key_N: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray]:
+    """(:func:`stable_order`, :func:`key_counts`) of ``key_N``, counting once where the sort counts."""
+    if 1 << 8 < n_keys <= 1 << 16:
+        key16 = key_N.astype(np.uint16, copy=False)
+        chunks = min(-(-key16.size // CHUNK), key16.size // (2 * n_keys))
+        if chunks >= 4:
+            return _chunked_order(key16, n_keys, chunks, counts=True)
+    return stable_order(key_N, n_keys), key_counts(key_N, n_keys)
+
+
+def _chunked_order(key16_N: np.ndarray, n_keys: int, chunks: int, counts: bool = False):
     """``np.argsort(key16_N, kind="stable")`` as ``chunks`` sorts of consecutive chunks, each moved
     block by block -- its entries of key k -- to where block (chunk, key) lies in (key, chunk)
     order. Chunks are in entry order, so that is the stable order. One pass counts each chunk's
     keys (where every block goes), a second sorts the chunks and places them; no [N] temporary
-    beyond the result. The loops are over chunks (N / CHUNK), not entries."""
+    beyond the result. The loops are over chunks (N / CHUNK), not entries. With ``counts`` also
+    returns the keys' counts (int64 [n_keys])."""
     n = key16_N.size
     size = -(-n // chunks)
     cnt_CK = np.zeros((chunks, n_keys), dtype=np.int64)
@@ -64,7 +87,7 @@ def _chunked_order(key16_N: np.ndarray, n_keys: int, chunks: int) -> np.ndarray:
             local = np.argsort(key16_N[lo:hi], kind="stable")
             local += lo
             order[segment_ranges(dest_CK[c], cnt_CK[c])] = local
-    return order
+    return (order, cnt_CK.sum(axis=0)) if counts else order
 
 
 def segment_ranges(first_B: np.ndarray, lens_B: np.ndarray) -> np.ndarray:
@@ -114,4 +137,5 @@ def entry_token(entry_N: np.ndarray, top_k: int) -> np.ndarray:
     return entry_N // top_k
 
 
-__all__ = ["entry_token", "segment_mask", "segment_ranges", "small_key_dtype", "stable_order"]
+__all__ = ["entry_token", "key_counts", "segment_mask", "segment_ranges", "small_key_dtype", "stable_order",
+           "stable_order_counts"]
