@@ -160,8 +160,8 @@ def emulate_direct(plan, x_R):
         for p, tag, _, b, m in d.send_runs:
             lst[b:b + m] = back.pop((p, r, tag))
         # the split reduce reads kept rows from the layout and never the kept rows' list positions (NaN)
-        zeros = lambda r=r: torch.empty((x_R[r].shape[0], x_R[r].shape[1]), dtype=x_R[r].dtype)
-        split.append(d.split.add_remote(d.split.local(lay[r], None, zeros), lst, None))
+        out = torch.full((x_R[r].shape[0], x_R[r].shape[1]), float("nan"), dtype=x_R[r].dtype)
+        split.append(d.split.add_remote(d.split.local(lay[r], None, out), lst, None))
         for _, _, a, b, m in d.self_runs:
             lst[b:b + m] = lay[r][a:a + m]
         toks.append(d.list_map.scatter_add(lst))
@@ -229,8 +229,9 @@ def test_split_reduce_equals_the_weighted_reduce_of_the_whole_list(csr, monkeypa
         holes, hw = lst.clone(), lw.clone()
         for _, _, a, b, m in d.self_runs:
             holes[b:b + m], hw[b:b + m] = float("nan"), float("nan")
-        zeros = lambda: torch.empty(d.split.tokens, 5, dtype=torch.float64)
-        got = d.split.add_remote(d.split.local(y, w, zeros), holes, hw)
+        out = torch.full((d.split.tokens, 5), float("nan"), dtype=torch.float64)  # memory reused across calls
+        got = d.split.add_remote(d.split.local(y, w, out), holes, hw)
+        assert got.data_ptr() == out.data_ptr()
         assert d.self_runs and d.send_runs, "both parts are exercised"
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12, atol=1e-12)
 

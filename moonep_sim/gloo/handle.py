@@ -22,7 +22,6 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable
 
 import numpy as np
 import torch
@@ -239,20 +238,23 @@ class SplitReduce:
     tokens are read where they lie (in the expert outputs) instead of first being copied into the
     receive list:
 
-        out[t] = sum over t's kept rows r of w[r] * y[r]          (``local``: one weighted bag sum,
-                                                                     run while the messages travel)
-               + sum over t's received rows p of w'[p] * recv[p]  (``add_remote``: one sparse-times-
-                                                                     dense accumulate into ``out``)
+        out[t] = sum over t's kept rows r of w[r] * y[r]          (``local``, run while the
+                                                                     messages travel)
+               + sum over t's received rows p of w'[p] * recv[p]  (``add_remote``)
+
+    each part one sparse-times-dense accumulate (``torch.addmm`` of a CSR matrix of weights) into
+    memory the caller reuses across calls: no fresh [s, C] tensor (a fresh one page-faults on
+    first touch, a pass over the rows' worth of time).
 
     loc_rows: int64 [n_keep] layout rows of the kept rows, grouped by token (stable).
-    loc_offs: int64 [s] start of each token's bag in ``loc_rows``.
+    loc_crow: int64 [s+1] CSR row pointers of each token's kept rows in ``loc_rows``.
     rem_crow: int64 [s+1] CSR row pointers of each token's received rows.
     rem_col: int64 [n_recv] send-list positions of the received rows, grouped by token (stable).
     tokens: s.  list_rows: m (rows of the receive list).
     """
 
     loc_rows: torch.Tensor
-    loc_offs: torch.Tensor
+    loc_crow: torch.Tensor
     rem_crow: torch.Tensor
     rem_col: torch.Tensor
     tokens: int
@@ -271,24 +273,26 @@ class SplitReduce:
         kept[keep_b] = True
         tok_keep = list_src[keep_b]
         order = np.argsort(tok_keep, kind="stable")
-        counts = np.bincount(tok_keep, minlength=n_tokens)
-        loc_offs = np.concatenate([[0], np.cumsum(counts)[:-1]]) if n_tokens else np.zeros(0, dtype=np.int64)
+        loc_crow = np.concatenate([[0], np.cumsum(np.bincount(tok_keep, minlength=n_tokens))])
         rem_b = np.flatnonzero(~kept)
         tok_rem = list_src[rem_b]
         rorder = np.argsort(tok_rem, kind="stable")
         rem_crow = np.concatenate([[0], np.cumsum(np.bincount(tok_rem, minlength=n_tokens))])
-        return cls(_t(keep_a[order]), _t(loc_offs), _t(rem_crow), _t(rem_b[rorder]), int(n_tokens), m)
+        return cls(_t(keep_a[order]), _t(loc_crow), _t(rem_crow), _t(rem_b[rorder]), int(n_tokens), m)
 
-    def local(self, y: torch.Tensor, weights: torch.Tensor | None,
-              zeros: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """[s, C]: each token's weighted sum over its kept rows of ``y`` [W, C] (``weights`` [W] in
-        y's dtype, or None = 1). ``zeros()`` gives [s, C] memory to zero and return when nothing is
-        kept. The result is a tensor of its own (the bag sum's), written again by :meth:`add_remote`."""
-        if self.loc_rows.numel() == 0 or y.shape[0] == 0:
-            return zeros().zero_()
-        psw = None if weights is None else weights.index_select(0, self.loc_rows)
-        return torch.ops.aten._embedding_bag_forward_only(y, self.loc_rows, self.loc_offs, False, 0, False, psw,
-                                                          False, -1)[0]
+    def local(self, y: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """``out`` [s, C] := each token's weighted sum over its kept rows of ``y`` [W, C] (``weights``
+        [W] in y's dtype, or None = 1); zero rows for tokens with none. Returns ``out``."""
+        out.zero_()
+        n = int(self.loc_rows.numel())
+        if n == 0 or self.tokens == 0:
+            return out
+        vals = torch.ones(n, dtype=y.dtype) if weights is None else weights.index_select(0, self.loc_rows)
+        if csr_addmm_ok(y.dtype):
+            return torch.addmm(out, _csr(self.loc_crow, self.loc_rows, vals, (self.tokens, int(y.shape[0]))), y,
+                               out=out)
+        return out.add_(torch.ops.aten._embedding_bag_forward_only(y, self.loc_rows, self.loc_crow[:-1], False, 0,
+                                                                   False, vals, False, -1)[0])
 
     def add_remote(self, out: torch.Tensor, recv: torch.Tensor, recv_w: torch.Tensor | None) -> torch.Tensor:
         """``out`` [s, C] += each token's weighted sum over its received rows of ``recv`` [m, C]

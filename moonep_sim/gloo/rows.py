@@ -22,7 +22,7 @@ No autograd here: ``moonep_sim.gloo.autograd`` wraps these. Memory comes from a
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -143,8 +143,7 @@ class RowEngine:
                 recv, recv_w, part = self._combine_direct(
                     handle, hop, src, f"{phase}.{i}", f"recv{i % 2}",
                     row_weights.to(y.dtype).contiguous() if w_at_dst else None,
-                    (lambda: self.pool.result(f"{phase}.split", (d.split.tokens,) + tuple(src.shape[1:]), src.dtype))
-                    if split else None)
+                    self.pool.result(phase, (d.split.tokens,) + tuple(src.shape[1:]), src.dtype) if split else None)
                 if part is not None:  # kept rows already summed from src: add the received ones
                     buf = d.split.add_remote(part, recv, recv_w)
                     continue
@@ -163,15 +162,15 @@ class RowEngine:
         return self.pool.owned(buf, y)
 
     def _combine_direct(self, handle: Handle, hop: HopIndex, src: torch.Tensor, phase: str, ws: str,
-                        weights: torch.Tensor | None = None,
-                        split_zeros: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                        weights: torch.Tensor | None = None, split_out: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The adjoint of :meth:`_dispatch_direct`: layout runs sent straight from ``src`` [W, C],
         received into the send list's order (reduced by ``handle.direct.list_map``); ``weights``
         [W] (optional) travel alongside, one message per peer. Returns (rows, their weights, None).
 
-        With ``split_zeros`` (gives [s, C] memory, see :class:`~moonep_sim.gloo.handle.SplitReduce`) the
+        With ``split_out`` ([s, C] memory, see :class:`~moonep_sim.gloo.handle.SplitReduce`) the
         rows this rank keeps are not copied into the receive list: while the messages travel they
-        are summed into the token rows straight from ``src``, returned third (the caller adds the
+        are summed into ``split_out`` straight from ``src``, returned third (the caller adds the
         received rows)."""
         d = handle.direct
         recv = self.pool.workspace(ws, d.list_rows, src)
@@ -194,8 +193,8 @@ class RowEngine:
         part: list[torch.Tensor] = []
 
         def local():
-            if split_zeros is not None:
-                part.append(d.split.local(src, weights, split_zeros))
+            if split_out is not None:
+                part.append(d.split.local(src, weights, split_out))
                 return
             for _, _, a, b, m in d.self_runs:
                 recv[b:b + m].copy_(src[a:a + m])
