@@ -212,34 +212,44 @@ def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_of
     order, ecnt = _src_dst_order(entry_rank_N, src_rank_T, K, R)
     n_kept = order.size
     ebound = np.concatenate([[0], np.cumsum(ecnt)])  # entry-domain bounds of the R*R blocks
+    row_sorted = None
     if dedup and n_kept:
-        tok_s = entry_token(order, K)
+        buf = entry_token(order, K)  # [n_kept] token of each sorted entry; later its receive row
         first = np.empty(n_kept, dtype=bool)
         first[0] = True
-        np.not_equal(tok_s[1:], tok_s[:-1], out=first[1:])
-        first[ebound[:-1][ecnt > 0]] = True  # a new (src, dst) block starts a new message
+        np.not_equal(buf[1:], buf[:-1], out=first[1:])
+        nzb = ecnt > 0
+        first[ebound[:-1][nzb]] = True  # a new (src, dst) block starts a new message
         msg_idx = np.flatnonzero(first)
-        msg_tok = tok_s[msg_idx]
-        del tok_s
-        mcum = np.cumsum(first.view(np.uint8), dtype=np.int64)  # messages up to and including p
-        m_at = np.zeros(ebound.size, dtype=np.int64)  # messages before each block bound
-        nz = ebound > 0
-        m_at[nz] = mcum[ebound[nz] - 1]
-        cnt = m_at[1:] - m_at[:-1]
+        msg_tok = buf[msg_idx]
+        cnt = np.diff(np.searchsorted(msg_idx, ebound))  # messages per (src, dst) block
+        del msg_idx
+        # each sorted entry's receive row is its message's: a running sum of the message starts,
+        # jumping to block b's first row at its first entry (see block_messages)
+        np.copyto(buf, first)
+        cnt_RR = cnt.reshape(R, R)
+        r0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()[nzb]
+        c_b = cnt[nzb]
+        jump = r0.copy()
+        jump[1:] -= r0[:-1] + c_b[:-1] - 1  # from the previous block's last row
+        buf[ebound[:-1][nzb]] = jump
+        row_sorted = np.cumsum(buf, out=buf)
     else:
         msg_tok = entry_token(order, K)
         cnt = ecnt
-        first = mcum = None
+        first = None
     msg_src, msg_dst, msg_row, per_dst = block_messages(cnt, R)
     src_row = msg_tok if msg_tok is not order else msg_tok.copy()
-    src_row -= np.asarray(tok_off_R, dtype=np.int64)[msg_src]  # token -> row on its rank
     del msg_tok
-    entry_buf_row = np.full(N, -1, dtype=np.int64)
+    m_bound = np.concatenate([[0], np.cumsum(cnt.reshape(R, R).sum(axis=1))])
+    tok_off = np.asarray(tok_off_R, dtype=np.int64)
+    for r in range(R):  # messages are in source-rank order: token -> row on its rank, in place
+        src_row[m_bound[r]:m_bound[r + 1]] -= tok_off[r]
+    entry_buf_row = np.empty(N, dtype=np.int64) if n_kept == N else np.full(N, -1, dtype=np.int64)
     entry_dup = np.zeros(N, dtype=bool)
     if first is not None:
-        mcum -= 1
-        entry_buf_row[order] = msg_row[mcum]
-        del mcum
+        entry_buf_row[order] = row_sorted
+        del row_sorted
         np.logical_not(first, out=first)
         entry_dup[order] = first
     else:
