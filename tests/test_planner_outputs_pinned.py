@@ -403,7 +403,7 @@ def ref_eplb(routing: GlobalRouting, ctx: PlanContext, **opts) -> Plan:
     run the module's own body with the reference choice (and a plain stable sort) swapped in."""
     import moonep_sim.strategies.eplb as eplb_mod
 
-    def ref_ordered(ids_N, slot_expert_S, num_experts, choice):
+    def ref_ordered(ids_N, slot_expert_S, num_experts, choice, with_entry_slot=True):
         slot = ref_choose_replicas(ids_N, slot_expert_S, num_experts, choice)
         return slot, np.argsort(slot, kind="stable"), np.bincount(slot, minlength=slot_expert_S.size)
 
@@ -688,3 +688,21 @@ def test_nodes_per_token_matches_reference():
         node = rng.integers(0, hi, (300, 6))
         _eq(f"nodes < {hi}", nodes_per_token_T(node), ref_nodes_per_token_T(node))
     _eq("no tokens", nodes_per_token_T(np.zeros((0, 3), np.int64)), ref_nodes_per_token_T(np.zeros((0, 3), np.int64)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from(["round_robin", "contiguous"]))
+def test_choose_replicas_matches_reference(seed, choice):
+    """Each entry's replica (and the by-slot order eplb plans from) equals the reference's, with
+    experts of one to several replicas and experts nobody picks."""
+    from moonep_sim.strategies.eplb import choose_replicas, choose_replicas_ordered
+    rng = np.random.default_rng(seed)
+    E = int(rng.integers(1, 12))
+    slot_expert = np.concatenate([np.arange(E), rng.integers(0, E, int(rng.integers(0, 10)))])
+    rng.shuffle(slot_expert)
+    ids = rng.integers(0, E, int(rng.integers(0, 300)))
+    want = ref_choose_replicas(ids, slot_expert, E, choice)
+    _eq("entry_slot", choose_replicas(ids, slot_expert, E, choice), want)
+    _, order, rows = choose_replicas_ordered(ids, slot_expert, E, choice, with_entry_slot=False)
+    _eq("order", order, np.argsort(want, kind="stable"))
+    _eq("slot_rows", rows, np.bincount(want, minlength=slot_expert.size))

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from moonep_sim.errors import ConfigError, require
-from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, plan_from_order, stable_order
+from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, plan_from_order
+from moonep_sim.plan.order import key_counts, segment_ranges, stable_order_counts
 from moonep_sim.strategies import Option, PlanContext, make_plan, register
 
 # Notation: E experts, R ranks (GPUs), G GPUs per node, S slots (physical experts, E + redundant),
@@ -146,40 +147,53 @@ def choose_replicas(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_experts: i
 
 
 def choose_replicas_ordered(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_experts: int,
-                            choice: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                            choice: str, with_entry_slot: bool = True) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
     """(entry_slot_N, order_N, slot_rows_S): :func:`choose_replicas`, plus the entries sorted by
     (slot, entry) and the entries of each slot -- what ``slot_sort`` would return, without a sort:
     a slot's entries are those of its expert with one replica index, in global order, so the
     j-th entry of expert e sits at row ``j // c_e`` (round_robin) or ``j - ceil(r * n_e / c_e)``
-    (contiguous, r its replica) of its slot."""
+    (contiguous, r its replica) of its slot. ``with_entry_slot=False`` skips entry_slot_N (None).
+
+    Everything is computed in the entries' by-expert order, where the j-th entry of each expert
+    is simply the j-th position of its run: no per-entry gather of expert tables, one scatter of
+    the entries to their places at the end.
+    """
     E = num_experts
     S = slot_expert_S.size
     rep = np.argsort(slot_expert_S, kind="stable")  # slots grouped by expert, in slot order
     c = np.bincount(slot_expert_S, minlength=E)
     c_start = np.cumsum(c) - c
-    n_e = np.bincount(ids_N, minlength=E)
-    order = stable_order(ids_N, E)  # entries by expert, in global order (a radix sort)
-    j = np.empty(ids_N.size, dtype=np.int64)
-    j[order] = np.arange(ids_N.size, dtype=np.int64) - np.repeat(np.cumsum(n_e) - n_e, n_e)
-    del order
-    c_N = c[ids_N]
+    order, n_e = stable_order_counts(ids_N, E)  # entries by expert, in global order (a radix sort)
+    # position p of that order holds the j-th entry of its expert e: j, c_e and n_e by runs
+    j = segment_ranges(np.zeros(E, dtype=np.int64), n_e)
+    c_p = np.repeat(c, n_e)
     if choice == "round_robin":
-        r = j % c_N
-        pos = j // c_N
+        r = j % c_p
+        pos = np.floor_divide(j, c_p, out=j)
     elif choice == "contiguous":
-        n_N = np.maximum(n_e[ids_N], 1)
-        r = j * c_N // n_N
-        pos = j - (r * n_N + c_N - 1) // c_N
-        del n_N
+        n_p = np.repeat(np.maximum(n_e, 1), n_e)
+        r = j * c_p
+        r //= n_p
+        adj = r * n_p
+        adj += c_p - 1
+        adj //= c_p
+        pos = np.subtract(j, adj, out=j)
+        del n_p, adj
     else:
         raise ConfigError(f"choice ({choice!r}) must be 'round_robin' or 'contiguous'")
-    del j, c_N
-    entry_slot = rep[c_start[ids_N] + r]
+    del c_p
+    r += np.repeat(c_start, n_e)
+    slot_p = rep[r]  # each sorted entry's slot
     del r
-    slot_rows = np.bincount(entry_slot, minlength=S).astype(np.int64)
-    pos += (np.cumsum(slot_rows) - slot_rows)[entry_slot]
+    slot_rows = key_counts(slot_p, S)
+    pos += (np.cumsum(slot_rows) - slot_rows)[slot_p]
     order_N = np.empty(ids_N.size, dtype=np.int64)
-    order_N[pos] = np.arange(ids_N.size, dtype=np.int64)
+    order_N[pos] = order
+    del pos
+    entry_slot = None
+    if with_entry_slot:
+        entry_slot = np.empty(ids_N.size, dtype=np.int64)
+        entry_slot[order] = slot_p
     return entry_slot, order_N, slot_rows
 
 
@@ -263,8 +277,9 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, num_redundant: int, groups
                 f"previous placement ({prev.size} slots) must list experts in [0, {E}), a multiple of ranks ({R})")
         old_r, old_e = np.repeat(np.arange(R, dtype=np.int64), prev.size // R), prev
     mx, ms, md = migrations(old_r, old_e, slot_rank, slot_expert, E, ctx.cluster)
-    entry_slot, order, slot_rows = choose_replicas_ordered(routing.topk_ids_TK.ravel(), slot_expert, E, choice)
-    del entry_slot  # (the slot of each entry is implied by the order and the slots' rows)
+    # (the slot of each entry is implied by the order and the slots' rows)
+    _, order, slot_rows = choose_replicas_ordered(routing.topk_ids_TK.ravel(), slot_expert, E, choice,
+                                                  with_entry_slot=False)
     opts = {"num_redundant": num_redundant, "groups": num_groups, "policy": policy, "load_source": source,
             "planned_balancedness": balancedness(np.bincount(slot_rank, weights=load[slot_expert]
                                                              / np.bincount(slot_expert, minlength=E)[slot_expert],
