@@ -690,9 +690,14 @@ class BlockCounts:
                 continue
             rb = rows[i0:i1]
             lb = lvn[i0:i1]
-            cols = self._cols(b, rb)
             base = olo + b * R
             of = free[base:base + R]
+            if b % 4 == 0:   # a local block: each node's one cell is its own rank's
+                z = mats[b][rb, 0] * of[rb]
+                cnt[base + rb] -= z
+                frz[base + rb] += lb * z
+                continue
+            cols = self._cols(b, rb)
             Mrb = mats[b][rb]
             if cols is None:
                 both = np.stack([np.ones(rb.size), lb]) @ Mrb
@@ -966,7 +971,7 @@ class FlowNetwork:
         if self._blocks is not None:
             self._filled = self._blocks.fill(self.ports.cap_P)
             lev_s, lev_d = self._filled[0], self._filled[1]
-            rate = np.minimum(np.append(lev_s, 0.0)[a.ns], np.append(lev_d, 0.0)[a.nd])
+            rate = np.minimum(np.take(np.append(lev_s, 0.0), a.ns), np.take(np.append(lev_d, 0.0), a.nd))
             it = self._filled[-1]
         else:
             live = np.flatnonzero(a.alive)
@@ -980,15 +985,20 @@ class FlowNetwork:
         self._last_fill = t
         ch = np.flatnonzero(rate != a.rate)   # dead flows keep rate 0
         if ch.size:
-            rem0 = a.rem0
-            rem0[ch] -= a.rate[ch] * (t - a.t0[ch])
+            rem = a.rem0[ch] - a.rate[ch] * (t - a.t0[ch])
+            a.rem0[ch] = rem
             a.t0[ch] = t
-            a.rate[ch] = rate[ch]
-            fin = t + rem0[ch] / rate[ch]
+            r_ch = rate[ch]
+            a.rate[ch] = r_ch
+            fin = t + rem / r_ch
             a.fin[ch] = fin
-            fin_live = fin[np.isfinite(fin)]
-            if fin_live.size:
-                self._horizon = max(self._horizon, float(fin_live.max()))
+            fin_max = float(fin.max())
+            if np.isfinite(fin_max):
+                self._horizon = max(self._horizon, fin_max)
+            else:
+                fin_live = fin[np.isfinite(fin)]
+                if fin_live.size:
+                    self._horizon = max(self._horizon, float(fin_live.max()))
         if self.record_util:
             live = np.flatnonzero(a.alive)
             if self._blocks is None:
