@@ -82,8 +82,12 @@ class _Entries:
         self.tok = ent.astype(i_tok) // i_tok(K)
         # tokens are numbered rank by rank: rank r's are [off[r], off[r + 1])
         self.tok_off_R1 = np.concatenate([[0], np.cumsum(plan.tokens_per_rank_R)]).astype(np.int64)
-        src_T = np.repeat(np.arange(R, dtype=i_key), plan.tokens_per_rank_R)
-        self.key = src_T[self.tok]
+        tpr = np.asarray(plan.tokens_per_rank_R)
+        if tpr.size and (tpr == tpr[0]).all() and tpr[0] > 0:   # even split: a division, no gather
+            self.key = self.tok // i_tok(tpr[0])
+            self.key = self.key.astype(i_key, copy=False)
+        else:   # np.take: fancy indexing with 32-bit indices is several times slower
+            self.key = np.take(np.repeat(np.arange(R, dtype=i_key), tpr), self.tok)
         self.key *= i_key(E)
         self.key += exp_W
         self.n_RE = np.bincount(self.key, minlength=R * E).reshape(R, E)
@@ -91,9 +95,9 @@ class _Entries:
     def tokens_needing(self, resident_RE: np.ndarray) -> np.ndarray:
         """int64 [R]: tokens of each rank with a kept entry whose expert ``resident_RE`` (bool
         [R, E], per source rank) does not hold."""
-        need = (~np.asarray(resident_RE, dtype=bool)).ravel()[self.key]
+        need = np.take((~np.asarray(resident_RE, dtype=bool)).ravel(), self.key)
         flag = np.zeros(self.T, dtype=bool)
-        flag[self.tok[need]] = True
+        np.put(flag, self.tok[need], True)
         c = np.concatenate([[0], np.cumsum(flag, dtype=np.int64)])
         return c[self.tok_off_R1[1:]] - c[self.tok_off_R1[:-1]]
 
