@@ -213,14 +213,17 @@ class HopIndex:
 def csr_addmm_ok(dtype: torch.dtype) -> bool:
     """True when this torch build accumulates a sparse CSR matrix times dense rows into an existing
     tensor (``torch.addmm(out, S_csr, rows, out=out)``) for ``dtype`` (float32 / float64 with MKL;
-    not bfloat16). Probed once per dtype with a 2x2 product checked against its known value."""
+    not bfloat16), and with ``beta=0`` overwrites it (NaN included, rows of S without entries
+    zeroed). Probed once per dtype with 2x2 products checked against their known values."""
     if dtype not in (torch.float32, torch.float64):
         return False
     try:
-        out = torch.ones(2, 1, dtype=dtype)
         s = _csr(torch.tensor([0, 1, 1]), torch.tensor([1]), torch.tensor([2.0], dtype=dtype), (2, 2))
-        torch.addmm(out, s, torch.tensor([[5.0], [7.0]], dtype=dtype), out=out)
-        return out.flatten().tolist() == [15.0, 1.0]
+        rows = torch.tensor([[5.0], [7.0]], dtype=dtype)
+        acc = torch.addmm(torch.ones(2, 1, dtype=dtype), s, rows, out=torch.ones(2, 1, dtype=dtype))
+        out = torch.full((2, 1), float("nan"), dtype=dtype)
+        torch.addmm(out, s, rows, beta=0, out=out)
+        return acc.flatten().tolist() == [15.0, 1.0] and out.flatten().tolist() == [14.0, 0.0]
     except (RuntimeError, NotImplementedError):
         return False
 
@@ -242,8 +245,8 @@ class SplitReduce:
                                                                      messages travel)
                + sum over t's received rows p of w'[p] * recv[p]  (``add_remote``)
 
-    each part one sparse-times-dense accumulate (``torch.addmm`` of a CSR matrix of weights) into
-    memory the caller reuses across calls: no fresh [s, C] tensor (a fresh one page-faults on
+    each part one sparse-times-dense product (``torch.addmm`` of a CSR matrix of weights; the first
+    overwrites, the second accumulates) into memory the caller reuses across calls: no fresh [s, C] tensor (a fresh one page-faults on
     first touch, a pass over the rows' worth of time).
 
     loc_rows: int64 [n_keep] layout rows of the kept rows, grouped by token (stable).
@@ -283,16 +286,15 @@ class SplitReduce:
     def local(self, y: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         """``out`` [s, C] := each token's weighted sum over its kept rows of ``y`` [W, C] (``weights``
         [W] in y's dtype, or None = 1); zero rows for tokens with none. Returns ``out``."""
-        out.zero_()
         n = int(self.loc_rows.numel())
         if n == 0 or self.tokens == 0:
-            return out
+            return out.zero_()
         vals = torch.ones(n, dtype=y.dtype) if weights is None else weights.index_select(0, self.loc_rows)
-        if csr_addmm_ok(y.dtype):
+        if csr_addmm_ok(y.dtype):  # beta=0: out is overwritten, rows without kept rows zeroed
             return torch.addmm(out, _csr(self.loc_crow, self.loc_rows, vals, (self.tokens, int(y.shape[0]))), y,
-                               out=out)
-        return out.add_(torch.ops.aten._embedding_bag_forward_only(y, self.loc_rows, self.loc_crow[:-1], False, 0,
-                                                                   False, vals, False, -1)[0])
+                               beta=0, out=out)
+        return out.copy_(torch.ops.aten._embedding_bag_forward_only(y, self.loc_rows, self.loc_crow[:-1], False, 0,
+                                                                    False, vals, False, -1)[0])
 
     def add_remote(self, out: torch.Tensor, recv: torch.Tensor, recv_w: torch.Tensor | None) -> torch.Tensor:
         """``out`` [s, C] += each token's weighted sum over its received rows of ``recv`` [m, C]
