@@ -421,7 +421,8 @@ class BlockCounts:
         self.m_flat = np.zeros(int(self.m_off[-1]))
         self.M = [self.m_flat[self.m_off[b]:self.m_off[b + 1]].reshape(R, w) for b, w in enumerate(self.width)]
         self.width_B = np.asarray(self.width, dtype=np.int64)
-        self.MT = [np.zeros((R, w)) for w in self.width]
+        self.mt_flat = np.zeros(int(self.m_off[-1]))
+        self.MT = [self.mt_flat[self.m_off[b]:self.m_off[b + 1]].reshape(R, w) for b, w in enumerate(self.width)]
         self.cnt_src = np.zeros(B * R)   # active transfers per sender node (block-major)
         self.cnt_dst = np.zeros(B * R)
         r = np.arange(R)
@@ -472,10 +473,11 @@ class BlockCounts:
             return
         j, i = self.cells(blk_F, src_F, dst_F)
         R = self.R
-        for b in np.unique(blk_F).tolist():
-            m = blk_F == b
-            np.add.at(self.M[b], (src_F[m], j[m]), sign)
-            np.add.at(self.MT[b], (dst_F[m], i[m]), sign)
+        # every block's matrix is a view of one flat buffer: one scatter per side (counts are
+        # whole numbers, so the order of the additions does not matter)
+        off, w = self.m_off[blk_F], self.width_B[blk_F]
+        np.add.at(self.m_flat, off + src_F * w + j, sign)
+        np.add.at(self.mt_flat, off + dst_F * w + i, sign)
         n = self.B * R
         self.cnt_src += sign * np.bincount(blk_F * R + src_F, minlength=n)
         self.cnt_dst += sign * np.bincount(blk_F * R + dst_F, minlength=n)
