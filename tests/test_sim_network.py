@@ -341,3 +341,21 @@ def test_block_solver_is_refused_with_pair_ports():
     env = simpy.Environment()
     with pytest.raises(Exception, match="solver"):
         FlowNetwork(env, PortMap.build(half, 4), 0.0, solver="blocks")
+
+
+@pytest.mark.parametrize("topo_name", sorted(TOPOS) + ["half-duplex"])
+def test_port_bytes_equal_the_per_flow_route_sums(topo_name):
+    """port_bytes sums whole-byte flows per side before spreading them over ports; it must equal
+    the per-flow sum over every flow's full route (spine, node-link, SM and pair ports included)."""
+    topo = TOPOS.get(topo_name) or Topology("half", gpus_per_node=2, nic_duplex="half", fabric_oversubscription=2.0)
+    R = 8
+    phases = random_phases(np.random.default_rng(5), R, "hot-sender")
+    _, net = run_solver(R, phases, topo, 0.0, "auto", sm_cap=30e3, nic_only=True)
+    rec = net.records()
+    path = net.ports.route(rec["src"], rec["dst"], net.flow_sm(rec), net.flow_nic(rec))
+    want = np.zeros(net.ports.cap_P.size)
+    for f in range(path.shape[0]):
+        want[path[f]] += rec["bytes"][f]
+    got = net.port_bytes()
+    assert np.array_equal(got, want[:-1])
+    assert got.sum() > 0

@@ -234,8 +234,10 @@ def sim_result(sim: StepSim, wall: float) -> SimResult:
     require(not np.isnan(rec["end"]).any(), "simulation ended with unfinished transfers (internal error)", ConfigError)
     end_R = sim.stage_end[-1].copy()
     t_end = float(max(end_R.max() if end_R.size else 0.0, rec["end"].max() if rec["end"].size else 0.0))
-    pb = net.port_bytes()
+    pb = net.port_bytes(rec)
     busy = pb / ports.cap_P[:-1]
+    if sim.busy_P is None:   # critical_port reads it
+        sim.busy_P = busy
     # rank, spine and node-link ports (the pair ports of half-duplex links are not a device's port)
     phys_busy = np.where([ports.physical(p) for p in range(busy.size)], busy, -np.inf) if busy.size else busy
     bp = int(np.argmax(phys_busy)) if pb.size else 0

@@ -1043,14 +1043,34 @@ class FlowNetwork:
                     start=cat(self._rec_start, np.float64), ready=self._ready[:n].copy(),
                     end=self._end[:n].copy(), bneck=self._bneck[:n].copy())
 
-    def port_bytes(self) -> np.ndarray:
-        """float64 [P]: bytes that crossed each port."""
-        rec = self.records()
+    def port_bytes(self, rec: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """float64 [P]: bytes that crossed each port (``rec``: :meth:`records`, if already read).
+
+        Whole-byte flows (the usual case) are summed per sender and receiver side first, then
+        spread over the sides' ports (``PortMap.side_ports``): sums of whole numbers below 2^53
+        are exact in any order, so this equals the per-flow sum over every flow's route."""
+        rec = self.records() if rec is None else rec
         if rec["src"].size == 0:
             return np.zeros(self.ports.num_ports)
-        path = self.ports.route(rec["src"], rec["dst"], self.flow_sm(rec), self.flow_nic(rec))
-        return np.bincount(path.ravel(), weights=np.repeat(rec["bytes"], L_PATH),
-                           minlength=self.ports.cap_P.size)[:-1]
+        b, src, dst = rec["bytes"], rec["src"], rec["dst"]
+        sm, nic = self.flow_sm(rec), self.flow_nic(rec)
+        P1 = self.ports.cap_P.size
+        if not (np.all(b == np.floor(b)) and float(b.sum()) < 2.0 ** 53):
+            path = self.ports.route(src, dst, sm, nic)
+            return np.bincount(path.ravel(), weights=np.repeat(b, L_PATH), minlength=P1)[:-1]
+        full = PortMap(**{**self.ports.__dict__, "spine_binds": True})   # as route(): spine ports counted
+        R = self.ports.ranks
+        blk = full.pair_class(src, dst, sm, nic)
+        out = np.zeros(P1)
+        for side_BRK, rank_F in zip(full.side_ports(), (src, dst)):
+            B, _, k = side_BRK.shape
+            node_b = np.bincount(blk * R + rank_F, weights=b, minlength=B * R)
+            out += np.bincount(side_BRK.reshape(B * R, k).ravel(), weights=np.repeat(node_b, k), minlength=P1)
+        if self.ports.pairs:   # the pair port of a half-duplex link, as in paths()
+            remote = src != dst
+            lo, hi = np.minimum(src, dst)[remote], np.maximum(src, dst)[remote]
+            out += np.bincount(self.ports.pair_base + lo * R + hi, weights=b[remote], minlength=P1)
+        return out[:-1]
 
     def flow_sm(self, rec: dict[str, np.ndarray]) -> np.ndarray | None:
         """bool [F]: which recorded flows crossed SM ports (None when the port map has none)."""
