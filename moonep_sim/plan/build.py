@@ -57,14 +57,15 @@ class SlotLayout:
 
 def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slot_rank_S: np.ndarray,
                   token_padding: int = 1, min_rows_S: np.ndarray | None = None,
-                  ranks: int | None = None) -> SlotLayout:
+                  ranks: int | None = None, scratch: list | None = None) -> SlotLayout:
     """The expert-grouped layout from entries already sorted by (slot, entry), dropped first.
 
     order_N: int64 [N] entry ids in that order (as :func:`slot_sort` returns); n_drop: how many
     dropped ones lead; slot_rows_S: int64 [S] entries of each slot, in order after them.
     slot_rank_S: int64 [S] sorted.  token_padding: pad each slot's rows to a multiple of this.
     min_rows_S: optional [S] rows to allocate at least (capacity padding).  ranks: R (default:
-    the largest slot rank + 1).
+    the largest slot rank + 1).  scratch: optional list of dead int64 arrays; one of the kept
+    entries' size, if there, holds a temporary (it ends up in no field of the layout).
     """
     S = slot_rank_S.size
     N = order_N.size
@@ -79,7 +80,8 @@ def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slo
     # sorted position p of a kept entry of slot s, the j-th of its slot: row within its rank =
     # offset[s] + j; global row (ranks concatenated) = cum[s] + j
     n_kept = N - n_drop
-    row_sorted = segment_ranges(offset, slot_rows_S)
+    spare = next((b for b in (scratch or ()) if b.shape == (N - n_drop,) and b.dtype == np.int64), None)
+    row_sorted = segment_ranges(offset, slot_rows_S, out=spare)
     entry_row = np.empty(N, dtype=np.int64)
     entry_row[order_N[:n_drop]] = -1
     entry_row[order_N[n_drop:]] = row_sorted
@@ -105,10 +107,11 @@ def slot_sort(entry_slot_N: np.ndarray, num_slots: int) -> tuple[np.ndarray, int
 
 
 def slot_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
-                min_rows_S: np.ndarray | None = None, ranks: int | None = None) -> SlotLayout:
+                min_rows_S: np.ndarray | None = None, ranks: int | None = None,
+                scratch: list | None = None) -> SlotLayout:
     """:func:`sorted_layout` of the entries' slots (int64 [N], -1 = dropped): sorts them first."""
     order, n_drop, slot_rows = slot_sort(entry_slot_N, slot_rank_S.size)
-    return sorted_layout(order, n_drop, slot_rows, slot_rank_S, token_padding, min_rows_S, ranks)
+    return sorted_layout(order, n_drop, slot_rows, slot_rank_S, token_padding, min_rows_S, ranks, scratch=scratch)
 
 
 def layout_slots(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,

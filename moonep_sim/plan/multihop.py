@@ -78,7 +78,7 @@ def _route_hop_grouped(src_rank_N: np.ndarray | None, src_row_N: np.ndarray | No
                        gid_N: np.ndarray | None, ranks: int, scope: str, dup_N: int | None = None,
                        kept_N: np.ndarray | None = None, src_sorted: bool = False, gid_shift: int = -1,
                        tok_off_R: np.ndarray | None = None, src_bound_R: np.ndarray | None = None,
-                       group: bool | None = None):
+                       group: bool | None = None, scratch: list | None = None):
     """:func:`route_hop` for entries in entry order whose messages have one source each.
 
     Requires ``gid_N`` non-decreasing (None: every entry its own message) and entries with equal
@@ -100,12 +100,22 @@ def _route_hop_grouped(src_rank_N: np.ndarray | None, src_row_N: np.ndarray | No
     message, and ``gid_N`` may be None. With ``tok_off_R`` (int64 [R+1] first token of each rank)
     as well, the caller also knows ``src_row_N[i] == (i >> gid_shift) - tok_off_R[src_rank_N[i]]``
     (a hop leaving the tokens' own ranks): the messages' source rows are computed rather than
-    gathered, and ``src_row_N`` may be None.
+    gathered, and ``src_row_N`` may be None. ``scratch``: a list of dead int64 [n] arrays the hop
+    may write its sort and running sums into; it adds its own when done with them.
     """
     n, R = dst_rank_N.size, int(ranks)
+    spare = [] if scratch is None else scratch
+
+    def buffer() -> np.ndarray:  # a dead int64 [n] array from the scratch list, else a new one
+        while spare:
+            b = spare.pop()
+            if b.shape == (n,) and b.dtype == np.int64:
+                return b
+        return np.empty(n, dtype=np.int64)
+
     group = gid_N is not None if group is None else bool(group)
     if (src_sorted or src_bound_R is not None) and R <= 256:
-        order = np.empty(n, dtype=np.int64)
+        order = buffer()
         ecnt_RR = np.zeros((R, R), dtype=np.int64)
         bound = src_bound_R if src_bound_R is not None else np.searchsorted(src_rank_N, np.arange(R + 1))
         for r in range(R):  # loop over source ranks, not entries
@@ -120,7 +130,7 @@ def _route_hop_grouped(src_rank_N: np.ndarray | None, src_row_N: np.ndarray | No
         key16 = np.empty(n, dtype=np.uint16)
         np.multiply(src_rank_N, R, out=key16, dtype=np.uint16, casting="unsafe")  # (values < R*R fit)
         np.add(key16, dst_rank_N, out=key16, dtype=np.uint16, casting="unsafe")
-        order, ecnt = stable_order_counts(key16, R * R)  # and entries per (src, dst) block, src-major
+        order, ecnt = stable_order_counts(key16, R * R, out=buffer() if n else None)  # and entries per block
         del key16
         key = None
     else:
@@ -131,7 +141,7 @@ def _route_hop_grouped(src_rank_N: np.ndarray | None, src_row_N: np.ndarray | No
     row_sorted = None
     if group and n:
         # one [n] int64 buffer holds each sorted entry's gid, then its receive row
-        buf = key if key is not None else np.empty(n, dtype=np.int64)
+        buf = key if key is not None else buffer()
         if gid_shift >= 0:
             gs = np.right_shift(order, gid_shift, out=buf)
         else:  # (order is in range: clip mode writes straight into buf)
@@ -185,6 +195,8 @@ def _route_hop_grouped(src_rank_N: np.ndarray | None, src_row_N: np.ndarray | No
     del lead
     dst_row = np.empty(n, dtype=np.int64)
     dst_row[order] = m_row if row_sorted is None else row_sorted
+    if scratch is not None:  # dead from here: the sort, and the running sums' buffer
+        scratch.extend(b for b in (order, row_sorted) if b is not None and b.dtype == np.int64 and b.shape == (n,))
     return (hop, dst_row) if dup_N is None else (hop, dst_row, dup)
 
 
@@ -261,7 +273,8 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
                   min_rows_S: np.ndarray | None = None, pad_slot_P: np.ndarray | None = None,
                   pad_buf_row_P: np.ndarray | None = None, capacity_R: np.ndarray | None = None,
                   options: dict[str, Any] | None = None,
-                  slot_order: tuple | None = None, entry_rank_N: np.ndarray | None = None, **extra) -> Plan:
+                  slot_order: tuple | None = None, entry_rank_N: np.ndarray | None = None,
+                  scratch: list | None = None, **extra) -> Plan:
     """A Plan from explicit hops and each entry's row in the last hop's buffer.
 
     slot_rank_S / slot_expert_S / slot_home_S: int64 [S] the slots, sorted by rank.
@@ -280,6 +293,8 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     each kept entry in that order, may stand in for ``entry_buf_row_N`` (then None).
     entry_rank_N: optional int64 [N] each entry's rank (``slot_rank_S[entry_slot_N]``, -1 dropped)
     when the caller has it already: the Plan's ``entry_rank_TK`` (not copied).
+    scratch: optional list of dead int64 [N] arrays (the caller's own, no longer referenced) the
+    layout may use as scratch space; none ends up in the Plan.
     """
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
@@ -293,10 +308,10 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     entry_buf_row = None if entry_buf_row_N is None else np.asarray(entry_buf_row_N, dtype=np.int64)
     # entries sorted by (slot, entry), dropped first: the final rows in order (see plan.layout_slots)
     if slot_order is None:
-        lay = slot_layout(entry_slot, slot_rank_S, token_padding, min_rows_S, R)
+        lay = slot_layout(entry_slot, slot_rank_S, token_padding, min_rows_S, R, scratch=scratch)
     else:
         lay = sorted_layout(slot_order[0], int(slot_order[1]), np.asarray(slot_order[2], dtype=np.int64),
-                            slot_rank_S, token_padding, min_rows_S, R)
+                            slot_rank_S, token_padding, min_rows_S, R, scratch=scratch)
     slot_rows, padded, offset, entry_row = lay.slot_rows_S, lay.slot_padded_S, lay.slot_offset_S, lay.entry_row_N
     kept_sorted = lay.order_N[lay.n_drop:]
     if entry_rank_N is not None:
@@ -476,22 +491,29 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
     entry_dup = None
     row = None
     hops = []
+    scratch: list[np.ndarray] = []  # dead int64 [N] arrays, reused rather than fresh pages
     for h in range(H):
+        prev = row
         if h == 0:  # tokens leave their own ranks: runs by source, rows by arithmetic
             hop, row = _route_hop_grouped(None, None, pos[1], None, R, scopes[0], gid_shift=shift, tok_off_R=tok_off,
-                                          src_bound_R=bound, group=dedup[0])
+                                          src_bound_R=bound, group=dedup[0], scratch=scratch)
         elif dedup[h]:  # the last hop (see the caller's condition): messages group as (src, dst, token)
             hop, row, entry_dup = _route_hop_grouped(pos[h], row, pos[h + 1], None, R, scopes[h], dup_N=N,
-                                                     gid_shift=shift, group=True)
+                                                     gid_shift=shift, group=True, scratch=scratch)
         else:
-            hop, row = _route_hop_grouped(pos[h], row, pos[h + 1], None, R, scopes[h], gid_shift=shift, group=False)
+            hop, row = _route_hop_grouped(pos[h], row, pos[h + 1], None, R, scopes[h], gid_shift=shift, group=False,
+                                          scratch=scratch)
+        if prev is not None:  # the previous buffer's rows: read by this hop's messages, dead now
+            scratch.append(prev)
+        del prev
         pos[h] = None
         hops.append(hop)
     del pos, dst8
     if entry_dup is None:
         entry_dup = dup_flags(entry_rank, routing.top_k) if dedup[-1] else np.zeros(N, dtype=bool)
     return assemble_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot_N, hops, row,
-                         entry_dup, token_padding=token_padding, options=options, entry_rank_N=entry_rank, **extra)
+                         entry_dup, token_padding=token_padding, options=options, entry_rank_N=entry_rank,
+                         scratch=scratch, **extra)
 
 
 def home_slots(placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

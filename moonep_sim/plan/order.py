@@ -56,17 +56,20 @@ def key_counts(key_N: np.ndarray, n_keys: int) -> np.ndarray:
     return out
 
 
-def stable_order_counts(key_N: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray]:
-    """(:func:`stable_order`, :func:`key_counts`) of ``key_N``, counting once where the sort counts."""
+def stable_order_counts(key_N: np.ndarray, n_keys: int,
+                        out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(:func:`stable_order`, :func:`key_counts`) of ``key_N``, counting once where the sort counts.
+    ``out``: an int64 [N] array the order may be written to (used where the sort fills its own)."""
     if 1 << 8 < n_keys <= 1 << 16:
         key16 = key_N.astype(np.uint16, copy=False)
         chunks = min(-(-key16.size // CHUNK), key16.size // (2 * n_keys))
         if chunks >= 4:
-            return _chunked_order(key16, n_keys, chunks, counts=True)
+            return _chunked_order(key16, n_keys, chunks, counts=True, out=out)
     return stable_order(key_N, n_keys), key_counts(key_N, n_keys)
 
 
-def _chunked_order(key16_N: np.ndarray, n_keys: int, chunks: int, counts: bool = False):
+def _chunked_order(key16_N: np.ndarray, n_keys: int, chunks: int, counts: bool = False,
+                   out: np.ndarray | None = None):
     """``np.argsort(key16_N, kind="stable")`` as ``chunks`` sorts of consecutive chunks, each moved
     block by block -- its entries of key k -- to where block (chunk, key) lies in (key, chunk)
     order. Chunks are in entry order, so that is the stable order. One pass counts each chunk's
@@ -80,7 +83,8 @@ def _chunked_order(key16_N: np.ndarray, n_keys: int, chunks: int, counts: bool =
         cnt_CK[c] = np.bincount(key16_N[c * size:(c + 1) * size], minlength=n_keys)
     cnt_KC = cnt_CK.T.ravel()
     dest_CK = (np.cumsum(cnt_KC) - cnt_KC).reshape(n_keys, chunks).T  # where block (c, k) starts
-    order = np.empty(n, dtype=np.int64)
+    ok = out is not None and out.shape == (n,) and out.dtype == np.int64
+    order = out if ok else np.empty(n, dtype=np.int64)
     for c in range(chunks):
         lo, hi = c * size, min(n, (c + 1) * size)
         if hi > lo:
@@ -90,17 +94,21 @@ def _chunked_order(key16_N: np.ndarray, n_keys: int, chunks: int, counts: bool =
     return (order, cnt_CK.sum(axis=0)) if counts else order
 
 
-def segment_ranges(first_B: np.ndarray, lens_B: np.ndarray) -> np.ndarray:
+def segment_ranges(first_B: np.ndarray, lens_B: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """int64 [sum(lens_B)]: the ranges ``first_B[b], first_B[b] + 1, ..., first_B[b] + lens_B[b] - 1``
     of B segments, concatenated (``np.repeat(first_B - start_B, lens_B) + np.arange(total)``).
 
     Built in one array (ones, the jump at each segment's start, then a cumulative sum in place): no
-    [total]-sized temporary, which at millions of rows costs as much as the arithmetic.
+    [total]-sized temporary, which at millions of rows costs as much as the arithmetic. ``out``: an
+    int64 [total] array to build it in (else a new one).
     """
     first = np.asarray(first_B, dtype=np.int64)
     lens = np.asarray(lens_B, dtype=np.int64)
     total = int(lens.sum())
-    out = np.ones(total, dtype=np.int64)
+    if out is None or out.shape != (total,) or out.dtype != np.int64:
+        out = np.ones(total, dtype=np.int64)
+    else:
+        out.fill(1)
     if total == 0:
         return out
     nz = lens > 0
