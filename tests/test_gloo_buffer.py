@@ -413,6 +413,26 @@ def test_bad_input_is_rejected_before_communication(world_of_one):
     assert rows.shape == (0, H) and buf.combine(rows, h).shape == (0, H)
 
 
+def test_dispatch_keeps_the_handles_weights_out_of_the_graph(world_of_one):
+    """The routing weights dispatch returns carry the gradient to the router; the handle's own row
+    weights (reused by later dispatches and by combine's default) never join an autograd graph."""
+    from moonep_sim.gloo.buffer import Buffer
+
+    buf = Buffer(capacity=4, hidden=H, top_k=2, num_experts=4, planner=planner("alltoall", PlanContext.default(4, 1)),
+                 timeout_s=5)
+    # float64 rows: the handle's weights are float64 too, so no dtype conversion copies them
+    x = torch.randn(4, H, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(4, 2, dtype=torch.float64, requires_grad=True)
+    rows, rw, _, h = buf.dispatch(x, torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]]), w)
+    assert h.row_weights.dtype == x.dtype
+    assert rw.requires_grad and not h.row_weights.requires_grad and h.row_weights.grad_fn is None
+    buf.combine(rows, h, rw).sum().backward()
+    assert w.grad is not None and x.grad is not None
+    rows2, rw2, _, _ = buf.dispatch(x, handle=h)  # reusing the handle, then combining with its weights
+    assert not h.row_weights.requires_grad
+    buf.combine(rows2, h).sum().backward()  # a fresh graph: nothing from the first step is reused
+
+
 @pytest.mark.parametrize("strategy, opts", [("alltoall", {}), ("alltoall", {"dedup": True}), ("hierarchical", {}),
                                             ("deepep", {}), ("moonep", {}), ("capacity", {}), ("eplb", {})])
 @pytest.mark.parametrize("max_runs, min_bytes, row_bytes", [(None, 0, 1), (16, 64 << 10, 4), (64, 0, 1), (2, 0, 1)])

@@ -38,7 +38,9 @@ class _Dispatch(torch.autograd.Function):
         ctx.K = topk_weights.shape[1] if topk_weights.dim() == 2 else handle.top_k
         ctx.w_dtype = topk_weights.dtype
         rows = buffer.rows.dispatch_rows(handle, x, "dispatch", comm_dtype=buffer.dispatch_dtype)
-        return rows, handle.row_weights.to(x.dtype)
+        # a copy: an output of forward joins the graph, and the handle's own tensor must not (it
+        # is reused by later steps and by combine's default weights)
+        return rows, handle.row_weights.to(x.dtype, copy=True)
 
     @staticmethod
     def backward(ctx, g_rows, g_w):
