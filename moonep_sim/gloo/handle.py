@@ -229,7 +229,8 @@ def csr_addmm_ok(dtype: torch.dtype) -> bool:
 
 
 def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """A sparse CSR matrix from index arrays built (and checked) once per handle."""
+    """A sparse CSR matrix from index arrays built once per handle from the Plan (their bounds are
+    checked there, by ``RowMap.build``), so not checked again on every call."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
         return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
@@ -246,8 +247,9 @@ class SplitReduce:
                + sum over t's received rows p of w'[p] * recv[p]  (``add_remote``)
 
     each part one sparse-times-dense product (``torch.addmm`` of a CSR matrix of weights; the first
-    overwrites, the second accumulates) into memory the caller reuses across calls: no fresh [s, C] tensor (a fresh one page-faults on
-    first touch, a pass over the rows' worth of time).
+    overwrites, the second accumulates) into memory the caller reuses across calls: no fresh
+    [s, C] tensor (a fresh one page-faults on first touch, a pass over the rows' worth of time).
+    Builds without that product for the dtype (:func:`csr_addmm_ok`) use weighted bag sums.
 
     loc_rows: int64 [n_keep] layout rows of the kept rows, grouped by token (stable).
     loc_crow: int64 [s+1] CSR row pointers of each token's kept rows in ``loc_rows``.
