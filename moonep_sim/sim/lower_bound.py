@@ -79,7 +79,8 @@ class _Entries:
         if plan.padded:
             real = ent >= 0
             ent, exp_W = ent[real], exp_W[real]
-        self.tok = ent.astype(i_tok) // i_tok(K)
+        self.tok = ent.astype(i_tok)
+        self.tok //= i_tok(K)
         # tokens are numbered rank by rank: rank r's are [off[r], off[r + 1])
         self.tok_off_R1 = np.concatenate([[0], np.cumsum(plan.tokens_per_rank_R)]).astype(np.int64)
         tpr = np.asarray(plan.tokens_per_rank_R)
