@@ -575,6 +575,14 @@ class BlockCounts:
                         break
             rn, lv = cn[:cut], share[:cut]
             run = pps[live][order[:cut]]
+            s_first = bool(rn[0] < N)
+            if bool(rn[-1] < N) == s_first and ((rn < N) == s_first).all():
+                # one side (the usual run): its nodes all carry unfrozen transfers (they are live
+                # and nothing froze yet in this step)
+                s0 = 0 if s_first else 1
+                kn = np.argsort(rn)              # nodes in increasing order, as :meth:`fill` visits them
+                self._freeze(rn[kn] - s0 * N, kn, s0, run, lv, lev, bport, free, frz, cnt)
+                continue
             frozen_any = False
             for s0 in (0, 1):
                 lo = s0 * N
