@@ -129,6 +129,7 @@ def overhead_worker(rank, world, hidden, tokens, experts, top_k, iters, pin=Fals
     back = torch.empty_like(send)
     group = buf.comm.scopes["global"]
     half = torch.full((back.shape[0],), 0.5)
+    red = torch.empty(tokens, hidden)  # the floor's token rows, reused across calls
 
     def full():
         rows, rw, _, hh = buf.dispatch(x, ids, w)
@@ -150,14 +151,14 @@ def overhead_worker(rank, world, hidden, tokens, experts, top_k, iters, pin=Fals
         # the least any executor starting from token-major rows must do with all_to_all_single:
         # one gather of the token rows into send order, the two all-to-alls, one (weighted) reduce
         # back into token rows -- no layout change, no weighting pass (the reduce is the executor's
-        # own weighted bag sum, which returns a tensor of its own)
+        # own weighted reduce, written into preallocated token rows)
         hop.send.gather(x, out=send)
         raw()
-        hop.send.reduce(back, half)
+        hop.send.reduce(back, half, out=red)
 
     def passes():  # the floor's two local passes alone
         hop.send.gather(x, out=send)
-        hop.send.reduce(back, half)
+        hop.send.reduce(back, half, out=red)
 
     def memcpy():  # one copy of this rank's rows (32 MiB at the defaults)
         back.copy_(send)

@@ -225,7 +225,8 @@ def test_split_reduce_equals_the_weighted_reduce_of_the_whole_list(csr, monkeypa
         lw = torch.rand(d.list_rows, generator=g, dtype=torch.float64)
         for _, _, a, b, m in d.self_runs:  # the whole list holds the kept rows too
             lst[b:b + m], lw[b:b + m] = y[a:a + m], w[a:a + m]
-        want = d.list_map.reduce(lst, lw)
+        want = d.list_map.scatter_add(lst * lw[:, None])  # index_add_, an independent kernel
+        np.testing.assert_allclose(d.list_map.reduce(lst, lw).numpy(), want.numpy(), rtol=1e-12, atol=1e-12)
         holes, hw = lst.clone(), lw.clone()
         for _, _, a, b, m in d.self_runs:
             holes[b:b + m], hw[b:b + m] = float("nan"), float("nan")
@@ -369,9 +370,11 @@ def test_rows_land_where_the_plan_says_on_gloo(direct):
 def world_of_one():
     import torch.distributed as dist
 
+    from moonep_sim.gloo.teardown import shutdown
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    shutdown()  # the Buffers' heartbeat joined before the store goes (no broken-pipe warning at exit)
 
 
 def test_bad_input_is_rejected_before_communication(world_of_one):

@@ -134,10 +134,12 @@ class RowMap:
         """:meth:`scatter_add` of ``vals * weights[:, None]``: [n_src, C] (``weights`` [m] optional,
         in ``vals``' dtype).
 
-        One pass over ``vals`` (a weighted bag sum per source row: ``embedding_bag``'s kernel) where
-        the dtype allows; that kernel returns a tensor of its own (its ``out=`` overload computes
-        into a fresh tensor and then copies it: one more pass over the result), so ``out`` is used
-        only on the other paths (or freshly allocated there when None).
+        One pass over ``vals`` where the dtype allows: float32 / float64 as one sparse-times-dense
+        product written into ``out`` (``torch.addmm`` of a CSR matrix of the weights, see
+        :func:`csr_addmm_ok`; ``out`` freshly allocated when None); bfloat16 as a weighted bag sum
+        per source row (``embedding_bag``'s kernel, about half as fast here, which returns a tensor
+        of its own: its ``out=`` overload computes into a fresh tensor and then copies it), so
+        ``out`` is used only on the other paths.
         """
         if vals.dim() == 2 and vals.dtype in (torch.float32, torch.float64, torch.bfloat16) and self.n_src and \
                 vals.shape[0] and vals.is_contiguous():
@@ -146,6 +148,12 @@ class RowMap:
                 rows = torch.arange(self.n_src) if self.identity else self.inverse
                 offs = torch.arange(self.n_src)
             psw = None if weights is None else weights.index_select(0, rows)
+            if csr_addmm_ok(vals.dtype):
+                crow = torch.cat([offs, offs.new_full((1,), rows.numel())])
+                v = torch.ones(rows.numel(), dtype=vals.dtype) if psw is None else psw
+                if out is None:
+                    out = vals.new_empty((self.n_src,) + tuple(vals.shape[1:]))
+                return torch.addmm(out, _csr(crow, rows, v, (self.n_src, int(vals.shape[0]))), vals, beta=0, out=out)
             return torch.ops.aten._embedding_bag_forward_only(vals, rows, offs, False, 0, False, psw, False, -1)[0]
         if out is None:
             out = vals.new_empty((self.n_src,) + tuple(vals.shape[1:]))
