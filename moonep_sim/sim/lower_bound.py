@@ -62,43 +62,51 @@ def entry_counts_RE(plan: Plan) -> np.ndarray:
     return _Entries(plan).n_RE
 
 
+CHUNK = 1 << 20   # entries per pass of the per-entry loops: their temporaries stay small and reused
+
+
 class _Entries:
     """The plan's kept entries as (token, expert, source rank) arrays, read from its rows.
 
     Per entry only what the bound needs is kept: its token ``tok`` and its (source rank, expert)
-    cell ``key = src * E + exp`` (int32 where they fit: these arrays have one element per entry,
-    8M at EP256 with 1M tokens of top-8, so their width is most of the bound's cost)."""
+    cell ``key = src * E + exp`` (int32 where they fit). These have one element per entry (8M at
+    EP256 with 1M tokens of top-8), so the bound's cost is mostly fresh memory: the key is built
+    in the buffer of the experts, and the per-entry work runs in chunks of ``CHUNK`` entries."""
 
     def __init__(self, plan: Plan):
         R, E, K = plan.ranks, plan.num_experts, plan.top_k
         self.R, self.E, self.T = R, E, plan.num_tokens
         i_tok = np.int32 if self.T * K < 2**31 else np.int64
         i_key = np.int32 if R * E < 2**31 else np.int64
-        exp_W = np.repeat(plan.slot_expert_S.astype(i_key), plan.slot_padded_S)
+        key = np.repeat(plan.slot_expert_S.astype(i_key), plan.slot_padded_S)   # the expert, for now
         ent = plan.row_entry_W
         if plan.padded:
             real = ent >= 0
-            ent, exp_W = ent[real], exp_W[real]
+            ent, key = ent[real], key[real]
         self.tok = ent.astype(i_tok)
         self.tok //= i_tok(K)
         # tokens are numbered rank by rank: rank r's are [off[r], off[r + 1])
         self.tok_off_R1 = np.concatenate([[0], np.cumsum(plan.tokens_per_rank_R)]).astype(np.int64)
         tpr = np.asarray(plan.tokens_per_rank_R)
-        if tpr.size and (tpr == tpr[0]).all() and tpr[0] > 0:   # even split: a division, no gather
-            self.key = self.tok // i_tok(tpr[0])
-            self.key = self.key.astype(i_key, copy=False)
-        else:   # np.take: fancy indexing with 32-bit indices is several times slower
-            self.key = np.take(np.repeat(np.arange(R, dtype=i_key), tpr), self.tok)
-        self.key *= i_key(E)
-        self.key += exp_W
+        even = bool(tpr.size and (tpr == tpr[0]).all() and tpr[0] > 0)
+        src_T = None if even else np.repeat(np.arange(R, dtype=i_key), tpr)
+        for c0 in range(0, key.size, CHUNK):
+            tok = self.tok[c0:c0 + CHUNK]
+            # even split: a division; else np.take (fancy indexing with 32-bit indices is slower)
+            src = (tok // i_tok(tpr[0])).astype(i_key, copy=False) if even else np.take(src_T, tok)
+            src *= i_key(E)
+            key[c0:c0 + CHUNK] += src
+        self.key = key
         self.n_RE = np.bincount(self.key, minlength=R * E).reshape(R, E)
 
     def tokens_needing(self, resident_RE: np.ndarray) -> np.ndarray:
         """int64 [R]: tokens of each rank with a kept entry whose expert ``resident_RE`` (bool
         [R, E], per source rank) does not hold."""
-        need = np.take((~np.asarray(resident_RE, dtype=bool)).ravel(), self.key)
+        away = (~np.asarray(resident_RE, dtype=bool)).ravel()
         flag = np.zeros(self.T, dtype=bool)
-        np.put(flag, self.tok[need], True)
+        for c0 in range(0, self.key.size, CHUNK):
+            need = np.take(away, self.key[c0:c0 + CHUNK])
+            np.put(flag, self.tok[c0:c0 + CHUNK][need], True)
         c = np.concatenate([[0], np.cumsum(flag, dtype=np.int64)])
         return c[self.tok_off_R1[1:]] - c[self.tok_off_R1[:-1]]
 
