@@ -185,16 +185,29 @@ def _route_hop_grouped(src_rank_N: np.ndarray | None, src_row_N: np.ndarray | No
         cnt, lead = ecnt.astype(np.int64), order
         dup = np.zeros(dup_N or 0, dtype=bool)
     m_src, m_dst, m_row, per_dst = block_messages(cnt, R)
+    rows_sorted = m_row if row_sorted is None else row_sorted
+    dst_row = np.empty(n, dtype=np.int64)
     if tok_off_R is not None and gid_shift >= 0:
         m_srow = lead >> gid_shift
         m_srow -= np.asarray(tok_off_R, dtype=np.int64)[m_src]
+        dst_row[order] = rows_sorted
     else:
-        m_srow = src_row_N[lead]
+        # gather the messages' source rows and scatter the entries' receive rows source by
+        # source, sources whose entries start lowest first: sources fed by the same earlier ranks
+        # (a relay's) then follow each other and find those ranks' rows still in cache
+        m_bound = np.concatenate([[0], np.cumsum(cnt.reshape(R, R).sum(axis=1))])
+        e_bound = np.concatenate([[0], np.cumsum(ecnt.reshape(R, R).sum(axis=1))])
+        has = np.flatnonzero(m_bound[1:] > m_bound[:-1])
+        first_lead = np.minimum.reduceat(lead, m_bound[has]) if has.size else has
+        m_srow = np.empty(lead.size, dtype=np.int64)
+        for r in has[np.argsort(first_lead, kind="stable")]:  # loop over source ranks, not entries
+            a, b = int(m_bound[r]), int(m_bound[r + 1])
+            np.take(src_row_N, lead[a:b], out=m_srow[a:b], mode="clip")  # (lead holds valid entries)
+            a, b = int(e_bound[r]), int(e_bound[r + 1])
+            dst_row[order[a:b]] = rows_sorted[a:b]
     hop = Hop(scope, m_src, m_srow, m_dst, m_row, per_dst)
-    del m_srow
+    del m_srow, rows_sorted
     del lead
-    dst_row = np.empty(n, dtype=np.int64)
-    dst_row[order] = m_row if row_sorted is None else row_sorted
     if scratch is not None:  # dead from here: the sort, and the running sums' buffer
         scratch.extend(b for b in (order, row_sorted) if b is not None and b.dtype == np.int64 and b.shape == (n,))
     return (hop, dst_row) if dup_N is None else (hop, dst_row, dup)
