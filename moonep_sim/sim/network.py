@@ -604,10 +604,11 @@ class BlockCounts:
 
     def _switch_cut(self, node: np.ndarray) -> int | None:
         """The run's length in the simple case (one node per port; ``node``: the ports' nodes in
-        share order) when it ends where the ports first switch side: all of one side (no two of them can share a transfer), or the
-        first port of the other side has an active cell with a port before it. None when that
-        port has none (then :meth:`_run_cut` decides). Same answer as :meth:`_run_cut`, which
-        cuts at the first port sharing a transfer with an earlier one, in a few array operations."""
+        share order) when it ends where the ports first switch side: all of one side (no two of
+        them can share a transfer), or the first port of the other side has an active cell with a
+        port before it. None when that port has none (then :meth:`_run_cut` decides). Same answer
+        as :meth:`_run_cut`, which cuts at the first port sharing a transfer with an earlier one,
+        in a few array operations."""
         N, R, G = self.B * self.R, self.R, self.G
         is_s = node < N
         sw = np.flatnonzero(is_s != is_s[0])
@@ -921,7 +922,6 @@ class FlowNetwork:
         if self._blocks is None:
             return self._filled[sel]
         lev_s, lev_d, bp_s, bp_d, _ = self._filled
-        R = self.ports.ranks
         i = a.ns[sel]
         j = a.nd[sel]
         return np.where(lev_s[i] <= lev_d[j], bp_s[i], bp_d[j])
