@@ -17,19 +17,8 @@ NV, NIC = 100e3, 25e3  # bytes per us
 
 def run_phases(R, phases_RR, tol=0.0, topo=TOPO):
     """Every rank sends phase i+1 once it received all of phase i. Returns (end time, net)."""
-    env = simpy.Environment()
-    net = FlowNetwork(env, PortMap.build(topo, R), tol)
-    pids = [net.expect(f"p{i}", (b > 0).sum(0)) for i, b in enumerate(phases_RR)]
-
-    def rank(r):
-        for pid, b in zip(pids, phases_RR):
-            net.submit(pid, r, np.arange(R), b[r], b[r].astype(float))
-            yield net.received(pid, r)
-
-    for r in range(R):
-        env.process(rank(r))
-    env.run()
-    return float(np.nanmax(net.records()["end"])), net
+    rec, net = run_solver(R, phases_RR, topo, tol, "auto")
+    return float(np.nanmax(rec["end"])), net
 
 
 def test_one_flow_is_latency_plus_bytes_over_bandwidth():
@@ -153,7 +142,7 @@ def test_tolerance_is_only_slower_and_close_to_exact():
 
 # -- the per-side block solver against per-flow water-filling --------------------------------
 def run_solver(R, phases_RR, topo, tol, solver, nic_factor=None, stagger_us=0.0, sm_cap=np.inf, nic_only=False):
-    """Like run_phases with a chosen solver; rank r starts ``r * stagger_us`` late (staggered
+    """Every rank sends phase i+1 once it received all of phase i, with a chosen solver; rank r starts ``r * stagger_us`` late (staggered
     starts and finishes exercise the incremental counts); with ``sm_cap`` finite the first phase is
     SM-driven (its flows also cross SM ports of that capacity); with ``nic_only`` the last phase's
     flows inside a node take the NIC path. Returns (records, network)."""
