@@ -86,7 +86,7 @@ class _Entries:
         self.tok = ent.astype(i_tok)
         self.tok //= i_tok(K)
         # tokens are numbered rank by rank: rank r's are [off[r], off[r + 1])
-        self.tok_off_R1 = np.concatenate([[0], np.cumsum(plan.tokens_per_rank_R)]).astype(np.int64)
+        self.tok_off_R1 = plan.tok_off_R().astype(np.int64, copy=False)
         tpr = np.asarray(plan.tokens_per_rank_R)
         even = bool(tpr.size and (tpr == tpr[0]).all() and tpr[0] > 0)
         src_T = None if even else np.repeat(np.arange(R, dtype=i_key), tpr)
