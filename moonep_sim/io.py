@@ -405,3 +405,52 @@ def staged_dir(dest: PathLike, what: str = "--out") -> Iterator[Path]:
     finally:
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp)
+
+
+# ------------------------------------------------------------------------ small config files, read defensively
+MAX_CONFIG_BYTES = 16 << 20
+"""A model file, a Hugging Face config.json or a topology file (real ones are a few KiB)."""
+
+MAX_NESTING = 64
+"""Brackets and braces open at once in a config file (real ones nest 3 or 4 deep)."""
+
+_STRINGS_RE = re.compile(rb'"""(?:[^\\]|\\.)*?"""|' + rb"'''.*?'''|" + rb'"(?:[^"\\\n]|\\.)*"|' + rb"'[^'\n]*'|#[^\n]*",
+                         re.S)
+
+
+def nesting_depth(raw: bytes, comments: bool = False) -> int:
+    """The deepest nesting of ``[``/``{`` in JSON or TOML text, strings left out (and ``#`` comments
+    when ``comments``: TOML); computed without recursion, vectorised, so it can be checked *before*
+    a recursive parser sees the text."""
+    text = _STRINGS_RE.sub(b'""', raw) if comments else re.sub(rb'"(?:[^"\\]|\\.)*"', b'""', raw)
+    a = np.frombuffer(text, np.uint8)
+    if a.size == 0:
+        return 0
+    step = (np.isin(a, (0x5B, 0x7B)).astype(np.int64) - np.isin(a, (0x5D, 0x7D)).astype(np.int64))
+    return int(np.cumsum(step).max(initial=0))
+
+
+def read_config_bytes(path: PathLike, what: str, kind: str) -> bytes:
+    """The bytes of a small config file (``kind``: ``JSON`` or ``TOML``), refused in one line naming
+    ``what`` and the path when it is not a regular readable file (a pipe, a folder, a symlink loop:
+    each called what it is), larger than :data:`MAX_CONFIG_BYTES`, or nested deeper than
+    :data:`MAX_NESTING` (a recursive parser would fail with RecursionError)."""
+    p = Path(path)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"{what} ({p}) must be an existing file: no such file") from None
+    except OSError as e:
+        raise ConfigError(f"{what} ({p}) must be a readable file: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{what} ({p}) must be a regular file: it is {file_kind(st.st_mode)}")
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{what} ({p}) must be at most {MAX_CONFIG_BYTES} bytes: it holds {st.st_size}")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{what} ({p}) must be a readable file: {e.strerror}") from None
+    depth = nesting_depth(raw, comments=kind == "TOML")
+    if depth > MAX_NESTING:
+        raise ConfigError(f"{p}: expected {kind} nested at most {MAX_NESTING} deep, found {depth}")
+    return raw
