@@ -33,7 +33,8 @@ def test_presets_exist_with_documented_constants():
 
 def test_gpu_presets_give_fp8_peak_and_hbm_capacity_with_sources():
     # datasheets: H800/H100 80 GB, H20 96 GB, H200 141 GB; FP8 dense = 2x BF16 dense on Hopper/Blackwell
-    want = {"h800-cx7": 80.0, "h100-cx7": 80.0, "h20": 96.0, "h200": 141.0, "b200": 180.0, "gb200-nvl72": 186.0}
+    want = {"h800-cx7": 80.0, "h100-cx7": 80.0, "h20": 96.0, "h200": 141.0, "b200": 180.0, "gb200-nvl72": 186.0,
+            "mi300x-cx7": 192.0, "mi350x": 288.0, "h20-roce200": 96.0, "h100-efa": 80.0, "h200-efa": 141.0}
     for name, mem in want.items():
         t = load_topology(name)
         assert t.gpu_memory_GiB == mem, name

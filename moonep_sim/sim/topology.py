@@ -194,9 +194,9 @@ class Topology:
     fabric_oversubscription: float = 1.0
     fabric_latency_us: float = 1.0
     gpu_tflops: float = 989.0
-    gpu_tflops_fp8: float = 0.0
+    gpu_tflops_fp8: float = 1979.0
     gpu_mem_bandwidth_GBps: float = 3350.0
-    gpu_memory_GiB: float = 0.0
+    gpu_memory_GiB: float = 80.0
     gpu_compute_efficiency: float = 0.6
     gpu_mem_efficiency: float = 0.8
     gpu_launch_us: float = 10.0
@@ -431,9 +431,10 @@ def _toml_val(v: Any) -> str:
     return _toml_str(v) if isinstance(v, str) else repr(v)
 
 
-def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>") -> Topology:
-    """Build a :class:`Topology` from a parsed TOML document (unknown keys are errors)."""
-    kw: dict[str, Any] = {}
+def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>", defaults: dict[str, Any] | None = None) -> Topology:
+    """Build a :class:`Topology` from a parsed TOML document (unknown keys are errors). A key left
+    out takes ``defaults`` (field -> value; e.g. :data:`IDEAL`) or else the class default."""
+    kw: dict[str, Any] = dict(defaults or {})
     names = {f.name: f for f in fields(Topology)}
     for key, val in doc.items():
         if key in ("name", "description"):
