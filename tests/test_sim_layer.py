@@ -268,12 +268,8 @@ def test_lower_bound_is_never_beaten_on_random_routings(seed, skew, shape, t_per
     R, G = shape
     topo = load_topology("h800-cx7", gpus_per_node=G)
     for s in STRATEGIES:
-        try:
-            plan = plan_for(s, R=R, G=G, T_per=t_per, skew=skew, seed=seed)
-        except Exception as e:  # a strategy may refuse a routing with a one-line planning error
-            from moonep_sim.errors import MoonEPSimError
-            assert isinstance(e, MoonEPSimError)
-            continue
+        # home groups (E = 32 divisible by every R drawn), >= 1 token per rank: no strategy refuses
+        plan = plan_for(s, R=R, G=G, T_per=t_per, skew=skew, seed=seed)
         res = simulate_layer(plan, topo, MODEL, SimOptions(tol=0.0, backward=bool(seed % 2)))
         assert res.layer_time_us >= res.lower_bound_us * (1 - 1e-12), (s, res.lower_bound)
 

@@ -61,13 +61,12 @@ def test_uniform_all_to_all_matches_closed_form():
 def test_two_phases_that_do_not_overlap_take_the_sum():
     R = 8
     A = np.full((R, R), 2e5)
-    rng = np.random.default_rng(0)
     Bm = np.full((R, R), 1e5) * (1 + (np.arange(R)[None, :] == 3))  # rank 3 receives twice as much
     ta, _ = run_phases(R, [A])
     tb, _ = run_phases(R, [Bm])
     tab, _ = run_phases(R, [A, Bm])
+    assert ta > 0 and tb > 0, (ta, tb)
     assert tab == pytest.approx(ta + tb, rel=1e-9)
-    assert rng is not None
 
 
 def test_oversubscribed_spine_binds_cross_rail_traffic():

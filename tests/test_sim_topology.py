@@ -29,6 +29,19 @@ def test_presets_exist_with_documented_constants():
     assert "FITTED" in h800.sources["nvlink_efficiency"]
 
 
+def test_gpu_presets_give_fp8_peak_and_hbm_capacity_with_sources():
+    # datasheets: H800/H100 80 GB, H20 96 GB, H200 141 GB; FP8 dense = 2x BF16 dense on Hopper/Blackwell
+    want = {"h800-cx7": 80.0, "h100-cx7": 80.0, "h20": 96.0, "h200": 141.0, "b200": 180.0, "gb200-nvl72": 186.0}
+    for name, mem in want.items():
+        t = load_topology(name)
+        assert t.gpu_memory_GiB == mem, name
+        assert t.gpu_tflops_fp8 == pytest.approx(2 * t.gpu_tflops, rel=1e-3), name
+        assert t.sources["gpu_tflops_fp8"] and t.sources["gpu_memory_GiB"], name
+    assert load_topology("h20").gpu_tflops_fp8 == 296.0
+    gloo = load_topology("local-gloo")
+    assert (gloo.gpu_tflops_fp8, gloo.gpu_memory_GiB) == (0.0, 0.0)  # not given on CPU processes
+
+
 def test_toml_round_trip_and_override(tmp_path):
     t = load_topology("h800-cx7")
     f = tmp_path / "mine.toml"
