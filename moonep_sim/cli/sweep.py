@@ -151,7 +151,7 @@ def run(args) -> int:
     from moonep_sim.experiments.sweep import check
     from moonep_sim.io import check_output_dir, make_output_dir, write_text_atomic
     from moonep_sim.report import plots
-    from moonep_sim.report.tables import sweep_table
+    from moonep_sim.report.tables import flag_lines, sweep_table
 
     check_output_dir(args.out, "--out")  # before the run, not after it
     sc = scenario(args)
@@ -173,6 +173,8 @@ def run(args) -> int:
         print_json(rep)
         return 0
     c.print(sweep_table(rep))
+    for line in flag_lines(rep):
+        c.print(f"[dim]{line}[/dim]")
     tp = rep["topology"]
     c.print(f"[dim]simulated on {tp['name']}: {tp['constants'].get('description', '')}; "
             f"{rep['tokens_per_rank']} tokens per rank; took {rep['seconds']:.1f} s[/dim]")
