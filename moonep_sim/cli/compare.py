@@ -100,7 +100,7 @@ def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, 
 
 
 def run(args) -> int:
-    from moonep_sim.report.tables import compare_footer, compare_table
+    from moonep_sim.report.tables import compare_footer, compare_table, verdict_lines
 
     output_rule(args, folders={"out": OUT_FILES})  # before the run, not after it
     sc = scenario(args)
@@ -118,6 +118,8 @@ def run(args) -> int:
         return 0
     for t in compare_table(rep):
         c.print(t)
+    for line in verdict_lines(rep):
+        c.print(line, highlight=False, markup=False)
     for line in compare_footer(rep):
         c.print(f"[dim]{line}[/dim]")
     c.print("wrote " + ", ".join(files.values()))

@@ -44,7 +44,7 @@ def run(args) -> int:
     from moonep_sim.experiments import Scenario
     from moonep_sim.experiments import calibrate as cal
     from moonep_sim.experiments.compare import load_topology
-    from moonep_sim.report.tables import compare_footer, compare_table, resolved_line, weight_tradeoff_lines
+    from moonep_sim.report.tables import compare_footer, compare_table, resolved_line, verdict_lines
 
     from moonep_sim.cli.common import output_rule
     from moonep_sim.cli.compare import OUT_FILES
@@ -91,9 +91,9 @@ def run(args) -> int:
         c.print(t)
     for line in compare_footer(rep):
         c.print(f"[dim]{line}[/dim]")
-    for line in [resolved_line(rep), *weight_tradeoff_lines(rep)]:
+    for line in [resolved_line(rep), *verdict_lines(rep)]:
         if line:
-            c.print(line, highlight=False)
+            c.print(line, highlight=False, markup=False)
     if quality in ("quick", "none"):
         c.print(f"[yellow]warning: the simulated local-gloo column uses {'a quick calibration' if quality == 'quick' else 'uncalibrated preset defaults'} "
                 "of this machine; run `moonep-sim calibrate` (about 15 s) for the constants behind "

@@ -156,7 +156,7 @@ def run(args) -> int:
     from moonep_sim.experiments.sweep import check
     from moonep_sim.io import staged_dir, write_text_atomic
     from moonep_sim.report import plots
-    from moonep_sim.report.tables import sweep_table
+    from moonep_sim.report.tables import flag_lines, sweep_table
 
     output_rule(args, folders={"out": OUT_FILES})  # before the run, not after it
     sc = scenario(args)
@@ -179,6 +179,8 @@ def run(args) -> int:
         print_json(rep)
         return 0
     c.print(sweep_table(rep))
+    for line in flag_lines(rep):
+        c.print(f"[dim]{line}[/dim]")
     tp = rep["topology"]
     c.print(f"[dim]simulated on {tp['name']}: {tp['constants'].get('description', '')}; "
             f"{rep['tokens_per_rank']} tokens per rank; took {rep['seconds']:.1f} s[/dim]")
