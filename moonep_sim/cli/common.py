@@ -18,8 +18,10 @@ PROGRESS_INTERVAL_S = 15.0
 
 
 def print_json(obj: Any) -> None:
-    json.dump(to_jsonable(obj), sys.stdout, indent=2, sort_keys=False)
-    sys.stdout.write("\n")
+    """``obj`` as strict JSON on stdout (no ``NaN``/``Infinity``: :func:`moonep_sim.io.dumps_strict`)."""
+    from moonep_sim.io import dumps_strict
+
+    sys.stdout.write(dumps_strict(obj, indent=2, sort_keys=False) + "\n")
 
 
 # -- the output rule: no output over an input -------------------------------------------------------

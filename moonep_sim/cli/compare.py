@@ -83,7 +83,7 @@ OUT_FILES = ("report.json", "layer_time.png", "rows_per_rank.png", "traffic.png"
 def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, str]:
     """report.json and the plots under ``out_dir``, assembled beside it and moved in when all are
     written (a failure leaves none of them); returns {what: path}."""
-    from moonep_sim.io import staged_dir, write_text_atomic
+    from moonep_sim.io import dumps_strict, staged_dir, write_text_atomic
     from moonep_sim.report import plots as P
 
     files: dict[str, str] = {}
@@ -94,7 +94,7 @@ def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, 
                 draw(report, tmp / f"{key}.png")
                 files[key] = str(out_dir / f"{key}.png")
         report["files"] = dict(files, report=str(out_dir / "report.json"))
-        write_text_atomic(tmp / "report.json", json.dumps(to_jsonable(report), indent=1))
+        write_text_atomic(tmp / "report.json", dumps_strict(report, indent=1))
     files["report"] = str(out_dir / "report.json")
     return files
 

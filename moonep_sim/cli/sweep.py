@@ -50,11 +50,22 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _cluster_address(text: str) -> str:
+    """--cluster checked as it is parsed: before any work, before Dask sees it."""
+    import argparse
+
+    from moonep_sim.experiments.checks import check_cluster_address
+    try:
+        return check_cluster_address(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_parallel(p) -> None:
     """--jobs / --cluster: where independent points run (``moonep_sim.experiments.parallel``)."""
     p.add_argument("--jobs", type=int, default=None,
                    help="worker processes for independent points (default: the cores; 1 = serial)")
-    p.add_argument("--cluster", default=None, metavar="ADDRESS",
+    p.add_argument("--cluster", default=None, metavar="ADDRESS", type=_cluster_address,
                    help="run the points on a Dask scheduler (tcp://host:8786; pip install 'moonep-sim[cluster]')")
 
 
@@ -75,12 +86,9 @@ def _by_values(args) -> list[float]:
         vals = [float(v) for v in args.by_values.split(",") if v.strip()]
     except ValueError:
         raise ConfigError(f"--by-values ({args.by_values!r}) must be comma-separated numbers") from None
-    if not vals:
-        raise ConfigError("--by-values must hold at least one value")
-    if args.by in ("tokens-per-rank", "ep"):
-        for v in vals:
-            if v != int(v) or v < 1:
-                raise ConfigError(f"--by-values ({v:g}) must be positive integers for --by {args.by}")
+    from moonep_sim.experiments.checks import check_axis_values
+
+    check_axis_values(args.by, vals, flag="--by-values")  # the same check as the flag it stands for
     return vals
 
 
@@ -101,7 +109,7 @@ OUT_FILES = ("sweep.json", "sweep.png", "winner.png", "winner.md", "winner.json"
 def run_winner_map(args, cfg, by_vals: list[float]) -> int:
     """One sweep per --by value, then the winner map of them all."""
     from moonep_sim.experiments.sweep import check, sweep
-    from moonep_sim.io import staged_dir, write_text_atomic
+    from moonep_sim.io import dumps_strict, staged_dir, write_text_atomic
     from moonep_sim.experiments.winner import winner_map
     from moonep_sim.report.winner import winner_heatmap, winner_table_md
 
@@ -122,7 +130,7 @@ def run_winner_map(args, cfg, by_vals: list[float]) -> int:
         winner_heatmap(m, tmp / "winner.png")
         write_text_atomic(tmp / "winner.md", md + "\n")
         m["files"] = {"plot": str(png), "report": str(out / "winner.json"), "table": str(out / "winner.md")}
-        write_text_atomic(tmp / "winner.json", json.dumps(to_jsonable(m), indent=1))
+        write_text_atomic(tmp / "winner.json", dumps_strict(m, indent=1))
     if args.json:
         print_json(m)
         return 0
@@ -154,7 +162,7 @@ def scenario(args):
 def run(args) -> int:
     from moonep_sim.experiments.parallel import check_jobs
     from moonep_sim.experiments.sweep import check
-    from moonep_sim.io import staged_dir, write_text_atomic
+    from moonep_sim.io import dumps_strict, staged_dir, write_text_atomic
     from moonep_sim.report import plots
     from moonep_sim.report.tables import flag_lines, sweep_table
 
@@ -174,7 +182,7 @@ def run(args) -> int:
     with staged_dir(out, "--out") as tmp:
         plots.sweep_lines(rep, tmp / "sweep.png")
         rep["files"] = {"plot": str(png), "report": str(out / "sweep.json")}
-        write_text_atomic(tmp / "sweep.json", json.dumps(to_jsonable(rep), indent=1))
+        write_text_atomic(tmp / "sweep.json", dumps_strict(rep, indent=1))
     if args.json:
         print_json(rep)
         return 0
