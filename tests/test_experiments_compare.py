@@ -200,8 +200,12 @@ def test_scenario_replay_runs_the_strategies_over_gloo():
     assert res.strategies == ("alltoall", "moonep")
     assert all(v > 0 for v in res.measured_ms.values())
     assert res.correct == {"alltoall": True, "moonep": True}
-    rep = res.to_dict()
-    assert rep["strategies"]["moonep"]["layers"] == [0, 31] or rep["strategies"]["moonep"]["per_layer"]
+    moon = res.to_dict()["strategies"]["moonep"]
+    # one record per replayed (step, layer): each recorded step its own batch, naming the model's
+    # layer ids the scenario asked for
+    assert [(e["step"], e["layer_id"]) for e in moon["per_layer"]] == [(0, 0), (0, 31), (1, 0), (1, 31)]
+    assert len(moon["layers"]) == 2, moon["layers"]
+    assert moon["per_step"]["step"] == [0, 1] and moon["per_step"]["tokens"] == [81, 252]
 
 
 def test_scenario_plans_simulate_and_steps():

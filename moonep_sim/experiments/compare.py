@@ -184,7 +184,9 @@ def _compare_point(pt: Point) -> dict[str, Any]:
     plan = make_plan(pt.name, pt.routing, pt.ctx, **pt.opts)
     summ = plan.summary()
     res = simulate(plan, pt.topo, pt.model)
-    entry = {"plan": to_jsonable(summ, lenient=True), "sim": to_jsonable(res.to_dict(), lenient=True)}
+    sd = to_jsonable(res.to_dict(), lenient=True)
+    from moonep_sim.experiments.verdict import figures
+    entry = {"plan": to_jsonable(summ, lenient=True), "sim": sd, "figures": figures(plan, sd, pt.topo)}
     if pt.local_topo is not None:
         lplan = replace(plan, costs=pt.local_costs)
         entry["sim_local"] = to_jsonable(simulate(lplan, pt.local_topo, pt.local_model).to_dict(), lenient=True)
@@ -357,6 +359,10 @@ def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int
                                      excluded=[n for n in st if st[n]["dropped"]])
     if real is not None:
         rep["real"] = run_real(rs, real, local_topo, rep, progress)
+    from moonep_sim.experiments.flags import compare_flags
+    from moonep_sim.experiments.verdict import compare_verdict
+    rep["flags"] = compare_flags(rep)
+    rep["verdict"] = compare_verdict(rep)
     rep["seconds"] = time.perf_counter() - t_start
     return rep
 
