@@ -199,8 +199,10 @@ def test_scenario_replay_runs_the_strategies_over_gloo():
     assert res.strategies == ("alltoall", "moonep")
     assert all(v > 0 for v in res.measured_ms.values())
     assert res.correct == {"alltoall": True, "moonep": True}
-    rep = res.to_dict()
-    assert rep["strategies"]["moonep"]["layers"] == [0, 31] or rep["strategies"]["moonep"]["per_layer"]
+    moon = res.to_dict()["strategies"]["moonep"]
+    # one record per replayed layer, naming the model's layer ids the scenario asked for
+    assert [e["layer_id"] for e in moon["per_layer"]] == [0, 31], moon["per_layer"]
+    assert len(moon["layers"]) == 2, moon["layers"]
 
 
 def test_scenario_plans_simulate_and_steps():

@@ -44,11 +44,12 @@ def run(args) -> int:
     from moonep_sim.experiments import Scenario
     from moonep_sim.experiments import calibrate as cal
     from moonep_sim.experiments.compare import load_topology
-    from moonep_sim.report.tables import compare_footer, compare_table, resolved_line, weight_tradeoff_lines
+    from moonep_sim.report.tables import compare_footer, compare_table, resolved_line, verdict_lines
 
-    from moonep_sim.io import check_output_dir
+    from moonep_sim.cli.common import output_rule
+    from moonep_sim.cli.compare import OUT_FILES
 
-    check_output_dir(args.out, "--out")  # before the run, not after it
+    output_rule(args, folders={"out": OUT_FILES})  # before the run, not after it
     t0 = time.perf_counter()
     c = console()
     if args.fast:
@@ -90,9 +91,9 @@ def run(args) -> int:
         c.print(t)
     for line in compare_footer(rep):
         c.print(f"[dim]{line}[/dim]")
-    for line in [resolved_line(rep), *weight_tradeoff_lines(rep)]:
+    for line in [resolved_line(rep), *verdict_lines(rep)]:
         if line:
-            c.print(line, highlight=False)
+            c.print(line, highlight=False, markup=False)
     if quality in ("quick", "none"):
         c.print(f"[yellow]warning: the simulated local-gloo column uses {'a quick calibration' if quality == 'quick' else 'uncalibrated preset defaults'} "
                 "of this machine; run `moonep-sim calibrate` (about 15 s) for the constants behind "

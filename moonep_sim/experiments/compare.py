@@ -191,6 +191,8 @@ def _compare_point(task):
     res = simulate(plan, topo, model)
     sd = to_jsonable(res.to_dict(), lenient=True)
     entry = {"layer": int(lid), "plan": to_jsonable(summ, lenient=True), "sim": sd}
+    from moonep_sim.experiments.verdict import figures
+    entry["figures"] = figures(plan, sd, topo)  # what the verdict reads
     local_phases: dict[str, float] = {}
     if local_topo is not None:
         # the same plan, its bytes counted as the replay moves them (float32, H x F experts)
@@ -305,6 +307,10 @@ def compare(cfg: CompareConfig, progress: Callable[[str, int, int], None] | None
             }
     if cfg.real:
         rep["real"] = run_real(cfg, source, cluster, local_topo, rep, progress)
+    from moonep_sim.experiments.flags import compare_flags
+    from moonep_sim.experiments.verdict import compare_verdict
+    rep["flags"] = compare_flags(rep)
+    rep["verdict"] = compare_verdict(rep)
     rep["seconds"] = time.perf_counter() - t_start
     return rep
 

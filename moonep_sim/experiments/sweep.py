@@ -111,7 +111,7 @@ def check(cfg: SweepConfig) -> Any:
     for R in sizes:
         require(m.num_experts % R == 0,
                 f"EP size ({R}) must divide {m.name}'s expert count (E={m.num_experts}): each rank owns E/R experts")
-        g = min(cfg.gpus_per_node or topo.gpus_per_node, R)
+        g = cfg.gpus_per_node or topo.gpus_per_node_for(R)
         require(R % g == 0, f"EP size ({R}) must be divisible by gpus per node ({g})")
     if cfg.over != "maxvio":
         hi = m.num_experts / m.top_k - 1
@@ -154,7 +154,7 @@ def _point_setup(cfg: SweepConfig, base, v: float, fixed):
         routing, realised = fixed
     else:
         routing, realised = _routing(cfg, ranks, v if cfg.over == "maxvio" else cfg.maxvio, cfg.seed)
-    g = min(cfg.gpus_per_node or topo.gpus_per_node, ranks)
+    g = cfg.gpus_per_node or topo.gpus_per_node_for(ranks)
     cluster = ClusterShape(ranks, g)
     topo_g = topo.with_gpus_per_node(g) if hasattr(topo, "with_gpus_per_node") else topo
     ctx = PlanContext(cluster, Placement.home_groups(m.num_experts, ranks), costs, cfg.token_padding, topo_g)
@@ -180,7 +180,13 @@ def _strategy_at(cfg: SweepConfig, routing, ctx, topo, name: str, opts: dict) ->
             "dropped": plan.dropped, "weight_bytes": int(wb),
             "rows_max_over_mean": float(real.max() / max(real.mean(), 1e-12)),
             "straggler": _short(to_jsonable(res.to_dict(), lenient=True).get("straggler")),
-            "plan_seconds": t2 - t1, "sim_seconds": t3 - t2}
+            "plan_seconds": t2 - t1, "sim_seconds": t3 - t2,
+            "figures": _figures(plan, to_jsonable(res.to_dict(), lenient=True), topo)}
+
+
+def _figures(plan, sim, topo):
+    from moonep_sim.experiments.verdict import figures
+    return figures(plan, sim, topo)
 
 
 def _point(task) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -243,7 +249,7 @@ def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = N
     names = [n for n, _ in cfg.strategies]
     out_s = {n: {"options": dict(o), "layer_time_us": [], "lower_bound_us": [], "ratio_to_lower_bound": [],
                  "phases_us": [], "dropped": [], "weight_bytes": [], "rows_max_over_mean": [], "straggler": [],
-                 "plan_seconds": [], "sim_seconds": []} for n, o in cfg.strategies}
+                 "plan_seconds": [], "sim_seconds": [], "figures": []} for n, o in cfg.strategies}
     total = len(cfg.values)
     fixed = None
     if cfg.over not in ("maxvio", "ep"):
@@ -262,7 +268,7 @@ def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = N
     if progress:
         progress("done", total, total)
     lb = routing_lower_bound(out_s, len(cfg.values))
-    return {
+    rep = {
         "kind": "sweep",
         "over": cfg.over,
         "values": [float(v) for v in cfg.values],
@@ -277,5 +283,10 @@ def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = N
         "points": points,
         "lower_bound_us": lb,
         "strategies": out_s,
-        "seconds": time.perf_counter() - t0,
     }
+    from moonep_sim.experiments.flags import sweep_flags
+    from moonep_sim.experiments.verdict import sweep_verdicts
+    rep["flags"] = sweep_flags(rep)
+    rep["verdicts"] = sweep_verdicts(rep)
+    rep["seconds"] = time.perf_counter() - t0
+    return rep
