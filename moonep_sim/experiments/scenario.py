@@ -234,6 +234,17 @@ class Scenario:
         return SimulateResult(tuple(per), {n: float(per[n]["layer_time_us"]) for n in per}, per,
                               topology_info(rs.topology), raw)
 
+    # -- whole steps --------------------------------------------------------------------------------
+    def step(self, mode: str = "train", overlap: str = "none", **options: Any):
+        """Every strategy's whole step (train, prefill or decode) on this scenario's routing: the
+        model's layer stack, compute, overlap and memory (:func:`moonep_sim.experiments.step.run_step`
+        takes ``options``: tokens_per_rank, context, distinct_layers, compute_profile, ...). One
+        :class:`~moonep_sim.experiments.step.StepResult`, or a list for a trace of several steps."""
+        from moonep_sim.experiments.step import run_step
+
+        out = run_step(self, mode, overlap, **options)
+        return out[0] if len(out) == 1 else out
+
     # -- compare, replay, sweep ---------------------------------------------------------------------
     def compare(self, real: bool = False, *, nproc: int | None = None, iters: int = 10, hidden: int = 512,
                 ffn: int = 1024, timeout_s: float = 600.0, progress: Progress | None = None, jobs: int | None = 1,
