@@ -87,8 +87,13 @@ def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, 
         files["layer_time"] = str(P.layer_time_bars(report, out_dir / "layer_time.png"))
         files["rows_per_rank"] = str(P.rows_per_rank(report, out_dir / "rows_per_rank.png"))
         files["traffic"] = str(P.traffic_heatmaps(report, out_dir / "traffic.png"))
-    report["files"] = dict(files, report=str(out_dir / "report.json"))
+    from moonep_sim.report.html import provenance, write_html
+
+    report.setdefault("provenance", provenance())
+    report["files"] = dict(files, report=str(out_dir / "report.json"), html=str(out_dir / "report.html"))
+    write_html(report, out_dir / "report.html", {k: v for k, v in files.items()})
     write_text_atomic(out_dir / "report.json", json.dumps(to_jsonable(report), indent=1))
+    files["html"] = str(out_dir / "report.html")
     files["report"] = str(out_dir / "report.json")
     return files
 

@@ -167,7 +167,11 @@ def run(args) -> int:
     out = Path(args.out)
     make_output_dir(out, "--out")
     png = plots.sweep_lines(rep, out / "sweep.png")
-    rep["files"] = {"plot": str(png), "report": str(out / "sweep.json")}
+    from moonep_sim.report.html import provenance, write_html
+
+    rep["provenance"] = provenance()
+    rep["files"] = {"plot": str(png), "report": str(out / "sweep.json"), "html": str(out / "report.html")}
+    write_html(rep, out / "report.html", {"sweep": png})
     write_text_atomic(out / "sweep.json", json.dumps(to_jsonable(rep), indent=1))
     if args.json:
         print_json(rep)
@@ -178,5 +182,5 @@ def run(args) -> int:
     tp = rep["topology"]
     c.print(f"[dim]simulated on {tp['name']}: {tp['constants'].get('description', '')}; "
             f"{rep['tokens_per_rank']} tokens per rank; took {rep['seconds']:.1f} s[/dim]")
-    c.print(f"wrote {png}, {out / 'sweep.json'}")
+    c.print(f"wrote {png}, {out / 'sweep.json'}, {out / 'report.html'}")
     return 0
