@@ -54,7 +54,7 @@ from moonep_sim.strategies import PlanContext, make_plan  # noqa: E402
 from moonep_sim.strategies.deepep_ll import ll_counted_bytes  # noqa: E402
 
 H = 7168
-GPU_PRESETS = ("h800-cx7", "h100-cx7", "h200", "h20", "b200", "gb200-nvl72")
+GPU_PRESETS = ("h800-cx7", "h100-cx7", "h200-cx7", "h20", "b200", "gb200-nvl72")
 
 # -- rows ------------------------------------------------------------------------------------
 # (id, source, setup, metric, unit, published, role, spec)  role: "fit:<constant>" or "prediction"

@@ -21,6 +21,27 @@ from typing import Any, Mapping
 from moonep_sim.errors import ConfigError, require
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_spec_fields(m) -> None:
+    """Types and upper bounds of a :class:`ModelSpec`'s sizes, before any arithmetic on them: each an
+    integer (not a bool, a float, NaN), at most its limit (``moonep_sim.limits``), shared experts >= 0;
+    the text fields strings. One line naming the field."""
+    from moonep_sim.limits import MAX_LAYERS, MAX_NUM_EXPERTS, MAX_TOP_K, MAX_WIDTH
+
+    for field, lo, hi in (("layers", 1, MAX_LAYERS), ("moe_layers", 1, MAX_LAYERS), ("num_experts", 1, MAX_NUM_EXPERTS),
+                          ("top_k", 1, MAX_TOP_K), ("shared_experts", 0, MAX_NUM_EXPERTS), ("hidden", 1, MAX_WIDTH),
+                          ("expert_ffn", 1, MAX_WIDTH), ("dispatch_hidden", 0, MAX_WIDTH),
+                          ("n_groups", 1, MAX_NUM_EXPERTS), ("topk_groups", 1, MAX_NUM_EXPERTS)):
+        v = getattr(m, field)
+        require(_is_int(v), f"{field} ({v!r}) must be an integer")
+        require(lo <= v <= hi, f"{field} ({v}) must lie in [{lo}, {hi}]")
+    for field in ("name", "router", "note", "source"):
+        require(isinstance(getattr(m, field), str), f"{field} ({getattr(m, field)!r}) must be a string")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One MoE model's shape, as far as expert parallelism cares.
@@ -54,11 +75,13 @@ class ModelSpec:
     source: str = ""
 
     def __post_init__(self) -> None:
+        check_spec_fields(self)
         if self.dispatch_hidden == 0:
             object.__setattr__(self, "dispatch_hidden", self.hidden)
         for field in ("layers", "moe_layers", "num_experts", "top_k", "hidden", "expert_ffn",
                       "dispatch_hidden", "n_groups", "topk_groups"):
             require(getattr(self, field) >= 1, f"{field} ({getattr(self, field)}) must be >= 1")
+        require(self.moe_layers <= self.layers, f"moe_layers ({self.moe_layers}) must be <= layers ({self.layers})")
         require(self.top_k <= self.num_experts,
                 f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
         require(self.num_experts % self.n_groups == 0,
@@ -169,10 +192,6 @@ _INT_FIELDS = {"num_experts", "top_k", "hidden", "expert_ffn", "dispatch_hidden"
                "shared_experts", "layers", "moe_layers"}
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def model_from_fields(fields: Mapping[str, Any], where: str = "model") -> ModelSpec:
     """A ModelSpec from the fields of a model file (see ``MODEL_FILE_FIELDS``); one-line errors."""
     unknown = sorted(set(fields) - set(MODEL_FILE_FIELDS))
@@ -202,58 +221,92 @@ def model_from_fields(fields: Mapping[str, Any], where: str = "model") -> ModelS
 
 def model_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json", name: str = "") -> ModelSpec:
     """A ModelSpec from a Hugging Face ``config.json`` of a MoE model (Mixtral, Qwen-MoE, OLMoE,
-    DeepSeek-V2/V3, GPT-OSS field names)."""
-    def first(*keys, default=None):
-        for k in keys:
-            if cfg.get(k) not in (None, ""):
-                return cfg[k]
-        return default
+    DeepSeek-V2/V3, GPT-OSS field names).
 
-    E = first("num_experts", "num_local_experts", "n_routed_experts")
-    K = first("num_experts_per_tok", "experts_per_token", "moe_topk")
-    H = first("hidden_size")
-    F = first("moe_intermediate_size", "intermediate_size")
-    if not all(_is_int(v) for v in (E, K, H, F)):
+    Every field read is checked on its own (an integer where the model code takes one, within its
+    range: ``first_k_dense_replace`` below ``num_hidden_layers``, ``n_group`` dividing the experts,
+    ...), the message naming the field and ``where``; nothing is clamped, rounded or truncated. MoE
+    layers are counted as the model code picks them: layer i is MoE unless i < first_k_dense_replace,
+    i is in mlp_only_layers, or (i + 1) % decoder_sparse_step != 0 (Qwen) / i % moe_layer_freq != 0
+    (DeepSeek)."""
+    from moonep_sim.limits import MAX_LAYERS, MAX_NUM_EXPERTS, MAX_TOP_K, MAX_WIDTH
+
+    def given(k):
+        return cfg.get(k) not in (None, "")
+
+    def get_int(keys, lo, hi, default=None, why=""):
+        """(key, value) of the first of ``keys`` given, checked; (None, default) when none is."""
+        for k in keys:
+            if given(k):
+                v = cfg[k]
+                if not _is_int(v) or not lo <= v <= hi:
+                    raise ConfigError(f"{where}: {k} ({v!r}) must be an integer in [{lo}, {hi}]" + (f": {why}" if why else ""))
+                return k, v
+        return None, default
+
+    _, E = get_int(("num_experts", "num_local_experts", "n_routed_experts"), 1, MAX_NUM_EXPERTS)
+    _, K = get_int(("num_experts_per_tok", "experts_per_token", "moe_topk"), 1, MAX_TOP_K)
+    _, H = get_int(("hidden_size",), 1, MAX_WIDTH)
+    _, F = get_int(("moe_intermediate_size", "intermediate_size"), 1, MAX_WIDTH)
+    if None in (E, K, H, F):
         raise ConfigError(f"{where}: a Hugging Face MoE config must give the experts (num_experts / "
                           "num_local_experts / n_routed_experts), top-k (num_experts_per_tok), "
                           "hidden_size and moe_intermediate_size or intermediate_size")
-    layers = first("num_hidden_layers", default=1)
-    moe_layers = layers - int(first("first_k_dense_replace", default=0)) - len(first("mlp_only_layers", default=[]))
-    step = int(first("decoder_sparse_step", "moe_layer_freq", default=1) or 1)
-    if step > 1:
-        moe_layers = layers // step
-    shared = first("n_shared_experts", default=0) or 0
-    shared_ffn = first("shared_expert_intermediate_size", default=0) or 0
+    _, layers = get_int(("num_hidden_layers",), 1, MAX_LAYERS, 1)
+    _, dense = get_int(("first_k_dense_replace",), 0, layers - 1, 0,
+                       f"the first layers that are dense, fewer than num_hidden_layers ({layers})")
+    mlp_only = cfg.get("mlp_only_layers")
+    mlp_only = [] if mlp_only is None else mlp_only
+    if not isinstance(mlp_only, list) or not all(_is_int(i) and 0 <= i < layers for i in mlp_only) \
+            or len(set(mlp_only)) != len(mlp_only):
+        raise ConfigError(f"{where}: mlp_only_layers ({mlp_only!r}) must be a list of distinct layer ids "
+                          f"in [0, {layers})")
+    step_key, step = get_int(("decoder_sparse_step", "moe_layer_freq"), 1, layers, 1, "every step-th layer is MoE")
+    off = 1 if step_key == "decoder_sparse_step" else 0
+    skip = set(mlp_only)
+    moe_layers = sum(1 for i in range(layers) if i >= dense and i not in skip and (i + off) % step == 0)
+    if moe_layers == 0:
+        raise ConfigError(f"{where}: first_k_dense_replace ({dense}), mlp_only_layers and the sparse step "
+                          f"({step}) must leave at least one MoE layer of num_hidden_layers ({layers})")
+    _, shared = get_int(("n_shared_experts",), 0, MAX_NUM_EXPERTS, 0)
+    _, shared_ffn = get_int(("shared_expert_intermediate_size",), 0, MAX_WIDTH, 0)
     if not shared and shared_ffn:
         shared = max(1, round(shared_ffn / F))
-    fields = {"name": (name or str(first("_name_or_path", "model_type", default="custom"))).split("/")[-1].lower(),
+    _, groups = get_int(("n_group",), 1, E, 1, f"expert groups, dividing the experts ({E})")
+    _, topk_groups = get_int(("topk_group",), 1, groups, 1, f"groups kept per token, at most n_group ({groups})")
+    router = cfg.get("scoring_func", "softmax")
+    if router not in ("softmax", "sigmoid"):
+        raise ConfigError(f"{where}: scoring_func ({router!r}) must be 'softmax' or 'sigmoid'")
+    label = next((cfg[k] for k in ("_name_or_path", "model_type") if given(k)), "custom")
+    if not isinstance(label, str):
+        raise ConfigError(f"{where}: _name_or_path / model_type ({label!r}) must be a string")
+    fields = {"name": (name or label).split("/")[-1].lower(),
               "num_experts": E, "top_k": K, "hidden": H, "expert_ffn": F, "layers": layers,
-              "moe_layers": max(1, moe_layers), "shared_experts": int(shared),
-              "groups": int(first("n_group", default=1) or 1), "topk_groups": int(first("topk_group", default=1) or 1),
-              "router": "sigmoid" if first("scoring_func") == "sigmoid" else "softmax", "source": where}
+              "moe_layers": moe_layers, "shared_experts": shared, "groups": groups, "topk_groups": topk_groups,
+              "router": router, "source": where}
     return model_from_fields(fields, where)
 
 
 def _read_model_file(path: Path) -> ModelSpec:
+    from moonep_sim.io import read_config_bytes
+
     where = str(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"--model ({where}) must be a readable file: {e.strerror}") from None
-    if path.suffix.lower() == ".toml":
+    toml = path.suffix.lower() == ".toml"
+    raw = read_config_bytes(path, "model", "TOML" if toml else "JSON")
+    if toml:
         try:
             import tomllib
         except ModuleNotFoundError:   # Python < 3.11
             import tomli as tomllib
         try:
             doc = tomllib.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
             raise ConfigError(f"{where}: expected a TOML model file, found invalid TOML ({e})") from None
         doc = doc.get("model", doc) if isinstance(doc.get("model"), dict) else doc
     else:
         try:
-            doc = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            doc = json.loads(raw)  # a NaN / Infinity is refused by the field it stands in
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise ConfigError(f"{where}: expected a JSON model file, found invalid JSON ({e})") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{where}: expected a table/object of model fields, found {type(doc).__name__}")
@@ -289,11 +342,11 @@ def resolve_model(spec: "ModelSpec | str | os.PathLike | Mapping[str, Any]") -> 
         if text.lower() in PRESETS:
             return PRESETS[text.lower()]
         path = Path(text)
-        if path.suffix.lower() in (".toml", ".json") or path.is_file():
-            if not path.is_file():
+        if path.suffix.lower() in (".toml", ".json") or os.path.lexists(path):
+            if not os.path.lexists(path):
                 raise ConfigError(f"model ({text!r}) must be a preset or an existing .toml/.json file: "
                                   "no such file")
-            return _read_model_file(path)
+            return _read_model_file(path)  # a pipe, a folder, a link loop: refused as what it is
         raise ConfigError(f"model ({text!r}) must be one of the presets ({', '.join(sorted(PRESETS))}) "
                           "or a .toml/.json model file")
     raise ConfigError(f"model ({spec!r}) must be a preset name, a model file path, a mapping of fields "

@@ -1,4 +1,4 @@
-"""The package reads bottom-up: routing -> plan -> strategies -> (sim, gloo) -> experiments -> report
+"""The package reads bottom-up: routing -> plan -> strategies -> (sim, gloo) -> integrations -> experiments -> report
 -> testbed -> cli. No module imports a package above its own (function-level imports included),
 report/ only renders (it imports none of the executors, planners or experiments) and gloo/ never
 imports the strategies."""
@@ -10,8 +10,9 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "moonep_sim"
 # the shared base (errors, io, models, data) sits below everything
-LEVEL = {"routing": 1, "plan": 2, "strategies": 3, "sim": 4, "gloo": 4, "experiments": 5, "report": 6,
-         "testbed": 7, "cli": 8}
+# integrations (model libraries over the gloo executor) sit above the executors, below experiments
+LEVEL = {"routing": 1, "plan": 2, "strategies": 3, "sim": 4, "gloo": 4, "integrations": 4.5, "experiments": 5,
+         "report": 6, "testbed": 7, "cli": 8}
 
 
 # what each package may not import (function-level imports included), beyond the levels above:

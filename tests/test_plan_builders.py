@@ -9,6 +9,7 @@ literal small cases and on hypothesis-drawn ones (drops, padding, minimum rows, 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from typing import Any
 
@@ -418,9 +419,10 @@ _HOP_FIELDS = ("src_rank_M", "src_row_M", "dst_rank_M", "dst_row_M")
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from(_INT_FIELDS + _HOP_FIELDS + ("entry_dup_TK", "none")),
-       st.integers(-2, 2), st.booleans(), st.sampled_from([1, 4]))
-def test_validate_matches_reference_on_corrupted_plans(seed, field, delta, dedup, tp):
-    """validate() reports exactly what the original implementation reports, valid or corrupted."""
+       st.integers(-2, 2), st.booleans(), st.sampled_from([1, 4]), st.sampled_from([0, 1, 3, 7]))
+def test_validate_matches_reference_on_corrupted_plans(seed, field, delta, dedup, tp, chunk):
+    """validate() reports exactly what the original implementation reports, valid or corrupted,
+    whatever the chunk its hop checks walk the messages in (``chunk`` 0: the default)."""
     from conftest import random_routing
     from moonep_sim.strategies import PlanContext, make_plan
     rng = np.random.default_rng(seed)
@@ -442,7 +444,14 @@ def test_validate_matches_reference_on_corrupted_plans(seed, field, delta, dedup
         if a.size:
             a.flat[rng.integers(a.size)] += delta
         p = dataclasses.replace(p, **{field: a})
-    assert validate(p) == ref_validate(p)
+    vmod = sys.modules["moonep_sim.plan.validate"]  # (the package exports a function of that name)
+    default = vmod.HOP_CHUNK, vmod.BLOCK_MIN_MEAN
+    vmod.HOP_CHUNK = chunk or default[0]
+    vmod.BLOCK_MIN_MEAN = 0 if chunk % 2 else default[1]  # odd chunks: the block walk too
+    try:
+        assert validate(p) == ref_validate(p)
+    finally:
+        vmod.HOP_CHUNK, vmod.BLOCK_MIN_MEAN = default
 
 
 @settings(max_examples=100, deadline=None)

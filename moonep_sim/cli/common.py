@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from moonep_sim.errors import ConfigError
 from moonep_sim.io import to_jsonable
@@ -19,6 +20,54 @@ PROGRESS_INTERVAL_S = 15.0
 def print_json(obj: Any) -> None:
     json.dump(to_jsonable(obj), sys.stdout, indent=2, sort_keys=False)
     sys.stdout.write("\n")
+
+
+# -- the output rule: no output over an input -------------------------------------------------------
+#: Argument names (argparse ``dest``) that name input files, with the flag a message shows.
+INPUT_ARGS: dict[str, str] = {
+    "trace": "--trace", "src": "SRC", "file": "FILE", "model": "--model", "topology": "--topology",
+    "base_topology": "--base-topology", "compute_profile": "--compute-profile", "calibration": "--calibration",
+    "bias_file": "--bias-file", "traces_dir": "--traces-dir", "config": "--config", "history": "--history",
+}
+
+
+def flag_of(dest: str, out_flag: str = "--out") -> str:
+    """The flag a message names for the argparse ``dest`` (``out`` is ``-o`` or ``--out`` per command)."""
+    return out_flag if dest == "out" else "--" + dest.replace("_", "-")
+
+
+def output_rule(args, files: Iterable[str] = (), folders: Mapping[str, Sequence[str]] | None = None,
+                inputs: Mapping[str, Any] | None = None, out_flag: str = "--out",
+                also: Mapping[str, Any] | None = None) -> None:
+    """The one output rule (docs/failures.md), called by every command that writes before any work:
+
+        output_rule(args, files=("timeline",), folders={"out": ("report.json", "*.png")})
+
+    files: the ``dest`` names of output-file arguments (a value that is not a string, such as a
+    ``--json`` switch, is not a path); folders: ``dest`` of each output-folder argument -> the names
+    (or glob patterns) of the files the command writes inside. Every input is compared with them
+    by device and inode (links followed): the arguments of :data:`INPUT_ARGS` found on ``args``, every
+    ``--opt`` value that names an existing file (eplb's ``history=``), and ``inputs`` (flag -> path).
+    ``also``: further output files the command derives (flag words -> path). Refused with one line
+    naming both; see :func:`moonep_sim.io.check_outputs`."""
+    from moonep_sim.io import check_outputs
+
+    ins: dict[str, Any] = {}
+    for dest, flag in INPUT_ARGS.items():
+        v = getattr(args, dest, None)
+        if isinstance(v, (str, os.PathLike)) and not str(v).startswith("gen:"):
+            ins[flag] = v
+    for o in getattr(args, "opt", None) or []:
+        if isinstance(o, str) and "=" in o:
+            k, v = o.split("=", 1)
+            if v.strip() and os.path.exists(v.strip()):
+                ins[f"--opt {k.strip()}"] = v.strip()
+    ins.update(inputs or {})
+    outs = {flag_of(d, out_flag): getattr(args, d, None) for d in files}
+    outs.update(also or {})
+    outs = {k: v for k, v in outs.items() if isinstance(v, (str, os.PathLike))}
+    fold = {flag_of(d, out_flag): (getattr(args, d, None), tuple(names)) for d, names in (folders or {}).items()}
+    check_outputs(outs, ins, {k: v for k, v in fold.items() if isinstance(v[0], (str, os.PathLike))})
 
 
 def parse_kv(items: list[str] | None, what: str = "--opt") -> dict[str, str]:

@@ -46,9 +46,10 @@ def run(args) -> int:
     from moonep_sim.experiments.compare import load_topology
     from moonep_sim.report.tables import compare_footer, compare_table, resolved_line, verdict_lines
 
-    from moonep_sim.io import check_output_dir
+    from moonep_sim.cli.common import output_rule
+    from moonep_sim.cli.compare import OUT_FILES
 
-    check_output_dir(args.out, "--out")  # before the run, not after it
+    output_rule(args, folders={"out": OUT_FILES})  # before the run, not after it
     t0 = time.perf_counter()
     c = console()
     if args.fast:

@@ -89,9 +89,8 @@ def run(args) -> int:
     from moonep_sim.sim.perfetto import write_trace
     from moonep_sim.sim.timeline import DEFAULT_TOL
 
-    if args.timeline:
-        from moonep_sim.io import check_output_path
-        check_output_path(args.timeline, "--timeline")  # before the run, not after it
+    from moonep_sim.cli.common import output_rule
+    output_rule(args, files=("timeline", "gantt"))  # before the run, not after it
     check_int(args.chunks, "--chunks", 1, MAX_CHUNKS, "pipeline chunks")
     faults = parse_faults(args.slow_gpu, args.degrade_nic, args.degrade_nvlink, args.stall)
     sc = scenario(args)

@@ -160,7 +160,7 @@ class Scenario:
             R = R or self.routing.ranks
         R = R or default_ranks(source.num_experts)
         base = load_topology(self.topology)
-        G = G or min(base.gpus_per_node, R)
+        G = G or base.gpus_per_node_for(R)
         cluster = check_cluster(source, R, G)
         topo = load_topology(self.topology, cluster)
         costs = self.costs or RowCosts.from_model(source.model, dtype)

@@ -111,7 +111,7 @@ def check(cfg: SweepConfig) -> Any:
     for R in sizes:
         require(m.num_experts % R == 0,
                 f"EP size ({R}) must divide {m.name}'s expert count (E={m.num_experts}): each rank owns E/R experts")
-        g = min(cfg.gpus_per_node or topo.gpus_per_node, R)
+        g = cfg.gpus_per_node or topo.gpus_per_node_for(R)
         require(R % g == 0, f"EP size ({R}) must be divisible by gpus per node ({g})")
     if cfg.over != "maxvio":
         hi = m.num_experts / m.top_k - 1
@@ -154,7 +154,7 @@ def _point_setup(cfg: SweepConfig, base, v: float, fixed):
         routing, realised = fixed
     else:
         routing, realised = _routing(cfg, ranks, v if cfg.over == "maxvio" else cfg.maxvio, cfg.seed)
-    g = min(cfg.gpus_per_node or topo.gpus_per_node, ranks)
+    g = cfg.gpus_per_node or topo.gpus_per_node_for(ranks)
     cluster = ClusterShape(ranks, g)
     topo_g = topo.with_gpus_per_node(g) if hasattr(topo, "with_gpus_per_node") else topo
     ctx = PlanContext(cluster, Placement.home_groups(m.num_experts, ranks), costs, cfg.token_padding, topo_g)

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from moonep_sim.io import make_output_dir, to_jsonable, write_text_atomic
+from moonep_sim.io import make_output_dir, staged_dir, to_jsonable, write_text_atomic
 from moonep_sim.report import plots as P
 
 #: kind -> [(file stem, plot function(report dict, dest) -> Path)]
@@ -37,20 +37,23 @@ def plot_report(data: Mapping[str, Any], folder: str | os.PathLike, which: list[
 
 def save_report(data: dict[str, Any], folder: str | os.PathLike, *, plots: bool = True,
                 command: str | None = None) -> dict[str, str]:
-    """report.json, the plots and report.html under ``folder``; returns {what: path}. The report
-    dict gets ``provenance`` (command, versions, date) and ``files``."""
+    """report.json, the plots and report.html under ``folder``, assembled beside it and moved in
+    when all are written (a failure leaves none of them); returns {what: path}. The report dict
+    gets ``provenance`` (command, versions, date) and ``files``."""
     from moonep_sim.report.html import provenance, write_html
 
     folder = Path(folder)
-    make_output_dir(folder, "folder")
-    figs = plot_report(data, folder) if plots else {}
-    data.setdefault("provenance", provenance(command))
-    files = {k: str(v) for k, v in figs.items()}
-    files["html"] = str(folder / "report.html")
-    files["report"] = str(folder / "report.json")
-    data["files"] = dict(files)
-    write_html(data, folder / "report.html", figs)
-    write_text_atomic(folder / "report.json", json.dumps(to_jsonable(data, lenient=True), indent=1))
+    with staged_dir(folder, "folder") as tmp:
+        figs = {}
+        for stem, fn in (PLOTS.get(str(data.get("kind")), []) if plots else []):
+            figs[stem] = fn(dict(data), tmp / f"{stem}.png")
+        data.setdefault("provenance", provenance(command))
+        files = {k: str(folder / f"{k}.png") for k in figs}
+        files["html"] = str(folder / "report.html")
+        files["report"] = str(folder / "report.json")
+        data["files"] = dict(files)
+        write_html(data, tmp / "report.html", figs)
+        write_text_atomic(tmp / "report.json", json.dumps(to_jsonable(data, lenient=True), indent=1))
     return files
 
 

@@ -103,12 +103,13 @@ class Rates:
 
     @classmethod
     def of(cls, topology: Any, sms: int = 0) -> "Rates":
-        """Rates from a topology object (duck-typed), or the defaults (``h800-cx7``'s constants).
+        """Rates from a topology object (duck-typed), or, for None, from the default preset's file
+        (:data:`DEFAULT_PRESET`, read as shipped: the constants the simulator times plans with).
         ``sms``: the kernels' SM budget (0 = none, -1 = all): token rows over NVLink are capped by
         what that many SMs copy (the topology's ``sm_bytes_per_us``), as the simulator caps them."""
         if topology is None:
-            return cls(160.0 * 0.88e3, 50.0 * 0.9e3, 160.0 * 0.88e3, 50.0 * 0.9e3, 989.0 * 0.6e6, 3350.0 * 0.8e3,
-                       "defaults (h800-cx7 constants; no topology in the plan context)")
+            r = cls.of(preset_constants(DEFAULT_PRESET), sms)
+            return dataclasses.replace(r, source=f"defaults ({DEFAULT_PRESET} preset; no topology in the plan context)")
         t = topology
         nv = float(t.nvlink_bandwidth_GBps) * float(t.nvlink_efficiency) * 1e3
         nic = float(t.nic_bandwidth_GBps) * float(t.nic_efficiency) * 1e3
@@ -124,6 +125,38 @@ class Rates:
         flops = float(t.gpu_tflops) * float(t.gpu_compute_efficiency) * 1e6
         mem = float(t.gpu_mem_bandwidth_GBps) * float(t.gpu_mem_efficiency) * 1e3
         return cls(nv, nic, w_nv, w_nic, flops, mem, str(getattr(t, "name", "topology")))
+
+
+#: the preset whose constants price copies when the plan context has no topology: the simulator's
+#: and ``moonep-sim plan``'s default (``moonep_sim.experiments.DEFAULT_TOPOLOGY``; a test holds them equal)
+DEFAULT_PRESET = "h800-cx7"
+
+
+def preset_constants(name: str) -> Any:
+    """A shipped preset's constants, read from its TOML file (``moonep_sim/data``) as the attributes
+    :meth:`Rates.of` reads off a ``moonep_sim.sim.Topology`` (``[nvlink] bandwidth_GBps`` ->
+    ``nvlink_bandwidth_GBps``), with the Topology's two derived weight-copy rates and its SM copy
+    cap. The planners sit below the simulator, so they read the file, not the class; a test holds
+    ``Rates.of(None)`` equal to ``Rates.of(load_topology(DEFAULT_PRESET))``."""
+    from importlib import resources
+    from types import SimpleNamespace
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python < 3.11
+        import tomli as tomllib
+
+    doc = tomllib.loads(resources.files("moonep_sim.data").joinpath(f"topology-{name}.toml").read_text())
+    c = SimpleNamespace(name=doc.get("name", name), **{f"{sec}_{k}": v for sec, tbl in doc.items()
+                                                       if isinstance(tbl, dict) and sec != "sources"
+                                                       for k, v in tbl.items()})
+    c.weights_nvlink_bytes_per_us = c.nvlink_bandwidth_GBps * (getattr(c, "weights_nvlink_efficiency", 0.0)
+                                                               or c.nvlink_efficiency) * 1e3
+    c.weights_nic_bytes_per_us = c.nic_bandwidth_GBps * (getattr(c, "weights_nic_efficiency", 0.0)
+                                                         or c.nic_efficiency) * 1e3
+    n_sm, per_sm = int(getattr(c, "sm_count", 0)), float(getattr(c, "sm_copy_GBps", 0.0))
+    c.sm_bytes_per_us = lambda sms: float("inf") if n_sm <= 0 or sms <= 0 else min(int(sms), n_sm) * per_sm * 1e3
+    return c
 
 
 def _rate(t: Any, name: str) -> float:
