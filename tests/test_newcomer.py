@@ -178,7 +178,9 @@ def test_demo_explains_weights_vs_rows():
     mo = next(o for o in rep["verdict"]["others"] if o["strategy"] == "moonep")
     assert mo["mechanism"] == "weight copies"
     s = rep["strategies"]
-    assert f"{s['moonep']['weight_bytes'] / 2**30:.3g} GiB of weights" in mo["why"]
+    # per unit compared: each of the trace's recorded steps (one layer each), the run's total over them
+    per_step = s["moonep"]["weight_bytes"] / len(s["moonep"]["per_step"]["step"])
+    assert f"{per_step / 2**30:.3g} GiB of weights" in mo["why"]
     assert any("moonep" in l and "weight copies" in l for l in lines)
     assert not any("few, large experts" in l for l in lines)
 

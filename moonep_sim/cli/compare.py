@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moonep_sim.cli.common import (add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies, parse_int_list, parse_strategy_opts,
-                                   output_rule, print_json, progress, to_jsonable)
+from moonep_sim.cli.common import (add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies,
+                                   output_rule, parse_int_list, parse_strategy_opts, print_json, print_warnings,
+                                   progress, steps_footer, to_jsonable)
 from moonep_sim.errors import require
 from moonep_sim.experiments.scenario import DEFAULT_STRATEGIES as _DEFAULTS
 from moonep_sim.report.tables import wide_console as console
@@ -113,6 +114,7 @@ def run(args) -> int:
     with progress(c, "compare", lines=args.json) as cb:
         rep = sc.compare(progress=cb, **kw).to_dict()
     files = write_outputs(rep, Path(args.out), plots=not args.no_plots)
+    print_warnings(rep.get("warnings"))
     if args.json:
         print_json(rep)
         return 0
@@ -120,7 +122,7 @@ def run(args) -> int:
         c.print(t)
     for line in verdict_lines(rep):
         c.print(line, highlight=False, markup=False)
-    for line in compare_footer(rep):
+    for line in compare_footer(rep) + steps_footer(rep):
         c.print(f"[dim]{line}[/dim]")
     c.print("wrote " + ", ".join(files.values()))
     return 0

@@ -15,14 +15,16 @@ from moonep_sim.io import to_jsonable
 
 @dataclass(frozen=True)
 class LayerPlans:
-    """One strategy's Plan of one layer."""
+    """One strategy's Plan of one layer (of one step of a trace: ``step``, None when merged or generated)."""
 
     strategy: str
     layer: int
     plan: Any  # moonep_sim.plan.Plan
+    step: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"strategy": self.strategy, "layer": self.layer, **to_jsonable(self.plan.summary(), lenient=True)}
+        return {"strategy": self.strategy, "layer": self.layer, "step": self.step,
+                **to_jsonable(self.plan.summary(), lenient=True)}
 
 
 @dataclass(frozen=True)
@@ -34,12 +36,12 @@ class PlansResult:
     model: str
     cluster: Mapping[str, int]
 
-    def plan(self, strategy: str, layer: int | None = None) -> Any:
-        """The Plan of ``strategy`` for ``layer`` (default: the first layer)."""
+    def plan(self, strategy: str, layer: int | None = None, step: int | None = None) -> Any:
+        """The Plan of ``strategy`` for ``layer`` and ``step`` (default: the first of each)."""
         for it in self.items:
-            if it.strategy == strategy and (layer is None or it.layer == layer):
+            if it.strategy == strategy and (layer is None or it.layer == layer) and (step is None or it.step == step):
                 return it.plan
-        raise KeyError((strategy, layer))
+        raise KeyError((strategy, layer, step))
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "plans", "routing": dict(self.routing), "model": self.model, "cluster": dict(self.cluster),
@@ -50,10 +52,13 @@ class PlansResult:
 class SimulateResult:
     """Each strategy's layers chained as one step on the simulated cluster.
 
-    layer_time_us: strategy -> simulated time of the step.  per_strategy: strategy -> the
-    simulator's result as a dict (phases, lower bound, straggler, busiest port, per rank, ...).
+    layer_time_us: strategy -> simulated time of the layers, token-weighted mean over a trace's
+    steps (each step its own batch).  per_strategy: strategy -> the simulator's result of the
+    slowest step as a dict (phases, lower bound, straggler, busiest port, per rank, ...) with
+    ``per_step`` (the series) and ``steps_aggregate`` (token-weighted mean, median, p90, worst).
     topology: the topology's name and every constant behind the figures.  raw: strategy -> the
-    simulator's result object (timeline events included when asked for).
+    simulator's result object of that step (timeline events included when asked for).  steps:
+    how the steps were costed (mode, step ids, tokens) and any warning.
     """
 
     strategies: tuple[str, ...]
@@ -61,9 +66,10 @@ class SimulateResult:
     per_strategy: Mapping[str, Mapping[str, Any]]
     topology: Mapping[str, Any]
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    steps: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": "simulate", "topology": dict(self.topology),
+        return {"kind": "simulate", "topology": dict(self.topology), "steps": dict(self.steps),
                 "strategies": {n: dict(self.per_strategy[n]) for n in self.strategies}}
 
 

@@ -303,6 +303,11 @@ def _step_series(strat: Mapping[str, Any]):
     """(strategy -> time per step, tokens per step) when the report carries a per-step series."""
     out, w = {}, None
     for n, s in strat.items():
+        ps = s.get("per_step")   # compare's series (experiments.compare): lists keyed by field
+        if isinstance(ps, Mapping) and len(ps.get("layer_time_us") or []) > 1:
+            out[n] = [float(x) for x in ps["layer_time_us"]]
+            w = [float(x or 1) for x in ps.get("tokens") or [1] * len(out[n])]
+            continue
         st = s.get("steps") or (s.get("sim") or {}).get("steps")
         if not isinstance(st, list) or not st or not isinstance(st[0], Mapping):
             return None

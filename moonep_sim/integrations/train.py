@@ -77,7 +77,10 @@ def check_args(a: argparse.Namespace) -> None:
     require(a.check_steps >= 1 and a.generate >= 0,
             f"--check-steps ({a.check_steps}) must be >= 1 and --generate ({a.generate}) >= 0")
     require(a.timeout > 0, f"--timeout ({a.timeout}) must be > 0")
+    from moonep_sim.integrations.tiny import check_model_spec
     from moonep_sim.strategies import get_strategy
+
+    check_model_spec(a.model)
     for n in strategy_names(a.strategy):
         get_strategy(n).parse_options(strategy_options(a)[n])
     if a.json:
