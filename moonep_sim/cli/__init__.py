@@ -13,7 +13,7 @@ from moonep_sim import __version__
 from moonep_sim.errors import MoonEPSimError, OneLineArgumentParser
 
 # order = order in --help
-_COMMANDS = ("demo", "models", "strategies", "trace", "plan", "simulate", "topologies", "compare", "sweep",
+_COMMANDS = ("demo", "models", "strategies", "trace", "plan", "simulate", "step", "topologies", "compare", "sweep",
              "calibrate", "validate", "testbed")
 
 

@@ -46,9 +46,10 @@ def run(args) -> int:
     from moonep_sim.experiments.compare import load_topology
     from moonep_sim.report.tables import compare_footer, compare_table, resolved_line, verdict_lines
 
-    from moonep_sim.io import check_output_dir
+    from moonep_sim.cli.common import output_rule
+    from moonep_sim.cli.compare import OUT_FILES
 
-    check_output_dir(args.out, "--out")  # before the run, not after it
+    output_rule(args, folders={"out": OUT_FILES})  # before the run, not after it
     t0 = time.perf_counter()
     c = console()
     if args.fast:
@@ -98,7 +99,7 @@ def run(args) -> int:
                 "of this machine; run `moonep-sim calibrate` (about 15 s) for the constants behind "
                 "docs/results/fidelity.md[/yellow]")
     c.print(f"plots: {files['layer_time']}, {files['rows_per_rank']}, {files['traffic']}")
-    c.print(f"report: {files['report']}   (demo took {time.perf_counter() - t0:.0f} s)")
+    c.print(f"report: {files['report']}, {files['html']}   (demo took {time.perf_counter() - t0:.0f} s)")
     bad = [n for n, r in rep["real"]["strategies"].items() if r.get("correct") is False]
     if bad:
         c.print(f"[red]gloo replay results differ from the dense reference for: {', '.join(bad)}[/red]")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moonep_sim.cli.common import (add_dispatch_dtype, add_strategies, check_cluster_args, check_int, parse_strategy_opts,
+from moonep_sim.cli.common import (output_rule, add_dispatch_dtype, add_strategies, check_cluster_args, check_int, parse_strategy_opts,
                                    print_json, progress, to_jsonable)
 from moonep_sim.limits import MAX_TOKENS_PER_RANK
 from moonep_sim.errors import ConfigError
@@ -94,10 +94,14 @@ def _by_config(cfg, knob: str, v: float):
     return replace(cfg, ranks=int(v))
 
 
+#: The files sweep writes into --out (a winner map: the winner.* ones): what the output rule checks.
+OUT_FILES = ("sweep.json", "sweep.png", "report.html", "winner.png", "winner.md", "winner.json")
+
+
 def run_winner_map(args, cfg, by_vals: list[float]) -> int:
     """One sweep per --by value, then the winner map of them all."""
     from moonep_sim.experiments.sweep import check, sweep
-    from moonep_sim.io import make_output_dir, write_text_atomic
+    from moonep_sim.io import staged_dir, write_text_atomic
     from moonep_sim.experiments.winner import winner_map
     from moonep_sim.report.winner import winner_heatmap, winner_table_md
 
@@ -112,12 +116,13 @@ def run_winner_map(args, cfg, by_vals: list[float]) -> int:
     m = winner_map(reps, args.by)
     m["sweeps"] = [r for _, r in reps]
     out = Path(args.out)
-    make_output_dir(out, "--out")
-    png = winner_heatmap(m, out / "winner.png")
+    png = out / "winner.png"
     md = winner_table_md(m)
-    write_text_atomic(out / "winner.md", md + "\n")
-    m["files"] = {"plot": str(png), "report": str(out / "winner.json"), "table": str(out / "winner.md")}
-    write_text_atomic(out / "winner.json", json.dumps(to_jsonable(m), indent=1))
+    with staged_dir(out, "--out") as tmp:
+        winner_heatmap(m, tmp / "winner.png")
+        write_text_atomic(tmp / "winner.md", md + "\n")
+        m["files"] = {"plot": str(png), "report": str(out / "winner.json"), "table": str(out / "winner.md")}
+        write_text_atomic(tmp / "winner.json", json.dumps(to_jsonable(m), indent=1))
     if args.json:
         print_json(m)
         return 0
@@ -149,11 +154,11 @@ def scenario(args):
 def run(args) -> int:
     from moonep_sim.experiments.parallel import check_jobs
     from moonep_sim.experiments.sweep import check
-    from moonep_sim.io import check_output_dir, make_output_dir, write_text_atomic
+    from moonep_sim.io import staged_dir, write_text_atomic
     from moonep_sim.report import plots
     from moonep_sim.report.tables import flag_lines, sweep_table
 
-    check_output_dir(args.out, "--out")  # before the run, not after it
+    output_rule(args, folders={"out": OUT_FILES})  # before the run, not after it
     sc = scenario(args)
     cfg = sc.sweep_config(args.over, _values(args.values))
     by_vals = _by_values(args)
@@ -165,10 +170,15 @@ def run(args) -> int:
     with progress(c, "sweep", lines=args.json) as cb:
         rep = sc.sweep(args.over, cfg.values, progress=cb, jobs=args.jobs, cluster=args.cluster).to_dict()
     out = Path(args.out)
-    make_output_dir(out, "--out")
-    png = plots.sweep_lines(rep, out / "sweep.png")
-    rep["files"] = {"plot": str(png), "report": str(out / "sweep.json")}
-    write_text_atomic(out / "sweep.json", json.dumps(to_jsonable(rep), indent=1))
+    png = out / "sweep.png"
+    with staged_dir(out, "--out") as tmp:
+        plots.sweep_lines(rep, tmp / "sweep.png")
+        from moonep_sim.report.html import provenance, write_html
+
+        rep["provenance"] = provenance()
+        rep["files"] = {"plot": str(png), "report": str(out / "sweep.json"), "html": str(out / "report.html")}
+        write_html(rep, tmp / "report.html", {"sweep": tmp / "sweep.png"})
+        write_text_atomic(tmp / "sweep.json", json.dumps(to_jsonable(rep), indent=1))
     if args.json:
         print_json(rep)
         return 0
@@ -178,5 +188,5 @@ def run(args) -> int:
     tp = rep["topology"]
     c.print(f"[dim]simulated on {tp['name']}: {tp['constants'].get('description', '')}; "
             f"{rep['tokens_per_rank']} tokens per rank; took {rep['seconds']:.1f} s[/dim]")
-    c.print(f"wrote {png}, {out / 'sweep.json'}")
+    c.print(f"wrote {png}, {out / 'sweep.json'}, {out / 'report.html'}")
     return 0

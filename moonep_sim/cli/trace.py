@@ -6,7 +6,7 @@ import math
 import sys
 import time
 
-from moonep_sim.cli.common import console, parse_int_list, print_json
+from moonep_sim.cli.common import console, output_rule, parse_int_list, print_json
 from moonep_sim.errors import ConfigError
 
 
@@ -126,6 +126,7 @@ def register(sub) -> None:
 def run_import(a) -> int:
     from moonep_sim.routing.importers import import_trace
 
+    output_rule(a, files=("out",), out_flag="-o")  # before parsing: `trace import X -o X` never runs
     t0 = time.perf_counter()
     meta = import_trace(a.src, a.out, a.format, model=a.model, num_experts=a.num_experts, top_k=a.top_k,
                         warmup_min_rows=a.warmup_min_rows, capture_min_rows=a.capture_min_rows,
@@ -172,6 +173,7 @@ def run_gen(a) -> int:
     from moonep_sim.models import get_model
     from moonep_sim.routing.generators import generate_trace
 
+    output_rule(a, files=("out",), out_flag="-o")  # before the work
     groups, topk_groups = a.groups, a.topk_groups
     if a.model:
         if a.num_experts is not None or a.top_k is not None:
@@ -286,7 +288,7 @@ def run_route(a) -> int:
     from moonep_sim.limits import MAX_LAYERS, MAX_NUM_EXPERTS
     from moonep_sim.routing.generators import check_size
 
-    check_output_path(a.out, "-o", inputs=(a.src,))
+    output_rule(a, files=("out",), out_flag="-o")
     for flag, v, lo in (("--groups", a.groups, 1), ("--topk-groups", a.topk_groups, 1), ("--bias-rounds", a.bias_rounds, 0),
                         ("--calib-tokens", a.calib_tokens, 1), ("--top-k", a.top_k, 1)):
         if v is not None and v < lo:

@@ -37,13 +37,14 @@ def run(args) -> int:
     from moonep_sim.cli.common import progress
     from moonep_sim.cli.demo import _trace_path
     from moonep_sim.errors import require
-    from moonep_sim.io import check_output_dir, make_output_dir, write_text_atomic
+    from moonep_sim.cli.common import output_rule
+    from moonep_sim.io import staged_dir, write_text_atomic
     from moonep_sim.experiments import calibrate as cal
     from moonep_sim.experiments import validate as F
     from moonep_sim.report.plots import fidelity_scatter
     from moonep_sim.report.tables import fidelity_table
 
-    check_output_dir(args.out, "--out")  # before the run, not after it
+    output_rule(args, folders={"out": ("fidelity.json", "fidelity.png")})  # before the run, not after it
     require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")
     traces = args.traces_dir or str(_trace_path().parent)
     strategies = (args.strategies.split(",") if args.strategies
@@ -62,10 +63,11 @@ def run(args) -> int:
         rep = F.validate(cfg, progress=cb, jobs=args.jobs, cluster=args.cluster)
     rep["calibrated"] = calibrated
     out = Path(args.out)
-    make_output_dir(out, "--out")
-    png = fidelity_scatter(rep["cases"], out / "fidelity.png", rep["topology"]["name"])
-    rep["files"] = {"plot": str(png), "report": str(out / "fidelity.json")}
-    write_text_atomic(out / "fidelity.json", json.dumps(to_jsonable(rep), indent=1))
+    png = out / "fidelity.png"
+    with staged_dir(out, "--out") as tmp:
+        fidelity_scatter(rep["cases"], tmp / "fidelity.png", rep["topology"]["name"])
+        rep["files"] = {"plot": str(png), "report": str(out / "fidelity.json")}
+        write_text_atomic(tmp / "fidelity.json", json.dumps(to_jsonable(rep), indent=1))
     if args.json:
         print_json({k: v for k, v in rep.items() if k != "compare_reports"})
         return 0

@@ -270,6 +270,11 @@ def verdict(figs: Mapping[str, Mapping[str, Any]], *, series: Mapping[str, Seque
         others.append({"strategy": r, "margin": float(margin), "tie": tie, "confidence": conf,
                        "mechanism": mech if not (tie and margin <= TIE) else None, "share": float(share), "why": why})
     top = others[0]
+    if top["tie"]:  # tied at the top: say what the tied strategies beat, and by what
+        nxt = next((o for o in others if not o["tie"]), None)
+        if nxt is not None:
+            top = dict(top, why=f"{top['why']}; {w} beats {nxt['strategy']} by {100 * nxt['margin']:.1f}% "
+                                f"({nxt['mechanism']}): {nxt['why']}")
     codes = {n: sorted({f["code"] for f in flags if f.get("strategy") == n}) for n in (w, top["strategy"])}
     return {"winner": w, "runner_up": top["strategy"], "margin": top["margin"], "tie": top["tie"],
             "confidence": top["confidence"], "mechanism": top["mechanism"], "why": top["why"],
@@ -303,6 +308,11 @@ def _step_series(strat: Mapping[str, Any]):
     """(strategy -> time per step, tokens per step) when the report carries a per-step series."""
     out, w = {}, None
     for n, s in strat.items():
+        ps = s.get("per_step")   # compare's series (experiments.compare): lists keyed by field
+        if isinstance(ps, Mapping) and len(ps.get("layer_time_us") or []) > 1:
+            out[n] = [float(x) for x in ps["layer_time_us"]]
+            w = [float(x or 1) for x in ps.get("tokens") or [1] * len(out[n])]
+            continue
         st = s.get("steps") or (s.get("sim") or {}).get("steps")
         if not isinstance(st, list) or not st or not isinstance(st[0], Mapping):
             return None

@@ -17,6 +17,7 @@ file that ``moonep-sim calibrate`` writes at :func:`calibrated_topology_path` wh
 
 from __future__ import annotations
 
+import math
 import os
 try:
     import tomllib
@@ -28,6 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from moonep_sim.errors import ConfigError, require
+
+MAX_CONSTANT = 1e15
+"""The largest magnitude a topology constant may have (bandwidths in GB/s, latencies in us, counts)."""
 
 _PRESET_PREFIX = "topology-"
 #: TOML table -> (field prefix, keys). A key ``k`` of table ``t`` sets field ``{prefix}{k}``.
@@ -438,7 +442,8 @@ def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>", defaults: di
     names = {f.name: f for f in fields(Topology)}
     for key, val in doc.items():
         if key in ("name", "description"):
-            kw[key] = str(val)
+            require(isinstance(val, str), f"{origin}: {key}: expected a string, found {val!r}")
+            kw[key] = val
         elif key == "sources":
             require(isinstance(val, dict), f"{origin}: [sources] must be a table of strings")
             kw["sources"] = {str(k): str(v) for k, v in val.items()}
@@ -456,21 +461,30 @@ def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>", defaults: di
                 ok = isinstance(v, int) if want_int else isinstance(v, (int, float))
                 require(ok and not isinstance(v, bool),
                         f"{origin}: [{key}] {k}: expected {'an integer' if want_int else 'a number'}, found {v!r}")
+                require(math.isfinite(v) and abs(v) <= MAX_CONSTANT,  # inf as NaN: refused here, by name
+                        f"{origin}: [{key}] {k}: expected a finite number of magnitude at most {MAX_CONSTANT:g}, "
+                        f"found {v!r}")
                 kw[prefix + k] = int(v) if want_int else float(v)
         else:
             require(False, f"{origin}: key ({key!r}) must be one of name, description, sources, "
                            f"{', '.join(_TABLES)}")
     require("name" in kw, f"{origin}: name must be given")
-    return Topology(**kw, path=origin)
+    try:
+        return Topology(**kw, path=origin)
+    except ConfigError as e:  # name the file, not its `name` field
+        raise ConfigError(f"{origin}: " + str(e).replace(f" (topology {kw['name']})", "")) from None
 
 
 def read_topology_file(path: str | os.PathLike) -> Topology:
+    """A topology TOML file; a missing, special (pipe, folder, link loop), oversized or too deeply
+    nested file is refused in one line naming it, as is every value (see :func:`topology_from_dict`)."""
+    from moonep_sim.io import read_config_bytes
+
     p = Path(path)
+    raw = read_config_bytes(p, "topology file", "TOML")
     try:
-        doc = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"topology file ({p}) must exist") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        doc = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ConfigError(f"{p}: must be valid TOML: {e}") from None
     return topology_from_dict(doc, str(p))
 
@@ -517,9 +531,7 @@ def load_topology(name_or_path: str | os.PathLike, gpus_per_node: int | None = N
             topo = read_topology_file(calibrated_topology_path())
         else:
             topo = topology_from_dict(tomllib.loads(presets[s].read_text()), f"preset {s}")
-    elif s.endswith(".toml") or os.path.sep in s or Path(s).is_file():
-        if Path(s).exists() and not Path(s).is_file():
-            raise ConfigError(f"topology file ({s}) must be a regular file: it is not (a directory?)")
+    elif s.endswith(".toml") or os.path.sep in s or os.path.lexists(s):
         topo = read_topology_file(s)
     else:
         raise ConfigError(f"topology ({s!r}) must be a preset ({', '.join(presets)}) or a .toml file")
