@@ -101,7 +101,8 @@ def trace_steps(source: RoutingSource) -> list[np.ndarray | None]:
         return [None]
     from moonep_sim.routing.steps import selected_steps_T
 
-    st = selected_steps_T(tr, source.steps)
+    sel = getattr(source.steps, "selection", source.steps)   # a StepMode's selection, or a selection text
+    st = selected_steps_T(tr, sel)
     chosen = np.unique(st)
     if chosen.size <= 1:
         return [None]
