@@ -78,7 +78,7 @@ def scenario(args, routing=None, layers=None):
 
 
 #: The files compare (and demo) write into --out: what the output rule checks against the inputs.
-OUT_FILES = ("report.json", "layer_time.png", "rows_per_rank.png", "traffic.png")
+OUT_FILES = ("report.json", "report.html", "layer_time.png", "rows_per_rank.png", "traffic.png")
 
 
 def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, str]:
@@ -89,13 +89,19 @@ def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, 
 
     files: dict[str, str] = {}
     with staged_dir(out_dir, "--out") as tmp:
+        figs = {}
         if plots:
             for key, draw in (("layer_time", P.layer_time_bars), ("rows_per_rank", P.rows_per_rank),
                               ("traffic", P.traffic_heatmaps)):
-                draw(report, tmp / f"{key}.png")
+                figs[key] = draw(report, tmp / f"{key}.png")
                 files[key] = str(out_dir / f"{key}.png")
-        report["files"] = dict(files, report=str(out_dir / "report.json"))
+        from moonep_sim.report.html import provenance, write_html
+
+        report.setdefault("provenance", provenance())
+        report["files"] = dict(files, report=str(out_dir / "report.json"), html=str(out_dir / "report.html"))
+        write_html(report, tmp / "report.html", figs)
         write_text_atomic(tmp / "report.json", json.dumps(to_jsonable(report), indent=1))
+    files["html"] = str(out_dir / "report.html")
     files["report"] = str(out_dir / "report.json")
     return files
 

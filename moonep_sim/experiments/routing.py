@@ -237,6 +237,21 @@ class RoutingSource:
 
         return read_layer(self._trace, self._trace.layer_index(layer_id), ranges=self.batches[batch][1])
 
+    def selected_layer(self, layer_id: int) -> LayerRouting:
+        """A trace layer's tokens of every batch, concatenated in token order (what a step model
+        splits by :meth:`selected_steps_T`)."""
+        from moonep_sim.routing.steps import read_layer
+
+        ranges = [r for _, rs in self.batches for r in rs]
+        return read_layer(self._trace, self._trace.layer_index(layer_id), ranges=ranges)
+
+    def selected_steps_T(self) -> np.ndarray | None:
+        """The step id of each token :meth:`selected_layer` returns, int64 [T'] (None: one batch,
+        merged or generated; a layer with a per-layer token mask has fewer rows)."""
+        if self._trace is None or self.num_batches <= 1 or self.batches[0][0] is None:
+            return None
+        return np.concatenate([np.full(sum(b - a for a, b in rs), s, np.int64) for s, rs in self.batches])
+
     def router_logits(self, layer_id: int, batch: int = 0) -> np.ndarray:
         """A trace's router logits of one layer's tokens of one batch, float32 [T, E]."""
         tr = self._trace

@@ -207,6 +207,7 @@ class Scenario:
             d.update(model=rs.source.model.name, layers=list(rs.source.layer_ids), step=steps[worst],
                      sim_call_seconds=time.perf_counter() - t0, per_step=series,
                      steps_aggregate={k: aggregate(series[k], tokens, steps) for k in ("layer_time_us", "lower_bound_us")})
+            d["flags"] = _simulate_flags(rs, name, [p.plan for p in plans.items if p.strategy == name])
             per[name] = d
             raw[name] = res_S[worst]
         return SimulateResult(tuple(per), {n: float(per[n]["steps_aggregate"]["layer_time_us"]["token_weighted_mean"])
@@ -324,6 +325,16 @@ class Scenario:
                           R or 64, G or 0, spec.tokens_per_rank,
                           float(maxvio if maxvio is not None else pop.get("maxvio", 1.0)), spec.seed,
                           normalise_dtype(self.dispatch_dtype), self.token_padding)
+
+
+def _simulate_flags(rs: Resolved, name: str, plans: list) -> list[dict[str, Any]]:
+    """The flags of one strategy's simulated layers (:mod:`moonep_sim.experiments.flags`)."""
+    from moonep_sim.experiments.flags import model_flags, strategy_flags
+
+    opts = dict(next(o for n, o in rs.strategies if n == name))
+    out = strategy_flags(name, opts, rs.cluster.num_nodes, sum(p.dropped for p in plans), sum(p.padded for p in plans),
+                         unit=f"{len(plans)} layer(s)")
+    return [f for f in model_flags(rs.source.model.to_dict()) if rs.strategies[0][0] == name] + out
 
 
 def default_ranks(num_experts: int) -> int:

@@ -86,7 +86,7 @@ def layer_source(source: RoutingSource, ranks: int, tokens: int, moe_layers: int
 
 
 def _trace_layer(source: RoutingSource, layer_id: int, ranks: int, steps_T: np.ndarray | None) -> GlobalRouting:
-    lr = source.layer(layer_id, ranks)
+    lr = source.selected_layer(layer_id) if source._trace is not None else source.layer(layer_id, ranks)
     ids, w = lr.topk_ids_TK, lr.topk_weights_TK
     if steps_T is not None:
         ids, w = ids[steps_T], w[steps_T]
@@ -96,13 +96,9 @@ def _trace_layer(source: RoutingSource, layer_id: int, ranks: int, steps_T: np.n
 def trace_steps(source: RoutingSource) -> list[np.ndarray | None]:
     """Token indices (into the selected tokens) of each recorded step of a trace; [None] when the
     trace holds one step (every token is one batch)."""
-    tr = source._trace
-    if tr is None or tr.steps() is None:
+    st = source.selected_steps_T()
+    if st is None:
         return [None]
-    from moonep_sim.routing.steps import selected_steps_T
-
-    sel = getattr(source.steps, "selection", source.steps)   # a StepMode's selection, or a selection text
-    st = selected_steps_T(tr, sel)
     chosen = np.unique(st)
     if chosen.size <= 1:
         return [None]

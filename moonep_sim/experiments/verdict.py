@@ -270,6 +270,11 @@ def verdict(figs: Mapping[str, Mapping[str, Any]], *, series: Mapping[str, Seque
         others.append({"strategy": r, "margin": float(margin), "tie": tie, "confidence": conf,
                        "mechanism": mech if not (tie and margin <= TIE) else None, "share": float(share), "why": why})
     top = others[0]
+    if top["tie"]:  # tied at the top: say what the tied strategies beat, and by what
+        nxt = next((o for o in others if not o["tie"]), None)
+        if nxt is not None:
+            top = dict(top, why=f"{top['why']}; {w} beats {nxt['strategy']} by {100 * nxt['margin']:.1f}% "
+                                f"({nxt['mechanism']}): {nxt['why']}")
     codes = {n: sorted({f["code"] for f in flags if f.get("strategy") == n}) for n in (w, top["strategy"])}
     return {"winner": w, "runner_up": top["strategy"], "margin": top["margin"], "tie": top["tie"],
             "confidence": top["confidence"], "mechanism": top["mechanism"], "why": top["why"],
