@@ -154,7 +154,7 @@ def isolated_kernel_figures(plan, res, what: str) -> dict:
     out["selections"] = float(kept.sum()) / max(R, 1) * row
     G = plan.cluster.gpus_per_node
     if R > G:
-        node = np.where(kept, plan.entry_rank_TK // G, -1)
+        node = np.where(kept, plan.cluster.node_of(plan.entry_rank_TK), -1)
         s = np.sort(node, axis=1)
         uniq = ((s[:, 1:] != s[:, :-1]) & (s[:, 1:] >= 0)).sum(axis=1) + (s[:, :1] >= 0).sum(axis=1)
         out["node_pairs"] = float(uniq.sum()) / R * row
