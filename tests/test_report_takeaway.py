@@ -193,3 +193,17 @@ def test_plots_mark_identical_series_ties_and_flags(monkeypatch, tmp_path):
     plots.traffic_heatmaps(rep, tmp_path / "t.png")
     ims = [a.images[0] for a in figs[-1].axes if a.images]
     assert [im.get_clim()[1] for im in ims] == [1024.0, 1.0]
+
+
+def test_step_result_carries_verdict_flags_and_saves(tmp_path):
+    res = Scenario(routing="gen:model=mixtral-8x7b,tokens-per-rank=32", cluster="4/2",
+                   strategies="alltoall,eplb").step("decode", distinct_layers=1)
+    d = res.to_dict()
+    assert d["kind"] == "step" and d["verdict"]["winner"] in ("alltoall", "eplb")
+    assert d["verdict"]["mechanism"] in ("exposed communication", "compute", "memory", None)
+    codes = {(f["code"], f["strategy"]) for f in d["flags"]}
+    assert ("oracle", "eplb") in codes and ("stand-in-layer", None) in codes  # layers reuse layer 0's routing
+    files = res.save(tmp_path / "step")
+    assert (tmp_path / "step" / "step_time.png").read_bytes()[:8] == PNG
+    doc = _parse(tmp_path / "step" / "report.html")
+    assert len(doc.imgs) == 1 and d["verdict"]["why"] in " ".join(doc.text) and "html" in files
