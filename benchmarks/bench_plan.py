@@ -9,6 +9,10 @@ the byte matrices). Each strategy is timed twice over:
   (system time), no warmed allocator, no cached imports beyond the package;
 - **best of repeats**: ``--repeats`` runs in this process (the figure earlier results quoted).
 
+Both processes first do what the CLI does before any command: tell numpy not to advise huge
+pages (``moonep_sim.memory``; ``--numpy-hugepages`` keeps numpy's default, for comparison; a tree
+without that module is timed with numpy's default, as its command ran).
+
 For both: wall seconds, CPU seconds (user and system apart), and the peak RSS while planning
 (Linux: ``VmHWM`` after resetting it just before the timed call; the routing, ~0.1 GiB at this
 size, is included). Default layer: ``gen:model=kimi-k3,maxvio=10,tokens-per-rank=8192`` on R=64
@@ -105,17 +109,29 @@ def load_layer(path: str) -> tuple[GlobalRouting, PlanContext]:
     return GlobalRouting(z["ids"], z["w"], z["tpr"], m["E"]), ctx
 
 
-def child(name: str, layer: str) -> int:
+def small_pages() -> bool:
+    """What the CLI does before any command (``moonep_sim.memory.prefer_small_pages``); False where
+    the package timed has no such setting (an older tree: its command did not do it)."""
+    try:
+        from moonep_sim.memory import prefer_small_pages
+    except ImportError:
+        return False
+    return prefer_small_pages()
+
+
+def child(name: str, layer: str, hugepages: bool) -> int:
     """``--child``: one first run in this (fresh) process; its figures as one JSON line."""
+    if not hugepages:
+        small_pages()
     routing, ctx = load_layer(layer)
     print(json.dumps(command_path(name, routing, ctx)))
     return 0
 
 
-def first_run(name: str, layer: Path, timeout_s: float) -> dict:
+def first_run(name: str, layer: Path, timeout_s: float, hugepages: bool) -> dict:
     """A first run of ``name`` in a fresh Python process (same interpreter and PYTHONPATH)."""
-    p = subprocess.run([sys.executable, __file__, "--child", name, "--layer", str(layer)], capture_output=True,
-                       text=True, timeout=timeout_s)
+    p = subprocess.run([sys.executable, __file__, "--child", name, "--layer", str(layer)]
+                       + (["--numpy-hugepages"] if hugepages else []), capture_output=True, text=True, timeout=timeout_s)
     if p.returncode:
         raise RuntimeError(f"fresh process for {name} failed: {p.stderr.strip().splitlines()[-1:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -142,11 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layer-file", default="", help="read the layer from this .npz if it exists, else generate "
                                                      "it and save it there (two trees timed on one layer)")
     ap.add_argument("--json", default="", help="also write the results to this file")
+    ap.add_argument("--numpy-hugepages", action="store_true",
+                    help="keep numpy's huge-page advice (the CLI turns it off: moonep_sim.memory)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--layer", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        return child(a.child, a.layer)
+        return child(a.child, a.layer, a.numpy_hugepages)
+    pages = "numpy default (huge pages advised)" if a.numpy_hugepages or not small_pages() else "small (as the CLI)"
 
     load0 = os.getloadavg()
     t0 = time.perf_counter()
@@ -161,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     n = routing.num_tokens * routing.top_k
     print(f"layer: gen:{a.gen} on R={a.ranks} (G={a.gpus_per_node}/node): {routing.num_tokens} tokens, {n} entries, "
           f"E={routing.num_experts} K={routing.top_k}, maxvio {mv:.2f}, topology "
-          f"{getattr(ctx.topology, 'name', None)} (ready in {time.perf_counter() - t0:.0f} s)")
+          f"{getattr(ctx.topology, 'name', None)} (ready in {time.perf_counter() - t0:.0f} s); pages: {pages}")
     names = [s for s in a.strategies.split(",") if s] or list(available())
     rows = []
     hdr = (f"{'strategy':14s} | {'first: wall':>11s} {'cpu':>6s} {'(user':>6s} {'+ sys)':>6s} {'RSS GiB':>7s} | "
@@ -176,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             row: dict = {"strategy": name}
             try:
                 if not a.no_fresh:
-                    row["first"] = first_run(name, layer, a.timeout)
+                    row["first"] = first_run(name, layer, a.timeout, a.numpy_hugepages)
                 runs = [command_path(name, routing, ctx) for _ in range(a.repeats)]
             except Exception as e:  # a strategy that fails is reported, the others still run
                 row["error"] = f"{type(e).__name__}: {e}"
@@ -204,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f} on {os.cpu_count()} CPUs (other processes inflate the wall times)")
     if a.json:
         import moonep_sim
-        result = {"gen": a.gen, "ranks": a.ranks, "gpus_per_node": a.gpus_per_node, "entries": n, "maxvio": mv,
+        result = {"pages": pages, "gen": a.gen, "ranks": a.ranks, "gpus_per_node": a.gpus_per_node, "entries": n, "maxvio": mv,
                   "topology": getattr(ctx.topology, "name", None), "package": str(Path(moonep_sim.__file__).parent),
                   "repeats": a.repeats, "loadavg_start": list(load0), "loadavg_end": list(load1), "strategies": rows}
         write_text_atomic(a.json, json.dumps(result, indent=2) + "\n")
