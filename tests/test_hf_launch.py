@@ -44,13 +44,19 @@ def test_check_record_and_compare_sim_in_one_run(tmp_path):
     assert np.bincount(tr.steps()).tolist() == [2 * 2 * 16] * 3
     assert rep["record"]["tokens_per_rank"] == [32, 32]
     cs = rep["compare_sim"]
-    assert cs["topology"]["name"] == "local-gloo" and "simulate_layers" in cs["simulator"]
+    assert cs["topology"]["name"] == "local-gloo"
+    assert "moonep_sim.step" in cs["simulator"]["step"] and "simulate_layers" in cs["simulator"]["chain"]
     for name in ("alltoall", "moonep"):
         v = cs["strategies"][name]
-        assert v["simulated_moe_ms"] > 0 and len(v["simulated_ms_samples"]) == 3
-        # the simulated step is the simulated MoE part plus the measured rest
-        assert v["simulated_ms"] == pytest.approx(v["simulated_moe_ms"] + v["rest_ms"], rel=0.5)
-    assert cs["ranking"]["pairs"] == 1
+        for kind in ("step", "chain"):
+            k = v[kind]
+            assert k["simulated_moe_ms"] > 0 and len(k["simulated_ms_samples"]) == 3
+            # per step, the simulated step is the simulated MoE part plus the measured rest
+            rest = [o + y + q for o, y, q in zip(*(rep["times_ms"][name][p] for p in ("other", "sync", "opt")))]
+            assert all(s_ > r for s_, r in zip(k["simulated_ms_samples"], rest))
+        assert v["simulated_ms"] == v["step"]["simulated_ms"]            # the headline is the step model's
+        assert v["step_model_pure_ms"] > 0
+    assert cs["ranking"]["pairs"] == 1 and cs["chain"]["ranking"]["pairs"] == 1
 
 
 def test_bad_input_is_one_line_before_any_rank_starts(tmp_path):
