@@ -242,6 +242,9 @@ class RoutingSource:
         splits by :meth:`selected_steps_T`)."""
         from moonep_sim.routing.steps import read_layer
 
+        require(self.num_batches <= 1 or not self._trace.has("token_mask"),
+                f"trace ({self.path}) has a per-layer token mask: its steps cannot be split by token index here "
+                "(select one step with --steps N, or re-import with --drop-incomplete-tokens)")
         ranges = [r for _, rs in self.batches for r in rs]
         return read_layer(self._trace, self._trace.layer_index(layer_id), ranges=ranges)
 

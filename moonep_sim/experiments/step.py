@@ -24,13 +24,14 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from moonep_sim.errors import require
+from moonep_sim.experiments.results import _TakeAway
 from moonep_sim.experiments.routing import GeneratorSpec, RoutingSource
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import GlobalRouting
 
 
-@dataclass(frozen=True)
-class StepResult:
+@dataclass(frozen=True, repr=False)
+class StepResult(_TakeAway):
     """Every strategy's step (``figures[name]``: the JSON contract of ``moonep-sim step``), the
     setup, and the composed timelines (``timelines[name]``, for ``--timeline`` / ``--gantt``)."""
 
@@ -40,7 +41,13 @@ class StepResult:
     timelines: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"setup": self.setup, "strategies": self.figures}
+        from moonep_sim.experiments.flags import step_flags
+        from moonep_sim.experiments.verdict import step_verdict
+
+        opts = {n: {} for n in self.strategies} | dict(self.setup.get("options") or {})
+        flags = step_flags(self.setup, opts, {"name": self.setup.get("model")})
+        return {"kind": "step", "setup": self.setup, "strategies": self.figures, "flags": flags,
+                "verdict": step_verdict(self.figures, flags)}
 
 
 def layer_source(source: RoutingSource, ranks: int, tokens: int, moe_layers: int, distinct: int = 0,
@@ -150,6 +157,7 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
         setup.update(model=m.name, ranks=R, gpus_per_node=rs.cluster.gpus_per_node, topology=rs.topology.name,
                      routing=src.describe(), gemm_dtype=gemm_dtype, compute_profile=compute_profile,
                      distinct_layers=distinct_layers, recompute=recompute,
+                     options={n: {k: str(v) for k, v in o.items()} for n, o in rs.strategies},
                      stand_ins=sum(1 for p in res["layers_routing"] if p.startswith("STAND-IN")),
                      reused_layers=sum(1 for p in res["layers_routing"] if "reused" in p),
                      step_tokens=int(steps_T.size) if steps_T is not None else None,
