@@ -57,6 +57,22 @@ class ModelSpec:
     router: ``softmax`` or ``sigmoid`` scores.
     note: provenance or caveats.
     source: where the shape comes from (a config file's address, or the file it was read from).
+
+    The rest of the layer stack (read by the step model, ``moonep_sim.step``; 0 / "" = not given,
+    and a step of a model that leaves them out is refused with a one-line error):
+    attention: the attention kind of every layer, or a comma-separated pattern cycled over the
+        layers: ``gqa`` (MHA is GQA with kv_heads == heads), ``mla`` (multi-head latent attention,
+        DeepSeek-V2/V3, Kimi K2), ``linear`` (a recurrent / linear kind with a fixed state per
+        sequence, e.g. Kimi's KDA), ``sliding`` (GQA over the last ``sliding_window`` tokens),
+        ``none`` (no attention op: a bare MoE stack). Kimi K3: ``linear,linear,linear,mla``.
+    heads / kv_heads / head_dim: attention heads, KV heads (GQA) and the per-head width.
+    q_lora_rank / kv_lora_rank / qk_rope_dim / v_head_dim: MLA's query and KV latent widths, the
+        decoupled RoPE width and the value head width (its QK head is ``head_dim + qk_rope_dim``).
+    sliding_window: tokens a ``sliding`` layer attends to.  max_context: the longest context the
+        model supports (max_position_embeddings).  vocab: embedding / LM-head rows.
+    dense_ffn: FFN width of the dense (non-MoE) layers, which come first (``layers - moe_layers``
+        of them, DeepSeek's first_k_dense_replace).
+    stack_source: where the fields above come from.
     """
 
     name: str
@@ -73,6 +89,19 @@ class ModelSpec:
     router: str = "softmax"
     note: str = ""
     source: str = ""
+    attention: str = ""
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    sliding_window: int = 0
+    max_context: int = 0
+    vocab: int = 0
+    dense_ffn: int = 0
+    stack_source: str = ""
 
     def __post_init__(self) -> None:
         check_spec_fields(self)
@@ -90,6 +119,27 @@ class ModelSpec:
                 f"topk_groups ({self.topk_groups}) must be <= n_groups ({self.n_groups})")
         require(self.router in ("softmax", "sigmoid"),
                 f"router ({self.router!r}) must be 'softmax' or 'sigmoid'")
+        for field in ("heads", "kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_dim", "v_head_dim",
+                      "sliding_window", "max_context", "vocab", "dense_ffn"):
+            require(getattr(self, field) >= 0, f"{field} ({getattr(self, field)}) must be >= 0 (0 = not given)")
+        for kind in self.attention_kinds:
+            require(kind in ATTENTION_KINDS,
+                    f"attention kind ({kind!r}) must be one of {', '.join(ATTENTION_KINDS)} (model {self.name})")
+
+    @property
+    def attention_kinds(self) -> tuple[str, ...]:
+        """The attention pattern as a tuple (cycled over the layers); () when not given."""
+        return tuple(k.strip() for k in self.attention.split(",") if k.strip())
+
+    def attention_kind(self, layer: int) -> str:
+        """Layer ``layer``'s attention kind ("" when the model gives none)."""
+        kinds = self.attention_kinds
+        return kinds[layer % len(kinds)] if kinds else ""
+
+    @property
+    def dense_layers(self) -> int:
+        """Dense (non-MoE) layers; they come first (first_k_dense_replace style)."""
+        return self.layers - self.moe_layers
 
     # -- row and weight sizes -------------------------------------------------------------
     @property
@@ -140,29 +190,61 @@ class ModelSpec:
 
 _HF = "huggingface.co/{}/blob/main/config.json"
 
+#: Attention kinds of :attr:`ModelSpec.attention` (see its docstring).
+ATTENTION_KINDS = ("gqa", "mla", "linear", "sliding", "none")
+# MLA as DeepSeek-V3 / Kimi K2 configure it (q_lora_rank 1536, kv_lora_rank 512, qk_nope 128,
+# qk_rope 64, v_head 128); only the head count differs between them.
+_MLA = dict(attention="mla", head_dim=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128)
+
 PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("kimi-k3", 93, 92, 896, 16, 2, 7168, 3072, dispatch_hidden=3584, router="sigmoid",
               note="routed experts appear to work in a 3584-wide latent (read from the weight "
-                   "layout, not stated); dispatched rows are taken as 3584 wide"),
-    ModelSpec("kimi-k2", 61, 60, 384, 8, 1, 7168, 2048, router="sigmoid"),
+                   "layout, not stated); dispatched rows are taken as 3584 wide",
+              **{**_MLA, "attention": "linear,linear,linear,mla"}, heads=64, kv_heads=64, max_context=262144,
+              vocab=163840, dense_ffn=18432,
+              stack_source="ASSUMED: the 3 KDA : 1 gated MLA hybrid of Kimi Linear (moonshotai/Kimi-Linear-48B-A3B-"
+                           "Instruct config.json: linear_attn_config, head_dim 128) with Kimi K2's MLA widths, head "
+                           "count, vocab and dense FFN; K3's own config is not public in this form"),
+    ModelSpec("kimi-k2", 61, 60, 384, 8, 1, 7168, 2048, router="sigmoid", **_MLA, heads=64, kv_heads=64,
+              max_context=131072, vocab=163840, dense_ffn=18432,
+              stack_source=_HF.format("moonshotai/Kimi-K2-Instruct") + " (first_k_dense_replace 1, 64 heads, "
+                                                                       "kv_lora_rank 512, vocab 163840)"),
     ModelSpec("deepseek-v3", 61, 58, 256, 8, 1, 7168, 2048, n_groups=8, topk_groups=4,
-              router="sigmoid", note="8 expert groups, top-4 groups (node-limited routing)"),
-    ModelSpec("qwen3-235b", 94, 94, 128, 8, 0, 4096, 1536),
-    ModelSpec("mixtral-8x22b", 56, 56, 8, 2, 0, 6144, 16384),
-    ModelSpec("mixtral-8x7b", 32, 32, 8, 2, 0, 4096, 14336, note="the shipped real trace"),
-    ModelSpec("gpt-oss-120b", 36, 36, 128, 4, 0, 2880, 2880),
-    ModelSpec("olmoe-1b-7b", 16, 16, 64, 8, 0, 2048, 1024, note="the shipped real trace"),
+              router="sigmoid", note="8 expert groups, top-4 groups (node-limited routing)", **_MLA, heads=128,
+              kv_heads=128, max_context=163840, vocab=129280, dense_ffn=18432,
+              stack_source=_HF.format("deepseek-ai/DeepSeek-V3") + " (first_k_dense_replace 3, 128 heads, "
+                                                                   "kv_lora_rank 512, intermediate_size 18432)"),
+    ModelSpec("qwen3-235b", 94, 94, 128, 8, 0, 4096, 1536, attention="gqa", heads=64, kv_heads=4, head_dim=128,
+              max_context=40960, vocab=151936, stack_source=_HF.format("Qwen/Qwen3-235B-A22B")),
+    ModelSpec("mixtral-8x22b", 56, 56, 8, 2, 0, 6144, 16384, attention="gqa", heads=48, kv_heads=8, head_dim=128,
+              max_context=65536, vocab=32768, stack_source=_HF.format("mistralai/Mixtral-8x22B-v0.1")),
+    ModelSpec("mixtral-8x7b", 32, 32, 8, 2, 0, 4096, 14336, note="the shipped real trace", attention="gqa",
+              heads=32, kv_heads=8, head_dim=128, max_context=32768, vocab=32000,
+              stack_source=_HF.format("mistralai/Mixtral-8x7B-v0.1")),
+    ModelSpec("gpt-oss-120b", 36, 36, 128, 4, 0, 2880, 2880, attention="sliding,gqa", heads=64, kv_heads=8,
+              head_dim=64, sliding_window=128, max_context=131072, vocab=201088,
+              stack_source=_HF.format("openai/gpt-oss-120b") + " (layer_types alternate sliding (128) and full)"),
+    ModelSpec("olmoe-1b-7b", 16, 16, 64, 8, 0, 2048, 1024, note="the shipped real trace", attention="gqa",
+              heads=16, kv_heads=16, head_dim=128, max_context=4096, vocab=50304,
+              stack_source=_HF.format("allenai/OLMoE-1B-7B-0924")),
     # The four below: values from each model's public Hugging Face config.json (docs/traces.md
     # lists the sources; `source` names the file).
     ModelSpec("qwen1.5-moe-a2.7b", 24, 24, 60, 4, 4, 2048, 1408,
               note="shared expert FFN 5632 = 4 x 1408, counted as 4 shared experts; "
                    "top-k weights not renormalised (norm_topk_prob false)",
-              source=_HF.format("Qwen/Qwen1.5-MoE-A2.7B")),
-    ModelSpec("qwen3-30b-a3b", 48, 48, 128, 8, 0, 2048, 768, source=_HF.format("Qwen/Qwen3-30B-A3B")),
+              source=_HF.format("Qwen/Qwen1.5-MoE-A2.7B"), attention="gqa", heads=16, kv_heads=16, head_dim=128,
+              max_context=8192, vocab=151936, stack_source=_HF.format("Qwen/Qwen1.5-MoE-A2.7B")),
+    ModelSpec("qwen3-30b-a3b", 48, 48, 128, 8, 0, 2048, 768, source=_HF.format("Qwen/Qwen3-30B-A3B"),
+              attention="gqa", heads=32, kv_heads=4, head_dim=128, max_context=40960, vocab=151936,
+              stack_source=_HF.format("Qwen/Qwen3-30B-A3B")),
     ModelSpec("deepseek-v2-lite", 27, 26, 64, 6, 2, 2048, 1408,
               note="first layer dense (first_k_dense_replace 1); greedy top-6, no expert groups",
-              source=_HF.format("deepseek-ai/DeepSeek-V2-Lite")),
-    ModelSpec("gpt-oss-20b", 24, 24, 32, 4, 0, 2880, 2880, source=_HF.format("openai/gpt-oss-20b")),
+              source=_HF.format("deepseek-ai/DeepSeek-V2-Lite"),
+              **{**_MLA, "q_lora_rank": 0}, heads=16, kv_heads=16, max_context=163840, vocab=102400, dense_ffn=10944,
+              stack_source=_HF.format("deepseek-ai/DeepSeek-V2-Lite") + " (q_lora_rank null: a direct query projection)"),
+    ModelSpec("gpt-oss-20b", 24, 24, 32, 4, 0, 2880, 2880, source=_HF.format("openai/gpt-oss-20b"),
+              attention="sliding,gqa", heads=64, kv_heads=8, head_dim=64, sliding_window=128, max_context=131072,
+              vocab=201088, stack_source=_HF.format("openai/gpt-oss-20b")),
 ]}
 
 
@@ -186,10 +268,14 @@ MODEL_FILE_FIELDS: dict[str, str] = {
     "name": "name", "dispatch_hidden": "dispatch_hidden", "groups": "n_groups", "n_groups": "n_groups",
     "topk_groups": "topk_groups", "shared_experts": "shared_experts", "layers": "layers",
     "moe_layers": "moe_layers", "router": "router", "note": "note", "source": "source",
+    # the layer stack beyond the MoE (the step model's fields; all optional)
+    **{k: k for k in ("attention", "heads", "kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_dim",
+                      "v_head_dim", "sliding_window", "max_context", "vocab", "dense_ffn", "stack_source")},
 }
 _REQUIRED = ("num_experts", "top_k", "hidden", "expert_ffn")
 _INT_FIELDS = {"num_experts", "top_k", "hidden", "expert_ffn", "dispatch_hidden", "n_groups", "topk_groups",
-               "shared_experts", "layers", "moe_layers"}
+               "shared_experts", "layers", "moe_layers", "heads", "kv_heads", "head_dim", "q_lora_rank",
+               "kv_lora_rank", "qk_rope_dim", "v_head_dim", "sliding_window", "max_context", "vocab", "dense_ffn"}
 
 
 def model_from_fields(fields: Mapping[str, Any], where: str = "model") -> ModelSpec:
@@ -359,4 +445,10 @@ def model_fields(m: ModelSpec) -> dict[str, Any]:
     return {"name": m.name, "num_experts": m.num_experts, "top_k": m.top_k, "hidden": m.hidden,
             "expert_ffn": m.expert_ffn, "dispatch_hidden": m.dispatch_hidden, "groups": m.n_groups,
             "topk_groups": m.topk_groups, "shared_experts": m.shared_experts, "layers": m.layers,
-            "moe_layers": m.moe_layers, "router": m.router, "note": m.note, "source": m.source}
+            "moe_layers": m.moe_layers, "router": m.router, "note": m.note, "source": m.source,
+            **{k: getattr(m, k) for k in STACK_FIELDS}}
+
+
+#: The layer-stack fields (``moonep_sim.step``) a model file may give beside the MoE shape.
+STACK_FIELDS = ("attention", "heads", "kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_dim",
+                "v_head_dim", "sliding_window", "max_context", "vocab", "dense_ffn", "stack_source")

@@ -47,8 +47,9 @@ class PlanContext:
     costs: row and weight byte sizes.  token_padding: pad each slot's rows to a multiple of this.
     topology: optional, the modelled cluster's constants (a ``moonep_sim.sim.Topology``, read
         duck-typed: link bandwidths and efficiencies, GPU rates) for planners that price their
-        choices (``costaware``); None = such planners use their documented defaults. Planners
-        must not need it to produce a valid Plan.
+        choices (``costaware``); None = such planners price with the default preset's constants
+        (``h800-cx7``, read from its shipped file: ``costaware.preset_constants``). Planners must
+        not need it to produce a valid Plan.
     """
 
     cluster: ClusterShape
