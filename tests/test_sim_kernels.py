@@ -353,3 +353,26 @@ def test_cli_topologies_lists_the_families_and_what_each_preset_was_checked_agai
     for name in FAMILIES:
         assert name in out
     assert "kernel families checked on each preset" in out and "HybridEP" in out
+
+
+@pytest.mark.parametrize("strategy, impl, counts", [("deepep", "deepep-v1", ["node_pairs"]),
+                                                    ("deepep", "deepep-v2", ["scale_up", "scale_out"]),
+                                                    ("deepep-ll", "nixl-ep", ["selections"])])
+def test_cli_isolate_counts_as_each_librarys_own_test(capsys, strategy, impl, counts):
+    import json
+
+    from moonep_sim.cli import main
+
+    args = ["simulate", "--gen", "model=deepseek-v3,uniform=1,tokens-per-rank=64", "--strategy", strategy,
+            "--opt", f"impl={impl}", "--ranks", "16", "--dispatch-dtype", "fp8", "--isolate", "dispatch", "--json"]
+    assert main(args) == 0
+    k = json.loads(capsys.readouterr().out)["kernel"]
+    assert k["family"] == impl and k["library_counts"] == counts
+    # scale-up + scale-out: every row a rank sends to another GPU, by where it goes; one selection per kept entry
+    assert k["selections"] == pytest.approx(64 * 8 * k["row_bytes"])
+    if strategy == "deepep":
+        assert 0 < k["scale_out"] <= 64 * k["row_bytes"]  # at most one row per token to the other node
+    for key in counts:
+        assert k[key + "_GBps"] == pytest.approx(k[key] / k["rank_mean_us"] / 1e3)
+    assert main(args[:-1]) == 0
+    assert f"kernel family {impl}: its library's own test counts" in capsys.readouterr().out

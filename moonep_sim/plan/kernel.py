@@ -29,6 +29,12 @@ ALL_SMS = -1
 #: of the hop arrived, a pass reads them all and writes the sums (low-latency receive phases, and a
 #: collective followed by a reduce kernel).
 REDUCE_MODES = ("fused", "after")
+#: How a library's own test counts a kernel's bandwidth (``moonep_sim.sim.kernels.isolated_kernel_figures``):
+#: ``"deepep-v1"`` -- rows received per rank, own included (one node), or unique (token, node) pairs,
+#: local node included (several), x the row (FP8 rows ``H (1 + 4/128)``); ``"deepep-v2"`` -- bytes
+#: per rank to GPUs of its node (scale-up) and to other nodes (scale-out), reported apart;
+#: ``"selections"`` -- every kept (token, expert) selection x the row (the low-latency tests).
+COUNTS = ("deepep-v1", "deepep-v2", "selections")
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,8 @@ class KernelFamily:
         inter-node transports it runs over (``ib``, ``roce``, ``efa``; ``-`` = one node only).
     sms: default SM budget (``ALL_SMS`` = every SM).  dedup_per_rank: ll mode only: one message
         per (token, destination rank) instead of per selection.
+    counts: how the library's own test counts its bandwidth (:data:`COUNTS`), which ``simulate
+        --isolate`` prints first.
     The pricing terms are :class:`KernelSpec`'s (``None`` = the topology's).
     sources: term -> where its value comes from, opening with its status (sourced / FITTED on
         <row> / assumed, set from ...).
@@ -122,7 +130,13 @@ class KernelFamily:
     reduce: str = "fused"
     reduce_sms: int = 0
     dedup_per_rank: bool = False
+    counts: str = "deepep-v1"
     sources: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        require(self.mode in ("normal", "ll"), f"kernel family {self.name} mode ({self.mode!r}) must be normal or ll")
+        require(self.counts in COUNTS, f"kernel family {self.name} counts ({self.counts!r}) must be one of "
+                f"{', '.join(COUNTS)}")
 
 
 _V1 = "deepseek-ai/DeepEP V1 ('legacy') kernels"
@@ -137,13 +151,14 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
         "fixed_us": "FITTED on DeepEP's low-latency EP8 rows (the topology's [kernel]); assumed the same launch "
                     "and notify cost for the normal kernels",
         "sm_copy_factor": "1: sm_copy_GBps is FITTED on DeepEP V1's B200 EP8 16-SM dispatch (ANCHORS)"}),
-    KernelFamily("deepep-v1-ll", "DeepEP", "ll", "nvidia", ("ib", "roce"), sms=ALL_SMS, reduce="after", sources={
+    KernelFamily("deepep-v1-ll", "DeepEP", "ll", "nvidia", ("ib", "roce"), sms=ALL_SMS,
+                 reduce="after", counts="selections", sources={
         "design": f"sourced: {_V1} low-latency: one RDMA write per (token, expert) selection into fixed "
                   "buffers, NVLink for same-node peers; the combine's receive phase waits for its rows, then "
                   "reduces the K of each token",
         "fixed_us": "FITTED on DeepEP's low-latency EP8 dispatch / combine rows (the topology's [kernel])"}),
     KernelFamily("deepep-v2", "DeepEP", "normal", "nvidia", ("ib", "roce", "efa"), sms=6, sm_copy_factor=1.77,
-                 reduce="fused", sources={
+                 reduce="fused", counts="deepep-v2", sources={
         "design": "assumed, set from DeepEP V2's README: ElasticBuffer kernels on few SMs; the same node-"
                   "deduplicated scale-out (RDMA / NCCL GIN) then scale-up (NVLink) movement as V1, modelled on "
                   "the relayed two-hop plan",
@@ -156,12 +171,13 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                   "DeepEP's normal kernels do (node-deduplicated, relayed)",
         "sms": "assumed: 16 SMs, set from the HybridEP comparison's 16-SM budget (ANCHORS)",
         "fixed_us": "assumed: V1's (the topology's [kernel])"}),
-    KernelFamily("nccl-ep-ll", "NCCL EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS, reduce="after", sources={
+    KernelFamily("nccl-ep-ll", "NCCL EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
+                 reduce="after", counts="selections", sources={
         "design": "assumed, set from NCCL EP's low-latency mode (DESIGN: 'DeepEP LL, NCCL EP LL: one message "
                   "per selection, fixed buffers, no relay')",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
     KernelFamily("pplx", "pplx-kernels", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS, reduce="after",
-                 dedup_per_rank=True, sources={
+                 dedup_per_rank=True, counts="selections", sources={
         "design": "assumed, set from pplx-kernels' all-to-all design: each token goes once to every rank "
                   "holding one of its experts (per-rank deduplication, no node relay) over NVSHMEM; the "
                   "receiver reduces after the rows arrived",
@@ -175,10 +191,12 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
         "fixed_us": "assumed: V1's (the topology's [kernel]) + 5 us per launch, set from two proxy round trips "
                     "(GPU command ring -> CPU thread -> completion back) of ~2.5 us each over PCIe with polling"}),
     KernelFamily("uccl-ep-ll", "UCCL-EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS, message_us=0.05,
-                 extra_fixed_us=5.0, reduce="after", sources={
+                 extra_fixed_us=5.0,
+                 reduce="after", counts="selections", sources={
         "design": "assumed, set from UCCL-EP's design: DeepEP's low-latency kernels through CPU proxies",
         "message_us": "assumed, as uccl-ep", "fixed_us": "assumed: DeepEP V1 low-latency's + 5 us, as uccl-ep"}),
-    KernelFamily("nixl-ep", "NIXL EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS, reduce="after", sources={
+    KernelFamily("nixl-ep", "NIXL EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
+                 reduce="after", counts="selections", sources={
         "design": "assumed, set from NIXL EP's design: DeepEP-style low-latency kernels over NIXL's device API "
                   "(UCX / libfabric backends), one message per selection",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
@@ -187,7 +205,8 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                   "node-deduplicated over RDMA then over Infinity Fabric, relayed",
         "sms": "assumed: 32 CUs, set from MoonEP's benchmark budget (ANCHORS); a CU stands for an SM",
         "fixed_us": "assumed: DeepEP V1's (the topology's [kernel])"}),
-    KernelFamily("mori-ll", "mori (ROCm)", "ll", "amd", ("ib", "roce"), sms=ALL_SMS, reduce="after", sources={
+    KernelFamily("mori-ll", "mori (ROCm)", "ll", "amd", ("ib", "roce"), sms=ALL_SMS,
+                 reduce="after", counts="selections", sources={
         "design": "assumed, set from mori-EP's low-latency mode: one message per selection",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
 )}
@@ -212,4 +231,4 @@ def family_spec(fam: KernelFamily, **kw) -> KernelSpec:
     return replace(spec, **kw)
 
 
-__all__ = ["ALL_SMS", "FAMILIES", "KernelFamily", "KernelSpec", "REDUCE_MODES", "family", "family_spec"]
+__all__ = ["ALL_SMS", "COUNTS", "FAMILIES", "KernelFamily", "KernelSpec", "REDUCE_MODES", "family", "family_spec"]

@@ -194,16 +194,21 @@ def isolated_kernel_figures(plan, res, what: str) -> dict:
     Bytes per rank (``row``: the kernel's row, ``plan.costs.dispatch_row_bytes`` for dispatch,
     ``combine_row_bytes`` for combine; FP8 rows are ``H (1 + 4/128)`` as DeepEP counts them):
 
-    - ``rows_received``: rows the rank holds after the last hop, its own included, x row -- DeepEP's
-      intranode (NVLink) bandwidth;
+    - ``rows_received``: rows the rank holds after the last hop, its own included, x row -- DeepEP
+      V1's intranode (NVLink) bandwidth;
     - ``node_pairs``: unique (token, destination node) pairs of the rank's tokens, the local node
-      included, x row -- DeepEP's internode (RDMA) bandwidth (multi-node plans only);
-    - ``selections``: every kept (token, expert) selection, x row -- DeepEP's low-latency bandwidth
-      (whose FP8 row carries a 16-byte header) and, with a ``2H`` row, MoonEP's logical bandwidth.
+      included, x row -- DeepEP V1's internode (RDMA) bandwidth (multi-node plans only);
+    - ``scale_up`` / ``scale_out``: rows the rank sends, over every hop, to other GPUs of its node /
+      to other nodes, x row -- DeepEP V2's per-rank scale-up and scale-out bytes;
+    - ``selections``: every kept (token, expert) selection, x row -- the low-latency tests'
+      bandwidth (whose FP8 row carries a 16-byte header) and, with a ``2H`` row, MoonEP's logical one.
 
-    Each ``*_GBps`` is that byte count over ``rank_mean_us``.
+    Each ``*_GBps`` is that byte count over ``rank_mean_us``. ``family`` / ``library_counts``: the
+    Plan's kernel family and the keys its library's own test reports (``KernelFamily.counts``).
     """
     import numpy as np
+
+    from moonep_sim.plan.kernel import FAMILIES
 
     R = plan.ranks
     row = plan.costs.dispatch_row_bytes if what == "dispatch" else plan.costs.combine_row_bytes
@@ -215,11 +220,21 @@ def isolated_kernel_figures(plan, res, what: str) -> dict:
     out["selections"] = float(kept.sum()) / max(R, 1) * row
     G = plan.cluster.gpus_per_node
     if R > G:
-        node = np.where(kept, plan.cluster.node_of(plan.entry_rank_TK), -1)
+        node = np.where(kept, plan.entry_rank_TK // G, -1)
         s = np.sort(node, axis=1)
         uniq = ((s[:, 1:] != s[:, :-1]) & (s[:, 1:] >= 0)).sum(axis=1) + (s[:, :1] >= 0).sum(axis=1)
         out["node_pairs"] = float(uniq.sum()) / R * row
-    for k in ("rows_received", "node_pairs", "selections"):
+    up = sum(int(((h.src_rank_M // G == h.dst_rank_M // G) & (h.src_rank_M != h.dst_rank_M)).sum())
+             for h in plan.hops)
+    down = sum(int((h.src_rank_M // G != h.dst_rank_M // G).sum()) for h in plan.hops)
+    out["scale_up"] = up / max(R, 1) * row
+    out["scale_out"] = down / max(R, 1) * row
+    for k in ("rows_received", "node_pairs", "scale_up", "scale_out", "selections"):
         if k in out and t_mean > 0:
             out[k + "_GBps"] = out[k] / t_mean / 1e3
+    fam = FAMILIES.get(plan.kernel.family) if plan.kernel is not None else None
+    out["family"] = fam.name if fam is not None else ""
+    counts = fam.counts if fam is not None else ""
+    out["library_counts"] = ({"deepep-v1": ["node_pairs" if R > G else "rows_received"],
+                              "deepep-v2": ["scale_up", "scale_out"], "selections": ["selections"]}.get(counts, []))
     return out
