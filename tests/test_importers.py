@@ -27,7 +27,8 @@ needs_real = pytest.mark.skipif(not SHARED_REAL.is_dir(), reason=f"real traces f
 def test_mixtral_records(tmp_path):
     out = tmp_path / "m.safetensors"
     assert detect_format(MIXTRAL) == "jsonl-records"
-    assert main(["trace", "import", str(MIXTRAL), "-o", str(out), "--model", "mixtral-8x7b"]) == 0
+    assert main(["trace", "import", str(MIXTRAL), "-o", str(out), "--model", "mixtral-8x7b",
+                 "--drop-incomplete-tokens"]) == 0
     tr = Trace(out)
     m = tr.meta
     assert (m.num_experts, m.top_k, m.layer_ids, m.num_tokens) == (8, 2, list(range(32)), 333)
@@ -287,11 +288,19 @@ def test_bad_case_table_covers_the_required_regimes():
 def test_exact_duplicates_and_missing_layers_are_dropped_with_counts(tmp_path):
     recs = GOOD + [GOOD[0], GOOD[3]] + [_rec(7, 0, [1, 2])]          # 2 exact dups, token 7 lacks layer 1
     # one step per request: the repeats at the end are in the same step as the records they repeat
-    imp = load_source(_jsonl(tmp_path / "d.jsonl", recs), steps_from="group")
+    src = _jsonl(tmp_path / "d.jsonl", recs)
+    imp = load_source(src, steps_from="group", incomplete_tokens="drop")
     rep = imp.meta.import_report
     assert rep["duplicate_records_dropped"] == 2
     assert rep["tokens_missing_layers_dropped"] == 1
     assert imp.meta.num_tokens == 3 and imp.tensors["topk_ids"].shape == (2, 3, 2)
+    assert "token_mask" not in imp.tensors
+    # by default the token keeps the layer it has, under the per-layer token mask, with a warning
+    imp = load_source(src, steps_from="group")
+    rep = imp.meta.import_report
+    assert rep["tokens_missing_layers"] == 1 and rep["tokens_missing_layers_dropped"] == 0
+    assert imp.meta.num_tokens == 4 and imp.tensors["token_mask"].sum(axis=1).tolist() == [4, 3]
+    assert any("1 of 4 tokens miss some of the 2 layers" in w for w in rep["warnings"])
 
 
 def test_repeats_by_step_rule(tmp_path):
@@ -316,7 +325,8 @@ def test_missing_file_and_bad_format_name(tmp_path):
 
 # ---------------------------------------------------------------------------------- shipped traces
 @pytest.mark.parametrize("src,shipped,kwargs", [
-    pytest.param(MIXTRAL, "mixtral-8x7b_humaneval.safetensors", {"model": "mixtral-8x7b"}, marks=needs_real),
+    pytest.param(MIXTRAL, "mixtral-8x7b_humaneval.safetensors", {"model": "mixtral-8x7b", "incomplete_tokens": "drop"},
+                 marks=needs_real),
     pytest.param(OLMOE, "olmoe-1b-7b_layer0.safetensors", {"model": "olmoe-1b-7b"}, marks=needs_real),
     pytest.param(SWITCH, "switch-base-128_counts.safetensors", {"top_k": 1}, marks=needs_real),
     (QWEN, "qwen1.5-moe-a2.7b_layer0.safetensors", {"model": "qwen1.5-moe-a2.7b"}),
@@ -340,3 +350,27 @@ def test_shipped_recordings_are_labelled_synthetic():
         assert "RANDOM weights" in tr.meta.attribution and "not real routing" in tr.meta.attribution
         assert np.bincount(tr.steps()).tolist() == [128] + [4] * 15
         assert tr.meta.num_layers == 4 and tr.model().num_experts == tr.meta.num_experts
+
+
+def test_tokens_missing_layers_keep_their_layers_through_compare(tmp_path, capsys):
+    """A log whose tokens miss some layers (as a real Mixtral log does): import keeps each token's
+    layers under the mask and warns with the count; compare plans each layer on the tokens it has;
+    --drop-incomplete-tokens drops them at every layer."""
+    recs = [_rec(t, l, [t % 4, (t + 1) % 4]) for t in range(12) for l in range(2) if not (l == 1 and t >= 8)]
+    src = _jsonl(tmp_path / "m.jsonl", recs)
+    out = tmp_path / "m.safetensors"
+    assert main(["trace", "import", str(src), "-o", str(out), "--num-experts", "4", "--steps-from", "none"]) == 0
+    err = capsys.readouterr().err
+    assert "moonep-sim: warning: 4 of 12 tokens miss some of the 2 layers (4 (token, layer) rows absent)" in err
+    tr = Trace(out)
+    assert tr.meta.num_tokens == 12 and [tr.layer(i).num_tokens for i in range(2)] == [12, 8]
+    from moonep_sim.experiments import Scenario
+
+    rep = Scenario(routing=str(out), cluster=2, strategies="alltoall").compare().to_dict()
+    rows = [sum(e["plan"]["recv_rows_per_rank"]) for e in rep["strategies"]["alltoall"]["layers"]]
+    assert rows == [24, 16]    # K=2 rows per token each layer has
+    dropped = tmp_path / "d.safetensors"
+    assert main(["trace", "import", str(src), "-o", str(dropped), "--num-experts", "4", "--steps-from", "none",
+                 "--drop-incomplete-tokens"]) == 0
+    assert Trace(dropped).meta.num_tokens == 8 and not Trace(dropped).has("token_mask")
+    assert Trace(dropped).meta.import_report["tokens_missing_layers_dropped"] == 4

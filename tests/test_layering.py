@@ -50,11 +50,18 @@ def test_every_package_has_a_level():
     assert set(_packages()) == set(LEVEL), "a new package needs its place in LEVEL (and in docs/concepts.md)"
 
 
+# the one sanctioned upward call: a result renders itself (``save``, ``plot``, ``_repr_html_``) through
+# the renderer, inside its methods; report/ imports nothing from experiments/, so there is no circle
+UPWARD_ALLOWED = {("experiments/results.py", "report")}
+
+
 def test_no_package_imports_a_package_above_it():
     bad = []
     for pkg, files in _packages().items():
         for f in files:
             for dep in _imports(f):
+                if (str(f.relative_to(PKG)), dep) in UPWARD_ALLOWED:
+                    continue
                 if dep in LEVEL and LEVEL[dep] > LEVEL[pkg]:
                     bad.append(f"{f.relative_to(PKG.parent)} imports moonep_sim.{dep}")
     assert not bad, "upward imports:\n" + "\n".join(bad)

@@ -76,7 +76,7 @@ def test_compare_with_a_full_disk_leaves_no_plot_behind(tmp_path, monkeypatch, c
     monkeypatch.setattr(plots, "rows_per_rank", real)
     assert main(["compare", "--trace", str(t), "--strategies", "alltoall", "--ranks", "2", "--out",
                  str(tmp_path / "res" / "cmp"), "--json"]) == 0
-    assert {p.name for p in (tmp_path / "res" / "cmp").iterdir()} == {"report.json", "layer_time.png",
+    assert {p.name for p in (tmp_path / "res" / "cmp").iterdir()} == {"report.json", "report.html", "layer_time.png",
                                                                       "rows_per_rank.png", "traffic.png"}
 
 

@@ -82,23 +82,11 @@ def parse_kv(items: list[str] | None, what: str = "--opt") -> dict[str, str]:
 
 
 def parse_strategy_opts(items: list[str] | None, names: list[str]) -> dict[str, dict[str, str]]:
-    """``--opt STRATEGY.key=value`` (or ``key=value`` when one strategy is named) -> per strategy."""
-    per: dict[str, dict[str, str]] = {n: {} for n in names}
-    for o in items or []:
-        if "=" not in o:
-            raise ConfigError(f"--opt ({o!r}) must look like STRATEGY.key=value, e.g. capacity.cf=1.25")
-        k, v = o.split("=", 1)
-        if "." in k:
-            s, key = k.split(".", 1)
-        elif len(names) == 1:
-            s, key = names[0], k
-        else:
-            raise ConfigError(f"--opt ({o!r}) must look like STRATEGY.key=value, e.g. capacity.cf=1.25, "
-                              "when several strategies are named")
-        if s not in per:
-            raise ConfigError(f"--opt strategy ({s!r}) must be one of the strategies ({', '.join(names)})")
-        per[s][key.strip().replace("-", "_")] = v.strip()
-    return per
+    """``--opt STRATEGY.key=value`` (or ``key=value`` when one strategy is named) -> per strategy
+    (:func:`moonep_sim.experiments.spec.parse_opt_items`, the one parser)."""
+    from moonep_sim.experiments.spec import parse_opt_items
+
+    return parse_opt_items(items, names, plain="single")
 
 
 def parse_int_list(text: str | None, what: str) -> list[int] | None:
@@ -152,7 +140,9 @@ def add_dispatch_dtype(p, default: str = "bf16") -> None:
 
 
 def _sim_dtype(text: str) -> str:
-    return {"bfloat16": "bf16", "float8": "fp8"}.get(text, text)
+    from moonep_sim.experiments.spec import normalise_dtype
+
+    return normalise_dtype(text)
 
 
 def add_strategies(p, default: str) -> None:
@@ -169,7 +159,35 @@ def add_layers(p, default_text: str = "all of the trace") -> None:
 
 def add_steps(p) -> None:
     p.add_argument("--steps", default=None, metavar="SEL",
-                   help="use only these steps of the trace: all, N, A-B, A-, or a comma list (default: every token)")
+                   help="steps of the trace, each costed as its own batch and aggregated over steps (token-weighted "
+                        "mean, median, p90, worst): N, A-B, A-, a comma list (default: every step); merged or "
+                        "merged:SEL costs them as one concatenated batch (with a warning)")
+
+
+def print_warnings(warnings) -> None:
+    """Each of a result's warnings as one line on stderr (stdout stays the table or the JSON)."""
+    for w in warnings or ():
+        print(f"moonep-sim: warning: {w}", file=sys.stderr, flush=True)
+
+
+def steps_footer(rep: dict) -> list[str]:
+    """Lines on the per-step aggregates of a compare report (none for a single batch)."""
+    st = rep.get("steps") or {}
+    n = len(st.get("costed_step_ids") or [])
+    if n <= 1:
+        return []
+    rows = rep["strategies"]
+    agg = {k: v["steps_aggregate"]["layer_time_us"] for k, v in rows.items()}
+    order = sorted(agg, key=lambda k: (bool(rows[k]["dropped"]), agg[k]["token_weighted_mean"]))
+    out = [f"per step ({n} steps of {sum(st['costed_tokens'])} tokens, each its own batch): layer time us "
+           "token-weighted mean / median / p90 / worst (step)"]
+    for k in order:
+        a = agg[k]
+        out.append(f"  {k}: {a['token_weighted_mean']:,.1f} / {a['median']:,.1f} / {a['p90']:,.1f} / "
+                   f"{a['worst']:,.1f} (step {a['worst_step']}); fastest in {st['wins'].get(k, 0)} of {n} steps")
+    out.append(f"fastest by the token-weighted mean over steps: {order[0]}" +
+               (" (strategies that dropped rows are listed after the dropless ones)" if rows[order[0]]["dropped"] else ""))
+    return out
 
 
 def console():

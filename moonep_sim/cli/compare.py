@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moonep_sim.cli.common import (add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies, parse_int_list, parse_strategy_opts,
-                                   output_rule, print_json, progress, to_jsonable)
+from moonep_sim.cli.common import (add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies,
+                                   output_rule, parse_int_list, parse_strategy_opts, print_json, print_warnings,
+                                   progress, steps_footer, to_jsonable)
 from moonep_sim.errors import require
 from moonep_sim.experiments.scenario import DEFAULT_STRATEGIES as _DEFAULTS
 from moonep_sim.report.tables import wide_console as console
@@ -77,7 +78,7 @@ def scenario(args, routing=None, layers=None):
 
 
 #: The files compare (and demo) write into --out: what the output rule checks against the inputs.
-OUT_FILES = ("report.json", "layer_time.png", "rows_per_rank.png", "traffic.png")
+OUT_FILES = ("report.json", "report.html", "layer_time.png", "rows_per_rank.png", "traffic.png")
 
 
 def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, str]:
@@ -88,13 +89,19 @@ def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, 
 
     files: dict[str, str] = {}
     with staged_dir(out_dir, "--out") as tmp:
+        figs = {}
         if plots:
             for key, draw in (("layer_time", P.layer_time_bars), ("rows_per_rank", P.rows_per_rank),
                               ("traffic", P.traffic_heatmaps)):
-                draw(report, tmp / f"{key}.png")
+                figs[key] = draw(report, tmp / f"{key}.png")
                 files[key] = str(out_dir / f"{key}.png")
-        report["files"] = dict(files, report=str(out_dir / "report.json"))
+        from moonep_sim.report.html import provenance, write_html
+
+        report.setdefault("provenance", provenance())
+        report["files"] = dict(files, report=str(out_dir / "report.json"), html=str(out_dir / "report.html"))
+        write_html(report, tmp / "report.html", figs)
         write_text_atomic(tmp / "report.json", json.dumps(to_jsonable(report), indent=1))
+    files["html"] = str(out_dir / "report.html")
     files["report"] = str(out_dir / "report.json")
     return files
 
@@ -113,6 +120,7 @@ def run(args) -> int:
     with progress(c, "compare", lines=args.json) as cb:
         rep = sc.compare(progress=cb, **kw).to_dict()
     files = write_outputs(rep, Path(args.out), plots=not args.no_plots)
+    print_warnings(rep.get("warnings"))
     if args.json:
         print_json(rep)
         return 0
@@ -120,7 +128,7 @@ def run(args) -> int:
         c.print(t)
     for line in verdict_lines(rep):
         c.print(line, highlight=False, markup=False)
-    for line in compare_footer(rep):
+    for line in compare_footer(rep) + steps_footer(rep):
         c.print(f"[dim]{line}[/dim]")
     c.print("wrote " + ", ".join(files.values()))
     return 0

@@ -99,7 +99,7 @@ def run(args) -> int:
                 "of this machine; run `moonep-sim calibrate` (about 15 s) for the constants behind "
                 "docs/results/fidelity.md[/yellow]")
     c.print(f"plots: {files['layer_time']}, {files['rows_per_rank']}, {files['traffic']}")
-    c.print(f"report: {files['report']}   (demo took {time.perf_counter() - t0:.0f} s)")
+    c.print(f"report: {files['report']}, {files['html']}   (demo took {time.perf_counter() - t0:.0f} s)")
     bad = [n for n, r in rep["real"]["strategies"].items() if r.get("correct") is False]
     if bad:
         c.print(f"[red]gloo replay results differ from the dense reference for: {', '.join(bad)}[/red]")

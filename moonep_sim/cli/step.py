@@ -125,6 +125,10 @@ def run(args) -> int:
             c.print(step_table(d))
             for line in step_footer(d):
                 c.print(line)
+            from moonep_sim.report.tables import flag_lines, verdict_lines
+
+            for line in verdict_lines(d) + flag_lines(d):  # computed verdict, then the flags
+                c.print(line, highlight=False, markup=False)
     first = results[0]
     name = first.strategies[0]
     tl = first.timelines[name]

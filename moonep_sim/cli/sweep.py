@@ -95,7 +95,7 @@ def _by_config(cfg, knob: str, v: float):
 
 
 #: The files sweep writes into --out (a winner map: the winner.* ones): what the output rule checks.
-OUT_FILES = ("sweep.json", "sweep.png", "winner.png", "winner.md", "winner.json")
+OUT_FILES = ("sweep.json", "sweep.png", "report.html", "winner.png", "winner.md", "winner.json")
 
 
 def run_winner_map(args, cfg, by_vals: list[float]) -> int:
@@ -173,7 +173,11 @@ def run(args) -> int:
     png = out / "sweep.png"
     with staged_dir(out, "--out") as tmp:
         plots.sweep_lines(rep, tmp / "sweep.png")
-        rep["files"] = {"plot": str(png), "report": str(out / "sweep.json")}
+        from moonep_sim.report.html import provenance, write_html
+
+        rep["provenance"] = provenance()
+        rep["files"] = {"plot": str(png), "report": str(out / "sweep.json"), "html": str(out / "report.html")}
+        write_html(rep, tmp / "report.html", {"sweep": tmp / "sweep.png"})
         write_text_atomic(tmp / "sweep.json", json.dumps(to_jsonable(rep), indent=1))
     if args.json:
         print_json(rep)
@@ -184,5 +188,5 @@ def run(args) -> int:
     tp = rep["topology"]
     c.print(f"[dim]simulated on {tp['name']}: {tp['constants'].get('description', '')}; "
             f"{rep['tokens_per_rank']} tokens per rank; took {rep['seconds']:.1f} s[/dim]")
-    c.print(f"wrote {png}, {out / 'sweep.json'}")
+    c.print(f"wrote {png}, {out / 'sweep.json'}, {out / 'report.html'}")
     return 0

@@ -26,13 +26,14 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from moonep_sim.errors import require
+from moonep_sim.experiments.results import _TakeAway
 from moonep_sim.experiments.routing import GeneratorSpec, RoutingSource
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import GlobalRouting
 
 
-@dataclass(frozen=True)
-class StepResult:
+@dataclass(frozen=True, repr=False)
+class StepResult(_TakeAway):
     """Every strategy's step (``figures[name]``: the JSON contract of ``moonep-sim step``), the
     setup, and the composed timelines (``timelines[name]``, for ``--timeline`` / ``--gantt``)."""
 
@@ -42,7 +43,13 @@ class StepResult:
     timelines: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"setup": self.setup, "strategies": self.figures}
+        from moonep_sim.experiments.flags import step_flags
+        from moonep_sim.experiments.verdict import step_verdict
+
+        opts = {n: {} for n in self.strategies} | dict(self.setup.get("options") or {})
+        flags = step_flags(self.setup, opts, {"name": self.setup.get("model")})
+        return {"kind": "step", "setup": self.setup, "strategies": self.figures, "flags": flags,
+                "verdict": step_verdict(self.figures, flags)}
 
 
 def layer_source(source: RoutingSource, ranks: int, tokens: int, moe_layers: int, distinct: int = 0,
@@ -113,7 +120,7 @@ def relabel_experts(r: GlobalRouting, seed: int, groups: int = 1) -> GlobalRouti
 
 
 def _trace_layer(source: RoutingSource, layer_id: int, ranks: int, steps_T: np.ndarray | None) -> GlobalRouting:
-    lr = source.layer(layer_id, ranks)
+    lr = source.selected_layer(layer_id) if source._trace is not None else source.layer(layer_id, ranks)
     ids, w = lr.topk_ids_TK, lr.topk_weights_TK
     if steps_T is not None:
         ids, w = ids[steps_T], w[steps_T]
@@ -123,12 +130,9 @@ def _trace_layer(source: RoutingSource, layer_id: int, ranks: int, steps_T: np.n
 def trace_steps(source: RoutingSource) -> list[np.ndarray | None]:
     """Token indices (into the selected tokens) of each recorded step of a trace; [None] when the
     trace holds one step (every token is one batch)."""
-    tr = source._trace
-    if tr is None or tr.steps() is None:
+    st = source.selected_steps_T()
+    if st is None:
         return [None]
-    from moonep_sim.routing.steps import selected_steps_T
-
-    st = selected_steps_T(tr, source.steps)
     chosen = np.unique(st)
     if chosen.size <= 1:
         return [None]
@@ -180,6 +184,7 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
         setup.update(model=m.name, ranks=R, gpus_per_node=rs.cluster.gpus_per_node, topology=rs.topology.name,
                      routing=src.describe(), gemm_dtype=gemm_dtype, compute_profile=compute_profile,
                      distinct_layers=distinct_layers, recompute=recompute,
+                     options={n: {k: str(v) for k, v in o.items()} for n, o in rs.strategies},
                      stand_ins=sum(1 for p in res["layers_routing"] if p.startswith("STAND-IN")),
                      reused_layers=sum(1 for p in res["layers_routing"] if "reused" in p),
                      step_tokens=int(steps_T.size) if steps_T is not None else None,

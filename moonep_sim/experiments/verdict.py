@@ -270,6 +270,11 @@ def verdict(figs: Mapping[str, Mapping[str, Any]], *, series: Mapping[str, Seque
         others.append({"strategy": r, "margin": float(margin), "tie": tie, "confidence": conf,
                        "mechanism": mech if not (tie and margin <= TIE) else None, "share": float(share), "why": why})
     top = others[0]
+    if top["tie"]:  # tied at the top: say what the tied strategies beat, and by what
+        nxt = next((o for o in others if not o["tie"]), None)
+        if nxt is not None:
+            top = dict(top, why=f"{top['why']}; {w} beats {nxt['strategy']} by {100 * nxt['margin']:.1f}% "
+                                f"({nxt['mechanism']}): {nxt['why']}")
     codes = {n: sorted({f["code"] for f in flags if f.get("strategy") == n}) for n in (w, top["strategy"])}
     return {"winner": w, "runner_up": top["strategy"], "margin": top["margin"], "tie": top["tie"],
             "confidence": top["confidence"], "mechanism": top["mechanism"], "why": top["why"],
@@ -303,6 +308,11 @@ def _step_series(strat: Mapping[str, Any]):
     """(strategy -> time per step, tokens per step) when the report carries a per-step series."""
     out, w = {}, None
     for n, s in strat.items():
+        ps = s.get("per_step")   # compare's series (experiments.compare): lists keyed by field
+        if isinstance(ps, Mapping) and len(ps.get("layer_time_us") or []) > 1:
+            out[n] = [float(x) for x in ps["layer_time_us"]]
+            w = [float(x or 1) for x in ps.get("tokens") or [1] * len(out[n])]
+            continue
         st = s.get("steps") or (s.get("sim") or {}).get("steps")
         if not isinstance(st, list) or not st or not isinstance(st[0], Mapping):
             return None
@@ -331,5 +341,63 @@ def sweep_verdicts(rep: Mapping[str, Any]) -> list[dict[str, Any] | None]:
     return out
 
 
-__all__ = ["MECHANISMS", "TIE", "attribute", "compare_verdict", "confidence", "figures", "mean_figures",
+#: the terms a step verdict may name (a step's figures are whole-step totals, not per-phase spans)
+STEP_MECHANISMS = {
+    "exposed communication": "communication not hidden behind compute on the slowest rank",
+    "compute": "the slowest rank's compute (expert imbalance, padding and the rest of the model)",
+    "memory": "the runner-up runs out of GPU memory (OOM)",
+}
+
+
+def step_verdict(strategies: Mapping[str, Mapping[str, Any]],
+                 flags: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any] | None:
+    """The verdict of one step (``moonep-sim step``'s figures per strategy): the fastest strategy
+    that fits in memory; the mechanism is the step term (:data:`STEP_MECHANISMS`) whose difference
+    is the larger part of the margin. One step: confidence judged against :data:`TIE` only."""
+    fit = sorted((float(f["step_time_us"]), n) for n, f in strategies.items() if not f.get("oom"))
+    oom = sorted((float(f["step_time_us"]), n) for n, f in strategies.items() if f.get("oom"))
+    order = [n for _, n in fit + oom]
+    if not order:
+        return None
+    w = order[0]
+    fw = strategies[w]
+    others = []
+    for r in order[1:]:
+        fr = strategies[r]
+        margin = float(fr["step_time_us"]) / max(float(fw["step_time_us"]), 1e-12) - 1.0
+        conf = confidence(None, w, r, margin, "step")
+        d_comm = float(fr.get("exposed_comm_us", 0)) - float(fw.get("exposed_comm_us", 0))
+        d_comp = float(fr.get("compute_us", 0)) - float(fw.get("compute_us", 0))
+        tie = conf["level"] == "tie"
+        if fr.get("oom") and not fw.get("oom"):
+            mech, tie = "memory", False
+            why = (f"{r} needs {float(fr['peak_memory_bytes']) / _GiB:.3g} GiB on its busiest GPU, more than its "
+                   f"{float(fr['gpu_memory_bytes']) / _GiB:.3g} GiB (OOM), where {w} needs "
+                   f"{float(fw['peak_memory_bytes']) / _GiB:.3g} GiB")
+        elif tie:
+            mech, why = None, f"{w} and {r} take the same step time ({_t(float(fw['step_time_us']))}): a tie"
+        elif d_comm >= d_comp:
+            mech = "exposed communication"
+            why = (f"{r} leaves {_t(float(fr['exposed_comm_us']))} of communication exposed per step where {w} leaves "
+                   f"{_t(float(fw['exposed_comm_us']))}")
+        else:
+            mech = "compute"
+            why = (f"{r}'s slowest rank computes for {_t(float(fr['compute_us']))} per step where {w}'s computes for "
+                   f"{_t(float(fw['compute_us']))} (rows max/mean {float(fr.get('rows_max_mean', 0)):.2f} against "
+                   f"{float(fw.get('rows_max_mean', 0)):.2f})")
+        others.append({"strategy": r, "margin": margin, "tie": tie, "confidence": conf, "mechanism": mech,
+                       "share": 0.0, "why": why})
+    if not others:
+        return {"winner": w, "runner_up": None, "margin": 0.0, "tie": False,
+                "confidence": {"level": "single strategy", "units": 0, "unit": "step", "basis": "one strategy"},
+                "mechanism": None, "why": f"{w} is the only strategy compared", "others": []}
+    top = others[0]
+    codes = {n: sorted({f["code"] for f in flags if f.get("strategy") == n}) for n in (w, top["strategy"])}
+    return {"winner": w, "runner_up": top["strategy"], "margin": top["margin"], "tie": top["tie"],
+            "confidence": top["confidence"], "mechanism": top["mechanism"], "why": top["why"],
+            "flags": {n: c for n, c in codes.items() if c},
+            "tied_with": [o["strategy"] for o in others if o["tie"]], "others": others}
+
+
+__all__ = ["MECHANISMS", "STEP_MECHANISMS", "step_verdict", "TIE", "attribute", "compare_verdict", "confidence", "figures", "mean_figures",
            "sweep_verdicts", "terms", "verdict"]

@@ -86,6 +86,20 @@ def config_from_json(path: str | os.PathLike):
     return cfg
 
 
+def check_model_spec(spec: str) -> None:
+    """Refuse (one line) a ``--model`` that is no preset, no existing config.json and no directory
+    holding one, before any rank starts."""
+    p = Path(spec)
+    if spec in TINY:
+        return
+    if p.is_dir():
+        require((p / "config.json").is_file(), f"checkpoint directory ({p}) must hold a config.json")
+    elif p.suffix == ".json":
+        require(p.is_file(), f"model config ({p}) must exist")
+    else:
+        raise ConfigError(f"model ({spec!r}) must be one of {', '.join(TINY)}, a config.json or a checkpoint directory")
+
+
 def build_model(spec: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     """The causal LM named by ``spec`` (preset, config.json, or checkpoint directory), eval mode.
 
@@ -117,4 +131,4 @@ def build_model(spec: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     return model.to(dtype).eval()
 
 
-__all__ = ["FAMILY", "TINY", "build_model", "config_from_json", "tiny_config"]
+__all__ = ["FAMILY", "TINY", "build_model", "check_model_spec", "config_from_json", "tiny_config"]

@@ -26,7 +26,7 @@ returns the violations as sentences, :func:`violations` with the check that foun
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -34,8 +34,10 @@ from moonep_sim.errors import PlanError
 from moonep_sim.plan.kinds import SCOPES, Scope
 from moonep_sim.plan.order import entry_token
 
-if TYPE_CHECKING:  # the IR imports this module (Plan.summary reports the violations)
-    from moonep_sim.plan.ir import Plan
+# The checks read a ``moonep_sim.plan.ir.Plan``. This module does not import the IR, not even for
+# type checking: the IR imports it (``Plan.summary`` reports the violations), and the files of the
+# package form no import circle.
+Plan = Any
 
 
 class Violation(NamedTuple):

@@ -221,7 +221,7 @@ class Topology:
     plan_per_entry_ns: float = 0.02
     plan_per_cell_ns: float = 3.124
     kernel_dispatch_fixed_us: float = 26.77
-    kernel_combine_fixed_us: float = 17.64
+    kernel_combine_fixed_us: float = 11.46
     kernel_relay_message_rows: int = 16
     kernel_nic_message_us: float = 0.003
     sm_count: int = 132

@@ -72,8 +72,8 @@ from typing import Any
 
 import numpy as np
 
-from moonep_sim.plan import GlobalRouting, Plan, Scope, plan_from_routes
-from moonep_sim.plan.kernel import KernelSpec
+from moonep_sim.plan import GlobalRouting, Plan, Scope, plan_from_hops, to_final, to_node_of_final
+from moonep_sim.plan.kernel import FAMILIES, KernelSpec, family_spec
 from moonep_sim.strategies import Option, PlanContext, register
 from moonep_sim.strategies.llep import native_alloc, plan_from_alloc, require_home_groups
 from moonep_sim.errors import PlanError
@@ -474,7 +474,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, sms: int, mode: str, min_g
     slot_rank, slot_expert, slot_home = copy_slots(alloc, epn)
     rows = alloc.sum(axis=0)
     copies = slot_home != slot_rank
-    cross = (slot_home // G) != (slot_rank // G)
+    cross = ~ctx.cluster.same_node(slot_home, slot_rank)
     residual = float(rows.max() / max(rows.mean(), 1e-12)) if rows.size else 0.0
     opts = {"rates": rates.source, "chosen": info["kind"], "target_rows": int(info["target_rows"]),
             "copies_intra_node": int((copies & ~cross).sum()), "copies_cross_node": int((copies & cross).sum()),
@@ -495,10 +495,10 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, sms: int, mode: str, min_g
         entry_slot = split_entry_slots(ids.ravel(), alloc, slot_rank, slot_expert).reshape(ids.shape)
     else:  # no copy: every entry at its expert's home slot (slots are the experts in order)
         entry_slot = ids
-    rank = np.arange(R, dtype=np.int64)
-    via_RR = (rank[None, :] // G) * G + rank[:, None] % G  # deepep's route: d's node, s's local index
-    # DeepEP's kernel: the relay (same local index on the destination node) forwards rows as they arrive
-    p = plan_from_routes(routing, ctx.cluster, c, slot_rank, slot_expert, slot_home, entry_slot, [via_RR],
-                         (Scope.INTER_NODE, Scope.INTRA_NODE), (True, True), token_padding=ctx.token_padding,
-                         via_table=True, options=opts, kernel=KernelSpec(sms=sms_used, relay=True))
+    # deepep's route and kernel: the relay (same local index on the destination node) forwards rows
+    # as they arrive
+    hops = [to_node_of_final(ctx.cluster, dedup=True), to_final(Scope.INTRA_NODE, dedup=True)]
+    p = plan_from_hops(routing, ctx.cluster, c, slot_rank, slot_expert, slot_home, entry_slot, hops,
+                       token_padding=ctx.token_padding, options=opts,
+                       kernel=family_spec(FAMILIES["deepep-v1"], sms=sms_used, relay=True))
     return dataclasses.replace(p, slot_src_S=src) if relayed.any() else p
