@@ -75,12 +75,11 @@ def main() -> None:
     rows = []
     for case in a.cases.split(","):
         for s in a.strategies.split(","):
-            if case == "k3-train":
-                rows.append(k3_train(s, a.distinct_layers))
-            else:
-                rows.append(v3_decode(s, 0))
-                rows.append(v3_decode(s, a.distinct_layers))
-            print(json.dumps(rows[-1]))
+            new = [k3_train(s, a.distinct_layers)] if case == "k3-train" else \
+                [v3_decode(s, 0), v3_decode(s, a.distinct_layers)]
+            for r in new:
+                print(json.dumps(r))
+            rows += new
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "load_end": os.getloadavg()}, f, indent=1)

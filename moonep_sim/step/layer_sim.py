@@ -79,9 +79,9 @@ def _direction(sim: StepSim, si: int, direction: Direction) -> DirectionComm:
     for s in sim.spans:
         if s.direction != direction:
             continue
-        if s.kind == PhaseKind.COMBINE and s.end_us > comb_end[s.rank]:
+        if s.end_us > comb_end[s.rank]:  # combine hops and the passes after them (a reduce, a copy)
             comb_end[s.rank] = s.end_us
-        elif s.kind in (PhaseKind.PLANNING, PhaseKind.ROUTING_GATHER):
+        if s.kind in (PhaseKind.PLANNING, PhaseKind.ROUTING_GATHER):
             plan_R[s.rank] += s.end_us - s.start_us
     end = sim.stage_end[si]
     comb_end = np.maximum(comb_end, c1)
