@@ -67,3 +67,28 @@ def test_bad_input_is_one_line_before_any_rank_starts(tmp_path):
     assert p.returncode == 2 and "--steps (0) must be >= 1" in p.stderr
     p = _run(["--model", "no-such.json", "--nproc", "2"], timeout=120)
     assert p.returncode == 2 and "model config (no-such.json) must exist" in p.stderr
+
+
+def _cli(args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "moonep_sim", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=str(REPO), env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+
+
+def test_validate_step_refuses_a_bad_model_in_one_line(tmp_path):
+    p = _cli(["validate", "--level", "step", "--models", "nope", "--out", str(tmp_path / "v")], timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "model ('nope') must be one of" in p.stderr
+    assert not (tmp_path / "v").exists()
+
+
+@pytest.mark.slow  # 2 gloo ranks, 2 strategies, 2 steps
+def test_validate_step_writes_points_for_every_strategy(tmp_path):
+    out = tmp_path / "v"
+    p = _cli(["validate", "--level", "step", "--models", "tiny-olmoe", "--strategies", "alltoall,moonep",
+              "--iters", "2", "--nproc", "2", "--out", str(out)])
+    assert p.returncode == 0, p.stderr[-2000:] + p.stdout[-2000:]
+    rep = json.loads((out / "fidelity-step.json").read_text())
+    assert [(q["case"], q["strategy"]) for q in rep["points"]] == [("tiny-olmoe", "alltoall"), ("tiny-olmoe", "moonep")]
+    for q in rep["points"]:
+        assert q["measured_ms"] > 0 and q["simulated_ms"] > q["rest_ms"] and q["chain_ms"] > q["rest_ms"]
+    assert rep["summary"]["step"]["pairs"] == 1 and rep["load_average"]["start"]
+    assert "median |error|" in p.stdout

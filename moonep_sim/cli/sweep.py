@@ -38,6 +38,9 @@ def register(sub) -> None:
     p.add_argument("--maxvio", type=float, default=GEN_DEFAULTS["maxvio"],
                    help=f"imbalance when not sweeping it (default {GEN_DEFAULTS['maxvio']:g})")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=1,
+                   help="run every point at this many seeds (from --seed); ties and confidence then rest on the "
+                        "spread over seeds, and winner-map cells use the mean time (default 1)")
     add_dispatch_dtype(p)
     p.add_argument("--out", default="moonep-sim-out/sweep", help="directory for sweep.json and sweep.png")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
@@ -100,6 +103,7 @@ OUT_FILES = ("sweep.json", "sweep.png", "report.html", "winner.png", "winner.md"
 
 def run_winner_map(args, cfg, by_vals: list[float]) -> int:
     """One sweep per --by value, then the winner map of them all."""
+    from moonep_sim.experiments.seeds import sweep_seeds
     from moonep_sim.experiments.sweep import check, sweep
     from moonep_sim.io import staged_dir, write_text_atomic
     from moonep_sim.experiments.winner import winner_map
@@ -112,7 +116,8 @@ def run_winner_map(args, cfg, by_vals: list[float]) -> int:
     reps = []
     for v, c in zip(by_vals, cfgs):
         with progress(con, f"sweep {args.by}={v:g}", lines=args.json) as cb:
-            reps.append((v, sweep(c, progress=cb, jobs=args.jobs, cluster=args.cluster)))
+            reps.append((v, sweep_seeds(c, args.seeds, lambda c: sweep(c, progress=cb, jobs=args.jobs,
+                                                                        cluster=args.cluster))))
     m = winner_map(reps, args.by)
     m["sweeps"] = [r for _, r in reps]
     out = Path(args.out)
@@ -121,13 +126,22 @@ def run_winner_map(args, cfg, by_vals: list[float]) -> int:
     with staged_dir(out, "--out") as tmp:
         winner_heatmap(m, tmp / "winner.png")
         write_text_atomic(tmp / "winner.md", md + "\n")
-        m["files"] = {"plot": str(png), "report": str(out / "winner.json"), "table": str(out / "winner.md")}
+        from moonep_sim.report.html import provenance, write_html
+
+        m["provenance"] = provenance()
+        m["files"] = {"plot": str(png), "report": str(out / "winner.json"), "table": str(out / "winner.md"),
+                      "html": str(out / "report.html")}
+        write_html({k: v for k, v in m.items() if k != "sweeps"}, tmp / "report.html", {"winner": tmp / "winner.png"})
         write_text_atomic(tmp / "winner.json", json.dumps(to_jsonable(m), indent=1))
     if args.json:
         print_json(m)
         return 0
     con.print(md)
-    con.print(f"wrote {png}, {out / 'winner.json'}, {out / 'winner.md'}")
+    from moonep_sim.report.tables import flag_lines
+
+    for line in flag_lines(m):
+        con.print(f"[dim]{line}[/dim]")
+    con.print(f"wrote {png}, {out / 'winner.json'}, {out / 'winner.md'}, {out / 'report.html'}")
     return 0
 
 
@@ -146,6 +160,7 @@ def scenario(args):
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     check_cluster_args(args)
     check_int(args.tokens_per_rank, "--tokens-per-rank", 1, MAX_TOKENS_PER_RANK)
+    check_int(args.seeds, "--seeds", 1, 64)
     spec = GeneratorSpec(model=args.model, maxvio=args.maxvio, tokens_per_rank=args.tokens_per_rank, seed=args.seed)
     return Scenario(routing=spec, cluster=(args.ranks, args.gpus_per_node or 0), topology=args.topology,
                     strategies=names, options=parse_strategy_opts(args.opt, names), dispatch_dtype=args.dispatch_dtype)
@@ -168,7 +183,8 @@ def run(args) -> int:
     check_jobs(args.jobs)
     c = console()
     with progress(c, "sweep", lines=args.json) as cb:
-        rep = sc.sweep(args.over, cfg.values, progress=cb, jobs=args.jobs, cluster=args.cluster).to_dict()
+        rep = sc.sweep(args.over, cfg.values, progress=cb, jobs=args.jobs, cluster=args.cluster,
+                       seeds=args.seeds).to_dict()
     out = Path(args.out)
     png = out / "sweep.png"
     with staged_dir(out, "--out") as tmp:

@@ -150,8 +150,61 @@ def summary_lines(cs: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+STEP_CASES = ("tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek")
+STEP_STRATEGIES = ("alltoall", "deepep", "moonep", "costaware")
+
+
+def validate_steps(models=STEP_CASES, strategies=STEP_STRATEGIES, *, nproc: int = 4, steps: int = 16,
+                   batch: int = 2, seq: int = 16, timeout_s: float = 900.0, progress=None) -> dict[str, Any]:
+    """``moonep-sim validate --level step``: for every model, train ``steps`` interleaved steps of
+    every strategy on ``nproc`` local gloo ranks (``launch/train_hf.py``'s rank program, routing
+    recorded) and simulate the same steps (:func:`compare_steps`). Returns the points (case,
+    strategy, measured, simulated by the step model and by the chain), the per-case rankings and
+    the summary (median |error| of each simulator, resolved pairs ordered right), with the load
+    average at the start and the end."""
+    import os
+    import tempfile
+    import time
+
+    from moonep_sim.integrations.train import launch
+
+    t0 = time.perf_counter()
+    load_start = [round(v, 2) for v in os.getloadavg()]
+    points, per_case, reports = [], [], []
+    for i, model in enumerate(models):
+        if progress:
+            progress(f"{model}: {nproc} ranks, {','.join(strategies)}", i, len(models))
+        with tempfile.TemporaryDirectory(prefix="validate-step-") as tmp:
+            argv = ["--model", model, "--strategy", ",".join(strategies), "--steps", str(steps), "--batch", str(batch),
+                    "--seq", str(seq), "--record", os.path.join(tmp, "routing.safetensors"), "--quiet"]
+            rep = launch(nproc, argv, timeout_s)
+            cs = compare_steps(rep)
+        reports.append({"train": rep, "compare_sim": cs})
+        for n, v in cs["strategies"].items():
+            points.append({"case": model, "strategy": n, "measured_ms": v["measured_ms"],
+                           "simulated_ms": v["step"]["simulated_ms"], "error": v["step"]["error"],
+                           "chain_ms": v["chain"]["simulated_ms"], "chain_error": v["chain"]["error"],
+                           "moe_error": v["step"]["moe_error"], "rest_ms": v["rest_ms"]})
+        per_case.append({"case": model, **{k: cs[k] for k in ("step", "chain")}})
+    if progress:
+        progress("done", len(models), len(models))
+    summary = {}
+    for kind, key in (("step", "error"), ("chain", "chain_error")):
+        errs = [abs(p[key]) for p in points if p[key] is not None]
+        rk = [c[kind].get("ranking") or {} for c in per_case]
+        summary[kind] = {"median_abs_error": statistics.median(errs) if errs else None,
+                         "resolved_pairs": sum(r.get("resolved_pairs", 0) for r in rk),
+                         "resolved_agree": sum(r.get("resolved_agree", 0) for r in rk),
+                         "pairs": sum(r.get("pairs", 0) for r in rk)}
+    return {"kind": "fidelity-step", "nproc": nproc, "steps": steps, "strategies": list(strategies),
+            "models": list(models), "simulator": SIMULATOR, "points": points, "per_case": per_case,
+            "summary": summary, "seconds": time.perf_counter() - t0,
+            "load_average": {"start": load_start, "end": [round(v, 2) for v in os.getloadavg()]},
+            "reports": reports}
+
+
 def _pct(v: float | None) -> str:
     return f"{v:>+6.1%}" if v is not None and np.isfinite(v) else "      -"
 
 
-__all__ = ["SIMULATOR", "compare_steps", "step_model", "summary_lines"]
+__all__ = ["SIMULATOR", "STEP_CASES", "STEP_STRATEGIES", "compare_steps", "step_model", "summary_lines", "validate_steps"]

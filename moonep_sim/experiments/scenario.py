@@ -272,25 +272,33 @@ class Scenario:
                             {n: r.get("correct") for n, r in per.items()}, to_jsonable(rep, lenient=True))
 
     def sweep(self, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None,
-              progress: Progress | None = None, jobs: int | None = 1, cluster: str | None = None) -> SweepResult:
+              progress: Progress | None = None, jobs: int | None = 1, cluster: str | None = None,
+              seeds: int = 1) -> SweepResult:
         """Vary ``over`` (``maxvio``, ``ep`` or a numeric topology constant) through ``values``
         (default: :func:`moonep_sim.experiments.sweep.default_values`); each point plans every
         strategy on generated routing (this scenario's generator spec, or the model's defaults) and
         simulates it on the topology. Points run in ``jobs`` worker processes (None: the cores) or on
-        a Dask ``cluster`` address (:mod:`moonep_sim.experiments.parallel`), same report as serial."""
+        a Dask ``cluster`` address (:mod:`moonep_sim.experiments.parallel`), same report as serial.
+        ``seeds`` > 1: the sweep at that many seeds; the verdicts rest on the spread over them
+        (:mod:`moonep_sim.experiments.seeds`)."""
+        from moonep_sim.experiments.seeds import sweep_seeds
         from moonep_sim.experiments.sweep import sweep
 
-        return SweepResult.from_report(sweep(self.sweep_config(over, values, maxvio=maxvio), progress=progress,
-                                             jobs=jobs, cluster=cluster))
+        return SweepResult.from_report(sweep_seeds(self.sweep_config(over, values, maxvio=maxvio), seeds,
+                                                   lambda c: sweep(c, progress=progress, jobs=jobs, cluster=cluster)))
 
     def winner_map(self, over: str, values: Sequence[float] | None, by: str, by_values: Sequence[float], *,
                    maxvio: float | None = None, progress: Progress | None = None, jobs: int | None = 1,
-                   cluster: str | None = None) -> dict[str, Any]:
+                   cluster: str | None = None, seeds: int = 1) -> dict[str, Any]:
         """The fastest strategy per cell over two knobs: one :meth:`sweep` of ``over`` per value of
         ``by`` (``tokens-per-rank``, ``maxvio`` or ``ep``), combined by
         :func:`moonep_sim.experiments.winner.winner_map` (each cell: winner, margin over the
-        runner-up, every strategy's time; ``sweeps`` holds the full reports)."""
+        runner-up, every strategy's time; ``sweeps`` holds the full reports). ``seeds`` > 1: every
+        sweep at that many seeds, each cell's times the means and its verdict (tie, confidence) from
+        the spread over seeds."""
         from dataclasses import replace
+
+        from moonep_sim.experiments.seeds import sweep_seeds
 
         from moonep_sim.experiments.sweep import check, sweep
         from moonep_sim.experiments.winner import winner_map
@@ -302,7 +310,8 @@ class Scenario:
         cfgs = [replace(base, **{field: (float(v) if by == "maxvio" else int(v))}) for v in by_values]
         for c in cfgs:
             check(c)  # every input checked before any work
-        reps = [(float(v), sweep(c, progress=progress, jobs=jobs, cluster=cluster)) for v, c in zip(by_values, cfgs)]
+        reps = [(float(v), sweep_seeds(c, seeds, lambda c: sweep(c, progress=progress, jobs=jobs, cluster=cluster)))
+                for v, c in zip(by_values, cfgs)]
         m = winner_map(reps, by)
         m["sweeps"] = [r for _, r in reps]
         return m
