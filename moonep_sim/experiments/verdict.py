@@ -213,7 +213,7 @@ def confidence(series: Mapping[str, Sequence[float]] | None, w: str, r: str, mar
     m = float(np.sum(wt * d))
     sd = float(np.sqrt(np.sum(wt * (d - m) ** 2)))
     n_eff = 1.0 / float(np.sum(wt ** 2))
-    half = 2.0 * sd / np.sqrt(n_eff)
+    half = float(2.0 * sd / np.sqrt(n_eff))
     wins = int(np.sum(d > TIE))
     basis = (f"over {n} {unit}s: {r} slower by {100 * m:.2f}% +- {100 * half:.2f}% (2 x the spread of the paired "
              f"differences / sqrt(n)); {w} faster in {wins} of {n}")
