@@ -249,7 +249,10 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
                  static_tokens=int(cfg.static_tokens[name]) if name in cfg.static_tokens else None,
                  wall_seconds=dict(plan=plan_s, simulate=sim_s, layers_wall=wall,
                                    compose=time.perf_counter() - t0),
-                 rows_max_mean=_rows_ratio(comms))
+                 rows_max_mean=_rows_ratio(comms),
+                 padded_rows_per_rank=float(np.mean([c.padded_rows_R.max() for c in comms.values()])) if comms else 0.0,
+                 real_rows_per_rank=float(np.mean([c.rows_R.max() for c in comms.values()])) if comms else 0.0,
+                 copies_per_layer=float(np.mean([c.copies_R.sum() for c in comms.values()])) if comms else 0.0)
         out[name] = d
         timelines[name] = tl
     return {"strategies": out, "mode": shape.mode, "tokens_per_rank": shape.tokens, "context": shape.context,
