@@ -173,6 +173,8 @@ class RoutingSource:
     generated or in-memory routing).  batches: ``[(step id, token ranges)]``, the batches a command
     costs, one per selected step (step id None: the ``merged`` batch); generated and in-memory
     routing is one batch.  batch_tokens: tokens of each batch (the weights of the per-step means).
+    transform: a function applied to each trace layer read (a sweep's re-weighted popularity, see
+    :mod:`moonep_sim.experiments.trace_sweep`); None: the routing as recorded.
     """
 
     label: str
@@ -186,6 +188,7 @@ class RoutingSource:
     steps: Any = None
     batches: list = dataclasses.field(default_factory=lambda: [(None, None)])
     batch_tokens: list = dataclasses.field(default_factory=lambda: [None])
+    transform: Any = None   # (LayerRouting, layer id, batch) -> LayerRouting applied to a trace's layers
     _trace: Any = None
     _routing: GlobalRouting | None = None
 
@@ -235,7 +238,8 @@ class RoutingSource:
             return LayerRouting(r.topk_ids_TK, r.topk_weights_TK, self.num_experts, layer_id)
         from moonep_sim.routing.steps import read_layer
 
-        return read_layer(self._trace, self._trace.layer_index(layer_id), ranges=self.batches[batch][1])
+        lr = read_layer(self._trace, self._trace.layer_index(layer_id), ranges=self.batches[batch][1])
+        return self.transform(lr, int(layer_id), batch) if self.transform is not None else lr
 
     def selected_layer(self, layer_id: int) -> LayerRouting:
         """A trace layer's tokens of every batch, concatenated in token order (what a step model
@@ -276,7 +280,8 @@ class RoutingSource:
         """The routing strategy ``name`` plans on: the layer's (``base`` when given), except deepep
         with ``max_nodes``, which re-routes a trace's router logits node-limited (top-K within the
         ``max_nodes`` best nodes, as DeepSeek-V3's router does). Every command plans through here."""
-        if name == "deepep" and opts.get("max_nodes") and self._trace is not None and self._trace.has("router_logits"):
+        if (name == "deepep" and opts.get("max_nodes") and self._trace is not None and self.transform is None
+                and self._trace.has("router_logits")):
             from moonep_sim.strategies import get_strategy
             from moonep_sim.strategies.deepep import node_limited_topk
 
