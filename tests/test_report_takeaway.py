@@ -193,3 +193,38 @@ def test_plots_mark_identical_series_ties_and_flags(monkeypatch, tmp_path):
     plots.traffic_heatmaps(rep, tmp_path / "t.png")
     ims = [a.images[0] for a in figs[-1].axes if a.images]
     assert [im.get_clim()[1] for im in ims] == [1024.0, 1.0]
+
+
+def test_step_result_carries_verdict_flags_and_saves(tmp_path):
+    res = Scenario(routing="gen:model=mixtral-8x7b,tokens-per-rank=32", cluster="4/2",
+                   strategies="alltoall,eplb").step("decode", distinct_layers=1)
+    d = res.to_dict()
+    assert d["kind"] == "step" and d["verdict"]["winner"] in ("alltoall", "eplb")
+    assert d["verdict"]["mechanism"] in ("exposed communication", "compute", "memory", None)
+    codes = {(f["code"], f["strategy"]) for f in d["flags"]}
+    assert ("oracle", "eplb") in codes and ("stand-in-layer", None) in codes  # layers reuse layer 0's routing
+    files = res.save(tmp_path / "step")
+    assert (tmp_path / "step" / "step_time.png").read_bytes()[:8] == PNG
+    doc = _parse(tmp_path / "step" / "report.html")
+    assert len(doc.imgs) == 1 and d["verdict"]["why"] in " ".join(doc.text) and "html" in files
+
+
+def test_winner_map_html_and_heatmap_show_ties(tmp_path, monkeypatch):
+    from moonep_sim.experiments.winner import winner_map
+    from moonep_sim.report import plots
+    from moonep_sim.report.html import write_html
+    from moonep_sim.report.winner import winner_heatmap
+
+    def sw(times):
+        return {"over": "maxvio", "values": [0.2, 20.0], "model": {"name": "m"}, "topology": {"name": "t"},
+                "strategies": {n: {"layer_time_us": ts, "dropped": [0, 0]} for n, ts in times.items()}}
+    m = winner_map([(128.0, sw({"x": [10.0, 30.0], "y": [10.0, 20.0]}))], "tokens-per-rank")
+    write_html(m, tmp_path / "w.html", {"winner": winner_heatmap(m, tmp_path / "w.png")})
+    text = " ".join(_parse(tmp_path / "w.html").text)
+    assert "x = y (tie)" in text and "y +50.0%" in text
+    figs = []
+    monkeypatch.setattr(plots, "_save", lambda fig, dest: figs.append(fig) or dest)
+    winner_heatmap(m, tmp_path / "w2.png")
+    ax = figs[-1].axes[0]
+    assert any(t.get_text().startswith("x = y\n(tie)") for t in ax.texts)
+    assert "tie" in [t.get_text() for t in ax.get_legend().get_texts()]

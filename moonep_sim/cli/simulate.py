@@ -129,11 +129,19 @@ def run(args) -> int:
         c.print(f"[bold]{args.isolate} kernel alone[/bold]: {kern['rank_mean_us']:,.1f} us per rank (mean of each "
                 f"rank's own kernel time, as DeepEP times it), {kern['span_us']:,.1f} us to the last rank; "
                 f"row {kern['row_bytes']} B")
-        for k, how in (("rows_received", "rows received per rank, own included (DeepEP intranode / NVLink)"),
-                       ("node_pairs", "unique (token, node) pairs incl. the local node (DeepEP internode / RDMA)"),
-                       ("selections", "every (token, expert) selection (DeepEP low-latency; MoonEP's logical with 2H rows)")):
+        hows = {"rows_received": "rows received per rank, own included (DeepEP V1 intranode / NVLink)",
+                "node_pairs": "unique (token, node) pairs incl. the local node (DeepEP V1 internode / RDMA)",
+                "scale_up": "rows sent to other GPUs of the node, every hop (DeepEP V2 scale-up)",
+                "scale_out": "rows sent to other nodes, every hop (DeepEP V2 scale-out)",
+                "selections": "every (token, expert) selection (low-latency tests; MoonEP's logical with 2H rows)"}
+        mine = kern.get("library_counts", [])
+        if kern.get("family"):
+            c.print(f"  kernel family {kern['family']}: its library's own test counts "
+                    f"{' and '.join(mine) or 'none of these'} (marked *)")
+        for k in sorted(hows, key=lambda k: k not in mine):
             if k in kern:
-                c.print(f"  {kern[k + '_GBps']:,.1f} GB/s  {how}: {kern[k] / 1e6:,.2f} MB per rank")
+                c.print(f"{'*' if k in mine else ' '} {kern[k + '_GBps']:,.1f} GB/s  {hows[k]}: "
+                        f"{kern[k] / 1e6:,.2f} MB per rank")
     c.print(f"[bold]{res.strategy}[/bold] on [bold]{topo.name}[/bold]: {res.ranks} ranks "
             f"({min(topo.gpus_per_node, res.ranks)} per node), model {model.name}, layers {layer_ids}"
             f"{', forward + backward' if args.backward else ', forward'}")

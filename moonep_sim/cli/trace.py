@@ -51,6 +51,9 @@ def register(sub) -> None:
     pi.add_argument("--capture-min-rows", type=int, default=8,
                     help="shortest power-of-two step of one identical expert set dropped as a graph-capture "
                          "block (0: keep them)")
+    pi.add_argument("--drop-incomplete-tokens", action="store_true",
+                    help="drop a token at every layer when the log misses it at some (default: keep the layers it "
+                         "has, under a per-layer token mask, with a warning giving the count)")
     pi.add_argument("--dominant-share", type=float, default=0.3,
                     help="warn when one expert set holds more than this share of a layer's kept rows "
                          "(at least 4x a uniform set's share)")
@@ -130,7 +133,8 @@ def run_import(a) -> int:
     t0 = time.perf_counter()
     meta = import_trace(a.src, a.out, a.format, model=a.model, num_experts=a.num_experts, top_k=a.top_k,
                         warmup_min_rows=a.warmup_min_rows, capture_min_rows=a.capture_min_rows,
-                        steps_from=a.steps_from, dominant_share=a.dominant_share)
+                        steps_from=a.steps_from, dominant_share=a.dominant_share,
+                        incomplete_tokens="drop" if a.drop_incomplete_tokens else "keep")
     out = {"out": a.out, "kind": meta.kind, "layers": meta.num_layers, "tokens": meta.num_tokens,
            "num_experts": meta.num_experts, "top_k": meta.top_k, "steps": meta.steps,
            "import_report": meta.import_report, "seconds": round(time.perf_counter() - t0, 3)}
@@ -144,7 +148,7 @@ def run_import(a) -> int:
     c.print(f"{a.src} -> {a.out}: {meta.kind}-level, {meta.num_layers} layers, {meta.num_tokens} tokens, "
             f"{r.get('steps', 1)} step(s), E={meta.num_experts}{' (inferred)' if meta.num_experts_inferred else ''}, "
             f"K={meta.top_k} ({out['seconds']} s)")
-    for k in ("dummy_records_dropped", "duplicate_records_dropped", "tokens_missing_layers_dropped",
+    for k in ("dummy_records_dropped", "duplicate_records_dropped", "tokens_missing_layers", "tokens_missing_layers_dropped",
               "records_of_incomplete_tokens_dropped", "non_route_records_skipped"):
         if r.get(k):
             c.print(f"  {k.replace('_', ' ')}: {r[k]}")

@@ -79,8 +79,8 @@ def model_flags(model: Mapping[str, Any]) -> list[dict[str, Any]]:
     """``shape-not-given`` when the model is the invented ``custom`` shape."""
     if model.get("name") == "custom":
         return [_flag("shape-not-given", None, f"no model shape given: rows and weights costed with an invented shape "
-                                               f"(hidden {model.get('hidden')}, expert FFN {model.get('expert_ffn')}); "
-                                               "pass --model")]
+                                               f"(hidden {model.get('hidden', 1024)}, expert FFN "
+                                               f"{model.get('expert_ffn', 512)}); pass --model")]
     return []
 
 
@@ -102,8 +102,10 @@ def compare_flags(rep: Mapping[str, Any], calibration: str | None = "unknown") -
     nodes = int((rep.get("cluster") or {}).get("nodes") or 1)
     L = len((rep.get("routing") or {}).get("layers") or []) or 1
     for n, s in (rep.get("strategies") or {}).items():
+        S = len((s.get("per_step") or {}).get("layer_time_us") or [])
+        unit = f"{L} layer(s)" + (f" x {S} steps" if S > 1 else "")
         out += strategy_flags(n, s.get("options") or {}, nodes, int(s.get("dropped", 0)), int(s.get("padded", 0)),
-                              unit=f"{L} layer(s)")
+                              unit=unit)
     if rep.get("real"):
         if calibration == "unknown":
             from moonep_sim.experiments import calibrate as cal
@@ -115,6 +117,35 @@ def compare_flags(rep: Mapping[str, Any], calibration: str | None = "unknown") -
         out.append(_flag("stand-in-layer", None, f"layers {', '.join(map(str, stand))} were costed with a stand-in "
                                                  "layer's routing"))
     return out
+
+
+def step_flags(setup: Mapping[str, Any], options: Mapping[str, Mapping[str, Any]],
+               model: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every flag of one step: stand-in and reused layers, each strategy's options against its
+    real library, the model shape."""
+    out = model_flags(model or {})
+    nodes = max(int(setup.get("ranks", 1)) // max(int(setup.get("gpus_per_node", 1)), 1), 1)
+    for n, o in options.items():
+        out += strategy_flags(n, o, nodes, unit="the step")
+    stand = [i for i, p in enumerate(setup.get("layers_routing") or []) if str(p).startswith("STAND-IN")]
+    if stand:
+        out.append(_flag("stand-in-layer", None, f"{len(stand)} MoE layer(s) the trace does not have were costed "
+                                                 f"with generated stand-in routing (MoE layers {_ranges(stand)})"))
+    if setup.get("reused_layers"):
+        out.append(_flag("stand-in-layer", None, f"{setup['reused_layers']} MoE layer(s) reuse another layer's "
+                                                 f"routing (distinct layers {setup.get('distinct_layers')})"))
+    return out
+
+
+def _ranges(ids: list[int]) -> str:
+    out, start = [], None
+    for i, v in enumerate(ids):
+        if start is None:
+            start = v
+        if i + 1 == len(ids) or ids[i + 1] != v + 1:
+            out.append(f"{start}-{v}" if v != start else f"{v}")
+            start = None
+    return ", ".join(out)
 
 
 def sweep_flags(rep: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -133,5 +164,5 @@ def sweep_flags(rep: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["FLAG_CODES", "REAL_LIBRARY", "calibration_flags", "compare_flags", "library_of",
+__all__ = ["FLAG_CODES", "REAL_LIBRARY", "step_flags", "calibration_flags", "compare_flags", "library_of",
            "model_flags", "strategy_flags", "sweep_flags"]

@@ -165,7 +165,7 @@ def _why(mech: str, w: str, r: str, fw: Mapping[str, Any], fr: Mapping[str, Any]
         return s + f"; {_t(d)} of token traffic"
     if mech == "weight copies":
         slow, fast, fs, ff = (r, w, fr, fw) if d > 0 else (w, r, fw, fr)
-        return (f"{slow} copies {fs['weight_copies'] + fs['migrations']:.3g} experts{per} ({_bytes(fs['weight_bytes'])} of "
+        return (f"{slow} copies {fs['weight_copies'] + fs['migrations']:.3g} expert(s){per} ({_bytes(fs['weight_bytes'])} of "
                 f"weights, {_t(abs(d))} longer on the critical path) where {fast} copies "
                 f"{ff['weight_copies'] + ff['migrations']:.3g} ({_bytes(ff['weight_bytes'])})")
     if mech == "expert-compute imbalance":
@@ -213,7 +213,7 @@ def confidence(series: Mapping[str, Sequence[float]] | None, w: str, r: str, mar
     m = float(np.sum(wt * d))
     sd = float(np.sqrt(np.sum(wt * (d - m) ** 2)))
     n_eff = 1.0 / float(np.sum(wt ** 2))
-    half = 2.0 * sd / np.sqrt(n_eff)
+    half = float(2.0 * sd / np.sqrt(n_eff))
     wins = int(np.sum(d > TIE))
     basis = (f"over {n} {unit}s: {r} slower by {100 * m:.2f}% +- {100 * half:.2f}% (2 x the spread of the paired "
              f"differences / sqrt(n)); {w} faster in {wins} of {n}")
@@ -228,10 +228,11 @@ def confidence(series: Mapping[str, Sequence[float]] | None, w: str, r: str, mar
 
 def verdict(figs: Mapping[str, Mapping[str, Any]], *, series: Mapping[str, Sequence[float]] | None = None,
             unit: str = "layer", weights: Sequence[float] | None = None,
-            flags: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any] | None:
+            flags: Sequence[Mapping[str, Any]] = (), per: str = "layer") -> dict[str, Any] | None:
     """The verdict over strategies. figs: strategy -> its figures (:func:`figures`, or their
     :func:`mean_figures` over units); series: strategy -> time per unit (for the spread); unit:
-    what one series entry is (``step``, ``layer``, ``seed``); flags: the result's flags (the
+    what one series entry is (``step``, ``layer``, ``seed``); per: what one figure is (the
+    sentences say "per layer"); flags: the result's flags (the
     winner's and runner-up's codes are repeated in the verdict). None without strategies."""
     if not figs:
         return None
@@ -255,16 +256,16 @@ def verdict(figs: Mapping[str, Mapping[str, Any]], *, series: Mapping[str, Seque
             tie = False
             conf = {"level": "drops rows", "units": conf["units"], "unit": unit,
                     "basis": f"{r} dropped entries: it did less work and never wins"}
-            head = f"{r} drops {figs[r]['dropped']:,.0f} entries per {unit} and never wins"
+            head = f"{r} drops {figs[r]['dropped']:,.0f} entries per {per} and never wins"
             if margin <= 0:
                 mech = "dropped rows"
-            why = (head + "; " + _why(mech, w, r, figs[w], figs[r], tw, tr, unit) if margin > 0 else
+            why = (head + "; " + _why(mech, w, r, figs[w], figs[r], tw, tr, per) if margin > 0 else
                    head + f" (it is faster by {-100 * margin:.1f}%: it did less work)")
         elif tie and margin <= TIE:
-            why = f"{w} and {r} take the same time ({_t(times[w])} per {unit}): a tie"
+            why = f"{w} and {r} take the same time ({_t(times[w])} per {per}): a tie"
         else:
-            why = _why(mech, w, r, figs[w], figs[r], tw, tr, unit)
-            why += f" (of a {_t(times[r] - times[w])} difference per {unit})"
+            why = _why(mech, w, r, figs[w], figs[r], tw, tr, per)
+            why += f" (of a {_t(times[r] - times[w])} difference per {per})"
             if tie:
                 why = f"a tie within the spread ({conf['basis']}); " + why
         others.append({"strategy": r, "margin": float(margin), "tie": tie, "confidence": conf,
@@ -341,5 +342,63 @@ def sweep_verdicts(rep: Mapping[str, Any]) -> list[dict[str, Any] | None]:
     return out
 
 
-__all__ = ["MECHANISMS", "TIE", "attribute", "compare_verdict", "confidence", "figures", "mean_figures",
+#: the terms a step verdict may name (a step's figures are whole-step totals, not per-phase spans)
+STEP_MECHANISMS = {
+    "exposed communication": "communication not hidden behind compute on the slowest rank",
+    "compute": "the slowest rank's compute (expert imbalance, padding and the rest of the model)",
+    "memory": "the runner-up runs out of GPU memory (OOM)",
+}
+
+
+def step_verdict(strategies: Mapping[str, Mapping[str, Any]],
+                 flags: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any] | None:
+    """The verdict of one step (``moonep-sim step``'s figures per strategy): the fastest strategy
+    that fits in memory; the mechanism is the step term (:data:`STEP_MECHANISMS`) whose difference
+    is the larger part of the margin. One step: confidence judged against :data:`TIE` only."""
+    fit = sorted((float(f["step_time_us"]), n) for n, f in strategies.items() if not f.get("oom"))
+    oom = sorted((float(f["step_time_us"]), n) for n, f in strategies.items() if f.get("oom"))
+    order = [n for _, n in fit + oom]
+    if not order:
+        return None
+    w = order[0]
+    fw = strategies[w]
+    others = []
+    for r in order[1:]:
+        fr = strategies[r]
+        margin = float(fr["step_time_us"]) / max(float(fw["step_time_us"]), 1e-12) - 1.0
+        conf = confidence(None, w, r, margin, "step")
+        d_comm = float(fr.get("exposed_comm_us", 0)) - float(fw.get("exposed_comm_us", 0))
+        d_comp = float(fr.get("compute_us", 0)) - float(fw.get("compute_us", 0))
+        tie = conf["level"] == "tie"
+        if fr.get("oom") and not fw.get("oom"):
+            mech, tie = "memory", False
+            why = (f"{r} needs {float(fr['peak_memory_bytes']) / _GiB:.3g} GiB on its busiest GPU, more than its "
+                   f"{float(fr['gpu_memory_bytes']) / _GiB:.3g} GiB (OOM), where {w} needs "
+                   f"{float(fw['peak_memory_bytes']) / _GiB:.3g} GiB")
+        elif tie:
+            mech, why = None, f"{w} and {r} take the same step time ({_t(float(fw['step_time_us']))}): a tie"
+        elif d_comm >= d_comp:
+            mech = "exposed communication"
+            why = (f"{r} leaves {_t(float(fr['exposed_comm_us']))} of communication exposed per step where {w} leaves "
+                   f"{_t(float(fw['exposed_comm_us']))}")
+        else:
+            mech = "compute"
+            why = (f"{r}'s slowest rank computes for {_t(float(fr['compute_us']))} per step where {w}'s computes for "
+                   f"{_t(float(fw['compute_us']))} (rows max/mean {float(fr.get('rows_max_mean', 0)):.2f} against "
+                   f"{float(fw.get('rows_max_mean', 0)):.2f})")
+        others.append({"strategy": r, "margin": margin, "tie": tie, "confidence": conf, "mechanism": mech,
+                       "share": 0.0, "why": why})
+    if not others:
+        return {"winner": w, "runner_up": None, "margin": 0.0, "tie": False,
+                "confidence": {"level": "single strategy", "units": 0, "unit": "step", "basis": "one strategy"},
+                "mechanism": None, "why": f"{w} is the only strategy compared", "others": []}
+    top = others[0]
+    codes = {n: sorted({f["code"] for f in flags if f.get("strategy") == n}) for n in (w, top["strategy"])}
+    return {"winner": w, "runner_up": top["strategy"], "margin": top["margin"], "tie": top["tie"],
+            "confidence": top["confidence"], "mechanism": top["mechanism"], "why": top["why"],
+            "flags": {n: c for n, c in codes.items() if c},
+            "tied_with": [o["strategy"] for o in others if o["tie"]], "others": others}
+
+
+__all__ = ["MECHANISMS", "STEP_MECHANISMS", "step_verdict", "TIE", "attribute", "compare_verdict", "confidence", "figures", "mean_figures",
            "sweep_verdicts", "terms", "verdict"]

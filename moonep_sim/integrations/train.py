@@ -251,7 +251,24 @@ def model_shape(model) -> dict[str, Any]:
             "expert_ffn": int(round(per_expert / (3 * H))), "expert_params": int(per_expert),
             "moe_layers": [x.layer_id for x in sites], "layers": int(cfg.num_hidden_layers),
             "vocab": int(cfg.vocab_size), "model_type": str(getattr(cfg, "model_type", "?")),
-            "class": type(model).__name__}
+            "class": type(model).__name__, "stack": _stack_fields(cfg, s.num_experts)}
+
+
+def _stack_fields(cfg, E: int) -> dict[str, int | str]:
+    """The layer-stack fields of ``moonep_sim.models.ModelSpec`` read from a transformers config
+    (attention kind and widths, shared experts, dense layers, vocab) for the step model."""
+    g = lambda k, d=0: int(getattr(cfg, k, None) or d)   # noqa: E731
+    H, heads = int(cfg.hidden_size), g("num_attention_heads", 1)
+    out: dict[str, int | str] = {"heads": heads, "kv_heads": g("num_key_value_heads", heads),
+                                 "head_dim": g("head_dim", H // heads), "vocab": int(cfg.vocab_size),
+                                 "attention": "gqa", "dense_ffn": g("intermediate_size")}
+    if getattr(cfg, "kv_lora_rank", None):
+        out.update(attention="mla", head_dim=g("qk_nope_head_dim"), q_lora_rank=g("q_lora_rank"),
+                   kv_lora_rank=g("kv_lora_rank"), qk_rope_dim=g("qk_rope_head_dim"), v_head_dim=g("v_head_dim"))
+    F = g("moe_intermediate_size") or g("intermediate_size")
+    shared = g("n_shared_experts") or (round(g("shared_expert_intermediate_size") / F) if F else 0)
+    out["shared_experts"] = int(shared)
+    return out
 
 
 def _gather_routing(tr: _Tracked, steps_seen, warmup: int):

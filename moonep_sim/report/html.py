@@ -120,6 +120,19 @@ def _sweep_table(d: Mapping[str, Any]) -> str:
     return _table([d["over"], *[f"{n} (us)" for n in names], *(["verdict", "why"] if vs else [])], rows, "main")
 
 
+def _winner_table(d: Mapping[str, Any]) -> str:
+    rows = []
+    for y, row in zip(d["y"]["values"], d["cells"]):
+        out = [y]
+        for c in row:
+            v = c.get("verdict") or {}
+            who = " = ".join(c["tied"]) + " (tie)" if c.get("tied") else c["winner"]
+            conf = (v.get("confidence") or {}).get("level", "-")
+            out.append(f"{who} +{100 * c['margin']:.1f}% ({v.get('mechanism') or '-'}; {conf})")
+        rows.append(out)
+    return _table([f"{d['y']['knob']} \\ {d['x']['knob']}", *[f"{x:g}" for x in d["x"]["values"]]], rows, "main")
+
+
 def _generic_tables(d: Mapping[str, Any]) -> str:
     out = []
     st = d.get("strategies")
@@ -142,15 +155,19 @@ def render_html(data: Mapping[str, Any], figures: Mapping[str, bytes | str | os.
     """The report as one HTML document (see the module docstring). ``prov``: :func:`provenance`."""
     kind = data.get("kind", "result")
     prov = dict(prov or data.get("provenance") or provenance())
-    label = (data.get("routing") or {}).get("label") or (data.get("model") or {}).get("name", "")
+    model = data.get("model")
+    routing = data.get("routing") if isinstance(data.get("routing"), Mapping) else {}
+    label = routing.get("label") or (model.get("name", "") if isinstance(model, Mapping) else str(model or ""))
     title = title or f"moonep-sim {kind}: {label}"
     body = [f"<h1>{_e(title)}</h1>"]
     topo = data.get("topology") or {}
+    if not isinstance(topo, Mapping):  # a winner map names its topology only
+        topo = {"name": str(topo)}
     if topo:
         body.append(f"<p>simulated on <b>{_e(topo.get('name', '?'))}</b>; cluster {_e(data.get('cluster', ''))}</p>")
     body.append("<h2>Verdict</h2>")
-    if "verdicts" in data:
-        body.append("<p>one verdict per point, in the table below</p>")
+    if "verdicts" in data or "cells" in data:
+        body.append("<p>one verdict per point (cell), in the table below</p>")
     else:
         body.append(_verdict_html(data.get("verdict")))
     flags = data.get("flags") or []
@@ -164,6 +181,8 @@ def render_html(data: Mapping[str, Any], figures: Mapping[str, bytes | str | os.
         body.append(_compare_table(data))
     elif kind == "sweep" and "values" in data:
         body.append(_sweep_table(data))
+    elif kind == "winner_map" and "cells" in data:
+        body.append(_winner_table(data))
     else:
         body.append(_generic_tables(data))
     if figures:

@@ -352,3 +352,34 @@ def fidelity_scatter(cases: Sequence[dict[str, Any]], dest: str | os.PathLike, t
     ax.set_title("simulator fidelity: one point per (case, strategy)")
     ax.legend(fontsize=8)
     return _save(fig, dest)
+
+
+def step_bars(doc: dict[str, Any], dest: str | os.PathLike) -> Path:
+    """A step result: step time per strategy stacked as compute + exposed communication (linear),
+    OOM strategies hatched, ties and flags marked."""
+    plt = _plt()
+    strat = doc["strategies"]
+    names = list(strat)
+    fl = flagged(doc)
+    t = np.array([float(strat[n]["step_time_us"]) for n in names])
+    unit, scale = _unit(float(t.max()) if t.size else 1.0)
+    comm = np.array([float(strat[n].get("exposed_comm_us", 0.0)) for n in names])
+    fig, ax = plt.subplots(figsize=(max(5.5, 1.2 * len(names) + 2.5), 4.2), layout="constrained")
+    x = np.arange(len(names))
+    rest = np.maximum(t - comm, 0.0)
+    oom = [bool(strat[n].get("oom")) for n in names]
+    ax.bar(x, rest * scale, 0.6, color=PHASE_COLORS["compute"], label="compute and the rest",
+           hatch=None, edgecolor="black", linewidth=[1.5 if o else 0 for o in oom])
+    ax.bar(x, comm * scale, 0.6, bottom=rest * scale, color=PHASE_COLORS["dispatch"], label="exposed communication")
+    ties = {n for _, ns, _ in merge_identical({n: [v] for n, v in zip(names, t)}) if len(ns) > 1 for n in ns}
+    for xi, v, o in zip(x, t * scale, oom):
+        ax.annotate(f"{v:.3g}" + (" OOM" if o else ""), (xi, v), xytext=(0, 2), textcoords="offset points",
+                    ha="center", fontsize=8, color="red" if o else "black")
+    ax.set_xticks(x, [mark(n, fl) + (" (tie)" if n in ties else "") for n in names], rotation=20, ha="right")
+    ax.set_ylabel(f"simulated step time ({unit})")
+    s = doc.get("setup") or {}
+    ax.set_title(f"{s.get('mode', '')} step of {s.get('model', '?')} on {s.get('topology', '?')}", fontsize=10)
+    ax.set_ylim(0, max(float(t.max()) * scale * 1.15, 1e-9) if t.size else 1)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    flag_note(fig, fl)
+    return _save(fig, dest)

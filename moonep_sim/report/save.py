@@ -2,7 +2,8 @@
 ``report.html`` (what ``result.save(folder)`` and the CLI's ``--out`` write).
 
 The plots of each kind (:data:`PLOTS`): compare -- layer time, rows per rank, traffic; sweep --
-layer time and ratio to the lower bound per value; simulate -- layer time per strategy; a kind
+layer time and ratio to the lower bound per value; simulate -- layer time per strategy; step --
+step time split into compute and exposed communication per strategy; a kind
 without plots (plans, replay, a new kind) still gets its JSON and HTML.
 """
 
@@ -21,6 +22,7 @@ PLOTS = {
     "compare": [("layer_time", P.layer_time_bars), ("rows_per_rank", P.rows_per_rank), ("traffic", P.traffic_heatmaps)],
     "sweep": [("sweep", P.sweep_lines)],
     "simulate": [("layer_time", P.simulate_bars)],
+    "step": [("step_time", P.step_bars)],
 }
 
 

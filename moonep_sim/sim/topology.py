@@ -221,7 +221,7 @@ class Topology:
     plan_per_entry_ns: float = 0.02
     plan_per_cell_ns: float = 3.124
     kernel_dispatch_fixed_us: float = 26.77
-    kernel_combine_fixed_us: float = 17.64
+    kernel_combine_fixed_us: float = 11.46
     kernel_relay_message_rows: int = 16
     kernel_nic_message_us: float = 0.003
     sm_count: int = 132
@@ -445,8 +445,9 @@ def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>", defaults: di
             require(isinstance(val, str), f"{origin}: {key}: expected a string, found {val!r}")
             kw[key] = val
         elif key == "sources":
-            require(isinstance(val, dict), f"{origin}: [sources] must be a table of strings")
-            kw["sources"] = {str(k): str(v) for k, v in val.items()}
+            require(isinstance(val, dict) and all(isinstance(v, str) for v in val.values()),
+                    f"{origin}: [sources] must be a table of strings (constant = \"where its value comes from\")")
+            kw["sources"] = dict(val)
         elif key in _TABLES:
             prefix, keys = _TABLES[key]
             require(isinstance(val, dict), f"{origin}: {key} must be a table [{key}]")

@@ -10,7 +10,9 @@ token's hop 0 to its own node is a self copy (the diagonal of hop 0's matrix, wh
 and it then travels over NVLink like the others; :func:`deepep_rdma_bytes` gives DeepEP's count
 (unique (token, node) pairs, local node included) for comparison with its published bandwidths.
 
-Option ``max_nodes`` (M, 0 = no limit): a routing is given, so the planner cannot re-route it; it
+Option ``impl`` names the kernel family that prices the kernels (``moonep_sim.plan.kernel``:
+DeepEP V1 by default; DeepEP V2, NCCL EP, UCCL-EP, mori move rows the same way here, at their own
+SM budget, copy rate and per-message costs). Option ``max_nodes`` (M, 0 = no limit): a routing is given, so the planner cannot re-route it; it
 checks that no token spans more than M nodes and raises otherwise. Node-limited selection itself
 applies to router logits: :func:`node_limited_topk` (DeepSeek-V3's group-limited top-k with one
 expert group per node) makes such a routing; ``moonep-sim plan`` uses it when the trace holds
@@ -24,7 +26,7 @@ import numpy as np
 
 from moonep_sim.errors import PlanError, require
 from moonep_sim.plan import GlobalRouting, Plan, Scope, home_slots, plan_from_hops, to_final, to_node_of_final
-from moonep_sim.plan.kernel import KernelSpec
+from moonep_sim.plan.kernel import FAMILIES, family, family_spec
 from moonep_sim.strategies import Option, PlanContext, register
 
 # Notation: T tokens, K top-k, E experts, R ranks, G GPUs per node, N = T*K entries.
@@ -75,9 +77,15 @@ def deepep_rdma_bytes(plan: Plan) -> int:
 @register("deepep", summary="DeepEP normal kernels: once per destination node over RDMA, then NVLink forward",
           options={"max_nodes": Option(int, 0, "check that no token spans more than this many nodes (0 = no limit)",
                                        check=lambda v: v >= 0, constraint="must be >= 0 (0 = no limit)"),
-                   "sms": Option(int, 24, "SMs its kernels use (DeepEP's normal kernels: 20-24; 0 = no SM cap, -1 = all)",
-                                 check=lambda v: v >= -1, constraint="must be >= 1, 0 (no SM cap) or -1 (all)")})
-def plan(routing: GlobalRouting, ctx: PlanContext, *, max_nodes: int, sms: int) -> Plan:
+                   "sms": Option(int, None, "SMs its kernels use (default: the kernel family's, DeepEP V1: 24; "
+                                 "0 = no SM cap, -1 = all)",
+                                 check=lambda v: v >= -1, constraint="must be >= 1, 0 (no SM cap) or -1 (all)"),
+                   "impl": Option(str, "deepep-v1", "kernel family pricing the kernels (moonep_sim.plan.kernel.FAMILIES; "
+                                  "`moonep-sim topologies` lists them)",
+                                  choices=tuple(n for n, f in FAMILIES.items() if f.mode == "normal"))})
+def plan(routing: GlobalRouting, ctx: PlanContext, *, max_nodes: int, sms: int | None, impl: str) -> Plan:
+    fam = family(impl, "normal")
+    sms = fam.sms if sms is None else sms
     cl = ctx.cluster
     sr, se, slot_of = home_slots(ctx.placement)
     ids = routing.topk_ids_TK
@@ -95,4 +103,4 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, max_nodes: int, sms: int) 
     # one kernel: the relay (same local index on the destination node) forwards rows as they arrive
     hops = [to_node_of_final(cl, dedup=True), to_final(Scope.INTRA_NODE, dedup=True)]
     return plan_from_hops(routing, cl, ctx.costs, sr, se, sr, entry_slot, hops, token_padding=ctx.token_padding,
-                          options=opts, kernel=KernelSpec(sms=sms, relay=True))
+                          options=opts, kernel=family_spec(fam, sms=sms, relay=True))
