@@ -284,3 +284,16 @@ def test_profile_script_writes_a_profile_the_step_accepts(tmp_path, monkeypatch)
     assert main(["step", "--gen", f"model={model},maxvio=1,tokens-per-rank=8", "--ranks", "4", "--mode", "train",
                  "--strategies", "alltoall", "--compute-profile", str(out), "--json", str(tmp_path / "o.json")]) == 0
     assert json.loads((tmp_path / "o.json").read_text())["setup"]["compute_profile"] == str(out)
+
+
+@pytest.mark.slow  # worker processes
+def test_jobs_give_the_same_step_as_serial():
+    from moonep_sim.experiments import Scenario
+
+    sc = Scenario(routing="gen:model=olmoe-1b-7b,maxvio=2,tokens-per-rank=32", cluster=8,
+                  strategies=["alltoall", "moonep"])
+    a = sc.step("train", "shared-expert", distinct_layers=3)
+    b = sc.step("train", "shared-expert", distinct_layers=3, jobs=2)
+    for s in ("alltoall", "moonep"):
+        assert a.figures[s]["step_time_us"] == b.figures[s]["step_time_us"]
+        assert a.figures[s]["peak_memory_bytes"] == b.figures[s]["peak_memory_bytes"]
