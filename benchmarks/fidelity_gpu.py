@@ -45,7 +45,9 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from calibrate_deepep import deepep_routing  # noqa: E402
+from fidelity_ep16 import relay_diagnostic, render_diagnostic  # noqa: E402
 
+import moonep_sim.plan.kernel as kernel_mod  # noqa: E402
 from moonep_sim.models import custom_model, get_model  # noqa: E402
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts  # noqa: E402
 from moonep_sim.sim import SimOptions, load_topology, simulate_layer  # noqa: E402
@@ -54,7 +56,8 @@ from moonep_sim.strategies import PlanContext, make_plan  # noqa: E402
 from moonep_sim.strategies.deepep_ll import ll_counted_bytes  # noqa: E402
 
 H = 7168
-GPU_PRESETS = ("h800-cx7", "h100-cx7", "h200", "h20", "b200", "gb200-nvl72")
+GPU_PRESETS = ("h800-cx7", "h100-cx7", "h200-cx7", "h20", "b200", "gb200-nvl72", "mi300x-cx7", "mi350x", "h20-roce200",
+               "h100-efa", "h200-efa")
 
 # -- rows ------------------------------------------------------------------------------------
 # (id, source, setup, metric, unit, published, role, spec)  role: "fit:<constant>" or "prediction"
@@ -95,11 +98,12 @@ for rid, topo, ep, sms, pd, pc in (("v2-sm90-ep8x2", "h800-cx7", 16, 12, 90, 81)
                                    ("v2-sm90-ep8x4", "h800-cx7", 32, 6, 61, 61),
                                    ("v2-sm100-ep8-64sm", "b200", 8, 64, 726, 740),
                                    ("v2-sm100-ep8-24sm", "b200", 8, 24, 643, 675)):
-    setup = f"V2 {'EP' + str(ep)} on {topo}, {sms} SMs (V2's own kernel; modelled as the relayed deepep kernel)"
-    row(f"{rid}-dispatch", V2, setup, "dispatch (FP8)", "GB/s", pd, "prediction", kind="normal", topo=topo, ep=ep,
-        tokens=8192, sms=sms, what="dispatch", dtype="fp8", other_kernel=True)
+    setup = f"V2 {'EP' + str(ep)} on {topo}, {sms} SMs (deepep impl=deepep-v2: the relayed two-hop plan)"
+    role_d = "fit:deepep-v2.sm_copy_factor" if rid == "v2-sm100-ep8-24sm" else "prediction"
+    row(f"{rid}-dispatch", V2, setup, "dispatch (FP8)", "GB/s", pd, role_d, kind="normal", topo=topo, ep=ep,
+        tokens=8192, sms=sms, what="dispatch", dtype="fp8", impl="deepep-v2")
     row(f"{rid}-combine", V2, setup, "combine (BF16)", "GB/s", pc, "prediction", kind="normal", topo=topo, ep=ep,
-        tokens=8192, sms=sms, what="combine", dtype="fp8", other_kernel=True)
+        tokens=8192, sms=sms, what="combine", dtype="fp8", impl="deepep-v2")
 EPIC = "ANCHORS: EPIC (SIGCOMM 2026), one 42 MB expert"
 row("epic-h800-nvlink", EPIC, "H800, NVLink, copy engine", "weight copy", "us", 210, "fit:weights_nvlink_efficiency",
     kind="weights", topo="h800-cx7", nbytes=42e6, inter=False, copies=1)
@@ -138,21 +142,28 @@ def kernel_us(res) -> float:
     return float(np.mean(res.per_rank["end_us"]))
 
 
-def _normal_plan(topo, ep, tokens, sms, dtype, seed):
+def family_of(r: dict) -> str:
+    """The kernel family a row checks (``moonep_sim.plan.kernel.FAMILIES``), or what else it checks."""
+    s = r["spec"]
+    return {"normal": s.get("impl", "deepep-v1"), "ll": "deepep-v1-ll", "weights": "weight copies",
+            "plan": "planning"}[s["kind"]]
+
+
+def _normal_plan(topo, ep, tokens, sms, dtype, seed, impl="deepep-v1"):
     key = ("normal", ep, tokens, seed)
     if key not in _ROUTING_CACHE:
         _ROUTING_CACHE[key] = deepep_routing(ep, tokens, seed)
     routing = _ROUTING_CACHE[key]
     m = get_model("deepseek-v3")
     ctx = PlanContext(ClusterShape(ep, min(8, ep)), Placement.home_groups(256, ep), RowCosts.from_model(m, dtype), 1)
-    return make_plan("deepep", routing, ctx, sms=sms), m
+    return make_plan("deepep", routing, ctx, sms=sms, impl=impl), m
 
 
 def simulate(r: dict, topos: dict, seed: int = 0) -> dict:
     s = r["spec"]
     topo = topos[s["topo"]]
     if s["kind"] == "normal":
-        plan, m = _normal_plan(topo, s["ep"], s["tokens"], s["sms"], s["dtype"], seed)
+        plan, m = _normal_plan(topo, s["ep"], s["tokens"], s["sms"], s["dtype"], seed, s.get("impl", "deepep-v1"))
         res = simulate_layer(plan, topo, m, SimOptions(isolate=s["what"]))
         t = kernel_us(res)
         row_b = (H * (1 + 4 / 128) if s["dtype"] == "fp8" else 2 * H) if s["what"] == "dispatch" else 2 * H
@@ -188,6 +199,12 @@ def simulate(r: dict, topos: dict, seed: int = 0) -> dict:
         return dict(value=t, time_us=t, counted="planning work (closed form, moonep_sim.sim.kernels.planning_us)",
                     bound="", detail="")
     raise ValueError(s["kind"])
+
+
+def ep16_diagnostic(topos: dict, seed: int = 0) -> dict:
+    """The EP16 section's figures (``fidelity_ep16.relay_diagnostic``) from the rows' own plans."""
+    return relay_diagnostic(topos, lambda ep: _normal_plan(topos["h800-cx7"], ep, 4096, 24, "fp8", seed)[0],
+                            {r["id"]: r["published"] for r in ROWS})
 
 
 def signed_error(value: float, published) -> float:
@@ -238,6 +255,17 @@ def fit(topos: dict) -> dict:
     r = by_id[FITTED_ROW["sm_copy_GBps"]]
     sm = _bisect(lambda g: simulate(r, {**topos, "b200": dataclasses.replace(b200, sm_copy_GBps=g)})["value"],
                  1.0, 80.0, r["published"])
+    b200 = dataclasses.replace(b200, sm_copy_GBps=round(sm, 2))
+    r = by_id[FITTED_ROW["deepep-v2.sm_copy_factor"]]
+    v2 = kernel_mod.FAMILIES["deepep-v2"]
+
+    def with_v2(x):  # the family table, with V2's factor set to x for one simulation
+        kernel_mod.FAMILIES["deepep-v2"] = dataclasses.replace(v2, sm_copy_factor=x)
+        try:
+            return simulate(r, {**topos, "b200": b200})["value"]
+        finally:
+            kernel_mod.FAMILIES["deepep-v2"] = v2
+    v2_factor = _bisect(with_v2, 0.5, 4.0, r["published"])
     # closed forms
     r = by_id[FITTED_ROW["weights_nvlink_efficiency"]]
     s = r["spec"]
@@ -248,7 +276,8 @@ def fit(topos: dict) -> dict:
     per_cell = rest / (s["experts"] * s["ep"]) * 1e3
     return dict(nvlink_efficiency=h800.nvlink_efficiency, kernel_dispatch_fixed_us=h800.kernel_dispatch_fixed_us,
                 kernel_combine_fixed_us=h800.kernel_combine_fixed_us, sm_copy_GBps=round(sm, 2),
-                weights_nvlink_efficiency=round(w_eff, 3), plan_per_cell_ns=round(per_cell, 3))
+                weights_nvlink_efficiency=round(w_eff, 3), plan_per_cell_ns=round(per_cell, 3),
+                **{"deepep-v2.sm_copy_factor": round(v2_factor, 3)})
 
 
 _TOML_KEYS = {"nvlink_efficiency": ("nvlink", "efficiency"), "kernel_dispatch_fixed_us": ("kernel", "dispatch_fixed_us"),
@@ -264,6 +293,8 @@ def write_presets(values: dict) -> list[str]:
         p = data / f"topology-{name}.toml"
         text = p.read_text()
         for const, v in values.items():
+            if const not in _TOML_KEYS:  # a kernel family's constant: moonep_sim/plan/kernel.py, by hand
+                continue
             table, key = _TOML_KEYS[const]
             pat = re.compile(rf"(\[{table}\][^\[]*?\n{key} = )([^\n]+)", re.S)
             text, n = pat.subn(lambda mm: mm.group(1) + repr(float(v)), text)
@@ -272,126 +303,6 @@ def write_presets(values: dict) -> list[str]:
         p.write_text(text)
         done.append(str(p))
     return done
-
-
-# -- why DeepEP's EP16 internode row is missed: the sourced mechanisms checked ----------------------
-# DeepEP V1 ("legacy") normal kernels, deepseek-ai/DeepEP csrc/kernels/intranode.cu and internode.cu:
-# both kernels run ``num_sms / 2`` channels, one SM pair each (intranode: even SMs send, odd SMs
-# receive; internode: even SMs are the NVLink forwarders, odd SMs the RDMA senders and NVLink
-# receivers). The intranode kernel has 768 threads = 24 warps per SM, split over the 8 ranks (3 warps
-# per peer); an internode forwarder SM has one warp per NVLink peer (its own GPU included) plus a
-# coordinator; an internode receiver SM one warp per source forwarder.
-INTRANODE_WARPS_PER_SM = 24
-INTRANODE_WARPS_PER_PEER = 3
-FORWARDER_WARPS_PER_PEER = 1
-# deep_ep/buffer.py Buffer.get_dispatch_config(16): Config(num_sms, 36, 288, 20, 128) =
-# NVLink chunk / NVLink buffer / RDMA chunk / RDMA buffer, in tokens per channel and peer
-DEEPEP_EP16_NVL_BUFFER_TOKENS = 288
-DEEPEP_EP16_RDMA_BUFFER_TOKENS = 128
-
-
-def _last_hop_RR(plan) -> np.ndarray:
-    """int64 [R, R]: rows the last hop moves from each (relay) rank to each rank (diagonal: own)."""
-    R = plan.ranks
-    h = plan.hops[-1]
-    return np.bincount(h.src_rank_M * R + h.dst_rank_M, minlength=R * R).reshape(R, R)
-
-
-def relay_diagnostic(topos: dict, seed: int = 0) -> dict:
-    """The EP16 miss: what the busiest ports and copy roles carry at the *published* EP8 and EP16
-    rates, against each limit DeepEP's source suggests (computed from the same plans as the rows;
-    time = counted bytes / published rate, less the kernel's fixed cost)."""
-    h800, b200 = topos["h800-cx7"], topos["b200"]
-    row = H * (1 + 4 / 128)
-    fixed = h800.kernel_dispatch_fixed_us
-    p8, _ = _normal_plan(h800, 8, 4096, 24, "fp8", seed)
-    p16, _ = _normal_plan(h800, 16, 4096, 24, "fp8", seed)
-    c8, c16 = _last_hop_RR(p8), _last_hop_RR(p16)
-    own8, own16 = np.diag(c8), np.diag(c16)
-    recv8_R = c8.sum(axis=0)                            # rows each rank holds, its own included
-    by_id = {r["id"]: r for r in ROWS}
-    pub8, pub16 = float(by_id["normal-ep8-dispatch"]["published"]), float(by_id["normal-ep16-dispatch"]["published"])
-    t8 = float(recv8_R.mean()) * row / (pub8 * 1e3) - fixed  # us of copying at the published rate
-    pairs16 = p16.hops[0].src_rank_M.size / 16               # counted (token, node) pairs per rank
-    t16 = pairs16 * row / (pub16 * 1e3) - fixed
-    rate = lambda rows, t: float(rows) * row / t / 1e3  # GB/s  # noqa: E731
-    nv8, all8 = rate((recv8_R - own8).max(), t8), rate(recv8_R.max(), t8)
-    fwd16, fwdall16 = rate((c16.sum(axis=1) - own16).max(), t16), rate(c16.sum(axis=1).max(), t16)
-    link = h800.nvlink_bytes_per_us / 1e3
-    # (a) own rows: the forwarder writes its own GPU's rows too; counted on both rows the ratio stays
-    own_share8 = float(own8.sum() / c8.sum())
-    own_share16 = float(own16.sum() / c16.sum())
-    # (b) SM roles, at the per-SM copy rate fitted on B200 (half of a kernel's SMs copy each way)
-    per_sm = 2 * b200.sm_copy_GBps
-    per_warp = per_sm / INTRANODE_WARPS_PER_SM
-    ch = 24 // 2
-    hop0 = p16.hops[0]
-    h0 = np.bincount(hop0.src_rank_M * 16 + hop0.dst_rank_M, minlength=256).reshape(16, 16)
-    recv_role = rate((h0.sum(axis=1) + c16.sum(axis=0)).max(), t16)  # RDMA-sender copies + NVLink receives
-    pair16 = rate(c16.max(), t16)
-    pair8 = rate((c8 - np.diag(own8)).max(), t8)
-    # (c) windows: bytes a channel may have in flight to one peer, over the pair's load
-    rdma_pair = rate((h0 - np.diag(np.diag(h0))).max(), t16)
-    lat_rdma = ch * DEEPEP_EP16_RDMA_BUFFER_TOKENS * row / (rdma_pair * 1e3)
-    lat_nvl = ch * DEEPEP_EP16_NVL_BUFFER_TOKENS * row / (pair16 * 1e3)
-    out = dict(
-        nvlink_GBps=link, ep8_nvlink_in_GBps=nv8, ep16_forward_out_GBps=fwd16,
-        forward_vs_intranode=fwd16 / nv8,
-        own_share_ep8=own_share8, own_share_ep16=own_share16, ep8_all_rows_GBps=all8, ep16_all_rows_GBps=fwdall16,
-        own_rows_ratio=fwdall16 / all8,
-        sm_role_cap_GBps=ch * per_sm, forwarder_role_GBps=fwdall16, receiver_role_GBps=recv_role,
-        per_warp_GBps=per_warp, forwarder_pair_cap_GBps=ch * FORWARDER_WARPS_PER_PEER * per_warp,
-        forwarder_pair_GBps=pair16, intranode_pair_cap_GBps=ch * INTRANODE_WARPS_PER_PEER * per_warp,
-        intranode_pair_GBps=pair8,
-        forwarder_warp_bound_GBps=pub16 * ch * FORWARDER_WARPS_PER_PEER * per_warp / pair16,
-        warp_rate_to_bind_GBps=pair16 / (ch * FORWARDER_WARPS_PER_PEER),
-        rdma_pair_GBps=rdma_pair, rdma_window_bind_us=lat_rdma, nvl_window_bind_us=lat_nvl,
-        nic_latency_us=h800.nic_latency_us, nvlink_latency_us=h800.nvlink_latency_us, channels=ch)
-    return out
-
-
-def render_diagnostic(d: dict) -> list[str]:
-    """The EP16 section of the report (every figure computed by :func:`relay_diagnostic`)."""
-    f = lambda v: f"{v:.1f}"  # noqa: E731
-    return [
-        "## DeepEP EP16 internode: the miss, and the sourced mechanisms checked", "",
-        "The model binds EP16 on the relays' NVLink forwarding. At the *published* rates (time = counted bytes / "
-        "published GB/s, less the fixed cost) the busiest EP8 NVLink-in carries "
-        f"{f(d['ep8_nvlink_in_GBps'])} GB/s and the busiest EP16 relay forwards {f(d['ep16_forward_out_GBps'])} GB/s "
-        f"to other GPUs: DeepEP's forwarders reach {100 * d['forward_vs_intranode']:.1f}% of the NVLink rate its "
-        f"intranode kernel reaches (the model's port: {f(d['nvlink_GBps'])} GB/s, fitted on EP8). Leads from "
-        "deepseek-ai/DeepEP `csrc/kernels/internode.cu` (V1), each at the published EP16 rate:", "",
-        "| mechanism (source) | load at the published rate | limit | binds? |", "| --- | --- | --- | --- |",
-        f"| (a) a forwarder also writes its own GPU's rows (one warp per NVLink peer, its own included) | own rows "
-        f"{100 * d['own_share_ep16']:.1f}% of EP16's forwarded rows, {100 * d['own_share_ep8']:.1f}% of EP8's "
-        f"received rows (counted by DeepEP's `recv_x`) | counting them on both sides: EP16 all rows "
-        f"{f(d['ep16_all_rows_GBps'])} vs EP8 {f(d['ep8_all_rows_GBps'])} GB/s, ratio {d['own_rows_ratio']:.3f} | "
-        "no: the same share on both, so the refit cancels it |",
-        f"| (b) SM roles: `num_sms / 2` channels; even SMs forward, odd SMs send RDMA and receive NVLink | forwarder "
-        f"SMs {f(d['forwarder_role_GBps'])}, RDMA-sender + receiver SMs {f(d['receiver_role_GBps'])} GB/s | "
-        f"{d['channels']} SMs x 2 x `sm_copy_GBps` (B200-fitted) = {f(d['sm_role_cap_GBps'])} GB/s | no |",
-        f"| (b) warps: 1 forwarder warp per (channel, peer), intranode 3 | busiest (relay, peer) pair "
-        f"{f(d['forwarder_pair_GBps'])} GB/s (intranode pair {f(d['intranode_pair_GBps'])}) | {d['channels']} x 1 x "
-        f"{d['per_warp_GBps']:.2f} GB/s per warp (B200 per-SM rate / 24 warps) = {f(d['forwarder_pair_cap_GBps'])} "
-        f"(intranode {d['channels']} x 3: {f(d['intranode_pair_cap_GBps'])}) | no: would cap EP16 at "
-        f"{f(d['forwarder_warp_bound_GBps'])} GB/s, above the NVLink bound; binds at the published rate only if an "
-        f"H800 warp moves <= {d['warp_rate_to_bind_GBps']:.2f} GB/s (unpublished) |",
-        f"| (c) windows: `get_dispatch_config(16)` buffers of {DEEPEP_EP16_RDMA_BUFFER_TOKENS} RDMA / "
-        f"{DEEPEP_EP16_NVL_BUFFER_TOKENS} NVLink tokens per channel and peer (DeepEP's test also sweeps the chunk "
-        f"sizes and reports the best) | busiest RDMA pair {f(d['rdma_pair_GBps'])}, NVLink pair "
-        f"{f(d['forwarder_pair_GBps'])} GB/s | binds only at a round trip of {d['rdma_window_bind_us']:.0f} / "
-        f"{d['nvl_window_bind_us']:.0f} us (latencies {d['nic_latency_us']:g} / {d['nvlink_latency_us']:g} us) | no |",
-        "",
-        f"None of them closes the miss, so no term was added: the remaining {100 * (1 / d['forward_vs_intranode'] - 1):.0f}% "
-        "is a forwarding cost with no "
-        "published H800 constant (the forwarder copies each row with one warp per peer and scans every row of the "
-        "channel for its peer bit -- per-warp latency, which only an H800 measurement could size; fitting it on this "
-        "row would make the row a fit, not a check). Provenance: EP16's 43 / 43 GB/s is the README table of "
-        "2025-02; PR #130 (2025-04-22: IBGDA instead of IBRC, a QP per channel) re-listed EP32 (44 -> 58, 47 -> 57) "
-        "and EP64 (46 -> 51, 45 -> 50) only. At EP16 the NIC carries "
-        f"{f(d['rdma_pair_GBps'])} GB/s at the published rate (half the counted pairs are the local node's), so a "
-        "transport change is not expected to move EP16: the miss is the model's, not the row's age. The EP16 combine "
-        "(the same rows in reverse, bound on the relays' NVLink-in) misses for the same reason.", ""]
 
 
 # -- MoonEP's benchmark shape (predictions only) -----------------------------------------------
@@ -441,22 +352,35 @@ def render(results: list[dict], shape: list[dict], topos: dict, meta: dict, diag
     h800 = topos["h800-cx7"]
     L += ["## Fitted constants", "", "| constant | value | fitted on row |", "| --- | --- | --- |"]
     for const, rid in FITTED_ROW.items():
-        L.append(f"| `{const}` | {getattr(h800 if const != 'sm_copy_GBps' else topos['b200'], const):g} | {rid} |")
+        if const.startswith("deepep-v2."):
+            val = kernel_mod.FAMILIES["deepep-v2"].sm_copy_factor
+        else:
+            val = getattr(h800 if const != "sm_copy_GBps" else topos["b200"], const)
+        L.append(f"| `{const}` | {val:g} | {rid} |")
     L += ["", "Assumed (not fitted): NIC efficiency 0.9, latencies, relay message of "
           f"{h800.kernel_relay_message_rows} rows, {h800.kernel_nic_message_us:g} us per NIC message, "
           f"planning {h800.plan_fixed_us:g} us fixed + {h800.plan_per_entry_ns:g} ns per entry.", ""]
-    preds = [r for r in results if r["role"] == "prediction" and not r["spec"].get("other_kernel")]
+    preds = [r for r in results if r["role"] == "prediction"]
     errs = np.array([abs(r["error"]) for r in preds])
-    every = np.array([abs(r["error"]) for r in results if r["role"] == "prediction"])
     normal = [r for r in preds if r["id"].startswith("normal-")]
     L += ["## Summary", "",
-          f"- {len(preds)} prediction rows of the kernels the simulator models (DeepEP V1 normal and low-latency, "
-          f"weight copies): median |error| {100 * np.median(errs):.1f}%, {int((errs <= 0.10).sum())} within 10%, "
+          f"- {len(preds)} prediction rows (every kernel family with published rows, weight copies): median "
+          f"|error| {100 * np.median(errs):.1f}%, {int((errs <= 0.10).sum())} within 10%, "
           f"{int((errs > 0.10).sum())} outside.",
-          f"- With the {len(every) - len(preds)} DeepEP V2 rows (a different kernel, modelled as V1's relayed one): "
-          f"median |error| {100 * np.median(every):.1f}% over {len(every)} rows.",
           f"- DeepEP V1 normal-kernel predictions (H800): max |error| "
-          f"{100 * max(abs(r['error']) for r in normal):.1f}% over {len(normal)} rows.", ""]
+          f"{100 * max(abs(r['error']) for r in normal):.1f}% over {len(normal)} rows.", "",
+          "Per kernel family (`impl=` of deepep / deepep-ll; the families without a row -- NCCL EP, pplx, UCCL-EP, "
+          "NIXL EP, mori -- run on assumed terms and were checked against nothing here):", "",
+          "| family | presets | fitted rows | prediction rows | median abs error | max abs error | within 10% |",
+          "| --- | --- | --- | --- | --- | --- | --- |"]
+    for fam in dict.fromkeys(family_of(r) for r in results):
+        mine = [r for r in results if family_of(r) == fam]
+        e = np.array([abs(r["error"]) for r in mine if r["role"] == "prediction"])
+        presets = ", ".join(dict.fromkeys(r["spec"]["topo"] for r in mine))
+        L.append(f"| {fam} | {presets} | {sum(r['role'] != 'prediction' for r in mine)} | {e.size} | "
+                 + (f"{100 * np.median(e):.1f}% | {100 * e.max():.1f}% | {int((e <= 0.10).sum())} / {e.size} |"
+                    if e.size else "- | - | - |"))
+    L.append("")
     L += ["## Rows", "", "| row | source | setup | metric | published | simulated | role | signed error | binding port |",
           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
@@ -534,7 +458,7 @@ def main() -> int:
         print(f"{r['id']:<30} published {_fmt(r['published']):>9} simulated {_fmt(got['value']):>9} {tag:>7}  "
               f"{got['bound']}", flush=True)
     shape = [] if a.no_shape else moonep_shape(seed=a.seed)
-    diag = relay_diagnostic(topos, a.seed)
+    diag = ep16_diagnostic(topos, a.seed)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                       cwd=HERE).stdout.strip(),

@@ -39,3 +39,7 @@ MAX_JITTER_CV = 10.0
 
 MAX_TOKENS_PER_RANK = 1 << 20
 """Tokens on one rank in generated routing or a sweep (a real batch holds thousands)."""
+
+MAX_WIDTH = 1 << 20
+"""A model's hidden, expert FFN or dispatch width (the widest published is 18432): bounds row and
+weight sizes before any arithmetic (2^63 would overflow int64 byte counts)."""

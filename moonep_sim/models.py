@@ -21,6 +21,27 @@ from typing import Any, Mapping
 from moonep_sim.errors import ConfigError, require
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_spec_fields(m) -> None:
+    """Types and upper bounds of a :class:`ModelSpec`'s sizes, before any arithmetic on them: each an
+    integer (not a bool, a float, NaN), at most its limit (``moonep_sim.limits``), shared experts >= 0;
+    the text fields strings. One line naming the field."""
+    from moonep_sim.limits import MAX_LAYERS, MAX_NUM_EXPERTS, MAX_TOP_K, MAX_WIDTH
+
+    for field, lo, hi in (("layers", 1, MAX_LAYERS), ("moe_layers", 1, MAX_LAYERS), ("num_experts", 1, MAX_NUM_EXPERTS),
+                          ("top_k", 1, MAX_TOP_K), ("shared_experts", 0, MAX_NUM_EXPERTS), ("hidden", 1, MAX_WIDTH),
+                          ("expert_ffn", 1, MAX_WIDTH), ("dispatch_hidden", 0, MAX_WIDTH),
+                          ("n_groups", 1, MAX_NUM_EXPERTS), ("topk_groups", 1, MAX_NUM_EXPERTS)):
+        v = getattr(m, field)
+        require(_is_int(v), f"{field} ({v!r}) must be an integer")
+        require(lo <= v <= hi, f"{field} ({v}) must lie in [{lo}, {hi}]")
+    for field in ("name", "router", "note", "source"):
+        require(isinstance(getattr(m, field), str), f"{field} ({getattr(m, field)!r}) must be a string")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One MoE model's shape, as far as expert parallelism cares.
@@ -36,6 +57,22 @@ class ModelSpec:
     router: ``softmax`` or ``sigmoid`` scores.
     note: provenance or caveats.
     source: where the shape comes from (a config file's address, or the file it was read from).
+
+    The rest of the layer stack (read by the step model, ``moonep_sim.step``; 0 / "" = not given,
+    and a step of a model that leaves them out is refused with a one-line error):
+    attention: the attention kind of every layer, or a comma-separated pattern cycled over the
+        layers: ``gqa`` (MHA is GQA with kv_heads == heads), ``mla`` (multi-head latent attention,
+        DeepSeek-V2/V3, Kimi K2), ``linear`` (a recurrent / linear kind with a fixed state per
+        sequence, e.g. Kimi's KDA), ``sliding`` (GQA over the last ``sliding_window`` tokens),
+        ``none`` (no attention op: a bare MoE stack). Kimi K3: ``linear,linear,linear,mla``.
+    heads / kv_heads / head_dim: attention heads, KV heads (GQA) and the per-head width.
+    q_lora_rank / kv_lora_rank / qk_rope_dim / v_head_dim: MLA's query and KV latent widths, the
+        decoupled RoPE width and the value head width (its QK head is ``head_dim + qk_rope_dim``).
+    sliding_window: tokens a ``sliding`` layer attends to.  max_context: the longest context the
+        model supports (max_position_embeddings).  vocab: embedding / LM-head rows.
+    dense_ffn: FFN width of the dense (non-MoE) layers, which come first (``layers - moe_layers``
+        of them, DeepSeek's first_k_dense_replace).
+    stack_source: where the fields above come from.
     """
 
     name: str
@@ -52,13 +89,28 @@ class ModelSpec:
     router: str = "softmax"
     note: str = ""
     source: str = ""
+    attention: str = ""
+    heads: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    sliding_window: int = 0
+    max_context: int = 0
+    vocab: int = 0
+    dense_ffn: int = 0
+    stack_source: str = ""
 
     def __post_init__(self) -> None:
+        check_spec_fields(self)
         if self.dispatch_hidden == 0:
             object.__setattr__(self, "dispatch_hidden", self.hidden)
         for field in ("layers", "moe_layers", "num_experts", "top_k", "hidden", "expert_ffn",
                       "dispatch_hidden", "n_groups", "topk_groups"):
             require(getattr(self, field) >= 1, f"{field} ({getattr(self, field)}) must be >= 1")
+        require(self.moe_layers <= self.layers, f"moe_layers ({self.moe_layers}) must be <= layers ({self.layers})")
         require(self.top_k <= self.num_experts,
                 f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
         require(self.num_experts % self.n_groups == 0,
@@ -67,6 +119,27 @@ class ModelSpec:
                 f"topk_groups ({self.topk_groups}) must be <= n_groups ({self.n_groups})")
         require(self.router in ("softmax", "sigmoid"),
                 f"router ({self.router!r}) must be 'softmax' or 'sigmoid'")
+        for field in ("heads", "kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_dim", "v_head_dim",
+                      "sliding_window", "max_context", "vocab", "dense_ffn"):
+            require(getattr(self, field) >= 0, f"{field} ({getattr(self, field)}) must be >= 0 (0 = not given)")
+        for kind in self.attention_kinds:
+            require(kind in ATTENTION_KINDS,
+                    f"attention kind ({kind!r}) must be one of {', '.join(ATTENTION_KINDS)} (model {self.name})")
+
+    @property
+    def attention_kinds(self) -> tuple[str, ...]:
+        """The attention pattern as a tuple (cycled over the layers); () when not given."""
+        return tuple(k.strip() for k in self.attention.split(",") if k.strip())
+
+    def attention_kind(self, layer: int) -> str:
+        """Layer ``layer``'s attention kind ("" when the model gives none)."""
+        kinds = self.attention_kinds
+        return kinds[layer % len(kinds)] if kinds else ""
+
+    @property
+    def dense_layers(self) -> int:
+        """Dense (non-MoE) layers; they come first (first_k_dense_replace style)."""
+        return self.layers - self.moe_layers
 
     # -- row and weight sizes -------------------------------------------------------------
     @property
@@ -117,29 +190,61 @@ class ModelSpec:
 
 _HF = "huggingface.co/{}/blob/main/config.json"
 
+#: Attention kinds of :attr:`ModelSpec.attention` (see its docstring).
+ATTENTION_KINDS = ("gqa", "mla", "linear", "sliding", "none")
+# MLA as DeepSeek-V3 / Kimi K2 configure it (q_lora_rank 1536, kv_lora_rank 512, qk_nope 128,
+# qk_rope 64, v_head 128); only the head count differs between them.
+_MLA = dict(attention="mla", head_dim=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128)
+
 PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("kimi-k3", 93, 92, 896, 16, 2, 7168, 3072, dispatch_hidden=3584, router="sigmoid",
               note="routed experts appear to work in a 3584-wide latent (read from the weight "
-                   "layout, not stated); dispatched rows are taken as 3584 wide"),
-    ModelSpec("kimi-k2", 61, 60, 384, 8, 1, 7168, 2048, router="sigmoid"),
+                   "layout, not stated); dispatched rows are taken as 3584 wide",
+              **{**_MLA, "attention": "linear,linear,linear,mla"}, heads=64, kv_heads=64, max_context=262144,
+              vocab=163840, dense_ffn=18432,
+              stack_source="ASSUMED: the 3 KDA : 1 gated MLA hybrid of Kimi Linear (moonshotai/Kimi-Linear-48B-A3B-"
+                           "Instruct config.json: linear_attn_config, head_dim 128) with Kimi K2's MLA widths, head "
+                           "count, vocab and dense FFN; K3's own config is not public in this form"),
+    ModelSpec("kimi-k2", 61, 60, 384, 8, 1, 7168, 2048, router="sigmoid", **_MLA, heads=64, kv_heads=64,
+              max_context=131072, vocab=163840, dense_ffn=18432,
+              stack_source=_HF.format("moonshotai/Kimi-K2-Instruct") + " (first_k_dense_replace 1, 64 heads, "
+                                                                       "kv_lora_rank 512, vocab 163840)"),
     ModelSpec("deepseek-v3", 61, 58, 256, 8, 1, 7168, 2048, n_groups=8, topk_groups=4,
-              router="sigmoid", note="8 expert groups, top-4 groups (node-limited routing)"),
-    ModelSpec("qwen3-235b", 94, 94, 128, 8, 0, 4096, 1536),
-    ModelSpec("mixtral-8x22b", 56, 56, 8, 2, 0, 6144, 16384),
-    ModelSpec("mixtral-8x7b", 32, 32, 8, 2, 0, 4096, 14336, note="the shipped real trace"),
-    ModelSpec("gpt-oss-120b", 36, 36, 128, 4, 0, 2880, 2880),
-    ModelSpec("olmoe-1b-7b", 16, 16, 64, 8, 0, 2048, 1024, note="the shipped real trace"),
+              router="sigmoid", note="8 expert groups, top-4 groups (node-limited routing)", **_MLA, heads=128,
+              kv_heads=128, max_context=163840, vocab=129280, dense_ffn=18432,
+              stack_source=_HF.format("deepseek-ai/DeepSeek-V3") + " (first_k_dense_replace 3, 128 heads, "
+                                                                   "kv_lora_rank 512, intermediate_size 18432)"),
+    ModelSpec("qwen3-235b", 94, 94, 128, 8, 0, 4096, 1536, attention="gqa", heads=64, kv_heads=4, head_dim=128,
+              max_context=40960, vocab=151936, stack_source=_HF.format("Qwen/Qwen3-235B-A22B")),
+    ModelSpec("mixtral-8x22b", 56, 56, 8, 2, 0, 6144, 16384, attention="gqa", heads=48, kv_heads=8, head_dim=128,
+              max_context=65536, vocab=32768, stack_source=_HF.format("mistralai/Mixtral-8x22B-v0.1")),
+    ModelSpec("mixtral-8x7b", 32, 32, 8, 2, 0, 4096, 14336, note="the shipped real trace", attention="gqa",
+              heads=32, kv_heads=8, head_dim=128, max_context=32768, vocab=32000,
+              stack_source=_HF.format("mistralai/Mixtral-8x7B-v0.1")),
+    ModelSpec("gpt-oss-120b", 36, 36, 128, 4, 0, 2880, 2880, attention="sliding,gqa", heads=64, kv_heads=8,
+              head_dim=64, sliding_window=128, max_context=131072, vocab=201088,
+              stack_source=_HF.format("openai/gpt-oss-120b") + " (layer_types alternate sliding (128) and full)"),
+    ModelSpec("olmoe-1b-7b", 16, 16, 64, 8, 0, 2048, 1024, note="the shipped real trace", attention="gqa",
+              heads=16, kv_heads=16, head_dim=128, max_context=4096, vocab=50304,
+              stack_source=_HF.format("allenai/OLMoE-1B-7B-0924")),
     # The four below: values from each model's public Hugging Face config.json (docs/traces.md
     # lists the sources; `source` names the file).
     ModelSpec("qwen1.5-moe-a2.7b", 24, 24, 60, 4, 4, 2048, 1408,
               note="shared expert FFN 5632 = 4 x 1408, counted as 4 shared experts; "
                    "top-k weights not renormalised (norm_topk_prob false)",
-              source=_HF.format("Qwen/Qwen1.5-MoE-A2.7B")),
-    ModelSpec("qwen3-30b-a3b", 48, 48, 128, 8, 0, 2048, 768, source=_HF.format("Qwen/Qwen3-30B-A3B")),
+              source=_HF.format("Qwen/Qwen1.5-MoE-A2.7B"), attention="gqa", heads=16, kv_heads=16, head_dim=128,
+              max_context=8192, vocab=151936, stack_source=_HF.format("Qwen/Qwen1.5-MoE-A2.7B")),
+    ModelSpec("qwen3-30b-a3b", 48, 48, 128, 8, 0, 2048, 768, source=_HF.format("Qwen/Qwen3-30B-A3B"),
+              attention="gqa", heads=32, kv_heads=4, head_dim=128, max_context=40960, vocab=151936,
+              stack_source=_HF.format("Qwen/Qwen3-30B-A3B")),
     ModelSpec("deepseek-v2-lite", 27, 26, 64, 6, 2, 2048, 1408,
               note="first layer dense (first_k_dense_replace 1); greedy top-6, no expert groups",
-              source=_HF.format("deepseek-ai/DeepSeek-V2-Lite")),
-    ModelSpec("gpt-oss-20b", 24, 24, 32, 4, 0, 2880, 2880, source=_HF.format("openai/gpt-oss-20b")),
+              source=_HF.format("deepseek-ai/DeepSeek-V2-Lite"),
+              **{**_MLA, "q_lora_rank": 0}, heads=16, kv_heads=16, max_context=163840, vocab=102400, dense_ffn=10944,
+              stack_source=_HF.format("deepseek-ai/DeepSeek-V2-Lite") + " (q_lora_rank null: a direct query projection)"),
+    ModelSpec("gpt-oss-20b", 24, 24, 32, 4, 0, 2880, 2880, source=_HF.format("openai/gpt-oss-20b"),
+              attention="sliding,gqa", heads=64, kv_heads=8, head_dim=64, sliding_window=128, max_context=131072,
+              vocab=201088, stack_source=_HF.format("openai/gpt-oss-20b")),
 ]}
 
 
@@ -163,14 +268,14 @@ MODEL_FILE_FIELDS: dict[str, str] = {
     "name": "name", "dispatch_hidden": "dispatch_hidden", "groups": "n_groups", "n_groups": "n_groups",
     "topk_groups": "topk_groups", "shared_experts": "shared_experts", "layers": "layers",
     "moe_layers": "moe_layers", "router": "router", "note": "note", "source": "source",
+    # the layer stack beyond the MoE (the step model's fields; all optional)
+    **{k: k for k in ("attention", "heads", "kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_dim",
+                      "v_head_dim", "sliding_window", "max_context", "vocab", "dense_ffn", "stack_source")},
 }
 _REQUIRED = ("num_experts", "top_k", "hidden", "expert_ffn")
 _INT_FIELDS = {"num_experts", "top_k", "hidden", "expert_ffn", "dispatch_hidden", "n_groups", "topk_groups",
-               "shared_experts", "layers", "moe_layers"}
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+               "shared_experts", "layers", "moe_layers", "heads", "kv_heads", "head_dim", "q_lora_rank",
+               "kv_lora_rank", "qk_rope_dim", "v_head_dim", "sliding_window", "max_context", "vocab", "dense_ffn"}
 
 
 def model_from_fields(fields: Mapping[str, Any], where: str = "model") -> ModelSpec:
@@ -202,58 +307,92 @@ def model_from_fields(fields: Mapping[str, Any], where: str = "model") -> ModelS
 
 def model_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json", name: str = "") -> ModelSpec:
     """A ModelSpec from a Hugging Face ``config.json`` of a MoE model (Mixtral, Qwen-MoE, OLMoE,
-    DeepSeek-V2/V3, GPT-OSS field names)."""
-    def first(*keys, default=None):
-        for k in keys:
-            if cfg.get(k) not in (None, ""):
-                return cfg[k]
-        return default
+    DeepSeek-V2/V3, GPT-OSS field names).
 
-    E = first("num_experts", "num_local_experts", "n_routed_experts")
-    K = first("num_experts_per_tok", "experts_per_token", "moe_topk")
-    H = first("hidden_size")
-    F = first("moe_intermediate_size", "intermediate_size")
-    if not all(_is_int(v) for v in (E, K, H, F)):
+    Every field read is checked on its own (an integer where the model code takes one, within its
+    range: ``first_k_dense_replace`` below ``num_hidden_layers``, ``n_group`` dividing the experts,
+    ...), the message naming the field and ``where``; nothing is clamped, rounded or truncated. MoE
+    layers are counted as the model code picks them: layer i is MoE unless i < first_k_dense_replace,
+    i is in mlp_only_layers, or (i + 1) % decoder_sparse_step != 0 (Qwen) / i % moe_layer_freq != 0
+    (DeepSeek)."""
+    from moonep_sim.limits import MAX_LAYERS, MAX_NUM_EXPERTS, MAX_TOP_K, MAX_WIDTH
+
+    def given(k):
+        return cfg.get(k) not in (None, "")
+
+    def get_int(keys, lo, hi, default=None, why=""):
+        """(key, value) of the first of ``keys`` given, checked; (None, default) when none is."""
+        for k in keys:
+            if given(k):
+                v = cfg[k]
+                if not _is_int(v) or not lo <= v <= hi:
+                    raise ConfigError(f"{where}: {k} ({v!r}) must be an integer in [{lo}, {hi}]" + (f": {why}" if why else ""))
+                return k, v
+        return None, default
+
+    _, E = get_int(("num_experts", "num_local_experts", "n_routed_experts"), 1, MAX_NUM_EXPERTS)
+    _, K = get_int(("num_experts_per_tok", "experts_per_token", "moe_topk"), 1, MAX_TOP_K)
+    _, H = get_int(("hidden_size",), 1, MAX_WIDTH)
+    _, F = get_int(("moe_intermediate_size", "intermediate_size"), 1, MAX_WIDTH)
+    if None in (E, K, H, F):
         raise ConfigError(f"{where}: a Hugging Face MoE config must give the experts (num_experts / "
                           "num_local_experts / n_routed_experts), top-k (num_experts_per_tok), "
                           "hidden_size and moe_intermediate_size or intermediate_size")
-    layers = first("num_hidden_layers", default=1)
-    moe_layers = layers - int(first("first_k_dense_replace", default=0)) - len(first("mlp_only_layers", default=[]))
-    step = int(first("decoder_sparse_step", "moe_layer_freq", default=1) or 1)
-    if step > 1:
-        moe_layers = layers // step
-    shared = first("n_shared_experts", default=0) or 0
-    shared_ffn = first("shared_expert_intermediate_size", default=0) or 0
+    _, layers = get_int(("num_hidden_layers",), 1, MAX_LAYERS, 1)
+    _, dense = get_int(("first_k_dense_replace",), 0, layers - 1, 0,
+                       f"the first layers that are dense, fewer than num_hidden_layers ({layers})")
+    mlp_only = cfg.get("mlp_only_layers")
+    mlp_only = [] if mlp_only is None else mlp_only
+    if not isinstance(mlp_only, list) or not all(_is_int(i) and 0 <= i < layers for i in mlp_only) \
+            or len(set(mlp_only)) != len(mlp_only):
+        raise ConfigError(f"{where}: mlp_only_layers ({mlp_only!r}) must be a list of distinct layer ids "
+                          f"in [0, {layers})")
+    step_key, step = get_int(("decoder_sparse_step", "moe_layer_freq"), 1, layers, 1, "every step-th layer is MoE")
+    off = 1 if step_key == "decoder_sparse_step" else 0
+    skip = set(mlp_only)
+    moe_layers = sum(1 for i in range(layers) if i >= dense and i not in skip and (i + off) % step == 0)
+    if moe_layers == 0:
+        raise ConfigError(f"{where}: first_k_dense_replace ({dense}), mlp_only_layers and the sparse step "
+                          f"({step}) must leave at least one MoE layer of num_hidden_layers ({layers})")
+    _, shared = get_int(("n_shared_experts",), 0, MAX_NUM_EXPERTS, 0)
+    _, shared_ffn = get_int(("shared_expert_intermediate_size",), 0, MAX_WIDTH, 0)
     if not shared and shared_ffn:
         shared = max(1, round(shared_ffn / F))
-    fields = {"name": (name or str(first("_name_or_path", "model_type", default="custom"))).split("/")[-1].lower(),
+    _, groups = get_int(("n_group",), 1, E, 1, f"expert groups, dividing the experts ({E})")
+    _, topk_groups = get_int(("topk_group",), 1, groups, 1, f"groups kept per token, at most n_group ({groups})")
+    router = cfg.get("scoring_func", "softmax")
+    if router not in ("softmax", "sigmoid"):
+        raise ConfigError(f"{where}: scoring_func ({router!r}) must be 'softmax' or 'sigmoid'")
+    label = next((cfg[k] for k in ("_name_or_path", "model_type") if given(k)), "custom")
+    if not isinstance(label, str):
+        raise ConfigError(f"{where}: _name_or_path / model_type ({label!r}) must be a string")
+    fields = {"name": (name or label).split("/")[-1].lower(),
               "num_experts": E, "top_k": K, "hidden": H, "expert_ffn": F, "layers": layers,
-              "moe_layers": max(1, moe_layers), "shared_experts": int(shared),
-              "groups": int(first("n_group", default=1) or 1), "topk_groups": int(first("topk_group", default=1) or 1),
-              "router": "sigmoid" if first("scoring_func") == "sigmoid" else "softmax", "source": where}
+              "moe_layers": moe_layers, "shared_experts": shared, "groups": groups, "topk_groups": topk_groups,
+              "router": router, "source": where}
     return model_from_fields(fields, where)
 
 
 def _read_model_file(path: Path) -> ModelSpec:
+    from moonep_sim.io import read_config_bytes
+
     where = str(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"--model ({where}) must be a readable file: {e.strerror}") from None
-    if path.suffix.lower() == ".toml":
+    toml = path.suffix.lower() == ".toml"
+    raw = read_config_bytes(path, "model", "TOML" if toml else "JSON")
+    if toml:
         try:
             import tomllib
         except ModuleNotFoundError:   # Python < 3.11
             import tomli as tomllib
         try:
             doc = tomllib.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
             raise ConfigError(f"{where}: expected a TOML model file, found invalid TOML ({e})") from None
         doc = doc.get("model", doc) if isinstance(doc.get("model"), dict) else doc
     else:
         try:
-            doc = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            doc = json.loads(raw)  # a NaN / Infinity is refused by the field it stands in
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise ConfigError(f"{where}: expected a JSON model file, found invalid JSON ({e})") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{where}: expected a table/object of model fields, found {type(doc).__name__}")
@@ -289,11 +428,11 @@ def resolve_model(spec: "ModelSpec | str | os.PathLike | Mapping[str, Any]") -> 
         if text.lower() in PRESETS:
             return PRESETS[text.lower()]
         path = Path(text)
-        if path.suffix.lower() in (".toml", ".json") or path.is_file():
-            if not path.is_file():
+        if path.suffix.lower() in (".toml", ".json") or os.path.lexists(path):
+            if not os.path.lexists(path):
                 raise ConfigError(f"model ({text!r}) must be a preset or an existing .toml/.json file: "
                                   "no such file")
-            return _read_model_file(path)
+            return _read_model_file(path)  # a pipe, a folder, a link loop: refused as what it is
         raise ConfigError(f"model ({text!r}) must be one of the presets ({', '.join(sorted(PRESETS))}) "
                           "or a .toml/.json model file")
     raise ConfigError(f"model ({spec!r}) must be a preset name, a model file path, a mapping of fields "
@@ -306,4 +445,10 @@ def model_fields(m: ModelSpec) -> dict[str, Any]:
     return {"name": m.name, "num_experts": m.num_experts, "top_k": m.top_k, "hidden": m.hidden,
             "expert_ffn": m.expert_ffn, "dispatch_hidden": m.dispatch_hidden, "groups": m.n_groups,
             "topk_groups": m.topk_groups, "shared_experts": m.shared_experts, "layers": m.layers,
-            "moe_layers": m.moe_layers, "router": m.router, "note": m.note, "source": m.source}
+            "moe_layers": m.moe_layers, "router": m.router, "note": m.note, "source": m.source,
+            **{k: getattr(m, k) for k in STACK_FIELDS}}
+
+
+#: The layer-stack fields (``moonep_sim.step``) a model file may give beside the MoE shape.
+STACK_FIELDS = ("attention", "heads", "kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_dim",
+                "v_head_dim", "sliding_window", "max_context", "vocab", "dense_ffn", "stack_source")

@@ -35,7 +35,13 @@ def _snapshot(folder: Path) -> set[str]:
         str(p.relative_to(folder)) for p in folder.rglob(".*")}
 
 
-def _check(case, rc, err, indir, outdir, inputs_before):
+def _contents(folder: Path) -> dict[str, bytes]:
+    """Every regular file's bytes (links not followed): an input written over shows here."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*")
+            if p.is_file() and not p.is_symlink()}
+
+
+def _check(case, rc, err, indir, outdir, inputs_before, contents_before=None):
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc == 2, f"{case.id}: exit {rc}\n{err}"
     assert len(lines) == 1, f"{case.id}: {len(lines)} stderr lines:\n{err}"
@@ -44,6 +50,8 @@ def _check(case, rc, err, indir, outdir, inputs_before):
     assert "Traceback" not in err and "internal error" not in err, err
     assert _snapshot(outdir) == set(), f"{case.id}: left in the output folder: {_snapshot(outdir)}"
     assert _snapshot(indir) == inputs_before, f"{case.id}: input folder changed: {_snapshot(indir) ^ inputs_before}"
+    if contents_before is not None:
+        assert _contents(indir) == contents_before, f"{case.id}: an input's content changed"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -75,7 +83,7 @@ def dirs(tmp_path, monkeypatch):
 def test_bad_input_in_process(case, dirs, capsys):
     indir, outdir, cwd = dirs
     argv = case.build(indir, outdir)
-    before = _snapshot(indir)
+    before, contents = _snapshot(indir), _contents(indir)
 
     def too_long(signum, frame):  # a bound on a hang or a runaway allocation, not synchronisation
         raise TimeoutError(f"{case.id}: still running after {CASE_LIMIT_S} s")
@@ -90,7 +98,7 @@ def test_bad_input_in_process(case, dirs, capsys):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     err = capsys.readouterr().err
-    _check(case, rc, err, indir, outdir, before)
+    _check(case, rc, err, indir, outdir, before, contents)
     assert _snapshot(cwd) == set(), f"{case.id}: wrote into the working folder: {_snapshot(cwd)}"
 
 
@@ -108,7 +116,8 @@ def test_bad_input_as_a_subprocess(case_id, dirs):
 
 def test_corpus_is_large_and_covers_every_group():
     groups = {c.group for c in CASES}
-    assert {"trace reader", "importer", "special files", "outputs"} <= groups
+    assert {"trace reader", "importer", "special files", "outputs", "output over input", "model files", "HF configs",
+            "topology values", "sweep axes", "generator keys", "strategy options", "cluster addresses"} <= groups
     assert len(CASES) >= 150, len(CASES)
 
 

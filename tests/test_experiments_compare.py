@@ -20,7 +20,8 @@ STRATS = "alltoall,capacity,hierarchical,moonep"
 def report():
     from moonep_sim.experiments import Scenario
 
-    res = Scenario(routing=str(MIXTRAL), cluster="4/2", strategies=STRATS, layers=[0, 5]).compare()
+    # the two recorded steps as one batch: every figure below is checked against plans of all its tokens
+    res = Scenario(routing=str(MIXTRAL), cluster="4/2", strategies=STRATS, layers=[0, 5], steps="merged").compare()
     assert tuple(res.strategies) == tuple(STRATS.split(","))
     assert res.layer_time_us["moonep"] == res.to_dict()["strategies"]["moonep"]["sim"]["layer_time_us_mean"]
     return res.to_dict()
@@ -53,7 +54,7 @@ def test_each_strategy_numbers_come_from_its_own_plan(report):
     from moonep_sim.plan import ClusterShape
     from moonep_sim.strategies import make_plan
 
-    src = open_routing(str(MIXTRAL), [0, 5])
+    src = open_routing(str(MIXTRAL), [0, 5], steps="merged")
     ctx = plan_context(src, ClusterShape(4, 2))
     totals: dict[str, dict[str, int]] = {}
     for lid in (0, 5):
@@ -83,7 +84,7 @@ def test_simulated_time_is_the_simulator_on_that_plan(report):
     from moonep_sim.plan import ClusterShape
     from moonep_sim.strategies import make_plan
 
-    src = open_routing(str(MIXTRAL), [5])
+    src = open_routing(str(MIXTRAL), [5], steps="merged")
     cl = ClusterShape(4, 2)
     lr = src.layer(5, 4)
     g = GlobalRouting.split_evenly(lr.topk_ids_TK, lr.topk_weights_TK, 8, 4)
@@ -199,8 +200,12 @@ def test_scenario_replay_runs_the_strategies_over_gloo():
     assert res.strategies == ("alltoall", "moonep")
     assert all(v > 0 for v in res.measured_ms.values())
     assert res.correct == {"alltoall": True, "moonep": True}
-    rep = res.to_dict()
-    assert rep["strategies"]["moonep"]["layers"] == [0, 31] or rep["strategies"]["moonep"]["per_layer"]
+    moon = res.to_dict()["strategies"]["moonep"]
+    # one record per replayed (step, layer): each recorded step its own batch, naming the model's
+    # layer ids the scenario asked for
+    assert [(e["step"], e["layer_id"]) for e in moon["per_layer"]] == [(0, 0), (0, 31), (1, 0), (1, 31)]
+    assert len(moon["layers"]) == 2, moon["layers"]
+    assert moon["per_step"]["step"] == [0, 1] and moon["per_step"]["tokens"] == [81, 252]
 
 
 def test_scenario_plans_simulate_and_steps():

@@ -90,15 +90,23 @@ def test_replay_rejects_a_repeated_strategy(trace):
 
 
 def test_replay_of_selected_steps(tmp_path):
-    """--steps replays only those steps' tokens: the rows each rank receives are those of steps 1-2."""
+    """--steps 1-2 replays each of those steps as its own batch (the rows each rank receives are
+    that step's); --steps merged:1-2 replays their tokens as one batch."""
     import numpy as np
 
     from moonep_sim.routing.steps import read_layer
     path = tmp_path / "s.safetensors"
     generate_trace(path, 8, 2, 20, 5, layers=1, steps=3, maxvio=1.0)
-    rep = run_replay(2, ["--trace", path, "--strategy", "alltoall", "--steps", "1-2", "--hidden", "16",
-                         "--ffn", "8", "--iters", "1", "--warmup", "0", "--timeout", "30"], timeout_s=120)
+    home = np.arange(8) * 2 // 8
+    common = ["--trace", path, "--strategy", "alltoall", "--hidden", "16", "--ffn", "8", "--iters", "1",
+              "--warmup", "0", "--timeout", "30"]
+    rep = run_replay(2, common + ["--steps", "merged:1-2"], timeout_s=120)
     assert rep["correct"] is True and rep["tokens"] == 40
     ids = read_layer(path, 0, "1-2").topk_ids_TK
-    home = np.arange(8) * 2 // 8
     assert rep["per_layer"][0]["recv_rows_per_rank"] == np.bincount(home[ids.ravel()], minlength=2).tolist()
+    rep = run_replay(2, common + ["--steps", "1-2"], timeout_s=120)
+    assert rep["correct"] is True and rep["tokens"] == 40
+    assert [e["step"] for e in rep["per_layer"]] == [1, 2] and rep["per_step"]["step"] == [1, 2]
+    for e in rep["per_layer"]:
+        ids = read_layer(path, 0, str(e["step"])).topk_ids_TK
+        assert e["recv_rows_per_rank"] == np.bincount(home[ids.ravel()], minlength=2).tolist()

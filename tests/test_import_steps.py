@@ -23,14 +23,16 @@ def _rows(rng, n, E, K):
 
 
 def make_log(seed, *, E=16, K=2, layer_ids=(0, 1), passes=4, positions="restart", step_field=False,
-             vllm=False, warmup=0, capture=(), missing=0, names=None, extra_field=False):
+             vllm=False, warmup=0, capture=(), missing=0, names=None, extra_field=False, keep=False):
     """A log of ``passes`` real forward passes (after ``warmup`` dummy rows in one pass and one
     graph-capture pass per size in ``capture``), written layer-major within each pass.
 
     positions: ``restart`` (one constant request id; position = row in the pass, restarting every
     pass) or ``real`` (request ids; positions grow per request; prefill then decode passes).
-    missing: that many (token, layer) records of real tokens are removed (those tokens are lost).
-    Returns (records, expected ids [L, T, K], weights [L, T, K], steps [T], dummy record count).
+    missing: that many (token, layer) records of real tokens are removed (those tokens are lost,
+    or with ``keep`` kept at their other layers: filler rows 0..K-1, weight 0, mask 0).
+    Returns (records, expected ids [L, T, K], weights [L, T, K], steps [T], dummy record count),
+    and with ``keep`` also the expected token mask [L, T].
     """
     rng = np.random.default_rng(seed)
     names = names or {role: FIELDS[role][0] for role in FIELDS}
@@ -105,20 +107,28 @@ def make_log(seed, *, E=16, K=2, layer_ids=(0, 1), passes=4, positions="restart"
                 left[key] -= 1
                 drop.add(i)
         removed = {tok_of[i][1:] for i in drop}
+        gone = {(tok_of[i][1], tok_of[i][2], tok_of[i][3], layer_ids.index(recs[i][names["layer"]])) for i in drop}
         recs = [r for i, r in enumerate(recs) if i not in drop]
-        want = [x for x in want if (x[0], x[1], x[2]) not in removed]
+        if keep:
+            want = [x for x in want if (x[0], x[1], x[2], x[3]) not in gone]
+        else:
+            want = [x for x in want if (x[0], x[1], x[2]) not in removed]
     # expected tensors: tokens ordered by (pass, request, position)
     toks = sorted({(x[0], x[1], x[2]) for x in want})
     tindex = {t: i for i, t in enumerate(toks)}
     T = len(toks)
-    ids_LTK = np.zeros((L, T, K), np.int64)
+    ids_LTK = np.broadcast_to(np.arange(K), (L, T, K)).copy() if keep else np.zeros((L, T, K), np.int64)
     w_LTK = np.zeros((L, T, K), np.float32)
+    mask_LT = np.zeros((L, T), np.uint8)
     for pi, req, pos, li, ids, w in want:
         ids_LTK[li, tindex[(pi, req, pos)]] = ids
         w_LTK[li, tindex[(pi, req, pos)]] = w
+        mask_LT[li, tindex[(pi, req, pos)]] = 1
     _, step_T = np.unique([t[0] for t in toks], return_inverse=True)
     if vllm:
         recs = [{"type": "meta", "num_experts": E, "top_k": K}] + recs
+    if keep:
+        return recs, ids_LTK, w_LTK, step_T.reshape(-1), dummy, mask_LT
     return recs, ids_LTK, w_LTK, step_T.reshape(-1), dummy
 
 
@@ -132,21 +142,38 @@ def _write(path, recs):
        layers=st.sampled_from([(0,), (0, 1), (3, 7, 11)]), passes=st.integers(1, 6),
        positions=st.sampled_from(["restart", "real"]), step_field=st.booleans(), vllm=st.booleans(),
        warmup=st.sampled_from([0, 64, 150]), capture=st.sampled_from([(), (8,), (16, 8, 32)]),
-       missing=st.sampled_from([0, 0, 2]), alias_seed=st.integers(0, 1000), extra=st.booleans())
+       missing=st.sampled_from([0, 0, 2]), alias_seed=st.integers(0, 1000), extra=st.booleans(),
+       keep=st.booleans())
 def test_import_recovers_generated_real_rows_and_steps(tmp_path, seed, E, K, layers, passes, positions,
                                                        step_field, vllm, warmup, capture, missing, alias_seed,
-                                                       extra):
+                                                       extra, keep):
+    """Every real row comes back, in its step; a token missing some layers is dropped
+    (``incomplete_tokens="drop"``) or, by default, kept at the layers it has under the token
+    mask, which the trace reader honours layer by layer."""
     if positions == "real" and len(layers) == 1 and not step_field:
         positions = "restart"     # one layer, growing positions and no step field: passes leave no trace
     rng = np.random.default_rng(alias_seed)
     names = {role: str(rng.choice(FIELDS[role])) for role in FIELDS}
-    recs, ids, w, step, dummy = make_log(seed, E=E, K=K, layer_ids=layers, passes=passes, positions=positions,
-                                         step_field=step_field, vllm=vllm, warmup=warmup, capture=capture,
-                                         missing=missing, names=names, extra_field=extra)
+    out = make_log(seed, E=E, K=K, layer_ids=layers, passes=passes, positions=positions, step_field=step_field,
+                   vllm=vllm, warmup=warmup, capture=capture, missing=missing, names=names, extra_field=extra,
+                   keep=keep)
+    recs, ids, w, step, dummy = out[:5]
     if ids.shape[1] == 0:
         return
-    imp = load_source(_write(tmp_path / "log.jsonl", recs), num_experts=E)
+    imp = load_source(_write(tmp_path / "log.jsonl", recs), num_experts=E,
+                      incomplete_tokens="keep" if keep else "drop")
     got = imp.tensors
+    if keep and not out[5].all():
+        mask = out[5]
+        np.testing.assert_array_equal(got["token_mask"], mask)
+        assert imp.meta.import_report["tokens_missing_layers"] == int((mask == 0).any(axis=0).sum())
+        from moonep_sim.routing.trace import Trace, write_trace
+        path = write_trace(tmp_path / "masked.safetensors", imp.meta, imp.tensors)
+        for li in range(len(layers)):   # the reader returns exactly the rows each layer routed
+            lr = Trace(path).layer(li)
+            np.testing.assert_array_equal(lr.topk_ids_TK, ids[li][mask[li] == 1])
+    else:
+        assert "token_mask" not in got
     assert imp.meta.layer_ids == sorted(layers)
     np.testing.assert_array_equal(got["topk_ids"], ids)
     np.testing.assert_allclose(got["topk_weights"], w, rtol=1e-6)

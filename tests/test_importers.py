@@ -9,28 +9,29 @@ import pickle
 import numpy as np
 import pytest
 
-from conftest import SHARED_REAL, TRACES
+from conftest import TRACES
 from moonep_sim.cli import main
 from moonep_sim.errors import TraceFormatError
 from moonep_sim.routing.importers import detect_format, import_trace, load_source
 from moonep_sim.routing.trace import Trace
 
-MIXTRAL = SHARED_REAL / "mixtral-8x7b_humaneval_routing.jsonl"
-OLMOE = SHARED_REAL / "olmoe-1b-7b_layer0_vllm_routes.jsonl"
-SWITCH = SHARED_REAL / "switch-base-128_expert_counts.json"
-QWEN = TRACES / "qwen1.5-moe-a2.7b_layer0_vllm_routes_sample.jsonl"   # shipped in the repository: no skip
-needs_real = pytest.mark.skipif(not SHARED_REAL.is_dir(), reason=f"real traces folder {SHARED_REAL} absent")
+# samples of real records shipped in traces/ (cut by traces/cut_real_samples.py, attribution in
+# traces/SOURCES.md): the tests stand on the repository alone, nothing is skipped
+MIXTRAL = TRACES / "mixtral-8x7b_humaneval_routing_sample.jsonl"   # tokens 0-7 of both problems + the 5 incomplete
+OLMOE = TRACES / "olmoe-1b-7b_layer0_vllm_routes_sample.jsonl"     # meta, 100 dummy rows, 300 real rows
+SWITCH = TRACES / "switch-base-128_expert_counts.json"             # whole
+QWEN = TRACES / "qwen1.5-moe-a2.7b_layer0_vllm_routes_sample.jsonl"
 
 
 # ---------------------------------------------------------------------------------- real files
-@needs_real
 def test_mixtral_records(tmp_path):
     out = tmp_path / "m.safetensors"
     assert detect_format(MIXTRAL) == "jsonl-records"
-    assert main(["trace", "import", str(MIXTRAL), "-o", str(out), "--model", "mixtral-8x7b"]) == 0
+    assert main(["trace", "import", str(MIXTRAL), "-o", str(out), "--model", "mixtral-8x7b",
+                 "--drop-incomplete-tokens"]) == 0
     tr = Trace(out)
     m = tr.meta
-    assert (m.num_experts, m.top_k, m.layer_ids, m.num_tokens) == (8, 2, list(range(32)), 333)
+    assert (m.num_experts, m.top_k, m.layer_ids, m.num_tokens) == (8, 2, list(range(32)), 16)
     assert m.import_report["tokens_missing_layers_dropped"] == 5
     assert m.import_report["duplicate_records_dropped"] == 0
     assert "Mario928/speculative-moe" in m.attribution
@@ -41,25 +42,24 @@ def test_mixtral_records(tmp_path):
         assert lr.topk_ids_TK[t].tolist() == r["experts"]
         np.testing.assert_allclose(lr.topk_weights_TK[t], r["gating_probs"], rtol=1e-6)
     steps = tr.steps()
-    assert steps.tolist() == [0] * 81 + [1] * 252        # problem 0: tokens 0..80, problem 1: 0..251 complete
+    assert steps.tolist() == [0] * 8 + [1] * 8            # problem 0: tokens 0..7, problem 1: 0..7 complete
 
 
-@needs_real
 def test_olmoe_vllm_warmup_dropped(tmp_path):
     out = tmp_path / "o.safetensors"
     assert detect_format(OLMOE) == "vllm-routes"
     m = import_trace(OLMOE, out, model="olmoe-1b-7b")
     rep = m.import_report
-    assert rep["dummy_records_dropped"] == 2048 and rep["dummy_rows_by_reason"]["identical_run"] == 2048
-    assert rep["dummy_blocks"][0]["first_record"] == 2 and rep["dummy_blocks"][0]["rows"] == 2048
-    assert (m.num_tokens, m.num_experts, m.top_k, m.layer_ids) == (6519 - 2048, 64, 8, [0])
-    # the first kept token is the file's token_idx 2048
-    first = json.loads(OLMOE.read_text().splitlines()[1 + 2048])
+    assert rep["dummy_records_dropped"] == 100 and rep["dummy_rows_by_reason"]["identical_run"] == 100
+    assert rep["dummy_blocks"][0]["first_record"] == 2 and rep["dummy_blocks"][0]["rows"] == 100
+    assert (m.num_tokens, m.num_experts, m.top_k, m.layer_ids) == (300, 64, 8, [0])
+    # the first kept token is the source's token_idx 2048 (the sample keeps 100 of its 2048 dummy rows)
+    first = json.loads(OLMOE.read_text().splitlines()[1 + 100])
     assert first["token_idx"] == 2048
     assert Trace(out).layer(0).topk_ids_TK[0].tolist() == first["topk_ids"]
     # disabling the detection keeps every row
     m2 = import_trace(OLMOE, tmp_path / "o2.safetensors", warmup_min_rows=0)
-    assert m2.num_tokens == 6519
+    assert m2.num_tokens == 400
 
 
 def test_qwen_vllm_dummy_block_cut_short_is_dropped(tmp_path):
@@ -99,7 +99,6 @@ def test_qwen_vllm_dummy_block_cut_short_is_dropped(tmp_path):
                         warmup_min_rows=81).num_tokens == 246
 
 
-@needs_real
 def test_switch_counts(tmp_path):
     out = tmp_path / "s.safetensors"
     assert detect_format(SWITCH) == "counts-json"
@@ -114,16 +113,15 @@ def test_switch_counts(tmp_path):
     assert "assumed 1" in m.import_report["top_k"]
 
 
-@needs_real
 def test_inspect_json_checked_by_hand(tmp_path, capsys):
     """maxvio / gini / top share / distinct ranks of the Mixtral trace, recomputed from records."""
     out = tmp_path / "m.safetensors"
-    import_trace(MIXTRAL, out)
+    import_trace(MIXTRAL, out, incomplete_tokens="drop")  # the hand count below takes complete tokens only
     capsys.readouterr()
     assert main(["trace", "inspect", str(out), "--json", "--ranks", "4", "--gpus-per-node", "2",
                  "--layers", "0,31", "--top", "2"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert (res["layers"], res["tokens"], res["num_experts"], res["top_k"]) == (2, 333, 8, 2)
+    assert (res["layers"], res["tokens"], res["num_experts"], res["top_k"]) == (2, 16, 8, 2)
     # independent recomputation from the raw records (complete tokens only)
     recs = [json.loads(l) for l in MIXTRAL.read_text().splitlines()]
     per_tok = {}
@@ -151,7 +149,6 @@ def test_inspect_json_checked_by_hand(tmp_path, capsys):
         assert entry["distinct_is_estimate"] is False
 
 
-@needs_real
 def test_inspect_counts_labels_estimate(tmp_path):
     from moonep_sim.routing.metrics import inspect_trace
     out = tmp_path / "s.safetensors"
@@ -287,11 +284,19 @@ def test_bad_case_table_covers_the_required_regimes():
 def test_exact_duplicates_and_missing_layers_are_dropped_with_counts(tmp_path):
     recs = GOOD + [GOOD[0], GOOD[3]] + [_rec(7, 0, [1, 2])]          # 2 exact dups, token 7 lacks layer 1
     # one step per request: the repeats at the end are in the same step as the records they repeat
-    imp = load_source(_jsonl(tmp_path / "d.jsonl", recs), steps_from="group")
+    src = _jsonl(tmp_path / "d.jsonl", recs)
+    imp = load_source(src, steps_from="group", incomplete_tokens="drop")
     rep = imp.meta.import_report
     assert rep["duplicate_records_dropped"] == 2
     assert rep["tokens_missing_layers_dropped"] == 1
     assert imp.meta.num_tokens == 3 and imp.tensors["topk_ids"].shape == (2, 3, 2)
+    assert "token_mask" not in imp.tensors
+    # by default the token keeps the layer it has, under the per-layer token mask, with a warning
+    imp = load_source(src, steps_from="group")
+    rep = imp.meta.import_report
+    assert rep["tokens_missing_layers"] == 1 and rep["tokens_missing_layers_dropped"] == 0
+    assert imp.meta.num_tokens == 4 and imp.tensors["token_mask"].sum(axis=1).tolist() == [4, 3]
+    assert any("1 of 4 tokens miss some of the 2 layers" in w for w in rep["warnings"])
 
 
 def test_repeats_by_step_rule(tmp_path):
@@ -316,9 +321,7 @@ def test_missing_file_and_bad_format_name(tmp_path):
 
 # ---------------------------------------------------------------------------------- shipped traces
 @pytest.mark.parametrize("src,shipped,kwargs", [
-    pytest.param(MIXTRAL, "mixtral-8x7b_humaneval.safetensors", {"model": "mixtral-8x7b"}, marks=needs_real),
-    pytest.param(OLMOE, "olmoe-1b-7b_layer0.safetensors", {"model": "olmoe-1b-7b"}, marks=needs_real),
-    pytest.param(SWITCH, "switch-base-128_counts.safetensors", {"top_k": 1}, marks=needs_real),
+    (SWITCH, "switch-base-128_counts.safetensors", {"top_k": 1}),
     (QWEN, "qwen1.5-moe-a2.7b_layer0.safetensors", {"model": "qwen1.5-moe-a2.7b"}),
 ])
 def test_shipped_traces_are_what_the_importer_makes(src, shipped, kwargs):
@@ -331,6 +334,23 @@ def test_shipped_traces_are_what_the_importer_makes(src, shipped, kwargs):
         np.testing.assert_array_equal(got, arr.astype(got.dtype))
 
 
+@pytest.mark.parametrize("src,shipped,kwargs,tokens", [
+    (MIXTRAL, "mixtral-8x7b_humaneval.safetensors", {"model": "mixtral-8x7b", "incomplete_tokens": "drop"},
+     list(range(8)) + list(range(81, 89))),            # tokens 0-7 of problem 0 (81 tokens) and of problem 1
+    (OLMOE, "olmoe-1b-7b_layer0.safetensors", {"model": "olmoe-1b-7b"}, list(range(300))),
+])
+def test_shipped_traces_agree_with_the_importer_on_the_samples(src, shipped, kwargs, tokens):
+    """The shipped traces were imported from the whole sources; the samples hold some of the same
+    records (traces/cut_real_samples.py): their import equals the shipped trace at those tokens."""
+    from pathlib import Path
+    tr = Trace(Path(__file__).resolve().parents[1] / "traces" / shipped)
+    imp = load_source(src, **kwargs)
+    for name, arr in imp.tensors.items():
+        got = tr._open().get_tensor(name)
+        got = got[:, tokens] if got.ndim >= 2 else got[tokens]
+        np.testing.assert_array_equal(got, arr.astype(got.dtype))
+
+
 def test_shipped_recordings_are_labelled_synthetic():
     from pathlib import Path
     files = sorted((Path(__file__).resolve().parents[1] / "traces").glob("recorded-random_*.safetensors"))
@@ -340,3 +360,27 @@ def test_shipped_recordings_are_labelled_synthetic():
         assert "RANDOM weights" in tr.meta.attribution and "not real routing" in tr.meta.attribution
         assert np.bincount(tr.steps()).tolist() == [128] + [4] * 15
         assert tr.meta.num_layers == 4 and tr.model().num_experts == tr.meta.num_experts
+
+
+def test_tokens_missing_layers_keep_their_layers_through_compare(tmp_path, capsys):
+    """A log whose tokens miss some layers (as a real Mixtral log does): import keeps each token's
+    layers under the mask and warns with the count; compare plans each layer on the tokens it has;
+    --drop-incomplete-tokens drops them at every layer."""
+    recs = [_rec(t, l, [t % 4, (t + 1) % 4]) for t in range(12) for l in range(2) if not (l == 1 and t >= 8)]
+    src = _jsonl(tmp_path / "m.jsonl", recs)
+    out = tmp_path / "m.safetensors"
+    assert main(["trace", "import", str(src), "-o", str(out), "--num-experts", "4", "--steps-from", "none"]) == 0
+    err = capsys.readouterr().err
+    assert "moonep-sim: warning: 4 of 12 tokens miss some of the 2 layers (4 (token, layer) rows absent)" in err
+    tr = Trace(out)
+    assert tr.meta.num_tokens == 12 and [tr.layer(i).num_tokens for i in range(2)] == [12, 8]
+    from moonep_sim.experiments import Scenario
+
+    rep = Scenario(routing=str(out), cluster=2, strategies="alltoall").compare().to_dict()
+    rows = [sum(e["plan"]["recv_rows_per_rank"]) for e in rep["strategies"]["alltoall"]["layers"]]
+    assert rows == [24, 16]    # K=2 rows per token each layer has
+    dropped = tmp_path / "d.safetensors"
+    assert main(["trace", "import", str(src), "-o", str(dropped), "--num-experts", "4", "--steps-from", "none",
+                 "--drop-incomplete-tokens"]) == 0
+    assert Trace(dropped).meta.num_tokens == 8 and not Trace(dropped).has("token_mask")
+    assert Trace(dropped).meta.import_report["tokens_missing_layers_dropped"] == 4

@@ -1,16 +1,16 @@
-"""The shared Plan builders keep their outputs while their implementations are optimised.
+"""The shared Plan builders equal their slow references element-wise.
 
-``ref_*`` below are the first, straightforward implementations of ``layout_slots``,
-``single_hop_messages`` and ``plan_from_slots`` (argsort-based, int64 throughout), kept verbatim as
-slow references: the package's versions must return identical arrays (values and dtypes) on
-literal small cases and on hypothesis-drawn ones (drops, padding, minimum rows, dedup on/off).
+The references of ``layout_slots``, ``single_hop_messages`` and ``plan_from_slots`` are the
+package's :mod:`moonep_sim.plan.reference` (argsort-based, int64 throughout): the fast builders
+must return identical arrays (values and dtypes) on literal small cases and on hypothesis-drawn
+ones (drops, padding, minimum rows, dedup on/off). ``ref_validate`` below is the first
+implementation of ``validate``, kept as its reference.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Any
+import sys
 
 import numpy as np
 import pytest
@@ -23,116 +23,10 @@ from moonep_sim.plan import SCOPES, Hop
 
 # --- references (the original implementations) ---------------------------------------------------
 
-def ref_layout_slots(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
-                 min_rows_S: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Expert-grouped layout from each entry's slot (vectorised).
-
-    entry_slot_N: int64 [N] slot of each entry in flat entry order (e = t*K + k), -1 = dropped.
-    slot_rank_S: int64 [S] sorted.  min_rows_S: optional [S] rows to allocate at least (capacity pad).
-    Returns (slot_rows_S, slot_padded_S, slot_offset_S, entry_row_N): entries keep their global
-    order within a slot (tokens of source ranks concatenated in rank order, then k).
-    """
-    S = slot_rank_S.size
-    N = entry_slot_N.size
-    kept = entry_slot_N >= 0
-    slot_rows = np.bincount(entry_slot_N[kept], minlength=S).astype(np.int64)
-    padded = slot_rows if min_rows_S is None else np.maximum(slot_rows, min_rows_S)
-    tp = max(int(token_padding), 1)
-    padded = (padded + tp - 1) // tp * tp
-    cum = np.cumsum(padded) - padded
-    R = int(slot_rank_S.max()) + 1 if S else 0
-    first = np.searchsorted(slot_rank_S, np.arange(R))
-    rank_base = np.concatenate([[0], np.cumsum(padded)])[first]
-    offset = cum - rank_base[slot_rank_S] if S else cum
-    # position of each entry within its slot: stable sort by slot keeps the global entry order
-    entry_row = np.full(N, -1, dtype=np.int64)
-    ks = np.flatnonzero(kept)
-    sl = entry_slot_N[ks]
-    order = np.argsort(sl, kind="stable")
-    starts = np.cumsum(slot_rows) - slot_rows
-    pos = np.empty(ks.size, dtype=np.int64)
-    pos[order] = np.arange(ks.size, dtype=np.int64) - np.repeat(starts, slot_rows)
-    entry_row[ks] = offset[sl] + pos
-    return slot_rows, padded, offset, entry_row
-
-
-def ref_single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_off_R: np.ndarray,
-                        top_k: int, ranks: int, dedup: bool):
-    """One global hop sending each kept entry's token to its destination rank.
-
-    With ``dedup`` a token is sent once per destination rank; otherwise once per entry.
-    The receive buffer on each rank holds rows ordered by (source rank, token, k).
-    Returns (hop, entry_buf_row_N, entry_dup_N): the Hop, each entry's row in the receive buffer
-    (-1 dropped), and the duplicate flags.
-    """
-    N = entry_rank_N.size
-    kept = np.flatnonzero(entry_rank_N >= 0)
-    dst = entry_rank_N[kept]
-    tok = kept // top_k
-    order = np.argsort(dst, kind="stable")  # (dst, entry) order
-    d_s, t_s = dst[order], tok[order]
-    if dedup:
-        first = np.ones(order.size, dtype=bool)
-        first[1:] = (d_s[1:] != d_s[:-1]) | (t_s[1:] != t_s[:-1])
-    else:
-        first = np.ones(order.size, dtype=bool)
-    msg_of_sorted = np.cumsum(first) - 1
-    msg_dst = d_s[first]
-    msg_tok = t_s[first]
-    n_msg = msg_dst.size
-    per_dst = np.bincount(msg_dst, minlength=ranks)
-    dst_start = np.cumsum(per_dst) - per_dst
-    msg_row = np.arange(n_msg, dtype=np.int64) - dst_start[msg_dst]
-    entry_buf_row = np.full(N, -1, dtype=np.int64)
-    entry_buf_row[kept[order]] = msg_row[msg_of_sorted]
-    entry_dup = np.zeros(N, dtype=bool)
-    entry_dup[kept[order]] = ~first
-    msg_src = src_rank_T[msg_tok]
-    o2 = np.argsort(msg_src, kind="stable")  # (src, dst, token): messages were in (dst, token) order
-    hop = Hop("global", msg_src[o2], (msg_tok - tok_off_R[msg_src])[o2], msg_dst[o2], msg_row[o2],
-              per_dst.astype(np.int64))
-    return hop, entry_buf_row, entry_dup
-
-
-def ref_plan_from_slots(strategy: str, options: dict[str, Any], routing: GlobalRouting, cluster: ClusterShape,
-                    costs: RowCosts, slot_rank_S: np.ndarray, slot_expert_S: np.ndarray, slot_home_S: np.ndarray,
-                    entry_slot_TK: np.ndarray, *, dedup: bool, token_padding: int = 1,
-                    min_rows_S: np.ndarray | None = None, capacity_R: np.ndarray | None = None,
-                    started: float | None = None, **extra) -> Plan:
-    """A single-hop Plan from each entry's slot: the builder behind most strategies.
-
-    entry_slot_TK: int64 [T, K] index into the slot arrays (which must be sorted by rank), -1 =
-    dropped. The hop sends tokens straight to the slot's rank (deduplicated per rank if ``dedup``);
-    the destination expands them into the expert-grouped layout.
-    """
-    T, K = routing.topk_ids_TK.shape
-    R = cluster.ranks
-    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
-    slot_rows, padded, offset, entry_row = ref_layout_slots(entry_slot, slot_rank_S, token_padding, min_rows_S)
-    entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
-    hop, entry_buf_row, entry_dup = ref_single_hop_messages(entry_rank, routing.src_rank_T(), routing.tok_off_R(),
-                                                        K, R, dedup)
-    rows_R = np.bincount(slot_rank_S, weights=padded, minlength=R).astype(np.int64)
-    row_off = np.concatenate([[0], np.cumsum(rows_R)])
-    W = int(row_off[-1])
-    row_entry = np.full(W, -1, dtype=np.int64)
-    expand = np.full(W, -1, dtype=np.int64)
-    kept = np.flatnonzero(entry_slot >= 0)
-    g = row_off[entry_rank[kept]] + entry_row[kept]
-    row_entry[g] = kept
-    expand[g] = entry_buf_row[kept]
-    return Plan(
-        strategy=strategy, options=dict(options), cluster=cluster, num_experts=routing.num_experts, top_k=K,
-        tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),
-        entry_rank_TK=entry_rank.reshape(T, K), entry_row_TK=entry_row.reshape(T, K),
-        entry_dup_TK=entry_dup.reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
-        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slot_expert_S, dtype=np.int64),
-        slot_home_S=np.asarray(slot_home_S, dtype=np.int64), slot_offset_S=offset, slot_rows_S=slot_rows,
-        slot_padded_S=padded, row_entry_W=row_entry, expand_src_row_W=expand, hops=(hop,),
-        capacity_R=capacity_R,
-        plan_seconds=(time.perf_counter() - started) if started is not None else 0.0, **extra)
-
+# the slow references of the builders live in the package (moonep_sim.plan.reference)
+from moonep_sim.plan.reference import layout_slots as ref_layout_slots  # noqa: E402
+from moonep_sim.plan.reference import plan_from_slots as ref_plan_from_slots  # noqa: E402
+from moonep_sim.plan.reference import single_hop_messages as ref_single_hop_messages  # noqa: E402
 
 
 def ref_validate(plan: Plan) -> list[str]:
@@ -380,7 +274,7 @@ def test_builders_match_reference(case):
     args = (routing, cl, costs, slot_rank, np.zeros(E, np.int64), slot_rank, entry_slot.reshape(T, K))
     kw = dict(dedup=dedup, token_padding=tp, min_rows_S=min_rows)
     # builders leave strategy and options to the registry (make_plan stamps them)
-    p, q = plan_from_slots(*args, **kw), ref_plan_from_slots("", {}, *args, **kw)
+    p, q = plan_from_slots(*args, **kw), ref_plan_from_slots(*args, **kw)
     for f in dataclasses.fields(Plan):
         a, b = getattr(p, f.name), getattr(q, f.name)
         if f.name == "hops":
@@ -418,16 +312,20 @@ _HOP_FIELDS = ("src_rank_M", "src_row_M", "dst_rank_M", "dst_row_M")
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from(_INT_FIELDS + _HOP_FIELDS + ("entry_dup_TK", "none")),
-       st.integers(-2, 2), st.booleans(), st.sampled_from([1, 4]))
-def test_validate_matches_reference_on_corrupted_plans(seed, field, delta, dedup, tp):
-    """validate() reports exactly what the original implementation reports, valid or corrupted."""
+       st.integers(-2, 2), st.booleans(), st.sampled_from([1, 4]), st.sampled_from([0, 1, 3, 7]),
+       st.sampled_from(["alltoall", "capacity", "deepep"]))
+def test_validate_matches_reference_on_corrupted_plans(seed, field, delta, dedup, tp, chunk, strategy):
+    """validate() reports exactly what the original implementation reports, valid or corrupted,
+    whatever the chunk its checks walk messages, entries and rows in (``chunk`` 0: the default),
+    on single-hop plans, plans with dropped entries and padding rows (capacity) and two hops."""
     from conftest import random_routing
     from moonep_sim.strategies import PlanContext, make_plan
     rng = np.random.default_rng(seed)
     R, E, K = 4, 8, 3
     ids, w = random_routing(int(rng.integers(1, 30)), K, E, seed=seed % 1000, skew=1.0)
     routing = GlobalRouting.split_evenly(ids, w, E, R)
-    p = make_plan("alltoall", routing, PlanContext.default(E, R, 2, token_padding=tp), dedup=dedup)
+    opts = {"alltoall": {"dedup": dedup}, "capacity": {"cf": 0.5 if dedup else 1.0}, "deepep": {}}[strategy]
+    p = make_plan(strategy, routing, PlanContext.default(E, R, 2, token_padding=tp), **opts)
     if field in _HOP_FIELDS:
         a = getattr(p.hops[0], field).copy()
         if a.size:
@@ -442,7 +340,14 @@ def test_validate_matches_reference_on_corrupted_plans(seed, field, delta, dedup
         if a.size:
             a.flat[rng.integers(a.size)] += delta
         p = dataclasses.replace(p, **{field: a})
-    assert validate(p) == ref_validate(p)
+    vmod = sys.modules["moonep_sim.plan.validate"]  # (the package exports a function of that name)
+    default = vmod.HOP_CHUNK, vmod.BLOCK_MIN_MEAN
+    vmod.HOP_CHUNK = chunk or default[0]
+    vmod.BLOCK_MIN_MEAN = 0 if chunk % 2 else default[1]  # odd chunks: the block walk too
+    try:
+        assert validate(p) == ref_validate(p)
+    finally:
+        vmod.HOP_CHUNK, vmod.BLOCK_MIN_MEAN = default
 
 
 @settings(max_examples=100, deadline=None)

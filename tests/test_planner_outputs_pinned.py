@@ -1,9 +1,10 @@
 """The planners of ``capacity``, ``hierarchical``, ``deepep``, ``allgather`` and ``eplb`` (and the
-multi-hop builders behind them) keep their outputs while their implementations are optimised.
+multi-hop builders behind them) equal their slow references element-wise.
 
-``ref_*`` below are the first, straightforward implementations (argsort/lexsort over int64 keys),
-kept verbatim as slow references; only the names of the functions they call were given the same
-``ref_`` prefix. Every field of the package's Plans (values and dtypes, hops included; not
+``ref_*`` below are the strategies' first, straightforward implementations (argsort/lexsort over
+int64 keys), built on the package's reference builders (:mod:`moonep_sim.plan.reference`); the
+references themselves are checked against the named invariants and the routing
+(``test_references_are_valid_plans``). Every field of the package's Plans (values and dtypes, hops included; not
 ``plan_seconds``) must equal the reference's, on named small cases, on hypothesis-drawn routings
 (uneven ranks, padding, custom placements with replicas, every option variant) and on a
 medium-sized skewed layer. ``plan_from_slots``, ``layout_slots`` and ``single_hop_messages`` are
@@ -15,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 
 from conftest import random_routing
 from moonep_sim.errors import ConfigError, PlanError, require
-from moonep_sim.plan import ClusterShape, GlobalRouting, Hop, Placement, Plan, RowCosts, layout_slots
+from moonep_sim.plan import ClusterShape, GlobalRouting, Hop, Placement, Plan, RowCosts, validate
 from moonep_sim.strategies import PlanContext, make_plan
 
 # Notation: T tokens, K top-k, E experts, R ranks, G GPUs per node, N = T*K entries, S slots.
@@ -35,161 +36,25 @@ from moonep_sim.strategies import PlanContext, make_plan
 
 # --- moonep_sim.plan.multihop ------------------------------------------------------------------
 
-def ref_route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,
-              ranks: int, scope: str) -> tuple[Hop, np.ndarray]:
-    """One hop of a route, vectorised over the (kept) entries that take part in it.
+# the references of the builders live in the package (moonep_sim.plan.reference); the strategies'
+# references below call them with the strategy's name and options, as make_plan stamps them
 
-    src_rank_N, src_row_N: where each entry's token sits before the hop (rank, buffer row).
-    dst_rank_N: the rank the entry's token must reach.  gid_N: message key within a destination
-    (token id to deduplicate, entry id not to); entries with equal (dst, gid) share one message,
-    whose source is the first such entry's (lowest entry order) -- equal tokens, so any is correct.
-    Returns (hop, dst_row_N): the Hop and each entry's row in the hop's receive buffer.
-    """
-    n = dst_rank_N.size
-    if n == 0:
-        z = np.zeros(0, np.int64)
-        return Hop(scope, z, z, z, z, np.zeros(ranks, np.int64)), z
-    G = int(gid_N.max()) + 1
-    key = dst_rank_N * G + gid_N
-    order = np.argsort(key, kind="stable")
-    ks = key[order]
-    first = np.ones(n, dtype=bool)
-    first[1:] = ks[1:] != ks[:-1]
-    msg_of_sorted = np.cumsum(first) - 1
-    lead = order[first]  # one representative entry per message
-    m_dst, m_gid = dst_rank_N[lead], gid_N[lead]
-    m_src, m_srow = src_rank_N[lead], src_row_N[lead]
-    # receive buffer order on each destination: (src, gid); messages sorted by (src, dst, gid)
-    o2 = np.argsort((m_dst * ranks + m_src) * G + m_gid, kind="stable")
-    per_dst = np.bincount(m_dst, minlength=ranks).astype(np.int64)
-    dst_start = np.cumsum(per_dst) - per_dst
-    m_row = np.empty(lead.size, dtype=np.int64)
-    m_row[o2] = np.arange(lead.size, dtype=np.int64) - dst_start[m_dst[o2]]
-    o3 = np.argsort((m_src * ranks + m_dst) * G + m_gid, kind="stable")
-    hop = Hop(scope, m_src[o3], m_srow[o3], m_dst[o3], m_row[o3], per_dst)
-    dst_row = np.empty(n, dtype=np.int64)
-    dst_row[order] = m_row[msg_of_sorted]
-    return hop, dst_row
+from moonep_sim.plan import reference  # noqa: E402
+
+ref_route_hop, ref_dup_flags, ref_home_slots = reference.route_hop, reference.dup_flags, reference.home_slots
 
 
-def ref_dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
-    """bool [N]: True for a kept entry whose token has an earlier kept entry at the same rank."""
-    N = entry_rank_N.size
-    kept = np.flatnonzero(entry_rank_N >= 0)
-    dup = np.zeros(N, dtype=bool)
-    if kept.size == 0:
-        return dup
-    R = int(entry_rank_N.max()) + 1
-    key = (kept // top_k) * R + entry_rank_N[kept]
-    order = np.argsort(key, kind="stable")
-    ks = key[order]
-    later = np.zeros(kept.size, dtype=bool)
-    later[1:] = ks[1:] == ks[:-1]
-    dup[kept[order[later]]] = True
-    return dup
+def ref_assemble_plan(strategy: str, options: dict[str, Any], *args, started: float | None = None, **kw) -> Plan:
+    """:func:`moonep_sim.plan.reference.assemble_plan`, stamped as ``make_plan`` stamps a Plan."""
+    p = reference.assemble_plan(*args, options=options, **kw)
+    return dataclasses.replace(p, strategy=strategy, plan_seconds=time.perf_counter() - started if started else 0.0)
 
 
-def ref_assemble_plan(strategy: str, options: dict[str, Any], routing: GlobalRouting, cluster: ClusterShape,
-                  costs: RowCosts, slot_rank_S: np.ndarray, slot_expert_S: np.ndarray, slot_home_S: np.ndarray,
-                  entry_slot_N: np.ndarray, hops: Sequence[Hop], entry_buf_row_N: np.ndarray,
-                  entry_dup_N: np.ndarray, *, token_padding: int = 1, min_rows_S: np.ndarray | None = None,
-                  pad_slot_P: np.ndarray | None = None, pad_buf_row_P: np.ndarray | None = None,
-                  capacity_R: np.ndarray | None = None, started: float | None = None, **extra) -> Plan:
-    """A Plan from explicit hops and each entry's row in the last hop's buffer.
-
-    entry_slot_N: int64 [N] slot of each entry (slots sorted by rank), -1 = dropped.
-    entry_buf_row_N: int64 [N] row of the last buffer (on the entry's rank) holding its token.
-    entry_dup_N: bool [N] duplicate flags (see :class:`Plan`).
-    pad_slot_P / pad_buf_row_P: optional padding rows that *arrived* over the wire (zero rows sent
-    with ``src_row == -1``) and are computed by slot ``pad_slot_P[p]``: they fill that slot's
-    padding rows in order; padding rows beyond them read the local zero row (-1).
-    """
-    T, K = routing.topk_ids_TK.shape
-    R = cluster.ranks
-    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    entry_slot = np.asarray(entry_slot_N, dtype=np.int64).ravel()
-    slot_rows, padded, offset, entry_row = layout_slots(entry_slot, slot_rank_S, token_padding, min_rows_S)
-    entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
-    rows_R = np.bincount(slot_rank_S, weights=padded, minlength=R).astype(np.int64)
-    row_off = np.concatenate([[0], np.cumsum(rows_R)])
-    W = int(row_off[-1])
-    row_entry = np.full(W, -1, dtype=np.int64)
-    expand = np.full(W, -1, dtype=np.int64)
-    kept = np.flatnonzero(entry_slot >= 0)
-    g = row_off[entry_rank[kept]] + entry_row[kept]
-    row_entry[g] = kept
-    expand[g] = np.asarray(entry_buf_row_N, dtype=np.int64)[kept]
-    if pad_slot_P is not None and len(pad_slot_P):
-        ps = np.asarray(pad_slot_P, dtype=np.int64)
-        order = np.argsort(ps, kind="stable")
-        ps_sorted = ps[order]
-        cnt = np.bincount(ps, minlength=slot_rank_S.size)
-        if (cnt > padded - slot_rows).any():
-            s = int(np.argmax(cnt > padded - slot_rows))
-            raise PlanError(f"padding rows of slot {s} ({int(cnt[s])}) must fit its padding "
-                            f"({int(padded[s] - slot_rows[s])})")
-        j = np.arange(ps.size) - (np.cumsum(cnt) - cnt)[ps_sorted]
-        gp = row_off[slot_rank_S[ps_sorted]] + offset[ps_sorted] + slot_rows[ps_sorted] + j
-        expand[gp] = np.asarray(pad_buf_row_P, dtype=np.int64)[order]
-    return Plan(
-        strategy=strategy, options=dict(options), cluster=cluster, num_experts=routing.num_experts, top_k=K,
-        tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),
-        entry_rank_TK=entry_rank.reshape(T, K), entry_row_TK=entry_row.reshape(T, K),
-        entry_dup_TK=np.asarray(entry_dup_N, dtype=bool).reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
-        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slot_expert_S, dtype=np.int64),
-        slot_home_S=np.asarray(slot_home_S, dtype=np.int64), slot_offset_S=offset, slot_rows_S=slot_rows,
-        slot_padded_S=padded, row_entry_W=row_entry, expand_src_row_W=expand, hops=tuple(hops),
-        capacity_R=capacity_R,
-        plan_seconds=(time.perf_counter() - started) if started is not None else 0.0, **extra)
-
-
-def ref_plan_from_routes(strategy: str, options: dict[str, Any], routing: GlobalRouting, cluster: ClusterShape,
-                     costs: RowCosts, slot_rank_S: np.ndarray, slot_expert_S: np.ndarray, slot_home_S: np.ndarray,
-                     entry_slot_TK: np.ndarray, via_N: Sequence[np.ndarray], scopes: Sequence[str],
-                     dedup: Sequence[bool], *, token_padding: int = 1, started: float | None = None,
-                     **extra) -> Plan:
-    """A multi-hop Plan: entry e's token goes src -> via_N[0][e] -> ... -> its slot's rank.
-
-    entry_slot_TK: int64 [T, K] slot per entry (-1 dropped).  via_N: H-1 int64 [N] arrays, the
-    intermediate rank of each entry after hops 0..H-2 (values at dropped entries are ignored).
-    scopes / dedup: one per hop (H = len(scopes)); dedup[h] sends a token once per receiving rank.
-    """
-    T, K = routing.topk_ids_TK.shape
-    R = cluster.ranks
-    H = len(scopes)
-    if len(via_N) != H - 1 or len(dedup) != H:
-        raise PlanError(f"route ({len(via_N)} intermediate ranks, {len(dedup)} dedup flags) must match "
-                        f"hops ({H}): H-1 intermediate ranks and H flags")
-    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
-    kept = np.flatnonzero(entry_slot >= 0)
-    tok = kept // max(K, 1)
-    src = routing.src_rank_T()[tok]
-    pos = [src] + [np.asarray(v, dtype=np.int64).ravel()[kept] for v in via_N] + [slot_rank_S[entry_slot[kept]]]
-    row = tok - routing.tok_off_R()[src]
-    hops = []
-    for h in range(H):
-        gid = tok if dedup[h] else kept
-        hop, row = ref_route_hop(pos[h], row, pos[h + 1], gid, R, scopes[h])
-        hops.append(hop)
-    entry_buf_row = np.full(entry_slot.size, -1, dtype=np.int64)
-    entry_buf_row[kept] = row
-    entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
-    entry_dup = ref_dup_flags(entry_rank, K) if dedup[-1] else np.zeros(entry_slot.size, dtype=bool)
-    return ref_assemble_plan(strategy, options, routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S,
-                         entry_slot, hops, entry_buf_row, entry_dup, token_padding=token_padding,
-                         started=started, **extra)
-
-
-def ref_home_slots(placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(slot_rank_S, slot_expert_S, slot_of_E): a placement's home slots only (replicas ignored),
-    sorted by rank, and the index of each expert's home slot among them."""
-    p = placement
-    home = p.slot_rank_S == p.home_E[p.slot_expert_S]
-    sr, se = p.slot_rank_S[home], p.slot_expert_S[home]
-    slot_of = np.empty(p.num_experts, dtype=np.int64)
-    slot_of[se] = np.arange(se.size)
-    return sr, se, slot_of
+def ref_plan_from_routes(strategy: str, options: dict[str, Any], *args, started: float | None = None,
+                         **kw) -> Plan:
+    """:func:`moonep_sim.plan.reference.plan_from_routes`, stamped as ``make_plan`` stamps a Plan."""
+    p = reference.plan_from_routes(*args, options=options, **kw)
+    return dataclasses.replace(p, strategy=strategy, plan_seconds=time.perf_counter() - started if started else 0.0)
 
 
 # --- moonep_sim.strategies.capacity ------------------------------------------------------------
@@ -328,7 +193,8 @@ def ref_nodes_per_token_T(node_TK: np.ndarray) -> np.ndarray:
     return 1 + (s[:, 1:] != s[:, :-1]).sum(axis=1).astype(np.int64)
 
 
-def ref_deepep(routing: GlobalRouting, ctx: PlanContext, max_nodes: int = 0, sms: int = 24) -> Plan:
+def ref_deepep(routing: GlobalRouting, ctx: PlanContext, max_nodes: int = 0, sms: int | None = None,
+               impl: str = "deepep-v1") -> Plan:
     t0 = time.perf_counter()
     require(max_nodes >= 0, f"max_nodes ({max_nodes}) must be >= 0 (0 = no limit)")
     G = ctx.cluster.gpus_per_node
@@ -344,7 +210,7 @@ def ref_deepep(routing: GlobalRouting, ctx: PlanContext, max_nodes: int = 0, sms
     src = np.repeat(routing.src_rank_T(), routing.top_k)
     via = (dst_TK.ravel() // G) * G + src % G  # destination node, the source's local index
     # the registry stamps every declared option (sms, the kernel's SM budget, included)
-    opts = {"max_nodes": max_nodes, "sms": sms,
+    opts = {"max_nodes": max_nodes, "sms": sms, "impl": impl,
             "max_nodes_per_token": int(npt.max()) if npt.size else 0,
             "mean_nodes_per_token": float(npt.mean()) if npt.size else 0.0}
     return ref_plan_from_routes("deepep", opts, routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [via],
@@ -519,6 +385,28 @@ def test_named_cases_match_reference(name, case):
     routing, ctx = NAMED[case]
     for opts in VARIANTS[name]:
         compare(name, routing, ctx, **opts)
+
+
+@pytest.mark.parametrize("case", sorted(NAMED))
+@pytest.mark.parametrize("name", sorted(REFS))
+def test_references_are_valid_plans(name, case):
+    """The pair of the equality tests: a reference's Plan is right on its own terms -- it passes
+    every named invariant, each kept entry is computed at a slot of its own expert, the rows per
+    expert conserve the kept entries, and dropless strategies keep every entry."""
+    routing, ctx = NAMED[case]
+    for opts in VARIANTS[name]:
+        q = REFS[name](routing, ctx, **opts)
+        assert validate(q) == [], (name, case, opts, validate(q))
+        slot = np.full(q.entry_rank_TK.size, -1, dtype=np.int64)
+        kept = q.entry_rank_TK.ravel() >= 0
+        g = q.row_off_R()[q.entry_rank_TK.ravel()[kept]] + q.entry_row_TK.ravel()[kept]
+        slot_of_row = np.repeat(np.arange(q.slot_rank_S.size), q.slot_padded_S)
+        slot[kept] = slot_of_row[g]
+        np.testing.assert_array_equal(q.slot_expert_S[slot[kept]], routing.topk_ids_TK.ravel()[kept])
+        per_e = np.bincount(routing.topk_ids_TK.ravel()[kept], minlength=routing.num_experts)
+        np.testing.assert_array_equal(q.tokens_per_expert_RE().sum(axis=0), per_e)
+        if name != "capacity":
+            assert q.dropped == 0, (name, case, opts)
 
 
 def test_named_cases_cover_their_regimes():

@@ -248,3 +248,21 @@ def test_costaware_split_entry_slots_equal_moonep_layout(case, ti, seed):
     ids = np.random.default_rng(seed).permutation(np.repeat(np.arange(c.size), c))
     sr, se, _ = copy_slots(alloc, epn)
     np.testing.assert_array_equal(split_entry_slots(ids, alloc, sr, se), entry_slots(ids, alloc, sr, se))
+
+
+@pytest.mark.parametrize("sms", [0, 24, -1])
+def test_costaware_default_prices_are_the_default_presets(sms):
+    """No topology in the plan context: the rates are the default preset's as the simulator loads
+    it (derived from the shipped file, not copied), and that preset is the commands' default."""
+    import dataclasses
+
+    from moonep_sim.experiments import DEFAULT_TOPOLOGY
+    from moonep_sim.sim import load_topology
+    from moonep_sim.strategies.costaware import DEFAULT_PRESET
+
+    assert DEFAULT_PRESET == DEFAULT_TOPOLOGY
+    got, want = Rates.of(None, sms), Rates.of(load_topology(DEFAULT_PRESET), sms)
+    for f in dataclasses.fields(Rates):
+        if f.name != "source":
+            assert getattr(got, f.name) == pytest.approx(getattr(want, f.name)), f.name
+    assert DEFAULT_PRESET in got.source

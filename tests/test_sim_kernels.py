@@ -11,7 +11,7 @@ from moonep_sim.plan.kernel import ALL_SMS, KernelSpec
 from moonep_sim.sim import load_topology
 from moonep_sim.sim.kernels import (kernel_fixed_us, kernel_launches, kernel_sms, planning_us, relay_two_hop_us,
                                     sm_cap_bytes_per_us, weight_copy_us)
-from moonep_sim.sim.topology import topology_from_dict
+from moonep_sim.sim.topology import IDEAL, topology_from_dict
 
 
 def test_kernel_terms_are_off_on_the_cpu_preset():
@@ -22,7 +22,7 @@ def test_kernel_terms_are_off_on_the_cpu_preset():
 
 
 def test_sm_cap_is_sms_times_rate_and_all_sms_means_the_gpu():
-    t = topology_from_dict({"name": "x", "sm": {"count": 100, "copy_GBps": 10.0}})
+    t = topology_from_dict(defaults=IDEAL, doc={"name": "x", "sm": {"count": 100, "copy_GBps": 10.0}})
     assert sm_cap_bytes_per_us(t, KernelSpec(sms=24)) == pytest.approx(24 * 10.0 * 1e3)
     assert kernel_sms(t, KernelSpec(sms=ALL_SMS)) == 100
     assert kernel_sms(t, KernelSpec(sms=500)) == 100
@@ -30,7 +30,7 @@ def test_sm_cap_is_sms_times_rate_and_all_sms_means_the_gpu():
 
 
 def test_fixed_costs_per_launch_and_relayed_plans_launch_once():
-    t = topology_from_dict({"name": "x", "kernel": {"dispatch_fixed_us": 30.0, "combine_fixed_us": 20.0}})
+    t = topology_from_dict(defaults=IDEAL, doc={"name": "x", "kernel": {"dispatch_fixed_us": 30.0, "combine_fixed_us": 20.0}})
     assert (kernel_fixed_us(t, "dispatch"), kernel_fixed_us(t, "combine")) == (30.0, 20.0)
     assert kernel_launches(KernelSpec(relay=True), 2) == 1
     assert kernel_launches(KernelSpec(), 2) == 2 and kernel_launches(None, 0) == 0
@@ -44,12 +44,12 @@ def test_relay_closed_form_is_the_pipeline_bound():
 
 
 def test_planning_grows_with_entries_and_cells():
-    t = topology_from_dict({"name": "x", "planning": {"fixed_us": 20.0, "per_entry_ns": 0.02, "per_cell_ns": 3.0}})
+    t = topology_from_dict(defaults=IDEAL, doc={"name": "x", "planning": {"fixed_us": 20.0, "per_entry_ns": 0.02, "per_cell_ns": 3.0}})
     assert planning_us(t, 65536, 256, 64) == pytest.approx(20 + 65536 * 0.02e-3 + 256 * 64 * 3e-3)
 
 
 def test_weight_copy_closed_form_and_h800_epic_row():
-    t = topology_from_dict({"name": "x", "nvlink": {"bandwidth_GBps": 200.0, "latency_us": 2.0, "efficiency": 0.5},
+    t = topology_from_dict(defaults=IDEAL, doc={"name": "x", "nvlink": {"bandwidth_GBps": 200.0, "latency_us": 2.0, "efficiency": 0.5},
                             "nic": {"bandwidth_GBps": 50.0, "latency_us": 4.0, "efficiency": 0.9},
                             "weights": {"nvlink_efficiency": 1.0}, "sm": {"count": 10, "copy_GBps": 10.0}})
     assert weight_copy_us(t, 42e6, False) == pytest.approx(2 + 42e6 / 200e3)
@@ -60,7 +60,7 @@ def test_weight_copy_closed_form_and_h800_epic_row():
 
 
 @pytest.mark.parametrize("doc, match", [
-    ({"sm": {"count": 10}}, r"sm count \(10\) and sm copy_GBps \(0.0\) must be both 0"),
+    ({"sm": {"count": 10, "copy_GBps": 0.0}}, r"sm count \(10\) and sm copy_GBps \(0.0\) must be both 0"),
     ({"weights": {"engine": "dma"}}, r"weights engine \('dma'\) must be one of copy_engine, sm"),
     ({"weights": {"engine": "sm"}}, r"weights sms \(0\) must be > 0"),
     ({"weights": {"nvlink_efficiency": 1.5}}, r"weights_nvlink_efficiency \(1.5\) must lie in \[0, 1\]"),
@@ -68,7 +68,7 @@ def test_weight_copy_closed_form_and_h800_epic_row():
 ])
 def test_bad_kernel_constants_fail_with_one_line(doc, match):
     with pytest.raises(ConfigError, match=match):
-        topology_from_dict({"name": "x", **doc})
+        topology_from_dict(defaults=IDEAL, doc={"name": "x", **doc})
 
 
 # -- the timeline against the closed forms (one flow, one kernel, one relay) ---------------------
@@ -93,7 +93,7 @@ def _topo(**tables):
            "fabric": {"latency_us": 0.0}, "planning": {"fixed_us": 0.0}}
     for k, v in tables.items():
         doc[k] = {**doc.get(k, {}), **v}
-    return topology_from_dict(doc)
+    return topology_from_dict(doc, defaults=IDEAL)
 
 
 def _plan(strategy, ids_T, tokens_per_rank, R=4, G=2, **opts):
@@ -232,7 +232,7 @@ def test_ep16_diagnostic_own_rows_cancel_and_no_checked_limit_binds():
     finally:
         sys.path.remove(bench)
     from moonep_sim.sim import load_topology
-    d = F.relay_diagnostic({n: load_topology(n) for n in ("h800-cx7", "b200")})
+    d = F.ep16_diagnostic({n: load_topology(n) for n in ("h800-cx7", "b200")})
     assert abs(d["own_share_ep8"] - 1 / 8) < 0.01 and abs(d["own_share_ep16"] - 1 / 8) < 0.01
     assert abs(d["own_rows_ratio"] / d["forward_vs_intranode"] - 1) < 0.01
     assert d["forward_vs_intranode"] < 0.95          # the miss the section explains
@@ -240,3 +240,139 @@ def test_ep16_diagnostic_own_rows_cancel_and_no_checked_limit_binds():
     assert d["forwarder_pair_GBps"] < d["forwarder_pair_cap_GBps"]
     assert d["intranode_pair_GBps"] < d["intranode_pair_cap_GBps"]
     assert d["rdma_window_bind_us"] > 10 * d["nic_latency_us"] and d["nvl_window_bind_us"] > 10 * d["nvlink_latency_us"]
+
+
+# -- kernel families (moonep_sim.plan.kernel.FAMILIES): one kernel, one flow, one message each --------------
+from moonep_sim.plan.kernel import FAMILIES, family, family_spec  # noqa: E402
+from moonep_sim.sim.kernels import combine_reduce_us, nic_message_cost_us, reduce_bytes_per_us, relay_rows  # noqa: E402
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_plans_with_its_terms_and_sources(name):
+    fam = FAMILIES[name]
+    assert fam.sources["design"].startswith(("sourced:", "assumed, set from")), fam.sources["design"]
+    plan = _plan("deepep" if fam.mode == "normal" else "deepep-ll", [1] * 10, [10, 0, 0, 0], impl=name)
+    k = plan.kernel
+    assert (k.family, k.sms, k.message_us, k.sm_copy_factor, k.reduce) == \
+        (name, fam.sms, fam.message_us, fam.sm_copy_factor, fam.reduce)
+    assert k.relay == (fam.mode == "normal") and k.row_messages == (fam.mode == "ll")
+
+
+def test_impl_of_the_wrong_mode_names_the_families_of_that_mode():
+    with pytest.raises(ConfigError, match=r"option impl \('deepep-v1-ll'\) must be 'deepep-v1', 'deepep-v2', .* \(strategy deepep\)"):
+        _plan("deepep", [1] * 10, [10, 0, 0, 0], impl="deepep-v1-ll")
+    with pytest.raises(ConfigError, match=r"impl \('mori'\) must be one of .*\(the ll kernel families\)"):
+        family("mori", "ll")
+
+
+def test_one_kernel_pays_its_familys_fixed_cost_and_per_message_cost():
+    """deepep-ll, rank 0 -> rank 2 (other node, NIC 2 GB/s), 10 rows: latency 0, so the dispatch is
+    fixed + rows x (ROW / NIC rate + per-message cost) -- the per-message cost stretches the flow."""
+    topo = _topo(kernel={"dispatch_fixed_us": 30.0, "nic_message_us": 0.5})
+    base = _plan("deepep-ll", [2] * 10, [10, 0, 0, 0])
+    row = base.costs.dispatch_row_bytes  # the FP8 row with its scales and header
+    assert _iso(base, topo) == pytest.approx(30.0 + 10 * (row / 2e3 + 0.5))
+    uccl = _plan("deepep-ll", [2] * 10, [10, 0, 0, 0], impl="uccl-ep-ll")
+    fam = FAMILIES["uccl-ep-ll"]
+    assert fam.extra_fixed_us > 0 and fam.message_us > 0
+    assert _iso(uccl, topo) == pytest.approx(30.0 + fam.extra_fixed_us + 10 * (row / 2e3 + 0.5 + fam.message_us))
+    own = dataclasses.replace(base, kernel=dataclasses.replace(base.kernel, dispatch_fixed_us=5.0))
+    assert _iso(own, topo) == pytest.approx(5.0 + 10 * (row / 2e3 + 0.5))
+
+
+def test_one_rail_limit_the_nics_message_rate_bounds_one_row_messages():
+    """8 NICs of 1 GB/s for 2 GPUs per node: each GPU's port is 4 GB/s, and at a message rate of 0.1
+    per us per NIC each row message costs 1 / (0.1 x 4 NICs per GPU) = 2.5 us."""
+    topo = _topo(nic={"bandwidth_GBps": 1.0, "rails_per_node": 8, "message_rate_Mps": 0.1})
+    assert topo.nics_per_gpu == 4 and topo.nic_message_us == pytest.approx(2.5)
+    flow = _plan("alltoall", [2] * 100, [100, 0, 0, 0])
+    assert _iso(flow, topo) == pytest.approx(100 * ROW / 4e3)          # 4 NICs joined, no per-message cost
+    ll = _plan("deepep-ll", [2] * 10, [10, 0, 0, 0])
+    assert nic_message_cost_us(topo, ll.kernel) == pytest.approx(2.5)
+    assert _iso(ll, topo) == pytest.approx(10 * (ll.costs.dispatch_row_bytes / 4e3 + 2.5))
+
+
+def test_one_reduce_after_the_rows_arrive_reads_them_and_writes_the_sums():
+    """deepep-ll combine of one token with 2 experts on rank 1 (experts 2, 3: other node, NIC 2 GB/s):
+    rank 1 sends 2 rows back, rank 0 reads both and writes one -- at HBM (1 GB/s here, no SM cap binds)."""
+    sm = {"count": 100, "copy_GBps": 100.0}
+    topo = _topo(sm=sm, gpu={"mem_bandwidth_GBps": 1.0, "mem_efficiency": 1.0})
+    g = GlobalRouting(np.array([[2, 3]]), np.ones((1, 2), np.float32), np.array([1, 0, 0, 0]), 4)
+    ctx = PlanContext(ClusterShape(4, 2), Placement.home_groups(4, 4), RowCosts(ROW, ROW), 1)
+    plan = make_plan("deepep-ll", g, ctx, nvlink=True)
+    assert plan.kernel.reduce == "after"
+    rate = reduce_bytes_per_us(topo, plan.kernel)
+    assert rate == pytest.approx(1e3)
+    want = 2 * ROW / 2e3 + combine_reduce_us(2 * ROW, ROW, rate, "after")   # 2 rows over the NIC, then the pass
+    assert _iso(plan, topo, "combine") == pytest.approx(want)
+    assert combine_reduce_us(2 * ROW, ROW, rate, "after") == pytest.approx(3.0)
+    # fused (the normal kernels): only the last message's reduce, 2 x relay rows x row at most
+    assert combine_reduce_us(2 * ROW, ROW, rate, "fused", tail_bytes=ROW) == pytest.approx(1.0)
+    # pplx: one message per (token, rank): a token's two experts on rank 2 take one row, not two
+    g8 = GlobalRouting(np.array([[4, 5]]), np.ones((1, 2), np.float32), np.array([1, 0, 0, 0]), 8)
+    ctx8 = PlanContext(ClusterShape(4, 2), Placement.home_groups(8, 4), RowCosts(ROW, ROW), 1)
+    assert int(make_plan("deepep-ll", g8, ctx8, impl="pplx").hops[0].src_rank_M.size) == 1
+    assert int(make_plan("deepep-ll", g8, ctx8).hops[0].src_rank_M.size) == 2
+
+
+def test_family_sm_rate_factor_scales_the_sm_cap():
+    topo = _topo(sm={"count": 8, "copy_GBps": 1.0})
+    v2 = family_spec(FAMILIES["deepep-v2"], sms=2, relay=True)
+    assert sm_cap_bytes_per_us(topo, v2) == pytest.approx(2 * 1.0 * 1e3 * FAMILIES["deepep-v2"].sm_copy_factor)
+    plan = dataclasses.replace(_plan("alltoall", [1] * 100, [100, 0, 0, 0]), kernel=dataclasses.replace(v2, relay=False))
+    assert _iso(plan, topo) == pytest.approx(100 * ROW / (2e3 * FAMILIES["deepep-v2"].sm_copy_factor))
+    assert relay_rows(topo, v2) == topo.kernel_relay_message_rows
+    assert relay_rows(topo, dataclasses.replace(v2, relay_message_rows=3)) == 3
+
+
+def test_kernel_checks_name_rows_of_the_fidelity_benchmark_and_known_presets_and_families():
+    import sys
+    from pathlib import Path
+
+    from moonep_sim.sim import list_topologies
+    from moonep_sim.sim.kernels import checked_on, kernel_checks
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        import fidelity_gpu as F
+    finally:
+        sys.path.remove(bench)
+    ids = {r["id"]: r for r in F.ROWS}
+    for c in kernel_checks():
+        assert c["preset"] in list_topologies() and c["family"] in FAMILIES, c
+        for rid in c["rows"]:
+            assert F.family_of(ids[rid]) == c["family"] and ids[rid]["spec"]["topo"] == c["preset"], rid
+    assert [f for f, _ in checked_on("h800-cx7")] == ["deepep-v1", "deepep-v1-ll", "deepep-v2"]
+    assert checked_on("h200-efa") == []
+
+
+def test_cli_topologies_lists_the_families_and_what_each_preset_was_checked_against(capsys):
+    from moonep_sim.cli import main
+    assert main(["topologies"]) == 0
+    out = capsys.readouterr().out
+    for name in FAMILIES:
+        assert name in out
+    assert "kernel families checked on each preset" in out and "HybridEP" in out
+
+
+@pytest.mark.parametrize("strategy, impl, counts", [("deepep", "deepep-v1", ["node_pairs"]),
+                                                    ("deepep", "deepep-v2", ["scale_up", "scale_out"]),
+                                                    ("deepep-ll", "nixl-ep", ["selections"])])
+def test_cli_isolate_counts_as_each_librarys_own_test(capsys, strategy, impl, counts):
+    import json
+
+    from moonep_sim.cli import main
+
+    args = ["simulate", "--gen", "model=deepseek-v3,uniform=1,tokens-per-rank=64", "--strategy", strategy,
+            "--opt", f"impl={impl}", "--ranks", "16", "--dispatch-dtype", "fp8", "--isolate", "dispatch", "--json"]
+    assert main(args) == 0
+    k = json.loads(capsys.readouterr().out)["kernel"]
+    assert k["family"] == impl and k["library_counts"] == counts
+    # scale-up + scale-out: every row a rank sends to another GPU, by where it goes; one selection per kept entry
+    assert k["selections"] == pytest.approx(64 * 8 * k["row_bytes"])
+    if strategy == "deepep":
+        assert 0 < k["scale_out"] <= 64 * k["row_bytes"]  # at most one row per token to the other node
+    for key in counts:
+        assert k[key + "_GBps"] == pytest.approx(k[key] / k["rank_mean_us"] / 1e3)
+    assert main(args[:-1]) == 0
+    assert f"kernel family {impl}: its library's own test counts" in capsys.readouterr().out

@@ -45,7 +45,7 @@ def test_every_strategy_runs_and_never_beats_the_lower_bound(strategy):
 @pytest.mark.parametrize("topo_name", list_topologies())
 def test_every_preset_times_a_plan(topo_name):
     topo = load_topology(topo_name)
-    R = 16
+    R = 16 if not topo.nodes else min(16, topo.nodes * topo.gpus_per_node)  # mi350x: one node
     plan = plan_for("alltoall", R=R, G=min(topo.gpus_per_node, R))
     res = simulate_layer(plan, topo, MODEL)
     assert res.layer_time_us > 0 and res.topology == topo_name
@@ -268,12 +268,8 @@ def test_lower_bound_is_never_beaten_on_random_routings(seed, skew, shape, t_per
     R, G = shape
     topo = load_topology("h800-cx7", gpus_per_node=G)
     for s in STRATEGIES:
-        try:
-            plan = plan_for(s, R=R, G=G, T_per=t_per, skew=skew, seed=seed)
-        except Exception as e:  # a strategy may refuse a routing with a one-line planning error
-            from moonep_sim.errors import MoonEPSimError
-            assert isinstance(e, MoonEPSimError)
-            continue
+        # home groups (E = 32 divisible by every R drawn), >= 1 token per rank: no strategy refuses
+        plan = plan_for(s, R=R, G=G, T_per=t_per, skew=skew, seed=seed)
         res = simulate_layer(plan, topo, MODEL, SimOptions(tol=0.0, backward=bool(seed % 2)))
         assert res.layer_time_us >= res.lower_bound_us * (1 - 1e-12), (s, res.lower_bound)
 

@@ -48,9 +48,19 @@ def register(sub) -> None:
 def run(args) -> int:
     from moonep_sim.experiments import calibrate as cal
 
-    if args.out and not args.dry_run:
-        from moonep_sim.io import check_output_path
-        check_output_path(args.out, "-o")  # before measuring, not after
+    if not args.dry_run:
+        from pathlib import Path
+
+        from moonep_sim.cli.common import output_rule
+        from moonep_sim.experiments.calibrate import calibrated_path
+        dest = Path(args.out) if args.out else calibrated_path()
+        also = {"-o": str(dest), "the measurements file": str(dest.with_suffix(".measurements.json"))}
+        if not args.out and not dest.parent.exists():
+            also = {}  # a fresh machine: the calibration folder is created when the results are written
+        output_rule(args, also=also, out_flag="-o")  # before measuring, not after
+    from moonep_sim.cli.common import check_int
+    check_int(args.repeats, "--repeats", 1, 1000, "repeats per point (the median is kept)")
+    check_int(args.target_nproc, "--target-nproc", 2, 64, "the process count the constants are for")
     nprocs = parse_int_list(args.nproc, "--nproc") or []
     sizes = parse_sizes(args.sizes) or list(cal.QUICK_SIZES_BYTES if args.quick else cal.DEFAULT_SIZES_BYTES)
     shapes = cal.QUICK_SWIGLU_SHAPES if args.quick else cal.DEFAULT_SWIGLU_SHAPES

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from moonep_sim.errors import ConfigError
 from moonep_sim.io import to_jsonable
@@ -17,8 +18,58 @@ PROGRESS_INTERVAL_S = 15.0
 
 
 def print_json(obj: Any) -> None:
-    json.dump(to_jsonable(obj), sys.stdout, indent=2, sort_keys=False)
-    sys.stdout.write("\n")
+    """``obj`` as strict JSON on stdout (no ``NaN``/``Infinity``: :func:`moonep_sim.io.dumps_strict`)."""
+    from moonep_sim.io import dumps_strict
+
+    sys.stdout.write(dumps_strict(obj, indent=2, sort_keys=False) + "\n")
+
+
+# -- the output rule: no output over an input -------------------------------------------------------
+#: Argument names (argparse ``dest``) that name input files, with the flag a message shows.
+INPUT_ARGS: dict[str, str] = {
+    "trace": "--trace", "src": "SRC", "file": "FILE", "model": "--model", "topology": "--topology",
+    "base_topology": "--base-topology", "compute_profile": "--compute-profile", "calibration": "--calibration",
+    "bias_file": "--bias-file", "traces_dir": "--traces-dir", "config": "--config", "history": "--history",
+}
+
+
+def flag_of(dest: str, out_flag: str = "--out") -> str:
+    """The flag a message names for the argparse ``dest`` (``out`` is ``-o`` or ``--out`` per command)."""
+    return out_flag if dest == "out" else "--" + dest.replace("_", "-")
+
+
+def output_rule(args, files: Iterable[str] = (), folders: Mapping[str, Sequence[str]] | None = None,
+                inputs: Mapping[str, Any] | None = None, out_flag: str = "--out",
+                also: Mapping[str, Any] | None = None) -> None:
+    """The one output rule (docs/failures.md), called by every command that writes before any work:
+
+        output_rule(args, files=("timeline",), folders={"out": ("report.json", "*.png")})
+
+    files: the ``dest`` names of output-file arguments (a value that is not a string, such as a
+    ``--json`` switch, is not a path); folders: ``dest`` of each output-folder argument -> the names
+    (or glob patterns) of the files the command writes inside. Every input is compared with them
+    by device and inode (links followed): the arguments of :data:`INPUT_ARGS` found on ``args``, every
+    ``--opt`` value that names an existing file (eplb's ``history=``), and ``inputs`` (flag -> path).
+    ``also``: further output files the command derives (flag words -> path). Refused with one line
+    naming both; see :func:`moonep_sim.io.check_outputs`."""
+    from moonep_sim.io import check_outputs
+
+    ins: dict[str, Any] = {}
+    for dest, flag in INPUT_ARGS.items():
+        v = getattr(args, dest, None)
+        if isinstance(v, (str, os.PathLike)) and not str(v).startswith("gen:"):
+            ins[flag] = v
+    for o in getattr(args, "opt", None) or []:
+        if isinstance(o, str) and "=" in o:
+            k, v = o.split("=", 1)
+            if v.strip() and os.path.exists(v.strip()):
+                ins[f"--opt {k.strip()}"] = v.strip()
+    ins.update(inputs or {})
+    outs = {flag_of(d, out_flag): getattr(args, d, None) for d in files}
+    outs.update(also or {})
+    outs = {k: v for k, v in outs.items() if isinstance(v, (str, os.PathLike)) and str(v) != "-"}  # '-': stdout
+    fold = {flag_of(d, out_flag): (getattr(args, d, None), tuple(names)) for d, names in (folders or {}).items()}
+    check_outputs(outs, ins, {k: v for k, v in fold.items() if isinstance(v[0], (str, os.PathLike))})
 
 
 def parse_kv(items: list[str] | None, what: str = "--opt") -> dict[str, str]:
@@ -33,23 +84,11 @@ def parse_kv(items: list[str] | None, what: str = "--opt") -> dict[str, str]:
 
 
 def parse_strategy_opts(items: list[str] | None, names: list[str]) -> dict[str, dict[str, str]]:
-    """``--opt STRATEGY.key=value`` (or ``key=value`` when one strategy is named) -> per strategy."""
-    per: dict[str, dict[str, str]] = {n: {} for n in names}
-    for o in items or []:
-        if "=" not in o:
-            raise ConfigError(f"--opt ({o!r}) must look like STRATEGY.key=value, e.g. capacity.cf=1.25")
-        k, v = o.split("=", 1)
-        if "." in k:
-            s, key = k.split(".", 1)
-        elif len(names) == 1:
-            s, key = names[0], k
-        else:
-            raise ConfigError(f"--opt ({o!r}) must look like STRATEGY.key=value, e.g. capacity.cf=1.25, "
-                              "when several strategies are named")
-        if s not in per:
-            raise ConfigError(f"--opt strategy ({s!r}) must be one of the strategies ({', '.join(names)})")
-        per[s][key.strip().replace("-", "_")] = v.strip()
-    return per
+    """``--opt STRATEGY.key=value`` (or ``key=value`` when one strategy is named) -> per strategy
+    (:func:`moonep_sim.experiments.spec.parse_opt_items`, the one parser)."""
+    from moonep_sim.experiments.spec import parse_opt_items
+
+    return parse_opt_items(items, names, plain="single")
 
 
 def parse_int_list(text: str | None, what: str) -> list[int] | None:
@@ -103,7 +142,9 @@ def add_dispatch_dtype(p, default: str = "bf16") -> None:
 
 
 def _sim_dtype(text: str) -> str:
-    return {"bfloat16": "bf16", "float8": "fp8"}.get(text, text)
+    from moonep_sim.experiments.spec import normalise_dtype
+
+    return normalise_dtype(text)
 
 
 def add_strategies(p, default: str) -> None:
@@ -120,7 +161,35 @@ def add_layers(p, default_text: str = "all of the trace") -> None:
 
 def add_steps(p) -> None:
     p.add_argument("--steps", default=None, metavar="SEL",
-                   help="use only these steps of the trace: all, N, A-B, A-, or a comma list (default: every token)")
+                   help="steps of the trace, each costed as its own batch and aggregated over steps (token-weighted "
+                        "mean, median, p90, worst): N, A-B, A-, a comma list (default: every step); merged or "
+                        "merged:SEL costs them as one concatenated batch (with a warning)")
+
+
+def print_warnings(warnings) -> None:
+    """Each of a result's warnings as one line on stderr (stdout stays the table or the JSON)."""
+    for w in warnings or ():
+        print(f"moonep-sim: warning: {w}", file=sys.stderr, flush=True)
+
+
+def steps_footer(rep: dict) -> list[str]:
+    """Lines on the per-step aggregates of a compare report (none for a single batch)."""
+    st = rep.get("steps") or {}
+    n = len(st.get("costed_step_ids") or [])
+    if n <= 1:
+        return []
+    rows = rep["strategies"]
+    agg = {k: v["steps_aggregate"]["layer_time_us"] for k, v in rows.items()}
+    order = sorted(agg, key=lambda k: (bool(rows[k]["dropped"]), agg[k]["token_weighted_mean"]))
+    out = [f"per step ({n} steps of {sum(st['costed_tokens'])} tokens, each its own batch): layer time us "
+           "token-weighted mean / median / p90 / worst (step)"]
+    for k in order:
+        a = agg[k]
+        out.append(f"  {k}: {a['token_weighted_mean']:,.1f} / {a['median']:,.1f} / {a['p90']:,.1f} / "
+                   f"{a['worst']:,.1f} (step {a['worst_step']}); fastest in {st['wins'].get(k, 0)} of {n} steps")
+    out.append(f"fastest by the token-weighted mean over steps: {order[0]}" +
+               (" (strategies that dropped rows are listed after the dropless ones)" if rows[order[0]]["dropped"] else ""))
+    return out
 
 
 def console():

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moonep_sim.cli.common import (add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies, parse_int_list, parse_strategy_opts,
-                                   print_json, progress, to_jsonable)
+from moonep_sim.cli.common import (add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies,
+                                   output_rule, parse_int_list, parse_strategy_opts, print_json, print_warnings,
+                                   progress, steps_footer, to_jsonable)
 from moonep_sim.errors import require
 from moonep_sim.experiments.scenario import DEFAULT_STRATEGIES as _DEFAULTS
 from moonep_sim.report.tables import wide_console as console
@@ -76,29 +77,39 @@ def scenario(args, routing=None, layers=None):
     return sc
 
 
+#: The files compare (and demo) write into --out: what the output rule checks against the inputs.
+OUT_FILES = ("report.json", "report.html", "layer_time.png", "rows_per_rank.png", "traffic.png")
+
+
 def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, str]:
-    """report.json and the plots under ``out_dir``; returns {what: path}."""
-    from moonep_sim.io import make_output_dir, write_text_atomic
+    """report.json and the plots under ``out_dir``, assembled beside it and moved in when all are
+    written (a failure leaves none of them); returns {what: path}."""
+    from moonep_sim.io import dumps_strict, staged_dir, write_text_atomic
     from moonep_sim.report import plots as P
 
-    make_output_dir(out_dir, "--out")
     files: dict[str, str] = {}
-    if plots:
-        files["layer_time"] = str(P.layer_time_bars(report, out_dir / "layer_time.png"))
-        files["rows_per_rank"] = str(P.rows_per_rank(report, out_dir / "rows_per_rank.png"))
-        files["traffic"] = str(P.traffic_heatmaps(report, out_dir / "traffic.png"))
-    report["files"] = dict(files, report=str(out_dir / "report.json"))
-    write_text_atomic(out_dir / "report.json", json.dumps(to_jsonable(report), indent=1))
+    with staged_dir(out_dir, "--out") as tmp:
+        figs = {}
+        if plots:
+            for key, draw in (("layer_time", P.layer_time_bars), ("rows_per_rank", P.rows_per_rank),
+                              ("traffic", P.traffic_heatmaps)):
+                figs[key] = draw(report, tmp / f"{key}.png")
+                files[key] = str(out_dir / f"{key}.png")
+        from moonep_sim.report.html import provenance, write_html
+
+        report.setdefault("provenance", provenance())
+        report["files"] = dict(files, report=str(out_dir / "report.json"), html=str(out_dir / "report.html"))
+        write_html(report, tmp / "report.html", figs)
+        write_text_atomic(tmp / "report.json", dumps_strict(report, indent=1))
+    files["html"] = str(out_dir / "report.html")
     files["report"] = str(out_dir / "report.json")
     return files
 
 
 def run(args) -> int:
-    from moonep_sim.report.tables import compare_footer, compare_table
+    from moonep_sim.report.tables import compare_footer, compare_table, verdict_lines
 
-    from moonep_sim.io import check_output_dir
-
-    check_output_dir(args.out, "--out")  # before the run, not after it
+    output_rule(args, folders={"out": OUT_FILES})  # before the run, not after it
     sc = scenario(args)
     c = console()
     from moonep_sim.experiments.parallel import check_jobs
@@ -109,12 +120,15 @@ def run(args) -> int:
     with progress(c, "compare", lines=args.json) as cb:
         rep = sc.compare(progress=cb, **kw).to_dict()
     files = write_outputs(rep, Path(args.out), plots=not args.no_plots)
+    print_warnings(rep.get("warnings"))
     if args.json:
         print_json(rep)
         return 0
     for t in compare_table(rep):
         c.print(t)
-    for line in compare_footer(rep):
+    for line in verdict_lines(rep):
+        c.print(line, highlight=False, markup=False)
+    for line in compare_footer(rep) + steps_footer(rep):
         c.print(f"[dim]{line}[/dim]")
     c.print("wrote " + ", ".join(files.values()))
     return 0

@@ -44,13 +44,18 @@ def run(args) -> int:
     from moonep_sim.experiments import Scenario
     from moonep_sim.experiments import calibrate as cal
     from moonep_sim.experiments.compare import load_topology
-    from moonep_sim.report.tables import compare_footer, compare_table, resolved_line, weight_tradeoff_lines
+    from moonep_sim.report.tables import compare_footer, compare_table, resolved_line, verdict_lines
 
-    from moonep_sim.io import check_output_dir
+    from moonep_sim.cli.common import output_rule
+    from moonep_sim.cli.compare import OUT_FILES
 
-    check_output_dir(args.out, "--out")  # before the run, not after it
+    output_rule(args, folders={"out": OUT_FILES})  # before the run, not after it
     t0 = time.perf_counter()
     c = console()
+    require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")  # as given, --fast or not
+    require(args.iters >= 1, f"--iters ({args.iters}) must be >= 1")
+    from moonep_sim.experiments.scenario import strategy_list
+    strategy_list(args.strategies)  # an unknown strategy is refused even when --fast replaces the list
     if args.fast:
         args.layers, args.strategies, args.nproc, args.gpus_per_node = "0", "alltoall,moonep", 2, 2
     trace = _trace_path()
@@ -90,15 +95,15 @@ def run(args) -> int:
         c.print(t)
     for line in compare_footer(rep):
         c.print(f"[dim]{line}[/dim]")
-    for line in [resolved_line(rep), *weight_tradeoff_lines(rep)]:
+    for line in [resolved_line(rep), *verdict_lines(rep)]:
         if line:
-            c.print(line, highlight=False)
+            c.print(line, highlight=False, markup=False)
     if quality in ("quick", "none"):
         c.print(f"[yellow]warning: the simulated local-gloo column uses {'a quick calibration' if quality == 'quick' else 'uncalibrated preset defaults'} "
                 "of this machine; run `moonep-sim calibrate` (about 15 s) for the constants behind "
                 "docs/results/fidelity.md[/yellow]")
     c.print(f"plots: {files['layer_time']}, {files['rows_per_rank']}, {files['traffic']}")
-    c.print(f"report: {files['report']}   (demo took {time.perf_counter() - t0:.0f} s)")
+    c.print(f"report: {files['report']}, {files['html']}   (demo took {time.perf_counter() - t0:.0f} s)")
     bad = [n for n, r in rep["real"]["strategies"].items() if r.get("correct") is False]
     if bad:
         c.print(f"[red]gloo replay results differ from the dense reference for: {', '.join(bad)}[/red]")

@@ -89,9 +89,8 @@ def run(args) -> int:
     from moonep_sim.sim.perfetto import write_trace
     from moonep_sim.sim.timeline import DEFAULT_TOL
 
-    if args.timeline:
-        from moonep_sim.io import check_output_path
-        check_output_path(args.timeline, "--timeline")  # before the run, not after it
+    from moonep_sim.cli.common import output_rule
+    output_rule(args, files=("timeline", "gantt"))  # before the run, not after it
     check_int(args.chunks, "--chunks", 1, MAX_CHUNKS, "pipeline chunks")
     faults = parse_faults(args.slow_gpu, args.degrade_nic, args.degrade_nvlink, args.stall)
     sc = scenario(args)
@@ -105,6 +104,9 @@ def run(args) -> int:
                       tol=DEFAULT_TOL if args.tol is None else args.tol, timeline=bool(args.timeline),
                       isolate=args.isolate)
     res = out.raw[args.strategy]
+    per = out.per_strategy[args.strategy]
+    from moonep_sim.cli.common import print_warnings
+    print_warnings(out.steps.get("warnings"))
     plan_s = time.perf_counter() - t0 - res.sim_stats["wall_seconds"]
     if args.timeline:
         write_trace(args.timeline, res.timeline_events,
@@ -113,10 +115,11 @@ def run(args) -> int:
     kern = None
     if args.isolate:
         from moonep_sim.sim.kernels import isolated_kernel_figures
-        kern = isolated_kernel_figures(sc.plans().items[0].plan, res, args.isolate)
+        kern = isolated_kernel_figures(sc.plans().plan(args.strategy, step=per["step"]), res, args.isolate)
     if args.json:
         d = res.to_dict()
-        d.update(model=model.name, layers=layer_ids, plan_wall_seconds=plan_s)
+        d.update(model=model.name, layers=layer_ids, plan_wall_seconds=plan_s, step=per["step"],
+                 per_step=per["per_step"], steps_aggregate=per["steps_aggregate"], steps=dict(out.steps))
         if kern is not None:
             d["kernel"] = kern
         print_json(d)
@@ -126,14 +129,28 @@ def run(args) -> int:
         c.print(f"[bold]{args.isolate} kernel alone[/bold]: {kern['rank_mean_us']:,.1f} us per rank (mean of each "
                 f"rank's own kernel time, as DeepEP times it), {kern['span_us']:,.1f} us to the last rank; "
                 f"row {kern['row_bytes']} B")
-        for k, how in (("rows_received", "rows received per rank, own included (DeepEP intranode / NVLink)"),
-                       ("node_pairs", "unique (token, node) pairs incl. the local node (DeepEP internode / RDMA)"),
-                       ("selections", "every (token, expert) selection (DeepEP low-latency; MoonEP's logical with 2H rows)")):
+        hows = {"rows_received": "rows received per rank, own included (DeepEP V1 intranode / NVLink)",
+                "node_pairs": "unique (token, node) pairs incl. the local node (DeepEP V1 internode / RDMA)",
+                "scale_up": "rows sent to other GPUs of the node, every hop (DeepEP V2 scale-up)",
+                "scale_out": "rows sent to other nodes, every hop (DeepEP V2 scale-out)",
+                "selections": "every (token, expert) selection (low-latency tests; MoonEP's logical with 2H rows)"}
+        mine = kern.get("library_counts", [])
+        if kern.get("family"):
+            c.print(f"  kernel family {kern['family']}: its library's own test counts "
+                    f"{' and '.join(mine) or 'none of these'} (marked *)")
+        for k in sorted(hows, key=lambda k: k not in mine):
             if k in kern:
-                c.print(f"  {kern[k + '_GBps']:,.1f} GB/s  {how}: {kern[k] / 1e6:,.2f} MB per rank")
+                c.print(f"{'*' if k in mine else ' '} {kern[k + '_GBps']:,.1f} GB/s  {hows[k]}: "
+                        f"{kern[k] / 1e6:,.2f} MB per rank")
     c.print(f"[bold]{res.strategy}[/bold] on [bold]{topo.name}[/bold]: {res.ranks} ranks "
             f"({min(topo.gpus_per_node, res.ranks)} per node), model {model.name}, layers {layer_ids}"
             f"{', forward + backward' if args.backward else ', forward'}")
+    n_steps = len(per["per_step"]["step"])
+    if n_steps > 1:
+        a = per["steps_aggregate"]["layer_time_us"]
+        c.print(f"{n_steps} steps, each its own batch: time us token-weighted mean {a['token_weighted_mean']:,.1f}, "
+                f"median {a['median']:,.1f}, p90 {a['p90']:,.1f}, worst {a['worst']:,.1f} (step {a['worst_step']}); "
+                f"below: the worst step")
     c.print(f"time {res.layer_time_us:,.1f} us   lower bound {res.lower_bound_us:,.1f} us "
             f"({res.lower_bound.get('binding', 'sum of layers')})   ratio {res.ratio_to_lower_bound:.2f}")
     c.print("phases (first start to last end, us): " +

@@ -1,4 +1,5 @@
-"""``moonep-sim strategies``: list the dispatch strategies with their options and defaults."""
+"""``moonep-sim strategies``: list the dispatch strategies with their options and defaults, and
+where each strategy's real library runs (a simulation outside it is flagged in results)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from moonep_sim.experiments.flags import library_of
     from moonep_sim.strategies import available
 
     specs = available()
     if args.json:
         print_json({n: {"summary": s.summary,
+                        "real_library": {"name": library_of(n)[0], "runs": library_of(n)[1],
+                                         "max_nvlink_domains": library_of(n)[2]},
                         "options": {k: {"type": getattr(o.type, "__name__", str(o.type)), "default": o.default,
                                         "help": o.help, "choices": list(o.choices) if o.choices else None}
                                     for k, o in s.options.items()}} for n, s in specs.items()})
@@ -24,6 +28,8 @@ def run(args) -> int:
     c = console()
     for name, s in specs.items():
         c.print(f"[bold]{name}[/bold]: {s.summary}")
+        lib, where, _ = library_of(name)
+        c.print(f"    real library: {lib}; runs on: {where}", highlight=False)
         for k, o in s.options.items():
             choices = f"; one of {', '.join(map(str, o.choices))}" if o.choices else ""
             c.print(f"    {k}={o.default!r} ({getattr(o.type, '__name__', o.type)}{choices}): {o.help}", highlight=False)

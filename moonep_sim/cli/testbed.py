@@ -127,11 +127,9 @@ def _run_in(args, spec, out: str) -> int:
 
 def _check_outputs(args, *names: str) -> None:
     """Refuse unusable output paths before the (long) run."""
-    from moonep_sim.io import check_output_path
+    from moonep_sim.cli.common import output_rule
 
-    for n in names:
-        if getattr(args, n, None):
-            check_output_path(getattr(args, n), "--" + n.replace("_", "-"))
+    output_rule(args, files=names)
 
 
 _SUMMARY_KEYS = ("strategy", "world_size", "layers", "layer_ms_median", "dispatch_ms", "combine_ms", "total_ms",

@@ -52,19 +52,57 @@ def run(args) -> int:
                        "relay rows/msg", "NIC us/msg", "weights (engine, NVLink/NIC GB/s)",
                        "planning us + ns/entry + ns/(E x R)"), krows, wrap=True)
     c.print(kt)
-    # the SM budgets the strategies declare (option ``sms``; -1 = all SMs) and the cap each gets
+    # the SM budgets the strategies declare (option ``sms``; -1 = all SMs; None = the kernel family's) and the
+    # cap each gets
+    from moonep_sim.plan.kernel import FAMILIES
     from moonep_sim.strategies import available
 
-    budgets = {name: spec.options["sms"].default for name, spec in available().items() if "sms" in spec.options}
+    budgets = {}
+    for name, spec in available().items():
+        if "sms" in spec.options:
+            b = spec.options["sms"].default
+            if b is None and "impl" in spec.options:
+                b = FAMILIES[spec.options["impl"].default].sms
+            budgets[name] = b
     if budgets:
         brows = [[t.name] + [(f"{t.sm_bytes_per_us(t.sm_count if b < 0 else b) / 1e3:,.0f}" if t.sm_count and b else "-")
                              for b in budgets.values()] for t in topos]
         c.print(fitted_table("SM cap per GPU and direction (GB/s) at each strategy's declared SM budget (option sms; "
                              "'-' = no cap)", ["name"] + [f"{k} ({'all' if b < 0 else b} SMs)" for k, b in budgets.items()],
                              brows))
+    _families_tables(c, topos, fitted_table)
     for t in topos:
         c.print(f"[bold]{t.name}[/bold] ({t.path}): {t.description}")
         for k, v in t.sources.items():
             c.print(f"  {k}: {v}")
     c.print(f"local-gloo calibrated file: {cal} ({'present, used' if cal.is_file() else 'absent, defaults used'})")
     return 0
+
+
+def _families_tables(c, topos, fitted_table) -> None:
+    """The kernel families (``impl=`` of deepep / deepep-ll) with their terms, and which were checked
+    on which preset against what (``moonep_sim.plan.checks``)."""
+    from moonep_sim.plan.kernel import FAMILIES
+    from moonep_sim.sim.kernels import checked_on
+
+    def fixed(f) -> str:  # "topo" = the topology's [kernel] values (DeepEP V1's fits)
+        d, c = f.dispatch_fixed_us, f.combine_fixed_us
+        base = "topo" if d is None and c is None else f"{'topo' if d is None else f'{d:g}'}/{'topo' if c is None else f'{c:g}'}"
+        return base + (f" + {f.extra_fixed_us:g}" if f.extra_fixed_us else "")
+
+    rows = [[f.name, f"{f.library} ({f.vendor})", f.mode, "all" if f.sms < 0 else str(f.sms), fixed(f),
+             f"{f.message_us:g}", f"{f.sm_copy_factor:g}", f.reduce,
+             "per rank" if f.dedup_per_rank else ("per selection" if f.mode == "ll" else "per node, relayed"),
+             ", ".join(f.transports)] for f in FAMILIES.values()]
+    c.print(fitted_table("kernel families (impl= of deepep / deepep-ll; moonep_sim.plan.kernel.FAMILIES; fixed us "
+                         "'topo' = the topology's \\[kernel], + the family's extra)",
+                         ("impl", "library", "mode", "SMs", "fixed us", "own us/msg", "SM rate x", "reduce", "messages",
+                          "transports"), rows, wrap=True))
+    chk = [[t.name, "; ".join(f"{fam}: {what}" for fam, what in checked_on(t.name)) or
+            "none: every family's figure on this preset is a prediction from assumed terms"] for t in topos]
+    c.print(fitted_table("kernel families checked on each preset, and against what (benchmarks/fidelity_gpu.py)",
+                         ("preset", "families checked (rows)"), chk, wrap=True))
+    for f in FAMILIES.values():
+        c.print(f"[bold]{f.name}[/bold] ({f.library}):")
+        for k, s in f.sources.items():
+            c.print(f"  {k}: {s}")

@@ -6,7 +6,7 @@ import math
 import sys
 import time
 
-from moonep_sim.cli.common import console, parse_int_list, print_json
+from moonep_sim.cli.common import console, output_rule, parse_int_list, print_json
 from moonep_sim.errors import ConfigError
 
 
@@ -51,6 +51,9 @@ def register(sub) -> None:
     pi.add_argument("--capture-min-rows", type=int, default=8,
                     help="shortest power-of-two step of one identical expert set dropped as a graph-capture "
                          "block (0: keep them)")
+    pi.add_argument("--drop-incomplete-tokens", action="store_true",
+                    help="drop a token at every layer when the log misses it at some (default: keep the layers it "
+                         "has, under a per-layer token mask, with a warning giving the count)")
     pi.add_argument("--dominant-share", type=float, default=0.3,
                     help="warn when one expert set holds more than this share of a layer's kept rows "
                          "(at least 4x a uniform set's share)")
@@ -126,10 +129,12 @@ def register(sub) -> None:
 def run_import(a) -> int:
     from moonep_sim.routing.importers import import_trace
 
+    output_rule(a, files=("out",), out_flag="-o")  # before parsing: `trace import X -o X` never runs
     t0 = time.perf_counter()
     meta = import_trace(a.src, a.out, a.format, model=a.model, num_experts=a.num_experts, top_k=a.top_k,
                         warmup_min_rows=a.warmup_min_rows, capture_min_rows=a.capture_min_rows,
-                        steps_from=a.steps_from, dominant_share=a.dominant_share)
+                        steps_from=a.steps_from, dominant_share=a.dominant_share,
+                        incomplete_tokens="drop" if a.drop_incomplete_tokens else "keep")
     out = {"out": a.out, "kind": meta.kind, "layers": meta.num_layers, "tokens": meta.num_tokens,
            "num_experts": meta.num_experts, "top_k": meta.top_k, "steps": meta.steps,
            "import_report": meta.import_report, "seconds": round(time.perf_counter() - t0, 3)}
@@ -143,7 +148,7 @@ def run_import(a) -> int:
     c.print(f"{a.src} -> {a.out}: {meta.kind}-level, {meta.num_layers} layers, {meta.num_tokens} tokens, "
             f"{r.get('steps', 1)} step(s), E={meta.num_experts}{' (inferred)' if meta.num_experts_inferred else ''}, "
             f"K={meta.top_k} ({out['seconds']} s)")
-    for k in ("dummy_records_dropped", "duplicate_records_dropped", "tokens_missing_layers_dropped",
+    for k in ("dummy_records_dropped", "duplicate_records_dropped", "tokens_missing_layers", "tokens_missing_layers_dropped",
               "records_of_incomplete_tokens_dropped", "non_route_records_skipped"):
         if r.get(k):
             c.print(f"  {k.replace('_', ' ')}: {r[k]}")
@@ -172,6 +177,7 @@ def run_gen(a) -> int:
     from moonep_sim.models import get_model
     from moonep_sim.routing.generators import generate_trace
 
+    output_rule(a, files=("out",), out_flag="-o")  # before the work
     groups, topk_groups = a.groups, a.topk_groups
     if a.model:
         if a.num_experts is not None or a.top_k is not None:
@@ -286,7 +292,7 @@ def run_route(a) -> int:
     from moonep_sim.limits import MAX_LAYERS, MAX_NUM_EXPERTS
     from moonep_sim.routing.generators import check_size
 
-    check_output_path(a.out, "-o", inputs=(a.src,))
+    output_rule(a, files=("out",), out_flag="-o")
     for flag, v, lo in (("--groups", a.groups, 1), ("--topk-groups", a.topk_groups, 1), ("--bias-rounds", a.bias_rounds, 0),
                         ("--calib-tokens", a.calib_tokens, 1), ("--top-k", a.top_k, 1)):
         if v is not None and v < lo:

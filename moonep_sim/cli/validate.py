@@ -19,6 +19,12 @@ def register(sub) -> None:
                                    "reports the error per case, the median absolute error and whether the "
                                    "simulator orders the strategies as the measurements do (every pair a sign "
                                    "test over matched, interleaved iterations resolves).")
+    p.add_argument("--level", choices=("layer", "step"), default="layer",
+                   help="layer: trace replays, one MoE layer at a time (default); step: whole training steps of "
+                        "tiny Hugging Face MoE models with expert parallelism (launch/train_hf.py) against the "
+                        "step model (needs transformers)")
+    p.add_argument("--models", default=None, help="--level step: tiny models (default tiny-mixtral,tiny-qwen2-moe,"
+                                                  "tiny-deepseek)")
     p.add_argument("--quick", action="store_true", help="two cases and four strategies (a few minutes)")
     p.add_argument("--strategies", default=None, help="comma-separated (default: all; --quick: alltoall,capacity,"
                                                       "hierarchical,moonep)")
@@ -37,13 +43,16 @@ def run(args) -> int:
     from moonep_sim.cli.common import progress
     from moonep_sim.cli.demo import _trace_path
     from moonep_sim.errors import require
-    from moonep_sim.io import check_output_dir, make_output_dir, write_text_atomic
+    from moonep_sim.cli.common import output_rule
+    from moonep_sim.io import dumps_strict, staged_dir, write_text_atomic
     from moonep_sim.experiments import calibrate as cal
     from moonep_sim.experiments import validate as F
     from moonep_sim.report.plots import fidelity_scatter
     from moonep_sim.report.tables import fidelity_table
 
-    check_output_dir(args.out, "--out")  # before the run, not after it
+    if args.level == "step":
+        return _run_step(args)
+    output_rule(args, folders={"out": ("fidelity.json", "fidelity.png")})  # before the run, not after it
     require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")
     traces = args.traces_dir or str(_trace_path().parent)
     strategies = (args.strategies.split(",") if args.strategies
@@ -62,10 +71,11 @@ def run(args) -> int:
         rep = F.validate(cfg, progress=cb, jobs=args.jobs, cluster=args.cluster)
     rep["calibrated"] = calibrated
     out = Path(args.out)
-    make_output_dir(out, "--out")
-    png = fidelity_scatter(rep["cases"], out / "fidelity.png", rep["topology"]["name"])
-    rep["files"] = {"plot": str(png), "report": str(out / "fidelity.json")}
-    write_text_atomic(out / "fidelity.json", json.dumps(to_jsonable(rep), indent=1))
+    png = out / "fidelity.png"
+    with staged_dir(out, "--out") as tmp:
+        fidelity_scatter(rep["cases"], tmp / "fidelity.png", rep["topology"]["name"])
+        rep["files"] = {"plot": str(png), "report": str(out / "fidelity.json")}
+        write_text_atomic(tmp / "fidelity.json", dumps_strict(rep, indent=1))
     if args.json:
         print_json({k: v for k, v in rep.items() if k != "compare_reports"})
         return 0
@@ -85,4 +95,48 @@ def run(args) -> int:
             f"{s['uncorrected_agree']}/{s['uncorrected_pairs']}); exact order in {s['same_order_cases']}/"
             f"{s['cases']} cases, mean Kendall tau {s['mean_kendall_tau']:.2f}; took {rep['seconds']:.0f} s")
     c.print(f"wrote {png}, {out / 'fidelity.json'}")
+    return 0
+
+
+def _run_step(args) -> int:
+    """``--level step``: whole training steps measured against the step model (experiments.hf_step)."""
+    from moonep_sim.cli.common import output_rule, progress
+    from moonep_sim.errors import require
+    from moonep_sim.experiments import calibrate as cal
+    from moonep_sim.experiments import hf_step
+    from moonep_sim.integrations.hf import require_transformers
+    from moonep_sim.integrations.tiny import check_model_spec
+    from moonep_sim.io import staged_dir, write_text_atomic
+
+    output_rule(args, folders={"out": ("fidelity-step.json",)})
+    require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")
+    require(args.iters >= 1, f"--iters ({args.iters}) must be >= 1")
+    require_transformers()
+    models = [m.strip() for m in (args.models or ",".join(hf_step.STEP_CASES)).split(",") if m.strip()]
+    for m in models:
+        check_model_spec(m)
+    strategies = [s.strip() for s in (args.strategies or ",".join(hf_step.STEP_STRATEGIES)).split(",") if s.strip()]
+    c = console()
+    path = cal.calibrated_path()
+    if not args.json:
+        c.print(f"[dim]local-gloo constants: {path if path.is_file() else 'shipped preset defaults (run `moonep-sim calibrate` first)'}[/dim]")
+    with progress(c, "validate --level step", lines=args.json) as cb:
+        rep = hf_step.validate_steps(models, strategies, nproc=args.nproc, steps=args.iters, progress=cb)
+    rep["calibrated"] = path.is_file()
+    out = Path(args.out)
+    with staged_dir(out, "--out") as tmp:
+        write_text_atomic(tmp / "fidelity-step.json", json.dumps(to_jsonable(rep), indent=1))
+    if args.json:
+        print_json({k: v for k, v in rep.items() if k != "reports"})
+        return 0
+    for r in rep["reports"]:
+        c.print(f"[bold]{r['train']['model']}[/bold]")
+        for line in hf_step.summary_lines(r["compare_sim"]):
+            c.print(line, highlight=False, markup=False)
+    for kind, s in rep["summary"].items():
+        if s["median_abs_error"] is not None:
+            c.print(f"{kind}: median |error| {s['median_abs_error'] * 100:.1f}% over {len(rep['points'])} points; "
+                    f"resolved pairs ordered right {s['resolved_agree']}/{s['resolved_pairs']} (of {s['pairs']})")
+    la = rep["load_average"]
+    c.print(f"load average {la['start']} -> {la['end']}; took {rep['seconds']:.0f} s; wrote {out / 'fidelity-step.json'}")
     return 0

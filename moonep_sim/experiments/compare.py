@@ -10,6 +10,17 @@ Notation: R ranks, E experts, K top-k, T tokens of all ranks; ``_RR`` [source, d
 
 Routing sources: :mod:`moonep_sim.experiments.routing` (a trace file, whose tokens are split
 evenly over the R ranks layer by layer, or a generator spec).
+
+Steps: a trace's selected steps are each their own batch (what a dispatch saw); every (step,
+layer, strategy) point is planned and simulated, identical (routing, strategy) points once
+(:func:`moonep_sim.experiments.stepstats.routing_key`), and every per-strategy figure is the
+token-weighted mean over steps of the step's mean over layers (one step: today's per-layer mean).
+Each strategy also carries ``per_step`` (the series) and ``steps_aggregate`` (token-weighted mean,
+median, p90, worst and best step). ``--steps merged`` costs the selected steps as one concatenated
+batch, with a warning in the report.
+
+The input is the resolved :class:`~moonep_sim.experiments.scenario.Scenario` (``Scenario.resolved``):
+one typed description, never a config of strings worked out again here.
 """
 
 from __future__ import annotations
@@ -21,33 +32,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from moonep_sim.errors import ConfigError, require
+from moonep_sim.errors import require
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec, custom_model
 from moonep_sim.plan import ClusterShape, Placement, RowCosts
 from moonep_sim.experiments.routing import RoutingSource, open_routing
-
-# -- strategies -------------------------------------------------------------------------------------
-def parse_strategies(text: str, opts: Sequence[str] | None = None) -> list[tuple[str, dict[str, str]]]:
-    """``"alltoall,moonep"`` and ``["moonep.token_padding=128"]`` -> [(name, options)], all checked."""
-    from moonep_sim.strategies import get_strategy
-
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    require(len(names) > 0, "--strategies must name at least one strategy")
-    require(len(set(names)) == len(names), f"--strategies ({text}) must not repeat a strategy")
-    specs = {n: get_strategy(n) for n in names}
-    per: dict[str, dict[str, str]] = {n: {} for n in names}
-    for o in opts or []:
-        if "=" not in o or "." not in o.split("=", 1)[0]:
-            raise ConfigError(f"--opt ({o!r}) must look like STRATEGY.key=value, e.g. capacity.cf=1.25")
-        k, v = o.split("=", 1)
-        s, key = k.split(".", 1)
-        require(s in per, f"--opt strategy ({s!r}) must be one of --strategies ({', '.join(names)})")
-        per[s][key.strip().replace("-", "_")] = v.strip()
-    for n in names:
-        specs[n].parse_options(per[n])  # raises on an unknown option or a bad value
-    return [(n, per[n]) for n in names]
-
 
 # -- cluster ----------------------------------------------------------------------------------------
 def check_cluster(source: RoutingSource, ranks: int, gpus_per_node: int) -> ClusterShape:
@@ -144,35 +133,42 @@ def critical_breakdown(sim: dict[str, Any]) -> dict[str, float]:
 
 
 # -- the comparison ---------------------------------------------------------------------------------
-@dataclass
-class CompareConfig:
-    """A comparison run (see ``moonep-sim compare --help``)."""
+@dataclass(frozen=True)
+class RealOptions:
+    """A comparison's real replay over gloo: ``nproc`` local processes (= the EP ranks), float32
+    SwiGLU experts of ``hidden`` x ``ffn``, ``iters`` timed interleaved iterations after ``warmup``."""
 
-    trace: str
-    strategies: list[tuple[str, dict[str, str]]]
-    topology: str
-    ranks: int
-    gpus_per_node: int = 0
-    layers: list[int] | None = None
-    model: str | None = None
-    dispatch_dtype: str = "bf16"
-    token_padding: int = 1
-    real: bool = False
     nproc: int = 4
-    real_timeout_s: float = 600.0
-    real_hidden: int = 512
-    real_ffn: int = 1024
-    real_iters: int = 10
-    real_args: list[str] = field(default_factory=list)
+    timeout_s: float = 600.0
+    hidden: int = 512
+    ffn: int = 1024
+    iters: int = 10
+    warmup: int = 1
 
-    def local_model(self, source: "RoutingSource") -> ModelSpec:
-        """The expert shape the real replay runs (float32 SwiGLU of real_hidden x real_ffn)."""
-        return custom_model(source.num_experts, source.top_k, self.real_hidden, self.real_ffn,
-                            name=f"replay-H{self.real_hidden}-F{self.real_ffn}")
+    def model(self, source: RoutingSource) -> ModelSpec:
+        """The expert shape the real replay runs (float32 SwiGLU of hidden x ffn)."""
+        return custom_model(source.num_experts, source.top_k, self.hidden, self.ffn,
+                            name=f"replay-H{self.hidden}-F{self.ffn}")
 
-    def local_costs(self) -> RowCosts:
+    def costs(self) -> RowCosts:
         """Byte sizes of the real replay (float32 rows and weights, as the gloo Buffer counts them)."""
-        return replay_costs(self.real_hidden, self.real_ffn)
+        return replay_costs(self.hidden, self.ffn)
+
+
+@dataclass(frozen=True)
+class Point:
+    """One distinct (routing, strategy) of a comparison: planned and simulated once, however many
+    (step, layer) cells share it."""
+
+    routing: Any            # GlobalRouting
+    name: str
+    opts: dict
+    ctx: Any                # PlanContext
+    topo: Any
+    model: ModelSpec
+    local_topo: Any = None  # with a real replay: the local-gloo topology, its model and row costs
+    local_model: ModelSpec | None = None
+    local_costs: RowCosts | None = None
 
 
 def _sum_dicts(acc: dict[str, float], d: dict[str, Any]) -> None:
@@ -181,203 +177,262 @@ def _sum_dicts(acc: dict[str, float], d: dict[str, Any]) -> None:
             acc[k] = acc.get(k, 0) + v
 
 
-def _compare_point(task):
-    """One (layer, strategy) of a comparison: plan, simulate (and the local-gloo simulation)."""
+def _compare_point(pt: Point) -> dict[str, Any]:
+    """Plan and simulate one point (and, with a real replay, the same plan costed as the replay moves it)."""
     from moonep_sim.strategies import make_plan
 
-    cfg, routing, lid, name, opts, ctx, topo, local_topo, model, local_model = task
-    plan = make_plan(name, routing, ctx, **opts)
+    plan = make_plan(pt.name, pt.routing, pt.ctx, **pt.opts)
     summ = plan.summary()
-    res = simulate(plan, topo, model)
+    res = simulate(plan, pt.topo, pt.model)
     sd = to_jsonable(res.to_dict(), lenient=True)
-    entry = {"layer": int(lid), "plan": to_jsonable(summ, lenient=True), "sim": sd}
-    local_phases: dict[str, float] = {}
-    if local_topo is not None:
-        # the same plan, its bytes counted as the replay moves them (float32, H x F experts)
-        lres = simulate(replace(plan, costs=cfg.local_costs()), local_topo, local_model)
-        entry["sim_local"] = to_jsonable(lres.to_dict(), lenient=True)
-        entry["sim_local_bytes"] = replace(plan, costs=cfg.local_costs()).bytes_summary()
-        local_phases = dict(lres.phases_us)
+    from moonep_sim.experiments.verdict import figures
+    entry = {"plan": to_jsonable(summ, lenient=True), "sim": sd, "figures": figures(plan, sd, pt.topo)}
+    if pt.local_topo is not None:
+        lplan = replace(plan, costs=pt.local_costs)
+        entry["sim_local"] = to_jsonable(simulate(lplan, pt.local_topo, pt.local_model).to_dict(), lenient=True)
+        entry["sim_local_bytes"] = lplan.bytes_summary()
     disp = np.zeros((plan.ranks, plan.ranks))
     for p in plan.phases("forward"):
         if p.kind == "dispatch":
             disp += p.bytes_RR
-    return entry, summ["bytes"], dict(res.phases_us), local_phases, np.asarray(summ["recv_rows_per_rank"], float), disp
+    entry["_dispatch_RR"] = disp
+    return entry
 
 
-def compare(cfg: CompareConfig, progress: Callable[[str, int, int], None] | None = None,
-            source: RoutingSource | None = None, ctx=None, *, jobs: int | None = 1,
-            cluster: str | None = None) -> dict[str, Any]:
-    """Plan, simulate (and replay) every strategy on the same layers; return the JSON report. The
-    (layer, strategy) points run in ``jobs`` worker processes or on a Dask ``cluster``
+def _wmean(per_entry: list, bof: np.ndarray, B: int, w_B: np.ndarray) -> tuple[np.ndarray, Any]:
+    """Per-batch means of per-entry values (numbers, arrays or dicts of numbers) and their
+    token-weighted mean over batches."""
+    if per_entry and isinstance(per_entry[0], dict):
+        keys = list(dict.fromkeys(k for d in per_entry for k in d))
+        cols = {k: _wmean([float(d.get(k, 0.0)) for d in per_entry], bof, B, w_B) for k in keys}
+        per_b = [{k: float(cols[k][0][b]) for k in keys} for b in range(B)]
+        return per_b, {k: float(cols[k][1]) for k in keys}
+    X = np.asarray(per_entry, float)
+    acc = np.zeros((B,) + X.shape[1:])
+    np.add.at(acc, bof, X)
+    n = np.bincount(bof, minlength=B).reshape((B,) + (1,) * (X.ndim - 1))
+    m = acc / np.maximum(n, 1)
+    return m, np.tensordot(w_B, m, axes=1)
+
+
+def _bsum(per_entry: list, bof: np.ndarray, B: int) -> np.ndarray:
+    return np.bincount(bof, weights=np.asarray(per_entry, float), minlength=B)
+
+
+def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int, int], None] | None = None,
+            jobs: int | None = 1, cluster: str | None = None) -> dict[str, Any]:
+    """Plan, simulate (and replay) every strategy on every (step, layer) of the resolved scenario
+    ``rs`` (:class:`~moonep_sim.experiments.scenario.Resolved`); return the JSON report. The distinct
+    points run in ``jobs`` worker processes or on a Dask ``cluster``
     (:mod:`moonep_sim.experiments.parallel`), with the same report as serially."""
-    address = cluster  # the Dask scheduler (``cluster`` below is the EP cluster shape)
+    from moonep_sim.experiments.parallel import run_points
+    from moonep_sim.experiments.stepstats import aggregate, batch_weights, routing_key, step_wins
+
     t_start = time.perf_counter()
-    source = source or open_routing(cfg.trace, cfg.layers, cfg.model)
-    cluster = check_cluster(source, cfg.ranks, cfg.gpus_per_node)
-    topo = load_topology(cfg.topology, cluster)
-    ctx = ctx or plan_context(source, cluster, cfg.dispatch_dtype, cfg.token_padding, topo)
-    local_topo = load_topology("local-gloo", cluster) if cfg.real else None
-    R = cluster.ranks
+    source, shape, ctx, topo = rs.source, rs.cluster, rs.ctx, rs.topology
+    local_topo = load_topology("local-gloo", shape) if real is not None else None
+    R = shape.ranks
     rep: dict[str, Any] = {
         "kind": "compare",
         "routing": source.describe(),
         "model": source.model.to_dict(),
-        "cluster": {"ranks": R, "gpus_per_node": cluster.gpus_per_node, "nodes": cluster.num_nodes},
-        "dispatch_dtype": cfg.dispatch_dtype,
-        "token_padding": cfg.token_padding,
+        "cluster": {"ranks": R, "gpus_per_node": shape.gpus_per_node, "nodes": shape.num_nodes},
+        "dispatch_dtype": rs.dispatch_dtype,
+        "token_padding": ctx.token_padding,
         "topology": topology_info(topo),
         # the parts of sim.critical_us_mean, in the order a layer runs them (report renders them so)
         "critical_parts": list(CRITICAL_PARTS),
+        "steps": source.steps_info(),
+        "warnings": list(rs.warnings),
         "strategies": {},
     }
-    acc: dict[str, dict[str, Any]] = {}
-    for name, opts in cfg.strategies:
-        acc[name] = {"options": dict(opts), "layers": [], "bytes": {}, "phases": {}, "rows_R": np.zeros(R),
-                     "dispatch_RR": np.zeros((R, R)), "local_phases": {}, "local_us": []}
-    total_steps = len(source.layer_ids) * len(cfg.strategies)
-    from moonep_sim.experiments.parallel import run_points
-
-    tasks = []
-    for lid in source.layer_ids:
-        routing = source.global_routing(lid, R)
-        for name, opts in cfg.strategies:
-            tasks.append((cfg, routing, int(lid), name, dict(opts), ctx, topo, local_topo, source.model,
-                          cfg.local_model(source) if local_topo is not None else None))
-    results = run_points(_compare_point, tasks, jobs=jobs, cluster=address, progress=progress,
-                         label=lambda t: f"layer {t[2]}: {t[3]}")
-    for (_, _, _, name, _, _, _, _, _, _), (entry, summ_bytes, phases, local_phases, rows, disp) in zip(tasks, results):
-        a = acc[name]
-        if "sim_local" in entry:
-            a["local_us"].append(float(entry["sim_local"]["layer_time_us"]))
-            _sum_dicts(a["local_phases"], local_phases)
-        a["layers"].append(entry)
-        _sum_dicts(a["bytes"], summ_bytes)
-        _sum_dicts(a["phases"], phases)
-        _sum_dicts(a.setdefault("critical", {}), critical_breakdown(entry["sim"]))
-        a["rows_R"] += rows
-        a["dispatch_RR"] += disp
+    # every (batch, layer, strategy) cell -> a distinct point (identical routings across steps share one)
+    cells: list[tuple[int, int, str, int]] = []
+    index: dict[tuple[str, str], int] = {}
+    points: list[Point] = []
+    lm = real.model(source) if real is not None else None
+    for b in range(source.num_batches):
+        for lid in source.layer_ids:
+            base = source.global_routing(lid, R, b)
+            if base.num_tokens == 0:
+                continue   # this step has no token at this layer (a per-layer token mask)
+            base_key = routing_key(base)
+            for name, opts in rs.strategies:
+                routing = source.routing_for(name, opts, lid, shape, b, base=base)
+                k = (base_key if routing is base else routing_key(routing), name)
+                if k not in index:
+                    index[k] = len(points)
+                    points.append(Point(routing, name, dict(opts), ctx, topo, source.model, local_topo, lm,
+                                        real.costs() if real is not None else None))
+                cells.append((b, int(lid), name, index[k]))
+    results = run_points(_compare_point, points, jobs=jobs, cluster=cluster, progress=progress,
+                         label=lambda p: f"{p.name} ({p.routing.num_tokens} tokens)")
     if progress:
-        progress("done", total_steps, total_steps)
-    L = len(source.layer_ids)
-    for name, _ in cfg.strategies:
-        a = acc[name]
-        times = [e["sim"]["layer_time_us"] for e in a["layers"]]
-        lbs = [e["sim"]["lower_bound_us"] for e in a["layers"]]
+        progress("done", len(points), len(points))
+    active = sorted({c[0] for c in cells})
+    B = len(active)
+    pos = {b: i for i, b in enumerate(active)}
+    step_ids = [source.batches[b][0] for b in active]
+    tokens = [source.batch_tokens[b] for b in active]
+    w_B = batch_weights(tokens)
+    rep["steps"].update(reused_points=len(cells) - len(points), simulated_points=len(points),
+                        costed_step_ids=step_ids, costed_tokens=tokens)
+    for name, opts in rs.strategies:
+        mine = [(b, lid, results[i]) for b, lid, n, i in cells if n == name]
+        ents = []
+        for b, lid, r in mine:
+            e = {k: v for k, v in r.items() if k != "_dispatch_RR"}
+            ents.append({"layer": lid, "step": source.batches[b][0], **e})
+        bof = np.asarray([pos[b] for b, _, _ in mine], np.int64)
+        P = [e["plan"] for e in ents]
+        S = [e["sim"] for e in ents]
+        times = [s["layer_time_us"] for s in S]
+        lbs = [s["lower_bound_us"] for s in S]
+        t_B, t_mean = _wmean(times, bof, B, w_B)
+        lb_B, lb_mean = _wmean(lbs, bof, B, w_B)
+        ratio_B = _bsum(times, bof, B) / np.maximum(_bsum(lbs, bof, B), 1e-12)
+        ph_B, ph_mean = _wmean([s["phases_us"] for s in S], bof, B, w_B)
+        cr_B, cr_mean = _wmean([critical_breakdown(s) for s in S], bof, B, w_B)
+        mom_B, mom = _wmean([p["max_over_mean_rows"] for p in P], bof, B, w_B)
+        _, rows_max = _wmean([max(p["recv_rows_per_rank"]) for p in P], bof, B, w_B)
+        _, rows_mean = _wmean([float(np.mean(p["recv_rows_per_rank"])) for p in P], bof, B, w_B)
+        _, rows_R = _wmean([p["recv_rows_per_rank"] for p in P], bof, B, w_B)
+        bytes_B = [dict() for _ in range(B)]
+        for e, bi in zip(P, bof):
+            _sum_dicts(bytes_B[bi], e["bytes"])
+        total_b: dict[str, float] = {}
+        for d in bytes_B:
+            _sum_dicts(total_b, d)
+        b_int = {k: int(v) for k, v in total_b.items()}
+        wb_B = [int(d.get("prefetch", 0) + d.get("migrate", 0)) for d in bytes_B]
+        disp = sum((r["_dispatch_RR"] for _, _, r in mine), np.zeros((R, R)))
         worst = int(np.argmax(times))
-        mom = [e["plan"]["max_over_mean_rows"] for e in a["layers"]]
-        rows_max = [max(e["plan"]["recv_rows_per_rank"]) for e in a["layers"]]
-        rows_mean = [float(np.mean(e["plan"]["recv_rows_per_rank"])) for e in a["layers"]]
-        b = {k: int(v) for k, v in a["bytes"].items()}
+        series = {
+            "step": step_ids, "tokens": tokens, "layer_time_us": t_B.tolist(), "lower_bound_us": lb_B.tolist(),
+            "ratio_to_lower_bound": ratio_B.tolist(), "phases_us": ph_B, "critical_us": cr_B,
+            "plan_bytes": [{k: int(v) for k, v in d.items()} for d in bytes_B], "weight_bytes": wb_B,
+            "dropped": _bsum([p["dropped"] for p in P], bof, B).astype(int).tolist(),
+            "padded": _bsum([p["padded"] for p in P], bof, B).astype(int).tolist(),
+            "weight_copies": _bsum([p["weight_copies"] for p in P], bof, B).astype(int).tolist(),
+            "rows_max_over_mean": mom_B.tolist(),
+        }
         rep["strategies"][name] = {
-            "options": a["options"],
-            "plan_bytes": b,
-            "weight_bytes": int(b.get("prefetch", 0) + b.get("migrate", 0)),
-            "dropped": int(sum(e["plan"]["dropped"] for e in a["layers"])),
-            "padded": int(sum(e["plan"]["padded"] for e in a["layers"])),
-            "weight_copies": int(sum(e["plan"]["weight_copies"] for e in a["layers"])),
-            "rows_max": float(np.mean(rows_max)),
-            "rows_mean": float(np.mean(rows_mean)),
-            "rows_max_over_mean": float(np.mean(mom)),
-            "rows_per_rank_mean": (a["rows_R"] / L).tolist(),
-            "dispatch_bytes_RR": a["dispatch_RR"].astype(np.int64).tolist(),
-            "plan_seconds": float(sum(e["plan"]["plan_seconds"] for e in a["layers"])),
-            "invariant_violations": sum(len(e["plan"]["invariant_violations"]) for e in a["layers"]),
+            "options": dict(opts),
+            "plan_bytes": b_int,
+            "weight_bytes": int(b_int.get("prefetch", 0) + b_int.get("migrate", 0)),
+            "dropped": int(sum(p["dropped"] for p in P)),
+            "padded": int(sum(p["padded"] for p in P)),
+            "weight_copies": int(sum(p["weight_copies"] for p in P)),
+            "rows_max": float(rows_max),
+            "rows_mean": float(rows_mean),
+            "rows_max_over_mean": float(mom),
+            "rows_per_rank_mean": np.asarray(rows_R).tolist(),
+            "dispatch_bytes_RR": disp.astype(np.int64).tolist(),
+            "plan_seconds": float(sum(p["plan_seconds"] for p in P)),
+            "invariant_violations": sum(len(p["invariant_violations"]) for p in P),
             "sim": {
                 "topology": rep["topology"]["name"],
-                "layer_time_us_mean": float(np.mean(times)),
+                "layer_time_us_mean": float(t_mean),
                 "layer_time_us_total": float(np.sum(times)),
-                "phases_us_mean": {k: float(v) / L for k, v in a["phases"].items()},
-                "critical_us_mean": {k: float(a["critical"].get(k, 0.0)) / L for k in CRITICAL_PARTS},
-                "lower_bound_us_mean": float(np.mean(lbs)),
+                "phases_us_mean": ph_mean,
+                "critical_us_mean": {k: float(cr_mean.get(k, 0.0)) for k in CRITICAL_PARTS},
+                "lower_bound_us_mean": float(lb_mean),
                 "ratio_to_lower_bound": float(np.sum(times) / max(np.sum(lbs), 1e-12)),
-                "straggler": _short(a["layers"][worst]["sim"].get("straggler")),
-                "busiest_port": _short(a["layers"][worst]["sim"].get("busiest_port")),
-                "slowest_layer": a["layers"][worst]["layer"],
+                "straggler": _short(S[worst].get("straggler")),
+                "busiest_port": _short(S[worst].get("busiest_port")),
+                "slowest_layer": ents[worst]["layer"],
+                "slowest_step": ents[worst]["step"],
             },
-            "layers": a["layers"],
+            "per_step": series,
+            "steps_aggregate": {k: aggregate(series[k], tokens, step_ids)
+                                for k in ("layer_time_us", "ratio_to_lower_bound", "lower_bound_us")},
+            "layers": ents,
         }
         if local_topo is not None:
-            rep["strategies"][name]["sim_local"] = {
-                "topology": "local-gloo",
-                "layer_time_us_mean": float(np.mean(a["local_us"])),
-                "phases_us_mean": {k: float(v) / L for k, v in a["local_phases"].items()},
-            }
-    if cfg.real:
-        rep["real"] = run_real(cfg, source, cluster, local_topo, rep, progress)
+            loc = [e["sim_local"] for e in ents]
+            lt_B, lt_mean = _wmean([s["layer_time_us"] for s in loc], bof, B, w_B)
+            _, lph = _wmean([s["phases_us"] for s in loc], bof, B, w_B)
+            rep["strategies"][name]["sim_local"] = {"topology": "local-gloo", "layer_time_us_mean": float(lt_mean),
+                                                    "phases_us_mean": lph, "per_step_layer_time_us": lt_B.tolist()}
+    st = rep["strategies"]
+    rep["steps"]["wins"] = step_wins({n: st[n]["per_step"]["layer_time_us"] for n in st},
+                                     excluded=[n for n in st if st[n]["dropped"]])
+    if real is not None:
+        rep["real"] = run_real(rs, real, local_topo, rep, progress)
+    from moonep_sim.experiments.flags import compare_flags
+    from moonep_sim.experiments.verdict import compare_verdict
+    rep["flags"] = compare_flags(rep)
+    rep["verdict"] = compare_verdict(rep)
     rep["seconds"] = time.perf_counter() - t_start
     return rep
 
 
 # -- real replay ----------------------------------------------------------------------------------------
-def run_real(cfg: CompareConfig, source: RoutingSource, cluster: ClusterShape, local_topo, rep: dict[str, Any],
+def replay_spec(rs, trace_path: Path, *, hidden: int, ffn: int, iters: int, warmup: int = 1, backward: bool = False,
+                check: bool | None = None, max_tokens: int = 0, timeout_s: float = 60.0):
+    """The :class:`~moonep_sim.experiments.spec.ReplaySpec` of the resolved scenario ``rs`` on
+    ``trace_path`` (its strategies, options, layers, steps, GPUs per node and padding, typed)."""
+    from moonep_sim.experiments.spec import ReplaySpec
+
+    src = rs.source
+    return ReplaySpec(str(trace_path), tuple((n, dict(o)) for n, o in rs.strategies), tuple(src.layer_ids),
+                      src.steps.text if src.steps is not None else None, hidden, ffn, iters, warmup,
+                      rs.cluster.gpus_per_node, rs.ctx.token_padding, backward, check, max_tokens, "fp32",
+                      timeout_s=timeout_s)
+
+
+def run_spec(nproc: int, spec, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Run a :class:`~moonep_sim.experiments.spec.ReplaySpec` on ``nproc`` local gloo ranks: the
+    spec is written once as JSON and every rank reads it (``replay_rank --spec``)."""
+    import tempfile
+
+    from moonep_sim.experiments.replay_rank import run_replay
+
+    with tempfile.TemporaryDirectory(prefix="moonep-spec-") as tmp:
+        path = spec.write(Path(tmp) / "replay-spec.json")
+        return run_replay(nproc, ["--spec", str(path)], timeout_s=timeout_s)
+
+
+def run_real(rs, real: RealOptions, local_topo, rep: dict[str, Any],
              progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
-    """Replay every strategy over gloo with ``cfg.nproc`` local processes; pair with the simulated
-    time of the same plans on the calibrated local-gloo topology."""
+    """Replay every strategy over gloo with ``real.nproc`` local processes, each step its own batch
+    as in the simulation; pair with the simulated time of the same plans on local-gloo."""
     import tempfile
 
     from moonep_sim.experiments.ranking import agreement
-    from moonep_sim.experiments.replay_rank import run_replay
     from moonep_sim.gloo.launcher import reports_by_strategy
 
-    out: dict[str, Any] = {"nproc": cfg.nproc, "topology": topology_info(local_topo), "hidden": cfg.real_hidden,
-                           "ffn": cfg.real_ffn, "dtype": "float32", "iters": cfg.real_iters, "strategies": {}}
-    names = [name for name, _ in cfg.strategies]
+    out: dict[str, Any] = {"nproc": real.nproc, "topology": topology_info(local_topo), "hidden": real.hidden,
+                           "ffn": real.ffn, "dtype": "float32", "iters": real.iters, "strategies": {}}
+    names = [name for name, _ in rs.strategies]
     with tempfile.TemporaryDirectory(prefix="moonep-compare-") as tmp:
-        trace_path = source.trace_file(Path(tmp), cluster.ranks)
+        trace_path = rs.source.trace_file(Path(tmp), rs.cluster.ranks)
         if progress:
             progress(f"gloo replay: {', '.join(names)} interleaved", 0, 1)
         # one process group replays every strategy, step by step in turn: matched samples
-        res_all = run_replay(cfg.nproc, replay_argv(trace_path, cfg.strategies, source, cfg),
-                             timeout_s=cfg.real_timeout_s)
-        per = reports_by_strategy(res_all)
-        for name in names:
-            res = per[name]
-            meas_ms = float(res["layer_ms_median"])
-            sim_ms = rep["strategies"][name]["sim_local"]["layer_time_us_mean"] / 1e3
-            # the replay planned the same routing with the same strategy: its bytes must be ours
-            local_bytes = _local_bytes(rep["strategies"][name], cfg)
-            theirs = [{k: v for k, v in e["bytes"].items() if k != "sent"} for e in res.get("per_layer", [])]
-            out["strategies"][name] = {
-                "measured_ms": meas_ms,
-                "measured_ms_samples": res["layer_ms_samples"],
-                "simulated_ms": sim_ms,
-                "sim_over_measured": sim_ms / meas_ms if meas_ms > 0 else None,
-                "measured_phases_ms_mean": {k: v["max_ms"] / max(len(source.layer_ids), 1)
-                                            for k, v in res.get("phases", {}).items()},
-                "correct": res.get("correct"),
-                "same_plan_bytes": (theirs == local_bytes) if theirs else None,
-                "replay": to_jsonable(res, lenient=True),
-            }
-        if progress:
-            progress("gloo replay: done", 1, 1)
+        spec = replay_spec(rs, trace_path, hidden=real.hidden, ffn=real.ffn, iters=real.iters, warmup=real.warmup)
+        per = reports_by_strategy(run_spec(real.nproc, spec, timeout_s=real.timeout_s))
+    for name in names:
+        res = per[name]
+        meas_ms = float(res["layer_ms_median"])
+        sim_ms = rep["strategies"][name]["sim_local"]["layer_time_us_mean"] / 1e3
+        # the replay planned the same routing with the same strategy: its bytes must be ours
+        local_bytes = [dict(e["sim_local_bytes"]) for e in rep["strategies"][name]["layers"]]
+        theirs = [{k: v for k, v in e["bytes"].items() if k != "sent"} for e in res.get("per_layer", [])]
+        n_items = max(len(res.get("per_layer", [])), 1)
+        out["strategies"][name] = {
+            "measured_ms": meas_ms,
+            "measured_ms_samples": res["layer_ms_samples"],
+            "simulated_ms": sim_ms,
+            "sim_over_measured": sim_ms / meas_ms if meas_ms > 0 else None,
+            "measured_phases_ms_mean": {k: v["max_ms"] / n_items for k, v in res.get("phases", {}).items()},
+            "per_step_measured_ms": res.get("per_step", {}).get("layer_ms_median"),
+            "correct": res.get("correct"),
+            "same_plan_bytes": (theirs == local_bytes) if theirs else None,
+            "replay": to_jsonable(res, lenient=True),
+        }
+    if progress:
+        progress("gloo replay: done", 1, 1)
     out["ranking"] = agreement({n: out["strategies"][n]["measured_ms_samples"] for n in names},
                                {n: out["strategies"][n]["simulated_ms"] for n in names})
     return out
-
-
-def _local_bytes(strat: dict[str, Any], cfg: CompareConfig) -> list[dict[str, int]]:
-    """Per layer, the plan's bytes counted with the replay's row sizes."""
-    return [dict(e["sim_local_bytes"]) for e in strat["layers"] if "sim_local_bytes" in e]
-
-
-def replay_argv(trace_path: Path, strategies: Sequence[tuple[str, dict[str, str]]], source: RoutingSource,
-                cfg: CompareConfig) -> list[str]:
-    """Arguments of ``moonep_sim.experiments.replay_rank`` for a comparison's real replay."""
-    return replay_argv_for(trace_path, strategies, source.layer_ids, hidden=cfg.real_hidden, ffn=cfg.real_ffn,
-                           iters=cfg.real_iters, gpus_per_node=cfg.gpus_per_node or cfg.nproc,
-                           token_padding=cfg.token_padding) + list(cfg.real_args)
-
-
-def replay_argv_for(trace_path: Path, strategies: Sequence[tuple[str, dict[str, Any]]], layer_ids: Sequence[int], *,
-                    hidden: int, ffn: int, iters: int, gpus_per_node: int, token_padding: int = 1) -> list[str]:
-    """Arguments of ``moonep_sim.experiments.replay_rank`` replaying ``strategies`` interleaved (layers given as
-    layer ids; options as ``--opt STRATEGY.key=value``)."""
-    argv = ["--trace", str(trace_path), "--strategy", ",".join(n for n, _ in strategies),
-            "--layers", ",".join(map(str, layer_ids)), "--hidden", str(hidden), "--ffn", str(ffn),
-            "--iters", str(iters), "--gpus-per-node", str(gpus_per_node), "--token-padding", str(token_padding),
-            "--quiet"]
-    for name, opts in strategies:
-        for k, v in opts.items():
-            argv += ["--opt", f"{name}.{k}={v}"]
-    return argv

@@ -50,11 +50,13 @@ from moonep_sim.io import check_output_path, write_text_atomic
 MODULE = "moonep_sim.experiments.replay_rank"  # what every rank runs (python -m MODULE)
 PHASES = ("exchange", "plan", "dispatch", "prefetch", "expert", "combine", "backward", "total")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "fp64": "float64"}
 
 
 def _dtype_name(text: str) -> str:
-    return _DTYPE_ALIASES.get(text, text)
+    """Any accepted spelling (``moonep_sim.experiments.spec``) -> the torch dtype's name."""
+    from moonep_sim.experiments.spec import REPLAY_DTYPES, dtype_name
+
+    return REPLAY_DTYPES[dtype_name(text, tuple(REPLAY_DTYPES), "--dispatch-dtype")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nproc", type=int, default=None,
                     help="start N local ranks (store and gloo on loopback; exit status and error line of "
                          "the failing rank); without it, run as one rank of a torchrun job")
-    ap.add_argument("--trace", required=True, help="trace file (moonep-sim safetensors format)")
+    ap.add_argument("--spec", default=None, metavar="SPEC.json",
+                    help="run the typed replay spec written by moonep_sim.experiments (every other option then "
+                         "comes from it, except --nproc and --json)")
+    ap.add_argument("--trace", default=None, help="trace file (moonep-sim safetensors format); required without --spec")
     ap.add_argument("--strategy", default="moonep", help="strategy, or several comma-separated (interleaved)")
     ap.add_argument("--opt", action="append", default=[], metavar="[S.]K=V",
                     help="strategy option (repeatable): S.K=V for strategy S only, K=V for all")
@@ -74,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hidden", type=int, default=64, help="H (default 64)")
     ap.add_argument("--ffn", type=int, default=128, help="expert intermediate width F (default 128)")
     ap.add_argument("--steps", default=None, metavar="SEL",
-                    help="replay only these steps of the trace: N, A-B, A-, or a comma list (default: every token)")
+                    help="steps of the trace, each replayed as its own batch: N, A-B, A-, a comma list (default: "
+                         "every step); merged or merged:SEL replays them as one concatenated batch")
     ap.add_argument("--max-tokens", type=int, default=0, help="use only the first N tokens of each layer "
                                                               "(of the selected steps)")
     ap.add_argument("--backward", action="store_true", help="also run and time the backward pass")
@@ -95,7 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if args.spec is not None:
+        from moonep_sim.experiments.spec import ReplaySpec
+
+        sp = ReplaySpec.read(args.spec)
+        names = [n for n, _ in sp.strategies]
+        args.__dict__.update(trace=sp.trace, strategy=",".join(names), opt=[], options={n: dict(o) for n, o in sp.strategies},
+                             layers=",".join(map(str, sp.layers)) if sp.layers is not None else None, steps=sp.steps,
+                             hidden=sp.hidden, ffn=sp.ffn, iters=sp.iters, warmup=sp.warmup,
+                             gpus_per_node=sp.gpus_per_node, token_padding=sp.token_padding, backward=sp.backward,
+                             check=sp.check, max_tokens=sp.max_tokens, dispatch_dtype=_dtype_name(sp.dispatch_dtype),
+                             seed=sp.seed, timeout=sp.timeout_s, quiet=True)
+    require(args.trace is not None, "--trace (none given) must name a trace file (or give --spec)")
+    return args
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -107,15 +126,6 @@ def _int_list(text: str, what: str) -> list[int]:
             out.extend(range(int(a), int(b) + 1) if sep and a else [int(part)])
     except ValueError:
         raise ConfigError(f"{what} ({text!r}) must be a list of integers like 0,2,5-7") from None
-    return out
-
-
-def _parse_opts(items: Sequence[str]) -> dict[str, str]:
-    out = {}
-    for it in items:
-        require("=" in it, f"--opt ({it!r}) must look like key=value")
-        k, v = it.split("=", 1)
-        out[k.strip()] = v.strip()
     return out
 
 
@@ -177,16 +187,10 @@ def _stats(v_R: np.ndarray) -> dict[str, float]:
 
 def _strategy_opts(names: Sequence[str], items: Sequence[str]) -> dict[str, dict[str, str]]:
     """``--opt`` items per strategy: ``STRATEGY.key=value`` (where STRATEGY is one of ``names``)
-    applies to that strategy, a plain ``key=value`` to every one."""
-    out: dict[str, dict[str, str]] = {n: {} for n in names}
-    for k, v in _parse_opts(items).items():
-        head, _, rest = k.partition(".")
-        if rest and head in out:
-            out[head][rest] = v
-        else:
-            for n in names:
-                out[n][k] = v
-    return out
+    applies to that strategy, a plain ``key=value`` to every one (``experiments.spec.parse_opt_items``)."""
+    from moonep_sim.experiments.spec import parse_opt_items
+
+    return parse_opt_items(items, names, plain="all")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -211,58 +215,67 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     require(H >= 1 and F >= 1, f"hidden ({H}) and ffn ({F}) must be >= 1")
     require(args.iters >= 1 and args.warmup >= 0, f"iters ({args.iters}) must be >= 1 and warmup ({args.warmup}) >= 0")
     layers = _parse_layers(args.layers, trace)
-    from moonep_sim.routing.steps import read_layer, token_ranges
-    steps = getattr(args, "steps", None)
-    T_sel = sum(b - a for a, b in token_ranges(trace.steps(), int(meta.num_tokens), steps))
-    T = T_sel if not args.max_tokens else min(T_sel, args.max_tokens)
-    require(T >= R, f"tokens ({T}) must be >= world size ({R}) to give every rank a token")
-    tpr = np.full(R, T // R, dtype=np.int64)
-    tpr[: T % R] += 1
-    off = np.concatenate([[0], np.cumsum(tpr)])
-    lo, hi = int(off[rank]), int(off[rank + 1])
-    capacity = int(tpr.max())
-    check = args.check if args.check is not None else T * H <= (1 << 22)
+    from moonep_sim.routing.steps import read_layer, step_batches
+    # each selected step is its own batch (merged: one batch of them all); items are (batch, layer)
+    batches = step_batches(trace.steps(), int(meta.num_tokens), getattr(args, "steps", None))
+    items = []
+    for bi, (step_id, ranges) in enumerate(batches):
+        for li in layers:
+            lr = read_layer(trace, li, ranges=ranges)
+            T = lr.num_tokens if not args.max_tokens else min(lr.num_tokens, args.max_tokens)
+            if T == 0:
+                continue  # the step has no token at this layer (a per-layer token mask)
+            where = f" in step {step_id}" if step_id is not None and len(batches) > 1 else ""
+            require(T >= R, f"tokens ({T}{where}) must be >= world size ({R}) to give every rank a token")
+            tpr = np.full(R, T // R, dtype=np.int64)
+            tpr[: T % R] += 1
+            items.append((bi, step_id, li, lr.take(0, T), tpr))
+    require(len(items) >= 1, "the selected steps and layers must hold at least one token")
+    capacity = int(max(int(it[4].max()) for it in items))
     dtype = _DTYPES[args.dispatch_dtype]
-    opts = _strategy_opts(names, args.opt)
+    opts = args.options if getattr(args, "options", None) is not None else _strategy_opts(names, args.opt)
     # the planners: each strategy bound to the replay's context (this program is the Buffer's caller)
     costs = RowCosts.for_rows(H, torch.tensor([], dtype=dtype).element_size(), F)
     ctx = PlanContext.default(E, R, args.gpus_per_node, costs, args.token_padding)
     bufs = {n: Buffer(capacity=capacity, hidden=H, top_k=K, num_experts=E, planner=planner(n, ctx, **opts[n]),
                       gpus_per_node=args.gpus_per_node, timeout_s=args.timeout, dispatch_dtype=dtype)
             for n in names}
-    # per layer: this rank's tokens and inputs, and its home experts' weights (one copy per distinct
-    # home set: strategies whose placement gives this rank the same experts share it); every
-    # expert's weights are kept only for the dense reference check
+    # per (step, layer): this rank's tokens and inputs, and its home experts' weights (one copy per
+    # layer and distinct home set: strategies whose placement gives this rank the same experts share
+    # it); every expert's weights are kept only for the dense reference check
     homes = {n: np.flatnonzero(b.home_E == rank) for n, b in bufs.items()}
-    inputs, weights = [], {}
-    for j, li in enumerate(layers):
-        lr = trace.layer(li, 0, T) if steps is None else read_layer(trace, li, steps).take(0, T)
-        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + li * 1009 + rank)
+    inputs, weights, full = [], {}, {}
+    for bi, step_id, li, lr, tpr in items:
+        off = np.concatenate([[0], np.cumsum(tpr)])
+        lo, hi = int(off[rank]), int(off[rank + 1])
+        check = args.check if args.check is not None else lr.num_tokens * H <= (1 << 22)
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + li * 1009 + bi * 7 + rank)
         x = torch.randn(hi - lo, H, generator=gen)
-        full_w = init_experts(E, H, F, seed=args.seed * 7919 + li)
+        if li not in full:
+            full[li] = init_experts(E, H, F, seed=args.seed * 7919 + li)
         for home in homes.values():
-            if (j, home.tobytes()) not in weights:
+            if (li, home.tobytes()) not in weights:
                 hm = torch.from_numpy(home)
-                weights[(j, home.tobytes())] = [p[hm].clone().requires_grad_(args.backward) for p in full_w]
+                weights[(li, home.tobytes())] = [p[hm].clone().requires_grad_(args.backward) for p in full[li]]
         inputs.append((lr, torch.from_numpy(np.ascontiguousarray(lr.topk_ids_TK[lo:hi])),
                        torch.from_numpy(np.ascontiguousarray(lr.topk_weights_TK[lo:hi])), x,
-                       torch.randn(hi - lo, H, generator=gen), full_w if check else None))
-    S, L, n_it = len(names), len(layers), args.warmup + args.iters
+                       torch.randn(hi - lo, H, generator=gen), full[li] if check else None, tpr, li))
+    S, L, n_it = len(names), len(items), args.warmup + args.iters
     times = np.zeros((S, L, args.iters, len(PHASES)))
     entries: dict[tuple[int, int], dict[str, Any]] = {}
     for it in range(n_it):
         for k in range(S):
             si = (k + it) % S
             buf = bufs[names[si]]
-            for j, li in enumerate(layers):
-                lr, ids, w, x, grad_out, full_w = inputs[j]
-                params = weights[(j, homes[names[si]].tobytes())]
+            for j in range(L):
+                lr, ids, w, x, grad_out, full_w, tpr, li = inputs[j]
+                params = weights[(li, homes[names[si]].tobytes())]
                 step = _step(buf, ids, w, x, params, grad_out, li, args.backward)
                 if it >= args.warmup:
                     times[si, j, it - args.warmup] = step["times"]
                 if it == n_it - 1:
                     chk = _check(rank, buf, step["handle"], lr, x, step["xi"], step["out"], grad_out, params,
-                                 full_w, capacity, tpr, args.backward, dtype, dense_moe) if check else None
+                                 full_w, capacity, tpr, args.backward, dtype, dense_moe) if full_w is not None else None
                     entries[(si, j)] = _layer_entry(buf, step, lr, chk)
     # every rank's per-iteration phase times -> rank 0
     mine = torch.from_numpy(times)
@@ -278,9 +291,10 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     reps = {}
     for si, name in enumerate(names):
         per_layer = []
-        for j, li in enumerate(layers):
+        for j, (bi, step_id, li, lr, tpr) in enumerate(items):
             e = dict(entries[(si, j)])
             e.pop("fetched")
+            e.update(layer=li, step=step_id, batch=bi, tokens=int(lr.num_tokens), tokens_per_rank=tpr.tolist())
             e["fetched_weights"] = int(fetched_SL[si, j])
             t_RIP = all_RSLIP[:, si, j]
             mean_RP = t_RIP.mean(axis=1)
@@ -288,7 +302,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             e["phases_R"] = {name_: [float(v) * 1e3 for v in mean_RP[:, p]] for p, name_ in enumerate(PHASES)}
             e["iter_total_ms"] = [float(v) * 1e3 for v in t_RIP[:, :, -1].max(axis=0)]
             per_layer.append(e)
-        reps[name] = _report(args, bufs[name], name, layers, T, tpr, per_layer)
+        reps[name] = _report(args, bufs[name], name, layers, batches, per_layer)
     if S == 1:
         return reps[names[0]]
     return {"strategies": reps, "order": names, "interleaved": True, "iters": args.iters, "warmup": args.warmup,
@@ -340,16 +354,27 @@ def _layer_entry(buf, step: dict[str, Any], lr, checked: dict[str, Any] | None) 
     return e
 
 
-def _report(args, buf, name: str, layers: list[int], T: int, tpr: np.ndarray,
-            per_layer: list[dict[str, Any]]) -> dict[str, Any]:
-    for e, li in zip(per_layer, layers):
-        e["layer"] = li  # the stored position; e["layer_id"] is the model layer id
+def _report(args, buf, name: str, layers: list[int], batches: list, per_layer: list[dict[str, Any]]) -> dict[str, Any]:
+    """One strategy's report; ``per_layer`` holds one entry per (step, layer) (``layer``: the stored
+    position, ``layer_id``: the model layer id, ``step``: the trace's step, None when merged)."""
+    from moonep_sim.experiments.stepstats import aggregate, batch_weights
+
+    # per iteration: each step's layer times (max over ranks) averaged over its layers, then the
+    # token-weighted mean over steps -> one sample per iteration (one step: the mean over layers)
+    bis = sorted({e["batch"] for e in per_layer})
+    first = {b: next(e for e in per_layer if e["batch"] == b) for b in bis}
+    tok_B = [first[b]["tokens"] for b in bis]
+    step_B = [first[b]["step"] for b in bis]
+    it_B = np.asarray([np.mean([e["iter_total_ms"] for e in per_layer if e["batch"] == b], axis=0) for b in bis])
+    samples = batch_weights(tok_B) @ it_B
+    med_B = np.median(it_B, axis=1)
+    tpr = np.sum([first[b]["tokens_per_rank"] for b in bis], axis=0)
+    T = int(sum(tok_B))
     totals = {p: sum(e["phases"][p]["max_ms"] for e in per_layer) for p in PHASES}
     # per rank, summed over layers: which rank is slow in which phase (a straggler)
     phases_R = {p: [float(v) for v in np.sum([e["phases_R"][p] for e in per_layer], axis=0)] for p in PHASES}
     checked = [e["correct"] for e in per_layer if e["correct"] is not None]
     # per iteration: the layers' times (max over ranks) averaged over layers -> one sample per iteration
-    samples = np.mean([e["iter_total_ms"] for e in per_layer], axis=0)
     return {
         "strategy": name, "options": buf.planner.options, "world_size": buf.world_size, "gpus_per_node": buf.gpus_per_node,
         "trace": str(args.trace), "layers": layers, "hidden": args.hidden, "ffn": args.ffn,
@@ -367,6 +392,8 @@ def _report(args, buf, name: str, layers: list[int], T: int, tpr: np.ndarray,
         "bytes_sent": int(sum(e["bytes"]["sent"] for e in per_layer)),
         "correct": (all(checked) if checked else None),
         "max_abs_err": max((e["max_abs_err"] for e in per_layer if e["max_abs_err"] is not None), default=None),
+        "per_step": {"step": step_B, "tokens": tok_B, "layer_ms_median": [float(v) for v in med_B]},
+        "steps_aggregate": {"layer_ms_median": aggregate(med_B, tok_B, step_B)},
         "per_layer": per_layer,
     }
 
@@ -440,7 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.exit(launch(argv))
     args = None
     rank = os.environ.get("RANK", "?")
-    from moonep_sim.gloo.liveness import PhaseTracker, announce
+    from moonep_sim.gloo.liveness import STARTING, PhaseTracker, announce, fault_point, start_early
+    watch = None
     try:
         args = _parse(argv)
         _check_args(args)
@@ -450,7 +478,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             require("RANK" in os.environ and "WORLD_SIZE" in os.environ,
                     "RANK / WORLD_SIZE (unset) must be set: run with --nproc N, or under torchrun "
                     "--nproc_per_node N launch/replay.py ...")
+            # heartbeat and watchdog first: a peer lost while the group is set up is named ("starting")
+            watch = start_early(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), max(args.timeout, 1.0))
+            fault_point(STARTING, rank)
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(args.timeout, 1.0)))
+            watch.started()
+            fault_point("started", rank)
         _TRACKER[:] = [PhaseTracker("moonep_sim/replay/", dist.get_rank(), range(dist.get_world_size()),
                                     args.timeout)]
         rep = run(args)
@@ -466,9 +499,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = 1 if isinstance(e, CommError) else 2
     except RuntimeError as e:  # a collective no tracker watched (process-group set-up)
         line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        phase = _TRACKER[0].phase if _TRACKER else "start"
-        print(f"moonep-sim: error: rank {rank}: CommError: replay collective failed after {phase}: {line[:240]}",
-              file=sys.stderr, flush=True)
+        if watch is not None and not watch.up.is_set():
+            msg = watch.report(f"failed: {line[:160]}")  # one line: this thread's or the watchdog's
+        else:
+            phase = _TRACKER[0].phase if _TRACKER else "start"
+            msg = f"replay collective failed after {phase}: {line[:240]}"
+        print(f"moonep-sim: error: rank {rank}: CommError: {msg}", file=sys.stderr, flush=True)
         code = 1
     except KeyboardInterrupt:
         if rank in ("0", "?"):

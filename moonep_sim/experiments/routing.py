@@ -19,6 +19,7 @@ or two popularities is one line naming the key and listing the valid ones.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -73,6 +74,12 @@ class GeneratorSpec:
     top_k: int | None = None
 
     def __post_init__(self) -> None:
+        from moonep_sim.routing.generators import check_spec_value
+
+        for f in dataclasses.fields(self):  # type, finiteness, integer-ness and range of every key
+            check_spec_value(f.name, getattr(self, f.name))
+        require(isinstance(self.model, str) or not isinstance(self.model, (int, float, bool)),
+                f"generator spec model ({self.model!r}) must be a preset name or a model file")
         pops = [k for k in _POPULARITY if getattr(self, k) not in (None, False)]
         require(len(pops) <= 1, f"generator spec ({self.text()}) must set at most one popularity of "
                                 f"maxvio, sigma, zipf, uniform, hot (got {', '.join(pops)})")
@@ -145,11 +152,13 @@ def _typed(key: str, v: str) -> Any:
         num = float(v)
     except ValueError:
         raise ConfigError(f"generator spec {key.replace('_', '-')} ({v!r}) must be a number") from None
+    require(math.isfinite(num), f"generator spec {key.replace('_', '-')} ({v}) must be a finite number")
     if key == "uniform":
+        require(num in (0, 1), f"generator spec uniform ({v}) must be 0 or 1")
         return bool(num)
     if key in _INT_KEYS:
         require(num == int(num), f"generator spec {key.replace('_', '-')} ({v}) must be an integer")
-        return int(num)
+        return int(v) if v.strip().lstrip("+-").isdigit() else int(num)
     return num
 
 
@@ -163,12 +172,18 @@ def resolve_model(model: "str | ModelSpec") -> ModelSpec:
 
 @dataclass
 class RoutingSource:
-    """An opened routing source: its shape, model and layers, and each layer's global routing.
+    """An opened routing source: its shape, model and layers, and each batch's global routing.
 
     label: short human description.  num_experts (E), top_k (K).  model: the model whose row and
     weight sizes the plans use.  layer_ids: the layers an experiment runs.  path: the trace file
     (None for generated or in-memory routing).  gen: the generator spec (None otherwise).
-    tokens: tokens per layer of a trace (None when it depends on the ranks).
+    tokens: tokens of all selected steps of a trace (None when it depends on the ranks).
+    steps: how a trace's steps are costed (:class:`moonep_sim.routing.steps.StepMode`; None for
+    generated or in-memory routing).  batches: ``[(step id, token ranges)]``, the batches a command
+    costs, one per selected step (step id None: the ``merged`` batch); generated and in-memory
+    routing is one batch.  batch_tokens: tokens of each batch (the weights of the per-step means).
+    transform: a function applied to each trace layer read (a sweep's re-weighted popularity, see
+    :mod:`moonep_sim.experiments.trace_sweep`); None: the routing as recorded.
     """
 
     label: str
@@ -179,9 +194,29 @@ class RoutingSource:
     path: Path | None = None
     gen: GeneratorSpec | None = None
     tokens: int | None = None
-    steps: Any = None  # a moonep_sim.routing.steps.StepSelection of a trace's steps (None: all tokens)
+    steps: Any = None
+    batches: list = dataclasses.field(default_factory=lambda: [(None, None)])
+    batch_tokens: list = dataclasses.field(default_factory=lambda: [None])
+    transform: Any = None   # (LayerRouting, layer id, batch) -> LayerRouting applied to a trace's layers
     _trace: Any = None
     _routing: GlobalRouting | None = None
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.batches)
+
+    @property
+    def merged(self) -> bool:
+        """True when several recorded steps are costed as one concatenated batch (``--steps merged``)."""
+        return self.steps is not None and self.steps.merged and self.trace_steps > 1
+
+    @property
+    def trace_steps(self) -> int:
+        """Steps the trace records (1 without a step tensor; 1 for generated or in-memory routing)."""
+        if self._trace is None:
+            return 1
+        st = self._trace.steps()
+        return int(st[-1]) + 1 if st is not None and st.size else 1
 
     def describe(self) -> dict[str, Any]:
         return {"label": self.label, "path": str(self.path) if self.path else None,
@@ -189,8 +224,16 @@ class RoutingSource:
                 "top_k": self.top_k, "model": self.model.name, "layers": self.layer_ids, "tokens": self.tokens,
                 "steps": self.steps.text if self.steps is not None else None}
 
-    def layer(self, layer_id: int, ranks: int) -> LayerRouting:
-        """The global routing of one layer (all ranks' tokens, ``[T, K]``)."""
+    def steps_info(self) -> dict[str, Any]:
+        """What a report says of its batches: mode (``each`` or ``merged``), the trace's step count,
+        the step ids costed (None: merged), and each batch's tokens."""
+        return {"mode": "merged" if (self.steps is not None and self.steps.merged) else "each",
+                "selection": self.steps.text if self.steps is not None else None,
+                "trace_steps": self.trace_steps, "batches": self.num_batches,
+                "step_ids": [b[0] for b in self.batches], "tokens": list(self.batch_tokens)}
+
+    def layer(self, layer_id: int, ranks: int, batch: int = 0) -> LayerRouting:
+        """The global routing of one layer of one batch (all ranks' tokens, ``[T, K]``)."""
         if self._routing is not None:
             r = self._routing
             return LayerRouting(r.topk_ids_TK, r.topk_weights_TK, self.num_experts, layer_id)
@@ -202,30 +245,73 @@ class RoutingSource:
             r = generate_layer(self.num_experts, self.top_k, g.tokens_per_rank * ranks,
                                g.seed * 1009 + int(layer_id), **g.popularity(), **extra)
             return LayerRouting(r.topk_ids_TK, r.topk_weights_TK, self.num_experts, layer_id)
-        if self.steps is not None:
-            from moonep_sim.routing.steps import read_layer
+        from moonep_sim.routing.steps import read_layer
 
-            return read_layer(self._trace, self._trace.layer_index(layer_id), self.steps)
-        return self._trace.layer(self._trace.layer_index(layer_id))
+        lr = read_layer(self._trace, self._trace.layer_index(layer_id), ranges=self.batches[batch][1])
+        return self.transform(lr, int(layer_id), batch) if self.transform is not None else lr
 
-    def global_routing(self, layer_id: int, ranks: int) -> GlobalRouting:
-        """One layer's routing split over ``ranks`` (evenly; in-memory routing keeps its own split)."""
+    def selected_layer(self, layer_id: int) -> LayerRouting:
+        """A trace layer's tokens of every batch, concatenated in token order (what a step model
+        splits by :meth:`selected_steps_T`)."""
+        from moonep_sim.routing.steps import read_layer
+
+        require(self.num_batches <= 1 or not self._trace.has("token_mask"),
+                f"trace ({self.path}) has a per-layer token mask: its steps cannot be split by token index here "
+                "(select one step with --steps N, or re-import with --drop-incomplete-tokens)")
+        ranges = [r for _, rs in self.batches for r in rs]
+        return read_layer(self._trace, self._trace.layer_index(layer_id), ranges=ranges)
+
+    def selected_steps_T(self) -> np.ndarray | None:
+        """The step id of each token :meth:`selected_layer` returns, int64 [T'] (None: one batch,
+        merged or generated; a layer with a per-layer token mask has fewer rows)."""
+        if self._trace is None or self.num_batches <= 1 or self.batches[0][0] is None:
+            return None
+        return np.concatenate([np.full(sum(b - a for a, b in rs), s, np.int64) for s, rs in self.batches])
+
+    def router_logits(self, layer_id: int, batch: int = 0) -> np.ndarray:
+        """A trace's router logits of one layer's tokens of one batch, float32 [T, E]."""
+        tr = self._trace
+        idx = tr.layer_index(layer_id)
+        return np.concatenate([tr.router_logits(idx, a, b) for a, b in self.batches[batch][1]])
+
+    def global_routing(self, layer_id: int, ranks: int, batch: int = 0) -> GlobalRouting:
+        """One layer's routing of one batch split over ``ranks`` (evenly; in-memory routing keeps
+        its own split)."""
         if self._routing is not None:
             require(self._routing.ranks == ranks, f"ranks ({ranks}) must equal the given routing's ranks "
                                                   f"({self._routing.ranks})")
             return self._routing
-        lr = self.layer(layer_id, ranks)
+        lr = self.layer(layer_id, ranks, batch)
         return GlobalRouting.split_evenly(lr.topk_ids_TK, lr.topk_weights_TK, self.num_experts, ranks)
 
+    def routing_for(self, name: str, opts: dict[str, Any], layer_id: int, cluster, batch: int = 0,
+                    base: GlobalRouting | None = None) -> GlobalRouting:
+        """The routing strategy ``name`` plans on: the layer's (``base`` when given), except deepep
+        with ``max_nodes``, which re-routes a trace's router logits node-limited (top-K within the
+        ``max_nodes`` best nodes, as DeepSeek-V3's router does). Every command plans through here."""
+        if (name == "deepep" and opts.get("max_nodes") and self._trace is not None and self.transform is None
+                and self._trace.has("router_logits")):
+            from moonep_sim.strategies import get_strategy
+            from moonep_sim.strategies.deepep import node_limited_topk
+
+            m = int(get_strategy(name).parse_options(dict(opts))["max_nodes"])
+            if m:
+                ids, w = node_limited_topk(self.router_logits(layer_id, batch), self.top_k, cluster.num_nodes, m,
+                                           score=self.model.router)
+                return GlobalRouting.split_evenly(ids, w, self.num_experts, cluster.ranks)
+        return base if base is not None else self.global_routing(layer_id, cluster.ranks, batch)
+
     def layer_position(self, layer_id: int) -> int:
-        """The stored position of ``layer_id`` (in a trace, or in the file :meth:`trace_file` writes)."""
-        if self._trace is not None and self.steps is None:
+        """The stored position of ``layer_id`` in a trace (the file :meth:`trace_file` writes keeps
+        a trace's layers; generated routing: the position in ``layer_ids``)."""
+        if self._trace is not None:
             return self._trace.layer_index(layer_id)
         return self.layer_ids.index(layer_id)
 
     def trace_file(self, dest_dir: Path, ranks: int) -> Path:
-        """A trace file holding the routing (written for generated, in-memory or step-selected routing)."""
-        if self.path is not None and self.steps is None:
+        """A trace file holding the routing: a trace's own path (the replay selects its steps), else
+        generated or in-memory routing written once, as one step."""
+        if self.path is not None:
             return self.path
         from moonep_sim.models import PRESETS
         from moonep_sim.routing.trace import TraceMeta, write_trace
@@ -247,7 +333,8 @@ def open_routing(routing: "str | Path | GeneratorSpec | GlobalRouting", layers: 
 
     layers: layer ids to use (a trace's ids; 0..layers-1 for generated routing); default all.
     model: a preset, model file or ModelSpec for row and weight sizes; default the trace's or the spec's.
-    steps: a trace's steps to use (``"0,2,5-7"``, :mod:`moonep_sim.routing.steps`); default all tokens.
+    steps: a trace's steps and how to cost them (:func:`moonep_sim.routing.steps.parse_step_mode`:
+    default every step as its own batch; ``"0,2,5-7"`` those steps; ``merged`` one batch of all).
     Everything cheap is checked here, before any work.
     """
     if isinstance(routing, str) and routing.startswith(GEN_PREFIX):
@@ -294,11 +381,14 @@ def open_routing(routing: "str | Path | GeneratorSpec | GlobalRouting", layers: 
         ids = list(layers)
     else:
         ids = all_ids
-    tokens, sel = tr.meta.num_tokens, None
-    if steps is not None:
-        from moonep_sim.routing.steps import parse_steps, selected_steps_T
+    from moonep_sim.routing.steps import parse_step_mode, step_batches
 
-        sel = parse_steps(steps)
-        tokens = int(selected_steps_T(tr, sel).size)
-    label = f"{path.name} ({m.name}, {tokens} tokens" + (f", steps {sel.text})" if sel is not None else ")")
-    return RoutingSource(label, E, K, m, ids, path, tokens=tokens, steps=sel, _trace=tr)
+    mode = parse_step_mode(steps)
+    batches = step_batches(tr.steps(), int(tr.meta.num_tokens or 0), mode)
+    btok = [int(sum(b - a for a, b in rs)) for _, rs in batches]
+    tokens = int(sum(btok))
+    what = (f", steps {mode.text}" if mode.selection is not None or mode.merged else "") + (
+        f", {len(batches)} steps" if len(batches) > 1 else "")
+    label = f"{path.name} ({m.name}, {tokens} tokens{what})"
+    return RoutingSource(label, E, K, m, ids, path, tokens=tokens, steps=mode, batches=batches, batch_tokens=btok,
+                         _trace=tr)

@@ -31,6 +31,7 @@ from moonep_sim.limits import MAX_TOKEN_PADDING
 from moonep_sim.experiments.results import (CompareResult, LayerPlans, PlansResult, ReplayResult, SimulateResult,
                                             SweepResult)
 from moonep_sim.experiments.routing import GeneratorSpec, RoutingSource, open_routing
+from moonep_sim.experiments.spec import DISPATCH_DTYPES, normalise_dtype, strategy_list
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
@@ -38,18 +39,8 @@ from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
 #: Defaults shared by every command and the Python API.
 DEFAULT_STRATEGIES = ("alltoall", "capacity", "hierarchical", "moonep")
 DEFAULT_TOPOLOGY = "h800-cx7"
-DISPATCH_DTYPES = ("bf16", "fp8")
-_DTYPE_ALIASES = {"bfloat16": "bf16", "float8": "fp8", "fp8_e4m3": "fp8"}
 
 Progress = Callable[[str, int, int], None]
-
-
-def normalise_dtype(text: str) -> str:
-    """``bf16`` / ``bfloat16`` -> ``bf16``; ``fp8`` -> ``fp8``; anything else is an error."""
-    d = _DTYPE_ALIASES.get(text, text)
-    require(d in DISPATCH_DTYPES, f"dispatch dtype ({text!r}) must be one of {', '.join(DISPATCH_DTYPES)} "
-                                  "(bfloat16 is accepted for bf16)")
-    return d
 
 
 def parse_cluster(cluster: Any) -> tuple[int | None, int | None]:
@@ -71,39 +62,20 @@ def parse_cluster(cluster: Any) -> tuple[int | None, int | None]:
         raise ConfigError(f"cluster ({text!r}) must look like RANKS or RANKS/GPUS_PER_NODE, e.g. 16/8") from None
 
 
-def strategy_list(strategies: "str | Sequence[str] | Sequence[tuple[str, Mapping[str, Any]]]",
-                  options: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[tuple[str, dict[str, Any]], ...]:
-    """Strategies and their options, checked against the registry: ``"a,b"``, ``["a", "b"]`` or
-    ``[("a", {...})]``; ``options`` maps a strategy to its options (merged)."""
-    from moonep_sim.strategies import get_strategy
-
-    if isinstance(strategies, str):
-        items: list = [s.strip() for s in strategies.split(",") if s.strip()]
-    else:
-        items = list(strategies)
-    pairs = [(it, {}) if isinstance(it, str) else (it[0], dict(it[1])) for it in items]
-    names = [n for n, _ in pairs]
-    require(len(names) > 0, "strategies must name at least one strategy")
-    require(len(set(names)) == len(names), f"strategies ({', '.join(names)}) must not repeat a strategy")
-    for s in options or {}:
-        require(s in names, f"option strategy ({s!r}) must be one of the strategies ({', '.join(names)})")
-    out = []
-    for n, o in pairs:
-        merged = {**o, **dict((options or {}).get(n, {}))}
-        get_strategy(n).parse_options(merged)  # unknown option or bad value: one line
-        out.append((n, merged))
-    return tuple(out)
-
-
 @dataclass(frozen=True)
 class Resolved:
-    """A checked scenario: the opened routing, the cluster, the planning context and the topology."""
+    """A checked scenario, the one typed description every way of running it takes: the opened
+    routing (its layers and the batches of its steps), the cluster, the planning context, the
+    topology, the strategies with their options, the dispatch dtype, and warnings about the run
+    (e.g. steps merged into one batch)."""
 
     source: RoutingSource
     cluster: ClusterShape
     ctx: Any
     topology: Any
     strategies: tuple[tuple[str, dict[str, Any]], ...]
+    dispatch_dtype: str = "bf16"
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,7 +90,8 @@ class Scenario:
     topology: a simulator preset or TOML path.  strategies: names (``"a,b"`` or a list).
     options: per-strategy options ``{"capacity": {"cf": 1.25}}``.
     layers: layer ids (default: all of a trace; 0..layers-1 of a spec).
-    steps: a trace's steps to use, e.g. ``"0,2,5-7"`` (default: every token).
+    steps: a trace's steps, each costed as its own batch (default: every step; ``"0,2,5-7"``: those);
+      ``"merged"`` / ``"merged:SEL"`` costs them as one concatenated batch (with a warning).
     dispatch_dtype: ``bf16`` or ``fp8`` rows.  token_padding: pad each slot to a multiple of this.
     placement: ``home`` (contiguous groups) or ``round-robin`` expert homes.
     costs: row and weight byte sizes overriding the model's (e.g.
@@ -137,6 +110,10 @@ class Scenario:
     token_padding: int = 1
     placement: str = "home"
     costs: RowCosts | None = None
+
+    def __post_init__(self) -> None:
+        from moonep_sim.experiments.checks import check_scenario_args
+        check_scenario_args(self)  # every argument's type and range, naming it (experiments/checks.py)
 
     # -- checking ---------------------------------------------------------------------------------
     @cached_property
@@ -160,57 +137,56 @@ class Scenario:
             R = R or self.routing.ranks
         R = R or default_ranks(source.num_experts)
         base = load_topology(self.topology)
-        G = G or min(base.gpus_per_node, R)
+        G = G or base.gpus_per_node_for(R)
         cluster = check_cluster(source, R, G)
         topo = load_topology(self.topology, cluster)
         costs = self.costs or RowCosts.from_model(source.model, dtype)
         place = (Placement.home_groups(source.num_experts, R) if self.placement == "home"
                  else Placement.round_robin(source.num_experts, R))
+        warn = []
+        if source.merged:
+            warn.append(f"steps merged: {source.trace_steps} recorded steps of the trace costed as one batch of "
+                        f"{source.tokens} tokens that never ran together (the default, --steps each, costs every "
+                        "step on its own)")
         return Resolved(source, cluster, PlanContext(cluster, place, costs, self.token_padding, topo), topo,
-                        strategies)
+                        strategies, dtype, tuple(warn))
 
     # -- plans --------------------------------------------------------------------------------------
     def plans(self, progress: Progress | None = None) -> PlansResult:
-        """Every strategy's Plan of every layer (``make_plan`` once per (strategy, layer))."""
+        """Every strategy's Plan of every (step, layer) (``make_plan`` once per (strategy, step, layer))."""
         from moonep_sim.strategies import make_plan
 
         rs = self.resolved
+        src = rs.source
         out = []
-        n, i = len(rs.source.layer_ids) * len(rs.strategies), 0
-        for lid in rs.source.layer_ids:
+        cells = [(b, lid) for b in range(src.num_batches) for lid in src.layer_ids]
+        n, i = len(cells) * len(rs.strategies), 0
+        for b, lid in cells:
+            base = src.global_routing(lid, rs.cluster.ranks, b)
+            if base.num_tokens == 0:
+                continue  # this step has no token at this layer (a per-layer token mask)
             for name, opts in rs.strategies:
                 if progress:
                     progress(f"layer {lid}: {name}", i, n)
-                routing = self._routing_for(name, opts, lid)
-                out.append(LayerPlans(name, int(lid), make_plan(name, routing, rs.ctx, **opts)))
+                routing = src.routing_for(name, opts, lid, rs.cluster, b, base=base)
+                out.append(LayerPlans(name, int(lid), make_plan(name, routing, rs.ctx, **opts), src.batches[b][0]))
                 i += 1
-        return PlansResult(tuple(out), rs.source.describe(), rs.source.model.name,
+        return PlansResult(tuple(out), src.describe(), src.model.name,
                            {"ranks": rs.cluster.ranks, "gpus_per_node": rs.cluster.gpus_per_node})
 
-    def _routing_for(self, name: str, opts: Mapping[str, Any], layer_id: int) -> GlobalRouting:
-        """The layer's routing; deepep with ``max_nodes`` re-routes a trace's router logits node-limited."""
-        rs = self.resolved
-        src = rs.source
-        if name == "deepep" and opts.get("max_nodes") and src._trace is not None and src._trace.has("router_logits"):
-            from moonep_sim.strategies import get_strategy
-            from moonep_sim.strategies.deepep import node_limited_topk
-
-            m = int(get_strategy(name).parse_options(dict(opts))["max_nodes"])
-            if m:
-                idx = src._trace.layer_index(layer_id)
-                ids, w = node_limited_topk(src._trace.router_logits(idx), src.top_k, rs.cluster.num_nodes, m,
-                                           score=src.model.router)
-                return GlobalRouting.split_evenly(ids, w, src.num_experts, rs.cluster.ranks)
-        return src.global_routing(layer_id, rs.cluster.ranks)
-
-    # -- simulate -----------------------------------------------------------------------------------
+    # -- simulate ---------------------------------------------------------------------------------
     def simulate(self, progress: Progress | None = None, **sim_options: Any) -> SimulateResult:
-        """Each strategy's plans of the scenario's layers chained as one step on the topology.
+        """Each strategy's plans of the scenario's layers chained as one step on the topology, for
+        every selected step of a trace on its own (:mod:`moonep_sim.experiments.stepstats`).
 
         sim_options: :class:`moonep_sim.sim.SimOptions` fields (``backward``, ``chunks``, ``faults``,
-        ``jitter``, ``seed``, ``tol``, ``overlap_prefetch``, ``timeline``).
+        ``jitter``, ``seed``, ``tol``, ``overlap_prefetch``, ``timeline``). ``layer_time_us``: the
+        token-weighted mean over steps; ``per_strategy``: the simulator's result of the slowest step
+        (the only one for a single step) with ``per_step`` and ``steps_aggregate`` beside it.
         """
         from moonep_sim import sim
+        from moonep_sim.experiments.compare import topology_info
+        from moonep_sim.experiments.stepstats import aggregate
 
         rs = self.resolved
         try:
@@ -218,33 +194,53 @@ class Scenario:
         except TypeError as e:
             raise ConfigError(f"simulator option must be a SimOptions field: {e}") from None
         plans = self.plans(progress)
+        steps = list(dict.fromkeys(p.step for p in plans.items))
+        tokens = [rs.source.batch_tokens[[b[0] for b in rs.source.batches].index(st)] for st in steps]
         per: dict[str, Any] = {}
         raw: dict[str, Any] = {}
         for name, _ in rs.strategies:
             t0 = time.perf_counter()
-            res = sim.simulate_layers([p.plan for p in plans.items if p.strategy == name], rs.topology,
-                                      rs.source.model, opts)
-            d = to_jsonable(res.to_dict(), lenient=True)
-            d.update(model=rs.source.model.name, layers=list(rs.source.layer_ids),
-                     sim_call_seconds=time.perf_counter() - t0)
+            res_S = [sim.simulate_layers([p.plan for p in plans.items if p.strategy == name and p.step == st],
+                                         rs.topology, rs.source.model, opts) for st in steps]
+            t_S = [float(r.layer_time_us) for r in res_S]
+            worst = int(max(range(len(t_S)), key=t_S.__getitem__))
+            d = to_jsonable(res_S[worst].to_dict(), lenient=True)
+            series = {"step": steps, "tokens": tokens, "layer_time_us": t_S,
+                      "lower_bound_us": [float(r.lower_bound_us) for r in res_S],
+                      "phases_us": [{k: float(v) for k, v in r.phases_us.items()} for r in res_S]}
+            d.update(model=rs.source.model.name, layers=list(rs.source.layer_ids), step=steps[worst],
+                     sim_call_seconds=time.perf_counter() - t0, per_step=series,
+                     steps_aggregate={k: aggregate(series[k], tokens, steps) for k in ("layer_time_us", "lower_bound_us")})
+            d["flags"] = _simulate_flags(rs, name, [p.plan for p in plans.items if p.strategy == name])
             per[name] = d
-            raw[name] = res
-        from moonep_sim.experiments.compare import topology_info
+            raw[name] = res_S[worst]
+        return SimulateResult(tuple(per), {n: float(per[n]["steps_aggregate"]["layer_time_us"]["token_weighted_mean"])
+                                           for n in per}, per, topology_info(rs.topology), raw,
+                              dict(rs.source.steps_info(), warnings=list(rs.warnings)))
 
-        return SimulateResult(tuple(per), {n: float(per[n]["layer_time_us"]) for n in per}, per,
-                              topology_info(rs.topology), raw)
+    # -- whole steps --------------------------------------------------------------------------------
+    def step(self, mode: str = "train", overlap: str = "none", **options: Any):
+        """Every strategy's whole step (train, prefill or decode) on this scenario's routing: the
+        model's layer stack, compute, overlap and memory (:func:`moonep_sim.experiments.step.run_step`
+        takes ``options``: tokens_per_rank, context, distinct_layers, compute_profile, ...). One
+        :class:`~moonep_sim.experiments.step.StepResult`, or a list for a trace of several steps."""
+        from moonep_sim.experiments.step import run_step
+
+        out = run_step(self, mode, overlap, **options)
+        return out[0] if len(out) == 1 else out
 
     # -- compare, replay, sweep ---------------------------------------------------------------------
     def compare(self, real: bool = False, *, nproc: int | None = None, iters: int = 10, hidden: int = 512,
                 ffn: int = 1024, timeout_s: float = 600.0, progress: Progress | None = None, jobs: int | None = 1,
                 cluster: str | None = None) -> CompareResult:
-        """Every strategy on the same layers, simulated (per layer); with ``real``, also replayed
-        over gloo by ``nproc`` local processes (= the scenario's ranks), interleaved. The simulated
-        (layer, strategy) points run in ``jobs`` worker processes or on a Dask ``cluster``; the
-        real replay always runs alone (timings)."""
-        from moonep_sim.experiments.compare import CompareConfig, compare
+        """Every strategy on the same steps and layers, simulated (each step its own batch, then
+        aggregated over steps); with ``real``, also replayed over gloo by ``nproc`` local processes
+        (= the scenario's ranks), interleaved. The simulated points run in ``jobs`` worker
+        processes or on a Dask ``cluster``; the real replay always runs alone (timings)."""
+        from moonep_sim.experiments.compare import RealOptions, compare
 
         rs = self.resolved
+        opts = None
         if real:
             nproc = nproc or rs.cluster.ranks
             require(2 <= nproc <= 64, f"nproc ({nproc}) must lie in [2, 64]")
@@ -253,21 +249,17 @@ class Scenario:
                     f"ranks ({rs.cluster.ranks}) must equal nproc ({nproc}) for a real replay: each process is one EP rank")
             from moonep_sim.experiments.compare import load_topology
             load_topology("local-gloo")
-        cfg = CompareConfig("gen:" + self.routing.text() if isinstance(self.routing, GeneratorSpec) else str(self.routing),
-                            [(n, dict(o)) for n, o in rs.strategies], self.topology, rs.cluster.ranks,
-                            rs.cluster.gpus_per_node, list(rs.source.layer_ids), rs.source.model.name,
-                            normalise_dtype(self.dispatch_dtype), self.token_padding, real=real, nproc=nproc or 4,
-                            real_timeout_s=timeout_s, real_hidden=hidden, real_ffn=ffn, real_iters=iters)
-        rep = compare(cfg, progress=progress, source=rs.source, ctx=rs.ctx, jobs=jobs, cluster=cluster)
-        return CompareResult.from_report(rep)
+            opts = RealOptions(nproc, timeout_s, hidden, ffn, iters)
+        return CompareResult.from_report(compare(rs, real=opts, progress=progress, jobs=jobs, cluster=cluster))
 
     def replay(self, nproc: int | None = None, *, iters: int = 3, warmup: int = 1, hidden: int = 64,
                ffn: int = 128, backward: bool = False, check: bool | None = None, timeout_s: float = 600.0,
-               max_tokens: int = 0, extra_args: Sequence[str] = ()) -> ReplayResult:
+               max_tokens: int = 0) -> ReplayResult:
         """Replay the strategies over gloo with ``nproc`` local processes (default: the scenario's
-        ranks), interleaved step by step; the replay's JSON report per strategy."""
-        from moonep_sim.experiments.compare import replay_argv_for
-        from moonep_sim.experiments.replay_rank import run_replay
+        ranks), interleaved step by step, each recorded step its own batch; the replay's JSON report
+        per strategy. The ranks receive this scenario as one typed spec
+        (:class:`~moonep_sim.experiments.spec.ReplaySpec`, JSON written once)."""
+        from moonep_sim.experiments.compare import replay_spec, run_spec
         from moonep_sim.gloo.launcher import reports_by_strategy
 
         rs = self.resolved
@@ -276,44 +268,59 @@ class Scenario:
         require(rs.cluster.ranks == nproc, f"ranks ({rs.cluster.ranks}) must equal nproc ({nproc}) for a replay")
         with tempfile.TemporaryDirectory(prefix="moonep-replay-") as tmp:
             path = rs.source.trace_file(Path(tmp), nproc)
-            argv = replay_argv_for(path, rs.strategies, rs.source.layer_ids, hidden=hidden, ffn=ffn, iters=iters,
-                                   gpus_per_node=rs.cluster.gpus_per_node, token_padding=self.token_padding)
-            argv += ["--warmup", str(warmup)]
-            if backward:
-                argv.append("--backward")
-            if check is not None:
-                argv.append("--check" if check else "--no-check")
-            if max_tokens:
-                argv += ["--max-tokens", str(max_tokens)]
-            rep = run_replay(nproc, argv + list(extra_args), timeout_s=timeout_s)
+            spec = replay_spec(rs, path, hidden=hidden, ffn=ffn, iters=iters, warmup=warmup, backward=backward,
+                               check=check, max_tokens=max_tokens)
+            rep = run_spec(nproc, spec, timeout_s=timeout_s)
         per = reports_by_strategy(rep)
         return ReplayResult(tuple(per), {n: float(r["layer_ms_median"]) for n, r in per.items()},
                             {n: r.get("correct") for n, r in per.items()}, to_jsonable(rep, lenient=True))
 
     def sweep(self, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None,
-              progress: Progress | None = None, jobs: int | None = 1, cluster: str | None = None) -> SweepResult:
+              progress: Progress | None = None, jobs: int | None = 1, cluster: str | None = None,
+              seeds: int = 1) -> SweepResult:
         """Vary ``over`` (``maxvio``, ``ep`` or a numeric topology constant) through ``values``
         (default: :func:`moonep_sim.experiments.sweep.default_values`); each point plans every
         strategy on generated routing (this scenario's generator spec, or the model's defaults) and
         simulates it on the topology. Points run in ``jobs`` worker processes (None: the cores) or on
-        a Dask ``cluster`` address (:mod:`moonep_sim.experiments.parallel`), same report as serial."""
+        a Dask ``cluster`` address (:mod:`moonep_sim.experiments.parallel`), same report as serial.
+        ``seeds`` > 1: the sweep at that many seeds; the verdicts rest on the spread over them
+        (:mod:`moonep_sim.experiments.seeds`).
+
+        On a trace (this scenario's routing is a trace file), the sweep runs on the recorded routing,
+        each step its own batch: ``over`` a topology constant, ``ranks`` (``ep``), ``gpus_per_node``,
+        ``tokens_per_rank`` or ``maxvio`` (re-weighted popularity), see
+        :mod:`moonep_sim.experiments.trace_sweep` (the spread behind its verdicts is over steps)."""
+        from moonep_sim.experiments.seeds import sweep_seeds
         from moonep_sim.experiments.sweep import sweep
 
-        return SweepResult.from_report(sweep(self.sweep_config(over, values, maxvio=maxvio), progress=progress,
-                                             jobs=jobs, cluster=cluster))
+        if self.is_trace():
+            from moonep_sim.experiments.trace_sweep import trace_sweep
+
+            return SweepResult.from_report(trace_sweep(self, over, values, progress=progress, jobs=jobs,
+                                                       cluster=cluster))
+        return SweepResult.from_report(sweep_seeds(self.sweep_config(over, values, maxvio=maxvio), seeds,
+                                                   lambda c: sweep(c, progress=progress, jobs=jobs, cluster=cluster)))
 
     def winner_map(self, over: str, values: Sequence[float] | None, by: str, by_values: Sequence[float], *,
                    maxvio: float | None = None, progress: Progress | None = None, jobs: int | None = 1,
-                   cluster: str | None = None) -> dict[str, Any]:
+                   cluster: str | None = None, seeds: int = 1) -> dict[str, Any]:
         """The fastest strategy per cell over two knobs: one :meth:`sweep` of ``over`` per value of
         ``by`` (``tokens-per-rank``, ``maxvio`` or ``ep``), combined by
         :func:`moonep_sim.experiments.winner.winner_map` (each cell: winner, margin over the
-        runner-up, every strategy's time; ``sweeps`` holds the full reports)."""
+        runner-up, every strategy's time; ``sweeps`` holds the full reports). ``seeds`` > 1: every
+        sweep at that many seeds, each cell's times the means and its verdict (tie, confidence) from
+        the spread over seeds."""
         from dataclasses import replace
+
+        from moonep_sim.experiments.seeds import sweep_seeds
 
         from moonep_sim.experiments.sweep import check, sweep
         from moonep_sim.experiments.winner import winner_map
 
+        if self.is_trace():
+            from moonep_sim.experiments.trace_sweep import trace_winner_map
+
+            return trace_winner_map(self, over, values, by, by_values, progress=progress, jobs=jobs, cluster=cluster)
         require(by in ("tokens-per-rank", "maxvio", "ep"), f"by ({by!r}) must be tokens-per-rank, maxvio or ep")
         require(by != over, f"by ({by}) must differ from over ({over})")
         base = self.sweep_config(over, values, maxvio=maxvio)
@@ -321,10 +328,16 @@ class Scenario:
         cfgs = [replace(base, **{field: (float(v) if by == "maxvio" else int(v))}) for v in by_values]
         for c in cfgs:
             check(c)  # every input checked before any work
-        reps = [(float(v), sweep(c, progress=progress, jobs=jobs, cluster=cluster)) for v, c in zip(by_values, cfgs)]
+        reps = [(float(v), sweep_seeds(c, seeds, lambda c: sweep(c, progress=progress, jobs=jobs, cluster=cluster)))
+                for v, c in zip(by_values, cfgs)]
         m = winner_map(reps, by)
         m["sweeps"] = [r for _, r in reps]
         return m
+
+    def is_trace(self) -> bool:
+        """True when the routing is a trace file (not a generator spec or routing in memory)."""
+        return not isinstance(self.routing, (GeneratorSpec, GlobalRouting)) and not (
+            isinstance(self.routing, str) and self.routing.startswith("gen:"))
 
     def sweep_config(self, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None):
         """The :class:`~moonep_sim.experiments.sweep.SweepConfig` of :meth:`sweep` (checked by ``check``)."""
@@ -338,12 +351,27 @@ class Scenario:
         model = spec.resolve_model(self.model)
         strategies = strategy_list(self.strategies, self.options)
         R, G = parse_cluster(self.cluster)
-        vals = list(values) if values is not None else default_values(over, model, self.topology)
+        over = {"ranks": "ep"}.get(over, over)
+        left_out: list = []
+        vals = list(values) if values is not None else default_values(
+            over, model, self.topology, tokens=spec.tokens_per_rank * (R or 64), left_out=left_out)
         pop = spec.popularity()
-        return SweepConfig(model, over, [float(v) for v in vals], [(n, dict(o)) for n, o in strategies], self.topology,
+        cfg = SweepConfig(model, over, [float(v) for v in vals], [(n, dict(o)) for n, o in strategies], self.topology,
                           R or 64, G or 0, spec.tokens_per_rank,
                           float(maxvio if maxvio is not None else pop.get("maxvio", 1.0)), spec.seed,
                           normalise_dtype(self.dispatch_dtype), self.token_padding)
+        cfg.left_out = left_out
+        return cfg
+
+
+def _simulate_flags(rs: Resolved, name: str, plans: list) -> list[dict[str, Any]]:
+    """The flags of one strategy's simulated layers (:mod:`moonep_sim.experiments.flags`)."""
+    from moonep_sim.experiments.flags import model_flags, strategy_flags
+
+    opts = dict(next(o for n, o in rs.strategies if n == name))
+    out = strategy_flags(name, opts, rs.cluster.num_nodes, sum(p.dropped for p in plans), sum(p.padded for p in plans),
+                         unit=f"{len(plans)} layer(s)")
+    return [f for f in model_flags(rs.source.model.to_dict()) if rs.strategies[0][0] == name] + out
 
 
 def default_ranks(num_experts: int) -> int:

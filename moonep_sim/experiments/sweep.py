@@ -18,7 +18,7 @@ the topology constants used.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 from moonep_sim.errors import require
@@ -46,13 +46,34 @@ def maxvio_targets(model: ModelSpec) -> list[float]:
     return sorted(vals)
 
 
-def default_values(over: str, model: ModelSpec, topology: str | None = None) -> list[float]:
-    """The default values of a sweep over ``over`` (maxvio: :func:`maxvio_targets`; ep: the EP
-    sizes that divide E); a topology constant has no default."""
+def noise_floor(model: ModelSpec, tokens: int, seed: int = 0) -> float:
+    """The maxvio of a uniform-popularity draw of ``tokens`` tokens (the sampling-noise floor: no
+    generated target below it is reachable at this size)."""
+    from moonep_sim.routing.generators import generate_layer
+    from moonep_sim.routing.metrics import maxvio
+
+    lr = generate_layer(model.num_experts, model.top_k, int(tokens), seed, uniform=True)
+    return float(maxvio(lr.counts_E()))
+
+
+def default_values(over: str, model: ModelSpec, topology: str | None = None, *, tokens: int | None = None,
+                   left_out: list | None = None) -> list[float]:
+    """The default values of a sweep over ``over`` (maxvio: :func:`maxvio_targets`, without those
+    below the sampling-noise floor of ``tokens`` tokens -- appended to ``left_out`` with the
+    reason; ep: the EP sizes that divide E); a topology constant has no default."""
     from moonep_sim.errors import ConfigError
 
     if over == "maxvio":
-        return maxvio_targets(model)
+        vals = maxvio_targets(model)
+        if tokens:
+            floor = noise_floor(model, tokens)
+            low = [v for v in vals if v <= 1.25 * floor]
+            for v in low:
+                if left_out is not None:
+                    left_out.append({"value": v, "reason": f"below the sampling-noise floor (a uniform draw of {tokens} "
+                                                           f"tokens already has maxvio {floor:.3g})"})
+            vals = [v for v in vals if v not in low] or [round(2 * floor, 2)]
+        return vals
     if over == "ep":
         return [float(v) for v in EP_SIZES if model.num_experts % v == 0] or [1.0]
     if topology is not None:
@@ -78,6 +99,7 @@ class SweepConfig:
     seed: int = 0
     dispatch_dtype: str = "bf16"
     token_padding: int = 1
+    left_out: list = field(default_factory=list)  # default values left out, with the reason
 
 
 def topology_params(topo) -> list[str]:
@@ -88,9 +110,11 @@ def topology_params(topo) -> list[str]:
 def check(cfg: SweepConfig) -> Any:
     """Validate everything before any work; returns the loaded base topology."""
     m = cfg.model
+    from moonep_sim.experiments.checks import check_axis_value, check_axis_values
+
     topo = load_topology(cfg.topology)
-    require(len(cfg.values) >= 1, "--values must hold at least one value")
-    require(cfg.tokens_per_rank >= 1, f"--tokens-per-rank ({cfg.tokens_per_rank}) must be >= 1")
+    check_axis_values(cfg.over, cfg.values, topo)  # each value as the flag it stands for
+    check_axis_value("tokens-per-rank", cfg.tokens_per_rank, flag="--tokens-per-rank")
     if cfg.over == "maxvio":
         hi = m.num_experts / m.top_k - 1
         for v in cfg.values:
@@ -111,7 +135,7 @@ def check(cfg: SweepConfig) -> Any:
     for R in sizes:
         require(m.num_experts % R == 0,
                 f"EP size ({R}) must divide {m.name}'s expert count (E={m.num_experts}): each rank owns E/R experts")
-        g = min(cfg.gpus_per_node or topo.gpus_per_node, R)
+        g = cfg.gpus_per_node or topo.gpus_per_node_for(R)
         require(R % g == 0, f"EP size ({R}) must be divisible by gpus per node ({g})")
     if cfg.over != "maxvio":
         hi = m.num_experts / m.top_k - 1
@@ -154,7 +178,7 @@ def _point_setup(cfg: SweepConfig, base, v: float, fixed):
         routing, realised = fixed
     else:
         routing, realised = _routing(cfg, ranks, v if cfg.over == "maxvio" else cfg.maxvio, cfg.seed)
-    g = min(cfg.gpus_per_node or topo.gpus_per_node, ranks)
+    g = cfg.gpus_per_node or topo.gpus_per_node_for(ranks)
     cluster = ClusterShape(ranks, g)
     topo_g = topo.with_gpus_per_node(g) if hasattr(topo, "with_gpus_per_node") else topo
     ctx = PlanContext(cluster, Placement.home_groups(m.num_experts, ranks), costs, cfg.token_padding, topo_g)
@@ -180,7 +204,13 @@ def _strategy_at(cfg: SweepConfig, routing, ctx, topo, name: str, opts: dict) ->
             "dropped": plan.dropped, "weight_bytes": int(wb),
             "rows_max_over_mean": float(real.max() / max(real.mean(), 1e-12)),
             "straggler": _short(to_jsonable(res.to_dict(), lenient=True).get("straggler")),
-            "plan_seconds": t2 - t1, "sim_seconds": t3 - t2}
+            "plan_seconds": t2 - t1, "sim_seconds": t3 - t2,
+            "figures": _figures(plan, to_jsonable(res.to_dict(), lenient=True), topo)}
+
+
+def _figures(plan, sim, topo):
+    from moonep_sim.experiments.verdict import figures
+    return figures(plan, sim, topo)
 
 
 def _point(task) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -243,7 +273,7 @@ def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = N
     names = [n for n, _ in cfg.strategies]
     out_s = {n: {"options": dict(o), "layer_time_us": [], "lower_bound_us": [], "ratio_to_lower_bound": [],
                  "phases_us": [], "dropped": [], "weight_bytes": [], "rows_max_over_mean": [], "straggler": [],
-                 "plan_seconds": [], "sim_seconds": []} for n, o in cfg.strategies}
+                 "plan_seconds": [], "sim_seconds": [], "figures": []} for n, o in cfg.strategies}
     total = len(cfg.values)
     fixed = None
     if cfg.over not in ("maxvio", "ep"):
@@ -262,10 +292,11 @@ def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = N
     if progress:
         progress("done", total, total)
     lb = routing_lower_bound(out_s, len(cfg.values))
-    return {
+    rep = {
         "kind": "sweep",
         "over": cfg.over,
         "values": [float(v) for v in cfg.values],
+        "left_out": list(cfg.left_out),
         "model": m.to_dict(),
         "topology": topology_info(base),
         "cluster": {"ranks": cfg.ranks if cfg.over != "ep" else None,
@@ -277,5 +308,10 @@ def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = N
         "points": points,
         "lower_bound_us": lb,
         "strategies": out_s,
-        "seconds": time.perf_counter() - t0,
     }
+    from moonep_sim.experiments.flags import sweep_flags
+    from moonep_sim.experiments.verdict import sweep_verdicts
+    rep["flags"] = sweep_flags(rep)
+    rep["verdicts"] = sweep_verdicts(rep)
+    rep["seconds"] = time.perf_counter() - t0
+    return rep

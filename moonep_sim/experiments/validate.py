@@ -103,30 +103,28 @@ def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | No
              cluster: str | None = None) -> dict[str, Any]:
     """Replay and simulate every case; the simulated points run in ``jobs`` worker processes or on a
     Dask ``cluster`` (same report), the gloo replays one at a time (they are the measurement)."""
-    from moonep_sim.experiments.compare import (CompareConfig, check_cluster, compare, load_topology,
-                                                parse_strategies)
-    from moonep_sim.experiments.routing import open_routing
+    from moonep_sim.experiments.compare import RealOptions, compare, load_topology
+    from moonep_sim.experiments.scenario import Scenario
+    from moonep_sim.experiments.spec import strategy_list
 
     t0 = time.perf_counter()
     load_start = _loadavg()
-    strategies = parse_strategies(",".join(cfg.strategies))
+    strategies = strategy_list(list(cfg.strategies))
     topo = load_topology("local-gloo")
-    sources = []
+    resolved = []
     for case in cfg.cases:  # check every case before running anything
-        src = open_routing(case.trace, list(case.layers) if case.layers else None)
-        check_cluster(src, cfg.nproc, case.gpus_per_node or cfg.nproc)
-        sources.append(src)
+        sc = Scenario(routing=case.trace, cluster=(cfg.nproc, case.gpus_per_node or cfg.nproc), topology="local-gloo",
+                      strategies=strategies, layers=list(case.layers) if case.layers else None)
+        resolved.append(sc.resolved)
     points: list[dict[str, Any]] = []
     per_case: list[dict[str, Any]] = []
     reports = []
     n = len(cfg.cases)
-    for i, (case, src) in enumerate(zip(cfg.cases, sources)):
+    for i, (case, rs) in enumerate(zip(cfg.cases, resolved)):
+        src = rs.source
         if progress:
             progress(case.name, i, n)
-        cc = CompareConfig(case.trace, strategies, "local-gloo", cfg.nproc, case.gpus_per_node or cfg.nproc,
-                           src.layer_ids, src.model.name, real=True, nproc=cfg.nproc, real_timeout_s=cfg.timeout_s,
-                           real_iters=cfg.iters)
-        rep = compare(cc, source=src, jobs=jobs, cluster=cluster)
+        rep = compare(rs, real=RealOptions(cfg.nproc, cfg.timeout_s, iters=cfg.iters), jobs=jobs, cluster=cluster)
         reports.append(rep)
         for name, _ in strategies:
             r = rep["real"]["strategies"][name]

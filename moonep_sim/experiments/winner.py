@@ -52,17 +52,34 @@ def winner_map(reports: Sequence[tuple[float, dict[str, Any]]], y_knob: str) -> 
         require(rep["over"] == x_knob and list(rep["values"]) == xs,
                 f"sweep at {y_knob}={y} must sweep {x_knob} over {xs} like the first")
         st = rep["strategies"]
+        verdicts = rep.get("verdicts") or [None] * len(xs)
         row = []
         for i in range(len(xs)):
-            row.append(cell({n: s["layer_time_us"][i] for n, s in st.items()},
-                            {n: int(s["dropped"][i]) for n, s in st.items()}))
+            # over several seeds: the mean time (rep["mean_layer_time_us"]), and a tie within their spread
+            times = rep.get("mean_layer_time_us") or {n: s["layer_time_us"] for n, s in st.items()}
+            c = cell({n: times[n][i] for n in st}, {n: int(s["dropped"][i]) for n, s in st.items()})
+            v = c["verdict"] = verdicts[i]  # winner, margin, tie, confidence, mechanism, why
+            if v and v.get("tie") and v["winner"] == c["winner"] and not c["tied"]:
+                c["tied"] = [v["winner"], *v.get("tied_with", [])]
+            row.append(c)
         rows.append(row)
     first = reports[0][1]
     return {"kind": "winner_map", "x": {"knob": x_knob, "values": [float(v) for v in xs]},
             "y": {"knob": y_knob, "values": [float(y) for y, _ in reports]},
             "strategies": list(first["strategies"]), "model": first.get("model", {}).get("name"),
             "topology": first.get("topology", {}).get("name"), "cluster": first.get("cluster"),
-            "cells": rows}
+            "cells": rows, "flags": _dedup_flags([f for _, r in reports for f in r.get("flags") or []])}
+
+
+def _dedup_flags(flags: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The flags of every sweep, each (code, strategy) once."""
+    seen, out = set(), []
+    for f in flags:
+        k = (f.get("code"), f.get("strategy"))
+        if k not in seen:
+            seen.add(k)
+            out.append(f)
+    return out
 
 
 __all__ = ["TIE", "cell", "winner_map"]

@@ -27,20 +27,20 @@ import numpy as np
 import torch
 
 from moonep_sim.errors import PlanError
-from moonep_sim.plan import Plan
+from moonep_sim.plan import ClusterShape, Plan
 from moonep_sim.plan.direct import MAX_RUNS, MIN_RUN_BYTES, last_hop_runs, runs_are_direct
 
 
 def scope_members(scope: str, rank: int, ranks: int, gpus_per_node: int) -> np.ndarray:
     """int64 [g]: EP ranks ``rank`` may talk to in ``scope``, ascending (its group's members)."""
-    G = gpus_per_node
+    cl = ClusterShape(ranks, gpus_per_node)
+    r = np.arange(ranks, dtype=np.int64)
     if scope == "global":
-        return np.arange(ranks, dtype=np.int64)
+        return r
     if scope == "intra_node":
-        n = rank // G
-        return np.arange(n * G, (n + 1) * G, dtype=np.int64)
+        return r[cl.same_node(r, rank)]
     if scope == "inter_node":
-        return np.arange(rank % G, ranks, G, dtype=np.int64)
+        return r[cl.same_rail(r, rank)]
     raise PlanError(f"hop scope ({scope!r}) must be one of global, intra_node, inter_node")
 
 

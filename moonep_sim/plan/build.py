@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from moonep_sim.plan import reference
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.kinds import Scope
 from moonep_sim.plan.order import entry_token, segment_ranges, small_key_dtype, stable_order, stable_order_counts
@@ -166,36 +167,6 @@ def _src_dst_order(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, top_k: int,
     return order[: N - int(np.count_nonzero(drop))], ecnt
 
 
-def _single_hop_any_order(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_off_R: np.ndarray,
-                          top_k: int, ranks: int, dedup: bool):
-    """:func:`single_hop_messages` for tokens not in rank order (receive rows in token order)."""
-    N = entry_rank_N.size
-    kept = np.flatnonzero(entry_rank_N >= 0)
-    dst = entry_rank_N[kept]
-    tok = kept // top_k
-    order = np.argsort(dst, kind="stable")  # (dst, entry) order
-    d_s, t_s = dst[order], tok[order]
-    first = np.ones(order.size, dtype=bool)
-    if dedup:
-        first[1:] = (d_s[1:] != d_s[:-1]) | (t_s[1:] != t_s[:-1])
-    msg_of_sorted = np.cumsum(first) - 1
-    msg_dst = d_s[first]
-    msg_tok = t_s[first]
-    n_msg = msg_dst.size
-    per_dst = np.bincount(msg_dst, minlength=ranks)
-    dst_start = np.cumsum(per_dst) - per_dst
-    msg_row = np.arange(n_msg, dtype=np.int64) - dst_start[msg_dst]
-    entry_buf_row = np.full(N, -1, dtype=np.int64)
-    entry_buf_row[kept[order]] = msg_row[msg_of_sorted]
-    entry_dup = np.zeros(N, dtype=bool)
-    entry_dup[kept[order]] = ~first
-    msg_src = src_rank_T[msg_tok]
-    o2 = np.argsort(msg_src, kind="stable")  # (src, dst, token): messages were in (dst, token) order
-    hop = Hop(Scope.GLOBAL, msg_src[o2], (msg_tok - tok_off_R[msg_src])[o2], msg_dst[o2], msg_row[o2],
-              per_dst.astype(np.int64))
-    return hop, entry_buf_row, entry_dup
-
-
 def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_off_R: np.ndarray,
                         top_k: int, ranks: int, dedup: bool):
     """One global hop sending each kept entry's token to its destination rank.
@@ -209,7 +180,8 @@ def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_of
     src_rank_T = np.asarray(src_rank_T, dtype=np.int64)
     N, R, K = entry_rank_N.size, int(ranks), max(int(top_k), 1)
     if src_rank_T.size and not bool((np.diff(src_rank_T) >= 0).all()):
-        return _single_hop_any_order(entry_rank_N, src_rank_T, np.asarray(tok_off_R, dtype=np.int64), K, R, dedup)
+        # tokens not in rank order (never so in a GlobalRouting): the reference is the builder
+        return reference.single_hop_messages(entry_rank_N, src_rank_T, tok_off_R, K, R, dedup)
     # kept entries in (src, dst, entry) order = the hop's message order; entries of one token are
     # adjacent within a (src, dst) block, so per-destination dedup compares neighbours
     order, ecnt = _src_dst_order(entry_rank_N, src_rank_T, K, R)
@@ -270,9 +242,7 @@ def block_messages(cnt: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray, np.
     """
     cnt_RR = cnt.reshape(R, R)  # [src, dst]
     per_dst = cnt_RR.sum(axis=0).astype(np.int64)
-    block_start = np.cumsum(cnt) - cnt  # first message of each (src, dst) block
-    dst_row0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()  # its first receive row
-    del block_start
+    dst_row0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()  # first receive row of each (src, dst) block
     blocks = np.arange(R * R, dtype=np.int64)
     row = segment_ranges(dst_row0, cnt)
     return np.repeat(blocks // R, cnt), np.repeat(blocks % R, cnt), row, per_dst

@@ -180,9 +180,20 @@ class Hop:
             object.__setattr__(self, "scope", Scope(self.scope))
 
     def rows_RR(self, ranks: int) -> np.ndarray:
-        """int64 [R, R]: rows sent from each source to each destination (diagonal: local copies)."""
-        return np.bincount(self.src_rank_M * ranks + self.dst_rank_M,
-                           minlength=ranks * ranks).reshape(ranks, ranks)
+        """int64 [R, R]: rows sent from each source to each destination (diagonal: local copies).
+
+        Counted chunk by chunk of messages: an all-gather's hop has R*T messages (33.5M at K3
+        EP64), whose one-shot ``src*R + dst`` key alone would be 256 MiB of fresh pages."""
+        R, m = int(ranks), self.src_rank_M.size
+        out = np.zeros(R * R, dtype=np.int64)
+        for lo in range(0, m, _ROWS_CHUNK):  # loop over chunks of messages, not messages
+            key = self.src_rank_M[lo:lo + _ROWS_CHUNK] * R
+            key += self.dst_rank_M[lo:lo + _ROWS_CHUNK]
+            out += np.bincount(key, minlength=R * R)
+        return out.reshape(R, R)
+
+
+_ROWS_CHUNK = 1 << 18  # messages per chunk of Hop.rows_RR (2 MiB of int64 keys)
 
 
 @dataclass(frozen=True)
@@ -367,6 +378,10 @@ class Plan:
         Dispatch rows cost ``dispatch_row_bytes`` (forward only); combine and every backward row
         cost ``combine_row_bytes``.
         """
+        return self._phases(direction, [h.rows_RR(self.ranks) for h in self.hops])
+
+    def _phases(self, direction: str, hop_rows: list[np.ndarray]) -> list[CommPhase]:
+        """:meth:`phases` from each hop's ``rows_RR`` (counted once for both directions)."""
         R, c = self.ranks, self.costs
         copies = self.is_copy_S()
         stage1 = copies & (self.copy_stage_S() == 1)
@@ -374,7 +389,6 @@ class Plan:
         copy_RR = self._weights_RR(self.slot_home_S[copies], self.slot_rank_S[copies])
         relay_RR = self._weights_RR(self.copy_src_S()[stage1], self.slot_rank_S[stage1]) if stage1.any() else None
         out: list[CommPhase] = []
-        hop_rows = [h.rows_RR(R) for h in self.hops]
         K, G = PhaseKind, Scope.GLOBAL
         if direction == Direction.FORWARD:
             d = Direction.FORWARD
@@ -416,8 +430,9 @@ class Plan:
         (forward and backward together).
         """
         out = dict(dispatch=0, combine=0, prefetch=0, migrate=0, grad_reduce=0, intra_node=0, inter_node=0)
+        hop_rows = [h.rows_RR(self.ranks) for h in self.hops]
         for direction in ("forward", "backward"):
-            for p in self.phases(direction):
+            for p in self._phases(direction, hop_rows):
                 intra, inter = p.split_bytes(self.cluster)
                 if direction == "forward" or p.kind == PhaseKind.GRAD_REDUCE:
                     out[p.kind.value] += intra + inter

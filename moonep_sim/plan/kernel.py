@@ -3,16 +3,38 @@
 A strategy attaches a :class:`KernelSpec` to its Plan to say how the real kernels it stands for
 move rows; the simulator times the Plan's bytes accordingly (``moonep_sim.sim.kernels``). Executors
 still never look at the strategy's name: the spec is plain data, like the Plan's byte matrices.
+
+**Kernel families** (:data:`FAMILIES`): each implementation of dispatch / combine -- DeepEP V1
+normal and low-latency, DeepEP V2's ElasticBuffer, NCCL EP, pplx, UCCL-EP, NIXL EP, mori -- as one
+:class:`KernelFamily` record of the terms the simulator prices (SM budget, relaying, one message
+per row, fixed costs per launch and of planning, a per-message cost of its own, SM copy rate, how
+the combine's receiver reduces), each with its source and status. ``deepep`` / ``deepep-ll`` take
+``impl=<family>`` and build the family's spec with :func:`family_spec`. Values a family does not
+set (``None``) are the topology's (``[kernel]``, ``[planning]``: DeepEP V1's fitted constants).
+Only DeepEP V1's constants are fitted on published rows (and V2's SM rate, on one V2 row); every
+other family's terms are *assumed* from its design, as its ``sources`` say: no published
+dispatch/combine figure of those families was used to set or check them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-from moonep_sim.errors import require
+from moonep_sim.errors import ConfigError, require
 
 #: ``KernelSpec.sms`` value meaning "every SM of the GPU" (the low-latency kernels).
 ALL_SMS = -1
+#: How a combine's receiver reduces the rows of one token: ``"fused"`` -- the receiving SMs sum
+#: rows as they arrive (only the last message's reduce is exposed); ``"after"`` -- once every row
+#: of the hop arrived, a pass reads them all and writes the sums (low-latency receive phases, and a
+#: collective followed by a reduce kernel).
+REDUCE_MODES = ("fused", "after")
+#: How a library's own test counts a kernel's bandwidth (``moonep_sim.sim.kernels.isolated_kernel_figures``):
+#: ``"deepep-v1"`` -- rows received per rank, own included (one node), or unique (token, node) pairs,
+#: local node included (several), x the row (FP8 rows ``H (1 + 4/128)``); ``"deepep-v2"`` -- bytes
+#: per rank to GPUs of its node (scale-up) and to other nodes (scale-out), reported apart;
+#: ``"selections"`` -- every kept (token, expert) selection x the row (the low-latency tests).
+COUNTS = ("deepep-v1", "deepep-v2", "selections")
 
 
 @dataclass(frozen=True)
@@ -32,6 +54,19 @@ class KernelSpec:
     planned: False = the kernels need no planning step before they run: no count exchange and no
         layout (the low-latency kernels write into fixed buffers and carry the counts themselves),
         so the simulator charges no planning work and no planning all-gather.
+    family: the :data:`FAMILIES` name the spec was built from ("" = none: the topology's terms).
+    dispatch_fixed_us, combine_fixed_us, plan_fixed_us: the family's own fixed costs per launch
+        and of planning (None = the topology's ``[kernel]`` / ``[planning]`` values).
+    extra_fixed_us: added to every launch's fixed cost (e.g. a CPU proxy's command and completion
+        round trips), whichever of the above applies (0 = none).
+    message_us: the family's own serial cost per message at the sender (a CPU proxy posting each
+        write), on top of the NIC's (0 = none).
+    relay_message_rows: rows per relayed message (None = the topology's).
+    sm_copy_factor: the family's per-SM copy rate over the topology's ``sm_copy_GBps`` (1 = the
+        same kernel design as DeepEP V1's, on which it was fitted).
+    reduce: how the combine's receiver reduces (:data:`REDUCE_MODES`; None = ``"after"`` for a
+        Plan without a family).
+    reduce_sms: SMs of that reduce (0 = the kernels' ``sms``; ``ALL_SMS`` = every SM).
     """
 
     sms: int = 0
@@ -39,9 +74,161 @@ class KernelSpec:
     row_messages: bool = False
     nic_only: bool = False
     planned: bool = True
+    family: str = ""
+    dispatch_fixed_us: float | None = None
+    combine_fixed_us: float | None = None
+    plan_fixed_us: float | None = None
+    extra_fixed_us: float = 0.0
+    message_us: float = 0.0
+    relay_message_rows: int | None = None
+    sm_copy_factor: float = 1.0
+    reduce: str | None = None
+    reduce_sms: int = 0
 
     def __post_init__(self) -> None:
         require(self.sms >= ALL_SMS, f"kernel sms ({self.sms}) must be >= -1 (-1 = all SMs, 0 = not declared)")
+        require(self.reduce is None or self.reduce in REDUCE_MODES,
+                f"kernel reduce ({self.reduce!r}) must be one of {', '.join(REDUCE_MODES)}")
+        require(self.sm_copy_factor > 0, f"kernel sm_copy_factor ({self.sm_copy_factor}) must be > 0")
+        for f in ("dispatch_fixed_us", "combine_fixed_us", "plan_fixed_us", "relay_message_rows"):
+            v = getattr(self, f)
+            require(v is None or v >= 0, f"kernel {f} ({v}) must be >= 0 or None (the topology's)")
+        require(self.message_us >= 0 and self.extra_fixed_us >= 0,
+                f"kernel message_us ({self.message_us}) and extra_fixed_us ({self.extra_fixed_us}) must be >= 0")
 
 
-__all__ = ["ALL_SMS", "KernelSpec"]
+@dataclass(frozen=True)
+class KernelFamily:
+    """One dispatch/combine implementation as the simulator prices it (see the module docstring).
+
+    name: the ``impl=`` value.  library: the project it comes from.  mode: ``"normal"`` (node-
+        deduplicated two-hop, relayed: ``deepep``) or ``"ll"`` (one message per selection straight
+        to its rank: ``deepep-ll``).  vendor: ``"nvidia"`` or ``"amd"``.  transports: the
+        inter-node transports it runs over (``ib``, ``roce``, ``efa``; ``-`` = one node only).
+    sms: default SM budget (``ALL_SMS`` = every SM).  dedup_per_rank: ll mode only: one message
+        per (token, destination rank) instead of per selection.
+    counts: how the library's own test counts its bandwidth (:data:`COUNTS`), which ``simulate
+        --isolate`` prints first.
+    The pricing terms are :class:`KernelSpec`'s (``None`` = the topology's).
+    sources: term -> where its value comes from, opening with its status (sourced / FITTED on
+        <row> / assumed, set from ...).
+    """
+
+    name: str
+    library: str
+    mode: str
+    vendor: str
+    transports: tuple[str, ...]
+    sms: int
+    dispatch_fixed_us: float | None = None
+    combine_fixed_us: float | None = None
+    plan_fixed_us: float | None = None
+    extra_fixed_us: float = 0.0
+    message_us: float = 0.0
+    relay_message_rows: int | None = None
+    sm_copy_factor: float = 1.0
+    reduce: str = "fused"
+    reduce_sms: int = 0
+    dedup_per_rank: bool = False
+    counts: str = "deepep-v1"
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        require(self.mode in ("normal", "ll"), f"kernel family {self.name} mode ({self.mode!r}) must be normal or ll")
+        require(self.counts in COUNTS, f"kernel family {self.name} counts ({self.counts!r}) must be one of "
+                f"{', '.join(COUNTS)}")
+
+
+_V1 = "deepseek-ai/DeepEP V1 ('legacy') kernels"
+#: The kernel families, by ``impl=`` name. Fixed costs ``None`` = the topology's ``[kernel]``
+#: values, which are FITTED on DeepEP V1's low-latency EP8 rows (H800): the V1 families use them as
+#: they are; a family that says nothing else about its launch cost is *assumed* to pay the same.
+FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
+    KernelFamily("deepep-v1", "DeepEP", "normal", "nvidia", ("ib", "roce"), sms=24, reduce="fused", sources={
+        "design": f"sourced: {_V1}: node-deduplicated RDMA then NVLink forwarding by relay SMs in one kernel; "
+                  "the combine's receiving SMs sum the rows as they arrive",
+        "sms": "sourced: DeepEP's normal kernels use 20-24 SMs (ANCHORS; Buffer.num_sms = 24)",
+        "fixed_us": "FITTED on DeepEP's low-latency EP8 rows (the topology's [kernel]); assumed the same launch "
+                    "and notify cost for the normal kernels",
+        "sm_copy_factor": "1: sm_copy_GBps is FITTED on DeepEP V1's B200 EP8 16-SM dispatch (ANCHORS)"}),
+    KernelFamily("deepep-v1-ll", "DeepEP", "ll", "nvidia", ("ib", "roce"), sms=ALL_SMS,
+                 reduce="after", counts="selections", sources={
+        "design": f"sourced: {_V1} low-latency: one RDMA write per (token, expert) selection into fixed "
+                  "buffers, NVLink for same-node peers; the combine's receive phase waits for its rows, then "
+                  "reduces the K of each token",
+        "fixed_us": "FITTED on DeepEP's low-latency EP8 dispatch / combine rows (the topology's [kernel])"}),
+    KernelFamily("deepep-v2", "DeepEP", "normal", "nvidia", ("ib", "roce", "efa"), sms=6, sm_copy_factor=1.77,
+                 reduce="fused", counts="deepep-v2", sources={
+        "design": "assumed, set from DeepEP V2's README: ElasticBuffer kernels on few SMs; the same node-"
+                  "deduplicated scale-out (RDMA / NCCL GIN) then scale-up (NVLink) movement as V1, modelled on "
+                  "the relayed two-hop plan",
+        "sms": "sourced: 'DeepEP V2 needs 4-6 SMs for V3-style training' (ANCHORS)",
+        "sm_copy_factor": "FITTED on DeepEP V2's README row EP8 B200 24 SMs dispatch (643 GB/s): V2's per-SM "
+                          "copy rate over V1's (benchmarks/fidelity_gpu.py --fit); its other V2 rows are predictions",
+        "fixed_us": "assumed: V1's (the topology's [kernel])"}),
+    KernelFamily("nccl-ep", "NCCL EP", "normal", "nvidia", ("ib", "roce", "efa"), sms=16, reduce="fused", sources={
+        "design": "assumed, set from NCCL's device-initiated (GIN) EP API: high-throughput mode moves rows as "
+                  "DeepEP's normal kernels do (node-deduplicated, relayed)",
+        "sms": "assumed: 16 SMs, set from the HybridEP comparison's 16-SM budget (ANCHORS)",
+        "fixed_us": "assumed: V1's (the topology's [kernel])"}),
+    KernelFamily("nccl-ep-ll", "NCCL EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
+                 reduce="after", counts="selections", sources={
+        "design": "assumed, set from NCCL EP's low-latency mode (DESIGN: 'DeepEP LL, NCCL EP LL: one message "
+                  "per selection, fixed buffers, no relay')",
+        "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
+    KernelFamily("pplx", "pplx-kernels", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS, reduce="after",
+                 dedup_per_rank=True, counts="selections", sources={
+        "design": "assumed, set from pplx-kernels' all-to-all design: each token goes once to every rank "
+                  "holding one of its experts (per-rank deduplication, no node relay) over NVSHMEM; the "
+                  "receiver reduces after the rows arrived",
+        "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
+    KernelFamily("uccl-ep", "UCCL-EP", "normal", "nvidia", ("ib", "roce", "efa"), sms=24, message_us=0.05,
+                 extra_fixed_us=5.0, reduce="fused", sources={
+        "design": "assumed, set from UCCL-EP's design: DeepEP's kernels with GPU-issued commands that CPU proxy "
+                  "threads post to the NIC (no GPU-initiated RDMA needed: EFA, RoCE)",
+        "message_us": "assumed: 0.05 us per message at the sender, set from 4 proxy threads per GPU each posting "
+                      "~5 M writes/s (CPU verbs post path); no UCCL-EP figure used",
+        "fixed_us": "assumed: V1's (the topology's [kernel]) + 5 us per launch, set from two proxy round trips "
+                    "(GPU command ring -> CPU thread -> completion back) of ~2.5 us each over PCIe with polling"}),
+    KernelFamily("uccl-ep-ll", "UCCL-EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS, message_us=0.05,
+                 extra_fixed_us=5.0,
+                 reduce="after", counts="selections", sources={
+        "design": "assumed, set from UCCL-EP's design: DeepEP's low-latency kernels through CPU proxies",
+        "message_us": "assumed, as uccl-ep", "fixed_us": "assumed: DeepEP V1 low-latency's + 5 us, as uccl-ep"}),
+    KernelFamily("nixl-ep", "NIXL EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
+                 reduce="after", counts="selections", sources={
+        "design": "assumed, set from NIXL EP's design: DeepEP-style low-latency kernels over NIXL's device API "
+                  "(UCX / libfabric backends), one message per selection",
+        "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
+    KernelFamily("mori", "mori (ROCm)", "normal", "amd", ("ib", "roce"), sms=32, reduce="fused", sources={
+        "design": "assumed, set from ROCm mori-EP's design: GPU-initiated (shmem-style) dispatch / combine, "
+                  "node-deduplicated over RDMA then over Infinity Fabric, relayed",
+        "sms": "assumed: 32 CUs, set from MoonEP's benchmark budget (ANCHORS); a CU stands for an SM",
+        "fixed_us": "assumed: DeepEP V1's (the topology's [kernel])"}),
+    KernelFamily("mori-ll", "mori (ROCm)", "ll", "amd", ("ib", "roce"), sms=ALL_SMS,
+                 reduce="after", counts="selections", sources={
+        "design": "assumed, set from mori-EP's low-latency mode: one message per selection",
+        "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
+)}
+
+
+def family(name: str, mode: str | None = None) -> KernelFamily:
+    """The :data:`FAMILIES` record ``name``; with ``mode``, it must be of that mode."""
+    names = [n for n, f in FAMILIES.items() if mode is None or f.mode == mode]
+    if name not in names:
+        raise ConfigError(f"impl ({name!r}) must be one of {', '.join(names)}"
+                          + (f" (the {mode} kernel families)" if mode else ""))
+    return FAMILIES[name]
+
+
+def family_spec(fam: KernelFamily, **kw) -> KernelSpec:
+    """A :class:`KernelSpec` carrying ``fam``'s pricing terms; ``kw`` sets the structural fields
+    (``sms``, ``relay``, ``row_messages``, ``nic_only``, ``planned``)."""
+    spec = KernelSpec(family=fam.name, dispatch_fixed_us=fam.dispatch_fixed_us, combine_fixed_us=fam.combine_fixed_us,
+                      plan_fixed_us=fam.plan_fixed_us, extra_fixed_us=fam.extra_fixed_us, message_us=fam.message_us,
+                      relay_message_rows=fam.relay_message_rows, sm_copy_factor=fam.sm_copy_factor, reduce=fam.reduce,
+                      reduce_sms=fam.reduce_sms)
+    return replace(spec, **kw)
+
+
+__all__ = ["ALL_SMS", "COUNTS", "FAMILIES", "KernelFamily", "KernelSpec", "REDUCE_MODES", "family", "family_spec"]

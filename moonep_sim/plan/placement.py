@@ -32,14 +32,42 @@ class ClusterShape:
     def num_nodes(self) -> int:
         return self.ranks // self.gpus_per_node
 
+    # -- geometry: the one place that says which node and which rail a rank is on ---------------
+    # Rank r sits on node ``r // G`` at local index ``r % G``; its NIC is on rail ``r % G`` (a
+    # rail-optimised fabric: NIC i of every node on leaf i). Strategies, executors and the
+    # simulator ask these methods instead of writing the rule again. Each takes a rank or an
+    # integer array of ranks and returns the same shape.
+
+    def node_of(self, rank):
+        """Node of ``rank`` (int or integer array)."""
+        return rank // self.gpus_per_node
+
+    def local_index(self, rank):
+        """Index of ``rank`` within its node, in [0, G) (int or integer array)."""
+        return rank % self.gpus_per_node
+
+    rail_of = local_index  # the rail (leaf switch) of a rank's NIC is its local index
+
+    def rank_at(self, node, local):
+        """The rank at ``local`` index on ``node`` (ints or broadcastable integer arrays)."""
+        return node * self.gpus_per_node + local
+
+    def same_node(self, a, b):
+        """True where ranks ``a`` and ``b`` share a node (broadcast over arrays)."""
+        return self.node_of(a) == self.node_of(b)
+
+    def same_rail(self, a, b):
+        """True where ranks ``a`` and ``b`` have the same local index (their NICs share a rail)."""
+        return self.local_index(a) == self.local_index(b)
+
     def node_of_rank(self) -> np.ndarray:
         """int64 [R]: node of each rank."""
-        return np.arange(self.ranks, dtype=np.int64) // self.gpus_per_node
+        return self.node_of(np.arange(self.ranks, dtype=np.int64))
 
     def intra_node_RR(self) -> np.ndarray:
         """bool [R, R]: True where source and destination share a node (diagonal included)."""
-        n = self.node_of_rank()
-        return n[:, None] == n[None, :]
+        r = np.arange(self.ranks, dtype=np.int64)
+        return self.same_node(r[:, None], r[None, :])
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from moonep_sim.report.plots import grouped_phases
 
@@ -47,7 +47,7 @@ def compare_table(report: dict[str, Any]) -> list:
     for n, s in strat.items():
         sim = s["sim"]
         crit = sim["critical_us_mean"]
-        row = [n, _time(sim["layer_time_us_mean"])] + [_time(crit.get(g, 0.0)) for g in parts]
+        row = [_flag_mark(report, n), _time(sim["layer_time_us_mean"])] + [_time(crit.get(g, 0.0)) for g in parts]
         row += [_time(groups[n].get(g, 0.0)) for g in span_cols]
         row += [f"{sim['ratio_to_lower_bound']:.2f}", sim["straggler"]]
         t.add_row(*row, style="green" if sim["layer_time_us_mean"] == best else None)
@@ -57,7 +57,7 @@ def compare_table(report: dict[str, Any]) -> list:
         t2.add_column(col, justify="left" if col == "strategy" else "right", style="bold" if col == "strategy" else None)
     for n, s in strat.items():
         b = s["plan_bytes"]
-        t2.add_row(n, f"{s['rows_max']:,.0f}/{s['rows_mean']:,.0f} ({s['rows_max_over_mean']:.2f})",
+        t2.add_row(_flag_mark(report, n), f"{s['rows_max']:,.0f}/{s['rows_mean']:,.0f} ({s['rows_max_over_mean']:.2f})",
                    _mib(b.get("intra_node", 0)), _mib(b.get("inter_node", 0)), _mib(s["weight_bytes"]),
                    f"{s['dropped']:,}", f"{s['padded']:,}")
     out = [t, t2]
@@ -92,6 +92,9 @@ def compare_footer(report: dict[str, Any]) -> list[str]:
                          f"iterations, Holm-corrected at {rk['alpha']:g}; '~' a measured tie); simulated order: "
                          f"{' < '.join(rk['simulated_order'])}; the simulator agrees with {rk['resolved_agree']} "
                          f"of {rk['resolved_pairs']} resolved pairs")
+    lines += flag_lines(report)
+    if report.get("flags"):
+        lines.append("*: a flag above concerns this strategy")
     lines.append("plan .. combine: the layer time split along the rank whose expert compute ends last (they sum to "
                  "it); prefetch/migrate span: first start to last end of the weight copies")
     lines.append("NVLink / NIC MiB: bytes crossing intra-node / inter-node links, forward + backward, summed over "
@@ -112,39 +115,42 @@ def resolved_line(report: dict[str, Any]) -> str | None:
             f"(the other pairs are measured ties)")
 
 
-def weight_tradeoff_lines(report: dict[str, Any]) -> list[str]:
-    """For each strategy that moves expert weights: what it bought (rows taken off the busiest rank)
-    and what it paid (weight bytes), against the flat all-to-all (or the strategy moving the fewest
-    weight bytes), from the Plans' own figures in the report, per layer."""
-    s = report["strategies"]
-    movers = [n for n, v in s.items() if v.get("weight_bytes", 0) > 0]
-    others = [n for n in s if n not in movers]
-    if not movers or not others:
+def verdict_line(v: Mapping[str, Any] | None) -> str:
+    """The verdict as one line (tables, the demo)."""
+    if not v:
+        return "verdict: -"
+    if v["runner_up"] is None:
+        return f"verdict: {v['why']}"
+    head = (f"verdict: {' = '.join([v['winner'], *v.get('tied_with', [])])} tie" if v["tie"] else
+            f"verdict: {v['winner']} wins by {100 * v['margin']:.1f}% over {v['runner_up']}")
+    mech = f", mechanism: {v['mechanism']}" if v.get("mechanism") else ""
+    fl = "".join(f" ({n} flagged: {', '.join(c)})" for n, c in (v.get("flags") or {}).items())
+    return f"{head} (confidence: {v['confidence']['level']}{mech}): {v['why']}{fl}"
+
+
+def verdict_lines(report: dict[str, Any]) -> list[str]:
+    """The computed verdict (winner, margin, confidence, mechanism, why), then one line per other
+    strategy against the winner, and the confidence basis; built from the report's ``verdict``."""
+    v = report.get("verdict")
+    if not v:
         return []
-    base = "alltoall" if "alltoall" in others else others[0]
-    b = s[base]
-    L = max(len(report["routing"].get("layers") or []), 1)
-    m = report.get("model", {})
-    w_mib = m.get("expert_weight_bytes", 0) / 2**20
-    out = []
-    for n in movers:
-        v = s[n]
-        tok = (b["plan_bytes"].get("dispatch", 0) + b["plan_bytes"].get("combine", 0)) / L / 2**20
-        wb = v["weight_bytes"] / L / 2**20
-        rows_saved = b["rows_max"] - v["rows_max"]
-        t_n, t_b = v["sim"]["layer_time_us_mean"], b["sim"]["layer_time_us_mean"]
-        out.append(
-            f"why {n} is {'slower' if t_n > t_b else 'faster'} than {base} here ({t_n / 1e3:.3g} vs {t_b / 1e3:.3g} ms "
-            f"per layer simulated): it balances rows -- busiest rank {b['rows_max']:.0f} -> {v['rows_max']:.0f} rows "
-            f"(max/mean {b['rows_max_over_mean']:.2f} -> {v['rows_max_over_mean']:.2f}), {rows_saved:.0f} rows off the "
-            f"busiest rank per layer -- by copying {v['weight_copies'] / L:.1f} experts per layer"
-            + (f" of {w_mib:,.0f} MiB each" if w_mib else "")
-            + f": {wb:,.0f} MiB of expert weights moved per layer (forward), against {tok:,.1f} MiB of token rows "
-              f"{base} moves (dispatch + combine). "
-            + ("Moving whole experts costs more than the imbalance it removes: few, large experts (as "
-               f"{m.get('name', 'this model')}'s) favour moving rows; many small ones (Kimi K3: 896 of 63 MiB) favour "
-               "copies." if t_n > t_b else "Here the copies pay for themselves."))
+    out = [verdict_line(v)]
+    for o in v.get("others", [])[1:]:
+        head = f"tie with {v['winner']}" if o["tie"] else f"{100 * o['margin']:+.1f}% vs {v['winner']}"
+        mech = f", {o['mechanism']}" if o.get("mechanism") else ""
+        out.append(f"  {o['strategy']}: {head}{mech}: {o['why']}")
+    out.append(f"  confidence basis: {v['confidence']['basis']}")
     return out
+
+
+def flag_lines(report: dict[str, Any]) -> list[str]:
+    """One line per flag (assumptions the figures rest on), for under the table."""
+    return [f"flag {f['code']}: {f['text']}" for f in report.get("flags") or []]
+
+
+def _flag_mark(report: dict[str, Any], name: str) -> str:
+    """``name`` with a ``*`` when a flag concerns it (the flags are listed under the table)."""
+    return name + ("*" if any(f.get("strategy") == name for f in report.get("flags") or []) else "")
 
 
 def _topo_line(c: dict[str, Any]) -> str:
@@ -167,14 +173,30 @@ def sweep_table(report: dict[str, Any]):
     t.add_column(report["over"], justify="right")
     names = list(report["strategies"])
     for n in names:
-        t.add_column(n, justify="right")
+        t.add_column(_flag_mark(report, n), justify="right")
+    verdicts = report.get("verdicts") or []
+    if verdicts:
+        t.add_column("verdict (mechanism)")
     for i, v in enumerate(report["values"]):
         row = [f"{v:g}" if isinstance(v, float) else str(v)]
         for n in names:
             s = report["strategies"][n]
             row.append(f"{_time(s['layer_time_us'][i])} ({s['ratio_to_lower_bound'][i]:.2f}x)")
+        if verdicts:
+            row.append(_verdict_cell(verdicts[i] if i < len(verdicts) else None))
         t.add_row(*row)
     return t
+
+
+def _verdict_cell(v: dict[str, Any] | None) -> str:
+    """``winner +m% (mechanism)``, ``a = b tie``, or ``-``."""
+    if not v:
+        return "-"
+    if v.get("runner_up") is None:
+        return v["winner"]
+    if v["tie"]:
+        return " = ".join([v["winner"], *v.get("tied_with", [])]) + " tie"
+    return f"{v['winner']} +{100 * v['margin']:.1f}% ({v.get('mechanism') or '-'})"
 
 
 def fidelity_table(report: dict[str, Any]):

@@ -34,8 +34,10 @@ def winner_table_md(m: dict[str, Any]) -> str:
         cells = []
         for c in row:
             ru = f" vs {c['runner_up']}" if c["runner_up"] else ""
-            who = " = ".join(c["tied"]) if c.get("tied") else c["winner"]
-            cells.append(f"**{who}** {c['time_us'] / 1e3:.2f} ms (+{100 * c['margin']:.1f}%{ru})")
+            who = " = ".join(_tied(c)) + " (tie)" if _is_tie(c) else c["winner"]
+            conf = ((c.get("verdict") or {}).get("confidence") or {})
+            how = f"; {conf['level']} over {conf['units']} {conf['unit']}s" if conf.get("units", 0) > 1 else ""
+            cells.append(f"**{who}** {c['time_us'] / 1e3:.2f} ms (+{100 * c['margin']:.1f}%{ru}{how})")
         lines.append(f"| {_fmt(y)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -55,15 +57,24 @@ def winner_heatmap(m: dict[str, Any], dest: str | os.PathLike, title: str | None
     from matplotlib.colors import to_rgb
 
     img = np.ones((len(ys), len(xs), 3))
+    ties = []
     for i, row in enumerate(m["cells"]):
         for j, c in enumerate(row):
+            if _is_tie(c):  # a tie is no one's colour: light grey, hatched
+                img[i, j] = to_rgb(TIE_COLOR)
+                ties.append((i, j))
+                continue
             a = 0.35 + 0.65 * min(c["margin"] / 0.25, 1.0)  # stronger colour = larger margin
             img[i, j] = 1 - a * (1 - np.array(to_rgb(colors[c["winner"]])))
     fig, ax = plt.subplots(figsize=(1.9 * len(xs) + 2.5, 0.9 * len(ys) + 1.8))
     ax.imshow(img, aspect="auto", origin="lower")
+    from matplotlib.patches import Rectangle
+
+    for i, j in ties:
+        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//", edgecolor="#999999", lw=0))
     for i, row in enumerate(m["cells"]):
         for j, c in enumerate(row):
-            who = " =\n".join(c["tied"]) if c.get("tied") else c["winner"]
+            who = " = ".join(_tied(c)) + "\n(tie)" if _is_tie(c) else c["winner"]
             ru = f" vs {c['runner_up']}" if c.get("runner_up") else ""
             ax.text(j, i, f"{who}\n+{100 * c['margin']:.1f}%{ru}\n{c['time_us'] / 1e3:.2f} ms",
                     ha="center", va="center", fontsize=8)
@@ -73,9 +84,33 @@ def winner_heatmap(m: dict[str, Any], dest: str | os.PathLike, title: str | None
     ax.set_ylabel(m["y"]["knob"])
     ax.set_title(title or f"fastest strategy per cell ({m.get('model')}, {m.get('topology')}); "
                           "margin vs the runner-up", fontsize=9)
-    ax.legend(handles=[Patch(color=colors[n], label=n) for n in winners], loc="upper left",
-              bbox_to_anchor=(1.01, 1.0), fontsize=8, title="winner")
+    handles = [Patch(color=colors[n], label=n) for n in winners]
+    if ties:
+        handles.append(Patch(facecolor=TIE_COLOR, hatch="//", edgecolor="#999999", label="tie"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="winner")
+    notes = []
+    conf = {(c.get("verdict") or {}).get("confidence", {}).get("level") for row in m["cells"] for c in row}
+    if "single sample" in conf:
+        notes.append("one seed per cell: margins are not tested against a spread over seeds")
+    fl = sorted({f"{f['strategy']}: {f['code']}" for f in m.get("flags") or [] if f.get("strategy")})
+    if fl:
+        notes.append("flagged: " + "; ".join(fl))
+    if notes:
+        fig.text(0.01, -0.02, "\n".join(notes), fontsize=7, color="#8a5a00", ha="left", va="top")
     return _save(fig, dest)
+
+
+TIE_COLOR = "#e6e6e6"
+
+
+def _tied(c: dict[str, Any]) -> list[str]:
+    """The strategies sharing a cell: the cell's own tie list, else the verdict's."""
+    v = c.get("verdict") or {}
+    return c.get("tied") or [c["winner"], *v.get("tied_with", [])]
+
+
+def _is_tie(c: dict[str, Any]) -> bool:
+    return bool(c.get("tied")) or bool((c.get("verdict") or {}).get("tie"))
 
 
 __all__ = ["STRATEGY_COLORS", "winner_heatmap", "winner_table_md"]

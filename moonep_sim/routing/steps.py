@@ -9,6 +9,11 @@ reading it never copies more than the selected tokens.
 
 Selection grammar (``--steps``): ``all``, ``N``, ``A-B`` (inclusive), ``A-`` (A to the last step),
 and comma-separated lists of those (``0,2,5-7``). Step numbers are the trace's (0-based).
+
+How the selected steps are costed (:class:`StepMode`, :func:`parse_step_mode`): by default each
+selected step is its own batch (what a dispatch saw), and results aggregate over steps;
+``merged`` (or ``merged:SEL``) concatenates the selected steps into one batch that never ran as
+such -- an explicit choice, reported with a warning.
 """
 
 from __future__ import annotations
@@ -68,6 +73,50 @@ def parse_steps(text: "str | StepSelection | None") -> StepSelection | None:
     return StepSelection(tuple(ranges), text.strip())
 
 
+@dataclass(frozen=True)
+class StepMode:
+    """Which steps, and whether each is its own batch (``merged`` False, the default) or all of
+    them one concatenated batch (``merged`` True). selection: None = every step.  text: as given."""
+
+    selection: StepSelection | None = None
+    merged: bool = False
+    text: str = "each"
+
+
+def parse_step_mode(text: "str | StepMode | StepSelection | None") -> StepMode:
+    """``--steps`` text -> a :class:`StepMode`: None / ``all`` / ``each`` (every step, each its own
+    batch), ``SEL`` (those steps, each its own batch), ``merged`` (every token as one batch),
+    ``merged:SEL`` (those steps' tokens as one batch)."""
+    if isinstance(text, StepMode):
+        return text
+    if isinstance(text, StepSelection):
+        return StepMode(text, False, text.text)
+    if text is None:
+        return StepMode()
+    t = str(text).strip()
+    head, sep, rest = t.partition(":")
+    if head.strip().lower() == "merged":
+        if sep and not rest.strip():
+            raise ConfigError(f"--steps ({text!r}) must give steps after merged:, e.g. merged:0-9 (or merged alone)")
+        return StepMode(parse_steps(rest) if sep else None, True, t)
+    if t.lower() in ("", "all", "each"):
+        return StepMode(None, False, t or "each")
+    return StepMode(parse_steps(t), False, t)
+
+
+def step_batches(step_T: "np.ndarray | None", num_tokens: int,
+                 mode: "str | StepMode | None") -> list[tuple[int | None, list[tuple[int, int]]]]:
+    """The batches a command costs: ``[(step id, token ranges)]``, one per selected step (step id
+    None for a ``merged`` batch, which holds the ranges of every selected step). A trace without
+    steps is one batch, step 0."""
+    m = parse_step_mode(mode)
+    if m.merged:
+        return [(None, token_ranges(step_T, num_tokens, m.selection))]
+    b = step_bounds(step_T, num_tokens)
+    chosen = m.selection.steps(len(b) - 1) if m.selection is not None else np.arange(len(b) - 1)
+    return [(int(s), [(int(b[s]), int(b[s + 1]))]) for s in chosen.tolist()]   # one iteration per step
+
+
 def step_bounds(step_T: np.ndarray | None, num_tokens: int) -> np.ndarray:
     """Token offsets of each step, int64 [S+1]: step s holds tokens ``[b[s], b[s+1])``."""
     if step_T is None or num_tokens == 0:
@@ -112,14 +161,16 @@ def select_layer(layer: LayerRouting, step_T: np.ndarray | None, steps: "str | S
     return LayerRouting(layer.topk_ids_TK[idx], layer.topk_weights_TK[idx], layer.num_experts, layer.layer)
 
 
-def read_layer(trace: "Trace | str", index: int, steps: "str | StepSelection | None" = None) -> LayerRouting:
+def read_layer(trace: "Trace | str", index: int, steps: "str | StepSelection | None" = None,
+               ranges: "list[tuple[int, int]] | None" = None) -> LayerRouting:
     """Routing of the ``index``-th stored layer of ``trace``, only the tokens of the selected steps
-    (reads those token ranges only). ``steps``: ``--steps`` text, a StepSelection, or None (all)."""
+    (reads those token ranges only). ``steps``: ``--steps`` text, a StepSelection, or None (all);
+    ``ranges``: token ranges to read instead (one batch of :func:`step_batches`)."""
     tr = trace if isinstance(trace, Trace) else Trace(trace)
     T = tr.meta.num_tokens or 0
-    if parse_steps(steps) is None:
+    if ranges is None and parse_steps(steps) is None:
         return tr.layer(index)
-    parts = [tr.layer(index, a, b) for a, b in token_ranges(tr.steps(), T, steps)]
+    parts = [tr.layer(index, a, b) for a, b in (ranges if ranges is not None else token_ranges(tr.steps(), T, steps))]
     if len(parts) == 1:
         return parts[0]
     return LayerRouting(np.concatenate([p.topk_ids_TK for p in parts]),

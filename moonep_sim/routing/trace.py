@@ -12,6 +12,10 @@ name                dtype      shape         meaning
 ``topk_weights``    float32    [L, T, K]     token-level: routing weights (gate values)
 ``router_logits``   float32    [L, T, E]     optional: raw router logits (for router replay)
 ``step``            int32      [T]           optional: step (batch) index per token, non-decreasing
+``token_mask``      uint8      [L, T]        optional: 1 where the token was routed at that layer
+                                             (a token a log recorded at only some layers); rows
+                                             with 0 hold filler ids 0..K-1 and weight 0 and are
+                                             never returned by :meth:`Trace.layer`
 ``counts``          int64      [L, E]        count-level traces only: selections per expert
 ==================  =========  ============  ===================================================
 
@@ -263,13 +267,15 @@ def _parse_header(raw: bytes, data_len: int, where: str) -> dict:
     return header
 
 
-_NP_DTYPES = {"I16": np.int16, "I32": np.int32, "I64": np.int64, "F32": np.float32, "F16": np.float16}
+_NP_DTYPES = {"I16": np.int16, "I32": np.int32, "I64": np.int64, "F32": np.float32, "F16": np.float16,
+              "U8": np.uint8, "BOOL": np.bool_}
 
 _EXPECTED = {  # name -> (allowed dtypes, shape template); no BF16: numpy cannot read it
     "topk_ids": (("I16", "I32", "I64"), ("L", "T", "K")),
     "topk_weights": (("F32", "F16"), ("L", "T", "K")),
     "router_logits": (("F32", "F16"), ("L", "T", "E")),
     "step": (("I32", "I64"), ("T",)),
+    "token_mask": (("U8", "BOOL"), ("L", "T")),
     "counts": (("I32", "I64"), ("L", "E")),
 }
 
@@ -365,9 +371,9 @@ class Trace:
     def _slice(self, name: str, i: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         stop = self.meta.num_tokens if stop is None else stop
         dtype, shape = self._shapes[name]
-        if name != "counts" and (min(stop, shape[1]) <= start or shape[2] == 0):
+        if name != "counts" and (min(stop, shape[1]) <= start or (len(shape) > 2 and shape[2] == 0)):
             # safetensors refuses empty slices: build the empty result here
-            return np.zeros((max(0, min(stop, shape[1]) - start), shape[2]), dtype=_NP_DTYPES[dtype])
+            return np.zeros((max(0, min(stop, shape[1]) - start),) + tuple(shape[2:]), dtype=_NP_DTYPES[dtype])
         try:
             sl = self._open().get_slice(name)
             return sl[i:i + 1, start:stop][0] if name != "counts" else sl[i:i + 1][0]
@@ -384,8 +390,18 @@ class Trace:
             raise TraceFormatError(f"{self.path}: layer index ({index}) must be in [0, {m.num_layers})")
         ids = self._slice("topk_ids", index, start, stop).astype(np.int64)
         w = self._slice("topk_weights", index, start, stop).astype(np.float32)
+        keep = self.token_mask(index, start, stop)
+        if keep is not None:   # only the tokens this layer routed
+            ids, w = ids[keep], w[keep]
         check_routing(ids, w, m.num_experts, f"{self.path}: layer {m.layer_ids[index]}")
         return LayerRouting(ids, w, m.num_experts, m.layer_ids[index])
+
+    def token_mask(self, index: int, start: int = 0, stop: int | None = None) -> np.ndarray | None:
+        """bool [stop - start]: the tokens the ``index``-th layer routed, or None when the trace has
+        no ``token_mask`` (every token at every layer)."""
+        if not self.has("token_mask"):
+            return None
+        return self._slice("token_mask", index, start, stop).astype(bool)
 
     def counts(self, index: int) -> np.ndarray:
         """Selections per expert of the ``index``-th layer, int64 [E] (any trace kind)."""
@@ -400,7 +416,9 @@ class Trace:
     def router_logits(self, index: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         if not self.has("router_logits"):
             raise TraceFormatError(f"{self.path}: tensor router_logits: expected for router replay, missing")
-        return self._slice("router_logits", index, start, stop).astype(np.float32)
+        lg = self._slice("router_logits", index, start, stop).astype(np.float32)
+        keep = self.token_mask(index, start, stop)
+        return lg if keep is None else lg[keep]
 
     def steps(self) -> np.ndarray | None:
         """Step index per token, int64 [T], or None when the trace has none (one step)."""

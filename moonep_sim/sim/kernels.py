@@ -24,6 +24,7 @@ planning terms), each with its source and status in the preset's ``[sources]``.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from moonep_sim.plan.kernel import ALL_SMS, KernelSpec
 from moonep_sim.sim.topology import Topology
@@ -37,17 +38,57 @@ def kernel_sms(topo: Topology, spec: KernelSpec | None) -> int:
 
 
 def sm_cap_bytes_per_us(topo: Topology, spec: KernelSpec | None) -> float:
-    """Per-rank send (and, separately, receive) cap of the Plan's kernels; ``inf`` = none."""
-    return topo.sm_bytes_per_us(kernel_sms(topo, spec))
+    """Per-rank send (and, separately, receive) cap of the Plan's kernels; ``inf`` = none:
+    ``sms x sm_copy_GBps x`` the family's ``sm_copy_factor``."""
+    return topo.sm_bytes_per_us(kernel_sms(topo, spec)) * (spec.sm_copy_factor if spec is not None else 1.0)
 
 
-def kernel_fixed_us(topo: Topology, kind: str) -> float:
-    """Fixed cost of one ``"dispatch"`` or ``"combine"`` kernel launch on one rank."""
-    if kind == "dispatch":
-        return topo.kernel_dispatch_fixed_us
-    if kind == "combine":
-        return topo.kernel_combine_fixed_us
-    raise ValueError(f"kind ({kind!r}) must be 'dispatch' or 'combine'")
+def kernel_fixed_us(topo: Topology, kind: str, spec: KernelSpec | None = None) -> float:
+    """Fixed cost of one ``"dispatch"`` or ``"combine"`` kernel launch on one rank: the kernel
+    family's own (``spec``) where it sets one, else the topology's ``[kernel]`` value; plus the
+    family's ``extra_fixed_us``."""
+    if kind not in ("dispatch", "combine"):
+        raise ValueError(f"kind ({kind!r}) must be 'dispatch' or 'combine'")
+    own = None if spec is None else (spec.dispatch_fixed_us if kind == "dispatch" else spec.combine_fixed_us)
+    extra = spec.extra_fixed_us if spec is not None else 0.0
+    if own is not None:
+        return float(own) + extra
+    return (topo.kernel_dispatch_fixed_us if kind == "dispatch" else topo.kernel_combine_fixed_us) + extra
+
+
+def relay_rows(topo: Topology, spec: KernelSpec | None = None) -> int:
+    """Rows per relayed message: the family's own, else ``kernel_relay_message_rows``."""
+    own = None if spec is None else spec.relay_message_rows
+    return int(own) if own is not None else int(topo.kernel_relay_message_rows)
+
+
+def nic_message_cost_us(topo: Topology, spec: KernelSpec | None = None) -> float:
+    """Serial cost of one NIC message at the sending GPU: the slower of the kernel's own
+    per-write cost (``kernel_nic_message_us``) and the GPU's share of its NICs' message rate
+    (``Topology.nic_message_us``), plus the family's own per-message cost (a CPU proxy)."""
+    return max(topo.kernel_nic_message_us, topo.nic_message_us) + (spec.message_us if spec is not None else 0.0)
+
+
+def reduce_bytes_per_us(topo: Topology, spec: KernelSpec | None) -> float:
+    """Rate of the combine receiver's reduce pass (bytes read + written per us): the HBM rate,
+    capped for SM-driven kernels by the SMs the reduce takes (``reduce_sms``, else the kernels')."""
+    rate = topo.mem_bytes_per_us
+    if spec is not None:
+        sms = spec.reduce_sms or spec.sms
+        cap = sm_cap_bytes_per_us(topo, replace(spec, sms=sms)) if sms else math.inf
+        rate = min(rate, cap)
+    return rate
+
+
+def combine_reduce_us(recv_bytes: float, out_bytes: float, rate: float, mode: str, tail_bytes: float = 0.0) -> float:
+    """The combine receiver's reduce of one hop on one rank: reading the ``recv_bytes`` it was
+    sent and writing the ``out_bytes`` of sums, at ``rate`` bytes/us. ``"after"`` (the pass runs
+    once the rows arrived): ``(recv + out) / rate``; ``"fused"`` (summed as rows arrive): only the
+    last message's, ``min(recv + out, tail_bytes) / rate``."""
+    if rate <= 0 or not math.isfinite(rate):
+        return 0.0
+    work = float(recv_bytes) + float(out_bytes)
+    return (work if mode == "after" else min(work, float(tail_bytes))) / rate
 
 
 def kernel_launches(spec: KernelSpec | None, hops: int) -> int:
@@ -58,8 +99,8 @@ def kernel_launches(spec: KernelSpec | None, hops: int) -> int:
 
 
 def relay_active(topo: Topology, spec: KernelSpec | None) -> bool:
-    """Whether relays forward as rows arrive (the Plan declares it and the topology sets a message size)."""
-    return spec is not None and spec.relay and topo.kernel_relay_message_rows > 0
+    """Whether relays forward as rows arrive (the Plan declares it and a message size is set)."""
+    return spec is not None and spec.relay and relay_rows(topo, spec) > 0
 
 
 def class_bytes_per_us(topo: Topology, inter_node: bool) -> float:
@@ -67,12 +108,12 @@ def class_bytes_per_us(topo: Topology, inter_node: bool) -> float:
     return topo.nic_bytes_per_us if inter_node else topo.nvlink_bytes_per_us
 
 
-def message_us(topo: Topology, row_bytes: float, inter_node: bool, sms: float = math.inf) -> float:
-    """Time one relay message (``kernel_relay_message_rows`` rows) takes on a link of its class,
-    alone, capped by the SM rate ``sms`` (bytes/us): the head start a relay waits before it
-    forwards, and the tail it forwards after its last rows arrived."""
+def message_us(topo: Topology, row_bytes: float, inter_node: bool, sms: float = math.inf, rows: int | None = None) -> float:
+    """Time one relay message (``rows``, default ``kernel_relay_message_rows``) takes on a link of
+    its class, alone, capped by the SM rate ``sms`` (bytes/us): the head start a relay waits
+    before it forwards, and the tail it forwards after its last rows arrived."""
     rate = min(class_bytes_per_us(topo, inter_node), sms)
-    return topo.kernel_relay_message_rows * float(row_bytes) / rate
+    return (topo.kernel_relay_message_rows if rows is None else rows) * float(row_bytes) / rate
 
 
 def relay_two_hop_us(bytes0: float, rate0: float, lat0_us: float, bytes1: float, rate1: float, lat1_us: float,
@@ -88,15 +129,18 @@ def relay_two_hop_us(bytes0: float, rate0: float, lat0_us: float, bytes1: float,
     return max(lat0_us + msg0_us + lat1_us + bytes1 / rate1, lat0_us + bytes0 / rate0 + lat1_us + msg1_us)
 
 
-def row_messages_us(topo: Topology, messages: float) -> float:
+def row_messages_us(topo: Topology, messages: float, spec: KernelSpec | None = None) -> float:
     """Serial NIC cost of ``messages`` one-row RDMA writes from one rank (low-latency kernels)."""
-    return topo.kernel_nic_message_us * float(messages)
+    return nic_message_cost_us(topo, spec) * float(messages)
 
 
-def planning_us(topo: Topology, entries_per_rank: float, experts: int, ranks: int) -> float:
+def planning_us(topo: Topology, entries_per_rank: float, experts: int, ranks: int,
+                spec: KernelSpec | None = None) -> float:
     """Planning work on one GPU: ``plan_fixed_us + entries x per_entry_ns + E x R x per_cell_ns``
-    (entries: (token, k) entries of the largest rank; the count all-gather is charged apart)."""
-    return (topo.plan_fixed_us + float(entries_per_rank) * topo.plan_per_entry_ns * 1e-3
+    (entries: (token, k) entries of the largest rank; the count all-gather is charged apart; the
+    fixed cost is the kernel family's own where it sets one)."""
+    fixed = spec.plan_fixed_us if spec is not None and spec.plan_fixed_us is not None else topo.plan_fixed_us
+    return (fixed + float(entries_per_rank) * topo.plan_per_entry_ns * 1e-3
             + float(experts) * float(ranks) * topo.plan_per_cell_ns * 1e-3)
 
 
@@ -120,9 +164,26 @@ def weight_copy_us(topo: Topology, nbytes: float, inter_node: bool, engine: str 
     return lat + float(nbytes) / weight_copy_bytes_per_us(topo, inter_node, engine, sms)
 
 
-__all__ = ["class_bytes_per_us", "kernel_fixed_us", "kernel_launches", "kernel_sms", "message_us", "planning_us",
-           "relay_active", "relay_two_hop_us", "row_messages_us", "sm_cap_bytes_per_us", "weight_copy_bytes_per_us",
-           "weight_copy_us"]
+__all__ = ["checked_on", "class_bytes_per_us", "kernel_checks", "combine_reduce_us", "kernel_fixed_us", "kernel_launches", "kernel_sms", "message_us",
+           "nic_message_cost_us", "planning_us", "reduce_bytes_per_us", "relay_active", "relay_rows", "relay_two_hop_us",
+           "row_messages_us", "sm_cap_bytes_per_us", "weight_copy_bytes_per_us", "weight_copy_us"]
+
+
+def kernel_checks() -> list[dict]:
+    """The rows of ``moonep_sim/data/kernel-checks.toml``: which kernel family was checked on which
+    preset against which published rows (``benchmarks/fidelity_gpu.py``)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    from importlib import resources
+
+    return list(tomllib.loads(resources.files("moonep_sim.data").joinpath("kernel-checks.toml").read_text())["check"])
+
+
+def checked_on(preset: str) -> list[tuple[str, str]]:
+    """(family, against what) for every kernel family checked on ``preset`` (empty: none)."""
+    return [(c["family"], f"{c['against']} ({len(c['rows'])} rows)") for c in kernel_checks() if c["preset"] == preset]
 
 
 def isolated_kernel_figures(plan, res, what: str) -> dict:
@@ -133,16 +194,21 @@ def isolated_kernel_figures(plan, res, what: str) -> dict:
     Bytes per rank (``row``: the kernel's row, ``plan.costs.dispatch_row_bytes`` for dispatch,
     ``combine_row_bytes`` for combine; FP8 rows are ``H (1 + 4/128)`` as DeepEP counts them):
 
-    - ``rows_received``: rows the rank holds after the last hop, its own included, x row -- DeepEP's
-      intranode (NVLink) bandwidth;
+    - ``rows_received``: rows the rank holds after the last hop, its own included, x row -- DeepEP
+      V1's intranode (NVLink) bandwidth;
     - ``node_pairs``: unique (token, destination node) pairs of the rank's tokens, the local node
-      included, x row -- DeepEP's internode (RDMA) bandwidth (multi-node plans only);
-    - ``selections``: every kept (token, expert) selection, x row -- DeepEP's low-latency bandwidth
-      (whose FP8 row carries a 16-byte header) and, with a ``2H`` row, MoonEP's logical bandwidth.
+      included, x row -- DeepEP V1's internode (RDMA) bandwidth (multi-node plans only);
+    - ``scale_up`` / ``scale_out``: rows the rank sends, over every hop, to other GPUs of its node /
+      to other nodes, x row -- DeepEP V2's per-rank scale-up and scale-out bytes;
+    - ``selections``: every kept (token, expert) selection, x row -- the low-latency tests'
+      bandwidth (whose FP8 row carries a 16-byte header) and, with a ``2H`` row, MoonEP's logical one.
 
-    Each ``*_GBps`` is that byte count over ``rank_mean_us``.
+    Each ``*_GBps`` is that byte count over ``rank_mean_us``. ``family`` / ``library_counts``: the
+    Plan's kernel family and the keys its library's own test reports (``KernelFamily.counts``).
     """
     import numpy as np
+
+    from moonep_sim.plan.kernel import FAMILIES
 
     R = plan.ranks
     row = plan.costs.dispatch_row_bytes if what == "dispatch" else plan.costs.combine_row_bytes
@@ -158,7 +224,17 @@ def isolated_kernel_figures(plan, res, what: str) -> dict:
         s = np.sort(node, axis=1)
         uniq = ((s[:, 1:] != s[:, :-1]) & (s[:, 1:] >= 0)).sum(axis=1) + (s[:, :1] >= 0).sum(axis=1)
         out["node_pairs"] = float(uniq.sum()) / R * row
-    for k in ("rows_received", "node_pairs", "selections"):
+    up = sum(int(((h.src_rank_M // G == h.dst_rank_M // G) & (h.src_rank_M != h.dst_rank_M)).sum())
+             for h in plan.hops)
+    down = sum(int((h.src_rank_M // G != h.dst_rank_M // G).sum()) for h in plan.hops)
+    out["scale_up"] = up / max(R, 1) * row
+    out["scale_out"] = down / max(R, 1) * row
+    for k in ("rows_received", "node_pairs", "scale_up", "scale_out", "selections"):
         if k in out and t_mean > 0:
             out[k + "_GBps"] = out[k] / t_mean / 1e3
+    fam = FAMILIES.get(plan.kernel.family) if plan.kernel is not None else None
+    out["family"] = fam.name if fam is not None else ""
+    counts = fam.counts if fam is not None else ""
+    out["library_counts"] = ({"deepep-v1": ["node_pairs" if R > G else "rows_received"],
+                              "deepep-v2": ["scale_up", "scale_out"], "selections": ["selections"]}.get(counts, []))
     return out

@@ -22,7 +22,8 @@ from moonep_sim.plan.direct import last_hop_is_direct
 from moonep_sim.plan.kinds import COMM_KINDS, WEIGHT_KINDS, Direction, PhaseKind
 from moonep_sim.sim.compute import rank_compute_us
 from moonep_sim.sim.faults import FaultState
-from moonep_sim.sim.kernels import kernel_fixed_us, message_us, relay_active, sm_cap_bytes_per_us, weight_copy_bytes_per_us
+from moonep_sim.sim.kernels import (kernel_fixed_us, message_us, nic_message_cost_us, reduce_bytes_per_us,
+                                    relay_active, relay_rows, sm_cap_bytes_per_us, weight_copy_bytes_per_us)
 from moonep_sim.sim.kernels import planning_us as kernel_planning_us
 from moonep_sim.sim.options import SimOptions
 from moonep_sim.sim.topology import Topology
@@ -130,7 +131,7 @@ def planning_us(plan: Plan, topo: Topology) -> tuple[float, float]:
     plan_comm += topo.host_message_us * (R - 1)  # every rank's message to each other rank
     entries = float(np.max(plan.tokens_per_rank_R)) * plan.top_k if R else 0.0
     # a fixed cost plus the work (moonep_sim.sim.kernels.planning_us), and a host-side planner's own work
-    plan_cpu = kernel_planning_us(topo, entries, plan.num_experts, R) + float(plan.host_plan_us)
+    plan_cpu = kernel_planning_us(topo, entries, plan.num_experts, R, plan.kernel) + float(plan.host_plan_us)
     if topo.plan_measured_factor > 0:  # every rank plans the same global Plan (on the shared cores)
         plan_cpu += topo.plan_measured_factor * float(plan.plan_seconds) * 1e6
     return plan_cpu, plan_comm
@@ -176,22 +177,36 @@ def _node_R(plan: Plan, topo: Topology) -> np.ndarray:
 
 
 def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology) -> np.ndarray | None:
-    """[R, R] time scale that charges ``kernel_nic_message_us`` per row of the phase's inter-node
-    flows (one RDMA write per row), at the NIC's rate; None when off."""
-    if topo.kernel_nic_message_us <= 0 or plan.kernel is None or not plan.kernel.row_messages:
+    """[R, R] time scale that charges a serial cost per NIC message of the phase's inter-node
+    flows, at the NIC's rate; None when off. Kernels that send one message per row pay
+    ``moonep_sim.sim.kernels.nic_message_cost_us`` per row; relayed kernels, where the NIC's message
+    rate or the family's own per-message cost (a CPU proxy) is set, pay it per relayed message."""
+    spec = plan.kernel
+    if spec is None:
+        return None
+    msgs = phase.msgs_RR.astype(np.float64)
+    if spec.row_messages:
+        cost = nic_message_cost_us(topo, spec)
+    elif spec.relay and relay_rows(topo, spec) > 0 and (topo.nic_message_us > 0 or spec.message_us > 0):
+        cost = topo.nic_message_us + spec.message_us
+        msgs = np.ceil(msgs / relay_rows(topo, spec))
+    else:
+        return None
+    if cost <= 0:
         return None
     node = _node_R(plan, topo)
     cross = node[:, None] != node[None, :]
-    if plan.kernel.nic_only:
+    if spec.nic_only:
         cross = ~np.eye(plan.ranks, dtype=bool)
-    extra = phase.msgs_RR.astype(np.float64) * topo.kernel_nic_message_us * topo.nic_bytes_per_us
+    extra = msgs * cost * topo.nic_bytes_per_us
     b = phase.bytes_RR.astype(np.float64)
     return np.where(cross & (b > 0), 1.0 + np.divide(extra, b, out=np.zeros_like(b), where=b > 0), 1.0)
 
 
 def _relay_RR(phase: CommPhase, plan: Plan, topo: Topology, sm_cap: float) -> np.ndarray:
     """[R, R] us for one relay message of ``phase`` to reach its receiver: path latency plus one
-    message of ``kernel_relay_message_rows`` rows at the pair's link rate (capped by the SM rate)."""
+    message of ``relay_rows`` rows (the family's, else the topology's) at the pair's link rate
+    (capped by the SM rate)."""
     node = _node_R(plan, topo)
     cross = node[:, None] != node[None, :]
     rows = float(phase.msgs_RR.sum())
@@ -199,8 +214,9 @@ def _relay_RR(phase: CommPhase, plan: Plan, topo: Topology, sm_cap: float) -> np
     R = plan.ranks
     same = np.eye(R, dtype=bool)
     lat = np.where(cross, topo.nic_latency_us, topo.nvlink_latency_us)
-    msg = np.where(cross, message_us(topo, row_bytes, True, sm_cap), message_us(topo, row_bytes, False, sm_cap))
-    local = topo.kernel_relay_message_rows * row_bytes / min(topo.mem_bytes_per_us / 2.0, sm_cap)
+    m = relay_rows(topo, plan.kernel)
+    msg = np.where(cross, message_us(topo, row_bytes, True, sm_cap, m), message_us(topo, row_bytes, False, sm_cap, m))
+    local = m * row_bytes / min(topo.mem_bytes_per_us / 2.0, sm_cap)
     return np.where(same, local, lat + msg)
 
 
@@ -225,8 +241,8 @@ def kernel_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
     sm_cap = sm_cap_bytes_per_us(topo, spec)
     prog.sm = bool(np.isfinite(sm_cap))
     prog.nic_only = bool(spec is not None and spec.nic_only)
-    prog.fixed_pre_us = kernel_fixed_us(topo, "dispatch")
-    prog.fixed_post_us = kernel_fixed_us(topo, "combine")
+    prog.fixed_pre_us = kernel_fixed_us(topo, "dispatch", spec)
+    prog.fixed_post_us = kernel_fixed_us(topo, "combine", spec)
     prog.relayed = bool(spec is not None and spec.relay)
 
     def scales(phases: list[CommPhase], p2p_at: int) -> list:
@@ -245,6 +261,36 @@ def kernel_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
     if relay_active(topo, spec):
         prog.relay_pre = [_relay_RR(p, plan, topo, sm_cap) for p in prog.pre]
         prog.relay_post = [_relay_RR(p, plan, topo, sm_cap) for p in prog.post]
+    for h, us_R in enumerate(combine_reduce_R(plan, topo, prog.post)):
+        prog.post_post_copy[h] = prog.post_post_copy[h] + us_R
+
+
+def combine_reduce_R(plan: Plan, topo: Topology, post: list[CommPhase]) -> list[np.ndarray]:
+    """[hop] -> [R] us of each combine hop's reduce at its receivers (GPU presets only: off when
+    the topology's kernel terms are, ``sm_count`` 0): the rows a rank received in the hop are read
+    and their per-token sums written -- the rows it sends in the next combine hop, or, after the
+    last, one row per token it holds (``moonep_sim.sim.kernels.combine_reduce_us``, at
+    ``reduce_bytes_per_us``: HBM, capped by the SMs of SM-driven kernels). The kernel family says
+    whether that pass runs after the rows arrived or is fused into the receive (default: after)."""
+    if topo.sm_count <= 0 or not post:
+        return []
+    spec = plan.kernel
+    mode = (spec.reduce if spec is not None else None) or "after"
+    rate = reduce_bytes_per_us(topo, spec)
+    m = relay_rows(topo, spec)
+    out = []
+    for h, ph in enumerate(post):
+        recv_R = ph.bytes_RR.sum(axis=0).astype(np.float64)
+        rows = float(ph.msgs_RR.sum())
+        row = float(ph.bytes_RR.sum()) / rows if rows > 0 else 0.0
+        if h + 1 < len(post):
+            sent_R = post[h + 1].bytes_RR.sum(axis=1).astype(np.float64)
+        else:
+            sent_R = plan.tokens_per_rank_R.astype(np.float64) * row
+        work_R = recv_R + sent_R  # the closed form combine_reduce_us, over ranks
+        exposed_R = work_R if mode == "after" else np.minimum(work_R, 2.0 * max(m, 1) * row)
+        out.append(exposed_R / rate if np.isfinite(rate) and rate > 0 else np.zeros_like(work_R))
+    return out
 
 
 def p2p_scale(plan: Plan, topo: Topology) -> np.ndarray | None:
@@ -260,4 +306,4 @@ def p2p_scale(plan: Plan, topo: Topology) -> np.ndarray | None:
     return np.where(cross, topo.nic_efficiency / topo.nic_p2p_efficiency, 1.0)
 
 
-__all__ = ["StageProgram", "host_copy_us", "kernel_terms", "p2p_scale", "planning_us", "stage_program"]
+__all__ = ["StageProgram", "combine_reduce_R", "host_copy_us", "kernel_terms", "p2p_scale", "planning_us", "stage_program"]

@@ -17,6 +17,7 @@ file that ``moonep-sim calibrate`` writes at :func:`calibrated_topology_path` wh
 
 from __future__ import annotations
 
+import math
 import os
 try:
     import tomllib
@@ -29,15 +30,19 @@ from typing import Any
 
 from moonep_sim.errors import ConfigError, require
 
+MAX_CONSTANT = 1e15
+"""The largest magnitude a topology constant may have (bandwidths in GB/s, latencies in us, counts)."""
+
 _PRESET_PREFIX = "topology-"
 #: TOML table -> (field prefix, keys). A key ``k`` of table ``t`` sets field ``{prefix}{k}``.
 _TABLES = {
     "node": ("", ("gpus_per_node", "nodes")),
-    "nvlink": ("nvlink_", ("bandwidth_GBps", "latency_us", "efficiency", "duplex")),
-    "nic": ("nic_", ("bandwidth_GBps", "latency_us", "efficiency", "p2p_efficiency", "duplex", "attach")),
+    "nvlink": ("nvlink_", ("bandwidth_GBps", "latency_us", "efficiency", "duplex", "peer_GBps")),
+    "nic": ("nic_", ("bandwidth_GBps", "latency_us", "efficiency", "p2p_efficiency", "duplex", "attach", "rails_per_node",
+                     "message_rate_Mps")),
     "fabric": ("fabric_", ("oversubscription", "latency_us")),
-    "gpu": ("gpu_", ("tflops", "mem_bandwidth_GBps", "compute_efficiency", "mem_efficiency", "launch_us", "slot_us",
-                     "padding_compute")),
+    "gpu": ("gpu_", ("tflops", "tflops_fp8", "mem_bandwidth_GBps", "memory_GiB", "compute_efficiency", "mem_efficiency",
+                     "launch_us", "slot_us", "padding_compute")),
     "host": ("host_", ("cores", "nodes_per_host", "sharing", "copy_bandwidth_GBps", "message_us",
                        "weight_copy_bandwidth_GBps")),
     "planning": ("plan_", ("fixed_us", "measured_factor", "routing_bytes_per_entry", "per_entry_ns", "per_cell_ns")),
@@ -53,6 +58,15 @@ SHARING = ("static", "processor")
 WEIGHT_ENGINES = ("copy_engine", "sm")
 
 
+#: What :meth:`Topology.ideal` changes from the defaults (the ``h800-cx7`` preset): links at full
+#: bandwidth with round latencies, no kernel fixed costs, relays, SM caps or planning work terms.
+IDEAL: dict[str, Any] = dict(
+    nvlink_bandwidth_GBps=160.0, nvlink_latency_us=3.0, nvlink_efficiency=1.0, nic_latency_us=5.0,
+    nic_efficiency=1.0, plan_per_entry_ns=0.0, plan_per_cell_ns=0.0, kernel_dispatch_fixed_us=0.0,
+    kernel_combine_fixed_us=0.0, kernel_relay_message_rows=0, kernel_nic_message_us=0.0, sm_count=0,
+    sm_copy_GBps=0.0, weights_nvlink_efficiency=0.0)
+
+
 @dataclass(frozen=True)
 class Topology:
     """One cluster's constants (see the module docstring for units and the fabric model).
@@ -60,10 +74,27 @@ class Topology:
     name / description: identification.  sources: constant name -> where its value comes from.
     gpus_per_node (G): GPUs joined by NVLink.  nodes: 0 = as many as the plan's ranks need.
     nvlink_bandwidth_GBps, nvlink_latency_us, nvlink_efficiency: each GPU's NVLink port.
-    nic_bandwidth_GBps, nic_latency_us, nic_efficiency: each GPU's NIC (one per GPU, one rail each).
+    nic_bandwidth_GBps, nic_latency_us, nic_efficiency: one NIC (one rail): by default one per GPU.
+    nic_rails_per_node: NICs (rails) per node; 0 (default) = one per GPU. More rails than GPUs (a
+        multiple of G: AWS p5's 32 EFA adapters for 8 GPUs) give each GPU ``rails / G`` NICs, which the
+        simulator joins into one port of ``rails / G x bandwidth`` per GPU (a rail-optimised fabric
+        keeps NIC j of every node on leaf j, so a GPU's NICs reach the same GPU index elsewhere); fewer
+        (a divisor of G) make ``G / rails`` GPUs share one NIC (each GPU may use all of it, the group
+        together at most one NIC's bandwidth).
+    nic_message_rate_Mps: messages per microsecond one NIC can post (millions per second); 0 = no
+        limit. A GPU's share is ``rate x rails / G``; kernels that send one message per row (the
+        low-latency kernels) pay ``1 / share`` us per message at the sender when that exceeds the
+        kernel's own per-message cost (``kernel_nic_message_us``).
+    nvlink_peer_GBps: 0 (default) = GPUs of a node meet at a switch (NVSwitch): a GPU's port is
+        ``nvlink_bandwidth_GBps`` to any mix of peers. > 0 = a full mesh of direct links (AMD
+        Infinity Fabric): each ordered GPU pair has its own link of this bandwidth per direction
+        (times ``nvlink_efficiency``), and ``nvlink_bandwidth_GBps`` is the sum over a GPU's links.
     fabric_oversubscription: >= 1; the spine carries (rail NIC bandwidth / this) per rail and
         direction. fabric_latency_us: extra latency of a cross-rail (spine) path.
     gpu_tflops, gpu_mem_bandwidth_GBps: dense bf16 peak and memory bandwidth of one GPU.
+    gpu_tflops_fp8: dense FP8 peak (TFLOP/s) of one GPU; 0 = not given (FP8 GEMMs then run at
+        the BF16 peak).  gpu_memory_GiB: HBM capacity of one GPU (GiB); 0 = not given (the step
+        model then gives no out-of-memory verdict). Both are read by ``moonep_sim.step``.
     gpu_compute_efficiency, gpu_mem_efficiency: the achieved fraction of each in a grouped GEMM.
     gpu_launch_us: fixed cost of one grouped-GEMM launch.
     plan_fixed_us: fixed cost of planning on the GPU (besides the count all-gather).
@@ -147,21 +178,29 @@ class Topology:
         reach more of a link than a kernel's row messages.
     """
 
+    # Defaults: the ``h800-cx7`` preset's constants (DeepEP's published test setup), so a Topology
+    # built in code with a few fields changed is that cluster with those changes
+    # (tests/test_sim_topology.py holds them equal; the preset file cites each one's source).
     name: str
     description: str = ""
     gpus_per_node: int = 8
     nodes: int = 0
-    nvlink_bandwidth_GBps: float = 160.0
-    nvlink_latency_us: float = 3.0
-    nvlink_efficiency: float = 1.0
+    nvlink_bandwidth_GBps: float = 200.0
+    nvlink_latency_us: float = 2.0
+    nvlink_efficiency: float = 0.6991
+    nvlink_peer_GBps: float = 0.0
     nic_bandwidth_GBps: float = 50.0
-    nic_latency_us: float = 5.0
-    nic_efficiency: float = 1.0
+    nic_latency_us: float = 4.0
+    nic_efficiency: float = 0.9
     nic_p2p_efficiency: float = 0.0
+    nic_rails_per_node: int = 0
+    nic_message_rate_Mps: float = 0.0
     fabric_oversubscription: float = 1.0
     fabric_latency_us: float = 1.0
     gpu_tflops: float = 989.0
+    gpu_tflops_fp8: float = 1979.0
     gpu_mem_bandwidth_GBps: float = 3350.0
+    gpu_memory_GiB: float = 80.0
     gpu_compute_efficiency: float = 0.6
     gpu_mem_efficiency: float = 0.8
     gpu_launch_us: float = 10.0
@@ -179,16 +218,16 @@ class Topology:
     host_weight_copy_bandwidth_GBps: float = 0.0
     plan_measured_factor: float = 0.0
     plan_routing_bytes_per_entry: float = 0.0
-    plan_per_entry_ns: float = 0.0
-    plan_per_cell_ns: float = 0.0
-    kernel_dispatch_fixed_us: float = 0.0
-    kernel_combine_fixed_us: float = 0.0
-    kernel_relay_message_rows: int = 0
-    kernel_nic_message_us: float = 0.0
-    sm_count: int = 0
-    sm_copy_GBps: float = 0.0
+    plan_per_entry_ns: float = 0.02
+    plan_per_cell_ns: float = 3.124
+    kernel_dispatch_fixed_us: float = 26.77
+    kernel_combine_fixed_us: float = 11.46
+    kernel_relay_message_rows: int = 16
+    kernel_nic_message_us: float = 0.003
+    sm_count: int = 132
+    sm_copy_GBps: float = 20.75
     weights_engine: str = "copy_engine"
-    weights_nvlink_efficiency: float = 0.0
+    weights_nvlink_efficiency: float = 1.0
     weights_nic_efficiency: float = 0.0
     weights_sms: int = 0
     sources: dict[str, str] = field(default_factory=dict)
@@ -218,7 +257,7 @@ class Topology:
                   "host_cores", "host_nodes_per_host", "host_copy_bandwidth_GBps", "host_message_us", "host_weight_copy_bandwidth_GBps", "gpu_slot_us", "plan_measured_factor",
                   "plan_routing_bytes_per_entry", "plan_per_entry_ns", "plan_per_cell_ns", "kernel_dispatch_fixed_us",
                   "kernel_combine_fixed_us", "kernel_relay_message_rows", "kernel_nic_message_us", "sm_count",
-                  "sm_copy_GBps", "weights_sms"):
+                  "sm_copy_GBps", "weights_sms", "gpu_tflops_fp8", "gpu_memory_GiB"):
             require(getattr(self, f) >= 0, f"{f} ({getattr(self, f)}) must be >= 0 (topology {self.name})")
         for f in ("weights_nvlink_efficiency", "weights_nic_efficiency"):
             v = getattr(self, f)
@@ -234,8 +273,24 @@ class Topology:
                 f"engine is 'sm' (topology {self.name})")
         require(0 <= self.gpu_padding_compute <= 1,
                 f"gpu padding_compute ({self.gpu_padding_compute}) must lie in [0, 1] (topology {self.name})")
+        G, rails = self.gpus_per_node, self.nic_rails_per_node
+        require(rails >= 0 and (rails == 0 or rails % G == 0 or G % rails == 0),
+                f"nic rails_per_node ({rails}) must be 0 (one per GPU), a multiple or a divisor of gpus_per_node "
+                f"({G}) (topology {self.name})")
+        require(self.nic_message_rate_Mps >= 0,
+                f"nic message_rate_Mps ({self.nic_message_rate_Mps}) must be >= 0 (topology {self.name}): 0 = no limit")
+        require(self.nvlink_peer_GBps >= 0,
+                f"nvlink peer_GBps ({self.nvlink_peer_GBps}) must be >= 0 (topology {self.name}): 0 = a switch")
+        require(self.nvlink_peer_GBps == 0 or self.nvlink_duplex == "full",
+                f"nvlink peer_GBps ({self.nvlink_peer_GBps}) needs nvlink duplex 'full' (topology {self.name})")
         require(self.fabric_oversubscription >= 1,
                 f"fabric oversubscription ({self.fabric_oversubscription}) must be >= 1 (topology {self.name})")
+
+    @classmethod
+    def ideal(cls, name: str, **kw: Any) -> "Topology":
+        """An idealised cluster for closed-form checks: :data:`IDEAL` (every link at its full
+        bandwidth, every GPU-kernel term off) under ``kw``; the other constants are ``h800-cx7``'s."""
+        return cls(name, **{**IDEAL, **kw})
 
     # -- effective rates (bytes per microsecond, FLOP per microsecond) --------------------
     @property
@@ -243,8 +298,38 @@ class Topology:
         return self.nvlink_bandwidth_GBps * self.nvlink_efficiency * 1e3
 
     @property
+    def nics_per_gpu(self) -> float:
+        """NICs per GPU: ``rails_per_node / gpus_per_node`` (1 when one per GPU; < 1 when shared)."""
+        return self.nic_rails_per_node / self.gpus_per_node if self.nic_rails_per_node else 1.0
+
+    @property
+    def nic_share(self) -> int:
+        """GPUs that share one NIC (1 unless ``nic_rails_per_node`` < ``gpus_per_node``)."""
+        r = self.nic_rails_per_node
+        return self.gpus_per_node // r if 0 < r < self.gpus_per_node else 1
+
+    @property
     def nic_bytes_per_us(self) -> float:
-        return self.nic_bandwidth_GBps * self.nic_efficiency * 1e3
+        """One GPU's NIC port (bytes per microsecond): its NICs joined (``max(1, rails / G)`` of them);
+        a NIC shared by ``nic_share`` GPUs is a port of one NIC per GPU, their group capped apart."""
+        return self.nic_bandwidth_GBps * self.nic_efficiency * 1e3 * max(self.nics_per_gpu, 1.0)
+
+    @property
+    def nic_message_us(self) -> float:
+        """Serial cost per NIC message at one GPU from the NIC's message rate: ``1 / (rate x rails /
+        G)`` us; 0 = no limit."""
+        if self.nic_message_rate_Mps <= 0:
+            return 0.0
+        return 1.0 / (self.nic_message_rate_Mps * self.nics_per_gpu)
+
+    def gpus_per_node_for(self, ranks: int) -> int:
+        """GPUs per node a run of ``ranks`` uses by default: ``min(G, R)`` when that tiles R, else the
+        largest divisor of R below G (e.g. EP128 on 72-GPU NVLink domains: 2 domains of 64 GPUs), so
+        every node holds the same number of ranks."""
+        g = max(1, min(self.gpus_per_node, int(ranks)))
+        while ranks % g:
+            g -= 1
+        return g
 
     @property
     def flops_per_us(self) -> float:
@@ -311,7 +396,15 @@ class Topology:
         if gpus_per_node is None or gpus_per_node == self.gpus_per_node:
             return self
         require(gpus_per_node >= 1, f"gpus_per_node ({gpus_per_node}) must be >= 1")
-        return replace(self, gpus_per_node=int(gpus_per_node))
+        g = int(gpus_per_node)
+        rails = self.nic_rails_per_node
+        if rails:  # each GPU keeps its NICs (or its share of one)
+            per = self.nics_per_gpu * g
+            require(abs(per - round(per)) < 1e-9 and round(per) >= 1,
+                    f"gpus_per_node ({g}) must keep a whole number of NICs per node (topology {self.name}: "
+                    f"{rails} rails for {self.gpus_per_node} GPUs)")
+            rails = int(round(per))
+        return replace(self, gpus_per_node=g, nic_rails_per_node=rails)
 
     def constants(self) -> dict[str, Any]:
         """Every constant, as a flat JSON-able dict (what reports print next to a figure)."""
@@ -342,16 +435,19 @@ def _toml_val(v: Any) -> str:
     return _toml_str(v) if isinstance(v, str) else repr(v)
 
 
-def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>") -> Topology:
-    """Build a :class:`Topology` from a parsed TOML document (unknown keys are errors)."""
-    kw: dict[str, Any] = {}
+def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>", defaults: dict[str, Any] | None = None) -> Topology:
+    """Build a :class:`Topology` from a parsed TOML document (unknown keys are errors). A key left
+    out takes ``defaults`` (field -> value; e.g. :data:`IDEAL`) or else the class default."""
+    kw: dict[str, Any] = dict(defaults or {})
     names = {f.name: f for f in fields(Topology)}
     for key, val in doc.items():
         if key in ("name", "description"):
-            kw[key] = str(val)
+            require(isinstance(val, str), f"{origin}: {key}: expected a string, found {val!r}")
+            kw[key] = val
         elif key == "sources":
-            require(isinstance(val, dict), f"{origin}: [sources] must be a table of strings")
-            kw["sources"] = {str(k): str(v) for k, v in val.items()}
+            require(isinstance(val, dict) and all(isinstance(v, str) for v in val.values()),
+                    f"{origin}: [sources] must be a table of strings (constant = \"where its value comes from\")")
+            kw["sources"] = dict(val)
         elif key in _TABLES:
             prefix, keys = _TABLES[key]
             require(isinstance(val, dict), f"{origin}: {key} must be a table [{key}]")
@@ -366,21 +462,30 @@ def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>") -> Topology:
                 ok = isinstance(v, int) if want_int else isinstance(v, (int, float))
                 require(ok and not isinstance(v, bool),
                         f"{origin}: [{key}] {k}: expected {'an integer' if want_int else 'a number'}, found {v!r}")
+                require(math.isfinite(v) and abs(v) <= MAX_CONSTANT,  # inf as NaN: refused here, by name
+                        f"{origin}: [{key}] {k}: expected a finite number of magnitude at most {MAX_CONSTANT:g}, "
+                        f"found {v!r}")
                 kw[prefix + k] = int(v) if want_int else float(v)
         else:
             require(False, f"{origin}: key ({key!r}) must be one of name, description, sources, "
                            f"{', '.join(_TABLES)}")
     require("name" in kw, f"{origin}: name must be given")
-    return Topology(**kw, path=origin)
+    try:
+        return Topology(**kw, path=origin)
+    except ConfigError as e:  # name the file, not its `name` field
+        raise ConfigError(f"{origin}: " + str(e).replace(f" (topology {kw['name']})", "")) from None
 
 
 def read_topology_file(path: str | os.PathLike) -> Topology:
+    """A topology TOML file; a missing, special (pipe, folder, link loop), oversized or too deeply
+    nested file is refused in one line naming it, as is every value (see :func:`topology_from_dict`)."""
+    from moonep_sim.io import read_config_bytes
+
     p = Path(path)
+    raw = read_config_bytes(p, "topology file", "TOML")
     try:
-        doc = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"topology file ({p}) must exist") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        doc = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ConfigError(f"{p}: must be valid TOML: {e}") from None
     return topology_from_dict(doc, str(p))
 
@@ -404,33 +509,35 @@ def _preset_files() -> dict[str, Any]:
     return dict(sorted(out.items()))
 
 
+#: Other names of presets: ``h200`` is the H200 + ConnectX-7 cluster (``h200-cx7``).
+PRESET_ALIASES = {"h200": "h200-cx7"}
+
+
 def list_topologies() -> list[str]:
     """Names of the shipped presets."""
     return list(_preset_files())
 
 
 def load_topology(name_or_path: str | os.PathLike, gpus_per_node: int | None = None) -> Topology:
-    """A preset by name (``h800-cx7``, ``h20``, ``h200``, ``gb200-nvl72``, ``local-gloo``) or a TOML file.
+    """A preset by name (:func:`list_topologies`; or an alias of one, :data:`PRESET_ALIASES`) or a TOML file.
 
     ``local-gloo`` is read from :func:`calibrated_topology_path` when that file exists (measured on
     this machine by ``moonep-sim calibrate``), else from the shipped defaults.
     ``gpus_per_node`` overrides the file's value.
     """
-    s = str(name_or_path)
+    s = PRESET_ALIASES.get(str(name_or_path), str(name_or_path))
     presets = _preset_files()
     if s in presets:
         if s == "local-gloo" and calibrated_topology_path().is_file():
             topo = read_topology_file(calibrated_topology_path())
         else:
             topo = topology_from_dict(tomllib.loads(presets[s].read_text()), f"preset {s}")
-    elif s.endswith(".toml") or os.path.sep in s or Path(s).is_file():
-        if Path(s).exists() and not Path(s).is_file():
-            raise ConfigError(f"topology file ({s}) must be a regular file: it is not (a directory?)")
+    elif s.endswith(".toml") or os.path.sep in s or os.path.lexists(s):
         topo = read_topology_file(s)
     else:
         raise ConfigError(f"topology ({s!r}) must be a preset ({', '.join(presets)}) or a .toml file")
     return topo.with_gpus_per_node(gpus_per_node)
 
 
-__all__ = ["Topology", "calibrated_topology_path", "list_topologies", "load_topology", "read_topology_file",
+__all__ = ["IDEAL", "PRESET_ALIASES", "Topology", "calibrated_topology_path", "list_topologies", "load_topology", "read_topology_file",
            "topology_from_dict"]

@@ -72,8 +72,8 @@ from typing import Any
 
 import numpy as np
 
-from moonep_sim.plan import GlobalRouting, Plan, Scope, plan_from_routes
-from moonep_sim.plan.kernel import KernelSpec
+from moonep_sim.plan import GlobalRouting, Plan, Scope, plan_from_hops, to_final, to_node_of_final
+from moonep_sim.plan.kernel import FAMILIES, KernelSpec, family_spec
 from moonep_sim.strategies import Option, PlanContext, register
 from moonep_sim.strategies.llep import native_alloc, plan_from_alloc, require_home_groups
 from moonep_sim.errors import PlanError
@@ -103,12 +103,13 @@ class Rates:
 
     @classmethod
     def of(cls, topology: Any, sms: int = 0) -> "Rates":
-        """Rates from a topology object (duck-typed), or the defaults (``h800-cx7``'s constants).
+        """Rates from a topology object (duck-typed), or, for None, from the default preset's file
+        (:data:`DEFAULT_PRESET`, read as shipped: the constants the simulator times plans with).
         ``sms``: the kernels' SM budget (0 = none, -1 = all): token rows over NVLink are capped by
         what that many SMs copy (the topology's ``sm_bytes_per_us``), as the simulator caps them."""
         if topology is None:
-            return cls(160.0 * 0.88e3, 50.0 * 0.9e3, 160.0 * 0.88e3, 50.0 * 0.9e3, 989.0 * 0.6e6, 3350.0 * 0.8e3,
-                       "defaults (h800-cx7 constants; no topology in the plan context)")
+            r = cls.of(preset_constants(DEFAULT_PRESET), sms)
+            return dataclasses.replace(r, source=f"defaults ({DEFAULT_PRESET} preset; no topology in the plan context)")
         t = topology
         nv = float(t.nvlink_bandwidth_GBps) * float(t.nvlink_efficiency) * 1e3
         nic = float(t.nic_bandwidth_GBps) * float(t.nic_efficiency) * 1e3
@@ -124,6 +125,38 @@ class Rates:
         flops = float(t.gpu_tflops) * float(t.gpu_compute_efficiency) * 1e6
         mem = float(t.gpu_mem_bandwidth_GBps) * float(t.gpu_mem_efficiency) * 1e3
         return cls(nv, nic, w_nv, w_nic, flops, mem, str(getattr(t, "name", "topology")))
+
+
+#: the preset whose constants price copies when the plan context has no topology: the simulator's
+#: and ``moonep-sim plan``'s default (``moonep_sim.experiments.DEFAULT_TOPOLOGY``; a test holds them equal)
+DEFAULT_PRESET = "h800-cx7"
+
+
+def preset_constants(name: str) -> Any:
+    """A shipped preset's constants, read from its TOML file (``moonep_sim/data``) as the attributes
+    :meth:`Rates.of` reads off a ``moonep_sim.sim.Topology`` (``[nvlink] bandwidth_GBps`` ->
+    ``nvlink_bandwidth_GBps``), with the Topology's two derived weight-copy rates and its SM copy
+    cap. The planners sit below the simulator, so they read the file, not the class; a test holds
+    ``Rates.of(None)`` equal to ``Rates.of(load_topology(DEFAULT_PRESET))``."""
+    from importlib import resources
+    from types import SimpleNamespace
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python < 3.11
+        import tomli as tomllib
+
+    doc = tomllib.loads(resources.files("moonep_sim.data").joinpath(f"topology-{name}.toml").read_text())
+    c = SimpleNamespace(name=doc.get("name", name), **{f"{sec}_{k}": v for sec, tbl in doc.items()
+                                                       if isinstance(tbl, dict) and sec != "sources"
+                                                       for k, v in tbl.items()})
+    c.weights_nvlink_bytes_per_us = c.nvlink_bandwidth_GBps * (getattr(c, "weights_nvlink_efficiency", 0.0)
+                                                               or c.nvlink_efficiency) * 1e3
+    c.weights_nic_bytes_per_us = c.nic_bandwidth_GBps * (getattr(c, "weights_nic_efficiency", 0.0)
+                                                         or c.nic_efficiency) * 1e3
+    n_sm, per_sm = int(getattr(c, "sm_count", 0)), float(getattr(c, "sm_copy_GBps", 0.0))
+    c.sm_bytes_per_us = lambda sms: float("inf") if n_sm <= 0 or sms <= 0 else min(int(sms), n_sm) * per_sm * 1e3
+    return c
 
 
 def _rate(t: Any, name: str) -> float:
@@ -441,7 +474,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, sms: int, mode: str, min_g
     slot_rank, slot_expert, slot_home = copy_slots(alloc, epn)
     rows = alloc.sum(axis=0)
     copies = slot_home != slot_rank
-    cross = (slot_home // G) != (slot_rank // G)
+    cross = ~ctx.cluster.same_node(slot_home, slot_rank)
     residual = float(rows.max() / max(rows.mean(), 1e-12)) if rows.size else 0.0
     opts = {"rates": rates.source, "chosen": info["kind"], "target_rows": int(info["target_rows"]),
             "copies_intra_node": int((copies & ~cross).sum()), "copies_cross_node": int((copies & cross).sum()),
@@ -462,10 +495,10 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, sms: int, mode: str, min_g
         entry_slot = split_entry_slots(ids.ravel(), alloc, slot_rank, slot_expert).reshape(ids.shape)
     else:  # no copy: every entry at its expert's home slot (slots are the experts in order)
         entry_slot = ids
-    rank = np.arange(R, dtype=np.int64)
-    via_RR = (rank[None, :] // G) * G + rank[:, None] % G  # deepep's route: d's node, s's local index
-    # DeepEP's kernel: the relay (same local index on the destination node) forwards rows as they arrive
-    p = plan_from_routes(routing, ctx.cluster, c, slot_rank, slot_expert, slot_home, entry_slot, [via_RR],
-                         (Scope.INTER_NODE, Scope.INTRA_NODE), (True, True), token_padding=ctx.token_padding,
-                         via_table=True, options=opts, kernel=KernelSpec(sms=sms_used, relay=True))
+    # deepep's route and kernel: the relay (same local index on the destination node) forwards rows
+    # as they arrive
+    hops = [to_node_of_final(ctx.cluster, dedup=True), to_final(Scope.INTRA_NODE, dedup=True)]
+    p = plan_from_hops(routing, ctx.cluster, c, slot_rank, slot_expert, slot_home, entry_slot, hops,
+                       token_padding=ctx.token_padding, options=opts,
+                       kernel=family_spec(FAMILIES["deepep-v1"], sms=sms_used, relay=True))
     return dataclasses.replace(p, slot_src_S=src) if relayed.any() else p

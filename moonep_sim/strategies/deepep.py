@@ -10,7 +10,9 @@ token's hop 0 to its own node is a self copy (the diagonal of hop 0's matrix, wh
 and it then travels over NVLink like the others; :func:`deepep_rdma_bytes` gives DeepEP's count
 (unique (token, node) pairs, local node included) for comparison with its published bandwidths.
 
-Option ``max_nodes`` (M, 0 = no limit): a routing is given, so the planner cannot re-route it; it
+Option ``impl`` names the kernel family that prices the kernels (``moonep_sim.plan.kernel``:
+DeepEP V1 by default; DeepEP V2, NCCL EP, UCCL-EP, mori move rows the same way here, at their own
+SM budget, copy rate and per-message costs). Option ``max_nodes`` (M, 0 = no limit): a routing is given, so the planner cannot re-route it; it
 checks that no token spans more than M nodes and raises otherwise. Node-limited selection itself
 applies to router logits: :func:`node_limited_topk` (DeepSeek-V3's group-limited top-k with one
 expert group per node) makes such a routing; ``moonep-sim plan`` uses it when the trace holds
@@ -23,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from moonep_sim.errors import PlanError, require
-from moonep_sim.plan import GlobalRouting, Plan, Scope, home_slots, plan_from_routes
-from moonep_sim.plan.kernel import KernelSpec
+from moonep_sim.plan import GlobalRouting, Plan, Scope, home_slots, plan_from_hops, to_final, to_node_of_final
+from moonep_sim.plan.kernel import FAMILIES, family, family_spec
 from moonep_sim.strategies import Option, PlanContext, register
 
 # Notation: T tokens, K top-k, E experts, R ranks, G GPUs per node, N = T*K entries.
@@ -75,25 +77,30 @@ def deepep_rdma_bytes(plan: Plan) -> int:
 @register("deepep", summary="DeepEP normal kernels: once per destination node over RDMA, then NVLink forward",
           options={"max_nodes": Option(int, 0, "check that no token spans more than this many nodes (0 = no limit)",
                                        check=lambda v: v >= 0, constraint="must be >= 0 (0 = no limit)"),
-                   "sms": Option(int, 24, "SMs its kernels use (DeepEP's normal kernels: 20-24; 0 = no SM cap, -1 = all)",
-                                 check=lambda v: v >= -1, constraint="must be >= 1, 0 (no SM cap) or -1 (all)")})
-def plan(routing: GlobalRouting, ctx: PlanContext, *, max_nodes: int, sms: int) -> Plan:
-    G = ctx.cluster.gpus_per_node
+                   "sms": Option(int, None, "SMs its kernels use (default: the kernel family's, DeepEP V1: 24; "
+                                 "0 = no SM cap, -1 = all)",
+                                 check=lambda v: v >= -1, constraint="must be >= 1, 0 (no SM cap) or -1 (all)"),
+                   "impl": Option(str, "deepep-v1", "kernel family pricing the kernels (moonep_sim.plan.kernel.FAMILIES; "
+                                  "`moonep-sim topologies` lists them)",
+                                  choices=tuple(n for n, f in FAMILIES.items() if f.mode == "normal"))})
+def plan(routing: GlobalRouting, ctx: PlanContext, *, max_nodes: int, sms: int | None, impl: str) -> Plan:
+    fam = family(impl, "normal")
+    sms = fam.sms if sms is None else sms
+    cl = ctx.cluster
     sr, se, slot_of = home_slots(ctx.placement)
     ids = routing.topk_ids_TK
     entry_slot = slot_of[ids]
-    node_S = sr // G
+    node_S = cl.node_of(sr)
     # nodes per token from one-byte node ids (an [N] gather of bytes, not of int64) when they fit
     npt = nodes_per_token_T((node_S.astype(np.uint8) if node_S.size and node_S.max() < 256 else node_S)[entry_slot])
     if max_nodes and npt.size and int(npt.max()) > max_nodes:
         t = int(np.argmax(npt > max_nodes))
         raise PlanError(f"nodes of token {t} ({int(npt[t])}) must be <= max_nodes ({max_nodes}): the given "
                         "routing is not node-limited; route from logits with node_limited_topk")
-    rank = np.arange(ctx.cluster.ranks, dtype=np.int64)
-    via_RR = (rank[None, :] // G) * G + rank[:, None] % G  # via[s, d]: d's node, s's local index
     opts = {"max_nodes_per_token": int(npt.max()) if npt.size else 0,
             "mean_nodes_per_token": float(npt.mean()) if npt.size else 0.0}
+    # RDMA once per (token, destination node) on the token's rail, then NVLink once per (token, GPU);
     # one kernel: the relay (same local index on the destination node) forwards rows as they arrive
-    return plan_from_routes(routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [via_RR],
-                            (Scope.INTER_NODE, Scope.INTRA_NODE), (True, True), token_padding=ctx.token_padding,
-                            via_table=True, options=opts, kernel=KernelSpec(sms=sms, relay=True))
+    hops = [to_node_of_final(cl, dedup=True), to_final(Scope.INTRA_NODE, dedup=True)]
+    return plan_from_hops(routing, cl, ctx.costs, sr, se, sr, entry_slot, hops, token_padding=ctx.token_padding,
+                          options=opts, kernel=family_spec(fam, sms=sms, relay=True))

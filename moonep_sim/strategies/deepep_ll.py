@@ -8,7 +8,9 @@ scale per 128 channels and a 16-byte header (``H + H/128*4 + 16`` bytes; option 
 = "bf16"``: ``2H + 16``); combine rows are BF16 (``2H``). Same-node peers go over NVLink, as the
 kernels do since mid-2025 (option ``nvlink = false``: every peer over the NIC, the original
 pure-RDMA kernels). The kernels use every SM and send one RDMA write per row, which the simulator
-charges at the NIC (``moonep_sim.sim.kernels``).
+charges at the NIC (``moonep_sim.sim.kernels``). Option ``impl`` names the kernel family that
+prices them (``moonep_sim.plan.kernel``: DeepEP V1 low-latency by default; NCCL EP LL, UCCL-EP LL,
+NIXL EP, mori LL; ``pplx`` also changes the movement: one message per (token, destination rank)).
 
 How DeepEP counts its bandwidth (ANCHORS): bytes per selection times the number of selections,
 the local rank included, over the kernel's time (:func:`ll_counted_bytes`).
@@ -20,7 +22,7 @@ import numpy as np
 
 from moonep_sim.errors import require
 from moonep_sim.plan import GlobalRouting, Plan, RowCosts, home_slots, plan_from_slots
-from moonep_sim.plan.kernel import ALL_SMS, KernelSpec
+from moonep_sim.plan.kernel import FAMILIES, family, family_spec
 from moonep_sim.strategies import Option, PlanContext, register
 
 HEADER_BYTES = 16  # per message: the source token index and routing metadata
@@ -47,10 +49,16 @@ def ll_counted_bytes(plan: Plan, kind: str = "dispatch") -> int:
                    "max_tokens": Option(int, 0, "tokens per rank the fixed buffers hold (0 = the largest rank's count)",
                                         check=lambda v: v >= 0, constraint="must be >= 0 (0 = the largest rank's count)"),
                    "nvlink": Option(bool, True, "same-node peers over NVLink (false: every peer over the NIC)"),
-                   "sms": Option(int, ALL_SMS, "SMs the kernels use (-1 = all, 0 = no SM cap)",
-                                 check=lambda v: v >= -1, constraint="must be >= 1, 0 (no SM cap) or -1 (all)")})
+                   "sms": Option(int, None, "SMs the kernels use (default: the kernel family's, -1 = all; "
+                                 "0 = no SM cap)",
+                                 check=lambda v: v >= -1, constraint="must be >= 1, 0 (no SM cap) or -1 (all)"),
+                   "impl": Option(str, "deepep-v1-ll", "kernel family pricing the kernels "
+                                  "(moonep_sim.plan.kernel.FAMILIES; pplx sends once per (token, rank))",
+                                  choices=tuple(n for n, f in FAMILIES.items() if f.mode == "ll"))})
 def plan(routing: GlobalRouting, ctx: PlanContext, *, dispatch_dtype: str, max_tokens: int, nvlink: bool,
-         sms: int) -> Plan:
+         sms: int | None, impl: str) -> Plan:
+    fam = family(impl, "ll")
+    sms = fam.sms if sms is None else sms
     most = int(routing.tokens_per_rank_R.max()) if routing.tokens_per_rank_R.size else 0
     require(max_tokens == 0 or max_tokens >= most,
             f"max_tokens ({max_tokens}) must be >= the largest rank's token count ({most}): the buffers are fixed")
@@ -62,6 +70,6 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, dispatch_dtype: str, max_t
     tp = max(int(ctx.token_padding), 1)
     capacity = local_E * (T_max * R + (tp - 1))
     return plan_from_slots(routing, ctx.cluster, ll_row_costs(ctx.costs, dispatch_dtype), sr, se, sr,
-                           slot_of[routing.topk_ids_TK], dedup=False, token_padding=tp, capacity_R=capacity,
-                           options={"max_tokens": T_max},
-                           kernel=KernelSpec(sms=sms, row_messages=True, nic_only=not nvlink, planned=False))
+                           slot_of[routing.topk_ids_TK], dedup=fam.dedup_per_rank, token_padding=tp,
+                           capacity_R=capacity, options={"max_tokens": T_max},
+                           kernel=family_spec(fam, sms=sms, row_messages=True, nic_only=not nvlink, planned=False))

@@ -13,21 +13,15 @@ home rank (replicas of a custom placement are not used).
 
 from __future__ import annotations
 
-import numpy as np
-
-from moonep_sim.plan import GlobalRouting, Plan, Scope, home_slots, plan_from_routes
+from moonep_sim.plan import GlobalRouting, Plan, Scope, home_slots, plan_from_hops, to_final, to_rail_of_final
 from moonep_sim.strategies import Option, PlanContext, register
 
 
 @register("hierarchical", summary="Tutel 2DH: intra-node all-to-all, then inter-node between equal local ranks",
           options={"dedup": Option(bool, False, "send a token once per receiving GPU on each hop")})
 def plan(routing: GlobalRouting, ctx: PlanContext, *, dedup: bool) -> Plan:
-    G = ctx.cluster.gpus_per_node
     sr, se, slot_of = home_slots(ctx.placement)
-    R = ctx.cluster.ranks
-    rank = np.arange(R, dtype=np.int64)
-    # via[s, d]: on the source's node, at the destination's local index
-    via_RR = (rank[:, None] // G) * G + rank[None, :] % G
-    return plan_from_routes(routing, ctx.cluster, ctx.costs, sr, se, sr, slot_of[routing.topk_ids_TK], [via_RR],
-                            (Scope.INTRA_NODE, Scope.INTER_NODE), (dedup, dedup), token_padding=ctx.token_padding,
-                            via_table=True)
+    # NVLink to the GPU of the source's node on the destination's rail, then across nodes on that rail
+    hops = [to_rail_of_final(ctx.cluster, dedup=dedup), to_final(Scope.INTER_NODE, dedup=dedup)]
+    return plan_from_hops(routing, ctx.cluster, ctx.costs, sr, se, sr, slot_of[routing.topk_ids_TK], hops,
+                          token_padding=ctx.token_padding)

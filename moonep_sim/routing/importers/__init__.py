@@ -100,11 +100,13 @@ def detect_format(path: str | os.PathLike) -> str:
 
 def load_source(src: str | os.PathLike, format: str = "auto", *, model=None, num_experts: int | None = None,
                 top_k: int | None = None, warmup_min_rows: int = 64, capture_min_rows: int = 8,
-                steps_from: str = "auto", dominant_share: float = 0.3) -> Imported:
+                steps_from: str = "auto", dominant_share: float = 0.3, incomplete_tokens: str = "keep") -> Imported:
     """Parse ``src`` into trace metadata and tensors (nothing is written).
 
     format: ``auto`` or a registered format. model: a preset name, a model file or a ModelSpec (its
-    E and K must agree with the file). Other options: see :class:`common.ImportOptions`.
+    E and K must agree with the file). incomplete_tokens: ``keep`` (default: a token a log records
+    at only some layers keeps those layers, under a per-layer ``token_mask``) or ``drop``. Other
+    options: see :class:`common.ImportOptions`.
     """
     path = Path(src)
     if format == "auto":
@@ -118,10 +120,13 @@ def load_source(src: str | os.PathLike, format: str = "auto", *, model=None, num
     for name, v in (("--warmup-min-rows", warmup_min_rows), ("--capture-min-rows", capture_min_rows)):
         if not isinstance(v, int) or v < 0:
             raise TraceFormatError(f"{name} ({v!r}) must be an integer >= 0 (0 disables the detection)")
+    if incomplete_tokens not in ("keep", "drop"):
+        raise TraceFormatError(f"incomplete tokens ({incomplete_tokens!r}) must be keep or drop")
     if not 0 < dominant_share <= 1:
         raise TraceFormatError(f"--dominant-share ({dominant_share!r}) must be in (0, 1]")
     opts = ImportOptions(model=model, num_experts=num_experts, top_k=top_k, warmup_min_rows=warmup_min_rows,
-                         capture_min_rows=capture_min_rows, steps_from=steps_from, dominant_share=dominant_share)
+                         capture_min_rows=capture_min_rows, steps_from=steps_from, dominant_share=dominant_share,
+                         incomplete_tokens=incomplete_tokens)
     check_sizes(opts)  # --num-experts / --top-k in range before the file is parsed
     model_of(opts)     # a bad --model fails before the file is parsed
     return IMPORTERS[format].load(path, format, opts)

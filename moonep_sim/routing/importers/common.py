@@ -64,6 +64,8 @@ class ImportOptions:
         ``group`` (one step per request id) or ``none`` (one step).
     dominant_share: the sanity pass warns when one expert set holds more than this share of a
         layer's kept rows.
+    incomplete_tokens: ``keep`` (a token missing some layers keeps the layers it has, under a
+        per-layer token mask) or ``drop`` (such tokens are dropped at every layer).
     """
 
     model: Any = None
@@ -73,6 +75,7 @@ class ImportOptions:
     capture_min_rows: int = 8
     steps_from: str = "auto"
     dominant_share: float = 0.3
+    incomplete_tokens: str = "keep"
 
 
 STEPS_FROM = ("auto", "field", "passes", "group", "none")
@@ -214,13 +217,15 @@ def set_ids(ids_NK: np.ndarray) -> np.ndarray:
 
 
 def sanity_warnings(ids_LTK: np.ndarray, step_T: np.ndarray | None, num_experts: int, layer_ids: list[int],
-                    dominant_share: float) -> list[str]:
+                    dominant_share: float, mask_LT: np.ndarray | None = None) -> list[str]:
     """Warnings about kept rows that look like dummy traffic left in:
 
     - one expert set holding more than ``max(dominant_share, 4 / C(E, K))`` of a layer's rows (real
       routing spreads over many sets; warm-up and graph-capture blocks repeat one);
     - a layer whose maxvio in one step is far from its other steps (``> 3 * median + 1``, over the
       steps with at least 16 expected selections per expert, so small decode steps are not judged).
+
+    mask_LT: the per-layer token mask (rows under 0 are filler, not judged); None = every row.
     """
     out: list[str] = []
     L, T, K = ids_LTK.shape
@@ -228,18 +233,22 @@ def sanity_warnings(ids_LTK: np.ndarray, step_T: np.ndarray | None, num_experts:
         return out
     from math import comb
     share = max(dominant_share, min(1.0, 4.0 / comb(num_experts, K)))   # >= 4x a uniform set's share
+    rows = (lambda li: slice(None)) if mask_LT is None else (lambda li: mask_LT[li].astype(bool))
     for li in range(L):
-        sid = set_ids(ids_LTK[li])
-        top = np.unique(sid, return_counts=True)[1].max() / T
-        if top > share and T >= 32:
+        sid = set_ids(ids_LTK[li][rows(li)])
+        if sid.size == 0:
+            continue
+        top = np.unique(sid, return_counts=True)[1].max() / sid.size
+        if top > share and sid.size >= 32:
             out.append(f"layer {layer_ids[li]}: one expert set holds {top:.0%} of the kept rows (more than "
                        f"{share:.0%}): dummy rows (warm-up, profiling, graph capture) may be left in")
             break
     if step_T is not None and T:
         S = int(step_T.max()) + 1
         for li in range(L):
-            n_S = np.bincount(step_T, minlength=S)
-            mv_S = per_step_maxvio(*step_expert_counts(step_T, ids_LTK[li], num_experts), n_S, K, num_experts)
+            st_l, ids_l = step_T[rows(li)], ids_LTK[li][rows(li)]
+            n_S = np.bincount(st_l, minlength=S)
+            mv_S = per_step_maxvio(*step_expert_counts(st_l, ids_l, num_experts), n_S, K, num_experts)
             ok = n_S * K / num_experts >= 16
             if ok.sum() < 3:
                 continue

@@ -21,6 +21,7 @@ register(Importer(
             "a request id and a step field (names: the field table below)",
     drops="dummy blocks (a run of `--warmup-min-rows` rows of one layer with one expert set, or a "
           "power-of-two step of one expert set: warm-up, profiling, graph capture; whatever their weights), "
-          "exact repeats of a record, tokens missing some layers (generation stopped, log cut mid-pass); "
+          "exact repeats of a record; a token missing some layers (generation stopped, log cut mid-pass) keeps "
+          "the layers it has under a per-layer token mask, with a warning (`--drop-incomplete-tokens` drops it); "
           "unknown fields are ignored and listed; absent weights become 1/K",
     sniff=sniff, load=lambda path, fmt, opts: load_records(path, fmt, opts), priority=40))

@@ -30,7 +30,10 @@ What happens to a log, in order (every drop is counted in the trace's ``import_r
    reason.
 6. **Duplicates within a step** (same request, position and layer): equal ones dropped, different
    ones an error naming both records.
-7. **Tokens missing layers** (generation stopped, log cut mid-pass): dropped.
+7. **Tokens missing layers** (generation stopped, log cut mid-pass, a layer not logged for some
+   tokens): kept at the layers they have, under a per-layer token mask (``token_mask`` [L, T]),
+   with a warning giving their count; ``incomplete_tokens="drop"`` (``--drop-incomplete-tokens``)
+   drops them instead, as earlier versions did.
 8. The sanity pass (``common.sanity_warnings``) warns about what still looks like dummy traffic.
 """
 
@@ -457,7 +460,7 @@ def load_records(path: Path, fmt: str, opts: ImportOptions) -> Imported:
         keep[b] = False
         n_dup += len(b)
     report["duplicate_records_dropped"] = n_dup
-    # -- tokens missing layers
+    # -- tokens missing layers: kept at the layers they have (a per-layer token mask), or dropped
     layer_ids = [int(x) for x in logged] if logged is not None else (
         sorted(int(x) for x in np.unique(lay[keep])) if keep.any() else [])
     if not layer_ids:
@@ -466,33 +469,48 @@ def load_records(path: Path, fmt: str, opts: ImportOptions) -> Imported:
     uk, tinv = np.unique(tkey[keep], return_inverse=True)
     per_tok = np.bincount(tinv, minlength=len(uk))
     complete = per_tok == L
-    report["tokens_missing_layers_dropped"] = int((~complete).sum())
-    report["records_of_incomplete_tokens_dropped"] = int(per_tok[~complete].sum())
-    kidx = np.flatnonzero(keep)
-    keep[kidx[~complete[tinv]]] = False
-    if not keep.any():
-        raise err(where, f"expected at least one token with all {L} layers, found none")
-    uk, tinv = np.unique(tkey[keep], return_inverse=True)     # token order: (step, request, position)
+    n_incomplete = int((~complete).sum())
+    if n_incomplete:
+        report["tokens_missing_layers"] = n_incomplete
+    drop = opts.incomplete_tokens == "drop"
+    report["tokens_missing_layers_dropped"] = n_incomplete if drop else 0
+    report["records_of_incomplete_tokens_dropped"] = int(per_tok[~complete].sum()) if drop else 0
+    if drop:
+        kidx = np.flatnonzero(keep)
+        keep[kidx[~complete[tinv]]] = False
+        if not keep.any():
+            raise err(where, f"expected at least one token with all {L} layers, found none")
+        uk, tinv = np.unique(tkey[keep], return_inverse=True)  # token order: (step, request, position)
     T = len(uk)
     li = np.searchsorted(np.asarray(layer_ids), lay[keep])
-    ids_LTK = np.empty((L, T, K), np.int64)
-    w_LTK = np.empty((L, T, K), np.float32)
+    # rows a token lacks hold filler (experts 0..K-1, weight 0) under a mask of 0: never read as routing
+    ids_LTK = np.broadcast_to(np.arange(K, dtype=np.int64), (L, T, K)).copy()
+    w_LTK = np.zeros((L, T, K), np.float32)
     ids_LTK[li, tinv] = ids[keep]
     w_LTK[li, tinv] = w[keep]
+    mask_LT = np.zeros((L, T), np.uint8)
+    mask_LT[li, tinv] = 1
     step_T = np.empty(T, np.int64)
     step_T[tinv] = step[keep]
     _, step_T = np.unique(step_T, return_inverse=True)        # dense 0..S-1, order kept
     step_T = step_T.reshape(-1)
     tensors = {"topk_ids": ids_LTK, "topk_weights": w_LTK, "step": step_T.astype(np.int32)}
+    if not drop and n_incomplete:
+        tensors["token_mask"] = mask_LT
+        missing = int(L * T - mask_LT.sum())
+        report.setdefault("warnings", []).append(
+            f"{n_incomplete} of {T} tokens miss some of the {L} layers ({missing} (token, layer) rows absent): each "
+            "is kept at the layers it has (a per-layer token mask); --drop-incomplete-tokens drops them instead")
     S = int(step_T.max()) + 1
     steps = f"{steps_rule}: {S} step(s), tokens ordered by step, request, {names['token']}"
     report["tokens"], report["layers"], report["steps"] = T, L, S
-    if report["tokens_missing_layers_dropped"] > T:
+    if n_incomplete > T - n_incomplete:
         report.setdefault("warnings", []).append(
-            f"{report['tokens_missing_layers_dropped']} tokens miss some layers (more than the {T} kept): the step "
+            f"{n_incomplete} tokens miss some layers (more than the {T - n_incomplete} complete ones): the step "
             "rule may split passes wrongly; try --steps-from group or none")
     report.setdefault("warnings", []).extend(
-        sanity_warnings(ids_LTK, step_T, E, layer_ids, opts.dominant_share))
+        sanity_warnings(ids_LTK, step_T, E, layer_ids, opts.dominant_share, mask_LT if n_incomplete and not drop
+                        else None))
     if not report["warnings"]:
         del report["warnings"]
     src_model = meta_line.get("model_id") or meta_line.get("model")

@@ -1,0 +1,129 @@
+"""Why DeepEP's EP16 internode rows are missed: the sourced mechanisms, checked at the published rates.
+
+Used by ``benchmarks/fidelity_gpu.py`` (section "DeepEP EP16 internode" of docs/results/fidelity_gpu.md).
+Every figure is computed from the same plans as the fidelity rows: ``normal_plan(ep)`` gives the
+``deepep`` plan of the row's setup, ``published`` the published GB/s of the EP8 / EP16 dispatch rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+H = 7168
+
+# -- why DeepEP's EP16 internode row is missed: the sourced mechanisms checked ----------------------
+# DeepEP V1 ("legacy") normal kernels, deepseek-ai/DeepEP csrc/kernels/intranode.cu and internode.cu:
+# both kernels run ``num_sms / 2`` channels, one SM pair each (intranode: even SMs send, odd SMs
+# receive; internode: even SMs are the NVLink forwarders, odd SMs the RDMA senders and NVLink
+# receivers). The intranode kernel has 768 threads = 24 warps per SM, split over the 8 ranks (3 warps
+# per peer); an internode forwarder SM has one warp per NVLink peer (its own GPU included) plus a
+# coordinator; an internode receiver SM one warp per source forwarder.
+INTRANODE_WARPS_PER_SM = 24
+INTRANODE_WARPS_PER_PEER = 3
+FORWARDER_WARPS_PER_PEER = 1
+# deep_ep/buffer.py Buffer.get_dispatch_config(16): Config(num_sms, 36, 288, 20, 128) =
+# NVLink chunk / NVLink buffer / RDMA chunk / RDMA buffer, in tokens per channel and peer
+DEEPEP_EP16_NVL_BUFFER_TOKENS = 288
+DEEPEP_EP16_RDMA_BUFFER_TOKENS = 128
+
+
+def _last_hop_RR(plan) -> np.ndarray:
+    """int64 [R, R]: rows the last hop moves from each (relay) rank to each rank (diagonal: own)."""
+    R = plan.ranks
+    h = plan.hops[-1]
+    return np.bincount(h.src_rank_M * R + h.dst_rank_M, minlength=R * R).reshape(R, R)
+
+
+def relay_diagnostic(topos: dict, normal_plan, published: dict) -> dict:
+    """The EP16 miss: what the busiest ports and copy roles carry at the *published* EP8 and EP16
+    rates, against each limit DeepEP's source suggests (computed from the same plans as the rows;
+    time = counted bytes / published rate, less the kernel's fixed cost)."""
+    h800, b200 = topos["h800-cx7"], topos["b200"]
+    row = H * (1 + 4 / 128)
+    fixed = h800.kernel_dispatch_fixed_us
+    p8, p16 = normal_plan(8), normal_plan(16)
+    c8, c16 = _last_hop_RR(p8), _last_hop_RR(p16)
+    own8, own16 = np.diag(c8), np.diag(c16)
+    recv8_R = c8.sum(axis=0)                            # rows each rank holds, its own included
+    pub8, pub16 = float(published["normal-ep8-dispatch"]), float(published["normal-ep16-dispatch"])
+    t8 = float(recv8_R.mean()) * row / (pub8 * 1e3) - fixed  # us of copying at the published rate
+    pairs16 = p16.hops[0].src_rank_M.size / 16               # counted (token, node) pairs per rank
+    t16 = pairs16 * row / (pub16 * 1e3) - fixed
+    rate = lambda rows, t: float(rows) * row / t / 1e3  # GB/s  # noqa: E731
+    nv8, all8 = rate((recv8_R - own8).max(), t8), rate(recv8_R.max(), t8)
+    fwd16, fwdall16 = rate((c16.sum(axis=1) - own16).max(), t16), rate(c16.sum(axis=1).max(), t16)
+    link = h800.nvlink_bytes_per_us / 1e3
+    # (a) own rows: the forwarder writes its own GPU's rows too; counted on both rows the ratio stays
+    own_share8 = float(own8.sum() / c8.sum())
+    own_share16 = float(own16.sum() / c16.sum())
+    # (b) SM roles, at the per-SM copy rate fitted on B200 (half of a kernel's SMs copy each way)
+    per_sm = 2 * b200.sm_copy_GBps
+    per_warp = per_sm / INTRANODE_WARPS_PER_SM
+    ch = 24 // 2
+    hop0 = p16.hops[0]
+    h0 = np.bincount(hop0.src_rank_M * 16 + hop0.dst_rank_M, minlength=256).reshape(16, 16)
+    recv_role = rate((h0.sum(axis=1) + c16.sum(axis=0)).max(), t16)  # RDMA-sender copies + NVLink receives
+    pair16 = rate(c16.max(), t16)
+    pair8 = rate((c8 - np.diag(own8)).max(), t8)
+    # (c) windows: bytes a channel may have in flight to one peer, over the pair's load
+    rdma_pair = rate((h0 - np.diag(np.diag(h0))).max(), t16)
+    lat_rdma = ch * DEEPEP_EP16_RDMA_BUFFER_TOKENS * row / (rdma_pair * 1e3)
+    lat_nvl = ch * DEEPEP_EP16_NVL_BUFFER_TOKENS * row / (pair16 * 1e3)
+    out = dict(
+        nvlink_GBps=link, ep8_nvlink_in_GBps=nv8, ep16_forward_out_GBps=fwd16,
+        forward_vs_intranode=fwd16 / nv8,
+        own_share_ep8=own_share8, own_share_ep16=own_share16, ep8_all_rows_GBps=all8, ep16_all_rows_GBps=fwdall16,
+        own_rows_ratio=fwdall16 / all8,
+        sm_role_cap_GBps=ch * per_sm, forwarder_role_GBps=fwdall16, receiver_role_GBps=recv_role,
+        per_warp_GBps=per_warp, forwarder_pair_cap_GBps=ch * FORWARDER_WARPS_PER_PEER * per_warp,
+        forwarder_pair_GBps=pair16, intranode_pair_cap_GBps=ch * INTRANODE_WARPS_PER_PEER * per_warp,
+        intranode_pair_GBps=pair8,
+        forwarder_warp_bound_GBps=pub16 * ch * FORWARDER_WARPS_PER_PEER * per_warp / pair16,
+        warp_rate_to_bind_GBps=pair16 / (ch * FORWARDER_WARPS_PER_PEER),
+        rdma_pair_GBps=rdma_pair, rdma_window_bind_us=lat_rdma, nvl_window_bind_us=lat_nvl,
+        nic_latency_us=h800.nic_latency_us, nvlink_latency_us=h800.nvlink_latency_us, channels=ch)
+    return out
+
+
+def render_diagnostic(d: dict) -> list[str]:
+    """The EP16 section of the report (every figure computed by :func:`relay_diagnostic`)."""
+    f = lambda v: f"{v:.1f}"  # noqa: E731
+    return [
+        "## DeepEP EP16 internode: the miss, and the sourced mechanisms checked", "",
+        "The model binds EP16 on the relays' NVLink forwarding. At the *published* rates (time = counted bytes / "
+        "published GB/s, less the fixed cost) the busiest EP8 NVLink-in carries "
+        f"{f(d['ep8_nvlink_in_GBps'])} GB/s and the busiest EP16 relay forwards {f(d['ep16_forward_out_GBps'])} GB/s "
+        f"to other GPUs: DeepEP's forwarders reach {100 * d['forward_vs_intranode']:.1f}% of the NVLink rate its "
+        f"intranode kernel reaches (the model's port: {f(d['nvlink_GBps'])} GB/s, fitted on EP8). Leads from "
+        "deepseek-ai/DeepEP `csrc/kernels/internode.cu` (V1), each at the published EP16 rate:", "",
+        "| mechanism (source) | load at the published rate | limit | binds? |", "| --- | --- | --- | --- |",
+        f"| (a) a forwarder also writes its own GPU's rows (one warp per NVLink peer, its own included) | own rows "
+        f"{100 * d['own_share_ep16']:.1f}% of EP16's forwarded rows, {100 * d['own_share_ep8']:.1f}% of EP8's "
+        f"received rows (counted by DeepEP's `recv_x`) | counting them on both sides: EP16 all rows "
+        f"{f(d['ep16_all_rows_GBps'])} vs EP8 {f(d['ep8_all_rows_GBps'])} GB/s, ratio {d['own_rows_ratio']:.3f} | "
+        "no: the same share on both, so the refit cancels it |",
+        f"| (b) SM roles: `num_sms / 2` channels; even SMs forward, odd SMs send RDMA and receive NVLink | forwarder "
+        f"SMs {f(d['forwarder_role_GBps'])}, RDMA-sender + receiver SMs {f(d['receiver_role_GBps'])} GB/s | "
+        f"{d['channels']} SMs x 2 x `sm_copy_GBps` (B200-fitted) = {f(d['sm_role_cap_GBps'])} GB/s | no |",
+        f"| (b) warps: 1 forwarder warp per (channel, peer), intranode 3 | busiest (relay, peer) pair "
+        f"{f(d['forwarder_pair_GBps'])} GB/s (intranode pair {f(d['intranode_pair_GBps'])}) | {d['channels']} x 1 x "
+        f"{d['per_warp_GBps']:.2f} GB/s per warp (B200 per-SM rate / 24 warps) = {f(d['forwarder_pair_cap_GBps'])} "
+        f"(intranode {d['channels']} x 3: {f(d['intranode_pair_cap_GBps'])}) | no: would cap EP16 at "
+        f"{f(d['forwarder_warp_bound_GBps'])} GB/s, above the NVLink bound; binds at the published rate only if an "
+        f"H800 warp moves <= {d['warp_rate_to_bind_GBps']:.2f} GB/s (unpublished) |",
+        f"| (c) windows: `get_dispatch_config(16)` buffers of {DEEPEP_EP16_RDMA_BUFFER_TOKENS} RDMA / "
+        f"{DEEPEP_EP16_NVL_BUFFER_TOKENS} NVLink tokens per channel and peer (DeepEP's test also sweeps the chunk "
+        f"sizes and reports the best) | busiest RDMA pair {f(d['rdma_pair_GBps'])}, NVLink pair "
+        f"{f(d['forwarder_pair_GBps'])} GB/s | binds only at a round trip of {d['rdma_window_bind_us']:.0f} / "
+        f"{d['nvl_window_bind_us']:.0f} us (latencies {d['nic_latency_us']:g} / {d['nvlink_latency_us']:g} us) | no |",
+        "",
+        f"None of them closes the miss, so no term was added: the remaining {100 * (1 / d['forward_vs_intranode'] - 1):.0f}% "
+        "is a forwarding cost with no "
+        "published H800 constant (the forwarder copies each row with one warp per peer and scans every row of the "
+        "channel for its peer bit -- per-warp latency, which only an H800 measurement could size; fitting it on this "
+        "row would make the row a fit, not a check). Provenance: EP16's 43 / 43 GB/s is the README table of "
+        "2025-02; PR #130 (2025-04-22: IBGDA instead of IBRC, a QP per channel) re-listed EP32 (44 -> 58, 47 -> 57) "
+        "and EP64 (46 -> 51, 45 -> 50) only. At EP16 the NIC carries "
+        f"{f(d['rdma_pair_GBps'])} GB/s at the published rate (half the counted pairs are the local node's), so a "
+        "transport change is not expected to move EP16: the miss is the model's, not the row's age. The EP16 combine "
+        "(the same rows in reverse, bound on the relays' NVLink-in) misses for the same reason.", ""]

@@ -1,0 +1,204 @@
+"""Whole steps from a scenario: each MoE layer's routing, then the step model (``moonep_sim.step``).
+
+Notation: R ranks, T tokens per rank, L_moe MoE layers.
+
+Routing per MoE layer i (:func:`layer_source`):
+
+- generated routing (``gen:``): MoE layer i is generated layer i (seed ``seed * 1009 + i``), at
+  the step's tokens per rank; with ``distinct_layers`` N > 0 (the fast path) only layer 0 is
+  generated, N-1 more routings are layer 0 with its experts relabelled (:func:`relabel_experts`:
+  same skew, other hot experts and ranks), those N are planned and simulated, and MoE layer i
+  reuses routing ``i mod N`` (flagged per layer in the output). The default 0 gives every layer
+  its own generated routing;
+- a trace: MoE layer i is the trace's i-th layer; a layer the trace does not have is a
+  **stand-in**: generated at the trace's measured skew (the mean maxvio of its layers, MoonEP's
+  lognormal popularity, seed i), flagged as such in the output. A trace's tokens set T (its
+  tokens of the selected steps over R); with several steps selected each is its own step
+  (:func:`run_step` returns one result per step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from moonep_sim.errors import require
+from moonep_sim.experiments.results import _TakeAway
+from moonep_sim.experiments.routing import GeneratorSpec, RoutingSource
+from moonep_sim.models import ModelSpec
+from moonep_sim.plan import GlobalRouting
+
+
+@dataclass(frozen=True, repr=False)
+class StepResult(_TakeAway):
+    """Every strategy's step (``figures[name]``: the JSON contract of ``moonep-sim step``), the
+    setup, and the composed timelines (``timelines[name]``, for ``--timeline`` / ``--gantt``)."""
+
+    strategies: tuple[str, ...]
+    figures: dict[str, dict[str, Any]]
+    setup: dict[str, Any]
+    timelines: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        from moonep_sim.experiments.flags import step_flags
+        from moonep_sim.experiments.verdict import step_verdict
+
+        opts = {n: {} for n in self.strategies} | dict(self.setup.get("options") or {})
+        flags = step_flags(self.setup, opts, {"name": self.setup.get("model")})
+        return {"kind": "step", "setup": self.setup, "strategies": self.figures, "flags": flags,
+                "verdict": step_verdict(self.figures, flags)}
+
+
+def layer_source(source: RoutingSource, ranks: int, tokens: int, moe_layers: int, distinct: int = 0,
+                 steps_T: np.ndarray | None = None) -> Callable[[int], tuple[Any, GlobalRouting, str]]:
+    """MoE layer index -> (key, routing, provenance) (see the module docstring). ``steps_T``: a
+    trace's token indices of the one step to use (None: every selected token)."""
+    memo: dict[Any, GlobalRouting] = {}
+    if source.gen is not None:
+        g = dataclasses.replace(source.gen, tokens_per_rank=tokens)
+        src = dataclasses.replace(source, gen=g)
+
+        def gen(i: int):
+            if not distinct:
+                if i not in memo:
+                    memo[i] = src.global_routing(i, ranks)
+                return ("gen", i), memo[i], f"generated layer {i}"
+            j = i % distinct
+            if j not in memo:
+                if 0 not in memo:
+                    memo[0] = src.global_routing(0, ranks)
+                memo[j] = memo[0] if j == 0 else relabel_experts(memo[0], g.seed * 1009 + j,
+                                                                  g.groups or source.model.n_groups)
+            how = "generated layer 0" if j == 0 else f"generated layer 0, experts relabelled (seed {g.seed * 1009 + j})"
+            if j != i:
+                how += f" (reused: --distinct-layers {distinct})"
+            return ("gen", j), memo[j], how
+        return gen
+    ids = list(source.layer_ids)
+    have = len(ids)
+    skew: list[float] = []
+
+    def measured_maxvio() -> float:
+        if not skew:
+            from moonep_sim.routing.metrics import maxvio
+
+            skew.append(float(np.mean([maxvio(np.bincount(_trace_layer(source, l, ranks, steps_T).topk_ids_TK.ravel(),
+                                                          minlength=source.num_experts)) for l in ids])))
+        return skew[0]
+
+    def trace(i: int):
+        if i < have:
+            if i not in memo:
+                memo[i] = _trace_layer(source, ids[i], ranks, steps_T)
+            return ("trace", i), memo[i], f"trace layer {ids[i]}"
+        mv = measured_maxvio()
+        if ("standin", i) not in memo:
+            spec = GeneratorSpec(model=source.model.name, maxvio=max(mv, 1e-3), tokens_per_rank=tokens, seed=i)
+            memo[("standin", i)] = dataclasses.replace(source, gen=spec).global_routing(i, ranks)
+        return ("standin", i), memo[("standin", i)], (f"STAND-IN: generated at the trace's measured maxvio {mv:.3g} "
+                                                       f"(the trace has {have} layer(s))")
+    return trace
+
+
+def relabel_experts(r: GlobalRouting, seed: int, groups: int = 1) -> GlobalRouting:
+    """``r`` with its experts renamed by a seeded random permutation: the same popularity
+    statistics (the sorted per-expert counts, the maxvio, the co-selection structure), other hot
+    experts on other home ranks. With expert groups (group-limited routing) the permutation keeps
+    groups whole (groups permuted, experts permuted within them), so a token still spans its groups.
+    One gather over the entries: the fast path's per-layer stand-in for a fresh draw."""
+    E = r.num_experts
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed), 11]))
+    G = max(int(groups), 1)
+    per = E // G
+    g_perm = rng.permutation(G)
+    within = np.argsort(rng.random((G, per)), axis=1)
+    perm_E = (g_perm[:, None] * per + within).reshape(-1)[np.arange(E).reshape(G, per).reshape(-1)]
+    return GlobalRouting(perm_E[r.topk_ids_TK], r.topk_weights_TK, r.tokens_per_rank_R, E)
+
+
+def _trace_layer(source: RoutingSource, layer_id: int, ranks: int, steps_T: np.ndarray | None) -> GlobalRouting:
+    lr = source.selected_layer(layer_id) if source._trace is not None else source.layer(layer_id, ranks)
+    ids, w = lr.topk_ids_TK, lr.topk_weights_TK
+    if steps_T is not None:
+        ids, w = ids[steps_T], w[steps_T]
+    return GlobalRouting.split_evenly(ids, w, source.num_experts, ranks)
+
+
+def trace_steps(source: RoutingSource) -> list[np.ndarray | None]:
+    """Token indices (into the selected tokens) of each recorded step of a trace; [None] when the
+    trace holds one step (every token is one batch)."""
+    st = source.selected_steps_T()
+    if st is None:
+        return [None]
+    chosen = np.unique(st)
+    if chosen.size <= 1:
+        return [None]
+    return [np.flatnonzero(st == s) for s in chosen.tolist()]
+
+
+def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank: int | None = None,
+             context: int | None = None, model: ModelSpec | None = None, distinct_layers: int = 0,
+             compute_profile: str | None = None, gemm_dtype: str = "bf16", recompute: bool = False,
+             optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
+             static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
+             cluster: str | None = None) -> list[StepResult]:
+    """The step(s) of ``scenario`` (an :class:`~moonep_sim.experiments.scenario.Scenario`): one
+    result, or one per recorded step of a trace with several steps. The step's distinct MoE layers
+    are planned and simulated in ``jobs`` worker processes or on a Dask ``cluster``
+    (:func:`moonep_sim.experiments.parallel.run_points`; each layer independently, same result)."""
+    from moonep_sim.step import CostModel, MemoryOptions, StepConfig, read_profile, simulate_step, step_shape
+
+    rs = scenario.resolved
+    src = rs.source
+    m = model or src.model
+    require((m.num_experts, m.top_k) == (src.num_experts, src.top_k),
+            f"model ({m.name}: E={m.num_experts}, K={m.top_k}) must match the routing (E={src.num_experts}, "
+            f"K={src.top_k})")
+    require(distinct_layers >= 0, f"distinct layers ({distinct_layers}) must be >= 0 (0 = every layer its own)")
+    R = rs.cluster.ranks
+    static = dict(static_tokens or {})
+    names = [n for n, _ in rs.strategies]
+    for s, S in static.items():
+        require(s in names, f"static buffer strategy ({s!r}) must be one of the strategies ({', '.join(names)})")
+        require(int(S) >= 1, f"static buffer tokens ({S}) of {s} must be >= 1")
+    costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None)
+    mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
+    out = []
+    for steps_T in trace_steps(src) if src.gen is None else [None]:
+        if src.gen is not None:
+            T = int(tokens_per_rank or src.gen.tokens_per_rank)
+        else:
+            n = int(steps_T.size) if steps_T is not None else int(src.tokens or 0)
+            require(tokens_per_rank is None or tokens_per_rank * R == n,
+                    f"tokens per rank ({tokens_per_rank}) must be the trace's tokens over the ranks ({n} / {R}): "
+                    "a trace sets the batch")
+            require(n >= R, f"trace tokens ({n}) must be >= ranks ({R})")
+            T = n // R
+        shape = step_shape(m, mode, T, context)
+        for s, S in static.items():
+            require(int(S) >= T, f"static buffer tokens ({S}) of {s} must be >= the tokens per rank ({T})")
+        cfg = StepConfig(m, rs.topology, rs.ctx, rs.strategies, shape, overlap, costs, mem, static)
+        pool = None
+        if cluster or (jobs or 1) != 1:
+            from moonep_sim.experiments.parallel import run_points
+
+            pool = lambda fn, items: run_points(fn, items, jobs=jobs, cluster=cluster)
+        res = simulate_step(cfg, layer_source(src, R, T, m.moe_layers, distinct_layers, steps_T), progress, pool)
+        timelines = res.pop("_timelines")
+        setup = {k: v for k, v in res.items() if k != "strategies"}
+        setup.update(model=m.name, ranks=R, gpus_per_node=rs.cluster.gpus_per_node, topology=rs.topology.name,
+                     routing=src.describe(), gemm_dtype=gemm_dtype, compute_profile=compute_profile,
+                     distinct_layers=distinct_layers, recompute=recompute, jobs=jobs, cluster=cluster,
+                     options={n: {k: str(v) for k, v in o.items()} for n, o in rs.strategies},
+                     stand_ins=sum(1 for p in res["layers_routing"] if p.startswith("STAND-IN")),
+                     reused_layers=sum(1 for p in res["layers_routing"] if "reused" in p),
+                     step_tokens=int(steps_T.size) if steps_T is not None else None,
+                     gpu_tflops=rs.topology.gpu_tflops, gpu_memory_GiB=rs.topology.gpu_memory_GiB)
+        out.append(StepResult(tuple(res["strategies"]), res["strategies"], setup, timelines))
+    return out
+
+
+__all__ = ["StepResult", "layer_source", "relabel_experts", "run_step", "trace_steps"]

@@ -1,0 +1,404 @@
+"""The verdict of a comparison: who wins, by how much, how sure, and which term of the results
+accounts for the margin -- computed from the figures, never written in advance.
+
+A verdict is the dict ``{winner, runner_up, margin, tie, confidence, mechanism, why}`` (plus
+``others``: the same reading of every other strategy against the winner, and ``terms_us``):
+
+- ``winner``: the fastest strategy that drops no row (a strategy that drops did less work; it
+  wins only when every strategy drops). ``runner_up``: the next one. ``margin``: runner-up time /
+  winner time - 1.
+- ``tie``: the difference is within the spread over the units compared (steps, else layers; and
+  seeds where there are several), or under :data:`TIE` (identical figures).
+- ``confidence``: ``{level, basis, units}``; ``level`` is ``high`` (the winner is faster in
+  every unit and the spread excludes a tie), ``medium`` (the spread excludes a tie but the winner
+  loses some units), ``tie``, or ``single sample`` (one unit: no spread to measure; ``basis`` says
+  the margin was judged against :data:`TIE` only).
+- ``mechanism``: the term of :data:`MECHANISMS` whose difference between the two strategies is
+  the largest part of the margin; ``why``: one sentence built from the figures behind it.
+
+Terms (microseconds, per layer; they sum to the layer time): the simulated layer time is split
+along its critical rank (:func:`moonep_sim.experiments.compare.critical_breakdown`: planning,
+dispatch and waiting for copied weights, expert compute, combine). Its communication part is split
+into kernel fixed costs (the simulator's ``*.fixed`` spans), weight copies (prefetch, migrate and
+gradient-reduce spans) and token traffic, the last apportioned to inter-node and intra-node bytes
+by each class's bytes over its bandwidth (forward bytes of the Plan, diagonal excluded). Expert
+compute is split into padding (the padded share of the critical rank's rows) and the rest
+(expert-compute imbalance: rows on the busiest rank). A strategy that drops a fraction f of its
+entries is credited the work it skipped (its compute and token traffic x f / (1 - f)) as a
+negative ``dropped rows`` term, so the terms still sum to its time. The decomposition is an
+attribution, not a counterfactual simulation: it names the largest term, and its share.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+#: relative difference under which two times are the same figure (a planner that planned no copy
+#: and its base strategy); the same threshold as winner-map cells
+TIE = 5e-4
+
+#: the mechanisms a verdict may name, and what each term measures
+MECHANISMS = {
+    "inter-node bytes": "token rows crossing nodes (NIC / RDMA), over the NIC bandwidth",
+    "intra-node bytes": "token rows crossing NVLink inside a node, over the NVLink bandwidth",
+    "weight copies": "expert weights moved before compute (prefetch, migrate) and gradients sent home",
+    "expert-compute imbalance": "expert compute of the critical rank's real rows (the busiest rank's load)",
+    "planning": "the planning step: count all-gather, planner work (host planners included)",
+    "kernel fixed costs": "fixed launch costs of the dispatch and combine kernels, per hop",
+    "padding": "expert compute of padded rows (capacity slots, token padding, static buffers)",
+    "dropped rows": "work a strategy skipped by dropping entries (credited to it, negative)",
+}
+
+_GiB, _MiB = 2**30, 2**20
+
+
+# -- one strategy's figures, from its Plan and its simulation -------------------------------------------
+def figures(plan, sim: Mapping[str, Any], topo=None) -> dict[str, Any]:
+    """The figures a verdict reads, for one (strategy, layer): from the Plan (bytes per class,
+    rows, drops, copies) and the simulator's result dict (critical-path parts, phase spans).
+    ``topo``: the topology (its NVLink / NIC bandwidths weigh the byte classes)."""
+    from moonep_sim.experiments.compare import critical_breakdown
+    from moonep_sim.plan.kinds import PhaseKind
+
+    tok = {"intra": 0, "inter": 0}
+    wts = {"intra": 0, "inter": 0}
+    for p in plan.phases("forward"):
+        intra, inter = p.split_bytes(plan.cluster)
+        d = tok if p.kind in (PhaseKind.DISPATCH, PhaseKind.COMBINE) else wts
+        d["intra"] += intra
+        d["inter"] += inter
+    crit = critical_breakdown(dict(sim))
+    phases = {k: float(v) for k, v in (sim.get("phases_us") or {}).items()}
+    real, padded_R = plan.real_rows_R(), plan.rows_R()
+    r = int(np.argmax(padded_R)) if padded_R.size else 0
+    return {
+        "time_us": float(sim["layer_time_us"]),
+        "plan_us": crit["plan"], "compute_us": crit["compute"], "comm_us": crit["dispatch + wait"] + crit["combine"],
+        "fixed_us": _fixed_us(plan, topo, phases),
+        "weights_us": sum(v for k, v in phases.items() if k.split(".")[0] in ("prefetch", "migrate", "grad_reduce")),
+        "inter_node_bytes": tok["inter"], "intra_node_bytes": tok["intra"],
+        "weight_inter_bytes": wts["inter"], "weight_intra_bytes": wts["intra"],
+        "rows_max": float(real.max()) if real.size else 0.0,
+        "rows_mean": float(real.mean()) if real.size else 0.0,
+        "crit_rows": float(padded_R[r]) if padded_R.size else 0.0,
+        "crit_real_rows": float(real[r]) if real.size else 0.0,
+        "padded": int(plan.padded), "dropped": int(plan.dropped), "entries": int(plan.num_tokens * plan.top_k),
+        "weight_copies": int(plan.weight_copies), "migrations": int(plan.migrate_expert_X.size),
+        "weight_bytes": int((plan.weight_copies + plan.migrate_expert_X.size) * plan.costs.weight_bytes),
+        "duplicates_avoided": int(plan.entry_dup_TK.sum()), "hops": len(plan.hops),
+        "nic_GBps": float(getattr(topo, "nic_bandwidth_GBps", 0.0) or 0.0),
+        "nvlink_GBps": float(getattr(topo, "nvlink_bandwidth_GBps", 0.0) or 0.0),
+    }
+
+
+def _fixed_us(plan, topo, phases: Mapping[str, float]) -> float:
+    """Fixed kernel costs on a rank's path: launches per direction x (dispatch + combine fixed
+    cost) from the topology (phase spans of ``*.fixed`` stretch over every rank's wait)."""
+    if topo is None or not hasattr(topo, "kernel_dispatch_fixed_us"):
+        return 0.0
+    from moonep_sim.sim.kernels import kernel_launches
+
+    n = kernel_launches(plan.kernel, len(plan.hops))
+    return float(n * (topo.kernel_dispatch_fixed_us + topo.kernel_combine_fixed_us))
+
+
+def mean_figures(items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Figures averaged over units (layers or steps): every number is the mean."""
+    if not items:
+        return {}
+    return {k: float(np.mean([float(it.get(k, 0.0)) for it in items])) for k in items[0]}
+
+
+def terms(f: Mapping[str, Any]) -> dict[str, float]:
+    """The layer time split into the :data:`MECHANISMS` terms (us); they sum to ``time_us``."""
+    comm = max(float(f["comm_us"]), 0.0)
+    fixed = min(float(f["fixed_us"]), comm)
+    weights = min(float(f["weights_us"]), comm - fixed)
+    token = comm - fixed - weights
+    wi = f["inter_node_bytes"] / max(f["nic_GBps"], 1e-9) if f["inter_node_bytes"] else 0.0
+    wa = f["intra_node_bytes"] / max(f["nvlink_GBps"], 1e-9) if f["intra_node_bytes"] else 0.0
+    inter = token * wi / (wi + wa) if wi + wa > 0 else 0.0
+    intra = token - inter
+    comp = float(f["compute_us"])
+    pad_share = (f["crit_rows"] - f["crit_real_rows"]) / f["crit_rows"] if f["crit_rows"] > 0 else 0.0
+    padding = comp * min(max(pad_share, 0.0), 1.0)
+    imb = comp - padding
+    drop = f["dropped"] / f["entries"] if f["entries"] else 0.0
+    skipped = 0.0
+    if 0 < drop < 1:  # the work it skipped, put back into the terms it would have grown, then credited
+        g = drop / (1 - drop)
+        skipped = (imb + inter + intra) * g
+        imb, inter, intra = imb * (1 + g), inter * (1 + g), intra * (1 + g)
+    return {"inter-node bytes": inter, "intra-node bytes": intra, "weight copies": weights,
+            "expert-compute imbalance": imb, "planning": float(f["plan_us"]), "kernel fixed costs": fixed,
+            "padding": padding, "dropped rows": -skipped}
+
+
+# -- the verdict -------------------------------------------------------------------------------------
+def _t(us: float) -> str:
+    if abs(us) >= 1e6:
+        return f"{us / 1e6:.3g} s"
+    return f"{us / 1e3:.3g} ms" if abs(us) >= 1000 else f"{us:.3g} us"
+
+
+def _bytes(b: float) -> str:
+    return f"{b / _GiB:.3g} GiB" if b >= _GiB / 4 else f"{b / _MiB:.3g} MiB"
+
+
+def _why(mech: str, w: str, r: str, fw: Mapping[str, Any], fr: Mapping[str, Any], tw: dict, tr: dict,
+         unit: str) -> str:
+    """One sentence from the numbers behind ``mech`` (w the faster, r the slower strategy)."""
+    d = tr[mech] - tw[mech]
+    per = f" per {unit}"
+    if mech in ("inter-node bytes", "intra-node bytes"):
+        key = "inter_node_bytes" if mech == "inter-node bytes" else "intra_node_bytes"
+        where = "across nodes" if key == "inter_node_bytes" else "over NVLink inside nodes"
+        s = f"{w} moves {_bytes(fw[key])} of token rows {where}{per} where {r} moves {_bytes(fr[key])}"
+        dup = fw["duplicates_avoided"] - fr["duplicates_avoided"]
+        if dup > 0 and fw[key] < fr[key]:
+            kind = "node deduplication" if fw["hops"] > 1 else "deduplication"
+            s += f" ({kind}: {dup:,.0f} more duplicate rows not sent)"
+        elif fw["hops"] != fr["hops"]:
+            s += f" ({fw['hops']:.0f} hop(s) against {fr['hops']:.0f})"
+        return s + f"; {_t(d)} of token traffic"
+    if mech == "weight copies":
+        slow, fast, fs, ff = (r, w, fr, fw) if d > 0 else (w, r, fw, fr)
+        return (f"{slow} copies {fs['weight_copies'] + fs['migrations']:.3g} expert(s){per} ({_bytes(fs['weight_bytes'])} of "
+                f"weights, {_t(abs(d))} longer on the critical path) where {fast} copies "
+                f"{ff['weight_copies'] + ff['migrations']:.3g} ({_bytes(ff['weight_bytes'])})")
+    if mech == "expert-compute imbalance":
+        return (f"{r}'s busiest rank computes {fr['rows_max']:,.0f} rows{per} where {w}'s computes {fw['rows_max']:,.0f} "
+                f"(max/mean {fr['rows_max'] / max(fr['rows_mean'], 1e-12):.2f} against "
+                f"{fw['rows_max'] / max(fw['rows_mean'], 1e-12):.2f}); {_t(d)} of expert compute")
+    if mech == "planning":
+        return f"{r} spends {_t(tr[mech])} planning{per} where {w} spends {_t(tw[mech])}"
+    if mech == "kernel fixed costs":
+        return (f"{r} pays {_t(tr[mech])} of fixed kernel costs{per} ({fr['hops']:.0f} hop(s)) where {w} pays "
+                f"{_t(tw[mech])} ({fw['hops']:.0f} hop(s))")
+    if mech == "padding":
+        return (f"{r}'s critical rank computes {fr['crit_rows']:,.0f} rows of which {fr['crit_rows'] - fr['crit_real_rows']:,.0f} "
+                f"are padding{per}, where {w}'s computes {fw['crit_rows']:,.0f} ({fw['crit_rows'] - fw['crit_real_rows']:,.0f} "
+                f"padding); {_t(d)} of expert compute")
+    # dropped rows: the faster one skipped work
+    return (f"{w} drops {fw['dropped']:,.0f} of {fw['entries']:,.0f} entries{per} (about {_t(-tw[mech])} of work "
+            f"skipped) where {r} drops {fr['dropped']:,.0f}")
+
+
+def attribute(fw: Mapping[str, Any], fr: Mapping[str, Any]) -> tuple[str, float, dict[str, float], dict[str, float]]:
+    """(mechanism, its share of the difference, winner's terms, runner-up's terms): the term whose
+    difference (runner-up - winner) is largest."""
+    tw, tr = terms(fw), terms(fr)
+    diffs = {k: tr[k] - tw[k] for k in MECHANISMS}
+    mech = max(diffs, key=lambda k: diffs[k])
+    total = float(fr["time_us"]) - float(fw["time_us"])
+    return mech, (diffs[mech] / total if total > 0 else 0.0), tw, tr
+
+
+def confidence(series: Mapping[str, Sequence[float]] | None, w: str, r: str, margin: float, unit: str,
+               weights: Sequence[float] | None = None) -> dict[str, Any]:
+    """How sure the winner is: from the paired per-unit relative differences (r - w) / w (weighted
+    by ``weights``, e.g. tokens per step); one unit: judged against :data:`TIE` only."""
+    a = np.asarray((series or {}).get(w, []), float)
+    b = np.asarray((series or {}).get(r, []), float)
+    n = int(min(a.size, b.size))
+    if n <= 1:
+        return {"level": "tie" if margin <= TIE else "single sample", "units": n, "unit": unit,
+                "basis": (f"one {unit} (one seed): no spread to measure; the margin ({100 * margin:.2f}%) was judged "
+                          f"against the {100 * TIE:.2g}% threshold for identical figures only")}
+    d = (b[:n] - a[:n]) / np.maximum(a[:n], 1e-12)
+    wt = np.asarray(weights[:n], float) if weights is not None and len(weights) >= n else np.ones(n)
+    wt = wt / wt.sum()
+    m = float(np.sum(wt * d))
+    sd = float(np.sqrt(np.sum(wt * (d - m) ** 2)))
+    n_eff = 1.0 / float(np.sum(wt ** 2))
+    half = float(2.0 * sd / np.sqrt(n_eff))
+    wins = int(np.sum(d > TIE))
+    basis = (f"over {n} {unit}s: {r} slower by {100 * m:.2f}% +- {100 * half:.2f}% (2 x the spread of the paired "
+             f"differences / sqrt(n)); {w} faster in {wins} of {n}")
+    if margin <= TIE or m - half <= 0:
+        level = "tie"
+    elif wins == n:
+        level = "high"
+    else:
+        level = "medium"
+    return {"level": level, "units": n, "unit": unit, "basis": basis, "mean_difference": m, "spread": half}
+
+
+def verdict(figs: Mapping[str, Mapping[str, Any]], *, series: Mapping[str, Sequence[float]] | None = None,
+            unit: str = "layer", weights: Sequence[float] | None = None,
+            flags: Sequence[Mapping[str, Any]] = (), per: str = "layer") -> dict[str, Any] | None:
+    """The verdict over strategies. figs: strategy -> its figures (:func:`figures`, or their
+    :func:`mean_figures` over units); series: strategy -> time per unit (for the spread); unit:
+    what one series entry is (``step``, ``layer``, ``seed``); per: what one figure is (the
+    sentences say "per layer"); flags: the result's flags (the
+    winner's and runner-up's codes are repeated in the verdict). None without strategies."""
+    if not figs:
+        return None
+    times = {n: float(f["time_us"]) for n, f in figs.items()}
+    ok = sorted((t, n) for n, t in times.items() if not figs[n].get("dropped") and np.isfinite(t))
+    everyone = sorted((t, n) for n, t in times.items() if np.isfinite(t))
+    order = [n for _, n in (ok or everyone)] + [n for _, n in everyone if ok and figs[n].get("dropped")]
+    w = order[0]
+    if len(order) == 1:
+        return {"winner": w, "runner_up": None, "margin": 0.0, "tie": False,
+                "confidence": {"level": "single strategy", "units": 0, "unit": unit, "basis": "one strategy compared"},
+                "mechanism": None, "why": f"{w} is the only strategy compared", "others": [], "terms_us": {
+                    w: terms(figs[w])}}
+    others = []
+    for r in order[1:]:
+        margin = times[r] / times[w] - 1.0 if times[w] > 0 else 0.0
+        mech, share, tw, tr = attribute(figs[w], figs[r])
+        conf = confidence(series, w, r, margin, unit, weights)
+        tie = conf["level"] == "tie"
+        if figs[r].get("dropped") and not figs[w].get("dropped"):
+            tie = False
+            conf = {"level": "drops rows", "units": conf["units"], "unit": unit,
+                    "basis": f"{r} dropped entries: it did less work and never wins"}
+            head = f"{r} drops {figs[r]['dropped']:,.0f} entries per {per} and never wins"
+            if margin <= 0:
+                mech = "dropped rows"
+            why = (head + "; " + _why(mech, w, r, figs[w], figs[r], tw, tr, per) if margin > 0 else
+                   head + f" (it is faster by {-100 * margin:.1f}%: it did less work)")
+        elif tie and margin <= TIE:
+            why = f"{w} and {r} take the same time ({_t(times[w])} per {per}): a tie"
+        else:
+            why = _why(mech, w, r, figs[w], figs[r], tw, tr, per)
+            why += f" (of a {_t(times[r] - times[w])} difference per {per})"
+            if tie:
+                why = f"a tie within the spread ({conf['basis']}); " + why
+        others.append({"strategy": r, "margin": float(margin), "tie": tie, "confidence": conf,
+                       "mechanism": mech if not (tie and margin <= TIE) else None, "share": float(share), "why": why})
+    top = others[0]
+    if top["tie"]:  # tied at the top: say what the tied strategies beat, and by what
+        nxt = next((o for o in others if not o["tie"]), None)
+        if nxt is not None:
+            top = dict(top, why=f"{top['why']}; {w} beats {nxt['strategy']} by {100 * nxt['margin']:.1f}% "
+                                f"({nxt['mechanism']}): {nxt['why']}")
+    codes = {n: sorted({f["code"] for f in flags if f.get("strategy") == n}) for n in (w, top["strategy"])}
+    return {"winner": w, "runner_up": top["strategy"], "margin": top["margin"], "tie": top["tie"],
+            "confidence": top["confidence"], "mechanism": top["mechanism"], "why": top["why"],
+            "flags": {n: c for n, c in codes.items() if c},
+            "tied_with": [o["strategy"] for o in others if o["tie"]], "others": others,
+            "terms_us": {n: terms(figs[n]) for n in order}}
+
+
+# -- hooks: reports ---------------------------------------------------------------------------------
+def compare_verdict(rep: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The verdict of a compare report: per strategy, figures averaged over its layers (each
+    layer entry's ``figures``); spread over steps when the report has per-step times, else layers."""
+    strat = rep.get("strategies") or {}
+    figs, series = {}, {}
+    for n, s in strat.items():
+        items = [e["figures"] for e in s.get("layers", []) if "figures" in e]
+        if not items:
+            return None
+        figs[n] = mean_figures(items)
+        figs[n]["time_us"] = float(s["sim"]["layer_time_us_mean"])
+        series[n] = [float(e["sim"]["layer_time_us"]) for e in s["layers"]]
+    unit, weights = "layer", None
+    steps = _step_series(strat)
+    if steps is not None:
+        series, weights = steps
+        unit = "step"
+    return verdict(figs, series=series, unit=unit, weights=weights, flags=rep.get("flags") or ())
+
+
+def _step_series(strat: Mapping[str, Any]):
+    """(strategy -> time per step, tokens per step) when the report carries a per-step series."""
+    out, w = {}, None
+    for n, s in strat.items():
+        ps = s.get("per_step")   # compare's series (experiments.compare): lists keyed by field
+        if isinstance(ps, Mapping) and len(ps.get("layer_time_us") or []) > 1:
+            out[n] = [float(x) for x in ps["layer_time_us"]]
+            w = [float(x or 1) for x in ps.get("tokens") or [1] * len(out[n])]
+            continue
+        st = s.get("steps") or (s.get("sim") or {}).get("steps")
+        if not isinstance(st, list) or not st or not isinstance(st[0], Mapping):
+            return None
+        key = next((k for k in ("layer_time_us", "time_us", "step_time_us") if k in st[0]), None)
+        if key is None:
+            return None
+        out[n] = [float(x[key]) for x in st]
+        w = [float(x.get("tokens", 1)) for x in st]
+    return out, w
+
+
+def sweep_verdicts(rep: Mapping[str, Any]) -> list[dict[str, Any] | None]:
+    """One verdict per sweep point (from each strategy's ``figures`` at that point; one seed)."""
+    strat = rep.get("strategies") or {}
+    n_pts = len(rep.get("values") or [])
+    out = []
+    for i in range(n_pts):
+        figs = {}
+        for n, s in strat.items():
+            f = (s.get("figures") or [None] * n_pts)[i]
+            if f is None:
+                figs = {}
+                break
+            figs[n] = f
+        out.append(verdict(figs, unit="point", flags=rep.get("flags") or ()) if figs else None)
+    return out
+
+
+#: the terms a step verdict may name (a step's figures are whole-step totals, not per-phase spans)
+STEP_MECHANISMS = {
+    "exposed communication": "communication not hidden behind compute on the slowest rank",
+    "compute": "the slowest rank's compute (expert imbalance, padding and the rest of the model)",
+    "memory": "the runner-up runs out of GPU memory (OOM)",
+}
+
+
+def step_verdict(strategies: Mapping[str, Mapping[str, Any]],
+                 flags: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any] | None:
+    """The verdict of one step (``moonep-sim step``'s figures per strategy): the fastest strategy
+    that fits in memory; the mechanism is the step term (:data:`STEP_MECHANISMS`) whose difference
+    is the larger part of the margin. One step: confidence judged against :data:`TIE` only."""
+    fit = sorted((float(f["step_time_us"]), n) for n, f in strategies.items() if not f.get("oom"))
+    oom = sorted((float(f["step_time_us"]), n) for n, f in strategies.items() if f.get("oom"))
+    order = [n for _, n in fit + oom]
+    if not order:
+        return None
+    w = order[0]
+    fw = strategies[w]
+    others = []
+    for r in order[1:]:
+        fr = strategies[r]
+        margin = float(fr["step_time_us"]) / max(float(fw["step_time_us"]), 1e-12) - 1.0
+        conf = confidence(None, w, r, margin, "step")
+        d_comm = float(fr.get("exposed_comm_us", 0)) - float(fw.get("exposed_comm_us", 0))
+        d_comp = float(fr.get("compute_us", 0)) - float(fw.get("compute_us", 0))
+        tie = conf["level"] == "tie"
+        if fr.get("oom") and not fw.get("oom"):
+            mech, tie = "memory", False
+            why = (f"{r} needs {float(fr['peak_memory_bytes']) / _GiB:.3g} GiB on its busiest GPU, more than its "
+                   f"{float(fr['gpu_memory_bytes']) / _GiB:.3g} GiB (OOM), where {w} needs "
+                   f"{float(fw['peak_memory_bytes']) / _GiB:.3g} GiB")
+        elif tie:
+            mech, why = None, f"{w} and {r} take the same step time ({_t(float(fw['step_time_us']))}): a tie"
+        elif d_comm >= d_comp:
+            mech = "exposed communication"
+            why = (f"{r} leaves {_t(float(fr['exposed_comm_us']))} of communication exposed per step where {w} leaves "
+                   f"{_t(float(fw['exposed_comm_us']))}")
+        else:
+            mech = "compute"
+            why = (f"{r}'s slowest rank computes for {_t(float(fr['compute_us']))} per step where {w}'s computes for "
+                   f"{_t(float(fw['compute_us']))} (rows max/mean {float(fr.get('rows_max_mean', 0)):.2f} against "
+                   f"{float(fw.get('rows_max_mean', 0)):.2f})")
+        others.append({"strategy": r, "margin": margin, "tie": tie, "confidence": conf, "mechanism": mech,
+                       "share": 0.0, "why": why})
+    if not others:
+        return {"winner": w, "runner_up": None, "margin": 0.0, "tie": False,
+                "confidence": {"level": "single strategy", "units": 0, "unit": "step", "basis": "one strategy"},
+                "mechanism": None, "why": f"{w} is the only strategy compared", "others": []}
+    top = others[0]
+    codes = {n: sorted({f["code"] for f in flags if f.get("strategy") == n}) for n in (w, top["strategy"])}
+    return {"winner": w, "runner_up": top["strategy"], "margin": top["margin"], "tie": top["tie"],
+            "confidence": top["confidence"], "mechanism": top["mechanism"], "why": top["why"],
+            "flags": {n: c for n, c in codes.items() if c},
+            "tied_with": [o["strategy"] for o in others if o["tie"]], "others": others}
+
+
+__all__ = ["MECHANISMS", "STEP_MECHANISMS", "step_verdict", "TIE", "attribute", "compare_verdict", "confidence", "figures", "mean_figures",
+           "sweep_verdicts", "terms", "verdict"]

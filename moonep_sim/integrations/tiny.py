@@ -1,0 +1,134 @@
+"""Tiny random-initialised transformers MoE models, built offline (no weights are downloaded).
+
+``build_model(spec, seed)`` takes a tiny preset name (``tiny-qwen2-moe``, ``tiny-mixtral``,
+``tiny-deepseek``, ...; :data:`TINY`), a ``config.json`` path, or a local checkpoint directory
+(``config.json`` plus weights, loaded with ``from_pretrained(..., local_files_only=True)``), and
+returns the causal LM in eval mode. Presets use E=8 experts, top-2, hidden 32, 2 layers, and turn
+the routers' auxiliary loss off (``output_router_logits=False``): a load-balancing loss computed on
+one rank's shard differs from the whole batch's, so it is left out of the equality checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from moonep_sim.errors import ConfigError, require
+from moonep_sim.integrations.hf import require_transformers
+
+E, K = 8, 2
+_COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+               max_position_embeddings=128, intermediate_size=16, tie_word_embeddings=False)
+
+
+def _presets() -> dict[str, Callable[[Any], Any]]:
+    return {
+        "tiny-mixtral": lambda tf: tf.MixtralConfig(**_COMMON, num_local_experts=E, num_experts_per_tok=K),
+        "tiny-qwen2-moe": lambda tf: tf.Qwen2MoeConfig(**_COMMON, moe_intermediate_size=16,
+                                                       shared_expert_intermediate_size=32, num_experts=E,
+                                                       num_experts_per_tok=K),
+        "tiny-qwen3-moe": lambda tf: tf.Qwen3MoeConfig(**_COMMON, moe_intermediate_size=16, num_experts=E,
+                                                       num_experts_per_tok=K, head_dim=8),
+        "tiny-olmoe": lambda tf: tf.OlmoeConfig(**_COMMON, num_experts=E, num_experts_per_tok=K),
+        "tiny-deepseek-v2": lambda tf: tf.DeepseekV2Config(**_COMMON, moe_intermediate_size=16, n_routed_experts=E,
+                                                           num_experts_per_tok=K, n_shared_experts=1,
+                                                           first_k_dense_replace=0, kv_lora_rank=8, q_lora_rank=None,
+                                                           qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8),
+        "tiny-deepseek": lambda tf: tf.DeepseekV3Config(**_COMMON, moe_intermediate_size=16, n_routed_experts=E,
+                                                        num_experts_per_tok=K, n_shared_experts=1,
+                                                        first_k_dense_replace=0, kv_lora_rank=8, q_lora_rank=8,
+                                                        qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8,
+                                                        n_group=2, topk_group=1),
+        "tiny-gpt-oss": lambda tf: tf.GptOssConfig(**_COMMON, num_local_experts=E, num_experts_per_tok=K,
+                                                   head_dim=8),
+    }
+
+
+TINY = ("tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-olmoe", "tiny-deepseek-v2", "tiny-deepseek",
+        "tiny-gpt-oss")
+#: the family each preset stands for (tests parametrise over these)
+FAMILY = {"tiny-mixtral": "mixtral", "tiny-qwen2-moe": "qwen2_moe", "tiny-qwen3-moe": "qwen3_moe",
+          "tiny-olmoe": "olmoe", "tiny-deepseek-v2": "deepseek_v2", "tiny-deepseek": "deepseek_v3",
+          "tiny-gpt-oss": "gpt_oss"}
+
+
+def tiny_config(name: str, **overrides: Any):
+    """The transformers config of a tiny preset (``overrides`` set config fields)."""
+    tf = require_transformers()
+    presets = _presets()
+    require(name in presets, f"model ({name!r}) must be one of {', '.join(TINY)}, a config.json or a checkpoint "
+                             "directory")
+    cfg = presets[name](tf)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    cfg.output_router_logits = False
+    return cfg
+
+
+def config_from_json(path: str | os.PathLike):
+    """A transformers config from a ``config.json`` (its ``model_type`` picks the class)."""
+    tf = require_transformers()
+    p = Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{p}: must be a readable JSON model config: {e}") from None
+    require(isinstance(d, dict) and "model_type" in d, f"{p}: config must be a JSON object with a model_type")
+    try:
+        cfg = tf.AutoConfig.for_model(d.pop("model_type"), **d)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{p}: model_type must be one transformers knows: {e}") from None
+    cfg.output_router_logits = False
+    return cfg
+
+
+def check_model_spec(spec: str) -> None:
+    """Refuse (one line) a ``--model`` that is no preset, no existing config.json and no directory
+    holding one, before any rank starts."""
+    p = Path(spec)
+    if spec in TINY:
+        return
+    if p.is_dir():
+        require((p / "config.json").is_file(), f"checkpoint directory ({p}) must hold a config.json")
+    elif p.suffix == ".json":
+        require(p.is_file(), f"model config ({p}) must exist")
+    else:
+        raise ConfigError(f"model ({spec!r}) must be one of {', '.join(TINY)}, a config.json or a checkpoint directory")
+
+
+def build_model(spec: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """The causal LM named by ``spec`` (preset, config.json, or checkpoint directory), eval mode.
+
+    Presets and config files are initialised from ``torch.manual_seed(seed)``: the same seed gives
+    the same weights in every process. A checkpoint directory is loaded as saved. In float64 the
+    experts run transformers' eager loop (its default grouped_mm kernel takes no float64).
+    """
+    tf = require_transformers()
+    p = Path(spec)
+    # transformers' default grouped_mm experts kernel has no float64: use its eager loop then
+    impl = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    if spec in TINY:
+        cfg = tiny_config(spec)
+    elif p.is_dir():
+        require((p / "config.json").is_file(), f"checkpoint directory ({p}) must hold a config.json")
+        try:
+            model = tf.AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=dtype, **impl)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{p}: must be a local transformers checkpoint: {str(e).splitlines()[0]}") from None
+        model.config.output_router_logits = False
+        return model.eval()
+    elif p.suffix == ".json":
+        require(p.is_file(), f"model config ({p}) must exist")
+        cfg = config_from_json(p)
+    else:
+        raise ConfigError(f"model ({spec!r}) must be one of {', '.join(TINY)}, a config.json or a checkpoint directory")
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(cfg, **impl)
+    return model.to(dtype).eval()
+
+
+__all__ = ["FAMILY", "TINY", "build_model", "check_model_spec", "config_from_json", "tiny_config"]

@@ -1,0 +1,261 @@
+"""Slow, obviously correct references of the Plan builders (the fast ones live in ``build`` and
+``multihop``).
+
+Each function here has the signature of the builder of the same name and returns the same arrays
+(values and dtypes): one stable ``argsort`` over an int64 key where the fast builder uses radix
+sorts on narrow keys, per-run loops, recycled buffers and arithmetic shortcuts. They are what the
+fast builders mean, written the plainest way numpy allows, and they are run: the tests check every
+fast builder against its reference element-wise (``tests/test_plan_builders.py``,
+``tests/test_planner_outputs_pinned.py``: named cases, hypothesis-drawn routings, a medium layer,
+more than 256 ranks), and each reference's Plans against the named invariants of
+:mod:`moonep_sim.plan.validate`. Use them to read what a builder does, to check a new fast path,
+or to build a Plan where speed does not matter.
+
+Notation as in :mod:`moonep_sim.plan.ir`: R ranks, T tokens (ranks concatenated), K top-k,
+N = T*K entries (flat id ``e = t*K + k``), S slots, M messages of one hop, W final rows.
+
+- :func:`layout_slots`: an entry's row is its slot's offset plus its position among the slot's
+  entries in entry order.
+- :func:`single_hop_messages` / :func:`route_hop`: sort entries by (destination, message key); the
+  first of each run is a message; receive buffers are numbered in (source, key) order; messages
+  are listed in (source, destination, key) order.
+- :func:`dup_flags`: a later entry of an equal (token, rank) pair is a duplicate.
+- :func:`assemble_plan`: final row of a kept entry = its rank's row offset + its layout row.
+- :func:`plan_from_slots` / :func:`plan_from_routes`: the compositions of the above.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from moonep_sim.errors import PlanError
+from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
+from moonep_sim.plan.kinds import Scope
+from moonep_sim.plan.placement import ClusterShape
+
+
+def layout_slots(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
+                 min_rows_S: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(slot_rows_S, slot_padded_S, slot_offset_S, entry_row_N) of :func:`moonep_sim.plan.layout_slots`."""
+    entry_slot_N = np.asarray(entry_slot_N, dtype=np.int64)
+    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    S, N = slot_rank_S.size, entry_slot_N.size
+    kept = entry_slot_N >= 0
+    slot_rows = np.bincount(entry_slot_N[kept], minlength=S).astype(np.int64)
+    padded = slot_rows if min_rows_S is None else np.maximum(slot_rows, min_rows_S)
+    tp = max(int(token_padding), 1)
+    padded = (padded + tp - 1) // tp * tp
+    cum = np.cumsum(padded) - padded
+    R = int(slot_rank_S.max()) + 1 if S else 0
+    first = np.searchsorted(slot_rank_S, np.arange(R))
+    rank_base = np.concatenate([[0], np.cumsum(padded)])[first]
+    offset = cum - rank_base[slot_rank_S] if S else cum
+    # position of each entry within its slot: a stable sort by slot keeps the global entry order
+    entry_row = np.full(N, -1, dtype=np.int64)
+    ks = np.flatnonzero(kept)
+    sl = entry_slot_N[ks]
+    order = np.argsort(sl, kind="stable")
+    starts = np.cumsum(slot_rows) - slot_rows
+    pos = np.empty(ks.size, dtype=np.int64)
+    pos[order] = np.arange(ks.size, dtype=np.int64) - np.repeat(starts, slot_rows)
+    entry_row[ks] = offset[sl] + pos
+    return slot_rows, padded, offset, entry_row
+
+
+def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_off_R: np.ndarray,
+                        top_k: int, ranks: int, dedup: bool) -> tuple[Hop, np.ndarray, np.ndarray]:
+    """(hop, entry_buf_row_N, entry_dup_N) of :func:`moonep_sim.plan.single_hop_messages`."""
+    entry_rank_N = np.asarray(entry_rank_N, dtype=np.int64)
+    src_rank_T = np.asarray(src_rank_T, dtype=np.int64)
+    tok_off_R = np.asarray(tok_off_R, dtype=np.int64)
+    N = entry_rank_N.size
+    kept = np.flatnonzero(entry_rank_N >= 0)
+    dst = entry_rank_N[kept]
+    tok = kept // max(int(top_k), 1)
+    order = np.argsort(dst, kind="stable")  # (dst, entry) order
+    d_s, t_s = dst[order], tok[order]
+    first = np.ones(order.size, dtype=bool)
+    if dedup:  # a token's later entries bound for the same destination share its message
+        first[1:] = (d_s[1:] != d_s[:-1]) | (t_s[1:] != t_s[:-1])
+    msg_of_sorted = np.cumsum(first) - 1
+    msg_dst, msg_tok = d_s[first], t_s[first]
+    per_dst = np.bincount(msg_dst, minlength=ranks)
+    dst_start = np.cumsum(per_dst) - per_dst
+    msg_row = np.arange(msg_dst.size, dtype=np.int64) - dst_start[msg_dst]
+    entry_buf_row = np.full(N, -1, dtype=np.int64)
+    entry_buf_row[kept[order]] = msg_row[msg_of_sorted]
+    entry_dup = np.zeros(N, dtype=bool)
+    entry_dup[kept[order]] = ~first
+    msg_src = src_rank_T[msg_tok]
+    o2 = np.argsort(msg_src, kind="stable")  # (src, dst, token): messages were in (dst, token) order
+    hop = Hop(Scope.GLOBAL, msg_src[o2], (msg_tok - tok_off_R[msg_src])[o2], msg_dst[o2], msg_row[o2],
+              per_dst.astype(np.int64))
+    return hop, entry_buf_row, entry_dup
+
+
+def route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,
+              ranks: int, scope: str) -> tuple[Hop, np.ndarray]:
+    """(hop, dst_row_N) of :func:`moonep_sim.plan.route_hop`: entries with equal (dst, gid) share
+    one message, whose source is the first such entry's."""
+    src_rank_N, src_row_N, dst_rank_N, gid_N = (np.asarray(a, dtype=np.int64)
+                                                for a in (src_rank_N, src_row_N, dst_rank_N, gid_N))
+    n = dst_rank_N.size
+    if n == 0:
+        z = np.zeros(0, np.int64)
+        return Hop(scope, z, z, z, z, np.zeros(ranks, np.int64)), z
+    G = int(gid_N.max()) + 1
+    key = dst_rank_N * G + gid_N
+    order = np.argsort(key, kind="stable")
+    ks = key[order]
+    first = np.ones(n, dtype=bool)
+    first[1:] = ks[1:] != ks[:-1]
+    msg_of_sorted = np.cumsum(first) - 1
+    lead = order[first]  # one representative entry per message
+    m_dst, m_gid = dst_rank_N[lead], gid_N[lead]
+    m_src, m_srow = src_rank_N[lead], src_row_N[lead]
+    # receive buffer order on each destination: (src, gid); messages sorted by (src, dst, gid)
+    o2 = np.argsort((m_dst * ranks + m_src) * G + m_gid, kind="stable")
+    per_dst = np.bincount(m_dst, minlength=ranks).astype(np.int64)
+    dst_start = np.cumsum(per_dst) - per_dst
+    m_row = np.empty(lead.size, dtype=np.int64)
+    m_row[o2] = np.arange(lead.size, dtype=np.int64) - dst_start[m_dst[o2]]
+    o3 = np.argsort((m_src * ranks + m_dst) * G + m_gid, kind="stable")
+    hop = Hop(scope, m_src[o3], m_srow[o3], m_dst[o3], m_row[o3], per_dst)
+    dst_row = np.empty(n, dtype=np.int64)
+    dst_row[order] = m_row[msg_of_sorted]
+    return hop, dst_row
+
+
+def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
+    """bool [N] of :func:`moonep_sim.plan.dup_flags`: a kept entry whose token has an earlier kept
+    entry at the same rank."""
+    entry_rank_N = np.asarray(entry_rank_N, dtype=np.int64)
+    N = entry_rank_N.size
+    kept = np.flatnonzero(entry_rank_N >= 0)
+    dup = np.zeros(N, dtype=bool)
+    if kept.size == 0:
+        return dup
+    R = int(entry_rank_N.max()) + 1
+    key = (kept // max(int(top_k), 1)) * R + entry_rank_N[kept]
+    order = np.argsort(key, kind="stable")
+    ks = key[order]
+    later = np.zeros(kept.size, dtype=bool)
+    later[1:] = ks[1:] == ks[:-1]
+    dup[kept[order[later]]] = True
+    return dup
+
+
+def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
+                  slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_N: np.ndarray,
+                  hops: Sequence[Hop], entry_buf_row_N: np.ndarray, entry_dup_N: np.ndarray, *,
+                  token_padding: int = 1, min_rows_S: np.ndarray | None = None,
+                  pad_slot_P: np.ndarray | None = None, pad_buf_row_P: np.ndarray | None = None,
+                  capacity_R: np.ndarray | None = None, options: dict[str, Any] | None = None, **extra) -> Plan:
+    """The Plan of :func:`moonep_sim.plan.assemble_plan` (without its fast-path hints
+    ``slot_order``, ``entry_rank_N`` and ``scratch``)."""
+    T, K = routing.topk_ids_TK.shape
+    R = cluster.ranks
+    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    entry_slot = np.asarray(entry_slot_N, dtype=np.int64).ravel()
+    slot_rows, padded, offset, entry_row = layout_slots(entry_slot, slot_rank_S, token_padding, min_rows_S)
+    entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
+    rows_R = np.bincount(slot_rank_S, weights=padded, minlength=R).astype(np.int64)
+    row_off = np.concatenate([[0], np.cumsum(rows_R)])
+    W = int(row_off[-1])
+    row_entry = np.full(W, -1, dtype=np.int64)
+    expand = np.full(W, -1, dtype=np.int64)
+    kept = np.flatnonzero(entry_slot >= 0)
+    g = row_off[entry_rank[kept]] + entry_row[kept]
+    row_entry[g] = kept
+    expand[g] = np.asarray(entry_buf_row_N, dtype=np.int64)[kept]
+    if pad_slot_P is not None and len(pad_slot_P):
+        # padding rows that arrived over the wire fill their slot's padding rows in arrival order
+        ps = np.asarray(pad_slot_P, dtype=np.int64)
+        order = np.argsort(ps, kind="stable")
+        ps_sorted = ps[order]
+        cnt = np.bincount(ps, minlength=slot_rank_S.size)
+        if (cnt > padded - slot_rows).any():
+            s = int(np.argmax(cnt > padded - slot_rows))
+            raise PlanError(f"padding rows of slot {s} ({int(cnt[s])}) must fit its padding "
+                            f"({int(padded[s] - slot_rows[s])})")
+        j = np.arange(ps.size) - (np.cumsum(cnt) - cnt)[ps_sorted]
+        gp = row_off[slot_rank_S[ps_sorted]] + offset[ps_sorted] + slot_rows[ps_sorted] + j
+        expand[gp] = np.asarray(pad_buf_row_P, dtype=np.int64)[order]
+    return Plan(
+        strategy="", options=dict(options or {}), cluster=cluster, num_experts=routing.num_experts, top_k=K,
+        tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),
+        entry_rank_TK=entry_rank.reshape(T, K), entry_row_TK=entry_row.reshape(T, K),
+        entry_dup_TK=np.asarray(entry_dup_N, dtype=bool).reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
+        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slot_expert_S, dtype=np.int64),
+        slot_home_S=np.asarray(slot_home_S, dtype=np.int64), slot_offset_S=offset, slot_rows_S=slot_rows,
+        slot_padded_S=padded, row_entry_W=row_entry, expand_src_row_W=expand, hops=tuple(hops),
+        capacity_R=capacity_R, **extra)
+
+
+def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
+                    slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_TK: np.ndarray, *, dedup: bool,
+                    token_padding: int = 1, min_rows_S: np.ndarray | None = None,
+                    capacity_R: np.ndarray | None = None, options: dict[str, Any] | None = None, **extra) -> Plan:
+    """The Plan of :func:`moonep_sim.plan.plan_from_slots`: one global hop to each slot's rank."""
+    K = routing.top_k
+    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
+    entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
+    hop, entry_buf_row, entry_dup = single_hop_messages(entry_rank, routing.src_rank_T(), routing.tok_off_R(), K,
+                                                        cluster.ranks, dedup)
+    return assemble_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot, [hop],
+                         entry_buf_row, entry_dup, token_padding=token_padding, min_rows_S=min_rows_S,
+                         capacity_R=capacity_R, options=options, **extra)
+
+
+def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
+                     slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_TK: np.ndarray,
+                     via_N: Sequence[np.ndarray], scopes: Sequence[str], dedup: Sequence[bool], *,
+                     token_padding: int = 1, via_table: bool = False, options: dict[str, Any] | None = None,
+                     **extra) -> Plan:
+    """The Plan of :func:`moonep_sim.plan.plan_from_routes`: each hop is :func:`route_hop` of the
+    ranks an entry passes, keyed by token (dedup) or by entry."""
+    T, K = routing.topk_ids_TK.shape
+    R = cluster.ranks
+    H = len(scopes)
+    if len(via_N) != H - 1 or len(dedup) != H:
+        raise PlanError(f"route ({len(via_N)} intermediate ranks, {len(dedup)} dedup flags) must match "
+                        f"hops ({H}): H-1 intermediate ranks and H flags")
+    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
+    kept = np.flatnonzero(entry_slot >= 0)
+    tok = kept // max(K, 1)
+    src = routing.src_rank_T()[tok]
+    dst = slot_rank_S[entry_slot[kept]]
+    if via_table:  # [R, R] tables: the intermediate rank of a token from s bound for d
+        mids = [np.asarray(v, dtype=np.int64)[src, dst] for v in via_N]
+    else:
+        mids = [np.asarray(v, dtype=np.int64).ravel()[kept] for v in via_N]
+    pos = [src] + mids + [dst]
+    row = tok - routing.tok_off_R()[src]
+    hops = []
+    for h in range(H):
+        hop, row = route_hop(pos[h], row, pos[h + 1], tok if dedup[h] else kept, R, scopes[h])
+        hops.append(hop)
+    entry_buf_row = np.full(entry_slot.size, -1, dtype=np.int64)
+    entry_buf_row[kept] = row
+    entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
+    entry_dup = dup_flags(entry_rank, K) if dedup[-1] else np.zeros(entry_slot.size, dtype=bool)
+    return assemble_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot, hops,
+                         entry_buf_row, entry_dup, token_padding=token_padding, options=options, **extra)
+
+
+def home_slots(placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(slot_rank_S, slot_expert_S, slot_of_E) of :func:`moonep_sim.plan.home_slots`."""
+    p = placement
+    home = p.slot_rank_S == p.home_E[p.slot_expert_S]
+    sr, se = p.slot_rank_S[home], p.slot_expert_S[home]
+    slot_of = np.empty(p.num_experts, dtype=np.int64)
+    slot_of[se] = np.arange(se.size)
+    return sr, se, slot_of
+
+
+__all__ = ["assemble_plan", "dup_flags", "home_slots", "layout_slots", "plan_from_routes", "plan_from_slots",
+           "route_hop", "single_hop_messages"]

@@ -1,0 +1,114 @@
+"""Renders step results (``moonep-sim step``): the terminal table and the Gantt chart.
+
+Takes the plain dicts of :class:`moonep_sim.experiments.step.StepResult` (``to_dict()``) and the
+timeline records of ``moonep_sim.step.schedule.timeline_records``; imports no executor.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+from moonep_sim.report.plots import _plt, _save
+
+
+def _t(us: float) -> str:
+    return f"{us / 1e3:,.2f} ms" if us >= 1e3 else f"{us:,.1f} us"
+
+
+def step_table(doc: dict[str, Any]):
+    """A rich Table: the step time first, then what share of it each strategy's communication is."""
+    from rich.table import Table
+
+    s = doc["setup"]
+    title = (f"{s['mode']} step of {s['model']} on {s['topology']}, EP{s['ranks']} ({s['gpus_per_node']} per node), "
+             f"{s['tokens_per_rank']} tokens/rank, context {s['context']}, overlap {s['overlap']}")
+    t = Table(title=title)
+    for col in ("strategy", "step time", "exposed comm (share)", "tokens/s/GPU", "MFU", "peak memory", "OOM",
+                "rows max/mean", "slowest layer"):
+        t.add_column(col, justify="left" if col in ("strategy", "slowest layer") else "right")
+    for name, d in doc["strategies"].items():
+        slow = max(d["layers"], key=lambda x: x["time_us"]) if d["layers"] else None
+        cap = d["gpu_memory_bytes"]
+        oom = "?" if d["oom"] is None else ("OOM" if d["oom"] else "fits")
+        st = f"L{slow['layer']} {slow['kind']}: {slow['straggler'].get('cause')}" if slow else ""
+        t.add_row(name, _t(d["step_time_us"]), f"{_t(d['exposed_comm_us'])} ({d['comm_share']:.0%})",
+                  f"{d['tokens_per_s_per_gpu']:,.0f}", f"{d['mfu']:.1%}",
+                  f"{d['peak_memory_bytes'] / 2**30:,.1f} / {cap / 2**30:,.0f} GiB" if cap else
+                  f"{d['peak_memory_bytes'] / 2**30:,.1f} GiB", oom, f"{d['rows_max_mean']:.2f}", st)
+    return t
+
+
+def step_footer(doc: dict[str, Any]) -> list[str]:
+    """Lines under the table: stand-ins and reused layers, static buffers and why they cost."""
+    s = doc["setup"]
+    out = []
+    if s.get("stand_ins"):
+        out.append(f"{s['stand_ins']} MoE layer(s) are STAND-INS (the trace lacks them): generated at the trace's "
+                   "measured skew; see layers_routing in --json")
+    if s.get("reused_layers"):
+        out.append(f"{s['reused_layers']} MoE layer(s) reuse another layer's routing and simulation "
+                   f"(--distinct-layers {s['distinct_layers']})")
+    for name, d in doc["strategies"].items():
+        S = d.get("static_tokens")
+        if S:
+            out.append(f"{name}: its static Buffer holds {S} tokens per rank, so every pass is padded from "
+                       f"{s['tokens_per_rank']} to {S} tokens: it dispatches, computes and combines "
+                       f"{S / max(s['tokens_per_rank'], 1):.0f}x the rows a dynamic all-to-all does")
+    for name, d in doc["strategies"].items():
+        pad, real = d.get("padded_rows_per_rank", 0.0), d.get("real_rows_per_rank", 0.0)
+        why = []
+        if real > 0 and pad > 1.5 * real:
+            why.append(f"its busiest rank holds {pad:,.0f} rows per MoE layer for at most {real:,.0f} real ones (padding)")
+        if d.get("copies_per_layer", 0.0) >= 0.5:
+            why.append(f"it copies {d['copies_per_layer']:.1f} expert(s) per MoE layer (weights moved every step)")
+        if why:
+            out.append(f"{name}: " + "; ".join(why))
+    if s.get("compute_profile"):
+        out.append(f"compute times from the profile {s['compute_profile']}")
+    else:
+        out.append("compute: roofline defaults (docs/steps.md); communication: each MoE layer simulated alone")
+    return out
+
+
+def step_gantt(records: Sequence[dict[str, Any]], end_by_rank: dict[int, float], dest: str | os.PathLike,
+               title: str = "", max_ranks: int = 8) -> Path:
+    """Compute and communication streams per rank, the slowest rank at the top (at most
+    ``max_ranks`` ranks, slowest first)."""
+    plt = _plt()
+    ranks = sorted(end_by_rank, key=lambda r: -end_by_rank[r])[:max_ranks]
+    colours = {"expert": "#d62728", "expert_bwd": "#d62728", "attn_core": "#1f77b4", "attn_proj": "#17becf",
+               "shared_expert": "#ff7f0e", "dense_ffn": "#8c564b", "dispatch": "#2ca02c", "combine": "#9467bd",
+               "combine_bwd": "#2ca02c", "dispatch_bwd": "#9467bd", "grad_reduce": "#e377c2", "lm_head": "#bcbd22",
+               "loss": "#dbdb8d", "norm": "#c7c7c7", "router": "#aec7e8", "embed": "#c49c94"}
+    fig, ax = plt.subplots(figsize=(12, 0.7 * 2 * len(ranks) + 1.5))
+    t_max = max(end_by_rank.values()) if end_by_rank else 1.0
+    unit, f = ("ms", 1e-3) if t_max >= 1e3 else ("us", 1.0)
+    labels, pos = [], {}
+    for k, r in enumerate(ranks):
+        for j, stream in enumerate(("compute", "comm")):
+            y = (len(ranks) - 1 - k) * 2 + (1 - j)
+            pos[(r, stream)] = y
+            labels.append((y, f"rank {r} {stream}"))
+    for rec in records:
+        y = pos.get((rec["rank"], rec["stream"]))
+        if y is None or rec["end_us"] <= rec["start_us"]:
+            continue
+        base = rec["name"].split(".")[-1]
+        base = base[:-4] if base.endswith("_bwd") and base[:-4] in colours and base not in colours else base
+        ax.broken_barh([(rec["start_us"] * f, (rec["end_us"] - rec["start_us"]) * f)], (y - 0.4, 0.8),
+                       facecolors=colours.get(base, "#7f7f7f"), edgecolor="none")
+    ax.set_yticks([y for y, _ in labels])
+    ax.set_yticklabels([s for _, s in labels])
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_title(title or "step timeline (slowest rank first)")
+    from matplotlib.patches import Patch
+
+    seen = sorted({n for n in (rec["name"][:-4] if rec["name"].endswith("_bwd") and rec["name"] not in colours
+                               else rec["name"] for rec in records) if n in colours})
+    ax.legend(handles=[Patch(color=colours[n], label=n) for n in seen], loc="upper right", fontsize=7, ncol=4)
+    return _save(fig, dest)
+
+
+__all__ = ["step_footer", "step_gantt", "step_table"]

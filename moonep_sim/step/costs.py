@@ -1,0 +1,208 @@
+"""Compute costs per op: a roofline with sourced peaks and an assumed GEMM efficiency curve, or a
+measured profile that replaces them.
+
+Notation: R ranks, S expert slots (a Plan's), m rows of one GEMM (tokens, or rows of one expert).
+Times in microseconds.
+
+Default model (every constant named; ``docs/steps.md`` lists the sources):
+
+- ``gemm`` ops and the routed experts' grouped GEMM: ``max(FLOPs / (peak x compute_efficiency x
+  eff(m)), bytes / (HBM x mem_efficiency))``. ``peak`` is the topology's dense BF16 peak
+  (``gpu_tflops``) or its FP8 peak (``gpu_tflops_fp8``) with ``gemm_dtype = "fp8"``;
+  ``eff(m) = m / (m + GEMM_HALF_ROWS)`` is an ASSUMED saturating curve (half the rate at 64 rows,
+  the shape of a 128-row M tile's quantisation in DeepGEMM / CUTLASS grouped GEMMs, which pad each
+  expert's rows to the tile): small groups run far below peak, large ones near the topology's
+  ``gpu_compute_efficiency``. With ``GEMM_HALF_ROWS`` 0 the routed experts cost exactly what the
+  layer simulator charges (``moonep_sim.sim.compute.rank_compute_us``).
+- ``attention`` ops: roofline of FLOPs and bytes (K/V read, which makes decode memory-bound).
+- ``bytes`` ops (norms, residuals, embedding gather, loss): bytes over HBM.
+
+A **profile** (``--compute-profile FILE``) is a CSV of ``op,shape,time_us`` rows (``#`` comments),
+the way Vidur and SimAI take profiled kernels: ``attn_core,"tokens=32,context=4096,kind=mla",41.5``.
+``shape`` is the key :mod:`moonep_sim.step.stack` gives each op (or ``*``: any shape of that op).
+The routed experts are ``expert`` / ``expert_bwd`` rows with ``shape`` ``rows=m`` (one expert's
+GEMMs on m rows), interpolated linearly between the measured m (and beyond the last two). When a
+profile is given, every op of the step must be in it: the missing ones are one error line.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from moonep_sim.errors import ConfigError, require
+from moonep_sim.models import ModelSpec
+from moonep_sim.plan import Plan
+from moonep_sim.sim.compute import slot_work
+from moonep_sim.sim.topology import Topology
+from moonep_sim.step.stack import Op
+
+#: ASSUMED: rows at which a GEMM runs at half its large-GEMM rate (see the module docstring).
+GEMM_HALF_ROWS = 64.0
+GEMM_DTYPES = ("bf16", "fp8")
+EXPERT_OPS = ("expert", "expert_bwd")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A measured profile: ``times[(op, shape)]`` in us; ``curves[op]`` = (rows [n], us [n]) sorted."""
+
+    path: str
+    times: dict[tuple[str, str], float]
+    curves: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    def lookup(self, op: str, shape: str) -> float | None:
+        t = self.times.get((op, shape))
+        return self.times.get((op, "*")) if t is None else t
+
+    def expert_us(self, op: str, rows_S: np.ndarray) -> np.ndarray | None:
+        """[S] one expert's time per slot at its rows (0 for empty slots); None if not profiled."""
+        if op not in self.curves:
+            return None
+        m, t = self.curves[op]
+        if m.size == 1:
+            out = t[0] * rows_S / m[0]
+        else:
+            out = np.interp(rows_S, m, t)
+            hi = rows_S > m[-1]
+            slope = (t[-1] - t[-2]) / (m[-1] - m[-2])
+            out = np.where(hi, t[-1] + slope * (rows_S - m[-1]), out)
+        return np.where(rows_S > 0, np.maximum(out, 0.0), 0.0)
+
+
+def read_profile(path: str | os.PathLike) -> Profile:
+    """Read a profile CSV (see the module docstring); one-line errors naming the file and row."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--compute-profile ({p}) must be a readable text file: {e}") from None
+    times: dict[tuple[str, str], float] = {}
+    pts: dict[str, list[tuple[float, float]]] = {}
+    rows = csv.reader(line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+    for i, row in enumerate(rows, 1):
+        if i == 1 and [c.strip() for c in row][:3] == ["op", "shape", "time_us"]:
+            continue
+        require(len(row) == 3, f"{p}: row {i} ({','.join(row)!r}) must have 3 fields: op,shape,time_us")
+        op, shape, t = (c.strip() for c in row)
+        try:
+            us = float(t)
+        except ValueError:
+            raise ConfigError(f"{p}: row {i} time_us ({t!r}) must be a number") from None
+        require(np.isfinite(us) and us >= 0, f"{p}: row {i} time_us ({t}) must be >= 0")
+        if op in EXPERT_OPS:
+            require(shape.startswith("rows="), f"{p}: row {i} shape ({shape!r}) of {op} must be rows=M")
+            try:
+                m = float(shape[5:])
+            except ValueError:
+                raise ConfigError(f"{p}: row {i} shape ({shape!r}) must be rows=M with M a number") from None
+            require(m > 0, f"{p}: row {i} rows ({m:g}) must be > 0")
+            pts.setdefault(op, []).append((m, us))
+        else:
+            times[(op, shape)] = us
+    curves = {}
+    for op, xs in pts.items():
+        xs.sort()
+        m = np.array([a for a, _ in xs])
+        require(np.unique(m).size == m.size, f"{p}: {op} rows must not repeat")
+        curves[op] = (m, np.array([b for _, b in xs]))
+    require(times or curves, f"--compute-profile ({p}) must hold at least one op,shape,time_us row")
+    return Profile(str(p), times, curves)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Prices ops and a Plan's routed experts on one topology (or from a profile).
+
+    gemm_dtype: ``bf16`` or ``fp8`` GEMM peak.  half_rows: the efficiency curve's half-rate rows
+    (0 = flat at the topology's efficiency).  profile: measured times replacing the defaults.
+    """
+
+    topo: Topology
+    gemm_dtype: str = "bf16"
+    half_rows: float = GEMM_HALF_ROWS
+    profile: Profile | None = None
+
+    def __post_init__(self) -> None:
+        require(self.gemm_dtype in GEMM_DTYPES, f"gemm dtype ({self.gemm_dtype!r}) must be one of "
+                                                f"{', '.join(GEMM_DTYPES)}")
+        require(self.half_rows >= 0, f"half_rows ({self.half_rows}) must be >= 0")
+
+    @property
+    def gemm_flops_per_us(self) -> float:
+        t = self.topo
+        peak = t.gpu_tflops_fp8 if (self.gemm_dtype == "fp8" and t.gpu_tflops_fp8 > 0) else t.gpu_tflops
+        return peak * t.gpu_compute_efficiency * 1e6
+
+    def curve(self, rows: np.ndarray | float) -> np.ndarray | float:
+        """eff(m) in (0, 1]: the fraction of the large-GEMM rate a GEMM of m rows reaches."""
+        if self.half_rows <= 0:
+            return np.ones_like(rows, dtype=np.float64) if isinstance(rows, np.ndarray) else 1.0
+        m = np.maximum(rows, 1e-9)
+        return m / (m + self.half_rows)
+
+    def op_us(self, op: Op) -> float:
+        """One op's time (a profile's when given; ``missing_ops`` checks first)."""
+        if self.profile is not None:
+            t = self.profile.lookup(op.name, op.shape)
+            require(t is not None, f"--compute-profile ({self.profile.path}) must time op {op.name} at shape "
+                                   f"{op.shape}", ConfigError)
+            return float(t)
+        mem = self.topo.mem_bytes_per_us
+        if op.kind == "bytes":
+            return op.bytes / mem
+        if op.kind == "attention":
+            return max(op.flops / (self.topo.flops_per_us), op.bytes / mem)
+        return max(op.flops / (self.gemm_flops_per_us * float(self.curve(float(op.rows)))), op.bytes / mem)
+
+    def missing_ops(self, ops: list[Op]) -> list[str]:
+        """``op@shape`` of every op (and expert GEMM) the profile lacks; [] without a profile."""
+        if self.profile is None:
+            return []
+        out = []
+        for op in ops:
+            if op.name in EXPERT_OPS:
+                if op.name not in self.profile.curves:
+                    out.append(f"{op.name}@rows=M")
+            elif self.profile.lookup(op.name, op.shape) is None:
+                out.append(f"{op.name}@{op.shape}")
+        return sorted(set(out))
+
+    def expert_us_R(self, plan: Plan, model: ModelSpec, backward: bool = False) -> np.ndarray:
+        """float64 [R]: each rank's routed-expert time for ``plan`` (its grouped GEMM over its slots,
+        padding rows included as ``gpu_padding_compute`` says, plus one launch). Mirrors
+        ``moonep_sim.sim.compute.rank_compute_us`` with the efficiency curve on the FLOP side."""
+        t = self.topo
+        R = plan.ranks
+        rows_S = plan.slot_padded_S.astype(np.float64)
+        if t.gpu_padding_compute < 1:
+            real = plan.slot_rows_S.astype(np.float64)
+            rows_S = real + t.gpu_padding_compute * (rows_S - real)
+        name = "expert_bwd" if backward else "expert"
+        prof = self.profile.expert_us(name, rows_S) if self.profile is not None else None
+        if prof is not None:
+            return np.bincount(plan.slot_rank_S, weights=prof, minlength=R)
+        require(self.profile is None, f"--compute-profile ({self.profile.path if self.profile else ''}) must time "
+                                      f"op {name} (rows=M rows)", ConfigError)
+        flops_S, fixed_S, per_row = slot_work(plan, model, backward)
+        scale = np.divide(rows_S, plan.slot_padded_S, out=np.zeros_like(rows_S), where=plan.slot_padded_S > 0)
+        flops_S = flops_S * scale
+        fixed_S = np.where(rows_S > 0, fixed_S, 0.0)
+        t_flop = flops_S / (self.gemm_flops_per_us * self.curve(rows_S))
+        t_mem = (fixed_S + rows_S * per_row) / t.mem_bytes_per_us
+        t_S = np.maximum(t_flop, t_mem)
+        if t.gpu_slot_us > 0:
+            t_S = t_S + np.where(rows_S > 0, t.gpu_slot_us, 0.0)
+        return np.bincount(plan.slot_rank_S, weights=t_S, minlength=R) + t.gpu_launch_us
+
+
+def flat_cost_model(topo: Topology) -> CostModel:
+    """The cost model whose routed experts cost exactly what the layer simulator charges."""
+    return CostModel(topo, "bf16", 0.0)
+
+
+__all__ = ["CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "Profile", "flat_cost_model", "read_profile"]

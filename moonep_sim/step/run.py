@@ -1,0 +1,276 @@
+"""The step model's front: every strategy's step on one model, cluster and routing.
+
+Notation: R ranks, M micro-batches, L layers, T tokens per rank. Times in microseconds.
+
+:func:`simulate_step` plans each MoE layer of the step on its own routing (given by a
+:data:`LayerSource`), simulates its communication alone (``moonep_sim.step.layer_sim``), composes
+the step on two streams per rank under the chosen overlap (``moonep_sim.step.compose``) and
+accounts its memory (``moonep_sim.step.memory``). Layers whose routing is the same object (a
+source's stand-ins that reuse a layer) are planned and simulated once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from moonep_sim.errors import require
+from moonep_sim.models import ModelSpec
+from moonep_sim.plan import GlobalRouting
+from moonep_sim.step.compose import all_ops, compose, stack_ops
+from moonep_sim.step.costs import CostModel
+from moonep_sim.step.layer_sim import LayerComm, simulate_moe_layer
+from moonep_sim.step.memory import MemoryOptions, PlanFootprint, memory_per_rank
+from moonep_sim.step.schedule import Timeline, get_overlap
+from moonep_sim.step.stack import StepShape
+
+#: moe_index -> (key, routing, provenance): layers with equal keys share one routing.
+LayerSource = Callable[[int], tuple[Any, GlobalRouting, str]]
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """One step's inputs besides the routing.
+
+    model, topology, ctx (the strategies' PlanContext), strategies [(name, options)], shape
+    (mode, tokens per rank, context), overlap (a schedule name), costs (the compute cost model),
+    memory (optimizer / recompute options), static_tokens: strategy -> the tokens per rank its
+    static Buffer is sized for (every pass padded to it; ASSUMED: padding tokens routed round-robin
+    over the experts), tol: the network tolerance of the layer simulations.
+    """
+
+    model: ModelSpec
+    topology: Any
+    ctx: Any
+    strategies: tuple[tuple[str, dict], ...]
+    shape: StepShape
+    overlap: str = "none"
+    costs: CostModel | None = None
+    memory: MemoryOptions = MemoryOptions()
+    static_tokens: Mapping[str, int] = field(default_factory=dict)
+    tol: float | None = None
+
+
+def split_micro_batches(r: GlobalRouting, M: int) -> list[GlobalRouting]:
+    """Each rank's tokens cut into M consecutive micro-batches (rank order kept)."""
+    if M == 1:
+        return [r]
+    n_R = r.tokens_per_rank_R.astype(np.int64)
+    pos_T = np.arange(r.num_tokens) - np.repeat(r.tok_off_R()[:-1], n_R)
+    cut_R = [(n_R * i) // M for i in range(M + 1)]
+    out = []
+    for i in range(M):
+        lo, hi = np.repeat(cut_R[i], n_R), np.repeat(cut_R[i + 1], n_R)
+        m = (pos_T >= lo) & (pos_T < hi)
+        out.append(GlobalRouting(r.topk_ids_TK[m], r.topk_weights_TK[m], cut_R[i + 1] - cut_R[i], r.num_experts))
+    return out
+
+
+def pad_to_static(r: GlobalRouting, tokens: int) -> GlobalRouting:
+    """``r`` with every rank padded to ``tokens`` tokens (a static Buffer's capacity): padding
+    token j of a rank selects experts ``(j*K + k) mod E`` (ASSUMED round-robin), weight 0."""
+    n_R = r.tokens_per_rank_R.astype(np.int64)
+    require(int(n_R.max()) <= tokens, f"static buffer tokens ({tokens}) must be >= the largest rank's tokens "
+                                      f"({int(n_R.max())})")
+    pad_R = tokens - n_R
+    if not pad_R.any():
+        return r
+    K, E = r.top_k, r.num_experts
+    ids, w = [], []
+    pos = 0
+    for off, n, p in zip(r.tok_off_R()[:-1].tolist(), n_R.tolist(), pad_R.tolist()):
+        ids.append(r.topk_ids_TK[off:off + n])
+        w.append(r.topk_weights_TK[off:off + n])
+        j = np.arange(p, dtype=np.int64)[:, None] * K + np.arange(K)[None, :] + pos
+        ids.append(j % E)
+        w.append(np.zeros((p, K), np.float32))
+        pos += p * K
+    return GlobalRouting(np.concatenate(ids), np.concatenate(w).astype(np.float32), np.full(r.ranks, tokens),
+                         r.num_experts)
+
+
+def _rank_sums(tl: Timeline, stream: str, layer: int | None = None) -> np.ndarray:
+    out = np.zeros(tl.R)
+    for e in tl.events:
+        if e.stream == stream and (layer is None or e.layer == layer):
+            out += e.end_R - e.start_R
+    return out
+
+
+def step_metrics(tl: Timeline, cfg: StepConfig, comms: Mapping[int, LayerComm], useful_flops: float,
+                 real_tokens: float) -> dict:
+    """The per-strategy figures of one composed step (the JSON contract of ``moonep-sim step``)."""
+    end_R = tl.end_R()
+    r = int(np.argmax(end_R))
+    t = float(end_R[r])
+    busy = _rank_sums(tl, "compute")
+    comm = _rank_sums(tl, "comm")
+    exposed = max(t - float(busy[r]), 0.0)
+    peak = cfg.topology.gpu_tflops * 1e6
+    layers = []
+    span: dict[int, list] = {}
+    for e in tl.events:
+        if e.layer >= 0:
+            s = span.setdefault(e.layer, [np.full(tl.R, np.inf), np.zeros(tl.R), np.zeros(tl.R),
+                                          np.full(tl.R, np.inf), np.zeros(tl.R)])
+            k = 0 if e.direction == "forward" else 3
+            s[k] = np.minimum(s[k], e.start_R)
+            s[k + 1] = np.maximum(s[k + 1], e.end_R)
+            if e.stream == "compute":
+                s[2] += e.end_R - e.start_R
+    for l in range(cfg.model.layers):
+        s = span[l]
+        dur_R = (s[1] - s[0]) + np.where(np.isfinite(s[3]), s[4] - s[3], 0.0)
+        slow = int(np.argmax(dur_R))
+        c = comms.get(l)
+        kind = ("moe" if l >= cfg.model.dense_layers else "dense") + f"/{cfg.model.attention_kind(l)}"
+        st = dict(c.straggler) if c is not None else {"rank": slow, "cause": "compute", "phase": None,
+                                                     "detail": "dense layer (same work on every rank)"}
+        layers.append({"layer": l, "kind": kind, "time_us": float(dur_R[slow]),
+                       "exposed_comm_us": float(max(dur_R[slow] - s[2][slow], 0.0)), "straggler": st})
+    return {"step_time_us": t, "slowest_rank": r, "tokens_per_s_per_gpu": real_tokens / (t * 1e-6) if t > 0 else 0.0,
+            "mfu": useful_flops / (t * peak) if t > 0 else 0.0, "exposed_comm_us": exposed,
+            "comm_share": exposed / t if t > 0 else 0.0, "compute_us": float(busy[r]), "comm_us": float(comm[r]),
+            "layers": layers}
+
+
+def useful_flops_per_rank(cfg: StepConfig) -> float:
+    """Model FLOPs per rank of the step's real tokens (no padding): the stack's ops and the routed
+    experts' T x K rows, with the backward's twice the GEMMs in train."""
+    shape, m = cfg.shape, cfg.model
+    ot = stack_ops(m, shape)
+    ops = all_ops(ot, shape.mode == "train")
+    f = sum(o.flops for o in ops)
+    fwd_exp = shape.tokens * m.top_k * m.expert_flops_per_row() * m.moe_layers
+    return f + fwd_exp * (3.0 if shape.mode == "train" else 1.0)
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """One independent unit of a step: plan ``strategy`` on ``routing`` (padded to ``static``
+    tokens per rank when > 0) and simulate the layer. Picklable: worker processes run it."""
+
+    strategy: str
+    options: dict
+    routing: GlobalRouting
+    static: int
+    ctx: Any
+    model: ModelSpec
+    topology: Any
+    costs: CostModel
+    train: bool
+    tol: float | None
+
+
+@dataclass(frozen=True)
+class LayerDone:
+    comm: LayerComm
+    footprint: PlanFootprint
+    plan_s: float
+    sim_s: float
+
+
+def simulate_layer_work(w: LayerWork) -> LayerDone:
+    """Plan and simulate one :class:`LayerWork` (module level, so worker processes can run it)."""
+    from moonep_sim.strategies import make_plan
+
+    part = pad_to_static(w.routing, w.static) if w.static else w.routing
+    a = time.perf_counter()
+    plan = make_plan(w.strategy, part, w.ctx, **w.options)
+    b = time.perf_counter()
+    comm = simulate_moe_layer(plan, w.model, w.topology, w.costs, w.train, w.tol)
+    return LayerDone(comm, PlanFootprint.of(plan), b - a, time.perf_counter() - b)
+
+
+def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str], None] | None = None,
+                  map_fn: Callable | None = None) -> dict:
+    """Every strategy's step (see the module docstring). Returns ``{"strategies": {name: figures},
+    "layers_routing": [...], ...}``; each strategy's ``timeline`` (a :class:`Timeline`) is kept
+    under ``"_timelines"`` for the renderers. ``map_fn(fn, items)``: how the independent layers
+    are computed (default serially; ``experiments`` passes its worker pool)."""
+    m, shape = cfg.model, cfg.shape
+    ov = get_overlap(cfg.overlap)
+    costs = cfg.costs or CostModel(cfg.topology)
+    train = shape.mode == "train"
+    M = ov.micro_batches
+    require(shape.tokens >= M, f"tokens per rank ({shape.tokens}) must be >= {M} for overlap {ov.name}")
+    mb_shapes = [StepShape(shape.mode, (shape.tokens * (i + 1)) // M - (shape.tokens * i) // M,
+                           shape.context) for i in range(M)]
+    missing = costs.missing_ops(all_ops(stack_ops(m, mb_shapes[0]), train) + _expert_ops(train))
+    require(not missing, f"--compute-profile ({costs.profile.path if costs.profile else ''}) must time every op "
+                         f"of the step: missing {len(missing)}: {', '.join(missing[:6])}"
+                         + (" ..." if len(missing) > 6 else ""))
+    R = cfg.ctx.cluster.ranks
+    routings: list[tuple[Any, GlobalRouting, str]] = [source(i) for i in range(m.moe_layers)]
+    provenance = [p for _, _, p in routings]
+    out: dict[str, Any] = {}
+    timelines: dict[str, Timeline] = {}
+    # every distinct (strategy, routing, micro-batch) is planned and simulated once, independently
+    work, keys = [], []
+    for name, opts in cfg.strategies:
+        seen = set()
+        for key, routing, _ in routings:
+            for mb, part in enumerate(split_micro_batches(routing, M)):
+                if (key, mb) in seen:
+                    continue
+                seen.add((key, mb))
+                S = -(-int(cfg.static_tokens[name]) // M) if name in cfg.static_tokens else 0
+                work.append(LayerWork(name, dict(opts), part, S, cfg.ctx, m, cfg.topology, costs, train, cfg.tol))
+                keys.append((name, key, mb))
+    t0 = time.perf_counter()
+    if map_fn is None:
+        done = []
+        for i, w in enumerate(work):
+            if progress:
+                progress(f"{w.strategy}: layer routing {i + 1} of {len(work)}")
+            done.append(simulate_layer_work(w))
+    else:
+        done = map_fn(simulate_layer_work, work)
+    wall = time.perf_counter() - t0
+    for name, opts in cfg.strategies:
+        mine = [(k, d) for k, d in zip(keys, done) if k[0] == name]
+        cache = {(k[1], k[2]): d for k, d in mine}
+        plans = [d.footprint for _, d in mine]
+        plan_s = sum(d.plan_s for _, d in mine)
+        sim_s = sum(d.sim_s for _, d in mine)
+        t0 = time.perf_counter()
+        first_moe = m.dense_layers
+        comm_of = lambda layer, mb, cache=cache: cache[(routings[layer - first_moe][0], mb)].comm
+        tl = compose(m, mb_shapes, costs, ov, comm_of, R, train)
+        comms = {l: comm_of(l, 0) for l in range(first_moe, m.layers)}
+        d = step_metrics(tl, cfg, comms, useful_flops_per_rank(cfg), float(shape.tokens))
+        mem = memory_per_rank(m, shape, plans, R, cfg.memory)
+        cap = cfg.topology.gpu_memory_GiB * 2**30
+        d.update(peak_memory_bytes=mem["peak_bytes"], gpu_memory_bytes=cap, oom=(mem["peak_bytes"] > cap) if cap else None,
+                 memory=mem, distinct_layers_simulated=len(cache),
+                 static_tokens=int(cfg.static_tokens[name]) if name in cfg.static_tokens else None,
+                 wall_seconds=dict(plan=plan_s, simulate=sim_s, layers_wall=wall,
+                                   compose=time.perf_counter() - t0),
+                 rows_max_mean=_rows_ratio(comms),
+                 padded_rows_per_rank=float(np.mean([c.padded_rows_R.max() for c in comms.values()])) if comms else 0.0,
+                 real_rows_per_rank=float(np.mean([c.rows_R.max() for c in comms.values()])) if comms else 0.0,
+                 copies_per_layer=float(np.mean([c.copies_R.sum() for c in comms.values()])) if comms else 0.0)
+        out[name] = d
+        timelines[name] = tl
+    return {"strategies": out, "mode": shape.mode, "tokens_per_rank": shape.tokens, "context": shape.context,
+            "overlap": ov.name, "layers_routing": provenance, "_timelines": timelines}
+
+
+def _expert_ops(train: bool) -> list:
+    from moonep_sim.step.stack import Op
+
+    ops = [Op("expert", "gemm", 0.0, 0.0, 1, "rows=M")]
+    return ops + ([Op("expert_bwd", "gemm", 0.0, 0.0, 1, "rows=M")] if train else [])
+
+
+def _rows_ratio(comms: Mapping[int, LayerComm]) -> float:
+    """Mean over MoE layers of the busiest rank's real rows over the mean rank's."""
+    r = [float(c.rows_R.max()) / max(float(c.rows_R.mean()), 1e-9) for c in comms.values()]
+    return float(np.mean(r)) if r else 0.0
+
+
+__all__ = ["LayerSource", "StepConfig", "pad_to_static", "simulate_step", "split_micro_batches", "step_metrics",
+           "useful_flops_per_rank"]
