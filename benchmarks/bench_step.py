@@ -66,6 +66,9 @@ def v3_decode(strategy: str, distinct: int) -> dict:
 
 
 def main() -> None:
+    from moonep_sim.memory import prefer_small_pages
+
+    prefer_small_pages()  # as the CLI does (moonep_sim/memory.py)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="k3-train,v3-decode")
     ap.add_argument("--strategies", default="alltoall,deepep,moonep")

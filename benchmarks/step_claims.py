@@ -68,6 +68,9 @@ def decode_claim(tokens: int, static: int) -> list[dict]:
 
 
 def main() -> None:
+    from moonep_sim.memory import prefer_small_pages
+
+    prefer_small_pages()  # as the CLI does (moonep_sim/memory.py)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--maxvio", default="0.2,1,5,10,20")
     ap.add_argument("--moe-layers", type=int, default=2)

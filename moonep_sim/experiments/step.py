@@ -143,9 +143,12 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
              context: int | None = None, model: ModelSpec | None = None, distinct_layers: int = 0,
              compute_profile: str | None = None, gemm_dtype: str = "bf16", recompute: bool = False,
              optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
-             static_tokens: Mapping[str, int] | None = None, progress=None) -> list[StepResult]:
+             static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
+             cluster: str | None = None) -> list[StepResult]:
     """The step(s) of ``scenario`` (an :class:`~moonep_sim.experiments.scenario.Scenario`): one
-    result, or one per recorded step of a trace with several steps."""
+    result, or one per recorded step of a trace with several steps. The step's distinct MoE layers
+    are planned and simulated in ``jobs`` worker processes or on a Dask ``cluster``
+    (:func:`moonep_sim.experiments.parallel.run_points`; each layer independently, same result)."""
     from moonep_sim.step import CostModel, MemoryOptions, StepConfig, read_profile, simulate_step, step_shape
 
     rs = scenario.resolved
@@ -178,12 +181,17 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
         for s, S in static.items():
             require(int(S) >= T, f"static buffer tokens ({S}) of {s} must be >= the tokens per rank ({T})")
         cfg = StepConfig(m, rs.topology, rs.ctx, rs.strategies, shape, overlap, costs, mem, static)
-        res = simulate_step(cfg, layer_source(src, R, T, m.moe_layers, distinct_layers, steps_T), progress)
+        pool = None
+        if cluster or (jobs or 1) != 1:
+            from moonep_sim.experiments.parallel import run_points
+
+            pool = lambda fn, items: run_points(fn, items, jobs=jobs, cluster=cluster)
+        res = simulate_step(cfg, layer_source(src, R, T, m.moe_layers, distinct_layers, steps_T), progress, pool)
         timelines = res.pop("_timelines")
         setup = {k: v for k, v in res.items() if k != "strategies"}
         setup.update(model=m.name, ranks=R, gpus_per_node=rs.cluster.gpus_per_node, topology=rs.topology.name,
                      routing=src.describe(), gemm_dtype=gemm_dtype, compute_profile=compute_profile,
-                     distinct_layers=distinct_layers, recompute=recompute,
+                     distinct_layers=distinct_layers, recompute=recompute, jobs=jobs, cluster=cluster,
                      options={n: {k: str(v) for k, v in o.items()} for n, o in rs.strategies},
                      stand_ins=sum(1 for p in res["layers_routing"] if p.startswith("STAND-IN")),
                      reused_layers=sum(1 for p in res["layers_routing"] if "reused" in p),

@@ -56,6 +56,15 @@ def step_footer(doc: dict[str, Any]) -> list[str]:
             out.append(f"{name}: its static Buffer holds {S} tokens per rank, so every pass is padded from "
                        f"{s['tokens_per_rank']} to {S} tokens: it dispatches, computes and combines "
                        f"{S / max(s['tokens_per_rank'], 1):.0f}x the rows a dynamic all-to-all does")
+    for name, d in doc["strategies"].items():
+        pad, real = d.get("padded_rows_per_rank", 0.0), d.get("real_rows_per_rank", 0.0)
+        why = []
+        if real > 0 and pad > 1.5 * real:
+            why.append(f"its busiest rank holds {pad:,.0f} rows per MoE layer for at most {real:,.0f} real ones (padding)")
+        if d.get("copies_per_layer", 0.0) >= 0.5:
+            why.append(f"it copies {d['copies_per_layer']:.1f} expert(s) per MoE layer (weights moved every step)")
+        if why:
+            out.append(f"{name}: " + "; ".join(why))
     if s.get("compute_profile"):
         out.append(f"compute times from the profile {s['compute_profile']}")
     else:
