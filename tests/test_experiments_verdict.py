@@ -202,3 +202,13 @@ def test_seeds_give_sweeps_and_winner_cells_a_spread():
     from moonep_sim.report.winner import winner_table_md
 
     assert "over 3 seeds" in winner_table_md(m)
+
+
+def test_a_multi_step_trace_judges_confidence_over_its_steps():
+    rep = _compare(routing=str(TRACES / "qwen1.5-moe-a2.7b_layer0.safetensors"), cluster="4/2",
+                   strategies="alltoall,moonep")
+    v = rep["verdict"]
+    n = len(rep["strategies"]["alltoall"]["per_step"]["layer_time_us"])
+    assert n > 1 and v["confidence"]["unit"] == "step" and v["confidence"]["units"] == n
+    assert f"over {n} steps" in v["confidence"]["basis"]
+    assert v["winner"] == "alltoall" and v["mechanism"] == "weight copies"

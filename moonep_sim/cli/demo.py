@@ -52,6 +52,10 @@ def run(args) -> int:
     output_rule(args, folders={"out": OUT_FILES})  # before the run, not after it
     t0 = time.perf_counter()
     c = console()
+    require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")  # as given, --fast or not
+    require(args.iters >= 1, f"--iters ({args.iters}) must be >= 1")
+    from moonep_sim.experiments.scenario import strategy_list
+    strategy_list(args.strategies)  # an unknown strategy is refused even when --fast replaces the list
     if args.fast:
         args.layers, args.strategies, args.nproc, args.gpus_per_node = "0", "alltoall,moonep", 2, 2
     trace = _trace_path()

@@ -44,7 +44,7 @@ def run(args) -> int:
     from moonep_sim.cli.demo import _trace_path
     from moonep_sim.errors import require
     from moonep_sim.cli.common import output_rule
-    from moonep_sim.io import staged_dir, write_text_atomic
+    from moonep_sim.io import dumps_strict, staged_dir, write_text_atomic
     from moonep_sim.experiments import calibrate as cal
     from moonep_sim.experiments import validate as F
     from moonep_sim.report.plots import fidelity_scatter
@@ -75,7 +75,7 @@ def run(args) -> int:
     with staged_dir(out, "--out") as tmp:
         fidelity_scatter(rep["cases"], tmp / "fidelity.png", rep["topology"]["name"])
         rep["files"] = {"plot": str(png), "report": str(out / "fidelity.json")}
-        write_text_atomic(tmp / "fidelity.json", json.dumps(to_jsonable(rep), indent=1))
+        write_text_atomic(tmp / "fidelity.json", dumps_strict(rep, indent=1))
     if args.json:
         print_json({k: v for k, v in rep.items() if k != "compare_reports"})
         return 0
