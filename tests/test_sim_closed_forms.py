@@ -128,3 +128,20 @@ def test_one_rail_shared_by_two_gpus_carries_both_at_one_nics_rate():
 
     assert two_senders(0, 1) == pytest.approx(2.0 + 200 * ROW / 2e3, rel=1e-9)   # one NIC for both
     assert two_senders(0, 2) == pytest.approx(2.0 + 100 * ROW / 2e3, rel=1e-9)   # a NIC each
+
+
+def test_a_mesh_link_binds_one_pair_and_is_named_as_the_busiest_port():
+    """mi300x-cx7: one GPU pair's traffic runs at its own 64 GB/s link (x efficiency), not the
+    GPU's 448 GB/s port, and the report names that link; traffic to all 7 peers reaches the port."""
+    topo = load_topology("mi300x-cx7")
+    one = _plan("alltoall", 1, 100, 8, 8)
+    res = simulate_layer(one, topo, custom_model(8, 1), SimOptions(isolate="dispatch", tol=0.0))
+    assert res.busiest_port["name"] == "mesh0-1"
+    ids = np.tile(np.arange(1, 8), 100)[:, None]
+    toks = np.zeros(8, np.int64)
+    toks[0] = ids.shape[0]
+    g = GlobalRouting(ids, np.ones(ids.shape, np.float32), toks, 8)
+    ctx = PlanContext(ClusterShape(8, 8), Placement.home_groups(8, 8), RowCosts(ROW, ROW), 1)
+    fan = _iso(make_plan("alltoall", g, ctx), topo)
+    fixed = kernel_fixed_us(topo, "dispatch")
+    assert fan == pytest.approx(fixed + topo.nvlink_latency_us + 700 * ROW / topo.nvlink_bytes_per_us, rel=1e-9)
