@@ -51,8 +51,18 @@ def scenario(args):
 
 
 def build(args):
-    """(plan, model name) from parsed arguments -- shared with tests."""
+    """(plan, model name) from parsed arguments -- shared with tests. A trace of several steps is
+    planned on one batch as a dispatch saw it: its first step unless --steps names one (the first
+    of a selection), or every token with --steps merged."""
+    import dataclasses
+
     sc = scenario(args)
+    src = sc.resolved.source
+    if src.num_batches > 1:
+        sc = dataclasses.replace(sc, steps=str(src.batches[0][0]))
+        args.planned_step = f"step {src.batches[0][0]} of {src.trace_steps}"
+    elif src.merged:
+        args.planned_step = f"all {src.trace_steps} steps merged"
     res = sc.plans()
     return res.items[0].plan, res.model
 
@@ -67,6 +77,7 @@ def run(args) -> int:
     if args.json:
         s["model"] = model_name
         s["layer"] = args.layer
+        s["step"] = getattr(args, "planned_step", None)
         print_json(s)
         return 0 if not s["invariant_violations"] else 1
     from rich.table import Table
@@ -74,7 +85,8 @@ def run(args) -> int:
     rows = s["recv_rows_per_rank"]
     mean = sum(rows) / max(len(rows), 1)
     t = Table(title=f"plan: {s['strategy']} on {args.trace} (model {model_name}, R={s['ranks']}, "
-                    f"G={s['gpus_per_node']}, E={s['num_experts']}, K={s['top_k']}, T={s['tokens']})")
+                    f"G={s['gpus_per_node']}, E={s['num_experts']}, K={s['top_k']}, T={s['tokens']}"
+                    + (f", {args.planned_step}" if getattr(args, "planned_step", None) else "") + ")")
     t.add_column("quantity")
     t.add_column("value", justify="right")
     t.add_row("options", ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
