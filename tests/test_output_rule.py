@@ -124,3 +124,12 @@ def test_calibrate_refuses_its_output_over_a_measurements_file_of_an_input(tmp_p
     rc = main(["calibrate", "--quick", "-o", str(tmp_path / "x.toml")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "measurements file" in err[0]
+
+
+def test_json_output_is_strict_and_names_where_a_non_finite_value_is():
+    import json
+
+    assert json.loads(mio.dumps_strict({"a": [1.5, {"b": 2}]})) == {"a": [1.5, {"b": 2}]}
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ConfigError, match=r"JSON output must hold finite numbers: a\[1\]\.b \("):
+            mio.dumps_strict({"a": [1, {"b": bad}]})

@@ -100,7 +100,8 @@ HF_SPECIFIC = {("first_k_dense_replace", "100"): "100", ("first_k_dense_replace"
                ("decoder_sparse_step", "0"): "0", ("decoder_sparse_step", "9"): "9", ("mlp_only_layers", "3"): "3",
                ("mlp_only_layers", "9"): "[9]", ("mlp_only_layers", "dup"): "[1, 1]", ("mlp_only_layers", "all"): "[0, 1, 2, 3]",
                ("mlp_only_layers", "strings"): '["a"]', ("scoring_func", "relu"): '"relu"', ("scoring_func", "5"): "5",
-               ("model_type", "5"): "5", ("num_experts_per_tok", "9"): "9", ("hidden_size", "0"): "0"}
+               ("model_type", "5"): "5", ("num_hidden_layers", "str4"): '"4"', ("n_group", "a"): '"a"',
+               ("shared_expert_intermediate_size", "big"): '"big"', ("num_experts_per_tok", "9"): "9", ("hidden_size", "0"): "0"}
 
 
 def _hf_json(field: str, raw: str) -> bytes:
