@@ -396,6 +396,8 @@ def _worker(target: str, out_dir: str, kwargs: dict[str, Any], pg_timeout_s: flo
         t0 = time.perf_counter()
         try:
             res = fn(rank, world, **kwargs) or {}
+        except MoonEPSimError:
+            raise  # already one named line (a CommError is a RuntimeError too)
         except RuntimeError as e:  # a collective no phase tracker watched (e.g. a group's lazy connect)
             from moonep_sim.gloo.liveness import announce, gloo_text, who_is_silent
             announce("failed in an unwatched collective")
