@@ -96,11 +96,10 @@ def _static(items) -> dict[str, int]:
 
 
 def run(args) -> int:
-    from moonep_sim.io import check_output_path, to_jsonable, write_text_atomic
+    from moonep_sim.cli.common import output_rule
+    from moonep_sim.io import to_jsonable, write_text_atomic
 
-    for flag, path in (("--json", args.json), ("--timeline", args.timeline), ("--gantt", args.gantt)):
-        if path and path != "-":
-            check_output_path(path, flag)
+    output_rule(args, files=("json", "timeline", "gantt"))  # no output over an input; before any work
     sc = scenario(args)
     sc.resolved  # every input checked before any work
     res = sc.step(mode=args.mode, overlap=args.overlap, context=args.context, distinct_layers=args.distinct_layers,

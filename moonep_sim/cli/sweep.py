@@ -64,11 +64,22 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _cluster_address(text: str) -> str:
+    """--cluster checked as it is parsed: before any work, before Dask sees it."""
+    import argparse
+
+    from moonep_sim.experiments.checks import check_cluster_address
+    try:
+        return check_cluster_address(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_parallel(p) -> None:
     """--jobs / --cluster: where independent points run (``moonep_sim.experiments.parallel``)."""
     p.add_argument("--jobs", type=int, default=None,
                    help="worker processes for independent points (default: the cores; 1 = serial)")
-    p.add_argument("--cluster", default=None, metavar="ADDRESS",
+    p.add_argument("--cluster", default=None, metavar="ADDRESS", type=_cluster_address,
                    help="run the points on a Dask scheduler (tcp://host:8786; pip install 'moonep-sim[cluster]')")
 
 
@@ -91,12 +102,9 @@ def _by_values(args) -> list[float]:
         vals = [float(v) for v in args.by_values.split(",") if v.strip()]
     except ValueError:
         raise ConfigError(f"--by-values ({args.by_values!r}) must be comma-separated numbers") from None
-    if not vals:
-        raise ConfigError("--by-values must hold at least one value")
-    if args.by in ("tokens-per-rank", "ep"):
-        for v in vals:
-            if v != int(v) or v < 1:
-                raise ConfigError(f"--by-values ({v:g}) must be positive integers for --by {args.by}")
+    from moonep_sim.experiments.checks import check_axis_values
+
+    check_axis_values(args.by, vals, flag="--by-values")  # the same check as the flag it stands for
     return vals
 
 
@@ -138,7 +146,7 @@ def run_winner_map(args, cfg, by_vals: list[float]) -> int:
 
 def write_winner(args, m: dict, con) -> int:
     """winner.json, winner.md (and winner.png unless --no-plots) under --out; the table or JSON."""
-    from moonep_sim.io import staged_dir, write_text_atomic
+    from moonep_sim.io import dumps_strict, staged_dir, write_text_atomic
     from moonep_sim.report.winner import winner_heatmap, winner_table_md
 
     out = Path(args.out)
@@ -155,7 +163,7 @@ def write_winner(args, m: dict, con) -> int:
                       "table": str(out / "winner.md"), "html": str(out / "report.html")}
         write_html({k: v for k, v in m.items() if k != "sweeps"}, tmp / "report.html",
                    {"winner": tmp / "winner.png"} if not args.no_plots else {})
-        write_text_atomic(tmp / "winner.json", json.dumps(to_jsonable(m), indent=1))
+        write_text_atomic(tmp / "winner.json", dumps_strict(m, indent=1))
     if args.json:
         print_json(m)
         return 0
@@ -244,7 +252,7 @@ def run_trace(args, sc) -> int:
 
 def write_sweep(args, rep: dict, c) -> int:
     """sweep.json, report.html (and sweep.png unless --no-plots) under --out; the table or JSON."""
-    from moonep_sim.io import staged_dir, write_text_atomic
+    from moonep_sim.io import dumps_strict, staged_dir, write_text_atomic
     from moonep_sim.report import plots
     from moonep_sim.report.tables import flag_lines, sweep_table
 
@@ -259,7 +267,7 @@ def write_sweep(args, rep: dict, c) -> int:
         rep["files"] = {"plot": str(png) if not args.no_plots else None, "report": str(out / "sweep.json"),
                         "html": str(out / "report.html")}
         write_html(rep, tmp / "report.html", {"sweep": tmp / "sweep.png"} if not args.no_plots else {})
-        write_text_atomic(tmp / "sweep.json", json.dumps(to_jsonable(rep), indent=1))
+        write_text_atomic(tmp / "sweep.json", dumps_strict(rep, indent=1))
     if args.json:
         print_json(rep)
         return 0

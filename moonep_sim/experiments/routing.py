@@ -19,6 +19,7 @@ or two popularities is one line naming the key and listing the valid ones.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -73,6 +74,12 @@ class GeneratorSpec:
     top_k: int | None = None
 
     def __post_init__(self) -> None:
+        from moonep_sim.routing.generators import check_spec_value
+
+        for f in dataclasses.fields(self):  # type, finiteness, integer-ness and range of every key
+            check_spec_value(f.name, getattr(self, f.name))
+        require(isinstance(self.model, str) or not isinstance(self.model, (int, float, bool)),
+                f"generator spec model ({self.model!r}) must be a preset name or a model file")
         pops = [k for k in _POPULARITY if getattr(self, k) not in (None, False)]
         require(len(pops) <= 1, f"generator spec ({self.text()}) must set at most one popularity of "
                                 f"maxvio, sigma, zipf, uniform, hot (got {', '.join(pops)})")
@@ -145,11 +152,13 @@ def _typed(key: str, v: str) -> Any:
         num = float(v)
     except ValueError:
         raise ConfigError(f"generator spec {key.replace('_', '-')} ({v!r}) must be a number") from None
+    require(math.isfinite(num), f"generator spec {key.replace('_', '-')} ({v}) must be a finite number")
     if key == "uniform":
+        require(num in (0, 1), f"generator spec uniform ({v}) must be 0 or 1")
         return bool(num)
     if key in _INT_KEYS:
         require(num == int(num), f"generator spec {key.replace('_', '-')} ({v}) must be an integer")
-        return int(num)
+        return int(v) if v.strip().lstrip("+-").isdigit() else int(num)
     return num
 
 

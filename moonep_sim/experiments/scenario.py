@@ -111,6 +111,10 @@ class Scenario:
     placement: str = "home"
     costs: RowCosts | None = None
 
+    def __post_init__(self) -> None:
+        from moonep_sim.experiments.checks import check_scenario_args
+        check_scenario_args(self)  # every argument's type and range, naming it (experiments/checks.py)
+
     # -- checking ---------------------------------------------------------------------------------
     @cached_property
     def resolved(self) -> Resolved:

@@ -110,9 +110,11 @@ def topology_params(topo) -> list[str]:
 def check(cfg: SweepConfig) -> Any:
     """Validate everything before any work; returns the loaded base topology."""
     m = cfg.model
+    from moonep_sim.experiments.checks import check_axis_value, check_axis_values
+
     topo = load_topology(cfg.topology)
-    require(len(cfg.values) >= 1, "--values must hold at least one value")
-    require(cfg.tokens_per_rank >= 1, f"--tokens-per-rank ({cfg.tokens_per_rank}) must be >= 1")
+    check_axis_values(cfg.over, cfg.values, topo)  # each value as the flag it stands for
+    check_axis_value("tokens-per-rank", cfg.tokens_per_rank, flag="--tokens-per-rank")
     if cfg.over == "maxvio":
         hi = m.num_experts / m.top_k - 1
         for v in cfg.values:
