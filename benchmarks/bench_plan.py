@@ -1,24 +1,31 @@
-"""Planning speed and memory: every registered strategy on one Kimi K3-scale layer.
+"""Planning speed and memory on the command's path: every registered strategy on one Kimi K3-scale layer.
 
-Default shape: R=64 ranks (8 per node), E=896 experts, K=16, 8192 tokens per rank -- 524,288
-tokens, 8,388,608 (token, k) entries. Routing: expert popularity ``p_e ∝ exp(N(0, sigma))`` drawn
-once, then K distinct experts per token by the Gumbel top-k trick (``argpartition`` of
-``log p + Gumbel`` over experts, in chunks of tokens); the realised maxvio is printed.
+What is timed is what ``moonep-sim plan`` computes once it has the layer's routing: the Plan
+(``make_plan``) and its summary, which validates it (``Plan.summary()``: every named invariant,
+the byte matrices). Each strategy is timed twice over:
 
-For each strategy in ``moonep_sim.strategies.available()`` (default options), the plan is built
-``--repeats`` times; the table shows the first (cold) run, the best and the median run (wall
-clock), the best CPU time of this process (user + system seconds, and the two apart: system time
-is mostly the kernel handing out fresh zeroed pages for large arrays), entries per second of the
-best wall-clock run, and each strategy's peak memory: what planning allocates (numpy allocations
-traced with ``tracemalloc`` during one extra run, excluding the routing input; ``--no-memory``
-skips it) and the process's peak RSS over the timed runs (Linux; reset before each strategy).
-For ``moonep`` it also reports the time of ``validate(plan)``, and the speed ratio of the
-vectorised planner against the slow pure-Python reference planner of ``tests/test_moonep.py`` on a
-small case (measured in this run).
+- **first run**: in a fresh Python process of its own (one subprocess per strategy), as a user's
+  single command runs it -- every large array lands on pages the kernel must hand out fresh
+  (system time), no warmed allocator, no cached imports beyond the package;
+- **best of repeats**: ``--repeats`` runs in this process (the figure earlier results quoted).
 
-    python benchmarks/bench_plan.py                       # K3 scale, all strategies
-    python benchmarks/bench_plan.py --strategies moonep --repeats 5
-    python benchmarks/bench_plan.py --tokens-per-rank 1024 --json out.json
+Both processes first do what the CLI does before any command: tell numpy not to advise huge
+pages (``moonep_sim.memory``; ``--numpy-hugepages`` keeps numpy's default, for comparison; a tree
+without that module is timed with numpy's default, as its command ran).
+
+For both: wall seconds, CPU seconds (user and system apart), and the peak RSS while planning
+(Linux: ``VmHWM`` after resetting it just before the timed call; the routing, ~0.1 GiB at this
+size, is included). Default layer: ``gen:model=kimi-k3,maxvio=10,tokens-per-rank=8192`` on R=64
+ranks (8 per node): 524,288 tokens, 8,388,608 (token, k) entries, the project's generator
+(lognormal popularity bisected to the target maxvio), the default topology (``h800-cx7``) and
+row sizes as ``moonep-sim plan`` resolves them (``Scenario``).
+
+    python benchmarks/bench_plan.py                          # all strategies, first run + best of 3
+    python benchmarks/bench_plan.py --strategies allgather,deepep --repeats 5
+    PYTHONPATH=/path/to/other/tree python benchmarks/bench_plan.py --json out.json   # another tree's planners
+
+On a shared machine, compare CPU seconds (and ratios measured in one run), not wall seconds: the
+load average at start and end is printed and stored.
 """
 
 from __future__ import annotations
@@ -28,44 +35,21 @@ import gc
 import json
 import os
 import resource
-import statistics
+import subprocess
 import sys
+import tempfile
 import time
-import tracemalloc
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-
-from moonep_sim.io import write_text_atomic  # noqa: E402
-from moonep_sim.plan import GlobalRouting, validate  # noqa: E402
-from moonep_sim.strategies import PlanContext, available, make_plan  # noqa: E402
-
-
-def gumbel_topk_routing(ranks: int, experts: int, top_k: int, tokens_per_rank: int, sigma: float, seed: int,
-                        chunk: int = 16384) -> GlobalRouting:
-    """Lognormal popularity, K distinct experts per token (Gumbel top-k), tokens split evenly."""
-    rng = np.random.default_rng(seed)
-    logp = rng.normal(0.0, sigma, experts).astype(np.float32)
-    T = ranks * tokens_per_rank
-    ids = np.empty((T, top_k), dtype=np.int64)
-    for a in range(0, T, chunk):
-        b = min(T, a + chunk)
-        u = rng.random((b - a, experts), dtype=np.float32)
-        score = logp - np.log(-np.log(np.maximum(u, np.float32(1e-30))))  # log p + Gumbel
-        ids[a:b] = np.argpartition(-score, top_k - 1, axis=1)[:, :top_k]
-    w = rng.random((T, top_k), dtype=np.float32)
-    w /= w.sum(axis=1, keepdims=True)
-    return GlobalRouting.split_evenly(ids, w, experts, ranks)
-
-
-def maxvio(counts_E: np.ndarray) -> float:
-    return float(counts_E.max() / counts_E.mean() - 1.0)
+from moonep_sim.io import write_text_atomic
+from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
+from moonep_sim.strategies import PlanContext, available, make_plan
 
 
 def reset_peak_rss() -> bool:
-    """Reset this process's peak RSS (Linux: ``/proc/self/clear_refs``); False where it cannot."""
+    """Reset this process's peak RSS to its current RSS (Linux ``/proc/self/clear_refs``)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -86,144 +70,162 @@ def peak_rss_bytes() -> int | None:
     return None
 
 
-def time_strategy(name: str, routing: GlobalRouting, ctx: PlanContext, repeats: int) -> dict:
-    """Plan ``repeats`` times: wall and CPU seconds (user and system apart) of each run, and the
-    process's peak RSS while planning (routing and earlier plans' freed memory included)."""
-    times, cpu, user, system = [], [], [], []
+def command_path(name: str, routing: GlobalRouting, ctx: PlanContext) -> dict:
+    """One timed run of what ``moonep-sim plan`` computes: the Plan and its (validating) summary."""
     gc.collect()
     can_reset = reset_peak_rss()
-    for _ in range(repeats):
-        gc.collect()
-        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        plan = make_plan(name, routing, ctx)
-        times.append(time.perf_counter() - t0)
-        r1 = resource.getrusage(resource.RUSAGE_SELF)
-        user.append(r1.ru_utime - r0.ru_utime)
-        system.append(r1.ru_stime - r0.ru_stime)
-        cpu.append(user[-1] + system[-1])
-        del plan
-    n = routing.num_tokens * routing.top_k
-    best = min(times)
-    b = int(np.argmin(cpu))
-    return {"strategy": name, "first_s": times[0], "best_s": best, "median_s": statistics.median(times),
-            "first_cpu_s": cpu[0], "best_cpu_s": cpu[b], "best_cpu_user_s": user[b], "best_cpu_system_s": system[b],
-            "entries_per_s": n / best, "runs": len(times),
-            "peak_rss_bytes": peak_rss_bytes() if can_reset else None}
-
-
-def traced_peak_bytes(name: str, routing: GlobalRouting, ctx: PlanContext) -> int:
-    """Peak bytes allocated (numpy arrays included) while planning, over what existed before."""
-    gc.collect()
-    tracemalloc.start()
-    base = tracemalloc.get_traced_memory()[0]
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     plan = make_plan(name, routing, ctx)
-    peak = tracemalloc.get_traced_memory()[1] - base
-    tracemalloc.stop()
-    del plan
-    return int(peak)
+    summary = plan.summary()
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    out = {"wall_s": wall, "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
+           "plan_seconds": plan.plan_seconds, "violations": len(summary["invariant_violations"]),
+           "peak_rss_bytes": peak_rss_bytes() if can_reset else None}
+    out["cpu_s"] = out["user_s"] + out["sys_s"]
+    del plan, summary
+    return out
 
 
-def reference_ratio(repeats: int = 3) -> dict:
-    """Vectorised moonep vs the pure-Python reference planner (tests/test_moonep.py), small case."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from test_moonep import ref_moonep  # the slow, obviously-correct planner
-    R, E, K, s = 8, 64, 8, 1024
-    routing = gumbel_topk_routing(R, E, K, s, sigma=1.0, seed=1)
-    ctx = PlanContext.default(E, R, 4)
-    ids = routing.topk_ids_TK.tolist()
-    tpr = routing.tokens_per_rank_R.tolist()
-    t_ref = min(_timed(lambda: ref_moonep(ids, tpr, E, R)) for _ in range(repeats))
-    t_fast = min(_timed(lambda: make_plan("moonep", routing, ctx)) for _ in range(max(repeats, 5)))
-    return {"ranks": R, "experts": E, "top_k": K, "entries": R * s * K, "reference_s": t_ref,
-            "moonep_s": t_fast, "speedup": t_ref / t_fast}
+def save_layer(path: Path, routing: GlobalRouting, ctx: PlanContext) -> None:
+    """The layer and what its context is made of, for the fresh processes."""
+    cl, c = ctx.cluster, ctx.costs
+    np.savez(path, ids=routing.topk_ids_TK, w=routing.topk_weights_TK, tpr=routing.tokens_per_rank_R,
+             meta=np.array(json.dumps({"E": routing.num_experts, "R": cl.ranks, "G": cl.gpus_per_node,
+                                       "costs": [c.dispatch_row_bytes, c.combine_row_bytes, c.weight_bytes,
+                                                 c.grad_bytes], "padding": ctx.token_padding,
+                                       "topology": getattr(ctx.topology, "name", None)})))
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def load_layer(path: str) -> tuple[GlobalRouting, PlanContext]:
+    z = np.load(path)
+    m = json.loads(str(z["meta"]))
+    topo = None
+    if m["topology"]:
+        from moonep_sim.sim import load_topology
+        topo = load_topology(m["topology"], gpus_per_node=m["G"])
+    ctx = PlanContext(ClusterShape(m["R"], m["G"]), Placement.home_groups(m["E"], m["R"]), RowCosts(*m["costs"]),
+                      m["padding"], topo)
+    return GlobalRouting(z["ids"], z["w"], z["tpr"], m["E"]), ctx
+
+
+def small_pages() -> bool:
+    """What the CLI does before any command (``moonep_sim.memory.prefer_small_pages``); False where
+    the package timed has no such setting (an older tree: its command did not do it)."""
+    try:
+        from moonep_sim.memory import prefer_small_pages
+    except ImportError:
+        return False
+    return prefer_small_pages()
+
+
+def child(name: str, layer: str, hugepages: bool) -> int:
+    """``--child``: one first run in this (fresh) process; its figures as one JSON line."""
+    if not hugepages:
+        small_pages()
+    routing, ctx = load_layer(layer)
+    print(json.dumps(command_path(name, routing, ctx)))
+    return 0
+
+
+def first_run(name: str, layer: Path, timeout_s: float, hugepages: bool) -> dict:
+    """A first run of ``name`` in a fresh Python process (same interpreter and PYTHONPATH)."""
+    p = subprocess.run([sys.executable, __file__, "--child", name, "--layer", str(layer)]
+                       + (["--numpy-hugepages"] if hugepages else []), capture_output=True, text=True, timeout=timeout_s)
+    if p.returncode:
+        raise RuntimeError(f"fresh process for {name} failed: {p.stderr.strip().splitlines()[-1:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def make_layer(gen: str, ranks: int, gpus_per_node: int) -> tuple[GlobalRouting, PlanContext]:
+    """The layer ``moonep-sim plan --trace gen:<gen> --ranks R --gpus-per-node G`` plans."""
+    from moonep_sim.experiments import Scenario
+
+    rs = Scenario(routing=f"gen:{gen}", cluster=(ranks, gpus_per_node), strategies="alltoall").resolved
+    return rs.source.global_routing(rs.source.layer_ids[0], ranks), rs.ctx
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gen", default="model=kimi-k3,maxvio=10,tokens-per-rank=8192",
+                    help="generator spec of the layer (as `moonep-sim plan --trace gen:...`)")
     ap.add_argument("--ranks", type=int, default=64)
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=896)
-    ap.add_argument("--top-k", type=int, default=16)
-    ap.add_argument("--tokens-per-rank", type=int, default=8192)
-    ap.add_argument("--sigma", type=float, default=0.6, help="lognormal popularity skew")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="runs in this process (0: first runs only)")
+    ap.add_argument("--no-fresh", action="store_true", help="skip the first runs in fresh processes")
     ap.add_argument("--strategies", default="", help="comma-separated (default: every registered strategy)")
-    ap.add_argument("--no-validate", action="store_true", help="skip timing validate(moonep plan)")
-    ap.add_argument("--no-memory", action="store_true", help="skip the extra traced run per strategy (peak memory)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds allowed to one fresh process")
+    ap.add_argument("--layer-file", default="", help="read the layer from this .npz if it exists, else generate "
+                                                     "it and save it there (two trees timed on one layer)")
     ap.add_argument("--json", default="", help="also write the results to this file")
+    ap.add_argument("--numpy-hugepages", action="store_true",
+                    help="keep numpy's huge-page advice (the CLI turns it off: moonep_sim.memory)")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--layer", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.child:
+        return child(a.child, a.layer, a.numpy_hugepages)
+    pages = "numpy default (huge pages advised)" if a.numpy_hugepages or not small_pages() else "small (as the CLI)"
 
-    load0 = os.getloadavg()[0]
+    load0 = os.getloadavg()
     t0 = time.perf_counter()
-    routing = gumbel_topk_routing(a.ranks, a.experts, a.top_k, a.tokens_per_rank, a.sigma, a.seed)
-    gen_s = time.perf_counter() - t0
+    if a.layer_file and Path(a.layer_file).exists():
+        routing, ctx = load_layer(a.layer_file)
+    else:
+        routing, ctx = make_layer(a.gen, a.ranks, a.gpus_per_node)
+        if a.layer_file:
+            save_layer(Path(a.layer_file), routing, ctx)
+    counts = routing.counts_E()
+    mv = float(counts.max() / counts.mean() - 1.0)
     n = routing.num_tokens * routing.top_k
-    mv = maxvio(routing.counts_E())
-    ctx = PlanContext.default(a.experts, a.ranks, a.gpus_per_node)
-    print(f"layer: R={a.ranks} (G={a.gpus_per_node}/node) E={a.experts} K={a.top_k} s={a.tokens_per_rank} "
-          f"-> {routing.num_tokens} tokens, {n} entries; sigma={a.sigma} maxvio={mv:.2f} (generated in {gen_s:.1f} s)")
+    print(f"layer: gen:{a.gen} on R={a.ranks} (G={a.gpus_per_node}/node): {routing.num_tokens} tokens, {n} entries, "
+          f"E={routing.num_experts} K={routing.top_k}, maxvio {mv:.2f}, topology "
+          f"{getattr(ctx.topology, 'name', None)} (ready in {time.perf_counter() - t0:.0f} s); pages: {pages}")
     names = [s for s in a.strategies.split(",") if s] or list(available())
     rows = []
-    print(f"{'strategy':14s} {'first s':>8s} {'best s':>8s} {'median s':>9s} {'best cpu s':>11s} {'(user':>6s} "
-          f"{'+ sys)':>6s} {'Mentries/s':>11s} {'peak GiB':>9s} {'RSS GiB':>8s}")
-    run_peak = 0  # the whole run's peak RSS (each strategy resets the kernel's count)
-    for name in names:
-        run_peak = max(run_peak, peak_rss_bytes() or 0)
-        try:
-            r = time_strategy(name, routing, ctx, a.repeats)
-            r["traced_peak_bytes"] = None if a.no_memory else traced_peak_bytes(name, routing, ctx)
-        except Exception as e:  # a strategy that fails is reported, the others still run
-            rows.append({"strategy": name, "error": f"{type(e).__name__}: {e}"})
-            print(f"{name:14s} error: {type(e).__name__}: {str(e)[:80]}")
-            continue
-        rows.append(r)
-        peak = "-" if r["traced_peak_bytes"] is None else f"{r['traced_peak_bytes'] / 2**30:.2f}"
-        rss = "-" if r["peak_rss_bytes"] is None else f"{r['peak_rss_bytes'] / 2**30:.2f}"
-        print(f"{name:14s} {r['first_s']:8.2f} {r['best_s']:8.2f} {r['median_s']:9.2f} {r['best_cpu_s']:11.2f} "
-              f"{r['best_cpu_user_s']:6.2f} {r['best_cpu_system_s']:6.2f} {r['entries_per_s'] / 1e6:11.2f} "
-              f"{peak:>9s} {rss:>8s}")
-    print("best cpu s: user + system time of the run with the least; peak GiB: bytes numpy allocated while "
-          "planning (tracemalloc, one extra run, routing excluded); RSS GiB: the process's peak RSS over the "
-          "timed runs (routing and the process's other memory included)")
-    result = {"loadavg_1min_start": load0, "ranks": a.ranks, "gpus_per_node": a.gpus_per_node, "experts": a.experts, "top_k": a.top_k,
-              "tokens_per_rank": a.tokens_per_rank, "entries": n, "sigma": a.sigma, "maxvio": mv, "seed": a.seed,
-              "strategies": rows}
-    if "moonep" in names:
-        peak = next((r.get("traced_peak_bytes") for r in rows if r["strategy"] == "moonep"), None)
-        peak = traced_peak_bytes("moonep", routing, ctx) if peak is None else peak
-        plan = make_plan("moonep", routing, ctx)
-        extra = {"moonep_traced_peak_bytes": peak, "moonep_weight_copies": plan.weight_copies,
-                 "moonep_max_rows": int(plan.real_rows_R().max()), "moonep_min_rows": int(plan.real_rows_R().min())}
-        print(f"moonep: peak planning memory {peak / 2**30:.2f} GiB (tracemalloc, routing input excluded); "
-              f"{plan.weight_copies} expert copies; real rows per rank {extra['moonep_min_rows']}.."
-              f"{extra['moonep_max_rows']}")
-        if not a.no_validate:
-            t1 = time.perf_counter()
-            errs = validate(plan)
-            extra["validate_s"] = time.perf_counter() - t1
-            extra["invariant_violations"] = errs
-            print(f"validate(moonep plan): {extra['validate_s']:.2f} s, {len(errs)} violation(s)")
-        del plan
-        ref = reference_ratio()
-        extra["reference"] = ref
-        print(f"reference ratio (R={ref['ranks']} E={ref['experts']} K={ref['top_k']}, {ref['entries']} entries): "
-              f"pure-Python reference {ref['reference_s'] * 1e3:.0f} ms, moonep {ref['moonep_s'] * 1e3:.1f} ms "
-              f"-> {ref['speedup']:.0f}x")
-        result.update(extra)
-    result["loadavg_1min_end"] = os.getloadavg()[0]
-    print(f"load average (1 min) at start {result['loadavg_1min_start']:.1f}, at end {result['loadavg_1min_end']:.1f} "
-          f"on {os.cpu_count()} CPUs (other processes slow the wall times)")
-    rss = max(run_peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: KiB
-    result["process_peak_rss_bytes"] = rss
-    print(f"process peak RSS (routing, all plans, validate): {rss / 2**30:.2f} GiB")
+    hdr = (f"{'strategy':14s} | {'first: wall':>11s} {'cpu':>6s} {'(user':>6s} {'+ sys)':>6s} {'RSS GiB':>7s} | "
+           f"{'best: wall':>10s} {'cpu':>6s} {'(user':>6s} {'+ sys)':>6s} {'RSS GiB':>7s}")
+    print(hdr)
+    gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
+    with tempfile.TemporaryDirectory(prefix="bench-plan-") as tmp:
+        layer = Path(tmp) / "layer.npz"
+        if not a.no_fresh:
+            save_layer(layer, routing, ctx)
+        for name in names:
+            row: dict = {"strategy": name}
+            try:
+                if not a.no_fresh:
+                    row["first"] = first_run(name, layer, a.timeout, a.numpy_hugepages)
+                runs = [command_path(name, routing, ctx) for _ in range(a.repeats)]
+            except Exception as e:  # a strategy that fails is reported, the others still run
+                row["error"] = f"{type(e).__name__}: {e}"
+                rows.append(row)
+                print(f"{name:14s} error: {row['error'][:100]}")
+                continue
+            if runs:
+                row["best"] = min(runs, key=lambda r: r["cpu_s"])
+                row["best_wall_s"] = min(r["wall_s"] for r in runs)
+                row["runs"] = runs
+            rows.append(row)
+            f, b = row.get("first"), row.get("best")
+            first = (f"{f['wall_s']:11.2f} {f['cpu_s']:6.2f} {f['user_s']:6.2f} {f['sys_s']:6.2f} "
+                     f"{gib(f['peak_rss_bytes']):>7s}") if f else f"{'-':>11s} {'':6s} {'':6s} {'':6s} {'':7s}"
+            best = (f"{row['best_wall_s']:10.2f} {b['cpu_s']:6.2f} {b['user_s']:6.2f} {b['sys_s']:6.2f} "
+                    f"{gib(b['peak_rss_bytes']):>7s}") if b else "-"
+            print(f"{name:14s} | {first} | {best}")
+            if (f or b)["violations"]:
+                print(f"  {name}: {(f or b)['violations']} invariant violation(s)")
+    load1 = os.getloadavg()
+    print("first: one run in a fresh process; best: the run of least CPU of "
+          f"{a.repeats} in this process (wall: the least); cpu = user + sys seconds; RSS: peak while planning "
+          "(routing included)")
+    print(f"load average (1/5/15 min) at start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, at end "
+          f"{load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f} on {os.cpu_count()} CPUs (other processes inflate the wall times)")
     if a.json:
+        import moonep_sim
+        result = {"pages": pages, "gen": a.gen, "ranks": a.ranks, "gpus_per_node": a.gpus_per_node, "entries": n, "maxvio": mv,
+                  "topology": getattr(ctx.topology, "name", None), "package": str(Path(moonep_sim.__file__).parent),
+                  "repeats": a.repeats, "loadavg_start": list(load0), "loadavg_end": list(load1), "strategies": rows}
         write_text_atomic(a.json, json.dumps(result, indent=2) + "\n")
     return 0
 

@@ -454,3 +454,34 @@ def read_config_bytes(path: PathLike, what: str, kind: str) -> bytes:
     if depth > MAX_NESTING:
         raise ConfigError(f"{p}: expected {kind} nested at most {MAX_NESTING} deep, found {depth}")
     return raw
+
+
+def _first_non_finite(obj: Any, path: str = "") -> str | None:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return f"{path or 'the value'} ({obj})"
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            hit = _first_non_finite(v, f"{path}.{k}" if path else str(k))
+            if hit:
+                return hit
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            hit = _first_non_finite(v, f"{path}[{i}]")
+            if hit:
+                return hit
+    return None
+
+
+def dumps_strict(obj: Any, **kw: Any) -> str:
+    """``json.dumps`` of :func:`to_jsonable` ``(obj)`` as strict JSON: a NaN or an infinity (which
+    ``json`` would write as the bare words ``NaN``/``Infinity``, not JSON) is refused in one line
+    naming where it is. Inputs that would produce one are refused where they are read; this is the
+    last guard."""
+    import json
+
+    doc = to_jsonable(obj)
+    try:
+        return json.dumps(doc, allow_nan=False, **kw)
+    except ValueError:
+        raise ConfigError(f"JSON output must hold finite numbers: {_first_non_finite(doc)} is not "
+                          "(an input value is infinite or not a number)") from None

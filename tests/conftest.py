@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_REAL = REPO.parent / "shared" / "traces" / "real"
 TRACES = REPO / "traces"
 
 # keep torch single-threaded in tests: the machine has 2 cores and many tests spawn processes

@@ -116,7 +116,8 @@ def test_bad_input_as_a_subprocess(case_id, dirs):
 
 def test_corpus_is_large_and_covers_every_group():
     groups = {c.group for c in CASES}
-    assert {"trace reader", "importer", "special files", "outputs", "output over input"} <= groups
+    assert {"trace reader", "importer", "special files", "outputs", "output over input", "model files", "HF configs",
+            "topology values", "sweep axes", "generator keys", "strategy options", "cluster addresses"} <= groups
     assert len(CASES) >= 150, len(CASES)
 
 

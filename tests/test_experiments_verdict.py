@@ -182,3 +182,33 @@ def test_strategies_lists_where_each_real_library_runs(capsys):
     js = json.loads(capsys.readouterr().out)
     for n in available():
         assert js[n]["real_library"]["runs"] != "not stated", n  # every registered strategy says where
+
+
+def test_seeds_give_sweeps_and_winner_cells_a_spread():
+    sc = Scenario(routing="gen:model=mixtral-8x7b,tokens-per-rank=64", cluster="4/2",
+                  strategies=["alltoall", "deepep"], topology="h800-cx7")
+    rep = sc.sweep("maxvio", [1.0], seeds=3).to_dict()
+    assert rep["seeds"] == [0, 1, 2] and "one-seed" not in {f["code"] for f in rep["flags"]}
+    v = rep["verdicts"][0]
+    assert v["confidence"]["unit"] == "seed" and v["confidence"]["units"] == 3
+    assert "over 3 seeds" in v["confidence"]["basis"]
+    t = rep["seed_layer_time_us"]["deepep"][0]
+    assert len(t) == 3 and len(set(t)) == 3  # each seed draws its own routing
+    assert rep["mean_layer_time_us"]["deepep"][0] == pytest.approx(np.mean(t))
+    m = sc.winner_map("maxvio", [1.0], "tokens-per-rank", [64], seeds=3)
+    c = m["cells"][0][0]
+    assert c["time_us"] == pytest.approx(min(np.mean(x[0]) for x in m["sweeps"][0]["seed_layer_time_us"].values()))
+    assert c["verdict"]["confidence"]["unit"] == "seed"
+    from moonep_sim.report.winner import winner_table_md
+
+    assert "over 3 seeds" in winner_table_md(m)
+
+
+def test_a_multi_step_trace_judges_confidence_over_its_steps():
+    rep = _compare(routing=str(TRACES / "qwen1.5-moe-a2.7b_layer0.safetensors"), cluster="4/2",
+                   strategies="alltoall,moonep")
+    v = rep["verdict"]
+    n = len(rep["strategies"]["alltoall"]["per_step"]["layer_time_us"])
+    assert n > 1 and v["confidence"]["unit"] == "step" and v["confidence"]["units"] == n
+    assert f"over {n} steps" in v["confidence"]["basis"]
+    assert v["winner"] == "alltoall" and v["mechanism"] == "weight copies"

@@ -120,3 +120,58 @@ def test_config_differing_across_ranks_is_detected_at_build():
         assert r.returncode == 2, r.output
         assert "ConfigError: Buffer top_k must be equal on every rank (ranks [0, 1] agree with rank 0, " \
                "ranks [2] differ; values by rank [2, 2, 3])" in r.output, r.output
+
+
+# ------------------------------------------------------------------------ lost while starting
+START_TIMEOUT_S = 20.0  # process-group set-up limit: above the start-up skew of 3 processes importing torch
+
+
+def start_worker(rank, world):
+    """Nothing to do once the group is up: the fault happens before (MOONEP_SIM_FAULT)."""
+    return {"started": True}
+
+
+def _start_fault_run(sig: str, victim: int) -> str | None:
+    """A rank sends itself SIG before the process group is set up (the liveness hook); returns what
+    went wrong, or None: the spawner names it as lost while starting, and every survivor names it
+    as the silent peer with the phase "starting"."""
+    survivors = [r for r in range(WORLD) if r != victim]
+    res = spawn_ranks("test_gloo_failures:start_worker", WORLD, timeout_s=120, pythonpath=[HERE],
+                      kill_on_failure=False, wait_for=survivors, pg_timeout_s=START_TIMEOUT_S,
+                      env={"MOONEP_SIM_FAULT": f"{victim}:starting:{sig}"})
+    problems = []
+    want = "died while starting (killed by SIGKILL)" if sig == "KILL" else "stopped while starting"
+    if want not in res[victim].launcher_note:
+        problems.append(f"spawner's note on rank {victim}: {res[victim].launcher_note!r}")
+    for r in survivors:
+        out = res[r].output
+        lines = [ln for ln in out.splitlines() if "moonep-sim: error:" in ln]
+        if res[r].returncode != 1 or len(lines) != 1 or not re.search(
+                rf"CommError: starting: process group set-up .* on rank {r} of {WORLD} \(silent peer rank {victim} "
+                r"\((no heartbeat for [\d.]+ s: stopped or dead|never started)\)\)", lines[0]):
+            problems.append(f"rank {r} exit {res[r].returncode}: {out.strip()[-300:]}")
+    return f"{sig} rank {victim} while starting: " + "; ".join(problems) if problems else None
+
+
+@pytest.mark.parametrize("sig", ["KILL", "STOP"])
+def test_rank_lost_while_starting_is_named_by_the_spawner_and_the_survivors(sig):
+    bad = _start_fault_run(sig, victim=1)
+    assert bad is None, bad
+
+
+def test_replay_launcher_names_a_rank_lost_while_starting(tmp_path):
+    """launch/replay.py --nproc: a rank killed before the group is up is named by the launcher in
+    one line with the phase, exit 1, and no rank is left running."""
+    import subprocess
+    import sys
+
+    repo = Path(HERE).parent
+    p = subprocess.run([sys.executable, str(repo / "launch" / "replay.py"), "--nproc", "2", "--trace",
+                        str(repo / "traces" / "mixtral-8x7b_humaneval.safetensors"), "--strategy", "alltoall",
+                        "--layers", "0", "--timeout", str(START_TIMEOUT_S), "--quiet"],
+                       capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=str(repo), MOONEP_SIM_FAULT="1:starting:KILL"))
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 1 and len(lines) == 1, p.stderr
+    assert lines[0] == ("moonep-sim: error: starting: rank 1 of 2 died while starting (killed by SIGKILL) before the "
+                        "process group was up; the launcher stopped the other rank (0)"), lines[0]

@@ -312,17 +312,20 @@ _HOP_FIELDS = ("src_rank_M", "src_row_M", "dst_rank_M", "dst_row_M")
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from(_INT_FIELDS + _HOP_FIELDS + ("entry_dup_TK", "none")),
-       st.integers(-2, 2), st.booleans(), st.sampled_from([1, 4]), st.sampled_from([0, 1, 3, 7]))
-def test_validate_matches_reference_on_corrupted_plans(seed, field, delta, dedup, tp, chunk):
+       st.integers(-2, 2), st.booleans(), st.sampled_from([1, 4]), st.sampled_from([0, 1, 3, 7]),
+       st.sampled_from(["alltoall", "capacity", "deepep"]))
+def test_validate_matches_reference_on_corrupted_plans(seed, field, delta, dedup, tp, chunk, strategy):
     """validate() reports exactly what the original implementation reports, valid or corrupted,
-    whatever the chunk its hop checks walk the messages in (``chunk`` 0: the default)."""
+    whatever the chunk its checks walk messages, entries and rows in (``chunk`` 0: the default),
+    on single-hop plans, plans with dropped entries and padding rows (capacity) and two hops."""
     from conftest import random_routing
     from moonep_sim.strategies import PlanContext, make_plan
     rng = np.random.default_rng(seed)
     R, E, K = 4, 8, 3
     ids, w = random_routing(int(rng.integers(1, 30)), K, E, seed=seed % 1000, skew=1.0)
     routing = GlobalRouting.split_evenly(ids, w, E, R)
-    p = make_plan("alltoall", routing, PlanContext.default(E, R, 2, token_padding=tp), dedup=dedup)
+    opts = {"alltoall": {"dedup": dedup}, "capacity": {"cf": 0.5 if dedup else 1.0}, "deepep": {}}[strategy]
+    p = make_plan(strategy, routing, PlanContext.default(E, R, 2, token_padding=tp), **opts)
     if field in _HOP_FIELDS:
         a = getattr(p.hops[0], field).copy()
         if a.size:

@@ -123,3 +123,21 @@ def test_plan_topology_sets_the_rates_a_copy_pricing_planner_uses(tmp_path, caps
     assert b200["options"]["estimate_no_copy_us"] < default["options"]["estimate_no_copy_us"]  # faster links
     assert main(argv + ["--topology", "nope"]) == 2
     assert "topology ('nope') must be a preset" in capsys.readouterr().err
+
+
+def test_commands_run_without_numpy_huge_page_advice(capsys):
+    """The CLI turns numpy's huge-page advice off for its process (``moonep_sim.memory``): fresh
+    huge pages made a plan's first run spend most of its time in the kernel."""
+    import numpy as np
+
+    from moonep_sim.cli import main
+
+    ma = np._core.multiarray
+    before = ma._get_madvise_hugepage()
+    try:
+        ma._set_madvise_hugepage(True)
+        assert main(["strategies"]) == 0
+        assert ma._get_madvise_hugepage() is False
+    finally:
+        ma._set_madvise_hugepage(before)
+    capsys.readouterr()

@@ -193,7 +193,8 @@ def ref_nodes_per_token_T(node_TK: np.ndarray) -> np.ndarray:
     return 1 + (s[:, 1:] != s[:, :-1]).sum(axis=1).astype(np.int64)
 
 
-def ref_deepep(routing: GlobalRouting, ctx: PlanContext, max_nodes: int = 0, sms: int = 24) -> Plan:
+def ref_deepep(routing: GlobalRouting, ctx: PlanContext, max_nodes: int = 0, sms: int | None = None,
+               impl: str = "deepep-v1") -> Plan:
     t0 = time.perf_counter()
     require(max_nodes >= 0, f"max_nodes ({max_nodes}) must be >= 0 (0 = no limit)")
     G = ctx.cluster.gpus_per_node
@@ -209,7 +210,7 @@ def ref_deepep(routing: GlobalRouting, ctx: PlanContext, max_nodes: int = 0, sms
     src = np.repeat(routing.src_rank_T(), routing.top_k)
     via = (dst_TK.ravel() // G) * G + src % G  # destination node, the source's local index
     # the registry stamps every declared option (sms, the kernel's SM budget, included)
-    opts = {"max_nodes": max_nodes, "sms": sms,
+    opts = {"max_nodes": max_nodes, "sms": sms, "impl": impl,
             "max_nodes_per_token": int(npt.max()) if npt.size else 0,
             "mean_nodes_per_token": float(npt.mean()) if npt.size else 0.0}
     return ref_plan_from_routes("deepep", opts, routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [via],

@@ -207,3 +207,24 @@ def test_step_result_carries_verdict_flags_and_saves(tmp_path):
     assert (tmp_path / "step" / "step_time.png").read_bytes()[:8] == PNG
     doc = _parse(tmp_path / "step" / "report.html")
     assert len(doc.imgs) == 1 and d["verdict"]["why"] in " ".join(doc.text) and "html" in files
+
+
+def test_winner_map_html_and_heatmap_show_ties(tmp_path, monkeypatch):
+    from moonep_sim.experiments.winner import winner_map
+    from moonep_sim.report import plots
+    from moonep_sim.report.html import write_html
+    from moonep_sim.report.winner import winner_heatmap
+
+    def sw(times):
+        return {"over": "maxvio", "values": [0.2, 20.0], "model": {"name": "m"}, "topology": {"name": "t"},
+                "strategies": {n: {"layer_time_us": ts, "dropped": [0, 0]} for n, ts in times.items()}}
+    m = winner_map([(128.0, sw({"x": [10.0, 30.0], "y": [10.0, 20.0]}))], "tokens-per-rank")
+    write_html(m, tmp_path / "w.html", {"winner": winner_heatmap(m, tmp_path / "w.png")})
+    text = " ".join(_parse(tmp_path / "w.html").text)
+    assert "x = y (tie)" in text and "y +50.0%" in text
+    figs = []
+    monkeypatch.setattr(plots, "_save", lambda fig, dest: figs.append(fig) or dest)
+    winner_heatmap(m, tmp_path / "w2.png")
+    ax = figs[-1].axes[0]
+    assert any(t.get_text().startswith("x = y\n(tie)") for t in ax.texts)
+    assert "tie" in [t.get_text() for t in ax.get_legend().get_texts()]

@@ -238,3 +238,76 @@ def test_a_trace_shorter_than_the_model_gets_flagged_stand_ins(tmp_path):
     prov = res.setup["layers_routing"]
     assert prov[:3] == ["trace layer 0", "trace layer 1", "trace layer 2"]
     assert all(p.startswith("STAND-IN") for p in prov[3:]) and res.setup["stand_ins"] == 13
+
+
+def test_relabelled_layers_keep_the_skew_and_move_the_hot_experts():
+    from moonep_sim.experiments.step import relabel_experts
+
+    r = _routing(SMALL, 64, maxvio=3.0)
+    q = relabel_experts(r, 5)
+    assert sorted(q.counts_E().tolist()) == sorted(r.counts_E().tolist())
+    assert not np.array_equal(q.counts_E(), r.counts_E())
+    assert (np.sort(q.topk_ids_TK, axis=1) != np.sort(r.topk_ids_TK, axis=1)).any()
+    assert (np.diff(np.sort(q.topk_ids_TK, axis=1), axis=1) > 0).all()  # still K distinct experts per token
+    # expert groups stay whole: every token's experts span as many groups as before
+    g = relabel_experts(r, 5, groups=4)
+    span = lambda x: np.array([np.unique(t // 8).size for t in x.topk_ids_TK])
+    assert (span(g) == span(r)).all()
+
+
+def test_each_recorded_step_of_a_trace_is_its_own_step(tmp_path):
+    from moonep_sim.experiments import Scenario
+    from moonep_sim.routing.generators import generate_trace
+
+    f = tmp_path / "steps.safetensors"
+    generate_trace(f, 64, 8, 8 * 16, 0, model="olmoe-1b-7b", layers=2, steps=3, maxvio=1.0)
+    res = Scenario(routing=str(f), cluster=8, strategies=["alltoall"]).step("prefill")
+    assert isinstance(res, list) and len(res) == 3
+    assert all(r.setup["tokens_per_rank"] == 16 and r.setup["step_tokens"] == 128 for r in res)
+    one = Scenario(routing=str(f), cluster=8, strategies=["alltoall"], steps="1").step("prefill")
+    assert not isinstance(one, list) and one.setup["tokens_per_rank"] == 16
+
+
+def test_profile_script_writes_a_profile_the_step_accepts(tmp_path, monkeypatch):
+    import runpy
+    import sys
+
+    model = tmp_path / "tiny.json"
+    model.write_text(json.dumps({"name": "tiny", "num_experts": 16, "top_k": 2, "hidden": 32, "expert_ffn": 16,
+                                 "layers": 2, "moe_layers": 1, "shared_experts": 1, "attention": "gqa", "heads": 2,
+                                 "kv_heads": 1, "head_dim": 16, "max_context": 256, "vocab": 50, "dense_ffn": 32}))
+    out = tmp_path / "prof.csv"
+    monkeypatch.setattr(sys, "argv", ["profile_ops.py", "--model", str(model), "--mode", "train", "--tokens", "8",
+                                      "--reps", "1", "--device", "cpu", "-o", str(out)])
+    runpy.run_path(str(__import__("pathlib").Path(__file__).parents[1] / "benchmarks" / "profile_ops.py"),
+                   run_name="__main__")
+    assert main(["step", "--gen", f"model={model},maxvio=1,tokens-per-rank=8", "--ranks", "4", "--mode", "train",
+                 "--strategies", "alltoall", "--compute-profile", str(out), "--json", str(tmp_path / "o.json")]) == 0
+    assert json.loads((tmp_path / "o.json").read_text())["setup"]["compute_profile"] == str(out)
+
+
+@pytest.mark.slow  # worker processes
+def test_jobs_give_the_same_step_as_serial():
+    from moonep_sim.experiments import Scenario
+
+    sc = Scenario(routing="gen:model=olmoe-1b-7b,maxvio=2,tokens-per-rank=32", cluster=8,
+                  strategies=["alltoall", "moonep"])
+    a = sc.step("train", "shared-expert", distinct_layers=3)
+    b = sc.step("train", "shared-expert", distinct_layers=3, jobs=2)
+    for s in ("alltoall", "moonep"):
+        assert a.figures[s]["step_time_us"] == b.figures[s]["step_time_us"]
+        assert a.figures[s]["peak_memory_bytes"] == b.figures[s]["peak_memory_bytes"]
+
+
+def test_a_comm_kernel_slows_the_compute_beside_it_by_its_sm_share():
+    from moonep_sim.step.schedule import Timeline
+
+    tl = Timeline(2)
+    tl.comm("dispatch", np.array([10.0, 10.0]), 0, "forward", share=0.25)  # 0..10 us, a quarter of the SMs
+    e = tl.compute("shared_expert", np.array([6.0, 9.0]), 0, "forward")
+    # rank 0: 6 us of work at 0.75 rate ends at 8 us; rank 1: 7.5 us done by 10, 1.5 us more after
+    np.testing.assert_allclose(e, [8.0, 11.5])
+    tl2 = Timeline(1)
+    tl2.comm("dispatch_ll", np.array([5.0]), 0, "forward", share=1.0)  # every SM: no compute beside it
+    np.testing.assert_allclose(tl2.compute("x", 2.0, 0, "forward"), [7.0])
+    np.testing.assert_allclose(Timeline(1).compute("x", 2.0, 0, "forward"), [2.0])

@@ -11,6 +11,7 @@ import sys
 
 from moonep_sim import __version__
 from moonep_sim.errors import MoonEPSimError, OneLineArgumentParser
+from moonep_sim.memory import prefer_small_pages
 
 # order = order in --help
 _COMMANDS = ("demo", "models", "strategies", "trace", "plan", "simulate", "step", "topologies", "compare", "sweep",
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    prefer_small_pages()  # fresh huge pages cost a command more system time than they save (moonep_sim.memory)
     try:
         return int(args.func(args) or 0)
     except MoonEPSimError as e:

@@ -58,6 +58,9 @@ def run(args) -> int:
         if not args.out and not dest.parent.exists():
             also = {}  # a fresh machine: the calibration folder is created when the results are written
         output_rule(args, also=also, out_flag="-o")  # before measuring, not after
+    from moonep_sim.cli.common import check_int
+    check_int(args.repeats, "--repeats", 1, 1000, "repeats per point (the median is kept)")
+    check_int(args.target_nproc, "--target-nproc", 2, 64, "the process count the constants are for")
     nprocs = parse_int_list(args.nproc, "--nproc") or []
     sizes = parse_sizes(args.sizes) or list(cal.QUICK_SIZES_BYTES if args.quick else cal.DEFAULT_SIZES_BYTES)
     shapes = cal.QUICK_SWIGLU_SHAPES if args.quick else cal.DEFAULT_SWIGLU_SHAPES

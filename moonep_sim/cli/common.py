@@ -18,8 +18,10 @@ PROGRESS_INTERVAL_S = 15.0
 
 
 def print_json(obj: Any) -> None:
-    json.dump(to_jsonable(obj), sys.stdout, indent=2, sort_keys=False)
-    sys.stdout.write("\n")
+    """``obj`` as strict JSON on stdout (no ``NaN``/``Infinity``: :func:`moonep_sim.io.dumps_strict`)."""
+    from moonep_sim.io import dumps_strict
+
+    sys.stdout.write(dumps_strict(obj, indent=2, sort_keys=False) + "\n")
 
 
 # -- the output rule: no output over an input -------------------------------------------------------
@@ -65,7 +67,7 @@ def output_rule(args, files: Iterable[str] = (), folders: Mapping[str, Sequence[
     ins.update(inputs or {})
     outs = {flag_of(d, out_flag): getattr(args, d, None) for d in files}
     outs.update(also or {})
-    outs = {k: v for k, v in outs.items() if isinstance(v, (str, os.PathLike))}
+    outs = {k: v for k, v in outs.items() if isinstance(v, (str, os.PathLike)) and str(v) != "-"}  # '-': stdout
     fold = {flag_of(d, out_flag): (getattr(args, d, None), tuple(names)) for d, names in (folders or {}).items()}
     check_outputs(outs, ins, {k: v for k, v in fold.items() if isinstance(v[0], (str, os.PathLike))})
 

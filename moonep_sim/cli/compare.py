@@ -84,7 +84,7 @@ OUT_FILES = ("report.json", "report.html", "layer_time.png", "rows_per_rank.png"
 def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, str]:
     """report.json and the plots under ``out_dir``, assembled beside it and moved in when all are
     written (a failure leaves none of them); returns {what: path}."""
-    from moonep_sim.io import staged_dir, write_text_atomic
+    from moonep_sim.io import dumps_strict, staged_dir, write_text_atomic
     from moonep_sim.report import plots as P
 
     files: dict[str, str] = {}
@@ -100,7 +100,7 @@ def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, 
         report.setdefault("provenance", provenance())
         report["files"] = dict(files, report=str(out_dir / "report.json"), html=str(out_dir / "report.html"))
         write_html(report, tmp / "report.html", figs)
-        write_text_atomic(tmp / "report.json", json.dumps(to_jsonable(report), indent=1))
+        write_text_atomic(tmp / "report.json", dumps_strict(report, indent=1))
     files["html"] = str(out_dir / "report.html")
     files["report"] = str(out_dir / "report.json")
     return files

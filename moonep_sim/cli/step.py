@@ -51,6 +51,8 @@ def register(sub) -> None:
                    help="ranks the dense weights' optimizer state is sharded over (0 = all ranks)")
     p.add_argument("--optimizer-bytes-per-param", type=float, default=12.0,
                    help="optimizer state per parameter (12 = mixed-precision Adam: fp32 master, m, v)")
+    p.add_argument("--jobs", type=int, default=1, help="plan and simulate the distinct layers in N worker processes")
+    p.add_argument("--cluster", default=None, metavar="ADDR", help="... or on a Dask cluster at ADDR")
     add_steps(p)
     add_dispatch_dtype(p)
     p.add_argument("--json", metavar="OUT", default=None, help="write the JSON result to OUT ('-' = stdout)")
@@ -94,17 +96,17 @@ def _static(items) -> dict[str, int]:
 
 
 def run(args) -> int:
-    from moonep_sim.io import check_output_path, to_jsonable, write_text_atomic
+    from moonep_sim.cli.common import output_rule
+    from moonep_sim.io import to_jsonable, write_text_atomic
 
-    for flag, path in (("--json", args.json), ("--timeline", args.timeline), ("--gantt", args.gantt)):
-        if path and path != "-":
-            check_output_path(path, flag)
+    output_rule(args, files=("json", "timeline", "gantt"))  # no output over an input; before any work
     sc = scenario(args)
     sc.resolved  # every input checked before any work
     res = sc.step(mode=args.mode, overlap=args.overlap, context=args.context, distinct_layers=args.distinct_layers,
                   compute_profile=args.compute_profile, gemm_dtype=args.gemm_dtype, recompute=args.recompute,
                   optimizer_shard=args.optimizer_shard, optimizer_bytes_per_param=args.optimizer_bytes_per_param,
-                  static_tokens=_static(args.static_buffer), tokens_per_rank=args.tokens_per_rank if args.gen else None)
+                  static_tokens=_static(args.static_buffer), tokens_per_rank=args.tokens_per_rank if args.gen else None,
+                  jobs=args.jobs, cluster=args.cluster)
     results = res if isinstance(res, list) else [res]
     docs = [r.to_dict() for r in results]
     doc = docs[0] if len(docs) == 1 else {"steps": docs}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moonep_sim.cli.common import (output_rule, add_dispatch_dtype, add_strategies, check_cluster_args, check_int, parse_strategy_opts,
+from moonep_sim.cli.common import (output_rule, add_dispatch_dtype, add_steps, add_strategies, check_cluster_args, check_int, parse_strategy_opts,
                                    print_json, progress, to_jsonable)
 from moonep_sim.limits import MAX_TOKENS_PER_RANK
 from moonep_sim.errors import ConfigError
@@ -19,42 +19,67 @@ from moonep_sim.report.tables import wide_console as console
 def register(sub) -> None:
     from moonep_sim.cli.compare import DEFAULT_STRATEGIES
 
-    p = sub.add_parser("sweep", help="sweep maxvio, EP size or a topology constant; line plots + JSON",
-                       description="Generate routing for a model preset (MoonEP's method: lognormal expert "
-                                   "popularity, sigma bisected to hit each target maxvio), plan every strategy "
-                                   "at every value, simulate, and plot layer time and its ratio to the lower bound.")
-    p.add_argument("--model", required=True, help="model preset (`moonep-sim models`)")
+    p = sub.add_parser("sweep", help="sweep maxvio, EP size or a topology constant (generated or a trace); line plots + JSON",
+                       description="Plan every strategy at every value of one knob, simulate, and plot layer time "
+                                   "and its ratio to the lower bound. With --model: generated routing (MoonEP's "
+                                   "method: lognormal expert popularity, sigma bisected to hit each target maxvio). "
+                                   "With --trace: the recorded routing, each step its own batch (docs/experiments.md).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="model preset for generated routing (`moonep-sim models`)")
+    src.add_argument("--trace", help="a trace file: sweep over the recorded routing (--over a topology constant, "
+                                     "ranks, gpus_per_node, tokens_per_rank or maxvio, re-weighted)")
     p.add_argument("--over", required=True,
-                   help="maxvio | ep | a numeric topology constant (e.g. nic_bandwidth_GBps, fabric_oversubscription)")
+                   help="maxvio | ep (= ranks) | a numeric topology constant (e.g. nic_bandwidth_GBps, "
+                        "fabric_oversubscription); with --trace also gpus_per_node and tokens_per_rank")
     p.add_argument("--values", default=None,
-                   help="comma-separated values (default: maxvio 0.2,1,10,20 where the model's E/K allows, else "
-                        "filled with 5,2,0.5; ep 8,16,32,64 that divide E; required for a topology constant)")
+                   help="comma-separated values (default: derived from what is valid for the size, those left out "
+                        "named: maxvio 0.2,1,10,20 above the sampling-noise floor and within E/K; ep 8,16,32,64 "
+                        "that divide E; a topology constant: required for --model, 0.25x-4x the preset's for "
+                        "--trace)")
+    add_steps(p)
+    p.add_argument("--layers", default=None, help="with --trace: layer ids, e.g. 0,5-7 (default: all)")
     add_strategies(p, DEFAULT_STRATEGIES)
     p.add_argument("--topology", default="h800-cx7", help="simulated cluster preset or TOML file (default h800-cx7)")
-    p.add_argument("--ranks", type=int, default=64, help="EP size when not sweeping it (default 64)")
+    p.add_argument("--ranks", type=int, default=None, help="EP size when not sweeping it (default 64; with --trace 8 "
+                                                           "or the largest divisor of E up to 8)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the topology's)")
     p.add_argument("--tokens-per-rank", type=int, default=GEN_DEFAULTS["tokens_per_rank"],
                    help=f"tokens on each rank (default {GEN_DEFAULTS['tokens_per_rank']}, as for every generated routing)")
     p.add_argument("--maxvio", type=float, default=GEN_DEFAULTS["maxvio"],
                    help=f"imbalance when not sweeping it (default {GEN_DEFAULTS['maxvio']:g})")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=1,
+                   help="run every point at this many seeds (from --seed); ties and confidence then rest on the "
+                        "spread over seeds, and winner-map cells use the mean time (default 1)")
     add_dispatch_dtype(p)
     p.add_argument("--out", default="moonep-sim-out/sweep", help="directory for sweep.json and sweep.png")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
-    p.add_argument("--by", default=None, choices=BY_KNOBS,
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (the JSON and HTML are still written)")
+    p.add_argument("--by", default=None, metavar="KNOB",
                    help="a second knob (rows): sweep --over once per --by-values value and write a winner map "
                         "(winner.png, winner.json, winner.md: the fastest strategy per cell and its margin over "
-                        "the runner-up)")
+                        "the runner-up): tokens-per-rank, maxvio or ep; with --trace any --over knob")
     p.add_argument("--by-values", default=None, help="comma-separated values of --by (required with --by)")
     add_parallel(p)
     p.set_defaults(func=run)
+
+
+def _cluster_address(text: str) -> str:
+    """--cluster checked as it is parsed: before any work, before Dask sees it."""
+    import argparse
+
+    from moonep_sim.experiments.checks import check_cluster_address
+    try:
+        return check_cluster_address(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_parallel(p) -> None:
     """--jobs / --cluster: where independent points run (``moonep_sim.experiments.parallel``)."""
     p.add_argument("--jobs", type=int, default=None,
                    help="worker processes for independent points (default: the cores; 1 = serial)")
-    p.add_argument("--cluster", default=None, metavar="ADDRESS",
+    p.add_argument("--cluster", default=None, metavar="ADDRESS", type=_cluster_address,
                    help="run the points on a Dask scheduler (tcp://host:8786; pip install 'moonep-sim[cluster]')")
 
 
@@ -71,16 +96,15 @@ def _by_values(args) -> list[float]:
         raise ConfigError(f"--by-values must be given with --by ({args.by})")
     if args.by == args.over or (args.by == "ep" and args.over == "ep"):
         raise ConfigError(f"--by ({args.by}) must differ from --over ({args.over})")
+    if args.model is not None and args.by not in BY_KNOBS:
+        raise ConfigError(f"--by ({args.by!r}) must be one of {', '.join(BY_KNOBS)} for generated routing")
     try:
         vals = [float(v) for v in args.by_values.split(",") if v.strip()]
     except ValueError:
         raise ConfigError(f"--by-values ({args.by_values!r}) must be comma-separated numbers") from None
-    if not vals:
-        raise ConfigError("--by-values must hold at least one value")
-    if args.by in ("tokens-per-rank", "ep"):
-        for v in vals:
-            if v != int(v) or v < 1:
-                raise ConfigError(f"--by-values ({v:g}) must be positive integers for --by {args.by}")
+    from moonep_sim.experiments.checks import check_axis_values
+
+    check_axis_values(args.by, vals, flag="--by-values")  # the same check as the flag it stands for
     return vals
 
 
@@ -100,6 +124,7 @@ OUT_FILES = ("sweep.json", "sweep.png", "report.html", "winner.png", "winner.md"
 
 def run_winner_map(args, cfg, by_vals: list[float]) -> int:
     """One sweep per --by value, then the winner map of them all."""
+    from moonep_sim.experiments.seeds import sweep_seeds
     from moonep_sim.experiments.sweep import check, sweep
     from moonep_sim.io import staged_dir, write_text_atomic
     from moonep_sim.experiments.winner import winner_map
@@ -112,22 +137,42 @@ def run_winner_map(args, cfg, by_vals: list[float]) -> int:
     reps = []
     for v, c in zip(by_vals, cfgs):
         with progress(con, f"sweep {args.by}={v:g}", lines=args.json) as cb:
-            reps.append((v, sweep(c, progress=cb, jobs=args.jobs, cluster=args.cluster)))
+            reps.append((v, sweep_seeds(c, args.seeds, lambda c: sweep(c, progress=cb, jobs=args.jobs,
+                                                                        cluster=args.cluster))))
     m = winner_map(reps, args.by)
     m["sweeps"] = [r for _, r in reps]
+    return write_winner(args, m, con)
+
+
+def write_winner(args, m: dict, con) -> int:
+    """winner.json, winner.md (and winner.png unless --no-plots) under --out; the table or JSON."""
+    from moonep_sim.io import dumps_strict, staged_dir, write_text_atomic
+    from moonep_sim.report.winner import winner_heatmap, winner_table_md
+
     out = Path(args.out)
     png = out / "winner.png"
     md = winner_table_md(m)
     with staged_dir(out, "--out") as tmp:
-        winner_heatmap(m, tmp / "winner.png")
+        if not args.no_plots:
+            winner_heatmap(m, tmp / "winner.png")
         write_text_atomic(tmp / "winner.md", md + "\n")
-        m["files"] = {"plot": str(png), "report": str(out / "winner.json"), "table": str(out / "winner.md")}
-        write_text_atomic(tmp / "winner.json", json.dumps(to_jsonable(m), indent=1))
+        from moonep_sim.report.html import provenance, write_html
+
+        m["provenance"] = provenance()
+        m["files"] = {"plot": str(png) if not args.no_plots else None, "report": str(out / "winner.json"),
+                      "table": str(out / "winner.md"), "html": str(out / "report.html")}
+        write_html({k: v for k, v in m.items() if k != "sweeps"}, tmp / "report.html",
+                   {"winner": tmp / "winner.png"} if not args.no_plots else {})
+        write_text_atomic(tmp / "winner.json", dumps_strict(m, indent=1))
     if args.json:
         print_json(m)
         return 0
     con.print(md)
-    con.print(f"wrote {png}, {out / 'winner.json'}, {out / 'winner.md'}")
+    from moonep_sim.report.tables import flag_lines
+
+    for line in flag_lines(m):
+        con.print(f"[dim]{line}[/dim]")
+    con.print("wrote " + ", ".join(str(f) for f in m["files"].values() if f))
     return 0
 
 
@@ -143,50 +188,98 @@ def _values(text: str | None) -> list[float] | None:
 def scenario(args):
     from moonep_sim.experiments import GeneratorSpec, Scenario
 
+    from moonep_sim.cli.common import parse_int_list
+
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     check_cluster_args(args)
+    opts = parse_strategy_opts(args.opt, names)
+    if args.trace is not None:
+        if args.seeds != 1:
+            raise ConfigError(f"--seeds ({args.seeds}) applies to generated routing: a trace's verdicts rest on the "
+                              "spread over its steps")
+        sc = Scenario(routing=args.trace, cluster=(args.ranks or 0, args.gpus_per_node or 0), topology=args.topology,
+                      strategies=names, options=opts, layers=parse_int_list(args.layers, "--layers"),
+                      steps=args.steps, dispatch_dtype=args.dispatch_dtype)
+        sc.resolved  # noqa: B018 -- check everything now
+        return sc
+    if args.steps is not None or args.layers is not None:
+        raise ConfigError("--steps and --layers select from a trace: give --trace (generated routing has none)")
     check_int(args.tokens_per_rank, "--tokens-per-rank", 1, MAX_TOKENS_PER_RANK)
+    check_int(args.seeds, "--seeds", 1, 64)
     spec = GeneratorSpec(model=args.model, maxvio=args.maxvio, tokens_per_rank=args.tokens_per_rank, seed=args.seed)
-    return Scenario(routing=spec, cluster=(args.ranks, args.gpus_per_node or 0), topology=args.topology,
-                    strategies=names, options=parse_strategy_opts(args.opt, names), dispatch_dtype=args.dispatch_dtype)
+    return Scenario(routing=spec, cluster=(args.ranks or 64, args.gpus_per_node or 0), topology=args.topology,
+                    strategies=names, options=opts, dispatch_dtype=args.dispatch_dtype)
 
 
 def run(args) -> int:
     from moonep_sim.experiments.parallel import check_jobs
     from moonep_sim.experiments.sweep import check
-    from moonep_sim.io import staged_dir, write_text_atomic
-    from moonep_sim.report import plots
-    from moonep_sim.report.tables import flag_lines, sweep_table
 
     output_rule(args, folders={"out": OUT_FILES})  # before the run, not after it
     sc = scenario(args)
+    check_jobs(args.jobs)
+    if sc.is_trace():
+        return run_trace(args, sc)
     cfg = sc.sweep_config(args.over, _values(args.values))
     by_vals = _by_values(args)
     if by_vals:
         return run_winner_map(args, cfg, by_vals)
     check(cfg)  # every input checked before any work
-    check_jobs(args.jobs)
     c = console()
     with progress(c, "sweep", lines=args.json) as cb:
-        rep = sc.sweep(args.over, cfg.values, progress=cb, jobs=args.jobs, cluster=args.cluster).to_dict()
+        rep = sc.sweep(args.over, _values(args.values), progress=cb, jobs=args.jobs, cluster=args.cluster,
+                       seeds=args.seeds).to_dict()
+    return write_sweep(args, rep, c)
+
+
+def run_trace(args, sc) -> int:
+    """A sweep (or, with --by, a winner map) over the trace's recorded routing."""
+    from moonep_sim.cli.common import print_warnings
+
+    c = console()
+    vals = _values(args.values)
+    by_vals = _by_values(args)
+    with progress(c, "sweep", lines=args.json) as cb:
+        if by_vals:
+            m = sc.winner_map(args.over, vals, args.by, by_vals, progress=cb, jobs=args.jobs, cluster=args.cluster)
+        else:
+            rep = sc.sweep(args.over, vals, progress=cb, jobs=args.jobs, cluster=args.cluster).to_dict()
+    print_warnings(sc.resolved.warnings)
+    if by_vals:
+        return write_winner(args, m, c)
+    return write_sweep(args, rep, c)
+
+
+def write_sweep(args, rep: dict, c) -> int:
+    """sweep.json, report.html (and sweep.png unless --no-plots) under --out; the table or JSON."""
+    from moonep_sim.io import dumps_strict, staged_dir, write_text_atomic
+    from moonep_sim.report import plots
+    from moonep_sim.report.tables import flag_lines, sweep_table
+
     out = Path(args.out)
     png = out / "sweep.png"
     with staged_dir(out, "--out") as tmp:
-        plots.sweep_lines(rep, tmp / "sweep.png")
+        if not args.no_plots:
+            plots.sweep_lines(rep, tmp / "sweep.png")
         from moonep_sim.report.html import provenance, write_html
 
         rep["provenance"] = provenance()
-        rep["files"] = {"plot": str(png), "report": str(out / "sweep.json"), "html": str(out / "report.html")}
-        write_html(rep, tmp / "report.html", {"sweep": tmp / "sweep.png"})
-        write_text_atomic(tmp / "sweep.json", json.dumps(to_jsonable(rep), indent=1))
+        rep["files"] = {"plot": str(png) if not args.no_plots else None, "report": str(out / "sweep.json"),
+                        "html": str(out / "report.html")}
+        write_html(rep, tmp / "report.html", {"sweep": tmp / "sweep.png"} if not args.no_plots else {})
+        write_text_atomic(tmp / "sweep.json", dumps_strict(rep, indent=1))
     if args.json:
         print_json(rep)
         return 0
     c.print(sweep_table(rep))
     for line in flag_lines(rep):
         c.print(f"[dim]{line}[/dim]")
+    for lo in rep.get("left_out") or []:
+        c.print(f"[dim]left out {rep['over']}={lo['value']:g}: {lo['reason']}[/dim]")
     tp = rep["topology"]
-    c.print(f"[dim]simulated on {tp['name']}: {tp['constants'].get('description', '')}; "
-            f"{rep['tokens_per_rank']} tokens per rank; took {rep['seconds']:.1f} s[/dim]")
-    c.print(f"wrote {png}, {out / 'sweep.json'}, {out / 'report.html'}")
+    how = (f"{rep['tokens_per_rank']} tokens per rank" if rep.get("tokens_per_rank") else
+           f"trace {rep.get('trace')}: {rep.get('method')}")
+    c.print(f"[dim]simulated on {tp['name']}: {tp['constants'].get('description', '')}; {how}; "
+            f"took {rep['seconds']:.1f} s[/dim]")
+    c.print("wrote " + ", ".join(str(f) for f in rep["files"].values() if f))
     return 0

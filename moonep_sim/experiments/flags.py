@@ -102,8 +102,10 @@ def compare_flags(rep: Mapping[str, Any], calibration: str | None = "unknown") -
     nodes = int((rep.get("cluster") or {}).get("nodes") or 1)
     L = len((rep.get("routing") or {}).get("layers") or []) or 1
     for n, s in (rep.get("strategies") or {}).items():
+        S = len((s.get("per_step") or {}).get("layer_time_us") or [])
+        unit = f"{L} layer(s)" + (f" x {S} steps" if S > 1 else "")
         out += strategy_flags(n, s.get("options") or {}, nodes, int(s.get("dropped", 0)), int(s.get("padded", 0)),
-                              unit=f"{L} layer(s)")
+                              unit=unit)
     if rep.get("real"):
         if calibration == "unknown":
             from moonep_sim.experiments import calibrate as cal

@@ -56,7 +56,8 @@ def run_points(fn: Callable[[Any], Any], items: Sequence[Any], *, jobs: int | No
             progress(f"{label(items[i])} done", done, total)
 
     if cluster:
-        return _run_dask(fn, items, cluster, out, tick)
+        from moonep_sim.experiments.checks import check_cluster_address
+        return _run_dask(fn, items, check_cluster_address(cluster), out, tick)
     jobs = check_jobs(jobs)
     if jobs == 1 or total <= 1:
         for i, x in enumerate(items):

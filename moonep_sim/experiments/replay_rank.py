@@ -467,7 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.exit(launch(argv))
     args = None
     rank = os.environ.get("RANK", "?")
-    from moonep_sim.gloo.liveness import PhaseTracker, announce
+    from moonep_sim.gloo.liveness import STARTING, PhaseTracker, announce, fault_point, start_early
+    watch = None
     try:
         args = _parse(argv)
         _check_args(args)
@@ -477,7 +478,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             require("RANK" in os.environ and "WORLD_SIZE" in os.environ,
                     "RANK / WORLD_SIZE (unset) must be set: run with --nproc N, or under torchrun "
                     "--nproc_per_node N launch/replay.py ...")
+            # heartbeat and watchdog first: a peer lost while the group is set up is named ("starting")
+            watch = start_early(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), max(args.timeout, 1.0))
+            fault_point(STARTING, rank)
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(args.timeout, 1.0)))
+            watch.started()
+            fault_point("started", rank)
         _TRACKER[:] = [PhaseTracker("moonep_sim/replay/", dist.get_rank(), range(dist.get_world_size()),
                                     args.timeout)]
         rep = run(args)
@@ -493,9 +499,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = 1 if isinstance(e, CommError) else 2
     except RuntimeError as e:  # a collective no tracker watched (process-group set-up)
         line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        phase = _TRACKER[0].phase if _TRACKER else "start"
-        print(f"moonep-sim: error: rank {rank}: CommError: replay collective failed after {phase}: {line[:240]}",
-              file=sys.stderr, flush=True)
+        if watch is not None and not watch.up.is_set():
+            msg = watch.report(f"failed: {line[:160]}")  # one line: this thread's or the watchdog's
+        else:
+            phase = _TRACKER[0].phase if _TRACKER else "start"
+            msg = f"replay collective failed after {phase}: {line[:240]}"
+        print(f"moonep-sim: error: rank {rank}: CommError: {msg}", file=sys.stderr, flush=True)
         code = 1
     except KeyboardInterrupt:
         if rank in ("0", "?"):

@@ -19,6 +19,7 @@ or two popularities is one line naming the key and listing the valid ones.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -73,6 +74,12 @@ class GeneratorSpec:
     top_k: int | None = None
 
     def __post_init__(self) -> None:
+        from moonep_sim.routing.generators import check_spec_value
+
+        for f in dataclasses.fields(self):  # type, finiteness, integer-ness and range of every key
+            check_spec_value(f.name, getattr(self, f.name))
+        require(isinstance(self.model, str) or not isinstance(self.model, (int, float, bool)),
+                f"generator spec model ({self.model!r}) must be a preset name or a model file")
         pops = [k for k in _POPULARITY if getattr(self, k) not in (None, False)]
         require(len(pops) <= 1, f"generator spec ({self.text()}) must set at most one popularity of "
                                 f"maxvio, sigma, zipf, uniform, hot (got {', '.join(pops)})")
@@ -145,11 +152,13 @@ def _typed(key: str, v: str) -> Any:
         num = float(v)
     except ValueError:
         raise ConfigError(f"generator spec {key.replace('_', '-')} ({v!r}) must be a number") from None
+    require(math.isfinite(num), f"generator spec {key.replace('_', '-')} ({v}) must be a finite number")
     if key == "uniform":
+        require(num in (0, 1), f"generator spec uniform ({v}) must be 0 or 1")
         return bool(num)
     if key in _INT_KEYS:
         require(num == int(num), f"generator spec {key.replace('_', '-')} ({v}) must be an integer")
-        return int(num)
+        return int(v) if v.strip().lstrip("+-").isdigit() else int(num)
     return num
 
 
@@ -173,6 +182,8 @@ class RoutingSource:
     generated or in-memory routing).  batches: ``[(step id, token ranges)]``, the batches a command
     costs, one per selected step (step id None: the ``merged`` batch); generated and in-memory
     routing is one batch.  batch_tokens: tokens of each batch (the weights of the per-step means).
+    transform: a function applied to each trace layer read (a sweep's re-weighted popularity, see
+    :mod:`moonep_sim.experiments.trace_sweep`); None: the routing as recorded.
     """
 
     label: str
@@ -186,6 +197,7 @@ class RoutingSource:
     steps: Any = None
     batches: list = dataclasses.field(default_factory=lambda: [(None, None)])
     batch_tokens: list = dataclasses.field(default_factory=lambda: [None])
+    transform: Any = None   # (LayerRouting, layer id, batch) -> LayerRouting applied to a trace's layers
     _trace: Any = None
     _routing: GlobalRouting | None = None
 
@@ -235,7 +247,8 @@ class RoutingSource:
             return LayerRouting(r.topk_ids_TK, r.topk_weights_TK, self.num_experts, layer_id)
         from moonep_sim.routing.steps import read_layer
 
-        return read_layer(self._trace, self._trace.layer_index(layer_id), ranges=self.batches[batch][1])
+        lr = read_layer(self._trace, self._trace.layer_index(layer_id), ranges=self.batches[batch][1])
+        return self.transform(lr, int(layer_id), batch) if self.transform is not None else lr
 
     def selected_layer(self, layer_id: int) -> LayerRouting:
         """A trace layer's tokens of every batch, concatenated in token order (what a step model
@@ -276,7 +289,8 @@ class RoutingSource:
         """The routing strategy ``name`` plans on: the layer's (``base`` when given), except deepep
         with ``max_nodes``, which re-routes a trace's router logits node-limited (top-K within the
         ``max_nodes`` best nodes, as DeepSeek-V3's router does). Every command plans through here."""
-        if name == "deepep" and opts.get("max_nodes") and self._trace is not None and self._trace.has("router_logits"):
+        if (name == "deepep" and opts.get("max_nodes") and self._trace is not None and self.transform is None
+                and self._trace.has("router_logits")):
             from moonep_sim.strategies import get_strategy
             from moonep_sim.strategies.deepep import node_limited_topk
 

@@ -111,6 +111,10 @@ class Scenario:
     placement: str = "home"
     costs: RowCosts | None = None
 
+    def __post_init__(self) -> None:
+        from moonep_sim.experiments.checks import check_scenario_args
+        check_scenario_args(self)  # every argument's type and range, naming it (experiments/checks.py)
+
     # -- checking ---------------------------------------------------------------------------------
     @cached_property
     def resolved(self) -> Resolved:
@@ -272,29 +276,51 @@ class Scenario:
                             {n: r.get("correct") for n, r in per.items()}, to_jsonable(rep, lenient=True))
 
     def sweep(self, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None,
-              progress: Progress | None = None, jobs: int | None = 1, cluster: str | None = None) -> SweepResult:
+              progress: Progress | None = None, jobs: int | None = 1, cluster: str | None = None,
+              seeds: int = 1) -> SweepResult:
         """Vary ``over`` (``maxvio``, ``ep`` or a numeric topology constant) through ``values``
         (default: :func:`moonep_sim.experiments.sweep.default_values`); each point plans every
         strategy on generated routing (this scenario's generator spec, or the model's defaults) and
         simulates it on the topology. Points run in ``jobs`` worker processes (None: the cores) or on
-        a Dask ``cluster`` address (:mod:`moonep_sim.experiments.parallel`), same report as serial."""
+        a Dask ``cluster`` address (:mod:`moonep_sim.experiments.parallel`), same report as serial.
+        ``seeds`` > 1: the sweep at that many seeds; the verdicts rest on the spread over them
+        (:mod:`moonep_sim.experiments.seeds`).
+
+        On a trace (this scenario's routing is a trace file), the sweep runs on the recorded routing,
+        each step its own batch: ``over`` a topology constant, ``ranks`` (``ep``), ``gpus_per_node``,
+        ``tokens_per_rank`` or ``maxvio`` (re-weighted popularity), see
+        :mod:`moonep_sim.experiments.trace_sweep` (the spread behind its verdicts is over steps)."""
+        from moonep_sim.experiments.seeds import sweep_seeds
         from moonep_sim.experiments.sweep import sweep
 
-        return SweepResult.from_report(sweep(self.sweep_config(over, values, maxvio=maxvio), progress=progress,
-                                             jobs=jobs, cluster=cluster))
+        if self.is_trace():
+            from moonep_sim.experiments.trace_sweep import trace_sweep
+
+            return SweepResult.from_report(trace_sweep(self, over, values, progress=progress, jobs=jobs,
+                                                       cluster=cluster))
+        return SweepResult.from_report(sweep_seeds(self.sweep_config(over, values, maxvio=maxvio), seeds,
+                                                   lambda c: sweep(c, progress=progress, jobs=jobs, cluster=cluster)))
 
     def winner_map(self, over: str, values: Sequence[float] | None, by: str, by_values: Sequence[float], *,
                    maxvio: float | None = None, progress: Progress | None = None, jobs: int | None = 1,
-                   cluster: str | None = None) -> dict[str, Any]:
+                   cluster: str | None = None, seeds: int = 1) -> dict[str, Any]:
         """The fastest strategy per cell over two knobs: one :meth:`sweep` of ``over`` per value of
         ``by`` (``tokens-per-rank``, ``maxvio`` or ``ep``), combined by
         :func:`moonep_sim.experiments.winner.winner_map` (each cell: winner, margin over the
-        runner-up, every strategy's time; ``sweeps`` holds the full reports)."""
+        runner-up, every strategy's time; ``sweeps`` holds the full reports). ``seeds`` > 1: every
+        sweep at that many seeds, each cell's times the means and its verdict (tie, confidence) from
+        the spread over seeds."""
         from dataclasses import replace
+
+        from moonep_sim.experiments.seeds import sweep_seeds
 
         from moonep_sim.experiments.sweep import check, sweep
         from moonep_sim.experiments.winner import winner_map
 
+        if self.is_trace():
+            from moonep_sim.experiments.trace_sweep import trace_winner_map
+
+            return trace_winner_map(self, over, values, by, by_values, progress=progress, jobs=jobs, cluster=cluster)
         require(by in ("tokens-per-rank", "maxvio", "ep"), f"by ({by!r}) must be tokens-per-rank, maxvio or ep")
         require(by != over, f"by ({by}) must differ from over ({over})")
         base = self.sweep_config(over, values, maxvio=maxvio)
@@ -302,10 +328,16 @@ class Scenario:
         cfgs = [replace(base, **{field: (float(v) if by == "maxvio" else int(v))}) for v in by_values]
         for c in cfgs:
             check(c)  # every input checked before any work
-        reps = [(float(v), sweep(c, progress=progress, jobs=jobs, cluster=cluster)) for v, c in zip(by_values, cfgs)]
+        reps = [(float(v), sweep_seeds(c, seeds, lambda c: sweep(c, progress=progress, jobs=jobs, cluster=cluster)))
+                for v, c in zip(by_values, cfgs)]
         m = winner_map(reps, by)
         m["sweeps"] = [r for _, r in reps]
         return m
+
+    def is_trace(self) -> bool:
+        """True when the routing is a trace file (not a generator spec or routing in memory)."""
+        return not isinstance(self.routing, (GeneratorSpec, GlobalRouting)) and not (
+            isinstance(self.routing, str) and self.routing.startswith("gen:"))
 
     def sweep_config(self, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None):
         """The :class:`~moonep_sim.experiments.sweep.SweepConfig` of :meth:`sweep` (checked by ``check``)."""
@@ -319,12 +351,17 @@ class Scenario:
         model = spec.resolve_model(self.model)
         strategies = strategy_list(self.strategies, self.options)
         R, G = parse_cluster(self.cluster)
-        vals = list(values) if values is not None else default_values(over, model, self.topology)
+        over = {"ranks": "ep"}.get(over, over)
+        left_out: list = []
+        vals = list(values) if values is not None else default_values(
+            over, model, self.topology, tokens=spec.tokens_per_rank * (R or 64), left_out=left_out)
         pop = spec.popularity()
-        return SweepConfig(model, over, [float(v) for v in vals], [(n, dict(o)) for n, o in strategies], self.topology,
+        cfg = SweepConfig(model, over, [float(v) for v in vals], [(n, dict(o)) for n, o in strategies], self.topology,
                           R or 64, G or 0, spec.tokens_per_rank,
                           float(maxvio if maxvio is not None else pop.get("maxvio", 1.0)), spec.seed,
                           normalise_dtype(self.dispatch_dtype), self.token_padding)
+        cfg.left_out = left_out
+        return cfg
 
 
 def _simulate_flags(rs: Resolved, name: str, plans: list) -> list[dict[str, Any]]:

@@ -5,9 +5,11 @@ Notation: R ranks, T tokens per rank, L_moe MoE layers.
 Routing per MoE layer i (:func:`layer_source`):
 
 - generated routing (``gen:``): MoE layer i is generated layer i (seed ``seed * 1009 + i``), at
-  the step's tokens per rank; with ``distinct_layers`` N > 0 only N layers are generated,
-  planned and simulated and MoE layer i reuses layer ``i mod N`` (flagged per layer in the output:
-  the fast path; the default 0 gives every layer its own routing);
+  the step's tokens per rank; with ``distinct_layers`` N > 0 (the fast path) only layer 0 is
+  generated, N-1 more routings are layer 0 with its experts relabelled (:func:`relabel_experts`:
+  same skew, other hot experts and ranks), those N are planned and simulated, and MoE layer i
+  reuses routing ``i mod N`` (flagged per layer in the output). The default 0 gives every layer
+  its own generated routing;
 - a trace: MoE layer i is the trace's i-th layer; a layer the trace does not have is a
   **stand-in**: generated at the trace's measured skew (the mean maxvio of its layers, MoonEP's
   lognormal popularity, seed i), flagged as such in the output. A trace's tokens set T (its
@@ -60,10 +62,19 @@ def layer_source(source: RoutingSource, ranks: int, tokens: int, moe_layers: int
         src = dataclasses.replace(source, gen=g)
 
         def gen(i: int):
-            j = i % distinct if distinct else i
+            if not distinct:
+                if i not in memo:
+                    memo[i] = src.global_routing(i, ranks)
+                return ("gen", i), memo[i], f"generated layer {i}"
+            j = i % distinct
             if j not in memo:
-                memo[j] = src.global_routing(j, ranks)
-            how = f"generated layer {j}" + (f" (reused: --distinct-layers {distinct})" if j != i else "")
+                if 0 not in memo:
+                    memo[0] = src.global_routing(0, ranks)
+                memo[j] = memo[0] if j == 0 else relabel_experts(memo[0], g.seed * 1009 + j,
+                                                                  g.groups or source.model.n_groups)
+            how = "generated layer 0" if j == 0 else f"generated layer 0, experts relabelled (seed {g.seed * 1009 + j})"
+            if j != i:
+                how += f" (reused: --distinct-layers {distinct})"
             return ("gen", j), memo[j], how
         return gen
     ids = list(source.layer_ids)
@@ -92,6 +103,22 @@ def layer_source(source: RoutingSource, ranks: int, tokens: int, moe_layers: int
     return trace
 
 
+def relabel_experts(r: GlobalRouting, seed: int, groups: int = 1) -> GlobalRouting:
+    """``r`` with its experts renamed by a seeded random permutation: the same popularity
+    statistics (the sorted per-expert counts, the maxvio, the co-selection structure), other hot
+    experts on other home ranks. With expert groups (group-limited routing) the permutation keeps
+    groups whole (groups permuted, experts permuted within them), so a token still spans its groups.
+    One gather over the entries: the fast path's per-layer stand-in for a fresh draw."""
+    E = r.num_experts
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed), 11]))
+    G = max(int(groups), 1)
+    per = E // G
+    g_perm = rng.permutation(G)
+    within = np.argsort(rng.random((G, per)), axis=1)
+    perm_E = (g_perm[:, None] * per + within).reshape(-1)[np.arange(E).reshape(G, per).reshape(-1)]
+    return GlobalRouting(perm_E[r.topk_ids_TK], r.topk_weights_TK, r.tokens_per_rank_R, E)
+
+
 def _trace_layer(source: RoutingSource, layer_id: int, ranks: int, steps_T: np.ndarray | None) -> GlobalRouting:
     lr = source.selected_layer(layer_id) if source._trace is not None else source.layer(layer_id, ranks)
     ids, w = lr.topk_ids_TK, lr.topk_weights_TK
@@ -116,9 +143,12 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
              context: int | None = None, model: ModelSpec | None = None, distinct_layers: int = 0,
              compute_profile: str | None = None, gemm_dtype: str = "bf16", recompute: bool = False,
              optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
-             static_tokens: Mapping[str, int] | None = None, progress=None) -> list[StepResult]:
+             static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
+             cluster: str | None = None) -> list[StepResult]:
     """The step(s) of ``scenario`` (an :class:`~moonep_sim.experiments.scenario.Scenario`): one
-    result, or one per recorded step of a trace with several steps."""
+    result, or one per recorded step of a trace with several steps. The step's distinct MoE layers
+    are planned and simulated in ``jobs`` worker processes or on a Dask ``cluster``
+    (:func:`moonep_sim.experiments.parallel.run_points`; each layer independently, same result)."""
     from moonep_sim.step import CostModel, MemoryOptions, StepConfig, read_profile, simulate_step, step_shape
 
     rs = scenario.resolved
@@ -151,12 +181,17 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
         for s, S in static.items():
             require(int(S) >= T, f"static buffer tokens ({S}) of {s} must be >= the tokens per rank ({T})")
         cfg = StepConfig(m, rs.topology, rs.ctx, rs.strategies, shape, overlap, costs, mem, static)
-        res = simulate_step(cfg, layer_source(src, R, T, m.moe_layers, distinct_layers, steps_T), progress)
+        pool = None
+        if cluster or (jobs or 1) != 1:
+            from moonep_sim.experiments.parallel import run_points
+
+            pool = lambda fn, items: run_points(fn, items, jobs=jobs, cluster=cluster)
+        res = simulate_step(cfg, layer_source(src, R, T, m.moe_layers, distinct_layers, steps_T), progress, pool)
         timelines = res.pop("_timelines")
         setup = {k: v for k, v in res.items() if k != "strategies"}
         setup.update(model=m.name, ranks=R, gpus_per_node=rs.cluster.gpus_per_node, topology=rs.topology.name,
                      routing=src.describe(), gemm_dtype=gemm_dtype, compute_profile=compute_profile,
-                     distinct_layers=distinct_layers, recompute=recompute,
+                     distinct_layers=distinct_layers, recompute=recompute, jobs=jobs, cluster=cluster,
                      options={n: {k: str(v) for k, v in o.items()} for n, o in rs.strategies},
                      stand_ins=sum(1 for p in res["layers_routing"] if p.startswith("STAND-IN")),
                      reused_layers=sum(1 for p in res["layers_routing"] if "reused" in p),
@@ -166,4 +201,4 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     return out
 
 
-__all__ = ["StepResult", "layer_source", "run_step", "trace_steps"]
+__all__ = ["StepResult", "layer_source", "relabel_experts", "run_step", "trace_steps"]

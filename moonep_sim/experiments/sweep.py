@@ -18,7 +18,7 @@ the topology constants used.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable
 
 from moonep_sim.errors import require
@@ -46,13 +46,34 @@ def maxvio_targets(model: ModelSpec) -> list[float]:
     return sorted(vals)
 
 
-def default_values(over: str, model: ModelSpec, topology: str | None = None) -> list[float]:
-    """The default values of a sweep over ``over`` (maxvio: :func:`maxvio_targets`; ep: the EP
-    sizes that divide E); a topology constant has no default."""
+def noise_floor(model: ModelSpec, tokens: int, seed: int = 0) -> float:
+    """The maxvio of a uniform-popularity draw of ``tokens`` tokens (the sampling-noise floor: no
+    generated target below it is reachable at this size)."""
+    from moonep_sim.routing.generators import generate_layer
+    from moonep_sim.routing.metrics import maxvio
+
+    lr = generate_layer(model.num_experts, model.top_k, int(tokens), seed, uniform=True)
+    return float(maxvio(lr.counts_E()))
+
+
+def default_values(over: str, model: ModelSpec, topology: str | None = None, *, tokens: int | None = None,
+                   left_out: list | None = None) -> list[float]:
+    """The default values of a sweep over ``over`` (maxvio: :func:`maxvio_targets`, without those
+    below the sampling-noise floor of ``tokens`` tokens -- appended to ``left_out`` with the
+    reason; ep: the EP sizes that divide E); a topology constant has no default."""
     from moonep_sim.errors import ConfigError
 
     if over == "maxvio":
-        return maxvio_targets(model)
+        vals = maxvio_targets(model)
+        if tokens:
+            floor = noise_floor(model, tokens)
+            low = [v for v in vals if v <= 1.25 * floor]
+            for v in low:
+                if left_out is not None:
+                    left_out.append({"value": v, "reason": f"below the sampling-noise floor (a uniform draw of {tokens} "
+                                                           f"tokens already has maxvio {floor:.3g})"})
+            vals = [v for v in vals if v not in low] or [round(2 * floor, 2)]
+        return vals
     if over == "ep":
         return [float(v) for v in EP_SIZES if model.num_experts % v == 0] or [1.0]
     if topology is not None:
@@ -78,6 +99,7 @@ class SweepConfig:
     seed: int = 0
     dispatch_dtype: str = "bf16"
     token_padding: int = 1
+    left_out: list = field(default_factory=list)  # default values left out, with the reason
 
 
 def topology_params(topo) -> list[str]:
@@ -88,9 +110,11 @@ def topology_params(topo) -> list[str]:
 def check(cfg: SweepConfig) -> Any:
     """Validate everything before any work; returns the loaded base topology."""
     m = cfg.model
+    from moonep_sim.experiments.checks import check_axis_value, check_axis_values
+
     topo = load_topology(cfg.topology)
-    require(len(cfg.values) >= 1, "--values must hold at least one value")
-    require(cfg.tokens_per_rank >= 1, f"--tokens-per-rank ({cfg.tokens_per_rank}) must be >= 1")
+    check_axis_values(cfg.over, cfg.values, topo)  # each value as the flag it stands for
+    check_axis_value("tokens-per-rank", cfg.tokens_per_rank, flag="--tokens-per-rank")
     if cfg.over == "maxvio":
         hi = m.num_experts / m.top_k - 1
         for v in cfg.values:
@@ -272,6 +296,7 @@ def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = N
         "kind": "sweep",
         "over": cfg.over,
         "values": [float(v) for v in cfg.values],
+        "left_out": list(cfg.left_out),
         "model": m.to_dict(),
         "topology": topology_info(base),
         "cluster": {"ranks": cfg.ranks if cfg.over != "ep" else None,

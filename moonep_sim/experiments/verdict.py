@@ -165,7 +165,7 @@ def _why(mech: str, w: str, r: str, fw: Mapping[str, Any], fr: Mapping[str, Any]
         return s + f"; {_t(d)} of token traffic"
     if mech == "weight copies":
         slow, fast, fs, ff = (r, w, fr, fw) if d > 0 else (w, r, fw, fr)
-        return (f"{slow} copies {fs['weight_copies'] + fs['migrations']:.3g} experts{per} ({_bytes(fs['weight_bytes'])} of "
+        return (f"{slow} copies {fs['weight_copies'] + fs['migrations']:.3g} expert(s){per} ({_bytes(fs['weight_bytes'])} of "
                 f"weights, {_t(abs(d))} longer on the critical path) where {fast} copies "
                 f"{ff['weight_copies'] + ff['migrations']:.3g} ({_bytes(ff['weight_bytes'])})")
     if mech == "expert-compute imbalance":
@@ -213,7 +213,7 @@ def confidence(series: Mapping[str, Sequence[float]] | None, w: str, r: str, mar
     m = float(np.sum(wt * d))
     sd = float(np.sqrt(np.sum(wt * (d - m) ** 2)))
     n_eff = 1.0 / float(np.sum(wt ** 2))
-    half = 2.0 * sd / np.sqrt(n_eff)
+    half = float(2.0 * sd / np.sqrt(n_eff))
     wins = int(np.sum(d > TIE))
     basis = (f"over {n} {unit}s: {r} slower by {100 * m:.2f}% +- {100 * half:.2f}% (2 x the spread of the paired "
              f"differences / sqrt(n)); {w} faster in {wins} of {n}")
@@ -228,10 +228,11 @@ def confidence(series: Mapping[str, Sequence[float]] | None, w: str, r: str, mar
 
 def verdict(figs: Mapping[str, Mapping[str, Any]], *, series: Mapping[str, Sequence[float]] | None = None,
             unit: str = "layer", weights: Sequence[float] | None = None,
-            flags: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any] | None:
+            flags: Sequence[Mapping[str, Any]] = (), per: str = "layer") -> dict[str, Any] | None:
     """The verdict over strategies. figs: strategy -> its figures (:func:`figures`, or their
     :func:`mean_figures` over units); series: strategy -> time per unit (for the spread); unit:
-    what one series entry is (``step``, ``layer``, ``seed``); flags: the result's flags (the
+    what one series entry is (``step``, ``layer``, ``seed``); per: what one figure is (the
+    sentences say "per layer"); flags: the result's flags (the
     winner's and runner-up's codes are repeated in the verdict). None without strategies."""
     if not figs:
         return None
@@ -255,16 +256,16 @@ def verdict(figs: Mapping[str, Mapping[str, Any]], *, series: Mapping[str, Seque
             tie = False
             conf = {"level": "drops rows", "units": conf["units"], "unit": unit,
                     "basis": f"{r} dropped entries: it did less work and never wins"}
-            head = f"{r} drops {figs[r]['dropped']:,.0f} entries per {unit} and never wins"
+            head = f"{r} drops {figs[r]['dropped']:,.0f} entries per {per} and never wins"
             if margin <= 0:
                 mech = "dropped rows"
-            why = (head + "; " + _why(mech, w, r, figs[w], figs[r], tw, tr, unit) if margin > 0 else
+            why = (head + "; " + _why(mech, w, r, figs[w], figs[r], tw, tr, per) if margin > 0 else
                    head + f" (it is faster by {-100 * margin:.1f}%: it did less work)")
         elif tie and margin <= TIE:
-            why = f"{w} and {r} take the same time ({_t(times[w])} per {unit}): a tie"
+            why = f"{w} and {r} take the same time ({_t(times[w])} per {per}): a tie"
         else:
-            why = _why(mech, w, r, figs[w], figs[r], tw, tr, unit)
-            why += f" (of a {_t(times[r] - times[w])} difference per {unit})"
+            why = _why(mech, w, r, figs[w], figs[r], tw, tr, per)
+            why += f" (of a {_t(times[r] - times[w])} difference per {per})"
             if tie:
                 why = f"a tie within the spread ({conf['basis']}); " + why
         others.append({"strategy": r, "margin": float(margin), "tie": tie, "confidence": conf,

@@ -55,9 +55,12 @@ def winner_map(reports: Sequence[tuple[float, dict[str, Any]]], y_knob: str) -> 
         verdicts = rep.get("verdicts") or [None] * len(xs)
         row = []
         for i in range(len(xs)):
-            c = cell({n: s["layer_time_us"][i] for n, s in st.items()},
-                     {n: int(s["dropped"][i]) for n, s in st.items()})
-            c["verdict"] = verdicts[i]  # winner, margin, tie, confidence, mechanism, why
+            # over several seeds: the mean time (rep["mean_layer_time_us"]), and a tie within their spread
+            times = rep.get("mean_layer_time_us") or {n: s["layer_time_us"] for n, s in st.items()}
+            c = cell({n: times[n][i] for n in st}, {n: int(s["dropped"][i]) for n, s in st.items()})
+            v = c["verdict"] = verdicts[i]  # winner, margin, tie, confidence, mechanism, why
+            if v and v.get("tie") and v["winner"] == c["winner"] and not c["tied"]:
+                c["tied"] = [v["winner"], *v.get("tied_with", [])]
             row.append(c)
         rows.append(row)
     first = reports[0][1]

@@ -106,6 +106,39 @@ def _interrupts_deferred():
             signal.raise_signal(got[0])
 
 
+def _proc_state(pid: int) -> str:
+    """The kernel's one-letter state of process ``pid`` (``R``, ``S``, ``T`` stopped, ...; '' if unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def start_fault(procs: Sequence[subprocess.Popen], up_dir: Path) -> tuple[int, str] | None:
+    """The first rank lost while starting, as the launcher sees it from its children: (rank, why)
+    for a rank that has not reported the process group up (``up_dir/up<rank>``, see
+    :mod:`moonep_sim.gloo.liveness`) and was killed by a signal or is stopped. A rank that exited
+    with a status printed its own one line (bad input, a failed set-up) and is not counted here."""
+    for r, p in enumerate(procs):
+        if (up_dir / f"up{r}").exists():
+            continue
+        rc = p.poll()
+        if rc is not None and rc < 0:
+            name = signal.Signals(-rc).name if -rc in signal.valid_signals() else f"signal {-rc}"
+            return r, f"died while starting (killed by {name})"
+        if rc is None and _proc_state(p.pid) in ("T", "t"):
+            return r, "stopped while starting (its process is stopped: SIGSTOP or a debugger)"
+    return None
+
+
+def _start_error(nproc: int, fault: tuple[int, str]) -> CommError:
+    r, why = fault
+    others = ", ".join(str(i) for i in range(nproc) if i != r)
+    return CommError(f"starting: rank {r} of {nproc} {why} before the process group was up; the launcher "
+                     f"stopped the other rank{'s' if nproc > 2 else ''} ({others})")
+
+
 def _kill_group(p: subprocess.Popen) -> None:
     try:
         os.killpg(p.pid, signal.SIGKILL)
@@ -136,6 +169,7 @@ def run_rank_program(module: str, nproc: int, argv: Sequence[str], timeout_s: fl
         out = Path(tmp) / "replay.json"
         store, port = loopback_store(nproc, timeout_s)
         procs, logs = [], []
+        up_env = {"MOONEP_SIM_UP_DIR": tmp}
         try:
             with _interrupts_deferred():
                 for r in range(nproc):
@@ -143,9 +177,9 @@ def run_rank_program(module: str, nproc: int, argv: Sequence[str], timeout_s: fl
                     logs.append(log)
                     cmd = [sys.executable, "-m", module, *map(str, argv), "--json", str(out)]
                     procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                                  env=_child_env({**(env or {}), **_rank_env(r, nproc, port)}),
+                                                  env=_child_env({**(env or {}), **up_env, **_rank_env(r, nproc, port)}),
                                                   start_new_session=True))
-            order = _wait_ranks(procs, timeout_s, grace_s)
+            order = _wait_ranks(procs, timeout_s, grace_s, Path(tmp))
         except BaseException:
             for p in procs:
                 _kill_group(p)
@@ -163,6 +197,8 @@ def run_rank_program(module: str, nproc: int, argv: Sequence[str], timeout_s: fl
                 log.close()
             del store
         codes = [p.returncode for p in procs]
+        if isinstance(order, tuple):
+            raise _start_error(nproc, order)
         if order == "timeout":
             raise CommError(f"replay ({nproc} ranks) must finish within timeout ({timeout_s:.0f} s): killed; "
                             f"output tail: {_tail(texts[0])}") from None
@@ -173,11 +209,19 @@ def run_rank_program(module: str, nproc: int, argv: Sequence[str], timeout_s: fl
         return json.loads(out.read_text())
 
 
-def _wait_ranks(procs: list[subprocess.Popen], timeout_s: float, grace_s: float) -> list[int] | str:
-    """Wait for every rank; returns the ranks that failed in the order they exited, or "timeout"."""
+def _wait_ranks(procs: list[subprocess.Popen], timeout_s: float, grace_s: float,
+                up_dir: Path | None = None) -> list[int] | str | tuple[int, str]:
+    """Wait for every rank; returns the ranks that failed in the order they exited, "timeout", or
+    (rank, why) for a rank lost while starting (:func:`start_fault`: the caller kills the rest)."""
     deadline = time.monotonic() + timeout_s
     failed: list[int] = []
+    starting = up_dir is not None
     while any(p.poll() is None for p in procs):
+        if starting:
+            fault = start_fault(procs, up_dir)
+            if fault is not None:
+                return fault
+            starting = not all((up_dir / f"up{r}").exists() for r in range(len(procs)))
         for r, p in enumerate(procs):
             if p.poll() not in (None, 0) and r not in failed:
                 failed.append(r)
@@ -232,6 +276,9 @@ class RankResult:
     returncode: int | None
     output: str
     result: dict[str, Any] = field(default_factory=dict)
+    launcher_note: str = ""  # what the spawner saw of this rank: "died while starting (...)", ...
+    exit_s: float | None = None  # seconds from the spawn to the spawner seeing this rank exit
+    noted_s: float | None = None  # seconds from the spawn to launcher_note
 
     @property
     def ok(self) -> bool:
@@ -261,18 +308,35 @@ def spawn_ranks(target: str, world: int, kwargs: dict[str, Any] | None = None, *
         for r in range(world):
             log = open(Path(tmp) / f"rank{r}.log", "w+")
             logs.append(log)
-            child_env = _child_env({**(env or {}), **_rank_env(r, world, port)}, pythonpath)
+            child_env = _child_env({**(env or {}), "MOONEP_SIM_UP_DIR": tmp, **_rank_env(r, world, port)}, pythonpath)
             cmd = [sys.executable, "-m", "moonep_sim.gloo.launcher", "--worker", target, "--out", tmp,
                    "--kwargs", json.dumps(kwargs or {}), "--pg-timeout", str(pg_timeout_s)]
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
                                           start_new_session=True))
-        deadline = time.monotonic() + timeout_s
+        t_spawn = time.monotonic()
+        deadline = t_spawn + timeout_s
         killed: set[int] = set()
+        notes: dict[int, str] = {}
+        noted: dict[int, float] = {}
+        exits: dict[int, float] = {}
         try:
             while any(p.poll() is None for p in procs):
+                now = time.monotonic() - t_spawn
+                exits.update({r: now for r, p in enumerate(procs) if r not in exits and p.poll() is not None})
+                fault = None if notes else start_fault(procs, Path(tmp))
+                if fault is not None:
+                    noted[fault[0]] = now
+                    notes[fault[0]] = fault[1]  # named at once; without kill_on_failure the survivors
+                    if kill_on_failure:        # are left to name it themselves
+                        for r, p in enumerate(procs):
+                            if p.poll() is None:
+                                _kill_group(p)
+                                killed.add(r)
                 failed = any(p.poll() not in (None, 0) for p in procs)
                 waited = wait_for is not None and all(procs[r].poll() is not None for r in wait_for)
                 if time.monotonic() > deadline or (failed and kill_on_failure) or waited:
+                    now = time.monotonic() - t_spawn
+                    exits.update({r: now for r, p in enumerate(procs) if r not in exits and p.poll() is not None})
                     for r, p in enumerate(procs):
                         if p.poll() is None:
                             _kill_group(p)
@@ -297,7 +361,8 @@ def spawn_ranks(target: str, world: int, kwargs: dict[str, Any] | None = None, *
             if npath.exists():
                 with np.load(npath, allow_pickle=False) as z:
                     res.update({k: z[k] for k in z.files})
-            results.append(RankResult(r, None if r in killed else p.returncode, text, res))
+            results.append(RankResult(r, None if r in killed else p.returncode, text, res, notes.get(r, ""),
+                                      exits.get(r), noted.get(r)))
         del store
         return results
 
@@ -307,18 +372,35 @@ def _worker(target: str, out_dir: str, kwargs: dict[str, Any], pg_timeout_s: flo
 
     import torch.distributed as dist
 
+    from moonep_sim.gloo.liveness import STARTING, fault_point, start_early
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    watch = None
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=datetime.timedelta(seconds=pg_timeout_s))
-        dist.init_process_group("gloo", rank=rank, world_size=world, store=store,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
-        from moonep_sim.gloo.liveness import ensure_heartbeat
-        ensure_heartbeat(rank)
-        dist.barrier()  # start together: process start-up skew must not eat into short timeouts
+        # the heartbeat before the group (an explicit store: the group keys it without a prefix)
+        watch = start_early(rank, world, pg_timeout_s, store=store, prefix=None)
+        fault_point(STARTING, rank)
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world, store=store,
+                                    timeout=datetime.timedelta(seconds=pg_timeout_s))
+            dist.barrier()  # start together: process start-up skew must not eat into short timeouts
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise CommError(watch.report(f"failed: {first}")) from None
+        watch.started()
+        fault_point("started", rank)
         mod_name, fn_name = target.split(":")
         fn = getattr(importlib.import_module(mod_name), fn_name)
-        res = fn(rank, world, **kwargs) or {}
+        t0 = time.perf_counter()
+        try:
+            res = fn(rank, world, **kwargs) or {}
+        except RuntimeError as e:  # a collective no phase tracker watched (e.g. a group's lazy connect)
+            from moonep_sim.gloo.liveness import announce, gloo_text, who_is_silent
+            announce("failed in an unwatched collective")
+            raise CommError(f"unwatched collective failed after {time.perf_counter() - t0:.1f} s on rank {rank} "
+                            f"({who_is_silent(world, rank)}): {gloo_text(e)[:240]}") from None
         arrays = {k: np.asarray(v) for k, v in res.items() if isinstance(v, np.ndarray) or hasattr(v, "numpy")}
         arrays = {k: (v.detach().numpy() if hasattr(v, "detach") else v) for k, v in arrays.items()}
         scalars = {k: v for k, v in res.items() if k not in arrays}

@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import signal
+import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -43,6 +46,7 @@ class _Heartbeat:
 
     def __init__(self, store, rank: int, interval_s: float):
         self.rank = rank
+        self.base = store  # where every rank of the job keeps its heartbeat (silent_ranks reads it)
         try:
             own = store.clone()  # its own connection: never queued behind the main thread's calls
         except Exception:
@@ -130,8 +134,10 @@ def silent_ranks(ranks: Sequence[int], me: int, window_s: float = LIVENESS_WINDO
 
     Returns ``(silent, announced)``: rank -> why it is silent (``"no heartbeat for 2.0 s"``,
     ``"never started"``), and rank -> the state it announced (those are never called silent).
-    Returns early once every rank has beaten or announced."""
-    store = store or default_store()
+    Returns early once every rank has beaten or announced. The heartbeats are read where this
+    process's own heartbeat writes (every rank of a job starts it the same way), else in ``store``."""
+    hb = _PROCESS_HEARTBEAT
+    store = (hb.base if hb is not None else None) or store or default_store()
     if store is None:
         return {}, {}
     live = dist.PrefixStore(_ROOT, store)
@@ -260,3 +266,117 @@ def gloo_text(e: BaseException) -> str:
     if text.startswith("[") and "] " in text:
         text = text.split("] ", 1)[1]
     return text.split(" This is typically", 1)[0].strip()
+
+
+# ---------------------------------------------------------------------------------------- start-up
+# Before the process group is up there is no default store and no heartbeat, so a peer that dies or
+# stops while the group initialises used to be named by nobody (the survivors reported torch's
+# "wait timeout ... keys: /default_pg/0//cpu//0/1"). A rank therefore starts its heartbeat on its
+# own connection to the rendezvous store *before* init_process_group (:func:`start_early`), under the
+# key namespace the default group will use, and a watchdog bounds the set-up: when the group is not
+# up within the timeout, the rank names the silent peers (phase "starting") and exits 1 -- after the
+# timeout plus at most the liveness window. Once up, the rank touches ``$MOONEP_SIM_UP_DIR/up<rank>``
+# (when set): the launcher, which knows its children's pids, reads it to tell a rank lost while
+# starting from one lost later (``moonep_sim.gloo.launcher``).
+
+FAULT_ENV = "MOONEP_SIM_FAULT"
+"""Test hook: ``RANK:POINT:SIGNAL`` makes rank RANK send itself SIGNAL (``KILL``, ``STOP``, ``INT``)
+when it reaches POINT (``starting``: before the process group is set up; ``started``: just after)."""
+
+UP_DIR_ENV = "MOONEP_SIM_UP_DIR"
+WATCHDOG_MARGIN_S = 1.0  # the watchdog acts this long after the set-up timeout (then the liveness window)
+STARTING = "starting"
+
+
+def fault_point(point: str, rank: int | str | None) -> None:
+    """The :data:`FAULT_ENV` hook at ``point`` (a no-op unless the variable names this rank and point)."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    r, _, rest = spec.partition(":")
+    p, _, sig = rest.partition(":")
+    if p == point and str(r) == str(rank):
+        os.kill(os.getpid(), getattr(signal, sig if sig.startswith("SIG") else "SIG" + sig))
+
+
+def who_is_silent(world: int, me: int, store=None) -> str:
+    """In words, which of the ``world`` ranks are silent (stopped or dead, from their heartbeats),
+    else which announced why they left, else that every peer is alive."""
+    if store is None and _PROCESS_HEARTBEAT is None and default_store() is None:
+        return "peers unknown: no rendezvous store"
+    try:
+        silent, announced = silent_ranks(range(world), me, store=store)
+    except Exception:
+        return "peers unknown: rendezvous store unreachable"
+    if silent:
+        return "silent peer rank" + ("s " if len(silent) > 1 else " ") + ", ".join(f"{r} ({why})" for r, why in silent.items())
+    gone = [f"{r} ({st})" for r, st in announced.items()]
+    return ("peer " + ", ".join(gone)) if gone else "every peer alive"
+
+
+class StartWatch:
+    """One rank's start-up: its early heartbeat and a watchdog over the process group's set-up."""
+
+    def __init__(self, base_store, rank: int, world: int, timeout_s: float):
+        self.rank, self.world, self.timeout_s = rank, world, float(timeout_s)
+        self.base = base_store
+        self.up = threading.Event()
+        self._claim = threading.Lock()
+        global _PROCESS_HEARTBEAT
+        if _PROCESS_HEARTBEAT is None and base_store is not None:
+            with contextlib.suppress(Exception):
+                _PROCESS_HEARTBEAT = _Heartbeat(base_store, rank, HEARTBEAT_INTERVAL_S)
+        self._thread = threading.Thread(target=self._watch, name=f"moonep-start-{rank}", daemon=True)
+        self._thread.start()
+
+    def failure(self, detail: str) -> str:
+        """The one line of a failed start-up: phase, this rank, the silent peers (from heartbeats)."""
+        return (f"{STARTING}: process group set-up {detail} on rank {self.rank} of {self.world} "
+                f"({who_is_silent(self.world, self.rank, self.base)})")
+
+    def claim(self) -> bool:
+        """True for the first caller only: one thread reports a failed start-up (one line)."""
+        return self._claim.acquire(blocking=False)
+
+    def report(self, detail: str) -> str:
+        """The main thread's failed set-up (``detail``: torch's error): the line to raise, or -- when
+        the watchdog reports already -- wait for it to end the process."""
+        self.up.set()
+        if not self.claim():
+            threading.Event().wait()  # the watchdog prints the one line and exits the process
+        announce(f"failed in {STARTING}")
+        return self.failure(detail)
+
+    def _watch(self) -> None:
+        # a little past the set-up's own timeout: torch's error, raised in the main thread, comes first
+        if self.up.wait(self.timeout_s + WATCHDOG_MARGIN_S) or not self.claim():
+            return
+        line = self.failure(f"did not finish within the timeout ({self.timeout_s:.1f} s)")
+        announce(f"failed in {STARTING}")
+        print(f"moonep-sim: error: rank {self.rank}: CommError: {line}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    def started(self) -> None:
+        """The group is up: stop the watchdog and tell the launcher (``$MOONEP_SIM_UP_DIR``)."""
+        self.up.set()
+        d = os.environ.get(UP_DIR_ENV)
+        if d:
+            with contextlib.suppress(OSError):
+                with open(os.path.join(d, f"up{self.rank}"), "w"):
+                    pass
+
+
+def start_early(rank: int, world: int, timeout_s: float, store=None, prefix: str | None = "default_pg") -> StartWatch:
+    """Before ``init_process_group``: the heartbeat on ``store`` (default: a new connection to
+    ``MASTER_ADDR:MASTER_PORT``, under ``prefix`` as an ``env://`` group keys it) and the start-up
+    watchdog (see the section comment above)."""
+    base = store
+    if base is None:
+        try:
+            base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                 timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)))
+        except Exception:
+            base = None
+    if base is not None and prefix:
+        base = dist.PrefixStore(prefix, base)
+    return StartWatch(base, rank, world, timeout_s)

@@ -18,10 +18,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from moonep_sim.errors import PlanError
-from moonep_sim.plan.build import block_messages, final_rows, slot_layout, sorted_layout
+from moonep_sim.plan.build import final_rows, slot_layout, sorted_layout
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
-from moonep_sim.plan.order import segment_ranges, stable_order, stable_order_counts
+from moonep_sim.plan.order import segment_ranges, stable_order
 from moonep_sim.plan.placement import ClusterShape
+from moonep_sim.plan.route import Messages, Sources, grouped_hop
 
 
 def _route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,
@@ -74,145 +75,6 @@ def _route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.nda
     return hop, dst_row
 
 
-def _route_hop_grouped(src_rank_N: np.ndarray | None, src_row_N: np.ndarray | None, dst_rank_N: np.ndarray,
-                       gid_N: np.ndarray | None, ranks: int, scope: str, dup_N: int | None = None,
-                       kept_N: np.ndarray | None = None, src_sorted: bool = False, gid_shift: int = -1,
-                       tok_off_R: np.ndarray | None = None, src_bound_R: np.ndarray | None = None,
-                       group: bool | None = None, scratch: list | None = None):
-    """:func:`route_hop` for entries in entry order whose messages have one source each.
-
-    Requires ``gid_N`` non-decreasing (None: every entry its own message) and entries with equal
-    (dst, gid) to sit on one source rank -- true for a hop's tokens leaving their own rank, and
-    for any hop without deduplication. One stable 16-bit radix sort on ``src*R + dst`` then yields
-    the hop's message order (src, dst, gid) directly: equal gids of a (src, dst) block are
-    neighbours, each first one a message, and a destination's receive rows follow the blocks.
-    Returns (hop, dst_row_N), and with ``dup_N`` (the number of all entries) a third item: bool
-    [dup_N] flags of the entries (``kept_N[i]`` for entry i, or i itself) that are not the first
-    of their message.
-
-    Rank arrays may be int64 or, with R <= 256, uint8 (what :func:`plan_from_routes` passes).
-    ``src_sorted``: the caller knows ``src_rank_N`` is non-decreasing (a hop leaving the tokens'
-    own ranks); with R <= 256 each source's run is then sorted by destination with a one-byte
-    radix sort (the same permutation). ``src_bound_R`` (int64 [R+1]): those runs' bounds, given
-    instead of ``src_rank_N`` (then None). ``gid_shift`` >= 0: the caller knows ``gid_N[i] == i >>
-    gid_shift`` (token of entry i, all entries kept, K a power of two), which saves a gather;
-    ``group`` (default: ``gid_N is not None``) then says whether entries of one token share a
-    message, and ``gid_N`` may be None. With ``tok_off_R`` (int64 [R+1] first token of each rank)
-    as well, the caller also knows ``src_row_N[i] == (i >> gid_shift) - tok_off_R[src_rank_N[i]]``
-    (a hop leaving the tokens' own ranks): the messages' source rows are computed rather than
-    gathered, and ``src_row_N`` may be None. ``scratch``: a list of dead int64 [n] arrays the hop
-    may write its sort and running sums into; it adds its own when done with them.
-    """
-    n, R = dst_rank_N.size, int(ranks)
-    spare = [] if scratch is None else scratch
-
-    def buffer() -> np.ndarray:  # a dead int64 [n] array from the scratch list, else a new one
-        while spare:
-            b = spare.pop()
-            if b.shape == (n,) and b.dtype == np.int64:
-                return b
-        return np.empty(n, dtype=np.int64)
-
-    group = gid_N is not None if group is None else bool(group)
-    if (src_sorted or src_bound_R is not None) and R <= 256:
-        order = buffer()
-        ecnt_RR = np.zeros((R, R), dtype=np.int64)
-        bound = src_bound_R if src_bound_R is not None else np.searchsorted(src_rank_N, np.arange(R + 1))
-        for r in range(R):  # loop over source ranks, not entries
-            lo, hi = int(bound[r]), int(bound[r + 1])
-            if hi > lo:
-                d8 = dst_rank_N[lo:hi].astype(np.uint8, copy=False)
-                ecnt_RR[r] = np.bincount(d8, minlength=R)
-                np.add(np.argsort(d8, kind="stable"), lo, out=order[lo:hi])
-        ecnt = ecnt_RR.ravel()
-        key = None
-    elif R * R <= 1 << 16 and (not group or gid_shift >= 0):  # a 16-bit key, sorted in place
-        key16 = np.empty(n, dtype=np.uint16)
-        np.multiply(src_rank_N, R, out=key16, dtype=np.uint16, casting="unsafe")  # (values < R*R fit)
-        np.add(key16, dst_rank_N, out=key16, dtype=np.uint16, casting="unsafe")
-        order, ecnt = stable_order_counts(key16, R * R, out=buffer() if n else None)  # and entries per block
-        del key16
-        key = None
-    else:
-        key = src_rank_N.astype(np.int64) * R
-        key += dst_rank_N
-        order = stable_order(key, R * R)
-        ecnt = np.bincount(key, minlength=R * R)  # entries per (src, dst) block, src-major
-    row_sorted = None
-    if group and n:
-        # one [n] int64 buffer holds each sorted entry's gid, then its receive row
-        buf = key if key is not None else buffer()
-        if gid_shift >= 0:
-            gs = np.right_shift(order, gid_shift, out=buf)
-        else:  # (order is in range: clip mode writes straight into buf)
-            gs = np.take(np.asarray(gid_N, dtype=np.int64), order, out=buf, mode="clip")
-        del key
-        first = np.empty(n, dtype=bool)
-        first[0] = True
-        np.not_equal(gs[1:], gs[:-1], out=first[1:])
-        del gs
-        ebound = np.cumsum(ecnt) - ecnt
-        nzb = ecnt > 0
-        first[ebound[nzb]] = True  # a new (src, dst) block starts a new message
-        lead_pos = np.flatnonzero(first)  # sorted position of each message's first entry
-        cnt = np.diff(np.searchsorted(lead_pos, np.concatenate([[0], np.cumsum(ecnt)])))  # messages per block
-        lead = order[lead_pos]
-        del lead_pos
-        np.copyto(buf, first)  # 1 where a message starts: running sums count messages
-        if dup_N is not None:
-            np.logical_not(first, out=first)  # now: later entries of a message
-            if kept_N is None and dup_N == n:  # order is a permutation of every entry
-                dup = np.empty(n, dtype=bool)
-                dup[order] = first
-            else:
-                dup = np.zeros(dup_N, dtype=bool)
-                later = order[first]
-                dup[later if kept_N is None else kept_N[later]] = True
-                del later
-        del first
-        # the receive row of a sorted entry is its message's: block b's messages take rows
-        # dst_row0[b], dst_row0[b] + 1, ... (see block_messages), so a running sum of the message
-        # starts, with a jump to dst_row0[b] at each block's first entry, gives every entry's row
-        cnt_RR = cnt.reshape(R, R)
-        r0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()[nzb]
-        c_b = cnt[nzb]
-        jump = r0.copy()
-        jump[1:] -= r0[:-1] + c_b[:-1] - 1  # from the previous block's last row
-        buf[ebound[nzb]] = jump
-        row_sorted = np.cumsum(buf, out=buf)
-    else:
-        del key
-        cnt, lead = ecnt.astype(np.int64), order
-        dup = np.zeros(dup_N or 0, dtype=bool)
-    m_src, m_dst, m_row, per_dst = block_messages(cnt, R)
-    rows_sorted = m_row if row_sorted is None else row_sorted
-    dst_row = np.empty(n, dtype=np.int64)
-    if tok_off_R is not None and gid_shift >= 0:
-        m_srow = lead >> gid_shift
-        m_srow -= np.asarray(tok_off_R, dtype=np.int64)[m_src]
-        dst_row[order] = rows_sorted
-    else:
-        # gather the messages' source rows and scatter the entries' receive rows source by
-        # source, sources whose entries start lowest first: sources fed by the same earlier ranks
-        # (a relay's) then follow each other and find those ranks' rows still in cache
-        m_bound = np.concatenate([[0], np.cumsum(cnt.reshape(R, R).sum(axis=1))])
-        e_bound = np.concatenate([[0], np.cumsum(ecnt.reshape(R, R).sum(axis=1))])
-        has = np.flatnonzero(m_bound[1:] > m_bound[:-1])
-        first_lead = np.minimum.reduceat(lead, m_bound[has]) if has.size else has
-        m_srow = np.empty(lead.size, dtype=np.int64)
-        for r in has[np.argsort(first_lead, kind="stable")]:  # loop over source ranks, not entries
-            a, b = int(m_bound[r]), int(m_bound[r + 1])
-            np.take(src_row_N, lead[a:b], out=m_srow[a:b], mode="clip")  # (lead holds valid entries)
-            a, b = int(e_bound[r]), int(e_bound[r + 1])
-            dst_row[order[a:b]] = rows_sorted[a:b]
-    hop = Hop(scope, m_src, m_srow, m_dst, m_row, per_dst)
-    del m_srow, rows_sorted
-    del lead
-    if scratch is not None:  # dead from here: the sort, and the running sums' buffer
-        scratch.extend(b for b in (order, row_sorted) if b is not None and b.dtype == np.int64 and b.shape == (n,))
-    return (hop, dst_row) if dup_N is None else (hop, dst_row, dup)
-
-
 def route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,
               ranks: int, scope: str) -> tuple[Hop, np.ndarray]:
     """One hop of a route, vectorised over the (kept) entries that take part in it.
@@ -225,7 +87,8 @@ def route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndar
 
     When ``gid_N`` is non-decreasing (entries in entry order) the entries are sorted by destination
     alone with a radix sort, and the messages by (dst, src) and (src, dst) with 16-bit ones.
-    :func:`plan_from_routes` uses a one-sort form where each message has a single source.
+    :func:`plan_from_routes` uses a one-sort form where each message has a single source
+    (:func:`moonep_sim.plan.route.grouped_hop`).
     """
     return _route_hop(np.asarray(src_rank_N, dtype=np.int64), np.asarray(src_row_N, dtype=np.int64),
                       np.asarray(dst_rank_N, dtype=np.int64), np.asarray(gid_N, dtype=np.int64), ranks, scope)
@@ -437,21 +300,20 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
         if h == 0 or not dedup[h]:
             # hop 0 leaves each token's own rank; without dedup every entry is its own message: either
             # way each message has one source, and one (src, dst) radix sort orders the hop
-            hop, row = _route_hop_grouped(pos[h], row, pos[h + 1], tok if dedup[h] else None, R, scopes[h],
-                                          src_sorted=h == 0 and src_sorted, gid_shift=shift,
-                                          tok_off_R=routing.tok_off_R() if h == 0 else None)
+            at = Sources(pos[h], row, sorted=h == 0 and src_sorted, tok_off_R=routing.tok_off_R() if h == 0 else None)
+            hop, row = grouped_hop(at, pos[h + 1], Messages(dedup[h], tok, shift), R, scopes[h])
         else:
             hop = None
             if h == H - 1 and via_table:
                 # the hop's source is via[s, d]: one per (token, final rank), so messages group as
                 # (src, dst, token) and the entries after the first of each are the duplicates
-                hop, row, entry_dup = _route_hop_grouped(pos[h], row, pos[h + 1], tok, R, scopes[h],
-                                                         dup_N=N, kept_N=kept, gid_shift=shift)
+                hop, row, entry_dup = grouped_hop(Sources(pos[h], row), pos[h + 1],
+                                                  Messages(True, tok, shift, dup_N=N, kept_N=kept), R, scopes[h])
             elif h == H - 1:
                 # the last hop's messages are (token, final rank) pairs, one per non-duplicate entry;
                 # the grouped form is exact when it finds that many (no message with two sources)
                 entry_dup = dup_flags(entry_rank, K)
-                hop2, row2 = _route_hop_grouped(pos[h], row, pos[h + 1], tok, R, scopes[h], gid_shift=shift)
+                hop2, row2 = grouped_hop(Sources(pos[h], row), pos[h + 1], Messages(True, tok, shift), R, scopes[h])
                 if hop2.src_rank_M.size == n_kept - int(np.count_nonzero(entry_dup)):
                     hop, row = hop2, row2
                 del hop2, row2
@@ -508,14 +370,14 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
     for h in range(H):
         prev = row
         if h == 0:  # tokens leave their own ranks: runs by source, rows by arithmetic
-            hop, row = _route_hop_grouped(None, None, pos[1], None, R, scopes[0], gid_shift=shift, tok_off_R=tok_off,
-                                          src_bound_R=bound, group=dedup[0], scratch=scratch)
+            hop, row = grouped_hop(Sources.own_ranks(bound, tok_off), pos[1], Messages(dedup[0], shift=shift), R,
+                                   scopes[0], scratch)
         elif dedup[h]:  # the last hop (see the caller's condition): messages group as (src, dst, token)
-            hop, row, entry_dup = _route_hop_grouped(pos[h], row, pos[h + 1], None, R, scopes[h], dup_N=N,
-                                                     gid_shift=shift, group=True, scratch=scratch)
+            hop, row, entry_dup = grouped_hop(Sources(pos[h], row), pos[h + 1], Messages(True, shift=shift, dup_N=N),
+                                              R, scopes[h], scratch)
         else:
-            hop, row = _route_hop_grouped(pos[h], row, pos[h + 1], None, R, scopes[h], gid_shift=shift, group=False,
-                                          scratch=scratch)
+            hop, row = grouped_hop(Sources(pos[h], row), pos[h + 1], Messages(False, shift=shift), R, scopes[h],
+                                   scratch)
         if prev is not None:  # the previous buffer's rows: read by this hop's messages, dead now
             scratch.append(prev)
         del prev

@@ -55,8 +55,13 @@ class _State:
     rows_R: np.ndarray | None = None       # padded rows per rank
     row_off: np.ndarray | None = None      # [R+1] offsets of each rank's final rows
     real_rows_W: np.ndarray | None = None  # bool: final row holds an entry
-    row_rank_W: np.ndarray | None = None   # rank of each final row
 
+
+#: messages (entries, final rows) per chunk of the checks that walk them: each chunk's temporaries
+#: (a few arrays of this many int64) stay in cache and are reused, where whole-array temporaries
+#: cost the kernel fresh zeroed pages -- ~3 GiB per validate of an all-gather's hop (R*T messages:
+#: 33.5M at K3 EP64) -- the bulk of a first run's system time
+HOP_CHUNK = 1 << 18
 
 # A check appends to st.out and returns False when the later checks cannot run.
 CheckFn = Callable[["Plan", _State, Callable[[str], None]], bool]
@@ -112,44 +117,60 @@ def _check_slots(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
 
 def _check_entries(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
     R, S = plan.ranks, plan.slot_rank_S.size
-    rows_R = st.rows_R
+    rows_R, row_off = st.rows_R, st.row_off
     rank_e = plan.entry_rank_TK.ravel()
     row_e = plan.entry_row_TK.ravel()
-    if rank_e.size and (int(rank_e.min()) < -1 or int(rank_e.max()) >= R):
+    n = rank_e.size
+    if n and (int(rank_e.min()) < -1 or int(rank_e.max()) >= R):
         bad("entry_rank must be -1 or a rank in [0, R)")
         return False
-    kept = rank_e >= 0
-    all_kept = bool(kept.all())
-    if all_kept:  # dropless strategies: skip the masked copies
-        rank_k, row_k, eid = rank_e, row_e, np.arange(rank_e.size, dtype=np.int64)
-    else:
-        rank_k, row_k, eid = rank_e[kept], row_e[kept], np.flatnonzero(kept)
-    if ((row_k.size and int(row_k.min()) < 0) or (row_k >= rows_R[rank_k]).any()
-            or (not all_kept and (row_e[~kept] != -1).any())):
+    # chunk by chunk of entries (HOP_CHUNK): no [N] temporaries
+    n_kept, row_ok = 0, True
+    for lo in range(0, n, HOP_CHUNK):  # loop over chunks of entries, not entries
+        rk, rw = rank_e[lo:lo + HOP_CHUNK], row_e[lo:lo + HOP_CHUNK]
+        kept = rk >= 0
+        nk = int(np.count_nonzero(kept))
+        n_kept += nk
+        if nk < rk.size:
+            if (rw[~kept] != -1).any():
+                row_ok = False
+            rk, rw = rk[kept], rw[kept]
+        if rw.size and (int(rw.min()) < 0 or (rw >= rows_R[rk]).any()):
+            row_ok = False
+    if not row_ok:
         bad("entry_row must be a row of the destination rank (or -1 when dropped)")
         return False
-    grow = st.row_off[rank_k] + row_k
-    del rank_k, row_k
-    if not np.array_equal(plan.row_entry_W[grow], eid):
-        bad("row_entry must name, at each kept entry's row, that entry (conservation)")
-    del grow
+    for lo in range(0, n, HOP_CHUNK):
+        rk, rw = rank_e[lo:lo + HOP_CHUNK], row_e[lo:lo + HOP_CHUNK]
+        eid = np.arange(lo, lo + rk.size, dtype=np.int64)
+        kept = rk >= 0
+        if not kept.all():
+            rk, rw, eid = rk[kept], rw[kept], eid[kept]
+        if not np.array_equal(plan.row_entry_W[row_off[rk] + rw], eid):
+            bad("row_entry must name, at each kept entry's row, that entry (conservation)")
+            break
     real_rows = plan.row_entry_W >= 0
-    if int(np.count_nonzero(real_rows)) != eid.size:
+    if int(np.count_nonzero(real_rows)) != n_kept:
         bad(f"final rows holding entries ({int(np.count_nonzero(real_rows))}) must equal kept entries "
-            f"({eid.size}): every kept entry lands exactly once")
+            f"({n_kept}): every kept entry lands exactly once")
     # row -> slot: each slot's segment is slot_rows real rows then padding (padded >= rows here)
-    st.row_rank_W = np.repeat(np.arange(R), rows_R)
     st.real_rows_W = real_rows
     real_S = np.maximum(plan.slot_rows_S, 0)  # a negative count means no real rows
     seg_len = np.stack([real_S, plan.slot_padded_S - real_S], axis=1).ravel()
     is_real_pos = np.repeat(np.tile(np.array([True, False]), S), seg_len)
-    if not np.array_equal(is_real_pos, real_rows):
+    layout_ok = np.array_equal(is_real_pos, real_rows)
+    if not layout_ok:
         bad("each slot's first slot_rows rows must hold entries and the rest be padding")
     del is_real_pos
-    # the entry's expert is recovered from the routing only via the plan's slots
-    real_cum = np.concatenate([[0], np.cumsum(real_rows.view(np.uint8), dtype=np.int64)])
-    slot_end = np.cumsum(plan.slot_padded_S)
-    if ((real_cum[slot_end] - real_cum[slot_end - plan.slot_padded_S]) != plan.slot_rows_S).any():
+    # the entry's expert is recovered from the routing only via the plan's slots. With the layout
+    # as checked just above, slot s holds exactly max(slot_rows[s], 0) real rows.
+    if layout_ok:
+        count_S = real_S
+    else:
+        real_cum = np.concatenate([[0], np.cumsum(real_rows.view(np.uint8), dtype=np.int64)])
+        slot_end = np.cumsum(plan.slot_padded_S)
+        count_S = real_cum[slot_end] - real_cum[slot_end - plan.slot_padded_S]
+    if (count_S != plan.slot_rows_S).any():
         bad("slot_rows must count the entries in each slot")
     return True
 
@@ -230,11 +251,6 @@ def _check_capacity(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
         bad(f"rank {r} rows ({int(rows_R[r])}) must be <= capacity ({int(plan.capacity_R[r])})")
     return True
 
-
-#: messages per chunk of the hop checks: each chunk's temporaries (a few arrays of this many
-#: int64) stay in cache and are reused, where whole-hop temporaries of an all-gather (R*T
-#: messages: 33.5M at K3 EP64) cost the kernel ~3 GiB of fresh zeroed pages per check
-HOP_CHUNK = 1 << 18
 
 #: a sorted hop with at least this many messages per (src, dst) block on average is walked block
 #: by block (:func:`_walk_blocks`), where each block's ranks are scalars
@@ -366,22 +382,40 @@ def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) ->
         if w.cross_rail:
             bad(f"hop {i}: inter_node scope must connect equal local indices only")
         origin, buf_off = new_origin, dst_off
-    # final gather
-    row_rank, real_rows = st.row_rank_W, st.real_rows_W
+    # final gather, chunk by chunk of final rows: row w of rank r reads row expand[w] of r's last buffer
+    real_rows, row_off = st.real_rows_W, st.row_off
     last_rows = np.diff(buf_off)
     exp = plan.expand_src_row_W
-    if exp.size and (int(exp.min()) < -1 or (exp >= last_rows[row_rank]).any()):
+    W = exp.size
+
+    def ranks_of(lo: int, hi: int) -> np.ndarray:  # rank of each final row in [lo, hi)
+        return np.repeat(np.arange(R), np.clip(np.minimum(row_off[1:], hi) - np.maximum(row_off[:-1], lo), 0, None))
+
+    if W and int(exp.min()) < -1:
         bad("expand_src_row must be -1 or a row of the last buffer on the same rank")
         return False
-    final_origin = np.where(exp >= 0, origin[np.maximum(buf_off[row_rank] + exp, 0)], -1)
-    want = np.where(real_rows, entry_token(plan.row_entry_W, max(K, 1)), -1)
-    if (real_rows & (exp < 0)).any():
+    for lo in range(0, W, HOP_CHUNK):  # loop over chunks of final rows, not rows
+        if (exp[lo:lo + HOP_CHUNK] >= last_rows[ranks_of(lo, min(W, lo + HOP_CHUNK))]).any():
+            bad("expand_src_row must be -1 or a row of the last buffer on the same rank")
+            return False
+    ungathered, misrouted = False, None
+    for lo in range(0, W, HOP_CHUNK):
+        hi = min(W, lo + HOP_CHUNK)
+        e, real = exp[lo:hi], real_rows[lo:hi]
+        got = np.where(e >= 0, origin[np.maximum(buf_off[ranks_of(lo, hi)] + e, 0)], -1)
+        want = np.where(real, entry_token(plan.row_entry_W[lo:hi], max(K, 1)), -1)
+        ungathered |= bool((real & (e < 0)).any())
+        wrong = real & (got != want)
+        if misrouted is None and wrong.any():
+            w = int(np.argmax(wrong))
+            misrouted = (lo + w, int(want[w]), int(got[w]))
+    if ungathered:
         bad("every real row must be gathered from a buffer row")
-    wrong = real_rows & (final_origin != want)
-    if wrong.any():
-        w = int(np.argmax(wrong))
-        bad(f"row {w} of rank {int(row_rank[w])} must hold token {int(want[w])} but receives "
-            f"{'nothing' if final_origin[w] == -2 else 'token ' + str(int(final_origin[w]))} (misrouted)")
+    if misrouted is not None:
+        w, tw, tg = misrouted
+        r = int(np.searchsorted(row_off, w, side="right")) - 1
+        bad(f"row {w} of rank {r} must hold token {tw} but receives "
+            f"{'nothing' if tg == -2 else 'token ' + str(tg)} (misrouted)")
     return True
 
 

@@ -102,7 +102,15 @@ def _compare_table(d: Mapping[str, Any]) -> str:
                      sim["ratio_to_lower_bound"], sim["straggler"], s["rows_max_over_mean"],
                      b.get("intra_node", 0) / 2**20, b.get("inter_node", 0) / 2**20, s["weight_bytes"] / 2**20,
                      s["dropped"], s["padded"]])
-    return _table(head, rows, "main")
+    out = _table(head, rows, "main")
+    real = d.get("real")
+    if real:  # measured (gloo) beside the same plans simulated on local-gloo
+        rr = [[n, r["measured_ms"], r["simulated_ms"], r.get("sim_over_measured") or "-",
+               {True: "yes", False: "NO"}.get(r.get("correct"), "-")] for n, r in real["strategies"].items()]
+        out += (f"<p>real: gloo, {_e(real['nproc'])} local processes, median over {_e(real['iters'])} interleaved "
+                f"iterations, vs the same plans simulated on {_e(real['topology']['name'])}</p>"
+                + _table(["strategy", "measured ms", "simulated ms", "sim/measured", "correct"], rr, "real"))
+    return out
 
 
 def _sweep_table(d: Mapping[str, Any]) -> str:
@@ -118,6 +126,19 @@ def _sweep_table(d: Mapping[str, Any]) -> str:
             r.append(v["why"])
         rows.append(r)
     return _table([d["over"], *[f"{n} (us)" for n in names], *(["verdict", "why"] if vs else [])], rows, "main")
+
+
+def _winner_table(d: Mapping[str, Any]) -> str:
+    rows = []
+    for y, row in zip(d["y"]["values"], d["cells"]):
+        out = [y]
+        for c in row:
+            v = c.get("verdict") or {}
+            who = " = ".join(c["tied"]) + " (tie)" if c.get("tied") else c["winner"]
+            conf = (v.get("confidence") or {}).get("level", "-")
+            out.append(f"{who} +{100 * c['margin']:.1f}% ({v.get('mechanism') or '-'}; {conf})")
+        rows.append(out)
+    return _table([f"{d['y']['knob']} \\ {d['x']['knob']}", *[f"{x:g}" for x in d["x"]["values"]]], rows, "main")
 
 
 def _generic_tables(d: Mapping[str, Any]) -> str:
@@ -142,15 +163,19 @@ def render_html(data: Mapping[str, Any], figures: Mapping[str, bytes | str | os.
     """The report as one HTML document (see the module docstring). ``prov``: :func:`provenance`."""
     kind = data.get("kind", "result")
     prov = dict(prov or data.get("provenance") or provenance())
-    label = (data.get("routing") or {}).get("label") or (data.get("model") or {}).get("name", "")
+    model = data.get("model")
+    routing = data.get("routing") if isinstance(data.get("routing"), Mapping) else {}
+    label = routing.get("label") or (model.get("name", "") if isinstance(model, Mapping) else str(model or ""))
     title = title or f"moonep-sim {kind}: {label}"
     body = [f"<h1>{_e(title)}</h1>"]
     topo = data.get("topology") or {}
+    if not isinstance(topo, Mapping):  # a winner map names its topology only
+        topo = {"name": str(topo)}
     if topo:
         body.append(f"<p>simulated on <b>{_e(topo.get('name', '?'))}</b>; cluster {_e(data.get('cluster', ''))}</p>")
     body.append("<h2>Verdict</h2>")
-    if "verdicts" in data:
-        body.append("<p>one verdict per point, in the table below</p>")
+    if "verdicts" in data or "cells" in data:
+        body.append("<p>one verdict per point (cell), in the table below</p>")
     else:
         body.append(_verdict_html(data.get("verdict")))
     flags = data.get("flags") or []
@@ -164,6 +189,8 @@ def render_html(data: Mapping[str, Any], figures: Mapping[str, bytes | str | os.
         body.append(_compare_table(data))
     elif kind == "sweep" and "values" in data:
         body.append(_sweep_table(data))
+    elif kind == "winner_map" and "cells" in data:
+        body.append(_winner_table(data))
     else:
         body.append(_generic_tables(data))
     if figures:

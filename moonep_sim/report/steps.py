@@ -56,6 +56,15 @@ def step_footer(doc: dict[str, Any]) -> list[str]:
             out.append(f"{name}: its static Buffer holds {S} tokens per rank, so every pass is padded from "
                        f"{s['tokens_per_rank']} to {S} tokens: it dispatches, computes and combines "
                        f"{S / max(s['tokens_per_rank'], 1):.0f}x the rows a dynamic all-to-all does")
+    for name, d in doc["strategies"].items():
+        pad, real = d.get("padded_rows_per_rank", 0.0), d.get("real_rows_per_rank", 0.0)
+        why = []
+        if real > 0 and pad > 1.5 * real:
+            why.append(f"its busiest rank holds {pad:,.0f} rows per MoE layer for at most {real:,.0f} real ones (padding)")
+        if d.get("copies_per_layer", 0.0) >= 0.5:
+            why.append(f"it copies {d['copies_per_layer']:.1f} expert(s) per MoE layer (weights moved every step)")
+        if why:
+            out.append(f"{name}: " + "; ".join(why))
     if s.get("compute_profile"):
         out.append(f"compute times from the profile {s['compute_profile']}")
     else:
@@ -71,7 +80,8 @@ def step_gantt(records: Sequence[dict[str, Any]], end_by_rank: dict[int, float],
     ranks = sorted(end_by_rank, key=lambda r: -end_by_rank[r])[:max_ranks]
     colours = {"expert": "#d62728", "expert_bwd": "#d62728", "attn_core": "#1f77b4", "attn_proj": "#17becf",
                "shared_expert": "#ff7f0e", "dense_ffn": "#8c564b", "dispatch": "#2ca02c", "combine": "#9467bd",
-               "combine_bwd": "#2ca02c", "dispatch_bwd": "#9467bd", "grad_reduce": "#e377c2"}
+               "combine_bwd": "#2ca02c", "dispatch_bwd": "#9467bd", "grad_reduce": "#e377c2", "lm_head": "#bcbd22",
+               "loss": "#dbdb8d", "norm": "#c7c7c7", "router": "#aec7e8", "embed": "#c49c94"}
     fig, ax = plt.subplots(figsize=(12, 0.7 * 2 * len(ranks) + 1.5))
     t_max = max(end_by_rank.values()) if end_by_rank else 1.0
     unit, f = ("ms", 1e-3) if t_max >= 1e3 else ("us", 1.0)
@@ -86,6 +96,7 @@ def step_gantt(records: Sequence[dict[str, Any]], end_by_rank: dict[int, float],
         if y is None or rec["end_us"] <= rec["start_us"]:
             continue
         base = rec["name"].split(".")[-1]
+        base = base[:-4] if base.endswith("_bwd") and base[:-4] in colours and base not in colours else base
         ax.broken_barh([(rec["start_us"] * f, (rec["end_us"] - rec["start_us"]) * f)], (y - 0.4, 0.8),
                        facecolors=colours.get(base, "#7f7f7f"), edgecolor="none")
     ax.set_yticks([y for y, _ in labels])
@@ -94,7 +105,8 @@ def step_gantt(records: Sequence[dict[str, Any]], end_by_rank: dict[int, float],
     ax.set_title(title or "step timeline (slowest rank first)")
     from matplotlib.patches import Patch
 
-    seen = sorted({rec["name"] for rec in records if rec["name"] in colours})
+    seen = sorted({n for n in (rec["name"][:-4] if rec["name"].endswith("_bwd") and rec["name"] not in colours
+                               else rec["name"] for rec in records) if n in colours})
     ax.legend(handles=[Patch(color=colours[n], label=n) for n in seen], loc="upper right", fontsize=7, ncol=4)
     return _save(fig, dest)
 

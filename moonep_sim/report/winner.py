@@ -35,7 +35,9 @@ def winner_table_md(m: dict[str, Any]) -> str:
         for c in row:
             ru = f" vs {c['runner_up']}" if c["runner_up"] else ""
             who = " = ".join(_tied(c)) + " (tie)" if _is_tie(c) else c["winner"]
-            cells.append(f"**{who}** {c['time_us'] / 1e3:.2f} ms (+{100 * c['margin']:.1f}%{ru})")
+            conf = ((c.get("verdict") or {}).get("confidence") or {})
+            how = f"; {conf['level']} over {conf['units']} {conf['unit']}s" if conf.get("units", 0) > 1 else ""
+            cells.append(f"**{who}** {c['time_us'] / 1e3:.2f} ms (+{100 * c['margin']:.1f}%{ru}{how})")
         lines.append(f"| {_fmt(y)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

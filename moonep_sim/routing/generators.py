@@ -59,6 +59,44 @@ SIGMA_MIN, SIGMA_MAX = 1e-4, 64.0
 
 
 # ---------------------------------------------------------------------------------- options
+MAX_SEED = (1 << 63) - 1
+#: A generator spec's numeric keys: (integer?, low, high, what). The bounds every way a value enters
+#: (``--gen``, ``--trace gen:``, a sweep axis, ``GeneratorSpec(...)`` from Python) goes through.
+SPEC_BOUNDS: dict[str, tuple[bool, float, float, str]] = {
+    "maxvio": (False, 0.0, 1e6, "a target maxvio > 0 (0 is uniform: use uniform=1)"),
+    "sigma": (False, 0.0, SIGMA_MAX, "a lognormal spread >= 0"),
+    "zipf": (False, 0.0, 1e3, "a Zipf exponent > 0"),
+    "hot": (True, 1, MAX_NUM_EXPERTS, "hot experts"),
+    "hot_share": (False, 0.0, 1.0, "the hot experts' share of selections, in (0, 1]"),
+    "tokens_per_rank": (True, 1, 1 << 20, "tokens on each rank"),
+    "layers": (True, 1, MAX_LAYERS, "generated layers"),
+    "seed": (True, 0, MAX_SEED, "a seed >= 0"),
+    "groups": (True, 1, MAX_NUM_EXPERTS, "expert groups"),
+    "topk_groups": (True, 1, MAX_NUM_EXPERTS, "groups kept per token"),
+    "experts": (True, 1, MAX_NUM_EXPERTS, "routed experts (overrides the model's)"),
+    "top_k": (True, 1, 1 << 10, "experts per token (overrides the model's)"),
+}
+_OPEN_LOW = {"maxvio", "zipf", "hot_share"}  # strictly above the low bound
+
+
+def check_spec_value(key: str, value: Any, what: str = "generator spec") -> None:
+    """Refuse (one line naming ``key``) a generator value of the wrong type, not finite, not an
+    integer where one is meant, or outside :data:`SPEC_BOUNDS`."""
+    if key not in SPEC_BOUNDS or value is None:
+        return
+    integer, lo, hi, meaning = SPEC_BOUNDS[key]
+    name = f"{what} {key.replace('_', '-')}"
+    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
+    require(ok_type and not isinstance(value, bool),
+            f"{name} ({value!r}) must be {'an integer' if integer else 'a number'}: {meaning}")
+    require(math.isfinite(value), f"{name} ({value}) must be finite: {meaning}")
+    low_ok = value > lo if key in _OPEN_LOW else value >= lo
+    def fmt(x):
+        return str(int(x)) if integer else f"{x:g}"
+    require(low_ok and value <= hi, f"{name} ({fmt(value)}) must be in {'(' if key in _OPEN_LOW else '['}{fmt(lo)}, "
+                                    f"{fmt(hi)}]: {meaning}")
+
+
 @dataclass(frozen=True)
 class PopularitySpec:
     """Exactly one popularity model: ``maxvio`` (target), ``sigma`` (fixed lognormal spread),

@@ -355,7 +355,7 @@ class Topology:
     @property
     def weights_nic_bytes_per_us(self) -> float:
         """Rate of one large expert-weight copy over the NIC (bytes per microsecond), before any SM cap."""
-        return self.nic_bandwidth_GBps * (self.weights_nic_efficiency or self.nic_efficiency) * 1e3
+        return self.nic_bandwidth_GBps * (self.weights_nic_efficiency or self.nic_efficiency) * 1e3 * max(self.nics_per_gpu, 1.0)
 
     @property
     def copy_bytes_per_us(self) -> float:
@@ -445,8 +445,9 @@ def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>", defaults: di
             require(isinstance(val, str), f"{origin}: {key}: expected a string, found {val!r}")
             kw[key] = val
         elif key == "sources":
-            require(isinstance(val, dict), f"{origin}: [sources] must be a table of strings")
-            kw["sources"] = {str(k): str(v) for k, v in val.items()}
+            require(isinstance(val, dict) and all(isinstance(v, str) for v in val.values()),
+                    f"{origin}: [sources] must be a table of strings (constant = \"where its value comes from\")")
+            kw["sources"] = dict(val)
         elif key in _TABLES:
             prefix, keys = _TABLES[key]
             require(isinstance(val, dict), f"{origin}: {key} must be a table [{key}]")

@@ -31,6 +31,7 @@ import numpy as np
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import Plan
 from moonep_sim.plan.kinds import Direction, PhaseKind
+from moonep_sim.sim.analysis import sim_result
 from moonep_sim.sim.engine import StepSim
 from moonep_sim.sim.kernels import kernel_sms
 from moonep_sim.sim.options import SimOptions
@@ -78,9 +79,9 @@ def _direction(sim: StepSim, si: int, direction: Direction) -> DirectionComm:
     for s in sim.spans:
         if s.direction != direction:
             continue
-        if s.kind == PhaseKind.COMBINE and s.end_us > comb_end[s.rank]:
+        if s.end_us > comb_end[s.rank]:  # combine hops and the passes after them (a reduce, a copy)
             comb_end[s.rank] = s.end_us
-        elif s.kind in (PhaseKind.PLANNING, PhaseKind.ROUTING_GATHER):
+        if s.kind in (PhaseKind.PLANNING, PhaseKind.ROUTING_GATHER):
             plan_R[s.rank] += s.end_us - s.start_us
     end = sim.stage_end[si]
     comb_end = np.maximum(comb_end, c1)
@@ -110,8 +111,6 @@ def simulate_moe_layer(plan: Plan, model: ModelSpec, topo: Topology, costs: Cost
     sim.env.run()
     fwd = _direction(sim, 0, Direction.FORWARD)
     bwd = _direction(sim, 1, Direction.BACKWARD) if train else None
-    from moonep_sim.sim.analysis import sim_result
-
     res = sim_result(sim, 0.0)
     sms = kernel_sms(topo, plan.kernel)
     share = min(1.0, sms / topo.sm_count) if topo.sm_count > 0 and sms > 0 else 0.0

@@ -67,6 +67,30 @@ class MemoryOptions:
         require(self.optimizer_shard >= 0, f"optimizer shard ({self.optimizer_shard}) must be >= 0 (0 = ranks)")
 
 
+@dataclass(frozen=True)
+class PlanFootprint:
+    """What the memory account reads from one Plan ([R] arrays): slots and per-step copies per
+    rank, the static buffer rows (``Plan.capacity_R``, None = dropless), the rows received
+    (padded), the dispatch + combine bytes of one row, and whether its kernels relay (DeepEP's
+    normal kernels, with their fixed buffers). Small and picklable (worker processes return it)."""
+
+    slots_R: np.ndarray
+    copies_R: np.ndarray
+    capacity_R: np.ndarray | None
+    rows_R: np.ndarray
+    row_bytes: int
+    relay: bool
+
+    @classmethod
+    def of(cls, p: Plan) -> "PlanFootprint":
+        R = p.ranks
+        return cls(np.bincount(p.slot_rank_S, minlength=R).astype(np.float64),
+                   np.bincount(p.slot_rank_S[p.is_copy_S()], minlength=R).astype(np.float64),
+                   None if p.capacity_R is None else p.capacity_R.astype(np.float64),
+                   p.rows_R().astype(np.float64), int(p.costs.dispatch_row_bytes + p.costs.combine_row_bytes),
+                   bool(p.kernel is not None and p.kernel.relay))
+
+
 def _attn_saved_per_token(model: ModelSpec, kind: str, mode: str) -> float:
     if kind == "none":
         return 0.0
@@ -80,11 +104,11 @@ def _attn_saved_per_token(model: ModelSpec, kind: str, mode: str) -> float:
     return (n * dqk + 2 * kv * dqk + n * dv) * BF16 + n * 4.0  # q, k, v, out + softmax stats (fp32)
 
 
-def memory_per_rank(model: ModelSpec, shape: StepShape, plans: Sequence[Plan], R: int,
+def memory_per_rank(model: ModelSpec, shape: StepShape, plans: "Sequence[Plan | PlanFootprint]", R: int,
                     opts: MemoryOptions = MemoryOptions()) -> dict:
     """Every part (see the module docstring) per rank, their peak and the rank it is on.
 
-    plans: the strategy's Plans of the step's MoE layers (one per layer simulated)."""
+    plans: the strategy's Plans (or their :class:`PlanFootprint`) of the step's MoE layers."""
     train = shape.mode == "train"
     H, T = model.hidden, shape.tokens
     D, F = model.dispatch_hidden, model.expert_ffn
@@ -99,16 +123,14 @@ def memory_per_rank(model: ModelSpec, shape: StepShape, plans: Sequence[Plan], R
     act_rows = np.zeros(R)
     fixed = 0.0
     for p in plans:
-        slots_R = np.bincount(p.slot_rank_S, minlength=R).astype(np.float64)
-        copies_R = np.bincount(p.slot_rank_S[p.is_copy_S()], minlength=R).astype(np.float64)
-        extra = np.maximum(slots_R - copies_R - epn, 0.0)  # slots beyond the home group, not copied per step
+        f = p if isinstance(p, PlanFootprint) else PlanFootprint.of(p)
+        extra = np.maximum(f.slots_R - f.copies_R - epn, 0.0)  # slots beyond the home group, not copied per step
         replicas = np.maximum(replicas, extra)
-        copy_slots = np.maximum(copy_slots, copies_R)
-        rows = p.capacity_R.astype(np.float64) if p.capacity_R is not None else p.rows_R().astype(np.float64)
-        row_bytes = p.costs.dispatch_row_bytes + p.costs.combine_row_bytes
-        buf = np.maximum(buf, rows * row_bytes)
-        act_rows = np.maximum(act_rows, p.rows_R().astype(np.float64))
-        if p.kernel is not None and p.kernel.relay:
+        copy_slots = np.maximum(copy_slots, f.copies_R)
+        rows = f.capacity_R if f.capacity_R is not None else f.rows_R
+        buf = np.maximum(buf, rows * f.row_bytes)
+        act_rows = np.maximum(act_rows, f.rows_R)
+        if f.relay:
             fixed = RELAY_FIXED_BUFFER_BYTES
     weight_bytes = np.full(R, (dense + home) * BF16) + replicas * model.moe_layers * expert_elems * BF16
     buffers = buf + fixed + copy_slots * expert_elems * (BF16 + (GRAD_BYTES_PER_PARAM if train else 0))
@@ -154,4 +176,4 @@ def memory_per_rank(model: ModelSpec, shape: StepShape, plans: Sequence[Plan], R
                             f"{opts.optimizer_shard or R} ranks (dense share); recompute {opts.recompute}")}
 
 
-__all__ = ["ADAM_BYTES_PER_PARAM", "MemoryOptions", "RELAY_FIXED_BUFFER_BYTES", "memory_per_rank"]
+__all__ = ["ADAM_BYTES_PER_PARAM", "MemoryOptions", "PlanFootprint", "RELAY_FIXED_BUFFER_BYTES", "memory_per_rank"]

@@ -23,7 +23,7 @@ from moonep_sim.plan import GlobalRouting
 from moonep_sim.step.compose import all_ops, compose, stack_ops
 from moonep_sim.step.costs import CostModel
 from moonep_sim.step.layer_sim import LayerComm, simulate_moe_layer
-from moonep_sim.step.memory import MemoryOptions, memory_per_rank
+from moonep_sim.step.memory import MemoryOptions, PlanFootprint, memory_per_rank
 from moonep_sim.step.schedule import Timeline, get_overlap
 from moonep_sim.step.stack import StepShape
 
@@ -148,12 +148,49 @@ def useful_flops_per_rank(cfg: StepConfig) -> float:
     return f + fwd_exp * (3.0 if shape.mode == "train" else 1.0)
 
 
-def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str], None] | None = None) -> dict:
-    """Every strategy's step (see the module docstring). Returns ``{"strategies": {name: figures},
-    "layers_routing": [...], ...}``; each strategy's ``timeline`` (a :class:`Timeline`) is kept
-    under ``"_timelines"`` for the renderers."""
+@dataclass(frozen=True)
+class LayerWork:
+    """One independent unit of a step: plan ``strategy`` on ``routing`` (padded to ``static``
+    tokens per rank when > 0) and simulate the layer. Picklable: worker processes run it."""
+
+    strategy: str
+    options: dict
+    routing: GlobalRouting
+    static: int
+    ctx: Any
+    model: ModelSpec
+    topology: Any
+    costs: CostModel
+    train: bool
+    tol: float | None
+
+
+@dataclass(frozen=True)
+class LayerDone:
+    comm: LayerComm
+    footprint: PlanFootprint
+    plan_s: float
+    sim_s: float
+
+
+def simulate_layer_work(w: LayerWork) -> LayerDone:
+    """Plan and simulate one :class:`LayerWork` (module level, so worker processes can run it)."""
     from moonep_sim.strategies import make_plan
 
+    part = pad_to_static(w.routing, w.static) if w.static else w.routing
+    a = time.perf_counter()
+    plan = make_plan(w.strategy, part, w.ctx, **w.options)
+    b = time.perf_counter()
+    comm = simulate_moe_layer(plan, w.model, w.topology, w.costs, w.train, w.tol)
+    return LayerDone(comm, PlanFootprint.of(plan), b - a, time.perf_counter() - b)
+
+
+def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str], None] | None = None,
+                  map_fn: Callable | None = None) -> dict:
+    """Every strategy's step (see the module docstring). Returns ``{"strategies": {name: figures},
+    "layers_routing": [...], ...}``; each strategy's ``timeline`` (a :class:`Timeline`) is kept
+    under ``"_timelines"`` for the renderers. ``map_fn(fn, items)``: how the independent layers
+    are computed (default serially; ``experiments`` passes its worker pool)."""
     m, shape = cfg.model, cfg.shape
     ov = get_overlap(cfg.overlap)
     costs = cfg.costs or CostModel(cfg.topology)
@@ -171,30 +208,37 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
     provenance = [p for _, _, p in routings]
     out: dict[str, Any] = {}
     timelines: dict[str, Timeline] = {}
+    # every distinct (strategy, routing, micro-batch) is planned and simulated once, independently
+    work, keys = [], []
     for name, opts in cfg.strategies:
-        t0 = time.perf_counter()
-        cache: dict[tuple, tuple[LayerComm, Any]] = {}
-        plans = []
-        plan_s = sim_s = 0.0
-        for i, (key, routing, _) in enumerate(routings):
+        seen = set()
+        for key, routing, _ in routings:
             for mb, part in enumerate(split_micro_batches(routing, M)):
-                ck = (key, mb)
-                if ck in cache:
+                if (key, mb) in seen:
                     continue
-                if name in cfg.static_tokens:
-                    part = pad_to_static(part, -(-int(cfg.static_tokens[name]) // M))
-                if progress:
-                    progress(f"{name}: MoE layer {i} micro-batch {mb}")
-                a = time.perf_counter()
-                plan = make_plan(name, part, cfg.ctx, **opts)
-                b = time.perf_counter()
-                comm = simulate_moe_layer(plan, m, cfg.topology, costs, train, cfg.tol)
-                plan_s += b - a
-                sim_s += time.perf_counter() - b
-                cache[ck] = (comm, plan)
-                plans.append(plan)
+                seen.add((key, mb))
+                S = -(-int(cfg.static_tokens[name]) // M) if name in cfg.static_tokens else 0
+                work.append(LayerWork(name, dict(opts), part, S, cfg.ctx, m, cfg.topology, costs, train, cfg.tol))
+                keys.append((name, key, mb))
+    t0 = time.perf_counter()
+    if map_fn is None:
+        done = []
+        for i, w in enumerate(work):
+            if progress:
+                progress(f"{w.strategy}: layer routing {i + 1} of {len(work)}")
+            done.append(simulate_layer_work(w))
+    else:
+        done = map_fn(simulate_layer_work, work)
+    wall = time.perf_counter() - t0
+    for name, opts in cfg.strategies:
+        mine = [(k, d) for k, d in zip(keys, done) if k[0] == name]
+        cache = {(k[1], k[2]): d for k, d in mine}
+        plans = [d.footprint for _, d in mine]
+        plan_s = sum(d.plan_s for _, d in mine)
+        sim_s = sum(d.sim_s for _, d in mine)
+        t0 = time.perf_counter()
         first_moe = m.dense_layers
-        comm_of = lambda layer, mb: cache[(routings[layer - first_moe][0], mb)][0]
+        comm_of = lambda layer, mb, cache=cache: cache[(routings[layer - first_moe][0], mb)].comm
         tl = compose(m, mb_shapes, costs, ov, comm_of, R, train)
         comms = {l: comm_of(l, 0) for l in range(first_moe, m.layers)}
         d = step_metrics(tl, cfg, comms, useful_flops_per_rank(cfg), float(shape.tokens))
@@ -203,8 +247,12 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
         d.update(peak_memory_bytes=mem["peak_bytes"], gpu_memory_bytes=cap, oom=(mem["peak_bytes"] > cap) if cap else None,
                  memory=mem, distinct_layers_simulated=len(cache),
                  static_tokens=int(cfg.static_tokens[name]) if name in cfg.static_tokens else None,
-                 wall_seconds=dict(plan=plan_s, simulate=sim_s, total=time.perf_counter() - t0),
-                 rows_max_mean=_rows_ratio(comms))
+                 wall_seconds=dict(plan=plan_s, simulate=sim_s, layers_wall=wall,
+                                   compose=time.perf_counter() - t0),
+                 rows_max_mean=_rows_ratio(comms),
+                 padded_rows_per_rank=float(np.mean([c.padded_rows_R.max() for c in comms.values()])) if comms else 0.0,
+                 real_rows_per_rank=float(np.mean([c.rows_R.max() for c in comms.values()])) if comms else 0.0,
+                 copies_per_layer=float(np.mean([c.copies_R.sum() for c in comms.values()])) if comms else 0.0)
         out[name] = d
         timelines[name] = tl
     return {"strategies": out, "mode": shape.mode, "tokens_per_rank": shape.tokens, "context": shape.context,

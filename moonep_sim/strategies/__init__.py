@@ -74,6 +74,9 @@ class Option:
     help: one line for ``--help`` and docs.  choices: the allowed values (None: any).
     check: a predicate the converted value must satisfy (None: any); ``constraint`` words it for
         the error (``"must be >= 0 (0 = no limit)"``).
+    hi: the largest value a number may take (an integer or float option always has one: from
+        :data:`OPTION_LIMITS`, else :data:`DEFAULT_OPTION_LIMIT`, filled in by :func:`register`);
+        a float must also be finite.
     """
 
     type: Any
@@ -82,6 +85,7 @@ class Option:
     choices: tuple | None = None
     check: Callable[[Any], bool] | None = None
     constraint: str = ""
+    hi: float | None = None
 
     def parse(self, strategy: str, name: str, v: Any) -> Any:
         """Convert and check one value (a string from ``--opt k=v`` or a Python value); a bad one
@@ -125,6 +129,10 @@ class Option:
             raise bad("must be " + (" or ".join(alts) if len(alts) <= 2 else ", ".join(alts[:-1]) + " or " + alts[-1]), v)
         if self.check is not None and not self.check(v):
             raise bad(self.constraint or "is out of range", v)
+        if typ in (int, float) and not np.isfinite(v):
+            raise bad("must be a finite number", v)
+        if self.hi is not None and typ in (int, float) and v > self.hi:
+            raise bad(f"must be at most {self.hi:g} (the option's bound: {self.help})", v)
         return v
 
 
@@ -172,11 +180,28 @@ class StrategySpec:
 _REGISTRY: dict[str, StrategySpec] = {}
 
 
+#: Upper bounds of the options that size work or memory (checked before planning; listed by
+#: ``moonep-sim strategies``): SM counts at most 1024 (a GPU has ~132), node/rank/replica counts
+#: at most MAX_RANKS, costaware's grid 4096 targets (each a full assignment: 1e8 took 78 s).
+OPTION_LIMITS: dict[tuple[str, str], float] = {
+    ("costaware", "grid"): 4096, ("costaware", "sms"): 1024, ("deepep", "sms"): 1024, ("deepep-ll", "sms"): 1024,
+    ("moonep", "sms"): 1024, ("deepep", "max_nodes"): 1 << 14, ("deepep-ll", "max_tokens"): 1 << 20,
+    ("eplb", "num_redundant"): 1 << 20, ("eplb", "groups"): 1 << 16, ("llep", "alpha"): 1e6, ("llep", "m"): 1 << 28,
+    ("llep", "lambda"): 1e6, ("ultraep", "replica_cap"): 1 << 14, ("ultraep", "domain"): 1 << 14,
+    ("ultraep", "max_replicas"): 1 << 14,
+}
+DEFAULT_OPTION_LIMIT = float(1 << 31)
+"""The bound of an integer or float option not in :data:`OPTION_LIMITS`."""
+
+
 def register(name: str, summary: str, options: dict[str, Option] | None = None):
     """Decorator: register ``plan_fn`` as strategy ``name`` with its option schema."""
     schema = {}
     for k, o in (options or {}).items():
-        schema[k] = o if isinstance(o, Option) else Option(*o)  # (type, default, help) also accepted
+        o = o if isinstance(o, Option) else Option(*o)  # (type, default, help) also accepted
+        if o.type in (int, float) and o.hi is None:
+            o = dataclasses.replace(o, hi=OPTION_LIMITS.get((name, k), DEFAULT_OPTION_LIMIT))
+        schema[k] = o
 
     def deco(fn: Callable[..., Plan]) -> Callable[..., Plan]:
         _REGISTRY[name] = StrategySpec(name, summary, fn, schema)

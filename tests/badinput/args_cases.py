@@ -38,7 +38,7 @@ ON_TRACE = {"simulate": ["simulate", "--trace", "{in}/t.safetensors", "--strateg
                         "--no-plots", "--json", "--out", "{out}/cmp"]}
 for nm, base in (("simulate", SIM), ("plan", PLAN), ("compare", CMP)):
     _add(nm, base, "--ranks", ["0", "-2", "3", "1000000000"])
-    _add(nm, base, "--token-padding", ["0", "1000000000", "-1"], "--token-padding|token padding")
+    _add(nm, base, "--token-padding", ["0", "1000000000", "-1"], "--token-padding|token.padding")
     if nm == "compare":
         _add(nm, base, "--opt", ["capacity.cf=1e308", "capacity.cf=-1", "nope", "alltoall.dedup=maybe"],
              "--opt|option|cf")

@@ -420,6 +420,8 @@ def cases() -> list[Case]:
         out += argument_cases(Case)
     from output_cases import output_cases  # noqa: output over input, every command and output flag
     out += output_cases(Case)
+    from hostile_cases import hostile_cases  # noqa: model files, HF configs, topology values, sweeps, ...
+    out += hostile_cases(Case)
     ids = [c.id for c in out]
     dupes = {i for i in ids if ids.count(i) > 1}
     if dupes:

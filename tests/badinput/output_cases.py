@@ -28,6 +28,7 @@ def _inputs(d: Path) -> dict[str, Path]:
     shutil.copy(TOPO, d / "b.toml")
     np.save(d / "ids.npy", np.array([[0, 1], [1, 2], [2, 3]]))
     np.save(d / "bias.npy", np.zeros(8))
+    (d / "ops.csv").write_text("op,shape,time_us\n")
     return {}
 
 
@@ -35,6 +36,8 @@ SIM = ["simulate", "--trace", "T", "--strategy", "alltoall", "--ranks", "2", "--
 # command -> (argv with T/M/B/I/S placeholders for inputs, {input flag: placeholder}, output flags)
 FILE_OUTPUTS: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     "simulate": (SIM, {"--trace": "T", "--topology": "B", "--model": "M"}, ["--timeline"]),
+    "step": (["step", "--trace", "T", "--topology", "B", "--model", "M", "--compute-profile", "P"],
+             {"--trace": "T", "--topology": "B", "--model": "M", "--compute-profile": "P"}, ["--json", "--timeline", "--gantt"]),
     "trace-gen": (["trace", "gen", "--model", "M", "--tokens", "64", "--seed", "1", "--uniform"], {"--model": "M"}, ["-o"]),
     "trace-import": (["trace", "import", "I", "--model", "M"], {"SRC": "I", "--model": "M"}, ["-o"]),
     "trace-route": (["trace", "route", "T", "--mode", "bias", "--bias-file", "S"], {"SRC": "T", "--bias-file": "S"}, ["-o"]),
@@ -44,7 +47,7 @@ FILE_OUTPUTS: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     "testbed-agree": (["testbed", "agree", "--base-topology", "B"], {"--base-topology": "B"},
                           ["--json", "--markdown"]),
 }
-FILES = {"T": "t.safetensors", "M": "m.json", "B": "b.toml", "I": "ids.npy", "S": "bias.npy"}
+FILES = {"T": "t.safetensors", "M": "m.json", "B": "b.toml", "I": "ids.npy", "S": "bias.npy", "P": "ops.csv"}
 
 # command -> (argv, {input flag: placeholder}, the files --out holds)
 FOLDER_OUTPUTS: dict[str, tuple[list[str], dict[str, str], tuple[str, ...]]] = {

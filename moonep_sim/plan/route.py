@@ -1,0 +1,225 @@
+"""The fast kernel of one route hop whose messages have one source each (what ``multihop`` runs).
+
+Notation as in :mod:`moonep_sim.plan.ir`: R ranks, N entries, n of them taking part in the hop,
+M messages. Its reference is :func:`moonep_sim.plan.reference.route_hop` (the tests compare).
+
+A hop is described by two small records -- where its entries sit before it (:class:`Sources`)
+and what makes one of its messages (:class:`Messages`) -- and built by :func:`grouped_hop` in
+three steps, each a function of its own:
+
+1. :func:`block_order`: the entries in (source, destination) blocks, stably, and each block's
+   size -- one radix sort (per source rank on one-byte ranks, or on a 16-bit key, or on int64);
+2. :func:`group_messages`: the first entry of each message (a new token, or a new block), the
+   messages per block, each sorted entry's receive row (one running sum) and, if asked, the
+   duplicate flags;
+3. :func:`message_sources`: each message's source row, by arithmetic for tokens leaving their own
+   ranks, else gathered source by source.
+
+Requires the message key (token id) non-decreasing in entry order and entries with an equal
+(destination, key) on one source rank -- true for a hop of tokens leaving their own ranks and for
+any hop without deduplication. Equal keys of a (source, destination) block are then neighbours,
+each first one a message, and a destination's receive rows follow the blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moonep_sim.plan.build import block_messages
+from moonep_sim.plan.ir import Hop
+from moonep_sim.plan.order import stable_order, stable_order_counts
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where a hop's n entries sit before it: either per entry, or as runs of the first hop.
+
+    rank_N: int64 (or uint8, R <= 256) [n] the source rank of each entry; None with ``bound_R``.
+    row_N: int64 [n] the entry's row on that rank; None with ``tok_off_R`` (rows by arithmetic).
+    bound_R: int64 [R+1] for entries in source-rank runs (the first hop, every entry kept): rank
+      r's entries are ``[bound_R[r], bound_R[r+1])``.
+    sorted: ``rank_N`` is non-decreasing (the first hop's tokens in rank order).
+    tok_off_R: int64 [R+1] first token of each rank: with a message key ``shift`` >= 0 the entries'
+      source rows are ``(e >> shift) - tok_off_R[rank]`` (tokens on their own ranks).
+    """
+
+    rank_N: np.ndarray | None = None
+    row_N: np.ndarray | None = None
+    bound_R: np.ndarray | None = None
+    sorted: bool = False
+    tok_off_R: np.ndarray | None = None
+
+    @classmethod
+    def own_ranks(cls, bound_R: np.ndarray, tok_off_R: np.ndarray) -> "Sources":
+        """Tokens on their own ranks, every entry kept, in rank runs (needs ``Messages.shift``)."""
+        return cls(bound_R=bound_R, sorted=True, tok_off_R=tok_off_R)
+
+
+@dataclass(frozen=True)
+class Messages:
+    """What makes one message of a hop.
+
+    dedup: entries of one token bound for one rank share a message (else one per entry).
+    gid_N: int64 [n] the token of each entry, non-decreasing; None when ``shift`` says it (or
+      without dedup).
+    shift: >= 0 when entry e's token is ``e >> shift`` (every entry kept, K a power of two).
+    dup_N: with a value, :func:`grouped_hop` also returns bool [dup_N] flags of the entries that
+      are not the first of their message (``kept_N[i]`` for the hop's entry i, or i itself).
+    """
+
+    dedup: bool
+    gid_N: np.ndarray | None = None
+    shift: int = -1
+    dup_N: int | None = None
+    kept_N: np.ndarray | None = None
+
+
+class _Scratch:
+    """Dead int64 [n] arrays a hop may write into instead of fresh pages (a caller's list)."""
+
+    def __init__(self, n: int, spare: list | None):
+        self.n, self.spare = n, [] if spare is None else spare
+
+    def take(self) -> np.ndarray:
+        while self.spare:
+            b = self.spare.pop()
+            if b.shape == (self.n,) and b.dtype == np.int64:
+                return b
+        return np.empty(self.n, dtype=np.int64)
+
+
+def block_order(src: Sources, dst_rank_N: np.ndarray, ranks: int, msg: Messages,
+                scratch: _Scratch) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The entries stably sorted into (source, destination) blocks: (order_n, ecnt, key).
+
+    ecnt: int64 [R*R] entries per block (source-major). key: the int64 block key when the wide
+    path built one (its buffer is reused for the running sums), else None. Source runs with
+    R <= 256 are sorted one byte per source rank; a 16-bit key (R*R <= 2^16) in place; else int64.
+    """
+    n, R = dst_rank_N.size, ranks
+    if (src.sorted or src.bound_R is not None) and R <= 256:
+        order = scratch.take()
+        ecnt_RR = np.zeros((R, R), dtype=np.int64)
+        bound = src.bound_R if src.bound_R is not None else np.searchsorted(src.rank_N, np.arange(R + 1))
+        for r in range(R):  # loop over source ranks, not entries
+            lo, hi = int(bound[r]), int(bound[r + 1])
+            if hi > lo:
+                d8 = dst_rank_N[lo:hi].astype(np.uint8, copy=False)
+                ecnt_RR[r] = np.bincount(d8, minlength=R)
+                np.add(np.argsort(d8, kind="stable"), lo, out=order[lo:hi])
+        return order, ecnt_RR.ravel(), None
+    if R * R <= 1 << 16 and (not msg.dedup or msg.shift >= 0):  # a 16-bit key, sorted in place
+        key16 = np.empty(n, dtype=np.uint16)
+        np.multiply(src.rank_N, R, out=key16, dtype=np.uint16, casting="unsafe")  # (values < R*R fit)
+        np.add(key16, dst_rank_N, out=key16, dtype=np.uint16, casting="unsafe")
+        order, ecnt = stable_order_counts(key16, R * R, out=scratch.take() if n else None)
+        return order, ecnt, None
+    key = src.rank_N.astype(np.int64) * R
+    key += dst_rank_N
+    return stable_order(key, R * R), np.bincount(key, minlength=R * R), key
+
+
+def group_messages(order: np.ndarray, ecnt: np.ndarray, ranks: int, msg: Messages, buf: np.ndarray):
+    """Messages of the sorted entries: (cnt, lead, row_sorted, dup).
+
+    cnt: int64 [R*R] messages per block; lead: entry id of each message's first entry;
+    row_sorted: int64 [n] (in ``buf``) the receive row of each sorted entry; dup: the duplicate
+    flags ``msg.dup_N`` asks for (else None). Requires ``msg.dedup`` and n > 0.
+    """
+    n, R = order.size, ranks
+    if msg.shift >= 0:
+        gs = np.right_shift(order, msg.shift, out=buf)
+    else:  # (order is in range: clip mode writes straight into buf)
+        gs = np.take(np.asarray(msg.gid_N, dtype=np.int64), order, out=buf, mode="clip")
+    first = np.empty(n, dtype=bool)
+    first[0] = True
+    np.not_equal(gs[1:], gs[:-1], out=first[1:])
+    ebound = np.cumsum(ecnt) - ecnt
+    nzb = ecnt > 0
+    first[ebound[nzb]] = True  # a new (src, dst) block starts a new message
+    lead_pos = np.flatnonzero(first)  # sorted position of each message's first entry
+    cnt = np.diff(np.searchsorted(lead_pos, np.concatenate([[0], np.cumsum(ecnt)])))  # messages per block
+    lead = order[lead_pos]
+    np.copyto(buf, first)  # 1 where a message starts: running sums count messages
+    dup = None
+    if msg.dup_N is not None:
+        np.logical_not(first, out=first)  # now: later entries of a message
+        if msg.kept_N is None and msg.dup_N == n:  # order is a permutation of every entry
+            dup = np.empty(n, dtype=bool)
+            dup[order] = first
+        else:
+            dup = np.zeros(msg.dup_N, dtype=bool)
+            later = order[first]
+            dup[later if msg.kept_N is None else msg.kept_N[later]] = True
+    # the receive row of a sorted entry is its message's: block b's messages take rows
+    # dst_row0[b], dst_row0[b] + 1, ... (see block_messages), so a running sum of the message
+    # starts, with a jump to dst_row0[b] at each block's first entry, gives every entry's row
+    cnt_RR = cnt.reshape(R, R)
+    r0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()[nzb]
+    c_b = cnt[nzb]
+    jump = r0.copy()
+    jump[1:] -= r0[:-1] + c_b[:-1] - 1  # from the previous block's last row
+    buf[ebound[nzb]] = jump
+    return cnt, lead, np.cumsum(buf, out=buf), dup
+
+
+def message_sources(src: Sources, msg: Messages, order: np.ndarray, lead: np.ndarray, cnt: np.ndarray,
+                    ecnt: np.ndarray, m_src: np.ndarray, rows_sorted: np.ndarray, ranks: int,
+                    dst_row: np.ndarray) -> np.ndarray:
+    """int64 [M] each message's source row; writes each entry's receive row into ``dst_row``."""
+    R = ranks
+    if src.tok_off_R is not None and msg.shift >= 0:  # tokens on their own ranks: rows by arithmetic
+        m_srow = lead >> msg.shift
+        m_srow -= np.asarray(src.tok_off_R, dtype=np.int64)[m_src]
+        dst_row[order] = rows_sorted
+        return m_srow
+    # gather the messages' source rows and scatter the entries' receive rows source by source,
+    # sources whose entries start lowest first: sources fed by the same earlier ranks (a relay's)
+    # then follow each other and find those ranks' rows still in cache
+    m_bound = np.concatenate([[0], np.cumsum(cnt.reshape(R, R).sum(axis=1))])
+    e_bound = np.concatenate([[0], np.cumsum(ecnt.reshape(R, R).sum(axis=1))])
+    has = np.flatnonzero(m_bound[1:] > m_bound[:-1])
+    first_lead = np.minimum.reduceat(lead, m_bound[has]) if has.size else has
+    m_srow = np.empty(lead.size, dtype=np.int64)
+    for r in has[np.argsort(first_lead, kind="stable")]:  # loop over source ranks, not entries
+        a, b = int(m_bound[r]), int(m_bound[r + 1])
+        np.take(src.row_N, lead[a:b], out=m_srow[a:b], mode="clip")  # (lead holds valid entries)
+        a, b = int(e_bound[r]), int(e_bound[r + 1])
+        dst_row[order[a:b]] = rows_sorted[a:b]
+    return m_srow
+
+
+def grouped_hop(src: Sources, dst_rank_N: np.ndarray, msg: Messages, ranks: int, scope: str,
+                scratch: list | None = None):
+    """One hop of a route (see the module doc): (hop, dst_row_N), and the duplicate flags as a
+    third item when ``msg.dup_N`` is given.
+
+    dst_rank_N: int64 (or uint8, R <= 256) [n] the rank each entry's token must reach.
+    scratch: a list of dead int64 [n] arrays the hop may write its sort and running sums into; it
+    adds its own when done with them.
+    """
+    n, R = dst_rank_N.size, int(ranks)
+    sc = _Scratch(n, scratch)
+    order, ecnt, key = block_order(src, dst_rank_N, R, msg, sc)
+    row_sorted = None
+    if msg.dedup and n:
+        # one [n] int64 buffer holds each sorted entry's token, then its receive row
+        cnt, lead, row_sorted, dup = group_messages(order, ecnt, R, msg, key if key is not None else sc.take())
+    else:
+        cnt, lead = ecnt.astype(np.int64), order
+        dup = np.zeros(msg.dup_N or 0, dtype=bool)
+    del key
+    m_src, m_dst, m_row, per_dst = block_messages(cnt, R)
+    dst_row = np.empty(n, dtype=np.int64)
+    m_srow = message_sources(src, msg, order, lead, cnt, ecnt, m_src, m_row if row_sorted is None else row_sorted,
+                             R, dst_row)
+    hop = Hop(scope, m_src, m_srow, m_dst, m_row, per_dst)
+    del m_srow, lead
+    if scratch is not None:  # dead from here: the sort, and the running sums' buffer
+        scratch.extend(b for b in (order, row_sorted) if b is not None and b.dtype == np.int64 and b.shape == (n,))
+    return (hop, dst_row) if msg.dup_N is None else (hop, dst_row, dup)
+
+
+__all__ = ["Messages", "Sources", "block_order", "group_messages", "grouped_hop", "message_sources"]

@@ -1,0 +1,392 @@
+"""The block solver: exact max-min fair rates from counts of active transfers per (sender,
+receiver) pair, for port maps without half-duplex pair ports (:class:`BlockCounts`).
+
+Solver
+------
+Every path is its sender's ports followed by its receiver's (``PortMap.side_ports``; a half-duplex
+pair port is the one exception). So the allocation depends only on how many active flows each
+(block, sender, receiver) cell holds, and a flow's rate is ``min(level of its sender node, level of
+its receiver node)``. :class:`BlockCounts` keeps those counts (dense [R, R] per other-node block,
+[R, G] for NVLink) updated as flows start and end, and fills by *runs*: the ports of one side, each
+its own node's, in increasing share order, saturate one after another without changing each
+other's shares, so a whole run freezes in one step and only the rows of nodes that freeze are
+read. A fill costs O(steps x (nodes + ports log ports) + R x frozen nodes) instead of
+O(iterations x active flows), and is exact (equal to per-flow water-filling with ``tol = 0``;
+tested on random and adversarial patterns). Per active flow the network keeps (rate, remaining
+bytes at t0, t0, finish time) and touches it only when its rate changes. With pair ports (the CPU
+gloo presets, a few ranks) the per-flow :func:`waterfill` is used instead.
+
+Notation and units: ``moonep_sim.sim.ports``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from moonep_sim.sim.ports import Block, PortMap, block_kind
+
+RUN_MAX = 256    # ports considered for one run of the block solver's filling
+
+
+class Levels(NamedTuple):
+    """A :meth:`BlockCounts.fill` result, per node (block-major [B x R]) on each side: the level
+    (bytes/us) at which it froze (inf if it carried nothing unfrozen) and the saturated port that
+    froze it (-1 if none); ``steps``: the filling steps taken."""
+
+    level_src: np.ndarray
+    level_dst: np.ndarray
+    port_src: np.ndarray
+    port_dst: np.ndarray
+    steps: int
+
+
+class BlockCounts:
+    """Active transfers counted per (sender, receiver) pair, one dense matrix per block, and their
+    exact max-min fair rates (the solver for port maps without half-duplex pair ports).
+
+    Every path is the sender's ``side_ports`` of its block followed by the receiver's, so a
+    transfer's rate is ``min(level of its sender node, level of its receiver node)``, where a
+    *node* is (block, rank) on one side; a node freezes when the first of its ports saturates.
+
+    Progressive filling, batched: the shares ``(cap - frozen load) / unfrozen count`` of the ports
+    are sorted; a run of ports of one side, each belonging to its own node (no two of them share a
+    transfer), saturate one after another at their own shares (freezing one can only raise the
+    shares of ports it shares transfers with, never those of the others in the run), so the whole
+    run freezes in one step; then shares are recomputed. Only the rows (columns) of the nodes that
+    freeze are read. One fill costs O(steps x (nodes + ports log ports) + R x frozen nodes),
+    against O(iterations x active flows) for :func:`waterfill`; the rates equal :func:`waterfill`
+    's with ``tol = 0`` (tested).
+
+    Storage per block: ``M`` [R, W] counts of active transfers by sender row and receiver column
+    (W = R for other-node blocks; G for the NVLink block, column j meaning rank node*G + j; 1 for
+    the local block) and its transpose ``MT`` [R, W] by receiver row.
+    """
+
+    def __init__(self, ports: PortMap):
+        self.ports = ports
+        R, G = ports.ranks, ports.gpus_per_node
+        self.R, self.G = R, G
+        src_BRK, dst_BRK = ports.side_ports()
+        B = ports.num_blocks
+        self.B = B
+        # the kind of each block (SM-driven blocks: the kind they copy), as Block and as an array
+        self.kinds = tuple(Block(block_kind(b)) for b in range(B))
+        self.kind_B = np.asarray(self.kinds, dtype=np.int64)
+        self.blocks = [b for b in range(B) if self.kinds[b] != Block.NIC_SPINE or ports.spine_binds]
+        width_of = {Block.LOCAL: 1, Block.NVLINK: G, Block.NIC: R, Block.NIC_SPINE: R}
+        self.width = tuple(width_of[k] for k in self.kinds)
+        # the blocks' M matrices are views of one flat buffer, so a cell of any block is one gather
+        self.m_off = np.concatenate([[0], np.cumsum([R * w for w in self.width])]).astype(np.int64)
+        self.m_flat = np.zeros(int(self.m_off[-1]))
+        self.M = [self.m_flat[self.m_off[b]:self.m_off[b + 1]].reshape(R, w) for b, w in enumerate(self.width)]
+        self.width_B = np.asarray(self.width, dtype=np.int64)
+        self.mt_flat = np.zeros(int(self.m_off[-1]))
+        self.MT = [self.mt_flat[self.m_off[b]:self.m_off[b + 1]].reshape(R, w) for b, w in enumerate(self.width)]
+        self.cnt_src = np.zeros(B * R)   # active transfers per sender node (block-major)
+        self.cnt_dst = np.zeros(B * R)
+        r = np.arange(R)
+        # rank of row r's column j (node blocks: r's node), clipped: columns past R hold 0 counts
+        self.node_cols_RG = np.minimum((r // G)[:, None] * G + np.arange(G)[None, :], R - 1)
+        self.self_cols_R1 = r[:, None]
+        dm = ports.dummy
+        P1 = ports.cap_P.size
+        unused = np.ones(B, dtype=bool)
+        unused[self.blocks] = False
+        src_BRK = src_BRK.copy()
+        dst_BRK = dst_BRK.copy()
+        src_BRK[unused] = dm
+        dst_BRK[unused] = dm
+        self.ps = src_BRK.reshape(B * R, -1)   # ports of each sender node
+        self.pd = dst_BRK.reshape(B * R, -1)
+        k = max(self.ps.shape[1], self.pd.shape[1])
+        pad = lambda pp: np.concatenate([pp, np.full((pp.shape[0], k - pp.shape[1]), dm)], axis=1)  # noqa: E731
+        self.pall = np.concatenate([pad(self.ps), pad(self.pd)])   # ports of sender nodes, then receiver nodes
+        # port -> nodes (sender nodes 0..BR-1, receiver nodes BR..2BR-1), CSR
+        g = np.repeat(np.arange(self.pall.shape[0]), self.pall.shape[1])
+        flat = self.pall.ravel()
+        real = flat != dm
+        o = np.argsort(flat[real], kind="stable")
+        self.pn_nodes = g[real][o]
+        self.pn_ptr = np.concatenate([[0], np.cumsum(np.bincount(flat[real], minlength=P1))])
+        # simple: every node has one port and every port one node (no SM ports, spine or node links)
+        per_port = np.diff(self.pn_ptr)
+        self.simple = self.pall.shape[1] == 1 and int(per_port.max(initial=0)) <= 1
+        self.port_one = np.full(P1, -1, dtype=np.int64)
+        self.port_one[flat[real]] = g[real]
+        # simple case: the nodes that have a port, in port order, and their ports
+        self.block_starts = np.arange(B + 1) * R
+        self.pps = np.flatnonzero(self.port_one >= 0)
+        self.nps = self.port_one[self.pps]
+
+    def cells(self, blk_F, src_F, dst_F):
+        """Columns of transfers in M (sender row) and in MT (receiver row)."""
+        G = self.G
+        c = self.kind_B[blk_F]
+        j = np.where(c >= Block.NIC, dst_F, np.where(c == Block.NVLINK, dst_F % G, 0))
+        i = np.where(c >= Block.NIC, src_F, np.where(c == Block.NVLINK, src_F % G, 0))
+        return j, i
+
+    def add(self, blk_F, src_F, dst_F, sign: float) -> None:
+        """Count transfers in (sign = 1) or out (sign = -1)."""
+        if blk_F.size == 0:
+            return
+        j, i = self.cells(blk_F, src_F, dst_F)
+        R = self.R
+        # every block's matrix is a view of one flat buffer: one scatter per side (counts are
+        # whole numbers, so the order of the additions does not matter)
+        off, w = self.m_off[blk_F], self.width_B[blk_F]
+        np.add.at(self.m_flat, off + src_F * w + j, sign)
+        np.add.at(self.mt_flat, off + dst_F * w + i, sign)
+        n = self.B * R
+        self.cnt_src += sign * np.bincount(blk_F * R + src_F, minlength=n)
+        self.cnt_dst += sign * np.bincount(blk_F * R + dst_F, minlength=n)
+
+    def _cols(self, b: int, rows: np.ndarray) -> np.ndarray | None:
+        """Rank index of each column of rows ``rows`` of block b (None: the identity, all ranks)."""
+        kind = self.kinds[b]
+        if kind == Block.LOCAL:
+            return self.self_cols_R1[rows]
+        if kind == Block.NVLINK:
+            return self.node_cols_RG[rows]
+        return None
+
+    def fill(self, cap_P: np.ndarray) -> Levels:
+        """Exact max-min fair levels of the counted transfers (batched progressive filling):
+        per node, the level at which it froze and the port that froze it (:class:`Levels`)."""
+        R = self.R
+        N = self.B * R
+        P1 = cap_P.size
+        dm = self.ports.dummy
+        cap = np.asarray(cap_P, dtype=np.float64)
+        cnt = np.concatenate([self.cnt_src, self.cnt_dst])   # unfrozen transfers per node
+        frz = np.zeros(2 * N)                                # frozen load (bytes/us) per node
+        lev = np.full(2 * N, np.inf)
+        bport = np.full(2 * N, -1, dtype=np.int64)
+        free = np.ones(2 * N, dtype=bool)
+        if self.simple:
+            steps = self._fill_simple(cap, cnt, frz, lev, bport, free)
+            return Levels(lev[:N], lev[N:], bport[:N], bport[N:], steps)
+        pall, K = self.pall, self.pall.shape[1]
+        pflat = pall.ravel()
+        hit = np.full(P1, -1, dtype=np.int64)
+        steps = 0
+        while cnt.any():
+            steps += 1
+            w = cnt if K == 1 else np.repeat(cnt, K)
+            n = np.bincount(pflat, weights=w, minlength=P1)
+            fr = np.bincount(pflat, weights=frz if K == 1 else np.repeat(frz, K), minlength=P1)
+            n[dm] = 0.0
+            cand = np.flatnonzero(n)
+            share = (cap[cand] - fr[cand]) / n[cand]
+            order = np.argsort(share, kind="stable")
+            cand, share = cand[order], share[order]
+            # the run: a prefix of ports whose nodes are all distinct with no active cell between
+            # two of them (then no port of the run shares a transfer with an earlier one)
+            for width in (8, 64, RUN_MAX):  # short runs are the common case: try small prefixes first
+                cut = self._run_cut(cand[:width])
+                if cut < width or width >= cand.size:
+                    break
+            run, lv = cand[:cut], share[:cut]
+            # the run's nodes (a node's first saturating port freezes it), side by side
+            hit[run] = np.arange(cut)
+            if K == 1:
+                k_N = hit[pall[:, 0]]
+                k_N[k_N < 0] = cut
+            else:
+                k_NK = hit[pall]
+                k_N = np.where(k_NK >= 0, k_NK, cut).min(axis=1)
+            hit[run] = -1
+            hit[dm] = -1
+            frozen_any = False
+            for s0 in (0, 1):
+                lo, hi = s0 * N, (s0 + 1) * N
+                nodes = np.flatnonzero((k_N[lo:hi] < cut) & (cnt[lo:hi] > 0))
+                if nodes.size:
+                    frozen_any = True
+                    self._freeze(nodes, k_N[lo:hi][nodes], s0, run, lv, lev, bport, free, frz, cnt)
+            if not frozen_any:  # pragma: no cover - the run's ports carry unfrozen transfers
+                raise RuntimeError("progressive filling made no progress")
+        return Levels(lev[:N], lev[N:], bport[:N], bport[N:], steps)
+
+    def _fill_simple(self, cap, cnt, frz, lev, bport, free) -> int:
+        """:meth:`fill` when every node has one port and every port one node (``simple``): the
+        same steps and arithmetic, in node space (a port's count and frozen load are its node's;
+        ties in share order still go to the lower port). Returns the steps."""
+        N = self.B * self.R
+        nps, pps = self.nps, self.pps
+        cap_n = cap[pps]
+        steps = 0
+        while cnt.any():
+            steps += 1
+            live = cnt[nps] != 0
+            cn = nps[live]
+            share = (cap_n[live] - frz[cn]) / cnt[cn]
+            order = np.argsort(share, kind="stable")
+            cn, share = cn[order], share[order]
+            cut = self._switch_cut(cn[:RUN_MAX])
+            if cut is None:
+                cand = pps[live][order]
+                for width in (8, 64, RUN_MAX):  # short runs are the common case: try small prefixes first
+                    cut = self._run_cut(cand[:width])
+                    if cut < width or width >= cand.size:
+                        break
+            rn, lv = cn[:cut], share[:cut]
+            run = pps[live][order[:cut]]
+            s_first = bool(rn[0] < N)
+            if bool(rn[-1] < N) == s_first and ((rn < N) == s_first).all():
+                # one side (the usual run): its nodes all carry unfrozen transfers (they are live
+                # and nothing froze yet in this step)
+                s0 = 0 if s_first else 1
+                kn = np.argsort(rn)              # nodes in increasing order, as :meth:`fill` visits them
+                self._freeze(rn[kn] - s0 * N, kn, s0, run, lv, lev, bport, free, frz, cnt)
+                continue
+            frozen_any = False
+            for s0 in (0, 1):
+                lo = s0 * N
+                side = (rn >= lo) & (rn < lo + N)
+                if not side.any():
+                    continue
+                nodes, kn = rn[side] - lo, np.flatnonzero(side)
+                o = np.argsort(nodes)            # nodes in increasing order, as :meth:`fill` visits them
+                nodes, kn = nodes[o], kn[o]
+                keep = cnt[lo + nodes] > 0
+                if not keep.all():
+                    nodes, kn = nodes[keep], kn[keep]
+                if nodes.size:
+                    frozen_any = True
+                    self._freeze(nodes, kn, s0, run, lv, lev, bport, free, frz, cnt)
+            if not frozen_any:  # pragma: no cover - the run's ports carry unfrozen transfers
+                raise RuntimeError("progressive filling made no progress")
+        return steps
+
+    def _switch_cut(self, node: np.ndarray) -> int | None:
+        """The run's length in the simple case (one node per port; ``node``: the ports' nodes in
+        share order) when it ends where the ports first switch side: all of one side (no two of
+        them can share a transfer), or the first port of the other side has an active cell with a
+        port before it. None when that port has none (then :meth:`_run_cut` decides). Same answer
+        as :meth:`_run_cut`, which cuts at the first port sharing a transfer with an earlier one,
+        in a few array operations."""
+        N, R, G = self.B * self.R, self.R, self.G
+        is_s = node < N
+        sw = np.flatnonzero(is_s != is_s[0])
+        if sw.size == 0:
+            return node.size
+        q = int(sw[0])
+        x = int(node[q])
+        if is_s[0]:   # senders before q, a receiver at q
+            b, d = divmod(x - N, R)
+            bb, s_ = np.divmod(node[:q], R)
+        else:
+            b, s = divmod(x, R)
+            bb, d_ = np.divmod(node[:q] - N, R)
+        ys = np.flatnonzero(bb == b)
+        if ys.size == 0:
+            return None
+        kind, w, off = self.kinds[b], int(self.width_B[b]), int(self.m_off[b])
+        remote, nvlink = kind >= Block.NIC, kind == Block.NVLINK
+        if is_s[0]:
+            s_ = s_[ys]
+            col = d if remote else (d % G if nvlink else 0)
+            c = self.m_flat[off + s_ * w + col]
+            valid = True if remote else ((s_ // G == d // G) if nvlink else (s_ == d))
+        else:
+            d_ = d_[ys]
+            col = d_ if remote else (d_ % G if nvlink else 0)
+            c = self.m_flat[off + s * w + col]
+            valid = True if remote else ((s // G == d_ // G) if nvlink else (s == d_))
+        return q if bool(np.any(valid & (c > 0))) else None
+
+    def _run_cut(self, cand: np.ndarray) -> int:
+        """Length of the run: the longest prefix of ports ``cand`` (in share order) in which no
+        node belongs to two ports and no node has an active cell with a node of an earlier port
+        on the other side (at least 1)."""
+        R, N, G = self.R, self.B * self.R, self.G
+        cut = cand.size
+        if self.simple:  # one node per port, one port per node: no node can repeat
+            node, pos = self.port_one[cand], np.arange(cand.size)
+        else:
+            ptr, pn = self.pn_ptr, self.pn_nodes
+            lens = ptr[cand + 1] - ptr[cand]
+            tot = int(lens.sum())
+            start = np.repeat(ptr[cand] - np.cumsum(lens) + lens, lens)
+            node = pn[start + np.arange(tot)]
+            pos = np.repeat(np.arange(cand.size), lens)
+            # a node of two ports: cut at the later one
+            o = np.argsort(node, kind="stable")
+            sn, sp = node[o], pos[o]
+            dup = np.flatnonzero(sn[1:] == sn[:-1])
+            if dup.size:
+                cut = int(sp[dup + 1].min())
+            keep = pos < cut
+            node, pos = node[keep], pos[keep]
+        is_s = node < N
+        if not is_s.any() or is_s.all():
+            return max(cut, 1)
+        bs, rs = np.divmod(node[is_s], R)
+        bd, rd = np.divmod(node[~is_s] - N, R)
+        ii, jj = np.nonzero(bs[:, None] == bd[None, :])   # sender/receiver node pairs of one block
+        if ii.size:
+            b, s_, d_ = bs[ii], rs[ii], rd[jj]
+            kind = self.kind_B[b]
+            remote, nvlink = kind >= Block.NIC, kind == Block.NVLINK
+            col = np.where(remote, d_, np.where(nvlink, d_ % G, 0))
+            valid = remote | (nvlink & (s_ // G == d_ // G)) | ((kind == Block.LOCAL) & (s_ == d_))
+            c = self.m_flat[self.m_off[b] + s_ * self.width_B[b] + col]
+            hit = np.flatnonzero(valid & (c > 0))
+            if hit.size:
+                cut = min(cut, int(np.maximum(pos[is_s][ii[hit]], pos[~is_s][jj[hit]]).min()))
+        return max(cut, 1)
+
+    def _freeze(self, nodes, kn, s0, run, lv, lev, bport, free, frz, cnt) -> None:
+        """Freeze side-``s0`` nodes at the levels of their run ports; their cells leave the other
+        side's free nodes (counts, and load at the cells' level)."""
+        R, N = self.R, self.B * self.R
+        lo = s0 * N
+        lvn = lv[kn]
+        g = lo + nodes
+        lev[g] = lvn
+        bport[g] = run[kn]
+        free[g] = False
+        frz[g] += lvn * cnt[g]
+        cnt[g] = 0.0
+        # their cells leave the other side's free nodes: counts, and load at the cells' level
+        mats = self.M if s0 == 0 else self.MT
+        olo = N - lo
+        rows = nodes % R
+        bounds = np.searchsorted(nodes, self.block_starts).tolist()   # nodes are sorted: a block is a slice
+        for b in self.blocks:
+            i0, i1 = bounds[b], bounds[b + 1]
+            if i0 == i1:
+                continue
+            rb = rows[i0:i1]
+            lb = lvn[i0:i1]
+            base = olo + b * R
+            of = free[base:base + R]
+            if self.kinds[b] == Block.LOCAL:   # a local block: each node's one cell is its own rank's
+                z = mats[b][rb, 0] * of[rb]
+                cnt[base + rb] -= z
+                frz[base + rb] += lb * z
+                continue
+            cols = self._cols(b, rb)
+            Mrb = mats[b][rb]
+            if cols is None:
+                both = np.stack([np.ones(rb.size), lb]) @ Mrb
+                cnt[base:base + R] -= both[0] * of
+                frz[base:base + R] += both[1] * of
+            else:
+                Z = Mrb * of[cols]
+                cnt[base:base + R] -= np.bincount(cols.ravel(), weights=Z.ravel(), minlength=R)
+                frz[base:base + R] += np.bincount(cols.ravel(), weights=(lb[:, None] * Z).ravel(), minlength=R)
+
+    def rates(self, filled: Levels, blk_F, src_F, dst_F) -> tuple[np.ndarray, np.ndarray]:
+        """(rate_F, bottleneck_port_F) of transfers from a :meth:`fill` result."""
+        a = blk_F * self.R + src_F
+        c = blk_F * self.R + dst_F
+        ls, ld = filled.level_src[a], filled.level_dst[c]
+        use_src = ls <= ld
+        return np.where(use_src, ls, ld), np.where(use_src, filled.port_src[a], filled.port_dst[c])
+
+
+__all__ = ["BlockCounts", "Levels", "RUN_MAX"]
