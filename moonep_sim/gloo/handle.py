@@ -215,8 +215,8 @@ def direct_index(plan: Plan, rank: int, max_runs: int | None = MAX_RUNS, min_run
     my_src = srow[lo:hi]
     local = exp[row_off[rank]:row_off[rank + 1]]
     return DirectIndex(send_runs, recv_runs, self_runs, RowMap.build(my_src[mine_remote], n_prev),
-                       RowMap.build(my_src, n_prev), as_index(my_src), as_index(np.flatnonzero(local < 0)), int(local.size),
-                       int(hi - lo), SplitReduce.build(my_src, self_runs, n_prev))
+                       RowMap.build(my_src, n_prev), as_index(my_src), as_index(np.flatnonzero(local < 0)),
+                       int(local.size), int(hi - lo), SplitReduce.build(my_src, self_runs, n_prev))
 
 
 @dataclass(frozen=True)
@@ -418,8 +418,8 @@ def build_handle(plan: Plan, rank: int, home_E: np.ndarray, weights_TK: np.ndarr
     weight_index = np.where(is_copy, np.cumsum(is_copy) - 1, local_of_E[experts])
     layout = LayoutRows(entry=as_index(row_entry), k=as_index(row_k), weights=torch.from_numpy(row_w),
                         token_weights=torch.from_numpy(tok_w), cu_seqlens=as_index(cu))
-    slots = SlotWeights(expert=as_index(experts), rows=as_index(plan.slot_rows_S[sl]), is_copy=torch.from_numpy(is_copy.copy()),
-                        weight_index=as_index(weight_index), home_experts=as_index(home_experts))
+    slots = SlotWeights(expert=as_index(experts), rows=as_index(plan.slot_rows_S[sl]),
+                        is_copy=torch.from_numpy(is_copy.copy()), weight_index=as_index(weight_index), home_experts=as_index(home_experts))
     return Handle(plan=plan, rank=rank, num_tokens=s, hops=tuple(hops), expand=expand, final=final, layout=layout,
                   slots=slots, weights=weight_fetch(plan, rank, home_E, fetch_S, local_of_E))
 
