@@ -89,6 +89,16 @@ def render(res: list[dict], meta: dict) -> str:
         L.append(f"| {r['topology']} ({r['gpus_per_node']}; {r['nvlink_GBps']:.0f} / {r['nic_GBps']:.0f}; "
                  f"{r['tflops']:.0f}) | {r['maxvio']:g} | {r['deepep_impl']} | " + " | ".join(cells)
                  + f" | **{r['winner']}** (+{100 * r['margin']:.1f}% to {r['runner_up']}) |")
+    L += ["", "## Does the winner change?", ""]
+    for mv in dict.fromkeys(r["maxvio"] for r in res):
+        at = [r for r in res if r["maxvio"] == mv]
+        by = {}
+        for r in at:
+            by.setdefault(r["winner"], []).append(r["topology"])
+        L.append(f"- maxvio {mv:g}: " + "; ".join(f"**{w}** on {', '.join(ts)}" for w, ts in by.items())
+                 + (" (the same winner on every cluster)" if len(by) == 1 else " (the winner changes with the cluster)")
+                 + ". Runner-up margins: " + ", ".join(f"{r['topology']} +{100 * r['margin']:.1f}% ({r['runner_up']})"
+                                                       for r in at) + ".")
     L += ["", "## Why (per cluster and strategy: straggler; busiest port)", ""]
     for r in res:
         L.append(f"- **{r['topology']}, maxvio {r['maxvio']:g}**: " + "; ".join(

@@ -47,6 +47,12 @@ def test_demo_fast(tmp_path, capsys, monkeypatch):
     assert "measured order:" in text
     for f in ("layer_time.png", "rows_per_rank.png", "traffic.png"):
         assert (tmp_path / "demo" / f).stat().st_size > 1000
+    # the computed verdict (no fixed sentence) and the flags, in the terminal and in report.html
+    assert "verdict: alltoall wins" in text and "mechanism: weight copies" in text
+    assert rep["verdict"]["winner"] == "alltoall" and rep["verdict"]["mechanism"] == "weight copies"
+    assert {f["code"] for f in rep["flags"]} >= {"uncalibrated"}  # no calibration file: the shipped defaults
+    html = (tmp_path / "demo" / "report.html").read_text()
+    assert "measured ms" in html and rep["verdict"]["why"].split(" (")[0] in html
     assert _children() <= before  # no stray rank processes
 
 

@@ -133,6 +133,7 @@ def test_multi_rail_nics_join_into_one_port_per_gpu(name, rails, per_gpu_GBps, m
     assert t.nic_rails_per_node == rails
     assert t.nic_bytes_per_us == pytest.approx(per_gpu_GBps * t.nic_efficiency * 1e3)
     assert t.nic_message_us == pytest.approx(msg_us)
+    assert t.weights_nic_bytes_per_us == pytest.approx(t.nic_bytes_per_us)  # a weight copy uses every rail too
 
 
 def test_fewer_rails_than_gpus_share_a_nic_and_rails_follow_the_node_size():

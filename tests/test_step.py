@@ -297,3 +297,17 @@ def test_jobs_give_the_same_step_as_serial():
     for s in ("alltoall", "moonep"):
         assert a.figures[s]["step_time_us"] == b.figures[s]["step_time_us"]
         assert a.figures[s]["peak_memory_bytes"] == b.figures[s]["peak_memory_bytes"]
+
+
+def test_a_comm_kernel_slows_the_compute_beside_it_by_its_sm_share():
+    from moonep_sim.step.schedule import Timeline
+
+    tl = Timeline(2)
+    tl.comm("dispatch", np.array([10.0, 10.0]), 0, "forward", share=0.25)  # 0..10 us, a quarter of the SMs
+    e = tl.compute("shared_expert", np.array([6.0, 9.0]), 0, "forward")
+    # rank 0: 6 us of work at 0.75 rate ends at 8 us; rank 1: 7.5 us done by 10, 1.5 us more after
+    np.testing.assert_allclose(e, [8.0, 11.5])
+    tl2 = Timeline(1)
+    tl2.comm("dispatch_ll", np.array([5.0]), 0, "forward", share=1.0)  # every SM: no compute beside it
+    np.testing.assert_allclose(tl2.compute("x", 2.0, 0, "forward"), [7.0])
+    np.testing.assert_allclose(Timeline(1).compute("x", 2.0, 0, "forward"), [2.0])

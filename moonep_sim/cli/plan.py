@@ -10,7 +10,7 @@ over :meth:`moonep_sim.experiments.Scenario.plans`.
 
 from __future__ import annotations
 
-from moonep_sim.cli.common import add_dispatch_dtype, add_steps, check_cluster_args, console, parse_kv, print_json
+from moonep_sim.cli.common import add_dispatch_dtype, add_steps, check_cluster_args, console, print_json
 
 
 def register(sub) -> None:
@@ -39,20 +39,31 @@ def register(sub) -> None:
 def scenario(args):
     """The Scenario these arguments describe (shared with tests)."""
     from moonep_sim.experiments import Scenario
+    from moonep_sim.experiments.spec import parse_opt_items
 
     check_cluster_args(args, gpus_min=0)
     topology = {} if args.topology is None else {"topology": args.topology}
     return Scenario(routing=args.trace, model=args.model, cluster=(args.ranks, args.gpus_per_node or args.ranks),
                     **topology,
-                    strategies=[(args.strategy, parse_kv(args.opt))],
+                    strategies=[(args.strategy, parse_opt_items(args.opt, [args.strategy])[args.strategy])],
                     layers=None if args.layer is None else [args.layer], steps=args.steps,
                     dispatch_dtype=args.dispatch_dtype,
                     token_padding=args.token_padding, placement=args.placement)
 
 
 def build(args):
-    """(plan, model name) from parsed arguments -- shared with tests."""
+    """(plan, model name) from parsed arguments -- shared with tests. A trace of several steps is
+    planned on one batch as a dispatch saw it: its first step unless --steps names one (the first
+    of a selection), or every token with --steps merged."""
+    import dataclasses
+
     sc = scenario(args)
+    src = sc.resolved.source
+    if src.num_batches > 1:
+        sc = dataclasses.replace(sc, steps=str(src.batches[0][0]))
+        args.planned_step = f"step {src.batches[0][0]} of {src.trace_steps}"
+    elif src.merged:
+        args.planned_step = f"all {src.trace_steps} steps merged"
     res = sc.plans()
     return res.items[0].plan, res.model
 
@@ -67,6 +78,7 @@ def run(args) -> int:
     if args.json:
         s["model"] = model_name
         s["layer"] = args.layer
+        s["step"] = getattr(args, "planned_step", None)
         print_json(s)
         return 0 if not s["invariant_violations"] else 1
     from rich.table import Table
@@ -74,7 +86,8 @@ def run(args) -> int:
     rows = s["recv_rows_per_rank"]
     mean = sum(rows) / max(len(rows), 1)
     t = Table(title=f"plan: {s['strategy']} on {args.trace} (model {model_name}, R={s['ranks']}, "
-                    f"G={s['gpus_per_node']}, E={s['num_experts']}, K={s['top_k']}, T={s['tokens']})")
+                    f"G={s['gpus_per_node']}, E={s['num_experts']}, K={s['top_k']}, T={s['tokens']}"
+                    + (f", {args.planned_step}" if getattr(args, "planned_step", None) else "") + ")")
     t.add_column("quantity")
     t.add_column("value", justify="right")
     t.add_row("options", ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"

@@ -29,8 +29,18 @@ def run(args) -> int:
     def n(v: float) -> str:  # short, never in exponent form
         return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
-    rows = [[t.name, str(t.gpus_per_node), f"{n(t.nvlink_bandwidth_GBps)}x{n(t.nvlink_efficiency)}",
-             f"{n(t.nic_bandwidth_GBps)}x{n(t.nic_efficiency)}", n(t.fabric_oversubscription),
+    def nvl(t) -> str:
+        s = f"{n(t.nvlink_bandwidth_GBps)}x{n(t.nvlink_efficiency)}"
+        return s + (f" (mesh, {n(t.nvlink_peer_GBps)} per peer)" if t.nvlink_peer_GBps else "")
+
+    def nic(t) -> str:
+        s = f"{n(t.nic_bandwidth_GBps)}x{n(t.nic_efficiency)}"
+        if t.nic_rails_per_node:
+            s += f", {t.nic_rails_per_node} rails ({n(t.nics_per_gpu)} per GPU)"
+        return s + (f", {n(t.nic_message_rate_Mps)} M msg/s per NIC" if t.nic_message_rate_Mps else "")
+
+    rows = [[t.name, str(t.gpus_per_node) + (f" x {t.nodes} nodes" if t.nodes else ""), nvl(t), nic(t),
+             n(t.fabric_oversubscription),
              f"{n(t.gpu_tflops)}x{n(t.gpu_compute_efficiency)}", n(t.gpu_mem_bandwidth_GBps), n(t.gpu_launch_us)]
             for t in topos]
     tab = fitted_table("topology presets (GB/s per direction per GPU, x the efficiency the simulator applies)",

@@ -102,7 +102,15 @@ def _compare_table(d: Mapping[str, Any]) -> str:
                      sim["ratio_to_lower_bound"], sim["straggler"], s["rows_max_over_mean"],
                      b.get("intra_node", 0) / 2**20, b.get("inter_node", 0) / 2**20, s["weight_bytes"] / 2**20,
                      s["dropped"], s["padded"]])
-    return _table(head, rows, "main")
+    out = _table(head, rows, "main")
+    real = d.get("real")
+    if real:  # measured (gloo) beside the same plans simulated on local-gloo
+        rr = [[n, r["measured_ms"], r["simulated_ms"], r.get("sim_over_measured") or "-",
+               {True: "yes", False: "NO"}.get(r.get("correct"), "-")] for n, r in real["strategies"].items()]
+        out += (f"<p>real: gloo, {_e(real['nproc'])} local processes, median over {_e(real['iters'])} interleaved "
+                f"iterations, vs the same plans simulated on {_e(real['topology']['name'])}</p>"
+                + _table(["strategy", "measured ms", "simulated ms", "sim/measured", "correct"], rr, "real"))
+    return out
 
 
 def _sweep_table(d: Mapping[str, Any]) -> str:

@@ -198,7 +198,7 @@ def port_owner(sim: StepSim, rec, p: int, f: int) -> int:
     own = sim.ports.owner(p)
     if own is not None:
         return own
-    if sim.ports.node_links and sim.ports.node_base <= p < sim.ports.node_base + sim.ports.nodes:
+    if sim.ports.node_links and sim.ports.node_base <= p < sim.ports.node_base + sim.ports.groups:
         return int(rec["src"][f])
     return int(rec["dst"][f])
 

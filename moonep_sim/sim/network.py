@@ -45,7 +45,7 @@ import simpy
 from moonep_sim.errors import require
 from moonep_sim.sim.blocks import BlockCounts, Levels
 from moonep_sim.sim.flows import ActiveFlows, FlowLog, Pending
-from moonep_sim.sim.ports import L_PATH, PortMap
+from moonep_sim.sim.ports import L_PATH, Block, PortMap, block_kind
 from moonep_sim.sim.waterfill import waterfill
 
 
@@ -65,8 +65,8 @@ class FlowNetwork:
     def __init__(self, env: simpy.Environment, ports: PortMap, tol: float = 0.0, record_util: bool = False,
                  solver: str = "auto"):
         require(solver in ("auto", "blocks", "paths"), f"solver ({solver!r}) must be 'auto', 'blocks' or 'paths'")
-        require(not (solver == "blocks" and ports.pairs),
-                "solver ('blocks') must not be used with half-duplex pair ports: their paths are not per-side")
+        require(not (solver == "blocks" and ports.per_flow),
+                "solver ('blocks') must not be used with half-duplex pair or mesh ports: their paths are not per-side")
         self.env = env
         self.ports = ports
         self.tol = float(tol)
@@ -77,7 +77,7 @@ class FlowNetwork:
         self._phase_tags: list[Any] = []  # per phase id: the caller's tag (the timeline's PhaseTag)
         self._phase_sm: list[bool] = []   # per phase id: its flows cross the SM send / receive ports
         self._phase_nic: list[bool] = []  # per phase id: same-node flows take the NIC path
-        use_blocks = solver == "blocks" or (solver == "auto" and not ports.pairs)
+        use_blocks = solver == "blocks" or (solver == "auto" and not ports.per_flow)
         self._blocks = BlockCounts(ports) if use_blocks else None
         self._a = ActiveFlows(with_path=not use_blocks, path_len=L_PATH)
         self._dead = 0
@@ -327,6 +327,9 @@ class FlowNetwork:
             remote = src != dst
             lo, hi = np.minimum(src, dst)[remote], np.maximum(src, dst)[remote]
             out += np.bincount(self.ports.pair_base + lo * R + hi, weights=b[remote], minlength=P1)
+        if self.ports.mesh:    # the direct link of a transfer inside a node, as in paths()
+            over = block_kind(blk) == Block.NVLINK
+            out += np.bincount(self.ports.mesh_base + src[over] * R + dst[over], weights=b[over], minlength=P1)
         return out[:-1]
 
     def flow_sm(self, rec: dict[str, np.ndarray]) -> np.ndarray | None:

@@ -32,7 +32,14 @@ moves, separately from its links. Flows of other phases (copy-engine weight copi
 With ``nic.attach = "node"`` a node's ranks share one network link (processes behind one
 interface): every inter-node flow also crosses ``node<n>.nic_out`` of its source node and
 ``node<n>.nic_in`` of its destination node, each of ``G x nic bandwidth``, and each rank's own NIC
-ports get that same capacity (one rank alone may use the whole link).
+ports get that same capacity (one rank alone may use the whole link). Fewer NICs than GPUs
+(``nic.rails_per_node`` a divisor of G) is the same structure for groups of ``G / rails`` ranks
+(``link_group``): ``nic<n>.shared_out`` / ``shared_in``, each one NIC's bandwidth.
+
+A full-mesh scale-up (``nvlink.peer_GBps`` > 0, AMD Infinity Fabric) gives every ordered pair of
+ranks in a node its own link, ``mesh<a>-<b>``, appended to the path of ``a -> b`` (peer bandwidth
+x NVLink efficiency, scaled by the slower end's degradation); such maps are solved per flow
+(``moonep_sim.sim.waterfill``), as the half-duplex pair ports are.
 
 """
 
@@ -104,6 +111,8 @@ class PortMap:
     node_links: bool = False
     message_us: float = 0.0
     sm_ports: bool = False
+    link_group: int = 0
+    mesh: bool = False
 
     KINDS = tuple(k.name.lower() for k in RankPort)   # "nvlink_out", ... "hbm", by RankPort
 
@@ -126,8 +135,12 @@ class PortMap:
         spine = nodes * nic / topo.fabric_oversubscription
         pairs = topo.nvlink_duplex == "half" or topo.nic_duplex == "half"
         node_links = topo.nic_attach == "node" and nodes > 1
+        group = G
         if topo.nic_attach == "node":  # one link per node; any of its ranks may use all of it
             nic = nic * G
+        elif topo.nic_share > 1 and nodes > 1:  # G / rails GPUs behind one NIC (of one NIC's rate)
+            node_links, group = True, min(topo.nic_share, G)
+        groups = -(-R // group)
         pair_nom = np.zeros(0)
         pair_cap = np.zeros(0)
         if pairs:  # port base + a * R + b (a < b) for the pair {a, b}; unused slots never bind
@@ -137,15 +150,23 @@ class PortMap:
             pair_nom = np.where(half & (a < b), np.where(same_node, nv, nic), np.inf)
             fac = np.where(same_node, np.minimum(nvf[a], nvf[b]), np.minimum(nicf[a], nicf[b]))
             pair_cap = np.where(np.isfinite(pair_nom), pair_nom * fac, np.inf)
-        node_nom = np.full(2 * nodes, nic) if node_links else np.zeros(0)
+        node_nom = np.full(2 * groups, nic) if node_links else np.zeros(0)
         node_cap = node_nom.copy()
-        if node_links:  # a node link is as fast as its slowest rank's NIC factor
-            nf = np.array([nicf[n * G:(n + 1) * G].min() for n in range(nodes)])
+        if node_links:  # a shared link is as fast as its slowest rank's NIC factor
+            nf = np.array([nicf[n * group:(n + 1) * group].min() for n in range(groups)])
             node_cap = node_nom * np.concatenate([nf, nf])
+        mesh = topo.nvlink_peer_GBps > 0 and G > 1
+        mesh_nom = np.zeros(0)
+        mesh_cap = np.zeros(0)
+        if mesh:  # port mesh_base + a * R + b for a -> b in one node; other slots never bind
+            a, b = np.divmod(np.arange(R * R), R)
+            inside = ((a // G) == (b // G)) & (a != b)
+            mesh_nom = np.where(inside, topo.nvlink_peer_GBps * topo.nvlink_efficiency * 1e3, np.inf)
+            mesh_cap = np.where(inside, mesh_nom * np.minimum(nvf[a], nvf[b]), np.inf)
         sm_ports = bool(np.isfinite(sm_bytes_per_us))
         sm_nom = np.full(2 * R, float(sm_bytes_per_us)) if sm_ports else np.zeros(0)
         nominal = np.concatenate([np.full(R, nv), np.full(R, nv), np.full(R, nic), np.full(R, nic), np.full(R, hbm),
-                                  np.full(2 * rails, spine), pair_nom, node_nom, sm_nom, [np.inf]])
+                                  np.full(2 * rails, spine), pair_nom, node_nom, sm_nom, mesh_nom, [np.inf]])
         cap = nominal.copy()
         cap[0:R] *= nvf
         cap[R:2 * R] *= nvf
@@ -156,10 +177,13 @@ class PortMap:
             cap[base:base + R * R] = pair_cap
         nb = base + (R * R if pairs else 0)
         if node_links:
-            cap[nb:nb + 2 * nodes] = node_cap
+            cap[nb:nb + 2 * groups] = node_cap
+        if mesh:
+            mb = nb + (2 * groups if node_links else 0) + sm_nom.size
+            cap[mb:mb + R * R] = mesh_cap
         return cls(R, G, rails, nodes, cap, nominal, topo.nvlink_latency_us, topo.nic_latency_us,
                    topo.nic_latency_us + topo.fabric_latency_us, bool(spine_binds), bool(pairs), bool(node_links),
-                   float(topo.host_message_us), sm_ports)
+                   float(topo.host_message_us), sm_ports, group, bool(mesh))
 
     @property
     def spine_base(self) -> int:
@@ -175,9 +199,24 @@ class PortMap:
         return self.pair_base + (self.ranks * self.ranks if self.pairs else 0)
 
     @property
+    def groups(self) -> int:
+        """Shared network links (node links, or NICs shared by ``link_group`` ranks) per direction."""
+        return -(-self.ranks // (self.link_group or self.gpus_per_node))
+
+    @property
     def sm_base(self) -> int:
         """First SM port: ``sm_base + r`` is rank r's ``sm_send``, ``sm_base + R + r`` its ``sm_recv``."""
-        return self.node_base + (2 * self.nodes if self.node_links else 0)
+        return self.node_base + (2 * self.groups if self.node_links else 0)
+
+    @property
+    def mesh_base(self) -> int:
+        """First mesh port: ``mesh_base + a * R + b`` is the direct link a -> b inside a node."""
+        return self.sm_base + (2 * self.ranks if self.sm_ports else 0)
+
+    @property
+    def per_flow(self) -> bool:
+        """Whether paths hold ports of neither side (half-duplex pairs, mesh links): solved per flow."""
+        return self.pairs or self.mesh
 
     @property
     def num_ports(self) -> int:
@@ -191,12 +230,17 @@ class PortMap:
         R = self.ranks
         if p < 5 * R:
             return f"rank{p % R}.{self.KINDS[p // R]}"
+        if self.mesh and p >= self.mesh_base:
+            a, b = divmod(p - self.mesh_base, R)
+            return f"mesh{a}-{b}"
         if self.sm_ports and p >= self.sm_base:
             q = p - self.sm_base
             return f"rank{q % R}.{'sm_send' if q < R else 'sm_recv'}"
         if p >= self.node_base:
-            n = p - self.node_base
-            return f"node{n % self.nodes}.nic_{'out' if n < self.nodes else 'in'}"
+            n, k = p - self.node_base, self.groups
+            if (self.link_group or self.gpus_per_node) < self.gpus_per_node:
+                return f"nic{n % k}.shared_{'out' if n < k else 'in'}"
+            return f"node{n % k}.nic_{'out' if n < k else 'in'}"
         if p >= self.pair_base:
             a, b = divmod(p - self.pair_base, R)
             return f"pair{a}-{b}"
@@ -205,10 +249,12 @@ class PortMap:
 
     def kind(self, p: int) -> str:
         R = self.ranks
+        if self.mesh and p >= self.mesh_base:
+            return "mesh"
         if self.sm_ports and p >= self.sm_base:
             return "sm_send" if p - self.sm_base < R else "sm_recv"
         if p >= self.node_base:
-            return "node_nic_out" if p - self.node_base < self.nodes else "node_nic_in"
+            return "node_nic_out" if p - self.node_base < self.groups else "node_nic_in"
         if p >= self.pair_base:
             return "pair"
         return self.KINDS[p // R] if p < 5 * R else ("spine_up" if p - 5 * R < self.rails else "spine_down")
@@ -272,7 +318,7 @@ class PortMap:
         R, G = self.ranks, self.gpus_per_node
         r = np.arange(R)
         dm = self.dummy
-        node, rail = r // G, r % G
+        node, rail = r // (self.link_group or G), r % G
         col = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
         own = lambda k: col(k * R + r)  # noqa: E731   (every rank's port of kind k)
         # per Block, in Block order: the sender's ports, the receiver's ports
@@ -285,7 +331,7 @@ class PortMap:
         if self.node_links:
             for b in (Block.NIC, Block.NIC_SPINE):
                 src[b].append(col(self.node_base + node))
-                dst[b].append(col(self.node_base + self.nodes + node))
+                dst[b].append(col(self.node_base + self.groups + node))
         if self.sm_ports:
             src += [c + [col(self.sm_base + r)] for c in src]
             dst += [c + [col(self.sm_base + R + r)] for c in dst]
@@ -327,6 +373,9 @@ class PortMap:
         if self.pairs:
             lo, hi = np.minimum(src_F, dst_F), np.maximum(src_F, dst_F)
             cols.append(np.where(src_F != dst_F, self.pair_base + lo * self.ranks + hi, self.dummy)[:, None])
+        if self.mesh:  # the direct link of an NVLink-block transfer
+            over = block_kind(cls) == Block.NVLINK
+            cols.append(np.where(over, self.mesh_base + src_F * self.ranks + dst_F, self.dummy)[:, None])
         cat = np.concatenate(cols, axis=1)
         path = np.full((F, L_PATH), self.dummy, dtype=np.int64)
         path[:, :cat.shape[1]] = cat

@@ -355,7 +355,7 @@ class Topology:
     @property
     def weights_nic_bytes_per_us(self) -> float:
         """Rate of one large expert-weight copy over the NIC (bytes per microsecond), before any SM cap."""
-        return self.nic_bandwidth_GBps * (self.weights_nic_efficiency or self.nic_efficiency) * 1e3
+        return self.nic_bandwidth_GBps * (self.weights_nic_efficiency or self.nic_efficiency) * 1e3 * max(self.nics_per_gpu, 1.0)
 
     @property
     def copy_bytes_per_us(self) -> float:
