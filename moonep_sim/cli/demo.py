@@ -24,6 +24,7 @@ def register(sub) -> None:
     p.add_argument("--gpus-per-node", type=int, default=2, help="ranks per emulated node (default 2)")
     p.add_argument("--topology", default="h800-cx7", help="GPU-cluster preset for the simulated column (default h800-cx7)")
     p.add_argument("--out", default="moonep-sim-out/demo", help="directory for report.json and the plots")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-calibrate", action="store_true",
                    help="if no calibration file exists, use the shipped local-gloo defaults instead of a quick calibration")
     p.add_argument("--iters", type=int, default=10, help="timed iterations of the real replay (default 10)")
@@ -90,7 +91,7 @@ def run(args) -> int:
             f"and simulated on local-gloo and {args.topology}")
     with progress(c, "demo") as cb:
         rep = sc.compare(real=True, nproc=args.nproc, iters=args.iters, timeout_s=300.0, progress=cb).to_dict()
-    files = write_outputs(rep, Path(args.out))
+    files = write_outputs(rep, Path(args.out), plots=not args.no_plots)
     for t in compare_table(rep):
         c.print(t)
     for line in compare_footer(rep):

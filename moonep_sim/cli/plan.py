@@ -10,7 +10,7 @@ over :meth:`moonep_sim.experiments.Scenario.plans`.
 
 from __future__ import annotations
 
-from moonep_sim.cli.common import add_dispatch_dtype, add_steps, check_cluster_args, console, parse_kv, print_json
+from moonep_sim.cli.common import add_dispatch_dtype, add_steps, check_cluster_args, console, print_json
 
 
 def register(sub) -> None:
@@ -39,12 +39,13 @@ def register(sub) -> None:
 def scenario(args):
     """The Scenario these arguments describe (shared with tests)."""
     from moonep_sim.experiments import Scenario
+    from moonep_sim.experiments.spec import parse_opt_items
 
     check_cluster_args(args, gpus_min=0)
     topology = {} if args.topology is None else {"topology": args.topology}
     return Scenario(routing=args.trace, model=args.model, cluster=(args.ranks, args.gpus_per_node or args.ranks),
                     **topology,
-                    strategies=[(args.strategy, parse_kv(args.opt))],
+                    strategies=[(args.strategy, parse_opt_items(args.opt, [args.strategy])[args.strategy])],
                     layers=None if args.layer is None else [args.layer], steps=args.steps,
                     dispatch_dtype=args.dispatch_dtype,
                     token_padding=args.token_padding, placement=args.placement)

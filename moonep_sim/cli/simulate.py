@@ -13,7 +13,7 @@ import dataclasses
 import time
 
 from moonep_sim.cli.common import (add_dispatch_dtype, add_steps, check_cluster_args, check_int, console, parse_int_list,
-                                   parse_kv, print_json)
+                                   print_json)
 from moonep_sim.limits import MAX_CHUNKS
 from moonep_sim.errors import require
 
@@ -59,6 +59,7 @@ def register(sub) -> None:
 def scenario(args):
     """The Scenario these arguments describe (shared with tests)."""
     from moonep_sim.experiments import GeneratorSpec, Scenario
+    from moonep_sim.experiments.spec import parse_opt_items
 
     check_cluster_args(args)
     if args.gen:
@@ -69,7 +70,7 @@ def scenario(args):
     else:
         routing, layers = args.trace, parse_int_list(args.layers, "--layers")
     sc = Scenario(routing=routing, model=args.model, cluster=(args.ranks or 0, args.gpus_per_node or 0),
-                  topology=args.topology, strategies=[(args.strategy, parse_kv(args.opt))], layers=layers,
+                  topology=args.topology, strategies=[(args.strategy, parse_opt_items(args.opt, [args.strategy])[args.strategy])], layers=layers,
                   steps=args.steps if not args.gen else None,
                   dispatch_dtype=args.dispatch_dtype, token_padding=args.token_padding)
     if layers is None:  # a trace's first layer unless --layers says otherwise

@@ -34,6 +34,7 @@ def register(sub) -> None:
     p.add_argument("--traces-dir", default=None, help="where the shipped traces are (default: the repository's traces/)")
     p.add_argument("--out", default="moonep-sim-out/validate", help="directory for fidelity.json and fidelity.png")
     p.add_argument("--json", action="store_true", help="print the JSON report")
+    p.add_argument("--no-plots", action="store_true", help="skip fidelity.png")
     from moonep_sim.cli.sweep import add_parallel
     add_parallel(p)
     p.set_defaults(func=run)
@@ -73,8 +74,9 @@ def run(args) -> int:
     out = Path(args.out)
     png = out / "fidelity.png"
     with staged_dir(out, "--out") as tmp:
-        fidelity_scatter(rep["cases"], tmp / "fidelity.png", rep["topology"]["name"])
-        rep["files"] = {"plot": str(png), "report": str(out / "fidelity.json")}
+        if not args.no_plots:
+            fidelity_scatter(rep["cases"], tmp / "fidelity.png", rep["topology"]["name"])
+        rep["files"] = {"plot": str(png) if not args.no_plots else None, "report": str(out / "fidelity.json")}
         write_text_atomic(tmp / "fidelity.json", dumps_strict(rep, indent=1))
     if args.json:
         print_json({k: v for k, v in rep.items() if k != "compare_reports"})
@@ -94,7 +96,7 @@ def run(args) -> int:
             f"{s['resolved_pairs']} resolved pairs of {s['pairs']}; without the Holm correction "
             f"{s['uncorrected_agree']}/{s['uncorrected_pairs']}); exact order in {s['same_order_cases']}/"
             f"{s['cases']} cases, mean Kendall tau {s['mean_kendall_tau']:.2f}; took {rep['seconds']:.0f} s")
-    c.print(f"wrote {png}, {out / 'fidelity.json'}")
+    c.print("wrote " + ", ".join(str(f) for f in rep["files"].values() if f))
     return 0
 
 
