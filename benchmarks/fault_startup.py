@@ -11,8 +11,9 @@ victim (rotating over the ranks) sends itself the signal at a point (rotating):
 A run counts as named when the spawner (which knows its children's pids) names the victim as lost
 while starting (start-up runs), and every survivor exits 1 with one line naming the victim alone as
 the silent peer, with the phase (``starting`` for start-up runs). For each run the survivors' exit
-time is taken against the timeout: (last survivor's exit - the spawner's note of the fault, or the
-spawn for after-start runs) / timeout.
+time is taken against the timeout: (last survivor's exit - the fault) / the timeout the survivors
+wait on (the process-group set-up's for start-up runs, the collectives' after), the fault being the
+spawner's note of it (start-up) or the moment the victim signalled itself (after).
 
     python benchmarks/fault_startup.py                 # 10 + 10 runs per signal, three rounds
     python benchmarks/fault_startup.py --runs 4 --rounds 1
@@ -43,8 +44,9 @@ START_TIMEOUT_S = 20.0  # process-group set-up limit (above 3 processes' torch-i
 COLLECTIVE_TIMEOUT_S = 2.0
 
 
-def worker(rank, world, victim, point, sig, timeout_s):
-    """After start-up: the Buffer steps of a small layer; the victim signals itself at ``point``."""
+def worker(rank, world, victim, point, sig, timeout_s, fault_file=None):
+    """After start-up: the Buffer steps of a small layer; the victim signals itself at ``point``
+    (first writing the moment, CLOCK_MONOTONIC, to ``fault_file``)."""
     import torch
 
     from moonep_sim.gloo.buffer import Buffer
@@ -52,6 +54,8 @@ def worker(rank, world, victim, point, sig, timeout_s):
 
     def maybe(here):
         if rank == victim and point == here:
+            if fault_file:
+                Path(fault_file).write_text(repr(time.monotonic()))
             os.kill(os.getpid(), getattr(signal, sig))
 
     maybe("build")
@@ -74,15 +78,17 @@ def _named_silent(line: str) -> list[int]:
     return [int(v) for v in re.findall(r"(?:^|, )(\d+) \(", m.group(1))] if m else []
 
 
-def one_run(sig: str, stage: str, i: int) -> dict:
+def one_run(sig: str, stage: str, i: int, tmp: Path) -> dict:
     victim = i % WORLD
+    fault_file = tmp / f"{sig}-{stage}-{i}.t"
     survivors = [r for r in range(WORLD) if r != victim]
     if stage == "start":
         point, env, timeout = "starting", {"MOONEP_SIM_FAULT": f"{victim}:starting:{sig[3:]}"}, START_TIMEOUT_S
         kwargs = dict(victim=-1, point="", sig=sig, timeout_s=COLLECTIVE_TIMEOUT_S)
     else:
         point, env, timeout = AFTER_POINTS[i % len(AFTER_POINTS)], {}, COLLECTIVE_TIMEOUT_S
-        kwargs = dict(victim=victim, point=point, sig=sig, timeout_s=COLLECTIVE_TIMEOUT_S)
+        kwargs = dict(victim=victim, point=point, sig=sig, timeout_s=COLLECTIVE_TIMEOUT_S, fault_file=str(fault_file))
+    t_spawn = time.monotonic()
     res = spawn_ranks("fault_startup:worker", WORLD, kwargs, timeout_s=150, pythonpath=[str(HERE)],
                       kill_on_failure=False, wait_for=survivors, pg_timeout_s=START_TIMEOUT_S, env=env)
     problems = []
@@ -93,11 +99,11 @@ def one_run(sig: str, stage: str, i: int) -> dict:
         phase_ok = (" starting: " in lines[0]) if (lines and stage == "start") else True
         if res[r].returncode != 1 or len(lines) != 1 or not phase_ok or _named_silent(lines[0]) != [victim]:
             problems.append(f"rank {r} exit {res[r].returncode}: {res[r].output.strip()[-240:]}")
-    t_fault = res[victim].noted_s if stage == "start" else None
+    # seconds from the spawn: start-up, when the spawner saw the victim lost; after, when it signalled itself
+    t_fault = res[victim].noted_s if stage == "start" else (
+        float(fault_file.read_text()) - t_spawn if fault_file.exists() else None)
     ends = [res[r].exit_s for r in survivors if res[r].exit_s is not None]
-    ratio = None
-    if ends and (stage == "after" or t_fault is not None):
-        ratio = (max(ends) - (t_fault or 0.0)) / timeout
+    ratio = (max(ends) - t_fault) / timeout if ends and t_fault is not None else None
     return {"sig": sig, "stage": stage, "run": i, "victim": victim, "point": point, "named": not problems,
             "problems": problems, "survivor_exit_over_timeout": ratio}
 
@@ -112,11 +118,14 @@ def main(argv=None) -> int:
     rows = []
     t0 = time.monotonic()
     c0 = os.times()
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="fault-startup-"))
     for rnd in range(a.rounds):
         for sig in ("SIGKILL", "SIGSTOP"):
             for stage in ("start", "after"):
                 with ThreadPoolExecutor(a.concurrent) as pool:
-                    runs = list(pool.map(lambda i: one_run(sig, stage, i), range(a.runs)))
+                    runs = list(pool.map(lambda i: one_run(sig, stage, i, tmp), range(a.runs)))
                 named = sum(r["named"] for r in runs)
                 ratios = [r["survivor_exit_over_timeout"] for r in runs if r["survivor_exit_over_timeout"] is not None]
                 rows.append({"round": rnd + 1, "sig": sig, "stage": stage, "named": named, "runs": a.runs,

@@ -175,3 +175,43 @@ def test_replay_launcher_names_a_rank_lost_while_starting(tmp_path):
     assert p.returncode == 1 and len(lines) == 1, p.stderr
     assert lines[0] == ("moonep-sim: error: starting: rank 1 of 2 died while starting (killed by SIGKILL) before the "
                         "process group was up; the launcher stopped the other rank (0)"), lines[0]
+
+
+# ------------------------------------------------------------------------ Ctrl-C at any moment
+def _processes_naming(text: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if text.encode() in (d / "cmdline").read_bytes():
+                    pids.append(int(d.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.parametrize("delay_s", [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0])
+def test_ctrl_c_at_any_moment_of_the_replay_is_exit_130_and_one_line(delay_s, tmp_path):
+    """SIGINT to launch/replay.py at a spread of moments: while torch is imported, while the ranks
+    start, while they run. The delay is the input (the moment of the interrupt), not a
+    synchronisation: every moment must give exit 130, the one line, no rank left. (Before the
+    script's first line runs -- the interpreter's own start-up, tens of ms -- Python itself handles
+    SIGINT: docs/failures.md.)"""
+    import shutil
+    import subprocess
+    import sys
+
+    repo = Path(HERE).parent
+    trace = tmp_path / f"ctrl-c-{os.getpid()}-{delay_s}.safetensors"
+    shutil.copy(repo / "traces" / "mixtral-8x7b_humaneval.safetensors", trace)
+    p = subprocess.Popen([sys.executable, str(repo / "launch" / "replay.py"), "--nproc", "2", "--trace", str(trace),
+                          "--strategy", "alltoall", "--layers", "0", "--iters", "1000000", "--quiet"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=str(repo)))
+    time.sleep(delay_s)  # the moment of the interrupt (see the docstring)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert p.returncode == 130, (p.returncode, err[-2000:])
+    assert lines == ["moonep-sim: interrupted"], err[-2000:]
+    assert _processes_naming(str(trace)) == []
