@@ -91,4 +91,5 @@ def test_validate_step_writes_points_for_every_strategy(tmp_path):
     for q in rep["points"]:
         assert q["measured_ms"] > 0 and q["simulated_ms"] > q["rest_ms"] and q["chain_ms"] > q["rest_ms"]
     assert rep["summary"]["step"]["pairs"] == 1 and rep["load_average"]["start"]
+    assert (out / "routing-tiny-olmoe.safetensors").is_file()
     assert "median |error|" in p.stdout

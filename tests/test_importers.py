@@ -379,6 +379,8 @@ def test_tokens_missing_layers_keep_their_layers_through_compare(tmp_path, capsy
     rep = Scenario(routing=str(out), cluster=2, strategies="alltoall").compare().to_dict()
     rows = [sum(e["plan"]["recv_rows_per_rank"]) for e in rep["strategies"]["alltoall"]["layers"]]
     assert rows == [24, 16]    # K=2 rows per token each layer has
+    assert main(["trace", "inspect", str(out), "--ranks", "2", "--json"]) == 0   # inspect reads the mask too
+    assert json.loads(capsys.readouterr().out)["tokens"] == 12
     dropped = tmp_path / "d.safetensors"
     assert main(["trace", "import", str(src), "-o", str(dropped), "--num-experts", "4", "--steps-from", "none",
                  "--drop-incomplete-tokens"]) == 0

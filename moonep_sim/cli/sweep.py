@@ -17,7 +17,7 @@ from moonep_sim.report.tables import wide_console as console
 
 
 def register(sub) -> None:
-    from moonep_sim.cli.compare import DEFAULT_STRATEGIES
+    from moonep_sim.experiments.scenario import DEFAULT_STRATEGIES
 
     p = sub.add_parser("sweep", help="sweep maxvio, EP size or a topology constant (generated or a trace); line plots + JSON",
                        description="Plan every strategy at every value of one knob, simulate, and plot layer time "
@@ -38,7 +38,7 @@ def register(sub) -> None:
                         "--trace)")
     add_steps(p)
     p.add_argument("--layers", default=None, help="with --trace: layer ids, e.g. 0,5-7 (default: all)")
-    add_strategies(p, DEFAULT_STRATEGIES)
+    add_strategies(p, ",".join(DEFAULT_STRATEGIES))   # as compare's (cli.compare imports this module)
     p.add_argument("--topology", default="h800-cx7", help="simulated cluster preset or TOML file (default h800-cx7)")
     p.add_argument("--ranks", type=int, default=None, help="EP size when not sweeping it (default 64; with --trace 8 "
                                                            "or the largest divisor of E up to 8)")

@@ -110,7 +110,7 @@ def _run_step(args) -> int:
     from moonep_sim.integrations.tiny import check_model_spec
     from moonep_sim.io import staged_dir, write_text_atomic
 
-    output_rule(args, folders={"out": ("fidelity-step.json",)})
+    output_rule(args, folders={"out": ("fidelity-step.json", "routing-*.safetensors")})
     require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")
     require(args.iters >= 1, f"--iters ({args.iters}) must be >= 1")
     require_transformers()
@@ -122,11 +122,14 @@ def _run_step(args) -> int:
     path = cal.calibrated_path()
     if not args.json:
         c.print(f"[dim]local-gloo constants: {path if path.is_file() else 'shipped preset defaults (run `moonep-sim calibrate` first)'}[/dim]")
-    with progress(c, "validate --level step", lines=args.json) as cb:
-        rep = hf_step.validate_steps(models, strategies, nproc=args.nproc, steps=args.iters, progress=cb)
-    rep["calibrated"] = path.is_file()
     out = Path(args.out)
-    with staged_dir(out, "--out") as tmp:
+    with staged_dir(out, "--out") as tmp, progress(c, "validate --level step", lines=args.json) as cb:
+        # each model's recorded routing is kept beside the report (routing-MODEL.safetensors)
+        rep = hf_step.validate_steps(models, strategies, nproc=args.nproc, steps=args.iters, progress=cb,
+                                     record_dir=str(tmp))
+        rep["calibrated"] = path.is_file()
+        for r in rep["reports"]:      # where the routing lies once the folder is in place
+            r["train"]["record"]["path"] = str(out / Path(r["train"]["record"]["path"]).name)
         write_text_atomic(tmp / "fidelity-step.json", json.dumps(to_jsonable(rep), indent=1))
     if args.json:
         print_json({k: v for k, v in rep.items() if k != "reports"})

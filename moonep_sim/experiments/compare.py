@@ -37,6 +37,7 @@ from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec, custom_model
 from moonep_sim.plan import ClusterShape, Placement, RowCosts
 from moonep_sim.experiments.routing import RoutingSource, open_routing
+from moonep_sim.experiments.verdict import CRITICAL_PARTS, critical_breakdown
 
 # -- cluster ----------------------------------------------------------------------------------------
 def check_cluster(source: RoutingSource, ranks: int, gpus_per_node: int) -> ClusterShape:
@@ -110,26 +111,6 @@ def _short(v: Any) -> str:
                 return v[k]
         return ", ".join(f"{k}={v[k]}" for k in list(v)[:3])
     return str(v)
-
-
-CRITICAL_PARTS = ("plan", "dispatch + wait", "compute", "combine")
-
-
-def critical_breakdown(sim: dict[str, Any]) -> dict[str, float]:
-    """Split a simulated layer time along its critical rank (the one whose expert compute ends
-    last): planning, then dispatch and any wait for copied weights until its compute starts, its
-    expert compute, and the combine until the layer ends. The parts sum to ``layer_time_us``."""
-    total = float(sim["layer_time_us"])
-    pr = sim.get("per_rank") or {}
-    starts, durs = pr.get("compute_start_us"), pr.get("compute_us")
-    if not starts or not durs:
-        return {"plan": 0.0, "dispatch + wait": 0.0, "compute": 0.0, "combine": total}
-    ends = np.asarray(starts, float) + np.asarray(durs, float)
-    r = int(np.argmax(ends))
-    pre = float(starts[r])
-    plan = min(float(sim.get("phases_us", {}).get("plan", 0.0)), pre)
-    comp = float(durs[r])
-    return {"plan": plan, "dispatch + wait": pre - plan, "compute": comp, "combine": max(total - pre - comp, 0.0)}
 
 
 # -- the comparison ---------------------------------------------------------------------------------

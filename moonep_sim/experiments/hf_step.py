@@ -9,12 +9,12 @@ rows and weights as the gloo Buffer moves them) and the same ranks, two ways:
 
 - ``step`` (the headline): the step model (``moonep_sim.step`` through ``Scenario.step(mode="train",
   overlap="none")``: every MoE layer's Plan through the layer simulator, composed with the layer
-  stack on two streams per rank) gives the step's exposed communication -- the time the slowest
-  rank's compute stream waits; its compute (a roofline of the calibrated CPU rates, which knows
-  nothing of PyTorch's per-op overhead: ~0.6 ms for a tiny model whose non-MoE ops measure
-  ~10 ms) is replaced by the rest of the step *measured* in the same run (forward + backward with
-  the MoE layers bypassed, the gradient all-reduce, the optimizer step; each the slowest rank's).
-  Left out with the roofline compute: the routed experts' own compute (tens of microseconds here).
+  stack on two streams per rank) gives the step time of its slowest rank; the compute of every op
+  but the routed experts (a roofline of the calibrated CPU rates, which knows nothing of
+  PyTorch's per-op overhead: ~0.6 ms for a tiny model whose non-MoE ops measure ~10 ms) is taken
+  out and the rest of the step *measured* in the same run put in its place (forward + backward
+  with the MoE layers bypassed, the gradient all-reduce, the optimizer step; each the slowest
+  rank's). The MoE part is then its communication, planning and routed-expert compute.
 - ``chain``: the per-layer simulator, the step's MoE layers chained forward then backward
   (``Scenario.simulate(backward=True)``, i.e. ``moonep_sim.sim.simulate_layers``), plus the same
   measured rest.
@@ -36,8 +36,8 @@ import numpy as np
 from moonep_sim.errors import require
 
 SIMULATOR = {
-    "step": "step model (moonep_sim.step, Scenario.step mode=train overlap=none): its exposed communication, "
-            "plus the rest of the step measured with the MoE layers bypassed (its roofline compute replaced)",
+    "step": "step model (moonep_sim.step, Scenario.step mode=train overlap=none), its non-expert compute "
+            "replaced by the rest of the step measured with the MoE layers bypassed",
     "chain": "per-layer simulator, the step's MoE layers chained forward + backward (moonep_sim.sim.simulate_layers "
              "via Scenario.simulate(backward=True)), plus the same measured rest",
 }
@@ -86,7 +86,8 @@ def compare_steps(rep: Mapping[str, Any], topology: str = "local-gloo") -> dict[
         topo_info = topo_info or ch.topology
         for n in names:
             f = st.figures[n]
-            step_comm[n].append((float(f["step_time_us"]) - float(f["compute_us"])) / 1e3)
+            step_comm[n].append((float(f["step_time_us"]) - _non_expert_compute_us(st.timelines[n],
+                                                                                   int(f["slowest_rank"]))) / 1e3)
             step_pure[n].append(float(f["step_time_us"]) / 1e3)
             chain[n].append(float(ch.layer_time_us[n]) / 1e3)
     out["topology"] = topo_info
@@ -122,6 +123,13 @@ def compare_steps(rep: Mapping[str, Any], topology: str = "local-gloo") -> dict[
     return out
 
 
+def _non_expert_compute_us(timeline, rank: int) -> float:
+    """The step model's compute on ``rank`` other than the routed experts' (the ops the measured
+    rest of the step replaces): every compute event but ``expert`` / ``expert_bwd``."""
+    return float(sum(float(e.end_R[rank] - e.start_R[rank]) for e in timeline.events
+                     if e.stream == "compute" and not e.name.startswith("expert")))
+
+
 def summary_lines(cs: Mapping[str, Any]) -> list[str]:
     """The comparison as text: per strategy the measured step and both simulated figures, then the
     error and ranking reading of each."""
@@ -155,13 +163,15 @@ STEP_STRATEGIES = ("alltoall", "deepep", "moonep", "costaware")
 
 
 def validate_steps(models=STEP_CASES, strategies=STEP_STRATEGIES, *, nproc: int = 4, steps: int = 16,
-                   batch: int = 2, seq: int = 16, timeout_s: float = 900.0, progress=None) -> dict[str, Any]:
+                   batch: int = 2, seq: int = 16, timeout_s: float = 900.0, progress=None,
+                   record_dir: str | None = None) -> dict[str, Any]:
     """``moonep-sim validate --level step``: for every model, train ``steps`` interleaved steps of
     every strategy on ``nproc`` local gloo ranks (``launch/train_hf.py``'s rank program, routing
     recorded) and simulate the same steps (:func:`compare_steps`). Returns the points (case,
     strategy, measured, simulated by the step model and by the chain), the per-case rankings and
     the summary (median |error| of each simulator, resolved pairs ordered right), with the load
-    average at the start and the end."""
+    average at the start and the end. ``record_dir``: keep each model's recorded routing there
+    (``routing-MODEL.safetensors``; default: a temporary folder, removed)."""
     import os
     import tempfile
     import time
@@ -175,8 +185,9 @@ def validate_steps(models=STEP_CASES, strategies=STEP_STRATEGIES, *, nproc: int 
         if progress:
             progress(f"{model}: {nproc} ranks, {','.join(strategies)}", i, len(models))
         with tempfile.TemporaryDirectory(prefix="validate-step-") as tmp:
+            trace = os.path.join(record_dir or tmp, f"routing-{os.path.basename(model)}.safetensors")
             argv = ["--model", model, "--strategy", ",".join(strategies), "--steps", str(steps), "--batch", str(batch),
-                    "--seq", str(seq), "--record", os.path.join(tmp, "routing.safetensors"), "--quiet"]
+                    "--seq", str(seq), "--record", trace, "--quiet"]
             rep = launch(nproc, argv, timeout_s)
             cs = compare_steps(rep)
         reports.append({"train": rep, "compare_sim": cs})

@@ -17,7 +17,7 @@ A verdict is the dict ``{winner, runner_up, margin, tie, confidence, mechanism, 
   the largest part of the margin; ``why``: one sentence built from the figures behind it.
 
 Terms (microseconds, per layer; they sum to the layer time): the simulated layer time is split
-along its critical rank (:func:`moonep_sim.experiments.compare.critical_breakdown`: planning,
+along its critical rank (:func:`critical_breakdown`: planning,
 dispatch and waiting for copied weights, expert compute, combine). Its communication part is split
 into kernel fixed costs (the simulator's ``*.fixed`` spans), weight copies (prefetch, migrate and
 gradient-reduce spans) and token traffic, the last apportioned to inter-node and intra-node bytes
@@ -54,12 +54,32 @@ MECHANISMS = {
 _GiB, _MiB = 2**30, 2**20
 
 
+# -- the critical rank's parts of a simulated layer ----------------------------------------------
+CRITICAL_PARTS = ("plan", "dispatch + wait", "compute", "combine")
+
+
+def critical_breakdown(sim: dict[str, Any]) -> dict[str, float]:
+    """Split a simulated layer time along its critical rank (the one whose expert compute ends
+    last): planning, then dispatch and any wait for copied weights until its compute starts, its
+    expert compute, and the combine until the layer ends. The parts sum to ``layer_time_us``."""
+    total = float(sim["layer_time_us"])
+    pr = sim.get("per_rank") or {}
+    starts, durs = pr.get("compute_start_us"), pr.get("compute_us")
+    if not starts or not durs:
+        return {"plan": 0.0, "dispatch + wait": 0.0, "compute": 0.0, "combine": total}
+    ends = np.asarray(starts, float) + np.asarray(durs, float)
+    r = int(np.argmax(ends))
+    pre = float(starts[r])
+    plan = min(float(sim.get("phases_us", {}).get("plan", 0.0)), pre)
+    comp = float(durs[r])
+    return {"plan": plan, "dispatch + wait": pre - plan, "compute": comp, "combine": max(total - pre - comp, 0.0)}
+
+
 # -- one strategy's figures, from its Plan and its simulation -------------------------------------------
 def figures(plan, sim: Mapping[str, Any], topo=None) -> dict[str, Any]:
     """The figures a verdict reads, for one (strategy, layer): from the Plan (bytes per class,
     rows, drops, copies) and the simulator's result dict (critical-path parts, phase spans).
     ``topo``: the topology (its NVLink / NIC bandwidths weigh the byte classes)."""
-    from moonep_sim.experiments.compare import critical_breakdown
     from moonep_sim.plan.kinds import PhaseKind
 
     tok = {"intra": 0, "inter": 0}

@@ -48,9 +48,9 @@ class _Dispatch(torch.autograd.Function):
         need_w = ctx.needs_input_grad[1]
         H = g_rows.shape[1]
         if need_w:
-            real = handle.row_k >= 0
+            real = handle.layout.k >= 0
             onehot = g_rows.new_zeros((handle.rows, K))
-            onehot.scatter_(1, handle.row_k.clamp(min=0)[:, None], (g_w * real.to(g_w.dtype))[:, None])
+            onehot.scatter_(1, handle.layout.k.clamp(min=0)[:, None], (g_w * real.to(g_w.dtype))[:, None])
             payload = torch.cat([g_rows, onehot], dim=1)
         else:
             payload = g_rows

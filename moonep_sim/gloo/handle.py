@@ -19,14 +19,14 @@ zero padding row (dispatch) or a row whose contribution is discarded (combine).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 import torch
 
 from moonep_sim.errors import PlanError
+from moonep_sim.gloo.rowmap import Placer, RowMap, as_index, csr_addmm_ok, csr_matrix
+from moonep_sim.gloo.weights import WeightFetch, weight_fetch
 from moonep_sim.plan import ClusterShape, Plan
 from moonep_sim.plan.direct import MAX_RUNS, MIN_RUN_BYTES, last_hop_runs, runs_are_direct
 
@@ -42,161 +42,6 @@ def scope_members(scope: str, rank: int, ranks: int, gpus_per_node: int) -> np.n
     if scope == "inter_node":
         return r[cl.same_rail(r, rank)]
     raise PlanError(f"hop scope ({scope!r}) must be one of global, intra_node, inter_node")
-
-
-def _t(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-
-
-def _inverse_if_permutation(idx: np.ndarray, n: int) -> np.ndarray | None:
-    """The inverse of ``idx`` if it is a permutation of range(n), else None."""
-    if idx.size != n or (idx < 0).any():
-        return None
-    seen = np.zeros(n, dtype=bool)
-    seen[idx] = True
-    if not seen.all():
-        return None
-    inv = np.empty(n, dtype=np.int64)
-    inv[idx] = np.arange(n, dtype=np.int64)
-    return inv
-
-
-@dataclass(frozen=True)
-class RowMap:
-    """A gather of rows ``out[i] = src[idx[i]]`` (idx -1: zero row) and its adjoint scatter-add.
-
-    idx: int64 [m] source row per output row, -1 = zero row.  n_src: rows of the source.
-    Precomputed shortcuts: ``identity`` (idx == arange(n_src)), ``inverse`` (idx is a permutation:
-    the adjoint is a gather by the inverse), ``pad_pos`` (output rows that are zero).
-    """
-
-    idx: torch.Tensor
-    n_src: int
-    identity: bool
-    inverse: torch.Tensor | None
-    safe_idx: torch.Tensor  # idx with -1 replaced by 0 (gather) ...
-    pad_pos: torch.Tensor  # ... then these output rows are zeroed
-    add_idx: torch.Tensor  # idx with -1 replaced by n_src (adjoint: scatter into a discarded extra row)
-    bag_rows: torch.Tensor | None = None  # rows with idx >= 0 grouped by idx (stable): the adjoint as bags
-    bag_offsets: torch.Tensor | None = None  # int64 [n_src] start of each source row's bag in bag_rows
-
-    @classmethod
-    def build(cls, idx: np.ndarray, n_src: int) -> "RowMap":
-        idx = np.asarray(idx, dtype=np.int64)
-        if idx.size and (idx.max(initial=-1) >= n_src or idx.min(initial=0) < -1):
-            raise PlanError(f"row index ({int(idx.max())}) must be -1 or < buffer rows ({n_src})")
-        identity = idx.size == n_src and bool((idx == np.arange(n_src)).all())
-        inv = None if identity else _inverse_if_permutation(idx, n_src)
-        pad = idx < 0
-        bag_rows = bag_off = None
-        if not identity and inv is None:
-            order = np.argsort(idx, kind="stable")
-            bag_rows = order[int(pad.sum()):]
-            bag_off = np.concatenate([[0], np.cumsum(np.bincount(idx[~pad], minlength=n_src))[:-1]]) if n_src else \
-                np.zeros(0, dtype=np.int64)
-        return cls(_t(idx), int(n_src), identity, None if inv is None else _t(inv),
-                   _t(np.where(pad, 0, idx)), _t(np.flatnonzero(pad)), _t(np.where(pad, n_src, idx)),
-                   None if bag_rows is None else _t(bag_rows), None if bag_off is None else _t(bag_off))
-
-    @property
-    def rows(self) -> int:
-        return int(self.idx.numel())
-
-    def gather(self, src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[m, C] rows of ``src[n_src, C]`` (zero rows where idx is -1); ``out``: optional workspace.
-
-        Aliasing: with ``identity`` the result IS ``src`` (no copy).
-        """
-        if self.identity:
-            return src
-        if self.n_src == 0:
-            return src.new_zeros((self.rows,) + tuple(src.shape[1:]))
-        out = src.index_select(0, self.safe_idx) if out is None else torch.index_select(src, 0, self.safe_idx, out=out)
-        if self.pad_pos.numel():
-            out.index_fill_(0, self.pad_pos, 0)
-        return out
-
-    def scatter_add(self, vals: torch.Tensor) -> torch.Tensor:
-        """The adjoint of :meth:`gather`: [n_src, C] sums of ``vals[m, C]`` into their source rows.
-
-        Aliasing: with ``identity`` the result IS ``vals``.
-        """
-        if self.identity:
-            return vals
-        if self.inverse is not None:
-            return vals.index_select(0, self.inverse)
-        out = vals.new_zeros((self.n_src + 1,) + tuple(vals.shape[1:]))
-        out.index_add_(0, self.add_idx, vals)
-        return out[: self.n_src]
-
-    def reduce(self, vals: torch.Tensor, weights: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`scatter_add` of ``vals * weights[:, None]``: [n_src, C] (``weights`` [m] optional,
-        in ``vals``' dtype).
-
-        One pass over ``vals`` where the dtype allows: float32 / float64 as one sparse-times-dense
-        product written into ``out`` (``torch.addmm`` of a CSR matrix of the weights, see
-        :func:`csr_addmm_ok`; ``out`` freshly allocated when None); bfloat16 as a weighted bag sum
-        per source row (``embedding_bag``'s kernel, about half as fast here, which returns a tensor
-        of its own: its ``out=`` overload computes into a fresh tensor and then copies it), so
-        ``out`` is used only on the other paths.
-        """
-        if vals.dim() == 2 and vals.dtype in (torch.float32, torch.float64, torch.bfloat16) and self.n_src and \
-                vals.shape[0] and vals.is_contiguous():
-            rows, offs = self.bag_rows, self.bag_offsets
-            if rows is None:  # identity or a permutation: every source row is a bag of one
-                rows = torch.arange(self.n_src) if self.identity else self.inverse
-                offs = torch.arange(self.n_src)
-            psw = None if weights is None else weights.index_select(0, rows)
-            if csr_addmm_ok(vals.dtype):
-                crow = torch.cat([offs, offs.new_full((1,), rows.numel())])
-                v = torch.ones(rows.numel(), dtype=vals.dtype) if psw is None else psw
-                if out is None:
-                    out = vals.new_empty((self.n_src,) + tuple(vals.shape[1:]))
-                return torch.addmm(out, _csr(crow, rows, v, (self.n_src, int(vals.shape[0]))), vals, beta=0, out=out)
-            return torch.ops.aten._embedding_bag_forward_only(vals, rows, offs, False, 0, False, psw, False, -1)[0]
-        if out is None:
-            out = vals.new_empty((self.n_src,) + tuple(vals.shape[1:]))
-        return self._reduce_slow(vals, out, weights)
-
-    def reduce_into(self, vals: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`reduce` written into ``out`` [n_src, C]. Returns ``out``."""
-        r = self.reduce(vals, weights, out)
-        if r is not out:
-            out.copy_(r)
-        return out
-
-    def _reduce_slow(self, vals: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-        yw = vals if weights is None else vals * weights[:, None]
-        if self.inverse is not None or self.identity:
-            return torch.index_select(yw, 0, torch.arange(self.n_src) if self.identity else self.inverse, out=out)
-        out.zero_()
-        keep = self.idx >= 0
-        out.index_add_(0, self.idx[keep], yw[keep] if not bool(keep.all()) else yw)
-        return out
-
-
-@dataclass(frozen=True)
-class Placer:
-    """Placing received rows into a buffer: ``buf[rows[i]] = recv[i]``; rows not named stay zero."""
-
-    rows: torch.Tensor  # int64 [m] destination row of each received row, in receive order
-    n_dst: int
-    identity: bool
-    gather_back: RowMap  # the adjoint: recv = buf[rows]
-
-    @classmethod
-    def build(cls, rows: np.ndarray, n_dst: int) -> "Placer":
-        rows = np.asarray(rows, dtype=np.int64)
-        identity = rows.size == n_dst and bool((rows == np.arange(n_dst)).all())
-        return cls(_t(rows), int(n_dst), identity, RowMap.build(rows, n_dst))
-
-    def place(self, recv: torch.Tensor) -> torch.Tensor:
-        if self.identity:
-            return recv
-        out = recv.new_zeros((self.n_dst,) + tuple(recv.shape[1:]))
-        out.index_copy_(0, self.rows, recv)
-        return out
 
 
 @dataclass(frozen=True)
@@ -215,33 +60,6 @@ class HopIndex:
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
     recv: Placer
-
-
-@lru_cache(maxsize=None)
-def csr_addmm_ok(dtype: torch.dtype) -> bool:
-    """True when this torch build accumulates a sparse CSR matrix times dense rows into an existing
-    tensor (``torch.addmm(out, S_csr, rows, out=out)``) for ``dtype`` (float32 / float64 with MKL;
-    not bfloat16), and with ``beta=0`` overwrites it (NaN included, rows of S without entries
-    zeroed). Probed once per dtype with 2x2 products checked against their known values."""
-    if dtype not in (torch.float32, torch.float64):
-        return False
-    try:
-        s = _csr(torch.tensor([0, 1, 1]), torch.tensor([1]), torch.tensor([2.0], dtype=dtype), (2, 2))
-        rows = torch.tensor([[5.0], [7.0]], dtype=dtype)
-        acc = torch.addmm(torch.ones(2, 1, dtype=dtype), s, rows, out=torch.ones(2, 1, dtype=dtype))
-        out = torch.full((2, 1), float("nan"), dtype=dtype)
-        torch.addmm(out, s, rows, beta=0, out=out)
-        return acc.flatten().tolist() == [15.0, 1.0] and out.flatten().tolist() == [14.0, 0.0]
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
-def _csr(crow: torch.Tensor, col: torch.Tensor, values: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """A sparse CSR matrix from index arrays built once per handle from the Plan (their bounds are
-    checked there, by ``RowMap.build``), so not checked again on every call."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
-        return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
 
 
 @dataclass(frozen=True)
@@ -291,7 +109,7 @@ class SplitReduce:
         tok_rem = list_src[rem_b]
         rorder = np.argsort(tok_rem, kind="stable")
         rem_crow = np.concatenate([[0], np.cumsum(np.bincount(tok_rem, minlength=n_tokens))])
-        return cls(_t(keep_a[order]), _t(loc_crow), _t(rem_crow), _t(rem_b[rorder]), int(n_tokens), m)
+        return cls(as_index(keep_a[order]), as_index(loc_crow), as_index(rem_crow), as_index(rem_b[rorder]), int(n_tokens), m)
 
     def local(self, y: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         """``out`` [s, C] := each token's weighted sum over its kept rows of ``y`` [W, C] (``weights``
@@ -301,7 +119,7 @@ class SplitReduce:
             return out.zero_()
         vals = torch.ones(n, dtype=y.dtype) if weights is None else weights.index_select(0, self.loc_rows)
         if csr_addmm_ok(y.dtype):  # beta=0: out is overwritten, rows without kept rows zeroed
-            return torch.addmm(out, _csr(self.loc_crow, self.loc_rows, vals, (self.tokens, int(y.shape[0]))), y,
+            return torch.addmm(out, csr_matrix(self.loc_crow, self.loc_rows, vals, (self.tokens, int(y.shape[0]))), y,
                                beta=0, out=out)
         return out.copy_(torch.ops.aten._embedding_bag_forward_only(y, self.loc_rows, self.loc_crow[:-1], False, 0,
                                                                     False, vals, False, -1)[0])
@@ -314,7 +132,7 @@ class SplitReduce:
             return out
         vals = torch.ones(n, dtype=recv.dtype) if recv_w is None else recv_w.index_select(0, self.rem_col)
         if csr_addmm_ok(recv.dtype):
-            s = _csr(self.rem_crow, self.rem_col, vals, (self.tokens, self.list_rows))
+            s = csr_matrix(self.rem_crow, self.rem_col, vals, (self.tokens, self.list_rows))
             return torch.addmm(out, s, recv, out=out)
         offs = self.rem_crow[:-1]
         return out.add_(torch.ops.aten._embedding_bag_forward_only(recv, self.rem_col, offs, False, 0, False, vals,
@@ -397,8 +215,43 @@ def direct_index(plan: Plan, rank: int, max_runs: int | None = MAX_RUNS, min_run
     my_src = srow[lo:hi]
     local = exp[row_off[rank]:row_off[rank + 1]]
     return DirectIndex(send_runs, recv_runs, self_runs, RowMap.build(my_src[mine_remote], n_prev),
-                       RowMap.build(my_src, n_prev), _t(my_src), _t(np.flatnonzero(local < 0)), int(local.size),
-                       int(hi - lo), SplitReduce.build(my_src, self_runs, n_prev))
+                       RowMap.build(my_src, n_prev), as_index(my_src), as_index(np.flatnonzero(local < 0)),
+                       int(local.size), int(hi - lo), SplitReduce.build(my_src, self_runs, n_prev))
+
+
+@dataclass(frozen=True)
+class LayoutRows:
+    """This rank's expert-grouped layout (W rows, padding included) and its tokens' routing weights.
+
+    entry: int64 [W] global entry id (t*K + k) of each row, -1 padding.  k: int64 [W] k of each
+    row's entry (-1 padding).  weights: [W] routing weight of each row (0 for padding; float64 if
+    the weights were dispatched in float64, else float32).  token_weights: [s, K] this rank's
+    routing weights (same dtype).  cu_seqlens: int64 [S+1] row offsets of this rank's slots.
+    """
+
+    entry: torch.Tensor
+    k: torch.Tensor
+    weights: torch.Tensor
+    token_weights: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SlotWeights:
+    """This rank's S slots and where their expert weights come from.
+
+    expert / rows / is_copy: [S] expert, real rows and "weights fetched" flag of each slot (a Plan
+    copy, or a resident replica whose master weights live on another rank).  weight_index: int64
+    [S] index of the slot's weights: into the rank's home experts for a home slot, into the fetched
+    copies (the copy list) for a fetched slot.  home_experts: int64 [epn_r] experts whose master
+    weights live on this rank (ascending).
+    """
+
+    expert: torch.Tensor
+    rows: torch.Tensor
+    is_copy: torch.Tensor
+    weight_index: torch.Tensor
+    home_experts: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -410,45 +263,19 @@ class Handle:
     tensors are CPU int64 and must not be modified.
 
     plan: the layer's Plan (all ranks).  rank: this rank's EP rank.  num_tokens: s.
-    hops: per dispatch hop, this rank's :class:`HopIndex`.  expand: the final local gather from
-    the last hop's buffer into the expert-grouped layout (W rows).  final: ``expand`` composed with
-    the last hop's placement -- the expert-grouped rows gathered straight from the rows as they
-    arrive (one index pass instead of two; None without hops).
-    row_entry: int64 [W] global entry id (t*K + k) of each row, -1 padding.
-    row_k: int64 [W] k of each row's entry (-1 padding).  row_weights: [W] routing weight of each
-    row (0 for padding; float64 if the weights were dispatched in float64, else float32).
-    token_weights: [s, K] this rank's routing weights (same dtype).
-    cu_seqlens: int64 [S+1] row offsets of this rank's slots (padding included).
-    slot_expert / slot_rows / slot_is_copy: [S] expert, real rows and "weights fetched" flag of each
-      local slot (a Plan copy, or a resident replica whose master weights live on another rank).
-    slot_weight_index: int64 [S] index of the slot's weights: into the rank's home experts for a
-      home slot, into the prefetched copies for a copy slot.
-    home_experts: int64 [epn_r] experts whose master weights live on this rank (ascending).
-    Prefetch (weights of X copies, one row of Q elements per expert):
-      pf_send_local: int64 [x_send] home-expert index of each expert sent, in send order.
-      num_fetched_global: fetched slots over all ranks (0: prefetch and gradient reduce are skipped
-        on every rank, no collective is issued).
-      pf_send_splits / pf_recv_splits: experts per rank.  pf_recv_pos: int64 [X] position in this
-      rank's copy list of each received expert, in receive order.
-    The fetched slots are the Plan's copies (``plan.is_copy_S()``: fetched every step) and the
-    *resident replicas* (slots of an expert whose master weights live on another rank that the Plan
-    does not call copies, e.g. EPLB's static replicas): their weights are fetched once and kept by
-    the :class:`~moonep_sim.gloo.buffer.Buffer` until the resident set changes.
-      pfc_send_local / pfc_send_splits / pfc_recv_splits / pfc_recv_pos: the same as ``pf_*`` for
-        the Plan copies only (``pfc_recv_pos``: positions in the full copy list, X rows).
-      num_plan_copies_global: Plan-copy slots over all ranks (0: no collective for them).
-      resident_pos / resident_expert: int64 [X_res] position in this rank's copy list and expert of
-        each of its resident replicas.
-      resident_key: bytes naming the global set of resident (rank, expert) pairs (every rank
-        builds the same key from the Plan, so every rank agrees on whether a fetch runs).
-    Relayed copies (stage 1, ``plan.slot_src_S``): the ``pf_*`` / ``pfc_*`` exchanges carry stage
-    0 only; a second round then forwards each relay's received copy to its node's receivers.
-      r1_send_pos: int64 positions in this rank's copy list of the copies it forwards, in send
-        order.  r1_send_splits / r1_recv_splits: copies per rank.  r1_recv_pos: positions in this
-        rank's copy list of the relayed copies it receives, in receive order.
-      num_relayed_global: stage-1 copies over all ranks (0: no second round).
-    direct: the last hop as point-to-point runs straight into / out of the layout
-      (:class:`DirectIndex`), or None (``all_to_all_single`` plus the ``final`` gather).
+    Row movement: hops, per dispatch hop, this rank's :class:`HopIndex`; expand, the final local
+    gather from the last hop's buffer into the expert-grouped layout (W rows); final, ``expand``
+    composed with the last hop's placement -- the expert-grouped rows gathered straight from the
+    rows as they arrive (one index pass instead of two; None without hops); direct, the last hop as
+    point-to-point runs straight into / out of the layout (:class:`DirectIndex`), or None
+    (``all_to_all_single`` plus the ``final`` gather).
+    layout: the layout's rows and routing weights (:class:`LayoutRows`).
+    slots: the slots and their weights (:class:`SlotWeights`).
+    weights: the weight exchanges that fill the fetched slots and reduce their gradients
+      (:class:`~moonep_sim.gloo.weights.WeightFetch`: three
+      :class:`~moonep_sim.gloo.weights.WeightExchange`\\ s and the resident replicas).
+    The properties below read the most used fields of the records (``cu_seqlens``,
+    ``row_weights``, ``slot_*``, ``home_experts``, ...).
     """
 
     plan: Plan
@@ -457,35 +284,10 @@ class Handle:
     hops: tuple[HopIndex, ...]
     expand: RowMap
     final: RowMap | None
-    row_entry: torch.Tensor
-    row_k: torch.Tensor
-    row_weights: torch.Tensor
-    token_weights: torch.Tensor
-    cu_seqlens: torch.Tensor
-    slot_expert: torch.Tensor
-    slot_rows: torch.Tensor
-    slot_is_copy: torch.Tensor
-    slot_weight_index: torch.Tensor
-    home_experts: torch.Tensor
-    pf_send_local: torch.Tensor
-    pf_send_splits: tuple[int, ...]
-    pf_recv_splits: tuple[int, ...]
-    pf_recv_pos: torch.Tensor
-    num_fetched_global: int = 0
+    layout: LayoutRows
+    slots: SlotWeights
+    weights: WeightFetch
     direct: DirectIndex | None = None
-    pfc_send_local: torch.Tensor | None = None
-    pfc_send_splits: tuple[int, ...] = ()
-    pfc_recv_splits: tuple[int, ...] = ()
-    pfc_recv_pos: torch.Tensor | None = None
-    num_plan_copies_global: int = 0
-    resident_pos: torch.Tensor | None = None
-    resident_expert: torch.Tensor | None = None
-    resident_key: bytes = b""
-    r1_send_pos: torch.Tensor | None = None
-    r1_send_splits: tuple[int, ...] = ()
-    r1_recv_pos: torch.Tensor | None = None
-    r1_recv_splits: tuple[int, ...] = ()
-    num_relayed_global: int = 0
 
     @property
     def rows(self) -> int:
@@ -494,11 +296,54 @@ class Handle:
 
     @property
     def num_copies(self) -> int:
-        return int(self.slot_is_copy.sum())
+        """X: this rank's fetched slots."""
+        return int(self.slots.is_copy.sum())
 
     @property
     def top_k(self) -> int:
         return self.plan.top_k
+
+    # -- shorthands for the records' most used fields ----------------------------------------
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return self.layout.cu_seqlens
+
+    @property
+    def row_weights(self) -> torch.Tensor:
+        return self.layout.weights
+
+    @property
+    def token_weights(self) -> torch.Tensor:
+        return self.layout.token_weights
+
+    @property
+    def slot_expert(self) -> torch.Tensor:
+        return self.slots.expert
+
+    @property
+    def slot_rows(self) -> torch.Tensor:
+        return self.slots.rows
+
+    @property
+    def slot_is_copy(self) -> torch.Tensor:
+        return self.slots.is_copy
+
+    @property
+    def slot_weight_index(self) -> torch.Tensor:
+        return self.slots.weight_index
+
+    @property
+    def home_experts(self) -> torch.Tensor:
+        return self.slots.home_experts
+
+    @property
+    def resident_pos(self) -> torch.Tensor:
+        return self.weights.residents.pos
+
+    @property
+    def num_relayed_global(self) -> int:
+        """Relayed (stage-1) copies over all ranks (0: no second exchange round)."""
+        return self.weights.relay.total
 
 
 def build_handle(plan: Plan, rank: int, home_E: np.ndarray, weights_TK: np.ndarray | None = None) -> Handle:
@@ -565,67 +410,18 @@ def build_handle(plan: Plan, rank: int, home_E: np.ndarray, weights_TK: np.ndarr
     # such as EPLB's): the executor holds master weights on home ranks only, so a resident
     # replica's weights are fetched once and cached by the Buffer while the resident set stays the
     # same. Both kinds have their gradients reduced to the master in backward.
-    plan_copy_S = plan.is_copy_S()
-    fetch_S = plan_copy_S | (home_E[plan.slot_expert_S] != plan.slot_rank_S)
-    resident_S = fetch_S & ~plan_copy_S
-    pairs = np.unique(plan.slot_rank_S[resident_S].astype(np.int64) * E + plan.slot_expert_S[resident_S])
-    resident_key = np.array([R, E], dtype=np.int64).tobytes() + pairs.tobytes()
+    fetch_S = plan.is_copy_S() | (home_E[plan.slot_expert_S] != plan.slot_rank_S)
     is_copy = fetch_S[sl]
     home_experts = np.flatnonzero(home_E == rank)
     local_of_E = np.full(E, -1, dtype=np.int64)
     local_of_E[home_experts] = np.arange(home_experts.size)
-    copies = np.flatnonzero(fetch_S)  # global list of fetched slots, slot order
-    c_dst, c_exp = plan.slot_rank_S[copies], plan.slot_expert_S[copies]
-    c_src = home_E[c_exp]
     weight_index = np.where(is_copy, np.cumsum(is_copy) - 1, local_of_E[experts])
-
-    def exchange(sel: np.ndarray):
-        """Sends (my experts to others, by (dst, slot)) and receives (by (src, slot)) of the
-        fetched slots ``sel`` (bool over the global fetched list); receive positions index this
-        rank's full copy list."""
-        mine = np.flatnonzero((c_src == rank) & sel)
-        mine = mine[np.argsort(c_dst[mine], kind="stable")]
-        to_me = np.flatnonzero(c_dst == rank)  # in slot order = my copy list order
-        pos = np.flatnonzero(sel[to_me])
-        order = np.argsort(c_src[to_me[pos]], kind="stable")
-        return (local_of_E[c_exp[mine]], np.bincount(c_dst[mine], minlength=R), pos[order],
-                np.bincount(c_src[to_me[pos]], minlength=R))
-
-    c_copy = plan_copy_S[copies]
-    c_src1 = plan.copy_src_S()[copies]
-    s1 = c_copy & (c_src1 != plan.slot_home_S[copies])  # relayed copies (stage 1)
-    send_local, send_splits, recv_pos, recv_splits = exchange(~s1)
-    csend_local, csend_splits, crecv_pos, crecv_splits = exchange(c_copy & ~s1)
-    # stage 1: a relay forwards the copy it received (a row of its copy list) to its node's receivers
-    start = np.searchsorted(c_dst, np.arange(R + 1))  # fetched slots are in slot order: by rank
-    key = c_dst * E + c_exp
-    ko = np.argsort(key, kind="stable")
-    mine1 = np.flatnonzero(s1 & (c_src1 == rank))
-    mine1 = mine1[np.argsort(c_dst[mine1], kind="stable")]
-    at = ko[np.searchsorted(key[ko], rank * E + c_exp[mine1])]  # the relay's own copy of the expert
-    r1_send = at - start[rank]
-    to_me = np.flatnonzero(c_dst == rank)
-    pos1 = np.flatnonzero(s1[to_me])
-    pos1 = pos1[np.argsort(c_src1[to_me[pos1]], kind="stable")]
-    mine_c = c_dst == rank
-    res_pos = np.flatnonzero(~c_copy[mine_c])
-    return Handle(plan=plan, rank=rank, num_tokens=s, hops=tuple(hops), expand=expand, final=final,
-                  row_entry=_t(row_entry), row_k=_t(row_k), row_weights=torch.from_numpy(row_w),
-                  token_weights=torch.from_numpy(tok_w),
-                  cu_seqlens=_t(cu), slot_expert=_t(experts), slot_rows=_t(plan.slot_rows_S[sl]),
-                  slot_is_copy=torch.from_numpy(is_copy.copy()), slot_weight_index=_t(weight_index),
-                  home_experts=_t(home_experts), pf_send_local=_t(send_local),
-                  pf_send_splits=tuple(int(c) for c in send_splits),
-                  pf_recv_splits=tuple(int(c) for c in recv_splits), pf_recv_pos=_t(recv_pos),
-                  num_fetched_global=int(copies.size), pfc_send_local=_t(csend_local),
-                  pfc_send_splits=tuple(int(c) for c in csend_splits),
-                  pfc_recv_splits=tuple(int(c) for c in crecv_splits), pfc_recv_pos=_t(crecv_pos),
-                  num_plan_copies_global=int(c_copy.sum()), resident_pos=_t(res_pos),
-                  resident_expert=_t(c_exp[mine_c][res_pos]), resident_key=resident_key,
-                  r1_send_pos=_t(r1_send), r1_send_splits=tuple(int(c) for c in np.bincount(c_dst[mine1], minlength=R)),
-                  r1_recv_pos=_t(pos1),
-                  r1_recv_splits=tuple(int(c) for c in np.bincount(c_src1[to_me[pos1]], minlength=R)),
-                  num_relayed_global=int(s1.sum()))
+    layout = LayoutRows(entry=as_index(row_entry), k=as_index(row_k), weights=torch.from_numpy(row_w),
+                        token_weights=torch.from_numpy(tok_w), cu_seqlens=as_index(cu))
+    slots = SlotWeights(expert=as_index(experts), rows=as_index(plan.slot_rows_S[sl]),
+                        is_copy=torch.from_numpy(is_copy.copy()), weight_index=as_index(weight_index), home_experts=as_index(home_experts))
+    return Handle(plan=plan, rank=rank, num_tokens=s, hops=tuple(hops), expand=expand, final=final, layout=layout,
+                  slots=slots, weights=weight_fetch(plan, rank, home_E, fetch_S, local_of_E))
 
 
 # ---------------------------------------------------------------------------------------------

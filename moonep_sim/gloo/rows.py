@@ -213,45 +213,41 @@ class RowEngine:
         """[X, Q] flattened weights of this rank's fetched slots (slot order) from ``local``
         ([epn_r, ...] home experts per projection). Plan copies are fetched every call; resident
         replicas are served from the cache entry ``cache_key`` when its resident set equals the
-        handle's (``handle.resident_key``), else fetched with the copies and cached. Every rank
+        handle's (``handle.weights.residents.key``), else fetched with the copies and cached. Every rank
         decides alike from the Plan and its cache, so the collectives match."""
-        X, n_res = handle.num_copies, int(handle.resident_pos.numel())
+        wf, res = handle.weights, handle.weights.residents
+        X, n_res = handle.num_copies, int(res.pos.numel())
         entry = self._replicas.get(cache_key)
-        hit = entry is not None and entry[0] == handle.resident_key
-        if (hit and X == n_res and handle.num_plan_copies_global == 0 and torch.equal(entry[1], handle.resident_expert)
-                and torch.equal(handle.resident_pos, torch.arange(X))):
+        hit = entry is not None and entry[0] == res.key
+        if (hit and X == n_res and wf.plan_copies.total == 0 and torch.equal(entry[1], res.expert)
+                and torch.equal(res.pos, torch.arange(X))):
             # no rank fetches anything and every slot here is a cached resident replica in the cached
             # order: no collective and no copy (callers must not modify the returned weights in place)
             self.last_fetched = 0
             return entry[2]
-        if hit:
-            sent, n_glob = handle.pfc_send_local, handle.num_plan_copies_global
-            splits = (handle.pfc_send_splits, handle.pfc_recv_splits)
-            pos = handle.pfc_recv_pos
-        else:
-            sent, n_glob = handle.pf_send_local, handle.num_fetched_global
-            splits = (handle.pf_send_splits, handle.pf_recv_splits)
-            pos = handle.pf_recv_pos
-        send_flat = flatten_rows([t.index_select(0, sent) for t in local], int(sent.numel()))
-        if n_glob == 0 or self.comm.world_size == 1:
+        ex = wf.plan_copies if hit else wf.fetch   # cached residents: only the Plan copies travel
+        send_flat = flatten_rows([t.index_select(0, ex.send_pos) for t in local], int(ex.send_pos.numel()))
+        if ex.total == 0 or self.comm.world_size == 1:
             recv = send_flat
         else:
-            recv = self.comm.all_to_all(phase, "global", range(self.comm.world_size), send_flat, *splits)
+            recv = self.comm.all_to_all(phase, "global", range(self.comm.world_size), send_flat, ex.send_splits,
+                                        ex.recv_splits)
             self.fetch_calls += 1
-            self.replica_fetches += int(not hit and handle.num_fetched_global > handle.num_plan_copies_global)
+            self.replica_fetches += int(not hit and wf.fetch.total > wf.plan_copies.total)
         self.last_fetched = int(recv.shape[0])
         self.fetched_experts += self.last_fetched
         out = recv.new_empty((X,) + tuple(recv.shape[1:]))
         if recv.shape[0]:
-            out.index_copy_(0, pos, recv)
-        if handle.num_relayed_global and self.comm.world_size > 1:  # stage 1: relays forward their copies
-            fwd = out.index_select(0, handle.r1_send_pos).contiguous()
+            out.index_copy_(0, ex.recv_pos, recv)
+        relay = wf.relay
+        if relay.total and self.comm.world_size > 1:  # stage 1: relays forward their copies
+            fwd = out.index_select(0, relay.send_pos).contiguous()
             got = self.comm.all_to_all(phase + ".1", "global", range(self.comm.world_size), fwd,
-                                       handle.r1_send_splits, handle.r1_recv_splits)
+                                       relay.send_splits, relay.recv_splits)
             self.fetch_calls += 1
             self.fetched_experts += int(got.shape[0])
             if got.shape[0]:
-                out.index_copy_(0, handle.r1_recv_pos, got)
+                out.index_copy_(0, relay.recv_pos, got)
         if hit:
             if n_res:
                 _, experts, rows = entry
@@ -260,30 +256,31 @@ class RowEngine:
                         f"({list(rows.shape[1:])} {rows.dtype}) for cache key {cache_key!r}: "
                         "use one cache key per set of weights")
                 order = torch.argsort(experts, stable=True)
-                at = order.index_select(0, torch.searchsorted(experts.index_select(0, order), handle.resident_expert))
-                out.index_copy_(0, handle.resident_pos, rows.index_select(0, at))
+                at = order.index_select(0, torch.searchsorted(experts.index_select(0, order), res.expert))
+                out.index_copy_(0, res.pos, rows.index_select(0, at))
         else:
             # cache the resident replicas' rows in this handle's order (experts distinct per rank)
-            rows = out.index_select(0, handle.resident_pos).detach()
-            self._replicas[cache_key] = (handle.resident_key, handle.resident_expert.clone(), rows)
+            rows = out.index_select(0, res.pos).detach()
+            self._replicas[cache_key] = (res.key, res.expert.clone(), rows)
         return out
 
     def reduce_flat(self, handle: Handle, copy_flat: torch.Tensor, n_home: int, phase: str = "grad_reduce") -> torch.Tensor:
         """[X, Q] copies' gradients -> [epn_r, Q] their sums at the home experts (zeros elsewhere)."""
         out = copy_flat.new_zeros((n_home,) + tuple(copy_flat.shape[1:]))
-        if handle.num_fetched_global == 0:
+        fetch, relay = handle.weights.fetch, handle.weights.relay
+        if fetch.total == 0:
             return out
-        if handle.num_relayed_global and self.comm.world_size > 1:  # adjoint of stage 1: into the relays first
-            back = copy_flat.index_select(0, handle.r1_recv_pos).contiguous()
+        if relay.total and self.comm.world_size > 1:  # adjoint of stage 1: into the relays first
+            back = copy_flat.index_select(0, relay.recv_pos).contiguous()
             got = self.comm.all_to_all(phase + ".1", "global", range(self.comm.world_size), back,
-                                       handle.r1_recv_splits, handle.r1_send_splits)
+                                       relay.recv_splits, relay.send_splits)
             if got.shape[0]:
-                copy_flat = copy_flat.clone().index_add_(0, handle.r1_send_pos, got)
-        send = copy_flat.index_select(0, handle.pf_recv_pos) if copy_flat.shape[0] else copy_flat
-        recv = self.comm.all_to_all(phase, "global", range(self.comm.world_size), send.contiguous(), handle.pf_recv_splits,
-                                handle.pf_send_splits) if self.comm.world_size > 1 else send
+                copy_flat = copy_flat.clone().index_add_(0, relay.send_pos, got)
+        send = copy_flat.index_select(0, fetch.recv_pos) if copy_flat.shape[0] else copy_flat
+        recv = self.comm.all_to_all(phase, "global", range(self.comm.world_size), send.contiguous(), fetch.recv_splits,
+                                fetch.send_splits) if self.comm.world_size > 1 else send
         if recv.shape[0]:
-            out.index_add_(0, handle.pf_send_local, recv)
+            out.index_add_(0, fetch.send_pos, recv)
         return out
 
 

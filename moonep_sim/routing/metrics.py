@@ -248,6 +248,9 @@ def inspect_trace(path, *, ranks: int | None = None, gpus_per_node: int = 0,
                 lr = tr.layer(i, start, stop)
                 c += lr.counts_E()
                 s_T = (step_T[start:stop] if step_T is not None else np.zeros(stop - start, np.int64))
+                keep = tr.token_mask(i, start, stop)   # a per-layer token mask: the rows this layer has
+                if keep is not None:
+                    s_T = s_T[keep]
                 kk, cc = step_expert_counts(s_T, lr.topk_ids_TK, m.num_experts)
                 parts_k.append(kk)
                 parts_c.append(cc)

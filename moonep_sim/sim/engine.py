@@ -26,6 +26,7 @@ each flow record names its phase's kind; every local span is a typed :class:`Spa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -54,6 +55,45 @@ class PhaseTag:
     scope: Scope
     layer: int
     name: str
+
+
+class PhaseRows(NamedTuple):
+    """One registered phase instance (a phase, or one chunk of it): its network phase id, the
+    bytes every rank sends every rank ([R, R], this chunk's share) and the bytes each transfer is
+    timed for (jitter and scale applied)."""
+
+    pid: int
+    bytes_RR: np.ndarray
+    eff_RR: np.ndarray
+
+
+class Side(str, Enum):
+    """The hops of a stage before expert compute (PRE: dispatch) or after it (POST: combine)."""
+
+    PRE = "pre"
+    POST = "post"
+
+
+class HopKey(NamedTuple):
+    """Rank ``rank``'s chunk ``chunk`` of hop ``hop`` on one side of stage ``stage``."""
+
+    stage: int
+    side: Side
+    hop: int
+    chunk: int
+    rank: int
+
+
+class KernelTerms(NamedTuple):
+    """The GPU kernel terms of one side of a stage, for :meth:`StepSim._hop`: the stage index, the
+    side, its program, ``relay`` (per hop an [R, R] forward delay, or None: not relayed) and the
+    fixed cost (us) paid before a hop's first chunk."""
+
+    stage: int
+    side: Side
+    program: StageProgram
+    relay: list | None
+    fixed_us: float
 
 
 class Span(NamedTuple):
@@ -107,9 +147,10 @@ class StepSim:
         self.stage_end = np.zeros((len(self.stages), R))
         self.stage_start = np.zeros((len(self.stages), R))
         self.busy_P: np.ndarray | None = None  # us each port was busy (set by the analysis)
-        self._done_ev: dict[tuple, Any] = {}
-        self._done_t: dict[tuple, float] = {}     # (stage, side, hop, chunk, rank) -> when it held that hop
-        self._first: dict[tuple, list] = {}       # (stage, side, hop, chunk, rank) -> [event, earliest time]
+        self._planned_ev: dict[tuple[int, int], simpy.Event] = {}   # (stage, rank) -> planning done
+        self._done_ev: dict[tuple[int, Side, int], list[list[simpy.Event]]] = {}   # (stage, side, rank) -> [hop][chunk]
+        self._done_t: dict[HopKey, float] = {}    # when the rank held that hop chunk
+        self._first: dict[HopKey, list] = {}      # [event, earliest time] the rank holds its first message
 
     # -- helpers -------------------------------------------------------------------------
     def _work(self, r: int, us: float) -> simpy.Event:
@@ -128,7 +169,7 @@ class StepSim:
 
     def _register(self, prefix: str, layer: int, phases: list[CommPhase], chunks: int,
                   scales: Sequence | None = None, sm: bool = False, nic_only: bool = False):
-        """[phase][chunk] -> (pid, bytes_RR, eff_RR); ``scales[i]``: an [R, R] factor on phase i's
+        """[phase][chunk] -> :class:`PhaseRows`; ``scales[i]``: an [R, R] factor on phase i's
         transfer times (or None). Each phase instance is registered with its :class:`PhaseTag`."""
         out = []
         for i, p in enumerate(phases):
@@ -142,13 +183,12 @@ class StepSim:
                 eff = b * self._jit(b.shape) if self.opts.jitter > 0 else b
                 if scales is not None and scales[i] is not None:
                     eff = eff * scales[i]
-                row.append((pid, b, eff))
+                row.append(PhaseRows(pid, b, eff))
             out.append(row)
         return out
 
-    def _send(self, item, r: int) -> None:
-        pid, b, eff = item
-        self.net.submit(pid, r, np.arange(self.R), b[r], eff[r])
+    def _send(self, item: PhaseRows, r: int) -> None:
+        self.net.submit(item.pid, r, np.arange(self.R), item.bytes_RR[r], item.eff_RR[r])
 
     # -- the processes -------------------------------------------------------------------
     def build(self) -> None:
@@ -156,7 +196,7 @@ class StepSim:
         start = [env.event().succeed() for _ in range(R)]
         for si, (li, d) in enumerate(self.stages):
             prefix = f"L{li}." if len(self.plans) > 1 else ""
-            if d.direction == "backward":
+            if d.direction == Direction.BACKWARD:
                 prefix += "bwd." if not prefix else ""
             pre = self._register(prefix, li, d.pre, c, d.pre_scale, sm=d.sm, nic_only=d.nic_only)
             wts = [row[0] for row in self._register(prefix, li, d.weights, 1, [d.w_scale_RR] * len(d.weights))]
@@ -199,9 +239,9 @@ class StepSim:
             yield from self._weight_pass(d, r, prefix)
             self._send_gated(d.weights, wts, r)
         if pre:
-            done = self._done(si, "pre", r, len(pre))
-            procs = [env.process(self._hop(r, pre, h, None, prefix, d.pre_copy[h][r], d.post_copy[h][r], done,
-                                           (si, "pre", d, d.relay_pre, d.fixed_pre_us)))
+            done = self._done(si, Side.PRE, r, len(pre))
+            kern = KernelTerms(si, Side.PRE, d, d.relay_pre, d.fixed_pre_us)
+            procs = [env.process(self._hop(r, pre, h, None, prefix, d.pre_copy[h][r], d.post_copy[h][r], done, kern))
                      for h in range(len(pre))]
             yield env.all_of(procs)
         if not self.opts.overlap_prefetch:
@@ -219,7 +259,7 @@ class StepSim:
                 self.env.process(self._send_after(items[names.index(p.after)], it, r))
 
     def _send_after(self, gate, item, r: int):
-        yield self.net.received(gate[0], r)
+        yield self.net.received(gate.pid, r)
         self._send(item, r)
 
     def _weight_pass(self, d: StageProgram, r: int, prefix: str):
@@ -231,19 +271,19 @@ class StepSim:
 
     def _planned(self, si: int, r: int) -> simpy.Event:
         """Fires once rank r finished planning stage si (at once when there is no planning)."""
-        key = (si, "planned", r)
-        if key not in self._done_ev:
-            self._done_ev[key] = self.env.event()
-        return self._done_ev[key]
+        key = (si, r)
+        if key not in self._planned_ev:
+            self._planned_ev[key] = self.env.event()
+        return self._planned_ev[key]
 
-    def _done(self, si: int, side: str, r: int, hops: int) -> list[list[simpy.Event]]:
+    def _done(self, si: int, side: Side, r: int, hops: int) -> list[list[simpy.Event]]:
         """Per (hop, chunk): fires once rank r received that chunk and made its local pass over it."""
         key = (si, side, r)
         if key not in self._done_ev:
             self._done_ev[key] = [[self.env.event() for _ in range(self.opts.chunks)] for _ in range(hops)]
         return self._done_ev[key]
 
-    def _first_message(self, key: tuple) -> list:
+    def _first_message(self, key: HopKey) -> list:
         if key not in self._first:
             self._first[key] = [self.env.event(), np.inf]
         return self._first[key]
@@ -253,7 +293,7 @@ class StepSim:
         ``relay_RR[r, d]`` us (the earliest sender decides)."""
         now = self.env.now
         for d in np.flatnonzero(b_R > 0).tolist():
-            slot = self._first_message((si, side, h, j, d))
+            slot = self._first_message(HopKey(si, side, h, j, d))
             t = now + float(relay_RR[r, d])
             if t < slot[1]:
                 slot[1] = t
@@ -263,22 +303,23 @@ class StepSim:
     def _relay_tail(self, si, side, h, j, r, rows, relay_RR, hops):
         """Rank r holds relayed hop h chunk j once every relay v that sends to it held its hop h-1
         chunk j and forwarded the last message (``relay_RR[v, r]`` after)."""
-        b = rows[h][j][1][:, r]
+        b = rows[h][j].bytes_RR[:, r]
         t_need = self.env.now
         for v in np.flatnonzero(b > 0).tolist():
             yield self._done(si, side, v, hops)[h - 1][j]
-            t_need = max(t_need, self._done_t[(si, side, h - 1, j, v)] + float(relay_RR[v, r]))
+            t_need = max(t_need, self._done_t[HopKey(si, side, h - 1, j, v)] + float(relay_RR[v, r]))
         if t_need > self.env.now:
             yield self.env.timeout(t_need - self.env.now)
 
-    def _hop(self, r, rows, h, first_gate, prefix, pre_us=0.0, post_us=0.0, done=None, kern=None):
+    def _hop(self, r, rows, h, first_gate, prefix, pre_us=0.0, post_us=0.0, done=None,
+             kern: KernelTerms | None = None):
         """Rank r's part of hop h, chunk by chunk: chunk j is sent once r received chunk j of the
         previous hop and made its local pass over it (or ``first_gate[j]`` fired, for the first
         hop) and chunk j-1 of this hop; ``pre_us`` / ``post_us`` (whole hop, split over chunks) are
         the local gather before sending and the pass over the received rows.
 
-        ``kern`` = (stage, side, program, relay_RR list or None, fixed us): the kernel terms. The
-        fixed cost is paid before the first chunk of every hop (only hop 0 when relayed). With
+        ``kern``: the kernel terms (:class:`KernelTerms`; None: none). The fixed cost is paid
+        before the first chunk of every hop (only hop 0 when relayed). With
         ``relay_RR``, hop h > 0 is sent once r holds the first message of hop h-1 (or all of it,
         if that is sooner), and r holds hop h once the relays feeding it finished (see
         :meth:`_relay_tail`)."""
@@ -286,12 +327,12 @@ class StepSim:
         c = self.opts.chunks
         si, side, prog, relay, fixed = kern if kern is not None else (None, None, None, None, 0.0)
         for j in range(c):
-            pid = rows[h][j][0]
+            pid = rows[h][j].pid
             tag = self.net.phase_tag(pid)
             if h > 0 and relay is not None:
-                yield env.any_of([self._first_message((si, side, h - 1, j, r))[0], done[h - 1][j]])
+                yield env.any_of([self._first_message(HopKey(si, side, h - 1, j, r))[0], done[h - 1][j]])
             elif h > 0:
-                yield done[h - 1][j] if done is not None else self.net.received(rows[h - 1][j][0], r)
+                yield done[h - 1][j] if done is not None else self.net.received(rows[h - 1][j].pid, r)
             elif first_gate is not None:
                 yield first_gate[j]
             if j == 0 and fixed > 0 and (h == 0 or not prog.relayed):
@@ -305,9 +346,9 @@ class StepSim:
                 self._span(r, prefix + "copy", PhaseKind.COPY, tag.direction, t0)
             t0 = env.now
             if relay is not None and h + 1 < len(rows):
-                self._announce(si, side, h, j, r, relay[h], rows[h][j][1][r])
+                self._announce(si, side, h, j, r, relay[h], rows[h][j].bytes_RR[r])
             self._send(rows[h][j], r)
-            yield self.net.received(rows[h][j][0], r)
+            yield self.net.received(rows[h][j].pid, r)
             if relay is not None and h > 0:
                 yield from self._relay_tail(si, side, h, j, r, rows, relay[h], len(rows))
             self._span(r, prefix + self.net.phase_name(pid)[len(prefix):], tag.kind, tag.direction, t0)
@@ -317,7 +358,7 @@ class StepSim:
                 self._span(r, prefix + "copy", PhaseKind.COPY, tag.direction, t0)
             if done is not None:
                 if si is not None:
-                    self._done_t[(si, side, h, j, r)] = env.now
+                    self._done_t[HopKey(si, side, h, j, r)] = env.now
                 done[h][j].succeed()
 
     def _computer(self, si, d: StageProgram, r, start_ev, pre, wts, aft, comp_done, jit, prefix):
@@ -327,11 +368,11 @@ class StepSim:
         for j in range(self.opts.chunks):
             gate = "start"
             if pre:
-                yield self._done(si, "pre", r, len(pre))[-1][j]
+                yield self._done(si, Side.PRE, r, len(pre))[-1][j]
                 gate = "dispatch"
             if j == 0 and wts:
                 t_before = env.now
-                yield env.all_of([self.net.received(w[0], r) for w in wts])
+                yield env.all_of([self.net.received(w.pid, r) for w in wts])
                 if d.w_post_R is not None and d.w_post_R[r] > 0:
                     t0 = env.now
                     yield self._work(r, float(d.w_post_R[r]))
@@ -367,16 +408,17 @@ class StepSim:
             yield env.timeout(st)
             self._span(r, prefix + "stall", PhaseKind.STALL, d.direction, t0)
         if post:
-            done = self._done(si, "post", r, len(post))
+            done = self._done(si, Side.POST, r, len(post))
+            kern = KernelTerms(si, Side.POST, d, d.relay_post, d.fixed_post_us)
             procs = [env.process(self._hop(r, post, h, gate, prefix, d.post_pre_copy[h][r], d.post_post_copy[h][r],
-                                           done, (si, "post", d, d.relay_post, d.fixed_post_us)))
+                                           done, kern))
                      for h in range(len(post))]
             yield env.all_of(procs)
         if aft:
-            yield env.all_of([self.net.received(a[0], r) for a in aft])
+            yield env.all_of([self.net.received(a.pid, r) for a in aft])
         yield comp_done[-1]
         self.stage_end[si, r] = env.now
         fin.succeed()
 
 
-__all__ = ["PhaseTag", "Span", "StepSim"]
+__all__ = ["HopKey", "KernelTerms", "PhaseRows", "PhaseTag", "Side", "Span", "StepSim"]
