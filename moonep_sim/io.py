@@ -435,15 +435,8 @@ def read_config_bytes(path: PathLike, what: str, kind: str) -> bytes:
     ``what`` and the path when it is not a regular readable file (a pipe, a folder, a symlink loop:
     each called what it is), larger than :data:`MAX_CONFIG_BYTES`, or nested deeper than
     :data:`MAX_NESTING` (a recursive parser would fail with RecursionError)."""
-    p = Path(path)
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        raise ConfigError(f"{what} ({p}) must be an existing file: no such file") from None
-    except OSError as e:
-        raise ConfigError(f"{what} ({p}) must be a readable file: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"{what} ({p}) must be a regular file: it is {file_kind(st.st_mode)}")
+    p = check_input_file(path, what)
+    st = p.stat()
     if st.st_size > MAX_CONFIG_BYTES:
         raise ConfigError(f"{what} ({p}) must be at most {MAX_CONFIG_BYTES} bytes: it holds {st.st_size}")
     try:
