@@ -20,47 +20,43 @@ import tempfile
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    from moonep_sim.errors import CommError, MoonEPSimError
+    from moonep_sim.errors import exit_status
+
+    return exit_status(_main, sys.argv[1:] if argv is None else list(argv))
+
+
+def _main(argv) -> int:
+    from moonep_sim.errors import require
     from moonep_sim.integrations import train
     from moonep_sim.io import write_text_atomic
 
-    try:
-        a = train.build_parser().parse_args(argv)
-        train.check_args(a)
-        if "RANK" in os.environ:            # one rank under torchrun
-            from moonep_sim.errors import require
-            require(not a.compare_sim or a.record, "--compare-sim (without --record) must be given --record TRACE "
-                                                    "under torchrun: the simulation reads the recorded routing")
-            code, rep = train.rank_main(argv)
-            if code or rep is None:
-                return code
-        else:
-            from moonep_sim.errors import require
-            require(a.nproc >= 1, f"--nproc ({a.nproc}) must be >= 1 (or run under torchrun)")
-            with tempfile.TemporaryDirectory(prefix="train-hf-") as tmp:
-                run_argv = list(argv)
-                if a.compare_sim and not a.record:
-                    run_argv += ["--record", os.path.join(tmp, "routing.safetensors")]
-                rep = train.launch(a.nproc, run_argv, timeout_s=max(600.0, 20 * a.timeout))
-                if a.compare_sim:
-                    rep["compare_sim"] = _compare(rep)
-        if "RANK" in os.environ and a.compare_sim:
+    a = train.build_parser().parse_args(argv)
+    train.check_args(a)
+    if "RANK" in os.environ:            # one rank under torchrun
+        require(not a.compare_sim or a.record, "--compare-sim (without --record) must be given --record TRACE "
+                                                "under torchrun: the simulation reads the recorded routing")
+        code, rep = train.rank_main(argv)
+        if code or rep is None:
+            return code
+        if a.compare_sim:
             rep["compare_sim"] = _compare(rep)
-        if a.json:
-            write_text_atomic(a.json, json.dumps(rep, indent=1, sort_keys=True), what="--json")
-        if not a.quiet:
-            print(train.summary(rep))
-            if "compare_sim" in rep:
-                from moonep_sim.experiments.hf_step import summary_lines
-                print("\n".join(summary_lines(rep["compare_sim"])))
-        return 0 if rep.get("check_ok", True) else 3
-    except MoonEPSimError as e:
-        print(f"moonep-sim: error: {e}", file=sys.stderr, flush=True)
-        return 1 if isinstance(e, CommError) else 2
-    except KeyboardInterrupt:
-        print("moonep-sim: interrupted", file=sys.stderr, flush=True)
-        return 130
+    else:
+        require(a.nproc >= 1, f"--nproc ({a.nproc}) must be >= 1 (or run under torchrun)")
+        with tempfile.TemporaryDirectory(prefix="train-hf-") as tmp:
+            run_argv = list(argv)
+            if a.compare_sim and not a.record:
+                run_argv += ["--record", os.path.join(tmp, "routing.safetensors")]
+            rep = train.launch(a.nproc, run_argv, timeout_s=max(600.0, 20 * a.timeout))
+            if a.compare_sim:
+                rep["compare_sim"] = _compare(rep)
+    if a.json:
+        write_text_atomic(a.json, json.dumps(rep, indent=1, sort_keys=True), what="--json")
+    if not a.quiet:
+        print(train.summary(rep))
+        if "compare_sim" in rep:
+            from moonep_sim.experiments.hf_step import summary_lines
+            print("\n".join(summary_lines(rep["compare_sim"])))
+    return 0 if rep.get("check_ok", True) else 3
 
 
 def _compare(rep):

@@ -36,6 +36,20 @@ def require(ok: bool, message: str, exc: type[MoonEPSimError] = ConfigError) -> 
         raise exc(message)
 
 
+def exit_status(fn, *args, **kwargs) -> int:
+    """Run an entry point's body and turn its outcome into the exit status the launchers share:
+    its own return value (0 when None); on a package error its one line on stderr and 1 for a
+    failed collective (:class:`CommError`), 2 for anything else (bad input); 130 on Ctrl-C."""
+    try:
+        return int(fn(*args, **kwargs) or 0)
+    except MoonEPSimError as e:
+        print(f"moonep-sim: error: {e}", file=sys.stderr, flush=True)
+        return 1 if isinstance(e, CommError) else 2
+    except KeyboardInterrupt:
+        print("moonep-sim: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """An argument parser whose errors are one line, like every other refusal:
     ``moonep-sim: error: <command>: <argparse's message>`` on stderr, exit status 2 (argparse's own

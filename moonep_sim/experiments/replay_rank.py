@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moonep_sim.errors import CommError, ConfigError, MoonEPSimError, OneLineArgumentParser, require
+from moonep_sim.errors import CommError, ConfigError, MoonEPSimError, OneLineArgumentParser, exit_status, require
 from moonep_sim.io import check_output_path, write_text_atomic
 
 MODULE = "moonep_sim.experiments.replay_rank"  # what every rank runs (python -m MODULE)
@@ -521,24 +521,21 @@ def launch(argv: Sequence[str]) -> int:
     """``--nproc N``: run the replay on N local ranks (:func:`run_replay`) and print its summary;
     on failure print the failing rank's one line and return its status (2 bad input, 1 a failed
     collective), 130 on Ctrl-C."""
-    try:
-        args = _parse(argv)
-        _check_args(args)
-        if args.json:
-            check_output_path(args.json, "--json", inputs=(args.trace,))
-        rest = _strip_launch_args(argv)
-        rep = run_replay(args.nproc, rest, timeout_s=max(600.0, 10 * args.timeout))
-        if args.json:
-            write_text_atomic(args.json, json.dumps(rep, indent=1, sort_keys=True), what="--json")
-        if not args.quiet:
-            print("\n".join(_summary(r) for r in _each(rep)), flush=True)
-        return 0 if all(r["correct"] is not False for r in _each(rep)) else 3
-    except MoonEPSimError as e:
-        print(f"moonep-sim: error: {e}", file=sys.stderr, flush=True)
-        return 1 if isinstance(e, CommError) else 2
-    except KeyboardInterrupt:
-        print("moonep-sim: interrupted", file=sys.stderr, flush=True)
-        return 130
+    return exit_status(_launch, argv)
+
+
+def _launch(argv: Sequence[str]) -> int:
+    args = _parse(argv)
+    _check_args(args)
+    if args.json:
+        check_output_path(args.json, "--json", inputs=(args.trace,))
+    rest = _strip_launch_args(argv)
+    rep = run_replay(args.nproc, rest, timeout_s=max(600.0, 10 * args.timeout))
+    if args.json:
+        write_text_atomic(args.json, json.dumps(rep, indent=1, sort_keys=True), what="--json")
+    if not args.quiet:
+        print("\n".join(_summary(r) for r in _each(rep)), flush=True)
+    return 0 if all(r["correct"] is not False for r in _each(rep)) else 3
 
 
 def run_replay(nproc: int, argv: Sequence[str], timeout_s: float = 600.0, **kw: Any) -> dict[str, Any]:

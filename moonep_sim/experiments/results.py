@@ -17,10 +17,8 @@ class _TakeAway:
     """What every result can do besides ``to_dict()``: ``save(folder)`` (report.json, its plots,
     report.html), ``plot(folder)`` (the plots alone), a short ``repr`` and a notebook view.
     Rendering lives in :mod:`moonep_sim.report` (imported inside the methods: the one place the
-    experiments layer calls the layer above it, see tests/test_layering.py)."""
-
-    def to_dict(self) -> dict[str, Any]:  # pragma: no cover - every result defines it
-        raise NotImplementedError
+    experiments layer calls the layer above it, see tests/test_layering.py). Every result class
+    defines ``to_dict()``, which these methods read."""
 
     @property
     def verdict(self) -> dict[str, Any] | None:
