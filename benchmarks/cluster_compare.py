@@ -89,6 +89,13 @@ def render(res: list[dict], meta: dict) -> str:
         L.append(f"| {r['topology']} ({r['gpus_per_node']}; {r['nvlink_GBps']:.0f} / {r['nic_GBps']:.0f}; "
                  f"{r['tflops']:.0f}) | {r['maxvio']:g} | {r['deepep_impl']} | " + " | ".join(cells)
                  + f" | **{r['winner']}** (+{100 * r['margin']:.1f}% to {r['runner_up']}) |")
+    multi = sorted({r["topology"] for r in res if r["gpus_per_node"] < r["ranks"]})
+    if "moonep" in strategies and multi:  # the flag compare prints as outside-library, stated beside the table
+        L += ["", f"Assumptions beside these figures: `moonep` on {', '.join(multi)} (EP{res[0]['ranks']} over several "
+              "nodes) is a setting its real library does not support (MoonEP runs inside one NVLink domain only; "
+              "`compare` flags it `outside-library`). `costaware` and `deepep` with a family other than DeepEP V1 "
+              "rest on assumed kernel terms. One generated layer per maxvio, forward only: a layer figure, not a "
+              "training or serving step."]
     L += ["", "## Does the winner change?", ""]
     for mv in dict.fromkeys(r["maxvio"] for r in res):
         at = [r for r in res if r["maxvio"] == mv]
