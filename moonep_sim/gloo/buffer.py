@@ -250,8 +250,11 @@ class Buffer:
         keep = np.arange(S)[None, :] < s_R[:, None]
         ids = allb[:, 2:2 + S * K].reshape(R, S, K)[keep]
         raw = allb[:, 2 + S * K:].reshape(R, S, K)
-        w64 = np.where(allb[:, 1].astype(bool)[:, None, None], raw.view(np.float64),
-                       raw.astype(np.int32).view(np.float32).astype(np.float64))[keep]
+        f64_R = allb[:, 1].astype(bool)  # a rank's weights travel as float64 bits, else float32 bits
+        w64 = np.empty(raw.shape, np.float64)  # each rank decoded one way only (no garbage decoded)
+        w64[f64_R] = raw[f64_R].view(np.float64)
+        w64[~f64_R] = raw[~f64_R].astype(np.int32).view(np.float32).astype(np.float64)
+        w64 = w64[keep]
         return GlobalRouting(ids, w64.astype(np.float32), s_R, self.num_experts), w64
 
     def plan_handle(self, routing: GlobalRouting, weights_TK: np.ndarray | None = None) -> Handle:
