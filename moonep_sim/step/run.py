@@ -177,19 +177,25 @@ class LayerWork:
 
 @dataclass(frozen=True)
 class LayerDone:
+    """One (strategy, micro-batch) of a layer: its communication, Plan footprint, and the wall and
+    CPU (this process's user + sys) seconds of planning and simulating it."""
+
     comm: LayerComm
     footprint: PlanFootprint
     plan_s: float
     sim_s: float
+    plan_cpu_s: float = 0.0
+    sim_cpu_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class RoutingDone:
-    """A :class:`LayerWork`'s results: ``done[(strategy, micro-batch)]`` and the seconds its
-    routing took to build (generate or read, and split over the ranks)."""
+    """A :class:`LayerWork`'s results: ``done[(strategy, micro-batch)]`` and the wall and CPU
+    seconds its routing took to build (generate or read, split over the ranks and micro-batches)."""
 
     done: dict[tuple[str, int], LayerDone]
     routing_s: float
+    routing_cpu_s: float = 0.0
 
 
 def simulate_layer_work(w: LayerWork) -> RoutingDone:
@@ -198,22 +204,25 @@ def simulate_layer_work(w: LayerWork) -> RoutingDone:
     footprint and communication kept), and the routing when the work returns."""
     from moonep_sim.strategies import make_plan
 
-    a = time.perf_counter()
+    clock = lambda: (time.perf_counter(), time.process_time())
+    a = clock()
     routing = w.routing if isinstance(w.routing, GlobalRouting) else w.routing()
     parts = split_micro_batches(routing, w.micro_batches)
-    routing_s = time.perf_counter() - a
+    b = clock()
+    routing_s, routing_cpu_s = b[0] - a[0], b[1] - a[1]
     done = {}
     for name, opts, static in w.strategies:
         for mb, part in enumerate(parts):
             if static:
                 part = pad_to_static(part, static)
-            a = time.perf_counter()
+            a = clock()
             plan = make_plan(name, part, w.ctx, **opts)
-            b = time.perf_counter()
+            b = clock()
             comm = simulate_moe_layer(plan, w.model, w.topology, w.costs, w.train, w.tol)
-            done[(name, mb)] = LayerDone(comm, PlanFootprint.of(plan), b - a, time.perf_counter() - b)
+            c = clock()
+            done[(name, mb)] = LayerDone(comm, PlanFootprint.of(plan), b[0] - a[0], c[0] - b[0], b[1] - a[1], c[1] - b[1])
             del plan
-    return RoutingDone(done, routing_s)
+    return RoutingDone(done, routing_s, routing_cpu_s)
 
 
 def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str], None] | None = None,
@@ -265,13 +274,14 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
     del work
     wall = time.perf_counter() - t0
     routing_s = sum(d.routing_s for d in done)
+    routing_cpu_s = sum(d.routing_cpu_s for d in done)
     by_key = dict(zip(keys, done))
     for name, _ in cfg.strategies:
         cache = {(k, mb): d.done[(name, mb)] for k, d in by_key.items() for mb in range(M)}
         plans = [d.footprint for d in cache.values()]
         plan_s = sum(d.plan_s for d in cache.values())
         sim_s = sum(d.sim_s for d in cache.values())
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         first_moe = m.dense_layers
         comm_of = lambda layer, mb, cache=cache: cache[(layer_keys[layer - first_moe], mb)].comm
         tl = compose(m, mb_shapes, costs, ov, comm_of, R, train)
@@ -284,6 +294,10 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
                  static_tokens=int(cfg.static_tokens[name]) if name in cfg.static_tokens else None,
                  wall_seconds=dict(routing=routing_s, plan=plan_s, simulate=sim_s, layers_wall=wall,
                                    compose=time.perf_counter() - t0),
+                 # CPU seconds where they ran (workers' own with a pool); routing: shared by the strategies
+                 cpu_seconds=dict(routing=routing_cpu_s, plan=sum(d.plan_cpu_s for d in cache.values()),
+                                  simulate=sum(d.sim_cpu_s for d in cache.values()),
+                                  compose=time.process_time() - c0),
                  rows_max_mean=_rows_ratio(comms),
                  padded_rows_per_rank=float(np.mean([c.padded_rows_R.max() for c in comms.values()])) if comms else 0.0,
                  real_rows_per_rank=float(np.mean([c.rows_R.max() for c in comms.values()])) if comms else 0.0,
