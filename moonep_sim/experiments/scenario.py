@@ -31,7 +31,7 @@ from moonep_sim.limits import MAX_TOKEN_PADDING
 from moonep_sim.experiments.results import (CompareResult, LayerPlans, PlansResult, ReplayResult, SimulateResult,
                                             SweepResult)
 from moonep_sim.experiments.routing import GeneratorSpec, RoutingSource, open_routing
-from moonep_sim.experiments.spec import DISPATCH_DTYPES, normalise_dtype, strategy_list
+from moonep_sim.experiments.spec import DISPATCH_DTYPES, normalise_dtype, parse_cluster, strategy_list
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
@@ -41,25 +41,6 @@ DEFAULT_STRATEGIES = ("alltoall", "capacity", "hierarchical", "moonep")
 DEFAULT_TOPOLOGY = "h800-cx7"
 
 Progress = Callable[[str, int, int], None]
-
-
-def parse_cluster(cluster: Any) -> tuple[int | None, int | None]:
-    """``8``, ``"8"``, ``"8/4"`` (ranks / GPUs per node), ``(8, 4)`` or a ClusterShape -> (R, G)."""
-    if cluster is None:
-        return None, None
-    if isinstance(cluster, ClusterShape):
-        return cluster.ranks, cluster.gpus_per_node
-    if isinstance(cluster, int):
-        return cluster, None
-    if isinstance(cluster, (tuple, list)):
-        require(len(cluster) == 2, f"cluster ({cluster!r}) must be (ranks, gpus_per_node)")
-        return int(cluster[0]), int(cluster[1]) or None
-    text = str(cluster)
-    r, sep, g = text.partition("/")
-    try:
-        return int(r), (int(g) if sep else None)
-    except ValueError:
-        raise ConfigError(f"cluster ({text!r}) must look like RANKS or RANKS/GPUS_PER_NODE, e.g. 16/8") from None
 
 
 @dataclass(frozen=True)
@@ -301,16 +282,15 @@ class Scenario:
         each step its own batch: ``over`` a topology constant, ``ranks`` (``ep``), ``gpus_per_node``,
         ``tokens_per_rank`` or ``maxvio`` (re-weighted popularity), see
         :mod:`moonep_sim.experiments.trace_sweep` (the spread behind its verdicts is over steps)."""
-        from moonep_sim.experiments.seeds import sweep_seeds
-        from moonep_sim.experiments.sweep import sweep
+        from moonep_sim.experiments.sweep import sweep_over_seeds
 
         if self.is_trace():
             from moonep_sim.experiments.trace_sweep import trace_sweep
 
             return SweepResult.from_report(trace_sweep(self, over, values, progress=progress, jobs=jobs,
                                                        cluster=cluster))
-        return SweepResult.from_report(sweep_seeds(self.sweep_config(over, values, maxvio=maxvio), seeds,
-                                                   lambda c: sweep(c, progress=progress, jobs=jobs, cluster=cluster)))
+        return SweepResult.from_report(sweep_over_seeds(self, self.sweep_axis(over, values, maxvio=maxvio), seeds,
+                                                        progress=progress, jobs=jobs, cluster=cluster))
 
     def winner_map(self, over: str, values: Sequence[float] | None, by: str, by_values: Sequence[float], *,
                    maxvio: float | None = None, progress: Progress | None = None, jobs: int | None = 1,
@@ -321,58 +301,28 @@ class Scenario:
         runner-up, every strategy's time; ``sweeps`` holds the full reports). ``seeds`` > 1: every
         sweep at that many seeds, each cell's times the means and its verdict (tie, confidence) from
         the spread over seeds."""
-        from dataclasses import replace
-
-        from moonep_sim.experiments.seeds import sweep_seeds
-
-        from moonep_sim.experiments.sweep import check, sweep
-        from moonep_sim.experiments.winner import winner_map
+        from moonep_sim.experiments.sweep import at, check_rows, sweep_over_seeds, winner_of
 
         if self.is_trace():
             from moonep_sim.experiments.trace_sweep import trace_winner_map
 
             return trace_winner_map(self, over, values, by, by_values, progress=progress, jobs=jobs, cluster=cluster)
-        require(by in ("tokens-per-rank", "maxvio", "ep"), f"by ({by!r}) must be tokens-per-rank, maxvio or ep")
-        require(by != over, f"by ({by}) must differ from over ({over})")
-        base = self.sweep_config(over, values, maxvio=maxvio)
-        field = {"tokens-per-rank": "tokens_per_rank", "maxvio": "maxvio", "ep": "ranks"}[by]
-        cfgs = [replace(base, **{field: (float(v) if by == "maxvio" else int(v))}) for v in by_values]
-        for c in cfgs:
-            check(c)  # every input checked before any work
-        reps = [(float(v), sweep_seeds(c, seeds, lambda c: sweep(c, progress=progress, jobs=jobs, cluster=cluster)))
-                for v, c in zip(by_values, cfgs)]
-        m = winner_map(reps, by)
-        m["sweeps"] = [r for _, r in reps]
-        return m
+        ax = self.sweep_axis(over, values, maxvio=maxvio)
+        check_rows(self, ax, by, by_values)  # every input checked before any work
+        return winner_of([(float(v), sweep_over_seeds(*at(self, ax, by, v), seeds, progress=progress, jobs=jobs,
+                                                      cluster=cluster)) for v in by_values], by)
 
     def is_trace(self) -> bool:
         """True when the routing is a trace file (not a generator spec or routing in memory)."""
         return not isinstance(self.routing, (GeneratorSpec, GlobalRouting)) and not (
             isinstance(self.routing, str) and self.routing.startswith("gen:"))
 
-    def sweep_config(self, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None):
-        """The :class:`~moonep_sim.experiments.sweep.SweepConfig` of :meth:`sweep` (checked by ``check``)."""
-        from moonep_sim.experiments.sweep import SweepConfig, default_values
+    def sweep_axis(self, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None):
+        """The :class:`~moonep_sim.experiments.sweep.SweepAxis` of :meth:`sweep` on generated routing
+        (default values derived, those left out named); ``sweep.setup(scenario, axis)`` checks both."""
+        from moonep_sim.experiments.sweep import axis
 
-        spec = self.routing if isinstance(self.routing, GeneratorSpec) else (
-            GeneratorSpec.parse(self.routing) if isinstance(self.routing, str) and self.routing.startswith("gen:")
-            else None)
-        require(spec is not None, f"sweep routing ({self.routing!r}) must be a generator spec (gen:model=...): "
-                                  "a sweep generates routing at every point")
-        model = spec.resolve_model(self.model)
-        strategies = strategy_list(self.strategies, self.options)
-        R, G = parse_cluster(self.cluster)
-        over = {"ranks": "ep"}.get(over, over)
-        left_out: list = []
-        vals = list(values) if values is not None else default_values(
-            over, model, self.topology, tokens=spec.tokens_per_rank * (R or 64), left_out=left_out)
-        pop = spec.popularity()
-        cfg = SweepConfig(model, over, [float(v) for v in vals], [(n, dict(o)) for n, o in strategies], self.topology,
-                          R or 64, G or 0, spec.tokens_per_rank,
-                          float(maxvio if maxvio is not None else pop.get("maxvio", 1.0)), spec.seed,
-                          normalise_dtype(self.dispatch_dtype), self.token_padding)
-        cfg.left_out = left_out
-        return cfg
+        return axis(self, over, values, maxvio=maxvio)
 
 
 def _verdict_view(res) -> dict[str, Any]:
