@@ -163,7 +163,10 @@ class Scenario:
         sim_options: :class:`moonep_sim.sim.SimOptions` fields (``backward``, ``chunks``, ``faults``,
         ``jitter``, ``seed``, ``tol``, ``overlap_prefetch``, ``timeline``). ``layer_time_us``: the
         token-weighted mean over steps; ``per_strategy``: the simulator's result of the slowest step
-        (the only one for a single step) with ``per_step`` and ``steps_aggregate`` beside it.
+        (the only one for a single step) with ``per_step`` and ``steps_aggregate`` beside it;
+        ``verdict``: who wins and why, each chain read stage by stage
+        (:func:`~moonep_sim.experiments.verdict.simulate_verdict`; one strategy: a stated
+        single-strategy verdict; ``isolate``: none, a kernel timed alone is no comparison).
         """
         from moonep_sim import sim
         from moonep_sim.experiments.compare import topology_info
@@ -179,10 +182,12 @@ class Scenario:
         tokens = [rs.source.batch_tokens[[b[0] for b in rs.source.batches].index(st)] for st in steps]
         per: dict[str, Any] = {}
         raw: dict[str, Any] = {}
+        runs: dict[str, list] = {}
         for name, _ in rs.strategies:
             t0 = time.perf_counter()
-            res_S = [sim.simulate_layers([p.plan for p in plans.items if p.strategy == name and p.step == st],
-                                         rs.topology, rs.source.model, opts) for st in steps]
+            chains = [[p.plan for p in plans.items if p.strategy == name and p.step == st] for st in steps]
+            res_S = [sim.simulate_layers(ch, rs.topology, rs.source.model, opts) for ch in chains]
+            runs[name] = [(ch, _verdict_view(r)) for ch, r in zip(chains, res_S)]
             t_S = [float(r.layer_time_us) for r in res_S]
             worst = int(max(range(len(t_S)), key=t_S.__getitem__))
             d = to_jsonable(res_S[worst].to_dict(), lenient=True)
@@ -195,9 +200,13 @@ class Scenario:
             d["flags"] = _simulate_flags(rs, name, [p.plan for p in plans.items if p.strategy == name])
             per[name] = d
             raw[name] = res_S[worst]
+        from moonep_sim.experiments.verdict import simulate_verdict
+
+        flags = [f for n in per for f in per[n]["flags"]]
+        v = simulate_verdict(runs, rs.topology, tokens, flags) if opts.isolate is None else None
         return SimulateResult(tuple(per), {n: float(per[n]["steps_aggregate"]["layer_time_us"]["token_weighted_mean"])
                                            for n in per}, per, topology_info(rs.topology), raw,
-                              dict(rs.source.steps_info(), warnings=list(rs.warnings)))
+                              dict(rs.source.steps_info(), warnings=list(rs.warnings)), v)
 
     # -- whole steps --------------------------------------------------------------------------------
     def step(self, mode: str = "train", overlap: str = "none", **options: Any):
@@ -361,6 +370,14 @@ def _default_step():
     from moonep_sim.experiments.step import StepOptions
 
     return StepOptions()
+
+
+def _verdict_view(res) -> dict[str, Any]:
+    """The parts of a simulator's result the verdict reads (:func:`~.verdict.chain_figures`)."""
+    d = {"layer_time_us": float(res.layer_time_us), "per_rank": res.per_rank, "phases_us": res.phases_us}
+    if len(res.stages) > 1:
+        d["stages"] = res.stages
+    return d
 
 
 def _simulate_flags(rs: Resolved, name: str, plans: list) -> list[dict[str, Any]]:
