@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from moonep_sim.errors import PlanError
+from moonep_sim.plan.assembly import Entries, Padding, Slots
 from moonep_sim.plan.build import final_rows, slot_layout, sorted_layout
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.order import segment_ranges, stable_order
@@ -143,55 +144,42 @@ def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
     return dup
 
 
-def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
-                  slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_N: np.ndarray, hops: Sequence[Hop],
-                  entry_buf_row_N: np.ndarray | None, entry_dup_N: np.ndarray, *, token_padding: int = 1,
-                  min_rows_S: np.ndarray | None = None, pad_slot_P: np.ndarray | None = None,
-                  pad_buf_row_P: np.ndarray | None = None, capacity_R: np.ndarray | None = None,
-                  options: dict[str, Any] | None = None,
-                  slot_order: tuple | None = None, entry_rank_N: np.ndarray | None = None,
+def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slots: Slots, entries: Entries,
+                  hops: Sequence[Hop], *, padding: Padding = Padding(), options: dict[str, Any] | None = None,
                   scratch: list | None = None, **extra) -> Plan:
     """A Plan from explicit hops and each entry's row in the last hop's buffer.
 
-    slot_rank_S / slot_expert_S / slot_home_S: int64 [S] the slots, sorted by rank.
-    hops: the dispatch hops in order (see :class:`~moonep_sim.plan.Hop`).
-    entry_slot_N: int64 [N] slot of each entry (slots sorted by rank), -1 = dropped; None when
-    ``slot_order`` and ``entry_rank_N`` are given (nothing else needs it).
-    entry_buf_row_N: int64 [N] row of the last buffer (on the entry's rank) holding its token.
-    entry_dup_N: bool [N] duplicate flags (see :class:`Plan`).
-    pad_slot_P / pad_buf_row_P: optional padding rows that *arrived* over the wire (zero rows sent
-    with ``src_row == -1``) and are computed by slot ``pad_slot_P[p]``: they fill that slot's
-    padding rows in order; padding rows beyond them read the local zero row (-1).
+    slots: the expert slots, sorted by rank.  entries: where each entry is after the last hop
+    (its slot, its row in the last buffer, its duplicate flag; optionally its rank and slot
+    order).  hops: the dispatch hops in order (see :class:`~moonep_sim.plan.Hop`).
+    padding: how slots are padded (:class:`~moonep_sim.plan.assembly.Padding`).
     options: what the planner reports (``make_plan`` overlays them on the parsed options).
-    slot_order: optional ``(order_N, n_drop, slot_rows_S)`` for a planner that knows the entries'
-    (slot, entry) order, dropped first (what :func:`~moonep_sim.plan.build.slot_sort` returns of
-    ``entry_slot_N``): it saves that sort. A fourth item, int64 [N - n_drop] the last-buffer row of
-    each kept entry in that order, may stand in for ``entry_buf_row_N`` (then None).
-    entry_rank_N: optional int64 [N] each entry's rank (``slot_rank_S[entry_slot_N]``, -1 dropped)
-    when the caller has it already: the Plan's ``entry_rank_TK`` (not copied).
     scratch: optional list of dead int64 [N] arrays (the caller's own, no longer referenced) the
     layout may use as scratch space; none ends up in the Plan.
+    extra: further Plan fields (``capacity_R``, ``kernel``, ...).
     """
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
-    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    if entry_slot_N is None and (slot_order is None or entry_rank_N is None):
-        raise PlanError("entry_slot_N (None) must be given unless slot_order and entry_rank_N are")
-    entry_slot = None if entry_slot_N is None else np.asarray(entry_slot_N, dtype=np.int64).ravel()
-    kept_buf_row = None if slot_order is None or len(slot_order) < 4 else np.asarray(slot_order[3], dtype=np.int64)
-    if entry_buf_row_N is None and kept_buf_row is None:
-        raise PlanError("entry_buf_row_N (None) must be given unless slot_order carries the kept entries' rows")
-    entry_buf_row = None if entry_buf_row_N is None else np.asarray(entry_buf_row_N, dtype=np.int64)
+    slot_rank_S = np.asarray(slots.rank_S, dtype=np.int64)
+    so = entries.order
+    if entries.slot_N is None and (so is None or entries.rank_N is None):
+        raise PlanError("entries.slot_N (None) must be given unless entries.order and entries.rank_N are")
+    entry_slot = None if entries.slot_N is None else np.asarray(entries.slot_N, dtype=np.int64).ravel()
+    kept_buf_row = None if so is None or so.buf_row_K is None else np.asarray(so.buf_row_K, dtype=np.int64)
+    if entries.buf_row_N is None and kept_buf_row is None:
+        raise PlanError("entries.buf_row_N (None) must be given unless entries.order carries the kept entries' rows")
+    entry_buf_row = None if entries.buf_row_N is None else np.asarray(entries.buf_row_N, dtype=np.int64)
+    tp = padding.token_padding
     # entries sorted by (slot, entry), dropped first: the final rows in order (see plan.layout_slots)
-    if slot_order is None:
-        lay = slot_layout(entry_slot, slot_rank_S, token_padding, min_rows_S, R, scratch=scratch)
+    if so is None:
+        lay = slot_layout(entry_slot, slot_rank_S, tp, padding.min_rows_S, R, scratch=scratch)
     else:
-        lay = sorted_layout(slot_order[0], int(slot_order[1]), np.asarray(slot_order[2], dtype=np.int64),
-                            slot_rank_S, token_padding, min_rows_S, R, scratch=scratch)
+        lay = sorted_layout(so.order_N, int(so.n_drop), np.asarray(so.slot_rows_S, dtype=np.int64), slot_rank_S, tp,
+                            padding.min_rows_S, R, scratch=scratch)
     slot_rows, padded, offset, entry_row = lay.slot_rows_S, lay.slot_padded_S, lay.slot_offset_S, lay.entry_row_N
     kept_sorted = lay.order_N[lay.n_drop:]
-    if entry_rank_N is not None:
-        entry_rank = np.asarray(entry_rank_N, dtype=np.int64).ravel()
+    if entries.rank_N is not None:
+        entry_rank = np.asarray(entries.rank_N, dtype=np.int64).ravel()
     elif lay.n_drop:
         entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
     else:
@@ -199,27 +187,26 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     row_off = np.concatenate([[0], np.cumsum(lay.rows_R)])
     row_entry, expand = final_rows(lay, kept_sorted, entry_buf_row, kept_buf_row)
     del lay, kept_sorted
-    if pad_slot_P is not None and len(pad_slot_P):
-        ps = np.asarray(pad_slot_P, dtype=np.int64)
+    if padding.slot_P is not None and len(padding.slot_P):
+        ps = np.asarray(padding.slot_P, dtype=np.int64)
         cnt = np.bincount(ps, minlength=slot_rank_S.size)
         if (cnt > padded - slot_rows).any():
             s = int(np.argmax(cnt > padded - slot_rows))
             raise PlanError(f"padding rows of slot {s} ({int(cnt[s])}) must fit its padding "
                             f"({int(padded[s] - slot_rows[s])})")
-        pad_row = np.asarray(pad_buf_row_P, dtype=np.int64)
+        pad_row = np.asarray(padding.buf_row_P, dtype=np.int64)
         if ps.size > 1 and bool((ps[1:] < ps[:-1]).any()):  # padding rows by slot, arrival order kept
             pad_row = pad_row[stable_order(ps, slot_rank_S.size)]
         # the j-th arrived padding row of slot s fills row slot_rows[s] + j of its segment
         expand[segment_ranges(row_off[slot_rank_S] + offset + slot_rows, cnt)] = pad_row
     return Plan(
         strategy="", options=dict(options or {}), cluster=cluster, num_experts=routing.num_experts, top_k=K,
-        tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),
+        tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(tp), 1),
         entry_rank_TK=entry_rank.reshape(T, K), entry_row_TK=entry_row.reshape(T, K),
-        entry_dup_TK=np.asarray(entry_dup_N, dtype=bool).reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
-        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slot_expert_S, dtype=np.int64),
-        slot_home_S=np.asarray(slot_home_S, dtype=np.int64), slot_offset_S=offset, slot_rows_S=slot_rows,
-        slot_padded_S=padded, row_entry_W=row_entry, expand_src_row_W=expand, hops=tuple(hops),
-        capacity_R=capacity_R, **extra)
+        entry_dup_TK=np.asarray(entries.dup_N, dtype=bool).reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
+        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slots.expert_S, dtype=np.int64),
+        slot_home_S=np.asarray(slots.home_S, dtype=np.int64), slot_offset_S=offset, slot_rows_S=slot_rows,
+        slot_padded_S=padded, row_entry_W=row_entry, expand_src_row_W=expand, hops=tuple(hops), **extra)
 
 
 def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
@@ -325,8 +312,9 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
         entry_buf_row[kept] = row
     if entry_dup is None:
         entry_dup = dup_flags(entry_rank, K) if dedup[-1] else np.zeros(N, dtype=bool)
-    return assemble_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot, hops,
-                         entry_buf_row, entry_dup, token_padding=token_padding, options=options, **extra)
+    return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slot_expert_S, slot_home_S),
+                         Entries(entry_slot, entry_buf_row, entry_dup), hops, padding=Padding(token_padding),
+                         options=options, **extra)
 
 
 def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
@@ -386,9 +374,9 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
     del pos, dst8
     if entry_dup is None:
         entry_dup = dup_flags(entry_rank, routing.top_k) if dedup[-1] else np.zeros(N, dtype=bool)
-    return assemble_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot_N, hops, row,
-                         entry_dup, token_padding=token_padding, options=options, entry_rank_N=entry_rank,
-                         scratch=scratch, **extra)
+    return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slot_expert_S, slot_home_S),
+                         Entries(entry_slot_N, row, entry_dup, rank_N=entry_rank), hops,
+                         padding=Padding(token_padding), options=options, scratch=scratch, **extra)
 
 
 def home_slots(placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
