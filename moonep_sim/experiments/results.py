@@ -113,7 +113,9 @@ class SimulateResult(_TakeAway):
     ``per_step`` (the series) and ``steps_aggregate`` (token-weighted mean, median, p90, worst).
     topology: the topology's name and every constant behind the figures.  raw: strategy -> the
     simulator's result object of that step (timeline events included when asked for).  steps:
-    how the steps were costed (mode, step ids, tokens) and any warning.
+    how the steps were costed (mode, step ids, tokens) and any warning.  verdict: winner,
+    runner-up, margin, tie, confidence, mechanism, why (:mod:`~.verdict`; a field here, the same
+    property as every result's).
     """
 
     strategies: tuple[str, ...]
@@ -122,11 +124,13 @@ class SimulateResult(_TakeAway):
     topology: Mapping[str, Any]
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
     steps: Mapping[str, Any] = field(default_factory=dict)
+    verdict: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "simulate", "topology": dict(self.topology), "steps": dict(self.steps),
                 "strategies": {n: dict(self.per_strategy[n]) for n in self.strategies},
-                "flags": [f for n in self.strategies for f in self.per_strategy[n].get("flags", [])]}
+                "flags": [f for n in self.strategies for f in self.per_strategy[n].get("flags", [])],
+                "verdict": self.verdict}
 
 
 @dataclass(frozen=True, repr=False)
