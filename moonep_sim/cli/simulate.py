@@ -116,7 +116,7 @@ def run(args) -> int:
     kern = None
     if args.isolate:
         from moonep_sim.sim.kernels import isolated_kernel_figures
-        kern = isolated_kernel_figures(sc.plans().plan(args.strategy, step=per["step"]), res, args.isolate)
+        kern = isolated_kernel_figures(sc.plans().plan(args.strategy, step=per["step"]), res, args.isolate, topo)
     if args.json:
         d = res.to_dict()
         d.update(model=model.name, layers=layer_ids, plan_wall_seconds=plan_s, step=per["step"],
@@ -143,6 +143,10 @@ def run(args) -> int:
             if k in kern:
                 c.print(f"{'*' if k in mine else ' '} {kern[k + '_GBps']:,.1f} GB/s  {hows[k]}: "
                         f"{kern[k] / 1e6:,.2f} MB per rank")
+        if "epilogue_us" in kern:
+            c.print(f"  copy epilogue ({kern['epilogue']}), timed apart as the library's test does: "
+                    f"{kern['epilogue_us']:,.1f} us per rank, {kern['epilogue_GBps']:,.1f} GB/s of rows read + "
+                    "written (not in the kernel time above)")
     c.print(f"[bold]{res.strategy}[/bold] on [bold]{topo.name}[/bold]: {res.ranks} ranks "
             f"({min(topo.gpus_per_node, res.ranks)} per node), model {model.name}, layers {layer_ids}"
             f"{', forward + backward' if args.backward else ', forward'}")
