@@ -3,7 +3,9 @@
     python benchmarks/bench_generate.py [--tokens 64x8192] [--maxvio 1.0]
 
 Default: a Kimi-K3-shaped layer (E=896, K=16) for 64 ranks x 8192 tokens = 524288 tokens
-(8.4M (token, k) entries), MoonEP's method at maxvio 1; then the imports of the real files
+(8.4M (token, k) entries), MoonEP's method at maxvio 1; one sampling pass of the fast
+Plackett-Luce path and of the exponential race (the reference sampler, which groups and logits
+take) on the same popularity, in CPU seconds in the same run; then the imports of the real files
 (when ../shared/traces/real exists) and `inspect` of the generated layer written to disk.
 """
 
@@ -14,7 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from moonep_sim.routing.generators import generate, generate_trace
+from moonep_sim.routing.sampling import sample_topk_pl, sample_topk_race
 from moonep_sim.routing.importers import load_source
 from moonep_sim.routing.metrics import inspect_trace
 
@@ -25,6 +30,12 @@ def timed(fn):
     t0 = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - t0
+
+
+def cpu_timed(fn):
+    t0 = time.process_time()
+    out = fn()
+    return out, time.process_time() - t0
 
 
 def main() -> None:
@@ -42,6 +53,11 @@ def main() -> None:
           f"(realised maxvio {b['maxvio']:.4f}, sigma {b['sigma']:.4f}, {b['calibration_samples']} sampling pass(es))")
     _, s = timed(lambda: generate(E, K, T, seed=0, sigma=b["sigma"]))
     print(f"generate same shape, fixed sigma (one sampling pass): {s:.2f} s")
+    logp = b["sigma"] * np.random.default_rng(0).standard_normal(E)
+    _, fast = cpu_timed(lambda: sample_topk_pl(logp, K, T, np.random.default_rng(1)))
+    _, race = cpu_timed(lambda: sample_topk_race(logp, K, T, np.random.default_rng(1)))
+    print(f"one sampling pass, CPU s: Plackett-Luce fast path {fast:.2f} s, exponential race (reference) "
+          f"{race:.2f} s ({race / max(fast, 1e-9):.1f}x)")
     _, s = timed(lambda: generate(E, K, T, seed=0, sigma=b["sigma"], groups=8, topk_groups=4))
     print(f"generate same shape, group-limited 4 of 8 groups: {s:.2f} s")
     with tempfile.TemporaryDirectory() as d:

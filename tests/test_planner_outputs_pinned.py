@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 
 from conftest import random_routing
 from moonep_sim.errors import ConfigError, PlanError, require
-from moonep_sim.plan import ClusterShape, GlobalRouting, Hop, Placement, Plan, RowCosts, validate
+from moonep_sim.plan import (ClusterShape, Entries, GlobalRouting, Hop, Padding, Placement, Plan, RowCosts, Slots,
+                             validate)
 from moonep_sim.strategies import PlanContext, make_plan
 
 # Notation: T tokens, K top-k, E experts, R ranks, G GPUs per node, N = T*K entries, S slots.
@@ -162,10 +163,10 @@ def ref_capacity(routing: GlobalRouting, ctx: PlanContext, cf: float = 1.0, drop
     capacity_R = np.bincount(sr, weights=slot_cap, minlength=R).astype(np.int64)
     return ref_assemble_plan("capacity", {"cf": cf, "drop": drop, "pad": pad,
                                       "capacity_per_source_rank": int(cap_R.max()) if R else 0},
-                         routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [hop], entry_buf_row,
-                         np.zeros(T * K, dtype=bool), token_padding=tp,
-                         min_rows_S=slot_cap if pad else None, pad_slot_P=pad_slot, pad_buf_row_P=pad_row,
-                         capacity_R=capacity_R, started=t0)
+                         routing, ctx.cluster, ctx.costs, Slots(sr, se, sr),
+                         Entries(entry_slot, entry_buf_row, np.zeros(T * K, dtype=bool)), [hop],
+                         padding=Padding(tp, slot_cap if pad else None, pad_slot, pad_row), capacity_R=capacity_R,
+                         started=t0)
 
 
 # --- moonep_sim.strategies.hierarchical --------------------------------------------------------
@@ -238,8 +239,9 @@ def ref_allgather(routing: GlobalRouting, ctx: PlanContext) -> Plan:
     entry_slot = slot_of[routing.topk_ids_TK].ravel()
     entry_rank = sr[entry_slot]
     entry_buf_row = np.repeat(np.arange(T, dtype=np.int64), K)  # every rank's buffer holds token t at row t
-    return ref_assemble_plan("allgather", {}, routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [hop],
-                         entry_buf_row, ref_dup_flags(entry_rank, K), token_padding=ctx.token_padding, started=t0)
+    return ref_assemble_plan("allgather", {}, routing, ctx.cluster, ctx.costs, Slots(sr, se, sr),
+                             Entries(entry_slot, entry_buf_row, ref_dup_flags(entry_rank, K)), [hop],
+                             padding=Padding(ctx.token_padding), started=t0)
 
 
 # --- moonep_sim.strategies.eplb ----------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The ``moonep-sim`` command. Each subcommand lives in its own module of this package and exposes
 ``register(subparsers)``, which adds its parser and sets ``func`` (called with the parsed args, returns
-an exit code). User errors (:class:`MoonEPSimError`) print one line and exit 2; Ctrl-C exits 130.
+an exit code). Errors print one line: bad input (:class:`MoonEPSimError`) exits 2, a failed collective
+(:class:`CommError`) 1, Ctrl-C 130 -- the statuses the launchers use (``errors.exit_status``).
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import importlib
 import sys
 
 from moonep_sim import __version__
-from moonep_sim.errors import MoonEPSimError, OneLineArgumentParser
-from moonep_sim.memory import prefer_small_pages
+from moonep_sim.errors import OneLineArgumentParser, exit_status
+from moonep_sim.memory import prefer_small_pages, reuse_freed_memory
 
 # order = order in --help
 _COMMANDS = ("demo", "models", "strategies", "trace", "plan", "simulate", "step", "topologies", "compare", "sweep",
@@ -37,14 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     prefer_small_pages()  # fresh huge pages cost a command more system time than they save (moonep_sim.memory)
-    try:
-        return int(args.func(args) or 0)
-    except MoonEPSimError as e:
-        print(f"moonep-sim: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("moonep-sim: interrupted", file=sys.stderr)
-        return 130
+    reuse_freed_memory()  # a freed temporary's pages serve the next one, not fresh pages (moonep_sim.memory)
+    return exit_status(args.func, args)  # 1 a failed collective, 2 bad input, 130 Ctrl-C (as the launchers)
 
 
 if __name__ == "__main__":  # pragma: no cover

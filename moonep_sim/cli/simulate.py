@@ -3,8 +3,10 @@
 Routing comes from a trace (``--trace``) or is generated (``--gen maxvio=10,model=kimi-k3,
 tokens-per-rank=8192[,seed=0]``, the grammar of :mod:`moonep_sim.experiments.routing`). Tokens of a
 layer are split evenly over ``--ranks``. A thin adapter over
-:meth:`moonep_sim.experiments.Scenario.simulate`. The summary names the layer
-time, the phases, the lower bound, the straggler (rank and cause) and the busiest port.
+:meth:`moonep_sim.experiments.Scenario.simulate`. The summary names, per strategy, the layer
+time, the phases, the lower bound, the straggler (rank and cause) and the busiest port; then the
+verdict (several strategies: who wins, by how much, how sure and which term accounts for it) and
+the flags.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ def register(sub) -> None:
                      help="generated routing instead of a trace, e.g. model=kimi-k3,maxvio=10,tokens-per-rank=4096 "
                           "(keys and defaults: docs/traces.md; default model=mixtral-8x7b,maxvio=1,"
                           "tokens-per-rank=512)")
-    p.add_argument("--strategy", required=True, help="strategy name (`moonep-sim strategies` lists them)")
+    p.add_argument("--strategy", required=True,
+                   help="strategy name, or several comma-separated (each simulated, then a verdict: who wins, by "
+                        "how much and why); `moonep-sim strategies` lists them")
     p.add_argument("--topology", default="h800-cx7", help="preset name or .toml file (see `moonep-sim topologies`)")
     p.add_argument("--ranks", type=int, default=None, help="EP ranks (default: 8, or the largest divisor of E below)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the topology's, at most R)")
@@ -59,7 +63,7 @@ def register(sub) -> None:
 def scenario(args):
     """The Scenario these arguments describe (shared with tests)."""
     from moonep_sim.experiments import GeneratorSpec, Scenario
-    from moonep_sim.experiments.spec import parse_opt_items
+    from moonep_sim.experiments.spec import parse_opt_items, split_names
 
     check_cluster_args(args)
     if args.gen:
@@ -69,8 +73,10 @@ def scenario(args):
         routing, layers = spec, [0]
     else:
         routing, layers = args.trace, parse_int_list(args.layers, "--layers")
+    names = split_names(args.strategy)
+    opts = parse_opt_items(args.opt, names)
     sc = Scenario(routing=routing, model=args.model, cluster=(args.ranks or 0, args.gpus_per_node or 0),
-                  topology=args.topology, strategies=[(args.strategy, parse_opt_items(args.opt, [args.strategy])[args.strategy])], layers=layers,
+                  topology=args.topology, strategies=[(n, opts[n]) for n in names], layers=layers,
                   steps=args.steps if not args.gen else None,
                   dispatch_dtype=args.dispatch_dtype, token_padding=args.token_padding)
     if layers is None:  # a trace's first layer unless --layers says otherwise
@@ -87,69 +93,103 @@ def build_plans(args):
 
 def run(args) -> int:
     from moonep_sim.sim import parse_faults
-    from moonep_sim.sim.perfetto import write_trace
     from moonep_sim.sim.timeline import DEFAULT_TOL
 
-    from moonep_sim.cli.common import output_rule
+    from moonep_sim.cli.common import output_rule, print_warnings
     output_rule(args, files=("timeline", "gantt"))  # before the run, not after it
     check_int(args.chunks, "--chunks", 1, MAX_CHUNKS, "pipeline chunks")
     faults = parse_faults(args.slow_gpu, args.degrade_nic, args.degrade_nvlink, args.stall)
     sc = scenario(args)
     rs = sc.resolved  # everything checked before any work
-    topo, model, layer_ids = rs.topology, rs.source.model, list(rs.source.layer_ids)
+    names = [n for n, _ in rs.strategies]
+    layer_ids = list(rs.source.layer_ids)
     require(not args.isolate or len(layer_ids) == 1,
             f"--isolate times one layer's kernel: --layers must name one layer, not {len(layer_ids)}")
+    require(len(names) == 1 or not (args.isolate or args.timeline),
+            f"--{'isolate' if args.isolate else 'timeline'} takes one --strategy, not {len(names)} ({', '.join(names)})")
     t0 = time.perf_counter()
     out = sc.simulate(backward=args.backward, overlap_prefetch=not args.no_overlap_prefetch, chunks=args.chunks,
                       seed=args.seed, faults=tuple(faults), jitter=args.jitter,
                       tol=DEFAULT_TOL if args.tol is None else args.tol, timeline=bool(args.timeline),
                       isolate=args.isolate)
-    res = out.raw[args.strategy]
-    per = out.per_strategy[args.strategy]
-    from moonep_sim.cli.common import print_warnings
     print_warnings(out.steps.get("warnings"))
-    plan_s = time.perf_counter() - t0 - res.sim_stats["wall_seconds"]
+    plan_s = time.perf_counter() - t0 - sum(out.raw[n].sim_stats["wall_seconds"] for n in names)
+    kern = None
     if args.timeline:
+        from moonep_sim.sim.perfetto import write_trace
+
+        res = out.raw[names[0]]
         write_trace(args.timeline, res.timeline_events,
                     {"strategy": res.strategy, "topology": res.topology, "ranks": res.ranks,
                      "layer_time_us": res.layer_time_us})
-    kern = None
     if args.isolate:
         from moonep_sim.sim.kernels import isolated_kernel_figures
-        kern = isolated_kernel_figures(sc.plans().plan(args.strategy, step=per["step"]), res, args.isolate, topo)
+        kern = isolated_kernel_figures(sc.plans().plan(names[0], step=out.per_strategy[names[0]]["step"]),
+                                       out.raw[names[0]], args.isolate, rs.topology)
     if args.json:
-        d = res.to_dict()
-        d.update(model=model.name, layers=layer_ids, plan_wall_seconds=plan_s, step=per["step"],
-                 per_step=per["per_step"], steps_aggregate=per["steps_aggregate"], steps=dict(out.steps))
-        if kern is not None:
-            d["kernel"] = kern
-        print_json(d)
+        print_json(_json(out, names, rs, plan_s, kern))
         return 0
     c = console()
     if kern is not None:
-        c.print(f"[bold]{args.isolate} kernel alone[/bold]: {kern['rank_mean_us']:,.1f} us per rank (mean of each "
-                f"rank's own kernel time, as DeepEP times it), {kern['span_us']:,.1f} us to the last rank; "
-                f"row {kern['row_bytes']} B")
-        hows = {"rows_received": "rows received per rank, own included (DeepEP V1 intranode / NVLink)",
-                "node_pairs": "unique (token, node) pairs incl. the local node (DeepEP V1 internode / RDMA)",
-                "scale_up": "rows sent to other GPUs of the node, every hop (DeepEP V2 scale-up)",
-                "scale_out": "rows sent to other nodes, every hop (DeepEP V2 scale-out)",
-                "selections": "every (token, expert) selection (low-latency tests; MoonEP's logical with 2H rows)"}
-        mine = kern.get("library_counts", [])
-        if kern.get("family"):
-            c.print(f"  kernel family {kern['family']}: its library's own test counts "
-                    f"{' and '.join(mine) or 'none of these'} (marked *)")
-        for k in sorted(hows, key=lambda k: k not in mine):
-            if k in kern:
-                c.print(f"{'*' if k in mine else ' '} {kern[k + '_GBps']:,.1f} GB/s  {hows[k]}: "
-                        f"{kern[k] / 1e6:,.2f} MB per rank")
-        if "epilogue_us" in kern:
-            c.print(f"  copy epilogue ({kern['epilogue']}), timed apart as the library's test does: "
-                    f"{kern['epilogue_us']:,.1f} us per rank, {kern['epilogue_GBps']:,.1f} GB/s of rows read + "
-                    "written (not in the kernel time above)")
+        _print_kernel(c, args.isolate, kern)
+    for n in names:
+        _print_strategy(c, args, out, n, rs)
+    from moonep_sim.report.tables import flag_lines, verdict_line, verdict_lines
+
+    rep = out.to_dict()
+    head = verdict_lines(rep) if len(names) > 1 else ([verdict_line(out.verdict)] if out.verdict else [])
+    for line in head + flag_lines(rep):
+        c.print(line, highlight=False, markup=False)
+    if args.timeline:
+        c.print(f"timeline written to {args.timeline} (open in ui.perfetto.dev)")
+    return 0
+
+
+def _json(out, names: list[str], rs, plan_s: float, kern) -> dict:
+    """``--json``: one strategy -- its simulator result, flat, with the steps, flags and verdict
+    beside it; several -- ``kind: simulate`` with each strategy's result under ``strategies``."""
+    if len(names) > 1:
+        return dict(out.to_dict(), model=rs.source.model.name, layers=list(rs.source.layer_ids),
+                    plan_wall_seconds=plan_s)
+    per = out.per_strategy[names[0]]
+    d = out.raw[names[0]].to_dict()
+    d.update(model=rs.source.model.name, layers=list(rs.source.layer_ids), plan_wall_seconds=plan_s,
+             step=per["step"], per_step=per["per_step"], steps_aggregate=per["steps_aggregate"], steps=dict(out.steps),
+             flags=list(per["flags"]), verdict=out.verdict)
+    if kern is not None:
+        d["kernel"] = kern
+    return d
+
+
+def _print_kernel(c, what: str, kern: dict) -> None:
+    c.print(f"[bold]{what} kernel alone[/bold]: {kern['rank_mean_us']:,.1f} us per rank (mean of each "
+            f"rank's own kernel time, as DeepEP times it), {kern['span_us']:,.1f} us to the last rank; "
+            f"row {kern['row_bytes']} B")
+    hows = {"rows_received": "rows received per rank, own included (DeepEP V1 intranode / NVLink)",
+            "node_pairs": "unique (token, node) pairs incl. the local node (DeepEP V1 internode / RDMA)",
+            "scale_up": "rows sent to other GPUs of the node, every hop (DeepEP V2 scale-up)",
+            "scale_out": "rows sent to other nodes, every hop (DeepEP V2 scale-out)",
+            "selections": "every (token, expert) selection (low-latency tests; MoonEP's logical with 2H rows)"}
+    mine = kern.get("library_counts", [])
+    if kern.get("family"):
+        c.print(f"  kernel family {kern['family']}: its library's own test counts "
+                f"{' and '.join(mine) or 'none of these'} (marked *)")
+    for k in sorted(hows, key=lambda k: k not in mine):
+        if k in kern:
+            c.print(f"{'*' if k in mine else ' '} {kern[k + '_GBps']:,.1f} GB/s  {hows[k]}: "
+                    f"{kern[k] / 1e6:,.2f} MB per rank")
+    if "epilogue_us" in kern:
+        c.print(f"  copy epilogue ({kern['epilogue']}), timed apart as the library's test does: "
+                f"{kern['epilogue_us']:,.1f} us per rank, {kern['epilogue_GBps']:,.1f} GB/s of rows read + "
+                "written (not in the kernel time above)")
+
+
+def _print_strategy(c, args, out, name: str, rs) -> None:
+    """One strategy's block: the time and lower bound, phases, straggler, busiest port."""
+    res, per, topo = out.raw[name], out.per_strategy[name], rs.topology
     c.print(f"[bold]{res.strategy}[/bold] on [bold]{topo.name}[/bold]: {res.ranks} ranks "
-            f"({min(topo.gpus_per_node, res.ranks)} per node), model {model.name}, layers {layer_ids}"
-            f"{', forward + backward' if args.backward else ', forward'}")
+            f"({min(topo.gpus_per_node, res.ranks)} per node), model {rs.source.model.name}, layers "
+            f"{list(rs.source.layer_ids)}{', forward + backward' if args.backward else ', forward'}")
     n_steps = len(per["per_step"]["step"])
     if n_steps > 1:
         a = per["steps_aggregate"]["layer_time_us"]
@@ -167,6 +207,3 @@ def run(args) -> int:
             f"({100 * b['utilisation']:.0f}% of the time) at {b['bandwidth_GBps']:g} GB/s")
     c.print(f"simulated in {res.sim_stats['wall_seconds']:.2f} s ({res.sim_stats['flows']} flows, "
             f"{res.sim_stats['ticks']} rate recomputations, tol {res.sim_stats['tol']})")
-    if args.timeline:
-        c.print(f"timeline written to {args.timeline} (open in ui.perfetto.dev)")
-    return 0

@@ -61,6 +61,8 @@ def register(sub) -> None:
                         "the runner-up): tokens-per-rank, maxvio or ep; with --trace any --over knob")
     p.add_argument("--by-values", default=None, help="comma-separated values of --by (required with --by)")
     add_parallel(p)
+    from moonep_sim.cli.step import add_step_options
+    add_step_options(p, level=True, tokens=False)
     p.set_defaults(func=run)
 
 
@@ -83,7 +85,7 @@ def add_parallel(p) -> None:
                    help="run the points on a Dask scheduler (tcp://host:8786; pip install 'moonep-sim[cluster]')")
 
 
-#: second knobs of a winner map: the SweepConfig field each one sets
+#: second knobs of a winner map on generated routing (experiments.sweep.at varies the scenario)
 BY_KNOBS = ("tokens-per-rank", "maxvio", "ep")
 
 
@@ -108,40 +110,22 @@ def _by_values(args) -> list[float]:
     return vals
 
 
-def _by_config(cfg, knob: str, v: float):
-    from dataclasses import replace
-
-    if knob == "tokens-per-rank":
-        return replace(cfg, tokens_per_rank=int(v))
-    if knob == "maxvio":
-        return replace(cfg, maxvio=float(v))
-    return replace(cfg, ranks=int(v))
-
-
 #: The files sweep writes into --out (a winner map: the winner.* ones): what the output rule checks.
 OUT_FILES = ("sweep.json", "sweep.png", "report.html", "winner.png", "winner.md", "winner.json")
 
 
-def run_winner_map(args, cfg, by_vals: list[float]) -> int:
+def run_winner_map(args, sc, ax, by_vals: list[float]) -> int:
     """One sweep per --by value, then the winner map of them all."""
-    from moonep_sim.experiments.seeds import sweep_seeds
-    from moonep_sim.experiments.sweep import check, sweep
-    from moonep_sim.io import staged_dir, write_text_atomic
-    from moonep_sim.experiments.winner import winner_map
-    from moonep_sim.report.winner import winner_heatmap, winner_table_md
+    from moonep_sim.experiments.sweep import at, check_rows, sweep_over_seeds, winner_of
 
-    cfgs = [_by_config(cfg, args.by, v) for v in by_vals]
-    for c in cfgs:
-        check(c)  # every input checked before any work
+    check_rows(sc, ax, args.by, by_vals)  # every input checked before any work
     con = console()
     reps = []
-    for v, c in zip(by_vals, cfgs):
+    for v in by_vals:
         with progress(con, f"sweep {args.by}={v:g}", lines=args.json) as cb:
-            reps.append((v, sweep_seeds(c, args.seeds, lambda c: sweep(c, progress=cb, jobs=args.jobs,
-                                                                        cluster=args.cluster))))
-    m = winner_map(reps, args.by)
-    m["sweeps"] = [r for _, r in reps]
-    return write_winner(args, m, con)
+            reps.append((v, sweep_over_seeds(*at(sc, ax, args.by, v), args.seeds, progress=cb, jobs=args.jobs,
+                                             cluster=args.cluster)))
+    return write_winner(args, winner_of(reps, args.by), con)
 
 
 def write_winner(args, m: dict, con) -> int:
@@ -213,22 +197,55 @@ def scenario(args):
 
 def run(args) -> int:
     from moonep_sim.experiments.parallel import check_jobs
-    from moonep_sim.experiments.sweep import check
+    from moonep_sim.experiments.results import SweepResult
+    from moonep_sim.experiments.sweep import setup, sweep_over_seeds
+
+    from moonep_sim.cli.step import step_level
 
     output_rule(args, folders={"out": OUT_FILES})  # before the run, not after it
+    level = step_level(args, layer_only={"--layers": args.layers is not None, "--seeds": args.seeds != 1},
+                       tokens=False)
     sc = scenario(args)
     check_jobs(args.jobs)
+    if level:
+        return run_step_level(args, sc)
     if sc.is_trace():
         return run_trace(args, sc)
-    cfg = sc.sweep_config(args.over, _values(args.values))
+    ax = sc.sweep_axis(args.over, _values(args.values))
     by_vals = _by_values(args)
     if by_vals:
-        return run_winner_map(args, cfg, by_vals)
-    check(cfg)  # every input checked before any work
+        return run_winner_map(args, sc, ax, by_vals)
+    setup(sc, ax)  # every input checked before any work
     c = console()
     with progress(c, "sweep", lines=args.json) as cb:
-        rep = sc.sweep(args.over, _values(args.values), progress=cb, jobs=args.jobs, cluster=args.cluster,
-                       seeds=args.seeds).to_dict()
+        rep = SweepResult.from_report(sweep_over_seeds(sc, ax, args.seeds, progress=cb, jobs=args.jobs,
+                                                       cluster=args.cluster)).to_dict()
+    return write_sweep(args, rep, c)
+
+
+def run_step_level(args, sc) -> int:
+    """--level step: a sweep (or, with --by, a winner map) whose every point is a whole step per
+    strategy (:mod:`moonep_sim.experiments.step_levels`), on generated routing or a trace."""
+    from moonep_sim.cli.common import print_warnings
+    from moonep_sim.cli.step import step_options
+    from moonep_sim.experiments.step_levels import check
+
+    opts = step_options(args, tokens=False)
+    vals = _values(args.values)
+    by_vals = _by_values(args) or None
+    check(sc, args.over, vals, opts, by=args.by if by_vals else None, by_values=by_vals)  # before any work
+    c = console()
+    with progress(c, "step sweep", lines=args.json) as cb:
+        if by_vals:
+            m = sc.winner_map(args.over, vals, args.by, by_vals, progress=cb, jobs=args.jobs, cluster=args.cluster,
+                              level="step", step=opts)
+        else:
+            rep = sc.sweep(args.over, vals, progress=cb, jobs=args.jobs, cluster=args.cluster, level="step",
+                           step=opts).to_dict()
+    if sc.is_trace():
+        print_warnings(sc.resolved.warnings)
+    if by_vals:
+        return write_winner(args, m, c)
     return write_sweep(args, rep, c)
 
 
@@ -258,9 +275,15 @@ def write_sweep(args, rep: dict, c) -> int:
 
     out = Path(args.out)
     png = out / "sweep.png"
+    step = rep.get("level") == "step"
     with staged_dir(out, "--out") as tmp:
         if not args.no_plots:
-            plots.sweep_lines(rep, tmp / "sweep.png")
+            if step:
+                from moonep_sim.report.step_sweep import step_sweep_lines
+
+                step_sweep_lines(rep, tmp / "sweep.png")
+            else:
+                plots.sweep_lines(rep, tmp / "sweep.png")
         from moonep_sim.report.html import provenance, write_html
 
         rep["provenance"] = provenance()
@@ -271,7 +294,14 @@ def write_sweep(args, rep: dict, c) -> int:
     if args.json:
         print_json(rep)
         return 0
-    c.print(sweep_table(rep))
+    if step:
+        from moonep_sim.report.step_sweep import step_sweep_footer, step_sweep_table
+
+        c.print(step_sweep_table(rep))
+        for line in step_sweep_footer(rep):
+            c.print(f"[dim]{line}[/dim]")
+    else:
+        c.print(sweep_table(rep))
     for line in flag_lines(rep):
         c.print(f"[dim]{line}[/dim]")
     for lo in rep.get("left_out") or []:

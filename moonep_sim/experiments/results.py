@@ -113,7 +113,9 @@ class SimulateResult(_TakeAway):
     ``per_step`` (the series) and ``steps_aggregate`` (token-weighted mean, median, p90, worst).
     topology: the topology's name and every constant behind the figures.  raw: strategy -> the
     simulator's result object of that step (timeline events included when asked for).  steps:
-    how the steps were costed (mode, step ids, tokens) and any warning.
+    how the steps were costed (mode, step ids, tokens) and any warning.  verdict: winner,
+    runner-up, margin, tie, confidence, mechanism, why (:mod:`~.verdict`; a field here, the same
+    property as every result's).
     """
 
     strategies: tuple[str, ...]
@@ -122,11 +124,13 @@ class SimulateResult(_TakeAway):
     topology: Mapping[str, Any]
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
     steps: Mapping[str, Any] = field(default_factory=dict)
+    verdict: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "simulate", "topology": dict(self.topology), "steps": dict(self.steps),
                 "strategies": {n: dict(self.per_strategy[n]) for n in self.strategies},
-                "flags": [f for n in self.strategies for f in self.per_strategy[n].get("flags", [])]}
+                "flags": [f for n in self.strategies for f in self.per_strategy[n].get("flags", [])],
+                "verdict": self.verdict}
 
 
 @dataclass(frozen=True, repr=False)
@@ -169,15 +173,21 @@ class ReplayResult(_TakeAway):
 
 @dataclass(frozen=True, repr=False)
 class SweepResult(_TakeAway):
-    """A sweep. values: the swept values; layer_time_us: strategy -> simulated time per value."""
+    """A sweep. values: the swept values; layer_time_us: strategy -> simulated time per value (at
+    level step: step_time_us instead, layer_time_us empty)."""
 
     over: str
     values: tuple[float, ...]
     layer_time_us: Mapping[str, tuple[float, ...]]
     report: Mapping[str, Any] = field(repr=False)
+    level: str = "layer"
+    step_time_us: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
     @classmethod
     def from_report(cls, rep: dict[str, Any]) -> "SweepResult":
+        if rep.get("level") == "step":
+            return cls(rep["over"], tuple(rep["values"]), {}, rep, "step",
+                       {n: tuple(v["step_time_us"]) for n, v in rep["strategies"].items()})
         return cls(rep["over"], tuple(rep["values"]),
                    {n: tuple(v["layer_time_us"]) for n, v in rep["strategies"].items()}, rep)
 

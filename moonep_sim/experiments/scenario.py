@@ -31,7 +31,7 @@ from moonep_sim.limits import MAX_TOKEN_PADDING
 from moonep_sim.experiments.results import (CompareResult, LayerPlans, PlansResult, ReplayResult, SimulateResult,
                                             SweepResult)
 from moonep_sim.experiments.routing import GeneratorSpec, RoutingSource, open_routing
-from moonep_sim.experiments.spec import DISPATCH_DTYPES, normalise_dtype, strategy_list
+from moonep_sim.experiments.spec import DISPATCH_DTYPES, normalise_dtype, parse_cluster, strategy_list
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
@@ -41,25 +41,6 @@ DEFAULT_STRATEGIES = ("alltoall", "capacity", "hierarchical", "moonep")
 DEFAULT_TOPOLOGY = "h800-cx7"
 
 Progress = Callable[[str, int, int], None]
-
-
-def parse_cluster(cluster: Any) -> tuple[int | None, int | None]:
-    """``8``, ``"8"``, ``"8/4"`` (ranks / GPUs per node), ``(8, 4)`` or a ClusterShape -> (R, G)."""
-    if cluster is None:
-        return None, None
-    if isinstance(cluster, ClusterShape):
-        return cluster.ranks, cluster.gpus_per_node
-    if isinstance(cluster, int):
-        return cluster, None
-    if isinstance(cluster, (tuple, list)):
-        require(len(cluster) == 2, f"cluster ({cluster!r}) must be (ranks, gpus_per_node)")
-        return int(cluster[0]), int(cluster[1]) or None
-    text = str(cluster)
-    r, sep, g = text.partition("/")
-    try:
-        return int(r), (int(g) if sep else None)
-    except ValueError:
-        raise ConfigError(f"cluster ({text!r}) must look like RANKS or RANKS/GPUS_PER_NODE, e.g. 16/8") from None
 
 
 @dataclass(frozen=True)
@@ -182,7 +163,10 @@ class Scenario:
         sim_options: :class:`moonep_sim.sim.SimOptions` fields (``backward``, ``chunks``, ``faults``,
         ``jitter``, ``seed``, ``tol``, ``overlap_prefetch``, ``timeline``). ``layer_time_us``: the
         token-weighted mean over steps; ``per_strategy``: the simulator's result of the slowest step
-        (the only one for a single step) with ``per_step`` and ``steps_aggregate`` beside it.
+        (the only one for a single step) with ``per_step`` and ``steps_aggregate`` beside it;
+        ``verdict``: who wins and why, each chain read stage by stage
+        (:func:`~moonep_sim.experiments.verdict.simulate_verdict`; one strategy: a stated
+        single-strategy verdict; ``isolate``: none, a kernel timed alone is no comparison).
         """
         from moonep_sim import sim
         from moonep_sim.experiments.compare import topology_info
@@ -198,10 +182,12 @@ class Scenario:
         tokens = [rs.source.batch_tokens[[b[0] for b in rs.source.batches].index(st)] for st in steps]
         per: dict[str, Any] = {}
         raw: dict[str, Any] = {}
+        runs: dict[str, list] = {}
         for name, _ in rs.strategies:
             t0 = time.perf_counter()
-            res_S = [sim.simulate_layers([p.plan for p in plans.items if p.strategy == name and p.step == st],
-                                         rs.topology, rs.source.model, opts) for st in steps]
+            chains = [[p.plan for p in plans.items if p.strategy == name and p.step == st] for st in steps]
+            res_S = [sim.simulate_layers(ch, rs.topology, rs.source.model, opts) for ch in chains]
+            runs[name] = [(ch, _verdict_view(r)) for ch, r in zip(chains, res_S)]
             t_S = [float(r.layer_time_us) for r in res_S]
             worst = int(max(range(len(t_S)), key=t_S.__getitem__))
             d = to_jsonable(res_S[worst].to_dict(), lenient=True)
@@ -214,9 +200,13 @@ class Scenario:
             d["flags"] = _simulate_flags(rs, name, [p.plan for p in plans.items if p.strategy == name])
             per[name] = d
             raw[name] = res_S[worst]
+        from moonep_sim.experiments.verdict import simulate_verdict
+
+        flags = [f for n in per for f in per[n]["flags"]]
+        v = simulate_verdict(runs, rs.topology, tokens, flags) if opts.isolate is None else None
         return SimulateResult(tuple(per), {n: float(per[n]["steps_aggregate"]["layer_time_us"]["token_weighted_mean"])
                                            for n in per}, per, topology_info(rs.topology), raw,
-                              dict(rs.source.steps_info(), warnings=list(rs.warnings)))
+                              dict(rs.source.steps_info(), warnings=list(rs.warnings)), v)
 
     # -- whole steps --------------------------------------------------------------------------------
     def step(self, mode: str = "train", overlap: str = "none", **options: Any):
@@ -232,13 +222,20 @@ class Scenario:
     # -- compare, replay, sweep ---------------------------------------------------------------------
     def compare(self, real: bool = False, *, nproc: int | None = None, iters: int = 10, hidden: int = 512,
                 ffn: int = 1024, timeout_s: float = 600.0, progress: Progress | None = None, jobs: int | None = 1,
-                cluster: str | None = None) -> CompareResult:
+                cluster: str | None = None, level: str = "layer", step: Any = None) -> CompareResult:
         """Every strategy on the same steps and layers, simulated (each step its own batch, then
         aggregated over steps); with ``real``, also replayed over gloo by ``nproc`` local processes
         (= the scenario's ranks), interleaved. The simulated points run in ``jobs`` worker
-        processes or on a Dask ``cluster``; the real replay always runs alone (timings)."""
+        processes or on a Dask ``cluster``; the real replay always runs alone (timings).
+
+        ``level="step"``: every strategy's whole step instead (``step``: a
+        :class:`~moonep_sim.experiments.step.StepOptions`, default train without overlap), what
+        :meth:`step` returns (:mod:`moonep_sim.experiments.step_levels`)."""
         from moonep_sim.experiments.compare import RealOptions, compare
 
+        if _step_level(level, step, real=real):
+            opts = step or _default_step()
+            return self.step(opts.mode, opts.overlap, progress=progress, jobs=jobs, cluster=cluster, **opts.kwargs())
         rs = self.resolved
         opts = None
         if real:
@@ -279,7 +276,7 @@ class Scenario:
 
     def sweep(self, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None,
               progress: Progress | None = None, jobs: int | None = 1, cluster: str | None = None,
-              seeds: int = 1) -> SweepResult:
+              seeds: int = 1, level: str = "layer", step: Any = None) -> SweepResult:
         """Vary ``over`` (``maxvio``, ``ep`` or a numeric topology constant) through ``values``
         (default: :func:`moonep_sim.experiments.sweep.default_values`); each point plans every
         strategy on generated routing (this scenario's generator spec, or the model's defaults) and
@@ -291,79 +288,96 @@ class Scenario:
         On a trace (this scenario's routing is a trace file), the sweep runs on the recorded routing,
         each step its own batch: ``over`` a topology constant, ``ranks`` (``ep``), ``gpus_per_node``,
         ``tokens_per_rank`` or ``maxvio`` (re-weighted popularity), see
-        :mod:`moonep_sim.experiments.trace_sweep` (the spread behind its verdicts is over steps)."""
-        from moonep_sim.experiments.seeds import sweep_seeds
-        from moonep_sim.experiments.sweep import sweep
+        :mod:`moonep_sim.experiments.trace_sweep` (the spread behind its verdicts is over steps).
 
+        ``level="step"``: every point a whole step per strategy (``step``: a
+        :class:`~moonep_sim.experiments.step.StepOptions`), the report's series the step figures
+        and each point's verdict the step verdict (:mod:`moonep_sim.experiments.step_levels`)."""
+        from moonep_sim.experiments.sweep import sweep_over_seeds
+
+        if _step_level(level, step, seeds=seeds):
+            from moonep_sim.experiments.step_levels import step_sweep, trace_step_sweep
+
+            opts = step or _default_step()
+            if self.is_trace():
+                return SweepResult.from_report(trace_step_sweep(self, over, values, opts, progress=progress, jobs=jobs,
+                                                                cluster=cluster))
+            return SweepResult.from_report(step_sweep(self, self.sweep_axis(over, values, maxvio=maxvio), opts,
+                                                      progress=progress, jobs=jobs, cluster=cluster))
         if self.is_trace():
             from moonep_sim.experiments.trace_sweep import trace_sweep
 
             return SweepResult.from_report(trace_sweep(self, over, values, progress=progress, jobs=jobs,
                                                        cluster=cluster))
-        return SweepResult.from_report(sweep_seeds(self.sweep_config(over, values, maxvio=maxvio), seeds,
-                                                   lambda c: sweep(c, progress=progress, jobs=jobs, cluster=cluster)))
+        return SweepResult.from_report(sweep_over_seeds(self, self.sweep_axis(over, values, maxvio=maxvio), seeds,
+                                                        progress=progress, jobs=jobs, cluster=cluster))
 
     def winner_map(self, over: str, values: Sequence[float] | None, by: str, by_values: Sequence[float], *,
                    maxvio: float | None = None, progress: Progress | None = None, jobs: int | None = 1,
-                   cluster: str | None = None, seeds: int = 1) -> dict[str, Any]:
+                   cluster: str | None = None, seeds: int = 1, level: str = "layer", step: Any = None) -> dict[str, Any]:
         """The fastest strategy per cell over two knobs: one :meth:`sweep` of ``over`` per value of
         ``by`` (``tokens-per-rank``, ``maxvio`` or ``ep``), combined by
         :func:`moonep_sim.experiments.winner.winner_map` (each cell: winner, margin over the
         runner-up, every strategy's time; ``sweeps`` holds the full reports). ``seeds`` > 1: every
         sweep at that many seeds, each cell's times the means and its verdict (tie, confidence) from
-        the spread over seeds."""
-        from dataclasses import replace
+        the spread over seeds. ``level="step"``: each cell a whole step per strategy, its winner
+        the step verdict's (``step``: a :class:`~moonep_sim.experiments.step.StepOptions`)."""
+        from moonep_sim.experiments.sweep import at, check_rows, sweep_over_seeds, winner_of
 
-        from moonep_sim.experiments.seeds import sweep_seeds
+        if _step_level(level, step, seeds=seeds):
+            from moonep_sim.experiments.step_levels import step_winner_map
 
-        from moonep_sim.experiments.sweep import check, sweep
-        from moonep_sim.experiments.winner import winner_map
-
+            return step_winner_map(self, over, values, by, by_values, step or _default_step(), maxvio=maxvio,
+                                   progress=progress, jobs=jobs, cluster=cluster)
         if self.is_trace():
             from moonep_sim.experiments.trace_sweep import trace_winner_map
 
             return trace_winner_map(self, over, values, by, by_values, progress=progress, jobs=jobs, cluster=cluster)
-        require(by in ("tokens-per-rank", "maxvio", "ep"), f"by ({by!r}) must be tokens-per-rank, maxvio or ep")
-        require(by != over, f"by ({by}) must differ from over ({over})")
-        base = self.sweep_config(over, values, maxvio=maxvio)
-        field = {"tokens-per-rank": "tokens_per_rank", "maxvio": "maxvio", "ep": "ranks"}[by]
-        cfgs = [replace(base, **{field: (float(v) if by == "maxvio" else int(v))}) for v in by_values]
-        for c in cfgs:
-            check(c)  # every input checked before any work
-        reps = [(float(v), sweep_seeds(c, seeds, lambda c: sweep(c, progress=progress, jobs=jobs, cluster=cluster)))
-                for v, c in zip(by_values, cfgs)]
-        m = winner_map(reps, by)
-        m["sweeps"] = [r for _, r in reps]
-        return m
+        ax = self.sweep_axis(over, values, maxvio=maxvio)
+        check_rows(self, ax, by, by_values)  # every input checked before any work
+        return winner_of([(float(v), sweep_over_seeds(*at(self, ax, by, v), seeds, progress=progress, jobs=jobs,
+                                                      cluster=cluster)) for v in by_values], by)
 
     def is_trace(self) -> bool:
         """True when the routing is a trace file (not a generator spec or routing in memory)."""
         return not isinstance(self.routing, (GeneratorSpec, GlobalRouting)) and not (
             isinstance(self.routing, str) and self.routing.startswith("gen:"))
 
-    def sweep_config(self, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None):
-        """The :class:`~moonep_sim.experiments.sweep.SweepConfig` of :meth:`sweep` (checked by ``check``)."""
-        from moonep_sim.experiments.sweep import SweepConfig, default_values
+    def sweep_axis(self, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None):
+        """The :class:`~moonep_sim.experiments.sweep.SweepAxis` of :meth:`sweep` on generated routing
+        (default values derived, those left out named); ``sweep.setup(scenario, axis)`` checks both."""
+        from moonep_sim.experiments.sweep import axis
 
-        spec = self.routing if isinstance(self.routing, GeneratorSpec) else (
-            GeneratorSpec.parse(self.routing) if isinstance(self.routing, str) and self.routing.startswith("gen:")
-            else None)
-        require(spec is not None, f"sweep routing ({self.routing!r}) must be a generator spec (gen:model=...): "
-                                  "a sweep generates routing at every point")
-        model = spec.resolve_model(self.model)
-        strategies = strategy_list(self.strategies, self.options)
-        R, G = parse_cluster(self.cluster)
-        over = {"ranks": "ep"}.get(over, over)
-        left_out: list = []
-        vals = list(values) if values is not None else default_values(
-            over, model, self.topology, tokens=spec.tokens_per_rank * (R or 64), left_out=left_out)
-        pop = spec.popularity()
-        cfg = SweepConfig(model, over, [float(v) for v in vals], [(n, dict(o)) for n, o in strategies], self.topology,
-                          R or 64, G or 0, spec.tokens_per_rank,
-                          float(maxvio if maxvio is not None else pop.get("maxvio", 1.0)), spec.seed,
-                          normalise_dtype(self.dispatch_dtype), self.token_padding)
-        cfg.left_out = left_out
-        return cfg
+        return axis(self, over, values, maxvio=maxvio)
+
+
+def _step_level(level: str, step: Any, *, real: bool = False, seeds: int = 1) -> bool:
+    """True at level step (checked: the step options typed, no layer-only option given)."""
+    from moonep_sim.experiments.step import StepOptions
+    from moonep_sim.experiments.step_levels import check_level
+
+    if check_level(level) == "layer":
+        require(step is None, "step options must be given with level='step' only (the layer level has none)")
+        return False
+    require(step is None or isinstance(step, StepOptions),
+            f"step ({type(step).__name__}) must be a StepOptions (moonep_sim.experiments.step)")
+    require(not real, "real replays run the layer level only (level='step' is simulated)")
+    require(seeds == 1, f"seeds ({seeds}) must be 1 at level step (the spread over seeds is layer-level)")
+    return True
+
+
+def _default_step():
+    from moonep_sim.experiments.step import StepOptions
+
+    return StepOptions()
+
+
+def _verdict_view(res) -> dict[str, Any]:
+    """The parts of a simulator's result the verdict reads (:func:`~.verdict.chain_figures`)."""
+    d = {"layer_time_us": float(res.layer_time_us), "per_rank": res.per_rank, "phases_us": res.phases_us}
+    if len(res.stages) > 1:
+        d["stages"] = res.stages
+    return d
 
 
 def _simulate_flags(rs: Resolved, name: str, plans: list) -> list[dict[str, Any]]:

@@ -51,9 +51,15 @@ def combine_seeds(reps: list[dict[str, Any]]) -> dict[str, Any]:
 
 def sweep_seeds(cfg, seeds: int, run: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
     """``run(cfg)`` at ``seeds`` consecutive seeds from ``cfg.seed``, combined (:func:`combine_seeds`)."""
+    return over_seeds(seeds, lambda k: run(replace(cfg, seed=cfg.seed + k)))
+
+
+def over_seeds(seeds: int, run: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+    """``run(k)`` for the seed offsets k = 0 .. seeds-1 (each a sweep at seed ``seed + k``), combined
+    (:func:`combine_seeds`); one seed: its report as it is."""
     require(seeds >= 1, f"seeds ({seeds}) must be >= 1")
-    reps = [run(replace(cfg, seed=cfg.seed + k)) for k in range(seeds)]
+    reps = [run(k) for k in range(seeds)]
     return combine_seeds(reps) if seeds > 1 else reps[0]
 
 
-__all__ = ["combine_seeds", "sweep_seeds"]
+__all__ = ["combine_seeds", "over_seeds", "sweep_seeds"]

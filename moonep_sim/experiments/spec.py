@@ -20,6 +20,28 @@ from typing import Any, Mapping, Sequence
 
 from moonep_sim.errors import ConfigError, require
 
+# -- clusters ----------------------------------------------------------------------------------------
+def parse_cluster(cluster: Any) -> tuple[int | None, int | None]:
+    """``8``, ``"8"``, ``"8/4"`` (ranks / GPUs per node), ``(8, 4)`` or a ClusterShape -> (R, G)."""
+    if cluster is None:
+        return None, None
+    from moonep_sim.plan import ClusterShape
+
+    if isinstance(cluster, ClusterShape):
+        return cluster.ranks, cluster.gpus_per_node
+    if isinstance(cluster, int):
+        return cluster, None
+    if isinstance(cluster, (tuple, list)):
+        require(len(cluster) == 2, f"cluster ({cluster!r}) must be (ranks, gpus_per_node)")
+        return int(cluster[0]), int(cluster[1]) or None
+    text = str(cluster)
+    r, sep, g = text.partition("/")
+    try:
+        return int(r), (int(g) if sep else None)
+    except ValueError:
+        raise ConfigError(f"cluster ({text!r}) must look like RANKS or RANKS/GPUS_PER_NODE, e.g. 16/8") from None
+
+
 # -- dtypes -------------------------------------------------------------------------------------------
 #: canonical dtype name -> the spellings accepted for it
 DTYPE_SPELLINGS: dict[str, tuple[str, ...]] = {

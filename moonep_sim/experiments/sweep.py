@@ -18,8 +18,8 @@ the topology constants used.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Sequence
 
 from moonep_sim.errors import require
 from moonep_sim.io import to_jsonable
@@ -83,23 +83,101 @@ def default_values(over: str, model: ModelSpec, topology: str | None = None, *, 
     raise ConfigError(f"--values must be given when sweeping a topology constant ({over})")
 
 
-@dataclass
-class SweepConfig:
-    """A sweep (see ``moonep-sim sweep --help``)."""
+@dataclass(frozen=True)
+class SweepAxis:
+    """The knob a sweep varies and its values; everything else is the :class:`Scenario
+    <moonep_sim.experiments.Scenario>` the sweep runs (see :func:`axis`).
+
+    over: ``maxvio``, ``ep`` or a numeric topology constant.  values: the points.  maxvio: the
+    imbalance held when ``over`` is not maxvio (None: the scenario's generator spec's, else 1).
+    left_out: default values left out, each ``{"value", "reason"}``.
+    """
+
+    over: str
+    values: tuple[float, ...]
+    maxvio: float | None = None
+    left_out: tuple[dict, ...] = ()
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A generated sweep's scenario read once (:func:`setup`): the model, the generator spec, the
+    loaded base topology, the parsed strategies, the cluster (``gpus_per_node`` 0: the topology's
+    per point), row costs and placement, and the axis. What every point's task carries."""
 
     model: ModelSpec
-    over: str
-    values: list[float]
-    strategies: list[tuple[str, dict[str, str]]]
-    topology: str
-    ranks: int = 64
-    gpus_per_node: int = 0
-    tokens_per_rank: int = 1024
-    maxvio: float = 1.0
-    seed: int = 0
-    dispatch_dtype: str = "bf16"
-    token_padding: int = 1
-    left_out: list = field(default_factory=list)  # default values left out, with the reason
+    spec: Any
+    topology: Any
+    strategies: tuple[tuple[str, dict[str, Any]], ...]
+    ranks: int
+    gpus_per_node: int
+    maxvio: float
+    dispatch_dtype: str
+    token_padding: int
+    costs: RowCosts
+    placement: str
+    axis: SweepAxis
+
+    @property
+    def over(self) -> str:
+        return self.axis.over
+
+    @property
+    def values(self) -> tuple[float, ...]:
+        return self.axis.values
+
+    @property
+    def tokens_per_rank(self) -> int:
+        return int(self.spec.tokens_per_rank)
+
+    @property
+    def seed(self) -> int:
+        return int(self.spec.seed)
+
+
+def generator_spec(sc) -> Any:
+    """The scenario's generator spec (a sweep generates routing at every point)."""
+    from moonep_sim.experiments.routing import GeneratorSpec
+
+    r = sc.routing
+    spec = r if isinstance(r, GeneratorSpec) else (
+        GeneratorSpec.parse(r) if isinstance(r, str) and r.startswith("gen:") else None)
+    require(spec is not None, f"sweep routing ({r!r}) must be a generator spec (gen:model=...): "
+                              "a sweep generates routing at every point")
+    return spec
+
+
+def axis(sc, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None) -> SweepAxis:
+    """The axis of a generated sweep of scenario ``sc`` over ``over`` (``ranks`` = ``ep``); default
+    values: :func:`default_values` (those left out named)."""
+    from moonep_sim.experiments.spec import parse_cluster
+
+    spec = generator_spec(sc)
+    over = {"ranks": "ep"}.get(over, over)
+    left_out: list = []
+    R, _ = parse_cluster(sc.cluster)
+    vals = list(values) if values is not None else default_values(
+        over, spec.resolve_model(sc.model), sc.topology, tokens=spec.tokens_per_rank * (R or 64), left_out=left_out)
+    return SweepAxis(over, tuple(float(v) for v in vals), None if maxvio is None else float(maxvio), tuple(left_out))
+
+
+def setup(sc, ax: SweepAxis) -> Setup:
+    """Scenario ``sc`` read once for a sweep along ``ax``: the strategies parsed, the topology
+    loaded, the model resolved (default ranks: 64; GPUs per node: the scenario's, else the
+    topology's at each point); checked (:func:`check`) before any work."""
+    from moonep_sim.experiments.spec import normalise_dtype, parse_cluster, strategy_list
+
+    spec = generator_spec(sc)
+    model = spec.resolve_model(sc.model)
+    strategies = tuple((n, dict(o)) for n, o in strategy_list(sc.strategies, sc.options))
+    R, G = parse_cluster(sc.cluster)
+    topo = load_topology(sc.topology)
+    mv = ax.maxvio if ax.maxvio is not None else float(spec.popularity().get("maxvio", 1.0))
+    dtype = normalise_dtype(sc.dispatch_dtype)
+    st = Setup(model, spec, topo, strategies, R or 64, G or 0, float(mv), dtype, int(sc.token_padding),
+               sc.costs or RowCosts.from_model(model, dtype), sc.placement, ax)
+    check(st)
+    return st
 
 
 def topology_params(topo) -> list[str]:
@@ -107,12 +185,12 @@ def topology_params(topo) -> list[str]:
     return [f.name for f in fields(topo) if f.type in (float, int, "float", "int") and f.name != "nodes"]
 
 
-def check(cfg: SweepConfig) -> Any:
+def check(cfg: Setup) -> Any:
     """Validate everything before any work; returns the loaded base topology."""
     m = cfg.model
     from moonep_sim.experiments.checks import check_axis_value, check_axis_values
 
-    topo = load_topology(cfg.topology)
+    topo = cfg.topology
     check_axis_values(cfg.over, cfg.values, topo)  # each value as the flag it stands for
     check_axis_value("tokens-per-rank", cfg.tokens_per_rank, flag="--tokens-per-rank")
     if cfg.over == "maxvio":
@@ -143,7 +221,7 @@ def check(cfg: SweepConfig) -> Any:
     return topo
 
 
-def _routing(cfg: SweepConfig, ranks: int, maxvio: float, seed: int):
+def _routing(cfg: Setup, ranks: int, maxvio: float, seed: int):
     from moonep_sim.routing.generators import generate_layer
     from moonep_sim.routing.metrics import maxvio as maxvio_of
 
@@ -164,12 +242,12 @@ def routing_lower_bound(strategies: dict[str, dict[str, list]], points: int) -> 
     return out
 
 
-def _point_setup(cfg: SweepConfig, base, v: float, fixed):
+def _point_setup(cfg: Setup, base, v: float, fixed):
     """One sweep value's ranks, topology, routing and plan context, and its report entry."""
     from moonep_sim.strategies import PlanContext
 
     m = cfg.model
-    costs = RowCosts.from_model(m, cfg.dispatch_dtype)
+    costs = cfg.costs
     ranks = int(v) if cfg.over == "ep" else cfg.ranks
     topo = base
     if cfg.over not in ("maxvio", "ep"):
@@ -181,13 +259,15 @@ def _point_setup(cfg: SweepConfig, base, v: float, fixed):
     g = cfg.gpus_per_node or topo.gpus_per_node_for(ranks)
     cluster = ClusterShape(ranks, g)
     topo_g = topo.with_gpus_per_node(g) if hasattr(topo, "with_gpus_per_node") else topo
-    ctx = PlanContext(cluster, Placement.home_groups(m.num_experts, ranks), costs, cfg.token_padding, topo_g)
+    place = (Placement.home_groups(m.num_experts, ranks) if cfg.placement == "home"
+             else Placement.round_robin(m.num_experts, ranks))
+    ctx = PlanContext(cluster, place, costs, cfg.token_padding, topo_g)
     point = {"value": v, "ranks": ranks, "gpus_per_node": g, "tokens": routing.num_tokens,
              "realised_maxvio": realised, "topology": topology_info(topo_g)}
     return routing, ctx, topo_g, point
 
 
-def _strategy_at(cfg: SweepConfig, routing, ctx, topo, name: str, opts: dict) -> dict[str, Any]:
+def _strategy_at(cfg: Setup, routing, ctx, topo, name: str, opts: dict) -> dict[str, Any]:
     """One strategy planned and simulated on one point's routing."""
     from moonep_sim.strategies import make_plan
 
@@ -241,7 +321,7 @@ def _strategy_task(task) -> dict[str, Any]:
     return _strategy_at(cfg, routing, ctx, topo, name, opts)
 
 
-def _run_staged(cfg: SweepConfig, base, fixed, jobs: int | None, progress) -> list:
+def _run_staged(cfg: Setup, base, fixed, jobs: int | None, progress) -> list:
     from moonep_sim.experiments.parallel import run_points
 
     if fixed is None:
@@ -261,14 +341,16 @@ def _run_staged(cfg: SweepConfig, base, fixed, jobs: int | None, progress) -> li
         _SETUPS.clear()
 
 
-def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = None, *, jobs: int | None = 1,
+def sweep(sc, ax: SweepAxis, progress: Callable[[str, int, int], None] | None = None, *, jobs: int | None = 1,
           cluster: str | None = None) -> dict[str, Any]:
-    """Run the sweep; its values are independent points, computed in ``jobs`` worker processes or
-    on a Dask ``cluster`` (``moonep_sim.experiments.parallel``) with the same report as serially."""
+    """Sweep scenario ``sc`` (a :class:`~moonep_sim.experiments.Scenario` on generated routing)
+    along ``ax``; its values are independent points, computed in ``jobs`` worker processes or on a
+    Dask ``cluster`` (``moonep_sim.experiments.parallel``) with the same report as serially."""
     from moonep_sim.experiments.parallel import check_jobs, run_points
 
     t0 = time.perf_counter()
-    base = check(cfg)
+    cfg = setup(sc, ax)
+    base = cfg.topology
     m = cfg.model
     names = [n for n, _ in cfg.strategies]
     out_s = {n: {"options": dict(o), "layer_time_us": [], "lower_bound_us": [], "ratio_to_lower_bound": [],
@@ -296,7 +378,7 @@ def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = N
         "kind": "sweep",
         "over": cfg.over,
         "values": [float(v) for v in cfg.values],
-        "left_out": list(cfg.left_out),
+        "left_out": list(cfg.axis.left_out),
         "model": m.to_dict(),
         "topology": topology_info(base),
         "cluster": {"ranks": cfg.ranks if cfg.over != "ep" else None,
@@ -315,3 +397,53 @@ def sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = N
     rep["verdicts"] = sweep_verdicts(rep)
     rep["seconds"] = time.perf_counter() - t0
     return rep
+
+
+# -- seeds and winner maps: the scenario varied, the engine unchanged ----------------------------------
+#: the second knobs of a generated winner map
+BY_KNOBS = ("tokens-per-rank", "maxvio", "ep")
+
+
+def seeded(sc, k: int):
+    """``sc`` with its generator spec's seed moved on by ``k``."""
+    if not k:
+        return sc
+    spec = generator_spec(sc)
+    return replace(sc, routing=replace(spec, seed=spec.seed + k))
+
+
+def sweep_over_seeds(sc, ax: SweepAxis, seeds: int = 1, **kw: Any) -> dict[str, Any]:
+    """:func:`sweep` at ``seeds`` consecutive seeds of the scenario's spec, combined
+    (:func:`moonep_sim.experiments.seeds.combine_seeds`); ``kw``: :func:`sweep`'s keywords."""
+    from moonep_sim.experiments.seeds import over_seeds
+
+    return over_seeds(seeds, lambda k: sweep(seeded(sc, k), ax, **kw))
+
+
+def at(sc, ax: SweepAxis, by: str, v: float):
+    """The (scenario, axis) of a winner map's row ``by = v`` (tokens-per-rank, maxvio or ep)."""
+    from moonep_sim.experiments.spec import parse_cluster
+
+    require(by in BY_KNOBS, f"by ({by!r}) must be tokens-per-rank, maxvio or ep")
+    require(by != ax.over, f"by ({by}) must differ from over ({ax.over})")
+    if by == "maxvio":
+        return sc, replace(ax, maxvio=float(v))
+    if by == "tokens-per-rank":
+        return replace(sc, routing=replace(generator_spec(sc), tokens_per_rank=int(v))), ax
+    _, G = parse_cluster(sc.cluster)
+    return replace(sc, cluster=(int(v), G or 0)), ax
+
+
+def check_rows(sc, ax: SweepAxis, by: str, by_values: Sequence[float]) -> None:
+    """Every row of a winner map checked before any work."""
+    for v in by_values:
+        setup(*at(sc, ax, by, v))
+
+
+def winner_of(reps: Sequence[tuple[float, dict[str, Any]]], by: str) -> dict[str, Any]:
+    """The winner map of one sweep report per ``by`` value, the reports kept under ``sweeps``."""
+    from moonep_sim.experiments.winner import winner_map
+
+    m = winner_map(reps, by)
+    m["sweeps"] = [r for _, r in reps]
+    return m

@@ -62,6 +62,12 @@ def critical_breakdown(sim: dict[str, Any]) -> dict[str, float]:
     """Split a simulated layer time along its critical rank (the one whose expert compute ends
     last): planning, then dispatch and any wait for copied weights until its compute starts, its
     expert compute, and the combine until the layer ends. The parts sum to ``layer_time_us``."""
+    stages = sim.get("stages") or []
+    if len(stages) > 1:  # a chain: each stage's window read on its own critical rank, summed
+        return {"plan": sum(float(s["plan_us"]) for s in stages),
+                "dispatch + wait": sum(float(s["dispatch_us"]) for s in stages),
+                "compute": sum(float(s["compute_us"]) for s in stages),
+                "combine": sum(float(s["combine_us"]) for s in stages)}
     total = float(sim["layer_time_us"])
     pr = sim.get("per_rank") or {}
     starts, durs = pr.get("compute_start_us"), pr.get("compute_us")
@@ -80,24 +86,31 @@ def figures(plan, sim: Mapping[str, Any], topo=None) -> dict[str, Any]:
     """The figures a verdict reads, for one (strategy, layer): from the Plan (bytes per class,
     rows, drops, copies) and the simulator's result dict (critical-path parts, phase spans).
     ``topo``: the topology (its NVLink / NIC bandwidths weigh the byte classes)."""
-    from moonep_sim.plan.kinds import PhaseKind
-
-    tok = {"intra": 0, "inter": 0}
-    wts = {"intra": 0, "inter": 0}
-    for p in plan.phases("forward"):
-        intra, inter = p.split_bytes(plan.cluster)
-        d = tok if p.kind in (PhaseKind.DISPATCH, PhaseKind.COMBINE) else wts
-        d["intra"] += intra
-        d["inter"] += inter
     crit = critical_breakdown(dict(sim))
     phases = {k: float(v) for k, v in (sim.get("phases_us") or {}).items()}
-    real, padded_R = plan.real_rows_R(), plan.rows_R()
-    r = int(np.argmax(padded_R)) if padded_R.size else 0
     return {
         "time_us": float(sim["layer_time_us"]),
         "plan_us": crit["plan"], "compute_us": crit["compute"], "comm_us": crit["dispatch + wait"] + crit["combine"],
         "fixed_us": _fixed_us(plan, topo, phases),
         "weights_us": sum(v for k, v in phases.items() if k.split(".")[0] in ("prefetch", "migrate", "grad_reduce")),
+        **_plan_figures(plan, topo, "forward")}
+
+
+def _plan_figures(plan, topo, direction: str) -> dict[str, Any]:
+    """The figures of :func:`figures` read from the Plan alone (token and weight bytes per link
+    class of ``direction``'s phases, rows, drops, copies) and the topology's bandwidths."""
+    from moonep_sim.plan.kinds import PhaseKind
+
+    tok = {"intra": 0, "inter": 0}
+    wts = {"intra": 0, "inter": 0}
+    for p in plan.phases(direction):
+        intra, inter = p.split_bytes(plan.cluster)
+        d = tok if p.kind in (PhaseKind.DISPATCH, PhaseKind.COMBINE) else wts
+        d["intra"] += intra
+        d["inter"] += inter
+    real, padded_R = plan.real_rows_R(), plan.rows_R()
+    r = int(np.argmax(padded_R)) if padded_R.size else 0
+    return {
         "inter_node_bytes": tok["inter"], "intra_node_bytes": tok["intra"],
         "weight_inter_bytes": wts["inter"], "weight_intra_bytes": wts["intra"],
         "rows_max": float(real.max()) if real.size else 0.0,
@@ -124,15 +137,82 @@ def _fixed_us(plan, topo, phases: Mapping[str, float]) -> float:
     return float(n * (topo.kernel_dispatch_fixed_us + topo.kernel_combine_fixed_us))
 
 
-def mean_figures(items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Figures averaged over units (layers or steps): every number is the mean."""
+def mean_figures(items: Sequence[Mapping[str, Any]], weights: Sequence[float] | None = None) -> dict[str, Any]:
+    """Figures averaged over units (layers or steps): every number is the mean (weighted by
+    ``weights``, e.g. tokens per step, when given); a mapping of numbers (a chain's ``terms_us``)
+    is averaged key by key."""
     if not items:
         return {}
-    return {k: float(np.mean([float(it.get(k, 0.0)) for it in items])) for k in items[0]}
+
+    def avg(xs):
+        return float(np.mean(xs)) if weights is None else float(np.average(xs, weights=np.asarray(weights, float)))
+
+    out: dict[str, Any] = {}
+    for k, v in items[0].items():
+        if isinstance(v, Mapping):
+            out[k] = {m: avg([float((it.get(k) or {}).get(m, 0.0)) for it in items]) for m in v}
+        else:
+            out[k] = avg([float(it.get(k, 0.0)) for it in items])
+    return out
+
+
+# -- a chain of stages (several layers, a backward): figures per stage, summed --------------------
+#: figures of a chain summed over its stages (times, and bytes moved forward and backward)
+_STAGE_SUMMED = ("time_us", "plan_us", "compute_us", "comm_us", "fixed_us", "weights_us", "inter_node_bytes",
+                 "intra_node_bytes", "weight_inter_bytes", "weight_intra_bytes")
+
+
+def stage_figures(plan, stage: Mapping[str, Any], topo=None) -> dict[str, Any]:
+    """The figures of one stage of a chain (one direction of one layer): its window's parts on its
+    critical rank (:func:`moonep_sim.sim.analysis.stage_parts`) and its Plan's figures for that
+    direction (the kernel launch spans and weight flows come from the simulation)."""
+    return {"time_us": float(stage["end_us"]) - float(stage["start_us"]), "plan_us": float(stage["plan_us"]),
+            "compute_us": float(stage["compute_us"]),
+            "comm_us": float(stage["dispatch_us"]) + float(stage["combine_us"]),
+            "fixed_us": float(stage["fixed_us"]), "weights_us": float(stage["weights_us"]),
+            **_plan_figures(plan, topo, stage["direction"])}
+
+
+def chain_figures(plans: Sequence[Any], sim: Mapping[str, Any], topo=None) -> dict[str, Any]:
+    """The figures of a simulated chain (``plans`` in the order simulated; ``sim`` the simulator's
+    result dict). One stage: :func:`figures`. Several: times and bytes summed over stages, counts
+    (rows, copies, drops, duplicates avoided) summed over the forward stages (once per layer),
+    hops the most of any layer, and ``terms_us``: the sum of each stage's :func:`terms` (they sum
+    to ``time_us``), which :func:`terms` then returns as they are."""
+    stages = sim.get("stages") or []
+    if len(stages) <= 1:
+        return figures(plans[0], sim, topo)
+    per = [stage_figures(plans[int(s["layer"])], s, topo) for s in stages]
+    fwd = [f for f, s in zip(per, stages) if s["direction"] == "forward"] or per
+    out: dict[str, Any] = {}
+    for k in per[0]:
+        if k in _STAGE_SUMMED:
+            out[k] = float(sum(f[k] for f in per))
+        elif k == "hops":
+            out[k] = max(f[k] for f in per)
+        elif k in ("nic_GBps", "nvlink_GBps"):
+            out[k] = per[0][k]
+        else:
+            out[k] = sum(f[k] for f in fwd)
+    out["time_us"] = float(sim["layer_time_us"])
+    ts = [terms(f) for f in per]
+    out["terms_us"] = {m: float(sum(t[m] for t in ts)) for m in MECHANISMS}
+    return out
+
+
+def layer_series(sim: Mapping[str, Any]) -> list[float]:
+    """A chain's time per layer: the windows of its stages (forward and backward) summed by layer."""
+    by: dict[int, float] = {}
+    for s in sim.get("stages") or []:
+        by[int(s["layer"])] = by.get(int(s["layer"]), 0.0) + float(s["end_us"]) - float(s["start_us"])
+    return [by[k] for k in sorted(by)]
 
 
 def terms(f: Mapping[str, Any]) -> dict[str, float]:
-    """The layer time split into the :data:`MECHANISMS` terms (us); they sum to ``time_us``."""
+    """The layer time split into the :data:`MECHANISMS` terms (us); they sum to ``time_us``. A
+    chain's figures carry them summed over its stages (``terms_us``, :func:`chain_figures`)."""
+    if isinstance(f.get("terms_us"), Mapping):
+        return {k: float(f["terms_us"].get(k, 0.0)) for k in MECHANISMS}
     comm = max(float(f["comm_us"]), 0.0)
     fixed = min(float(f["fixed_us"]), comm)
     weights = min(float(f["weights_us"]), comm - fixed)
@@ -325,6 +405,36 @@ def compare_verdict(rep: Mapping[str, Any]) -> dict[str, Any] | None:
     return verdict(figs, series=series, unit=unit, weights=weights, flags=rep.get("flags") or ())
 
 
+def simulate_verdict(runs: Mapping[str, Sequence[tuple[Sequence[Any], Mapping[str, Any]]]], topo=None,
+                     tokens: Sequence[float | None] | None = None,
+                     flags: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any] | None:
+    """The verdict of :meth:`~moonep_sim.experiments.Scenario.simulate`. runs: strategy -> per
+    step, (the plans chained, in the order simulated; the simulator's result dict). Each step's
+    chain is read stage by stage (:func:`chain_figures`); the figures are the token-weighted mean
+    over steps (``tokens``: per step, as the result's ``layer_time_us``). The spread behind tie and
+    confidence is over steps (token-weighted) when there are several, else over the chain's
+    layers (each layer's forward and backward windows), else none (one layer of one step: judged
+    against :data:`TIE`). The sentences speak per step for a chain, per layer for one layer."""
+    if not runs:
+        return None
+    figs, t_series, l_series = {}, {}, {}
+    chain = any(len(sim.get("stages") or []) > 1 for steps in runs.values() for _, sim in steps)
+    n_steps = min(len(steps) for steps in runs.values())
+    w = [float(t) for t in tokens] if tokens and all(t for t in tokens) and len(tokens) == n_steps else None
+    for n, steps in runs.items():
+        fs = [chain_figures(plans, sim, topo) for plans, sim in steps]
+        figs[n] = mean_figures(fs, w)
+        t_series[n] = [float(sim["layer_time_us"]) for _, sim in steps]
+        l_series[n] = layer_series(steps[0][1]) if chain else []
+    if n_steps > 1:
+        series, unit, weights = t_series, "step", w
+    elif chain and min(len(v) for v in l_series.values()) > 1:
+        series, unit, weights = l_series, "layer", None
+    else:
+        series, unit, weights = t_series, "layer", None
+    return verdict(figs, series=series, unit=unit, weights=weights, flags=flags, per="step" if chain else "layer")
+
+
 def _step_series(strat: Mapping[str, Any]):
     """(strategy -> time per step, tokens per step) when the report carries a per-step series."""
     out, w = {}, None
@@ -420,5 +530,6 @@ def step_verdict(strategies: Mapping[str, Mapping[str, Any]],
             "tied_with": [o["strategy"] for o in others if o["tie"]], "others": others}
 
 
-__all__ = ["MECHANISMS", "STEP_MECHANISMS", "step_verdict", "TIE", "attribute", "compare_verdict", "confidence", "figures", "mean_figures",
+__all__ = ["MECHANISMS", "STEP_MECHANISMS", "step_verdict", "TIE", "attribute", "chain_figures", "compare_verdict",
+           "confidence", "figures", "layer_series", "mean_figures", "simulate_verdict", "stage_figures",
            "sweep_verdicts", "terms", "verdict"]

@@ -3,6 +3,7 @@
 Modules, bottom-up: ``kinds`` (PhaseKind, Scope, Direction), ``order`` (sorting primitives),
 ``placement`` (ClusterShape, Placement), ``validate`` (the named checks), ``ir`` (RowCosts,
 GlobalRouting, Hop, CommPhase, Plan), ``build`` (the public single-hop builder API),
+``assembly`` (the named records ``assemble_plan`` takes: Slots, Entries, SlotOrder, Padding),
 ``multihop`` (routes over several hops), ``hops`` (hop builders a strategy composes into a
 route: ``to_final``, ``to_node_of_final``, ``to_rail_of_final``, ``via``; ``plan_from_hops``),
 ``reference`` (the slow, obviously correct builders the fast ones are tested against), ``kernel`` (KernelSpec: the GPU kernels behind a Plan,
@@ -11,6 +12,7 @@ docs/architecture.md.
 Strategies (``moonep_sim.strategies``) use the builders exported here, never private helpers.
 """
 
+from moonep_sim.plan.assembly import Entries, Padding, SlotOrder, Slots
 from moonep_sim.plan.build import (SlotLayout, block_messages, final_rows, layout_slots, plan_from_order,
                                    plan_from_slots, single_hop_messages, slot_layout, slot_sort, sorted_layout)
 from moonep_sim.plan.hops import HopSpec, plan_from_hops, to_final, to_node_of_final, to_rail_of_final, via
@@ -21,8 +23,8 @@ from moonep_sim.plan.order import entry_token, stable_order
 from moonep_sim.plan.placement import ClusterShape, Placement
 from moonep_sim.plan.validate import CHECKS, Violation, check, validate, violations
 
-__all__ = ["CHECKS", "ClusterShape", "CommPhase", "Direction", "GlobalRouting", "Hop", "HopSpec", "PhaseKind",
-           "Placement", "plan_from_hops", "to_final", "to_node_of_final", "to_rail_of_final", "via",
+__all__ = ["CHECKS", "ClusterShape", "CommPhase", "Direction", "Entries", "GlobalRouting", "Hop", "HopSpec", "PhaseKind",
+           "Padding", "Placement", "SlotOrder", "Slots", "plan_from_hops", "to_final", "to_node_of_final", "to_rail_of_final", "via",
            "Plan", "RowCosts", "SCOPES", "Scope", "SlotLayout", "Violation", "assemble_plan", "block_messages",
            "check", "dup_flags", "entry_token", "final_rows", "home_slots", "layout_slots", "plan_from_order",
            "plan_from_routes", "plan_from_slots", "route_hop", "single_hop_messages", "slot_layout", "slot_sort",

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from moonep_sim.errors import PlanError
+from moonep_sim.plan.assembly import Entries, Padding, Slots
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.kinds import Scope
 from moonep_sim.plan.placement import ClusterShape
@@ -147,19 +148,20 @@ def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
     return dup
 
 
-def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
-                  slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_N: np.ndarray,
-                  hops: Sequence[Hop], entry_buf_row_N: np.ndarray, entry_dup_N: np.ndarray, *,
-                  token_padding: int = 1, min_rows_S: np.ndarray | None = None,
-                  pad_slot_P: np.ndarray | None = None, pad_buf_row_P: np.ndarray | None = None,
-                  capacity_R: np.ndarray | None = None, options: dict[str, Any] | None = None, **extra) -> Plan:
-    """The Plan of :func:`moonep_sim.plan.assemble_plan` (without its fast-path hints
-    ``slot_order``, ``entry_rank_N`` and ``scratch``)."""
+def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slots: Slots, entries: Entries,
+                  hops: Sequence[Hop], *, padding: Padding = Padding(), options: dict[str, Any] | None = None,
+                  **extra) -> Plan:
+    """The Plan of :func:`moonep_sim.plan.assemble_plan` (without its fast-path hints: it reads
+    ``entries.slot_N`` and ``entries.buf_row_N``, never ``entries.order``, ``entries.rank_N`` or a
+    scratch list)."""
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
-    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    entry_slot = np.asarray(entry_slot_N, dtype=np.int64).ravel()
-    slot_rows, padded, offset, entry_row = layout_slots(entry_slot, slot_rank_S, token_padding, min_rows_S)
+    if entries.slot_N is None or entries.buf_row_N is None:
+        raise PlanError("entries.slot_N and entries.buf_row_N (None) must be given to the reference assemble_plan")
+    slot_rank_S = np.asarray(slots.rank_S, dtype=np.int64)
+    entry_slot = np.asarray(entries.slot_N, dtype=np.int64).ravel()
+    slot_rows, padded, offset, entry_row = layout_slots(entry_slot, slot_rank_S, padding.token_padding,
+                                                        padding.min_rows_S)
     entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
     rows_R = np.bincount(slot_rank_S, weights=padded, minlength=R).astype(np.int64)
     row_off = np.concatenate([[0], np.cumsum(rows_R)])
@@ -169,10 +171,10 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     kept = np.flatnonzero(entry_slot >= 0)
     g = row_off[entry_rank[kept]] + entry_row[kept]
     row_entry[g] = kept
-    expand[g] = np.asarray(entry_buf_row_N, dtype=np.int64)[kept]
-    if pad_slot_P is not None and len(pad_slot_P):
+    expand[g] = np.asarray(entries.buf_row_N, dtype=np.int64)[kept]
+    if padding.slot_P is not None and len(padding.slot_P):
         # padding rows that arrived over the wire fill their slot's padding rows in arrival order
-        ps = np.asarray(pad_slot_P, dtype=np.int64)
+        ps = np.asarray(padding.slot_P, dtype=np.int64)
         order = np.argsort(ps, kind="stable")
         ps_sorted = ps[order]
         cnt = np.bincount(ps, minlength=slot_rank_S.size)
@@ -182,16 +184,15 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
                             f"({int(padded[s] - slot_rows[s])})")
         j = np.arange(ps.size) - (np.cumsum(cnt) - cnt)[ps_sorted]
         gp = row_off[slot_rank_S[ps_sorted]] + offset[ps_sorted] + slot_rows[ps_sorted] + j
-        expand[gp] = np.asarray(pad_buf_row_P, dtype=np.int64)[order]
+        expand[gp] = np.asarray(padding.buf_row_P, dtype=np.int64)[order]
     return Plan(
         strategy="", options=dict(options or {}), cluster=cluster, num_experts=routing.num_experts, top_k=K,
-        tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),
+        tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(padding.token_padding), 1),
         entry_rank_TK=entry_rank.reshape(T, K), entry_row_TK=entry_row.reshape(T, K),
-        entry_dup_TK=np.asarray(entry_dup_N, dtype=bool).reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
-        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slot_expert_S, dtype=np.int64),
-        slot_home_S=np.asarray(slot_home_S, dtype=np.int64), slot_offset_S=offset, slot_rows_S=slot_rows,
-        slot_padded_S=padded, row_entry_W=row_entry, expand_src_row_W=expand, hops=tuple(hops),
-        capacity_R=capacity_R, **extra)
+        entry_dup_TK=np.asarray(entries.dup_N, dtype=bool).reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
+        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slots.expert_S, dtype=np.int64),
+        slot_home_S=np.asarray(slots.home_S, dtype=np.int64), slot_offset_S=offset, slot_rows_S=slot_rows,
+        slot_padded_S=padded, row_entry_W=row_entry, expand_src_row_W=expand, hops=tuple(hops), **extra)
 
 
 def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
@@ -205,9 +206,9 @@ def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
     entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
     hop, entry_buf_row, entry_dup = single_hop_messages(entry_rank, routing.src_rank_T(), routing.tok_off_R(), K,
                                                         cluster.ranks, dedup)
-    return assemble_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot, [hop],
-                         entry_buf_row, entry_dup, token_padding=token_padding, min_rows_S=min_rows_S,
-                         capacity_R=capacity_R, options=options, **extra)
+    return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slot_expert_S, slot_home_S),
+                         Entries(entry_slot, entry_buf_row, entry_dup), [hop],
+                         padding=Padding(token_padding, min_rows_S), capacity_R=capacity_R, options=options, **extra)
 
 
 def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
@@ -243,8 +244,9 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
     entry_buf_row[kept] = row
     entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
     entry_dup = dup_flags(entry_rank, K) if dedup[-1] else np.zeros(entry_slot.size, dtype=bool)
-    return assemble_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot, hops,
-                         entry_buf_row, entry_dup, token_padding=token_padding, options=options, **extra)
+    return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slot_expert_S, slot_home_S),
+                         Entries(entry_slot, entry_buf_row, entry_dup), hops, padding=Padding(token_padding),
+                         options=options, **extra)
 
 
 def home_slots(placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

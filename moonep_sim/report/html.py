@@ -117,8 +117,9 @@ def _sweep_table(d: Mapping[str, Any]) -> str:
     names = list(d["strategies"])
     vs = d.get("verdicts") or []
     rows = []
+    key = "step_time_us" if d.get("level") == "step" else "layer_time_us"   # a step-level sweep: its step time
     for i, x in enumerate(d["values"]):
-        r = [x, *[d["strategies"][n]["layer_time_us"][i] for n in names]]
+        r = [x, *[d["strategies"][n][key][i] for n in names]]
         v = vs[i] if i < len(vs) else None
         if v:
             r.append(" = ".join([v["winner"], *v.get("tied_with", [])]) + " tie" if v["tie"] else

@@ -17,11 +17,11 @@ Method (MoonEP's benchmark method, generalised):
    Per-layer variation v mixes a fresh normal per layer into z (``sqrt(1-v^2) z + v z'``);
    drift d does the same from step to step (an AR(1) walk), so popularity moves across steps.
 2. **Sampling.** K distinct experts per token without replacement, with probability proportional to
-   ``p_e`` at each draw: the Gumbel top-k trick, run as the equivalent *exponential race* (the K
-   smallest of ``X_te / p_e`` with ``X ~ Exp(1)``; ``-log`` of it is ``logp + Gumbel``), chunked
-   over tokens with ``np.argpartition`` so memory stays bounded. The perturbed scores
-   ``logp_e - log X_te`` act as router logits: ids are their top-K (ordered by score), weights
-   their softmax over the chosen K, and ``--logits`` stores them.
+   ``p_e`` at each draw (Plackett-Luce; :mod:`moonep_sim.routing.sampling`): plain top-K by
+   sequential inverse-CDF draws with repeats rejected, O(T K); with logits or groups by the
+   equivalent Gumbel top-k *exponential race* over a ``[T, E]`` noise matrix, chunked over tokens.
+   Weights are the race's softmax over the chosen K (their perturbed scores act as router
+   logits; ``--logits`` stores every expert's).
 3. **Group-limited routing** (DeepSeek-V3 style): experts form G contiguous groups; a group's
    score is the sum of its two best expert scores; each token keeps its top-M groups and picks
    its top-K experts inside them.
@@ -47,14 +47,13 @@ import numpy as np
 
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.routing.metrics import gini, maxvio as maxvio_of
+from moonep_sim.routing.sampling import sample_topk  # re-exported: the sampler generate() draws with
 from moonep_sim.io import check_output_path
 from moonep_sim.limits import MAX_ELEMENTS, MAX_LAYERS, MAX_NUM_EXPERTS
 from moonep_sim.routing.trace import LayerRouting, TraceMeta, write_trace
 
-CHUNK_ELEMS = 1 << 22      # tokens per chunk = CHUNK_ELEMS // E (fixed: results never depend on the machine)
 TOLERANCE = 0.05           # promised relative accuracy of a maxvio target
 _REFINE_TOL = 0.02         # refine when the first realised value is further off than this
-_LOGP_FLOOR = -80.0        # log-popularity clipped here (exp stays a normal float32)
 SIGMA_MIN, SIGMA_MAX = 1e-4, 64.0
 
 
@@ -173,6 +172,8 @@ def inclusion_probs(logp_E: np.ndarray, top_k: int) -> np.ndarray:
     lo, hi = -60.0, 60.0
     for _ in range(100):
         mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):              # the bracket is one float wide: more halvings change nothing
+            break
         if (-np.expm1(-p * math.exp(mid))).sum() < top_k:
             lo = mid
         else:
@@ -185,67 +186,6 @@ def _expected_maxvio(logp_E: np.ndarray, top_k: int, tokens: int, noise_M_E: np.
     mean = tokens * top_k / pi.size
     c = tokens * pi + np.sqrt(tokens * pi * (1 - pi)) * noise_M_E
     return float(np.mean(c.max(axis=1)) / mean - 1.0)
-
-
-def sample_topk(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
-                groups: int = 1, topk_groups: int = 1, with_logits: bool = False
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """K distinct experts per token, drawn without replacement with probability ∝ exp(logp).
-
-    Returns ids int64 [T, K] (by descending score), weights float32 [T, K] (softmax of the chosen
-    scores), and the scores float32 [T, E] when ``with_logits``. Chunked: at most
-    ``CHUNK_ELEMS`` floats of noise live at once.
-    """
-    E, K = int(np.size(logp_E)), int(top_k)
-    lp = np.maximum(np.asarray(logp_E, np.float64) - np.max(logp_E), _LOGP_FLOOR)
-    lp32 = lp.astype(np.float32)
-    inv_p = np.exp(-lp).astype(np.float32)
-    grouped = groups > 1 and topk_groups < groups
-    ids = np.empty((tokens, K), np.int64)
-    w = np.empty((tokens, K), np.float32)
-    logits = np.empty((tokens, E), np.float32) if with_logits else None
-    chunk = max(1, CHUNK_ELEMS // E)
-    for s in range(0, tokens, chunk):
-        n = min(chunk, tokens - s)
-        x = rng.standard_exponential((n, E), dtype=np.float32)
-        if grouped or with_logits:
-            score = lp32 - np.log(np.maximum(x, np.float32(1e-30)))      # logp + Gumbel
-            if with_logits:
-                logits[s:s + n] = score
-            if grouped:
-                score = _mask_groups(score, groups, topk_groups)
-            key = -score
-        else:
-            key = x
-            key *= inv_p                                                 # X / p: smaller wins
-        part = np.argpartition(key, K - 1, axis=1)[:, :K] if K < E else np.tile(np.arange(E), (n, 1))
-        kv = np.take_along_axis(key, part, axis=1)
-        order = np.argsort(kv, axis=1, kind="stable")
-        ids[s:s + n] = np.take_along_axis(part, order, axis=1)
-        kv = np.take_along_axis(kv, order, axis=1).astype(np.float64)
-        # chosen scores: -log(key) (race) or -key (scores); softmax over the K chosen
-        sc = kv if (grouped or with_logits) else np.log(np.maximum(kv, 1e-300))
-        sc = -(sc - sc[:, :1])
-        e = np.exp(sc)
-        w[s:s + n] = e / e.sum(axis=1, keepdims=True)
-    return ids, w, logits
-
-
-def _mask_groups(score_TE: np.ndarray, groups: int, topk_groups: int) -> np.ndarray:
-    """Scores with every expert outside each token's top-M groups set to -inf (a copy)."""
-    T, E = score_TE.shape
-    g = score_TE.reshape(T, groups, E // groups)
-    if E // groups >= 2:
-        top2 = np.partition(g, E // groups - 2, axis=2)[:, :, -2:]
-        gscore = top2.sum(axis=2)
-    else:
-        gscore = g[:, :, 0]
-    keep = np.argpartition(-gscore, topk_groups - 1, axis=1)[:, :topk_groups]
-    mask = np.ones((T, groups), bool)
-    np.put_along_axis(mask, keep, False, axis=1)
-    out = g.copy()
-    out[mask] = -np.inf
-    return out.reshape(T, E)
 
 
 def _logp_for(spec: PopularitySpec, z_E: np.ndarray, top_k: int, sigma: float | None = None) -> np.ndarray:
@@ -264,6 +204,8 @@ def _logp_for(spec: PopularitySpec, z_E: np.ndarray, top_k: int, sigma: float | 
     lo, hi = 0.0, 60.0
     for _ in range(80):
         mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):
+            break
         share = inclusion_probs(np.where(hot, mid, 0.0), top_k)[hot].sum() / top_k
         lo, hi = (mid, hi) if share < spec.hot_share else (lo, mid)
     return np.where(hot, 0.5 * (lo + hi), 0.0)
@@ -285,6 +227,8 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
     lo, hi = math.log(SIGMA_MIN), math.log(SIGMA_MAX)
     for _ in range(60):
         mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):
+            break
         lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
     ls = 0.5 * (lo + hi)
     evals = []
@@ -361,9 +305,10 @@ def generate(num_experts: int, top_k: int, tokens: int, seed: int, *, layers: in
                 f"top_k ({K}) must be <= topk_groups * E/groups ({topk_groups * (E // groups)}): the "
                 "kept groups must hold K experts")
     N = tokens * steps
-    ids = np.empty((layers, N, K), np.int64)
-    w = np.empty((layers, N, K), np.float32)
-    lg = np.empty((layers, N, E), np.float32) if with_logits else None
+    one = layers == 1 and steps == 1      # one block: its arrays are the output (no copy)
+    ids = None if one else np.empty((layers, N, K), np.int64)
+    w = None if one else np.empty((layers, N, K), np.float32)
+    lg = np.empty((layers, N, E), np.float32) if with_logits and not one else None
     z_base = _rng(seed, 0).standard_normal(E)
     blocks = []
     for li in range(layers):
@@ -376,9 +321,12 @@ def generate(num_experts: int, top_k: int, tokens: int, seed: int, *, layers: in
             b_ids, b_w, b_lg, info = _block(spec, z, K, tokens, seed, (li, si), groups, topk_groups,
                                             with_logits)
             sl = slice(si * tokens, (si + 1) * tokens)
-            ids[li, sl], w[li, sl] = b_ids, b_w
-            if with_logits:
-                lg[li, sl] = b_lg
+            if one:
+                ids, w, lg = b_ids[None], b_w[None], b_lg[None] if with_logits else None
+            else:
+                ids[li, sl], w[li, sl] = b_ids, b_w
+                if with_logits:
+                    lg[li, sl] = b_lg
             c = np.bincount(b_ids.ravel(), minlength=E)
             blocks.append({"layer": li, "step": si, "maxvio": maxvio_of(c), "gini": gini(c), **info})
     report = {

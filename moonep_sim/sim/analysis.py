@@ -35,7 +35,11 @@ class SimResult:
     lower_bound_us / ratio_to_lower_bound: DESIGN section 6 (``moonep_sim.sim.lower_bound``);
         0 / 0 in ``isolate`` mode.
     straggler: {rank, cause, phase, detail} (see :func:`straggler`).  busiest_port: {name, bytes, utilisation, busy_us}.
-    per_rank: lists over ranks (end_us, compute_us, recv_rows ...).  layers_us: per layer span.
+    per_rank: lists over ranks (end_us, compute_us, recv_rows ...) of the first stage (layer 0,
+        forward).  layers_us: per layer span.
+    stages: per stage (one direction of one layer, in run order) its critical rank's parts of the
+        run (:func:`stage_parts`); they sum to ``layer_time_us``. In ``to_dict`` only for a chain
+        (more than one stage): a single stage's parts are ``per_rank``'s figures.
     timeline_events: Trace Event Format events (``moonep_sim.sim.perfetto``), when recorded.
     """
 
@@ -57,6 +61,7 @@ class SimResult:
     topology_constants: dict[str, Any]
     options: dict[str, Any]
     timeline_events: list[dict] = field(default_factory=list, repr=False)
+    stages: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in (
@@ -64,6 +69,8 @@ class SimResult:
             "lower_bound", "straggler", "busiest_port", "layers_us", "per_rank", "sim_stats", "options")}
         d["sim_wall_seconds"] = self.sim_stats.get("wall_seconds", 0.0)
         d["topology_constants"] = self.topology_constants
+        if len(self.stages) > 1:
+            d["stages"] = [dict(s) for s in self.stages]
         return d
 
 
@@ -227,6 +234,64 @@ def port_cause(sim: StepSim, p: int, kind: PhaseKind) -> str:
     return "slow port" if deg else _LOAD_CAUSE[kind]
 
 
+def _clip(a: float, b: float, lo: float, hi: float) -> float:
+    """Length of [a, b] inside [lo, hi]."""
+    return max(0.0, min(b, hi) - max(a, lo))
+
+
+def stage_parts(sim: StepSim, rec, t_end: float) -> list[dict[str, Any]]:
+    """Each stage's share of the run, along its critical rank, so that a chain of layers (and a
+    backward) can be read part by part as one layer is.
+
+    The run [0, t_end] is cut into one window per stage: stage s owns [E(s-1), E(s)], E(s) the
+    last rank's end of stage s (E(-1) = 0; the last window ends at ``t_end``). Ranks chain their
+    stages, so E never decreases and the windows sum to ``t_end``. In its window, stage s is read
+    on its critical rank c (the one whose expert compute of s ends last): ``plan_us`` its planning,
+    ``dispatch_us`` dispatch and any wait for copied weights until its compute starts,
+    ``compute_us`` its expert compute, ``combine_us`` the rest of the window; each the part of c's
+    interval inside the window (c's stage starts at its own end of s-1, at or before E(s-1), so
+    the four parts sum to the window). Within the communication parts: ``fixed_us`` c's kernel
+    launch spans of s inside the window, ``weights_us`` the span (first start to last end, over
+    ranks) of s's weight flows (prefetch, migrate, gradient reduce) inside the window. (One
+    stage's reading in ``moonep_sim.experiments.verdict`` stays the one from ``per_rank`` and the
+    phase spans, which differs only in taking the planning span over all ranks.) One entry per
+    stage: ``{layer, direction, start_us, end_us, critical_rank, plan_us, dispatch_us, compute_us,
+    combine_us, fixed_us, weights_us}``.
+    """
+    n = len(sim.stages)
+    if n == 0:
+        return []
+    sp = sim.spans
+    s_rank = np.array([s.rank for s in sp], dtype=np.int64)
+    s_start = np.array([s.start_us for s in sp], dtype=float)
+    s_end = np.array([s.end_us for s in sp], dtype=float)
+    s_kind = np.array([s.kind.value for s in sp], dtype=object)
+    is_plan = np.isin(s_kind, [PhaseKind.PLANNING.value, PhaseKind.ROUTING_GATHER.value])
+    is_fixed = s_kind == PhaseKind.KERNEL_FIXED.value
+    tags = [sim.net.phase_tag(p) for p in range(sim.net.num_phases)]
+    w_kinds = (PhaseKind.PREFETCH, PhaseKind.MIGRATE, PhaseKind.GRAD_REDUCE)
+    ph = rec["phase"].astype(np.int64)
+    out, lo = [], 0.0
+    for si, (li, prog) in enumerate(sim.stages):
+        hi = float(t_end) if si == n - 1 else float(sim.stage_end[si].max())
+        c = int(np.argmax(sim.compute_end[si]))
+        ss, se = float(sim.stage_start[si, c]), float(sim.stage_end[si, c])
+        cs, ce = float(sim.compute_start[si, c]), float(sim.compute_end[si, c])
+        mine = (s_rank == c) & (s_start >= ss) & ((s_start < se) | (s_start == ss))
+        pe = float(s_end[mine & is_plan].max()) if (mine & is_plan).any() else ss
+        pe = min(pe, cs)
+        fixed = sum(_clip(a, b, lo, hi) for a, b in zip(s_start[mine & is_fixed], s_end[mine & is_fixed]))
+        pids = [p for p, t in enumerate(tags) if t.layer == li and t.direction == prog.direction and t.kind in w_kinds]
+        wm = np.isin(ph, pids) if pids else np.zeros(ph.size, dtype=bool)
+        weights = _clip(float(rec["start"][wm].min()), float(rec["end"][wm].max()), lo, hi) if wm.any() else 0.0
+        parts = dict(plan_us=_clip(ss, pe, lo, hi), dispatch_us=_clip(pe, cs, lo, hi), compute_us=_clip(cs, ce, lo, hi))
+        parts["combine_us"] = max(hi - lo - sum(parts.values()), 0.0)
+        out.append(dict(layer=int(li), direction=prog.direction.value, start_us=lo, end_us=hi, critical_rank=c,
+                        **parts, fixed_us=float(fixed), weights_us=float(weights)))
+        lo = hi
+    return out
+
+
 def sim_result(sim: StepSim, wall: float) -> SimResult:
     """Assemble the :class:`SimResult` of a finished run (``wall``: seconds it took)."""
     net, ports, R = sim.net, sim.ports, sim.R
@@ -270,10 +335,11 @@ def sim_result(sim: StepSim, wall: float) -> SimResult:
         straggler=straggler(sim, rec, end_R), busiest_port=busiest, per_rank=per_rank,
         port_bytes={ports.name(int(p)): float(pb[p]) for p in top if pb[p] > 0},
         flow_bytes=float(rec["bytes"].sum()), layers_us=layers_us, sim_stats=stats,
-        topology_constants=sim.topo.constants(), options=opts)
+        topology_constants=sim.topo.constants(), options=opts, stages=stage_parts(sim, rec, t_end))
     if sim.opts.timeline:
         res.timeline_events = trace_events(sim.spans, net, rec, R)
     return res
 
 
-__all__ = ["SimResult", "critical_port", "phase_spans", "port_cause", "port_owner", "sim_result", "straggler"]
+__all__ = ["SimResult", "critical_port", "phase_spans", "port_cause", "port_owner", "sim_result", "stage_parts",
+           "straggler"]

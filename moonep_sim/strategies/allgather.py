@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moonep_sim.plan import GlobalRouting, Hop, Plan, Scope, assemble_plan, dup_flags, home_slots
+from moonep_sim.plan import (Entries, GlobalRouting, Hop, Padding, Plan, Scope, Slots, assemble_plan, dup_flags,
+                             home_slots)
 from moonep_sim.strategies import PlanContext, register
 
 # Notation: T tokens, K top-k, R ranks, M = R*T messages.
@@ -43,5 +44,6 @@ def plan(routing: GlobalRouting, ctx: PlanContext) -> Plan:
     entry_slot = slot_of[routing.topk_ids_TK].ravel()
     entry_rank = sr[entry_slot]
     entry_buf_row = np.repeat(np.arange(T, dtype=np.int64), K)  # every rank's buffer holds token t at row t
-    return assemble_plan(routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [hop], entry_buf_row,
-                         dup_flags(entry_rank, K), token_padding=ctx.token_padding)
+    return assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr),
+                         Entries(entry_slot, entry_buf_row, dup_flags(entry_rank, K)), [hop],
+                         padding=Padding(ctx.token_padding))

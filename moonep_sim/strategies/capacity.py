@@ -20,7 +20,8 @@ import numpy as np
 
 from moonep_sim.errors import require
 from moonep_sim.limits import MAX_ELEMENTS
-from moonep_sim.plan import GlobalRouting, Hop, Plan, Scope, assemble_plan, home_slots, stable_order
+from moonep_sim.plan import (Entries, GlobalRouting, Hop, Padding, Plan, Scope, SlotOrder, Slots, assemble_plan,
+                             home_slots, stable_order)
 from moonep_sim.plan.order import segment_mask, segment_ranges, small_key_dtype
 from moonep_sim.strategies import Option, PlanContext, register
 
@@ -233,8 +234,8 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     slot_cap = np.full(S, int(cap_R.sum()), dtype=np.int64)
     slot_cap = (slot_cap + tp - 1) // tp * tp
     capacity_R = np.bincount(sr, weights=slot_cap, minlength=R).astype(np.int64)
-    return assemble_plan(routing, ctx.cluster, ctx.costs, sr, se, sr, None, [hop], None,
-                         np.zeros(T * K, dtype=bool), token_padding=tp,
-                         min_rows_S=slot_cap if pad else None, pad_slot_P=pad_slot, pad_buf_row_P=pad_row,
-                         capacity_R=capacity_R, options={"capacity_per_source_rank": int(cap_R.max()) if R else 0},
-                         slot_order=(order_N, N - n_kept, kc_SR.sum(axis=1), buf_row_K), entry_rank_N=entry_rank)
+    entries = Entries(None, None, np.zeros(T * K, dtype=bool), rank_N=entry_rank,
+                      order=SlotOrder(order_N, N - n_kept, kc_SR.sum(axis=1), buf_row_K))
+    return assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), entries, [hop],
+                         padding=Padding(tp, slot_cap if pad else None, pad_slot, pad_row), capacity_R=capacity_R,
+                         options={"capacity_per_source_rank": int(cap_R.max()) if R else 0})

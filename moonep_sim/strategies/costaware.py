@@ -72,7 +72,7 @@ from typing import Any
 
 import numpy as np
 
-from moonep_sim.plan import GlobalRouting, Plan, Scope, plan_from_hops, to_final, to_node_of_final
+from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, Scope, plan_from_hops, to_final, to_node_of_final
 from moonep_sim.plan.kernel import FAMILIES, KernelSpec, family_spec
 from moonep_sim.strategies import Option, PlanContext, register
 from moonep_sim.strategies.llep import native_alloc, plan_from_alloc, require_home_groups
@@ -231,10 +231,10 @@ class CostModel:
         cp = home[ce] != cd
         ce, cd = ce[cp], cd[cp]
         ch = home[ce]
-        G = self.gpus_per_node
-        src = relay_sources(ce, cd, ch, G)
+        geo = _geometry(self.gpus_per_node)
+        src = relay_sources(ce, cd, ch, geo)
         fan = src != ch  # stage 1: from the relay over NVLink, after the relay's NIC copy arrived
-        cross = ((ch // G) != (cd // G)) & ~fan
+        cross = ~geo.same_node(ch, cd) & ~fan
         r = self.rates
         t_w = np.where(cross, self.weight_bytes / r.weight_nic, self.weight_bytes / r.weight_nvlink)
         s0 = ~fan
@@ -278,20 +278,29 @@ class CostModel:
         return max(float(np.max(self.rank_us(alloc_ER) + per_in)), self.floor_us(alloc_ER)) + out
 
 
-def relay_sources(expert_C: np.ndarray, rank_C: np.ndarray, home_C: np.ndarray, gpus_per_node: int) -> np.ndarray:
+def _geometry(cluster: ClusterShape | int) -> ClusterShape:
+    """The cluster geometry a cost-model function asks which node a rank is on: a ClusterShape, or
+    G (GPUs per node) for one whose node rule (``ClusterShape.node_of``) is all that is read."""
+    return cluster if isinstance(cluster, ClusterShape) else ClusterShape(int(cluster), int(cluster))
+
+
+def relay_sources(expert_C: np.ndarray, rank_C: np.ndarray, home_C: np.ndarray,
+                  cluster: ClusterShape | int) -> np.ndarray:
     """int64 [C]: where each copy's weights come from. Copies of one expert to several ranks of one
     node other than its home's are relayed: the lowest such rank (the relay) gets it from the home
     over the NIC (stage 0), the others from the relay over NVLink (stage 1). Every other copy comes
-    from its home. C copies, given as (expert, receiving rank, home rank)."""
+    from its home. C copies, given as (expert, receiving rank, home rank); ``cluster``: the
+    ClusterShape (or G, GPUs per node) saying which node a rank is on."""
     src = np.asarray(home_C, dtype=np.int64).copy()
     if src.size == 0:
         return src
-    G = int(gpus_per_node)
-    cross = (home_C // G) != (rank_C // G)
+    geo = _geometry(cluster)
+    cross = ~geo.same_node(home_C, rank_C)
     if not cross.any():
         return src
     idx = np.flatnonzero(cross)
-    key = expert_C[idx].astype(np.int64) * (int(rank_C.max()) // G + 1) + rank_C[idx] // G
+    node_C = geo.node_of(rank_C[idx])
+    key = expert_C[idx].astype(np.int64) * (int(geo.node_of(int(rank_C.max()))) + 1) + node_C
     o = np.lexsort((rank_C[idx], key))  # by (expert, node), lowest rank first
     ks = key[o]
     first = np.ones(ks.size, dtype=bool)
@@ -305,7 +314,7 @@ def network_window_us(counts_E: np.ndarray, tokens_per_rank_R: np.ndarray, top_k
                       ranks: int, dispatch_row_bytes: float, nic_Bpus: float) -> float:
     """Estimated time the dispatch's network hop keeps NVLink idle (0 on one node): a rank's tokens
     times the expected remote nodes per token (node shares of the entries, K draws) over the NIC."""
-    nodes = ranks // gpus_per_node
+    nodes = ClusterShape(ranks, gpus_per_node).num_nodes
     if nodes <= 1 or counts_E.sum() == 0:
         return 0.0
     share = counts_E.reshape(nodes, -1).sum(axis=1) / float(counts_E.sum())
@@ -328,7 +337,7 @@ def target_alloc(counts_E: np.ndarray, ranks: int, gpus_per_node: int, tau: int,
     E, R = alloc.shape
     epn = E // R
     left = counts.copy()  # entries of each expert still at its home
-    node = np.arange(R) // gpus_per_node
+    node = ClusterShape(R, gpus_per_node).node_of_rank()
     open_ = np.ones(R, dtype=bool)  # never fed by a donor yet
     blocked = np.zeros(R, dtype=bool)  # donors with no receiver left
     for _ in range(2 * R + 1):
@@ -487,7 +496,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, sms: int, mode: str, min_g
         return plan_from_alloc(routing, ctx, alloc, epn, True, options=opts, kernel=KernelSpec(sms=sms_used))
     src = slot_home.copy()
     src[~copies] = slot_rank[~copies]
-    src[copies] = relay_sources(slot_expert[copies], slot_rank[copies], slot_home[copies], G)
+    src[copies] = relay_sources(slot_expert[copies], slot_rank[copies], slot_home[copies], ctx.cluster)
     relayed = copies & (src != slot_home)
     opts["copies_relayed"] = int(relayed.sum())  # of copies_cross_node: fed over NVLink by a relay
     ids = routing.topk_ids_TK

@@ -1,0 +1,94 @@
+"""The named records :func:`~moonep_sim.plan.assemble_plan` builds a Plan from.
+
+Notation as in :mod:`moonep_sim.plan.ir`: R ranks, T tokens, K top-k, N = T*K entries, S slots,
+P padding rows that arrive over the wire.
+
+A Plan assembled from hops a planner built itself needs four things besides the routing, the
+cluster and the row costs: the expert slots (:class:`Slots`), where each entry ends up after the
+last hop (:class:`Entries`), the hops, and how slots are padded (:class:`Padding`). A planner that
+already knows the entries' slot order hands it over as a :class:`SlotOrder` (it saves a sort).
+Example (``strategies/allgather.py``)::
+
+    assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), Entries(entry_slot, buf_row, dup), [hop],
+                  padding=Padding(ctx.token_padding))
+
+The records only name the arrays; :func:`~moonep_sim.plan.assemble_plan` checks what it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Slots:
+    """The expert slots of a Plan, sorted by rank (a rank's slots are laid out in this order).
+
+    rank_S: int64 [S] the rank each slot computes on.  expert_S: int64 [S] its expert.
+    home_S: int64 [S] the rank owning the expert's weights (!= rank_S for a copy).
+    """
+
+    rank_S: np.ndarray
+    expert_S: np.ndarray
+    home_S: np.ndarray
+
+
+@dataclass(frozen=True)
+class SlotOrder:
+    """The entries sorted by (slot, entry), dropped first (what :func:`~moonep_sim.plan.slot_sort`
+    returns), for a planner that knows this order without sorting.
+
+    order_N: int64 [N] entry ids in that order.  n_drop: how many dropped ones lead.
+    slot_rows_S: int64 [S] entries of each slot, in order after them.
+    buf_row_K: optional int64 [N - n_drop] the last buffer's row of each kept entry in this order;
+      it may stand in for :attr:`Entries.buf_row_N` (then None).
+    """
+
+    order_N: np.ndarray
+    n_drop: int
+    slot_rows_S: np.ndarray
+    buf_row_K: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Entries:
+    """Where each of the N entries (flat id ``e = t*K + k``) is after the last hop.
+
+    slot_N: int64 [N] the slot computing it, -1 = dropped; may be None when ``order`` and
+      ``rank_N`` are given (nothing else needs it).
+    buf_row_N: int64 [N] the row of the last hop's buffer (on the entry's rank) holding its token;
+      may be None when ``order.buf_row_K`` is given.
+    dup_N: bool [N] duplicate flags (see :class:`~moonep_sim.plan.Plan`'s ``entry_dup_TK``).
+    rank_N: optional int64 [N] each entry's rank (``slot_rank_S[slot_N]``, -1 dropped) when the
+      planner has it already: the Plan's ``entry_rank_TK`` (not copied).
+    order: optional :class:`SlotOrder` of these entries.
+    """
+
+    slot_N: np.ndarray | None
+    buf_row_N: np.ndarray | None
+    dup_N: np.ndarray
+    rank_N: np.ndarray | None = None
+    order: SlotOrder | None = None
+
+
+@dataclass(frozen=True)
+class Padding:
+    """How slots are padded beyond their entries' rows.
+
+    token_padding: each slot's rows are padded to a multiple of this (1 = none).
+    min_rows_S: optional int64 [S] rows to allocate at least (capacity padding).
+    slot_P / buf_row_P: optional padding rows that *arrived* over the wire (zero rows sent with
+      ``src_row == -1``): row p is computed by slot ``slot_P[p]`` and read from row
+      ``buf_row_P[p]`` of the last buffer; they fill that slot's padding rows in order, and
+      padding rows beyond them read the local zero row (-1).
+    """
+
+    token_padding: int = 1
+    min_rows_S: np.ndarray | None = None
+    slot_P: np.ndarray | None = None
+    buf_row_P: np.ndarray | None = None
+
+
+__all__ = ["Entries", "Padding", "SlotOrder", "Slots"]
