@@ -113,7 +113,7 @@ def test_sweep_cli_at_step_level_writes_table_json_and_html(tmp_path, capsys):
     assert rep["level"] == "step" and rep["step"]["mode"] == "train"
     assert len(rep["strategies"]["moonep"]["step_time_us"]) == 2
     html = (out / "report.html").read_text()
-    assert "verdict" in html and "moonep" in html
+    assert "verdict" in html and "moonep" in html and "GiB OOM" in html
     assert "at step level" in capsys.readouterr().out
 
 
@@ -125,6 +125,10 @@ def test_winner_map_cli_at_step_level(tmp_path):
     m = json.loads((out / "winner.json").read_text())
     assert m["level"] == "step" and [len(r) for r in m["cells"]] == [1, 1]
     assert all(c["winner"] == c["verdict"]["winner"] for r in m["cells"] for c in r)
+    # Mixtral's 32 layers whole on 4 H800s do not fit: every cell says so, in the JSON and the table
+    assert all(c["oom"] == ["alltoall", "moonep"] for r in m["cells"] for c in r)
+    assert "OOM: alltoall, moonep" in (out / "winner.md").read_text()
+    assert " OOM" in (out / "report.html").read_text()
 
 
 def test_layer_level_is_the_default_and_unchanged():
