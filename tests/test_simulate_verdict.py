@@ -147,3 +147,15 @@ def test_saved_simulate_report_carries_the_verdict(tmp_path):
     assert "deepep wins by" in html and "inter-node bytes" in html
     assert json.loads((tmp_path / "sim" / "report.json").read_text())["verdict"]["winner"] == "deepep"
     assert paths
+
+
+def test_eplb_default_on_simulate_is_flagged_as_an_oracle_in_the_verdict():
+    res = Scenario(routing=str(MIXTRAL), cluster="4/4", strategies="alltoall,eplb", layers=[0], steps="0").simulate()
+    codes = {(f["code"], f["strategy"]) for f in res.flags}
+    assert {("oracle", "eplb"), ("free-migration", "eplb")} <= codes
+    v = res.verdict
+    assert {v["winner"], v["runner_up"]} == {"alltoall", "eplb"}
+    assert {"oracle", "free-migration"} <= set(v["flags"]["eplb"])
+    from moonep_sim.report.tables import verdict_line
+
+    assert "(eplb flagged: free-migration, oracle" in verdict_line(v)
