@@ -9,9 +9,14 @@ the byte matrices). Each strategy is timed twice over:
   (system time), no warmed allocator, no cached imports beyond the package;
 - **best of repeats**: ``--repeats`` runs in this process (the figure earlier results quoted).
 
-Both processes first do what the CLI does before any command: tell numpy not to advise huge
-pages (``moonep_sim.memory``; ``--numpy-hugepages`` keeps numpy's default, for comparison; a tree
-without that module is timed with numpy's default, as its command ran).
+Both processes first do what the CLI does before any command (``moonep_sim.memory``): tell numpy
+not to advise huge pages (``--numpy-hugepages`` keeps numpy's default, for comparison) and let the
+C allocator reuse freed memory (``--default-malloc`` keeps glibc's default); a tree without those
+settings is timed without them, as its command ran.
+
+``--floor`` also times, per strategy and in a fresh process of its own, the physical floor of its
+Plan: allocating and writing once arrays of the sizes its Plan holds (every array the planner
+made, the routing's own excluded) -- no planner can produce that Plan in less.
 
 For both: wall seconds, CPU seconds (user and system apart), and the peak RSS while planning
 (Linux: ``VmHWM`` after resetting it just before the timed call; the routing, ~0.1 GiB at this
@@ -31,6 +36,7 @@ load average at start and end is printed and stored.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -70,8 +76,9 @@ def peak_rss_bytes() -> int | None:
     return None
 
 
-def command_path(name: str, routing: GlobalRouting, ctx: PlanContext) -> dict:
-    """One timed run of what ``moonep-sim plan`` computes: the Plan and its (validating) summary."""
+def command_path(name: str, routing: GlobalRouting, ctx: PlanContext, keep: bool = False) -> dict:
+    """One timed run of what ``moonep-sim plan`` computes: the Plan and its (validating) summary
+    (``keep``: the Plan too, under ``plan``)."""
     gc.collect()
     can_reset = reset_peak_rss()
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
@@ -83,6 +90,8 @@ def command_path(name: str, routing: GlobalRouting, ctx: PlanContext) -> dict:
            "plan_seconds": plan.plan_seconds, "violations": len(summary["invariant_violations"]),
            "peak_rss_bytes": peak_rss_bytes() if can_reset else None}
     out["cpu_s"] = out["user_s"] + out["sys_s"]
+    if keep:
+        out["plan"] = plan
     del plan, summary
     return out
 
@@ -119,22 +128,87 @@ def small_pages() -> bool:
     return prefer_small_pages()
 
 
-def child(name: str, layer: str, hugepages: bool) -> int:
-    """``--child``: one first run in this (fresh) process; its figures as one JSON line."""
-    if not hugepages:
-        small_pages()
-    routing, ctx = load_layer(layer)
-    print(json.dumps(command_path(name, routing, ctx)))
+def reuse_memory() -> bool:
+    """What the CLI does before any command (``moonep_sim.memory.reuse_freed_memory``); False where
+    the package timed has no such setting (an older tree) or the C library is not glibc."""
+    try:
+        from moonep_sim.memory import reuse_freed_memory
+    except ImportError:
+        return False
+    return reuse_freed_memory()
+
+
+def cli_settings(hugepages: bool, default_malloc: bool) -> str:
+    """Apply the CLI's process settings this bench times with; says which took effect."""
+    pages = "small pages" if not hugepages and small_pages() else "numpy's huge-page advice"
+    return pages + (", freed memory reused" if not default_malloc and reuse_memory() else ", glibc's default malloc")
+
+
+def plan_arrays(plan, routing: GlobalRouting) -> list[tuple[int, str]]:
+    """(size, dtype) of every distinct array ``plan`` holds that the planner made (views of one
+    buffer counted once by their base, the routing's arrays excluded)."""
+    arrays = [getattr(plan, f.name) for f in dataclasses.fields(plan)]
+    arrays += [getattr(h, f.name) for h in plan.hops for f in dataclasses.fields(h)]
+    given = [routing.topk_ids_TK, routing.topk_weights_TK, routing.tokens_per_rank_R]
+    seen: dict[int, tuple[int, str]] = {}
+    for a in arrays:
+        if not isinstance(a, np.ndarray) or any(np.may_share_memory(a, g) for g in given):
+            continue
+        base = a if a.base is None else a.base
+        if isinstance(base, np.ndarray):
+            seen[id(base)] = (int(base.size), str(base.dtype))
+        else:
+            seen[id(a)] = (int(a.size), str(a.dtype))
+    return sorted(seen.values(), reverse=True)
+
+
+def floor_child(spec: str) -> int:
+    """``--floor-child``: allocate and write once arrays of the given sizes in this fresh process."""
+    sizes = json.loads(spec)
+    gc.collect()
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    keep = []
+    for n, dt in sizes:
+        a = np.empty(n, dtype=dt)
+        a.fill(1)
+        keep.append(a)
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    out = {"wall_s": wall, "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
+           "bytes": int(sum(a.nbytes for a in keep))}
+    out["cpu_s"] = out["user_s"] + out["sys_s"]
+    print(json.dumps(out))
     return 0
 
 
-def first_run(name: str, layer: Path, timeout_s: float, hugepages: bool) -> dict:
-    """A first run of ``name`` in a fresh Python process (same interpreter and PYTHONPATH)."""
-    p = subprocess.run([sys.executable, __file__, "--child", name, "--layer", str(layer)]
-                       + (["--numpy-hugepages"] if hugepages else []), capture_output=True, text=True, timeout=timeout_s)
+def child(name: str, layer: str, hugepages: bool, default_malloc: bool) -> int:
+    """``--child``: one first run in this (fresh) process; its figures as one JSON line."""
+    cli_settings(hugepages, default_malloc)
+    routing, ctx = load_layer(layer)
+    out = command_path(name, routing, ctx, keep=True)
+    plan = out.pop("plan")
+    out["plan_arrays"] = plan_arrays(plan, routing)
+    print(json.dumps(out))
+    return 0
+
+
+def _fresh(args: list[str], what: str, timeout_s: float) -> dict:
+    p = subprocess.run([sys.executable, __file__] + args, capture_output=True, text=True, timeout=timeout_s)
     if p.returncode:
-        raise RuntimeError(f"fresh process for {name} failed: {p.stderr.strip().splitlines()[-1:]}")
+        raise RuntimeError(f"fresh process for {what} failed: {p.stderr.strip().splitlines()[-1:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def first_run(name: str, layer: Path, timeout_s: float, hugepages: bool, default_malloc: bool) -> dict:
+    """A first run of ``name`` in a fresh Python process (same interpreter and PYTHONPATH)."""
+    return _fresh(["--child", name, "--layer", str(layer)] + (["--numpy-hugepages"] if hugepages else [])
+                  + (["--default-malloc"] if default_malloc else []), name, timeout_s)
+
+
+def floor_run(arrays: list, timeout_s: float, hugepages: bool, default_malloc: bool) -> dict:
+    """The floor of a Plan holding ``arrays`` ((size, dtype) pairs), in a fresh Python process."""
+    return _fresh(["--floor-child", json.dumps(arrays)] + (["--numpy-hugepages"] if hugepages else [])
+                  + (["--default-malloc"] if default_malloc else []), "the floor", timeout_s)
 
 
 def make_layer(gen: str, ranks: int, gpus_per_node: int) -> tuple[GlobalRouting, PlanContext]:
@@ -160,12 +234,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="also write the results to this file")
     ap.add_argument("--numpy-hugepages", action="store_true",
                     help="keep numpy's huge-page advice (the CLI turns it off: moonep_sim.memory)")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="keep glibc's default allocator settings (the CLI lets it reuse freed memory: moonep_sim.memory)")
+    ap.add_argument("--floor", action="store_true", help="also time each Plan's floor (allocating and writing its "
+                                                         "arrays once) in a fresh process")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--floor-child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--layer", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        return child(a.child, a.layer, a.numpy_hugepages)
-    pages = "numpy default (huge pages advised)" if a.numpy_hugepages or not small_pages() else "small (as the CLI)"
+        return child(a.child, a.layer, a.numpy_hugepages, a.default_malloc)
+    if a.floor_child:
+        cli_settings(a.numpy_hugepages, a.default_malloc)
+        return floor_child(a.floor_child)
+    pages = cli_settings(a.numpy_hugepages, a.default_malloc)
 
     load0 = os.getloadavg()
     t0 = time.perf_counter()
@@ -180,11 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     n = routing.num_tokens * routing.top_k
     print(f"layer: gen:{a.gen} on R={a.ranks} (G={a.gpus_per_node}/node): {routing.num_tokens} tokens, {n} entries, "
           f"E={routing.num_experts} K={routing.top_k}, maxvio {mv:.2f}, topology "
-          f"{getattr(ctx.topology, 'name', None)} (ready in {time.perf_counter() - t0:.0f} s); pages: {pages}")
+          f"{getattr(ctx.topology, 'name', None)} (ready in {time.perf_counter() - t0:.0f} s); memory: {pages}")
     names = [s for s in a.strategies.split(",") if s] or list(available())
     rows = []
     hdr = (f"{'strategy':14s} | {'first: wall':>11s} {'cpu':>6s} {'(user':>6s} {'+ sys)':>6s} {'RSS GiB':>7s} | "
-           f"{'best: wall':>10s} {'cpu':>6s} {'(user':>6s} {'+ sys)':>6s} {'RSS GiB':>7s}")
+           f"{'floor: cpu':>10s} {'GiB':>5s} | {'best: wall':>10s} {'cpu':>6s} {'(user':>6s} {'+ sys)':>6s} {'RSS GiB':>7s}")
     print(hdr)
     gib = lambda b: "-" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="bench-plan-") as tmp:
@@ -195,7 +277,10 @@ def main(argv: list[str] | None = None) -> int:
             row: dict = {"strategy": name}
             try:
                 if not a.no_fresh:
-                    row["first"] = first_run(name, layer, a.timeout, a.numpy_hugepages)
+                    row["first"] = first_run(name, layer, a.timeout, a.numpy_hugepages, a.default_malloc)
+                    if a.floor:
+                        row["floor"] = floor_run(row["first"]["plan_arrays"], a.timeout, a.numpy_hugepages,
+                                                 a.default_malloc)
                 runs = [command_path(name, routing, ctx) for _ in range(a.repeats)]
             except Exception as e:  # a strategy that fails is reported, the others still run
                 row["error"] = f"{type(e).__name__}: {e}"
@@ -212,18 +297,21 @@ def main(argv: list[str] | None = None) -> int:
                      f"{gib(f['peak_rss_bytes']):>7s}") if f else f"{'-':>11s} {'':6s} {'':6s} {'':6s} {'':7s}"
             best = (f"{row['best_wall_s']:10.2f} {b['cpu_s']:6.2f} {b['user_s']:6.2f} {b['sys_s']:6.2f} "
                     f"{gib(b['peak_rss_bytes']):>7s}") if b else "-"
-            print(f"{name:14s} | {first} | {best}")
+            fl = row.get("floor")
+            floor = f"{fl['cpu_s']:10.2f} {fl['bytes'] / 2**30:5.2f}" if fl else f"{'-':>10s} {'':5s}"
+            print(f"{name:14s} | {first} | {floor} | {best}")
             if (f or b)["violations"]:
                 print(f"  {name}: {(f or b)['violations']} invariant violation(s)")
     load1 = os.getloadavg()
     print("first: one run in a fresh process; best: the run of least CPU of "
           f"{a.repeats} in this process (wall: the least); cpu = user + sys seconds; RSS: peak while planning "
-          "(routing included)")
+          "(routing included); floor: CPU s to allocate and write once, in a fresh process, the arrays the Plan "
+          "holds (GiB: their size)")
     print(f"load average (1/5/15 min) at start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, at end "
           f"{load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f} on {os.cpu_count()} CPUs (other processes inflate the wall times)")
     if a.json:
         import moonep_sim
-        result = {"pages": pages, "gen": a.gen, "ranks": a.ranks, "gpus_per_node": a.gpus_per_node, "entries": n, "maxvio": mv,
+        result = {"memory": pages, "gen": a.gen, "ranks": a.ranks, "gpus_per_node": a.gpus_per_node, "entries": n, "maxvio": mv,
                   "topology": getattr(ctx.topology, "name", None), "package": str(Path(moonep_sim.__file__).parent),
                   "repeats": a.repeats, "loadavg_start": list(load0), "loadavg_end": list(load1), "strategies": rows}
         write_text_atomic(a.json, json.dumps(result, indent=2) + "\n")

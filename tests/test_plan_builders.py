@@ -351,6 +351,51 @@ def test_validate_matches_reference_on_corrupted_plans(seed, field, delta, dedup
 
 
 @settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from(_HOP_FIELDS + ("entry_row_TK", "expand_src_row_W", "none")),
+       st.integers(-2, 2), st.sampled_from([0, 1, 3, 7]), st.sampled_from(["alltoall", "capacity", "deepep"]))
+def test_validate_counting_counts_each_hops_rows(seed, field, delta, chunk, strategy):
+    """``validate_counting`` reports what ``validate`` reports and, where it walked every hop, each
+    hop's ``rows_RR`` exactly (valid or corrupted hops, block walk and chunk walk); on a valid plan
+    it always walks every hop, and ``Plan.summary``'s bytes equal ``bytes_summary``'s own count."""
+    from conftest import random_routing
+    from moonep_sim.plan.validate import validate_counting
+    from moonep_sim.strategies import PlanContext, make_plan
+    rng = np.random.default_rng(seed)
+    R, E, K = 4, 8, 3
+    ids, w = random_routing(int(rng.integers(1, 30)), K, E, seed=seed % 1000, skew=1.0)
+    routing = GlobalRouting.split_evenly(ids, w, E, R)
+    p = make_plan(strategy, routing, PlanContext.default(E, R, 2))
+    valid = field == "none"
+    if field in _HOP_FIELDS:
+        a = getattr(p.hops[-1], field).copy()
+        if a.size:
+            a[rng.integers(a.size)] += delta
+        p = dataclasses.replace(p, hops=p.hops[:-1] + (dataclasses.replace(p.hops[-1], **{field: a}),))
+    elif not valid:
+        a = getattr(p, field).copy()
+        if a.size:
+            a.flat[rng.integers(a.size)] += delta
+        p = dataclasses.replace(p, **{field: a})
+    vmod = sys.modules["moonep_sim.plan.validate"]
+    default = vmod.HOP_CHUNK, vmod.BLOCK_MIN_MEAN
+    vmod.HOP_CHUNK = chunk or default[0]
+    vmod.BLOCK_MIN_MEAN = 0 if chunk % 2 else default[1]
+    try:
+        errs, rows = validate_counting(p)
+        assert errs == validate(p)
+        summary = p.summary() if rows is not None else None  # (a hop with ranks out of range has no rows_RR)
+    finally:
+        vmod.HOP_CHUNK, vmod.BLOCK_MIN_MEAN = default
+    if valid:
+        assert errs == [] and rows is not None
+    if rows is not None:
+        assert len(rows) == len(p.hops)
+        for h, got in zip(p.hops, rows):
+            _eq(got, h.rows_RR(R))
+        assert summary["invariant_violations"] == errs and summary["bytes"] == p.bytes_summary()
+
+
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.integers(-50, 50), st.integers(0, 6)), max_size=12))
 def test_segment_ranges_matches_repeat_arange(segs):
     """``segment_ranges`` (one array, cumulative sum in place) equals the two-temporary form, empty
@@ -362,6 +407,28 @@ def test_segment_ranges_matches_repeat_arange(segs):
     want = np.repeat(first - start, lens) + np.arange(int(lens.sum()), dtype=np.int64)
     got = segment_ranges(first, lens)
     assert got.dtype == np.int64 and np.array_equal(got, want)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(-50, 50), st.integers(0, 40)), max_size=12), st.sampled_from([1, 8, 10**9]),
+       st.booleans())
+def test_segment_ranges_both_ways_equal_repeat_arange(segs, loop_min, given_out):
+    """Both ways ``segment_ranges`` builds its ranges -- segment by segment (long segments) and by a
+    cumulative sum (short ones) -- equal the two-temporary form, into a given array or a new one."""
+    import moonep_sim.plan.order as order_mod
+    first = np.array([f for f, _ in segs], dtype=np.int64)
+    lens = np.array([n for _, n in segs], dtype=np.int64)
+    start = np.cumsum(lens) - lens
+    want = np.repeat(first - start, lens) + np.arange(int(lens.sum()), dtype=np.int64)
+    out = np.full(want.size, 7, dtype=np.int64) if given_out else None
+    default = order_mod.SEGMENT_LOOP_MIN
+    order_mod.SEGMENT_LOOP_MIN = loop_min
+    try:
+        got = order_mod.segment_ranges(first, lens, out=out)
+    finally:
+        order_mod.SEGMENT_LOOP_MIN = default
+    assert got.dtype == np.int64 and np.array_equal(got, want)
+    assert out is None or got is out
 
 
 @settings(max_examples=100, deadline=None)

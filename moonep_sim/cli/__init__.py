@@ -12,7 +12,7 @@ import sys
 
 from moonep_sim import __version__
 from moonep_sim.errors import OneLineArgumentParser, exit_status
-from moonep_sim.memory import prefer_small_pages
+from moonep_sim.memory import prefer_small_pages, reuse_freed_memory
 
 # order = order in --help
 _COMMANDS = ("demo", "models", "strategies", "trace", "plan", "simulate", "step", "topologies", "compare", "sweep",
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     prefer_small_pages()  # fresh huge pages cost a command more system time than they save (moonep_sim.memory)
+    reuse_freed_memory()  # a freed temporary's pages serve the next one, not fresh pages (moonep_sim.memory)
     return exit_status(args.func, args)  # 1 a failed collective, 2 bad input, 130 Ctrl-C (as the launchers)
 
 

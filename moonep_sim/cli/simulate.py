@@ -131,7 +131,7 @@ def run(args) -> int:
     if args.isolate:
         from moonep_sim.sim.kernels import isolated_kernel_figures
         kern = isolated_kernel_figures(sc.plans().plan(names[0], step=out.per_strategy[names[0]]["step"]),
-                                       out.raw[names[0]], args.isolate)
+                                       out.raw[names[0]], args.isolate, rs.topology)
     if args.json:
         print_json(_json(out, names, rs, plan_s, kern))
         return 0
@@ -187,6 +187,10 @@ def _print_kernel(c, what: str, kern: dict) -> None:
         if k in kern:
             c.print(f"{'*' if k in mine else ' '} {kern[k + '_GBps']:,.1f} GB/s  {hows[k]}: "
                     f"{kern[k] / 1e6:,.2f} MB per rank")
+    if "epilogue_us" in kern:
+        c.print(f"  copy epilogue ({kern['epilogue']}), timed apart as the library's test does: "
+                f"{kern['epilogue_us']:,.1f} us per rank, {kern['epilogue_GBps']:,.1f} GB/s of rows read + "
+                "written (not in the kernel time above)")
 
 
 def _print_strategy(c, args, out, name: str, rs) -> None:

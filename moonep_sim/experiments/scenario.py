@@ -241,13 +241,20 @@ class Scenario:
     # -- compare, replay, sweep ---------------------------------------------------------------------
     def compare(self, real: bool = False, *, nproc: int | None = None, iters: int = 10, hidden: int = 512,
                 ffn: int = 1024, timeout_s: float = 600.0, progress: Progress | None = None, jobs: int | None = 1,
-                cluster: str | None = None) -> CompareResult:
+                cluster: str | None = None, level: str = "layer", step: Any = None) -> CompareResult:
         """Every strategy on the same steps and layers, simulated (each step its own batch, then
         aggregated over steps); with ``real``, also replayed over gloo by ``nproc`` local processes
         (= the scenario's ranks), interleaved. The simulated points run in ``jobs`` worker
-        processes or on a Dask ``cluster``; the real replay always runs alone (timings)."""
+        processes or on a Dask ``cluster``; the real replay always runs alone (timings).
+
+        ``level="step"``: every strategy's whole step instead (``step``: a
+        :class:`~moonep_sim.experiments.step.StepOptions`, default train without overlap), what
+        :meth:`step` returns (:mod:`moonep_sim.experiments.step_levels`)."""
         from moonep_sim.experiments.compare import RealOptions, compare
 
+        if _step_level(level, step, real=real):
+            opts = step or _default_step()
+            return self.step(opts.mode, opts.overlap, progress=progress, jobs=jobs, cluster=cluster, **opts.kwargs())
         rs = self.resolved
         opts = None
         if real:
@@ -288,7 +295,7 @@ class Scenario:
 
     def sweep(self, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None,
               progress: Progress | None = None, jobs: int | None = 1, cluster: str | None = None,
-              seeds: int = 1) -> SweepResult:
+              seeds: int = 1, level: str = "layer", step: Any = None) -> SweepResult:
         """Vary ``over`` (``maxvio``, ``ep`` or a numeric topology constant) through ``values``
         (default: :func:`moonep_sim.experiments.sweep.default_values`); each point plans every
         strategy on generated routing (this scenario's generator spec, or the model's defaults) and
@@ -300,9 +307,22 @@ class Scenario:
         On a trace (this scenario's routing is a trace file), the sweep runs on the recorded routing,
         each step its own batch: ``over`` a topology constant, ``ranks`` (``ep``), ``gpus_per_node``,
         ``tokens_per_rank`` or ``maxvio`` (re-weighted popularity), see
-        :mod:`moonep_sim.experiments.trace_sweep` (the spread behind its verdicts is over steps)."""
+        :mod:`moonep_sim.experiments.trace_sweep` (the spread behind its verdicts is over steps).
+
+        ``level="step"``: every point a whole step per strategy (``step``: a
+        :class:`~moonep_sim.experiments.step.StepOptions`), the report's series the step figures
+        and each point's verdict the step verdict (:mod:`moonep_sim.experiments.step_levels`)."""
         from moonep_sim.experiments.sweep import sweep_over_seeds
 
+        if _step_level(level, step, seeds=seeds):
+            from moonep_sim.experiments.step_levels import step_sweep, trace_step_sweep
+
+            opts = step or _default_step()
+            if self.is_trace():
+                return SweepResult.from_report(trace_step_sweep(self, over, values, opts, progress=progress, jobs=jobs,
+                                                                cluster=cluster))
+            return SweepResult.from_report(step_sweep(self, self.sweep_axis(over, values, maxvio=maxvio), opts,
+                                                      progress=progress, jobs=jobs, cluster=cluster))
         if self.is_trace():
             from moonep_sim.experiments.trace_sweep import trace_sweep
 
@@ -313,15 +333,21 @@ class Scenario:
 
     def winner_map(self, over: str, values: Sequence[float] | None, by: str, by_values: Sequence[float], *,
                    maxvio: float | None = None, progress: Progress | None = None, jobs: int | None = 1,
-                   cluster: str | None = None, seeds: int = 1) -> dict[str, Any]:
+                   cluster: str | None = None, seeds: int = 1, level: str = "layer", step: Any = None) -> dict[str, Any]:
         """The fastest strategy per cell over two knobs: one :meth:`sweep` of ``over`` per value of
         ``by`` (``tokens-per-rank``, ``maxvio`` or ``ep``), combined by
         :func:`moonep_sim.experiments.winner.winner_map` (each cell: winner, margin over the
         runner-up, every strategy's time; ``sweeps`` holds the full reports). ``seeds`` > 1: every
         sweep at that many seeds, each cell's times the means and its verdict (tie, confidence) from
-        the spread over seeds."""
+        the spread over seeds. ``level="step"``: each cell a whole step per strategy, its winner
+        the step verdict's (``step``: a :class:`~moonep_sim.experiments.step.StepOptions`)."""
         from moonep_sim.experiments.sweep import at, check_rows, sweep_over_seeds, winner_of
 
+        if _step_level(level, step, seeds=seeds):
+            from moonep_sim.experiments.step_levels import step_winner_map
+
+            return step_winner_map(self, over, values, by, by_values, step or _default_step(), maxvio=maxvio,
+                                   progress=progress, jobs=jobs, cluster=cluster)
         if self.is_trace():
             from moonep_sim.experiments.trace_sweep import trace_winner_map
 
@@ -342,6 +368,27 @@ class Scenario:
         from moonep_sim.experiments.sweep import axis
 
         return axis(self, over, values, maxvio=maxvio)
+
+
+def _step_level(level: str, step: Any, *, real: bool = False, seeds: int = 1) -> bool:
+    """True at level step (checked: the step options typed, no layer-only option given)."""
+    from moonep_sim.experiments.step import StepOptions
+    from moonep_sim.experiments.step_levels import check_level
+
+    if check_level(level) == "layer":
+        require(step is None, "step options must be given with level='step' only (the layer level has none)")
+        return False
+    require(step is None or isinstance(step, StepOptions),
+            f"step ({type(step).__name__}) must be a StepOptions (moonep_sim.experiments.step)")
+    require(not real, "real replays run the layer level only (level='step' is simulated)")
+    require(seeds == 1, f"seeds ({seeds}) must be 1 at level step (the spread over seeds is layer-level)")
+    return True
+
+
+def _default_step():
+    from moonep_sim.experiments.step import StepOptions
+
+    return StepOptions()
 
 
 def _verdict_view(res) -> dict[str, Any]:

@@ -271,21 +271,26 @@ def plan_from_order(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
                     slot_expert_S: np.ndarray, slot_home_S: np.ndarray, order_N: np.ndarray, n_drop: int,
                     slot_rows_S: np.ndarray, *, dedup: bool, token_padding: int = 1,
                     min_rows_S: np.ndarray | None = None, capacity_R: np.ndarray | None = None,
-                    options: dict[str, Any] | None = None, **extra) -> Plan:
+                    options: dict[str, Any] | None = None, entry_rank_N: np.ndarray | None = None,
+                    **extra) -> Plan:
     """:func:`plan_from_slots` from entries already sorted by (slot, entry), dropped ones first.
 
     For planners that know this order without sorting (``moonep`` derives it from its per-expert
     order): ``order_N`` int64 [N] entry ids, the ``n_drop`` dropped ones first, then
-    ``slot_rows_S[s]`` entries of each slot s, slot by slot.
+    ``slot_rows_S[s]`` entries of each slot s, slot by slot. entry_rank_N: each entry's rank in
+    entry order (int64 [N], -1 dropped; the Plan's ``entry_rank_TK``) where the caller has it,
+    else scattered from the order.
     """
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
     lay = sorted_layout(order_N, n_drop, slot_rows_S, slot_rank_S, token_padding, min_rows_S, R)
     kept_sorted = order_N[n_drop:]
-    entry_rank = np.empty(T * K, dtype=np.int64)
-    entry_rank[order_N[:n_drop]] = -1
-    entry_rank[kept_sorted] = np.repeat(slot_rank_S, slot_rows_S)
+    entry_rank = entry_rank_N
+    if entry_rank is None:
+        entry_rank = np.empty(T * K, dtype=np.int64)
+        entry_rank[order_N[:n_drop]] = -1
+        entry_rank[kept_sorted] = np.repeat(slot_rank_S, slot_rows_S)
     hop, entry_buf_row, entry_dup = single_hop_messages(entry_rank, routing.src_rank_T(), routing.tok_off_R(),
                                                         K, R, dedup)
     row_entry, expand = final_rows(lay, kept_sorted, entry_buf_row)
@@ -321,9 +326,11 @@ def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
     entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
     order, n_drop, slot_rows = slot_sort(entry_slot, slot_rank_S.size)
+    # each entry's rank in entry order, from the slots' ranks (slot -1 reads the appended -1)
+    entry_rank = np.append(slot_rank_S, -1)[entry_slot]
     return plan_from_order(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, order, n_drop,
                            slot_rows, dedup=dedup, token_padding=token_padding, min_rows_S=min_rows_S,
-                           capacity_R=capacity_R, options=options, **extra)
+                           capacity_R=capacity_R, options=options, entry_rank_N=entry_rank, **extra)
 
 
 __all__ = ["SlotLayout", "block_messages", "entry_token", "final_rows", "layout_slots", "plan_from_order",

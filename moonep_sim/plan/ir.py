@@ -48,7 +48,7 @@ from moonep_sim.errors import PlanError
 from moonep_sim.plan.kernel import KernelSpec
 from moonep_sim.plan.kinds import SCOPES, Direction, PhaseKind, Scope
 from moonep_sim.plan.placement import ClusterShape
-from moonep_sim.plan.validate import validate
+from moonep_sim.plan.validate import validate_counting
 from moonep_sim.routing.trace import find_bad_token
 
 
@@ -423,14 +423,16 @@ class Plan:
             raise PlanError(f"direction ({direction!r}) must be 'forward' or 'backward'")
         return out
 
-    def bytes_summary(self) -> dict[str, int]:
+    def bytes_summary(self, hop_rows: list[np.ndarray] | None = None) -> dict[str, int]:
         """Bytes that cross a link (local copies excluded), by phase kind and by link class.
 
         Keys: dispatch, combine, prefetch, migrate, grad_reduce (backward), intra_node, inter_node
-        (forward and backward together).
+        (forward and backward together). hop_rows: each hop's ``rows_RR`` where the caller has
+        counted them (else counted here).
         """
         out = dict(dispatch=0, combine=0, prefetch=0, migrate=0, grad_reduce=0, intra_node=0, inter_node=0)
-        hop_rows = [h.rows_RR(self.ranks) for h in self.hops]
+        if hop_rows is None:
+            hop_rows = [h.rows_RR(self.ranks) for h in self.hops]
         for direction in ("forward", "backward"):
             for p in self._phases(direction, hop_rows):
                 intra, inter = p.split_bytes(self.cluster)
@@ -443,6 +445,7 @@ class Plan:
     def summary(self) -> dict[str, Any]:
         """The machine-readable summary ``moonep-sim plan --json`` prints."""
         real = self.real_rows_R()
+        violations, hop_rows = validate_counting(self)  # (counts each hop's rows for the bytes on the way)
         return {
             "strategy": self.strategy,
             "options": {k: v for k, v in self.options.items() if _jsonable(v)},
@@ -460,9 +463,9 @@ class Plan:
             "weight_copies": self.weight_copies,
             "migrations": int(self.migrate_expert_X.size),
             "hops": len(self.hops),
-            "bytes": self.bytes_summary(),
+            "bytes": self.bytes_summary(hop_rows),
             "plan_seconds": self.plan_seconds,
-            "invariant_violations": validate(self),
+            "invariant_violations": violations,
         }
 
 

@@ -55,6 +55,7 @@ class _State:
     rows_R: np.ndarray | None = None       # padded rows per rank
     row_off: np.ndarray | None = None      # [R+1] offsets of each rank's final rows
     real_rows_W: np.ndarray | None = None  # bool: final row holds an entry
+    hop_rows: list = field(default_factory=list)  # each walked hop's rows per (src, dst): Hop.rows_RR
 
 
 #: messages (entries, final rows) per chunk of the checks that walk them: each chunk's temporaries
@@ -124,31 +125,34 @@ def _check_entries(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
     if n and (int(rank_e.min()) < -1 or int(rank_e.max()) >= R):
         bad("entry_rank must be -1 or a rank in [0, R)")
         return False
-    # chunk by chunk of entries (HOP_CHUNK): no [N] temporaries
-    n_kept, row_ok = 0, True
+    # one walk, chunk by chunk of entries (HOP_CHUNK): no [N] temporaries and no masked copies. A
+    # dropped entry (rank -1) reads the appended last element of each per-rank table: 0 rows (so
+    # its row must be -1), and row offset 0 (so its row -1 reads the last final row, and the
+    # comparison ignores it)
+    rows_ext = np.append(rows_R, 0)
+    off_ext = np.append(row_off[:-1], 0)
+    row_ent = plan.row_entry_W
+    eid0 = np.arange(min(n, HOP_CHUNK), dtype=np.int64)
+    n_kept, conserved = 0, True
     for lo in range(0, n, HOP_CHUNK):  # loop over chunks of entries, not entries
         rk, rw = rank_e[lo:lo + HOP_CHUNK], row_e[lo:lo + HOP_CHUNK]
         kept = rk >= 0
         nk = int(np.count_nonzero(kept))
         n_kept += nk
-        if nk < rk.size:
-            if (rw[~kept] != -1).any():
-                row_ok = False
-            rk, rw = rk[kept], rw[kept]
-        if rw.size and (int(rw.min()) < 0 or (rw >= rows_R[rk]).any()):
-            row_ok = False
-    if not row_ok:
-        bad("entry_row must be a row of the destination rank (or -1 when dropped)")
-        return False
-    for lo in range(0, n, HOP_CHUNK):
-        rk, rw = rank_e[lo:lo + HOP_CHUNK], row_e[lo:lo + HOP_CHUNK]
-        eid = np.arange(lo, lo + rk.size, dtype=np.int64)
-        kept = rk >= 0
-        if not kept.all():
-            rk, rw, eid = rk[kept], rw[kept], eid[kept]
-        if not np.array_equal(plan.row_entry_W[row_off[rk] + rw], eid):
-            bad("row_entry must name, at each kept entry's row, that entry (conservation)")
-            break
+        if nk == rk.size:
+            ok = int(rw.min()) >= 0 and bool((rw < rows_R[rk]).all())
+        else:  # kept: 0 <= row < rows of its rank; dropped: row -1 (>= -1 and < 0 rows)
+            ok = int(rw.min()) >= -1 and bool(np.array_equal(rw >= 0, kept)) and bool((rw < rows_ext[rk]).all())
+        if not ok:
+            bad("entry_row must be a row of the destination rank (or -1 when dropped)")
+            return False
+        if conserved and nk:
+            got = row_ent[off_ext[rk] + rw]
+            got -= lo
+            same = got == eid0[:rk.size]
+            conserved = bool(same.all()) if nk == rk.size else bool((same | ~kept).all())
+    if not conserved:
+        bad("row_entry must name, at each kept entry's row, that entry (conservation)")
     real_rows = plan.row_entry_W >= 0
     if int(np.count_nonzero(real_rows)) != n_kept:
         bad(f"final rows holding entries ({int(np.count_nonzero(real_rows))}) must equal kept entries "
@@ -273,6 +277,7 @@ class _HopWalk(NamedTuple):
     wrong_dst: bool
     cross_node: bool
     cross_rail: bool
+    rows_RR: np.ndarray  # int64 [R, R] messages per (src, dst), as ``Hop.rows_RR`` counts them
 
 
 def _walk_chunks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node, local) -> _HopWalk:
@@ -280,10 +285,12 @@ def _walk_chunks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
     m = h.src_rank_M.size
     unsorted = wrong_src = wrong_dst = cross_node = cross_rail = False
     prev_key = -1
+    rows = np.zeros(R * R, dtype=np.int64)
     for lo in range(0, m, HOP_CHUNK):  # loop over chunks of messages, not messages
         sl = slice(lo, min(m, lo + HOP_CHUNK))
         s_r, s_w, d_r, d_w = h.src_rank_M[sl], h.src_row_M[sl], h.dst_rank_M[sl], h.dst_row_M[sl]
         key = s_r * R + d_r
+        rows += np.bincount(key, minlength=R * R)
         unsorted |= bool(key[0] < prev_key) or bool((key[1:] < key[:-1]).any())
         prev_key = int(key[-1])
         if wrong_src or wrong_dst:  # the hop is malformed: only its order is still checked
@@ -300,14 +307,16 @@ def _walk_chunks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
             cross_rail |= bool((local[s_r] != local[d_r]).any())
         src_g = buf_off[s_r] + s_w
         new_origin[dst_off[d_r] + d_w] = np.where(s_w >= 0, origin[np.maximum(src_g, 0)], -1)
-    return _HopWalk(unsorted, wrong_src, wrong_dst, cross_node, cross_rail)
+    return _HopWalk(unsorted, wrong_src, wrong_dst, cross_node, cross_rail, rows.reshape(R, R))
 
 
 def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node, local) -> _HopWalk | None:
     """:func:`_walk_chunks` for a hop sorted by (src, dst), block by (src, dst) block: each block's
-    ranks and buffer offsets are scalars, so its rows are checked by min/max and moved without
-    gathers of per-rank tables (an all-gather's hop checks ~3x faster). None when the hop is not
-    sorted (the caller then walks it by chunks, which names what is wrong)."""
+    ranks and buffer offsets are scalars, so its rows index the source and destination buffers of
+    its two ranks directly -- numpy's bounds checks of that gather and scatter are its range
+    checks, beside one minimum each (an all-gather's hop checks ~3x faster than by chunks). None
+    when the hop is not sorted or a row is out of range (the caller then walks it by chunks, which
+    names what is wrong)."""
     m = h.src_rank_M.size
     src, dst = h.src_rank_M, h.dst_rank_M
     for lo in range(0, m, HOP_CHUNK):  # source ranks non-decreasing, chunk by chunk
@@ -316,6 +325,7 @@ def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
             return None
     sb = np.searchsorted(src, np.arange(R + 1))
     bounds = []
+    rows = np.zeros((R, R), dtype=np.int64)
     for r in range(R):  # loop over source ranks, not messages
         a, b = int(sb[r]), int(sb[r + 1])
         if b == a:
@@ -324,6 +334,7 @@ def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
         if (d[1:] < d[:-1]).any():
             return None
         db = np.searchsorted(d, np.arange(R + 1)) + a
+        rows[r] = np.diff(db)
         bounds.extend((r, q, int(db[q]), int(db[q + 1])) for q in np.flatnonzero(db[1:] > db[:-1]).tolist())
     cross_node = cross_rail = False
     for r, q, a, b in bounds:  # loop over (src, dst) blocks, not messages
@@ -333,16 +344,18 @@ def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
             cross_rail = True
         sw, dw = h.src_row_M[a:b], h.dst_row_M[a:b]
         s_lo = int(sw.min())
-        if s_lo < -1 or int(sw.max()) >= src_rows[r]:
-            return _HopWalk(False, True, False, False, False)
-        if int(dw.min()) < 0 or int(dw.max()) >= h.dst_rows_R[q]:
-            return _HopWalk(False, False, True, False, False)
-        gd = dw + dst_off[q]
-        if s_lo >= 0:
-            new_origin[gd] = origin[sw + buf_off[r]]
-        else:
-            new_origin[gd] = np.where(sw >= 0, origin[np.maximum(sw + buf_off[r], 0)], -1)
-    return _HopWalk(False, False, False, cross_node, cross_rail)
+        if s_lo < -1 or int(dw.min()) < 0:
+            return None
+        src_buf = origin[buf_off[r]:buf_off[r + 1]]  # rank r's rows of the source buffer
+        dst_buf = new_origin[dst_off[q]:dst_off[q + 1]]  # rank q's rows of the destination buffer
+        try:  # (an IndexError: a row beyond its rank's buffer)
+            if s_lo >= 0:
+                dst_buf[dw] = src_buf.take(sw)
+            else:
+                dst_buf[dw] = np.where(sw >= 0, src_buf.take(np.maximum(sw, 0)), -1)
+        except IndexError:
+            return None
+    return _HopWalk(False, False, False, cross_node, cross_rail, rows)
 
 
 def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
@@ -371,9 +384,10 @@ def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) ->
         new_origin = np.full(int(dst_off[-1]), -2, dtype=odt)
         args = (h, R, src_rows, buf_off, dst_off, origin, new_origin, node, local)
         w = _walk_blocks(*args) if m >= BLOCK_MIN_MEAN * R * R else None
-        if w is None or w.wrong_src or w.wrong_dst:  # (the chunk walk also checks the order of the rest)
+        if w is None:  # (the chunk walk names what is wrong)
             new_origin.fill(-2)
             w = _walk_chunks(*args)
+        st.hop_rows.append(w.rows_RR)
         if w.unsorted:
             bad(f"hop {i}: messages must be sorted by (src_rank, dst_rank)")
         if w.wrong_src:
@@ -390,33 +404,34 @@ def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) ->
         if w.cross_rail:
             bad(f"hop {i}: inter_node scope must connect equal local indices only")
         origin, buf_off = new_origin, dst_off
-    # final gather, chunk by chunk of final rows: row w of rank r reads row expand[w] of r's last buffer
+    # final gather, rank by rank and chunk by chunk of its final rows: row w of rank r reads row
+    # expand[w] of r's last buffer (the rank's buffer offset and size are scalars)
     real_rows, row_off = st.real_rows_W, st.row_off
-    last_rows = np.diff(buf_off)
-    exp = plan.expand_src_row_W
-    W = exp.size
-
-    def ranks_of(lo: int, hi: int) -> np.ndarray:  # rank of each final row in [lo, hi)
-        return np.repeat(np.arange(R), np.clip(np.minimum(row_off[1:], hi) - np.maximum(row_off[:-1], lo), 0, None))
-
-    if W and int(exp.min()) < -1:
+    exp, row_ent = plan.expand_src_row_W, plan.row_entry_W
+    if exp.size and int(exp.min()) < -1:
         bad("expand_src_row must be -1 or a row of the last buffer on the same rank")
         return False
-    for lo in range(0, W, HOP_CHUNK):  # loop over chunks of final rows, not rows
-        if (exp[lo:lo + HOP_CHUNK] >= last_rows[ranks_of(lo, min(W, lo + HOP_CHUNK))]).any():
-            bad("expand_src_row must be -1 or a row of the last buffer on the same rank")
-            return False
     ungathered, misrouted = False, None
-    for lo in range(0, W, HOP_CHUNK):
-        hi = min(W, lo + HOP_CHUNK)
-        e, real = exp[lo:hi], real_rows[lo:hi]
-        got = np.where(e >= 0, origin[np.maximum(buf_off[ranks_of(lo, hi)] + e, 0)], -1)
-        want = np.where(real, entry_token(plan.row_entry_W[lo:hi], max(K, 1)), -1)
-        ungathered |= bool((real & (e < 0)).any())
-        wrong = real & (got != want)
-        if misrouted is None and wrong.any():
-            w = int(np.argmax(wrong))
-            misrouted = (lo + w, int(want[w]), int(got[w]))
+    for r in range(R):  # loop over ranks and chunks of their final rows, not rows
+        for lo in range(int(row_off[r]), int(row_off[r + 1]), HOP_CHUNK):
+            hi = min(int(row_off[r + 1]), lo + HOP_CHUNK)
+            e = exp[lo:hi]
+            if int(e.max()) >= int(buf_off[r + 1] - buf_off[r]):
+                bad("expand_src_row must be -1 or a row of the last buffer on the same rank")
+                return False
+            zero_rows = int(e.min()) < 0
+            got = origin[e + buf_off[r]] if not zero_rows else np.where(e >= 0, origin[np.maximum(e + buf_off[r], 0)], -1)
+            want = entry_token(row_ent[lo:hi], max(K, 1))  # a token, or < 0 at padding rows
+            np.maximum(want, -1, out=want)
+            wrong = got != want
+            real = real_rows[lo:hi]
+            if not real.all():
+                wrong &= real
+            if zero_rows:
+                ungathered |= bool((real & (e < 0)).any())
+            if misrouted is None and wrong.any():
+                w = int(np.argmax(wrong))
+                misrouted = (lo + w, int(want[w]), int(got[w]))
     if ungathered:
         bad("every real row must be gathered from a buffer row")
     if misrouted is not None:
@@ -439,18 +454,33 @@ CHECKS: tuple[tuple[str, CheckFn], ...] = (
 """The named checks, in the order they run (see the module docstring)."""
 
 
-def violations(plan: Plan) -> list[Violation]:
-    """Run the checks in order; every broken invariant with the check that found it (empty: valid)."""
+def _run(plan: Plan) -> _State:
+    """Run the checks in order, until one finds the Plan too malformed for the later ones."""
     st = _State()
     for name, fn in CHECKS:
         if not fn(plan, st, lambda msg, name=name: st.out.append(Violation(name, msg))):
             break
-    return st.out
+    return st
+
+
+def violations(plan: Plan) -> list[Violation]:
+    """Run the checks in order; every broken invariant with the check that found it (empty: valid)."""
+    return _run(plan).out
 
 
 def validate(plan: Plan) -> list[str]:
     """Check a Plan's invariants; returns the violated ones as sentences (empty list: valid)."""
     return [v.message for v in violations(plan)]
+
+
+def validate_counting(plan: Plan) -> tuple[list[str], list[np.ndarray] | None]:
+    """:func:`validate`, and the rows each hop sends from each source to each destination
+    (``Hop.rows_RR`` of every hop, counted while the hop check walks the messages), or None
+    where the checks stopped before walking every hop. ``Plan.summary`` reports both: its bytes
+    then need no second pass over the messages."""
+    st = _run(plan)
+    rows = st.hop_rows if len(st.hop_rows) == len(plan.hops) else None
+    return [v.message for v in st.out], rows
 
 
 def check(plan: Plan) -> Plan:
@@ -463,4 +493,4 @@ def check(plan: Plan) -> Plan:
     return plan
 
 
-__all__ = ["CHECKS", "Violation", "check", "validate", "violations"]
+__all__ = ["CHECKS", "Violation", "check", "validate", "validate_counting", "violations"]

@@ -119,6 +119,24 @@ class BlockCounts:
         self.block_starts = np.arange(B + 1) * R
         self.pps = np.flatnonzero(self.port_one >= 0)
         self.nps = self.port_one[self.pps]
+        # port -> its nodes, padded with -1 ([P + 1, most nodes on a port]), and each row's position
+        # in a prefix of candidate ports (for :meth:`_prefix_run`)
+        deg = int(per_port.max(initial=1))
+        self.port_nodes = np.full((P1, max(deg, 1)), -1, dtype=np.int64)
+        col = np.arange(self.pn_nodes.size) - np.repeat(self.pn_ptr[:-1], per_port)
+        self.port_nodes[np.repeat(np.arange(P1), per_port), col] = self.pn_nodes
+        self.pos_WD = np.repeat(np.arange(RUN_MAX)[:, None], self.port_nodes.shape[1], axis=1)
+        # per node (sender nodes 0..BR-1, then receiver nodes): the key two nodes of an active
+        # cell share (block, and the node for NVLink blocks or the rank for local ones), a sender
+        # node's column in M / MT and a receiver node's first index of its row in ``mt_flat``
+        b_N, r_N = np.divmod(np.arange(2 * B * R) % (B * R), R)
+        kind_N = self.kind_B[b_N]
+        self.cell_key_N = b_N * R + np.where(kind_N >= Block.NIC, 0, np.where(kind_N == Block.NVLINK, r_N // G, r_N))
+        self.cell_col_N = np.where(kind_N >= Block.NIC, r_N, np.where(kind_N == Block.NVLINK, r_N % G, 0))
+        self.mt_row_N = self.m_off[b_N] + r_N * self.width_B[b_N]
+        # per filling step, the run length of the last fill: its first prefix width is chosen above
+        # it (consecutive fills are alike); any start gives the same run (:meth:`_run`)
+        self._hint: list[int] = []
 
     def cells(self, blk_F, src_F, dst_F):
         """Columns of transfers in M (sender row) and in MT (receiver row)."""
@@ -170,10 +188,8 @@ class BlockCounts:
             return Levels(lev[:N], lev[N:], bport[:N], bport[N:], steps)
         pall, K = self.pall, self.pall.shape[1]
         pflat = pall.ravel()
-        hit = np.full(P1, -1, dtype=np.int64)
         steps = 0
         while cnt.any():
-            steps += 1
             w = cnt if K == 1 else np.repeat(cnt, K)
             n = np.bincount(pflat, weights=w, minlength=P1)
             fr = np.bincount(pflat, weights=frz if K == 1 else np.repeat(frz, K), minlength=P1)
@@ -184,31 +200,48 @@ class BlockCounts:
             cand, share = cand[order], share[order]
             # the run: a prefix of ports whose nodes are all distinct with no active cell between
             # two of them (then no port of the run shares a transfer with an earlier one)
-            for width in (8, 64, RUN_MAX):  # short runs are the common case: try small prefixes first
-                cut = self._run_cut(cand[:width])
-                if cut < width or width >= cand.size:
-                    break
+            cut, node, pos = self._run(cand, steps)
+            steps += 1
             run, lv = cand[:cut], share[:cut]
-            # the run's nodes (a node's first saturating port freezes it), side by side
-            hit[run] = np.arange(cut)
-            if K == 1:
-                k_N = hit[pall[:, 0]]
-                k_N[k_N < 0] = cut
-            else:
-                k_NK = hit[pall]
-                k_N = np.where(k_NK >= 0, k_NK, cut).min(axis=1)
-            hit[run] = -1
-            hit[dm] = -1
+            # the run's nodes (each on one run port: its first saturating port freezes it), by side
+            o = np.argsort(node)
+            node, pos = node[o], pos[o]
+            mid = int(np.searchsorted(node, N))
             frozen_any = False
-            for s0 in (0, 1):
-                lo, hi = s0 * N, (s0 + 1) * N
-                nodes = np.flatnonzero((k_N[lo:hi] < cut) & (cnt[lo:hi] > 0))
+            for s0, (nodes, kn) in enumerate(((node[:mid], pos[:mid]), (node[mid:] - N, pos[mid:]))):
+                live = cnt[s0 * N + nodes] > 0
+                if not live.all():
+                    nodes, kn = nodes[live], kn[live]
                 if nodes.size:
                     frozen_any = True
-                    self._freeze(nodes, k_N[lo:hi][nodes], s0, run, lv, lev, bport, free, frz, cnt)
+                    self._freeze(nodes, kn, s0, run, lv, lev, bport, free, frz, cnt)
             if not frozen_any:  # pragma: no cover - the run's ports carry unfrozen transfers
                 raise RuntimeError("progressive filling made no progress")
         return Levels(lev[:N], lev[N:], bport[:N], bport[N:], steps)
+
+    def _run(self, cand: np.ndarray, step: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """(cut, node, pos): the run of filling step ``step`` over ports ``cand`` (in share order):
+        its length (:meth:`_prefix_run` of the longest prefix tried) and its ports' nodes with
+        their port's position in ``cand``.
+
+        Short runs are the common case, so prefixes of 8, 64 and ``RUN_MAX`` ports are tried in
+        turn, from the first width above this step's run length in the last fill (a prefix's cut
+        is the whole run's whenever it falls inside the prefix, so every start gives the same run;
+        the hint only skips prefixes that would be cut at their end: measured 1.3 calls per step
+        instead of 1.7 on a K3 EP64 deepep layer)."""
+        hint = self._hint[step] if step < len(self._hint) else 0
+        for width in (8, 64, RUN_MAX):
+            if width <= hint and width < cand.size:
+                continue
+            cut, node, pos = self._prefix_run(cand[:width])
+            if cut < width or width >= cand.size:
+                break
+        if step < len(self._hint):
+            self._hint[step] = cut
+        else:
+            self._hint.append(cut)
+        keep = pos < cut
+        return cut, node[keep], pos[keep]
 
     def _fill_simple(self, cap, cnt, frz, lev, bport, free) -> int:
         """:meth:`fill` when every node has one port and every port one node (``simple``): the
@@ -299,45 +332,47 @@ class BlockCounts:
         return q if bool(np.any(valid & (c > 0))) else None
 
     def _run_cut(self, cand: np.ndarray) -> int:
-        """Length of the run: the longest prefix of ports ``cand`` (in share order) in which no
-        node belongs to two ports and no node has an active cell with a node of an earlier port
-        on the other side (at least 1)."""
-        R, N, G = self.R, self.B * self.R, self.G
-        cut = cand.size
-        if self.simple:  # one node per port, one port per node: no node can repeat
-            node, pos = self.port_one[cand], np.arange(cand.size)
-        else:
-            ptr, pn = self.pn_ptr, self.pn_nodes
-            lens = ptr[cand + 1] - ptr[cand]
-            tot = int(lens.sum())
-            start = np.repeat(ptr[cand] - np.cumsum(lens) + lens, lens)
-            node = pn[start + np.arange(tot)]
-            pos = np.repeat(np.arange(cand.size), lens)
-            # a node of two ports: cut at the later one
+        """Length of the run over ports ``cand`` (in share order): :meth:`_prefix_run`'s cut."""
+        return self._prefix_run(cand)[0]
+
+    def _prefix_run(self, cand: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+        """(cut, node, pos): the length of the run, the longest prefix of ports ``cand`` (in share
+        order) in which no node belongs to two ports and no node has an active cell with a node of
+        an earlier port on the other side (at least 1), and the nodes of the ports before the cut
+        with their port's position in ``cand`` (ascending)."""
+        w = cand.size
+        nd_WD = self.port_nodes[cand]
+        real = nd_WD >= 0
+        node, pos = nd_WD[real], self.pos_WD[:w][real]
+        cut = w
+        if not self.simple:   # a node of two ports: cut at the later one
             o = np.argsort(node, kind="stable")
-            sn, sp = node[o], pos[o]
+            sn = node[o]
             dup = np.flatnonzero(sn[1:] == sn[:-1])
             if dup.size:
-                cut = int(sp[dup + 1].min())
-            keep = pos < cut
-            node, pos = node[keep], pos[keep]
+                cut = int(pos[o][dup + 1].min())
+                keep = pos < cut
+                node, pos = node[keep], pos[keep]
+        cut = self._cell_cut(node, pos, cut)
+        return max(cut, 1), node, pos
+
+    def _cell_cut(self, node: np.ndarray, pos: np.ndarray, cut: int) -> int:
+        """``cut`` lowered to the first position at which a node has an active cell with a node of
+        an earlier position on the other side (``node``, ``pos``: the prefix's nodes and their
+        ports' positions, all below ``cut``). Each receiver's earliest connected sender is read
+        from one gather of the [receivers, senders] cells of ``mt_flat`` (pairs of two blocks, or
+        of two nodes for NVLink blocks, masked by their cell key): a fixed number of array
+        operations whatever the blocks (2x faster than per block on K3 EP64 deepep layers)."""
+        N = self.B * self.R
         is_s = node < N
         if not is_s.any() or is_s.all():
-            return max(cut, 1)
-        bs, rs = np.divmod(node[is_s], R)
-        bd, rd = np.divmod(node[~is_s] - N, R)
-        ii, jj = np.nonzero(bs[:, None] == bd[None, :])   # sender/receiver node pairs of one block
-        if ii.size:
-            b, s_, d_ = bs[ii], rs[ii], rd[jj]
-            kind = self.kind_B[b]
-            remote, nvlink = kind >= Block.NIC, kind == Block.NVLINK
-            col = np.where(remote, d_, np.where(nvlink, d_ % G, 0))
-            valid = remote | (nvlink & (s_ // G == d_ // G)) | ((kind == Block.LOCAL) & (s_ == d_))
-            c = self.m_flat[self.m_off[b] + s_ * self.width_B[b] + col]
-            hit = np.flatnonzero(valid & (c > 0))
-            if hit.size:
-                cut = min(cut, int(np.maximum(pos[is_s][ii[hit]], pos[~is_s][jj[hit]]).min()))
-        return max(cut, 1)
+            return cut
+        ns, nr = node[is_s], node[~is_s]
+        act = self.cell_key_N[nr][:, None] == self.cell_key_N[ns][None, :]
+        idx = self.mt_row_N[nr][:, None] + self.cell_col_N[ns][None, :]
+        act &= np.take(self.mt_flat, idx, mode="clip") > 0   # pairs of two blocks may point past the buffer
+        first = np.where(act, pos[is_s][None, :], cut).min(axis=1)   # per receiver: its earliest connected sender
+        return min(cut, int(np.maximum(first, pos[~is_s]).min()))
 
     def _freeze(self, nodes, kn, s0, run, lv, lev, bport, free, frz, cnt) -> None:
         """Freeze side-``s0`` nodes at the levels of their run ports; their cells leave the other
