@@ -410,6 +410,28 @@ def test_segment_ranges_matches_repeat_arange(segs):
 
 
 @settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(-50, 50), st.integers(0, 40)), max_size=12), st.sampled_from([1, 8, 10**9]),
+       st.booleans())
+def test_segment_ranges_both_ways_equal_repeat_arange(segs, loop_min, given_out):
+    """Both ways ``segment_ranges`` builds its ranges -- segment by segment (long segments) and by a
+    cumulative sum (short ones) -- equal the two-temporary form, into a given array or a new one."""
+    import moonep_sim.plan.order as order_mod
+    first = np.array([f for f, _ in segs], dtype=np.int64)
+    lens = np.array([n for _, n in segs], dtype=np.int64)
+    start = np.cumsum(lens) - lens
+    want = np.repeat(first - start, lens) + np.arange(int(lens.sum()), dtype=np.int64)
+    out = np.full(want.size, 7, dtype=np.int64) if given_out else None
+    default = order_mod.SEGMENT_LOOP_MIN
+    order_mod.SEGMENT_LOOP_MIN = loop_min
+    try:
+        got = order_mod.segment_ranges(first, lens, out=out)
+    finally:
+        order_mod.SEGMENT_LOOP_MIN = default
+    assert got.dtype == np.int64 and np.array_equal(got, want)
+    assert out is None or got is out
+
+
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), max_size=12), st.integers(0, 4))
 def test_segment_mask_matches_reference(gaps_lens, tail):
     """``segment_mask`` marks exactly the disjoint segments, adjacent and empty ones included."""

@@ -98,21 +98,29 @@ def segment_ranges(first_B: np.ndarray, lens_B: np.ndarray, out: np.ndarray | No
     """int64 [sum(lens_B)]: the ranges ``first_B[b], first_B[b] + 1, ..., first_B[b] + lens_B[b] - 1``
     of B segments, concatenated (``np.repeat(first_B - start_B, lens_B) + np.arange(total)``).
 
-    Built in one array (ones, the jump at each segment's start, then a cumulative sum in place): no
-    [total]-sized temporary, which at millions of rows costs as much as the arithmetic. ``out``: an
-    int64 [total] array to build it in (else a new one).
+    Built in one array, no [total]-sized temporary (which at millions of rows costs as much as the
+    arithmetic): segments of SEGMENT_LOOP_MIN rows or more on average are each written once, as
+    one shared ``arange`` plus their first value; many short ones as ones, the jump at each
+    segment's start, then a cumulative sum in place. ``out``: an int64 [total] array to build it
+    in (else a new one).
     """
     first = np.asarray(first_B, dtype=np.int64)
     lens = np.asarray(lens_B, dtype=np.int64)
     total = int(lens.sum())
     if out is None or out.shape != (total,) or out.dtype != np.int64:
-        out = np.ones(total, dtype=np.int64)
-    else:
-        out.fill(1)
+        out = np.empty(total, dtype=np.int64)
     if total == 0:
         return out
     nz = lens > 0
     f, n = first[nz], lens[nz]
+    if f.size * SEGMENT_LOOP_MIN <= total:
+        base = np.arange(int(n.max()), dtype=np.int64)
+        pos = 0
+        for fb, nb in zip(f.tolist(), n.tolist()):  # loop over segments, not rows
+            np.add(base[:nb], fb, out=out[pos:pos + nb])
+            pos += nb
+        return out
+    out.fill(1)
     start = np.cumsum(n) - n
     # at a segment's start the value jumps from the previous segment's last value to its first
     jump = f.copy()
@@ -120,6 +128,11 @@ def segment_ranges(first_B: np.ndarray, lens_B: np.ndarray, out: np.ndarray | No
     out[start] = jump
     np.cumsum(out, out=out)
     return out
+
+
+#: mean segment length from which :func:`segment_ranges` writes segment by segment (one pass,
+#: a Python step per segment) rather than by a cumulative sum (three passes over the rows)
+SEGMENT_LOOP_MIN = 512
 
 
 def segment_mask(start_B: np.ndarray, lens_B: np.ndarray, n: int) -> np.ndarray:
