@@ -147,3 +147,33 @@ def test_saved_simulate_report_carries_the_verdict(tmp_path):
     assert "deepep wins by" in html and "inter-node bytes" in html
     assert json.loads((tmp_path / "sim" / "report.json").read_text())["verdict"]["winner"] == "deepep"
     assert paths
+
+
+def test_eplb_default_on_simulate_is_flagged_as_an_oracle_in_the_verdict():
+    res = Scenario(routing=str(MIXTRAL), cluster="4/4", strategies="alltoall,eplb", layers=[0], steps="0").simulate()
+    codes = {(f["code"], f["strategy"]) for f in res.flags}
+    assert {("oracle", "eplb"), ("free-migration", "eplb")} <= codes
+    v = res.verdict
+    assert {v["winner"], v["runner_up"]} == {"alltoall", "eplb"}
+    assert {"oracle", "free-migration"} <= set(v["flags"]["eplb"])
+    from moonep_sim.report.tables import verdict_line
+
+    assert "(eplb flagged: free-migration, oracle" in verdict_line(v)
+
+
+def test_seeds_of_generated_routing_give_simulate_a_spread():
+    sc = Scenario(routing="gen:model=mixtral-8x7b,tokens-per-rank=64", cluster="4/2", strategies="alltoall,deepep")
+    res = sc.simulate(seeds=3)
+    d = res.per_strategy["deepep"]
+    assert d["seeds"] == [0, 1, 2] and len(set(d["seed_layer_time_us"])) == 3  # each seed its own draw
+    assert res.layer_time_us["deepep"] == pytest.approx(sum(d["seed_layer_time_us"]) / 3)
+    assert d["layer_time_us"] == d["seed_layer_time_us"][0] == sc.simulate().layer_time_us["deepep"]
+    v = res.verdict
+    assert v["confidence"]["unit"] == "seed" and v["confidence"]["units"] == 3 and "over 3 seeds" in v["confidence"]["basis"]
+    assert v["margin"] == pytest.approx(res.layer_time_us[v["runner_up"]] / res.layer_time_us[v["winner"]] - 1)
+    from moonep_sim.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"seeds \(2\) apply to generated routing"):
+        Scenario(routing=str(MIXTRAL), cluster=4, strategies="alltoall").simulate(seeds=2)
+    with pytest.raises(ConfigError, match=r"seeds \(0\) must be an integer in \[1, 64\]"):
+        sc.simulate(seeds=0)

@@ -22,8 +22,8 @@ from moonep_sim.plan.direct import last_hop_is_direct
 from moonep_sim.plan.kinds import COMM_KINDS, WEIGHT_KINDS, Direction, PhaseKind
 from moonep_sim.sim.compute import rank_compute_us
 from moonep_sim.sim.faults import FaultState
-from moonep_sim.sim.kernels import (kernel_fixed_us, message_us, nic_message_cost_us, reduce_bytes_per_us,
-                                    relay_active, relay_rows, sm_cap_bytes_per_us, weight_copy_bytes_per_us)
+from moonep_sim.sim.kernels import (dispatch_epilogue_us, epilogue_rows_R, expand_read_bytes_per_us, kernel_fixed_us, message_us, nic_message_cost_us, reduce_bytes_per_us,
+                                    relay_active, relay_hop_rows, relay_rows, sm_cap_bytes_per_us, weight_copy_bytes_per_us)
 from moonep_sim.sim.kernels import planning_us as kernel_planning_us
 from moonep_sim.sim.options import SimOptions
 from moonep_sim.sim.topology import Topology
@@ -169,7 +169,29 @@ def stage_program(plan: Plan, model: ModelSpec, topo: Topology, direction: Direc
     prog = StageProgram(direction, pre, weights, post, after, comp, plan_cpu, plan_comm, d_pre, d_post, c_pre,
                         c_post, w_pre, w_post, p2p)
     kernel_terms(prog, plan, topo)
+    if opts.isolate is None:  # the library's test times a copy epilogue apart from its kernel
+        epilogue_terms(prog, plan, topo)
     return prog
+
+
+def epilogue_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
+    """Charge a kernel family's copy epilogue (``moonep_sim.sim.kernels.dispatch_epilogue_us``)
+    after the last dispatch-side hop, and an expanded combine's read of its expanded rows before
+    the first combine hop (GPU presets only: off when ``sm_count`` is 0)."""
+    recv_R, out_R = epilogue_rows_R(plan)
+    if recv_R is None or topo.sm_count <= 0:
+        return
+    if prog.pre:
+        ph = prog.pre[-1]
+        rows = float(ph.msgs_RR.sum())
+        row = float(ph.bytes_RR.sum()) / rows if rows > 0 else 0.0
+        us_R = np.array([dispatch_epilogue_us(a, b, row, topo.mem_bytes_per_us) for a, b in zip(recv_R, out_R)])
+        prog.post_copy[-1] = prog.post_copy[-1] + us_R
+    if prog.post and plan.kernel.epilogue == "expand":
+        ph = prog.post[0]
+        rows = float(ph.msgs_RR.sum())
+        row = float(ph.bytes_RR.sum()) / rows if rows > 0 else 0.0
+        prog.post_pre_copy[0] = prog.post_pre_copy[0] + out_R * row / expand_read_bytes_per_us(topo, plan.kernel)
 
 
 def _node_R(plan: Plan, topo: Topology) -> np.ndarray:
@@ -203,10 +225,12 @@ def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology) -> np.ndar
     return np.where(cross & (b > 0), 1.0 + np.divide(extra, b, out=np.zeros_like(b), where=b > 0), 1.0)
 
 
-def _relay_RR(phase: CommPhase, plan: Plan, topo: Topology, sm_cap: float) -> np.ndarray:
+def _relay_RR(phase: CommPhase, plan: Plan, topo: Topology, sm_cap: float, direction: str = "dispatch") -> np.ndarray:
     """[R, R] us for one relay message of ``phase`` to reach its receiver: path latency plus one
-    message of ``relay_rows`` rows (the family's, else the topology's) at the pair's link rate
-    (capped by the SM rate)."""
+    message at the pair's link rate (capped by the SM rate): ``relay_rows`` rows (the family's,
+    else the topology's), or for a chunked kernel ``channels x chunk`` of the hop's class (RDMA when
+    the hop crosses nodes, its local-node copies included; else NVLink) in ``direction``
+    (``moonep_sim.sim.kernels.relay_hop_rows``)."""
     node = _node_R(plan, topo)
     cross = node[:, None] != node[None, :]
     rows = float(phase.msgs_RR.sum())
@@ -214,7 +238,7 @@ def _relay_RR(phase: CommPhase, plan: Plan, topo: Topology, sm_cap: float) -> np
     R = plan.ranks
     same = np.eye(R, dtype=bool)
     lat = np.where(cross, topo.nic_latency_us, topo.nvlink_latency_us)
-    m = relay_rows(topo, plan.kernel)
+    m = relay_hop_rows(topo, plan.kernel, R, direction, bool((phase.bytes_RR.astype(np.float64) * cross).sum() > 0))
     msg = np.where(cross, message_us(topo, row_bytes, True, sm_cap, m), message_us(topo, row_bytes, False, sm_cap, m))
     local = m * row_bytes / min(topo.mem_bytes_per_us / 2.0, sm_cap)
     return np.where(same, local, lat + msg)
@@ -259,8 +283,8 @@ def kernel_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
     prog.post_scale = scales(prog.post, 0)
     prog.w_scale_RR = _weights_scale(plan, topo) if prog.weights else None
     if relay_active(topo, spec):
-        prog.relay_pre = [_relay_RR(p, plan, topo, sm_cap) for p in prog.pre]
-        prog.relay_post = [_relay_RR(p, plan, topo, sm_cap) for p in prog.post]
+        prog.relay_pre = [_relay_RR(p, plan, topo, sm_cap, "dispatch") for p in prog.pre]
+        prog.relay_post = [_relay_RR(p, plan, topo, sm_cap, "combine") for p in prog.post]
     for h, us_R in enumerate(combine_reduce_R(plan, topo, prog.post)):
         prog.post_post_copy[h] = prog.post_post_copy[h] + us_R
 
@@ -306,4 +330,4 @@ def p2p_scale(plan: Plan, topo: Topology) -> np.ndarray | None:
     return np.where(cross, topo.nic_efficiency / topo.nic_p2p_efficiency, 1.0)
 
 
-__all__ = ["StageProgram", "combine_reduce_R", "host_copy_us", "kernel_terms", "p2p_scale", "planning_us", "stage_program"]
+__all__ = ["StageProgram", "combine_reduce_R", "epilogue_terms", "host_copy_us", "kernel_terms", "p2p_scale", "planning_us", "stage_program"]
