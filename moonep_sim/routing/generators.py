@@ -17,14 +17,15 @@ Method (MoonEP's benchmark method, generalised):
    Per-layer variation v mixes a fresh normal per layer into z (``sqrt(1-v^2) z + v z'``);
    drift d does the same from step to step (an AR(1) walk), so popularity moves across steps.
 2. **Sampling.** K distinct experts per token without replacement, with probability proportional to
-   ``p_e`` at each draw (Plackett-Luce; :mod:`moonep_sim.routing.sampling`): plain top-K by
-   sequential inverse-CDF draws with repeats rejected, O(T K); with logits or groups by the
-   equivalent Gumbel top-k *exponential race* over a ``[T, E]`` noise matrix, chunked over tokens.
-   Weights are the race's softmax over the chosen K (their perturbed scores act as router
-   logits; ``--logits`` stores every expert's).
+   ``p_e`` at each draw (Plackett-Luce; :mod:`moonep_sim.routing.sampling`): by sequential
+   inverse-CDF draws with repeats rejected, O(T K), or, with ``--logits``, by the equivalent
+   Gumbel top-k *exponential race* over a ``[T, E]`` noise matrix, chunked over tokens. Weights
+   are the race's softmax over the chosen K (their perturbed scores act as router logits;
+   ``--logits`` stores every expert's).
 3. **Group-limited routing** (DeepSeek-V3 style): experts form G contiguous groups; a group's
    score is the sum of its two best expert scores; each token keeps its top-M groups and picks
-   its top-K experts inside them.
+   its top-K experts inside them (each group's race drawn on its own, the same rule as a mask
+   over the race's scores).
 
 **Hitting a maxvio target.** ``maxvio = max_e(T_e / mean_T) - 1`` over one block's counts (a
 block is one (layer, step)). sigma is first set by bisection on the *expected* maxvio: inclusion
