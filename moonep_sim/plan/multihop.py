@@ -23,7 +23,7 @@ from moonep_sim.plan.build import SlotLayout, final_rows, slot_layout, sorted_la
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.order import CHUNK, segment_ranges, stable_order
 from moonep_sim.plan.placement import ClusterShape
-from moonep_sim.plan.route import Messages, Sources, grouped_hop
+from moonep_sim.plan.route import Messages, Sources, grouped_hop, pair_hop
 
 
 def _route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,
@@ -442,9 +442,14 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
         if h == 0:  # tokens leave their own ranks: runs by source, rows by arithmetic
             hop, row = grouped_hop(Sources.own_ranks(bound, tok_off), pos[1], Messages(dedup[0], shift=shift), R,
                                    scopes[0], scratch)
-        elif dedup[h]:  # the last hop (see the caller's condition): messages group as (src, dst, token)
-            hop, row, entry_dup = grouped_hop(Sources(pos[h], row), pos[h + 1], Messages(True, shift=shift, dup_N=N),
-                                              R, scopes[h], scratch)
+        elif h == H - 1:  # the last hop: its blocks gather (source, final rank) pairs (see pair_hop)
+            out = pair_hop(bound, tables[h - 1], pos[h + 1], row,
+                           Messages(dedup[h], shift=shift, dup_N=N if dedup[h] else None), R, scopes[h], scratch)
+            hop, row = out[:2]
+            if dedup[h]:
+                entry_dup = out[2]
+        elif dedup[h]:  # (the caller's condition excludes a deduplicating hop between the first and the last)
+            raise PlanError(f"hop {h} of {H} must not deduplicate on the table path (internal error)")
         else:
             hop, row = grouped_hop(Sources(pos[h], row), pos[h + 1], Messages(False, shift=shift), R, scopes[h],
                                    scratch)
