@@ -76,8 +76,9 @@ class Messages:
     kept_N: np.ndarray | None = None
 
 
-class _Scratch:
-    """Dead int64 [n] arrays a hop may write into instead of fresh pages (a caller's list)."""
+class Scratch:
+    """Dead int64 [n] arrays a builder may write into instead of fresh pages (a caller's list:
+    arrays the caller no longer reads; one taken may end up in what the builder returns)."""
 
     def __init__(self, n: int, spare: list | None):
         self.n, self.spare = n, [] if spare is None else spare
@@ -91,7 +92,7 @@ class _Scratch:
 
 
 def block_order(src: Sources, dst_rank_N: np.ndarray, ranks: int, msg: Messages,
-                scratch: _Scratch) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+                scratch: Scratch) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The entries stably sorted into (source, destination) blocks: (order_n, ecnt, key).
 
     ecnt: int64 [R*R] entries per block (source-major). key: the int64 block key when the wide
@@ -205,7 +206,7 @@ def grouped_hop(src: Sources, dst_rank_N: np.ndarray, msg: Messages, ranks: int,
     adds its own when done with them.
     """
     n, R = dst_rank_N.size, int(ranks)
-    sc = _Scratch(n, scratch)
+    sc = Scratch(n, scratch)
     order, ecnt, key = block_order(src, dst_rank_N, R, msg, sc)
     row_sorted = None
     if msg.dedup and n:
@@ -244,7 +245,7 @@ def pair_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, ro
     source's run instead of ranging over all N entries, as a sort on (v, d) does.
     """
     n, R = dst_rank_N.size, int(ranks)
-    sc = _Scratch(n, scratch)
+    sc = Scratch(n, scratch)
     order = sc.take()  # entries by (source, final rank, entry): pair runs, s-major
     pc = np.zeros((R, R), dtype=np.int64)
     for s in range(R):  # loop over source ranks, not entries
@@ -285,20 +286,18 @@ def pair_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, ro
         np.copyto(buf, first)
         buf[pstart[nz]] = jump
         rows = np.cumsum(buf, out=buf)
-        lead = np.take(order, lead_pos, out=lead_pos)  # (element-wise: each index read before its slot is written)
+        lead = order[lead_pos]
     else:
         rows = segment_ranges(row0, pc, out=buf)
         lead = order
     dst_row = np.empty(n, dtype=np.int64)
     dst_row[order] = rows  # (within each source's run)
-    m_srow_p = np.take(row_N, lead)  # messages in pair order (within each source's run)
-    del lead
-    mstart_p = np.cumsum(mc) - mc
+    # each message's source row, pair by pair in the hop's order (a pair's leads lie in one source's run)
+    mstart_p = (np.cumsum(mc) - mc)[porder[has]]  # where each pair's leads start (pair order)
     m_srow = np.empty(m_src.size, dtype=np.int64)
-    for p, o, c in zip(porder[has].tolist(), mstart_o[has].tolist(), mc_o[has].tolist()):  # loop over pairs
-        a = int(mstart_p[p])
-        m_srow[o:o + c] = m_srow_p[a:a + c]
-    del m_srow_p
+    for a, o, c in zip(mstart_p.tolist(), mstart_o[has].tolist(), mc_o[has].tolist()):  # loop over pairs
+        np.take(row_N, lead[a:a + c], out=m_srow[o:o + c], mode="clip")  # (lead holds valid entries)
+    del lead
     hop = Hop(scope, m_src, m_srow, m_dst, m_row, per_dst)
     if msg.dup_N is not None:
         dup = np.zeros(msg.dup_N, dtype=bool)
@@ -310,4 +309,4 @@ def pair_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, ro
     return (hop, dst_row) if msg.dup_N is None else (hop, dst_row, dup)
 
 
-__all__ = ["Messages", "Sources", "block_order", "group_messages", "grouped_hop", "message_sources", "pair_hop"]
+__all__ = ["Messages", "Scratch", "Sources", "block_order", "group_messages", "grouped_hop", "message_sources", "pair_hop"]
