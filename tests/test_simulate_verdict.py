@@ -177,3 +177,28 @@ def test_seeds_of_generated_routing_give_simulate_a_spread():
         Scenario(routing=str(MIXTRAL), cluster=4, strategies="alltoall").simulate(seeds=2)
     with pytest.raises(ConfigError, match=r"seeds \(0\) must be an integer in \[1, 64\]"):
         sc.simulate(seeds=0)
+
+
+def test_a_step_without_tokens_at_one_layer_keeps_its_terms(tmp_path):
+    # two steps, two layers; step 1 has no token at layer 1 (a per-layer token mask): its chain is one
+    # stage, the other's two, and the verdict's terms still sum to the token-weighted mean time
+    import numpy as np
+
+    from moonep_sim.routing.trace import TraceMeta, write_trace
+
+    rng = np.random.default_rng(3)
+    L, T, K, E = 2, 96, 2, 8
+    ids = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(T)]) for _ in range(L)]).astype(np.int32)
+    mask = np.ones((L, T), np.uint8)
+    step = np.repeat(np.array([0, 1], np.int32), [64, 32])
+    mask[1, 64:] = 0
+    ids[1, 64:] = np.arange(K)  # filler ids where the mask is 0
+    w = np.where(mask[..., None] > 0, 0.5, 0.0).astype(np.float32) * np.ones((L, T, K), np.float32)
+    path = write_trace(tmp_path / "m.safetensors", TraceMeta("tokens", E, K, [0, 1], T, model="mixtral-8x7b"),
+                       {"topk_ids": ids, "topk_weights": w, "step": step, "token_mask": mask})
+    res = Scenario(routing=str(path), cluster="4/2", strategies="alltoall,deepep").simulate()
+    assert res.per_strategy["alltoall"]["per_step"]["step"] == [0, 1]
+    v = res.verdict
+    assert v["confidence"]["unit"] == "step" and v["mechanism"] in MECHANISMS
+    for n in ("alltoall", "deepep"):
+        assert sum(v["terms_us"][n].values()) == pytest.approx(res.layer_time_us[n], rel=1e-9)

@@ -424,6 +424,9 @@ def simulate_verdict(runs: Mapping[str, Sequence[tuple[Sequence[Any], Mapping[st
     w = [float(t) for t in tokens] if tokens and all(t for t in tokens) and len(tokens) == n_steps else None
     for n, steps in runs.items():
         fs = [chain_figures(plans, sim, topo) for plans, sim in steps]
+        if chain:  # a step whose chain is one stage (a layer without tokens in it) carries its terms too
+            for f in fs:
+                f.setdefault("terms_us", terms(f))
         figs[n] = mean_figures(fs, w)
         t_series[n] = [float(sim["layer_time_us"]) for _, sim in steps]
         l_series[n] = layer_series(steps[0][1]) if chain else []
