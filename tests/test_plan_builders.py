@@ -466,3 +466,18 @@ def test_stable_order_chunked_matches_argsort(n, n_keys, seed):
         assert np.array_equal(order, np.argsort(key16, kind="stable"))
         assert counts.dtype == np.int64 and np.array_equal(counts, np.bincount(key16, minlength=n_keys))
         assert np.array_equal(key_counts(key16, n_keys), counts)
+
+
+@pytest.mark.parametrize("n, n_keys, seed", [(131_073, 300, 0), (262_144, 4096, 1), (140_000, 257, 3),
+                                             (5_000, 300, 4), (200_000, 100, 5)])
+def test_stable_order_positions_invert_the_order(n, n_keys, seed):
+    """``stable_order_positions`` -- the chunked sort writing each item's place as it places it, or
+    one scatter where the sort is not chunked -- is the stable argsort, its counts and its inverse."""
+    from moonep_sim.plan.order import stable_order_positions
+    rng = np.random.default_rng(seed)
+    for key in (rng.integers(0, n_keys, n), np.minimum(rng.geometric(0.01, n), n_keys - 1)):
+        key16 = key.astype(np.uint16 if n_keys > 256 else np.uint8)
+        order, counts, pos = stable_order_positions(key16, n_keys)
+        want = np.argsort(key16, kind="stable")
+        assert np.array_equal(order, want) and np.array_equal(counts, np.bincount(key16, minlength=n_keys))
+        assert pos.dtype == np.int64 and np.array_equal(pos[want], np.arange(n))

@@ -279,15 +279,15 @@ def isolated_kernel_figures(plan, res, what: str, topo: Topology | None = None) 
     if plan.hops:
         out["rows_received"] = float(plan.hops[-1].dst_rows_R.mean()) * row
     out["selections"] = float(kept.sum()) / max(R, 1) * row
-    G = plan.cluster.gpus_per_node
-    if R > G:
-        node = np.where(kept, plan.entry_rank_TK // G, -1)
+    geo = plan.cluster
+    if R > geo.gpus_per_node:
+        node = np.where(kept, geo.node_of(plan.entry_rank_TK), -1)
         s = np.sort(node, axis=1)
         uniq = ((s[:, 1:] != s[:, :-1]) & (s[:, 1:] >= 0)).sum(axis=1) + (s[:, :1] >= 0).sum(axis=1)
         out["node_pairs"] = float(uniq.sum()) / R * row
-    up = sum(int(((h.src_rank_M // G == h.dst_rank_M // G) & (h.src_rank_M != h.dst_rank_M)).sum())
+    up = sum(int((geo.same_node(h.src_rank_M, h.dst_rank_M) & (h.src_rank_M != h.dst_rank_M)).sum())
              for h in plan.hops)
-    down = sum(int((h.src_rank_M // G != h.dst_rank_M // G).sum()) for h in plan.hops)
+    down = sum(int((~geo.same_node(h.src_rank_M, h.dst_rank_M)).sum()) for h in plan.hops)
     out["scale_up"] = up / max(R, 1) * row
     out["scale_out"] = down / max(R, 1) * row
     for k in ("rows_received", "node_pairs", "scale_up", "scale_out", "selections"):
@@ -302,6 +302,6 @@ def isolated_kernel_figures(plan, res, what: str, topo: Topology | None = None) 
     fam = FAMILIES.get(plan.kernel.family) if plan.kernel is not None else None
     out["family"] = fam.name if fam is not None else ""
     counts = fam.counts if fam is not None else ""
-    out["library_counts"] = ({"deepep-v1": ["node_pairs" if R > G else "rows_received"],
+    out["library_counts"] = ({"deepep-v1": ["node_pairs" if R > geo.gpus_per_node else "rows_received"],
                               "deepep-v2": ["scale_up", "scale_out"], "selections": ["selections"]}.get(counts, []))
     return out

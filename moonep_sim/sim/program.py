@@ -123,11 +123,10 @@ def planning_us(plan: Plan, topo: Topology) -> tuple[float, float]:
     if topo.plan_routing_bytes_per_entry > 0:  # every token's routing, padded to the largest rank
         counts_bytes = (R - 1) * float(np.max(plan.tokens_per_rank_R)) * plan.top_k * \
             topo.plan_routing_bytes_per_entry
-    G = min(topo.gpus_per_node, R)
     slow_bw, lat = (topo.nic_bytes_per_us, topo.nic_latency_us) if topo.num_nodes(R) > 1 else \
         (topo.nvlink_bytes_per_us, topo.nvlink_latency_us)
     steps = int(np.ceil(np.log2(R))) if R > 1 else 0
-    plan_comm = steps * lat + (counts_bytes / slow_bw if R > 1 and G >= 1 else 0.0)
+    plan_comm = steps * lat + (counts_bytes / slow_bw if R > 1 else 0.0)
     plan_comm += topo.host_message_us * (R - 1)  # every rank's message to each other rank
     entries = float(np.max(plan.tokens_per_rank_R)) * plan.top_k if R else 0.0
     # a fixed cost plus the work (moonep_sim.sim.kernels.planning_us), and a host-side planner's own work
@@ -193,8 +192,11 @@ def epilogue_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
         prog.post_pre_copy[0] = prog.post_pre_copy[0] + out_R * row / expand_read_bytes_per_us(topo, plan.kernel)
 
 
-def _node_R(plan: Plan, topo: Topology) -> np.ndarray:
-    return np.arange(plan.ranks) // min(topo.gpus_per_node, plan.ranks)
+def _cross_node_RR(plan: Plan, topo: Topology) -> np.ndarray:
+    """bool [R, R]: True where source and destination sit on different nodes of ``topo``
+    (``Topology.cluster``)."""
+    r = np.arange(plan.ranks)
+    return ~topo.cluster(plan.ranks).same_node(r[:, None], r[None, :])
 
 
 def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology) -> np.ndarray | None:
@@ -215,8 +217,7 @@ def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology) -> np.ndar
         return None
     if cost <= 0:
         return None
-    node = _node_R(plan, topo)
-    cross = node[:, None] != node[None, :]
+    cross = _cross_node_RR(plan, topo)
     if spec.nic_only:
         cross = ~np.eye(plan.ranks, dtype=bool)
     extra = msgs * cost * topo.nic_bytes_per_us
@@ -230,8 +231,7 @@ def _relay_RR(phase: CommPhase, plan: Plan, topo: Topology, sm_cap: float, direc
     else the topology's), or for a chunked kernel ``channels x chunk`` of the hop's class (RDMA when
     the hop crosses nodes, its local-node copies included; else NVLink) in ``direction``
     (``moonep_sim.sim.kernels.relay_hop_rows``)."""
-    node = _node_R(plan, topo)
-    cross = node[:, None] != node[None, :]
+    cross = _cross_node_RR(plan, topo)
     rows = float(phase.msgs_RR.sum())
     row_bytes = float(phase.bytes_RR.sum()) / rows if rows > 0 else 0.0
     R = plan.ranks
@@ -246,8 +246,7 @@ def _relay_RR(phase: CommPhase, plan: Plan, topo: Topology, sm_cap: float, direc
 def _weights_scale(plan: Plan, topo: Topology) -> np.ndarray | None:
     """[R, R] time scale of weight copies: their own link efficiency (``[weights]``) and engine
     against the link class's kernel rate that the network's ports run at; None when neutral."""
-    node = _node_R(plan, topo)
-    cross = node[:, None] != node[None, :]
+    cross = _cross_node_RR(plan, topo)
     nv = topo.nvlink_bytes_per_us / weight_copy_bytes_per_us(topo, False)
     nic = topo.nic_bytes_per_us / weight_copy_bytes_per_us(topo, True)
     if nv == 1.0 and nic == 1.0:
@@ -324,8 +323,7 @@ def p2p_scale(plan: Plan, topo: Topology) -> np.ndarray | None:
         return None
     if not last_hop_is_direct(plan, int(plan.costs.dispatch_row_bytes)):
         return None
-    node_R = np.arange(plan.ranks) // min(topo.gpus_per_node, plan.ranks)
-    cross = node_R[:, None] != node_R[None, :]
+    cross = _cross_node_RR(plan, topo)
     return np.where(cross, topo.nic_efficiency / topo.nic_p2p_efficiency, 1.0)
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.plan.placement import ClusterShape
 
 MAX_CONSTANT = 1e15
 """The largest magnitude a topology constant may have (bandwidths in GB/s, latencies in us, counts)."""
@@ -379,9 +380,15 @@ class Topology:
 
         if self.host_cores <= 0 or ranks <= 0:
             return None
-        G = min(self.gpus_per_node, ranks)
-        node_R = np.arange(ranks) // G
+        node_R = self.cluster(ranks).node_of(np.arange(ranks))
         return node_R // self.host_nodes_per_host if self.host_nodes_per_host > 0 else np.zeros(ranks, np.int64)
+
+    def cluster(self, ranks: int) -> ClusterShape:
+        """The cluster geometry ``ranks`` GPUs occupy here: nodes of ``min(G, R)`` consecutive ranks
+        (``num_nodes`` of them; the last is partly used when R is not a multiple of G), a rank's
+        rail its index in its node. The simulator asks it which node and which rail a rank is on."""
+        G = max(1, min(self.gpus_per_node, ranks))
+        return ClusterShape(self.num_nodes(ranks) * G, G)
 
     def num_nodes(self, ranks: int) -> int:
         """Nodes a run of ``ranks`` GPUs occupies (``nodes`` if fixed, else ceil(R / G))."""
