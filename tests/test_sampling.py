@@ -105,11 +105,26 @@ def test_dispatch_groups_and_logits_take_the_race():
     np.testing.assert_array_equal(w, wf)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+def _icdf_cases():
+    """Each named popularity alone (guide ranges 1-5 wide: walked) and with 300 lognormal(3)
+    experts beside it (ranges about 10 wide: bisected)."""
+    out = {}
+    for name, logp in CASES.items():
+        for tail in (False, True):
+            lp = np.concatenate([logp, np.random.default_rng(1).normal(0, 3, 300)]) if tail else logp
+            p = np.exp(lp - lp.max())
+            out[f"{name}{'+tail' if tail else ''}"] = p / p.sum()
+    return out
+
+
+def test_inverse_cdf_cases_walk_and_bisect():
+    widths = [InverseCDF(p).width for p in _icdf_cases().values()]
+    assert min(widths) <= 4 < max(widths)
+
+
+@pytest.mark.parametrize("name", sorted(_icdf_cases()))
 def test_inverse_cdf_equals_searchsorted(name):
-    logp = np.concatenate([CASES[name], np.random.default_rng(1).normal(0, 3, 300)])
-    p = np.exp(logp - logp.max())
-    p /= p.sum()
+    p = _icdf_cases()[name]
     icdf = InverseCDF(p)
     u = np.concatenate([np.random.default_rng(2).random(20000), icdf.cum_E[:-1], [0.0, np.nextafter(1.0, 0)]])
     np.testing.assert_array_equal(icdf.draw(u), np.minimum(np.searchsorted(icdf.cum_E, u, side="right"), p.size - 1))

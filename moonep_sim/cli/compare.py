@@ -50,6 +50,8 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     from moonep_sim.cli.sweep import add_parallel
     add_parallel(p)
+    from moonep_sim.cli.step import add_step_options
+    add_step_options(p, level=True)
     p.set_defaults(func=run)
 
 
@@ -78,7 +80,7 @@ def scenario(args, routing=None, layers=None):
 
 
 #: The files compare (and demo) write into --out: what the output rule checks against the inputs.
-OUT_FILES = ("report.json", "report.html", "layer_time.png", "rows_per_rank.png", "traffic.png")
+OUT_FILES = ("report.json", "report.html", "layer_time.png", "rows_per_rank.png", "traffic.png", "step_time.png")
 
 
 def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, str]:
@@ -109,12 +111,17 @@ def write_outputs(report: dict, out_dir: Path, plots: bool = True) -> dict[str, 
 def run(args) -> int:
     from moonep_sim.report.tables import compare_footer, compare_table, verdict_lines
 
+    from moonep_sim.cli.step import step_level
+
     output_rule(args, folders={"out": OUT_FILES})  # before the run, not after it
+    level = step_level(args, layer_only={"--real": args.real, "--layers": args.layers is not None})
     sc = scenario(args)
     c = console()
     from moonep_sim.experiments.parallel import check_jobs
 
     check_jobs(args.jobs)
+    if level:
+        return run_step_level(args, sc)
     kw = dict(real=args.real, nproc=args.nproc if args.real else None, iters=args.iters, timeout_s=args.real_timeout,
               jobs=args.jobs, cluster=args.cluster)
     with progress(c, "compare", lines=args.json) as cb:
@@ -131,4 +138,24 @@ def run(args) -> int:
     for line in compare_footer(rep) + steps_footer(rep):
         c.print(f"[dim]{line}[/dim]")
     c.print("wrote " + ", ".join(files.values()))
+    return 0
+
+
+def run_step_level(args, sc) -> int:
+    """--level step: every strategy's whole step (``Scenario.compare(level="step")``, what
+    `moonep-sim step` runs); report.json (the step document), report.html and step_time.png."""
+    from moonep_sim.cli.step import print_steps, step_options
+    from moonep_sim.report.save import save_report
+
+    opts = step_options(args)
+    res = sc.compare(level="step", step=opts, jobs=args.jobs, cluster=args.cluster)
+    docs = [r.to_dict() for r in (res if isinstance(res, list) else [res])]
+    doc = docs[0] if len(docs) == 1 else {"kind": "steps", "steps": docs}
+    files = save_report(doc, Path(args.out), plots=not args.no_plots)
+    print_warnings(sc.resolved.warnings)
+    if args.json:
+        print_json(doc)
+        return 0
+    print_steps(docs)
+    console().print("wrote " + ", ".join(files.values()))
     return 0

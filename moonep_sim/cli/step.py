@@ -27,30 +27,7 @@ def register(sub) -> None:
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the topology's, at most R)")
     p.add_argument("--topology", default="h800-cx7", help="preset name or .toml file (see `moonep-sim topologies`)")
     add_strategies(p, "alltoall,deepep,moonep")
-    p.add_argument("--mode", choices=("train", "prefill", "decode"), default="train",
-                   help="train (forward + backward), prefill (a chunk) or decode (one token per sequence)")
-    p.add_argument("--tokens-per-rank", type=int, default=None,
-                   help="tokens per rank (decode: sequences per rank); default the --gen spec's, a trace's own")
-    p.add_argument("--context", type=int, default=None,
-                   help="keys per sequence (train/prefill: the sequence length, default the tokens; decode: the "
-                        "KV context, default 4096)")
-    p.add_argument("--overlap", choices=("none", "shared-expert", "two-batch"), default="none",
-                   help="overlap schedule (docs/steps.md)")
-    p.add_argument("--distinct-layers", type=int, default=0, metavar="N",
-                   help="generated routing: plan and simulate only N layers, MoE layer i reusing layer i mod N "
-                        "(flagged; 0 = every layer its own, the default)")
-    p.add_argument("--static-buffer", action="append", default=[], metavar="STRATEGY=TOKENS",
-                   help="the strategy's Buffer is static, sized for TOKENS per rank: every pass is padded to it "
-                        "(e.g. moonep=8192; repeatable)")
-    p.add_argument("--compute-profile", default=None, metavar="CSV",
-                   help="measured op times (op,shape,time_us) replacing the roofline defaults; every op must be in "
-                        "it (benchmarks/profile_ops.py writes one)")
-    p.add_argument("--gemm-dtype", choices=("bf16", "fp8"), default="bf16", help="GEMM peak: BF16 or FP8")
-    p.add_argument("--recompute", action="store_true", help="train: recompute attention and norms in the backward")
-    p.add_argument("--optimizer-shard", type=int, default=0, metavar="N",
-                   help="ranks the dense weights' optimizer state is sharded over (0 = all ranks)")
-    p.add_argument("--optimizer-bytes-per-param", type=float, default=12.0,
-                   help="optimizer state per parameter (12 = mixed-precision Adam: fp32 master, m, v)")
+    add_step_options(p)
     p.add_argument("--jobs", type=int, default=1, help="plan and simulate the distinct layers in N worker processes")
     p.add_argument("--cluster", default=None, metavar="ADDR", help="... or on a Dask cluster at ADDR")
     add_steps(p)
@@ -61,6 +38,93 @@ def register(sub) -> None:
     p.add_argument("--gantt", metavar="PNG", default=None,
                    help="write a Gantt chart of the first strategy (compute and comm per rank, slowest first)")
     p.set_defaults(func=run)
+
+
+#: (flag, dest, default at `moonep-sim step`): the step options compare and sweep take at --level step
+STEP_FLAGS = (("--mode", "mode", "train"), ("--tokens-per-rank", "tokens_per_rank", None),
+              ("--context", "context", None), ("--overlap", "overlap", "none"),
+              ("--distinct-layers", "distinct_layers", 0), ("--static-buffer", "static_buffer", []),
+              ("--compute-profile", "compute_profile", None), ("--gemm-dtype", "gemm_dtype", "bf16"),
+              ("--recompute", "recompute", False), ("--optimizer-shard", "optimizer_shard", 0),
+              ("--optimizer-bytes-per-param", "optimizer_bytes_per_param", 12.0))
+
+
+def add_step_options(p, *, level: bool = False, tokens: bool = True) -> None:
+    """The step options (STEP_FLAGS). ``level``: for compare / sweep, with ``--level`` beside them;
+    each defaults to None there (given or not is known: a step option at --level layer is refused).
+    ``tokens``: add --tokens-per-rank (sweep has its own)."""
+    d = {dest: (None if level else v) for _, dest, v in STEP_FLAGS}
+    at = " (--level step)" if level else ""
+    if level:
+        p.add_argument("--level", choices=("layer", "step"), default="layer",
+                       help="layer: one MoE layer's dispatch, experts and combine (the default); step: the whole "
+                            "train / prefill / decode step per strategy, as `moonep-sim step` (docs/steps.md)")
+    p.add_argument("--mode", choices=("train", "prefill", "decode"), default=d["mode"],
+                   help="train (forward + backward), prefill (a chunk) or decode (one token per sequence)" + at)
+    if tokens:
+        p.add_argument("--tokens-per-rank", type=int, default=None,
+                       help="tokens per rank (decode: sequences per rank); default the generator spec's, a trace's own"
+                            + at)
+    p.add_argument("--context", type=int, default=None,
+                   help="keys per sequence (train/prefill: the sequence length, default the tokens; decode: the "
+                        "KV context, default 4096)" + at)
+    p.add_argument("--overlap", choices=("none", "shared-expert", "two-batch"), default=d["overlap"],
+                   help="overlap schedule (docs/steps.md)" + at)
+    p.add_argument("--distinct-layers", type=int, default=d["distinct_layers"], metavar="N",
+                   help="generated routing: plan and simulate only N layers, MoE layer i reusing layer i mod N "
+                        "(flagged; 0 = every layer its own, the default)" + at)
+    p.add_argument("--static-buffer", action="append", default=d["static_buffer"], metavar="STRATEGY=TOKENS",
+                   help="the strategy's Buffer is static, sized for TOKENS per rank: every pass is padded to it "
+                        "(e.g. moonep=8192; repeatable)" + at)
+    p.add_argument("--compute-profile", default=None, metavar="CSV",
+                   help="measured op times (op,shape,time_us) replacing the roofline defaults; every op must be in "
+                        "it (benchmarks/profile_ops.py writes one)" + at)
+    p.add_argument("--gemm-dtype", choices=("bf16", "fp8"), default=d["gemm_dtype"],
+                   help="GEMM peak: BF16 or FP8" + at)
+    p.add_argument("--recompute", action="store_true", default=d["recompute"],
+                   help="train: recompute attention and norms in the backward" + at)
+    p.add_argument("--optimizer-shard", type=int, default=d["optimizer_shard"], metavar="N",
+                   help="ranks the dense weights' optimizer state is sharded over (0 = all ranks)" + at)
+    p.add_argument("--optimizer-bytes-per-param", type=float, default=d["optimizer_bytes_per_param"],
+                   help="optimizer state per parameter (12 = mixed-precision Adam: fp32 master, m, v)" + at)
+
+
+def step_level(args, *, layer_only: dict[str, bool] | None = None, tokens: bool = True) -> bool:
+    """compare / sweep: True at --level step. A step option at --level layer, or a layer-only
+    option (``layer_only``: flag -> given) at --level step, is one line (exit 2). ``tokens``:
+    --tokens-per-rank is a step option (False: the command's own flag)."""
+    given = [f for f, dest, _ in STEP_FLAGS if getattr(args, dest, None) not in (None, [])
+             and (tokens or dest != "tokens_per_rank")]
+    if args.level == "layer":
+        if given:
+            raise ConfigError(f"{given[0]} applies to --level step only (the layer level has no step options; "
+                              "add --level step)")
+        return False
+    for flag, on in (layer_only or {}).items():
+        if on:
+            raise ConfigError(f"{flag} applies to --level layer only (not to --level step: {_WHY.get(flag, '')})")
+    return True
+
+
+_WHY = {"--real": "a real replay runs one layer over gloo; a step is simulated",
+        "--layers": "a step runs every layer of the model",
+        "--seeds": "the spread over seeds is layer-level; a step sweep runs the --seed given"}
+
+
+def step_options(args, *, tokens: bool = True):
+    """The typed step options these arguments give (defaults: `moonep-sim step`'s; ``tokens``
+    False: --tokens-per-rank is the command's own flag, not a step option)."""
+    from moonep_sim.experiments.step import StepOptions
+
+    kw = {}
+    for _, dest, default in STEP_FLAGS:
+        if dest == "tokens_per_rank" and not tokens:
+            kw[dest] = None
+            continue
+        v = getattr(args, dest, None)
+        kw[dest] = default if v is None or (v == [] and default == []) else v
+    static = _static(kw.pop("static_buffer"))
+    return StepOptions(static_tokens=static, **kw)
 
 
 def scenario(args):
@@ -83,6 +147,22 @@ def scenario(args):
                     steps=args.steps if not args.gen else None, dispatch_dtype=args.dispatch_dtype)
 
 
+def print_steps(docs: list[dict]) -> None:
+    """The step table, its footer, the verdict and the flags of each step document."""
+    from moonep_sim.report.steps import step_footer, step_table
+    from moonep_sim.report.tables import flag_lines, verdict_lines, wide_console
+
+    c = wide_console()
+    for i, d in enumerate(docs):
+        if len(docs) > 1:
+            c.print(f"recorded step {i}")
+        c.print(step_table(d))
+        for line in step_footer(d):
+            c.print(line)
+        for line in verdict_lines(d) + flag_lines(d):  # computed verdict, then the flags
+            c.print(line, highlight=False, markup=False)
+
+
 def _static(items) -> dict[str, int]:
     """``["moonep=8192"]`` -> ``{"moonep": 8192}``."""
     out = {}
@@ -102,11 +182,8 @@ def run(args) -> int:
     output_rule(args, files=("json", "timeline", "gantt"))  # no output over an input; before any work
     sc = scenario(args)
     sc.resolved  # every input checked before any work
-    res = sc.step(mode=args.mode, overlap=args.overlap, context=args.context, distinct_layers=args.distinct_layers,
-                  compute_profile=args.compute_profile, gemm_dtype=args.gemm_dtype, recompute=args.recompute,
-                  optimizer_shard=args.optimizer_shard, optimizer_bytes_per_param=args.optimizer_bytes_per_param,
-                  static_tokens=_static(args.static_buffer), tokens_per_rank=args.tokens_per_rank if args.gen else None,
-                  jobs=args.jobs, cluster=args.cluster)
+    opts = dataclasses.replace(step_options(args), tokens_per_rank=args.tokens_per_rank if args.gen else None)
+    res = sc.step(opts.mode, opts.overlap, jobs=args.jobs, cluster=args.cluster, **opts.kwargs())
     results = res if isinstance(res, list) else [res]
     docs = [r.to_dict() for r in results]
     doc = docs[0] if len(docs) == 1 else {"steps": docs}
@@ -117,20 +194,7 @@ def run(args) -> int:
         else:
             write_text_atomic(args.json, text, what="--json")
     if args.json != "-":
-        from moonep_sim.report.steps import step_footer, step_table
-        from moonep_sim.report.tables import wide_console
-
-        c = wide_console()
-        for i, d in enumerate(docs):
-            if len(docs) > 1:
-                c.print(f"recorded step {i}")
-            c.print(step_table(d))
-            for line in step_footer(d):
-                c.print(line)
-            from moonep_sim.report.tables import flag_lines, verdict_lines
-
-            for line in verdict_lines(d) + flag_lines(d):  # computed verdict, then the flags
-                c.print(line, highlight=False, markup=False)
+        print_steps(docs)
     first = results[0]
     name = first.strategies[0]
     tl = first.timelines[name]

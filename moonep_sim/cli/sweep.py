@@ -61,6 +61,8 @@ def register(sub) -> None:
                         "the runner-up): tokens-per-rank, maxvio or ep; with --trace any --over knob")
     p.add_argument("--by-values", default=None, help="comma-separated values of --by (required with --by)")
     add_parallel(p)
+    from moonep_sim.cli.step import add_step_options
+    add_step_options(p, level=True, tokens=False)
     p.set_defaults(func=run)
 
 
@@ -198,9 +200,15 @@ def run(args) -> int:
     from moonep_sim.experiments.results import SweepResult
     from moonep_sim.experiments.sweep import setup, sweep_over_seeds
 
+    from moonep_sim.cli.step import step_level
+
     output_rule(args, folders={"out": OUT_FILES})  # before the run, not after it
+    level = step_level(args, layer_only={"--layers": args.layers is not None, "--seeds": args.seeds != 1},
+                       tokens=False)
     sc = scenario(args)
     check_jobs(args.jobs)
+    if level:
+        return run_step_level(args, sc)
     if sc.is_trace():
         return run_trace(args, sc)
     ax = sc.sweep_axis(args.over, _values(args.values))
@@ -212,6 +220,32 @@ def run(args) -> int:
     with progress(c, "sweep", lines=args.json) as cb:
         rep = SweepResult.from_report(sweep_over_seeds(sc, ax, args.seeds, progress=cb, jobs=args.jobs,
                                                        cluster=args.cluster)).to_dict()
+    return write_sweep(args, rep, c)
+
+
+def run_step_level(args, sc) -> int:
+    """--level step: a sweep (or, with --by, a winner map) whose every point is a whole step per
+    strategy (:mod:`moonep_sim.experiments.step_levels`), on generated routing or a trace."""
+    from moonep_sim.cli.common import print_warnings
+    from moonep_sim.cli.step import step_options
+    from moonep_sim.experiments.step_levels import check
+
+    opts = step_options(args, tokens=False)
+    vals = _values(args.values)
+    by_vals = _by_values(args) or None
+    check(sc, args.over, vals, opts, by=args.by if by_vals else None, by_values=by_vals)  # before any work
+    c = console()
+    with progress(c, "step sweep", lines=args.json) as cb:
+        if by_vals:
+            m = sc.winner_map(args.over, vals, args.by, by_vals, progress=cb, jobs=args.jobs, cluster=args.cluster,
+                              level="step", step=opts)
+        else:
+            rep = sc.sweep(args.over, vals, progress=cb, jobs=args.jobs, cluster=args.cluster, level="step",
+                           step=opts).to_dict()
+    if sc.is_trace():
+        print_warnings(sc.resolved.warnings)
+    if by_vals:
+        return write_winner(args, m, c)
     return write_sweep(args, rep, c)
 
 
@@ -241,9 +275,15 @@ def write_sweep(args, rep: dict, c) -> int:
 
     out = Path(args.out)
     png = out / "sweep.png"
+    step = rep.get("level") == "step"
     with staged_dir(out, "--out") as tmp:
         if not args.no_plots:
-            plots.sweep_lines(rep, tmp / "sweep.png")
+            if step:
+                from moonep_sim.report.step_sweep import step_sweep_lines
+
+                step_sweep_lines(rep, tmp / "sweep.png")
+            else:
+                plots.sweep_lines(rep, tmp / "sweep.png")
         from moonep_sim.report.html import provenance, write_html
 
         rep["provenance"] = provenance()
@@ -254,7 +294,14 @@ def write_sweep(args, rep: dict, c) -> int:
     if args.json:
         print_json(rep)
         return 0
-    c.print(sweep_table(rep))
+    if step:
+        from moonep_sim.report.step_sweep import step_sweep_footer, step_sweep_table
+
+        c.print(step_sweep_table(rep))
+        for line in step_sweep_footer(rep):
+            c.print(f"[dim]{line}[/dim]")
+    else:
+        c.print(sweep_table(rep))
     for line in flag_lines(rep):
         c.print(f"[dim]{line}[/dim]")
     for lo in rep.get("left_out") or []:

@@ -173,15 +173,21 @@ class ReplayResult(_TakeAway):
 
 @dataclass(frozen=True, repr=False)
 class SweepResult(_TakeAway):
-    """A sweep. values: the swept values; layer_time_us: strategy -> simulated time per value."""
+    """A sweep. values: the swept values; layer_time_us: strategy -> simulated time per value (at
+    level step: step_time_us instead, layer_time_us empty)."""
 
     over: str
     values: tuple[float, ...]
     layer_time_us: Mapping[str, tuple[float, ...]]
     report: Mapping[str, Any] = field(repr=False)
+    level: str = "layer"
+    step_time_us: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
 
     @classmethod
     def from_report(cls, rep: dict[str, Any]) -> "SweepResult":
+        if rep.get("level") == "step":
+            return cls(rep["over"], tuple(rep["values"]), {}, rep, "step",
+                       {n: tuple(v["step_time_us"]) for n, v in rep["strategies"].items()})
         return cls(rep["over"], tuple(rep["values"]),
                    {n: tuple(v["layer_time_us"]) for n, v in rep["strategies"].items()}, rep)
 

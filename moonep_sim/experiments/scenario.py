@@ -156,7 +156,7 @@ class Scenario:
                            {"ranks": rs.cluster.ranks, "gpus_per_node": rs.cluster.gpus_per_node})
 
     # -- simulate ---------------------------------------------------------------------------------
-    def simulate(self, progress: Progress | None = None, **sim_options: Any) -> SimulateResult:
+    def simulate(self, progress: Progress | None = None, *, seeds: int = 1, **sim_options: Any) -> SimulateResult:
         """Each strategy's plans of the scenario's layers chained as one step on the topology, for
         every selected step of a trace on its own (:mod:`moonep_sim.experiments.stepstats`).
 
@@ -167,17 +167,32 @@ class Scenario:
         ``verdict``: who wins and why, each chain read stage by stage
         (:func:`~moonep_sim.experiments.verdict.simulate_verdict`; one strategy: a stated
         single-strategy verdict; ``isolate``: none, a kernel timed alone is no comparison).
+        ``seeds`` > 1 (generated routing only): the same at seeds ``seed, seed + 1, ...``, each its
+        own draw; ``layer_time_us`` is then the mean over seeds, ``per_strategy`` the first seed's
+        with ``seeds`` and ``seed_layer_time_us`` beside it, and the verdict rests on the spread
+        over seeds.
         """
+        from dataclasses import replace
+
         from moonep_sim import sim
         from moonep_sim.experiments.compare import topology_info
         from moonep_sim.experiments.stepstats import aggregate
+        from moonep_sim.experiments.verdict import simulate_verdict
 
         rs = self.resolved
         try:
             opts = sim.SimOptions(**sim_options)
         except TypeError as e:
             raise ConfigError(f"simulator option must be a SimOptions field: {e}") from None
-        plans = self.plans(progress)
+        spec = self.routing if isinstance(self.routing, GeneratorSpec) else (
+            GeneratorSpec.parse(self.routing) if isinstance(self.routing, str) and self.routing.startswith("gen:")
+            else None)
+        require(isinstance(seeds, int) and 1 <= seeds <= 64, f"seeds ({seeds!r}) must be an integer in [1, 64]")
+        require(seeds == 1 or spec is not None, f"seeds ({seeds}) apply to generated routing (gen:...): a trace's "
+                                                "verdict rests on the spread over its steps")
+        draws = [self] if seeds == 1 else [replace(self, routing=replace(spec, seed=spec.seed + k)) for k in range(seeds)]
+        plans_D = [d.plans(progress) for d in draws]
+        plans = plans_D[0]
         steps = list(dict.fromkeys(p.step for p in plans.items))
         tokens = [rs.source.batch_tokens[[b[0] for b in rs.source.batches].index(st)] for st in steps]
         per: dict[str, Any] = {}
@@ -185,9 +200,11 @@ class Scenario:
         runs: dict[str, list] = {}
         for name, _ in rs.strategies:
             t0 = time.perf_counter()
-            chains = [[p.plan for p in plans.items if p.strategy == name and p.step == st] for st in steps]
+            chains = [[p.plan for p in pl.items if p.strategy == name and p.step == st] for pl in plans_D for st in steps]
             res_S = [sim.simulate_layers(ch, rs.topology, rs.source.model, opts) for ch in chains]
             runs[name] = [(ch, _verdict_view(r)) for ch, r in zip(chains, res_S)]
+            seed_t = [float(r.layer_time_us) for r in res_S]
+            res_S = res_S[:len(steps)]  # the first draw's steps (the only draw without seeds)
             t_S = [float(r.layer_time_us) for r in res_S]
             worst = int(max(range(len(t_S)), key=t_S.__getitem__))
             d = to_jsonable(res_S[worst].to_dict(), lenient=True)
@@ -197,15 +214,17 @@ class Scenario:
             d.update(model=rs.source.model.name, layers=list(rs.source.layer_ids), step=steps[worst],
                      sim_call_seconds=time.perf_counter() - t0, per_step=series,
                      steps_aggregate={k: aggregate(series[k], tokens, steps) for k in ("layer_time_us", "lower_bound_us")})
+            if seeds > 1:
+                d.update(seeds=[spec.seed + k for k in range(seeds)], seed_layer_time_us=seed_t)
             d["flags"] = _simulate_flags(rs, name, [p.plan for p in plans.items if p.strategy == name])
             per[name] = d
             raw[name] = res_S[worst]
-        from moonep_sim.experiments.verdict import simulate_verdict
-
         flags = [f for n in per for f in per[n]["flags"]]
-        v = simulate_verdict(runs, rs.topology, tokens, flags) if opts.isolate is None else None
-        return SimulateResult(tuple(per), {n: float(per[n]["steps_aggregate"]["layer_time_us"]["token_weighted_mean"])
-                                           for n in per}, per, topology_info(rs.topology), raw,
+        v = (simulate_verdict(runs, rs.topology, tokens * seeds, flags, unit="seed" if seeds > 1 else "step")
+             if opts.isolate is None else None)
+        t = {n: float(sum(per[n]["seed_layer_time_us"]) / seeds) if seeds > 1 else
+             float(per[n]["steps_aggregate"]["layer_time_us"]["token_weighted_mean"]) for n in per}
+        return SimulateResult(tuple(per), t, per, topology_info(rs.topology), raw,
                               dict(rs.source.steps_info(), warnings=list(rs.warnings)), v)
 
     # -- whole steps --------------------------------------------------------------------------------
@@ -222,13 +241,20 @@ class Scenario:
     # -- compare, replay, sweep ---------------------------------------------------------------------
     def compare(self, real: bool = False, *, nproc: int | None = None, iters: int = 10, hidden: int = 512,
                 ffn: int = 1024, timeout_s: float = 600.0, progress: Progress | None = None, jobs: int | None = 1,
-                cluster: str | None = None) -> CompareResult:
+                cluster: str | None = None, level: str = "layer", step: Any = None) -> CompareResult:
         """Every strategy on the same steps and layers, simulated (each step its own batch, then
         aggregated over steps); with ``real``, also replayed over gloo by ``nproc`` local processes
         (= the scenario's ranks), interleaved. The simulated points run in ``jobs`` worker
-        processes or on a Dask ``cluster``; the real replay always runs alone (timings)."""
+        processes or on a Dask ``cluster``; the real replay always runs alone (timings).
+
+        ``level="step"``: every strategy's whole step instead (``step``: a
+        :class:`~moonep_sim.experiments.step.StepOptions`, default train without overlap), what
+        :meth:`step` returns (:mod:`moonep_sim.experiments.step_levels`)."""
         from moonep_sim.experiments.compare import RealOptions, compare
 
+        if _step_level(level, step, real=real):
+            opts = step or _default_step()
+            return self.step(opts.mode, opts.overlap, progress=progress, jobs=jobs, cluster=cluster, **opts.kwargs())
         rs = self.resolved
         opts = None
         if real:
@@ -269,7 +295,7 @@ class Scenario:
 
     def sweep(self, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None,
               progress: Progress | None = None, jobs: int | None = 1, cluster: str | None = None,
-              seeds: int = 1) -> SweepResult:
+              seeds: int = 1, level: str = "layer", step: Any = None) -> SweepResult:
         """Vary ``over`` (``maxvio``, ``ep`` or a numeric topology constant) through ``values``
         (default: :func:`moonep_sim.experiments.sweep.default_values`); each point plans every
         strategy on generated routing (this scenario's generator spec, or the model's defaults) and
@@ -281,9 +307,22 @@ class Scenario:
         On a trace (this scenario's routing is a trace file), the sweep runs on the recorded routing,
         each step its own batch: ``over`` a topology constant, ``ranks`` (``ep``), ``gpus_per_node``,
         ``tokens_per_rank`` or ``maxvio`` (re-weighted popularity), see
-        :mod:`moonep_sim.experiments.trace_sweep` (the spread behind its verdicts is over steps)."""
+        :mod:`moonep_sim.experiments.trace_sweep` (the spread behind its verdicts is over steps).
+
+        ``level="step"``: every point a whole step per strategy (``step``: a
+        :class:`~moonep_sim.experiments.step.StepOptions`), the report's series the step figures
+        and each point's verdict the step verdict (:mod:`moonep_sim.experiments.step_levels`)."""
         from moonep_sim.experiments.sweep import sweep_over_seeds
 
+        if _step_level(level, step, seeds=seeds):
+            from moonep_sim.experiments.step_levels import step_sweep, trace_step_sweep
+
+            opts = step or _default_step()
+            if self.is_trace():
+                return SweepResult.from_report(trace_step_sweep(self, over, values, opts, progress=progress, jobs=jobs,
+                                                                cluster=cluster))
+            return SweepResult.from_report(step_sweep(self, self.sweep_axis(over, values, maxvio=maxvio), opts,
+                                                      progress=progress, jobs=jobs, cluster=cluster))
         if self.is_trace():
             from moonep_sim.experiments.trace_sweep import trace_sweep
 
@@ -294,15 +333,21 @@ class Scenario:
 
     def winner_map(self, over: str, values: Sequence[float] | None, by: str, by_values: Sequence[float], *,
                    maxvio: float | None = None, progress: Progress | None = None, jobs: int | None = 1,
-                   cluster: str | None = None, seeds: int = 1) -> dict[str, Any]:
+                   cluster: str | None = None, seeds: int = 1, level: str = "layer", step: Any = None) -> dict[str, Any]:
         """The fastest strategy per cell over two knobs: one :meth:`sweep` of ``over`` per value of
         ``by`` (``tokens-per-rank``, ``maxvio`` or ``ep``), combined by
         :func:`moonep_sim.experiments.winner.winner_map` (each cell: winner, margin over the
         runner-up, every strategy's time; ``sweeps`` holds the full reports). ``seeds`` > 1: every
         sweep at that many seeds, each cell's times the means and its verdict (tie, confidence) from
-        the spread over seeds."""
+        the spread over seeds. ``level="step"``: each cell a whole step per strategy, its winner
+        the step verdict's (``step``: a :class:`~moonep_sim.experiments.step.StepOptions`)."""
         from moonep_sim.experiments.sweep import at, check_rows, sweep_over_seeds, winner_of
 
+        if _step_level(level, step, seeds=seeds):
+            from moonep_sim.experiments.step_levels import step_winner_map
+
+            return step_winner_map(self, over, values, by, by_values, step or _default_step(), maxvio=maxvio,
+                                   progress=progress, jobs=jobs, cluster=cluster)
         if self.is_trace():
             from moonep_sim.experiments.trace_sweep import trace_winner_map
 
@@ -323,6 +368,27 @@ class Scenario:
         from moonep_sim.experiments.sweep import axis
 
         return axis(self, over, values, maxvio=maxvio)
+
+
+def _step_level(level: str, step: Any, *, real: bool = False, seeds: int = 1) -> bool:
+    """True at level step (checked: the step options typed, no layer-only option given)."""
+    from moonep_sim.experiments.step import StepOptions
+    from moonep_sim.experiments.step_levels import check_level
+
+    if check_level(level) == "layer":
+        require(step is None, "step options must be given with level='step' only (the layer level has none)")
+        return False
+    require(step is None or isinstance(step, StepOptions),
+            f"step ({type(step).__name__}) must be a StepOptions (moonep_sim.experiments.step)")
+    require(not real, "real replays run the layer level only (level='step' is simulated)")
+    require(seeds == 1, f"seeds ({seeds}) must be 1 at level step (the spread over seeds is layer-level)")
+    return True
+
+
+def _default_step():
+    from moonep_sim.experiments.step import StepOptions
+
+    return StepOptions()
 
 
 def _verdict_view(res) -> dict[str, Any]:

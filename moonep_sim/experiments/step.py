@@ -9,7 +9,8 @@ Routing per MoE layer i (:func:`layer_source`):
   generated, N-1 more routings are layer 0 with its experts relabelled (:func:`relabel_experts`:
   same skew, other hot experts and ranks), those N are planned and simulated, and MoE layer i
   reuses routing ``i mod N`` (flagged per layer in the output). The default 0 gives every layer
-  its own generated routing;
+  its own generated routing, generated where it is planned (:class:`GeneratedLayer`: in a worker
+  with ``jobs``) and shared by every strategy;
 - a trace: MoE layer i is the trace's i-th layer; a layer the trace does not have is a
   **stand-in**: generated at the trace's measured skew (the mean maxvio of its layers, MoonEP's
   lognormal popularity, seed i), flagged as such in the output. A trace's tokens set T (its
@@ -52,8 +53,53 @@ class StepResult(_TakeAway):
                 "verdict": step_verdict(self.figures, flags)}
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """How a step is run (``moonep-sim step``'s flags; :func:`run_step`'s keywords): mode (train,
+    prefill, decode), overlap (none, shared-expert, two-batch), tokens per rank (None: the
+    routing's), context, distinct layers (0: every layer its own routing), a compute profile CSV,
+    the GEMM dtype, recompute, optimizer sharding and bytes per parameter, and static buffers
+    (strategy -> tokens per rank). What ``compare``, ``sweep`` and winner maps take at
+    ``level="step"``."""
+
+    mode: str = "train"
+    overlap: str = "none"
+    tokens_per_rank: int | None = None
+    context: int | None = None
+    distinct_layers: int = 0
+    compute_profile: str | None = None
+    gemm_dtype: str = "bf16"
+    recompute: bool = False
+    optimizer_shard: int = 0
+    optimizer_bytes_per_param: float = 12.0
+    static_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from moonep_sim.step.schedule import get_overlap
+        from moonep_sim.step.stack import MODES
+
+        require(self.mode in MODES, f"mode ({self.mode!r}) must be one of {', '.join(MODES)}")
+        get_overlap(self.overlap)
+        require(self.gemm_dtype in ("bf16", "fp8"), f"gemm dtype ({self.gemm_dtype!r}) must be bf16 or fp8")
+        require(self.distinct_layers >= 0, f"distinct layers ({self.distinct_layers}) must be >= 0 (0 = every layer "
+                                           "its own)")
+        require(self.optimizer_shard >= 0, f"optimizer shard ({self.optimizer_shard}) must be >= 0 (0 = all ranks)")
+        require(self.optimizer_bytes_per_param >= 0,
+                f"optimizer bytes per parameter ({self.optimizer_bytes_per_param:g}) must be >= 0")
+
+    def kwargs(self) -> dict[str, Any]:
+        """:func:`run_step`'s keywords besides mode and overlap."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("mode", "overlap")}
+        d["static_tokens"] = dict(self.static_tokens)
+        return d
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: (dict(v) if isinstance(v, Mapping) else v)
+                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+
+
 def layer_source(source: RoutingSource, ranks: int, tokens: int, moe_layers: int, distinct: int = 0,
-                 steps_T: np.ndarray | None = None) -> Callable[[int], tuple[Any, GlobalRouting, str]]:
+                 steps_T: np.ndarray | None = None) -> Callable[[int], tuple[Any, Any, str]]:
     """MoE layer index -> (key, routing, provenance) (see the module docstring). ``steps_T``: a
     trace's token indices of the one step to use (None: every selected token)."""
     memo: dict[Any, GlobalRouting] = {}
@@ -62,10 +108,8 @@ def layer_source(source: RoutingSource, ranks: int, tokens: int, moe_layers: int
         src = dataclasses.replace(source, gen=g)
 
         def gen(i: int):
-            if not distinct:
-                if i not in memo:
-                    memo[i] = src.global_routing(i, ranks)
-                return ("gen", i), memo[i], f"generated layer {i}"
+            if not distinct:  # built where the layer is planned (a worker, with --jobs), once, then dropped
+                return ("gen", i), GeneratedLayer(src, i, ranks), f"generated layer {i}"
             j = i % distinct
             if j not in memo:
                 if 0 not in memo:
@@ -103,6 +147,20 @@ def layer_source(source: RoutingSource, ranks: int, tokens: int, moe_layers: int
     return trace
 
 
+@dataclass(frozen=True)
+class GeneratedLayer:
+    """Generated layer ``layer``'s routing over ``ranks``, built when called: the picklable builder
+    a step's layer work carries instead of the routing (``moonep_sim.step.run.LayerWork``), so
+    each layer is generated where it is planned and freed after it."""
+
+    source: RoutingSource
+    layer: int
+    ranks: int
+
+    def __call__(self) -> GlobalRouting:
+        return self.source.global_routing(self.layer, self.ranks)
+
+
 def relabel_experts(r: GlobalRouting, seed: int, groups: int = 1) -> GlobalRouting:
     """``r`` with its experts renamed by a seeded random permutation: the same popularity
     statistics (the sorted per-expert counts, the maxvio, the co-selection structure), other hot
@@ -120,7 +178,12 @@ def relabel_experts(r: GlobalRouting, seed: int, groups: int = 1) -> GlobalRouti
 
 
 def _trace_layer(source: RoutingSource, layer_id: int, ranks: int, steps_T: np.ndarray | None) -> GlobalRouting:
-    lr = source.selected_layer(layer_id) if source._trace is not None else source.layer(layer_id, ranks)
+    if source._trace is not None:
+        lr = source.selected_layer(layer_id)
+        if source.transform is not None:  # a trace sweep's re-weighted popularity, drawn once over the steps
+            lr = source.transform(lr, int(layer_id), 0)
+    else:
+        lr = source.layer(layer_id, ranks)
     ids, w = lr.topk_ids_TK, lr.topk_weights_TK
     if steps_T is not None:
         ids, w = ids[steps_T], w[steps_T]
@@ -145,13 +208,13 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
              optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
              static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
              cluster: str | None = None) -> list[StepResult]:
-    """The step(s) of ``scenario`` (an :class:`~moonep_sim.experiments.scenario.Scenario`): one
-    result, or one per recorded step of a trace with several steps. The step's distinct MoE layers
+    """The step(s) of ``scenario`` (an :class:`~moonep_sim.experiments.scenario.Scenario`, or its
+    ``Resolved``): one result, or one per recorded step of a trace with several steps. The step's distinct MoE layers
     are planned and simulated in ``jobs`` worker processes or on a Dask ``cluster``
     (:func:`moonep_sim.experiments.parallel.run_points`; each layer independently, same result)."""
     from moonep_sim.step import CostModel, MemoryOptions, StepConfig, read_profile, simulate_step, step_shape
 
-    rs = scenario.resolved
+    rs = getattr(scenario, "resolved", scenario)
     src = rs.source
     m = model or src.model
     require((m.num_experts, m.top_k) == (src.num_experts, src.top_k),
@@ -201,4 +264,4 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     return out
 
 
-__all__ = ["StepResult", "layer_source", "relabel_experts", "run_step", "trace_steps"]
+__all__ = ["GeneratedLayer", "StepOptions", "StepResult", "layer_source", "relabel_experts", "run_step", "trace_steps"]

@@ -117,8 +117,10 @@ def _sweep_table(d: Mapping[str, Any]) -> str:
     names = list(d["strategies"])
     vs = d.get("verdicts") or []
     rows = []
+    step = d.get("level") == "step"   # a step-level sweep: its step time, peak memory and OOM
     for i, x in enumerate(d["values"]):
-        r = [x, *[d["strategies"][n]["layer_time_us"][i] for n in names]]
+        r = [x, *[d["strategies"][n]["layer_time_us"][i] if not step else _step_cell(d["strategies"][n], i)
+                  for n in names]]
         v = vs[i] if i < len(vs) else None
         if v:
             r.append(" = ".join([v["winner"], *v.get("tied_with", [])]) + " tie" if v["tie"] else
@@ -126,6 +128,11 @@ def _sweep_table(d: Mapping[str, Any]) -> str:
             r.append(v["why"])
         rows.append(r)
     return _table([d["over"], *[f"{n} (us)" for n in names], *(["verdict", "why"] if vs else [])], rows, "main")
+
+
+def _step_cell(s: Mapping[str, Any], i: int) -> str:
+    oom = " OOM" if s["oom"][i] else ""
+    return f"{_fmt(s['step_time_us'][i])} us; {_fmt(s['peak_memory_bytes'][i] / 2**30)} GiB{oom}"
 
 
 def _winner_table(d: Mapping[str, Any]) -> str:
@@ -136,7 +143,8 @@ def _winner_table(d: Mapping[str, Any]) -> str:
             v = c.get("verdict") or {}
             who = " = ".join(c["tied"]) + " (tie)" if c.get("tied") else c["winner"]
             conf = (v.get("confidence") or {}).get("level", "-")
-            out.append(f"{who} +{100 * c['margin']:.1f}% ({v.get('mechanism') or '-'}; {conf})")
+            oom = f"; OOM: {', '.join(c['oom'])}" if c.get("oom") else ""   # a step-level cell
+            out.append(f"{who} +{100 * c['margin']:.1f}% ({v.get('mechanism') or '-'}; {conf}{oom})")
         rows.append(out)
     return _table([f"{d['y']['knob']} \\ {d['x']['knob']}", *[f"{x:g}" for x in d["x"]["values"]]], rows, "main")
 

@@ -37,7 +37,8 @@ def winner_table_md(m: dict[str, Any]) -> str:
             who = " = ".join(_tied(c)) + " (tie)" if _is_tie(c) else c["winner"]
             conf = ((c.get("verdict") or {}).get("confidence") or {})
             how = f"; {conf['level']} over {conf['units']} {conf['unit']}s" if conf.get("units", 0) > 1 else ""
-            cells.append(f"**{who}** {c['time_us'] / 1e3:.2f} ms (+{100 * c['margin']:.1f}%{ru}{how})")
+            oom = f"; OOM: {', '.join(c['oom'])}" if c.get("oom") else ""   # a step-level cell
+            cells.append(f"**{who}** {c['time_us'] / 1e3:.2f} ms (+{100 * c['margin']:.1f}%{ru}{how}{oom})")
         lines.append(f"| {_fmt(y)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -87,8 +87,9 @@ class BlockCounts:
         self.cnt_src = np.zeros(B * R)   # active transfers per sender node (block-major)
         self.cnt_dst = np.zeros(B * R)
         r = np.arange(R)
+        geo = self.cluster = ports.cluster
         # rank of row r's column j (node blocks: r's node), clipped: columns past R hold 0 counts
-        self.node_cols_RG = np.minimum((r // G)[:, None] * G + np.arange(G)[None, :], R - 1)
+        self.node_cols_RG = np.minimum(geo.rank_at(geo.node_of(r)[:, None], np.arange(G)[None, :]), R - 1)
         self.self_cols_R1 = r[:, None]
         dm = ports.dummy
         P1 = ports.cap_P.size
@@ -131,8 +132,9 @@ class BlockCounts:
         # node's column in M / MT and a receiver node's first index of its row in ``mt_flat``
         b_N, r_N = np.divmod(np.arange(2 * B * R) % (B * R), R)
         kind_N = self.kind_B[b_N]
-        self.cell_key_N = b_N * R + np.where(kind_N >= Block.NIC, 0, np.where(kind_N == Block.NVLINK, r_N // G, r_N))
-        self.cell_col_N = np.where(kind_N >= Block.NIC, r_N, np.where(kind_N == Block.NVLINK, r_N % G, 0))
+        self.cell_key_N = b_N * R + np.where(kind_N >= Block.NIC, 0,
+                                             np.where(kind_N == Block.NVLINK, geo.node_of(r_N), r_N))
+        self.cell_col_N = np.where(kind_N >= Block.NIC, r_N, np.where(kind_N == Block.NVLINK, geo.local_index(r_N), 0))
         self.mt_row_N = self.m_off[b_N] + r_N * self.width_B[b_N]
         # per filling step, the run length of the last fill: its first prefix width is chosen above
         # it (consecutive fills are alike); any start gives the same run (:meth:`_run`)
@@ -140,10 +142,10 @@ class BlockCounts:
 
     def cells(self, blk_F, src_F, dst_F):
         """Columns of transfers in M (sender row) and in MT (receiver row)."""
-        G = self.G
+        local = self.cluster.local_index
         c = self.kind_B[blk_F]
-        j = np.where(c >= Block.NIC, dst_F, np.where(c == Block.NVLINK, dst_F % G, 0))
-        i = np.where(c >= Block.NIC, src_F, np.where(c == Block.NVLINK, src_F % G, 0))
+        j = np.where(c >= Block.NIC, dst_F, np.where(c == Block.NVLINK, local(dst_F), 0))
+        i = np.where(c >= Block.NIC, src_F, np.where(c == Block.NVLINK, local(src_F), 0))
         return j, i
 
     def add(self, blk_F, src_F, dst_F, sign: float) -> None:
@@ -301,7 +303,7 @@ class BlockCounts:
         port before it. None when that port has none (then :meth:`_run_cut` decides). Same answer
         as :meth:`_run_cut`, which cuts at the first port sharing a transfer with an earlier one,
         in a few array operations."""
-        N, R, G = self.B * self.R, self.R, self.G
+        N, R, geo = self.B * self.R, self.R, self.cluster
         is_s = node < N
         sw = np.flatnonzero(is_s != is_s[0])
         if sw.size == 0:
@@ -321,14 +323,14 @@ class BlockCounts:
         remote, nvlink = kind >= Block.NIC, kind == Block.NVLINK
         if is_s[0]:
             s_ = s_[ys]
-            col = d if remote else (d % G if nvlink else 0)
+            col = d if remote else (geo.local_index(d) if nvlink else 0)
             c = self.m_flat[off + s_ * w + col]
-            valid = True if remote else ((s_ // G == d // G) if nvlink else (s_ == d))
+            valid = True if remote else (geo.same_node(s_, d) if nvlink else (s_ == d))
         else:
             d_ = d_[ys]
-            col = d_ if remote else (d_ % G if nvlink else 0)
+            col = d_ if remote else (geo.local_index(d_) if nvlink else 0)
             c = self.m_flat[off + s * w + col]
-            valid = True if remote else ((s // G == d_ // G) if nvlink else (s == d_))
+            valid = True if remote else (geo.same_node(s, d_) if nvlink else (s == d_))
         return q if bool(np.any(valid & (c > 0))) else None
 
     def _run_cut(self, cand: np.ndarray) -> int:

@@ -37,7 +37,7 @@ version counter.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import simpy
@@ -47,6 +47,13 @@ from moonep_sim.sim.blocks import BlockCounts, Levels
 from moonep_sim.sim.flows import ActiveFlows, FlowLog, Pending
 from moonep_sim.sim.ports import L_PATH, Block, PortMap, block_kind
 from moonep_sim.sim.waterfill import waterfill
+
+
+class UtilSample(NamedTuple):
+    """Port utilisation at a tick (``record_util``): the time and, per port, rate / capacity."""
+
+    t_us: float
+    util_P: np.ndarray
 
 
 class FlowNetwork:
@@ -92,7 +99,7 @@ class FlowNetwork:
         self._next_tick = np.inf
         self.ticks = 0
         self.fill_iterations = 0
-        self.util_samples: list[tuple[float, np.ndarray]] = []
+        self.util_samples: list[UtilSample] = []
 
     # -- phases and receive groups ---------------------------------------------------------
     def expect(self, name: str, count_R: np.ndarray, tag: Any = None, sm: bool = False, nic_only: bool = False) -> int:
@@ -272,7 +279,7 @@ class FlowNetwork:
                 path = np.concatenate([bc.ps[a.blk[live] * R + a.src[live]], bc.pd[a.blk[live] * R + a.dst[live]]], axis=1)
             use = np.bincount(path.ravel(), weights=np.repeat(a.rate[live], path.shape[1]),
                               minlength=self.ports.cap_P.size)[:-1]
-            self.util_samples.append((t, use / self.ports.cap_P[:-1]))
+            self.util_samples.append(UtilSample(t, use / self.ports.cap_P[:-1]))
         # 4. next tick
         nxt = float(a.fin.min()) if a.n else np.inf
         if self._pend:
@@ -350,4 +357,4 @@ class FlowNetwork:
 
 
 
-__all__ = ["FlowNetwork", "PortMap", "waterfill"]
+__all__ = ["FlowNetwork", "PortMap", "UtilSample", "waterfill"]
