@@ -45,6 +45,8 @@ class SlotLayout:
       increasing: slots are sorted by rank and laid out in order within a rank. None when the
       layout has no padding rows (the global rows are then simply 0, 1, 2, ...).
     rows_R: int64 [R] padded rows of each rank.
+    entry_rank_N: int64 [N] each entry's rank, -1 = dropped, where :func:`sorted_layout` was asked
+      for it (``with_ranks``), else None.
     """
 
     slot_rows_S: np.ndarray
@@ -55,12 +57,13 @@ class SlotLayout:
     n_drop: int
     rows_R: np.ndarray
     grow_K: np.ndarray | None
+    entry_rank_N: np.ndarray | None = None
 
 
 def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slot_rank_S: np.ndarray,
                   token_padding: int = 1, min_rows_S: np.ndarray | None = None,
                   ranks: int | None = None, scratch: list | None = None,
-                  placed: tuple[np.ndarray, np.ndarray] | None = None) -> SlotLayout:
+                  placed: tuple[np.ndarray, np.ndarray] | None = None, with_ranks: bool = False) -> SlotLayout:
     """The expert-grouped layout from entries already sorted by (slot, entry), dropped first.
 
     order_N: int64 [N] entry ids in that order (as :func:`slot_sort` returns); n_drop: how many
@@ -72,7 +75,8 @@ def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slo
     placed: optional (entry_slot_N, pos_N), each entry's slot (int64 [N], -1 dropped) and its place
     in ``order_N`` (``pos_N[order_N[p]] = p``, as :func:`slot_sort_positions` returns them): the
     entries' rows then follow in entry order, without a scatter of N entries; ``pos_N`` becomes
-    the layout's ``entry_row_N`` (it is written in place).
+    the layout's ``entry_row_N`` (it is written in place). with_ranks: also each entry's rank
+    (``entry_rank_N``; without ``placed`` it travels in the same scatter as the entry's row).
     """
     S = slot_rank_S.size
     N = order_N.size
@@ -87,27 +91,40 @@ def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slo
     # sorted position p of a kept entry of slot s, the j-th of its slot: row within its rank =
     # offset[s] + j; global row (ranks concatenated) = cum[s] + j
     n_kept = N - n_drop
+    entry_rank = None
     if placed is None:
         spare = next((b for b in (scratch or ()) if b.shape == (N - n_drop,) and b.dtype == np.int64), None)
-        row_sorted = segment_ranges(offset, slot_rows_S, out=spare)
+        # with_ranks: rank << RANK_SHIFT | row in one int64, so one scatter places both
+        first = offset if not with_ranks else offset + (slot_rank_S << RANK_SHIFT)
+        row_sorted = segment_ranges(first, slot_rows_S, out=spare)
         entry_row = np.empty(N, dtype=np.int64)
         entry_row[order_N[n_drop:]] = row_sorted
         del row_sorted
+        if with_ranks:
+            entry_rank = entry_row >> RANK_SHIFT
+            entry_row &= (1 << RANK_SHIFT) - 1
+            entry_rank[order_N[:n_drop]] = -1
     else:  # the j-th entry of slot s sits at place n_drop + start[s] + j: row offset[s] + j
         entry_slot, entry_row = placed
         delta = np.append(offset - (np.cumsum(slot_rows_S) - slot_rows_S) - n_drop, 0)  # (slot -1: the 0)
         for lo in range(0, N, _CHUNK):  # loop over chunks of entries, not entries
             entry_row[lo:lo + _CHUNK] += delta[entry_slot[lo:lo + _CHUNK]]
     entry_row[order_N[:n_drop]] = -1
+    if with_ranks and entry_rank is None:
+        entry_rank = np.append(slot_rank_S, -1)[placed[0]]
     # no padding rows: global rows are 0..n_kept-1 in this order
     grow = None if int(padded.sum()) == n_kept else segment_ranges(cum, slot_rows_S)
     nR = R if ranks is None else int(ranks)
     rows_R = np.bincount(slot_rank_S, weights=padded, minlength=nR).astype(np.int64)
-    return SlotLayout(slot_rows_S, padded, offset, entry_row, order_N, n_drop, rows_R, grow)
+    return SlotLayout(slot_rows_S, padded, offset, entry_row, order_N, n_drop, rows_R, grow, entry_rank)
 
 
 #: entries per chunk of the builders' chunked passes (their temporaries stay in cache)
 _CHUNK = 1 << 18
+
+#: bit position of an entry's rank above its row (rows < 2**40, ranks < 2**23) in the one int64
+#: :func:`sorted_layout` scatters both in
+RANK_SHIFT = 40
 
 
 def slot_sort(entry_slot_N: np.ndarray, num_slots: int) -> tuple[np.ndarray, int, np.ndarray]:
@@ -311,13 +328,10 @@ def plan_from_order(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    lay = sorted_layout(order_N, n_drop, slot_rows_S, slot_rank_S, token_padding, min_rows_S, R, placed=placed)
+    lay = sorted_layout(order_N, n_drop, slot_rows_S, slot_rank_S, token_padding, min_rows_S, R, placed=placed,
+                        with_ranks=entry_rank_N is None)
     kept_sorted = order_N[n_drop:]
-    entry_rank = entry_rank_N
-    if entry_rank is None:
-        entry_rank = np.empty(T * K, dtype=np.int64)
-        entry_rank[order_N[:n_drop]] = -1
-        entry_rank[kept_sorted] = np.repeat(slot_rank_S, slot_rows_S)
+    entry_rank = entry_rank_N if entry_rank_N is not None else lay.entry_rank_N
     hop, entry_buf_row, entry_dup = single_hop_messages(entry_rank, routing.src_rank_T(), routing.tok_off_R(),
                                                         K, R, dedup)
     row_entry, expand = final_rows(lay, kept_sorted, entry_buf_row)
