@@ -184,8 +184,7 @@ def epilogue_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
         ph = prog.pre[-1]
         rows = float(ph.msgs_RR.sum())
         row = float(ph.bytes_RR.sum()) / rows if rows > 0 else 0.0
-        us_R = np.array([dispatch_epilogue_us(a, b, row, topo.mem_bytes_per_us) for a, b in zip(recv_R, out_R)])
-        prog.post_copy[-1] = prog.post_copy[-1] + us_R
+        prog.post_copy[-1] = prog.post_copy[-1] + dispatch_epilogue_us(recv_R, out_R, row, topo.mem_bytes_per_us)
     if prog.post and plan.kernel.epilogue == "expand":
         ph = prog.post[0]
         rows = float(ph.msgs_RR.sum())
