@@ -202,3 +202,16 @@ def test_a_step_without_tokens_at_one_layer_keeps_its_terms(tmp_path):
     assert v["confidence"]["unit"] == "step" and v["mechanism"] in MECHANISMS
     for n in ("alltoall", "deepep"):
         assert sum(v["terms_us"][n].values()) == pytest.approx(res.layer_time_us[n], rel=1e-9)
+
+
+def test_cli_gen_chains_the_specs_layers(capsys):
+    from moonep_sim.cli import main
+
+    assert main(["simulate", "--gen", "model=mixtral-8x7b,tokens-per-rank=64,layers=2", "--ranks", "4",
+                 "--strategy", "alltoall,deepep", "--backward", "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert js["layers"] == [0, 1]
+    st = js["strategies"]["deepep"]["stages"]
+    assert [(s["layer"], s["direction"]) for s in st] == [(0, "forward"), (1, "forward"), (1, "backward"),
+                                                         (0, "backward")]
+    assert js["verdict"]["confidence"]["unit"] == "layer" and js["verdict"]["confidence"]["units"] == 2

@@ -35,7 +35,9 @@ def register(sub) -> None:
     p.add_argument("--ranks", type=int, default=None, help="EP ranks (default: 8, or the largest divisor of E below)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the topology's, at most R)")
     add_steps(p)
-    p.add_argument("--layers", default=None, help="trace layer ids to chain in one step, e.g. 0,1,5-7 (default: first)")
+    p.add_argument("--layers", default=None,
+                   help="layer ids to chain in one step, e.g. 0,1,5-7 (default: a trace's first layer; every layer of "
+                        "--gen, layers=N)")
     p.add_argument("--opt", action="append", default=[], metavar="K=V", help="strategy option (repeatable)")
     p.add_argument("--model", default=None, help="model preset (default: the trace's or the --gen model)")
     add_dispatch_dtype(p)
@@ -73,7 +75,8 @@ def scenario(args):
         spec = GeneratorSpec.parse(args.gen)
         if "seed" not in {k.strip().replace("_", "-") for k in (kv.split("=")[0] for kv in args.gen.split(","))}:
             spec = dataclasses.replace(spec, seed=args.seed)  # --seed seeds the routing unless the spec does
-        routing, layers = spec, [0]
+        # the spec's layers (layers=N: 0..N-1, each its own draw), or those --layers picks among them
+        routing, layers = spec, parse_int_list(args.layers, "--layers") or list(range(spec.layers))
     else:
         routing, layers = args.trace, parse_int_list(args.layers, "--layers")
     names = split_names(args.strategy)

@@ -92,6 +92,8 @@ def run(args) -> int:
 def _families_tables(c, topos, fitted_table) -> None:
     """The kernel families (``impl=`` of deepep / deepep-ll) with their terms, and which were checked
     on which preset against what (``moonep_sim.plan.checks``)."""
+    from rich.markup import escape
+
     from moonep_sim.plan.kernel import FAMILIES
     from moonep_sim.sim.kernels import checked_on
 
@@ -116,4 +118,4 @@ def _families_tables(c, topos, fitted_table) -> None:
     for f in FAMILIES.values():
         c.print(f"[bold]{f.name}[/bold] ({f.library}):")
         for k, s in f.sources.items():
-            c.print(f"  {k}: {s}")
+            c.print(f"  {k}: {escape(s)}")

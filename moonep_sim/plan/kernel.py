@@ -229,9 +229,10 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
         "fixed_us": "FITTED on DeepEP's low-latency EP8 dispatch / combine rows (the topology's [kernel])"}),
     KernelFamily("deepep-v2", "DeepEP", "normal", "nvidia", ("ib", "roce", "efa"), sms=6, sm_copy_factor=V2_SM_COPY_FACTOR,
                  reduce="fused", counts="deepep-v2", epilogue="recv", sm_read_GBps=200.0, sources={
-        "design": "assumed, set from DeepEP V2's README: ElasticBuffer kernels on few SMs; the same node-"
-                  "deduplicated scale-out (RDMA / NCCL GIN) then scale-up (NVLink) movement as V1, modelled on "
-                  "the relayed two-hop plan",
+        "design": "sourced: DeepEP V2 ElasticBuffer (deep_ep/buffers/elastic.py) in hybrid mode: scale-out "
+                  "(RDMA / NCCL GIN) once per (token, node), then forward warps issue the scale-up (NVLink) "
+                  "rows, as get_theoretical_num_sms models its traffic -- V1's node-deduplicated movement, on "
+                  "the relayed two-hop plan; its chunking is not modelled (the topology's relay message)",
         "sms": "sourced: 'DeepEP V2 needs 4-6 SMs for V3-style training' (ANCHORS)",
         "sm_copy_factor": "FITTED on DeepEP V2's README row EP8 B200 24 SMs dispatch (643 GB/s): V2's per-SM "
                           "copy rate over V1's (benchmarks/fidelity_gpu.py --fit); its other V2 rows are predictions",

@@ -29,7 +29,7 @@ import numpy as np
 
 from moonep_sim.plan.build import block_messages
 from moonep_sim.plan.ir import Hop
-from moonep_sim.plan.order import stable_order, stable_order_counts
+from moonep_sim.plan.order import segment_ranges, stable_order, stable_order_counts
 
 
 @dataclass(frozen=True)
@@ -76,8 +76,9 @@ class Messages:
     kept_N: np.ndarray | None = None
 
 
-class _Scratch:
-    """Dead int64 [n] arrays a hop may write into instead of fresh pages (a caller's list)."""
+class Scratch:
+    """Dead int64 [n] arrays a builder may write into instead of fresh pages (a caller's list:
+    arrays the caller no longer reads; one taken may end up in what the builder returns)."""
 
     def __init__(self, n: int, spare: list | None):
         self.n, self.spare = n, [] if spare is None else spare
@@ -91,7 +92,7 @@ class _Scratch:
 
 
 def block_order(src: Sources, dst_rank_N: np.ndarray, ranks: int, msg: Messages,
-                scratch: _Scratch) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+                scratch: Scratch) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The entries stably sorted into (source, destination) blocks: (order_n, ecnt, key).
 
     ecnt: int64 [R*R] entries per block (source-major). key: the int64 block key when the wide
@@ -171,8 +172,12 @@ def message_sources(src: Sources, msg: Messages, order: np.ndarray, lead: np.nda
     """int64 [M] each message's source row; writes each entry's receive row into ``dst_row``."""
     R = ranks
     if src.tok_off_R is not None and msg.shift >= 0:  # tokens on their own ranks: rows by arithmetic
-        m_srow = lead >> msg.shift
-        m_srow -= np.asarray(src.tok_off_R, dtype=np.int64)[m_src]
+        # (lead is the hop's own array when it is not the sort itself: shifted in place)
+        m_srow = np.right_shift(lead, msg.shift, out=None if lead is order else lead)
+        m_bound = np.concatenate([[0], np.cumsum(cnt.reshape(R, R).sum(axis=1))])
+        tok_off = np.asarray(src.tok_off_R, dtype=np.int64)
+        for r in range(R):  # messages are in source-rank order: token -> row on its rank, in place
+            m_srow[m_bound[r]:m_bound[r + 1]] -= tok_off[r]
         dst_row[order] = rows_sorted
         return m_srow
     # gather the messages' source rows and scatter the entries' receive rows source by source,
@@ -201,7 +206,7 @@ def grouped_hop(src: Sources, dst_rank_N: np.ndarray, msg: Messages, ranks: int,
     adds its own when done with them.
     """
     n, R = dst_rank_N.size, int(ranks)
-    sc = _Scratch(n, scratch)
+    sc = Scratch(n, scratch)
     order, ecnt, key = block_order(src, dst_rank_N, R, msg, sc)
     row_sorted = None
     if msg.dedup and n:
@@ -222,4 +227,86 @@ def grouped_hop(src: Sources, dst_rank_N: np.ndarray, msg: Messages, ranks: int,
     return (hop, dst_row) if msg.dup_N is None else (hop, dst_row, dup)
 
 
-__all__ = ["Messages", "Sources", "block_order", "group_messages", "grouped_hop", "message_sources"]
+def pair_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, row_N: np.ndarray, msg: Messages,
+             ranks: int, scope: str, scratch: list | None = None):
+    """The last hop of a table route, built from the (source rank, final rank) pairs: what
+    :func:`grouped_hop` returns for ``Sources(via_RR[s, d] per entry, row_N)``.
+
+    bound_R: int64 [R+1] the entries of source rank s are ``[bound_R[s], bound_R[s+1])`` (every
+    entry kept, tokens in rank order).  via_RR: [R, R] ``via_RR[s, d]``, the rank a token of
+    source s bound for final rank d leaves from on this hop.  dst_rank_N: uint8 [N] each entry's
+    final rank.  row_N: int64 [N] its row in the hop's source buffer.  msg: ``dedup``, ``shift``
+    (K = 1 << shift) and, with ``dup_N``, the duplicate flags as a third item.
+
+    The hop's block (v, d) holds the pairs (s, d) with ``via_RR[s, d] == v``, in source order; a
+    pair's entries are a run of each source's entries sorted by final rank (one-byte sort per
+    source), and tokens of different sources never mix, so the hop is that per-source order with
+    its pair runs listed block by block. Every access to an [N] array then stays inside one
+    source's run instead of ranging over all N entries, as a sort on (v, d) does.
+    """
+    n, R = dst_rank_N.size, int(ranks)
+    sc = Scratch(n, scratch)
+    order = sc.take()  # entries by (source, final rank, entry): pair runs, s-major
+    pc = np.zeros((R, R), dtype=np.int64)
+    for s in range(R):  # loop over source ranks, not entries
+        lo, hi = int(bound_R[s]), int(bound_R[s + 1])
+        if hi > lo:
+            d8 = dst_rank_N[lo:hi].astype(np.uint8, copy=False)
+            pc[s] = np.bincount(d8, minlength=R)
+            np.add(np.argsort(d8, kind="stable"), lo, out=order[lo:hi])
+    pc = pc.ravel()  # entries of each pair (s, d)
+    pstart = np.cumsum(pc) - pc
+    nz = pc > 0
+    buf = sc.take()
+    first = None
+    if msg.dedup and n:  # a message per (token, final rank): the first entry of each token in a pair run
+        tok = np.right_shift(order, msg.shift, out=buf)
+        first = np.empty(n, dtype=bool)
+        first[0] = True
+        np.not_equal(tok[1:], tok[:-1], out=first[1:])
+        first[pstart[nz]] = True
+        lead_pos = np.flatnonzero(first)  # run position of each message's first entry
+        mc = np.diff(np.searchsorted(lead_pos, np.append(pstart, n)))  # messages per pair
+    else:
+        mc = pc
+    blk = (np.asarray(via_RR, dtype=np.int64) * R + np.arange(R, dtype=np.int64)[None, :]).ravel()
+    cnt = np.bincount(blk, weights=mc, minlength=R * R).astype(np.int64)  # messages per block (v, d)
+    m_src, m_dst, m_row, per_dst = block_messages(cnt, R)
+    porder = np.argsort(blk, kind="stable")  # pairs in the hop's order: by block, then source
+    mc_o = mc[porder]
+    mstart_o = np.cumsum(mc_o) - mc_o  # each pair's first message in the hop
+    has = mc_o > 0
+    row0 = np.zeros(R * R, dtype=np.int64)  # each pair's first receive row
+    row0[porder[has]] = m_row[mstart_o[has]]
+    if first is not None:
+        # a running sum of the message starts, jumping to the pair's first row at its first entry
+        r0, c = row0[nz], mc[nz]
+        jump = r0.copy()
+        jump[1:] -= r0[:-1] + c[:-1] - 1  # from the previous pair's last row
+        np.copyto(buf, first)
+        buf[pstart[nz]] = jump
+        rows = np.cumsum(buf, out=buf)
+        lead = order[lead_pos]
+    else:
+        rows = segment_ranges(row0, pc, out=buf)
+        lead = order
+    dst_row = np.empty(n, dtype=np.int64)
+    dst_row[order] = rows  # (within each source's run)
+    # each message's source row, pair by pair in the hop's order (a pair's leads lie in one source's run)
+    mstart_p = (np.cumsum(mc) - mc)[porder[has]]  # where each pair's leads start (pair order)
+    m_srow = np.empty(m_src.size, dtype=np.int64)
+    for a, o, c in zip(mstart_p.tolist(), mstart_o[has].tolist(), mc_o[has].tolist()):  # loop over pairs
+        np.take(row_N, lead[a:a + c], out=m_srow[o:o + c], mode="clip")  # (lead holds valid entries)
+    del lead
+    hop = Hop(scope, m_src, m_srow, m_dst, m_row, per_dst)
+    if msg.dup_N is not None:
+        dup = np.zeros(msg.dup_N, dtype=bool)
+        if first is not None:
+            np.logical_not(first, out=first)
+            dup[order] = first
+    if scratch is not None:  # dead from here: the order and the running sums' buffer
+        scratch.extend((order, buf))
+    return (hop, dst_row) if msg.dup_N is None else (hop, dst_row, dup)
+
+
+__all__ = ["Messages", "Scratch", "Sources", "block_order", "group_messages", "grouped_hop", "message_sources", "pair_hop"]

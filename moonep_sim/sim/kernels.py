@@ -78,7 +78,8 @@ def relay_hop_rows(topo: Topology, spec: KernelSpec | None, ranks: int, directio
     c = chunk_for(spec.chunks, ranks) if spec is not None else None
     if c is None:
         return relay_rows(topo, spec)
-    channels = max(1, int(kernel_sms(topo, spec) * spec.channels_per_sm)) if kernel_sms(topo, spec) else 1
+    sms = kernel_sms(topo, spec)
+    channels = max(1, int(sms * spec.channels_per_sm)) if sms else 1
     return channels * c.rows(direction, inter_node)
 
 
@@ -111,14 +112,14 @@ def combine_reduce_us(recv_bytes: float, out_bytes: float, rate: float, mode: st
     return (work if mode == "after" else min(work, float(tail_bytes))) / rate
 
 
-def dispatch_epilogue_us(recv_rows: float, out_rows: float, row_bytes: float, rate: float) -> float:
+def dispatch_epilogue_us(recv_rows, out_rows, row_bytes: float, rate: float):
     """A dispatch's copy epilogue on one rank (DeepEP V2): it reads the ``recv_rows`` it received
     (one per (token, rank)) and writes ``out_rows`` -- the same rows (``epilogue="recv"``) or one per
     (token, local expert) selection (``"expand"``) -- at ``rate`` bytes/us (HBM: it runs on every SM):
-    ``(recv + out) x row / rate``."""
+    ``(recv + out) x row / rate``. Rows may be scalars or [R] arrays (one per rank)."""
     if rate <= 0 or not math.isfinite(rate):
-        return 0.0
-    return (float(recv_rows) + float(out_rows)) * float(row_bytes) / rate
+        return 0.0 * (recv_rows + out_rows)
+    return (recv_rows + out_rows) * float(row_bytes) / rate
 
 
 def epilogue_rows_R(plan) -> tuple:
@@ -294,9 +295,8 @@ def isolated_kernel_figures(plan, res, what: str, topo: Topology | None = None) 
             out[k + "_GBps"] = out[k] / t_mean / 1e3
     recv_R, out_R = epilogue_rows_R(plan)
     if what == "dispatch" and recv_R is not None and topo is not None and topo.sm_count > 0:
-        us_R = [dispatch_epilogue_us(a, b, row, topo.mem_bytes_per_us) for a, b in zip(recv_R, out_R)]
         out["epilogue"] = plan.kernel.epilogue
-        out["epilogue_us"] = float(np.mean(us_R))
+        out["epilogue_us"] = dispatch_epilogue_us(float(recv_R.mean()), float(out_R.mean()), row, topo.mem_bytes_per_us)
         out["epilogue_bytes"] = float(np.mean(recv_R + out_R)) * row
         out["epilogue_GBps"] = out["epilogue_bytes"] / out["epilogue_us"] / 1e3 if out["epilogue_us"] > 0 else 0.0
     fam = FAMILIES.get(plan.kernel.family) if plan.kernel is not None else None

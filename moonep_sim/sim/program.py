@@ -137,10 +137,11 @@ def planning_us(plan: Plan, topo: Topology) -> tuple[float, float]:
 
 
 def stage_program(plan: Plan, model: ModelSpec, topo: Topology, direction: Direction, opts: SimOptions,
-                  fs: FaultState) -> StageProgram:
-    """The program of ``plan``'s ``direction`` (see the module docstring)."""
+                  fs: FaultState, hop_rows: list[np.ndarray] | None = None) -> StageProgram:
+    """The program of ``plan``'s ``direction`` (see the module docstring); ``hop_rows``: each
+    hop's ``Hop.rows_RR`` if already counted (``Plan.phases``)."""
     direction = Direction(direction)
-    ph = plan.phases(direction)
+    ph = plan.phases(direction, hop_rows)
     for p in ph:
         require(p.kind in COMM_KINDS, f"phase {p.name} kind ({p.kind!r}) must be one of "
                 f"{sorted(k.value for k in COMM_KINDS)}", ConfigError)
@@ -184,8 +185,7 @@ def epilogue_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
         ph = prog.pre[-1]
         rows = float(ph.msgs_RR.sum())
         row = float(ph.bytes_RR.sum()) / rows if rows > 0 else 0.0
-        us_R = np.array([dispatch_epilogue_us(a, b, row, topo.mem_bytes_per_us) for a, b in zip(recv_R, out_R)])
-        prog.post_copy[-1] = prog.post_copy[-1] + us_R
+        prog.post_copy[-1] = prog.post_copy[-1] + dispatch_epilogue_us(recv_R, out_R, row, topo.mem_bytes_per_us)
     if prog.post and plan.kernel.epilogue == "expand":
         ph = prog.post[0]
         rows = float(ph.msgs_RR.sum())
