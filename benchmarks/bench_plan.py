@@ -192,17 +192,19 @@ def child(name: str, layer: str, hugepages: bool, default_malloc: bool) -> int:
     return 0
 
 
-def _fresh(args: list[str], what: str, timeout_s: float) -> dict:
-    p = subprocess.run([sys.executable, __file__] + args, capture_output=True, text=True, timeout=timeout_s)
+def _fresh(args: list[str], what: str, timeout_s: float, tree: str = "") -> dict:
+    env = dict(os.environ, PYTHONPATH=tree) if tree else None  # (``tree``: time that tree's package)
+    p = subprocess.run([sys.executable, __file__] + args, capture_output=True, text=True, timeout=timeout_s, env=env)
     if p.returncode:
         raise RuntimeError(f"fresh process for {what} failed: {p.stderr.strip().splitlines()[-1:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def first_run(name: str, layer: Path, timeout_s: float, hugepages: bool, default_malloc: bool) -> dict:
-    """A first run of ``name`` in a fresh Python process (same interpreter and PYTHONPATH)."""
+def first_run(name: str, layer: Path, timeout_s: float, hugepages: bool, default_malloc: bool, tree: str = "") -> dict:
+    """A first run of ``name`` in a fresh Python process (same interpreter; the package of ``tree``
+    if given, else of this PYTHONPATH)."""
     return _fresh(["--child", name, "--layer", str(layer)] + (["--numpy-hugepages"] if hugepages else [])
-                  + (["--default-malloc"] if default_malloc else []), name, timeout_s)
+                  + (["--default-malloc"] if default_malloc else []), name, timeout_s, tree)
 
 
 def floor_run(arrays: list, timeout_s: float, hugepages: bool, default_malloc: bool) -> dict:
@@ -238,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep glibc's default allocator settings (the CLI lets it reuse freed memory: moonep_sim.memory)")
     ap.add_argument("--floor", action="store_true", help="also time each Plan's floor (allocating and writing its "
                                                          "arrays once) in a fresh process")
+    ap.add_argument("--before", default="", metavar="TREE",
+                    help="also time each strategy's first run with the package of this source tree (e.g. a "
+                         "`git worktree` of an earlier commit), just before this tree's: before/after in one run")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="fresh first runs per strategy (with --before and --floor, in turn); the least CPU is shown")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--floor-child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--layer", default="", help=argparse.SUPPRESS)
@@ -277,10 +284,22 @@ def main(argv: list[str] | None = None) -> int:
             row: dict = {"strategy": name}
             try:
                 if not a.no_fresh:
-                    row["first"] = first_run(name, layer, a.timeout, a.numpy_hugepages, a.default_malloc)
-                    if a.floor:
-                        row["floor"] = floor_run(row["first"]["plan_arrays"], a.timeout, a.numpy_hugepages,
-                                                 a.default_malloc)
+                    least = lambda rs: min(rs, key=lambda r: r["cpu_s"])  # noqa: E731 (the least CPU)
+                    befores, firsts, floors = [], [], []
+                    for _ in range(a.rounds):  # (before, after, floor) in turn: the same load for each
+                        if a.before:
+                            befores.append(first_run(name, layer, a.timeout, a.numpy_hugepages, a.default_malloc,
+                                                     a.before))
+                            befores[-1].pop("plan_arrays", None)
+                        firsts.append(first_run(name, layer, a.timeout, a.numpy_hugepages, a.default_malloc))
+                        if a.floor:
+                            floors.append(floor_run(firsts[-1]["plan_arrays"], a.timeout, a.numpy_hugepages,
+                                                    a.default_malloc))
+                    row["first"], row["first_runs"] = least(firsts), firsts
+                    if befores:
+                        row["before"], row["before_runs"] = least(befores), befores
+                    if floors:
+                        row["floor"], row["floor_runs"] = least(floors), floors
                 runs = [command_path(name, routing, ctx) for _ in range(a.repeats)]
             except Exception as e:  # a strategy that fails is reported, the others still run
                 row["error"] = f"{type(e).__name__}: {e}"
@@ -300,10 +319,14 @@ def main(argv: list[str] | None = None) -> int:
             fl = row.get("floor")
             floor = f"{fl['cpu_s']:10.2f} {fl['bytes'] / 2**30:5.2f}" if fl else f"{'-':>10s} {'':5s}"
             print(f"{name:14s} | {first} | {floor} | {best}")
+            if row.get("before"):
+                bf = row["before"]
+                print(f"{'  before':14s} | {bf['wall_s']:11.2f} {bf['cpu_s']:6.2f} {bf['user_s']:6.2f} {bf['sys_s']:6.2f} "
+                      f"{gib(bf['peak_rss_bytes']):>7s} | after / before (cpu): {f['cpu_s'] / bf['cpu_s']:.2f}")
             if (f or b)["violations"]:
                 print(f"  {name}: {(f or b)['violations']} invariant violation(s)")
     load1 = os.getloadavg()
-    print("first: one run in a fresh process; best: the run of least CPU of "
+    print(f"first: one run in a fresh process (the least CPU of {a.rounds}); best: the run of least CPU of "
           f"{a.repeats} in this process (wall: the least); cpu = user + sys seconds; RSS: peak while planning "
           "(routing included); floor: CPU s to allocate and write once, in a fresh process, the arrays the Plan "
           "holds (GiB: their size)")
@@ -311,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f} on {os.cpu_count()} CPUs (other processes inflate the wall times)")
     if a.json:
         import moonep_sim
-        result = {"memory": pages, "gen": a.gen, "ranks": a.ranks, "gpus_per_node": a.gpus_per_node, "entries": n, "maxvio": mv,
+        result = {"memory": pages, "before": a.before, "rounds": a.rounds, "gen": a.gen, "ranks": a.ranks, "gpus_per_node": a.gpus_per_node, "entries": n, "maxvio": mv,
                   "topology": getattr(ctx.topology, "name", None), "package": str(Path(moonep_sim.__file__).parent),
                   "repeats": a.repeats, "loadavg_start": list(load0), "loadavg_end": list(load1), "strategies": rows}
         write_text_atomic(a.json, json.dumps(result, indent=2) + "\n")

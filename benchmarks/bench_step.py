@@ -3,19 +3,24 @@
 Cases (the targets of the step model's issue):
 
 - ``k3-train``: Kimi K3 EP64 (8 nodes of 8 on h800-cx7), train, 4096 tokens per rank, generated
-  routing (maxvio 2) included, ``--overlap shared-expert``; with ``--distinct-layers N`` (default
-  4: N layers generated, planned and simulated, the other MoE layers reusing them, flagged) and the
-  per-layer floor measured in the same run (one layer's generation, planning and simulation), from
-  which every-layer-its-own (92 layers) is extrapolated;
-- ``v3-decode``: DeepSeek-V3 EP32 (4 nodes), decode, 32 sequences per rank, context 4096, every
-  one of its 58 MoE layers its own (and with ``--distinct-layers``).
+  routing (maxvio 2) included, ``--overlap shared-expert``;
+- ``v3-decode``: DeepSeek-V3 EP32 (4 nodes), decode, 32 sequences per rank, context 4096.
 
-Each (case, strategy) runs in a fresh ``Scenario`` (its routing generated inside the timing).
-Reported: process CPU seconds (user + sys) and wall seconds of that run, with the 1-minute load
-average beside them (the reference machine is shared)::
+Each case runs at every ``--distinct-layers`` value given (0: every MoE layer its own generated
+routing -- 92 for K3, 58 for V3 --; N > 0: the shortcut, N layers generated, planned and simulated,
+the other MoE layers reusing them, flagged). By default each (case, strategy, distinct) runs in a
+fresh ``Scenario``, its routing generated inside the timing (the per-strategy figure); with
+``--together`` the strategies run in one step (one generation shared, the per-strategy split read
+from the step's own ``cpu_seconds``). Every row gives the per-layer floor from the same run:
+routing, planning and simulation CPU seconds per distinct layer. ``--jobs N`` runs the layers in N
+worker processes (CPU seconds then count this process and its workers).
+
+Reported: process CPU seconds (user + sys, children included) and wall seconds of that run, with
+the 1-minute load average beside them (the reference machine is shared)::
 
     python benchmarks/bench_step.py --json OUT.json
-    python benchmarks/bench_step.py --cases v3-decode --strategies alltoall
+    python benchmarks/bench_step.py --cases k3-train --distinct-layers 0 --together
+    python benchmarks/bench_step.py --cases v3-decode --strategies alltoall --jobs 2
 """
 
 from __future__ import annotations
@@ -28,61 +33,68 @@ import time
 
 from moonep_sim.experiments import GeneratorSpec, Scenario
 
+CASES = {
+    "k3-train": dict(spec=dict(model="kimi-k3", maxvio=2.0, tokens_per_rank=4096, layers=92), cluster="64/8",
+                     step=dict(mode="train", overlap="shared-expert")),
+    "v3-decode": dict(spec=dict(model="deepseek-v3", maxvio=1.0, tokens_per_rank=32, layers=58), cluster="32/8",
+                      step=dict(mode="decode", overlap="none", context=4096)),
+}
+
 
 def cpu_s() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def timed(fn):
-    c, t = cpu_s(), time.perf_counter()
-    out = fn()
-    return out, cpu_s() - c, time.perf_counter() - t
-
-
-def k3_train(strategy: str, distinct: int) -> dict:
-    sc = Scenario(routing=GeneratorSpec(model="kimi-k3", maxvio=2.0, tokens_per_rank=4096, layers=92),
-                  cluster="64/8", topology="h800-cx7", strategies=[strategy])
-    res, cpu, wall = timed(lambda: sc.step("train", "shared-expert", distinct_layers=distinct))
-    d = res.figures[strategy]
-    # the floor: one layer's routing, plan and simulation (what every distinct layer costs)
-    one = Scenario(routing=GeneratorSpec(model="kimi-k3", maxvio=2.0, tokens_per_rank=4096, layers=92, seed=7),
-                   cluster="64/8", topology="h800-cx7", strategies=[strategy])
-    _, fcpu, fwall = timed(lambda: one.step("train", "shared-expert", distinct_layers=1))
-    return {"case": "k3-train", "strategy": strategy, "distinct_layers": distinct, "cpu_s": cpu, "wall_s": wall,
-            "step_time_us": d["step_time_us"], "floor_one_layer_cpu_s": fcpu, "floor_one_layer_wall_s": fwall,
-            "every_layer_own_cpu_s_extrapolated": fcpu * 92, "plan_s": d["wall_seconds"]["plan"],
-            "simulate_s": d["wall_seconds"]["simulate"], "load": os.getloadavg()[0]}
-
-
-def v3_decode(strategy: str, distinct: int) -> dict:
-    sc = Scenario(routing=GeneratorSpec(model="deepseek-v3", maxvio=1.0, tokens_per_rank=32, layers=58),
-                  cluster="32/8", topology="h800-cx7", strategies=[strategy])
-    res, cpu, wall = timed(lambda: sc.step("decode", "none", context=4096, distinct_layers=distinct))
-    d = res.figures[strategy]
-    return {"case": "v3-decode", "strategy": strategy, "distinct_layers": distinct, "cpu_s": cpu, "wall_s": wall,
-            "step_time_us": d["step_time_us"], "plan_s": d["wall_seconds"]["plan"],
-            "simulate_s": d["wall_seconds"]["simulate"], "load": os.getloadavg()[0]}
+def run(case: str, strategies: list[str], distinct: int, jobs: int) -> list[dict]:
+    c = CASES[case]
+    sc = Scenario(routing=GeneratorSpec(**c["spec"]), cluster=c["cluster"], topology="h800-cx7",
+                  strategies=strategies)
+    load0 = os.getloadavg()[0]
+    c0, t0 = cpu_s(), time.perf_counter()
+    res = sc.step(distinct_layers=distinct, jobs=jobs, **c["step"])
+    cpu, wall = cpu_s() - c0, time.perf_counter() - t0
+    rows = []
+    for s in strategies:
+        d = res.figures[s]
+        n = d["distinct_layers_simulated"]
+        k = d["cpu_seconds"]
+        rows.append({
+            "case": case, "strategy": s, "together": strategies if len(strategies) > 1 else None,
+            "distinct_layers": distinct, "layers_simulated": n, "jobs": jobs,
+            "cpu_s": cpu, "wall_s": wall, "load_start": load0, "load_end": os.getloadavg()[0],
+            # this strategy's own share: the (shared) routing, its planning, simulation and composition
+            "strategy_cpu_s": k["routing"] + k["plan"] + k["simulate"] + k["compose"],
+            "routing_cpu_s": k["routing"], "plan_cpu_s": k["plan"], "simulate_cpu_s": k["simulate"],
+            "compose_cpu_s": k["compose"],
+            "floor_per_layer_cpu_s": {"routing": k["routing"] / n, "plan": k["plan"] / n,
+                                      "simulate": k["simulate"] / n},
+            "step_time_us": d["step_time_us"]})
+    return rows
 
 
 def main() -> None:
-    from moonep_sim.memory import prefer_small_pages
+    from moonep_sim.memory import prefer_small_pages, reuse_freed_memory
 
     prefer_small_pages()  # as the CLI does (moonep_sim/memory.py)
+    reuse_freed_memory()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="k3-train,v3-decode")
     ap.add_argument("--strategies", default="alltoall,deepep,moonep")
-    ap.add_argument("--distinct-layers", type=int, default=4)
+    ap.add_argument("--distinct-layers", default="0,4", help="comma list; 0 = every layer its own")
+    ap.add_argument("--together", action="store_true", help="all strategies in one step (routing shared)")
+    ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    strategies = a.strategies.split(",")
     rows = []
     for case in a.cases.split(","):
-        for s in a.strategies.split(","):
-            new = [k3_train(s, a.distinct_layers)] if case == "k3-train" else \
-                [v3_decode(s, 0), v3_decode(s, a.distinct_layers)]
-            for r in new:
-                print(json.dumps(r))
-            rows += new
+        for distinct in (int(x) for x in a.distinct_layers.split(",")):
+            groups = [strategies] if a.together else [[s] for s in strategies]
+            for g in groups:
+                for r in run(case, g, distinct, a.jobs):
+                    print(json.dumps(r), flush=True)
+                    rows.append(r)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "load_end": os.getloadavg()}, f, indent=1)

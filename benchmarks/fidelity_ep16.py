@@ -22,7 +22,8 @@ INTRANODE_WARPS_PER_SM = 24
 INTRANODE_WARPS_PER_PEER = 3
 FORWARDER_WARPS_PER_PEER = 1
 # deep_ep/buffer.py Buffer.get_dispatch_config(16): Config(num_sms, 36, 288, 20, 128) =
-# NVLink chunk / NVLink buffer / RDMA chunk / RDMA buffer, in tokens per channel and peer
+# NVLink chunk / NVLink buffer / RDMA chunk / RDMA buffer, in tokens per channel and peer; the chunks
+# (and get_combine_config's) are the simulator's deepep-v1 chunk table (moonep_sim.plan.kernel.V1_CHUNKS)
 DEEPEP_EP16_NVL_BUFFER_TOKENS = 288
 DEEPEP_EP16_RDMA_BUFFER_TOKENS = 128
 
@@ -82,7 +83,48 @@ def relay_diagnostic(topos: dict, normal_plan, published: dict) -> dict:
         warp_rate_to_bind_GBps=pair16 / (ch * FORWARDER_WARPS_PER_PEER),
         rdma_pair_GBps=rdma_pair, rdma_window_bind_us=lat_rdma, nvl_window_bind_us=lat_nvl,
         nic_latency_us=h800.nic_latency_us, nvlink_latency_us=h800.nvlink_latency_us, channels=ch)
+    # (d) chunked forwarding (the term the simulator prices): every channel's first / last chunk
+    from moonep_sim.plan.kernel import V1_CHUNKS, chunk_for
+    c = chunk_for(V1_CHUNKS, 16)
+    out.update(chunk_dispatch_nvl=c.dispatch_nvl, chunk_dispatch_rdma=c.dispatch_rdma, chunk_combine_nvl=c.combine_nvl,
+               chunk_combine_rdma=c.combine_rdma,
+               chunk_dispatch_tail_us=ch * c.dispatch_nvl * row / h800.nvlink_bytes_per_us,
+               chunk_combine_tail_us=ch * c.combine_rdma * 2 * H / h800.nic_bytes_per_us,
+               ep16_dispatch_time_us=t16 + fixed)
+    out.update(_chunk_effect(h800, p16, pairs16))
     return out
+
+
+def _chunk_effect(topo, plan, pairs: float) -> dict:
+    """EP16's counted GB/s simulated with the deepep-v1 chunk table and without it (relays forwarding
+    in the topology's messages instead): what the priced chunking term moves."""
+    import dataclasses
+
+    from moonep_sim.models import get_model
+    from moonep_sim.sim import SimOptions, simulate_layer
+
+    m = get_model("deepseek-v3")
+    out = {}
+    for tag, p in (("chunked", plan), ("unchunked", dataclasses.replace(plan, kernel=dataclasses.replace(plan.kernel, chunks=())))):
+        for what, row in (("dispatch", H * (1 + 4 / 128)), ("combine", 2 * H)):
+            t = float(np.mean(simulate_layer(p, topo, m, SimOptions(isolate=what)).per_rank["end_us"]))
+            out[f"{what}_{tag}_GBps"] = pairs * row / t / 1e3
+    return out
+
+
+def v2_sm90_nvlink_need(plan, published_GBps: float, nvlink_GBps_per_direction: float) -> dict:
+    """DeepEP V2's "SM90, CX7, EP 8 x 2" dispatch row (its README names no GPU): the NVLink each relay
+    must forward to other GPUs if the row's counted (token, node) bytes took ``counted / published``
+    -- under the node-deduplicated movement V2's own SM model assumes (``ElasticBuffer.
+    get_theoretical_num_sms``: scale-up traffic ``1 - 1 / num_scaleup_ranks`` per token and expected
+    scale-up rank) -- against H800's NVLink per direction (400 GB/s bidirectional, vendor spec)."""
+    row = H * (1 + 4 / 128)
+    pairs = plan.hops[0].src_rank_M.size / plan.ranks
+    t_us = pairs * row / (published_GBps * 1e3)
+    c = _last_hop_RR(plan)
+    need = float((c.sum(axis=1) - np.diag(c)).max()) * row / t_us / 1e3
+    return dict(v2_ep16_published_GBps=published_GBps, v2_ep16_relay_nvlink_need_GBps=need,
+                h800_nvlink_GBps_per_direction=nvlink_GBps_per_direction)
 
 
 def render_diagnostic(d: dict) -> list[str]:
@@ -116,14 +158,32 @@ def render_diagnostic(d: dict) -> list[str]:
         f"sizes and reports the best) | busiest RDMA pair {f(d['rdma_pair_GBps'])}, NVLink pair "
         f"{f(d['forwarder_pair_GBps'])} GB/s | binds only at a round trip of {d['rdma_window_bind_us']:.0f} / "
         f"{d['nvl_window_bind_us']:.0f} us (latencies {d['nic_latency_us']:g} / {d['nvlink_latency_us']:g} us) | no |",
+        f"| (d) chunked forwarding: each of the {d['channels']} channels sends in chunks "
+        f"(`get_dispatch_config(16)`: {d['chunk_dispatch_nvl']} NVLink / {d['chunk_dispatch_rdma']} RDMA tokens; "
+        f"`get_combine_config(16)`: {d['chunk_combine_nvl']} / {d['chunk_combine_rdma']}), so a relay holds every "
+        f"channel's first chunk, and a receiver every channel's last, channels x chunk rows after the hop starts / "
+        f"ends | dispatch tail {d['chunk_dispatch_tail_us']:.1f} us on NVLink (the kernel takes "
+        f"{d['ep16_dispatch_time_us']:.0f} us at the published rate); combine tail "
+        f"{d['chunk_combine_tail_us']:.1f} us on the NIC | the relay pipeline's fill / drain | yes, a little: priced "
+        f"(the deepep-v1 family's chunk table): dispatch {f(d['dispatch_unchunked_GBps'])} -> "
+        f"{f(d['dispatch_chunked_GBps'])} GB/s (bound on the forwarding itself, not on the drain), combine "
+        f"{f(d['combine_unchunked_GBps'])} -> {f(d['combine_chunked_GBps'])} |",
         "",
-        f"None of them closes the miss, so no term was added: the remaining {100 * (1 / d['forward_vs_intranode'] - 1):.0f}% "
+        f"Only (d) binds, and it is priced; the rest of the miss (the forwarders reach "
+        f"{100 * d['forward_vs_intranode']:.1f}% of the intranode NVLink rate) "
         "is a forwarding cost with no "
-        "published H800 constant (the forwarder copies each row with one warp per peer and scans every row of the "
-        "channel for its peer bit -- per-warp latency, which only an H800 measurement could size; fitting it on this "
+        "published H800 constant (the forwarder copies each row with one warp per (channel, peer), one row in flight "
+        "per warp -- a TMA load, wait for it, a TMA store, wait for it to leave shared memory -- and scans every row of the channel for its peer bit: per-warp "
+        "latency, which only an H800 measurement could size; fitting it on this "
         "row would make the row a fit, not a check). Provenance: EP16's 43 / 43 GB/s is the README table of "
         "2025-02; PR #130 (2025-04-22: IBGDA instead of IBRC, a QP per channel) re-listed EP32 (44 -> 58, 47 -> 57) "
         "and EP64 (46 -> 51, 45 -> 50) only. At EP16 the NIC carries "
         f"{f(d['rdma_pair_GBps'])} GB/s at the published rate (half the counted pairs are the local node's), so a "
         "transport change is not expected to move EP16: the miss is the model's, not the row's age. The EP16 combine "
-        "(the same rows in reverse, bound on the relays' NVLink-in) misses for the same reason.", ""]
+        "(the same rows in reverse, bound on the relays' NVLink-in) misses for the same reason.", ""] + ([
+        "DeepEP V2's SM90 rows ('SM90, CX7, EP 8 x 2 / 8 x 4'; no GPU named) are run on `h100-cx7` (assumed): at "
+        f"the published {d['v2_ep16_published_GBps']:g} GB/s the busiest EP 8x2 relay would forward "
+        f"{f(d['v2_ep16_relay_nvlink_need_GBps'])} GB/s over NVLink to other GPUs, more than H800's "
+        f"{d['h800_nvlink_GBps_per_direction']:g} GB/s per direction, so the rows cannot be an H800's under the "
+        "node-deduplicated movement V2's own SM model assumes; on an SM90 with full NVLink they are NIC-bound.", ""]
+        if "v2_ep16_relay_nvlink_need_GBps" in d else [])

@@ -45,7 +45,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from calibrate_deepep import deepep_routing  # noqa: E402
-from fidelity_ep16 import relay_diagnostic, render_diagnostic  # noqa: E402
+from fidelity_ep16 import relay_diagnostic, render_diagnostic, v2_sm90_nvlink_need  # noqa: E402
 
 import moonep_sim.plan.kernel as kernel_mod  # noqa: E402
 from moonep_sim.models import custom_model, get_model  # noqa: E402
@@ -94,11 +94,16 @@ row("b200-ep8-bf16-dispatch-16sm", HYB, "normal intranode EP8, 4096 tok/rank (as
 row("b200-ep8-combine-16sm", HYB, "normal intranode EP8, 4096 tok/rank (assumed), 16 SMs", "combine (BF16)", "GB/s",
     302, "prediction", kind="normal", topo="b200", ep=8, tokens=4096, sms=16, what="combine", dtype="fp8")
 V2 = "DeepEP README (V2 kernels), 8192 tok/rank, logical bandwidth incl. local rank"
-for rid, topo, ep, sms, pd, pc in (("v2-sm90-ep8x2", "h800-cx7", 16, 12, 90, 81),
-                                   ("v2-sm90-ep8x4", "h800-cx7", 32, 6, 61, 61),
+# "SM90 + CX7" (the README names no GPU): run on h100-cx7, an SM90 with full NVLink. Assumed: at the
+# published EP 8x2 rate an H800's relays would forward more over NVLink than its 200 GB/s per
+# direction allow (``fidelity_ep16.v2_sm90_nvlink_need``), so the row cannot be an H800's.
+V2_SM90 = "h100-cx7"
+for rid, topo, ep, sms, pd, pc in (("v2-sm90-ep8x2", V2_SM90, 16, 12, 90, 81),
+                                   ("v2-sm90-ep8x4", V2_SM90, 32, 6, 61, 61),
                                    ("v2-sm100-ep8-64sm", "b200", 8, 64, 726, 740),
                                    ("v2-sm100-ep8-24sm", "b200", 8, 24, 643, 675)):
-    setup = f"V2 {'EP' + str(ep)} on {topo}, {sms} SMs (deepep impl=deepep-v2: the relayed two-hop plan)"
+    setup = (f"V2 {'EP' + str(ep)} on {topo}{' (assumed for SM90)' if topo == V2_SM90 else ''}, {sms} SMs (deepep "
+             "impl=deepep-v2: the relayed two-hop plan; kernel alone, its copy epilogue timed apart)")
     role_d = "fit:deepep-v2.sm_copy_factor" if rid == "v2-sm100-ep8-24sm" else "prediction"
     row(f"{rid}-dispatch", V2, setup, "dispatch (FP8)", "GB/s", pd, role_d, kind="normal", topo=topo, ep=ep,
         tokens=8192, sms=sms, what="dispatch", dtype="fp8", impl="deepep-v2")
@@ -202,9 +207,13 @@ def simulate(r: dict, topos: dict, seed: int = 0) -> dict:
 
 
 def ep16_diagnostic(topos: dict, seed: int = 0) -> dict:
-    """The EP16 section's figures (``fidelity_ep16.relay_diagnostic``) from the rows' own plans."""
-    return relay_diagnostic(topos, lambda ep: _normal_plan(topos["h800-cx7"], ep, 4096, 24, "fp8", seed)[0],
-                            {r["id"]: r["published"] for r in ROWS})
+    """The EP16 section's figures (``fidelity_ep16.relay_diagnostic``) from the rows' own plans, and
+    why V2's SM90 rows are not run on H800 (``fidelity_ep16.v2_sm90_nvlink_need``)."""
+    pub = {r["id"]: r["published"] for r in ROWS}
+    d = relay_diagnostic(topos, lambda ep: _normal_plan(topos["h800-cx7"], ep, 4096, 24, "fp8", seed)[0], pub)
+    v2 = _normal_plan(topos["h800-cx7"], 16, 8192, 12, "fp8", seed, "deepep-v2")[0]
+    d.update(v2_sm90_nvlink_need(v2, float(pub["v2-sm90-ep8x2-dispatch"]), topos["h800-cx7"].nvlink_bandwidth_GBps))
+    return d
 
 
 def signed_error(value: float, published) -> float:
@@ -358,7 +367,9 @@ def render(results: list[dict], shape: list[dict], topos: dict, meta: dict, diag
             val = getattr(h800 if const != "sm_copy_GBps" else topos["b200"], const)
         L.append(f"| `{const}` | {val:g} | {rid} |")
     L += ["", "Assumed (not fitted): NIC efficiency 0.9, latencies, relay message of "
-          f"{h800.kernel_relay_message_rows} rows, {h800.kernel_nic_message_us:g} us per NIC message, "
+          f"{h800.kernel_relay_message_rows} rows (families without a chunk table; DeepEP V1 relays in its "
+          "sourced chunks: channels x the chunk of get_dispatch_config / get_combine_config), "
+          f"{h800.kernel_nic_message_us:g} us per NIC message, "
           f"planning {h800.plan_fixed_us:g} us fixed + {h800.plan_per_entry_ns:g} ns per entry.", ""]
     preds = [r for r in results if r["role"] == "prediction"]
     errs = np.array([abs(r["error"]) for r in preds])
@@ -370,7 +381,8 @@ def render(results: list[dict], shape: list[dict], topos: dict, meta: dict, diag
           f"- DeepEP V1 normal-kernel predictions (H800): max |error| "
           f"{100 * max(abs(r['error']) for r in normal):.1f}% over {len(normal)} rows.", "",
           "Per kernel family (`impl=` of deepep / deepep-ll; the families without a row -- NCCL EP, pplx, UCCL-EP, "
-          "NIXL EP, mori -- run on assumed terms and were checked against nothing here):", "",
+          "NIXL EP, mori -- run on assumed terms and were checked against nothing here; deepep-v2-expand differs "
+          "from deepep-v2 only in its copy epilogue, which V2's test times apart from the kernel these rows are):", "",
           "| family | presets | fitted rows | prediction rows | median abs error | max abs error | within 10% |",
           "| --- | --- | --- | --- | --- | --- | --- |"]
     for fam in dict.fromkeys(family_of(r) for r in results):

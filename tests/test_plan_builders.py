@@ -410,6 +410,28 @@ def test_segment_ranges_matches_repeat_arange(segs):
 
 
 @settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(-50, 50), st.integers(0, 40)), max_size=12), st.sampled_from([1, 8, 10**9]),
+       st.booleans())
+def test_segment_ranges_both_ways_equal_repeat_arange(segs, loop_min, given_out):
+    """Both ways ``segment_ranges`` builds its ranges -- segment by segment (long segments) and by a
+    cumulative sum (short ones) -- equal the two-temporary form, into a given array or a new one."""
+    import moonep_sim.plan.order as order_mod
+    first = np.array([f for f, _ in segs], dtype=np.int64)
+    lens = np.array([n for _, n in segs], dtype=np.int64)
+    start = np.cumsum(lens) - lens
+    want = np.repeat(first - start, lens) + np.arange(int(lens.sum()), dtype=np.int64)
+    out = np.full(want.size, 7, dtype=np.int64) if given_out else None
+    default = order_mod.SEGMENT_LOOP_MIN
+    order_mod.SEGMENT_LOOP_MIN = loop_min
+    try:
+        got = order_mod.segment_ranges(first, lens, out=out)
+    finally:
+        order_mod.SEGMENT_LOOP_MIN = default
+    assert got.dtype == np.int64 and np.array_equal(got, want)
+    assert out is None or got is out
+
+
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), max_size=12), st.integers(0, 4))
 def test_segment_mask_matches_reference(gaps_lens, tail):
     """``segment_mask`` marks exactly the disjoint segments, adjacent and empty ones included."""
@@ -444,3 +466,18 @@ def test_stable_order_chunked_matches_argsort(n, n_keys, seed):
         assert np.array_equal(order, np.argsort(key16, kind="stable"))
         assert counts.dtype == np.int64 and np.array_equal(counts, np.bincount(key16, minlength=n_keys))
         assert np.array_equal(key_counts(key16, n_keys), counts)
+
+
+@pytest.mark.parametrize("n, n_keys, seed", [(131_073, 300, 0), (262_144, 4096, 1), (140_000, 257, 3),
+                                             (5_000, 300, 4), (200_000, 100, 5)])
+def test_stable_order_positions_invert_the_order(n, n_keys, seed):
+    """``stable_order_positions`` -- the chunked sort writing each item's place as it places it, or
+    one scatter where the sort is not chunked -- is the stable argsort, its counts and its inverse."""
+    from moonep_sim.plan.order import stable_order_positions
+    rng = np.random.default_rng(seed)
+    for key in (rng.integers(0, n_keys, n), np.minimum(rng.geometric(0.01, n), n_keys - 1)):
+        key16 = key.astype(np.uint16 if n_keys > 256 else np.uint8)
+        order, counts, pos = stable_order_positions(key16, n_keys)
+        want = np.argsort(key16, kind="stable")
+        assert np.array_equal(order, want) and np.array_equal(counts, np.bincount(key16, minlength=n_keys))
+        assert pos.dtype == np.int64 and np.array_equal(pos[want], np.arange(n))

@@ -12,9 +12,9 @@ import pytest
 
 from moonep_sim.models import custom_model
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
-from moonep_sim.plan.kernel import FAMILIES
+from moonep_sim.plan.kernel import FAMILIES, chunk_for
 from moonep_sim.sim import SimOptions, list_topologies, load_topology, simulate_layer
-from moonep_sim.sim.kernels import kernel_fixed_us, message_us, nic_message_cost_us, relay_rows, relay_two_hop_us, \
+from moonep_sim.sim.kernels import kernel_fixed_us, message_us, nic_message_cost_us, relay_hop_rows, relay_rows, relay_two_hop_us, \
     sm_cap_bytes_per_us
 from moonep_sim.sim.topology import IDEAL, topology_from_dict
 from moonep_sim.strategies import PlanContext, make_plan
@@ -87,7 +87,14 @@ def test_one_relay_of_every_normal_family(name):
     m = relay_rows(topo, spec)
     msgs = math.ceil(100 / m)
     t0 = 100 * ROW / r0 + msgs * (topo.nic_message_us + spec.message_us)
-    m0, m1 = message_us(topo, ROW, True, cap, m), message_us(topo, ROW, False, cap, m)
+    # a chunked family (DeepEP V1) relays channels x its Config's chunk of each hop's class instead
+    h0, h1 = relay_hop_rows(topo, spec, 4, "dispatch", True), relay_hop_rows(topo, spec, 4, "dispatch", False)
+    if FAMILIES[name].chunks:
+        c = chunk_for(FAMILIES[name].chunks, 4)
+        assert (h0, h1) == (12 * c.dispatch_rdma, 12 * c.dispatch_nvl)  # 24 SMs: 12 channels
+    else:
+        assert h0 == h1 == m
+    m0, m1 = message_us(topo, ROW, True, cap, h0), message_us(topo, ROW, False, cap, h1)
     want = kernel_fixed_us(topo, "dispatch", spec) + relay_two_hop_us(100 * ROW, 100 * ROW / t0, 2.0, 100 * ROW,
                                                                        r1, 1.0, m0, m1)
     assert _iso(plan, topo) == pytest.approx(want, rel=1e-9)

@@ -240,6 +240,12 @@ def test_ep16_diagnostic_own_rows_cancel_and_no_checked_limit_binds():
     assert d["forwarder_pair_GBps"] < d["forwarder_pair_cap_GBps"]
     assert d["intranode_pair_GBps"] < d["intranode_pair_cap_GBps"]
     assert d["rdma_window_bind_us"] > 10 * d["nic_latency_us"] and d["nvl_window_bind_us"] > 10 * d["nvlink_latency_us"]
+    # (d) the priced chunking: channels x chunk rows of one hop, a little slower than unchunked relays
+    assert d["chunk_dispatch_tail_us"] == pytest.approx(12 * 36 * F.H * (1 + 4 / 128) / 140e3, rel=0.01)
+    assert d["dispatch_chunked_GBps"] <= d["dispatch_unchunked_GBps"]
+    assert d["combine_chunked_GBps"] < d["combine_unchunked_GBps"]
+    # V2's SM90 EP 8x2 row is beyond an H800's NVLink under node-deduplicated forwarding
+    assert d["v2_ep16_relay_nvlink_need_GBps"] > d["h800_nvlink_GBps_per_direction"]
 
 
 # -- kernel families (moonep_sim.plan.kernel.FAMILIES): one kernel, one flow, one message each --------------
@@ -342,7 +348,8 @@ def test_kernel_checks_name_rows_of_the_fidelity_benchmark_and_known_presets_and
         assert c["preset"] in list_topologies() and c["family"] in FAMILIES, c
         for rid in c["rows"]:
             assert F.family_of(ids[rid]) == c["family"] and ids[rid]["spec"]["topo"] == c["preset"], rid
-    assert [f for f, _ in checked_on("h800-cx7")] == ["deepep-v1", "deepep-v1-ll", "deepep-v2"]
+    assert [f for f, _ in checked_on("h800-cx7")] == ["deepep-v1", "deepep-v1-ll"]
+    assert [f for f, _ in checked_on("h100-cx7")] == ["deepep-v2"]
     assert checked_on("h200-efa") == []
 
 
@@ -376,3 +383,84 @@ def test_cli_isolate_counts_as_each_librarys_own_test(capsys, strategy, impl, co
         assert k[key + "_GBps"] == pytest.approx(k[key] / k["rank_mean_us"] / 1e3)
     assert main(args[:-1]) == 0
     assert f"kernel family {impl}: its library's own test counts" in capsys.readouterr().out
+
+
+# -- DeepEP V1's chunked relays and DeepEP V2's copy epilogue (expanded dispatch) ------------------------
+from moonep_sim.plan.kernel import V1_CHUNKS, RelayChunk, chunk_for  # noqa: E402
+from moonep_sim.sim.kernels import (dispatch_epilogue_us, epilogue_rows_R, expand_read_bytes_per_us,  # noqa: E402
+                                    relay_hop_rows)
+
+
+def test_v1_relay_message_is_its_channels_times_its_configs_chunk():
+    """DeepEP V1 at EP16 on 24 SMs: 12 channels; get_dispatch_config(16) sends NVLink chunks of 36 and
+    RDMA chunks of 20 tokens, get_combine_config(16) 4 and 12."""
+    t = load_topology("h800-cx7")
+    v1 = family_spec(FAMILIES["deepep-v1"], sms=24, relay=True)
+    assert [relay_hop_rows(t, v1, 16, d, x) for d in ("dispatch", "combine") for x in (False, True)] == \
+        [12 * 36, 12 * 20, 12 * 4, 12 * 12]
+    assert chunk_for(V1_CHUNKS, 40).ranks == 32 and chunk_for(V1_CHUNKS, 1).ranks == 2
+    assert relay_hop_rows(t, family_spec(FAMILIES["deepep-v1"], sms=8, relay=True), 64, "dispatch", True) == 4 * 8
+    # a family without a chunk table keeps the topology's message (V2: its chunking is not published)
+    assert relay_hop_rows(t, family_spec(FAMILIES["deepep-v2"], sms=6, relay=True), 16, "dispatch", True) == \
+        t.kernel_relay_message_rows
+
+
+def test_one_chunked_relay_forwards_once_its_channels_first_chunks_arrived():
+    # rank 0 -> relay 2 (NIC 2 GB/s) -> rank 3 (NVLink 10 GB/s); 4 SMs = 2 channels; chunks 3 (RDMA), 5 (NVLink)
+    spec = KernelSpec(sms=4, relay=True, chunks=(RelayChunk(4, 5, 3, 7, 2),))
+    plan = dataclasses.replace(_plan("deepep", [3] * 100, [100, 0, 0, 0]), kernel=spec)
+    lat = {"nvlink": {"latency_us": 1.0}, "nic": {"latency_us": 2.0}}
+    topo = _topo(sm={"count": 8, "copy_GBps": 1000.0}, kernel={"relay_message_rows": 4}, **lat)
+    m0, m1 = message_us(topo, ROW, True, rows=2 * 3), message_us(topo, ROW, False, rows=2 * 5)
+    assert _iso(plan, topo) == pytest.approx(relay_two_hop_us(100 * ROW, 2e3, 2.0, 100 * ROW, 10e3, 1.0, m0, m1))
+    from moonep_sim.sim.program import _relay_RR
+    c0 = _relay_RR(plan.phases("forward")[-1], plan, topo, 4e6, "combine")  # the RDMA hop back: chunk 2
+    assert c0[2, 0] == pytest.approx(2.0 + 2 * 2 * ROW / 2e3)
+
+
+def _epilogue_topo():
+    return _topo(sm={"count": 8, "copy_GBps": 1000.0}, gpu={"mem_bandwidth_GBps": 1.0, "mem_efficiency": 1.0})
+
+
+def test_v2_copy_epilogue_writes_each_received_row_once_or_once_per_local_expert():
+    """One token of rank 0 with experts 2 and 3 (8 experts on 4 ranks: both on rank 1): rank 1
+    receives 1 row; its epilogue writes it once (recv) or twice (expand), at HBM (1 GB/s)."""
+    from moonep_sim.plan.kinds import Direction
+    from moonep_sim.sim.faults import FaultState
+    from moonep_sim.sim.program import stage_program
+    g = GlobalRouting(np.array([[2, 3]]), np.ones((1, 2), np.float32), np.array([1, 0, 0, 0]), 8)
+    ctx = PlanContext(ClusterShape(4, 2), Placement.home_groups(8, 4), RowCosts(ROW, ROW), 1)
+    topo = _epilogue_topo()
+    fs = FaultState.build([], 4)
+    for impl, rows in (("deepep-v2", 1), ("deepep-v2-expand", 2)):
+        plan = make_plan("deepep", g, ctx, impl=impl)
+        recv_R, out_R = epilogue_rows_R(plan)
+        assert (recv_R[1], out_R[1]) == (1, rows)
+        full = stage_program(plan, MODEL, topo, Direction.FORWARD, SimOptions(), fs)
+        iso = stage_program(plan, MODEL, topo, Direction.FORWARD, SimOptions(isolate="dispatch"), fs)
+        want = dispatch_epilogue_us(1, rows, ROW, 1e3)
+        assert want == pytest.approx((1 + rows) * ROW / 1e3)
+        assert full.post_copy[-1][1] - iso.post_copy[-1][1] == pytest.approx(want)
+        # the expanded combine first reads its 2 expanded rows, at HBM or the SMs' read rate
+        extra = full.post_pre_copy[0][1] - stage_program(plan, MODEL, topo, Direction.FORWARD,
+                                                          SimOptions(isolate="combine"), fs).post_pre_copy[0][1]
+        rate = expand_read_bytes_per_us(topo, plan.kernel)
+        assert rate == pytest.approx(min(1e3, 6 * 200.0 * 1e3))
+        assert extra == pytest.approx(2 * ROW / rate if impl == "deepep-v2-expand" else 0.0)
+    v1 = make_plan("deepep", g, ctx)
+    assert epilogue_rows_R(v1) == (None, None)  # V1's receivers write the output themselves
+
+
+def test_cli_isolate_reports_v2s_epilogue_apart_from_the_kernel(capsys):
+    import json
+
+    from moonep_sim.cli import main
+    args = ["simulate", "--gen", "model=deepseek-v3,uniform=1,tokens-per-rank=64", "--strategy", "deepep",
+            "--opt", "impl=deepep-v2-expand", "--ranks", "16", "--dispatch-dtype", "fp8", "--isolate", "dispatch",
+            "--json"]
+    assert main(args) == 0
+    k = json.loads(capsys.readouterr().out)["kernel"]
+    assert k["epilogue"] == "expand" and k["epilogue_us"] > 0
+    assert k["epilogue_GBps"] == pytest.approx(k["epilogue_bytes"] / k["epilogue_us"] / 1e3)
+    assert main(args[:-1]) == 0
+    assert "copy epilogue (expand), timed apart" in capsys.readouterr().out

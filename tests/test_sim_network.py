@@ -8,6 +8,7 @@ import simpy
 from hypothesis import given, settings, strategies as st
 
 from moonep_sim.sim.network import FlowNetwork, PortMap, waterfill
+from moonep_sim.sim.ports import Block, nic_group_of
 from moonep_sim.sim.topology import Topology
 
 TOPO = Topology.ideal("t", gpus_per_node=4, nvlink_bandwidth_GBps=100.0, nvlink_latency_us=2.0, nic_bandwidth_GBps=25.0,
@@ -347,3 +348,31 @@ def test_port_bytes_equal_the_per_flow_route_sums(topo_name):
     got = net.port_bytes()
     assert np.array_equal(got, want[:-1])
     assert got.sum() > 0
+
+
+@pytest.mark.parametrize("R, G", [(8, 4), (7, 4), (12, 8), (3, 4)])
+def test_port_map_asks_the_cluster_geometry_which_node_and_rail(R, G):
+    """Blocks and latencies follow ``Topology.cluster``: same rank local, same node NVLink, same
+    rail NIC, other rail NIC + spine (a partly used last node included)."""
+    topo = Topology.ideal("g", gpus_per_node=G, nvlink_latency_us=2.0, nic_latency_us=5.0, fabric_latency_us=3.0,
+                          fabric_oversubscription=2.0)
+    geo = topo.cluster(R)
+    assert (geo.gpus_per_node, geo.num_nodes) == (min(G, R), -(-R // G))
+    ports = PortMap.build(topo, R)
+    assert ports.cluster == geo
+    src, dst = np.divmod(np.arange(R * R), R)
+    blk = ports.pair_class(src, dst)
+    node_s, node_d = src // min(G, R), dst // min(G, R)     # the rule, written out once here
+    rail_s, rail_d = src % min(G, R), dst % min(G, R)
+    want = np.where(src == dst, Block.LOCAL, np.where(node_s == node_d, Block.NVLINK,
+                                                      np.where(rail_s == rail_d, Block.NIC, Block.NIC_SPINE)))
+    assert np.array_equal(blk, want)
+    lat = ports.latency(src, dst)
+    assert np.array_equal(lat, np.select([src == dst, node_s == node_d, rail_s == rail_d], [0.0, 2.0, 5.0], 8.0))
+
+
+def test_nic_groups_number_the_shared_links_node_by_node():
+    geo = Topology.ideal("g", gpus_per_node=8).cluster(24)
+    r = np.arange(24)
+    for group in (1, 2, 4, 8):
+        assert np.array_equal(nic_group_of(geo, group, r), r // group)

@@ -147,3 +147,86 @@ def test_saved_simulate_report_carries_the_verdict(tmp_path):
     assert "deepep wins by" in html and "inter-node bytes" in html
     assert json.loads((tmp_path / "sim" / "report.json").read_text())["verdict"]["winner"] == "deepep"
     assert paths
+
+
+def test_eplb_default_on_simulate_is_flagged_as_an_oracle_in_the_verdict():
+    res = Scenario(routing=str(MIXTRAL), cluster="4/4", strategies="alltoall,eplb", layers=[0], steps="0").simulate()
+    codes = {(f["code"], f["strategy"]) for f in res.flags}
+    assert {("oracle", "eplb"), ("free-migration", "eplb")} <= codes
+    v = res.verdict
+    assert {v["winner"], v["runner_up"]} == {"alltoall", "eplb"}
+    assert {"oracle", "free-migration"} <= set(v["flags"]["eplb"])
+    from moonep_sim.report.tables import verdict_line
+
+    assert "(eplb flagged: free-migration, oracle" in verdict_line(v)
+
+
+def test_seeds_of_generated_routing_give_simulate_a_spread():
+    sc = Scenario(routing="gen:model=mixtral-8x7b,tokens-per-rank=64", cluster="4/2", strategies="alltoall,deepep")
+    res = sc.simulate(seeds=3)
+    d = res.per_strategy["deepep"]
+    assert d["seeds"] == [0, 1, 2] and len(set(d["seed_layer_time_us"])) == 3  # each seed its own draw
+    assert res.layer_time_us["deepep"] == pytest.approx(sum(d["seed_layer_time_us"]) / 3)
+    assert d["layer_time_us"] == d["seed_layer_time_us"][0] == sc.simulate().layer_time_us["deepep"]
+    v = res.verdict
+    assert v["confidence"]["unit"] == "seed" and v["confidence"]["units"] == 3 and "over 3 seeds" in v["confidence"]["basis"]
+    assert v["margin"] == pytest.approx(res.layer_time_us[v["runner_up"]] / res.layer_time_us[v["winner"]] - 1)
+    from moonep_sim.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"seeds \(2\) apply to generated routing"):
+        Scenario(routing=str(MIXTRAL), cluster=4, strategies="alltoall").simulate(seeds=2)
+    with pytest.raises(ConfigError, match=r"seeds \(0\) must be an integer in \[1, 64\]"):
+        sc.simulate(seeds=0)
+
+
+def test_a_step_without_tokens_at_one_layer_keeps_its_terms(tmp_path):
+    # two steps, two layers; step 1 has no token at layer 1 (a per-layer token mask): its chain is one
+    # stage, the other's two, and the verdict's terms still sum to the token-weighted mean time
+    import numpy as np
+
+    from moonep_sim.routing.trace import TraceMeta, write_trace
+
+    rng = np.random.default_rng(3)
+    L, T, K, E = 2, 96, 2, 8
+    ids = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(T)]) for _ in range(L)]).astype(np.int32)
+    mask = np.ones((L, T), np.uint8)
+    step = np.repeat(np.array([0, 1], np.int32), [64, 32])
+    mask[1, 64:] = 0
+    ids[1, 64:] = np.arange(K)  # filler ids where the mask is 0
+    w = np.where(mask[..., None] > 0, 0.5, 0.0).astype(np.float32) * np.ones((L, T, K), np.float32)
+    path = write_trace(tmp_path / "m.safetensors", TraceMeta("tokens", E, K, [0, 1], T, model="mixtral-8x7b"),
+                       {"topk_ids": ids, "topk_weights": w, "step": step, "token_mask": mask})
+    res = Scenario(routing=str(path), cluster="4/2", strategies="alltoall,deepep").simulate()
+    assert res.per_strategy["alltoall"]["per_step"]["step"] == [0, 1]
+    v = res.verdict
+    assert v["confidence"]["unit"] == "step" and v["mechanism"] in MECHANISMS
+    for n in ("alltoall", "deepep"):
+        assert sum(v["terms_us"][n].values()) == pytest.approx(res.layer_time_us[n], rel=1e-9)
+
+
+def test_cli_gen_chains_the_specs_layers(capsys):
+    from moonep_sim.cli import main
+
+    assert main(["simulate", "--gen", "model=mixtral-8x7b,tokens-per-rank=64,layers=2", "--ranks", "4",
+                 "--strategy", "alltoall,deepep", "--backward", "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert js["layers"] == [0, 1]
+    st = js["strategies"]["deepep"]["stages"]
+    assert [(s["layer"], s["direction"]) for s in st] == [(0, "forward"), (1, "forward"), (1, "backward"),
+                                                         (0, "backward")]
+    assert js["verdict"]["confidence"]["unit"] == "layer" and js["verdict"]["confidence"]["units"] == 2
+
+
+def test_cli_simulate_out_writes_the_html_report_with_the_verdict(capsys, tmp_path):
+    from moonep_sim.cli import main
+
+    out = tmp_path / "sim"
+    assert main(["simulate", "--trace", str(MIXTRAL), "--ranks", "4", "--gpus-per-node", "2", "--layers", "0,1",
+                 "--strategy", "alltoall,moonep", "--out", str(out)]) == 0
+    assert "wrote " in capsys.readouterr().out
+    html = (out / "report.html").read_text()
+    assert "alltoall wins by" in html and "weight copies" in html and "outside-library" in html
+    assert (out / "layer_time.png").read_bytes()[:4] == b"\x89PNG"
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["kind"] == "simulate" and rep["verdict"]["mechanism"] == "weight copies"
+    assert set(rep["provenance"]) >= {"command", "versions", "date_utc"}

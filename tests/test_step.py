@@ -287,16 +287,61 @@ def test_profile_script_writes_a_profile_the_step_accepts(tmp_path, monkeypatch)
 
 
 @pytest.mark.slow  # worker processes
-def test_jobs_give_the_same_step_as_serial():
+@pytest.mark.parametrize("distinct", [3, 0])  # 0: every layer generated in the worker that plans it
+def test_jobs_give_the_same_step_as_serial(distinct):
     from moonep_sim.experiments import Scenario
 
     sc = Scenario(routing="gen:model=olmoe-1b-7b,maxvio=2,tokens-per-rank=32", cluster=8,
                   strategies=["alltoall", "moonep"])
-    a = sc.step("train", "shared-expert", distinct_layers=3)
-    b = sc.step("train", "shared-expert", distinct_layers=3, jobs=2)
+    a = sc.step("train", "shared-expert", distinct_layers=distinct)
+    b = sc.step("train", "shared-expert", distinct_layers=distinct, jobs=2)
     for s in ("alltoall", "moonep"):
         assert a.figures[s]["step_time_us"] == b.figures[s]["step_time_us"]
         assert a.figures[s]["peak_memory_bytes"] == b.figures[s]["peak_memory_bytes"]
+        assert [l["time_us"] for l in a.figures[s]["layers"]] == [l["time_us"] for l in b.figures[s]["layers"]]
+
+
+def test_each_distinct_routing_is_built_once_for_every_strategy():
+    """A source's builders: one call per distinct key, shared by the strategies and micro-batches."""
+    topo = load_topology("h800-cx7")
+    model = dataclasses.replace(SMALL, layers=5, moe_layers=4)
+    built = []
+
+    def builder(seed):
+        def build():
+            built.append(seed)
+            return _routing(model, 16, seed=seed)
+        return build
+
+    b = [builder(0), builder(1)]
+    cfg = StepConfig(model, topo, _ctx(model, topo), (("alltoall", {}), ("moonep", {})),
+                     step_shape(model, "train", 16, None), "two-batch")
+    out = simulate_step(cfg, lambda i: (i % 2, b[i % 2], f"layer {i}"))
+    assert sorted(built) == [0, 1]
+    for s in ("alltoall", "moonep"):
+        assert out["strategies"][s]["distinct_layers_simulated"] == 4      # 2 routings x 2 micro-batches
+        assert out["strategies"][s]["wall_seconds"]["routing"] > 0
+        cpu = out["strategies"][s]["cpu_seconds"]
+        assert set(cpu) == {"routing", "plan", "simulate", "compose"} and cpu["plan"] > 0 and cpu["simulate"] > 0
+    # a builder gives the same step as the routing it builds
+    same = simulate_step(cfg, lambda i: (i % 2, _routing(model, 16, seed=i % 2), f"layer {i}"))
+    assert same["strategies"]["moonep"]["step_time_us"] == out["strategies"]["moonep"]["step_time_us"]
+
+
+def test_generated_layers_travel_as_picklable_builders():
+    import pickle
+
+    from moonep_sim.experiments import GeneratorSpec, Scenario
+    from moonep_sim.experiments.step import GeneratedLayer, layer_source
+
+    src = Scenario(routing=GeneratorSpec(model="olmoe-1b-7b", maxvio=2.0, tokens_per_rank=16), cluster=8,
+                   strategies=["alltoall"]).resolved.source
+    key, b, how = layer_source(src, 8, 16, 16)(5)
+    assert key == ("gen", 5) and isinstance(b, GeneratedLayer) and how == "generated layer 5"
+    r, r2 = b(), pickle.loads(pickle.dumps(b))()
+    np.testing.assert_array_equal(r.topk_ids_TK, r2.topk_ids_TK)
+    np.testing.assert_array_equal(r.topk_ids_TK, src.global_routing(5, 8).topk_ids_TK)
+    assert r.tokens_per_rank_R.tolist() == [16] * 8
 
 
 def test_a_comm_kernel_slows_the_compute_beside_it_by_its_sm_share():

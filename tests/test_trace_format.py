@@ -122,3 +122,33 @@ def test_inspect_reads_per_layer_not_whole(tmp_path, monkeypatch):
     assert peak < tensor_bytes / 8, (peak, tensor_bytes)
     assert reads and all(shape[0] <= 10000 for _, shape in reads)
     assert sum(np.prod(s) for n, s in reads if n == "topk_ids") == L * T * K
+
+
+def _bad_token_reference(ids, E):
+    """Slow, obviously correct: the first token with an id out of range, else the first with a repeat."""
+    for t, row in enumerate(ids.tolist()):
+        if any(not 0 <= x < E for x in row):
+            return "range", t
+    for t, row in enumerate(ids.tolist()):
+        if len(set(row)) < len(row):
+            return "duplicate", t
+    return None
+
+
+@settings(max_examples=60, deadline=None)
+@given(E=st.sampled_from([3, 40, 40000]), K=st.integers(1, 40), T=st.integers(0, 40), seed=st.integers(0, 2**31 - 1),
+       plant=st.sampled_from(["none", "duplicate", "range", "both"]))
+def test_find_bad_token_matches_the_reference(E, K, T, seed, plant):
+    """Pairwise compares (K <= 32) and the row sort (larger K) name the same first bad token."""
+    from moonep_sim.routing.trace import find_bad_token
+
+    K = min(K, E)
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]) if T else np.zeros((0, K), np.int64)
+    if T and K > 1 and plant in ("duplicate", "both"):
+        t = rng.integers(T)
+        i, j = rng.choice(K, 2, replace=False)
+        ids[t, i] = ids[t, j]
+    if T and plant in ("range", "both"):
+        ids[rng.integers(T), rng.integers(K)] = rng.choice([-1, E, E + 7])
+    assert find_bad_token(ids, E) == _bad_token_reference(ids, E)

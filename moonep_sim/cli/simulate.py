@@ -35,7 +35,9 @@ def register(sub) -> None:
     p.add_argument("--ranks", type=int, default=None, help="EP ranks (default: 8, or the largest divisor of E below)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the topology's, at most R)")
     add_steps(p)
-    p.add_argument("--layers", default=None, help="trace layer ids to chain in one step, e.g. 0,1,5-7 (default: first)")
+    p.add_argument("--layers", default=None,
+                   help="layer ids to chain in one step, e.g. 0,1,5-7 (default: a trace's first layer; every layer of "
+                        "--gen, layers=N)")
     p.add_argument("--opt", action="append", default=[], metavar="K=V", help="strategy option (repeatable)")
     p.add_argument("--model", default=None, help="model preset (default: the trace's or the --gen model)")
     add_dispatch_dtype(p)
@@ -55,8 +57,15 @@ def register(sub) -> None:
                    help="rank waits US microseconds before PHASE (dispatch|compute|combine; default compute)")
     p.add_argument("--jitter", type=float, default=0.0, metavar="CV", help="lognormal jitter (mean 1, this cv)")
     p.add_argument("--seed", type=int, default=0, help="seed of the jitter (and of --gen unless given there)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="with --gen: simulate at this many seeds of the routing (from its seed); the times are the "
+                        "means and the verdict's tie and confidence rest on the spread over seeds (default 1)")
     p.add_argument("--timeline", metavar="OUT.json", default=None, help="write a Perfetto / Chrome trace")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="also write report.json, layer_time.png and a self-contained report.html (tables, verdict, "
+                        "flags, the command and versions) under DIR (default: write nothing)")
+    p.add_argument("--no-plots", action="store_true", help="with --out: skip the PNG plot")
     p.set_defaults(func=run)
 
 
@@ -70,7 +79,8 @@ def scenario(args):
         spec = GeneratorSpec.parse(args.gen)
         if "seed" not in {k.strip().replace("_", "-") for k in (kv.split("=")[0] for kv in args.gen.split(","))}:
             spec = dataclasses.replace(spec, seed=args.seed)  # --seed seeds the routing unless the spec does
-        routing, layers = spec, [0]
+        # the spec's layers (layers=N: 0..N-1, each its own draw), or those --layers picks among them
+        routing, layers = spec, parse_int_list(args.layers, "--layers") or list(range(spec.layers))
     else:
         routing, layers = args.trace, parse_int_list(args.layers, "--layers")
     names = split_names(args.strategy)
@@ -96,8 +106,12 @@ def run(args) -> int:
     from moonep_sim.sim.timeline import DEFAULT_TOL
 
     from moonep_sim.cli.common import output_rule, print_warnings
-    output_rule(args, files=("timeline", "gantt"))  # before the run, not after it
+    output_rule(args, files=("timeline", "gantt"),  # before the run, not after it
+                folders={"out": ("report.json", "report.html", "layer_time.png")})
     check_int(args.chunks, "--chunks", 1, MAX_CHUNKS, "pipeline chunks")
+    check_int(args.seeds, "--seeds", 1, 64)
+    require(args.seeds == 1 or args.gen, f"--seeds ({args.seeds}) applies to --gen routing: a trace's verdict rests "
+                                         "on the spread over its steps")
     faults = parse_faults(args.slow_gpu, args.degrade_nic, args.degrade_nvlink, args.stall)
     sc = scenario(args)
     rs = sc.resolved  # everything checked before any work
@@ -111,7 +125,7 @@ def run(args) -> int:
     out = sc.simulate(backward=args.backward, overlap_prefetch=not args.no_overlap_prefetch, chunks=args.chunks,
                       seed=args.seed, faults=tuple(faults), jitter=args.jitter,
                       tol=DEFAULT_TOL if args.tol is None else args.tol, timeline=bool(args.timeline),
-                      isolate=args.isolate)
+                      isolate=args.isolate, seeds=args.seeds)
     print_warnings(out.steps.get("warnings"))
     plan_s = time.perf_counter() - t0 - sum(out.raw[n].sim_stats["wall_seconds"] for n in names)
     kern = None
@@ -125,7 +139,8 @@ def run(args) -> int:
     if args.isolate:
         from moonep_sim.sim.kernels import isolated_kernel_figures
         kern = isolated_kernel_figures(sc.plans().plan(names[0], step=out.per_strategy[names[0]]["step"]),
-                                       out.raw[names[0]], args.isolate)
+                                       out.raw[names[0]], args.isolate, rs.topology)
+    files = out.save(args.out, plots=not args.no_plots) if args.out else {}
     if args.json:
         print_json(_json(out, names, rs, plan_s, kern))
         return 0
@@ -142,6 +157,8 @@ def run(args) -> int:
         c.print(line, highlight=False, markup=False)
     if args.timeline:
         c.print(f"timeline written to {args.timeline} (open in ui.perfetto.dev)")
+    if files:
+        c.print("wrote " + ", ".join(files.values()))
     return 0
 
 
@@ -156,6 +173,9 @@ def _json(out, names: list[str], rs, plan_s: float, kern) -> dict:
     d.update(model=rs.source.model.name, layers=list(rs.source.layer_ids), plan_wall_seconds=plan_s,
              step=per["step"], per_step=per["per_step"], steps_aggregate=per["steps_aggregate"], steps=dict(out.steps),
              flags=list(per["flags"]), verdict=out.verdict)
+    if per.get("seeds"):  # layer_time_us: the first seed's; the mean over seeds beside it
+        d.update(seeds=per["seeds"], seed_layer_time_us=per["seed_layer_time_us"],
+                 mean_layer_time_us=out.layer_time_us[names[0]])
     if kern is not None:
         d["kernel"] = kern
     return d
@@ -178,6 +198,10 @@ def _print_kernel(c, what: str, kern: dict) -> None:
         if k in kern:
             c.print(f"{'*' if k in mine else ' '} {kern[k + '_GBps']:,.1f} GB/s  {hows[k]}: "
                     f"{kern[k] / 1e6:,.2f} MB per rank")
+    if "epilogue_us" in kern:
+        c.print(f"  copy epilogue ({kern['epilogue']}), timed apart as the library's test does: "
+                f"{kern['epilogue_us']:,.1f} us per rank, {kern['epilogue_GBps']:,.1f} GB/s of rows read + "
+                "written (not in the kernel time above)")
 
 
 def _print_strategy(c, args, out, name: str, rs) -> None:
@@ -187,6 +211,9 @@ def _print_strategy(c, args, out, name: str, rs) -> None:
             f"({min(topo.gpus_per_node, res.ranks)} per node), model {rs.source.model.name}, layers "
             f"{list(rs.source.layer_ids)}{', forward + backward' if args.backward else ', forward'}")
     n_steps = len(per["per_step"]["step"])
+    if per.get("seeds"):
+        c.print(f"{len(per['seeds'])} seeds of the routing: time us mean {out.layer_time_us[name]:,.1f} (each: "
+                + ", ".join(f"{t:,.1f}" for t in per["seed_layer_time_us"]) + "); below: the first seed")
     if n_steps > 1:
         a = per["steps_aggregate"]["layer_time_us"]
         c.print(f"{n_steps} steps, each its own batch: time us token-weighted mean {a['token_weighted_mean']:,.1f}, "

@@ -92,6 +92,8 @@ def run(args) -> int:
 def _families_tables(c, topos, fitted_table) -> None:
     """The kernel families (``impl=`` of deepep / deepep-ll) with their terms, and which were checked
     on which preset against what (``moonep_sim.plan.checks``)."""
+    from rich.markup import escape
+
     from moonep_sim.plan.kernel import FAMILIES
     from moonep_sim.sim.kernels import checked_on
 
@@ -102,12 +104,13 @@ def _families_tables(c, topos, fitted_table) -> None:
 
     rows = [[f.name, f"{f.library} ({f.vendor})", f.mode, "all" if f.sms < 0 else str(f.sms), fixed(f),
              f"{f.message_us:g}", f"{f.sm_copy_factor:g}", f.reduce,
-             "per rank" if f.dedup_per_rank else ("per selection" if f.mode == "ll" else "per node, relayed"),
-             ", ".join(f.transports)] for f in FAMILIES.values()]
+             "per rank" if f.dedup_per_rank else ("per selection" if f.mode == "ll" else
+                                                  "per node, relayed" + (" in chunks" if f.chunks else "")),
+             f.epilogue or "-", ", ".join(f.transports)] for f in FAMILIES.values()]
     c.print(fitted_table("kernel families (impl= of deepep / deepep-ll; moonep_sim.plan.kernel.FAMILIES; fixed us "
                          "'topo' = the topology's \\[kernel], + the family's extra)",
                          ("impl", "library", "mode", "SMs", "fixed us", "own us/msg", "SM rate x", "reduce", "messages",
-                          "transports"), rows, wrap=True))
+                          "epilogue", "transports"), rows, wrap=True))
     chk = [[t.name, "; ".join(f"{fam}: {what}" for fam, what in checked_on(t.name)) or
             "none: every family's figure on this preset is a prediction from assumed terms"] for t in topos]
     c.print(fitted_table("kernel families checked on each preset, and against what (benchmarks/fidelity_gpu.py)",
@@ -115,4 +118,4 @@ def _families_tables(c, topos, fitted_table) -> None:
     for f in FAMILIES.values():
         c.print(f"[bold]{f.name}[/bold] ({f.library}):")
         for k, s in f.sources.items():
-            c.print(f"  {k}: {s}")
+            c.print(f"  {k}: {escape(s)}")

@@ -156,7 +156,7 @@ class Scenario:
                            {"ranks": rs.cluster.ranks, "gpus_per_node": rs.cluster.gpus_per_node})
 
     # -- simulate ---------------------------------------------------------------------------------
-    def simulate(self, progress: Progress | None = None, **sim_options: Any) -> SimulateResult:
+    def simulate(self, progress: Progress | None = None, *, seeds: int = 1, **sim_options: Any) -> SimulateResult:
         """Each strategy's plans of the scenario's layers chained as one step on the topology, for
         every selected step of a trace on its own (:mod:`moonep_sim.experiments.stepstats`).
 
@@ -167,17 +167,32 @@ class Scenario:
         ``verdict``: who wins and why, each chain read stage by stage
         (:func:`~moonep_sim.experiments.verdict.simulate_verdict`; one strategy: a stated
         single-strategy verdict; ``isolate``: none, a kernel timed alone is no comparison).
+        ``seeds`` > 1 (generated routing only): the same at seeds ``seed, seed + 1, ...``, each its
+        own draw; ``layer_time_us`` is then the mean over seeds, ``per_strategy`` the first seed's
+        with ``seeds`` and ``seed_layer_time_us`` beside it, and the verdict rests on the spread
+        over seeds.
         """
+        from dataclasses import replace
+
         from moonep_sim import sim
         from moonep_sim.experiments.compare import topology_info
         from moonep_sim.experiments.stepstats import aggregate
+        from moonep_sim.experiments.verdict import simulate_verdict
 
         rs = self.resolved
         try:
             opts = sim.SimOptions(**sim_options)
         except TypeError as e:
             raise ConfigError(f"simulator option must be a SimOptions field: {e}") from None
-        plans = self.plans(progress)
+        spec = self.routing if isinstance(self.routing, GeneratorSpec) else (
+            GeneratorSpec.parse(self.routing) if isinstance(self.routing, str) and self.routing.startswith("gen:")
+            else None)
+        require(isinstance(seeds, int) and 1 <= seeds <= 64, f"seeds ({seeds!r}) must be an integer in [1, 64]")
+        require(seeds == 1 or spec is not None, f"seeds ({seeds}) apply to generated routing (gen:...): a trace's "
+                                                "verdict rests on the spread over its steps")
+        draws = [self] if seeds == 1 else [replace(self, routing=replace(spec, seed=spec.seed + k)) for k in range(seeds)]
+        plans_D = [d.plans(progress) for d in draws]
+        plans = plans_D[0]
         steps = list(dict.fromkeys(p.step for p in plans.items))
         tokens = [rs.source.batch_tokens[[b[0] for b in rs.source.batches].index(st)] for st in steps]
         per: dict[str, Any] = {}
@@ -185,9 +200,11 @@ class Scenario:
         runs: dict[str, list] = {}
         for name, _ in rs.strategies:
             t0 = time.perf_counter()
-            chains = [[p.plan for p in plans.items if p.strategy == name and p.step == st] for st in steps]
+            chains = [[p.plan for p in pl.items if p.strategy == name and p.step == st] for pl in plans_D for st in steps]
             res_S = [sim.simulate_layers(ch, rs.topology, rs.source.model, opts) for ch in chains]
             runs[name] = [(ch, _verdict_view(r)) for ch, r in zip(chains, res_S)]
+            seed_t = [float(r.layer_time_us) for r in res_S]
+            res_S = res_S[:len(steps)]  # the first draw's steps (the only draw without seeds)
             t_S = [float(r.layer_time_us) for r in res_S]
             worst = int(max(range(len(t_S)), key=t_S.__getitem__))
             d = to_jsonable(res_S[worst].to_dict(), lenient=True)
@@ -197,15 +214,17 @@ class Scenario:
             d.update(model=rs.source.model.name, layers=list(rs.source.layer_ids), step=steps[worst],
                      sim_call_seconds=time.perf_counter() - t0, per_step=series,
                      steps_aggregate={k: aggregate(series[k], tokens, steps) for k in ("layer_time_us", "lower_bound_us")})
+            if seeds > 1:
+                d.update(seeds=[spec.seed + k for k in range(seeds)], seed_layer_time_us=seed_t)
             d["flags"] = _simulate_flags(rs, name, [p.plan for p in plans.items if p.strategy == name])
             per[name] = d
             raw[name] = res_S[worst]
-        from moonep_sim.experiments.verdict import simulate_verdict
-
         flags = [f for n in per for f in per[n]["flags"]]
-        v = simulate_verdict(runs, rs.topology, tokens, flags) if opts.isolate is None else None
-        return SimulateResult(tuple(per), {n: float(per[n]["steps_aggregate"]["layer_time_us"]["token_weighted_mean"])
-                                           for n in per}, per, topology_info(rs.topology), raw,
+        v = (simulate_verdict(runs, rs.topology, tokens * seeds, flags, unit="seed" if seeds > 1 else "step")
+             if opts.isolate is None else None)
+        t = {n: float(sum(per[n]["seed_layer_time_us"]) / seeds) if seeds > 1 else
+             float(per[n]["steps_aggregate"]["layer_time_us"]["token_weighted_mean"]) for n in per}
+        return SimulateResult(tuple(per), t, per, topology_info(rs.topology), raw,
                               dict(rs.source.steps_info(), warnings=list(rs.warnings)), v)
 
     # -- whole steps --------------------------------------------------------------------------------

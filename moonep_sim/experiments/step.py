@@ -9,7 +9,8 @@ Routing per MoE layer i (:func:`layer_source`):
   generated, N-1 more routings are layer 0 with its experts relabelled (:func:`relabel_experts`:
   same skew, other hot experts and ranks), those N are planned and simulated, and MoE layer i
   reuses routing ``i mod N`` (flagged per layer in the output). The default 0 gives every layer
-  its own generated routing;
+  its own generated routing, generated where it is planned (:class:`GeneratedLayer`: in a worker
+  with ``jobs``) and shared by every strategy;
 - a trace: MoE layer i is the trace's i-th layer; a layer the trace does not have is a
   **stand-in**: generated at the trace's measured skew (the mean maxvio of its layers, MoonEP's
   lognormal popularity, seed i), flagged as such in the output. A trace's tokens set T (its
@@ -98,7 +99,7 @@ class StepOptions:
 
 
 def layer_source(source: RoutingSource, ranks: int, tokens: int, moe_layers: int, distinct: int = 0,
-                 steps_T: np.ndarray | None = None) -> Callable[[int], tuple[Any, GlobalRouting, str]]:
+                 steps_T: np.ndarray | None = None) -> Callable[[int], tuple[Any, Any, str]]:
     """MoE layer index -> (key, routing, provenance) (see the module docstring). ``steps_T``: a
     trace's token indices of the one step to use (None: every selected token)."""
     memo: dict[Any, GlobalRouting] = {}
@@ -107,10 +108,8 @@ def layer_source(source: RoutingSource, ranks: int, tokens: int, moe_layers: int
         src = dataclasses.replace(source, gen=g)
 
         def gen(i: int):
-            if not distinct:
-                if i not in memo:
-                    memo[i] = src.global_routing(i, ranks)
-                return ("gen", i), memo[i], f"generated layer {i}"
+            if not distinct:  # built where the layer is planned (a worker, with --jobs), once, then dropped
+                return ("gen", i), GeneratedLayer(src, i, ranks), f"generated layer {i}"
             j = i % distinct
             if j not in memo:
                 if 0 not in memo:
@@ -146,6 +145,20 @@ def layer_source(source: RoutingSource, ranks: int, tokens: int, moe_layers: int
         return ("standin", i), memo[("standin", i)], (f"STAND-IN: generated at the trace's measured maxvio {mv:.3g} "
                                                        f"(the trace has {have} layer(s))")
     return trace
+
+
+@dataclass(frozen=True)
+class GeneratedLayer:
+    """Generated layer ``layer``'s routing over ``ranks``, built when called: the picklable builder
+    a step's layer work carries instead of the routing (``moonep_sim.step.run.LayerWork``), so
+    each layer is generated where it is planned and freed after it."""
+
+    source: RoutingSource
+    layer: int
+    ranks: int
+
+    def __call__(self) -> GlobalRouting:
+        return self.source.global_routing(self.layer, self.ranks)
 
 
 def relabel_experts(r: GlobalRouting, seed: int, groups: int = 1) -> GlobalRouting:
@@ -251,4 +264,4 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     return out
 
 
-__all__ = ["StepOptions", "StepResult", "layer_source", "relabel_experts", "run_step", "trace_steps"]
+__all__ = ["GeneratedLayer", "StepOptions", "StepResult", "layer_source", "relabel_experts", "run_step", "trace_steps"]

@@ -407,14 +407,15 @@ def compare_verdict(rep: Mapping[str, Any]) -> dict[str, Any] | None:
 
 def simulate_verdict(runs: Mapping[str, Sequence[tuple[Sequence[Any], Mapping[str, Any]]]], topo=None,
                      tokens: Sequence[float | None] | None = None,
-                     flags: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any] | None:
+                     flags: Sequence[Mapping[str, Any]] = (), unit: str = "step") -> dict[str, Any] | None:
     """The verdict of :meth:`~moonep_sim.experiments.Scenario.simulate`. runs: strategy -> per
-    step, (the plans chained, in the order simulated; the simulator's result dict). Each step's
-    chain is read stage by stage (:func:`chain_figures`); the figures are the token-weighted mean
-    over steps (``tokens``: per step, as the result's ``layer_time_us``). The spread behind tie and
-    confidence is over steps (token-weighted) when there are several, else over the chain's
-    layers (each layer's forward and backward windows), else none (one layer of one step: judged
-    against :data:`TIE`). The sentences speak per step for a chain, per layer for one layer."""
+    unit (a step, or a seed's draw: ``unit``), (the plans chained, in the order simulated; the
+    simulator's result dict). Each chain is read stage by stage (:func:`chain_figures`); the
+    figures are the token-weighted mean over units (``tokens``: per unit, as the result's
+    ``layer_time_us``). The spread behind tie and confidence is over the units (token-weighted)
+    when there are several, else over the chain's layers (each layer's forward and backward
+    windows), else none (one layer of one step: judged against :data:`TIE`). The sentences speak
+    per step for a chain, per layer for one layer."""
     if not runs:
         return None
     figs, t_series, l_series = {}, {}, {}
@@ -423,11 +424,14 @@ def simulate_verdict(runs: Mapping[str, Sequence[tuple[Sequence[Any], Mapping[st
     w = [float(t) for t in tokens] if tokens and all(t for t in tokens) and len(tokens) == n_steps else None
     for n, steps in runs.items():
         fs = [chain_figures(plans, sim, topo) for plans, sim in steps]
+        if chain:  # a step whose chain is one stage (a layer without tokens in it) carries its terms too
+            for f in fs:
+                f.setdefault("terms_us", terms(f))
         figs[n] = mean_figures(fs, w)
         t_series[n] = [float(sim["layer_time_us"]) for _, sim in steps]
         l_series[n] = layer_series(steps[0][1]) if chain else []
     if n_steps > 1:
-        series, unit, weights = t_series, "step", w
+        series, weights = t_series, w
     elif chain and min(len(v) for v in l_series.values()) > 1:
         series, unit, weights = l_series, "layer", None
     else:

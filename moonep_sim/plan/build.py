@@ -27,7 +27,8 @@ import numpy as np
 from moonep_sim.plan import reference
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.kinds import Scope
-from moonep_sim.plan.order import entry_token, segment_ranges, small_key_dtype, stable_order, stable_order_counts
+from moonep_sim.plan.order import (entry_token, segment_ranges, small_key_dtype, stable_order, stable_order_counts,
+                                   stable_order_positions)
 from moonep_sim.plan.placement import ClusterShape
 
 
@@ -44,6 +45,8 @@ class SlotLayout:
       increasing: slots are sorted by rank and laid out in order within a rank. None when the
       layout has no padding rows (the global rows are then simply 0, 1, 2, ...).
     rows_R: int64 [R] padded rows of each rank.
+    entry_rank_N: int64 [N] each entry's rank, -1 = dropped, where :func:`sorted_layout` was asked
+      for it (``with_ranks``), else None.
     """
 
     slot_rows_S: np.ndarray
@@ -54,11 +57,13 @@ class SlotLayout:
     n_drop: int
     rows_R: np.ndarray
     grow_K: np.ndarray | None
+    entry_rank_N: np.ndarray | None = None
 
 
 def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slot_rank_S: np.ndarray,
                   token_padding: int = 1, min_rows_S: np.ndarray | None = None,
-                  ranks: int | None = None, scratch: list | None = None) -> SlotLayout:
+                  ranks: int | None = None, scratch: list | None = None,
+                  placed: tuple[np.ndarray, np.ndarray] | None = None, with_ranks: bool = False) -> SlotLayout:
     """The expert-grouped layout from entries already sorted by (slot, entry), dropped first.
 
     order_N: int64 [N] entry ids in that order (as :func:`slot_sort` returns); n_drop: how many
@@ -67,6 +72,11 @@ def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slo
     min_rows_S: optional [S] rows to allocate at least (capacity padding).  ranks: R (default:
     the largest slot rank + 1).  scratch: optional list of dead int64 arrays; one of the kept
     entries' size, if there, holds a temporary (it ends up in no field of the layout).
+    placed: optional (entry_slot_N, pos_N), each entry's slot (int64 [N], -1 dropped) and its place
+    in ``order_N`` (``pos_N[order_N[p]] = p``, as :func:`slot_sort_positions` returns them): the
+    entries' rows then follow in entry order, without a scatter of N entries; ``pos_N`` becomes
+    the layout's ``entry_row_N`` (it is written in place). with_ranks: also each entry's rank
+    (``entry_rank_N``; without ``placed`` it travels in the same scatter as the entry's row).
     """
     S = slot_rank_S.size
     N = order_N.size
@@ -81,17 +91,40 @@ def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slo
     # sorted position p of a kept entry of slot s, the j-th of its slot: row within its rank =
     # offset[s] + j; global row (ranks concatenated) = cum[s] + j
     n_kept = N - n_drop
-    spare = next((b for b in (scratch or ()) if b.shape == (N - n_drop,) and b.dtype == np.int64), None)
-    row_sorted = segment_ranges(offset, slot_rows_S, out=spare)
-    entry_row = np.empty(N, dtype=np.int64)
+    entry_rank = None
+    if placed is None:
+        spare = next((b for b in (scratch or ()) if b.shape == (N - n_drop,) and b.dtype == np.int64), None)
+        # with_ranks: rank << RANK_SHIFT | row in one int64, so one scatter places both
+        first = offset if not with_ranks else offset + (slot_rank_S << RANK_SHIFT)
+        row_sorted = segment_ranges(first, slot_rows_S, out=spare)
+        entry_row = np.empty(N, dtype=np.int64)
+        entry_row[order_N[n_drop:]] = row_sorted
+        del row_sorted
+        if with_ranks:
+            entry_rank = entry_row >> RANK_SHIFT
+            entry_row &= (1 << RANK_SHIFT) - 1
+            entry_rank[order_N[:n_drop]] = -1
+    else:  # the j-th entry of slot s sits at place n_drop + start[s] + j: row offset[s] + j
+        entry_slot, entry_row = placed
+        delta = np.append(offset - (np.cumsum(slot_rows_S) - slot_rows_S) - n_drop, 0)  # (slot -1: the 0)
+        for lo in range(0, N, _CHUNK):  # loop over chunks of entries, not entries
+            entry_row[lo:lo + _CHUNK] += delta[entry_slot[lo:lo + _CHUNK]]
     entry_row[order_N[:n_drop]] = -1
-    entry_row[order_N[n_drop:]] = row_sorted
-    del row_sorted
+    if with_ranks and entry_rank is None:
+        entry_rank = np.append(slot_rank_S, -1)[placed[0]]
     # no padding rows: global rows are 0..n_kept-1 in this order
     grow = None if int(padded.sum()) == n_kept else segment_ranges(cum, slot_rows_S)
     nR = R if ranks is None else int(ranks)
     rows_R = np.bincount(slot_rank_S, weights=padded, minlength=nR).astype(np.int64)
-    return SlotLayout(slot_rows_S, padded, offset, entry_row, order_N, n_drop, rows_R, grow)
+    return SlotLayout(slot_rows_S, padded, offset, entry_row, order_N, n_drop, rows_R, grow, entry_rank)
+
+
+#: entries per chunk of the builders' chunked passes (their temporaries stay in cache)
+_CHUNK = 1 << 18
+
+#: bit position of an entry's rank above its row (rows < 2**40, ranks < 2**23) in the one int64
+#: :func:`sorted_layout` scatters both in
+RANK_SHIFT = 40
 
 
 def slot_sort(entry_slot_N: np.ndarray, num_slots: int) -> tuple[np.ndarray, int, np.ndarray]:
@@ -107,12 +140,22 @@ def slot_sort(entry_slot_N: np.ndarray, num_slots: int) -> tuple[np.ndarray, int
     return order, int(counts[0]), counts[1:]
 
 
+def slot_sort_positions(entry_slot_N: np.ndarray, num_slots: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
+    """:func:`slot_sort`, and each entry's place in the order (int64 [N], ``pos[order[p]] = p``),
+    written by the chunked sort as it goes (``moonep_sim.plan.order.stable_order_positions``)."""
+    key = entry_slot_N.astype(small_key_dtype(num_slots + 1), copy=True)
+    key += 1
+    order, counts, pos = stable_order_positions(key, num_slots + 1)
+    return order, int(counts[0]), counts[1:], pos
+
+
 def slot_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
                 min_rows_S: np.ndarray | None = None, ranks: int | None = None,
                 scratch: list | None = None) -> SlotLayout:
     """:func:`sorted_layout` of the entries' slots (int64 [N], -1 = dropped): sorts them first."""
-    order, n_drop, slot_rows = slot_sort(entry_slot_N, slot_rank_S.size)
-    return sorted_layout(order, n_drop, slot_rows, slot_rank_S, token_padding, min_rows_S, ranks, scratch=scratch)
+    order, n_drop, slot_rows, pos = slot_sort_positions(entry_slot_N, slot_rank_S.size)
+    return sorted_layout(order, n_drop, slot_rows, slot_rank_S, token_padding, min_rows_S, ranks, scratch=scratch,
+                         placed=(entry_slot_N, pos))
 
 
 def layout_slots(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
@@ -272,25 +315,23 @@ def plan_from_order(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
                     slot_rows_S: np.ndarray, *, dedup: bool, token_padding: int = 1,
                     min_rows_S: np.ndarray | None = None, capacity_R: np.ndarray | None = None,
                     options: dict[str, Any] | None = None, entry_rank_N: np.ndarray | None = None,
-                    **extra) -> Plan:
+                    placed: tuple[np.ndarray, np.ndarray] | None = None, **extra) -> Plan:
     """:func:`plan_from_slots` from entries already sorted by (slot, entry), dropped ones first.
 
     For planners that know this order without sorting (``moonep`` derives it from its per-expert
     order): ``order_N`` int64 [N] entry ids, the ``n_drop`` dropped ones first, then
     ``slot_rows_S[s]`` entries of each slot s, slot by slot. entry_rank_N: each entry's rank in
     entry order (int64 [N], -1 dropped; the Plan's ``entry_rank_TK``) where the caller has it,
-    else scattered from the order.
+    else scattered from the order. placed: each entry's slot and place in the order, where the
+    caller's sort wrote them (see :func:`sorted_layout`).
     """
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    lay = sorted_layout(order_N, n_drop, slot_rows_S, slot_rank_S, token_padding, min_rows_S, R)
+    lay = sorted_layout(order_N, n_drop, slot_rows_S, slot_rank_S, token_padding, min_rows_S, R, placed=placed,
+                        with_ranks=entry_rank_N is None)
     kept_sorted = order_N[n_drop:]
-    entry_rank = entry_rank_N
-    if entry_rank is None:
-        entry_rank = np.empty(T * K, dtype=np.int64)
-        entry_rank[order_N[:n_drop]] = -1
-        entry_rank[kept_sorted] = np.repeat(slot_rank_S, slot_rows_S)
+    entry_rank = entry_rank_N if entry_rank_N is not None else lay.entry_rank_N
     hop, entry_buf_row, entry_dup = single_hop_messages(entry_rank, routing.src_rank_T(), routing.tok_off_R(),
                                                         K, R, dedup)
     row_entry, expand = final_rows(lay, kept_sorted, entry_buf_row)
@@ -325,12 +366,13 @@ def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
     """
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
     entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
-    order, n_drop, slot_rows = slot_sort(entry_slot, slot_rank_S.size)
+    order, n_drop, slot_rows, pos = slot_sort_positions(entry_slot, slot_rank_S.size)
     # each entry's rank in entry order, from the slots' ranks (slot -1 reads the appended -1)
     entry_rank = np.append(slot_rank_S, -1)[entry_slot]
     return plan_from_order(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, order, n_drop,
                            slot_rows, dedup=dedup, token_padding=token_padding, min_rows_S=min_rows_S,
-                           capacity_R=capacity_R, options=options, entry_rank_N=entry_rank, **extra)
+                           capacity_R=capacity_R, options=options, entry_rank_N=entry_rank,
+                           placed=(entry_slot, pos), **extra)
 
 
 __all__ = ["SlotLayout", "block_messages", "entry_token", "final_rows", "layout_slots", "plan_from_order",

@@ -35,6 +35,38 @@ REDUCE_MODES = ("fused", "after")
 #: per rank to GPUs of its node (scale-up) and to other nodes (scale-out), reported apart;
 #: ``"selections"`` -- every kept (token, expert) selection x the row (the low-latency tests).
 COUNTS = ("deepep-v1", "deepep-v2", "selections")
+#: What the dispatch's copy epilogue writes (a kernel of its own after the dispatch kernel, on every
+#: SM: DeepEP V2's ``dispatch_copy_epilogue_impl``): ``""`` -- none (the receivers write the output
+#: themselves, DeepEP V1); ``"recv"`` -- one row per received (token, rank), as it arrived;
+#: ``"expand"`` -- one row per (token, local expert) selection, grouped by expert (V2's
+#: ``do_expand=True``, the GEMM layout). The combine of an expanded layout reads every expanded row.
+EPILOGUES = ("", "recv", "expand")
+
+
+@dataclass(frozen=True)
+class RelayChunk:
+    """A relayed kernel's chunking at one EP size (DeepEP V1 ``Config``): tokens per chunk a channel
+    sends over NVLink / RDMA, in dispatch and in combine. ``ranks``: the EP size it is tuned for."""
+
+    ranks: int
+    dispatch_nvl: int
+    dispatch_rdma: int
+    combine_nvl: int
+    combine_rdma: int
+
+    def rows(self, direction: str, inter_node: bool) -> int:
+        """Tokens per chunk of one channel on a hop of that class (``direction``: dispatch / combine)."""
+        if direction == "dispatch":
+            return self.dispatch_rdma if inter_node else self.dispatch_nvl
+        return self.combine_rdma if inter_node else self.combine_nvl
+
+
+def chunk_for(chunks: tuple, ranks: int) -> "RelayChunk | None":
+    """The chunking tuned for ``ranks`` (else for the largest EP size below it, else the smallest)."""
+    if not chunks:
+        return None
+    below = [c for c in chunks if c.ranks <= ranks]
+    return max(below, key=lambda c: c.ranks) if below else min(chunks, key=lambda c: c.ranks)
 
 
 @dataclass(frozen=True)
@@ -67,6 +99,13 @@ class KernelSpec:
     reduce: how the combine's receiver reduces (:data:`REDUCE_MODES`; None = ``"after"`` for a
         Plan without a family).
     reduce_sms: SMs of that reduce (0 = the kernels' ``sms``; ``ALL_SMS`` = every SM).
+    chunks: the relayed kernel's chunking per EP size (:class:`RelayChunk`; empty = relays forward
+        in messages of ``relay_message_rows``): the kernel runs ``sms x channels_per_sm`` channels,
+        each forwarding in chunks, so one relayed "message" is ``channels x chunk`` rows.
+    channels_per_sm: channels per SM of a chunked kernel (DeepEP V1: ``num_sms / 2`` channels).
+    epilogue: the dispatch's copy epilogue (:data:`EPILOGUES`; "" = none).
+    sm_read_GBps: per-SM read rate of the kernel's own pass over local rows (the expanded
+        combine's read of every expanded row); 0 = the SM copy rate (``sm_copy_GBps x sm_copy_factor``).
     """
 
     sms: int = 0
@@ -84,8 +123,14 @@ class KernelSpec:
     sm_copy_factor: float = 1.0
     reduce: str | None = None
     reduce_sms: int = 0
+    chunks: tuple = ()
+    channels_per_sm: float = 0.5
+    epilogue: str = ""
+    sm_read_GBps: float = 0.0
 
     def __post_init__(self) -> None:
+        require(self.epilogue in EPILOGUES, f"kernel epilogue ({self.epilogue!r}) must be one of {EPILOGUES}")
+        require(self.channels_per_sm > 0, f"kernel channels_per_sm ({self.channels_per_sm}) must be > 0")
         require(self.sms >= ALL_SMS, f"kernel sms ({self.sms}) must be >= -1 (-1 = all SMs, 0 = not declared)")
         require(self.reduce is None or self.reduce in REDUCE_MODES,
                 f"kernel reduce ({self.reduce!r}) must be one of {', '.join(REDUCE_MODES)}")
@@ -131,22 +176,47 @@ class KernelFamily:
     reduce_sms: int = 0
     dedup_per_rank: bool = False
     counts: str = "deepep-v1"
+    chunks: tuple = ()
+    channels_per_sm: float = 0.5
+    epilogue: str = ""
+    sm_read_GBps: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         require(self.mode in ("normal", "ll"), f"kernel family {self.name} mode ({self.mode!r}) must be normal or ll")
         require(self.counts in COUNTS, f"kernel family {self.name} counts ({self.counts!r}) must be one of "
                 f"{', '.join(COUNTS)}")
+        require(self.epilogue in EPILOGUES, f"kernel family {self.name} epilogue ({self.epilogue!r}) must be one "
+                f"of {EPILOGUES}")
 
 
 _V1 = "deepseek-ai/DeepEP V1 ('legacy') kernels"
+#: DeepEP V2's per-SM copy rate over V1's: FITTED on its README row EP8 B200 24 SMs dispatch.
+V2_SM_COPY_FACTOR = 1.77
+_V2_EPILOGUE = ("sourced: DeepEP V2 csrc/buffers/ep.hpp + deep_ep/include/deep_ep/impls/ep/dispatch_copy_epilogue.cuh: "
+                "after the dispatch kernel a copy epilogue on every SM reads each received token from the scale-up "
+                "buffer and writes recv_x; its test times it apart (kineto 'dispatch_copy_epilogue_impl'); "
+                "priced at the HBM rate")
+#: DeepEP V1's chunking per EP size: ``Buffer.get_dispatch_config(R)`` / ``get_combine_config(R)``
+#: (deep_ep/buffer.py), the NVLink and RDMA send-chunk tokens of their ``Config(num_sms,
+#: nvl_send, nvl_recv, rdma_send, rdma_recv)``; each of the ``num_sms / 2`` channels forwards in
+#: such chunks (csrc/kernels/internode.cu: the RDMA coordinator issues a chunk once that many
+#: tokens are in its send buffer, the forwarder publishes its NVLink tail per chunk).
+V1_CHUNKS = tuple(RelayChunk(r, dn, dr, cn, cr) for r, dn, dr, cn, cr in (
+    (2, 24, 6, 10, 6), (4, 6, 6, 9, 6), (8, 6, 6, 4, 6), (16, 36, 20, 4, 12), (24, 32, 8, 1, 8), (32, 32, 8, 1, 8),
+    (48, 32, 8, 1, 8), (64, 32, 8, 1, 8), (96, 20, 12, 1, 8), (128, 20, 12, 1, 8), (144, 32, 12, 2, 8),
+    (160, 28, 12, 2, 8)))
 #: The kernel families, by ``impl=`` name. Fixed costs ``None`` = the topology's ``[kernel]``
 #: values, which are FITTED on DeepEP V1's low-latency EP8 rows (H800): the V1 families use them as
 #: they are; a family that says nothing else about its launch cost is *assumed* to pay the same.
 FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
-    KernelFamily("deepep-v1", "DeepEP", "normal", "nvidia", ("ib", "roce"), sms=24, reduce="fused", sources={
+    KernelFamily("deepep-v1", "DeepEP", "normal", "nvidia", ("ib", "roce"), sms=24, reduce="fused",
+                 chunks=V1_CHUNKS, channels_per_sm=0.5, sources={
         "design": f"sourced: {_V1}: node-deduplicated RDMA then NVLink forwarding by relay SMs in one kernel; "
                   "the combine's receiving SMs sum the rows as they arrive",
+        "chunks": "sourced: DeepEP V1 deep_ep/buffer.py get_dispatch_config / get_combine_config (send-chunk "
+                  "tokens per EP size) and csrc/kernels/internode.cu (num_channels = num_sms / 2): a relay "
+                  "forwards a hop once every channel's first chunk arrived, channels x chunk rows",
         "sms": "sourced: DeepEP's normal kernels use 20-24 SMs (ANCHORS; Buffer.num_sms = 24)",
         "fixed_us": "FITTED on DeepEP's low-latency EP8 rows (the topology's [kernel]); assumed the same launch "
                     "and notify cost for the normal kernels",
@@ -157,15 +227,31 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                   "buffers, NVLink for same-node peers; the combine's receive phase waits for its rows, then "
                   "reduces the K of each token",
         "fixed_us": "FITTED on DeepEP's low-latency EP8 dispatch / combine rows (the topology's [kernel])"}),
-    KernelFamily("deepep-v2", "DeepEP", "normal", "nvidia", ("ib", "roce", "efa"), sms=6, sm_copy_factor=1.77,
-                 reduce="fused", counts="deepep-v2", sources={
-        "design": "assumed, set from DeepEP V2's README: ElasticBuffer kernels on few SMs; the same node-"
-                  "deduplicated scale-out (RDMA / NCCL GIN) then scale-up (NVLink) movement as V1, modelled on "
-                  "the relayed two-hop plan",
+    KernelFamily("deepep-v2", "DeepEP", "normal", "nvidia", ("ib", "roce", "efa"), sms=6, sm_copy_factor=V2_SM_COPY_FACTOR,
+                 reduce="fused", counts="deepep-v2", epilogue="recv", sm_read_GBps=200.0, sources={
+        "design": "sourced: DeepEP V2 ElasticBuffer (deep_ep/buffers/elastic.py) in hybrid mode: scale-out "
+                  "(RDMA / NCCL GIN) once per (token, node), then forward warps issue the scale-up (NVLink) "
+                  "rows, as get_theoretical_num_sms models its traffic -- V1's node-deduplicated movement, on "
+                  "the relayed two-hop plan; its chunking is not modelled (the topology's relay message)",
         "sms": "sourced: 'DeepEP V2 needs 4-6 SMs for V3-style training' (ANCHORS)",
         "sm_copy_factor": "FITTED on DeepEP V2's README row EP8 B200 24 SMs dispatch (643 GB/s): V2's per-SM "
                           "copy rate over V1's (benchmarks/fidelity_gpu.py --fit); its other V2 rows are predictions",
-        "fixed_us": "assumed: V1's (the topology's [kernel])"}),
+        "fixed_us": "assumed: V1's (the topology's [kernel])",
+        "epilogue": _V2_EPILOGUE + "; do_expand=False (the default): each received (token, rank) row written "
+                    "once"}),
+    KernelFamily("deepep-v2-expand", "DeepEP", "normal", "nvidia", ("ib", "roce", "efa"), sms=6,
+                 sm_copy_factor=V2_SM_COPY_FACTOR, reduce="fused", counts="deepep-v2", epilogue="expand",
+                 sm_read_GBps=200.0, sources={
+        "design": "sourced: DeepEP V2 ElasticBuffer.dispatch(do_expand=True) (deep_ep/buffers/elastic.py): the "
+                  "same scale-out / scale-up movement as deepep-v2 (the number of received tokens does not "
+                  "change), then the expanding layout, one slot per (token, local expert), grouped by expert",
+        "sms": "sourced: as deepep-v2", "sm_copy_factor": "as deepep-v2 (FITTED on its EP8 B200 24-SM row)",
+        "fixed_us": "assumed: V1's (the topology's [kernel])",
+        "epilogue": _V2_EPILOGUE + "; do_expand=True: each received row written once per local expert it "
+                    "selected (the expert-grouped layout)",
+        "sm_read_GBps": "sourced: ElasticBuffer.get_theoretical_num_sms's per-SM HBM read rate, 200 GB/s "
+                        "(its default, for SM90): the expanded combine's SMs read every expanded row to "
+                        "reduce a token's local experts before sending (allow_multiple_reduction, the default)"}),
     KernelFamily("nccl-ep", "NCCL EP", "normal", "nvidia", ("ib", "roce", "efa"), sms=16, reduce="fused", sources={
         "design": "assumed, set from NCCL's device-initiated (GIN) EP API: high-throughput mode moves rows as "
                   "DeepEP's normal kernels do (node-deduplicated, relayed)",
@@ -227,8 +313,10 @@ def family_spec(fam: KernelFamily, **kw) -> KernelSpec:
     spec = KernelSpec(family=fam.name, dispatch_fixed_us=fam.dispatch_fixed_us, combine_fixed_us=fam.combine_fixed_us,
                       plan_fixed_us=fam.plan_fixed_us, extra_fixed_us=fam.extra_fixed_us, message_us=fam.message_us,
                       relay_message_rows=fam.relay_message_rows, sm_copy_factor=fam.sm_copy_factor, reduce=fam.reduce,
-                      reduce_sms=fam.reduce_sms)
+                      reduce_sms=fam.reduce_sms, chunks=fam.chunks, channels_per_sm=fam.channels_per_sm,
+                      epilogue=fam.epilogue, sm_read_GBps=fam.sm_read_GBps)
     return replace(spec, **kw)
 
 
-__all__ = ["ALL_SMS", "COUNTS", "FAMILIES", "KernelFamily", "KernelSpec", "REDUCE_MODES", "family", "family_spec"]
+__all__ = ["ALL_SMS", "COUNTS", "EPILOGUES", "FAMILIES", "KernelFamily", "KernelSpec", "REDUCE_MODES", "RelayChunk",
+           "V1_CHUNKS", "V2_SM_COPY_FACTOR", "chunk_for", "family", "family_spec"]

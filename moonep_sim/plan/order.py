@@ -68,14 +68,32 @@ def stable_order_counts(key_N: np.ndarray, n_keys: int,
     return stable_order(key_N, n_keys), key_counts(key_N, n_keys)
 
 
+def stable_order_positions(key_N: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(order, counts, pos): :func:`stable_order_counts` and the inverse permutation, ``pos[order[p]]
+    = p`` (int64 [N]: each item's place in the order). Where the sort goes chunk by chunk, each
+    chunk writes its items' places as it places them (in cache), instead of one scatter of N."""
+    if 1 << 8 < n_keys <= 1 << 16:
+        key16 = key_N.astype(np.uint16, copy=False)
+        chunks = min(-(-key16.size // CHUNK), key16.size // (2 * n_keys))
+        if chunks >= 4:
+            pos = np.empty(key16.size, dtype=np.int64)
+            order, counts = _chunked_order(key16, n_keys, chunks, counts=True, pos=pos)
+            return order, counts, pos
+    order, counts = stable_order(key_N, n_keys), key_counts(key_N, n_keys)
+    pos = np.empty(order.size, dtype=np.int64)
+    pos[order] = np.arange(order.size, dtype=np.int64)
+    return order, counts, pos
+
+
 def _chunked_order(key16_N: np.ndarray, n_keys: int, chunks: int, counts: bool = False,
-                   out: np.ndarray | None = None):
+                   out: np.ndarray | None = None, pos: np.ndarray | None = None):
     """``np.argsort(key16_N, kind="stable")`` as ``chunks`` sorts of consecutive chunks, each moved
     block by block -- its entries of key k -- to where block (chunk, key) lies in (key, chunk)
     order. Chunks are in entry order, so that is the stable order. One pass counts each chunk's
     keys (where every block goes), a second sorts the chunks and places them; no [N] temporary
     beyond the result. The loops are over chunks (N / CHUNK), not entries. With ``counts`` also
-    returns the keys' counts (int64 [n_keys])."""
+    returns the keys' counts (int64 [n_keys]); with ``pos`` (int64 [N]) writes each item's place in
+    the order there."""
     n = key16_N.size
     size = -(-n // chunks)
     cnt_CK = np.zeros((chunks, n_keys), dtype=np.int64)
@@ -89,8 +107,11 @@ def _chunked_order(key16_N: np.ndarray, n_keys: int, chunks: int, counts: bool =
         lo, hi = c * size, min(n, (c + 1) * size)
         if hi > lo:
             local = np.argsort(key16_N[lo:hi], kind="stable")
+            at = segment_ranges(dest_CK[c], cnt_CK[c])  # the places of the chunk's sorted items
+            if pos is not None:
+                pos[lo:hi][local] = at
             local += lo
-            order[segment_ranges(dest_CK[c], cnt_CK[c])] = local
+            order[at] = local
     return (order, cnt_CK.sum(axis=0)) if counts else order
 
 
@@ -98,21 +119,29 @@ def segment_ranges(first_B: np.ndarray, lens_B: np.ndarray, out: np.ndarray | No
     """int64 [sum(lens_B)]: the ranges ``first_B[b], first_B[b] + 1, ..., first_B[b] + lens_B[b] - 1``
     of B segments, concatenated (``np.repeat(first_B - start_B, lens_B) + np.arange(total)``).
 
-    Built in one array (ones, the jump at each segment's start, then a cumulative sum in place): no
-    [total]-sized temporary, which at millions of rows costs as much as the arithmetic. ``out``: an
-    int64 [total] array to build it in (else a new one).
+    Built in one array, no [total]-sized temporary (which at millions of rows costs as much as the
+    arithmetic): segments of SEGMENT_LOOP_MIN rows or more on average are each written once, as
+    one shared ``arange`` plus their first value; many short ones as ones, the jump at each
+    segment's start, then a cumulative sum in place. ``out``: an int64 [total] array to build it
+    in (else a new one).
     """
     first = np.asarray(first_B, dtype=np.int64)
     lens = np.asarray(lens_B, dtype=np.int64)
     total = int(lens.sum())
     if out is None or out.shape != (total,) or out.dtype != np.int64:
-        out = np.ones(total, dtype=np.int64)
-    else:
-        out.fill(1)
+        out = np.empty(total, dtype=np.int64)
     if total == 0:
         return out
     nz = lens > 0
     f, n = first[nz], lens[nz]
+    if f.size * SEGMENT_LOOP_MIN <= total:
+        base = np.arange(int(n.max()), dtype=np.int64)
+        pos = 0
+        for fb, nb in zip(f.tolist(), n.tolist()):  # loop over segments, not rows
+            np.add(base[:nb], fb, out=out[pos:pos + nb])
+            pos += nb
+        return out
+    out.fill(1)
     start = np.cumsum(n) - n
     # at a segment's start the value jumps from the previous segment's last value to its first
     jump = f.copy()
@@ -120,6 +149,11 @@ def segment_ranges(first_B: np.ndarray, lens_B: np.ndarray, out: np.ndarray | No
     out[start] = jump
     np.cumsum(out, out=out)
     return out
+
+
+#: mean segment length from which :func:`segment_ranges` writes segment by segment (one pass,
+#: a Python step per segment) rather than by a cumulative sum (three passes over the rows)
+SEGMENT_LOOP_MIN = 512
 
 
 def segment_mask(start_B: np.ndarray, lens_B: np.ndarray, n: int) -> np.ndarray:
@@ -146,4 +180,4 @@ def entry_token(entry_N: np.ndarray, top_k: int) -> np.ndarray:
 
 
 __all__ = ["entry_token", "key_counts", "segment_mask", "segment_ranges", "small_key_dtype", "stable_order",
-           "stable_order_counts"]
+           "stable_order_counts", "stable_order_positions"]

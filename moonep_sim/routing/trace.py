@@ -457,6 +457,9 @@ class Trace:
                 f"tokens={m.num_tokens}, E={m.num_experts}, K={m.top_k})")
 
 
+_PAIRWISE_MAX_K = 32  # find_bad_token compares position pairs up to this top-k, sorts rows above it
+
+
 def find_bad_token(ids_TK: np.ndarray, num_experts: int) -> tuple[str, int] | None:
     """The first token breaking the routing rules, vectorised: ``("range", t)`` when token t has an
     expert id outside [0, E), ``("duplicate", t)`` when it picks one expert twice; None if valid."""
@@ -465,9 +468,19 @@ def find_bad_token(ids_TK: np.ndarray, num_experts: int) -> tuple[str, int] | No
     bad = (ids_TK < 0) | (ids_TK >= num_experts)
     if bad.any():
         return "range", int(np.argmax(bad.any(axis=1)))
-    if ids_TK.shape[1] > 1:
-        s = np.sort(ids_TK, axis=1)
-        dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
+    K = ids_TK.shape[1]
+    if K > 1:
+        if K <= _PAIRWISE_MAX_K:
+            # every pair of positions compared on contiguous narrow columns: K(K-1)/2 passes over T,
+            # about 3x faster than a row sort for K=16 (the sort below is the reference, kept for large K)
+            c_KT = ids_TK.T.astype(np.int16 if num_experts <= np.iinfo(np.int16).max else np.int32, order="C")
+            dup = np.zeros(ids_TK.shape[0], bool)
+            for i in range(1, K):
+                for j in range(i):
+                    dup |= c_KT[i] == c_KT[j]
+        else:
+            s = np.sort(ids_TK, axis=1)
+            dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
         if dup.any():
             return "duplicate", int(np.argmax(dup))
     return None

@@ -285,6 +285,10 @@ def stage_parts(sim: StepSim, rec, t_end: float) -> list[dict[str, Any]]:
         wm = np.isin(ph, pids) if pids else np.zeros(ph.size, dtype=bool)
         weights = _clip(float(rec["start"][wm].min()), float(rec["end"][wm].max()), lo, hi) if wm.any() else 0.0
         parts = dict(plan_us=_clip(ss, pe, lo, hi), dispatch_us=_clip(pe, cs, lo, hi), compute_us=_clip(cs, ce, lo, hi))
+        # the three intervals are contiguous (ss <= pe <= cs <= ce <= E(s)): clipped, they fit the window
+        require(sum(parts.values()) <= (hi - lo) * (1 + 1e-9) + 1e-9,
+                f"stage {si}'s critical-rank parts ({sum(parts.values())} us) must fit its window ({hi - lo} us) "
+                "(internal error)", ConfigError)
         parts["combine_us"] = max(hi - lo - sum(parts.values()), 0.0)
         out.append(dict(layer=int(li), direction=prog.direction.value, start_us=lo, end_us=hi, critical_rank=c,
                         **parts, fixed_us=float(fixed), weights_us=float(weights)))

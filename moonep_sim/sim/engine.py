@@ -25,7 +25,7 @@ each flow record names its phase's kind; every local span is a typed :class:`Spa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple, Sequence
 
@@ -37,7 +37,7 @@ from moonep_sim.models import ModelSpec
 from moonep_sim.plan import CommPhase, Plan
 from moonep_sim.plan.kinds import Direction, PhaseKind, Scope
 from moonep_sim.sim.cpu import HostCPU
-from moonep_sim.sim.faults import FaultState, lognormal_factors
+from moonep_sim.sim.faults import FaultState, StallKey, lognormal_factors
 from moonep_sim.sim.kernels import sm_cap_bytes_per_us
 from moonep_sim.sim.network import FlowNetwork, PortMap
 from moonep_sim.sim.options import SimOptions
@@ -72,6 +72,40 @@ class Side(str, Enum):
 
     PRE = "pre"
     POST = "post"
+
+
+class Gate(str, Enum):
+    """What a rank's expert compute waited for last (``StepSim.compute_gate``): nothing (START),
+    its dispatched rows (DISPATCH), its copies' weights (WEIGHTS) or an injected stall (STALL)."""
+
+    START = "start"
+    DISPATCH = "dispatch"
+    WEIGHTS = "weights"
+    STALL = "stall"
+
+
+class Stage(NamedTuple):
+    """One simulated stage: the layer (index into the simulated plans) and its program."""
+
+    layer: int
+    program: StageProgram
+
+
+class SideKey(NamedTuple):
+    """Rank ``rank``'s hops on one side of stage ``stage``."""
+
+    stage: int
+    side: Side
+    rank: int
+
+
+@dataclass
+class FirstMessage:
+    """When a rank holds the first message of a relayed hop chunk: the event that fires then, and
+    the earliest time any of its senders announced (``inf`` until one did)."""
+
+    event: simpy.Event
+    t_us: float = field(default=float("inf"))
 
 
 class HopKey(NamedTuple):
@@ -110,10 +144,11 @@ class Span(NamedTuple):
 class StepSim:
     """One simpy run over a sequence of (plan, direction) stages chained per rank.
 
-    After ``build()`` and ``env.run()``: ``spans`` (typed :class:`Span` records of local work and
-    hops), ``compute_start`` / ``compute_end`` / ``stage_start`` / ``stage_end`` ([stage, R] us),
-    ``compute_gate`` ([stage][R]: what compute waited for last: start, dispatch, weights, stall)
-    and the networks flow records, each flows phase carrying a :class:`PhaseTag`.
+    ``stages``: the :class:`Stage` records in run order. After ``build()`` and ``env.run()``:
+    ``spans`` (typed :class:`Span` records of local work and hops), ``compute_start`` /
+    ``compute_end`` / ``stage_start`` / ``stage_end`` ([stage, R] us), ``compute_gate``
+    ([stage][R] :class:`Gate`: what compute waited for last) and the network's flow records, each
+    flow's phase carrying a :class:`PhaseTag`.
     """
 
     def __init__(self, plans: Sequence[Plan], topo: Topology, model: ModelSpec, opts: SimOptions):
@@ -135,22 +170,26 @@ class StepSim:
         self.cpus = None if host_R is None or topo.host_sharing != "processor" else \
             [HostCPU(self.env, topo.host_cores) for _ in range(int(host_R.max()) + 1)]
         self.spans: list[Span] = []
-        self.stages: list[tuple[int, StageProgram]] = []
+        self.stages: list[Stage] = []
+        backward = opts.backward and opts.isolate is None
+        # each hop's rows per (src, dst), counted once for both directions (a pass over its messages)
+        hop_rows = [[h.rows_RR(R) for h in p.hops] if backward else None for p in plans]
         for li, p in enumerate(plans):
-            self.stages.append((li, stage_program(p, model, topo, Direction.FORWARD, opts, self.fs)))
-        if opts.backward and opts.isolate is None:
+            self.stages.append(Stage(li, stage_program(p, model, topo, Direction.FORWARD, opts, self.fs, hop_rows[li])))
+        if backward:
             for li in reversed(range(len(plans))):
-                self.stages.append((li, stage_program(plans[li], model, topo, Direction.BACKWARD, opts, self.fs)))
+                self.stages.append(Stage(li, stage_program(plans[li], model, topo, Direction.BACKWARD, opts, self.fs,
+                                                           hop_rows[li])))
         self.compute_start = np.zeros((len(self.stages), R))
         self.compute_end = np.zeros((len(self.stages), R))
-        self.compute_gate: list[list[str]] = [["" for _ in range(R)] for _ in self.stages]
+        self.compute_gate: list[list[Gate]] = [[Gate.START for _ in range(R)] for _ in self.stages]
         self.stage_end = np.zeros((len(self.stages), R))
         self.stage_start = np.zeros((len(self.stages), R))
         self.busy_P: np.ndarray | None = None  # us each port was busy (set by the analysis)
-        self._planned_ev: dict[tuple[int, int], simpy.Event] = {}   # (stage, rank) -> planning done
-        self._done_ev: dict[tuple[int, Side, int], list[list[simpy.Event]]] = {}   # (stage, side, rank) -> [hop][chunk]
+        self._planned_ev = [[self.env.event() for _ in range(R)] for _ in self.stages]   # [stage][rank]: planning done
+        self._done_ev: dict[SideKey, list[list[simpy.Event]]] = {}   # -> [hop][chunk]
         self._done_t: dict[HopKey, float] = {}    # when the rank held that hop chunk
-        self._first: dict[HopKey, list] = {}      # [event, earliest time] the rank holds its first message
+        self._first: dict[HopKey, FirstMessage] = {}
 
     # -- helpers -------------------------------------------------------------------------
     def _work(self, r: int, us: float) -> simpy.Event:
@@ -213,9 +252,9 @@ class StepSim:
                 done.append(fin)
             start = done
 
-    def _stall(self, r: int, phase: str, stage_index: int):
-        us = self.fs.stall_us.get((r, phase), 0.0) if stage_index == 0 else 0.0
-        return us
+    def _stall(self, r: int, phase: str, stage_index: int) -> float:
+        """us rank r stalls before ``phase`` (injected stalls apply to the first stage only)."""
+        return self.fs.stall_us.get(StallKey(r, phase), 0.0) if stage_index == 0 else 0.0
 
     def _dispatcher(self, si, d: StageProgram, r, start_ev, pre, wts, prefix):
         env = self.env
@@ -271,21 +310,18 @@ class StepSim:
 
     def _planned(self, si: int, r: int) -> simpy.Event:
         """Fires once rank r finished planning stage si (at once when there is no planning)."""
-        key = (si, r)
-        if key not in self._planned_ev:
-            self._planned_ev[key] = self.env.event()
-        return self._planned_ev[key]
+        return self._planned_ev[si][r]
 
     def _done(self, si: int, side: Side, r: int, hops: int) -> list[list[simpy.Event]]:
         """Per (hop, chunk): fires once rank r received that chunk and made its local pass over it."""
-        key = (si, side, r)
+        key = SideKey(si, side, r)
         if key not in self._done_ev:
             self._done_ev[key] = [[self.env.event() for _ in range(self.opts.chunks)] for _ in range(hops)]
         return self._done_ev[key]
 
-    def _first_message(self, key: HopKey) -> list:
+    def _first_message(self, key: HopKey) -> FirstMessage:
         if key not in self._first:
-            self._first[key] = [self.env.event(), np.inf]
+            self._first[key] = FirstMessage(self.env.event())
         return self._first[key]
 
     def _announce(self, si, side, h, j, r, relay_RR, b_R) -> None:
@@ -295,9 +331,9 @@ class StepSim:
         for d in np.flatnonzero(b_R > 0).tolist():
             slot = self._first_message(HopKey(si, side, h, j, d))
             t = now + float(relay_RR[r, d])
-            if t < slot[1]:
-                slot[1] = t
-                ev = slot[0]
+            if t < slot.t_us:
+                slot.t_us = t
+                ev = slot.event
                 self.env.timeout(t - now).callbacks.append(lambda _e, ev=ev: None if ev.triggered else ev.succeed())
 
     def _relay_tail(self, si, side, h, j, r, rows, relay_RR, hops):
@@ -325,17 +361,18 @@ class StepSim:
         :meth:`_relay_tail`)."""
         env = self.env
         c = self.opts.chunks
-        si, side, prog, relay, fixed = kern if kern is not None else (None, None, None, None, 0.0)
+        si, side, relay = (kern.stage, kern.side, kern.relay) if kern is not None else (None, None, None)
+        fixed = kern.fixed_us if kern is not None else 0.0
         for j in range(c):
             pid = rows[h][j].pid
             tag = self.net.phase_tag(pid)
             if h > 0 and relay is not None:
-                yield env.any_of([self._first_message(HopKey(si, side, h - 1, j, r))[0], done[h - 1][j]])
+                yield env.any_of([self._first_message(HopKey(si, side, h - 1, j, r)).event, done[h - 1][j]])
             elif h > 0:
                 yield done[h - 1][j] if done is not None else self.net.received(rows[h - 1][j].pid, r)
             elif first_gate is not None:
                 yield first_gate[j]
-            if j == 0 and fixed > 0 and (h == 0 or not prog.relayed):
+            if j == 0 and fixed > 0 and (h == 0 or not kern.program.relayed):
                 t0 = env.now
                 yield env.timeout(fixed)
                 # named after its hop (``dispatch.0.fixed``), so phases_us gives each launch's own span
@@ -366,10 +403,10 @@ class StepSim:
         yield start_ev
         yield self._planned(si, r)
         for j in range(self.opts.chunks):
-            gate = "start"
+            gate = Gate.START
             if pre:
                 yield self._done(si, Side.PRE, r, len(pre))[-1][j]
-                gate = "dispatch"
+                gate = Gate.DISPATCH
             if j == 0 and wts:
                 t_before = env.now
                 yield env.all_of([self.net.received(w.pid, r) for w in wts])
@@ -378,14 +415,14 @@ class StepSim:
                     yield self._work(r, float(d.w_post_R[r]))
                     self._span(r, prefix + "copy", PhaseKind.COPY, d.direction, t0)
                 if env.now > t_before:
-                    gate = "weights"
+                    gate = Gate.WEIGHTS
             if j == 0:
                 st = self._stall(r, "compute", si)
                 if st > 0:
                     t0 = env.now
                     yield env.timeout(st)
                     self._span(r, prefix + "stall", PhaseKind.STALL, d.direction, t0)
-                    gate = "stall"
+                    gate = Gate.STALL
                 self.compute_start[si, r] = env.now
                 self.compute_gate[si][r] = gate
             t0 = env.now
@@ -421,4 +458,5 @@ class StepSim:
         fin.succeed()
 
 
-__all__ = ["HopKey", "KernelTerms", "PhaseRows", "PhaseTag", "Side", "Span", "StepSim"]
+__all__ = ["FirstMessage", "Gate", "HopKey", "KernelTerms", "PhaseRows", "PhaseTag", "Side", "SideKey", "Span", "Stage",
+           "StepSim"]

@@ -17,6 +17,7 @@ CLI spellings: ``--slow-gpu RANK:FACTOR``, ``--degrade-nic RANK:FACTOR``,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -96,19 +97,26 @@ def parse_faults(slow_gpu=(), degrade_nic=(), degrade_nvlink=(), stall=()) -> li
     return out
 
 
+class StallKey(NamedTuple):
+    """Which stall: rank ``rank`` before ``phase`` (one of ``STALL_PHASES``)."""
+
+    rank: int
+    phase: str
+
+
 @dataclass(frozen=True)
 class FaultState:
-    """Faults resolved for R ranks: per-rank factors and stalls."""
+    """Faults resolved for R ranks: per-rank factors and the stalls' total us per :class:`StallKey`."""
 
     gpu_speed_R: np.ndarray
     nic_factor_R: np.ndarray
     nvlink_factor_R: np.ndarray
-    stall_us: dict[tuple[int, str], float]
+    stall_us: dict[StallKey, float]
 
     @classmethod
     def build(cls, faults, ranks: int) -> "FaultState":
         gpu, nic, nvl = np.ones(ranks), np.ones(ranks), np.ones(ranks)
-        stalls: dict[tuple[int, str], float] = {}
+        stalls: dict[StallKey, float] = {}
         for f in faults or ():
             require(f.rank < ranks, f"fault rank ({f.rank}) must be < ranks ({ranks}): {f}")
             if isinstance(f, SlowGPU):
@@ -116,7 +124,8 @@ class FaultState:
             elif isinstance(f, DegradedLink):
                 (nic if f.link == "nic" else nvl)[f.rank] *= f.factor
             elif isinstance(f, Stall):
-                stalls[(f.rank, f.phase)] = stalls.get((f.rank, f.phase), 0.0) + f.us
+                key = StallKey(f.rank, f.phase)
+                stalls[key] = stalls.get(key, 0.0) + f.us
             else:
                 raise ConfigError(f"fault ({f!r}) must be a SlowGPU, DegradedLink or Stall")
         return cls(gpu, nic, nvl, stalls)
@@ -130,4 +139,4 @@ def lognormal_factors(rng: np.random.Generator, cv: float, shape) -> np.ndarray:
     return rng.lognormal(-s2 / 2, np.sqrt(s2), shape)
 
 
-__all__ = ["DegradedLink", "Fault", "FaultState", "SlowGPU", "Stall", "lognormal_factors", "parse_faults"]
+__all__ = ["DegradedLink", "Fault", "FaultState", "SlowGPU", "Stall", "StallKey", "lognormal_factors", "parse_faults"]

@@ -13,9 +13,15 @@ planning terms), each with its source and status in the preset's ``[sources]``.
   most ``min(b, sm_count) x sm_copy_GBps`` per GPU (:func:`sm_cap_bytes_per_us`), whatever the
   links allow; the network carries it as one send and one receive port per rank.
 - **Relayed forwarding** (``kernel_relay_message_rows``): a relay forwards rows as they arrive in
-  messages of m rows, so hop h+1 overlaps hop h (:func:`relay_two_hop_us`).
+  messages of m rows, so hop h+1 overlaps hop h (:func:`relay_two_hop_us`); a chunked kernel
+  (DeepEP V1) forwards in ``channels x chunk`` rows per hop class and direction (:func:`relay_hop_rows`).
 - **Per-message NIC cost** (``kernel_nic_message_us``): one RDMA write per row for the low-latency
   kernels (:func:`row_messages_us`).
+- **Copy epilogue** (DeepEP V2, ``KernelSpec.epilogue``): after the dispatch kernel, a kernel on
+  every SM writes the received rows into the output, once per (token, rank) or -- expanded -- once
+  per (token, local expert) (:func:`dispatch_epilogue_us`); an expanded combine first reads every
+  expanded row (:func:`expand_read_bytes_per_us`). Charged in a layer, not in an isolated kernel
+  (the library's test times the epilogue apart; ``simulate --isolate`` prints it beside).
 - **Planning as a function of the work** (:func:`planning_us`).
 - **Weight copies** (``[weights]``): one expert copy over NVLink or the NIC, by copy engine or SMs
   (:func:`weight_copy_us`), what prefetch, migration and gradient reduce move.
@@ -26,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from moonep_sim.plan.kernel import ALL_SMS, KernelSpec
+from moonep_sim.plan.kernel import ALL_SMS, KernelSpec, chunk_for
 from moonep_sim.sim.topology import Topology
 
 
@@ -62,6 +68,21 @@ def relay_rows(topo: Topology, spec: KernelSpec | None = None) -> int:
     return int(own) if own is not None else int(topo.kernel_relay_message_rows)
 
 
+def relay_hop_rows(topo: Topology, spec: KernelSpec | None, ranks: int, direction: str, inter_node: bool) -> int:
+    """Rows of one relayed "message" on a hop of that class (``inter_node``: RDMA, else NVLink) in
+    ``direction`` (``"dispatch"`` / ``"combine"``): for a chunked kernel (``spec.chunks``, DeepEP
+    V1's ``Config`` per EP size) ``channels x chunk`` -- its ``sms x channels_per_sm`` channels
+    each send in chunks and share the link, so a relay holds every channel's first chunk (and a
+    receiver every channel's last) only ``channels x chunk`` rows after the hop starts (ends);
+    else :func:`relay_rows`."""
+    c = chunk_for(spec.chunks, ranks) if spec is not None else None
+    if c is None:
+        return relay_rows(topo, spec)
+    sms = kernel_sms(topo, spec)
+    channels = max(1, int(sms * spec.channels_per_sm)) if sms else 1
+    return channels * c.rows(direction, inter_node)
+
+
 def nic_message_cost_us(topo: Topology, spec: KernelSpec | None = None) -> float:
     """Serial cost of one NIC message at the sending GPU: the slower of the kernel's own
     per-write cost (``kernel_nic_message_us``) and the GPU's share of its NICs' message rate
@@ -89,6 +110,41 @@ def combine_reduce_us(recv_bytes: float, out_bytes: float, rate: float, mode: st
         return 0.0
     work = float(recv_bytes) + float(out_bytes)
     return (work if mode == "after" else min(work, float(tail_bytes))) / rate
+
+
+def dispatch_epilogue_us(recv_rows, out_rows, row_bytes: float, rate: float):
+    """A dispatch's copy epilogue on one rank (DeepEP V2): it reads the ``recv_rows`` it received
+    (one per (token, rank)) and writes ``out_rows`` -- the same rows (``epilogue="recv"``) or one per
+    (token, local expert) selection (``"expand"``) -- at ``rate`` bytes/us (HBM: it runs on every SM):
+    ``(recv + out) x row / rate``. Rows may be scalars or [R] arrays (one per rank)."""
+    if rate <= 0 or not math.isfinite(rate):
+        return 0.0 * (recv_rows + out_rows)
+    return (recv_rows + out_rows) * float(row_bytes) / rate
+
+
+def epilogue_rows_R(plan) -> tuple:
+    """([R] rows each rank received after the last dispatch hop, its own included; [R] rows its
+    epilogue writes): the received rows again (``"recv"``), or the real rows of its expert-grouped
+    layout, one per kept (token, expert) entry (``"expand"``); (None, None) without an epilogue."""
+    spec = plan.kernel
+    if spec is None or not spec.epilogue or not plan.hops:
+        return None, None
+    recv_R = plan.hops[-1].dst_rows_R.astype("float64")
+    return recv_R, (recv_R if spec.epilogue == "recv" else plan.real_rows_R().astype("float64"))
+
+
+def expand_read_bytes_per_us(topo: Topology, spec: KernelSpec | None) -> float:
+    """Rate of an expanded combine's read of its expanded rows on one rank: HBM, capped by the
+    kernel's SMs at the family's per-SM read rate (``sm_read_GBps``; 0 = its SM copy rate)."""
+    rate = topo.mem_bytes_per_us
+    if spec is None:
+        return rate
+    n = kernel_sms(topo, spec)
+    if n and spec.sm_read_GBps > 0:
+        rate = min(rate, n * spec.sm_read_GBps * 1e3)
+    elif n:
+        rate = min(rate, sm_cap_bytes_per_us(topo, spec))
+    return rate
 
 
 def kernel_launches(spec: KernelSpec | None, hops: int) -> int:
@@ -164,8 +220,9 @@ def weight_copy_us(topo: Topology, nbytes: float, inter_node: bool, engine: str 
     return lat + float(nbytes) / weight_copy_bytes_per_us(topo, inter_node, engine, sms)
 
 
-__all__ = ["checked_on", "class_bytes_per_us", "kernel_checks", "combine_reduce_us", "kernel_fixed_us", "kernel_launches", "kernel_sms", "message_us",
-           "nic_message_cost_us", "planning_us", "reduce_bytes_per_us", "relay_active", "relay_rows", "relay_two_hop_us",
+__all__ = ["checked_on", "class_bytes_per_us", "dispatch_epilogue_us", "epilogue_rows_R", "expand_read_bytes_per_us",
+           "kernel_checks", "combine_reduce_us", "kernel_fixed_us", "kernel_launches", "kernel_sms", "message_us",
+           "nic_message_cost_us", "planning_us", "reduce_bytes_per_us", "relay_active", "relay_hop_rows", "relay_rows", "relay_two_hop_us",
            "row_messages_us", "sm_cap_bytes_per_us", "weight_copy_bytes_per_us", "weight_copy_us"]
 
 
@@ -186,7 +243,7 @@ def checked_on(preset: str) -> list[tuple[str, str]]:
     return [(c["family"], f"{c['against']} ({len(c['rows'])} rows)") for c in kernel_checks() if c["preset"] == preset]
 
 
-def isolated_kernel_figures(plan, res, what: str) -> dict:
+def isolated_kernel_figures(plan, res, what: str, topo: Topology | None = None) -> dict:
     """A kernel timed alone (``SimOptions(isolate=what)``), counted the ways publishers count it.
 
     Times: ``rank_mean_us`` -- each rank's own kernel time (common start to holding its output),
@@ -205,6 +262,10 @@ def isolated_kernel_figures(plan, res, what: str) -> dict:
 
     Each ``*_GBps`` is that byte count over ``rank_mean_us``. ``family`` / ``library_counts``: the
     Plan's kernel family and the keys its library's own test reports (``KernelFamily.counts``).
+    With ``topo``, a dispatch whose family has a copy epilogue (DeepEP V2) also reports it as V2's
+    test times it, apart from the kernel: ``epilogue_us`` (:func:`dispatch_epilogue_us` per rank,
+    averaged), ``epilogue_bytes`` (rows read + rows written per rank x row, metadata not counted)
+    and ``epilogue_GBps``; ``epilogue`` names the mode (``recv`` / ``expand``).
     """
     import numpy as np
 
@@ -218,23 +279,29 @@ def isolated_kernel_figures(plan, res, what: str) -> dict:
     if plan.hops:
         out["rows_received"] = float(plan.hops[-1].dst_rows_R.mean()) * row
     out["selections"] = float(kept.sum()) / max(R, 1) * row
-    G = plan.cluster.gpus_per_node
-    if R > G:
-        node = np.where(kept, plan.entry_rank_TK // G, -1)
+    geo = plan.cluster
+    if R > geo.gpus_per_node:
+        node = np.where(kept, geo.node_of(plan.entry_rank_TK), -1)
         s = np.sort(node, axis=1)
         uniq = ((s[:, 1:] != s[:, :-1]) & (s[:, 1:] >= 0)).sum(axis=1) + (s[:, :1] >= 0).sum(axis=1)
         out["node_pairs"] = float(uniq.sum()) / R * row
-    up = sum(int(((h.src_rank_M // G == h.dst_rank_M // G) & (h.src_rank_M != h.dst_rank_M)).sum())
+    up = sum(int((geo.same_node(h.src_rank_M, h.dst_rank_M) & (h.src_rank_M != h.dst_rank_M)).sum())
              for h in plan.hops)
-    down = sum(int((h.src_rank_M // G != h.dst_rank_M // G).sum()) for h in plan.hops)
+    down = sum(int((~geo.same_node(h.src_rank_M, h.dst_rank_M)).sum()) for h in plan.hops)
     out["scale_up"] = up / max(R, 1) * row
     out["scale_out"] = down / max(R, 1) * row
     for k in ("rows_received", "node_pairs", "scale_up", "scale_out", "selections"):
         if k in out and t_mean > 0:
             out[k + "_GBps"] = out[k] / t_mean / 1e3
+    recv_R, out_R = epilogue_rows_R(plan)
+    if what == "dispatch" and recv_R is not None and topo is not None and topo.sm_count > 0:
+        out["epilogue"] = plan.kernel.epilogue
+        out["epilogue_us"] = dispatch_epilogue_us(float(recv_R.mean()), float(out_R.mean()), row, topo.mem_bytes_per_us)
+        out["epilogue_bytes"] = float(np.mean(recv_R + out_R)) * row
+        out["epilogue_GBps"] = out["epilogue_bytes"] / out["epilogue_us"] / 1e3 if out["epilogue_us"] > 0 else 0.0
     fam = FAMILIES.get(plan.kernel.family) if plan.kernel is not None else None
     out["family"] = fam.name if fam is not None else ""
     counts = fam.counts if fam is not None else ""
-    out["library_counts"] = ({"deepep-v1": ["node_pairs" if R > G else "rows_received"],
+    out["library_counts"] = ({"deepep-v1": ["node_pairs" if R > geo.gpus_per_node else "rows_received"],
                               "deepep-v2": ["scale_up", "scale_out"], "selections": ["selections"]}.get(counts, []))
     return out

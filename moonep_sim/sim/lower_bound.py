@@ -145,8 +145,8 @@ def lower_bound(plan: Plan, model: ModelSpec, topo: Topology, backward: bool = F
     res[plan.slot_rank_S[home], plan.slot_expert_S[home]] = True
     ents = _Entries(plan)
     n_RE, tok_R = ents.n_RE, ents.tokens_needing(res)
-    G = min(topo.gpus_per_node, R)
-    nodes = topo.num_nodes(R)
+    geo = topo.cluster(R)
+    G, nodes = geo.gpus_per_node, geo.num_nodes
     comm, binding = 0.0, "compute"
     nic_rank = topo.nic_bytes_per_us * (G if topo.nic_attach == "node" else 1)  # a node's link: any rank may use it all
     bw = (topo.nvlink_bytes_per_us if G > 1 else 0.0) + (nic_rank if nodes > 1 else 0.0)
@@ -157,7 +157,7 @@ def lower_bound(plan: Plan, model: ModelSpec, topo: Topology, backward: bool = F
         r = int(np.argmax(t_R))
         comm, binding = float(t_R[r]), f"rank {r} ports"
     if nodes > 1:
-        node = np.arange(R) // G
+        node = geo.node_of(np.arange(R))
         n_NE = np.zeros((nodes, E), dtype=np.int64)
         np.add.at(n_NE, node, n_RE)
         res_NE = np.zeros((nodes, E), dtype=bool)

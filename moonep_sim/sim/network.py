@@ -37,7 +37,7 @@ version counter.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import simpy
@@ -47,6 +47,13 @@ from moonep_sim.sim.blocks import BlockCounts, Levels
 from moonep_sim.sim.flows import ActiveFlows, FlowLog, Pending
 from moonep_sim.sim.ports import L_PATH, Block, PortMap, block_kind
 from moonep_sim.sim.waterfill import waterfill
+
+
+class UtilSample(NamedTuple):
+    """Port utilisation at a tick (``record_util``): the time and, per port, rate / capacity."""
+
+    t_us: float
+    util_P: np.ndarray
 
 
 class FlowNetwork:
@@ -92,7 +99,7 @@ class FlowNetwork:
         self._next_tick = np.inf
         self.ticks = 0
         self.fill_iterations = 0
-        self.util_samples: list[tuple[float, np.ndarray]] = []
+        self.util_samples: list[UtilSample] = []
 
     # -- phases and receive groups ---------------------------------------------------------
     def expect(self, name: str, count_R: np.ndarray, tag: Any = None, sm: bool = False, nic_only: bool = False) -> int:
@@ -195,7 +202,7 @@ class FlowNetwork:
             if sel.size:
                 self._complete(a.id[sel], self._bottlenecks(sel), a.key[sel], t)
                 if self._blocks is not None:
-                    self._blocks.add(a.blk[sel], a.src[sel], a.dst[sel], -1.0)
+                    self._blocks.add(a.ns[sel], a.nd[sel], -1.0)
                 a.alive[sel] = False
                 a.fin[sel] = np.inf
                 a.rem0[sel] = np.inf
@@ -227,11 +234,12 @@ class FlowNetwork:
                 m = ids.size
                 src_F, dst_F, blk_F = new.src, new.dst, new.blk
                 extra = {} if self._blocks is not None else dict(path=new.path)
+                ns_F, nd_F = blk_F * self.ports.ranks + src_F, blk_F * self.ports.ranks + dst_F
                 a.append(rate=np.zeros(m), rem0=new.eff, t0=np.full(m, t), fin=np.full(m, np.inf), id=ids,
                          key=new.key, src=src_F, dst=dst_F, blk=blk_F, alive=np.ones(m, dtype=bool),
-                         ns=blk_F * self.ports.ranks + src_F, nd=blk_F * self.ports.ranks + dst_F, **extra)
+                         ns=ns_F, nd=nd_F, **extra)
                 if self._blocks is not None:
-                    self._blocks.add(blk_F, src_F, dst_F, 1.0)
+                    self._blocks.add(ns_F, nd_F, 1.0)
         # 3. rates: exact max-min levels, then only flows whose rate changed are touched
         if self._blocks is not None:
             lv = self._levels = self._blocks.fill(self.ports.cap_P)
@@ -272,7 +280,7 @@ class FlowNetwork:
                 path = np.concatenate([bc.ps[a.blk[live] * R + a.src[live]], bc.pd[a.blk[live] * R + a.dst[live]]], axis=1)
             use = np.bincount(path.ravel(), weights=np.repeat(a.rate[live], path.shape[1]),
                               minlength=self.ports.cap_P.size)[:-1]
-            self.util_samples.append((t, use / self.ports.cap_P[:-1]))
+            self.util_samples.append(UtilSample(t, use / self.ports.cap_P[:-1]))
         # 4. next tick
         nxt = float(a.fin.min()) if a.n else np.inf
         if self._pend:
@@ -287,13 +295,14 @@ class FlowNetwork:
     def _complete(self, ids: np.ndarray, bneck: np.ndarray, key: np.ndarray, t: float) -> None:
         self._log.end[ids] = t
         self._log.bneck[ids] = bneck
-        uk, cnt = np.unique(key, return_counts=True)
-        R = self.ports.ranks
         left = self._left
-        left[uk] -= cnt
-        for k in uk[left[uk] == 0].tolist():   # receive groups complete in key order
-            p, d = divmod(k, R)
-            self._group_events[p][d].succeed()
+        np.subtract.at(left, key, 1)
+        full = key[left[key] == 0]
+        if full.size:
+            R = self.ports.ranks
+            for k in np.unique(full).tolist():   # receive groups complete in key order
+                p, d = divmod(k, R)
+                self._group_events[p][d].succeed()
 
     # -- results ---------------------------------------------------------------------------
     def records(self) -> dict[str, np.ndarray]:
@@ -350,4 +359,4 @@ class FlowNetwork:
 
 
 
-__all__ = ["FlowNetwork", "PortMap", "waterfill"]
+__all__ = ["FlowNetwork", "PortMap", "UtilSample", "waterfill"]

@@ -50,6 +50,7 @@ from enum import IntEnum
 
 import numpy as np
 
+from moonep_sim.plan.placement import ClusterShape
 from moonep_sim.sim.topology import Topology
 
 L_PATH = 9
@@ -84,6 +85,14 @@ class RankPort(IntEnum):
     HBM = 4
 
 
+def nic_group_of(cluster: ClusterShape, group: int, rank):
+    """The shared network link of ``rank`` (int or integer array) when ``group`` ranks of a node
+    share one (a divisor of G; G: the node's link, ``nic.attach = "node"``): its node's links in
+    order, ``node x (G / group) + local index // group``."""
+    G = cluster.gpus_per_node
+    return cluster.node_of(rank) * (G // group) + cluster.local_index(rank) // group
+
+
 def block_kind(blk):
     """The :class:`Block` kind of block index(es) ``blk`` (int or int64 array): SM-driven blocks
     map to the kind they copy."""
@@ -95,6 +104,8 @@ class PortMap:
     """Port indices, capacities (bytes/us) and names for R ranks on a topology.
 
     cap_P: float64 [P+1]; the last port is the dummy (infinite capacity) that pads paths.
+    cluster: which node and which rail each rank is on (``Topology.cluster``; built from ``ranks``,
+    ``gpus_per_node`` and ``nodes`` when not given): every node / rail rule of the port map asks it.
     """
 
     ranks: int
@@ -113,6 +124,11 @@ class PortMap:
     sm_ports: bool = False
     link_group: int = 0
     mesh: bool = False
+    cluster: ClusterShape | None = None
+
+    def __post_init__(self) -> None:
+        if self.cluster is None:
+            object.__setattr__(self, "cluster", ClusterShape(self.nodes * self.gpus_per_node, self.gpus_per_node))
 
     KINDS = tuple(k.name.lower() for k in RankPort)   # "nvlink_out", ... "hbm", by RankPort
 
@@ -122,8 +138,9 @@ class PortMap:
         """Ports of ``ranks`` GPUs on ``topo``; ``sm_bytes_per_us`` finite adds each rank's SM send
         and receive ports of that capacity (the Plan's kernel SM cap)."""
         R = ranks
-        G = min(topo.gpus_per_node, R)
-        nodes = topo.num_nodes(R)
+        geo = topo.cluster(R)
+        G = geo.gpus_per_node
+        nodes = geo.num_nodes
         rails = G
         # a spine port carries at most its rail's NIC traffic; with no oversubscription (and no
         # NIC above nominal) it can never bind, so paths skip it (exact, and halves the path length)
@@ -145,7 +162,7 @@ class PortMap:
         pair_cap = np.zeros(0)
         if pairs:  # port base + a * R + b (a < b) for the pair {a, b}; unused slots never bind
             a, b = np.divmod(np.arange(R * R), R)
-            same_node = (a // G) == (b // G)
+            same_node = geo.same_node(a, b)
             half = np.where(same_node, topo.nvlink_duplex == "half", topo.nic_duplex == "half")
             pair_nom = np.where(half & (a < b), np.where(same_node, nv, nic), np.inf)
             fac = np.where(same_node, np.minimum(nvf[a], nvf[b]), np.minimum(nicf[a], nicf[b]))
@@ -153,14 +170,15 @@ class PortMap:
         node_nom = np.full(2 * groups, nic) if node_links else np.zeros(0)
         node_cap = node_nom.copy()
         if node_links:  # a shared link is as fast as its slowest rank's NIC factor
-            nf = np.array([nicf[n * group:(n + 1) * group].min() for n in range(groups)])
+            nf = np.full(groups, np.inf)
+            np.minimum.at(nf, nic_group_of(geo, group, np.arange(R)), nicf)
             node_cap = node_nom * np.concatenate([nf, nf])
         mesh = topo.nvlink_peer_GBps > 0 and G > 1
         mesh_nom = np.zeros(0)
         mesh_cap = np.zeros(0)
         if mesh:  # port mesh_base + a * R + b for a -> b in one node; other slots never bind
             a, b = np.divmod(np.arange(R * R), R)
-            inside = ((a // G) == (b // G)) & (a != b)
+            inside = geo.same_node(a, b) & (a != b)
             mesh_nom = np.where(inside, topo.nvlink_peer_GBps * topo.nvlink_efficiency * 1e3, np.inf)
             mesh_cap = np.where(inside, mesh_nom * np.minimum(nvf[a], nvf[b]), np.inf)
         sm_ports = bool(np.isfinite(sm_bytes_per_us))
@@ -183,7 +201,7 @@ class PortMap:
             cap[mb:mb + R * R] = mesh_cap
         return cls(R, G, rails, nodes, cap, nominal, topo.nvlink_latency_us, topo.nic_latency_us,
                    topo.nic_latency_us + topo.fabric_latency_us, bool(spine_binds), bool(pairs), bool(node_links),
-                   float(topo.host_message_us), sm_ports, group, bool(mesh))
+                   float(topo.host_message_us), sm_ports, group, bool(mesh), geo)
 
     @property
     def spine_base(self) -> int:
@@ -291,8 +309,7 @@ class PortMap:
         NVLink (flows with ``nic_F`` True take the NIC path between ranks of one node too)."""
         src_F = np.asarray(src_F, dtype=np.int64)
         dst_F = np.asarray(dst_F, dtype=np.int64)
-        G = self.gpus_per_node
-        same_node = (src_F // G) == (dst_F // G)
+        same_node = self.cluster.same_node(src_F, dst_F)
         if nic_F is not None:
             same_node &= ~np.asarray(nic_F, dtype=bool)
         return src_F, dst_F, same_node
@@ -303,10 +320,9 @@ class PortMap:
         flows of SM-driven phases when the map has SM ports; flows with ``nic_F`` True take the
         NIC path between ranks of one node too)."""
         src_F, dst_F, same_node = self._over_nvlink(src_F, dst_F, nic_F)
-        G = self.gpus_per_node
         cls = np.where(src_F == dst_F, int(Block.LOCAL), np.where(same_node, int(Block.NVLINK), int(Block.NIC)))
         if self.spine_binds:
-            cls = np.where((cls == Block.NIC) & (src_F % G != dst_F % G), int(Block.NIC_SPINE), cls)
+            cls = np.where((cls == Block.NIC) & ~self.cluster.same_rail(src_F, dst_F), int(Block.NIC_SPINE), cls)
         if self.sm_ports and sm_F is not None:
             cls = cls + SM_BLOCK * np.asarray(sm_F, dtype=np.int64)
         return cls
@@ -318,7 +334,7 @@ class PortMap:
         R, G = self.ranks, self.gpus_per_node
         r = np.arange(R)
         dm = self.dummy
-        node, rail = r // (self.link_group or G), r % G
+        node, rail = nic_group_of(self.cluster, self.link_group or G, r), self.cluster.rail_of(r)
         col = lambda v: np.asarray(v, dtype=np.int64)  # noqa: E731
         own = lambda k: col(k * R + r)  # noqa: E731   (every rank's port of kind k)
         # per Block, in Block order: the sender's ports, the receiver's ports
@@ -351,9 +367,8 @@ class PortMap:
         """float64 [F]: path latency (us) of transfers ``src -> dst``: none on the same rank, NVLink's
         in a node (unless ``nic_F``), the NIC's on one rail, NIC + fabric across rails."""
         src_F, dst_F, same_node = self._over_nvlink(src_F, dst_F, nic_F)
-        G = self.gpus_per_node
         lat = np.where(src_F == dst_F, 0.0, np.where(same_node, self.lat_nvlink_us, self.lat_nic_us))
-        return np.where(~same_node & (src_F % G != dst_F % G), self.lat_spine_us, lat)
+        return np.where(~same_node & ~self.cluster.same_rail(src_F, dst_F), self.lat_spine_us, lat)
 
     def paths(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None,
               nic_F: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -388,4 +403,4 @@ class PortMap:
         return full.paths(src_F, dst_F, sm_F, nic_F)[0]
 
 
-__all__ = ["Block", "L_PATH", "PortMap", "RankPort", "SM_BLOCK", "block_kind"]
+__all__ = ["Block", "L_PATH", "PortMap", "RankPort", "SM_BLOCK", "block_kind", "nic_group_of"]

@@ -22,8 +22,8 @@ from moonep_sim.plan.direct import last_hop_is_direct
 from moonep_sim.plan.kinds import COMM_KINDS, WEIGHT_KINDS, Direction, PhaseKind
 from moonep_sim.sim.compute import rank_compute_us
 from moonep_sim.sim.faults import FaultState
-from moonep_sim.sim.kernels import (kernel_fixed_us, message_us, nic_message_cost_us, reduce_bytes_per_us,
-                                    relay_active, relay_rows, sm_cap_bytes_per_us, weight_copy_bytes_per_us)
+from moonep_sim.sim.kernels import (dispatch_epilogue_us, epilogue_rows_R, expand_read_bytes_per_us, kernel_fixed_us, message_us, nic_message_cost_us, reduce_bytes_per_us,
+                                    relay_active, relay_hop_rows, relay_rows, sm_cap_bytes_per_us, weight_copy_bytes_per_us)
 from moonep_sim.sim.kernels import planning_us as kernel_planning_us
 from moonep_sim.sim.options import SimOptions
 from moonep_sim.sim.topology import Topology
@@ -123,11 +123,10 @@ def planning_us(plan: Plan, topo: Topology) -> tuple[float, float]:
     if topo.plan_routing_bytes_per_entry > 0:  # every token's routing, padded to the largest rank
         counts_bytes = (R - 1) * float(np.max(plan.tokens_per_rank_R)) * plan.top_k * \
             topo.plan_routing_bytes_per_entry
-    G = min(topo.gpus_per_node, R)
     slow_bw, lat = (topo.nic_bytes_per_us, topo.nic_latency_us) if topo.num_nodes(R) > 1 else \
         (topo.nvlink_bytes_per_us, topo.nvlink_latency_us)
     steps = int(np.ceil(np.log2(R))) if R > 1 else 0
-    plan_comm = steps * lat + (counts_bytes / slow_bw if R > 1 and G >= 1 else 0.0)
+    plan_comm = steps * lat + (counts_bytes / slow_bw if R > 1 else 0.0)
     plan_comm += topo.host_message_us * (R - 1)  # every rank's message to each other rank
     entries = float(np.max(plan.tokens_per_rank_R)) * plan.top_k if R else 0.0
     # a fixed cost plus the work (moonep_sim.sim.kernels.planning_us), and a host-side planner's own work
@@ -138,10 +137,11 @@ def planning_us(plan: Plan, topo: Topology) -> tuple[float, float]:
 
 
 def stage_program(plan: Plan, model: ModelSpec, topo: Topology, direction: Direction, opts: SimOptions,
-                  fs: FaultState) -> StageProgram:
-    """The program of ``plan``'s ``direction`` (see the module docstring)."""
+                  fs: FaultState, hop_rows: list[np.ndarray] | None = None) -> StageProgram:
+    """The program of ``plan``'s ``direction`` (see the module docstring); ``hop_rows``: each
+    hop's ``Hop.rows_RR`` if already counted (``Plan.phases``)."""
     direction = Direction(direction)
-    ph = plan.phases(direction)
+    ph = plan.phases(direction, hop_rows)
     for p in ph:
         require(p.kind in COMM_KINDS, f"phase {p.name} kind ({p.kind!r}) must be one of "
                 f"{sorted(k.value for k in COMM_KINDS)}", ConfigError)
@@ -169,11 +169,35 @@ def stage_program(plan: Plan, model: ModelSpec, topo: Topology, direction: Direc
     prog = StageProgram(direction, pre, weights, post, after, comp, plan_cpu, plan_comm, d_pre, d_post, c_pre,
                         c_post, w_pre, w_post, p2p)
     kernel_terms(prog, plan, topo)
+    if opts.isolate is None:  # the library's test times a copy epilogue apart from its kernel
+        epilogue_terms(prog, plan, topo)
     return prog
 
 
-def _node_R(plan: Plan, topo: Topology) -> np.ndarray:
-    return np.arange(plan.ranks) // min(topo.gpus_per_node, plan.ranks)
+def epilogue_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
+    """Charge a kernel family's copy epilogue (``moonep_sim.sim.kernels.dispatch_epilogue_us``)
+    after the last dispatch-side hop, and an expanded combine's read of its expanded rows before
+    the first combine hop (GPU presets only: off when ``sm_count`` is 0)."""
+    recv_R, out_R = epilogue_rows_R(plan)
+    if recv_R is None or topo.sm_count <= 0:
+        return
+    if prog.pre:
+        ph = prog.pre[-1]
+        rows = float(ph.msgs_RR.sum())
+        row = float(ph.bytes_RR.sum()) / rows if rows > 0 else 0.0
+        prog.post_copy[-1] = prog.post_copy[-1] + dispatch_epilogue_us(recv_R, out_R, row, topo.mem_bytes_per_us)
+    if prog.post and plan.kernel.epilogue == "expand":
+        ph = prog.post[0]
+        rows = float(ph.msgs_RR.sum())
+        row = float(ph.bytes_RR.sum()) / rows if rows > 0 else 0.0
+        prog.post_pre_copy[0] = prog.post_pre_copy[0] + out_R * row / expand_read_bytes_per_us(topo, plan.kernel)
+
+
+def _cross_node_RR(plan: Plan, topo: Topology) -> np.ndarray:
+    """bool [R, R]: True where source and destination sit on different nodes of ``topo``
+    (``Topology.cluster``)."""
+    r = np.arange(plan.ranks)
+    return ~topo.cluster(plan.ranks).same_node(r[:, None], r[None, :])
 
 
 def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology) -> np.ndarray | None:
@@ -194,8 +218,7 @@ def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology) -> np.ndar
         return None
     if cost <= 0:
         return None
-    node = _node_R(plan, topo)
-    cross = node[:, None] != node[None, :]
+    cross = _cross_node_RR(plan, topo)
     if spec.nic_only:
         cross = ~np.eye(plan.ranks, dtype=bool)
     extra = msgs * cost * topo.nic_bytes_per_us
@@ -203,18 +226,19 @@ def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology) -> np.ndar
     return np.where(cross & (b > 0), 1.0 + np.divide(extra, b, out=np.zeros_like(b), where=b > 0), 1.0)
 
 
-def _relay_RR(phase: CommPhase, plan: Plan, topo: Topology, sm_cap: float) -> np.ndarray:
+def _relay_RR(phase: CommPhase, plan: Plan, topo: Topology, sm_cap: float, direction: str = "dispatch") -> np.ndarray:
     """[R, R] us for one relay message of ``phase`` to reach its receiver: path latency plus one
-    message of ``relay_rows`` rows (the family's, else the topology's) at the pair's link rate
-    (capped by the SM rate)."""
-    node = _node_R(plan, topo)
-    cross = node[:, None] != node[None, :]
+    message at the pair's link rate (capped by the SM rate): ``relay_rows`` rows (the family's,
+    else the topology's), or for a chunked kernel ``channels x chunk`` of the hop's class (RDMA when
+    the hop crosses nodes, its local-node copies included; else NVLink) in ``direction``
+    (``moonep_sim.sim.kernels.relay_hop_rows``)."""
+    cross = _cross_node_RR(plan, topo)
     rows = float(phase.msgs_RR.sum())
     row_bytes = float(phase.bytes_RR.sum()) / rows if rows > 0 else 0.0
     R = plan.ranks
     same = np.eye(R, dtype=bool)
     lat = np.where(cross, topo.nic_latency_us, topo.nvlink_latency_us)
-    m = relay_rows(topo, plan.kernel)
+    m = relay_hop_rows(topo, plan.kernel, R, direction, bool((phase.bytes_RR.astype(np.float64) * cross).sum() > 0))
     msg = np.where(cross, message_us(topo, row_bytes, True, sm_cap, m), message_us(topo, row_bytes, False, sm_cap, m))
     local = m * row_bytes / min(topo.mem_bytes_per_us / 2.0, sm_cap)
     return np.where(same, local, lat + msg)
@@ -223,8 +247,7 @@ def _relay_RR(phase: CommPhase, plan: Plan, topo: Topology, sm_cap: float) -> np
 def _weights_scale(plan: Plan, topo: Topology) -> np.ndarray | None:
     """[R, R] time scale of weight copies: their own link efficiency (``[weights]``) and engine
     against the link class's kernel rate that the network's ports run at; None when neutral."""
-    node = _node_R(plan, topo)
-    cross = node[:, None] != node[None, :]
+    cross = _cross_node_RR(plan, topo)
     nv = topo.nvlink_bytes_per_us / weight_copy_bytes_per_us(topo, False)
     nic = topo.nic_bytes_per_us / weight_copy_bytes_per_us(topo, True)
     if nv == 1.0 and nic == 1.0:
@@ -259,8 +282,8 @@ def kernel_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
     prog.post_scale = scales(prog.post, 0)
     prog.w_scale_RR = _weights_scale(plan, topo) if prog.weights else None
     if relay_active(topo, spec):
-        prog.relay_pre = [_relay_RR(p, plan, topo, sm_cap) for p in prog.pre]
-        prog.relay_post = [_relay_RR(p, plan, topo, sm_cap) for p in prog.post]
+        prog.relay_pre = [_relay_RR(p, plan, topo, sm_cap, "dispatch") for p in prog.pre]
+        prog.relay_post = [_relay_RR(p, plan, topo, sm_cap, "combine") for p in prog.post]
     for h, us_R in enumerate(combine_reduce_R(plan, topo, prog.post)):
         prog.post_post_copy[h] = prog.post_post_copy[h] + us_R
 
@@ -301,9 +324,8 @@ def p2p_scale(plan: Plan, topo: Topology) -> np.ndarray | None:
         return None
     if not last_hop_is_direct(plan, int(plan.costs.dispatch_row_bytes)):
         return None
-    node_R = np.arange(plan.ranks) // min(topo.gpus_per_node, plan.ranks)
-    cross = node_R[:, None] != node_R[None, :]
+    cross = _cross_node_RR(plan, topo)
     return np.where(cross, topo.nic_efficiency / topo.nic_p2p_efficiency, 1.0)
 
 
-__all__ = ["StageProgram", "combine_reduce_R", "host_copy_us", "kernel_terms", "p2p_scale", "planning_us", "stage_program"]
+__all__ = ["StageProgram", "combine_reduce_R", "epilogue_terms", "host_copy_us", "kernel_terms", "p2p_scale", "planning_us", "stage_program"]

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.plan.placement import ClusterShape
 
 MAX_CONSTANT = 1e15
 """The largest magnitude a topology constant may have (bandwidths in GB/s, latencies in us, counts)."""
@@ -187,7 +188,7 @@ class Topology:
     nodes: int = 0
     nvlink_bandwidth_GBps: float = 200.0
     nvlink_latency_us: float = 2.0
-    nvlink_efficiency: float = 0.6991
+    nvlink_efficiency: float = 0.7
     nvlink_peer_GBps: float = 0.0
     nic_bandwidth_GBps: float = 50.0
     nic_latency_us: float = 4.0
@@ -220,12 +221,12 @@ class Topology:
     plan_routing_bytes_per_entry: float = 0.0
     plan_per_entry_ns: float = 0.02
     plan_per_cell_ns: float = 3.124
-    kernel_dispatch_fixed_us: float = 26.77
-    kernel_combine_fixed_us: float = 11.46
+    kernel_dispatch_fixed_us: float = 26.83
+    kernel_combine_fixed_us: float = 11.58
     kernel_relay_message_rows: int = 16
     kernel_nic_message_us: float = 0.003
     sm_count: int = 132
-    sm_copy_GBps: float = 20.75
+    sm_copy_GBps: float = 20.78
     weights_engine: str = "copy_engine"
     weights_nvlink_efficiency: float = 1.0
     weights_nic_efficiency: float = 0.0
@@ -379,9 +380,15 @@ class Topology:
 
         if self.host_cores <= 0 or ranks <= 0:
             return None
-        G = min(self.gpus_per_node, ranks)
-        node_R = np.arange(ranks) // G
+        node_R = self.cluster(ranks).node_of(np.arange(ranks))
         return node_R // self.host_nodes_per_host if self.host_nodes_per_host > 0 else np.zeros(ranks, np.int64)
+
+    def cluster(self, ranks: int) -> ClusterShape:
+        """The cluster geometry ``ranks`` GPUs occupy here: nodes of ``min(G, R)`` consecutive ranks
+        (``num_nodes`` of them; the last is partly used when R is not a multiple of G), a rank's
+        rail its index in its node. The simulator asks it which node and which rail a rank is on."""
+        G = max(1, min(self.gpus_per_node, ranks))
+        return ClusterShape(self.num_nodes(ranks) * G, G)
 
     def num_nodes(self, ranks: int) -> int:
         """Nodes a run of ``ranks`` GPUs occupies (``nodes`` if fixed, else ceil(R / G))."""

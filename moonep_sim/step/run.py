@@ -5,8 +5,11 @@ Notation: R ranks, M micro-batches, L layers, T tokens per rank. Times in micros
 :func:`simulate_step` plans each MoE layer of the step on its own routing (given by a
 :data:`LayerSource`), simulates its communication alone (``moonep_sim.step.layer_sim``), composes
 the step on two streams per rank under the chosen overlap (``moonep_sim.step.compose``) and
-accounts its memory (``moonep_sim.step.memory``). Layers whose routing is the same object (a
-source's stand-ins that reuse a layer) are planned and simulated once.
+accounts its memory (``moonep_sim.step.memory``). Layers whose routing has the same key (a
+source's layers that reuse one) are planned and simulated once per strategy. The unit of work is
+one distinct routing (:class:`LayerWork`): built (generated) once where it runs, every strategy
+planned and simulated on it, its Plans and routing dropped after; with a worker pool the units
+run in parallel and only their small results come back.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from moonep_sim.step.memory import MemoryOptions, PlanFootprint, memory_per_rank
 from moonep_sim.step.schedule import Timeline, get_overlap
 from moonep_sim.step.stack import StepShape
 
-#: moe_index -> (key, routing, provenance): layers with equal keys share one routing.
-LayerSource = Callable[[int], tuple[Any, GlobalRouting, str]]
+#: moe_index -> (key, routing or a picklable builder of it, provenance): layers with equal keys
+#: share one routing (built once, planned once per strategy).
+LayerSource = Callable[[int], tuple[Any, "GlobalRouting | Callable[[], GlobalRouting]", str]]
 
 
 @dataclass(frozen=True)
@@ -150,13 +154,19 @@ def useful_flops_per_rank(cfg: StepConfig) -> float:
 
 @dataclass(frozen=True)
 class LayerWork:
-    """One independent unit of a step: plan ``strategy`` on ``routing`` (padded to ``static``
-    tokens per rank when > 0) and simulate the layer. Picklable: worker processes run it."""
+    """One independent unit of a step: one distinct MoE-layer routing, built where it runs, then
+    every strategy planned on it (each micro-batch, padded to the strategy's static tokens per rank
+    when > 0) and simulated. Picklable: worker processes run it, and a routing builder (a picklable
+    zero-argument callable returning the :class:`GlobalRouting`) travels instead of the routing,
+    so a worker generates its own layer and no routing crosses a process boundary.
 
-    strategy: str
-    options: dict
-    routing: GlobalRouting
-    static: int
+    routing: the layer's routing, or its builder.  strategies: ``(name, options, static tokens per
+    rank of one micro-batch (0: none))`` in the step's order.  micro_batches: M.
+    """
+
+    routing: Any
+    strategies: tuple[tuple[str, dict, int], ...]
+    micro_batches: int
     ctx: Any
     model: ModelSpec
     topology: Any
@@ -167,22 +177,53 @@ class LayerWork:
 
 @dataclass(frozen=True)
 class LayerDone:
+    """One (strategy, micro-batch) of a layer: its communication, Plan footprint, and the wall and
+    CPU (this process's user + sys) seconds of planning and simulating it."""
+
     comm: LayerComm
     footprint: PlanFootprint
     plan_s: float
     sim_s: float
+    plan_cpu_s: float = 0.0
+    sim_cpu_s: float = 0.0
 
 
-def simulate_layer_work(w: LayerWork) -> LayerDone:
-    """Plan and simulate one :class:`LayerWork` (module level, so worker processes can run it)."""
+@dataclass(frozen=True)
+class RoutingDone:
+    """A :class:`LayerWork`'s results: ``done[(strategy, micro-batch)]`` and the wall and CPU
+    seconds its routing took to build (generate or read, split over the ranks and micro-batches)."""
+
+    done: dict[tuple[str, int], LayerDone]
+    routing_s: float
+    routing_cpu_s: float = 0.0
+
+
+def simulate_layer_work(w: LayerWork) -> RoutingDone:
+    """Build one :class:`LayerWork`'s routing, plan and simulate every strategy on it (module
+    level, so worker processes can run it). Each Plan is dropped once its layer is simulated (its
+    footprint and communication kept), and the routing when the work returns."""
     from moonep_sim.strategies import make_plan
 
-    part = pad_to_static(w.routing, w.static) if w.static else w.routing
-    a = time.perf_counter()
-    plan = make_plan(w.strategy, part, w.ctx, **w.options)
-    b = time.perf_counter()
-    comm = simulate_moe_layer(plan, w.model, w.topology, w.costs, w.train, w.tol)
-    return LayerDone(comm, PlanFootprint.of(plan), b - a, time.perf_counter() - b)
+    clock = lambda: (time.perf_counter(), time.process_time())
+    a = clock()
+    routing = w.routing if isinstance(w.routing, GlobalRouting) else w.routing()
+    parts = split_micro_batches(routing, w.micro_batches)
+    b = clock()
+    routing_s, routing_cpu_s = b[0] - a[0], b[1] - a[1]
+    done = {}
+    for name, opts, static in w.strategies:
+        for mb, part in enumerate(parts):
+            if static:
+                part = pad_to_static(part, static)
+            a = clock()
+            plan = make_plan(name, part, w.ctx, **opts)
+            b = clock()
+            comm = simulate_moe_layer(plan, w.model, w.topology, w.costs, w.train, w.tol)
+            c = clock()
+            done[(name, mb)] = LayerDone(comm, PlanFootprint.of(plan), b[0] - a[0], c[0] - b[0],
+                                         b[1] - a[1], c[1] - b[1])
+            del plan
+    return RoutingDone(done, routing_s, routing_cpu_s)
 
 
 def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str], None] | None = None,
@@ -190,7 +231,10 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
     """Every strategy's step (see the module docstring). Returns ``{"strategies": {name: figures},
     "layers_routing": [...], ...}``; each strategy's ``timeline`` (a :class:`Timeline`) is kept
     under ``"_timelines"`` for the renderers. ``map_fn(fn, items)``: how the independent layers
-    are computed (default serially; ``experiments`` passes its worker pool)."""
+    are computed (default serially; ``experiments`` passes its worker pool).
+
+    The source's routing of a layer may be a :class:`GlobalRouting` or a builder of one (see
+    :class:`LayerWork`); either way each distinct key is built once and shared by every strategy."""
     m, shape = cfg.model, cfg.shape
     ov = get_overlap(cfg.overlap)
     costs = cfg.costs or CostModel(cfg.topology)
@@ -204,41 +248,43 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
                          f"of the step: missing {len(missing)}: {', '.join(missing[:6])}"
                          + (" ..." if len(missing) > 6 else ""))
     R = cfg.ctx.cluster.ranks
-    routings: list[tuple[Any, GlobalRouting, str]] = [source(i) for i in range(m.moe_layers)]
+    routings: list[tuple[Any, Any, str]] = [source(i) for i in range(m.moe_layers)]
+    layer_keys = [k for k, _, _ in routings]
     provenance = [p for _, _, p in routings]
     out: dict[str, Any] = {}
     timelines: dict[str, Timeline] = {}
-    # every distinct (strategy, routing, micro-batch) is planned and simulated once, independently
-    work, keys = [], []
-    for name, opts in cfg.strategies:
-        seen = set()
-        for key, routing, _ in routings:
-            for mb, part in enumerate(split_micro_batches(routing, M)):
-                if (key, mb) in seen:
-                    continue
-                seen.add((key, mb))
-                S = -(-int(cfg.static_tokens[name]) // M) if name in cfg.static_tokens else 0
-                work.append(LayerWork(name, dict(opts), part, S, cfg.ctx, m, cfg.topology, costs, train, cfg.tol))
-                keys.append((name, key, mb))
+    # every distinct routing is built once; every (strategy, micro-batch) planned and simulated on it
+    strategies = tuple((name, dict(opts), -(-int(cfg.static_tokens[name]) // M) if name in cfg.static_tokens else 0)
+                       for name, opts in cfg.strategies)
+    first: dict[Any, Any] = {}
+    for key, routing, _ in routings:
+        first.setdefault(key, routing)
+    del routings
+    keys = list(first)
+    work = [LayerWork(first.pop(k), strategies, M, cfg.ctx, m, cfg.topology, costs, train, cfg.tol) for k in keys]
     t0 = time.perf_counter()
     if map_fn is None:
         done = []
-        for i, w in enumerate(work):
+        for i in range(len(work)):
             if progress:
-                progress(f"{w.strategy}: layer routing {i + 1} of {len(work)}")
-            done.append(simulate_layer_work(w))
+                progress(f"layer routing {i + 1} of {len(keys)}: {', '.join(n for n, _, _ in strategies)}")
+            done.append(simulate_layer_work(work[i]))
+            work[i] = None                             # the routing goes once its layer is done
     else:
         done = map_fn(simulate_layer_work, work)
+    del work
     wall = time.perf_counter() - t0
-    for name, opts in cfg.strategies:
-        mine = [(k, d) for k, d in zip(keys, done) if k[0] == name]
-        cache = {(k[1], k[2]): d for k, d in mine}
-        plans = [d.footprint for _, d in mine]
-        plan_s = sum(d.plan_s for _, d in mine)
-        sim_s = sum(d.sim_s for _, d in mine)
-        t0 = time.perf_counter()
+    routing_s = sum(d.routing_s for d in done)
+    routing_cpu_s = sum(d.routing_cpu_s for d in done)
+    by_key = dict(zip(keys, done))
+    for name, _ in cfg.strategies:
+        cache = {(k, mb): d.done[(name, mb)] for k, d in by_key.items() for mb in range(M)}
+        plans = [d.footprint for d in cache.values()]
+        plan_s = sum(d.plan_s for d in cache.values())
+        sim_s = sum(d.sim_s for d in cache.values())
+        t0, c0 = time.perf_counter(), time.process_time()
         first_moe = m.dense_layers
-        comm_of = lambda layer, mb, cache=cache: cache[(routings[layer - first_moe][0], mb)].comm
+        comm_of = lambda layer, mb, cache=cache: cache[(layer_keys[layer - first_moe], mb)].comm
         tl = compose(m, mb_shapes, costs, ov, comm_of, R, train)
         comms = {l: comm_of(l, 0) for l in range(first_moe, m.layers)}
         d = step_metrics(tl, cfg, comms, useful_flops_per_rank(cfg), float(shape.tokens))
@@ -247,8 +293,12 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
         d.update(peak_memory_bytes=mem["peak_bytes"], gpu_memory_bytes=cap, oom=(mem["peak_bytes"] > cap) if cap else None,
                  memory=mem, distinct_layers_simulated=len(cache),
                  static_tokens=int(cfg.static_tokens[name]) if name in cfg.static_tokens else None,
-                 wall_seconds=dict(plan=plan_s, simulate=sim_s, layers_wall=wall,
+                 wall_seconds=dict(routing=routing_s, plan=plan_s, simulate=sim_s, layers_wall=wall,
                                    compose=time.perf_counter() - t0),
+                 # CPU seconds where they ran (workers' own with a pool); routing: shared by the strategies
+                 cpu_seconds=dict(routing=routing_cpu_s, plan=sum(d.plan_cpu_s for d in cache.values()),
+                                  simulate=sum(d.sim_cpu_s for d in cache.values()),
+                                  compose=time.process_time() - c0),
                  rows_max_mean=_rows_ratio(comms),
                  padded_rows_per_rank=float(np.mean([c.padded_rows_R.max() for c in comms.values()])) if comms else 0.0,
                  real_rows_per_rank=float(np.mean([c.rows_R.max() for c in comms.values()])) if comms else 0.0,

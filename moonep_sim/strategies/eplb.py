@@ -27,7 +27,7 @@ import numpy as np
 
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, plan_from_order
-from moonep_sim.plan.order import key_counts, segment_ranges, stable_order_counts
+from moonep_sim.plan.order import stable_order_counts
 from moonep_sim.strategies import Option, PlanContext, make_plan, register
 
 # Notation: E experts, R ranks (GPUs), G GPUs per node, S slots (physical experts, E + redundant),
@@ -154,46 +154,37 @@ def choose_replicas_ordered(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_ex
     j-th entry of expert e sits at row ``j // c_e`` (round_robin) or ``j - ceil(r * n_e / c_e)``
     (contiguous, r its replica) of its slot. ``with_entry_slot=False`` skips entry_slot_N (None).
 
-    Everything is computed in the entries' by-expert order, where the j-th entry of each expert
-    is simply the j-th position of its run: no per-entry gather of expert tables, one scatter of
-    the entries to their places at the end.
+    In the entries' by-expert order (one radix sort), each slot's entries are one slice of its
+    expert's run -- every c_e-th entry from the replica's index (round_robin) or a contiguous
+    share (contiguous) -- copied to the slot's place: one copy per slot, no per-entry arithmetic.
     """
     E = num_experts
     S = slot_expert_S.size
+    if choice not in ("round_robin", "contiguous"):
+        raise ConfigError(f"choice ({choice!r}) must be 'round_robin' or 'contiguous'")
     rep = np.argsort(slot_expert_S, kind="stable")  # slots grouped by expert, in slot order
     c = np.bincount(slot_expert_S, minlength=E)
     c_start = np.cumsum(c) - c
     order, n_e = stable_order_counts(ids_N, E)  # entries by expert, in global order (a radix sort)
-    # position p of that order holds the j-th entry of its expert e: j, c_e and n_e by runs
-    j = segment_ranges(np.zeros(E, dtype=np.int64), n_e)
-    c_p = np.repeat(c, n_e)
-    if choice == "round_robin":
-        r = j % c_p
-        pos = np.floor_divide(j, c_p, out=j)
-    elif choice == "contiguous":
-        n_p = np.repeat(np.maximum(n_e, 1), n_e)
-        r = j * c_p
-        r //= n_p
-        adj = r * n_p
-        adj += c_p - 1
-        adj //= c_p
-        pos = np.subtract(j, adj, out=j)
-        del n_p, adj
-    else:
-        raise ConfigError(f"choice ({choice!r}) must be 'round_robin' or 'contiguous'")
-    del c_p
-    r += np.repeat(c_start, n_e)
-    slot_p = rep[r]  # each sorted entry's slot
-    del r
-    slot_rows = key_counts(slot_p, S)
-    pos += (np.cumsum(slot_rows) - slot_rows)[slot_p]
+    e_start = np.cumsum(n_e) - n_e
+    r_S = np.empty(S, dtype=np.int64)  # replica index of each slot: its rank among its expert's slots
+    r_S[rep] = np.arange(S, dtype=np.int64) - np.repeat(c_start, c)
+    n_S, c_S = n_e[slot_expert_S], c[slot_expert_S].astype(np.int64)
+    if choice == "round_robin":  # replica r: entries j = r, r + c, r + 2c, ... of its expert
+        first_S, step_S = r_S, c_S
+        slot_rows = (n_S - r_S + c_S - 1) // c_S
+    else:  # replica r: entries j in [ceil(r*n/c), ceil((r+1)*n/c))
+        first_S, step_S = (r_S * n_S + c_S - 1) // c_S, np.ones(S, dtype=np.int64)
+        slot_rows = ((r_S + 1) * n_S + c_S - 1) // c_S - first_S
+    slot_off = np.cumsum(slot_rows) - slot_rows
     order_N = np.empty(ids_N.size, dtype=np.int64)
-    order_N[pos] = order
-    del pos
-    entry_slot = None
-    if with_entry_slot:
-        entry_slot = np.empty(ids_N.size, dtype=np.int64)
-        entry_slot[order] = slot_p
+    entry_slot = np.empty(ids_N.size, dtype=np.int64) if with_entry_slot else None
+    for s, a, k, step, off in zip(range(S), (e_start[slot_expert_S] + first_S).tolist(), slot_rows.tolist(),
+                                  step_S.tolist(), slot_off.tolist()):  # loop over slots, not entries
+        part = order[a:a + k * step:step]
+        order_N[off:off + k] = part
+        if entry_slot is not None:
+            entry_slot[part] = s
     return entry_slot, order_N, slot_rows
 
 

@@ -152,9 +152,11 @@ def slot_order(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.ndarray,
         raise PlanError("every allocated (expert, rank) pair must have a slot (internal error)")
     order_e = stable_order(ids_N, E)
     slot_start = np.cumsum(slot_rows) - slot_rows
-    idx = np.repeat(piece_start_ER[slot_expert_S, slot_rank_S] - slot_start, slot_rows)
-    idx += np.arange(ids_N.size, dtype=np.int64)
-    return order_e[idx], slot_rows
+    order = np.empty(ids_N.size, dtype=np.int64)
+    for a, k, off in zip(piece_start_ER[slot_expert_S, slot_rank_S].tolist(), slot_rows.tolist(),
+                         slot_start.tolist()):  # loop over slots, not entries: one piece each
+        order[off:off + k] = order_e[a:a + k]
+    return order, slot_rows
 
 
 def entry_slots(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.ndarray,
