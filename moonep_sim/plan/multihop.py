@@ -23,7 +23,7 @@ from moonep_sim.plan.build import SlotLayout, final_rows, slot_layout, sorted_la
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.order import CHUNK, segment_ranges, stable_order
 from moonep_sim.plan.placement import ClusterShape
-from moonep_sim.plan.route import Messages, Scratch, Sources, grouped_hop, pair_hop
+from moonep_sim.plan.route import Messages, Scratch, Sources, grouped_hop, pair_hop, token_hop, token_hop_fits
 
 
 def _route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,
@@ -442,7 +442,9 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
     scratch: list[np.ndarray] = []  # dead int64 [N] arrays, reused rather than fresh pages
     for h in range(H):
         prev = row
-        if h == 0:  # tokens leave their own ranks: runs by source, rows by arithmetic
+        if h == 0 and dedup[0] and H > 1 and token_hop_fits(tables[0]):  # once per (token, relay)
+            hop, row = token_hop(bound, tables[0], pos[H], shift, R, scopes[0], scratch)
+        elif h == 0:  # tokens leave their own ranks: runs by source, rows by arithmetic
             hop, row = grouped_hop(Sources.own_ranks(bound, tok_off), pos[1], Messages(dedup[0], shift=shift), R,
                                    scopes[0], scratch)
         elif h == H - 1:  # the last hop: its blocks gather (source, final rank) pairs (see pair_hop)
