@@ -205,22 +205,23 @@ def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_ro
     no_pad = W == n_kept
     row_entry = None if no_pad else np.full(W, -1, dtype=np.int64)
     expand = (spare.take() if W == N else np.empty(W, dtype=np.int64)) if no_pad else np.full(W, -1, dtype=np.int64)
-    keys = np.arange(n_keys, dtype=np.int64)
+    same_rows = not to_final[1:].any()  # no padding, nothing dropped: final row = sorted position
     for c in range(chunks):  # loop over chunks of entries, not entries
         lo, hi = c * size, min(N, (c + 1) * size)
         if hi <= lo:
             continue
         local = np.argsort(key[lo:hi], kind="stable")
         pos = segment_ranges(dest_CK[c], cnt_CK[c])  # sorted position of each of the chunk's sorted entries
-        ks = np.repeat(keys, cnt_CK[c])  # their keys
         local += lo  # now entry ids
         order[pos] = local
-        row = pos + to_row[ks]
+        row = np.repeat(to_row, cnt_CK[c])
+        row += pos
         nd = int(cnt_CK[c, 0])
         row[:nd] = -1  # dropped entries (key 0) sort first in the chunk
         entry_row[local] = row
         g = pos[nd:]
-        g += to_final[ks[nd:]]
+        if not same_rows:
+            g += np.repeat(to_final[1:], cnt_CK[c, 1:])
         expand[g] = entry_buf_row_N[local[nd:]]
         if row_entry is not None:
             row_entry[g] = local[nd:]
