@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from moonep_sim.routing.generators import generate, generate_trace
-from moonep_sim.routing.sampling import sample_topk_pl, sample_topk_race
+from moonep_sim.routing.sampling import sample_topk_grouped, sample_topk_pl, sample_topk_race
 from moonep_sim.routing.importers import load_source
 from moonep_sim.routing.metrics import inspect_trace
 
@@ -60,6 +60,10 @@ def main() -> None:
           f"{race:.2f} s ({race / max(fast, 1e-9):.1f}x)")
     _, s = timed(lambda: generate(E, K, T, seed=0, sigma=b["sigma"], groups=8, topk_groups=4))
     print(f"generate same shape, group-limited 4 of 8 groups: {s:.2f} s")
+    _, fast = cpu_timed(lambda: sample_topk_grouped(logp, K, T, np.random.default_rng(1), groups=8, topk_groups=4))
+    _, race = cpu_timed(lambda: sample_topk_race(logp, K, T, np.random.default_rng(1), groups=8, topk_groups=4))
+    print(f"one group-limited sampling pass, CPU s: per-group races {fast:.2f} s, exponential race (reference) "
+          f"{race:.2f} s ({race / max(fast, 1e-9):.1f}x)")
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "k3.safetensors"
         _, s = timed(lambda: generate_trace(path, E, K, T, seed=0, sigma=b["sigma"]))

@@ -74,9 +74,10 @@ def run(case: str, strategies: list[str], distinct: int, jobs: int) -> list[dict
 
 
 def main() -> None:
-    from moonep_sim.memory import prefer_small_pages
+    from moonep_sim.memory import prefer_small_pages, reuse_freed_memory
 
     prefer_small_pages()  # as the CLI does (moonep_sim/memory.py)
+    reuse_freed_memory()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="k3-train,v3-decode")
     ap.add_argument("--strategies", default="alltoall,deepep,moonep")

@@ -15,7 +15,8 @@ on free, so each large temporary of a plan -- a sort's keys, a permutation, a ga
 fresh zeroed pages again, though one of the same size was just freed. :func:`reuse_freed_memory`
 keeps the process's freed memory for its next allocations instead: the freed pages are reused,
 the peak RSS stays what it was (measured: moonep's and alltoall's command path at K3 EP64, system
-time 0.43 -> 0.25 s and 0.39 -> 0.23 s, peak RSS within 1%; docs/results/planning.md). The
+time 0.43 -> 0.25 s and 0.39 -> 0.23 s, peak RSS within 1%, on the 2-core reference machine at
+load ~3, 2026-12-02; docs/results/planning.md). The
 process then keeps its peak memory until it exits, which suits a command; the CLI applies it.
 """
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moonep_sim.routing.sampling import InverseCDF, sample_topk, sample_topk_pl, sample_topk_race
+from moonep_sim.routing.sampling import InverseCDF, sample_topk, sample_topk_grouped, sample_topk_pl, sample_topk_race
+from moonep_sim.routing import sampling
 
 # named popularities (log scale); the regimes: equal, mild and strong lognormal skew, one expert
 # holding most of the mass (rows go to the exact remainder draw), many negligible experts
@@ -91,18 +92,51 @@ def test_same_seed_same_draws_and_nearby_popularities_are_coupled():
     assert (a == d).mean() < 0.2
 
 
-def test_dispatch_groups_and_logits_take_the_race():
+def test_dispatch_logits_take_the_race_and_groups_their_own_path(monkeypatch):
     logp = np.random.default_rng(0).normal(0, 1, 16)
     ids, w, lg = sample_topk(logp, 2, 50, np.random.default_rng(1), with_logits=True)
     assert lg.shape == (50, 16)
     np.testing.assert_array_equal(np.argsort(-lg, axis=1, kind="stable")[:, :2], ids)
-    ids, _, lg = sample_topk(logp, 2, 50, np.random.default_rng(1), groups=4, topk_groups=1)
+    # a layer of at most CHUNK_ELEMS token-expert pairs takes the race (coupled draws), grouped or not
+    for kw in ({}, {"groups": 4, "topk_groups": 1}):
+        small, ws, _ = sample_topk(logp, 2, 50, np.random.default_rng(1), **kw)
+        race, wr, _ = sample_topk_race(logp, 2, 50, np.random.default_rng(1), **kw)
+        np.testing.assert_array_equal(small, race)
+        np.testing.assert_array_equal(ws, wr)
+    monkeypatch.setattr(sampling, "CHUNK_ELEMS", 16 * 49)  # from here on the layer is "large"
+    ids, w, lg = sample_topk(logp, 2, 50, np.random.default_rng(1), groups=4, topk_groups=1)
+    g, wg = sample_topk_grouped(logp, 2, 50, np.random.default_rng(1), groups=4, topk_groups=1)
     assert lg is None and (ids // 4 == ids[:, :1] // 4).all()
+    np.testing.assert_array_equal(ids, g)
+    np.testing.assert_array_equal(w, wg)
     ids, w, lg = sample_topk(logp, 2, 50, np.random.default_rng(1))
     fast, wf = sample_topk_pl(logp, 2, 50, np.random.default_rng(1))
     assert lg is None
     np.testing.assert_array_equal(ids, fast)
     np.testing.assert_array_equal(w, wf)
+
+
+# (E, K, G, M, sigma): groups of 4 keeping 1, 2 of 8 groups; groups of one expert; K = M * E/G (every
+# kept expert chosen); strong skew (rows reach the remainder draw)
+GROUP_CASES = [(16, 2, 4, 1, 1.0), (32, 4, 8, 2, 0.7), (8, 3, 8, 3, 1.0), (16, 8, 4, 2, 0.5), (12, 3, 3, 2, 3.0)]
+
+
+@pytest.mark.parametrize("E,K,G,M,sigma", GROUP_CASES)
+def test_grouped_fast_path_matches_the_race(E, K, G, M, sigma):
+    logp = np.random.default_rng(E + K).normal(0, sigma, E)
+    fast, w_fast = sample_topk_grouped(logp, K, 40000, np.random.default_rng(1), groups=G, topk_groups=M)
+    race, w_race, _ = sample_topk_race(logp, K, 40000, np.random.default_rng(2), groups=G, topk_groups=M)
+    s = np.sort(fast, axis=1)
+    assert (s[:, 1:] != s[:, :-1]).all() and fast.min() >= 0 and fast.max() < E
+    grp = np.sort(fast // (E // G), axis=1)
+    assert (1 + (grp[:, 1:] != grp[:, :-1]).sum(axis=1)).max() <= M       # at most M groups per token
+    np.testing.assert_allclose(_position_freq(fast, E), _position_freq(race, E), atol=0.012)
+    # the set of groups each token spans (a bitmask over G), its frequencies
+    span = lambda ids: np.bincount(np.bitwise_or.reduce(1 << (ids // (E // G)), axis=1), minlength=1 << G) / len(ids)
+    np.testing.assert_allclose(span(fast), span(race), atol=0.012)
+    np.testing.assert_allclose(w_fast.sum(axis=1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(w_fast.mean(axis=0), w_race.mean(axis=0), atol=0.006)
+    assert (np.diff(w_fast, axis=1) <= 1e-7).all()
 
 
 def _icdf_cases():
@@ -128,3 +162,24 @@ def test_inverse_cdf_equals_searchsorted(name):
     icdf = InverseCDF(p)
     u = np.concatenate([np.random.default_rng(2).random(20000), icdf.cum_E[:-1], [0.0, np.nextafter(1.0, 0)]])
     np.testing.assert_array_equal(icdf.draw(u), np.minimum(np.searchsorted(icdf.cum_E, u, side="right"), p.size - 1))
+
+
+class _ZeroExponentials:
+    """A generator whose exponentials are exact zeros (float32 draws can be): the rest delegated."""
+
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+
+    def standard_exponential(self, size, dtype=np.float64):
+        return np.zeros(size, dtype)
+
+    def __getattr__(self, name):
+        return getattr(self.rng, name)
+
+
+def test_an_exact_zero_exponential_gives_finite_weights():
+    logp = CASES["lognormal-0.5"]
+    ids, w = sample_topk_pl(logp, 3, 100, _ZeroExponentials(0))
+    assert np.isfinite(w).all() and np.allclose(w.sum(axis=1), 1.0)
+    ids, w = sample_topk_grouped(np.zeros(8), 2, 100, _ZeroExponentials(0), groups=4, topk_groups=2)
+    assert np.isfinite(w).all() and np.allclose(w.sum(axis=1), 1.0)

@@ -369,16 +369,19 @@ class Plan:
         R = self.ranks
         return np.bincount(src * R + dst, minlength=R * R).reshape(R, R).astype(np.int64)
 
-    def phases(self, direction: str = "forward") -> list[CommPhase]:
+    def phases(self, direction: str = "forward", hop_rows: list[np.ndarray] | None = None) -> list[CommPhase]:
         """The layer's communication phases in order.
 
         forward:  dispatch.0..H-1, prefetch (copies), migrate (if any), combine.H-1..0
         backward: combine_bwd.0..H-1 (gradient rows follow dispatch), dispatch_bwd.H-1..0 (follow
                   combine), grad_reduce (copies' fp32 weight gradients go home).
         Dispatch rows cost ``dispatch_row_bytes`` (forward only); combine and every backward row
-        cost ``combine_row_bytes``.
+        cost ``combine_row_bytes``. ``hop_rows``: each hop's ``rows_RR`` when the caller already
+        counted them (the simulator counts them once for both directions).
         """
-        return self._phases(direction, [h.rows_RR(self.ranks) for h in self.hops])
+        if hop_rows is None:
+            hop_rows = [h.rows_RR(self.ranks) for h in self.hops]
+        return self._phases(direction, hop_rows)
 
     def _phases(self, direction: str, hop_rows: list[np.ndarray]) -> list[CommPhase]:
         """:meth:`phases` from each hop's ``rows_RR`` (counted once for both directions)."""

@@ -23,7 +23,7 @@ from moonep_sim.plan.build import SlotLayout, final_rows, slot_layout, sorted_la
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.order import CHUNK, segment_ranges, stable_order
 from moonep_sim.plan.placement import ClusterShape
-from moonep_sim.plan.route import Messages, Sources, grouped_hop
+from moonep_sim.plan.route import Messages, Scratch, Sources, grouped_hop, pair_hop, token_hop, token_hop_fits
 
 
 def _route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,
@@ -145,7 +145,7 @@ def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
 
 
 def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_row_N: np.ndarray, ranks: int,
-                 token_padding: int = 1, min_rows_S: np.ndarray | None = None):
+                 token_padding: int = 1, min_rows_S: np.ndarray | None = None, scratch: list | None = None):
     """The expert-grouped layout and the final rows of entries given by slot, in one pass over
     chunks of entries: (lay, row_entry_W, expand_src_row_W).
 
@@ -154,6 +154,8 @@ def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_ro
     lay: the :class:`~moonep_sim.plan.build.SlotLayout` of :func:`~moonep_sim.plan.build.slot_layout`
     (equal arrays); row_entry_W / expand_src_row_W: what :func:`~moonep_sim.plan.build.final_rows`
     makes of it (padding rows -1; filled by the caller with arrived padding rows, if any).
+    scratch: optional list of dead int64 [N] arrays (not ``entry_buf_row_N``) the layout may
+    write its [N] results into (they then end up in the Plan) instead of fresh pages.
 
     Equal to ``slot_layout`` then ``final_rows``, but the entries are sorted chunk by chunk (as
     :func:`~moonep_sim.plan.order.stable_order` sorts 16-bit keys) and each chunk writes its rows
@@ -198,27 +200,28 @@ def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_ro
     to_final = np.concatenate([[0], cum - kstart[1:]])
     cnt_KC = cnt_CK.T.ravel()
     dest_CK = (np.cumsum(cnt_KC) - cnt_KC).reshape(n_keys, chunks).T  # where block (c, k) starts
-    order = np.empty(N, dtype=np.int64)
-    entry_row = np.empty(N, dtype=np.int64)
+    spare = Scratch(N, scratch)
+    order, entry_row = spare.take(), spare.take()
     no_pad = W == n_kept
     row_entry = None if no_pad else np.full(W, -1, dtype=np.int64)
-    expand = np.empty(W, dtype=np.int64) if no_pad else np.full(W, -1, dtype=np.int64)
-    keys = np.arange(n_keys, dtype=np.int64)
+    expand = (spare.take() if W == N else np.empty(W, dtype=np.int64)) if no_pad else np.full(W, -1, dtype=np.int64)
+    same_rows = not to_final[1:].any()  # no padding, nothing dropped: final row = sorted position
     for c in range(chunks):  # loop over chunks of entries, not entries
         lo, hi = c * size, min(N, (c + 1) * size)
         if hi <= lo:
             continue
         local = np.argsort(key[lo:hi], kind="stable")
         pos = segment_ranges(dest_CK[c], cnt_CK[c])  # sorted position of each of the chunk's sorted entries
-        ks = np.repeat(keys, cnt_CK[c])  # their keys
         local += lo  # now entry ids
         order[pos] = local
-        row = pos + to_row[ks]
+        row = np.repeat(to_row, cnt_CK[c])
+        row += pos
         nd = int(cnt_CK[c, 0])
         row[:nd] = -1  # dropped entries (key 0) sort first in the chunk
         entry_row[local] = row
         g = pos[nd:]
-        g += to_final[ks[nd:]]
+        if not same_rows:
+            g += np.repeat(to_final[1:], cnt_CK[c, 1:])
         expand[g] = entry_buf_row_N[local[nd:]]
         if row_entry is not None:
             row_entry[g] = local[nd:]
@@ -238,7 +241,7 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     padding: how slots are padded (:class:`~moonep_sim.plan.assembly.Padding`).
     options: what the planner reports (``make_plan`` overlays them on the parsed options).
     scratch: optional list of dead int64 [N] arrays (the caller's own, no longer referenced) the
-    layout may use as scratch space; none ends up in the Plan.
+    layout may write into instead of fresh pages (they may end up in the Plan).
     extra: further Plan fields (``capacity_R``, ``kernel``, ...).
     """
     T, K = routing.topk_ids_TK.shape
@@ -255,7 +258,8 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     tp = padding.token_padding
     # entries sorted by (slot, entry), dropped first: the final rows in order (see plan.layout_slots)
     if so is None and entry_buf_row is not None:
-        lay, row_entry, expand = entry_layout(entry_slot, slot_rank_S, entry_buf_row, R, tp, padding.min_rows_S)
+        lay, row_entry, expand = entry_layout(entry_slot, slot_rank_S, entry_buf_row, R, tp, padding.min_rows_S,
+                                              scratch)
     else:
         lay = sorted_layout(so.order_N, int(so.n_drop), np.asarray(so.slot_rows_S, dtype=np.int64), slot_rank_S, tp,
                             padding.min_rows_S, R, scratch=scratch)
@@ -439,12 +443,19 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
     scratch: list[np.ndarray] = []  # dead int64 [N] arrays, reused rather than fresh pages
     for h in range(H):
         prev = row
-        if h == 0:  # tokens leave their own ranks: runs by source, rows by arithmetic
+        if h == 0 and dedup[0] and H > 1 and token_hop_fits(tables[0]):  # once per (token, relay)
+            hop, row = token_hop(bound, tables[0], pos[H], shift, R, scopes[0], scratch)
+        elif h == 0:  # tokens leave their own ranks: runs by source, rows by arithmetic
             hop, row = grouped_hop(Sources.own_ranks(bound, tok_off), pos[1], Messages(dedup[0], shift=shift), R,
                                    scopes[0], scratch)
-        elif dedup[h]:  # the last hop (see the caller's condition): messages group as (src, dst, token)
-            hop, row, entry_dup = grouped_hop(Sources(pos[h], row), pos[h + 1], Messages(True, shift=shift, dup_N=N),
-                                              R, scopes[h], scratch)
+        elif h == H - 1:  # the last hop: its blocks gather (source, final rank) pairs (see pair_hop)
+            out = pair_hop(bound, tables[h - 1], pos[h + 1], row,
+                           Messages(dedup[h], shift=shift, dup_N=N if dedup[h] else None), R, scopes[h], scratch)
+            hop, row = out[:2]
+            if dedup[h]:
+                entry_dup = out[2]
+        elif dedup[h]:  # (the caller's condition excludes a deduplicating hop between the first and the last)
+            raise PlanError(f"hop {h} of {H} must not deduplicate on the table path (internal error)")
         else:
             hop, row = grouped_hop(Sources(pos[h], row), pos[h + 1], Messages(False, shift=shift), R, scopes[h],
                                    scratch)

@@ -420,7 +420,10 @@ def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) ->
                 bad("expand_src_row must be -1 or a row of the last buffer on the same rank")
                 return False
             zero_rows = int(e.min()) < 0
-            got = origin[e + buf_off[r]] if not zero_rows else np.where(e >= 0, origin[np.maximum(e + buf_off[r], 0)], -1)
+            if zero_rows:
+                got = np.where(e >= 0, origin[np.maximum(e + buf_off[r], 0)], -1)
+            else:
+                got = origin[e + buf_off[r]]
             want = entry_token(row_ent[lo:hi], max(K, 1))  # a token, or < 0 at padding rows
             np.maximum(want, -1, out=want)
             wrong = got != want

@@ -127,9 +127,11 @@ class BlockCounts:
         col = np.arange(self.pn_nodes.size) - np.repeat(self.pn_ptr[:-1], per_port)
         self.port_nodes[np.repeat(np.arange(P1), per_port), col] = self.pn_nodes
         self.pos_WD = np.repeat(np.arange(RUN_MAX)[:, None], self.port_nodes.shape[1], axis=1)
-        # per node (sender nodes 0..BR-1, then receiver nodes): the key two nodes of an active
-        # cell share (block, and the node for NVLink blocks or the rank for local ones), a sender
-        # node's column in M / MT and a receiver node's first index of its row in ``mt_flat``
+        # per node (sender nodes 0..BR-1, then receiver nodes; block x R + rank on each side): the
+        # key two nodes of an active cell share (block, and the node for NVLink blocks or the rank
+        # for local ones), the node's rank's column in its block's M / MT rows and the first index
+        # of its rank's row in ``m_flat`` / ``mt_flat`` (cell (s, d) of block b: row[bR + s] +
+        # col[bR + d] in ``m_flat``, row[bR + d] + col[bR + s] in ``mt_flat``)
         b_N, r_N = np.divmod(np.arange(2 * B * R) % (B * R), R)
         kind_N = self.kind_B[b_N]
         self.cell_key_N = b_N * R + np.where(kind_N >= Block.NIC, 0,
@@ -140,28 +142,18 @@ class BlockCounts:
         # it (consecutive fills are alike); any start gives the same run (:meth:`_run`)
         self._hint: list[int] = []
 
-    def cells(self, blk_F, src_F, dst_F):
-        """Columns of transfers in M (sender row) and in MT (receiver row)."""
-        local = self.cluster.local_index
-        c = self.kind_B[blk_F]
-        j = np.where(c >= Block.NIC, dst_F, np.where(c == Block.NVLINK, local(dst_F), 0))
-        i = np.where(c >= Block.NIC, src_F, np.where(c == Block.NVLINK, local(src_F), 0))
-        return j, i
-
-    def add(self, blk_F, src_F, dst_F, sign: float) -> None:
-        """Count transfers in (sign = 1) or out (sign = -1)."""
-        if blk_F.size == 0:
+    def add(self, ns_F: np.ndarray, nd_F: np.ndarray, sign: float) -> None:
+        """Count transfers in (sign = 1) or out (sign = -1); ``ns_F`` / ``nd_F``: int64 [F] their
+        sender and receiver nodes (block x R + rank, the same numbering on both sides)."""
+        if ns_F.size == 0:
             return
-        j, i = self.cells(blk_F, src_F, dst_F)
-        R = self.R
+        row, col = self.mt_row_N, self.cell_col_N
         # every block's matrix is a view of one flat buffer: one scatter per side (counts are
         # whole numbers, so the order of the additions does not matter)
-        off, w = self.m_off[blk_F], self.width_B[blk_F]
-        np.add.at(self.m_flat, off + src_F * w + j, sign)
-        np.add.at(self.mt_flat, off + dst_F * w + i, sign)
-        n = self.B * R
-        self.cnt_src += sign * np.bincount(blk_F * R + src_F, minlength=n)
-        self.cnt_dst += sign * np.bincount(blk_F * R + dst_F, minlength=n)
+        np.add.at(self.m_flat, row[ns_F] + col[nd_F], sign)
+        np.add.at(self.mt_flat, row[nd_F] + col[ns_F], sign)
+        np.add.at(self.cnt_src, ns_F, sign)
+        np.add.at(self.cnt_dst, nd_F, sign)
 
     def _cols(self, b: int, rows: np.ndarray) -> np.ndarray | None:
         """Rank index of each column of rows ``rows`` of block b (None: the identity, all ranks)."""
@@ -303,35 +295,17 @@ class BlockCounts:
         port before it. None when that port has none (then :meth:`_run_cut` decides). Same answer
         as :meth:`_run_cut`, which cuts at the first port sharing a transfer with an earlier one,
         in a few array operations."""
-        N, R, geo = self.B * self.R, self.R, self.cluster
+        N = self.B * self.R
         is_s = node < N
         sw = np.flatnonzero(is_s != is_s[0])
         if sw.size == 0:
             return node.size
         q = int(sw[0])
-        x = int(node[q])
-        if is_s[0]:   # senders before q, a receiver at q
-            b, d = divmod(x - N, R)
-            bb, s_ = np.divmod(node[:q], R)
-        else:
-            b, s = divmod(x, R)
-            bb, d_ = np.divmod(node[:q] - N, R)
-        ys = np.flatnonzero(bb == b)
-        if ys.size == 0:
-            return None
-        kind, w, off = self.kinds[b], int(self.width_B[b]), int(self.m_off[b])
-        remote, nvlink = kind >= Block.NIC, kind == Block.NVLINK
-        if is_s[0]:
-            s_ = s_[ys]
-            col = d if remote else (geo.local_index(d) if nvlink else 0)
-            c = self.m_flat[off + s_ * w + col]
-            valid = True if remote else (geo.same_node(s_, d) if nvlink else (s_ == d))
-        else:
-            d_ = d_[ys]
-            col = d_ if remote else (geo.local_index(d_) if nvlink else 0)
-            c = self.m_flat[off + s * w + col]
-            valid = True if remote else (geo.same_node(s, d_) if nvlink else (s == d_))
-        return q if bool(np.any(valid & (c > 0))) else None
+        x, prev = int(node[q]), node[:q]
+        key, row, col = self.cell_key_N, self.mt_row_N, self.cell_col_N
+        idx = row[prev] + col[x] if is_s[0] else row[x] + col[prev]   # cell (sender, receiver) in m_flat
+        act = (key[prev] == key[x]) & (np.take(self.m_flat, idx, mode="clip") > 0)
+        return q if bool(act.any()) else None
 
     def _run_cut(self, cand: np.ndarray) -> int:
         """Length of the run over ports ``cand`` (in share order): :meth:`_prefix_run`'s cut."""

@@ -171,11 +171,15 @@ class StepSim:
             [HostCPU(self.env, topo.host_cores) for _ in range(int(host_R.max()) + 1)]
         self.spans: list[Span] = []
         self.stages: list[Stage] = []
+        backward = opts.backward and opts.isolate is None
+        # each hop's rows per (src, dst), counted once for both directions (a pass over its messages)
+        hop_rows = [[h.rows_RR(R) for h in p.hops] if backward else None for p in plans]
         for li, p in enumerate(plans):
-            self.stages.append(Stage(li, stage_program(p, model, topo, Direction.FORWARD, opts, self.fs)))
-        if opts.backward and opts.isolate is None:
+            self.stages.append(Stage(li, stage_program(p, model, topo, Direction.FORWARD, opts, self.fs, hop_rows[li])))
+        if backward:
             for li in reversed(range(len(plans))):
-                self.stages.append(Stage(li, stage_program(plans[li], model, topo, Direction.BACKWARD, opts, self.fs)))
+                self.stages.append(Stage(li, stage_program(plans[li], model, topo, Direction.BACKWARD, opts, self.fs,
+                                                           hop_rows[li])))
         self.compute_start = np.zeros((len(self.stages), R))
         self.compute_end = np.zeros((len(self.stages), R))
         self.compute_gate: list[list[Gate]] = [[Gate.START for _ in range(R)] for _ in self.stages]

@@ -202,7 +202,7 @@ class FlowNetwork:
             if sel.size:
                 self._complete(a.id[sel], self._bottlenecks(sel), a.key[sel], t)
                 if self._blocks is not None:
-                    self._blocks.add(a.blk[sel], a.src[sel], a.dst[sel], -1.0)
+                    self._blocks.add(a.ns[sel], a.nd[sel], -1.0)
                 a.alive[sel] = False
                 a.fin[sel] = np.inf
                 a.rem0[sel] = np.inf
@@ -234,11 +234,12 @@ class FlowNetwork:
                 m = ids.size
                 src_F, dst_F, blk_F = new.src, new.dst, new.blk
                 extra = {} if self._blocks is not None else dict(path=new.path)
+                ns_F, nd_F = blk_F * self.ports.ranks + src_F, blk_F * self.ports.ranks + dst_F
                 a.append(rate=np.zeros(m), rem0=new.eff, t0=np.full(m, t), fin=np.full(m, np.inf), id=ids,
                          key=new.key, src=src_F, dst=dst_F, blk=blk_F, alive=np.ones(m, dtype=bool),
-                         ns=blk_F * self.ports.ranks + src_F, nd=blk_F * self.ports.ranks + dst_F, **extra)
+                         ns=ns_F, nd=nd_F, **extra)
                 if self._blocks is not None:
-                    self._blocks.add(blk_F, src_F, dst_F, 1.0)
+                    self._blocks.add(ns_F, nd_F, 1.0)
         # 3. rates: exact max-min levels, then only flows whose rate changed are touched
         if self._blocks is not None:
             lv = self._levels = self._blocks.fill(self.ports.cap_P)
@@ -294,13 +295,14 @@ class FlowNetwork:
     def _complete(self, ids: np.ndarray, bneck: np.ndarray, key: np.ndarray, t: float) -> None:
         self._log.end[ids] = t
         self._log.bneck[ids] = bneck
-        uk, cnt = np.unique(key, return_counts=True)
-        R = self.ports.ranks
         left = self._left
-        left[uk] -= cnt
-        for k in uk[left[uk] == 0].tolist():   # receive groups complete in key order
-            p, d = divmod(k, R)
-            self._group_events[p][d].succeed()
+        np.subtract.at(left, key, 1)
+        full = key[left[key] == 0]
+        if full.size:
+            R = self.ports.ranks
+            for k in np.unique(full).tolist():   # receive groups complete in key order
+                p, d = divmod(k, R)
+                self._group_events[p][d].succeed()
 
     # -- results ---------------------------------------------------------------------------
     def records(self) -> dict[str, np.ndarray]:

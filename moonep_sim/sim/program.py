@@ -139,10 +139,11 @@ def planning_us(plan: Plan, topo: Topology) -> tuple[float, float]:
 
 
 def stage_program(plan: Plan, model: ModelSpec, topo: Topology, direction: Direction, opts: SimOptions,
-                  fs: FaultState) -> StageProgram:
-    """The program of ``plan``'s ``direction`` (see the module docstring)."""
+                  fs: FaultState, hop_rows: list[np.ndarray] | None = None) -> StageProgram:
+    """The program of ``plan``'s ``direction`` (see the module docstring); ``hop_rows``: each
+    hop's ``Hop.rows_RR`` if already counted (``Plan.phases``)."""
     direction = Direction(direction)
-    ph = plan.phases(direction)
+    ph = plan.phases(direction, hop_rows)
     for p in ph:
         require(p.kind in COMM_KINDS, f"phase {p.name} kind ({p.kind!r}) must be one of "
                 f"{sorted(k.value for k in COMM_KINDS)}", ConfigError)

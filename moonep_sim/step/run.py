@@ -220,7 +220,8 @@ def simulate_layer_work(w: LayerWork) -> RoutingDone:
             b = clock()
             comm = simulate_moe_layer(plan, w.model, w.topology, w.costs, w.train, w.tol)
             c = clock()
-            done[(name, mb)] = LayerDone(comm, PlanFootprint.of(plan), b[0] - a[0], c[0] - b[0], b[1] - a[1], c[1] - b[1])
+            done[(name, mb)] = LayerDone(comm, PlanFootprint.of(plan), b[0] - a[0], c[0] - b[0],
+                                         b[1] - a[1], c[1] - b[1])
             del plan
     return RoutingDone(done, routing_s, routing_cpu_s)
 

@@ -86,7 +86,9 @@ def _keep_heaviest_A(A_N: np.ndarray, cnt_G: np.ndarray, cap_G: np.ndarray,
     g_O = np.arange(cnt_O.size, dtype=np.int64) << 32
     packed = np.repeat(g_O, cnt_O)
     packed |= key_O
-    packed.sort(kind="stable")  # (a value sort; the stable kind runs fastest on group-ordered input)
+    # a value sort: equal values are identical, so any kind gives this array; numpy's SIMD quicksort
+    # sorts it ~3x faster than the stable kind (4M int64 keys: 0.04 against 0.11 s, 2026-12-02)
+    packed.sort()
     seg_O = np.cumsum(cnt_O) - cnt_O  # each group's first position among the selected entries
     thr_O = packed[seg_O + cap_O - 1] & 0xFFFFFFFF  # the cap-th heaviest key of each group
     n_less_O = np.searchsorted(packed, g_O | thr_O) - seg_O  # entries heavier than the threshold

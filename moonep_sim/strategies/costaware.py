@@ -431,14 +431,11 @@ def split_entry_slots(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.n
     key = sid_E[ids_N[sel]]
     n_split = int(split_E.sum())
     o = stable_order(key, n_split)  # by expert, global order kept within each
-    cnt = np.bincount(key, minlength=n_split)
-    pos = np.arange(sel.size, dtype=np.int64)  # position in the experts' concatenated runs
-    bounds = np.cumsum(alloc_ER[split_E].ravel())  # piece ends, expert-major then rank order
-    flat = np.searchsorted(bounds, pos, side="right")  # the piece (expert j, rank r) holding it
-    experts = np.flatnonzero(split_E)
-    if int(cnt.sum()) != int(bounds[-1]):
+    pieces = alloc_ER[split_E].ravel()  # the experts' runs cut into pieces, expert-major then rank order
+    if int(sel.size) != int(pieces.sum()):
         raise PlanError("split experts' entries must match their allocation (internal error)")
-    out[sel[o]] = slot_of_ER[experts[flat // R], flat % R]
+    # the j-th entry of the concatenated runs lies in the piece holding position j: its slot
+    out[sel[o]] = np.repeat(slot_of_ER[split_E].ravel(), pieces)
     return out
 
 

@@ -89,7 +89,8 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, max_nodes: int, sms: int |
     cl = ctx.cluster
     sr, se, slot_of = home_slots(ctx.placement)
     ids = routing.topk_ids_TK
-    entry_slot = slot_of[ids]
+    # home groups number the slots as the experts: the routing's ids are the slots (no [N] gather)
+    entry_slot = ids if np.array_equal(slot_of, np.arange(slot_of.size)) else slot_of[ids]
     node_S = cl.node_of(sr)
     # nodes per token from one-byte node ids (an [N] gather of bytes, not of int64) when they fit
     npt = nodes_per_token_T((node_S.astype(np.uint8) if node_S.size and node_S.max() < 256 else node_S)[entry_slot])

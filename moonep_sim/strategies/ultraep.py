@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from moonep_sim.errors import require
-from moonep_sim.plan import GlobalRouting, Plan
+from moonep_sim.plan import ClusterShape, GlobalRouting, Plan
 from moonep_sim.strategies import Option, PlanContext, register
 from moonep_sim.strategies.llep import native_alloc, plan_from_alloc, require_home_groups
 
@@ -50,7 +50,7 @@ def quota_for(counts_E: np.ndarray, ranks: int, domain: int, gpus_per_node: int,
     cap_tau = int(np.floor(tau))
     n_rep = np.zeros(R, dtype=np.int64)
     feasible = True
-    node = np.arange(R) // max(gpus_per_node, 1)
+    node = ClusterShape(R, max(gpus_per_node, 1)).node_of_rank()
     # donors, largest excess first (a loop over ranks and replicas, never over tokens)
     for h in np.argsort(-load, kind="stable").tolist():
         excess = int(load[h]) - cap_tau
