@@ -87,3 +87,71 @@ def test_a_route_must_end_at_the_final_rank():
     for hops in ([], [to_node_of_final(ctx.cluster)], [to_final(), to_final()]):
         with pytest.raises(PlanError, match=r"^hops \(\d\) must end with one to_final hop"):
             plan_from_hops(*args, hops)
+
+
+# --- the table route's hop kernels against the general grouped kernel --------------------------
+
+# name: (tokens per rank, K, via table, dedup of the last hop)
+_TABLE_CASES = {
+    "deepep's hop, even ranks": ([40] * 8, 4, "node", True),
+    "rail-first hop, no dedup": ([40] * 8, 4, "rail", False),
+    "a rank without tokens": ([30, 0, 50, 10, 40, 0, 20, 60], 8, "node", True),
+    "random relays, one token per rank": ([1] * 8, 2, "random", True),
+    "random relays, uneven": ([7, 90, 3, 0, 55, 12, 33, 1], 4, "random", False),
+}
+
+
+def _table_case(name):
+    tpr, K, kind, dedup = _TABLE_CASES[name]
+    R, G = 8, 4
+    rng = np.random.default_rng(list(_TABLE_CASES).index(name))
+    cl = ClusterShape(R, G)
+    table = {"node": to_node_of_final(cl).via_RR, "rail": to_rail_of_final(cl).via_RR,
+             "random": rng.integers(0, R, (R, R))}[kind].astype(np.uint8)
+    N = int(sum(tpr)) * K
+    dst8 = rng.integers(0, R, N).astype(np.uint8)
+    bound = np.concatenate([[0], np.cumsum(tpr)]) * K
+    src8 = np.empty(N, dtype=np.uint8)
+    for r in range(R):
+        src8[bound[r]:bound[r + 1]] = table[r][dst8[bound[r]:bound[r + 1]]]
+    return R, K, table, dst8, bound, src8, dedup, rng
+
+
+def _same_hop(a, b):
+    for f in ("src_rank_M", "src_row_M", "dst_rank_M", "dst_row_M", "dst_rows_R"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.dtype == y.dtype and np.array_equal(x, y), f
+
+
+def test_table_cases_cover_the_regimes():
+    assert any(0 in c[0] for c in _TABLE_CASES.values()) and any(c[2] == "random" for c in _TABLE_CASES.values())
+    assert {c[3] for c in _TABLE_CASES.values()} == {True, False}
+
+
+@pytest.mark.parametrize("name", list(_TABLE_CASES))
+def test_token_hop_equals_the_grouped_first_hop(name):
+    from moonep_sim.plan.route import Messages, Sources, grouped_hop, token_hop, token_hop_fits
+
+    R, K, table, dst8, bound, src8, _, _ = _table_case(name)
+    shift = K.bit_length() - 1
+    assert token_hop_fits(table)
+    tok_off = bound >> shift
+    want, want_row = grouped_hop(Sources.own_ranks(bound, tok_off), src8, Messages(True, shift=shift), R, "global")
+    got, got_row = token_hop(bound, table, dst8, shift, R, "global", [np.zeros(dst8.size, np.int64)])
+    _same_hop(got, want)
+    assert got_row.dtype == want_row.dtype and np.array_equal(got_row, want_row)
+
+
+@pytest.mark.parametrize("name", list(_TABLE_CASES))
+def test_pair_hop_equals_the_grouped_last_hop(name):
+    from moonep_sim.plan.route import Messages, Sources, grouped_hop, pair_hop
+
+    R, K, table, dst8, bound, src8, dedup, rng = _table_case(name)
+    shift = K.bit_length() - 1
+    row = rng.integers(0, 1000, dst8.size).astype(np.int64)
+    msg = Messages(dedup, shift=shift, dup_N=dst8.size if dedup else None)
+    want = grouped_hop(Sources(src8, row), dst8, msg, R, "intra_node")
+    got = pair_hop(bound, table, dst8, row, msg, R, "intra_node", [])
+    _same_hop(got[0], want[0])
+    for g, w in zip(got[1:], want[1:]):
+        assert g.dtype == w.dtype and np.array_equal(g, w)

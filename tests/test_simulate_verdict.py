@@ -215,3 +215,18 @@ def test_cli_gen_chains_the_specs_layers(capsys):
     assert [(s["layer"], s["direction"]) for s in st] == [(0, "forward"), (1, "forward"), (1, "backward"),
                                                          (0, "backward")]
     assert js["verdict"]["confidence"]["unit"] == "layer" and js["verdict"]["confidence"]["units"] == 2
+
+
+def test_cli_simulate_out_writes_the_html_report_with_the_verdict(capsys, tmp_path):
+    from moonep_sim.cli import main
+
+    out = tmp_path / "sim"
+    assert main(["simulate", "--trace", str(MIXTRAL), "--ranks", "4", "--gpus-per-node", "2", "--layers", "0,1",
+                 "--strategy", "alltoall,moonep", "--out", str(out)]) == 0
+    assert "wrote " in capsys.readouterr().out
+    html = (out / "report.html").read_text()
+    assert "alltoall wins by" in html and "weight copies" in html and "outside-library" in html
+    assert (out / "layer_time.png").read_bytes()[:4] == b"\x89PNG"
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["kind"] == "simulate" and rep["verdict"]["mechanism"] == "weight copies"
+    assert set(rep["provenance"]) >= {"command", "versions", "date_utc"}

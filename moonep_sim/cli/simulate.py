@@ -62,6 +62,10 @@ def register(sub) -> None:
                         "means and the verdict's tie and confidence rest on the spread over seeds (default 1)")
     p.add_argument("--timeline", metavar="OUT.json", default=None, help="write a Perfetto / Chrome trace")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="also write report.json, layer_time.png and a self-contained report.html (tables, verdict, "
+                        "flags, the command and versions) under DIR (default: write nothing)")
+    p.add_argument("--no-plots", action="store_true", help="with --out: skip the PNG plot")
     p.set_defaults(func=run)
 
 
@@ -102,7 +106,8 @@ def run(args) -> int:
     from moonep_sim.sim.timeline import DEFAULT_TOL
 
     from moonep_sim.cli.common import output_rule, print_warnings
-    output_rule(args, files=("timeline", "gantt"))  # before the run, not after it
+    output_rule(args, files=("timeline", "gantt"),  # before the run, not after it
+                folders={"out": ("report.json", "report.html", "layer_time.png")})
     check_int(args.chunks, "--chunks", 1, MAX_CHUNKS, "pipeline chunks")
     check_int(args.seeds, "--seeds", 1, 64)
     require(args.seeds == 1 or args.gen, f"--seeds ({args.seeds}) applies to --gen routing: a trace's verdict rests "
@@ -135,6 +140,7 @@ def run(args) -> int:
         from moonep_sim.sim.kernels import isolated_kernel_figures
         kern = isolated_kernel_figures(sc.plans().plan(names[0], step=out.per_strategy[names[0]]["step"]),
                                        out.raw[names[0]], args.isolate, rs.topology)
+    files = out.save(args.out, plots=not args.no_plots) if args.out else {}
     if args.json:
         print_json(_json(out, names, rs, plan_s, kern))
         return 0
@@ -151,6 +157,8 @@ def run(args) -> int:
         c.print(line, highlight=False, markup=False)
     if args.timeline:
         c.print(f"timeline written to {args.timeline} (open in ui.perfetto.dev)")
+    if files:
+        c.print("wrote " + ", ".join(files.values()))
     return 0
 
 

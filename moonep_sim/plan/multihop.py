@@ -23,7 +23,7 @@ from moonep_sim.plan.build import SlotLayout, final_rows, slot_layout, sorted_la
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.order import CHUNK, segment_ranges, stable_order
 from moonep_sim.plan.placement import ClusterShape
-from moonep_sim.plan.route import Messages, Scratch, Sources, grouped_hop, pair_hop
+from moonep_sim.plan.route import Messages, Scratch, Sources, grouped_hop, pair_hop, token_hop, token_hop_fits
 
 
 def _route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,
@@ -205,22 +205,23 @@ def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_ro
     no_pad = W == n_kept
     row_entry = None if no_pad else np.full(W, -1, dtype=np.int64)
     expand = (spare.take() if W == N else np.empty(W, dtype=np.int64)) if no_pad else np.full(W, -1, dtype=np.int64)
-    keys = np.arange(n_keys, dtype=np.int64)
+    same_rows = not to_final[1:].any()  # no padding, nothing dropped: final row = sorted position
     for c in range(chunks):  # loop over chunks of entries, not entries
         lo, hi = c * size, min(N, (c + 1) * size)
         if hi <= lo:
             continue
         local = np.argsort(key[lo:hi], kind="stable")
         pos = segment_ranges(dest_CK[c], cnt_CK[c])  # sorted position of each of the chunk's sorted entries
-        ks = np.repeat(keys, cnt_CK[c])  # their keys
         local += lo  # now entry ids
         order[pos] = local
-        row = pos + to_row[ks]
+        row = np.repeat(to_row, cnt_CK[c])
+        row += pos
         nd = int(cnt_CK[c, 0])
         row[:nd] = -1  # dropped entries (key 0) sort first in the chunk
         entry_row[local] = row
         g = pos[nd:]
-        g += to_final[ks[nd:]]
+        if not same_rows:
+            g += np.repeat(to_final[1:], cnt_CK[c, 1:])
         expand[g] = entry_buf_row_N[local[nd:]]
         if row_entry is not None:
             row_entry[g] = local[nd:]
@@ -442,7 +443,9 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
     scratch: list[np.ndarray] = []  # dead int64 [N] arrays, reused rather than fresh pages
     for h in range(H):
         prev = row
-        if h == 0:  # tokens leave their own ranks: runs by source, rows by arithmetic
+        if h == 0 and dedup[0] and H > 1 and token_hop_fits(tables[0]):  # once per (token, relay)
+            hop, row = token_hop(bound, tables[0], pos[H], shift, R, scopes[0], scratch)
+        elif h == 0:  # tokens leave their own ranks: runs by source, rows by arithmetic
             hop, row = grouped_hop(Sources.own_ranks(bound, tok_off), pos[1], Messages(dedup[0], shift=shift), R,
                                    scopes[0], scratch)
         elif h == H - 1:  # the last hop: its blocks gather (source, final rank) pairs (see pair_hop)

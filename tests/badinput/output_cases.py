@@ -57,6 +57,7 @@ FOLDER_OUTPUTS: dict[str, tuple[list[str], dict[str, str], tuple[str, ...]]] = {
     "sweep": (["sweep", "--model", "M", "--over", "maxvio", "--values", "1", "--strategies", "alltoall", "--topology", "B"],
               {"--model": "M", "--topology": "B"},
               ("sweep.json", "sweep.png", "winner.png", "winner.md", "winner.json")),
+    "simulate": (SIM, {"--trace": "T", "--topology": "B", "--model": "M"}, ("report.json", "report.html", "layer_time.png")),
     "demo": (["demo", "--fast", "--topology", "B"], {"--topology": "B"},
              ("report.json", "layer_time.png", "rows_per_rank.png", "traffic.png")),
 }
