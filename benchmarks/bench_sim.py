@@ -16,6 +16,14 @@ that run and the 1-minute load average, since the machine may be shared.
 
 The growth exponent is the least-squares slope of log(sim_seconds) against log(ranks) per
 strategy, and per step between consecutive sizes.
+
+``--step-layer`` times instead the step model's per-layer simulation
+(``moonep_sim.step.layer_sim.simulate_moe_layer``: forward and backward, experts priced by the
+step's cost model) of one Kimi K3 EP64 training layer (8 nodes of 8, 4096 tokens per rank,
+generated routing at maxvio 2, seed 7, the scenario's placement and row costs) per strategy, best
+of ``--repeat`` by CPU seconds (docs/results/simulator-speed.md)::
+
+    python benchmarks/bench_sim.py --step-layer --strategies alltoall,deepep,moonep,deepep-ll,hierarchical
 """
 
 from __future__ import annotations
@@ -50,6 +58,40 @@ def routing_for(R: int, tokens_per_rank: int, E: int, K: int, mv: float, seed: i
     return GlobalRouting.split_evenly(ids, w, E, R)
 
 
+def step_layer_rows(strategies: list[str], topology: str, repeat: int, seed: int = 7) -> list[dict]:
+    """CPU seconds of ``simulate_moe_layer`` (train) on one Kimi K3 EP64 layer per strategy."""
+    from moonep_sim.experiments import GeneratorSpec, Scenario
+    from moonep_sim.step.costs import CostModel
+    from moonep_sim.step.layer_sim import simulate_moe_layer
+
+    R, tpr = 64, 4096
+    rs = Scenario(routing=GeneratorSpec(model="kimi-k3", maxvio=2.0, tokens_per_rank=tpr, layers=1, seed=seed),
+                  cluster="64/8", topology=topology, strategies=strategies).resolved
+    m, topo = rs.source.model, rs.topology
+    g = generate(m.num_experts, m.top_k, R * tpr, seed, maxvio=2.0)
+    routing = GlobalRouting.split_evenly(g.topk_ids_LTK[0], g.topk_weights_LTK[0], m.num_experts, R)
+    costs = CostModel(topo)
+    print(f"step layer: {m.name} EP{R} ({rs.ctx.cluster.gpus_per_node} per node), {tpr} tokens per rank, train, "
+          f"topology {topo.name}, load {os.getloadavg()[0]:.2f}")
+    print(f"{'strategy':>12} {'flows':>7} {'cpu s':>7} {'wall s':>7} {'layer us':>10} {'load':>5}")
+    rows = []
+    for s in strategies:
+        plan = make_plan(s, routing, rs.ctx)
+        best, wall, comm = math.inf, math.inf, None
+        for _ in range(repeat):
+            c0, t0 = time.process_time(), time.perf_counter()
+            comm = simulate_moe_layer(plan, m, topo, costs, True)
+            cpu = time.process_time() - c0
+            if cpu < best:
+                best, wall = cpu, time.perf_counter() - t0
+        flows = sum(int((p.bytes_RR > 0).sum()) for d in ("forward", "backward") for p in plan.phases(d))
+        load = os.getloadavg()[0]
+        rows.append(dict(strategy=s, ranks=R, tokens_per_rank=tpr, flows=flows, cpu_seconds=best, wall_seconds=wall,
+                         layer_time_us=comm.sim_us, load_1min=load))
+        print(f"{s:>12} {flows:>7} {best:>7.3f} {wall:>7.2f} {comm.sim_us:>10.1f} {load:>5.2f}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", default="64,256,1024", help="comma-separated EP sizes")
@@ -64,7 +106,16 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per row; the row keeps the fastest (default 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--step-layer", action="store_true",
+                    help="time the step model's per-layer simulation of a Kimi K3 EP64 training layer instead")
     a = ap.parse_args()
+    if a.step_layer:
+        rows = step_layer_rows(a.strategies.split(","), a.topology, a.repeat)
+        if a.json:
+            from moonep_sim.io import write_text_atomic
+            write_text_atomic(a.json, json.dumps(dict(case="kimi-k3 EP64 train layer", rows=rows), indent=2),
+                              what="--json")
+        return
     ranks = [int(x) for x in a.ranks.split(",")]
     strategies = a.strategies.split(",")
     E = a.experts
@@ -75,7 +126,7 @@ def main() -> None:
     rows = []
     print(f"model {m.name} (E={E}, K={a.top_k}, hidden 7168, ffn 2048, bf16), topology {topo.name}, "
           f"maxvio {a.maxvio}, tol {a.tol}, load {os.getloadavg()[0]:.2f}")
-    print(f"{'strategy':>9} {'EP':>5} {'tok/rank':>8} {'maxvio':>6} {'flows':>8} {'ticks':>6} {'steps':>6} "
+    print(f"{'strategy':>9} {'EP':>5} {'tok/rank':>8} {'maxvio':>6} {'flows':>8} {'steps':>6} "
           f"{'plan s':>7} {'sim s':>7} {'cpu s':>7} {'layer us':>10} {'load':>5}")
     for R in ranks:
         tpr = min(a.tokens_per_rank, a.max_tokens // R)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from moonep_sim.routing.sampling import InverseCDF, sample_topk, sample_topk_grouped, sample_topk_pl, sample_topk_race
+from moonep_sim.routing import sampling
 
 # named popularities (log scale); the regimes: equal, mild and strong lognormal skew, one expert
 # holding most of the mass (rows go to the exact remainder draw), many negligible experts
@@ -91,11 +92,18 @@ def test_same_seed_same_draws_and_nearby_popularities_are_coupled():
     assert (a == d).mean() < 0.2
 
 
-def test_dispatch_logits_take_the_race_and_groups_their_own_path():
+def test_dispatch_logits_take_the_race_and_groups_their_own_path(monkeypatch):
     logp = np.random.default_rng(0).normal(0, 1, 16)
     ids, w, lg = sample_topk(logp, 2, 50, np.random.default_rng(1), with_logits=True)
     assert lg.shape == (50, 16)
     np.testing.assert_array_equal(np.argsort(-lg, axis=1, kind="stable")[:, :2], ids)
+    # a layer of at most CHUNK_ELEMS token-expert pairs takes the race (coupled draws), grouped or not
+    for kw in ({}, {"groups": 4, "topk_groups": 1}):
+        small, ws, _ = sample_topk(logp, 2, 50, np.random.default_rng(1), **kw)
+        race, wr, _ = sample_topk_race(logp, 2, 50, np.random.default_rng(1), **kw)
+        np.testing.assert_array_equal(small, race)
+        np.testing.assert_array_equal(ws, wr)
+    monkeypatch.setattr(sampling, "CHUNK_ELEMS", 16 * 49)  # from here on the layer is "large"
     ids, w, lg = sample_topk(logp, 2, 50, np.random.default_rng(1), groups=4, topk_groups=1)
     g, wg = sample_topk_grouped(logp, 2, 50, np.random.default_rng(1), groups=4, topk_groups=1)
     assert lg is None and (ids // 4 == ids[:, :1] // 4).all()

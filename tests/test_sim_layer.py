@@ -318,3 +318,16 @@ def test_lower_bound_entry_counts_match_a_per_entry_reference(strategy, even, mo
     src_T = np.repeat(np.arange(R), plan.tokens_per_rank_R)
     want = np.bincount(src_T[sorted(need)], minlength=R) if need else np.zeros(R, int)
     assert np.array_equal(ents.tokens_needing(res_RE), want)
+
+
+@pytest.mark.parametrize("strategy", ["deepep", "hierarchical", "moonep"])
+def test_hop_rows_counted_once_give_each_directions_phases(strategy):
+    """The simulator counts each hop's rows once for both directions (``Plan.phases(d, hop_rows)``):
+    the same phases, bytes and messages as counting them per direction."""
+    plan = plan_for(strategy, skew=1.5)
+    rows = [h.rows_RR(plan.ranks) for h in plan.hops]
+    for d in ("forward", "backward"):
+        a, b = plan.phases(d), plan.phases(d, rows)
+        assert [p.name for p in a] == [p.name for p in b]
+        for p, q in zip(a, b):
+            assert np.array_equal(p.bytes_RR, q.bytes_RR) and np.array_equal(p.msgs_RR, q.msgs_RR)

@@ -278,7 +278,7 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
     err, ls_best, mv_best, ids, w, lg = min(evals, key=lambda e: e[0])
     if err > TOLERANCE:
         all_mv = [e[2] for e in evals]
-        if mv_best > target:
+        if min(all_mv) > target:
             raise ConfigError(
                 f"maxvio ({target}) must be >= the sampling-noise floor (about {min(all_mv):.3g} for "
                 f"T={tokens} tokens, E={E}, K={top_k}): counts of uniform popularity already vary that "

@@ -330,11 +330,16 @@ def sample_topk(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Gene
 
     Returns ids int64 [T, K] (by descending score), weights float32 [T, K] (softmax of the chosen
     scores), and the scores float32 [T, E] when ``with_logits``. Plain and group-limited top-K
-    take the fast Plackett-Luce paths; logits take the race (all three: module docstring).
+    take the fast Plackett-Luce paths; logits, and layers of at most ``CHUNK_ELEMS`` token-expert
+    pairs, take the race (all three: module docstring).
     """
-    if with_logits:
+    if with_logits or int(tokens) * int(np.size(logp_E)) <= CHUNK_ELEMS:
+        # logits, and small layers (one chunk of the race: tens of ms): the race, whose draws are
+        # coupled expert by expert across popularities. The fast paths' rejected draws are not, and
+        # at a few tokens the maxvio calibration's bisection then meets a statistic too jagged to
+        # hit its tolerance (e.g. T=64, E=8, K=2 at maxvio 1).
         return sample_topk_race(logp_E, top_k, tokens, rng, groups=groups, topk_groups=topk_groups,
-                                with_logits=True)
+                                with_logits=with_logits)
     if groups > 1 and topk_groups < groups:
         ids, w = sample_topk_grouped(logp_E, top_k, tokens, rng, groups=groups, topk_groups=topk_groups)
     else:
