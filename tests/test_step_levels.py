@@ -171,3 +171,17 @@ def test_python_api_refuses_step_options_at_layer_level():
         _sc().compare(level="cell")
     with pytest.raises(ConfigError, match="real replays run the layer level only"):
         _sc().compare(real=True, level="step")
+
+
+def test_trace_knobs_of_the_layer_sweep_work_at_step_level():
+    """tokens_per_rank re-cuts the trace into batches, each its own step; maxvio re-weights the
+    trace's popularity, which the step's layers are planned on (the busiest rank's load grows)."""
+    sc = Scenario(routing=str(MIXTRAL), cluster="4/4", strategies="alltoall,moonep")
+    opts = StepOptions(mode="prefill")
+    cut = sc.sweep("tokens_per_rank", [16, 32], level="step", step=opts).to_dict()
+    assert [f["steps"] for f in cut["strategies"]["alltoall"]["figures"]] == [p["steps"] for p in cut["points"]]
+    assert cut["points"][0]["steps"] > cut["points"][1]["steps"] > 1
+    mv = sc.sweep("maxvio", [0.5, 1.5], level="step", step=opts).to_dict()
+    lo, hi = (f["rows_max_mean"] for f in mv["strategies"]["alltoall"]["figures"])
+    assert hi > lo
+    assert max(f["rows_max_mean"] for f in mv["strategies"]["moonep"]["figures"]) < 1.05
