@@ -464,3 +464,17 @@ def test_cli_isolate_reports_v2s_epilogue_apart_from_the_kernel(capsys):
     assert k["epilogue_GBps"] == pytest.approx(k["epilogue_bytes"] / k["epilogue_us"] / 1e3)
     assert main(args[:-1]) == 0
     assert "copy epilogue (expand), timed apart" in capsys.readouterr().out
+
+
+def test_a_chunked_relay_pays_the_nics_message_cost_once_per_channels_chunk():
+    """4 NICs of 1 GB/s per GPU at 0.1 M messages/s each: 2.5 us per message. Rank 0 -> relay 2 ->
+    rank 3, 100 rows; 2 channels with RDMA chunks of 3: the NIC hop is ceil(100 / 3) = 34 writes."""
+    spec = KernelSpec(sms=4, relay=True, chunks=(RelayChunk(4, 5, 3, 7, 2),))
+    plan = dataclasses.replace(_plan("deepep", [3] * 100, [100, 0, 0, 0]), kernel=spec)
+    topo = _topo(nic={"bandwidth_GBps": 1.0, "rails_per_node": 8, "message_rate_Mps": 0.1},
+                 sm={"count": 8, "copy_GBps": 1000.0}, kernel={"relay_message_rows": 4})
+    assert topo.nic_message_us == pytest.approx(2.5)
+    t0 = 100 * ROW / 4e3 + 34 * 2.5
+    m0, m1 = message_us(topo, ROW, True, rows=2 * 3), message_us(topo, ROW, False, rows=2 * 5)
+    assert _iso(plan, topo) == pytest.approx(relay_two_hop_us(100 * ROW, 100 * ROW / t0, 0.0, 100 * ROW, 10e3, 0.0,
+                                                              m0, m1))

@@ -136,9 +136,15 @@ def write_winner(args, m: dict, con) -> int:
     out = Path(args.out)
     png = out / "winner.png"
     md = winner_table_md(m)
+    title = None
+    if m.get("level") == "step":   # say what a cell's time is: a whole step, OOM strategies ranked last
+        st = m.get("step") or {}
+        title = (f"fastest strategy per cell, whole {st.get('mode')} step (overlap {st.get('overlap')}; OOM ranks "
+                 f"last) -- {m.get('model')}, {m.get('topology')}")
+        md = f"{title}\n\n{md}"
     with staged_dir(out, "--out") as tmp:
         if not args.no_plots:
-            winner_heatmap(m, tmp / "winner.png")
+            winner_heatmap(m, tmp / "winner.png", title=title)
         write_text_atomic(tmp / "winner.md", md + "\n")
         from moonep_sim.report.html import provenance, write_html
 

@@ -138,6 +138,13 @@ class BlockCounts:
                                              np.where(kind_N == Block.NVLINK, geo.node_of(r_N), r_N))
         self.cell_col_N = np.where(kind_N >= Block.NIC, r_N, np.where(kind_N == Block.NVLINK, geo.local_index(r_N), 0))
         self.mt_row_N = self.m_off[b_N] + r_N * self.width_B[b_N]
+        # per port: True when its nodes are receiver nodes (every port belongs to one side)
+        self.port_side = np.zeros(P1, dtype=bool)
+        side_of = self.pn_nodes >= B * R
+        self.port_side[np.repeat(np.arange(P1), per_port)] = side_of
+        mixed = np.bincount(np.repeat(np.arange(P1), per_port), weights=side_of, minlength=P1)
+        if not np.all((mixed == 0) | (mixed == per_port)):  # pragma: no cover - side_ports lists a port on both sides
+            raise RuntimeError("a port holds sender and receiver nodes")
         # per filling step, the run length of the last fill: its first prefix width is chosen above
         # it (consecutive fills are alike); any start gives the same run (:meth:`_run`)
         self._hint: list[int] = []
@@ -329,6 +336,18 @@ class BlockCounts:
                 cut = int(pos[o][dup + 1].min())
                 keep = pos < cut
                 node, pos = node[keep], pos[keep]
+            # ports before the first one of the other side share no cell; the run usually ends at
+            # that port (9 in 10 fills of K3 EP64 deepep layers): check it alone first
+            side = self.port_side[cand[:cut]]
+            sw = np.flatnonzero(side != side[0])
+            if sw.size == 0:
+                return max(cut, 1), node, pos
+            q = int(sw[0])
+            x, prev = node[pos == q], node[pos < q]
+            key, row, col = self.cell_key_N, self.mt_row_N, self.cell_col_N
+            idx = row[prev][None, :] + col[x][:, None] if side[q] else row[x][:, None] + col[prev][None, :]
+            if bool(((key[x][:, None] == key[prev][None, :]) & (np.take(self.m_flat, idx, mode="clip") > 0)).any()):
+                return q, node, pos
         cut = self._cell_cut(node, pos, cut)
         return max(cut, 1), node, pos
 
@@ -383,7 +402,10 @@ class BlockCounts:
             cols = self._cols(b, rb)
             Mrb = mats[b][rb]
             if cols is None:
-                both = np.stack([np.ones(rb.size), lb]) @ Mrb
+                w_2n = np.empty((2, rb.size))   # [ones; levels]: one product gives counts and loads
+                w_2n[0] = 1.0
+                w_2n[1] = lb
+                both = w_2n @ Mrb
                 cnt[base:base + R] -= both[0] * of
                 frz[base:base + R] += both[1] * of
             else:

@@ -19,11 +19,13 @@ from moonep_sim.errors import ConfigError, require
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import CommPhase, Plan
 from moonep_sim.plan.direct import last_hop_is_direct
+from moonep_sim.plan.kernel import chunk_for
 from moonep_sim.plan.kinds import COMM_KINDS, WEIGHT_KINDS, Direction, PhaseKind
 from moonep_sim.sim.compute import rank_compute_us
 from moonep_sim.sim.faults import FaultState
-from moonep_sim.sim.kernels import (dispatch_epilogue_us, epilogue_rows_R, expand_read_bytes_per_us, kernel_fixed_us, message_us, nic_message_cost_us, reduce_bytes_per_us,
-                                    relay_active, relay_hop_rows, relay_rows, sm_cap_bytes_per_us, weight_copy_bytes_per_us)
+from moonep_sim.sim.kernels import (dispatch_epilogue_us, epilogue_rows_R, expand_read_bytes_per_us, kernel_fixed_us,
+                                    message_us, nic_message_cost_us, reduce_bytes_per_us, relay_active,
+                                    relay_hop_rows, relay_rows, sm_cap_bytes_per_us, weight_copy_bytes_per_us)
 from moonep_sim.sim.kernels import planning_us as kernel_planning_us
 from moonep_sim.sim.options import SimOptions
 from moonep_sim.sim.topology import Topology
@@ -200,11 +202,12 @@ def _cross_node_RR(plan: Plan, topo: Topology) -> np.ndarray:
     return ~topo.cluster(plan.ranks).same_node(r[:, None], r[None, :])
 
 
-def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology) -> np.ndarray | None:
+def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology, direction: str = "dispatch") -> np.ndarray | None:
     """[R, R] time scale that charges a serial cost per NIC message of the phase's inter-node
     flows, at the NIC's rate; None when off. Kernels that send one message per row pay
     ``moonep_sim.sim.kernels.nic_message_cost_us`` per row; relayed kernels, where the NIC's message
-    rate or the family's own per-message cost (a CPU proxy) is set, pay it per relayed message."""
+    rate or the family's own per-message cost (a CPU proxy) is set, pay it per relayed message
+    (a chunked kernel: one RDMA write per channel's chunk, its RDMA chunk in ``direction``)."""
     spec = plan.kernel
     if spec is None:
         return None
@@ -213,7 +216,8 @@ def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology) -> np.ndar
         cost = nic_message_cost_us(topo, spec)
     elif spec.relay and relay_rows(topo, spec) > 0 and (topo.nic_message_us > 0 or spec.message_us > 0):
         cost = topo.nic_message_us + spec.message_us
-        msgs = np.ceil(msgs / relay_rows(topo, spec))
+        c = chunk_for(spec.chunks, plan.ranks)
+        msgs = np.ceil(msgs / (c.rows(direction, True) if c is not None else relay_rows(topo, spec)))
     else:
         return None
     if cost <= 0:
@@ -268,18 +272,18 @@ def kernel_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
     prog.fixed_post_us = kernel_fixed_us(topo, "combine", spec)
     prog.relayed = bool(spec is not None and spec.relay)
 
-    def scales(phases: list[CommPhase], p2p_at: int) -> list:
+    def scales(phases: list[CommPhase], p2p_at: int, direction: str) -> list:
         out = []
         for i, ph in enumerate(phases):
             sc = prog.p2p_RR if (i == p2p_at and prog.p2p_RR is not None) else None
-            m = _row_messages_scale(ph, plan, topo)
+            m = _row_messages_scale(ph, plan, topo, direction)
             if m is not None:
                 sc = m if sc is None else sc * m
             out.append(sc)
         return out
 
-    prog.pre_scale = scales(prog.pre, len(prog.pre) - 1)
-    prog.post_scale = scales(prog.post, 0)
+    prog.pre_scale = scales(prog.pre, len(prog.pre) - 1, "dispatch")
+    prog.post_scale = scales(prog.post, 0, "combine")
     prog.w_scale_RR = _weights_scale(plan, topo) if prog.weights else None
     if relay_active(topo, spec):
         prog.relay_pre = [_relay_RR(p, plan, topo, sm_cap, "dispatch") for p in prog.pre]
