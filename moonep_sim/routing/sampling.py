@@ -3,8 +3,9 @@
 Notation: T tokens, K top-k, E experts, G expert groups.
 
 The distribution is **Plackett-Luce**: a token's first expert is drawn with probability
-``p_e / sum(p)``, each next one from the experts not yet chosen, renormalised. Two samplers draw
-it, with the same distribution (not the same outputs for a seed):
+``p_e / sum(p)``, each next one from the experts not yet chosen, renormalised. Three samplers draw
+it, with the same distribution (not the same outputs for a seed); :func:`sample_topk` picks one
+(the race for logits and for layers of at most ``CHUNK_ELEMS`` token-expert pairs):
 
 - :func:`sample_topk_race` -- the **reference**, the Gumbel top-k trick run as the equivalent
   *exponential race*: the K smallest of ``X_te / p_e`` with ``X ~ Exp(1)`` over a ``[T, E]``
@@ -28,7 +29,7 @@ it, with the same distribution (not the same outputs for a seed):
 Weights: the race's arrival times. In the race, token t's k-th expert arrives at
 ``tau_k = sum_{j<=k} X_j / (P - P_{j-1})`` (X iid Exp(1), P the total popularity, ``P_{j-1}`` the
 popularity already chosen: memorylessness of the exponential), independent of which experts won.
-Both samplers return ``w_k = (1/tau_k) / sum_j (1/tau_j)``: the softmax over the K chosen of the
+All three return ``w_k = (1/tau_k) / sum_j (1/tau_j)``: the softmax over the K chosen of the
 scores ``-log tau_k`` (the Gumbel-perturbed logits up to a per-token constant), in the order drawn
 (descending score).
 """
