@@ -359,12 +359,16 @@ def pair_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, ro
         lead = order
     dst_row = np.empty(n, dtype=np.int64)
     dst_row[order] = rows  # (within each source's run)
-    # each message's source row, pair by pair in the hop's order (a pair's leads lie in one source's run)
-    mstart_p = (np.cumsum(mc) - mc)[porder[has]]  # where each pair's leads start (pair order)
+    # the messages' source rows in pair order (reading each source's run in turn), then moved pair by
+    # pair into the hop's order (taking them pair by pair in the hop's order instead jumps between
+    # the sources' runs: about twice the time at K3 EP64)
+    m_srow_p = np.take(row_N, lead)
+    del lead
+    mstart_p = (np.cumsum(mc) - mc)[porder[has]]  # where each pair's messages start (pair order)
     m_srow = np.empty(m_src.size, dtype=np.int64)
     for a, o, c in zip(mstart_p.tolist(), mstart_o[has].tolist(), mc_o[has].tolist()):  # loop over pairs
-        np.take(row_N, lead[a:a + c], out=m_srow[o:o + c], mode="clip")  # (lead holds valid entries)
-    del lead
+        m_srow[o:o + c] = m_srow_p[a:a + c]
+    del m_srow_p
     hop = Hop(scope, m_src, m_srow, m_dst, m_row, per_dst)
     if msg.dup_N is not None:
         dup = np.zeros(msg.dup_N, dtype=bool)
