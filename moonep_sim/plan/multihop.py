@@ -389,7 +389,7 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
     scratch: list[np.ndarray] = []  # dead int64 [N] arrays, reused rather than fresh pages
     for h in range(H):
         prev = row
-        if h == 0 and dedup[0] and H > 1 and token_hop_fits(tables[0]):  # once per (token, relay)
+        if h == 0 and dedup[0] and H > 1 and token_hop_fits(tables[0], 1 << shift):  # once per (token, relay)
             hop, row = token_hop(bound, tables[0], pos[H], shift, R, scopes[0], scratch)
         elif h == 0:  # tokens leave their own ranks: runs by source, rows by arithmetic
             hop, row = grouped_hop(Sources.own_ranks(bound, tok_off), pos[1], Messages(dedup[0], shift=shift), R,
