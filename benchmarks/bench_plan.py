@@ -28,6 +28,7 @@ row sizes as ``moonep-sim plan`` resolves them (``Scenario``).
     python benchmarks/bench_plan.py                          # all strategies, first run + best of 3
     python benchmarks/bench_plan.py --strategies allgather,deepep --repeats 5
     PYTHONPATH=/path/to/other/tree python benchmarks/bench_plan.py --json out.json   # another tree's planners
+    python benchmarks/bench_plan.py --before /tmp/base --rounds 3 --floor   # before/after in one run, and floors
 
 On a shared machine, compare CPU seconds (and ratios measured in one run), not wall seconds: the
 load average at start and end is printed and stored.

@@ -1,11 +1,11 @@
-"""``assemble_plan`` and its chunked layout equal their slow references element-wise.
+"""``assemble_plan`` and its layout equal their slow references element-wise.
 
-:func:`moonep_sim.plan.multihop.entry_layout` sorts the entries by slot chunk by chunk and writes
-each chunk's rows while it is in cache; it must return what ``slot_layout`` then ``final_rows``
-return (values and dtypes), on layers large enough to take the chunked path, with dropped
-entries, token padding, minimum rows and empty slots. ``assemble_plan`` (fed the named records of
-``moonep_sim.plan.assembly``) must equal ``moonep_sim.plan.reference.assemble_plan``, arrived
-padding rows included.
+:func:`moonep_sim.plan.multihop.entry_layout` writes each entry's buffer row to its final row in
+entry order where nothing is padded or dropped; it must return what ``slot_layout`` then
+``final_rows`` return (values and dtypes), on layers large enough for the chunked slot sort, with
+and without dropped entries, token padding, minimum rows and empty slots. ``assemble_plan`` (fed
+the named records of ``moonep_sim.plan.assembly``) must equal
+``moonep_sim.plan.reference.assemble_plan``, arrived padding rows included.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _case(n, S, drop, seed, empty):
 
 
 def test_cases_cover_the_regimes():
-    """The table reaches the chunked path in every case but the small one, and each regime."""
+    """The table reaches the chunked slot sort in every case but the small one, and each regime."""
     chunked = [n >= 4 * CHUNK for n, *_ in CASES.values()]
     assert sum(chunked) == len(CASES) - 1
     assert any(c[2] > 0 for c in CASES.values()) and any(c[3] > 1 for c in CASES.values())

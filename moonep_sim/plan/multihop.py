@@ -19,9 +19,9 @@ import numpy as np
 
 from moonep_sim.errors import PlanError
 from moonep_sim.plan.assembly import Entries, Padding, Slots
-from moonep_sim.plan.build import SlotLayout, final_rows, slot_layout, sorted_layout
+from moonep_sim.plan.build import final_rows, slot_layout, sorted_layout
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
-from moonep_sim.plan.order import CHUNK, segment_ranges, stable_order
+from moonep_sim.plan.order import segment_ranges, stable_order
 from moonep_sim.plan.placement import ClusterShape
 from moonep_sim.plan.route import Messages, Scratch, Sources, grouped_hop, pair_hop, token_hop, token_hop_fits
 
@@ -145,89 +145,34 @@ def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
 
 
 def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_row_N: np.ndarray, ranks: int,
-                 token_padding: int = 1, min_rows_S: np.ndarray | None = None, scratch: list | None = None):
-    """The expert-grouped layout and the final rows of entries given by slot, in one pass over
-    chunks of entries: (lay, row_entry_W, expand_src_row_W).
+                 token_padding: int = 1, min_rows_S: np.ndarray | None = None,
+                 entry_rank_N: np.ndarray | None = None, scratch: list | None = None):
+    """The expert-grouped layout and the final rows of entries given by slot:
+    (lay, row_entry_W, expand_src_row_W), what ``slot_layout`` then ``final_rows`` return.
 
     entry_slot_N: int64 [N] slot of each entry, -1 = dropped.  slot_rank_S: int64 [S] sorted.
     entry_buf_row_N: int64 [N] the last buffer's row of each entry.  ranks: R.
-    lay: the :class:`~moonep_sim.plan.build.SlotLayout` of :func:`~moonep_sim.plan.build.slot_layout`
-    (equal arrays); row_entry_W / expand_src_row_W: what :func:`~moonep_sim.plan.build.final_rows`
-    makes of it (padding rows -1; filled by the caller with arrived padding rows, if any).
-    scratch: optional list of dead int64 [N] arrays (not ``entry_buf_row_N``) the layout may
-    write its [N] results into (they then end up in the Plan) instead of fresh pages.
+    entry_rank_N: optional int64 [N] each entry's rank (``slot_rank_S[entry_slot_N]``).
+    scratch: optional list of dead int64 [N] arrays (not ``entry_buf_row_N``) to write into
+    instead of fresh pages (they may end up in the Plan).
 
-    Equal to ``slot_layout`` then ``final_rows``, but the entries are sorted chunk by chunk (as
-    :func:`~moonep_sim.plan.order.stable_order` sorts 16-bit keys) and each chunk writes its rows
-    where they go while it is in cache: its entries' rows (``entry_row``, in entry order) and its
-    blocks of final rows (one contiguous run per slot). The unchunked form scatters ``entry_row`` in
-    slot order and gathers the buffer rows in slot order: one slot's entries lie ~N/S entries
-    apart, so nearly every access there touches a new page. Measured on deepep's arrays at K3
-    EP64 (8.4M entries, 896 slots; 2026-12-02, three runs in one process, load ~5 on 2 CPUs):
-    0.30-0.33 s user + 0.11-0.12 s system here against 0.52-0.60 + 0.10-0.15 s for the two
-    (``tests/test_plan_assembly.py`` holds the outputs equal).
+    Without padding or dropped entries, each entry's buffer row is written to its final row in
+    entry order (its rank's first row plus its row there) instead of gathered in slot order: one
+    slot's entries lie ~N/S entries apart, so that gather touches a new page nearly every access,
+    where entry order writes one run per slot. Measured on deepep's arrays at K3 EP64 (8.4M
+    entries, 896 slots; 2026-12-02, four runs alternating in one process, load ~6 on 2 CPUs):
+    0.33-0.44 s of CPU against 0.47-0.67 s for ``slot_layout`` then ``final_rows``.
     """
-    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    S, N, R = slot_rank_S.size, entry_slot_N.size, int(ranks)
-    n_keys = S + 1  # 0 = dropped, s+1 = slot s
-    chunks = min(-(-N // CHUNK), N // (2 * n_keys)) if n_keys <= 1 << 16 else 0
-    if chunks < 4:  # small or wide: the plain sort and gathers
-        lay = slot_layout(entry_slot_N, slot_rank_S, token_padding, min_rows_S, R)
+    lay = slot_layout(entry_slot_N, slot_rank_S, token_padding, min_rows_S, ranks)
+    if lay.grow_K is not None or lay.n_drop:  # padding rows or dropped entries: the gather in slot order
         return (lay,) + final_rows(lay, lay.order_N[lay.n_drop:], entry_buf_row_N)
-    key = entry_slot_N.astype(np.uint16)
-    key += 1  # (-1 wraps to 0xFFFF, then 0)
-    size = -(-N // chunks)
-    cnt_CK = np.zeros((chunks, n_keys), dtype=np.int64)
-    for c in range(chunks):  # loop over chunks of entries, not entries
-        cnt_CK[c] = np.bincount(key[c * size:(c + 1) * size], minlength=n_keys)
-    cnt_K = cnt_CK.sum(axis=0)
-    n_drop, slot_rows = int(cnt_K[0]), cnt_K[1:]
-    # the slots' padded sizes and offsets, as sorted_layout computes them
-    padded = slot_rows if min_rows_S is None else np.maximum(slot_rows, min_rows_S)
-    tp = max(int(token_padding), 1)
-    padded = (padded + tp - 1) // tp * tp
-    cum = np.cumsum(padded) - padded  # global first row of each slot (ranks concatenated)
-    first = np.searchsorted(slot_rank_S, np.arange(int(slot_rank_S.max()) + 1 if S else 0))
-    rank_base = np.concatenate([[0], np.cumsum(padded)])[first]
-    offset = cum - rank_base[slot_rank_S] if S else cum
-    rows_R = np.bincount(slot_rank_S, weights=padded, minlength=R).astype(np.int64)
-    W = int(rows_R.sum())
-    n_kept = N - n_drop
-    # sorted position p of an entry of key k, the j-th of its key: p = kstart[k] + j; its row in
-    # its rank = offset[s] + j = p + to_row[k]; its global final row = cum[s] + j = p + to_final[k]
-    kstart = np.cumsum(cnt_K) - cnt_K
-    to_row = np.concatenate([[0], offset - kstart[1:]])
-    to_final = np.concatenate([[0], cum - kstart[1:]])
-    cnt_KC = cnt_CK.T.ravel()
-    dest_CK = (np.cumsum(cnt_KC) - cnt_KC).reshape(n_keys, chunks).T  # where block (c, k) starts
-    spare = Scratch(N, scratch)
-    order, entry_row = spare.take(), spare.take()
-    no_pad = W == n_kept
-    row_entry = None if no_pad else np.full(W, -1, dtype=np.int64)
-    expand = (spare.take() if W == N else np.empty(W, dtype=np.int64)) if no_pad else np.full(W, -1, dtype=np.int64)
-    same_rows = not to_final[1:].any()  # no padding, nothing dropped: final row = sorted position
-    for c in range(chunks):  # loop over chunks of entries, not entries
-        lo, hi = c * size, min(N, (c + 1) * size)
-        if hi <= lo:
-            continue
-        local = np.argsort(key[lo:hi], kind="stable")
-        pos = segment_ranges(dest_CK[c], cnt_CK[c])  # sorted position of each of the chunk's sorted entries
-        local += lo  # now entry ids
-        order[pos] = local
-        row = np.repeat(to_row, cnt_CK[c])
-        row += pos
-        nd = int(cnt_CK[c, 0])
-        row[:nd] = -1  # dropped entries (key 0) sort first in the chunk
-        entry_row[local] = row
-        g = pos[nd:]
-        if not same_rows:
-            g += np.repeat(to_final[1:], cnt_CK[c, 1:])
-        expand[g] = entry_buf_row_N[local[nd:]]
-        if row_entry is not None:
-            row_entry[g] = local[nd:]
-    grow = None if no_pad else segment_ranges(cum, slot_rows)
-    lay = SlotLayout(slot_rows, padded, offset, entry_row, order, n_drop, rows_R, grow)
-    return lay, (order[n_drop:] if no_pad else row_entry), expand
+    spare = Scratch(entry_slot_N.size, scratch)
+    rank = slot_rank_S[entry_slot_N] if entry_rank_N is None else entry_rank_N
+    row = np.take(np.concatenate([[0], np.cumsum(lay.rows_R)]), rank, out=spare.take())
+    row += lay.entry_row_N  # each entry's final row (ranks concatenated)
+    expand = spare.take()
+    expand[row] = entry_buf_row_N
+    return lay, lay.order_N, expand
 
 
 def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slots: Slots, entries: Entries,
@@ -259,7 +204,8 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     # entries sorted by (slot, entry), dropped first: the final rows in order (see plan.layout_slots)
     if so is None and entry_buf_row is not None:
         lay, row_entry, expand = entry_layout(entry_slot, slot_rank_S, entry_buf_row, R, tp, padding.min_rows_S,
-                                              scratch)
+                                              None if entries.rank_N is None else
+                                              np.asarray(entries.rank_N, dtype=np.int64).ravel(), scratch)
     else:
         lay = sorted_layout(so.order_N, int(so.n_drop), np.asarray(so.slot_rows_S, dtype=np.int64), slot_rank_S, tp,
                             padding.min_rows_S, R, scratch=scratch)

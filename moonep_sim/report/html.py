@@ -110,6 +110,8 @@ def _compare_table(d: Mapping[str, Any]) -> str:
         out += (f"<p>real: gloo, {_e(real['nproc'])} local processes, median over {_e(real['iters'])} interleaved "
                 f"iterations, vs the same plans simulated on {_e(real['topology']['name'])}</p>"
                 + _table(["strategy", "measured ms", "simulated ms", "sim/measured", "correct"], rr, "real"))
+        if real.get("verdict"):  # beside the simulated verdict: who won on this machine, and why
+            out += "<h3>Measured verdict (local gloo)</h3>" + _verdict_html(real["verdict"])
     return out
 
 
