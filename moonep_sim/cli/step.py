@@ -37,7 +37,16 @@ def register(sub) -> None:
                    help="write a Perfetto trace of every op (compute and comm streams per rank)")
     p.add_argument("--gantt", metavar="PNG", default=None,
                    help="write a Gantt chart of the first strategy (compute and comm per rank, slowest first)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="write report.json, the step-time and Gantt PNGs and a self-contained report.html (tables, "
+                        "plots, verdict, flags, the command and versions) under DIR")
+    p.add_argument("--no-plots", action="store_true", help="with --out: skip the PNG plots")
     p.set_defaults(func=run)
+
+
+#: what ``step --out DIR`` writes (the output rule checks them against the inputs before the run);
+#: several recorded steps: step_time_0.png, step_time_1.png, ... (one per step)
+OUT_FILES = ("report.json", "report.html", "step_time.png", "step_time_*.png", "gantt.png")
 
 
 #: (flag, dest, default at `moonep-sim step`): the step options compare and sweep take at --level step
@@ -179,7 +188,7 @@ def run(args) -> int:
     from moonep_sim.cli.common import output_rule
     from moonep_sim.io import to_jsonable, write_text_atomic
 
-    output_rule(args, files=("json", "timeline", "gantt"))  # no output over an input; before any work
+    output_rule(args, files=("json", "timeline", "gantt"), folders={"out": OUT_FILES})  # before any work
     sc = scenario(args)
     sc.resolved  # every input checked before any work
     opts = dataclasses.replace(step_options(args), tokens_per_rank=args.tokens_per_rank if args.gen else None)
@@ -207,11 +216,55 @@ def run(args) -> int:
         write_trace(args.timeline, perfetto_events(tl, sorted(ranks)),
                     {"strategy": name, "ranks_shown": sorted(ranks), "note": "the 16 slowest ranks" if tl.R > 16 else ""})
     if args.gantt:
-        from moonep_sim.report.steps import step_gantt
-        from moonep_sim.step.schedule import timeline_records
-
-        ends = tl.end_R()
-        ranks = sorted(range(tl.R), key=lambda r: -ends[r])[:8]
-        step_gantt(timeline_records(tl, ranks), {r: float(ends[r]) for r in ranks}, args.gantt,
-                   title=f"{name}: {args.mode} step, overlap {args.overlap} (slowest rank first)")
+        _gantt(first, args, args.gantt)
+    if args.out:
+        files = write_outputs(docs, first, args)
+        if args.json != "-":
+            print("wrote " + ", ".join(files.values()))
     return 0
+
+
+def _gantt(first, args, dest):
+    """The Gantt chart of the first strategy's step (its 8 slowest ranks, slowest first)."""
+    from moonep_sim.report.steps import step_gantt
+    from moonep_sim.step.schedule import timeline_records
+
+    name = first.strategies[0]
+    tl = first.timelines[name]
+    ends = tl.end_R()
+    ranks = sorted(range(tl.R), key=lambda r: -ends[r])[:8]
+    return step_gantt(timeline_records(tl, ranks), {r: float(ends[r]) for r in ranks}, dest,
+                      title=f"{name}: {args.mode} step, overlap {args.overlap} (slowest rank first)")
+
+
+def write_outputs(docs: list[dict], first, args) -> dict[str, str]:
+    """``--out DIR``: report.json (one step's document, or ``{kind: steps, steps: [...]}``), the
+    step-time plot of each step and the Gantt chart of the first strategy's (first) step unless
+    --no-plots, and report.html embedding them; assembled beside DIR and moved in when all are
+    written (a failure leaves none of them). Returns {what: path}."""
+    from pathlib import Path
+
+    from moonep_sim.io import staged_dir, to_jsonable, write_text_atomic
+    from moonep_sim.report.html import provenance, write_html
+    from moonep_sim.report.plots import step_bars
+
+    out = Path(args.out)
+    files: dict[str, str] = {}
+    with staged_dir(out, "--out") as tmp:
+        figs = {}
+        if not args.no_plots:
+            for i, d in enumerate(docs):
+                stem = "step_time" if len(docs) == 1 else f"step_time_{i}"
+                figs[stem] = step_bars(dict(d), tmp / f"{stem}.png")
+            figs["gantt"] = _gantt(first, args, tmp / "gantt.png")
+            files = {k: str(out / f"{k}.png") for k in figs}
+        doc = dict(docs[0]) if len(docs) == 1 else {
+            "kind": "steps", "steps": docs, "setup": docs[0].get("setup"),
+            "flags": list({(f.get("code"), f.get("strategy"), f.get("text")): f
+                           for d in docs for f in d.get("flags") or []}.values())}
+        doc["provenance"] = provenance()
+        files.update(html=str(out / "report.html"), report=str(out / "report.json"))
+        doc["files"] = dict(files)
+        write_html(doc, tmp / "report.html", figs)
+        write_text_atomic(tmp / "report.json", json.dumps(to_jsonable(doc, lenient=True), indent=1))
+    return files

@@ -377,7 +377,9 @@ def run_spec(nproc: int, spec, timeout_s: float = 600.0) -> dict[str, Any]:
 def run_real(rs, real: RealOptions, local_topo, rep: dict[str, Any],
              progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Replay every strategy over gloo with ``real.nproc`` local processes, each step its own batch
-    as in the simulation; pair with the simulated time of the same plans on local-gloo."""
+    as in the simulation; pair with the simulated time of the same plans on local-gloo. ``ranking``:
+    the measured order against the simulated one; ``verdict``: the measured verdict
+    (:mod:`~moonep_sim.experiments.measured_verdict`, the same times: its winner heads that order)."""
     import tempfile
 
     from moonep_sim.experiments.ranking import agreement
@@ -392,7 +394,8 @@ def run_real(rs, real: RealOptions, local_topo, rep: dict[str, Any],
             progress(f"gloo replay: {', '.join(names)} interleaved", 0, 1)
         # one process group replays every strategy, step by step in turn: matched samples
         spec = replay_spec(rs, trace_path, hidden=real.hidden, ffn=real.ffn, iters=real.iters, warmup=real.warmup)
-        per = reports_by_strategy(run_spec(real.nproc, spec, timeout_s=real.timeout_s))
+        replayed = run_spec(real.nproc, spec, timeout_s=real.timeout_s)
+        per = reports_by_strategy(replayed)
     for name in names:
         res = per[name]
         meas_ms = float(res["layer_ms_median"])
@@ -416,4 +419,7 @@ def run_real(rs, real: RealOptions, local_topo, rep: dict[str, Any],
         progress("gloo replay: done", 1, 1)
     out["ranking"] = agreement({n: out["strategies"][n]["measured_ms_samples"] for n in names},
                                {n: out["strategies"][n]["simulated_ms"] for n in names})
+    # the measured verdict: same times as the measured order, a win only where the order has a '<'
+    from moonep_sim.experiments.measured_verdict import measured_verdict, replay_where
+    out["verdict"] = replayed.get("verdict") or measured_verdict(per, where=replay_where(replayed))
     return out

@@ -301,12 +301,20 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             e["phases"] = {name_: _stats(mean_RP[:, p]) for p, name_ in enumerate(PHASES)}
             e["phases_R"] = {name_: [float(v) * 1e3 for v in mean_RP[:, p]] for p, name_ in enumerate(PHASES)}
             e["iter_total_ms"] = [float(v) * 1e3 for v in t_RIP[:, :, -1].max(axis=0)]
+            # per phase: the slowest rank's time in each iteration, median over iterations (robust
+            # to a stalled iteration on a shared machine, unlike the means above)
+            e["phase_ms_median"] = {name_: float(np.median(t_RIP[:, :, p].max(axis=0))) * 1e3
+                                    for p, name_ in enumerate(PHASES)}
             per_layer.append(e)
         reps[name] = _report(args, bufs[name], name, layers, batches, per_layer)
     if S == 1:
         return reps[names[0]]
-    return {"strategies": reps, "order": names, "interleaved": True, "iters": args.iters, "warmup": args.warmup,
-            "world_size": R, "trace": str(args.trace), "layers": layers}
+    from moonep_sim.experiments.measured_verdict import measured_verdict, replay_where
+
+    out = {"strategies": reps, "order": names, "interleaved": True, "iters": args.iters, "warmup": args.warmup,
+           "world_size": R, "trace": str(args.trace), "layers": layers}
+    out["verdict"] = measured_verdict(reps, where=replay_where(out))
+    return out
 
 
 def _step(buf, ids, w, x, params, grad_out, li: int, backward: bool) -> dict[str, Any]:
@@ -340,6 +348,8 @@ def _step(buf, ids, w, x, params, grad_out, li: int, backward: bool) -> dict[str
 
 def _layer_entry(buf, step: dict[str, Any], lr, checked: dict[str, Any] | None) -> dict[str, Any]:
     """What the report says of one layer (its Plan's bytes and rows; the check's outcome)."""
+    from moonep_sim.experiments.verdict import _plan_figures
+
     plan = step["handle"].plan
     sent = sum(p.remote_bytes() for p in plan.phases("forward"))
     if step["xi"].requires_grad:
@@ -348,7 +358,8 @@ def _layer_entry(buf, step: dict[str, Any], lr, checked: dict[str, Any] | None) 
          "recv_rows_per_rank": plan.real_rows_R().tolist(), "rows_per_rank_padded": plan.rows_R().tolist(),
          "dropped": plan.dropped, "padded": plan.padded, "weight_copies": plan.weight_copies,
          "fetched": int(buf.last_fetched),  # actually fetched in the last iteration (cached replicas not)
-         "hops": len(plan.hops), "plan_seconds": plan.plan_seconds, "correct": None, "max_abs_err": None}
+         "hops": len(plan.hops), "plan_seconds": plan.plan_seconds, "correct": None, "max_abs_err": None,
+         "plan_figures": _plan_figures(plan, None, "forward")}  # what the measured verdict reads
     if checked:
         e.update(checked)
     return e
@@ -492,6 +503,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 write_text_atomic(args.json, json.dumps(rep, indent=1, sort_keys=True), what="--json")
             if not args.quiet:
                 print("\n".join(_summary(r) for r in _each(rep)), flush=True)
+                if rep.get("verdict"):
+                    from moonep_sim.experiments.measured_verdict import verdict_text
+
+                    print(verdict_text(rep["verdict"]), flush=True)
         _collective("exit.barrier", "barrier", lambda: dist.barrier(async_op=True))
         code = 0 if rep is None or all(r["correct"] is not False for r in _each(rep)) else 3
     except MoonEPSimError as e:

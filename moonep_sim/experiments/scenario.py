@@ -274,8 +274,9 @@ class Scenario:
                max_tokens: int = 0) -> ReplayResult:
         """Replay the strategies over gloo with ``nproc`` local processes (default: the scenario's
         ranks), interleaved step by step, each recorded step its own batch; the replay's JSON report
-        per strategy. The ranks receive this scenario as one typed spec
-        (:class:`~moonep_sim.experiments.spec.ReplaySpec`, JSON written once)."""
+        per strategy, and ``verdict``: who won on the local machine and which measured phase made
+        the margin (:mod:`~moonep_sim.experiments.measured_verdict`). The ranks receive this
+        scenario as one typed spec (:class:`~moonep_sim.experiments.spec.ReplaySpec`, JSON written once)."""
         from moonep_sim.experiments.compare import replay_spec, run_spec
         from moonep_sim.gloo.launcher import reports_by_strategy
 
@@ -290,6 +291,9 @@ class Scenario:
                                check=check, max_tokens=max_tokens)
             rep = run_spec(nproc, spec, timeout_s=timeout_s)
         per = reports_by_strategy(rep)
+        if "verdict" not in rep:  # one strategy: a stated single-strategy verdict
+            from moonep_sim.experiments.measured_verdict import measured_verdict, replay_where
+            rep = dict(rep, verdict=measured_verdict(per, where=replay_where(rep)))
         return ReplayResult(tuple(per), {n: float(r["layer_ms_median"]) for n, r in per.items()},
                             {n: r.get("correct") for n, r in per.items()}, to_jsonable(rep, lenient=True))
 

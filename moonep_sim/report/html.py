@@ -4,8 +4,9 @@ base64), its verdict and flags, and the command and versions that produced it.
 Generic over results: it reads the result's JSON dict (``to_dict()``: ``kind``, ``strategies``,
 ``verdict`` / ``verdicts``, ``flags`` ...) and a mapping of figure name -> PNG path or bytes, so
 a new result kind (a step) gets a report by passing its dict and its figures. Known kinds
-(``compare``, ``sweep``) get their headline table; any other kind gets a table of each
-strategy's scalar fields and of its own scalar fields. Nothing is fetched: no script, no style
+(``compare``, ``sweep``) get their headline table; ``steps`` (several recorded steps of
+``moonep-sim step --out``: ``{kind: steps, steps: [step documents]}``) a verdict and tables per
+step; any other kind gets a table of each strategy's scalar fields and of its own scalar fields. Nothing is fetched: no script, no style
 sheet or image from elsewhere.
 """
 
@@ -110,6 +111,8 @@ def _compare_table(d: Mapping[str, Any]) -> str:
         out += (f"<p>real: gloo, {_e(real['nproc'])} local processes, median over {_e(real['iters'])} interleaved "
                 f"iterations, vs the same plans simulated on {_e(real['topology']['name'])}</p>"
                 + _table(["strategy", "measured ms", "simulated ms", "sim/measured", "correct"], rr, "real"))
+        if real.get("verdict"):  # beside the simulated verdict: who won on this machine, and why
+            out += "<h3>Measured verdict (local gloo)</h3>" + _verdict_html(real["verdict"])
     return out
 
 
@@ -182,7 +185,10 @@ def render_html(data: Mapping[str, Any], figures: Mapping[str, bytes | str | os.
     if topo:
         body.append(f"<p>simulated on <b>{_e(topo.get('name', '?'))}</b>; cluster {_e(data.get('cluster', ''))}</p>")
     body.append("<h2>Verdict</h2>")
-    if "verdicts" in data or "cells" in data:
+    steps = data.get("steps") if kind == "steps" else None  # several recorded steps (moonep-sim step --out)
+    if steps:
+        body += [f"<h3>recorded step {i}</h3>" + _verdict_html(d.get("verdict")) for i, d in enumerate(steps)]
+    elif "verdicts" in data or "cells" in data:
         body.append("<p>one verdict per point (cell), in the table below</p>")
     else:
         body.append(_verdict_html(data.get("verdict")))
@@ -199,6 +205,8 @@ def render_html(data: Mapping[str, Any], figures: Mapping[str, bytes | str | os.
         body.append(_sweep_table(data))
     elif kind == "winner_map" and "cells" in data:
         body.append(_winner_table(data))
+    elif steps:
+        body += [f"<h3>recorded step {i}</h3>" + _generic_tables(d) for i, d in enumerate(steps)]
     else:
         body.append(_generic_tables(data))
     if figures:

@@ -87,6 +87,26 @@ def merge_identical(series: dict[str, Sequence[float]]) -> list[tuple[str, list[
     return out
 
 
+def tied(report: dict[str, Any], names: Sequence[str], values: Sequence[float]) -> set[str]:
+    """The strategies a bar plot labels ``(tie)``: those whose figures are the same
+    (:func:`merge_identical`) and those the report's verdict finds tied with its winner within
+    the spread over steps, layers or seeds (``verdict["others"][*]["tie"]``): a difference
+    inside the spread is drawn as no win."""
+    out = {n for _, ns, _ in merge_identical({n: [v] for n, v in zip(names, values)}) if len(ns) > 1 for n in ns}
+    v = report.get("verdict") or {}
+    spread = [o["strategy"] for o in v.get("others") or [] if o.get("tie")]
+    if spread:
+        out |= {v["winner"], *spread}
+    return out & set(names)
+
+
+def tie_note(fig, ties: set[str], y: float = -0.07) -> None:
+    """A footnote saying what ``(tie)`` means, when a bar carries it."""
+    if ties:
+        fig.text(0.01, y, "(tie): the same figure, or a difference within the verdict's spread (no win)",
+                 fontsize=7, color="dimgray", ha="left", va="top")
+
+
 def flagged(report: dict[str, Any]) -> dict[str, list[str]]:
     """strategy -> the codes of the flags that concern it (report["flags"])."""
     out: dict[str, list[str]] = {}
@@ -132,7 +152,7 @@ def layer_time_bars(report: dict[str, Any], dest: str | os.PathLike) -> Path:
               "compute": PHASE_COLORS["compute"], "combine": PHASE_COLORS["combine"]}
     lb = np.array([strat[n]["sim"]["lower_bound_us_mean"] for n in names]) * scale
     topo = report["topology"]["name"]
-    ties = {n for lab, ns, _ in merge_identical({n: [t] for n, t in zip(names, total)}) if len(ns) > 1 for n in ns}
+    ties = tied(report, names, total)
     labels = [mark(n, fl) + (" (tie)" if n in ties else "") for n in names]
     for k in range(1 + int(zoom)):
         ax = axes[0][k]
@@ -173,6 +193,7 @@ def layer_time_bars(report: dict[str, Any], dest: str | os.PathLike) -> Path:
         ax2.set_ylim(0, max(float(np.max(np.r_[meas, sim])), 1e-9) * 1.15)
         ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     flag_note(fig, fl)
+    tie_note(fig, ties)
     return _save(fig, dest)
 
 
@@ -304,7 +325,8 @@ def sweep_lines(report: dict[str, Any], dest: str | os.PathLike) -> Path:
 
 def simulate_bars(report: dict[str, Any], dest: str | os.PathLike) -> Path:
     """A simulate result (the layers chained as one step): step time per strategy with its lower
-    bound, on a linear axis; ties and flags marked."""
+    bound, on a linear axis; flags marked, and ties (the same figure, or a difference within the
+    verdict's spread over steps, layers or seeds: :func:`tied`) labelled as such."""
     plt = _plt()
     strat = report["strategies"]
     names = list(strat)
@@ -316,7 +338,7 @@ def simulate_bars(report: dict[str, Any], dest: str | os.PathLike) -> Path:
     ax.bar(x, t * scale, 0.6, color="#1f77b4", label="simulated")
     lb = np.array([float(strat[n].get("lower_bound_us", 0.0)) for n in names]) * scale
     ax.hlines(lb, x - 0.3, x + 0.3, color="black", lw=2, label="lower bound")
-    ties = {n for _, ns, _ in merge_identical({n: [v] for n, v in zip(names, t)}) if len(ns) > 1 for n in ns}
+    ties = tied(report, names, t)
     for xi, v in zip(x, t * scale):
         ax.annotate(f"{v:.3g}", (xi, v), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=8)
     ax.set_xticks(x, [mark(n, fl) + (" (tie)" if n in ties else "") for n in names], rotation=20, ha="right")
@@ -325,6 +347,7 @@ def simulate_bars(report: dict[str, Any], dest: str | os.PathLike) -> Path:
     ax.set_ylim(0, max(float(t.max()) * scale * 1.15, 1e-9) if t.size else 1)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     flag_note(fig, fl)
+    tie_note(fig, ties)
     return _save(fig, dest)
 
 
@@ -371,7 +394,7 @@ def step_bars(doc: dict[str, Any], dest: str | os.PathLike) -> Path:
     ax.bar(x, rest * scale, 0.6, color=PHASE_COLORS["compute"], label="compute and the rest",
            hatch=None, edgecolor="black", linewidth=[1.5 if o else 0 for o in oom])
     ax.bar(x, comm * scale, 0.6, bottom=rest * scale, color=PHASE_COLORS["dispatch"], label="exposed communication")
-    ties = {n for _, ns, _ in merge_identical({n: [v] for n, v in zip(names, t)}) if len(ns) > 1 for n in ns}
+    ties = tied(doc, names, t)
     for xi, v, o in zip(x, t * scale, oom):
         ax.annotate(f"{v:.3g}" + (" OOM" if o else ""), (xi, v), xytext=(0, 2), textcoords="offset points",
                     ha="center", fontsize=8, color="red" if o else "black")
@@ -382,4 +405,5 @@ def step_bars(doc: dict[str, Any], dest: str | os.PathLike) -> Path:
     ax.set_ylim(0, max(float(t.max()) * scale * 1.15, 1e-9) if t.size else 1)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     flag_note(fig, fl)
+    tie_note(fig, ties)
     return _save(fig, dest)

@@ -130,7 +130,8 @@ def verdict_line(v: Mapping[str, Any] | None) -> str:
 
 def verdict_lines(report: dict[str, Any]) -> list[str]:
     """The computed verdict (winner, margin, confidence, mechanism, why), then one line per other
-    strategy against the winner, and the confidence basis; built from the report's ``verdict``."""
+    strategy against the winner, and the confidence basis; built from the report's ``verdict``
+    (and, with a real replay, the measured verdict and its basis after it)."""
     v = report.get("verdict")
     if not v:
         return []
@@ -140,6 +141,10 @@ def verdict_lines(report: dict[str, Any]) -> list[str]:
         mech = f", {o['mechanism']}" if o.get("mechanism") else ""
         out.append(f"  {o['strategy']}: {head}{mech}: {o['why']}")
     out.append(f"  confidence basis: {v['confidence']['basis']}")
+    mv = (report.get("real") or {}).get("verdict")
+    if mv:  # the measured verdict beside the simulated one (same times as the measured order)
+        out.append("measured " + verdict_line(mv))
+        out.append(f"  measured confidence basis: {mv['confidence']['basis']}")
     return out
 
 
