@@ -20,7 +20,9 @@ Every strategy's Plan must pass every check; the executors rely on them:
 
 A check that finds the Plan too malformed for the later ones stops the run. :func:`validate`
 returns the violations as sentences, :func:`violations` with the check that found each, and
-:func:`check` raises :class:`~moonep_sim.errors.PlanError` naming the failed checks.
+:func:`check` raises :class:`~moonep_sim.errors.PlanError` naming the failed checks;
+:func:`validate_counting` also returns each hop's rows per (src, dst), counted while the hop check
+walks the messages (``Plan.summary`` reports its bytes from them).
 """
 
 from __future__ import annotations
