@@ -126,7 +126,7 @@ def main() -> None:
     rows = []
     print(f"model {m.name} (E={E}, K={a.top_k}, hidden 7168, ffn 2048, bf16), topology {topo.name}, "
           f"maxvio {a.maxvio}, tol {a.tol}, load {os.getloadavg()[0]:.2f}")
-    print(f"{'strategy':>9} {'EP':>5} {'tok/rank':>8} {'maxvio':>6} {'flows':>8} {'steps':>6} "
+    print(f"{'strategy':>9} {'EP':>5} {'tok/rank':>8} {'maxvio':>6} {'flows':>8} {'ticks':>6} {'steps':>6} "
           f"{'plan s':>7} {'sim s':>7} {'cpu s':>7} {'layer us':>10} {'load':>5}")
     for R in ranks:
         tpr = min(a.tokens_per_rank, a.max_tokens // R)

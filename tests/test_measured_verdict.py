@@ -103,6 +103,19 @@ def test_several_steps_spread_over_steps_and_iterations():
     assert v["mechanism"] == "weight copies" and not v["tie"]
 
 
+def test_the_replay_program_prints_the_measured_verdict_under_the_summaries():
+    from moonep_sim.experiments.replay_rank import _summaries
+
+    reps = {"a": _rep([_entry(iters=FAST)], FAST), "b": _rep([_entry(iters=SLOW, plan=1.1)], SLOW)}
+    for n, r in reps.items():
+        r.update(strategy=n, options={}, world_size=2, tokens=64, hidden=32, ffn=64, layers=[0], bytes_sent=1,
+                 correct=True, max_abs_err=0.0, phases={p: {"max_ms": 1.0, "mean_ms": 1.0} for p in PH})
+    rep = {"strategies": reps, "verdict": measured_verdict(reps, where="2 processes")}
+    last = _summaries(rep).splitlines()[-1]
+    assert last.startswith("measured verdict: a wins by 100.0% over b (confidence: high, mechanism: planning): "
+                           "measured on local gloo (2 processes)")
+
+
 def test_one_strategy_is_stated():
     v = measured_verdict({"a": _rep([_entry()], FAST)})
     assert v["runner_up"] is None and "only strategy replayed" in v["why"]

@@ -134,7 +134,7 @@ def test_token_hop_equals_the_grouped_first_hop(name):
 
     R, K, table, dst8, bound, src8, _, _ = _table_case(name)
     shift = K.bit_length() - 1
-    assert token_hop_fits(table)
+    assert token_hop_fits(table, K)
     tok_off = bound >> shift
     want, want_row = grouped_hop(Sources.own_ranks(bound, tok_off), src8, Messages(True, shift=shift), R, "global")
     got, got_row = token_hop(bound, table, dst8, shift, R, "global", [np.zeros(dst8.size, np.int64)])

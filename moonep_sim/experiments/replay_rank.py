@@ -466,6 +466,16 @@ def _summary(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _summaries(rep: dict[str, Any]) -> str:
+    """Each strategy's summary, then the measured verdict when several were interleaved."""
+    from moonep_sim.experiments.measured_verdict import verdict_text
+
+    lines = [_summary(r) for r in _each(rep)]
+    if rep.get("verdict"):
+        lines.append(verdict_text(rep["verdict"]))
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point (``launch/replay.py`` and ``python -m moonep_sim.experiments.replay_rank``).
 
@@ -502,11 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.json:
                 write_text_atomic(args.json, json.dumps(rep, indent=1, sort_keys=True), what="--json")
             if not args.quiet:
-                print("\n".join(_summary(r) for r in _each(rep)), flush=True)
-                if rep.get("verdict"):
-                    from moonep_sim.experiments.measured_verdict import verdict_text
-
-                    print(verdict_text(rep["verdict"]), flush=True)
+                print(_summaries(rep), flush=True)
         _collective("exit.barrier", "barrier", lambda: dist.barrier(async_op=True))
         code = 0 if rep is None or all(r["correct"] is not False for r in _each(rep)) else 3
     except MoonEPSimError as e:
@@ -549,7 +555,7 @@ def _launch(argv: Sequence[str]) -> int:
     if args.json:
         write_text_atomic(args.json, json.dumps(rep, indent=1, sort_keys=True), what="--json")
     if not args.quiet:
-        print("\n".join(_summary(r) for r in _each(rep)), flush=True)
+        print(_summaries(rep), flush=True)
     return 0 if all(r["correct"] is not False for r in _each(rep)) else 3
 
 

@@ -163,14 +163,16 @@ def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_ro
     entries, 896 slots; 2026-12-02, four runs alternating in one process, load ~6 on 2 CPUs):
     0.33-0.44 s of CPU against 0.47-0.67 s for ``slot_layout`` then ``final_rows``.
     """
+    spare = Scratch(entry_slot_N.size, scratch)
+    row, expand = spare.take(), spare.take()
+    if scratch:  # the other dead arrays go before the layout allocates its own
+        scratch.clear()
     lay = slot_layout(entry_slot_N, slot_rank_S, token_padding, min_rows_S, ranks)
     if lay.grow_K is not None or lay.n_drop:  # padding rows or dropped entries: the gather in slot order
         return (lay,) + final_rows(lay, lay.order_N[lay.n_drop:], entry_buf_row_N)
-    spare = Scratch(entry_slot_N.size, scratch)
     rank = slot_rank_S[entry_slot_N] if entry_rank_N is None else entry_rank_N
-    row = np.take(np.concatenate([[0], np.cumsum(lay.rows_R)]), rank, out=spare.take())
+    np.take(np.concatenate([[0], np.cumsum(lay.rows_R)]), rank, out=row)
     row += lay.entry_row_N  # each entry's final row (ranks concatenated)
-    expand = spare.take()
     expand[row] = entry_buf_row_N
     return lay, lay.order_N, expand
 
@@ -389,7 +391,7 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
     scratch: list[np.ndarray] = []  # dead int64 [N] arrays, reused rather than fresh pages
     for h in range(H):
         prev = row
-        if h == 0 and dedup[0] and H > 1 and token_hop_fits(tables[0]):  # once per (token, relay)
+        if h == 0 and dedup[0] and H > 1 and token_hop_fits(tables[0], 1 << shift):  # once per (token, relay)
             hop, row = token_hop(bound, tables[0], pos[H], shift, R, scopes[0], scratch)
         elif h == 0:  # tokens leave their own ranks: runs by source, rows by arithmetic
             hop, row = grouped_hop(Sources.own_ranks(bound, tok_off), pos[1], Messages(dedup[0], shift=shift), R,

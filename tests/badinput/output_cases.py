@@ -58,6 +58,9 @@ FOLDER_OUTPUTS: dict[str, tuple[list[str], dict[str, str], tuple[str, ...]]] = {
               {"--model": "M", "--topology": "B"},
               ("sweep.json", "sweep.png", "winner.png", "winner.md", "winner.json")),
     "simulate": (SIM, {"--trace": "T", "--topology": "B", "--model": "M"}, ("report.json", "report.html", "layer_time.png")),
+    "step": (["step", "--trace", "T", "--topology", "B", "--model", "M", "--compute-profile", "P"],
+             {"--trace": "T", "--topology": "B", "--model": "M", "--compute-profile": "P"},
+             ("report.json", "report.html", "step_time.png", "gantt.png")),
     "demo": (["demo", "--fast", "--topology", "B"], {"--topology": "B"},
              ("report.json", "layer_time.png", "rows_per_rank.png", "traffic.png")),
 }
