@@ -120,13 +120,16 @@ def compare_flags(rep: Mapping[str, Any], calibration: str | None = "unknown") -
 
 
 def step_flags(setup: Mapping[str, Any], options: Mapping[str, Mapping[str, Any]],
-               model: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+               model: Mapping[str, Any] | None = None,
+               figures: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Every flag of one step: stand-in and reused layers, each strategy's options against its
-    real library, the model shape."""
+    real library and the entries it dropped over the step's MoE layers (``figures[name]["dropped"]``),
+    the model shape."""
     out = model_flags(model or {})
     nodes = max(int(setup.get("ranks", 1)) // max(int(setup.get("gpus_per_node", 1)), 1), 1)
     for n, o in options.items():
-        out += strategy_flags(n, o, nodes, unit="the step")
+        dropped = int((figures or {}).get(n, {}).get("dropped", 0) or 0)
+        out += strategy_flags(n, o, nodes, dropped, unit="the step")
     stand = [i for i, p in enumerate(setup.get("layers_routing") or []) if str(p).startswith("STAND-IN")]
     if stand:
         out.append(_flag("stand-in-layer", None, f"{len(stand)} MoE layer(s) the trace does not have were costed "

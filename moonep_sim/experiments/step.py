@@ -48,7 +48,7 @@ class StepResult(_TakeAway):
         from moonep_sim.experiments.verdict import step_verdict
 
         opts = {n: {} for n in self.strategies} | dict(self.setup.get("options") or {})
-        flags = step_flags(self.setup, opts, {"name": self.setup.get("model")})
+        flags = step_flags(self.setup, opts, {"name": self.setup.get("model")}, self.figures)
         return {"kind": "step", "setup": self.setup, "strategies": self.figures, "flags": flags,
                 "verdict": step_verdict(self.figures, flags)}
 

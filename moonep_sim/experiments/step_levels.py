@@ -72,9 +72,15 @@ def point_step(sc, opts: StepOptions, *, jobs: int | None = 1, cluster: str | No
                     f[k] = float(np.average([float(p[k]) for p in per], weights=w))
             f["peak_memory_bytes"] = max(float(p["peak_memory_bytes"]) for p in per)
             f["oom"] = any(bool(p["oom"]) for p in per)
+            for k in ("dropped", "entries"):  # over every recorded step
+                f[k] = int(sum(int(p.get(k) or 0) for p in per))
             f["steps"] = len(per)
             figs[n] = f
-        verdict = step_verdict(figs, docs[0]["flags"])
+        from moonep_sim.experiments.winner import dedup_flags
+
+        flags = dedup_flags([fl for d in docs for fl in d["flags"]])
+        verdict = step_verdict(figs, flags)
+        return {"figures": figs, "flags": flags, "verdict": verdict, "setup": docs[0]["setup"], "steps": len(docs)}
     return {"figures": figs, "flags": docs[0]["flags"], "verdict": verdict, "setup": docs[0]["setup"],
             "steps": len(docs)}
 

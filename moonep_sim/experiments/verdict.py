@@ -481,17 +481,19 @@ STEP_MECHANISMS = {
     "exposed communication": "communication not hidden behind compute on the slowest rank",
     "compute": "the slowest rank's compute (expert imbalance, padding and the rest of the model)",
     "memory": "the runner-up runs out of GPU memory (OOM)",
+    "dropped rows": "the runner-up is faster only by dropping entries (less work: it never wins)",
 }
 
 
 def step_verdict(strategies: Mapping[str, Mapping[str, Any]],
                  flags: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any] | None:
     """The verdict of one step (``moonep-sim step``'s figures per strategy): the fastest strategy
-    that fits in memory; the mechanism is the step term (:data:`STEP_MECHANISMS`) whose difference
+    that fits in memory and drops no entry; the mechanism is the step term (:data:`STEP_MECHANISMS`) whose difference
     is the larger part of the margin. One step: confidence judged against :data:`TIE` only."""
-    fit = sorted((float(f["step_time_us"]), n) for n, f in strategies.items() if not f.get("oom"))
-    oom = sorted((float(f["step_time_us"]), n) for n, f in strategies.items() if f.get("oom"))
-    order = [n for _, n in fit + oom]
+    # those that fit before those that run out of memory; within each, those that drop nothing
+    # before those that drop entries (less work: they never win, as in compare's verdict); then by time
+    order = [n for *_, n in sorted((bool(f.get("oom")), bool(f.get("dropped")), float(f["step_time_us"]), n)
+                                   for n, f in strategies.items())]
     if not order:
         return None
     w = order[0]
@@ -509,6 +511,12 @@ def step_verdict(strategies: Mapping[str, Mapping[str, Any]],
             why = (f"{r} needs {float(fr['peak_memory_bytes']) / _GiB:.3g} GiB on its busiest GPU, more than its "
                    f"{float(fr['gpu_memory_bytes']) / _GiB:.3g} GiB (OOM), where {w} needs "
                    f"{float(fw['peak_memory_bytes']) / _GiB:.3g} GiB")
+        elif (fr.get("dropped") and not fw.get("dropped") and bool(fr.get("oom")) == bool(fw.get("oom"))
+              and float(fr["step_time_us"]) < float(fw["step_time_us"])):
+            mech, tie = "dropped rows", False
+            why = (f"{r} is {_t(float(fw['step_time_us']) - float(fr['step_time_us']))} faster per step but drops "
+                   f"{int(fr['dropped']):,} of {int(fr.get('entries', 0)):,} entries over the step's MoE layers "
+                   f"(less work: it never wins) where {w} drops none")
         elif tie:
             mech, why = None, f"{w} and {r} take the same step time ({_t(float(fw['step_time_us']))}): a tie"
         elif d_comm >= d_comp:

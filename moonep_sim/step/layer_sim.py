@@ -57,7 +57,7 @@ class DirectionComm:
 class LayerComm:
     """A simulated MoE layer: forward, backward (None unless train), the straggler the layer
     simulator named, the SM share its communication kernels take from compute, and the plan's
-    rows per rank (real / padded) and copies."""
+    rows per rank (real / padded), copies, and the entries it dropped of the layer's entries."""
 
     forward: DirectionComm
     backward: DirectionComm | None
@@ -68,6 +68,8 @@ class LayerComm:
     copies_R: np.ndarray
     sim_us: float
     plan_seconds: float
+    dropped: int = 0
+    entries: int = 0
 
 
 def _direction(sim: StepSim, si: int, direction: Direction, rec: dict[str, np.ndarray]) -> DirectionComm:
@@ -125,7 +127,7 @@ def simulate_moe_layer(plan: Plan, model: ModelSpec, topo: Topology, costs: Cost
     copies = np.bincount(plan.slot_rank_S[plan.is_copy_S()], minlength=plan.ranks)
     return LayerComm(fwd, bwd, strag, share, plan.real_rows_R().astype(np.int64),
                      plan.rows_R().astype(np.int64), copies.astype(np.int64), sim_us,
-                     float(plan.plan_seconds))
+                     float(plan.plan_seconds), int(plan.dropped), int(plan.num_tokens * plan.top_k))
 
 
 __all__ = ["DirectionComm", "LayerComm", "simulate_moe_layer"]

@@ -302,7 +302,10 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
                  rows_max_mean=_rows_ratio(comms),
                  padded_rows_per_rank=float(np.mean([c.padded_rows_R.max() for c in comms.values()])) if comms else 0.0,
                  real_rows_per_rank=float(np.mean([c.rows_R.max() for c in comms.values()])) if comms else 0.0,
-                 copies_per_layer=float(np.mean([c.copies_R.sum() for c in comms.values()])) if comms else 0.0)
+                 copies_per_layer=float(np.mean([c.copies_R.sum() for c in comms.values()])) if comms else 0.0,
+                 # entries the strategy dropped over the step's MoE layers (less work: it never wins)
+                 dropped=int(sum(comm_of(l, mb).dropped for l in comms for mb in range(M))),
+                 entries=int(sum(comm_of(l, mb).entries for l in comms for mb in range(M))))
         out[name] = d
         timelines[name] = tl
     return {"strategies": out, "mode": shape.mode, "tokens_per_rank": shape.tokens, "context": shape.context,
