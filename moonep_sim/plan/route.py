@@ -99,6 +99,20 @@ class Scratch:
         return np.empty(self.n, dtype=np.int64)
 
 
+def _sort_within_sources(dst_rank_N: np.ndarray, bound_R: np.ndarray, R: int, order: np.ndarray) -> np.ndarray:
+    """Entries grouped by source rank (``bound_R``: int [R + 1] each source's run) sorted by
+    destination inside each run, stably (one byte per destination: R <= 256), written into
+    ``order``; returns int64 [R * R] the entries of each (source, destination) pair."""
+    cnt = np.zeros((R, R), dtype=np.int64)
+    for r in range(R):  # loop over source ranks, not entries
+        lo, hi = int(bound_R[r]), int(bound_R[r + 1])
+        if hi > lo:
+            d8 = dst_rank_N[lo:hi].astype(np.uint8, copy=False)
+            cnt[r] = np.bincount(d8, minlength=R)
+            np.add(np.argsort(d8, kind="stable"), lo, out=order[lo:hi])
+    return cnt.ravel()
+
+
 def block_order(src: Sources, dst_rank_N: np.ndarray, ranks: int, msg: Messages,
                 scratch: Scratch) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The entries stably sorted into (source, destination) blocks: (order_n, ecnt, key).
@@ -110,15 +124,8 @@ def block_order(src: Sources, dst_rank_N: np.ndarray, ranks: int, msg: Messages,
     n, R = dst_rank_N.size, ranks
     if (src.sorted or src.bound_R is not None) and R <= 256:
         order = scratch.take()
-        ecnt_RR = np.zeros((R, R), dtype=np.int64)
         bound = src.bound_R if src.bound_R is not None else np.searchsorted(src.rank_N, np.arange(R + 1))
-        for r in range(R):  # loop over source ranks, not entries
-            lo, hi = int(bound[r]), int(bound[r + 1])
-            if hi > lo:
-                d8 = dst_rank_N[lo:hi].astype(np.uint8, copy=False)
-                ecnt_RR[r] = np.bincount(d8, minlength=R)
-                np.add(np.argsort(d8, kind="stable"), lo, out=order[lo:hi])
-        return order, ecnt_RR.ravel(), None
+        return order, _sort_within_sources(dst_rank_N, bound, R, order), None
     if R * R <= 1 << 16 and (not msg.dedup or msg.shift >= 0):  # a 16-bit key, sorted in place
         key16 = np.empty(n, dtype=np.uint16)
         np.multiply(src.rank_N, R, out=key16, dtype=np.uint16, casting="unsafe")  # (values < R*R fit)
@@ -315,14 +322,7 @@ def pair_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, ro
     n, R = dst_rank_N.size, int(ranks)
     sc = Scratch(n, scratch)
     order = sc.take()  # entries by (source, final rank, entry): pair runs, s-major
-    pc = np.zeros((R, R), dtype=np.int64)
-    for s in range(R):  # loop over source ranks, not entries
-        lo, hi = int(bound_R[s]), int(bound_R[s + 1])
-        if hi > lo:
-            d8 = dst_rank_N[lo:hi].astype(np.uint8, copy=False)
-            pc[s] = np.bincount(d8, minlength=R)
-            np.add(np.argsort(d8, kind="stable"), lo, out=order[lo:hi])
-    pc = pc.ravel()  # entries of each pair (s, d)
+    pc = _sort_within_sources(dst_rank_N, bound_R, R, order)  # entries of each pair (s, d)
     pstart = np.cumsum(pc) - pc
     nz = pc > 0
     buf = sc.take()
