@@ -210,12 +210,7 @@ class BlockCounts:
             mid = int(np.searchsorted(node, N))
             frozen_any = False
             for s0, (nodes, kn) in enumerate(((node[:mid], pos[:mid]), (node[mid:] - N, pos[mid:]))):
-                live = cnt[s0 * N + nodes] > 0
-                if not live.all():
-                    nodes, kn = nodes[live], kn[live]
-                if nodes.size:
-                    frozen_any = True
-                    self._freeze(nodes, kn, s0, run, lv, lev, bport, free, frz, cnt)
+                frozen_any |= self._freeze_live(nodes, kn, s0, run, lv, lev, bport, free, frz, cnt)
             if not frozen_any:  # pragma: no cover - the run's ports carry unfrozen transfers
                 raise RuntimeError("progressive filling made no progress")
         return Levels(lev[:N], lev[N:], bport[:N], bport[N:], steps)
@@ -285,12 +280,7 @@ class BlockCounts:
                 nodes, kn = rn[side] - lo, np.flatnonzero(side)
                 o = np.argsort(nodes)            # nodes in increasing order, as :meth:`fill` visits them
                 nodes, kn = nodes[o], kn[o]
-                keep = cnt[lo + nodes] > 0
-                if not keep.all():
-                    nodes, kn = nodes[keep], kn[keep]
-                if nodes.size:
-                    frozen_any = True
-                    self._freeze(nodes, kn, s0, run, lv, lev, bport, free, frz, cnt)
+                frozen_any |= self._freeze_live(nodes, kn, s0, run, lv, lev, bport, free, frz, cnt)
             if not frozen_any:  # pragma: no cover - the run's ports carry unfrozen transfers
                 raise RuntimeError("progressive filling made no progress")
         return steps
@@ -368,6 +358,17 @@ class BlockCounts:
         act &= np.take(self.mt_flat, idx, mode="clip") > 0   # pairs of two blocks may point past the buffer
         first = np.where(act, pos[is_s][None, :], cut).min(axis=1)   # per receiver: its earliest connected sender
         return min(cut, int(np.maximum(first, pos[~is_s]).min()))
+
+    def _freeze_live(self, nodes, kn, s0, run, lv, lev, bport, free, frz, cnt) -> bool:
+        """:meth:`_freeze` of those side-``s0`` nodes that still carry unfrozen transfers (an earlier
+        side of the same run may have emptied some); False when none does."""
+        live = cnt[s0 * self.B * self.R + nodes] > 0
+        if not live.all():
+            nodes, kn = nodes[live], kn[live]
+        if not nodes.size:
+            return False
+        self._freeze(nodes, kn, s0, run, lv, lev, bport, free, frz, cnt)
+        return True
 
     def _freeze(self, nodes, kn, s0, run, lv, lev, bport, free, frz, cnt) -> None:
         """Freeze side-``s0`` nodes at the levels of their run ports; their cells leave the other
