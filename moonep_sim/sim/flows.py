@@ -47,8 +47,11 @@ class Pending:
 
 
 class _Column:
-    """One column of :class:`ActiveFlows`: reading it gives the slots in use, ``data[name][:n]``
-    (a view: assigning into it updates the column)."""
+    """One column of :class:`ActiveFlows` and its dtype: reading it gives the slots in use,
+    ``data[name][:n]`` (a view: assigning into it updates the column)."""
+
+    def __init__(self, dtype=np.int64) -> None:
+        self.dtype = dtype
 
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
@@ -69,29 +72,24 @@ class ActiveFlows:
     [n, L] ports (only with ``with_path``: the per-flow solver).
     """
 
-    rate = _Column()
-    rem0 = _Column()
-    t0 = _Column()
-    fin = _Column()
+    rate = _Column(np.float64)
+    rem0 = _Column(np.float64)
+    t0 = _Column(np.float64)
+    fin = _Column(np.float64)
     id = _Column()
     key = _Column()
     src = _Column()
     dst = _Column()
     blk = _Column()
-    alive = _Column()
+    alive = _Column(np.bool_)
     ns = _Column()
     nd = _Column()
-    path = _Column()
+    path = _Column()  # [n, path_len]: only with ``with_path``
 
     def __init__(self, with_path: bool, path_len: int):
-        f8, i8 = np.float64, np.int64
-        cols: dict[str, tuple] = dict(rate=(f8, ()), rem0=(f8, ()), t0=(f8, ()), fin=(f8, ()), id=(i8, ()),
-                                      key=(i8, ()), src=(i8, ()), dst=(i8, ()), blk=(i8, ()), alive=(np.bool_, ()),
-                                      ns=(i8, ()), nd=(i8, ()))
-        if with_path:
-            cols["path"] = (i8, (path_len,))
+        cols = [c for c in vars(type(self)).values() if isinstance(c, _Column) and (with_path or c.name != "path")]
         self.n = 0
-        self.data = {k: np.zeros((16,) + shape, dtype=dt) for k, (dt, shape) in cols.items()}
+        self.data = {c.name: np.zeros((16, path_len) if c.name == "path" else 16, dtype=c.dtype) for c in cols}
 
     def append(self, **vals: np.ndarray) -> None:
         """Add flows: one array per column, all of the same length."""
