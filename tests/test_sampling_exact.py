@@ -91,3 +91,24 @@ def test_calibrated_counts_are_the_reported_ones():
     c = np.bincount(g.topk_ids_LTK[0].ravel(), minlength=64)
     assert g.report["blocks"][0]["maxvio"] == pytest.approx(c.max() / c.mean() - 1, rel=1e-12)
     assert math.isfinite(g.report["blocks"][0]["sigma"])
+
+
+@pytest.mark.parametrize("kw", [{}, {"groups": 4, "topk_groups": 2}, {"with_logits": True},
+                                {"groups": 4, "topk_groups": 2, "with_logits": True}])
+def test_the_race_reusing_its_noise_draws_what_a_fresh_race_draws(kw):
+    z = np.random.default_rng(2).standard_normal(16)
+    noise: dict = {}
+    for sigma in (0.3, 1.2, 0.3):
+        fresh = sampling.sample_topk_race(sigma * z, 3, 500, np.random.default_rng(8), **kw)
+        kept = sampling.sample_topk_race(sigma * z, 3, 500, np.random.default_rng(8), noise=noise, **kw)
+        for a, b in zip(fresh, kept):
+            assert (a is None and b is None) or np.array_equal(a, b)
+    assert set(noise) >= {"x"}
+
+
+def test_the_race_keeps_no_noise_over_several_chunks(monkeypatch):
+    monkeypatch.setattr(sampling, "CHUNK_ELEMS", 64)
+    noise: dict = {}
+    a = sampling.sample_topk_race(np.zeros(16), 2, 20, np.random.default_rng(1), noise=noise)
+    assert noise == {} and np.array_equal(a[0], sampling.sample_topk_race(np.zeros(16), 2, 20,
+                                                                          np.random.default_rng(1))[0])

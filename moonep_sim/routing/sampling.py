@@ -54,13 +54,19 @@ def _popularity(logp_E: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------- reference: the race
 def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
-                     groups: int = 1, topk_groups: int = 1, with_logits: bool = False
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+                     groups: int = 1, topk_groups: int = 1, with_logits: bool = False,
+                     noise: dict | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The exponential race over a ``[T, E]`` noise matrix (the reference; see the module docstring).
 
     Returns ids int64 [T, K] (by descending score), weights float32 [T, K] (softmax of the chosen
     scores), and the scores float32 [T, E] when ``with_logits``. Chunked: at most
     ``CHUNK_ELEMS`` floats of noise live at once.
+
+    noise: a dict kept by a caller that draws the same block again at other popularities from
+    an identically seeded ``rng`` (the maxvio calibration): the race's noise depends on ``rng``
+    alone, so it is drawn (and its log taken) on the first call and reused after -- the same
+    values, without the draws; ``rng`` is then left untouched. Only for one chunk (the race of
+    at most ``CHUNK_ELEMS`` pairs, the layers :func:`sample_topk` gives it); None: always drawn.
     """
     E, K = int(np.size(logp_E)), int(top_k)
     lp = _popularity(logp_E)
@@ -71,19 +77,33 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
     w = np.empty((tokens, K), np.float32)
     logits = np.empty((tokens, E), np.float32) if with_logits else None
     chunk = max(1, CHUNK_ELEMS // E)
+    if noise is not None and tokens > chunk:
+        noise = None                                   # several chunks: not kept
     for s in range(0, tokens, chunk):
         n = min(chunk, tokens - s)
-        x = rng.standard_exponential((n, E), dtype=np.float32)
+        if noise is not None and "x" in noise:
+            x = noise["x"]
+        else:
+            x = rng.standard_exponential((n, E), dtype=np.float32)
+            if noise is not None:
+                noise["x"] = x
         if grouped or with_logits:
-            score = lp32 - np.log(np.maximum(x, np.float32(1e-30)))      # logp + Gumbel
+            if noise is not None:
+                if "log" not in noise:
+                    noise["log"] = np.log(np.maximum(x, np.float32(1e-30)))
+                score = lp32 - noise["log"]                                 # logp + Gumbel
+            else:
+                score = lp32 - np.log(np.maximum(x, np.float32(1e-30)))
             if with_logits:
                 logits[s:s + n] = score
-            if grouped:
-                score = mask_groups(score, groups, topk_groups)
-            key = -score
+            if grouped:                                # in place: the logits hold their own copy
+                score = mask_groups(score, groups, topk_groups, copy=False)
+            key = np.negative(score, out=score)
+        elif noise is not None:
+            key = x * inv_p                                                 # X / p: smaller wins
         else:
             key = x
-            key *= inv_p                                                 # X / p: smaller wins
+            key *= inv_p
         part = np.argpartition(key, K - 1, axis=1)[:, :K] if K < E else np.tile(np.arange(E), (n, 1))
         kv = np.take_along_axis(key, part, axis=1)
         order = np.argsort(kv, axis=1, kind="stable")
@@ -97,8 +117,9 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
     return ids, w, logits
 
 
-def mask_groups(score_TE: np.ndarray, groups: int, topk_groups: int) -> np.ndarray:
-    """Scores with every expert outside each token's top-M groups set to -inf (a copy)."""
+def mask_groups(score_TE: np.ndarray, groups: int, topk_groups: int, copy: bool = True) -> np.ndarray:
+    """Scores with every expert outside each token's top-M groups set to -inf (a copy; with
+    ``copy=False`` in place, ``score_TE`` returned)."""
     T, E = score_TE.shape
     g = score_TE.reshape(T, groups, E // groups)
     if E // groups >= 2:
@@ -109,7 +130,7 @@ def mask_groups(score_TE: np.ndarray, groups: int, topk_groups: int) -> np.ndarr
     keep = np.argpartition(-gscore, topk_groups - 1, axis=1)[:, :topk_groups]
     mask = np.ones((T, groups), bool)
     np.put_along_axis(mask, keep, False, axis=1)
-    out = g.copy()
+    out = g.copy() if copy else g
     out[mask] = -np.inf
     return out.reshape(T, E)
 
@@ -360,14 +381,15 @@ def sample_topk_grouped(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.ran
 
 
 def sample_topk(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
-                groups: int = 1, topk_groups: int = 1, with_logits: bool = False
+                groups: int = 1, topk_groups: int = 1, with_logits: bool = False, noise: dict | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """K distinct experts per token, drawn without replacement with probability ∝ exp(logp).
 
     Returns ids int64 [T, K] (by descending score), weights float32 [T, K] (softmax of the chosen
     scores), and the scores float32 [T, E] when ``with_logits``. Plain and group-limited top-K
     take the fast Plackett-Luce paths; logits, and layers of at most ``CHUNK_ELEMS`` token-expert
-    pairs, take the race (all three: module docstring).
+    pairs, take the race (all three: module docstring). noise: the race's reusable noise (see
+    :func:`sample_topk_race`; the fast paths draw theirs each time).
     """
     if with_logits or int(tokens) * int(np.size(logp_E)) <= CHUNK_ELEMS:
         # logits, and small layers (one chunk of the race: tens of ms): the race, whose draws are
@@ -375,7 +397,7 @@ def sample_topk(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Gene
         # at a few tokens the maxvio calibration's bisection then meets a statistic too jagged to
         # hit its tolerance (e.g. T=64, E=8, K=2 at maxvio 1).
         return sample_topk_race(logp_E, top_k, tokens, rng, groups=groups, topk_groups=topk_groups,
-                                with_logits=with_logits)
+                                with_logits=with_logits, noise=noise)
     if groups > 1 and topk_groups < groups:
         ids, w = sample_topk_grouped(logp_E, top_k, tokens, rng, groups=groups, topk_groups=topk_groups)
     else:
