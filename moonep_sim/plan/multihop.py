@@ -21,6 +21,7 @@ from moonep_sim.errors import PlanError
 from moonep_sim.plan.assembly import Entries, Padding, Slots
 from moonep_sim.plan.build import final_rows, slot_layout, sorted_layout
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
+from moonep_sim.plan.kinds import INDEX
 from moonep_sim.plan.order import segment_ranges, stable_order
 from moonep_sim.plan.placement import ClusterShape
 from moonep_sim.plan.route import Messages, Scratch, Sources, grouped_hop, pair_hop, token_hop, token_hop_fits
@@ -164,7 +165,7 @@ def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_ro
     0.33-0.44 s of CPU against 0.47-0.67 s for ``slot_layout`` then ``final_rows``.
     """
     spare = Scratch(entry_slot_N.size, scratch)
-    row, expand = spare.take(), spare.take()
+    row, expand = spare.take(), np.empty(entry_slot_N.size, dtype=INDEX)  # (expand: the Plan's dtype)
     if scratch:  # the other dead arrays go before the layout allocates its own
         scratch.clear()
     lay = slot_layout(entry_slot_N, slot_rank_S, token_padding, min_rows_S, ranks)
@@ -214,11 +215,11 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
         row_entry, expand = final_rows(lay, lay.order_N[lay.n_drop:], entry_buf_row, kept_buf_row)
     slot_rows, padded, offset, entry_row = lay.slot_rows_S, lay.slot_padded_S, lay.slot_offset_S, lay.entry_row_N
     if entries.rank_N is not None:
-        entry_rank = np.asarray(entries.rank_N, dtype=np.int64).ravel()
+        entry_rank = np.asarray(entries.rank_N).ravel()  # (its dtype kept: INDEX is the Plan's)
     elif lay.n_drop:
         entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
     else:
-        entry_rank = slot_rank_S[entry_slot]
+        entry_rank = slot_rank_S.astype(INDEX)[entry_slot]
     row_off = np.concatenate([[0], np.cumsum(lay.rows_R)])
     del lay
     if padding.slot_P is not None and len(padding.slot_P):
@@ -375,7 +376,7 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
         if t.size and (int(t.min()) < 0 or int(t.max()) >= R):
             raise PlanError(f"via table values ({int(t.min())}..{int(t.max())}) must be ranks in [0, {R})")
         tables.append(t.astype(np.uint8))
-    entry_rank = slot_rank_S[entry_slot_N]  # int64 [N]: the Plan's entry_rank (every entry kept)
+    entry_rank = slot_rank_S.astype(INDEX)[entry_slot_N]  # INDEX [N]: the Plan's entry_rank (every entry kept)
     dst8 = entry_rank.astype(np.uint8)
     mids = [np.empty(N, dtype=np.uint8) for _ in tables]
     for r in range(R):  # each source rank's entries are one run: look up its table row

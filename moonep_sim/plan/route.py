@@ -37,6 +37,7 @@ import numpy as np
 
 from moonep_sim.plan.build import block_messages
 from moonep_sim.plan.ir import Hop
+from moonep_sim.plan.kinds import INDEX
 from moonep_sim.plan.order import segment_ranges, stable_order, stable_order_counts
 
 
@@ -202,7 +203,7 @@ def message_sources(src: Sources, msg: Messages, order: np.ndarray, lead: np.nda
     e_bound = np.concatenate([[0], np.cumsum(ecnt.reshape(R, R).sum(axis=1))])
     has = np.flatnonzero(m_bound[1:] > m_bound[:-1])
     first_lead = np.minimum.reduceat(lead, m_bound[has]) if has.size else has
-    m_srow = np.empty(lead.size, dtype=np.int64)
+    m_srow = np.empty(lead.size, dtype=INDEX)  # (a Hop's dtype)
     for r in has[np.argsort(first_lead, kind="stable")]:  # loop over source ranks, not entries
         a, b = int(m_bound[r]), int(m_bound[r + 1])
         np.take(src.row_N, lead[a:b], out=m_srow[a:b], mode="clip")  # (lead holds valid entries)
@@ -276,7 +277,7 @@ def token_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, s
         tables.append((classes, cls_TK, seen_TC))
     m_src, m_dst, m_row, per_dst = block_messages(cnt.ravel(), R)
     first_row_RR = np.cumsum(cnt, axis=0) - cnt  # first receive row of each block (s, relay)
-    m_srow = np.empty(m_src.size, dtype=np.int64)
+    m_srow = np.empty(m_src.size, dtype=INDEX)  # (a Hop's dtype)
     dst_row = Scratch(n, scratch).take()
     m = 0
     for s, (classes, cls_TK, seen_TC) in enumerate(tables):  # loop over source ranks, not entries
@@ -366,7 +367,7 @@ def pair_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, ro
     m_srow_p = np.take(row_N, lead)
     del lead
     mstart_p = (np.cumsum(mc) - mc)[porder[has]]  # where each pair's messages start (pair order)
-    m_srow = np.empty(m_src.size, dtype=np.int64)
+    m_srow = np.empty(m_src.size, dtype=INDEX)  # (a Hop's dtype)
     for a, o, c in zip(mstart_p.tolist(), mstart_o[has].tolist(), mc_o[has].tolist()):  # loop over pairs
         m_srow[o:o + c] = m_srow_p[a:a + c]
     del m_srow_p

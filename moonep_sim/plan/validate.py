@@ -33,13 +33,13 @@ their own dtype (int32, :data:`~moonep_sim.plan.kinds.INDEX`): their tables are 
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 from moonep_sim.errors import PlanError
+from moonep_sim.plan import threads
 from moonep_sim.plan.kinds import SCOPES, Scope
 from moonep_sim.plan.order import entry_token
 
@@ -495,9 +495,8 @@ CHECKS: tuple[tuple[str, CheckFn], ...] = (
 #: (``rows_R``, ``row_off``): on a large Plan they run on a second thread, beside the checks between
 CONCURRENT = ("hop_provenance",)
 
-#: entries plus messages from which the CONCURRENT checks get their own thread (below it the
-#: thread's start costs more than it saves)
-THREAD_MIN = 1 << 20
+#: entries plus messages from which the CONCURRENT checks get their own thread
+THREAD_MIN = threads.THREAD_MIN
 
 if tuple(n for n, _ in CHECKS[-len(CONCURRENT):]) != CONCURRENT:  # (their violations are placed last)
     raise RuntimeError(f"CONCURRENT checks {CONCURRENT} must be the last of CHECKS")
@@ -507,46 +506,36 @@ def _run(plan: Plan) -> _State:
     """Run the checks in order, until one finds the Plan too malformed for the later ones.
 
     On a Plan of at least THREAD_MIN entries and messages, the CONCURRENT checks start on a second
-    thread as soon as ``slots`` has passed, and the checks between run on this one (numpy releases
-    the GIL in its loops over entries and messages, so the two overlap on two cores). The result is
-    the sequential run's: the second thread's violations follow the others', and are dropped (with
-    any exception it raised, and the hop rows it counted) when an earlier check stopped the run."""
+    thread (:class:`~moonep_sim.plan.threads.Beside`) as soon as ``slots`` has passed, and the
+    checks between run on this one. The result is the sequential run's: the second thread's
+    violations follow the others', and are dropped (with any exception it raised, and the hop rows
+    it counted) when an earlier check stopped the run."""
     st = _State()
     size = int(np.asarray(plan.entry_rank_TK).size) + sum(int(np.asarray(h.src_rank_M).size) for h in plan.hops)
     later = [(n, fn) for n, fn in CHECKS if n in CONCURRENT] if size >= THREAD_MIN else []
-    out: list[Violation] = []
-    res: dict = {}
     worker = None
-    stopped = False
     for name, fn in CHECKS:
         if later and name in CONCURRENT:
             continue
         if not fn(plan, st, lambda msg, name=name: st.out.append(Violation(name, msg))):
-            stopped = True
-            break
+            if worker is not None:
+                worker.discard()
+                st.hop_rows.clear()
+            return st
         if later and name == "slots":  # what the CONCURRENT checks read is there: start them
-            worker = threading.Thread(target=_run_in_order, args=(later, plan, st, out, res), daemon=True)
-            worker.start()
+            worker = threads.Beside(_run_in_order, later, plan, st)
     if worker is not None:
-        worker.join()
-        if stopped:
-            st.hop_rows.clear()
-        else:
-            if "error" in res:
-                raise res["error"]
-            st.out.extend(out)
+        st.out.extend(worker.result())
     return st
 
 
-def _run_in_order(checks, plan: Plan, st: _State, out: list, res: dict) -> None:
-    """``checks`` in order on their own thread (until one stops): violations into ``out``, an
-    exception into ``res``."""
-    try:
-        for name, fn in checks:
-            if not fn(plan, st, lambda msg, name=name: out.append(Violation(name, msg))):
-                break
-    except BaseException as e:  # re-raised by _run where the sequential run would have reached it
-        res["error"] = e
+def _run_in_order(checks, plan: Plan, st: _State) -> list[Violation]:
+    """``checks`` in order (until one stops), their violations apart from ``st.out``."""
+    out: list[Violation] = []
+    for name, fn in checks:
+        if not fn(plan, st, lambda msg, name=name: out.append(Violation(name, msg))):
+            break
+    return out
 
 
 def violations(plan: Plan) -> list[Violation]:
