@@ -375,6 +375,7 @@ def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
             lo, hi = db[q], db[q + 1]
             sw, dw = s_rows[lo:hi], d_rows[lo:hi]
             dst_buf = new_origin[dst_off[q]:dst_off[q + 1]]  # rank q's rows of the destination buffer
+            dst_run = None
             if unsigned is not None:
                 if hi - lo > ramp.size:
                     ramp = np.arange(hi - lo, dtype=s_rows.dtype)
@@ -395,7 +396,8 @@ def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
             if int(sw.min()) < -1 or int(dw.min()) < 0:
                 return None
             try:  # (an IndexError: a row beyond its rank's buffer)
-                dst_buf[dw] = np.where(sw >= 0, src_buf.take(np.maximum(sw, 0)), -1)
+                vals = np.where(sw >= 0, src_buf.take(np.maximum(sw, 0)), -1)  # (-1: a zero row)
+                dst_buf[dst_run if isinstance(dst_run, slice) else dw.astype(np.intp)] = vals
             except IndexError:
                 return None
     return _HopWalk(False, False, False, cross_node, cross_rail, rows)
@@ -479,7 +481,7 @@ def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) ->
             org = origin[int(buf_off[r]):int(buf_off[r + 1])]  # rank r's rows of the last buffer
             zero_rows = int(e.min()) < 0
             if zero_rows:
-                got = np.where(e >= 0, org[np.maximum(e, 0)], -1)
+                got = np.where(e >= 0, org.take(np.maximum(e, 0)), -1)
             else:
                 got = org.take(e)
             ent = row_ent[lo:hi]

@@ -20,8 +20,8 @@ import numpy as np
 
 from moonep_sim.errors import require
 from moonep_sim.limits import MAX_ELEMENTS
-from moonep_sim.plan import (Entries, GlobalRouting, Hop, Padding, Plan, Scope, SlotOrder, Slots, assemble_plan,
-                             home_slots, stable_order)
+from moonep_sim.plan import (INDEX, Entries, GlobalRouting, Hop, Padding, Plan, Scope, SlotOrder, Slots,
+                             assemble_plan, home_slots, stable_order)
 from moonep_sim.plan.order import segment_mask, segment_ranges, small_key_dtype
 from moonep_sim.strategies import Option, PlanContext, register
 
@@ -172,7 +172,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     drop_N[A[keep_A]] = False
     ke = A[keep_A]  # kept entries in (src, slot, entry) order: the hop's order of kept rows
     del A, keep_A
-    entry_rank = np.take(sr, slot_key)  # int64 [N] the Plan's entry_rank (-1 dropped)
+    entry_rank = np.take(sr.astype(INDEX), slot_key)  # INDEX [N] the Plan's entry_rank (-1 dropped)
     entry_rank[drop_N] = -1
     del slot_key
     per_rs = kc_G.reshape(R, S)
@@ -204,9 +204,9 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     # by rank and a (src, dst) pair's blocks lie in slot order in the destination's buffer
     M = int(blk_len.sum())
     m_start = np.cumsum(blk_len) - blk_len
-    m_src = np.repeat(np.arange(R, dtype=np.int64), blk_len.reshape(R, S).sum(axis=1))
-    m_dst = np.repeat(np.tile(dst_of_S, R), blk_len)
-    m_row = segment_ranges(blk_off, blk_len)
+    m_src = np.repeat(np.arange(R, dtype=INDEX), blk_len.reshape(R, S).sum(axis=1))  # (INDEX: a Hop's dtype)
+    m_dst = np.repeat(np.tile(dst_of_S.astype(INDEX), R), blk_len)
+    m_row = segment_ranges(blk_off, blk_len, out=np.empty(M, dtype=INDEX))
     # source row of a kept entry: its token's row on its own rank
     K1 = max(K, 1)
     k_row = ke >> (K1.bit_length() - 1) if K1 & (K1 - 1) == 0 else ke // K1
@@ -221,7 +221,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     buf_row_K = segment_ranges(blk_off_SR, kc_SR.ravel())
     pad_slot = pad_row = np.zeros(0, np.int64)
     if pad:  # each block: its kept rows, then C_src - kept zero rows (src_row -1)
-        m_srow = np.full(M, -1, dtype=np.int64)
+        m_srow = np.full(M, -1, dtype=INDEX)
         m_srow[segment_mask(m_start, kc_G, M)] = k_row
         # the zero rows by (slot, src): the order assemble_plan lays them out in (no sort needed)
         npad_SR = (blk_len - kc_G).reshape(R, S).T.ravel()
