@@ -97,7 +97,7 @@ def route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndar
 
 def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
     """bool [N]: True for a kept entry whose token has an earlier kept entry at the same rank."""
-    entry_rank_N = np.asarray(entry_rank_N, dtype=np.int64)
+    entry_rank_N = np.asarray(entry_rank_N)
     N = entry_rank_N.size
     dup = np.zeros(N, dtype=bool)
     if N == 0:
@@ -106,6 +106,23 @@ def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
     if R == 0:
         return dup
     K = max(int(top_k), 1)
+    if R < 255 and K <= DUP_PAIRWISE_MAX_K and N % K == 0:
+        # ranks as one byte (-1 -> 255, never a rank here), top-k slot-major: entry k of every token
+        # is one contiguous [T] row, and entry k is a duplicate where it equals an earlier entry j
+        # (a dropped one, 255, marks nothing and is never one): K*(K-1)/2 byte compares per token
+        rank_KT = np.empty((K, N // K), dtype=np.uint8)
+        np.copyto(rank_KT, entry_rank_N.reshape(-1, K).T, casting="unsafe")
+        dup_KT = np.zeros((K, N // K), dtype=bool)
+        eq = np.empty(N // K, dtype=bool)
+        for k in range(1, K):  # loop over top-k slot pairs, not tokens
+            for j in range(k):
+                np.equal(rank_KT[j], rank_KT[k], out=eq)
+                dup_KT[k] |= eq
+        if bool(entry_rank_N.min() < 0):
+            dup_KT &= rank_KT != 255
+        dup.reshape(-1, K)[:] = dup_KT.T
+        return dup
+    entry_rank_N = entry_rank_N.astype(np.int64, copy=False)
     if R <= 64 and N % K == 0:
         # per token, a bit set of the ranks its earlier entries went to: K passes over the tokens
         rank_TK = entry_rank_N.reshape(-1, K)
@@ -144,6 +161,11 @@ def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
     return dup
 
 
+#: largest top-k for which :func:`dup_flags` compares every pair of a token's entries (one byte
+#: each, K*(K-1)/2 compares per token; beyond it a bit set per token, K passes, or a sort)
+DUP_PAIRWISE_MAX_K = 16
+
+
 def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_row_N: np.ndarray, ranks: int,
                  token_padding: int = 1, min_rows_S: np.ndarray | None = None,
                  entry_rank_N: np.ndarray | None = None, scratch: list | None = None):
@@ -179,7 +201,7 @@ def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_ro
 
 def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slots: Slots, entries: Entries,
                   hops: Sequence[Hop], *, padding: Padding = Padding(), options: dict[str, Any] | None = None,
-                  scratch: list | None = None, **extra) -> Plan:
+                  scratch: list | None = None, layout: tuple | None = None, **extra) -> Plan:
     """A Plan from explicit hops and each entry's row in the last hop's buffer.
 
     slots: the expert slots, sorted by rank.  entries: where each entry is after the last hop
@@ -189,22 +211,29 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     options: what the planner reports (``make_plan`` overlays them on the parsed options).
     scratch: optional list of dead int64 [N] arrays (the caller's own, no longer referenced) the
     layout may write into instead of fresh pages (they may end up in the Plan).
+    layout: optional (lay, row_entry_W, expand_src_row_W) of these entries, as :func:`entry_layout`
+    returns it, where the planner built it itself (``allgather``: its buffer rows are the tokens,
+    so the final rows' sources follow from the slot order by arithmetic); then ``entries`` needs
+    only ``dup_N`` and ``rank_N`` (or ``slot_N``).
     extra: further Plan fields (``capacity_R``, ``kernel``, ...).
     """
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
     slot_rank_S = np.asarray(slots.rank_S, dtype=np.int64)
     so = entries.order
-    if entries.slot_N is None and (so is None or entries.rank_N is None):
-        raise PlanError("entries.slot_N (None) must be given unless entries.order and entries.rank_N are")
+    if entries.slot_N is None and ((so is None and layout is None) or entries.rank_N is None):
+        raise PlanError("entries.slot_N (None) must be given unless entries.rank_N and entries.order (or a "
+                        "layout) are")
     entry_slot = None if entries.slot_N is None else np.asarray(entries.slot_N, dtype=np.int64).ravel()
     kept_buf_row = None if so is None or so.buf_row_K is None else np.asarray(so.buf_row_K, dtype=np.int64)
-    if entries.buf_row_N is None and kept_buf_row is None:
+    if entries.buf_row_N is None and kept_buf_row is None and layout is None:
         raise PlanError("entries.buf_row_N (None) must be given unless entries.order carries the kept entries' rows")
     entry_buf_row = None if entries.buf_row_N is None else np.asarray(entries.buf_row_N, dtype=np.int64)
     tp = padding.token_padding
     # entries sorted by (slot, entry), dropped first: the final rows in order (see plan.layout_slots)
-    if so is None and entry_buf_row is not None:
+    if layout is not None:
+        lay, row_entry, expand = layout
+    elif so is None and entry_buf_row is not None:
         lay, row_entry, expand = entry_layout(entry_slot, slot_rank_S, entry_buf_row, R, tp, padding.min_rows_S,
                                               None if entries.rank_N is None else
                                               np.asarray(entries.rank_N, dtype=np.int64).ravel(), scratch)
