@@ -174,29 +174,38 @@ def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_ro
 
     entry_slot_N: int64 [N] slot of each entry, -1 = dropped.  slot_rank_S: int64 [S] sorted.
     entry_buf_row_N: int64 [N] the last buffer's row of each entry.  ranks: R.
-    entry_rank_N: optional int64 [N] each entry's rank (``slot_rank_S[entry_slot_N]``).
+    entry_rank_N: unused (each entry's rank; the final rows come from its slot's).
     scratch: optional list of dead int64 [N] arrays (not ``entry_buf_row_N``) to write into
     instead of fresh pages (they may end up in the Plan).
 
     Without padding or dropped entries, each entry's buffer row is written to its final row in
-    entry order (its rank's first row plus its row there) instead of gathered in slot order: one
-    slot's entries lie ~N/S entries apart, so that gather touches a new page nearly every access,
-    where entry order writes one run per slot. Measured on deepep's arrays at K3 EP64 (8.4M
+    entry order (its slot's rank's first row plus its row there, chunk by chunk) instead of
+    gathered in slot order: one slot's entries lie ~N/S entries apart, so that gather touches a new
+    page nearly every access, where entry order writes one run per slot. Measured on deepep's arrays at K3 EP64 (8.4M
     entries, 896 slots; 2026-12-02, four runs alternating in one process, load ~6 on 2 CPUs):
     0.33-0.44 s of CPU against 0.47-0.67 s for ``slot_layout`` then ``final_rows``.
     """
-    spare = Scratch(entry_slot_N.size, scratch)
-    row, expand = spare.take(), spare.take()
+    N = entry_slot_N.size
+    expand = Scratch(N, scratch).take()
     if scratch:  # the other dead arrays go before the layout allocates its own
         scratch.clear()
     lay = slot_layout(entry_slot_N, slot_rank_S, token_padding, min_rows_S, ranks)
     if lay.grow_K is not None or lay.n_drop:  # padding rows or dropped entries: the gather in slot order
         return (lay,) + final_rows(lay, lay.order_N[lay.n_drop:], entry_buf_row_N)
-    rank = slot_rank_S[entry_slot_N] if entry_rank_N is None else entry_rank_N
-    np.take(np.concatenate([[0], np.cumsum(lay.rows_R)]), rank, out=row)
-    row += lay.entry_row_N  # each entry's final row (ranks concatenated)
-    expand[row] = entry_buf_row_N
+    # each entry's final row (ranks concatenated): its slot's rank's first row plus its row there,
+    # chunk by chunk (the rows stay in cache until they are scattered to)
+    slot_first = np.concatenate([[0], np.cumsum(lay.rows_R)])[slot_rank_S]
+    row = np.empty(min(N, _CHUNK), dtype=np.int64)
+    for lo in range(0, N, _CHUNK):  # loop over chunks of entries, not entries
+        r = row[:min(N - lo, _CHUNK)]
+        np.take(slot_first, entry_slot_N[lo:lo + _CHUNK], out=r)
+        r += lay.entry_row_N[lo:lo + _CHUNK]
+        expand[r] = entry_buf_row_N[lo:lo + _CHUNK]
     return lay, lay.order_N, expand
+
+
+#: entries per chunk of :func:`entry_layout`'s pass over the entries (2 MiB of int64 rows)
+_CHUNK = 1 << 18
 
 
 def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slots: Slots, entries: Entries,
@@ -222,8 +231,8 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     slot_rank_S = np.asarray(slots.rank_S, dtype=np.int64)
     so = entries.order
     if entries.slot_N is None and ((so is None and layout is None) or entries.rank_N is None):
-        raise PlanError("entries.slot_N (None) must be given unless entries.rank_N and entries.order (or a "
-                        "layout) are")
+        raise PlanError("entries.slot_N (None) must be given unless entries.order (or a layout) and "
+                        "entries.rank_N are")
     entry_slot = None if entries.slot_N is None else np.asarray(entries.slot_N, dtype=np.int64).ravel()
     kept_buf_row = None if so is None or so.buf_row_K is None else np.asarray(so.buf_row_K, dtype=np.int64)
     if entries.buf_row_N is None and kept_buf_row is None and layout is None:
