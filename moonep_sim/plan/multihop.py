@@ -198,7 +198,7 @@ def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_ro
     row = np.empty(min(N, _CHUNK), dtype=np.int64)
     for lo in range(0, N, _CHUNK):  # loop over chunks of entries, not entries
         r = row[:min(N - lo, _CHUNK)]
-        np.take(slot_first, entry_slot_N[lo:lo + _CHUNK], out=r)
+        np.take(slot_first, entry_slot_N[lo:lo + _CHUNK], out=r, mode="clip")  # (every slot valid here)
         r += lay.entry_row_N[lo:lo + _CHUNK]
         expand[r] = entry_buf_row_N[lo:lo + _CHUNK]
     return lay, lay.order_N, expand

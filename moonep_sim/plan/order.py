@@ -114,8 +114,8 @@ def _chunked_order(key16_N: np.ndarray, n_keys: int, chunks: int, counts: bool =
         if hi > lo:
             m = hi - lo
             local = np.argsort(key16_N[lo:hi], kind="stable")
-            np.take(key16_N[lo:hi], local, out=ks[:m])
-            np.take(rel_CK[c], ks[:m], out=at[:m])
+            np.take(key16_N[lo:hi], local, out=ks[:m], mode="clip")  # ("clip": an out= take is unbuffered)
+            np.take(rel_CK[c], ks[:m], out=at[:m], mode="clip")
             at[:m] += j[:m]
             if pos is not None:
                 pos[lo:hi][local] = at[:m]
