@@ -21,11 +21,13 @@ the 1-minute load average beside them (the reference machine is shared)::
     python benchmarks/bench_step.py --json OUT.json
     python benchmarks/bench_step.py --cases k3-train --distinct-layers 0 --together
     python benchmarks/bench_step.py --cases v3-decode --strategies alltoall --jobs 2
+    python benchmarks/bench_step.py --cases k3-train --strategies alltoall --distinct-layers 0 --moe-layers 4
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -46,13 +48,17 @@ def cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def run(case: str, strategies: list[str], distinct: int, jobs: int) -> list[dict]:
+def run(case: str, strategies: list[str], distinct: int, jobs: int, moe_layers: int = 0) -> list[dict]:
     c = CASES[case]
     sc = Scenario(routing=GeneratorSpec(**c["spec"]), cluster=c["cluster"], topology="h800-cx7",
                   strategies=strategies)
+    extra = {}
+    if moe_layers:  # a quick run: the model cut to its dense layers and its first N MoE layers
+        m = sc.resolved.source.model
+        extra["model"] = dataclasses.replace(m, layers=m.dense_layers + moe_layers, moe_layers=moe_layers)
     load0 = os.getloadavg()[0]
     c0, t0 = cpu_s(), time.perf_counter()
-    res = sc.step(distinct_layers=distinct, jobs=jobs, **c["step"])
+    res = sc.step(distinct_layers=distinct, jobs=jobs, **c["step"], **extra)
     cpu, wall = cpu_s() - c0, time.perf_counter() - t0
     rows = []
     for s in strategies:
@@ -60,7 +66,7 @@ def run(case: str, strategies: list[str], distinct: int, jobs: int) -> list[dict
         n = d["distinct_layers_simulated"]
         k = d["cpu_seconds"]
         rows.append({
-            "case": case, "strategy": s, "together": strategies if len(strategies) > 1 else None,
+            "case": case + (f" (cut to {moe_layers} MoE layers)" if moe_layers else ""), "strategy": s, "together": strategies if len(strategies) > 1 else None,
             "distinct_layers": distinct, "layers_simulated": n, "jobs": jobs,
             "cpu_s": cpu, "wall_s": wall, "load_start": load0, "load_end": os.getloadavg()[0],
             # this strategy's own share: the (shared) routing, its planning, simulation and composition
@@ -84,6 +90,8 @@ def main() -> None:
     ap.add_argument("--distinct-layers", default="0,4", help="comma list; 0 = every layer its own")
     ap.add_argument("--together", action="store_true", help="all strategies in one step (routing shared)")
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--moe-layers", type=int, default=0, metavar="N",
+                    help="cut the model to its first N MoE layers (a quick run, named in the row; 0 = all)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     strategies = a.strategies.split(",")
@@ -92,7 +100,7 @@ def main() -> None:
         for distinct in (int(x) for x in a.distinct_layers.split(",")):
             groups = [strategies] if a.together else [[s] for s in strategies]
             for g in groups:
-                for r in run(case, g, distinct, a.jobs):
+                for r in run(case, g, distinct, a.jobs, a.moe_layers):
                     print(json.dumps(r), flush=True)
                     rows.append(r)
     if a.json:

@@ -109,3 +109,24 @@ def test_bad_shapes_rejected():
         ClusterShape(6, 4)
     with pytest.raises(ConfigError, match=r"num_experts \(10\) must be divisible by ranks \(4\)"):
         Placement.home_groups(10, 4)
+
+
+def test_plan_index_dtype_and_its_bound():
+    """The Plan's per-entry, per-message and per-row arrays are INDEX (int32) whatever integer dtype
+    a builder hands over; values or sizes that do not fit are refused with one line naming them."""
+    from moonep_sim.plan import INDEX, Hop, Scope
+    from moonep_sim.plan.kinds import INDEX_MAX, as_index, require_index
+    z = np.zeros(3, dtype=np.int64)
+    h = Hop(Scope.GLOBAL, z, z - 1, z, np.arange(3), np.array([3]))
+    for a in (h.src_rank_M, h.src_row_M, h.dst_rank_M, h.dst_row_M):
+        assert a.dtype == INDEX
+    assert h.dst_rows_R.dtype == np.int64
+    same = np.arange(4, dtype=INDEX)
+    assert as_index(same) is same  # already the index dtype: not copied
+    with pytest.raises(PlanError, match=r"hop dst_row_M values \(0\.\.2147483648\) must fit int32"):
+        Hop(Scope.GLOBAL, z[:2], z[:2], z[:2], np.array([0, INDEX_MAX + 1]), np.array([2]))
+    with pytest.raises(PlanError, match=r"rows of a hop's buffer, all ranks together \(2147483648\) must be <= "
+                                         r"2147483647: the Plan's index arrays are int32"):
+        Hop(Scope.GLOBAL, z[:0], z[:0], z[:0], z[:0], np.array([INDEX_MAX, 1]))
+    with pytest.raises(PlanError, match=r"entries \(tokens x top-k\) \(4294967296\) must be <= 2147483647"):
+        require_index(1 << 32, "entries (tokens x top-k)")

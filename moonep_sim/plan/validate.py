@@ -325,7 +325,7 @@ def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
         c = src[max(lo - 1, 0):lo + HOP_CHUNK]
         if (c[1:] < c[:-1]).any():
             return None
-    sb = np.searchsorted(src, np.arange(R + 1))
+    sb = np.searchsorted(src, np.arange(R + 1, dtype=src.dtype))
     bounds = []
     rows = np.zeros((R, R), dtype=np.int64)
     for r in range(R):  # loop over source ranks, not messages
@@ -335,7 +335,7 @@ def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
         d = dst[a:b]
         if (d[1:] < d[:-1]).any():
             return None
-        db = np.searchsorted(d, np.arange(R + 1)) + a
+        db = np.searchsorted(d, np.arange(R + 1, dtype=d.dtype)) + a
         rows[r] = np.diff(db)
         bounds.extend((r, q, int(db[q]), int(db[q + 1])) for q in np.flatnonzero(db[1:] > db[:-1]).tolist())
     cross_node = cross_rail = False

@@ -54,13 +54,19 @@ def _popularity(logp_E: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------- reference: the race
 def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
-                     groups: int = 1, topk_groups: int = 1, with_logits: bool = False
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+                     groups: int = 1, topk_groups: int = 1, with_logits: bool = False,
+                     noise: dict | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The exponential race over a ``[T, E]`` noise matrix (the reference; see the module docstring).
 
     Returns ids int64 [T, K] (by descending score), weights float32 [T, K] (softmax of the chosen
     scores), and the scores float32 [T, E] when ``with_logits``. Chunked: at most
     ``CHUNK_ELEMS`` floats of noise live at once.
+
+    noise: a dict kept by a caller that draws the same block again at other popularities from
+    an identically seeded ``rng`` (the maxvio calibration): the race's noise depends on ``rng``
+    alone, so it is drawn (and its log taken) on the first call and reused after -- the same
+    values, without the draws; ``rng`` is then left untouched. Only for one chunk (the race of
+    at most ``CHUNK_ELEMS`` pairs, the layers :func:`sample_topk` gives it); None: always drawn.
     """
     E, K = int(np.size(logp_E)), int(top_k)
     lp = _popularity(logp_E)
@@ -71,19 +77,33 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
     w = np.empty((tokens, K), np.float32)
     logits = np.empty((tokens, E), np.float32) if with_logits else None
     chunk = max(1, CHUNK_ELEMS // E)
+    if noise is not None and tokens > chunk:
+        noise = None                                   # several chunks: not kept
     for s in range(0, tokens, chunk):
         n = min(chunk, tokens - s)
-        x = rng.standard_exponential((n, E), dtype=np.float32)
+        if noise is not None and "x" in noise:
+            x = noise["x"]
+        else:
+            x = rng.standard_exponential((n, E), dtype=np.float32)
+            if noise is not None:
+                noise["x"] = x
         if grouped or with_logits:
-            score = lp32 - np.log(np.maximum(x, np.float32(1e-30)))      # logp + Gumbel
+            if noise is not None:
+                if "log" not in noise:
+                    noise["log"] = np.log(np.maximum(x, np.float32(1e-30)))
+                score = lp32 - noise["log"]                                 # logp + Gumbel
+            else:
+                score = lp32 - np.log(np.maximum(x, np.float32(1e-30)))
             if with_logits:
                 logits[s:s + n] = score
-            if grouped:
-                score = mask_groups(score, groups, topk_groups)
-            key = -score
+            if grouped:                                # in place: the logits hold their own copy
+                score = mask_groups(score, groups, topk_groups, copy=False)
+            key = np.negative(score, out=score)
+        elif noise is not None:
+            key = x * inv_p                                                 # X / p: smaller wins
         else:
             key = x
-            key *= inv_p                                                 # X / p: smaller wins
+            key *= inv_p
         part = np.argpartition(key, K - 1, axis=1)[:, :K] if K < E else np.tile(np.arange(E), (n, 1))
         kv = np.take_along_axis(key, part, axis=1)
         order = np.argsort(kv, axis=1, kind="stable")
@@ -97,8 +117,9 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
     return ids, w, logits
 
 
-def mask_groups(score_TE: np.ndarray, groups: int, topk_groups: int) -> np.ndarray:
-    """Scores with every expert outside each token's top-M groups set to -inf (a copy)."""
+def mask_groups(score_TE: np.ndarray, groups: int, topk_groups: int, copy: bool = True) -> np.ndarray:
+    """Scores with every expert outside each token's top-M groups set to -inf (a copy; with
+    ``copy=False`` in place, ``score_TE`` returned)."""
     T, E = score_TE.shape
     g = score_TE.reshape(T, groups, E // groups)
     if E // groups >= 2:
@@ -109,7 +130,7 @@ def mask_groups(score_TE: np.ndarray, groups: int, topk_groups: int) -> np.ndarr
     keep = np.argpartition(-gscore, topk_groups - 1, axis=1)[:, :topk_groups]
     mask = np.ones((T, groups), bool)
     np.put_along_axis(mask, keep, False, axis=1)
-    out = g.copy()
+    out = g.copy() if copy else g
     out[mask] = -np.inf
     return out.reshape(T, E)
 
@@ -181,6 +202,17 @@ class _Races:
         self.tau_KN = np.empty((K, N))
         self.tau_R = np.zeros(N)
         self.k = 0
+        self._set_hard_bound()
+
+    def _set_hard_bound(self) -> None:
+        """``hard_R``: the chosen mass past which a row draws from its remainder at once; and
+        ``easy_k``: positions before which no row can be past it (the k most popular experts of
+        all together are short of it, with a margin far above the rounding of ``left_R``), so the
+        test is skipped there."""
+        self.hard_R = (1.0 - _REJECT_MASS) * self.span_R
+        top = np.cumsum(np.sort(self.p_E)[::-1])      # the k most popular experts' mass, k = 1..E
+        floor = float(self.span_R.min() - self.hard_R.max()) if self.span_R.size else 0.0
+        self.easy_k = int(np.searchsorted(top, floor - 1e-9, side="left")) + 1
 
     def subset(self, rows: np.ndarray, K: int) -> "_Races":
         """The races of ``rows`` (their arrivals so far kept), room for K arrivals in all."""
@@ -193,21 +225,28 @@ class _Races:
         out.tau_KN = np.empty((K, rows.size))
         out.ids_KN[:self.k], out.tau_KN[:self.k] = self.ids_KN[:self.k, rows], self.tau_KN[:self.k, rows]
         out.k = self.k
+        out._set_hard_bound()
         return out
 
     def _draw(self, u: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
-        """Inverse-CDF draws of uniforms ``u`` within each row's experts (rows None: every row)."""
+        """Inverse-CDF draws (intp) of uniforms ``u`` within each row's experts (rows None: every row)."""
+        if self.n == self.p_E.size:                    # every row races all E: u itself
+            return self.icdf.draw(u)
         base, span, first = ((self.base_R, self.span_R, self.first_R) if rows is None else
                              (self.base_R[rows], self.span_R[rows], self.first_R[rows]))
-        e = self.icdf.draw(base + u * span if self.n < self.p_E.size else u)
-        if self.n < self.p_E.size:                     # u rounded onto the group's end: its last expert
-            np.minimum(e, first + (self.n - 1), out=e)
-        return e.astype(self.small)
+        e = self.icdf.draw(base + u * span)
+        np.minimum(e, first + (self.n - 1), out=e)     # u rounded onto the group's end: its last expert
+        return e
 
     def _repeats(self, e: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
-        rep = np.zeros(e.size, bool)
-        for j in range(self.k):
-            rep |= (self.ids_KN[j] if rows is None else self.ids_KN[j, rows]) == e
+        """Whether each draw ``e`` (of ``self.small`` dtype) repeats one of its row's arrivals."""
+        if not self.k:
+            return np.zeros(e.size, bool)
+        rep = (self.ids_KN[0] if rows is None else self.ids_KN[0, rows]) == e
+        eq = np.empty_like(rep)
+        for j in range(1, self.k):
+            np.equal(self.ids_KN[j] if rows is None else self.ids_KN[j, rows], e, out=eq)
+            rep |= eq
         return rep
 
     def _remainder(self, rows: np.ndarray) -> np.ndarray:
@@ -235,25 +274,33 @@ class _Races:
         # arrival time: tau += X / (popularity not yet chosen)
         x = self.rng.standard_exponential(N, dtype=np.float32)
         np.maximum(x, np.float32(1e-30), out=x)        # an exact 0 would give a zero time (infinite score)
-        self.tau_R += x / np.maximum(self.left_R, 1e-300)
+        dt = np.maximum(self.left_R, 1e-300)
+        np.divide(x, dt, out=dt)
+        self.tau_R += dt
         self.tau_KN[k] = self.tau_R
-        e = self._draw(self.rng.random(N), None)
-        self.ids_KN[k] = e
+        e = self._draw(self.rng.random(N), None)       # intp; its narrow copy is this position's row
+        ids = self.ids_KN[k]
+        ids[...] = e
         if k:
-            hard_R = self.left_R < (1.0 - _REJECT_MASS) * self.span_R   # mostly chosen: the remainder at once
-            todo = np.flatnonzero(self._repeats(e, None) | hard_R)
-            hard, todo = todo[hard_R[todo]], todo[~hard_R[todo]]
+            rep = self._repeats(ids, None)
+            if k >= self.easy_k:                       # some row may be mostly chosen: the remainder at once
+                hard_R = self.left_R < self.hard_R
+                todo = np.flatnonzero(rep | hard_R)
+                hard, todo = todo[hard_R[todo]], todo[~hard_R[todo]]
+            else:
+                todo, hard = np.flatnonzero(rep), np.empty(0, np.intp)
             for _ in range(_REJECT_ROUNDS):
                 if todo.size == 0:
                     break
-                e = self._draw(self.retry.random(todo.size), todo)
-                rep = self._repeats(e, todo)
-                self.ids_KN[k, todo[~rep]] = e[~rep]
+                ee = self._draw(self.retry.random(todo.size), todo)
+                rep = self._repeats(ee.astype(self.small), todo)
+                ok = todo[~rep]
+                ids[ok] = e[ok] = ee[~rep]
                 todo = todo[rep]
             rest = np.union1d(hard, todo) if todo.size else hard
             if rest.size:
-                self.ids_KN[k, rest] = self._remainder(rest)
-        self.left_R -= self.p_E.take(self.ids_KN[k])
+                ids[rest] = e[rest] = self._remainder(rest)
+        self.left_R -= self.p_E.take(e)
         self.k += 1
 
 
@@ -267,6 +314,15 @@ def _weights(tau_TK: np.ndarray) -> np.ndarray:
     """The race's softmax over the chosen: ``w ∝ 1 / tau`` (scores ``-log tau``), float32."""
     inv = tau_TK[:, :1] / tau_TK
     return (inv / inv.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def _weights_KN(tau_KN: np.ndarray) -> np.ndarray:
+    """:func:`_weights` of ``tau_KN.T`` (float32 [N, K], C order) computed on the position-major
+    arrays (contiguous rows; the same divisions and the same position-by-position sum, so the
+    same values)."""
+    inv = tau_KN[0] / tau_KN
+    inv /= inv.sum(axis=0)
+    return inv.T.astype(np.float32, order="C")
 
 
 def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator
@@ -287,7 +343,7 @@ def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.G
     races = _Races(p, icdf, np.zeros(T, np.intp), E, K, rng, retry)
     for _ in range(K):
         races.advance()
-    return races.ids_KN.T.astype(np.int64, order="C"), _weights(races.tau_KN.T)
+    return races.ids_KN.T.astype(np.int64, order="C"), _weights_KN(races.tau_KN)
 
 
 def sample_topk_grouped(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
@@ -325,14 +381,15 @@ def sample_topk_grouped(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.ran
 
 
 def sample_topk(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
-                groups: int = 1, topk_groups: int = 1, with_logits: bool = False
+                groups: int = 1, topk_groups: int = 1, with_logits: bool = False, noise: dict | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """K distinct experts per token, drawn without replacement with probability ∝ exp(logp).
 
     Returns ids int64 [T, K] (by descending score), weights float32 [T, K] (softmax of the chosen
     scores), and the scores float32 [T, E] when ``with_logits``. Plain and group-limited top-K
     take the fast Plackett-Luce paths; logits, and layers of at most ``CHUNK_ELEMS`` token-expert
-    pairs, take the race (all three: module docstring).
+    pairs, take the race (all three: module docstring). noise: the race's reusable noise (see
+    :func:`sample_topk_race`; the fast paths draw theirs each time).
     """
     if with_logits or int(tokens) * int(np.size(logp_E)) <= CHUNK_ELEMS:
         # logits, and small layers (one chunk of the race: tens of ms): the race, whose draws are
@@ -340,7 +397,7 @@ def sample_topk(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Gene
         # at a few tokens the maxvio calibration's bisection then meets a statistic too jagged to
         # hit its tolerance (e.g. T=64, E=8, K=2 at maxvio 1).
         return sample_topk_race(logp_E, top_k, tokens, rng, groups=groups, topk_groups=topk_groups,
-                                with_logits=with_logits)
+                                with_logits=with_logits, noise=noise)
     if groups > 1 and topk_groups < groups:
         ids, w = sample_topk_grouped(logp_E, top_k, tokens, rng, groups=groups, topk_groups=topk_groups)
     else:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moonep_sim.plan import (Entries, GlobalRouting, Hop, Padding, Plan, Scope, Slots, assemble_plan, dup_flags,
-                             entry_token, final_rows, home_slots, slot_layout)
+from moonep_sim.plan import (INDEX, Entries, GlobalRouting, Hop, Padding, Plan, Scope, Slots, assemble_plan,
+                             dup_flags, entry_token, final_rows, home_slots, slot_layout)
 from moonep_sim.strategies import PlanContext, register
 
 # Notation: T tokens, K top-k, R ranks, M = R*T messages.
@@ -27,9 +27,9 @@ def plan(routing: GlobalRouting, ctx: PlanContext) -> Plan:
     tok_off = routing.tok_off_R()
     tpr = routing.tokens_per_rank_R
     M = R * T
-    tok = np.empty(M, dtype=np.int64)  # the token, = its row in every receive buffer
-    src_row = np.empty(M, dtype=np.int64)
-    dst = np.empty(M, dtype=np.int64)
+    tok = np.empty(M, dtype=INDEX)  # the token, = its row in every receive buffer
+    src_row = np.empty(M, dtype=INDEX)
+    dst = np.empty(M, dtype=INDEX)
     for r in range(R):  # loop over ranks only; each block [R, s_r] is filled by numpy
         s_r, lo = int(tpr[r]), int(tok_off[r]) * R
         if s_r == 0:
@@ -39,7 +39,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext) -> Plan:
         src_row[blk].reshape(R, s_r)[:] = rows[None, :]
         tok[blk].reshape(R, s_r)[:] = (rows + int(tok_off[r]))[None, :]
         dst[blk].reshape(R, s_r)[:] = np.arange(R, dtype=np.int64)[:, None]
-    src = np.repeat(np.arange(R, dtype=np.int64), tpr * R)
+    src = np.repeat(np.arange(R, dtype=INDEX), tpr * R)
     hop = Hop(Scope.GLOBAL, src, src_row, dst, tok, np.full(R, T, dtype=np.int64))
     entry_slot = slot_of[routing.topk_ids_TK].ravel()
     entry_rank = sr[entry_slot]
