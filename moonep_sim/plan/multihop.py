@@ -21,6 +21,7 @@ from moonep_sim.errors import PlanError
 from moonep_sim.plan.assembly import Entries, Padding, Slots
 from moonep_sim.plan.build import final_rows, slot_layout, sorted_layout
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
+from moonep_sim.plan.kinds import INDEX
 from moonep_sim.plan.order import segment_ranges, stable_order
 from moonep_sim.plan.placement import ClusterShape
 from moonep_sim.plan.route import Messages, Scratch, Sources, grouped_hop, pair_hop, token_hop, token_hop_fits
@@ -173,9 +174,9 @@ def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_ro
     (lay, row_entry_W, expand_src_row_W), what ``slot_layout`` then ``final_rows`` return.
 
     entry_slot_N: int64 [N] slot of each entry, -1 = dropped.  slot_rank_S: int64 [S] sorted.
-    entry_buf_row_N: int64 [N] the last buffer's row of each entry.  ranks: R.
+    entry_buf_row_N: [N] the last buffer's row of each entry (INDEX or int64).  ranks: R.
     entry_rank_N: unused (each entry's rank; the final rows come from its slot's).
-    scratch: optional list of dead int64 [N] arrays (not ``entry_buf_row_N``) to write into
+    scratch: optional list of dead INDEX [N] arrays (not ``entry_buf_row_N``) to write into
     instead of fresh pages (they may end up in the Plan).
 
     Without padding or dropped entries, each entry's buffer row is written to its final row in
@@ -186,7 +187,10 @@ def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_ro
     0.33-0.44 s of CPU against 0.47-0.67 s for ``slot_layout`` then ``final_rows``.
     """
     N = entry_slot_N.size
-    expand = Scratch(N, scratch).take()
+    # (the final rows' sources in the buffer rows' dtype, as final_rows gives them: INDEX from the
+    # route builders)
+    dt = np.asarray(entry_buf_row_N).dtype
+    expand = Scratch(N, scratch).take() if dt == INDEX else np.empty(N, dtype=dt)
     if scratch:  # the other dead arrays go before the layout allocates its own
         scratch.clear()
     lay = slot_layout(entry_slot_N, slot_rank_S, token_padding, min_rows_S, ranks)
@@ -218,7 +222,7 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     order).  hops: the dispatch hops in order (see :class:`~moonep_sim.plan.Hop`).
     padding: how slots are padded (:class:`~moonep_sim.plan.assembly.Padding`).
     options: what the planner reports (``make_plan`` overlays them on the parsed options).
-    scratch: optional list of dead int64 [N] arrays (the caller's own, no longer referenced) the
+    scratch: optional list of dead INDEX [N] arrays (the caller's own, no longer referenced) the
     layout may write into instead of fresh pages (they may end up in the Plan).
     layout: optional (lay, row_entry_W, expand_src_row_W) of these entries, as :func:`entry_layout`
     returns it, where the planner built it itself (``allgather``: its buffer rows are the tokens,
@@ -234,29 +238,29 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
         raise PlanError("entries.slot_N (None) must be given unless entries.order (or a layout) and "
                         "entries.rank_N are")
     entry_slot = None if entries.slot_N is None else np.asarray(entries.slot_N, dtype=np.int64).ravel()
-    kept_buf_row = None if so is None or so.buf_row_K is None else np.asarray(so.buf_row_K, dtype=np.int64)
+    kept_buf_row = None if so is None or so.buf_row_K is None else np.asarray(so.buf_row_K)
     if entries.buf_row_N is None and kept_buf_row is None and layout is None:
         raise PlanError("entries.buf_row_N (None) must be given unless entries.order carries the kept entries' rows")
-    entry_buf_row = None if entries.buf_row_N is None else np.asarray(entries.buf_row_N, dtype=np.int64)
+    entry_buf_row = None if entries.buf_row_N is None else np.asarray(entries.buf_row_N)
     tp = padding.token_padding
     # entries sorted by (slot, entry), dropped first: the final rows in order (see plan.layout_slots)
     if layout is not None:
         lay, row_entry, expand = layout
     elif so is None and entry_buf_row is not None:
         lay, row_entry, expand = entry_layout(entry_slot, slot_rank_S, entry_buf_row, R, tp, padding.min_rows_S,
-                                              None if entries.rank_N is None else
-                                              np.asarray(entries.rank_N, dtype=np.int64).ravel(), scratch)
+                                              None, scratch)
     else:
         lay = sorted_layout(so.order_N, int(so.n_drop), np.asarray(so.slot_rows_S, dtype=np.int64), slot_rank_S, tp,
                             padding.min_rows_S, R, scratch=scratch)
         row_entry, expand = final_rows(lay, lay.order_N[lay.n_drop:], entry_buf_row, kept_buf_row)
     slot_rows, padded, offset, entry_row = lay.slot_rows_S, lay.slot_padded_S, lay.slot_offset_S, lay.entry_row_N
+    # (per-entry arrays are the Plan's index dtype: its caller's where given, else written as INDEX)
     if entries.rank_N is not None:
-        entry_rank = np.asarray(entries.rank_N, dtype=np.int64).ravel()
+        entry_rank = np.asarray(entries.rank_N).ravel()
     elif lay.n_drop:
-        entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
+        entry_rank = np.append(slot_rank_S, -1).astype(INDEX)[entry_slot]  # (slot -1 reads the -1)
     else:
-        entry_rank = slot_rank_S[entry_slot]
+        entry_rank = slot_rank_S.astype(INDEX)[entry_slot]
     row_off = np.concatenate([[0], np.cumsum(lay.rows_R)])
     del lay
     if padding.slot_P is not None and len(padding.slot_P):
@@ -413,7 +417,7 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
         if t.size and (int(t.min()) < 0 or int(t.max()) >= R):
             raise PlanError(f"via table values ({int(t.min())}..{int(t.max())}) must be ranks in [0, {R})")
         tables.append(t.astype(np.uint8))
-    entry_rank = slot_rank_S[entry_slot_N]  # int64 [N]: the Plan's entry_rank (every entry kept)
+    entry_rank = slot_rank_S.astype(INDEX)[entry_slot_N]  # INDEX [N]: the Plan's entry_rank (every entry kept)
     dst8 = entry_rank.astype(np.uint8)
     mids = [np.empty(N, dtype=np.uint8) for _ in tables]
     for r in range(R):  # each source rank's entries are one run: look up its table row
@@ -426,7 +430,7 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
     entry_dup = None
     row = None
     hops = []
-    scratch: list[np.ndarray] = []  # dead int64 [N] arrays, reused rather than fresh pages
+    scratch: list[np.ndarray] = []  # dead INDEX [N] arrays, reused rather than fresh pages
     for h in range(H):
         prev = row
         if h == 0 and dedup[0] and H > 1 and token_hop_fits(tables[0], 1 << shift):  # once per (token, relay)

@@ -37,6 +37,7 @@ import numpy as np
 
 from moonep_sim.plan.build import block_messages
 from moonep_sim.plan.ir import Hop
+from moonep_sim.plan.kinds import INDEX
 from moonep_sim.plan.order import segment_ranges, stable_order, stable_order_counts
 
 
@@ -85,8 +86,9 @@ class Messages:
 
 
 class Scratch:
-    """Dead int64 [n] arrays a builder may write into instead of fresh pages (a caller's list:
-    arrays the caller no longer reads; one taken may end up in what the builder returns)."""
+    """Dead [n] arrays of the Plan's index dtype (:data:`~moonep_sim.plan.kinds.INDEX`) a builder
+    may write into instead of fresh pages (a caller's list: arrays the caller no longer reads; one
+    taken may end up in what the builder returns). Arrays of another shape or dtype are dropped."""
 
     def __init__(self, n: int, spare: list | None):
         self.n, self.spare = n, [] if spare is None else spare
@@ -94,9 +96,9 @@ class Scratch:
     def take(self) -> np.ndarray:
         while self.spare:
             b = self.spare.pop()
-            if b.shape == (self.n,) and b.dtype == np.int64:
+            if b.shape == (self.n,) and b.dtype == INDEX:
                 return b
-        return np.empty(self.n, dtype=np.int64)
+        return np.empty(self.n, dtype=INDEX)
 
 
 def _sort_within_sources(dst_rank_N: np.ndarray, bound_R: np.ndarray, R: int, order: np.ndarray) -> np.ndarray:
@@ -148,7 +150,7 @@ def group_messages(order: np.ndarray, ecnt: np.ndarray, ranks: int, msg: Message
     if msg.shift >= 0:
         gs = np.right_shift(order, msg.shift, out=buf)
     else:  # (order is in range: clip mode writes straight into buf)
-        gs = np.take(np.asarray(msg.gid_N, dtype=np.int64), order, out=buf, mode="clip")
+        gs = np.take(np.asarray(msg.gid_N).astype(buf.dtype, copy=False), order, out=buf, mode="clip")
     first = np.empty(n, dtype=bool)
     first[0] = True
     np.not_equal(gs[1:], gs[:-1], out=first[1:])
@@ -202,7 +204,7 @@ def message_sources(src: Sources, msg: Messages, order: np.ndarray, lead: np.nda
     e_bound = np.concatenate([[0], np.cumsum(ecnt.reshape(R, R).sum(axis=1))])
     has = np.flatnonzero(m_bound[1:] > m_bound[:-1])
     first_lead = np.minimum.reduceat(lead, m_bound[has]) if has.size else has
-    m_srow = np.empty(lead.size, dtype=np.int64)
+    m_srow = np.empty(lead.size, dtype=np.asarray(src.row_N).dtype)
     for r in has[np.argsort(first_lead, kind="stable")]:  # loop over source ranks, not entries
         a, b = int(m_bound[r]), int(m_bound[r + 1])
         np.take(src.row_N, lead[a:b], out=m_srow[a:b], mode="clip")  # (lead holds valid entries)
@@ -232,13 +234,13 @@ def grouped_hop(src: Sources, dst_rank_N: np.ndarray, msg: Messages, ranks: int,
         dup = np.zeros(msg.dup_N or 0, dtype=bool)
     del key
     m_src, m_dst, m_row, per_dst = block_messages(cnt, R)
-    dst_row = np.empty(n, dtype=np.int64)
+    dst_row = np.empty(n, dtype=INDEX)
     m_srow = message_sources(src, msg, order, lead, cnt, ecnt, m_src, m_row if row_sorted is None else row_sorted,
                              R, dst_row)
     hop = Hop(scope, m_src, m_srow, m_dst, m_row, per_dst)
     del m_srow, lead
     if scratch is not None:  # dead from here: the sort, and the running sums' buffer
-        scratch.extend(b for b in (order, row_sorted) if b is not None and b.dtype == np.int64 and b.shape == (n,))
+        scratch.extend(b for b in (order, row_sorted) if b is not None and b.dtype == INDEX and b.shape == (n,))
     return (hop, dst_row) if msg.dup_N is None else (hop, dst_row, dup)
 
 
@@ -277,7 +279,7 @@ def token_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, s
         tables.append((classes, cls_TK, seen_TC))
     m_src, m_dst, m_row, per_dst = block_messages(cnt.ravel(), R)
     first_row_RR = np.cumsum(cnt, axis=0) - cnt  # first receive row of each block (s, relay)
-    m_srow = np.empty(m_src.size, dtype=np.int64)
+    m_srow = np.empty(m_src.size, dtype=INDEX)
     dst_row = Scratch(n, scratch).take()
     m = 0
     for s, (classes, cls_TK, seen_TC) in enumerate(tables):  # loop over source ranks, not entries
@@ -290,7 +292,7 @@ def token_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, s
         np.remainder(at, T_s, out=m_srow[m:m + at.size])
         m += at.size
         # each pair's receive row: its block's first row plus the pairs above it in its column
-        row_TC = np.cumsum(seen_TC, axis=0, dtype=np.int64)
+        row_TC = np.cumsum(seen_TC, axis=0, dtype=INDEX)
         row_TC += first_row_RR[s, classes] - 1
         np.take(row_TC.ravel(), _cells(cls_TK, C, cell), out=dst_row[lo:hi].reshape(T_s, K), mode="clip")  # (cells valid)
     return Hop(scope, m_src, m_srow, m_dst, m_row, per_dst), dst_row
@@ -368,8 +370,8 @@ def pair_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, ro
     row0[porder[has]] = m_row[mstart_o[has]]
     mstart = np.zeros(R * R, dtype=np.int64)  # each pair's first message in the hop, in pair order
     mstart[porder] = mstart_o
-    dst_row = np.empty(n, dtype=np.int64)
-    m_srow = np.empty(m_src.size, dtype=np.int64)
+    dst_row = np.empty(n, dtype=INDEX)
+    m_srow = np.empty(m_src.size, dtype=INDEX)
     dup = np.zeros(msg.dup_N, dtype=bool) if msg.dup_N is not None else None
     # source by source: each entry's receive row, the messages' source rows moved pair by pair into
     # the hop's order (reading one source's run at a time), the duplicate flags

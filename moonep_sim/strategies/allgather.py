@@ -42,7 +42,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext) -> Plan:
     src = np.repeat(np.arange(R, dtype=INDEX), tpr * R)
     hop = Hop(Scope.GLOBAL, src, src_row, dst, tok, np.full(R, T, dtype=np.int64))
     entry_slot = slot_of[routing.topk_ids_TK].ravel()
-    entry_rank = sr[entry_slot]
+    entry_rank = sr.astype(INDEX)[entry_slot]  # the Plan's entry_rank, written as its index dtype
     # every rank's buffer holds token t at row t: the final rows' sources are the slot-sorted
     # entries' tokens, by arithmetic (no scatter of each entry's buffer row)
     lay = slot_layout(entry_slot, sr, ctx.token_padding, ranks=R)
