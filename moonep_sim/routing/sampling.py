@@ -276,8 +276,7 @@ class _Races:
         np.maximum(x, np.float32(1e-30), out=x)        # an exact 0 would give a zero time (infinite score)
         dt = np.maximum(self.left_R, 1e-300)
         np.divide(x, dt, out=dt)
-        self.tau_R += dt
-        self.tau_KN[k] = self.tau_R
+        self.tau_R = np.add(self.tau_R, dt, out=self.tau_KN[k])   # this position's row is the clock now
         e = self._draw(self.rng.random(N), None)       # intp; its narrow copy is this position's row
         ids = self.ids_KN[k]
         ids[...] = e
@@ -316,13 +315,21 @@ def _weights(tau_TK: np.ndarray) -> np.ndarray:
     return (inv / inv.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
+_WEIGHT_BLOCK = 1 << 15    # tokens per block of _weights_KN (16 x 32768 float64: 4 MiB, cache-sized)
+
+
 def _weights_KN(tau_KN: np.ndarray) -> np.ndarray:
     """:func:`_weights` of ``tau_KN.T`` (float32 [N, K], C order) computed on the position-major
-    arrays (contiguous rows; the same divisions and the same position-by-position sum, so the
-    same values)."""
-    inv = tau_KN[0] / tau_KN
-    inv /= inv.sum(axis=0)
-    return inv.T.astype(np.float32, order="C")
+    arrays, a block of tokens at a time (contiguous rows; the same divisions and the same
+    position-by-position sum, so the same values whatever the block)."""
+    K, N = tau_KN.shape
+    out = np.empty((N, K), np.float32)
+    for s in range(0, N, _WEIGHT_BLOCK):
+        tau = tau_KN[:, s:s + _WEIGHT_BLOCK]
+        inv = tau[0] / tau
+        inv /= inv.sum(axis=0)
+        out[s:s + _WEIGHT_BLOCK] = inv.T
+    return out
 
 
 def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator
