@@ -124,3 +124,12 @@ def test_the_calibration_root_is_scipy_brentq_step_for_step(fn, a, b):
     from moonep_sim.routing.generators import _brent
 
     assert _brent(fn, a, b, fn(a), fn(b)) == brentq(fn, a, b, xtol=1e-15, rtol=8.9e-16, maxiter=200)
+
+
+@pytest.mark.parametrize("n", [2, 3, 32])
+def test_group_scores_equal_a_partitions(n):
+    g = np.random.default_rng(n).standard_normal((50, 8, n)).astype(np.float32)
+    g[::3, :, 0] = g[::3, :, 1]                   # ties at the top
+    g[1::3, :, -1] = g[1::3, :, 0]
+    ref = np.partition(g, n - 2, axis=2)[:, :, -2:].sum(axis=2)
+    assert np.array_equal(sampling._top2_sum(g), ref)

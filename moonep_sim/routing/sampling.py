@@ -117,16 +117,28 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
     return ids, w, logits
 
 
+def _top2_sum(g_TGn: np.ndarray) -> np.ndarray:
+    """The sum of each group's two largest scores, [T, G] (ties counted twice, as a partition
+    does): a running (largest, second) over the group's members, member by member across all
+    (token, group) rows at once -- the same values as ``np.partition(g, n - 2)[..., -2:].sum()``
+    in about half its time at DeepSeek-V3's 8 groups of 32."""
+    T, G, n = g_TGn.shape
+    c = np.ascontiguousarray(g_TGn.reshape(T * G, n).T)       # [n, T*G]: one member of every row
+    m1, m2 = np.maximum(c[0], c[1]), np.minimum(c[0], c[1])
+    tmp = np.empty_like(m1)
+    for r in c[2:]:
+        np.minimum(m1, r, out=tmp)
+        np.maximum(m2, tmp, out=m2)                             # the second: max(second, min(first, r))
+        np.maximum(m1, r, out=m1)
+    return (m1 + m2).reshape(T, G)
+
+
 def mask_groups(score_TE: np.ndarray, groups: int, topk_groups: int, copy: bool = True) -> np.ndarray:
     """Scores with every expert outside each token's top-M groups set to -inf (a copy; with
     ``copy=False`` in place, ``score_TE`` returned)."""
     T, E = score_TE.shape
     g = score_TE.reshape(T, groups, E // groups)
-    if E // groups >= 2:
-        top2 = np.partition(g, E // groups - 2, axis=2)[:, :, -2:]
-        gscore = top2.sum(axis=2)
-    else:
-        gscore = g[:, :, 0]
+    gscore = _top2_sum(g) if E // groups >= 2 else g[:, :, 0]
     keep = np.argpartition(-gscore, topk_groups - 1, axis=1)[:, :topk_groups]
     mask = np.ones((T, groups), bool)
     np.put_along_axis(mask, keep, False, axis=1)
