@@ -133,3 +133,33 @@ def test_group_scores_equal_a_partitions(n):
     g[1::3, :, -1] = g[1::3, :, 0]
     ref = np.partition(g, n - 2, axis=2)[:, :, -2:].sum(axis=2)
     assert np.array_equal(sampling._top2_sum(g), ref)
+
+
+def test_counting_redraws_find_the_whole_draws_experts_and_weights():
+    z = np.random.default_rng(5).standard_normal(40)
+    noise: dict = {}
+    sample_topk_pl(0.5 * z, 6, 3000, np.random.default_rng(11), noise=noise)
+    for sigma in (0.2, 0.9, 2.5):                   # the last one sends rows to the remainder draw
+        ids, w = sample_topk_pl(sigma * z, 6, 3000, np.random.default_rng(11))
+        again = sampling.pl_ids_again(sigma * z, 6, 3000, noise)
+        assert np.array_equal(again.T, ids)
+        assert np.array_equal(sampling.pl_weights(sigma * z, again, np.random.default_rng(11)), w)
+
+
+def test_a_refined_calibration_returns_a_whole_draw(monkeypatch):
+    # plain fast path (T x E above one race chunk) with a target the first guess misses by > 2%
+    from moonep_sim.routing import generators
+
+    monkeypatch.setattr(sampling, "CHUNK_ELEMS", 1 << 12)
+    replayed = []
+    monkeypatch.setattr(generators, "pl_weights", lambda *a: replayed.append(1) or sampling.pl_weights(*a))
+    g = generate(32, 4, 6000, seed=21, maxvio=1.0)
+    assert g.report["blocks"][0]["calibration_samples"] > 1 and replayed == [1]   # the best was a counted draw
+    ids, w = g.topk_ids_LTK[0], g.topk_weights_LTK[0]
+    sigma = g.report["blocks"][0]["sigma"]
+    from moonep_sim.routing.generators import _rng
+
+    z = _rng(21, 0).standard_normal(32)
+    ref_ids, ref_w = sample_topk_pl(sigma * z, 4, 6000, _rng(21, 1, 0, 0))
+    assert ids.dtype == np.int64 and ids.flags["C_CONTIGUOUS"]
+    assert np.array_equal(ids, ref_ids) and np.array_equal(w, ref_w)

@@ -49,6 +49,7 @@ import numpy as np
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.routing.metrics import gini, maxvio as maxvio_of
 from moonep_sim.routing.sampling import sample_topk  # re-exported: the sampler generate() draws with
+from moonep_sim.routing.sampling import pl_ids_again, pl_weights, sampler_of
 from moonep_sim.io import check_output_path
 from moonep_sim.limits import MAX_ELEMENTS, MAX_LAYERS, MAX_NUM_EXPERTS
 from moonep_sim.routing.trace import LayerRouting, TraceMeta, write_trace
@@ -283,9 +284,13 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
     """Sample one (layer, step) block; returns ids, weights, logits, info, and the per-expert counts
     of ids when the calibration counted them (else None)."""
     kind = spec.kind
-    race_noise: dict = {}  # every draw of this block is seeded alike: the race's noise drawn once, reused
-    draw = lambda sig: sample_topk(_logp_for(spec, z_E, top_k, sig), top_k, tokens, _rng(seed, 1, *path),
-                                   groups=groups, topk_groups=topk_groups, with_logits=with_logits, noise=race_noise)
+    # every draw of this block is seeded alike: what the sampler can reuse (the race's noise, the
+    # plain fast path's uniforms) is drawn once; later draws of the plain fast path only count
+    redraw: dict = {}
+    logp = lambda sig: _logp_for(spec, z_E, top_k, sig)
+    draw = lambda sig: sample_topk(logp(sig), top_k, tokens, _rng(seed, 1, *path), groups=groups,
+                                   topk_groups=topk_groups, with_logits=with_logits, noise=redraw)
+    counts_only = sampler_of(z_E.size, tokens, groups, topk_groups, with_logits) == "pl"
     if kind != "maxvio":
         ids, w, lg = draw(None)
         return ids, w, lg, {}, None
@@ -293,13 +298,20 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
     E = z_E.size
     noise = _rng(seed, 2, *path).standard_normal((16, E))
     ls = _expected_root(lambda ls: _expected_maxvio(math.exp(ls) * z_E, top_k, tokens, noise) - target)
-    evals = []
+    evals = []          # (relative error, log sigma, maxvio) of every draw
+    best: list = []     # the first draw of the least error: log sigma, ids, weights, logits, counts
 
     def realised(log_sigma: float):
-        ids, w, lg = draw(math.exp(log_sigma))
+        if counts_only and "u" in redraw:  # the same experts as a whole draw, without its weights
+            ids, w, lg = pl_ids_again(logp(math.exp(log_sigma)), top_k, tokens, redraw), None, None
+        else:
+            ids, w, lg = draw(math.exp(log_sigma))
         c = np.bincount(ids.ravel(), minlength=E)
         mv = maxvio_of(c)
-        evals.append((abs(mv / target - 1), log_sigma, mv, ids, w, lg, c))
+        err = abs(mv / target - 1)
+        if not evals or err < min(e[0] for e in evals):
+            best[:] = [log_sigma, ids, w, lg, c]
+        evals.append((err, log_sigma, mv))
         return mv
 
     mv = realised(ls)
@@ -325,7 +337,8 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
             mid = 0.5 * (lo_ + hi_)
             mvm = realised(mid)
             lo_, hi_ = (mid, hi_) if mvm < target else (lo_, mid)
-    err, ls_best, mv_best, ids, w, lg, counts = min(evals, key=lambda e: e[0])
+    err, ls_best, mv_best = min(evals, key=lambda e: e[0])
+    _, ids, w, lg, counts = best
     if err > TOLERANCE:
         all_mv = [e[2] for e in evals]
         if min(all_mv) > target:
@@ -335,6 +348,9 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
                 "much; use more tokens or --uniform")
         raise ConfigError(f"maxvio ({target}) must be reachable (E={E}, K={top_k}, T={tokens}): the best "
                           f"realised value was {mv_best:.4g} at sigma={math.exp(ls_best):.4g}")
+    if w is None:       # a counted draw: its ids as the sampler returns them, its weights replayed
+        w = pl_weights(logp(math.exp(ls_best)), ids, _rng(seed, 1, *path))
+        ids = ids.T.astype(np.int64, order="C")
     return ids, w, lg, {"sigma": math.exp(ls_best), "calibration_samples": len(evals)}, counts
 
 
