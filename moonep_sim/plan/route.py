@@ -294,7 +294,7 @@ def token_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, s
         # each pair's receive row: its block's first row plus the pairs above it in its column
         row_TC = np.cumsum(seen_TC, axis=0, dtype=INDEX)
         row_TC += first_row_RR[s, classes] - 1
-        np.take(row_TC.ravel(), _cells(cls_TK, C, cell), out=dst_row[lo:hi].reshape(T_s, K), mode="clip")  # (cells valid)
+        np.take(row_TC.ravel(), _cells(cls_TK, C, cell), out=dst_row[lo:hi].reshape(T_s, K), mode="clip")
     return Hop(scope, m_src, m_srow, m_dst, m_row, per_dst), dst_row
 
 
