@@ -173,7 +173,8 @@ def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_ro
     """The expert-grouped layout and the final rows of entries given by slot:
     (lay, row_entry_W, expand_src_row_W), what ``slot_layout`` then ``final_rows`` return.
 
-    entry_slot_N: int64 [N] slot of each entry, -1 = dropped.  slot_rank_S: int64 [S] sorted.
+    entry_slot_N: [N] slot of each entry (int64, or any integer dtype), -1 = dropped.
+    slot_rank_S: int64 [S] sorted.
     entry_buf_row_N: [N] the last buffer's row of each entry (INDEX or int64).  ranks: R.
     entry_rank_N: unused (each entry's rank; the final rows come from its slot's).
     scratch: optional list of dead INDEX [N] arrays (not ``entry_buf_row_N``) to write into
@@ -237,7 +238,7 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     if entries.slot_N is None and ((so is None and layout is None) or entries.rank_N is None):
         raise PlanError("entries.slot_N (None) must be given unless entries.order (or a layout) and "
                         "entries.rank_N are")
-    entry_slot = None if entries.slot_N is None else np.asarray(entries.slot_N, dtype=np.int64).ravel()
+    entry_slot = None if entries.slot_N is None else slot_ids(entries.slot_N)
     kept_buf_row = None if so is None or so.buf_row_K is None else np.asarray(so.buf_row_K)
     if entries.buf_row_N is None and kept_buf_row is None and layout is None:
         raise PlanError("entries.buf_row_N (None) must be given unless entries.order carries the kept entries' rows")
@@ -306,7 +307,7 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
         raise PlanError(f"route ({len(via_N)} intermediate ranks, {len(dedup)} dedup flags) must match "
                         f"hops ({H}): H-1 intermediate ranks and H flags")
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
+    entry_slot = slot_ids(entry_slot_TK)
     N = entry_slot.size
     K1 = max(K, 1)
     all_kept = bool(N == 0 or entry_slot.min() >= 0)
@@ -460,6 +461,14 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
     return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slot_expert_S, slot_home_S),
                          Entries(entry_slot_N, row, entry_dup, rank_N=entry_rank), hops,
                          padding=Padding(token_padding), options=options, scratch=scratch, **extra)
+
+
+def slot_ids(entry_slot) -> np.ndarray:
+    """The entries' slots as a flat integer array, in the caller's integer dtype (a planner whose
+    entries are all kept may give them in a small unsigned one: less to write, gather and sort),
+    else int64."""
+    a = np.asarray(entry_slot)
+    return (a if a.dtype.kind in "iu" else a.astype(np.int64)).ravel()
 
 
 def home_slots(placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
