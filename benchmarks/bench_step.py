@@ -21,11 +21,14 @@ the 1-minute load average beside them (the reference machine is shared)::
     python benchmarks/bench_step.py --json OUT.json
     python benchmarks/bench_step.py --cases k3-train --distinct-layers 0 --together
     python benchmarks/bench_step.py --cases v3-decode --strategies alltoall --jobs 2
+    python benchmarks/bench_step.py --cases k3-train --strategies alltoall --distinct-layers 0 --moe-layers 4
+    python benchmarks/bench_step.py --routing-only      # each case's generation alone, per layer
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -46,13 +49,17 @@ def cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def run(case: str, strategies: list[str], distinct: int, jobs: int) -> list[dict]:
+def run(case: str, strategies: list[str], distinct: int, jobs: int, moe_layers: int = 0) -> list[dict]:
     c = CASES[case]
     sc = Scenario(routing=GeneratorSpec(**c["spec"]), cluster=c["cluster"], topology="h800-cx7",
                   strategies=strategies)
+    extra = {}
+    if moe_layers:  # a quick run: the model cut to its dense layers and its first N MoE layers
+        m = sc.resolved.source.model
+        extra["model"] = dataclasses.replace(m, layers=m.dense_layers + moe_layers, moe_layers=moe_layers)
     load0 = os.getloadavg()[0]
     c0, t0 = cpu_s(), time.perf_counter()
-    res = sc.step(distinct_layers=distinct, jobs=jobs, **c["step"])
+    res = sc.step(distinct_layers=distinct, jobs=jobs, **c["step"], **extra)
     cpu, wall = cpu_s() - c0, time.perf_counter() - t0
     rows = []
     for s in strategies:
@@ -60,7 +67,7 @@ def run(case: str, strategies: list[str], distinct: int, jobs: int) -> list[dict
         n = d["distinct_layers_simulated"]
         k = d["cpu_seconds"]
         rows.append({
-            "case": case, "strategy": s, "together": strategies if len(strategies) > 1 else None,
+            "case": case + (f" (cut to {moe_layers} MoE layers)" if moe_layers else ""), "strategy": s, "together": strategies if len(strategies) > 1 else None,
             "distinct_layers": distinct, "layers_simulated": n, "jobs": jobs,
             "cpu_s": cpu, "wall_s": wall, "load_start": load0, "load_end": os.getloadavg()[0],
             # this strategy's own share: the (shared) routing, its planning, simulation and composition
@@ -71,6 +78,30 @@ def run(case: str, strategies: list[str], distinct: int, jobs: int) -> list[dict
                                       "simulate": k["simulate"] / n},
             "step_time_us": d["step_time_us"]})
     return rows
+
+
+def routing_only(case: str, moe_layers: int = 0) -> dict:
+    """Only the step's routing: each MoE layer generated as the step generates it (the same
+    builder, seed and split over the ranks), nothing planned: the per-layer generation floor,
+    with the spread over layers (some need the realised-maxvio refinement)."""
+    from moonep_sim.experiments.step import GeneratedLayer
+
+    c = CASES[case]
+    sc = Scenario(routing=GeneratorSpec(**c["spec"]), cluster=c["cluster"], topology="h800-cx7",
+                  strategies=["alltoall"])
+    rs = sc.resolved
+    n = moe_layers or rs.source.model.moe_layers
+    load0 = os.getloadavg()[0]
+    per = []
+    t0 = time.perf_counter()
+    for i in range(n):
+        c0 = cpu_s()
+        GeneratedLayer(rs.source, i, rs.cluster.ranks)()
+        per.append(cpu_s() - c0)
+    return {"case": case + (f" (first {n} MoE layers)" if moe_layers else ""), "routing_only": True,
+            "layers": n, "cpu_s": sum(per), "wall_s": time.perf_counter() - t0, "load_start": load0,
+            "load_end": os.getloadavg()[0], "per_layer_cpu_s": {"mean": sum(per) / n, "min": min(per),
+                                                                "max": max(per), "median": sorted(per)[n // 2]}}
 
 
 def main() -> None:
@@ -84,15 +115,22 @@ def main() -> None:
     ap.add_argument("--distinct-layers", default="0,4", help="comma list; 0 = every layer its own")
     ap.add_argument("--together", action="store_true", help="all strategies in one step (routing shared)")
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--moe-layers", type=int, default=0, metavar="N",
+                    help="cut the model to its first N MoE layers (a quick run, named in the row; 0 = all)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--routing-only", action="store_true",
+                    help="time only the step's routing (every MoE layer generated as the step does, none planned)")
     a = ap.parse_args()
     strategies = a.strategies.split(",")
     rows = []
-    for case in a.cases.split(","):
+    for case in a.cases.split(",") if a.routing_only else []:
+        rows.append(routing_only(case, a.moe_layers))
+        print(json.dumps(rows[-1]), flush=True)
+    for case in a.cases.split(",") if not a.routing_only else []:
         for distinct in (int(x) for x in a.distinct_layers.split(",")):
             groups = [strategies] if a.together else [[s] for s in strategies]
             for g in groups:
-                for r in run(case, g, distinct, a.jobs):
+                for r in run(case, g, distinct, a.jobs, a.moe_layers):
                     print(json.dumps(r), flush=True)
                     rows.append(r)
     if a.json:

@@ -368,7 +368,8 @@ def render(results: list[dict], shape: list[dict], topos: dict, meta: dict, diag
         L.append(f"| `{const}` | {val:g} | {rid} |")
     L += ["", "Assumed (not fitted): NIC efficiency 0.9, latencies, relay message of "
           f"{h800.kernel_relay_message_rows} rows (families without a chunk table; DeepEP V1 relays in its "
-          "sourced chunks: channels x the chunk of get_dispatch_config / get_combine_config), "
+          "sourced chunks: channels x the chunk of get_dispatch_config / get_combine_config, and its receivers "
+          "copy / reduce the last such message of a hop after it arrived), "
           f"{h800.kernel_nic_message_us:g} us per NIC message, "
           f"planning {h800.plan_fixed_us:g} us fixed + {h800.plan_per_entry_ns:g} ns per entry.", ""]
     preds = [r for r in results if r["role"] == "prediction"]

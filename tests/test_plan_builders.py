@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, RowCosts, layout_slots, plan_from_slots, \
     single_hop_messages, validate
-from moonep_sim.plan import SCOPES, Hop
+from moonep_sim.plan import INDEX, SCOPES, Hop
 
 
 # --- references (the original implementations) ---------------------------------------------------
@@ -195,9 +195,10 @@ def _eq(a, b):
 
 def test_layout_slots_literal():
     rows, padded, off, row = layout_slots(ENTRY_SLOT, SLOT_RANK, 2)
-    for got, want in zip((rows, padded, off, row), ([2, 2, 2, 3], [2, 2, 2, 4], [0, 2, 0, 2],
-                                                   [0, 0, 2, 2, 1, 3, -1, 1, 4, 3])):
-        _eq(got, np.array(want, dtype=np.int64))
+    for got, want, dt in zip((rows, padded, off, row), ([2, 2, 2, 3], [2, 2, 2, 4], [0, 2, 0, 2],
+                                                       [0, 0, 2, 2, 1, 3, -1, 1, 4, 3]),
+                             (np.int64, np.int64, np.int64, INDEX)):  # per-slot int64, per-entry INDEX
+        _eq(got, np.array(want, dtype=dt))
     rows, padded, off, row = layout_slots(ENTRY_SLOT, SLOT_RANK, 1, np.array([0, 3, 0, 0]))
     _eq(padded, np.array([2, 3, 2, 3]))
     _eq(off, np.array([0, 2, 0, 2]))
@@ -206,17 +207,17 @@ def test_layout_slots_literal():
 def test_single_hop_messages_literal():
     er = np.where(ENTRY_SLOT >= 0, SLOT_RANK[np.maximum(ENTRY_SLOT, 0)], -1)
     hop, br, dup = single_hop_messages(er, SRC_RANK_T, TOK_OFF, 2, 2, True)
-    _eq(hop.src_rank_M, np.array([0, 0, 0, 0, 0, 1, 1, 1]))
-    _eq(hop.src_row_M, np.array([0, 1, 0, 1, 2, 0, 1, 1]))
-    _eq(hop.dst_rank_M, np.array([0, 0, 1, 1, 1, 0, 0, 1]))
-    _eq(hop.dst_row_M, np.array([0, 1, 0, 1, 2, 2, 3, 3]))
+    _eq(hop.src_rank_M, np.array([0, 0, 0, 0, 0, 1, 1, 1], dtype=INDEX))
+    _eq(hop.src_row_M, np.array([0, 1, 0, 1, 2, 0, 1, 1], dtype=INDEX))
+    _eq(hop.dst_rank_M, np.array([0, 0, 1, 1, 1, 0, 0, 1], dtype=INDEX))
+    _eq(hop.dst_row_M, np.array([0, 1, 0, 1, 2, 2, 3, 3], dtype=INDEX))
     _eq(hop.dst_rows_R, np.array([4, 4]))
-    _eq(br, np.array([0, 0, 1, 1, 2, 2, -1, 2, 3, 3]))
+    _eq(br, np.array([0, 0, 1, 1, 2, 2, -1, 2, 3, 3], dtype=INDEX))
     _eq(dup, np.array([0, 0, 0, 0, 0, 1, 0, 0, 0, 0], dtype=bool))
     hop, br, dup = single_hop_messages(er, SRC_RANK_T, TOK_OFF, 2, 2, False)
-    _eq(hop.dst_row_M, np.array([0, 1, 0, 1, 2, 3, 2, 3, 4]))
+    _eq(hop.dst_row_M, np.array([0, 1, 0, 1, 2, 3, 2, 3, 4], dtype=INDEX))
     _eq(hop.dst_rows_R, np.array([4, 5]))
-    _eq(br, np.array([0, 0, 1, 1, 2, 3, -1, 2, 4, 3]))
+    _eq(br, np.array([0, 0, 1, 1, 2, 3, -1, 2, 4, 3], dtype=INDEX))
     assert not dup.any()
 
 

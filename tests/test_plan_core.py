@@ -109,3 +109,66 @@ def test_bad_shapes_rejected():
         ClusterShape(6, 4)
     with pytest.raises(ConfigError, match=r"num_experts \(10\) must be divisible by ranks \(4\)"):
         Placement.home_groups(10, 4)
+
+
+def test_plan_index_dtype_and_its_bound():
+    """The Plan's per-entry, per-message and per-row arrays are INDEX (int32) whatever integer dtype
+    a builder hands over; values or sizes that do not fit are refused with one line naming them."""
+    from moonep_sim.plan import INDEX, Hop, Scope
+    from moonep_sim.plan.kinds import INDEX_MAX, as_index, require_index
+    z = np.zeros(3, dtype=np.int64)
+    h = Hop(Scope.GLOBAL, z, z - 1, z, np.arange(3), np.array([3]))
+    for a in (h.src_rank_M, h.src_row_M, h.dst_rank_M, h.dst_row_M):
+        assert a.dtype == INDEX
+    assert h.dst_rows_R.dtype == np.int64
+    same = np.arange(4, dtype=INDEX)
+    assert as_index(same) is same  # already the index dtype: not copied
+    with pytest.raises(PlanError, match=r"hop dst_row_M values \(0\.\.2147483648\) must fit int32"):
+        Hop(Scope.GLOBAL, z[:2], z[:2], z[:2], np.array([0, INDEX_MAX + 1]), np.array([2]))
+    with pytest.raises(PlanError, match=r"rows of a hop's buffer, all ranks together \(2147483648\) must be <= "
+                                         r"2147483647: the Plan's index arrays are int32"):
+        Hop(Scope.GLOBAL, z[:0], z[:0], z[:0], z[:0], np.array([INDEX_MAX, 1]))
+    with pytest.raises(PlanError, match=r"entries \(tokens x top-k\) \(4294967296\) must be <= 2147483647"):
+        require_index(1 << 32, "entries (tokens x top-k)")
+
+
+_CORRUPTIBLE = ("entry_rank_TK", "entry_row_TK", "row_entry_W", "expand_src_row_W", "slot_rows_S", "src_rank_M",
+                "src_row_M", "dst_rank_M", "dst_row_M", "none")
+
+
+@pytest.mark.parametrize("strategy", ["alltoall", "capacity", "deepep"])
+@pytest.mark.parametrize("field", _CORRUPTIBLE)
+def test_validate_on_two_threads_reports_what_one_thread_does(strategy, field):
+    """With the hop check on a second thread (``THREAD_MIN`` 0) validate reports exactly the
+    sequential run's violations, in its order, and counts hop rows only where that run walked
+    every hop -- on valid plans and on plans corrupted where an earlier check stops the run."""
+    import sys
+    vmod = sys.modules["moonep_sim.plan.validate"]
+    R, E, K = 4, 8, 3
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        ids, w = random_routing(int(rng.integers(5, 40)), K, E, seed=seed, skew=1.0)
+        p = make_plan(strategy, GlobalRouting.split_evenly(ids, w, E, R), PlanContext.default(E, R, 2))
+        if field in ("src_rank_M", "src_row_M", "dst_rank_M", "dst_row_M"):
+            a = getattr(p.hops[-1], field).copy()
+            a[rng.integers(a.size)] += int(rng.choice([-2, -1, 1, 2, 50]))
+            p = dataclasses.replace(p, hops=p.hops[:-1] + (dataclasses.replace(p.hops[-1], **{field: a}),))
+        elif field != "none":
+            a = getattr(p, field).copy()
+            a.flat[rng.integers(a.size)] += int(rng.choice([-2, -1, 1, 2, 50]))
+            p = dataclasses.replace(p, **{field: a})
+        default = vmod.THREAD_MIN
+        try:
+            vmod.THREAD_MIN = 1 << 62
+            one = vmod.validate_counting(p)
+            vmod.THREAD_MIN = 0
+            two = vmod.validate_counting(p)
+        finally:
+            vmod.THREAD_MIN = default
+        assert two[0] == one[0], (field, seed)
+        assert (two[1] is None) == (one[1] is None), (field, seed)
+        if one[1] is not None:
+            for x, y in zip(one[1], two[1]):
+                np.testing.assert_array_equal(x, y)
+        if field == "none":
+            assert one[0] == []

@@ -242,8 +242,19 @@ def test_ep16_diagnostic_own_rows_cancel_and_no_checked_limit_binds():
     assert d["rdma_window_bind_us"] > 10 * d["nic_latency_us"] and d["nvl_window_bind_us"] > 10 * d["nvlink_latency_us"]
     # (d) the priced chunking: channels x chunk rows of one hop, a little slower than unchunked relays
     assert d["chunk_dispatch_tail_us"] == pytest.approx(12 * 36 * F.H * (1 + 4 / 128) / 140e3, rel=0.01)
-    assert d["dispatch_chunked_GBps"] <= d["dispatch_unchunked_GBps"]
+    assert d["dispatch_nocopy_GBps"] <= d["dispatch_unchunked_GBps"]
     assert d["combine_chunked_GBps"] < d["combine_unchunked_GBps"]
+    # (e) the receivers' pass over the last chunk of every channel: 12 x 36 rows copied (12 x 6 at EP8)
+    row, rate = F.H * (1 + 4 / 128), d["recv_rate_GBps"] * 1e3
+    assert d["recv_copy_ep16_us"] == pytest.approx(2 * 12 * 36 * row / rate)
+    assert d["recv_copy_ep8_us"] == pytest.approx(2 * 12 * 6 * row / rate)
+    assert d["reduce_ep16_us"] == pytest.approx(2 * 12 * 12 * 2 * F.H / rate)
+    assert d["dispatch_chunked_GBps"] < d["dispatch_nocopy_GBps"]
+    # (f) wire metadata: internode rows carry less beyond the counted row than intranode's fitted one
+    assert (d["meta_dispatch_ep8_bytes"], d["meta_dispatch_ep16_bytes"]) == (row + 100, 7472)
+    assert d["meta_dispatch_time_factor"] < 1 and d["meta_combine_time_factor"] < 1
+    # (g) the forwarders' start gate costs less than a microsecond beyond the model's head start
+    assert 0 <= d["gate_meta_us"] - d["gate_local_us"] < 1.0
     # V2's SM90 EP 8x2 row is beyond an H800's NVLink under node-deduplicated forwarding
     assert d["v2_ep16_relay_nvlink_need_GBps"] > d["h800_nvlink_GBps_per_direction"]
 

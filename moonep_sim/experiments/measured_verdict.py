@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from moonep_sim.experiments.verdict import MECHANISMS, TIE, _t, _why, attribute, confidence, terms
+from moonep_sim.experiments.verdict import MECHANISMS, TIE, attribute, confidence, explain, fmt_time, terms
 
 #: the measured phases each term is read from (replay_rank.PHASES: dispatch includes exchange and plan)
 PHASE_TERMS = {"planning": "exchange + plan", "weight copies": "prefetch",
@@ -132,7 +132,7 @@ def measured_verdict(reps: Mapping[str, Mapping[str, Any]], *, where: str = "") 
         return {"winner": w, "runner_up": None, "margin": 0.0, "tie": False, "mechanism": None,
                 "confidence": {"level": "single strategy", "units": 0, "unit": "measured iteration",
                                "basis": "one strategy replayed"},
-                "why": f"{w} is the only strategy replayed ({at}: {_t(times[w])} per layer)", "others": [],
+                "why": f"{w} is the only strategy replayed ({at}: {fmt_time(times[w])} per layer)", "others": [],
                 "tied_with": [], **base}
     series, weights, unit = _units(reps)
     samples = {n: reps[n]["layer_ms_samples"] for n in order}
@@ -156,14 +156,14 @@ def measured_verdict(reps: Mapping[str, Mapping[str, Any]], *, where: str = "") 
             conf = dict(conf, level="drops rows", basis=f"{r} dropped entries: it did less work and never wins")
             why = f"{at}: {r} drops {figs[r]['dropped']:,.0f} entries per layer and never wins"
             if margin > 0:
-                why += "; " + _why(mech, w, r, figs[w], figs[r], tw, tr, "layer")
+                why += "; " + explain(mech, w, r, figs[w], figs[r], tw, tr, "layer")
             else:
                 mech, why = "dropped rows", why + f" (it is faster by {-100 * margin:.1f}%: it did less work)"
         elif tie and margin <= TIE:
-            why = f"{at}: {w} and {r} take the same time ({_t(times[w])} per layer): a tie"
+            why = f"{at}: {w} and {r} take the same time ({fmt_time(times[w])} per layer): a tie"
         else:
-            why = (f"{at}: " + _why(mech, w, r, figs[w], figs[r], tw, tr, "layer")
-                   + f" (measured {PHASE_TERMS.get(mech, mech)}; of a {_t(times[r] - times[w])} difference per layer)")
+            why = (f"{at}: " + explain(mech, w, r, figs[w], figs[r], tw, tr, "layer")
+                   + f" (measured {PHASE_TERMS.get(mech, mech)}; of a {fmt_time(times[r] - times[w])} difference per layer)")
             if tie:
                 why = f"a measured tie ({conf['basis']}); " + why
         others.append({"strategy": r, "margin": float(margin), "tie": tie, "confidence": conf,

@@ -158,7 +158,11 @@ class GeneratedLayer:
     ranks: int
 
     def __call__(self) -> GlobalRouting:
-        return self.source.global_routing(self.layer, self.ranks)
+        from moonep_sim.step.run import trusted_routing
+
+        # the generator's routing is valid by construction: not re-checked (trusted_routing)
+        lr = self.source.layer(self.layer, self.ranks)
+        return trusted_routing(lr.topk_ids_TK, lr.topk_weights_TK, self.source.num_experts, self.ranks)
 
 
 def relabel_experts(r: GlobalRouting, seed: int, groups: int = 1) -> GlobalRouting:

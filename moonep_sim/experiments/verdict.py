@@ -237,7 +237,8 @@ def terms(f: Mapping[str, Any]) -> dict[str, float]:
 
 
 # -- the verdict -------------------------------------------------------------------------------------
-def _t(us: float) -> str:
+def fmt_time(us: float) -> str:
+    """A duration in microseconds as a short human figure (us, ms or s, three digits)."""
     if abs(us) >= 1e6:
         return f"{us / 1e6:.3g} s"
     return f"{us / 1e3:.3g} ms" if abs(us) >= 1000 else f"{us:.3g} us"
@@ -247,7 +248,7 @@ def _bytes(b: float) -> str:
     return f"{b / _GiB:.3g} GiB" if b >= _GiB / 4 else f"{b / _MiB:.3g} MiB"
 
 
-def _why(mech: str, w: str, r: str, fw: Mapping[str, Any], fr: Mapping[str, Any], tw: dict, tr: dict,
+def explain(mech: str, w: str, r: str, fw: Mapping[str, Any], fr: Mapping[str, Any], tw: dict, tr: dict,
          unit: str) -> str:
     """One sentence from the numbers behind ``mech`` (w the faster, r the slower strategy)."""
     d = tr[mech] - tw[mech]
@@ -262,27 +263,27 @@ def _why(mech: str, w: str, r: str, fw: Mapping[str, Any], fr: Mapping[str, Any]
             s += f" ({kind}: {dup:,.0f} more duplicate rows not sent)"
         elif fw["hops"] != fr["hops"]:
             s += f" ({fw['hops']:.0f} hop(s) against {fr['hops']:.0f})"
-        return s + f"; {_t(d)} of token traffic"
+        return s + f"; {fmt_time(d)} of token traffic"
     if mech == "weight copies":
         slow, fast, fs, ff = (r, w, fr, fw) if d > 0 else (w, r, fw, fr)
         return (f"{slow} copies {fs['weight_copies'] + fs['migrations']:.3g} expert(s){per} ({_bytes(fs['weight_bytes'])} of "
-                f"weights, {_t(abs(d))} longer on the critical path) where {fast} copies "
+                f"weights, {fmt_time(abs(d))} longer on the critical path) where {fast} copies "
                 f"{ff['weight_copies'] + ff['migrations']:.3g} ({_bytes(ff['weight_bytes'])})")
     if mech == "expert-compute imbalance":
         return (f"{r}'s busiest rank computes {fr['rows_max']:,.0f} rows{per} where {w}'s computes {fw['rows_max']:,.0f} "
                 f"(max/mean {fr['rows_max'] / max(fr['rows_mean'], 1e-12):.2f} against "
-                f"{fw['rows_max'] / max(fw['rows_mean'], 1e-12):.2f}); {_t(d)} of expert compute")
+                f"{fw['rows_max'] / max(fw['rows_mean'], 1e-12):.2f}); {fmt_time(d)} of expert compute")
     if mech == "planning":
-        return f"{r} spends {_t(tr[mech])} planning{per} where {w} spends {_t(tw[mech])}"
+        return f"{r} spends {fmt_time(tr[mech])} planning{per} where {w} spends {fmt_time(tw[mech])}"
     if mech == "kernel fixed costs":
-        return (f"{r} pays {_t(tr[mech])} of fixed kernel costs{per} ({fr['hops']:.0f} hop(s)) where {w} pays "
-                f"{_t(tw[mech])} ({fw['hops']:.0f} hop(s))")
+        return (f"{r} pays {fmt_time(tr[mech])} of fixed kernel costs{per} ({fr['hops']:.0f} hop(s)) where {w} pays "
+                f"{fmt_time(tw[mech])} ({fw['hops']:.0f} hop(s))")
     if mech == "padding":
         return (f"{r}'s critical rank computes {fr['crit_rows']:,.0f} rows of which {fr['crit_rows'] - fr['crit_real_rows']:,.0f} "
                 f"are padding{per}, where {w}'s computes {fw['crit_rows']:,.0f} ({fw['crit_rows'] - fw['crit_real_rows']:,.0f} "
-                f"padding); {_t(d)} of expert compute")
+                f"padding); {fmt_time(d)} of expert compute")
     # dropped rows: the faster one skipped work
-    return (f"{w} drops {fw['dropped']:,.0f} of {fw['entries']:,.0f} entries{per} (about {_t(-tw[mech])} of work "
+    return (f"{w} drops {fw['dropped']:,.0f} of {fw['entries']:,.0f} entries{per} (about {fmt_time(-tw[mech])} of work "
             f"skipped) where {r} drops {fr['dropped']:,.0f}")
 
 
@@ -359,13 +360,13 @@ def verdict(figs: Mapping[str, Mapping[str, Any]], *, series: Mapping[str, Seque
             head = f"{r} drops {figs[r]['dropped']:,.0f} entries per {per} and never wins"
             if margin <= 0:
                 mech = "dropped rows"
-            why = (head + "; " + _why(mech, w, r, figs[w], figs[r], tw, tr, per) if margin > 0 else
+            why = (head + "; " + explain(mech, w, r, figs[w], figs[r], tw, tr, per) if margin > 0 else
                    head + f" (it is faster by {-100 * margin:.1f}%: it did less work)")
         elif tie and margin <= TIE:
-            why = f"{w} and {r} take the same time ({_t(times[w])} per {per}): a tie"
+            why = f"{w} and {r} take the same time ({fmt_time(times[w])} per {per}): a tie"
         else:
-            why = _why(mech, w, r, figs[w], figs[r], tw, tr, per)
-            why += f" (of a {_t(times[r] - times[w])} difference per {per})"
+            why = explain(mech, w, r, figs[w], figs[r], tw, tr, per)
+            why += f" (of a {fmt_time(times[r] - times[w])} difference per {per})"
             if tie:
                 why = f"a tie within the spread ({conf['basis']}); " + why
         others.append({"strategy": r, "margin": float(margin), "tie": tie, "confidence": conf,
@@ -514,19 +515,19 @@ def step_verdict(strategies: Mapping[str, Mapping[str, Any]],
         elif (fr.get("dropped") and not fw.get("dropped") and bool(fr.get("oom")) == bool(fw.get("oom"))
               and float(fr["step_time_us"]) < float(fw["step_time_us"])):
             mech, tie = "dropped rows", False
-            why = (f"{r} is {_t(float(fw['step_time_us']) - float(fr['step_time_us']))} faster per step but drops "
+            why = (f"{r} is {fmt_time(float(fw['step_time_us']) - float(fr['step_time_us']))} faster per step but drops "
                    f"{int(fr['dropped']):,} of {int(fr.get('entries', 0)):,} entries over the step's MoE layers "
                    f"(less work: it never wins) where {w} drops none")
         elif tie:
-            mech, why = None, f"{w} and {r} take the same step time ({_t(float(fw['step_time_us']))}): a tie"
+            mech, why = None, f"{w} and {r} take the same step time ({fmt_time(float(fw['step_time_us']))}): a tie"
         elif d_comm >= d_comp:
             mech = "exposed communication"
-            why = (f"{r} leaves {_t(float(fr['exposed_comm_us']))} of communication exposed per step where {w} leaves "
-                   f"{_t(float(fw['exposed_comm_us']))}")
+            why = (f"{r} leaves {fmt_time(float(fr['exposed_comm_us']))} of communication exposed per step where {w} leaves "
+                   f"{fmt_time(float(fw['exposed_comm_us']))}")
         else:
             mech = "compute"
-            why = (f"{r}'s slowest rank computes for {_t(float(fr['compute_us']))} per step where {w}'s computes for "
-                   f"{_t(float(fw['compute_us']))} (rows max/mean {float(fr.get('rows_max_mean', 0)):.2f} against "
+            why = (f"{r}'s slowest rank computes for {fmt_time(float(fr['compute_us']))} per step where {w}'s computes for "
+                   f"{fmt_time(float(fw['compute_us']))} (rows max/mean {float(fr.get('rows_max_mean', 0)):.2f} against "
                    f"{float(fw.get('rows_max_mean', 0)):.2f})")
         others.append({"strategy": r, "margin": margin, "tie": tie, "confidence": conf, "mechanism": mech,
                        "share": 0.0, "why": why})

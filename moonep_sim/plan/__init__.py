@@ -1,6 +1,6 @@
 """The Plan: its IR, typed phase vocabulary, named invariant checks, builders and placement.
 
-Modules, bottom-up: ``kinds`` (PhaseKind, Scope, Direction), ``order`` (sorting primitives),
+Modules, bottom-up: ``kinds`` (PhaseKind, Scope, Direction; INDEX, the dtype of the Plan's index arrays), ``order`` (sorting primitives),
 ``placement`` (ClusterShape, Placement), ``validate`` (the named checks), ``ir`` (RowCosts,
 GlobalRouting, Hop, CommPhase, Plan), ``build`` (the public single-hop builder API),
 ``assembly`` (the named records ``assemble_plan`` takes: Slots, Entries, SlotOrder, Padding),
@@ -17,13 +17,13 @@ from moonep_sim.plan.build import (SlotLayout, block_messages, final_rows, layou
                                    plan_from_slots, single_hop_messages, slot_layout, slot_sort, sorted_layout)
 from moonep_sim.plan.hops import HopSpec, plan_from_hops, to_final, to_node_of_final, to_rail_of_final, via
 from moonep_sim.plan.ir import CommPhase, GlobalRouting, Hop, Plan, RowCosts
-from moonep_sim.plan.kinds import SCOPES, Direction, PhaseKind, Scope
+from moonep_sim.plan.kinds import INDEX, SCOPES, Direction, PhaseKind, Scope
 from moonep_sim.plan.multihop import assemble_plan, dup_flags, home_slots, plan_from_routes, route_hop
 from moonep_sim.plan.order import entry_token, stable_order
 from moonep_sim.plan.placement import ClusterShape, Placement
 from moonep_sim.plan.validate import CHECKS, Violation, check, validate, violations
 
-__all__ = ["CHECKS", "ClusterShape", "CommPhase", "Direction", "Entries", "GlobalRouting", "Hop", "HopSpec", "PhaseKind",
+__all__ = ["CHECKS", "ClusterShape", "CommPhase", "Direction", "Entries", "GlobalRouting", "Hop", "HopSpec", "INDEX", "PhaseKind",
            "Padding", "Placement", "SlotOrder", "Slots", "plan_from_hops", "to_final", "to_node_of_final", "to_rail_of_final", "via",
            "Plan", "RowCosts", "SCOPES", "Scope", "SlotLayout", "Violation", "assemble_plan", "block_messages",
            "check", "dup_flags", "entry_token", "final_rows", "home_slots", "layout_slots", "plan_from_order",

@@ -15,6 +15,10 @@ The pieces, for planners that need them: :func:`slot_sort` / :func:`sorted_layou
 (final rows from a layout), :func:`plan_from_order` (a Plan from an already slot-sorted order) and
 the sorting primitives :func:`stable_order`, :func:`entry_token` (``moonep_sim.plan.order``).
 Builders leave ``strategy`` empty and ``plan_seconds`` 0: the registry's ``make_plan`` stamps them.
+
+Per-entry, per-message and per-final-row arrays are written as :data:`~moonep_sim.plan.kinds.INDEX`
+(int32), the dtype the Plan holds them in (``entry_*_N``, ``*_M``, ``grow_K``, ``order_N`` where
+this module sorts); per-slot and per-rank arrays are int64.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import numpy as np
 
 from moonep_sim.plan import reference
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
-from moonep_sim.plan.kinds import Scope
+from moonep_sim.plan.kinds import INDEX, Scope, require_index
 from moonep_sim.plan.order import (entry_token, segment_ranges, small_key_dtype, stable_order, stable_order_counts,
                                    stable_order_positions)
 from moonep_sim.plan.placement import ClusterShape
@@ -38,14 +42,15 @@ class SlotLayout:
     slot-sorted entry order it came from).
 
     slot_rows_S / slot_padded_S / slot_offset_S: as in :class:`~moonep_sim.plan.Plan`.
-    entry_row_N: int64 [N] each entry's row within its rank's layout, -1 = dropped.
+    entry_row_N: INDEX [N] each entry's row within its rank's layout, -1 = dropped.
 
-    order_N: int64 [N] entries sorted by (slot, entry); the first ``n_drop`` are the dropped ones.
-    grow_K: int64 [N - n_drop] global final row (ranks concatenated) of ``order_N[n_drop:]``,
+    order_N: [N] entries sorted by (slot, entry); the first ``n_drop`` are the dropped ones (the
+      caller's dtype; INDEX where :func:`slot_sort_positions` sorted them).
+    grow_K: INDEX [N - n_drop] global final row (ranks concatenated) of ``order_N[n_drop:]``,
       increasing: slots are sorted by rank and laid out in order within a rank. None when the
       layout has no padding rows (the global rows are then simply 0, 1, 2, ...).
     rows_R: int64 [R] padded rows of each rank.
-    entry_rank_N: int64 [N] each entry's rank, -1 = dropped, where :func:`sorted_layout` was asked
+    entry_rank_N: INDEX [N] each entry's rank, -1 = dropped, where :func:`sorted_layout` was asked
       for it (``with_ranks``), else None.
     """
 
@@ -75,8 +80,9 @@ def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slo
     placed: optional (entry_slot_N, pos_N), each entry's slot (int64 [N], -1 dropped) and its place
     in ``order_N`` (``pos_N[order_N[p]] = p``, as :func:`slot_sort_positions` returns them): the
     entries' rows then follow in entry order, without a scatter of N entries; ``pos_N`` becomes
-    the layout's ``entry_row_N`` (it is written in place). with_ranks: also each entry's rank
-    (``entry_rank_N``; without ``placed`` it travels in the same scatter as the entry's row).
+    the layout's ``entry_row_N`` (it is written in place; INDEX). with_ranks: also each entry's rank
+    (``entry_rank_N``; without ``placed`` it travels in the same int32 scatter as the entry's row
+    where rank and row fit 31 bits together, as at K3 EP64).
     """
     S = slot_rank_S.size
     N = order_N.size
@@ -91,19 +97,28 @@ def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slo
     # sorted position p of a kept entry of slot s, the j-th of its slot: row within its rank =
     # offset[s] + j; global row (ranks concatenated) = cum[s] + j
     n_kept = N - n_drop
+    require_index(N, "entries (tokens x top-k)")
+    require_index(int(padded.sum()), "final rows")
     entry_rank = None
     if placed is None:
-        spare = next((b for b in (scratch or ()) if b.shape == (N - n_drop,) and b.dtype == np.int64), None)
-        # with_ranks: rank << RANK_SHIFT | row in one int64, so one scatter places both
-        first = offset if not with_ranks else offset + (slot_rank_S << RANK_SHIFT)
-        row_sorted = segment_ranges(first, slot_rows_S, out=spare)
-        entry_row = np.empty(N, dtype=np.int64)
-        entry_row[order_N[n_drop:]] = row_sorted
-        del row_sorted
-        if with_ranks:
-            entry_rank = entry_row >> RANK_SHIFT
-            entry_row &= (1 << RANK_SHIFT) - 1
+        kept = order_N[n_drop:]
+        spare = next((b for b in (scratch or ()) if b.shape == (n_kept,) and b.dtype == INDEX), None)
+        # with_ranks: rank << shift | row in one int32 where both fit, so one scatter places both
+        shift = int(offset.max() + slot_rows_S.max()).bit_length() if S else 0
+        packed = with_ranks and S and (int(slot_rank_S.max()) + 1) << shift <= 1 << 31
+        first = offset if not packed else offset + (slot_rank_S << shift)
+        row_sorted = segment_ranges(first, slot_rows_S, out=spare if spare is not None else
+                                    np.empty(n_kept, dtype=INDEX))
+        entry_row = np.empty(N, dtype=INDEX)
+        entry_row[kept] = row_sorted
+        if packed:
+            entry_rank = entry_row >> shift
+            entry_row &= (1 << shift) - 1
             entry_rank[order_N[:n_drop]] = -1
+        elif with_ranks:
+            entry_rank = np.full(N, -1, dtype=INDEX) if n_drop else np.empty(N, dtype=INDEX)
+            entry_rank[kept] = np.repeat(slot_rank_S.astype(INDEX), slot_rows_S)
+        del row_sorted
     else:  # the j-th entry of slot s sits at place n_drop + start[s] + j: row offset[s] + j
         entry_slot, entry_row = placed
         delta = np.append(offset - (np.cumsum(slot_rows_S) - slot_rows_S) - n_drop, 0)  # (slot -1: the 0)
@@ -111,9 +126,9 @@ def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slo
             entry_row[lo:lo + _CHUNK] += delta[entry_slot[lo:lo + _CHUNK]]
     entry_row[order_N[:n_drop]] = -1
     if with_ranks and entry_rank is None:
-        entry_rank = np.append(slot_rank_S, -1)[placed[0]]
+        entry_rank = np.append(slot_rank_S, -1).astype(INDEX)[placed[0]]
     # no padding rows: global rows are 0..n_kept-1 in this order
-    grow = None if int(padded.sum()) == n_kept else segment_ranges(cum, slot_rows_S)
+    grow = None if int(padded.sum()) == n_kept else segment_ranges(cum, slot_rows_S, out=np.empty(n_kept, INDEX))
     nR = R if ranks is None else int(ranks)
     rows_R = np.bincount(slot_rank_S, weights=padded, minlength=nR).astype(np.int64)
     return SlotLayout(slot_rows_S, padded, offset, entry_row, order_N, n_drop, rows_R, grow, entry_rank)
@@ -121,10 +136,6 @@ def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slo
 
 #: entries per chunk of the builders' chunked passes (their temporaries stay in cache)
 _CHUNK = 1 << 18
-
-#: bit position of an entry's rank above its row (rows < 2**40, ranks < 2**23) in the one int64
-#: :func:`sorted_layout` scatters both in
-RANK_SHIFT = 40
 
 
 def slot_sort(entry_slot_N: np.ndarray, num_slots: int) -> tuple[np.ndarray, int, np.ndarray]:
@@ -141,18 +152,20 @@ def slot_sort(entry_slot_N: np.ndarray, num_slots: int) -> tuple[np.ndarray, int
 
 
 def slot_sort_positions(entry_slot_N: np.ndarray, num_slots: int) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
-    """:func:`slot_sort`, and each entry's place in the order (int64 [N], ``pos[order[p]] = p``),
-    written by the chunked sort as it goes (``moonep_sim.plan.order.stable_order_positions``)."""
+    """:func:`slot_sort` (its order INDEX [N]), and each entry's place in the order (INDEX [N],
+    ``pos[order[p]] = p``), written by the chunked sort as it goes
+    (``moonep_sim.plan.order.stable_order_positions``)."""
+    require_index(entry_slot_N.size, "entries (tokens x top-k)")
     key = entry_slot_N.astype(small_key_dtype(num_slots + 1), copy=True)
     key += 1
-    order, counts, pos = stable_order_positions(key, num_slots + 1)
+    order, counts, pos = stable_order_positions(key, num_slots + 1, INDEX)
     return order, int(counts[0]), counts[1:], pos
 
 
 def slot_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
                 min_rows_S: np.ndarray | None = None, ranks: int | None = None,
                 scratch: list | None = None) -> SlotLayout:
-    """:func:`sorted_layout` of the entries' slots (int64 [N], -1 = dropped): sorts them first."""
+    """:func:`sorted_layout` of the entries' slots (int64 or INDEX [N], -1 = dropped): sorts them first."""
     order, n_drop, slot_rows, pos = slot_sort_positions(entry_slot_N, slot_rank_S.size)
     return sorted_layout(order, n_drop, slot_rows, slot_rank_S, token_padding, min_rows_S, ranks, scratch=scratch,
                          placed=(entry_slot_N, pos))
@@ -176,7 +189,7 @@ def _src_dst_order(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, top_k: int,
     """Kept entries sorted stably by (source rank, destination rank), and entries per (src, dst).
 
     Requires tokens in rank order (``src_rank_T`` non-decreasing, as in every GlobalRouting).
-    Returns (order_kept, ecnt): int64 [N_kept] entry ids; int64 [R*R] entries of each
+    Returns (order_kept, ecnt): INDEX [N_kept] entry ids; int64 [R*R] entries of each
     (src, dst) block, src-major. Each source rank's entries are a contiguous run, sorted by
     destination alone with a one-byte radix sort per run (R < 255); otherwise one sort of the
     key ``src*R + dst``. The per-run path pays: 0.07 s of CPU against 0.22 s for the one-key sort
@@ -191,7 +204,7 @@ def _src_dst_order(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, top_k: int,
             lo, hi = int(tok_bound[r]) * K, int(tok_bound[r + 1]) * K
             if hi > lo:
                 ecnt[r] = np.bincount(d8[lo:hi], minlength=256)[:R]
-        order = np.empty(int(ecnt.sum()), dtype=np.int64)
+        order = np.empty(int(ecnt.sum()), dtype=INDEX)
         pos = 0
         for r in range(R):
             lo, hi = int(tok_bound[r]) * K, int(tok_bound[r + 1]) * K
@@ -208,7 +221,7 @@ def _src_dst_order(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, top_k: int,
     key[drop] = R * R
     order = stable_order(key, n_keys)
     ecnt = np.bincount(key, minlength=n_keys)[: R * R].astype(np.int64)
-    return order[: N - int(np.count_nonzero(drop))], ecnt
+    return order[: N - int(np.count_nonzero(drop))].astype(INDEX), ecnt
 
 
 def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_off_R: np.ndarray,
@@ -217,11 +230,15 @@ def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_of
 
     With ``dedup`` a token is sent once per destination rank; otherwise once per entry.
     The receive buffer on each rank holds rows ordered by (source rank, token, k).
+    entry_rank_N: [N] each entry's rank, -1 dropped (INDEX, or any integer dtype).
     Returns (hop, entry_buf_row_N, entry_dup_N): the Hop, each entry's row in the receive buffer
-    (-1 dropped), and the duplicate flags.
+    (INDEX [N], -1 dropped), and the duplicate flags.
     """
-    entry_rank_N = np.asarray(entry_rank_N, dtype=np.int64)
+    entry_rank_N = np.asarray(entry_rank_N)
+    if entry_rank_N.dtype.kind not in "iu":
+        entry_rank_N = entry_rank_N.astype(INDEX)
     src_rank_T = np.asarray(src_rank_T, dtype=np.int64)
+    require_index(entry_rank_N.size, "entries (tokens x top-k)")
     N, R, K = entry_rank_N.size, int(ranks), max(int(top_k), 1)
     if src_rank_T.size and not bool((np.diff(src_rank_T) >= 0).all()):
         # tokens not in rank order (never so in a GlobalRouting): the reference is the builder
@@ -264,7 +281,7 @@ def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_of
     tok_off = np.asarray(tok_off_R, dtype=np.int64)
     for r in range(R):  # messages are in source-rank order: token -> row on its rank, in place
         src_row[m_bound[r]:m_bound[r + 1]] -= tok_off[r]
-    entry_buf_row = np.empty(N, dtype=np.int64) if n_kept == N else np.full(N, -1, dtype=np.int64)
+    entry_buf_row = np.empty(N, dtype=INDEX) if n_kept == N else np.full(N, -1, dtype=INDEX)
     entry_dup = np.zeros(N, dtype=bool)
     if first is not None:
         entry_buf_row[order] = row_sorted
@@ -281,14 +298,16 @@ def block_messages(cnt: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray, np.
     """Messages laid out in (src, dst) blocks, ``cnt[src*R + dst]`` in each (int64 [R*R],
     src-major), in message order.
 
-    Returns (src_rank_M, dst_rank_M, dst_row_M, per_dst_R): each destination's receive buffer holds
-    its messages in (source rank, message order) order, so dst_row numbers them that way.
+    Returns (src_rank_M, dst_rank_M, dst_row_M, per_dst_R): INDEX [M] message arrays, int64 [R]
+    rows per destination; each destination's receive buffer holds its messages in (source rank,
+    message order) order, so dst_row numbers them that way.
     """
     cnt_RR = cnt.reshape(R, R)  # [src, dst]
     per_dst = cnt_RR.sum(axis=0).astype(np.int64)
+    require_index(int(per_dst.sum()), "messages of a hop")
     dst_row0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()  # first receive row of each (src, dst) block
-    blocks = np.arange(R * R, dtype=np.int64)
-    row = segment_ranges(dst_row0, cnt)
+    blocks = np.arange(R * R, dtype=INDEX)
+    row = segment_ranges(dst_row0, cnt, out=np.empty(int(per_dst.sum()), dtype=INDEX))
     return np.repeat(blocks // R, cnt), np.repeat(blocks % R, cnt), row, per_dst
 
 
@@ -297,14 +316,15 @@ def final_rows(lay: SlotLayout, kept_sorted: np.ndarray, entry_buf_row: np.ndarr
     """(row_entry_W, expand_src_row_W) from the layout ``lay``, the kept entries in slot order
     (``lay.order_N[lay.n_drop:]``) and each entry's row (int64 [N]) in the last hop's buffer
     (or ``kept_buf_row``: those rows of the kept entries in slot order, when the caller has them);
-    padding rows get -1. Without padding rows, row_entry_W is ``kept_sorted`` itself (no copy)."""
+    padding rows get -1. Without padding rows, row_entry_W is ``kept_sorted`` itself (no copy;
+    INDEX where the layout's sort made it). Returned arrays are INDEX [W] otherwise."""
     if kept_buf_row is None:
         kept_buf_row = entry_buf_row[kept_sorted]
     if lay.grow_K is None:  # no padding rows: the final rows are the slot-sorted kept entries
         return kept_sorted, kept_buf_row
     W = int(lay.rows_R.sum())
-    row_entry = np.full(W, -1, dtype=np.int64)
-    expand = np.full(W, -1, dtype=np.int64)
+    row_entry = np.full(W, -1, dtype=INDEX)
+    expand = np.full(W, -1, dtype=INDEX)
     row_entry[lay.grow_K] = kept_sorted
     expand[lay.grow_K] = kept_buf_row
     return row_entry, expand
@@ -368,7 +388,7 @@ def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
     entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
     order, n_drop, slot_rows, pos = slot_sort_positions(entry_slot, slot_rank_S.size)
     # each entry's rank in entry order, from the slots' ranks (slot -1 reads the appended -1)
-    entry_rank = np.append(slot_rank_S, -1)[entry_slot]
+    entry_rank = np.append(slot_rank_S, -1).astype(INDEX)[entry_slot]
     return plan_from_order(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, order, n_drop,
                            slot_rows, dedup=dedup, token_padding=token_padding, min_rows_S=min_rows_S,
                            capacity_R=capacity_R, options=options, entry_rank_N=entry_rank,

@@ -46,7 +46,7 @@ import numpy as np
 
 from moonep_sim.errors import PlanError
 from moonep_sim.plan.kernel import KernelSpec
-from moonep_sim.plan.kinds import SCOPES, Direction, PhaseKind, Scope
+from moonep_sim.plan.kinds import SCOPES, Direction, PhaseKind, Scope, as_index, require_index
 from moonep_sim.plan.placement import ClusterShape
 from moonep_sim.plan.validate import validate_counting
 from moonep_sim.routing.trace import find_bad_token
@@ -164,8 +164,10 @@ class Hop:
     scope: which ranks may talk (:class:`~moonep_sim.plan.kinds.Scope`; a plain string naming a
         member is converted) -- ``global``, ``intra_node`` (same node) or ``inter_node`` (same
         local index on different nodes, or self). An unknown string is kept for ``validate`` to name.
-    src_rank_M, src_row_M (-1 = zero row), dst_rank_M, dst_row_M: int64 [M].
-    dst_rows_R: int64 [R], rows of the buffer this hop fills on each rank.
+    src_rank_M, src_row_M (-1 = zero row), dst_rank_M, dst_row_M: :data:`~moonep_sim.plan.kinds.INDEX`
+        (int32) [M]; integer arrays of another dtype are converted when the Hop is built.
+    dst_rows_R: int64 [R], rows of the buffer this hop fills on each rank (all ranks together
+        fewer than 2**31).
     """
 
     scope: Scope
@@ -178,6 +180,12 @@ class Hop:
     def __post_init__(self) -> None:
         if not isinstance(self.scope, Scope) and self.scope in SCOPES:
             object.__setattr__(self, "scope", Scope(self.scope))
+        for name in _HOP_INDEX_FIELDS:
+            object.__setattr__(self, name, as_index(getattr(self, name), f"hop {name}"))
+        rows = np.asarray(self.dst_rows_R)
+        object.__setattr__(self, "dst_rows_R", rows.astype(np.int64, copy=False) if rows.dtype.kind in "iu" else rows)
+        if rows.size and rows.dtype.kind in "iu":
+            require_index(int(rows.sum()), "rows of a hop's buffer, all ranks together")
 
     def rows_RR(self, ranks: int) -> np.ndarray:
         """int64 [R, R]: rows sent from each source to each destination (diagonal: local copies).
@@ -185,6 +193,7 @@ class Hop:
         Counted chunk by chunk of messages: an all-gather's hop has R*T messages (33.5M at K3
         EP64), whose one-shot ``src*R + dst`` key alone would be 256 MiB of fresh pages."""
         R, m = int(ranks), self.src_rank_M.size
+        require_index(R * R, "ranks squared (the (src, dst) key)")
         out = np.zeros(R * R, dtype=np.int64)
         for lo in range(0, m, _ROWS_CHUNK):  # loop over chunks of messages, not messages
             key = self.src_rank_M[lo:lo + _ROWS_CHUNK] * R
@@ -193,7 +202,11 @@ class Hop:
         return out.reshape(R, R)
 
 
-_ROWS_CHUNK = 1 << 18  # messages per chunk of Hop.rows_RR (2 MiB of int64 keys)
+_ROWS_CHUNK = 1 << 18  # messages per chunk of Hop.rows_RR (1 MiB of int32 keys)
+
+#: the Hop's and the Plan's fields of dtype :data:`~moonep_sim.plan.kinds.INDEX`
+_HOP_INDEX_FIELDS = ("src_rank_M", "src_row_M", "dst_rank_M", "dst_row_M")
+_PLAN_INDEX_FIELDS = ("entry_rank_TK", "entry_row_TK", "row_entry_W", "expand_src_row_W")
 
 
 @dataclass(frozen=True)
@@ -231,7 +244,11 @@ class CommPhase:
 
 @dataclass(frozen=True)
 class Plan:
-    """How one layer's tokens move and where experts run. All arrays are numpy, int64 unless noted.
+    """How one layer's tokens move and where experts run. All arrays are numpy: the per-entry and
+    per-final-row index arrays (``entry_rank_TK``, ``entry_row_TK``, ``row_entry_W``,
+    ``expand_src_row_W``) and the hops' message arrays are :data:`~moonep_sim.plan.kinds.INDEX`
+    (int32; converted when the Plan is built if given another integer dtype), the rest int64
+    unless noted. A layer has fewer than 2**31 entries and final rows.
 
     strategy / options: who planned it and with what options (reports only; executors ignore them).
       Stamped by the registry (``moonep_sim.strategies.make_plan``): the strategy's name, and its
@@ -304,6 +321,12 @@ class Plan:
     plan_seconds: float = 0.0
     kernel: KernelSpec | None = None
     slot_src_S: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        for name in _PLAN_INDEX_FIELDS:
+            object.__setattr__(self, name, as_index(getattr(self, name), name))
+        require_index(int(np.asarray(self.entry_rank_TK).size), "entries (tokens x top-k)")
+        require_index(int(np.asarray(self.row_entry_W).size), "final rows")
 
     # -- sizes ----------------------------------------------------------------------------
     @property

@@ -106,6 +106,12 @@ class KernelSpec:
     epilogue: the dispatch's copy epilogue (:data:`EPILOGUES`; "" = none).
     sm_read_GBps: per-SM read rate of the kernel's own pass over local rows (the expanded
         combine's read of every expanded row); 0 = the SM copy rate (``sm_copy_GBps x sm_copy_factor``).
+    recv_copy: True = the receiving SMs of the last dispatch hop copy each arrived chunk out of their
+        receive buffer into the output (read + write) as it arrives -- the dispatch's counterpart of a
+        ``"fused"`` combine reduce -- so the copy of the hop's last message (``channels x chunk`` rows
+        of a chunked kernel, :func:`moonep_sim.sim.kernels.relay_hop_rows`) is exposed after its last
+        rows arrived (:func:`moonep_sim.sim.kernels.receive_copy_us`); False = none (the rows land in
+        the output, or a copy epilogue writes it).
     """
 
     sms: int = 0
@@ -127,6 +133,7 @@ class KernelSpec:
     channels_per_sm: float = 0.5
     epilogue: str = ""
     sm_read_GBps: float = 0.0
+    recv_copy: bool = False
 
     def __post_init__(self) -> None:
         require(self.epilogue in EPILOGUES, f"kernel epilogue ({self.epilogue!r}) must be one of {EPILOGUES}")
@@ -180,6 +187,7 @@ class KernelFamily:
     channels_per_sm: float = 0.5
     epilogue: str = ""
     sm_read_GBps: float = 0.0
+    recv_copy: bool = False
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -192,7 +200,7 @@ class KernelFamily:
 
 _V1 = "deepseek-ai/DeepEP V1 ('legacy') kernels"
 #: DeepEP V2's per-SM copy rate over V1's: FITTED on its README row EP8 B200 24 SMs dispatch.
-V2_SM_COPY_FACTOR = 1.77
+V2_SM_COPY_FACTOR = 1.762
 _V2_EPILOGUE = ("sourced: DeepEP V2 csrc/buffers/ep.hpp + deep_ep/include/deep_ep/impls/ep/dispatch_copy_epilogue.cuh: "
                 "after the dispatch kernel a copy epilogue on every SM reads each received token from the scale-up "
                 "buffer and writes recv_x; its test times it apart (kineto 'dispatch_copy_epilogue_impl'); "
@@ -211,12 +219,18 @@ V1_CHUNKS = tuple(RelayChunk(r, dn, dr, cn, cr) for r, dn, dr, cn, cr in (
 #: they are; a family that says nothing else about its launch cost is *assumed* to pay the same.
 FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
     KernelFamily("deepep-v1", "DeepEP", "normal", "nvidia", ("ib", "roce"), sms=24, reduce="fused",
-                 chunks=V1_CHUNKS, channels_per_sm=0.5, sources={
+                 chunks=V1_CHUNKS, channels_per_sm=0.5, recv_copy=True, sources={
         "design": f"sourced: {_V1}: node-deduplicated RDMA then NVLink forwarding by relay SMs in one kernel; "
                   "the combine's receiving SMs sum the rows as they arrive",
         "chunks": "sourced: DeepEP V1 deep_ep/buffer.py get_dispatch_config / get_combine_config (send-chunk "
                   "tokens per EP size) and csrc/kernels/internode.cu (num_channels = num_sms / 2): a relay "
-                  "forwards a hop once every channel's first chunk arrived, channels x chunk rows",
+                  "forwards a hop once every channel's first chunk arrived, channels x chunk rows; a receiver "
+                  "reduces (combine) the last channels x chunk rows of a hop after they arrived",
+        "recv_copy": "sourced: DeepEP V1 csrc/kernels/intranode.cu (dispatch receivers) and internode.cu (NVL "
+                     "receivers): the receiving SMs poll the channel's tail, which the sender publishes once per "
+                     "chunk of get_dispatch_config's NVLink send tokens, and TMA-copy the arrived tokens from the "
+                     "channel buffer into recv_x; the last chunk of every channel (channels x chunk rows) is "
+                     "copied after it arrived, at the kernel's SM copy rate",
         "sms": "sourced: DeepEP's normal kernels use 20-24 SMs (ANCHORS; Buffer.num_sms = 24)",
         "fixed_us": "FITTED on DeepEP's low-latency EP8 rows (the topology's [kernel]); assumed the same launch "
                     "and notify cost for the normal kernels",
@@ -314,7 +328,7 @@ def family_spec(fam: KernelFamily, **kw) -> KernelSpec:
                       plan_fixed_us=fam.plan_fixed_us, extra_fixed_us=fam.extra_fixed_us, message_us=fam.message_us,
                       relay_message_rows=fam.relay_message_rows, sm_copy_factor=fam.sm_copy_factor, reduce=fam.reduce,
                       reduce_sms=fam.reduce_sms, chunks=fam.chunks, channels_per_sm=fam.channels_per_sm,
-                      epilogue=fam.epilogue, sm_read_GBps=fam.sm_read_GBps)
+                      epilogue=fam.epilogue, sm_read_GBps=fam.sm_read_GBps, recv_copy=fam.recv_copy)
     return replace(spec, **kw)
 
 

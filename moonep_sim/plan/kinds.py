@@ -1,5 +1,6 @@
-"""Typed vocabulary of a layer's phases: what a phase does (:class:`PhaseKind`), which ranks may
-talk in it (:class:`Scope`) and which pass of the step it belongs to (:class:`Direction`).
+"""Typed vocabulary of a Plan: what a phase does (:class:`PhaseKind`), which ranks may talk in it
+(:class:`Scope`), which pass of the step it belongs to (:class:`Direction`), and the one dtype of
+its large index arrays (:data:`INDEX`).
 
 Every communication phase of a Plan (``Plan.phases``), every flow the simulator sends and every
 span it records carries these, so analyses select phases by kind instead of parsing names. The
@@ -10,6 +11,45 @@ members are ``str`` subclasses whose value is the lower-case name used in JSON a
 from __future__ import annotations
 
 from enum import Enum
+
+import numpy as np
+
+from moonep_sim.errors import PlanError
+
+INDEX = np.int32
+"""The dtype of a Plan's index arrays that grow with tokens: per entry (``entry_rank_TK``,
+``entry_row_TK``), per message of a hop (``src_rank_M``, ``src_row_M``, ``dst_rank_M``,
+``dst_row_M``) and per final row (``row_entry_W``, ``expand_src_row_W``). Per-rank, per-slot and
+per-migration arrays (``*_R``, ``*_S``, ``*_X``) stay int64: they are small, and are summed and
+multiplied as counts. ``Plan`` and ``Hop`` convert integer arrays of another dtype when built
+(:func:`as_index`); the fast builders write this dtype directly. An int32 index halves the Plan's
+largest arrays (an all-gather's hop at K3 EP64: 33.5M messages, 1.07 GB as int64) and bounds a
+layer to fewer than 2**31 entries, rows of a buffer (all ranks together) and final rows
+(:func:`require_index`). Composite keys (``src * R + dst``, global rows ``offset + row``) are
+formed in int64 or bounded where they are formed."""
+
+INDEX_MAX = int(np.iinfo(INDEX).max)
+
+
+def require_index(n: int, what: str) -> None:
+    """Raise :class:`PlanError` unless ``n`` ids (0..n-1, plus the -1 sentinel) fit :data:`INDEX`."""
+    if int(n) > INDEX_MAX:
+        raise PlanError(f"{what} ({int(n)}) must be <= {INDEX_MAX}: the Plan's index arrays are "
+                        f"{np.dtype(INDEX).name}")
+
+
+def as_index(a, what: str = "index array") -> np.ndarray:
+    """``a`` as an :data:`INDEX` array: itself when it is one already (no copy), an integer array of
+    another dtype converted after checking its values fit, anything else returned unchanged for
+    the Plan's checks (``moonep_sim.plan.validate``) to name."""
+    a = np.asarray(a)
+    if a.dtype == INDEX or a.dtype.kind not in "iu":
+        return a
+    if a.size and a.dtype.itemsize >= np.dtype(INDEX).itemsize and \
+            (int(a.min()) < -INDEX_MAX - 1 or int(a.max()) > INDEX_MAX):
+        raise PlanError(f"{what} values ({int(a.min())}..{int(a.max())}) must fit {np.dtype(INDEX).name}: "
+                        "the Plan's index arrays are that dtype")
+    return a.astype(INDEX)
 
 
 class _StrEnum(str, Enum):
@@ -82,4 +122,5 @@ class Direction(_StrEnum):
 
 SCOPES = tuple(s.value for s in Scope)
 
-__all__ = ["COMM_KINDS", "Direction", "PhaseKind", "SCOPES", "Scope", "WEIGHT_KINDS"]
+__all__ = ["COMM_KINDS", "Direction", "INDEX", "INDEX_MAX", "PhaseKind", "SCOPES", "Scope", "WEIGHT_KINDS", "as_index",
+           "require_index"]

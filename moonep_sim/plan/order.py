@@ -68,20 +68,23 @@ def stable_order_counts(key_N: np.ndarray, n_keys: int,
     return stable_order(key_N, n_keys), key_counts(key_N, n_keys)
 
 
-def stable_order_positions(key_N: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def stable_order_positions(key_N: np.ndarray, n_keys: int,
+                           dtype: type = np.int64) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(order, counts, pos): :func:`stable_order_counts` and the inverse permutation, ``pos[order[p]]
-    = p`` (int64 [N]: each item's place in the order). Where the sort goes chunk by chunk, each
-    chunk writes its items' places as it places them (in cache), instead of one scatter of N."""
+    = p`` (each item's place in the order); order and pos of ``dtype`` (int64, or int32 for the
+    Plan's index dtype, written as such). Where the sort goes chunk by chunk, each chunk writes its
+    items' places as it places them (in cache), instead of one scatter of N."""
     if 1 << 8 < n_keys <= 1 << 16:
         key16 = key_N.astype(np.uint16, copy=False)
         chunks = min(-(-key16.size // CHUNK), key16.size // (2 * n_keys))
         if chunks >= 4:
-            pos = np.empty(key16.size, dtype=np.int64)
-            order, counts = _chunked_order(key16, n_keys, chunks, counts=True, pos=pos)
+            pos = np.empty(key16.size, dtype=dtype)
+            order, counts = _chunked_order(key16, n_keys, chunks, counts=True, pos=pos,
+                                           out=np.empty(key16.size, dtype=dtype))
             return order, counts, pos
-    order, counts = stable_order(key_N, n_keys), key_counts(key_N, n_keys)
-    pos = np.empty(order.size, dtype=np.int64)
-    pos[order] = np.arange(order.size, dtype=np.int64)
+    order, counts = stable_order(key_N, n_keys).astype(dtype, copy=False), key_counts(key_N, n_keys)
+    pos = np.empty(order.size, dtype=dtype)
+    pos[order] = np.arange(order.size, dtype=dtype)
     return order, counts, pos
 
 
@@ -101,17 +104,26 @@ def _chunked_order(key16_N: np.ndarray, n_keys: int, chunks: int, counts: bool =
         cnt_CK[c] = np.bincount(key16_N[c * size:(c + 1) * size], minlength=n_keys)
     cnt_KC = cnt_CK.T.ravel()
     dest_CK = (np.cumsum(cnt_KC) - cnt_KC).reshape(n_keys, chunks).T  # where block (c, k) starts
-    ok = out is not None and out.shape == (n,) and out.dtype == np.int64
+    # the j-th sorted item of chunk c, of key k, goes to dest[c, k] + j - (its key's first j in
+    # the chunk): rel[c, k] + j
+    rel_CK = dest_CK - (np.cumsum(cnt_CK, axis=1) - cnt_CK)
+    ok = out is not None and out.shape == (n,) and out.dtype in (np.int64, np.int32)
     order = out if ok else np.empty(n, dtype=np.int64)
+    j = np.arange(size, dtype=np.int64)
+    at = np.empty(size, dtype=np.int64)  # the places of a chunk's sorted items
+    ks = np.empty(size, dtype=key16_N.dtype)  # its sorted keys
     for c in range(chunks):
         lo, hi = c * size, min(n, (c + 1) * size)
         if hi > lo:
+            m = hi - lo
             local = np.argsort(key16_N[lo:hi], kind="stable")
-            at = segment_ranges(dest_CK[c], cnt_CK[c])  # the places of the chunk's sorted items
+            np.take(key16_N[lo:hi], local, out=ks[:m], mode="clip")  # ("clip": an out= take is unbuffered)
+            np.take(rel_CK[c], ks[:m], out=at[:m], mode="clip")
+            at[:m] += j[:m]
             if pos is not None:
-                pos[lo:hi][local] = at
+                pos[lo:hi][local] = at[:m]
             local += lo
-            order[at] = local
+            order[at[:m]] = local
     return (order, cnt_CK.sum(axis=0)) if counts else order
 
 
@@ -122,13 +134,13 @@ def segment_ranges(first_B: np.ndarray, lens_B: np.ndarray, out: np.ndarray | No
     Built in one array, no [total]-sized temporary (which at millions of rows costs as much as the
     arithmetic): segments of SEGMENT_LOOP_MIN rows or more on average are each written once, as
     one shared ``arange`` plus their first value; many short ones as ones, the jump at each
-    segment's start, then a cumulative sum in place. ``out``: an int64 [total] array to build it
-    in (else a new one).
+    segment's start, then a cumulative sum in place. ``out``: an int64 (or int32, the Plan's index
+    dtype, where the values fit) [total] array to build it in (else a new int64 one).
     """
     first = np.asarray(first_B, dtype=np.int64)
     lens = np.asarray(lens_B, dtype=np.int64)
     total = int(lens.sum())
-    if out is None or out.shape != (total,) or out.dtype != np.int64:
+    if out is None or out.shape != (total,) or out.dtype not in (np.int64, np.int32):
         out = np.empty(total, dtype=np.int64)
     if total == 0:
         return out

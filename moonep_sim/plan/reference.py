@@ -2,7 +2,9 @@
 ``multihop``).
 
 Each function here has the signature of the builder of the same name and returns the same arrays
-(values and dtypes): one stable ``argsort`` over an int64 key where the fast builder uses radix
+(values and dtypes: per-entry, per-message and per-final-row arrays as the Plan holds them,
+:data:`~moonep_sim.plan.kinds.INDEX`, converted once at the end; the rest int64). It computes in
+int64 throughout, with one stable ``argsort`` over an int64 key where the fast builder uses radix
 sorts on narrow keys, per-run loops, recycled buffers and arithmetic shortcuts. They are what the
 fast builders mean, written the plainest way numpy allows, and they are run: the tests check every
 fast builder against its reference element-wise (``tests/test_plan_builders.py``,
@@ -33,7 +35,7 @@ import numpy as np
 from moonep_sim.errors import PlanError
 from moonep_sim.plan.assembly import Entries, Padding, Slots
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
-from moonep_sim.plan.kinds import Scope
+from moonep_sim.plan.kinds import INDEX, Scope
 from moonep_sim.plan.placement import ClusterShape
 
 
@@ -62,7 +64,7 @@ def layout_slots(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_paddin
     pos = np.empty(ks.size, dtype=np.int64)
     pos[order] = np.arange(ks.size, dtype=np.int64) - np.repeat(starts, slot_rows)
     entry_row[ks] = offset[sl] + pos
-    return slot_rows, padded, offset, entry_row
+    return slot_rows, padded, offset, entry_row.astype(INDEX)
 
 
 def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_off_R: np.ndarray,
@@ -93,7 +95,7 @@ def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_of
     o2 = np.argsort(msg_src, kind="stable")  # (src, dst, token): messages were in (dst, token) order
     hop = Hop(Scope.GLOBAL, msg_src[o2], (msg_tok - tok_off_R[msg_src])[o2], msg_dst[o2], msg_row[o2],
               per_dst.astype(np.int64))
-    return hop, entry_buf_row, entry_dup
+    return hop, entry_buf_row.astype(INDEX), entry_dup
 
 
 def route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,

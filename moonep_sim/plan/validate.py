@@ -23,10 +23,17 @@ returns the violations as sentences, :func:`violations` with the check that foun
 :func:`check` raises :class:`~moonep_sim.errors.PlanError` naming the failed checks;
 :func:`validate_counting` also returns each hop's rows per (src, dst), counted while the hop check
 walks the messages (``Plan.summary`` reports its bytes from them).
+
+On a large Plan (``THREAD_MIN`` entries and messages) ``hop_provenance`` runs on a second thread
+beside ``entries`` .. ``capacity`` (see :func:`_run`): the wall time falls on two cores, the CPU
+time does not; the result is the sequential run's. The checks read the Plan's index arrays in
+their own dtype (int32, :data:`~moonep_sim.plan.kinds.INDEX`): their tables are int32 too, so no
+[N] operand is widened.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -56,7 +63,6 @@ class _State:
     out: list[Violation] = field(default_factory=list)
     rows_R: np.ndarray | None = None       # padded rows per rank
     row_off: np.ndarray | None = None      # [R+1] offsets of each rank's final rows
-    real_rows_W: np.ndarray | None = None  # bool: final row holds an entry
     hop_rows: list = field(default_factory=list)  # each walked hop's rows per (src, dst): Hop.rows_RR
 
 
@@ -131,10 +137,13 @@ def _check_entries(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
     # dropped entry (rank -1) reads the appended last element of each per-rank table: 0 rows (so
     # its row must be -1), and row offset 0 (so its row -1 reads the last final row, and the
     # comparison ignores it)
-    rows_ext = np.append(rows_R, 0)
-    off_ext = np.append(row_off[:-1], 0)
+    # the per-rank tables in the entries' own dtype (int32: the final rows, all ranks, fit it),
+    # read with ``take`` (faster than fancy indexing for a table this small)
+    idt = _index_dtype(rank_e, row_e, int(row_off[-1]) + 1)
+    rows_ext = np.append(rows_R, 0).astype(idt)
+    off_ext = np.append(row_off[:-1], 0).astype(idt)
     row_ent = plan.row_entry_W
-    eid0 = np.arange(min(n, HOP_CHUNK), dtype=np.int64)
+    eid0 = np.arange(min(n, HOP_CHUNK), dtype=idt)
     n_kept, conserved = 0, True
     for lo in range(0, n, HOP_CHUNK):  # loop over chunks of entries, not entries
         rk, rw = rank_e[lo:lo + HOP_CHUNK], row_e[lo:lo + HOP_CHUNK]
@@ -142,14 +151,17 @@ def _check_entries(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
         nk = int(np.count_nonzero(kept))
         n_kept += nk
         if nk == rk.size:
-            ok = int(rw.min()) >= 0 and bool((rw < rows_R[rk]).all())
+            ok = int(rw.min()) >= 0 and bool((rw < rows_ext.take(rk)).all())
         else:  # kept: 0 <= row < rows of its rank; dropped: row -1 (>= -1 and < 0 rows)
-            ok = int(rw.min()) >= -1 and bool(np.array_equal(rw >= 0, kept)) and bool((rw < rows_ext[rk]).all())
+            ok = int(rw.min()) >= -1 and bool(np.array_equal(rw >= 0, kept)) and \
+                bool((rw < rows_ext.take(rk)).all())
         if not ok:
             bad("entry_row must be a row of the destination rank (or -1 when dropped)")
             return False
         if conserved and nk:
-            got = row_ent[off_ext[rk] + rw]
+            g = off_ext.take(rk)
+            g += rw
+            got = row_ent.take(g)
             got -= lo
             same = got == eid0[:rk.size]
             conserved = bool(same.all()) if nk == rk.size else bool((same | ~kept).all())
@@ -160,7 +172,6 @@ def _check_entries(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
         bad(f"final rows holding entries ({int(np.count_nonzero(real_rows))}) must equal kept entries "
             f"({n_kept}): every kept entry lands exactly once")
     # row -> slot: each slot's segment is slot_rows real rows then padding (padded >= rows here)
-    st.real_rows_W = real_rows
     real_S = np.maximum(plan.slot_rows_S, 0)  # a negative count means no real rows
     seg_len = np.stack([real_S, plan.slot_padded_S - real_S], axis=1).ravel()
     is_real_pos = np.repeat(np.tile(np.array([True, False]), S), seg_len)
@@ -179,6 +190,14 @@ def _check_entries(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
     if (count_S != plan.slot_rows_S).any():
         bad("slot_rows must count the entries in each slot")
     return True
+
+
+def _index_dtype(*arrays_and_bound) -> type:
+    """int32 where every given array is int32 and the bound (an int) fits it, else int64: the
+    dtype a check's own index tables take, so that no [N] operand is widened."""
+    *arrays, bound = arrays_and_bound
+    ok = all(a.dtype == np.int32 for a in arrays) and int(bound) <= np.iinfo(np.int32).max
+    return np.int32 if ok else np.int64
 
 
 def _check_duplicates(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
@@ -288,10 +307,12 @@ def _walk_chunks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
     unsorted = wrong_src = wrong_dst = cross_node = cross_rail = False
     prev_key = -1
     rows = np.zeros(R * R, dtype=np.int64)
+    kdt = np.int32 if R * R <= np.iinfo(np.int32).max and h.src_rank_M.dtype == np.int32 else np.int64
     for lo in range(0, m, HOP_CHUNK):  # loop over chunks of messages, not messages
         sl = slice(lo, min(m, lo + HOP_CHUNK))
         s_r, s_w, d_r, d_w = h.src_rank_M[sl], h.src_row_M[sl], h.dst_rank_M[sl], h.dst_row_M[sl]
-        key = s_r * R + d_r
+        key = s_r.astype(kdt) * R
+        key += d_r
         rows += np.bincount(key, minlength=R * R)
         unsorted |= bool(key[0] < prev_key) or bool((key[1:] < key[:-1]).any())
         prev_key = int(key[-1])
@@ -316,47 +337,56 @@ def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
     """:func:`_walk_chunks` for a hop sorted by (src, dst), block by (src, dst) block: each block's
     ranks and buffer offsets are scalars, so its rows index the source and destination buffers of
     its two ranks directly -- numpy's bounds checks of that gather and scatter are its range
-    checks, beside one minimum each (an all-gather's hop checks ~3x faster than by chunks). None
-    when the hop is not sorted or a row is out of range (the caller then walks it by chunks, which
-    names what is wrong)."""
+    checks: the rows are read as unsigned, so a negative row is out of range too, and only a block
+    with a zero row (-1) or a bad row takes a second, checked pass (an all-gather's hop checks ~3x
+    faster than by chunks). None when the hop is not sorted or a row is out of range (the caller
+    then walks it by chunks, which names what is wrong)."""
     m = h.src_rank_M.size
     src, dst = h.src_rank_M, h.dst_rank_M
     for lo in range(0, m, HOP_CHUNK):  # source ranks non-decreasing, chunk by chunk
         c = src[max(lo - 1, 0):lo + HOP_CHUNK]
         if (c[1:] < c[:-1]).any():
             return None
-    sb = np.searchsorted(src, np.arange(R + 1))
-    bounds = []
+    sb = np.searchsorted(src, np.arange(R + 1, dtype=src.dtype))
     rows = np.zeros((R, R), dtype=np.int64)
-    for r in range(R):  # loop over source ranks, not messages
+    unsigned = {np.dtype(np.int32): np.uint32, np.dtype(np.int64): None}.get(h.src_row_M.dtype)
+    if unsigned is None or h.dst_row_M.dtype != h.src_row_M.dtype:
+        unsigned = None
+    s_rows, d_rows = h.src_row_M, h.dst_row_M
+    buf_off, dst_off = np.asarray(buf_off).tolist(), np.asarray(dst_off).tolist()  # (scalars per rank)
+    cross_node = cross_rail = False
+    for r in range(R):  # loop over source ranks and their (src, dst) blocks, not messages
         a, b = int(sb[r]), int(sb[r + 1])
         if b == a:
             continue
         d = dst[a:b]
         if (d[1:] < d[:-1]).any():
             return None
-        db = np.searchsorted(d, np.arange(R + 1)) + a
+        db = (np.searchsorted(d, np.arange(R + 1, dtype=d.dtype)) + a).tolist()
         rows[r] = np.diff(db)
-        bounds.extend((r, q, int(db[q]), int(db[q + 1])) for q in np.flatnonzero(db[1:] > db[:-1]).tolist())
-    cross_node = cross_rail = False
-    for r, q, a, b in bounds:  # loop over (src, dst) blocks, not messages
-        if h.scope == Scope.INTRA_NODE and node[r] != node[q]:
-            cross_node = True
-        elif h.scope == Scope.INTER_NODE and local[r] != local[q]:
-            cross_rail = True
-        sw, dw = h.src_row_M[a:b], h.dst_row_M[a:b]
-        s_lo = int(sw.min())
-        if s_lo < -1 or int(dw.min()) < 0:
-            return None
+        qs = [q for q in range(R) if db[q + 1] > db[q]]
+        if h.scope == Scope.INTRA_NODE:
+            cross_node |= any(node[r] != node[q] for q in qs)
+        elif h.scope == Scope.INTER_NODE:
+            cross_rail |= any(local[r] != local[q] for q in qs)
         src_buf = origin[buf_off[r]:buf_off[r + 1]]  # rank r's rows of the source buffer
-        dst_buf = new_origin[dst_off[q]:dst_off[q + 1]]  # rank q's rows of the destination buffer
-        try:  # (an IndexError: a row beyond its rank's buffer)
-            if s_lo >= 0:
-                dst_buf[dw] = src_buf.take(sw)
-            else:
+        for q in qs:  # loop over (src, dst) blocks, not messages
+            lo, hi = db[q], db[q + 1]
+            sw, dw = s_rows[lo:hi], d_rows[lo:hi]
+            dst_buf = new_origin[dst_off[q]:dst_off[q + 1]]  # rank q's rows of the destination buffer
+            if unsigned is not None and hi - lo and int(dw.view(unsigned).max()) < len(dst_buf):
+                try:  # (an IndexError: a zero row, a negative row or one beyond its rank's buffer)
+                    # (numpy scatters through an intp index ~2x faster than through an int32 one)
+                    dst_buf[dw.astype(np.intp)] = src_buf.take(sw.view(unsigned))
+                    continue
+                except IndexError:
+                    pass
+            if int(sw.min()) < -1 or int(dw.min()) < 0:
+                return None
+            try:  # (an IndexError: a row beyond its rank's buffer)
                 dst_buf[dw] = np.where(sw >= 0, src_buf.take(np.maximum(sw, 0)), -1)
-        except IndexError:
-            return None
+            except IndexError:
+                return None
     return _HopWalk(False, False, False, cross_node, cross_rail, rows)
 
 
@@ -408,7 +438,7 @@ def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) ->
         origin, buf_off = new_origin, dst_off
     # final gather, rank by rank and chunk by chunk of its final rows: row w of rank r reads row
     # expand[w] of r's last buffer (the rank's buffer offset and size are scalars)
-    real_rows, row_off = st.real_rows_W, st.row_off
+    row_off = st.row_off
     exp, row_ent = plan.expand_src_row_W, plan.row_entry_W
     if exp.size and int(exp.min()) < -1:
         bad("expand_src_row must be -1 or a row of the last buffer on the same rank")
@@ -421,15 +451,17 @@ def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) ->
             if int(e.max()) >= int(buf_off[r + 1] - buf_off[r]):
                 bad("expand_src_row must be -1 or a row of the last buffer on the same rank")
                 return False
+            org = origin[int(buf_off[r]):int(buf_off[r + 1])]  # rank r's rows of the last buffer
             zero_rows = int(e.min()) < 0
             if zero_rows:
-                got = np.where(e >= 0, origin[np.maximum(e + buf_off[r], 0)], -1)
+                got = np.where(e >= 0, org[np.maximum(e, 0)], -1)
             else:
-                got = origin[e + buf_off[r]]
-            want = entry_token(row_ent[lo:hi], max(K, 1))  # a token, or < 0 at padding rows
+                got = org[e]
+            ent = row_ent[lo:hi]
+            want = entry_token(ent, max(K, 1))  # a token, or < 0 at padding rows
             np.maximum(want, -1, out=want)
             wrong = got != want
-            real = real_rows[lo:hi]
+            real = ent >= 0  # the rows holding an entry
             if not real.all():
                 wrong &= real
             if zero_rows:
@@ -459,13 +491,62 @@ CHECKS: tuple[tuple[str, CheckFn], ...] = (
 """The named checks, in the order they run (see the module docstring)."""
 
 
+#: the last checks of CHECKS, which read only the Plan and what ``shapes`` and ``slots`` derived
+#: (``rows_R``, ``row_off``): on a large Plan they run on a second thread, beside the checks between
+CONCURRENT = ("hop_provenance",)
+
+#: entries plus messages from which the CONCURRENT checks get their own thread (below it the
+#: thread's start costs more than it saves)
+THREAD_MIN = 1 << 20
+
+if tuple(n for n, _ in CHECKS[-len(CONCURRENT):]) != CONCURRENT:  # (their violations are placed last)
+    raise RuntimeError(f"CONCURRENT checks {CONCURRENT} must be the last of CHECKS")
+
+
 def _run(plan: Plan) -> _State:
-    """Run the checks in order, until one finds the Plan too malformed for the later ones."""
+    """Run the checks in order, until one finds the Plan too malformed for the later ones.
+
+    On a Plan of at least THREAD_MIN entries and messages, the CONCURRENT checks start on a second
+    thread as soon as ``slots`` has passed, and the checks between run on this one (numpy releases
+    the GIL in its loops over entries and messages, so the two overlap on two cores). The result is
+    the sequential run's: the second thread's violations follow the others', and are dropped (with
+    any exception it raised, and the hop rows it counted) when an earlier check stopped the run."""
     st = _State()
+    size = int(np.asarray(plan.entry_rank_TK).size) + sum(int(np.asarray(h.src_rank_M).size) for h in plan.hops)
+    later = [(n, fn) for n, fn in CHECKS if n in CONCURRENT] if size >= THREAD_MIN else []
+    out: list[Violation] = []
+    res: dict = {}
+    worker = None
+    stopped = False
     for name, fn in CHECKS:
+        if later and name in CONCURRENT:
+            continue
         if not fn(plan, st, lambda msg, name=name: st.out.append(Violation(name, msg))):
+            stopped = True
             break
+        if later and name == "slots":  # what the CONCURRENT checks read is there: start them
+            worker = threading.Thread(target=_run_in_order, args=(later, plan, st, out, res), daemon=True)
+            worker.start()
+    if worker is not None:
+        worker.join()
+        if stopped:
+            st.hop_rows.clear()
+        else:
+            if "error" in res:
+                raise res["error"]
+            st.out.extend(out)
     return st
+
+
+def _run_in_order(checks, plan: Plan, st: _State, out: list, res: dict) -> None:
+    """``checks`` in order on their own thread (until one stops): violations into ``out``, an
+    exception into ``res``."""
+    try:
+        for name, fn in checks:
+            if not fn(plan, st, lambda msg, name=name: out.append(Violation(name, msg))):
+                break
+    except BaseException as e:  # re-raised by _run where the sequential run would have reached it
+        res["error"] = e
 
 
 def violations(plan: Plan) -> list[Violation]:

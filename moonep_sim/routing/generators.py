@@ -28,7 +28,7 @@ Method (MoonEP's benchmark method, generalised):
    over the race's scores).
 
 **Hitting a maxvio target.** ``maxvio = max_e(T_e / mean_T) - 1`` over one block's counts (a
-block is one (layer, step)). sigma is first set by bisection on the *expected* maxvio: inclusion
+block is one (layer, step)). sigma is first set by root finding on the *expected* maxvio: inclusion
 probabilities of the race (``pi_e = 1 - exp(-p_e tau)``, tau such that ``sum pi = K``) plus the
 binomial noise of the hottest expert (fixed-seed normal draws); the block is then sampled, and if
 its realised maxvio is more than 2% off, sigma is refined by bisection on the realised statistic
@@ -49,6 +49,7 @@ import numpy as np
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.routing.metrics import gini, maxvio as maxvio_of
 from moonep_sim.routing.sampling import sample_topk  # re-exported: the sampler generate() draws with
+from moonep_sim.routing.sampling import pl_ids_again, pl_weights, sampler_of
 from moonep_sim.io import check_output_path
 from moonep_sim.limits import MAX_ELEMENTS, MAX_LAYERS, MAX_NUM_EXPERTS
 from moonep_sim.routing.trace import LayerRouting, TraceMeta, write_trace
@@ -167,31 +168,30 @@ def _rng(seed: int, *path: int) -> np.random.Generator:
 def inclusion_probs(logp_E: np.ndarray, top_k: int) -> np.ndarray:
     """Probability that each expert is among a token's K (race approximation), float64 [E].
 
-    ``pi_e = 1 - exp(-p_e * tau)`` with tau solving ``sum_e pi_e = K``: Newton's method on
-    ``s = log tau`` (the sum is increasing in s), kept inside a bisection bracket ``[-60, 60]``
-    (a step leaving it halves the bracket instead); a handful of iterations where a plain bisection
-    takes about 55.
+    ``pi_e = 1 - exp(-p_e * tau)`` with tau solving ``g(tau) = sum_e pi_e - K = 0``. g is increasing
+    and concave in tau, so Newton's method started below the root (``tau = K / sum(p)``: there
+    ``sum(1 - exp(-p tau)) <= tau * sum(p) = K``) climbs to it monotonically, never overshooting
+    (each tangent lies above g): about 9 iterations on average, where the former safeguarded
+    Newton in ``log tau`` fell back to bisection for about half its calls (43 iterations each) --
+    4x faster per call, the maxvio calibration's ~56 calls per layer. tau is capped at ``e^60``
+    (the old bracket's end: reached only as K -> E, where every pi is 1).
     """
     p = np.exp(np.asarray(logp_E, np.float64) - np.max(logp_E))
-    lo, hi = -60.0, 60.0
-    # sum(1 - exp(-p tau)) <= tau * sum(p): tau = K / sum(p) is below the root, a safe start
-    s = min(max(math.log(top_k / p.sum()), lo), hi)
+    K = float(top_k)
+    tau = K / float(p.sum())
+    cap = math.exp(60.0)
     for _ in range(200):
-        x = p * math.exp(s)
-        g = float((-np.expm1(-x)).sum()) - top_k
-        if g < 0:
-            lo = s
-        else:
-            hi = s
-        d = float((x * np.exp(-x)).sum())            # dg/ds
-        nxt = s - g / d if d > 0 else 0.5 * (lo + hi)
-        if not lo < nxt < hi:
-            nxt = 0.5 * (lo + hi)
-        if abs(nxt - s) <= 1e-14 * max(1.0, abs(s)) or nxt in (lo, hi):
-            s = nxt
+        x = p * tau
+        g = float((-np.expm1(-x)).sum()) - K
+        d = float((p * np.exp(-x)).sum())               # dg/dtau
+        if g >= 0 or d <= 0:                            # at the root (to rounding), or flat
             break
-        s = nxt
-    return -np.expm1(-p * math.exp(s))
+        nxt = min(tau - g / d, cap)
+        if nxt <= tau * (1 + 1e-15):                    # no more progress: converged (or capped)
+            tau = max(nxt, tau)
+            break
+        tau = nxt
+    return -np.expm1(-p * tau)
 
 
 def _expected_maxvio(logp_E: np.ndarray, top_k: int, tokens: int, noise_M_E: np.ndarray) -> float:
@@ -199,6 +199,61 @@ def _expected_maxvio(logp_E: np.ndarray, top_k: int, tokens: int, noise_M_E: np.
     mean = tokens * top_k / pi.size
     c = tokens * pi + np.sqrt(tokens * pi * (1 - pi)) * noise_M_E
     return float(np.mean(c.max(axis=1)) / mean - 1.0)
+
+
+def _expected_root(g) -> float:
+    """log sigma where the expected maxvio meets the target, ``g(log sigma) = 0`` (g: expected minus
+    target, increasing): Brent's method on ``[log SIGMA_MIN, log SIGMA_MAX]`` to full precision
+    (about 14 evaluations where the bisection it replaced took 56; the two roots agree to ~3e-14
+    relative, so the calibrated draws are the same). A target outside the range's values gives the
+    range's end (the realised calibration then says why it is unreachable)."""
+    lo, hi = math.log(SIGMA_MIN), math.log(SIGMA_MAX)
+    g_lo = g(lo)
+    if g_lo >= 0:
+        return lo
+    g_hi = g(hi)
+    if g_hi < 0:
+        return hi
+    return _brent(g, lo, hi, g_lo, g_hi)
+
+
+def _brent(g, xpre: float, xcur: float, fpre: float, fcur: float, xtol: float = 1e-15, rtol: float = 8.9e-16,
+           maxiter: int = 200) -> float:
+    """A root of ``g`` in ``[xpre, xcur]`` (``fpre``, ``fcur``: g there, of opposite signs): Brent's
+    method as ``scipy.optimize.brentq`` runs it (its C loop, step for step; written out here
+    because importing scipy.optimize costs a process about 0.3 CPU s, a sixth of a generated
+    58-layer decode step)."""
+    if fpre == 0 or fcur == 0:
+        return xpre if fpre == 0 else xcur
+    xblk = fblk = spre = scur = 0.0
+    for _ in range(maxiter):
+        if fpre != 0 and fcur != 0 and (fpre < 0) != (fcur < 0):
+            xblk, fblk = xpre, fpre
+            spre = scur = xcur - xpre
+        if abs(fblk) < abs(fcur):
+            xpre, xcur, xblk = xcur, xblk, xcur
+            fpre, fcur, fblk = fcur, fblk, fcur
+        delta = (xtol + rtol * abs(xcur)) / 2
+        sbis = (xblk - xcur) / 2
+        if fcur == 0 or abs(sbis) < delta:
+            return xcur
+        if abs(spre) > delta and abs(fcur) < abs(fpre):
+            if xpre == xblk:                            # interpolate
+                stry = -fcur * (xcur - xpre) / (fcur - fpre)
+            else:                                       # extrapolate (inverse quadratic)
+                dpre = (fpre - fcur) / (xpre - xcur)
+                dblk = (fblk - fcur) / (xblk - xcur)
+                stry = -fcur * (fblk * dblk - fpre * dpre) / (dblk * dpre * (fblk - fpre))
+            if 2 * abs(stry) < min(abs(spre), 3 * abs(sbis) - delta):
+                spre, scur = scur, stry                 # a good short step
+            else:
+                spre = scur = sbis                      # bisect
+        else:
+            spre = scur = sbis                          # bisect
+        xpre, fpre = xcur, fcur
+        xcur += scur if abs(scur) > delta else (delta if sbis > 0 else -delta)
+        fcur = g(xcur)
+    return xcur
 
 
 def _logp_for(spec: PopularitySpec, z_E: np.ndarray, top_k: int, sigma: float | None = None) -> np.ndarray:
@@ -226,30 +281,37 @@ def _logp_for(spec: PopularitySpec, z_E: np.ndarray, top_k: int, sigma: float | 
 
 def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed: int, path: tuple,
            groups: int, topk_groups: int, with_logits: bool) -> tuple:
-    """Sample one (layer, step) block; returns ids, weights, logits, info."""
+    """Sample one (layer, step) block; returns ids, weights, logits, info, and the per-expert counts
+    of ids when the calibration counted them (else None)."""
     kind = spec.kind
-    draw = lambda sig: sample_topk(_logp_for(spec, z_E, top_k, sig), top_k, tokens, _rng(seed, 1, *path),
-                                   groups=groups, topk_groups=topk_groups, with_logits=with_logits)
+    # every draw of this block is seeded alike: what the sampler can reuse (the race's noise, the
+    # plain fast path's uniforms) is drawn once; later draws of the plain fast path only count
+    redraw: dict = {}
+    logp = lambda sig: _logp_for(spec, z_E, top_k, sig)
+    draw = lambda sig: sample_topk(logp(sig), top_k, tokens, _rng(seed, 1, *path), groups=groups,
+                                   topk_groups=topk_groups, with_logits=with_logits, noise=redraw)
+    counts_only = sampler_of(z_E.size, tokens, groups, topk_groups, with_logits) == "pl"
     if kind != "maxvio":
         ids, w, lg = draw(None)
-        return ids, w, lg, {}
+        return ids, w, lg, {}, None
     target = spec.maxvio
     E = z_E.size
     noise = _rng(seed, 2, *path).standard_normal((16, E))
-    f = lambda ls: _expected_maxvio(math.exp(ls) * z_E, top_k, tokens, noise)
-    lo, hi = math.log(SIGMA_MIN), math.log(SIGMA_MAX)
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if mid in (lo, hi):
-            break
-        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
-    ls = 0.5 * (lo + hi)
-    evals = []
+    ls = _expected_root(lambda ls: _expected_maxvio(math.exp(ls) * z_E, top_k, tokens, noise) - target)
+    evals = []          # (relative error, log sigma, maxvio) of every draw
+    best: list = []     # the first draw of the least error: log sigma, ids, weights, logits, counts
 
     def realised(log_sigma: float):
-        ids, w, lg = draw(math.exp(log_sigma))
-        mv = maxvio_of(np.bincount(ids.ravel(), minlength=E))
-        evals.append((abs(mv / target - 1), log_sigma, mv, ids, w, lg))
+        if counts_only and "u" in redraw:  # the same experts as a whole draw, without its weights
+            ids, w, lg = pl_ids_again(logp(math.exp(log_sigma)), top_k, tokens, redraw), None, None
+        else:
+            ids, w, lg = draw(math.exp(log_sigma))
+        c = np.bincount(ids.ravel(), minlength=E)
+        mv = maxvio_of(c)
+        err = abs(mv / target - 1)
+        if not evals or err < min(e[0] for e in evals):
+            best[:] = [log_sigma, ids, w, lg, c]
+        evals.append((err, log_sigma, mv))
         return mv
 
     mv = realised(ls)
@@ -275,7 +337,8 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
             mid = 0.5 * (lo_ + hi_)
             mvm = realised(mid)
             lo_, hi_ = (mid, hi_) if mvm < target else (lo_, mid)
-    err, ls_best, mv_best, ids, w, lg = min(evals, key=lambda e: e[0])
+    err, ls_best, mv_best = min(evals, key=lambda e: e[0])
+    _, ids, w, lg, counts = best
     if err > TOLERANCE:
         all_mv = [e[2] for e in evals]
         if min(all_mv) > target:
@@ -285,7 +348,10 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
                 "much; use more tokens or --uniform")
         raise ConfigError(f"maxvio ({target}) must be reachable (E={E}, K={top_k}, T={tokens}): the best "
                           f"realised value was {mv_best:.4g} at sigma={math.exp(ls_best):.4g}")
-    return ids, w, lg, {"sigma": math.exp(ls_best), "calibration_samples": len(evals)}
+    if w is None:       # a counted draw: its ids as the sampler returns them, its weights replayed
+        w = pl_weights(logp(math.exp(ls_best)), ids, _rng(seed, 1, *path))
+        ids = ids.T.astype(np.int64, order="C")
+    return ids, w, lg, {"sigma": math.exp(ls_best), "calibration_samples": len(evals)}, counts
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -331,7 +397,7 @@ def generate(num_experts: int, top_k: int, tokens: int, seed: int, *, layers: in
         for si in range(steps):
             if si > 0 and drift > 0:
                 z = math.sqrt(1 - drift ** 2) * z + drift * _rng(seed, 4, li, si).standard_normal(E)
-            b_ids, b_w, b_lg, info = _block(spec, z, K, tokens, seed, (li, si), groups, topk_groups,
+            b_ids, b_w, b_lg, info, c = _block(spec, z, K, tokens, seed, (li, si), groups, topk_groups,
                                             with_logits)
             sl = slice(si * tokens, (si + 1) * tokens)
             if one:
@@ -340,7 +406,8 @@ def generate(num_experts: int, top_k: int, tokens: int, seed: int, *, layers: in
                 ids[li, sl], w[li, sl] = b_ids, b_w
                 if with_logits:
                     lg[li, sl] = b_lg
-            c = np.bincount(b_ids.ravel(), minlength=E)
+            if c is None:
+                c = np.bincount(b_ids.ravel(), minlength=E)
             blocks.append({"layer": li, "step": si, "maxvio": maxvio_of(c), "gini": gini(c), **info})
     report = {
         "popularity": spec.kind,

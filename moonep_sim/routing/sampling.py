@@ -20,7 +20,7 @@ it, with the same distribution (not the same outputs for a seed); :func:`sample_
   chosen mass exceeds one half, and rows still rejected after a few rounds, draw from their exact
   renormalised remainder (a per-row cumulative sum). Cost ``O(T K)`` draws plus ``O(T K^2)``
   integer compares instead of ``O(T E)`` noise and a partition: a Kimi-K3 layer (E=896, K=16,
-  T=262144) takes about 0.2 CPU s instead of about 2.5 s (docs/results/traces.md).
+  T=262144) takes about 0.1 CPU s instead of about 2.5 s (docs/results/traces.md, steps.md).
 - :func:`sample_topk_grouped` -- the fast path for group-limited top-K: the race of each group
   run the same way (the experts' clocks are independent), its first two arrivals giving the group
   score, the kept groups' races continued and merged (exact; its docstring). About 2x faster than
@@ -54,13 +54,19 @@ def _popularity(logp_E: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------- reference: the race
 def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
-                     groups: int = 1, topk_groups: int = 1, with_logits: bool = False
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+                     groups: int = 1, topk_groups: int = 1, with_logits: bool = False,
+                     noise: dict | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The exponential race over a ``[T, E]`` noise matrix (the reference; see the module docstring).
 
     Returns ids int64 [T, K] (by descending score), weights float32 [T, K] (softmax of the chosen
     scores), and the scores float32 [T, E] when ``with_logits``. Chunked: at most
     ``CHUNK_ELEMS`` floats of noise live at once.
+
+    noise: a dict kept by a caller that draws the same block again at other popularities from
+    an identically seeded ``rng`` (the maxvio calibration): the race's noise depends on ``rng``
+    alone, so it is drawn (and its log taken) on the first call and reused after -- the same
+    values, without the draws; ``rng`` is then left untouched. Only for one chunk (the race of
+    at most ``CHUNK_ELEMS`` pairs, the layers :func:`sample_topk` gives it); None: always drawn.
     """
     E, K = int(np.size(logp_E)), int(top_k)
     lp = _popularity(logp_E)
@@ -71,19 +77,33 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
     w = np.empty((tokens, K), np.float32)
     logits = np.empty((tokens, E), np.float32) if with_logits else None
     chunk = max(1, CHUNK_ELEMS // E)
+    if noise is not None and tokens > chunk:
+        noise = None                                   # several chunks: not kept
     for s in range(0, tokens, chunk):
         n = min(chunk, tokens - s)
-        x = rng.standard_exponential((n, E), dtype=np.float32)
+        if noise is not None and "x" in noise:
+            x = noise["x"]
+        else:
+            x = rng.standard_exponential((n, E), dtype=np.float32)
+            if noise is not None:
+                noise["x"] = x
         if grouped or with_logits:
-            score = lp32 - np.log(np.maximum(x, np.float32(1e-30)))      # logp + Gumbel
+            if noise is not None:
+                if "log" not in noise:
+                    noise["log"] = np.log(np.maximum(x, np.float32(1e-30)))
+                score = lp32 - noise["log"]                                 # logp + Gumbel
+            else:
+                score = lp32 - np.log(np.maximum(x, np.float32(1e-30)))
             if with_logits:
                 logits[s:s + n] = score
-            if grouped:
-                score = mask_groups(score, groups, topk_groups)
-            key = -score
+            if grouped:                                # in place: the logits hold their own copy
+                score = mask_groups(score, groups, topk_groups, copy=False)
+            key = np.negative(score, out=score)
+        elif noise is not None:
+            key = x * inv_p                                                 # X / p: smaller wins
         else:
             key = x
-            key *= inv_p                                                 # X / p: smaller wins
+            key *= inv_p
         part = np.argpartition(key, K - 1, axis=1)[:, :K] if K < E else np.tile(np.arange(E), (n, 1))
         kv = np.take_along_axis(key, part, axis=1)
         order = np.argsort(kv, axis=1, kind="stable")
@@ -97,19 +117,32 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
     return ids, w, logits
 
 
-def mask_groups(score_TE: np.ndarray, groups: int, topk_groups: int) -> np.ndarray:
-    """Scores with every expert outside each token's top-M groups set to -inf (a copy)."""
+def _top2_sum(g_TGn: np.ndarray) -> np.ndarray:
+    """The sum of each group's two largest scores, [T, G] (ties counted twice, as a partition
+    does): a running (largest, second) over the group's members, member by member across all
+    (token, group) rows at once -- the same values as ``np.partition(g, n - 2)[..., -2:].sum()``
+    in about half its time at DeepSeek-V3's 8 groups of 32."""
+    T, G, n = g_TGn.shape
+    c = np.ascontiguousarray(g_TGn.reshape(T * G, n).T)       # [n, T*G]: one member of every row
+    m1, m2 = np.maximum(c[0], c[1]), np.minimum(c[0], c[1])
+    tmp = np.empty_like(m1)
+    for r in c[2:]:
+        np.minimum(m1, r, out=tmp)
+        np.maximum(m2, tmp, out=m2)                             # the second: max(second, min(first, r))
+        np.maximum(m1, r, out=m1)
+    return (m1 + m2).reshape(T, G)
+
+
+def mask_groups(score_TE: np.ndarray, groups: int, topk_groups: int, copy: bool = True) -> np.ndarray:
+    """Scores with every expert outside each token's top-M groups set to -inf (a copy; with
+    ``copy=False`` in place, ``score_TE`` returned)."""
     T, E = score_TE.shape
     g = score_TE.reshape(T, groups, E // groups)
-    if E // groups >= 2:
-        top2 = np.partition(g, E // groups - 2, axis=2)[:, :, -2:]
-        gscore = top2.sum(axis=2)
-    else:
-        gscore = g[:, :, 0]
+    gscore = _top2_sum(g) if E // groups >= 2 else g[:, :, 0]
     keep = np.argpartition(-gscore, topk_groups - 1, axis=1)[:, :topk_groups]
     mask = np.ones((T, groups), bool)
     np.put_along_axis(mask, keep, False, axis=1)
-    out = g.copy()
+    out = g.copy() if copy else g
     out[mask] = -np.inf
     return out.reshape(T, E)
 
@@ -181,6 +214,17 @@ class _Races:
         self.tau_KN = np.empty((K, N))
         self.tau_R = np.zeros(N)
         self.k = 0
+        self._set_hard_bound()
+
+    def _set_hard_bound(self) -> None:
+        """``hard_R``: the chosen mass past which a row draws from its remainder at once; and
+        ``easy_k``: positions before which no row can be past it (the k most popular experts of
+        all together are short of it, with a margin far above the rounding of ``left_R``), so the
+        test is skipped there."""
+        self.hard_R = (1.0 - _REJECT_MASS) * self.span_R
+        top = np.cumsum(np.sort(self.p_E)[::-1])      # the k most popular experts' mass, k = 1..E
+        floor = float(self.span_R.min() - self.hard_R.max()) if self.span_R.size else 0.0
+        self.easy_k = int(np.searchsorted(top, floor - 1e-9, side="left")) + 1
 
     def subset(self, rows: np.ndarray, K: int) -> "_Races":
         """The races of ``rows`` (their arrivals so far kept), room for K arrivals in all."""
@@ -193,21 +237,28 @@ class _Races:
         out.tau_KN = np.empty((K, rows.size))
         out.ids_KN[:self.k], out.tau_KN[:self.k] = self.ids_KN[:self.k, rows], self.tau_KN[:self.k, rows]
         out.k = self.k
+        out._set_hard_bound()
         return out
 
     def _draw(self, u: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
-        """Inverse-CDF draws of uniforms ``u`` within each row's experts (rows None: every row)."""
+        """Inverse-CDF draws (intp) of uniforms ``u`` within each row's experts (rows None: every row)."""
+        if self.n == self.p_E.size:                    # every row races all E: u itself
+            return self.icdf.draw(u)
         base, span, first = ((self.base_R, self.span_R, self.first_R) if rows is None else
                              (self.base_R[rows], self.span_R[rows], self.first_R[rows]))
-        e = self.icdf.draw(base + u * span if self.n < self.p_E.size else u)
-        if self.n < self.p_E.size:                     # u rounded onto the group's end: its last expert
-            np.minimum(e, first + (self.n - 1), out=e)
-        return e.astype(self.small)
+        e = self.icdf.draw(base + u * span)
+        np.minimum(e, first + (self.n - 1), out=e)     # u rounded onto the group's end: its last expert
+        return e
 
     def _repeats(self, e: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
-        rep = np.zeros(e.size, bool)
-        for j in range(self.k):
-            rep |= (self.ids_KN[j] if rows is None else self.ids_KN[j, rows]) == e
+        """Whether each draw ``e`` (of ``self.small`` dtype) repeats one of its row's arrivals."""
+        if not self.k:
+            return np.zeros(e.size, bool)
+        rep = (self.ids_KN[0] if rows is None else self.ids_KN[0, rows]) == e
+        eq = np.empty_like(rep)
+        for j in range(1, self.k):
+            np.equal(self.ids_KN[j] if rows is None else self.ids_KN[j, rows], e, out=eq)
+            rep |= eq
         return rep
 
     def _remainder(self, rows: np.ndarray) -> np.ndarray:
@@ -229,32 +280,58 @@ class _Races:
             out[s:s + chunk] = first[:, 0] + np.minimum(e, last)
         return out
 
-    def advance(self) -> None:
-        """Every row's next arrival."""
-        k, N = self.k, self.first_R.size
-        # arrival time: tau += X / (popularity not yet chosen)
-        x = self.rng.standard_exponential(N, dtype=np.float32)
+    def _tick(self) -> None:
+        """This position's arrival times: ``tau += X / (popularity not yet chosen)``, X from ``rng``."""
+        x = self.rng.standard_exponential(self.first_R.size, dtype=np.float32)
         np.maximum(x, np.float32(1e-30), out=x)        # an exact 0 would give a zero time (infinite score)
-        self.tau_R += x / np.maximum(self.left_R, 1e-300)
-        self.tau_KN[k] = self.tau_R
-        e = self._draw(self.rng.random(N), None)
-        self.ids_KN[k] = e
+        dt = np.maximum(self.left_R, 1e-300)
+        np.divide(x, dt, out=dt)
+        self.tau_R = np.add(self.tau_R, dt, out=self.tau_KN[self.k])   # this position's row is the clock now
+
+    def advance(self, u: np.ndarray | None = None, keep_u: list | None = None) -> None:
+        """Every row's next arrival. ``u``: this position's uniforms, kept from an earlier run of the
+        same streams (``keep_u`` keeps them): the experts drawn without the arrival times (whose
+        exponentials are then not drawn; ``tau_KN`` is left unset)."""
+        k, N = self.k, self.first_R.size
+        if u is None:
+            self._tick()
+            u = self.rng.random(N)
+        if keep_u is not None:
+            keep_u.append(u)
+        e = self._draw(u, None)                        # intp; its narrow copy is this position's row
+        ids = self.ids_KN[k]
+        ids[...] = e
         if k:
-            hard_R = self.left_R < (1.0 - _REJECT_MASS) * self.span_R   # mostly chosen: the remainder at once
-            todo = np.flatnonzero(self._repeats(e, None) | hard_R)
-            hard, todo = todo[hard_R[todo]], todo[~hard_R[todo]]
+            rep = self._repeats(ids, None)
+            if k >= self.easy_k:                       # some row may be mostly chosen: the remainder at once
+                hard_R = self.left_R < self.hard_R
+                todo = np.flatnonzero(rep | hard_R)
+                hard, todo = todo[hard_R[todo]], todo[~hard_R[todo]]
+            else:
+                todo, hard = np.flatnonzero(rep), np.empty(0, np.intp)
             for _ in range(_REJECT_ROUNDS):
                 if todo.size == 0:
                     break
-                e = self._draw(self.retry.random(todo.size), todo)
-                rep = self._repeats(e, todo)
-                self.ids_KN[k, todo[~rep]] = e[~rep]
+                ee = self._draw(self.retry.random(todo.size), todo)
+                rep = self._repeats(ee.astype(self.small), todo)
+                ok = todo[~rep]
+                ids[ok] = e[ok] = ee[~rep]
                 todo = todo[rep]
             rest = np.union1d(hard, todo) if todo.size else hard
             if rest.size:
-                self.ids_KN[k, rest] = self._remainder(rest)
-        self.left_R -= self.p_E.take(self.ids_KN[k])
+                ids[rest] = e[rest] = self._remainder(rest)
+        self.left_R -= self.p_E.take(e)
         self.k += 1
+
+    def replay(self, ids_KN: np.ndarray) -> None:
+        """The arrival times of experts ``ids_KN`` drawn before from streams seeded as ``rng``: its
+        exponentials drawn (and its uniforms skipped) in the order :meth:`advance` draws them."""
+        for k in range(ids_KN.shape[0]):
+            self._tick()
+            self.rng.random(self.first_R.size)         # the uniform the draw took
+            self.ids_KN[k] = ids_KN[k]
+            self.left_R -= self.p_E.take(ids_KN[k])
+            self.k += 1
 
 
 def _normalised(logp_E: np.ndarray) -> tuple[np.ndarray, InverseCDF]:
@@ -269,8 +346,25 @@ def _weights(tau_TK: np.ndarray) -> np.ndarray:
     return (inv / inv.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
-def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator
-                   ) -> tuple[np.ndarray, np.ndarray]:
+_WEIGHT_BLOCK = 1 << 15    # tokens per block of _weights_KN (16 x 32768 float64: 4 MiB, cache-sized)
+
+
+def _weights_KN(tau_KN: np.ndarray) -> np.ndarray:
+    """:func:`_weights` of ``tau_KN.T`` (float32 [N, K], C order) computed on the position-major
+    arrays, a block of tokens at a time (contiguous rows; the same divisions and the same
+    position-by-position sum, so the same values whatever the block)."""
+    K, N = tau_KN.shape
+    out = np.empty((N, K), np.float32)
+    for s in range(0, N, _WEIGHT_BLOCK):
+        tau = tau_KN[:, s:s + _WEIGHT_BLOCK]
+        inv = tau[0] / tau
+        inv /= inv.sum(axis=0)
+        out[s:s + _WEIGHT_BLOCK] = inv.T
+    return out
+
+
+def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
+                   noise: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Plain top-K by sequential Plackett-Luce draws (the fast path; see the module docstring).
 
     Returns ids int64 [T, K] in the order drawn (descending score) and weights float32 [T, K]
@@ -280,14 +374,46 @@ def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.G
     Random streams: ``rng`` gives every token exactly one uniform and one exponential per
     position whatever the popularity (so draws at two popularities are coupled token by token);
     redraws after a rejection and remainder draws come from a child stream seeded once from it.
+
+    noise: a dict that keeps this draw's uniforms and child seed (K x T float64), for
+    :func:`pl_ids_again` to draw the same streams' experts at another popularity.
     """
     E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
     p, icdf = _normalised(logp_E)
-    retry = np.random.default_rng(int(rng.integers(0, 1 << 63)))
-    races = _Races(p, icdf, np.zeros(T, np.intp), E, K, rng, retry)
+    seed = int(rng.integers(0, 1 << 63))
+    races = _Races(p, icdf, np.zeros(T, np.intp), E, K, rng, np.random.default_rng(seed))
+    keep = None
+    if noise is not None:
+        keep = noise["u"] = []
+        noise["retry_seed"] = seed
     for _ in range(K):
-        races.advance()
-    return races.ids_KN.T.astype(np.int64, order="C"), _weights(races.tau_KN.T)
+        races.advance(keep_u=keep)
+    return races.ids_KN.T.astype(np.int64, order="C"), _weights_KN(races.tau_KN)
+
+
+def pl_ids_again(logp_E: np.ndarray, top_k: int, tokens: int, noise: dict) -> np.ndarray:
+    """The experts :func:`sample_topk_pl` draws at ``logp_E`` from the streams whose uniforms
+    ``noise`` kept (the same values, position-major ``[K, T]`` of a small int dtype), without
+    their arrival times or weights: what a calibration that only counts needs, at about half
+    the cost (no exponentials, clock or weights). :func:`pl_weights` completes a draw."""
+    E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
+    p, icdf = _normalised(logp_E)
+    races = _Races(p, icdf, np.zeros(T, np.intp), E, K, None, np.random.default_rng(noise["retry_seed"]))
+    for k in range(K):
+        races.advance(u=noise["u"][k])
+    return races.ids_KN
+
+
+def pl_weights(logp_E: np.ndarray, ids_KN: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """The weights :func:`sample_topk_pl` returns with experts ``ids_KN`` (from
+    :func:`pl_ids_again` at ``logp_E``), ``rng`` seeded as the sampler's was: its arrival times
+    replayed (the same exponentials, the same popularity left), float32 [T, K]."""
+    K, T = ids_KN.shape
+    p, icdf = _normalised(logp_E)
+    rng.integers(0, 1 << 63)                           # the child seed, drawn first by the sampler
+    races = _Races(p, icdf, np.zeros(T, np.intp), p.size, K, rng, None)
+    races.replay(ids_KN)
+    return _weights_KN(races.tau_KN)
 
 
 def sample_topk_grouped(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
@@ -325,28 +451,38 @@ def sample_topk_grouped(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.ran
 
 
 def sample_topk(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
-                groups: int = 1, topk_groups: int = 1, with_logits: bool = False
+                groups: int = 1, topk_groups: int = 1, with_logits: bool = False, noise: dict | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """K distinct experts per token, drawn without replacement with probability ∝ exp(logp).
 
     Returns ids int64 [T, K] (by descending score), weights float32 [T, K] (softmax of the chosen
     scores), and the scores float32 [T, E] when ``with_logits``. Plain and group-limited top-K
     take the fast Plackett-Luce paths; logits, and layers of at most ``CHUNK_ELEMS`` token-expert
-    pairs, take the race (all three: module docstring).
+    pairs, take the race (all three: module docstring). noise: what a redraw of the same streams
+    reuses (the race's noise, :func:`sample_topk_race`; the plain fast path's uniforms,
+    :func:`sample_topk_pl`; the grouped path keeps none).
     """
-    if with_logits or int(tokens) * int(np.size(logp_E)) <= CHUNK_ELEMS:
+    if sampler_of(np.size(logp_E), tokens, groups, topk_groups, with_logits) == "race":
         # logits, and small layers (one chunk of the race: tens of ms): the race, whose draws are
         # coupled expert by expert across popularities. The fast paths' rejected draws are not, and
         # at a few tokens the maxvio calibration's bisection then meets a statistic too jagged to
         # hit its tolerance (e.g. T=64, E=8, K=2 at maxvio 1).
         return sample_topk_race(logp_E, top_k, tokens, rng, groups=groups, topk_groups=topk_groups,
-                                with_logits=with_logits)
+                                with_logits=with_logits, noise=noise)
     if groups > 1 and topk_groups < groups:
         ids, w = sample_topk_grouped(logp_E, top_k, tokens, rng, groups=groups, topk_groups=topk_groups)
     else:
-        ids, w = sample_topk_pl(logp_E, top_k, tokens, rng)
+        ids, w = sample_topk_pl(logp_E, top_k, tokens, rng, noise=noise)
     return ids, w, None
 
 
-__all__ = ["CHUNK_ELEMS", "InverseCDF", "LOGP_FLOOR", "mask_groups", "sample_topk", "sample_topk_grouped",
-           "sample_topk_pl", "sample_topk_race"]
+def sampler_of(num_experts: int, tokens: int, groups: int = 1, topk_groups: int = 1,
+               with_logits: bool = False) -> str:
+    """Which sampler :func:`sample_topk` runs: ``race``, ``grouped`` or ``pl``."""
+    if with_logits or int(tokens) * int(num_experts) <= CHUNK_ELEMS:
+        return "race"
+    return "grouped" if groups > 1 and topk_groups < groups else "pl"
+
+
+__all__ = ["CHUNK_ELEMS", "InverseCDF", "LOGP_FLOOR", "mask_groups", "pl_ids_again", "pl_weights", "sample_topk",
+           "sample_topk_grouped", "sample_topk_pl", "sample_topk_race", "sampler_of"]

@@ -17,6 +17,10 @@ planning terms), each with its source and status in the preset's ``[sources]``.
   (DeepEP V1) forwards in ``channels x chunk`` rows per hop class and direction (:func:`relay_hop_rows`).
 - **Per-message NIC cost** (``kernel_nic_message_us``): one RDMA write per row for the low-latency
   kernels (:func:`row_messages_us`).
+- **Receive copy** (DeepEP V1, ``KernelSpec.recv_copy``): the receivers copy each arrived chunk
+  out of their buffer into the output as it arrives, so the last message's copy is exposed
+  (:func:`receive_copy_us`), as the last message's reduce of a ``"fused"`` combine is
+  (:func:`combine_reduce_us`); for a chunked kernel the message is ``channels x chunk`` rows.
 - **Copy epilogue** (DeepEP V2, ``KernelSpec.epilogue``): after the dispatch kernel, a kernel on
   every SM writes the received rows into the output, once per (token, rank) or -- expanded -- once
   per (token, local expert) (:func:`dispatch_epilogue_us`); an expanded combine first reads every
@@ -110,6 +114,19 @@ def combine_reduce_us(recv_bytes: float, out_bytes: float, rate: float, mode: st
         return 0.0
     work = float(recv_bytes) + float(out_bytes)
     return (work if mode == "after" else min(work, float(tail_bytes))) / rate
+
+
+def receive_copy_us(recv_bytes, message_bytes: float, rate: float):
+    """The last dispatch hop's receive copy on one rank (``KernelSpec.recv_copy``, DeepEP V1): the
+    receiving SMs copy each arrived chunk out of the receive buffer into the output (read + write) as
+    it arrives, so only the copy of the last message -- ``message_bytes``, ``channels x chunk`` rows
+    of a chunked kernel -- is exposed: ``min(2 recv, 2 message) / rate`` (``rate``: bytes read +
+    written per us, :func:`reduce_bytes_per_us`). ``recv_bytes`` may be a scalar or an [R] array."""
+    import numpy as np
+
+    if rate <= 0 or not math.isfinite(rate):
+        return 0.0 * recv_bytes
+    return np.minimum(2.0 * recv_bytes, 2.0 * float(message_bytes)) / rate
 
 
 def dispatch_epilogue_us(recv_rows, out_rows, row_bytes: float, rate: float):
@@ -222,7 +239,7 @@ def weight_copy_us(topo: Topology, nbytes: float, inter_node: bool, engine: str 
 
 __all__ = ["checked_on", "class_bytes_per_us", "dispatch_epilogue_us", "epilogue_rows_R", "expand_read_bytes_per_us",
            "kernel_checks", "combine_reduce_us", "kernel_fixed_us", "kernel_launches", "kernel_sms", "message_us",
-           "nic_message_cost_us", "planning_us", "reduce_bytes_per_us", "relay_active", "relay_hop_rows", "relay_rows", "relay_two_hop_us",
+           "nic_message_cost_us", "planning_us", "receive_copy_us", "reduce_bytes_per_us", "relay_active", "relay_hop_rows", "relay_rows", "relay_two_hop_us",
            "row_messages_us", "sm_cap_bytes_per_us", "weight_copy_bytes_per_us", "weight_copy_us"]
 
 

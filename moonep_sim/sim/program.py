@@ -24,8 +24,9 @@ from moonep_sim.plan.kinds import COMM_KINDS, WEIGHT_KINDS, Direction, PhaseKind
 from moonep_sim.sim.compute import rank_compute_us
 from moonep_sim.sim.faults import FaultState
 from moonep_sim.sim.kernels import (dispatch_epilogue_us, epilogue_rows_R, expand_read_bytes_per_us, kernel_fixed_us,
-                                    message_us, nic_message_cost_us, reduce_bytes_per_us, relay_active,
-                                    relay_hop_rows, relay_rows, sm_cap_bytes_per_us, weight_copy_bytes_per_us)
+                                    message_us, nic_message_cost_us, receive_copy_us, reduce_bytes_per_us,
+                                    relay_active, relay_hop_rows, relay_rows, sm_cap_bytes_per_us,
+                                    weight_copy_bytes_per_us)
 from moonep_sim.sim.kernels import planning_us as kernel_planning_us
 from moonep_sim.sim.options import SimOptions
 from moonep_sim.sim.topology import Topology
@@ -290,6 +291,30 @@ def kernel_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
         prog.relay_post = [_relay_RR(p, plan, topo, sm_cap, "combine") for p in prog.post]
     for h, us_R in enumerate(combine_reduce_R(plan, topo, prog.post)):
         prog.post_post_copy[h] = prog.post_post_copy[h] + us_R
+    recv_copy = receive_copy_R(plan, topo, prog.pre)
+    if recv_copy is not None:
+        prog.post_copy[-1] = prog.post_copy[-1] + recv_copy
+
+
+def _message_rows(plan: Plan, topo: Topology, phase: CommPhase, direction: str) -> int:
+    """Rows of the phase's last message at its receiver: ``channels x chunk`` of the hop's class for a
+    chunked kernel, else the relayed message (``moonep_sim.sim.kernels.relay_hop_rows``)."""
+    cross = bool((phase.bytes_RR.astype(np.float64) * _cross_node_RR(plan, topo)).sum() > 0)
+    return relay_hop_rows(topo, plan.kernel, plan.ranks, direction, cross)
+
+
+def receive_copy_R(plan: Plan, topo: Topology, pre: list[CommPhase]) -> np.ndarray | None:
+    """[R] us of the last dispatch hop's receive copy (``KernelSpec.recv_copy``; GPU presets only): the
+    receivers copy each arrived chunk into the output, the last message's copy exposed
+    (``moonep_sim.sim.kernels.receive_copy_us`` at ``reduce_bytes_per_us``); None when off."""
+    spec = plan.kernel
+    if spec is None or not spec.recv_copy or topo.sm_count <= 0 or not pre:
+        return None
+    ph = pre[-1]
+    rows = float(ph.msgs_RR.sum())
+    row = float(ph.bytes_RR.sum()) / rows if rows > 0 else 0.0
+    m = max(_message_rows(plan, topo, ph, "dispatch"), 1)
+    return receive_copy_us(ph.bytes_RR.sum(axis=0).astype(np.float64), m * row, reduce_bytes_per_us(topo, spec))
 
 
 def combine_reduce_R(plan: Plan, topo: Topology, post: list[CommPhase]) -> list[np.ndarray]:
@@ -298,15 +323,17 @@ def combine_reduce_R(plan: Plan, topo: Topology, post: list[CommPhase]) -> list[
     and their per-token sums written -- the rows it sends in the next combine hop, or, after the
     last, one row per token it holds (``moonep_sim.sim.kernels.combine_reduce_us``, at
     ``reduce_bytes_per_us``: HBM, capped by the SMs of SM-driven kernels). The kernel family says
-    whether that pass runs after the rows arrived or is fused into the receive (default: after)."""
+    whether that pass runs after the rows arrived or is fused into the receive (default: after); fused,
+    the last message's reduce is exposed: ``channels x chunk`` rows of the hop's class for a chunked
+    kernel (DeepEP V1's ``get_combine_config``), else the relayed message."""
     if topo.sm_count <= 0 or not post:
         return []
     spec = plan.kernel
     mode = (spec.reduce if spec is not None else None) or "after"
     rate = reduce_bytes_per_us(topo, spec)
-    m = relay_rows(topo, spec)
     out = []
     for h, ph in enumerate(post):
+        m = _message_rows(plan, topo, ph, "combine")
         recv_R = ph.bytes_RR.sum(axis=0).astype(np.float64)
         rows = float(ph.msgs_RR.sum())
         row = float(ph.bytes_RR.sum()) / rows if rows > 0 else 0.0
@@ -332,4 +359,5 @@ def p2p_scale(plan: Plan, topo: Topology) -> np.ndarray | None:
     return np.where(cross, topo.nic_efficiency / topo.nic_p2p_efficiency, 1.0)
 
 
-__all__ = ["StageProgram", "combine_reduce_R", "epilogue_terms", "host_copy_us", "kernel_terms", "p2p_scale", "planning_us", "stage_program"]
+__all__ = ["StageProgram", "combine_reduce_R", "epilogue_terms", "host_copy_us", "kernel_terms", "p2p_scale", "planning_us",
+           "receive_copy_R", "stage_program"]

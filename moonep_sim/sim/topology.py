@@ -188,7 +188,7 @@ class Topology:
     nodes: int = 0
     nvlink_bandwidth_GBps: float = 200.0
     nvlink_latency_us: float = 2.0
-    nvlink_efficiency: float = 0.7
+    nvlink_efficiency: float = 0.7021
     nvlink_peer_GBps: float = 0.0
     nic_bandwidth_GBps: float = 50.0
     nic_latency_us: float = 4.0
@@ -221,12 +221,12 @@ class Topology:
     plan_routing_bytes_per_entry: float = 0.0
     plan_per_entry_ns: float = 0.02
     plan_per_cell_ns: float = 3.124
-    kernel_dispatch_fixed_us: float = 26.83
-    kernel_combine_fixed_us: float = 11.58
+    kernel_dispatch_fixed_us: float = 26.97
+    kernel_combine_fixed_us: float = 11.86
     kernel_relay_message_rows: int = 16
     kernel_nic_message_us: float = 0.003
     sm_count: int = 132
-    sm_copy_GBps: float = 20.78
+    sm_copy_GBps: float = 20.88
     weights_engine: str = "copy_engine"
     weights_nvlink_efficiency: float = 1.0
     weights_nic_efficiency: float = 0.0
