@@ -20,7 +20,7 @@ it, with the same distribution (not the same outputs for a seed); :func:`sample_
   chosen mass exceeds one half, and rows still rejected after a few rounds, draw from their exact
   renormalised remainder (a per-row cumulative sum). Cost ``O(T K)`` draws plus ``O(T K^2)``
   integer compares instead of ``O(T E)`` noise and a partition: a Kimi-K3 layer (E=896, K=16,
-  T=262144) takes about 0.2 CPU s instead of about 2.5 s (docs/results/traces.md).
+  T=262144) takes about 0.1 CPU s instead of about 2.5 s (docs/results/traces.md, steps.md).
 - :func:`sample_topk_grouped` -- the fast path for group-limited top-K: the race of each group
   run the same way (the experts' clocks are independent), its first two arrivals giving the group
   score, the kept groups' races continued and merged (exact; its docstring). About 2x faster than
