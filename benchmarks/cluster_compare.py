@@ -58,16 +58,28 @@ def run(topologies, maxvios, tokens, ranks, strategies, seed=0) -> list[dict]:
                 rows[s] = dict(layer_us=float(res.layer_time_us[s]), phases=d.get("phases_us", {}),
                                straggler=st.get("detail", ""), busiest=d.get("busiest_port", {}).get("name", ""),
                                ratio_lb=float(d.get("ratio_to_lower_bound", 0.0)))
+            v = res.verdict or {}  # the simulator's own verdict: ties, confidence and the mechanism
             order = sorted(rows, key=lambda s: rows[s]["layer_us"])
+            w, ru = v.get("winner", order[0]), v.get("runner_up", order[1])
             G = sc.resolved.cluster.gpus_per_node
             out.append(dict(topology=tn, maxvio=mv, tokens=tokens, ranks=ranks, gpus_per_node=G, deepep_impl=impl,
                             nvlink_GBps=topo.nvlink_bytes_per_us / 1e3, nic_GBps=topo.nic_bytes_per_us / 1e3,
-                            tflops=topo.gpu_tflops, rows=rows, winner=order[0], runner_up=order[1],
-                            margin=rows[order[1]]["layer_us"] / rows[order[0]]["layer_us"] - 1,
+                            tflops=topo.gpu_tflops, rows=rows, winner=w, runner_up=ru,
+                            margin=rows[ru]["layer_us"] / rows[w]["layer_us"] - 1,
+                            tie=bool(v.get("tie")), mechanism=v.get("mechanism", ""), why=v.get("why", ""),
+                            confidence=(v.get("confidence") or {}).get("level", ""),
                             wall_s=time.time() - t0))
             print(f"{tn:<12} maxvio {mv:<4} winner {order[0]:<12} "
                   + " ".join(f"{s} {rows[s]['layer_us'] / 1e3:.2f}ms" for s in strategies), flush=True)
     return out
+
+
+def _call(r: dict) -> str:
+    """The winner cell: a tie within the verdict's spread is named a tie, not a win."""
+    if r.get("tie"):
+        return f"tie: {r['winner']} / {r['runner_up']} (+{100 * r['margin']:.1f}%)"
+    mech = "".join(f"; {x}" for x in (r.get("mechanism"), r.get("confidence") and f"confidence {r['confidence']}") if x)
+    return f"**{r['winner']}** (+{100 * r['margin']:.1f}% to {r['runner_up']}{mech})"
 
 
 def render(res: list[dict], meta: dict) -> str:
@@ -88,7 +100,7 @@ def render(res: list[dict], meta: dict) -> str:
         cells = [f"{r['rows'][s]['layer_us'] / 1e3:.2f}" for s in strategies]
         L.append(f"| {r['topology']} ({r['gpus_per_node']}; {r['nvlink_GBps']:.0f} / {r['nic_GBps']:.0f}; "
                  f"{r['tflops']:.0f}) | {r['maxvio']:g} | {r['deepep_impl']} | " + " | ".join(cells)
-                 + f" | **{r['winner']}** (+{100 * r['margin']:.1f}% to {r['runner_up']}) |")
+                 + f" | {_call(r)} |")
     multi = sorted({r["topology"] for r in res if r["gpus_per_node"] < r["ranks"]})
     if "moonep" in strategies and multi:  # the flag compare prints as outside-library, stated beside the table
         L += ["", f"Assumptions beside these figures: `moonep` on {', '.join(multi)} (EP{res[0]['ranks']} over several "
@@ -101,11 +113,16 @@ def render(res: list[dict], meta: dict) -> str:
         at = [r for r in res if r["maxvio"] == mv]
         by = {}
         for r in at:
-            by.setdefault(r["winner"], []).append(r["topology"])
+            by.setdefault(f"tie of {r['winner']} and {r['runner_up']}" if r.get("tie") else r["winner"],
+                          []).append(r["topology"])
         L.append(f"- maxvio {mv:g}: " + "; ".join(f"**{w}** on {', '.join(ts)}" for w, ts in by.items())
                  + (" (the same winner on every cluster)" if len(by) == 1 else " (the winner changes with the cluster)")
                  + ". Runner-up margins: " + ", ".join(f"{r['topology']} +{100 * r['margin']:.1f}% ({r['runner_up']})"
                                                        for r in at) + ".")
+    L += ["", "## The verdict's cause, per cluster (the simulator's verdict: `Scenario.simulate().verdict`)", ""]
+    for r in res:
+        if r.get("why"):
+            L.append(f"- **{r['topology']}, maxvio {r['maxvio']:g}** ({r.get('mechanism') or '-'}): {r['why']}")
     L += ["", "## Why (per cluster and strategy: straggler; busiest port)", ""]
     for r in res:
         L.append(f"- **{r['topology']}, maxvio {r['maxvio']:g}**: " + "; ".join(

@@ -14,7 +14,9 @@ from moonep_sim.routing.sampling import sample_topk_grouped, sample_topk_pl
 
 
 @pytest.mark.parametrize("K,N", [(1, 7), (3, 1000), (16, 5000)])
-def test_position_major_weights_equal_the_token_major_ones(K, N):
+@pytest.mark.parametrize("block", [64, 1 << 15])
+def test_position_major_weights_equal_the_token_major_ones(K, N, block, monkeypatch):
+    monkeypatch.setattr(sampling, "_WEIGHT_BLOCK", block)
     tau_KN = np.cumsum(np.random.default_rng(K).standard_exponential((K, N)), axis=0)
     w = sampling._weights_KN(tau_KN)
     assert w.flags["C_CONTIGUOUS"] and w.dtype == np.float32 and w.shape == (N, K)
@@ -112,3 +114,52 @@ def test_the_race_keeps_no_noise_over_several_chunks(monkeypatch):
     a = sampling.sample_topk_race(np.zeros(16), 2, 20, np.random.default_rng(1), noise=noise)
     assert noise == {} and np.array_equal(a[0], sampling.sample_topk_race(np.zeros(16), 2, 20,
                                                                           np.random.default_rng(1))[0])
+
+
+@pytest.mark.parametrize("fn,a,b", [(lambda x: x ** 3 - 2 * x - 5, 2.0, 3.0), (lambda x: math.exp(x) - 10, -9.2, 4.2),
+                                    (lambda x: math.tanh(50 * (x - 0.3)), -1.0, 2.0), (lambda x: x - 1.0, 1.0, 5.0)])
+def test_the_calibration_root_is_scipy_brentq_step_for_step(fn, a, b):
+    from scipy.optimize import brentq
+
+    from moonep_sim.routing.generators import _brent
+
+    assert _brent(fn, a, b, fn(a), fn(b)) == brentq(fn, a, b, xtol=1e-15, rtol=8.9e-16, maxiter=200)
+
+
+@pytest.mark.parametrize("n", [2, 3, 32])
+def test_group_scores_equal_a_partitions(n):
+    g = np.random.default_rng(n).standard_normal((50, 8, n)).astype(np.float32)
+    g[::3, :, 0] = g[::3, :, 1]                   # ties at the top
+    g[1::3, :, -1] = g[1::3, :, 0]
+    ref = np.partition(g, n - 2, axis=2)[:, :, -2:].sum(axis=2)
+    assert np.array_equal(sampling._top2_sum(g), ref)
+
+
+def test_counting_redraws_find_the_whole_draws_experts_and_weights():
+    z = np.random.default_rng(5).standard_normal(40)
+    noise: dict = {}
+    sample_topk_pl(0.5 * z, 6, 3000, np.random.default_rng(11), noise=noise)
+    for sigma in (0.2, 0.9, 2.5):                   # the last one sends rows to the remainder draw
+        ids, w = sample_topk_pl(sigma * z, 6, 3000, np.random.default_rng(11))
+        again, counts = sampling.pl_ids_again(sigma * z, 6, 3000, noise)
+        assert np.array_equal(again.T, ids) and np.array_equal(counts, np.bincount(ids.ravel(), minlength=40))
+        assert np.array_equal(sampling.pl_weights(sigma * z, again, noise), w)
+
+
+def test_a_refined_calibration_returns_a_whole_draw(monkeypatch):
+    # plain fast path (T x E above one race chunk) with a target the first guess misses by > 2%
+    from moonep_sim.routing import generators
+
+    monkeypatch.setattr(sampling, "CHUNK_ELEMS", 1 << 12)
+    replayed = []
+    monkeypatch.setattr(generators, "pl_weights", lambda *a: replayed.append(1) or sampling.pl_weights(*a))
+    g = generate(32, 4, 6000, seed=21, maxvio=1.0)
+    assert g.report["blocks"][0]["calibration_samples"] > 1 and replayed == [1]   # the best was a counted draw
+    ids, w = g.topk_ids_LTK[0], g.topk_weights_LTK[0]
+    sigma = g.report["blocks"][0]["sigma"]
+    from moonep_sim.routing.generators import _rng
+
+    z = _rng(21, 0).standard_normal(32)
+    ref_ids, ref_w = sample_topk_pl(sigma * z, 4, 6000, _rng(21, 1, 0, 0))
+    assert ids.dtype == np.int64 and ids.flags["C_CONTIGUOUS"]
+    assert np.array_equal(ids, ref_ids) and np.array_equal(w, ref_w)

@@ -98,7 +98,7 @@ def route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndar
 
 def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
     """bool [N]: True for a kept entry whose token has an earlier kept entry at the same rank."""
-    entry_rank_N = np.asarray(entry_rank_N, dtype=np.int64)
+    entry_rank_N = np.asarray(entry_rank_N)
     N = entry_rank_N.size
     dup = np.zeros(N, dtype=bool)
     if N == 0:
@@ -107,6 +107,23 @@ def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
     if R == 0:
         return dup
     K = max(int(top_k), 1)
+    if R < 255 and K <= DUP_PAIRWISE_MAX_K and N % K == 0:
+        # ranks as one byte (-1 -> 255, never a rank here), top-k slot-major: entry k of every token
+        # is one contiguous [T] row, and entry k is a duplicate where it equals an earlier entry j
+        # (a dropped one, 255, marks nothing and is never one): K*(K-1)/2 byte compares per token
+        rank_KT = np.empty((K, N // K), dtype=np.uint8)
+        np.copyto(rank_KT, entry_rank_N.reshape(-1, K).T, casting="unsafe")
+        dup_KT = np.zeros((K, N // K), dtype=bool)
+        eq = np.empty(N // K, dtype=bool)
+        for k in range(1, K):  # loop over top-k slot pairs, not tokens
+            for j in range(k):
+                np.equal(rank_KT[j], rank_KT[k], out=eq)
+                dup_KT[k] |= eq
+        if bool(entry_rank_N.min() < 0):
+            dup_KT &= rank_KT != 255
+        dup.reshape(-1, K)[:] = dup_KT.T
+        return dup
+    entry_rank_N = entry_rank_N.astype(np.int64, copy=False)
     if R <= 64 and N % K == 0:
         # per token, a bit set of the ranks its earlier entries went to: K passes over the tokens
         rank_TK = entry_rank_N.reshape(-1, K)
@@ -145,42 +162,60 @@ def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
     return dup
 
 
+#: largest top-k for which :func:`dup_flags` compares every pair of a token's entries (one byte
+#: each, K*(K-1)/2 compares per token; beyond it a bit set per token, K passes, or a sort)
+DUP_PAIRWISE_MAX_K = 16
+
+
 def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_row_N: np.ndarray, ranks: int,
                  token_padding: int = 1, min_rows_S: np.ndarray | None = None,
                  entry_rank_N: np.ndarray | None = None, scratch: list | None = None):
     """The expert-grouped layout and the final rows of entries given by slot:
     (lay, row_entry_W, expand_src_row_W), what ``slot_layout`` then ``final_rows`` return.
 
-    entry_slot_N: int64 [N] slot of each entry, -1 = dropped.  slot_rank_S: int64 [S] sorted.
-    entry_buf_row_N: int64 [N] the last buffer's row of each entry.  ranks: R.
-    entry_rank_N: optional int64 [N] each entry's rank (``slot_rank_S[entry_slot_N]``).
-    scratch: optional list of dead int64 [N] arrays (not ``entry_buf_row_N``) to write into
+    entry_slot_N: [N] slot of each entry (int64, or any integer dtype), -1 = dropped.
+    slot_rank_S: int64 [S] sorted.
+    entry_buf_row_N: [N] the last buffer's row of each entry (INDEX or int64).  ranks: R.
+    entry_rank_N: unused (each entry's rank; the final rows come from its slot's).
+    scratch: optional list of dead INDEX [N] arrays (not ``entry_buf_row_N``) to write into
     instead of fresh pages (they may end up in the Plan).
 
     Without padding or dropped entries, each entry's buffer row is written to its final row in
-    entry order (its rank's first row plus its row there) instead of gathered in slot order: one
-    slot's entries lie ~N/S entries apart, so that gather touches a new page nearly every access,
-    where entry order writes one run per slot. Measured on deepep's arrays at K3 EP64 (8.4M
+    entry order (its slot's rank's first row plus its row there, chunk by chunk) instead of
+    gathered in slot order: one slot's entries lie ~N/S entries apart, so that gather touches a new
+    page nearly every access, where entry order writes one run per slot. Measured on deepep's arrays at K3 EP64 (8.4M
     entries, 896 slots; 2026-12-02, four runs alternating in one process, load ~6 on 2 CPUs):
     0.33-0.44 s of CPU against 0.47-0.67 s for ``slot_layout`` then ``final_rows``.
     """
-    spare = Scratch(entry_slot_N.size, scratch)
-    row, expand = spare.take(), np.empty(entry_slot_N.size, dtype=INDEX)  # (expand: the Plan's dtype)
+    N = entry_slot_N.size
+    # (the final rows' sources in the buffer rows' dtype, as final_rows gives them: INDEX from the
+    # route builders)
+    dt = np.asarray(entry_buf_row_N).dtype
+    expand = Scratch(N, scratch).take() if dt == INDEX else np.empty(N, dtype=dt)
     if scratch:  # the other dead arrays go before the layout allocates its own
         scratch.clear()
     lay = slot_layout(entry_slot_N, slot_rank_S, token_padding, min_rows_S, ranks)
     if lay.grow_K is not None or lay.n_drop:  # padding rows or dropped entries: the gather in slot order
         return (lay,) + final_rows(lay, lay.order_N[lay.n_drop:], entry_buf_row_N)
-    rank = slot_rank_S[entry_slot_N] if entry_rank_N is None else entry_rank_N
-    np.take(np.concatenate([[0], np.cumsum(lay.rows_R)]), rank, out=row)
-    row += lay.entry_row_N  # each entry's final row (ranks concatenated)
-    expand[row] = entry_buf_row_N
+    # each entry's final row (ranks concatenated): its slot's rank's first row plus its row there,
+    # chunk by chunk (the rows stay in cache until they are scattered to)
+    slot_first = np.concatenate([[0], np.cumsum(lay.rows_R)])[slot_rank_S]
+    row = np.empty(min(N, _CHUNK), dtype=np.int64)
+    for lo in range(0, N, _CHUNK):  # loop over chunks of entries, not entries
+        r = row[:min(N - lo, _CHUNK)]
+        np.take(slot_first, entry_slot_N[lo:lo + _CHUNK], out=r, mode="clip")  # (every slot valid here)
+        r += lay.entry_row_N[lo:lo + _CHUNK]
+        expand[r] = entry_buf_row_N[lo:lo + _CHUNK]
     return lay, lay.order_N, expand
+
+
+#: entries per chunk of :func:`entry_layout`'s pass over the entries (2 MiB of int64 rows)
+_CHUNK = 1 << 18
 
 
 def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slots: Slots, entries: Entries,
                   hops: Sequence[Hop], *, padding: Padding = Padding(), options: dict[str, Any] | None = None,
-                  scratch: list | None = None, **extra) -> Plan:
+                  scratch: list | None = None, layout: tuple | None = None, **extra) -> Plan:
     """A Plan from explicit hops and each entry's row in the last hop's buffer.
 
     slots: the expert slots, sorted by rank.  entries: where each entry is after the last hop
@@ -188,36 +223,43 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     order).  hops: the dispatch hops in order (see :class:`~moonep_sim.plan.Hop`).
     padding: how slots are padded (:class:`~moonep_sim.plan.assembly.Padding`).
     options: what the planner reports (``make_plan`` overlays them on the parsed options).
-    scratch: optional list of dead int64 [N] arrays (the caller's own, no longer referenced) the
+    scratch: optional list of dead INDEX [N] arrays (the caller's own, no longer referenced) the
     layout may write into instead of fresh pages (they may end up in the Plan).
+    layout: optional (lay, row_entry_W, expand_src_row_W) of these entries, as :func:`entry_layout`
+    returns it, where the planner built it itself (``allgather``: its buffer rows are the tokens,
+    so the final rows' sources follow from the slot order by arithmetic); then ``entries`` needs
+    only ``dup_N`` and ``rank_N`` (or ``slot_N``).
     extra: further Plan fields (``capacity_R``, ``kernel``, ...).
     """
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
     slot_rank_S = np.asarray(slots.rank_S, dtype=np.int64)
     so = entries.order
-    if entries.slot_N is None and (so is None or entries.rank_N is None):
-        raise PlanError("entries.slot_N (None) must be given unless entries.order and entries.rank_N are")
-    entry_slot = None if entries.slot_N is None else np.asarray(entries.slot_N, dtype=np.int64).ravel()
-    kept_buf_row = None if so is None or so.buf_row_K is None else np.asarray(so.buf_row_K, dtype=np.int64)
-    if entries.buf_row_N is None and kept_buf_row is None:
+    if entries.slot_N is None and ((so is None and layout is None) or entries.rank_N is None):
+        raise PlanError("entries.slot_N (None) must be given unless entries.order (or a layout) and "
+                        "entries.rank_N are")
+    entry_slot = None if entries.slot_N is None else slot_ids(entries.slot_N)
+    kept_buf_row = None if so is None or so.buf_row_K is None else np.asarray(so.buf_row_K)
+    if entries.buf_row_N is None and kept_buf_row is None and layout is None:
         raise PlanError("entries.buf_row_N (None) must be given unless entries.order carries the kept entries' rows")
-    entry_buf_row = None if entries.buf_row_N is None else np.asarray(entries.buf_row_N, dtype=np.int64)
+    entry_buf_row = None if entries.buf_row_N is None else np.asarray(entries.buf_row_N)
     tp = padding.token_padding
     # entries sorted by (slot, entry), dropped first: the final rows in order (see plan.layout_slots)
-    if so is None and entry_buf_row is not None:
+    if layout is not None:
+        lay, row_entry, expand = layout
+    elif so is None and entry_buf_row is not None:
         lay, row_entry, expand = entry_layout(entry_slot, slot_rank_S, entry_buf_row, R, tp, padding.min_rows_S,
-                                              None if entries.rank_N is None else
-                                              np.asarray(entries.rank_N, dtype=np.int64).ravel(), scratch)
+                                              None, scratch)
     else:
         lay = sorted_layout(so.order_N, int(so.n_drop), np.asarray(so.slot_rows_S, dtype=np.int64), slot_rank_S, tp,
                             padding.min_rows_S, R, scratch=scratch)
         row_entry, expand = final_rows(lay, lay.order_N[lay.n_drop:], entry_buf_row, kept_buf_row)
     slot_rows, padded, offset, entry_row = lay.slot_rows_S, lay.slot_padded_S, lay.slot_offset_S, lay.entry_row_N
+    # (per-entry arrays are the Plan's index dtype: its caller's where given, else written as INDEX)
     if entries.rank_N is not None:
-        entry_rank = np.asarray(entries.rank_N).ravel()  # (its dtype kept: INDEX is the Plan's)
+        entry_rank = np.asarray(entries.rank_N).ravel()
     elif lay.n_drop:
-        entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
+        entry_rank = np.append(slot_rank_S, -1).astype(INDEX)[entry_slot]  # (slot -1 reads the -1)
     else:
         entry_rank = slot_rank_S.astype(INDEX)[entry_slot]
     row_off = np.concatenate([[0], np.cumsum(lay.rows_R)])
@@ -265,7 +307,7 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
         raise PlanError(f"route ({len(via_N)} intermediate ranks, {len(dedup)} dedup flags) must match "
                         f"hops ({H}): H-1 intermediate ranks and H flags")
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
+    entry_slot = slot_ids(entry_slot_TK)
     N = entry_slot.size
     K1 = max(K, 1)
     all_kept = bool(N == 0 or entry_slot.min() >= 0)
@@ -389,7 +431,7 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
     entry_dup = None
     row = None
     hops = []
-    scratch: list[np.ndarray] = []  # dead int64 [N] arrays, reused rather than fresh pages
+    scratch: list[np.ndarray] = []  # dead INDEX [N] arrays, reused rather than fresh pages
     for h in range(H):
         prev = row
         if h == 0 and dedup[0] and H > 1 and token_hop_fits(tables[0], 1 << shift):  # once per (token, relay)
@@ -421,6 +463,14 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
                          padding=Padding(token_padding), options=options, scratch=scratch, **extra)
 
 
+def slot_ids(entry_slot) -> np.ndarray:
+    """The entries' slots as a flat integer array, in the caller's integer dtype (a planner whose
+    entries are all kept may give them in a small unsigned one: less to write, gather and sort),
+    else int64."""
+    a = np.asarray(entry_slot)
+    return (a if a.dtype.kind in "iu" else a.astype(np.int64)).ravel()
+
+
 def home_slots(placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(slot_rank_S, slot_expert_S, slot_of_E): a placement's home slots only (replicas ignored),
     sorted by rank, and the index of each expert's home slot among them."""
@@ -432,4 +482,14 @@ def home_slots(placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return sr, se, slot_of
 
 
-__all__ = ["assemble_plan", "dup_flags", "entry_layout", "home_slots", "plan_from_routes", "route_hop"]
+def home_entry_slots(slot_of_E: np.ndarray, ids_TK: np.ndarray) -> np.ndarray:
+    """Each entry's home slot, ``slot_of_E[ids_TK]`` (as :func:`home_slots` numbers them): the
+    routing's ids themselves, not a copy, where home groups number the slots as the experts (an
+    [N] gather and its fresh pages saved). Read-only use: the result may be the routing's array."""
+    if np.array_equal(slot_of_E, np.arange(np.asarray(slot_of_E).size)):
+        return ids_TK
+    return slot_of_E[ids_TK]
+
+
+__all__ = ["assemble_plan", "dup_flags", "entry_layout", "home_entry_slots", "home_slots", "plan_from_routes",
+           "route_hop"]

@@ -104,17 +104,28 @@ def _chunked_order(key16_N: np.ndarray, n_keys: int, chunks: int, counts: bool =
         cnt_CK[c] = np.bincount(key16_N[c * size:(c + 1) * size], minlength=n_keys)
     cnt_KC = cnt_CK.T.ravel()
     dest_CK = (np.cumsum(cnt_KC) - cnt_KC).reshape(n_keys, chunks).T  # where block (c, k) starts
+    # the j-th sorted item of chunk c, of key k, goes to dest[c, k] + j - (its key's first j in
+    # the chunk): rel[c, k] + j
+    rel_CK = dest_CK - (np.cumsum(cnt_CK, axis=1) - cnt_CK)
     ok = out is not None and out.shape == (n,) and out.dtype in (np.int64, np.int32)
     order = out if ok else np.empty(n, dtype=np.int64)
+    dt = order.dtype  # (places < n: the places and their table in the order's dtype)
+    rel_CK = rel_CK.astype(dt)
+    j = np.arange(size, dtype=dt)
+    at = np.empty(size, dtype=dt)  # the places of a chunk's sorted items
+    ks = np.empty(size, dtype=key16_N.dtype)  # its sorted keys
     for c in range(chunks):
         lo, hi = c * size, min(n, (c + 1) * size)
         if hi > lo:
+            m = hi - lo
             local = np.argsort(key16_N[lo:hi], kind="stable")
-            at = segment_ranges(dest_CK[c], cnt_CK[c])  # the places of the chunk's sorted items
+            np.take(key16_N[lo:hi], local, out=ks[:m], mode="clip")  # ("clip": an out= take is unbuffered)
+            np.take(rel_CK[c], ks[:m], out=at[:m], mode="clip")
+            at[:m] += j[:m]
             if pos is not None:
-                pos[lo:hi][local] = at
+                pos[lo:hi][local] = at[:m]
             local += lo
-            order[at] = local
+            order[at[:m]] = local
     return (order, cnt_CK.sum(axis=0)) if counts else order
 
 

@@ -86,8 +86,9 @@ class Messages:
 
 
 class Scratch:
-    """Dead int64 [n] arrays a builder may write into instead of fresh pages (a caller's list:
-    arrays the caller no longer reads; one taken may end up in what the builder returns)."""
+    """Dead [n] arrays of the Plan's index dtype (:data:`~moonep_sim.plan.kinds.INDEX`) a builder
+    may write into instead of fresh pages (a caller's list: arrays the caller no longer reads; one
+    taken may end up in what the builder returns). Arrays of another shape or dtype are dropped."""
 
     def __init__(self, n: int, spare: list | None):
         self.n, self.spare = n, [] if spare is None else spare
@@ -95,9 +96,9 @@ class Scratch:
     def take(self) -> np.ndarray:
         while self.spare:
             b = self.spare.pop()
-            if b.shape == (self.n,) and b.dtype == np.int64:
+            if b.shape == (self.n,) and b.dtype == INDEX:
                 return b
-        return np.empty(self.n, dtype=np.int64)
+        return np.empty(self.n, dtype=INDEX)
 
 
 def _sort_within_sources(dst_rank_N: np.ndarray, bound_R: np.ndarray, R: int, order: np.ndarray) -> np.ndarray:
@@ -149,7 +150,7 @@ def group_messages(order: np.ndarray, ecnt: np.ndarray, ranks: int, msg: Message
     if msg.shift >= 0:
         gs = np.right_shift(order, msg.shift, out=buf)
     else:  # (order is in range: clip mode writes straight into buf)
-        gs = np.take(np.asarray(msg.gid_N, dtype=np.int64), order, out=buf, mode="clip")
+        gs = np.take(np.asarray(msg.gid_N).astype(buf.dtype, copy=False), order, out=buf, mode="clip")
     first = np.empty(n, dtype=bool)
     first[0] = True
     np.not_equal(gs[1:], gs[:-1], out=first[1:])
@@ -203,7 +204,7 @@ def message_sources(src: Sources, msg: Messages, order: np.ndarray, lead: np.nda
     e_bound = np.concatenate([[0], np.cumsum(ecnt.reshape(R, R).sum(axis=1))])
     has = np.flatnonzero(m_bound[1:] > m_bound[:-1])
     first_lead = np.minimum.reduceat(lead, m_bound[has]) if has.size else has
-    m_srow = np.empty(lead.size, dtype=INDEX)  # (a Hop's dtype)
+    m_srow = np.empty(lead.size, dtype=np.asarray(src.row_N).dtype)
     for r in has[np.argsort(first_lead, kind="stable")]:  # loop over source ranks, not entries
         a, b = int(m_bound[r]), int(m_bound[r + 1])
         np.take(src.row_N, lead[a:b], out=m_srow[a:b], mode="clip")  # (lead holds valid entries)
@@ -233,13 +234,13 @@ def grouped_hop(src: Sources, dst_rank_N: np.ndarray, msg: Messages, ranks: int,
         dup = np.zeros(msg.dup_N or 0, dtype=bool)
     del key
     m_src, m_dst, m_row, per_dst = block_messages(cnt, R)
-    dst_row = np.empty(n, dtype=np.int64)
+    dst_row = np.empty(n, dtype=INDEX)
     m_srow = message_sources(src, msg, order, lead, cnt, ecnt, m_src, m_row if row_sorted is None else row_sorted,
                              R, dst_row)
     hop = Hop(scope, m_src, m_srow, m_dst, m_row, per_dst)
     del m_srow, lead
     if scratch is not None:  # dead from here: the sort, and the running sums' buffer
-        scratch.extend(b for b in (order, row_sorted) if b is not None and b.dtype == np.int64 and b.shape == (n,))
+        scratch.extend(b for b in (order, row_sorted) if b is not None and b.dtype == INDEX and b.shape == (n,))
     return (hop, dst_row) if msg.dup_N is None else (hop, dst_row, dup)
 
 
@@ -265,19 +266,21 @@ def token_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, s
     K = 1 << shift
     cnt = np.zeros((R, R), dtype=np.int64)  # messages per block (s, relay)
     tables = []
+    cell = np.empty(int(np.max(np.diff(bound_R[:R + 1]), initial=0)), dtype=np.int64)  # one source's cell ids
     for s in range(R):  # loop over source ranks, not entries: which (token, class) pairs occur
         lo, hi = int(bound_R[s]), int(bound_R[s + 1])
-        classes = np.unique(via[s])
+        v = np.sort(via[s])
+        classes = v[np.concatenate([[True], v[1:] != v[:-1]])]  # np.unique's, without its overhead
         cls_of = np.searchsorted(classes, via[s]).astype(np.uint8)  # final rank -> class (< 64)
         C, T_s = classes.size, (hi - lo) >> shift
         cls_TK = np.take(cls_of, dst_rank_N[lo:hi], mode="clip").reshape(T_s, K)  # (final ranks < R)
         seen_TC = np.zeros((T_s, C), dtype=bool)
-        seen_TC[np.arange(T_s)[:, None], cls_TK] = True
+        seen_TC.ravel()[_cells(cls_TK, C, cell)] = True
         cnt[s, classes] = seen_TC.sum(axis=0)
         tables.append((classes, cls_TK, seen_TC))
     m_src, m_dst, m_row, per_dst = block_messages(cnt.ravel(), R)
     first_row_RR = np.cumsum(cnt, axis=0) - cnt  # first receive row of each block (s, relay)
-    m_srow = np.empty(m_src.size, dtype=INDEX)  # (a Hop's dtype)
+    m_srow = np.empty(m_src.size, dtype=INDEX)
     dst_row = Scratch(n, scratch).take()
     m = 0
     for s, (classes, cls_TK, seen_TC) in enumerate(tables):  # loop over source ranks, not entries
@@ -290,10 +293,19 @@ def token_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, s
         np.remainder(at, T_s, out=m_srow[m:m + at.size])
         m += at.size
         # each pair's receive row: its block's first row plus the pairs above it in its column
-        row_TC = np.cumsum(seen_TC, axis=0, dtype=np.int64)
+        row_TC = np.cumsum(seen_TC, axis=0, dtype=INDEX)
         row_TC += first_row_RR[s, classes] - 1
-        dst_row[lo:hi].reshape(T_s, K)[:] = row_TC[np.arange(T_s)[:, None], cls_TK]
+        np.take(row_TC.ravel(), _cells(cls_TK, C, cell), out=dst_row[lo:hi].reshape(T_s, K), mode="clip")
     return Hop(scope, m_src, m_srow, m_dst, m_row, per_dst), dst_row
+
+
+def _cells(cls_TK: np.ndarray, C: int, out: np.ndarray) -> np.ndarray:
+    """int64 [T_s, K] (in ``out``): each entry's cell ``t*C + class`` of a source's [T_s, C] table,
+    as a flat index (``np.take`` and a flat put run faster than a two-array fancy index)."""
+    T_s, K = cls_TK.shape
+    cell = out[:T_s * K].reshape(T_s, K)
+    np.add(cls_TK, (np.arange(T_s, dtype=np.int64) * C)[:, None], out=cell)
+    return cell
 
 
 def token_hop_fits(via_RR: np.ndarray, top_k: int) -> bool:
@@ -318,24 +330,34 @@ def pair_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, ro
     pair's entries are a run of each source's entries sorted by final rank (one-byte sort per
     source), and tokens of different sources never mix, so the hop is that per-source order with
     its pair runs listed block by block. Every access to an [N] array then stays inside one
-    source's run instead of ranging over all N entries, as a sort on (v, d) does.
+    source's run instead of ranging over all N entries, as a sort on (v, d) does; the tokens, the
+    running sums and the messages' source rows are built source by source in one run-sized buffer
+    (no [N] or [M] temporaries: at K3 EP64 ~0.5 -> ~0.35 s of a first run, line-profiled).
     """
     n, R = dst_rank_N.size, int(ranks)
     sc = Scratch(n, scratch)
     order = sc.take()  # entries by (source, final rank, entry): pair runs, s-major
     pc = _sort_within_sources(dst_rank_N, bound_R, R, order)  # entries of each pair (s, d)
-    pstart = np.cumsum(pc) - pc
-    nz = pc > 0
-    buf = sc.take()
-    first = None
-    if msg.dedup and n:  # a message per (token, final rank): the first entry of each token in a pair run
-        tok = np.right_shift(order, msg.shift, out=buf)
-        first = np.empty(n, dtype=bool)
-        first[0] = True
-        np.not_equal(tok[1:], tok[:-1], out=first[1:])
-        first[pstart[nz]] = True
-        lead_pos = np.flatnonzero(first)  # run position of each message's first entry
-        mc = np.diff(np.searchsorted(lead_pos, np.append(pstart, n)))  # messages per pair
+    pc_RR = pc.reshape(R, R)
+    bound = [int(b) for b in bound_R[:R + 1]]
+    longest = max([b - a for a, b in zip(bound[:-1], bound[1:])] + [0])
+    tmp = np.empty(longest, dtype=np.int64)  # one source's temporaries (in cache), not [N] arrays
+    dedup = bool(msg.dedup and n)
+    first = np.empty(n, dtype=bool) if dedup else None
+    if dedup:  # a message per (token, final rank): the first entry of each token in a pair run
+        mc_RR = np.zeros((R, R), dtype=np.int64)  # messages per pair
+        for s, (lo, hi) in enumerate(zip(bound[:-1], bound[1:])):  # loop over source ranks, not entries
+            if hi == lo:
+                continue
+            tok = np.right_shift(order[lo:hi], msg.shift, out=tmp[:hi - lo])
+            f = first[lo:hi]
+            f[0] = True
+            np.not_equal(tok[1:], tok[:-1], out=f[1:])
+            nz = np.flatnonzero(pc_RR[s])
+            starts = (np.cumsum(pc_RR[s]) - pc_RR[s])[nz]
+            f[starts] = True  # a new pair starts a new message
+            mc_RR[s, nz] = np.add.reduceat(f.view(np.uint8), starts, dtype=np.int64)
+        mc = mc_RR.ravel()
     else:
         mc = pc
     blk = (np.asarray(via_RR, dtype=np.int64) * R + np.arange(R, dtype=np.int64)[None, :]).ravel()
@@ -347,38 +369,42 @@ def pair_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, ro
     has = mc_o > 0
     row0 = np.zeros(R * R, dtype=np.int64)  # each pair's first receive row
     row0[porder[has]] = m_row[mstart_o[has]]
-    if first is not None:
-        # a running sum of the message starts, jumping to the pair's first row at its first entry
-        r0, c = row0[nz], mc[nz]
-        jump = r0.copy()
-        jump[1:] -= r0[:-1] + c[:-1] - 1  # from the previous pair's last row
-        np.copyto(buf, first)
-        buf[pstart[nz]] = jump
-        rows = np.cumsum(buf, out=buf)
-        lead = order[lead_pos]
-    else:
-        rows = segment_ranges(row0, pc, out=buf)
-        lead = order
-    dst_row = np.empty(n, dtype=np.int64)
-    dst_row[order] = rows  # (within each source's run)
-    # the messages' source rows in pair order (reading each source's run in turn), then moved pair by
-    # pair into the hop's order (taking them pair by pair in the hop's order instead jumps between
-    # the sources' runs: about twice the time at K3 EP64)
-    m_srow_p = np.take(row_N, lead)
-    del lead
-    mstart_p = (np.cumsum(mc) - mc)[porder[has]]  # where each pair's messages start (pair order)
-    m_srow = np.empty(m_src.size, dtype=INDEX)  # (a Hop's dtype)
-    for a, o, c in zip(mstart_p.tolist(), mstart_o[has].tolist(), mc_o[has].tolist()):  # loop over pairs
-        m_srow[o:o + c] = m_srow_p[a:a + c]
-    del m_srow_p
+    mstart = np.zeros(R * R, dtype=np.int64)  # each pair's first message in the hop, in pair order
+    mstart[porder] = mstart_o
+    dst_row = np.empty(n, dtype=INDEX)
+    m_srow = np.empty(m_src.size, dtype=INDEX)
+    dup = np.zeros(msg.dup_N, dtype=bool) if msg.dup_N is not None else None
+    # source by source: each entry's receive row, the messages' source rows moved pair by pair into
+    # the hop's order (reading one source's run at a time), the duplicate flags
+    for s, (lo, hi) in enumerate(zip(bound[:-1], bound[1:])):  # loop over source ranks, not entries
+        if hi == lo:
+            continue
+        o = order[lo:hi]
+        nz = np.flatnonzero(mc_RR[s] if dedup else pc_RR[s])
+        r0, c = row0[s * R + nz], mc[s * R + nz]
+        if dedup:
+            # a running sum of the message starts, jumping to the pair's first row at its first entry
+            f = first[lo:hi]
+            rows = tmp[:hi - lo]
+            np.copyto(rows, f)
+            jump = r0.copy()
+            jump[1:] -= r0[:-1] + c[:-1] - 1  # from the previous pair's last row
+            rows[(np.cumsum(pc_RR[s]) - pc_RR[s])[nz]] = jump
+            np.cumsum(rows, out=rows)
+            dst_row[o] = rows  # (within the source's run)
+            lead = o[f]
+        else:
+            dst_row[o] = segment_ranges(r0, c, out=tmp[:hi - lo])
+            lead = o
+        srow = np.take(row_N, lead)  # the source's messages' source rows, in pair order
+        for a, b, m in zip((np.cumsum(c) - c).tolist(), c.tolist(), mstart[s * R + nz].tolist()):  # loop over pairs
+            m_srow[m:m + b] = srow[a:a + b]
+        if dedup and dup is not None:
+            np.logical_not(first[lo:hi], out=first[lo:hi])
+            dup[o] = first[lo:hi]
     hop = Hop(scope, m_src, m_srow, m_dst, m_row, per_dst)
-    if msg.dup_N is not None:
-        dup = np.zeros(msg.dup_N, dtype=bool)
-        if first is not None:
-            np.logical_not(first, out=first)
-            dup[order] = first
-    if scratch is not None:  # dead from here: the order and the running sums' buffer
-        scratch.extend((order, buf))
+    if scratch is not None:  # dead from here: the order
+        scratch.append(order)
     return (hop, dst_row) if msg.dup_N is None else (hop, dst_row, dup)
 
 

@@ -49,6 +49,7 @@ import numpy as np
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.routing.metrics import gini, maxvio as maxvio_of
 from moonep_sim.routing.sampling import sample_topk  # re-exported: the sampler generate() draws with
+from moonep_sim.routing.sampling import pl_ids_again, pl_weights, sampler_of
 from moonep_sim.io import check_output_path
 from moonep_sim.limits import MAX_ELEMENTS, MAX_LAYERS, MAX_NUM_EXPERTS
 from moonep_sim.routing.trace import LayerRouting, TraceMeta, write_trace
@@ -207,13 +208,52 @@ def _expected_root(g) -> float:
     relative, so the calibrated draws are the same). A target outside the range's values gives the
     range's end (the realised calibration then says why it is unreachable)."""
     lo, hi = math.log(SIGMA_MIN), math.log(SIGMA_MAX)
-    if g(lo) >= 0:
+    g_lo = g(lo)
+    if g_lo >= 0:
         return lo
-    if g(hi) < 0:
+    g_hi = g(hi)
+    if g_hi < 0:
         return hi
-    from scipy.optimize import brentq
+    return _brent(g, lo, hi, g_lo, g_hi)
 
-    return float(brentq(g, lo, hi, xtol=1e-15, rtol=8.9e-16, maxiter=200))
+
+def _brent(g, xpre: float, xcur: float, fpre: float, fcur: float, xtol: float = 1e-15, rtol: float = 8.9e-16,
+           maxiter: int = 200) -> float:
+    """A root of ``g`` in ``[xpre, xcur]`` (``fpre``, ``fcur``: g there, of opposite signs): Brent's
+    method as ``scipy.optimize.brentq`` runs it (its C loop, step for step; written out here
+    because importing scipy.optimize costs a process about 0.3 CPU s, a sixth of a generated
+    58-layer decode step)."""
+    if fpre == 0 or fcur == 0:
+        return xpre if fpre == 0 else xcur
+    xblk = fblk = spre = scur = 0.0
+    for _ in range(maxiter):
+        if fpre != 0 and fcur != 0 and (fpre < 0) != (fcur < 0):
+            xblk, fblk = xpre, fpre
+            spre = scur = xcur - xpre
+        if abs(fblk) < abs(fcur):
+            xpre, xcur, xblk = xcur, xblk, xcur
+            fpre, fcur, fblk = fcur, fblk, fcur
+        delta = (xtol + rtol * abs(xcur)) / 2
+        sbis = (xblk - xcur) / 2
+        if fcur == 0 or abs(sbis) < delta:
+            return xcur
+        if abs(spre) > delta and abs(fcur) < abs(fpre):
+            if xpre == xblk:                            # interpolate
+                stry = -fcur * (xcur - xpre) / (fcur - fpre)
+            else:                                       # extrapolate (inverse quadratic)
+                dpre = (fpre - fcur) / (xpre - xcur)
+                dblk = (fblk - fcur) / (xblk - xcur)
+                stry = -fcur * (fblk * dblk - fpre * dpre) / (dblk * dpre * (fblk - fpre))
+            if 2 * abs(stry) < min(abs(spre), 3 * abs(sbis) - delta):
+                spre, scur = scur, stry                 # a good short step
+            else:
+                spre = scur = sbis                      # bisect
+        else:
+            spre = scur = sbis                          # bisect
+        xpre, fpre = xcur, fcur
+        xcur += scur if abs(scur) > delta else (delta if sbis > 0 else -delta)
+        fcur = g(xcur)
+    return xcur
 
 
 def _logp_for(spec: PopularitySpec, z_E: np.ndarray, top_k: int, sigma: float | None = None) -> np.ndarray:
@@ -244,9 +284,13 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
     """Sample one (layer, step) block; returns ids, weights, logits, info, and the per-expert counts
     of ids when the calibration counted them (else None)."""
     kind = spec.kind
-    race_noise: dict = {}  # every draw of this block is seeded alike: the race's noise drawn once, reused
-    draw = lambda sig: sample_topk(_logp_for(spec, z_E, top_k, sig), top_k, tokens, _rng(seed, 1, *path),
-                                   groups=groups, topk_groups=topk_groups, with_logits=with_logits, noise=race_noise)
+    # every draw of this block is seeded alike: what the sampler can reuse (the race's noise, the
+    # plain fast path's uniforms) is drawn once; later draws of the plain fast path only count
+    redraw: dict = {}
+    logp = lambda sig: _logp_for(spec, z_E, top_k, sig)
+    draw = lambda sig: sample_topk(logp(sig), top_k, tokens, _rng(seed, 1, *path), groups=groups,
+                                   topk_groups=topk_groups, with_logits=with_logits, noise=redraw)
+    counts_only = sampler_of(z_E.size, tokens, groups, topk_groups, with_logits) == "pl"
     if kind != "maxvio":
         ids, w, lg = draw(None)
         return ids, w, lg, {}, None
@@ -254,13 +298,20 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
     E = z_E.size
     noise = _rng(seed, 2, *path).standard_normal((16, E))
     ls = _expected_root(lambda ls: _expected_maxvio(math.exp(ls) * z_E, top_k, tokens, noise) - target)
-    evals = []
+    evals = []          # (relative error, log sigma, maxvio) of every draw
+    best: list = []     # the first draw of the least error: log sigma, ids, weights, logits, counts
 
     def realised(log_sigma: float):
-        ids, w, lg = draw(math.exp(log_sigma))
-        c = np.bincount(ids.ravel(), minlength=E)
+        if counts_only and "u" in redraw:  # the same experts as a whole draw, without its weights
+            (ids, c), w, lg = pl_ids_again(logp(math.exp(log_sigma)), top_k, tokens, redraw), None, None
+        else:
+            ids, w, lg = draw(math.exp(log_sigma))
+            c = np.bincount(ids.ravel(), minlength=E)
         mv = maxvio_of(c)
-        evals.append((abs(mv / target - 1), log_sigma, mv, ids, w, lg, c))
+        err = abs(mv / target - 1)
+        if not evals or err < min(e[0] for e in evals):
+            best[:] = [log_sigma, ids, w, lg, c]
+        evals.append((err, log_sigma, mv))
         return mv
 
     mv = realised(ls)
@@ -286,7 +337,8 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
             mid = 0.5 * (lo_ + hi_)
             mvm = realised(mid)
             lo_, hi_ = (mid, hi_) if mvm < target else (lo_, mid)
-    err, ls_best, mv_best, ids, w, lg, counts = min(evals, key=lambda e: e[0])
+    err, ls_best, mv_best = min(evals, key=lambda e: e[0])
+    _, ids, w, lg, counts = best
     if err > TOLERANCE:
         all_mv = [e[2] for e in evals]
         if min(all_mv) > target:
@@ -296,6 +348,9 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
                 "much; use more tokens or --uniform")
         raise ConfigError(f"maxvio ({target}) must be reachable (E={E}, K={top_k}, T={tokens}): the best "
                           f"realised value was {mv_best:.4g} at sigma={math.exp(ls_best):.4g}")
+    if w is None:       # a counted draw: its ids as the sampler returns them, its weights replayed
+        w = pl_weights(logp(math.exp(ls_best)), ids, redraw)
+        ids = ids.T.astype(np.int64, order="C")
     return ids, w, lg, {"sigma": math.exp(ls_best), "calibration_samples": len(evals)}, counts
 
 

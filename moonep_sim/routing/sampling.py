@@ -20,7 +20,7 @@ it, with the same distribution (not the same outputs for a seed); :func:`sample_
   chosen mass exceeds one half, and rows still rejected after a few rounds, draw from their exact
   renormalised remainder (a per-row cumulative sum). Cost ``O(T K)`` draws plus ``O(T K^2)``
   integer compares instead of ``O(T E)`` noise and a partition: a Kimi-K3 layer (E=896, K=16,
-  T=262144) takes about 0.2 CPU s instead of about 2.5 s (docs/results/traces.md).
+  T=262144) takes about 0.1 CPU s instead of about 2.5 s (docs/results/traces.md, steps.md).
 - :func:`sample_topk_grouped` -- the fast path for group-limited top-K: the race of each group
   run the same way (the experts' clocks are independent), its first two arrivals giving the group
   score, the kept groups' races continued and merged (exact; its docstring). About 2x faster than
@@ -117,16 +117,28 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
     return ids, w, logits
 
 
+def _top2_sum(g_TGn: np.ndarray) -> np.ndarray:
+    """The sum of each group's two largest scores, [T, G] (ties counted twice, as a partition
+    does): a running (largest, second) over the group's members, member by member across all
+    (token, group) rows at once -- the same values as ``np.partition(g, n - 2)[..., -2:].sum()``
+    in about half its time at DeepSeek-V3's 8 groups of 32."""
+    T, G, n = g_TGn.shape
+    c = np.ascontiguousarray(g_TGn.reshape(T * G, n).T)       # [n, T*G]: one member of every row
+    m1, m2 = np.maximum(c[0], c[1]), np.minimum(c[0], c[1])
+    tmp = np.empty_like(m1)
+    for r in c[2:]:
+        np.minimum(m1, r, out=tmp)
+        np.maximum(m2, tmp, out=m2)                             # the second: max(second, min(first, r))
+        np.maximum(m1, r, out=m1)
+    return (m1 + m2).reshape(T, G)
+
+
 def mask_groups(score_TE: np.ndarray, groups: int, topk_groups: int, copy: bool = True) -> np.ndarray:
     """Scores with every expert outside each token's top-M groups set to -inf (a copy; with
     ``copy=False`` in place, ``score_TE`` returned)."""
     T, E = score_TE.shape
     g = score_TE.reshape(T, groups, E // groups)
-    if E // groups >= 2:
-        top2 = np.partition(g, E // groups - 2, axis=2)[:, :, -2:]
-        gscore = top2.sum(axis=2)
-    else:
-        gscore = g[:, :, 0]
+    gscore = _top2_sum(g) if E // groups >= 2 else g[:, :, 0]
     keep = np.argpartition(-gscore, topk_groups - 1, axis=1)[:, :topk_groups]
     mask = np.ones((T, groups), bool)
     np.put_along_axis(mask, keep, False, axis=1)
@@ -268,17 +280,32 @@ class _Races:
             out[s:s + chunk] = first[:, 0] + np.minimum(e, last)
         return out
 
-    def advance(self) -> None:
-        """Every row's next arrival."""
-        k, N = self.k, self.first_R.size
-        # arrival time: tau += X / (popularity not yet chosen)
-        x = self.rng.standard_exponential(N, dtype=np.float32)
-        np.maximum(x, np.float32(1e-30), out=x)        # an exact 0 would give a zero time (infinite score)
+    def _tick(self, x: np.ndarray | None = None) -> np.ndarray:
+        """This position's arrival times: ``tau += X / (popularity not yet chosen)``, X from ``rng``
+        (or ``x``, kept from an earlier draw of the same streams). Returns X."""
+        if x is None:
+            x = self.rng.standard_exponential(self.first_R.size, dtype=np.float32)
+            np.maximum(x, np.float32(1e-30), out=x)    # an exact 0 would give a zero time (infinite score)
         dt = np.maximum(self.left_R, 1e-300)
         np.divide(x, dt, out=dt)
-        self.tau_R += dt
-        self.tau_KN[k] = self.tau_R
-        e = self._draw(self.rng.random(N), None)       # intp; its narrow copy is this position's row
+        self.tau_R = np.add(self.tau_R, dt, out=self.tau_KN[self.k])   # this position's row is the clock now
+        return x
+
+    def advance(self, u: np.ndarray | None = None, keep: dict | None = None,
+                counts_E: np.ndarray | None = None) -> None:
+        """Every row's next arrival. ``u``: this position's uniforms, kept from an earlier run of the
+        same streams (``keep`` keeps the exponentials and uniforms, lists ``x`` and ``u``): the
+        experts drawn without the arrival times (``tau_KN`` left unset, and ``left_R`` too when no
+        position tests it). ``counts_E``: the drawn experts added to it."""
+        k, N = self.k, self.first_R.size
+        clocked = u is None
+        if clocked:
+            x = self._tick()
+            u = self.rng.random(N)
+            if keep is not None:
+                keep["x"].append(x)
+                keep["u"].append(u)
+        e = self._draw(u, None)                        # intp; its narrow copy is this position's row
         ids = self.ids_KN[k]
         ids[...] = e
         if k:
@@ -300,8 +327,20 @@ class _Races:
             rest = np.union1d(hard, todo) if todo.size else hard
             if rest.size:
                 ids[rest] = e[rest] = self._remainder(rest)
-        self.left_R -= self.p_E.take(e)
+        if clocked or self.easy_k < self.ids_KN.shape[0]:   # the popularity left: the clock's, the test's
+            self.left_R -= self.p_E.take(e)
+        if counts_E is not None:
+            counts_E += np.bincount(e, minlength=counts_E.size)
         self.k += 1
+
+    def replay(self, ids_KN: np.ndarray, xs: list) -> None:
+        """The arrival times of experts ``ids_KN`` with the exponentials ``xs`` of their streams
+        (one array per position, as :meth:`advance` kept them)."""
+        for k in range(ids_KN.shape[0]):
+            self._tick(xs[k])
+            self.ids_KN[k] = ids_KN[k]
+            self.left_R -= self.p_E.take(ids_KN[k])
+            self.k += 1
 
 
 def _normalised(logp_E: np.ndarray) -> tuple[np.ndarray, InverseCDF]:
@@ -316,17 +355,25 @@ def _weights(tau_TK: np.ndarray) -> np.ndarray:
     return (inv / inv.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
+_WEIGHT_BLOCK = 1 << 15    # tokens per block of _weights_KN (16 x 32768 float64: 4 MiB, cache-sized)
+
+
 def _weights_KN(tau_KN: np.ndarray) -> np.ndarray:
     """:func:`_weights` of ``tau_KN.T`` (float32 [N, K], C order) computed on the position-major
-    arrays (contiguous rows; the same divisions and the same position-by-position sum, so the
-    same values)."""
-    inv = tau_KN[0] / tau_KN
-    inv /= inv.sum(axis=0)
-    return inv.T.astype(np.float32, order="C")
+    arrays, a block of tokens at a time (contiguous rows; the same divisions and the same
+    position-by-position sum, so the same values whatever the block)."""
+    K, N = tau_KN.shape
+    out = np.empty((N, K), np.float32)
+    for s in range(0, N, _WEIGHT_BLOCK):
+        tau = tau_KN[:, s:s + _WEIGHT_BLOCK]
+        inv = tau[0] / tau
+        inv /= inv.sum(axis=0)
+        out[s:s + _WEIGHT_BLOCK] = inv.T
+    return out
 
 
-def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator
-                   ) -> tuple[np.ndarray, np.ndarray]:
+def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
+                   noise: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Plain top-K by sequential Plackett-Luce draws (the fast path; see the module docstring).
 
     Returns ids int64 [T, K] in the order drawn (descending score) and weights float32 [T, K]
@@ -336,14 +383,45 @@ def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.G
     Random streams: ``rng`` gives every token exactly one uniform and one exponential per
     position whatever the popularity (so draws at two popularities are coupled token by token);
     redraws after a rejection and remainder draws come from a child stream seeded once from it.
+
+    noise: a dict that keeps this draw's exponentials, uniforms and child seed (K x T float32
+    and float64), for :func:`pl_ids_again` to draw the same streams' experts at another
+    popularity and :func:`pl_weights` their weights.
     """
     E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
     p, icdf = _normalised(logp_E)
-    retry = np.random.default_rng(int(rng.integers(0, 1 << 63)))
-    races = _Races(p, icdf, np.zeros(T, np.intp), E, K, rng, retry)
+    seed = int(rng.integers(0, 1 << 63))
+    races = _Races(p, icdf, np.zeros(T, np.intp), E, K, rng, np.random.default_rng(seed))
+    if noise is not None:
+        noise.update(x=[], u=[], retry_seed=seed)
     for _ in range(K):
-        races.advance()
+        races.advance(keep=noise)
     return races.ids_KN.T.astype(np.int64, order="C"), _weights_KN(races.tau_KN)
+
+
+def pl_ids_again(logp_E: np.ndarray, top_k: int, tokens: int, noise: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The experts :func:`sample_topk_pl` draws at ``logp_E`` from the streams whose draws
+    ``noise`` kept (the same values, position-major ``[K, T]`` of a small int dtype) and their
+    count per expert (int64 [E]), without their arrival times or weights: what a calibration that
+    only counts needs, at about 40% of a whole draw. :func:`pl_weights` completes a draw."""
+    E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
+    p, icdf = _normalised(logp_E)
+    races = _Races(p, icdf, np.zeros(T, np.intp), E, K, None, np.random.default_rng(noise["retry_seed"]))
+    counts = np.zeros(E, np.int64)
+    for k in range(K):
+        races.advance(u=noise["u"][k], counts_E=counts)
+    return races.ids_KN, counts
+
+
+def pl_weights(logp_E: np.ndarray, ids_KN: np.ndarray, noise: dict) -> np.ndarray:
+    """The weights :func:`sample_topk_pl` returns with experts ``ids_KN`` (from
+    :func:`pl_ids_again` at ``logp_E`` with the same ``noise``): its arrival times replayed from
+    the kept exponentials (the same popularity left), float32 [T, K]."""
+    K, T = ids_KN.shape
+    p, icdf = _normalised(logp_E)
+    races = _Races(p, icdf, np.zeros(T, np.intp), p.size, K, None, None)
+    races.replay(ids_KN, noise["x"])
+    return _weights_KN(races.tau_KN)
 
 
 def sample_topk_grouped(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
@@ -388,10 +466,11 @@ def sample_topk(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Gene
     Returns ids int64 [T, K] (by descending score), weights float32 [T, K] (softmax of the chosen
     scores), and the scores float32 [T, E] when ``with_logits``. Plain and group-limited top-K
     take the fast Plackett-Luce paths; logits, and layers of at most ``CHUNK_ELEMS`` token-expert
-    pairs, take the race (all three: module docstring). noise: the race's reusable noise (see
-    :func:`sample_topk_race`; the fast paths draw theirs each time).
+    pairs, take the race (all three: module docstring). noise: what a redraw of the same streams
+    reuses (the race's noise, :func:`sample_topk_race`; the plain fast path's uniforms,
+    :func:`sample_topk_pl`; the grouped path keeps none).
     """
-    if with_logits or int(tokens) * int(np.size(logp_E)) <= CHUNK_ELEMS:
+    if sampler_of(np.size(logp_E), tokens, groups, topk_groups, with_logits) == "race":
         # logits, and small layers (one chunk of the race: tens of ms): the race, whose draws are
         # coupled expert by expert across popularities. The fast paths' rejected draws are not, and
         # at a few tokens the maxvio calibration's bisection then meets a statistic too jagged to
@@ -401,9 +480,17 @@ def sample_topk(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Gene
     if groups > 1 and topk_groups < groups:
         ids, w = sample_topk_grouped(logp_E, top_k, tokens, rng, groups=groups, topk_groups=topk_groups)
     else:
-        ids, w = sample_topk_pl(logp_E, top_k, tokens, rng)
+        ids, w = sample_topk_pl(logp_E, top_k, tokens, rng, noise=noise)
     return ids, w, None
 
 
-__all__ = ["CHUNK_ELEMS", "InverseCDF", "LOGP_FLOOR", "mask_groups", "sample_topk", "sample_topk_grouped",
-           "sample_topk_pl", "sample_topk_race"]
+def sampler_of(num_experts: int, tokens: int, groups: int = 1, topk_groups: int = 1,
+               with_logits: bool = False) -> str:
+    """Which sampler :func:`sample_topk` runs: ``race``, ``grouped`` or ``pl``."""
+    if with_logits or int(tokens) * int(num_experts) <= CHUNK_ELEMS:
+        return "race"
+    return "grouped" if groups > 1 and topk_groups < groups else "pl"
+
+
+__all__ = ["CHUNK_ELEMS", "InverseCDF", "LOGP_FLOOR", "mask_groups", "pl_ids_again", "pl_weights", "sample_topk",
+           "sample_topk_grouped", "sample_topk_pl", "sample_topk_race", "sampler_of"]

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from moonep_sim.plan import (INDEX, Entries, GlobalRouting, Hop, Padding, Plan, Scope, Slots, assemble_plan,
-                             dup_flags, home_slots)
+                             dup_flags, entry_token, final_rows, home_slots, slot_layout)
+from moonep_sim.plan.multihop import home_entry_slots
 from moonep_sim.strategies import PlanContext, register
 
 # Notation: T tokens, K top-k, R ranks, M = R*T messages.
@@ -41,9 +42,13 @@ def plan(routing: GlobalRouting, ctx: PlanContext) -> Plan:
         dst[blk].reshape(R, s_r)[:] = np.arange(R, dtype=np.int64)[:, None]
     src = np.repeat(np.arange(R, dtype=INDEX), tpr * R)
     hop = Hop(Scope.GLOBAL, src, src_row, dst, tok, np.full(R, T, dtype=np.int64))
-    entry_slot = slot_of[routing.topk_ids_TK].ravel()
-    entry_rank = sr[entry_slot]
-    entry_buf_row = np.repeat(np.arange(T, dtype=np.int64), K)  # every rank's buffer holds token t at row t
+    entry_slot = home_entry_slots(slot_of, routing.topk_ids_TK).ravel()
+    entry_rank = sr.astype(INDEX)[entry_slot]  # the Plan's entry_rank, written as its index dtype
+    # every rank's buffer holds token t at row t: the final rows' sources are the slot-sorted
+    # entries' tokens, by arithmetic (no scatter of each entry's buffer row)
+    lay = slot_layout(entry_slot, sr, ctx.token_padding, ranks=R)
+    kept = lay.order_N[lay.n_drop:]
+    layout = (lay,) + final_rows(lay, kept, None, entry_token(kept, K))
     return assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr),
-                         Entries(entry_slot, entry_buf_row, dup_flags(entry_rank, K)), [hop],
-                         padding=Padding(ctx.token_padding))
+                         Entries(entry_slot, None, dup_flags(entry_rank, K), rank_N=entry_rank), [hop],
+                         padding=Padding(ctx.token_padding), layout=layout)

@@ -22,6 +22,7 @@ from moonep_sim.errors import require
 from moonep_sim.limits import MAX_ELEMENTS
 from moonep_sim.plan import (INDEX, Entries, GlobalRouting, Hop, Padding, Plan, Scope, SlotOrder, Slots,
                              assemble_plan, home_slots, stable_order)
+from moonep_sim.plan.kinds import require_index
 from moonep_sim.plan.order import segment_mask, segment_ranges, small_key_dtype
 from moonep_sim.strategies import Option, PlanContext, register
 
@@ -61,7 +62,7 @@ def _desc_key_inplace(w_N: np.ndarray) -> np.ndarray:
 
 
 def _keep_heaviest_A(A_N: np.ndarray, cnt_G: np.ndarray, cap_G: np.ndarray,
-                     weights_N: np.ndarray) -> np.ndarray:
+                     weights_N: np.ndarray, weights_A: np.ndarray | None = None) -> np.ndarray:
     """bool [N], in the order ``A_N`` (entries sorted stably by group): whether each entry is among
     the ``cap_G`` heaviest of its group (ties: earlier entry first) -- :func:`keep_mask_N`'s
     ``drop=weight`` without a sort of the entries by weight.
@@ -71,7 +72,8 @@ def _keep_heaviest_A(A_N: np.ndarray, cnt_G: np.ndarray, cap_G: np.ndarray,
     permutation to carry, and groups arrive in order) gives each group's threshold, the cap-th
     heaviest key, and how many entries are heavier (where the threshold first appears); an entry
     stays if it is heavier, or if it ties the threshold and is among the first ties (in entry
-    order) still within the capacity.
+    order) still within the capacity. ``weights_A``: the weights already in the order ``A_N``
+    (float32 [N], where the caller's sort gathered them), else gathered here.
     """
     n = A_N.size
     over = (cnt_G > cap_G) & (cap_G > 0)
@@ -79,7 +81,8 @@ def _keep_heaviest_A(A_N: np.ndarray, cnt_G: np.ndarray, cap_G: np.ndarray,
     if not over.any():
         return keep
     sel = np.repeat(over, cnt_G)  # entries (in A order) of the groups above capacity
-    w_O = np.asarray(weights_N, dtype=np.float32)[A_N[sel]]
+    w_O = (np.asarray(weights_N, dtype=np.float32)[A_N[sel]] if weights_A is None
+           else np.asarray(weights_A, dtype=np.float32)[sel])
     w_O += np.float32(0.0)  # -0.0 + 0.0 = +0.0
     key_O = _desc_key_inplace(w_O)  # ascending = heaviest first
     cnt_O, cap_O = cnt_G[over], cap_G[over]
@@ -153,33 +156,38 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     # slot (a small radix sort whose scratch stays in cache) orders them all
     slot_key = np.take(slot_of.astype(small_key_dtype(S)), ids)  # [N] each entry's home slot, narrow
     bound = routing.tok_off_R() * K  # entries of source rank r: [bound[r], bound[r + 1])
-    A = np.empty(N, dtype=np.int64)
+    A = np.empty(N, dtype=INDEX)
     cnt_RS = np.zeros((R, S), dtype=np.int64)
+    w_TK = routing.topk_weights_TK  # (its rows per source: no [N] copy where it is not C-ordered)
+    w_A = np.empty(N, dtype=np.float32) if drop == "weight" else None  # the weights in A order
     for r in range(R):  # loop over source ranks, not entries
         lo, hi = int(bound[r]), int(bound[r + 1])
         if hi > lo:
             k = slot_key[lo:hi]
             cnt_RS[r] = np.bincount(k, minlength=S)
-            np.add(np.argsort(k, kind="stable"), lo, out=A[lo:hi])
+            local = np.argsort(k, kind="stable")
+            if w_A is not None:  # (the run's weights are in cache here)
+                np.take(w_TK[lo // K:hi // K].ravel(), local, out=w_A[lo:hi], mode="clip")
+            np.add(local, lo, out=A[lo:hi])
     cnt_G = cnt_RS.ravel()  # entries per (src, slot)
     cap_G = np.repeat(cap_R, S)
     kc_G = np.minimum(cnt_G, cap_G)  # kept rows per (src, slot) block
     if drop == "weight":  # keep the cap_G heaviest of each group (ties: earlier entry first)
-        keep_A = _keep_heaviest_A(A, cnt_G, cap_G, routing.topk_weights_TK.ravel())
+        keep_A = _keep_heaviest_A(A, cnt_G, cap_G, w_TK, w_A)
     else:  # keep the first cap_G of each group in entry order
         keep_A = segment_mask(np.cumsum(cnt_G) - cnt_G, kc_G, N)
-    drop_N = np.ones(N, dtype=bool)
-    drop_N[A[keep_A]] = False
     ke = A[keep_A]  # kept entries in (src, slot, entry) order: the hop's order of kept rows
-    del A, keep_A
+    drop_N = np.ones(N, dtype=bool)
+    drop_N[ke] = False
+    del A, keep_A, w_A
     entry_rank = np.take(sr.astype(INDEX), slot_key)  # INDEX [N] the Plan's entry_rank (-1 dropped)
-    entry_rank[drop_N] = -1
+    np.copyto(entry_rank, -1, where=drop_N)
     del slot_key
     per_rs = kc_G.reshape(R, S)
     # the layout's (slot, entry) order, dropped entries first: the kept entries are ke with its
     # (src, slot) blocks moved to (slot, src) order (tokens are in rank order), no sort needed
     n_kept = ke.size
-    order_N = np.empty(N, dtype=np.int64)
+    order_N = np.empty(N, dtype=INDEX)
     order_N[:N - n_kept] = np.flatnonzero(drop_N)
     del drop_N
     kc_SR = np.ascontiguousarray(per_rs.T)
@@ -203,8 +211,9 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     # messages in (src, slot, row in block) order = (src, dst, dst_row) order, as slots are sorted
     # by rank and a (src, dst) pair's blocks lie in slot order in the destination's buffer
     M = int(blk_len.sum())
+    require_index(max(M, N), "messages of capacity's hop (padded rows) and entries")
     m_start = np.cumsum(blk_len) - blk_len
-    m_src = np.repeat(np.arange(R, dtype=INDEX), blk_len.reshape(R, S).sum(axis=1))  # (INDEX: a Hop's dtype)
+    m_src = np.repeat(np.arange(R, dtype=INDEX), blk_len.reshape(R, S).sum(axis=1))
     m_dst = np.repeat(np.tile(dst_of_S.astype(INDEX), R), blk_len)
     m_row = segment_ranges(blk_off, blk_len, out=np.empty(M, dtype=INDEX))
     # source row of a kept entry: its token's row on its own rank
@@ -218,7 +227,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     # receive row of each kept entry in layout (slot, src, entry) order: block (r, s) holds its
     # kept rows first, at blk_off[r, s] + j
     blk_off_SR = blk_off.reshape(R, S).T.ravel()
-    buf_row_K = segment_ranges(blk_off_SR, kc_SR.ravel())
+    buf_row_K = segment_ranges(blk_off_SR, kc_SR.ravel(), out=np.empty(n_kept, dtype=INDEX))
     pad_slot = pad_row = np.zeros(0, np.int64)
     if pad:  # each block: its kept rows, then C_src - kept zero rows (src_row -1)
         m_srow = np.full(M, -1, dtype=INDEX)
