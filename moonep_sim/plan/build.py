@@ -317,11 +317,12 @@ def final_rows(lay: SlotLayout, kept_sorted: np.ndarray, entry_buf_row: np.ndarr
     (``lay.order_N[lay.n_drop:]``) and each entry's row (int64 [N]) in the last hop's buffer
     (or ``kept_buf_row``: those rows of the kept entries in slot order, when the caller has them);
     padding rows get -1. Without padding rows, row_entry_W is ``kept_sorted`` itself (no copy;
-    INDEX where the layout's sort made it). Returned arrays are INDEX [W] otherwise."""
+    INDEX where the layout's sort made it) and expand_src_row_W the buffer rows' dtype; with padding
+    rows both are INDEX [W]."""
     if kept_buf_row is None:
         kept_buf_row = entry_buf_row[kept_sorted]
     if lay.grow_K is None:  # no padding rows: the final rows are the slot-sorted kept entries
-        return kept_sorted, kept_buf_row.astype(INDEX, copy=False)  # (a copy only from an int64 caller)
+        return kept_sorted, kept_buf_row
     W = int(lay.rows_R.sum())
     row_entry = np.full(W, -1, dtype=INDEX)
     expand = np.full(W, -1, dtype=INDEX)
