@@ -161,3 +161,14 @@ def test_parse_topologies_and_api_labels():
     assert [r["gpus_per_node"] for r in doc["points"][0]["clusters"]] == [8, 16]  # NVL72: EP16 in one domain
     md = clusters_markdown(doc, dict(date="d", commit="c", command="x", uptime="u", wall_s=1.0, cpu_s=1.0))
     assert md.count("| maxvio ") == 4 and "## Does the winner change?" in md
+
+
+def test_json_out_over_a_topology_file_is_refused(tmp_path, capsys):
+    from importlib import resources
+
+    topo = tmp_path / "mine.toml"
+    topo.write_text((resources.files("moonep_sim.data") / "topology-h800-cx7.toml").read_text())
+    assert main([*BASE, "--topology", f"h200-efa,{topo}", "--out", str(tmp_path / "o"), "--json", str(topo)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(topo) in err
+    assert not (tmp_path / "o").exists()

@@ -33,9 +33,10 @@ def run_clusters(args) -> int:
         if on:
             raise ConfigError(f"{flag} applies to one --topology only (the multi-cluster compare is simulated, "
                               "layer level)")
-    to_file = args.json not in (None, "-")
-    output_rule(args, files=("json",) if to_file else (), folders={"out": OUT_FILES})
     names = [t for t, _ in check_topologies(args.topology)]
+    to_file = args.json not in (None, "-")
+    output_rule(args, files=("json",) if to_file else (), folders={"out": OUT_FILES},
+                inputs={f"--topology {t}": t for t in names if t.endswith(".toml")})
     args.topology = names[0]  # the base scenario, checked; every cluster is checked again before any work
     sc = scenario(args)
     check_jobs(args.jobs)
