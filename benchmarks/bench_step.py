@@ -22,6 +22,7 @@ the 1-minute load average beside them (the reference machine is shared)::
     python benchmarks/bench_step.py --cases k3-train --distinct-layers 0 --together
     python benchmarks/bench_step.py --cases v3-decode --strategies alltoall --jobs 2
     python benchmarks/bench_step.py --cases k3-train --strategies alltoall --distinct-layers 0 --moe-layers 4
+    python benchmarks/bench_step.py --routing-only      # each case's generation alone, per layer
 """
 
 from __future__ import annotations
@@ -79,6 +80,30 @@ def run(case: str, strategies: list[str], distinct: int, jobs: int, moe_layers: 
     return rows
 
 
+def routing_only(case: str, moe_layers: int = 0) -> dict:
+    """Only the step's routing: each MoE layer generated as the step generates it (the same
+    builder, seed and split over the ranks), nothing planned: the per-layer generation floor,
+    with the spread over layers (some need the realised-maxvio refinement)."""
+    from moonep_sim.experiments.step import GeneratedLayer
+
+    c = CASES[case]
+    sc = Scenario(routing=GeneratorSpec(**c["spec"]), cluster=c["cluster"], topology="h800-cx7",
+                  strategies=["alltoall"])
+    rs = sc.resolved
+    n = moe_layers or rs.source.model.moe_layers
+    load0 = os.getloadavg()[0]
+    per = []
+    t0 = time.perf_counter()
+    for i in range(n):
+        c0 = cpu_s()
+        GeneratedLayer(rs.source, i, rs.cluster.ranks)()
+        per.append(cpu_s() - c0)
+    return {"case": case + (f" (first {n} MoE layers)" if moe_layers else ""), "routing_only": True,
+            "layers": n, "cpu_s": sum(per), "wall_s": time.perf_counter() - t0, "load_start": load0,
+            "load_end": os.getloadavg()[0], "per_layer_cpu_s": {"mean": sum(per) / n, "min": min(per),
+                                                                "max": max(per), "median": sorted(per)[n // 2]}}
+
+
 def main() -> None:
     from moonep_sim.memory import prefer_small_pages, reuse_freed_memory
 
@@ -93,10 +118,15 @@ def main() -> None:
     ap.add_argument("--moe-layers", type=int, default=0, metavar="N",
                     help="cut the model to its first N MoE layers (a quick run, named in the row; 0 = all)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--routing-only", action="store_true",
+                    help="time only the step's routing (every MoE layer generated as the step does, none planned)")
     a = ap.parse_args()
     strategies = a.strategies.split(",")
     rows = []
-    for case in a.cases.split(","):
+    for case in a.cases.split(",") if a.routing_only else []:
+        rows.append(routing_only(case, a.moe_layers))
+        print(json.dumps(rows[-1]), flush=True)
+    for case in a.cases.split(",") if not a.routing_only else []:
         for distinct in (int(x) for x in a.distinct_layers.split(",")):
             groups = [strategies] if a.together else [[s] for s in strategies]
             for g in groups:

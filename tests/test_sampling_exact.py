@@ -141,9 +141,9 @@ def test_counting_redraws_find_the_whole_draws_experts_and_weights():
     sample_topk_pl(0.5 * z, 6, 3000, np.random.default_rng(11), noise=noise)
     for sigma in (0.2, 0.9, 2.5):                   # the last one sends rows to the remainder draw
         ids, w = sample_topk_pl(sigma * z, 6, 3000, np.random.default_rng(11))
-        again = sampling.pl_ids_again(sigma * z, 6, 3000, noise)
-        assert np.array_equal(again.T, ids)
-        assert np.array_equal(sampling.pl_weights(sigma * z, again, np.random.default_rng(11)), w)
+        again, counts = sampling.pl_ids_again(sigma * z, 6, 3000, noise)
+        assert np.array_equal(again.T, ids) and np.array_equal(counts, np.bincount(ids.ravel(), minlength=40))
+        assert np.array_equal(sampling.pl_weights(sigma * z, again, noise), w)
 
 
 def test_a_refined_calibration_returns_a_whole_draw(monkeypatch):

@@ -7,6 +7,7 @@ import pytest
 import simpy
 from hypothesis import given, settings, strategies as st
 
+from moonep_sim.sim.blocks import BlockCounts
 from moonep_sim.sim.network import FlowNetwork, PortMap, waterfill
 from moonep_sim.sim.ports import Block, nic_group_of
 from moonep_sim.sim.topology import Topology
@@ -209,6 +210,38 @@ def test_block_solver_matches_per_flow_waterfill(topo_name, kind, R, seed, degra
     a, _ = run_solver(R, phases, topo, 0.0, "blocks", fac, st_us, sm_cap, nic)
     b, _ = run_solver(R, phases, topo, 0.0, "paths", fac, st_us, sm_cap, nic)
     assert np.allclose(a["end"], b["end"], rtol=1e-9, atol=1e-9)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(sorted(TOPOS)), st.integers(2, 12), st.integers(0, 10_000), st.booleans(), st.booleans())
+def test_block_fill_with_cell_tables_equals_the_per_block_freeze(topo_name, R, seed, sm, degraded):
+    """The block solver's freeze through its per-node cell tables (one gather and one count for
+    every block) gives every transfer the rate of the per-block freeze it replaced (the reference,
+    kept for port maps whose tables would be too large), on random counts: SM ports, degraded
+    NICs, oversubscribed spines, flows finished (counted out) and started again. (Equal up to the
+    order of float additions, so where two ports tie the one named may differ.)"""
+    rng = np.random.default_rng(seed)
+    fac = np.where(np.arange(R) == rng.integers(R), 0.3, 1.0) if degraded else None
+    ports = PortMap.build(TOPOS[topo_name], R, nic_factor_R=fac, sm_bytes_per_us=30e3 if sm else np.inf)
+    fast, ref = BlockCounts(ports), BlockCounts(ports)
+    ref.cell_NW = ref.other_NW = None
+    assert fast.cell_NW is not None
+    ns, nd = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    for _ in range(3):
+        F = int(rng.integers(1, 4 * R * R))
+        src, dst = rng.integers(R, size=F), rng.integers(R, size=F)
+        blk = ports.pair_class(src, dst, rng.random(F) < 0.5 if ports.sm_ports else None, None)
+        for bc in (fast, ref):
+            bc.add(blk * R + src, blk * R + dst, 1.0)
+        ns, nd = np.r_[ns, blk * R + src], np.r_[nd, blk * R + dst]
+        a, b = fast.fill(ports.cap_P), ref.fill(ports.cap_P)
+        rate_a = np.minimum(a.level_src[ns], a.level_dst[nd])
+        rate_b = np.minimum(b.level_src[ns], b.level_dst[nd])
+        assert np.isfinite(rate_b).all() and np.allclose(rate_a, rate_b, rtol=1e-12, atol=0.0)
+        done = rng.random(ns.size) < 0.5   # half of them finish
+        for bc in (fast, ref):
+            bc.add(ns[done], nd[done], -1.0)
+        ns, nd = ns[~done], nd[~done]
 
 
 @settings(max_examples=15, deadline=None)

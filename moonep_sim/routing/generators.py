@@ -303,10 +303,10 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
 
     def realised(log_sigma: float):
         if counts_only and "u" in redraw:  # the same experts as a whole draw, without its weights
-            ids, w, lg = pl_ids_again(logp(math.exp(log_sigma)), top_k, tokens, redraw), None, None
+            (ids, c), w, lg = pl_ids_again(logp(math.exp(log_sigma)), top_k, tokens, redraw), None, None
         else:
             ids, w, lg = draw(math.exp(log_sigma))
-        c = np.bincount(ids.ravel(), minlength=E)
+            c = np.bincount(ids.ravel(), minlength=E)
         mv = maxvio_of(c)
         err = abs(mv / target - 1)
         if not evals or err < min(e[0] for e in evals):
@@ -349,7 +349,7 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
         raise ConfigError(f"maxvio ({target}) must be reachable (E={E}, K={top_k}, T={tokens}): the best "
                           f"realised value was {mv_best:.4g} at sigma={math.exp(ls_best):.4g}")
     if w is None:       # a counted draw: its ids as the sampler returns them, its weights replayed
-        w = pl_weights(logp(math.exp(ls_best)), ids, _rng(seed, 1, *path))
+        w = pl_weights(logp(math.exp(ls_best)), ids, redraw)
         ids = ids.T.astype(np.int64, order="C")
     return ids, w, lg, {"sigma": math.exp(ls_best), "calibration_samples": len(evals)}, counts
 

@@ -20,7 +20,7 @@ it, with the same distribution (not the same outputs for a seed); :func:`sample_
   chosen mass exceeds one half, and rows still rejected after a few rounds, draw from their exact
   renormalised remainder (a per-row cumulative sum). Cost ``O(T K)`` draws plus ``O(T K^2)``
   integer compares instead of ``O(T E)`` noise and a partition: a Kimi-K3 layer (E=896, K=16,
-  T=262144) takes about 0.2 CPU s instead of about 2.5 s (docs/results/traces.md).
+  T=262144) takes about 0.1 CPU s instead of about 2.5 s (docs/results/traces.md, steps.md).
 - :func:`sample_topk_grouped` -- the fast path for group-limited top-K: the race of each group
   run the same way (the experts' clocks are independent), its first two arrivals giving the group
   score, the kept groups' races continued and merged (exact; its docstring). About 2x faster than
@@ -280,24 +280,31 @@ class _Races:
             out[s:s + chunk] = first[:, 0] + np.minimum(e, last)
         return out
 
-    def _tick(self) -> None:
-        """This position's arrival times: ``tau += X / (popularity not yet chosen)``, X from ``rng``."""
-        x = self.rng.standard_exponential(self.first_R.size, dtype=np.float32)
-        np.maximum(x, np.float32(1e-30), out=x)        # an exact 0 would give a zero time (infinite score)
+    def _tick(self, x: np.ndarray | None = None) -> np.ndarray:
+        """This position's arrival times: ``tau += X / (popularity not yet chosen)``, X from ``rng``
+        (or ``x``, kept from an earlier draw of the same streams). Returns X."""
+        if x is None:
+            x = self.rng.standard_exponential(self.first_R.size, dtype=np.float32)
+            np.maximum(x, np.float32(1e-30), out=x)    # an exact 0 would give a zero time (infinite score)
         dt = np.maximum(self.left_R, 1e-300)
         np.divide(x, dt, out=dt)
         self.tau_R = np.add(self.tau_R, dt, out=self.tau_KN[self.k])   # this position's row is the clock now
+        return x
 
-    def advance(self, u: np.ndarray | None = None, keep_u: list | None = None) -> None:
+    def advance(self, u: np.ndarray | None = None, keep: dict | None = None,
+                counts_E: np.ndarray | None = None) -> None:
         """Every row's next arrival. ``u``: this position's uniforms, kept from an earlier run of the
-        same streams (``keep_u`` keeps them): the experts drawn without the arrival times (whose
-        exponentials are then not drawn; ``tau_KN`` is left unset)."""
+        same streams (``keep`` keeps the exponentials and uniforms, lists ``x`` and ``u``): the
+        experts drawn without the arrival times (``tau_KN`` left unset, and ``left_R`` too when no
+        position tests it). ``counts_E``: the drawn experts added to it."""
         k, N = self.k, self.first_R.size
-        if u is None:
-            self._tick()
+        clocked = u is None
+        if clocked:
+            x = self._tick()
             u = self.rng.random(N)
-        if keep_u is not None:
-            keep_u.append(u)
+            if keep is not None:
+                keep["x"].append(x)
+                keep["u"].append(u)
         e = self._draw(u, None)                        # intp; its narrow copy is this position's row
         ids = self.ids_KN[k]
         ids[...] = e
@@ -320,15 +327,17 @@ class _Races:
             rest = np.union1d(hard, todo) if todo.size else hard
             if rest.size:
                 ids[rest] = e[rest] = self._remainder(rest)
-        self.left_R -= self.p_E.take(e)
+        if clocked or self.easy_k < self.ids_KN.shape[0]:   # the popularity left: the clock's, the test's
+            self.left_R -= self.p_E.take(e)
+        if counts_E is not None:
+            counts_E += np.bincount(e, minlength=counts_E.size)
         self.k += 1
 
-    def replay(self, ids_KN: np.ndarray) -> None:
-        """The arrival times of experts ``ids_KN`` drawn before from streams seeded as ``rng``: its
-        exponentials drawn (and its uniforms skipped) in the order :meth:`advance` draws them."""
+    def replay(self, ids_KN: np.ndarray, xs: list) -> None:
+        """The arrival times of experts ``ids_KN`` with the exponentials ``xs`` of their streams
+        (one array per position, as :meth:`advance` kept them)."""
         for k in range(ids_KN.shape[0]):
-            self._tick()
-            self.rng.random(self.first_R.size)         # the uniform the draw took
+            self._tick(xs[k])
             self.ids_KN[k] = ids_KN[k]
             self.left_R -= self.p_E.take(ids_KN[k])
             self.k += 1
@@ -375,44 +384,43 @@ def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.G
     position whatever the popularity (so draws at two popularities are coupled token by token);
     redraws after a rejection and remainder draws come from a child stream seeded once from it.
 
-    noise: a dict that keeps this draw's uniforms and child seed (K x T float64), for
-    :func:`pl_ids_again` to draw the same streams' experts at another popularity.
+    noise: a dict that keeps this draw's exponentials, uniforms and child seed (K x T float32
+    and float64), for :func:`pl_ids_again` to draw the same streams' experts at another
+    popularity and :func:`pl_weights` their weights.
     """
     E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
     p, icdf = _normalised(logp_E)
     seed = int(rng.integers(0, 1 << 63))
     races = _Races(p, icdf, np.zeros(T, np.intp), E, K, rng, np.random.default_rng(seed))
-    keep = None
     if noise is not None:
-        keep = noise["u"] = []
-        noise["retry_seed"] = seed
+        noise.update(x=[], u=[], retry_seed=seed)
     for _ in range(K):
-        races.advance(keep_u=keep)
+        races.advance(keep=noise)
     return races.ids_KN.T.astype(np.int64, order="C"), _weights_KN(races.tau_KN)
 
 
-def pl_ids_again(logp_E: np.ndarray, top_k: int, tokens: int, noise: dict) -> np.ndarray:
-    """The experts :func:`sample_topk_pl` draws at ``logp_E`` from the streams whose uniforms
-    ``noise`` kept (the same values, position-major ``[K, T]`` of a small int dtype), without
-    their arrival times or weights: what a calibration that only counts needs, at about half
-    the cost (no exponentials, clock or weights). :func:`pl_weights` completes a draw."""
+def pl_ids_again(logp_E: np.ndarray, top_k: int, tokens: int, noise: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The experts :func:`sample_topk_pl` draws at ``logp_E`` from the streams whose draws
+    ``noise`` kept (the same values, position-major ``[K, T]`` of a small int dtype) and their
+    count per expert (int64 [E]), without their arrival times or weights: what a calibration that
+    only counts needs, at about 40% of a whole draw. :func:`pl_weights` completes a draw."""
     E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
     p, icdf = _normalised(logp_E)
     races = _Races(p, icdf, np.zeros(T, np.intp), E, K, None, np.random.default_rng(noise["retry_seed"]))
+    counts = np.zeros(E, np.int64)
     for k in range(K):
-        races.advance(u=noise["u"][k])
-    return races.ids_KN
+        races.advance(u=noise["u"][k], counts_E=counts)
+    return races.ids_KN, counts
 
 
-def pl_weights(logp_E: np.ndarray, ids_KN: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def pl_weights(logp_E: np.ndarray, ids_KN: np.ndarray, noise: dict) -> np.ndarray:
     """The weights :func:`sample_topk_pl` returns with experts ``ids_KN`` (from
-    :func:`pl_ids_again` at ``logp_E``), ``rng`` seeded as the sampler's was: its arrival times
-    replayed (the same exponentials, the same popularity left), float32 [T, K]."""
+    :func:`pl_ids_again` at ``logp_E`` with the same ``noise``): its arrival times replayed from
+    the kept exponentials (the same popularity left), float32 [T, K]."""
     K, T = ids_KN.shape
     p, icdf = _normalised(logp_E)
-    rng.integers(0, 1 << 63)                           # the child seed, drawn first by the sampler
-    races = _Races(p, icdf, np.zeros(T, np.intp), p.size, K, rng, None)
-    races.replay(ids_KN)
+    races = _Races(p, icdf, np.zeros(T, np.intp), p.size, K, None, None)
+    races.replay(ids_KN, noise["x"])
     return _weights_KN(races.tau_KN)
 
 

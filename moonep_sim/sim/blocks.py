@@ -28,6 +28,7 @@ import numpy as np
 from moonep_sim.sim.ports import Block, PortMap, block_kind
 
 RUN_MAX = 256    # ports considered for one run of the block solver's filling
+NODE_CELLS_MAX = 1 << 22   # entries of the per-node cell tables (:meth:`BlockCounts._node_cells`) at most
 
 
 class Levels(NamedTuple):
@@ -79,10 +80,13 @@ class BlockCounts:
         self.width = tuple(width_of[k] for k in self.kinds)
         # the blocks' M matrices are views of one flat buffer, so a cell of any block is one gather
         self.m_off = np.concatenate([[0], np.cumsum([R * w for w in self.width])]).astype(np.int64)
-        self.m_flat = np.zeros(int(self.m_off[-1]))
+        T = int(self.m_off[-1])
+        # M cells, then MT cells, then one cell that stays 0 (the padding of :attr:`cell_NW`)
+        self.mm = np.zeros(2 * T + 1)
+        self.m_flat = self.mm[:T]
         self.M = [self.m_flat[self.m_off[b]:self.m_off[b + 1]].reshape(R, w) for b, w in enumerate(self.width)]
         self.width_B = np.asarray(self.width, dtype=np.int64)
-        self.mt_flat = np.zeros(int(self.m_off[-1]))
+        self.mt_flat = self.mm[T:2 * T]
         self.MT = [self.mt_flat[self.m_off[b]:self.m_off[b + 1]].reshape(R, w) for b, w in enumerate(self.width)]
         self.cnt_src = np.zeros(B * R)   # active transfers per sender node (block-major)
         self.cnt_dst = np.zeros(B * R)
@@ -148,6 +152,31 @@ class BlockCounts:
         # per filling step, the run length of the last fill: its first prefix width is chosen above
         # it (consecutive fills are alike); any start gives the same run (:meth:`_run`)
         self._hint: list[int] = []
+        self.cell_NW, self.other_NW = self._node_cells(T)
+
+    def _node_cells(self, T: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(cell_NW, other_NW): per node (sender nodes 0..N-1, then receiver nodes N..2N-1; N = B x R)
+        and column w of its block's row (W: the widest used block), the index in :attr:`mm` of the
+        cell the node shares with the other side's node ``other_NW`` (a sender node reads its ``M``
+        row, a receiver node its ``MT`` row). Columns past the node's block width, and the nodes of
+        unused blocks, point at the zero cell ``2 T`` and the spare node 2N. (None, None) when the
+        tables would exceed ``NODE_CELLS_MAX`` entries (then :meth:`_freeze` runs per block)."""
+        R, N = self.R, self.B * self.R
+        W = max(self.width[b] for b in self.blocks) if self.blocks else 1
+        if 2 * N * W > NODE_CELLS_MAX:
+            return None, None
+        u = np.arange(2 * N)
+        side, (b_N, r_N) = u // N, np.divmod(u % N, R)
+        w = np.arange(W)[None, :]
+        kind_N = self.kind_B[b_N]
+        rank_NW = np.where((kind_N >= Block.NIC)[:, None], w, np.where(
+            (kind_N == Block.NVLINK)[:, None], self.node_cols_RG[r_N][:, np.minimum(w[0], self.G - 1)], r_N[:, None]))
+        used = np.zeros(self.B, dtype=bool)
+        used[self.blocks] = True
+        ok = used[b_N][:, None] & (w < self.width_B[b_N][:, None])
+        cell = np.where(ok, side[:, None] * T + self.mt_row_N[:, None] + w, 2 * T)
+        other = np.where(ok, (1 - side)[:, None] * N + b_N[:, None] * R + rank_NW, 2 * N)
+        return cell.astype(np.intp), other.astype(np.intp)
 
     def add(self, ns_F: np.ndarray, nd_F: np.ndarray, sign: float) -> None:
         """Count transfers in (sign = 1) or out (sign = -1); ``ns_F`` / ``nd_F``: int64 [F] their
@@ -179,13 +208,19 @@ class BlockCounts:
         P1 = cap_P.size
         dm = self.ports.dummy
         cap = np.asarray(cap_P, dtype=np.float64)
-        cnt = np.concatenate([self.cnt_src, self.cnt_dst])   # unfrozen transfers per node
-        frz = np.zeros(2 * N)                                # frozen load (bytes/us) per node
-        lev = np.full(2 * N, np.inf)
-        bport = np.full(2 * N, -1, dtype=np.int64)
-        free = np.ones(2 * N, dtype=bool)
+        # per node, and one spare node 2N that stays empty (the padding of the cell tables):
+        # unfrozen transfers, frozen load (bytes/us), level, the port that froze it, free
+        cnt_x = np.concatenate([self.cnt_src, self.cnt_dst, [0.0]])
+        frz_x = np.zeros(2 * N + 1)
+        lev_x = np.full(2 * N + 1, np.inf)
+        bport_x = np.full(2 * N + 1, -1, dtype=np.int64)
+        free_x = np.ones(2 * N + 1, dtype=bool)
+        free_x[-1] = False
+        state = (lev_x, bport_x, free_x, frz_x, cnt_x)
+        cnt, frz = cnt_x[:2 * N], frz_x[:2 * N]
+        lev, bport = lev_x[:2 * N], bport_x[:2 * N]
         if self.simple:
-            steps = self._fill_simple(cap, cnt, frz, lev, bport, free)
+            steps = self._fill_simple(cap, state)
             return Levels(lev[:N], lev[N:], bport[:N], bport[N:], steps)
         pall, K = self.pall, self.pall.shape[1]
         pflat = pall.ravel()
@@ -203,16 +238,17 @@ class BlockCounts:
             # two of them (then no port of the run shares a transfer with an earlier one)
             cut, node, pos = self._run(cand, steps)
             steps += 1
-            run, lv = cand[:cut], share[:cut]
-            # the run's nodes (each on one run port: its first saturating port freezes it), by side
+            # the run's nodes that carry unfrozen transfers (each on one run port: its first
+            # saturating port freezes it), in increasing order; no two share a cell, so freezing
+            # them together equals freezing one side after the other
             o = np.argsort(node)
             node, pos = node[o], pos[o]
-            mid = int(np.searchsorted(node, N))
-            frozen_any = False
-            for s0, (nodes, kn) in enumerate(((node[:mid], pos[:mid]), (node[mid:] - N, pos[mid:]))):
-                frozen_any |= self._freeze_live(nodes, kn, s0, run, lv, lev, bport, free, frz, cnt)
-            if not frozen_any:  # pragma: no cover - the run's ports carry unfrozen transfers
+            live = cnt[node] > 0
+            if not live.all():
+                node, pos = node[live], pos[live]
+            if not node.size:  # pragma: no cover - the run's ports carry unfrozen transfers
                 raise RuntimeError("progressive filling made no progress")
+            self._freeze(node, share[pos], cand[pos], state)
         return Levels(lev[:N], lev[N:], bport[:N], bport[N:], steps)
 
     def _run(self, cand: np.ndarray, step: int) -> tuple[int, np.ndarray, np.ndarray]:
@@ -239,50 +275,36 @@ class BlockCounts:
         keep = pos < cut
         return cut, node[keep], pos[keep]
 
-    def _fill_simple(self, cap, cnt, frz, lev, bport, free) -> int:
+    def _fill_simple(self, cap, state) -> int:
         """:meth:`fill` when every node has one port and every port one node (``simple``): the
-        same steps and arithmetic, in node space (a port's count and frozen load are its node's;
-        ties in share order still go to the lower port). Returns the steps."""
-        N = self.B * self.R
+        same steps, in node space (a port's count and frozen load are its node's; ties in share
+        order still go to the lower port). ``state``: :meth:`fill`'s per-node arrays. Returns the
+        steps."""
+        cnt, frz = state[4], state[3]
         nps, pps = self.nps, self.pps
         cap_n = cap[pps]
         steps = 0
-        while cnt.any():
+        while True:
+            c_n = cnt[nps]
+            li = np.flatnonzero(c_n)
+            if not li.size:   # every counted transfer crosses a port, so no node carries any now
+                break
             steps += 1
-            live = cnt[nps] != 0
-            cn = nps[live]
-            share = (cap_n[live] - frz[cn]) / cnt[cn]
-            order = np.argsort(share, kind="stable")
+            cn = nps[li]
+            share = (cap_n[li] - frz[cn]) / c_n[li]
+            order = share.argsort(kind="stable")
             cn, share = cn[order], share[order]
             cut = self._switch_cut(cn[:RUN_MAX])
             if cut is None:
-                cand = pps[live][order]
+                cand = pps[li[order]]
                 for width in (8, 64, RUN_MAX):  # short runs are the common case: try small prefixes first
                     cut = self._run_cut(cand[:width])
                     if cut < width or width >= cand.size:
                         break
-            rn, lv = cn[:cut], share[:cut]
-            run = pps[live][order[:cut]]
-            s_first = bool(rn[0] < N)
-            if bool(rn[-1] < N) == s_first and ((rn < N) == s_first).all():
-                # one side (the usual run): its nodes all carry unfrozen transfers (they are live
-                # and nothing froze yet in this step)
-                s0 = 0 if s_first else 1
-                kn = np.argsort(rn)              # nodes in increasing order, as :meth:`fill` visits them
-                self._freeze(rn[kn] - s0 * N, kn, s0, run, lv, lev, bport, free, frz, cnt)
-                continue
-            frozen_any = False
-            for s0 in (0, 1):
-                lo = s0 * N
-                side = (rn >= lo) & (rn < lo + N)
-                if not side.any():
-                    continue
-                nodes, kn = rn[side] - lo, np.flatnonzero(side)
-                o = np.argsort(nodes)            # nodes in increasing order, as :meth:`fill` visits them
-                nodes, kn = nodes[o], kn[o]
-                frozen_any |= self._freeze_live(nodes, kn, s0, run, lv, lev, bport, free, frz, cnt)
-            if not frozen_any:  # pragma: no cover - the run's ports carry unfrozen transfers
-                raise RuntimeError("progressive filling made no progress")
+            # the run's nodes all carry unfrozen transfers (they are live and nothing froze yet in
+            # this step) and share no cell: frozen together, in increasing order
+            o = cn[:cut].argsort()
+            self._freeze(cn[o], share[o], pps[li[order[o]]], state)
         return steps
 
     def _switch_cut(self, node: np.ndarray) -> int | None:
@@ -359,32 +381,44 @@ class BlockCounts:
         first = np.where(act, pos[is_s][None, :], cut).min(axis=1)   # per receiver: its earliest connected sender
         return min(cut, int(np.maximum(first, pos[~is_s]).min()))
 
-    def _freeze_live(self, nodes, kn, s0, run, lv, lev, bport, free, frz, cnt) -> bool:
-        """:meth:`_freeze` of those side-``s0`` nodes that still carry unfrozen transfers (an earlier
-        side of the same run may have emptied some); False when none does."""
-        live = cnt[s0 * self.B * self.R + nodes] > 0
-        if not live.all():
-            nodes, kn = nodes[live], kn[live]
-        if not nodes.size:
-            return False
-        self._freeze(nodes, kn, s0, run, lv, lev, bport, free, frz, cnt)
-        return True
+    def _freeze(self, g: np.ndarray, lv: np.ndarray, port: np.ndarray, state) -> None:
+        """Freeze nodes ``g`` (int64, increasing; of either side, no two sharing a cell, each
+        carrying unfrozen transfers) at levels ``lv`` (the shares of ``port``, the run ports that
+        saturate them); their cells leave the other side's free nodes: counts, and load at the
+        cells' level. ``state``: :meth:`fill`'s per-node arrays (lev, bport, free, frz, cnt).
 
-    def _freeze(self, nodes, kn, s0, run, lv, lev, bport, free, frz, cnt) -> None:
-        """Freeze side-``s0`` nodes at the levels of their run ports; their cells leave the other
-        side's free nodes (counts, and load at the cells' level)."""
-        R, N = self.R, self.B * self.R
-        lo = s0 * N
-        lvn = lv[kn]
-        g = lo + nodes
-        lev[g] = lvn
-        bport[g] = run[kn]
+        With the cell tables (:meth:`_node_cells`) the cells of every frozen node are read in one
+        gather and scattered in one count per quantity, whatever the blocks (a DeepSeek-V3 EP32
+        decode alltoall layer, 3 blocks, simulates 1.5x faster than with the update per block);
+        :meth:`_freeze_blocks` is the same update block by block, the reference it is tested
+        against (equal up to the order of float additions)."""
+        lev, bport, free, frz, cnt = state
+        lev[g] = lv
+        bport[g] = port
         free[g] = False
-        frz[g] += lvn * cnt[g]
+        frz[g] += lv * cnt[g]
         cnt[g] = 0.0
-        # their cells leave the other side's free nodes: counts, and load at the cells' level
+        if self.cell_NW is None:
+            N = self.B * self.R
+            mid = int(np.searchsorted(g, N))
+            for s0, nodes, lvn in ((0, g[:mid], lv[:mid]), (1, g[mid:] - N, lv[mid:])):
+                if nodes.size:
+                    self._freeze_blocks(nodes, lvn, s0, free, frz, cnt)
+            return
+        other = self.other_NW[g]
+        Z = self.mm[self.cell_NW[g]]
+        Z *= free[other]
+        t = other.ravel()
+        cnt -= np.bincount(t, weights=Z.ravel(), minlength=cnt.size)
+        frz += np.bincount(t, weights=(lv[:, None] * Z).ravel(), minlength=frz.size)
+
+    def _freeze_blocks(self, nodes, lvn, s0, free, frz, cnt) -> None:
+        """The cells of frozen side-``s0`` nodes ``nodes`` (increasing, block x R + rank; at levels
+        ``lvn``) leave the other side's free nodes, block by block (:meth:`_freeze`'s update where
+        the cell tables would be too large, and its reference)."""
+        R, N = self.R, self.B * self.R
         mats = self.M if s0 == 0 else self.MT
-        olo = N - lo
+        olo = N - s0 * N
         rows = nodes % R
         bounds = np.searchsorted(nodes, self.block_starts).tolist()   # nodes are sorted: a block is a slice
         for b in self.blocks:
@@ -423,4 +457,4 @@ class BlockCounts:
         return np.where(use_src, ls, ld), np.where(use_src, filled.port_src[a], filled.port_dst[c])
 
 
-__all__ = ["BlockCounts", "Levels", "RUN_MAX"]
+__all__ = ["BlockCounts", "Levels", "NODE_CELLS_MAX", "RUN_MAX"]

@@ -91,7 +91,10 @@ class FlowNetwork:
         self._sentinel = ports.num_blocks * ports.ranks   # node index of finished flows (level 0)
         self._levels: Levels | None = None         # the last fill of the block solver
         self._bneck_paths: np.ndarray | None = None   # the last fill of the per-flow solver: bottleneck per slot
-        self._pend: list[Pending] = []   # submitted batches waiting for their latency
+        # flows waiting for their latency, in submission order: the merged batches of earlier
+        # ticks, then the batches submitted since (merged at the next tick: one mask per tick)
+        self._pend: Pending | None = None
+        self._pend_new: list[Pending] = []
         self._log = FlowLog()
         self._last_fill = -np.inf
         self._horizon = 0.0  # when the active traffic would drain at the current rates (time scale)
@@ -159,7 +162,7 @@ class FlowNetwork:
         now = self.env.now
         ids = self._log.add(src_F, dst, pid, np.asarray(bytes_F, dtype=np.float64)[keep], float(now))
         ready = now + lat
-        self._pend.append(Pending(ready=ready, eff=np.asarray(eff_bytes_F, dtype=np.float64)[keep], id=ids,
+        self._pend_new.append(Pending(ready=ready, eff=np.asarray(eff_bytes_F, dtype=np.float64)[keep], id=ids,
                                   key=pid * self.ports.ranks + dst, src=src_F, dst=dst, blk=blk, path=path))
         self._request_tick(float(ready.min()))
 
@@ -214,29 +217,25 @@ class FlowNetwork:
                     a.keep(a.alive.copy())
                     self._dead = 0
         # 2. activations
-        if self._pend:
-            still: list[Pending] = []
-            add: list[Pending] = []
-            for batch in self._pend:
-                ok = batch.ready <= t + 1e-9
-                if ok.all():
-                    add.append(batch)
-                elif ok.any():
-                    add.append(batch.select(ok))
-                    still.append(batch.select(~ok))
-                else:
-                    still.append(batch)
-            self._pend = still
-            if add:
-                new = Pending.concat(add)
-                ids = new.id
+        if self._pend_new:
+            self._pend = Pending.concat(([self._pend] if self._pend is not None else []) + self._pend_new)
+            self._pend_new = []
+        if self._pend is not None:
+            ok = self._pend.ready <= t + 1e-9
+            add = None
+            if ok.all():
+                add, self._pend = self._pend, None
+            elif ok.any():
+                add, self._pend = self._pend.select(ok), self._pend.select(~ok)
+            if add is not None:
+                ids = add.id
                 self._log.ready[ids] = t
                 m = ids.size
-                src_F, dst_F, blk_F = new.src, new.dst, new.blk
-                extra = {} if self._blocks is not None else dict(path=new.path)
+                src_F, dst_F, blk_F = add.src, add.dst, add.blk
+                extra = {} if self._blocks is not None else dict(path=add.path)
                 ns_F, nd_F = blk_F * self.ports.ranks + src_F, blk_F * self.ports.ranks + dst_F
-                a.append(rate=np.zeros(m), rem0=new.eff, t0=np.full(m, t), fin=np.full(m, np.inf), id=ids,
-                         key=new.key, src=src_F, dst=dst_F, blk=blk_F, alive=np.ones(m, dtype=bool),
+                a.append(rate=np.zeros(m), rem0=add.eff, t0=np.full(m, t), fin=np.full(m, np.inf), id=ids,
+                         key=add.key, src=src_F, dst=dst_F, blk=blk_F, alive=np.ones(m, dtype=bool),
                          ns=ns_F, nd=nd_F, **extra)
                 if self._blocks is not None:
                     self._blocks.add(ns_F, nd_F, 1.0)
@@ -283,8 +282,8 @@ class FlowNetwork:
             self.util_samples.append(UtilSample(t, use / self.ports.cap_P[:-1]))
         # 4. next tick
         nxt = float(a.fin.min()) if a.n else np.inf
-        if self._pend:
-            nxt = min(nxt, min(float(batch.ready.min()) for batch in self._pend))
+        if self._pend is not None:
+            nxt = min(nxt, float(self._pend.ready.min()))
         if np.isfinite(nxt):
             self._request_tick(nxt)
 
@@ -355,7 +354,7 @@ class FlowNetwork:
 
     @property
     def idle(self) -> bool:
-        return not self._a.alive.any() and not self._pend
+        return not self._a.alive.any() and self._pend is None and not self._pend_new
 
 
 
