@@ -104,11 +104,8 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
         else:
             key = x
             key *= inv_p
-        part = np.argpartition(key, K - 1, axis=1)[:, :K] if K < E else np.tile(np.arange(E), (n, 1))
-        kv = np.take_along_axis(key, part, axis=1)
-        order = np.argsort(kv, axis=1, kind="stable")
-        ids[s:s + n] = np.take_along_axis(part, order, axis=1)
-        kv = np.take_along_axis(kv, order, axis=1).astype(np.float64)
+        ids[s:s + n], kv = smallest_k(key, K)
+        kv = kv.astype(np.float64)
         # chosen scores: -log(key) (race) or -key (scores); softmax over the K chosen
         sc = kv if (grouped or with_logits) else np.log(np.maximum(kv, 1e-300))
         sc = -(sc - sc[:, :1])
@@ -131,6 +128,48 @@ def _top2_sum(g_TGn: np.ndarray) -> np.ndarray:
         np.maximum(m2, tmp, out=m2)                             # the second: max(second, min(first, r))
         np.maximum(m1, r, out=m1)
     return (m1 + m2).reshape(T, G)
+
+
+def _smallest_k_by_partition(key: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:
+    E = key.shape[1]
+    part = np.argpartition(key, K - 1, axis=1)[:, :K] if K < E else np.tile(np.arange(E), (key.shape[0], 1))
+    kv = np.take_along_axis(key, part, axis=1)
+    order = np.argsort(kv, axis=1, kind="stable")
+    return np.take_along_axis(part, order, axis=1), np.take_along_axis(kv, order, axis=1)
+
+
+def smallest_k(key: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's K smallest keys in ascending order: their columns (int64 [n, K]) and values.
+
+    The race's reference is ``np.argpartition`` then a stable ``np.argsort`` of the K found; with
+    ties among a row's K + 1 smallest keys (float32 scores do tie: about one token in 150,000 at
+    DeepSeek-V3's shape) which tied column it keeps, and in which order, is that partition's. So:
+    the rows whose K + 1 smallest keys are all distinct -- where every exact method finds the same
+    columns in the same order -- take a sort of the values (numpy's vectorised sort, about 4x faster
+    than the partition at ``[1024, 256]``) and pick their columns by the K-th value; the other rows
+    take the reference. The same output as the reference, row for row."""
+    n, E = key.shape
+    if K >= E or n == 0:
+        return _smallest_k_by_partition(key, K)
+    srt = np.sort(key, axis=1)[:, :K + 1]
+    good = (srt[:, 1:] > srt[:, :-1]).all(axis=1)           # distinct, and the K-th below the next
+    mask = key <= srt[:, K - 1:K]
+    ids = np.empty((n, K), np.int64)
+    kv = np.ascontiguousarray(srt[:, :K])
+    if good.all():
+        cols = (np.flatnonzero(mask) % E).reshape(n, K)   # each row's K columns, in column order
+        kk = np.take_along_axis(key, cols, axis=1)
+    else:
+        mask[~good] = False
+        cols = (np.flatnonzero(mask) % E).reshape(-1, K)
+        kk = np.take_along_axis(key[good], cols, axis=1)
+    order = np.argsort(kk, axis=1)                          # distinct values: the only order
+    if good.all():
+        ids[...] = np.take_along_axis(cols, order, axis=1)
+    else:
+        ids[good] = np.take_along_axis(cols, order, axis=1)
+        ids[~good], kv[~good] = _smallest_k_by_partition(key[~good], K)
+    return ids, kv
 
 
 def mask_groups(score_TE: np.ndarray, groups: int, topk_groups: int, copy: bool = True) -> np.ndarray:
@@ -451,11 +490,8 @@ def sample_topk_grouped(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.ran
         kept.advance()
     tau_TJ = kept.tau_KN.T.reshape(T, M * Kg)          # every kept group's arrivals, J = M * Kg
     ids_TJ = kept.ids_KN.T.reshape(T, M * Kg)
-    part = np.argpartition(tau_TJ, K - 1, axis=1)[:, :K] if K < M * Kg else np.tile(np.arange(M * Kg), (T, 1))
-    tau = np.take_along_axis(tau_TJ, part, axis=1)
-    order = np.argsort(tau, axis=1, kind="stable")
-    ids = np.take_along_axis(np.take_along_axis(ids_TJ, part, axis=1), order, axis=1).astype(np.int64)
-    return ids, _weights(np.take_along_axis(tau, order, axis=1))
+    cols, tau = smallest_k(tau_TJ, K)                 # the K earliest arrivals, in arrival order
+    return np.take_along_axis(ids_TJ, cols, axis=1).astype(np.int64), _weights(tau)
 
 
 def sample_topk(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
@@ -493,4 +529,4 @@ def sampler_of(num_experts: int, tokens: int, groups: int = 1, topk_groups: int 
 
 
 __all__ = ["CHUNK_ELEMS", "InverseCDF", "LOGP_FLOOR", "mask_groups", "pl_ids_again", "pl_weights", "sample_topk",
-           "sample_topk_grouped", "sample_topk_pl", "sample_topk_race", "sampler_of"]
+           "sample_topk_grouped", "sample_topk_pl", "sample_topk_race", "sampler_of", "smallest_k"]
