@@ -286,7 +286,7 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
     kind = spec.kind
     # every draw of this block is seeded alike: what the sampler can reuse (the race's noise, the
     # plain fast path's uniforms) is drawn once; later draws of the plain fast path only count
-    redraw: dict = {}
+    redraw: dict | None = {} if kind == "maxvio" else None   # one draw only: nothing kept
     logp = lambda sig: _logp_for(spec, z_E, top_k, sig)
     draw = lambda sig: sample_topk(logp(sig), top_k, tokens, _rng(seed, 1, *path), groups=groups,
                                    topk_groups=topk_groups, with_logits=with_logits, noise=redraw)
