@@ -32,7 +32,10 @@ block is one (layer, step)). sigma is first set by root finding on the *expected
 probabilities of the race (``pi_e = 1 - exp(-p_e tau)``, tau such that ``sum pi = K``) plus the
 binomial noise of the hottest expert (fixed-seed normal draws); the block is then sampled, and if
 its realised maxvio is more than 2% off, sigma is refined by bisection on the realised statistic
-with the same seed (same random draws, so it is a deterministic function of sigma). A target
+with the same seed (same random draws, so it is a deterministic function of sigma; a redraw reuses
+the first draw's noise -- the race's exponentials, the plain fast path's exponentials and uniforms
+-- and the plain fast path's redraws only count, the chosen one's weights replayed after: the same
+values as drawing afresh, at a fraction of the cost). A target
 above ``E/K - 1`` is impossible (an expert takes at most one selection per token); a target below
 the sampling-noise floor (the maxvio of uniform popularity at this token count) is unreachable;
 both raise a one-line :class:`ConfigError`.
