@@ -91,3 +91,41 @@ def test_table_routes_with_the_layout_on_a_second_thread_equal_the_reference(ded
                         assert g.name == "scope" or (x.dtype == y.dtype and np.array_equal(x, y)), g.name
             elif isinstance(a, np.ndarray):
                 assert a.dtype == b.dtype and np.array_equal(a, b), f.name
+
+
+def _plan_arrays(p) -> dict:
+    import dataclasses
+    out = {}
+    for f in dataclasses.fields(p):
+        v = getattr(p, f.name)
+        if f.name == "hops":
+            for i, h in enumerate(v):
+                for g in dataclasses.fields(h):
+                    if g.name != "scope":
+                        out[f"hop{i}.{g.name}"] = getattr(h, g.name)
+        elif isinstance(v, np.ndarray):
+            out[f.name] = v
+    return out
+
+
+@pytest.mark.parametrize("name", ["allgather", "deepep", "hierarchical", "costaware", "alltoall"])
+@pytest.mark.parametrize("tp", [1, 4])
+def test_strategies_plan_the_same_with_and_without_a_second_thread(name, tp, monkeypatch):
+    """Every array of the Plan (values and dtypes) is the same whether the layout runs on a second
+    thread beside the hops (``threads.THREAD_MIN`` 0) or after them on one thread; the one-thread
+    path is pinned against the references in ``tests/test_planner_outputs_pinned.py``."""
+    from conftest import random_routing
+    from moonep_sim.plan import GlobalRouting, threads
+    from moonep_sim.strategies import PlanContext, make_plan
+    R, G, E, K = 8, 4, 32, 4
+    ids, w = random_routing(160, K, E, seed=tp, skew=1.5)
+    routing = GlobalRouting.split_evenly(ids, w, E, R)
+    ctx = PlanContext.default(E, R, G, token_padding=tp)
+    plans = []
+    for thread_min in (1 << 62, 0):
+        monkeypatch.setattr(threads, "THREAD_MIN", thread_min)
+        plans.append(_plan_arrays(make_plan(name, routing, ctx)))
+    one, two = plans
+    assert one.keys() == two.keys()
+    for k in one:
+        assert one[k].dtype == two[k].dtype and np.array_equal(one[k], two[k]), k
