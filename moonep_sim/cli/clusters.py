@@ -20,9 +20,9 @@ def is_multi(args) -> bool:
     return "," in str(args.topology)
 
 
-def run_clusters(args) -> int:
+def run_clusters(args, scenario) -> int:
+    """``scenario``: compare's ``scenario(args)`` (the base Scenario of these arguments, checked)."""
     from moonep_sim.cli.common import output_rule, print_json, progress
-    from moonep_sim.cli.compare import scenario
     from moonep_sim.experiments.clusters import check_topologies, compare_clusters
     from moonep_sim.experiments.parallel import check_jobs
     from moonep_sim.io import dumps_strict, write_text_atomic
