@@ -32,7 +32,10 @@ block is one (layer, step)). sigma is first set by root finding on the *expected
 probabilities of the race (``pi_e = 1 - exp(-p_e tau)``, tau such that ``sum pi = K``) plus the
 binomial noise of the hottest expert (fixed-seed normal draws); the block is then sampled, and if
 its realised maxvio is more than 2% off, sigma is refined by bisection on the realised statistic
-with the same seed (same random draws, so it is a deterministic function of sigma). A target
+with the same seed (same random draws, so it is a deterministic function of sigma; a redraw reuses
+the first draw's noise -- the race's exponentials, the plain fast path's exponentials and uniforms
+-- and the plain fast path's redraws only count, the chosen one's weights replayed after: the same
+values as drawing afresh, at a fraction of the cost). A target
 above ``E/K - 1`` is impossible (an expert takes at most one selection per token); a target below
 the sampling-noise floor (the maxvio of uniform popularity at this token count) is unreachable;
 both raise a one-line :class:`ConfigError`.
@@ -286,7 +289,7 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
     kind = spec.kind
     # every draw of this block is seeded alike: what the sampler can reuse (the race's noise, the
     # plain fast path's uniforms) is drawn once; later draws of the plain fast path only count
-    redraw: dict = {}
+    redraw: dict | None = {} if kind == "maxvio" else None   # one draw only: nothing kept
     logp = lambda sig: _logp_for(spec, z_E, top_k, sig)
     draw = lambda sig: sample_topk(logp(sig), top_k, tokens, _rng(seed, 1, *path), groups=groups,
                                    topk_groups=topk_groups, with_logits=with_logits, noise=redraw)
