@@ -40,7 +40,7 @@ def run_clusters(args, scenario) -> int:
     args.topology = names[0]  # the base scenario, checked; every cluster is checked again before any work
     sc = scenario(args)
     check_jobs(args.jobs)
-    c = wide_console()
+    c = wide_console(200)
     with progress(c, "compare on clusters", lines=args.json is not None) as cb:
         doc = compare_clusters(sc, names, progress=cb, jobs=args.jobs, cluster=args.cluster)
     text = dumps_strict(doc, indent=1)
