@@ -226,13 +226,12 @@ class BlockCounts:
         pflat = pall.ravel()
         steps = 0
         while cnt.any():
-            w = cnt if K == 1 else np.repeat(cnt, K)
-            n = np.bincount(pflat, weights=w, minlength=P1)
-            fr = np.bincount(pflat, weights=frz if K == 1 else np.repeat(frz, K), minlength=P1)
+            n = np.bincount(pflat, weights=cnt if K == 1 else cnt.repeat(K), minlength=P1)
+            fr = np.bincount(pflat, weights=frz if K == 1 else frz.repeat(K), minlength=P1)
             n[dm] = 0.0
-            cand = np.flatnonzero(n)
+            cand = n.nonzero()[0]
             share = (cap[cand] - fr[cand]) / n[cand]
-            order = np.argsort(share, kind="stable")
+            order = share.argsort(kind="stable")
             cand, share = cand[order], share[order]
             # the run: a prefix of ports whose nodes are all distinct with no active cell between
             # two of them (then no port of the run shares a transfer with an earlier one)
@@ -241,7 +240,7 @@ class BlockCounts:
             # the run's nodes that carry unfrozen transfers (each on one run port: its first
             # saturating port freezes it), in increasing order; no two share a cell, so freezing
             # them together equals freezing one side after the other
-            o = np.argsort(node)
+            o = node.argsort()
             node, pos = node[o], pos[o]
             live = cnt[node] > 0
             if not live.all():
@@ -279,22 +278,33 @@ class BlockCounts:
         """:meth:`fill` when every node has one port and every port one node (``simple``): the
         same steps, in node space (a port's count and frozen load are its node's; ties in share
         order still go to the lower port). ``state``: :meth:`fill`'s per-node arrays. Returns the
-        steps."""
+        steps. (:meth:`_switch_cut` written inline: a step is a few dozen array operations on
+        arrays of a few hundred nodes, so each one saved counts.)"""
         cnt, frz = state[4], state[3]
+        N = self.B * self.R
         nps, pps = self.nps, self.pps
+        key, row, col, m_flat = self.cell_key_N, self.mt_row_N, self.cell_col_N, self.m_flat
         cap_n = cap[pps]
         steps = 0
         while True:
             c_n = cnt[nps]
-            li = np.flatnonzero(c_n)
+            li = c_n.nonzero()[0]
             if not li.size:   # every counted transfer crosses a port, so no node carries any now
                 break
             steps += 1
             cn = nps[li]
             share = (cap_n[li] - frz[cn]) / c_n[li]
             order = share.argsort(kind="stable")
-            cn, share = cn[order], share[order]
-            cut = self._switch_cut(cn[:RUN_MAX])
+            cn = cn[order]
+            # the run ends where the ports first switch side if that port has an active cell with
+            # one before it (:meth:`_switch_cut`); else :meth:`_run_cut` decides
+            is_s = cn[:RUN_MAX] < N
+            q = int((is_s != is_s[0]).argmax())
+            cut = is_s.size
+            if q:
+                x, prev = int(cn[q]), cn[:q]
+                idx = row[prev] + col[x] if is_s[0] else row[x] + col[prev]   # cell (sender, receiver) in m_flat
+                cut = q if bool(((key[prev] == key[x]) & (m_flat.take(idx, mode="clip") > 0)).any()) else None
             if cut is None:
                 cand = pps[li[order]]
                 for width in (8, 64, RUN_MAX):  # short runs are the common case: try small prefixes first
@@ -302,9 +312,11 @@ class BlockCounts:
                     if cut < width or width >= cand.size:
                         break
             # the run's nodes all carry unfrozen transfers (they are live and nothing froze yet in
-            # this step) and share no cell: frozen together, in increasing order
+            # this step) and share no cell: frozen together, in increasing order (a frozen node's
+            # own load is never read again here: its port is its alone)
             o = cn[:cut].argsort()
-            self._freeze(cn[o], share[o], pps[li[order[o]]], state)
+            oo = order[o]
+            self._freeze(cn[o], share[oo], pps[li[oo]], state, own_load=False)
         return steps
 
     def _switch_cut(self, node: np.ndarray) -> int | None:
@@ -341,21 +353,21 @@ class BlockCounts:
         node, pos = nd_WD[real], self.pos_WD[:w][real]
         cut = w
         if not self.simple:   # a node of two ports: cut at the later one
-            o = np.argsort(node, kind="stable")
+            o = node.argsort(kind="stable")
             sn = node[o]
-            dup = np.flatnonzero(sn[1:] == sn[:-1])
-            if dup.size:
-                cut = int(pos[o][dup + 1].min())
+            dup = sn[1:] == sn[:-1]
+            if dup.any():
+                cut = int(pos[o][dup.nonzero()[0] + 1].min())
                 keep = pos < cut
                 node, pos = node[keep], pos[keep]
             # ports before the first one of the other side share no cell; the run usually ends at
             # that port (9 in 10 fills of K3 EP64 deepep layers): check it alone first
             side = self.port_side[cand[:cut]]
-            sw = np.flatnonzero(side != side[0])
-            if sw.size == 0:
+            q = int((side != side[0]).argmax())
+            if q == 0:
                 return max(cut, 1), node, pos
-            q = int(sw[0])
-            x, prev = node[pos == q], node[pos < q]
+            i0, i1 = pos.searchsorted(q), pos.searchsorted(q, "right")   # pos ascends
+            x, prev = node[i0:i1], node[:i0]
             key, row, col = self.cell_key_N, self.mt_row_N, self.cell_col_N
             idx = row[prev][None, :] + col[x][:, None] if side[q] else row[x][:, None] + col[prev][None, :]
             if bool(((key[x][:, None] == key[prev][None, :]) & (np.take(self.m_flat, idx, mode="clip") > 0)).any()):
@@ -381,11 +393,12 @@ class BlockCounts:
         first = np.where(act, pos[is_s][None, :], cut).min(axis=1)   # per receiver: its earliest connected sender
         return min(cut, int(np.maximum(first, pos[~is_s]).min()))
 
-    def _freeze(self, g: np.ndarray, lv: np.ndarray, port: np.ndarray, state) -> None:
+    def _freeze(self, g: np.ndarray, lv: np.ndarray, port: np.ndarray, state, own_load: bool = True) -> None:
         """Freeze nodes ``g`` (int64, increasing; of either side, no two sharing a cell, each
         carrying unfrozen transfers) at levels ``lv`` (the shares of ``port``, the run ports that
         saturate them); their cells leave the other side's free nodes: counts, and load at the
-        cells' level. ``state``: :meth:`fill`'s per-node arrays (lev, bport, free, frz, cnt).
+        cells' level. ``state``: :meth:`fill`'s per-node arrays (lev, bport, free, frz, cnt);
+        ``own_load``: add the nodes' own frozen load to ``frz`` (read by ports of several nodes).
 
         With the cell tables (:meth:`_node_cells`) the cells of every frozen node are read in one
         gather and scattered in one count per quantity, whatever the blocks (a DeepSeek-V3 EP32
@@ -396,7 +409,8 @@ class BlockCounts:
         lev[g] = lv
         bport[g] = port
         free[g] = False
-        frz[g] += lv * cnt[g]
+        if own_load:
+            frz[g] += lv * cnt[g]
         cnt[g] = 0.0
         if self.cell_NW is None:
             N = self.B * self.R
