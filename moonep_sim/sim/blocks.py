@@ -278,12 +278,9 @@ class BlockCounts:
         """:meth:`fill` when every node has one port and every port one node (``simple``): the
         same steps, in node space (a port's count and frozen load are its node's; ties in share
         order still go to the lower port). ``state``: :meth:`fill`'s per-node arrays. Returns the
-        steps. (:meth:`_switch_cut` written inline: a step is a few dozen array operations on
-        arrays of a few hundred nodes, so each one saved counts.)"""
+        steps."""
         cnt, frz = state[4], state[3]
-        N = self.B * self.R
         nps, pps = self.nps, self.pps
-        key, row, col, m_flat = self.cell_key_N, self.mt_row_N, self.cell_col_N, self.m_flat
         cap_n = cap[pps]
         steps = 0
         while True:
@@ -296,15 +293,7 @@ class BlockCounts:
             share = (cap_n[li] - frz[cn]) / c_n[li]
             order = share.argsort(kind="stable")
             cn = cn[order]
-            # the run ends where the ports first switch side if that port has an active cell with
-            # one before it (:meth:`_switch_cut`); else :meth:`_run_cut` decides
-            is_s = cn[:RUN_MAX] < N
-            q = int((is_s != is_s[0]).argmax())
-            cut = is_s.size
-            if q:
-                x, prev = int(cn[q]), cn[:q]
-                idx = row[prev] + col[x] if is_s[0] else row[x] + col[prev]   # cell (sender, receiver) in m_flat
-                cut = q if bool(((key[prev] == key[x]) & (m_flat.take(idx, mode="clip") > 0)).any()) else None
+            cut = self._switch_cut(cn[:RUN_MAX])
             if cut is None:
                 cand = pps[li[order]]
                 for width in (8, 64, RUN_MAX):  # short runs are the common case: try small prefixes first
@@ -326,16 +315,14 @@ class BlockCounts:
         port before it. None when that port has none (then :meth:`_run_cut` decides). Same answer
         as :meth:`_run_cut`, which cuts at the first port sharing a transfer with an earlier one,
         in a few array operations."""
-        N = self.B * self.R
-        is_s = node < N
-        sw = np.flatnonzero(is_s != is_s[0])
-        if sw.size == 0:
+        is_s = node < self.B * self.R
+        q = int((is_s != is_s[0]).argmax())   # 0: no switch
+        if q == 0:
             return node.size
-        q = int(sw[0])
         x, prev = int(node[q]), node[:q]
         key, row, col = self.cell_key_N, self.mt_row_N, self.cell_col_N
         idx = row[prev] + col[x] if is_s[0] else row[x] + col[prev]   # cell (sender, receiver) in m_flat
-        act = (key[prev] == key[x]) & (np.take(self.m_flat, idx, mode="clip") > 0)
+        act = (key[prev] == key[x]) & (self.m_flat.take(idx, mode="clip") > 0)
         return q if bool(act.any()) else None
 
     def _run_cut(self, cand: np.ndarray) -> int:
