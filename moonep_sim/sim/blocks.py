@@ -28,7 +28,11 @@ import numpy as np
 from moonep_sim.sim.ports import Block, PortMap, block_kind
 
 RUN_MAX = 256    # ports considered for one run of the block solver's filling
-NODE_CELLS_MAX = 1 << 22   # entries of the per-node cell tables (:meth:`BlockCounts._node_cells`) at most
+# the per-node cell tables (:meth:`BlockCounts._node_cells`) are built only for rows this wide at
+# most: a frozen node's whole row is read whatever its block, which pays at 32 and 64 ranks (a K3
+# EP64 layer's fills 1.15x faster, a V3 EP32 one's 1.5x) and not at 256 (2.4x slower than the
+# per-block update, whose NIC rows are one matrix product)
+NODE_CELLS_WIDTH_MAX = 64
 
 
 class Levels(NamedTuple):
@@ -159,11 +163,11 @@ class BlockCounts:
         and column w of its block's row (W: the widest used block), the index in :attr:`mm` of the
         cell the node shares with the other side's node ``other_NW`` (a sender node reads its ``M``
         row, a receiver node its ``MT`` row). Columns past the node's block width, and the nodes of
-        unused blocks, point at the zero cell ``2 T`` and the spare node 2N. (None, None) when the
-        tables would exceed ``NODE_CELLS_MAX`` entries (then :meth:`_freeze` runs per block)."""
+        unused blocks, point at the zero cell ``2 T`` and the spare node 2N. (None, None) when W
+        exceeds ``NODE_CELLS_WIDTH_MAX`` (then :meth:`_freeze` updates block by block)."""
         R, N = self.R, self.B * self.R
         W = max(self.width[b] for b in self.blocks) if self.blocks else 1
-        if 2 * N * W > NODE_CELLS_MAX:
+        if W > NODE_CELLS_WIDTH_MAX:
             return None, None
         u = np.arange(2 * N)
         side, (b_N, r_N) = u // N, np.divmod(u % N, R)
@@ -388,10 +392,10 @@ class BlockCounts:
         ``own_load``: add the nodes' own frozen load to ``frz`` (read by ports of several nodes).
 
         With the cell tables (:meth:`_node_cells`) the cells of every frozen node are read in one
-        gather and scattered in one count per quantity, whatever the blocks (a DeepSeek-V3 EP32
-        decode alltoall layer, 3 blocks, simulates 1.5x faster than with the update per block);
-        :meth:`_freeze_blocks` is the same update block by block, the reference it is tested
-        against (equal up to the order of float additions)."""
+        gather and scattered in one count per quantity, whatever the blocks (see
+        ``NODE_CELLS_WIDTH_MAX`` for where that pays); :meth:`_freeze_blocks` is the same update
+        block by block, the reference it is tested against (equal up to the order of float
+        additions)."""
         lev, bport, free, frz, cnt = state
         lev[g] = lv
         bport[g] = port
@@ -458,4 +462,4 @@ class BlockCounts:
         return np.where(use_src, ls, ld), np.where(use_src, filled.port_src[a], filled.port_dst[c])
 
 
-__all__ = ["BlockCounts", "Levels", "NODE_CELLS_MAX", "RUN_MAX"]
+__all__ = ["BlockCounts", "Levels", "NODE_CELLS_WIDTH_MAX", "RUN_MAX"]
