@@ -84,6 +84,7 @@ def routing_only(case: str, moe_layers: int = 0) -> dict:
     """Only the step's routing: each MoE layer generated as the step generates it (the same
     builder, seed and split over the ranks), nothing planned: the per-layer generation floor,
     with the spread over layers (some need the realised-maxvio refinement)."""
+    import moonep_sim.step.run  # noqa: F401  (imported by the step before it generates: not timed here)
     from moonep_sim.experiments.step import GeneratedLayer
 
     c = CASES[case]

@@ -172,3 +172,46 @@ def test_validate_on_two_threads_reports_what_one_thread_does(strategy, field):
                 np.testing.assert_array_equal(x, y)
         if field == "none":
             assert one[0] == []
+
+
+@pytest.mark.parametrize("dedup", [False, True])
+@pytest.mark.parametrize("tp", [1, 4])
+def test_plan_from_slots_with_the_hop_on_a_second_thread_equals_the_reference(dedup, tp, monkeypatch):
+    """``plan_from_slots`` building its hop on a second thread (``threads.THREAD_MIN`` 0) gives the
+    reference's Plan, dropped entries and padding included."""
+    from moonep_sim.plan import RowCosts, plan_from_slots, threads
+    from moonep_sim.plan import reference
+    monkeypatch.setattr(threads, "THREAD_MIN", 0)
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        R, K, S = 4, 3, 9
+        tpr = rng.integers(0, 12, R)
+        T = int(tpr.sum())
+        slot_rank = np.sort(rng.integers(0, R, S))
+        entry_slot = rng.integers(-1, S, (T, K))
+        routing = GlobalRouting(np.tile(np.arange(K), (T, 1)), np.ones((T, K), np.float32), tpr, max(S, K))
+        args = (routing, ClusterShape(R, 2), RowCosts(4, 2, 8, 16), slot_rank, np.zeros(S, np.int64), slot_rank,
+                entry_slot)
+        p, q = plan_from_slots(*args, dedup=dedup, token_padding=tp), \
+            reference.plan_from_slots(*args, dedup=dedup, token_padding=tp)
+        for f in dataclasses.fields(p):
+            a, b = getattr(p, f.name), getattr(q, f.name)
+            if f.name == "hops":
+                for ha, hb in zip(a, b):
+                    for g in ("src_rank_M", "src_row_M", "dst_rank_M", "dst_row_M", "dst_rows_R"):
+                        x, y = getattr(ha, g), getattr(hb, g)
+                        assert x.dtype == y.dtype and np.array_equal(x, y), (seed, g)
+            elif isinstance(a, np.ndarray):
+                assert a.dtype == b.dtype and np.array_equal(a, b), (seed, f.name)
+
+
+def test_beside_returns_or_raises_what_its_function_does():
+    from moonep_sim.plan.threads import Beside
+
+    def boom(x):
+        raise PlanError(f"bad ({x})")
+    assert Beside(lambda a, b: a + b, 2, 3).result() == 5
+    assert Beside(lambda a, b: a + b, 2, 3, run=False).result() == 5
+    with pytest.raises(PlanError, match=r"bad \(7\)"):
+        Beside(boom, 7).result()
+    Beside(boom, 7).discard()  # (an error nobody needs is dropped)

@@ -38,3 +38,19 @@ def test_dup_flags_reads_any_integer_rank_dtype(dtype):
     er = np.array([[3, 3, -1, 5], [-1, -1, 2, 2], [0, 1, 0, 1]], dtype=dtype).ravel()
     want = np.array([[0, 1, 0, 0], [0, 0, 0, 1], [0, 0, 1, 1]], dtype=bool).ravel()
     np.testing.assert_array_equal(dup_flags(er, 4), want)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+@pytest.mark.parametrize("n, n_keys", [(300_000, 897), (140_000, 257), (5_000, 300)])
+def test_chunked_stable_order_places_in_either_index_dtype(dtype, n, n_keys):
+    """The chunk-by-chunk sort writes its order and each item's place in the caller's dtype (the
+    Plan's int32 index, or int64): still numpy's stable argsort and its inverse, skewed keys too."""
+    from moonep_sim.plan.order import stable_order_positions
+    rng = np.random.default_rng(n)
+    key = np.minimum(rng.geometric(0.003, n), n_keys - 1).astype(np.uint16)
+    order, counts, pos = stable_order_positions(key, n_keys, dtype)
+    want = np.argsort(key, kind="stable")
+    assert order.dtype == dtype and pos.dtype == dtype
+    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(pos[want], np.arange(n))
+    np.testing.assert_array_equal(counts, np.bincount(key, minlength=n_keys))

@@ -141,9 +141,9 @@ def test_counting_redraws_find_the_whole_draws_experts_and_weights():
     sample_topk_pl(0.5 * z, 6, 3000, np.random.default_rng(11), noise=noise)
     for sigma in (0.2, 0.9, 2.5):                   # the last one sends rows to the remainder draw
         ids, w = sample_topk_pl(sigma * z, 6, 3000, np.random.default_rng(11))
-        again = sampling.pl_ids_again(sigma * z, 6, 3000, noise)
-        assert np.array_equal(again.T, ids)
-        assert np.array_equal(sampling.pl_weights(sigma * z, again, np.random.default_rng(11)), w)
+        again, counts = sampling.pl_ids_again(sigma * z, 6, 3000, noise)
+        assert np.array_equal(again.T, ids) and np.array_equal(counts, np.bincount(ids.ravel(), minlength=40))
+        assert np.array_equal(sampling.pl_weights(sigma * z, again, noise), w)
 
 
 def test_a_refined_calibration_returns_a_whole_draw(monkeypatch):
@@ -163,3 +163,16 @@ def test_a_refined_calibration_returns_a_whole_draw(monkeypatch):
     ref_ids, ref_w = sample_topk_pl(sigma * z, 4, 6000, _rng(21, 1, 0, 0))
     assert ids.dtype == np.int64 and ids.flags["C_CONTIGUOUS"]
     assert np.array_equal(ids, ref_ids) and np.array_equal(w, ref_w)
+
+
+@pytest.mark.parametrize("n,E,K", [(1, 2, 1), (300, 256, 8), (50, 896, 16), (40, 12, 12), (64, 9, 8)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_k_smallest_equal_the_partitions_row_for_row(n, E, K, ties):
+    rng = np.random.default_rng(n + E + K)
+    key = rng.standard_exponential((n, E)).astype(np.float32)
+    if ties:                                      # coarse values: most rows tie somewhere near the top
+        key = np.round(key * 8) / 8
+    key[::4, : E // 2] = np.inf                   # masked groups
+    ids, kv = sampling.smallest_k(key, K)
+    ref_ids, ref_kv = sampling._smallest_k_by_partition(key, K)
+    assert ids.dtype == np.int64 and np.array_equal(ids, ref_ids) and np.array_equal(kv, ref_kv)

@@ -19,10 +19,11 @@ from moonep_sim.report.tables import wide_console as console
 DEFAULT_STRATEGIES = ",".join(_DEFAULTS)
 
 
-def add_cluster_args(p, topology_default: str = "h800-cx7") -> None:
+def add_cluster_args(p, topology_default: str = "h800-cx7", multi: bool = False) -> None:
     add_strategies(p, DEFAULT_STRATEGIES)
     p.add_argument("--topology", default=topology_default,
-                   help=f"simulated cluster: a preset (`moonep-sim topologies`) or a TOML file (default {topology_default})")
+                   help=f"simulated cluster: a preset (`moonep-sim topologies`) or a TOML file (default {topology_default})"
+                        + ("; compare: a comma list runs the same compare on each cluster, one table" if multi else ""))
     p.add_argument("--ranks", type=int, default=None, help="EP size R (default: --nproc with --real, else 8 or the "
                                                            "largest divisor of E up to 8)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the topology's, at most R)")
@@ -36,7 +37,7 @@ def register(sub) -> None:
                                    "cluster, optionally replay them for real over gloo, and report side by side.")
     p.add_argument("--trace", required=True,
                    help="trace file, or generated routing gen:model=kimi-k3,maxvio=10,tokens-per-rank=512[,layers=1,seed=0]")
-    add_cluster_args(p)
+    add_cluster_args(p, multi=True)
     add_steps(p)
     add_layers(p)
     p.add_argument("--model", default=None, help="model preset for row and weight sizes (default: the trace's)")
@@ -47,7 +48,8 @@ def register(sub) -> None:
                                                          "strategy in turn: matched samples for the rank test")
     p.add_argument("--out", default="moonep-sim-out/compare", help="directory for report.json and the PNG plots")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="OUT",
+                   help="print the JSON report instead of the table; --json OUT writes it to OUT (and prints the table)")
     from moonep_sim.cli.sweep import add_parallel
     add_parallel(p)
     from moonep_sim.cli.step import add_step_options
@@ -113,7 +115,12 @@ def run(args) -> int:
 
     from moonep_sim.cli.step import step_level
 
-    output_rule(args, folders={"out": OUT_FILES})  # before the run, not after it
+    from moonep_sim.cli.clusters import is_multi, run_clusters
+
+    if is_multi(args):
+        return run_clusters(args, scenario)
+    to_file = args.json not in (None, "-")
+    output_rule(args, files=("json",) if to_file else (), folders={"out": OUT_FILES})  # before the run
     level = step_level(args, layer_only={"--real": args.real, "--layers": args.layers is not None})
     sc = scenario(args)
     c = console()
@@ -128,7 +135,10 @@ def run(args) -> int:
         rep = sc.compare(progress=cb, **kw).to_dict()
     files = write_outputs(rep, Path(args.out), plots=not args.no_plots)
     print_warnings(rep.get("warnings"))
-    if args.json:
+    if to_file:
+        from moonep_sim.io import dumps_strict, write_text_atomic
+        write_text_atomic(args.json, dumps_strict(rep, indent=1), what="--json")
+    elif args.json:
         print_json(rep)
         return 0
     for t in compare_table(rep):
@@ -153,7 +163,10 @@ def run_step_level(args, sc) -> int:
     doc = docs[0] if len(docs) == 1 else {"kind": "steps", "steps": docs}
     files = save_report(doc, Path(args.out), plots=not args.no_plots)
     print_warnings(sc.resolved.warnings)
-    if args.json:
+    if args.json not in (None, "-"):
+        from moonep_sim.io import dumps_strict, write_text_atomic
+        write_text_atomic(args.json, dumps_strict(doc, indent=1), what="--json")
+    elif args.json:
         print_json(doc)
         return 0
     print_steps(docs)

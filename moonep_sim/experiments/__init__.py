@@ -12,7 +12,7 @@
 
 Modules: :mod:`~.routing` (trace / generator spec / in-memory routing, one grammar and one set of
 defaults), :mod:`~.scenario`, :mod:`~.results` (typed results with ``to_dict()``),
-:mod:`~.compare`, :mod:`~.sweep`, :mod:`~.validate` (fidelity against gloo replays),
+:mod:`~.compare`, :mod:`~.clusters` (the same compare on several clusters), :mod:`~.sweep`, :mod:`~.validate` (fidelity against gloo replays),
 :mod:`~.calibrate` (measure this machine: the local-gloo topology), :mod:`~.ranking` (which
 strategy orders the measurements resolve), :mod:`~.replay_rank` (the gloo replay's rank program,
 ``launch/replay.py``: it binds strategies to the gloo executor), :mod:`~.verdict` (winner, margin,

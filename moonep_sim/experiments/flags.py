@@ -15,6 +15,9 @@ strategies they concern, and ``report.html`` lists them. Codes (:data:`FLAG_CODE
   simulated column come from a quick calibration / the shipped defaults.
 - ``stand-in-layer``: some layers were costed with another layer's routing (a step model's stand-in).
 - ``one-seed``: generated routing at one seed: no spread over seeds behind a verdict.
+- ``assumed-kernel-terms`` / ``kernel-not-native`` (the multi-cluster compare,
+  :mod:`moonep_sim.experiments.clusters`): a strategy priced by a kernel family whose terms are
+  assumed / whose GPU vendor or transports are not the cluster's.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 FLAG_CODES = ("oracle", "free-migration", "dropped-rows", "padded-rows", "shape-not-given", "outside-library",
-              "quick-calibration", "uncalibrated", "stand-in-layer", "one-seed")
+              "quick-calibration", "uncalibrated", "stand-in-layer", "one-seed", "assumed-kernel-terms",
+              "kernel-not-native")
 
 #: where each strategy's real library runs: (library, where it runs, most nodes (NVLink domains) it
 #: supports; None: no limit). ``moonep-sim strategies`` prints the first two.

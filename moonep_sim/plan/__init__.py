@@ -6,7 +6,7 @@ GlobalRouting, Hop, CommPhase, Plan), ``build`` (the public single-hop builder A
 ``assembly`` (the named records ``assemble_plan`` takes: Slots, Entries, SlotOrder, Padding),
 ``multihop`` (routes over several hops), ``hops`` (hop builders a strategy composes into a
 route: ``to_final``, ``to_node_of_final``, ``to_rail_of_final``, ``via``; ``plan_from_hops``),
-``reference`` (the slow, obviously correct builders the fast ones are tested against), ``kernel`` (KernelSpec: the GPU kernels behind a Plan,
+``reference`` (the slow, obviously correct builders the fast ones are tested against), ``threads`` (Beside: one piece of a large Plan's work on a second thread), ``kernel`` (KernelSpec: the GPU kernels behind a Plan,
 for the simulator), ``direct`` (the executors' point-to-point decision). Module map:
 docs/architecture.md.
 Strategies (``moonep_sim.strategies``) use the builders exported here, never private helpers.

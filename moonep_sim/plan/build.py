@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from moonep_sim.plan import reference
+from moonep_sim.plan import reference, threads
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.kinds import INDEX, Scope, require_index
 from moonep_sim.plan.order import (entry_token, segment_ranges, small_key_dtype, stable_order, stable_order_counts,
@@ -317,7 +317,8 @@ def final_rows(lay: SlotLayout, kept_sorted: np.ndarray, entry_buf_row: np.ndarr
     (``lay.order_N[lay.n_drop:]``) and each entry's row (int64 [N]) in the last hop's buffer
     (or ``kept_buf_row``: those rows of the kept entries in slot order, when the caller has them);
     padding rows get -1. Without padding rows, row_entry_W is ``kept_sorted`` itself (no copy;
-    INDEX where the layout's sort made it). Returned arrays are INDEX [W] otherwise."""
+    INDEX where the layout's sort made it) and expand_src_row_W the buffer rows' dtype; with padding
+    rows both are INDEX [W]."""
     if kept_buf_row is None:
         kept_buf_row = entry_buf_row[kept_sorted]
     if lay.grow_K is None:  # no padding rows: the final rows are the slot-sorted kept entries
@@ -339,21 +340,39 @@ def plan_from_order(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
     """:func:`plan_from_slots` from entries already sorted by (slot, entry), dropped ones first.
 
     For planners that know this order without sorting (``moonep`` derives it from its per-expert
-    order): ``order_N`` int64 [N] entry ids, the ``n_drop`` dropped ones first, then
+    order): ``order_N`` [N] entry ids (INDEX, or int64), the ``n_drop`` dropped ones first, then
     ``slot_rows_S[s]`` entries of each slot s, slot by slot. entry_rank_N: each entry's rank in
-    entry order (int64 [N], -1 dropped; the Plan's ``entry_rank_TK``) where the caller has it,
+    entry order (INDEX [N], -1 dropped; the Plan's ``entry_rank_TK``) where the caller has it,
     else scattered from the order. placed: each entry's slot and place in the order, where the
     caller's sort wrote them (see :func:`sorted_layout`).
     """
+    return _plan_from_order(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, order_N, n_drop,
+                            slot_rows_S, dedup=dedup, token_padding=token_padding, min_rows_S=min_rows_S,
+                            capacity_R=capacity_R, options=options, entry_rank_N=entry_rank_N, placed=placed,
+                            hop=None, **extra)
+
+
+def _plan_from_order(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, order_N, n_drop, slot_rows_S,
+                     *, dedup, token_padding, min_rows_S, capacity_R, options, entry_rank_N, placed,
+                     hop: threads.Beside | None, **extra) -> Plan:
+    """:func:`plan_from_order`; ``hop``: the hop's builder where the caller started it already (it
+    needs only ``entry_rank_N``), else built here after the layout."""
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    lay = sorted_layout(order_N, n_drop, slot_rows_S, slot_rank_S, token_padding, min_rows_S, R, placed=placed,
-                        with_ranks=entry_rank_N is None)
+    try:
+        lay = sorted_layout(order_N, n_drop, slot_rows_S, slot_rank_S, token_padding, min_rows_S, R, placed=placed,
+                            with_ranks=entry_rank_N is None)
+    except BaseException:
+        if hop is not None:
+            hop.discard()
+        raise
     kept_sorted = order_N[n_drop:]
     entry_rank = entry_rank_N if entry_rank_N is not None else lay.entry_rank_N
-    hop, entry_buf_row, entry_dup = single_hop_messages(entry_rank, routing.src_rank_T(), routing.tok_off_R(),
-                                                        K, R, dedup)
+    if hop is None:
+        hop = threads.Beside(single_hop_messages, entry_rank, routing.src_rank_T(), routing.tok_off_R(), K, R, dedup,
+                             run=False)
+    hop, entry_buf_row, entry_dup = hop.result()
     row_entry, expand = final_rows(lay, kept_sorted, entry_buf_row)
     del entry_buf_row
     return Plan(
@@ -386,13 +405,21 @@ def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
     """
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
     entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
-    order, n_drop, slot_rows, pos = slot_sort_positions(entry_slot, slot_rank_S.size)
     # each entry's rank in entry order, from the slots' ranks (slot -1 reads the appended -1)
     entry_rank = np.append(slot_rank_S, -1).astype(INDEX)[entry_slot]
-    return plan_from_order(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, order, n_drop,
-                           slot_rows, dedup=dedup, token_padding=token_padding, min_rows_S=min_rows_S,
-                           capacity_R=capacity_R, options=options, entry_rank_N=entry_rank,
-                           placed=(entry_slot, pos), **extra)
+    # the hop needs only the entries' ranks: on a large layer it is built on a second thread while
+    # this one sorts the entries by slot and lays them out (threads.Beside; the same Plan either way)
+    hop = threads.Beside(single_hop_messages, entry_rank, routing.src_rank_T(), routing.tok_off_R(),
+                         routing.top_k, cluster.ranks, dedup, run=entry_slot.size >= threads.THREAD_MIN)
+    try:
+        order, n_drop, slot_rows, pos = slot_sort_positions(entry_slot, slot_rank_S.size)
+    except BaseException:
+        hop.discard()
+        raise
+    return _plan_from_order(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, order, n_drop,
+                            slot_rows, dedup=dedup, token_padding=token_padding, min_rows_S=min_rows_S,
+                            capacity_R=capacity_R, options=options, entry_rank_N=entry_rank,
+                            placed=(entry_slot, pos), hop=hop, **extra)
 
 
 __all__ = ["SlotLayout", "block_messages", "entry_token", "final_rows", "layout_slots", "plan_from_order",

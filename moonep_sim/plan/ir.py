@@ -377,7 +377,7 @@ class Plan:
 
     @property
     def dropped(self) -> int:
-        return int((self.entry_rank_TK < 0).sum())
+        return int(np.count_nonzero(self.entry_rank_TK < 0))
 
     @property
     def padded(self) -> int:
@@ -485,7 +485,7 @@ class Plan:
             "max_over_mean_rows": float(real.max() / max(real.mean(), 1e-12)) if real.size else 0.0,
             "dropped": self.dropped,
             "padded": self.padded,
-            "duplicates_avoided": int(self.entry_dup_TK.sum()),
+            "duplicates_avoided": int(np.count_nonzero(self.entry_dup_TK)),
             "weight_copies": self.weight_copies,
             "migrations": int(self.migrate_expert_X.size),
             "hops": len(self.hops),

@@ -45,11 +45,20 @@ def as_index(a, what: str = "index array") -> np.ndarray:
     a = np.asarray(a)
     if a.dtype == INDEX or a.dtype.kind not in "iu":
         return a
-    if a.size and a.dtype.itemsize >= np.dtype(INDEX).itemsize and \
-            (int(a.min()) < -INDEX_MAX - 1 or int(a.max()) > INDEX_MAX):
-        raise PlanError(f"{what} values ({int(a.min())}..{int(a.max())}) must fit {np.dtype(INDEX).name}: "
-                        "the Plan's index arrays are that dtype")
-    return a.astype(INDEX)
+    if a.dtype.itemsize < np.dtype(INDEX).itemsize and a.dtype.kind == "i":
+        return a.astype(INDEX)
+    out = np.empty(a.shape, dtype=INDEX)
+    flat, dst = a.reshape(-1), out.reshape(-1)
+    for lo in range(0, flat.size, _CONVERT_CHUNK):  # chunk by chunk (in cache): check, then convert
+        c = flat[lo:lo + _CONVERT_CHUNK]
+        if int(c.min()) < -INDEX_MAX - 1 or int(c.max()) > INDEX_MAX:
+            raise PlanError(f"{what} values ({int(a.min())}..{int(a.max())}) must fit {np.dtype(INDEX).name}: "
+                            "the Plan's index arrays are that dtype")
+        dst[lo:lo + _CONVERT_CHUNK] = c
+    return out
+
+
+_CONVERT_CHUNK = 1 << 16  # elements per chunk of as_index's conversion
 
 
 class _StrEnum(str, Enum):

@@ -482,4 +482,14 @@ def home_slots(placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return sr, se, slot_of
 
 
-__all__ = ["assemble_plan", "dup_flags", "entry_layout", "home_slots", "plan_from_routes", "route_hop"]
+def home_entry_slots(slot_of_E: np.ndarray, ids_TK: np.ndarray) -> np.ndarray:
+    """Each entry's home slot, ``slot_of_E[ids_TK]`` (as :func:`home_slots` numbers them): the
+    routing's ids themselves, not a copy, where home groups number the slots as the experts (an
+    [N] gather and its fresh pages saved). Read-only use: the result may be the routing's array."""
+    if np.array_equal(slot_of_E, np.arange(np.asarray(slot_of_E).size)):
+        return ids_TK
+    return slot_of_E[ids_TK]
+
+
+__all__ = ["assemble_plan", "dup_flags", "entry_layout", "home_entry_slots", "home_slots", "plan_from_routes",
+           "route_hop"]

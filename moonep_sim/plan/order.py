@@ -109,8 +109,10 @@ def _chunked_order(key16_N: np.ndarray, n_keys: int, chunks: int, counts: bool =
     rel_CK = dest_CK - (np.cumsum(cnt_CK, axis=1) - cnt_CK)
     ok = out is not None and out.shape == (n,) and out.dtype in (np.int64, np.int32)
     order = out if ok else np.empty(n, dtype=np.int64)
-    j = np.arange(size, dtype=np.int64)
-    at = np.empty(size, dtype=np.int64)  # the places of a chunk's sorted items
+    dt = order.dtype  # (places < n: the places and their table in the order's dtype)
+    rel_CK = rel_CK.astype(dt)
+    j = np.arange(size, dtype=dt)
+    at = np.empty(size, dtype=dt)  # the places of a chunk's sorted items
     ks = np.empty(size, dtype=key16_N.dtype)  # its sorted keys
     for c in range(chunks):
         lo, hi = c * size, min(n, (c + 1) * size)

@@ -33,13 +33,13 @@ their own dtype (int32, :data:`~moonep_sim.plan.kinds.INDEX`): their tables are 
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 from moonep_sim.errors import PlanError
+from moonep_sim.plan import threads
 from moonep_sim.plan.kinds import SCOPES, Scope
 from moonep_sim.plan.order import entry_token
 
@@ -354,6 +354,7 @@ def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
         unsigned = None
     s_rows, d_rows = h.src_row_M, h.dst_row_M
     buf_off, dst_off = np.asarray(buf_off).tolist(), np.asarray(dst_off).tolist()  # (scalars per rank)
+    ramp = np.zeros(0, dtype=s_rows.dtype)  # 0, 1, 2, ...: the rows of a run
     cross_node = cross_rail = False
     for r in range(R):  # loop over source ranks and their (src, dst) blocks, not messages
         a, b = int(sb[r]), int(sb[r + 1])
@@ -374,20 +375,44 @@ def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
             lo, hi = db[q], db[q + 1]
             sw, dw = s_rows[lo:hi], d_rows[lo:hi]
             dst_buf = new_origin[dst_off[q]:dst_off[q + 1]]  # rank q's rows of the destination buffer
-            if unsigned is not None and hi - lo and int(dw.view(unsigned).max()) < len(dst_buf):
+            dst_run = None
+            if unsigned is not None:
+                if hi - lo > ramp.size:
+                    ramp = np.arange(hi - lo, dtype=s_rows.dtype)
+                # a block's rows are often one run (every builder numbers a block's receive rows
+                # so; an all-gather's source rows too): then its gather or scatter is a slice
+                src_vals, dst_run = _as_run(sw, ramp, len(src_buf)), _as_run(dw, ramp, len(dst_buf))
                 try:  # (an IndexError: a zero row, a negative row or one beyond its rank's buffer)
-                    # (numpy scatters through an intp index ~2x faster than through an int32 one)
-                    dst_buf[dw.astype(np.intp)] = src_buf.take(sw.view(unsigned))
-                    continue
+                    vals = src_buf[src_vals] if isinstance(src_vals, slice) else src_buf.take(sw.view(unsigned))
+                    if isinstance(dst_run, slice):
+                        dst_buf[dst_run] = vals
+                        continue
+                    if int(dw.view(unsigned).max()) < len(dst_buf):
+                        # (numpy scatters through an intp index ~2x faster than through an int32 one)
+                        dst_buf[dw.astype(np.intp)] = vals
+                        continue
                 except IndexError:
                     pass
             if int(sw.min()) < -1 or int(dw.min()) < 0:
                 return None
             try:  # (an IndexError: a row beyond its rank's buffer)
-                dst_buf[dw] = np.where(sw >= 0, src_buf.take(np.maximum(sw, 0)), -1)
+                vals = np.where(sw >= 0, src_buf.take(np.maximum(sw, 0)), -1)  # (-1: a zero row)
+                dst_buf[dst_run if isinstance(dst_run, slice) else dw.astype(np.intp)] = vals
             except IndexError:
                 return None
     return _HopWalk(False, False, False, cross_node, cross_rail, rows)
+
+
+def _as_run(rows, ramp, n: int) -> slice | None:
+    """The slice ``rows`` is when it is the run ``a, a+1, ..., b`` inside ``[0, n)``, else None
+    (checked exactly, in cache: a block is at most a few thousand rows here)."""
+    k = rows.size
+    if not k:
+        return None
+    a, b = int(rows[0]), int(rows[-1])
+    if b - a != k - 1 or a < 0 or b >= n:
+        return None
+    return slice(a, b + 1) if np.array_equal(rows - a, ramp[:k]) else None
 
 
 def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
@@ -429,7 +454,9 @@ def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) ->
             bad(f"hop {i}: dst_row must be a row of the destination buffer")
             return False
         # every message wrote one row (a token id or -1): fewer rows written means one twice
-        if new_origin.size - int(np.count_nonzero(new_origin == -2)) != m:
+        unwritten = sum(int(np.count_nonzero(new_origin[lo:lo + HOP_CHUNK] == -2))  # (chunks: in cache)
+                        for lo in range(0, new_origin.size, HOP_CHUNK))
+        if new_origin.size - unwritten != m:
             bad(f"hop {i}: each destination row must be written once")
         if w.cross_node:
             bad(f"hop {i}: intra_node scope must not cross nodes")
@@ -454,9 +481,9 @@ def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) ->
             org = origin[int(buf_off[r]):int(buf_off[r + 1])]  # rank r's rows of the last buffer
             zero_rows = int(e.min()) < 0
             if zero_rows:
-                got = np.where(e >= 0, org[np.maximum(e, 0)], -1)
+                got = np.where(e >= 0, org.take(np.maximum(e, 0)), -1)
             else:
-                got = org[e]
+                got = org.take(e)
             ent = row_ent[lo:hi]
             want = entry_token(ent, max(K, 1))  # a token, or < 0 at padding rows
             np.maximum(want, -1, out=want)
@@ -495,9 +522,8 @@ CHECKS: tuple[tuple[str, CheckFn], ...] = (
 #: (``rows_R``, ``row_off``): on a large Plan they run on a second thread, beside the checks between
 CONCURRENT = ("hop_provenance",)
 
-#: entries plus messages from which the CONCURRENT checks get their own thread (below it the
-#: thread's start costs more than it saves)
-THREAD_MIN = 1 << 20
+#: entries plus messages from which the CONCURRENT checks get their own thread
+THREAD_MIN = threads.THREAD_MIN
 
 if tuple(n for n, _ in CHECKS[-len(CONCURRENT):]) != CONCURRENT:  # (their violations are placed last)
     raise RuntimeError(f"CONCURRENT checks {CONCURRENT} must be the last of CHECKS")
@@ -507,46 +533,36 @@ def _run(plan: Plan) -> _State:
     """Run the checks in order, until one finds the Plan too malformed for the later ones.
 
     On a Plan of at least THREAD_MIN entries and messages, the CONCURRENT checks start on a second
-    thread as soon as ``slots`` has passed, and the checks between run on this one (numpy releases
-    the GIL in its loops over entries and messages, so the two overlap on two cores). The result is
-    the sequential run's: the second thread's violations follow the others', and are dropped (with
-    any exception it raised, and the hop rows it counted) when an earlier check stopped the run."""
+    thread (:class:`~moonep_sim.plan.threads.Beside`) as soon as ``slots`` has passed, and the
+    checks between run on this one. The result is the sequential run's: the second thread's
+    violations follow the others', and are dropped (with any exception it raised, and the hop rows
+    it counted) when an earlier check stopped the run."""
     st = _State()
     size = int(np.asarray(plan.entry_rank_TK).size) + sum(int(np.asarray(h.src_rank_M).size) for h in plan.hops)
     later = [(n, fn) for n, fn in CHECKS if n in CONCURRENT] if size >= THREAD_MIN else []
-    out: list[Violation] = []
-    res: dict = {}
     worker = None
-    stopped = False
     for name, fn in CHECKS:
         if later and name in CONCURRENT:
             continue
         if not fn(plan, st, lambda msg, name=name: st.out.append(Violation(name, msg))):
-            stopped = True
-            break
+            if worker is not None:
+                worker.discard()
+                st.hop_rows.clear()
+            return st
         if later and name == "slots":  # what the CONCURRENT checks read is there: start them
-            worker = threading.Thread(target=_run_in_order, args=(later, plan, st, out, res), daemon=True)
-            worker.start()
+            worker = threads.Beside(_run_in_order, later, plan, st)
     if worker is not None:
-        worker.join()
-        if stopped:
-            st.hop_rows.clear()
-        else:
-            if "error" in res:
-                raise res["error"]
-            st.out.extend(out)
+        st.out.extend(worker.result())
     return st
 
 
-def _run_in_order(checks, plan: Plan, st: _State, out: list, res: dict) -> None:
-    """``checks`` in order on their own thread (until one stops): violations into ``out``, an
-    exception into ``res``."""
-    try:
-        for name, fn in checks:
-            if not fn(plan, st, lambda msg, name=name: out.append(Violation(name, msg))):
-                break
-    except BaseException as e:  # re-raised by _run where the sequential run would have reached it
-        res["error"] = e
+def _run_in_order(checks, plan: Plan, st: _State) -> list[Violation]:
+    """``checks`` in order (until one stops), their violations apart from ``st.out``."""
+    out: list[Violation] = []
+    for name, fn in checks:
+        if not fn(plan, st, lambda msg, name=name: out.append(Violation(name, msg))):
+            break
+    return out
 
 
 def violations(plan: Plan) -> list[Violation]:

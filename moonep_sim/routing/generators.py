@@ -32,7 +32,10 @@ block is one (layer, step)). sigma is first set by root finding on the *expected
 probabilities of the race (``pi_e = 1 - exp(-p_e tau)``, tau such that ``sum pi = K``) plus the
 binomial noise of the hottest expert (fixed-seed normal draws); the block is then sampled, and if
 its realised maxvio is more than 2% off, sigma is refined by bisection on the realised statistic
-with the same seed (same random draws, so it is a deterministic function of sigma). A target
+with the same seed (same random draws, so it is a deterministic function of sigma; a redraw reuses
+the first draw's noise -- the race's exponentials, the plain fast path's exponentials and uniforms
+-- and the plain fast path's redraws only count, the chosen one's weights replayed after: the same
+values as drawing afresh, at a fraction of the cost). A target
 above ``E/K - 1`` is impossible (an expert takes at most one selection per token); a target below
 the sampling-noise floor (the maxvio of uniform popularity at this token count) is unreachable;
 both raise a one-line :class:`ConfigError`.
@@ -286,7 +289,7 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
     kind = spec.kind
     # every draw of this block is seeded alike: what the sampler can reuse (the race's noise, the
     # plain fast path's uniforms) is drawn once; later draws of the plain fast path only count
-    redraw: dict = {}
+    redraw: dict | None = {} if kind == "maxvio" else None   # one draw only: nothing kept
     logp = lambda sig: _logp_for(spec, z_E, top_k, sig)
     draw = lambda sig: sample_topk(logp(sig), top_k, tokens, _rng(seed, 1, *path), groups=groups,
                                    topk_groups=topk_groups, with_logits=with_logits, noise=redraw)
@@ -303,10 +306,10 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
 
     def realised(log_sigma: float):
         if counts_only and "u" in redraw:  # the same experts as a whole draw, without its weights
-            ids, w, lg = pl_ids_again(logp(math.exp(log_sigma)), top_k, tokens, redraw), None, None
+            (ids, c), w, lg = pl_ids_again(logp(math.exp(log_sigma)), top_k, tokens, redraw), None, None
         else:
             ids, w, lg = draw(math.exp(log_sigma))
-        c = np.bincount(ids.ravel(), minlength=E)
+            c = np.bincount(ids.ravel(), minlength=E)
         mv = maxvio_of(c)
         err = abs(mv / target - 1)
         if not evals or err < min(e[0] for e in evals):
@@ -349,7 +352,7 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
         raise ConfigError(f"maxvio ({target}) must be reachable (E={E}, K={top_k}, T={tokens}): the best "
                           f"realised value was {mv_best:.4g} at sigma={math.exp(ls_best):.4g}")
     if w is None:       # a counted draw: its ids as the sampler returns them, its weights replayed
-        w = pl_weights(logp(math.exp(ls_best)), ids, _rng(seed, 1, *path))
+        w = pl_weights(logp(math.exp(ls_best)), ids, redraw)
         ids = ids.T.astype(np.int64, order="C")
     return ids, w, lg, {"sigma": math.exp(ls_best), "calibration_samples": len(evals)}, counts
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from moonep_sim.plan import (INDEX, Entries, GlobalRouting, Hop, Padding, Plan, Scope, Slots, assemble_plan,
                              dup_flags, entry_token, final_rows, home_slots, slot_layout)
+from moonep_sim.plan.multihop import home_entry_slots
 from moonep_sim.strategies import PlanContext, register
 
 # Notation: T tokens, K top-k, R ranks, M = R*T messages.
@@ -41,7 +42,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext) -> Plan:
         dst[blk].reshape(R, s_r)[:] = np.arange(R, dtype=np.int64)[:, None]
     src = np.repeat(np.arange(R, dtype=INDEX), tpr * R)
     hop = Hop(Scope.GLOBAL, src, src_row, dst, tok, np.full(R, T, dtype=np.int64))
-    entry_slot = slot_of[routing.topk_ids_TK].ravel()
+    entry_slot = home_entry_slots(slot_of, routing.topk_ids_TK).ravel()
     entry_rank = sr.astype(INDEX)[entry_slot]  # the Plan's entry_rank, written as its index dtype
     # every rank's buffer holds token t at row t: the final rows' sources are the slot-sorted
     # entries' tokens, by arithmetic (no scatter of each entry's buffer row)

@@ -158,7 +158,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     bound = routing.tok_off_R() * K  # entries of source rank r: [bound[r], bound[r + 1])
     A = np.empty(N, dtype=INDEX)
     cnt_RS = np.zeros((R, S), dtype=np.int64)
-    weights = routing.topk_weights_TK.ravel()
+    w_TK = routing.topk_weights_TK  # (its rows per source: no [N] copy where it is not C-ordered)
     w_A = np.empty(N, dtype=np.float32) if drop == "weight" else None  # the weights in A order
     for r in range(R):  # loop over source ranks, not entries
         lo, hi = int(bound[r]), int(bound[r + 1])
@@ -167,21 +167,21 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
             cnt_RS[r] = np.bincount(k, minlength=S)
             local = np.argsort(k, kind="stable")
             if w_A is not None:  # (the run's weights are in cache here)
-                np.take(weights[lo:hi], local, out=w_A[lo:hi], mode="clip")
+                np.take(w_TK[lo // K:hi // K].ravel(), local, out=w_A[lo:hi], mode="clip")
             np.add(local, lo, out=A[lo:hi])
     cnt_G = cnt_RS.ravel()  # entries per (src, slot)
     cap_G = np.repeat(cap_R, S)
     kc_G = np.minimum(cnt_G, cap_G)  # kept rows per (src, slot) block
     if drop == "weight":  # keep the cap_G heaviest of each group (ties: earlier entry first)
-        keep_A = _keep_heaviest_A(A, cnt_G, cap_G, weights, w_A)
+        keep_A = _keep_heaviest_A(A, cnt_G, cap_G, w_TK, w_A)
     else:  # keep the first cap_G of each group in entry order
         keep_A = segment_mask(np.cumsum(cnt_G) - cnt_G, kc_G, N)
-    drop_N = np.ones(N, dtype=bool)
-    drop_N[A[keep_A]] = False
     ke = A[keep_A]  # kept entries in (src, slot, entry) order: the hop's order of kept rows
+    drop_N = np.ones(N, dtype=bool)
+    drop_N[ke] = False
     del A, keep_A, w_A
     entry_rank = np.take(sr.astype(INDEX), slot_key)  # INDEX [N] the Plan's entry_rank (-1 dropped)
-    entry_rank[drop_N] = -1
+    np.copyto(entry_rank, -1, where=drop_N)
     del slot_key
     per_rs = kc_G.reshape(R, S)
     # the layout's (slot, entry) order, dropped entries first: the kept entries are ke with its

@@ -418,21 +418,24 @@ def split_entry_slots(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.n
     (an expert's entries in global order cut into pieces of ``alloc[e, 0], alloc[e, 1], ...``),
     but sorting only the entries of experts that are split over several ranks: the others take
     their one slot by a gather. A planner with a few copies sorts a few percent of the entries.
-    The slots come in the smallest unsigned dtype that holds them (every entry has one): a quarter
-    of int64's bytes to write, and to read again in the Plan's sort and gathers."""
+    The slots come in a small unsigned dtype (every entry has one; the smallest holding the slots
+    and one code per split expert): a quarter of int64's bytes to write, and to read again in the
+    Plan's sort and gathers."""
     E, R = alloc_ER.shape
     slot_of_ER = np.full((E, R), -1, dtype=np.int64)
     slot_of_ER[slot_expert_S, slot_rank_S] = np.arange(slot_rank_S.size, dtype=np.int64)
     has = alloc_ER > 0
     first_E = slot_of_ER[np.arange(E), np.argmax(has, axis=1)]  # an unused expert: its first slot
-    out = first_E.astype(small_key_dtype(slot_rank_S.size))[ids_N]
     split_E = has.sum(axis=1) > 1
-    if not split_E.any():
+    S, n_split = slot_rank_S.size, int(split_E.sum())
+    # one gather of a code per expert: its slot, or S + its index among the split experts
+    code_E = first_E.copy()
+    code_E[split_E] = S + np.arange(n_split)
+    out = code_E.astype(small_key_dtype(S + n_split))[ids_N]
+    if not n_split:
         return out
-    sel = np.flatnonzero(split_E[ids_N])  # entries of split experts, in entry (global) order
-    sid_E = np.cumsum(split_E) - 1
-    key = sid_E[ids_N[sel]]
-    n_split = int(split_E.sum())
+    sel = np.flatnonzero(out >= S)  # entries of split experts, in entry (global) order
+    key = out[sel] - S
     o = stable_order(key, n_split)  # by expert, global order kept within each
     pieces = alloc_ER[split_E].ravel()  # the experts' runs cut into pieces, expert-major then rank order
     if int(sel.size) != int(pieces.sum()):

@@ -27,6 +27,7 @@ import numpy as np
 from moonep_sim.errors import PlanError, require
 from moonep_sim.plan import GlobalRouting, Plan, Scope, home_slots, plan_from_hops, to_final, to_node_of_final
 from moonep_sim.plan.kernel import FAMILIES, family, family_spec
+from moonep_sim.plan.multihop import home_entry_slots
 from moonep_sim.strategies import Option, PlanContext, register
 
 # Notation: T tokens, K top-k, E experts, R ranks, G GPUs per node, N = T*K entries.
@@ -90,7 +91,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, max_nodes: int, sms: int |
     sr, se, slot_of = home_slots(ctx.placement)
     ids = routing.topk_ids_TK
     # home groups number the slots as the experts: the routing's ids are the slots (no [N] gather)
-    entry_slot = ids if np.array_equal(slot_of, np.arange(slot_of.size)) else slot_of[ids]
+    entry_slot = home_entry_slots(slot_of, ids)
     node_S = cl.node_of(sr)
     # nodes per token from one-byte node ids (an [N] gather of bytes, not of int64) when they fit
     npt = nodes_per_token_T((node_S.astype(np.uint8) if node_S.size and node_S.max() < 256 else node_S)[entry_slot])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from moonep_sim.plan import GlobalRouting, Plan, Scope, home_slots, plan_from_hops, to_final, to_rail_of_final
+from moonep_sim.plan.multihop import home_entry_slots
 from moonep_sim.strategies import Option, PlanContext, register
 
 
@@ -25,7 +26,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, dedup: bool) -> Plan:
     sr, se, slot_of = home_slots(ctx.placement)
     ids = routing.topk_ids_TK
     # home groups number the slots as the experts: the routing's ids are the slots (no [N] gather)
-    entry_slot = ids if np.array_equal(slot_of, np.arange(slot_of.size)) else slot_of[ids]
+    entry_slot = home_entry_slots(slot_of, ids)
     # NVLink to the GPU of the source's node on the destination's rail, then across nodes on that rail
     hops = [to_rail_of_final(ctx.cluster, dedup=dedup), to_final(Scope.INTER_NODE, dedup=dedup)]
     return plan_from_hops(routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, hops,

@@ -48,7 +48,9 @@ from __future__ import annotations
 import numpy as np
 
 from moonep_sim.errors import ConfigError, PlanError
-from moonep_sim.plan import GlobalRouting, Plan, plan_from_order, stable_order
+from moonep_sim.plan import INDEX, GlobalRouting, Plan, plan_from_order
+from moonep_sim.plan.kinds import require_index
+from moonep_sim.plan.order import small_key_dtype, stable_order_counts
 from moonep_sim.plan.kernel import KernelSpec
 from moonep_sim.strategies import Option, PlanContext, register
 
@@ -143,16 +145,19 @@ def slot_order(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.ndarray,
     A stable sort by expert lists each expert's entries in global order; expert e's run is cut into
     consecutive pieces of ``alloc[e, 0], alloc[e, 1], ...`` entries, piece d going to e's slot on
     rank d. Rearranging the pieces into slot order gives the slot-sorted order directly (no second
-    sort). Returns (order_N int64 [N], slot_rows_S int64 [S]).
+    sort). Returns (order_N INDEX [N], the Plan's index dtype; slot_rows_S int64 [S]).
     """
     E, R = alloc_ER.shape
     piece_start_ER = (np.cumsum(alloc_ER.ravel()) - alloc_ER.ravel()).reshape(E, R)
     slot_rows = alloc_ER[slot_expert_S, slot_rank_S]
     if int(slot_rows.sum()) != ids_N.size:
         raise PlanError("every allocated (expert, rank) pair must have a slot (internal error)")
-    order_e = stable_order(ids_N, E)
+    require_index(ids_N.size, "entries (tokens x top-k)")
+    # (both orders in the Plan's index dtype: the slot order becomes its final rows' entries)
+    order_e, _ = stable_order_counts(ids_N.astype(small_key_dtype(E), copy=False), E,
+                                     out=np.empty(ids_N.size, dtype=INDEX))
     slot_start = np.cumsum(slot_rows) - slot_rows
-    order = np.empty(ids_N.size, dtype=np.int64)
+    order = np.empty(ids_N.size, dtype=INDEX)
     for a, k, off in zip(piece_start_ER[slot_expert_S, slot_rank_S].tolist(), slot_rows.tolist(),
                          slot_start.tolist()):  # loop over slots, not entries: one piece each
         order[off:off + k] = order_e[a:a + k]

@@ -43,6 +43,8 @@ FILE_OUTPUTS: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     "trace-route": (["trace", "route", "T", "--mode", "bias", "--bias-file", "S"], {"SRC": "T", "--bias-file": "S"}, ["-o"]),
     "testbed-run": (["testbed", "run", "--trace", "T", "--base-topology", "B"], {"--trace": "T", "--base-topology": "B"},
                     ["--json", "--topology-out"]),
+    "compare": (["compare", "--trace", "T", "--strategies", "alltoall", "--ranks", "2", "--topology", "B", "--model", "M",
+                 "--no-plots"], {"--trace": "T", "--topology": "B", "--model": "M"}, ["--json"]),
     "testbed-probe": (["testbed", "probe", "--base-topology", "B"], {"--base-topology": "B"}, ["--topology-out"]),
     "testbed-agree": (["testbed", "agree", "--base-topology", "B"], {"--base-topology": "B"},
                           ["--json", "--markdown"]),

@@ -1,0 +1,51 @@
+"""Two independent pieces of a large Plan's work at once: one on a second thread, one on this one.
+
+numpy releases the GIL inside its loops over arrays (ufuncs, sorts, gathers and scatters), so two
+numpy-bound pieces that share no array being written overlap on two cores: the wall time falls,
+the CPU time (all threads: ``getrusage(RUSAGE_SELF)``) does not. Used by the single-hop builder
+(``build.plan_from_slots``: the hop beside the slot sort and layout) and by ``validate`` (the hop
+check beside the entry checks). Below :data:`THREAD_MIN` items a thread's start costs more than
+it saves, and the work runs in order on this thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+#: items (entries plus messages) from which a piece gets a second thread
+THREAD_MIN = 1 << 20
+
+
+class Beside:
+    """``fn(*args)`` started on a second thread; :meth:`result` waits for it and returns its value
+    (or raises what it raised). ``run=False``: nothing is started, :meth:`result` calls ``fn``
+    then, on the caller's thread (the order the work would run in without threads)."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, run: bool = True) -> None:
+        self._fn, self._args, self._out = fn, args, {}
+        self._thread = threading.Thread(target=self._work, daemon=True) if run else None
+        if self._thread is not None:
+            self._thread.start()
+
+    def _work(self) -> None:
+        try:
+            self._out["value"] = self._fn(*self._args)
+        except BaseException as e:  # (re-raised by result(), on the caller's thread)
+            self._out["error"] = e
+
+    def result(self) -> Any:
+        if self._thread is None:
+            return self._fn(*self._args)
+        self._thread.join()
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["value"]
+
+    def discard(self) -> None:
+        """Wait for the thread (if any) and drop its value or error: the caller no longer needs it."""
+        if self._thread is not None:
+            self._thread.join()
+
+
+__all__ = ["Beside", "THREAD_MIN"]
