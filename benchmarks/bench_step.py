@@ -26,9 +26,10 @@ ours; ``floor_of``), each part named:
   pages) and one stable sort of the N entries by slot (``bench_plan_floor.sort_floor``, a key as
   narrow as the slot count allows);
 - **simulate**: the simulator's input and output only -- each hop's ``[R, R]`` byte matrix read once
-  per direction and the per-rank records written (five ``[R]`` arrays per direction, three per
-  layer). What the flow-level schedule computes between them has no implementation-independent
-  lower bound that this bench could measure, so it is taken as 0.
+  per direction (its row and column sums: each rank's bytes out and in) and the per-rank records
+  written (five ``[R]`` arrays per direction, three per layer; the copies' weight and gradient
+  phases not counted: a lower bound). What the flow-level schedule computes between them has no
+  implementation-independent lower bound this bench could measure, so it is taken as 0.
 
 "Fresh pages": the process first hands its freed memory back (``malloc_trim(0)``), so the arrays
 land on pages the kernel must zero, as a first allocation's do. Beside it, ``warm``: the same writes
@@ -171,8 +172,8 @@ def floor_of(plans: list[dict], strategies: list[str], train: bool, seed: int = 
             mats = [np.ones((R, R)) for _ in range(p["hops"] * dirs)]  # the simulator's input, given
 
             def io(mats=mats, R=R):
-                for m in mats:
-                    m.sum()
+                for m in mats:  # each rank's bytes out and in (what a bandwidth bound needs)
+                    m.sum(axis=1), m.sum(axis=0)
                 for _ in range(5 * dirs + 3):  # pre, expert, post, grad, plan per direction; rows, padded, copies
                     np.empty(R).fill(0.0)
 
@@ -253,10 +254,10 @@ def floor_table(rows: list[dict]) -> str:
     for r in rows:
         f = r.get("floor")
         if f:
-            out.append(f"{r['case'][:34]:34s} {r['strategy']:9s} {f['layers']:6d} {r['measured_cpu_s']:8.2f} | "
-                       f"{f['total_cpu_s']:6.2f} {f['routing_cpu_s']:7.3f} {f['plan_cpu_s']:6.3f} "
-                       f"{f['simulate_cpu_s']:7.4f} {f['warm_total_cpu_s']:6.2f} | {r['target_cpu_s']:6.1f} "
-                       f"{r['measured_over_floor']:7.1f}")
+            out.append(f"{r['case'][:34]:34s} {r['strategy']:9s} {f['layers']:6d} {r['measured_cpu_s']:8.3g} | "
+                       f"{f['total_cpu_s']:6.3g} {f['routing_cpu_s']:7.3g} {f['plan_cpu_s']:6.3g} "
+                       f"{f['simulate_cpu_s']:7.2g} {f['warm_total_cpu_s']:6.3g} | {r['target_cpu_s']:6.3g} "
+                       f"{r['measured_over_floor']:7.3g}")
     return "\n".join(out)
 
 
