@@ -108,9 +108,11 @@ def _plan_arrays(p) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", ["allgather", "deepep", "hierarchical", "costaware", "alltoall"])
+@pytest.mark.parametrize("name, opts", [("allgather", {}), ("deepep", {}), ("hierarchical", {}),
+                                        ("hierarchical", {"dedup": True}), ("costaware", {}), ("alltoall", {}),
+                                        ("capacity", {}), ("capacity", {"pad": False, "drop": "position"})])
 @pytest.mark.parametrize("tp", [1, 4])
-def test_strategies_plan_the_same_with_and_without_a_second_thread(name, tp, monkeypatch):
+def test_strategies_plan_the_same_with_and_without_a_second_thread(name, opts, tp, monkeypatch):
     """Every array of the Plan (values and dtypes) is the same whether the layout runs on a second
     thread beside the hops (``threads.THREAD_MIN`` 0) or after them on one thread; the one-thread
     path is pinned against the references in ``tests/test_planner_outputs_pinned.py``."""
@@ -124,7 +126,7 @@ def test_strategies_plan_the_same_with_and_without_a_second_thread(name, tp, mon
     plans = []
     for thread_min in (1 << 62, 0):
         monkeypatch.setattr(threads, "THREAD_MIN", thread_min)
-        plans.append(_plan_arrays(make_plan(name, routing, ctx)))
+        plans.append(_plan_arrays(make_plan(name, routing, ctx, **opts)))
     one, two = plans
     assert one.keys() == two.keys()
     for k in one:

@@ -155,15 +155,18 @@ class FlowNetwork:
         if dst.size == 0:
             return
         src_F = np.full(dst.size, src, dtype=np.int64)
-        sm_F = np.full(dst.size, self._phase_sm[pid]) if self.ports.sm_ports else None
-        nic_F = np.full(dst.size, True) if self._phase_nic[pid] else None
-        tab = self._pair_table(sm_F is not None and self._phase_sm[pid], nic_F is not None)
+        sm, nic = self.ports.sm_ports and self._phase_sm[pid], self._phase_nic[pid]
+        tab = self._pair_table(sm, nic) if self._blocks is not None else None
+        path = None
         if tab is not None:
             blk, lat = tab[0][src, dst], tab[1][src, dst]
         else:
+            sm_F = np.full(dst.size, sm) if self.ports.sm_ports else None
+            nic_F = np.full(dst.size, True) if nic else None
             blk = self.ports.pair_class(src_F, dst, sm_F, nic_F)
             lat = self.ports.latency(src_F, dst, nic_F)
-        path = None if self._blocks is not None else self.ports.paths(src_F, dst, sm_F, nic_F)[0]
+            if self._blocks is None:
+                path = self.ports.paths(src_F, dst, sm_F, nic_F)[0]
         if self.ports.message_us > 0:  # the sender's serial per-message cost (host_message_us)
             remote = dst != src
             lat = lat + np.where(remote, self.ports.message_us * float(remote.sum()), 0.0)
