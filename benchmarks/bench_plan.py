@@ -163,9 +163,9 @@ def plan_arrays(plan, routing: GlobalRouting) -> list[tuple[int, str]]:
     return sorted(seen.values(), reverse=True)
 
 
-def floor_child(spec: str) -> int:
-    """``--floor-child``: allocate and write once arrays of the given sizes in this fresh process."""
-    sizes = json.loads(spec)
+def write_floor(sizes: list) -> dict:
+    """Allocate and write once arrays of the given ``(size, dtype)`` pairs in this process (their
+    pages fresh in a fresh process); wall, user and system seconds and the bytes written."""
     gc.collect()
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     keep = []
@@ -178,7 +178,12 @@ def floor_child(spec: str) -> int:
     out = {"wall_s": wall, "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
            "bytes": int(sum(a.nbytes for a in keep))}
     out["cpu_s"] = out["user_s"] + out["sys_s"]
-    print(json.dumps(out))
+    return out
+
+
+def floor_child(spec: str) -> int:
+    """``--floor-child``: :func:`write_floor` of the given sizes in this fresh process."""
+    print(json.dumps(write_floor(json.loads(spec))))
     return 0
 
 

@@ -11,9 +11,31 @@ routing -- 92 for K3, 58 for V3 --; N > 0: the shortcut, N layers generated, pla
 the other MoE layers reusing them, flagged). By default each (case, strategy, distinct) runs in a
 fresh ``Scenario``, its routing generated inside the timing (the per-strategy figure); with
 ``--together`` the strategies run in one step (one generation shared, the per-strategy split read
-from the step's own ``cpu_seconds``). Every row gives the per-layer floor from the same run:
-routing, planning and simulation CPU seconds per distinct layer. ``--jobs N`` runs the layers in N
-worker processes (CPU seconds then count this process and its workers).
+from the step's own ``cpu_seconds``). Every row gives the measured routing, planning and simulation
+CPU seconds per distinct layer. ``--jobs N`` runs the layers in N worker processes (CPU seconds then
+count this process and its workers).
+
+``--floor`` (one job) also times, in the same run and right after the step, per distinct layer,
+what any implementation of this step model must do at least (the physical floor, not a model of
+ours; ``floor_of``), each part named:
+
+- **routing**: the layer's ids ``[T, K]`` and weights written once (allocated and filled, on fresh
+  pages), and the fewest random draws (one float32 uniform per entry, numpy's default generator);
+- **plan**: the arrays this strategy's Plan holds written once (their shapes and dtypes recorded as
+  the step made each Plan, ``bench_plan.plan_arrays``; written by ``bench_plan.write_floor`` on fresh
+  pages) and one stable sort of the N entries by slot (``bench_plan_floor.sort_floor``, a key as
+  narrow as the slot count allows);
+- **simulate**: the simulator's input and output only -- each hop's ``[R, R]`` byte matrix read once
+  per direction (its row and column sums: each rank's bytes out and in) and the per-rank records
+  written (five ``[R]`` arrays per direction, three per layer; the copies' weight and gradient
+  phases not counted: a lower bound). What the flow-level schedule computes between them has no
+  implementation-independent lower bound this bench could measure, so it is taken as 0.
+
+"Fresh pages": the process first hands its freed memory back (``malloc_trim(0)``), so the arrays
+land on pages the kernel must zero, as a first allocation's do. Beside it, ``warm``: the same writes
+into pages the process already holds (the bound if every layer reused the last layer's pages, as
+the step under the CLI's allocator settings mostly does). Rows then carry the floor per part and in
+total over the layers, the target, and measured / floor.
 
 Reported: process CPU seconds (user + sys, children included) and wall seconds of that run, with
 the 1-minute load average beside them (the reference machine is shared)::
@@ -23,6 +45,7 @@ the 1-minute load average beside them (the reference machine is shared)::
     python benchmarks/bench_step.py --cases v3-decode --strategies alltoall --jobs 2
     python benchmarks/bench_step.py --cases k3-train --strategies alltoall --distinct-layers 0 --moe-layers 4
     python benchmarks/bench_step.py --routing-only      # each case's generation alone, per layer
+    python benchmarks/bench_step.py --cases k3-train --strategies alltoall --floor --moe-layers 4
 """
 
 from __future__ import annotations
@@ -32,9 +55,17 @@ import dataclasses
 import json
 import os
 import resource
+import sys
 import time
+from pathlib import Path
 
-from moonep_sim.experiments import GeneratorSpec, Scenario
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_plan import plan_arrays, write_floor  # noqa: E402
+from bench_plan_floor import sort_floor  # noqa: E402
+
+from moonep_sim.experiments import GeneratorSpec, Scenario  # noqa: E402
 
 CASES = {
     "k3-train": dict(spec=dict(model="kimi-k3", maxvio=2.0, tokens_per_rank=4096, layers=92), cluster="64/8",
@@ -42,6 +73,8 @@ CASES = {
     "v3-decode": dict(spec=dict(model="deepseek-v3", maxvio=1.0, tokens_per_rank=32, layers=58), cluster="32/8",
                       step=dict(mode="decode", overlap="none", context=4096)),
 }
+#: the issue's targets, CPU seconds per strategy on the 2-core reference machine with one job
+TARGET_CPU_S = {"k3-train": 20.0, "v3-decode": 2.0}
 
 
 def cpu_s() -> float:
@@ -49,7 +82,120 @@ def cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def run(case: str, strategies: list[str], distinct: int, jobs: int, moe_layers: int = 0) -> list[dict]:
+class PlanProbe:
+    """Records what the floor needs of every Plan the step makes, as it makes it: shapes, dtypes and
+    counts, never the arrays (``moonep_sim.strategies.make_plan`` wrapped while the step runs; the
+    step looks it up at each call, ``moonep_sim.step.run.simulate_layer_work``). One job only: with
+    workers the Plans are made in other processes. ``hook_cpu_s``: what the recording itself cost
+    (inside the step's plan seconds)."""
+
+    def __init__(self) -> None:
+        self.plans: list[dict] = []
+        self.hook_cpu_s = 0.0
+
+    def __enter__(self) -> "PlanProbe":
+        import moonep_sim.strategies as st
+
+        self._mod, self._make = st, st.make_plan
+
+        def make_plan(name, routing, ctx, **opts):
+            plan = self._make(name, routing, ctx, **opts)
+            c0 = time.process_time()
+            self.plans.append({"strategy": name, "tokens": int(routing.num_tokens), "top_k": int(routing.top_k),
+                               "routing_dtypes": [str(routing.topk_ids_TK.dtype), str(routing.topk_weights_TK.dtype)],
+                               "arrays": plan_arrays(plan, routing), "slots": int(plan.slot_rank_S.size),
+                               "entries": int(plan.num_tokens * plan.top_k), "hops": len(plan.hops),
+                               "ranks": int(plan.ranks)})
+            self.hook_cpu_s += time.process_time() - c0
+            return plan
+
+        st.make_plan = make_plan
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mod.make_plan = self._make
+
+
+def fresh_pages() -> None:
+    """Hand this process's freed memory back to the kernel (glibc ``malloc_trim(0)``; elsewhere
+    nothing), so the next arrays land on fresh pages."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _cpu(fn) -> float:
+    c0 = time.process_time()
+    fn()
+    return time.process_time() - c0
+
+
+def _written(sizes: list) -> tuple[float, float]:
+    """(fresh, warm) CPU seconds of writing arrays of ``sizes`` once (``bench_plan.write_floor``)."""
+    fresh_pages()
+    fresh = write_floor(sizes)["cpu_s"]
+    return fresh, write_floor(sizes)["cpu_s"]  # the same sizes again: the pages just freed
+
+
+def floor_of(plans: list[dict], strategies: list[str], train: bool, seed: int = 0) -> dict:
+    """The step's floor from the Plans recorded by :class:`PlanProbe` (see the module docstring):
+    per strategy, each part's CPU seconds summed over its layers (the routing's shared by the
+    strategies, counted for each, as the measured routing is), the total on fresh pages and warm."""
+    rng = np.random.default_rng(seed)
+    first = [p for p in plans if p["strategy"] == strategies[0]]  # one per distinct layer (M = 1)
+    routing = {"write": 0.0, "write_warm": 0.0, "draws": 0.0}
+    buf = np.zeros(max((p["tokens"] * p["top_k"] for p in first), default=0), np.float32)
+    for p in first:
+        n = p["tokens"] * p["top_k"]
+        f, w = _written([(n, p["routing_dtypes"][0]), (n, p["routing_dtypes"][1])])
+        routing["write"] += f
+        routing["write_warm"] += w
+        out = buf[:n]
+        routing["draws"] += _cpu(lambda: rng.random(out=out, dtype=np.float32))  # one uniform per entry
+    out = {}
+    dirs = 2 if train else 1
+    for s in strategies:
+        mine = [p for p in plans if p["strategy"] == s]
+        part = {"plan_write": 0.0, "plan_write_warm": 0.0, "plan_sort": 0.0, "simulate_io": 0.0}
+        for p in mine:
+            f, w = _written(p["arrays"])
+            part["plan_write"] += f
+            part["plan_write_warm"] += w
+            key = rng.integers(0, max(p["slots"], 1), p["entries"],
+                               dtype=np.uint16 if p["slots"] <= 2**16 else np.uint32)
+            part["plan_sort"] += sort_floor(key)[0]  # the one stable sort of the N entries by slot
+            del key
+            R = p["ranks"]
+            mats = [np.ones((R, R)) for _ in range(p["hops"] * dirs)]  # the simulator's input, given
+
+            def io(mats=mats, R=R):
+                for m in mats:  # each rank's bytes out and in (what a bandwidth bound needs)
+                    m.sum(axis=1), m.sum(axis=0)
+                for _ in range(5 * dirs + 3):  # pre, expert, post, grad, plan per direction; rows, padded, copies
+                    np.empty(R).fill(0.0)
+
+            part["simulate_io"] += _cpu(io)
+        fl = {"layers": len(mine), "routing_write_cpu_s": routing["write"], "routing_draws_cpu_s": routing["draws"],
+              "plan_write_cpu_s": part["plan_write"], "plan_sort_cpu_s": part["plan_sort"],
+              "simulate_io_cpu_s": part["simulate_io"]}
+        fl["routing_cpu_s"] = routing["write"] + routing["draws"]
+        fl["plan_cpu_s"] = part["plan_write"] + part["plan_sort"]
+        fl["simulate_cpu_s"] = part["simulate_io"]
+        fl["total_cpu_s"] = fl["routing_cpu_s"] + fl["plan_cpu_s"] + fl["simulate_cpu_s"]
+        fl["warm_total_cpu_s"] = (routing["write_warm"] + routing["draws"] + part["plan_write_warm"]
+                                  + part["plan_sort"] + part["simulate_io"])
+        fl["routing_write_warm_cpu_s"], fl["plan_write_warm_cpu_s"] = routing["write_warm"], part["plan_write_warm"]
+        fl["plan_bytes_per_layer"] = (sum(n * np.dtype(d).itemsize for p in mine for n, d in p["arrays"])
+                                      / max(len(mine), 1))
+        out[s] = fl
+    return out
+
+
+def run(case: str, strategies: list[str], distinct: int, jobs: int, moe_layers: int = 0,
+        floor: bool = False) -> list[dict]:
     c = CASES[case]
     sc = Scenario(routing=GeneratorSpec(**c["spec"]), cluster=c["cluster"], topology="h800-cx7",
                   strategies=strategies)
@@ -59,8 +205,18 @@ def run(case: str, strategies: list[str], distinct: int, jobs: int, moe_layers: 
         extra["model"] = dataclasses.replace(m, layers=m.dense_layers + moe_layers, moe_layers=moe_layers)
     load0 = os.getloadavg()[0]
     c0, t0 = cpu_s(), time.perf_counter()
-    res = sc.step(distinct_layers=distinct, jobs=jobs, **c["step"], **extra)
+    probe = PlanProbe()
+    if floor:
+        with probe:
+            res = sc.step(distinct_layers=distinct, jobs=jobs, **c["step"], **extra)
+    else:
+        res = sc.step(distinct_layers=distinct, jobs=jobs, **c["step"], **extra)
     cpu, wall = cpu_s() - c0, time.perf_counter() - t0
+    floors = {}
+    if floor:
+        f0 = cpu_s()
+        floors = floor_of(probe.plans, strategies, c["step"]["mode"] == "train")
+        floor_run_cpu = cpu_s() - f0
     rows = []
     for s in strategies:
         d = res.figures[s]
@@ -74,10 +230,35 @@ def run(case: str, strategies: list[str], distinct: int, jobs: int, moe_layers: 
             "strategy_cpu_s": k["routing"] + k["plan"] + k["simulate"] + k["compose"],
             "routing_cpu_s": k["routing"], "plan_cpu_s": k["plan"], "simulate_cpu_s": k["simulate"],
             "compose_cpu_s": k["compose"],
-            "floor_per_layer_cpu_s": {"routing": k["routing"] / n, "plan": k["plan"] / n,
-                                      "simulate": k["simulate"] / n},
+            "measured_per_layer_cpu_s": {"routing": k["routing"] / n, "plan": k["plan"] / n,
+                                         "simulate": k["simulate"] / n},
             "step_time_us": d["step_time_us"]})
+        if floor:
+            fl = floors[s]
+            # the figure the target is for: the run alone, or this strategy's share of a run together
+            measured = cpu if len(strategies) == 1 else rows[-1]["strategy_cpu_s"]
+            rows[-1].update(floor=fl, target_cpu_s=TARGET_CPU_S[case], measured_cpu_s=measured,
+                            measured_over_floor=measured / fl["total_cpu_s"],
+                            measured_over_warm_floor=measured / fl["warm_total_cpu_s"],
+                            part_measured_over_floor={p: k[p] / fl[p + "_cpu_s"] if fl[p + "_cpu_s"] > 0 else None
+                                                      for p in ("routing", "plan", "simulate")},
+                            floor_run_cpu_s=floor_run_cpu, probe_hook_cpu_s=probe.hook_cpu_s)
     return rows
+
+
+def floor_table(rows: list[dict]) -> str:
+    """The rows with a floor, as a terminal table (CPU s)."""
+    head = (f"{'case':34s} {'strategy':9s} {'layers':>6s} {'measured':>8s} | {'floor':>6s} {'routing':>7s} "
+            f"{'plan':>6s} {'sim':>7s} {'warm':>6s} | {'target':>6s} {'meas/fl':>7s}  (CPU s)")
+    out = [head]
+    for r in rows:
+        f = r.get("floor")
+        if f:
+            out.append(f"{r['case'][:34]:34s} {r['strategy']:9s} {f['layers']:6d} {r['measured_cpu_s']:8.3g} | "
+                       f"{f['total_cpu_s']:6.3g} {f['routing_cpu_s']:7.3g} {f['plan_cpu_s']:6.3g} "
+                       f"{f['simulate_cpu_s']:7.2g} {f['warm_total_cpu_s']:6.3g} | {r['target_cpu_s']:6.3g} "
+                       f"{r['measured_over_floor']:7.3g}")
+    return "\n".join(out)
 
 
 def routing_only(case: str, moe_layers: int = 0) -> dict:
@@ -105,11 +286,9 @@ def routing_only(case: str, moe_layers: int = 0) -> dict:
                                                                 "max": max(per), "median": sorted(per)[n // 2]}}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     from moonep_sim.memory import prefer_small_pages, reuse_freed_memory
 
-    prefer_small_pages()  # as the CLI does (moonep_sim/memory.py)
-    reuse_freed_memory()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="k3-train,v3-decode")
     ap.add_argument("--strategies", default="alltoall,deepep,moonep")
@@ -121,7 +300,14 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--routing-only", action="store_true",
                     help="time only the step's routing (every MoE layer generated as the step does, none planned)")
-    a = ap.parse_args()
+    ap.add_argument("--floor", action="store_true",
+                    help="also time, in the same run, each distinct layer's floor (routing, plan, simulator I/O)")
+    a = ap.parse_args(argv)
+    if a.floor and (a.jobs != 1 or a.routing_only):
+        ap.error(f"--floor times the Plans made in this process: it needs --jobs 1 (got {a.jobs}) and no "
+                 "--routing-only")
+    prefer_small_pages()  # as the CLI does (moonep_sim/memory.py)
+    reuse_freed_memory()
     strategies = a.strategies.split(",")
     rows = []
     for case in a.cases.split(",") if a.routing_only else []:
@@ -131,13 +317,18 @@ def main() -> None:
         for distinct in (int(x) for x in a.distinct_layers.split(",")):
             groups = [strategies] if a.together else [[s] for s in strategies]
             for g in groups:
-                for r in run(case, g, distinct, a.jobs, a.moe_layers):
+                for r in run(case, g, distinct, a.jobs, a.moe_layers, a.floor):
                     print(json.dumps(r), flush=True)
                     rows.append(r)
+    if a.floor:
+        print(floor_table(rows))
+        print(f"load average (1/5/15 min) at end: {'/'.join(f'{x:.1f}' for x in os.getloadavg())} on "
+              f"{os.cpu_count()} CPUs")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "load_end": os.getloadavg()}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -175,3 +175,22 @@ def test_json_out_over_a_topology_file_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(topo) in err
     assert not (tmp_path / "o").exists()
+
+
+def test_low_latency_runs_its_native_family_and_a_listless_topology_its_default(tmp_path):
+    from importlib import resources
+
+    from moonep_sim.experiments.clusters import cluster_scenarios
+
+    other = tmp_path / "other.toml"  # a TOML file of a name the native table does not list
+    other.write_text((resources.files("moonep_sim.data") / "topology-h800-cx7.toml").read_text()
+                     .replace('name = "h800-cx7"', 'name = "my-cluster"'))
+    sc = Scenario(routing="gen:model=olmoe-1b-7b,tokens-per-rank=16", cluster=16,
+                  strategies=["deepep", "deepep-ll"], options={"deepep": {"sms": 20}})
+    got = {t: (s.options, k) for t, s, k in cluster_scenarios(sc, ["mi300x-cx7", "h100-efa", str(other)])}
+    opts, k = got["mi300x-cx7"]
+    assert opts == {"deepep": {"sms": 20, "impl": "mori"}, "deepep-ll": {"impl": "mori-ll"}}
+    assert got["h100-efa"][0]["deepep-ll"] == {"impl": "uccl-ep-ll"}
+    opts, k = got[str(other)]
+    assert opts == {"deepep": {"sms": 20, "impl": "deepep-v1"}, "deepep-ll": {"impl": "deepep-v1-ll"}}
+    assert k["deepep"]["source"] == "default" and "my-cluster is not in" in k["deepep"]["reason"]

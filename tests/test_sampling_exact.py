@@ -116,16 +116,6 @@ def test_the_race_keeps_no_noise_over_several_chunks(monkeypatch):
                                                                           np.random.default_rng(1))[0])
 
 
-@pytest.mark.parametrize("fn,a,b", [(lambda x: x ** 3 - 2 * x - 5, 2.0, 3.0), (lambda x: math.exp(x) - 10, -9.2, 4.2),
-                                    (lambda x: math.tanh(50 * (x - 0.3)), -1.0, 2.0), (lambda x: x - 1.0, 1.0, 5.0)])
-def test_the_calibration_root_is_scipy_brentq_step_for_step(fn, a, b):
-    from scipy.optimize import brentq
-
-    from moonep_sim.routing.generators import _brent
-
-    assert _brent(fn, a, b, fn(a), fn(b)) == brentq(fn, a, b, xtol=1e-15, rtol=8.9e-16, maxiter=200)
-
-
 @pytest.mark.parametrize("n", [2, 3, 32])
 def test_group_scores_equal_a_partitions(n):
     g = np.random.default_rng(n).standard_normal((50, 8, n)).astype(np.float32)

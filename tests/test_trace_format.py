@@ -113,6 +113,7 @@ def test_inspect_reads_per_layer_not_whole(tmp_path, monkeypatch):
         reads.append((name, out.shape))
         return out
 
+    inspect_trace(path, ranks=8, gpus_per_node=4, chunk_tokens=10000)  # one-time costs (lazy imports, caches) first
     monkeypatch.setattr(Trace, "_slice", spy)
     tracemalloc.start()
     res = inspect_trace(path, ranks=8, gpus_per_node=4, chunk_tokens=10000)

@@ -20,9 +20,9 @@ def is_multi(args) -> bool:
     return "," in str(args.topology)
 
 
-def run_clusters(args) -> int:
+def run_clusters(args, scenario) -> int:
+    """``scenario``: compare's ``scenario(args)`` (the base Scenario of these arguments, checked)."""
     from moonep_sim.cli.common import output_rule, print_json, progress
-    from moonep_sim.cli.compare import scenario
     from moonep_sim.experiments.clusters import check_topologies, compare_clusters
     from moonep_sim.experiments.parallel import check_jobs
     from moonep_sim.io import dumps_strict, write_text_atomic
@@ -40,7 +40,7 @@ def run_clusters(args) -> int:
     args.topology = names[0]  # the base scenario, checked; every cluster is checked again before any work
     sc = scenario(args)
     check_jobs(args.jobs)
-    c = wide_console()
+    c = wide_console(200)
     with progress(c, "compare on clusters", lines=args.json is not None) as cb:
         doc = compare_clusters(sc, names, progress=cb, jobs=args.jobs, cluster=args.cluster)
     text = dumps_strict(doc, indent=1)

@@ -118,7 +118,7 @@ def run(args) -> int:
     from moonep_sim.cli.clusters import is_multi, run_clusters
 
     if is_multi(args):
-        return run_clusters(args)
+        return run_clusters(args, scenario)
     to_file = args.json not in (None, "-")
     output_rule(args, files=("json",) if to_file else (), folders={"out": OUT_FILES})  # before the run
     level = step_level(args, layer_only={"--real": args.real, "--layers": args.layers is not None})

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from moonep_sim.errors import PlanError
+from moonep_sim.plan import threads
 from moonep_sim.plan.assembly import Entries, Padding, Slots
 from moonep_sim.plan.build import final_rows, slot_layout, sorted_layout
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
@@ -169,7 +170,7 @@ DUP_PAIRWISE_MAX_K = 16
 
 def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_row_N: np.ndarray, ranks: int,
                  token_padding: int = 1, min_rows_S: np.ndarray | None = None,
-                 entry_rank_N: np.ndarray | None = None, scratch: list | None = None):
+                 entry_rank_N: np.ndarray | None = None, scratch: list | None = None, lay=None):
     """The expert-grouped layout and the final rows of entries given by slot:
     (lay, row_entry_W, expand_src_row_W), what ``slot_layout`` then ``final_rows`` return.
 
@@ -178,7 +179,8 @@ def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_ro
     entry_buf_row_N: [N] the last buffer's row of each entry (INDEX or int64).  ranks: R.
     entry_rank_N: unused (each entry's rank; the final rows come from its slot's).
     scratch: optional list of dead INDEX [N] arrays (not ``entry_buf_row_N``) to write into
-    instead of fresh pages (they may end up in the Plan).
+    instead of fresh pages (they may end up in the Plan).  lay: the entries' ``slot_layout``
+    (with these ``token_padding``, ``min_rows_S`` and ``ranks``) where the caller made it already.
 
     Without padding or dropped entries, each entry's buffer row is written to its final row in
     entry order (its slot's rank's first row plus its row there, chunk by chunk) instead of
@@ -194,7 +196,8 @@ def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_ro
     expand = Scratch(N, scratch).take() if dt == INDEX else np.empty(N, dtype=dt)
     if scratch:  # the other dead arrays go before the layout allocates its own
         scratch.clear()
-    lay = slot_layout(entry_slot_N, slot_rank_S, token_padding, min_rows_S, ranks)
+    if lay is None:
+        lay = slot_layout(entry_slot_N, slot_rank_S, token_padding, min_rows_S, ranks)
     if lay.grow_K is not None or lay.n_drop:  # padding rows or dropped entries: the gather in slot order
         return (lay,) + final_rows(lay, lay.order_N[lay.n_drop:], entry_buf_row_N)
     # each entry's final row (ranks concatenated): its slot's rank's first row plus its row there,
@@ -418,6 +421,29 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
         if t.size and (int(t.min()) < 0 or int(t.max()) >= R):
             raise PlanError(f"via table values ({int(t.min())}..{int(t.max())}) must be ranks in [0, {R})")
         tables.append(t.astype(np.uint8))
+    # the slot sort and layout depend on the slots alone: on a second thread beside the hops (the
+    # same Plan either way; numpy's loops release the GIL, so the wall time falls on two cores)
+    layout_job = threads.Beside(slot_layout, entry_slot_N, slot_rank_S, token_padding, None, R,
+                                run=N >= threads.THREAD_MIN)
+    try:
+        hops, row, entry_rank, entry_dup, scratch = _table_hops(routing, entry_slot_N, slot_rank_S, tables, scopes,
+                                                               dedup, shift, bound)
+    except BaseException:
+        layout_job.discard()
+        raise
+    layout = entry_layout(entry_slot_N, slot_rank_S, row, R, token_padding, scratch=scratch, lay=layout_job.result())
+    return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slot_expert_S, slot_home_S),
+                         Entries(entry_slot_N, row, entry_dup, rank_N=entry_rank), hops,
+                         padding=Padding(token_padding), options=options, layout=layout, **extra)
+
+
+def _table_hops(routing: GlobalRouting, entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tables: list,
+                scopes: Sequence[str], dedup: Sequence[bool], shift: int, bound: np.ndarray):
+    """The hops of :func:`_plan_from_table_routes` (one-byte [R, R] ``tables``, entries of source
+    rank r ``[bound[r], bound[r + 1])``): (hops, last buffer rows, entry ranks, duplicate flags,
+    the dead INDEX [N] arrays left)."""
+    R, H, N = bound.size - 1, len(scopes), entry_slot_N.size
+    tok_off = routing.tok_off_R()
     entry_rank = slot_rank_S.astype(INDEX)[entry_slot_N]  # INDEX [N]: the Plan's entry_rank (every entry kept)
     dst8 = entry_rank.astype(np.uint8)
     mids = [np.empty(N, dtype=np.uint8) for _ in tables]
@@ -458,9 +484,7 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
     del pos, dst8
     if entry_dup is None:
         entry_dup = dup_flags(entry_rank, routing.top_k) if dedup[-1] else np.zeros(N, dtype=bool)
-    return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slot_expert_S, slot_home_S),
-                         Entries(entry_slot_N, row, entry_dup, rank_N=entry_rank), hops,
-                         padding=Padding(token_padding), options=options, scratch=scratch, **extra)
+    return hops, row, entry_rank, entry_dup, scratch
 
 
 def slot_ids(entry_slot) -> np.ndarray:

@@ -46,7 +46,7 @@ class Sources:
     """Where a hop's n entries sit before it: either per entry, or as runs of the first hop.
 
     rank_N: int64 (or uint8, R <= 256) [n] the source rank of each entry; None with ``bound_R``.
-    row_N: int64 [n] the entry's row on that rank; None with ``tok_off_R`` (rows by arithmetic).
+    row_N: [n] the entry's row on that rank (INDEX, or int64); None with ``tok_off_R`` (rows by arithmetic).
     bound_R: int64 [R+1] for entries in source-rank runs (the first hop, every entry kept): rank
       r's entries are ``[bound_R[r], bound_R[r+1])``.
     sorted: ``rank_N`` is non-decreasing (the first hop's tokens in rank order).
@@ -186,7 +186,8 @@ def group_messages(order: np.ndarray, ecnt: np.ndarray, ranks: int, msg: Message
 def message_sources(src: Sources, msg: Messages, order: np.ndarray, lead: np.ndarray, cnt: np.ndarray,
                     ecnt: np.ndarray, m_src: np.ndarray, rows_sorted: np.ndarray, ranks: int,
                     dst_row: np.ndarray) -> np.ndarray:
-    """int64 [M] each message's source row; writes each entry's receive row into ``dst_row``."""
+    """[M] each message's source row (INDEX, or ``row_N``'s dtype); writes each entry's receive row
+    into ``dst_row``."""
     R = ranks
     if src.tok_off_R is not None and msg.shift >= 0:  # tokens on their own ranks: rows by arithmetic
         # (lead is the hop's own array when it is not the sort itself: shifted in place)
@@ -219,7 +220,7 @@ def grouped_hop(src: Sources, dst_rank_N: np.ndarray, msg: Messages, ranks: int,
     third item when ``msg.dup_N`` is given.
 
     dst_rank_N: int64 (or uint8, R <= 256) [n] the rank each entry's token must reach.
-    scratch: a list of dead int64 [n] arrays the hop may write its sort and running sums into; it
+    scratch: a list of dead INDEX [n] arrays the hop may write its sort and running sums into; it
     adds its own when done with them.
     """
     n, R = dst_rank_N.size, int(ranks)
@@ -323,7 +324,7 @@ def pair_hop(bound_R: np.ndarray, via_RR: np.ndarray, dst_rank_N: np.ndarray, ro
     bound_R: int64 [R+1] the entries of source rank s are ``[bound_R[s], bound_R[s+1])`` (every
     entry kept, tokens in rank order).  via_RR: [R, R] ``via_RR[s, d]``, the rank a token of
     source s bound for final rank d leaves from on this hop.  dst_rank_N: uint8 [N] each entry's
-    final rank.  row_N: int64 [N] its row in the hop's source buffer.  msg: ``dedup``, ``shift``
+    final rank.  row_N: [N] its row in the hop's source buffer (INDEX).  msg: ``dedup``, ``shift``
     (K = 1 << shift) and, with ``dup_N``, the duplicate flags as a third item.
 
     The hop's block (v, d) holds the pairs (s, d) with ``via_RR[s, d] == v``, in source order; a

@@ -45,12 +45,12 @@ def clusters_table(doc: dict[str, Any]):
                     f"(ms) per strategy; the verdict of each cluster's compare", title_justify="left")
     if len(pts) > 1:
         t.add_column("point")
-    t.add_column("cluster (G; NVLink / NIC GB/s; TFLOP/s)")
-    t.add_column("deepep impl")
+    t.add_column("cluster (G; NVLink / NIC GB/s; TFLOP/s)", max_width=24)
+    t.add_column("deepep impl", max_width=16)
     for s in strategies:
-        t.add_column(s, justify="right")
-    t.add_column("verdict (margin; mechanism; confidence)")
-    t.add_column("why")
+        t.add_column(s, justify="right", no_wrap=True)
+    t.add_column("verdict (margin; mechanism; confidence)", max_width=30)
+    t.add_column("why", min_width=40)
     for p in pts:
         for r in p["clusters"]:
             best = min(r["layer_time_us"].values())

@@ -32,7 +32,10 @@ block is one (layer, step)). sigma is first set by root finding on the *expected
 probabilities of the race (``pi_e = 1 - exp(-p_e tau)``, tau such that ``sum pi = K``) plus the
 binomial noise of the hottest expert (fixed-seed normal draws); the block is then sampled, and if
 its realised maxvio is more than 2% off, sigma is refined by bisection on the realised statistic
-with the same seed (same random draws, so it is a deterministic function of sigma). A target
+with the same seed (same random draws, so it is a deterministic function of sigma; a redraw reuses
+the first draw's noise -- the race's exponentials, the plain fast path's exponentials and uniforms
+-- and the plain fast path's redraws only count, the chosen one's weights replayed after: the same
+values as drawing afresh, at a fraction of the cost). A target
 above ``E/K - 1`` is impossible (an expert takes at most one selection per token); a target below
 the sampling-noise floor (the maxvio of uniform popularity at this token count) is unreachable;
 both raise a one-line :class:`ConfigError`.
@@ -203,8 +206,8 @@ def _expected_maxvio(logp_E: np.ndarray, top_k: int, tokens: int, noise_M_E: np.
 
 def _expected_root(g) -> float:
     """log sigma where the expected maxvio meets the target, ``g(log sigma) = 0`` (g: expected minus
-    target, increasing): Brent's method on ``[log SIGMA_MIN, log SIGMA_MAX]`` to full precision
-    (about 14 evaluations where the bisection it replaced took 56; the two roots agree to ~3e-14
+    target, increasing): Brent's method (``scipy.optimize.brentq``) on ``[log SIGMA_MIN, log
+    SIGMA_MAX]`` to full precision (about 14 evaluations where the bisection it replaced took 56; the two roots agree to ~3e-14
     relative, so the calibrated draws are the same). A target outside the range's values gives the
     range's end (the realised calibration then says why it is unreachable)."""
     lo, hi = math.log(SIGMA_MIN), math.log(SIGMA_MAX)
@@ -214,46 +217,9 @@ def _expected_root(g) -> float:
     g_hi = g(hi)
     if g_hi < 0:
         return hi
-    return _brent(g, lo, hi, g_lo, g_hi)
+    from scipy.optimize import brentq  # imported here: only a calibrated generation pays its import
 
-
-def _brent(g, xpre: float, xcur: float, fpre: float, fcur: float, xtol: float = 1e-15, rtol: float = 8.9e-16,
-           maxiter: int = 200) -> float:
-    """A root of ``g`` in ``[xpre, xcur]`` (``fpre``, ``fcur``: g there, of opposite signs): Brent's
-    method as ``scipy.optimize.brentq`` runs it (its C loop, step for step; written out here
-    because importing scipy.optimize costs a process about 0.3 CPU s, a sixth of a generated
-    58-layer decode step)."""
-    if fpre == 0 or fcur == 0:
-        return xpre if fpre == 0 else xcur
-    xblk = fblk = spre = scur = 0.0
-    for _ in range(maxiter):
-        if fpre != 0 and fcur != 0 and (fpre < 0) != (fcur < 0):
-            xblk, fblk = xpre, fpre
-            spre = scur = xcur - xpre
-        if abs(fblk) < abs(fcur):
-            xpre, xcur, xblk = xcur, xblk, xcur
-            fpre, fcur, fblk = fcur, fblk, fcur
-        delta = (xtol + rtol * abs(xcur)) / 2
-        sbis = (xblk - xcur) / 2
-        if fcur == 0 or abs(sbis) < delta:
-            return xcur
-        if abs(spre) > delta and abs(fcur) < abs(fpre):
-            if xpre == xblk:                            # interpolate
-                stry = -fcur * (xcur - xpre) / (fcur - fpre)
-            else:                                       # extrapolate (inverse quadratic)
-                dpre = (fpre - fcur) / (xpre - xcur)
-                dblk = (fblk - fcur) / (xblk - xcur)
-                stry = -fcur * (fblk * dblk - fpre * dpre) / (dblk * dpre * (fblk - fpre))
-            if 2 * abs(stry) < min(abs(spre), 3 * abs(sbis) - delta):
-                spre, scur = scur, stry                 # a good short step
-            else:
-                spre = scur = sbis                      # bisect
-        else:
-            spre = scur = sbis                          # bisect
-        xpre, fpre = xcur, fcur
-        xcur += scur if abs(scur) > delta else (delta if sbis > 0 else -delta)
-        fcur = g(xcur)
-    return xcur
+    return float(brentq(g, lo, hi, xtol=1e-15, rtol=8.9e-16, maxiter=200))
 
 
 def _logp_for(spec: PopularitySpec, z_E: np.ndarray, top_k: int, sigma: float | None = None) -> np.ndarray:
@@ -286,7 +252,7 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
     kind = spec.kind
     # every draw of this block is seeded alike: what the sampler can reuse (the race's noise, the
     # plain fast path's uniforms) is drawn once; later draws of the plain fast path only count
-    redraw: dict = {}
+    redraw: dict | None = {} if kind == "maxvio" else None   # one draw only: nothing kept
     logp = lambda sig: _logp_for(spec, z_E, top_k, sig)
     draw = lambda sig: sample_topk(logp(sig), top_k, tokens, _rng(seed, 1, *path), groups=groups,
                                    topk_groups=topk_groups, with_logits=with_logits, noise=redraw)

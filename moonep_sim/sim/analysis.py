@@ -126,10 +126,16 @@ def straggler(sim: StepSim, rec, end_R: np.ndarray) -> dict[str, Any]:
     ports, fs = sim.ports, sim.fs
     si = 0
     plan = sim.plans[0]
-    rows_R = plan.real_rows_R()
-    recv_rows = np.zeros(sim.R)
-    for h in plan.hops[-1:]:
-        recv_rows = np.bincount(h.dst_rank_M, minlength=sim.R).astype(float)
+
+    def rows_R() -> np.ndarray:   # each rank's real rows: read only by the details that name them
+        return plan.real_rows_R()
+
+    def recv_rows() -> np.ndarray:   # rows each rank receives in the last hop (a pass over its messages)
+        out = np.zeros(sim.R)
+        for h in plan.hops[-1:]:
+            out = np.bincount(h.dst_rank_M, minlength=sim.R).astype(float)
+        return out
+
     last_rank = int(np.argmax(end_R))
     if sim.opts.isolate is not None or rec["end"].size == 0:
         if rec["end"].size == 0:
@@ -147,13 +153,14 @@ def straggler(sim: StepSim, rec, end_R: np.ndarray) -> dict[str, Any]:
     t_tail = float(end_R.max()) - c_end[rc]
     gate = sim.compute_gate[si][rc]
     stall = sum(us for (r, _), us in fs.stall_us.items() if r == rc)
-    mean_rows = max(float(rows_R.mean()), 1e-9)
     seg = max(("compute", dur), ("dispatch", t_disp), ("combine", t_tail), key=lambda x: x[1])[0]
     if stall > 0 and stall >= 0.25 * max(dur, t_disp, t_tail):
         return dict(rank=rc, cause="stall", phase=PhaseKind.STALL.value, detail=f"rank {rc} stalled {stall:.1f} us")
     if seg == "compute":
         sp = fs.gpu_speed_R[rc]
-        det = (f"expert compute {dur:.1f} us on {int(rows_R[rc])} rows ({rows_R[rc] / mean_rows:.2f}x mean)"
+        rows = rows_R()
+        mean_rows = max(float(rows.mean()), 1e-9)
+        det = (f"expert compute {dur:.1f} us on {int(rows[rc])} rows ({rows[rc] / mean_rows:.2f}x mean)"
                + (f", GPU at {sp:g}x speed" if sp != 1 else ""))
         return dict(rank=rc, cause="compute", phase=PhaseKind.EXPERT_COMPUTE.value, detail=det)
     if seg == "dispatch" and gate == "weights":
@@ -179,9 +186,10 @@ def straggler(sim: StepSim, rec, end_R: np.ndarray) -> dict[str, Any]:
     what = _label(tag)
     if cause == "tokens received":
         into = tag.kind == PhaseKind.DISPATCH
-        rr = recv_rows[owner] if into else rows_R[owner]
+        rows = recv_rows() if into else rows_R()
+        rr = rows[owner]
         det = (f"{what}: rank {owner} {'receives' if into else 'returns'} {int(rr)} rows "
-               f"({rr / max(float(recv_rows.mean() if into else mean_rows), 1e-9):.2f}x mean); "
+               f"({rr / max(float(rows.mean()), 1e-9):.2f}x mean); "
                f"port {ports.name(p)} is the bottleneck")
     elif cause in ("weight traffic", "gradient traffic"):
         # the port's owner sends these bytes (its out port) or receives them; count its side

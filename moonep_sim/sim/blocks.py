@@ -28,7 +28,11 @@ import numpy as np
 from moonep_sim.sim.ports import Block, PortMap, block_kind
 
 RUN_MAX = 256    # ports considered for one run of the block solver's filling
-NODE_CELLS_MAX = 1 << 22   # entries of the per-node cell tables (:meth:`BlockCounts._node_cells`) at most
+# the per-node cell tables (:meth:`BlockCounts._node_cells`) are built only for rows this wide at
+# most: a frozen node's whole row is read whatever its block, which pays at 32 and 64 ranks (a K3
+# EP64 layer's fills 1.15x faster, a V3 EP32 one's 1.5x) and not at 256 (2.4x slower than the
+# per-block update, whose NIC rows are one matrix product)
+NODE_CELLS_WIDTH_MAX = 64
 
 
 class Levels(NamedTuple):
@@ -159,11 +163,11 @@ class BlockCounts:
         and column w of its block's row (W: the widest used block), the index in :attr:`mm` of the
         cell the node shares with the other side's node ``other_NW`` (a sender node reads its ``M``
         row, a receiver node its ``MT`` row). Columns past the node's block width, and the nodes of
-        unused blocks, point at the zero cell ``2 T`` and the spare node 2N. (None, None) when the
-        tables would exceed ``NODE_CELLS_MAX`` entries (then :meth:`_freeze` runs per block)."""
+        unused blocks, point at the zero cell ``2 T`` and the spare node 2N. (None, None) when W
+        exceeds ``NODE_CELLS_WIDTH_MAX`` (then :meth:`_freeze` updates block by block)."""
         R, N = self.R, self.B * self.R
         W = max(self.width[b] for b in self.blocks) if self.blocks else 1
-        if 2 * N * W > NODE_CELLS_MAX:
+        if W > NODE_CELLS_WIDTH_MAX:
             return None, None
         u = np.arange(2 * N)
         side, (b_N, r_N) = u // N, np.divmod(u % N, R)
@@ -226,13 +230,12 @@ class BlockCounts:
         pflat = pall.ravel()
         steps = 0
         while cnt.any():
-            w = cnt if K == 1 else np.repeat(cnt, K)
-            n = np.bincount(pflat, weights=w, minlength=P1)
-            fr = np.bincount(pflat, weights=frz if K == 1 else np.repeat(frz, K), minlength=P1)
+            n = np.bincount(pflat, weights=cnt if K == 1 else cnt.repeat(K), minlength=P1)
+            fr = np.bincount(pflat, weights=frz if K == 1 else frz.repeat(K), minlength=P1)
             n[dm] = 0.0
-            cand = np.flatnonzero(n)
+            cand = n.nonzero()[0]
             share = (cap[cand] - fr[cand]) / n[cand]
-            order = np.argsort(share, kind="stable")
+            order = share.argsort(kind="stable")
             cand, share = cand[order], share[order]
             # the run: a prefix of ports whose nodes are all distinct with no active cell between
             # two of them (then no port of the run shares a transfer with an earlier one)
@@ -241,7 +244,7 @@ class BlockCounts:
             # the run's nodes that carry unfrozen transfers (each on one run port: its first
             # saturating port freezes it), in increasing order; no two share a cell, so freezing
             # them together equals freezing one side after the other
-            o = np.argsort(node)
+            o = node.argsort()
             node, pos = node[o], pos[o]
             live = cnt[node] > 0
             if not live.all():
@@ -286,14 +289,14 @@ class BlockCounts:
         steps = 0
         while True:
             c_n = cnt[nps]
-            li = np.flatnonzero(c_n)
+            li = c_n.nonzero()[0]
             if not li.size:   # every counted transfer crosses a port, so no node carries any now
                 break
             steps += 1
             cn = nps[li]
             share = (cap_n[li] - frz[cn]) / c_n[li]
             order = share.argsort(kind="stable")
-            cn, share = cn[order], share[order]
+            cn = cn[order]
             cut = self._switch_cut(cn[:RUN_MAX])
             if cut is None:
                 cand = pps[li[order]]
@@ -302,9 +305,11 @@ class BlockCounts:
                     if cut < width or width >= cand.size:
                         break
             # the run's nodes all carry unfrozen transfers (they are live and nothing froze yet in
-            # this step) and share no cell: frozen together, in increasing order
+            # this step) and share no cell: frozen together, in increasing order (a frozen node's
+            # own load is never read again here: its port is its alone)
             o = cn[:cut].argsort()
-            self._freeze(cn[o], share[o], pps[li[order[o]]], state)
+            oo = order[o]
+            self._freeze(cn[o], share[oo], pps[li[oo]], state, own_load=False)
         return steps
 
     def _switch_cut(self, node: np.ndarray) -> int | None:
@@ -314,16 +319,14 @@ class BlockCounts:
         port before it. None when that port has none (then :meth:`_run_cut` decides). Same answer
         as :meth:`_run_cut`, which cuts at the first port sharing a transfer with an earlier one,
         in a few array operations."""
-        N = self.B * self.R
-        is_s = node < N
-        sw = np.flatnonzero(is_s != is_s[0])
-        if sw.size == 0:
+        is_s = node < self.B * self.R
+        q = int((is_s != is_s[0]).argmax())   # 0: no switch
+        if q == 0:
             return node.size
-        q = int(sw[0])
         x, prev = int(node[q]), node[:q]
         key, row, col = self.cell_key_N, self.mt_row_N, self.cell_col_N
         idx = row[prev] + col[x] if is_s[0] else row[x] + col[prev]   # cell (sender, receiver) in m_flat
-        act = (key[prev] == key[x]) & (np.take(self.m_flat, idx, mode="clip") > 0)
+        act = (key[prev] == key[x]) & (self.m_flat.take(idx, mode="clip") > 0)
         return q if bool(act.any()) else None
 
     def _run_cut(self, cand: np.ndarray) -> int:
@@ -341,21 +344,21 @@ class BlockCounts:
         node, pos = nd_WD[real], self.pos_WD[:w][real]
         cut = w
         if not self.simple:   # a node of two ports: cut at the later one
-            o = np.argsort(node, kind="stable")
+            o = node.argsort(kind="stable")
             sn = node[o]
-            dup = np.flatnonzero(sn[1:] == sn[:-1])
-            if dup.size:
-                cut = int(pos[o][dup + 1].min())
+            dup = sn[1:] == sn[:-1]
+            if dup.any():
+                cut = int(pos[o][dup.nonzero()[0] + 1].min())
                 keep = pos < cut
                 node, pos = node[keep], pos[keep]
             # ports before the first one of the other side share no cell; the run usually ends at
             # that port (9 in 10 fills of K3 EP64 deepep layers): check it alone first
             side = self.port_side[cand[:cut]]
-            sw = np.flatnonzero(side != side[0])
-            if sw.size == 0:
+            q = int((side != side[0]).argmax())
+            if q == 0:
                 return max(cut, 1), node, pos
-            q = int(sw[0])
-            x, prev = node[pos == q], node[pos < q]
+            i0, i1 = pos.searchsorted(q), pos.searchsorted(q, "right")   # pos ascends
+            x, prev = node[i0:i1], node[:i0]
             key, row, col = self.cell_key_N, self.mt_row_N, self.cell_col_N
             idx = row[prev][None, :] + col[x][:, None] if side[q] else row[x][:, None] + col[prev][None, :]
             if bool(((key[x][:, None] == key[prev][None, :]) & (np.take(self.m_flat, idx, mode="clip") > 0)).any()):
@@ -381,22 +384,24 @@ class BlockCounts:
         first = np.where(act, pos[is_s][None, :], cut).min(axis=1)   # per receiver: its earliest connected sender
         return min(cut, int(np.maximum(first, pos[~is_s]).min()))
 
-    def _freeze(self, g: np.ndarray, lv: np.ndarray, port: np.ndarray, state) -> None:
+    def _freeze(self, g: np.ndarray, lv: np.ndarray, port: np.ndarray, state, own_load: bool = True) -> None:
         """Freeze nodes ``g`` (int64, increasing; of either side, no two sharing a cell, each
         carrying unfrozen transfers) at levels ``lv`` (the shares of ``port``, the run ports that
         saturate them); their cells leave the other side's free nodes: counts, and load at the
-        cells' level. ``state``: :meth:`fill`'s per-node arrays (lev, bport, free, frz, cnt).
+        cells' level. ``state``: :meth:`fill`'s per-node arrays (lev, bport, free, frz, cnt);
+        ``own_load``: add the nodes' own frozen load to ``frz`` (read by ports of several nodes).
 
         With the cell tables (:meth:`_node_cells`) the cells of every frozen node are read in one
-        gather and scattered in one count per quantity, whatever the blocks (a DeepSeek-V3 EP32
-        decode alltoall layer, 3 blocks, simulates 1.5x faster than with the update per block);
-        :meth:`_freeze_blocks` is the same update block by block, the reference it is tested
-        against (equal up to the order of float additions)."""
+        gather and scattered in one count per quantity, whatever the blocks (see
+        ``NODE_CELLS_WIDTH_MAX`` for where that pays); :meth:`_freeze_blocks` is the same update
+        block by block, the reference it is tested against (equal up to the order of float
+        additions)."""
         lev, bport, free, frz, cnt = state
         lev[g] = lv
         bport[g] = port
         free[g] = False
-        frz[g] += lv * cnt[g]
+        if own_load:
+            frz[g] += lv * cnt[g]
         cnt[g] = 0.0
         if self.cell_NW is None:
             N = self.B * self.R
@@ -457,4 +462,4 @@ class BlockCounts:
         return np.where(use_src, ls, ld), np.where(use_src, filled.port_src[a], filled.port_dst[c])
 
 
-__all__ = ["BlockCounts", "Levels", "NODE_CELLS_MAX", "RUN_MAX"]
+__all__ = ["BlockCounts", "Levels", "NODE_CELLS_WIDTH_MAX", "RUN_MAX"]

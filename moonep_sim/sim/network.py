@@ -49,6 +49,9 @@ from moonep_sim.sim.ports import L_PATH, Block, PortMap, block_kind
 from moonep_sim.sim.waterfill import waterfill
 
 
+PAIR_TABLE_MAX = 1 << 18   # (sender, receiver) pairs of a network's block and latency tables at most
+
+
 class UtilSample(NamedTuple):
     """Port utilisation at a tick (``record_util``): the time and, per port, rate / capacity."""
 
@@ -84,6 +87,7 @@ class FlowNetwork:
         self._phase_tags: list[Any] = []  # per phase id: the caller's tag (the timeline's PhaseTag)
         self._phase_sm: list[bool] = []   # per phase id: its flows cross the SM send / receive ports
         self._phase_nic: list[bool] = []  # per phase id: same-node flows take the NIC path
+        self._pair_tables: dict[tuple[bool, bool], tuple[np.ndarray, np.ndarray] | None] = {}
         use_blocks = solver == "blocks" or (solver == "auto" and not ports.per_flow)
         self._blocks = BlockCounts(ports) if use_blocks else None
         self._a = ActiveFlows(with_path=not use_blocks, path_len=L_PATH)
@@ -151,11 +155,18 @@ class FlowNetwork:
         if dst.size == 0:
             return
         src_F = np.full(dst.size, src, dtype=np.int64)
-        sm_F = np.full(dst.size, self._phase_sm[pid]) if self.ports.sm_ports else None
-        nic_F = np.full(dst.size, True) if self._phase_nic[pid] else None
-        blk = self.ports.pair_class(src_F, dst, sm_F, nic_F)
-        lat = self.ports.latency(src_F, dst, nic_F)
-        path = None if self._blocks is not None else self.ports.paths(src_F, dst, sm_F, nic_F)[0]
+        sm, nic = self.ports.sm_ports and self._phase_sm[pid], self._phase_nic[pid]
+        tab = self._pair_table(sm, nic) if self._blocks is not None else None
+        path = None
+        if tab is not None:
+            blk, lat = tab[0][src, dst], tab[1][src, dst]
+        else:
+            sm_F = np.full(dst.size, sm) if self.ports.sm_ports else None
+            nic_F = np.full(dst.size, True) if nic else None
+            blk = self.ports.pair_class(src_F, dst, sm_F, nic_F)
+            lat = self.ports.latency(src_F, dst, nic_F)
+            if self._blocks is None:
+                path = self.ports.paths(src_F, dst, sm_F, nic_F)[0]
         if self.ports.message_us > 0:  # the sender's serial per-message cost (host_message_us)
             remote = dst != src
             lat = lat + np.where(remote, self.ports.message_us * float(remote.sum()), 0.0)
@@ -165,6 +176,23 @@ class FlowNetwork:
         self._pend_new.append(Pending(ready=ready, eff=np.asarray(eff_bytes_F, dtype=np.float64)[keep], id=ids,
                                   key=pid * self.ports.ranks + dst, src=src_F, dst=dst, blk=blk, path=path))
         self._request_tick(float(ready.min()))
+
+    def _pair_table(self, sm: bool, nic: bool) -> tuple[np.ndarray, np.ndarray] | None:
+        """(block_RR, latency_RR): ``PortMap.pair_class`` and ``latency`` of every (sender,
+        receiver) for flows of phases with these flags (built on first use, kept per network; a
+        rank's submission then reads its row instead of classifying its transfers again). None
+        above ``PAIR_TABLE_MAX`` pairs."""
+        key = (sm, nic)
+        if key not in self._pair_tables:
+            R = self.ports.ranks
+            tab = None
+            if R * R <= PAIR_TABLE_MAX:
+                s, d = np.divmod(np.arange(R * R), R)
+                nic_F = np.full(R * R, True) if nic else None
+                tab = (self.ports.pair_class(s, d, np.full(R * R, sm) if self.ports.sm_ports else None, nic_F).reshape(R, R),
+                       self.ports.latency(s, d, nic_F).reshape(R, R))
+            self._pair_tables[key] = tab
+        return self._pair_tables[key]
 
     # -- the tick machinery --------------------------------------------------------------
     def _gap(self, t: float) -> float:

@@ -20,8 +20,8 @@ import numpy as np
 
 from moonep_sim.errors import require
 from moonep_sim.limits import MAX_ELEMENTS
-from moonep_sim.plan import (INDEX, Entries, GlobalRouting, Hop, Padding, Plan, Scope, SlotOrder, Slots,
-                             assemble_plan, home_slots, stable_order)
+from moonep_sim.plan import (INDEX, Entries, GlobalRouting, Hop, Padding, Plan, Scope, Slots, assemble_plan,
+                             final_rows, home_slots, sorted_layout, stable_order, threads)
 from moonep_sim.plan.kinds import require_index
 from moonep_sim.plan.order import segment_mask, segment_ranges, small_key_dtype
 from moonep_sim.strategies import Option, PlanContext, register
@@ -208,6 +208,50 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     blk_off = np.empty(R * S, dtype=np.int64)
     blk_off[o] = cum - dst_start[blk_dst[o]]
     dst_rows_R = np.bincount(blk_dst, weights=blk_len, minlength=R).astype(np.int64)
+    # receive row of each kept entry in layout (slot, src, entry) order: block (r, s) holds its
+    # kept rows first, at blk_off[r, s] + j
+    blk_off_SR = blk_off.reshape(R, S).T.ravel()
+    buf_row_K = segment_ranges(blk_off_SR, kc_SR.ravel(), out=np.empty(n_kept, dtype=INDEX))
+    # static capacity: per slot sum_r C_r rows, rounded up to token_padding
+    tp = max(int(ctx.token_padding), 1)
+    slot_cap = np.full(S, int(cap_R.sum()), dtype=np.int64)
+    slot_cap = (slot_cap + tp - 1) // tp * tp
+    min_rows = slot_cap if pad else None
+    # the layout needs only the slot order and the kept rows: on a second thread beside the hop
+    layout = threads.Beside(_layout, order_N, N - n_kept, kc_SR.sum(axis=1), sr, tp, min_rows, R, buf_row_K,
+                            run=N >= threads.THREAD_MIN)
+    # source row of a kept entry: its token's row on its own rank (written in place by _hop)
+    K1 = max(K, 1)
+    k_row = ke >> (K1.bit_length() - 1) if K1 & (K1 - 1) == 0 else ke // K1
+    del ke
+    try:
+        hop, pad_slot, pad_row = _hop(routing, k_row, kc_G, per_rs, blk_len, blk_off, blk_off_SR, kc_SR, dst_of_S,
+                                      dst_rows_R, pad, N)
+    except BaseException:
+        layout.discard()
+        raise
+    capacity_R = np.bincount(sr, weights=slot_cap, minlength=R).astype(np.int64)
+    entries = Entries(None, None, np.zeros(T * K, dtype=bool), rank_N=entry_rank)
+    return assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), entries, [hop],
+                         padding=Padding(tp, min_rows, pad_slot, pad_row), capacity_R=capacity_R,
+                         options={"capacity_per_source_rank": int(cap_R.max()) if R else 0}, layout=layout.result())
+
+
+def _layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, tp: int,
+            min_rows_S: np.ndarray | None, R: int, buf_row_K: np.ndarray) -> tuple:
+    """The layout of the slot order and the final rows (what ``assemble_plan`` takes as ``layout``)."""
+    lay = sorted_layout(order_N, n_drop, slot_rows_S, slot_rank_S, tp, min_rows_S, R)
+    return (lay,) + final_rows(lay, lay.order_N[lay.n_drop:], None, buf_row_K)
+
+
+def _hop(routing: GlobalRouting, k_row: np.ndarray, kc_G: np.ndarray, per_rs: np.ndarray, blk_len: np.ndarray,
+         blk_off: np.ndarray, blk_off_SR: np.ndarray, kc_SR: np.ndarray, dst_of_S: np.ndarray,
+         dst_rows_R: np.ndarray, pad: bool, N: int) -> tuple[Hop, np.ndarray, np.ndarray]:
+    """capacity's hop from its kept entries' tokens ``k_row`` (in (src, slot, entry) order; each
+    made its row on its source rank here, in place) and its blocks
+    (``blk_len``/``blk_off`` per (src, slot), src-major): (hop, pad_slot, pad_row), the zero rows
+    that arrive, by (slot, src)."""
+    R, S = per_rs.shape
     # messages in (src, slot, row in block) order = (src, dst, dst_row) order, as slots are sorted
     # by rank and a (src, dst) pair's blocks lie in slot order in the destination's buffer
     M = int(blk_len.sum())
@@ -216,18 +260,10 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     m_src = np.repeat(np.arange(R, dtype=INDEX), blk_len.reshape(R, S).sum(axis=1))
     m_dst = np.repeat(np.tile(dst_of_S.astype(INDEX), R), blk_len)
     m_row = segment_ranges(blk_off, blk_len, out=np.empty(M, dtype=INDEX))
-    # source row of a kept entry: its token's row on its own rank
-    K1 = max(K, 1)
-    k_row = ke >> (K1.bit_length() - 1) if K1 & (K1 - 1) == 0 else ke // K1
-    del ke
     k_bound = np.concatenate([[0], np.cumsum(per_rs.sum(axis=1))])
     tok_off = routing.tok_off_R()
-    for r in range(R):  # ke is in source-rank order: subtract each rank's first token in place
+    for r in range(R):  # k_row is in source-rank order: subtract each rank's first token in place
         k_row[k_bound[r]:k_bound[r + 1]] -= tok_off[r]
-    # receive row of each kept entry in layout (slot, src, entry) order: block (r, s) holds its
-    # kept rows first, at blk_off[r, s] + j
-    blk_off_SR = blk_off.reshape(R, S).T.ravel()
-    buf_row_K = segment_ranges(blk_off_SR, kc_SR.ravel(), out=np.empty(n_kept, dtype=INDEX))
     pad_slot = pad_row = np.zeros(0, np.int64)
     if pad:  # each block: its kept rows, then C_src - kept zero rows (src_row -1)
         m_srow = np.full(M, -1, dtype=INDEX)
@@ -239,14 +275,4 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     else:
         m_srow = k_row
     del k_row
-    hop = Hop(Scope.GLOBAL, m_src, m_srow, m_dst, m_row, dst_rows_R)
-    # static capacity: per slot sum_r C_r rows, rounded up to token_padding
-    tp = max(int(ctx.token_padding), 1)
-    slot_cap = np.full(S, int(cap_R.sum()), dtype=np.int64)
-    slot_cap = (slot_cap + tp - 1) // tp * tp
-    capacity_R = np.bincount(sr, weights=slot_cap, minlength=R).astype(np.int64)
-    entries = Entries(None, None, np.zeros(T * K, dtype=bool), rank_N=entry_rank,
-                      order=SlotOrder(order_N, N - n_kept, kc_SR.sum(axis=1), buf_row_K))
-    return assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), entries, [hop],
-                         padding=Padding(tp, slot_cap if pad else None, pad_slot, pad_row), capacity_R=capacity_R,
-                         options={"capacity_per_source_rank": int(cap_R.max()) if R else 0})
+    return Hop(Scope.GLOBAL, m_src, m_srow, m_dst, m_row, dst_rows_R), pad_slot, pad_row
