@@ -10,7 +10,7 @@ it saves, and the work runs in order on this thread.
 
 from __future__ import annotations
 
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 #: items (entries plus messages) from which a piece gets a second thread
@@ -18,34 +18,29 @@ THREAD_MIN = 1 << 20
 
 
 class Beside:
-    """``fn(*args)`` started on a second thread; :meth:`result` waits for it and returns its value
-    (or raises what it raised). ``run=False``: nothing is started, :meth:`result` calls ``fn``
-    then, on the caller's thread (the order the work would run in without threads)."""
+    """``fn(*args)`` started on a second thread (a one-worker :class:`~concurrent.futures.ThreadPoolExecutor`
+    of its own, shut down once the value is taken: nothing is left running, and a process forked
+    later inherits no pool); :meth:`result` waits for it and returns its value (or raises what it
+    raised). ``run=False``: nothing is started, :meth:`result` calls ``fn`` then, on the caller's
+    thread (the order the work would run in without threads)."""
 
     def __init__(self, fn: Callable[..., Any], *args: Any, run: bool = True) -> None:
-        self._fn, self._args, self._out = fn, args, {}
-        self._thread = threading.Thread(target=self._work, daemon=True) if run else None
-        if self._thread is not None:
-            self._thread.start()
-
-    def _work(self) -> None:
-        try:
-            self._out["value"] = self._fn(*self._args)
-        except BaseException as e:  # (re-raised by result(), on the caller's thread)
-            self._out["error"] = e
+        self._fn, self._args = fn, args
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moonep-plan") if run else None
+        self._future = self._pool.submit(fn, *args) if self._pool is not None else None
 
     def result(self) -> Any:
-        if self._thread is None:
+        if self._future is None:
             return self._fn(*self._args)
-        self._thread.join()
-        if "error" in self._out:
-            raise self._out["error"]
-        return self._out["value"]
+        try:
+            return self._future.result()
+        finally:
+            self._pool.shutdown(wait=True)
 
     def discard(self) -> None:
         """Wait for the thread (if any) and drop its value or error: the caller no longer needs it."""
-        if self._thread is not None:
-            self._thread.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 __all__ = ["Beside", "THREAD_MIN"]
