@@ -81,6 +81,13 @@ class RowCosts:
         return cls(int(hidden) * int(dispatch_elem_bytes), int(hidden) * 4, w, w)
 
 
+def even_tokens_per_rank(tokens: int, ranks: int) -> np.ndarray:
+    """int64 [R]: T tokens over R ranks as evenly as possible (the first T % R ranks get one more)."""
+    tpr = np.full(int(ranks), int(tokens) // int(ranks), dtype=np.int64)
+    tpr[: int(tokens) % int(ranks)] += 1
+    return tpr
+
+
 @dataclass(frozen=True)
 class GlobalRouting:
     """One layer's routing of all ranks' tokens, concatenated in rank order.
@@ -128,10 +135,8 @@ class GlobalRouting:
     def split_evenly(cls, topk_ids_TK: np.ndarray, topk_weights_TK: np.ndarray, num_experts: int,
                      ranks: int) -> "GlobalRouting":
         """Split T tokens over R ranks as evenly as possible (the first T % R ranks get one more)."""
-        T = np.asarray(topk_ids_TK).shape[0]
-        tpr = np.full(ranks, T // ranks, dtype=np.int64)
-        tpr[: T % ranks] += 1
-        return cls(topk_ids_TK, topk_weights_TK, tpr, num_experts)
+        return cls(topk_ids_TK, topk_weights_TK, even_tokens_per_rank(np.asarray(topk_ids_TK).shape[0], ranks),
+                   num_experts)
 
     @property
     def ranks(self) -> int:

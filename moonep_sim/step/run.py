@@ -23,6 +23,7 @@ import numpy as np
 from moonep_sim.errors import require
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import GlobalRouting
+from moonep_sim.plan.ir import even_tokens_per_rank
 from moonep_sim.step.compose import all_ops, compose, stack_ops
 from moonep_sim.step.costs import CostModel
 from moonep_sim.step.layer_sim import LayerComm, simulate_moe_layer
@@ -76,9 +77,7 @@ def trusted_routing(topk_ids_TK: np.ndarray, topk_weights_TK: np.ndarray, num_ex
     require(ids.dtype == np.int64 and w.dtype == np.float32 and ids.ndim == 2 and w.shape == ids.shape,
             f"trusted routing ({ids.dtype} {list(ids.shape)} ids, {w.dtype} {list(w.shape)} weights) must be int64 "
             "[T, K] ids and float32 weights of the same shape, as the generator returns them")
-    T = ids.shape[0]
-    tpr = np.full(int(ranks), T // int(ranks), dtype=np.int64)
-    tpr[: T % int(ranks)] += 1
+    tpr = even_tokens_per_rank(ids.shape[0], ranks)
     r = object.__new__(GlobalRouting)
     for name, v in zip(ROUTING_FIELDS, (ids, w, tpr, int(num_experts))):
         object.__setattr__(r, name, v)
