@@ -215,3 +215,27 @@ def test_beside_returns_or_raises_what_its_function_does():
     with pytest.raises(PlanError, match=r"bad \(7\)"):
         Beside(boom, 7).result()
     Beside(boom, 7).discard()  # (an error nobody needs is dropped)
+
+
+def test_beside_as_a_block_waits_for_its_piece_when_the_block_fails():
+    import threading
+
+    from moonep_sim.plan.threads import Beside
+
+    started, release, finished = threading.Event(), threading.Event(), []
+
+    def piece():
+        started.set()
+        release.wait(timeout=10)
+        finished.append(True)
+        return 1
+
+    with pytest.raises(PlanError, match="the build failed"):
+        with Beside(piece) as job:
+            started.wait(timeout=10)
+            release.set()
+            raise PlanError("the build failed")
+    assert finished == [True]  # the block's exception waited for the piece before it propagated
+    with Beside(lambda: 4) as job:
+        pass
+    assert job.result() == 4

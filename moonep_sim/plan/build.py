@@ -23,6 +23,7 @@ this module sorts); per-slot and per-rank arrays are int64.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -360,13 +361,9 @@ def _plan_from_order(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_h
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    try:
+    with hop if hop is not None else contextlib.nullcontext():
         lay = sorted_layout(order_N, n_drop, slot_rows_S, slot_rank_S, token_padding, min_rows_S, R, placed=placed,
                             with_ranks=entry_rank_N is None)
-    except BaseException:
-        if hop is not None:
-            hop.discard()
-        raise
     kept_sorted = order_N[n_drop:]
     entry_rank = entry_rank_N if entry_rank_N is not None else lay.entry_rank_N
     if hop is None:
@@ -411,11 +408,8 @@ def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
     # this one sorts the entries by slot and lays them out (threads.Beside; the same Plan either way)
     hop = threads.Beside(single_hop_messages, entry_rank, routing.src_rank_T(), routing.tok_off_R(),
                          routing.top_k, cluster.ranks, dedup, run=entry_slot.size >= threads.THREAD_MIN)
-    try:
+    with hop:
         order, n_drop, slot_rows, pos = slot_sort_positions(entry_slot, slot_rank_S.size)
-    except BaseException:
-        hop.discard()
-        raise
     return _plan_from_order(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, order, n_drop,
                             slot_rows, dedup=dedup, token_padding=token_padding, min_rows_S=min_rows_S,
                             capacity_R=capacity_R, options=options, entry_rank_N=entry_rank,

@@ -425,12 +425,9 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
     # same Plan either way; numpy's loops release the GIL, so the wall time falls on two cores)
     layout_job = threads.Beside(slot_layout, entry_slot_N, slot_rank_S, token_padding, None, R,
                                 run=N >= threads.THREAD_MIN)
-    try:
+    with layout_job:
         hops, row, entry_rank, entry_dup, scratch = _table_hops(routing, entry_slot_N, slot_rank_S, tables, scopes,
                                                                dedup, shift, bound)
-    except BaseException:
-        layout_job.discard()
-        raise
     layout = entry_layout(entry_slot_N, slot_rank_S, row, R, token_padding, scratch=scratch, lay=layout_job.result())
     return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slot_expert_S, slot_home_S),
                          Entries(entry_slot_N, row, entry_dup, rank_N=entry_rank), hops,

@@ -22,12 +22,22 @@ class Beside:
     of its own, shut down once the value is taken: nothing is left running, and a process forked
     later inherits no pool); :meth:`result` waits for it and returns its value (or raises what it
     raised). ``run=False``: nothing is started, :meth:`result` calls ``fn`` then, on the caller's
-    thread (the order the work would run in without threads)."""
+    thread (the order the work would run in without threads). As a context manager, the block is
+    the work done beside it: an exception leaving the block discards the piece (waits for it, drops
+    its value) before it propagates, so no thread outlives a failed build."""
 
     def __init__(self, fn: Callable[..., Any], *args: Any, run: bool = True) -> None:
         self._fn, self._args = fn, args
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moonep-plan") if run else None
         self._future = self._pool.submit(fn, *args) if self._pool is not None else None
+
+    def __enter__(self) -> "Beside":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            self.discard()
+        return False
 
     def result(self) -> Any:
         if self._future is None:

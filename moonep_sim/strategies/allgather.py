@@ -38,13 +38,10 @@ def plan(routing: GlobalRouting, ctx: PlanContext) -> Plan:
     # the slot sort and layout on a second thread beside the hop (numpy's loops release the GIL)
     layout = threads.Beside(_layout, entry_slot, sr, ctx.token_padding, R, K,
                             run=entry_slot.size >= threads.THREAD_MIN)
-    try:
+    with layout:
         hop = _hop(routing, R)
         entry_rank = sr.astype(INDEX)[entry_slot]  # the Plan's entry_rank, written as its index dtype
         dup = dup_flags(entry_rank, K)
-    except BaseException:
-        layout.discard()
-        raise
     return assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr),
                          Entries(entry_slot, None, dup, rank_N=entry_rank), [hop],
                          padding=Padding(ctx.token_padding), layout=layout.result())

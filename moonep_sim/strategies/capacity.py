@@ -224,12 +224,9 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     K1 = max(K, 1)
     k_row = ke >> (K1.bit_length() - 1) if K1 & (K1 - 1) == 0 else ke // K1
     del ke
-    try:
+    with layout:
         hop, pad_slot, pad_row = _hop(routing, k_row, kc_G, per_rs, blk_len, blk_off, blk_off_SR, kc_SR, dst_of_S,
                                       dst_rows_R, pad, N)
-    except BaseException:
-        layout.discard()
-        raise
     capacity_R = np.bincount(sr, weights=slot_cap, minlength=R).astype(np.int64)
     entries = Entries(None, None, np.zeros(T * K, dtype=bool), rank_N=entry_rank)
     return assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), entries, [hop],
