@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from moonep_sim.errors import PlanError
 from moonep_sim.plan import INDEX, Hop
+from moonep_sim.plan import ir
 from moonep_sim.plan.ir import _ROWS_CHUNK, pair_rows_reference
 from moonep_sim.plan.kinds import Scope
 
@@ -16,6 +17,12 @@ def _hop(src, dst) -> Hop:
     src, dst = np.asarray(src), np.asarray(dst)
     rows = np.arange(src.size)
     return Hop(Scope.GLOBAL, src, rows, dst, rows, np.array([src.size]))
+
+
+@pytest.fixture(autouse=True)
+def _compiled_always(monkeypatch):
+    """Every hop counted by the compiled pass (by default hops this small take the reference)."""
+    monkeypatch.setattr(ir, "_ROWS_COMPILED_MIN", 0)
 
 
 def _check(src, dst, R):
@@ -78,3 +85,10 @@ def test_rows_rr_non_integer_messages_take_the_reference():
     h = _hop(np.array([0.0, 1.0]), np.array([1.0, 1.0]))
     with pytest.raises(TypeError):
         h.rows_RR(2)
+
+
+def test_rows_rr_small_hops_take_the_reference(monkeypatch):
+    """Below ``_ROWS_COMPILED_MIN`` messages the reference counts (the same matrix)."""
+    monkeypatch.setattr(ir, "_ROWS_COMPILED_MIN", 10)
+    monkeypatch.setattr(ir, "_pair_rows", None)   # a call would fail: the reference must count
+    np.testing.assert_array_equal(_hop([0, 1, 1], [1, 1, 0]).rows_RR(2), [[0, 1], [1, 1]])

@@ -196,15 +196,18 @@ class Hop:
     def rows_RR(self, ranks: int) -> np.ndarray:
         """int64 [R, R]: rows sent from each source to each destination (diagonal: local copies).
 
-        One compiled pass over the messages (:func:`_pair_rows`; 1-2 ms for a K3 EP64 hop's 2M
-        messages, against 18-28 ms for the chunked bincount :func:`pair_rows_reference`, which
-        stays the reference and counts hops whose message arrays are not integers). Raises
-        :class:`PlanError` naming the first message whose rank is outside ``0..ranks-1``."""
+        One compiled pass over the messages (:func:`_pair_rows`; 1.2-2.6 ms for a K3 EP64 hop's
+        2-4M messages, against 8-16 ms for the chunked bincount :func:`pair_rows_reference`, which
+        stays the reference and counts hops of fewer than ``_ROWS_COMPILED_MIN`` messages -- where
+        it costs well under a millisecond and a process that plans only small layers never starts
+        the compiled code, a quarter second once -- and hops whose message arrays are not
+        integers). Raises :class:`PlanError` naming the first message whose rank is outside
+        ``0..ranks-1``."""
         R = int(ranks)
         require_index(R * R, "ranks squared (the (src, dst) key)")
         src, dst = np.asarray(self.src_rank_M), np.asarray(self.dst_rank_M)
         if not (src.ndim == dst.ndim == 1 and src.size == dst.size and src.dtype.kind in "iu"
-                and dst.dtype.kind in "iu"):
+                and dst.dtype.kind in "iu" and src.size >= _ROWS_COMPILED_MIN):
             return pair_rows_reference(src, dst, R)
         out = np.zeros((R, R), dtype=np.int64)
         bad = _pair_rows(src, dst, R, out)
@@ -255,6 +258,7 @@ def _pair_rows(src_M, dst_M, R, out_RR):
 
 
 _ROWS_CHUNK = 1 << 18  # messages per chunk of pair_rows_reference (1 MiB of int32 keys)
+_ROWS_COMPILED_MIN = 1 << 16  # messages from which Hop.rows_RR counts with the compiled pass
 
 
 #: the Hop's and the Plan's fields of dtype :data:`~moonep_sim.plan.kinds.INDEX`
