@@ -322,7 +322,7 @@ def test_each_distinct_routing_is_built_once_for_every_strategy():
         assert out["strategies"][s]["distinct_layers_simulated"] == 4      # 2 routings x 2 micro-batches
         assert out["strategies"][s]["wall_seconds"]["routing"] > 0
         cpu = out["strategies"][s]["cpu_seconds"]
-        assert set(cpu) == {"routing", "plan", "simulate", "compose"} and cpu["plan"] > 0 and cpu["simulate"] > 0
+        assert set(cpu) == {"routing", "plan", "simulate", "compose", "layers"} and cpu["plan"] > 0 and cpu["simulate"] > 0
     # a builder gives the same step as the routing it builds
     same = simulate_step(cfg, lambda i: (i % 2, _routing(model, 16, seed=i % 2), f"layer {i}"))
     assert same["strategies"]["moonep"]["step_time_us"] == out["strategies"]["moonep"]["step_time_us"]

@@ -30,6 +30,9 @@ def register(sub) -> None:
     add_step_options(p)
     p.add_argument("--jobs", type=int, default=1, help="plan and simulate the distinct layers in N worker processes")
     p.add_argument("--cluster", default=None, metavar="ADDR", help="... or on a Dask cluster at ADDR")
+    p.add_argument("--pipeline", choices=("auto", "on", "off"), default="auto",
+                   help="one job: build the next layer's routing and Plans on a second thread while this one "
+                        "simulates (auto: for layers of >= 2^20 routed entries; same results; docs/steps.md)")
     add_steps(p)
     add_dispatch_dtype(p)
     p.add_argument("--json", metavar="OUT", default=None, help="write the JSON result to OUT ('-' = stdout)")
@@ -192,7 +195,8 @@ def run(args) -> int:
     sc = scenario(args)
     sc.resolved  # every input checked before any work
     opts = dataclasses.replace(step_options(args), tokens_per_rank=args.tokens_per_rank if args.gen else None)
-    res = sc.step(opts.mode, opts.overlap, jobs=args.jobs, cluster=args.cluster, **opts.kwargs())
+    res = sc.step(opts.mode, opts.overlap, jobs=args.jobs, cluster=args.cluster,
+                  pipeline={"auto": None, "on": True, "off": False}[args.pipeline], **opts.kwargs())
     results = res if isinstance(res, list) else [res]
     docs = [r.to_dict() for r in results]
     doc = docs[0] if len(docs) == 1 else {"steps": docs}

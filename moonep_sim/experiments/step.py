@@ -211,11 +211,13 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
              compute_profile: str | None = None, gemm_dtype: str = "bf16", recompute: bool = False,
              optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
              static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
-             cluster: str | None = None) -> list[StepResult]:
+             cluster: str | None = None, pipeline: bool | None = None) -> list[StepResult]:
     """The step(s) of ``scenario`` (an :class:`~moonep_sim.experiments.scenario.Scenario`, or its
     ``Resolved``): one result, or one per recorded step of a trace with several steps. The step's distinct MoE layers
     are planned and simulated in ``jobs`` worker processes or on a Dask ``cluster``
-    (:func:`moonep_sim.experiments.parallel.run_points`; each layer independently, same result)."""
+    (:func:`moonep_sim.experiments.parallel.run_points`; each layer independently, same result).
+    With one job, ``pipeline`` (None: when it pays, ``moonep_sim.step.run.pipeline_pays``; False:
+    off) builds the next layer's routing and Plans on a second thread while this one simulates."""
     from moonep_sim.step import CostModel, MemoryOptions, StepConfig, read_profile, simulate_step, step_shape
 
     rs = getattr(scenario, "resolved", scenario)
@@ -253,7 +255,8 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
             from moonep_sim.experiments.parallel import run_points
 
             pool = lambda fn, items: run_points(fn, items, jobs=jobs, cluster=cluster)
-        res = simulate_step(cfg, layer_source(src, R, T, m.moe_layers, distinct_layers, steps_T), progress, pool)
+        res = simulate_step(cfg, layer_source(src, R, T, m.moe_layers, distinct_layers, steps_T), progress, pool,
+                            pipeline)
         timelines = res.pop("_timelines")
         setup = {k: v for k, v in res.items() if k != "strategies"}
         setup.update(model=m.name, ranks=R, gpus_per_node=rs.cluster.gpus_per_node, topology=rs.topology.name,

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from moonep_sim.sim.fill_kernels import fill_levels
 from moonep_sim.sim.ports import Block, PortMap, block_kind
 
 RUN_MAX = 256    # ports considered for one run of the block solver's filling
@@ -157,6 +158,16 @@ class BlockCounts:
         # it (consecutive fills are alike); any start gives the same run (:meth:`_run`)
         self._hint: list[int] = []
         self.cell_NW, self.other_NW = self._node_cells(T)
+        #: :meth:`fill` runs the compiled kernel (``moonep_sim.sim.fill_kernels``, bit-identical to
+        #: :meth:`fill_reference`); only with the cell tables (without them the reference's per-block
+        #: freeze sums by matrix products, an order a loop cannot promise to match)
+        self.compiled = self.cell_NW is not None
+        c = np.ascontiguousarray
+        self._kernel_static = (bool(self.simple), int(dm), RUN_MAX, c(self.pall, dtype=np.int64),
+                               c(self.port_nodes, dtype=np.int64), c(self.pps, dtype=np.int64),
+                               c(self.nps, dtype=np.int64), c(self.cell_key_N, dtype=np.int64),
+                               c(self.mt_row_N, dtype=np.int64), c(self.cell_col_N, dtype=np.int64),
+                               self.cell_NW, self.other_NW)
 
     def _node_cells(self, T: int) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(cell_NW, other_NW): per node (sender nodes 0..N-1, then receiver nodes N..2N-1; N = B x R)
@@ -206,7 +217,23 @@ class BlockCounts:
 
     def fill(self, cap_P: np.ndarray) -> Levels:
         """Exact max-min fair levels of the counted transfers (batched progressive filling):
-        per node, the level at which it froze and the port that froze it (:class:`Levels`)."""
+        per node, the level at which it froze and the port that froze it (:class:`Levels`).
+
+        The compiled kernel (:func:`~moonep_sim.sim.fill_kernels.fill_levels`) where
+        :attr:`compiled`, else :meth:`fill_reference`; the two are bit-identical (tested). One
+        fill of a V3 EP32 decode layer's network: ~15x faster than the reference."""
+        if not self.compiled:
+            return self.fill_reference(cap_P)
+        lev, bport, steps = fill_levels(np.asarray(cap_P, dtype=np.float64), self.cnt_src, self.cnt_dst, self.mm,
+                                        *self._kernel_static)
+        if steps < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
+            raise RuntimeError("progressive filling made no progress")
+        N = self.B * self.R
+        return Levels(lev[:N], lev[N:2 * N], bport[:N], bport[N:2 * N], steps)
+
+    def fill_reference(self, cap_P: np.ndarray) -> Levels:
+        """:meth:`fill` in numpy (the reference of the compiled kernel, and the solver where the
+        cell tables are not built): the same steps, one array pass each."""
         R = self.R
         N = self.B * R
         P1 = cap_P.size

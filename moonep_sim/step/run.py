@@ -224,40 +224,139 @@ class RoutingDone:
     routing_cpu_s: float = 0.0
 
 
+def _layer_parts(w: LayerWork, cpu: Callable[[], float]) -> tuple[list[GlobalRouting], float, float]:
+    """``w``'s routing built and split into its micro-batches; its wall and CPU (``cpu()``) seconds."""
+    a, ac = time.perf_counter(), cpu()
+    routing = w.routing if isinstance(w.routing, GlobalRouting) else w.routing()
+    parts = split_micro_batches(routing, w.micro_batches)
+    return parts, time.perf_counter() - a, cpu() - ac
+
+
+def _plan_part(w: LayerWork, name: str, opts: dict, static: int, part: GlobalRouting,
+               cpu: Callable[[], float]) -> tuple[Any, float, float]:
+    """One (strategy, micro-batch) Plan of ``w`` (padded to ``static`` tokens per rank when > 0)."""
+    from moonep_sim.strategies import make_plan  # looked up per call (benchmarks wrap it)
+
+    if static:
+        part = pad_to_static(part, static)
+    a, ac = time.perf_counter(), cpu()
+    plan = make_plan(name, part, w.ctx, **opts)
+    return plan, time.perf_counter() - a, cpu() - ac
+
+
+def _simulate_plan(w: LayerWork, plan: Any, plan_s: float, plan_cpu_s: float,
+                   cpu: Callable[[], float]) -> LayerDone:
+    a, ac = time.perf_counter(), cpu()
+    comm = simulate_moe_layer(plan, w.model, w.topology, w.costs, w.train, w.tol)
+    return LayerDone(comm, PlanFootprint.of(plan), plan_s, time.perf_counter() - a, plan_cpu_s, cpu() - ac)
+
+
 def simulate_layer_work(w: LayerWork) -> RoutingDone:
     """Build one :class:`LayerWork`'s routing, plan and simulate every strategy on it (module
     level, so worker processes can run it). Each Plan is dropped once its layer is simulated (its
     footprint and communication kept), and the routing when the work returns."""
-    from moonep_sim.strategies import make_plan
-
-    clock = lambda: (time.perf_counter(), time.process_time())
-    a = clock()
-    routing = w.routing if isinstance(w.routing, GlobalRouting) else w.routing()
-    parts = split_micro_batches(routing, w.micro_batches)
-    b = clock()
-    routing_s, routing_cpu_s = b[0] - a[0], b[1] - a[1]
+    cpu = time.process_time
+    parts, routing_s, routing_cpu_s = _layer_parts(w, cpu)
     done = {}
     for name, opts, static in w.strategies:
         for mb, part in enumerate(parts):
-            if static:
-                part = pad_to_static(part, static)
-            a = clock()
-            plan = make_plan(name, part, w.ctx, **opts)
-            b = clock()
-            comm = simulate_moe_layer(plan, w.model, w.topology, w.costs, w.train, w.tol)
-            c = clock()
-            done[(name, mb)] = LayerDone(comm, PlanFootprint.of(plan), b[0] - a[0], c[0] - b[0],
-                                         b[1] - a[1], c[1] - b[1])
+            plan, plan_s, plan_cpu_s = _plan_part(w, name, opts, static, part, cpu)
+            done[(name, mb)] = _simulate_plan(w, plan, plan_s, plan_cpu_s, cpu)
             del plan
     return RoutingDone(done, routing_s, routing_cpu_s)
 
 
+#: Plans the pipeline's second thread may have built ahead of the one being simulated
+PIPELINE_AHEAD = 1
+#: entries (tokens x K over the ranks) of a layer from which one job pipelines by default: below
+#: it a layer is milliseconds of many small numpy calls, which gain nothing beside a Python-bound
+#: simulator (both need the GIL)
+PIPELINE_MIN_ENTRIES = 1 << 20
+
+
+class _Builder:
+    """The pipeline's second-thread half of :func:`simulate_layer_work`: unit ``j`` (a layer's
+    (strategy, micro-batch), in the serial order) made into its Plan, the layer's routing built at
+    its first unit and kept for the layer's other units. Runs on one worker thread only (units in
+    order); after a failure every later unit is refused at once (the step stops at the first)."""
+
+    def __init__(self, work: list[LayerWork], units: list[tuple[int, int, int]]) -> None:
+        self.work, self.units = work, units
+        self.parts: tuple[int, list[GlobalRouting]] | None = None
+        self.failed = False
+
+    def __call__(self, j: int) -> tuple[Any, float, float, tuple[float, float] | None]:
+        if self.failed:
+            raise RuntimeError("pipeline: an earlier unit failed")  # never read: the step raised that one
+        try:
+            i, s, mb = self.units[j]
+            w = self.work[i]
+            built = None
+            if self.parts is None or self.parts[0] != i:
+                self.parts = None                      # the previous layer's routing goes first
+                parts, rs, rc = _layer_parts(w, time.thread_time)
+                self.parts, built = (i, parts), (rs, rc)
+            name, opts, static = w.strategies[s]
+            plan, ps, pc = _plan_part(w, name, opts, static, self.parts[1][mb], time.thread_time)
+            if s == len(w.strategies) - 1 and mb == w.micro_batches - 1:
+                self.parts = None                      # the layer's last Plan: its routing is done with
+            return plan, ps, pc, built
+        except BaseException:
+            self.failed, self.parts = True, None
+            raise
+
+
+def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str], None] | None = None,
+                         ahead: int = PIPELINE_AHEAD) -> tuple[list[RoutingDone], dict[str, float]]:
+    """:func:`simulate_layer_work` of every unit in ``work``, in order, on two threads: a second
+    thread (one :class:`~concurrent.futures.ThreadPoolExecutor` worker) builds each layer's routing
+    and Plans, at most ``ahead`` Plans ahead of the one this thread simulates. The same results as
+    the serial loop (every Plan and simulation is the same call on the same inputs, the results
+    kept in the serial order); the first error in the serial order is the one raised, with every
+    Plan queued behind it cancelled and the worker joined (nothing left running). CPU seconds per
+    part are each thread's own (``time.thread_time``). Returns the results and the pipeline's
+    own figures (this thread's seconds waiting for Plans; the layers' process CPU, all threads)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    require(ahead >= 1, f"pipeline lookahead ({ahead}) must be >= 1 Plan")
+    units = [(i, s, mb) for i, w in enumerate(work) for s in range(len(w.strategies)) for mb in range(w.micro_batches)]
+    build = _Builder(work, units)
+    done: list[dict] = [{} for _ in work]
+    routing = [(0.0, 0.0) for _ in work]
+    wait = 0.0
+    c0 = time.process_time()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moonep-step") as pool:
+        queued = [pool.submit(build, j) for j in range(min(ahead, len(units)))]
+        try:
+            for j, (i, s, mb) in enumerate(units):
+                if j + ahead < len(units):
+                    queued.append(pool.submit(build, j + ahead))
+                if progress and s == 0 and mb == 0:
+                    progress(f"layer routing {i + 1} of {len(work)}: {', '.join(n for n, _, _ in work[i].strategies)}")
+                t = time.perf_counter()
+                plan, plan_s, plan_cpu_s, built = queued.pop(0).result()
+                wait += time.perf_counter() - t
+                if built is not None:
+                    routing[i] = built
+                done[i][(work[i].strategies[s][0], mb)] = _simulate_plan(work[i], plan, plan_s, plan_cpu_s,
+                                                                         time.thread_time)
+                del plan
+        except BaseException:
+            for f in queued:
+                f.cancel()
+            raise
+    out = [RoutingDone(d, rs, rc) for d, (rs, rc) in zip(done, routing)]
+    return out, {"wait_s": wait, "layers_cpu_s": time.process_time() - c0}
+
+
 def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str], None] | None = None,
-                  map_fn: Callable | None = None) -> dict:
+                  map_fn: Callable | None = None, pipeline: bool | None = None) -> dict:
     """Every strategy's step (see the module docstring). Returns ``{"strategies": {name: figures},
     "layers_routing": [...], ...}``; each strategy's ``timeline`` (a :class:`Timeline`) is kept
     under ``"_timelines"`` for the renderers. ``map_fn(fn, items)``: how the independent layers
-    are computed (default serially; ``experiments`` passes its worker pool).
+    are computed (default in this process; ``experiments`` passes its worker pool). In this
+    process, ``pipeline`` (None: when :func:`pipeline_pays`) builds the next routing and Plans on a
+    second thread while this one simulates (:func:`pipelined_layer_work`; the same results).
 
     The source's routing of a layer may be a :class:`GlobalRouting` or a builder of one (see
     :class:`LayerWork`); either way each distinct key is built once and shared by every strategy."""
@@ -288,8 +387,14 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
     del routings
     keys = list(first)
     work = [LayerWork(first.pop(k), strategies, M, cfg.ctx, m, cfg.topology, costs, train, cfg.tol) for k in keys]
-    t0 = time.perf_counter()
-    if map_fn is None:
+    t0, c0 = time.perf_counter(), time.process_time()
+    if map_fn is None and pipeline is None:
+        pipeline = pipeline_pays(len(work), shape.tokens * R * m.top_k)
+    piped = None
+    if map_fn is None and pipeline and work:
+        done, piped = pipelined_layer_work(work, progress)
+        piped = {"threads": 2, "ahead_plans": PIPELINE_AHEAD, "wait_s": piped["wait_s"]}
+    elif map_fn is None:
         done = []
         for i in range(len(work)):
             if progress:
@@ -299,7 +404,7 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
     else:
         done = map_fn(simulate_layer_work, work)
     del work
-    wall = time.perf_counter() - t0
+    wall, layers_cpu = time.perf_counter() - t0, (time.process_time() - c0 if map_fn is None else None)
     routing_s = sum(d.routing_s for d in done)
     routing_cpu_s = sum(d.routing_cpu_s for d in done)
     by_key = dict(zip(keys, done))
@@ -320,11 +425,14 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
                  memory=mem, distinct_layers_simulated=len(cache),
                  static_tokens=int(cfg.static_tokens[name]) if name in cfg.static_tokens else None,
                  wall_seconds=dict(routing=routing_s, plan=plan_s, simulate=sim_s, layers_wall=wall,
-                                   compose=time.perf_counter() - t0),
-                 # CPU seconds where they ran (workers' own with a pool); routing: shared by the strategies
+                                   compose=time.perf_counter() - t0,
+                                   pipeline_wait=piped["wait_s"] if piped else None),
+                 # CPU seconds where they ran (workers' own with a pool; each thread's own when
+                 # pipelined); routing: shared by the strategies; layers: this process's CPU over
+                 # every layer, all threads (None with a pool)
                  cpu_seconds=dict(routing=routing_cpu_s, plan=sum(d.plan_cpu_s for d in cache.values()),
                                   simulate=sum(d.sim_cpu_s for d in cache.values()),
-                                  compose=time.process_time() - c0),
+                                  compose=time.process_time() - c0, layers=layers_cpu),
                  rows_max_mean=_rows_ratio(comms),
                  padded_rows_per_rank=float(np.mean([c.padded_rows_R.max() for c in comms.values()])) if comms else 0.0,
                  real_rows_per_rank=float(np.mean([c.rows_R.max() for c in comms.values()])) if comms else 0.0,
@@ -335,7 +443,13 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
         out[name] = d
         timelines[name] = tl
     return {"strategies": out, "mode": shape.mode, "tokens_per_rank": shape.tokens, "context": shape.context,
-            "overlap": ov.name, "layers_routing": provenance, "_timelines": timelines}
+            "overlap": ov.name, "layers_routing": provenance, "pipeline": piped, "_timelines": timelines}
+
+
+def pipeline_pays(units: int, entries: int) -> bool:
+    """Whether one job pipelines by default: two or more distinct layers of at least
+    :data:`PIPELINE_MIN_ENTRIES` routed entries each."""
+    return units >= 2 and entries >= PIPELINE_MIN_ENTRIES
 
 
 def _expert_ops(train: bool) -> list:
@@ -351,5 +465,6 @@ def _rows_ratio(comms: Mapping[int, LayerComm]) -> float:
     return float(np.mean(r)) if r else 0.0
 
 
-__all__ = ["LayerSource", "ROUTING_FIELDS", "StepConfig", "pad_to_static", "simulate_step", "split_micro_batches",
-           "step_metrics", "trusted_routing", "useful_flops_per_rank"]
+__all__ = ["LayerSource", "PIPELINE_AHEAD", "PIPELINE_MIN_ENTRIES", "ROUTING_FIELDS", "StepConfig", "pad_to_static",
+           "pipeline_pays", "pipelined_layer_work", "simulate_step", "split_micro_batches", "step_metrics",
+           "trusted_routing", "useful_flops_per_rank"]

@@ -1,0 +1,263 @@
+"""The block solver's progressive filling as one compiled kernel (:func:`fill_levels`).
+
+:meth:`moonep_sim.sim.blocks.BlockCounts.fill` takes about ten filling steps per rate change, each
+a handful of numpy calls on arrays of a few to a few hundred ports: the cost is the calls, not the
+arithmetic (a DeepSeek-V3 EP32 decode step: ~12,300 fills, ~5 s of numpy overhead). This kernel is
+the same filling written as loops over the arrays :class:`BlockCounts` holds, doing the same steps
+in the same order of floating-point operations, so its levels, bottleneck ports and step counts
+are bit-identical to the numpy code (``BlockCounts.fill_reference``, kept as the reference and
+tested against it).
+
+Notation (as ``moonep_sim.sim.blocks``): N = B x R nodes per side; U = 2N nodes (sender nodes
+0..N-1, receiver nodes N..2N-1) plus one spare node U that stays empty (the padding of the cell
+tables); P1 ports including the dummy; K ports per node at most; D nodes per port at most; W the
+widest used block's row. Units: bytes/us.
+
+What the numpy code does, step by step, and how the kernel reproduces it:
+
+- per-port unfrozen counts and frozen loads are ``np.bincount`` over the node-major port table:
+  a sum per port in increasing node order starting from 0.0 (the loop below adds in that order);
+- the candidate ports (non-zero count, ascending) are ordered by share with a stable sort (ties
+  to the lower port; merge sort here, also stable, so the same permutation);
+- the run (``_run`` / ``_prefix_run`` / ``_switch_cut`` / ``_cell_cut``) is the longest prefix,
+  at most ``run_max`` ports, in which no node belongs to two ports and no node has an active cell
+  with a node of an earlier port on the other side: the kernel scans the prefix once and stops at
+  the first port that breaks either rule (every prefix width the numpy code tries gives that same
+  cut, its docstring's argument);
+- the freeze (``_freeze`` with the cell tables) scatters each frozen node's cells in node order
+  into per-node sums (``np.bincount`` again: a fresh 0.0 sum per target, then one subtraction /
+  addition per target), which the kernel accumulates in scratch arrays in the same order.
+
+Port maps whose cell tables are not built (rows wider than ``NODE_CELLS_WIDTH_MAX``) keep the
+numpy code: its per-block freeze uses a matrix product, whose order of additions a loop cannot
+promise to match.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moonep_sim.jit import kernel
+
+
+@kernel
+def _active(s, r, key_U, row_U, col_U, mm):
+    """Sender node s and receiver node r share a cell holding active transfers (same block, same
+    node for NVLink blocks, same rank for local ones, and a count > 0)."""
+    return key_U[s] == key_U[r] and mm[row_U[s] + col_U[r]] > 0.0
+
+
+@kernel
+def _touches(x, N, run_s, ns, run_r, nr, key_U, row_U, col_U, mm):
+    """Node x has an active cell with one of the run's nodes of the other side so far (senders
+    ``run_s[:ns]``, receivers ``run_r[:nr]``)."""
+    if x < N:
+        for i in range(nr):
+            if _active(x, run_r[i], key_U, row_U, col_U, mm):
+                return True
+    else:
+        for i in range(ns):
+            if _active(run_s[i], x, key_U, row_U, col_U, mm):
+                return True
+    return False
+
+
+@kernel
+def _freeze(g, lv, port, ng, own_load, lev, bport, free, frz, cnt, acc_c, acc_f, cell_UW, other_UW, mm):
+    """Freeze nodes ``g[:ng]`` (increasing, no two sharing a cell) at levels ``lv`` saturated by
+    ports ``port``: ``BlockCounts._freeze`` with the cell tables, the same operations in the same
+    order (``acc_c`` / ``acc_f``: zeroed scratch of size U + 1, left zeroed)."""
+    for i in range(ng):
+        x = g[i]
+        lev[x] = lv[i]
+        bport[x] = port[i]
+        free[x] = False
+    if own_load:
+        for i in range(ng):
+            x = g[i]
+            frz[x] = frz[x] + lv[i] * cnt[x]
+    for i in range(ng):
+        cnt[g[i]] = 0.0
+    W = cell_UW.shape[1]
+    for i in range(ng):
+        x = g[i]
+        li = lv[i]
+        for w in range(W):
+            t = other_UW[x, w]
+            z = mm[cell_UW[x, w]] * (1.0 if free[t] else 0.0)
+            acc_c[t] += z
+            acc_f[t] += li * z
+    for t in range(cnt.size):
+        cnt[t] = cnt[t] - acc_c[t]
+        frz[t] = frz[t] + acc_f[t]
+        acc_c[t] = 0.0
+        acc_f[t] = 0.0
+
+
+@kernel
+def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK, port_nodes_PD,
+                pps, nps, key_U, row_U, col_U, cell_UW, other_UW):
+    """(lev_U1, bport_U1, steps): per node (and the spare node U) the level at which it froze (inf:
+    never) and the port that froze it (-1: none), and the filling steps taken; steps = -1 when a
+    step froze nothing (the numpy code raises there).
+
+    cap_P: float64 [P1] capacities.  cnt_src_N / cnt_dst_N: float64 [N] active transfers per
+    sender / receiver node.  mm: float64 [2T + 1] the counts buffer (``BlockCounts.mm``: M cells,
+    MT cells, a zero).  simple: every node has one port and every port one node (then ``pps`` /
+    ``nps``: the ports that have a node, ascending, and their nodes).  dummy: the dummy port.
+    run_max: ports of one run at most.  pall_UK: int64 [U, K] ports of each node (dummy-padded).
+    port_nodes_PD: int64 [P1, D] nodes of each port (-1-padded).  key_U, row_U, col_U: int64 [U]
+    per node its cell key, its row's first index in ``mm`` and its column in the other side's rows.
+    cell_UW, other_UW: intp [U, W] the cell tables (``BlockCounts._node_cells``)."""
+    N = cnt_src_N.size
+    U = 2 * N
+    P1 = cap_P.size
+    cnt = np.empty(U + 1)
+    cnt[:N] = cnt_src_N
+    cnt[N:U] = cnt_dst_N
+    cnt[U] = 0.0
+    frz = np.zeros(U + 1)
+    lev = np.full(U + 1, np.inf)
+    bport = np.full(U + 1, -1, dtype=np.int64)
+    free = np.ones(U + 1, dtype=np.bool_)
+    free[U] = False
+    acc_c = np.zeros(U + 1)
+    acc_f = np.zeros(U + 1)
+    D = port_nodes_PD.shape[1]
+    cap_run = run_max * max(D, 1)
+    run_s = np.empty(cap_run, dtype=np.int64)   # the run's sender nodes so far
+    run_r = np.empty(cap_run, dtype=np.int64)   # its receiver nodes
+    g = np.empty(cap_run, dtype=np.int64)       # the run's nodes, by position, then sorted
+    lv = np.empty(cap_run)
+    port = np.empty(cap_run, dtype=np.int64)
+    gs = np.empty(cap_run, dtype=np.int64)
+    lvs = np.empty(cap_run)
+    ports = np.empty(cap_run, dtype=np.int64)
+    steps = 0
+    if simple:
+        nP = pps.size
+        li = np.empty(nP, dtype=np.int64)
+        share = np.empty(nP)
+        while True:
+            m = 0
+            for k in range(nP):
+                if cnt[nps[k]] != 0.0:
+                    li[m] = k
+                    m += 1
+            if m == 0:
+                break
+            steps += 1
+            for i in range(m):
+                k = li[i]
+                x = nps[k]
+                share[i] = (cap_P[pps[k]] - frz[x]) / cnt[x]
+            order = np.argsort(share[:m], kind="mergesort")
+            w = min(m, run_max)
+            cut = w
+            ns = 0
+            nr = 0
+            for i in range(w):
+                x = nps[li[order[i]]]
+                if _touches(x, N, run_s, ns, run_r, nr, key_U, row_U, col_U, mm):
+                    cut = i
+                    break
+                if x < N:
+                    run_s[ns] = x
+                    ns += 1
+                else:
+                    run_r[nr] = x
+                    nr += 1
+            for i in range(cut):
+                k = li[order[i]]
+                g[i] = nps[k]
+                lv[i] = share[order[i]]
+                port[i] = pps[k]
+            o = np.argsort(g[:cut])
+            for i in range(cut):
+                gs[i] = g[o[i]]
+                lvs[i] = lv[o[i]]
+                ports[i] = port[o[i]]
+            _freeze(gs, lvs, ports, cut, False, lev, bport, free, frz, cnt, acc_c, acc_f, cell_UW, other_UW, mm)
+        return lev, bport, steps
+    K = pall_UK.shape[1]
+    n = np.zeros(P1)
+    fr = np.zeros(P1)
+    cand = np.empty(P1, dtype=np.int64)
+    share = np.empty(P1)
+    seen = np.zeros(U + 1, dtype=np.int64)   # step stamp: the node is in this step's run so far
+    while True:
+        live = False
+        for u in range(U):
+            if cnt[u] != 0.0:
+                live = True
+                break
+        if not live:
+            break
+        for p in range(P1):
+            n[p] = 0.0
+            fr[p] = 0.0
+        for u in range(U):
+            c = cnt[u]
+            f = frz[u]
+            for k in range(K):
+                p = pall_UK[u, k]
+                n[p] += c
+                fr[p] += f
+        n[dummy] = 0.0
+        m = 0
+        for p in range(P1):
+            if n[p] != 0.0:
+                cand[m] = p
+                share[m] = (cap_P[p] - fr[p]) / n[p]
+                m += 1
+        order = np.argsort(share[:m], kind="mergesort")
+        steps += 1
+        w = min(m, run_max)
+        cut = w
+        ns = 0
+        nr = 0
+        nrun = 0
+        for i in range(w):
+            p = cand[order[i]]
+            stop = False
+            for d in range(D):
+                x = port_nodes_PD[p, d]
+                if x < 0:
+                    break
+                if seen[x] == steps or _touches(x, N, run_s, ns, run_r, nr, key_U, row_U, col_U, mm):
+                    stop = True
+                    break
+            if stop:
+                cut = i
+                break
+            for d in range(D):
+                x = port_nodes_PD[p, d]
+                if x < 0:
+                    break
+                seen[x] = steps
+                if x < N:
+                    run_s[ns] = x
+                    ns += 1
+                else:
+                    run_r[nr] = x
+                    nr += 1
+                g[nrun] = x
+                lv[nrun] = share[order[i]]
+                port[nrun] = p
+                nrun += 1
+        o = np.argsort(g[:nrun])
+        ng = 0
+        for i in range(nrun):   # the run's nodes that carry unfrozen transfers, increasing
+            j = o[i]
+            if cnt[g[j]] > 0.0:
+                gs[ng] = g[j]
+                lvs[ng] = lv[j]
+                ports[ng] = port[j]
+                ng += 1
+        if ng == 0:
+            return lev, bport, -1
+        _freeze(gs, lvs, ports, ng, True, lev, bport, free, frz, cnt, acc_c, acc_f, cell_UW, other_UW, mm)
+    return lev, bport, steps
+
+
+__all__ = ["fill_levels"]

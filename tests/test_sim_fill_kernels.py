@@ -1,0 +1,165 @@
+"""The block solver's compiled fill (moonep_sim.sim.fill_kernels) against its numpy reference:
+bit-identical levels, bottleneck ports and step counts on random and adversarial counts over
+several port maps, and identical flow records through the whole network."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import simpy
+from hypothesis import given, settings, strategies as st
+
+from moonep_sim.sim.blocks import NODE_CELLS_WIDTH_MAX, BlockCounts
+from moonep_sim.sim.network import FlowNetwork, PortMap
+from moonep_sim.sim.topology import Topology, load_topology
+
+IDEAL = {
+    "spine": Topology.ideal("os", gpus_per_node=4, nvlink_bandwidth_GBps=100.0, nic_bandwidth_GBps=25.0,
+                            nic_latency_us=5.0, fabric_latency_us=1.0, fabric_oversubscription=3.0),
+    "node-links": Topology.ideal("nl", gpus_per_node=2, nvlink_bandwidth_GBps=50.0, nic_bandwidth_GBps=10.0,
+                                 nic_attach="node", fabric_oversubscription=2.0),
+    "nvlink-only": Topology.ideal("one", gpus_per_node=8, nvlink_bandwidth_GBps=100.0, nvlink_latency_us=2.0),
+}
+
+
+def port_map(name: str, R: int, sm: bool, degraded_rank: int | None = None) -> PortMap:
+    topo = load_topology("h800-cx7") if name == "h800-cx7" else IDEAL[name]
+    fac = None if degraded_rank is None else np.where(np.arange(R) == degraded_rank, 0.3, 1.0)
+    return PortMap.build(topo, R, nic_factor_R=fac, sm_bytes_per_us=30e3 if sm else np.inf)
+
+
+def transfers(rng, ports: PortMap, pattern: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ns_F, nd_F): sender and receiver nodes of a batch of transfers of one pattern: uniform
+    random, a hot receiver, one hot sender, all pairs once (every share ties), sparse, or
+    everything over the NIC path (pure-RDMA phases)."""
+    R = ports.ranks
+    F = int(rng.integers(1, 3 * R * R))
+    src, dst = rng.integers(R, size=F), rng.integers(R, size=F)
+    nic = None
+    if pattern == "hot-receiver":
+        dst[: F // 2] = rng.integers(R)
+    elif pattern == "hot-sender":
+        src[: F // 2] = rng.integers(R)
+    elif pattern == "all-pairs":
+        src, dst = np.divmod(np.arange(R * R), R)
+    elif pattern == "sparse":
+        keep = rng.random(F) < 0.05
+        src, dst = src[keep], dst[keep]
+    elif pattern == "nic-only":
+        nic = np.ones(src.size, dtype=bool)
+    sm = (rng.random(src.size) < 0.5) if ports.sm_ports else None
+    blk = ports.pair_class(src, dst, sm, nic)
+    return blk * R + src, blk * R + dst
+
+
+def assert_same_fill(bc: BlockCounts, cap_P: np.ndarray) -> int:
+    """The compiled fill and the numpy reference agree bit for bit; returns the steps."""
+    assert bc.compiled
+    a, b = bc.fill(cap_P), bc.fill_reference(cap_P)
+    for name in ("level_src", "level_dst", "port_src", "port_dst"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert a.steps == b.steps
+    return a.steps
+
+
+PATTERNS = ["uniform", "hot-receiver", "hot-sender", "all-pairs", "sparse", "nic-only"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(["h800-cx7", "spine", "node-links", "nvlink-only"]), st.sampled_from([8, 12, 32]),
+       st.booleans(), st.booleans(), st.sampled_from(PATTERNS), st.integers(0, 10_000))
+def test_compiled_fill_equals_the_numpy_fill(name, R, sm, degraded, pattern, seed):
+    """Counts added and removed over a few rounds (flows starting and finishing); every fill is
+    bit-identical to the reference: h800-cx7, an oversubscribed spine, node links, one NVLink node;
+    SM ports, a degraded NIC, ties, hot spots, pure-RDMA transfers."""
+    if name == "nvlink-only":
+        R = 8
+    rng = np.random.default_rng(seed)
+    ports = port_map(name, R, sm, int(rng.integers(R)) if degraded else None)
+    bc = BlockCounts(ports)
+    ns = nd = np.zeros(0, dtype=np.int64)
+    for _ in range(3):
+        s, d = transfers(rng, ports, pattern)
+        bc.add(s, d, 1.0)
+        ns, nd = np.r_[ns, s], np.r_[nd, d]
+        assert_same_fill(bc, ports.cap_P)
+        done = rng.random(ns.size) < 0.6
+        bc.add(ns[done], nd[done], -1.0)
+        ns, nd = ns[~done], nd[~done]
+        assert_same_fill(bc, ports.cap_P)
+
+
+@pytest.mark.parametrize("R", [8, 32, 64])
+@pytest.mark.parametrize("sm", [False, True])
+def test_compiled_fill_equals_the_numpy_fill_on_h800_ep_sizes(R, sm):
+    """The EP8 / EP32 / EP64 h800-cx7 maps of the step benchmarks (the simple one-port-per-node
+    case without SM ports, the general one with them), every pattern, a halved NIC among them."""
+    rng = np.random.default_rng(R + sm)
+    for pattern in PATTERNS:
+        ports = port_map("h800-cx7", R, sm, int(rng.integers(R)) if pattern == "uniform" else None)
+        bc = BlockCounts(ports)
+        assert bc.simple == (not sm)
+        s, d = transfers(rng, ports, pattern)
+        bc.add(s, d, 1.0)
+        assert assert_same_fill(bc, ports.cap_P) > 0
+        bc.add(s[::2], d[::2], -1.0)
+        assert_same_fill(bc, ports.cap_P)
+
+
+@pytest.mark.parametrize("sm", [False, True])
+def test_compiled_fill_of_nothing_freezes_nothing(sm):
+    ports = port_map("h800-cx7", 16, sm)
+    bc = BlockCounts(ports)
+    lv = bc.fill(ports.cap_P)
+    assert lv.steps == 0 and np.isinf(lv.level_src).all() and (lv.port_dst == -1).all()
+    assert_same_fill(bc, ports.cap_P)
+
+
+def test_wide_maps_keep_the_numpy_fill():
+    """Rows wider than the cell tables allow (here 72 ranks, NIC rows of 72): no tables, so the
+    numpy fill runs (its per-block freeze sums by matrix products)."""
+    R = NODE_CELLS_WIDTH_MAX + 8
+    ports = port_map("h800-cx7", R, False)
+    bc = BlockCounts(ports)
+    assert bc.cell_NW is None and not bc.compiled
+    s, d = transfers(np.random.default_rng(1), ports, "uniform")
+    bc.add(s, d, 1.0)
+    a, b = bc.fill(ports.cap_P), bc.fill_reference(ports.cap_P)
+    assert np.array_equal(a.level_src, b.level_src) and a.steps == b.steps
+
+
+def run_network(ports: PortMap, phases_RR, compiled: bool, stagger_us: float = 0.0):
+    """Every rank sends phase i+1 once it received all of phase i (rank r starts r x stagger late);
+    the flow records, with the block solver's compiled fill on or off."""
+    env = simpy.Environment()
+    net = FlowNetwork(env, ports, 0.002)
+    net._blocks.compiled = compiled
+    R = ports.ranks
+    pids = [net.expect(f"p{i}", (b > 0).sum(0), sm=(i == 0)) for i, b in enumerate(phases_RR)]
+
+    def rank(r):
+        yield env.timeout(r * stagger_us)
+        for pid, b in zip(pids, phases_RR):
+            net.submit(pid, r, np.arange(R), b[r], b[r] * 1.01)
+            yield net.received(pid, r)
+
+    for r in range(R):
+        env.process(rank(r))
+    env.run()
+    return net.records(), net.ticks, net.fill_iterations
+
+
+@pytest.mark.parametrize("name,R,sm", [("h800-cx7", 32, False), ("h800-cx7", 16, True), ("spine", 12, True),
+                                       ("node-links", 8, False)])
+def test_network_records_do_not_move_with_the_compiled_fill(name, R, sm):
+    """Whole simulations (skewed two-phase traffic, staggered starts, coalescing on): every flow's
+    ready and end time and bottleneck port are the same bits with the compiled fill as with the
+    numpy one, and so are the ticks and filling steps."""
+    rng = np.random.default_rng(R)
+    ports = port_map(name, R, sm)
+    pop = np.exp(rng.normal(0, 1.0, R))
+    phases = [rng.poisson(40 * pop[None, :] / pop.mean(), (R, R)) * 1000.0, rng.poisson(20, (R, R)) * 512.0]
+    (a, ta, ia), (b, tb, ib) = (run_network(ports, phases, c, 1.3) for c in (True, False))
+    assert (ta, ia) == (tb, ib)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
