@@ -30,40 +30,12 @@ from typing import Any
 import numpy as np
 
 from moonep_sim.plan import reference, threads
+from moonep_sim.plan.assembly import SlotLayout
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.kinds import INDEX, Scope, require_index
 from moonep_sim.plan.order import (entry_token, segment_ranges, small_key_dtype, stable_order, stable_order_counts,
                                    stable_order_positions)
 from moonep_sim.plan.placement import ClusterShape
-
-
-@dataclass(frozen=True)
-class SlotLayout:
-    """An expert-grouped layout of final rows (what :func:`layout_slots` returns, plus the
-    slot-sorted entry order it came from).
-
-    slot_rows_S / slot_padded_S / slot_offset_S: as in :class:`~moonep_sim.plan.Plan`.
-    entry_row_N: INDEX [N] each entry's row within its rank's layout, -1 = dropped.
-
-    order_N: [N] entries sorted by (slot, entry); the first ``n_drop`` are the dropped ones (the
-      caller's dtype; INDEX where :func:`slot_sort_positions` sorted them).
-    grow_K: INDEX [N - n_drop] global final row (ranks concatenated) of ``order_N[n_drop:]``,
-      increasing: slots are sorted by rank and laid out in order within a rank. None when the
-      layout has no padding rows (the global rows are then simply 0, 1, 2, ...).
-    rows_R: int64 [R] padded rows of each rank.
-    entry_rank_N: INDEX [N] each entry's rank, -1 = dropped, where :func:`sorted_layout` was asked
-      for it (``with_ranks``), else None.
-    """
-
-    slot_rows_S: np.ndarray
-    slot_padded_S: np.ndarray
-    slot_offset_S: np.ndarray
-    entry_row_N: np.ndarray
-    order_N: np.ndarray
-    n_drop: int
-    rows_R: np.ndarray
-    grow_K: np.ndarray | None
-    entry_rank_N: np.ndarray | None = None
 
 
 def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slot_rank_S: np.ndarray,

@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 
 from moonep_sim.errors import PlanError
 from moonep_sim.jit import kernel
-from moonep_sim.plan.build import SlotLayout
+from moonep_sim.plan.assembly import SlotLayout
 from moonep_sim.plan.ir import Hop
 from moonep_sim.plan.kinds import INDEX, Scope, require_index
 
