@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from moonep_sim.errors import PlanError
+from moonep_sim.jit import kernel
 from moonep_sim.plan.kernel import KernelSpec
 from moonep_sim.plan.kinds import SCOPES, Direction, PhaseKind, Scope, as_index, require_index
 from moonep_sim.plan.placement import ClusterShape
@@ -195,19 +196,70 @@ class Hop:
     def rows_RR(self, ranks: int) -> np.ndarray:
         """int64 [R, R]: rows sent from each source to each destination (diagonal: local copies).
 
-        Counted chunk by chunk of messages: an all-gather's hop has R*T messages (33.5M at K3
-        EP64), whose one-shot ``src*R + dst`` key alone would be 256 MiB of fresh pages."""
-        R, m = int(ranks), self.src_rank_M.size
+        One compiled pass over the messages (:func:`_pair_rows`; 1.2-2.6 ms for a K3 EP64 hop's
+        2-4M messages, against 8-16 ms for the chunked bincount :func:`pair_rows_reference`, which
+        stays the reference and counts hops of fewer than ``_ROWS_COMPILED_MIN`` messages -- where
+        it costs well under a millisecond and a process that plans only small layers never starts
+        the compiled code, a quarter second once -- and hops whose message arrays are not
+        integers). Raises :class:`PlanError` naming the first message whose rank is outside
+        ``0..ranks-1``."""
+        R = int(ranks)
         require_index(R * R, "ranks squared (the (src, dst) key)")
-        out = np.zeros(R * R, dtype=np.int64)
-        for lo in range(0, m, _ROWS_CHUNK):  # loop over chunks of messages, not messages
-            key = self.src_rank_M[lo:lo + _ROWS_CHUNK] * R
-            key += self.dst_rank_M[lo:lo + _ROWS_CHUNK]
-            out += np.bincount(key, minlength=R * R)
-        return out.reshape(R, R)
+        src, dst = np.asarray(self.src_rank_M), np.asarray(self.dst_rank_M)
+        if not (src.ndim == dst.ndim == 1 and src.size == dst.size and src.dtype.kind in "iu"
+                and dst.dtype.kind in "iu" and src.size >= _ROWS_COMPILED_MIN):
+            return pair_rows_reference(src, dst, R)
+        out = np.zeros((R, R), dtype=np.int64)
+        bad = _pair_rows(src, dst, R, out)
+        if bad >= 0:
+            raise PlanError(f"hop message {bad}: src_rank ({int(src[bad])}) and dst_rank ({int(dst[bad])}) "
+                            f"must lie in 0..{R - 1} (the Plan's ranks)")
+        return out
 
 
-_ROWS_CHUNK = 1 << 18  # messages per chunk of Hop.rows_RR (1 MiB of int32 keys)
+def pair_rows_reference(src_M: np.ndarray, dst_M: np.ndarray, ranks: int) -> np.ndarray:
+    """int64 [R, R]: messages per (src_M, dst_M) pair, the numpy reference of :meth:`Hop.rows_RR`.
+
+    Counted chunk by chunk of messages: an all-gather's hop has R*T messages (33.5M at K3
+    EP64), whose one-shot ``src*R + dst`` key alone would be 256 MiB of fresh pages."""
+    R, m = int(ranks), np.asarray(src_M).size
+    out = np.zeros(R * R, dtype=np.int64)
+    for lo in range(0, m, _ROWS_CHUNK):  # loop over chunks of messages, not messages
+        key = src_M[lo:lo + _ROWS_CHUNK] * R
+        key += dst_M[lo:lo + _ROWS_CHUNK]
+        out += np.bincount(key, minlength=R * R)
+    return out.reshape(R, R)
+
+
+@kernel
+def _pair_rows(src_M, dst_M, R, out_RR):
+    """Add one to ``out_RR[src_M[m], dst_M[m]]`` per message m; returns -1, or the first message
+    whose source or destination lies outside ``0..R-1`` (counting stops there). A run of equal
+    pairs is counted in a register and added once (a hop's messages come sorted by pair: one
+    increment of memory per pair instead of one per message, 4x faster at K3 EP64)."""
+    ps = -1
+    pd = -1
+    run = 0
+    for m in range(src_M.size):
+        s = src_M[m]
+        d = dst_M[m]
+        if s != ps or d != pd:
+            if run > 0:
+                out_RR[ps, pd] += run
+            if s < 0 or s >= R or d < 0 or d >= R:
+                return m
+            ps = s
+            pd = d
+            run = 0
+        run += 1
+    if run > 0:
+        out_RR[ps, pd] += run
+    return -1
+
+
+_ROWS_CHUNK = 1 << 18  # messages per chunk of pair_rows_reference (1 MiB of int32 keys)
+_ROWS_COMPILED_MIN = 1 << 16  # messages from which Hop.rows_RR counts with the compiled pass
+
 
 #: the Hop's and the Plan's fields of dtype :data:`~moonep_sim.plan.kinds.INDEX`
 _HOP_INDEX_FIELDS = ("src_rank_M", "src_row_M", "dst_rank_M", "dst_row_M")
