@@ -14,6 +14,7 @@ run in parallel and only their small results come back.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -354,7 +355,7 @@ class _Pipeline:
         """The first unclaimed task allowed ahead (under the condition), claimed; None if none."""
         while self.scan < len(self.order) and self.order[self.scan].claimed:
             self.scan += 1
-        for t in self.order[self.scan:]:
+        for t in itertools.islice(self.order, self.scan, None):
             kind, n = self.bound_of[id(t)]
             # this thread takes only a routing the second thread needs after its next layer's: one it
             # would otherwise wait for here would stall the second thread instead
@@ -413,8 +414,9 @@ def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str], None] 
     :class:`~concurrent.futures.ThreadPoolExecutor` worker) generates the layers' routings and
     makes their Plans in the serial order, at most ``ahead`` Plans (and the routings of one more
     layer) ahead of the Plan this thread simulates; while this thread would wait for a Plan it
-    generates a routing ahead itself (one the second thread needs only after its next layer's). Each routing and Plan is made once, by either thread: the same
-    call on the same inputs as serially, so the results are the serial loop's (kept in its order).
+    generates a routing ahead itself (one the second thread needs only after its next layer's).
+    Each routing and Plan is made once, by either thread: the same call on the same inputs as
+    serially, so the results are the serial loop's (kept in its order).
     The first error in the serial order is the one raised: each piece's error is kept until this
     thread reaches it; the second thread stops at the first failure and is joined before the error
     propagates (nothing left running). CPU seconds per part are the thread's own that ran it
