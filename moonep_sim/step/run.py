@@ -355,10 +355,14 @@ class _Pipeline:
         while self.scan < len(self.order) and self.order[self.scan].claimed:
             self.scan += 1
         for t in self.order[self.scan:]:
-            if not t.claimed and self._allowed(t) and (not routing_only or self.bound_of[id(t)][0] == "R"):
+            kind, n = self.bound_of[id(t)]
+            # this thread takes only a routing the second thread needs after its next layer's: one it
+            # would otherwise wait for here would stall the second thread instead
+            if not t.claimed and self._allowed(t) and (
+                    not routing_only or (kind == "R" and n >= self.units[self.current][0] + 2)):
                 t.claimed = True
                 return t
-            if self.bound_of[id(t)][0] == "R" and not self._allowed(t):
+            if kind == "R" and not self._allowed(t):
                 break
         return None
 
@@ -409,7 +413,7 @@ def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str], None] 
     :class:`~concurrent.futures.ThreadPoolExecutor` worker) generates the layers' routings and
     makes their Plans in the serial order, at most ``ahead`` Plans (and the routings of one more
     layer) ahead of the Plan this thread simulates; while this thread would wait for a Plan it
-    generates a routing ahead itself. Each routing and Plan is made once, by either thread: the same
+    generates a routing ahead itself (one the second thread needs only after its next layer's). Each routing and Plan is made once, by either thread: the same
     call on the same inputs as serially, so the results are the serial loop's (kept in its order).
     The first error in the serial order is the one raised: each piece's error is kept until this
     thread reaches it; the second thread stops at the first failure and is joined before the error
