@@ -141,9 +141,10 @@ def _freeze(g, lv, port, ng, own_load, lev, bport, free, frz, cnt, acc_c, acc_f,
     """Freeze nodes ``g[:ng]`` (increasing, no two sharing a cell) at levels ``lv`` saturated by
     ports ``port``: ``BlockCounts._freeze`` with the cell tables, the same operations in the same
     order. Its ``np.bincount`` sums each target's terms from 0.0 in (node, column) order and then
-    subtracts / adds the sum to every node; here only the touched targets (``touched`` / ``mark``
-    scratch) are updated: for the others numpy subtracts and adds +0.0, which leaves any count and
-    any frozen load unchanged (a frozen load, a sum of terms starting from +0.0, is never -0.0).
+    subtracts / adds the sum to every node; here only the targets of non-zero terms (``touched`` /
+    ``mark`` scratch) are updated: numpy's zero terms, and its subtraction / addition of a +0.0 sum,
+    leave every count and frozen load as it is (a frozen load, a sum of terms starting from +0.0, is
+    never -0.0; a level of inf times a zero cell is nan, so that term is kept).
     ``acc_c`` / ``acc_f`` / ``mark``: zeroed scratch of size U + 1, left zeroed."""
     for i in range(ng):
         x = g[i]
@@ -161,9 +162,12 @@ def _freeze(g, lv, port, ng, own_load, lev, bport, free, frz, cnt, acc_c, acc_f,
     for i in range(ng):
         x = g[i]
         li = lv[i]
+        finite = np.isfinite(li)
         for w in range(W):
             t = other_UW[x, w]
             z = mm[cell_UW[x, w]] * (1.0 if free[t] else 0.0)
+            if z == 0.0 and finite:   # a term of +0.0 (or -0.0): the sums stay as they are
+                continue
             if not mark[t]:
                 mark[t] = True
                 touched[nt] = t
@@ -287,6 +291,8 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK
         for u in range(U):
             c = cnt[u]
             f = frz[u]
+            if c == 0.0 and f == 0.0:   # adds +0.0 to sums that start at +0.0: leaves them as they are
+                continue
             for k in range(K):
                 p = pall_UK[u, k]
                 n[p] += c
@@ -341,4 +347,17 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK
     return lev, bport, steps
 
 
-__all__ = ["fill_levels"]
+@kernel
+def count_transfers(mm, T, row_U, col_U, cnt_src_N, cnt_dst_N, ns_F, nd_F, sign):
+    """``BlockCounts.add`` in one pass: transfers from sender nodes ``ns_F`` to receiver nodes
+    ``nd_F`` counted in (sign 1) or out (sign -1) of their M cell, MT cell (from T in ``mm``) and
+    both nodes' totals. Counts are whole numbers, so the order of the additions does not matter."""
+    for f in range(ns_F.size):
+        s, d = ns_F[f], nd_F[f]
+        mm[row_U[s] + col_U[d]] += sign
+        mm[T + row_U[d] + col_U[s]] += sign
+        cnt_src_N[s] += sign
+        cnt_dst_N[d] += sign
+
+
+__all__ = ["count_transfers", "fill_levels"]
