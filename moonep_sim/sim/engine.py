@@ -31,6 +31,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import simpy
+from simpy.events import PENDING
 
 from moonep_sim.errors import require
 from moonep_sim.models import ModelSpec
@@ -142,6 +143,37 @@ class Span(NamedTuple):
     direction: Direction
     start_us: float
     end_us: float
+
+
+class AllOrAny(simpy.Event):
+    """Fires once all of ``events`` fired (``need_all``; simpy's ``AllOf``) or once one of them did
+    (simpy's ``AnyOf``), failing as soon as one fails: simpy's ``Condition`` without the
+    ``ConditionValue`` it builds when it fires (the engine never reads it). The event is scheduled
+    at the same moment a Condition's is, so runs are unchanged; it costs a fraction of one (there
+    is one per rank and hop side, and per relayed hop chunk)."""
+
+    def __init__(self, env: simpy.Environment, events: Sequence[simpy.Event], need_all: bool):
+        super().__init__(env)
+        self._left = len(events) if need_all else 1
+        if not events:
+            self.succeed()
+            return
+        for ev in events:
+            if ev.callbacks is None:   # processed already: counted now
+                self._check(ev)
+            else:
+                ev.callbacks.append(self._check)
+
+    def _check(self, ev: simpy.Event) -> None:
+        if self._value is not PENDING:
+            return
+        if not ev._ok:
+            ev._defused = True
+            self.fail(ev._value)
+        else:
+            self._left -= 1
+            if self._left == 0:
+                self.succeed()
 
 
 class StepSim:
@@ -307,7 +339,7 @@ class StepSim:
             done = self._done(si, Side.PRE, r, len(pre))
             procs = [env.process(self._hop(r, pre, h, None, prefix, d.pre_copy[h][r], d.post_copy[h][r], done, kern))
                      for h in range(len(pre))]
-            yield env.all_of(procs)
+            yield AllOrAny(env, procs, True)
         if not self.opts.overlap_prefetch:
             yield from self._weight_pass(d, r, prefix)
             self._send_gated(d.weights, wts, r)
@@ -388,7 +420,7 @@ class StepSim:
             pid = item.pid
             tag = net.phase_tag(pid)
             if h > 0 and relay is not None:
-                yield env.any_of([self._first_message((si, side, h - 1, j, r)).event, done[h - 1][j]])
+                yield AllOrAny(env, [self._first_message((si, side, h - 1, j, r)).event, done[h - 1][j]], False)
             elif h > 0:
                 yield done[h - 1][j] if done is not None else net.received(rows[h - 1][j].pid, r)
             elif first_gate is not None:
@@ -439,7 +471,7 @@ class StepSim:
                 gate = Gate.DISPATCH
             if j == 0 and wts:
                 t_before = env.now
-                yield env.all_of([self.net.received(w.pid, r) for w in wts])
+                yield AllOrAny(env, [self.net.received(w.pid, r) for w in wts], True)
                 if d.w_post_R is not None and d.w_post_R[r] > 0:
                     t0 = env.now
                     yield self._work(r, float(d.w_post_R[r]))
@@ -479,9 +511,9 @@ class StepSim:
             procs = [env.process(self._hop(r, post, h, gate, prefix, d.post_pre_copy[h][r], d.post_post_copy[h][r],
                                            done, kern))
                      for h in range(len(post))]
-            yield env.all_of(procs)
+            yield AllOrAny(env, procs, True)
         if aft:
-            yield env.all_of([self.net.received(a.pid, r) for a in aft])
+            yield AllOrAny(env, [self.net.received(a.pid, r) for a in aft], True)
         yield comp_done[-1]
         self.stage_end[si, r] = env.now
         fin.succeed()
