@@ -1,4 +1,4 @@
-"""Step-model speed: CPU seconds for whole steps, per strategy (docs/results/steps.md).
+"""Step-model speed: wall and CPU seconds for whole steps, per strategy (docs/results/steps.md).
 
 Cases (the targets of the step model's issue):
 
@@ -37,8 +37,17 @@ into pages the process already holds (the bound if every layer reused the last l
 the step under the CLI's allocator settings mostly does). Rows then carry the floor per part and in
 total over the layers, the target, and measured / floor.
 
-Reported: process CPU seconds (user + sys, children included) and wall seconds of that run, with
-the 1-minute load average beside them (the reference machine is shared)::
+``--pipeline off,on`` runs each (case, strategy, distinct) once serially and once with one job's
+two-thread pipeline (``moonep_sim.step.run.pipelined_layer_work``; ``auto``, the default, as the
+step decides), one right after the other (``--repeat N``: N such pairs, alternating), and prints,
+per pair, the wall ratio and whether the step times are identical.
+
+Reported: **wall seconds** of the run (the issue's target: one job on the 2-core reference machine)
+beside its process CPU seconds (user + sys, children included) and the 1-minute load average at
+start and end (the reference machine is shared: a wall figure at load > 0 had less than two cores);
+the parts per thread -- routing, plan and simulate CPU seconds each as the thread that ran it
+measured them (``time.thread_time`` when pipelined), the main thread's seconds waiting for Plans,
+the routings it built itself -- and the layers' process CPU over every thread::
 
     python benchmarks/bench_step.py --json OUT.json
     python benchmarks/bench_step.py --cases k3-train --distinct-layers 0 --together
@@ -46,6 +55,7 @@ the 1-minute load average beside them (the reference machine is shared)::
     python benchmarks/bench_step.py --cases k3-train --strategies alltoall --distinct-layers 0 --moe-layers 4
     python benchmarks/bench_step.py --routing-only      # each case's generation alone, per layer
     python benchmarks/bench_step.py --cases k3-train --strategies alltoall --floor --moe-layers 4
+    python benchmarks/bench_step.py --cases k3-train --strategies alltoall --distinct-layers 0 --pipeline off,on
 """
 
 from __future__ import annotations
@@ -73,8 +83,12 @@ CASES = {
     "v3-decode": dict(spec=dict(model="deepseek-v3", maxvio=1.0, tokens_per_rank=32, layers=58), cluster="32/8",
                       step=dict(mode="decode", overlap="none", context=4096)),
 }
-#: the issue's targets, CPU seconds per strategy on the 2-core reference machine with one job
-TARGET_CPU_S = {"k3-train": 20.0, "v3-decode": 2.0}
+#: the issue's targets: wall seconds per strategy on the 2-core reference machine with one job (the
+#: floor's rows compare CPU seconds with them: what one core would need)
+TARGET_S = {"k3-train": 20.0, "v3-decode": 2.0}
+TARGET_CPU_S = TARGET_S
+#: --pipeline's values: the step's own choice, off, on
+PIPELINE = {"auto": None, "off": False, "on": True}
 
 
 def cpu_s() -> float:
@@ -195,7 +209,7 @@ def floor_of(plans: list[dict], strategies: list[str], train: bool, seed: int = 
 
 
 def run(case: str, strategies: list[str], distinct: int, jobs: int, moe_layers: int = 0,
-        floor: bool = False) -> list[dict]:
+        floor: bool = False, pipeline: str = "auto") -> list[dict]:
     c = CASES[case]
     sc = Scenario(routing=GeneratorSpec(**c["spec"]), cluster=c["cluster"], topology="h800-cx7",
                   strategies=strategies)
@@ -206,6 +220,7 @@ def run(case: str, strategies: list[str], distinct: int, jobs: int, moe_layers: 
     load0 = os.getloadavg()[0]
     c0, t0 = cpu_s(), time.perf_counter()
     probe = PlanProbe()
+    extra["pipeline"] = PIPELINE[pipeline]
     if floor:
         with probe:
             res = sc.step(distinct_layers=distinct, jobs=jobs, **c["step"], **extra)
@@ -222,10 +237,21 @@ def run(case: str, strategies: list[str], distinct: int, jobs: int, moe_layers: 
         d = res.figures[s]
         n = d["distinct_layers_simulated"]
         k = d["cpu_seconds"]
+        piped = res.setup.get("pipeline")
         rows.append({
             "case": case + (f" (cut to {moe_layers} MoE layers)" if moe_layers else ""), "strategy": s, "together": strategies if len(strategies) > 1 else None,
             "distinct_layers": distinct, "layers_simulated": n, "jobs": jobs,
-            "cpu_s": cpu, "wall_s": wall, "load_start": load0, "load_end": os.getloadavg()[0],
+            "pipeline": pipeline, "pipelined": piped is not None,
+            "wall_s": wall, "cpu_s": cpu, "load_start": load0, "load_end": os.getloadavg()[0],
+            "target_wall_s": TARGET_S[case] if not moe_layers else None,
+            # the parts per thread (pipelined: routing and plan mostly the second thread's, simulate the
+            # main thread's); the main thread's wait for Plans; the layers' CPU over every thread
+            "main_wait_s": piped["wait_s"] if piped else None,
+            "routings_on_main": piped["routings_on_main"] if piped else None,
+            # each thread's own CPU seconds over the layers: the larger is what two free cores need
+            "main_thread_cpu_s": piped["main_cpu_s"] if piped else None,
+            "second_thread_cpu_s": piped["second_cpu_s"] if piped else None,
+            "layers_cpu_s": k.get("layers"), "layers_wall_s": d["wall_seconds"]["layers_wall"],
             # this strategy's own share: the (shared) routing, its planning, simulation and composition
             "strategy_cpu_s": k["routing"] + k["plan"] + k["simulate"] + k["compose"],
             "routing_cpu_s": k["routing"], "plan_cpu_s": k["plan"], "simulate_cpu_s": k["simulate"],
@@ -259,6 +285,29 @@ def floor_table(rows: list[dict]) -> str:
                        f"{f['simulate_cpu_s']:7.2g} {f['warm_total_cpu_s']:6.3g} | {r['target_cpu_s']:6.3g} "
                        f"{r['measured_over_floor']:7.3g}")
     return "\n".join(out)
+
+
+def pipeline_table(rows: list[dict]) -> str:
+    """Serial against pipelined runs of the same (case, strategy, distinct, repeat): wall, CPU, the
+    load, wall serial / pipelined, and whether the step times are identical."""
+    head = (f"{'case':34s} {'strategy':9s} {'rep':>3s} | {'serial wall':>11s} {'cpu':>6s} | {'piped wall':>10s} "
+            f"{'cpu':>6s} {'main':>6s} {'2nd':>6s} {'wait':>5s} | {'ratio':>5s} {'load':>9s} {'same':>4s}")
+    out = [head]
+    key = lambda r: (r["case"], r["strategy"], r["distinct_layers"], r["repeat"])
+    by: dict = {}
+    for r in rows:
+        by.setdefault(key(r), {})[r["pipelined"]] = r
+    for k, pair in by.items():
+        if False in pair and True in pair:
+            a, b = pair[False], pair[True]
+            load = f"{min(a['load_start'], b['load_start']):.1f}-{max(a['load_end'], b['load_end']):.1f}"
+            out.append(f"{k[0][:34]:34s} {k[1]:9s} {k[3]:3d} | {a['wall_s']:11.2f} {a['cpu_s']:6.2f} | "
+                       f"{b['wall_s']:10.2f} {b['cpu_s']:6.2f} {b['main_thread_cpu_s']:6.2f} "
+                       f"{b['second_thread_cpu_s']:6.2f} {b['main_wait_s']:5.2f} | "
+                       f"{a['wall_s'] / b['wall_s']:5.2f} {load:>9s} "
+                       f"{'yes' if a['step_time_us'] == b['step_time_us'] else 'NO':>4s}")
+    return "\n".join(out) + ("\n(wall and CPU seconds; main, 2nd: each thread's own CPU seconds over the layers, "
+                             "the larger what two free cores need; wait: the main thread's seconds waiting for Plans)")
 
 
 def routing_only(case: str, moe_layers: int = 0) -> dict:
@@ -297,15 +346,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--moe-layers", type=int, default=0, metavar="N",
                     help="cut the model to its first N MoE layers (a quick run, named in the row; 0 = all)")
+    ap.add_argument("--pipeline", default="auto", help="comma list of auto, off, on: one job's two-thread "
+                                                       "pipeline (each value in turn, in the same minutes)")
+    ap.add_argument("--repeat", type=int, default=1, help="run each --pipeline list N times, alternating its order")
     ap.add_argument("--json", default=None)
     ap.add_argument("--routing-only", action="store_true",
                     help="time only the step's routing (every MoE layer generated as the step does, none planned)")
     ap.add_argument("--floor", action="store_true",
                     help="also time, in the same run, each distinct layer's floor (routing, plan, simulator I/O)")
     a = ap.parse_args(argv)
+    pipelines = a.pipeline.split(",")
+    if any(p not in PIPELINE for p in pipelines) or a.repeat < 1:
+        ap.error(f"--pipeline ({a.pipeline}) must be a comma list of {', '.join(PIPELINE)} and --repeat "
+                 f"({a.repeat}) >= 1")
     if a.floor and (a.jobs != 1 or a.routing_only):
         ap.error(f"--floor times the Plans made in this process: it needs --jobs 1 (got {a.jobs}) and no "
                  "--routing-only")
+    if a.floor:  # the floor's CPU seconds are one thread's: the step runs serially
+        if "on" in pipelines:
+            ap.error("--floor records the Plans and CPU seconds of one thread: it needs --pipeline off (or auto)")
+        pipelines = ["off" if p == "auto" else p for p in pipelines]
     prefer_small_pages()  # as the CLI does (moonep_sim/memory.py)
     reuse_freed_memory()
     strategies = a.strategies.split(",")
@@ -317,9 +377,15 @@ def main(argv: list[str] | None = None) -> int:
         for distinct in (int(x) for x in a.distinct_layers.split(",")):
             groups = [strategies] if a.together else [[s] for s in strategies]
             for g in groups:
-                for r in run(case, g, distinct, a.jobs, a.moe_layers, a.floor):
-                    print(json.dumps(r), flush=True)
-                    rows.append(r)
+                for rep in range(a.repeat):
+                    modes = pipelines if rep % 2 == 0 else pipelines[::-1]  # alternate who goes first
+                    for mode in modes:
+                        for r in run(case, g, distinct, a.jobs, a.moe_layers, a.floor, mode):
+                            r["repeat"] = rep
+                            print(json.dumps(r), flush=True)
+                            rows.append(r)
+    if len(pipelines) > 1 and not a.routing_only:
+        print(pipeline_table(rows))
     if a.floor:
         print(floor_table(rows))
         print(f"load average (1/5/15 min) at end: {'/'.join(f'{x:.1f}' for x in os.getloadavg())} on "

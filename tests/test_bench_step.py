@@ -103,3 +103,28 @@ def test_write_floor_writes_the_sizes_given():
         assert bench_plan.write_floor([(1000, "int32"), (10, "float64")])["bytes"] == 1000 * 4 + 10 * 8
     finally:
         sys.path.remove(str(BENCH))
+
+
+def test_pipeline_pairs_give_identical_steps_and_a_table(bench, capsys, tmp_path):
+    import json
+
+    out = tmp_path / "rows.json"
+    assert bench.main(["--cases", "tiny-train", "--strategies", "alltoall", "--distinct-layers", "0",
+                       "--moe-layers", "3", "--pipeline", "off,on", "--repeat", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    # two pairs, the second in the other order (off first, then on first)
+    assert [(r["repeat"], r["pipelined"]) for r in rows] == [(0, False), (0, True), (1, True), (1, False)]
+    for r in rows:
+        assert r["wall_s"] > 0 and r["cpu_s"] > 0 and r["layers_cpu_s"] > 0
+        assert (r["main_wait_s"] is None) == (r["main_thread_cpu_s"] is None) == (not r["pipelined"])
+        assert r["step_time_us"] == rows[0]["step_time_us"]
+    table = capsys.readouterr().out.splitlines()
+    pairs = [l for l in table if l.startswith("tiny-train")]
+    assert len(pairs) == 2 and all(l.split()[-1] == "yes" for l in pairs)
+
+
+def test_floor_needs_the_serial_step(bench, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--floor", "--pipeline", "on"])
+    assert e.value.code == 2
+    assert "--pipeline off" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 from moonep_sim.sim.blocks import NODE_CELLS_WIDTH_MAX, BlockCounts
 from moonep_sim.sim.network import FlowNetwork, PortMap
+from moonep_sim.sim.tick_kernels import set_rates
 from moonep_sim.sim.topology import Topology, load_topology
 
 IDEAL = {
@@ -163,3 +164,29 @@ def test_network_records_do_not_move_with_the_compiled_fill(name, R, sm):
     assert (ta, ia) == (tb, ib)
     for k in a:
         assert np.array_equal(a[k], b[k]), k
+
+
+def test_set_rates_equals_the_numpy_update_with_zero_and_unchanged_rates():
+    """The compiled re-rating against the numpy expressions it replaces, on slots whose rate is
+    unchanged, changed, dropped to 0 (numpy's inf / nan quotients) or dead (the sentinel node)."""
+    rng = np.random.default_rng(7)
+    N, n = 12, 40
+    lev = np.r_[rng.choice([0.0, 1.5, 3.0, np.inf], 2 * N), np.inf]
+    ns, nd = rng.integers(N + 1, size=n), rng.integers(N + 1, size=n)
+    rate = np.where(rng.random(n) < 0.3, np.minimum(np.append(lev[:N], 0.0)[ns], np.append(lev[N:2 * N], 0.0)[nd]),
+                    rng.random(n))
+    rem0, t0, t = rng.choice([0.0, 100.0, 2e5], n), rng.random(n), 3.0
+    fin = rng.random(n) + 5.0
+    cols = [rate.copy(), rem0.copy(), t0.copy(), fin.copy()]
+    fin_max, fin_min = set_rates(lev, N, n, ns, nd, *cols, t)
+    new = np.minimum(np.append(lev[:N], 0.0)[ns], np.append(lev[N:2 * N], 0.0)[nd])
+    ch = new != rate
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rem = rem0[ch] - rate[ch] * (t - t0[ch])
+        f = t + rem / new[ch]
+    rem0[ch], t0[ch], rate[ch], fin[ch] = rem, t, new[ch], f
+    for got, want in zip(cols, (rate, rem0, t0, fin)):
+        assert np.array_equal(got, want, equal_nan=True)
+    assert ch.any() and not np.isfinite(f).all()
+    assert fin_max == f[np.isfinite(f)].max()
+    assert np.isnan(fin_min) if np.isnan(fin).any() else fin_min == fin.min()

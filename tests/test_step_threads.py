@@ -119,7 +119,8 @@ def test_pipelined_layer_results_equal_simulate_layer_work_unit_by_unit():
     piped, figures = step_run.pipelined_layer_work(list(work), ahead=2)
     _same(serial, piped)
     assert sorted(piped[0].done) == [("alltoall", 0), ("alltoall", 1), ("moonep", 0), ("moonep", 1)]
-    assert figures["layers_cpu_s"] > 0 and figures["wait_s"] >= 0
+    assert figures["layers_cpu_s"] > 0 and figures["main_cpu_s"] > 0
+    assert set(figures) == {"wait_s", "routings_here", "layers_cpu_s", "main_cpu_s", "second_cpu_s"}
     with pytest.raises(ConfigError, match="lookahead"):
         step_run.pipelined_layer_work(list(work), ahead=0)
 
@@ -190,32 +191,34 @@ def test_cli_step_pipeline_option_and_a_second_thread_error_is_one_line(monkeypa
 
     import moonep_sim.strategies as strategies
 
+    make = strategies.make_plan
+    where, fail = [], []
+
+    def make_plan(name, routing, ctx, **opts):
+        where.append(threading.current_thread() is threading.main_thread())
+        if name in fail:
+            raise ConfigError(f"{name} plan (injected) must fail here")
+        return make(name, routing, ctx, **opts)
+
+    monkeypatch.setattr(strategies, "make_plan", make_plan)
     gen = "model=olmoe-1b-7b,maxvio=2,tokens-per-rank=16"
     base = ["step", "--gen", gen, "--ranks", "8", "--strategies", "alltoall,moonep", "--mode", "train"]
-    out = {}
+    out, on_main = {}, {}
     for p in ("on", "off"):
+        where.clear()
         assert main(base + ["--pipeline", p, "--json", str(tmp_path / f"{p}.json")]) == 0
-        out[p] = json.loads((tmp_path / f"{p}.json").read_text())
+        out[p], on_main[p] = json.loads((tmp_path / f"{p}.json").read_text()), list(where)
     assert out["on"]["setup"]["pipeline"]["threads"] == 2 and out["off"]["setup"]["pipeline"] is None
+    assert len(on_main["on"]) == len(on_main["off"]) == 2 * 16               # 16 MoE layers x 2 strategies
+    assert all(on_main["off"]) and not all(on_main["on"])                    # pipelined: Plans on the second thread
     for s in ("alltoall", "moonep"):
         assert out["on"]["strategies"][s]["step_time_us"] == out["off"]["strategies"][s]["step_time_us"]
         assert out["on"]["strategies"][s]["layers"] == out["off"]["strategies"][s]["layers"]
     capsys.readouterr()
-    make = strategies.make_plan
-    where = set()
-
-    def make_plan(name, routing, ctx, **opts):
-        where.add(threading.current_thread() is threading.main_thread())
-        if name == "moonep":
-            raise ConfigError("moonep plan (injected) must fail here")
-        return make(name, routing, ctx, **opts)
-
-    monkeypatch.setattr(strategies, "make_plan", make_plan)
+    fail.append("moonep")
     err = {}
     for p in ("on", "off"):
-        where.clear()
         assert main(base + ["--pipeline", p]) == 2
         err[p] = capsys.readouterr().err.strip().splitlines()
-        assert where == {p == "off"}                       # pipelined: every Plan made on the second thread
         assert not _no_step_threads()
     assert err["on"] == err["off"] == ["moonep-sim: error: moonep plan (injected) must fail here"]

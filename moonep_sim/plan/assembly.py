@@ -12,6 +12,8 @@ Example (``strategies/allgather.py``)::
     assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), Entries(entry_slot, buf_row, dup), [hop],
                   padding=Padding(ctx.token_padding))
 
+:class:`SlotLayout` is what the layout builders (``build.sorted_layout``, ``fused``) return.
+
 The records only name the arrays; :func:`~moonep_sim.plan.assemble_plan` checks what it needs.
 """
 
@@ -91,4 +93,33 @@ class Padding:
     buf_row_P: np.ndarray | None = None
 
 
-__all__ = ["Entries", "Padding", "SlotOrder", "Slots"]
+@dataclass(frozen=True)
+class SlotLayout:
+    """An expert-grouped layout of final rows (what :func:`~moonep_sim.plan.build.layout_slots` returns, plus the
+    slot-sorted entry order it came from).
+
+    slot_rows_S / slot_padded_S / slot_offset_S: as in :class:`~moonep_sim.plan.Plan`.
+    entry_row_N: INDEX [N] each entry's row within its rank's layout, -1 = dropped.
+
+    order_N: [N] entries sorted by (slot, entry); the first ``n_drop`` are the dropped ones (the
+      caller's dtype; INDEX where :func:`~moonep_sim.plan.build.slot_sort_positions` sorted them).
+    grow_K: INDEX [N - n_drop] global final row (ranks concatenated) of ``order_N[n_drop:]``,
+      increasing: slots are sorted by rank and laid out in order within a rank. None when the
+      layout has no padding rows (the global rows are then simply 0, 1, 2, ...).
+    rows_R: int64 [R] padded rows of each rank.
+    entry_rank_N: INDEX [N] each entry's rank, -1 = dropped, where :func:`~moonep_sim.plan.build.sorted_layout` was asked
+      for it (``with_ranks``), else None.
+    """
+
+    slot_rows_S: np.ndarray
+    slot_padded_S: np.ndarray
+    slot_offset_S: np.ndarray
+    entry_row_N: np.ndarray
+    order_N: np.ndarray
+    n_drop: int
+    rows_R: np.ndarray
+    grow_K: np.ndarray | None
+    entry_rank_N: np.ndarray | None = None
+
+
+__all__ = ["Entries", "Padding", "SlotLayout", "SlotOrder", "Slots"]

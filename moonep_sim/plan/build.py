@@ -30,40 +30,12 @@ from typing import Any
 import numpy as np
 
 from moonep_sim.plan import reference, threads
+from moonep_sim.plan.assembly import SlotLayout
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.kinds import INDEX, Scope, require_index
 from moonep_sim.plan.order import (entry_token, segment_ranges, small_key_dtype, stable_order, stable_order_counts,
                                    stable_order_positions)
 from moonep_sim.plan.placement import ClusterShape
-
-
-@dataclass(frozen=True)
-class SlotLayout:
-    """An expert-grouped layout of final rows (what :func:`layout_slots` returns, plus the
-    slot-sorted entry order it came from).
-
-    slot_rows_S / slot_padded_S / slot_offset_S: as in :class:`~moonep_sim.plan.Plan`.
-    entry_row_N: INDEX [N] each entry's row within its rank's layout, -1 = dropped.
-
-    order_N: [N] entries sorted by (slot, entry); the first ``n_drop`` are the dropped ones (the
-      caller's dtype; INDEX where :func:`slot_sort_positions` sorted them).
-    grow_K: INDEX [N - n_drop] global final row (ranks concatenated) of ``order_N[n_drop:]``,
-      increasing: slots are sorted by rank and laid out in order within a rank. None when the
-      layout has no padding rows (the global rows are then simply 0, 1, 2, ...).
-    rows_R: int64 [R] padded rows of each rank.
-    entry_rank_N: INDEX [N] each entry's rank, -1 = dropped, where :func:`sorted_layout` was asked
-      for it (``with_ranks``), else None.
-    """
-
-    slot_rows_S: np.ndarray
-    slot_padded_S: np.ndarray
-    slot_offset_S: np.ndarray
-    entry_row_N: np.ndarray
-    order_N: np.ndarray
-    n_drop: int
-    rows_R: np.ndarray
-    grow_K: np.ndarray | None
-    entry_rank_N: np.ndarray | None = None
 
 
 def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slot_rank_S: np.ndarray,
@@ -372,6 +344,20 @@ def _plan_from_order(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_h
     hop, entry_buf_row, entry_dup = hop.result()
     row_entry, expand = final_rows(lay, kept_sorted, entry_buf_row)
     del entry_buf_row
+    return _single_hop_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, lay, entry_rank, hop,
+                            entry_dup, row_entry, expand, token_padding, capacity_R, options, extra)
+
+
+#: entries from which the builders take the compiled passes of :mod:`moonep_sim.plan.fused` (that
+#: module, and numba with it, is imported only for a layer this large: below it numpy's passes cost
+#: less than numba's import and a kernel's first call in a fresh process)
+FUSED_MIN = 1 << 16
+
+
+def _single_hop_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, lay, entry_rank, hop, entry_dup,
+                     row_entry, expand, token_padding, capacity_R, options, extra) -> Plan:
+    """The single-hop Plan of a layout, its entries' ranks, the hop and the final rows."""
+    T, K = routing.topk_ids_TK.shape
     return Plan(
         strategy="", options=dict(options or {}), cluster=cluster, num_experts=routing.num_experts, top_k=K,
         tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),
@@ -401,6 +387,16 @@ def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
     extra: further :class:`~moonep_sim.plan.Plan` fields (``migrate_*_X``, ``host_plan_us``).
     """
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    if np.size(entry_slot_TK) >= FUSED_MIN:
+        # compiled passes (moonep_sim.plan.fused): the counting sort by slot, the hop and the final
+        # rows in two passes over the entries; the same arrays as below
+        from moonep_sim.plan import fused
+
+        lay, hop, entry_dup, row_entry, expand = fused.single_hop_plan(
+            entry_slot_TK, slot_rank_S, routing.tok_off_R(), routing.top_k, cluster.ranks, dedup, token_padding,
+            min_rows_S)
+        return _single_hop_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, lay, lay.entry_rank_N,
+                                hop, entry_dup, row_entry, expand, token_padding, capacity_R, options, extra)
     entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
     # each entry's rank in entry order, from the slots' ranks (slot -1 reads the appended -1)
     entry_rank = np.append(slot_rank_S, -1).astype(INDEX)[entry_slot]

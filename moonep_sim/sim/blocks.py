@@ -163,11 +163,13 @@ class BlockCounts:
         #: freeze sums by matrix products, an order a loop cannot promise to match)
         self.compiled = self.cell_NW is not None
         c = np.ascontiguousarray
+        self.T = T
+        #: int64 [2N] contiguous copies of ``mt_row_N`` / ``cell_col_N`` for the kernels
+        self.row_U, self.col_U = c(self.mt_row_N, dtype=np.int64), c(self.cell_col_N, dtype=np.int64)
         self._kernel_static = (bool(self.simple), int(dm), RUN_MAX, c(self.pall, dtype=np.int64),
                                c(self.port_nodes, dtype=np.int64), c(self.pps, dtype=np.int64),
                                c(self.nps, dtype=np.int64), c(self.cell_key_N, dtype=np.int64),
-                               c(self.mt_row_N, dtype=np.int64), c(self.cell_col_N, dtype=np.int64),
-                               self.cell_NW, self.other_NW)
+                               self.row_U, self.col_U, self.cell_NW, self.other_NW)
 
     def _node_cells(self, T: int) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(cell_NW, other_NW): per node (sender nodes 0..N-1, then receiver nodes N..2N-1; N = B x R)
@@ -224,12 +226,19 @@ class BlockCounts:
         fill of a V3 EP32 decode layer's network: ~15x faster than the reference."""
         if not self.compiled:
             return self.fill_reference(cap_P)
+        lev, bport, steps = self.fill_nodes(cap_P)
+        N = self.B * self.R
+        return Levels(lev[:N], lev[N:2 * N], bport[:N], bport[N:2 * N], steps)
+
+    def fill_nodes(self, cap_P: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """The compiled :meth:`fill` (only where :attr:`compiled`) as the kernel returns it: (lev_U1
+        float64 [2N + 1], bport_U1 int64 [2N + 1], steps), the sender nodes' levels and ports, then
+        the receiver nodes', then a spare node (inf, -1)."""
         lev, bport, steps = fill_levels(np.asarray(cap_P, dtype=np.float64), self.cnt_src, self.cnt_dst, self.mm,
                                         *self._kernel_static)
         if steps < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
             raise RuntimeError("progressive filling made no progress")
-        N = self.B * self.R
-        return Levels(lev[:N], lev[N:2 * N], bport[:N], bport[N:2 * N], steps)
+        return lev, bport, steps
 
     def fill_reference(self, cap_P: np.ndarray) -> Levels:
         """:meth:`fill` in numpy (the reference of the compiled kernel, and the solver where the

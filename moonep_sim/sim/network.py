@@ -46,6 +46,7 @@ from moonep_sim.errors import require
 from moonep_sim.sim.blocks import BlockCounts, Levels
 from moonep_sim.sim.flows import ActiveFlows, FlowLog, Pending
 from moonep_sim.sim.ports import L_PATH, Block, PortMap, block_kind
+from moonep_sim.sim.tick_kernels import complete_due, set_rates
 from moonep_sim.sim.waterfill import waterfill
 
 
@@ -94,6 +95,8 @@ class FlowNetwork:
         self._dead = 0
         self._sentinel = ports.num_blocks * ports.ranks   # node index of finished flows (level 0)
         self._levels: Levels | None = None         # the last fill of the block solver
+        self._node_levels: tuple[np.ndarray, np.ndarray] | None = None   # the same, compiled: lev_U1, bport_U1
+        self._done = np.empty(32, dtype=np.int64)  # scratch of the compiled completions
         self._bneck_paths: np.ndarray | None = None   # the last fill of the per-flow solver: bottleneck per slot
         # flows waiting for their latency, in submission order: the merged batches of earlier
         # ticks, then the batches submitted since (merged at the next tick: one mask per tick)
@@ -227,20 +230,15 @@ class FlowNetwork:
         self.ticks += 1
         self._log.grow()
         a = self._a
+        # the block solver's compiled fill, and with it the compiled bookkeeping (tick_kernels): the
+        # same operations as the numpy code beside it, bit for bit
+        fast = self._blocks is not None and self._blocks.compiled
         # 1. completions (a flow's finish time is exact at its current rate)
         if a.n:
-            sel = np.flatnonzero(a.fin <= t + 2e-9 * max(t, 1.0))
-            if sel.size:
-                self._complete(a.id[sel], self._bottlenecks(sel), a.key[sel], t)
-                if self._blocks is not None:
-                    self._blocks.add(a.ns[sel], a.nd[sel], -1.0)
-                a.alive[sel] = False
-                a.fin[sel] = np.inf
-                a.rem0[sel] = np.inf
-                a.rate[sel] = 0.0          # dead: rate 0 at the sentinel node (level 0), never changes
-                a.ns[sel] = self._sentinel
-                a.nd[sel] = self._sentinel
-                self._dead += sel.size
+            thr = t + 2e-9 * max(t, 1.0)
+            done = self._complete_compiled(thr, t) if fast else self._complete_due(thr, t)
+            if done:
+                self._dead += done
                 if 2 * self._dead > a.n:
                     a.keep(a.alive.copy())
                     self._dead = 0
@@ -268,7 +266,10 @@ class FlowNetwork:
                 if self._blocks is not None:
                     self._blocks.add(ns_F, nd_F, 1.0)
         # 3. rates: exact max-min levels, then only flows whose rate changed are touched
-        if self._blocks is not None:
+        if fast:
+            lev, bport, it = self._blocks.fill_nodes(self.ports.cap_P)
+            self._node_levels = (lev, bport)
+        elif self._blocks is not None:
             lv = self._levels = self._blocks.fill(self.ports.cap_P)
             rate = np.minimum(np.take(np.append(lv.level_src, 0.0), a.ns), np.take(np.append(lv.level_dst, 0.0), a.nd))
             it = lv.steps
@@ -282,6 +283,35 @@ class FlowNetwork:
             self._bneck_paths = bneck
         self.fill_iterations += it
         self._last_fill = t
+        if fast:
+            d = a.data
+            fin_max, nxt = set_rates(lev, self._sentinel, a.n, d["ns"], d["nd"], d["rate"], d["rem0"], d["t0"],
+                                     d["fin"], t)
+            if fin_max > -np.inf:
+                self._horizon = max(self._horizon, fin_max)
+        else:
+            nxt = self._set_rates(rate, t)
+        if self.record_util:
+            live = np.flatnonzero(a.alive)
+            if self._blocks is None:
+                path = a.path[live]
+            else:
+                bc, R = self._blocks, self.ports.ranks
+                path = np.concatenate([bc.ps[a.blk[live] * R + a.src[live]], bc.pd[a.blk[live] * R + a.dst[live]]], axis=1)
+            use = np.bincount(path.ravel(), weights=np.repeat(a.rate[live], path.shape[1]),
+                              minlength=self.ports.cap_P.size)[:-1]
+            self.util_samples.append(UtilSample(t, use / self.ports.cap_P[:-1]))
+        # 4. next tick
+        if self._pend is not None:
+            nxt = min(nxt, float(self._pend.ready.min()))
+        if np.isfinite(nxt):
+            self._request_tick(nxt)
+
+    def _set_rates(self, rate: np.ndarray, t: float) -> float:
+        """Give the active flows the rates ``rate`` [n] of a fill at t: a flow whose rate changed
+        gets its remaining bytes at t and its new finish time (the reference of
+        ``tick_kernels.set_rates``). Returns the earliest finish time (inf: none)."""
+        a = self._a
         ch = np.flatnonzero(rate != a.rate)   # dead flows keep rate 0
         if ch.size:
             rem = a.rem0[ch] - a.rate[ch] * (t - a.t0[ch])
@@ -298,22 +328,38 @@ class FlowNetwork:
                 fin_live = fin[np.isfinite(fin)]
                 if fin_live.size:
                     self._horizon = max(self._horizon, float(fin_live.max()))
-        if self.record_util:
-            live = np.flatnonzero(a.alive)
-            if self._blocks is None:
-                path = a.path[live]
-            else:
-                bc, R = self._blocks, self.ports.ranks
-                path = np.concatenate([bc.ps[a.blk[live] * R + a.src[live]], bc.pd[a.blk[live] * R + a.dst[live]]], axis=1)
-            use = np.bincount(path.ravel(), weights=np.repeat(a.rate[live], path.shape[1]),
-                              minlength=self.ports.cap_P.size)[:-1]
-            self.util_samples.append(UtilSample(t, use / self.ports.cap_P[:-1]))
-        # 4. next tick
-        nxt = float(a.fin.min()) if a.n else np.inf
-        if self._pend is not None:
-            nxt = min(nxt, float(self._pend.ready.min()))
-        if np.isfinite(nxt):
-            self._request_tick(nxt)
+        return float(a.fin.min()) if a.n else np.inf
+
+    def _complete_due(self, thr: float, t: float) -> int:
+        """Complete the active flows due by ``thr`` (their finish time is exact at their current
+        rate) at time t; returns how many (the reference of ``tick_kernels.complete_due``)."""
+        a = self._a
+        sel = np.flatnonzero(a.fin <= thr)
+        if sel.size:
+            self._complete(a.id[sel], self._bottlenecks(sel), a.key[sel], t)
+            if self._blocks is not None:
+                self._blocks.add(a.ns[sel], a.nd[sel], -1.0)
+            a.alive[sel] = False
+            a.fin[sel] = np.inf
+            a.rem0[sel] = np.inf
+            a.rate[sel] = 0.0          # dead: rate 0 at the sentinel node (level 0), never changes
+            a.ns[sel] = self._sentinel
+            a.nd[sel] = self._sentinel
+        return int(sel.size)
+
+    def _complete_compiled(self, thr: float, t: float) -> int:
+        """:meth:`_complete_due` in one kernel (``tick_kernels.complete_due``) where the block
+        solver's fill is compiled; the receive groups it completes fire here, in key order."""
+        a, bc, d = self._a, self._blocks, self._a.data
+        if self._done.size < 2 * a.n:
+            self._done = np.empty(2 * d["fin"].size, dtype=np.int64)
+        lev, bport = self._node_levels
+        m, g = complete_due(thr, t, a.n, d["fin"], d["rate"], d["rem0"], d["alive"], d["ns"], d["nd"], d["id"],
+                            d["key"], lev, bport, self._sentinel, self._log.end, self._log.bneck, self._left,
+                            bc.mm, bc.T, bc.row_U, bc.col_U, bc.cnt_src, bc.cnt_dst, self._done)
+        if g:
+            self._succeed_groups(self._done[m:m + g])
+        return m
 
     def active_rates(self) -> np.ndarray:
         """float64 [active flows]: the current rate (bytes/us) of every transferring flow."""
@@ -326,10 +372,14 @@ class FlowNetwork:
         np.subtract.at(left, key, 1)
         full = key[left[key] == 0]
         if full.size:
-            R = self.ports.ranks
-            for k in np.unique(full).tolist():   # receive groups complete in key order
-                p, d = divmod(k, R)
-                self._group_events[p][d].succeed()
+            self._succeed_groups(full)
+
+    def _succeed_groups(self, full: np.ndarray) -> None:
+        """Fire the receive groups of keys ``full`` (phase id x R + dst, repeats allowed), in key order."""
+        R = self.ports.ranks
+        for k in np.unique(full).tolist():
+            p, d = divmod(k, R)
+            self._group_events[p][d].succeed()
 
     # -- results ---------------------------------------------------------------------------
     def records(self) -> dict[str, np.ndarray]:

@@ -14,6 +14,7 @@ run in parallel and only their small results come back.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -266,7 +267,7 @@ def simulate_layer_work(w: LayerWork) -> RoutingDone:
     return RoutingDone(done, routing_s, routing_cpu_s)
 
 
-#: Plans the pipeline's second thread may have built ahead of the one being simulated
+#: Plans the pipeline may have made ahead of the one being simulated
 PIPELINE_AHEAD = 1
 #: entries (tokens x K over the ranks) of a layer from which one job pipelines by default: below
 #: it a layer is milliseconds of many small numpy calls, which gain nothing beside a Python-bound
@@ -274,79 +275,184 @@ PIPELINE_AHEAD = 1
 PIPELINE_MIN_ENTRIES = 1 << 20
 
 
-class _Builder:
-    """The pipeline's second-thread half of :func:`simulate_layer_work`: unit ``j`` (a layer's
-    (strategy, micro-batch), in the serial order) made into its Plan, the layer's routing built at
-    its first unit and kept for the layer's other units. Runs on one worker thread only (units in
-    order); after a failure every later unit is refused at once (the step stops at the first)."""
+class _Task:
+    """One piece of a pipelined step, run once by whichever thread claims it first (under the
+    pipeline's condition); its value or error kept for the thread that needs it."""
 
-    def __init__(self, work: list[LayerWork], units: list[tuple[int, int, int]]) -> None:
-        self.work, self.units = work, units
-        self.parts: tuple[int, list[GlobalRouting]] | None = None
+    __slots__ = ("fn", "claimed", "done", "value", "error")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn, self.claimed, self.done, self.value, self.error = fn, False, False, None, None
+
+
+class _Pipeline:
+    """The shared state of :func:`pipelined_layer_work`: tasks in the serial order (each layer's
+    routing ``R``, then its Plans ``P`` in (strategy, micro-batch) order), the unit being simulated
+    and the bound on what may be built ahead of it."""
+
+    def __init__(self, work: list[LayerWork], ahead: int) -> None:
+        import threading
+
+        self.work, self.ahead = work, ahead
+        self.cond = threading.Condition()
+        self.units = [(i, s, mb) for i, w in enumerate(work) for s in range(len(w.strategies))
+                      for mb in range(w.micro_batches)]
+        self.left = [len(w.strategies) * w.micro_batches for w in work]   # Plans of a layer not yet made
+        self.R = [_Task(lambda i=i: self._routing(i)) for i in range(len(work))]
+        self.P = [_Task(lambda j=j: self._plan(j)) for j in range(len(self.units))]
+        self.order = [t for i in range(len(work)) for t in [self.R[i]] + [self.P[j] for j, u in enumerate(self.units)
+                                                                           if u[0] == i]]
+        self.bound_of = {id(t): ("R", i) for i, t in enumerate(self.R)} | {id(t): ("P", j) for j, t in enumerate(self.P)}
+        self.current = 0           # the unit this thread simulates (or waits for)
+        self.stop = False
         self.failed = False
+        self.scan = 0              # every task before order[scan] is claimed
+        self.second_cpu_s = 0.0    # the second thread's CPU seconds, when it returned
 
-    def __call__(self, j: int) -> tuple[Any, float, float, tuple[float, float] | None]:
-        if self.failed:
-            raise RuntimeError("pipeline: an earlier unit failed")  # never read: the step raised that one
+    def _routing(self, i: int) -> tuple[list[GlobalRouting], float, float]:
+        return _layer_parts(self.work[i], time.thread_time)
+
+    def _plan(self, j: int) -> tuple[Any, float, float]:
+        i, s, mb = self.units[j]
+        parts = self.get(self.R[i])[0]
+        name, opts, static = self.work[i].strategies[s]
+        out = _plan_part(self.work[i], name, opts, static, parts[mb], time.thread_time)
+        with self.cond:
+            self.left[i] -= 1
+            if not self.left[i]:
+                self.R[i].value = (None,) + self.R[i].value[1:]      # the layer's routing is done with
+        return out
+
+    def _allowed(self, t: _Task) -> bool:
+        kind, n = self.bound_of[id(t)]
+        last = min(self.current + self.ahead, len(self.units) - 1)
+        return n <= last if kind == "P" else n <= self.units[last][0] + 1
+
+    def _run(self, t: _Task) -> None:
+        """Run a task this thread claimed; its value or error kept, the waiters woken."""
         try:
-            i, s, mb = self.units[j]
-            w = self.work[i]
-            built = None
-            if self.parts is None or self.parts[0] != i:
-                self.parts = None                      # the previous layer's routing goes first
-                parts, rs, rc = _layer_parts(w, time.thread_time)
-                self.parts, built = (i, parts), (rs, rc)
-            name, opts, static = w.strategies[s]
-            plan, ps, pc = _plan_part(w, name, opts, static, self.parts[1][mb], time.thread_time)
-            if s == len(w.strategies) - 1 and mb == w.micro_batches - 1:
-                self.parts = None                      # the layer's last Plan: its routing is done with
-            return plan, ps, pc, built
-        except BaseException:
-            self.failed, self.parts = True, None
-            raise
+            value, error = t.fn(), None
+        except BaseException as e:  # kept for the serial point that needs it
+            value, error = None, e
+        with self.cond:
+            t.value, t.error, t.done = value, error, True
+            self.failed |= error is not None
+            self.cond.notify_all()
+
+    def get(self, t: _Task) -> Any:
+        """``t``'s value (or its error raised): run here if unclaimed, else waited for."""
+        with self.cond:
+            mine = not t.claimed
+            t.claimed = True
+            while not mine and not t.done:
+                self.cond.wait()
+        if mine:
+            self._run(t)
+        if t.error is not None:
+            raise t.error
+        return t.value
+
+    def _next(self, routing_only: bool) -> _Task | None:
+        """The first unclaimed task allowed ahead (under the condition), claimed; None if none."""
+        while self.scan < len(self.order) and self.order[self.scan].claimed:
+            self.scan += 1
+        for t in itertools.islice(self.order, self.scan, None):
+            kind, n = self.bound_of[id(t)]
+            # this thread takes only a routing the second thread needs after its next layer's: one it
+            # would otherwise wait for here would stall the second thread instead
+            if not t.claimed and self._allowed(t) and (
+                    not routing_only or (kind == "R" and n >= self.units[self.current][0] + 2)):
+                t.claimed = True
+                return t
+            if kind == "R" and not self._allowed(t):
+                break
+        return None
+
+    def builder(self) -> None:
+        """The second thread: every task in the serial order, within the bound, until stopped or a
+        task failed (this thread then claims the tasks it reaches itself)."""
+        c0 = time.thread_time()
+        try:
+            while True:
+                with self.cond:
+                    t = None
+                    while not self.stop and not self.failed and (t := self._next(False)) is None:
+                        self.cond.wait()
+                    if t is None:
+                        return
+                self._run(t)
+        finally:
+            self.second_cpu_s = time.thread_time() - c0
+
+    def plan_for(self, j: int) -> tuple[tuple[Any, float, float], float, int]:
+        """Unit ``j``'s Plan for this thread: made here if nobody started it; while the second
+        thread makes it, a routing ahead built here (if one is allowed and unclaimed). Returns the
+        Plan's (plan, wall s, CPU s), the seconds spent waiting, and the routings built here."""
+        t, waited, stole = self.P[j], 0.0, 0
+        with self.cond:
+            self.current = j
+            self.cond.notify_all()
+        while True:
+            with self.cond:
+                if t.done or not t.claimed:
+                    break
+                r = None if self.failed else self._next(True)
+                if r is None:
+                    w0 = time.perf_counter()
+                    while t.claimed and not t.done:
+                        self.cond.wait()
+                    waited += time.perf_counter() - w0
+                    continue
+            self._run(r)
+            stole += 1
+        return self.get(t), waited, stole
+
+    def close(self) -> None:
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()
 
 
 def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str], None] | None = None,
                          ahead: int = PIPELINE_AHEAD) -> tuple[list[RoutingDone], dict[str, float]]:
-    """:func:`simulate_layer_work` of every unit in ``work``, in order, on two threads: a second
-    thread (one :class:`~concurrent.futures.ThreadPoolExecutor` worker) builds each layer's routing
-    and Plans, at most ``ahead`` Plans ahead of the one this thread simulates. The same results as
-    the serial loop (every Plan and simulation is the same call on the same inputs, the results
-    kept in the serial order); the first error in the serial order is the one raised, with every
-    Plan queued behind it cancelled and the worker joined (nothing left running). CPU seconds per
-    part are each thread's own (``time.thread_time``). Returns the results and the pipeline's
-    own figures (this thread's seconds waiting for Plans; the layers' process CPU, all threads)."""
+    """:func:`simulate_layer_work` of every unit in ``work``, on two threads: a second thread (one
+    :class:`~concurrent.futures.ThreadPoolExecutor` worker) generates the layers' routings and
+    makes their Plans in the serial order, at most ``ahead`` Plans (and the routings of one more
+    layer) ahead of the Plan this thread simulates; while this thread would wait for a Plan it
+    generates a routing ahead itself (one the second thread needs only after its next layer's).
+    Each routing and Plan is made once, by either thread: the same call on the same inputs as
+    serially, so the results are the serial loop's (kept in its order).
+    The first error in the serial order is the one raised: each piece's error is kept until this
+    thread reaches it; the second thread stops at the first failure and is joined before the error
+    propagates (nothing left running). CPU seconds per part are the thread's own that ran it
+    (``time.thread_time``). Returns the results and the pipeline's figures: this thread's seconds
+    waiting for Plans, the routings it built, the layers' process CPU (all threads), and each
+    thread's own CPU seconds over the layers (the larger is the wall time two free cores need)."""
     from concurrent.futures import ThreadPoolExecutor
 
     require(ahead >= 1, f"pipeline lookahead ({ahead}) must be >= 1 Plan")
-    units = [(i, s, mb) for i, w in enumerate(work) for s in range(len(w.strategies)) for mb in range(w.micro_batches)]
-    build = _Builder(work, units)
+    pipe = _Pipeline(work, ahead)
     done: list[dict] = [{} for _ in work]
-    routing = [(0.0, 0.0) for _ in work]
-    wait = 0.0
-    c0 = time.process_time()
+    wait, stolen = 0.0, 0
+    c0, m0 = time.process_time(), time.thread_time()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moonep-step") as pool:
-        queued = [pool.submit(build, j) for j in range(min(ahead, len(units)))]
+        second = pool.submit(pipe.builder)
         try:
-            for j, (i, s, mb) in enumerate(units):
-                if j + ahead < len(units):
-                    queued.append(pool.submit(build, j + ahead))
+            for j, (i, s, mb) in enumerate(pipe.units):
                 if progress and s == 0 and mb == 0:
                     progress(f"layer routing {i + 1} of {len(work)}: {', '.join(n for n, _, _ in work[i].strategies)}")
-                t = time.perf_counter()
-                plan, plan_s, plan_cpu_s, built = queued.pop(0).result()
-                wait += time.perf_counter() - t
-                if built is not None:
-                    routing[i] = built
+                (plan, plan_s, plan_cpu_s), waited, stole = pipe.plan_for(j)
+                wait, stolen = wait + waited, stolen + stole
+                pipe.P[j].value = None                  # the Plan goes once simulated
                 done[i][(work[i].strategies[s][0], mb)] = _simulate_plan(work[i], plan, plan_s, plan_cpu_s,
                                                                          time.thread_time)
                 del plan
-        except BaseException:
-            for f in queued:
-                f.cancel()
-            raise
-    out = [RoutingDone(d, rs, rc) for d, (rs, rc) in zip(done, routing)]
-    return out, {"wait_s": wait, "layers_cpu_s": time.process_time() - c0}
+        finally:
+            pipe.close()
+    second.result()  # the second thread's own failure (not a piece's: those are kept), if any
+    out = [RoutingDone(d, *pipe.R[i].value[1:]) for i, d in enumerate(done)]
+    return out, {"wait_s": wait, "routings_here": stolen, "layers_cpu_s": time.process_time() - c0,
+                 "main_cpu_s": time.thread_time() - m0, "second_cpu_s": pipe.second_cpu_s}
 
 
 def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str], None] | None = None,
@@ -393,7 +499,9 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
     piped = None
     if map_fn is None and pipeline and work:
         done, piped = pipelined_layer_work(work, progress)
-        piped = {"threads": 2, "ahead_plans": PIPELINE_AHEAD, "wait_s": piped["wait_s"]}
+        piped = {"threads": 2, "ahead_plans": PIPELINE_AHEAD, "wait_s": piped["wait_s"],
+                 "routings_on_main": piped["routings_here"], "main_cpu_s": piped["main_cpu_s"],
+                 "second_cpu_s": piped["second_cpu_s"]}
     elif map_fn is None:
         done = []
         for i in range(len(work)):

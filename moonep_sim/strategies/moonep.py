@@ -48,7 +48,7 @@ from __future__ import annotations
 import numpy as np
 
 from moonep_sim.errors import ConfigError, PlanError
-from moonep_sim.plan import INDEX, GlobalRouting, Plan, plan_from_order
+from moonep_sim.plan import INDEX, GlobalRouting, Plan, build, plan_from_order, plan_from_slots
 from moonep_sim.plan.kinds import require_index
 from moonep_sim.plan.order import small_key_dtype, stable_order_counts
 from moonep_sim.plan.kernel import KernelSpec
@@ -196,10 +196,23 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, dedup: bool, sms: int) -> 
     z = greedy_quotas(counts_E.reshape(R, epn).sum(axis=1), cap_R)
     alloc = split_quotas(counts_E, z, epn)
     slot_rank, slot_expert, slot_home = copy_slots(alloc, epn)
-    order, slot_rows = slot_order(ids_N, alloc, slot_rank, slot_expert)
     tp = max(int(ctx.token_padding), 1)
     # static buffer: cap real rows plus padding of at most 2*epn segments (home + copies)
     capacity = cap_R + 2 * epn * (tp - 1)
+    if ids_N.size >= build.FUSED_MIN:
+        # each entry's slot in one compiled pass over the entries (its expert's pieces in rank order),
+        # then the compiled single-hop builder: the same Plan as below (tests/test_plan_fused.py)
+        from moonep_sim.plan import fused
+
+        slot_of_ER = np.full((E, R), -1, dtype=np.int64)
+        slot_of_ER[slot_expert, slot_rank] = np.arange(slot_rank.size)
+        pe, pd = np.nonzero(alloc)
+        if bool((slot_of_ER[pe, pd] < 0).any()):
+            raise PlanError("every allocated (expert, rank) pair must have a slot (internal error)")
+        entry_slot = fused.split_runs(ids_N, E, pe, alloc[pe, pd], slot_of_ER[pe, pd])
+        return plan_from_slots(routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_home, entry_slot,
+                               dedup=dedup, token_padding=tp, capacity_R=capacity, kernel=KernelSpec(sms=sms))
+    order, slot_rows = slot_order(ids_N, alloc, slot_rank, slot_expert)
     # same Plan as plan_from_slots(..., entry_slots(...)), without sorting the entries a second time
     return plan_from_order(routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_home, order, 0, slot_rows,
                            dedup=dedup, token_padding=tp, capacity_R=capacity, kernel=KernelSpec(sms=sms))

@@ -1,0 +1,372 @@
+"""Compiled passes of the Plan builders: the slot layout, one global hop and its final rows, each one
+loop over the N entries (``moonep_sim.jit.kernel``).
+
+Notation as in :mod:`moonep_sim.plan.ir`: R ranks, T tokens (ranks concatenated, in rank order), K
+top-k, N = T*K entries (flat id ``e = t*K + k``), S slots, M messages of the hop, W final rows.
+
+The numpy builders (``build.sorted_layout``, ``build.single_hop_messages``, ``build.final_rows``)
+sort the N entries with radix sorts on narrow keys and then gather and scatter them several times
+over, one array pass per step: at K3 EP64 and 4096 tokens per rank (4.2M entries, 896 slots) that
+is ~0.18 CPU s per layer for ``alltoall``. Here the sort by slot is a counting sort (one pass counts
+the slots, a second places each entry at its slot's next place: every slot's entries in entry
+order, so it is the stable sort) and the hop is two passes in entry order: one counts the messages
+of each (source, destination) block, the other hands each entry its block's next message (or, when
+a token is sent once per rank, its token's earlier message to that rank) and writes the final row
+it expands to. Every array equals the numpy builders' (values and dtypes;
+``tests/test_plan_fused.py``); they remain the reference and run below ``build.FUSED_MIN`` entries,
+where numba's import and a kernel's first call cost more than they save.
+
+Kernels never trust an index they read: an out-of-range slot, rank or entry id makes the kernel
+return its position (``>= 0``; -1 = all in range) before anything is written through it, and the
+caller raises.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir as llvm_ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from moonep_sim.errors import PlanError
+from moonep_sim.jit import kernel
+from moonep_sim.plan.assembly import SlotLayout
+from moonep_sim.plan.ir import Hop
+from moonep_sim.plan.kinds import INDEX, Scope, require_index
+
+
+@intrinsic
+def _prefetch_write(typingctx, arr, idx):
+    """``_prefetch_write(a, i)``: ask the CPU to fetch the cache line of ``a[i]`` for writing (LLVM's
+    ``llvm.prefetch``, a hint: it never faults, whatever the address; callers still keep ``i`` in
+    range). A counting sort writes each slot's entries as a stream of its own; with hundreds of
+    streams the hardware prefetcher follows none of them and every first store to a line waits for
+    the line (measured at K3 EP64, 4.2M entries into 896 slots, two int32 arrays: 24 ms of CPU
+    without, 11-12 ms with a prefetch two lines ahead of each stream)."""
+    sig = types.void(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        i8p = llvm_ir.IntType(8).as_pointer()
+        i32 = llvm_ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(llvm_ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0i8")
+        # (address, rw = 1 write, locality = 3 keep in all caches, cache type = 1 data)
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(1), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+#: how far ahead of a stream's store :func:`_prefetch_write` asks for a line, in int32 elements (two
+#: 64-byte lines); asked once per line, when a stream's store reaches a line's start
+_AHEAD = 32
+
+@kernel
+def _slot_counts(slot_N, S, cnt):
+    """cnt int64 [S+1]: dropped entries (slot -1) in ``cnt[0]``, slot s in ``cnt[s+1]``. Returns the
+    first entry whose slot is outside [-1, S), else -1 (nothing counted past it)."""
+    for e in range(slot_N.size):
+        s = slot_N[e]
+        if s < -1 or s >= S:
+            return e
+        cnt[s + 1] += 1
+    return -1
+
+
+@kernel
+def _place_by_slot(slot_N, slot_rank_S, first_S, offset_S, cum_S, order, entry_row, entry_rank, grow, padded):
+    """The counting sort's second pass: entry e of slot s (the j-th of its slot in entry order) goes to
+    place ``first_S[s] + j`` of ``order`` (dropped entries, slot -1, to the places before every
+    slot's, in entry order: ``first_S[-1]`` is 0 there); its row in its rank's layout is
+    ``offset_S[s] + j`` (-1 dropped), its rank ``slot_rank_S[s]`` (-1 dropped); with ``padded`` its
+    global final row ``cum_S[s] + j`` is written at ``grow[place - n_drop]``. first_S: int64 [S+1],
+    the dropped entries' first place (0) last."""
+    S = slot_rank_S.size
+    nxt = first_S.copy()
+    n_drop = first_S[0] if S else slot_N.size
+    for e in range(slot_N.size):
+        s = slot_N[e]
+        if s < 0:
+            p = nxt[S]
+            nxt[S] = p + 1
+            order[p] = e
+            entry_row[e] = -1
+            entry_rank[e] = -1
+            continue
+        p = nxt[s]
+        nxt[s] = p + 1
+        order[p] = e
+        j = p - first_S[s]
+        entry_row[e] = offset_S[s] + j
+        entry_rank[e] = slot_rank_S[s]
+        if padded:
+            grow[p - n_drop] = cum_S[s] + j
+
+
+@kernel
+def _single_counts(slot_N, slot_rank_S, tok_off_R, K, dedup, scnt, mcnt):
+    """The first pass of a single-hop Plan: scnt int64 [S+1] the entries of each slot (dropped ones,
+    slot -1, in ``scnt[0]``, slot s in ``scnt[s+1]``); mcnt int64 [R*R] the hop's messages per
+    (source, destination) block, source-major (``dedup``: one per (token, destination rank), else
+    one per kept entry). Returns the first entry whose slot is outside [-1, S), else -1 (nothing
+    counted past it)."""
+    S, R = slot_rank_S.size, tok_off_R.size - 1
+    last = np.full(R, -1, np.int64)  # the last token counted towards each destination
+    for r in range(R):
+        for t in range(tok_off_R[r], tok_off_R[r + 1]):
+            for e in range(t * K, t * K + K):
+                s = slot_N[e]
+                if s < -1 or s >= S:
+                    return e
+                scnt[s + 1] += 1
+                if s < 0:
+                    continue
+                d = slot_rank_S[s]
+                mcnt[r * R + d] += not dedup or last[d] != t  # (no branch: see fused_routes._route2_counts)
+                last[d] = t
+    return -1
+
+
+@kernel
+def _single_place(slot_N, slot_rank_S, tok_off_R, K, dedup, first_S, n_drop, offset_S, cum_S, mstart, row0,
+                  order, entry_row, entry_rank, dup, m_srow, expand, grow, row_entry, padded):
+    """The second pass, in entry order; entry e of token t on source rank r, of slot s on rank d, the
+    j-th of its slot in entry order:
+
+    - the counting sort: e goes to place ``first_S[s] + j`` of ``order`` (dropped entries to the
+      places before every slot's, from ``first_S[S]`` = 0, in entry order); its row in d's layout
+      is ``offset_S[s] + j`` (``entry_row``; -1 dropped), its rank d (``entry_rank``; -1 dropped);
+    - the hop: e takes the next message of block (r, d) (``mstart``: int64 [R*R] each block's
+      first message; ``row0``: its first receive row), whose source row ``m_srow`` is t's row on r,
+      or with ``dedup`` its token's earlier message to d (``dup[e]`` True);
+    - the final rows: its global final row ``g = cum_S[s] + j`` is gathered from that message's
+      receive row (``expand[g]``); with ``padded`` also ``grow[place - n_drop] = g`` and
+      ``row_entry[g] = e`` (without padding, ``row_entry`` is the order's kept part).
+
+    A source's messages are one run of the hop's (its blocks, in destination order), written first
+    into a run-sized buffer that stays in cache and then copied: written straight into ``m_srow``
+    each store fetches a line of its own, R runs interleaved being too many for the prefetcher
+    (measured at K3 EP64: ~12 ms per [M] array scattered so, ~1 ms copied)."""
+    S, R = slot_rank_S.size, tok_off_R.size - 1
+    nxt = first_S.copy()
+    nxt_m = mstart.copy()
+    last = np.full(R, -1, np.int64)  # the last token that took a message to each destination
+    last_row = np.zeros(R, np.int64)  # and that message's receive row
+    win = np.empty(0, m_srow.dtype)
+    for r in range(R):
+        m0 = mstart[r * R]
+        m1 = mstart[r * R + R] if r + 1 < R else m_srow.size
+        if m1 - m0 > win.size:
+            win = np.empty(m1 - m0, m_srow.dtype)
+        for t in range(tok_off_R[r], tok_off_R[r + 1]):
+            for e in range(t * K, t * K + K):
+                s = slot_N[e]
+                if s < 0:
+                    p = nxt[S]
+                    nxt[S] = p + 1
+                    order[p] = e
+                    entry_row[e] = -1
+                    entry_rank[e] = -1
+                    dup[e] = False
+                    continue
+                p = nxt[s]
+                nxt[s] = p + 1
+                j = p - first_S[s]
+                g = cum_S[s] + j
+                if (p & 15) == 0 and p + _AHEAD < order.size:
+                    _prefetch_write(order, p + _AHEAD)
+                if (g & 15) == 0 and g + _AHEAD < expand.size:
+                    _prefetch_write(expand, g + _AHEAD)
+                order[p] = e
+                entry_row[e] = offset_S[s] + j
+                d = slot_rank_S[s]
+                entry_rank[e] = d
+                if dedup and last[d] == t:
+                    row = last_row[d]
+                    dup[e] = True
+                else:
+                    b = r * R + d
+                    m = nxt_m[b]
+                    nxt_m[b] = m + 1
+                    row = row0[b] + (m - mstart[b])
+                    win[m - m0] = t - tok_off_R[r]
+                    last[d] = t
+                    last_row[d] = row
+                    dup[e] = False
+                expand[g] = row
+                if padded:
+                    grow[p - n_drop] = g
+                    row_entry[g] = e
+        m_srow[m0:m1] = win[:m1 - m0]
+
+
+@kernel
+def _fill_blocks(cnt, R, row0, m_src, m_dst, m_row):
+    """The messages' source, destination and receive row, block by block (block b = (src, dst),
+    source-major, ``cnt[b]`` messages from receive row ``row0[b]`` on): what
+    ``build.block_messages`` returns, written in message order."""
+    m = 0
+    for b in range(cnt.size):
+        s, d, r0 = b // R, b % R, row0[b]
+        for j in range(cnt[b]):
+            m_src[m] = s
+            m_dst[m] = d
+            m_row[m] = r0 + j
+            m += 1
+
+
+@kernel
+def _run_pieces(key_N, piece_first_X, piece_end_P, piece_slot_P, slot_N):
+    """Entry e of key x, the j-th of x in entry order, gets the slot of x's piece holding j: x's pieces
+    are ``[piece_first_X[x], piece_first_X[x+1])``, piece c ending (exclusive) at ``piece_end_P[c]``
+    entries of x. Returns the first entry whose key is outside [0, X) or beyond its pieces, else -1."""
+    X = piece_first_X.size - 1
+    cur = piece_first_X[:X].copy()  # each key's current piece
+    seen = np.zeros(X, np.int64)  # each key's entries so far
+    for e in range(key_N.size):
+        x = key_N[e]
+        if x < 0 or x >= X:
+            return e
+        j = seen[x]
+        seen[x] = j + 1
+        c = cur[x]
+        while c < piece_first_X[x + 1] and j >= piece_end_P[c]:
+            c += 1
+        if c >= piece_first_X[x + 1]:
+            return e
+        cur[x] = c
+        slot_N[e] = piece_slot_P[c]
+    return -1
+
+
+def split_runs(key_N: np.ndarray, n_keys: int, piece_key_P: np.ndarray, piece_len_P: np.ndarray,
+               piece_slot_P: np.ndarray) -> np.ndarray:
+    """INDEX [N] the slot of each entry when each key's entries, in entry order, are cut into
+    consecutive pieces: the first ``piece_len_P[c]`` entries of key x into the slot of x's first
+    piece c, the next into its second, and so on (``moonep``'s split of an expert's entries over
+    its ranks). piece_key_P: int [P] non-decreasing keys in [0, n_keys) (a key's pieces in order);
+    piece_len_P: int [P] entries of each piece (each key's lengths summing to at least its
+    entries); piece_slot_P: int [P] each piece's slot. One pass in entry order, instead of a stable
+    sort by key and the pieces moved into slot order."""
+    key = np.asarray(key_N).ravel()
+    pk = np.asarray(piece_key_P, dtype=np.int64)
+    X = int(n_keys)
+    if pk.size and (bool((pk[1:] < pk[:-1]).any()) or int(pk[0]) < 0 or int(pk[-1]) >= X):
+        raise PlanError(f"piece keys must be non-decreasing in [0, {X})")
+    first = np.searchsorted(pk, np.arange(X + 1))
+    ln = np.asarray(piece_len_P, dtype=np.int64)
+    end = np.cumsum(ln) - np.repeat(np.concatenate([[0], np.cumsum(ln)])[first[:-1]], np.diff(first))
+    out = np.empty(key.size, dtype=INDEX)
+    _check(_run_pieces(key, first.astype(np.int64), end, np.asarray(piece_slot_P, dtype=np.int64), out),
+           f"entry key (must be in [0, {X}) and within its pieces)")
+    return out
+
+
+def slot_geometry(slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, token_padding: int,
+                  min_rows_S: np.ndarray | None, ranks: int | None):
+    """(padded, cum, offset, rows_R) of a layout, as ``build.sorted_layout`` computes them: each
+    slot's padded rows, its first global row (ranks concatenated), its first row within its rank
+    (int64 [S]); each rank's padded rows (int64 [R])."""
+    S = slot_rank_S.size
+    padded = slot_rows_S if min_rows_S is None else np.maximum(slot_rows_S, min_rows_S)
+    tp = max(int(token_padding), 1)
+    padded = (padded + tp - 1) // tp * tp
+    cum = np.cumsum(padded) - padded
+    R = int(slot_rank_S.max()) + 1 if S else 0
+    first = np.searchsorted(slot_rank_S, np.arange(R))
+    rank_base = np.concatenate([[0], np.cumsum(padded)])[first]
+    offset = cum - rank_base[slot_rank_S] if S else cum
+    nR = R if ranks is None else int(ranks)
+    rows_R = np.bincount(slot_rank_S, weights=padded, minlength=nR).astype(np.int64)
+    return padded, cum, offset, rows_R
+
+
+def _check(at: int, what: str) -> None:
+    if at >= 0:
+        raise PlanError(f"{what} at position {at} must lie in range")
+
+
+def layout_by_slot(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
+                   min_rows_S: np.ndarray | None = None, ranks: int | None = None):
+    """``build.slot_layout`` (with ``with_ranks``) by counting sort: the :class:`~moonep_sim.plan.build.SlotLayout`
+    of the entries' slots (any integer dtype [N], -1 = dropped), its ``entry_rank_N`` included."""
+    slot = np.asarray(entry_slot_N).ravel()
+    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    S, N = slot_rank_S.size, slot.size
+    require_index(N, "entries (tokens x top-k)")
+    cnt = np.zeros(S + 1, dtype=np.int64)
+    _check(_slot_counts(slot, S, cnt), f"entry slot (must be in [-1, {S}))")
+    n_drop, slot_rows = int(cnt[0]), cnt[1:]
+    padded, cum, offset, rows_R = slot_geometry(slot_rows, slot_rank_S, token_padding, min_rows_S, ranks)
+    require_index(int(padded.sum()), "final rows")
+    n_kept = N - n_drop
+    first = np.empty(S + 1, dtype=np.int64)
+    first[:S] = np.cumsum(slot_rows) - slot_rows + n_drop
+    first[S] = 0
+    order = np.empty(N, dtype=INDEX)
+    entry_row = np.empty(N, dtype=INDEX)
+    entry_rank = np.empty(N, dtype=INDEX)
+    pad = int(padded.sum()) != n_kept
+    grow = np.empty(n_kept if pad else 0, dtype=INDEX)
+    _place_by_slot(slot, slot_rank_S, first, offset, cum, order, entry_row, entry_rank, grow, pad)
+    return SlotLayout(slot_rows, padded, offset, entry_row, order, n_drop, rows_R, grow if pad else None, entry_rank)
+
+
+def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R: np.ndarray, top_k: int,
+                    ranks: int, dedup: bool, token_padding: int = 1, min_rows_S: np.ndarray | None = None):
+    """What ``build.plan_from_slots`` computes from the entries' slots, in two passes over them:
+    (lay, hop, entry_dup_N, row_entry_W, expand_src_row_W) -- the layout
+    (:class:`~moonep_sim.plan.build.SlotLayout`, ``entry_rank_N`` included), the hop
+    (``build.single_hop_messages``) and the final rows (``build.final_rows``).
+
+    entry_slot_N: any integer dtype [N], -1 = dropped.  slot_rank_S: int64 [S] sorted, in [0, R).
+    tok_off_R: int64 [R+1] each rank's first token (tokens in rank order, N = T*K).
+    """
+    slot = np.asarray(entry_slot_N).ravel()
+    if slot.dtype.kind not in "iu":
+        slot = slot.astype(np.int64)
+    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    tok_off = np.asarray(tok_off_R, dtype=np.int64)
+    S, N, R, K = slot_rank_S.size, slot.size, int(ranks), max(int(top_k), 1)
+    require_index(N, "entries (tokens x top-k)")
+    if tok_off.size != R + 1 or int(tok_off[-1]) * K != N:
+        raise PlanError(f"token offsets ({tok_off.size} values, {int(tok_off[-1]) if tok_off.size else 0} tokens) "
+                        f"must be R + 1 = {R + 1} values ending at N / K = {N // K}")
+    if S and (int(slot_rank_S.min()) < 0 or int(slot_rank_S.max()) >= R):
+        raise PlanError(f"slot ranks ({int(slot_rank_S.min())}..{int(slot_rank_S.max())}) must lie in [0, {R})")
+    scnt = np.zeros(S + 1, dtype=np.int64)
+    cnt = np.zeros(R * R, dtype=np.int64)
+    _check(_single_counts(slot, slot_rank_S, tok_off, K, bool(dedup), scnt, cnt), f"entry slot (must be in [-1, {S}))")
+    n_drop, slot_rows = int(scnt[0]), scnt[1:]
+    padded, cum, offset, rows_R = slot_geometry(slot_rows, slot_rank_S, token_padding, min_rows_S, R)
+    W = int(padded.sum())
+    require_index(W, "final rows")
+    n_kept = N - n_drop
+    pad = W != n_kept
+    first = np.empty(S + 1, dtype=np.int64)
+    first[:S] = np.cumsum(slot_rows) - slot_rows + n_drop
+    first[S] = 0
+    cnt_RR = cnt.reshape(R, R)
+    per_dst = cnt_RR.sum(axis=0).astype(np.int64)
+    M = int(per_dst.sum())
+    require_index(M, "messages of a hop")
+    mstart = np.cumsum(cnt) - cnt
+    row0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()
+    order, entry_row, entry_rank = (np.empty(N, dtype=INDEX) for _ in range(3))
+    dup = np.empty(N, dtype=bool)
+    m_src, m_dst, m_srow, m_row = (np.empty(M, dtype=INDEX) for _ in range(4))
+    expand = np.full(W, -1, dtype=INDEX) if pad else np.empty(W, dtype=INDEX)
+    grow = np.empty(n_kept if pad else 0, dtype=INDEX)
+    row_entry = np.full(W, -1, dtype=INDEX) if pad else grow
+    _single_place(slot, slot_rank_S, tok_off, K, bool(dedup), first, n_drop, offset, cum, mstart, row0, order,
+                  entry_row, entry_rank, dup, m_srow, expand, grow, row_entry, pad)
+    _fill_blocks(cnt, R, row0, m_src, m_dst, m_row)
+    lay = SlotLayout(slot_rows, padded, offset, entry_row, order, n_drop, rows_R, grow if pad else None, entry_rank)
+    hop = Hop(Scope.GLOBAL, m_src, m_srow, m_dst, m_row, per_dst)
+    return lay, hop, dup, (row_entry if pad else order[n_drop:]), expand
+
+
+__all__ = ["layout_by_slot", "single_hop_plan", "slot_geometry", "split_runs"]
