@@ -156,3 +156,28 @@ def test_kernels_refuse_indices_out_of_range():
         fused.single_hop_plan(np.array([0, 1, 1, 0]), np.array([0, 2]), tok, 2, 2, False)
     with pytest.raises(PlanError, match="token offsets"):
         fused.single_hop_plan(np.array([0, 1, 1, 0]), slot_rank, np.array([0, 1, 3]), 2, 2, False)
+
+
+@pytest.mark.parametrize("R, relays", [(70, 70), (12, 3), (8, 1)])
+@pytest.mark.parametrize("dedup", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("tp", [1, 4])
+def test_two_hop_table_routes_plan_the_same_compiled_and_in_numpy(R, relays, dedup, tp, monkeypatch):
+    """Random [R, R] relay tables (more than 64 relays per source takes the entry-by-entry hop 0,
+    one relay per source makes hop 0 a funnel), every pairing of the two hops' dedup flags."""
+    from moonep_sim.plan import Scope, plan_from_hops, to_final, via
+
+    rng = np.random.default_rng(R * 7 + relays + tp)
+    K, E = 4, 2 * R
+    routing = _layer(rng.integers(0, 9, size=R), K, E, R + tp, 1.3)
+    ctx = _ctx(E, R, 1, tp)
+    table = rng.integers(0, R, size=(R, R)) if relays == R else rng.integers(0, R, size=(R, relays))[
+        :, rng.integers(0, relays, size=R)]
+    hops = [via(table, Scope.GLOBAL, dedup=dedup[0]), to_final(Scope.GLOBAL, dedup=dedup[1])]
+    sr = ctx.placement.slot_rank_S
+    ids = routing.topk_ids_TK
+    plans = []
+    for fused_min in (1 << 62, 0):
+        monkeypatch.setattr(build, "FUSED_MIN", fused_min)
+        plans.append(plan_from_hops(routing, ctx.cluster, COSTS, sr, ctx.placement.slot_expert_S, sr, ids, hops,
+                                    token_padding=tp))
+    assert_same_plan(plans[1], plans[0])

@@ -125,11 +125,8 @@ def _single_counts(slot_N, slot_rank_S, tok_off_R, K, dedup, scnt, mcnt):
                 if s < 0:
                     continue
                 d = slot_rank_S[s]
-                if dedup:
-                    if last[d] == t:
-                        continue
-                    last[d] = t
-                mcnt[r * R + d] += 1
+                mcnt[r * R + d] += not dedup or last[d] != t  # (no branch: see fused_routes._route2_counts)
+                last[d] = t
     return -1
 
 

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from moonep_sim.errors import PlanError
-from moonep_sim.plan import threads
+from moonep_sim.plan import build, threads
 from moonep_sim.plan.assembly import Entries, Padding, Slots
 from moonep_sim.plan.build import final_rows, slot_layout, sorted_layout
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
@@ -421,6 +421,16 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
         if t.size and (int(t.min()) < 0 or int(t.max()) >= R):
             raise PlanError(f"via table values ({int(t.min())}..{int(t.max())}) must be ranks in [0, {R})")
         tables.append(t.astype(np.uint8))
+    if H == 2 and N >= build.FUSED_MIN:
+        # both hops, the layout and the final rows in two compiled passes over the entries
+        # (moonep_sim.plan.fused_routes): the same arrays as below
+        from moonep_sim.plan import fused_routes
+
+        hops, entry_rank, entry_dup, layout = fused_routes.two_hop_plan(entry_slot_N, slot_rank_S, tables[0], tok_off,
+                                                                        routing.top_k, R, scopes, dedup, token_padding)
+        return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slot_expert_S, slot_home_S),
+                             Entries(entry_slot_N, None, entry_dup, rank_N=entry_rank), hops,
+                             padding=Padding(token_padding), options=options, layout=layout, **extra)
     # the slot sort and layout depend on the slots alone: on a second thread beside the hops (the
     # same Plan either way; numpy's loops release the GIL, so the wall time falls on two cores)
     layout_job = threads.Beside(slot_layout, entry_slot_N, slot_rank_S, token_padding, None, R,
