@@ -265,6 +265,43 @@ def split_runs(key_N: np.ndarray, n_keys: int, piece_key_P: np.ndarray, piece_le
     return out
 
 
+@kernel
+def _distinct_per_group(key_N, value_X, G, out):
+    """out[t]: the distinct ``value_X[key]`` (each in [0, 64)) among the keys ``key_N[t*G:(t+1)*G]``,
+    counted as the bits of their OR-ed bit set. Returns the first entry whose key is outside
+    [0, X), else -1."""
+    X = value_X.size
+    one = np.uint64(1)
+    for t in range(out.size):
+        mask = np.uint64(0)
+        for e in range(t * G, t * G + G):
+            x = key_N[e]
+            if x < 0 or x >= X:
+                return e
+            mask |= one << np.uint64(value_X[x])
+        # the set bits of mask (SWAR popcount)
+        mask = mask - ((mask >> np.uint64(1)) & np.uint64(0x5555555555555555))
+        mask = (mask & np.uint64(0x3333333333333333)) + ((mask >> np.uint64(2)) & np.uint64(0x3333333333333333))
+        mask = (mask + (mask >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+        out[t] = (mask * np.uint64(0x0101010101010101)) >> np.uint64(56)
+    return -1
+
+
+def distinct_per_token(key_TK: np.ndarray, value_X: np.ndarray) -> np.ndarray:
+    """int64 [T]: the distinct ``value_X[key]`` among each token's K keys (``deepep``'s nodes per
+    token from the entries' slots and the slots' nodes), in one pass over the entries instead of a
+    gather and a bit set per entry. value_X: int [X] values in [0, 64)."""
+    key = np.asarray(key_TK)
+    T = key.shape[0]
+    K = key.shape[1] if key.ndim == 2 else 1
+    val = np.asarray(value_X, dtype=np.int64)
+    if val.size and (int(val.min()) < 0 or int(val.max()) >= 64):
+        raise PlanError(f"values ({int(val.min())}..{int(val.max())}) must lie in [0, 64) to be counted as bits")
+    out = np.zeros(T, dtype=np.int64)
+    _check(_distinct_per_group(key.reshape(-1), val, K, out), f"key (must be in [0, {val.size}))")
+    return out
+
+
 def slot_geometry(slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, token_padding: int,
                   min_rows_S: np.ndarray | None, ranks: int | None):
     """(padded, cum, offset, rows_R) of a layout, as ``build.sorted_layout`` computes them: each
@@ -369,4 +406,4 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
     return lay, hop, dup, (row_entry if pad else order[n_drop:]), expand
 
 
-__all__ = ["layout_by_slot", "single_hop_plan", "slot_geometry", "split_runs"]
+__all__ = ["distinct_per_token", "layout_by_slot", "single_hop_plan", "slot_geometry", "split_runs"]
