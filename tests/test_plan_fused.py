@@ -126,9 +126,9 @@ def test_layout_by_slot_equals_the_numpy_layout_with_drops_and_minimum_rows():
     slot[rng.random(N) < 0.3] = -1
     slot_rank = np.array([0, 0, 1, 1, 1, 3, 3, 4, 4])
     min_rows = rng.integers(0, 90, size=S)
-    for tp in (1, 4):
-        a = fused.layout_by_slot(slot.astype(np.int16), slot_rank, tp, min_rows, 6)
-        b = build.sorted_layout(*_sorted(slot, S), slot_rank, tp, min_rows, 6, with_ranks=True)
+    for tp, with_ranks in ((1, True), (4, True), (1, False), (4, False)):
+        a = fused.layout_by_slot(slot.astype(np.int16), slot_rank, tp, min_rows, 6, with_ranks=with_ranks)
+        b = build.sorted_layout(*_sorted(slot, S), slot_rank, tp, min_rows, 6, with_ranks=with_ranks)
         for f in ("slot_rows_S", "slot_padded_S", "slot_offset_S", "entry_row_N", "order_N", "rows_R", "grow_K",
                   "entry_rank_N"):
             x, y = getattr(a, f), getattr(b, f)

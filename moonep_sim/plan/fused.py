@@ -64,6 +64,7 @@ def _prefetch_write(typingctx, arr, idx):
 #: 64-byte lines); asked once per line, when a stream's store reaches a line's start
 _AHEAD = 32
 
+
 @kernel
 def _slot_counts(slot_N, S, cnt):
     """cnt int64 [S+1]: dropped entries (slot -1) in ``cnt[0]``, slot s in ``cnt[s+1]``. Returns the
@@ -77,11 +78,12 @@ def _slot_counts(slot_N, S, cnt):
 
 
 @kernel
-def _place_by_slot(slot_N, slot_rank_S, first_S, offset_S, cum_S, order, entry_row, entry_rank, grow, padded):
+def _place_by_slot(slot_N, slot_rank_S, first_S, offset_S, cum_S, order, entry_row, entry_rank, grow, padded,
+                   with_rank):
     """The counting sort's second pass: entry e of slot s (the j-th of its slot in entry order) goes to
     place ``first_S[s] + j`` of ``order`` (dropped entries, slot -1, to the places before every
     slot's, in entry order: ``first_S[-1]`` is 0 there); its row in its rank's layout is
-    ``offset_S[s] + j`` (-1 dropped), its rank ``slot_rank_S[s]`` (-1 dropped); with ``padded`` its
+    ``offset_S[s] + j`` (-1 dropped), with ``with_rank`` its rank ``slot_rank_S[s]`` (-1 dropped); with ``padded`` its
     global final row ``cum_S[s] + j`` is written at ``grow[place - n_drop]``. first_S: int64 [S+1],
     the dropped entries' first place (0) last."""
     S = slot_rank_S.size
@@ -94,14 +96,18 @@ def _place_by_slot(slot_N, slot_rank_S, first_S, offset_S, cum_S, order, entry_r
             nxt[S] = p + 1
             order[p] = e
             entry_row[e] = -1
-            entry_rank[e] = -1
+            if with_rank:
+                entry_rank[e] = -1
             continue
         p = nxt[s]
         nxt[s] = p + 1
+        if (p & 15) == 0 and p + _AHEAD < order.size:
+            _prefetch_write(order, p + _AHEAD)
         order[p] = e
         j = p - first_S[s]
         entry_row[e] = offset_S[s] + j
-        entry_rank[e] = slot_rank_S[s]
+        if with_rank:
+            entry_rank[e] = slot_rank_S[s]
         if padded:
             grow[p - n_drop] = cum_S[s] + j
 
@@ -327,10 +333,13 @@ def _check(at: int, what: str) -> None:
 
 
 def layout_by_slot(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
-                   min_rows_S: np.ndarray | None = None, ranks: int | None = None):
-    """``build.slot_layout`` (with ``with_ranks``) by counting sort: the :class:`~moonep_sim.plan.build.SlotLayout`
-    of the entries' slots (any integer dtype [N], -1 = dropped), its ``entry_rank_N`` included."""
+                   min_rows_S: np.ndarray | None = None, ranks: int | None = None, with_ranks: bool = False):
+    """``build.slot_layout`` by counting sort, in two passes over the entries: the
+    :class:`~moonep_sim.plan.assembly.SlotLayout` of the entries' slots (any integer dtype [N], -1 =
+    dropped), with ``with_ranks`` its ``entry_rank_N`` too."""
     slot = np.asarray(entry_slot_N).ravel()
+    if slot.dtype.kind not in "iu":
+        slot = slot.astype(np.int64)
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
     S, N = slot_rank_S.size, slot.size
     require_index(N, "entries (tokens x top-k)")
@@ -345,11 +354,12 @@ def layout_by_slot(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padd
     first[S] = 0
     order = np.empty(N, dtype=INDEX)
     entry_row = np.empty(N, dtype=INDEX)
-    entry_rank = np.empty(N, dtype=INDEX)
+    entry_rank = np.empty(N if with_ranks else 0, dtype=INDEX)
     pad = int(padded.sum()) != n_kept
     grow = np.empty(n_kept if pad else 0, dtype=INDEX)
-    _place_by_slot(slot, slot_rank_S, first, offset, cum, order, entry_row, entry_rank, grow, pad)
-    return SlotLayout(slot_rows, padded, offset, entry_row, order, n_drop, rows_R, grow if pad else None, entry_rank)
+    _place_by_slot(slot, slot_rank_S, first, offset, cum, order, entry_row, entry_rank, grow, pad, with_ranks)
+    return SlotLayout(slot_rows, padded, offset, entry_row, order, n_drop, rows_R, grow if pad else None,
+                      entry_rank if with_ranks else None)
 
 
 def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R: np.ndarray, top_k: int,
