@@ -248,6 +248,9 @@ def run(case: str, strategies: list[str], distinct: int, jobs: int, moe_layers: 
             # main thread's); the main thread's wait for Plans; the layers' CPU over every thread
             "main_wait_s": piped["wait_s"] if piped else None,
             "routings_on_main": piped["routings_on_main"] if piped else None,
+            # each thread's own CPU seconds over the layers: the larger is what two free cores need
+            "main_thread_cpu_s": piped["main_cpu_s"] if piped else None,
+            "second_thread_cpu_s": piped["second_cpu_s"] if piped else None,
             "layers_cpu_s": k.get("layers"), "layers_wall_s": d["wall_seconds"]["layers_wall"],
             # this strategy's own share: the (shared) routing, its planning, simulation and composition
             "strategy_cpu_s": k["routing"] + k["plan"] + k["simulate"] + k["compose"],
@@ -288,7 +291,7 @@ def pipeline_table(rows: list[dict]) -> str:
     """Serial against pipelined runs of the same (case, strategy, distinct, repeat): wall, CPU, the
     load, wall serial / pipelined, and whether the step times are identical."""
     head = (f"{'case':34s} {'strategy':9s} {'rep':>3s} | {'serial wall':>11s} {'cpu':>6s} | {'piped wall':>10s} "
-            f"{'cpu':>6s} {'wait':>5s} | {'ratio':>5s} {'load':>9s} {'same':>4s}")
+            f"{'cpu':>6s} {'main':>6s} {'2nd':>6s} {'wait':>5s} | {'ratio':>5s} {'load':>9s} {'same':>4s}")
     out = [head]
     key = lambda r: (r["case"], r["strategy"], r["distinct_layers"], r["repeat"])
     by: dict = {}
@@ -299,10 +302,12 @@ def pipeline_table(rows: list[dict]) -> str:
             a, b = pair[False], pair[True]
             load = f"{min(a['load_start'], b['load_start']):.1f}-{max(a['load_end'], b['load_end']):.1f}"
             out.append(f"{k[0][:34]:34s} {k[1]:9s} {k[3]:3d} | {a['wall_s']:11.2f} {a['cpu_s']:6.2f} | "
-                       f"{b['wall_s']:10.2f} {b['cpu_s']:6.2f} {b['main_wait_s']:5.2f} | "
+                       f"{b['wall_s']:10.2f} {b['cpu_s']:6.2f} {b['main_thread_cpu_s']:6.2f} "
+                       f"{b['second_thread_cpu_s']:6.2f} {b['main_wait_s']:5.2f} | "
                        f"{a['wall_s'] / b['wall_s']:5.2f} {load:>9s} "
                        f"{'yes' if a['step_time_us'] == b['step_time_us'] else 'NO':>4s}")
-    return "\n".join(out) + "\n(wall and CPU seconds; wait: the main thread's seconds waiting for Plans)"
+    return "\n".join(out) + ("\n(wall and CPU seconds; main, 2nd: each thread's own CPU seconds over the layers, "
+                             "the larger what two free cores need; wait: the main thread's seconds waiting for Plans)")
 
 
 def routing_only(case: str, moe_layers: int = 0) -> dict:

@@ -116,7 +116,7 @@ def test_pipeline_pairs_give_identical_steps_and_a_table(bench, capsys, tmp_path
     assert [(r["repeat"], r["pipelined"]) for r in rows] == [(0, False), (0, True), (1, True), (1, False)]
     for r in rows:
         assert r["wall_s"] > 0 and r["cpu_s"] > 0 and r["layers_cpu_s"] > 0
-        assert (r["main_wait_s"] is None) == (not r["pipelined"])
+        assert (r["main_wait_s"] is None) == (r["main_thread_cpu_s"] is None) == (not r["pipelined"])
         assert r["step_time_us"] == rows[0]["step_time_us"]
     table = capsys.readouterr().out.splitlines()
     pairs = [l for l in table if l.startswith("tiny-train")]

@@ -14,6 +14,7 @@ run in parallel and only their small results come back.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -306,6 +307,7 @@ class _Pipeline:
         self.stop = False
         self.failed = False
         self.scan = 0              # every task before order[scan] is claimed
+        self.second_cpu_s = 0.0    # the second thread's CPU seconds, when it returned
 
     def _routing(self, i: int) -> tuple[list[GlobalRouting], float, float]:
         return _layer_parts(self.work[i], time.thread_time)
@@ -354,7 +356,7 @@ class _Pipeline:
         """The first unclaimed task allowed ahead (under the condition), claimed; None if none."""
         while self.scan < len(self.order) and self.order[self.scan].claimed:
             self.scan += 1
-        for t in self.order[self.scan:]:
+        for t in itertools.islice(self.order, self.scan, None):
             kind, n = self.bound_of[id(t)]
             # this thread takes only a routing the second thread needs after its next layer's: one it
             # would otherwise wait for here would stall the second thread instead
@@ -369,14 +371,18 @@ class _Pipeline:
     def builder(self) -> None:
         """The second thread: every task in the serial order, within the bound, until stopped or a
         task failed (this thread then claims the tasks it reaches itself)."""
-        while True:
-            with self.cond:
-                t = None
-                while not self.stop and not self.failed and (t := self._next(False)) is None:
-                    self.cond.wait()
-                if t is None:
-                    return
-            self._run(t)
+        c0 = time.thread_time()
+        try:
+            while True:
+                with self.cond:
+                    t = None
+                    while not self.stop and not self.failed and (t := self._next(False)) is None:
+                        self.cond.wait()
+                    if t is None:
+                        return
+                self._run(t)
+        finally:
+            self.second_cpu_s = time.thread_time() - c0
 
     def plan_for(self, j: int) -> tuple[tuple[Any, float, float], float, int]:
         """Unit ``j``'s Plan for this thread: made here if nobody started it; while the second
@@ -413,20 +419,22 @@ def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str], None] 
     :class:`~concurrent.futures.ThreadPoolExecutor` worker) generates the layers' routings and
     makes their Plans in the serial order, at most ``ahead`` Plans (and the routings of one more
     layer) ahead of the Plan this thread simulates; while this thread would wait for a Plan it
-    generates a routing ahead itself (one the second thread needs only after its next layer's). Each routing and Plan is made once, by either thread: the same
-    call on the same inputs as serially, so the results are the serial loop's (kept in its order).
+    generates a routing ahead itself (one the second thread needs only after its next layer's).
+    Each routing and Plan is made once, by either thread: the same call on the same inputs as
+    serially, so the results are the serial loop's (kept in its order).
     The first error in the serial order is the one raised: each piece's error is kept until this
     thread reaches it; the second thread stops at the first failure and is joined before the error
     propagates (nothing left running). CPU seconds per part are the thread's own that ran it
     (``time.thread_time``). Returns the results and the pipeline's figures: this thread's seconds
-    waiting for Plans, the routings it built, the layers' process CPU (all threads)."""
+    waiting for Plans, the routings it built, the layers' process CPU (all threads), and each
+    thread's own CPU seconds over the layers (the larger is the wall time two free cores need)."""
     from concurrent.futures import ThreadPoolExecutor
 
     require(ahead >= 1, f"pipeline lookahead ({ahead}) must be >= 1 Plan")
     pipe = _Pipeline(work, ahead)
     done: list[dict] = [{} for _ in work]
     wait, stolen = 0.0, 0
-    c0 = time.process_time()
+    c0, m0 = time.process_time(), time.thread_time()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moonep-step") as pool:
         second = pool.submit(pipe.builder)
         try:
@@ -443,7 +451,8 @@ def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str], None] 
             pipe.close()
     second.result()  # the second thread's own failure (not a piece's: those are kept), if any
     out = [RoutingDone(d, *pipe.R[i].value[1:]) for i, d in enumerate(done)]
-    return out, {"wait_s": wait, "routings_here": stolen, "layers_cpu_s": time.process_time() - c0}
+    return out, {"wait_s": wait, "routings_here": stolen, "layers_cpu_s": time.process_time() - c0,
+                 "main_cpu_s": time.thread_time() - m0, "second_cpu_s": pipe.second_cpu_s}
 
 
 def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str], None] | None = None,
@@ -491,7 +500,8 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
     if map_fn is None and pipeline and work:
         done, piped = pipelined_layer_work(work, progress)
         piped = {"threads": 2, "ahead_plans": PIPELINE_AHEAD, "wait_s": piped["wait_s"],
-                 "routings_on_main": piped["routings_here"]}
+                 "routings_on_main": piped["routings_here"], "main_cpu_s": piped["main_cpu_s"],
+                 "second_cpu_s": piped["second_cpu_s"]}
     elif map_fn is None:
         done = []
         for i in range(len(work)):
