@@ -126,9 +126,9 @@ def test_layout_by_slot_equals_the_numpy_layout_with_drops_and_minimum_rows():
     slot[rng.random(N) < 0.3] = -1
     slot_rank = np.array([0, 0, 1, 1, 1, 3, 3, 4, 4])
     min_rows = rng.integers(0, 90, size=S)
-    for tp in (1, 4):
-        a = fused.layout_by_slot(slot.astype(np.int16), slot_rank, tp, min_rows, 6)
-        b = build.sorted_layout(*_sorted(slot, S), slot_rank, tp, min_rows, 6, with_ranks=True)
+    for tp, with_ranks in ((1, True), (4, True), (1, False), (4, False)):
+        a = fused.layout_by_slot(slot.astype(np.int16), slot_rank, tp, min_rows, 6, with_ranks=with_ranks)
+        b = build.sorted_layout(*_sorted(slot, S), slot_rank, tp, min_rows, 6, with_ranks=with_ranks)
         for f in ("slot_rows_S", "slot_padded_S", "slot_offset_S", "entry_row_N", "order_N", "rows_R", "grow_K",
                   "entry_rank_N"):
             x, y = getattr(a, f), getattr(b, f)
@@ -181,3 +181,19 @@ def test_two_hop_table_routes_plan_the_same_compiled_and_in_numpy(R, relays, ded
         plans.append(plan_from_hops(routing, ctx.cluster, COSTS, sr, ctx.placement.slot_expert_S, sr, ids, hops,
                                     token_padding=tp))
     assert_same_plan(plans[1], plans[0])
+
+
+@pytest.mark.parametrize("T, K, X, hi", [(0, 4, 5, 3), (1, 1, 3, 1), (300, 16, 896, 8), (200, 6, 70, 64)])
+def test_distinct_per_token_equals_deepep_nodes_per_token(T, K, X, hi):
+    from moonep_sim.strategies.deepep import nodes_per_token_T
+
+    rng = np.random.default_rng(T + K + X)
+    key = rng.integers(0, X, size=(T, K))
+    value = rng.integers(0, hi, size=X)
+    got = fused.distinct_per_token(key, value)
+    assert got.dtype == np.int64 and np.array_equal(got, nodes_per_token_T(value[key]))
+    with pytest.raises(PlanError, match="must lie in"):
+        fused.distinct_per_token(key, np.full(X, 64))
+    if key.size:
+        with pytest.raises(PlanError, match="key"):
+            fused.distinct_per_token(key + X, value)
