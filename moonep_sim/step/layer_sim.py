@@ -122,7 +122,7 @@ def simulate_moe_layer(plan: Plan, model: ModelSpec, topo: Topology, costs: Cost
     for si, (_, prog) in enumerate(sim.stages):  # the step's cost model prices the routed experts
         prog.compute_R = costs.expert_us_R(plan, model, backward=(prog.direction == Direction.BACKWARD))
     sim.build()
-    sim.env.run()
+    sim.run()
     rec = sim.net.records()
     require(not np.isnan(rec["end"]).any(), "simulation ended with unfinished transfers (internal error)", ConfigError)
     spans = _span_ends(sim)
