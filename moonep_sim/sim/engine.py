@@ -26,6 +26,7 @@ each flow record names its phase's kind; every local span is a typed :class:`Spa
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple, Sequence
@@ -45,6 +46,23 @@ from moonep_sim.sim.network import FlowNetwork, PortMap
 from moonep_sim.sim.options import SimOptions
 from moonep_sim.sim.program import StageProgram, stage_program
 from moonep_sim.sim.topology import Topology
+
+
+@contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector paused inside, restored as it was on leaving. A
+    simulation allocates per step an event, its callback list and a generator frame that it holds
+    to its end, so the collections those allocations trigger find nothing to free (a fifth of a
+    V3 EP32 decode layer's simulation outside the network's ticks, and of the ticks). The run's
+    own cycles are freed at the next collection after it. Nests, and is safe beside another
+    thread doing the same (whoever found it enabled enables it again)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -289,17 +307,9 @@ class StepSim:
 
     def run(self) -> None:
         """Run the built processes to the end (``env.run()``) with Python's cyclic garbage
-        collector paused, and restored as it was: every step of a run allocates an event, its
-        callback list and a generator frame that the run holds to its end, so the collections the
-        allocations trigger find nothing to free (a fifth of a V3 EP32 decode layer's simulation
-        outside the network's ticks). The run's own cycles are freed at the next collection."""
-        was = gc.isenabled()
-        gc.disable()
-        try:
+        collector paused (:func:`collector_paused`)."""
+        with collector_paused():
             self.env.run()
-        finally:
-            if was:
-                gc.enable()
 
     # -- the processes -------------------------------------------------------------------
     def build(self) -> None:
@@ -540,5 +550,5 @@ def _as_lists(mats: list | None) -> list | None:
     return None if mats is None else [m.tolist() for m in mats]
 
 
-__all__ = ["FirstMessage", "Gate", "HopKey", "KernelTerms", "PhaseRows", "PhaseTag", "Side", "SideKey", "Span", "Stage",
-           "StepSim"]
+__all__ = ["AllOrAny", "FirstMessage", "Gate", "HopKey", "KernelTerms", "PhaseRows", "PhaseTag", "Side", "SideKey", "Span",
+           "Stage", "StepSim", "collector_paused"]
