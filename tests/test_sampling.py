@@ -170,7 +170,10 @@ class _ZeroExponentials:
     def __init__(self, seed):
         self.rng = np.random.default_rng(seed)
 
-    def standard_exponential(self, size, dtype=np.float64):
+    def standard_exponential(self, size=None, dtype=np.float64, out=None):
+        if out is not None:                       # the plain path draws into its [K, T] array
+            out[...] = 0
+            return out
         return np.zeros(size, dtype)
 
     def __getattr__(self, name):

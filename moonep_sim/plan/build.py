@@ -138,7 +138,13 @@ def slot_sort_positions(entry_slot_N: np.ndarray, num_slots: int) -> tuple[np.nd
 def slot_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
                 min_rows_S: np.ndarray | None = None, ranks: int | None = None,
                 scratch: list | None = None) -> SlotLayout:
-    """:func:`sorted_layout` of the entries' slots (int64 or INDEX [N], -1 = dropped): sorts them first."""
+    """:func:`sorted_layout` of the entries' slots (int64 or INDEX [N], -1 = dropped): sorts them first
+    (from :data:`FUSED_MIN` entries by the compiled counting sort ``fused.layout_by_slot``: the same
+    layout)."""
+    if np.size(entry_slot_N) >= FUSED_MIN:
+        from moonep_sim.plan import fused
+
+        return fused.layout_by_slot(entry_slot_N, slot_rank_S, token_padding, min_rows_S, ranks)
     order, n_drop, slot_rows, pos = slot_sort_positions(entry_slot_N, slot_rank_S.size)
     return sorted_layout(order, n_drop, slot_rows, slot_rank_S, token_padding, min_rows_S, ranks, scratch=scratch,
                          placed=(entry_slot_N, pos))

@@ -64,6 +64,7 @@ def _prefetch_write(typingctx, arr, idx):
 #: 64-byte lines); asked once per line, when a stream's store reaches a line's start
 _AHEAD = 32
 
+
 @kernel
 def _slot_counts(slot_N, S, cnt):
     """cnt int64 [S+1]: dropped entries (slot -1) in ``cnt[0]``, slot s in ``cnt[s+1]``. Returns the
@@ -77,11 +78,12 @@ def _slot_counts(slot_N, S, cnt):
 
 
 @kernel
-def _place_by_slot(slot_N, slot_rank_S, first_S, offset_S, cum_S, order, entry_row, entry_rank, grow, padded):
+def _place_by_slot(slot_N, slot_rank_S, first_S, offset_S, cum_S, order, entry_row, entry_rank, grow, padded,
+                   with_rank):
     """The counting sort's second pass: entry e of slot s (the j-th of its slot in entry order) goes to
     place ``first_S[s] + j`` of ``order`` (dropped entries, slot -1, to the places before every
     slot's, in entry order: ``first_S[-1]`` is 0 there); its row in its rank's layout is
-    ``offset_S[s] + j`` (-1 dropped), its rank ``slot_rank_S[s]`` (-1 dropped); with ``padded`` its
+    ``offset_S[s] + j`` (-1 dropped), with ``with_rank`` its rank ``slot_rank_S[s]`` (-1 dropped); with ``padded`` its
     global final row ``cum_S[s] + j`` is written at ``grow[place - n_drop]``. first_S: int64 [S+1],
     the dropped entries' first place (0) last."""
     S = slot_rank_S.size
@@ -94,14 +96,18 @@ def _place_by_slot(slot_N, slot_rank_S, first_S, offset_S, cum_S, order, entry_r
             nxt[S] = p + 1
             order[p] = e
             entry_row[e] = -1
-            entry_rank[e] = -1
+            if with_rank:
+                entry_rank[e] = -1
             continue
         p = nxt[s]
         nxt[s] = p + 1
+        if (p & 15) == 0 and p + _AHEAD < order.size:
+            _prefetch_write(order, p + _AHEAD)
         order[p] = e
         j = p - first_S[s]
         entry_row[e] = offset_S[s] + j
-        entry_rank[e] = slot_rank_S[s]
+        if with_rank:
+            entry_rank[e] = slot_rank_S[s]
         if padded:
             grow[p - n_drop] = cum_S[s] + j
 
@@ -265,6 +271,76 @@ def split_runs(key_N: np.ndarray, n_keys: int, piece_key_P: np.ndarray, piece_le
     return out
 
 
+@kernel
+def _run_cycle(key_N, rep_first_X, rep_count_X, rep_slot_P, slot_N):
+    """Entry e of key x, the j-th of x in entry order, gets the slot ``rep_slot_P[rep_first_X[x] + j %
+    rep_count_X[x]]``. Returns the first entry whose key is outside [0, X) or has no slot, else -1."""
+    X = rep_first_X.size
+    seen = np.zeros(X, np.int64)  # each key's entries so far
+    for e in range(key_N.size):
+        x = key_N[e]
+        if x < 0 or x >= X or rep_count_X[x] <= 0:
+            return e
+        j = seen[x]
+        seen[x] = j + 1
+        slot_N[e] = rep_slot_P[rep_first_X[x] + j % rep_count_X[x]]
+    return -1
+
+
+def cycle_runs(key_N: np.ndarray, n_keys: int, rep_key_P: np.ndarray, rep_slot_P: np.ndarray) -> np.ndarray:
+    """INDEX [N] the slot of each entry when each key's entries, in entry order, are dealt round-robin
+    over its slots: the j-th entry of key x to x's slot ``j % c_x`` (``eplb``'s ``round_robin``
+    choice of replicas). rep_key_P: int [P] non-decreasing keys in [0, n_keys); rep_slot_P: int [P]
+    the slots of each key in that order."""
+    key = np.asarray(key_N).ravel()
+    pk = np.asarray(rep_key_P, dtype=np.int64)
+    X = int(n_keys)
+    if pk.size and (bool((pk[1:] < pk[:-1]).any()) or int(pk[0]) < 0 or int(pk[-1]) >= X):
+        raise PlanError(f"replica keys must be non-decreasing in [0, {X})")
+    first = np.searchsorted(pk, np.arange(X + 1))
+    out = np.empty(key.size, dtype=INDEX)
+    _check(_run_cycle(key, first[:-1].astype(np.int64), np.diff(first).astype(np.int64),
+                      np.asarray(rep_slot_P, dtype=np.int64), out), f"entry key (must be in [0, {X}) with a slot)")
+    return out
+
+
+@kernel
+def _distinct_per_group(key_N, value_X, G, out):
+    """out[t]: the distinct ``value_X[key]`` (each in [0, 64)) among the keys ``key_N[t*G:(t+1)*G]``,
+    counted as the bits of their OR-ed bit set. Returns the first entry whose key is outside
+    [0, X), else -1."""
+    X = value_X.size
+    one = np.uint64(1)
+    for t in range(out.size):
+        mask = np.uint64(0)
+        for e in range(t * G, t * G + G):
+            x = key_N[e]
+            if x < 0 or x >= X:
+                return e
+            mask |= one << np.uint64(value_X[x])
+        # the set bits of mask (SWAR popcount)
+        mask = mask - ((mask >> np.uint64(1)) & np.uint64(0x5555555555555555))
+        mask = (mask & np.uint64(0x3333333333333333)) + ((mask >> np.uint64(2)) & np.uint64(0x3333333333333333))
+        mask = (mask + (mask >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+        out[t] = (mask * np.uint64(0x0101010101010101)) >> np.uint64(56)
+    return -1
+
+
+def distinct_per_token(key_TK: np.ndarray, value_X: np.ndarray) -> np.ndarray:
+    """int64 [T]: the distinct ``value_X[key]`` among each token's K keys (``deepep``'s nodes per
+    token from the entries' slots and the slots' nodes), in one pass over the entries instead of a
+    gather and a bit set per entry. value_X: int [X] values in [0, 64)."""
+    key = np.asarray(key_TK)
+    T = key.shape[0]
+    K = key.shape[1] if key.ndim == 2 else 1
+    val = np.asarray(value_X, dtype=np.int64)
+    if val.size and (int(val.min()) < 0 or int(val.max()) >= 64):
+        raise PlanError(f"values ({int(val.min())}..{int(val.max())}) must lie in [0, 64) to be counted as bits")
+    out = np.zeros(T, dtype=np.int64)
+    _check(_distinct_per_group(key.reshape(-1), val, K, out), f"key (must be in [0, {val.size}))")
+    return out
+
+
 def slot_geometry(slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, token_padding: int,
                   min_rows_S: np.ndarray | None, ranks: int | None):
     """(padded, cum, offset, rows_R) of a layout, as ``build.sorted_layout`` computes them: each
@@ -290,10 +366,13 @@ def _check(at: int, what: str) -> None:
 
 
 def layout_by_slot(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
-                   min_rows_S: np.ndarray | None = None, ranks: int | None = None):
-    """``build.slot_layout`` (with ``with_ranks``) by counting sort: the :class:`~moonep_sim.plan.build.SlotLayout`
-    of the entries' slots (any integer dtype [N], -1 = dropped), its ``entry_rank_N`` included."""
+                   min_rows_S: np.ndarray | None = None, ranks: int | None = None, with_ranks: bool = False):
+    """``build.slot_layout`` by counting sort, in two passes over the entries: the
+    :class:`~moonep_sim.plan.assembly.SlotLayout` of the entries' slots (any integer dtype [N], -1 =
+    dropped), with ``with_ranks`` its ``entry_rank_N`` too."""
     slot = np.asarray(entry_slot_N).ravel()
+    if slot.dtype.kind not in "iu":
+        slot = slot.astype(np.int64)
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
     S, N = slot_rank_S.size, slot.size
     require_index(N, "entries (tokens x top-k)")
@@ -308,11 +387,12 @@ def layout_by_slot(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padd
     first[S] = 0
     order = np.empty(N, dtype=INDEX)
     entry_row = np.empty(N, dtype=INDEX)
-    entry_rank = np.empty(N, dtype=INDEX)
+    entry_rank = np.empty(N if with_ranks else 0, dtype=INDEX)
     pad = int(padded.sum()) != n_kept
     grow = np.empty(n_kept if pad else 0, dtype=INDEX)
-    _place_by_slot(slot, slot_rank_S, first, offset, cum, order, entry_row, entry_rank, grow, pad)
-    return SlotLayout(slot_rows, padded, offset, entry_row, order, n_drop, rows_R, grow if pad else None, entry_rank)
+    _place_by_slot(slot, slot_rank_S, first, offset, cum, order, entry_row, entry_rank, grow, pad, with_ranks)
+    return SlotLayout(slot_rows, padded, offset, entry_row, order, n_drop, rows_R, grow if pad else None,
+                      entry_rank if with_ranks else None)
 
 
 def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R: np.ndarray, top_k: int,
@@ -332,9 +412,9 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
     tok_off = np.asarray(tok_off_R, dtype=np.int64)
     S, N, R, K = slot_rank_S.size, slot.size, int(ranks), max(int(top_k), 1)
     require_index(N, "entries (tokens x top-k)")
-    if tok_off.size != R + 1 or int(tok_off[-1]) * K != N:
+    if tok_off.size != R + 1 or int(tok_off[-1]) * K != N or bool((np.diff(tok_off) < 0).any()) or tok_off[0] != 0:
         raise PlanError(f"token offsets ({tok_off.size} values, {int(tok_off[-1]) if tok_off.size else 0} tokens) "
-                        f"must be R + 1 = {R + 1} values ending at N / K = {N // K}")
+                        f"must be R + 1 = {R + 1} non-decreasing values from 0 to N / K = {N // K}")
     if S and (int(slot_rank_S.min()) < 0 or int(slot_rank_S.max()) >= R):
         raise PlanError(f"slot ranks ({int(slot_rank_S.min())}..{int(slot_rank_S.max())}) must lie in [0, {R})")
     scnt = np.zeros(S + 1, dtype=np.int64)
@@ -369,4 +449,4 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
     return lay, hop, dup, (row_entry if pad else order[n_drop:]), expand
 
 
-__all__ = ["layout_by_slot", "single_hop_plan", "slot_geometry", "split_runs"]
+__all__ = ["cycle_runs", "distinct_per_token", "layout_by_slot", "single_hop_plan", "slot_geometry", "split_runs"]

@@ -272,7 +272,9 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
             (ids, c), w, lg = pl_ids_again(logp(math.exp(log_sigma)), top_k, tokens, redraw), None, None
         else:
             ids, w, lg = draw(math.exp(log_sigma))
-            c = np.bincount(ids.ravel(), minlength=E)
+            c = redraw.pop("counts", None)  # counted by the sampler's kernels (plain fast path), else here
+            if c is None:
+                c = np.bincount(ids.ravel(), minlength=E)
         mv = maxvio_of(c)
         err = abs(mv / target - 1)
         if not evals or err < min(e[0] for e in evals):

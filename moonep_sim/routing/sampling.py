@@ -40,6 +40,11 @@ import math
 
 import numpy as np
 
+from moonep_sim.routing import sampling_kernels as _kn
+
+#: the compiled kernels (sampling_kernels.py) do the per-token work; False runs the numpy reference
+#: they are held against (the same draws bit for bit: tests/test_sampling_kernels.py)
+KERNELS = True
 CHUNK_ELEMS = 1 << 22      # tokens per chunk = CHUNK_ELEMS // E (fixed: results never depend on the machine)
 LOGP_FLOOR = -80.0         # log-popularity clipped here (exp stays a normal float32)
 _REJECT_ROUNDS = 6         # rejection rounds per position before a row's exact remainder draw
@@ -87,7 +92,18 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
             x = rng.standard_exponential((n, E), dtype=np.float32)
             if noise is not None:
                 noise["x"] = x
-        if grouped or with_logits:
+        fast = KERNELS and not with_logits and K < E and (not grouped or E // groups >= 2)
+        if fast:                                       # the kernels: the same keys' K smallest, per token
+            if grouped:
+                if noise is not None:
+                    if "log" not in noise:
+                        noise["log"] = np.log(np.maximum(x, np.float32(1e-30)))
+                    logx = noise["log"]
+                else:
+                    logx = np.log(np.maximum(x, np.float32(1e-30)))
+            ids[s:s + n], kv = _race_k_smallest(lp32, logx if grouped else x, inv_p, K, groups if grouped else 0,
+                                                topk_groups)
+        elif grouped or with_logits:
             if noise is not None:
                 if "log" not in noise:
                     noise["log"] = np.log(np.maximum(x, np.float32(1e-30)))
@@ -104,7 +120,8 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
         else:
             key = x
             key *= inv_p
-        ids[s:s + n], kv = smallest_k(key, K)
+        if not fast:
+            ids[s:s + n], kv = smallest_k(key, K)
         kv = kv.astype(np.float64)
         # chosen scores: -log(key) (race) or -key (scores); softmax over the K chosen
         sc = kv if (grouped or with_logits) else np.log(np.maximum(kv, 1e-300))
@@ -112,6 +129,26 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
         e = np.exp(sc)
         w[s:s + n] = e / e.sum(axis=1, keepdims=True)
     return ids, w, logits
+
+
+def _race_k_smallest(lp32: np.ndarray, m_TE: np.ndarray, inv_p: np.ndarray, K: int, groups: int,
+                     topk_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """The race's K smallest keys per token and their experts, as :func:`smallest_k` finds them
+    (after :func:`mask_groups` with ``groups``; 0: none): by the kernels for the tokens without
+    ties, by the reference for the others. ``m_TE``: the noise's log (grouped) or the noise."""
+    T = m_TE.shape[0]
+    ids = np.empty((T, K), np.int64)
+    kv = np.empty((T, K), np.float32)
+    ok = np.empty(T, np.bool_)
+    _kn.race_k_smallest(lp32, m_TE, inv_p, groups, topk_groups, K, ids, kv, ok)
+    if not ok.all():                                   # ties: which tied column wins is the partition's
+        bad = np.flatnonzero(~ok)
+        if groups:
+            key = -mask_groups(lp32 - m_TE[bad], groups, topk_groups, copy=False)
+        else:
+            key = m_TE[bad] * inv_p
+        ids[bad], kv[bad] = smallest_k(key, K)
+    return ids, kv
 
 
 def _top2_sum(g_TGn: np.ndarray) -> np.ndarray:
@@ -249,8 +286,8 @@ class _Races:
         self.left_R = self.span_R.copy()
         self.small = np.int16 if p_E.size <= np.iinfo(np.int16).max else np.int32
         N = self.first_R.size
-        self.ids_KN = np.empty((K, N), self.small)     # position-major: each position one contiguous row
-        self.tau_KN = np.empty((K, N))
+        self.ids_KN = _position_major(K, N, self.small)   # position-major: each position one row
+        self.tau_KN = _position_major(K, N, np.float64)
         self.tau_R = np.zeros(N)
         self.k = 0
         self._set_hard_bound()
@@ -265,6 +302,16 @@ class _Races:
         floor = float(self.span_R.min() - self.hard_R.max()) if self.span_R.size else 0.0
         self.easy_k = int(np.searchsorted(top, floor - 1e-9, side="left")) + 1
 
+    @property
+    def ids_NK(self) -> np.ndarray:
+        """``ids_KN`` token by token, ``[N, K]`` (a view: what the kernels index)."""
+        return self.ids_KN.T
+
+    @property
+    def tau_NK(self) -> np.ndarray:
+        """``tau_KN`` token by token, ``[N, K]`` (a view)."""
+        return self.tau_KN.T
+
     def subset(self, rows: np.ndarray, K: int) -> "_Races":
         """The races of ``rows`` (their arrivals so far kept), room for K arrivals in all."""
         out = _Races.__new__(_Races)
@@ -272,8 +319,8 @@ class _Races:
                                                                    self.retry, self.small)
         out.first_R, out.base_R, out.span_R, out.left_R, out.tau_R = (
             self.first_R[rows], self.base_R[rows], self.span_R[rows], self.left_R[rows], self.tau_R[rows])
-        out.ids_KN = np.empty((K, rows.size), self.small)
-        out.tau_KN = np.empty((K, rows.size))
+        out.ids_KN = _position_major(K, rows.size, self.small)
+        out.tau_KN = _position_major(K, rows.size, np.float64)
         out.ids_KN[:self.k], out.tau_KN[:self.k] = self.ids_KN[:self.k, rows], self.tau_KN[:self.k, rows]
         out.k = self.k
         out._set_hard_bound()
@@ -335,7 +382,48 @@ class _Races:
         """Every row's next arrival. ``u``: this position's uniforms, kept from an earlier run of the
         same streams (``keep`` keeps the exponentials and uniforms, lists ``x`` and ``u``): the
         experts drawn without the arrival times (``tau_KN`` left unset, and ``left_R`` too when no
-        position tests it). ``counts_E``: the drawn experts added to it."""
+        position tests it). ``counts_E``: the drawn experts added to it.
+
+        The compiled kernels' pass (:mod:`~moonep_sim.routing.sampling_kernels`): the same random
+        numbers drawn in the same order and amounts as :meth:`advance_numpy`, the same draws."""
+        if not KERNELS:
+            return self.advance_numpy(u, keep, counts_E)
+        k, N, ic = self.k, self.first_R.size, self.icdf
+        clocked = u is None
+        if clocked:
+            x = self.rng.standard_exponential(N, dtype=np.float32)   # clamped to 1e-30 by the kernel
+            u = self.rng.random(N)
+            if keep is not None:
+                keep["x"].append(x)
+                keep["u"].append(u)
+        count = counts_E is not None
+        update_left = clocked or self.easy_k < self.ids_KN.shape[0]
+        draw = (ic.cum_E, ic.guide, ic.M, ic.width, ic.steps, ic.width <= _LINEAR_WIDTH,
+                self.first_R, self.base_R, self.span_R, self.n, self.n != self.p_E.size)
+        todo, hard = np.empty(N, np.intp), np.empty(N, np.intp)
+        counts = counts_E if count else _NO_COUNTS
+        nt, nh = _kn.pl_position(k, x if clocked else _NO_X, u, clocked, self.p_E, *draw, self.ids_NK,
+                                 self.tau_NK, self.left_R, k >= self.easy_k, self.hard_R, update_left, counts,
+                                 count, todo, hard)
+        if clocked:
+            self.tau_R = self.tau_NK[:, k]
+        rejected, hard = todo[:nt].copy(), hard[:nh]
+        for _ in range(_REJECT_ROUNDS):
+            if nt == 0:
+                break
+            nt = _kn.pl_retry(k, todo, nt, self.retry.random(nt), *draw, self.ids_NK)
+        rest = np.union1d(hard, todo[:nt]) if nt else hard
+        chunk = max(1, CHUNK_ELEMS // self.n)
+        for s in range(0, rest.size, chunk):
+            r = rest[s:s + chunk]
+            _kn.pl_remainder(k, r, self.retry.random(r.size), self.p_E, self.first_R, self.n, True, self.ids_NK)
+        for rows in (rejected, hard):
+            _kn.pl_settle(k, rows, self.ids_NK, self.p_E, self.left_R, update_left, counts, count)
+        self.k += 1
+
+    def advance_numpy(self, u: np.ndarray | None = None, keep: dict | None = None,
+                      counts_E: np.ndarray | None = None) -> None:
+        """:meth:`advance` in numpy, a pass per step over every row (the kernels' reference)."""
         k, N = self.k, self.first_R.size
         clocked = u is None
         if clocked:
@@ -375,11 +463,36 @@ class _Races:
     def replay(self, ids_KN: np.ndarray, xs: list) -> None:
         """The arrival times of experts ``ids_KN`` with the exponentials ``xs`` of their streams
         (one array per position, as :meth:`advance` kept them)."""
+        given_NK = ids_KN.T
         for k in range(ids_KN.shape[0]):
-            self._tick(xs[k])
-            self.ids_KN[k] = ids_KN[k]
-            self.left_R -= self.p_E.take(ids_KN[k])
+            if KERNELS:
+                _kn.pl_replay(k, xs[k], given_NK, self.p_E, self.ids_NK, self.tau_NK, self.left_R)
+                self.tau_R = self.tau_NK[:, k]
+            else:
+                self._tick(xs[k])
+                self.ids_KN[k] = ids_KN[k]
+                self.left_R -= self.p_E.take(ids_KN[k])
             self.k += 1
+
+
+# the kernels' unused arguments
+_NO_X, _NO_X2, _NO_W = np.empty(0, np.float32), np.empty((0, 0), np.float32), np.empty((0, 0), np.float32)
+_NO_COUNTS, _NO_INTP, _NO_F64, _NO_TAU = np.empty(0, np.int64), np.empty(0, np.intp), np.empty(0), np.empty((0, 0))
+
+
+_PAD = 64    # bytes between the rows of a position-major state (row lengths of a power of two would
+             # map a token's K entries onto one cache set: measured 3x slower repeat checks)
+
+
+def _position_major(K: int, N: int, dtype) -> np.ndarray:
+    """An uninitialised ``[K, N]`` array whose rows lie ``_PAD`` bytes further apart than ``N``."""
+    if not PADDED:
+        return np.empty((K, N), dtype)
+    pad = _PAD // np.dtype(dtype).itemsize
+    return np.empty((K, N + pad), dtype)[:, :N]
+
+
+PADDED = True
 
 
 def _normalised(logp_E: np.ndarray) -> tuple[np.ndarray, InverseCDF]:
@@ -403,6 +516,9 @@ def _weights_KN(tau_KN: np.ndarray) -> np.ndarray:
     position-by-position sum, so the same values whatever the block)."""
     K, N = tau_KN.shape
     out = np.empty((N, K), np.float32)
+    if KERNELS:
+        _kn.weights_nk(tau_KN.T, out)                 # any layout: the kernel reads it in place
+        return out
     for s in range(0, N, _WEIGHT_BLOCK):
         tau = tau_KN[:, s:s + _WEIGHT_BLOCK]
         inv = tau[0] / tau
@@ -430,12 +546,68 @@ def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.G
     E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
     p, icdf = _normalised(logp_E)
     seed = int(rng.integers(0, 1 << 63))
+    if KERNELS:
+        x, u = np.empty((K, T), np.float32), np.empty((K, T))
+        for k in range(K):                             # the reference's order: a position's exponentials, its uniforms
+            rng.standard_exponential(dtype=np.float32, out=x[k])
+            rng.random(out=u[k])
+        if noise is not None:
+            noise.update(x=x, u=u, retry_seed=seed)   # x clamped to 1e-30 in place by the kernels
+        ids, w, counts = _pl_blocks(p, icdf, x, u, np.random.default_rng(seed), np.int64, noise is not None)
+        if noise is not None:
+            noise["counts"] = counts                   # this draw's count per expert, for the calibration
+        return ids, w
     races = _Races(p, icdf, np.zeros(T, np.intp), E, K, rng, np.random.default_rng(seed))
     if noise is not None:
         noise.update(x=[], u=[], retry_seed=seed)
     for _ in range(K):
         races.advance(keep=noise)
     return races.ids_KN.T.astype(np.int64, order="C"), _weights_KN(races.tau_KN)
+
+
+def _pl_blocks(p: np.ndarray, icdf: InverseCDF, x_KN: np.ndarray | None, u_KN: np.ndarray,
+               retry: np.random.Generator, dtype, count: bool) -> tuple[np.ndarray, np.ndarray | None,
+                                                                        np.ndarray | None]:
+    """The plain path's races by the kernels' two passes (``sampling_kernels``, "plain top-K"):
+    the same draws as K calls of :meth:`_Races.advance`. ``x_KN``: the exponentials, for the
+    arrival times and weights (float32 [N, K]); None: the experts only. Returns ids ``[N, K]`` of
+    ``dtype``, the weights (None without ``x_KN``) and, with ``count``, the count of each expert
+    (int64 [E]; else None)."""
+    K, N = u_KN.shape
+    E = p.size
+    clocked = x_KN is not None
+    one = _Races(p, icdf, np.zeros(1, np.intp), E, K, None, retry)   # every row alike: its bound and skip
+    easy_k, hard = one.easy_k, float(one.hard_R[0])
+    update_left = clocked or easy_k < K
+    ids = np.empty((N, K), dtype)
+    left = np.ones(N)                                  # a whole row's span: cum[E - 1] - 0 = 1 exactly
+    w = np.empty((N, K), np.float32) if clocked else None
+    counts = np.zeros(E, np.int64) if count else _NO_COUNTS
+    x = x_KN if clocked else _NO_X2
+    stop, rows2 = np.empty(N, np.intp), np.empty(N, np.intp)
+    tau2 = np.empty((N, K)) if clocked else _NO_TAU
+    draw = (icdf.cum_E, icdf.guide, icdf.M, icdf.width, icdf.steps, icdf.width <= _LINEAR_WIDTH)
+    n2 = _kn.pl_pass1(x, u_KN, clocked, p, *draw, easy_k, hard, update_left, ids, left,
+                      w if clocked else _NO_W, counts, count, stop, tau2, rows2)
+    todo, hard_rows = np.empty(n2, np.intp), np.empty(n2, np.intp)
+    for k in range(K if n2 else 0):                    # pass 2: the rows stopped by a repeat or the test
+        nt, nh = _kn.pl_pass2(k, rows2, n2, stop, x, u_KN, clocked, p, *draw, easy_k, hard, update_left, ids,
+                              tau2, left, counts, count, todo, hard_rows)
+        rejected, hr = todo[:nt].copy(), hard_rows[:nh]
+        for _ in range(_REJECT_ROUNDS):
+            if nt == 0:
+                break
+            nt = _kn.pl_retry(k, todo, nt, retry.random(nt), *draw, _NO_INTP, _NO_F64, _NO_F64, E, False, ids)
+        rest = np.union1d(hr, todo[:nt]) if nt else hr
+        chunk = max(1, CHUNK_ELEMS // E)
+        for s in range(0, rest.size, chunk):
+            r = rest[s:s + chunk]
+            _kn.pl_remainder(k, r, retry.random(r.size), p, _NO_INTP, E, False, ids)
+        for rows in (rejected, hr):
+            _kn.pl_settle(k, rows, ids, p, left, update_left, counts, count)
+    if clocked and n2:
+        _kn.pl_weights_rows(rows2, n2, tau2, w)
+    return ids, w, (counts if count else None)
 
 
 def pl_ids_again(logp_E: np.ndarray, top_k: int, tokens: int, noise: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -445,6 +617,10 @@ def pl_ids_again(logp_E: np.ndarray, top_k: int, tokens: int, noise: dict) -> tu
     only counts needs, at about 40% of a whole draw. :func:`pl_weights` completes a draw."""
     E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
     p, icdf = _normalised(logp_E)
+    if KERNELS:
+        ids, _, counts = _pl_blocks(p, icdf, None, np.asarray(noise["u"]), np.random.default_rng(noise["retry_seed"]),
+                                    np.int16 if E <= np.iinfo(np.int16).max else np.int32, True)
+        return ids.T, counts
     races = _Races(p, icdf, np.zeros(T, np.intp), E, K, None, np.random.default_rng(noise["retry_seed"]))
     counts = np.zeros(E, np.int64)
     for k in range(K):
@@ -458,6 +634,10 @@ def pl_weights(logp_E: np.ndarray, ids_KN: np.ndarray, noise: dict) -> np.ndarra
     the kept exponentials (the same popularity left), float32 [T, K]."""
     K, T = ids_KN.shape
     p, icdf = _normalised(logp_E)
+    if KERNELS:
+        w = np.empty((T, K), np.float32)
+        _kn.pl_replay_rows(np.asarray(noise["x"]), ids_KN.T, p, np.empty((T, K), ids_KN.dtype), w)
+        return w
     races = _Races(p, icdf, np.zeros(T, np.intp), p.size, K, None, None)
     races.replay(ids_KN, noise["x"])
     return _weights_KN(races.tau_KN)

@@ -95,14 +95,11 @@ def phase_spans(net: FlowNetwork, rec: dict[str, np.ndarray], spans) -> dict[str
     return {k: float(b - a) for k, (a, b) in out.items()}
 
 
-def _flow_tags(sim: StepSim, rec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per flow: its phase's kind (str values), direction (str values) and layer."""
-    tags = [sim.net.phase_tag(p) for p in range(sim.net.num_phases)]
-    kind_P = np.array([t.kind.value for t in tags] or [""], dtype=object)
-    dir_P = np.array([t.direction.value for t in tags] or [""], dtype=object)
-    layer_P = np.array([t.layer for t in tags] or [0], dtype=np.int64)
-    ph = rec["phase"].astype(np.int64)
-    return kind_P[ph], dir_P[ph], layer_P[ph]
+def _flows_of_phases(sim: StepSim, rec, keep) -> np.ndarray:
+    """bool [F]: the flows whose phase's :class:`PhaseTag` satisfies ``keep`` (decided once per
+    phase, then read per flow)."""
+    keep_P = np.array([bool(keep(sim.net.phase_tag(p))) for p in range(sim.net.num_phases)] or [False])
+    return keep_P[rec["phase"].astype(np.int64)]
 
 
 def _label(tag) -> str:
@@ -166,13 +163,12 @@ def straggler(sim: StepSim, rec, end_R: np.ndarray) -> dict[str, Any]:
     if seg == "dispatch" and gate == "weights":
         return dict(rank=rc, cause="weight prefetch", phase=PhaseKind.PREFETCH.value,
                     detail=f"rank {rc} waited for copied expert weights")
-    kind_F, dir_F, layer_F = _flow_tags(sim, rec)
     # the latest-ending flow of the segment's phases decides the port
     if seg == "combine":
-        m = np.isin(kind_F, [PhaseKind.COMBINE.value, PhaseKind.GRAD_REDUCE.value])
+        m = _flows_of_phases(sim, rec, lambda t: t.kind in (PhaseKind.COMBINE, PhaseKind.GRAD_REDUCE))
     else:  # the first stage's (layer 0, forward) flows into rc before its compute
-        m = (np.isin(kind_F, [PhaseKind.DISPATCH.value, PhaseKind.PREFETCH.value]) & (dir_F == Direction.FORWARD.value)
-             & (layer_F == 0) & (rec["dst"] == rc))
+        m = _flows_of_phases(sim, rec, lambda t: t.kind in (PhaseKind.DISPATCH, PhaseKind.PREFETCH)
+                             and t.direction == Direction.FORWARD and t.layer == 0) & (rec["dst"] == rc)
     if not m.any():
         m = np.ones(rec["end"].size, dtype=bool)
     if (m & (rec["src"] != rec["dst"])).any():  # a rank's copy to itself crosses no link
@@ -222,7 +218,7 @@ def critical_port(sim: StepSim, rec, f: int) -> int:
     """The port on flow f's path that was busy longest over the run (bytes / its bandwidth): the
     resource that kept the flow's last bytes waiting (a degraded port's busy time grows with it)."""
     if sim.busy_P is None:
-        sim.busy_P = sim.net.port_bytes() / sim.ports.cap_P[:-1]
+        sim.busy_P = sim.net.port_bytes(rec) / sim.ports.cap_P[:-1]
     one = {k: v[f:f + 1] for k, v in rec.items()}
     path = sim.ports.route(rec["src"][f:f + 1], rec["dst"][f:f + 1], sim.net.flow_sm(one), sim.net.flow_nic(one))[0]
     path = path[path < sim.ports.num_ports]

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moonep_sim.sim.fill_kernels import fill_levels
+from moonep_sim.sim.fill_kernels import count_transfers, fill_levels
 from moonep_sim.sim.ports import Block, PortMap, block_kind
 
 RUN_MAX = 256    # ports considered for one run of the block solver's filling
@@ -158,18 +158,30 @@ class BlockCounts:
         # it (consecutive fills are alike); any start gives the same run (:meth:`_run`)
         self._hint: list[int] = []
         self.cell_NW, self.other_NW = self._node_cells(T)
-        #: :meth:`fill` runs the compiled kernel (``moonep_sim.sim.fill_kernels``, bit-identical to
-        #: :meth:`fill_reference`); only with the cell tables (without them the reference's per-block
-        #: freeze sums by matrix products, an order a loop cannot promise to match)
-        self.compiled = self.cell_NW is not None
+        self._compiled = True
         c = np.ascontiguousarray
+        # the cell tables in int32 where they fit: half the cache lines a frozen node's row reads
+        small = lambda *tabs: tuple(None if x is None else c(x, dtype=np.int32 if 2 * T < 2 ** 31 else np.int64)  # noqa: E731
+                                    for x in tabs)
         self.T = T
         #: int64 [2N] contiguous copies of ``mt_row_N`` / ``cell_col_N`` for the kernels
         self.row_U, self.col_U = c(self.mt_row_N, dtype=np.int64), c(self.cell_col_N, dtype=np.int64)
         self._kernel_static = (bool(self.simple), int(dm), RUN_MAX, c(self.pall, dtype=np.int64),
                                c(self.port_nodes, dtype=np.int64), c(self.pps, dtype=np.int64),
                                c(self.nps, dtype=np.int64), c(self.cell_key_N, dtype=np.int64),
-                               self.row_U, self.col_U, self.cell_NW, self.other_NW)
+                               self.row_U, self.col_U, *small(self.cell_NW, self.other_NW))
+
+    @property
+    def compiled(self) -> bool:
+        """:meth:`fill` and :meth:`add` run the compiled kernels (``moonep_sim.sim.fill_kernels``,
+        bit-identical to :meth:`fill_reference` and the numpy scatter); only with the cell tables
+        (without them the reference's per-block freeze sums by matrix products, an order a loop
+        cannot promise to match). Settable: False runs the numpy code (the reference)."""
+        return self._compiled and self.cell_NW is not None
+
+    @compiled.setter
+    def compiled(self, on: bool) -> None:
+        self._compiled = bool(on)
 
     def _node_cells(self, T: int) -> tuple[np.ndarray | None, np.ndarray | None]:
         """(cell_NW, other_NW): per node (sender nodes 0..N-1, then receiver nodes N..2N-1; N = B x R)
@@ -199,6 +211,9 @@ class BlockCounts:
         """Count transfers in (sign = 1) or out (sign = -1); ``ns_F`` / ``nd_F``: int64 [F] their
         sender and receiver nodes (block x R + rank, the same numbering on both sides)."""
         if ns_F.size == 0:
+            return
+        if self.compiled:   # one compiled pass (the same whole-number sums)
+            count_transfers(self.mm, self.T, self.row_U, self.col_U, self.cnt_src, self.cnt_dst, ns_F, nd_F, sign)
             return
         row, col = self.mt_row_N, self.cell_col_N
         # every block's matrix is a view of one flat buffer: one scatter per side (counts are

@@ -25,12 +25,15 @@ each flow record names its phase's kind; every local span is a typed :class:`Spa
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import simpy
+from simpy.events import PENDING
 
 from moonep_sim.errors import require
 from moonep_sim.models import ModelSpec
@@ -43,6 +46,23 @@ from moonep_sim.sim.network import FlowNetwork, PortMap
 from moonep_sim.sim.options import SimOptions
 from moonep_sim.sim.program import StageProgram, stage_program
 from moonep_sim.sim.topology import Topology
+
+
+@contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector paused inside, restored as it was on leaving. A
+    simulation allocates per step an event, its callback list and a generator frame that it holds
+    to its end, so the collections those allocations trigger find nothing to free (a fifth of a
+    V3 EP32 decode layer's simulation outside the network's ticks, and of the ticks). The run's
+    own cycles are freed at the next collection after it. Nests, and is safe beside another
+    thread doing the same (whoever found it enabled enables it again)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -59,12 +79,14 @@ class PhaseTag:
 
 class PhaseRows(NamedTuple):
     """One registered phase instance (a phase, or one chunk of it): its network phase id, the
-    bytes every rank sends every rank ([R, R], this chunk's share) and the bytes each transfer is
-    timed for (jitter and scale applied)."""
+    bytes every rank sends every rank ([R, R], this chunk's share), the bytes each transfer is
+    timed for (jitter and scale applied) and ``sends_R`` ([R] bool as a list, None: not counted):
+    whether a rank sends anything in it (a rank that sends nothing submits nothing)."""
 
     pid: int
     bytes_RR: np.ndarray
     eff_RR: np.ndarray
+    sends_R: list | None = None
 
 
 class Side(str, Enum):
@@ -120,8 +142,9 @@ class HopKey(NamedTuple):
 
 class KernelTerms(NamedTuple):
     """The GPU kernel terms of one side of a stage, for :meth:`StepSim._hop`: the stage index, the
-    side, its program, ``relay`` (per hop an [R, R] forward delay, or None: not relayed) and the
-    fixed cost (us) paid before a hop's first chunk."""
+    side, its program, ``relay`` (per hop the [R, R] forward delay as nested lists of floats, read
+    per message announced; or None: not relayed) and the fixed cost (us) paid before a hop's first
+    chunk."""
 
     stage: int
     side: Side
@@ -141,10 +164,42 @@ class Span(NamedTuple):
     end_us: float
 
 
+class AllOrAny(simpy.Event):
+    """Fires once all of ``events`` fired (``need_all``; simpy's ``AllOf``) or once one of them did
+    (simpy's ``AnyOf``), failing as soon as one fails: simpy's ``Condition`` without the
+    ``ConditionValue`` it builds when it fires (the engine never reads it). The event is scheduled
+    at the same moment a Condition's is, so runs are unchanged; it costs a fraction of one (there
+    is one per rank and hop side, and per relayed hop chunk)."""
+
+    def __init__(self, env: simpy.Environment, events: Sequence[simpy.Event], need_all: bool):
+        super().__init__(env)
+        self._left = len(events) if need_all else 1
+        if not events:
+            self.succeed()
+            return
+        for ev in events:
+            if ev.callbacks is None:   # processed already: counted now
+                self._check(ev)
+            else:
+                ev.callbacks.append(self._check)
+
+    def _check(self, ev: simpy.Event) -> None:
+        if self._value is not PENDING:
+            return
+        if not ev._ok:
+            ev._defused = True
+            self.fail(ev._value)
+        else:
+            self._left -= 1
+            if self._left == 0:
+                self.succeed()
+
+
 class StepSim:
     """One simpy run over a sequence of (plan, direction) stages chained per rank.
 
-    ``stages``: the :class:`Stage` records in run order. After ``build()`` and ``env.run()``:
+    ``stages``: the :class:`Stage` records in run order. After ``build()`` and ``run()`` (or
+    ``env.run()``):
     ``spans`` (typed :class:`Span` records of local work and hops), ``compute_start`` /
     ``compute_end`` / ``stage_start`` / ``stage_end`` ([stage, R] us), ``compute_gate``
     ([stage][R] :class:`Gate`: what compute waited for last) and the network's flow records, each
@@ -167,6 +222,9 @@ class StepSim:
         host_R = topo.host_R(R)  # CPU processes sharing a host's cores (None on GPU presets)
         self.host_R = host_R
         self.share_R = topo.cpu_share_R(R)  # "static" sharing's stretch
+        self._share_l = [float(x) for x in self.share_R]   # (as Python floats: read per local span)
+        self._dst_R = np.arange(R)   # every rank a submission sends to (zero-byte entries skipped)
+        self._nz: dict[tuple[int, bool], list[list[int]]] = {}   # (pid, by column) -> ranks with bytes
         self.cpus = None if host_R is None or topo.host_sharing != "processor" else \
             [HostCPU(self.env, topo.host_cores) for _ in range(int(host_R.max()) + 1)]
         self.spans: list[Span] = []
@@ -187,16 +245,17 @@ class StepSim:
         self.stage_start = np.zeros((len(self.stages), R))
         self.busy_P: np.ndarray | None = None  # us each port was busy (set by the analysis)
         self._planned_ev = [[self.env.event() for _ in range(R)] for _ in self.stages]   # [stage][rank]: planning done
-        self._done_ev: dict[SideKey, list[list[simpy.Event]]] = {}   # -> [hop][chunk]
-        self._done_t: dict[HopKey, float] = {}    # when the rank held that hop chunk
-        self._first: dict[HopKey, FirstMessage] = {}
+        # keyed by the tuples of SideKey / HopKey's fields (plain tuples: built per hop chunk)
+        self._done_ev: dict[tuple, list[list[simpy.Event]]] = {}   # SideKey -> [hop][chunk]
+        self._done_t: dict[tuple, float] = {}    # HopKey -> when the rank held that hop chunk
+        self._first: dict[tuple, FirstMessage] = {}   # HopKey -> its first message
 
     # -- helpers -------------------------------------------------------------------------
     def _work(self, r: int, us: float) -> simpy.Event:
         """Rank r's local work of ``us`` microseconds (of one core / its GPU): a delay stretched by
         the rank's static CPU share (1 on GPU presets), or a job on its host's processor-shared cores."""
         if self.cpus is None:
-            return self.env.timeout(us * float(self.share_R[r]))
+            return self.env.timeout(us * self._share_l[r])
         return self.cpus[int(self.host_R[r])].run(us)
 
     def _span(self, r: int, name: str, kind: PhaseKind, direction: Direction, t0: float) -> None:
@@ -214,7 +273,9 @@ class StepSim:
         for i, p in enumerate(phases):
             row = []
             b = p.bytes_RR.astype(np.float64) / chunks
-            cnt = (b > 0).sum(axis=0)
+            nz = b > 0
+            cnt = nz.sum(axis=0)
+            sends = nz.any(axis=1).tolist()
             for j in range(chunks):
                 name = p.name if chunks == 1 else f"{p.name}#{j}"
                 pid = self.net.expect(prefix + name, cnt, PhaseTag(p.kind, p.direction, p.scope, layer, p.name), sm=sm,
@@ -222,12 +283,33 @@ class StepSim:
                 eff = b * self._jit(b.shape) if self.opts.jitter > 0 else b
                 if scales is not None and scales[i] is not None:
                     eff = eff * scales[i]
-                row.append(PhaseRows(pid, b, eff))
+                row.append(PhaseRows(pid, b, eff, sends))
             out.append(row)
         return out
 
     def _send(self, item: PhaseRows, r: int) -> None:
-        self.net.submit(item.pid, r, np.arange(self.R), item.bytes_RR[r], item.eff_RR[r])
+        if item.sends_R is not None and not item.sends_R[r]:
+            return  # nothing to send: the network would skip every entry
+        self.net.submit(item.pid, r, self._dst_R, item.bytes_RR[r], item.eff_RR[r])
+
+    def _nonzero(self, item: PhaseRows, column: bool) -> list[list[int]]:
+        """Per rank, the ranks it sends bytes to in ``item`` (``column``: that send bytes to it),
+        counted once per phase instance for every rank (relayed hops read them per chunk)."""
+        key = (item.pid, column)
+        out = self._nz.get(key)
+        if out is None:
+            nz = item.bytes_RR > 0
+            a, b = np.nonzero(nz.T if column else nz)   # row-major: grouped by a, b ascending
+            cut = np.searchsorted(a, np.arange(self.R + 1)).tolist()
+            b_l = b.tolist()
+            out = self._nz[key] = [b_l[cut[i]:cut[i + 1]] for i in range(self.R)]
+        return out
+
+    def run(self) -> None:
+        """Run the built processes to the end (``env.run()``) with Python's cyclic garbage
+        collector paused (:func:`collector_paused`)."""
+        with collector_paused():
+            self.env.run()
 
     # -- the processes -------------------------------------------------------------------
     def build(self) -> None:
@@ -242,13 +324,15 @@ class StepSim:
             post = self._register(prefix, li, d.post, c, d.post_scale, sm=d.sm, nic_only=d.nic_only)
             aft = [row[0] for row in self._register(prefix, li, d.after, 1, [d.w_scale_RR] * len(d.after))]
             comp_jit = self._jit((c, R)) if self.opts.jitter > 0 else np.ones((c, R))
+            kern_pre = KernelTerms(si, Side.PRE, d, _as_lists(d.relay_pre), d.fixed_pre_us)
+            kern_post = KernelTerms(si, Side.POST, d, _as_lists(d.relay_post), d.fixed_post_us)
             done = []
             for r in range(R):
                 comp_done = [env.event() for _ in range(c)]
                 fin = env.event()
-                env.process(self._dispatcher(si, d, r, start[r], pre, wts, prefix))
+                env.process(self._dispatcher(si, d, r, start[r], pre, wts, prefix, kern_pre))
                 env.process(self._computer(si, d, r, start[r], pre, wts, aft, comp_done, comp_jit[:, r], prefix))
-                env.process(self._combiner(si, d, r, start[r], post, aft, comp_done, fin, prefix))
+                env.process(self._combiner(si, d, r, start[r], post, aft, comp_done, fin, prefix, kern_post))
                 done.append(fin)
             start = done
 
@@ -256,7 +340,7 @@ class StepSim:
         """us rank r stalls before ``phase`` (injected stalls apply to the first stage only)."""
         return self.fs.stall_us.get(StallKey(r, phase), 0.0) if stage_index == 0 else 0.0
 
-    def _dispatcher(self, si, d: StageProgram, r, start_ev, pre, wts, prefix):
+    def _dispatcher(self, si, d: StageProgram, r, start_ev, pre, wts, prefix, kern: KernelTerms):
         env = self.env
         yield start_ev
         self.stage_start[si, r] = env.now
@@ -279,10 +363,9 @@ class StepSim:
             self._send_gated(d.weights, wts, r)
         if pre:
             done = self._done(si, Side.PRE, r, len(pre))
-            kern = KernelTerms(si, Side.PRE, d, d.relay_pre, d.fixed_pre_us)
             procs = [env.process(self._hop(r, pre, h, None, prefix, d.pre_copy[h][r], d.post_copy[h][r], done, kern))
                      for h in range(len(pre))]
-            yield env.all_of(procs)
+            yield AllOrAny(env, procs, True)
         if not self.opts.overlap_prefetch:
             yield from self._weight_pass(d, r, prefix)
             self._send_gated(d.weights, wts, r)
@@ -314,38 +397,31 @@ class StepSim:
 
     def _done(self, si: int, side: Side, r: int, hops: int) -> list[list[simpy.Event]]:
         """Per (hop, chunk): fires once rank r received that chunk and made its local pass over it."""
-        key = SideKey(si, side, r)
-        if key not in self._done_ev:
-            self._done_ev[key] = [[self.env.event() for _ in range(self.opts.chunks)] for _ in range(hops)]
-        return self._done_ev[key]
+        key = (si, side, r)   # a SideKey's fields
+        out = self._done_ev.get(key)
+        if out is None:
+            out = self._done_ev[key] = [[self.env.event() for _ in range(self.opts.chunks)] for _ in range(hops)]
+        return out
 
-    def _first_message(self, key: HopKey) -> FirstMessage:
-        if key not in self._first:
-            self._first[key] = FirstMessage(self.env.event())
-        return self._first[key]
+    def _first_message(self, key: tuple) -> FirstMessage:
+        """The first message of a relayed hop chunk at a rank (``key``: a HopKey's fields)."""
+        out = self._first.get(key)
+        if out is None:
+            out = self._first[key] = FirstMessage(self.env.event())
+        return out
 
-    def _announce(self, si, side, h, j, r, relay_RR, b_R) -> None:
-        """Rank r starts sending hop h chunk j: each receiver holds its first message of it after
-        ``relay_RR[r, d]`` us (the earliest sender decides)."""
+    def _announce(self, si, side, h, j, r, relay_RR, dst_l) -> None:
+        """Rank r starts sending hop h chunk j: each receiver (``dst_l``: those it sends bytes to)
+        holds its first message of it after ``relay_RR[r][d]`` us (the earliest sender decides)."""
         now = self.env.now
-        for d in np.flatnonzero(b_R > 0).tolist():
-            slot = self._first_message(HopKey(si, side, h, j, d))
-            t = now + float(relay_RR[r, d])
+        row = relay_RR[r]
+        for d in dst_l:
+            slot = self._first_message((si, side, h, j, d))
+            t = now + row[d]
             if t < slot.t_us:
                 slot.t_us = t
                 ev = slot.event
                 self.env.timeout(t - now).callbacks.append(lambda _e, ev=ev: None if ev.triggered else ev.succeed())
-
-    def _relay_tail(self, si, side, h, j, r, rows, relay_RR, hops):
-        """Rank r holds relayed hop h chunk j once every relay v that sends to it held its hop h-1
-        chunk j and forwarded the last message (``relay_RR[v, r]`` after)."""
-        b = rows[h][j].bytes_RR[:, r]
-        t_need = self.env.now
-        for v in np.flatnonzero(b > 0).tolist():
-            yield self._done(si, side, v, hops)[h - 1][j]
-            t_need = max(t_need, self._done_t[HopKey(si, side, h - 1, j, v)] + float(relay_RR[v, r]))
-        if t_need > self.env.now:
-            yield self.env.timeout(t_need - self.env.now)
 
     def _hop(self, r, rows, h, first_gate, prefix, pre_us=0.0, post_us=0.0, done=None,
              kern: KernelTerms | None = None):
@@ -357,22 +433,25 @@ class StepSim:
         ``kern``: the kernel terms (:class:`KernelTerms`; None: none). The fixed cost is paid
         before the first chunk of every hop (only hop 0 when relayed). With
         ``relay_RR``, hop h > 0 is sent once r holds the first message of hop h-1 (or all of it,
-        if that is sooner), and r holds hop h once the relays feeding it finished (see
-        :meth:`_relay_tail`)."""
-        env = self.env
+        if that is sooner), and r holds hop h once every relay v feeding it held its hop h-1
+        chunk and forwarded the last message (``relay_RR[v][r]`` us after)."""
+        env, net = self.env, self.net
         c = self.opts.chunks
         si, side, relay = (kern.stage, kern.side, kern.relay) if kern is not None else (None, None, None)
         fixed = kern.fixed_us if kern is not None else 0.0
+        pays_fixed = fixed > 0 and (h == 0 or not kern.program.relayed)
+        copy_name = prefix + "copy"
         for j in range(c):
-            pid = rows[h][j].pid
-            tag = self.net.phase_tag(pid)
+            item = rows[h][j]
+            pid = item.pid
+            tag = net.phase_tag(pid)
             if h > 0 and relay is not None:
-                yield env.any_of([self._first_message(HopKey(si, side, h - 1, j, r)).event, done[h - 1][j]])
+                yield AllOrAny(env, [self._first_message((si, side, h - 1, j, r)).event, done[h - 1][j]], False)
             elif h > 0:
-                yield done[h - 1][j] if done is not None else self.net.received(rows[h - 1][j].pid, r)
+                yield done[h - 1][j] if done is not None else net.received(rows[h - 1][j].pid, r)
             elif first_gate is not None:
                 yield first_gate[j]
-            if j == 0 and fixed > 0 and (h == 0 or not kern.program.relayed):
+            if j == 0 and pays_fixed:
                 t0 = env.now
                 yield env.timeout(fixed)
                 # named after its hop (``dispatch.0.fixed``), so phases_us gives each launch's own span
@@ -380,22 +459,31 @@ class StepSim:
             if pre_us > 0:
                 t0 = env.now
                 yield self._work(r, float(pre_us) / c)
-                self._span(r, prefix + "copy", PhaseKind.COPY, tag.direction, t0)
+                self._span(r, copy_name, PhaseKind.COPY, tag.direction, t0)
             t0 = env.now
             if relay is not None and h + 1 < len(rows):
-                self._announce(si, side, h, j, r, relay[h], rows[h][j].bytes_RR[r])
-            self._send(rows[h][j], r)
-            yield self.net.received(rows[h][j].pid, r)
+                self._announce(si, side, h, j, r, relay[h], self._nonzero(item, False)[r])
+            self._send(item, r)
+            yield net.received(pid, r)
             if relay is not None and h > 0:
-                yield from self._relay_tail(si, side, h, j, r, rows, relay[h], len(rows))
-            self._span(r, prefix + self.net.phase_name(pid)[len(prefix):], tag.kind, tag.direction, t0)
+                # r holds hop h once the relays feeding it finished (their hop h-1 chunk j, then
+                # the last message's forward delay); t_need starts at the time r received hop h
+                t_need = env.now
+                row = relay[h]
+                done_t = self._done_t
+                for v in self._nonzero(item, True)[r]:
+                    yield self._done(si, side, v, len(rows))[h - 1][j]
+                    t_need = max(t_need, done_t[(si, side, h - 1, j, v)] + row[v][r])
+                if t_need > env.now:
+                    yield env.timeout(t_need - env.now)
+            self._span(r, net.phase_name(pid), tag.kind, tag.direction, t0)
             if post_us > 0:
                 t0 = env.now
                 yield self._work(r, float(post_us) / c)
-                self._span(r, prefix + "copy", PhaseKind.COPY, tag.direction, t0)
+                self._span(r, copy_name, PhaseKind.COPY, tag.direction, t0)
             if done is not None:
                 if si is not None:
-                    self._done_t[HopKey(si, side, h, j, r)] = env.now
+                    self._done_t[(si, side, h, j, r)] = env.now
                 done[h][j].succeed()
 
     def _computer(self, si, d: StageProgram, r, start_ev, pre, wts, aft, comp_done, jit, prefix):
@@ -409,7 +497,7 @@ class StepSim:
                 gate = Gate.DISPATCH
             if j == 0 and wts:
                 t_before = env.now
-                yield env.all_of([self.net.received(w.pid, r) for w in wts])
+                yield AllOrAny(env, [self.net.received(w.pid, r) for w in wts], True)
                 if d.w_post_R is not None and d.w_post_R[r] > 0:
                     t0 = env.now
                     yield self._work(r, float(d.w_post_R[r]))
@@ -434,7 +522,7 @@ class StepSim:
         self.compute_end[si, r] = env.now
         self._send_gated(d.after, aft, r)
 
-    def _combiner(self, si, d: StageProgram, r, start_ev, post, aft, comp_done, fin, prefix):
+    def _combiner(self, si, d: StageProgram, r, start_ev, post, aft, comp_done, fin, prefix, kern: KernelTerms):
         env = self.env
         yield start_ev
         gate = None if self.opts.isolate == "combine" else comp_done
@@ -446,17 +534,21 @@ class StepSim:
             self._span(r, prefix + "stall", PhaseKind.STALL, d.direction, t0)
         if post:
             done = self._done(si, Side.POST, r, len(post))
-            kern = KernelTerms(si, Side.POST, d, d.relay_post, d.fixed_post_us)
             procs = [env.process(self._hop(r, post, h, gate, prefix, d.post_pre_copy[h][r], d.post_post_copy[h][r],
                                            done, kern))
                      for h in range(len(post))]
-            yield env.all_of(procs)
+            yield AllOrAny(env, procs, True)
         if aft:
-            yield env.all_of([self.net.received(a.pid, r) for a in aft])
+            yield AllOrAny(env, [self.net.received(a.pid, r) for a in aft], True)
         yield comp_done[-1]
         self.stage_end[si, r] = env.now
         fin.succeed()
 
 
-__all__ = ["FirstMessage", "Gate", "HopKey", "KernelTerms", "PhaseRows", "PhaseTag", "Side", "SideKey", "Span", "Stage",
-           "StepSim"]
+def _as_lists(mats: list | None) -> list | None:
+    """Per hop an [R, R] matrix as nested lists of floats (None stays None)."""
+    return None if mats is None else [m.tolist() for m in mats]
+
+
+__all__ = ["AllOrAny", "FirstMessage", "Gate", "HopKey", "KernelTerms", "PhaseRows", "PhaseTag", "Side", "SideKey", "Span",
+           "Stage", "StepSim", "collector_paused"]

@@ -63,10 +63,89 @@ def _touches(x, N, run_s, ns, run_r, nr, key_U, row_U, col_U, mm):
 
 
 @kernel
-def _freeze(g, lv, port, ng, own_load, lev, bport, free, frz, cnt, acc_c, acc_f, cell_UW, other_UW, mm):
+def _before(share, i, j):
+    """Candidate i comes before candidate j in the stable share order (numpy's: ascending, nan
+    last, ties to the earlier candidate, i.e. the lower port)."""
+    a, b = share[i], share[j]
+    if a < b:
+        return True
+    if a > b:
+        return False
+    if a == b:
+        return i < j
+    if a != a:   # nan: after every number, in candidate order among nans
+        return b != b and i < j
+    return True
+
+
+@kernel
+def _sift(heap, size, k, share):
+    """Restore the heap (``_before`` order) below position k."""
+    x = heap[k]
+    while True:
+        c = 2 * k + 1
+        if c >= size:
+            break
+        if c + 1 < size and _before(share, heap[c + 1], heap[c]):
+            c += 1
+        if not _before(share, heap[c], x):
+            break
+        heap[k] = heap[c]
+        k = c
+    heap[k] = x
+
+
+@kernel
+def _heapify(heap, m, share):
+    """``heap[:m]``: candidates 0..m-1 as a binary heap in the stable share order; :func:`_pop`
+    then yields them in the order numpy's stable ``argsort`` lists them (only as many as the run
+    needs are popped: the first cut + 1 of m, not a full sort)."""
+    for i in range(m):
+        heap[i] = i
+    for k in range(m // 2 - 1, -1, -1):
+        _sift(heap, m, k, share)
+
+
+@kernel
+def _pop(heap, size, share):
+    """The first candidate of ``heap[:size]`` in share order, removed (size - 1 remain)."""
+    top = heap[0]
+    heap[0] = heap[size - 1]
+    if size > 2:
+        _sift(heap, size - 1, 0, share)
+    return top
+
+
+@kernel
+def _sort_run(g, lv, port, ng):
+    """Sort the run's nodes ``g[:ng]`` ascending (all distinct), ``lv`` and ``port`` alongside."""
+    if ng <= 32:
+        for i in range(1, ng):
+            x, y, z = g[i], lv[i], port[i]
+            j = i - 1
+            while j >= 0 and g[j] > x:
+                g[j + 1], lv[j + 1], port[j + 1] = g[j], lv[j], port[j]
+                j -= 1
+            g[j + 1], lv[j + 1], port[j + 1] = x, y, z
+        return
+    o = np.argsort(g[:ng])
+    gs, ls, ps = g[:ng][o], lv[:ng][o], port[:ng][o]
+    g[:ng] = gs
+    lv[:ng] = ls
+    port[:ng] = ps
+
+
+@kernel
+def _freeze(g, lv, port, ng, own_load, lev, bport, free, frz, cnt, acc_c, acc_f, touched, mark, cell_UW,
+            other_UW, mm):
     """Freeze nodes ``g[:ng]`` (increasing, no two sharing a cell) at levels ``lv`` saturated by
     ports ``port``: ``BlockCounts._freeze`` with the cell tables, the same operations in the same
-    order (``acc_c`` / ``acc_f``: zeroed scratch of size U + 1, left zeroed)."""
+    order. Its ``np.bincount`` sums each target's terms from 0.0 in (node, column) order and then
+    subtracts / adds the sum to every node; here only the targets of non-zero terms (``touched`` /
+    ``mark`` scratch) are updated: numpy's zero terms, and its subtraction / addition of a +0.0 sum,
+    leave every count and frozen load as it is (a frozen load, a sum of terms starting from +0.0, is
+    never -0.0; a level of inf times a zero cell is nan, so that term is kept).
+    ``acc_c`` / ``acc_f`` / ``mark``: zeroed scratch of size U + 1, left zeroed."""
     for i in range(ng):
         x = g[i]
         lev[x] = lv[i]
@@ -79,19 +158,29 @@ def _freeze(g, lv, port, ng, own_load, lev, bport, free, frz, cnt, acc_c, acc_f,
     for i in range(ng):
         cnt[g[i]] = 0.0
     W = cell_UW.shape[1]
+    nt = 0
     for i in range(ng):
         x = g[i]
         li = lv[i]
+        finite = np.isfinite(li)
         for w in range(W):
             t = other_UW[x, w]
             z = mm[cell_UW[x, w]] * (1.0 if free[t] else 0.0)
+            if z == 0.0 and finite:   # a term of +0.0 (or -0.0): the sums stay as they are
+                continue
+            if not mark[t]:
+                mark[t] = True
+                touched[nt] = t
+                nt += 1
             acc_c[t] += z
             acc_f[t] += li * z
-    for t in range(cnt.size):
+    for j in range(nt):
+        t = touched[j]
         cnt[t] = cnt[t] - acc_c[t]
         frz[t] = frz[t] + acc_f[t]
         acc_c[t] = 0.0
         acc_f[t] = 0.0
+        mark[t] = False
 
 
 @kernel
@@ -108,7 +197,7 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK
     run_max: ports of one run at most.  pall_UK: int64 [U, K] ports of each node (dummy-padded).
     port_nodes_PD: int64 [P1, D] nodes of each port (-1-padded).  key_U, row_U, col_U: int64 [U]
     per node its cell key, its row's first index in ``mm`` and its column in the other side's rows.
-    cell_UW, other_UW: intp [U, W] the cell tables (``BlockCounts._node_cells``)."""
+    cell_UW, other_UW: int32 (int64 past 2^31 cells) [U, W] the cell tables (``BlockCounts._node_cells``)."""
     N = cnt_src_N.size
     U = 2 * N
     P1 = cap_P.size
@@ -123,41 +212,41 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK
     free[U] = False
     acc_c = np.zeros(U + 1)
     acc_f = np.zeros(U + 1)
+    mark = np.zeros(U + 1, dtype=np.bool_)
+    touched = np.empty(U + 1, dtype=np.int64)
     D = port_nodes_PD.shape[1]
     cap_run = run_max * max(D, 1)
     run_s = np.empty(cap_run, dtype=np.int64)   # the run's sender nodes so far
     run_r = np.empty(cap_run, dtype=np.int64)   # its receiver nodes
-    g = np.empty(cap_run, dtype=np.int64)       # the run's nodes, by position, then sorted
+    g = np.empty(cap_run, dtype=np.int64)       # the run's nodes, then sorted, with their levels and ports
     lv = np.empty(cap_run)
     port = np.empty(cap_run, dtype=np.int64)
-    gs = np.empty(cap_run, dtype=np.int64)
-    lvs = np.empty(cap_run)
-    ports = np.empty(cap_run, dtype=np.int64)
     steps = 0
     if simple:
         nP = pps.size
-        li = np.empty(nP, dtype=np.int64)
+        li = np.empty(nP, dtype=np.int64)   # the candidate ports' positions in pps, ascending
         share = np.empty(nP)
-        while True:
-            m = 0
-            for k in range(nP):
-                if cnt[nps[k]] != 0.0:
-                    li[m] = k
-                    m += 1
-            if m == 0:
-                break
+        heap = np.empty(nP, dtype=np.int64)
+        m = 0
+        for k in range(nP):
+            if cnt[nps[k]] != 0.0:
+                li[m] = k
+                m += 1
+        while m:
             steps += 1
             for i in range(m):
                 k = li[i]
                 x = nps[k]
                 share[i] = (cap_P[pps[k]] - frz[x]) / cnt[x]
-            order = np.argsort(share[:m], kind="mergesort")
+            _heapify(heap, m, share)
             w = min(m, run_max)
             cut = w
             ns = 0
             nr = 0
             for i in range(w):
-                x = nps[li[order[i]]]
+                j = _pop(heap, m - i, share)
+                k = li[j]
+                x = nps[k]
                 if _touches(x, N, run_s, ns, run_r, nr, key_U, row_U, col_U, mm):
                     cut = i
                     break
@@ -167,23 +256,26 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK
                 else:
                     run_r[nr] = x
                     nr += 1
-            for i in range(cut):
-                k = li[order[i]]
-                g[i] = nps[k]
-                lv[i] = share[order[i]]
+                g[i] = x
+                lv[i] = share[j]
                 port[i] = pps[k]
-            o = np.argsort(g[:cut])
-            for i in range(cut):
-                gs[i] = g[o[i]]
-                lvs[i] = lv[o[i]]
-                ports[i] = port[o[i]]
-            _freeze(gs, lvs, ports, cut, False, lev, bport, free, frz, cnt, acc_c, acc_f, cell_UW, other_UW, mm)
+            _sort_run(g, lv, port, cut)
+            _freeze(g, lv, port, cut, False, lev, bport, free, frz, cnt, acc_c, acc_f, touched, mark, cell_UW,
+                    other_UW, mm)
+            # the next step's candidates: those still carrying unfrozen transfers (counts only fall)
+            mm_ = 0
+            for i in range(m):
+                if cnt[nps[li[i]]] != 0.0:
+                    li[mm_] = li[i]
+                    mm_ += 1
+            m = mm_
         return lev, bport, steps
     K = pall_UK.shape[1]
     n = np.zeros(P1)
     fr = np.zeros(P1)
     cand = np.empty(P1, dtype=np.int64)
     share = np.empty(P1)
+    heap = np.empty(P1, dtype=np.int64)
     seen = np.zeros(U + 1, dtype=np.int64)   # step stamp: the node is in this step's run so far
     while True:
         live = False
@@ -199,6 +291,8 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK
         for u in range(U):
             c = cnt[u]
             f = frz[u]
+            if c == 0.0 and f == 0.0:   # adds +0.0 to sums that start at +0.0: leaves them as they are
+                continue
             for k in range(K):
                 p = pall_UK[u, k]
                 n[p] += c
@@ -210,15 +304,15 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK
                 cand[m] = p
                 share[m] = (cap_P[p] - fr[p]) / n[p]
                 m += 1
-        order = np.argsort(share[:m], kind="mergesort")
+        _heapify(heap, m, share)
         steps += 1
         w = min(m, run_max)
-        cut = w
         ns = 0
         nr = 0
         nrun = 0
         for i in range(w):
-            p = cand[order[i]]
+            j = _pop(heap, m - i, share)
+            p = cand[j]
             stop = False
             for d in range(D):
                 x = port_nodes_PD[p, d]
@@ -228,7 +322,6 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK
                     stop = True
                     break
             if stop:
-                cut = i
                 break
             for d in range(D):
                 x = port_nodes_PD[p, d]
@@ -241,23 +334,30 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK
                 else:
                     run_r[nr] = x
                     nr += 1
-                g[nrun] = x
-                lv[nrun] = share[order[i]]
-                port[nrun] = p
-                nrun += 1
-        o = np.argsort(g[:nrun])
-        ng = 0
-        for i in range(nrun):   # the run's nodes that carry unfrozen transfers, increasing
-            j = o[i]
-            if cnt[g[j]] > 0.0:
-                gs[ng] = g[j]
-                lvs[ng] = lv[j]
-                ports[ng] = port[j]
-                ng += 1
-        if ng == 0:
+                if cnt[x] > 0.0:   # the run's nodes that carry unfrozen transfers
+                    g[nrun] = x
+                    lv[nrun] = share[j]
+                    port[nrun] = p
+                    nrun += 1
+        if nrun == 0:
             return lev, bport, -1
-        _freeze(gs, lvs, ports, ng, True, lev, bport, free, frz, cnt, acc_c, acc_f, cell_UW, other_UW, mm)
+        _sort_run(g, lv, port, nrun)
+        _freeze(g, lv, port, nrun, True, lev, bport, free, frz, cnt, acc_c, acc_f, touched, mark, cell_UW,
+                other_UW, mm)
     return lev, bport, steps
 
 
-__all__ = ["fill_levels"]
+@kernel
+def count_transfers(mm, T, row_U, col_U, cnt_src_N, cnt_dst_N, ns_F, nd_F, sign):
+    """``BlockCounts.add`` in one pass: transfers from sender nodes ``ns_F`` to receiver nodes
+    ``nd_F`` counted in (sign 1) or out (sign -1) of their M cell, MT cell (from T in ``mm``) and
+    both nodes' totals. Counts are whole numbers, so the order of the additions does not matter."""
+    for f in range(ns_F.size):
+        s, d = ns_F[f], nd_F[f]
+        mm[row_U[s] + col_U[d]] += sign
+        mm[T + row_U[d] + col_U[s]] += sign
+        cnt_src_N[s] += sign
+        cnt_dst_N[d] += sign
+
+
+__all__ = ["count_transfers", "fill_levels"]

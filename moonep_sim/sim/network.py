@@ -37,6 +37,7 @@ version counter.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -102,6 +103,7 @@ class FlowNetwork:
         # ticks, then the batches submitted since (merged at the next tick: one mask per tick)
         self._pend: Pending | None = None
         self._pend_new: list[Pending] = []
+        self._pend_min = np.inf   # the earliest ready time of every waiting flow (inf: none)
         self._log = FlowLog()
         self._last_fill = -np.inf
         self._horizon = 0.0  # when the active traffic would drain at the current rates (time scale)
@@ -178,7 +180,9 @@ class FlowNetwork:
         ready = now + lat
         self._pend_new.append(Pending(ready=ready, eff=np.asarray(eff_bytes_F, dtype=np.float64)[keep], id=ids,
                                   key=pid * self.ports.ranks + dst, src=src_F, dst=dst, blk=blk, path=path))
-        self._request_tick(float(ready.min()))
+        first = float(ready.min())
+        self._pend_min = min(self._pend_min, first)
+        self._request_tick(first)
 
     def _pair_table(self, sm: bool, nic: bool) -> tuple[np.ndarray, np.ndarray] | None:
         """(block_RR, latency_RR): ``PortMap.pair_class`` and ``latency`` of every (sender,
@@ -202,7 +206,7 @@ class FlowNetwork:
         return self.tol * max(t, self._horizon)
 
     def _request_tick(self, t: float) -> None:
-        if np.isfinite(self._last_fill):
+        if math.isfinite(self._last_fill):
             t = max(t, self._last_fill + self._gap(self._last_fill))
         t = max(t, self.env.now)
         if t < self._next_tick:
@@ -242,17 +246,20 @@ class FlowNetwork:
                 if 2 * self._dead > a.n:
                     a.keep(a.alive.copy())
                     self._dead = 0
-        # 2. activations
-        if self._pend_new:
-            self._pend = Pending.concat(([self._pend] if self._pend is not None else []) + self._pend_new)
-            self._pend_new = []
-        if self._pend is not None:
+        # 2. activations: the waiting batches are merged (in submission order) only at a tick where
+        # one of their flows is ready
+        if self._pend_min <= t + 1e-9:
+            if self._pend_new:
+                self._pend = Pending.concat(([self._pend] if self._pend is not None else []) + self._pend_new)
+                self._pend_new = []
             ok = self._pend.ready <= t + 1e-9
             add = None
             if ok.all():
                 add, self._pend = self._pend, None
+                self._pend_min = np.inf
             elif ok.any():
                 add, self._pend = self._pend.select(ok), self._pend.select(~ok)
+                self._pend_min = float(self._pend.ready.min())
             if add is not None:
                 ids = add.id
                 self._log.ready[ids] = t
@@ -302,9 +309,9 @@ class FlowNetwork:
                               minlength=self.ports.cap_P.size)[:-1]
             self.util_samples.append(UtilSample(t, use / self.ports.cap_P[:-1]))
         # 4. next tick
-        if self._pend is not None:
-            nxt = min(nxt, float(self._pend.ready.min()))
-        if np.isfinite(nxt):
+        if self._pend is not None or self._pend_new:
+            nxt = min(nxt, self._pend_min)
+        if math.isfinite(nxt):
             self._request_tick(nxt)
 
     def _set_rates(self, rate: np.ndarray, t: float) -> float:

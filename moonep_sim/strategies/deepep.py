@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from moonep_sim.errors import PlanError, require
-from moonep_sim.plan import GlobalRouting, Plan, Scope, home_slots, plan_from_hops, to_final, to_node_of_final
+from moonep_sim.plan import GlobalRouting, Plan, Scope, build, home_slots, plan_from_hops, to_final, to_node_of_final
 from moonep_sim.plan.kernel import FAMILIES, family, family_spec
 from moonep_sim.plan.multihop import home_entry_slots
 from moonep_sim.strategies import Option, PlanContext, register
@@ -93,8 +93,13 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, max_nodes: int, sms: int |
     # home groups number the slots as the experts: the routing's ids are the slots (no [N] gather)
     entry_slot = home_entry_slots(slot_of, ids)
     node_S = cl.node_of(sr)
-    # nodes per token from one-byte node ids (an [N] gather of bytes, not of int64) when they fit
-    npt = nodes_per_token_T((node_S.astype(np.uint8) if node_S.size and node_S.max() < 256 else node_S)[entry_slot])
+    if entry_slot.size >= build.FUSED_MIN and node_S.size and 0 <= node_S.min() and node_S.max() < 64:
+        # one compiled pass over the entries' slots (moonep_sim.plan.fused): the same counts
+        from moonep_sim.plan import fused
+
+        npt = fused.distinct_per_token(entry_slot, node_S)
+    else:  # nodes per token from one-byte node ids (an [N] gather of bytes, not of int64) when they fit
+        npt = nodes_per_token_T((node_S.astype(np.uint8) if node_S.size and node_S.max() < 256 else node_S)[entry_slot])
     if max_nodes and npt.size and int(npt.max()) > max_nodes:
         t = int(np.argmax(npt > max_nodes))
         raise PlanError(f"nodes of token {t} ({int(npt[t])}) must be <= max_nodes ({max_nodes}): the given "
