@@ -156,6 +156,20 @@ def test_kernels_refuse_indices_out_of_range():
         fused.single_hop_plan(np.array([0, 1, 1, 0]), np.array([0, 2]), tok, 2, 2, False)
     with pytest.raises(PlanError, match="token offsets"):
         fused.single_hop_plan(np.array([0, 1, 1, 0]), slot_rank, np.array([0, 1, 3]), 2, 2, False)
+    with pytest.raises(PlanError, match="token offsets"):
+        fused.single_hop_plan(np.array([0, 1, 1, 0]), slot_rank, np.array([0, 3, 2]), 2, 2, False)
+    from moonep_sim.plan import fused_routes
+
+    via = np.zeros((2, 2), dtype=np.int64)
+    with pytest.raises(PlanError, match="token offsets"):
+        fused_routes.two_hop_plan(np.array([0, 1, 1, 0]), slot_rank, via, np.array([0, 3, 2]), 2, 2, ["global"] * 2,
+                                  [True, True])
+    with pytest.raises(PlanError, match="via table"):
+        fused_routes.two_hop_plan(np.array([0, 1, 1, 0]), slot_rank, via + 2, tok, 2, 2, ["global"] * 2, [True, True])
+    with pytest.raises(PlanError, match="every entry kept"):
+        fused_routes.two_hop_plan(np.array([0, -1, 1, 0]), slot_rank, via, tok, 2, 2, ["global"] * 2, [True, True])
+    with pytest.raises(PlanError, match="pieces"):
+        fused.split_runs(np.array([0, 0, 1]), 2, np.array([0, 1]), np.array([1, 1]), np.array([0, 1]))
 
 
 @pytest.mark.parametrize("R, relays", [(70, 70), (12, 3), (8, 1)])
@@ -197,3 +211,33 @@ def test_distinct_per_token_equals_deepep_nodes_per_token(T, K, X, hi):
     if key.size:
         with pytest.raises(PlanError, match="key"):
             fused.distinct_per_token(key + X, value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 2, 5, 9]), st.sampled_from([1, 3, 8]), st.booleans(),
+       st.sampled_from([1, 4]), st.floats(0, 1), st.booleans())
+def test_plan_from_slots_with_drops_and_minimum_rows_is_the_same_compiled(seed, R, K, dedup, tp, drop, min_rows):
+    """The single-hop builder on its own: any slot per entry (replicas: several slots per rank),
+    dropped entries (-1, up to all of them), capacity padding by ``min_rows_S``, uneven ranks."""
+    from moonep_sim.plan import plan_from_slots
+
+    rng = np.random.default_rng(seed)
+    tpr = rng.integers(0, 12, size=R)
+    T = int(tpr.sum())
+    S = int(rng.integers(1, 3 * R + 1))
+    slot_rank = np.sort(rng.integers(0, R, size=S))
+    slot = rng.integers(0, S, size=(T, K))
+    slot[rng.random((T, K)) < drop] = -1
+    routing = _layer(tpr, K, 8, seed)
+    cluster = ClusterShape(R, 1)
+    mins = rng.integers(0, 6, size=S) if min_rows else None
+    plans = []
+    mp = pytest.MonkeyPatch()
+    try:
+        for fused_min in (1 << 62, 0):
+            mp.setattr(build, "FUSED_MIN", fused_min)
+            plans.append(plan_from_slots(routing, cluster, COSTS, slot_rank, slot_rank % 4, slot_rank, slot,
+                                         dedup=dedup, token_padding=tp, min_rows_S=mins))
+    finally:
+        mp.undo()
+    assert_same_plan(plans[1], plans[0])

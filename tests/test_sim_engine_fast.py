@@ -140,3 +140,43 @@ def test_dropped_count_matches_the_plan(strategy, opts):
 def test_capacity_case_drops_entries():
     """The table above covers a Plan that drops entries (the count's slow path) and one that does not."""
     assert _plan("capacity", skew=2.5).dropped > 0 and _plan("alltoall", skew=2.5).dropped == 0
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_run_pauses_the_collector_and_restores_it(enabled):
+    import gc
+
+    topo = load_topology("h800-cx7", gpus_per_node=4)
+    sim = engine.StepSim([_plan("alltoall")], topo, MODEL, SimOptions())
+    sim.build()
+    seen = []
+    sim.env.timeout(1.0).callbacks.append(lambda _e: seen.append(gc.isenabled()))
+    (gc.enable if enabled else gc.disable)()
+    try:
+        sim.run()
+        assert seen == [False] and gc.isenabled() == enabled
+    finally:
+        gc.enable()
+    ref = engine.StepSim([_plan("alltoall")], topo, MODEL, SimOptions())
+    ref.build()
+    ref.env.run()
+    assert ref.spans == sim.spans
+
+
+def test_collector_paused_nests_and_restores():
+    import gc
+
+    gc.enable()
+    try:
+        with engine.collector_paused():
+            assert not gc.isenabled()
+            with engine.collector_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()   # the inner one found it paused: leaves it so
+        assert gc.isenabled()
+        with pytest.raises(ValueError):
+            with engine.collector_paused():
+                raise ValueError("inside")
+        assert gc.isenabled()
+    finally:
+        gc.enable()

@@ -209,3 +209,41 @@ def test_compiled_counting_equals_the_numpy_scatter(name, R, sm):
     assert fast.mm.any()
     for attr in ("mm", "cnt_src", "cnt_dst"):
         assert np.array_equal(getattr(fast, attr), getattr(ref, attr)), attr
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.sampled_from(["h800-cx7", "spine", "node-links", "nvlink-only"]), st.integers(2, 16), st.booleans(),
+       st.sampled_from([0.0, 0.002, 0.02]), st.integers(0, 10_000))
+def test_network_runs_do_not_move_with_the_compiled_kernels(name, R, sm, tol, seed):
+    """Random sizes, tolerances (exact and coalesced), SM ports and sparse or skewed phases: the
+    network's records, ticks and filling steps are the same with the compiled kernels as with the
+    numpy code."""
+    if name == "nvlink-only":
+        R = min(R, 8)
+    rng = np.random.default_rng(seed)
+    ports = port_map(name, R, sm, int(rng.integers(R)) if seed % 2 else None)
+    sparse = np.where(rng.random((R, R)) < 0.3, rng.integers(1, 50, (R, R)) * 1000.0, 0.0)
+    phases = [sparse, rng.poisson(8, (R, R)) * 777.0]
+
+    def run(compiled):
+        env = simpy.Environment()
+        net = FlowNetwork(env, ports, tol)
+        net._blocks.compiled = compiled
+        pids = [net.expect(f"p{i}", (b > 0).sum(0), sm=(i == 0)) for i, b in enumerate(phases)]
+
+        def rank(r):
+            yield env.timeout(float(rng_r[r]))
+            for pid, b in zip(pids, phases):
+                net.submit(pid, r, np.arange(R), b[r], b[r] * 1.03)
+                yield net.received(pid, r)
+
+        for r in range(R):
+            env.process(rank(r))
+        env.run()
+        return net.records(), net.ticks, net.fill_iterations
+
+    rng_r = rng.random(R) * 5.0
+    (a, ta, ia), (b, tb, ib) = run(True), run(False)
+    assert (ta, ia) == (tb, ib)
+    for k in a:
+        assert np.array_equal(a[k], b[k], equal_nan=True), k

@@ -272,6 +272,39 @@ def split_runs(key_N: np.ndarray, n_keys: int, piece_key_P: np.ndarray, piece_le
 
 
 @kernel
+def _run_cycle(key_N, rep_first_X, rep_count_X, rep_slot_P, slot_N):
+    """Entry e of key x, the j-th of x in entry order, gets the slot ``rep_slot_P[rep_first_X[x] + j %
+    rep_count_X[x]]``. Returns the first entry whose key is outside [0, X) or has no slot, else -1."""
+    X = rep_first_X.size
+    seen = np.zeros(X, np.int64)  # each key's entries so far
+    for e in range(key_N.size):
+        x = key_N[e]
+        if x < 0 or x >= X or rep_count_X[x] <= 0:
+            return e
+        j = seen[x]
+        seen[x] = j + 1
+        slot_N[e] = rep_slot_P[rep_first_X[x] + j % rep_count_X[x]]
+    return -1
+
+
+def cycle_runs(key_N: np.ndarray, n_keys: int, rep_key_P: np.ndarray, rep_slot_P: np.ndarray) -> np.ndarray:
+    """INDEX [N] the slot of each entry when each key's entries, in entry order, are dealt round-robin
+    over its slots: the j-th entry of key x to x's slot ``j % c_x`` (``eplb``'s ``round_robin``
+    choice of replicas). rep_key_P: int [P] non-decreasing keys in [0, n_keys); rep_slot_P: int [P]
+    the slots of each key in that order."""
+    key = np.asarray(key_N).ravel()
+    pk = np.asarray(rep_key_P, dtype=np.int64)
+    X = int(n_keys)
+    if pk.size and (bool((pk[1:] < pk[:-1]).any()) or int(pk[0]) < 0 or int(pk[-1]) >= X):
+        raise PlanError(f"replica keys must be non-decreasing in [0, {X})")
+    first = np.searchsorted(pk, np.arange(X + 1))
+    out = np.empty(key.size, dtype=INDEX)
+    _check(_run_cycle(key, first[:-1].astype(np.int64), np.diff(first).astype(np.int64),
+                      np.asarray(rep_slot_P, dtype=np.int64), out), f"entry key (must be in [0, {X}) with a slot)")
+    return out
+
+
+@kernel
 def _distinct_per_group(key_N, value_X, G, out):
     """out[t]: the distinct ``value_X[key]`` (each in [0, 64)) among the keys ``key_N[t*G:(t+1)*G]``,
     counted as the bits of their OR-ed bit set. Returns the first entry whose key is outside
@@ -379,9 +412,9 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
     tok_off = np.asarray(tok_off_R, dtype=np.int64)
     S, N, R, K = slot_rank_S.size, slot.size, int(ranks), max(int(top_k), 1)
     require_index(N, "entries (tokens x top-k)")
-    if tok_off.size != R + 1 or int(tok_off[-1]) * K != N:
+    if tok_off.size != R + 1 or int(tok_off[-1]) * K != N or bool((np.diff(tok_off) < 0).any()) or tok_off[0] != 0:
         raise PlanError(f"token offsets ({tok_off.size} values, {int(tok_off[-1]) if tok_off.size else 0} tokens) "
-                        f"must be R + 1 = {R + 1} values ending at N / K = {N // K}")
+                        f"must be R + 1 = {R + 1} non-decreasing values from 0 to N / K = {N // K}")
     if S and (int(slot_rank_S.min()) < 0 or int(slot_rank_S.max()) >= R):
         raise PlanError(f"slot ranks ({int(slot_rank_S.min())}..{int(slot_rank_S.max())}) must lie in [0, {R})")
     scnt = np.zeros(S + 1, dtype=np.int64)
@@ -416,4 +449,4 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
     return lay, hop, dup, (row_entry if pad else order[n_drop:]), expand
 
 
-__all__ = ["distinct_per_token", "layout_by_slot", "single_hop_plan", "slot_geometry", "split_runs"]
+__all__ = ["cycle_runs", "distinct_per_token", "layout_by_slot", "single_hop_plan", "slot_geometry", "split_runs"]

@@ -37,6 +37,7 @@ version counter.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -205,7 +206,7 @@ class FlowNetwork:
         return self.tol * max(t, self._horizon)
 
     def _request_tick(self, t: float) -> None:
-        if np.isfinite(self._last_fill):
+        if math.isfinite(self._last_fill):
             t = max(t, self._last_fill + self._gap(self._last_fill))
         t = max(t, self.env.now)
         if t < self._next_tick:
@@ -310,7 +311,7 @@ class FlowNetwork:
         # 4. next tick
         if self._pend is not None or self._pend_new:
             nxt = min(nxt, self._pend_min)
-        if np.isfinite(nxt):
+        if math.isfinite(nxt):
             self._request_tick(nxt)
 
     def _set_rates(self, rate: np.ndarray, t: float) -> float:

@@ -12,12 +12,13 @@ The engine (``moonep_sim.sim.engine``) runs such programs; it never looks at the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.models import ModelSpec
-from moonep_sim.plan import CommPhase, Plan
+from moonep_sim.plan import ClusterShape, CommPhase, Plan
 from moonep_sim.plan.direct import last_hop_is_direct
 from moonep_sim.plan.kernel import chunk_for
 from moonep_sim.plan.kinds import COMM_KINDS, WEIGHT_KINDS, Direction, PhaseKind
@@ -197,10 +198,19 @@ def epilogue_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
 
 
 def _cross_node_RR(plan: Plan, topo: Topology) -> np.ndarray:
-    """bool [R, R]: True where source and destination sit on different nodes of ``topo``
-    (``Topology.cluster``)."""
-    r = np.arange(plan.ranks)
-    return ~topo.cluster(plan.ranks).same_node(r[:, None], r[None, :])
+    """bool [R, R] (read-only): True where source and destination sit on different nodes of
+    ``topo`` (``Topology.cluster``). Read a dozen times per stage program; kept per geometry."""
+    return _cross_node_of(topo.cluster(plan.ranks), int(plan.ranks))
+
+
+@lru_cache(maxsize=16)
+def _cross_node_of(cluster: ClusterShape, ranks: int) -> np.ndarray:
+    """:func:`_cross_node_RR` of ``ranks`` ranks on ``cluster`` (a frozen value: the key is the
+    geometry itself; a few geometries per process, so 16 entries of at most R*R bytes)."""
+    r = np.arange(ranks)
+    out = ~cluster.same_node(r[:, None], r[None, :])
+    out.flags.writeable = False
+    return out
 
 
 def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology, direction: str = "dispatch") -> np.ndarray | None:

@@ -41,7 +41,7 @@ def simulate_layers(plans: Sequence[Plan], topo: Topology, model: ModelSpec, opt
     t0 = time.perf_counter()
     sim = StepSim(list(plans), topo, model, opts)
     sim.build()
-    sim.env.run()
+    sim.run()
     res = sim_result(sim, 0.0)
     res.sim_stats["wall_seconds"] = time.perf_counter() - t0
     return res

@@ -40,9 +40,9 @@ from __future__ import annotations
 import numpy as np
 
 from moonep_sim.errors import ConfigError, require
-from moonep_sim.plan import GlobalRouting, Plan, plan_from_order
+from moonep_sim.plan import GlobalRouting, Plan
 from moonep_sim.strategies import Option, PlanContext, register
-from moonep_sim.strategies.moonep import copy_slots, slot_order
+from moonep_sim.strategies.moonep import alloc_plan, copy_slots
 
 #: assumed: one device-to-host copy of the counts plus the per-layer barrier on the EP group
 HOST_SYNC_US = 30.0
@@ -179,11 +179,9 @@ def plan_from_alloc(routing: GlobalRouting, ctx: PlanContext, alloc_ER: np.ndarr
     """A single-hop Plan computing ``alloc[e, r]`` entries of expert e on rank r (copies where r is not
     e's home), entries split over an expert's ranks in rank order (moonep's layout). ``options``:
     what the planner reports (see :func:`moonep_sim.plan.plan_from_slots`)."""
-    ids_N = routing.topk_ids_TK.ravel()
     slot_rank, slot_expert, slot_home = copy_slots(alloc_ER, epn)
-    order, slot_rows = slot_order(ids_N, alloc_ER, slot_rank, slot_expert)
-    return plan_from_order(routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_home, order, 0, slot_rows,
-                           dedup=dedup, token_padding=max(int(ctx.token_padding), 1), options=options, **extra)
+    return alloc_plan(routing, ctx, alloc_ER, slot_rank, slot_expert, slot_home, dedup=dedup,
+                      token_padding=max(int(ctx.token_padding), 1), options=options, **extra)
 
 
 @register("llep", summary="LLEP (ICML 2026): spill each hot expert's excess to the least-loaded rank above "

@@ -199,20 +199,33 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, dedup: bool, sms: int) -> 
     tp = max(int(ctx.token_padding), 1)
     # static buffer: cap real rows plus padding of at most 2*epn segments (home + copies)
     capacity = cap_R + 2 * epn * (tp - 1)
+    return alloc_plan(routing, ctx, alloc, slot_rank, slot_expert, slot_home, dedup=dedup, token_padding=tp,
+                      capacity_R=capacity, kernel=KernelSpec(sms=sms))
+
+
+def alloc_plan(routing: GlobalRouting, ctx: PlanContext, alloc_ER: np.ndarray, slot_rank_S: np.ndarray,
+               slot_expert_S: np.ndarray, slot_home_S: np.ndarray, *, dedup: bool, token_padding: int,
+               **extra) -> Plan:
+    """The single-hop Plan computing ``alloc[e, d]`` entries of expert e on rank d (step 6 of the
+    module doc) in the slots ``copy_slots`` made of it; extra: ``plan_from_order``'s options and
+    further Plan fields. From ``build.FUSED_MIN`` entries each entry's slot is found in one compiled
+    pass over the entries (its expert's pieces in rank order: ``fused.split_runs``) and the Plan
+    built by the compiled single-hop builder; the same Plan as :func:`slot_order` then
+    ``plan_from_order`` (``tests/test_plan_fused.py``)."""
+    ids_N = routing.topk_ids_TK.ravel()
     if ids_N.size >= build.FUSED_MIN:
-        # each entry's slot in one compiled pass over the entries (its expert's pieces in rank order),
-        # then the compiled single-hop builder: the same Plan as below (tests/test_plan_fused.py)
         from moonep_sim.plan import fused
 
+        E, R = alloc_ER.shape
         slot_of_ER = np.full((E, R), -1, dtype=np.int64)
-        slot_of_ER[slot_expert, slot_rank] = np.arange(slot_rank.size)
-        pe, pd = np.nonzero(alloc)
+        slot_of_ER[slot_expert_S, slot_rank_S] = np.arange(slot_rank_S.size)
+        pe, pd = np.nonzero(alloc_ER)
         if bool((slot_of_ER[pe, pd] < 0).any()):
             raise PlanError("every allocated (expert, rank) pair must have a slot (internal error)")
-        entry_slot = fused.split_runs(ids_N, E, pe, alloc[pe, pd], slot_of_ER[pe, pd])
-        return plan_from_slots(routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_home, entry_slot,
-                               dedup=dedup, token_padding=tp, capacity_R=capacity, kernel=KernelSpec(sms=sms))
-    order, slot_rows = slot_order(ids_N, alloc, slot_rank, slot_expert)
+        entry_slot = fused.split_runs(ids_N, E, pe, alloc_ER[pe, pd], slot_of_ER[pe, pd])
+        return plan_from_slots(routing, ctx.cluster, ctx.costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot,
+                               dedup=dedup, token_padding=token_padding, **extra)
+    order, slot_rows = slot_order(ids_N, alloc_ER, slot_rank_S, slot_expert_S)
     # same Plan as plan_from_slots(..., entry_slots(...)), without sorting the entries a second time
-    return plan_from_order(routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_home, order, 0, slot_rows,
-                           dedup=dedup, token_padding=tp, capacity_R=capacity, kernel=KernelSpec(sms=sms))
+    return plan_from_order(routing, ctx.cluster, ctx.costs, slot_rank_S, slot_expert_S, slot_home_S, order, 0,
+                           slot_rows, dedup=dedup, token_padding=token_padding, **extra)
