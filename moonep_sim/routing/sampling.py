@@ -580,33 +580,34 @@ def _pl_blocks(p: np.ndarray, icdf: InverseCDF, x_KN: np.ndarray | None, u_KN: n
     easy_k, hard = one.easy_k, float(one.hard_R[0])
     update_left = clocked or easy_k < K
     ids = np.empty((N, K), dtype)
-    left = np.ones(N)                                  # a whole row's span: cum[E - 1] - 0 = 1 exactly
-    w = np.empty((N, K), np.float32) if clocked else None
+    w = np.empty((N, K), np.float32) if clocked else _NO_W
     counts = np.zeros(E, np.int64) if count else _NO_COUNTS
     x = x_KN if clocked else _NO_X2
-    stop, rows2 = np.empty(N, np.intp), np.empty(N, np.intp)
-    tau2 = np.empty((N, K)) if clocked else _NO_TAU
     draw = (icdf.cum_E, icdf.guide, icdf.M, icdf.width, icdf.steps, icdf.width <= _LINEAR_WIDTH)
-    n2 = _kn.pl_pass1(x, u_KN, clocked, p, *draw, easy_k, hard, update_left, ids, left,
-                      w if clocked else _NO_W, counts, count, stop, tau2, rows2)
-    todo, hard_rows = np.empty(n2, np.intp), np.empty(n2, np.intp)
-    for k in range(K if n2 else 0):                    # pass 2: the rows stopped by a repeat or the test
-        nt, nh = _kn.pl_pass2(k, rows2, n2, stop, x, u_KN, clocked, p, *draw, easy_k, hard, update_left, ids,
-                              tau2, left, counts, count, todo, hard_rows)
-        rejected, hr = todo[:nt].copy(), hard_rows[:nh]
+    # the stopped rows' slots (room for every row; only those used are touched)
+    rows2, stop2, left2 = np.empty(N, np.intp), np.empty(N, np.intp), np.empty(N)
+    ids2, u2 = np.empty((N, K), dtype), np.empty((K, N))
+    tau2, x2 = (np.empty((N, K)), np.empty((K, N), np.float32)) if clocked else (_NO_TAU, _NO_X2)
+    n2 = _kn.pl_pass1(x, u_KN, clocked, p, *draw, easy_k, hard, update_left, ids, w, counts, count,
+                      rows2, stop2, left2, ids2, tau2, x2, u2)
+    todo, hard_slots = np.empty(n2, np.intp), np.empty(n2, np.intp)
+    for k in range(K if n2 else 0):                    # pass 2: the stopped rows, by slot
+        nt, nh = _kn.pl_pass2(k, n2, rows2, stop2, x, x2, u2, clocked, p, *draw, easy_k, hard, update_left, ids2,
+                              tau2, left2, counts, count, todo, hard_slots)
+        rejected, hs = todo[:nt].copy(), hard_slots[:nh]
         for _ in range(_REJECT_ROUNDS):
             if nt == 0:
                 break
-            nt = _kn.pl_retry(k, todo, nt, retry.random(nt), *draw, _NO_INTP, _NO_F64, _NO_F64, E, False, ids)
-        rest = np.union1d(hr, todo[:nt]) if nt else hr
+            nt = _kn.pl_retry(k, todo, nt, retry.random(nt), *draw, _NO_INTP, _NO_F64, _NO_F64, E, False, ids2)
+        rest = np.union1d(hs, todo[:nt]) if nt else hs
         chunk = max(1, CHUNK_ELEMS // E)
         for s in range(0, rest.size, chunk):
             r = rest[s:s + chunk]
-            _kn.pl_remainder(k, r, retry.random(r.size), p, _NO_INTP, E, False, ids)
-        for rows in (rejected, hr):
-            _kn.pl_settle(k, rows, ids, p, left, update_left, counts, count)
-    if clocked and n2:
-        _kn.pl_weights_rows(rows2, n2, tau2, w)
+            _kn.pl_remainder(k, r, retry.random(r.size), p, _NO_INTP, E, False, ids2)
+        for slots in (rejected, hs):
+            _kn.pl_settle(k, slots, ids2, p, left2, update_left, counts, count)
+    _kn.pl_pass2_out(n2, rows2, ids2, tau2, clocked, ids, w)
+    w = w if clocked else None
     return ids, w, (counts if count else None)
 
 
@@ -636,7 +637,7 @@ def pl_weights(logp_E: np.ndarray, ids_KN: np.ndarray, noise: dict) -> np.ndarra
     p, icdf = _normalised(logp_E)
     if KERNELS:
         w = np.empty((T, K), np.float32)
-        _kn.pl_replay_rows(np.asarray(noise["x"]), ids_KN.T, p, np.empty((T, K), ids_KN.dtype), w)
+        _kn.pl_replay_rows(np.asarray(noise["x"]), ids_KN.T, p, w)
         return w
     races = _Races(p, icdf, np.zeros(T, np.intp), p.size, K, None, None)
     races.replay(ids_KN, noise["x"])
