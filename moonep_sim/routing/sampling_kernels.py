@@ -1,19 +1,23 @@
 """Compiled kernels of the samplers (:mod:`moonep_sim.routing.sampling`): one loop over the tokens
 where the numpy code makes one array pass per step.
 
-Every kernel does the per-token work of a numpy reference kept in ``sampling.py`` with the same
-floating-point operations in the same order, so its outputs are equal bit for bit; the random
-numbers stay numpy's (drawn by the caller, in the same order and amounts), so the streams and the
-draws do not move. tests/test_sampling_kernels.py holds each kernel against its reference.
+Every kernel does the per-token work of a numpy reference kept beside it (``sampling.py``,
+``sampling_reference.py``; ``sampling.KERNELS = False`` runs it) with the same floating-point
+operations in the same order, so its outputs are equal bit for bit; the random numbers stay
+numpy's (drawn by the caller, in the same order and amounts), so the streams and the draws do not
+move. tests/test_sampling_kernels.py holds the samplers' draws against the reference's.
 
-- :func:`pl_position` -- one position of the sequential Plackett-Luce races (``_Races.advance``):
-  each row's arrival time (``tau += X / left``), its inverse-CDF draw (the guide table of
+- :func:`pl_pass1`, :func:`pl_pass2`, :func:`pl_pass2_out` -- the plain path (every token races
+  all E experts: ``sample_topk_pl`` and its counted redraws ``pl_ids_again``) in token blocks, the
+  rows a repeat or the "mostly chosen" test stops left to a second pass by position (the section
+  "plain top-K" below); :func:`pl_replay_rows` the weights of a counted draw (``pl_weights``).
+- :func:`pl_position` -- the grouped fast path's races (``_Races.advance``), one position of
+  every row: its arrival time (``tau += X / left``), its inverse-CDF draw (the guide table of
   :class:`~moonep_sim.routing.sampling.InverseCDF`, within the row's group), the repeat check
   against the row's earlier arrivals and the "mostly chosen" test, listing the rows a redraw or
   a remainder draw must settle; :func:`pl_retry` one rejection round of those rows;
   :func:`pl_remainder` their exact remainder draws; :func:`pl_settle` the popularity left and the
   counts of the rows settled after the pass.
-- :func:`weights_nk` -- the race's softmax of the arrival times (``_weights_KN``).
 - :func:`race_k_smallest` -- the race's K smallest keys per token
   (``smallest_k`` after ``mask_groups``; or of ``X / p``), for the rows whose K + 1 smallest keys
   (and, grouped, whose kept groups) are unique: the rows with ties are flagged, and the caller
@@ -29,18 +33,21 @@ from moonep_sim.jit import kernel
 # No helper taking arrays is called inside a loop: numba then keeps the arrays' reference counts
 # (atomic increments and decrements) on every call, inlined or not, and a draw costs ten to twenty
 # times more (measured: 14 ms instead of 1.4 ms a position at 262,144 rows). The inverse-CDF draw
-# is therefore written out in both kernels that make one (pl_position, pl_retry), word for word.
+# is therefore written out in each kernel that makes one (pl_position, pl_retry, pl_pass1,
+# pl_pass2), word for word.
 
 
 @kernel
 def pl_position(k, x, u, clocked, p, cum, guide, M, width, steps, linear, first, base, span, n, grouped,
                 ids_NK, tau_NK, left, test_hard, hard_bound, update_left, counts, count, todo, hard):
     """Position ``k`` of every row: ``x`` (float32, clamped to 1e-30 in place) and ``u`` this
-    position's exponentials and uniforms; ``clocked``: the arrival times ``tau_NK[:, k] = tau_NK[:, k - 1]
-    + x / max(left, 1e-300)`` (0 before the first). State token-major: ``ids_NK``, ``tau_NK``. Rows whose draw repeats an earlier arrival go to ``todo``, rows past
-    the "mostly chosen" bound (``test_hard``: ``left < hard_bound``) to ``hard`` (both in row
-    order); the other rows are settled here (``left -= p[e]`` when ``update_left``, ``counts[e]
-    += 1`` when ``count``). Returns the two lists' lengths."""
+    position's exponentials and uniforms; ``clocked``: the arrival times ``tau_NK[:, k] =
+    tau_NK[:, k - 1] + x / max(left, 1e-300)`` (0 before the first); ``ids_NK``, ``tau_NK`` the
+    state by token (views of ``_Races``' position-major arrays). Rows whose draw repeats an
+    earlier arrival go to ``todo``, rows past the "mostly chosen" bound (``test_hard``: ``left <
+    hard_bound``) to ``hard`` (both in row order); the other rows are settled here (``left -=
+    p[e]`` when ``update_left``, ``counts[e] += 1`` when ``count``). Returns the two lists'
+    lengths."""
     N = u.size
     E = cum.size
     nt = 0
@@ -191,30 +198,13 @@ def pl_settle(k, rows, ids_NK, p, left, update_left, counts, count):
 
 
 @kernel
-def weights_nk(tau_NK, out):
-    """``out[t, j] = float32((tau[t, 0] / tau[t, j]) / sum_j (tau[t, 0] / tau[t, j]))``, the sum
-    position by position (``_weights_KN`` of ``tau_NK.T``)."""
-    N, K = tau_NK.shape
-    inv = np.empty(K)
-    for t in range(N):
-        t0 = tau_NK[t, 0]
-        for j in range(K):
-            inv[j] = t0 / tau_NK[t, j]
-        s = inv[0]
-        for j in range(1, K):
-            s = s + inv[j]
-        for j in range(K):
-            out[t, j] = np.float32(inv[j] / s)
-
-
-@kernel
 def race_k_smallest(lp32, m_TE, inv_p, G, M, K, ids, kv, ok):
     """The race's K smallest keys per token, ascending, and their experts (``smallest_k``).
 
     ``G`` > 0, grouped: scores ``lp32 - m_TE`` (``m_TE`` the noise's log, float32), each group's
     score the sum of its two best (the values of ``_top2_sum``'s running pair; the groups side by
-    side, their three best kept), the M
-    best groups kept, keys ``-score`` there (``mask_groups``: +inf elsewhere). ``G`` = 0: keys
+    side, their three best kept), the M best groups kept, keys ``-score`` there (``mask_groups``:
+    +inf elsewhere), sorted in from the experts above a floor. ``G`` = 0: keys
     ``m_TE * inv_p`` (the noise over the popularity). ``ok[t]`` False: a tie at the kept groups'
     edge or among the K + 1 smallest keys, the row left for the reference. Needs ``K < E``,
     grouped ``E // G >= 2`` and ``M < G``."""
@@ -339,19 +329,6 @@ def race_k_smallest(lp32, m_TE, inv_p, G, M, K, ids, kv, ok):
                 kv[t, j] = bv[j]
 
 
-@kernel
-def pl_replay(k, x, given_NK, p, ids_NK, tau_NK, left):
-    """Position ``k``'s arrival times of given experts ``given_NK[:, k]`` with kept exponentials
-    ``x`` (already clamped): ``tau_NK[:, k] = tau_NK[:, k - 1] + x / max(left, 1e-300)``, then
-    ``left -= p[e]``."""
-    for t in range(x.size):
-        d = left[t]
-        if not d >= 1e-300:
-            d = 1e-300
-        tau_NK[t, k] = (tau_NK[t, k - 1] if k else 0.0) + np.float64(x[t]) / d
-        e = given_NK[t, k]
-        ids_NK[t, k] = e
-        left[t] -= p[e]
 
 # ---------------------------------------------------------------------------------- plain top-K, token blocks
 # The plain path (every row races all E experts, from time 0) in two passes instead of K passes
@@ -578,5 +555,5 @@ def pl_replay_rows(x_KN, given_NK, p, w_NK):
                 w_NK[t0 + i, j] = np.float32(inv[j] / sm)
 
 
-__all__ = ["BLOCK", "pl_pass1", "pl_pass2", "pl_pass2_out", "pl_position", "pl_remainder", "pl_replay", "pl_replay_rows",
-           "pl_retry", "pl_settle", "race_k_smallest", "weights_nk"]
+__all__ = ["BLOCK", "pl_pass1", "pl_pass2", "pl_pass2_out", "pl_position", "pl_remainder", "pl_replay_rows", "pl_retry",
+           "pl_settle", "race_k_smallest"]
