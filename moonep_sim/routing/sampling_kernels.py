@@ -1,20 +1,24 @@
 """Compiled kernels of the samplers (:mod:`moonep_sim.routing.sampling`): one loop over the tokens
 where the numpy code makes one array pass per step.
 
-Every kernel does the per-token work of a numpy reference kept in ``sampling.py`` with the same
-floating-point operations in the same order, so its outputs are equal bit for bit; the random
-numbers stay numpy's (drawn by the caller, in the same order and amounts), so the streams and the
-draws do not move. tests/test_sampling_kernels.py holds each kernel against its reference.
+Every kernel does the per-token work of a numpy reference kept beside it (``sampling.py``,
+``sampling_reference.py``; ``sampling.KERNELS = False`` runs it) with the same floating-point
+operations in the same order, so its outputs are equal bit for bit; the random numbers stay
+numpy's (drawn by the caller, in the same order and amounts), so the streams and the draws do not
+move. tests/test_sampling_kernels.py holds the samplers' draws against the reference's.
 
-- :func:`pl_position` -- one position of the sequential Plackett-Luce races (``_Races.advance``):
-  each row's arrival time (``tau += X / left``), its inverse-CDF draw (the guide table of
+- :func:`pl_pass1`, :func:`pl_pass2`, :func:`pl_pass2_out` -- the plain path (every token races
+  all E experts: ``sample_topk_pl`` and its counted redraws ``pl_ids_again``) in token blocks, the
+  rows a repeat or the "mostly chosen" test stops left to a second pass by position (the section
+  "plain top-K" below); :func:`pl_replay_rows` the weights of a counted draw (``pl_weights``).
+- :func:`pl_position` -- the grouped fast path's races (``_Races.advance``), one position of
+  every row: its arrival time (``tau += X / left``), its inverse-CDF draw (the guide table of
   :class:`~moonep_sim.routing.sampling.InverseCDF`, within the row's group), the repeat check
   against the row's earlier arrivals and the "mostly chosen" test, listing the rows a redraw or
   a remainder draw must settle; :func:`pl_retry` one rejection round of those rows;
   :func:`pl_remainder` their exact remainder draws; :func:`pl_settle` the popularity left and the
   counts of the rows settled after the pass.
-- :func:`weights_nk` -- the race's softmax of the arrival times (``_weights_KN``).
-- :func:`race_k_smallest` -- the race's K smallest keys per token
+- :func:`race_grouped` / :func:`race_plain` -- the race's K smallest keys per token
   (``smallest_k`` after ``mask_groups``; or of ``X / p``), for the rows whose K + 1 smallest keys
   (and, grouped, whose kept groups) are unique: the rows with ties are flagged, and the caller
   gives them the reference (whose tie-breaking is ``np.argpartition``'s).
@@ -29,18 +33,21 @@ from moonep_sim.jit import kernel
 # No helper taking arrays is called inside a loop: numba then keeps the arrays' reference counts
 # (atomic increments and decrements) on every call, inlined or not, and a draw costs ten to twenty
 # times more (measured: 14 ms instead of 1.4 ms a position at 262,144 rows). The inverse-CDF draw
-# is therefore written out in both kernels that make one (pl_position, pl_retry), word for word.
+# is therefore written out in each kernel that makes one (pl_position, pl_retry, pl_pass1,
+# pl_pass2), word for word.
 
 
 @kernel
 def pl_position(k, x, u, clocked, p, cum, guide, M, width, steps, linear, first, base, span, n, grouped,
                 ids_NK, tau_NK, left, test_hard, hard_bound, update_left, counts, count, todo, hard):
     """Position ``k`` of every row: ``x`` (float32, clamped to 1e-30 in place) and ``u`` this
-    position's exponentials and uniforms; ``clocked``: the arrival times ``tau_NK[:, k] = tau_NK[:, k - 1]
-    + x / max(left, 1e-300)`` (0 before the first). State token-major: ``ids_NK``, ``tau_NK``. Rows whose draw repeats an earlier arrival go to ``todo``, rows past
-    the "mostly chosen" bound (``test_hard``: ``left < hard_bound``) to ``hard`` (both in row
-    order); the other rows are settled here (``left -= p[e]`` when ``update_left``, ``counts[e]
-    += 1`` when ``count``). Returns the two lists' lengths."""
+    position's exponentials and uniforms; ``clocked``: the arrival times ``tau_NK[:, k] =
+    tau_NK[:, k - 1] + x / max(left, 1e-300)`` (0 before the first); ``ids_NK``, ``tau_NK`` the
+    state by token (views of ``_Races``' position-major arrays). Rows whose draw repeats an
+    earlier arrival go to ``todo``, rows past the "mostly chosen" bound (``test_hard``: ``left <
+    hard_bound``) to ``hard`` (both in row order); the other rows are settled here (``left -=
+    p[e]`` when ``update_left``, ``counts[e] += 1`` when ``count``). Returns the two lists'
+    lengths."""
     N = u.size
     E = cum.size
     nt = 0
@@ -191,140 +198,96 @@ def pl_settle(k, rows, ids_NK, p, left, update_left, counts, count):
 
 
 @kernel
-def weights_nk(tau_NK, out):
-    """``out[t, j] = float32((tau[t, 0] / tau[t, j]) / sum_j (tau[t, 0] / tau[t, j]))``, the sum
-    position by position (``_weights_KN`` of ``tau_NK.T``)."""
-    N, K = tau_NK.shape
-    inv = np.empty(K)
-    for t in range(N):
-        t0 = tau_NK[t, 0]
-        for j in range(K):
-            inv[j] = t0 / tau_NK[t, j]
-        s = inv[0]
-        for j in range(1, K):
-            s = s + inv[j]
-        for j in range(K):
-            out[t, j] = np.float32(inv[j] / s)
-
-
-@kernel
-def race_k_smallest(lp32, m_TE, inv_p, G, M, K, ids, kv, ok):
-    """The race's K smallest keys per token, ascending, and their experts (``smallest_k``).
-
-    ``G`` > 0, grouped: scores ``lp32 - m_TE`` (``m_TE`` the noise's log, float32), each group's
-    score the sum of its two best (the values of ``_top2_sum``'s running pair; the groups side by
-    side, their three best kept), the M
-    best groups kept, keys ``-score`` there (``mask_groups``: +inf elsewhere). ``G`` = 0: keys
-    ``m_TE * inv_p`` (the noise over the popularity). ``ok[t]`` False: a tie at the kept groups'
-    edge or among the K + 1 smallest keys, the row left for the reference. Needs ``K < E``,
-    grouped ``E // G >= 2`` and ``M < G``."""
-    T, E = m_TE.shape
-    n = E // G if G else E
-    score = np.empty(E, np.float32)
-    m1 = np.empty(max(G, 1), np.float32)
-    m2 = np.empty(max(G, 1), np.float32)
-    m3 = np.empty(max(G, 1), np.float32)
-    top = np.empty(3 * max(G, 1), np.float32)
-    gs = np.empty(max(G, 1), np.float32)
-    srt = np.empty(max(G, 1), np.float32)
+def race_grouped(lp32, logT, logx, G, M, K, ids, kv, ok):
+    """The grouped race's K smallest keys per token, ascending, and their experts (``smallest_k``
+    of ``mask_groups``): scores ``lp32 - log X`` (float32; ``logx`` the noise's log ``[T, E]``,
+    ``logT`` the same transposed), each group's score the sum of its two best (the values of
+    ``_top2_sum``'s running pair, found for every token at once along ``logT``, with the third
+    best), the M best groups kept, keys ``-score`` there sorted in from the kept experts at or
+    above a floor (the least of the kept groups' third best: 3 M kept scores lie at or above it).
+    ``ok[t]`` False: a tie at the kept groups' edge or among the K + 1 smallest keys, the row left
+    for the reference. Needs ``K < E``, ``E // G >= 2`` and ``M < G``."""
+    E, T = logT.shape
+    n = E // G
+    m1 = np.empty((G, T), np.float32)
+    m2 = np.empty((G, T), np.float32)
+    m3 = np.empty((G, T), np.float32)
+    inf = np.float32(np.inf)
+    for g in range(G):                       # every token's three best of each group, tokens side by side
+        e0 = g * n
+        a1 = m1[g]
+        a2 = m2[g]
+        a3 = m3[g]
+        c = lp32[e0]
+        row = logT[e0]
+        for t in range(T):
+            a1[t] = c - row[t]
+            a2[t] = -inf
+            a3[t] = -inf
+        for e in range(e0 + 1, e0 + n):
+            c = lp32[e]
+            row = logT[e]
+            for t in range(T):
+                r = c - row[t]
+                x1 = a1[t]
+                lo1 = x1 if x1 <= r else r
+                a1[t] = x1 if x1 >= r else r
+                x2 = a2[t]
+                lo2 = x2 if x2 <= lo1 else lo1
+                a2[t] = x2 if x2 >= lo1 else lo1
+                x3 = a3[t]
+                a3[t] = x3 if x3 >= lo2 else lo2
+    gs = np.empty(G, np.float32)
+    srt = np.empty(G, np.float32)
+    top = np.empty(3 * G, np.float32)
     bv = np.empty(K + 1, np.float32)
     bi = np.empty(K + 1, np.int64)
-    inf = np.float32(np.inf)
     for t in range(T):
+        for g in range(G):
+            gs[g] = m1[g, t] + m2[g, t]
+            srt[g] = gs[g]
+        for i in range(M + 1):
+            best = i
+            for j in range(i + 1, G):
+                if srt[j] > srt[best]:
+                    best = j
+            sw = srt[i]
+            srt[i] = srt[best]
+            srt[best] = sw
+        if not srt[M - 1] > srt[M]:
+            ok[t] = False
+            continue
+        edge = srt[M - 1]
+        low = inf                            # a floor under the (K + 1)-th best: 3 M kept scores are at or above it
+        for g in range(G):
+            if gs[g] >= edge and m3[g, t] < low:
+                low = m3[g, t]
+        if 3 * M < K + 1:
+            low = -inf
         cnt = 0
         thr = inf
-        if G:
-            for e in range(E):
-                score[e] = lp32[e] - m_TE[t, e]
-            for g in range(G):
-                m1[g] = score[g * n]
-                m2[g] = -inf
-                m3[g] = -inf
-            for a in range(1, n):                 # member by member across the groups: G chains at once
-                for g in range(G):                # each group's three largest (ties counted as often)
-                    r = score[g * n + a]
-                    x1 = m1[g]
-                    lo1 = x1 if x1 <= r else r
-                    m1[g] = x1 if x1 >= r else r
-                    x2 = m2[g]
-                    lo2 = x2 if x2 <= lo1 else lo1
-                    m2[g] = x2 if x2 >= lo1 else lo1
-                    x3 = m3[g]
-                    m3[g] = x3 if x3 >= lo2 else lo2
-            for g in range(G):
-                gs[g] = m1[g] + m2[g]
-                srt[g] = gs[g]
-            for i in range(M + 1):                          # the M + 1 largest group scores, descending
-                best = i
-                for j in range(i + 1, G):
-                    if srt[j] > srt[best]:
-                        best = j
-                sw = srt[i]
-                srt[i] = srt[best]
-                srt[best] = sw
-            if not srt[M - 1] > srt[M]:
-                ok[t] = False
-                continue
-            edge = srt[M - 1]
-            # a floor under the (K + 1)-th best kept score: the (K + 1)-th of the kept groups' three
-            # best (real scores of kept experts); only the kept experts at or above it can be among
-            # the K + 1 best, and only they are sorted in
-            nc = 0
-            for g in range(G):
-                if gs[g] >= edge:
-                    top[nc] = m1[g]
-                    top[nc + 1] = m2[g]
-                    top[nc + 2] = m3[g]
-                    nc += 3
-            low = -inf
-            if nc >= K + 1:
-                for i in range(K + 1):
-                    best = i
-                    for j in range(i + 1, nc):
-                        if top[j] > top[best]:
-                            best = j
-                    sw = top[i]
-                    top[i] = top[best]
-                    top[best] = sw
-                low = top[K]
-            for g in range(G):
-                if gs[g] >= edge:                           # a kept group: its keys into the K + 1 smallest
-                    for e in range(g * n, g * n + n):
-                        if not score[e] >= low:
-                            continue
-                        v = -score[e]
-                        if v < thr:
-                            if cnt == K + 1:
-                                pos = K
-                            else:
-                                pos = cnt
-                                cnt += 1
-                            while pos > 0 and bv[pos - 1] > v:
-                                bv[pos] = bv[pos - 1]
-                                bi[pos] = bi[pos - 1]
-                                pos -= 1
-                            bv[pos] = v
-                            bi[pos] = e
-                            if cnt == K + 1:
-                                thr = bv[K]
-        else:
-            for e in range(E):
-                v = m_TE[t, e] * inv_p[e]
-                if v < thr:
-                    if cnt == K + 1:
-                        pos = K
-                    else:
-                        pos = cnt
-                        cnt += 1
-                    while pos > 0 and bv[pos - 1] > v:
-                        bv[pos] = bv[pos - 1]
-                        bi[pos] = bi[pos - 1]
-                        pos -= 1
-                    bv[pos] = v
-                    bi[pos] = e
-                    if cnt == K + 1:
-                        thr = bv[K]
-        while cnt < K + 1:                                  # fewer kept than K + 1: the masked, +inf
+        for g in range(G):
+            if gs[g] >= edge:
+                for e in range(g * n, g * n + n):
+                    sc = lp32[e] - logx[t, e]
+                    if not sc >= low:
+                        continue
+                    v = -sc
+                    if v < thr:
+                        if cnt == K + 1:
+                            pos = K
+                        else:
+                            pos = cnt
+                            cnt += 1
+                        while pos > 0 and bv[pos - 1] > v:
+                            bv[pos] = bv[pos - 1]
+                            bi[pos] = bi[pos - 1]
+                            pos -= 1
+                        bv[pos] = v
+                        bi[pos] = e
+                        if cnt == K + 1:
+                            thr = bv[K]
+        while cnt < K + 1:
             bv[cnt] = inf
             cnt += 1
         good = True
@@ -340,18 +303,46 @@ def race_k_smallest(lp32, m_TE, inv_p, G, M, K, ids, kv, ok):
 
 
 @kernel
-def pl_replay(k, x, given_NK, p, ids_NK, tau_NK, left):
-    """Position ``k``'s arrival times of given experts ``given_NK[:, k]`` with kept exponentials
-    ``x`` (already clamped): ``tau_NK[:, k] = tau_NK[:, k - 1] + x / max(left, 1e-300)``, then
-    ``left -= p[e]``."""
-    for t in range(x.size):
-        d = left[t]
-        if not d >= 1e-300:
-            d = 1e-300
-        tau_NK[t, k] = (tau_NK[t, k - 1] if k else 0.0) + np.float64(x[t]) / d
-        e = given_NK[t, k]
-        ids_NK[t, k] = e
-        left[t] -= p[e]
+def race_plain(x, inv_p, K, ids, kv, ok):
+    """The plain race's K smallest keys ``x * inv_p`` (float32) per token, ascending, and their
+    experts (``smallest_k``); ``ok[t]`` False where its K + 1 smallest tie. Needs ``K < E``."""
+    T, E = x.shape
+    bv = np.empty(K + 1, np.float32)
+    bi = np.empty(K + 1, np.int64)
+    inf = np.float32(np.inf)
+    for t in range(T):
+        cnt = 0
+        thr = inf
+        for e in range(E):
+            v = x[t, e] * inv_p[e]
+            if v < thr:                      # the K + 1 smallest, ascending, by insertion
+                if cnt == K + 1:
+                    pos = K
+                else:
+                    pos = cnt
+                    cnt += 1
+                while pos > 0 and bv[pos - 1] > v:
+                    bv[pos] = bv[pos - 1]
+                    bi[pos] = bi[pos - 1]
+                    pos -= 1
+                bv[pos] = v
+                bi[pos] = e
+                if cnt == K + 1:
+                    thr = bv[K]
+        while cnt < K + 1:
+            bv[cnt] = inf
+            cnt += 1
+        good = True
+        for j in range(K):
+            if not bv[j + 1] > bv[j]:
+                good = False
+                break
+        ok[t] = good
+        if good:
+            for j in range(K):
+                ids[t, j] = bi[j]
+                kv[t, j] = bv[j]
+
 
 # ---------------------------------------------------------------------------------- plain top-K, token blocks
 # The plain path (every row races all E experts, from time 0) in two passes instead of K passes
@@ -578,5 +569,5 @@ def pl_replay_rows(x_KN, given_NK, p, w_NK):
                 w_NK[t0 + i, j] = np.float32(inv[j] / sm)
 
 
-__all__ = ["BLOCK", "pl_pass1", "pl_pass2", "pl_pass2_out", "pl_position", "pl_remainder", "pl_replay", "pl_replay_rows",
-           "pl_retry", "pl_settle", "race_k_smallest", "weights_nk"]
+__all__ = ["BLOCK", "pl_pass1", "pl_pass2", "pl_pass2_out", "pl_position", "pl_remainder", "pl_replay_rows", "pl_retry",
+           "pl_settle", "race_grouped", "race_plain"]
