@@ -161,3 +161,22 @@ def test_run_pauses_the_collector_and_restores_it(enabled):
     ref.build()
     ref.env.run()
     assert ref.spans == sim.spans
+
+
+def test_collector_paused_nests_and_restores():
+    import gc
+
+    gc.enable()
+    try:
+        with engine.collector_paused():
+            assert not gc.isenabled()
+            with engine.collector_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()   # the inner one found it paused: leaves it so
+        assert gc.isenabled()
+        with pytest.raises(ValueError):
+            with engine.collector_paused():
+                raise ValueError("inside")
+        assert gc.isenabled()
+    finally:
+        gc.enable()

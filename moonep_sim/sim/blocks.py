@@ -160,13 +160,16 @@ class BlockCounts:
         self.cell_NW, self.other_NW = self._node_cells(T)
         self._compiled = True
         c = np.ascontiguousarray
+        # the cell tables in int32 where they fit: half the cache lines a frozen node's row reads
+        small = lambda *tabs: tuple(None if x is None else c(x, dtype=np.int32 if 2 * T < 2 ** 31 else np.int64)  # noqa: E731
+                                    for x in tabs)
         self.T = T
         #: int64 [2N] contiguous copies of ``mt_row_N`` / ``cell_col_N`` for the kernels
         self.row_U, self.col_U = c(self.mt_row_N, dtype=np.int64), c(self.cell_col_N, dtype=np.int64)
         self._kernel_static = (bool(self.simple), int(dm), RUN_MAX, c(self.pall, dtype=np.int64),
                                c(self.port_nodes, dtype=np.int64), c(self.pps, dtype=np.int64),
                                c(self.nps, dtype=np.int64), c(self.cell_key_N, dtype=np.int64),
-                               self.row_U, self.col_U, self.cell_NW, self.other_NW)
+                               self.row_U, self.col_U, *small(self.cell_NW, self.other_NW))
 
     @property
     def compiled(self) -> bool:

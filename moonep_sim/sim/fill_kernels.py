@@ -197,7 +197,7 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK
     run_max: ports of one run at most.  pall_UK: int64 [U, K] ports of each node (dummy-padded).
     port_nodes_PD: int64 [P1, D] nodes of each port (-1-padded).  key_U, row_U, col_U: int64 [U]
     per node its cell key, its row's first index in ``mm`` and its column in the other side's rows.
-    cell_UW, other_UW: intp [U, W] the cell tables (``BlockCounts._node_cells``)."""
+    cell_UW, other_UW: int32 (int64 past 2^31 cells) [U, W] the cell tables (``BlockCounts._node_cells``)."""
     N = cnt_src_N.size
     U = 2 * N
     P1 = cap_P.size

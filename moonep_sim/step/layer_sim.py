@@ -33,7 +33,7 @@ from moonep_sim.models import ModelSpec
 from moonep_sim.plan import Plan
 from moonep_sim.plan.kinds import Direction, PhaseKind
 from moonep_sim.sim.analysis import straggler
-from moonep_sim.sim.engine import StepSim
+from moonep_sim.sim.engine import StepSim, collector_paused
 from moonep_sim.sim.kernels import kernel_sms
 from moonep_sim.sim.options import SimOptions
 from moonep_sim.sim.topology import Topology
@@ -116,7 +116,14 @@ def _direction(sim: StepSim, si: int, direction: Direction, rec: dict[str, np.nd
 
 def simulate_moe_layer(plan: Plan, model: ModelSpec, topo: Topology, costs: CostModel, train: bool,
                        tol: float | None = None) -> LayerComm:
-    """Simulate ``plan`` (forward; backward too when ``train``) with the step's expert compute."""
+    """Simulate ``plan`` (forward; backward too when ``train``) with the step's expert compute
+    (with Python's cyclic collector paused: ``moonep_sim.sim.engine.collector_paused``)."""
+    with collector_paused():
+        return _simulate(plan, model, topo, costs, train, tol)
+
+
+def _simulate(plan: Plan, model: ModelSpec, topo: Topology, costs: CostModel, train: bool,
+              tol: float | None) -> LayerComm:
     opts = SimOptions(backward=train) if tol is None else SimOptions(backward=train, tol=tol)
     sim = StepSim([plan], topo, model, opts)
     for si, (_, prog) in enumerate(sim.stages):  # the step's cost model prices the routed experts
