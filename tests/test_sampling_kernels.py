@@ -137,10 +137,3 @@ def test_no_tokens():
                lambda: sampling.sample_topk_pl(np.zeros(8), 2, 0, np.random.default_rng(0))):
         ids, w = fn()[:2]
         assert ids.shape == (0, 2) and w.shape == (0, 2)
-
-
-@pytest.mark.parametrize("K,N", [(1, 7), (3, 1000), (16, 5000)])
-def test_the_weights_kernel_equals_numpys(K, N, monkeypatch):
-    tau_KN = np.cumsum(np.random.default_rng(K).standard_exponential((K, N)), axis=0)
-    out, ref = _both(lambda: sampling._weights_KN(tau_KN), monkeypatch)
-    assert _equal(out, ref) and out.flags["C_CONTIGUOUS"]

@@ -41,6 +41,7 @@ import math
 import numpy as np
 
 from moonep_sim.routing import sampling_kernels as _kn
+from moonep_sim.routing.sampling_reference import RacesNumpy
 
 #: the compiled kernels (sampling_kernels.py) do the per-token work; False runs the numpy reference
 #: they are held against (the same draws bit for bit: tests/test_sampling_kernels.py)
@@ -267,7 +268,7 @@ class InverseCDF:
         return lo
 
 
-class _Races:
+class _Races(RacesNumpy):
     """N independent exponential races run one arrival at a time by sequential Plackett-Luce draws
     (see the module docstring). Row r races the ``n`` experts ``[first_R[r], first_R[r] + n)``
     (its group; all E without groups). State: ``ids_KN`` the experts in arrival order, ``tau_KN``
@@ -326,57 +327,6 @@ class _Races:
         out._set_hard_bound()
         return out
 
-    def _draw(self, u: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
-        """Inverse-CDF draws (intp) of uniforms ``u`` within each row's experts (rows None: every row)."""
-        if self.n == self.p_E.size:                    # every row races all E: u itself
-            return self.icdf.draw(u)
-        base, span, first = ((self.base_R, self.span_R, self.first_R) if rows is None else
-                             (self.base_R[rows], self.span_R[rows], self.first_R[rows]))
-        e = self.icdf.draw(base + u * span)
-        np.minimum(e, first + (self.n - 1), out=e)     # u rounded onto the group's end: its last expert
-        return e
-
-    def _repeats(self, e: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
-        """Whether each draw ``e`` (of ``self.small`` dtype) repeats one of its row's arrivals."""
-        if not self.k:
-            return np.zeros(e.size, bool)
-        rep = (self.ids_KN[0] if rows is None else self.ids_KN[0, rows]) == e
-        eq = np.empty_like(rep)
-        for j in range(1, self.k):
-            np.equal(self.ids_KN[j] if rows is None else self.ids_KN[j, rows], e, out=eq)
-            rep |= eq
-        return rep
-
-    def _remainder(self, rows: np.ndarray) -> np.ndarray:
-        """One draw per row of ``rows`` from its experts not yet chosen, renormalised (exact inverse
-        CDF over the row's own cumulative sum; chunked over rows)."""
-        n, k = self.n, self.k
-        out = np.empty(rows.size, np.int64)
-        chunk = max(1, CHUNK_ELEMS // n)
-        for s in range(0, rows.size, chunk):
-            r = rows[s:s + chunk]
-            first = self.first_R[r][:, None]
-            P = self.p_E[first + np.arange(n)]
-            if k:
-                np.put_along_axis(P, self.ids_KN[:k, r].T.astype(np.intp) - first, 0.0, axis=1)
-            cum = np.cumsum(P, axis=1)
-            u = self.retry.random(r.size) * cum[:, -1]
-            e = (cum <= u[:, None]).sum(axis=1)        # first index whose cumulative mass exceeds u
-            last = n - 1 - np.argmax(P[:, ::-1] > 0, axis=1)  # u rounded up to the total: the last live expert
-            out[s:s + chunk] = first[:, 0] + np.minimum(e, last)
-        return out
-
-    def _tick(self, x: np.ndarray | None = None) -> np.ndarray:
-        """This position's arrival times: ``tau += X / (popularity not yet chosen)``, X from ``rng``
-        (or ``x``, kept from an earlier draw of the same streams). Returns X."""
-        if x is None:
-            x = self.rng.standard_exponential(self.first_R.size, dtype=np.float32)
-            np.maximum(x, np.float32(1e-30), out=x)    # an exact 0 would give a zero time (infinite score)
-        dt = np.maximum(self.left_R, 1e-300)
-        np.divide(x, dt, out=dt)
-        self.tau_R = np.add(self.tau_R, dt, out=self.tau_KN[self.k])   # this position's row is the clock now
-        return x
-
     def advance(self, u: np.ndarray | None = None, keep: dict | None = None,
                 counts_E: np.ndarray | None = None) -> None:
         """Every row's next arrival. ``u``: this position's uniforms, kept from an earlier run of the
@@ -421,58 +371,6 @@ class _Races:
             _kn.pl_settle(k, rows, self.ids_NK, self.p_E, self.left_R, update_left, counts, count)
         self.k += 1
 
-    def advance_numpy(self, u: np.ndarray | None = None, keep: dict | None = None,
-                      counts_E: np.ndarray | None = None) -> None:
-        """:meth:`advance` in numpy, a pass per step over every row (the kernels' reference)."""
-        k, N = self.k, self.first_R.size
-        clocked = u is None
-        if clocked:
-            x = self._tick()
-            u = self.rng.random(N)
-            if keep is not None:
-                keep["x"].append(x)
-                keep["u"].append(u)
-        e = self._draw(u, None)                        # intp; its narrow copy is this position's row
-        ids = self.ids_KN[k]
-        ids[...] = e
-        if k:
-            rep = self._repeats(ids, None)
-            if k >= self.easy_k:                       # some row may be mostly chosen: the remainder at once
-                hard_R = self.left_R < self.hard_R
-                todo = np.flatnonzero(rep | hard_R)
-                hard, todo = todo[hard_R[todo]], todo[~hard_R[todo]]
-            else:
-                todo, hard = np.flatnonzero(rep), np.empty(0, np.intp)
-            for _ in range(_REJECT_ROUNDS):
-                if todo.size == 0:
-                    break
-                ee = self._draw(self.retry.random(todo.size), todo)
-                rep = self._repeats(ee.astype(self.small), todo)
-                ok = todo[~rep]
-                ids[ok] = e[ok] = ee[~rep]
-                todo = todo[rep]
-            rest = np.union1d(hard, todo) if todo.size else hard
-            if rest.size:
-                ids[rest] = e[rest] = self._remainder(rest)
-        if clocked or self.easy_k < self.ids_KN.shape[0]:   # the popularity left: the clock's, the test's
-            self.left_R -= self.p_E.take(e)
-        if counts_E is not None:
-            counts_E += np.bincount(e, minlength=counts_E.size)
-        self.k += 1
-
-    def replay(self, ids_KN: np.ndarray, xs: list) -> None:
-        """The arrival times of experts ``ids_KN`` with the exponentials ``xs`` of their streams
-        (one array per position, as :meth:`advance` kept them)."""
-        given_NK = ids_KN.T
-        for k in range(ids_KN.shape[0]):
-            if KERNELS:
-                _kn.pl_replay(k, xs[k], given_NK, self.p_E, self.ids_NK, self.tau_NK, self.left_R)
-                self.tau_R = self.tau_NK[:, k]
-            else:
-                self._tick(xs[k])
-                self.ids_KN[k] = ids_KN[k]
-                self.left_R -= self.p_E.take(ids_KN[k])
-            self.k += 1
 
 
 # the kernels' unused arguments
@@ -480,19 +378,13 @@ _NO_X, _NO_X2, _NO_W = np.empty(0, np.float32), np.empty((0, 0), np.float32), np
 _NO_COUNTS, _NO_INTP, _NO_F64, _NO_TAU = np.empty(0, np.int64), np.empty(0, np.intp), np.empty(0), np.empty((0, 0))
 
 
-_PAD = 64    # bytes between the rows of a position-major state (row lengths of a power of two would
-             # map a token's K entries onto one cache set: measured 3x slower repeat checks)
+_PAD = 64    # bytes between the rows of a position-major state: rows of a power of two in length
+             # would put a token's K entries, which a repeat test reads together, in one cache set
 
 
 def _position_major(K: int, N: int, dtype) -> np.ndarray:
     """An uninitialised ``[K, N]`` array whose rows lie ``_PAD`` bytes further apart than ``N``."""
-    if not PADDED:
-        return np.empty((K, N), dtype)
-    pad = _PAD // np.dtype(dtype).itemsize
-    return np.empty((K, N + pad), dtype)[:, :N]
-
-
-PADDED = True
+    return np.empty((K, N + _PAD // np.dtype(dtype).itemsize), dtype)[:, :N]
 
 
 def _normalised(logp_E: np.ndarray) -> tuple[np.ndarray, InverseCDF]:
@@ -516,9 +408,6 @@ def _weights_KN(tau_KN: np.ndarray) -> np.ndarray:
     position-by-position sum, so the same values whatever the block)."""
     K, N = tau_KN.shape
     out = np.empty((N, K), np.float32)
-    if KERNELS:
-        _kn.weights_nk(tau_KN.T, out)                 # any layout: the kernel reads it in place
-        return out
     for s in range(0, N, _WEIGHT_BLOCK):
         tau = tau_KN[:, s:s + _WEIGHT_BLOCK]
         inv = tau[0] / tau
@@ -580,33 +469,34 @@ def _pl_blocks(p: np.ndarray, icdf: InverseCDF, x_KN: np.ndarray | None, u_KN: n
     easy_k, hard = one.easy_k, float(one.hard_R[0])
     update_left = clocked or easy_k < K
     ids = np.empty((N, K), dtype)
-    left = np.ones(N)                                  # a whole row's span: cum[E - 1] - 0 = 1 exactly
-    w = np.empty((N, K), np.float32) if clocked else None
+    w = np.empty((N, K), np.float32) if clocked else _NO_W
     counts = np.zeros(E, np.int64) if count else _NO_COUNTS
     x = x_KN if clocked else _NO_X2
-    stop, rows2 = np.empty(N, np.intp), np.empty(N, np.intp)
-    tau2 = np.empty((N, K)) if clocked else _NO_TAU
     draw = (icdf.cum_E, icdf.guide, icdf.M, icdf.width, icdf.steps, icdf.width <= _LINEAR_WIDTH)
-    n2 = _kn.pl_pass1(x, u_KN, clocked, p, *draw, easy_k, hard, update_left, ids, left,
-                      w if clocked else _NO_W, counts, count, stop, tau2, rows2)
-    todo, hard_rows = np.empty(n2, np.intp), np.empty(n2, np.intp)
-    for k in range(K if n2 else 0):                    # pass 2: the rows stopped by a repeat or the test
-        nt, nh = _kn.pl_pass2(k, rows2, n2, stop, x, u_KN, clocked, p, *draw, easy_k, hard, update_left, ids,
-                              tau2, left, counts, count, todo, hard_rows)
-        rejected, hr = todo[:nt].copy(), hard_rows[:nh]
+    # the stopped rows' slots (room for every row; only those used are touched)
+    rows2, stop2, left2 = np.empty(N, np.intp), np.empty(N, np.intp), np.empty(N)
+    ids2, u2 = np.empty((N, K), dtype), np.empty((K, N))
+    tau2, x2 = (np.empty((N, K)), np.empty((K, N), np.float32)) if clocked else (_NO_TAU, _NO_X2)
+    n2 = _kn.pl_pass1(x, u_KN, clocked, p, *draw, easy_k, hard, update_left, ids, w, counts, count,
+                      rows2, stop2, left2, ids2, tau2, x2, u2)
+    todo, hard_slots = np.empty(n2, np.intp), np.empty(n2, np.intp)
+    for k in range(K if n2 else 0):                    # pass 2: the stopped rows, by slot
+        nt, nh = _kn.pl_pass2(k, n2, rows2, stop2, x, x2, u2, clocked, p, *draw, easy_k, hard, update_left, ids2,
+                              tau2, left2, counts, count, todo, hard_slots)
+        rejected, hs = todo[:nt].copy(), hard_slots[:nh]
         for _ in range(_REJECT_ROUNDS):
             if nt == 0:
                 break
-            nt = _kn.pl_retry(k, todo, nt, retry.random(nt), *draw, _NO_INTP, _NO_F64, _NO_F64, E, False, ids)
-        rest = np.union1d(hr, todo[:nt]) if nt else hr
+            nt = _kn.pl_retry(k, todo, nt, retry.random(nt), *draw, _NO_INTP, _NO_F64, _NO_F64, E, False, ids2)
+        rest = np.union1d(hs, todo[:nt]) if nt else hs
         chunk = max(1, CHUNK_ELEMS // E)
         for s in range(0, rest.size, chunk):
             r = rest[s:s + chunk]
-            _kn.pl_remainder(k, r, retry.random(r.size), p, _NO_INTP, E, False, ids)
-        for rows in (rejected, hr):
-            _kn.pl_settle(k, rows, ids, p, left, update_left, counts, count)
-    if clocked and n2:
-        _kn.pl_weights_rows(rows2, n2, tau2, w)
+            _kn.pl_remainder(k, r, retry.random(r.size), p, _NO_INTP, E, False, ids2)
+        for slots in (rejected, hs):
+            _kn.pl_settle(k, slots, ids2, p, left2, update_left, counts, count)
+    _kn.pl_pass2_out(n2, rows2, ids2, tau2, clocked, ids, w)
+    w = w if clocked else None
     return ids, w, (counts if count else None)
 
 
@@ -636,7 +526,7 @@ def pl_weights(logp_E: np.ndarray, ids_KN: np.ndarray, noise: dict) -> np.ndarra
     p, icdf = _normalised(logp_E)
     if KERNELS:
         w = np.empty((T, K), np.float32)
-        _kn.pl_replay_rows(np.asarray(noise["x"]), ids_KN.T, p, np.empty((T, K), ids_KN.dtype), w)
+        _kn.pl_replay_rows(np.asarray(noise["x"]), ids_KN.T, p, w)
         return w
     races = _Races(p, icdf, np.zeros(T, np.intp), p.size, K, None, None)
     races.replay(ids_KN, noise["x"])

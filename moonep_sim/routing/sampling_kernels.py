@@ -1,19 +1,23 @@
 """Compiled kernels of the samplers (:mod:`moonep_sim.routing.sampling`): one loop over the tokens
 where the numpy code makes one array pass per step.
 
-Every kernel does the per-token work of a numpy reference kept in ``sampling.py`` with the same
-floating-point operations in the same order, so its outputs are equal bit for bit; the random
-numbers stay numpy's (drawn by the caller, in the same order and amounts), so the streams and the
-draws do not move. tests/test_sampling_kernels.py holds each kernel against its reference.
+Every kernel does the per-token work of a numpy reference kept beside it (``sampling.py``,
+``sampling_reference.py``; ``sampling.KERNELS = False`` runs it) with the same floating-point
+operations in the same order, so its outputs are equal bit for bit; the random numbers stay
+numpy's (drawn by the caller, in the same order and amounts), so the streams and the draws do not
+move. tests/test_sampling_kernels.py holds the samplers' draws against the reference's.
 
-- :func:`pl_position` -- one position of the sequential Plackett-Luce races (``_Races.advance``):
-  each row's arrival time (``tau += X / left``), its inverse-CDF draw (the guide table of
+- :func:`pl_pass1`, :func:`pl_pass2`, :func:`pl_pass2_out` -- the plain path (every token races
+  all E experts: ``sample_topk_pl`` and its counted redraws ``pl_ids_again``) in token blocks, the
+  rows a repeat or the "mostly chosen" test stops left to a second pass by position (the section
+  "plain top-K" below); :func:`pl_replay_rows` the weights of a counted draw (``pl_weights``).
+- :func:`pl_position` -- the grouped fast path's races (``_Races.advance``), one position of
+  every row: its arrival time (``tau += X / left``), its inverse-CDF draw (the guide table of
   :class:`~moonep_sim.routing.sampling.InverseCDF`, within the row's group), the repeat check
   against the row's earlier arrivals and the "mostly chosen" test, listing the rows a redraw or
   a remainder draw must settle; :func:`pl_retry` one rejection round of those rows;
   :func:`pl_remainder` their exact remainder draws; :func:`pl_settle` the popularity left and the
   counts of the rows settled after the pass.
-- :func:`weights_nk` -- the race's softmax of the arrival times (``_weights_KN``).
 - :func:`race_k_smallest` -- the race's K smallest keys per token
   (``smallest_k`` after ``mask_groups``; or of ``X / p``), for the rows whose K + 1 smallest keys
   (and, grouped, whose kept groups) are unique: the rows with ties are flagged, and the caller
@@ -29,18 +33,21 @@ from moonep_sim.jit import kernel
 # No helper taking arrays is called inside a loop: numba then keeps the arrays' reference counts
 # (atomic increments and decrements) on every call, inlined or not, and a draw costs ten to twenty
 # times more (measured: 14 ms instead of 1.4 ms a position at 262,144 rows). The inverse-CDF draw
-# is therefore written out in both kernels that make one (pl_position, pl_retry), word for word.
+# is therefore written out in each kernel that makes one (pl_position, pl_retry, pl_pass1,
+# pl_pass2), word for word.
 
 
 @kernel
 def pl_position(k, x, u, clocked, p, cum, guide, M, width, steps, linear, first, base, span, n, grouped,
                 ids_NK, tau_NK, left, test_hard, hard_bound, update_left, counts, count, todo, hard):
     """Position ``k`` of every row: ``x`` (float32, clamped to 1e-30 in place) and ``u`` this
-    position's exponentials and uniforms; ``clocked``: the arrival times ``tau_NK[:, k] = tau_NK[:, k - 1]
-    + x / max(left, 1e-300)`` (0 before the first). State token-major: ``ids_NK``, ``tau_NK``. Rows whose draw repeats an earlier arrival go to ``todo``, rows past
-    the "mostly chosen" bound (``test_hard``: ``left < hard_bound``) to ``hard`` (both in row
-    order); the other rows are settled here (``left -= p[e]`` when ``update_left``, ``counts[e]
-    += 1`` when ``count``). Returns the two lists' lengths."""
+    position's exponentials and uniforms; ``clocked``: the arrival times ``tau_NK[:, k] =
+    tau_NK[:, k - 1] + x / max(left, 1e-300)`` (0 before the first); ``ids_NK``, ``tau_NK`` the
+    state by token (views of ``_Races``' position-major arrays). Rows whose draw repeats an
+    earlier arrival go to ``todo``, rows past the "mostly chosen" bound (``test_hard``: ``left <
+    hard_bound``) to ``hard`` (both in row order); the other rows are settled here (``left -=
+    p[e]`` when ``update_left``, ``counts[e] += 1`` when ``count``). Returns the two lists'
+    lengths."""
     N = u.size
     E = cum.size
     nt = 0
@@ -191,29 +198,13 @@ def pl_settle(k, rows, ids_NK, p, left, update_left, counts, count):
 
 
 @kernel
-def weights_nk(tau_NK, out):
-    """``out[t, j] = float32((tau[t, 0] / tau[t, j]) / sum_j (tau[t, 0] / tau[t, j]))``, the sum
-    position by position (``_weights_KN`` of ``tau_NK.T``)."""
-    N, K = tau_NK.shape
-    inv = np.empty(K)
-    for t in range(N):
-        t0 = tau_NK[t, 0]
-        for j in range(K):
-            inv[j] = t0 / tau_NK[t, j]
-        s = inv[0]
-        for j in range(1, K):
-            s = s + inv[j]
-        for j in range(K):
-            out[t, j] = np.float32(inv[j] / s)
-
-
-@kernel
 def race_k_smallest(lp32, m_TE, inv_p, G, M, K, ids, kv, ok):
     """The race's K smallest keys per token, ascending, and their experts (``smallest_k``).
 
     ``G`` > 0, grouped: scores ``lp32 - m_TE`` (``m_TE`` the noise's log, float32), each group's
-    score the sum of its two best (``_top2_sum``'s running pair, the groups side by side), the M
-    best groups kept, keys ``-score`` there (``mask_groups``: +inf elsewhere). ``G`` = 0: keys
+    score the sum of its two best (the values of ``_top2_sum``'s running pair; the groups side by
+    side, their three best kept), the M best groups kept, keys ``-score`` there (``mask_groups``:
+    +inf elsewhere), sorted in from the experts above a floor. ``G`` = 0: keys
     ``m_TE * inv_p`` (the noise over the popularity). ``ok[t]`` False: a tie at the kept groups'
     edge or among the K + 1 smallest keys, the row left for the reference. Needs ``K < E``,
     grouped ``E // G >= 2`` and ``M < G``."""
@@ -222,6 +213,8 @@ def race_k_smallest(lp32, m_TE, inv_p, G, M, K, ids, kv, ok):
     score = np.empty(E, np.float32)
     m1 = np.empty(max(G, 1), np.float32)
     m2 = np.empty(max(G, 1), np.float32)
+    m3 = np.empty(max(G, 1), np.float32)
+    top = np.empty(3 * max(G, 1), np.float32)
     gs = np.empty(max(G, 1), np.float32)
     srt = np.empty(max(G, 1), np.float32)
     bv = np.empty(K + 1, np.float32)
@@ -234,18 +227,20 @@ def race_k_smallest(lp32, m_TE, inv_p, G, M, K, ids, kv, ok):
             for e in range(E):
                 score[e] = lp32[e] - m_TE[t, e]
             for g in range(G):
-                c0 = score[g * n]
-                c1 = score[g * n + 1]
-                m1[g] = c0 if c0 >= c1 else c1
-                m2[g] = c0 if c0 <= c1 else c1
-            for a in range(2, n):                 # member by member across the groups: G chains at once
-                for g in range(G):
+                m1[g] = score[g * n]
+                m2[g] = -inf
+                m3[g] = -inf
+            for a in range(1, n):                 # member by member across the groups: G chains at once
+                for g in range(G):                # each group's three largest (ties counted as often)
                     r = score[g * n + a]
                     x1 = m1[g]
-                    lo = x1 if x1 <= r else r
-                    x2 = m2[g]
-                    m2[g] = x2 if x2 >= lo else lo
+                    lo1 = x1 if x1 <= r else r
                     m1[g] = x1 if x1 >= r else r
+                    x2 = m2[g]
+                    lo2 = x2 if x2 <= lo1 else lo1
+                    m2[g] = x2 if x2 >= lo1 else lo1
+                    x3 = m3[g]
+                    m3[g] = x3 if x3 >= lo2 else lo2
             for g in range(G):
                 gs[g] = m1[g] + m2[g]
                 srt[g] = gs[g]
@@ -260,9 +255,33 @@ def race_k_smallest(lp32, m_TE, inv_p, G, M, K, ids, kv, ok):
             if not srt[M - 1] > srt[M]:
                 ok[t] = False
                 continue
+            edge = srt[M - 1]
+            # a floor under the (K + 1)-th best kept score: the (K + 1)-th of the kept groups' three
+            # best (real scores of kept experts); only the kept experts at or above it can be among
+            # the K + 1 best, and only they are sorted in
+            nc = 0
             for g in range(G):
-                if gs[g] >= srt[M - 1]:                     # a kept group: its keys into the K + 1 smallest
+                if gs[g] >= edge:
+                    top[nc] = m1[g]
+                    top[nc + 1] = m2[g]
+                    top[nc + 2] = m3[g]
+                    nc += 3
+            low = -inf
+            if nc >= K + 1:
+                for i in range(K + 1):
+                    best = i
+                    for j in range(i + 1, nc):
+                        if top[j] > top[best]:
+                            best = j
+                    sw = top[i]
+                    top[i] = top[best]
+                    top[best] = sw
+                low = top[K]
+            for g in range(G):
+                if gs[g] >= edge:                           # a kept group: its keys into the K + 1 smallest
                     for e in range(g * n, g * n + n):
+                        if not score[e] >= low:
+                            continue
                         v = -score[e]
                         if v < thr:
                             if cnt == K + 1:
@@ -310,70 +329,68 @@ def race_k_smallest(lp32, m_TE, inv_p, G, M, K, ids, kv, ok):
                 kv[t, j] = bv[j]
 
 
-@kernel
-def pl_replay(k, x, given_NK, p, ids_NK, tau_NK, left):
-    """Position ``k``'s arrival times of given experts ``given_NK[:, k]`` with kept exponentials
-    ``x`` (already clamped): ``tau_NK[:, k] = tau_NK[:, k - 1] + x / max(left, 1e-300)``, then
-    ``left -= p[e]``."""
-    for t in range(x.size):
-        d = left[t]
-        if not d >= 1e-300:
-            d = 1e-300
-        tau_NK[t, k] = (tau_NK[t, k - 1] if k else 0.0) + np.float64(x[t]) / d
-        e = given_NK[t, k]
-        ids_NK[t, k] = e
-        left[t] -= p[e]
 
 # ---------------------------------------------------------------------------------- plain top-K, token blocks
 # The plain path (every row races all E experts, from time 0) in two passes instead of K passes
-# over all rows. Pass 1 runs each block of BLOCK rows through every position, its state in cache,
-# up to each row's first event: a repeat (a redraw) or the "mostly chosen" test (a remainder
-# draw); those need the child stream's draws in the reference's order (position by position, row
-# by row) and are left to pass 2, which runs only the stopped rows, position by position, exactly
-# as _Races.advance does (the rows settled at a position by pass 1 are the ones the reference
-# settles at once there: no repeat, no test). The random numbers are the same, read from the
-# [K, N] arrays the caller drew position by position.
-BLOCK = 1024
+# over all rows. Pass 1 runs each block of BLOCK rows through every position, its state in cache
+# (position-major block buffers), up to each row's first event: a repeat (a redraw) or the "mostly
+# chosen" test (a remainder draw). Those need the child stream's draws in the reference's order
+# (position by position, row by row) and are left to pass 2, which runs the stopped rows alone --
+# their state gathered into slots, in row order -- position by position, exactly as
+# _Races.advance does; the rows settled at a position by pass 1 are the ones the reference settles
+# at once there (no repeat, no test). The random numbers are the same, read from the [K, N] arrays
+# the caller drew position by position.
+BLOCK = 512
 
 
 @kernel
 def pl_pass1(x_KN, u_KN, clocked, p, cum, guide, M, width, steps, linear, easy_k, hard_bound, update_left,
-             ids_NK, left, w_NK, counts, count, stop, tau2, rows2):
-    """Pass 1 over every row (see above): ``ids_NK`` written where settled, ``left`` and
-    ``counts`` kept, the weights ``w_NK`` of the rows settled at every position (``clocked``);
-    ``stop[t]`` the row's first event (K: none). The stopped rows are listed, ascending, in
-    ``rows2`` and their arrival times so far kept in ``tau2`` (slot by slot); returns how many."""
+             ids_NK, w_NK, counts, count, rows2, stop2, left2, ids2, tau2, x2, u2):
+    """Pass 1 over every row (see above): ``ids_NK`` and (``clocked``) the weights ``w_NK`` of
+    every row settled at every position, ``counts`` kept (``count``). The stopped rows, ascending,
+    get slots: ``rows2`` the row, ``stop2`` its first event, ``left2`` its popularity left,
+    ``ids2`` / ``tau2`` its arrivals so far, ``x2`` / ``u2`` its random numbers (position-major,
+    ``x`` as drawn: pass 2 clamps it). Returns the number of slots."""
     K, N = u_KN.shape
     E = cum.size
     floor = np.float32(1e-30)
-    tau = np.empty((BLOCK, K))
+    bids = np.empty((K, BLOCK), np.int32)
+    btau = np.empty((K, BLOCK))
+    bleft = np.empty(BLOCK)
+    bstop = np.empty(BLOCK, np.int64)
+    W = (E + 63) >> 6
+    bits = np.empty((BLOCK, W), np.int64)            # each row's chosen experts, a bit each: the repeat test
     inv = np.empty(K)
     n2 = 0
     for t0 in range(0, N, BLOCK):
-        t1 = min(N, t0 + BLOCK)
-        for t in range(t0, t1):
-            stop[t] = K
+        B = min(N, t0 + BLOCK) - t0
+        for i in range(B):
+            bstop[i] = K
+            bleft[i] = 1.0                   # a whole row's span: cum[E - 1] - 0 = 1 exactly
+            for a in range(W):
+                bits[i, a] = 0
         for k in range(K):
             test = k >= easy_k
-            for t in range(t0, t1):
-                if stop[t] < K:
+            for i in range(B):
+                if bstop[i] < K:
                     continue
+                t = t0 + i
                 if clocked:
                     xv = x_KN[k, t]
                     if not xv >= floor:
                         xv = floor
                         x_KN[k, t] = xv
-                    d = left[t]
+                    d = bleft[i]
                     if not d >= 1e-300:
                         d = 1e-300
-                    tau[t - t0, k] = (tau[t - t0, k - 1] if k else 0.0) + np.float64(xv) / d
+                    btau[k, i] = (btau[k - 1, i] if k else 0.0) + np.float64(xv) / d
                 v = u_KN[k, t]
                 b = int(v * M)                       # InverseCDF.draw: the guide's bucket, then its walk or bisection
                 if b > M:
                     b = M
                 e = guide[b]
                 if linear:
-                    for _ in range(width):           # (v = 1 only by a group's rounding: no read past cum)
+                    for _ in range(width):
                         e += cum[e if e < E else E - 1] <= v
                     if e > E:
                         e = E
@@ -385,67 +402,77 @@ def pl_pass1(x_KN, u_KN, clocked, p, cum, guide, M, width, steps, linear, easy_k
                             e = mid + 1
                         else:
                             hi = mid
-                rep = False                          # a repeat of the row's earlier arrivals
-                for j in range(k):
-                    if ids_NK[t, j] == e:
-                        rep = True
-                        break
-                if rep or (test and left[t] < hard_bound):
-                    stop[t] = k
+                rep = (bits[i, e >> 6] >> (e & 63)) & 1   # a repeat of the row's earlier arrivals
+                if rep or (test and bleft[i] < hard_bound):
+                    bstop[i] = k
                     continue
-                ids_NK[t, k] = e
+                bids[k, i] = e
+                bits[i, e >> 6] |= 1 << (e & 63)
                 if update_left:
-                    left[t] -= p[e]
+                    bleft[i] -= p[e]
                 if count:
                     counts[e] += 1
-        for t in range(t0, t1):
-            if stop[t] < K:
-                if clocked:
-                    for j in range(stop[t]):
-                        tau2[n2, j] = tau[t - t0, j]
+        for i in range(B):
+            t = t0 + i
+            st = bstop[i]
+            if st < K:
                 rows2[n2] = t
+                stop2[n2] = st
+                left2[n2] = bleft[i]
+                for j in range(st):
+                    ids2[n2, j] = bids[j, i]
+                    if clocked:
+                        tau2[n2, j] = btau[j, i]
+                for j in range(st, K):
+                    u2[j, n2] = u_KN[j, t]
+                    if clocked:
+                        x2[j, n2] = x_KN[j, t]
                 n2 += 1
-            elif clocked:                    # _weights_KN of the row
-                t0_ = tau[t - t0, 0]
+            else:
                 for j in range(K):
-                    inv[j] = t0_ / tau[t - t0, j]
-                sm = inv[0]
-                for j in range(1, K):
-                    sm = sm + inv[j]
-                for j in range(K):
-                    w_NK[t, j] = np.float32(inv[j] / sm)
+                    ids_NK[t, j] = bids[j, i]
+                if clocked:
+                    t0_ = btau[0, i]                         # _weights_KN of the row: the same divisions, the same sum
+                    for j in range(K):
+                        inv[j] = t0_ / btau[j, i]
+                    sm = inv[0]
+                    for j in range(1, K):
+                        sm = sm + inv[j]
+                    for j in range(K):
+                        w_NK[t, j] = np.float32(inv[j] / sm)
     return n2
 
 
 @kernel
-def pl_pass2(k, rows2, n2, stop, x_KN, u_KN, clocked, p, cum, guide, M, width, steps, linear, easy_k, hard_bound,
-             update_left, ids_NK, tau2, left, counts, count, todo, hard):
-    """Position ``k`` of pass 2: the stopped rows ``rows2[:n2]`` at or past their first event, as
-    :func:`pl_position` runs them (``tau2`` by slot); returns the lengths of ``todo`` and ``hard``."""
+def pl_pass2(k, n2, rows2, stop2, x_KN, x2, u2, clocked, p, cum, guide, M, width, steps, linear, easy_k, hard_bound,
+             update_left, ids2, tau2, left2, counts, count, todo, hard):
+    """Position ``k`` of pass 2 over the slots ``[0, n2)`` at or past their first event, as
+    :func:`pl_position` runs the rows (a clamped exponential written back to ``x_KN`` too);
+    ``todo`` and ``hard`` list slots. Returns their lengths."""
     E = cum.size
     floor = np.float32(1e-30)
     nt = 0
     nh = 0
     for i in range(n2):
-        t = rows2[i]
-        if stop[t] > k:
+        if stop2[i] > k:
             continue
         if clocked:
-            xv = x_KN[k, t]
+            xv = x2[k, i]
             if not xv >= floor:
                 xv = floor
-                x_KN[k, t] = xv
-            d = left[t]
+                x2[k, i] = xv
+                x_KN[k, rows2[i]] = xv
+            d = left2[i]
             if not d >= 1e-300:
                 d = 1e-300
             tau2[i, k] = (tau2[i, k - 1] if k else 0.0) + np.float64(xv) / d
-        v = u_KN[k, t]
+        v = u2[k, i]
         b = int(v * M)                       # InverseCDF.draw: the guide's bucket, then its walk or bisection
         if b > M:
             b = M
         e = guide[b]
         if linear:
-            for _ in range(width):           # (v = 1 only by a group's rounding: no read past cum)
+            for _ in range(width):
                 e += cum[e if e < E else E - 1] <= v
             if e > E:
                 e = E
@@ -459,66 +486,37 @@ def pl_pass2(k, rows2, n2, stop, x_KN, u_KN, clocked, p, cum, guide, M, width, s
                     hi = mid
         rep = False                          # a repeat of the row's earlier arrivals
         for j in range(k):
-            if ids_NK[t, j] == e:
+            if ids2[i, j] == e:
                 rep = True
                 break
-        if k >= easy_k and left[t] < hard_bound:
-            hard[nh] = t
+        if k >= easy_k and left2[i] < hard_bound:
+            hard[nh] = i
             nh += 1
         elif rep:
-            todo[nt] = t
+            todo[nt] = i
             nt += 1
         else:
-            ids_NK[t, k] = e
+            ids2[i, k] = e
             if update_left:
-                left[t] -= p[e]
+                left2[i] -= p[e]
             if count:
                 counts[e] += 1
     return nt, nh
 
 
 @kernel
-def pl_weights_rows(rows2, n2, tau2, w_NK):
-    """The weights of rows ``rows2[:n2]`` from their arrival times ``tau2`` (by slot)."""
-    K = tau2.shape[1]
+def pl_pass2_out(n2, rows2, ids2, tau2, clocked, ids_NK, w_NK):
+    """The slots' experts (and, ``clocked``, weights from their arrival times) to their rows."""
+    K = ids2.shape[1]
     inv = np.empty(K)
     for i in range(n2):
-        t0 = tau2[i, 0]
+        t = rows2[i]
         for j in range(K):
-            inv[j] = t0 / tau2[i, j]
-        sm = inv[0]
-        for j in range(1, K):
-            sm = sm + inv[j]
-        for j in range(K):
-            w_NK[rows2[i], j] = np.float32(inv[j] / sm)
-
-
-@kernel
-def pl_replay_rows(x_KN, given_NK, p, ids_NK, w_NK):
-    """Every row's arrival times of its given experts ``given_NK`` with kept exponentials ``x_KN``
-    (clamped), from time 0 and popularity 1 left (the plain path), then its weights; the
-    experts copied to ``ids_NK`` (``_Races.replay`` and ``_weights_KN``, token blocks)."""
-    K, N = x_KN.shape
-    tau = np.empty((BLOCK, K))
-    left = np.empty(BLOCK)
-    inv = np.empty(K)
-    for t0 in range(0, N, BLOCK):
-        t1 = min(N, t0 + BLOCK)
-        for t in range(t0, t1):
-            left[t - t0] = 1.0
-        for k in range(K):
-            for t in range(t0, t1):
-                d = left[t - t0]
-                if not d >= 1e-300:
-                    d = 1e-300
-                tau[t - t0, k] = (tau[t - t0, k - 1] if k else 0.0) + np.float64(x_KN[k, t]) / d
-                e = given_NK[t, k]
-                ids_NK[t, k] = e
-                left[t - t0] -= p[e]
-        for t in range(t0, t1):
-            t0_ = tau[t - t0, 0]
+            ids_NK[t, j] = ids2[i, j]
+        if clocked:
+            t0_ = tau2[i, 0]                         # _weights_KN of the row: the same divisions, the same sum
             for j in range(K):
-                inv[j] = t0_ / tau[t - t0, j]
+                inv[j] = t0_ / tau2[i, j]
             sm = inv[0]
             for j in range(1, K):
                 sm = sm + inv[j]
@@ -526,5 +524,36 @@ def pl_replay_rows(x_KN, given_NK, p, ids_NK, w_NK):
                 w_NK[t, j] = np.float32(inv[j] / sm)
 
 
-__all__ = ["BLOCK", "pl_pass1", "pl_pass2", "pl_position", "pl_remainder", "pl_replay", "pl_replay_rows", "pl_retry",
-           "pl_settle", "pl_weights_rows", "race_k_smallest", "weights_nk"]
+@kernel
+def pl_replay_rows(x_KN, given_NK, p, w_NK):
+    """Every row's weights from its given experts ``given_NK`` and kept exponentials ``x_KN``
+    (clamped): its arrival times from time 0 and popularity 1 left (the plain path), as
+    ``_Races.replay`` and ``_weights_KN`` compute them, in token blocks."""
+    K, N = x_KN.shape
+    btau = np.empty((K, BLOCK))
+    bleft = np.empty(BLOCK)
+    inv = np.empty(K)
+    for t0 in range(0, N, BLOCK):
+        B = min(N, t0 + BLOCK) - t0
+        for i in range(B):
+            bleft[i] = 1.0
+        for k in range(K):
+            for i in range(B):
+                d = bleft[i]
+                if not d >= 1e-300:
+                    d = 1e-300
+                btau[k, i] = (btau[k - 1, i] if k else 0.0) + np.float64(x_KN[k, t0 + i]) / d
+                bleft[i] -= p[given_NK[t0 + i, k]]
+        for i in range(B):
+            t0_ = btau[0, i]                         # _weights_KN of the row: the same divisions, the same sum
+            for j in range(K):
+                inv[j] = t0_ / btau[j, i]
+            sm = inv[0]
+            for j in range(1, K):
+                sm = sm + inv[j]
+            for j in range(K):
+                w_NK[t0 + i, j] = np.float32(inv[j] / sm)
+
+
+__all__ = ["BLOCK", "pl_pass1", "pl_pass2", "pl_pass2_out", "pl_position", "pl_remainder", "pl_replay_rows", "pl_retry",
+           "pl_settle", "race_k_smallest"]

@@ -1,0 +1,119 @@
+"""The numpy reference of the samplers' sequential races (:class:`moonep_sim.routing.sampling._Races`):
+a pass per step over every row. The compiled kernels (``sampling_kernels.py``) replace these on
+every path the samplers take; ``sampling.KERNELS = False`` runs these instead, and the tests hold
+the two equal, draw for draw (tests/test_sampling_kernels.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class RacesNumpy:
+    """The numpy steps of ``_Races`` (a base class of it: its state, its constants read from
+    :mod:`~moonep_sim.routing.sampling` when they run)."""
+
+    def _draw(self, u: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+        """Inverse-CDF draws (intp) of uniforms ``u`` within each row's experts (rows None: every row)."""
+        if self.n == self.p_E.size:                    # every row races all E: u itself
+            return self.icdf.draw(u)
+        base, span, first = ((self.base_R, self.span_R, self.first_R) if rows is None else
+                             (self.base_R[rows], self.span_R[rows], self.first_R[rows]))
+        e = self.icdf.draw(base + u * span)
+        np.minimum(e, first + (self.n - 1), out=e)     # u rounded onto the group's end: its last expert
+        return e
+
+    def _repeats(self, e: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+        """Whether each draw ``e`` (of ``self.small`` dtype) repeats one of its row's arrivals."""
+        if not self.k:
+            return np.zeros(e.size, bool)
+        rep = (self.ids_KN[0] if rows is None else self.ids_KN[0, rows]) == e
+        eq = np.empty_like(rep)
+        for j in range(1, self.k):
+            np.equal(self.ids_KN[j] if rows is None else self.ids_KN[j, rows], e, out=eq)
+            rep |= eq
+        return rep
+
+    def _remainder(self, rows: np.ndarray) -> np.ndarray:
+        """One draw per row of ``rows`` from its experts not yet chosen, renormalised (exact inverse
+        CDF over the row's own cumulative sum; chunked over rows)."""
+        n, k = self.n, self.k
+        out = np.empty(rows.size, np.int64)
+        from moonep_sim.routing.sampling import CHUNK_ELEMS
+
+        chunk = max(1, CHUNK_ELEMS // n)
+        for s in range(0, rows.size, chunk):
+            r = rows[s:s + chunk]
+            first = self.first_R[r][:, None]
+            P = self.p_E[first + np.arange(n)]
+            if k:
+                np.put_along_axis(P, self.ids_KN[:k, r].T.astype(np.intp) - first, 0.0, axis=1)
+            cum = np.cumsum(P, axis=1)
+            u = self.retry.random(r.size) * cum[:, -1]
+            e = (cum <= u[:, None]).sum(axis=1)        # first index whose cumulative mass exceeds u
+            last = n - 1 - np.argmax(P[:, ::-1] > 0, axis=1)  # u rounded up to the total: the last live expert
+            out[s:s + chunk] = first[:, 0] + np.minimum(e, last)
+        return out
+
+    def _tick(self, x: np.ndarray | None = None) -> np.ndarray:
+        """This position's arrival times: ``tau += X / (popularity not yet chosen)``, X from ``rng``
+        (or ``x``, kept from an earlier draw of the same streams). Returns X."""
+        if x is None:
+            x = self.rng.standard_exponential(self.first_R.size, dtype=np.float32)
+            np.maximum(x, np.float32(1e-30), out=x)    # an exact 0 would give a zero time (infinite score)
+        dt = np.maximum(self.left_R, 1e-300)
+        np.divide(x, dt, out=dt)
+        self.tau_R = np.add(self.tau_R, dt, out=self.tau_KN[self.k])   # this position's row is the clock now
+        return x
+
+    def advance_numpy(self, u: np.ndarray | None = None, keep: dict | None = None,
+                      counts_E: np.ndarray | None = None) -> None:
+        """:meth:`advance` in numpy, a pass per step over every row (the kernels' reference)."""
+        from moonep_sim.routing.sampling import _REJECT_ROUNDS
+
+        k, N = self.k, self.first_R.size
+        clocked = u is None
+        if clocked:
+            x = self._tick()
+            u = self.rng.random(N)
+            if keep is not None:
+                keep["x"].append(x)
+                keep["u"].append(u)
+        e = self._draw(u, None)                        # intp; its narrow copy is this position's row
+        ids = self.ids_KN[k]
+        ids[...] = e
+        if k:
+            rep = self._repeats(ids, None)
+            if k >= self.easy_k:                       # some row may be mostly chosen: the remainder at once
+                hard_R = self.left_R < self.hard_R
+                todo = np.flatnonzero(rep | hard_R)
+                hard, todo = todo[hard_R[todo]], todo[~hard_R[todo]]
+            else:
+                todo, hard = np.flatnonzero(rep), np.empty(0, np.intp)
+            for _ in range(_REJECT_ROUNDS):
+                if todo.size == 0:
+                    break
+                ee = self._draw(self.retry.random(todo.size), todo)
+                rep = self._repeats(ee.astype(self.small), todo)
+                ok = todo[~rep]
+                ids[ok] = e[ok] = ee[~rep]
+                todo = todo[rep]
+            rest = np.union1d(hard, todo) if todo.size else hard
+            if rest.size:
+                ids[rest] = e[rest] = self._remainder(rest)
+        if clocked or self.easy_k < self.ids_KN.shape[0]:   # the popularity left: the clock's, the test's
+            self.left_R -= self.p_E.take(e)
+        if counts_E is not None:
+            counts_E += np.bincount(e, minlength=counts_E.size)
+        self.k += 1
+
+    def replay(self, ids_KN: np.ndarray, xs: list) -> None:
+        """The arrival times of experts ``ids_KN`` with the exponentials ``xs`` of their streams
+        (one array per position, as :meth:`advance` kept them)."""
+        for k in range(ids_KN.shape[0]):
+            self._tick(xs[k])
+            self.ids_KN[k] = ids_KN[k]
+            self.left_R -= self.p_E.take(ids_KN[k])
+            self.k += 1
+
+
+__all__ = ["RacesNumpy"]
