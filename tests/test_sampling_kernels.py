@@ -118,10 +118,10 @@ def test_tied_rows_are_left_to_the_reference():
     T, E, K, G, M = 64, 32, 4, 4, 2
     m = np.zeros((T, E), np.float32)             # every score equal: every row ties
     ids, kv, ok = np.empty((T, K), np.int64), np.empty((T, K), np.float32), np.empty(T, np.bool_)
-    kn.race_k_smallest(np.zeros(E, np.float32), m, np.ones(E, np.float32), G, M, K, ids, kv, ok)
+    kn.race_grouped(np.zeros(E, np.float32), np.ascontiguousarray(m.T), m, G, M, K, ids, kv, ok)
     assert not ok.any()
     m = np.random.default_rng(0).standard_exponential((T, E)).astype(np.float32)
-    kn.race_k_smallest(np.zeros(E, np.float32), m, np.ones(E, np.float32), 0, 0, K, ids, kv, ok)
+    kn.race_plain(m, np.ones(E, np.float32), K, ids, kv, ok)
     assert ok.all() and np.array_equal(ids, np.argsort(m, axis=1, kind="stable")[:, :K])
 
 

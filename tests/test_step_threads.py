@@ -178,9 +178,10 @@ def test_a_failure_in_either_thread_is_the_first_serial_error(monkeypatch, where
 
 
 def test_the_pipeline_is_the_default_for_large_layers_only():
-    assert step_run.pipeline_pays(2, step_run.PIPELINE_MIN_ENTRIES)
-    assert not step_run.pipeline_pays(1, 1 << 30)                    # one layer: nothing to overlap
-    assert not step_run.pipeline_pays(92, step_run.PIPELINE_MIN_ENTRIES - 1)
+    assert step_run.pipeline_pays(2, step_run.PIPELINE_MIN_ENTRIES, cores=2)
+    assert not step_run.pipeline_pays(1, 1 << 30, cores=2)           # one layer: nothing to overlap
+    assert not step_run.pipeline_pays(92, step_run.PIPELINE_MIN_ENTRIES - 1, cores=2)
+    assert not step_run.pipeline_pays(92, 1 << 30, cores=1)          # one core: nothing to overlap on
     cfg = _cfg("train", 16, "none", ("alltoall",))
     assert simulate_step(cfg, _source(16))["pipeline"] is None     # 16 x 8 x 4 entries: serial
     assert simulate_step(cfg, _source(16), map_fn=lambda f, xs: [f(x) for x in xs], pipeline=True)["pipeline"] is None
@@ -222,3 +223,41 @@ def test_cli_step_pipeline_option_and_a_second_thread_error_is_one_line(monkeypa
         err[p] = capsys.readouterr().err.strip().splitlines()
         assert not _no_step_threads()
     assert err["on"] == err["off"] == ["moonep-sim: error: moonep plan (injected) must fail here"]
+
+
+def test_the_lookahead_bound_holds(monkeypatch):
+    """While a Plan is simulated, at most PIPELINE_AHEAD more Plans and three layers' routings are
+    alive (serially: one Plan, one routing)."""
+    import gc
+    import weakref
+
+    import moonep_sim.strategies as strategies
+
+    plans, routings, seen = [], [], []   # weak references (Plans and routings are unhashable)
+    alive = lambda refs: sum(1 for w in refs if w() is not None)
+    make, sim = strategies.make_plan, step_run.simulate_moe_layer
+
+    class Tracked(Builder):
+        def __call__(self):
+            r = super().__call__()
+            routings.append(weakref.ref(r))
+            return r
+
+    def make_plan(name, routing, ctx, **opts):
+        plan = make(name, routing, ctx, **opts)
+        plans.append(weakref.ref(plan))
+        return plan
+
+    def simulate(plan, *a):
+        gc.collect()
+        seen.append((alive(plans), alive(routings)))
+        return sim(plan, *a)
+
+    monkeypatch.setattr(strategies, "make_plan", make_plan)
+    monkeypatch.setattr(step_run, "simulate_moe_layer", simulate)
+    cfg = _cfg("train", 16, "none", ("alltoall",))
+    for pipeline, most in ((False, (1, 1)), (True, (1 + step_run.PIPELINE_AHEAD, 3))):
+        seen.clear()
+        simulate_step(cfg, lambda i: (i, Tracked(16, i), f"layer {i}"), pipeline=pipeline)
+        assert len(seen) == SMALL.moe_layers
+        assert max(p for p, _ in seen) <= most[0] and max(r for _, r in seen) <= most[1], (pipeline, seen)

@@ -32,7 +32,7 @@ def register(sub) -> None:
     p.add_argument("--cluster", default=None, metavar="ADDR", help="... or on a Dask cluster at ADDR")
     p.add_argument("--pipeline", choices=("auto", "on", "off"), default="auto",
                    help="one job: build the next layer's routing and Plans on a second thread while this one "
-                        "simulates (auto: for layers of >= 2^20 routed entries; same results; docs/steps.md)")
+                        "simulates (auto: on 2+ cores, for layers of >= 2^20 routed entries; same results; docs/steps.md)")
     add_steps(p)
     add_dispatch_dtype(p)
     p.add_argument("--json", metavar="OUT", default=None, help="write the JSON result to OUT ('-' = stdout)")

@@ -95,15 +95,19 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
                 noise["x"] = x
         fast = KERNELS and not with_logits and K < E and (not grouped or E // groups >= 2)
         if fast:                                       # the kernels: the same keys' K smallest, per token
+            logT = None
             if grouped:
                 if noise is not None:
                     if "log" not in noise:
                         noise["log"] = np.log(np.maximum(x, np.float32(1e-30)))
-                    logx = noise["log"]
+                    if "logT" not in noise:
+                        noise["logT"] = np.ascontiguousarray(noise["log"].T)
+                    logx, logT = noise["log"], noise["logT"]
                 else:
                     logx = np.log(np.maximum(x, np.float32(1e-30)))
+                    logT = np.ascontiguousarray(logx.T)
             ids[s:s + n], kv = _race_k_smallest(lp32, logx if grouped else x, inv_p, K, groups if grouped else 0,
-                                                topk_groups)
+                                                topk_groups, logT)
         elif grouped or with_logits:
             if noise is not None:
                 if "log" not in noise:
@@ -133,15 +137,19 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
 
 
 def _race_k_smallest(lp32: np.ndarray, m_TE: np.ndarray, inv_p: np.ndarray, K: int, groups: int,
-                     topk_groups: int) -> tuple[np.ndarray, np.ndarray]:
+                     topk_groups: int, m_ET: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The race's K smallest keys per token and their experts, as :func:`smallest_k` finds them
     (after :func:`mask_groups` with ``groups``; 0: none): by the kernels for the tokens without
-    ties, by the reference for the others. ``m_TE``: the noise's log (grouped) or the noise."""
+    ties, by the reference for the others. ``m_TE``: the noise's log (grouped; ``m_ET`` the same
+    transposed, contiguous) or the noise."""
     T = m_TE.shape[0]
     ids = np.empty((T, K), np.int64)
     kv = np.empty((T, K), np.float32)
     ok = np.empty(T, np.bool_)
-    _kn.race_k_smallest(lp32, m_TE, inv_p, groups, topk_groups, K, ids, kv, ok)
+    if groups:
+        _kn.race_grouped(lp32, m_ET, m_TE, groups, topk_groups, K, ids, kv, ok)
+    else:
+        _kn.race_plain(m_TE, inv_p, K, ids, kv, ok)
     if not ok.all():                                   # ties: which tied column wins is the partition's
         bad = np.flatnonzero(~ok)
         if groups:

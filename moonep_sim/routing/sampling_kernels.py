@@ -18,7 +18,7 @@ move. tests/test_sampling_kernels.py holds the samplers' draws against the refer
   a remainder draw must settle; :func:`pl_retry` one rejection round of those rows;
   :func:`pl_remainder` their exact remainder draws; :func:`pl_settle` the popularity left and the
   counts of the rows settled after the pass.
-- :func:`race_k_smallest` -- the race's K smallest keys per token
+- :func:`race_grouped` / :func:`race_plain` -- the race's K smallest keys per token
   (``smallest_k`` after ``mask_groups``; or of ``X / p``), for the rows whose K + 1 smallest keys
   (and, grouped, whose kept groups) are unique: the rows with ties are flagged, and the caller
   gives them the reference (whose tie-breaking is ``np.argpartition``'s).
@@ -198,123 +198,96 @@ def pl_settle(k, rows, ids_NK, p, left, update_left, counts, count):
 
 
 @kernel
-def race_k_smallest(lp32, m_TE, inv_p, G, M, K, ids, kv, ok):
-    """The race's K smallest keys per token, ascending, and their experts (``smallest_k``).
-
-    ``G`` > 0, grouped: scores ``lp32 - m_TE`` (``m_TE`` the noise's log, float32), each group's
-    score the sum of its two best (the values of ``_top2_sum``'s running pair; the groups side by
-    side, their three best kept), the M best groups kept, keys ``-score`` there (``mask_groups``:
-    +inf elsewhere), sorted in from the experts above a floor. ``G`` = 0: keys
-    ``m_TE * inv_p`` (the noise over the popularity). ``ok[t]`` False: a tie at the kept groups'
-    edge or among the K + 1 smallest keys, the row left for the reference. Needs ``K < E``,
-    grouped ``E // G >= 2`` and ``M < G``."""
-    T, E = m_TE.shape
-    n = E // G if G else E
-    score = np.empty(E, np.float32)
-    m1 = np.empty(max(G, 1), np.float32)
-    m2 = np.empty(max(G, 1), np.float32)
-    m3 = np.empty(max(G, 1), np.float32)
-    top = np.empty(3 * max(G, 1), np.float32)
-    gs = np.empty(max(G, 1), np.float32)
-    srt = np.empty(max(G, 1), np.float32)
+def race_grouped(lp32, logT, logx, G, M, K, ids, kv, ok):
+    """The grouped race's K smallest keys per token, ascending, and their experts (``smallest_k``
+    of ``mask_groups``): scores ``lp32 - log X`` (float32; ``logx`` the noise's log ``[T, E]``,
+    ``logT`` the same transposed), each group's score the sum of its two best (the values of
+    ``_top2_sum``'s running pair, found for every token at once along ``logT``, with the third
+    best), the M best groups kept, keys ``-score`` there sorted in from the kept experts at or
+    above a floor (the least of the kept groups' third best: 3 M kept scores lie at or above it).
+    ``ok[t]`` False: a tie at the kept groups' edge or among the K + 1 smallest keys, the row left
+    for the reference. Needs ``K < E``, ``E // G >= 2`` and ``M < G``."""
+    E, T = logT.shape
+    n = E // G
+    m1 = np.empty((G, T), np.float32)
+    m2 = np.empty((G, T), np.float32)
+    m3 = np.empty((G, T), np.float32)
+    inf = np.float32(np.inf)
+    for g in range(G):                       # every token's three best of each group, tokens side by side
+        e0 = g * n
+        a1 = m1[g]
+        a2 = m2[g]
+        a3 = m3[g]
+        c = lp32[e0]
+        row = logT[e0]
+        for t in range(T):
+            a1[t] = c - row[t]
+            a2[t] = -inf
+            a3[t] = -inf
+        for e in range(e0 + 1, e0 + n):
+            c = lp32[e]
+            row = logT[e]
+            for t in range(T):
+                r = c - row[t]
+                x1 = a1[t]
+                lo1 = x1 if x1 <= r else r
+                a1[t] = x1 if x1 >= r else r
+                x2 = a2[t]
+                lo2 = x2 if x2 <= lo1 else lo1
+                a2[t] = x2 if x2 >= lo1 else lo1
+                x3 = a3[t]
+                a3[t] = x3 if x3 >= lo2 else lo2
+    gs = np.empty(G, np.float32)
+    srt = np.empty(G, np.float32)
+    top = np.empty(3 * G, np.float32)
     bv = np.empty(K + 1, np.float32)
     bi = np.empty(K + 1, np.int64)
-    inf = np.float32(np.inf)
     for t in range(T):
+        for g in range(G):
+            gs[g] = m1[g, t] + m2[g, t]
+            srt[g] = gs[g]
+        for i in range(M + 1):
+            best = i
+            for j in range(i + 1, G):
+                if srt[j] > srt[best]:
+                    best = j
+            sw = srt[i]
+            srt[i] = srt[best]
+            srt[best] = sw
+        if not srt[M - 1] > srt[M]:
+            ok[t] = False
+            continue
+        edge = srt[M - 1]
+        low = inf                            # a floor under the (K + 1)-th best: 3 M kept scores are at or above it
+        for g in range(G):
+            if gs[g] >= edge and m3[g, t] < low:
+                low = m3[g, t]
+        if 3 * M < K + 1:
+            low = -inf
         cnt = 0
         thr = inf
-        if G:
-            for e in range(E):
-                score[e] = lp32[e] - m_TE[t, e]
-            for g in range(G):
-                m1[g] = score[g * n]
-                m2[g] = -inf
-                m3[g] = -inf
-            for a in range(1, n):                 # member by member across the groups: G chains at once
-                for g in range(G):                # each group's three largest (ties counted as often)
-                    r = score[g * n + a]
-                    x1 = m1[g]
-                    lo1 = x1 if x1 <= r else r
-                    m1[g] = x1 if x1 >= r else r
-                    x2 = m2[g]
-                    lo2 = x2 if x2 <= lo1 else lo1
-                    m2[g] = x2 if x2 >= lo1 else lo1
-                    x3 = m3[g]
-                    m3[g] = x3 if x3 >= lo2 else lo2
-            for g in range(G):
-                gs[g] = m1[g] + m2[g]
-                srt[g] = gs[g]
-            for i in range(M + 1):                          # the M + 1 largest group scores, descending
-                best = i
-                for j in range(i + 1, G):
-                    if srt[j] > srt[best]:
-                        best = j
-                sw = srt[i]
-                srt[i] = srt[best]
-                srt[best] = sw
-            if not srt[M - 1] > srt[M]:
-                ok[t] = False
-                continue
-            edge = srt[M - 1]
-            # a floor under the (K + 1)-th best kept score: the (K + 1)-th of the kept groups' three
-            # best (real scores of kept experts); only the kept experts at or above it can be among
-            # the K + 1 best, and only they are sorted in
-            nc = 0
-            for g in range(G):
-                if gs[g] >= edge:
-                    top[nc] = m1[g]
-                    top[nc + 1] = m2[g]
-                    top[nc + 2] = m3[g]
-                    nc += 3
-            low = -inf
-            if nc >= K + 1:
-                for i in range(K + 1):
-                    best = i
-                    for j in range(i + 1, nc):
-                        if top[j] > top[best]:
-                            best = j
-                    sw = top[i]
-                    top[i] = top[best]
-                    top[best] = sw
-                low = top[K]
-            for g in range(G):
-                if gs[g] >= edge:                           # a kept group: its keys into the K + 1 smallest
-                    for e in range(g * n, g * n + n):
-                        if not score[e] >= low:
-                            continue
-                        v = -score[e]
-                        if v < thr:
-                            if cnt == K + 1:
-                                pos = K
-                            else:
-                                pos = cnt
-                                cnt += 1
-                            while pos > 0 and bv[pos - 1] > v:
-                                bv[pos] = bv[pos - 1]
-                                bi[pos] = bi[pos - 1]
-                                pos -= 1
-                            bv[pos] = v
-                            bi[pos] = e
-                            if cnt == K + 1:
-                                thr = bv[K]
-        else:
-            for e in range(E):
-                v = m_TE[t, e] * inv_p[e]
-                if v < thr:
-                    if cnt == K + 1:
-                        pos = K
-                    else:
-                        pos = cnt
-                        cnt += 1
-                    while pos > 0 and bv[pos - 1] > v:
-                        bv[pos] = bv[pos - 1]
-                        bi[pos] = bi[pos - 1]
-                        pos -= 1
-                    bv[pos] = v
-                    bi[pos] = e
-                    if cnt == K + 1:
-                        thr = bv[K]
-        while cnt < K + 1:                                  # fewer kept than K + 1: the masked, +inf
+        for g in range(G):
+            if gs[g] >= edge:
+                for e in range(g * n, g * n + n):
+                    sc = lp32[e] - logx[t, e]
+                    if not sc >= low:
+                        continue
+                    v = -sc
+                    if v < thr:
+                        if cnt == K + 1:
+                            pos = K
+                        else:
+                            pos = cnt
+                            cnt += 1
+                        while pos > 0 and bv[pos - 1] > v:
+                            bv[pos] = bv[pos - 1]
+                            bi[pos] = bi[pos - 1]
+                            pos -= 1
+                        bv[pos] = v
+                        bi[pos] = e
+                        if cnt == K + 1:
+                            thr = bv[K]
+        while cnt < K + 1:
             bv[cnt] = inf
             cnt += 1
         good = True
@@ -328,6 +301,47 @@ def race_k_smallest(lp32, m_TE, inv_p, G, M, K, ids, kv, ok):
                 ids[t, j] = bi[j]
                 kv[t, j] = bv[j]
 
+
+@kernel
+def race_plain(x, inv_p, K, ids, kv, ok):
+    """The plain race's K smallest keys ``x * inv_p`` (float32) per token, ascending, and their
+    experts (``smallest_k``); ``ok[t]`` False where its K + 1 smallest tie. Needs ``K < E``."""
+    T, E = x.shape
+    bv = np.empty(K + 1, np.float32)
+    bi = np.empty(K + 1, np.int64)
+    inf = np.float32(np.inf)
+    for t in range(T):
+        cnt = 0
+        thr = inf
+        for e in range(E):
+            v = x[t, e] * inv_p[e]
+            if v < thr:                      # the K + 1 smallest, ascending, by insertion
+                if cnt == K + 1:
+                    pos = K
+                else:
+                    pos = cnt
+                    cnt += 1
+                while pos > 0 and bv[pos - 1] > v:
+                    bv[pos] = bv[pos - 1]
+                    bi[pos] = bi[pos - 1]
+                    pos -= 1
+                bv[pos] = v
+                bi[pos] = e
+                if cnt == K + 1:
+                    thr = bv[K]
+        while cnt < K + 1:
+            bv[cnt] = inf
+            cnt += 1
+        good = True
+        for j in range(K):
+            if not bv[j + 1] > bv[j]:
+                good = False
+                break
+        ok[t] = good
+        if good:
+            for j in range(K):
+                ids[t, j] = bi[j]
+                kv[t, j] = bv[j]
 
 
 # ---------------------------------------------------------------------------------- plain top-K, token blocks
@@ -556,4 +570,4 @@ def pl_replay_rows(x_KN, given_NK, p, w_NK):
 
 
 __all__ = ["BLOCK", "pl_pass1", "pl_pass2", "pl_pass2_out", "pl_position", "pl_remainder", "pl_replay_rows", "pl_retry",
-           "pl_settle", "race_k_smallest"]
+           "pl_settle", "race_grouped", "race_plain"]

@@ -554,10 +554,15 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
             "overlap": ov.name, "layers_routing": provenance, "pipeline": piped, "_timelines": timelines}
 
 
-def pipeline_pays(units: int, entries: int) -> bool:
+def pipeline_pays(units: int, entries: int, cores: int | None = None) -> bool:
     """Whether one job pipelines by default: two or more distinct layers of at least
-    :data:`PIPELINE_MIN_ENTRIES` routed entries each."""
-    return units >= 2 and entries >= PIPELINE_MIN_ENTRIES
+    :data:`PIPELINE_MIN_ENTRIES` routed entries each, and two or more cores this process may run on
+    (``cores``; default: its CPU affinity)."""
+    if cores is None:
+        import os
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return units >= 2 and entries >= PIPELINE_MIN_ENTRIES and cores >= 2
 
 
 def _expert_ops(train: bool) -> list:
