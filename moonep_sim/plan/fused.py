@@ -51,8 +51,11 @@ def _prefetch_write(typingctx, arr, idx):
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
         i8p = llvm_ir.IntType(8).as_pointer()
         i32 = llvm_ir.IntType(32)
+        # (the intrinsic is named by its pointer type: ``p0i8`` for typed pointers, ``p0`` where
+        # LLVM's pointers are opaque)
+        name = "llvm.prefetch.p0" if getattr(i8p, "is_opaque", False) else "llvm.prefetch.p0i8"
         fn = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(llvm_ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0i8")
+                                            name)
         # (address, rw = 1 write, locality = 3 keep in all caches, cache type = 1 data)
         builder.call(fn, [builder.bitcast(ptr, i8p), i32(1), i32(3), i32(1)])
         return context.get_dummy_value()
