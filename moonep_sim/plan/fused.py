@@ -12,9 +12,17 @@ the slots, a second places each entry at its slot's next place: every slot's ent
 order, so it is the stable sort) and the hop is two passes in entry order: one counts the messages
 of each (source, destination) block, the other hands each entry its block's next message (or, when
 a token is sent once per rank, its token's earlier message to that rank) and writes the final row
-it expands to. Every array equals the numpy builders' (values and dtypes;
-``tests/test_plan_fused.py``); they remain the reference and run below ``build.FUSED_MIN`` entries,
-where numba's import and a kernel's first call cost more than they save.
+it expands to (:func:`single_hop_plan`; alone, the counting sort is :func:`layout_by_slot`). The
+planners whose entries' slots follow from their experts' runs get them in one pass too:
+:func:`split_runs` (an expert's entries cut into consecutive pieces: moonep, llep, eplb's
+contiguous replicas), :func:`cycle_runs` (dealt round-robin: eplb's default); and deepep's nodes
+per token, :func:`distinct_per_token`. At K3 EP64 and 4096 tokens per rank alltoall, deepep and
+moonep plan in 0.41-0.45 of the numpy builders' CPU (docs/results/planning.md).
+
+Every array equals the numpy builders' (values and dtypes; ``tests/test_plan_fused.py``); they
+remain the reference and run below ``build.FUSED_MIN`` entries. A process's first compiled call
+starts numba (~0.24 s of CPU where scipy is not loaded yet, ~0.05 s where it is), whichever
+kernel makes it.
 
 Kernels never trust an index they read: an out-of-range slot, rank or entry id makes the kernel
 return its position (``>= 0``; -1 = all in range) before anything is written through it, and the
@@ -402,7 +410,7 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
                     ranks: int, dedup: bool, token_padding: int = 1, min_rows_S: np.ndarray | None = None):
     """What ``build.plan_from_slots`` computes from the entries' slots, in two passes over them:
     (lay, hop, entry_dup_N, row_entry_W, expand_src_row_W) -- the layout
-    (:class:`~moonep_sim.plan.build.SlotLayout`, ``entry_rank_N`` included), the hop
+    (:class:`~moonep_sim.plan.assembly.SlotLayout`, ``entry_rank_N`` included), the hop
     (``build.single_hop_messages``) and the final rows (``build.final_rows``).
 
     entry_slot_N: any integer dtype [N], -1 = dropped.  slot_rank_S: int64 [S] sorted, in [0, R).
