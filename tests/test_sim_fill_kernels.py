@@ -9,7 +9,7 @@ import pytest
 import simpy
 from hypothesis import given, settings, strategies as st
 
-from moonep_sim.sim.blocks import NODE_CELLS_WIDTH_MAX, BlockCounts
+from moonep_sim.sim.blocks import NODE_CELLS_WIDTH_MAX, RUN_MAX, BlockCounts
 from moonep_sim.sim.network import FlowNetwork, PortMap
 from moonep_sim.sim.tick_kernels import set_rates
 from moonep_sim.sim.topology import Topology, load_topology
@@ -247,3 +247,26 @@ def test_network_runs_do_not_move_with_the_compiled_kernels(name, R, sm, tol, se
     assert (ta, ia) == (tb, ib)
     for k in a:
         assert np.array_equal(a[k], b[k], equal_nan=True), k
+
+
+def test_a_step_whose_last_run_was_the_longest_is_filled_again():
+    """A step whose run in the last fill was ``RUN_MAX`` ports long, with more candidates than that
+    now: the numpy fill tries the longest prefix again (it skipped every width and failed on an
+    unset cut: an SM-driven all-to-all at EP256 filled twice), and equals the compiled one."""
+    R = 256
+    ports = port_map("h800-cx7", R, True)
+    bc = BlockCounts(ports)
+    s, d = np.divmod(np.arange(R * R), R)
+    blk = ports.pair_class(s, d, np.ones(R * R, dtype=bool))
+    bc.add(blk * R + s, blk * R + d, 1.0)
+    first = bc.fill(ports.cap_P)
+    assert bc._hint[0] == RUN_MAX
+    again = bc.fill(ports.cap_P)
+    assert again.steps == first.steps and np.array_equal(again.level_src, first.level_src)
+    # where the kernel runs: a hint of RUN_MAX at every step and more candidates than that
+    ports = port_map("h800-cx7", 64, True)
+    bc = BlockCounts(ports)
+    s, d = np.divmod(np.arange(64 * 64), 64)
+    bc.add(*(ports.pair_class(s, d, np.arange(s.size) % 2 == 0) * 64 + x for x in (s, d)), 1.0)
+    bc._hint = [RUN_MAX] * 64
+    assert_same_fill(bc, ports.cap_P)

@@ -19,8 +19,15 @@ it, with the same distribution (not the same outputs for a seed); :func:`sample_
   redrawn (a draw from ``p`` conditioned on "not chosen" IS the next Plackett-Luce draw); rows whose
   chosen mass exceeds one half, and rows still rejected after a few rounds, draw from their exact
   renormalised remainder (a per-row cumulative sum). Cost ``O(T K)`` draws plus ``O(T K^2)``
-  integer compares instead of ``O(T E)`` noise and a partition: a Kimi-K3 layer (E=896, K=16,
-  T=262144) takes about 0.1 CPU s instead of about 2.5 s (docs/results/traces.md, steps.md).
+  integer compares instead of ``O(T E)`` noise and a partition: one draw of a Kimi-K3 layer
+  (E=896, K=16, T=262144) takes about 0.08 CPU s instead of about 2.5 s, a third of it numpy's
+  generator filling the random numbers (docs/results/steps.md section 3).
+
+The per-token work of the three runs in compiled kernels (``sampling_kernels.py``: the plain
+path token block by token block, the race's K smallest per token); the numpy code they replace is
+kept as their reference (``KERNELS = False``; ``sampling_reference.py``) and draws the same ids and
+weights bit for bit from the same random numbers, which the kernels take from numpy's generator in
+the same order and amounts.
 - :func:`sample_topk_grouped` -- the fast path for group-limited top-K: the race of each group
   run the same way (the experts' clocks are independent), its first two arrivals giving the group
   score, the kept groups' races continued and merged (exact; its docstring). About 2x faster than

@@ -317,7 +317,8 @@ class BlockCounts:
         instead of 1.7 on a K3 EP64 deepep layer)."""
         hint = self._hint[step] if step < len(self._hint) else 0
         for width in (8, 64, RUN_MAX):
-            if width <= hint and width < cand.size:
+            # the last width is always tried (a run of RUN_MAX ports in the last fill skipped them all)
+            if width <= hint and width < cand.size and width < RUN_MAX:
                 continue
             cut, node, pos = self._prefix_run(cand[:width])
             if cut < width or width >= cand.size:

@@ -52,8 +52,8 @@ from moonep_sim.sim.topology import Topology
 def collector_paused():
     """Python's cyclic garbage collector paused inside, restored as it was on leaving. A
     simulation allocates per step an event, its callback list and a generator frame that it holds
-    to its end, so the collections those allocations trigger find nothing to free (a fifth of a
-    V3 EP32 decode layer's simulation outside the network's ticks, and of the ticks). The run's
+    to its end, so the collections those allocations trigger find nothing to free (a V3 EP32
+    decode step spent ~0.1 of its 0.5-0.6 CPU s outside the network's ticks in them). The run's
     own cycles are freed at the next collection after it. Nests, and is safe beside another
     thread doing the same (whoever found it enabled enables it again)."""
     was = gc.isenabled()
@@ -168,8 +168,9 @@ class AllOrAny(simpy.Event):
     """Fires once all of ``events`` fired (``need_all``; simpy's ``AllOf``) or once one of them did
     (simpy's ``AnyOf``), failing as soon as one fails: simpy's ``Condition`` without the
     ``ConditionValue`` it builds when it fires (the engine never reads it). The event is scheduled
-    at the same moment a Condition's is, so runs are unchanged; it costs a fraction of one (there
-    is one per rank and hop side, and per relayed hop chunk)."""
+    at the same moment a Condition's is, so runs are unchanged; created, fired by two events and
+    processed it takes 3.4 us against 4.3 for simpy's (there is one per rank and hop side, and
+    per relayed hop chunk)."""
 
     def __init__(self, env: simpy.Environment, events: Sequence[simpy.Event], need_all: bool):
         super().__init__(env)

@@ -100,7 +100,8 @@ class FlowNetwork:
         self._done = np.empty(32, dtype=np.int64)  # scratch of the compiled completions
         self._bneck_paths: np.ndarray | None = None   # the last fill of the per-flow solver: bottleneck per slot
         # flows waiting for their latency, in submission order: the merged batches of earlier
-        # ticks, then the batches submitted since (merged at the next tick: one mask per tick)
+        # ticks, then the batches submitted since (merged at the first tick where one of the waiting
+        # flows is ready: one mask per such tick)
         self._pend: Pending | None = None
         self._pend_new: list[Pending] = []
         self._pend_min = np.inf   # the earliest ready time of every waiting flow (inf: none)
