@@ -12,9 +12,17 @@ the slots, a second places each entry at its slot's next place: every slot's ent
 order, so it is the stable sort) and the hop is two passes in entry order: one counts the messages
 of each (source, destination) block, the other hands each entry its block's next message (or, when
 a token is sent once per rank, its token's earlier message to that rank) and writes the final row
-it expands to. Every array equals the numpy builders' (values and dtypes;
-``tests/test_plan_fused.py``); they remain the reference and run below ``build.FUSED_MIN`` entries,
-where numba's import and a kernel's first call cost more than they save.
+it expands to (:func:`single_hop_plan`; alone, the counting sort is :func:`layout_by_slot`). The
+planners whose entries' slots follow from their experts' runs get them in one pass too:
+:func:`split_runs` (an expert's entries cut into consecutive pieces: moonep, llep, eplb's
+contiguous replicas), :func:`cycle_runs` (dealt round-robin: eplb's default); and deepep's nodes
+per token, :func:`distinct_per_token`. At K3 EP64 and 4096 tokens per rank alltoall, deepep and
+moonep plan in 0.41-0.45 of the numpy builders' CPU (docs/results/planning.md).
+
+Every array equals the numpy builders' (values and dtypes; ``tests/test_plan_fused.py``); they
+remain the reference and run below ``build.FUSED_MIN`` entries. A process's first compiled call
+starts numba (~0.24 s of CPU where scipy is not loaded yet, ~0.05 s where it is), whichever
+kernel makes it.
 
 Kernels never trust an index they read: an out-of-range slot, rank or entry id makes the kernel
 return its position (``>= 0``; -1 = all in range) before anything is written through it, and the
@@ -51,8 +59,11 @@ def _prefetch_write(typingctx, arr, idx):
         ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
         i8p = llvm_ir.IntType(8).as_pointer()
         i32 = llvm_ir.IntType(32)
+        # (the intrinsic is named by its pointer type: ``p0i8`` for typed pointers, ``p0`` where
+        # LLVM's pointers are opaque)
+        name = "llvm.prefetch.p0" if getattr(i8p, "is_opaque", False) else "llvm.prefetch.p0i8"
         fn = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(llvm_ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0i8")
+                                            name)
         # (address, rw = 1 write, locality = 3 keep in all caches, cache type = 1 data)
         builder.call(fn, [builder.bitcast(ptr, i8p), i32(1), i32(3), i32(1)])
         return context.get_dummy_value()
@@ -399,7 +410,7 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
                     ranks: int, dedup: bool, token_padding: int = 1, min_rows_S: np.ndarray | None = None):
     """What ``build.plan_from_slots`` computes from the entries' slots, in two passes over them:
     (lay, hop, entry_dup_N, row_entry_W, expand_src_row_W) -- the layout
-    (:class:`~moonep_sim.plan.build.SlotLayout`, ``entry_rank_N`` included), the hop
+    (:class:`~moonep_sim.plan.assembly.SlotLayout`, ``entry_rank_N`` included), the hop
     (``build.single_hop_messages``) and the final rows (``build.final_rows``).
 
     entry_slot_N: any integer dtype [N], -1 = dropped.  slot_rank_S: int64 [S] sorted, in [0, R).
