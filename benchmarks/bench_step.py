@@ -251,6 +251,7 @@ def run(case: str, strategies: list[str], distinct: int, jobs: int, moe_layers: 
             # each thread's own CPU seconds over the layers: the larger is what two free cores need
             "main_thread_cpu_s": piped["main_cpu_s"] if piped else None,
             "second_thread_cpu_s": piped["second_cpu_s"] if piped else None,
+            "second_wait_s": piped["second_wait_s"] if piped else None,
             "layers_cpu_s": k.get("layers"), "layers_wall_s": d["wall_seconds"]["layers_wall"],
             # this strategy's own share: the (shared) routing, its planning, simulation and composition
             "strategy_cpu_s": k["routing"] + k["plan"] + k["simulate"] + k["compose"],

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from moonep_sim.routing import sampling
+from moonep_sim.routing import sampling, sampling_reference
 from moonep_sim.routing.generators import generate, inclusion_probs
 from moonep_sim.routing.sampling import sample_topk_grouped, sample_topk_pl
 
@@ -16,7 +16,7 @@ from moonep_sim.routing.sampling import sample_topk_grouped, sample_topk_pl
 @pytest.mark.parametrize("K,N", [(1, 7), (3, 1000), (16, 5000)])
 @pytest.mark.parametrize("block", [64, 1 << 15])
 def test_position_major_weights_equal_the_token_major_ones(K, N, block, monkeypatch):
-    monkeypatch.setattr(sampling, "_WEIGHT_BLOCK", block)
+    monkeypatch.setattr(sampling_reference, "_WEIGHT_BLOCK", block)
     tau_KN = np.cumsum(np.random.default_rng(K).standard_exponential((K, N)), axis=0)
     w = sampling._weights_KN(tau_KN)
     assert w.flags["C_CONTIGUOUS"] and w.dtype == np.float32 and w.shape == (N, K)

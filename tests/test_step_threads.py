@@ -120,7 +120,7 @@ def test_pipelined_layer_results_equal_simulate_layer_work_unit_by_unit():
     _same(serial, piped)
     assert sorted(piped[0].done) == [("alltoall", 0), ("alltoall", 1), ("moonep", 0), ("moonep", 1)]
     assert figures["layers_cpu_s"] > 0 and figures["main_cpu_s"] > 0
-    assert set(figures) == {"wait_s", "routings_here", "layers_cpu_s", "main_cpu_s", "second_cpu_s"}
+    assert set(figures) == {"wait_s", "routings_here", "layers_cpu_s", "main_cpu_s", "second_cpu_s", "second_wait_s"}
     with pytest.raises(ConfigError, match="lookahead"):
         step_run.pipelined_layer_work(list(work), ahead=0)
 

@@ -173,12 +173,19 @@ def _single_place(slot_N, slot_rank_S, tok_off_R, K, dedup, first_S, n_drop, off
     last = np.full(R, -1, np.int64)  # the last token that took a message to each destination
     last_row = np.zeros(R, np.int64)  # and that message's receive row
     win = np.empty(0, m_srow.dtype)
+    # (a slot's j-th entry at place p = first_S[s] + j: its row and final row are p plus a constant
+    # of the slot; a block's m-th message's receive row is m plus a constant of the block)
+    row_delta = offset_S - first_S[:S]
+    g_delta = cum_S - first_S[:S]
+    m_delta = row0 - mstart
     for r in range(R):
         m0 = mstart[r * R]
         m1 = mstart[r * R + R] if r + 1 < R else m_srow.size
         if m1 - m0 > win.size:
             win = np.empty(m1 - m0, m_srow.dtype)
+        rR = r * R
         for t in range(tok_off_R[r], tok_off_R[r + 1]):
+            tok = t - tok_off_R[r]
             for e in range(t * K, t * K + K):
                 s = slot_N[e]
                 if s < 0:
@@ -191,25 +198,24 @@ def _single_place(slot_N, slot_rank_S, tok_off_R, K, dedup, first_S, n_drop, off
                     continue
                 p = nxt[s]
                 nxt[s] = p + 1
-                j = p - first_S[s]
-                g = cum_S[s] + j
+                g = p + g_delta[s]
                 if (p & 15) == 0 and p + _AHEAD < order.size:
                     _prefetch_write(order, p + _AHEAD)
                 if (g & 15) == 0 and g + _AHEAD < expand.size:
                     _prefetch_write(expand, g + _AHEAD)
                 order[p] = e
-                entry_row[e] = offset_S[s] + j
+                entry_row[e] = p + row_delta[s]
                 d = slot_rank_S[s]
                 entry_rank[e] = d
                 if dedup and last[d] == t:
                     row = last_row[d]
                     dup[e] = True
                 else:
-                    b = r * R + d
+                    b = rR + d
                     m = nxt_m[b]
                     nxt_m[b] = m + 1
-                    row = row0[b] + (m - mstart[b])
-                    win[m - m0] = t - tok_off_R[r]
+                    row = m + m_delta[b]
+                    win[m - m0] = tok
                     last[d] = t
                     last_row[d] = row
                     dup[e] = False

@@ -20,14 +20,11 @@ it, with the same distribution (not the same outputs for a seed); :func:`sample_
   chosen mass exceeds one half, and rows still rejected after a few rounds, draw from their exact
   renormalised remainder (a per-row cumulative sum). Cost ``O(T K)`` draws plus ``O(T K^2)``
   integer compares instead of ``O(T E)`` noise and a partition: one draw of a Kimi-K3 layer
-  (E=896, K=16, T=262144) takes about 0.08 CPU s instead of about 2.5 s, a third of it numpy's
-  generator filling the random numbers (docs/results/steps.md section 3).
+  (E=896, K=16, T=262144) takes about 0.08 CPU s instead of about 2.5 s (docs/results/steps.md).
 
-The per-token work of the three runs in compiled kernels (``sampling_kernels.py``: the plain
-path token block by token block, the race's K smallest per token); the numpy code they replace is
-kept as their reference (``KERNELS = False``; ``sampling_reference.py``) and draws the same ids and
-weights bit for bit from the same random numbers, which the kernels take from numpy's generator in
-the same order and amounts.
+The per-token work runs in compiled kernels (``sampling_kernels.py``); the numpy code they replace
+is their reference (``KERNELS = False``; ``sampling_reference.py``): the same draws bit for bit
+from the same random numbers, taken from numpy's generator in the same order and amounts.
 - :func:`sample_topk_grouped` -- the fast path for group-limited top-K: the race of each group
   run the same way (the experts' clocks are independent), its first two arrivals giving the group
   score, the kept groups' races continued and merged (exact; its docstring). About 2x faster than
@@ -48,7 +45,7 @@ import math
 import numpy as np
 
 from moonep_sim.routing import sampling_kernels as _kn
-from moonep_sim.routing.sampling_reference import RacesNumpy
+from moonep_sim.routing.sampling_reference import RacesNumpy, _weights_KN
 
 #: the compiled kernels (sampling_kernels.py) do the per-token work; False runs the numpy reference
 #: they are held against (the same draws bit for bit: tests/test_sampling_kernels.py)
@@ -318,6 +315,10 @@ class _Races(RacesNumpy):
         floor = float(self.span_R.min() - self.hard_R.max()) if self.span_R.size else 0.0
         self.easy_k = int(np.searchsorted(top, floor - 1e-9, side="left")) + 1
 
+    @staticmethod
+    def _knobs() -> tuple[int, int]:   # the chunk size, the rejection rounds: read when used
+        return CHUNK_ELEMS, _REJECT_ROUNDS
+
     @property
     def ids_NK(self) -> np.ndarray:
         """``ids_KN`` token by token, ``[N, K]`` (a view: what the kernels index)."""
@@ -388,8 +389,7 @@ class _Races(RacesNumpy):
 
 
 
-# the kernels' unused arguments
-_NO_X, _NO_X2, _NO_W = np.empty(0, np.float32), np.empty((0, 0), np.float32), np.empty((0, 0), np.float32)
+_NO_X, _NO_X2, _NO_W = np.empty(0, np.float32), np.empty((0, 0), np.float32), np.empty((0, 0), np.float32)  # unused
 _NO_COUNTS, _NO_INTP, _NO_F64, _NO_TAU = np.empty(0, np.int64), np.empty(0, np.intp), np.empty(0), np.empty((0, 0))
 
 
@@ -412,23 +412,6 @@ def _weights(tau_TK: np.ndarray) -> np.ndarray:
     """The race's softmax over the chosen: ``w ∝ 1 / tau`` (scores ``-log tau``), float32."""
     inv = tau_TK[:, :1] / tau_TK
     return (inv / inv.sum(axis=1, keepdims=True)).astype(np.float32)
-
-
-_WEIGHT_BLOCK = 1 << 15    # tokens per block of _weights_KN (16 x 32768 float64: 4 MiB, cache-sized)
-
-
-def _weights_KN(tau_KN: np.ndarray) -> np.ndarray:
-    """:func:`_weights` of ``tau_KN.T`` (float32 [N, K], C order) computed on the position-major
-    arrays, a block of tokens at a time (contiguous rows; the same divisions and the same
-    position-by-position sum, so the same values whatever the block)."""
-    K, N = tau_KN.shape
-    out = np.empty((N, K), np.float32)
-    for s in range(0, N, _WEIGHT_BLOCK):
-        tau = tau_KN[:, s:s + _WEIGHT_BLOCK]
-        inv = tau[0] / tau
-        inv /= inv.sum(axis=0)
-        out[s:s + _WEIGHT_BLOCK] = inv.T
-    return out
 
 
 def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,

@@ -9,8 +9,8 @@ import numpy as np
 
 
 class RacesNumpy:
-    """The numpy steps of ``_Races`` (a base class of it: its state, its constants read from
-    :mod:`~moonep_sim.routing.sampling` when they run)."""
+    """The numpy steps of ``_Races`` (a base class of it: its state; ``_knobs()`` its chunk size
+    and rejection rounds, the sampling module's)."""
 
     def _draw(self, u: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
         """Inverse-CDF draws (intp) of uniforms ``u`` within each row's experts (rows None: every row)."""
@@ -38,9 +38,7 @@ class RacesNumpy:
         CDF over the row's own cumulative sum; chunked over rows)."""
         n, k = self.n, self.k
         out = np.empty(rows.size, np.int64)
-        from moonep_sim.routing.sampling import CHUNK_ELEMS
-
-        chunk = max(1, CHUNK_ELEMS // n)
+        chunk = max(1, self._knobs()[0] // n)
         for s in range(0, rows.size, chunk):
             r = rows[s:s + chunk]
             first = self.first_R[r][:, None]
@@ -68,8 +66,6 @@ class RacesNumpy:
     def advance_numpy(self, u: np.ndarray | None = None, keep: dict | None = None,
                       counts_E: np.ndarray | None = None) -> None:
         """:meth:`advance` in numpy, a pass per step over every row (the kernels' reference)."""
-        from moonep_sim.routing.sampling import _REJECT_ROUNDS
-
         k, N = self.k, self.first_R.size
         clocked = u is None
         if clocked:
@@ -89,7 +85,7 @@ class RacesNumpy:
                 hard, todo = todo[hard_R[todo]], todo[~hard_R[todo]]
             else:
                 todo, hard = np.flatnonzero(rep), np.empty(0, np.intp)
-            for _ in range(_REJECT_ROUNDS):
+            for _ in range(self._knobs()[1]):
                 if todo.size == 0:
                     break
                 ee = self._draw(self.retry.random(todo.size), todo)
@@ -114,6 +110,23 @@ class RacesNumpy:
             self.ids_KN[k] = ids_KN[k]
             self.left_R -= self.p_E.take(ids_KN[k])
             self.k += 1
+
+
+_WEIGHT_BLOCK = 1 << 15    # tokens per block of _weights_KN (16 x 32768 float64: 4 MiB, cache-sized)
+
+
+def _weights_KN(tau_KN: np.ndarray) -> np.ndarray:
+    """:func:`_weights` of ``tau_KN.T`` (float32 [N, K], C order) computed on the position-major
+    arrays, a block of tokens at a time (contiguous rows; the same divisions and the same
+    position-by-position sum, so the same values whatever the block)."""
+    K, N = tau_KN.shape
+    out = np.empty((N, K), np.float32)
+    for s in range(0, N, _WEIGHT_BLOCK):
+        tau = tau_KN[:, s:s + _WEIGHT_BLOCK]
+        inv = tau[0] / tau
+        inv /= inv.sum(axis=0)
+        out[s:s + _WEIGHT_BLOCK] = inv.T
+    return out
 
 
 __all__ = ["RacesNumpy"]

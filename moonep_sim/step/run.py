@@ -308,6 +308,7 @@ class _Pipeline:
         self.failed = False
         self.scan = 0              # every task before order[scan] is claimed
         self.second_cpu_s = 0.0    # the second thread's CPU seconds, when it returned
+        self.second_wait_s = 0.0   # its seconds waiting at the bound (or for a piece this thread makes)
 
     def _routing(self, i: int) -> tuple[list[GlobalRouting], float, float]:
         return _layer_parts(self.work[i], time.thread_time)
@@ -377,7 +378,9 @@ class _Pipeline:
                 with self.cond:
                     t = None
                     while not self.stop and not self.failed and (t := self._next(False)) is None:
+                        w0 = time.perf_counter()
                         self.cond.wait()
+                        self.second_wait_s += time.perf_counter() - w0
                     if t is None:
                         return
                 self._run(t)
@@ -426,8 +429,9 @@ def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str], None] 
     thread reaches it; the second thread stops at the first failure and is joined before the error
     propagates (nothing left running). CPU seconds per part are the thread's own that ran it
     (``time.thread_time``). Returns the results and the pipeline's figures: this thread's seconds
-    waiting for Plans, the routings it built, the layers' process CPU (all threads), and each
-    thread's own CPU seconds over the layers (the larger is the wall time two free cores need)."""
+    waiting for Plans, the routings it built, the layers' process CPU (all threads), each
+    thread's own CPU seconds over the layers (the larger is the wall time two free cores need) and
+    the second thread's seconds waiting (at the bound, or for a routing this thread makes)."""
     from concurrent.futures import ThreadPoolExecutor
 
     require(ahead >= 1, f"pipeline lookahead ({ahead}) must be >= 1 Plan")
@@ -452,7 +456,8 @@ def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str], None] 
     second.result()  # the second thread's own failure (not a piece's: those are kept), if any
     out = [RoutingDone(d, *pipe.R[i].value[1:]) for i, d in enumerate(done)]
     return out, {"wait_s": wait, "routings_here": stolen, "layers_cpu_s": time.process_time() - c0,
-                 "main_cpu_s": time.thread_time() - m0, "second_cpu_s": pipe.second_cpu_s}
+                 "main_cpu_s": time.thread_time() - m0, "second_cpu_s": pipe.second_cpu_s,
+                 "second_wait_s": pipe.second_wait_s}
 
 
 def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str], None] | None = None,
@@ -501,7 +506,7 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
         done, piped = pipelined_layer_work(work, progress)
         piped = {"threads": 2, "ahead_plans": PIPELINE_AHEAD, "wait_s": piped["wait_s"],
                  "routings_on_main": piped["routings_here"], "main_cpu_s": piped["main_cpu_s"],
-                 "second_cpu_s": piped["second_cpu_s"]}
+                 "second_cpu_s": piped["second_cpu_s"], "second_wait_s": piped["second_wait_s"]}
     elif map_fn is None:
         done = []
         for i in range(len(work)):
