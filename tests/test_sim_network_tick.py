@@ -40,10 +40,17 @@ def case(name: str) -> tuple[PortMap, float]:
     return PortMap.build(topo, R, nic_factor_R=fac, sm_bytes_per_us=30e3 if sm else np.inf), tol
 
 
-def run(name: str, compiled: bool = True, ports: PortMap | None = None, stop_at: float | None = None):
+def no_pair_tables(net: FlowNetwork) -> None:
+    """Submissions take the numpy path (as above ``PAIR_TABLE_MAX`` pairs)."""
+    net._pair_tables = {(s, n): None for s in (False, True) for n in (False, True)}
+
+
+def run(name: str, compiled: bool = True, ports: PortMap | None = None, stop_at: float | None = None,
+        tables: bool = True, late_phases: bool = False):
     """Three phases (sparse skewed, dense, sparse over the NIC path; jittered timing bytes), each
     sent in two submissions a quarter microsecond apart, ranks starting at random times and each
-    phase waiting for the previous one's receipt: (records, ticks, fill steps, network)."""
+    phase waiting for the previous one's receipt: (records, ticks, fill steps, network).
+    ``late_phases``: the phases after the first are registered while the first is under way."""
     rng = np.random.default_rng(len(name) * 7 + 3)
     p, tol = case(name)
     ports = p if ports is None else ports
@@ -51,12 +58,23 @@ def run(name: str, compiled: bool = True, ports: PortMap | None = None, stop_at:
     env = simpy.Environment()
     net = FlowNetwork(env, ports, tol)
     net._blocks.compiled = compiled
+    if not tables:
+        no_pair_tables(net)
     pop = np.exp(rng.normal(0, 1.0, R))
     phases = [np.where(rng.random((R, R)) < 0.6, rng.poisson(30 * pop[None, :] / pop.mean(), (R, R)) * 1000.0, 0.0),
               rng.poisson(6, (R, R)) * 333.0, np.where(rng.random((R, R)) < 0.2, 4096.0, 0.0)]
     jit = [rng.lognormal(0, 0.1, (R, R)) for _ in phases]
-    pids = [net.expect(f"p{i}", (b > 0).sum(0), sm=(i != 1), nic_only=(i == 2)) for i, b in enumerate(phases)]
+    pids = [net.expect(f"p{i}", (b > 0).sum(0), sm=(i != 1), nic_only=(i == 2)) for i, b in enumerate(phases)
+            if i == 0 or not late_phases]
     start = rng.random(R) * 4.0
+
+    def register():
+        yield env.timeout(6.0)
+        pids.extend(net.expect(f"p{i}", (b > 0).sum(0), sm=(i != 1), nic_only=(i == 2))
+                    for i, b in enumerate(phases) if i > 0)
+
+    if late_phases:
+        env.process(register())
 
     def rank(r):
         yield env.timeout(float(start[r]))
@@ -89,10 +107,20 @@ def test_records_are_the_pinned_ones_compiled_and_in_numpy(name):
     numpy tick (per-message host costs, SM ports, NIC-only phases, jittered timing bytes, flows
     that wait for their latency while others start)."""
     want, flows = PINNED[name][0], PINNED[name][2]
-    for compiled in (True, False):
-        rec, ticks, steps, _ = run(name, compiled)
+    for compiled, tables in ((True, True), (False, True), (True, False)):
+        rec, ticks, steps, _ = run(name, compiled, tables=tables)
         assert (digest(rec, ticks, steps), ticks, rec["src"].size) == (want, PINNED[name][1], flows)
         assert not np.isnan(rec["end"]).any()
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_phases_registered_during_the_run_give_the_same_records(name):
+    """Phases registered after the first ticks (the receive counts grow under the compiled tick)
+    give the records of the numpy tick."""
+    a, b = run(name, True, late_phases=True), run(name, False, late_phases=True)
+    assert a[3].num_phases == 3 and a[1:3] == b[1:3]
+    for k in a[0]:
+        assert np.array_equal(a[0][k], b[0][k], equal_nan=True), k
 
 
 def test_zero_byte_submissions_log_nothing_and_request_no_tick():
@@ -103,8 +131,8 @@ def test_zero_byte_submissions_log_nothing_and_request_no_tick():
     for tabs in (True, False):
         env = simpy.Environment()
         net = FlowNetwork(env, ports, 0.002)
-        if not tabs:   # the numpy path (no pair tables: as above PAIR_TABLE_MAX pairs)
-            net._pair_tables = {(s, n): None for s in (False, True) for n in (False, True)}
+        if not tabs:
+            no_pair_tables(net)
         pid = net.expect("p", np.zeros(R, dtype=np.int64))
         net.submit(pid, 3, np.arange(R), np.zeros(R), np.zeros(R))
         assert net._pend.n == 0 and net._log.n == 0 and net._next_tick == np.inf and net.idle
@@ -127,7 +155,7 @@ def test_submission_kernel_equals_the_numpy_submission():
     for tabs in (True, False):
         net = FlowNetwork(simpy.Environment(), ports, 0.002)
         if not tabs:
-            net._pair_tables = {(s, n): None for s in (False, True) for n in (False, True)}
+            no_pair_tables(net)
         nets.append(net)
     for i in range(6):
         b = np.where(rng.random(R) < 0.5, rng.integers(1, 9, R) * 512.0, 0.0)

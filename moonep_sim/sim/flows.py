@@ -34,24 +34,25 @@ class _Columns:
     def __init__(self, with_path: bool = False, path_len: int = 0, capacity: int = 16):
         cols = [c for c in vars(type(self)).values() if isinstance(c, _Column) and (with_path or c.name != "path")]
         self.n = 0
+        self.capacity = capacity   # slots of every buffer in ``data``
         self._cols = cols
         self.data = {c.name: np.full((capacity, path_len) if c.name == "path" else capacity, c.empty, dtype=c.dtype)
                      for c in cols}
 
-    @property
-    def capacity(self) -> int:
-        return next(iter(self.data.values())).shape[0]
-
-    def reserve(self, need: int) -> None:
-        """Make room for ``need`` slots (at least doubling when growing); slots [0, n) are kept."""
+    def reserve(self, need: int) -> bool:
+        """Make room for ``need`` slots (at least doubling when growing); slots [0, n) are kept.
+        Returns whether the buffers were replaced."""
         cap = self.capacity
-        if need > cap:
-            new = max(need, 2 * cap)
-            for c in self._cols:
-                arr = self.data[c.name]
-                grown = np.full((new,) + arr.shape[1:], c.empty, dtype=arr.dtype)
-                grown[:self.n] = arr[:self.n]
-                self.data[c.name] = grown
+        if need <= cap:
+            return False
+        new = max(need, 2 * cap)
+        for c in self._cols:
+            arr = self.data[c.name]
+            grown = np.full((new,) + arr.shape[1:], c.empty, dtype=arr.dtype)
+            grown[:self.n] = arr[:self.n]
+            self.data[c.name] = grown
+        self.capacity = new
+        return True
 
     def append(self, **vals: np.ndarray) -> None:
         """Add slots: one array (or scalar) per column, ``vals``' first array giving the length."""

@@ -106,6 +106,8 @@ class FlowNetwork:
         self._phase_tags: list[Any] = []  # per phase id: the caller's tag (the timeline's PhaseTag)
         self._phase_sm: list[bool] = []   # per phase id: its flows cross the SM send / receive ports
         self._phase_nic: list[bool] = []  # per phase id: same-node flows take the NIC path
+        self._phase_tab: list = []        # per phase id: its pair tables (``_pair_table``), once looked up
+        self._R, self._message_us = ports.ranks, float(ports.message_us)
         # the solver's tables and the pair tables do not depend on the flows: built once per port map
         tmpl, self._pair_tables = _static(ports)
         use_blocks = solver == "blocks" or (solver == "auto" and not ports.per_flow)
@@ -118,13 +120,15 @@ class FlowNetwork:
         self._dead = 0
         self._sentinel = ports.num_blocks * ports.ranks   # node index of finished flows (level 0)
         self._levels: Levels | None = None         # the last fill of the block solver
-        self._node_levels: tuple[np.ndarray, np.ndarray] | None = None   # the same, compiled: lev_U1, bport_U1
+        # the same, compiled: lev_U1, bport_U1 (none yet: placeholders, read only by flows of a fill)
+        self._node_levels = (np.zeros(1), np.full(1, -1, dtype=np.int64))
         self._done = np.empty(32, dtype=np.int64)  # scratch of the compiled completions
         self._bneck_paths: np.ndarray | None = None   # the last fill of the per-flow solver: bottleneck per slot
         # flows waiting for their latency, in submission order
         self._pend = Pending(with_path=not use_blocks, path_len=L_PATH)
         self._pend_min = np.inf   # the earliest ready time of every waiting flow (inf: none)
-        self._no_levels = (np.zeros(1), np.full(1, -1, dtype=np.int64))
+        self._sargs: tuple | None = None   # the compiled submission's buffers (None: to gather again)
+        self._targs: tuple | None = None   # the compiled tick's
         self._log = FlowLog()
         self._last_fill = -np.inf
         self._horizon = 0.0  # when the active traffic would drain at the current rates (time scale)
@@ -146,12 +150,14 @@ class FlowNetwork:
         self._phase_tags.append(tag)
         self._phase_sm.append(bool(sm))
         self._phase_nic.append(bool(nic_only))
+        self._phase_tab.append(False)   # its pair tables (False: not looked up yet)
         left = np.asarray(count_R, dtype=np.int64).ravel().copy()
         require(left.size == self.ports.ranks, f"count_R size ({left.size}) must equal the ranks ({self.ports.ranks})")
         evs = [self.env.event() for _ in range(left.size)]
         for d in np.flatnonzero(left == 0):
             evs[d].succeed()
         self._left = np.concatenate([self._left, left])
+        self._targs = None   # the compiled tick reads the new counts
         self._group_events.append(evs)
         return pid
 
@@ -176,26 +182,31 @@ class FlowNetwork:
 
         eff_bytes_F: the bytes the flow is timed for (bytes x jitter factor).
         """
-        sm, nic = self.ports.sm_ports and self._phase_sm[pid], self._phase_nic[pid]
-        tab = self._pair_table(sm, nic) if self._blocks is not None else None
+        tab = self._phase_tab[pid]
+        if tab is False:   # the phase's pair tables, looked up at its first submission
+            sm, nic = self.ports.sm_ports and self._phase_sm[pid], self._phase_nic[pid]
+            tab = self._phase_tab[pid] = self._pair_table(sm, nic) if self._blocks is not None else None
         now = self.env.now
-        if tab is not None:   # one kernel: the entries with bytes, their rows of the pair tables
+        if tab is not None:   # one kernel: the entries with bytes, their cells of the pair tables
             dst_F = np.asarray(dst_F, dtype=np.int64)
             F = dst_F.size
             p, log = self._pend, self._log
-            p.reserve(p.n + F)
-            log.reserve(log.n + F)
-            pd, ld = p.data, log.data
+            if p.n + F > p.capacity or log.n + F > log.capacity or self._sargs is None:
+                p.reserve(p.n + F)
+                log.reserve(log.n + F)
+                pd, ld = p.data, log.data
+                self._sargs = (pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"], pd["dst"], pd["blk"],
+                               ld["src"], ld["dst"], ld["phase"], ld["bytes"], ld["start"])
+                self._targs = None   # the tick's buffers too
             m, first = submit_flows(src, dst_F, np.asarray(bytes_F, dtype=np.float64),
-                                    np.asarray(eff_bytes_F, dtype=np.float64), tab[0][src], tab[1][src],
-                                    self.ports.message_us, float(now), pid, self.ports.ranks, p.n, pd["ready"],
-                                    pd["eff"], pd["id"], pd["key"], pd["src"], pd["dst"], pd["blk"], log.n, ld["src"],
-                                    ld["dst"], ld["phase"], ld["bytes"], ld["start"])
+                                    np.asarray(eff_bytes_F, dtype=np.float64), tab[0], tab[1], self._message_us,
+                                    float(now), pid, self._R, p.n, log.n, *self._sargs)
             if m == 0:
                 return
             p.n += m
             log.n += m
         else:
+            sm, nic = self.ports.sm_ports and self._phase_sm[pid], self._phase_nic[pid]
             keep = bytes_F > 0
             dst = np.asarray(dst_F, dtype=np.int64)[keep]
             if dst.size == 0:
@@ -217,6 +228,7 @@ class FlowNetwork:
             self._pend.append(ready=ready, eff=np.asarray(eff_bytes_F, dtype=np.float64)[keep], id=ids,
                               key=pid * self.ports.ranks + dst, src=src_F, dst=dst, blk=blk, **extra)
             first = float(ready.min())
+            self._sargs = self._targs = None   # the columns may have grown
         self._pend_min = min(self._pend_min, first)
         self._request_tick(first)
 
@@ -244,14 +256,16 @@ class FlowNetwork:
         return self.tol * max(t, self._horizon)
 
     def _request_tick(self, t: float) -> None:
-        if math.isfinite(self._last_fill):
-            t = max(t, self._last_fill + self._gap(self._last_fill))
-        t = max(t, self.env.now)
+        lf = self._last_fill
+        if math.isfinite(lf):   # (the gap of :meth:`_gap`)
+            t = max(t, lf + self.tol * max(lf, self._horizon))
+        now = self.env.now
+        t = max(t, now)
         if t < self._next_tick:
             self._next_tick = t
             self._version += 1
             v = self._version
-            ev = self.env.timeout(t - self.env.now)
+            ev = self.env.timeout(t - now)
             ev.callbacks.append(lambda _e, v=v: self._tick(v))
 
     def _bottlenecks(self, sel: np.ndarray) -> np.ndarray:
@@ -297,24 +311,30 @@ class FlowNetwork:
         """The tick's completions, activations, fill and rates in one kernel
         (``tick_kernels.tick_blocks``); the receive groups it completes fire here, in key order.
         Returns the earliest finish time."""
-        a, bc, p = self._a, self._blocks, self._pend
-        if self._done.size < 2 * a.n:
-            self._done = np.empty(2 * a.capacity, dtype=np.int64)
-        a.reserve(a.n + p.n)
-        d, pd = a.data, p.data
-        lev, bport = self._node_levels if self._node_levels is not None else self._no_levels
-        st = bc._kernel_static
+        a, p = self._a, self._pend
+        if self._done.size < 2 * a.n or a.n + p.n > a.capacity or self._targs is None:
+            if self._done.size < 2 * a.n:
+                self._done = np.empty(2 * a.capacity, dtype=np.int64)
+            a.reserve(a.n + p.n)
+            d, pd, ld, bc = a.data, p.data, self._log.data, self._blocks
+            st = bc._kernel_static
+            self._targs = (d["fin"], d["rate"], d["rem0"], d["t0"], d["alive"], d["ns"], d["nd"], d["id"], d["key"],
+                           d["src"], d["dst"], d["blk"], pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"],
+                           pd["dst"], pd["blk"])
+            self._targs_b = (self._sentinel, self.ports.ranks, ld["end"], ld["bneck"], ld["ready"], self._left,
+                             self._done, self.ports.cap_P, bc.mm, bc.T, bc.row_U, bc.col_U, bc.cnt_src, bc.cnt_dst,
+                             *st[:8], st[10], st[11])
+        lev, bport = self._node_levels
         n, self._dead, p.n, self._pend_min, m, g, lev, bport, it, fin_max, nxt = tick_blocks(
-            t, a.n, self._dead, p.n, self._pend_min, d["fin"], d["rate"], d["rem0"], d["t0"], d["alive"], d["ns"],
-            d["nd"], d["id"], d["key"], d["src"], d["dst"], d["blk"], pd["ready"], pd["eff"], pd["id"], pd["key"],
-            pd["src"], pd["dst"], pd["blk"], lev, bport, self._sentinel, self.ports.ranks, self._log.data["end"],
-            self._log.data["bneck"], self._log.data["ready"], self._left, self._done, self.ports.cap_P, bc.mm, bc.T,
-            bc.row_U, bc.col_U, bc.cnt_src, bc.cnt_dst, *st[:8], st[10], st[11])
+            t, a.n, self._dead, p.n, self._pend_min, *self._targs, lev, bport, *self._targs_b)
         a.n = n
         if it < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
             raise RuntimeError("progressive filling made no progress")
-        if g:
-            self._succeed_groups(self._done[m:m + g])
+        if g:   # the groups' keys, ascending and unique
+            R, evs = self.ports.ranks, self._group_events
+            for k in self._done[m:m + g].tolist():
+                q, r = divmod(k, R)
+                evs[q][r].succeed()
         self._node_levels = (lev, bport)
         self.fill_iterations += it
         self._last_fill = t

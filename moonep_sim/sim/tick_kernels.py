@@ -127,14 +127,13 @@ def complete_due(thr, t, n, fin, rate, rem0, alive, ns, nd, ids, key, lev_U1, bp
 
 
 @kernel
-def submit_flows(src, dst_F, bytes_F, eff_F, blk_R, lat_R, message_us, now, pid, R,
-                 pn, p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk,
-                 ln, l_src, l_dst, l_phase, l_bytes, l_start):
+def submit_flows(src, dst_F, bytes_F, eff_F, blk_RR, lat_RR, message_us, now, pid, R, pn, ln,
+                 p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk, l_src, l_dst, l_phase, l_bytes, l_start):
     """``FlowNetwork.submit`` where the network has per-pair tables: rank ``src``'s transfers of
     phase ``pid`` to ``dst_F`` with bytes > 0 (the others skipped) appended, in order, to the
     waiting columns (``p_*``, slots from ``pn``) and the log's (``l_*``, rows from ``ln``; both with
-    room for every entry). ``blk_R`` / ``lat_R``: the sender's rows of the block and latency
-    tables; ``message_us`` > 0 adds the sender's serial per-message cost (x its transfers to other
+    room for every entry). ``blk_RR`` / ``lat_RR``: the block and latency tables (the sender's
+    row is read); ``message_us`` > 0 adds the sender's serial per-message cost (x its transfers to other
     ranks) to each transfer's latency to another rank. Returns (transfers kept, the earliest
     ready time: inf when none)."""
     m = 0
@@ -152,7 +151,7 @@ def submit_flows(src, dst_F, bytes_F, eff_F, blk_R, lat_R, message_us, now, pid,
     for f in range(dst_F.size):
         if bytes_F[f] > 0:
             d = dst_F[f]
-            lat = lat_R[d]
+            lat = lat_RR[src, d]
             if message_us > 0:
                 lat = lat + (extra if d != src else 0.0)
             r = now + lat
@@ -165,7 +164,7 @@ def submit_flows(src, dst_F, bytes_F, eff_F, blk_R, lat_R, message_us, now, pid,
             p_key[k] = pid * R + d
             p_src[k] = src
             p_dst[k] = d
-            p_blk[k] = blk_R[d]
+            p_blk[k] = blk_RR[src, d]
             q = ln + j
             l_src[q] = src
             l_dst[q] = d
@@ -193,14 +192,23 @@ def tick_blocks(t, n, dead, pn, pend_min,
     counts and the solver's tables); (4) :func:`set_rates`.
 
     Returns (n, dead, pn, pend_min, completed, groups completed, lev_U1, bport_U1, steps,
-    fin_max, next finish): the completed slots, then the groups' keys, are in ``done`` (as
-    :func:`complete_due` leaves them); steps < 0: the fill froze nothing (and (4) did not run)."""
+    fin_max, next finish): the completed slots, then the completed groups' keys (ascending, each
+    once: as ``np.unique`` of :func:`complete_due`'s), are in ``done``; steps < 0: the fill froze
+    nothing (and (4) did not run)."""
     m = 0
     g = 0
     if n > 0:
         thr = t + 2e-9 * max(t, 1.0)
         m, g = complete_due(thr, t, n, fin, rate, rem0, alive, ns, nd, ids, key, lev_U1, bport_U1, sentinel,
                             log_end, log_bneck, left, mm, T, row_U, col_U, cnt_src, cnt_dst, done)
+        if g > 1:   # the keys sorted, repeats dropped
+            done[m:m + g].sort()
+            u = m + 1
+            for i in range(m + 1, m + g):
+                if done[i] != done[u - 1]:
+                    done[u] = done[i]
+                    u += 1
+            g = u - m
         if m:
             dead += m
             if 2 * dead > n:
