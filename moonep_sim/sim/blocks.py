@@ -21,6 +21,7 @@ Notation and units: ``moonep_sim.sim.ports``.
 
 from __future__ import annotations
 
+import copy
 from typing import NamedTuple
 
 import numpy as np
@@ -86,15 +87,10 @@ class BlockCounts:
         # the blocks' M matrices are views of one flat buffer, so a cell of any block is one gather
         self.m_off = np.concatenate([[0], np.cumsum([R * w for w in self.width])]).astype(np.int64)
         T = int(self.m_off[-1])
+        self.T = T
         # M cells, then MT cells, then one cell that stays 0 (the padding of :attr:`cell_NW`)
-        self.mm = np.zeros(2 * T + 1)
-        self.m_flat = self.mm[:T]
-        self.M = [self.m_flat[self.m_off[b]:self.m_off[b + 1]].reshape(R, w) for b, w in enumerate(self.width)]
+        self._reset_counts()
         self.width_B = np.asarray(self.width, dtype=np.int64)
-        self.mt_flat = self.mm[T:2 * T]
-        self.MT = [self.mt_flat[self.m_off[b]:self.m_off[b + 1]].reshape(R, w) for b, w in enumerate(self.width)]
-        self.cnt_src = np.zeros(B * R)   # active transfers per sender node (block-major)
-        self.cnt_dst = np.zeros(B * R)
         r = np.arange(R)
         geo = self.cluster = ports.cluster
         # rank of row r's column j (node blocks: r's node), clipped: columns past R hold 0 counts
@@ -163,13 +159,32 @@ class BlockCounts:
         # the cell tables in int32 where they fit: half the cache lines a frozen node's row reads
         small = lambda *tabs: tuple(None if x is None else c(x, dtype=np.int32 if 2 * T < 2 ** 31 else np.int64)  # noqa: E731
                                     for x in tabs)
-        self.T = T
         #: int64 [2N] contiguous copies of ``mt_row_N`` / ``cell_col_N`` for the kernels
         self.row_U, self.col_U = c(self.mt_row_N, dtype=np.int64), c(self.cell_col_N, dtype=np.int64)
         self._kernel_static = (bool(self.simple), int(dm), RUN_MAX, c(self.pall, dtype=np.int64),
                                c(self.port_nodes, dtype=np.int64), c(self.pps, dtype=np.int64),
                                c(self.nps, dtype=np.int64), c(self.cell_key_N, dtype=np.int64),
                                self.row_U, self.col_U, *small(self.cell_NW, self.other_NW))
+
+    def fresh(self) -> "BlockCounts":
+        """A BlockCounts of the same port map with nothing counted: this one's tables (built once
+        per port map, never written after ``__init__``) shared, its counts, hints and switches new."""
+        new = copy.copy(self)
+        new._reset_counts()
+        new._hint = []
+        return new
+
+    def _reset_counts(self) -> None:
+        """Zero counts: the flat buffer ``mm`` (M cells, MT cells, the zero cell), its block views
+        and the node totals."""
+        R, T, B = self.R, self.T, self.B
+        self.mm = np.zeros(2 * T + 1)
+        self.m_flat = self.mm[:T]
+        self.M = [self.m_flat[self.m_off[b]:self.m_off[b + 1]].reshape(R, w) for b, w in enumerate(self.width)]
+        self.mt_flat = self.mm[T:2 * T]
+        self.MT = [self.mt_flat[self.m_off[b]:self.m_off[b + 1]].reshape(R, w) for b, w in enumerate(self.width)]
+        self.cnt_src = np.zeros(B * R)   # active transfers per sender node (block-major)
+        self.cnt_dst = np.zeros(B * R)
 
     @property
     def compiled(self) -> bool:

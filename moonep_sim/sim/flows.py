@@ -8,50 +8,17 @@ microseconds, bytes per microsecond. The tick loop that moves flows between them
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import numpy as np
 
 
-@dataclass(frozen=True)
-class Pending:
-    """Flows submitted together and waiting for their path latency, one entry per flow [F].
-
-    ready: when each becomes ready (us).  eff: the bytes it is timed for (bytes x jitter).
-    id: its flow id (row of the :class:`FlowLog`).  key: its receive group (phase id x R + dst).
-    src, dst: sender and receiver rank.  blk: its block (``moonep_sim.sim.ports.Block``, + the SM
-    offset).  path: int64 [F, L] ports, only for the per-flow solver (else None).
-    """
-
-    ready: np.ndarray
-    eff: np.ndarray
-    id: np.ndarray
-    key: np.ndarray
-    src: np.ndarray
-    dst: np.ndarray
-    blk: np.ndarray
-    path: np.ndarray | None = None
-
-    def select(self, mask: np.ndarray) -> "Pending":
-        """The flows where ``mask`` is True."""
-        return Pending(*(None if v is None else v[mask] for v in self._values()))
-
-    def _values(self) -> tuple:
-        return tuple(getattr(self, f.name) for f in fields(self))
-
-    @staticmethod
-    def concat(batches: list["Pending"]) -> "Pending":
-        """One batch of the flows of ``batches`` (in order)."""
-        cols = zip(*(b._values() for b in batches))
-        return Pending(*(None if vs[0] is None else np.concatenate(vs) for vs in cols))
-
-
 class _Column:
-    """One column of :class:`ActiveFlows` and its dtype: reading it gives the slots in use,
-    ``data[name][:n]`` (a view: assigning into it updates the column)."""
+    """One column of a :class:`_Columns` table and its dtype (and the value of unwritten slots):
+    reading it gives the slots in use, ``data[name][:n]`` (a view: assigning into it updates the
+    column)."""
 
-    def __init__(self, dtype=np.int64) -> None:
+    def __init__(self, dtype=np.int64, empty=0) -> None:
         self.dtype = dtype
+        self.empty = empty
 
     def __set_name__(self, owner, name: str) -> None:
         self.name = name
@@ -60,7 +27,76 @@ class _Column:
         return obj.data[self.name][:obj.n]
 
 
-class ActiveFlows:
+class _Columns:
+    """Growable named columns: slots [0, n) are in use; ``data[name]`` the whole buffer (at
+    least n slots; the compiled kernels write into it)."""
+
+    def __init__(self, with_path: bool = False, path_len: int = 0, capacity: int = 16):
+        cols = [c for c in vars(type(self)).values() if isinstance(c, _Column) and (with_path or c.name != "path")]
+        self.n = 0
+        self.capacity = capacity   # slots of every buffer in ``data``
+        self._cols = cols
+        self.data = {c.name: np.full((capacity, path_len) if c.name == "path" else capacity, c.empty, dtype=c.dtype)
+                     for c in cols}
+
+    def reserve(self, need: int) -> bool:
+        """Make room for ``need`` slots (at least doubling when growing); slots [0, n) are kept.
+        Returns whether the buffers were replaced."""
+        cap = self.capacity
+        if need <= cap:
+            return False
+        new = max(need, 2 * cap)
+        for c in self._cols:
+            arr = self.data[c.name]
+            grown = np.full((new,) + arr.shape[1:], c.empty, dtype=arr.dtype)
+            grown[:self.n] = arr[:self.n]
+            self.data[c.name] = grown
+        self.capacity = new
+        return True
+
+    def append(self, **vals: np.ndarray) -> None:
+        """Add slots: one array (or scalar) per column, ``vals``' first array giving the length."""
+        m = next(v for v in vals.values() if np.ndim(v)).shape[0]
+        need = self.n + m
+        self.reserve(need)
+        for k, v in vals.items():
+            self.data[k][self.n:need] = v
+        self.n = need
+
+    def keep(self, mask: np.ndarray) -> None:
+        """Keep the slots where ``mask`` [n] is True, in order."""
+        m = int(mask.sum())
+        for arr in self.data.values():
+            arr[:m] = arr[:self.n][mask]
+        self.n = m
+
+
+class Pending(_Columns):
+    """Flows submitted and waiting for their path latency, in submission order, one slot per flow.
+
+    ready: when each becomes ready (us).  eff: the bytes it is timed for (bytes x jitter).
+    id: its flow id (row of the :class:`FlowLog`).  key: its receive group (phase id x R + dst).
+    src, dst: sender and receiver rank.  blk: its block (``moonep_sim.sim.ports.Block``, + the SM
+    offset).  path: int64 [n, L] ports, only for the per-flow solver.
+    """
+
+    ready = _Column(np.float64)
+    eff = _Column(np.float64)
+    id = _Column()
+    key = _Column()
+    src = _Column()
+    dst = _Column()
+    blk = _Column()
+    path = _Column()  # [n, path_len]: only with ``with_path``
+
+    def take(self, mask: np.ndarray) -> dict[str, np.ndarray]:
+        """The flows where ``mask`` [n] is True (columns, in order), removed; the others stay, in order."""
+        out = {k: arr[:self.n][mask] for k, arr in self.data.items()}
+        self.keep(~mask)
+        return out
+
+
+class ActiveFlows(_Columns):
     """Growable columns of the flows transferring now: slots [0, n) are in use; a finished flow
     stays in its slot (``alive`` False, rate 0 at the sentinel node) until :meth:`keep` drops the
     dead slots in bulk.
@@ -86,78 +122,31 @@ class ActiveFlows:
     nd = _Column()
     path = _Column()  # [n, path_len]: only with ``with_path``
 
-    def __init__(self, with_path: bool, path_len: int):
-        cols = [c for c in vars(type(self)).values() if isinstance(c, _Column) and (with_path or c.name != "path")]
-        self.n = 0
-        self.data = {c.name: np.zeros((16, path_len) if c.name == "path" else 16, dtype=c.dtype) for c in cols}
 
-    def append(self, **vals: np.ndarray) -> None:
-        """Add flows: one array per column, all of the same length."""
-        m = next(iter(vals.values())).shape[0]
-        need = self.n + m
-        cap = next(iter(self.data.values())).shape[0]
-        if need > cap:
-            new = max(need, 2 * cap)
-            for k, arr in self.data.items():
-                grown = np.zeros((new,) + arr.shape[1:], dtype=arr.dtype)
-                grown[:self.n] = arr[:self.n]
-                self.data[k] = grown
-        for k, v in vals.items():
-            self.data[k][self.n:need] = v
-        self.n = need
-
-    def keep(self, mask: np.ndarray) -> None:
-        """Keep the slots where ``mask`` [n] is True, in order."""
-        m = int(mask.sum())
-        for arr in self.data.values():
-            arr[:m] = arr[:self.n][mask]
-        self.n = m
-
-
-class FlowLog:
+class FlowLog(_Columns):
     """Every submitted flow, by id: sender, receiver, phase id, bytes and submit time, appended
-    per batch, plus when it became ready, ended and its bottleneck port (filled as it happens)."""
+    as submitted, plus when it became ready, ended and its bottleneck port (filled as it happens;
+    NaN / -1 until then)."""
 
-    def __init__(self) -> None:
-        self._src: list[np.ndarray] = []
-        self._dst: list[np.ndarray] = []
-        self._phase: list[np.ndarray] = []
-        self._bytes: list[np.ndarray] = []
-        self._start: list[np.ndarray] = []
-        self.n = 0
-        self.end = np.zeros(0)
-        self.bneck = np.zeros(0, dtype=np.int64)
-        self.ready = np.zeros(0)
+    src = _Column()
+    dst = _Column()
+    phase = _Column()
+    bytes = _Column(np.float64)
+    start = _Column(np.float64)
+    ready = _Column(np.float64, np.nan)
+    end = _Column(np.float64, np.nan)
+    bneck = _Column(np.int64, -1)
 
     def add(self, src_F: np.ndarray, dst_F: np.ndarray, pid: int, bytes_F: np.ndarray, now: float) -> np.ndarray:
         """Log a batch of flows submitted at ``now``; returns their ids."""
-        m = dst_F.size
-        ids = np.arange(self.n, self.n + m)
-        self.n += m
-        self._src.append(src_F)
-        self._dst.append(dst_F)
-        self._phase.append(np.full(m, pid, dtype=np.int64))
-        self._bytes.append(bytes_F)
-        self._start.append(np.full(m, now))
+        ids = np.arange(self.n, self.n + dst_F.size)
+        self.append(src=src_F, dst=dst_F, phase=pid, bytes=bytes_F, start=now)
         return ids
-
-    def grow(self) -> None:
-        """Make room in ``end``, ``bneck`` and ``ready`` for every logged id."""
-        n = self.n
-        if self.end.size < n:
-            extra = max(n - self.end.size, self.end.size)
-            self.end = np.concatenate([self.end, np.full(extra, np.nan)])
-            self.bneck = np.concatenate([self.bneck, np.full(extra, -1, dtype=np.int64)])
-            self.ready = np.concatenate([self.ready, np.full(extra, np.nan)])
 
     def records(self) -> dict[str, np.ndarray]:
         """Per flow: src, dst, phase id, bytes, start (submit), ready, end, bottleneck port."""
         n = self.n
-        cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt))
-        return dict(src=cat(self._src, np.int64), dst=cat(self._dst, np.int64),
-                    phase=cat(self._phase, np.int64), bytes=cat(self._bytes, np.float64),
-                    start=cat(self._start, np.float64), ready=self.ready[:n].copy(),
-                    end=self.end[:n].copy(), bneck=self.bneck[:n].copy())
+        return {k: self.data[k][:n].copy() for k in ("src", "dst", "phase", "bytes", "start", "ready", "end", "bneck")}
 
 
 __all__ = ["ActiveFlows", "FlowLog", "Pending"]

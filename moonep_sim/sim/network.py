@@ -47,11 +47,28 @@ from moonep_sim.errors import require
 from moonep_sim.sim.blocks import BlockCounts, Levels
 from moonep_sim.sim.flows import ActiveFlows, FlowLog, Pending
 from moonep_sim.sim.ports import L_PATH, Block, PortMap, block_kind
-from moonep_sim.sim.tick_kernels import complete_due, set_rates
+from moonep_sim.sim.tick_kernels import set_rates, submit_flows, tick_blocks
 from moonep_sim.sim.waterfill import waterfill
 
 
 PAIR_TABLE_MAX = 1 << 18   # (sender, receiver) pairs of a network's block and latency tables at most
+STATIC_CACHE_SIZE = 8      # port maps whose solver tables and pair tables are kept (most recent first)
+# per port map (held, so its id is not reused): (BlockCounts with nothing counted, pair tables); a
+# network takes a fresh copy of the former (``BlockCounts.fresh``) and reads the latter (read-only)
+_STATIC: list[tuple[PortMap, list, dict]] = []
+
+
+def _static(ports: PortMap) -> tuple[list, dict]:
+    """The cached ([BlockCounts template or None], pair tables) of ``ports`` (created empty on first use)."""
+    for i, (pm, tmpl, tabs) in enumerate(_STATIC):
+        if pm is ports:
+            if i:
+                _STATIC.insert(0, _STATIC.pop(i))
+            return tmpl, tabs
+    tmpl, tabs = [], {}
+    _STATIC.insert(0, (ports, tmpl, tabs))
+    del _STATIC[STATIC_CACHE_SIZE:]
+    return tmpl, tabs
 
 
 class UtilSample(NamedTuple):
@@ -89,22 +106,29 @@ class FlowNetwork:
         self._phase_tags: list[Any] = []  # per phase id: the caller's tag (the timeline's PhaseTag)
         self._phase_sm: list[bool] = []   # per phase id: its flows cross the SM send / receive ports
         self._phase_nic: list[bool] = []  # per phase id: same-node flows take the NIC path
-        self._pair_tables: dict[tuple[bool, bool], tuple[np.ndarray, np.ndarray] | None] = {}
+        self._phase_tab: list = []        # per phase id: its pair tables (``_pair_table``), once looked up
+        self._R, self._message_us = ports.ranks, float(ports.message_us)
+        # the solver's tables and the pair tables do not depend on the flows: built once per port map
+        tmpl, self._pair_tables = _static(ports)
         use_blocks = solver == "blocks" or (solver == "auto" and not ports.per_flow)
-        self._blocks = BlockCounts(ports) if use_blocks else None
+        self._blocks = None
+        if use_blocks:
+            if not tmpl:
+                tmpl.append(BlockCounts(ports))
+            self._blocks = tmpl[0].fresh()
         self._a = ActiveFlows(with_path=not use_blocks, path_len=L_PATH)
         self._dead = 0
         self._sentinel = ports.num_blocks * ports.ranks   # node index of finished flows (level 0)
         self._levels: Levels | None = None         # the last fill of the block solver
-        self._node_levels: tuple[np.ndarray, np.ndarray] | None = None   # the same, compiled: lev_U1, bport_U1
+        # the same, compiled: lev_U1, bport_U1 (none yet: placeholders, read only by flows of a fill)
+        self._node_levels = (np.zeros(1), np.full(1, -1, dtype=np.int64))
         self._done = np.empty(32, dtype=np.int64)  # scratch of the compiled completions
         self._bneck_paths: np.ndarray | None = None   # the last fill of the per-flow solver: bottleneck per slot
-        # flows waiting for their latency, in submission order: the merged batches of earlier
-        # ticks, then the batches submitted since (merged at the first tick where one of the waiting
-        # flows is ready: one mask per such tick)
-        self._pend: Pending | None = None
-        self._pend_new: list[Pending] = []
+        # flows waiting for their latency, in submission order
+        self._pend = Pending(with_path=not use_blocks, path_len=L_PATH)
         self._pend_min = np.inf   # the earliest ready time of every waiting flow (inf: none)
+        self._sargs: tuple | None = None   # the compiled submission's buffers (None: to gather again)
+        self._targs: tuple | None = None   # the compiled tick's
         self._log = FlowLog()
         self._last_fill = -np.inf
         self._horizon = 0.0  # when the active traffic would drain at the current rates (time scale)
@@ -126,12 +150,14 @@ class FlowNetwork:
         self._phase_tags.append(tag)
         self._phase_sm.append(bool(sm))
         self._phase_nic.append(bool(nic_only))
+        self._phase_tab.append(False)   # its pair tables (False: not looked up yet)
         left = np.asarray(count_R, dtype=np.int64).ravel().copy()
         require(left.size == self.ports.ranks, f"count_R size ({left.size}) must equal the ranks ({self.ports.ranks})")
         evs = [self.env.event() for _ in range(left.size)]
         for d in np.flatnonzero(left == 0):
             evs[d].succeed()
         self._left = np.concatenate([self._left, left])
+        self._targs = None   # the compiled tick reads the new counts
         self._group_events.append(evs)
         return pid
 
@@ -156,38 +182,59 @@ class FlowNetwork:
 
         eff_bytes_F: the bytes the flow is timed for (bytes x jitter factor).
         """
-        keep = bytes_F > 0
-        dst = np.asarray(dst_F, dtype=np.int64)[keep]
-        if dst.size == 0:
-            return
-        src_F = np.full(dst.size, src, dtype=np.int64)
-        sm, nic = self.ports.sm_ports and self._phase_sm[pid], self._phase_nic[pid]
-        tab = self._pair_table(sm, nic) if self._blocks is not None else None
-        path = None
-        if tab is not None:
-            blk, lat = tab[0][src, dst], tab[1][src, dst]
+        tab = self._phase_tab[pid]
+        if tab is False:   # the phase's pair tables, looked up at its first submission
+            sm, nic = self.ports.sm_ports and self._phase_sm[pid], self._phase_nic[pid]
+            tab = self._phase_tab[pid] = self._pair_table(sm, nic) if self._blocks is not None else None
+        now = self.env.now
+        if tab is not None:   # one kernel: the entries with bytes, their cells of the pair tables
+            dst_F = np.asarray(dst_F, dtype=np.int64)
+            F = dst_F.size
+            p, log = self._pend, self._log
+            if p.n + F > p.capacity or log.n + F > log.capacity or self._sargs is None:
+                p.reserve(p.n + F)
+                log.reserve(log.n + F)
+                pd, ld = p.data, log.data
+                self._sargs = (pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"], pd["dst"], pd["blk"],
+                               ld["src"], ld["dst"], ld["phase"], ld["bytes"], ld["start"])
+                self._targs = None   # the tick's buffers too
+            m, first = submit_flows(src, dst_F, np.asarray(bytes_F, dtype=np.float64),
+                                    np.asarray(eff_bytes_F, dtype=np.float64), tab[0], tab[1], self._message_us,
+                                    float(now), pid, self._R, p.n, log.n, *self._sargs)
+            if m == 0:
+                return
+            p.n += m
+            log.n += m
         else:
+            sm, nic = self.ports.sm_ports and self._phase_sm[pid], self._phase_nic[pid]
+            keep = bytes_F > 0
+            dst = np.asarray(dst_F, dtype=np.int64)[keep]
+            if dst.size == 0:
+                return
+            src_F = np.full(dst.size, src, dtype=np.int64)
+            path = None
             sm_F = np.full(dst.size, sm) if self.ports.sm_ports else None
             nic_F = np.full(dst.size, True) if nic else None
             blk = self.ports.pair_class(src_F, dst, sm_F, nic_F)
             lat = self.ports.latency(src_F, dst, nic_F)
             if self._blocks is None:
                 path = self.ports.paths(src_F, dst, sm_F, nic_F)[0]
-        if self.ports.message_us > 0:  # the sender's serial per-message cost (host_message_us)
-            remote = dst != src
-            lat = lat + np.where(remote, self.ports.message_us * float(remote.sum()), 0.0)
-        now = self.env.now
-        ids = self._log.add(src_F, dst, pid, np.asarray(bytes_F, dtype=np.float64)[keep], float(now))
-        ready = now + lat
-        self._pend_new.append(Pending(ready=ready, eff=np.asarray(eff_bytes_F, dtype=np.float64)[keep], id=ids,
-                                  key=pid * self.ports.ranks + dst, src=src_F, dst=dst, blk=blk, path=path))
-        first = float(ready.min())
+            if self.ports.message_us > 0:  # the sender's serial per-message cost (host_message_us)
+                remote = dst != src
+                lat = lat + np.where(remote, self.ports.message_us * float(remote.sum()), 0.0)
+            ids = self._log.add(src_F, dst, pid, np.asarray(bytes_F, dtype=np.float64)[keep], float(now))
+            ready = now + lat
+            extra = {} if path is None else dict(path=path)
+            self._pend.append(ready=ready, eff=np.asarray(eff_bytes_F, dtype=np.float64)[keep], id=ids,
+                              key=pid * self.ports.ranks + dst, src=src_F, dst=dst, blk=blk, **extra)
+            first = float(ready.min())
+            self._sargs = self._targs = None   # the columns may have grown
         self._pend_min = min(self._pend_min, first)
         self._request_tick(first)
 
     def _pair_table(self, sm: bool, nic: bool) -> tuple[np.ndarray, np.ndarray] | None:
         """(block_RR, latency_RR): ``PortMap.pair_class`` and ``latency`` of every (sender,
-        receiver) for flows of phases with these flags (built on first use, kept per network; a
+        receiver) for flows of phases with these flags (built on first use, kept per port map; a
         rank's submission then reads its row instead of classifying its transfers again). None
         above ``PAIR_TABLE_MAX`` pairs."""
         key = (sm, nic)
@@ -199,6 +246,8 @@ class FlowNetwork:
                 nic_F = np.full(R * R, True) if nic else None
                 tab = (self.ports.pair_class(s, d, np.full(R * R, sm) if self.ports.sm_ports else None, nic_F).reshape(R, R),
                        self.ports.latency(s, d, nic_F).reshape(R, R))
+                for x in tab:
+                    x.setflags(write=False)   # shared by the networks of this port map
             self._pair_tables[key] = tab
         return self._pair_tables[key]
 
@@ -207,14 +256,16 @@ class FlowNetwork:
         return self.tol * max(t, self._horizon)
 
     def _request_tick(self, t: float) -> None:
-        if math.isfinite(self._last_fill):
-            t = max(t, self._last_fill + self._gap(self._last_fill))
-        t = max(t, self.env.now)
+        lf = self._last_fill
+        if math.isfinite(lf):   # (the gap of :meth:`_gap`)
+            t = max(t, lf + self.tol * max(lf, self._horizon))
+        now = self.env.now
+        t = max(t, now)
         if t < self._next_tick:
             self._next_tick = t
             self._version += 1
             v = self._version
-            ev = self.env.timeout(t - self.env.now)
+            ev = self.env.timeout(t - now)
             ev.callbacks.append(lambda _e, v=v: self._tick(v))
 
     def _bottlenecks(self, sel: np.ndarray) -> np.ndarray:
@@ -233,51 +284,97 @@ class FlowNetwork:
         self._next_tick = np.inf
         t = float(self.env.now)
         self.ticks += 1
-        self._log.grow()
         a = self._a
-        # the block solver's compiled fill, and with it the compiled bookkeeping (tick_kernels): the
-        # same operations as the numpy code beside it, bit for bit
-        fast = self._blocks is not None and self._blocks.compiled
+        # the block solver's compiled fill, and with it the whole tick in one kernel (tick_kernels):
+        # the same operations as the numpy code below, bit for bit
+        if self._blocks is not None and self._blocks.compiled:
+            nxt = self._tick_compiled(t)
+        else:
+            nxt = self._tick_reference(t)
+        if self.record_util:
+            live = np.flatnonzero(a.alive)
+            if self._blocks is None:
+                path = a.path[live]
+            else:
+                bc, R = self._blocks, self.ports.ranks
+                path = np.concatenate([bc.ps[a.blk[live] * R + a.src[live]], bc.pd[a.blk[live] * R + a.dst[live]]], axis=1)
+            use = np.bincount(path.ravel(), weights=np.repeat(a.rate[live], path.shape[1]),
+                              minlength=self.ports.cap_P.size)[:-1]
+            self.util_samples.append(UtilSample(t, use / self.ports.cap_P[:-1]))
+        # 4. next tick
+        if self._pend.n:
+            nxt = min(nxt, self._pend_min)
+        if math.isfinite(nxt):
+            self._request_tick(nxt)
+
+    def _tick_compiled(self, t: float) -> float:
+        """The tick's completions, activations, fill and rates in one kernel
+        (``tick_kernels.tick_blocks``); the receive groups it completes fire here, in key order.
+        Returns the earliest finish time."""
+        a, p = self._a, self._pend
+        if self._done.size < 2 * a.n or a.n + p.n > a.capacity or self._targs is None:
+            if self._done.size < 2 * a.n:
+                self._done = np.empty(2 * a.capacity, dtype=np.int64)
+            a.reserve(a.n + p.n)
+            d, pd, ld, bc = a.data, p.data, self._log.data, self._blocks
+            st = bc._kernel_static
+            self._targs = (d["fin"], d["rate"], d["rem0"], d["t0"], d["alive"], d["ns"], d["nd"], d["id"], d["key"],
+                           d["src"], d["dst"], d["blk"], pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"],
+                           pd["dst"], pd["blk"])
+            self._targs_b = (self._sentinel, self.ports.ranks, ld["end"], ld["bneck"], ld["ready"], self._left,
+                             self._done, self.ports.cap_P, bc.mm, bc.T, bc.row_U, bc.col_U, bc.cnt_src, bc.cnt_dst,
+                             *st[:8], st[10], st[11])
+        lev, bport = self._node_levels
+        n, self._dead, p.n, self._pend_min, m, g, lev, bport, it, fin_max, nxt = tick_blocks(
+            t, a.n, self._dead, p.n, self._pend_min, *self._targs, lev, bport, *self._targs_b)
+        a.n = n
+        if it < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
+            raise RuntimeError("progressive filling made no progress")
+        if g:   # the groups' keys, ascending and unique
+            R, evs = self.ports.ranks, self._group_events
+            for k in self._done[m:m + g].tolist():
+                q, r = divmod(k, R)
+                evs[q][r].succeed()
+        self._node_levels = (lev, bport)
+        self.fill_iterations += it
+        self._last_fill = t
+        if fin_max > -np.inf:
+            self._horizon = max(self._horizon, fin_max)
+        return nxt
+
+    def _tick_reference(self, t: float) -> float:
+        """The tick in numpy (the reference of :meth:`_tick_compiled`, and the tick of the per-flow
+        solver and of maps without the compiled fill): steps 1-3 of the module docstring's tick.
+        Returns the earliest finish time."""
+        a = self._a
         # 1. completions (a flow's finish time is exact at its current rate)
         if a.n:
             thr = t + 2e-9 * max(t, 1.0)
-            done = self._complete_compiled(thr, t) if fast else self._complete_due(thr, t)
+            done = self._complete_due(thr, t)
             if done:
                 self._dead += done
                 if 2 * self._dead > a.n:
                     a.keep(a.alive.copy())
                     self._dead = 0
-        # 2. activations: the waiting batches are merged (in submission order) only at a tick where
-        # one of their flows is ready
+        # 2. activations: the waiting flows ready by now, in submission order
         if self._pend_min <= t + 1e-9:
-            if self._pend_new:
-                self._pend = Pending.concat(([self._pend] if self._pend is not None else []) + self._pend_new)
-                self._pend_new = []
-            ok = self._pend.ready <= t + 1e-9
-            add = None
-            if ok.all():
-                add, self._pend = self._pend, None
-                self._pend_min = np.inf
-            elif ok.any():
-                add, self._pend = self._pend.select(ok), self._pend.select(~ok)
-                self._pend_min = float(self._pend.ready.min())
-            if add is not None:
-                ids = add.id
+            p = self._pend
+            add = p.take(p.ready <= t + 1e-9)
+            self._pend_min = float(p.ready.min()) if p.n else np.inf
+            ids = add["id"]
+            if ids.size:
                 self._log.ready[ids] = t
                 m = ids.size
-                src_F, dst_F, blk_F = add.src, add.dst, add.blk
-                extra = {} if self._blocks is not None else dict(path=add.path)
+                src_F, dst_F, blk_F = add["src"], add["dst"], add["blk"]
+                extra = {} if self._blocks is not None else dict(path=add["path"])
                 ns_F, nd_F = blk_F * self.ports.ranks + src_F, blk_F * self.ports.ranks + dst_F
-                a.append(rate=np.zeros(m), rem0=add.eff, t0=np.full(m, t), fin=np.full(m, np.inf), id=ids,
-                         key=add.key, src=src_F, dst=dst_F, blk=blk_F, alive=np.ones(m, dtype=bool),
+                a.append(rate=np.zeros(m), rem0=add["eff"], t0=np.full(m, t), fin=np.full(m, np.inf), id=ids,
+                         key=add["key"], src=src_F, dst=dst_F, blk=blk_F, alive=np.ones(m, dtype=bool),
                          ns=ns_F, nd=nd_F, **extra)
                 if self._blocks is not None:
                     self._blocks.add(ns_F, nd_F, 1.0)
         # 3. rates: exact max-min levels, then only flows whose rate changed are touched
-        if fast:
-            lev, bport, it = self._blocks.fill_nodes(self.ports.cap_P)
-            self._node_levels = (lev, bport)
-        elif self._blocks is not None:
+        if self._blocks is not None:
             lv = self._levels = self._blocks.fill(self.ports.cap_P)
             rate = np.minimum(np.take(np.append(lv.level_src, 0.0), a.ns), np.take(np.append(lv.level_dst, 0.0), a.nd))
             it = lv.steps
@@ -291,29 +388,7 @@ class FlowNetwork:
             self._bneck_paths = bneck
         self.fill_iterations += it
         self._last_fill = t
-        if fast:
-            d = a.data
-            fin_max, nxt = set_rates(lev, self._sentinel, a.n, d["ns"], d["nd"], d["rate"], d["rem0"], d["t0"],
-                                     d["fin"], t)
-            if fin_max > -np.inf:
-                self._horizon = max(self._horizon, fin_max)
-        else:
-            nxt = self._set_rates(rate, t)
-        if self.record_util:
-            live = np.flatnonzero(a.alive)
-            if self._blocks is None:
-                path = a.path[live]
-            else:
-                bc, R = self._blocks, self.ports.ranks
-                path = np.concatenate([bc.ps[a.blk[live] * R + a.src[live]], bc.pd[a.blk[live] * R + a.dst[live]]], axis=1)
-            use = np.bincount(path.ravel(), weights=np.repeat(a.rate[live], path.shape[1]),
-                              minlength=self.ports.cap_P.size)[:-1]
-            self.util_samples.append(UtilSample(t, use / self.ports.cap_P[:-1]))
-        # 4. next tick
-        if self._pend is not None or self._pend_new:
-            nxt = min(nxt, self._pend_min)
-        if math.isfinite(nxt):
-            self._request_tick(nxt)
+        return self._set_rates(rate, t)
 
     def _set_rates(self, rate: np.ndarray, t: float) -> float:
         """Give the active flows the rates ``rate`` [n] of a fill at t: a flow whose rate changed
@@ -354,20 +429,6 @@ class FlowNetwork:
             a.ns[sel] = self._sentinel
             a.nd[sel] = self._sentinel
         return int(sel.size)
-
-    def _complete_compiled(self, thr: float, t: float) -> int:
-        """:meth:`_complete_due` in one kernel (``tick_kernels.complete_due``) where the block
-        solver's fill is compiled; the receive groups it completes fire here, in key order."""
-        a, bc, d = self._a, self._blocks, self._a.data
-        if self._done.size < 2 * a.n:
-            self._done = np.empty(2 * d["fin"].size, dtype=np.int64)
-        lev, bport = self._node_levels
-        m, g = complete_due(thr, t, a.n, d["fin"], d["rate"], d["rem0"], d["alive"], d["ns"], d["nd"], d["id"],
-                            d["key"], lev, bport, self._sentinel, self._log.end, self._log.bneck, self._left,
-                            bc.mm, bc.T, bc.row_U, bc.col_U, bc.cnt_src, bc.cnt_dst, self._done)
-        if g:
-            self._succeed_groups(self._done[m:m + g])
-        return m
 
     def active_rates(self) -> np.ndarray:
         """float64 [active flows]: the current rate (bytes/us) of every transferring flow."""
@@ -440,7 +501,7 @@ class FlowNetwork:
 
     @property
     def idle(self) -> bool:
-        return not self._a.alive.any() and self._pend is None and not self._pend_new
+        return not self._a.alive.any() and self._pend.n == 0
 
 
 

@@ -54,6 +54,8 @@ from moonep_sim.plan.placement import ClusterShape
 from moonep_sim.sim.topology import Topology
 
 L_PATH = 9
+BUILD_CACHE_SIZE = 8   # port maps kept by ``PortMap.build`` (most recent first)
+_BUILT: list[tuple[Topology, tuple, "PortMap"]] = []
 
 
 class Block(IntEnum):
@@ -136,7 +138,29 @@ class PortMap:
     def build(cls, topo: Topology, ranks: int, nvlink_factor_R: np.ndarray | None = None,
               nic_factor_R: np.ndarray | None = None, sm_bytes_per_us: float = np.inf) -> "PortMap":
         """Ports of ``ranks`` GPUs on ``topo``; ``sm_bytes_per_us`` finite adds each rank's SM send
-        and receive ports of that capacity (the Plan's kernel SM cap)."""
+        and receive ports of that capacity (the Plan's kernel SM cap).
+
+        Kept for the last ``BUILD_CACHE_SIZE`` argument sets (the topology by identity: it is
+        frozen; the factors by value): a step's layers on one cluster share one map, whose arrays
+        are read-only."""
+        key = (ranks, None if nvlink_factor_R is None else np.asarray(nvlink_factor_R, float).tobytes(),
+               None if nic_factor_R is None else np.asarray(nic_factor_R, float).tobytes(), float(sm_bytes_per_us))
+        for i, (t, k, pm) in enumerate(_BUILT):
+            if t is topo and k == key:
+                if i:
+                    _BUILT.insert(0, _BUILT.pop(i))
+                return pm
+        pm = cls._build(topo, ranks, nvlink_factor_R, nic_factor_R, sm_bytes_per_us)
+        pm.cap_P.setflags(write=False)
+        pm.nominal_cap_P.setflags(write=False)
+        _BUILT.insert(0, (topo, key, pm))   # (the topology held: its id cannot be reused meanwhile)
+        del _BUILT[BUILD_CACHE_SIZE:]
+        return pm
+
+    @classmethod
+    def _build(cls, topo: Topology, ranks: int, nvlink_factor_R: np.ndarray | None,
+               nic_factor_R: np.ndarray | None, sm_bytes_per_us: float) -> "PortMap":
+        """:meth:`build`, uncached."""
         R = ranks
         geo = topo.cluster(R)
         G = geo.gpus_per_node

@@ -1,13 +1,16 @@
 """The flow network's per-tick bookkeeping as compiled kernels (with the block solver's compiled
-fill): the transfers that finish (:func:`complete_due`) and the rates after a fill
-(:func:`set_rates`).
+fill): the transfers that finish (:func:`complete_due`), the rates after a fill (:func:`set_rates`),
+the whole tick in one call (:func:`tick_blocks`: completions, the waiting flows that start, the
+fill, the rates) and a rank's submission through the network's per-pair tables
+(:func:`submit_flows`).
 
 A tick of ``moonep_sim.sim.network.FlowNetwork`` completes a transfer or two, starts a few and
 re-rates the active ones; in numpy that is some thirty calls on arrays of tens to hundreds of
-slots, whose cost is the calls (a DeepSeek-V3 EP32 decode step: ~12,300 ticks). These kernels do
-the same element operations in the same order, so every rate, remaining byte count, finish time
-and record is bit-identical to the numpy code of ``FlowNetwork`` they stand beside (its reference,
-run when the block solver's fill is not compiled, and tested against them).
+slots, whose cost is the calls (a DeepSeek-V3 EP32 decode step: ~12,300 ticks, ~3,700 submissions
+of 32 entries). These kernels do the same element operations in the same order, so every rate,
+remaining byte count, finish time and record is bit-identical to the numpy code of
+``FlowNetwork`` they stand beside (its reference, run when the block solver's fill is not
+compiled, and tested against them).
 
 Notation (as ``moonep_sim.sim.blocks``): N = B x R nodes per side; node levels ``lev_U1`` [2N + 1]
 (sender nodes, receiver nodes, a spare) and the ports that froze them ``bport_U1``, as
@@ -23,6 +26,7 @@ import math
 import numpy as np
 
 from moonep_sim.jit import kernel
+from moonep_sim.sim.fill_kernels import fill_levels
 
 
 @kernel
@@ -122,4 +126,159 @@ def complete_due(thr, t, n, fin, rate, rem0, alive, ns, nd, ids, key, lev_U1, bp
     return m, g - m
 
 
-__all__ = ["complete_due", "set_rates"]
+@kernel
+def submit_flows(src, dst_F, bytes_F, eff_F, blk_RR, lat_RR, message_us, now, pid, R, pn, ln,
+                 p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk, l_src, l_dst, l_phase, l_bytes, l_start):
+    """``FlowNetwork.submit`` where the network has per-pair tables: rank ``src``'s transfers of
+    phase ``pid`` to ``dst_F`` with bytes > 0 (the others skipped) appended, in order, to the
+    waiting columns (``p_*``, slots from ``pn``) and the log's (``l_*``, rows from ``ln``; both with
+    room for every entry). ``blk_RR`` / ``lat_RR``: the block and latency tables (the sender's
+    row is read); ``message_us`` > 0 adds the sender's serial per-message cost (x its transfers to other
+    ranks) to each transfer's latency to another rank. Returns (transfers kept, the earliest
+    ready time: inf when none)."""
+    m = 0
+    remote = 0
+    for f in range(dst_F.size):
+        if bytes_F[f] > 0:
+            m += 1
+            if dst_F[f] != src:
+                remote += 1
+    first = np.inf
+    if m == 0:
+        return 0, first
+    extra = message_us * float(remote)
+    j = 0
+    for f in range(dst_F.size):
+        if bytes_F[f] > 0:
+            d = dst_F[f]
+            lat = lat_RR[src, d]
+            if message_us > 0:
+                lat = lat + (extra if d != src else 0.0)
+            r = now + lat
+            if r < first:
+                first = r
+            k = pn + j
+            p_ready[k] = r
+            p_eff[k] = eff_F[f]
+            p_id[k] = ln + j
+            p_key[k] = pid * R + d
+            p_src[k] = src
+            p_dst[k] = d
+            p_blk[k] = blk_RR[src, d]
+            q = ln + j
+            l_src[q] = src
+            l_dst[q] = d
+            l_phase[q] = pid
+            l_bytes[q] = bytes_F[f]
+            l_start[q] = now
+            j += 1
+    return m, first
+
+
+@kernel
+def tick_blocks(t, n, dead, pn, pend_min,
+                fin, rate, rem0, t0, alive, ns, nd, ids, key, src, dst, blk,
+                p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk,
+                lev_U1, bport_U1, sentinel, R, log_end, log_bneck, log_ready, left, done,
+                cap_P, mm, T, row_U, col_U, cnt_src, cnt_dst,
+                simple, dummy, run_max, pall_UK, port_nodes_PD, pps, nps, key_U, cell_UW, other_UW):
+    """One tick of ``FlowNetwork`` at time t with the block solver's compiled fill, as its numpy
+    code does it, in its order: (1) the active slots [0, n) due by ``t + 2e-9 x max(t, 1)`` complete
+    (:func:`complete_due` under the last fill's ``lev_U1`` / ``bport_U1``; the dead slots are
+    dropped, in order, once they are more than half of them: ``dead`` counts them); (2) where
+    ``pend_min <= t + 1e-9`` the waiting flows ready by then (``p_*``, slots [0, pn) in submission
+    order) start, in order, at the end of the active columns (room for all of them is there),
+    counted into the blocks, and the others stay, in order; (3) the fill (``fill_levels`` over the
+    counts and the solver's tables); (4) :func:`set_rates`.
+
+    Returns (n, dead, pn, pend_min, completed, groups completed, lev_U1, bport_U1, steps,
+    fin_max, next finish): the completed slots, then the completed groups' keys (ascending, each
+    once: as ``np.unique`` of :func:`complete_due`'s), are in ``done``; steps < 0: the fill froze
+    nothing (and (4) did not run)."""
+    m = 0
+    g = 0
+    if n > 0:
+        thr = t + 2e-9 * max(t, 1.0)
+        m, g = complete_due(thr, t, n, fin, rate, rem0, alive, ns, nd, ids, key, lev_U1, bport_U1, sentinel,
+                            log_end, log_bneck, left, mm, T, row_U, col_U, cnt_src, cnt_dst, done)
+        if g > 1:   # the keys sorted, repeats dropped
+            done[m:m + g].sort()
+            u = m + 1
+            for i in range(m + 1, m + g):
+                if done[i] != done[u - 1]:
+                    done[u] = done[i]
+                    u += 1
+            g = u - m
+        if m:
+            dead += m
+            if 2 * dead > n:
+                k = 0
+                for i in range(n):
+                    if alive[i]:
+                        if k != i:
+                            fin[k] = fin[i]
+                            rate[k] = rate[i]
+                            rem0[k] = rem0[i]
+                            t0[k] = t0[i]
+                            alive[k] = alive[i]
+                            ns[k] = ns[i]
+                            nd[k] = nd[i]
+                            ids[k] = ids[i]
+                            key[k] = key[i]
+                            src[k] = src[i]
+                            dst[k] = dst[i]
+                            blk[k] = blk[i]
+                        k += 1
+                n = k
+                dead = 0
+    lim = t + 1e-9
+    if pend_min <= lim:
+        k = 0
+        rest = np.inf
+        for i in range(pn):
+            if p_ready[i] <= lim:
+                f = p_id[i]
+                log_ready[f] = t
+                b = p_blk[i]
+                s = b * R + p_src[i]
+                d = b * R + p_dst[i]
+                rate[n] = 0.0
+                rem0[n] = p_eff[i]
+                t0[n] = t
+                fin[n] = np.inf
+                ids[n] = f
+                key[n] = p_key[i]
+                src[n] = p_src[i]
+                dst[n] = p_dst[i]
+                blk[n] = b
+                alive[n] = True
+                ns[n] = s
+                nd[n] = d
+                mm[row_U[s] + col_U[d]] += 1.0
+                mm[T + row_U[d] + col_U[s]] += 1.0
+                cnt_src[s] += 1.0
+                cnt_dst[d] += 1.0
+                n += 1
+            else:
+                if k != i:
+                    p_ready[k] = p_ready[i]
+                    p_eff[k] = p_eff[i]
+                    p_id[k] = p_id[i]
+                    p_key[k] = p_key[i]
+                    p_src[k] = p_src[i]
+                    p_dst[k] = p_dst[i]
+                    p_blk[k] = p_blk[i]
+                if p_ready[k] < rest:
+                    rest = p_ready[k]
+                k += 1
+        pn = k
+        pend_min = rest
+    lev, bport, steps = fill_levels(cap_P, cnt_src, cnt_dst, mm, simple, dummy, run_max, pall_UK, port_nodes_PD,
+                                    pps, nps, key_U, row_U, col_U, cell_UW, other_UW)
+    fin_max, nxt = -np.inf, np.inf
+    if steps >= 0:
+        fin_max, nxt = set_rates(lev, sentinel, n, ns, nd, rate, rem0, t0, fin, t)
+    return n, dead, pn, pend_min, m, g, lev, bport, steps, fin_max, nxt
+
+
+__all__ = ["complete_due", "set_rates", "submit_flows", "tick_blocks"]
