@@ -9,7 +9,9 @@ accounts its memory (``moonep_sim.step.memory``). Layers whose routing has the s
 source's layers that reuse one) are planned and simulated once per strategy. The unit of work is
 one distinct routing (:class:`LayerWork`): built (generated) once where it runs, every strategy
 planned and simulated on it, its Plans and routing dropped after; with a worker pool the units
-run in parallel and only their small results come back.
+run in parallel and only their small results come back; with one job a step of large layers is
+pipelined on two threads (:func:`pipelined_layer_work`: routings and Plans made ahead on a second
+thread while this one simulates, the same results).
 """
 
 from __future__ import annotations
