@@ -38,6 +38,7 @@ version counter.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -56,19 +57,21 @@ STATIC_CACHE_SIZE = 8      # port maps whose solver tables and pair tables are k
 # per port map (held, so its id is not reused): (BlockCounts with nothing counted, pair tables); a
 # network takes a fresh copy of the former (``BlockCounts.fresh``) and reads the latter (read-only)
 _STATIC: list[tuple[PortMap, list, dict]] = []
+_STATIC_LOCK = threading.Lock()   # (the template and the tables themselves are never written once made)
 
 
 def _static(ports: PortMap) -> tuple[list, dict]:
     """The cached ([BlockCounts template or None], pair tables) of ``ports`` (created empty on first use)."""
-    for i, (pm, tmpl, tabs) in enumerate(_STATIC):
-        if pm is ports:
-            if i:
-                _STATIC.insert(0, _STATIC.pop(i))
-            return tmpl, tabs
-    tmpl, tabs = [], {}
-    _STATIC.insert(0, (ports, tmpl, tabs))
-    del _STATIC[STATIC_CACHE_SIZE:]
-    return tmpl, tabs
+    with _STATIC_LOCK:
+        for i, (pm, tmpl, tabs) in enumerate(_STATIC):
+            if pm is ports:
+                if i:
+                    _STATIC.insert(0, _STATIC.pop(i))
+                return tmpl, tabs
+        tmpl, tabs = [], {}
+        _STATIC.insert(0, (ports, tmpl, tabs))
+        del _STATIC[STATIC_CACHE_SIZE:]
+        return tmpl, tabs
 
 
 class UtilSample(NamedTuple):

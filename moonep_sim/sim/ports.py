@@ -45,6 +45,7 @@ x NVLink efficiency, scaled by the slower end's degradation); such maps are solv
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -56,6 +57,7 @@ from moonep_sim.sim.topology import Topology
 L_PATH = 9
 BUILD_CACHE_SIZE = 8   # port maps kept by ``PortMap.build`` (most recent first)
 _BUILT: list[tuple[Topology, tuple, "PortMap"]] = []
+_BUILT_LOCK = threading.Lock()
 
 
 class Block(IntEnum):
@@ -145,16 +147,18 @@ class PortMap:
         are read-only."""
         key = (ranks, None if nvlink_factor_R is None else np.asarray(nvlink_factor_R, float).tobytes(),
                None if nic_factor_R is None else np.asarray(nic_factor_R, float).tobytes(), float(sm_bytes_per_us))
-        for i, (t, k, pm) in enumerate(_BUILT):
-            if t is topo and k == key:
-                if i:
-                    _BUILT.insert(0, _BUILT.pop(i))
-                return pm
+        with _BUILT_LOCK:
+            for i, (t, k, pm) in enumerate(_BUILT):
+                if t is topo and k == key:
+                    if i:
+                        _BUILT.insert(0, _BUILT.pop(i))
+                    return pm
         pm = cls._build(topo, ranks, nvlink_factor_R, nic_factor_R, sm_bytes_per_us)
         pm.cap_P.setflags(write=False)
         pm.nominal_cap_P.setflags(write=False)
-        _BUILT.insert(0, (topo, key, pm))   # (the topology held: its id cannot be reused meanwhile)
-        del _BUILT[BUILD_CACHE_SIZE:]
+        with _BUILT_LOCK:
+            _BUILT.insert(0, (topo, key, pm))   # (the topology held: its id cannot be reused meanwhile)
+            del _BUILT[BUILD_CACHE_SIZE:]
         return pm
 
     @classmethod
