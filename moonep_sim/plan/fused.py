@@ -360,7 +360,7 @@ def distinct_per_token(key_TK: np.ndarray, value_X: np.ndarray) -> np.ndarray:
 
 def slot_geometry(slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, token_padding: int,
                   min_rows_S: np.ndarray | None, ranks: int | None):
-    """(padded, cum, offset, rows_R) of a layout, as ``build.sorted_layout`` computes them: each
+    """(padded, cum, offset, rows_R) of a layout (``build.sorted_layout`` takes them from here): each
     slot's padded rows, its first global row (ranks concatenated), its first row within its rank
     (int64 [S]); each rank's padded rows (int64 [R])."""
     S = slot_rank_S.size
@@ -375,6 +375,17 @@ def slot_geometry(slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, token_paddin
     nR = R if ranks is None else int(ranks)
     rows_R = np.bincount(slot_rank_S, weights=padded, minlength=nR).astype(np.int64)
     return padded, cum, offset, rows_R
+
+
+def check_tokens_and_ranks(tok_off: np.ndarray, slot_rank_S: np.ndarray, N: int, R: int, K: int) -> None:
+    """Raise :class:`PlanError` unless ``tok_off`` (int64) is R + 1 non-decreasing token offsets
+    from 0 to N / K and every slot rank (int64 [S]) lies in [0, R)."""
+    S = slot_rank_S.size
+    if tok_off.size != R + 1 or int(tok_off[-1]) * K != N or bool((np.diff(tok_off) < 0).any()) or tok_off[0] != 0:
+        raise PlanError(f"token offsets ({tok_off.size} values, {int(tok_off[-1]) if tok_off.size else 0} tokens) "
+                        f"must be R + 1 = {R + 1} non-decreasing values from 0 to N / K = {N // K}")
+    if S and (int(slot_rank_S.min()) < 0 or int(slot_rank_S.max()) >= R):
+        raise PlanError(f"slot ranks ({int(slot_rank_S.min())}..{int(slot_rank_S.max())}) must lie in [0, {R})")
 
 
 def _check(at: int, what: str) -> None:
@@ -429,11 +440,7 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
     tok_off = np.asarray(tok_off_R, dtype=np.int64)
     S, N, R, K = slot_rank_S.size, slot.size, int(ranks), max(int(top_k), 1)
     require_index(N, "entries (tokens x top-k)")
-    if tok_off.size != R + 1 or int(tok_off[-1]) * K != N or bool((np.diff(tok_off) < 0).any()) or tok_off[0] != 0:
-        raise PlanError(f"token offsets ({tok_off.size} values, {int(tok_off[-1]) if tok_off.size else 0} tokens) "
-                        f"must be R + 1 = {R + 1} non-decreasing values from 0 to N / K = {N // K}")
-    if S and (int(slot_rank_S.min()) < 0 or int(slot_rank_S.max()) >= R):
-        raise PlanError(f"slot ranks ({int(slot_rank_S.min())}..{int(slot_rank_S.max())}) must lie in [0, {R})")
+    check_tokens_and_ranks(tok_off, slot_rank_S, N, R, K)
     scnt = np.zeros(S + 1, dtype=np.int64)
     cnt = np.zeros(R * R, dtype=np.int64)
     _check(_single_counts(slot, slot_rank_S, tok_off, K, bool(dedup), scnt, cnt), f"entry slot (must be in [-1, {S}))")
