@@ -31,6 +31,7 @@ caller raises.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from llvmlite import ir as llvm_ir
 from numba.core import cgutils, types
@@ -88,6 +89,16 @@ def _slot_counts(slot_N, S, cnt):
     return -1
 
 
+@numba.njit(inline="always", cache=True, nogil=True)
+def _place_dropped(e, S, nxt, order, entry_row):
+    """Entry e, dropped (slot -1), to the dropped entries' next place of ``order`` (``nxt[S]``, then
+    advanced); its row -1. (Inlined into the counting sorts' second passes.)"""
+    p = nxt[S]
+    nxt[S] = p + 1
+    order[p] = e
+    entry_row[e] = -1
+
+
 @kernel
 def _place_by_slot(slot_N, slot_rank_S, first_S, offset_S, cum_S, order, entry_row, entry_rank, grow, padded,
                    with_rank):
@@ -103,10 +114,7 @@ def _place_by_slot(slot_N, slot_rank_S, first_S, offset_S, cum_S, order, entry_r
     for e in range(slot_N.size):
         s = slot_N[e]
         if s < 0:
-            p = nxt[S]
-            nxt[S] = p + 1
-            order[p] = e
-            entry_row[e] = -1
+            _place_dropped(e, S, nxt, order, entry_row)
             if with_rank:
                 entry_rank[e] = -1
             continue
@@ -189,10 +197,7 @@ def _single_place(slot_N, slot_rank_S, tok_off_R, K, dedup, first_S, n_drop, off
             for e in range(t * K, t * K + K):
                 s = slot_N[e]
                 if s < 0:
-                    p = nxt[S]
-                    nxt[S] = p + 1
-                    order[p] = e
-                    entry_row[e] = -1
+                    _place_dropped(e, S, nxt, order, entry_row)
                     entry_rank[e] = -1
                     dup[e] = False
                     continue
