@@ -280,16 +280,12 @@ def split_runs(key_N: np.ndarray, n_keys: int, piece_key_P: np.ndarray, piece_le
     entries); piece_slot_P: int [P] each piece's slot. One pass in entry order, instead of a stable
     sort by key and the pieces moved into slot order."""
     key = np.asarray(key_N).ravel()
-    pk = np.asarray(piece_key_P, dtype=np.int64)
-    X = int(n_keys)
-    if pk.size and (bool((pk[1:] < pk[:-1]).any()) or int(pk[0]) < 0 or int(pk[-1]) >= X):
-        raise PlanError(f"piece keys must be non-decreasing in [0, {X})")
-    first = np.searchsorted(pk, np.arange(X + 1))
+    first = _key_starts(piece_key_P, n_keys, "piece")
     ln = np.asarray(piece_len_P, dtype=np.int64)
     end = np.cumsum(ln) - np.repeat(np.concatenate([[0], np.cumsum(ln)])[first[:-1]], np.diff(first))
     out = np.empty(key.size, dtype=INDEX)
     _check(_run_pieces(key, first.astype(np.int64), end, np.asarray(piece_slot_P, dtype=np.int64), out),
-           f"entry key (must be in [0, {X}) and within its pieces)")
+           f"entry key (must be in [0, {int(n_keys)}) and within its pieces)")
     return out
 
 
@@ -315,14 +311,11 @@ def cycle_runs(key_N: np.ndarray, n_keys: int, rep_key_P: np.ndarray, rep_slot_P
     choice of replicas). rep_key_P: int [P] non-decreasing keys in [0, n_keys); rep_slot_P: int [P]
     the slots of each key in that order."""
     key = np.asarray(key_N).ravel()
-    pk = np.asarray(rep_key_P, dtype=np.int64)
-    X = int(n_keys)
-    if pk.size and (bool((pk[1:] < pk[:-1]).any()) or int(pk[0]) < 0 or int(pk[-1]) >= X):
-        raise PlanError(f"replica keys must be non-decreasing in [0, {X})")
-    first = np.searchsorted(pk, np.arange(X + 1))
+    first = _key_starts(rep_key_P, n_keys, "replica")
     out = np.empty(key.size, dtype=INDEX)
     _check(_run_cycle(key, first[:-1].astype(np.int64), np.diff(first).astype(np.int64),
-                      np.asarray(rep_slot_P, dtype=np.int64), out), f"entry key (must be in [0, {X}) with a slot)")
+                      np.asarray(rep_slot_P, dtype=np.int64), out),
+           f"entry key (must be in [0, {int(n_keys)}) with a slot)")
     return out
 
 
@@ -391,6 +384,16 @@ def check_tokens_and_ranks(tok_off: np.ndarray, slot_rank_S: np.ndarray, N: int,
                         f"must be R + 1 = {R + 1} non-decreasing values from 0 to N / K = {N // K}")
     if S and (int(slot_rank_S.min()) < 0 or int(slot_rank_S.max()) >= R):
         raise PlanError(f"slot ranks ({int(slot_rank_S.min())}..{int(slot_rank_S.max())}) must lie in [0, {R})")
+
+
+def _key_starts(key_P, n_keys: int, what: str) -> np.ndarray:
+    """int64 [n_keys + 1] each key's first place among ``key_P`` (int [P], non-decreasing keys in
+    [0, n_keys): else :class:`PlanError` naming the ``what`` keys), the end last."""
+    pk = np.asarray(key_P, dtype=np.int64)
+    X = int(n_keys)
+    if pk.size and (bool((pk[1:] < pk[:-1]).any()) or int(pk[0]) < 0 or int(pk[-1]) >= X):
+        raise PlanError(f"{what} keys must be non-decreasing in [0, {X})")
+    return np.searchsorted(pk, np.arange(X + 1))
 
 
 def _check(at: int, what: str) -> None:
