@@ -59,14 +59,8 @@ def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slo
     """
     S = slot_rank_S.size
     N = order_N.size
-    padded = slot_rows_S if min_rows_S is None else np.maximum(slot_rows_S, min_rows_S)
-    tp = max(int(token_padding), 1)
-    padded = (padded + tp - 1) // tp * tp
-    cum = np.cumsum(padded) - padded
-    R = int(slot_rank_S.max()) + 1 if S else 0
-    first = np.searchsorted(slot_rank_S, np.arange(R))
-    rank_base = np.concatenate([[0], np.cumsum(padded)])[first]
-    offset = cum - rank_base[slot_rank_S] if S else cum
+    from moonep_sim.plan.fused import slot_geometry
+    padded, cum, offset, rows_R = slot_geometry(slot_rows_S, slot_rank_S, token_padding, min_rows_S, ranks)
     # sorted position p of a kept entry of slot s, the j-th of its slot: row within its rank =
     # offset[s] + j; global row (ranks concatenated) = cum[s] + j
     n_kept = N - n_drop
@@ -102,8 +96,6 @@ def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slo
         entry_rank = np.append(slot_rank_S, -1).astype(INDEX)[placed[0]]
     # no padding rows: global rows are 0..n_kept-1 in this order
     grow = None if int(padded.sum()) == n_kept else segment_ranges(cum, slot_rows_S, out=np.empty(n_kept, INDEX))
-    nR = R if ranks is None else int(ranks)
-    rows_R = np.bincount(slot_rank_S, weights=padded, minlength=nR).astype(np.int64)
     return SlotLayout(slot_rows_S, padded, offset, entry_row, order_N, n_drop, rows_R, grow, entry_rank)
 
 

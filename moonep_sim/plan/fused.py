@@ -31,6 +31,7 @@ caller raises.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from llvmlite import ir as llvm_ir
 from numba.core import cgutils, types
@@ -88,6 +89,16 @@ def _slot_counts(slot_N, S, cnt):
     return -1
 
 
+@numba.njit(inline="always", cache=True, nogil=True)
+def _place_dropped(e, S, nxt, order, entry_row):
+    """Entry e, dropped (slot -1), to the dropped entries' next place of ``order`` (``nxt[S]``, then
+    advanced); its row -1. (Inlined into the counting sorts' second passes.)"""
+    p = nxt[S]
+    nxt[S] = p + 1
+    order[p] = e
+    entry_row[e] = -1
+
+
 @kernel
 def _place_by_slot(slot_N, slot_rank_S, first_S, offset_S, cum_S, order, entry_row, entry_rank, grow, padded,
                    with_rank):
@@ -103,10 +114,7 @@ def _place_by_slot(slot_N, slot_rank_S, first_S, offset_S, cum_S, order, entry_r
     for e in range(slot_N.size):
         s = slot_N[e]
         if s < 0:
-            p = nxt[S]
-            nxt[S] = p + 1
-            order[p] = e
-            entry_row[e] = -1
+            _place_dropped(e, S, nxt, order, entry_row)
             if with_rank:
                 entry_rank[e] = -1
             continue
@@ -189,10 +197,7 @@ def _single_place(slot_N, slot_rank_S, tok_off_R, K, dedup, first_S, n_drop, off
             for e in range(t * K, t * K + K):
                 s = slot_N[e]
                 if s < 0:
-                    p = nxt[S]
-                    nxt[S] = p + 1
-                    order[p] = e
-                    entry_row[e] = -1
+                    _place_dropped(e, S, nxt, order, entry_row)
                     entry_rank[e] = -1
                     dup[e] = False
                     continue
@@ -275,16 +280,12 @@ def split_runs(key_N: np.ndarray, n_keys: int, piece_key_P: np.ndarray, piece_le
     entries); piece_slot_P: int [P] each piece's slot. One pass in entry order, instead of a stable
     sort by key and the pieces moved into slot order."""
     key = np.asarray(key_N).ravel()
-    pk = np.asarray(piece_key_P, dtype=np.int64)
-    X = int(n_keys)
-    if pk.size and (bool((pk[1:] < pk[:-1]).any()) or int(pk[0]) < 0 or int(pk[-1]) >= X):
-        raise PlanError(f"piece keys must be non-decreasing in [0, {X})")
-    first = np.searchsorted(pk, np.arange(X + 1))
+    first = _key_starts(piece_key_P, n_keys, "piece")
     ln = np.asarray(piece_len_P, dtype=np.int64)
     end = np.cumsum(ln) - np.repeat(np.concatenate([[0], np.cumsum(ln)])[first[:-1]], np.diff(first))
     out = np.empty(key.size, dtype=INDEX)
     _check(_run_pieces(key, first.astype(np.int64), end, np.asarray(piece_slot_P, dtype=np.int64), out),
-           f"entry key (must be in [0, {X}) and within its pieces)")
+           f"entry key (must be in [0, {int(n_keys)}) and within its pieces)")
     return out
 
 
@@ -310,14 +311,11 @@ def cycle_runs(key_N: np.ndarray, n_keys: int, rep_key_P: np.ndarray, rep_slot_P
     choice of replicas). rep_key_P: int [P] non-decreasing keys in [0, n_keys); rep_slot_P: int [P]
     the slots of each key in that order."""
     key = np.asarray(key_N).ravel()
-    pk = np.asarray(rep_key_P, dtype=np.int64)
-    X = int(n_keys)
-    if pk.size and (bool((pk[1:] < pk[:-1]).any()) or int(pk[0]) < 0 or int(pk[-1]) >= X):
-        raise PlanError(f"replica keys must be non-decreasing in [0, {X})")
-    first = np.searchsorted(pk, np.arange(X + 1))
+    first = _key_starts(rep_key_P, n_keys, "replica")
     out = np.empty(key.size, dtype=INDEX)
     _check(_run_cycle(key, first[:-1].astype(np.int64), np.diff(first).astype(np.int64),
-                      np.asarray(rep_slot_P, dtype=np.int64), out), f"entry key (must be in [0, {X}) with a slot)")
+                      np.asarray(rep_slot_P, dtype=np.int64), out),
+           f"entry key (must be in [0, {int(n_keys)}) with a slot)")
     return out
 
 
@@ -360,7 +358,7 @@ def distinct_per_token(key_TK: np.ndarray, value_X: np.ndarray) -> np.ndarray:
 
 def slot_geometry(slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, token_padding: int,
                   min_rows_S: np.ndarray | None, ranks: int | None):
-    """(padded, cum, offset, rows_R) of a layout, as ``build.sorted_layout`` computes them: each
+    """(padded, cum, offset, rows_R) of a layout (``build.sorted_layout`` takes them from here): each
     slot's padded rows, its first global row (ranks concatenated), its first row within its rank
     (int64 [S]); each rank's padded rows (int64 [R])."""
     S = slot_rank_S.size
@@ -375,6 +373,27 @@ def slot_geometry(slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, token_paddin
     nR = R if ranks is None else int(ranks)
     rows_R = np.bincount(slot_rank_S, weights=padded, minlength=nR).astype(np.int64)
     return padded, cum, offset, rows_R
+
+
+def check_tokens_and_ranks(tok_off: np.ndarray, slot_rank_S: np.ndarray, N: int, R: int, K: int) -> None:
+    """Raise :class:`PlanError` unless ``tok_off`` (int64) is R + 1 non-decreasing token offsets
+    from 0 to N / K and every slot rank (int64 [S]) lies in [0, R)."""
+    S = slot_rank_S.size
+    if tok_off.size != R + 1 or int(tok_off[-1]) * K != N or bool((np.diff(tok_off) < 0).any()) or tok_off[0] != 0:
+        raise PlanError(f"token offsets ({tok_off.size} values, {int(tok_off[-1]) if tok_off.size else 0} tokens) "
+                        f"must be R + 1 = {R + 1} non-decreasing values from 0 to N / K = {N // K}")
+    if S and (int(slot_rank_S.min()) < 0 or int(slot_rank_S.max()) >= R):
+        raise PlanError(f"slot ranks ({int(slot_rank_S.min())}..{int(slot_rank_S.max())}) must lie in [0, {R})")
+
+
+def _key_starts(key_P, n_keys: int, what: str) -> np.ndarray:
+    """int64 [n_keys + 1] each key's first place among ``key_P`` (int [P], non-decreasing keys in
+    [0, n_keys): else :class:`PlanError` naming the ``what`` keys), the end last."""
+    pk = np.asarray(key_P, dtype=np.int64)
+    X = int(n_keys)
+    if pk.size and (bool((pk[1:] < pk[:-1]).any()) or int(pk[0]) < 0 or int(pk[-1]) >= X):
+        raise PlanError(f"{what} keys must be non-decreasing in [0, {X})")
+    return np.searchsorted(pk, np.arange(X + 1))
 
 
 def _check(at: int, what: str) -> None:
@@ -429,11 +448,7 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
     tok_off = np.asarray(tok_off_R, dtype=np.int64)
     S, N, R, K = slot_rank_S.size, slot.size, int(ranks), max(int(top_k), 1)
     require_index(N, "entries (tokens x top-k)")
-    if tok_off.size != R + 1 or int(tok_off[-1]) * K != N or bool((np.diff(tok_off) < 0).any()) or tok_off[0] != 0:
-        raise PlanError(f"token offsets ({tok_off.size} values, {int(tok_off[-1]) if tok_off.size else 0} tokens) "
-                        f"must be R + 1 = {R + 1} non-decreasing values from 0 to N / K = {N // K}")
-    if S and (int(slot_rank_S.min()) < 0 or int(slot_rank_S.max()) >= R):
-        raise PlanError(f"slot ranks ({int(slot_rank_S.min())}..{int(slot_rank_S.max())}) must lie in [0, {R})")
+    check_tokens_and_ranks(tok_off, slot_rank_S, N, R, K)
     scnt = np.zeros(S + 1, dtype=np.int64)
     cnt = np.zeros(R * R, dtype=np.int64)
     _check(_single_counts(slot, slot_rank_S, tok_off, K, bool(dedup), scnt, cnt), f"entry slot (must be in [-1, {S}))")

@@ -29,7 +29,7 @@ import numpy as np
 from moonep_sim.errors import PlanError
 from moonep_sim.jit import kernel
 from moonep_sim.plan.assembly import SlotLayout
-from moonep_sim.plan.fused import _AHEAD, _check, _fill_blocks, _prefetch_write, slot_geometry
+from moonep_sim.plan.fused import _AHEAD, _check, _fill_blocks, _prefetch_write, check_tokens_and_ranks, slot_geometry
 from moonep_sim.plan.ir import Hop
 from moonep_sim.plan.kinds import INDEX, require_index
 
@@ -204,11 +204,7 @@ def two_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, via_RR: np.n
     tok_off = np.asarray(tok_off_R, dtype=np.int64)
     S, N, R, K = slot_rank_S.size, slot.size, int(ranks), max(int(top_k), 1)
     require_index(N, "entries (tokens x top-k)")
-    if tok_off.size != R + 1 or int(tok_off[-1]) * K != N or bool((np.diff(tok_off) < 0).any()) or tok_off[0] != 0:
-        raise PlanError(f"token offsets ({tok_off.size} values, {int(tok_off[-1]) if tok_off.size else 0} tokens) "
-                        f"must be R + 1 = {R + 1} non-decreasing values from 0 to N / K = {N // K}")
-    if S and (int(slot_rank_S.min()) < 0 or int(slot_rank_S.max()) >= R):
-        raise PlanError(f"slot ranks ({int(slot_rank_S.min())}..{int(slot_rank_S.max())}) must lie in [0, {R})")
+    check_tokens_and_ranks(tok_off, slot_rank_S, N, R, K)
     if via.shape != (R, R) or (via.size and (int(via.min()) < 0 or int(via.max()) >= R)):
         raise PlanError(f"via table (shape {list(via.shape)}) must be [R, R] = [{R}, {R}] of ranks in [0, {R})")
     d0, d1 = bool(dedup[0]), bool(dedup[1])

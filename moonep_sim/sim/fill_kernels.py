@@ -35,6 +35,7 @@ promise to match.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from moonep_sim.jit import kernel
@@ -60,6 +61,17 @@ def _touches(x, N, run_s, ns, run_r, nr, key_U, row_U, col_U, mm):
             if _active(run_s[i], x, key_U, row_U, col_U, mm):
                 return True
     return False
+
+
+@numba.njit(inline="always", cache=True, nogil=True)
+def _join_run(x, N, run_s, ns, run_r, nr):
+    """(ns, nr) once node x joins the step's run: a sender (x < N) at ``run_s[ns]``, else a receiver
+    at ``run_r[nr]``. (Inlined where a run grows.)"""
+    if x < N:
+        run_s[ns] = x
+        return ns + 1, nr
+    run_r[nr] = x
+    return ns, nr + 1
 
 
 @kernel
@@ -250,12 +262,7 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK
                 if _touches(x, N, run_s, ns, run_r, nr, key_U, row_U, col_U, mm):
                     cut = i
                     break
-                if x < N:
-                    run_s[ns] = x
-                    ns += 1
-                else:
-                    run_r[nr] = x
-                    nr += 1
+                ns, nr = _join_run(x, N, run_s, ns, run_r, nr)
                 g[i] = x
                 lv[i] = share[j]
                 port[i] = pps[k]
@@ -328,12 +335,7 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK
                 if x < 0:
                     break
                 seen[x] = steps
-                if x < N:
-                    run_s[ns] = x
-                    ns += 1
-                else:
-                    run_r[nr] = x
-                    nr += 1
+                ns, nr = _join_run(x, N, run_s, ns, run_r, nr)
                 if cnt[x] > 0.0:   # the run's nodes that carry unfrozen transfers
                     g[nrun] = x
                     lv[nrun] = share[j]
