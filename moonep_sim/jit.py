@@ -18,5 +18,10 @@ import numba
 
 #: the decorator of every compiled kernel: ``@kernel`` over a function of numpy arrays and scalars
 kernel = numba.njit(cache=True, nogil=True)
+#: a kernel's step inlined into its callers at numba's IR level (``inline="always"``): one copy of
+#: a piece several kernels share, compiled into each hot loop. Measure before folding a piece that
+#: takes arrays: the inlined call still counts the arrays' references on every iteration
+#: (routing/sampling_kernels.py gives the figures).
+inline = numba.njit(inline="always", cache=True, nogil=True)
 
-__all__ = ["kernel"]
+__all__ = ["inline", "kernel"]

@@ -31,14 +31,13 @@ caller raises.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from llvmlite import ir as llvm_ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from moonep_sim.errors import PlanError
-from moonep_sim.jit import kernel
+from moonep_sim.jit import inline, kernel
 from moonep_sim.plan.assembly import SlotLayout
 from moonep_sim.plan.ir import Hop
 from moonep_sim.plan.kinds import INDEX, Scope, require_index
@@ -89,7 +88,7 @@ def _slot_counts(slot_N, S, cnt):
     return -1
 
 
-@numba.njit(inline="always", cache=True, nogil=True)
+@inline
 def _place_dropped(e, S, nxt, order, entry_row):
     """Entry e, dropped (slot -1), to the dropped entries' next place of ``order`` (``nxt[S]``, then
     advanced); its row -1. (Inlined into the counting sorts' second passes.)"""

@@ -26,10 +26,9 @@ move. tests/test_sampling_kernels.py holds the samplers' draws against the refer
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
-from moonep_sim.jit import kernel
+from moonep_sim.jit import inline, kernel
 
 # The steps the kernels share are the helpers below, inlined by numba itself (``inline="always"``:
 # the helper's IR is pasted into the caller's before compiling): the arrival time and the clamp of
@@ -40,17 +39,16 @@ from moonep_sim.jit import kernel
 # the loop. Measured (numba 0.68, 65,536 rows x K 8): as helpers, pl_pass1's plain path took 2.6x
 # the time, the grouped path (pl_position, pl_retry) 2.0x, pl_retry's alone 1.2x; a plain call
 # costs ten to twenty times more (14 ms instead of 1.4 ms a position at 262,144 rows).
-_step = numba.njit(inline="always", cache=True, nogil=True)
 
 
-@_step
+@inline
 def _floored(xv):
     """An exponential clamped to 1e-30 (float32; NaN too)."""
     floor = np.float32(1e-30)
     return xv if xv >= floor else floor
 
 
-@_step
+@inline
 def _arrival(prev, xv, left):
     """The next arrival time: ``prev + x / max(left, 1e-300)``."""
     d = left
@@ -59,7 +57,7 @@ def _arrival(prev, xv, left):
     return prev + np.float64(xv) / d
 
 
-@_step
+@inline
 def _row_weights(tau, i, by_row, K, inv, w_NK, t):
     """``_weights_KN`` of one row (the same divisions, the same sum): ``w_NK[t]`` from its arrival
     times ``tau[i, :K]`` (``by_row``) or ``tau[:K, i]``."""
@@ -73,7 +71,7 @@ def _row_weights(tau, i, by_row, K, inv, w_NK, t):
         w_NK[t, j] = np.float32(inv[j] / sm)
 
 
-@_step
+@inline
 def _keep(bv, bi, cnt, K, v, e):
     """Key ``v`` (expert ``e``) sorted into the ``cnt`` smallest ``bv[:cnt]`` kept so far, at most
     K + 1 (insertion); returns the new count."""
@@ -91,7 +89,7 @@ def _keep(bv, bi, cnt, K, v, e):
     return cnt
 
 
-@_step
+@inline
 def _emit(bv, bi, cnt, K, t, ids, kv, ok):
     """Row ``t``'s K smallest keys (``bv[:cnt]``, padded with inf to K + 1) and their experts out,
     ``ok[t]`` False (nothing written) where the K + 1 smallest tie."""

@@ -35,10 +35,9 @@ promise to match.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
-from moonep_sim.jit import kernel
+from moonep_sim.jit import inline, kernel
 
 
 @kernel
@@ -63,7 +62,7 @@ def _touches(x, N, run_s, ns, run_r, nr, key_U, row_U, col_U, mm):
     return False
 
 
-@numba.njit(inline="always", cache=True, nogil=True)
+@inline
 def _join_run(x, N, run_s, ns, run_r, nr):
     """(ns, nr) once node x joins the step's run: a sender (x < N) at ``run_s[ns]``, else a receiver
     at ``run_r[nr]``. (Inlined where a run grows.)"""
