@@ -281,10 +281,12 @@ class _Task:
     """One piece of a pipelined step, run once by whichever thread claims it first (under the
     pipeline's condition); its value or error kept for the thread that needs it."""
 
-    __slots__ = ("fn", "claimed", "done", "value", "error")
+    __slots__ = ("fn", "kind", "n", "claimed", "done", "value", "error")
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn, self.claimed, self.done, self.value, self.error = fn, False, False, None, None
+    def __init__(self, fn: Callable[[], Any], kind: str, n: int) -> None:
+        """``kind``: "R" (layer ``n``'s routing) or "P" (unit ``n``'s Plan)."""
+        self.fn, self.kind, self.n = fn, kind, n
+        self.claimed, self.done, self.value, self.error = False, False, None, None
 
 
 class _Pipeline:
@@ -300,11 +302,12 @@ class _Pipeline:
         self.units = [(i, s, mb) for i, w in enumerate(work) for s in range(len(w.strategies))
                       for mb in range(w.micro_batches)]
         self.left = [len(w.strategies) * w.micro_batches for w in work]   # Plans of a layer not yet made
-        self.R = [_Task(lambda i=i: self._routing(i)) for i in range(len(work))]
-        self.P = [_Task(lambda j=j: self._plan(j)) for j in range(len(self.units))]
-        self.order = [t for i in range(len(work)) for t in [self.R[i]] + [self.P[j] for j, u in enumerate(self.units)
-                                                                           if u[0] == i]]
-        self.bound_of = {id(t): ("R", i) for i, t in enumerate(self.R)} | {id(t): ("P", j) for j, t in enumerate(self.P)}
+        self.R = [_Task(lambda i=i: self._routing(i), "R", i) for i in range(len(work))]
+        self.P = [_Task(lambda j=j: self._plan(j), "P", j) for j in range(len(self.units))]
+        self.order, j = [], 0                   # the units are in layer order: each layer's Plans after its routing
+        for r, n in zip(self.R, self.left):
+            self.order += [r] + self.P[j:j + n]
+            j += n
         self.current = 0           # the unit this thread simulates (or waits for)
         self.stop = False
         self.failed = False
@@ -327,9 +330,8 @@ class _Pipeline:
         return out
 
     def _allowed(self, t: _Task) -> bool:
-        kind, n = self.bound_of[id(t)]
         last = min(self.current + self.ahead, len(self.units) - 1)
-        return n <= last if kind == "P" else n <= self.units[last][0] + 1
+        return t.n <= last if t.kind == "P" else t.n <= self.units[last][0] + 1
 
     def _run(self, t: _Task) -> None:
         """Run a task this thread claimed; its value or error kept, the waiters woken."""
@@ -360,14 +362,13 @@ class _Pipeline:
         while self.scan < len(self.order) and self.order[self.scan].claimed:
             self.scan += 1
         for t in itertools.islice(self.order, self.scan, None):
-            kind, n = self.bound_of[id(t)]
             # this thread takes only a routing the second thread needs after its next layer's: one it
             # would otherwise wait for here would stall the second thread instead
             if not t.claimed and self._allowed(t) and (
-                    not routing_only or (kind == "R" and n >= self.units[self.current][0] + 2)):
+                    not routing_only or (t.kind == "R" and t.n >= self.units[self.current][0] + 2)):
                 t.claimed = True
                 return t
-            if kind == "R" and not self._allowed(t):
+            if t.kind == "R" and not self._allowed(t):
                 break
         return None
 
