@@ -98,27 +98,14 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
             if noise is not None:
                 noise["x"] = x
         fast = KERNELS and not with_logits and K < E and (not grouped or E // groups >= 2)
+        if grouped or with_logits:                     # the noise's log: kept with the noise
+            logx = _kept(noise, "log", lambda: np.log(np.maximum(x, np.float32(1e-30))))
         if fast:                                       # the kernels: the same keys' K smallest, per token
-            logT = None
-            if grouped:
-                if noise is not None:
-                    if "log" not in noise:
-                        noise["log"] = np.log(np.maximum(x, np.float32(1e-30)))
-                    if "logT" not in noise:
-                        noise["logT"] = np.ascontiguousarray(noise["log"].T)
-                    logx, logT = noise["log"], noise["logT"]
-                else:
-                    logx = np.log(np.maximum(x, np.float32(1e-30)))
-                    logT = np.ascontiguousarray(logx.T)
+            logT = _kept(noise, "logT", lambda: np.ascontiguousarray(logx.T)) if grouped else None
             ids[s:s + n], kv = _race_k_smallest(lp32, logx if grouped else x, inv_p, K, groups if grouped else 0,
                                                 topk_groups, logT)
         elif grouped or with_logits:
-            if noise is not None:
-                if "log" not in noise:
-                    noise["log"] = np.log(np.maximum(x, np.float32(1e-30)))
-                score = lp32 - noise["log"]                                 # logp + Gumbel
-            else:
-                score = lp32 - np.log(np.maximum(x, np.float32(1e-30)))
+            score = lp32 - logx                                             # logp + Gumbel
             if with_logits:
                 logits[s:s + n] = score
             if grouped:                                # in place: the logits hold their own copy
@@ -138,6 +125,13 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
         e = np.exp(sc)
         w[s:s + n] = e / e.sum(axis=1, keepdims=True)
     return ids, w, logits
+
+
+def _kept(noise: dict | None, key: str, make) -> np.ndarray:
+    """``make()``; with ``noise`` (:func:`sample_topk_race`), made once and kept under ``key``."""
+    if noise is not None and key not in noise:
+        noise[key] = make()
+    return make() if noise is None else noise[key]
 
 
 def _race_k_smallest(lp32: np.ndarray, m_TE: np.ndarray, inv_p: np.ndarray, K: int, groups: int,
