@@ -211,7 +211,7 @@ def compare_clusters(scenarios, topologies: Sequence[str] | str, *, labels: Sequ
     plan = [cluster_scenarios(s, topologies) for s in scs]
     total = sum(len(p) for p in plan)
     points, k = [], 0
-    for i, (s, cl) in enumerate(zip(scs, plan)):
+    for i, (sc, cl) in enumerate(zip(scs, plan)):
         rows, routing = [], None
         for t, sct, impls in cl:
             def cb(msg, done, n, _t=t, _k=k):
@@ -222,7 +222,7 @@ def compare_clusters(scenarios, topologies: Sequence[str] | str, *, labels: Sequ
             rows.append(cluster_row(t, sct.resolved.topology.name, sct, impls, rep))
             k += 1
         points.append({"label": labels[i] if labels else routing["label"], "routing": routing,
-                       "model": scs[i].resolved.source.model.name, "clusters": rows,
+                       "model": sc.resolved.source.model.name, "clusters": rows,
                        "winner_change": winner_change(rows)})
     if progress:
         progress("done", total * 1000, total * 1000)
