@@ -48,7 +48,7 @@ from moonep_sim.errors import require
 from moonep_sim.sim.blocks import BlockCounts, Levels
 from moonep_sim.sim.flows import ActiveFlows, FlowLog, Pending
 from moonep_sim.sim.ports import L_PATH, Block, PortMap, block_kind
-from moonep_sim.sim.tick_kernels import set_rates, submit_flows, tick_blocks
+from moonep_sim.sim.tick_kernels import submit_flows, tick_blocks
 from moonep_sim.sim.waterfill import waterfill
 
 
