@@ -255,12 +255,9 @@ class FlowNetwork:
         return self._pair_tables[key]
 
     # -- the tick machinery --------------------------------------------------------------
-    def _gap(self, t: float) -> float:
-        return self.tol * max(t, self._horizon)
-
     def _request_tick(self, t: float) -> None:
         lf = self._last_fill
-        if math.isfinite(lf):   # (the gap of :meth:`_gap`)
+        if math.isfinite(lf):   # no tick sooner than tol x max(last fill, horizon) after the last fill
             t = max(t, lf + self.tol * max(lf, self._horizon))
         now = self.env.now
         t = max(t, now)
