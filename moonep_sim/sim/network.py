@@ -331,10 +331,7 @@ class FlowNetwork:
         if it < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
             raise RuntimeError("progressive filling made no progress")
         if g:   # the groups' keys, ascending and unique
-            R, evs = self.ports.ranks, self._group_events
-            for k in self._done[m:m + g].tolist():
-                q, r = divmod(k, R)
-                evs[q][r].succeed()
+            self._succeed_groups(self._done[m:m + g])
         self._node_levels = (lev, bport)
         self.fill_iterations += it
         self._last_fill = t
@@ -441,14 +438,14 @@ class FlowNetwork:
         np.subtract.at(left, key, 1)
         full = key[left[key] == 0]
         if full.size:
-            self._succeed_groups(full)
+            self._succeed_groups(np.unique(full))
 
-    def _succeed_groups(self, full: np.ndarray) -> None:
-        """Fire the receive groups of keys ``full`` (phase id x R + dst, repeats allowed), in key order."""
-        R = self.ports.ranks
-        for k in np.unique(full).tolist():
+    def _succeed_groups(self, keys: np.ndarray) -> None:
+        """Fire the receive groups of ``keys`` (phase id x R + dst; ascending and unique), in that order."""
+        R, evs = self.ports.ranks, self._group_events
+        for k in keys.tolist():
             p, d = divmod(k, R)
-            self._group_events[p][d].succeed()
+            evs[p][d].succeed()
 
     # -- results ---------------------------------------------------------------------------
     def records(self) -> dict[str, np.ndarray]:
