@@ -341,8 +341,8 @@ class FlowNetwork:
 
     def _tick_reference(self, t: float) -> float:
         """The tick in numpy (the reference of :meth:`_tick_compiled`, and the tick of the per-flow
-        solver and of maps without the compiled fill): steps 1-3 of the module docstring's tick.
-        Returns the earliest finish time."""
+        solver and of maps without the compiled fill): its steps 1-3 (completions, activations,
+        rates). Returns the earliest finish time."""
         a = self._a
         # 1. completions (a flow's finish time is exact at its current rate)
         if a.n:
