@@ -38,7 +38,7 @@ from numba.extending import intrinsic
 
 from moonep_sim.errors import PlanError
 from moonep_sim.jit import inline, kernel
-from moonep_sim.plan.assembly import SlotLayout
+from moonep_sim.plan.assembly import SlotLayout, slot_geometry
 from moonep_sim.plan.ir import Hop
 from moonep_sim.plan.kinds import INDEX, Scope, require_index
 
@@ -355,25 +355,6 @@ def distinct_per_token(key_TK: np.ndarray, value_X: np.ndarray) -> np.ndarray:
     return out
 
 
-def slot_geometry(slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, token_padding: int,
-                  min_rows_S: np.ndarray | None, ranks: int | None):
-    """(padded, cum, offset, rows_R) of a layout (``build.sorted_layout`` takes them from here): each
-    slot's padded rows, its first global row (ranks concatenated), its first row within its rank
-    (int64 [S]); each rank's padded rows (int64 [R])."""
-    S = slot_rank_S.size
-    padded = slot_rows_S if min_rows_S is None else np.maximum(slot_rows_S, min_rows_S)
-    tp = max(int(token_padding), 1)
-    padded = (padded + tp - 1) // tp * tp
-    cum = np.cumsum(padded) - padded
-    R = int(slot_rank_S.max()) + 1 if S else 0
-    first = np.searchsorted(slot_rank_S, np.arange(R))
-    rank_base = np.concatenate([[0], np.cumsum(padded)])[first]
-    offset = cum - rank_base[slot_rank_S] if S else cum
-    nR = R if ranks is None else int(ranks)
-    rows_R = np.bincount(slot_rank_S, weights=padded, minlength=nR).astype(np.int64)
-    return padded, cum, offset, rows_R
-
-
 def check_tokens_and_ranks(tok_off: np.ndarray, slot_rank_S: np.ndarray, N: int, R: int, K: int) -> None:
     """Raise :class:`PlanError` unless ``tok_off`` (int64) is R + 1 non-decreasing token offsets
     from 0 to N / K and every slot rank (int64 [S]) lies in [0, R)."""
@@ -480,4 +461,4 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
     return lay, hop, dup, (row_entry if pad else order[n_drop:]), expand
 
 
-__all__ = ["cycle_runs", "distinct_per_token", "layout_by_slot", "single_hop_plan", "slot_geometry", "split_runs"]
+__all__ = ["cycle_runs", "distinct_per_token", "layout_by_slot", "single_hop_plan", "split_runs"]

@@ -28,8 +28,8 @@ import numpy as np
 
 from moonep_sim.errors import PlanError
 from moonep_sim.jit import kernel
-from moonep_sim.plan.assembly import SlotLayout
-from moonep_sim.plan.fused import _AHEAD, _check, _fill_blocks, _prefetch_write, check_tokens_and_ranks, slot_geometry
+from moonep_sim.plan.assembly import SlotLayout, slot_geometry
+from moonep_sim.plan.fused import _AHEAD, _check, _fill_blocks, _prefetch_write, check_tokens_and_ranks
 from moonep_sim.plan.ir import Hop
 from moonep_sim.plan.kinds import INDEX, require_index
 
