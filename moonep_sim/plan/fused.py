@@ -381,6 +381,15 @@ def _check(at: int, what: str) -> None:
         raise PlanError(f"{what} at position {at} must lie in range")
 
 
+def _messages(cnt: np.ndarray, R: int):
+    """(per_dst_R, M, mstart, row0) of a hop's block counts (int64 [R*R], source-major)."""
+    cnt_RR = cnt.reshape(R, R)
+    per_dst = cnt_RR.sum(axis=0).astype(np.int64)
+    M = int(per_dst.sum())
+    require_index(M, "messages of a hop")
+    return per_dst, M, np.cumsum(cnt) - cnt, (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()
+
+
 def layout_by_slot(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
                    min_rows_S: np.ndarray | None = None, ranks: int | None = None, with_ranks: bool = False):
     """``build.slot_layout`` by counting sort, in two passes over the entries: the
@@ -441,12 +450,7 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
     first = np.empty(S + 1, dtype=np.int64)
     first[:S] = np.cumsum(slot_rows) - slot_rows + n_drop
     first[S] = 0
-    cnt_RR = cnt.reshape(R, R)
-    per_dst = cnt_RR.sum(axis=0).astype(np.int64)
-    M = int(per_dst.sum())
-    require_index(M, "messages of a hop")
-    mstart = np.cumsum(cnt) - cnt
-    row0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()
+    per_dst, M, mstart, row0 = _messages(cnt, R)
     order, entry_row, entry_rank = (np.empty(N, dtype=INDEX) for _ in range(3))
     dup = np.empty(N, dtype=bool)
     m_src, m_dst, m_srow, m_row = (np.empty(M, dtype=INDEX) for _ in range(4))
