@@ -381,6 +381,16 @@ def _check(at: int, what: str) -> None:
         raise PlanError(f"{what} at position {at} must lie in range")
 
 
+def _slot_firsts(slot_rows_S: np.ndarray, n_drop: int) -> np.ndarray:
+    """int64 [S+1] each slot's first place in the slot-sorted order (after the ``n_drop`` dropped
+    entries), the dropped entries' first place (0) last: the counting sorts' ``first_S``."""
+    S = slot_rows_S.size
+    first = np.empty(S + 1, dtype=np.int64)
+    first[:S] = np.cumsum(slot_rows_S) - slot_rows_S + n_drop
+    first[S] = 0
+    return first
+
+
 def _messages(cnt: np.ndarray, R: int):
     """(per_dst_R, M, mstart, row0) of a hop's block counts (int64 [R*R], source-major)."""
     cnt_RR = cnt.reshape(R, R)
@@ -407,9 +417,7 @@ def layout_by_slot(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padd
     padded, cum, offset, rows_R = slot_geometry(slot_rows, slot_rank_S, token_padding, min_rows_S, ranks)
     require_index(int(padded.sum()), "final rows")
     n_kept = N - n_drop
-    first = np.empty(S + 1, dtype=np.int64)
-    first[:S] = np.cumsum(slot_rows) - slot_rows + n_drop
-    first[S] = 0
+    first = _slot_firsts(slot_rows, n_drop)
     order = np.empty(N, dtype=INDEX)
     entry_row = np.empty(N, dtype=INDEX)
     entry_rank = np.empty(N if with_ranks else 0, dtype=INDEX)
@@ -447,9 +455,7 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
     require_index(W, "final rows")
     n_kept = N - n_drop
     pad = W != n_kept
-    first = np.empty(S + 1, dtype=np.int64)
-    first[:S] = np.cumsum(slot_rows) - slot_rows + n_drop
-    first[S] = 0
+    first = _slot_firsts(slot_rows, n_drop)
     per_dst, M, mstart, row0 = _messages(cnt, R)
     order, entry_row, entry_rank = (np.empty(N, dtype=INDEX) for _ in range(3))
     dup = np.empty(N, dtype=bool)
