@@ -39,12 +39,12 @@ class _Columns:
         self.data = {c.name: np.full((capacity, path_len) if c.name == "path" else capacity, c.empty, dtype=c.dtype)
                      for c in cols}
 
-    def reserve(self, need: int) -> bool:
-        """Make room for ``need`` slots (at least doubling when growing); slots [0, n) are kept.
-        Returns whether the buffers were replaced."""
+    def reserve(self, need: int) -> None:
+        """Make room for ``need`` slots (at least doubling when growing; the buffers are then
+        replaced); slots [0, n) are kept."""
         cap = self.capacity
         if need <= cap:
-            return False
+            return
         new = max(need, 2 * cap)
         for c in self._cols:
             arr = self.data[c.name]
@@ -52,7 +52,6 @@ class _Columns:
             grown[:self.n] = arr[:self.n]
             self.data[c.name] = grown
         self.capacity = new
-        return True
 
     def append(self, **vals: np.ndarray) -> None:
         """Add slots: one array (or scalar) per column, ``vals``' first array giving the length."""

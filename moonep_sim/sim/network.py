@@ -48,7 +48,7 @@ from moonep_sim.errors import require
 from moonep_sim.sim.blocks import BlockCounts, Levels
 from moonep_sim.sim.flows import ActiveFlows, FlowLog, Pending
 from moonep_sim.sim.ports import L_PATH, Block, PortMap, block_kind
-from moonep_sim.sim.tick_kernels import set_rates, submit_flows, tick_blocks
+from moonep_sim.sim.tick_kernels import submit_flows, tick_blocks
 from moonep_sim.sim.waterfill import waterfill
 
 
@@ -255,12 +255,9 @@ class FlowNetwork:
         return self._pair_tables[key]
 
     # -- the tick machinery --------------------------------------------------------------
-    def _gap(self, t: float) -> float:
-        return self.tol * max(t, self._horizon)
-
     def _request_tick(self, t: float) -> None:
         lf = self._last_fill
-        if math.isfinite(lf):   # (the gap of :meth:`_gap`)
+        if math.isfinite(lf):   # no tick sooner than tol x max(last fill, horizon) after the last fill
             t = max(t, lf + self.tol * max(lf, self._horizon))
         now = self.env.now
         t = max(t, now)
@@ -334,10 +331,7 @@ class FlowNetwork:
         if it < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
             raise RuntimeError("progressive filling made no progress")
         if g:   # the groups' keys, ascending and unique
-            R, evs = self.ports.ranks, self._group_events
-            for k in self._done[m:m + g].tolist():
-                q, r = divmod(k, R)
-                evs[q][r].succeed()
+            self._succeed_groups(self._done[m:m + g])
         self._node_levels = (lev, bport)
         self.fill_iterations += it
         self._last_fill = t
@@ -347,8 +341,8 @@ class FlowNetwork:
 
     def _tick_reference(self, t: float) -> float:
         """The tick in numpy (the reference of :meth:`_tick_compiled`, and the tick of the per-flow
-        solver and of maps without the compiled fill): steps 1-3 of the module docstring's tick.
-        Returns the earliest finish time."""
+        solver and of maps without the compiled fill): its steps 1-3 (completions, activations,
+        rates). Returns the earliest finish time."""
         a = self._a
         # 1. completions (a flow's finish time is exact at its current rate)
         if a.n:
@@ -444,14 +438,14 @@ class FlowNetwork:
         np.subtract.at(left, key, 1)
         full = key[left[key] == 0]
         if full.size:
-            self._succeed_groups(full)
+            self._succeed_groups(np.unique(full))
 
-    def _succeed_groups(self, full: np.ndarray) -> None:
-        """Fire the receive groups of keys ``full`` (phase id x R + dst, repeats allowed), in key order."""
-        R = self.ports.ranks
-        for k in np.unique(full).tolist():
+    def _succeed_groups(self, keys: np.ndarray) -> None:
+        """Fire the receive groups of ``keys`` (phase id x R + dst; ascending and unique), in that order."""
+        R, evs = self.ports.ranks, self._group_events
+        for k in keys.tolist():
             p, d = divmod(k, R)
-            self._group_events[p][d].succeed()
+            evs[p][d].succeed()
 
     # -- results ---------------------------------------------------------------------------
     def records(self) -> dict[str, np.ndarray]:
