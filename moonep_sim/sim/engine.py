@@ -80,13 +80,13 @@ class PhaseTag:
 class PhaseRows(NamedTuple):
     """One registered phase instance (a phase, or one chunk of it): its network phase id, the
     bytes every rank sends every rank ([R, R], this chunk's share), the bytes each transfer is
-    timed for (jitter and scale applied) and ``sends_R`` ([R] bool as a list, None: not counted):
-    whether a rank sends anything in it (a rank that sends nothing submits nothing)."""
+    timed for (jitter and scale applied) and ``sends_R`` ([R] bool as a list): whether a rank
+    sends anything in it (a rank that sends nothing submits nothing)."""
 
     pid: int
     bytes_RR: np.ndarray
     eff_RR: np.ndarray
-    sends_R: list | None = None
+    sends_R: list
 
 
 class Side(str, Enum):
@@ -289,7 +289,7 @@ class StepSim:
         return out
 
     def _send(self, item: PhaseRows, r: int) -> None:
-        if item.sends_R is not None and not item.sends_R[r]:
+        if not item.sends_R[r]:
             return  # nothing to send: the network would skip every entry
         self.net.submit(item.pid, r, self._dst_R, item.bytes_RR[r], item.eff_RR[r])
 
