@@ -12,7 +12,8 @@ Example (``strategies/allgather.py``)::
     assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), Entries(entry_slot, buf_row, dup), [hop],
                   padding=Padding(ctx.token_padding))
 
-:class:`SlotLayout` is what the layout builders (``build.sorted_layout``, ``fused``) return.
+:class:`SlotLayout` is what the layout builders (``build.sorted_layout``, ``fused``) return;
+:func:`slot_geometry` the per-slot arithmetic they share.
 
 The records only name the arrays; :func:`~moonep_sim.plan.assemble_plan` checks what it needs.
 """
@@ -122,4 +123,24 @@ class SlotLayout:
     entry_rank_N: np.ndarray | None = None
 
 
-__all__ = ["Entries", "Padding", "SlotLayout", "SlotOrder", "Slots"]
+def slot_geometry(slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, token_padding: int,
+                  min_rows_S: np.ndarray | None, ranks: int | None):
+    """(padded, cum, offset, rows_R) of a :class:`SlotLayout` (``build.sorted_layout`` and the compiled
+    builders of ``fused`` and ``fused_routes`` take them from here): each slot's padded rows, its
+    first global row (ranks concatenated), its first row within its rank (int64 [S]); each rank's
+    padded rows (int64 [R])."""
+    S = slot_rank_S.size
+    padded = slot_rows_S if min_rows_S is None else np.maximum(slot_rows_S, min_rows_S)
+    tp = max(int(token_padding), 1)
+    padded = (padded + tp - 1) // tp * tp
+    cum = np.cumsum(padded) - padded
+    R = int(slot_rank_S.max()) + 1 if S else 0
+    first = np.searchsorted(slot_rank_S, np.arange(R))
+    rank_base = np.concatenate([[0], np.cumsum(padded)])[first]
+    offset = cum - rank_base[slot_rank_S] if S else cum
+    nR = R if ranks is None else int(ranks)
+    rows_R = np.bincount(slot_rank_S, weights=padded, minlength=nR).astype(np.int64)
+    return padded, cum, offset, rows_R
+
+
+__all__ = ["Entries", "Padding", "SlotLayout", "SlotOrder", "Slots", "slot_geometry"]

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from moonep_sim.plan import reference, threads
-from moonep_sim.plan.assembly import SlotLayout
+from moonep_sim.plan.assembly import SlotLayout, slot_geometry
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.kinds import INDEX, Scope, require_index
 from moonep_sim.plan.order import (entry_token, segment_ranges, small_key_dtype, stable_order, stable_order_counts,
@@ -59,7 +59,6 @@ def sorted_layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slo
     """
     S = slot_rank_S.size
     N = order_N.size
-    from moonep_sim.plan.fused import slot_geometry
     padded, cum, offset, rows_R = slot_geometry(slot_rows_S, slot_rank_S, token_padding, min_rows_S, ranks)
     # sorted position p of a kept entry of slot s, the j-th of its slot: row within its rank =
     # offset[s] + j; global row (ranks concatenated) = cum[s] + j
@@ -347,8 +346,8 @@ def _plan_from_order(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_h
 
 
 #: entries from which the builders take the compiled passes of :mod:`moonep_sim.plan.fused` (that
-#: module, and numba with it, is imported only for a layer this large: below it numpy's passes cost
-#: less than numba's import and a kernel's first call in a fresh process)
+#: module is imported only for a layer this large: below it numpy's passes cost less than its
+#: import and a kernel's first call in a fresh process)
 FUSED_MIN = 1 << 16
 
 

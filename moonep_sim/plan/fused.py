@@ -38,7 +38,7 @@ from numba.extending import intrinsic
 
 from moonep_sim.errors import PlanError
 from moonep_sim.jit import inline, kernel
-from moonep_sim.plan.assembly import SlotLayout
+from moonep_sim.plan.assembly import SlotLayout, slot_geometry
 from moonep_sim.plan.ir import Hop
 from moonep_sim.plan.kinds import INDEX, Scope, require_index
 
@@ -355,25 +355,6 @@ def distinct_per_token(key_TK: np.ndarray, value_X: np.ndarray) -> np.ndarray:
     return out
 
 
-def slot_geometry(slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, token_padding: int,
-                  min_rows_S: np.ndarray | None, ranks: int | None):
-    """(padded, cum, offset, rows_R) of a layout (``build.sorted_layout`` takes them from here): each
-    slot's padded rows, its first global row (ranks concatenated), its first row within its rank
-    (int64 [S]); each rank's padded rows (int64 [R])."""
-    S = slot_rank_S.size
-    padded = slot_rows_S if min_rows_S is None else np.maximum(slot_rows_S, min_rows_S)
-    tp = max(int(token_padding), 1)
-    padded = (padded + tp - 1) // tp * tp
-    cum = np.cumsum(padded) - padded
-    R = int(slot_rank_S.max()) + 1 if S else 0
-    first = np.searchsorted(slot_rank_S, np.arange(R))
-    rank_base = np.concatenate([[0], np.cumsum(padded)])[first]
-    offset = cum - rank_base[slot_rank_S] if S else cum
-    nR = R if ranks is None else int(ranks)
-    rows_R = np.bincount(slot_rank_S, weights=padded, minlength=nR).astype(np.int64)
-    return padded, cum, offset, rows_R
-
-
 def check_tokens_and_ranks(tok_off: np.ndarray, slot_rank_S: np.ndarray, N: int, R: int, K: int) -> None:
     """Raise :class:`PlanError` unless ``tok_off`` (int64) is R + 1 non-decreasing token offsets
     from 0 to N / K and every slot rank (int64 [S]) lies in [0, R)."""
@@ -400,6 +381,25 @@ def _check(at: int, what: str) -> None:
         raise PlanError(f"{what} at position {at} must lie in range")
 
 
+def _slot_firsts(slot_rows_S: np.ndarray, n_drop: int) -> np.ndarray:
+    """int64 [S+1] each slot's first place in the slot-sorted order (after the ``n_drop`` dropped
+    entries), the dropped entries' first place (0) last: the counting sorts' ``first_S``."""
+    S = slot_rows_S.size
+    first = np.empty(S + 1, dtype=np.int64)
+    first[:S] = np.cumsum(slot_rows_S) - slot_rows_S + n_drop
+    first[S] = 0
+    return first
+
+
+def _messages(cnt: np.ndarray, R: int):
+    """(per_dst_R, M, mstart, row0) of a hop's block counts (int64 [R*R], source-major)."""
+    cnt_RR = cnt.reshape(R, R)
+    per_dst = cnt_RR.sum(axis=0).astype(np.int64)
+    M = int(per_dst.sum())
+    require_index(M, "messages of a hop")
+    return per_dst, M, np.cumsum(cnt) - cnt, (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()
+
+
 def layout_by_slot(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
                    min_rows_S: np.ndarray | None = None, ranks: int | None = None, with_ranks: bool = False):
     """``build.slot_layout`` by counting sort, in two passes over the entries: the
@@ -417,9 +417,7 @@ def layout_by_slot(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padd
     padded, cum, offset, rows_R = slot_geometry(slot_rows, slot_rank_S, token_padding, min_rows_S, ranks)
     require_index(int(padded.sum()), "final rows")
     n_kept = N - n_drop
-    first = np.empty(S + 1, dtype=np.int64)
-    first[:S] = np.cumsum(slot_rows) - slot_rows + n_drop
-    first[S] = 0
+    first = _slot_firsts(slot_rows, n_drop)
     order = np.empty(N, dtype=INDEX)
     entry_row = np.empty(N, dtype=INDEX)
     entry_rank = np.empty(N if with_ranks else 0, dtype=INDEX)
@@ -457,15 +455,8 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
     require_index(W, "final rows")
     n_kept = N - n_drop
     pad = W != n_kept
-    first = np.empty(S + 1, dtype=np.int64)
-    first[:S] = np.cumsum(slot_rows) - slot_rows + n_drop
-    first[S] = 0
-    cnt_RR = cnt.reshape(R, R)
-    per_dst = cnt_RR.sum(axis=0).astype(np.int64)
-    M = int(per_dst.sum())
-    require_index(M, "messages of a hop")
-    mstart = np.cumsum(cnt) - cnt
-    row0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()
+    first = _slot_firsts(slot_rows, n_drop)
+    per_dst, M, mstart, row0 = _messages(cnt, R)
     order, entry_row, entry_rank = (np.empty(N, dtype=INDEX) for _ in range(3))
     dup = np.empty(N, dtype=bool)
     m_src, m_dst, m_srow, m_row = (np.empty(M, dtype=INDEX) for _ in range(4))
@@ -480,4 +471,4 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
     return lay, hop, dup, (row_entry if pad else order[n_drop:]), expand
 
 
-__all__ = ["cycle_runs", "distinct_per_token", "layout_by_slot", "single_hop_plan", "slot_geometry", "split_runs"]
+__all__ = ["cycle_runs", "distinct_per_token", "layout_by_slot", "single_hop_plan", "split_runs"]

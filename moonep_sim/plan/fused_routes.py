@@ -28,8 +28,8 @@ import numpy as np
 
 from moonep_sim.errors import PlanError
 from moonep_sim.jit import kernel
-from moonep_sim.plan.assembly import SlotLayout
-from moonep_sim.plan.fused import _AHEAD, _check, _fill_blocks, _prefetch_write, check_tokens_and_ranks, slot_geometry
+from moonep_sim.plan.assembly import SlotLayout, slot_geometry
+from moonep_sim.plan.fused import _AHEAD, _check, _fill_blocks, _messages, _prefetch_write, check_tokens_and_ranks
 from moonep_sim.plan.ir import Hop
 from moonep_sim.plan.kinds import INDEX, require_index
 
@@ -176,15 +176,6 @@ def _relay_classes(via_RR: np.ndarray):
         class_RC[r, :cl.size] = cl
         cls_RR[r] = np.searchsorted(cl, via_RR[r])
     return cls_RR, class_RC, ncls
-
-
-def _messages(cnt: np.ndarray, R: int):
-    """(per_dst_R, M, mstart, row0) of a hop's block counts (int64 [R*R], source-major)."""
-    cnt_RR = cnt.reshape(R, R)
-    per_dst = cnt_RR.sum(axis=0).astype(np.int64)
-    M = int(per_dst.sum())
-    require_index(M, "messages of a hop")
-    return per_dst, M, np.cumsum(cnt) - cnt, (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()
 
 
 def two_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, via_RR: np.ndarray, tok_off_R: np.ndarray,

@@ -169,15 +169,14 @@ DUP_PAIRWISE_MAX_K = 16
 
 
 def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_row_N: np.ndarray, ranks: int,
-                 token_padding: int = 1, min_rows_S: np.ndarray | None = None,
-                 entry_rank_N: np.ndarray | None = None, scratch: list | None = None, lay=None):
+                 token_padding: int = 1, min_rows_S: np.ndarray | None = None, scratch: list | None = None,
+                 lay=None):
     """The expert-grouped layout and the final rows of entries given by slot:
     (lay, row_entry_W, expand_src_row_W), what ``slot_layout`` then ``final_rows`` return.
 
     entry_slot_N: [N] slot of each entry (int64, or any integer dtype), -1 = dropped.
     slot_rank_S: int64 [S] sorted.
     entry_buf_row_N: [N] the last buffer's row of each entry (INDEX or int64).  ranks: R.
-    entry_rank_N: unused (each entry's rank; the final rows come from its slot's).
     scratch: optional list of dead INDEX [N] arrays (not ``entry_buf_row_N``) to write into
     instead of fresh pages (they may end up in the Plan).  lay: the entries' ``slot_layout``
     (with these ``token_padding``, ``min_rows_S`` and ``ranks``) where the caller made it already.
@@ -252,7 +251,7 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
         lay, row_entry, expand = layout
     elif so is None and entry_buf_row is not None:
         lay, row_entry, expand = entry_layout(entry_slot, slot_rank_S, entry_buf_row, R, tp, padding.min_rows_S,
-                                              None, scratch)
+                                              scratch)
     else:
         lay = sorted_layout(so.order_N, int(so.n_drop), np.asarray(so.slot_rows_S, dtype=np.int64), slot_rank_S, tp,
                             padding.min_rows_S, R, scratch=scratch)
