@@ -56,8 +56,12 @@ class Registry(Generic[T]):
         if self._loaded:
             return
         self._loaded = True
-        for mod in self.modules:
-            importlib.import_module(f"{self.package}.{mod}")
+        try:
+            for mod in self.modules:
+                importlib.import_module(f"{self.package}.{mod}")
+        except BaseException:
+            self._loaded = False  # asked again, the modules are imported again (and fail again, loudly)
+            raise
 
     def get(self, name: str) -> T:
         """The record called ``name``; a one-line :class:`ConfigError` naming the choices otherwise."""
@@ -73,6 +77,10 @@ class Registry(Generic[T]):
     def items(self) -> list[tuple[str, T]]:
         self.load()
         return list(self._records.items())
+
+    def values(self) -> list[T]:
+        self.load()
+        return list(self._records.values())
 
     def copy(self) -> "Registry[T]":
         """A registry with the same records (loaded), to register into without touching this one."""
