@@ -103,13 +103,21 @@ class Program:
         c = self.comm_of(l, i)
         return self.tl.comm("dispatch", c.forward.pre_R, l, "forward", c.sm_share, i, after=self.ready[i])
 
-    def experts(self, l: int, i: int, pre_end: np.ndarray) -> None:
-        """The routed experts (after the dispatch ending at ``pre_end`` and ``i``'s previous op),
-        then the combine once the slowest rank's experts end; ``i`` is ready once it arrives."""
+    def expert_compute(self, l: int, i: int, pre_end: np.ndarray) -> np.ndarray:
+        """The routed experts of MoE layer ``l``, micro-batch ``i``, after the dispatch ending at
+        ``pre_end`` and ``i``'s previous op; returns their end [R] (``ready`` unchanged)."""
         c = self.comm_of(l, i)
-        e = self.tl.compute("expert", c.forward.expert_R, l, "forward", i, after=np.maximum(pre_end, self.ready[i]))
-        post = self.tl.comm("combine", c.forward.post_R, l, "forward", c.sm_share, i,
-                            after=np.full(self.R, float(e.max())))
+        return self.tl.compute("expert", c.forward.expert_R, l, "forward", i, after=np.maximum(pre_end, self.ready[i]))
+
+    def combine(self, l: int, i: int, expert_end: np.ndarray) -> np.ndarray:
+        """The combine, once the slowest rank's experts end; returns its end [R] (``ready`` unchanged)."""
+        c = self.comm_of(l, i)
+        return self.tl.comm("combine", c.forward.post_R, l, "forward", c.sm_share, i,
+                            after=np.full(self.R, float(expert_end.max())))
+
+    def experts(self, l: int, i: int, pre_end: np.ndarray) -> None:
+        """:meth:`expert_compute` then :meth:`combine`; micro-batch ``i`` is ready once the combine arrives."""
+        post = self.combine(l, i, self.expert_compute(l, i, pre_end))
         self.ready[i] = np.maximum(self.ready[i], post)
 
     def gradient_dispatch(self, l: int, i: int) -> np.ndarray:
