@@ -25,12 +25,14 @@ import sys
 from typing import Any, Callable
 
 import numba
+import numba.core.event
 
 #: the one line a process prints when its kernels cannot be cached (see the module docstring)
 NO_CACHE_NOTE = ("moonep-sim: note: no writable folder for compiled kernels (the package's __pycache__ and the user "
                  "cache folder are read-only): compiling them in memory for this run; set NUMBA_CACHE_DIR to a "
                  "writable folder to keep them")
 _said = False
+_uncached: set[int] = set()  # id() of the dispatchers compiled in memory
 
 
 def _note_once() -> None:
@@ -40,9 +42,24 @@ def _note_once() -> None:
         print(NO_CACHE_NOTE, file=sys.stderr, flush=True)
 
 
+class _FirstCompile(numba.core.event.Listener):
+    """Says :data:`NO_CACHE_NOTE` when one of the uncached kernels is first compiled (not when it is
+    merely imported: ``--version`` compiles nothing and says nothing)."""
+
+    def on_start(self, event) -> None:
+        if id(event.data.get("dispatcher")) in _uncached:
+            _note_once()
+
+    def on_end(self, event) -> None:
+        pass
+
+
+_listener: _FirstCompile | None = None
+
+
 def njit(**options: Any) -> Callable[[Callable], Callable]:
     """``numba.njit(cache=True, **options)``, falling back to ``cache=False`` (compiled in memory,
-    :data:`NO_CACHE_NOTE` printed once per process) when numba finds no writable folder for the
+    :data:`NO_CACHE_NOTE` printed once per process, when the first such kernel compiles) when numba finds no writable folder for the
     function's cache -- numba refuses such a function at decoration with ``RuntimeError: cannot
     cache function ...: no locator available``."""
     cached, uncached = numba.njit(cache=True, **options), numba.njit(cache=False, **options)
@@ -53,8 +70,13 @@ def njit(**options: Any) -> Callable[[Callable], Callable]:
         except RuntimeError as e:
             if "cannot cache" not in str(e):
                 raise
-            _note_once()
-            return uncached(fn)
+            global _listener
+            if _listener is None:
+                _listener = _FirstCompile()
+                numba.core.event.register("numba:compile", _listener)
+            disp = uncached(fn)
+            _uncached.add(id(disp))
+            return disp
     return decorate
 
 
