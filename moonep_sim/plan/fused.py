@@ -38,6 +38,8 @@ from moonep_sim.jit import inline, kernel
 from moonep_sim.plan.assembly import SlotLayout, slot_geometry
 from moonep_sim.plan.ir import Hop
 from moonep_sim.plan.kinds import INDEX, Scope, require_index
+from moonep_sim.plan.compiled import check_at as _check
+from moonep_sim.plan.compiled import key_starts as _key_starts
 
 
 @kernel
@@ -322,21 +324,6 @@ def check_tokens_and_ranks(tok_off: np.ndarray, slot_rank_S: np.ndarray, N: int,
                         f"must be R + 1 = {R + 1} non-decreasing values from 0 to N / K = {N // K}")
     if S and (int(slot_rank_S.min()) < 0 or int(slot_rank_S.max()) >= R):
         raise PlanError(f"slot ranks ({int(slot_rank_S.min())}..{int(slot_rank_S.max())}) must lie in [0, {R})")
-
-
-def _key_starts(key_P, n_keys: int, what: str) -> np.ndarray:
-    """int64 [n_keys + 1] each key's first place among ``key_P`` (int [P], non-decreasing keys in
-    [0, n_keys): else :class:`PlanError` naming the ``what`` keys), the end last."""
-    pk = np.asarray(key_P, dtype=np.int64)
-    X = int(n_keys)
-    if pk.size and (bool((pk[1:] < pk[:-1]).any()) or int(pk[0]) < 0 or int(pk[-1]) >= X):
-        raise PlanError(f"{what} keys must be non-decreasing in [0, {X})")
-    return np.searchsorted(pk, np.arange(X + 1))
-
-
-def _check(at: int, what: str) -> None:
-    if at >= 0:
-        raise PlanError(f"{what} at position {at} must lie in range")
 
 
 def _slot_firsts(slot_rows_S: np.ndarray, n_drop: int) -> np.ndarray:
