@@ -114,36 +114,50 @@ def summarize(run: Any, input_N: np.ndarray, output_N: np.ndarray, gpus: int, sl
 SLO_METRIC = {"ttft": ("ttft_s", "p99"), "tpot": ("tpot_s", "p99"), "e2e": ("e2e_s", "p99"), "itl": ("itl_s", "p99")}
 
 
+#: margins below this are called a tie (one seeded run; the step-time model's own error is larger)
+TIE_MARGIN = 0.02
+
+
 def serve_verdict(figs: Mapping[str, Mapping[str, Any]], slo: Mapping[str, float],
-                  mech: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The strategy that serves best: with an SLO, the highest goodput (then attainment); without,
-    the lowest p99 TPOT. Margin against the runner-up, and the mechanism when given."""
+                  mech: Mapping[str, str] | None = None, model_error: float | None = None) -> dict[str, Any]:
+    """The strategy that serves best: with an SLO, the highest goodput (output tokens/s/GPU of the
+    requests within it; then attainment); without, the lowest p99 TPOT. Margin against the
+    runner-up (a tie below :data:`TIE_MARGIN`), the mechanism (``mech[winner]``), and the
+    confidence: the step-time model's held-out error (``model_error``) against the margin."""
     names = list(figs)
-    if len(names) < 1:
+    if not names:
         return {}
     if slo:
-        key = lambda n: (-(figs[n].get("goodput_tokens_per_s_per_gpu") or 0.0), -(figs[n].get("slo_attainment") or 0))
-        metric = "goodput (output tokens/s/GPU within the SLO)"
-        val = lambda n: figs[n].get("goodput_tokens_per_s_per_gpu") or 0.0
-        higher = True
+        metric, higher = "goodput (output tokens/s/GPU within the SLO)", True
+        val = lambda n: float(figs[n].get("goodput_tokens_per_s_per_gpu") or 0.0)
+        key = lambda n: (-val(n), -(figs[n].get("slo_attainment") or 0.0))
     else:
-        key = lambda n: figs[n]["tpot_s"]["p99"] if figs[n]["tpot_s"]["p99"] is not None else np.inf
-        metric = "p99 TPOT"
-        val = lambda n: key(n)
-        higher = False
+        metric, higher = "p99 TPOT", False
+        val = lambda n: float(figs[n]["tpot_s"]["p99"]) if figs[n]["tpot_s"]["p99"] is not None else float("inf")
+        key = val
     order = sorted(names, key=key)
     w = order[0]
-    out: dict[str, Any] = {"winner": w, "metric": metric, "order": order}
-    if len(order) > 1:
-        a, b = val(w), val(order[1])
-        margin = ((a - b) / b if higher else (b - a) / b) if b not in (0, np.inf) else None
-        out.update(runner_up=order[1], margin=margin)
-        m = (mech or {}).get(w, "")
-        pct = f" by {margin:.0%}" if margin is not None else ""
-        out["text"] = f"{w} wins {metric}{pct} over {order[1]}" + (f": {m}" if m else "")
-    else:
-        out["text"] = f"{w} (the only strategy)"
-    return out
+    m = (mech or {}).get(w, "")
+    if len(order) == 1:
+        return {"winner": w, "metric": metric, "order": order, "runner_up": None, "why": f"{w} is the only strategy",
+                "text": f"{w} is the only strategy"}
+
+    def margin(o: str) -> float:
+        a, b = val(w), val(o)
+        if higher:
+            return (a - b) / b if b > 0 else (1.0 if a > 0 else 0.0)
+        return (b - a) / b if np.isfinite(b) and b > 0 else 0.0
+    mg = margin(order[1])
+    tie = mg < TIE_MARGIN
+    level = "low" if model_error is None or mg <= model_error else "medium"
+    why = (f"{w} {'ties' if tie else 'wins'} {metric} by {mg:.1%} over {order[1]}" + (f": {m}" if m else ""))
+    others = [{"strategy": o, "margin": margin(o), "tie": margin(o) < TIE_MARGIN, "mechanism": (mech or {}).get(o),
+               "why": f"{o}: {metric} {val(o):.4g} against {val(w):.4g}"} for o in order[1:]]
+    return {"winner": w, "metric": metric, "order": order, "runner_up": order[1], "margin": mg, "tie": tie,
+            "mechanism": m, "why": why, "text": why, "others": others,
+            "confidence": {"level": level, "basis": "one seeded run; the step-time model's median held-out error "
+                                                     f"{model_error:.1%}" if model_error is not None else
+                                                     "one seeded run"}}
 
 
 def pareto(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -157,4 +171,4 @@ def pareto(points: Sequence[tuple[float, float]]) -> list[int]:
     return sorted(out, key=lambda i: points[i][0])
 
 
-__all__ = ["PCTS", "SLO_KEYS", "SLO_METRIC", "parse_slo", "pareto", "serve_verdict", "summarize"]
+__all__ = ["PCTS", "SLO_KEYS", "SLO_METRIC", "TIE_MARGIN", "parse_slo", "pareto", "serve_verdict", "summarize"]

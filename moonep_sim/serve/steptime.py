@@ -168,11 +168,10 @@ def holdout_points(model: GridStepTime, n: int, seed: int = 0) -> list[tuple[str
     """``n`` shapes between grid points (geometric midpoints of T, a random C in range), alternating
     decode and prefill: where interpolation is least sure."""
     rng = np.random.default_rng(seed)
-    out = []
-    for k in range(n):
-        tab, mode = (model.decode, "decode") if k % 2 == 0 else (model.prefill, "prefill")
-        if len(tab.T) < 2:
-            continue
+    out: list[tuple[str, int, int]] = []
+    tabs = [(t, m) for t, m in ((model.decode, "decode"), (model.prefill, "prefill")) if len(t.T) >= 2]
+    for k in range(n if tabs else 0):
+        tab, mode = tabs[k % len(tabs)]
         i = int(rng.integers(0, len(tab.T) - 1))
         t = int(round(np.sqrt(tab.T[i] * tab.T[i + 1])))
         if t in (int(tab.T[i]), int(tab.T[i + 1])):
