@@ -29,6 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from moonep_sim.errors import ConfigError
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, Plan, RowCosts
 from moonep_sim.registry import Registry
 
@@ -50,6 +51,8 @@ class PlanContext:
         choices (``costaware``); None = such planners price with the default preset's constants
         (``h800-cx7``, read from its shipped file: ``costaware.preset_constants``). Planners must
         not need it to produce a valid Plan.
+    perf: where the builders take their compiled kernels (:class:`~moonep_sim.perf.PerfConfig`;
+        the same Plan whatever it says).
     """
 
     cluster: ClusterShape
@@ -57,6 +60,7 @@ class PlanContext:
     costs: RowCosts
     token_padding: int = 1
     topology: Any = None
+    perf: PerfConfig = DEFAULT_PERF
 
     @classmethod
     def default(cls, num_experts: int, ranks: int, gpus_per_node: int = 0, costs: RowCosts | None = None,
