@@ -120,7 +120,7 @@ class Scenario:
         base = load_topology(self.topology)
         G = G or base.gpus_per_node_for(R)
         cluster = check_cluster(source, R, G)
-        topo = load_topology(self.topology, cluster)
+        topo = load_topology(self.topology, cluster.gpus_per_node)
         costs = self.costs or RowCosts.from_model(source.model, dtype)
         place = (Placement.home_groups(source.num_experts, R) if self.placement == "home"
                  else Placement.round_robin(source.num_experts, R))
