@@ -22,6 +22,7 @@ block x R + rank, both N (the sentinel, level 0) once it finished. Slots [0, n) 
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -175,13 +176,114 @@ def submit_flows(src, dst_F, bytes_F, eff_F, blk_RR, lat_RR, message_us, now, pi
     return m, first
 
 
+class TickState(NamedTuple):
+    """What one tick reads and the next one reads back (:func:`tick_blocks` returns it in
+    :class:`TickOut`): n active slots in use, dead ones among them, pn waiting flows, the earliest
+    ready time among those (inf: none), and the last fill's node levels and ports."""
+
+    n: int
+    dead: int
+    pn: int
+    pend_min: float
+    lev_U1: np.ndarray
+    bport_U1: np.ndarray
+
+
+class TickOut(NamedTuple):
+    """:func:`tick_blocks`' result: the next :class:`TickState`'s fields, then the completed slots
+    (``completed``) and receive groups (``groups``) whose ids the kernel wrote into the book's
+    ``done``, the fill's steps (< 0: it froze nothing), the latest and the earliest finish time."""
+
+    n: int
+    dead: int
+    pn: int
+    pend_min: float
+    lev_U1: np.ndarray
+    bport_U1: np.ndarray
+    completed: int
+    groups: int
+    steps: int
+    fin_max: float
+    next_finish: float
+
+
+class FlowCols(NamedTuple):
+    """The active flows' columns (``ActiveFlows.data``; slots [0, n) in use): finish time, rate,
+    bytes left at ``t0``, ``t0``, alive, sender and receiver node, flow id, receive-group key,
+    source and destination rank, block."""
+
+    fin: np.ndarray
+    rate: np.ndarray
+    rem0: np.ndarray
+    t0: np.ndarray
+    alive: np.ndarray
+    ns: np.ndarray
+    nd: np.ndarray
+    ids: np.ndarray
+    key: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    blk: np.ndarray
+
+
+class WaitCols(NamedTuple):
+    """The waiting flows' columns (``Pending.data``; slots [0, pn), in submission order): ready
+    time, bytes (efficiency applied), flow id, receive-group key, source and destination rank,
+    block."""
+
+    ready: np.ndarray
+    eff: np.ndarray
+    id: np.ndarray
+    key: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    blk: np.ndarray
+
+
+class TickBook(NamedTuple):
+    """What a tick records beside the flows: the sentinel node (N), the ranks R, the flow log's end,
+    bottleneck port and ready columns, each receive group's flows left, and ``done`` (int64 scratch
+    of twice the active slots at least: the completed slots, then the completed groups' keys)."""
+
+    sentinel: int
+    R: int
+    log_end: np.ndarray
+    log_bneck: np.ndarray
+    log_ready: np.ndarray
+    left: np.ndarray
+    done: np.ndarray
+
+
+class BlockCountsCols(NamedTuple):
+    """The block solver's counts the tick updates (``BlockCounts``): port capacities ``cap_P``, the
+    counts buffer ``mm`` (M cells, then MT cells from ``T``), per node its row and column in it
+    (``row_U`` / ``col_U``), the active transfers per sender and receiver node."""
+
+    cap_P: np.ndarray
+    mm: np.ndarray
+    T: int
+    row_U: np.ndarray
+    col_U: np.ndarray
+    cnt_src: np.ndarray
+    cnt_dst: np.ndarray
+
+
+def tick_records(active: Any, waiting: Any, log: Any, sentinel: int, ranks: int, left: np.ndarray,
+                 done: np.ndarray, cap_P: np.ndarray, blocks: Any) -> tuple[FlowCols, WaitCols, TickBook,
+                                                                             BlockCountsCols]:
+    """The records :func:`tick_blocks` reads, over the network's own columns (no copies): ``active``,
+    ``waiting``, ``log`` the ``data`` dicts of its active flows, waiting flows and flow log;
+    ``blocks`` its ``BlockCounts``. Built again whenever a column is reallocated."""
+    a, p, lg, bc = active, waiting, log, blocks
+    return (FlowCols(a["fin"], a["rate"], a["rem0"], a["t0"], a["alive"], a["ns"], a["nd"], a["id"], a["key"],
+                     a["src"], a["dst"], a["blk"]),
+            WaitCols(p["ready"], p["eff"], p["id"], p["key"], p["src"], p["dst"], p["blk"]),
+            TickBook(int(sentinel), int(ranks), lg["end"], lg["bneck"], lg["ready"], left, done),
+            BlockCountsCols(cap_P, bc.mm, int(bc.T), bc.row_U, bc.col_U, bc.cnt_src, bc.cnt_dst))
+
+
 @kernel
-def tick_blocks(t, n, dead, pn, pend_min,
-                fin, rate, rem0, t0, alive, ns, nd, ids, key, src, dst, blk,
-                p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk,
-                lev_U1, bport_U1, sentinel, R, log_end, log_bneck, log_ready, left, done,
-                cap_P, mm, T, row_U, col_U, cnt_src, cnt_dst,
-                simple, dummy, run_max, pall_UK, port_nodes_PD, pps, nps, key_U, cell_UW, other_UW):
+def tick_blocks(t, state, flows, wait, book, counts, tables):
     """One tick of ``FlowNetwork`` at time t with the block solver's compiled fill, as its numpy
     code does it, in its order: (1) the active slots [0, n) due by ``t + 2e-9 x max(t, 1)`` complete
     (:func:`complete_due` under the last fill's ``lev_U1`` / ``bport_U1``; the dead slots are
@@ -191,10 +293,15 @@ def tick_blocks(t, n, dead, pn, pend_min,
     counted into the blocks, and the others stay, in order; (3) the fill (``fill_levels`` over the
     counts and the solver's tables); (4) :func:`set_rates`.
 
-    Returns (n, dead, pn, pend_min, completed, groups completed, lev_U1, bport_U1, steps,
-    fin_max, next finish): the completed slots, then the completed groups' keys (ascending, each
-    once: as ``np.unique`` of :func:`complete_due`'s), are in ``done``; steps < 0: the fill froze
-    nothing (and (4) did not run)."""
+    state: :class:`TickState`; flows, wait, book, counts: :func:`tick_records`; tables: the solver's
+    ``fill_kernels.SolverTables``. Returns a :class:`TickOut`: the completed slots, then the
+    completed groups' keys (ascending, each once: as ``np.unique`` of :func:`complete_due`'s), are
+    in ``book.done``; steps < 0: the fill froze nothing (and (4) did not run)."""
+    n, dead, pn, pend_min, lev_U1, bport_U1 = state
+    fin, rate, rem0, t0, alive, ns, nd, ids, key, src, dst, blk = flows
+    p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk = wait
+    sentinel, R, log_end, log_bneck, log_ready, left, done = book
+    cap_P, mm, T, row_U, col_U, cnt_src, cnt_dst = counts
     m = 0
     g = 0
     if n > 0:
@@ -273,12 +380,12 @@ def tick_blocks(t, n, dead, pn, pend_min,
                 k += 1
         pn = k
         pend_min = rest
-    lev, bport, steps = fill_levels(cap_P, cnt_src, cnt_dst, mm, simple, dummy, run_max, pall_UK, port_nodes_PD,
-                                    pps, nps, key_U, row_U, col_U, cell_UW, other_UW)
+    lev, bport, steps = fill_levels(cap_P, cnt_src, cnt_dst, mm, tables)
     fin_max, nxt = -np.inf, np.inf
     if steps >= 0:
         fin_max, nxt = set_rates(lev, sentinel, n, ns, nd, rate, rem0, t0, fin, t)
-    return n, dead, pn, pend_min, m, g, lev, bport, steps, fin_max, nxt
+    return TickOut(n, dead, pn, pend_min, lev, bport, m, g, steps, fin_max, nxt)
 
 
-__all__ = ["complete_due", "set_rates", "submit_flows", "tick_blocks"]
+__all__ = ["BlockCountsCols", "FlowCols", "TickBook", "TickOut", "TickState", "WaitCols", "complete_due", "set_rates",
+           "submit_flows", "tick_blocks", "tick_records"]
