@@ -149,8 +149,7 @@ def _sort_run(g, lv, port, ng):
 
 
 @kernel
-def _freeze(g, lv, port, ng, own_load, lev, bport, free, frz, cnt, acc_c, acc_f, touched, mark, cell_UW,
-            other_UW, mm):
+def _freeze(g, lv, port, ng, own_load, nodes, scratch, cells):
     """Freeze nodes ``g[:ng]`` (increasing, no two sharing a cell) at levels ``lv`` saturated by
     ports ``port``: ``BlockCounts._freeze`` with the cell tables, the same operations in the same
     order. Its ``np.bincount`` sums each target's terms from 0.0 in (node, column) order and then
@@ -158,7 +157,11 @@ def _freeze(g, lv, port, ng, own_load, lev, bport, free, frz, cnt, acc_c, acc_f,
     ``mark`` scratch) are updated: numpy's zero terms, and its subtraction / addition of a +0.0 sum,
     leave every count and frozen load as it is (a frozen load, a sum of terms starting from +0.0, is
     never -0.0; a level of inf times a zero cell is nan, so that term is kept).
-    ``acc_c`` / ``acc_f`` / ``mark``: zeroed scratch of size U + 1, left zeroed."""
+    nodes: each node's (lev, bport, free, frz, cnt); scratch: (acc_c, acc_f, touched, mark), ``acc_c``
+    / ``acc_f`` / ``mark`` zeroed, of size U + 1, left zeroed; cells: (cell_UW, other_UW, mm)."""
+    lev, bport, free, frz, cnt = nodes
+    acc_c, acc_f, touched, mark = scratch
+    cell_UW, other_UW, mm = cells
     for i in range(ng):
         x = g[i]
         lev[x] = lv[i]
@@ -265,6 +268,7 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, tables):
     acc_f = np.zeros(U + 1)
     mark = np.zeros(U + 1, dtype=np.bool_)
     touched = np.empty(U + 1, dtype=np.int64)
+    nodes, scratch, cells = (lev, bport, free, frz, cnt), (acc_c, acc_f, touched, mark), (cell_UW, other_UW, mm)
     D = port_nodes_PD.shape[1]
     cap_run = run_max * max(D, 1)
     run_s = np.empty(cap_run, dtype=np.int64)   # the run's sender nodes so far
@@ -306,8 +310,7 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, tables):
                 lv[i] = share[j]
                 port[i] = pps[k]
             _sort_run(g, lv, port, cut)
-            _freeze(g, lv, port, cut, False, lev, bport, free, frz, cnt, acc_c, acc_f, touched, mark, cell_UW,
-                    other_UW, mm)
+            _freeze(g, lv, port, cut, False, nodes, scratch, cells)
             # the next step's candidates: those still carrying unfrozen transfers (counts only fall)
             mm_ = 0
             for i in range(m):
@@ -383,8 +386,7 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, tables):
         if nrun == 0:
             return lev, bport, -1
         _sort_run(g, lv, port, nrun)
-        _freeze(g, lv, port, nrun, True, lev, bport, free, frz, cnt, acc_c, acc_f, touched, mark, cell_UW,
-                other_UW, mm)
+        _freeze(g, lv, port, nrun, True, nodes, scratch, cells)
     return lev, bport, steps
 
 

@@ -48,7 +48,8 @@ from moonep_sim.errors import require
 from moonep_sim.sim.blocks import BlockCounts, Levels
 from moonep_sim.sim.flows import ActiveFlows, FlowLog, Pending
 from moonep_sim.sim.ports import L_PATH, Block, PortMap, block_kind
-from moonep_sim.sim.tick_kernels import TickState, submit_flows, tick_blocks, tick_records
+from moonep_sim.sim.tick_kernels import (LogCols, Submission, TickState, WaitCols, submit_flows, tick_blocks,
+                                         tick_records)
 from moonep_sim.sim.waterfill import waterfill
 
 
@@ -198,12 +199,12 @@ class FlowNetwork:
                 p.reserve(p.n + F)
                 log.reserve(log.n + F)
                 pd, ld = p.data, log.data
-                self._sargs = (pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"], pd["dst"], pd["blk"],
-                               ld["src"], ld["dst"], ld["phase"], ld["bytes"], ld["start"])
+                self._sargs = (WaitCols(pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"], pd["dst"], pd["blk"]),
+                               LogCols(ld["src"], ld["dst"], ld["phase"], ld["bytes"], ld["start"]))
                 self._targs = None   # the tick's buffers too
-            m, first = submit_flows(src, dst_F, np.asarray(bytes_F, dtype=np.float64),
-                                    np.asarray(eff_bytes_F, dtype=np.float64), tab[0], tab[1], self._message_us,
-                                    float(now), pid, self._R, p.n, log.n, *self._sargs)
+            m, first = submit_flows(Submission(src, pid, float(now), self._message_us), dst_F,
+                                    np.asarray(bytes_F, dtype=np.float64), np.asarray(eff_bytes_F, dtype=np.float64),
+                                    tab[0], tab[1], self._R, p.n, log.n, *self._sargs)
             if m == 0:
                 return
             p.n += m

@@ -30,152 +30,6 @@ from moonep_sim.jit import kernel
 from moonep_sim.sim.fill_kernels import fill_levels
 
 
-@kernel
-def _divide(a, b):
-    """a / b with numpy's float semantics where b is 0 (inf with the quotient's sign, nan for 0/0);
-    compiled Python raises there."""
-    if b != 0.0:
-        return a / b
-    if a != a or a == 0.0:
-        return np.nan
-    return math.copysign(np.inf, a) * math.copysign(1.0, b)
-
-
-@kernel
-def _level(lev_U1, N, s, d):
-    """``np.minimum`` of a transfer's sender-node and receiver-node levels (the sentinel N: 0)."""
-    ls = 0.0 if s >= N else lev_U1[s]
-    ld = 0.0 if d >= N else lev_U1[N + d]
-    if ls != ls:
-        return ls
-    if ld != ld:
-        return ld
-    return ls if ls <= ld else ld
-
-
-@kernel
-def set_rates(lev_U1, N, n, ns, nd, rate, rem0, t0, fin, t):
-    """Re-rate active slots [0, n) after a fill at time t: a slot whose rate changed gets its
-    remaining bytes at t, t0 = t, the new rate and its finish time; the others are left alone.
-    Returns (fin_max, fin_min): the largest finite finish time among the changed slots (-inf if
-    none) and the smallest finish time of all slots (nan if one is nan, inf if n = 0), as the numpy
-    code's ``fin.max()`` / ``fin[isfinite].max()`` and ``a.fin.min()`` read them."""
-    fin_max = -np.inf
-    fin_min = np.inf
-    nan = False
-    for i in range(n):
-        r = _level(lev_U1, N, ns[i], nd[i])
-        if r != rate[i]:   # dead slots keep rate 0
-            rem = rem0[i] - rate[i] * (t - t0[i])
-            rem0[i] = rem
-            t0[i] = t
-            rate[i] = r
-            f = t + _divide(rem, r)
-            fin[i] = f
-            if np.isfinite(f) and f > fin_max:
-                fin_max = f
-        f = fin[i]
-        if f != f:
-            nan = True
-        elif f < fin_min:
-            fin_min = f
-    return fin_max, (np.nan if nan else fin_min)
-
-
-@kernel
-def complete_due(thr, t, n, fin, rate, rem0, alive, ns, nd, ids, key, lev_U1, bport_U1, sentinel,
-                 log_end, log_bneck, left, mm, T, row_U, col_U, cnt_src, cnt_dst, done):
-    """Complete the active slots of [0, n) with ``fin <= thr`` (``done``: int64 scratch of 2n at
-    least; the completed slots are written there in order): their log rows get end t and the
-    bottleneck port of the last fill (the sender node's port where its level is the lower), their
-    receive groups one flow fewer (``left``), the block counts lose them (``mm``: the counts
-    buffer, M cells then MT cells from T; ``row_U`` / ``col_U``: ``BlockCounts.mt_row_N`` /
-    ``cell_col_N``), and their slots go dead (rate 0 at the sentinel node, fin and rem0 inf).
-    Returns (completed slots, receive groups completed): the count of each; the groups' keys
-    (with repeats) follow the slots in ``done``."""
-    N = sentinel
-    m = 0
-    for i in range(n):
-        if fin[i] <= thr:
-            done[m] = i
-            m += 1
-    for j in range(m):
-        i = done[j]
-        s, d = ns[i], nd[i]
-        k = ids[i]
-        log_end[k] = t
-        log_bneck[k] = bport_U1[s] if lev_U1[s] <= lev_U1[N + d] else bport_U1[N + d]
-        left[key[i]] -= 1
-        mm[row_U[s] + col_U[d]] -= 1.0
-        mm[T + row_U[d] + col_U[s]] -= 1.0
-        cnt_src[s] -= 1.0
-        cnt_dst[d] -= 1.0
-    g = m
-    for j in range(m):
-        i = done[j]
-        if left[key[i]] == 0:
-            done[g] = key[i]
-            g += 1
-    for j in range(m):
-        i = done[j]
-        alive[i] = False
-        fin[i] = np.inf
-        rem0[i] = np.inf
-        rate[i] = 0.0
-        ns[i] = sentinel
-        nd[i] = sentinel
-    return m, g - m
-
-
-@kernel
-def submit_flows(src, dst_F, bytes_F, eff_F, blk_RR, lat_RR, message_us, now, pid, R, pn, ln,
-                 p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk, l_src, l_dst, l_phase, l_bytes, l_start):
-    """``FlowNetwork.submit`` where the network has per-pair tables: rank ``src``'s transfers of
-    phase ``pid`` to ``dst_F`` with bytes > 0 (the others skipped) appended, in order, to the
-    waiting columns (``p_*``, slots from ``pn``) and the log's (``l_*``, rows from ``ln``; both with
-    room for every entry). ``blk_RR`` / ``lat_RR``: the block and latency tables (the sender's
-    row is read); ``message_us`` > 0 adds the sender's serial per-message cost (x its transfers to other
-    ranks) to each transfer's latency to another rank. Returns (transfers kept, the earliest
-    ready time: inf when none)."""
-    m = 0
-    remote = 0
-    for f in range(dst_F.size):
-        if bytes_F[f] > 0:
-            m += 1
-            if dst_F[f] != src:
-                remote += 1
-    first = np.inf
-    if m == 0:
-        return 0, first
-    extra = message_us * float(remote)
-    j = 0
-    for f in range(dst_F.size):
-        if bytes_F[f] > 0:
-            d = dst_F[f]
-            lat = lat_RR[src, d]
-            if message_us > 0:
-                lat = lat + (extra if d != src else 0.0)
-            r = now + lat
-            if r < first:
-                first = r
-            k = pn + j
-            p_ready[k] = r
-            p_eff[k] = eff_F[f]
-            p_id[k] = ln + j
-            p_key[k] = pid * R + d
-            p_src[k] = src
-            p_dst[k] = d
-            p_blk[k] = blk_RR[src, d]
-            q = ln + j
-            l_src[q] = src
-            l_dst[q] = d
-            l_phase[q] = pid
-            l_bytes[q] = bytes_F[f]
-            l_start[q] = now
-            j += 1
-    return m, first
-
-
 class TickState(NamedTuple):
     """What one tick reads and the next one reads back (:func:`tick_blocks` returns it in
     :class:`TickOut`): n active slots in use, dead ones among them, pn waiting flows, the earliest
@@ -254,6 +108,27 @@ class TickBook(NamedTuple):
     done: np.ndarray
 
 
+class Submission(NamedTuple):
+    """One rank's submission to :func:`submit_flows`: the sending rank, the phase id, the time (us)
+    and the sender's serial cost per message to another rank (us; 0: none)."""
+
+    src: int
+    pid: int
+    now: float
+    message_us: float
+
+
+class LogCols(NamedTuple):
+    """The flow log's columns a submission writes (``FlowLog.data``): source and destination rank,
+    phase id, bytes, submission time."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    phase: np.ndarray
+    bytes: np.ndarray
+    start: np.ndarray
+
+
 class BlockCountsCols(NamedTuple):
     """The block solver's counts the tick updates (``BlockCounts``): port capacities ``cap_P``, the
     counts buffer ``mm`` (M cells, then MT cells from ``T``), per node its row and column in it
@@ -283,6 +158,158 @@ def tick_records(active: Any, waiting: Any, log: Any, sentinel: int, ranks: int,
 
 
 @kernel
+def _divide(a, b):
+    """a / b with numpy's float semantics where b is 0 (inf with the quotient's sign, nan for 0/0);
+    compiled Python raises there."""
+    if b != 0.0:
+        return a / b
+    if a != a or a == 0.0:
+        return np.nan
+    return math.copysign(np.inf, a) * math.copysign(1.0, b)
+
+
+@kernel
+def _level(lev_U1, N, s, d):
+    """``np.minimum`` of a transfer's sender-node and receiver-node levels (the sentinel N: 0)."""
+    ls = 0.0 if s >= N else lev_U1[s]
+    ld = 0.0 if d >= N else lev_U1[N + d]
+    if ls != ls:
+        return ls
+    if ld != ld:
+        return ld
+    return ls if ls <= ld else ld
+
+
+@kernel
+def set_rates(lev_U1, N, n, ns, nd, rate, rem0, t0, fin, t):
+    """Re-rate active slots [0, n) after a fill at time t: a slot whose rate changed gets its
+    remaining bytes at t, t0 = t, the new rate and its finish time; the others are left alone.
+    Returns (fin_max, fin_min): the largest finite finish time among the changed slots (-inf if
+    none) and the smallest finish time of all slots (nan if one is nan, inf if n = 0), as the numpy
+    code's ``fin.max()`` / ``fin[isfinite].max()`` and ``a.fin.min()`` read them."""
+    fin_max = -np.inf
+    fin_min = np.inf
+    nan = False
+    for i in range(n):
+        r = _level(lev_U1, N, ns[i], nd[i])
+        if r != rate[i]:   # dead slots keep rate 0
+            rem = rem0[i] - rate[i] * (t - t0[i])
+            rem0[i] = rem
+            t0[i] = t
+            rate[i] = r
+            f = t + _divide(rem, r)
+            fin[i] = f
+            if np.isfinite(f) and f > fin_max:
+                fin_max = f
+        f = fin[i]
+        if f != f:
+            nan = True
+        elif f < fin_min:
+            fin_min = f
+    return fin_max, (np.nan if nan else fin_min)
+
+
+@kernel
+def complete_due(thr, t, n, flows, lev_U1, bport_U1, book, counts):
+    """Complete the active slots of [0, n) with ``fin <= thr`` (``done``: int64 scratch of 2n at
+    least; the completed slots are written there in order): their log rows get end t and the
+    bottleneck port of the last fill (the sender node's port where its level is the lower), their
+    receive groups one flow fewer (``left``), the block counts lose them (``mm``: the counts
+    buffer, M cells then MT cells from T; ``row_U`` / ``col_U``: ``BlockCounts.mt_row_N`` /
+    ``cell_col_N``), and their slots go dead (rate 0 at the sentinel node, fin and rem0 inf).
+    Returns (completed slots, receive groups completed): the count of each; the groups' keys
+    (with repeats) follow the slots in ``done``. flows: :class:`FlowCols`; book: :class:`TickBook`;
+    counts: :class:`BlockCountsCols`."""
+    fin, rate, rem0, t0, alive, ns, nd, ids, key, src, dst, blk = flows
+    sentinel, R, log_end, log_bneck, log_ready, left, done = book
+    cap_P, mm, T, row_U, col_U, cnt_src, cnt_dst = counts
+    N = sentinel
+    m = 0
+    for i in range(n):
+        if fin[i] <= thr:
+            done[m] = i
+            m += 1
+    for j in range(m):
+        i = done[j]
+        s, d = ns[i], nd[i]
+        k = ids[i]
+        log_end[k] = t
+        log_bneck[k] = bport_U1[s] if lev_U1[s] <= lev_U1[N + d] else bport_U1[N + d]
+        left[key[i]] -= 1
+        mm[row_U[s] + col_U[d]] -= 1.0
+        mm[T + row_U[d] + col_U[s]] -= 1.0
+        cnt_src[s] -= 1.0
+        cnt_dst[d] -= 1.0
+    g = m
+    for j in range(m):
+        i = done[j]
+        if left[key[i]] == 0:
+            done[g] = key[i]
+            g += 1
+    for j in range(m):
+        i = done[j]
+        alive[i] = False
+        fin[i] = np.inf
+        rem0[i] = np.inf
+        rate[i] = 0.0
+        ns[i] = sentinel
+        nd[i] = sentinel
+    return m, g - m
+
+
+@kernel
+def submit_flows(sub, dst_F, bytes_F, eff_F, blk_RR, lat_RR, R, pn, ln, wait, log):
+    """``FlowNetwork.submit`` where the network has per-pair tables: rank ``src``'s transfers of
+    phase ``pid`` to ``dst_F`` with bytes > 0 (the others skipped) appended, in order, to the
+    waiting columns (``p_*``, slots from ``pn``) and the log's (``l_*``, rows from ``ln``; both with
+    room for every entry). ``blk_RR`` / ``lat_RR``: the block and latency tables (the sender's
+    row is read); ``message_us`` > 0 adds the sender's serial per-message cost (x its transfers to other
+    ranks) to each transfer's latency to another rank. Returns (transfers kept, the earliest
+    ready time: inf when none). sub: :class:`Submission` (src, pid, now, message_us); wait:
+    :class:`WaitCols`; log: :class:`LogCols`."""
+    src, pid, now, message_us = sub
+    p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk = wait
+    l_src, l_dst, l_phase, l_bytes, l_start = log
+    m = 0
+    remote = 0
+    for f in range(dst_F.size):
+        if bytes_F[f] > 0:
+            m += 1
+            if dst_F[f] != src:
+                remote += 1
+    first = np.inf
+    if m == 0:
+        return 0, first
+    extra = message_us * float(remote)
+    j = 0
+    for f in range(dst_F.size):
+        if bytes_F[f] > 0:
+            d = dst_F[f]
+            lat = lat_RR[src, d]
+            if message_us > 0:
+                lat = lat + (extra if d != src else 0.0)
+            r = now + lat
+            if r < first:
+                first = r
+            k = pn + j
+            p_ready[k] = r
+            p_eff[k] = eff_F[f]
+            p_id[k] = ln + j
+            p_key[k] = pid * R + d
+            p_src[k] = src
+            p_dst[k] = d
+            p_blk[k] = blk_RR[src, d]
+            q = ln + j
+            l_src[q] = src
+            l_dst[q] = d
+            l_phase[q] = pid
+            l_bytes[q] = bytes_F[f]
+            l_start[q] = now
+            j += 1
+    return m, first
+
+
+@kernel
 def tick_blocks(t, state, flows, wait, book, counts, tables):
     """One tick of ``FlowNetwork`` at time t with the block solver's compiled fill, as its numpy
     code does it, in its order: (1) the active slots [0, n) due by ``t + 2e-9 x max(t, 1)`` complete
@@ -306,8 +333,7 @@ def tick_blocks(t, state, flows, wait, book, counts, tables):
     g = 0
     if n > 0:
         thr = t + 2e-9 * max(t, 1.0)
-        m, g = complete_due(thr, t, n, fin, rate, rem0, alive, ns, nd, ids, key, lev_U1, bport_U1, sentinel,
-                            log_end, log_bneck, left, mm, T, row_U, col_U, cnt_src, cnt_dst, done)
+        m, g = complete_due(thr, t, n, flows, lev_U1, bport_U1, book, counts)
         if g > 1:   # the keys sorted, repeats dropped
             done[m:m + g].sort()
             u = m + 1
@@ -387,5 +413,5 @@ def tick_blocks(t, state, flows, wait, book, counts, tables):
     return TickOut(n, dead, pn, pend_min, lev, bport, m, g, steps, fin_max, nxt)
 
 
-__all__ = ["BlockCountsCols", "FlowCols", "TickBook", "TickOut", "TickState", "WaitCols", "complete_due", "set_rates",
-           "submit_flows", "tick_blocks", "tick_records"]
+__all__ = ["BlockCountsCols", "FlowCols", "LogCols", "Submission", "TickBook", "TickOut", "TickState", "WaitCols",
+           "complete_due", "set_rates", "submit_flows", "tick_blocks", "tick_records"]
