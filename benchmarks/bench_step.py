@@ -34,7 +34,8 @@ ours; ``floor_of``), each part named:
 **The command's path.** By default (``--no-cli`` to skip; not with ``--moe-layers``, ``--floor`` or
 ``--jobs``) every run is also timed as the user runs it, right before the in-process run: ``moonep-sim
 step ...`` (:func:`cli_argv`, the same case) in a fresh ``python -m moonep_sim`` process, with
-``--json`` (whose step times must equal the in-process run's) and ``--quiet``. Its wall and CPU
+``--json`` (whose step times must equal the in-process run's) and ``--quiet`` (with ``--repeat N``
+the two alternate who goes first). Its wall and CPU
 seconds sit beside the in-process figures in the row (``cli_wall_s``, ``cli_cpu_s``,
 ``cli_over_inprocess_wall``), and a table of both closes the run.
 
@@ -451,9 +452,12 @@ def main(argv: list[str] | None = None) -> int:
                     modes = pipelines if rep % 2 == 0 else pipelines[::-1]  # alternate who goes first
                     for mode in modes:
                         cli = None
-                        if not (a.no_cli or a.moe_layers or a.floor or a.jobs != 1):
+                        timed_cli = not (a.no_cli or a.moe_layers or a.floor or a.jobs != 1)
+                        if timed_cli and rep % 2 == 0:  # back to back, who goes first alternating over --repeat
                             cli = run_cli(case, g, distinct, mode)
                         got = run(case, g, distinct, a.jobs, a.moe_layers, a.floor, mode)
+                        if timed_cli and rep % 2 == 1:
+                            cli = run_cli(case, g, distinct, mode)
                         for r in with_cli(got, cli) if cli else got:
                             r["repeat"] = rep
                             print(json.dumps(r), flush=True)
