@@ -77,7 +77,7 @@ class StepOptions:
     static_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from moonep_sim.step.schedule import get_overlap
+        from moonep_sim.step.schedules import get_overlap
         from moonep_sim.step.stack import MODES
 
         require(self.mode in MODES, f"mode ({self.mode!r}) must be one of {', '.join(MODES)}")

@@ -31,7 +31,8 @@ from moonep_sim.step.compose import all_ops, compose, stack_ops
 from moonep_sim.step.costs import CostModel
 from moonep_sim.step.layer_sim import LayerComm, simulate_moe_layer
 from moonep_sim.step.memory import MemoryOptions, PlanFootprint, memory_per_rank
-from moonep_sim.step.schedule import Timeline, get_overlap
+from moonep_sim.step.schedule import Timeline
+from moonep_sim.step.schedules import get_overlap
 from moonep_sim.step.stack import StepShape
 
 #: moe_index -> (key, routing or a picklable builder of it, provenance): layers with equal keys
