@@ -112,6 +112,11 @@ class KernelSpec:
         of a chunked kernel, :func:`moonep_sim.sim.kernels.relay_hop_rows`) is exposed after its last
         rows arrived (:func:`moonep_sim.sim.kernels.receive_copy_us`); False = none (the rows land in
         the output, or a copy epilogue writes it).
+    holds_sms: True = the kernels hold their SMs for the whole collective, data in flight included
+        (normal kernels: their SMs move the bytes); False = they hold them only in their SM phases
+        (launch and send issue, the receive copy or reduce) and free them while the data is in
+        flight (DeepEP's low-latency kernels run with ``return_recv_hook``): an overlapping compute
+        op is slowed only in those phases (``moonep_sim.step.schedule.Timeline.comm``).
     """
 
     sms: int = 0
@@ -134,6 +139,7 @@ class KernelSpec:
     epilogue: str = ""
     sm_read_GBps: float = 0.0
     recv_copy: bool = False
+    holds_sms: bool = True
 
     def __post_init__(self) -> None:
         require(self.epilogue in EPILOGUES, f"kernel epilogue ({self.epilogue!r}) must be one of {EPILOGUES}")
@@ -161,6 +167,8 @@ class KernelFamily:
         per (token, destination rank) instead of per selection.
     counts: how the library's own test counts its bandwidth (:data:`COUNTS`), which ``simulate
         --isolate`` prints first.
+    holds_sms: whether the kernels hold their SMs while data is in flight (:class:`KernelSpec`);
+        default: normal kernels do, low-latency ones (run with their receive hook) do not.
     The pricing terms are :class:`KernelSpec`'s (``None`` = the topology's).
     sources: term -> where its value comes from, opening with its status (sourced / FITTED on
         <row> / assumed, set from ...).
@@ -188,7 +196,13 @@ class KernelFamily:
     epilogue: str = ""
     sm_read_GBps: float = 0.0
     recv_copy: bool = False
+    holds_sms: bool | None = None
     sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def holds(self) -> bool:
+        """``holds_sms``, defaulted by mode (normal: True; ll: False, the hook mode)."""
+        return self.mode == "normal" if self.holds_sms is None else bool(self.holds_sms)
 
     def __post_init__(self) -> None:
         require(self.mode in ("normal", "ll"), f"kernel family {self.name} mode ({self.mode!r}) must be normal or ll")
@@ -199,6 +213,13 @@ class KernelFamily:
 
 
 _V1 = "deepseek-ai/DeepEP V1 ('legacy') kernels"
+#: Why a low-latency family frees its SMs while its data is in flight.
+_LL_HOOK = ("sourced: DeepEP README ('a hook-based communication-computation overlapping method that does not "
+            "occupy any SM resource') and csrc/kernels/internode_ll.cu: with return_recv_hook=True the dispatch "
+            "and combine kernels run only their send phase (buffer clean, FP8 cast, IBGDA writes) and return; "
+            "the receive phase (wait, copy out or weighted sum) runs when the hook is called, so the SMs are "
+            "held in the launch, send and receive phases only; DeepSeek's decode profile (deepseek-ai/"
+            "profile-data README) overlaps two micro-batches this way")
 #: DeepEP V2's per-SM copy rate over V1's: FITTED on its README row EP8 B200 24 SMs dispatch.
 V2_SM_COPY_FACTOR = 1.762
 _V2_EPILOGUE = ("sourced: DeepEP V2 csrc/buffers/ep.hpp + deep_ep/include/deep_ep/impls/ep/dispatch_copy_epilogue.cuh: "
@@ -240,7 +261,8 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
         "design": f"sourced: {_V1} low-latency: one RDMA write per (token, expert) selection into fixed "
                   "buffers, NVLink for same-node peers; the combine's receive phase waits for its rows, then "
                   "reduces the K of each token",
-        "fixed_us": "FITTED on DeepEP's low-latency EP8 dispatch / combine rows (the topology's [kernel])"}),
+        "fixed_us": "FITTED on DeepEP's low-latency EP8 dispatch / combine rows (the topology's [kernel])",
+        "holds_sms": _LL_HOOK}),
     KernelFamily("deepep-v2", "DeepEP", "normal", "nvidia", ("ib", "roce", "efa"), sms=6, sm_copy_factor=V2_SM_COPY_FACTOR,
                  reduce="fused", counts="deepep-v2", epilogue="recv", sm_read_GBps=200.0, sources={
         "design": "sourced: DeepEP V2 ElasticBuffer (deep_ep/buffers/elastic.py) in hybrid mode: scale-out "
@@ -275,12 +297,14 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                  reduce="after", counts="selections", sources={
         "design": "assumed, set from NCCL EP's low-latency mode (DESIGN: 'DeepEP LL, NCCL EP LL: one message "
                   "per selection, fixed buffers, no relay')",
+        "holds_sms": "assumed, set from DeepEP low-latency's hook mode, which NCCL EP's low-latency mode follows",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
     KernelFamily("pplx", "pplx-kernels", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS, reduce="after",
                  dedup_per_rank=True, counts="selections", sources={
         "design": "assumed, set from pplx-kernels' all-to-all design: each token goes once to every rank "
                   "holding one of its experts (per-rank deduplication, no node relay) over NVSHMEM; the "
                   "receiver reduces after the rows arrived",
+        "holds_sms": "assumed, set from pplx-kernels' split dispatch / combine (do_send / do_recv halves): the SMs are free between the halves",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
     KernelFamily("uccl-ep", "UCCL-EP", "normal", "nvidia", ("ib", "roce", "efa"), sms=24, message_us=0.05,
                  extra_fixed_us=5.0, reduce="fused", sources={
@@ -294,11 +318,13 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                  extra_fixed_us=5.0,
                  reduce="after", counts="selections", sources={
         "design": "assumed, set from UCCL-EP's design: DeepEP's low-latency kernels through CPU proxies",
-        "message_us": "assumed, as uccl-ep", "fixed_us": "assumed: DeepEP V1 low-latency's + 5 us, as uccl-ep"}),
+        "message_us": "assumed, as uccl-ep", "holds_sms": "assumed, set from UCCL-EP's DeepEP-compatible low-latency API (return_recv_hook); its CPU proxies, not SMs, move the data in flight",
+        "fixed_us": "assumed: DeepEP V1 low-latency's + 5 us, as uccl-ep"}),
     KernelFamily("nixl-ep", "NIXL EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
                  reduce="after", counts="selections", sources={
         "design": "assumed, set from NIXL EP's design: DeepEP-style low-latency kernels over NIXL's device API "
                   "(UCX / libfabric backends), one message per selection",
+        "holds_sms": "assumed, set from DeepEP low-latency's hook mode, which NIXL EP's kernels derive from",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
     KernelFamily("mori", "mori (ROCm)", "normal", "amd", ("ib", "roce"), sms=32, reduce="fused", sources={
         "design": "assumed, set from ROCm mori-EP's design: GPU-initiated (shmem-style) dispatch / combine, "
@@ -308,6 +334,7 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
     KernelFamily("mori-ll", "mori (ROCm)", "ll", "amd", ("ib", "roce"), sms=ALL_SMS,
                  reduce="after", counts="selections", sources={
         "design": "assumed, set from mori-EP's low-latency mode: one message per selection",
+        "holds_sms": "assumed, set from DeepEP low-latency's hook mode (mori's low-latency kernels send, then a receive phase)",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
 )}
 
@@ -328,7 +355,8 @@ def family_spec(fam: KernelFamily, **kw) -> KernelSpec:
                       plan_fixed_us=fam.plan_fixed_us, extra_fixed_us=fam.extra_fixed_us, message_us=fam.message_us,
                       relay_message_rows=fam.relay_message_rows, sm_copy_factor=fam.sm_copy_factor, reduce=fam.reduce,
                       reduce_sms=fam.reduce_sms, chunks=fam.chunks, channels_per_sm=fam.channels_per_sm,
-                      epilogue=fam.epilogue, sm_read_GBps=fam.sm_read_GBps, recv_copy=fam.recv_copy)
+                      epilogue=fam.epilogue, sm_read_GBps=fam.sm_read_GBps, recv_copy=fam.recv_copy,
+                      holds_sms=fam.holds)
     return replace(spec, **kw)
 
 

@@ -56,6 +56,12 @@ def all_ops(ot: OpTimes, train: bool) -> list[Op]:
     return ops
 
 
+def _held(c: LayerComm, seg):
+    """``Timeline.comm``'s ``held`` for a segment: None (the whole collective) when the layer's
+    kernels hold their SMs while data is in flight, else the segment's (head_R, tail_R)."""
+    return None if c.holds_sms or seg is None else seg
+
+
 def compose(model: ModelSpec, shapes: Sequence[StepShape], costs: CostModel, overlap: Overlap,
             comm_of: Callable[[int, int], LayerComm], R: int, train: bool) -> Timeline:
     """Place the step's ops on a :class:`Timeline` of ``R`` ranks. ``shapes[i]``: micro-batch i's
@@ -96,13 +102,15 @@ def compose(model: ModelSpec, shapes: Sequence[StepShape], costs: CostModel, ove
             if lo.shared is not None and not overlap.shared_overlap:
                 run(lo.shared, i, l)
             c = comm_of(l, i)
-            pre_end[i] = tl.comm("dispatch", c.forward.pre_R, l, "forward", c.sm_share, i, after=ready[i])
+            pre_end[i] = tl.comm("dispatch", c.forward.pre_R, l, "forward", c.sm_share, i, after=ready[i],
+                                 held=_held(c, c.forward.pre_held))
         for i in pre_end:
             lo, c = ots[i].layers[l], comm_of(l, i)
             if lo.shared is not None and overlap.shared_overlap:
                 run(lo.shared, i, l)
             e = tl.compute("expert", c.forward.expert_R, l, "forward", i, after=np.maximum(pre_end[i], ready[i]))
-            post = tl.comm("combine", c.forward.post_R, l, "forward", c.sm_share, i, after=np.full(R, float(e.max())))
+            post = tl.comm("combine", c.forward.post_R, l, "forward", c.sm_share, i, after=np.full(R, float(e.max())),
+                           held=_held(c, c.forward.post_held))
             ready[i] = np.maximum(ready[i], post)
     for i in range(M):
         for op in ots[i].last:
@@ -123,14 +131,15 @@ def compose(model: ModelSpec, shapes: Sequence[StepShape], costs: CostModel, ove
                     run(op, i, l, True)
                 continue
             c = comm_of(l, i)
-            pre_end[i] = tl.comm("combine_bwd", c.backward.pre_R, l, "backward", c.sm_share, i, after=ready[i])
+            pre_end[i] = tl.comm("combine_bwd", c.backward.pre_R, l, "backward", c.sm_share, i, after=ready[i],
+                                 held=_held(c, c.backward.pre_held))
         for i in pre_end:
             lo, c = ots[i].layers[l], comm_of(l, i)
             if lo.shared is not None and overlap.shared_overlap:
                 run(lo.shared, i, l, True)
             e = tl.compute("expert_bwd", c.backward.expert_R, l, "backward", i, after=np.maximum(pre_end[i], ready[i]))
             post = tl.comm("dispatch_bwd", c.backward.post_R, l, "backward", c.sm_share, i,
-                           after=np.full(R, float(e.max())))
+                           after=np.full(R, float(e.max())), held=_held(c, c.backward.post_held))
             g = post
             if c.backward.grad_R.max() > 0:
                 g = tl.comm("grad_reduce", c.backward.grad_R, l, "backward", c.sm_share, i, after=post)
