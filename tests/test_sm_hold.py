@@ -65,3 +65,19 @@ def test_two_batch_low_latency_decode_is_never_slower_than_its_micro_batches_in_
     lost = sum(o["sm_us"] for o in two["overlap_by_op"] if o["stream"] == "compute")
     assert lost <= held + 1e-6
     assert ops[("comm", "dispatch")]["sm_us"] < ops[("comm", "dispatch")]["us"]  # free while in flight
+
+
+def test_deepep_v1_on_efa_is_flagged_not_native_and_the_proxy_families_are_native_there():
+    from moonep_sim.experiments.flags import native_flags
+    from moonep_sim.plan.kernel import NVSHMEM_PROXY_THREADS, PROXY_POST_US, UCCL_PROXY_THREADS
+
+    got = native_flags({"deepep": {}, "deepep-ll": {}, "alltoall": {}}, "h100-efa")
+    assert {(f["code"], f["strategy"]) for f in got} == {("kernel-not-native", "deepep"),
+                                                          ("kernel-not-native", "deepep-ll")}
+    assert native_flags({"deepep": {"impl": "uccl-ep"}, "deepep-ll": {"impl": "uccl-ep-ll"}}, "h100-efa") == []
+    assert native_flags({"deepep": {"impl": "deepep-nvshmem-efa"}}, "h100-efa") == []
+    assert [f["strategy"] for f in native_flags({"deepep": {"impl": "deepep-nvshmem-efa"}}, "h800-cx7")] == ["deepep"]
+    assert native_flags({"deepep": {}}, "h800-cx7") == [] and native_flags({"deepep": {}}, "my.toml") == []
+    # a host proxy's per-message cost is its post time shared by its threads
+    assert FAMILIES["uccl-ep"].message_us == pytest.approx(PROXY_POST_US / UCCL_PROXY_THREADS)
+    assert FAMILIES["deepep-nvshmem-efa"].message_us == pytest.approx(PROXY_POST_US / NVSHMEM_PROXY_THREADS)

@@ -213,6 +213,21 @@ class KernelFamily:
 
 
 _V1 = "deepseek-ai/DeepEP V1 ('legacy') kernels"
+#: Host-proxy transports (a CPU thread posts each RDMA write the GPU asks for): proxy threads per
+#: GPU, the CPU time one thread spends posting one write, and the round trips a launch pays.
+UCCL_PROXY_THREADS = 4
+NVSHMEM_PROXY_THREADS = 1
+#: ASSUMED: CPU us one proxy thread spends per posted write (a verbs / libfabric post and its
+#: completion poll, ~5 M posts/s per thread); a proxy GPU's messages cost PROXY_POST_US / threads each.
+PROXY_POST_US = 0.2
+#: ASSUMED: two proxy round trips per launch (GPU command ring -> CPU thread -> completion back,
+#: ~2.5 us each over PCIe with polling).
+PROXY_ROUND_TRIP_US = 5.0
+_PROXY_MSG = ("assumed: PROXY_POST_US = 0.2 CPU us per posted write per proxy thread (~5 M posts/s: a verbs / "
+              "libfabric post and its completion poll), divided over the GPU's proxy threads; no published "
+              "dispatch/combine figure used")
+_PROXY_FIXED = ("assumed: V1's (the topology's [kernel]) + PROXY_ROUND_TRIP_US = 5 us per launch, two proxy round "
+                "trips (GPU command ring -> CPU thread -> completion back) of ~2.5 us each over PCIe with polling")
 #: Why a low-latency family frees its SMs while its data is in flight.
 _LL_HOOK = ("sourced: DeepEP README ('a hook-based communication-computation overlapping method that does not "
             "occupy any SM resource') and csrc/kernels/internode_ll.cu: with return_recv_hook=True the dispatch "
@@ -306,20 +321,33 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                   "receiver reduces after the rows arrived",
         "holds_sms": "assumed, set from pplx-kernels' split dispatch / combine (do_send / do_recv halves): the SMs are free between the halves",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
-    KernelFamily("uccl-ep", "UCCL-EP", "normal", "nvidia", ("ib", "roce", "efa"), sms=24, message_us=0.05,
-                 extra_fixed_us=5.0, reduce="fused", sources={
-        "design": "assumed, set from UCCL-EP's design: DeepEP's kernels with GPU-issued commands that CPU proxy "
-                  "threads post to the NIC (no GPU-initiated RDMA needed: EFA, RoCE)",
-        "message_us": "assumed: 0.05 us per message at the sender, set from 4 proxy threads per GPU each posting "
-                      "~5 M writes/s (CPU verbs post path); no UCCL-EP figure used",
-        "fixed_us": "assumed: V1's (the topology's [kernel]) + 5 us per launch, set from two proxy round trips "
-                    "(GPU command ring -> CPU thread -> completion back) of ~2.5 us each over PCIe with polling"}),
-    KernelFamily("uccl-ep-ll", "UCCL-EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS, message_us=0.05,
-                 extra_fixed_us=5.0,
+    KernelFamily("uccl-ep", "UCCL-EP", "normal", "nvidia", ("ib", "roce", "efa"), sms=24,
+                 message_us=PROXY_POST_US / UCCL_PROXY_THREADS, extra_fixed_us=PROXY_ROUND_TRIP_US, reduce="fused",
+                 sources={
+        "design": "sourced: UCCL-EP (arXiv 2512.19849; uccl-project/uccl ep/): DeepEP's kernels whose GPU-issued "
+                  "128-bit commands go through lock-free FIFO channels to multithreaded CPU proxies, which post "
+                  "the RDMA writes (ibverbs / libfabric) on the GPU's behalf: no GPU-initiated RDMA needed (EFA, "
+                  "RoCE, Broadcom)",
+        "message_us": f"{_PROXY_MSG}; UCCL_PROXY_THREADS = 4 is sourced (uccl ep/include: kNumProxyThs = 4)",
+        "fixed_us": _PROXY_FIXED}),
+    KernelFamily("uccl-ep-ll", "UCCL-EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
+                 message_us=PROXY_POST_US / UCCL_PROXY_THREADS, extra_fixed_us=PROXY_ROUND_TRIP_US,
                  reduce="after", counts="selections", sources={
-        "design": "assumed, set from UCCL-EP's design: DeepEP's low-latency kernels through CPU proxies",
-        "message_us": "assumed, as uccl-ep", "holds_sms": "assumed, set from UCCL-EP's DeepEP-compatible low-latency API (return_recv_hook); its CPU proxies, not SMs, move the data in flight",
-        "fixed_us": "assumed: DeepEP V1 low-latency's + 5 us, as uccl-ep"}),
+        "design": "sourced: UCCL-EP: DeepEP's low-latency kernels through the same CPU proxies",
+        "message_us": f"{_PROXY_MSG}; as uccl-ep",
+        "holds_sms": "assumed, set from UCCL-EP's DeepEP-compatible low-latency API (return_recv_hook); its CPU "
+                     "proxies, not SMs, move the data in flight",
+        "fixed_us": _PROXY_FIXED}),
+    KernelFamily("deepep-nvshmem-efa", "DeepEP over NVSHMEM (libfabric)", "normal", "nvidia", ("efa",), sms=24,
+                 message_us=PROXY_POST_US / NVSHMEM_PROXY_THREADS, extra_fixed_us=PROXY_ROUND_TRIP_US,
+                 reduce="fused", chunks=V1_CHUNKS, channels_per_sm=0.5, recv_copy=True, sources={
+        "design": "sourced: DeepEP V1's normal kernels built on NVSHMEM's libfabric transport for EFA, which has no "
+                  "GPU-initiated RDMA (IBGDA): each device-side put is handed to NVSHMEM's host proxy thread, which "
+                  "posts it to the NIC (NVSHMEM docs, 'proxy' transports; the awslabs Megatron-Bridge rows in "
+                  "ANCHORS run DeepEP this way)",
+        "message_us": f"{_PROXY_MSG}; NVSHMEM_PROXY_THREADS = 1 is sourced (NVSHMEM runs one host proxy thread "
+                      "per PE for its proxy-based transports)",
+        "fixed_us": _PROXY_FIXED}),
     KernelFamily("nixl-ep", "NIXL EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
                  reduce="after", counts="selections", sources={
         "design": "assumed, set from NIXL EP's design: DeepEP-style low-latency kernels over NIXL's device API "
