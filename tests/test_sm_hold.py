@@ -81,3 +81,17 @@ def test_deepep_v1_on_efa_is_flagged_not_native_and_the_proxy_families_are_nativ
     # a host proxy's per-message cost is its post time shared by its threads
     assert FAMILIES["uccl-ep"].message_us == pytest.approx(PROXY_POST_US / UCCL_PROXY_THREADS)
     assert FAMILIES["deepep-nvshmem-efa"].message_us == pytest.approx(PROXY_POST_US / NVSHMEM_PROXY_THREADS)
+
+
+def test_normal_kernels_pay_the_host_wait_of_their_count_exchange_once_per_forward_dispatch():
+    from moonep_sim.plan.kernel import HOST_WAIT_US
+
+    t = load_topology("h800-cx7")
+    r = _routing(SMALL, 32, seed=3)
+    cfg = StepConfig(SMALL, t, _ctx(SMALL, t), (("deepep", {}), ("deepep-ll", {})),
+                     step_shape(SMALL, "decode", 32, 1024), "none")
+    out = simulate_step(cfg, lambda i: (0, r, "layer"))
+    ops = {o["op"]: o for o in out["strategies"]["deepep"]["overlap_by_op"]}
+    assert ops["host_wait"]["count"] == SMALL.moe_layers
+    assert ops["host_wait"]["us"] == pytest.approx(HOST_WAIT_US * SMALL.moe_layers)
+    assert "host_wait" not in {o["op"] for o in out["strategies"]["deepep-ll"]["overlap_by_op"]}

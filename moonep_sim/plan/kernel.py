@@ -117,6 +117,9 @@ class KernelSpec:
         (launch and send issue, the receive copy or reduce) and free them while the data is in
         flight (DeepEP's low-latency kernels run with ``return_recv_hook``): an overlapping compute
         op is slowed only in those phases (``moonep_sim.step.schedule.Timeline.comm``).
+    host_wait_us: the host's wait for the count exchange before each dispatch (the library's CPU
+        busy-waits for the received counts, then allocates the outputs and launches the dispatch
+        kernel): the GPU idles that long per dispatch (0 = none: the counts stay on the device).
     """
 
     sms: int = 0
@@ -140,6 +143,7 @@ class KernelSpec:
     sm_read_GBps: float = 0.0
     recv_copy: bool = False
     holds_sms: bool = True
+    host_wait_us: float = 0.0
 
     def __post_init__(self) -> None:
         require(self.epilogue in EPILOGUES, f"kernel epilogue ({self.epilogue!r}) must be one of {EPILOGUES}")
@@ -197,6 +201,7 @@ class KernelFamily:
     sm_read_GBps: float = 0.0
     recv_copy: bool = False
     holds_sms: bool | None = None
+    host_wait_us: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -228,6 +233,15 @@ _PROXY_MSG = ("assumed: PROXY_POST_US = 0.2 CPU us per posted write per proxy th
               "dispatch/combine figure used")
 _PROXY_FIXED = ("assumed: V1's (the topology's [kernel]) + PROXY_ROUND_TRIP_US = 5 us per launch, two proxy round "
                 "trips (GPU command ring -> CPU thread -> completion back) of ~2.5 us each over PCIe with polling")
+#: ASSUMED: what one dispatch of a normal kernel waits on the host for its count exchange: the
+#: counters' device-to-host write (~1 us over PCIe), then the CPU allocating the receive tensors and
+#: launching the dispatch kernel, which reaches the GPU ~5 us later (~15 us of eager op overhead).
+HOST_WAIT_US = 20.0
+_HOST_WAIT = ("sourced mechanism: DeepEP csrc/deep_ep.cpp (intranode_dispatch / internode_dispatch): after "
+              "notify_dispatch the CPU busy-waits on the mapped moe_recv_counter (and per-expert counters) to size "
+              "recv_x, unless num_worst_tokens is given; the GPU stream drains meanwhile and nothing after the "
+              "dispatch can be enqueued (nor captured in a CUDA graph). assumed: HOST_WAIT_US = 20 us per "
+              "dispatch (D2H counter write, tensor allocation, kernel launch)")
 #: Why a low-latency family frees its SMs while its data is in flight.
 _LL_HOOK = ("sourced: DeepEP README ('a hook-based communication-computation overlapping method that does not "
             "occupy any SM resource') and csrc/kernels/internode_ll.cu: with return_recv_hook=True the dispatch "
@@ -255,7 +269,8 @@ V1_CHUNKS = tuple(RelayChunk(r, dn, dr, cn, cr) for r, dn, dr, cn, cr in (
 #: they are; a family that says nothing else about its launch cost is *assumed* to pay the same.
 FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
     KernelFamily("deepep-v1", "DeepEP", "normal", "nvidia", ("ib", "roce"), sms=24, reduce="fused",
-                 chunks=V1_CHUNKS, channels_per_sm=0.5, recv_copy=True, sources={
+                 chunks=V1_CHUNKS, channels_per_sm=0.5, recv_copy=True, host_wait_us=HOST_WAIT_US, sources={
+        "host_wait_us": _HOST_WAIT,
         "design": f"sourced: {_V1}: node-deduplicated RDMA then NVLink forwarding by relay SMs in one kernel; "
                   "the combine's receiving SMs sum the rows as they arrive",
         "chunks": "sourced: DeepEP V1 deep_ep/buffer.py get_dispatch_config / get_combine_config (send-chunk "
@@ -323,7 +338,8 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
     KernelFamily("uccl-ep", "UCCL-EP", "normal", "nvidia", ("ib", "roce", "efa"), sms=24,
                  message_us=PROXY_POST_US / UCCL_PROXY_THREADS, extra_fixed_us=PROXY_ROUND_TRIP_US, reduce="fused",
-                 sources={
+                 host_wait_us=HOST_WAIT_US, sources={
+        "host_wait_us": _HOST_WAIT,
         "design": "sourced: UCCL-EP (arXiv 2512.19849; uccl-project/uccl ep/): DeepEP's kernels whose GPU-issued "
                   "128-bit commands go through lock-free FIFO channels to multithreaded CPU proxies, which post "
                   "the RDMA writes (ibverbs / libfabric) on the GPU's behalf: no GPU-initiated RDMA needed (EFA, "
@@ -340,7 +356,8 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
         "fixed_us": _PROXY_FIXED}),
     KernelFamily("deepep-nvshmem-efa", "DeepEP over NVSHMEM (libfabric)", "normal", "nvidia", ("efa",), sms=24,
                  message_us=PROXY_POST_US / NVSHMEM_PROXY_THREADS, extra_fixed_us=PROXY_ROUND_TRIP_US,
-                 reduce="fused", chunks=V1_CHUNKS, channels_per_sm=0.5, recv_copy=True, sources={
+                 reduce="fused", chunks=V1_CHUNKS, channels_per_sm=0.5, recv_copy=True, host_wait_us=HOST_WAIT_US, sources={
+        "host_wait_us": _HOST_WAIT,
         "design": "sourced: DeepEP V1's normal kernels built on NVSHMEM's libfabric transport for EFA, which has no "
                   "GPU-initiated RDMA (IBGDA): each device-side put is handed to NVSHMEM's host proxy thread, which "
                   "posts it to the NIC (NVSHMEM docs, 'proxy' transports; the awslabs Megatron-Bridge rows in "
@@ -384,7 +401,7 @@ def family_spec(fam: KernelFamily, **kw) -> KernelSpec:
                       relay_message_rows=fam.relay_message_rows, sm_copy_factor=fam.sm_copy_factor, reduce=fam.reduce,
                       reduce_sms=fam.reduce_sms, chunks=fam.chunks, channels_per_sm=fam.channels_per_sm,
                       epilogue=fam.epilogue, sm_read_GBps=fam.sm_read_GBps, recv_copy=fam.recv_copy,
-                      holds_sms=fam.holds)
+                      holds_sms=fam.holds, host_wait_us=fam.host_wait_us)
     return replace(spec, **kw)
 
 

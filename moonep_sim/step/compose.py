@@ -13,7 +13,10 @@ is not in the step (its memory is: ``moonep_sim.step.memory``).
 
 With M micro-batches each layer is issued as: every micro-batch's first half (the ops before the
 MoE block and its dispatch), then every micro-batch's second half (shared and routed experts and
-the combine), so micro-batch A's dispatch and combine run while B computes.
+the combine), so micro-batch A's dispatch and combine run while B computes. A kernel family whose
+library waits on the host for the count exchange (``LayerComm.host_wait_us``: DeepEP's normal
+kernels) puts a ``host_wait`` before each forward dispatch that also holds back every compute op
+issued after it (the CPU cannot enqueue them until the counts arrived).
 """
 
 from __future__ import annotations
@@ -102,6 +105,10 @@ def compose(model: ModelSpec, shapes: Sequence[StepShape], costs: CostModel, ove
             if lo.shared is not None and not overlap.shared_overlap:
                 run(lo.shared, i, l)
             c = comm_of(l, i)
+            if c.host_wait_us > 0:  # the CPU waits for the counts: nothing issued after it starts sooner
+                hw = tl.comm("host_wait", np.full(R, c.host_wait_us), l, "forward", 0.0, i, after=ready[i])
+                tl.wait(hw)
+                ready[i] = np.maximum(ready[i], hw)
             pre_end[i] = tl.comm("dispatch", c.forward.pre_R, l, "forward", c.sm_share, i, after=ready[i],
                                  held=_held(c, c.forward.pre_held))
         for i in pre_end:

@@ -66,7 +66,8 @@ class LayerComm:
     simulator named, the SM share its communication kernels take from compute (for the whole of
     each collective when ``holds_sms``, else in its SM phases only: ``pre_held`` /
     ``post_held``), and the plan's rows per rank (real / padded), copies, and the entries it
-    dropped of the layer's entries."""
+    dropped of the layer's entries; ``host_wait_us``: the host's wait for the count exchange before
+    the forward dispatch (``KernelSpec.host_wait_us``)."""
 
     forward: DirectionComm
     backward: DirectionComm | None
@@ -80,6 +81,7 @@ class LayerComm:
     dropped: int = 0
     entries: int = 0
     holds_sms: bool = True
+    host_wait_us: float = 0.0
 
 
 #: Span kinds that keep a rank's SMs busy (its own work, not data in flight): at the start of a
@@ -178,7 +180,8 @@ def _simulate(plan: Plan, model: ModelSpec, topo: Topology, costs: CostModel, tr
     return LayerComm(fwd, bwd, strag, share, plan.real_rows_R().astype(np.int64),
                      plan.rows_R().astype(np.int64), copies.astype(np.int64), sim_us,
                      float(plan.plan_seconds), _dropped(plan), int(plan.num_tokens * plan.top_k),
-                     holds_sms=plan.kernel is None or plan.kernel.holds_sms)
+                     holds_sms=plan.kernel is None or plan.kernel.holds_sms,
+                     host_wait_us=float(plan.kernel.host_wait_us) if plan.kernel is not None else 0.0)
 
 
 def _dropped(plan: Plan) -> int:
