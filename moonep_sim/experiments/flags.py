@@ -152,22 +152,32 @@ def step_flags(setup: Mapping[str, Any], options: Mapping[str, Mapping[str, Any]
 def native_flags(options: Mapping[str, Mapping[str, Any]], topology: str | None) -> list[dict[str, Any]]:
     """``kernel-not-native`` flags of the strategies that take a kernel family (``impl``) on the
     preset ``topology``: the family's GPU vendor or transports are not the preset's
-    (``moonep_sim/data/native-kernels.toml``); [] for a preset the table does not list."""
+    (``moonep_sim/data/native-kernels.toml``, the table ``moonep_sim.experiments.clusters`` reads);
+    [] for a preset the table does not list."""
+    import tomllib
+    from importlib import resources
+
     from moonep_sim.errors import ConfigError
-    from moonep_sim.experiments.clusters import kernel_flags, native_kernels
+    from moonep_sim.plan.kernel import FAMILIES
     from moonep_sim.strategies import get_strategy
 
-    if not topology or topology not in native_kernels():
+    doc = tomllib.loads(resources.files("moonep_sim.data").joinpath("native-kernels.toml").read_text())
+    nat = {e["preset"]: e for e in doc["native"]}.get(topology or "")
+    if nat is None:
         return []
-    impls = {}
+    out = []
     for n, o in options.items():
         try:
             opt = get_strategy(n).options.get("impl")
         except ConfigError:  # a strategy this build does not know has no kernel family
             opt = None
-        if opt is not None:
-            impls[n] = {"impl": str((o or {}).get("impl") or opt.default)}
-    return [f for f in kernel_flags(topology, topology, impls) if f["code"] == "kernel-not-native"]
+        fam = FAMILIES.get(str((o or {}).get("impl") or opt.default)) if opt is not None else None
+        if fam is not None and (fam.vendor != nat["vendor"] or nat["transport"] not in (*fam.transports, "none")):
+            out.append(_flag("kernel-not-native", n, f"{n} on {topology} is priced by {fam.name}, which runs on "
+                                                     f"{fam.vendor} GPUs over {' / '.join(fam.transports)}; "
+                                                     f"{topology} is {nat['vendor']} over {nat['transport']}: a "
+                                                     "setting its library does not run"))
+    return out
 
 
 def _ranges(ids: list[int]) -> str:

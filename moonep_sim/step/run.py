@@ -559,7 +559,10 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
         out[name] = d
         timelines[name] = tl
     return {"strategies": out, "mode": shape.mode, "tokens_per_rank": shape.tokens, "context": shape.context,
-            "overlap": ov.name, "layers_routing": provenance, "pipeline": piped, "_timelines": timelines}
+            "overlap": ov.name, "layers_routing": provenance, "pipeline": piped,
+            "compute_sources": costs.sources(all_ops(stack_ops(m, mb_shapes[0]), train), train),
+            "_timelines": timelines}
+
 
 
 def pipeline_pays(units: int, entries: int, cores: int | None = None) -> bool:

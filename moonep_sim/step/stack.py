@@ -40,6 +40,8 @@ class Op:
         (FLOPs and bytes, roofline) or ``bytes`` (memory-bound: elementwise, norm, gather).
     flops / bytes: per rank.  rows: the GEMM's M dimension (tokens), for the efficiency curve.
     shape: the profile key of this op's shape (``tokens=4096`` or ``tokens=32,context=4096``).
+    k: a GEMM's reduction dimension (its input width; 0 = not given): with ``rows`` and the FLOPs
+        it gives the (m, n, k) a measured GEMM table is read at (``moonep_sim.step.measured``).
     """
 
     name: str
@@ -48,6 +50,7 @@ class Op:
     bytes: float
     rows: int
     shape: str
+    k: int = 0
 
 
 @dataclass(frozen=True)
@@ -154,9 +157,10 @@ def _attn_dims(model: ModelSpec, kind: str, mode: str) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------- ops
-def _gemm(name: str, tokens: int, weights: int) -> Op:
-    """A GEMM of ``tokens`` rows through ``weights`` elements (weights read once, rows in/out)."""
-    return Op(name, "gemm", 2.0 * tokens * weights, float(weights) * BF16, tokens, f"tokens={tokens}")
+def _gemm(name: str, tokens: int, weights: int, k: int = 0) -> Op:
+    """A GEMM of ``tokens`` rows through ``weights`` elements (weights read once, rows in/out) whose
+    input width is ``k`` (a block of several projections is priced as one GEMM of equal FLOPs)."""
+    return Op(name, "gemm", 2.0 * tokens * weights, float(weights) * BF16, tokens, f"tokens={tokens}", int(k))
 
 
 def attention_core(model: ModelSpec, kind: str, shape: StepShape) -> Op:
@@ -204,18 +208,18 @@ def layer_ops(model: ModelSpec, layer: int, shape: StepShape) -> LayerOps:
     kind = model.attention_kind(layer)
     ops: list[Op] = []
     if kind != "none":
-        ops += [_norm(T, H), _gemm("attn_proj", T, attention_params(model, kind)), attention_core(model, kind, shape)]
+        ops += [_norm(T, H), _gemm("attn_proj", T, attention_params(model, kind), H), attention_core(model, kind, shape)]
     moe = layer >= model.dense_layers
     if not moe:
         require(model.dense_ffn >= 1, f"model ({model.name}) dense_ffn must be given: it has "
                                       f"{model.dense_layers} dense layer(s)", ConfigError)
-        ops += [_norm(T, H), _gemm("dense_ffn", T, 3 * H * model.dense_ffn)]
+        ops += [_norm(T, H), _gemm("dense_ffn", T, 3 * H * model.dense_ffn, H)]
         return LayerOps(layer, kind, False, tuple(ops), None, None)
     if kind != "none":
         ops.append(_norm(T, H))
     router = Op("router", "gemm", 2.0 * T * H * model.num_experts, float(H * model.num_experts) * BF16, T,
-                f"tokens={T}")
-    shared = _gemm("shared_expert", T, 3 * H * model.expert_ffn * model.shared_experts) if model.shared_experts else None
+                f"tokens={T}", H)
+    shared = _gemm("shared_expert", T, 3 * H * model.expert_ffn * model.shared_experts, H) if model.shared_experts else None
     return LayerOps(layer, kind, True, tuple(ops), router, shared)
 
 
@@ -227,7 +231,7 @@ def head_ops(model: ModelSpec, shape: StepShape) -> tuple[tuple[Op, ...], tuple[
     T, H, V = shape.tokens, model.hidden, model.vocab
     first = (Op("embed", "bytes", 0.0, 2.0 * T * H * BF16, T, f"tokens={T}"),)
     rows = T if shape.mode == "train" else shape.sequences
-    last = [_gemm("lm_head", rows, H * V)]
+    last = [_gemm("lm_head", rows, H * V, H)]
     if shape.mode == "train":  # fp32 logits: softmax read + write, and its gradient
         last.append(Op("loss", "bytes", 0.0, 3.0 * T * V * 4, T, f"tokens={T}"))
     return first, tuple(last)
