@@ -195,7 +195,8 @@ class CostModel:
         if t is None:
             return None
         if self.measured.die is not None:
-            t *= self.roofline_op_us(op) / CostModel(self.measured.die, self.gemm_dtype, self.half_rows).roofline_op_us(op)
+            die = CostModel(self.measured.die, self.gemm_dtype, self.half_rows)
+            t *= self.roofline_op_us(op) / die.roofline_op_us(op)
         return t
 
     def op_source(self, op: Op) -> str:

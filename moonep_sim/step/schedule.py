@@ -1,6 +1,7 @@
-"""Overlap schedules as data, and the two-stream timeline a step is composed on.
+"""The two-stream timeline a step is composed on (the overlap schedules issue their ops on it:
+``moonep_sim.step.schedules``), and its export as records and Perfetto events.
 
-Notation: R ranks, M micro-batches (1, or 2 with ``two-batch``). Times in microseconds.
+Notation: R ranks, M micro-batches. Times in microseconds.
 
 Every rank has a **compute stream** and a **communication stream**; each runs its ops in program
 order, an op starting once its stream is free and its inputs are ready (:class:`Timeline`).
@@ -14,20 +15,7 @@ bytes) does so for the whole collective; one that frees them while its data is i
 the launch and send issue at the start and the receive copy or reduce at the end
 (:meth:`Timeline.comm` ``held``). Each event records what it cost the other stream: a comm op its
 SM-held time (``sm_held_R``), a compute op the time it was slowed by comm kernels (``slowed_R``),
-which is how the timeline explains an overlap's gain op by op.
-
-An overlap schedule (:class:`Overlap`) is the order ops are issued in and what each waits for:
-
-- ``none``: everything in series: router, shared experts, then dispatch (planning, dispatch,
-  prefetch), the routed experts, combine; in backward the copies' gradient reduce too.
-- ``shared-expert`` (MoonEP issue #15): planning, dispatch and prefetch run on the communication
-  stream while the shared experts compute; in backward the shared experts' backward overlaps the
-  gradients' dispatch the same way, and the gradient reduce runs on the communication stream
-  while the next layers' backward computes (the step ends when every reduce has arrived).
-- ``two-batch`` (DeepSeek's dual micro-batch overlap, SGLang's two-batch overlap): the rank's
-  tokens are split into two micro-batches; each layer issues micro-batch A's communication, then
-  B's compute, so one's dispatch and combine run while the other computes; shared experts
-  overlap as in ``shared-expert``.
+which is how the timeline explains an overlap's gain op by op (:func:`overlap_by_op`).
 """
 
 from __future__ import annotations
@@ -36,34 +24,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
-
-from moonep_sim.errors import require
-
-OVERLAPS = ("none", "shared-expert", "two-batch")
-
-
-@dataclass(frozen=True)
-class Overlap:
-    """A schedule as data: ``micro_batches`` (1 or 2); ``shared_overlap``: the shared experts (and
-    their backward) run beside the dispatch; ``async_grad``: the gradient reduce does not hold the
-    compute stream (only the communication stream and the step's end wait for it)."""
-
-    name: str
-    micro_batches: int
-    shared_overlap: bool
-    async_grad: bool
-
-
-SCHEDULES = {
-    "none": Overlap("none", 1, False, False),
-    "shared-expert": Overlap("shared-expert", 1, True, True),
-    "two-batch": Overlap("two-batch", 2, True, True),
-}
-
-
-def get_overlap(name: str) -> Overlap:
-    require(name in SCHEDULES, f"overlap ({name!r}) must be one of {', '.join(OVERLAPS)}")
-    return SCHEDULES[name]
 
 
 @dataclass
@@ -156,8 +116,6 @@ class Timeline:
         return np.maximum(self.compute_free, self.comm_free)
 
 
-
-
 def _sm(e: Event) -> np.ndarray:
     v = e.sm_held_R if e.stream == "comm" else e.slowed_R
     return np.zeros(len(e.end_R)) if v is None else v
@@ -166,7 +124,8 @@ def _sm(e: Event) -> np.ndarray:
 def overlap_by_op(tl: Timeline, rank: int) -> list[dict]:
     """Per op name on rank ``rank``: its count, total us, and what overlap cost or saved -- a comm
     op's us hidden (beside a compute op, less the us its kernels held the SMs) and us its kernels
-    held the SMs; a compute op's us lost to comm kernels holding SMs. The figures the step's overlap gain is explained by."""
+    held the SMs; a compute op's us lost to comm kernels holding SMs. The figures the step's
+    overlap gain is explained by."""
     comp = sorted((float(e.start_R[rank]), float(e.end_R[rank])) for e in tl.events if e.stream == "compute")
     starts = np.array([a for a, _ in comp])
     ends = np.array([b for _, b in comp])
@@ -217,5 +176,4 @@ def perfetto_events(tl: Timeline, ranks: Sequence[int] | None = None) -> list[di
     return ev
 
 
-__all__ = ["Event", "OVERLAPS", "Overlap", "SCHEDULES", "Timeline", "get_overlap", "overlap_by_op", "perfetto_events",
-           "timeline_records"]
+__all__ = ["Event", "Timeline", "overlap_by_op", "perfetto_events", "timeline_records"]
