@@ -1,0 +1,368 @@
+"""The step under a parallel layout: stage programs from today's step, scheduled over a pipeline,
+with the TP, CP, PP and DP collectives and the optimizer step around them.
+
+Notation: p pipeline ranks, v chunks per rank, m micro-batches, t tp, c cp, d dp, e ep.
+Times in microseconds; bytes.
+
+A layout (:class:`~moonep_sim.step.parallel.Parallel`) wraps today's step, never replaces it:
+
+1. **Stage programs.** Each pipeline chunk's layers (``Parallel.stage_layers``, uneven first and
+   last stages included) are a model of their own (:func:`stage_model`), and one micro-batch of it
+   is today's step (:func:`moonep_sim.step.run.simulate_step`): its MoE layers planned per strategy
+   and simulated over the **EP group** (e ranks placed as the layout puts them: ETP fastest, so
+   ``G / etp`` of a node's G GPUs per node), on the tokens each rank of the stage's expert grid
+   holds, ``micro_batch_size x seq / (t x c)`` (Megatron splits the TP group's tokens for the
+   dispatch; the dense GEMMs' FLOPs per rank are those of the TP shard). The composed timeline
+   gives the chunk's forward and backward time (and their compute share); the embedding and the
+   LM head (and loss) are kept on the first / last chunk only.
+2. **TP (and SP, ETP, CP) collectives** per layer, on the stage's critical path (ASSUMED exposed:
+   no TP-communication overlap): two all-reduces of the TP group's activations
+   (``mbs x seq/c x H`` bf16) forward and two backward (with sequence parallelism a reduce-scatter
+   and an all-gather each: the same bytes); with etp > 1 each MoE layer adds an all-reduce of its
+   expert rows over the ETP group; with c > 1 every softmax-attention layer passes its K/V chunk
+   around the CP ring (c - 1 sends forward, twice that backward; ASSUMED not overlapped with the
+   attention: an upper bound).
+3. **The pipeline**: the chunk times are scheduled by the layout's pp schedule
+   (:mod:`moonep_sim.step.pipeline`: 1F1B, interleaved, DualPipe), each boundary's activation send
+   (``mbs x seq/c x H`` bf16, divided by t with SP) over the link it crosses
+   (:func:`~moonep_sim.step.collectives.stage_boundary_links`).
+4. **DP**: after its last backward each pipeline rank reduces its gradients over its data-parallel
+   group (the dense share over ``d x c`` ranks ``t`` apart; the experts over ``edp`` ranks ``e x
+   etp`` apart): an all-reduce with ZeRO 0, a reduce-scatter with the distributed optimizer
+   (ZeRO >= 1), then its parameter all-gather; ZeRO 3 also gathers each chunk's parameters before
+   its forward and backward of every micro-batch. Gradients are reduced in fp32, parameters
+   gathered in bf16 (Megatron's defaults). With ``overlap_grad_reduce`` the reduce of all but the
+   last micro-batch's backward is hidden behind it (only what exceeds that window is exposed).
+5. **The optimizer step**: memory-bound over the rank's optimizer shard
+   (:data:`OPTIMIZER_BYTES_PER_PARAM` per parameter at the GPU's memory bandwidth x efficiency).
+
+The step ends on the pipeline rank that finishes last. Memory per pipeline rank: today's account of
+its chunks (``moonep_sim.step.memory``) with the layout's shards (:func:`layout_memory`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from moonep_sim.errors import require
+from moonep_sim.models import ModelSpec
+from moonep_sim.step import collectives as coll
+from moonep_sim.step.parallel import Parallel
+from moonep_sim.step.pipeline import ChunkTimes, get_schedule, run_schedule
+from moonep_sim.step.stack import BF16, StepShape, backward_op, dense_params, head_ops, kv_elems_per_token
+
+#: ASSUMED: mixed-precision Adam reads the fp32 master weight, gradient and two moments and writes
+#: the master, the moments and the bf16 weight: 4 x 4 + 3 x 4 + 2 bytes per parameter.
+OPTIMIZER_BYTES_PER_PARAM = 30
+#: Megatron's defaults: gradients reduced in fp32, parameters gathered in bf16.
+GRAD_REDUCE_BYTES = 4
+PARAM_GATHER_BYTES = BF16
+
+
+def stage_model(model: ModelSpec, start: int, stop: int) -> ModelSpec:
+    """Layers ``[start, stop)`` of ``model`` as a model of their own (the dense layers first, each
+    layer's attention kind kept)."""
+    require(0 <= start < stop <= model.layers, f"stage layers ({start}..{stop}) must lie in 0..{model.layers}")
+    kinds = [model.attention_kind(l) for l in range(start, stop)]
+    moe = sum(1 for l in range(start, stop) if l >= model.dense_layers)
+    return dataclasses.replace(model, name=f"{model.name}[{start}:{stop}]", layers=stop - start, moe_layers=moe,
+                               attention=",".join(kinds))
+
+
+def expert_group_gpus_per_node(p: Parallel, gpus_per_node: int) -> int:
+    """EP ranks per node of one EP group: ETP is the fastest dimension, so a node's G GPUs hold
+    ``G / etp`` ranks of the group (at most ep)."""
+    return max(1, min(p.ep, gpus_per_node // p.etp if gpus_per_node >= p.etp else 1))
+
+
+def _head_us(model: ModelSpec, shape: StepShape, costs) -> tuple[float, float, float, float]:
+    """(embed forward, head forward, embed backward, head backward) us of one micro-batch."""
+    first, last = head_ops(model, shape)
+    train = shape.mode == "train"
+    ef = sum(costs.op_us(o) for o in first)
+    hf = sum(costs.op_us(o) for o in last)
+    eb = sum(costs.op_us(backward_op(o)) for o in first) if train else 0.0
+    hb = sum(costs.op_us(backward_op(o)) for o in last) if train else 0.0
+    return ef, hf, eb, hb
+
+
+def _timeline_split(tl) -> tuple[float, float, float, float]:
+    """(forward us, backward us, forward compute us, backward compute us) of a stage's timeline:
+    the forward ends at its last forward event; compute on the rank that ends last."""
+    import numpy as np
+
+    end_R = tl.end_R()
+    r = int(np.argmax(end_R))
+    f_end = max((float(e.end_R.max()) for e in tl.events if e.direction == "forward"), default=0.0)
+    total = float(end_R[r])
+    fc = sum(float(e.end_R[r] - e.start_R[r]) for e in tl.events if e.stream == "compute" and e.direction == "forward")
+    bc = sum(float(e.end_R[r] - e.start_R[r]) for e in tl.events if e.stream == "compute" and e.direction != "forward")
+    return f_end, total - f_end, min(fc, f_end), min(bc, total - f_end)
+
+
+def tp_comm_us(model: ModelSpec, start: int, stop: int, p: Parallel, shape: StepShape, topo, tokens_tp: int,
+               gpus_per_node: int) -> tuple[float, float]:
+    """(forward, backward) us of one micro-batch's TP, ETP and CP collectives over layers
+    ``[start, stop)`` (see the module docstring). ``tokens_tp``: the TP group's tokens."""
+    H = model.hidden
+    f = b = 0.0
+    if p.tp > 1:
+        link = coll.group_link(topo, p.tp, 1, gpus_per_node)
+        S = tokens_tp * H * BF16
+        one = (coll.reduce_scatter_us(S, p.tp, link) + coll.all_gather_us(S, p.tp, link)) if p.sequence_parallel \
+            else coll.all_reduce_us(S, p.tp, link)
+        f += 2 * one * (stop - start)
+        b += 2 * one * (stop - start)
+    moe = sum(1 for l in range(start, stop) if l >= model.dense_layers)
+    if p.etp > 1 and moe:
+        link = coll.group_link(topo, p.etp, 1, gpus_per_node)
+        rows = shape.tokens * model.top_k * p.etp  # an expert-TP rank's rows: its ETP group's tokens' routed rows
+        one = coll.all_reduce_us(rows * model.dispatch_hidden * BF16, p.etp, link)
+        f += one * moe
+        b += one * moe
+    if p.cp > 1:
+        link = coll.group_link(topo, p.cp, p.tp, gpus_per_node)
+        for l in range(start, stop):
+            kind = model.attention_kind(l)
+            if kind in ("gqa", "mla", "sliding"):
+                kv = (tokens_tp // p.cp) * kv_elems_per_token(model, kind) // max(p.tp if kind != "mla" else 1, 1) * BF16
+                f += (p.cp - 1) * coll.send_us(kv, link)
+                b += 2 * (p.cp - 1) * coll.send_us(kv, link)
+    return f, b
+
+
+def chunk_params(model: ModelSpec, start: int, stop: int, first: bool, last: bool) -> tuple[float, float]:
+    """(dense, expert) parameters (elements) of layers ``[start, stop)`` (the embedding on the first
+    chunk, the LM head on the last)."""
+    sub = stage_model(model, start, stop)
+    d = dense_params(sub)
+    emb = d.pop("embedding") / 2.0
+    dense = float(sum(d.values())) + emb * (int(first) + int(last))
+    expert = float(sub.moe_layers) * model.num_experts * 3.0 * model.dispatch_hidden * model.expert_ffn
+    return dense, expert
+
+
+def layout_memory(mem: dict, model: ModelSpec, p: Parallel, chunks: list[tuple[int, int, int]], inflight: list[int],
+                  chunk_mem: dict[int, dict], train: bool, tokens: int = 0) -> dict:
+    """One pipeline rank's memory from today's account of each of its chunks (``chunk_mem[c]``:
+    ``memory_per_rank``'s dict of chunk c's model over the EP group), with the layout's shards:
+    dense weights over t (experts over etp), gradients over d x c (dense) and edp (experts) with
+    ZeRO >= 2, optimizer state over them with ZeRO >= 1 (parameters too with ZeRO 3), activations
+    times the micro-batches each chunk keeps in flight under the schedule (``inflight[i]`` for
+    ``chunks[i] = (chunk, start, stop)``; the fp32 logits of ``tokens`` only on the last stage).
+    ``mem``: the options' bytes per parameter."""
+    logits_bytes = float(tokens) * model.vocab * 4
+    parts = {"weights": 0.0, "buffers": 0.0}
+    if train:
+        parts.update(activations=0.0, gradients=0.0, optimizer=0.0)
+    else:
+        parts["kv_cache"] = 0.0
+    last = model.layers
+    dp_dense = p.dp * p.cp
+    for (c, a, b), live in zip(chunks, inflight):
+        cm = chunk_mem[c]["parts"]
+        dense, expert = chunk_params(model, a, b, a == 0, b == last)
+        # today's account counts the chunk model's whole embedding and head (both ends) and every home expert
+        e_local = expert / p.ep
+        w = dense / p.tp + e_local / p.etp
+        if p.zero >= 3:
+            w = dense / p.tp / dp_dense + e_local / p.etp / p.edp
+        parts["weights"] += w * BF16 + max(cm["weights"] - (float(sum(dense_params(stage_model(model, a, b)).values()))
+                                                             + e_local) * BF16, 0.0)
+        parts["buffers"] = max(parts["buffers"], cm["buffers"])
+        if train:
+            logits = 0.0 if b == last else logits_bytes   # today's account keeps fp32 logits on every chunk model
+            parts["activations"] += (cm["activations"] - logits) * live
+            g = dense / p.tp / (dp_dense if p.zero >= 2 else 1) + e_local / p.etp / (p.edp if p.zero >= 2 else 1)
+            parts["gradients"] += g * 4.0
+            o = dense / p.tp / (dp_dense if p.zero >= 1 else 1) + e_local / p.etp / (p.edp if p.zero >= 1 else 1)
+            parts["optimizer"] += o * mem["optimizer_bytes_per_param"]
+        else:
+            parts["kv_cache"] += cm["kv_cache"] / p.tp
+    return {"peak_bytes": float(sum(parts.values())), "parts": parts}
+
+
+def layout_step(cfg, p: Parallel, source: Callable[[int], tuple], gpus_per_node: int, *, progress: Callable[[str], None] | None = None,
+                map_fn: Callable | None = None, pipeline: bool | None = None) -> dict:
+    """Every strategy's step under layout ``p`` (see the module docstring).
+
+    cfg: a :class:`~moonep_sim.step.run.StepConfig` whose ``ctx`` is one EP group's (``p.ep``
+    ranks) and whose ``shape`` is one micro-batch on one rank of a stage's expert grid (tokens
+    ``micro_batch_size x seq / (t x c)``; context the sequence length). source: MoE layer index
+    of the whole model -> (key, routing over the EP group, provenance). gpus_per_node: the
+    cluster's. Returns ``{"strategies": {name: figures}, "parallel": ..., "stages": ...}``."""
+    from moonep_sim.step.run import simulate_step, useful_flops_per_rank
+
+    m = cfg.model
+    train = cfg.shape.mode == "train"
+    topo = cfg.topology
+    costs = cfg.costs
+    S = p.stage_layers(m.layers)
+    bounds = []
+    a = 0
+    for n in S:
+        bounds.append((a, a + n))
+        a += n
+    M = p.micro_batches if train else max(p.micro_batches, 1)
+    sched = get_schedule(p.pp_schedule, p.pp, p.vpp, M)
+    T = cfg.shape.tokens
+    tokens_tp = T * p.tp   # the TP group's tokens of one micro-batch (after the CP split)
+    head = _head_us(m, cfg.shape, costs)
+    # one stage program per model stage: today's step of its layers for one micro-batch
+    stage_out = []
+    for si, (a, b) in enumerate(bounds):
+        sub = stage_model(m, a, b)
+        moe_before = max(a - m.dense_layers, 0)
+        src = (lambda i, off=moe_before: source(off + i))
+        if progress:
+            progress(f"stage {si + 1} of {len(bounds)}: layers {a}..{b - 1}")
+        sc = dataclasses.replace(cfg, model=sub)
+        res = simulate_step(sc, src, None, map_fn, pipeline)
+        stage_out.append(res)
+    names = [n for n, _ in cfg.strategies]
+    links = coll.stage_boundary_links(topo, p.tp * p.cp * p.dp, p.pp, gpus_per_node)
+    act = tokens_tp * m.hidden * BF16 / (p.tp if p.sequence_parallel else 1)   # one micro-batch's activations
+    send_link = {}
+    for r in range(p.pp - 1):
+        send_link[(r, r + 1)] = send_link[(r + 1, r)] = links[r]
+    wrap = coll.nic(topo) if p.pp > 1 and (p.tp * p.cp * p.dp * p.pp > gpus_per_node) else coll.nvlink(topo)
+
+    def send_us(c0: int, c1: int) -> float:
+        r0, r1 = sched.rank_of(c0), sched.rank_of(c1)
+        if r0 == r1:
+            return 0.0
+        return coll.send_us(act, send_link.get((r0, r1), wrap))
+
+    useful = useful_flops_per_rank(cfg)   # the whole model's FLOPs on one micro-batch of a stage rank's tokens
+    ranks_chunks = [[c for c in range(sched.chunks()) if sched.rank_of(c) == r] for r in range(p.pp)]
+    out: dict[str, Any] = {}
+    for name in names:
+        f_us, b_us, fc_us, bc_us, tp_us, stage_fig = [], [], [], [], [], []
+        for si, (a, b) in enumerate(bounds):
+            d = stage_out[si]["strategies"][name]
+            tl = stage_out[si]["_timelines"][name]
+            F, B, Fc, Bc = _timeline_split(tl)
+            ef, hf, eb, hb = head
+            if a != 0:
+                F, Fc, B, Bc = F - ef, Fc - ef, B - eb, Bc - eb
+            if b != m.layers:
+                F, Fc, B, Bc = F - hf, Fc - hf, B - hb, Bc - hb
+            tf, tb = tp_comm_us(m, a, b, p, cfg.shape, topo, tokens_tp, gpus_per_node)
+            F, B = F + tf, B + tb
+            if not train:
+                B = Bc = 0.0
+            f_us.append(F)
+            b_us.append(B)
+            fc_us.append(max(Fc, 0.0))
+            bc_us.append(max(Bc, 0.0))
+            tp_us.append(tf + tb)
+            stage_fig.append({"layers": [a, b], "forward_us": F, "backward_us": B, "tp_cp_comm_us": tf + tb,
+                              "stage_step_us": d["step_time_us"], "oom_alone": d.get("oom"),
+                              "exposed_comm_us": d["exposed_comm_us"]})
+        ch = [sched.stage_of(c) for c in range(sched.chunks())]
+        times = ChunkTimes([f_us[s] for s in ch], [b_us[s] for s in ch], [fc_us[s] for s in ch],
+                           [bc_us[s] for s in ch], send_us)
+        run = run_schedule(sched, times)
+        # per pipeline rank: DP gradient sync, parameter gather, optimizer
+        ends = [0.0] * p.pp
+        last_b = [0.0] * p.pp
+        for r, kind, mb, c, mb2, c2, s0, s1 in run.ops:
+            ends[r] = max(ends[r], s1)
+            if "B" in kind:
+                last_b[r] = s1 - s0
+        per_rank = []
+        for r in range(p.pp):
+            dense = expert = 0.0
+            for c in ranks_chunks[r]:
+                a, b = bounds[sched.stage_of(c)]
+                dn, ex = chunk_params(m, a, b, a == 0, b == m.layers)
+                dense, expert = dense + dn / p.tp, expert + ex / p.ep / p.etp
+            ddp, edp = p.dp * p.cp, p.edp
+            dl = coll.group_link(topo, ddp, p.tp, gpus_per_node)
+            el = coll.group_link(topo, edp, p.ep * p.etp, gpus_per_node)
+            if not train:
+                grad = gather = opt = exposed = 0.0
+            else:
+                if p.zero == 0:
+                    grad = coll.all_reduce_us(dense * GRAD_REDUCE_BYTES, ddp, dl) + \
+                        coll.all_reduce_us(expert * GRAD_REDUCE_BYTES, edp, el)
+                    gather = 0.0
+                else:
+                    grad = coll.reduce_scatter_us(dense * GRAD_REDUCE_BYTES, ddp, dl) + \
+                        coll.reduce_scatter_us(expert * GRAD_REDUCE_BYTES, edp, el)
+                    gather = coll.all_gather_us(dense * PARAM_GATHER_BYTES, ddp, dl) + \
+                        coll.all_gather_us(expert * PARAM_GATHER_BYTES, edp, el)
+                if p.zero >= 3:  # every chunk's parameters gathered before each forward and backward
+                    gather *= 1 + 2 * M
+                exposed = max(grad - last_b[r], 0.0) if p.overlap_grad_reduce else grad
+                shard = dense / (ddp if p.zero >= 1 else 1) + expert / (edp if p.zero >= 1 else 1)
+                bw = topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3
+                opt = shard * OPTIMIZER_BYTES_PER_PARAM / bw
+            per_rank.append({"rank": r, "pipeline_end_us": ends[r], "dp_grad_us": grad, "dp_grad_exposed_us": exposed,
+                             "param_gather_us": gather, "optimizer_us": opt,
+                             "end_us": ends[r] + exposed + gather + opt,
+                             "params_dense": dense, "params_expert": expert})
+        slow = max(per_rank, key=lambda x: x["end_us"])
+        step_us = slow["end_us"]
+        seq = cfg.shape.context if train else 0
+        if train:
+            tokens = M * p.dp * p.micro_batch_size * seq
+        else:
+            tokens = p.dp * T * p.tp * p.cp
+        tps = tokens / (step_us * 1e-6) / p.world if step_us > 0 else 0.0
+        mfu = useful * M / p.pp / (step_us * topo.gpu_tflops * 1e6) if step_us > 0 else 0.0
+        # memory per pipeline rank: each chunk's account, with the layout's shards and the schedule's live micro-batches
+        live = _inflight(run, sched)
+        mems = []
+        for r in range(p.pp):
+            cs = [(c, *bounds[sched.stage_of(c)]) for c in ranks_chunks[r]]
+            cmem = {c: stage_out[sched.stage_of(c)]["strategies"][name]["memory"] for c in ranks_chunks[r]}
+            mems.append(layout_memory({"optimizer_bytes_per_param": cfg.memory.optimizer_bytes_per_param}, m, p, cs,
+                                      [live[c] for c in ranks_chunks[r]], cmem, train, T))
+        peak_r = max(range(p.pp), key=lambda r: mems[r]["peak_bytes"])
+        cap = topo.gpu_memory_GiB * 2**30
+        peak = mems[peak_r]["peak_bytes"]
+        compute = sum(fc_us) * M / max(p.pp, 1) + sum(bc_us) * M / max(p.pp, 1)
+        out[name] = {
+            "step_time_us": step_us, "tokens_per_s_per_gpu": tps, "mfu": mfu,
+            "compute_us": compute, "exposed_comm_us": max(step_us - compute, 0.0),
+            "comm_share": max(step_us - compute, 0.0) / step_us if step_us > 0 else 0.0,
+            "slowest_rank": slow["rank"], "pipeline": run.to_dict(), "stages": stage_fig, "pipeline_ranks": per_rank,
+            "peak_memory_bytes": peak, "peak_memory_pp_rank": peak_r, "gpu_memory_bytes": cap,
+            "oom": (peak > cap) if cap else None, "memory": mems[peak_r],
+            "memory_per_pp_rank": [x["peak_bytes"] for x in mems],
+            "dropped": int(sum(s["strategies"][name]["dropped"] for s in stage_out)),
+            "entries": int(sum(s["strategies"][name]["entries"] for s in stage_out)),
+            "tokens_per_step": tokens,
+        }
+    first = stage_out[0]
+    routing = [pv for s in stage_out for pv in s["layers_routing"]]
+    return {"strategies": out, "mode": cfg.shape.mode, "tokens_per_rank": T, "context": cfg.shape.context,
+            "overlap": first["overlap"], "layers_routing": routing, "parallel": p.to_dict(), "layout": p.label(),
+            "pipeline": None, "_timelines": {}, "_stages": stage_out}
+
+
+def _inflight(run, sched) -> dict[int, int]:
+    """Peak micro-batches whose forward has started and backward not ended, per chunk (forward-only
+    runs: 1)."""
+    ev: dict[int, list] = {}
+    for r, kind, mb, c, mb2, c2, s0, s1 in run.ops:
+        if "F" in kind:
+            ev.setdefault(c, []).append((s0, 1))
+        if kind == "B":
+            ev.setdefault(c, []).append((s1, -1))
+        elif kind == "FB":
+            ev.setdefault(c2, []).append((s1, -1))
+    out = {}
+    for c in range(sched.chunks()):
+        live = peak = 0
+        for _, d in sorted(ev.get(c, []), key=lambda x: (x[0], x[1])):
+            live += d
+            peak = max(peak, live)
+        out[c] = max(peak, 1)
+    return out
+
+
+__all__ = ["GRAD_REDUCE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "PARAM_GATHER_BYTES", "chunk_params",
+           "expert_group_gpus_per_node", "layout_memory", "layout_step", "stage_model", "tp_comm_us"]
