@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from moonep_sim.errors import ConfigError
-from moonep_sim.step.pipeline import ChunkTimes, get_schedule, run_schedule
+from moonep_sim.step.pipeline import ChunkTimes, run_schedule
+from moonep_sim.step.pipelines import get_schedule
 
 
 def _equal(s, F=3.0, B=5.0, send=0.0):

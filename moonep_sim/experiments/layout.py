@@ -46,10 +46,10 @@ def ep_group(scenario: Any, p) -> tuple[Any, int, int]:
     Resolved) under layout ``p``. A Scenario's cluster names the job (default N: the layout's
     product; G: the topology's GPUs per node) and is not itself resolved (N need not divide the
     experts: only ``ep`` must); a Resolved's cluster is the job's."""
-    from moonep_sim.experiments.scenario import Resolved, parse_cluster
+    from moonep_sim.experiments.spec import parse_cluster
     from moonep_sim.step.layout_step import expert_group_gpus_per_node
 
-    if isinstance(scenario, Resolved):
+    if hasattr(scenario, "source"):   # a Resolved (a Scenario has a routing, not yet a source)
         rs = scenario
         N, G = rs.cluster.ranks, rs.cluster.gpus_per_node
         require(N == p.world, f"tp x cp x dp x pp ({p.tp} x {p.cp} x {p.dp} x {p.pp} = {p.world}) must equal the "
@@ -78,10 +78,10 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
                     compute_profile: str | None = None, gemm_dtype: str = "bf16", recompute: bool = False,
                     optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
                     static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
-                    cluster: str | None = None, pipeline: bool | None = None):
-    """One :class:`~moonep_sim.experiments.step.StepResult` of ``scenario`` under ``parallel``
-    (see the module docstring; the keywords are :func:`~moonep_sim.experiments.step.run_step`'s)."""
-    from moonep_sim.experiments.step import StepResult, layer_source
+                    cluster: str | None = None, pipeline: bool | None = None, layer_source=None):
+    """``(figures, setup, timelines)`` of ``scenario``'s step under ``parallel`` (see the module
+    docstring; the keywords are :func:`~moonep_sim.experiments.step.run_step`'s, which wraps them
+    in its ``StepResult``; ``layer_source`` its routing source builder)."""
     from moonep_sim.step import CostModel, MemoryOptions, StepConfig, read_profile, step_shape
     from moonep_sim.step.layout_step import layout_step
 
@@ -117,7 +117,7 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
                  stand_ins=0, reused_layers=sum(1 for x in res["layers_routing"] if "reused" in x),
                  step_tokens=None, gpu_tflops=rs.topology.gpu_tflops, gpu_memory_GiB=rs.topology.gpu_memory_GiB,
                  assumptions=LAYOUT_ASSUMPTIONS)
-    return StepResult(tuple(res["strategies"]), res["strategies"], setup, timelines)
+    return res["strategies"], setup, timelines
 
 
 #: What a layout step assumes (stated in its JSON setup; docs/steps.md explains each).

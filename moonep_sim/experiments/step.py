@@ -229,11 +229,13 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     if parallel is not None:
         from moonep_sim.experiments.layout import run_layout_step
 
-        return [run_layout_step(scenario, mode, overlap, parallel, tokens_per_rank=tokens_per_rank, context=context,
-                                model=model, distinct_layers=distinct_layers, compute_profile=compute_profile,
-                                gemm_dtype=gemm_dtype, recompute=recompute, optimizer_shard=optimizer_shard,
-                                optimizer_bytes_per_param=optimizer_bytes_per_param, static_tokens=static_tokens,
-                                progress=progress, jobs=jobs, cluster=cluster, pipeline=pipeline)]
+        figs, setup, timelines = run_layout_step(
+            scenario, mode, overlap, parallel, tokens_per_rank=tokens_per_rank, context=context, model=model,
+            distinct_layers=distinct_layers, compute_profile=compute_profile, gemm_dtype=gemm_dtype, recompute=recompute,
+            optimizer_shard=optimizer_shard, optimizer_bytes_per_param=optimizer_bytes_per_param,
+            static_tokens=static_tokens, progress=progress, jobs=jobs, cluster=cluster, pipeline=pipeline,
+            layer_source=layer_source)
+        return [StepResult(tuple(figs), figs, setup, timelines)]
     from moonep_sim.step import CostModel, MemoryOptions, StepConfig, read_profile, simulate_step, step_shape
 
     rs = getattr(scenario, "resolved", scenario)

@@ -49,7 +49,8 @@ from moonep_sim.errors import require
 from moonep_sim.models import ModelSpec
 from moonep_sim.step import collectives as coll
 from moonep_sim.step.parallel import Parallel
-from moonep_sim.step.pipeline import ChunkTimes, get_schedule, run_schedule
+from moonep_sim.step.pipeline import ChunkTimes, run_schedule
+from moonep_sim.step.pipelines import get_schedule
 from moonep_sim.step.stack import BF16, StepShape, backward_op, dense_params, head_ops, kv_elems_per_token
 
 #: ASSUMED: mixed-precision Adam reads the fp32 master weight, gradient and two moments and writes

@@ -11,7 +11,8 @@ gradient's send) and, on the last chunk, its own ``F``. Each rank runs one op at
 ``FB`` op (DualPipe) is one forward and one backward chunk of different micro-batches run together,
 the communication of each hidden behind the other's compute.
 
-A schedule (one class per schedule, :data:`SCHEDULES`; ``1f1b``, ``interleaved``, ``dualpipe``)
+A schedule (one class per schedule, :data:`SCHEDULES`; ``1f1b``, ``interleaved``, ``dualpipe``,
+one module each, :func:`moonep_sim.step.pipelines.get_schedule` looks them up)
 says which chunks there are, which rank runs each, the path of each micro-batch and the order in
 which each rank runs its ops; :func:`run_schedule` times it (each op as early as its rank and its
 inputs allow) and returns a :class:`PipelineRun`: every op's start and end, and per rank its busy
@@ -104,14 +105,6 @@ SCHEDULES: dict[str, type[Schedule]] = {}
 def register(cls: type[Schedule]) -> type[Schedule]:
     SCHEDULES[cls.name] = cls
     return cls
-
-
-def get_schedule(name: str, pp: int, vpp: int, m: int) -> Schedule:
-    # the schedules register on import (one module each)
-    from moonep_sim.step import pipeline_1f1b, pipeline_dualpipe, pipeline_interleaved  # noqa: F401
-
-    require(name in SCHEDULES, f"pp schedule ({name!r}) must be one of {', '.join(sorted(SCHEDULES))}")
-    return SCHEDULES[name](pp, vpp, m)
 
 
 @dataclass(frozen=True)
@@ -222,4 +215,4 @@ def run_schedule(s: Schedule, t: ChunkTimes) -> PipelineRun:
     return PipelineRun(s.name, s.pp, s.vpp, s.m, ops, mk, busy, [mk - b for b in busy], warm, steady, cool)
 
 
-__all__ = ["ChunkTimes", "PipeOp", "PipelineRun", "SCHEDULES", "Schedule", "get_schedule", "register", "run_schedule"]
+__all__ = ["ChunkTimes", "PipeOp", "PipelineRun", "SCHEDULES", "Schedule", "register", "run_schedule"]
