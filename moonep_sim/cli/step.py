@@ -23,7 +23,10 @@ def register(sub) -> None:
     src.add_argument("--gen", metavar="K=V,...", help="generated routing, e.g. model=kimi-k3,maxvio=2 (one layer "
                                                        "per MoE layer; docs/traces.md)")
     p.add_argument("--model", default=None, help="model preset or file (default: the trace's or the --gen model)")
-    p.add_argument("--ranks", type=int, default=None, help="EP ranks (default: 8, or the largest divisor of E below)")
+    p.add_argument("--ranks", type=int, default=None, help="EP ranks of a pure-EP step (default: 8, or the largest "
+                                                           "divisor of E below); under a layout give --ep and --gpus")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="the job's GPUs under a layout (default: the layout's tp x cp x dp x pp) or for --search")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the topology's, at most R)")
     p.add_argument("--topology", default="h800-cx7", help="preset name or .toml file (see `moonep-sim topologies`)")
     add_strategies(p, "alltoall,deepep,moonep")
@@ -99,14 +102,19 @@ def add_step_options(p, *, level: bool = False, tokens: bool = True) -> None:
                    help="ranks the dense weights' optimizer state is sharded over (0 = all ranks)" + at)
     p.add_argument("--optimizer-bytes-per-param", type=float, default=d["optimizer_bytes_per_param"],
                    help="optimizer state per parameter (12 = mixed-precision Adam: fp32 master, m, v)" + at)
+    from moonep_sim.cli.layout import add_layout_options
+
+    add_layout_options(p, at=at)
 
 
 def step_level(args, *, layer_only: dict[str, bool] | None = None, tokens: bool = True) -> bool:
     """compare / sweep: True at --level step. A step option at --level layer, or a layer-only
     option (``layer_only``: flag -> given) at --level step, is one line (exit 2). ``tokens``:
     --tokens-per-rank is a step option (False: the command's own flag)."""
+    from moonep_sim.cli.layout import layout_given
+
     given = [f for f, dest, _ in STEP_FLAGS if getattr(args, dest, None) not in (None, [])
-             and (tokens or dest != "tokens_per_rank")]
+             and (tokens or dest != "tokens_per_rank")] + layout_given(args)
     if args.level == "layer":
         if given:
             raise ConfigError(f"{given[0]} applies to --level step only (the layer level has no step options; "
@@ -136,13 +144,26 @@ def step_options(args, *, tokens: bool = True):
         v = getattr(args, dest, None)
         kw[dest] = default if v is None or (v == [] and default == []) else v
     static = _static(kw.pop("static_buffer"))
-    return StepOptions(static_tokens=static, **kw)
+    from moonep_sim.cli.layout import layout_from_args
+
+    gpus = getattr(args, "gpus", None) or getattr(args, "ranks", None)
+    return StepOptions(static_tokens=static, parallel=layout_from_args(args, gpus), **kw)
 
 
 def scenario(args):
     from moonep_sim.experiments import GeneratorSpec, Scenario
 
+    from moonep_sim.cli.layout import layout_given
+
     check_cluster_args(args)
+    layout = bool(layout_given(args))
+    if getattr(args, "gpus", None) is not None:
+        require(args.gpus >= 1, f"--gpus ({args.gpus}) must be >= 1")
+        require(layout or getattr(args, "search", False), "--gpus applies to a layout (--tp, --pp, --dp, --ep, ...) "
+                                                          "or --search; a pure-EP step takes --ranks")
+    if layout and hasattr(args, "gpus"):
+        require(args.ranks is None, f"--ranks ({args.ranks}) is a pure-EP step's EP size: under a layout give --ep "
+                                    "and --gpus")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     opts = parse_strategy_opts(args.opt, names)
     if args.gen:
@@ -154,7 +175,8 @@ def scenario(args):
         require(args.tokens_per_rank is None, "--tokens-per-rank must not be given with --trace: the trace's tokens "
                                               "over the ranks set the batch")
         routing = args.trace
-    return Scenario(routing=routing, model=args.model, cluster=(args.ranks or 0, args.gpus_per_node or 0),
+    ranks = (getattr(args, "gpus", None) or 0) if layout and hasattr(args, "gpus") else (args.ranks or 0)
+    return Scenario(routing=routing, model=args.model, cluster=(ranks, args.gpus_per_node or 0),
                     topology=args.topology, strategies=[(n, opts[n]) for n in names],
                     steps=args.steps if not args.gen else None, dispatch_dtype=args.dispatch_dtype)
 
@@ -164,12 +186,15 @@ def print_steps(docs: list[dict]) -> None:
     from moonep_sim.report.steps import step_footer, step_table
     from moonep_sim.report.tables import flag_lines, verdict_lines, wide_console
 
+    from moonep_sim.report.layout import layout_footer, layout_table
+
     c = wide_console()
     for i, d in enumerate(docs):
         if len(docs) > 1:
             c.print(f"recorded step {i}")
-        c.print(step_table(d))
-        for line in step_footer(d):
+        layout = "layout" in d["setup"]
+        c.print(layout_table(d) if layout else step_table(d))
+        for line in layout_footer(d) if layout else step_footer(d):
             c.print(line)
         for line in verdict_lines(d) + flag_lines(d):  # computed verdict, then the flags
             c.print(line, highlight=False, markup=False)
@@ -193,8 +218,13 @@ def run(args) -> int:
 
     output_rule(args, files=("json", "timeline", "gantt"), folders={"out": OUT_FILES})  # before any work
     sc = scenario(args)
-    sc.resolved  # every input checked before any work
     opts = dataclasses.replace(step_options(args), tokens_per_rank=args.tokens_per_rank if args.gen else None)
+    if opts.parallel is not None:
+        for flag, v in (("--timeline", args.timeline), ("--gantt", args.gantt)):
+            require(v is None, f"{flag} ({v}) draws one EP group's ranks of a pure-EP step: not available under a "
+                               "layout (its pipeline is in --json: strategies.*.pipeline)")
+    if opts.parallel is None:
+        sc.resolved  # every input checked before any work (a layout's: its EP group, before any stage runs)
     res = sc.step(opts.mode, opts.overlap, jobs=args.jobs, cluster=args.cluster,
                   pipeline={"auto": None, "on": True, "off": False}[args.pipeline], **opts.kwargs())
     results = res if isinstance(res, list) else [res]
@@ -210,8 +240,8 @@ def run(args) -> int:
         print_steps(docs)
     first = results[0]
     name = first.strategies[0]
-    tl = first.timelines[name]
     if args.timeline:
+        tl = first.timelines[name]
         from moonep_sim.sim.perfetto import write_trace
         from moonep_sim.step.schedule import perfetto_events
 
@@ -260,7 +290,8 @@ def write_outputs(docs: list[dict], first, args) -> dict[str, str]:
             for i, d in enumerate(docs):
                 stem = "step_time" if len(docs) == 1 else f"step_time_{i}"
                 figs[stem] = step_bars(dict(d), tmp / f"{stem}.png")
-            figs["gantt"] = _gantt(first, args, tmp / "gantt.png")
+            if first.timelines:    # a layout step has pipeline ranks, not one timeline
+                figs["gantt"] = _gantt(first, args, tmp / "gantt.png")
             files = {k: str(out / f"{k}.png") for k in figs}
         doc = dict(docs[0]) if len(docs) == 1 else {
             "kind": "steps", "steps": docs, "setup": docs[0].get("setup"),
