@@ -107,7 +107,6 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
         pool = lambda fn, items: run_points(fn, items, jobs=jobs, cluster=cluster)
     res = layout_step(cfg, p, layer_source(group.source, p.ep, T, m.moe_layers, distinct_layers), G,
                       progress=progress, map_fn=pool, pipeline=pipeline)
-    res.pop("_stages")
     timelines = res.pop("_timelines")
     setup = {k: v for k, v in res.items() if k != "strategies"}
     setup.update(model=m.name, ranks=N, gpus=N, ep_group_ranks=p.ep, ep_group_gpus_per_node=g_ep, gpus_per_node=G,

@@ -43,7 +43,8 @@ its chunks (``moonep_sim.step.memory``) with the layout's shards (:func:`layout_
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 from moonep_sim.errors import require
 from moonep_sim.models import ModelSpec
@@ -184,7 +185,60 @@ def layout_memory(mem: dict, model: ModelSpec, p: Parallel, chunks: list[tuple[i
     return {"peak_bytes": float(sum(parts.values())), "parts": parts}
 
 
-def layout_step(cfg, p: Parallel, source: Callable[[int], tuple], gpus_per_node: int, *, progress: Callable[[str], None] | None = None,
+@dataclass(frozen=True)
+class StageProgram:
+    """One strategy's program of one pipeline stage for one micro-batch: its forward and backward
+    time and their compute share (us; the stage's model, embedding and LM head included as today's
+    step runs them), ``memory``: today's account of the stage's model over the EP group
+    (``memory_per_rank``'s dict), and the routed entries it ran and dropped."""
+
+    forward_us: float
+    backward_us: float
+    forward_compute_us: float
+    backward_compute_us: float
+    memory: dict
+    dropped: int = 0
+    entries: int = 0
+
+    @classmethod
+    def of(cls, res: dict, name: str) -> "StageProgram":
+        """From :func:`~moonep_sim.step.run.simulate_step`'s result for strategy ``name``."""
+        d = res["strategies"][name]
+        F, B, Fc, Bc = _timeline_split(res["_timelines"][name])
+        return cls(F, B, Fc, Bc, d["memory"], int(d["dropped"]), int(d["entries"]))
+
+
+def stage_bounds(model: ModelSpec, p: Parallel) -> list[tuple[int, int]]:
+    """``[start, stop)`` layers of each model stage (``Parallel.stage_layers``)."""
+    out, a = [], 0
+    for n in p.stage_layers(model.layers):
+        out.append((a, a + n))
+        a += n
+    return out
+
+
+def simulate_stages(cfg, p: Parallel, source: Callable[[int], tuple], *, progress: Callable[[str], None] | None = None,
+                    map_fn: Callable | None = None, pipeline: bool | None = None
+                    ) -> tuple[list[dict[str, StageProgram]], list[str]]:
+    """Each model stage's :class:`StageProgram` per strategy (today's step of its layers for one
+    micro-batch) and the routing provenance of every MoE layer."""
+    from moonep_sim.step.run import simulate_step
+
+    m = cfg.model
+    out, prov = [], []
+    bounds = stage_bounds(m, p)
+    for si, (a, b) in enumerate(bounds):
+        moe_before = max(a - m.dense_layers, 0)
+        if progress:
+            progress(f"stage {si + 1} of {len(bounds)}: layers {a}..{b - 1}")
+        res = simulate_step(dataclasses.replace(cfg, model=stage_model(m, a, b)),
+                            lambda i, off=moe_before: source(off + i), None, map_fn, pipeline)
+        out.append({n: StageProgram.of(res, n) for n, _ in cfg.strategies})
+        prov += res["layers_routing"]
+    return out, prov
+
+
+def layout_step(cfg, p: Parallel, source: Callable[[int], tuple], gpus_per_node: int, *, progress=None,
                 map_fn: Callable | None = None, pipeline: bool | None = None) -> dict:
     """Every strategy's step under layout ``p`` (see the module docstring).
 
@@ -192,156 +246,123 @@ def layout_step(cfg, p: Parallel, source: Callable[[int], tuple], gpus_per_node:
     ranks) and whose ``shape`` is one micro-batch on one rank of a stage's expert grid (tokens
     ``micro_batch_size x seq / (t x c)``; context the sequence length). source: MoE layer index
     of the whole model -> (key, routing over the EP group, provenance). gpus_per_node: the
-    cluster's. Returns ``{"strategies": {name: figures}, "parallel": ..., "stages": ...}``."""
-    from moonep_sim.step.run import simulate_step, useful_flops_per_rank
+    cluster's. Returns ``{"strategies": {name: figures}, "parallel": ..., ...}``."""
+    programs, prov = simulate_stages(cfg, p, source, progress=progress, map_fn=map_fn, pipeline=pipeline)
+    out = {n: schedule_layout(cfg, p, [st[n] for st in programs], gpus_per_node) for n, _ in cfg.strategies}
+    return {"strategies": out, "mode": cfg.shape.mode, "tokens_per_rank": cfg.shape.tokens,
+            "context": cfg.shape.context, "overlap": cfg.overlap, "layers_routing": prov, "parallel": p.to_dict(),
+            "layout": p.label(), "pipeline": None, "_timelines": {}}
+
+
+def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_node: int) -> dict:
+    """One strategy's figures under layout ``p`` from its stage programs (one per model stage):
+    the TP/CP collectives added, the pipeline scheduled, then DP, parameter gather and optimizer per
+    pipeline rank; memory per pipeline rank (see the module docstring)."""
+    from moonep_sim.step.run import useful_flops_per_rank
 
     m = cfg.model
     train = cfg.shape.mode == "train"
     topo = cfg.topology
-    costs = cfg.costs
-    S = p.stage_layers(m.layers)
-    bounds = []
-    a = 0
-    for n in S:
-        bounds.append((a, a + n))
-        a += n
-    M = p.micro_batches if train else max(p.micro_batches, 1)
+    bounds = stage_bounds(m, p)
+    M = p.micro_batches
     sched = get_schedule(p.pp_schedule, p.pp, p.vpp, M)
     T = cfg.shape.tokens
     tokens_tp = T * p.tp   # the TP group's tokens of one micro-batch (after the CP split)
-    head = _head_us(m, cfg.shape, costs)
-    # one stage program per model stage: today's step of its layers for one micro-batch
-    stage_out = []
-    for si, (a, b) in enumerate(bounds):
-        sub = stage_model(m, a, b)
-        moe_before = max(a - m.dense_layers, 0)
-        src = (lambda i, off=moe_before: source(off + i))
-        if progress:
-            progress(f"stage {si + 1} of {len(bounds)}: layers {a}..{b - 1}")
-        sc = dataclasses.replace(cfg, model=sub)
-        res = simulate_step(sc, src, None, map_fn, pipeline)
-        stage_out.append(res)
-    names = [n for n, _ in cfg.strategies]
+    ef, hf, eb, hb = _head_us(m, cfg.shape, cfg.costs)
     links = coll.stage_boundary_links(topo, p.tp * p.cp * p.dp, p.pp, gpus_per_node)
     act = tokens_tp * m.hidden * BF16 / (p.tp if p.sequence_parallel else 1)   # one micro-batch's activations
     send_link = {}
     for r in range(p.pp - 1):
         send_link[(r, r + 1)] = send_link[(r + 1, r)] = links[r]
-    wrap = coll.nic(topo) if p.pp > 1 and (p.tp * p.cp * p.dp * p.pp > gpus_per_node) else coll.nvlink(topo)
+    wrap = coll.nic(topo) if p.pp > 1 and p.world > gpus_per_node else coll.nvlink(topo)
 
     def send_us(c0: int, c1: int) -> float:
         r0, r1 = sched.rank_of(c0), sched.rank_of(c1)
-        if r0 == r1:
-            return 0.0
-        return coll.send_us(act, send_link.get((r0, r1), wrap))
+        return 0.0 if r0 == r1 else coll.send_us(act, send_link.get((r0, r1), wrap))
 
-    useful = useful_flops_per_rank(cfg)   # the whole model's FLOPs on one micro-batch of a stage rank's tokens
+    f_us, b_us, fc_us, bc_us, stage_fig = [], [], [], [], []
+    for (a, b), sp in zip(bounds, programs):
+        F, B, Fc, Bc = sp.forward_us, sp.backward_us, sp.forward_compute_us, sp.backward_compute_us
+        if a != 0:
+            F, Fc, B, Bc = F - ef, Fc - ef, B - eb, Bc - eb
+        if b != m.layers:
+            F, Fc, B, Bc = F - hf, Fc - hf, B - hb, Bc - hb
+        tf, tb = tp_comm_us(m, a, b, p, cfg.shape, topo, tokens_tp, gpus_per_node)
+        F, B = F + tf, (B + tb if train else 0.0)
+        f_us.append(F)
+        b_us.append(B)
+        fc_us.append(max(Fc, 0.0))
+        bc_us.append(max(Bc, 0.0) if train else 0.0)
+        stage_fig.append({"layers": [a, b], "forward_us": F, "backward_us": B, "tp_cp_comm_us": tf + (tb if train else 0.0)})
+    ch = [sched.stage_of(c) for c in range(sched.chunks())]
+    run = run_schedule(sched, ChunkTimes([f_us[s] for s in ch], [b_us[s] for s in ch], [fc_us[s] for s in ch],
+                                         [bc_us[s] for s in ch], send_us))
     ranks_chunks = [[c for c in range(sched.chunks()) if sched.rank_of(c) == r] for r in range(p.pp)]
-    out: dict[str, Any] = {}
-    for name in names:
-        f_us, b_us, fc_us, bc_us, tp_us, stage_fig = [], [], [], [], [], []
-        for si, (a, b) in enumerate(bounds):
-            d = stage_out[si]["strategies"][name]
-            tl = stage_out[si]["_timelines"][name]
-            F, B, Fc, Bc = _timeline_split(tl)
-            ef, hf, eb, hb = head
-            if a != 0:
-                F, Fc, B, Bc = F - ef, Fc - ef, B - eb, Bc - eb
-            if b != m.layers:
-                F, Fc, B, Bc = F - hf, Fc - hf, B - hb, Bc - hb
-            tf, tb = tp_comm_us(m, a, b, p, cfg.shape, topo, tokens_tp, gpus_per_node)
-            F, B = F + tf, B + tb
-            if not train:
-                B = Bc = 0.0
-            f_us.append(F)
-            b_us.append(B)
-            fc_us.append(max(Fc, 0.0))
-            bc_us.append(max(Bc, 0.0))
-            tp_us.append(tf + tb)
-            stage_fig.append({"layers": [a, b], "forward_us": F, "backward_us": B, "tp_cp_comm_us": tf + tb,
-                              "stage_step_us": d["step_time_us"], "oom_alone": d.get("oom"),
-                              "exposed_comm_us": d["exposed_comm_us"]})
-        ch = [sched.stage_of(c) for c in range(sched.chunks())]
-        times = ChunkTimes([f_us[s] for s in ch], [b_us[s] for s in ch], [fc_us[s] for s in ch],
-                           [bc_us[s] for s in ch], send_us)
-        run = run_schedule(sched, times)
-        # per pipeline rank: DP gradient sync, parameter gather, optimizer
-        ends = [0.0] * p.pp
-        last_b = [0.0] * p.pp
-        for r, kind, mb, c, mb2, c2, s0, s1 in run.ops:
-            ends[r] = max(ends[r], s1)
-            if "B" in kind:
-                last_b[r] = s1 - s0
-        per_rank = []
-        for r in range(p.pp):
-            dense = expert = 0.0
-            for c in ranks_chunks[r]:
-                a, b = bounds[sched.stage_of(c)]
-                dn, ex = chunk_params(m, a, b, a == 0, b == m.layers)
-                dense, expert = dense + dn / p.tp, expert + ex / p.ep / p.etp
-            ddp, edp = p.dp * p.cp, p.edp
-            dl = coll.group_link(topo, ddp, p.tp, gpus_per_node)
-            el = coll.group_link(topo, edp, p.ep * p.etp, gpus_per_node)
-            if not train:
-                grad = gather = opt = exposed = 0.0
-            else:
-                if p.zero == 0:
-                    grad = coll.all_reduce_us(dense * GRAD_REDUCE_BYTES, ddp, dl) + \
-                        coll.all_reduce_us(expert * GRAD_REDUCE_BYTES, edp, el)
-                    gather = 0.0
-                else:
-                    grad = coll.reduce_scatter_us(dense * GRAD_REDUCE_BYTES, ddp, dl) + \
-                        coll.reduce_scatter_us(expert * GRAD_REDUCE_BYTES, edp, el)
-                    gather = coll.all_gather_us(dense * PARAM_GATHER_BYTES, ddp, dl) + \
-                        coll.all_gather_us(expert * PARAM_GATHER_BYTES, edp, el)
-                if p.zero >= 3:  # every chunk's parameters gathered before each forward and backward
-                    gather *= 1 + 2 * M
-                exposed = max(grad - last_b[r], 0.0) if p.overlap_grad_reduce else grad
-                shard = dense / (ddp if p.zero >= 1 else 1) + expert / (edp if p.zero >= 1 else 1)
-                bw = topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3
-                opt = shard * OPTIMIZER_BYTES_PER_PARAM / bw
-            per_rank.append({"rank": r, "pipeline_end_us": ends[r], "dp_grad_us": grad, "dp_grad_exposed_us": exposed,
-                             "param_gather_us": gather, "optimizer_us": opt,
-                             "end_us": ends[r] + exposed + gather + opt,
-                             "params_dense": dense, "params_expert": expert})
-        slow = max(per_rank, key=lambda x: x["end_us"])
-        step_us = slow["end_us"]
-        seq = cfg.shape.context if train else 0
-        if train:
-            tokens = M * p.dp * p.micro_batch_size * seq
-        else:
-            tokens = p.dp * T * p.tp * p.cp
-        tps = tokens / (step_us * 1e-6) / p.world if step_us > 0 else 0.0
-        mfu = useful * M / p.pp / (step_us * topo.gpu_tflops * 1e6) if step_us > 0 else 0.0
-        # memory per pipeline rank: each chunk's account, with the layout's shards and the schedule's live micro-batches
-        live = _inflight(run, sched)
-        mems = []
-        for r in range(p.pp):
-            cs = [(c, *bounds[sched.stage_of(c)]) for c in ranks_chunks[r]]
-            cmem = {c: stage_out[sched.stage_of(c)]["strategies"][name]["memory"] for c in ranks_chunks[r]}
-            mems.append(layout_memory({"optimizer_bytes_per_param": cfg.memory.optimizer_bytes_per_param}, m, p, cs,
-                                      [live[c] for c in ranks_chunks[r]], cmem, train, T))
-        peak_r = max(range(p.pp), key=lambda r: mems[r]["peak_bytes"])
-        cap = topo.gpu_memory_GiB * 2**30
-        peak = mems[peak_r]["peak_bytes"]
-        compute = sum(fc_us) * M / max(p.pp, 1) + sum(bc_us) * M / max(p.pp, 1)
-        out[name] = {
-            "step_time_us": step_us, "tokens_per_s_per_gpu": tps, "mfu": mfu,
-            "compute_us": compute, "exposed_comm_us": max(step_us - compute, 0.0),
+    ends, last_b = [0.0] * p.pp, [0.0] * p.pp
+    for r, kind, mb, c, mb2, c2, s0, s1 in run.ops:
+        ends[r] = max(ends[r], s1)
+        if "B" in kind:
+            last_b[r] = s1 - s0
+    per_rank = [_rank_tail(cfg, p, m, r, ranks_chunks[r], sched, bounds, ends[r], last_b[r], gpus_per_node, train)
+                for r in range(p.pp)]
+    slow = max(per_rank, key=lambda x: x["end_us"])
+    step_us = slow["end_us"]
+    tokens = M * p.dp * p.micro_batch_size * cfg.shape.context if train else p.dp * T * p.tp * p.cp
+    tps = tokens / (step_us * 1e-6) / p.world if step_us > 0 else 0.0
+    useful = useful_flops_per_rank(cfg)   # the whole model's FLOPs on one micro-batch of a stage rank's tokens
+    mfu = useful * M / p.pp / (step_us * topo.gpu_tflops * 1e6) if step_us > 0 else 0.0
+    live = _inflight(run, sched)
+    mems = []
+    for r in range(p.pp):
+        cs = [(c, *bounds[sched.stage_of(c)]) for c in ranks_chunks[r]]
+        cmem = {c: programs[sched.stage_of(c)].memory for c in ranks_chunks[r]}
+        mems.append(layout_memory({"optimizer_bytes_per_param": cfg.memory.optimizer_bytes_per_param}, m, p, cs,
+                                  [live[c] for c in ranks_chunks[r]], cmem, train, T))
+    peak_r = max(range(p.pp), key=lambda r: mems[r]["peak_bytes"])
+    cap = topo.gpu_memory_GiB * 2**30
+    peak = mems[peak_r]["peak_bytes"]
+    compute = (sum(fc_us) + sum(bc_us)) * M / p.pp
+    return {"step_time_us": step_us, "tokens_per_s_per_gpu": tps, "mfu": mfu, "compute_us": compute,
+            "exposed_comm_us": max(step_us - compute, 0.0),
             "comm_share": max(step_us - compute, 0.0) / step_us if step_us > 0 else 0.0,
             "slowest_rank": slow["rank"], "pipeline": run.to_dict(), "stages": stage_fig, "pipeline_ranks": per_rank,
             "peak_memory_bytes": peak, "peak_memory_pp_rank": peak_r, "gpu_memory_bytes": cap,
             "oom": (peak > cap) if cap else None, "memory": mems[peak_r],
             "memory_per_pp_rank": [x["peak_bytes"] for x in mems],
-            "dropped": int(sum(s["strategies"][name]["dropped"] for s in stage_out)),
-            "entries": int(sum(s["strategies"][name]["entries"] for s in stage_out)),
-            "tokens_per_step": tokens,
-        }
-    first = stage_out[0]
-    routing = [pv for s in stage_out for pv in s["layers_routing"]]
-    return {"strategies": out, "mode": cfg.shape.mode, "tokens_per_rank": T, "context": cfg.shape.context,
-            "overlap": first["overlap"], "layers_routing": routing, "parallel": p.to_dict(), "layout": p.label(),
-            "pipeline": None, "_timelines": {}, "_stages": stage_out}
+            "dropped": sum(sp.dropped for sp in programs), "entries": sum(sp.entries for sp in programs),
+            "tokens_per_step": tokens}
+
+
+def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched, bounds, end_us: float,
+               last_b_us: float, gpus_per_node: int, train: bool) -> dict:
+    """Pipeline rank ``r``'s DP gradient reduce, parameter gather and optimizer step after its last op."""
+    topo = cfg.topology
+    dense = expert = 0.0
+    for c in chunks:
+        a, b = bounds[sched.stage_of(c)]
+        dn, ex = chunk_params(m, a, b, a == 0, b == m.layers)
+        dense, expert = dense + dn / p.tp, expert + ex / p.ep / p.etp
+    ddp, edp = p.dp * p.cp, p.edp
+    dl = coll.group_link(topo, ddp, p.tp, gpus_per_node)
+    el = coll.group_link(topo, edp, p.ep * p.etp, gpus_per_node)
+    grad = gather = opt = exposed = 0.0
+    if train:
+        if p.zero == 0:
+            grad = coll.all_reduce_us(dense * GRAD_REDUCE_BYTES, ddp, dl) + \
+                coll.all_reduce_us(expert * GRAD_REDUCE_BYTES, edp, el)
+        else:
+            grad = coll.reduce_scatter_us(dense * GRAD_REDUCE_BYTES, ddp, dl) + \
+                coll.reduce_scatter_us(expert * GRAD_REDUCE_BYTES, edp, el)
+            gather = coll.all_gather_us(dense * PARAM_GATHER_BYTES, ddp, dl) + \
+                coll.all_gather_us(expert * PARAM_GATHER_BYTES, edp, el)
+        if p.zero >= 3:  # every chunk's parameters gathered before each forward and backward
+            gather *= 1 + 2 * p.micro_batches
+        exposed = max(grad - last_b_us, 0.0) if p.overlap_grad_reduce else grad
+        shard = dense / (ddp if p.zero >= 1 else 1) + expert / (edp if p.zero >= 1 else 1)
+        opt = shard * OPTIMIZER_BYTES_PER_PARAM / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
+    return {"rank": r, "pipeline_end_us": end_us, "dp_grad_us": grad, "dp_grad_exposed_us": exposed,
+            "param_gather_us": gather, "optimizer_us": opt, "end_us": end_us + exposed + gather + opt,
+            "params_dense": dense, "params_expert": expert}
 
 
 def _inflight(run, sched) -> dict[int, int]:
@@ -365,5 +386,6 @@ def _inflight(run, sched) -> dict[int, int]:
     return out
 
 
-__all__ = ["GRAD_REDUCE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "PARAM_GATHER_BYTES", "chunk_params",
-           "expert_group_gpus_per_node", "layout_memory", "layout_step", "stage_model", "tp_comm_us"]
+__all__ = ["GRAD_REDUCE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "PARAM_GATHER_BYTES", "StageProgram", "chunk_params",
+           "expert_group_gpus_per_node", "layout_memory", "layout_step", "schedule_layout", "simulate_stages",
+           "stage_bounds", "stage_model", "tp_comm_us"]
