@@ -30,6 +30,10 @@ def register(sub) -> None:
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the topology's, at most R)")
     p.add_argument("--topology", default="h800-cx7", help="preset name or .toml file (see `moonep-sim topologies`)")
     add_strategies(p, "alltoall,deepep,moonep")
+    p.add_argument("--search", action="store_true",
+                   help="search the parallel layouts of the model on --gpus GPUs: every valid tp/pp/dp/ep split priced "
+                        "from a few layer simulations, those that fit ranked per strategy by tokens/s per GPU")
+    p.add_argument("--top", type=int, default=5, metavar="K", help="--search: the best K layouts per strategy")
     add_step_options(p)
     p.add_argument("--jobs", type=int, default=1, help="plan and simulate the distinct layers in N worker processes")
     p.add_argument("--cluster", default=None, metavar="ADDR", help="... or on a Dask cluster at ADDR")
@@ -217,6 +221,8 @@ def run(args) -> int:
     from moonep_sim.io import to_jsonable, write_text_atomic
 
     output_rule(args, files=("json", "timeline", "gantt"), folders={"out": OUT_FILES})  # before any work
+    if args.search:
+        return run_search(args)
     sc = scenario(args)
     opts = dataclasses.replace(step_options(args), tokens_per_rank=args.tokens_per_rank if args.gen else None)
     if opts.parallel is not None:
@@ -255,6 +261,48 @@ def run(args) -> int:
         files = write_outputs(docs, first, args)
         if args.json != "-":
             print("wrote " + ", ".join(files.values()))
+    return 0
+
+
+#: layout flags --search takes (the rest it chooses)
+SEARCH_KEEPS = ("--micro-batch-size", "--global-batch-size", "--pp-schedule")
+
+
+def run_search(args) -> int:
+    """``step --search --gpus N``: :meth:`Scenario.search_layouts`, a progress bar, the ranked table."""
+    from moonep_sim.cli.common import progress
+    from moonep_sim.cli.layout import layout_given
+    from moonep_sim.io import to_jsonable, write_text_atomic
+    from moonep_sim.report.layout import search_table
+    from moonep_sim.report.tables import wide_console
+
+    require(args.gpus is not None, "--search needs --gpus N (the GPUs to lay the model out on)")
+    require(args.gen is not None, "--search runs on generated routing: give --gen")
+    require(args.top >= 1, f"--top ({args.top}) must be >= 1")
+    chosen = [f for f in layout_given(args) if f not in SEARCH_KEEPS]
+    require(not chosen, f"{chosen[0] if chosen else ''} is chosen by --search (it may keep only "
+                        f"{', '.join(SEARCH_KEEPS)})")
+    for flag, v in (("--timeline", args.timeline), ("--gantt", args.gantt), ("--out", args.out),
+                    ("--tokens-per-rank", args.tokens_per_rank if args.mode == "train" else None)):
+        require(v is None, f"{flag} ({v}) does not apply to --search")
+    sc = scenario(args)
+    c = wide_console()
+    schedules = (args.pp_schedule,) if args.pp_schedule else ("1f1b", "interleaved", "dualpipe")
+    with progress(c, "layouts", lines=args.json is not None) as cb:
+        rep = sc.search_layouts(args.gpus, args.mode, seq=args.context or 4096, micro_batch_size=args.micro_batch_size or 1,
+                                global_batch_size=args.global_batch_size or 0, schedules=schedules,
+                                overlap=args.overlap or "none", gemm_dtype=args.gemm_dtype or "bf16",
+                                recompute=bool(args.recompute), top=args.top, tokens_per_rank=args.tokens_per_rank,
+                                progress=lambda d, n: cb("priced" if d <= n else "", d, n))
+    if args.json:
+        text = json.dumps(to_jsonable(rep, lenient=True), indent=1)
+        if args.json == "-":
+            print(text)
+            return 0
+        write_text_atomic(args.json, text, what="--json")
+    c.print(search_table(rep))
+    for f in rep["flags"]:
+        c.print(f"flag: {f}", highlight=False, markup=False)
     return 0
 
 

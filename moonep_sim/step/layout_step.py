@@ -43,6 +43,7 @@ its chunks (``moonep_sim.step.memory``) with the layout's shards (:func:`layout_
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -52,7 +53,7 @@ from moonep_sim.step import collectives as coll
 from moonep_sim.step.parallel import Parallel
 from moonep_sim.step.pipeline import ChunkTimes, run_schedule
 from moonep_sim.step.pipelines import get_schedule
-from moonep_sim.step.stack import BF16, StepShape, backward_op, dense_params, head_ops, kv_elems_per_token
+from moonep_sim.step.stack import BF16, StepShape, attention_params, backward_op, head_ops, kv_elems_per_token
 
 #: ASSUMED: mixed-precision Adam reads the fp32 master weight, gradient and two moments and writes
 #: the master, the moments and the bf16 weight: 4 x 4 + 3 x 4 + 2 bytes per parameter.
@@ -62,6 +63,7 @@ GRAD_REDUCE_BYTES = 4
 PARAM_GATHER_BYTES = BF16
 
 
+@functools.lru_cache(maxsize=4096)
 def stage_model(model: ModelSpec, start: int, stop: int) -> ModelSpec:
     """Layers ``[start, stop)`` of ``model`` as a model of their own (the dense layers first, each
     layer's attention kind kept)."""
@@ -70,6 +72,36 @@ def stage_model(model: ModelSpec, start: int, stop: int) -> ModelSpec:
     moe = sum(1 for l in range(start, stop) if l >= model.dense_layers)
     return dataclasses.replace(model, name=f"{model.name}[{start}:{stop}]", layers=stop - start, moe_layers=moe,
                                attention=",".join(kinds))
+
+
+@functools.lru_cache(maxsize=1024)
+def dense_probe_model(model: ModelSpec, start: int, stop: int) -> ModelSpec:
+    """Dense layers ``[start, stop)`` of ``model`` followed by its first MoE layer: a model the step
+    can run (a model needs an MoE layer); the dense layers' program is this model's less the MoE
+    layer's alone (:func:`stage_model` of it)."""
+    require(stop <= model.dense_layers and model.moe_layers >= 1,
+            f"dense layers ({start}..{stop}) must lie in the model's first {model.dense_layers} layers")
+    kinds = [model.attention_kind(l) for l in range(start, stop)] + [model.attention_kind(model.dense_layers)]
+    return dataclasses.replace(model, name=f"{model.name}[{start}:{stop}]+moe", layers=stop - start + 1, moe_layers=1,
+                               attention=",".join(kinds))
+
+
+def program_difference(with_moe: "StageProgram", moe: "StageProgram", head: tuple[float, float, float, float]
+                       ) -> "StageProgram":
+    """The dense layers' program of a :func:`dense_probe_model`: its program less the MoE layer's
+    alone (both ran the embedding and the head once, so they are added back once); memory: the
+    difference of activations and KV, no buffers of its own."""
+    ef, hf, eb, hb = head
+    a, b = with_moe.memory["parts"], moe.memory["parts"]
+    parts = {"weights": max(a["weights"] - b["weights"], 0.0), "buffers": 0.0}
+    if "activations" in a:
+        parts["activations"] = a["activations"] - b["activations"]   # the logits cancel
+    if "kv_cache" in a:
+        parts["kv_cache"] = a["kv_cache"] - b["kv_cache"]
+    return StageProgram(with_moe.forward_us - moe.forward_us + ef + hf, with_moe.backward_us - moe.backward_us + eb + hb,
+                        with_moe.forward_compute_us - moe.forward_compute_us + ef + hf,
+                        with_moe.backward_compute_us - moe.backward_compute_us + eb + hb,
+                        {"parts": parts, "dense_only": True}, 0, 0)
 
 
 def expert_group_gpus_per_node(p: Parallel, gpus_per_node: int) -> int:
@@ -134,15 +166,23 @@ def tp_comm_us(model: ModelSpec, start: int, stop: int, p: Parallel, shape: Step
     return f, b
 
 
+@functools.lru_cache(maxsize=16384)
 def chunk_params(model: ModelSpec, start: int, stop: int, first: bool, last: bool) -> tuple[float, float]:
     """(dense, expert) parameters (elements) of layers ``[start, stop)`` (the embedding on the first
-    chunk, the LM head on the last)."""
-    sub = stage_model(model, start, stop)
-    d = dense_params(sub)
-    emb = d.pop("embedding") / 2.0
-    dense = float(sum(d.values())) + emb * (int(first) + int(last))
-    expert = float(sub.moe_layers) * model.num_experts * 3.0 * model.dispatch_hidden * model.expert_ffn
-    return dense, expert
+    chunk, the LM head on the last), counted as :func:`~moonep_sim.step.stack.dense_params` counts
+    a whole model's."""
+    H, F = model.hidden, model.expert_ffn
+    dense = 0.0
+    moe = 0
+    for l in range(start, stop):
+        dense += attention_params(model, model.attention_kind(l)) + 2 * H
+        if l < model.dense_layers:
+            dense += 3 * H * model.dense_ffn
+        else:
+            moe += 1
+            dense += model.shared_experts * 3 * H * F + H * model.num_experts
+    dense += model.vocab * H * (int(first) + int(last))
+    return float(dense), float(moe) * model.num_experts * 3.0 * model.dispatch_hidden * F
 
 
 def layout_memory(mem: dict, model: ModelSpec, p: Parallel, chunks: list[tuple[int, int, int]], inflight: list[int],
@@ -165,16 +205,19 @@ def layout_memory(mem: dict, model: ModelSpec, p: Parallel, chunks: list[tuple[i
     for (c, a, b), live in zip(chunks, inflight):
         cm = chunk_mem[c]["parts"]
         dense, expert = chunk_params(model, a, b, a == 0, b == last)
-        # today's account counts the chunk model's whole embedding and head (both ends) and every home expert
         e_local = expert / p.ep
         w = dense / p.tp + e_local / p.etp
         if p.zero >= 3:
             w = dense / p.tp / dp_dense + e_local / p.etp / p.edp
-        parts["weights"] += w * BF16 + max(cm["weights"] - (float(sum(dense_params(stage_model(model, a, b)).values()))
-                                                             + e_local) * BF16, 0.0)
+        # today's account counts the chunk model's whole embedding and head (both ends) and its home experts:
+        # what it holds beyond them (a strategy's static replicas) is kept
+        dense_only = bool(chunk_mem[c].get("dense_only"))
+        own = sum(chunk_params(model, a, b, True, True)) - expert + e_local
+        parts["weights"] += w * BF16 + (0.0 if dense_only else max(cm["weights"] - own * BF16, 0.0))
         parts["buffers"] = max(parts["buffers"], cm["buffers"])
         if train:
-            logits = 0.0 if b == last else logits_bytes   # today's account keeps fp32 logits on every chunk model
+            # today's account keeps fp32 logits on every chunk model (a dense-only program's cancel)
+            logits = 0.0 if b == last or dense_only else logits_bytes
             parts["activations"] += (cm["activations"] - logits) * live
             g = dense / p.tp / (dp_dense if p.zero >= 2 else 1) + e_local / p.etp / (p.edp if p.zero >= 2 else 1)
             parts["gradients"] += g * 4.0
@@ -227,14 +270,24 @@ def simulate_stages(cfg, p: Parallel, source: Callable[[int], tuple], *, progres
     m = cfg.model
     out, prov = [], []
     bounds = stage_bounds(m, p)
+
+    def run(model: ModelSpec, off: int) -> dict:
+        return simulate_step(dataclasses.replace(cfg, model=model), lambda i: source(off + i), None, map_fn, pipeline)
+
     for si, (a, b) in enumerate(bounds):
         moe_before = max(a - m.dense_layers, 0)
         if progress:
             progress(f"stage {si + 1} of {len(bounds)}: layers {a}..{b - 1}")
-        res = simulate_step(dataclasses.replace(cfg, model=stage_model(m, a, b)),
-                            lambda i, off=moe_before: source(off + i), None, map_fn, pipeline)
-        out.append({n: StageProgram.of(res, n) for n, _ in cfg.strategies})
-        prov += res["layers_routing"]
+        if b > m.dense_layers:
+            res = run(stage_model(m, a, b), moe_before)
+            out.append({n: StageProgram.of(res, n) for n, _ in cfg.strategies})
+            prov += res["layers_routing"]
+            continue
+        # a stage of dense layers only: with the first MoE layer appended, less that layer alone
+        both, moe = run(dense_probe_model(m, a, b), 0), run(stage_model(m, m.dense_layers, m.dense_layers + 1), 0)
+        head = _head_us(m, cfg.shape, cfg.costs)
+        out.append({n: program_difference(StageProgram.of(both, n), StageProgram.of(moe, n), head)
+                    for n, _ in cfg.strategies})
     return out, prov
 
 
