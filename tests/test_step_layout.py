@@ -76,7 +76,6 @@ def test_stage_model_keeps_kinds_and_params_add_up():
     assert sum(x[1] for x in parts) == pytest.approx(whole[1])
 
 
-@pytest.mark.slow
 def test_one_moe_layer_without_tp_pp_dp_is_todays_step():
     sc = _sc(1)
     today = sc.step("train", tokens_per_rank=128, context=128)
@@ -91,7 +90,6 @@ def test_one_moe_layer_without_tp_pp_dp_is_todays_step():
         assert f["pipeline"]["bubble_fraction"] == 0.0
 
 
-@pytest.mark.slow
 def test_pure_ep_layout_is_todays_step_plus_dp_and_optimizer():
     sc = _sc(4, layers=2)
     today = sc.step("train", tokens_per_rank=128, context=128)
@@ -109,7 +107,6 @@ def test_pure_ep_layout_is_todays_step_plus_dp_and_optimizer():
     assert lay.to_dict()["setup"]["layout"] == "DP4 EP4"
 
 
-@pytest.mark.slow
 def test_pipeline_layout_runs_and_zero_shards_memory():
     sc = _sc(8, layers=4)
     p0 = Parallel(pp=2, dp=4, ep=4, zero=0, global_batch_size=16)
@@ -141,3 +138,50 @@ def test_bad_layouts_are_one_line(kw, match):
         match = r"tokens per rank \(100\) must be a multiple of tp x cp \(8 x 1\)"
     with pytest.raises(ConfigError, match=match):
         sc.step(mode, **kw)
+
+
+def _v2lite(layers: int):
+    m = get_model("deepseek-v2-lite")
+    return dataclasses.replace(m, name=f"v2lite-{layers}l", layers=layers, moe_layers=layers - 1)
+
+
+def test_a_stage_of_dense_layers_only():
+    # deepseek-v2-lite's first layer is dense; a first stage of just that layer runs beside an MoE layer, less it
+    sc = Scenario(routing="gen:model=deepseek-v2-lite,maxvio=2,tokens-per-rank=64", model=_v2lite(3), cluster=(4, 4),
+                  topology="h800-cx7", strategies="alltoall")
+    p = Parallel(pp=2, dp=2, ep=2, first_stage_layers=1, global_batch_size=4)
+    f = sc.step("train", parallel=p, context=64).figures["alltoall"]
+    assert [s["layers"] for s in f["stages"]] == [[0, 1], [1, 3]]
+    assert 0 < f["stages"][0]["forward_us"] < f["stages"][1]["forward_us"]
+    assert f["memory_per_pp_rank"][0] > 0
+
+
+def test_search_ranks_fitting_layouts():
+    from moonep_sim.experiments.layout_search import enumerate_layouts
+
+    m = _model(4)
+    lays = enumerate_layouts(m, 8, 8, "train", seq=2048)
+    # every valid layout multiplies to the GPUs, and pp, ep, tp divide what they split
+    assert lays and all(p.world == 8 and m.num_experts % p.ep == 0 and m.heads % p.tp == 0 for p in lays)
+    assert {(p.tp, p.pp) for p in lays} >= {(1, 1), (2, 2), (8, 1), (1, 4)}
+    rep = _sc(8, layers=4).search_layouts(8, "train", seq=2048, top=3)
+    assert rep["valid"] == len(lays)
+    for rows in rep["ranked"].values():
+        assert len(rows) == 3
+        fits = [r["fits"] for r in rows]
+        assert fits == sorted(fits, reverse=True)
+        ok = [r["tokens_per_s_per_gpu"] for r in rows if r["fits"]]
+        assert ok == sorted(ok, reverse=True)
+
+
+def test_search_price_matches_the_layout_step_on_one_routing():
+    # priced from one layer per kind vs the full step with every MoE layer on the same routing: same figures
+    sc = _sc(8, layers=4)
+    p = Parallel(tp=2, pp=2, dp=2, ep=4, global_batch_size=8)
+    full = sc.step("train", parallel=p, context=2048, distinct_layers=1).figures
+    rep = sc.search_layouts(8, "train", seq=2048, top=100)
+    row = {(r["strategy"], r["layout"]): r for r in rep["rows"]}
+    for n, f in full.items():
+        r = row[(n, "TP2 PP2 DP2 EP4 1f1b")]
+        assert r["step_time_us"] == pytest.approx(f["step_time_us"], rel=0.02)
+        assert r["peak_memory_bytes"] == pytest.approx(f["peak_memory_bytes"], rel=0.02)

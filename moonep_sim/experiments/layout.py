@@ -41,7 +41,7 @@ def layout_tokens(parallel, mode: str, tokens_per_rank: int | None, context: int
     return T // (p.tp * p.cp), context
 
 
-def ep_group(scenario: Any, p) -> tuple[Any, int, int]:
+def ep_group(scenario: Any, p, model=None) -> tuple[Any, int, int]:
     """(one EP group's Resolved, the job's GPUs N, GPUs per node G) of a scenario (or its
     Resolved) under layout ``p``. A Scenario's cluster names the job (default N: the layout's
     product; G: the topology's GPUs per node) and is not itself resolved (N need not divide the
@@ -52,8 +52,7 @@ def ep_group(scenario: Any, p) -> tuple[Any, int, int]:
     if hasattr(scenario, "source"):   # a Resolved (a Scenario has a routing, not yet a source)
         rs = scenario
         N, G = rs.cluster.ranks, rs.cluster.gpus_per_node
-        require(N == p.world, f"tp x cp x dp x pp ({p.tp} x {p.cp} x {p.dp} x {p.pp} = {p.world}) must equal the "
-                              f"GPUs ({N})")
+        p.check(N, model or rs.source.model)
         from moonep_sim.experiments.compare import check_cluster
         from moonep_sim.plan.placement import Placement
         from moonep_sim.strategies import PlanContext
@@ -69,6 +68,8 @@ def ep_group(scenario: Any, p) -> tuple[Any, int, int]:
     G = G or load_topology(scenario.topology).gpus_per_node
     require(N == p.world, f"tp x cp x dp x pp ({p.tp} x {p.cp} x {p.dp} x {p.pp} = {p.world}) must equal the GPUs ({N})")
     require(N % G == 0 or N < G, f"GPUs ({N}) must be a multiple of the GPUs per node ({G})")
+    probe = dataclasses.replace(scenario, cluster=(1, 1)).resolved   # the model, before the EP group is resolved
+    p.check(N, model or probe.source.model)
     group = dataclasses.replace(scenario, cluster=(p.ep, expert_group_gpus_per_node(p, min(G, N)))).resolved
     return group, N, min(G, N)
 
@@ -86,7 +87,7 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
     from moonep_sim.step.layout_step import layout_step
 
     p = parallel
-    group, N, G = ep_group(scenario, p)
+    group, N, G = ep_group(scenario, p, model)
     src = group.source
     m = model or src.model
     require(src.gen is not None, "a step under a layout runs on generated routing (gen:...): a trace's tokens are "
