@@ -195,9 +195,12 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
 
     keys = sorted({_unit_key(p, min(G, gpus), T_of(p)) for p in layouts})
     total = len(keys) + len(layouts)
-    units = {}
+    units, skipped = {}, []
     for i, k in enumerate(keys):
-        units[k] = price_units(scenario, model, k, mode, seq, costs, mem, overlap)
+        try:
+            units[k] = price_units(scenario, model, k, mode, seq, costs, mem, overlap)
+        except ConfigError as e:   # e.g. the asked skew below what so few tokens can show: those layouts dropped
+            skipped.append({"ep": k[0], "tokens_per_rank": k[2], "reason": str(e)})
         if progress:
             progress(i + 1, total)
     names = [n for n, _ in probe.strategies]
@@ -206,6 +209,8 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
         T = T_of(p)
         shape = step_shape(model, mode, T, seq if mode == "train" else None)
         key = _unit_key(p, min(G, gpus), T)
+        if key not in units:
+            continue
         cfg = StepConfig(model, topo, None, probe.strategies, shape, overlap, costs, mem, {})
         figs = {}
         for n in names:
@@ -230,11 +235,14 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
     fit = len({r["layout"] for r in rows if r["fits"]})
     return {"kind": "layout-search", "model": model.name, "mode": mode, "gpus": gpus, "gpus_per_node": G,
             "topology": topo.name, "seq": seq if mode == "train" else None, "micro_batch_size": micro_batch_size,
-            "valid": len(layouts), "fit": fit, "units_simulated": len(keys), "ranked": ranked, "rows": rows,
+            "valid": len(layouts), "priced": len({r["layout"] for r in rows}), "fit": fit,
+            "units_simulated": len(units), "units_skipped": skipped, "ranked": ranked, "rows": rows,
             "seconds": time.perf_counter() - t0,
             "flags": ["PRICED AS A MODEL: one layer of each kind simulated per (ep, tokens per rank), every MoE "
                       "layer on the same generated routing; run `moonep-sim step` with a chosen layout for its full "
-                      "step"] + ([] if fit else ["no layout fits in memory: more GPUs, recompute or fp8 weights"])}
+                      "step"] + ([] if fit else ["no layout fits in memory: more GPUs, recompute or fp8 weights"])
+            + [f"{len(skipped)} (ep, tokens per rank) pair(s) could not be priced, their layouts dropped: "
+               f"{skipped[0]['reason']}"] * bool(skipped)}
 
 
 __all__ = ["enumerate_layouts", "price_units", "priced_stages", "search_layouts"]
