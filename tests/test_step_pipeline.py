@@ -1,4 +1,4 @@
-"""Pipeline schedules (moonep_sim.step.pipeline): closed-form bubbles and the ordering invariants."""
+"""Pipeline schedules (moonep_sim.step.pipelines): closed-form bubbles and the ordering invariants."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from moonep_sim.errors import ConfigError
-from moonep_sim.step.pipeline import ChunkTimes, run_schedule
 from moonep_sim.step.pipelines import get_schedule
+from moonep_sim.step.pipelines.base import ChunkTimes, run_schedule
 
 
 def _equal(s, F=3.0, B=5.0, send=0.0):

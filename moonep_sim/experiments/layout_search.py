@@ -241,8 +241,8 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
             "flags": ["PRICED AS A MODEL: one layer of each kind simulated per (ep, tokens per rank), every MoE "
                       "layer on the same generated routing; run `moonep-sim step` with a chosen layout for its full "
                       "step"] + ([] if fit else ["no layout fits in memory: more GPUs, recompute or fp8 weights"])
-            + [f"{len(skipped)} (ep, tokens per rank) pair(s) could not be priced, their layouts dropped: "
-               f"{skipped[0]['reason']}"] * bool(skipped)}
+            + ([f"{len(skipped)} (ep, tokens per rank) pair(s) could not be priced, their layouts dropped: "
+                f"{skipped[0]['reason']}"] if skipped else [])}
 
 
 __all__ = ["enumerate_layouts", "price_units", "priced_stages", "search_layouts"]

@@ -23,7 +23,7 @@ A layout (:class:`~moonep_sim.step.parallel.Parallel`) wraps today's step, never
    around the CP ring (c - 1 sends forward, twice that backward; ASSUMED not overlapped with the
    attention: an upper bound).
 3. **The pipeline**: the chunk times are scheduled by the layout's pp schedule
-   (:mod:`moonep_sim.step.pipeline`: 1F1B, interleaved, DualPipe), each boundary's activation send
+   (:mod:`moonep_sim.step.pipelines`: 1F1B, interleaved, DualPipe), each boundary's activation send
    (``mbs x seq/c x H`` bf16, divided by t with SP) over the link it crosses
    (:func:`~moonep_sim.step.collectives.stage_boundary_links`).
 4. **DP**: after its last backward each pipeline rank reduces its gradients over its data-parallel
@@ -51,8 +51,8 @@ from moonep_sim.errors import require
 from moonep_sim.models import ModelSpec
 from moonep_sim.step import collectives as coll
 from moonep_sim.step.parallel import Parallel
-from moonep_sim.step.pipeline import ChunkTimes, run_schedule
 from moonep_sim.step.pipelines import get_schedule
+from moonep_sim.step.pipelines.base import ChunkTimes, run_schedule
 from moonep_sim.step.stack import BF16, StepShape, attention_params, backward_op, head_ops, kv_elems_per_token
 
 #: ASSUMED: mixed-precision Adam reads the fp32 master weight, gradient and two moments and writes
@@ -277,7 +277,7 @@ def simulate_stages(cfg, p: Parallel, source: Callable[[int], tuple], *, progres
     for si, (a, b) in enumerate(bounds):
         moe_before = max(a - m.dense_layers, 0)
         if progress:
-            progress(f"stage {si + 1} of {len(bounds)}: layers {a}..{b - 1}")
+            progress(f"stage {si + 1} of {len(bounds)}: layers {a}..{b - 1}", si, len(bounds))
         if b > m.dense_layers:
             res = run(stage_model(m, a, b), moe_before)
             out.append({n: StageProgram.of(res, n) for n, _ in cfg.strategies})

@@ -17,10 +17,11 @@ per direction, ``p + 1`` in all per rank, DualPipe's activation count). The weig
 from __future__ import annotations
 
 from moonep_sim.errors import ConfigError, require
-from moonep_sim.step.pipeline import ChunkTimes, PipeOp, Schedule, register
+from moonep_sim.step.pipelines import PIPELINE_SCHEDULES
+from moonep_sim.step.pipelines.base import ChunkTimes, PipeOp, Schedule
 
 
-@register
+@PIPELINE_SCHEDULES.register
 class DualPipe(Schedule):
     name = "dualpipe"
 

@@ -11,8 +11,8 @@ gradient's send) and, on the last chunk, its own ``F``. Each rank runs one op at
 ``FB`` op (DualPipe) is one forward and one backward chunk of different micro-batches run together,
 the communication of each hidden behind the other's compute.
 
-A schedule (one class per schedule, :data:`SCHEDULES`; ``1f1b``, ``interleaved``, ``dualpipe``,
-one module each, :func:`moonep_sim.step.pipelines.get_schedule` looks them up)
+A schedule (one class per schedule, one module each, registered in
+:data:`moonep_sim.step.pipelines.PIPELINE_SCHEDULES`: ``1f1b``, ``interleaved``, ``dualpipe``)
 says which chunks there are, which rank runs each, the path of each micro-batch and the order in
 which each rank runs its ops; :func:`run_schedule` times it (each op as early as its rank and its
 inputs allow) and returns a :class:`PipelineRun`: every op's start and end, and per rank its busy
@@ -97,14 +97,6 @@ class Schedule:
     def orders(self, t: "ChunkTimes | None" = None) -> list[list[PipeOp]]:
         """Each rank's ops, in the order it runs them (a schedule that orders by time reads ``t``)."""
         raise NotImplementedError
-
-
-SCHEDULES: dict[str, type[Schedule]] = {}
-
-
-def register(cls: type[Schedule]) -> type[Schedule]:
-    SCHEDULES[cls.name] = cls
-    return cls
 
 
 @dataclass(frozen=True)
@@ -215,4 +207,4 @@ def run_schedule(s: Schedule, t: ChunkTimes) -> PipelineRun:
     return PipelineRun(s.name, s.pp, s.vpp, s.m, ops, mk, busy, [mk - b for b in busy], warm, steady, cool)
 
 
-__all__ = ["ChunkTimes", "PipeOp", "PipelineRun", "SCHEDULES", "Schedule", "register", "run_schedule"]
+__all__ = ["ChunkTimes", "PipeOp", "PipelineRun", "Schedule", "run_schedule"]

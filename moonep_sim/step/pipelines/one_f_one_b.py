@@ -8,10 +8,11 @@ micro-batches in flight. Equal stages with free sends: ``(m + p - 1)(F + B)``, a
 
 from __future__ import annotations
 
-from moonep_sim.step.pipeline import PipeOp, Schedule, register
+from moonep_sim.step.pipelines import PIPELINE_SCHEDULES
+from moonep_sim.step.pipelines.base import PipeOp, Schedule
 
 
-@register
+@PIPELINE_SCHEDULES.register
 class OneFOneB(Schedule):
     name = "1f1b"
 

@@ -12,10 +12,11 @@ of ``(p - 1)/(v m + p - 1)``.
 from __future__ import annotations
 
 from moonep_sim.errors import require
-from moonep_sim.step.pipeline import PipeOp, Schedule, register
+from moonep_sim.step.pipelines import PIPELINE_SCHEDULES
+from moonep_sim.step.pipelines.base import PipeOp, Schedule
 
 
-@register
+@PIPELINE_SCHEDULES.register
 class Interleaved(Schedule):
     name = "interleaved"
 
