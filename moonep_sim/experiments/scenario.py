@@ -253,6 +253,15 @@ class Scenario:
         out = run_step(self, mode, overlap, **options)
         return out[0] if len(out) == 1 else out
 
+    def search_layouts(self, gpus: int, mode: str = "train", **options: Any) -> dict[str, Any]:
+        """Every valid parallel layout of this scenario's model on ``gpus`` GPUs, priced, those that
+        fit ranked per strategy by tokens/s per GPU
+        (:func:`moonep_sim.experiments.layout_search.search_layouts` takes ``options``: seq,
+        micro_batch_size, global_batch_size, schedules, top, progress, ...)."""
+        from moonep_sim.experiments.layout_search import search_layouts
+
+        return search_layouts(self, gpus, mode, **options)
+
     # -- compare, replay, sweep ---------------------------------------------------------------------
     @_with_progress("compare")
     def compare(self, real: bool = False, *, nproc: int | None = None, iters: int = 10, hidden: int = 512,
