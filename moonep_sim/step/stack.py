@@ -137,20 +137,20 @@ def layer_ops(model: ModelSpec, layer: int, shape: StepShape) -> LayerOps:
     att = attention_kind(kind)
     ops: list[Op] = []
     if att.has_op:
-        ops += [_norm(T, H), gemm("attn_proj", T, att.params(model)), att.core(model, shape)]
+        ops += [_norm(T, H), gemm("attn_proj", T, att.params(model), H), att.core(model, shape)]
     moe = layer >= model.dense_layers
     if not moe:
         require(model.dense_ffn >= 1, f"model ({model.name}) dense_ffn must be given: it has "
                                       f"{model.dense_layers} dense layer(s)", ConfigError)
-        ops += [_norm(T, H), gemm("dense_ffn", T, 3 * H * model.dense_ffn)]
+        ops += [_norm(T, H), gemm("dense_ffn", T, 3 * H * model.dense_ffn, H)]
         return LayerOps(layer, kind, False, tuple(ops), None, None)
     if att.has_op:
         ops.append(_norm(T, H))
     if latent_proj_params(model):  # into the experts' latent and back (one GEMM of both)
         ops.append(gemm("latent_proj", T, latent_proj_params(model)))
     router = Op("router", "gemm", 2.0 * T * H * model.num_experts, float(H * model.num_experts) * BF16, T,
-                f"tokens={T}")
-    shared = gemm("shared_expert", T, 3 * H * model.expert_ffn * model.shared_experts) if model.shared_experts else None
+                f"tokens={T}", H)
+    shared = gemm("shared_expert", T, 3 * H * model.expert_ffn * model.shared_experts, H) if model.shared_experts else None
     return LayerOps(layer, kind, True, tuple(ops), router, shared)
 
 
@@ -162,7 +162,7 @@ def head_ops(model: ModelSpec, shape: StepShape) -> tuple[tuple[Op, ...], tuple[
     T, H, V = shape.tokens, model.hidden, model.vocab
     first = (Op("embed", "bytes", 0.0, 2.0 * T * H * BF16, T, f"tokens={T}"),)
     rows = T if shape.mode == "train" else shape.sequences
-    last = [gemm("lm_head", rows, H * V)]
+    last = [gemm("lm_head", rows, H * V, H)]
     if shape.mode == "train":  # fp32 logits: softmax read + write, and its gradient
         last.append(Op("loss", "bytes", 0.0, 3.0 * T * V * 4, T, f"tokens={T}"))
     return first, tuple(last)
