@@ -126,8 +126,10 @@ _WHY = {"--real": "a real replay runs one layer over gloo; a step is simulated",
 def step_options(args, *, tokens: bool = True):
     """The typed step options these arguments give (defaults: `moonep-sim step`'s; ``tokens``
     False: --tokens-per-rank is the command's own flag, not a step option)."""
+    from moonep_sim.cli.checks import check_step_flags
     from moonep_sim.experiments.step import StepOptions
 
+    check_step_flags(args)
     kw = {}
     for _, dest, default in STEP_FLAGS:
         if dest == "tokens_per_rank" and not tokens:
@@ -147,7 +149,7 @@ def scenario(args):
     opts = parse_strategy_opts(args.opt, names)
     if args.gen:
         spec = GeneratorSpec.parse(args.gen)
-        if args.tokens_per_rank:
+        if args.tokens_per_rank is not None:
             spec = dataclasses.replace(spec, tokens_per_rank=args.tokens_per_rank)
         routing = spec
     else:
@@ -191,9 +193,13 @@ def run(args) -> int:
     from moonep_sim.cli.common import output_rule
     from moonep_sim.io import to_jsonable, write_text_atomic
 
+    from moonep_sim.cli.checks import check_step_ranks, check_step_routing
+
     output_rule(args, files=("json", "timeline", "gantt"), folders={"out": OUT_FILES})  # before any work
+    check_step_routing(args)
+    step_options(args)  # the step options' bounds
     sc = scenario(args)
-    sc.resolved  # every input checked before any work
+    check_step_ranks(args, sc.resolved.cluster.ranks)  # every input checked before any work
     opts = dataclasses.replace(step_options(args), tokens_per_rank=args.tokens_per_rank if args.gen else None)
     res = sc.step(opts.mode, opts.overlap, jobs=args.jobs, cluster=args.cluster,
                   pipeline={"auto": None, "on": True, "off": False}[args.pipeline], **opts.kwargs())
