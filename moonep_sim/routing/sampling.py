@@ -22,9 +22,11 @@ it, with the same distribution (not the same outputs for a seed); :func:`sample_
   integer compares instead of ``O(T E)`` noise and a partition: one draw of a Kimi-K3 layer
   (E=896, K=16, T=262144) takes about 0.08 CPU s instead of about 2.5 s (docs/results/steps.md).
 
-The per-token work runs in compiled kernels (``sampling_kernels.py``); the numpy code they replace
-is their reference (``KERNELS = False``; ``sampling_reference.py``): the same draws bit for bit
-from the same random numbers, taken from numpy's generator in the same order and amounts.
+The per-token work runs in compiled kernels (``sampling_kernels.py``), the one path the samplers
+take; the numpy code they replaced is their test reference (``sampling_reference.py``: the same
+draws bit for bit from the same random numbers, taken from numpy's generator in the same order and
+amounts; tests/test_sampling_kernels.py). The kernels measured 3-30x faster than it
+(docs/results/steps.md); the race's tied rows, which the kernels leave, are sorted in numpy.
 - :func:`sample_topk_grouped` -- the fast path for group-limited top-K: the race of each group
   run the same way (the experts' clocks are independent), its first two arrivals giving the group
   score, the kept groups' races continued and merged (exact; its docstring). About 2x faster than
@@ -45,11 +47,8 @@ import math
 import numpy as np
 
 from moonep_sim.routing import sampling_kernels as _kn
-from moonep_sim.routing.sampling_reference import RacesNumpy, _weights_KN
+from moonep_sim.routing import sampling_records as _rec
 
-#: the compiled kernels (sampling_kernels.py) do the per-token work; False runs the numpy reference
-#: they are held against (the same draws bit for bit: tests/test_sampling_kernels.py)
-KERNELS = True
 CHUNK_ELEMS = 1 << 22      # tokens per chunk = CHUNK_ELEMS // E (fixed: results never depend on the machine)
 LOGP_FLOOR = -80.0         # log-popularity clipped here (exp stays a normal float32)
 _REJECT_ROUNDS = 6         # rejection rounds per position before a row's exact remainder draw
@@ -66,7 +65,7 @@ def _popularity(logp_E: np.ndarray) -> np.ndarray:
 def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
                      groups: int = 1, topk_groups: int = 1, with_logits: bool = False,
                      noise: dict | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The exponential race over a ``[T, E]`` noise matrix (the reference; see the module docstring).
+    """The exponential race over a ``[T, E]`` noise matrix (see the module docstring).
 
     Returns ids int64 [T, K] (by descending score), weights float32 [T, K] (softmax of the chosen
     scores), and the scores float32 [T, E] when ``with_logits``. Chunked: at most
@@ -78,6 +77,13 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
     values, without the draws; ``rng`` is then left untouched. Only for one chunk (the race of
     at most ``CHUNK_ELEMS`` pairs, the layers :func:`sample_topk` gives it); None: always drawn.
     """
+    return _race(logp_E, top_k, tokens, rng, groups, topk_groups, with_logits, noise, kernels=True)
+
+
+def _race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, groups: int, topk_groups: int,
+          with_logits: bool, noise: dict | None, *, kernels: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """:func:`sample_topk_race`; ``kernels`` False: the numpy reference's race
+    (``sampling_reference.sample_topk_race``: the K smallest keys sorted in numpy for every row)."""
     E, K = int(np.size(logp_E)), int(top_k)
     lp = _popularity(logp_E)
     lp32 = lp.astype(np.float32)
@@ -97,7 +103,7 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
             x = rng.standard_exponential((n, E), dtype=np.float32)
             if noise is not None:
                 noise["x"] = x
-        fast = KERNELS and not with_logits and K < E and (not grouped or E // groups >= 2)
+        fast = kernels and not with_logits and K < E and (not grouped or E // groups >= 2)
         if grouped or with_logits:                     # the noise's log: kept with the noise
             logx = _kept(noise, "log", lambda: np.log(np.maximum(x, np.float32(1e-30))))
         if fast:                                       # the kernels: the same keys' K smallest, per token
@@ -274,7 +280,7 @@ class InverseCDF:
         return lo
 
 
-class _Races(RacesNumpy):
+class _Races:
     """N independent exponential races run one arrival at a time by sequential Plackett-Luce draws
     (see the module docstring). Row r races the ``n`` experts ``[first_R[r], first_R[r] + n)``
     (its group; all E without groups). State: ``ids_KN`` the experts in arrival order, ``tau_KN``
@@ -325,7 +331,7 @@ class _Races(RacesNumpy):
 
     def subset(self, rows: np.ndarray, K: int) -> "_Races":
         """The races of ``rows`` (their arrivals so far kept), room for K arrivals in all."""
-        out = _Races.__new__(_Races)
+        out = type(self).__new__(type(self))
         out.p_E, out.icdf, out.n, out.rng, out.retry, out.small = (self.p_E, self.icdf, self.n, self.rng,
                                                                    self.retry, self.small)
         out.first_R, out.base_R, out.span_R, out.left_R, out.tau_R = (
@@ -346,8 +352,6 @@ class _Races(RacesNumpy):
 
         The compiled kernels' pass (:mod:`~moonep_sim.routing.sampling_kernels`): the same random
         numbers drawn in the same order and amounts as :meth:`advance_numpy`, the same draws."""
-        if not KERNELS:
-            return self.advance_numpy(u, keep, counts_E)
         k, N, ic = self.k, self.first_R.size, self.icdf
         clocked = u is None
         if clocked:
@@ -358,27 +362,28 @@ class _Races(RacesNumpy):
                 keep["u"].append(u)
         count = counts_E is not None
         update_left = clocked or self.easy_k < self.ids_KN.shape[0]
-        draw = (ic.cum_E, ic.guide, ic.M, ic.width, ic.steps, ic.width <= _LINEAR_WIDTH,
-                self.first_R, self.base_R, self.span_R, self.n, self.n != self.p_E.size)
+        icdf = _rec.icdf_record(ic, _LINEAR_WIDTH)
+        rows = _rec.RowSpan(self.first_R, self.base_R, self.span_R, self.n, self.n != self.p_E.size)
         todo, hard = np.empty(N, np.intp), np.empty(N, np.intp)
         counts = counts_E if count else _NO_COUNTS
-        nt, nh = _kn.pl_position(k, x if clocked else _NO_X, u, clocked, self.p_E, *draw, self.ids_NK,
-                                 self.tau_NK, self.left_R, k >= self.easy_k, self.hard_R, update_left, counts,
-                                 count, todo, hard)
+        tally = _rec.Tally(self.p_E, update_left, counts, count)
+        nt, nh = _kn.pl_position(k, x if clocked else _NO_X, u, clocked, icdf, rows,
+                                 _rec.RaceRows(self.ids_NK, self.tau_NK, self.left_R), k >= self.easy_k, self.hard_R,
+                                 tally, todo, hard)
         if clocked:
             self.tau_R = self.tau_NK[:, k]
         rejected, hard = todo[:nt].copy(), hard[:nh]
         for _ in range(_REJECT_ROUNDS):
             if nt == 0:
                 break
-            nt = _kn.pl_retry(k, todo, nt, self.retry.random(nt), *draw, self.ids_NK)
+            nt = _kn.pl_retry(k, todo, nt, self.retry.random(nt), icdf, rows, self.ids_NK)
         rest = np.union1d(hard, todo[:nt]) if nt else hard
         chunk = max(1, CHUNK_ELEMS // self.n)
         for s in range(0, rest.size, chunk):
             r = rest[s:s + chunk]
             _kn.pl_remainder(k, r, self.retry.random(r.size), self.p_E, self.first_R, self.n, True, self.ids_NK)
-        for rows in (rejected, hard):
-            _kn.pl_settle(k, rows, self.ids_NK, self.p_E, self.left_R, update_left, counts, count)
+        for settled in (rejected, hard):
+            _kn.pl_settle(k, settled, self.ids_NK, self.p_E, self.left_R, update_left, counts, count)
         self.k += 1
 
 
@@ -427,23 +432,16 @@ def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.G
     E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
     p, icdf = _normalised(logp_E)
     seed = int(rng.integers(0, 1 << 63))
-    if KERNELS:
-        x, u = np.empty((K, T), np.float32), np.empty((K, T))
-        for k in range(K):                             # the reference's order: a position's exponentials, its uniforms
-            rng.standard_exponential(dtype=np.float32, out=x[k])
-            rng.random(out=u[k])
-        if noise is not None:
-            noise.update(x=x, u=u, retry_seed=seed)   # x clamped to 1e-30 in place by the kernels
-        ids, w, counts = _pl_blocks(p, icdf, x, u, np.random.default_rng(seed), np.int64, noise is not None)
-        if noise is not None:
-            noise["counts"] = counts                   # this draw's count per expert, for the calibration
-        return ids, w
-    races = _Races(p, icdf, np.zeros(T, np.intp), E, K, rng, np.random.default_rng(seed))
+    x, u = np.empty((K, T), np.float32), np.empty((K, T))
+    for k in range(K):                                 # the reference's order: a position's exponentials, its uniforms
+        rng.standard_exponential(dtype=np.float32, out=x[k])
+        rng.random(out=u[k])
     if noise is not None:
-        noise.update(x=[], u=[], retry_seed=seed)
-    for _ in range(K):
-        races.advance(keep=noise)
-    return races.ids_KN.T.astype(np.int64, order="C"), _weights_KN(races.tau_KN)
+        noise.update(x=x, u=u, retry_seed=seed)       # x clamped to 1e-30 in place by the kernels
+    ids, w, counts = _pl_blocks(p, icdf, x, u, np.random.default_rng(seed), np.int64, noise is not None)
+    if noise is not None:
+        noise["counts"] = counts                       # this draw's count per expert, for the calibration
+    return ids, w
 
 
 def _pl_blocks(p: np.ndarray, icdf: InverseCDF, x_KN: np.ndarray | None, u_KN: np.ndarray,
@@ -464,22 +462,23 @@ def _pl_blocks(p: np.ndarray, icdf: InverseCDF, x_KN: np.ndarray | None, u_KN: n
     w = np.empty((N, K), np.float32) if clocked else _NO_W
     counts = np.zeros(E, np.int64) if count else _NO_COUNTS
     x = x_KN if clocked else _NO_X2
-    draw = (icdf.cum_E, icdf.guide, icdf.M, icdf.width, icdf.steps, icdf.width <= _LINEAR_WIDTH)
+    ic = _rec.icdf_record(icdf, _LINEAR_WIDTH)
+    tally = _rec.Tally(p, update_left, counts, count)
+    every = _rec.RowSpan(_NO_INTP, _NO_F64, _NO_F64, E, False)   # every row races all E
     # the stopped rows' slots (room for every row; only those used are touched)
     rows2, stop2, left2 = np.empty(N, np.intp), np.empty(N, np.intp), np.empty(N)
     ids2, u2 = np.empty((N, K), dtype), np.empty((K, N))
     tau2, x2 = (np.empty((N, K)), np.empty((K, N), np.float32)) if clocked else (_NO_TAU, _NO_X2)
-    n2 = _kn.pl_pass1(x, u_KN, clocked, p, *draw, easy_k, hard, update_left, ids, w, counts, count,
-                      rows2, stop2, left2, ids2, tau2, x2, u2)
+    stopped = _rec.Stopped(rows2, stop2, left2, ids2, tau2, x2, u2)
+    n2 = _kn.pl_pass1(x, u_KN, clocked, ic, easy_k, hard, tally, ids, w, stopped)
     todo, hard_slots = np.empty(n2, np.intp), np.empty(n2, np.intp)
     for k in range(K if n2 else 0):                    # pass 2: the stopped rows, by slot
-        nt, nh = _kn.pl_pass2(k, n2, rows2, stop2, x, x2, u2, clocked, p, *draw, easy_k, hard, update_left, ids2,
-                              tau2, left2, counts, count, todo, hard_slots)
+        nt, nh = _kn.pl_pass2(k, n2, stopped, x, clocked, ic, easy_k, hard, tally, todo, hard_slots)
         rejected, hs = todo[:nt].copy(), hard_slots[:nh]
         for _ in range(_REJECT_ROUNDS):
             if nt == 0:
                 break
-            nt = _kn.pl_retry(k, todo, nt, retry.random(nt), *draw, _NO_INTP, _NO_F64, _NO_F64, E, False, ids2)
+            nt = _kn.pl_retry(k, todo, nt, retry.random(nt), ic, every, ids2)
         rest = np.union1d(hs, todo[:nt]) if nt else hs
         chunk = max(1, CHUNK_ELEMS // E)
         for s in range(0, rest.size, chunk):
@@ -499,15 +498,9 @@ def pl_ids_again(logp_E: np.ndarray, top_k: int, tokens: int, noise: dict) -> tu
     only counts needs, at about 40% of a whole draw. :func:`pl_weights` completes a draw."""
     E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
     p, icdf = _normalised(logp_E)
-    if KERNELS:
-        ids, _, counts = _pl_blocks(p, icdf, None, np.asarray(noise["u"]), np.random.default_rng(noise["retry_seed"]),
-                                    np.int16 if E <= np.iinfo(np.int16).max else np.int32, True)
-        return ids.T, counts
-    races = _Races(p, icdf, np.zeros(T, np.intp), E, K, None, np.random.default_rng(noise["retry_seed"]))
-    counts = np.zeros(E, np.int64)
-    for k in range(K):
-        races.advance(u=noise["u"][k], counts_E=counts)
-    return races.ids_KN, counts
+    ids, _, counts = _pl_blocks(p, icdf, None, np.asarray(noise["u"]), np.random.default_rng(noise["retry_seed"]),
+                                np.int16 if E <= np.iinfo(np.int16).max else np.int32, True)
+    return ids.T, counts
 
 
 def pl_weights(logp_E: np.ndarray, ids_KN: np.ndarray, noise: dict) -> np.ndarray:
@@ -515,18 +508,19 @@ def pl_weights(logp_E: np.ndarray, ids_KN: np.ndarray, noise: dict) -> np.ndarra
     :func:`pl_ids_again` at ``logp_E`` with the same ``noise``): its arrival times replayed from
     the kept exponentials (the same popularity left), float32 [T, K]."""
     K, T = ids_KN.shape
-    p, icdf = _normalised(logp_E)
-    if KERNELS:
-        w = np.empty((T, K), np.float32)
-        _kn.pl_replay_rows(np.asarray(noise["x"]), ids_KN.T, p, w)
-        return w
-    races = _Races(p, icdf, np.zeros(T, np.intp), p.size, K, None, None)
-    races.replay(ids_KN, noise["x"])
-    return _weights_KN(races.tau_KN)
+    p, _ = _normalised(logp_E)
+    w = np.empty((T, K), np.float32)
+    _kn.pl_replay_rows(np.asarray(noise["x"]), ids_KN.T, p, w)
+    return w
 
 
 def sample_topk_grouped(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
                         groups: int, topk_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    return _grouped(logp_E, top_k, tokens, rng, groups, topk_groups, _Races)
+
+
+def _grouped(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, groups: int, topk_groups: int,
+             races_cls: type) -> tuple[np.ndarray, np.ndarray]:
     """Group-limited top-K (the race's rule, see the module docstring) without the ``[T, E]`` race.
 
     Exact by the race's structure: the experts' exponential clocks are independent, so each group
@@ -535,13 +529,14 @@ def sample_topk_grouped(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.ran
     groups; each kept group's race continues (memoryless: from its second arrival, with the rest
     of its experts) to ``min(K, E/G)`` arrivals; the token's experts are the K earliest of them,
     in arrival order, weights ``∝ 1 / tau`` as in the race. Cost ``O(T (2G + M K))`` draws.
+    (``races_cls``: :class:`_Races`, or the numpy reference's races in ``sampling_reference``.)
     """
     E, K, T, G, M = int(np.size(logp_E)), int(top_k), int(tokens), int(groups), int(topk_groups)
     n = E // G
     p, icdf = _normalised(logp_E)
     retry = np.random.default_rng(int(rng.integers(0, 1 << 63)))
     # rows t * G + g: token t's race in group g
-    races = _Races(p, icdf, np.tile(np.arange(G, dtype=np.intp) * n, T), n, min(2, n), rng, retry)
+    races = races_cls(p, icdf, np.tile(np.arange(G, dtype=np.intp) * n, T), n, min(2, n), rng, retry)
     for _ in range(min(2, n)):
         races.advance()
     gscore_TG = -np.log(races.tau_KN).sum(axis=0).reshape(T, G)
