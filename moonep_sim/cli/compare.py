@@ -162,7 +162,11 @@ def run_step_level(args, sc) -> int:
 
     from moonep_sim.experiments.step import steps_document
 
+    from moonep_sim.cli.checks import check_step_ranks
+
     opts = step_options(args)
+    if opts.parallel is None:
+        check_step_ranks(args, sc.resolved.cluster.ranks)  # before any work
     with progress(None, "compare --level step") as cb:
         res = sc.compare(level="step", step=opts, jobs=args.jobs, cluster=args.cluster, progress=cb)
     doc = steps_document(res if isinstance(res, list) else [res])
