@@ -135,7 +135,7 @@ class Scenario:
         base = load_topology(self.topology)
         G = G or base.gpus_per_node_for(R)
         cluster = check_cluster(source, R, G)
-        topo = load_topology(self.topology, cluster)
+        topo = load_topology(self.topology, cluster.gpus_per_node)
         costs = self.costs or RowCosts.from_model(source.model, dtype)
         place = (Placement.home_groups(source.num_experts, R) if self.placement == "home"
                  else Placement.round_robin(source.num_experts, R))
@@ -252,6 +252,15 @@ class Scenario:
 
         out = run_step(self, mode, overlap, **options)
         return out[0] if len(out) == 1 else out
+
+    def search_layouts(self, gpus: int, mode: str = "train", **options: Any) -> dict[str, Any]:
+        """Every valid parallel layout of this scenario's model on ``gpus`` GPUs, priced, those that
+        fit ranked per strategy by tokens/s per GPU
+        (:func:`moonep_sim.experiments.layout_search.search_layouts` takes ``options``: seq,
+        micro_batch_size, global_batch_size, schedules, top, progress, ...)."""
+        from moonep_sim.experiments.layout_search import search_layouts
+
+        return search_layouts(self, gpus, mode, **options)
 
     # -- compare, replay, sweep ---------------------------------------------------------------------
     @_with_progress("compare")
