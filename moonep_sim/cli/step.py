@@ -19,7 +19,7 @@ def register(sub) -> None:
     p = sub.add_parser("step", help="a whole train / prefill / decode step per strategy: time, overlap, memory, OOM")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="token-level trace (.safetensors): MoE layer i is its i-th layer; missing "
-                                     "layers are stand-ins generated at its measured skew (flagged)")
+                                     "layers are stand-ins drawn at the skew measured over the whole trace (flagged)")
     src.add_argument("--gen", metavar="K=V,...", help="generated routing, e.g. model=kimi-k3,maxvio=2 (one layer "
                                                        "per MoE layer; docs/traces.md)")
     p.add_argument("--model", default=None, help="model preset or file (default: the trace's or the --gen model)")
