@@ -25,9 +25,9 @@ SHAPES = {"train": (64, None), "prefill": (64, None), "decode": (16, 1024)}
 # (step_time_us, peak_memory_bytes) of moonep, h800-cx7, 8 ranks, the routing below. The hybrid's
 # figures moved once on purpose, when the linear kind took KDA's projection layout (its weights:
 # 5 H P -> 5 H P + H hd + hd P + H n + 12 P); the rest are the figures of the branches the registries
-# replaced, bit for bit -- until they all moved once more on purpose, when MoonEP's combine took its
-# kernel's fused receiver-side sum (the K rows of a token summed as they land on its SMs: a shorter
-# combine).
+# replaced, bit for bit. All moved again with the cost model's own changes (MoonEP's combine summing
+# rows as they land, DeepEP's host wait before a dispatch, kernels charged only in their SM phases):
+# the roofline cost model (simulate_step's default, no measured tables) prices these steps.
 PINNED = {
     ("small", "train", "none"): (283.8951508130524, 31316224.0),
     ("small", "train", "shared-expert"): (283.0148164846942, 31316224.0),

@@ -84,7 +84,9 @@ def add_step_options(p, *, level: bool = False, tokens: bool = True) -> None:
     p.add_argument("--context", type=int, default=None,
                    help="keys per sequence (train/prefill: the sequence length, default the tokens; decode: the "
                         "KV context, default 4096)" + at)
-    p.add_argument("--overlap", choices=("none", "shared-expert", "two-batch"), default=d["overlap"],
+    from moonep_sim.step.schedules import OVERLAPS  # the registry's schedules (no simulator import)
+
+    p.add_argument("--overlap", choices=OVERLAPS, default=d["overlap"],
                    help="overlap schedule (docs/steps.md)" + at)
     p.add_argument("--distinct-layers", type=int, default=d["distinct_layers"], metavar="N",
                    help="generated routing: plan and simulate only N layers, MoE layer i reusing layer i mod N "
