@@ -342,7 +342,12 @@ def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int
         rep["real"] = run_real(rs, real, local_topo, rep, progress)
     from moonep_sim.experiments.flags import compare_flags
     from moonep_sim.experiments.verdict import compare_verdict
-    rep["flags"] = compare_flags(rep)
+    calibration = None
+    if rep.get("real"):
+        from moonep_sim.experiments import calibrate as cal
+
+        calibration = cal.calibration_kind(cal.calibrated_path())
+    rep["flags"] = compare_flags(rep, calibration)
     rep["verdict"] = compare_verdict(rep)
     rep["seconds"] = time.perf_counter() - t_start
     return rep
