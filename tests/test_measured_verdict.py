@@ -1,4 +1,4 @@
-"""The measured verdict of a gloo replay (moonep_sim.experiments.measured_verdict): from the replay's
+"""The measured verdict of a gloo replay (moonep_sim.analysis.measured_verdict): from the replay's
 own figures, a win only where both the spread over measured units and the sign test resolve it,
 and the mechanism read from the measured phase behind the margin.
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from moonep_sim.experiments.measured_verdict import measured_figures, measured_verdict
-from moonep_sim.experiments.ranking import agreement
+from moonep_sim.analysis.measured_verdict import measured_figures, measured_verdict
+from moonep_sim.analysis.ranking import agreement
 
 PH = ("exchange", "plan", "dispatch", "prefetch", "expert", "combine", "backward", "total")
 
