@@ -104,7 +104,7 @@ def test_several_steps_spread_over_steps_and_iterations():
 
 
 def test_the_replay_program_prints_the_measured_verdict_under_the_summaries():
-    from moonep_sim.experiments.replay_rank import _summaries
+    from moonep_sim.experiments.ranks.replay_rank import _summaries
 
     reps = {"a": _rep([_entry(iters=FAST)], FAST), "b": _rep([_entry(iters=SLOW, plan=1.1)], SLOW)}
     for n, r in reps.items():

@@ -372,7 +372,7 @@ def run_spec(nproc: int, spec, timeout_s: float = 600.0) -> dict[str, Any]:
     spec is written once as JSON and every rank reads it (``replay_rank --spec``)."""
     import tempfile
 
-    from moonep_sim.experiments.replay_rank import run_replay
+    from moonep_sim.experiments.ranks.replay_rank import run_replay
 
     with tempfile.TemporaryDirectory(prefix="moonep-spec-") as tmp:
         path = spec.write(Path(tmp) / "replay-spec.json")

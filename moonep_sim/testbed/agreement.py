@@ -3,7 +3,7 @@
 For each testbed shape (N nodes x G ranks) the testbed is built once; a gloo probe measures what
 the shaped links deliver (that fixes ``nic.efficiency`` and ``nic.latency_us`` of the matching
 topology, :mod:`moonep_sim.testbed.topology`); then every trace is replayed for real with
-``moonep_sim.experiments.replay_rank``, all strategies in one process group, interleaved step by step (matched
+``moonep_sim.experiments.ranks.replay_rank``, all strategies in one process group, interleaved step by step (matched
 samples per iteration), and the very same plans are simulated on that topology with the
 replay's row and expert sizes (float32 rows of H, SwiGLU experts of H x F). A run with one node's
 link slowed (``degrade``) checks that the slow node is the straggler in both: measured from the

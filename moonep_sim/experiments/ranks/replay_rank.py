@@ -24,7 +24,7 @@ STRATEGY.key=value`` sets one strategy's option, ``--opt key=value`` every strat
 
 The program sits above the gloo executor: it binds each strategy name to its planner
 (``moonep_sim.strategies.planner``) and hands the planner callable to ``moonep_sim.gloo.Buffer``.
-Every rank runs ``python -m moonep_sim.experiments.replay_rank``; :func:`run_replay` starts them on
+Every rank runs ``python -m moonep_sim.experiments.ranks.replay_rank``; :func:`run_replay` starts them on
 local ranks (``moonep_sim.gloo.launcher.run_rank_program``).
 
 Notation: T tokens of a layer, s tokens of this rank, H hidden, F expert width, E experts, K top-k.
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from moonep_sim.errors import CommError, ConfigError, MoonEPSimError, OneLineArgumentParser, exit_status, require
 from moonep_sim.io import check_output_path, write_text_atomic
 
-MODULE = "moonep_sim.experiments.replay_rank"  # what every rank runs (python -m MODULE)
+MODULE = "moonep_sim.experiments.ranks.replay_rank"  # what every rank runs (python -m MODULE)
 PHASES = ("exchange", "plan", "dispatch", "prefetch", "expert", "combine", "backward", "total")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -505,7 +505,7 @@ def _summaries(rep: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point (``launch/replay.py`` and ``python -m moonep_sim.experiments.replay_rank``).
+    """Entry point (``launch/replay.py`` and ``python -m moonep_sim.experiments.ranks.replay_rank``).
 
     With ``--nproc N`` (and not already a rank): start N local ranks (:func:`launch`). Otherwise run
     as one rank: exit 0, 3 when a result check failed, 2 on bad input and 1 when a collective failed
