@@ -127,7 +127,7 @@ def test_replay_refuses_before_any_rank_starts(name, tmp_path, capsys, monkeypat
     import re
 
     import moonep_sim.gloo.launcher as launcher
-    from moonep_sim.experiments import replay_rank
+    from moonep_sim.experiments.ranks import replay_rank
     from moonep_sim.routing.generators import generate_trace
 
     generate_trace(tmp_path / "t.safetensors", 8, 2, 64, 1, layers=1, maxvio=1.0)

@@ -18,13 +18,13 @@ gathered inputs, with the Plan's drops applied.
 
 ``--strategy a,b,c`` replays several strategies in one process group, interleaved step by step
 (iteration i runs each in turn, the order rotated every iteration), so that two strategies' i-th
-samples are taken moments apart: the matched pairs ``moonep_sim.experiments.ranking`` tests. The JSON
+samples are taken moments apart: the matched pairs ``moonep_sim.analysis.ranking`` tests. The JSON
 is then ``{"strategies": {name: report}, "order": [...], "interleaved": true, ...}``; ``--opt
 STRATEGY.key=value`` sets one strategy's option, ``--opt key=value`` every strategy's.
 
 The program sits above the gloo executor: it binds each strategy name to its planner
 (``moonep_sim.strategies.planner``) and hands the planner callable to ``moonep_sim.gloo.Buffer``.
-Every rank runs ``python -m moonep_sim.experiments.replay_rank``; :func:`run_replay` starts them on
+Every rank runs ``python -m moonep_sim.experiments.ranks.replay_rank``; :func:`run_replay` starts them on
 local ranks (``moonep_sim.gloo.launcher.run_rank_program``).
 
 Notation: T tokens of a layer, s tokens of this rank, H hidden, F expert width, E experts, K top-k.
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from moonep_sim.errors import CommError, ConfigError, MoonEPSimError, OneLineArgumentParser, exit_status, require
 from moonep_sim.io import check_output_path, write_text_atomic
 
-MODULE = "moonep_sim.experiments.replay_rank"  # what every rank runs (python -m MODULE)
+MODULE = "moonep_sim.experiments.ranks.replay_rank"  # what every rank runs (python -m MODULE)
 PHASES = ("exchange", "plan", "dispatch", "prefetch", "expert", "combine", "backward", "total")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -337,7 +337,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         reps[name] = _report(args, bufs[name], name, layers, batches, per_layer)
     if S == 1:
         return reps[names[0]]
-    from moonep_sim.experiments.measured_verdict import measured_verdict, replay_where
+    from moonep_sim.analysis.measured_verdict import measured_verdict, replay_where
 
     out = {"strategies": reps, "order": names, "interleaved": True, "iters": args.iters, "warmup": args.warmup,
            "world_size": R, "trace": str(args.trace), "layers": layers}
@@ -376,7 +376,7 @@ def _step(buf, ids, w, x, params, grad_out, li: int, backward: bool) -> dict[str
 
 def _layer_entry(buf, step: dict[str, Any], lr, checked: dict[str, Any] | None) -> dict[str, Any]:
     """What the report says of one layer (its Plan's bytes and rows; the check's outcome)."""
-    from moonep_sim.experiments.verdict import _plan_figures
+    from moonep_sim.analysis.verdict import _plan_figures
 
     plan = step["handle"].plan
     sent = sum(p.remote_bytes() for p in plan.phases("forward"))
@@ -396,7 +396,7 @@ def _layer_entry(buf, step: dict[str, Any], lr, checked: dict[str, Any] | None) 
 def _report(args, buf, name: str, layers: list[int], batches: list, per_layer: list[dict[str, Any]]) -> dict[str, Any]:
     """One strategy's report; ``per_layer`` holds one entry per (step, layer) (``layer``: the stored
     position, ``layer_id``: the model layer id, ``step``: the trace's step, None when merged)."""
-    from moonep_sim.experiments.stepstats import aggregate, batch_weights
+    from moonep_sim.analysis.stepstats import aggregate, batch_weights
 
     # per iteration: each step's layer times (max over ranks) averaged over its layers, then the
     # token-weighted mean over steps -> one sample per iteration (one step: the mean over layers)
@@ -496,7 +496,7 @@ def _summary(rep: dict[str, Any]) -> str:
 
 def _summaries(rep: dict[str, Any]) -> str:
     """Each strategy's summary, then the measured verdict when several were interleaved."""
-    from moonep_sim.experiments.measured_verdict import verdict_text
+    from moonep_sim.analysis.measured_verdict import verdict_text
 
     lines = [_summary(r) for r in _each(rep)]
     if rep.get("verdict"):
@@ -505,7 +505,7 @@ def _summaries(rep: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point (``launch/replay.py`` and ``python -m moonep_sim.experiments.replay_rank``).
+    """Entry point (``launch/replay.py`` and ``python -m moonep_sim.experiments.ranks.replay_rank``).
 
     With ``--nproc N`` (and not already a rank): start N local ranks (:func:`launch`). Otherwise run
     as one rank: exit 0, 3 when a result check failed, 2 on bad input and 1 when a collective failed
