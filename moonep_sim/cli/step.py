@@ -19,7 +19,7 @@ def register(sub) -> None:
     p = sub.add_parser("step", help="a whole train / prefill / decode step per strategy: time, overlap, memory, OOM")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="token-level trace (.safetensors): MoE layer i is its i-th layer; missing "
-                                     "layers are stand-ins generated at its measured skew (flagged)")
+                                     "layers are stand-ins drawn at the skew measured over the whole trace (flagged)")
     src.add_argument("--gen", metavar="K=V,...", help="generated routing, e.g. model=kimi-k3,maxvio=2 (one layer "
                                                        "per MoE layer; docs/traces.md)")
     p.add_argument("--model", default=None, help="model preset or file (default: the trace's or the --gen model)")
@@ -84,7 +84,9 @@ def add_step_options(p, *, level: bool = False, tokens: bool = True) -> None:
     p.add_argument("--context", type=int, default=None,
                    help="keys per sequence (train/prefill: the sequence length, default the tokens; decode: the "
                         "KV context, default 4096)" + at)
-    p.add_argument("--overlap", choices=("none", "shared-expert", "two-batch"), default=d["overlap"],
+    from moonep_sim.step.schedules import OVERLAPS  # the registry's schedules (no simulator import)
+
+    p.add_argument("--overlap", choices=OVERLAPS, default=d["overlap"],
                    help="overlap schedule (docs/steps.md)" + at)
     p.add_argument("--distinct-layers", type=int, default=d["distinct_layers"], metavar="N",
                    help="generated routing: plan and simulate only N layers, MoE layer i reusing layer i mod N "
