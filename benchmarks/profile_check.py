@@ -102,6 +102,7 @@ def simulated(tokens: int = 4096, ranks: int = 64, layers: int = 4) -> dict[str,
     from moonep_sim.plan import ClusterShape, Placement, RowCosts
     from moonep_sim.sim.topology import load_topology
     from moonep_sim.step import CostModel
+    from moonep_sim.step.costs import PERMUTE_PASSES
     from moonep_sim.step.layer_sim import simulate_moe_layer
     from moonep_sim.step.measured import load_measured
     from moonep_sim.step.stack import backward_op, layer_ops, step_shape
@@ -109,12 +110,12 @@ def simulated(tokens: int = 4096, ranks: int = 64, layers: int = 4) -> dict[str,
 
     m = dataclasses.replace(get_model("deepseek-v3"), layers=layers, moe_layers=layers)
     topo = load_topology("h800-cx7")
-    costs = CostModel(topo, "fp8", measured=load_measured(topo))
+    costs = CostModel(topo, "fp8", measured=load_measured(topo), permute=True)
     bf16 = dataclasses.replace(costs, gemm_dtype="bf16")
     shape = step_shape(m, "train", tokens, tokens)
     lo = layer_ops(m, m.dense_layers, shape)
     out = {c: 0.0 for c, _ in CLASSES} | {OTHER: 0.0}
-    for op in [*lo.before, lo.router, lo.shared]:
+    for op in [*lo.before, lo.router, lo.shared]:  # router_topk and the rest: "other"
         cm = bf16 if op.name == "router" else costs
         f, b = cm.op_us(op), cm.op_us(backward_op(op))
         if op.kind == "gemm":
@@ -126,10 +127,19 @@ def simulated(tokens: int = 4096, ranks: int = 64, layers: int = 4) -> dict[str,
             out["attention backward"] += layers * b
         elif op.name == "norm":
             out["norms"] += layers * (f + b)
+        elif op.name == "quantize":
+            out["casts"] += layers * (f + b)
+        else:
+            out[OTHER] += layers * (f + b)
     ctx = PlanContext(ClusterShape(ranks, 8), Placement.home_groups(m.num_experts, ranks),
                       RowCosts.from_model(m, "fp8"), 1, topo)
     plan = make_plan("deepep", _balanced_routing(m, ranks, tokens), ctx)
-    lc = simulate_moe_layer(plan, m, topo, costs, train=True)
+    lc = simulate_moe_layer(plan, m, topo, dataclasses.replace(costs, permute=False), train=True)
+    # the experts' permutation and their intermediate rows' casts, apart from their GEMMs
+    rows = float(plan.real_rows_R().max())
+    mem = topo.mem_bytes_per_us
+    out[OTHER] += layers * 2 * rows * PERMUTE_PASSES * m.dispatch_hidden * 2.0 / mem
+    out["casts"] += layers * 3 * rows * m.expert_ffn * (2 + 1 + 4 / 128) / mem
     exp_f = float(lc.forward.expert_R.max())
     exp_b = float(lc.backward.expert_R.max())
     out["grouped GEMMs (fwd + dgrad)"] += layers * 2 * exp_f

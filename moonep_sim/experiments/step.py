@@ -250,7 +250,7 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
 
     # a user's profile wins; else AIConfigurator's measured tables where installed and the GPU has one
     costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None,
-                      measured=None if compute_profile else load_measured(rs.topology))
+                      measured=None if compute_profile else load_measured(rs.topology), permute=True)
     mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
     out = []
     skew = (standin_skew(src, R) if src.gen is None and m.moe_layers > len(src.layer_ids)

@@ -47,6 +47,12 @@ GEMM_DTYPES = ("bf16", "fp8")
 EXPERT_OPS = ("expert", "expert_bwd")
 #: What a figure priced by the roofline says beside itself (no measured table covers it).
 ROOFLINE = "roofline-compute"
+#: Ops a profile may leave out (priced by the roofline, flagged): the casts and the router's top-k.
+OPTIONAL_OPS = ("quantize", "quantize_bwd", "router_topk", "router_topk_bwd")
+#: Per routed row, the token permutation into the expert-grouped layout and back (read + write of
+#: one bf16 row each way: Megatron's permute / DeepSeek's expand_to_fused and reduce_fused), what
+#: a zero-copy kernel (MoonEP: rows land in their expert-grouped slots) does not pay.
+PERMUTE_PASSES = 4
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,10 @@ class CostModel:
     measured: AIConfigurator's measured tables (``moonep_sim.step.measured.load_measured``): the
     GEMM ops and the routed experts' GEMMs are read from them (a profile still wins); every other
     op stays on the roofline (:meth:`op_source` says which).
+    permute: the routed experts also pay the token permutation into the expert-grouped layout and
+    back (:data:`PERMUTE_PASSES`) and, with FP8 GEMMs, the cast of their intermediate rows, over
+    HBM -- not for a zero-copy kernel (``KernelSpec.zero_copy``); off by default so that the
+    experts cost what the layer simulator charges (``moonep-sim step`` turns it on).
     """
 
     topo: Topology
@@ -132,6 +142,7 @@ class CostModel:
     half_rows: float = GEMM_HALF_ROWS
     profile: Profile | None = None
     measured: object | None = None
+    permute: bool = False
 
     def __post_init__(self) -> None:
         require(self.gemm_dtype in GEMM_DTYPES, f"gemm dtype ({self.gemm_dtype!r}) must be one of "
@@ -153,7 +164,7 @@ class CostModel:
 
     def op_us(self, op: Op) -> float:
         """One op's time (a profile's when given; ``missing_ops`` checks first)."""
-        if self.profile is not None:
+        if self.profile is not None and (op.name not in OPTIONAL_OPS or self.profile.lookup(op.name, op.shape)):
             t = self.profile.lookup(op.name, op.shape)
             require(t is not None, f"--compute-profile ({self.profile.path}) must time op {op.name} at shape "
                                    f"{op.shape}", ConfigError)
@@ -166,6 +177,8 @@ class CostModel:
     def roofline_op_us(self, op: Op) -> float:
         """One op's roofline time (see the module docstring)."""
         mem = self.topo.mem_bytes_per_us
+        if op.kind == "cast":  # FP8 GEMMs only
+            return op.bytes / mem if self.gemm_dtype == "fp8" else 0.0
         if op.kind == "bytes":
             return op.bytes / mem
         if op.kind == "attention":
@@ -201,7 +214,7 @@ class CostModel:
 
     def op_source(self, op: Op) -> str:
         """Where ``op``'s time comes from: ``profile``, ``measured (...)`` or :data:`ROOFLINE`."""
-        if self.profile is not None:
+        if self.profile is not None and (op.name not in OPTIONAL_OPS or self.profile.lookup(op.name, op.shape)):
             return f"profile ({self.profile.path})"
         if self.measured is not None and self._gemm_shape(op) is not None \
                 and self.measured.gemm(self.gemm_dtype) is not None:
@@ -233,7 +246,7 @@ class CostModel:
             if op.name in EXPERT_OPS:
                 if op.name not in self.profile.curves:
                     out.append(f"{op.name}@rows=M")
-            elif self.profile.lookup(op.name, op.shape) is None:
+            elif op.name not in OPTIONAL_OPS and self.profile.lookup(op.name, op.shape) is None:
                 out.append(f"{op.name}@{op.shape}")
         return sorted(set(out))
 
@@ -254,8 +267,16 @@ class CostModel:
         require(self.profile is None, f"--compute-profile ({self.profile.path if self.profile else ''}) must time "
                                       f"op {name} (rows=M rows)", ConfigError)
         if self.measured is not None and self.measured.gemm(self.gemm_dtype) is not None:
-            return self._measured_expert_us_R(plan, model, rows_S, backward)
-        return self._roofline_expert_us_R(plan, model, rows_S, backward)
+            out = self._measured_expert_us_R(plan, model, rows_S, backward)
+        else:
+            out = self._roofline_expert_us_R(plan, model, rows_S, backward)
+        if self.permute and not (plan.kernel is not None and plan.kernel.zero_copy):
+            per_row = PERMUTE_PASSES * model.dispatch_hidden * 2.0
+            if self.gemm_dtype == "fp8":  # the SwiGLU output's cast (twice in backward: transposed too)
+                per_row += (2.0 if backward else 1.0) * model.expert_ffn * (2 + 1 + 4 / 128)
+            out = out + np.bincount(plan.slot_rank_S, weights=rows_S * per_row, minlength=plan.ranks) / \
+                self.topo.mem_bytes_per_us
+        return out
 
     def _measured_expert_us_R(self, plan: Plan, model: ModelSpec, rows_S: np.ndarray, backward: bool) -> np.ndarray:
         """[R] the routed experts' GEMMs read from the measured table, one expert at a time (gate/up
@@ -299,5 +320,6 @@ def flat_cost_model(topo: Topology) -> CostModel:
     return CostModel(topo, "bf16", 0.0)
 
 
-__all__ = ["CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "Profile", "ROOFLINE", "flat_cost_model",
+__all__ = ["CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "OPTIONAL_OPS", "PERMUTE_PASSES", "Profile",
+           "ROOFLINE", "flat_cost_model",
            "read_profile"]

@@ -110,7 +110,7 @@ def layer_ops(model: ModelSpec, layer: int, shape: StepShape) -> LayerOps:
     att = attention_kind(kind)
     ops: list[Op] = []
     if att.has_op:
-        ops += [_norm(T, H), gemm("attn_proj", T, att.params(model), H), att.core(model, shape)]
+        ops += [_norm(T, H), _cast(T, H), gemm("attn_proj", T, att.params(model), H), att.core(model, shape)]
     moe = layer >= model.dense_layers
     if not moe:
         require(model.dense_ffn >= 1, f"model ({model.name}) dense_ffn must be given: it has "
@@ -119,10 +119,19 @@ def layer_ops(model: ModelSpec, layer: int, shape: StepShape) -> LayerOps:
         return LayerOps(layer, kind, False, tuple(ops), None, None)
     if att.has_op:
         ops.append(_norm(T, H))
+    # the MoE input cast once (dispatch payload and shared experts), the router's top-k pass
+    ops += [_cast(T, H), Op("router_topk", "bytes", 0.0, 3.0 * T * model.num_experts * 4, T, f"tokens={T}")]
     router = Op("router", "gemm", 2.0 * T * H * model.num_experts, float(H * model.num_experts) * BF16, T,
                 f"tokens={T}", H)
     shared = gemm("shared_expert", T, 3 * H * model.expert_ffn * model.shared_experts, H) if model.shared_experts else None
     return LayerOps(layer, kind, True, tuple(ops), router, shared)
+
+
+def _cast(T: int, width: int) -> Op:
+    """FP8 quantise of T rows of ``width`` (read bf16, write fp8 and one fp32 scale per 128: DeepSeek's
+    per-token cast); priced only when the GEMMs are FP8 (``CostModel``), twice in the backward (the
+    transposed casts of the input and of the output gradient the weight gradient reads)."""
+    return Op("quantize", "cast", 0.0, float(T) * width * (BF16 + 1 + 4 / 128), T, f"tokens={T},width={width}")
 
 
 def head_ops(model: ModelSpec, shape: StepShape) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
@@ -143,7 +152,7 @@ def backward_op(op: Op) -> Op:
     """The backward of ``op``: GEMMs twice the FLOPs (input and weight gradients) and their
     weights read plus the gradient written; attention 2.5x the FLOPs (FlashAttention's backward
     runs 5 matmuls to the forward's 2) and twice the bytes; memory-bound ops twice the bytes."""
-    f = {"gemm": 2.0, "attention": 2.5, "bytes": 0.0}[op.kind]
+    f = {"gemm": 2.0, "attention": 2.5, "bytes": 0.0, "cast": 0.0}[op.kind]
     return replace(op, name=op.name + "_bwd", flops=op.flops * f, bytes=op.bytes * 2.0)
 
 
