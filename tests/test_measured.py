@@ -92,3 +92,19 @@ def test_a_step_says_which_op_came_from_which_source():
     plain = simulate_step(StepConfig(SMALL, topo, _ctx(SMALL, topo), (("alltoall", {}),),
                                      step_shape(SMALL, "train", 64, None), "none"), lambda i: (0, r, "layer"))
     assert set(plain["compute_sources"].values()) == {ROOFLINE}
+
+
+def test_fitted_constants_replace_the_assumed_ones_for_gemms_only():
+    from moonep_sim.step.costs import fitted_constants
+
+    topo = load_topology("h800-cx7")
+    f = fitted_constants("h800-cx7", "bf16")
+    assert f is not None and f["source"].startswith("FITTED on h100_sxm") and fitted_constants("mi300x", "bf16") is None
+    cm = CostModel(topo, fitted=f)
+    op = Op("attn_proj", "gemm", 2.0 * 256 * 7168 * 4096, 7168 * 4096 * 2.0, 256, "tokens=256", 7168)
+    want = max(op.flops / (topo.gpu_tflops * f["compute_efficiency"] * 1e6 * 256 / (256 + f["half_rows"])),
+               op.bytes / (topo.gpu_mem_bandwidth_GBps * f["mem_efficiency"] * 1e3))
+    assert cm.op_us(op) == pytest.approx(want, rel=1e-12)
+    norm = Op("norm", "bytes", 0.0, 1e6, 256, "tokens=256")
+    assert cm.op_us(norm) == CostModel(topo).op_us(norm)       # not a GEMM: the topology's HBM efficiency
+    assert cm.op_source(op).startswith("roofline-compute (GEMM constants FITTED on")

@@ -246,11 +246,15 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     for s, S in static.items():
         require(s in names, f"static buffer strategy ({s!r}) must be one of the strategies ({', '.join(names)})")
         require(int(S) >= 1, f"static buffer tokens ({S}) of {s} must be >= 1")
+    from moonep_sim.step.costs import fitted_constants
     from moonep_sim.step.measured import load_measured
 
-    # a user's profile wins; else AIConfigurator's measured tables where installed and the GPU has one
+    # a user's profile wins; else AIConfigurator's measured tables where installed and the GPU has one;
+    # else the roofline, with its GEMM constants fitted on those tables where the GPU has a fit
+    measured = None if compute_profile else load_measured(rs.topology)
     costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None,
-                      measured=None if compute_profile else load_measured(rs.topology), permute=True)
+                      measured=measured, permute=True,
+                      fitted=fitted_constants(rs.topology.name, gemm_dtype) if measured is None else None)
     mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
     out = []
     skew = (standin_skew(src, R) if src.gen is None and m.moe_layers > len(src.layer_ids)

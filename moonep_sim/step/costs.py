@@ -135,6 +135,9 @@ class CostModel:
     back (:data:`PERMUTE_PASSES`) and, with FP8 GEMMs, the cast of their intermediate rows, over
     HBM -- not for a zero-copy kernel (``KernelSpec.zero_copy``); off by default so that the
     experts cost what the layer simulator charges (``moonep-sim step`` turns it on).
+    fitted: the GEMM roofline's constants FITTED on the measured tables for this GPU and dtype
+    (:func:`fitted_constants`: ``compute_efficiency``, ``half_rows``, ``mem_efficiency``), replacing
+    the topology's efficiencies and :data:`GEMM_HALF_ROWS` for GEMMs (None: the assumed ones).
     """
 
     topo: Topology
@@ -143,6 +146,7 @@ class CostModel:
     profile: Profile | None = None
     measured: object | None = None
     permute: bool = False
+    fitted: dict | None = None
 
     def __post_init__(self) -> None:
         require(self.gemm_dtype in GEMM_DTYPES, f"gemm dtype ({self.gemm_dtype!r}) must be one of "
@@ -153,14 +157,23 @@ class CostModel:
     def gemm_flops_per_us(self) -> float:
         t = self.topo
         peak = t.gpu_tflops_fp8 if (self.gemm_dtype == "fp8" and t.gpu_tflops_fp8 > 0) else t.gpu_tflops
-        return peak * t.gpu_compute_efficiency * 1e6
+        eff = self.fitted["compute_efficiency"] if self.fitted else t.gpu_compute_efficiency
+        return peak * eff * 1e6
+
+    @property
+    def gemm_mem_bytes_per_us(self) -> float:
+        """HBM rate of a weight-bound GEMM (the fitted efficiency where given)."""
+        if self.fitted:
+            return self.topo.gpu_mem_bandwidth_GBps * self.fitted["mem_efficiency"] * 1e3
+        return self.topo.mem_bytes_per_us
 
     def curve(self, rows: np.ndarray | float) -> np.ndarray | float:
         """eff(m) in (0, 1]: the fraction of the large-GEMM rate a GEMM of m rows reaches."""
-        if self.half_rows <= 0:
+        h = self.fitted["half_rows"] if self.fitted else self.half_rows
+        if h <= 0:
             return np.ones_like(rows, dtype=np.float64) if isinstance(rows, np.ndarray) else 1.0
         m = np.maximum(rows, 1e-9)
-        return m / (m + self.half_rows)
+        return m / (m + h)
 
     def op_us(self, op: Op) -> float:
         """One op's time (a profile's when given; ``missing_ops`` checks first)."""
@@ -183,7 +196,8 @@ class CostModel:
             return op.bytes / mem
         if op.kind == "attention":
             return max(op.flops / (self.topo.flops_per_us), op.bytes / mem)
-        return max(op.flops / (self.gemm_flops_per_us * float(self.curve(float(op.rows)))), op.bytes / mem)
+        return max(op.flops / (self.gemm_flops_per_us * float(self.curve(float(op.rows)))),
+                   op.bytes / self.gemm_mem_bytes_per_us)
 
     def _gemm_shape(self, op: Op) -> tuple[float, float, float] | None:
         """(m, n, k) of a GEMM op with its width given (None otherwise)."""
@@ -219,7 +233,10 @@ class CostModel:
         if self.measured is not None and self._gemm_shape(op) is not None \
                 and self.measured.gemm(self.gemm_dtype) is not None:
             return self.measured.label(self.gemm_dtype)
-        return ROOFLINE
+        return self._roofline_label()
+
+    def _roofline_label(self) -> str:
+        return ROOFLINE + (f" (GEMM constants {self.fitted['source']})" if self.fitted else "")
 
     def expert_source(self) -> str:
         """Where the routed experts' GEMM times come from."""
@@ -227,7 +244,7 @@ class CostModel:
             return f"profile ({self.profile.path})"
         if self.measured is not None and self.measured.gemm(self.gemm_dtype) is not None:
             return self.measured.label(self.gemm_dtype) + ", per-expert GEMMs"
-        return ROOFLINE
+        return self._roofline_label()
 
     def sources(self, ops: list[Op], train: bool) -> dict[str, str]:
         """Op name -> where its time comes from (:meth:`op_source`), the routed experts included."""
@@ -308,11 +325,25 @@ class CostModel:
         flops_S = flops_S * scale
         fixed_S = np.where(rows_S > 0, fixed_S, 0.0)
         t_flop = flops_S / (self.gemm_flops_per_us * self.curve(rows_S))
-        t_mem = (fixed_S + rows_S * per_row) / t.mem_bytes_per_us
+        t_mem = (fixed_S + rows_S * per_row) / self.gemm_mem_bytes_per_us
         t_S = np.maximum(t_flop, t_mem)
         if t.gpu_slot_us > 0:
             t_S = t_S + np.where(rows_S > 0, t.gpu_slot_us, 0.0)
         return np.bincount(plan.slot_rank_S, weights=t_S, minlength=R) + t.gpu_launch_us
+
+
+def fitted_constants(topology_name: str, dtype: str) -> dict | None:
+    """The GEMM roofline's constants FITTED on AIConfigurator's measured tables for the preset's GPU
+    and ``dtype`` (``moonep_sim/data/roofline-fits.toml``, ``benchmarks/fit_roofline.py``), with
+    their ``source``; None for a GPU the file does not list."""
+    import tomllib
+    from importlib import resources
+
+    doc = tomllib.loads(resources.files("moonep_sim.data").joinpath("roofline-fits.toml").read_text())
+    g = doc.get(topology_name.lower().split("-")[0])
+    if not g or dtype not in g:
+        return None
+    return dict(g[dtype], source=g["source"])
 
 
 def flat_cost_model(topo: Topology) -> CostModel:
@@ -321,5 +352,5 @@ def flat_cost_model(topo: Topology) -> CostModel:
 
 
 __all__ = ["CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "OPTIONAL_OPS", "PERMUTE_PASSES", "Profile",
-           "ROOFLINE", "flat_cost_model",
+           "ROOFLINE", "fitted_constants", "flat_cost_model",
            "read_profile"]

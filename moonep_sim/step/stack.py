@@ -149,9 +149,11 @@ def head_ops(model: ModelSpec, shape: StepShape) -> tuple[tuple[Op, ...], tuple[
 
 
 def backward_op(op: Op) -> Op:
-    """The backward of ``op``: GEMMs twice the FLOPs (input and weight gradients) and their
-    weights read plus the gradient written; attention 2.5x the FLOPs (FlashAttention's backward
-    runs 5 matmuls to the forward's 2) and twice the bytes; memory-bound ops twice the bytes."""
+    """The backward of ``op``: GEMMs twice the FLOPs (input and weight gradients: Narayanan et al.,
+    "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC'21, the
+    backward pass is 2x the forward's matmul FLOPs) and their weights read plus the gradient written;
+    attention 2.5x the FLOPs (Dao, "FlashAttention-2", 2023: the backward runs 5 matmuls to the
+    forward's 2) and twice the bytes; memory-bound ops (and casts) twice the bytes."""
     f = {"gemm": 2.0, "attention": 2.5, "bytes": 0.0, "cast": 0.0}[op.kind]
     return replace(op, name=op.name + "_bwd", flops=op.flops * f, bytes=op.bytes * 2.0)
 
