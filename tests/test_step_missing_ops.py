@@ -52,3 +52,22 @@ def test_permutation_is_charged_per_routed_row_except_for_a_zero_copy_kernel():
         rows = np.bincount(plan.slot_rank_S, weights=plan.slot_padded_S.astype(float), minlength=plan.ranks)
         want = rows * PERMUTE_PASSES * SMALL.dispatch_hidden * 2.0 / topo.mem_bytes_per_us if pays else 0 * rows
         np.testing.assert_allclose(got - base, want, rtol=1e-9, atol=1e-9)
+
+
+def test_projections_are_read_one_gemm_at_a_time_from_a_measured_table():
+    pytest.importorskip("aiconfigurator_core")
+    from moonep_sim.step.measured import load_measured
+
+    m = get_model("deepseek-v3")
+    lo = layer_ops(m, m.dense_layers, step_shape(m, "prefill", 512, 512))
+    proj = next(o for o in lo.before if o.name == "attn_proj")
+    H, n = m.hidden, m.heads
+    assert proj.parts == ((m.q_lora_rank, H), (n * (m.head_dim + m.qk_rope_dim), m.q_lora_rank),
+                          (m.kv_lora_rank + m.qk_rope_dim, H), (n * (m.head_dim + (m.v_head_dim or m.head_dim)),
+                                                               m.kv_lora_rank), (H, n * (m.v_head_dim or m.head_dim)))
+    topo = load_topology("h100-cx7")
+    meas = load_measured(topo)
+    want = sum(float(meas.gemm_us("bf16", 512, a, b)) for a, b in proj.parts)
+    assert CostModel(topo, measured=meas).op_us(proj) == pytest.approx(want, rel=1e-12)
+    bwd = sum(float(meas.gemm_us("bf16", 512, b, a)) + float(meas.gemm_us("bf16", b, a, 512)) for a, b in proj.parts)
+    assert CostModel(topo, measured=meas).op_us(backward_op(proj)) == pytest.approx(bwd, rel=1e-12)

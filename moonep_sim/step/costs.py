@@ -212,13 +212,14 @@ class CostModel:
         if mnk is None:
             return None
         m, n, k = mnk
-        if op.name.endswith("_bwd"):  # half the FLOPs each: dX = dY W^T (m, k, n), dW = X^T dY (k, n, m)
-            n = n / 2.0
-            t = self.measured.gemm_us(self.gemm_dtype, [m, k], [k, n], [n, m])
-            t = None if t is None else float(t.sum())
+        nk = [(float(a), float(b)) for a, b in op.parts] or [(n / 2.0 if op.name.endswith("_bwd") else n, k)]
+        if op.name.endswith("_bwd"):  # per GEMM: dX = dY W^T (m, k, n), dW = X^T dY (k, n, m)
+            ms, ns, ks = [m] * len(nk) + [b for _, b in nk], [b for _, b in nk] + [a for a, _ in nk], \
+                [a for a, _ in nk] + [m] * len(nk)
         else:
-            t = self.measured.gemm_us(self.gemm_dtype, m, n, k)
-            t = None if t is None else float(t)
+            ms, ns, ks = [m] * len(nk), [a for a, _ in nk], [b for _, b in nk]
+        t = self.measured.gemm_us(self.gemm_dtype, ms, ns, ks)
+        t = None if t is None else float(t.sum())
         if t is None:
             return None
         if self.measured.die is not None:

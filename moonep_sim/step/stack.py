@@ -137,12 +137,12 @@ def layer_ops(model: ModelSpec, layer: int, shape: StepShape) -> LayerOps:
     att = attention_kind(kind)
     ops: list[Op] = []
     if att.has_op:
-        ops += [_norm(T, H), _cast(T, H), gemm("attn_proj", T, att.params(model), H), att.core(model, shape)]
+        ops += [_norm(T, H), _cast(T, H), gemm("attn_proj", T, att.params(model), H, att.gemm_parts(model)), att.core(model, shape)]
     moe = layer >= model.dense_layers
     if not moe:
         require(model.dense_ffn >= 1, f"model ({model.name}) dense_ffn must be given: it has "
                                       f"{model.dense_layers} dense layer(s)", ConfigError)
-        ops += [_norm(T, H), gemm("dense_ffn", T, 3 * H * model.dense_ffn, H)]
+        ops += [_norm(T, H), gemm("dense_ffn", T, 3 * H * model.dense_ffn, H, ((2 * model.dense_ffn, H), (H, model.dense_ffn)))]
         return LayerOps(layer, kind, False, tuple(ops), None, None)
     if att.has_op:
         ops.append(_norm(T, H))
@@ -152,7 +152,8 @@ def layer_ops(model: ModelSpec, layer: int, shape: StepShape) -> LayerOps:
         ops.append(gemm("latent_proj", T, latent_proj_params(model), H))
     router = Op("router", "gemm", 2.0 * T * H * model.num_experts, float(H * model.num_experts) * BF16, T,
                 f"tokens={T}", H)
-    shared = gemm("shared_expert", T, 3 * H * model.expert_ffn * model.shared_experts, H) if model.shared_experts else None
+    shared = gemm("shared_expert", T, 3 * H * model.expert_ffn * model.shared_experts, H,
+                  ((2 * model.expert_ffn * model.shared_experts, H), (H, model.expert_ffn * model.shared_experts))) if model.shared_experts else None
     return LayerOps(layer, kind, True, tuple(ops), router, shared)
 
 

@@ -32,6 +32,10 @@ class GQA(AttentionKind):
         kv = model.kv_heads or n
         return H * n * hd + 2 * H * kv * hd + n * hd * H
 
+    def gemm_parts(self, model: ModelSpec) -> tuple[tuple[int, int], ...]:
+        H, n, hd = model.hidden, model.heads, model.head_dim
+        return ((n * hd + 2 * (model.kv_heads or n) * hd, H), (H, n * hd))
+
     def kv_elems_per_token(self, model: ModelSpec) -> int:
         return 2 * (model.kv_heads or model.heads) * model.head_dim
 
