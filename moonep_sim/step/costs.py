@@ -208,6 +208,8 @@ class CostModel:
     def _measured_op_us(self, op: Op) -> float | None:
         """A GEMM op's measured time (the backward: its input- and weight-gradient GEMMs), scaled to
         this GPU's roofline when the table is another die's; None: not covered."""
+        if self.measured is not None and op.kind == "attention" and op.attn:
+            return self._measured_attention_us(op)
         mnk = self._gemm_shape(op) if self.measured is not None else None
         if mnk is None:
             return None
@@ -227,10 +229,29 @@ class CostModel:
             t *= self.roofline_op_us(op) / die.roofline_op_us(op)
         return t
 
+    def _measured_attention_us(self, op: Op) -> float | None:
+        """An attention core's measured forward (x ``ATTN_BWD_FACTOR`` for its backward), scaled to
+        this GPU's roofline when the table is another die's; None: not covered."""
+        from moonep_sim.step.measured import ATTN_BWD_FACTOR
+
+        got = self.measured.attention_us(op.attn)
+        if got is None:
+            return None
+        t = got[0] * (ATTN_BWD_FACTOR if op.name.endswith("_bwd") else 1.0)
+        if self.measured.die is not None:
+            die = CostModel(self.measured.die, self.gemm_dtype, self.half_rows)
+            t *= self.roofline_op_us(op) / die.roofline_op_us(op)
+        return t
+
     def op_source(self, op: Op) -> str:
         """Where ``op``'s time comes from: ``profile``, ``measured (...)`` or :data:`ROOFLINE`."""
         if self.profile is not None and (op.name not in OPTIONAL_OPS or self.profile.lookup(op.name, op.shape)):
             return f"profile ({self.profile.path})"
+        if self.measured is not None and op.kind == "attention" and op.attn:
+            got = self.measured.attention_us(op.attn)
+            if got is not None:
+                return f"measured ({got[1]})" + (", backward x 2.5 (FlashAttention-2)" if op.name.endswith("_bwd")
+                                                 else "")
         if self.measured is not None and self._gemm_shape(op) is not None \
                 and self.measured.gemm(self.gemm_dtype) is not None:
             return self.measured.label(self.gemm_dtype)

@@ -31,6 +31,8 @@ class Op:
     k: a GEMM's reduction dimension (its input width; 0 = not given): with ``rows`` and the FLOPs
         it gives the (m, n, k) a measured GEMM table is read at (``moonep_sim.step.measured``).
     parts: the GEMMs of a block of projections as (n, k) each (() = one GEMM of equal FLOPs).
+    attn: an attention core's (mode, sequences, context, heads, kv heads, head dim, window) for a
+        measured attention table (() = none).
     """
 
     name: str
@@ -41,6 +43,7 @@ class Op:
     shape: str
     k: int = 0
     parts: tuple = ()
+    attn: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from moonep_sim.step.ops import BF16
 
 class MLA(GQA):
     name = "mla"
+    measured_gqa = False
 
     def dims(self, model: ModelSpec, mode: str) -> tuple[int, int]:
         if mode == "decode":  # absorbed: queries attend the latent directly
