@@ -67,11 +67,13 @@ GAPS = """Met: attention forward and the grouped GEMMs. Not met, and why:
   from its launch to its end. DualPipe launches them on the communication stream ahead of their
   data, so they include the wait for the peers (the combine kernels run 5.8-6.5 ms each for ~40 MB
   of node-deduplicated rows); the simulation prices the transfer once every rank is ready.
-- **Casts** (-91%): the step casts two tensors per layer (attention and MoE inputs); the profile
-  casts every FP8 GEMM input (the MLA projections' intermediate activations, the SwiGLU output,
-  the output gradients) and transposes them again for the weight gradients (284 kernels), and its
+- **Casts** (-84%): the step casts each distinct FP8 GEMM input once in the forward (the layer
+  input, the MLA latents and heads' output, the MoE input, the shared and routed experts'
+  intermediate rows) and twice that in the backward; the profile has 284 cast and transpose
+  kernels (the output gradients cast per GEMM, FP32 -> FP8 weight casts, cast-backs), and its
   per-token cast runs at about a third of the HBM rate (78 us for 4096 x 7168 where the bytes take
-  26 us).
+  26 us). AIConfigurator's quantize table (SGLang's scale_matrix, 268 us at that shape) times a
+  different, slower kernel, so it is not used for DeepSeek's casts.
 - **Weight-gradient GEMMs** (-48%): DeepGEMM's weight-gradient kernel accumulating into FP32
   (`fp8_dptp128c_acc`, 60 calls, 32.8 ms) runs well below the table's forward-kernel rate read at
   the transposed shapes; AIConfigurator has no weight-gradient table.

@@ -21,10 +21,14 @@ def test_casts_and_top_k_by_hand():
     lo = layer_ops(m, m.dense_layers, step_shape(m, "train", T, T))
     names = [o.name for o in lo.before]
     assert names.count("quantize") == 2 and names[-1] == "router_topk"   # attention input, MoE input
-    q = next(o for o in lo.before if o.name == "quantize")
+    q, qm = [o for o in lo.before if o.name == "quantize"]
     topo = load_topology("h800-cx7")
     mem = topo.mem_bytes_per_us
-    assert CostModel(topo, "fp8").op_us(q) == pytest.approx(T * H * (2 + 1 + 4 / 128) / mem)
+    # every distinct FP8 GEMM input of MLA's projections: the layer input, q and kv latents, the heads' output
+    width = H + m.q_lora_rank + m.kv_lora_rank + m.heads * (m.v_head_dim or m.head_dim)
+    assert CostModel(topo, "fp8").op_us(q) == pytest.approx(T * width * (2 + 1 + 4 / 128) / mem)
+    # the MoE input and the shared expert's intermediate rows
+    assert CostModel(topo, "fp8").op_us(qm) == pytest.approx(T * (H + m.expert_ffn) * (2 + 1 + 4 / 128) / mem)
     assert CostModel(topo, "bf16").op_us(q) == 0.0                       # no FP8 GEMM, no cast
     assert CostModel(topo, "fp8").op_us(backward_op(q)) == pytest.approx(2 * CostModel(topo, "fp8").op_us(q))
     topk = lo.before[-1]

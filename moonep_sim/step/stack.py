@@ -137,7 +137,10 @@ def layer_ops(model: ModelSpec, layer: int, shape: StepShape) -> LayerOps:
     att = attention_kind(kind)
     ops: list[Op] = []
     if att.has_op:
-        ops += [_norm(T, H), _cast(T, H), gemm("attn_proj", T, att.params(model), H, att.gemm_parts(model)), att.core(model, shape)]
+        parts = att.gemm_parts(model)
+        # one cast per distinct FP8 GEMM input (the layer input once, each intermediate projection's input)
+        width = sum({k for _, k in parts}) if parts else H
+        ops += [_norm(T, H), _cast(T, width), gemm("attn_proj", T, att.params(model), H, parts), att.core(model, shape)]
     moe = layer >= model.dense_layers
     if not moe:
         require(model.dense_ffn >= 1, f"model ({model.name}) dense_ffn must be given: it has "
@@ -146,8 +149,10 @@ def layer_ops(model: ModelSpec, layer: int, shape: StepShape) -> LayerOps:
         return LayerOps(layer, kind, False, tuple(ops), None, None)
     if att.has_op:
         ops.append(_norm(T, H))
-    # the MoE input cast once (dispatch payload and shared experts), the router's top-k pass
-    ops += [_cast(T, H), Op("router_topk", "bytes", 0.0, 3.0 * T * model.num_experts * 4, T, f"tokens={T}")]
+    # the MoE input cast once (dispatch payload and shared experts) and the shared experts'
+    # intermediate rows; the router's top-k pass
+    ops += [_cast(T, H + model.expert_ffn * model.shared_experts),
+            Op("router_topk", "bytes", 0.0, 3.0 * T * model.num_experts * 4, T, f"tokens={T}")]
     if latent_proj_params(model):  # into the experts' latent and back (one GEMM of both)
         ops.append(gemm("latent_proj", T, latent_proj_params(model), H))
     router = Op("router", "gemm", 2.0 * T * H * model.num_experts, float(H * model.num_experts) * BF16, T,
