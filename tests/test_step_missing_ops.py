@@ -75,3 +75,18 @@ def test_projections_are_read_one_gemm_at_a_time_from_a_measured_table():
     assert CostModel(topo, measured=meas).op_us(proj) == pytest.approx(want, rel=1e-12)
     bwd = sum(float(meas.gemm_us("bf16", 512, b, a)) + float(meas.gemm_us("bf16", b, a, 512)) for a, b in proj.parts)
     assert CostModel(topo, measured=meas).op_us(backward_op(proj)) == pytest.approx(bwd, rel=1e-12)
+
+
+def test_launch_costs_per_kernel_eager_and_in_a_cuda_graph():
+    from moonep_sim.step.costs import HOST_LAUNCH_US, KERNEL_GAP_GRAPH_US, KERNEL_GAP_STREAM_US
+    from moonep_sim.step.ops import Op
+
+    topo = load_topology("h100-cx7")
+    tiny = Op("router", "gemm", 2.0 * 8 * 64 * 64, 64 * 64 * 2.0, 8, "tokens=8", 64)
+    big = Op("dense_ffn", "gemm", 2.0 * 4096 * 3 * 7168 * 18432, 3 * 7168 * 18432 * 2.0, 4096, "tokens=4096", 7168,
+             ((2 * 18432, 7168), (7168, 18432)))
+    base = CostModel(topo)
+    assert CostModel(topo, launch="graph").op_us(big) == pytest.approx(base.op_us(big) + 2 * KERNEL_GAP_GRAPH_US)
+    assert CostModel(topo, launch="eager").op_us(big) == pytest.approx(base.op_us(big) + 2 * KERNEL_GAP_STREAM_US)
+    assert CostModel(topo, launch="eager").op_us(tiny) == HOST_LAUNCH_US          # bound by the host's submit
+    assert CostModel(topo, launch="eager").op_us(backward_op(big)) >= 4 * HOST_LAUNCH_US

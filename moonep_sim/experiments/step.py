@@ -272,7 +272,9 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     measured = None if compute_profile else load_measured(rs.topology)
     costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None,
                       measured=measured, permute=True,
-                      fitted=fitted_constants(rs.topology.name, gemm_dtype) if measured is None else None)
+                      fitted=fitted_constants(rs.topology.name, gemm_dtype) if measured is None else None,
+                      # serving captures decode in CUDA graphs; training and prefill run eager
+                      launch="graph" if mode == "decode" else "eager")
     mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
     out = []
     skew = (standin_skew(src, R) if src.gen is None and m.moe_layers > len(src.layer_ids)

@@ -47,6 +47,16 @@ GEMM_DTYPES = ("bf16", "fp8")
 EXPERT_OPS = ("expert", "expert_bwd")
 #: What a figure priced by the roofline says beside itself (no measured table covers it).
 ROOFLINE = "roofline-compute"
+#: Per-kernel launch costs, per op (one kernel per op, one per GEMM of a block of projections):
+#: the GPU-side gap between back-to-back kernels fed from a stream and from a captured CUDA graph
+#: (NVIDIA, "Getting Started with CUDA Graphs": 2.9 us kernels run at 3.8 us each from a stream,
+#: 3.4 us each from a graph), and the host's time to submit one kernel in eager mode, which bounds
+#: an op shorter than it (4-6 us per cudaLaunchKernel path, "pegainfer (3): From Launch Overhead to
+#: CUDA Graph"; ASSUMED 5 us). ``CostModel.launch``: ``none`` (default), ``graph`` or ``eager``.
+KERNEL_GAP_STREAM_US = 0.9
+KERNEL_GAP_GRAPH_US = 0.5
+HOST_LAUNCH_US = 5.0
+LAUNCH_MODES = ("none", "graph", "eager")
 #: Ops a profile may leave out (priced by the roofline, flagged): the casts and the router's top-k.
 OPTIONAL_OPS = ("quantize", "quantize_bwd", "router_topk", "router_topk_bwd")
 #: Per routed row, the token permutation into the expert-grouped layout and back (read + write of
@@ -138,6 +148,10 @@ class CostModel:
     fitted: the GEMM roofline's constants FITTED on the measured tables for this GPU and dtype
     (:func:`fitted_constants`: ``compute_efficiency``, ``half_rows``, ``mem_efficiency``), replacing
     the topology's efficiencies and :data:`GEMM_HALF_ROWS` for GEMMs (None: the assumed ones).
+    launch: what launching each op's kernels costs (:data:`LAUNCH_MODES`): ``none``; ``graph`` (a
+    captured CUDA graph: :data:`KERNEL_GAP_GRAPH_US` per kernel); ``eager`` (a stream fed by the
+    host: :data:`KERNEL_GAP_STREAM_US` per kernel, and no op shorter than the host's
+    :data:`HOST_LAUNCH_US` per kernel). Not applied to a profile's times (they include it).
     """
 
     topo: Topology
@@ -147,11 +161,13 @@ class CostModel:
     measured: object | None = None
     permute: bool = False
     fitted: dict | None = None
+    launch: str = "none"
 
     def __post_init__(self) -> None:
         require(self.gemm_dtype in GEMM_DTYPES, f"gemm dtype ({self.gemm_dtype!r}) must be one of "
                                                 f"{', '.join(GEMM_DTYPES)}")
         require(self.half_rows >= 0, f"half_rows ({self.half_rows}) must be >= 0")
+        require(self.launch in LAUNCH_MODES, f"launch ({self.launch!r}) must be one of {', '.join(LAUNCH_MODES)}")
 
     @property
     def gemm_flops_per_us(self) -> float:
@@ -183,9 +199,16 @@ class CostModel:
                                    f"{op.shape}", ConfigError)
             return float(t)
         t = self._measured_op_us(op)
-        if t is not None:
+        return self._launched(op, t if t is not None else self.roofline_op_us(op))
+
+    def _launched(self, op: Op, t: float) -> float:
+        """``t`` with the op's kernel launches (``launch``); a zero-time op (a cast without FP8) none."""
+        if self.launch == "none" or t <= 0:
             return t
-        return self.roofline_op_us(op)
+        kernels = max(len(op.parts), 1) * (2 if op.name.endswith("_bwd") and op.kind == "gemm" else 1)
+        if self.launch == "graph":
+            return t + kernels * KERNEL_GAP_GRAPH_US
+        return max(t + kernels * KERNEL_GAP_STREAM_US, kernels * HOST_LAUNCH_US)
 
     def roofline_op_us(self, op: Op) -> float:
         """One op's roofline time (see the module docstring)."""
@@ -274,6 +297,9 @@ class CostModel:
         out["expert"] = self.expert_source()
         if train:
             out["expert_bwd"] = out["expert"]
+        out["launch"] = {"none": "not charged", "graph": f"CUDA graph: {KERNEL_GAP_GRAPH_US} us per kernel",
+                         "eager": f"eager: {KERNEL_GAP_STREAM_US} us per kernel, at least {HOST_LAUNCH_US} us "
+                                  "(host submit)"}[self.launch]
         return out
 
     def missing_ops(self, ops: list[Op]) -> list[str]:
@@ -373,6 +399,7 @@ def flat_cost_model(topo: Topology) -> CostModel:
     return CostModel(topo, "bf16", 0.0)
 
 
-__all__ = ["CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "OPTIONAL_OPS", "PERMUTE_PASSES", "Profile",
+__all__ = ["CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "HOST_LAUNCH_US", "KERNEL_GAP_GRAPH_US", "KERNEL_GAP_STREAM_US",
+           "LAUNCH_MODES", "OPTIONAL_OPS", "PERMUTE_PASSES", "Profile",
            "ROOFLINE", "fitted_constants", "flat_cost_model",
            "read_profile"]
