@@ -175,7 +175,8 @@ def simulated(tokens: int = 4096, ranks: int = 64, layers: int = 4) -> dict[str,
     out["weight-gradient GEMMs"] += layers * max(exp_b - exp_f, 0.0)
     out["dispatch"] += layers * float(lc.forward.pre_R.max() + lc.backward.post_R.max())
     out["combine"] += layers * float(lc.forward.post_R.max() + lc.backward.pre_R.max())
-    out["_sources"] = {"gemm": costs.expert_source(), "attention": costs.op_source(lo.before[2])}
+    core = next(o for o in lo.before if o.name == "attn_core")
+    out["_sources"] = {"gemm": costs.expert_source(), "attention": costs.op_source(core)}
     out["_comm_sms"] = float(lc.sm_share)
     return out
 
