@@ -394,12 +394,29 @@ def fitted_constants(topology_name: str, dtype: str) -> dict | None:
     return dict(g[dtype], source=g["source"])
 
 
+def step_cost_model(topo: Topology, gemm_dtype: str = "bf16", compute_profile: "str | os.PathLike | None" = None,
+                    measured: bool = True, mode: str | None = None) -> CostModel:
+    """The cost model every step path prices with (one rule): a user's ``compute_profile`` wins;
+    else AIConfigurator's measured tables where installed and the GPU has one
+    (``moonep_sim.step.measured``; ``measured=False`` skips them); else the roofline, its GEMM
+    constants fitted on those tables where the GPU has a fit (:func:`fitted_constants`). The routed
+    experts pay their permutation; launches are a captured CUDA graph in ``decode`` (serving) and
+    eager otherwise (``mode`` None: not charged)."""
+    from moonep_sim.step.measured import load_measured
+
+    profile = read_profile(compute_profile) if compute_profile else None
+    tables = load_measured(topo) if measured and profile is None else None
+    return CostModel(topo, gemm_dtype, profile=profile, measured=tables, permute=True,
+                     fitted=fitted_constants(topo.name, gemm_dtype) if tables is None and profile is None else None,
+                     launch="none" if mode is None else ("graph" if mode == "decode" else "eager"))
+
+
 def flat_cost_model(topo: Topology) -> CostModel:
     """The cost model whose routed experts cost exactly what the layer simulator charges."""
     return CostModel(topo, "bf16", 0.0)
 
 
-__all__ = ["CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "HOST_LAUNCH_US", "KERNEL_GAP_GRAPH_US", "KERNEL_GAP_STREAM_US",
-           "LAUNCH_MODES", "OPTIONAL_OPS", "PERMUTE_PASSES", "Profile",
-           "ROOFLINE", "fitted_constants", "flat_cost_model",
+__all__ = ["CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "HOST_LAUNCH_US", "KERNEL_GAP_GRAPH_US",
+           "KERNEL_GAP_STREAM_US", "LAUNCH_MODES", "OPTIONAL_OPS", "PERMUTE_PASSES", "Profile", "ROOFLINE",
+           "fitted_constants", "flat_cost_model", "step_cost_model",
            "read_profile"]
