@@ -236,4 +236,5 @@ def resolve(progress, description: str):
     return contextlib.nullcontext(_noop if progress is False else progress)
 
 
-__all__ = ["Callback", "FILE_ENV", "LINE_INTERVAL_S", "enabled", "followed", "quieted", "resolve", "set_quiet", "to_file", "tracker"]
+__all__ = ["Callback", "FILE_ENV", "LINE_INTERVAL_S", "enabled", "followed", "quieted", "resolve", "set_quiet",
+           "to_file", "tracker"]
