@@ -162,10 +162,12 @@ def default_cache() -> str:
 
 
 def pool_steptime(pool: Pool, req: Requests, model: ModelSpec, topo: Any, opts: ServeOptions,
-                  progress: Callable[[str, int, int], None] | None = None) -> tuple[dict[str, Any], dict]:
-    """One pool's step-time model per strategy and its held-out errors (from the cache when there)."""
+                  progress: Callable[[str, int, int], None] | None = None,
+                  grid: Mapping[str, list[int]] | None = None) -> tuple[dict[str, Any], dict]:
+    """One pool's step-time model per strategy and its held-out errors (from the cache when there);
+    ``grid``: the shapes to build it over (default :func:`grid_for` the pool)."""
     R = pool.layout.world
-    g = grid_for(pool, req)
+    g = dict(grid) if grid is not None else grid_for(pool, req)
     key = st.cache_key({"role": pool.role, "model": dataclasses.asdict(model) if dataclasses.is_dataclass(model) else str(model),
                         "topology": repr(topo), "ranks": R, "strategies": list(opts.strategies),
                         "routing": str(opts.routing), "routing_mtime": _mtime(opts.routing), "overlap": opts.overlap,
@@ -229,10 +231,11 @@ def kv_transfer(dep: Deployment, model: ModelSpec, topo: Any) -> Callable[[int],
 
 
 def run_serve(reqs: Requests | Sequence[Requests], dep: Deployment, opts: ServeOptions,
-              progress: Callable[[str, int, int], None] | None = None, loads: Sequence[str] | None = None
-              ) -> dict[str, Any]:
+              progress: Callable[[str, int, int], None] | None = None, loads: Sequence[str] | None = None,
+              pools: Mapping[str, tuple[dict, dict]] | None = None) -> dict[str, Any]:
     """Every strategy's serving run on ``dep`` (see the module docstring), at each load (one
-    :class:`Requests` each; the step-time grid comes from the first): the JSON document. Its
+    :class:`Requests` each; the step-time grid comes from the first; ``pools``: role -> step-time
+    models and their info built already, as a search shares them): the JSON document. Its
     ``strategies`` and ``verdict`` are the first load's; ``loads`` has every load's;
     ``points`` every (load, strategy) for the Pareto front; ``cdf`` the first load's latency
     quantiles."""
@@ -245,9 +248,10 @@ def run_serve(reqs: Requests | Sequence[Requests], dep: Deployment, opts: ServeO
     topo = load_topology(opts.topology)
     kv = dep.check(model, topo.gpu_memory_GiB)
     t0, c0 = time.perf_counter(), time.process_time()
-    pools: dict[str, tuple[dict, dict]] = {}
+    pools = dict(pools or {})
     for p in dep.pools:
-        pools[p.role] = pool_steptime(p, reqs[0], model, topo, opts, progress)
+        if p.role not in pools:
+            pools[p.role] = pool_steptime(p, reqs[0], model, topo, opts, progress)
     build_s, build_cpu = time.perf_counter() - t0, time.process_time() - c0
     err = [e["median_abs_rel_error"] for _, info in pools.values() for e in info["holdout"].values()
            if e and e.get("median_abs_rel_error") is not None]
