@@ -47,6 +47,8 @@ def register(sub) -> None:
     p.add_argument("--slo", default=None, help="e.g. ttft=200ms,tpot=50ms (units s, ms, us)")
     p.add_argument("--gpu-hour-price", type=float, default=None, help="USD per GPU-hour: $ per million tokens")
     p.add_argument("--overlap", default="none", help="the step's overlap schedule (none, shared-expert, two-batch)")
+    p.add_argument("--gemm-dtype", choices=("bf16", "fp8"), default="bf16", help="the step's GEMM peak (fp8: FP8 "
+                                                                                   "weights' tensor-core rate)")
     p.add_argument("--draws", type=int, default=3, help="routing draws per step-time grid point")
     p.add_argument("--distinct-layers", type=int, default=1, help="distinct MoE-layer routings per simulated step")
     p.add_argument("--direct", action="store_true", help="time every iteration shape with the step model itself")
@@ -150,10 +152,15 @@ def options(args):
         routing += f",model={args.model}"
     elif not args.trace:
         routing += f",model={args.model}"
-    return ServeOptions(model=args.model, topology=args.topology, strategies=names, routing=routing,
+    from moonep_sim.experiments import Scenario
+
+    base = Scenario(routing if routing.startswith("gen:") else routing, model=args.model, cluster=8,
+                    topology=args.topology, strategies=list(names))
+    return ServeOptions(model=args.model, topology=args.topology, strategies=names, routing=routing, scenario=base,
                         overlap=args.overlap, draws=args.draws, distinct_layers=args.distinct_layers,
                         cache=None if args.no_cache else (args.cache or default_cache()), direct=args.direct,
-                        slo=parse_slo(args.slo), price=args.gpu_hour_price, seed=args.seed)
+                        slo=parse_slo(args.slo), price=args.gpu_hour_price, seed=args.seed,
+                        gemm_dtype=args.gemm_dtype)
 
 
 def run(args) -> int:
@@ -167,7 +174,8 @@ def run(args) -> int:
     reqs, loads = requests(args)
     c = console()
     if args.search:
-        from moonep_sim.experiments.serve_search import print_search, search
+        from moonep_sim.experiments.serve_search import search
+        from moonep_sim.report.serve import print_search
 
         require(args.gpus is not None and args.gpus >= 1, "--search needs --gpus N (the GPU budget)")
         with progress(c, "search", lines=args.json == "-") as cb:

@@ -238,6 +238,17 @@ class Scenario:
         out = run_step(self, mode, overlap, **options)
         return out[0] if len(out) == 1 else out
 
+    # -- serving ---------------------------------------------------------------------------------------
+    def serve(self, deployment: Any, requests: Any = None, **options: Any) -> dict:
+        """Requests through a serving ``deployment`` (a :class:`~moonep_sim.serve.deployment.Deployment`,
+        a TOML path or its dict) per strategy, each iteration timed by the step model on this
+        scenario's routing (:func:`moonep_sim.experiments.serve.scenario_serve`; ``options``: rate,
+        concurrency, n, isl, osl, slo, price, draws, cache, direct, seed, ...). The JSON document of
+        ``moonep-sim serve``."""
+        from moonep_sim.experiments.serve import scenario_serve
+
+        return scenario_serve(self, deployment, requests, **options)
+
     # -- compare, replay, sweep ---------------------------------------------------------------------
     def compare(self, real: bool = False, *, nproc: int | None = None, iters: int = 10, hidden: int = 512,
                 ffn: int = 1024, timeout_s: float = 600.0, progress: Progress | None = None, jobs: int | None = 1,

@@ -49,7 +49,10 @@ class ServeOptions:
     """What a serving run needs besides the requests and the deployment: model, topology (name or
     path), strategies (names), routing (``gen:K=V,...`` or a trace path), overlap, draws, the
     grid's distinct MoE layers per step, the step-time cache folder (None: no cache), direct
-    (every iteration simulated), the SLO (seconds), price per GPU-hour, seed, held-out shapes."""
+    (every iteration simulated), the SLO (seconds), price per GPU-hour, seed, held-out shapes, the
+    GEMM dtype of the step's compute (bf16 or fp8 peaks), and the
+    :class:`~moonep_sim.experiments.scenario.Scenario` whose routing, topology and strategies the
+    step simulations take (its cluster replaced by each worker's GPUs)."""
 
     model: str
     topology: str = "h800-cx7"
@@ -64,6 +67,8 @@ class ServeOptions:
     price: float | None = None
     seed: int = 0
     holdout: int = 4
+    gemm_dtype: str = "bf16"
+    scenario: Any = dataclasses.field(default=None, compare=False)
 
 
 class _PerGPU:
@@ -78,22 +83,21 @@ class _PerGPU:
         return self.inner.time_us(d(n_pre), c_pre, d(n_dec), c_dec, draw)
 
 
-def step_simulator(model: ModelSpec, topology: Any, ranks: int, strategies: Sequence[str], routing: str,
-                   overlap: str, distinct: int, seed: int) -> Callable[[str, int, int, int], dict[str, float]]:
+def step_simulator(base: Any, model: ModelSpec, ranks: int, strategies: Sequence[str], overlap: str, distinct: int,
+                   seed: int, gemm_dtype: str = "bf16") -> Callable[[str, int, int, int], dict[str, float]]:
     """``simulate(mode, T, C, d)`` -> {strategy: step time us}: one step of the step model on ``ranks``
-    GPUs (pure EP, attention DP) on draw ``d`` (see the module docstring)."""
-    from moonep_sim.experiments.routing import GeneratorSpec
-    from moonep_sim.experiments.scenario import Scenario
+    GPUs (pure EP, attention DP) of the ``base`` scenario's routing and topology, on draw ``d`` (see
+    the module docstring)."""
     from moonep_sim.experiments.step import layer_source
     from moonep_sim.plan import GlobalRouting
     from moonep_sim.step import CostModel, StepConfig, simulate_step, step_shape
 
-    is_gen = str(routing).startswith("gen:")
-    sc = Scenario(routing if is_gen else str(routing), model=model, cluster=ranks, topology=topology,
-                  strategies=list(strategies))
+    require(base is not None, "a serving run needs its scenario (routing, topology, strategies) to simulate steps")
+    sc = dataclasses.replace(base, cluster=ranks, strategies=[s for s in strategies])
     rs = sc.resolved
+    is_gen = rs.source.gen is not None
     src = rs.source
-    costs = CostModel(rs.topology)
+    costs = CostModel(rs.topology, gemm_dtype)
     steps = None
     if not is_gen:
         from moonep_sim.experiments.step import trace_steps
@@ -172,7 +176,7 @@ def pool_steptime(pool: Pool, req: Requests, model: ModelSpec, topo: Any, opts: 
                         "topology": repr(topo), "ranks": R, "strategies": list(opts.strategies),
                         "routing": str(opts.routing), "routing_mtime": _mtime(opts.routing), "overlap": opts.overlap,
                         "draws": opts.draws, "distinct": opts.distinct_layers, "seed": opts.seed, "grid": g,
-                        "holdout": opts.holdout})
+                        "holdout": opts.holdout, "gemm_dtype": opts.gemm_dtype})
     folder = _cache_dir(opts)
     path = folder / f"{key}.npz" if folder else None
     info = {"cache_key": key, "cache": str(path) if path else None, "grid": g, "draws": opts.draws}
@@ -181,7 +185,8 @@ def pool_steptime(pool: Pool, req: Requests, model: ModelSpec, topo: Any, opts: 
         if got is not None:
             info.update(cached=True, build_s=0.0)
             return got[0], dict(info, holdout=got[1])
-    sim = step_simulator(model, topo, R, opts.strategies, opts.routing, opts.overlap, opts.distinct_layers, opts.seed)
+    sim = step_simulator(opts.scenario, model, R, opts.strategies, opts.overlap, opts.distinct_layers, opts.seed,
+                         opts.gemm_dtype)
     t0, c0 = time.perf_counter(), time.process_time()
     cb = (lambda a, b: progress(f"step-time grid, {pool.role} pool", a, b)) if progress else None
     models = st.build_grid(sim, opts.strategies, g["dec_T"], g["dec_C"], g["pre_T"], g["pre_C"], opts.draws, cb)
@@ -313,12 +318,45 @@ def _quantiles(run: Any, req: Requests, q: int = 101) -> dict[str, list[float]]:
     return out
 
 
+def scenario_serve(sc: Any, deployment: Any, requests: Requests | str | None = None, *, rate: float | None = None,
+                   concurrency: int = 0, n: int = 1000, isl: Any = 1024, osl: Any = 1024, slo: Any = None,
+                   price: float | None = None, progress: Callable[[str, int, int], None] | None = None,
+                   **options: Any) -> dict[str, Any]:
+    """:meth:`Scenario.serve`: the scenario's model, topology, strategies and routing (a generator
+    spec or a trace path); ``requests`` (a :class:`Requests` or a JSONL path) or ``n`` generated at
+    ``rate`` / ``concurrency``; ``slo`` as ``"ttft=200ms,tpot=50ms"`` or a dict in seconds;
+    ``options``: the other :class:`ServeOptions` fields."""
+    from moonep_sim.experiments.routing import GeneratorSpec
+    from moonep_sim.serve.deployment import deployment_from_dict, read_deployment
+    from moonep_sim.serve.metrics import parse_slo
+    from moonep_sim.serve.requests import read_request_trace, synthetic
+
+    rs = sc.resolved
+    dep = deployment if isinstance(deployment, Deployment) else (
+        deployment_from_dict(deployment) if isinstance(deployment, Mapping) else read_deployment(deployment))
+    if isinstance(requests, Requests):
+        req = requests
+    elif requests is not None:
+        req = read_request_trace(requests)
+    else:
+        req = synthetic(n, isl, osl, options.get("seed", 0), rate=rate if not concurrency else None,
+                        concurrency=concurrency)
+    r = sc.routing
+    routing = ("gen:" + r.text() if isinstance(r, GeneratorSpec) else str(r))
+    names = tuple(n_ for n_, _ in rs.strategies)
+    opts = ServeOptions(model=rs.source.model.name, topology=rs.topology.name if not str(sc.topology).endswith(".toml")
+                        else str(sc.topology), strategies=names, routing=routing,
+                        slo=parse_slo(slo) if isinstance(slo, str) or slo is None else dict(slo), price=price,
+                        scenario=sc, **options)
+    return run_serve(req, dep, opts, progress)
+
+
 class _Direct:
     """Every distinct iteration shape simulated by the step model itself (``--direct``), memoised."""
 
     def __init__(self, model: ModelSpec, topo: Any, R: int, strategy: str, opts: ServeOptions) -> None:
-        self.sim = step_simulator(model, topo, R, [strategy], opts.routing, opts.overlap, opts.distinct_layers,
-                                  opts.seed)
+        self.sim = step_simulator(opts.scenario, model, R, [strategy], opts.overlap, opts.distinct_layers, opts.seed,
+                                  opts.gemm_dtype)
         self.s, self.draws, self.memo = strategy, opts.draws, {}
 
     def _t(self, mode: str, T: int, C: int, d: int) -> float:
@@ -383,4 +421,5 @@ def _flags(dep: Deployment, opts: ServeOptions, model: ModelSpec) -> list[tuple[
 
 
 __all__ = ["DEFAULT_GEN", "ServeOptions", "default_cache", "grid_for", "kv_transfer", "pool_steptime", "run_serve",
+           "scenario_serve",
            "step_simulator", "workers_for"]

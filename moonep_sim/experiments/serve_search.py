@@ -156,7 +156,7 @@ def search(req: Requests, gpus: int, opts: Any, *, max_deployments: int = 100, j
     for d in deps:
         kv = d.check(model, topo.gpu_memory_GiB, gpus)
         for s in opts.strategies:
-            points.append(_Point(d, s, req, opts, {p.role: models[p.layout.world][0][s] for p in d.pools}, kv))
+            points.append(_Point(d, s, req, dataclasses.replace(opts, scenario=None), {p.role: models[p.layout.world][0][s] for p in d.pools}, kv))
     if progress:
         progress(f"simulating {len(points)} (deployment, strategy) points", 0, len(points))
     res = run_points(_run_point, points, jobs=jobs, cluster=cluster, progress=None)
@@ -234,35 +234,4 @@ def _decode_world(row: dict) -> int | None:
     return int(m[-1]) if m else None
 
 
-def print_search(doc: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    from moonep_sim.report.tables import wide_console
-
-    c = wide_console()
-    s = doc["setup"]
-    rows = doc["points"]
-    t = Table(title=f"Pareto front: {s['model']} on {s['topology']}, {s['gpus']} GPUs, {s['load']} "
-                    f"({s['deployments']} deployments x {len(s['strategies'])} strategies)")
-    for col in ("strategy", "deployment", "tok/s/user", "out tok/s/GPU", "SLO met", "goodput tok/s/GPU"):
-        t.add_column(col)
-    for name, idx in doc["pareto"].items():
-        for i in idx:
-            r = rows[i]
-            t.add_row(name, r["deployment"], f"{r['tokens_per_s_per_user']:.1f}", f"{r['output_tokens_per_s_per_gpu']:.1f}",
-                      "-" if r["slo_attainment"] is None else f"{r['slo_attainment']:.0%}",
-                      "-" if r["goodput_tokens_per_s_per_gpu"] is None else f"{r['goodput_tokens_per_s_per_gpu']:.1f}")
-    c.print(t)
-    for name, i in doc["best"].items():
-        r = rows[i]
-        c.print(f"best for {name}: {r['deployment']} (goodput {r['goodput_tokens_per_s_per_gpu'] or 0:.1f}, "
-                f"{r['output_tokens_per_s_per_gpu']:.1f} out tok/s/GPU)\n  {r['command']}", highlight=False,
-                markup=False)
-    for d in doc["differs"]:
-        c.print("differs: " + d["text"], highlight=False, markup=False)
-    err = doc.get("steptime_model_error")
-    c.print(f"step-time model median held-out error: {'-' if err is None else f'{err:.1%}'}", highlight=False,
-            markup=False)
-
-
-__all__ = ["command", "enumerate_deployments", "print_search", "search"]
+__all__ = ["command", "enumerate_deployments", "search"]

@@ -83,4 +83,37 @@ def pareto_plot(points: Sequence[dict[str, Any]], dest: str | os.PathLike, title
     return _save(fig, dest)
 
 
-__all__ = ["latency_cdf", "pareto_plot", "serve_table"]
+def print_search(doc: dict[str, Any]) -> None:
+    """The search's Pareto front per strategy, the best deployment per strategy with its command,
+    and why the bests differ."""
+    from rich.table import Table
+
+    from moonep_sim.report.tables import wide_console
+
+    c = wide_console()
+    s = doc["setup"]
+    rows = doc["points"]
+    t = Table(title=f"Pareto front: {s['model']} on {s['topology']}, {s['gpus']} GPUs, {s['load']} "
+                    f"({s['deployments']} deployments x {len(s['strategies'])} strategies)")
+    for col in ("strategy", "deployment", "tok/s/user", "out tok/s/GPU", "SLO met", "goodput tok/s/GPU"):
+        t.add_column(col)
+    for name, idx in doc["pareto"].items():
+        for i in idx:
+            r = rows[i]
+            t.add_row(name, r["deployment"], f"{r['tokens_per_s_per_user']:.1f}", f"{r['output_tokens_per_s_per_gpu']:.1f}",
+                      "-" if r["slo_attainment"] is None else f"{r['slo_attainment']:.0%}",
+                      "-" if r["goodput_tokens_per_s_per_gpu"] is None else f"{r['goodput_tokens_per_s_per_gpu']:.1f}")
+    c.print(t)
+    for name, i in doc["best"].items():
+        r = rows[i]
+        c.print(f"best for {name}: {r['deployment']} (goodput {r['goodput_tokens_per_s_per_gpu'] or 0:.1f}, "
+                f"{r['output_tokens_per_s_per_gpu']:.1f} out tok/s/GPU)\n  {r['command']}", highlight=False,
+                markup=False)
+    for d in doc["differs"]:
+        c.print("differs: " + d["text"], highlight=False, markup=False)
+    err = doc.get("steptime_model_error")
+    c.print(f"step-time model median held-out error: {'-' if err is None else f'{err:.1%}'}", highlight=False,
+            markup=False)
+
+
+__all__ = ["latency_cdf", "pareto_plot", "print_search", "serve_table"]
