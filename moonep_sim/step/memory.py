@@ -42,7 +42,8 @@ import numpy as np
 from moonep_sim.errors import require
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import Plan
-from moonep_sim.step.stack import BF16, StepShape, _attn_dims, dense_params, kv_elems_per_token, linear_state_bytes
+from moonep_sim.step.attention import attention_kind
+from moonep_sim.step.stack import BF16, StepShape, dense_params
 
 #: ASSUMED: DeepEP normal kernels' fixed buffers (NVLink + RDMA), the order of what its tests allocate (1 GB each).
 RELAY_FIXED_BUFFER_BYTES = 2 * 10**9
@@ -91,19 +92,6 @@ class PlanFootprint:
                    bool(p.kernel is not None and p.kernel.relay))
 
 
-def _attn_saved_per_token(model: ModelSpec, kind: str, mode: str) -> float:
-    if kind == "none":
-        return 0.0
-    n = model.heads
-    if kind == "linear":
-        return 4.0 * n * model.head_dim * BF16
-    dqk, dv = _attn_dims(model, kind, mode)
-    kv = model.kv_heads or n
-    if kind == "mla":
-        return (n * dqk + model.kv_lora_rank + model.qk_rope_dim + n * (dqk + dv) + n * dv) * BF16 + n * 4.0
-    return (n * dqk + 2 * kv * dqk + n * dv) * BF16 + n * 4.0  # q, k, v, out + softmax stats (fp32)
-
-
 def memory_per_rank(model: ModelSpec, shape: StepShape, plans: "Sequence[Plan | PlanFootprint]", R: int,
                     opts: MemoryOptions = MemoryOptions()) -> dict:
     """Every part (see the module docstring) per rank, their peak and the rank it is on.
@@ -141,7 +129,7 @@ def memory_per_rank(model: ModelSpec, shape: StepShape, plans: "Sequence[Plan | 
         for l, kind in enumerate(kinds):
             per_tok += H * BF16  # the layer input
             if not opts.recompute:
-                per_tok += _attn_saved_per_token(model, kind, shape.mode) + 2 * H * BF16  # + two norms' inputs
+                per_tok += attention_kind(kind).saved_per_token(model, shape.mode) + 2 * H * BF16  # + two norms' inputs
             if l < model.dense_layers:
                 per_tok += (H + 3 * model.dense_ffn) * BF16
             else:
@@ -156,15 +144,8 @@ def memory_per_rank(model: ModelSpec, shape: StepShape, plans: "Sequence[Plan | 
         parts["optimizer"] = params_R * opts.optimizer_bytes_per_param
     else:
         kv = 0.0
-        for l in range(model.layers):
-            kind = model.attention_kind(l)
-            if kind == "linear":
-                kv += linear_state_bytes(model) * shape.sequences
-            else:
-                ctx = shape.context if shape.mode == "decode" else max(shape.context, min(shape.tokens, shape.context))
-                if kind == "sliding" and model.sliding_window:
-                    ctx = min(ctx, model.sliding_window)
-                kv += float(shape.sequences) * ctx * kv_elems_per_token(model, kind) * BF16
+        for l in range(model.layers):  # each layer's cache as its attention kind keeps it
+            kv += attention_kind(model.attention_kind(l)).cache_bytes(model, shape)
         parts["kv_cache"] = np.full(R, kv)
     total = sum(parts.values())
     r = int(np.argmax(total))
