@@ -59,10 +59,9 @@ def register(sub) -> None:
     p.add_argument("--max-deployments", type=int, default=100, help="--search: at most this many deployments")
     p.add_argument("--jobs", type=int, default=1, help="--search: deployments in N worker processes")
     p.add_argument("--cluster", default=None, metavar="ADDR", help="--search: ... or on a Dask cluster at ADDR")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                   help="write the JSON result to FILE (no FILE: stdout)")
-    p.add_argument("--out", default=None, metavar="DIR", help="report.json, latency_cdf.png, pareto.png, report.html")
-    p.add_argument("--no-plots", action="store_true", help="with --out: skip the PNG plots")
+    from moonep_sim.cli.common import add_output_flags
+
+    add_output_flags(p, out_help="write report.json, latency_cdf.png, pareto.png and report.html under DIR")
     p.set_defaults(func=run)
 
 
@@ -164,8 +163,7 @@ def options(args):
 
 
 def run(args) -> int:
-    from moonep_sim.cli.common import console, output_rule, progress
-    from moonep_sim.io import to_jsonable, write_text_atomic
+    from moonep_sim.cli.common import console, emit_json, output_rule, progress
 
     output_rule(args, files=("json",), folders={"out": OUT_FILES},
                 inputs={k: v for k, v in (("--deployment", args.deployment), ("--requests", args.requests),
@@ -190,20 +188,15 @@ def run(args) -> int:
                                            f"({args.gpus})")
         with progress(c, "serve", lines=args.json == "-") as cb:
             doc = run_serve(reqs, dep, opts, cb, loads)
-    if args.json:
-        text = json.dumps(to_jsonable(doc, lenient=True), indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            write_text_atomic(args.json, text, what="--json")
-    if args.json != "-":
+    stdout = emit_json(args, doc, lenient=True)
+    if not stdout:
         if args.search:
             print_search(doc)
         else:
             _print(doc)
     if args.out:
         files = write_outputs(doc, args)
-        if args.json != "-":
+        if not stdout:
             print("wrote " + ", ".join(files.values()))
     return 0
 

@@ -100,9 +100,9 @@ def step_simulator(base: Any, model: ModelSpec, ranks: int, strategies: Sequence
     costs = CostModel(rs.topology, gemm_dtype)
     steps = None
     if not is_gen:
-        from moonep_sim.experiments.step import trace_steps
+        from moonep_sim.experiments.step import trace_passes
 
-        steps = trace_steps(src)
+        steps = [t for _, t in trace_passes(src)]
         layers = list(src.layer_ids)[:max(distinct, 1)]
         rows = {l: src.selected_layer(l) for l in layers}
 
