@@ -6,7 +6,7 @@ Notation: N GPUs, W GPUs of a worker, G GPUs per node.
 of ``W`` GPUs (W a power of two from G/2... N: data-parallel attention with EP over the worker,
 and for one-node workers attention TP over the node as well), and disaggregated ones with a
 prefill pool of a quarter, half or three quarters of the GPUs and the rest decoding; each with
-running-sequence limits per rank of 32 to 256 and chunk budgets of 4096 / 8192; those that do not
+running-sequence limits per rank of 16 to 256 and (prefill) chunk budgets of 4096 / 8192; those that do not
 fit in memory are dropped, and at most ``max_deployments`` are kept (evenly spread over the list).
 
 :func:`search` builds one step-time model per distinct worker size over the widest grid any
@@ -30,7 +30,7 @@ from moonep_sim.serve.metrics import pareto, summarize
 from moonep_sim.serve.requests import Requests
 from moonep_sim.step.parallel import Parallel
 
-RUNNING = (32, 64, 128, 256)
+RUNNING = (16, 32, 64, 128, 256)
 BUDGETS = (4096, 8192)
 
 
@@ -57,9 +57,9 @@ def enumerate_deployments(model: Any, gpu_memory_GiB: float, gpus: int, gpus_per
         D = gpus - P
         for Wp in (w for w in sizes if P % w == 0 and w <= P):
             for Wd in (w for w in sizes if D % w == 0 and w <= D):
-                for run in RUNNING:
+                for run, bud in ((r, b) for r in RUNNING for b in BUDGETS):
                     cands.append(Deployment((Pool("prefill", P // Wp, Parallel(dp=Wp, ep=Wp, dp_attention=True), 64,
-                                                  8192),
+                                                  bud),
                                              Pool("decode", D // Wd, Parallel(dp=Wd, ep=Wd, dp_attention=True), run,
                                                   max(8192, run))), source="search"))
     fit = []
