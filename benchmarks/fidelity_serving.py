@@ -12,9 +12,9 @@ leaves out the rows above it.
 
 Each row is predicted as a user would run it: the row's layout per pool (world = tp x attention
 DP; ``Parallel(tp, dp, ep=moe_ep, etp=moe_tp, dp_attention=dp > 1)``), workers, ISL/OSL fixed, a
-closed loop at the row's concurrency over ``4 x concurrency`` requests (the first quarter left out
-of the latency figures as warm-up), FP8 weights (FP4 for NVFP4 checkpoints) and FP8 GEMM peaks,
-BF16 KV, generated routing ``sigma=0.5``, 2 draws, and the strategy the backend's wide-EP path
+closed loop at the row's concurrency over ``4 x concurrency`` requests, FP8 weights (FP4 for
+NVFP4 checkpoints and gpt-oss's MXFP4, INT4 for Kimi-K2.5's experts, counted as 0.5 B for the
+whole model) and FP8 GEMM peaks, BF16 KV, 0.95 of HBM for weights + KV, generated routing ``sigma=0.5``, 2 draws, and the strategy the backend's wide-EP path
 uses by default (sglang: DeepEP low-latency, ``deepep-ll``; trtllm: its all-to-all, ``alltoall``;
 vllm: all-gather / reduce-scatter, ``allgather``). Nothing is fitted to these rows.
 
@@ -39,9 +39,13 @@ sys.path.insert(0, str(REPO))
 
 MODELS = {"deepseek-ai/DeepSeek-R1": ("deepseek-v3", 1.0), "deepseek-ai/DeepSeek-V3": ("deepseek-v3", 1.0),
           "nvidia/DeepSeek-R1-NVFP4": ("deepseek-v3", 0.5), "nvidia/DeepSeek-V3.1-NVFP4": ("deepseek-v3", 0.5),
-          "moonshotai/Kimi-K2.5": ("kimi-k2", 1.0), "Qwen/Qwen3-235B-A22B-FP8": ("qwen3-235b", 1.0),
+          "moonshotai/Kimi-K2.5": ("kimi-k2", 0.5), "Qwen/Qwen3-235B-A22B-FP8": ("qwen3-235b", 1.0),
           "openai/gpt-oss-120b": ("gpt-oss-120b", 0.5)}
 SYSTEMS = {"b200_sxm": "b200", "gb200": "gb200-nvl72", "h100_sxm": "h100-cx7", "h200_sxm": "h200-cx7"}
+#: HBM share for weights + KV: the engines' KV fraction applies to the memory left after the
+#: weights (TensorRT-LLM's kv_cache_free_gpu_memory_fraction 0.9; SGLang's static fraction is tuned
+#: up to ~0.95 on these deployments), so a user states more than serve's 0.85 default
+MEM_FRACTION = 0.95
 STRATEGY = {"sglang": "deepep-ll", "trtllm": "alltoall", "vllm": "allgather"}
 
 
@@ -75,6 +79,7 @@ def predict(row, cache: str, n_factor: int = 4) -> dict:
     else:
         doc = {"prefill": _pool(row, "prefill_", conc, "prefill"), "decode": _pool(row, "decode_", conc, "decode")}
     doc["weight_bytes"] = wbytes
+    doc["mem_fraction"] = MEM_FRACTION
     dep = deployment_from_dict(doc, f"row {row['id']}")
     strat = STRATEGY[row["backend"]]
     n = max(4 * conc, 16)
