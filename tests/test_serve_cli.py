@@ -108,3 +108,16 @@ def test_direct_path_agrees_with_the_model_within_its_error(tmp_path):
     # 5% and 0.4% on this case)
     for k in ("ttft_s", "tpot_s"):
         assert abs(a[k]["mean"] - b[k]["mean"]) <= 0.15 * b[k]["mean"]
+
+
+@pytest.mark.slow
+def test_attention_tp_worker_priced_by_the_layout_step():
+    from moonep_sim.experiments import Scenario
+
+    sc = Scenario("gen:model=olmoe-1b-7b,sigma=0.5", cluster=4, topology="h100-cx7", strategies="alltoall")
+    dep = {"worker": {"layout": {"tp": 2, "dp": 2, "ep": 4, "dp_attention": True}, "max_running": 4,
+                      "token_budget": 128}}
+    d = sc.serve(dep, n=12, rate=200.0, isl=32, osl=8, draws=1, holdout=2)
+    assert d["strategies"]["alltoall"]["finished"] == 12
+    assert any(f["code"] == "layout-step" for f in d["flags"])
+    assert d["setup"]["kv_tokens_per_rank"]["both"] > 0

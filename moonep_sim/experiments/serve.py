@@ -16,9 +16,10 @@ Notation: R GPUs of a worker (its EP ranks), T tokens per rank, C context, D rou
    distinct iteration shape is simulated by the step model itself instead (slow; for checking);
 3. the **figures** (``moonep_sim.serve.metrics``) and the verdict on the SLO metric.
 
-The step model times pure expert parallelism with data-parallel attention over a worker's GPUs
-(what main's step model runs); a worker with attention TP is priced as its ``tp`` GPUs sharing
-its tokens (tokens / tp per GPU, no TP all-reduce), flagged.
+A worker of pure expert parallelism over data-parallel attention is priced by the pure-EP step
+(``simulate_step`` over its GPUs); a worker with attention TP, expert TP or EP over fewer GPUs than
+it has by the step model's layout step (``Scenario.step(parallel=...)``, generated routing only),
+its grid's T counted per GPU (an attention rank's tokens over ``tp``).
 """
 
 from __future__ import annotations
@@ -83,11 +84,39 @@ class _PerGPU:
         return self.inner.time_us(d(n_pre), c_pre, d(n_dec), c_dec, draw)
 
 
+def layout_simulator(base: Any, layout: Any, strategies: Sequence[str], overlap: str, distinct: int, seed: int,
+                     gemm_dtype: str = "bf16") -> Callable[[str, int, int, int], dict[str, float]]:
+    """``simulate(mode, T, C, d)`` for a worker whose layout is not pure EP over data-parallel
+    attention (attention TP, or EP over fewer GPUs than the worker): the step model's layout step
+    (``Scenario.step(parallel=...)``: TP collectives, the dense part sharded, one EP group planned)
+    at ``T x tp`` tokens per attention rank, i.e. ``T`` per GPU, on generated routing of seed
+    ``seed x 101 + d``."""
+    from moonep_sim.experiments.routing import GeneratorSpec
+
+    require(base is not None, "a serving run needs its scenario (routing, topology, strategies) to simulate steps")
+    r = base.routing
+    spec = r if isinstance(r, GeneratorSpec) else GeneratorSpec.parse(str(r)[4:]) if str(r).startswith("gen:") else None
+    require(spec is not None, f"a worker of layout {layout.label()} needs generated routing (--gen): a step under a "
+                              "layout plans one EP group's generated tokens")
+
+    def simulate(mode: str, T: int, C: int, d: int) -> dict[str, float]:
+        n = int(T) * layout.tp
+        g = dataclasses.replace(spec, tokens_per_rank=n, seed=seed * 101 + d)
+        sc = dataclasses.replace(base, routing=g, cluster=layout.world, strategies=list(strategies))
+        res = sc.step(mode, overlap, tokens_per_rank=n, context=int(C), distinct_layers=max(distinct, 1),
+                      gemm_dtype=gemm_dtype, parallel=layout, pipeline=False)
+        return {k: float(f["step_time_us"]) for k, f in res.figures.items()}
+    return simulate
+
+
 def step_simulator(base: Any, model: ModelSpec, ranks: int, strategies: Sequence[str], overlap: str, distinct: int,
-                   seed: int, gemm_dtype: str = "bf16") -> Callable[[str, int, int, int], dict[str, float]]:
+                   seed: int, gemm_dtype: str = "bf16", layout: Any = None
+                   ) -> Callable[[str, int, int, int], dict[str, float]]:
     """``simulate(mode, T, C, d)`` -> {strategy: step time us}: one step of the step model on ``ranks``
     GPUs (pure EP, attention DP) of the ``base`` scenario's routing and topology, on draw ``d`` (see
-    the module docstring)."""
+    the module docstring); a ``layout`` other than that goes to :func:`layout_simulator`."""
+    if layout is not None and (layout.tp > 1 or layout.ep != layout.world or layout.etp > 1):
+        return layout_simulator(base, layout, strategies, overlap, distinct, seed, gemm_dtype)
     from moonep_sim.experiments.step import layer_source
     from moonep_sim.plan import GlobalRouting
     from moonep_sim.step import CostModel, StepConfig, simulate_step, step_shape
@@ -172,7 +201,8 @@ def pool_steptime(pool: Pool, req: Requests, model: ModelSpec, topo: Any, opts: 
     ``grid``: the shapes to build it over (default :func:`grid_for` the pool)."""
     R = pool.layout.world
     g = dict(grid) if grid is not None else grid_for(pool, req)
-    key = st.cache_key({"role": pool.role, "model": dataclasses.asdict(model) if dataclasses.is_dataclass(model) else str(model),
+    lay = {k: v for k, v in pool.layout.to_dict().items() if k in ("tp", "dp", "ep", "etp", "dp_attention")}
+    key = st.cache_key({"role": pool.role, "layout": lay, "model": dataclasses.asdict(model) if dataclasses.is_dataclass(model) else str(model),
                         "topology": repr(topo), "ranks": R, "strategies": list(opts.strategies),
                         "routing": str(opts.routing), "routing_mtime": _mtime(opts.routing), "overlap": opts.overlap,
                         "draws": opts.draws, "distinct": opts.distinct_layers, "seed": opts.seed, "grid": g,
@@ -186,7 +216,7 @@ def pool_steptime(pool: Pool, req: Requests, model: ModelSpec, topo: Any, opts: 
             info.update(cached=True, build_s=0.0)
             return got[0], dict(info, holdout=got[1])
     sim = step_simulator(opts.scenario, model, R, opts.strategies, opts.overlap, opts.distinct_layers, opts.seed,
-                         opts.gemm_dtype)
+                         opts.gemm_dtype, pool.layout)
     t0, c0 = time.perf_counter(), time.process_time()
     cb = (lambda a, b: progress(f"step-time grid, {pool.role} pool", a, b)) if progress else None
     models = st.build_grid(sim, opts.strategies, g["dec_T"], g["dec_C"], g["pre_T"], g["pre_C"], opts.draws, cb)
@@ -269,7 +299,7 @@ def run_serve(reqs: Requests | Sequence[Requests], dep: Deployment, opts: ServeO
         for s in opts.strategies:
             times = {role: m[s] for role, (m, _) in pools.items()}
             if opts.direct:
-                times = {p.role: _Direct(model, topo, p.layout.world, s, opts) for p in dep.pools}
+                times = {p.role: _Direct(model, topo, p.layout.world, s, opts, p.layout) for p in dep.pools}
             ws = workers_for(dep, kv, times, model, topo)
             a, ac = time.perf_counter(), time.process_time()
             cb = (lambda i, n, s=s, load=load: progress(f"serving {s} at {load}", i, n)) if progress else None
@@ -354,9 +384,10 @@ def scenario_serve(sc: Any, deployment: Any, requests: Requests | str | None = N
 class _Direct:
     """Every distinct iteration shape simulated by the step model itself (``--direct``), memoised."""
 
-    def __init__(self, model: ModelSpec, topo: Any, R: int, strategy: str, opts: ServeOptions) -> None:
+    def __init__(self, model: ModelSpec, topo: Any, R: int, strategy: str, opts: ServeOptions, layout: Any = None
+                 ) -> None:
         self.sim = step_simulator(opts.scenario, model, R, [strategy], opts.overlap, opts.distinct_layers, opts.seed,
-                                  opts.gemm_dtype)
+                                  opts.gemm_dtype, layout)
         self.s, self.draws, self.memo = strategy, opts.draws, {}
 
     def _t(self, mode: str, T: int, C: int, d: int) -> float:
@@ -405,12 +436,9 @@ def _flags(dep: Deployment, opts: ServeOptions, model: ModelSpec) -> list[tuple[
         f.append(("shared-layer-draw", "every MoE layer of a step shares its routing draw (--distinct-layers 1): the "
                                        "per-iteration skew is exaggerated against independent layers"))
     for p in dep.pools:
-        if p.layout.tp > 1:
-            f.append(("attention-tp", f"{p.role}: attention TP{p.layout.tp} priced as its GPUs sharing the tokens (no "
-                                      "TP all-reduce)"))
-        if p.layout.ep != p.layout.world:
-            f.append(("ep-world", f"{p.role}: EP{p.layout.ep} of {p.layout.world} GPUs priced as EP over all "
-                                  f"{p.layout.world}"))
+        if p.layout.tp > 1 or p.layout.ep != p.layout.world or p.layout.etp > 1:
+            f.append(("layout-step", f"{p.role}: {p.layout.label()} priced by the step model's layout step (TP "
+                                     "collectives exposed, one EP group planned; docs/steps.md)"))
     if dep.mtp_tokens:
         f.append(("mtp", f"MTP: {dep.mtp_tokens} draft token(s), acceptance {dep.mtp_accept:g}, draft pass = "
                          f"1/{model.layers} of a step (ASSUMED)"))

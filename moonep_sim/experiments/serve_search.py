@@ -139,19 +139,18 @@ def search(req: Requests, gpus: int, opts: Any, *, max_deployments: int = 100, j
         raise ConfigError(f"--search: no deployment of {gpus} GPUs fits {model.name} on {topo.name} "
                           f"({topo.gpu_memory_GiB:g} GiB GPUs)")
     # one model per worker size, over the widest grid any pool of that size needs
-    grids: dict[int, dict[str, list[int]]] = {}
+    grids: dict[Parallel, dict[str, list[int]]] = {}
     for d in deps:
         for p in d.pools:
             g = grid_for(dataclasses.replace(p, role="both"), req)
-            a = grids.setdefault(p.layout.world, {k: [] for k in g})
+            a = grids.setdefault(p.layout, {k: [] for k in g})
             for k, v in g.items():
                 a[k] = sorted(set(a[k]) | set(v))
-    models: dict[int, tuple[dict, dict]] = {}
-    for W, g in grids.items():
+    models: dict[Parallel, tuple[dict, dict]] = {}
+    for lay, g in grids.items():
         g = dict(g, dec_T=st.pow2_grid(1, max(g["dec_T"])), dec_C=[min(g["dec_C"]), max(g["dec_C"])],
                  pre_C=[min(g["pre_C"]), max(g["pre_C"])])
-        pool = Pool("both", 1, Parallel(dp=W, ep=W, dp_attention=True))
-        models[W] = pool_steptime(pool, req, model, topo, opts, progress, grid=g)
+        models[lay] = pool_steptime(Pool("both", 1, lay), req, model, topo, opts, progress, grid=g)
     points = []
     for d in deps:
         kv = d.check(model, topo.gpu_memory_GiB, gpus)
@@ -163,6 +162,7 @@ def search(req: Requests, gpus: int, opts: Any, *, max_deployments: int = 100, j
     rows = []
     for pt, f in zip(points, res):
         rows.append({"deployment": pt.dep.label(), "disaggregated": pt.dep.disaggregated, "strategy": pt.strategy,
+                     "decode_layout": pt.dep.pools[-1].layout,
                      "gpus": pt.dep.gpus, "toml": pt.dep.to_toml(), "command": command(pt.dep, pt.strategy, argv),
                      "figures": f, "tokens_per_s_per_user": f["tokens_per_s_per_user"],
                      "output_tokens_per_s_per_gpu": f["output_tokens_per_s_per_gpu"],
@@ -180,12 +180,15 @@ def search(req: Requests, gpus: int, opts: Any, *, max_deployments: int = 100, j
             best[s] = max(mine, key=key)
     err = [e["median_abs_rel_error"] for _, info in models.values() for e in info["holdout"].values()
            if e and e.get("median_abs_rel_error") is not None]
+    differs = _differs(rows, best, models, opts)
+    for r in rows:
+        r["decode_layout"] = r["decode_layout"].label()
     return {"kind": "serve_search", "setup": {"model": model.name, "topology": topo.name, "gpus": gpus,
                                               "requests": req.source, "load": load, "strategies": list(opts.strategies),
                                               "slo": dict(opts.slo), "routing": str(opts.routing),
                                               "deployments": len(deps), "points": len(rows)},
-            "points": rows, "pareto": front, "best": best, "differs": _differs(rows, best, models, opts),
-            "steptime": {str(W): info for W, (_, info) in models.items()},
+            "points": rows, "pareto": front, "best": best, "differs": differs,
+            "steptime": {lay.label(): info for lay, (_, info) in models.items()},
             "steptime_model_error": float(max(err)) if err else None}
 
 
@@ -209,10 +212,11 @@ def _differs(rows: list[dict], best: dict[str, int], models: dict, opts: Any) ->
                                f"{b} {o[b]['tpot_s']['p99'] * 1e3:.1f} ms, SLO met {a} {o[a]['slo_attainment'] or 0:.0%} / "
                                f"{b} {o[b]['slo_attainment'] or 0:.0%}")
                 sh = r["figures"].get("median_decode_shape")
-                W = _decode_world(r)
-                if sh and W in models:
-                    t = {s: models[W][0][s].time_us(0, 0.0, int(sh[0]), sh[1], 0) for s in (a, b)}
-                    pre = {s: models[W][0][s].time_us(4096, 1024.0, 0, 0.0, 0) for s in (a, b)}
+                lay = r["decode_layout"]
+                W = lay.ep
+                if sh and lay in models:
+                    t = {s: models[lay][0][s].time_us(0, 0.0, int(sh[0]), sh[1], 0) for s in (a, b)}
+                    pre = {s: models[lay][0][s].time_us(4096, 1024.0, 0, 0.0, 0) for s in (a, b)}
                     why.append(f"its EP{W} step model: a decode step ({sh[0]:.0f} sequences/rank, context {sh[1]:.0f}) "
                                f"{t[a] / 1e3:.1f} ms with {a}, {t[b] / 1e3:.1f} ms with {b}; a 4096-token prefill chunk "
                                f"{pre[a] / 1e3:.0f} ms with {a}, {pre[b] / 1e3:.0f} ms with {b}")
@@ -225,13 +229,6 @@ def _differs(rows: list[dict], best: dict[str, int], models: dict, opts: Any) ->
                                  f"({rb[ka] or 0:.1f}); {a} on {b}'s best: {ga or 0:.1f}, {b} on {a}'s best: "
                                  f"{gb or 0:.1f}. " + "; ".join(why))})
     return out
-
-
-def _decode_world(row: dict) -> int | None:
-    import re
-
-    m = re.findall(r"EP(\d+)", row["deployment"])
-    return int(m[-1]) if m else None
 
 
 __all__ = ["command", "enumerate_deployments", "search"]
