@@ -121,3 +121,17 @@ def test_attention_tp_worker_priced_by_the_layout_step():
     assert d["strategies"]["alltoall"]["finished"] == 12
     assert any(f["code"] == "layout-step" for f in d["flags"])
     assert d["setup"]["kv_tokens_per_rank"]["both"] > 0
+
+
+@pytest.mark.slow
+def test_search_small(tmp_path, capsys):
+    code = main(["serve", "--search", "--model", "olmoe-1b-7b", "--topology", "h100-cx7", "--gpus", "8",
+                 "--strategies", "alltoall,deepep-ll", "--num-requests", "20", "--isl", "64", "--osl", "8", "--rate",
+                 "100", "--draws", "1", "--max-deployments", "6", "--slo", "ttft=50ms,tpot=10ms", "--cache",
+                 str(tmp_path / "c"), "--json", str(tmp_path / "s.json"), "--quiet"])
+    assert code == 0
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["setup"]["deployments"] <= 6 and len(doc["points"]) == 2 * doc["setup"]["deployments"]
+    for s, i in doc["best"].items():
+        r = doc["points"][i]
+        assert r["strategy"] == s and r["command"].startswith("moonep-sim serve") and f"--strategies {s}" in r["command"]

@@ -126,7 +126,10 @@ def step_simulator(base: Any, model: ModelSpec, ranks: int, strategies: Sequence
     rs = sc.resolved
     is_gen = rs.source.gen is not None
     src = rs.source
-    costs = CostModel(rs.topology, gemm_dtype)
+    from moonep_sim.step.measured import load_measured
+
+    # the step's default: AIConfigurator's measured GEMM tables where installed and the GPU has one
+    costs = CostModel(rs.topology, gemm_dtype, measured=load_measured(rs.topology))
     steps = None
     if not is_gen:
         from moonep_sim.experiments.step import trace_passes
@@ -206,7 +209,7 @@ def pool_steptime(pool: Pool, req: Requests, model: ModelSpec, topo: Any, opts: 
                         "topology": repr(topo), "ranks": R, "strategies": list(opts.strategies),
                         "routing": str(opts.routing), "routing_mtime": _mtime(opts.routing), "overlap": opts.overlap,
                         "draws": opts.draws, "distinct": opts.distinct_layers, "seed": opts.seed, "grid": g,
-                        "holdout": opts.holdout, "gemm_dtype": opts.gemm_dtype})
+                        "holdout": opts.holdout, "gemm_dtype": opts.gemm_dtype, "measured": _measured_key(topo)})
     folder = _cache_dir(opts)
     path = folder / f"{key}.npz" if folder else None
     info = {"cache_key": key, "cache": str(path) if path else None, "grid": g, "draws": opts.draws}
@@ -225,6 +228,14 @@ def pool_steptime(pool: Pool, req: Requests, model: ModelSpec, topo: Any, opts: 
     if path is not None:
         st.save(path, models, hold)
     return models, dict(info, holdout=hold)
+
+
+def _measured_key(topo: Any) -> str | None:
+    """Which measured GEMM tables the step model reads for ``topo`` (part of the cache key)."""
+    from moonep_sim.step.measured import load_measured
+
+    m = load_measured(topo)
+    return None if m is None else f"{m.system}:{m.how}"
 
 
 def _mtime(routing: str) -> float | None:
@@ -423,8 +434,8 @@ def _mechanism(runs: Mapping[str, Any], pools: Mapping[str, Any], opts: ServeOpt
 
 
 def _flags(dep: Deployment, opts: ServeOptions, model: ModelSpec) -> list[tuple[str, str]]:
-    f = [("barrier", "step model: pure EP with data-parallel attention over each worker's GPUs; every rank charged the "
-                     "busiest attention rank's shape (the barrier waits for it)"),
+    f = [("barrier", "every rank of a worker charged the busiest attention rank's shape (the barrier waits for it); "
+                     "pure-EP workers priced by the pure-EP step over their GPUs"),
          ("mixed-iteration", "mixed prefill/decode iterations: the prefill step of all tokens + the decodes' extra KV "
                              "reads (ASSUMED)"),
          ("memory", f"weights at {dep.weight_bytes:g} B/element, KV at {dep.kv_bytes:g} B/element, "

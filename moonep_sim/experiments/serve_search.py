@@ -155,7 +155,8 @@ def search(req: Requests, gpus: int, opts: Any, *, max_deployments: int = 100, j
     for d in deps:
         kv = d.check(model, topo.gpu_memory_GiB, gpus)
         for s in opts.strategies:
-            points.append(_Point(d, s, req, dataclasses.replace(opts, scenario=None), {p.role: models[p.layout.world][0][s] for p in d.pools}, kv))
+            points.append(_Point(d, s, req, dataclasses.replace(opts, scenario=None),
+                                 {p.role: models[p.layout][0][s] for p in d.pools}, kv))
     if progress:
         progress(f"simulating {len(points)} (deployment, strategy) points", 0, len(points))
     res = run_points(_run_point, points, jobs=jobs, cluster=cluster, progress=None)
