@@ -378,7 +378,8 @@ def run_cli(case: str, strategies: list[str], distinct: int, pipeline: str = "au
         raise SystemExit(f"moonep-sim {' '.join(argv)} failed ({p.returncode}): {p.stderr.strip()[-400:]}")
     doc = json.loads(p.stdout)
     return {"cli_command": "moonep-sim " + " ".join(argv), "cli_wall_s": wall,
-            "cli_cpu_s": (k1.ru_utime - k0.ru_utime) + (k1.ru_stime - k0.ru_stime), "cli_load_start": load0,
+            "cli_cpu_s": (k1.ru_utime - k0.ru_utime) + (k1.ru_stime - k0.ru_stime),
+            "cli_user_s": k1.ru_utime - k0.ru_utime, "cli_sys_s": k1.ru_stime - k0.ru_stime, "cli_load_start": load0,
             "cli_step_time_us": {s: doc["strategies"][s]["step_time_us"] for s in strategies}}
 
 

@@ -83,7 +83,8 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
     """``(figures, setup, timelines)`` of ``scenario``'s step under ``parallel`` (see the module
     docstring; the keywords are :func:`~moonep_sim.experiments.step.run_step`'s, which wraps them
     in its ``StepResult``; ``layer_source`` its routing source builder)."""
-    from moonep_sim.step import CostModel, MemoryOptions, StepConfig, read_profile, step_shape
+    from moonep_sim.step import MemoryOptions, StepConfig, step_shape
+    from moonep_sim.step.costs import step_cost_model
     from moonep_sim.step.layout_step import layout_step
 
     p = parallel
@@ -98,7 +99,7 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
     shape = step_shape(m, mode, T, ctx)
     g_ep = group.cluster.gpus_per_node
     rs = group
-    costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None)
+    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile)
     mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
     cfg = StepConfig(m, group.topology, group.ctx, group.strategies, shape, overlap, costs, mem, {})
     pool = None

@@ -170,7 +170,8 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
     after each unit priced and each layout scheduled."""
     from moonep_sim.experiments.compare import load_topology
     from moonep_sim.experiments.spec import parse_cluster
-    from moonep_sim.step import CostModel, MemoryOptions, StepConfig, step_shape
+    from moonep_sim.step import MemoryOptions, StepConfig, step_shape
+    from moonep_sim.step.costs import step_cost_model
     from moonep_sim.step.layout_step import schedule_layout
 
     t0 = time.perf_counter()
@@ -185,7 +186,7 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
                                 global_batch_size=global_batch_size, schedules=schedules, seq=seq)
     require(bool(layouts), f"no valid layout of {model.name} on {gpus} GPUs ({G} per node): every tp, pp, dp, ep "
                            "split breaks a rule (heads, experts, layers or the GPU count)")
-    costs = CostModel(topo, gemm_dtype)
+    costs = step_cost_model(topo, gemm_dtype)
     mem = MemoryOptions(recompute=recompute)
 
     def T_of(p) -> int:

@@ -119,17 +119,16 @@ def step_simulator(base: Any, model: ModelSpec, ranks: int, strategies: Sequence
         return layout_simulator(base, layout, strategies, overlap, distinct, seed, gemm_dtype)
     from moonep_sim.experiments.step import layer_source
     from moonep_sim.plan import GlobalRouting
-    from moonep_sim.step import CostModel, StepConfig, simulate_step, step_shape
+    from moonep_sim.step import StepConfig, simulate_step, step_shape
+    from moonep_sim.step.costs import step_cost_model
 
     require(base is not None, "a serving run needs its scenario (routing, topology, strategies) to simulate steps")
     sc = dataclasses.replace(base, cluster=ranks, strategies=[s for s in strategies])
     rs = sc.resolved
     is_gen = rs.source.gen is not None
     src = rs.source
-    from moonep_sim.step.measured import load_measured
-
-    # the step's default: AIConfigurator's measured GEMM tables where installed and the GPU has one
-    costs = CostModel(rs.topology, gemm_dtype, measured=load_measured(rs.topology))
+    # the step's one cost rule: measured GEMM tables where installed and the GPU has one, else the roofline
+    costs = step_cost_model(rs.topology, gemm_dtype)
     steps = None
     if not is_gen:
         from moonep_sim.experiments.step import trace_passes

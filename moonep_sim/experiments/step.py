@@ -249,7 +249,8 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
             static_tokens=static_tokens, progress=progress, jobs=jobs, cluster=cluster, pipeline=pipeline,
             layer_source=layer_source)
         return [StepResult(tuple(figs), figs, setup, timelines)]
-    from moonep_sim.step import CostModel, MemoryOptions, read_profile
+    from moonep_sim.step import MemoryOptions
+    from moonep_sim.step.costs import step_cost_model
 
     rs = getattr(scenario, "resolved", scenario)
     src = rs.source
@@ -264,11 +265,7 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     for s, S in static.items():
         require(s in names, f"static buffer strategy ({s!r}) must be one of the strategies ({', '.join(names)})")
         require(int(S) >= 1, f"static buffer tokens ({S}) of {s} must be >= 1")
-    from moonep_sim.step.measured import load_measured
-
-    # a user's profile wins; else AIConfigurator's measured tables where installed and the GPU has one
-    costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None,
-                      measured=None if compute_profile else load_measured(rs.topology))
+    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile)
     mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
     out = []
     skew = (standin_skew(src, R) if src.gen is None and m.moe_layers > len(src.layer_ids)

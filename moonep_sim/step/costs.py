@@ -294,10 +294,22 @@ class CostModel:
         return np.bincount(plan.slot_rank_S, weights=t_S, minlength=R) + t.gpu_launch_us
 
 
+def step_cost_model(topo: Topology, gemm_dtype: str = "bf16", compute_profile: "str | os.PathLike | None" = None,
+                    measured: bool = True) -> CostModel:
+    """The cost model every step path prices with (one rule): a user's ``compute_profile`` wins;
+    else AIConfigurator's measured tables where installed and the GPU has one
+    (``moonep_sim.step.measured``; ``measured=False`` skips them); else the roofline."""
+    from moonep_sim.step.measured import load_measured
+
+    profile = read_profile(compute_profile) if compute_profile else None
+    return CostModel(topo, gemm_dtype, profile=profile,
+                     measured=load_measured(topo) if measured and profile is None else None)
+
+
 def flat_cost_model(topo: Topology) -> CostModel:
     """The cost model whose routed experts cost exactly what the layer simulator charges."""
     return CostModel(topo, "bf16", 0.0)
 
 
-__all__ = ["CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "Profile", "ROOFLINE", "flat_cost_model",
+__all__ = ["CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "Profile", "ROOFLINE", "flat_cost_model", "step_cost_model",
            "read_profile"]

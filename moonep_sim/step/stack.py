@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from moonep_sim.errors import ConfigError, require
-from moonep_sim.models import ModelSpec
+from moonep_sim.models import ModelSpec, model_label
 from moonep_sim.step.attention import attention_kind
 from moonep_sim.step.ops import BF16, Op, StepShape, gemm
 
@@ -40,19 +40,20 @@ def step_shape(model: ModelSpec, mode: str, tokens: int, context: int | None) ->
         context = DEFAULT_DECODE_CONTEXT if mode == "decode" else tokens
     require(context >= 1, f"context ({context}) must be >= 1")
     kinds = model.attention_kinds
-    require(bool(kinds), f"model ({model.name}) must give its attention (the attention, heads, ... fields) for a "
+    name = model_label(model)  # a model file is named by its path
+    require(bool(kinds), f"model ({name}) must give its attention (the attention, heads, ... fields) for a "
                          "step: the step model needs the whole layer stack")
     attends = any(attention_kind(k).has_op for k in kinds)
     if attends:
-        require(model.heads >= 1, f"model ({model.name}) heads ({model.heads}) must be >= 1 for its attention")
+        require(model.heads >= 1, f"model ({name}) heads ({model.heads}) must be >= 1 for its attention")
     if mode == "decode":
         require(attends,
-                f"mode (decode) must be run by a model with attention: {model.name} has none, so there is no "
+                f"mode (decode) must be run by a model with attention: {name} has none, so there is no "
                 "KV context to decode against")
     if model.max_context:
         need = context if mode == "decode" else max(context, 1)
         require(need <= model.max_context, f"context ({need}) must be <= the model's max context "
-                                           f"({model.max_context}, {model.name})")
+                                           f"({model.max_context}, {name})")
     return StepShape(mode, int(tokens), int(context))
 
 
