@@ -137,6 +137,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="the results page (markdown)")
     ap.add_argument("--budget-s", type=float, default=3000.0, help="stop starting rows after this many seconds")
     ap.add_argument("--rows", default=None, help="render the page from these saved rows (JSON lines) instead")
+    ap.add_argument("--note", default="", help="a line under the title (date, commit, machine load)")
     args = ap.parse_args()
     import pandas as pd
 
@@ -183,6 +184,9 @@ def main() -> int:
     by_id = {r["id"]: r for _, r in d.iterrows()}
     for row in res:
         row["tpot_floor_ms"] = tpot_floor_ms(by_id[row["id"]])
+        src = by_id[row["id"]]
+        row["workers_given"] = not (isinstance(src["prefill_num_workers"], float)
+                                    and math.isnan(src["prefill_num_workers"]))
     if args.out:
         Path(args.out).write_text(page(res, total, len(known), len(no_preset), len(rows), len(picked), args))
     return 0
@@ -219,6 +223,8 @@ def page(res, total, known, no_preset, eligible, picked, args) -> str:
             out.append(f"| {k} | {c} | {a:.0%} | {b:.0%} | {x:.0%} | {y:.0%} |")
         out.append("")
     below = [r for r in ok if r["measured_tpot_ms"] < r.get("tpot_floor_ms", 0)]
+    pre = [r for r in ok if r.get("preemptions", 0) > 0]
+    nw = [r for r in ok if r["mode"] == "disagg" and not r.get("workers_given", True)]
     out += ["## What drives the worst rows", "",
             f"- **Decoding several tokens per weight pass.** {len(below)} of {len(ok)} rows measure a TPOT below the "
             "HBM floor of one decode step on their GPUs (every GPU reading its dense share and the experts its batch "
@@ -235,10 +241,21 @@ def page(res, total, known, no_preset, eligible, picked, args) -> str:
             "prefill step is tens of milliseconds: the worst TTFT rows, a cost outside the step that the sample does "
             "not break down.",
             "- **TPOT at low concurrency is over-predicted** (concurrency < 8: the largest TPOT errors): a decode step "
-            "of a few tokens per GPU is priced with every routed expert's GEMMs one expert at a time from the measured "
-            "GEMM table (or the roofline), so each active expert pays a small GEMM's fixed latency, where the engines "
+            "of a few tokens per GPU is priced with every routed expert's GEMMs one expert at a time (the roofline in "
+            "this run; the measured GEMM tables give the same order: a DeepSeek-V3 EP8 decode step on B200 at one "
+            "token per GPU is 22 ms with them, 15 ms of it routed experts), so each active expert pays a small GEMM's "
+            "fixed cost, where the engines "
             "run one grouped (masked) GEMM per layer over all local experts; and the rows' attention-TP layouts were "
             "priced as data-parallel attention over the same GPUs (the dense weights read whole on every GPU).",
+            f"- **Predicted preemption.** {len(pre)} rows preempt in the prediction (their concurrency overflows the "
+            "KV cache as sized here: BF16 KV, 0.95 of HBM less the weights); recomputing preempted requests inflates "
+            "their TPOT: median TPOT error of those rows "
+            + (f"{np.median([abs(r['tpot_err']) for r in pre]):.0%}" if pre else "-") + ". Engines at these "
+            "concurrencies commonly run FP8 KV caches (half the bytes), which the sample's columns do not record.",
+            f"- **Worker counts missing from the sample.** {len(nw)} disaggregated rows leave prefill/decode worker "
+            "counts empty; they are predicted with one worker per pool, so at high concurrency one prefill worker "
+            "queues every prompt (the few large TTFT over-predictions, e.g. GB200 SGLang at ISL 8192, concurrency "
+            "512: 32 s predicted against 2.7 s measured).",
             "- **Disaggregated rows are worse than aggregated ones on TPOT**: their decode pools are TP8/TP16 layouts "
             "at small batches, where both effects above add up.", ""]
     out += ["## Every row", "", "| id | system | backend | mode | ISL/OSL | conc | deployment | strategy | TTFT meas / "
