@@ -171,3 +171,18 @@ def test_in_order_draws_walk_the_recorded_steps():
     w = Worker("both", 1, 1, EngineConfig(max_running=4, token_budget=8, kv_tokens=64, block=1), ByDraw())
     r = simulate(_req([0.0], [4], [5]), [w], draw_order="in-order")
     assert r.it_dur_s.tolist() == pytest.approx([1e-3, 2e-3, 3e-3, 1e-3, 2e-3])
+
+
+def test_arrivals_and_lengths_have_their_moments():
+    from moonep_sim.serve.requests import gamma_arrivals, lengths
+
+    rng = np.random.default_rng(0)
+    gaps = np.diff(gamma_arrivals(50.0, 20000, rng, cv=2.0), prepend=0.0)
+    assert gaps.mean() == pytest.approx(1 / 50, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(2.0, rel=0.1)
+    x = lengths("lognormal:1000:0.5", 20000, rng)
+    assert x.mean() == pytest.approx(1000, rel=0.03) and x.min() >= 1
+    u = lengths("uniform:10:20", 1000, rng)
+    assert u.min() >= 10 and u.max() <= 20
+    with pytest.raises(ConfigError, match="uniform:LO:HI"):
+        lengths("normal:3", 5, rng)
