@@ -15,7 +15,7 @@ from moonep_sim.errors import OneLineArgumentParser, exit_status
 from moonep_sim.memory import prefer_small_pages, reuse_freed_memory
 
 # order = order in --help
-_COMMANDS = ("demo", "models", "strategies", "trace", "plan", "simulate", "step", "topologies", "compare", "sweep",
+_COMMANDS = ("demo", "models", "strategies", "trace", "plan", "simulate", "step", "serve", "topologies", "compare", "sweep",
              "calibrate", "validate", "testbed")
 
 
