@@ -86,7 +86,7 @@ def test_progress_lines_when_asked_for_off_a_terminal(capsys, monkeypatch):
     with progress(c, "job", interval_s=0.05) as cb:
         cb("step a", 0, 2)
         cb("step b", 1, 2)  # within the interval: not printed on its own
-        for _ in range(40):  # a long blocking step: the heartbeat speaks up
+        for _ in range(400):  # a long blocking step: the heartbeat speaks up (up to 20 s on a loaded machine)
             if "still running" in capsys.readouterr().err:
                 break
             import time

@@ -253,6 +253,17 @@ class Scenario:
         out = run_step(self, mode, overlap, **options)
         return out[0] if len(out) == 1 else out
 
+    # -- serving ---------------------------------------------------------------------------------------
+    def serve(self, deployment: Any, requests: Any = None, **options: Any) -> dict:
+        """Requests through a serving ``deployment`` (a :class:`~moonep_sim.serve.deployment.Deployment`,
+        a TOML path or its dict) per strategy, each iteration timed by the step model on this
+        scenario's routing (:func:`moonep_sim.experiments.serve.scenario_serve`; ``options``: rate,
+        concurrency, n, isl, osl, slo, price, draws, cache, direct, seed, ...). The JSON document of
+        ``moonep-sim serve``."""
+        from moonep_sim.experiments.serve import scenario_serve
+
+        return scenario_serve(self, deployment, requests, **options)
+
     def search_layouts(self, gpus: int, mode: str = "train", **options: Any) -> dict[str, Any]:
         """Every valid parallel layout of this scenario's model on ``gpus`` GPUs, priced, those that
         fit ranked per strategy by tokens/s per GPU

@@ -265,7 +265,7 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     for s, S in static.items():
         require(s in names, f"static buffer strategy ({s!r}) must be one of the strategies ({', '.join(names)})")
         require(int(S) >= 1, f"static buffer tokens ({S}) of {s} must be >= 1")
-    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile)
+    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, mode=mode)
     mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
     out = []
     skew = (standin_skew(src, R) if src.gen is None and m.moe_layers > len(src.layer_ids)

@@ -1,4 +1,4 @@
-"""The gloo replay's command line: its parser, the typed spec it may read instead, and the checks
+"""The gloo replay's command line: its parser, the typed spec it may read instead, and the argument checks
 every rank would make alike, run once before any rank starts (``launch/replay.py``; the rank
 program is :mod:`~moonep_sim.experiments.ranks.replay_rank`)."""
 
