@@ -174,7 +174,7 @@ OUTSIDE_CORE_WIDE_OR_LONG = {
     "experiments/layout.py:run_layout_step", "experiments/layout_search.py:search_layouts",
     "experiments/ranks/calibrate_measure.py:_worker", "experiments/ranks/replay_rank.py:_check",
     "experiments/ranks/replay_rank.py:run", "experiments/step.py:_one_pass", "experiments/step.py:run_step",
-    "integrations/train.py:run", "serve/engine.py:start", "step/run.py:simulate_step",
+    "integrations/train.py:run", "serve/engine.py:start",
 }
 
 

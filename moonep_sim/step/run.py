@@ -186,21 +186,7 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
     t0, c0 = time.perf_counter(), time.process_time()
     if map_fn is None and pipeline is None:
         pipeline = pipeline_pays(len(work), shape.tokens * R * m.top_k)
-    piped = None
-    if map_fn is None and pipeline and work:
-        done, piped = pipelined_layer_work(work, progress)
-        piped = {"threads": 2, "ahead_plans": PIPELINE_AHEAD, "wait_s": piped["wait_s"],
-                 "routings_on_main": piped["routings_here"], "main_cpu_s": piped["main_cpu_s"],
-                 "second_cpu_s": piped["second_cpu_s"], "second_wait_s": piped["second_wait_s"]}
-    elif map_fn is None:
-        done = []
-        for i in range(len(work)):
-            if progress:
-                progress(f"layer routing {i + 1} of {len(keys)}", i, len(keys))
-            done.append(simulate_layer_work(work[i]))
-            work[i] = None                             # the routing goes once its layer is done
-    else:
-        done = map_fn(simulate_layer_work, work)
+    done, piped = _run_layer_work(work, map_fn, bool(pipeline), progress)
     del work
     if progress:
         progress("composing the step", len(keys), len(keys))
@@ -246,6 +232,27 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
             "overlap": ov.name, "layers_routing": provenance, "pipeline": piped,
             "compute_sources": costs.sources(all_ops(stack_ops(m, mb_shapes[0]), train), train),
             "_timelines": timelines}
+
+
+def _run_layer_work(work: list, map_fn: Callable | None, pipeline: bool,
+                    progress: Callable[[str, int, int], None] | None) -> tuple[list, dict | None]:
+    """Every unit of ``work`` run: by ``map_fn`` (a worker pool), pipelined on two threads, or in
+    order here (each unit's routing dropped once done). Returns the units' results in order and the
+    pipeline's figures (None unless pipelined)."""
+    if map_fn is not None:
+        return map_fn(simulate_layer_work, work), None
+    if pipeline and work:
+        done, piped = pipelined_layer_work(work, progress)
+        return done, {"threads": 2, "ahead_plans": PIPELINE_AHEAD, "wait_s": piped["wait_s"],
+                      "routings_on_main": piped["routings_here"], "main_cpu_s": piped["main_cpu_s"],
+                      "second_cpu_s": piped["second_cpu_s"], "second_wait_s": piped["second_wait_s"]}
+    done = []
+    for i in range(len(work)):
+        if progress:
+            progress(f"layer routing {i + 1} of {len(work)}", i, len(work))
+        done.append(simulate_layer_work(work[i]))
+        work[i] = None                             # the routing goes once its layer is done
+    return done, None
 
 
 def _expert_ops(train: bool) -> list:
