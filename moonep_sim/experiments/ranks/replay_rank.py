@@ -38,6 +38,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -81,6 +82,71 @@ def _stats(v_R: np.ndarray) -> dict[str, float]:
     return {"max_ms": float(v_R.max()) * 1e3, "mean_ms": float(v_R.mean()) * 1e3}
 
 
+@dataclass(frozen=True)
+class _LayerInput:
+    """One (step, layer) item on this rank: the layer's routing ``lr``, this rank's token ids and
+    weights (``ids`` [s, K], ``w`` [s, K]), inputs ``x`` [s, H] and output gradient ``grad_out``
+    [s, H], every expert's weights for the dense check (None: not checked), tokens per rank ``tpr``
+    [R] and the layer's position ``li`` in the trace."""
+
+    lr: Any
+    ids: torch.Tensor
+    w: torch.Tensor
+    x: torch.Tensor
+    grad_out: torch.Tensor
+    full_w: Any
+    tpr: np.ndarray
+    li: int
+
+
+def _replay_items(args: argparse.Namespace, trace, layers: list[int], R: int) -> tuple[list, list]:
+    """The selected steps as batches (``routing.steps.step_batches``; merged: one batch of them all)
+    and the items ``(batch, step id, layer, routing of its first --max-tokens tokens, tokens per
+    rank [R])`` of every (batch, layer) holding a token, each checked to give every rank a token."""
+    from moonep_sim.routing.steps import read_layer, step_batches
+
+    batches = step_batches(trace.steps(), int(trace.meta.num_tokens), getattr(args, "steps", None))
+    items = []
+    for bi, (step_id, ranges) in enumerate(batches):
+        for li in layers:
+            lr = read_layer(trace, li, ranges=ranges)
+            T = lr.num_tokens if not args.max_tokens else min(lr.num_tokens, args.max_tokens)
+            if T == 0:
+                continue  # the step has no token at this layer (a per-layer token mask)
+            where = f" in step {step_id}" if step_id is not None and len(batches) > 1 else ""
+            require(T >= R, f"tokens ({T}{where}) must be >= world size ({R}) to give every rank a token")
+            tpr = np.full(R, T // R, dtype=np.int64)
+            tpr[: T % R] += 1
+            items.append((bi, step_id, li, lr.take(0, T), tpr))
+    require(len(items) >= 1, "the selected steps and layers must hold at least one token")
+    return batches, items
+
+
+def _rank_inputs(args: argparse.Namespace, items: list, homes: dict[str, np.ndarray], rank: int,
+                 shape: tuple[int, int, int], init_experts) -> tuple[list[_LayerInput], dict]:
+    """Per item this rank's tokens and seeded inputs (:class:`_LayerInput`), and its home experts'
+    weights per (layer, home set): one copy shared by the strategies whose placement gives this rank
+    the same experts. ``shape``: (E, H, F). Every expert's weights are kept only for the dense check."""
+    E, H, F = shape
+    inputs, weights, full = [], {}, {}
+    for bi, step_id, li, lr, tpr in items:
+        off = np.concatenate([[0], np.cumsum(tpr)])
+        lo, hi = int(off[rank]), int(off[rank + 1])
+        check = args.check if args.check is not None else lr.num_tokens * H <= (1 << 22)
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + li * 1009 + bi * 7 + rank)
+        x = torch.randn(hi - lo, H, generator=gen)
+        if li not in full:
+            full[li] = init_experts(E, H, F, seed=args.seed * 7919 + li)
+        for home in homes.values():
+            if (li, home.tobytes()) not in weights:
+                hm = torch.from_numpy(home)
+                weights[(li, home.tobytes())] = [p[hm].clone().requires_grad_(args.backward) for p in full[li]]
+        inputs.append(_LayerInput(lr, torch.from_numpy(np.ascontiguousarray(lr.topk_ids_TK[lo:hi])),
+                                  torch.from_numpy(np.ascontiguousarray(lr.topk_weights_TK[lo:hi])), x,
+                                  torch.randn(hi - lo, H, generator=gen), full[li] if check else None, tpr, li))
+    return inputs, weights
+
+
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
     """Replay every ``--strategy`` (comma-separated) on the same tokens. With several, the steps are
     interleaved: iteration i runs each strategy in turn (the order rotated by one each iteration),
@@ -103,22 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     require(H >= 1 and F >= 1, f"hidden ({H}) and ffn ({F}) must be >= 1")
     require(args.iters >= 1 and args.warmup >= 0, f"iters ({args.iters}) must be >= 1 and warmup ({args.warmup}) >= 0")
     layers = parse_layers(args.layers, trace)
-    from moonep_sim.routing.steps import read_layer, step_batches
-    # each selected step is its own batch (merged: one batch of them all); items are (batch, layer)
-    batches = step_batches(trace.steps(), int(meta.num_tokens), getattr(args, "steps", None))
-    items = []
-    for bi, (step_id, ranges) in enumerate(batches):
-        for li in layers:
-            lr = read_layer(trace, li, ranges=ranges)
-            T = lr.num_tokens if not args.max_tokens else min(lr.num_tokens, args.max_tokens)
-            if T == 0:
-                continue  # the step has no token at this layer (a per-layer token mask)
-            where = f" in step {step_id}" if step_id is not None and len(batches) > 1 else ""
-            require(T >= R, f"tokens ({T}{where}) must be >= world size ({R}) to give every rank a token")
-            tpr = np.full(R, T // R, dtype=np.int64)
-            tpr[: T % R] += 1
-            items.append((bi, step_id, li, lr.take(0, T), tpr))
-    require(len(items) >= 1, "the selected steps and layers must hold at least one token")
+    batches, items = _replay_items(args, trace, layers, R)
     capacity = int(max(int(it[4].max()) for it in items))
     dtype = _DTYPES[args.dispatch_dtype]
     opts = args.options if getattr(args, "options", None) is not None else strategy_opts(names, args.opt)
@@ -132,22 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     # layer and distinct home set: strategies whose placement gives this rank the same experts share
     # it); every expert's weights are kept only for the dense reference check
     homes = {n: np.flatnonzero(b.home_E == rank) for n, b in bufs.items()}
-    inputs, weights, full = [], {}, {}
-    for bi, step_id, li, lr, tpr in items:
-        off = np.concatenate([[0], np.cumsum(tpr)])
-        lo, hi = int(off[rank]), int(off[rank + 1])
-        check = args.check if args.check is not None else lr.num_tokens * H <= (1 << 22)
-        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + li * 1009 + bi * 7 + rank)
-        x = torch.randn(hi - lo, H, generator=gen)
-        if li not in full:
-            full[li] = init_experts(E, H, F, seed=args.seed * 7919 + li)
-        for home in homes.values():
-            if (li, home.tobytes()) not in weights:
-                hm = torch.from_numpy(home)
-                weights[(li, home.tobytes())] = [p[hm].clone().requires_grad_(args.backward) for p in full[li]]
-        inputs.append((lr, torch.from_numpy(np.ascontiguousarray(lr.topk_ids_TK[lo:hi])),
-                       torch.from_numpy(np.ascontiguousarray(lr.topk_weights_TK[lo:hi])), x,
-                       torch.randn(hi - lo, H, generator=gen), full[li] if check else None, tpr, li))
+    inputs, weights = _rank_inputs(args, items, homes, rank, (E, H, F), init_experts)
     S, L, n_it = len(names), len(items), args.warmup + args.iters
     times = np.zeros((S, L, args.iters, len(PHASES)))
     entries: dict[tuple[int, int], dict[str, Any]] = {}
@@ -156,15 +192,25 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             si = (k + it) % S
             buf = bufs[names[si]]
             for j in range(L):
-                lr, ids, w, x, grad_out, full_w, tpr, li = inputs[j]
-                params = weights[(li, homes[names[si]].tobytes())]
-                step = _step(buf, ids, w, x, params, grad_out, li, args.backward)
+                inp = inputs[j]
+                params = weights[(inp.li, homes[names[si]].tobytes())]
+                step = _step(buf, inp.ids, inp.w, inp.x, params, inp.grad_out, inp.li, args.backward)
                 if it >= args.warmup:
                     times[si, j, it - args.warmup] = step["times"]
                 if it == n_it - 1:
-                    chk = _check(rank, buf, step["handle"], lr, x, step["xi"], step["out"], grad_out, params,
-                                 full_w, capacity, tpr, args.backward, dtype, dense_moe) if full_w is not None else None
-                    entries[(si, j)] = _layer_entry(buf, step, lr, chk)
+                    chk = (_check(rank, buf, step, inp, params, capacity, args.backward, dtype, dense_moe)
+                           if inp.full_w is not None else None)
+                    entries[(si, j)] = _layer_entry(buf, step, inp.lr, chk)
+    return _gather_reports(args, names, bufs, items, (layers, batches), times, entries)
+
+
+def _gather_reports(args: argparse.Namespace, names: list[str], bufs: dict, items: list, where: tuple,
+                    times: np.ndarray, entries: dict) -> dict[str, Any] | None:
+    """Every rank's phase times ``times[strategy, item, iteration, phase]`` and weight fetches
+    gathered on rank 0 and turned into the reports (None on the other ranks)."""
+    layers, batches = where
+    rank, R = dist.get_rank(), dist.get_world_size()
+    S, L = len(names), len(items)
     # every rank's per-iteration phase times -> rank 0
     mine = torch.from_numpy(times)
     allt = [torch.empty_like(mine) for _ in range(R)]
@@ -297,8 +343,11 @@ def _report(args, buf, name: str, layers: list[int], batches: list, per_layer: l
     }
 
 
-def _check(rank, buf, handle, lr, x, xi, out, grad_out, params, full_w, capacity, tpr, backward, dtype, dense_moe):
-    """Rank 0 compares the gathered outputs (and gradients) with the dense reference."""
+def _check(rank, buf, step: dict[str, Any], inp: "_LayerInput", params, capacity, backward, dtype, dense_moe):
+    """Rank 0 compares the gathered outputs (and gradients) with the dense reference. ``step``:
+    :func:`_step`'s result on ``inp``."""
+    handle, xi, out = step["handle"], step["xi"], step["out"]
+    lr, x, grad_out, full_w, tpr = inp.lr, inp.x, inp.grad_out, inp.full_w, inp.tpr
     outs = _gather_rows(out.detach(), capacity, None)
     xs = _gather_rows(x, capacity, None)
     gos = _gather_rows(grad_out, capacity, None)
