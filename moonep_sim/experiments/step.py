@@ -46,8 +46,8 @@ class StepResult(_TakeAway):
     timelines: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
-        from moonep_sim.experiments.flags import step_flags
-        from moonep_sim.experiments.verdict import step_verdict
+        from moonep_sim.analysis.flags import step_flags
+        from moonep_sim.analysis.verdict import step_verdict
 
         opts = {n: {} for n in self.strategies} | dict(self.setup.get("options") or {})
         flags = step_flags(self.setup, opts, {"name": self.setup.get("model")}, self.figures)
@@ -61,7 +61,7 @@ class StepOptions:
     prefill, decode), overlap (none, shared-expert, two-batch), tokens per rank (None: the
     routing's), context, distinct layers (0: every layer its own routing), a compute profile CSV,
     the GEMM dtype, recompute, optimizer sharding and bytes per parameter, and static buffers
-    (strategy -> tokens per rank). What ``compare``, ``sweep`` and winner maps take at
+    (strategy -> tokens per rank), and the parallel layout (None: pure EP). What ``compare``, ``sweep`` and winner maps take at
     ``level="step"``."""
 
     mode: str = "train"
@@ -75,6 +75,7 @@ class StepOptions:
     optimizer_shard: int = 0
     optimizer_bytes_per_param: float = 12.0
     static_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    parallel: Any = None
 
     def __post_init__(self) -> None:
         from moonep_sim.step.schedules import get_overlap
@@ -88,6 +89,11 @@ class StepOptions:
         require(self.optimizer_shard >= 0, f"optimizer shard ({self.optimizer_shard}) must be >= 0 (0 = all ranks)")
         require(self.optimizer_bytes_per_param >= 0,
                 f"optimizer bytes per parameter ({self.optimizer_bytes_per_param:g}) must be >= 0")
+        if self.parallel is not None:
+            from moonep_sim.step.parallel import Parallel
+
+            require(isinstance(self.parallel, Parallel),
+                    f"parallel ({type(self.parallel).__name__}) must be a Parallel (moonep_sim.step.parallel)")
 
     def kwargs(self) -> dict[str, Any]:
         """:func:`run_step`'s keywords besides mode and overlap."""
@@ -96,7 +102,7 @@ class StepOptions:
         return d
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: (dict(v) if isinstance(v, Mapping) else v)
+        return {f.name: (dict(v) if isinstance(v, Mapping) else v.to_dict() if hasattr(v, "to_dict") else v)
                 for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
 
 
@@ -224,14 +230,27 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
              compute_profile: str | None = None, gemm_dtype: str = "bf16", recompute: bool = False,
              optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
              static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
-             cluster: str | None = None, pipeline: bool | None = None) -> list[StepResult]:
+             cluster: str | None = None, pipeline: bool | None = None, parallel: Any = None) -> list[StepResult]:
     """The step(s) of ``scenario`` (an :class:`~moonep_sim.experiments.scenario.Scenario`, or its
     ``Resolved``): one result, or one per recorded step of a trace with several steps. The step's distinct MoE layers
     are planned and simulated in ``jobs`` worker processes or on a Dask ``cluster``
     (:func:`moonep_sim.experiments.parallel.run_points`; each layer independently, same result).
     With one job, ``pipeline`` (None: when it pays, ``moonep_sim.step.run.pipeline_pays``; False:
-    off) builds the next layer's routing and Plans on a second thread while this one simulates."""
-    from moonep_sim.step import CostModel, MemoryOptions, read_profile
+    off) builds the next layer's routing and Plans on a second thread while this one simulates.
+    ``parallel``: a :class:`~moonep_sim.step.parallel.Parallel` layout over the scenario's GPUs
+    (:mod:`moonep_sim.experiments.layout`); None: today's pure-EP step."""
+    if parallel is not None:
+        from moonep_sim.experiments.layout import run_layout_step
+
+        figs, setup, timelines = run_layout_step(
+            scenario, mode, overlap, parallel, tokens_per_rank=tokens_per_rank, context=context, model=model,
+            distinct_layers=distinct_layers, compute_profile=compute_profile, gemm_dtype=gemm_dtype, recompute=recompute,
+            optimizer_shard=optimizer_shard, optimizer_bytes_per_param=optimizer_bytes_per_param,
+            static_tokens=static_tokens, progress=progress, jobs=jobs, cluster=cluster, pipeline=pipeline,
+            layer_source=layer_source)
+        return [StepResult(tuple(figs), figs, setup, timelines)]
+    from moonep_sim.step import MemoryOptions
+    from moonep_sim.step.costs import step_cost_model
 
     rs = getattr(scenario, "resolved", scenario)
     src = rs.source
@@ -246,7 +265,7 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     for s, S in static.items():
         require(s in names, f"static buffer strategy ({s!r}) must be one of the strategies ({', '.join(names)})")
         require(int(S) >= 1, f"static buffer tokens ({S}) of {s} must be >= 1")
-    costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None)
+    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, mode=mode)
     mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
     out = []
     skew = (standin_skew(src, R) if src.gen is None and m.moe_layers > len(src.layer_ids)
@@ -316,9 +335,9 @@ def steps_document(results: Sequence[StepResult]) -> dict[str, Any]:
     """The document of a step run (``moonep-sim step``, ``compare --level step``): one step's
     :meth:`StepResult.to_dict`, or ``{kind: steps, steps: [...], setup, flags}`` for several
     recorded steps; on a trace, ``aggregate`` holds the per-step aggregate
-    (:func:`moonep_sim.experiments.stepstats.step_aggregates`) for any selection, one step too."""
-    from moonep_sim.experiments.stepstats import step_aggregates
-    from moonep_sim.experiments.winner import dedup_flags
+    (:func:`moonep_sim.analysis.stepstats.step_aggregates`) for any selection, one step too."""
+    from moonep_sim.analysis.stepstats import step_aggregates
+    from moonep_sim.analysis.winner import dedup_flags
 
     docs = [r.to_dict() for r in results]
     if len(docs) == 1:

@@ -11,9 +11,12 @@ from dataclasses import dataclass
 BF16 = 2
 
 
-def gemm(name: str, tokens: int, weights: int) -> "Op":
-    """A GEMM of ``tokens`` rows through ``weights`` elements (weights read once, rows in/out)."""
-    return Op(name, "gemm", 2.0 * tokens * weights, float(weights) * BF16, tokens, f"tokens={tokens}")
+def gemm(name: str, tokens: int, weights: int, k: int = 0, parts: tuple = ()) -> "Op":
+    """A GEMM of ``tokens`` rows through ``weights`` elements (weights read once, rows in/out) whose
+    input width is ``k``; ``parts``: its GEMMs as (n, k) each when it is a block of several (kept
+    only if their n x k sum to ``weights``; else the block is priced as one GEMM of equal FLOPs)."""
+    parts = tuple(parts) if sum(n * kk for n, kk in parts) == weights else ()
+    return Op(name, "gemm", 2.0 * tokens * weights, float(weights) * BF16, tokens, f"tokens={tokens}", int(k), parts)
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,11 @@ class Op:
         (FLOPs and bytes, roofline) or ``bytes`` (memory-bound: elementwise, norm, gather).
     flops / bytes: per rank.  rows: the GEMM's M dimension (tokens), for the efficiency curve.
     shape: the profile key of this op's shape (``tokens=4096`` or ``tokens=32,context=4096``).
+    k: a GEMM's reduction dimension (its input width; 0 = not given): with ``rows`` and the FLOPs
+        it gives the (m, n, k) a measured GEMM table is read at (``moonep_sim.step.measured``).
+    parts: the GEMMs of a block of projections as (n, k) each (() = one GEMM of equal FLOPs).
+    attn: an attention core's (mode, sequences, context, heads, kv heads, head dim, window) for a
+        measured attention table (() = none).
     """
 
     name: str
@@ -33,6 +41,9 @@ class Op:
     bytes: float
     rows: int
     shape: str
+    k: int = 0
+    parts: tuple = ()
+    attn: tuple = ()
 
 
 @dataclass(frozen=True)
