@@ -214,7 +214,7 @@ def test_quick_calibration_is_recognised(tmp_path):
 
 def test_layers_are_ids_in_the_replay_as_everywhere(tmp_path):
     """`launch/replay.py --layers` names layer ids (the trace's layer_ids), not stored positions."""
-    from moonep_sim.experiments.replay_rank import _parse_layers
+    from moonep_sim.experiments.ranks.replay_rank import _parse_layers
     from moonep_sim.routing.trace import Trace, TraceMeta, write_trace
 
     ids = np.stack([np.tile([[0, 1], [2, 3]], (4, 1))] * 2).astype(np.int32)  # [L=2, T=8, K=2]
