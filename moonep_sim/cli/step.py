@@ -57,6 +57,7 @@ STEP_FLAGS = (("--mode", "mode", "train"), ("--tokens-per-rank", "tokens_per_ran
               ("--context", "context", None), ("--overlap", "overlap", "none"),
               ("--distinct-layers", "distinct_layers", 0), ("--static-buffer", "static_buffer", []),
               ("--compute-profile", "compute_profile", None), ("--gemm-dtype", "gemm_dtype", "bf16"),
+              ("--weight-dtype", "weight_dtype", "bf16"), ("--kv-dtype", "kv_dtype", "bf16"),
               ("--recompute", "recompute", False), ("--optimizer-shard", "optimizer_shard", 0),
               ("--optimizer-bytes-per-param", "optimizer_bytes_per_param", 12.0))
 
@@ -92,7 +93,12 @@ def add_step_options(p, *, level: bool = False, tokens: bool = True) -> None:
                    help="measured op times (op,shape,time_us) replacing the roofline defaults; every op must be in "
                         "it (benchmarks/profile_ops.py writes one)" + at)
     p.add_argument("--gemm-dtype", choices=("bf16", "fp8"), default=d["gemm_dtype"],
-                   help="GEMM peak: BF16 or FP8" + at)
+                   help="GEMM peak: BF16 or FP8 (with fp8, training saves the GEMMs' inputs in fp8)" + at)
+    p.add_argument("--weight-dtype", default=d["weight_dtype"], metavar="DTYPE",
+                   help="stored weight format: bf16, fp16, fp32, fp8 (128x128 block scales), mxfp4, nvfp4 (= fp4); "
+                        "prices memory and the memory-bound GEMMs by its bytes, scales included" + at)
+    p.add_argument("--kv-dtype", default=d["kv_dtype"], metavar="DTYPE",
+                   help="KV-cache format: bf16, fp16, fp8, mxfp4, nvfp4 (= fp4)" + at)
     p.add_argument("--recompute", action="store_true", default=d["recompute"],
                    help="train: recompute attention and norms in the backward" + at)
     p.add_argument("--optimizer-shard", type=int, default=d["optimizer_shard"], metavar="N",

@@ -69,6 +69,8 @@ class StepOptions:
     distinct_layers: int = 0
     compute_profile: str | None = None
     gemm_dtype: str = "bf16"
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
     recompute: bool = False
     optimizer_shard: int = 0
     optimizer_bytes_per_param: float = 12.0
@@ -81,6 +83,10 @@ class StepOptions:
         require(self.mode in MODES, f"mode ({self.mode!r}) must be one of {', '.join(MODES)}")
         get_overlap(self.overlap)
         require(self.gemm_dtype in ("bf16", "fp8"), f"gemm dtype ({self.gemm_dtype!r}) must be bf16 or fp8")
+        from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, get_dtype
+
+        get_dtype(self.weight_dtype, "--weight-dtype", WEIGHT_DTYPES)
+        get_dtype(self.kv_dtype, "--kv-dtype", KV_DTYPES)
         require(self.distinct_layers >= 0, f"distinct layers ({self.distinct_layers}) must be >= 0 (0 = every layer "
                                            "its own)")
         require(self.optimizer_shard >= 0, f"optimizer shard ({self.optimizer_shard}) must be >= 0 (0 = all ranks)")
@@ -208,7 +214,8 @@ def trace_steps(source: RoutingSource) -> list[np.ndarray | None]:
 
 def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank: int | None = None,
              context: int | None = None, model: ModelSpec | None = None, distinct_layers: int = 0,
-             compute_profile: str | None = None, gemm_dtype: str = "bf16", recompute: bool = False,
+             compute_profile: str | None = None, gemm_dtype: str = "bf16", weight_dtype: str = "bf16",
+             kv_dtype: str = "bf16", recompute: bool = False,
              optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
              static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
              cluster: str | None = None, pipeline: bool | None = None) -> list[StepResult]:
@@ -233,8 +240,14 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     for s, S in static.items():
         require(s in names, f"static buffer strategy ({s!r}) must be one of the strategies ({', '.join(names)})")
         require(int(S) >= 1, f"static buffer tokens ({S}) of {s} must be >= 1")
-    costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None)
-    mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
+    from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, check_supported, get_dtype
+
+    wd = check_supported(get_dtype(weight_dtype, "--weight-dtype", WEIGHT_DTYPES), rs.topology, "--weight-dtype")
+    check_supported(get_dtype(kv_dtype, "--kv-dtype", KV_DTYPES), rs.topology, "--kv-dtype")
+    costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None,
+                      weight_bytes=wd.weight_bytes)
+    mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute, weight_dtype=weight_dtype,
+                        kv_dtype=kv_dtype, gemm_dtype=gemm_dtype)
     out = []
     for steps_T in trace_steps(src) if src.gen is None else [None]:
         if src.gen is not None:
@@ -260,7 +273,8 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
         timelines = res.pop("_timelines")
         setup = {k: v for k, v in res.items() if k != "strategies"}
         setup.update(model=m.name, ranks=R, gpus_per_node=rs.cluster.gpus_per_node, topology=rs.topology.name,
-                     routing=src.describe(), gemm_dtype=gemm_dtype, compute_profile=compute_profile,
+                     routing=src.describe(), gemm_dtype=gemm_dtype, weight_dtype=weight_dtype,
+                     kv_dtype=kv_dtype, compute_profile=compute_profile,
                      distinct_layers=distinct_layers, recompute=recompute, jobs=jobs, cluster=cluster,
                      options={n: {k: str(v) for k, v in o.items()} for n, o in rs.strategies},
                      stand_ins=sum(1 for p in res["layers_routing"] if p.startswith("STAND-IN")),

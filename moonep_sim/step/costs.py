@@ -120,14 +120,19 @@ class CostModel:
 
     gemm_dtype: ``bf16`` or ``fp8`` GEMM peak.  half_rows: the efficiency curve's half-rate rows
     (0 = flat at the topology's efficiency).  profile: measured times replacing the defaults.
+    weight_bytes: bytes per stored weight element, scales included (``moonep_sim.step.dtypes``;
+    2 = bf16): a GEMM's weight traffic (the ops' bf16 weight bytes, the routed experts' weights)
+    is priced at it, what bounds the memory-bound decode GEMMs.
     """
 
     topo: Topology
     gemm_dtype: str = "bf16"
     half_rows: float = GEMM_HALF_ROWS
     profile: Profile | None = None
+    weight_bytes: float = 2.0
 
     def __post_init__(self) -> None:
+        require(self.weight_bytes > 0, f"weight bytes ({self.weight_bytes}) must be > 0")
         require(self.gemm_dtype in GEMM_DTYPES, f"gemm dtype ({self.gemm_dtype!r}) must be one of "
                                                 f"{', '.join(GEMM_DTYPES)}")
         require(self.half_rows >= 0, f"half_rows ({self.half_rows}) must be >= 0")
@@ -157,7 +162,8 @@ class CostModel:
             return op.bytes / mem
         if op.kind == "attention":
             return max(op.flops / (self.topo.flops_per_us), op.bytes / mem)
-        return max(op.flops / (self.gemm_flops_per_us * float(self.curve(float(op.rows)))), op.bytes / mem)
+        wbytes = op.bytes * self.weight_bytes / 2.0  # a GEMM op's bytes are its bf16 weights
+        return max(op.flops / (self.gemm_flops_per_us * float(self.curve(float(op.rows)))), wbytes / mem)
 
     def missing_ops(self, ops: list[Op]) -> list[str]:
         """``op@shape`` of every op (and expert GEMM) the profile lacks; [] without a profile."""
@@ -192,6 +198,8 @@ class CostModel:
         scale = np.divide(rows_S, plan.slot_padded_S, out=np.zeros_like(rows_S), where=plan.slot_padded_S > 0)
         flops_S = flops_S * scale
         fixed_S = np.where(rows_S > 0, fixed_S, 0.0)
+        if self.weight_bytes != 2.0:  # bf16 weights (and fp32 gradients in the backward) -> the stored format
+            fixed_S = fixed_S * ((self.weight_bytes + 4.0) / 6.0 if backward else self.weight_bytes / 2.0)
         t_flop = flops_S / (self.gemm_flops_per_us * self.curve(rows_S))
         t_mem = (fixed_S + rows_S * per_row) / t.mem_bytes_per_us
         t_S = np.maximum(t_flop, t_mem)

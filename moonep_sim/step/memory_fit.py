@@ -111,4 +111,18 @@ def smallest_fit(model: ModelSpec, shape: StepShape, par: Parallel, plans: Seque
     return None
 
 
-__all__ = ["candidate_changes", "smallest_fit"]
+def attach_fits(cfg: Any, out: dict[str, Any], footprints: dict[str, list]) -> None:
+    """A step's hook (``moonep_sim.step.run``): when every strategy of ``out`` (name -> figures)
+    runs out of memory, each one's smallest change that fits (``fit``: :func:`smallest_fit` on
+    its Plans' ``footprints``, under the step's layout -- ``cfg.parallel``, default ``pure_ep``)."""
+    if not out or not all(d.get("oom") for d in out.values()):
+        return
+    from moonep_sim.step.parallel import pure_ep
+
+    par = getattr(cfg, "parallel", None) or pure_ep(cfg.ctx.cluster.ranks)
+    fp8 = float(getattr(cfg.topology, "gpu_tflops_fp8", 0) or 0) > 0
+    for name, d in out.items():
+        d["fit"] = smallest_fit(cfg.model, cfg.shape, par, footprints[name], cfg.memory, d["gpu_memory_bytes"], fp8=fp8)
+
+
+__all__ = ["attach_fits", "candidate_changes", "smallest_fit"]

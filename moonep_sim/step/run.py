@@ -31,6 +31,7 @@ from moonep_sim.step.compose import all_ops, compose, stack_ops
 from moonep_sim.step.costs import CostModel
 from moonep_sim.step.layer_sim import LayerComm, simulate_moe_layer
 from moonep_sim.step.memory import MemoryOptions, PlanFootprint, memory_per_rank
+from moonep_sim.step.memory_fit import attach_fits
 from moonep_sim.step.schedule import Timeline, get_overlap
 from moonep_sim.step.stack import StepShape
 
@@ -524,9 +525,11 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
     routing_s = sum(d.routing_s for d in done)
     routing_cpu_s = sum(d.routing_cpu_s for d in done)
     by_key = dict(zip(keys, done))
+    fps_of: dict[str, list] = {}
     for name, _ in cfg.strategies:
         cache = {(k, mb): d.done[(name, mb)] for k, d in by_key.items() for mb in range(M)}
         plans = [d.footprint for d in cache.values()]
+        fps_of[name] = plans
         plan_s = sum(d.plan_s for d in cache.values())
         sim_s = sum(d.sim_s for d in cache.values())
         t0, c0 = time.perf_counter(), time.process_time()
@@ -558,6 +561,7 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
                  entries=int(sum(comm_of(l, mb).entries for l in comms for mb in range(M))))
         out[name] = d
         timelines[name] = tl
+    attach_fits(cfg, out, fps_of)
     return {"strategies": out, "mode": shape.mode, "tokens_per_rank": shape.tokens, "context": shape.context,
             "overlap": ov.name, "layers_routing": provenance, "pipeline": piped, "_timelines": timelines}
 
