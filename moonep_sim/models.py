@@ -190,7 +190,10 @@ class ModelSpec:
 
 _HF = "huggingface.co/{}/blob/main/config.json"
 
-#: Attention kinds of :attr:`ModelSpec.attention` (see its docstring).
+#: Attention kinds of :attr:`ModelSpec.attention` (see its docstring): the names a model may give,
+#: and the module list of the attention registry (``moonep_sim.step.attention``: one module per
+#: kind, ``moonep_sim/step/attention/<name>.py``, states its weights, cache, core op and what it
+#: saves for the backward). A new kind is its module and its name here.
 ATTENTION_KINDS = ("gqa", "mla", "linear", "sliding", "none")
 # MLA as DeepSeek-V3 / Kimi K2 configure it (q_lora_rank 1536, kv_lora_rank 512, qk_nope 128,
 # qk_rope 64, v_head 128); only the head count differs between them.

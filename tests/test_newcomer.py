@@ -78,9 +78,10 @@ def test_generator_spec_is_strict_and_shared(capsys):
                                                              {"maxvio": GEN_DEFAULTS["maxvio"]})
 
 
-def test_progress_lines_when_not_on_a_terminal(capsys):
+def test_progress_lines_when_asked_for_off_a_terminal(capsys, monkeypatch):
     from moonep_sim.cli.common import progress
 
+    monkeypatch.setenv("MOONEP_SIM_PROGRESS", "lines")  # a CI log: plain lines (piped, it is quiet)
     c = Console(file=io.StringIO(), force_terminal=False)
     with progress(c, "job", interval_s=0.05) as cb:
         cb("step a", 0, 2)

@@ -18,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, RowCosts, layout_slots, plan_from_slots, \
     single_hop_messages, validate
+from moonep_sim.perf import perf_config
 from moonep_sim.plan import INDEX, SCOPES, Hop
 
 
@@ -275,7 +276,8 @@ def test_builders_match_reference(case):
     args = (routing, cl, costs, slot_rank, np.zeros(E, np.int64), slot_rank, entry_slot.reshape(T, K))
     kw = dict(dedup=dedup, token_padding=tp, min_rows_S=min_rows)
     # builders leave strategy and options to the registry (make_plan stamps them)
-    p, q = plan_from_slots(*args, **kw), ref_plan_from_slots(*args, **kw)
+    # the compiled builder against the readable one (its body below perf.plan_compiled_min entries)
+    p, q = plan_from_slots(*args, perf=perf_config(plan_compiled_min=0), **kw), ref_plan_from_slots(*args, **kw)
     for f in dataclasses.fields(Plan):
         a, b = getattr(p, f.name), getattr(q, f.name)
         if f.name == "hops":
@@ -288,7 +290,10 @@ def test_builders_match_reference(case):
 
 
 def test_single_hop_many_ranks_matches_reference():
-    # R >= 255 takes the (src*R + dst) key sort instead of the per-source one-byte sort
+    """More than 256 ranks: the compiled single-hop pass (``fused.single_hop_plan``, every slot its
+    rank's) sends the reference's messages and flags its duplicates."""
+    from moonep_sim.plan import fused
+
     R, K = 300, 3
     rng = np.random.default_rng(7)
     tpr = rng.integers(0, 3, R)
@@ -297,13 +302,13 @@ def test_single_hop_many_ranks_matches_reference():
     entry_rank = rng.integers(-1, R, src_T.size * K)
     entry_rank[::K] = entry_rank[1::K]  # some duplicates for dedup
     for dedup in (False, True):
-        got = single_hop_messages(entry_rank, src_T, off, K, R, dedup)
+        lay, hop, dup, _, _ = fused.single_hop_plan(entry_rank, np.arange(R), off, K, R, dedup)
         want = ref_single_hop_messages(entry_rank, src_T, off, K, R, dedup)
         for f in dataclasses.fields(Hop):
             if f.name != "scope":
-                _eq(getattr(got[0], f.name), getattr(want[0], f.name))
-        _eq(got[1], want[1])
-        _eq(got[2], want[2])
+                _eq(getattr(hop, f.name), getattr(want[0], f.name))
+        _eq(dup, want[2])
+        _eq(lay.entry_rank_N, np.where(entry_rank >= 0, entry_rank, -1).astype(INDEX))
 
 
 _INT_FIELDS = ("entry_rank_TK", "entry_row_TK", "slot_offset_S", "slot_rows_S", "slot_padded_S", "row_entry_W",

@@ -139,11 +139,11 @@ _CORRUPTIBLE = ("entry_rank_TK", "entry_row_TK", "row_entry_W", "expand_src_row_
 @pytest.mark.parametrize("strategy", ["alltoall", "capacity", "deepep"])
 @pytest.mark.parametrize("field", _CORRUPTIBLE)
 def test_validate_on_two_threads_reports_what_one_thread_does(strategy, field):
-    """With the hop check on a second thread (``THREAD_MIN`` 0) validate reports exactly the
+    """With the hop check on a second thread (``perf.thread_min`` 0) validate reports exactly the
     sequential run's violations, in its order, and counts hop rows only where that run walked
     every hop -- on valid plans and on plans corrupted where an earlier check stops the run."""
-    import sys
-    vmod = sys.modules["moonep_sim.plan.validate"]
+    from moonep_sim.perf import perf_config
+    from moonep_sim.plan.validate import validate_counting
     R, E, K = 4, 8, 3
     for seed in range(6):
         rng = np.random.default_rng(seed)
@@ -157,14 +157,8 @@ def test_validate_on_two_threads_reports_what_one_thread_does(strategy, field):
             a = getattr(p, field).copy()
             a.flat[rng.integers(a.size)] += int(rng.choice([-2, -1, 1, 2, 50]))
             p = dataclasses.replace(p, **{field: a})
-        default = vmod.THREAD_MIN
-        try:
-            vmod.THREAD_MIN = 1 << 62
-            one = vmod.validate_counting(p)
-            vmod.THREAD_MIN = 0
-            two = vmod.validate_counting(p)
-        finally:
-            vmod.THREAD_MIN = default
+        one = validate_counting(p, perf_config(thread_min=1 << 62))
+        two = validate_counting(p, perf_config(thread_min=0))
         assert two[0] == one[0], (field, seed)
         assert (two[1] is None) == (one[1] is None), (field, seed)
         if one[1] is not None:
@@ -176,12 +170,12 @@ def test_validate_on_two_threads_reports_what_one_thread_does(strategy, field):
 
 @pytest.mark.parametrize("dedup", [False, True])
 @pytest.mark.parametrize("tp", [1, 4])
-def test_plan_from_slots_with_the_hop_on_a_second_thread_equals_the_reference(dedup, tp, monkeypatch):
-    """``plan_from_slots`` building its hop on a second thread (``threads.THREAD_MIN`` 0) gives the
+def test_plan_from_slots_compiled_equals_the_reference(dedup, tp):
+    """``plan_from_slots`` by its compiled passes (``perf.plan_compiled_min`` 0) gives the
     reference's Plan, dropped entries and padding included."""
-    from moonep_sim.plan import RowCosts, plan_from_slots, threads
+    from moonep_sim.perf import perf_config
+    from moonep_sim.plan import RowCosts, plan_from_slots
     from moonep_sim.plan import reference
-    monkeypatch.setattr(threads, "THREAD_MIN", 0)
     for seed in range(4):
         rng = np.random.default_rng(seed)
         R, K, S = 4, 3, 9
@@ -192,7 +186,7 @@ def test_plan_from_slots_with_the_hop_on_a_second_thread_equals_the_reference(de
         routing = GlobalRouting(np.tile(np.arange(K), (T, 1)), np.ones((T, K), np.float32), tpr, max(S, K))
         args = (routing, ClusterShape(R, 2), RowCosts(4, 2, 8, 16), slot_rank, np.zeros(S, np.int64), slot_rank,
                 entry_slot)
-        p, q = plan_from_slots(*args, dedup=dedup, token_padding=tp), \
+        p, q = plan_from_slots(*args, dedup=dedup, token_padding=tp, perf=perf_config(plan_compiled_min=0)), \
             reference.plan_from_slots(*args, dedup=dedup, token_padding=tp)
         for f in dataclasses.fields(p):
             a, b = getattr(p, f.name), getattr(q, f.name)

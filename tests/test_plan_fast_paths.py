@@ -58,15 +58,16 @@ def test_chunked_stable_order_places_in_either_index_dtype(dtype, n, n_keys):
 
 @pytest.mark.parametrize("dedup", [(True, True), (False, False)])
 @pytest.mark.parametrize("tp", [1, 4])
-def test_table_routes_with_the_layout_on_a_second_thread_equal_the_reference(dedup, tp, monkeypatch):
+def test_table_routes_with_the_layout_on_a_second_thread_equal_the_reference(dedup, tp):
     """The two-hop table routes (deepep's and Tutel 2DH's) sorting and laying out the slots on a
-    second thread beside the hops (``threads.THREAD_MIN`` 0) give the reference's Plan."""
+    second thread beside the hops (``perf.thread_min`` 0, the numpy hops) give the reference's Plan."""
     import dataclasses
 
-    from moonep_sim.plan import ClusterShape, GlobalRouting, RowCosts, reference, threads
+    from moonep_sim.perf import perf_config
+    from moonep_sim.plan import ClusterShape, GlobalRouting, RowCosts, reference
     from moonep_sim.plan.hops import to_node_of_final, to_rail_of_final
     from moonep_sim.plan.multihop import plan_from_routes
-    monkeypatch.setattr(threads, "THREAD_MIN", 0)
+    perf = perf_config(thread_min=0, plan_compiled_min=1 << 62)
     for seed in range(4):
         rng = np.random.default_rng(seed)
         R, G, K, S = 8, 4, 4, 16
@@ -80,7 +81,7 @@ def test_table_routes_with_the_layout_on_a_second_thread_equal_the_reference(ded
         scopes = [first.scope, "intra_node" if dedup[0] else "inter_node"]
         args = (routing, cl, RowCosts(4, 2, 8, 16), slot_rank, np.arange(S), slot_rank, ids, [first.via_RR],
                 scopes, list(dedup))
-        p = plan_from_routes(*args, token_padding=tp, via_table=True)
+        p = plan_from_routes(*args, token_padding=tp, via_table=True, perf=perf)
         q = reference.plan_from_routes(*args, token_padding=tp, via_table=True)
         for f in dataclasses.fields(p):
             a, b = getattr(p, f.name), getattr(q, f.name)
@@ -112,12 +113,15 @@ def _plan_arrays(p) -> dict:
                                         ("hierarchical", {"dedup": True}), ("costaware", {}), ("alltoall", {}),
                                         ("capacity", {}), ("capacity", {"pad": False, "drop": "position"})])
 @pytest.mark.parametrize("tp", [1, 4])
-def test_strategies_plan_the_same_with_and_without_a_second_thread(name, opts, tp, monkeypatch):
+def test_strategies_plan_the_same_with_and_without_a_second_thread(name, opts, tp):
     """Every array of the Plan (values and dtypes) is the same whether the layout runs on a second
-    thread beside the hops (``threads.THREAD_MIN`` 0) or after them on one thread; the one-thread
+    thread beside the hops (``perf.thread_min`` 0) or after them on one thread; the one-thread
     path is pinned against the references in ``tests/test_planner_outputs_pinned.py``."""
+    import dataclasses
+
     from conftest import random_routing
-    from moonep_sim.plan import GlobalRouting, threads
+    from moonep_sim.perf import perf_config
+    from moonep_sim.plan import GlobalRouting
     from moonep_sim.strategies import PlanContext, make_plan
     R, G, E, K = 8, 4, 32, 4
     ids, w = random_routing(160, K, E, seed=tp, skew=1.5)
@@ -125,8 +129,8 @@ def test_strategies_plan_the_same_with_and_without_a_second_thread(name, opts, t
     ctx = PlanContext.default(E, R, G, token_padding=tp)
     plans = []
     for thread_min in (1 << 62, 0):
-        monkeypatch.setattr(threads, "THREAD_MIN", thread_min)
-        plans.append(_plan_arrays(make_plan(name, routing, ctx, **opts)))
+        perf = perf_config(thread_min=thread_min, plan_compiled_min=1 << 62)
+        plans.append(_plan_arrays(make_plan(name, routing, dataclasses.replace(ctx, perf=perf), **opts)))
     one, two = plans
     assert one.keys() == two.keys()
     for k in one:

@@ -5,6 +5,8 @@ range instead of writing through them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,7 +14,8 @@ from hypothesis import strategies as st
 
 from conftest import random_routing
 from moonep_sim.errors import PlanError
-from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, build, fused
+from moonep_sim.perf import DEFAULT_PERF, perf_config
+from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, build, fused, runs
 from moonep_sim.plan.kinds import INDEX
 from moonep_sim.strategies import PlanContext, make_plan
 from test_planner_outputs_pinned import assert_same_plan
@@ -28,14 +31,17 @@ STRATEGIES = [("alltoall", {}), ("alltoall", {"dedup": True}), ("moonep", {}), (
               ("hierarchical", {"dedup": True}), ("allgather", {})]
 
 
-def _plans(name, routing, ctx, monkeypatch, **opts):
+#: the readable builders everywhere, the compiled kernels everywhere
+NUMPY, COMPILED = perf_config(plan_compiled_min=1 << 62), perf_config(plan_compiled_min=0)
+
+
+def _plans(name, routing, ctx, **opts):
     """(numpy Plan, compiled Plan) of one strategy on one layer, or None where the strategy refuses
     the layer (the same refusal both ways)."""
     out = []
-    for fused_min in (1 << 62, 0):
-        monkeypatch.setattr(build, "FUSED_MIN", fused_min)
+    for perf in (NUMPY, COMPILED):
         try:
-            out.append(make_plan(name, routing, ctx, **opts))
+            out.append(make_plan(name, routing, dataclasses.replace(ctx, perf=perf), **opts))
         except Exception as e:  # noqa: BLE001 -- a refusal must be the same on both paths
             out.append(e)
     a, b = out
@@ -75,9 +81,9 @@ EDGE["all_one_slot"] = (GlobalRouting(_one, np.ones((50, 1), np.float32), np.arr
 
 @pytest.mark.parametrize("case", sorted(EDGE))
 @pytest.mark.parametrize("name, opts", STRATEGIES, ids=[f"{n}{o or ''}" for n, o in STRATEGIES])
-def test_edge_layers_plan_the_same_compiled_and_in_numpy(name, opts, case, monkeypatch):
+def test_edge_layers_plan_the_same_compiled_and_in_numpy(name, opts, case):
     routing, ctx = EDGE[case]
-    pair = _plans(name, routing, ctx, monkeypatch, **opts)
+    pair = _plans(name, routing, ctx, **opts)
     if pair is not None:
         assert_same_plan(pair[1], pair[0])
 
@@ -93,28 +99,23 @@ def test_random_layers_plan_the_same_compiled_and_in_numpy(seed, R, K, tp, which
     tpr = rng.integers(0, 30, size=R)
     routing = _layer(tpr, K, E, seed, float(rng.uniform(0, 2.5)))
     name, opts = STRATEGIES[which]
-    mp = pytest.MonkeyPatch()
-    try:
-        pair = _plans(name, routing, _ctx(E, R, G, tp), mp, **opts)
-    finally:
-        mp.undo()
+    pair = _plans(name, routing, _ctx(E, R, G, tp), **opts)
     if pair is not None:
         assert_same_plan(pair[1], pair[0])
 
 
 def test_a_layer_above_the_threshold_takes_the_compiled_passes_by_default(monkeypatch):
-    """At FUSED_MIN entries or more the builders use the kernels without being told (the Plan is the
-    numpy one), and the layout's arrays are the Plan's index dtype."""
+    """At ``plan_compiled_min`` entries or more the builders use the kernels without being told (the
+    Plan is the numpy one), and the layout's arrays are the Plan's index dtype."""
     R, K, E = 8, 8, 64
-    routing = _layer([build.FUSED_MIN // (R * K) + 3] * R, K, E, 11, 1.2)
+    routing = _layer([DEFAULT_PERF.plan_compiled_min // (R * K) + 3] * R, K, E, 11, 1.2)
     ctx = _ctx(E, R, 4, 1)
     called = []
     real = fused.single_hop_plan
     monkeypatch.setattr(fused, "single_hop_plan", lambda *a, **k: called.append(1) or real(*a, **k))
     p = make_plan("alltoall", routing, ctx)
     assert called == [1]
-    monkeypatch.setattr(build, "FUSED_MIN", 1 << 62)
-    q = make_plan("alltoall", routing, ctx)
+    q = make_plan("alltoall", routing, dataclasses.replace(ctx, perf=NUMPY))
     assert called == [1]
     assert_same_plan(p, q)
 
@@ -175,7 +176,7 @@ def test_kernels_refuse_indices_out_of_range():
 @pytest.mark.parametrize("R, relays", [(70, 70), (12, 3), (8, 1)])
 @pytest.mark.parametrize("dedup", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("tp", [1, 4])
-def test_two_hop_table_routes_plan_the_same_compiled_and_in_numpy(R, relays, dedup, tp, monkeypatch):
+def test_two_hop_table_routes_plan_the_same_compiled_and_in_numpy(R, relays, dedup, tp):
     """Random [R, R] relay tables (more than 64 relays per source takes the entry-by-entry hop 0,
     one relay per source makes hop 0 a funnel), every pairing of the two hops' dedup flags."""
     from moonep_sim.plan import Scope, plan_from_hops, to_final, via
@@ -190,16 +191,15 @@ def test_two_hop_table_routes_plan_the_same_compiled_and_in_numpy(R, relays, ded
     sr = ctx.placement.slot_rank_S
     ids = routing.topk_ids_TK
     plans = []
-    for fused_min in (1 << 62, 0):
-        monkeypatch.setattr(build, "FUSED_MIN", fused_min)
+    for perf in (NUMPY, COMPILED):
         plans.append(plan_from_hops(routing, ctx.cluster, COSTS, sr, ctx.placement.slot_expert_S, sr, ids, hops,
-                                    token_padding=tp))
+                                    token_padding=tp, perf=perf))
     assert_same_plan(plans[1], plans[0])
 
 
 @pytest.mark.parametrize("T, K, X, hi", [(0, 4, 5, 3), (1, 1, 3, 1), (300, 16, 896, 8), (200, 6, 70, 64)])
 def test_distinct_per_token_equals_deepep_nodes_per_token(T, K, X, hi):
-    from moonep_sim.strategies.deepep import nodes_per_token_T
+    from moonep_sim.plan.runs import nodes_per_token_T
 
     rng = np.random.default_rng(T + K + X)
     key = rng.integers(0, X, size=(T, K))
@@ -231,13 +231,45 @@ def test_plan_from_slots_with_drops_and_minimum_rows_is_the_same_compiled(seed, 
     routing = _layer(tpr, K, 8, seed)
     cluster = ClusterShape(R, 1)
     mins = rng.integers(0, 6, size=S) if min_rows else None
-    plans = []
-    mp = pytest.MonkeyPatch()
-    try:
-        for fused_min in (1 << 62, 0):
-            mp.setattr(build, "FUSED_MIN", fused_min)
-            plans.append(plan_from_slots(routing, cluster, COSTS, slot_rank, slot_rank % 4, slot_rank, slot,
-                                         dedup=dedup, token_padding=tp, min_rows_S=mins))
-    finally:
-        mp.undo()
+    plans = [plan_from_slots(routing, cluster, COSTS, slot_rank, slot_rank % 4, slot_rank, slot, dedup=dedup,
+                             token_padding=tp, min_rows_S=mins, perf=perf) for perf in (NUMPY, COMPILED)]
     assert_same_plan(plans[1], plans[0])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(0, 200), st.integers(1, 9), st.integers(1, 4))
+def test_slot_passes_of_the_runs_are_the_same_compiled_and_in_numpy(seed, N, X, pieces):
+    """``runs.split_runs`` / ``cycle_runs`` / ``distinct_per_token``: the numpy body and the compiled
+    pass give the same array (values and dtype), and refuse the same bad key with the same words."""
+    rng = np.random.default_rng(seed)
+    key = rng.integers(0, X, size=N)
+    cnt = np.bincount(key, minlength=X)
+    pk = np.repeat(np.arange(X), pieces)
+    exact = np.concatenate([np.diff(np.sort(np.r_[0, rng.integers(0, c + 1, size=pieces - 1), c])) for c in cnt])
+    ln = exact + (rng.integers(0, 2, size=exact.size) if rng.random() < 0.3 else 0)  # pieces may hold more
+    ps = rng.permutation(pk.size)
+    for fn, args in ((runs.split_runs, (pk, ln, ps)), (runs.cycle_runs, (pk, ps))):
+        a, b = (fn(key, X, *args, perf=p) for p in (NUMPY, COMPILED))
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+        if N:
+            bad = key.copy()
+            bad[int(rng.integers(0, N))] = X
+            errs = []
+            for p in (NUMPY, COMPILED):
+                with pytest.raises(PlanError) as e:
+                    fn(bad, X, *args, perf=p)
+                errs.append(str(e.value))
+            assert errs[0] == errs[1]
+    short = exact.copy()
+    if N:
+        short[int(np.flatnonzero(short)[0])] -= 1   # one key's pieces one entry short
+        errs = []
+        for p in (NUMPY, COMPILED):
+            with pytest.raises(PlanError, match="pieces") as e:
+                runs.split_runs(key, X, pk, short, ps, perf=p)
+            errs.append(str(e.value))
+        assert errs[0] == errs[1]
+    node = rng.integers(0, 9, size=X)
+    T = N // 3
+    a, b = (runs.distinct_per_token(key[:T * 3].reshape(T, 3), node, perf=p) for p in (NUMPY, COMPILED))
+    assert a.dtype == b.dtype and np.array_equal(a, b)

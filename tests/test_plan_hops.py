@@ -35,7 +35,7 @@ def _case(R=8, G=4, E=16, K=4, T=96, seed=3, tp=1):
 
 
 def test_the_docs_two_hop_strategy_runs_as_written(monkeypatch):
-    monkeypatch.setattr(strategies, "_REGISTRY", dict(strategies._REGISTRY))  # the registration is undone
+    monkeypatch.setattr(strategies, "_REGISTRY", strategies._REGISTRY.copy())  # the registration is undone
     exec(compile(_example(), str(DOC), "exec"), {"__name__": "rail_first"})
     for tp in (1, 4):
         routing, ctx = _case(tp=tp)

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from moonep_sim.errors import PlanError
+from moonep_sim.perf import perf_config
 from moonep_sim.plan import INDEX, Hop
 from moonep_sim.plan import ir
 from moonep_sim.plan.ir import _ROWS_CHUNK, pair_rows_reference
@@ -19,14 +20,12 @@ def _hop(src, dst) -> Hop:
     return Hop(Scope.GLOBAL, src, rows, dst, rows, np.array([src.size]))
 
 
-@pytest.fixture(autouse=True)
-def _compiled_always(monkeypatch):
-    """Every hop counted by the compiled pass (by default hops this small take the reference)."""
-    monkeypatch.setattr(ir, "_ROWS_COMPILED_MIN", 0)
+#: every hop counted by the compiled pass (by default hops this small take the reference)
+COMPILED = perf_config(pair_rows_compiled_min=0)
 
 
 def _check(src, dst, R):
-    got = _hop(src, dst).rows_RR(R)
+    got = _hop(src, dst).rows_RR(R, COMPILED)
     ref = pair_rows_reference(np.asarray(src, dtype=INDEX), np.asarray(dst, dtype=INDEX), R)
     assert got.dtype == np.int64 and got.shape == (R, R)
     np.testing.assert_array_equal(got, ref)
@@ -69,7 +68,7 @@ def test_rows_rr_matches_reference_over_chunks():
     for dt in (np.int32, np.int64):
         h = Hop(Scope.GLOBAL, src.astype(dt), np.zeros(m, np.int32), dst.astype(dt), np.arange(m),
                 np.array([m]))
-        np.testing.assert_array_equal(h.rows_RR(R), pair_rows_reference(src, dst, R))
+        np.testing.assert_array_equal(h.rows_RR(R, COMPILED), pair_rows_reference(src, dst, R))
 
 
 @pytest.mark.parametrize("src,dst,bad", [([0, 1, -1], [0, 1, 0], 2), ([0, 4, 1], [0, 0, 0], 1),
@@ -77,18 +76,18 @@ def test_rows_rr_matches_reference_over_chunks():
 def test_rows_rr_names_a_rank_out_of_range(src, dst, bad):
     with pytest.raises(PlanError, match=rf"hop message {bad}: src_rank \(-?\d+\) and dst_rank \(-?\d+\) "
                                         r"must lie in 0\.\.3"):
-        _hop(src, dst).rows_RR(4)
+        _hop(src, dst).rows_RR(4, COMPILED)
 
 
 def test_rows_rr_non_integer_messages_take_the_reference():
     """Messages that are not integers (a Plan the checks will name) are counted by the reference."""
     h = _hop(np.array([0.0, 1.0]), np.array([1.0, 1.0]))
     with pytest.raises(TypeError):
-        h.rows_RR(2)
+        h.rows_RR(2, COMPILED)
 
 
 def test_rows_rr_small_hops_take_the_reference(monkeypatch):
-    """Below ``_ROWS_COMPILED_MIN`` messages the reference counts (the same matrix)."""
-    monkeypatch.setattr(ir, "_ROWS_COMPILED_MIN", 10)
+    """Below ``perf.pair_rows_compiled_min`` messages the reference counts (the same matrix)."""
     monkeypatch.setattr(ir, "_pair_rows", None)   # a call would fail: the reference must count
-    np.testing.assert_array_equal(_hop([0, 1, 1], [1, 1, 0]).rows_RR(2), [[0, 1], [1, 1]])
+    np.testing.assert_array_equal(_hop([0, 1, 1], [1, 1, 0]).rows_RR(2, perf_config(pair_rows_compiled_min=10)),
+                                  [[0, 1], [1, 1]])

@@ -9,17 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moonep_sim.routing import sampling
+from moonep_sim.routing import sampling, sampling_reference
 from moonep_sim.routing import sampling_kernels as kn
 
 
-def _both(fn, monkeypatch):
-    """``fn()`` with the kernels, then with the numpy reference."""
-    out = fn()
-    monkeypatch.setattr(sampling, "KERNELS", False)
-    ref = fn()
-    monkeypatch.setattr(sampling, "KERNELS", True)
-    return out, ref
+def _both(fn):
+    """``fn(sampling)`` (the kernels), then ``fn(sampling_reference)`` (the numpy reference)."""
+    return fn(sampling), fn(sampling_reference)
 
 
 def _equal(a, b):
@@ -38,26 +34,26 @@ PLAIN = [(896, 16, 3000, 0.45), (64, 8, 2500, 2.5), (32, 12, 2100, 3.0), (5, 3, 
 
 
 @pytest.mark.parametrize("E,K,T,sigma", PLAIN)
-def test_the_plain_path_draws_what_the_reference_draws(E, K, T, sigma, monkeypatch):
+def test_the_plain_path_draws_what_the_reference_draws(E, K, T, sigma):
     logp = sigma * np.random.default_rng(E + K).standard_normal(E)
-    out, ref = _both(lambda: sampling.sample_topk_pl(logp, K, T, np.random.default_rng(T)), monkeypatch)
+    out, ref = _both(lambda m: m.sample_topk_pl(logp, K, T, np.random.default_rng(T)))
     assert _equal(out, ref)
 
 
 @pytest.mark.parametrize("E,K,T,sigma", PLAIN)
-def test_counted_redraws_and_replayed_weights_equal_the_references(E, K, T, sigma, monkeypatch):
+def test_counted_redraws_and_replayed_weights_equal_the_references(E, K, T, sigma):
     z = np.random.default_rng(E * K).standard_normal(E)
 
-    def run():
+    def run(m):
         noise: dict = {}
-        first = sampling.sample_topk_pl(sigma * z, K, T, np.random.default_rng(3), noise=noise)
+        first = m.sample_topk_pl(sigma * z, K, T, np.random.default_rng(3), noise=noise)
         out = [first, np.asarray(noise["x"]), np.asarray(noise["u"])]
         for s in (0.5 * sigma, 2.0 * sigma):
-            ids, counts = sampling.pl_ids_again(s * z, K, T, noise)
-            out += [np.ascontiguousarray(ids), counts, sampling.pl_weights(s * z, ids, noise)]
+            ids, counts = m.pl_ids_again(s * z, K, T, noise)
+            out += [np.ascontiguousarray(ids), counts, m.pl_weights(s * z, ids, noise)]
         return out
 
-    out, ref = _both(run, monkeypatch)
+    out, ref = _both(run)
     assert _equal(out, ref)
 
 
@@ -70,10 +66,9 @@ def test_the_first_draws_counts_are_its_experts_counts():
 
 @pytest.mark.parametrize("E,K,T,G,M,sigma", [(256, 8, 700, 8, 4, 0.4), (64, 6, 900, 8, 3, 2.0),
                                              (32, 4, 300, 4, 2, 0.0), (12, 3, 50, 6, 2, 1.0)])
-def test_the_grouped_fast_path_draws_what_the_reference_draws(E, K, T, G, M, sigma, monkeypatch):
+def test_the_grouped_fast_path_draws_what_the_reference_draws(E, K, T, G, M, sigma):
     logp = sigma * np.random.default_rng(E).standard_normal(E)
-    out, ref = _both(lambda: sampling.sample_topk_grouped(logp, K, T, np.random.default_rng(5), groups=G,
-                                                          topk_groups=M), monkeypatch)
+    out, ref = _both(lambda m: m.sample_topk_grouped(logp, K, T, np.random.default_rng(5), groups=G, topk_groups=M))
     assert _equal(out, ref)
 
 
@@ -98,19 +93,19 @@ class _CoarseExponentials:
                                 {"groups": 16, "topk_groups": 5}])
 @pytest.mark.parametrize("coarse", [False, True])
 @pytest.mark.parametrize("sigma", [0.0, 0.8])
-def test_the_race_draws_what_the_reference_draws(kw, coarse, sigma, monkeypatch):
+def test_the_race_draws_what_the_reference_draws(kw, coarse, sigma):
     E, K, T = 64, 6, 800
     logp = sigma * np.random.default_rng(7).standard_normal(E)
     rng = (lambda: _CoarseExponentials(9)) if coarse else (lambda: np.random.default_rng(9))
 
-    def run():
+    def run(m):
         noise: dict = {}
-        out = [sampling.sample_topk_race(logp, K, T, rng(), **kw)]
+        out = [m.sample_topk_race(logp, K, T, rng(), **kw)]
         for s in (1.0, 0.5, 2.0):                   # the calibration's redraws: the kept noise
-            out.append(sampling.sample_topk_race(s * logp, K, T, rng(), noise=noise, **kw))
+            out.append(m.sample_topk_race(s * logp, K, T, rng(), noise=noise, **kw))
         return out
 
-    out, ref = _both(run, monkeypatch)
+    out, ref = _both(run)
     assert _equal(out, ref)
 
 
@@ -126,9 +121,9 @@ def test_tied_rows_are_left_to_the_reference():
 
 
 @pytest.mark.parametrize("E,K,T", [(2, 1, 1), (9, 8, 40), (256, 8, 1), (16, 15, 33)])
-def test_the_race_at_its_edges(E, K, T, monkeypatch):
+def test_the_race_at_its_edges(E, K, T):
     logp = np.random.default_rng(E).standard_normal(E)
-    out, ref = _both(lambda: sampling.sample_topk_race(logp, K, T, np.random.default_rng(1)), monkeypatch)
+    out, ref = _both(lambda m: m.sample_topk_race(logp, K, T, np.random.default_rng(1)))
     assert _equal(out, ref)
 
 

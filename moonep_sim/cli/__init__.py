@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    if getattr(args, "quiet", False) is True:
+        from moonep_sim.progress import set_quiet
+
+        set_quiet()  # --quiet: no progress display
     prefer_small_pages()  # fresh huge pages cost a command more system time than they save (moonep_sim.memory)
     reuse_freed_memory()  # a freed temporary's pages serve the next one, not fresh pages (moonep_sim.memory)
     return exit_status(args.func, args)  # 1 a failed collective, 2 bad input, 130 Ctrl-C (as the launchers)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import sys
-import threading
-import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from moonep_sim.errors import ConfigError
@@ -155,6 +154,63 @@ def add_strategies(p, default: str) -> None:
                    help="a strategy option, e.g. capacity.cf=1.25 (repeatable)")
 
 
+def add_output_flags(p, *, out_default: str | None = None, out_help: str = "write the report (report.json, plots, "
+                     "report.html) under DIR", plots: bool = True, json_help: str = "the JSON result") -> None:
+    """The output flags every costing command shares (simulate, compare, sweep, step, serve):
+
+    - ``--json [FILE]``: the JSON result on stdout instead of the table, or written to FILE (the
+      table still printed);
+    - ``--out DIR``: the report folder;
+    - ``--no-plots``: the report without its PNG plots;
+    - ``--quiet``: no progress display (the result is unchanged).
+
+    ``--json -`` (stdout), the older spelling of a bare ``--json``, still works for one release
+    with a deprecation line on stderr. Read them back with :func:`json_target`."""
+    p.add_argument("--json", nargs="?", const=None, default=None, metavar="FILE", action=_JsonAction,
+                   help=f"{json_help}: on stdout (instead of the table), or written to FILE")
+    p.add_argument("--out", default=out_default, metavar="DIR",
+                   help=out_help + (f" (default {out_default})" if out_default else ""))
+    if plots:
+        p.add_argument("--no-plots", action="store_true", help="with --out: skip the PNG plots")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress display (the table, the JSON and the files are unchanged)")
+
+
+class _JsonAction(argparse.Action):
+    """``--json [FILE]``: a bare flag is ``"-"`` (stdout); ``--json -`` says it is deprecated."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values == "-":
+            print("moonep-sim: deprecated: --json - is now a bare --json (stdout); '-' stops working in the next "
+                  "release", file=sys.stderr, flush=True)
+        setattr(namespace, self.dest, "-" if values is None else values)
+
+
+def json_target(args) -> str | None:
+    """Where ``--json`` goes: None (not given), ``"-"`` (stdout) or a file path."""
+    v = getattr(args, "json", None)
+    if v is None or v is False:
+        return None
+    return "-" if v is True else str(v)
+
+
+def emit_json(args, doc: Any, lenient: bool = False) -> bool:
+    """``doc`` as strict JSON where ``--json`` says (written atomically to a file, or on stdout);
+    True when it went to stdout (the table is then left out). ``lenient``: a NaN becomes null
+    (:func:`moonep_sim.io.to_jsonable`) instead of refusing."""
+    from moonep_sim.io import dumps_strict, write_text_atomic
+
+    dest = json_target(args)
+    if dest is None:
+        return False
+    text = json.dumps(to_jsonable(doc, lenient=True), indent=1) if lenient else dumps_strict(doc, indent=1)
+    if dest == "-":
+        sys.stdout.write(text + "\n")
+        return True
+    write_text_atomic(dest, text, what="--json")
+    return False
+
+
 def add_layers(p, default_text: str = "all of the trace") -> None:
     p.add_argument("--layers", default=None, help=f"layer ids, e.g. 0,5-7 (default: {default_text})")
 
@@ -199,67 +255,13 @@ def console():
 
 # -- progress -------------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def progress(c, description: str, interval_s: float = PROGRESS_INTERVAL_S,
+def progress(c=None, description: str = "", interval_s: float = PROGRESS_INTERVAL_S,
              lines: bool = False) -> Iterator[Callable[[str, int, int], None]]:
-    """A progress callback ``(message, done, total)`` for a long command.
+    """A progress callback ``(message, done, total)`` for a long command: the one helper,
+    :func:`moonep_sim.progress.tracker` (a bar on stderr on a terminal; nothing when piped or with
+    ``--quiet``; plain lines with ``MOONEP_SIM_PROGRESS=lines``). ``c`` and ``lines`` are kept for
+    the callers' signatures: the bar is on stderr, so a ``--json`` stdout stays JSON either way."""
+    from moonep_sim.progress import tracker
 
-    On a terminal: a rich progress bar. Otherwise (a log, CI, a pipe): one line on stderr when the
-    step changes, at most every ``interval_s``, and a heartbeat line every ``interval_s`` while one
-    step runs long (a real replay is one blocking call), so the command never goes silent. ``lines``
-    forces the plain lines (for ``--json``, whose stdout must stay JSON).
-    """
-    if c.is_terminal and not lines:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        prog = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[what]}"), TimeElapsedColumn(), console=c, transient=True)
-        task = prog.add_task(description, total=None, what="")
-        with prog:
-            yield lambda msg, done, total: prog.update(task, completed=done, total=total, what=msg)
-        return
-    reporter = _LineProgress(description, interval_s)
-    reporter.start()
-    try:
-        yield reporter.update
-    finally:
-        reporter.stop()
-
-
-class _LineProgress:
-    """Plain progress lines on stderr (see :func:`progress`)."""
-
-    def __init__(self, description: str, interval_s: float):
-        self.description, self.interval_s = description, interval_s
-        self.t0 = time.monotonic()
-        self.last_print = -1e9
-        self.state = ("starting", 0, 0)
-        self.lock = threading.Lock()
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._beat, name="moonep-sim-progress", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.done.set()
-        self.thread.join()
-
-    def _line(self, note: str = "") -> None:
-        msg, done, total = self.state
-        frac = f" {done}/{total}" if total else ""
-        print(f"[{self.description}{frac}, {time.monotonic() - self.t0:.0f} s] {msg}{note}", file=sys.stderr,
-              flush=True)
-        self.last_print = time.monotonic()
-
-    def update(self, msg: str, done: int, total: int) -> None:
-        with self.lock:
-            changed = msg != self.state[0]
-            self.state = (msg, done, total)
-            if changed and (time.monotonic() - self.last_print >= self.interval_s or done == 0 or msg == "done"):
-                self._line()
-
-    def _beat(self) -> None:
-        while not self.done.wait(self.interval_s / 3):
-            with self.lock:
-                if time.monotonic() - self.last_print >= self.interval_s:
-                    self._line(" (still running)")
+    with tracker(description, interval_s=interval_s) as cb:
+        yield cb

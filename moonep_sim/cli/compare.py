@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moonep_sim.cli.common import (add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies,
+from moonep_sim.cli.common import (add_output_flags, add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies,
                                    output_rule, parse_int_list, parse_strategy_opts, print_json, print_warnings,
                                    progress, steps_footer, to_jsonable)
 from moonep_sim.errors import require
@@ -46,10 +46,8 @@ def register(sub) -> None:
     p.add_argument("--real-timeout", type=float, default=600.0, help="seconds allowed for the real replay")
     p.add_argument("--iters", type=int, default=10, help="timed iterations of the real replay (default 10), every "
                                                          "strategy in turn: matched samples for the rank test")
-    p.add_argument("--out", default="moonep-sim-out/compare", help="directory for report.json and the PNG plots")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="OUT",
-                   help="print the JSON report instead of the table; --json OUT writes it to OUT (and prints the table)")
+    add_output_flags(p, out_default="moonep-sim-out/compare", out_help="the report folder: report.json, the PNG "
+                                                                       "plots and report.html", json_help="the JSON report")
     from moonep_sim.cli.sweep import add_parallel
     add_parallel(p)
     from moonep_sim.cli.step import add_step_options
@@ -157,10 +155,12 @@ def run_step_level(args, sc) -> int:
     from moonep_sim.cli.step import print_steps, step_options
     from moonep_sim.report.save import save_report
 
+    from moonep_sim.experiments.step import steps_document
+
     opts = step_options(args)
-    res = sc.compare(level="step", step=opts, jobs=args.jobs, cluster=args.cluster)
-    docs = [r.to_dict() for r in (res if isinstance(res, list) else [res])]
-    doc = docs[0] if len(docs) == 1 else {"kind": "steps", "steps": docs}
+    with progress(None, "compare --level step") as cb:
+        res = sc.compare(level="step", step=opts, jobs=args.jobs, cluster=args.cluster, progress=cb)
+    doc = steps_document(res if isinstance(res, list) else [res])
     files = save_report(doc, Path(args.out), plots=not args.no_plots)
     print_warnings(sc.resolved.warnings)
     if args.json not in (None, "-"):
@@ -169,6 +169,6 @@ def run_step_level(args, sc) -> int:
     elif args.json:
         print_json(doc)
         return 0
-    print_steps(docs)
+    print_steps(doc)
     console().print("wrote " + ", ".join(files.values()))
     return 0

@@ -49,7 +49,19 @@ def render() -> str:
     lines = ["# Command-line reference", "",
              "Generated from the parsers by `python -m moonep_sim.cli.docgen > docs/cli.md`; do not edit",
              "by hand (a test checks it is up to date). What each command is for: the README's",
-             "\"CLI at a glance\"; how to use them together: [getting-started.md](getting-started.md).", ""]
+             "\"CLI at a glance\"; how to use them together: [getting-started.md](getting-started.md).", "",
+             "## Output flags (every costing command)", "",
+             "`simulate`, `compare`, `sweep` and `step` (and every command that costs routing) share one",
+             "convention (`moonep_sim.cli.common.add_output_flags`):", "",
+             "- `--json [FILE]`: the JSON result on stdout instead of the table, or written to FILE (the",
+             "  table still printed); `--json -`, the older spelling of a bare `--json`, still works for one",
+             "  release with a deprecation line on stderr;",
+             "- `--out DIR`: the report folder (report.json or sweep.json, the PNG plots, report.html);",
+             "- `--no-plots`: the report without its PNG plots;",
+             "- `--quiet` (`-q`): no progress display. Progress is a bar on stderr when stderr is a terminal,",
+             "  removed when the work ends; piped or redirected there is none (`MOONEP_SIM_PROGRESS=lines`",
+             "  prints plain lines on stderr instead, for CI logs); the table, the JSON and the files are the",
+             "  same either way.", ""]
     _section(build_parser(), 2, lines)
     _section(replay_parser(), 2, lines)
     return "\n".join(lines).rstrip() + "\n"

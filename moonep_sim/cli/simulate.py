@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from moonep_sim.cli.common import (add_dispatch_dtype, add_steps, check_cluster_args, check_int, console, parse_int_list,
-                                   print_json)
+from moonep_sim.cli.common import (add_dispatch_dtype, add_output_flags, add_steps, check_cluster_args, check_int,
+                                   console, parse_int_list)
 from moonep_sim.limits import MAX_CHUNKS
 from moonep_sim.errors import require
 
@@ -61,11 +61,8 @@ def register(sub) -> None:
                    help="with --gen: simulate at this many seeds of the routing (from its seed); the times are the "
                         "means and the verdict's tie and confidence rest on the spread over seeds (default 1)")
     p.add_argument("--timeline", metavar="OUT.json", default=None, help="write a Perfetto / Chrome trace")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="also write report.json, layer_time.png and a self-contained report.html (tables, verdict, "
-                        "flags, the command and versions) under DIR (default: write nothing)")
-    p.add_argument("--no-plots", action="store_true", help="with --out: skip the PNG plot")
+    add_output_flags(p, out_help="also write report.json, layer_time.png and a self-contained report.html (tables, "
+                                 "verdict, flags, the command and versions) under DIR (default: write nothing)")
     p.set_defaults(func=run)
 
 
@@ -105,8 +102,8 @@ def run(args) -> int:
     from moonep_sim.sim import parse_faults
     from moonep_sim.sim.timeline import DEFAULT_TOL
 
-    from moonep_sim.cli.common import output_rule, print_warnings
-    output_rule(args, files=("timeline", "gantt"),  # before the run, not after it
+    from moonep_sim.cli.common import emit_json, output_rule, print_warnings
+    output_rule(args, files=("json", "timeline", "gantt"),  # before the run, not after it
                 folders={"out": ("report.json", "report.html", "layer_time.png")})
     check_int(args.chunks, "--chunks", 1, MAX_CHUNKS, "pipeline chunks")
     check_int(args.seeds, "--seeds", 1, 64)
@@ -141,8 +138,7 @@ def run(args) -> int:
         kern = isolated_kernel_figures(sc.plans().plan(names[0], step=out.per_strategy[names[0]]["step"]),
                                        out.raw[names[0]], args.isolate, rs.topology)
     files = out.save(args.out, plots=not args.no_plots) if args.out else {}
-    if args.json:
-        print_json(_json(out, names, rs, plan_s, kern))
+    if emit_json(args, _json(out, names, rs, plan_s, kern)):
         return 0
     c = console()
     if kern is not None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from moonep_sim.cli.common import (add_dispatch_dtype, add_steps, add_strategies, check_cluster_args,
-                                   parse_strategy_opts)
+from moonep_sim.cli.common import (add_dispatch_dtype, add_output_flags, add_steps, add_strategies,
+                                   check_cluster_args, parse_strategy_opts)
 from moonep_sim.errors import ConfigError, require
 
 
@@ -35,15 +35,12 @@ def register(sub) -> None:
                         "simulates (auto: on 2+ cores, for layers of >= 2^20 routed entries; same results; docs/steps.md)")
     add_steps(p)
     add_dispatch_dtype(p)
-    p.add_argument("--json", metavar="OUT", default=None, help="write the JSON result to OUT ('-' = stdout)")
     p.add_argument("--timeline", metavar="OUT.json", default=None,
                    help="write a Perfetto trace of every op (compute and comm streams per rank)")
     p.add_argument("--gantt", metavar="PNG", default=None,
                    help="write a Gantt chart of the first strategy (compute and comm per rank, slowest first)")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="write report.json, the step-time and Gantt PNGs and a self-contained report.html (tables, "
-                        "plots, verdict, flags, the command and versions) under DIR")
-    p.add_argument("--no-plots", action="store_true", help="with --out: skip the PNG plots")
+    add_output_flags(p, out_help="write report.json, the step-time and Gantt PNGs and a self-contained report.html "
+                                 "(tables, plots, verdict, flags, the command and versions) under DIR")
     p.set_defaults(func=run)
 
 
@@ -165,20 +162,35 @@ def scenario(args):
                     steps=args.steps if not args.gen else None, dispatch_dtype=args.dispatch_dtype)
 
 
-def print_steps(docs: list[dict]) -> None:
-    """The step table, its footer, the verdict and the flags of each step document."""
-    from moonep_sim.report.steps import step_footer, step_table
+def print_steps(doc: dict) -> None:
+    """A step document (:func:`moonep_sim.experiments.step.steps_document`) as tables: one step's
+    table, footer, verdict and flags; several recorded steps' step times one row per step; then,
+    on a trace, the per-step aggregate."""
+    from moonep_sim.report.steps import (aggregate_lines, aggregate_table, per_step_table, step_footer,
+                                         step_table)
     from moonep_sim.report.tables import flag_lines, verdict_lines, wide_console
 
     c = wide_console()
-    for i, d in enumerate(docs):
-        if len(docs) > 1:
-            c.print(f"recorded step {i}")
-        c.print(step_table(d))
-        for line in step_footer(d):
-            c.print(line)
-        for line in verdict_lines(d) + flag_lines(d):  # computed verdict, then the flags
+    docs = doc["steps"] if doc.get("kind") == "steps" else [doc]
+    if len(docs) == 1:
+        c.print(step_table(docs[0]))
+    else:
+        c.print(per_step_table(docs))
+    for line in step_footer(docs[0]):
+        c.print(line)
+    zero = [d["setup"].get("step_id") for d in docs[1:] if d["setup"].get("zero_token_ranks")]
+    if zero:
+        c.print(f"{len(zero)} more step(s) have ranks that hold no token (fewer tokens than ranks): steps "
+                + ", ".join(map(str, zero[:12])) + (" ..." if len(zero) > 12 else ""))
+    if len(docs) == 1:
+        for line in verdict_lines(docs[0]):
             c.print(line, highlight=False, markup=False)
+    if doc.get("aggregate"):
+        c.print(aggregate_table(doc["aggregate"]))
+        for line in aggregate_lines(doc["aggregate"]):
+            c.print(line, highlight=False, markup=False)
+    for line in flag_lines(doc):
+        c.print(line, highlight=False, markup=False)
 
 
 def _static(items) -> dict[str, int]:
@@ -194,26 +206,22 @@ def _static(items) -> dict[str, int]:
 
 
 def run(args) -> int:
-    from moonep_sim.cli.common import output_rule
-    from moonep_sim.io import to_jsonable, write_text_atomic
+    from moonep_sim.cli.common import emit_json, output_rule, print_warnings, progress
+    from moonep_sim.experiments.step import steps_document
 
     output_rule(args, files=("json", "timeline", "gantt"), folders={"out": OUT_FILES})  # before any work
     sc = scenario(args)
-    sc.resolved  # every input checked before any work
+    rs = sc.resolved  # every input checked before any work
     opts = dataclasses.replace(step_options(args), tokens_per_rank=args.tokens_per_rank if args.gen else None)
-    res = sc.step(opts.mode, opts.overlap, jobs=args.jobs, cluster=args.cluster,
-                  pipeline={"auto": None, "on": True, "off": False}[args.pipeline], **opts.kwargs())
+    print_warnings(rs.warnings)
+    with progress(None, "step") as cb:
+        res = sc.step(opts.mode, opts.overlap, jobs=args.jobs, cluster=args.cluster, progress=cb,
+                      pipeline={"auto": None, "on": True, "off": False}[args.pipeline], **opts.kwargs())
     results = res if isinstance(res, list) else [res]
-    docs = [r.to_dict() for r in results]
-    doc = docs[0] if len(docs) == 1 else {"steps": docs}
-    if args.json:
-        text = json.dumps(to_jsonable(doc, lenient=True), indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            write_text_atomic(args.json, text, what="--json")
-    if args.json != "-":
-        print_steps(docs)
+    doc = steps_document(results)
+    on_stdout = emit_json(args, doc, lenient=True)
+    if not on_stdout:
+        print_steps(doc)
     first = results[0]
     name = first.strategies[0]
     tl = first.timelines[name]
@@ -228,8 +236,8 @@ def run(args) -> int:
     if args.gantt:
         _gantt(first, args, args.gantt)
     if args.out:
-        files = write_outputs(docs, first, args)
-        if args.json != "-":
+        files = write_outputs(doc, first, args)
+        if not on_stdout:
             print("wrote " + ", ".join(files.values()))
     return 0
 
@@ -247,7 +255,7 @@ def _gantt(first, args, dest):
                       title=f"{name}: {args.mode} step, overlap {args.overlap} (slowest rank first)")
 
 
-def write_outputs(docs: list[dict], first, args) -> dict[str, str]:
+def write_outputs(doc: dict, first, args) -> dict[str, str]:
     """``--out DIR``: report.json (one step's document, or ``{kind: steps, steps: [...]}``), the
     step-time plot of each step and the Gantt chart of the first strategy's (first) step unless
     --no-plots, and report.html embedding them; assembled beside DIR and moved in when all are
@@ -259,6 +267,7 @@ def write_outputs(docs: list[dict], first, args) -> dict[str, str]:
     from moonep_sim.report.plots import step_bars
 
     out = Path(args.out)
+    docs = doc["steps"] if doc.get("kind") == "steps" else [doc]
     files: dict[str, str] = {}
     with staged_dir(out, "--out") as tmp:
         figs = {}
@@ -268,10 +277,7 @@ def write_outputs(docs: list[dict], first, args) -> dict[str, str]:
                 figs[stem] = step_bars(dict(d), tmp / f"{stem}.png")
             figs["gantt"] = _gantt(first, args, tmp / "gantt.png")
             files = {k: str(out / f"{k}.png") for k in figs}
-        doc = dict(docs[0]) if len(docs) == 1 else {
-            "kind": "steps", "steps": docs, "setup": docs[0].get("setup"),
-            "flags": list({(f.get("code"), f.get("strategy"), f.get("text")): f
-                           for d in docs for f in d.get("flags") or []}.values())}
+        doc = dict(doc)
         doc["provenance"] = provenance()
         files.update(html=str(out / "report.html"), report=str(out / "report.json"))
         doc["files"] = dict(files)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moonep_sim.cli.common import (output_rule, add_dispatch_dtype, add_steps, add_strategies, check_cluster_args, check_int, parse_strategy_opts,
-                                   print_json, progress, to_jsonable)
+from moonep_sim.cli.common import (output_rule, add_dispatch_dtype, add_output_flags, emit_json, add_steps,
+                                   add_strategies, check_cluster_args, check_int, parse_strategy_opts, print_json,
+                                   progress, to_jsonable)
 from moonep_sim.limits import MAX_TOKENS_PER_RANK
 from moonep_sim.errors import ConfigError
 from moonep_sim.experiments.routing import GEN_DEFAULTS
@@ -52,9 +53,9 @@ def register(sub) -> None:
                    help="run every point at this many seeds (from --seed); ties and confidence then rest on the "
                         "spread over seeds, and winner-map cells use the mean time (default 1)")
     add_dispatch_dtype(p)
-    p.add_argument("--out", default="moonep-sim-out/sweep", help="directory for sweep.json and sweep.png")
-    p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (the JSON and HTML are still written)")
+    add_output_flags(p, out_default="moonep-sim-out/sweep", out_help="the report folder: sweep.json (winner.json "
+                                                                   "with --by), the PNG plots and report.html",
+                     json_help="the JSON report")
     p.add_argument("--by", default=None, metavar="KNOB",
                    help="a second knob (rows): sweep --over once per --by-values value and write a winner map "
                         "(winner.png, winner.json, winner.md: the fastest strategy per cell and its margin over "
@@ -154,8 +155,7 @@ def write_winner(args, m: dict, con) -> int:
         write_html({k: v for k, v in m.items() if k != "sweeps"}, tmp / "report.html",
                    {"winner": tmp / "winner.png"} if not args.no_plots else {})
         write_text_atomic(tmp / "winner.json", dumps_strict(m, indent=1))
-    if args.json:
-        print_json(m)
+    if emit_json(args, m):
         return 0
     con.print(md)
     from moonep_sim.report.tables import flag_lines
@@ -208,7 +208,7 @@ def run(args) -> int:
 
     from moonep_sim.cli.step import step_level
 
-    output_rule(args, folders={"out": OUT_FILES})  # before the run, not after it
+    output_rule(args, files=("json",), folders={"out": OUT_FILES})  # before the run, not after it
     level = step_level(args, layer_only={"--layers": args.layers is not None, "--seeds": args.seeds != 1},
                        tokens=False)
     sc = scenario(args)
@@ -297,8 +297,7 @@ def write_sweep(args, rep: dict, c) -> int:
                         "html": str(out / "report.html")}
         write_html(rep, tmp / "report.html", {"sweep": tmp / "sweep.png"} if not args.no_plots else {})
         write_text_atomic(tmp / "sweep.json", dumps_strict(rep, indent=1))
-    if args.json:
-        print_json(rep)
+    if emit_json(args, rep):
         return 0
     if step:
         from moonep_sim.report.step_sweep import step_sweep_footer, step_sweep_table

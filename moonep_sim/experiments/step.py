@@ -12,8 +12,10 @@ Routing per MoE layer i (:func:`layer_source`):
   its own generated routing, generated where it is planned (:class:`GeneratedLayer`: in a worker
   with ``jobs``) and shared by every strategy;
 - a trace: MoE layer i is the trace's i-th layer; a layer the trace does not have is a
-  **stand-in**: generated at the trace's measured skew (the mean maxvio of its layers, MoonEP's
-  lognormal popularity, seed i), flagged as such in the output. A trace's tokens set T (its
+  **stand-in**, flagged as such in the output: MoonEP's lognormal popularity (seed i) fitted to the
+  trace's skew measured over the whole trace (:func:`standin_skew`: the recorded layers' maxvio
+  with every recorded step pooled, never one pass's), then drawn at each pass's own token count (a
+  pass of a dozen tokens cannot define a skew, and its own is not a target). A trace's tokens set T (its
   tokens of the selected steps over R); with several steps selected each is its own step
   (:func:`run_step` returns one result per step).
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -77,7 +79,7 @@ class StepOptions:
     static_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from moonep_sim.step.schedule import get_overlap
+        from moonep_sim.step.schedules import get_overlap
         from moonep_sim.step.stack import MODES
 
         require(self.mode in MODES, f"mode ({self.mode!r}) must be one of {', '.join(MODES)}")
@@ -105,9 +107,12 @@ class StepOptions:
 
 
 def layer_source(source: RoutingSource, ranks: int, tokens: int, moe_layers: int, distinct: int = 0,
-                 steps_T: np.ndarray | None = None) -> Callable[[int], tuple[Any, Any, str]]:
+                 steps_T: np.ndarray | None = None, skew: dict[str, Any] | None = None,
+                 pass_tokens: int | None = None) -> Callable[[int], tuple[Any, Any, str]]:
     """MoE layer index -> (key, routing, provenance) (see the module docstring). ``steps_T``: a
-    trace's token indices of the one step to use (None: every selected token)."""
+    trace's token indices of the one step to use (None: every selected token). ``skew``: the
+    stand-ins' :func:`standin_skew` (None: measured here). ``pass_tokens``: the pass's tokens over
+    all ranks, what a stand-in draws (None: ``tokens * ranks``)."""
     memo: dict[Any, GlobalRouting] = {}
     if source.gen is not None:
         g = dataclasses.replace(source.gen, tokens_per_rank=tokens)
@@ -129,28 +134,48 @@ def layer_source(source: RoutingSource, ranks: int, tokens: int, moe_layers: int
         return gen
     ids = list(source.layer_ids)
     have = len(ids)
-    skew: list[float] = []
-
-    def measured_maxvio() -> float:
-        if not skew:
-            from moonep_sim.routing.metrics import maxvio
-
-            skew.append(float(np.mean([maxvio(np.bincount(_trace_layer(source, l, ranks, steps_T).topk_ids_TK.ravel(),
-                                                          minlength=source.num_experts)) for l in ids])))
-        return skew[0]
+    n_pass = int(pass_tokens if pass_tokens is not None else tokens * ranks)
 
     def trace(i: int):
         if i < have:
             if i not in memo:
                 memo[i] = _trace_layer(source, ids[i], ranks, steps_T)
             return ("trace", i), memo[i], f"trace layer {ids[i]}"
-        mv = measured_maxvio()
+        if "skew" not in memo:
+            memo["skew"] = skew or standin_skew(source, ranks)
+        sk = memo["skew"]
         if ("standin", i) not in memo:
-            spec = GeneratorSpec(model=source.model.name, maxvio=max(mv, 1e-3), tokens_per_rank=tokens, seed=i)
-            memo[("standin", i)] = dataclasses.replace(source, gen=spec).global_routing(i, ranks)
-        return ("standin", i), memo[("standin", i)], (f"STAND-IN: generated at the trace's measured maxvio {mv:.3g} "
-                                                       f"(the trace has {have} layer(s))")
+            from moonep_sim.routing.generators import generate_layer, sigma_for_maxvio
+
+            seed = i * 1009 + i  # what GeneratorSpec(seed=i).layer(i) draws with
+            sigma = sigma_for_maxvio(source.num_experts, source.top_k, sk["tokens"], sk["maxvio"], seed)
+            lr = generate_layer(source.num_experts, source.top_k, n_pass, seed, sigma=sigma)
+            memo[("standin", i)] = GlobalRouting.split_evenly(lr.topk_ids_TK, lr.topk_weights_TK,
+                                                              source.num_experts, ranks)
+        return ("standin", i), memo[("standin", i)], (f"STAND-IN: drawn at the trace's pooled maxvio "
+                                                       f"{sk['maxvio']:.3g} ({sk['tokens']} tokens; the trace has "
+                                                       f"{have} layer(s))")
     return trace
+
+
+def standin_skew(source: RoutingSource, ranks: int) -> dict[str, Any]:
+    """The skew stand-in layers are drawn at: each recorded layer's maxvio over the whole trace
+    (every recorded step pooled, whatever ``--steps`` selects; never one pass: a pass of a dozen
+    tokens cannot define a skew), their mean, and the pooled token count the popularity is fitted
+    at (:func:`moonep_sim.routing.generators.sigma_for_maxvio`). ``{maxvio, tokens, layers}``."""
+    from moonep_sim.routing.metrics import maxvio
+
+    mvs, n = [], 0
+    for l in source.layer_ids:
+        if source._trace is not None and source.transform is None and not source._trace.has("token_mask"):
+            from moonep_sim.routing.steps import read_layer
+
+            ids = read_layer(source._trace, source._trace.layer_index(l)).topk_ids_TK
+        else:
+            ids = _trace_layer(source, l, ranks, None).topk_ids_TK
+        mvs.append(maxvio(np.bincount(ids.ravel(), minlength=source.num_experts)))
+        n = max(n, int(ids.shape[0]))
+    return {"maxvio": float(np.mean(mvs)), "tokens": n, "layers": len(mvs)}
 
 
 @dataclass(frozen=True)
@@ -200,18 +225,6 @@ def _trace_layer(source: RoutingSource, layer_id: int, ranks: int, steps_T: np.n
     return GlobalRouting.split_evenly(ids, w, source.num_experts, ranks)
 
 
-def trace_steps(source: RoutingSource) -> list[np.ndarray | None]:
-    """Token indices (into the selected tokens) of each recorded step of a trace; [None] when the
-    trace holds one step (every token is one batch)."""
-    st = source.selected_steps_T()
-    if st is None:
-        return [None]
-    chosen = np.unique(st)
-    if chosen.size <= 1:
-        return [None]
-    return [np.flatnonzero(st == s) for s in chosen.tolist()]
-
-
 def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank: int | None = None,
              context: int | None = None, model: ModelSpec | None = None, distinct_layers: int = 0,
              compute_profile: str | None = None, gemm_dtype: str = "bf16", weight_dtype: str = "bf16",
@@ -225,7 +238,7 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     (:func:`moonep_sim.experiments.parallel.run_points`; each layer independently, same result).
     With one job, ``pipeline`` (None: when it pays, ``moonep_sim.step.run.pipeline_pays``; False:
     off) builds the next layer's routing and Plans on a second thread while this one simulates."""
-    from moonep_sim.step import CostModel, MemoryOptions, StepConfig, read_profile, simulate_step, step_shape
+    from moonep_sim.step import CostModel, MemoryOptions, read_profile
 
     rs = getattr(scenario, "resolved", scenario)
     src = rs.source
@@ -249,40 +262,106 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute, weight_dtype=weight_dtype,
                         kv_dtype=kv_dtype, gemm_dtype=gemm_dtype)
     out = []
-    for steps_T in trace_steps(src) if src.gen is None else [None]:
-        if src.gen is not None:
-            T = int(tokens_per_rank or src.gen.tokens_per_rank)
-        else:
-            n = int(steps_T.size) if steps_T is not None else int(src.tokens or 0)
-            require(tokens_per_rank is None or tokens_per_rank * R == n,
-                    f"tokens per rank ({tokens_per_rank}) must be the trace's tokens over the ranks ({n} / {R}): "
-                    "a trace sets the batch")
-            require(n >= R, f"trace tokens ({n}) must be >= ranks ({R})")
-            T = n // R
-        shape = step_shape(m, mode, T, context)
-        for s, S in static.items():
-            require(int(S) >= T, f"static buffer tokens ({S}) of {s} must be >= the tokens per rank ({T})")
-        cfg = StepConfig(m, rs.topology, rs.ctx, rs.strategies, shape, overlap, costs, mem, static)
-        pool = None
-        if cluster or (jobs or 1) != 1:
-            from moonep_sim.experiments.parallel import run_points
+    skew = (standin_skew(src, R) if src.gen is None and m.moe_layers > len(src.layer_ids)
+            else None)
+    passes = trace_passes(src) if src.gen is None else [(None, None)]
+    if context is None and src.gen is None and src.merged and mode != "decode":
+        context = _longest_pass(src, R)  # the passes' own sequence length, not the concatenation's
+    from moonep_sim.progress import resolve
 
-            pool = lambda fn, items: run_points(fn, items, jobs=jobs, cluster=cluster)
-        res = simulate_step(cfg, layer_source(src, R, T, m.moe_layers, distinct_layers, steps_T), progress, pool,
-                            pipeline)
-        timelines = res.pop("_timelines")
-        setup = {k: v for k, v in res.items() if k != "strategies"}
-        setup.update(model=m.name, ranks=R, gpus_per_node=rs.cluster.gpus_per_node, topology=rs.topology.name,
-                     routing=src.describe(), gemm_dtype=gemm_dtype, weight_dtype=weight_dtype,
-                     kv_dtype=kv_dtype, compute_profile=compute_profile,
-                     distinct_layers=distinct_layers, recompute=recompute, jobs=jobs, cluster=cluster,
-                     options={n: {k: str(v) for k, v in o.items()} for n, o in rs.strategies},
-                     stand_ins=sum(1 for p in res["layers_routing"] if p.startswith("STAND-IN")),
-                     reused_layers=sum(1 for p in res["layers_routing"] if "reused" in p),
-                     step_tokens=int(steps_T.size) if steps_T is not None else None,
-                     gpu_tflops=rs.topology.gpu_tflops, gpu_memory_GiB=rs.topology.gpu_memory_GiB)
-        out.append(StepResult(tuple(res["strategies"]), res["strategies"], setup, timelines))
+    with resolve(progress, "step") as report:
+        for k, (step_id, steps_T) in enumerate(passes):
+            cb = report
+            if len(passes) > 1:
+                cb = (lambda msg, d, t, k=k, sid=step_id:
+                      report(f"recorded step {sid} ({k + 1} of {len(passes)}): {msg}", k * t + d, len(passes) * t))
+            out.append(_one_pass(rs, m, mode, overlap, tokens_per_rank, context, distinct_layers, compute_profile,
+                                 gemm_dtype, recompute, static, costs, mem, skew, step_id, steps_T, cb, jobs,
+                                 cluster, pipeline))
     return out
 
 
-__all__ = ["GeneratedLayer", "StepOptions", "StepResult", "layer_source", "relabel_experts", "run_step", "trace_steps"]
+def _one_pass(rs, m, mode, overlap, tokens_per_rank, context, distinct_layers, compute_profile, gemm_dtype,
+              recompute, static, costs, mem, skew, step_id, steps_T, progress, jobs, cluster, pipeline) -> StepResult:
+    """:func:`run_step`'s step of one recorded pass (or of the generated routing)."""
+    from moonep_sim.step import StepConfig, simulate_step, step_shape
+
+    src = rs.source
+    R = rs.cluster.ranks
+    n = None
+    if src.gen is not None:
+        T = int(tokens_per_rank or src.gen.tokens_per_rank)
+    else:
+        n = int(steps_T.size) if steps_T is not None else int(src.tokens or 0)
+        require(tokens_per_rank is None or tokens_per_rank * R == n,
+                f"tokens per rank ({tokens_per_rank}) must be the trace's tokens over the ranks ({n} / {R}): "
+                "a trace sets the batch")
+        require(n >= 1, f"trace tokens ({n}) must be >= 1")
+        T = max(n // R, 1)  # fewer tokens than ranks: the busiest ranks hold one, the others none
+    shape = step_shape(m, mode, T, context)
+    for s, S in static.items():
+        require(int(S) >= T, f"static buffer tokens ({S}) of {s} must be >= the tokens per rank ({T})")
+    cfg = StepConfig(m, rs.topology, rs.ctx, rs.strategies, shape, overlap, costs, mem, static)
+    pool = None
+    if cluster or (jobs or 1) != 1:
+        from moonep_sim.experiments.parallel import run_points
+
+        pool = lambda fn, items: run_points(fn, items, jobs=jobs, cluster=cluster, progress=progress,
+                                            label=lambda w: "layer")
+    res = simulate_step(cfg, layer_source(src, R, T, m.moe_layers, distinct_layers, steps_T, skew, n),
+                        progress, pool, pipeline)
+    timelines = res.pop("_timelines")
+    setup = {k: v for k, v in res.items() if k != "strategies"}
+    setup.update(model=m.name, ranks=R, gpus_per_node=rs.cluster.gpus_per_node, topology=rs.topology.name,
+                 routing=src.describe(), gemm_dtype=gemm_dtype, weight_dtype=mem.weight_dtype,
+                 kv_dtype=mem.kv_dtype, compute_profile=compute_profile,
+                 distinct_layers=distinct_layers, recompute=recompute, jobs=jobs, cluster=cluster,
+                 options={name: {k: str(v) for k, v in o.items()} for name, o in rs.strategies},
+                 stand_ins=sum(1 for p in res["layers_routing"] if p.startswith("STAND-IN")),
+                 standin_skew=skew,
+                 reused_layers=sum(1 for p in res["layers_routing"] if "reused" in p),
+                 step_id=step_id, step_tokens=n, merged=bool(src.gen is None and src.merged),
+                 zero_token_ranks=max(R - n, 0) if n is not None else 0,
+                 gpu_tflops=rs.topology.gpu_tflops, gpu_memory_GiB=rs.topology.gpu_memory_GiB)
+    return StepResult(tuple(res["strategies"]), res["strategies"], setup, timelines)
+
+
+def steps_document(results: Sequence[StepResult]) -> dict[str, Any]:
+    """The document of a step run (``moonep-sim step``, ``compare --level step``): one step's
+    :meth:`StepResult.to_dict`, or ``{kind: steps, steps: [...], setup, flags}`` for several
+    recorded steps; on a trace, ``aggregate`` holds the per-step aggregate
+    (:func:`moonep_sim.experiments.stepstats.step_aggregates`) for any selection, one step too."""
+    from moonep_sim.experiments.stepstats import step_aggregates
+    from moonep_sim.experiments.winner import dedup_flags
+
+    docs = [r.to_dict() for r in results]
+    if len(docs) == 1:
+        doc = docs[0]
+    else:
+        doc = {"kind": "steps", "steps": docs, "setup": docs[0]["setup"],
+               "flags": dedup_flags([f for d in docs for f in d.get("flags") or []])}
+    if docs and docs[0]["setup"].get("step_tokens") is not None and not docs[0]["setup"].get("merged"):
+        doc["aggregate"] = step_aggregates(docs)
+    return doc
+
+
+def trace_passes(source: RoutingSource) -> list[tuple[int | None, np.ndarray | None]]:
+    """``(step id, token indices into the selected tokens)`` of each selected recorded step of a
+    trace, in the selection's order; ``[(id, None)]`` for one batch (one step selected, a trace of
+    one step, or ``merged``: id None)."""
+    st = source.selected_steps_T()
+    if st is None:
+        return [(source.batches[0][0] if source.batches else None, None)]
+    return [(int(s), np.flatnonzero(st == s)) for s, _ in source.batches]
+
+
+def _longest_pass(source: RoutingSource, ranks: int) -> int:
+    """Tokens per rank of the trace's longest recorded pass (a merged batch's sequence length)."""
+    st = source._trace.steps() if source._trace is not None else None
+    if st is None or not st.size:
+        return max(-(-int(source.tokens or 1) // ranks), 1)
+    return max(-(-int(np.bincount(st).max()) // ranks), 1)
+
+
+__all__ = ["GeneratedLayer", "StepOptions", "StepResult", "layer_source", "relabel_experts", "run_step", "standin_skew",
+           "steps_document", "trace_passes"]

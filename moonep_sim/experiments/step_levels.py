@@ -12,7 +12,8 @@ Notation: R ranks, T tokens per rank, P points of a sweep.
   figures (:data:`SERIES`), and per point the step verdict
   (:func:`moonep_sim.experiments.verdict.step_verdict`). A trace of several recorded steps is one
   step each; a point's figure is then the token-weighted mean over them (times), the largest
-  (peak memory) and any (OOM).
+  (peak memory) and any (OOM), and ``aggregates[i]`` keeps the point's per-step aggregate
+  (:func:`moonep_sim.experiments.stepstats.step_aggregates`: mean, median, p90, worst, wins).
 - **winner maps** at step level: one step sweep per row; a cell's winner is the point's step
   verdict's winner (the fastest strategy that fits in memory), see
   :func:`moonep_sim.experiments.winner.cell`.
@@ -55,9 +56,13 @@ def point_step(sc, opts: StepOptions, *, jobs: int | None = 1, cluster: str | No
     ``verdict``, ``setup`` and ``steps`` (the recorded steps it ran)."""
     from moonep_sim.experiments.verdict import step_verdict
 
+    from moonep_sim.experiments.stepstats import step_aggregates
+
     res = run_step(sc, opts.mode, opts.overlap, progress=progress, jobs=jobs, cluster=cluster, **opts.kwargs())
     docs = [r.to_dict() for r in res]
     names = list(res[0].strategies)
+    agg = (step_aggregates(docs) if docs[0]["setup"].get("step_tokens") is not None
+           and not docs[0]["setup"].get("merged") else None)
     if len(docs) == 1:
         figs = {n: scalars(docs[0]["strategies"][n]) for n in names}
         verdict = docs[0]["verdict"]
@@ -80,9 +85,10 @@ def point_step(sc, opts: StepOptions, *, jobs: int | None = 1, cluster: str | No
 
         flags = dedup_flags([fl for d in docs for fl in d["flags"]])
         verdict = step_verdict(figs, flags)
-        return {"figures": figs, "flags": flags, "verdict": verdict, "setup": docs[0]["setup"], "steps": len(docs)}
+        return {"figures": figs, "flags": flags, "verdict": verdict, "setup": docs[0]["setup"], "steps": len(docs),
+                "aggregate": agg}
     return {"figures": figs, "flags": docs[0]["flags"], "verdict": verdict, "setup": docs[0]["setup"],
-            "steps": len(docs)}
+            "steps": len(docs), "aggregate": agg}
 
 
 def _report(head: dict[str, Any], names: Sequence[str], options: dict, points: list, runs: list,
@@ -100,6 +106,7 @@ def _report(head: dict[str, Any], names: Sequence[str], options: dict, points: l
     rep = dict(head, level="step", step=dict(opts.to_dict(), context=first.get("context"),
                                              tokens_per_rank=first.get("tokens_per_rank")),
                points=points, strategies=out_s, verdicts=[r["verdict"] for r in runs],
+               aggregates=[r.get("aggregate") for r in runs], standin_skew=first.get("standin_skew"),
                flags=dedup_flags([f for r in runs for f in r["flags"]]))
     rep["seconds"] = time.perf_counter() - t0
     return rep

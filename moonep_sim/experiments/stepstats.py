@@ -82,5 +82,28 @@ def step_wins(series: dict[str, Sequence[float]], excluded: Sequence[str] = ()) 
     return {n: int((best == i).sum()) for i, n in enumerate(names)}
 
 
-__all__ = ["AGGREGATE_FIELDS", "aggregate", "batch_weights", "per_batch_means", "routing_key", "step_wins",
-           "weighted_mean"]
+#: the step figures :func:`step_aggregates` aggregates over a trace's recorded steps
+STEP_SERIES = ("step_time_us", "exposed_comm_us", "tokens_per_s_per_gpu", "peak_memory_bytes")
+
+
+def step_aggregates(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The per-step aggregate of whole steps (``moonep-sim step`` on a trace, any ``--steps``):
+    ``docs`` are :class:`~moonep_sim.experiments.step.StepResult` documents, one per recorded step.
+    Per strategy and figure of :data:`STEP_SERIES`, :func:`aggregate` (token-weighted mean, median,
+    p90, worst and best step); ``wins``: in how many steps each strategy had the shortest step time
+    among those that fit in memory and dropped nothing (all of them when none does); ``steps``,
+    ``step_ids``, ``tokens``: the steps aggregated."""
+    tokens_B = [d["setup"].get("step_tokens") for d in docs]
+    ids_B = [d["setup"].get("step_id") for d in docs]
+    names = list(docs[0]["strategies"]) if docs else []
+    per = {n: {k: aggregate([float(d["strategies"][n][k]) for d in docs], tokens_B, ids_B) for k in STEP_SERIES}
+           for n in names}
+    bad = [n for n in names if any(d["strategies"][n].get("oom") or d["strategies"][n].get("dropped")
+                                   for d in docs)]
+    wins = step_wins({n: [float(d["strategies"][n]["step_time_us"]) for d in docs] for n in names}, bad)
+    return {"steps": len(docs), "step_ids": ids_B, "tokens": tokens_B, "strategies": per, "wins": wins,
+            "excluded_from_wins": bad}
+
+
+__all__ = ["AGGREGATE_FIELDS", "STEP_SERIES", "aggregate", "batch_weights", "per_batch_means", "routing_key",
+           "step_aggregates", "step_wins", "weighted_mean"]

@@ -9,11 +9,14 @@ Typical use, in a strategy (``moonep_sim.strategies``)::
     return plan_from_slots(routing, ctx.cluster, ctx.costs, sr, se, sr, slot_of[routing.topk_ids_TK],
                            dedup=dedup, token_padding=ctx.token_padding)
 
+:func:`plan_from_slots` has two forms and one seam (:func:`moonep_sim.plan.compiled.covers`): the
+readable builder (:func:`moonep_sim.plan.reference.plan_from_slots`) and, from
+``perf.plan_compiled_min`` entries, the compiled passes (``fused.single_hop_plan``); the same Plan.
+
 The pieces, for planners that need them: :func:`slot_sort` / :func:`sorted_layout` /
-:func:`slot_layout` / :func:`layout_slots` (the expert-grouped layout), :func:`single_hop_messages`
-(one global hop), :func:`block_messages` (messages of (src, dst) blocks), :func:`final_rows`
-(final rows from a layout), :func:`plan_from_order` (a Plan from an already slot-sorted order) and
-the sorting primitives :func:`stable_order`, :func:`entry_token` (``moonep_sim.plan.order``).
+:func:`slot_layout` / :func:`layout_slots` (the expert-grouped layout), :func:`block_messages`
+(messages of (src, dst) blocks), :func:`final_rows` (final rows from a layout) and the sorting
+primitives :func:`stable_order`, :func:`entry_token` (``moonep_sim.plan.order``).
 Builders leave ``strategy`` empty and ``plan_seconds`` 0: the registry's ``make_plan`` stamps them.
 
 Per-entry, per-message and per-final-row arrays are written as :data:`~moonep_sim.plan.kinds.INDEX`
@@ -23,13 +26,13 @@ this module sorts); per-slot and per-rank arrays are int64.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from moonep_sim.plan import reference, threads
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
+from moonep_sim.plan import compiled, reference
 from moonep_sim.plan.assembly import SlotLayout, slot_geometry
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.kinds import INDEX, Scope, require_index
@@ -128,11 +131,11 @@ def slot_sort_positions(entry_slot_N: np.ndarray, num_slots: int) -> tuple[np.nd
 
 def slot_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
                 min_rows_S: np.ndarray | None = None, ranks: int | None = None,
-                scratch: list | None = None) -> SlotLayout:
+                scratch: list | None = None, perf: PerfConfig = DEFAULT_PERF) -> SlotLayout:
     """:func:`sorted_layout` of the entries' slots (int64 or INDEX [N], -1 = dropped): sorts them first
-    (from :data:`FUSED_MIN` entries by the compiled counting sort ``fused.layout_by_slot``: the same
-    layout)."""
-    if np.size(entry_slot_N) >= FUSED_MIN:
+    (from ``perf.plan_compiled_min`` entries by the compiled counting sort ``fused.layout_by_slot``:
+    the same layout)."""
+    if compiled.covers(np.size(entry_slot_N), perf):
         from moonep_sim.plan import fused
 
         return fused.layout_by_slot(entry_slot_N, slot_rank_S, token_padding, min_rows_S, ranks)
@@ -153,115 +156,6 @@ def layout_slots(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_paddin
     lay = slot_layout(np.asarray(entry_slot_N, dtype=np.int64), np.asarray(slot_rank_S, dtype=np.int64),
                       token_padding, min_rows_S)
     return lay.slot_rows_S, lay.slot_padded_S, lay.slot_offset_S, lay.entry_row_N
-
-
-def _src_dst_order(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, top_k: int, ranks: int):
-    """Kept entries sorted stably by (source rank, destination rank), and entries per (src, dst).
-
-    Requires tokens in rank order (``src_rank_T`` non-decreasing, as in every GlobalRouting).
-    Returns (order_kept, ecnt): INDEX [N_kept] entry ids; int64 [R*R] entries of each
-    (src, dst) block, src-major. Each source rank's entries are a contiguous run, sorted by
-    destination alone with a one-byte radix sort per run (R < 255); otherwise one sort of the
-    key ``src*R + dst``. The per-run path pays: 0.07 s of CPU against 0.22 s for the one-key sort
-    of the same 8.4M entries (K3 EP64, 2026-12-01, identical output); keep it.
-    """
-    R, K, N = ranks, top_k, entry_rank_N.size
-    if R < 255:
-        tok_bound = np.searchsorted(src_rank_T, np.arange(R + 1))
-        d8 = entry_rank_N.astype(np.uint8)  # dropped (-1) becomes 255 and sorts last in its run
-        ecnt = np.zeros((R, R), dtype=np.int64)
-        for r in range(R):
-            lo, hi = int(tok_bound[r]) * K, int(tok_bound[r + 1]) * K
-            if hi > lo:
-                ecnt[r] = np.bincount(d8[lo:hi], minlength=256)[:R]
-        order = np.empty(int(ecnt.sum()), dtype=INDEX)
-        pos = 0
-        for r in range(R):
-            lo, hi = int(tok_bound[r]) * K, int(tok_bound[r + 1]) * K
-            nk = int(ecnt[r].sum())
-            if nk:
-                np.add(np.argsort(d8[lo:hi], kind="stable")[:nk], lo, out=order[pos:pos + nk])
-                pos += nk
-        return order, ecnt.ravel()
-    n_keys = R * R + 1
-    dt = small_key_dtype(n_keys)
-    key = np.repeat((src_rank_T * R).astype(dt), K)
-    key += entry_rank_N.astype(dt)
-    drop = entry_rank_N < 0
-    key[drop] = R * R
-    order = stable_order(key, n_keys)
-    ecnt = np.bincount(key, minlength=n_keys)[: R * R].astype(np.int64)
-    return order[: N - int(np.count_nonzero(drop))].astype(INDEX), ecnt
-
-
-def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_off_R: np.ndarray,
-                        top_k: int, ranks: int, dedup: bool):
-    """One global hop sending each kept entry's token to its destination rank.
-
-    With ``dedup`` a token is sent once per destination rank; otherwise once per entry.
-    The receive buffer on each rank holds rows ordered by (source rank, token, k).
-    entry_rank_N: [N] each entry's rank, -1 dropped (INDEX, or any integer dtype).
-    Returns (hop, entry_buf_row_N, entry_dup_N): the Hop, each entry's row in the receive buffer
-    (INDEX [N], -1 dropped), and the duplicate flags.
-    """
-    entry_rank_N = np.asarray(entry_rank_N)
-    if entry_rank_N.dtype.kind not in "iu":
-        entry_rank_N = entry_rank_N.astype(INDEX)
-    src_rank_T = np.asarray(src_rank_T, dtype=np.int64)
-    require_index(entry_rank_N.size, "entries (tokens x top-k)")
-    N, R, K = entry_rank_N.size, int(ranks), max(int(top_k), 1)
-    if src_rank_T.size and not bool((np.diff(src_rank_T) >= 0).all()):
-        # tokens not in rank order (never so in a GlobalRouting): the reference is the builder
-        return reference.single_hop_messages(entry_rank_N, src_rank_T, tok_off_R, K, R, dedup)
-    # kept entries in (src, dst, entry) order = the hop's message order; entries of one token are
-    # adjacent within a (src, dst) block, so per-destination dedup compares neighbours
-    order, ecnt = _src_dst_order(entry_rank_N, src_rank_T, K, R)
-    n_kept = order.size
-    ebound = np.concatenate([[0], np.cumsum(ecnt)])  # entry-domain bounds of the R*R blocks
-    row_sorted = None
-    if dedup and n_kept:
-        buf = entry_token(order, K)  # [n_kept] token of each sorted entry; later its receive row
-        first = np.empty(n_kept, dtype=bool)
-        first[0] = True
-        np.not_equal(buf[1:], buf[:-1], out=first[1:])
-        nzb = ecnt > 0
-        first[ebound[:-1][nzb]] = True  # a new (src, dst) block starts a new message
-        msg_idx = np.flatnonzero(first)
-        msg_tok = buf[msg_idx]
-        cnt = np.diff(np.searchsorted(msg_idx, ebound))  # messages per (src, dst) block
-        del msg_idx
-        # each sorted entry's receive row is its message's: a running sum of the message starts,
-        # jumping to block b's first row at its first entry (see block_messages)
-        np.copyto(buf, first)
-        cnt_RR = cnt.reshape(R, R)
-        r0 = (np.cumsum(cnt_RR, axis=0) - cnt_RR).ravel()[nzb]
-        c_b = cnt[nzb]
-        jump = r0.copy()
-        jump[1:] -= r0[:-1] + c_b[:-1] - 1  # from the previous block's last row
-        buf[ebound[:-1][nzb]] = jump
-        row_sorted = np.cumsum(buf, out=buf)
-    else:
-        msg_tok = entry_token(order, K)
-        cnt = ecnt
-        first = None
-    msg_src, msg_dst, msg_row, per_dst = block_messages(cnt, R)
-    src_row = msg_tok if msg_tok is not order else msg_tok.copy()
-    del msg_tok
-    m_bound = np.concatenate([[0], np.cumsum(cnt.reshape(R, R).sum(axis=1))])
-    tok_off = np.asarray(tok_off_R, dtype=np.int64)
-    for r in range(R):  # messages are in source-rank order: token -> row on its rank, in place
-        src_row[m_bound[r]:m_bound[r + 1]] -= tok_off[r]
-    entry_buf_row = np.empty(N, dtype=INDEX) if n_kept == N else np.full(N, -1, dtype=INDEX)
-    entry_dup = np.zeros(N, dtype=bool)
-    if first is not None:
-        entry_buf_row[order] = row_sorted
-        del row_sorted
-        np.logical_not(first, out=first)
-        entry_dup[order] = first
-    else:
-        entry_buf_row[order] = msg_row
-    hop = Hop(Scope.GLOBAL, msg_src, src_row, msg_dst, msg_row, per_dst)
-    return hop, entry_buf_row, entry_dup
 
 
 def block_messages(cnt: np.ndarray, R: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -301,56 +195,6 @@ def final_rows(lay: SlotLayout, kept_sorted: np.ndarray, entry_buf_row: np.ndarr
     return row_entry, expand
 
 
-def plan_from_order(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
-                    slot_expert_S: np.ndarray, slot_home_S: np.ndarray, order_N: np.ndarray, n_drop: int,
-                    slot_rows_S: np.ndarray, *, dedup: bool, token_padding: int = 1,
-                    min_rows_S: np.ndarray | None = None, capacity_R: np.ndarray | None = None,
-                    options: dict[str, Any] | None = None, entry_rank_N: np.ndarray | None = None,
-                    placed: tuple[np.ndarray, np.ndarray] | None = None, **extra) -> Plan:
-    """:func:`plan_from_slots` from entries already sorted by (slot, entry), dropped ones first.
-
-    For planners that know this order without sorting (``moonep`` derives it from its per-expert
-    order): ``order_N`` [N] entry ids (INDEX, or int64), the ``n_drop`` dropped ones first, then
-    ``slot_rows_S[s]`` entries of each slot s, slot by slot. entry_rank_N: each entry's rank in
-    entry order (INDEX [N], -1 dropped; the Plan's ``entry_rank_TK``) where the caller has it,
-    else scattered from the order. placed: each entry's slot and place in the order, where the
-    caller's sort wrote them (see :func:`sorted_layout`).
-    """
-    return _plan_from_order(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, order_N, n_drop,
-                            slot_rows_S, dedup=dedup, token_padding=token_padding, min_rows_S=min_rows_S,
-                            capacity_R=capacity_R, options=options, entry_rank_N=entry_rank_N, placed=placed,
-                            hop=None, **extra)
-
-
-def _plan_from_order(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, order_N, n_drop, slot_rows_S,
-                     *, dedup, token_padding, min_rows_S, capacity_R, options, entry_rank_N, placed,
-                     hop: threads.Beside | None, **extra) -> Plan:
-    """:func:`plan_from_order`; ``hop``: the hop's builder where the caller started it already (it
-    needs only ``entry_rank_N``), else built here after the layout."""
-    T, K = routing.topk_ids_TK.shape
-    R = cluster.ranks
-    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    with hop if hop is not None else contextlib.nullcontext():
-        lay = sorted_layout(order_N, n_drop, slot_rows_S, slot_rank_S, token_padding, min_rows_S, R, placed=placed,
-                            with_ranks=entry_rank_N is None)
-    kept_sorted = order_N[n_drop:]
-    entry_rank = entry_rank_N if entry_rank_N is not None else lay.entry_rank_N
-    if hop is None:
-        hop = threads.Beside(single_hop_messages, entry_rank, routing.src_rank_T(), routing.tok_off_R(), K, R, dedup,
-                             run=False)
-    hop, entry_buf_row, entry_dup = hop.result()
-    row_entry, expand = final_rows(lay, kept_sorted, entry_buf_row)
-    del entry_buf_row
-    return _single_hop_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, lay, entry_rank, hop,
-                            entry_dup, row_entry, expand, token_padding, capacity_R, options, extra)
-
-
-#: entries from which the builders take the compiled passes of :mod:`moonep_sim.plan.fused` (that
-#: module is imported only for a layer this large: below it numpy's passes cost less than its
-#: import and a kernel's first call in a fresh process)
-FUSED_MIN = 1 << 16
-
-
 def _single_hop_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, lay, entry_rank, hop, entry_dup,
                      row_entry, expand, token_padding, capacity_R, options, extra) -> Plan:
     """The single-hop Plan of a layout, its entries' ranks, the hop and the final rows."""
@@ -370,7 +214,7 @@ def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
                     slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_TK: np.ndarray, *, dedup: bool,
                     token_padding: int = 1, min_rows_S: np.ndarray | None = None,
                     capacity_R: np.ndarray | None = None, options: dict[str, Any] | None = None,
-                    **extra) -> Plan:
+                    perf: PerfConfig = DEFAULT_PERF, **extra) -> Plan:
     """A single-hop Plan from each entry's slot: the builder behind most strategies.
 
     slot_rank_S / slot_expert_S / slot_home_S: int64 [S] the slots (sorted by rank; a slot whose
@@ -382,32 +226,25 @@ def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
     options: what the planner reports (resolved options, statistics); ``make_plan`` overlays them
     on the parsed options and stamps the strategy's name and planning time.
     extra: further :class:`~moonep_sim.plan.Plan` fields (``migrate_*_X``, ``host_plan_us``).
+    perf: from ``perf.plan_compiled_min`` entries the compiled passes build it
+    (:mod:`moonep_sim.plan.compiled`), below it :func:`moonep_sim.plan.reference.plan_from_slots`
+    does: the same Plan.
     """
+    if not compiled.covers(np.size(entry_slot_TK), perf):
+        return reference.plan_from_slots(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S,
+                                         entry_slot_TK, dedup=dedup, token_padding=token_padding,
+                                         min_rows_S=min_rows_S, capacity_R=capacity_R, options=options, **extra)
+    # the compiled passes (moonep_sim.plan.fused): the counting sort by slot, the hop and the final
+    # rows in two passes over the entries; the reference's arrays
+    from moonep_sim.plan import fused
+
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    if np.size(entry_slot_TK) >= FUSED_MIN:
-        # compiled passes (moonep_sim.plan.fused): the counting sort by slot, the hop and the final
-        # rows in two passes over the entries; the same arrays as below
-        from moonep_sim.plan import fused
-
-        lay, hop, entry_dup, row_entry, expand = fused.single_hop_plan(
-            entry_slot_TK, slot_rank_S, routing.tok_off_R(), routing.top_k, cluster.ranks, dedup, token_padding,
-            min_rows_S)
-        return _single_hop_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, lay, lay.entry_rank_N,
-                                hop, entry_dup, row_entry, expand, token_padding, capacity_R, options, extra)
-    entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
-    # each entry's rank in entry order, from the slots' ranks (slot -1 reads the appended -1)
-    entry_rank = np.append(slot_rank_S, -1).astype(INDEX)[entry_slot]
-    # the hop needs only the entries' ranks: on a large layer it is built on a second thread while
-    # this one sorts the entries by slot and lays them out (threads.Beside; the same Plan either way)
-    hop = threads.Beside(single_hop_messages, entry_rank, routing.src_rank_T(), routing.tok_off_R(),
-                         routing.top_k, cluster.ranks, dedup, run=entry_slot.size >= threads.THREAD_MIN)
-    with hop:
-        order, n_drop, slot_rows, pos = slot_sort_positions(entry_slot, slot_rank_S.size)
-    return _plan_from_order(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, order, n_drop,
-                            slot_rows, dedup=dedup, token_padding=token_padding, min_rows_S=min_rows_S,
-                            capacity_R=capacity_R, options=options, entry_rank_N=entry_rank,
-                            placed=(entry_slot, pos), hop=hop, **extra)
+    lay, hop, entry_dup, row_entry, expand = fused.single_hop_plan(
+        entry_slot_TK, slot_rank_S, routing.tok_off_R(), routing.top_k, cluster.ranks, dedup, token_padding,
+        min_rows_S)
+    return _single_hop_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, lay, lay.entry_rank_N,
+                            hop, entry_dup, row_entry, expand, token_padding, capacity_R, options, extra)
 
 
-__all__ = ["SlotLayout", "block_messages", "entry_token", "final_rows", "layout_slots", "plan_from_order",
-           "plan_from_slots", "single_hop_messages", "slot_layout", "slot_sort", "sorted_layout", "stable_order"]
+__all__ = ["SlotLayout", "block_messages", "entry_token", "final_rows", "layout_slots", "plan_from_slots", "slot_layout",
+           "slot_sort", "sorted_layout", "stable_order"]

@@ -32,48 +32,14 @@ caller raises.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir as llvm_ir
-from numba.core import cgutils, types
-from numba.extending import intrinsic
 
 from moonep_sim.errors import PlanError
 from moonep_sim.jit import inline, kernel
 from moonep_sim.plan.assembly import SlotLayout, slot_geometry
 from moonep_sim.plan.ir import Hop
 from moonep_sim.plan.kinds import INDEX, Scope, require_index
-
-
-@intrinsic
-def _prefetch_write(typingctx, arr, idx):
-    """``_prefetch_write(a, i)``: ask the CPU to fetch the cache line of ``a[i]`` for writing (LLVM's
-    ``llvm.prefetch``, a hint: it never faults, whatever the address; callers still keep ``i`` in
-    range). A counting sort writes each slot's entries as a stream of its own; with hundreds of
-    streams the hardware prefetcher follows none of them and every first store to a line waits for
-    the line (measured at K3 EP64, 4.2M entries into 896 slots, two int32 arrays: 24 ms of CPU
-    without, 11-12 ms with a prefetch two lines ahead of each stream)."""
-    sig = types.void(arr, idx)
-
-    def codegen(context, builder, signature, args):
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
-        i8p = llvm_ir.IntType(8).as_pointer()
-        i32 = llvm_ir.IntType(32)
-        # (the intrinsic is named by its pointer type: ``p0i8`` for typed pointers, ``p0`` where
-        # LLVM's pointers are opaque)
-        name = "llvm.prefetch.p0" if getattr(i8p, "is_opaque", False) else "llvm.prefetch.p0i8"
-        fn = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(llvm_ir.VoidType(), [i8p, i32, i32, i32]),
-                                            name)
-        # (address, rw = 1 write, locality = 3 keep in all caches, cache type = 1 data)
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(1), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-#: how far ahead of a stream's store :func:`_prefetch_write` asks for a line, in int32 elements (two
-#: 64-byte lines); asked once per line, when a stream's store reaches a line's start
-_AHEAD = 32
+from moonep_sim.plan.compiled import check_at as _check
+from moonep_sim.plan.compiled import key_starts as _key_starts
 
 
 @kernel
@@ -119,8 +85,6 @@ def _place_by_slot(slot_N, slot_rank_S, first_S, offset_S, cum_S, order, entry_r
             continue
         p = nxt[s]
         nxt[s] = p + 1
-        if (p & 15) == 0 and p + _AHEAD < order.size:
-            _prefetch_write(order, p + _AHEAD)
         order[p] = e
         j = p - first_S[s]
         entry_row[e] = offset_S[s] + j
@@ -203,10 +167,6 @@ def _single_place(slot_N, slot_rank_S, tok_off_R, K, dedup, first_S, n_drop, off
                 p = nxt[s]
                 nxt[s] = p + 1
                 g = p + g_delta[s]
-                if (p & 15) == 0 and p + _AHEAD < order.size:
-                    _prefetch_write(order, p + _AHEAD)
-                if (g & 15) == 0 and g + _AHEAD < expand.size:
-                    _prefetch_write(expand, g + _AHEAD)
                 order[p] = e
                 entry_row[e] = p + row_delta[s]
                 d = slot_rank_S[s]
@@ -364,21 +324,6 @@ def check_tokens_and_ranks(tok_off: np.ndarray, slot_rank_S: np.ndarray, N: int,
                         f"must be R + 1 = {R + 1} non-decreasing values from 0 to N / K = {N // K}")
     if S and (int(slot_rank_S.min()) < 0 or int(slot_rank_S.max()) >= R):
         raise PlanError(f"slot ranks ({int(slot_rank_S.min())}..{int(slot_rank_S.max())}) must lie in [0, {R})")
-
-
-def _key_starts(key_P, n_keys: int, what: str) -> np.ndarray:
-    """int64 [n_keys + 1] each key's first place among ``key_P`` (int [P], non-decreasing keys in
-    [0, n_keys): else :class:`PlanError` naming the ``what`` keys), the end last."""
-    pk = np.asarray(key_P, dtype=np.int64)
-    X = int(n_keys)
-    if pk.size and (bool((pk[1:] < pk[:-1]).any()) or int(pk[0]) < 0 or int(pk[-1]) >= X):
-        raise PlanError(f"{what} keys must be non-decreasing in [0, {X})")
-    return np.searchsorted(pk, np.arange(X + 1))
-
-
-def _check(at: int, what: str) -> None:
-    if at >= 0:
-        raise PlanError(f"{what} at position {at} must lie in range")
 
 
 def _slot_firsts(slot_rows_S: np.ndarray, n_drop: int) -> np.ndarray:

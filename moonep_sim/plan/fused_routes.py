@@ -29,7 +29,7 @@ import numpy as np
 from moonep_sim.errors import PlanError
 from moonep_sim.jit import kernel
 from moonep_sim.plan.assembly import SlotLayout, slot_geometry
-from moonep_sim.plan.fused import _AHEAD, _check, _fill_blocks, _messages, _prefetch_write, check_tokens_and_ranks
+from moonep_sim.plan.fused import _check, _fill_blocks, _messages, check_tokens_and_ranks
 from moonep_sim.plan.ir import Hop
 from moonep_sim.plan.kinds import INDEX, require_index
 
@@ -134,8 +134,6 @@ def _route2_place(slot_N, slot_rank_S, via_RR, cls_RR, class_RC, ncls_R, by_toke
                     b = v * R + d
                     m = nxt1[b]
                     nxt1[b] = m + 1
-                    if (m & 15) == 0 and m + _AHEAD < m_srow1.size:
-                        _prefetch_write(m_srow1, m + _AHEAD)
                     m_srow1[m] = row_a[v]
                     row_b[d] = row0_1[b] + (m - mstart1[b])
                     last1[d] = t
@@ -146,10 +144,6 @@ def _route2_place(slot_N, slot_rank_S, via_RR, cls_RR, class_RC, ncls_R, by_toke
                 nxt[s] = p + 1
                 j = p - first_S[s]
                 g = cum_S[s] + j
-                if (p & 15) == 0 and p + _AHEAD < order.size:
-                    _prefetch_write(order, p + _AHEAD)
-                if (g & 15) == 0 and g + _AHEAD < expand.size:
-                    _prefetch_write(expand, g + _AHEAD)
                 order[p] = e
                 entry_row[e] = offset_S[s] + j
                 entry_rank[e] = d

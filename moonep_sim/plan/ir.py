@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from moonep_sim.errors import PlanError
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.jit import kernel
 from moonep_sim.plan.kernel import KernelSpec
 from moonep_sim.plan.kinds import SCOPES, Direction, PhaseKind, Scope, as_index, require_index
@@ -193,12 +194,12 @@ class Hop:
         if rows.size and rows.dtype.kind in "iu":
             require_index(int(rows.sum()), "rows of a hop's buffer, all ranks together")
 
-    def rows_RR(self, ranks: int) -> np.ndarray:
+    def rows_RR(self, ranks: int, perf: PerfConfig = DEFAULT_PERF) -> np.ndarray:
         """int64 [R, R]: rows sent from each source to each destination (diagonal: local copies).
 
         One compiled pass over the messages (:func:`_pair_rows`; 1.2-2.6 ms for a K3 EP64 hop's
         2-4M messages, against 8-16 ms for the chunked bincount :func:`pair_rows_reference`, which
-        stays the reference and counts hops of fewer than ``_ROWS_COMPILED_MIN`` messages -- where
+        stays the reference and counts hops of fewer than ``perf.pair_rows_compiled_min`` messages -- where
         it costs well under a millisecond and a process that plans only small layers never starts
         the compiled code, a quarter second once -- and hops whose message arrays are not
         integers). Raises :class:`PlanError` naming the first message whose rank is outside
@@ -207,7 +208,7 @@ class Hop:
         require_index(R * R, "ranks squared (the (src, dst) key)")
         src, dst = np.asarray(self.src_rank_M), np.asarray(self.dst_rank_M)
         if not (src.ndim == dst.ndim == 1 and src.size == dst.size and src.dtype.kind in "iu"
-                and dst.dtype.kind in "iu" and src.size >= _ROWS_COMPILED_MIN):
+                and dst.dtype.kind in "iu" and src.size >= perf.pair_rows_compiled_min):
             return pair_rows_reference(src, dst, R)
         out = np.zeros((R, R), dtype=np.int64)
         bad = _pair_rows(src, dst, R, out)
@@ -258,7 +259,6 @@ def _pair_rows(src_M, dst_M, R, out_RR):
 
 
 _ROWS_CHUNK = 1 << 18  # messages per chunk of pair_rows_reference (1 MiB of int32 keys)
-_ROWS_COMPILED_MIN = 1 << 16  # messages from which Hop.rows_RR counts with the compiled pass
 
 
 #: the Hop's and the Plan's fields of dtype :data:`~moonep_sim.plan.kinds.INDEX`

@@ -18,7 +18,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from moonep_sim.errors import PlanError
-from moonep_sim.plan import build, threads
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
+from moonep_sim.plan import compiled, threads
 from moonep_sim.plan.assembly import Entries, Padding, Slots
 from moonep_sim.plan.build import final_rows, slot_layout, sorted_layout
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
@@ -170,7 +171,7 @@ DUP_PAIRWISE_MAX_K = 16
 
 def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_row_N: np.ndarray, ranks: int,
                  token_padding: int = 1, min_rows_S: np.ndarray | None = None, scratch: list | None = None,
-                 lay=None):
+                 lay=None, perf: PerfConfig = DEFAULT_PERF):
     """The expert-grouped layout and the final rows of entries given by slot:
     (lay, row_entry_W, expand_src_row_W), what ``slot_layout`` then ``final_rows`` return.
 
@@ -196,7 +197,7 @@ def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_ro
     if scratch:  # the other dead arrays go before the layout allocates its own
         scratch.clear()
     if lay is None:
-        lay = slot_layout(entry_slot_N, slot_rank_S, token_padding, min_rows_S, ranks)
+        lay = slot_layout(entry_slot_N, slot_rank_S, token_padding, min_rows_S, ranks, perf=perf)
     if lay.grow_K is not None or lay.n_drop:  # padding rows or dropped entries: the gather in slot order
         return (lay,) + final_rows(lay, lay.order_N[lay.n_drop:], entry_buf_row_N)
     # each entry's final row (ranks concatenated): its slot's rank's first row plus its row there,
@@ -217,7 +218,8 @@ _CHUNK = 1 << 18
 
 def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slots: Slots, entries: Entries,
                   hops: Sequence[Hop], *, padding: Padding = Padding(), options: dict[str, Any] | None = None,
-                  scratch: list | None = None, layout: tuple | None = None, **extra) -> Plan:
+                  scratch: list | None = None, layout: tuple | None = None, perf: PerfConfig = DEFAULT_PERF,
+                  **extra) -> Plan:
     """A Plan from explicit hops and each entry's row in the last hop's buffer.
 
     slots: the expert slots, sorted by rank.  entries: where each entry is after the last hop
@@ -231,6 +233,7 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     returns it, where the planner built it itself (``allgather``: its buffer rows are the tokens,
     so the final rows' sources follow from the slot order by arithmetic); then ``entries`` needs
     only ``dup_N`` and ``rank_N`` (or ``slot_N``).
+    perf: where the layout takes the compiled counting sort (:mod:`moonep_sim.plan.compiled`).
     extra: further Plan fields (``capacity_R``, ``kernel``, ...).
     """
     T, K = routing.topk_ids_TK.shape
@@ -251,7 +254,7 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
         lay, row_entry, expand = layout
     elif so is None and entry_buf_row is not None:
         lay, row_entry, expand = entry_layout(entry_slot, slot_rank_S, entry_buf_row, R, tp, padding.min_rows_S,
-                                              scratch)
+                                              scratch, perf=perf)
     else:
         lay = sorted_layout(so.order_N, int(so.n_drop), np.asarray(so.slot_rows_S, dtype=np.int64), slot_rank_S, tp,
                             padding.min_rows_S, R, scratch=scratch)
@@ -292,7 +295,7 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
                      slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_TK: np.ndarray,
                      via_N: Sequence[np.ndarray], scopes: Sequence[str], dedup: Sequence[bool], *,
                      token_padding: int = 1, via_table: bool = False, options: dict[str, Any] | None = None,
-                     **extra) -> Plan:
+                     perf: PerfConfig = DEFAULT_PERF, **extra) -> Plan:
     """A multi-hop Plan: entry e's token goes src -> via_N[0][e] -> ... -> its slot's rank.
 
     entry_slot_TK: int64 [T, K] slot per entry (-1 dropped).  via_N: H-1 int64 [N] arrays, the
@@ -301,6 +304,8 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
     token going from source rank s to final rank d (a route that depends on its ends only, as
     Tutel's 2DH and DeepEP's are; it lets the last hop be ordered with one radix sort).
     scopes / dedup: one per hop (H = len(scopes)); dedup[h] sends a token once per receiving rank.
+    perf: where the compiled passes and a second thread take over (:class:`~moonep_sim.perf.PerfConfig`;
+    the same Plan whatever it says).
     """
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
@@ -320,7 +325,7 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
             and all(h == 0 or not dedup[h] or h == H - 1 for h in range(H))):
         return _plan_from_table_routes(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot,
                                        via_N, scopes, dedup, shift, token_padding=token_padding, options=options,
-                                       **extra)
+                                       perf=perf, **extra)
     if all_kept:  # (no array of kept entry ids: they are 0..N-1)
         kept = None
         tok = np.repeat(np.arange(T, dtype=np.int64), K)
@@ -393,13 +398,14 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
         entry_dup = dup_flags(entry_rank, K) if dedup[-1] else np.zeros(N, dtype=bool)
     return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slot_expert_S, slot_home_S),
                          Entries(entry_slot, entry_buf_row, entry_dup), hops, padding=Padding(token_padding),
-                         options=options, **extra)
+                         options=options, perf=perf, **extra)
 
 
 def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
                             slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_N: np.ndarray,
                             via_RR: Sequence[np.ndarray], scopes: Sequence[str], dedup: Sequence[bool], shift: int, *,
-                            token_padding: int, options: dict[str, Any] | None, **extra) -> Plan:
+                            token_padding: int, options: dict[str, Any] | None, perf: PerfConfig,
+                            **extra) -> Plan:
     """:func:`plan_from_routes` for the usual case: routes given as [R, R] tables, every entry kept,
     K a power of two (``K == 1 << shift``), tokens in rank order, R <= 256, and no deduplicating
     hop between the first and the last.
@@ -420,7 +426,7 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
         if t.size and (int(t.min()) < 0 or int(t.max()) >= R):
             raise PlanError(f"via table values ({int(t.min())}..{int(t.max())}) must be ranks in [0, {R})")
         tables.append(t.astype(np.uint8))
-    if H == 2 and N >= build.FUSED_MIN:
+    if H == 2 and compiled.covers(N, perf):
         # both hops, the layout and the final rows in two compiled passes over the entries
         # (moonep_sim.plan.fused_routes): the same arrays as below
         from moonep_sim.plan import fused_routes
@@ -432,8 +438,8 @@ def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs
                              padding=Padding(token_padding), options=options, layout=layout, **extra)
     # the slot sort and layout depend on the slots alone: on a second thread beside the hops (the
     # same Plan either way; numpy's loops release the GIL, so the wall time falls on two cores)
-    layout_job = threads.Beside(slot_layout, entry_slot_N, slot_rank_S, token_padding, None, R,
-                                run=N >= threads.THREAD_MIN)
+    layout_job = threads.Beside(slot_layout, entry_slot_N, slot_rank_S, token_padding, None, R, None, perf,
+                                run=N >= perf.thread_min)
     with layout_job:
         hops, row, entry_rank, entry_dup, scratch = _table_hops(routing, entry_slot_N, slot_rank_S, tables, scopes,
                                                                dedup, shift, bound)

@@ -2,20 +2,16 @@
 
 numpy releases the GIL inside its loops over arrays (ufuncs, sorts, gathers and scatters), so two
 numpy-bound pieces that share no array being written overlap on two cores: the wall time falls,
-the CPU time (all threads: ``getrusage(RUSAGE_SELF)``) does not. Used by the single-hop builder
-(``build.plan_from_slots``: the hop beside the slot sort and layout) and by ``validate`` (the hop
-check beside the entry checks). Below :data:`THREAD_MIN` items a thread's start costs more than
-it saves, and the work runs in order on this thread.
+the CPU time (all threads: ``getrusage(RUSAGE_SELF)``) does not. Used by ``validate`` (the hop check
+beside the entry checks), the multi-hop table routes (the layout beside the hops) and the
+``capacity`` and ``allgather`` planners (their layout beside their hop). Below ``perf.thread_min`` items (:class:`~moonep_sim.perf.PerfConfig`)
+a thread's start costs more than it saves, and the work runs in order on this thread.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
-
-#: items (entries plus messages) from which a piece gets a second thread
-THREAD_MIN = 1 << 20
-
 
 class Beside:
     """``fn(*args)`` started on a second thread (a one-worker :class:`~concurrent.futures.ThreadPoolExecutor`
@@ -53,4 +49,4 @@ class Beside:
             self._pool.shutdown(wait=True)
 
 
-__all__ = ["Beside", "THREAD_MIN"]
+__all__ = ["Beside"]

@@ -24,7 +24,7 @@ returns the violations as sentences, :func:`violations` with the check that foun
 :func:`validate_counting` also returns each hop's rows per (src, dst), counted while the hop check
 walks the messages (``Plan.summary`` reports its bytes from them).
 
-On a large Plan (``THREAD_MIN`` entries and messages) ``hop_provenance`` runs on a second thread
+On a large Plan (``perf.thread_min`` entries and messages, :class:`~moonep_sim.perf.PerfConfig`) ``hop_provenance`` runs on a second thread
 beside ``entries`` .. ``capacity`` (see :func:`_run`): the wall time falls on two cores, the CPU
 time does not; the result is the sequential run's. The checks read the Plan's index arrays in
 their own dtype (int32, :data:`~moonep_sim.plan.kinds.INDEX`): their tables are int32 too, so no
@@ -39,6 +39,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from moonep_sim.errors import PlanError
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.plan import threads
 from moonep_sim.plan.kinds import SCOPES, Scope
 from moonep_sim.plan.order import entry_token
@@ -522,24 +523,21 @@ CHECKS: tuple[tuple[str, CheckFn], ...] = (
 #: (``rows_R``, ``row_off``): on a large Plan they run on a second thread, beside the checks between
 CONCURRENT = ("hop_provenance",)
 
-#: entries plus messages from which the CONCURRENT checks get their own thread
-THREAD_MIN = threads.THREAD_MIN
-
 if tuple(n for n, _ in CHECKS[-len(CONCURRENT):]) != CONCURRENT:  # (their violations are placed last)
     raise RuntimeError(f"CONCURRENT checks {CONCURRENT} must be the last of CHECKS")
 
 
-def _run(plan: Plan) -> _State:
+def _run(plan: Plan, perf: PerfConfig = DEFAULT_PERF) -> _State:
     """Run the checks in order, until one finds the Plan too malformed for the later ones.
 
-    On a Plan of at least THREAD_MIN entries and messages, the CONCURRENT checks start on a second
+    On a Plan of at least ``perf.thread_min`` entries and messages, the CONCURRENT checks start on a second
     thread (:class:`~moonep_sim.plan.threads.Beside`) as soon as ``slots`` has passed, and the
     checks between run on this one. The result is the sequential run's: the second thread's
     violations follow the others', and are dropped (with any exception it raised, and the hop rows
     it counted) when an earlier check stopped the run."""
     st = _State()
     size = int(np.asarray(plan.entry_rank_TK).size) + sum(int(np.asarray(h.src_rank_M).size) for h in plan.hops)
-    later = [(n, fn) for n, fn in CHECKS if n in CONCURRENT] if size >= THREAD_MIN else []
+    later = [(n, fn) for n, fn in CHECKS if n in CONCURRENT] if size >= perf.thread_min else []
     worker = None
     for name, fn in CHECKS:
         if later and name in CONCURRENT:
@@ -565,22 +563,24 @@ def _run_in_order(checks, plan: Plan, st: _State) -> list[Violation]:
     return out
 
 
-def violations(plan: Plan) -> list[Violation]:
-    """Run the checks in order; every broken invariant with the check that found it (empty: valid)."""
-    return _run(plan).out
+def violations(plan: Plan, perf: PerfConfig = DEFAULT_PERF) -> list[Violation]:
+    """Run the checks in order; every broken invariant with the check that found it (empty: valid).
+    perf: from ``perf.thread_min`` entries and messages the hop check runs on a second thread (the
+    same violations)."""
+    return _run(plan, perf).out
 
 
-def validate(plan: Plan) -> list[str]:
+def validate(plan: Plan, perf: PerfConfig = DEFAULT_PERF) -> list[str]:
     """Check a Plan's invariants; returns the violated ones as sentences (empty list: valid)."""
-    return [v.message for v in violations(plan)]
+    return [v.message for v in violations(plan, perf)]
 
 
-def validate_counting(plan: Plan) -> tuple[list[str], list[np.ndarray] | None]:
+def validate_counting(plan: Plan, perf: PerfConfig = DEFAULT_PERF) -> tuple[list[str], list[np.ndarray] | None]:
     """:func:`validate`, and the rows each hop sends from each source to each destination
     (``Hop.rows_RR`` of every hop, counted while the hop check walks the messages), or None
     where the checks stopped before walking every hop. ``Plan.summary`` reports both: its bytes
     then need no second pass over the messages."""
-    st = _run(plan)
+    st = _run(plan, perf)
     rows = st.hop_rows if len(st.hop_rows) == len(plan.hops) else None
     return [v.message for v in st.out], rows
 

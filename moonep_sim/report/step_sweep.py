@@ -59,6 +59,30 @@ def step_sweep_footer(rep: dict[str, Any]) -> list[str]:
     if caps:
         out.append("OOM: peak memory per rank above the GPU's " + ", ".join(f"{c / 2**30:,.0f}" for c in caps) +
                    " GiB; an OOM strategy never wins a point it shares with one that fits")
+    sk = rep.get("standin_skew")
+    if sk:
+        out.append(f"stand-in layers drawn at maxvio {sk['maxvio']:.3g}, measured over {sk['tokens']:,} tokens of "
+                   f"{sk['layers']} recorded layer(s), every recorded step pooled")
+    out += aggregate_lines(rep)
+    return out
+
+
+def aggregate_lines(rep: dict[str, Any]) -> list[str]:
+    """Per point of a sweep over a trace: each strategy's step time over the recorded steps
+    (token-weighted mean / median / p90 / worst (step)) and the steps it was fastest in."""
+    out = []
+    for p, agg in zip(rep.get("points") or [], rep.get("aggregates") or []):
+        if not agg:
+            continue
+        out.append(f"{rep['over']}={p['value']:g}: step time over {agg['steps']} recorded step(s), token-weighted "
+                   "mean / median / p90 / worst (step); fastest in")
+        rows = agg["strategies"]
+        for n in sorted(rows, key=lambda k: rows[k]["step_time_us"]["token_weighted_mean"]):
+            a = rows[n]["step_time_us"]
+            w = agg["wins"].get(n)
+            out.append(f"  {n}: {_t(a['token_weighted_mean'])} / {_t(a['median'])} / {_t(a['p90'])} / "
+                       f"{_t(a['worst'])} ({a['worst_step']}); " + (f"{w} of {agg['steps']}" if w is not None
+                                                                   else "not ranked (OOM or dropped rows)"))
     return out
 
 
@@ -95,4 +119,4 @@ def step_sweep_lines(rep: dict[str, Any], dest: str | os.PathLike) -> Path:
     return _save(fig, dest)
 
 
-__all__ = ["step_sweep_footer", "step_sweep_lines", "step_sweep_table"]
+__all__ = ["aggregate_lines", "step_sweep_footer", "step_sweep_lines", "step_sweep_table"]

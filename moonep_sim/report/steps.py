@@ -40,13 +40,72 @@ def step_table(doc: dict[str, Any]):
     return t
 
 
+def per_step_table(docs: Sequence[dict[str, Any]]):
+    """Several recorded steps: one row per step (its id, tokens, each strategy's step time, the
+    fastest), the compact view of what :func:`step_table` shows per step."""
+    from rich.table import Table
+
+    names = list(docs[0]["strategies"])
+    t = Table(title=f"step time per recorded step ({len(docs)} steps)")
+    for col in ("step", "tokens", *names, "fastest"):
+        t.add_column(col, justify="left" if col in ("step", "fastest") else "right")
+    for d in docs:
+        st = d["strategies"]
+        best = min(names, key=lambda n: (bool(st[n].get("oom")) or bool(st[n].get("dropped")), st[n]["step_time_us"]))
+        t.add_row(str(d["setup"].get("step_id")), f"{d['setup'].get('step_tokens')}",
+                  *[_t(st[n]["step_time_us"]) for n in names], best)
+    return t
+
+
+def aggregate_table(agg: dict[str, Any]):
+    """The per-step aggregate (``doc["aggregate"]``): per strategy the step time's token-weighted
+    mean, median, p90 and worst step, and the steps it was fastest in."""
+    from rich.table import Table
+
+    n = agg["steps"]
+    tok = [x for x in agg.get("tokens") or [] if x is not None]
+    t = Table(title=f"step time over {n} recorded step(s) of {sum(tok):,} tokens (each step its own batch)")
+    for col in ("strategy", "token-weighted mean", "median", "p90", "worst (step)", "tokens/s/GPU (mean)",
+                "fastest in"):
+        t.add_column(col, justify="left" if col == "strategy" else "right")
+    rows = agg["strategies"]
+    for name in sorted(rows, key=lambda k: rows[k]["step_time_us"]["token_weighted_mean"]):
+        a = rows[name]["step_time_us"]
+        w = agg["wins"].get(name)
+        t.add_row(name, _t(a["token_weighted_mean"]), _t(a["median"]), _t(a["p90"]),
+                  f"{_t(a['worst'])} ({a['worst_step']})",
+                  f"{rows[name]['tokens_per_s_per_gpu']['token_weighted_mean']:,.0f}",
+                  f"{w} of {n}" if w is not None else "- (OOM or dropped rows)")
+    return t
+
+
+def aggregate_lines(agg: dict[str, Any]) -> list[str]:
+    """The aggregate's verdict line: the fastest by the token-weighted mean, and its step wins."""
+    rows = agg["strategies"]
+    ok = [k for k in rows if k not in set(agg.get("excluded_from_wins") or ())] or list(rows)
+    best = min(ok, key=lambda k: rows[k]["step_time_us"]["token_weighted_mean"])
+    out = [f"over the steps: {best} is fastest by the token-weighted mean step time and fastest in "
+           f"{agg['wins'].get(best, 0)} of {agg['steps']} step(s)"]
+    if agg.get("excluded_from_wins"):
+        out.append("not ranked (out of memory or dropped rows in some step): " + ", ".join(agg["excluded_from_wins"]))
+    return out
+
+
 def step_footer(doc: dict[str, Any]) -> list[str]:
     """Lines under the table: stand-ins and reused layers, static buffers and why they cost."""
     s = doc["setup"]
     out = []
     if s.get("stand_ins"):
-        out.append(f"{s['stand_ins']} MoE layer(s) are STAND-INS (the trace lacks them): generated at the trace's "
-                   "measured skew; see layers_routing in --json")
+        sk = s.get("standin_skew") or {}
+        at = (f"maxvio {sk['maxvio']:.3g}, measured over {sk['tokens']:,} tokens of {sk['layers']} recorded layer(s), "
+              "every recorded step pooled" if sk else "the trace's measured skew")
+        out.append(f"{s['stand_ins']} MoE layer(s) are STAND-INS (the trace lacks them): drawn at {at}; "
+                   "see layers_routing in --json")
+    if s.get("merged"):
+        out.append("steps merged: the recorded steps are costed as one batch that never ran together; sequences "
+                   f"keep one pass's length (context {s['context']})")
+    if s.get("zero_token_ranks"):
+        out.append(f"{s['zero_token_ranks']} rank(s) hold no token in this step (fewer tokens than ranks)")
     if s.get("reused_layers"):
         out.append(f"{s['reused_layers']} MoE layer(s) reuse another layer's routing and simulation "
                    f"(--distinct-layers {s['distinct_layers']})")
@@ -111,4 +170,4 @@ def step_gantt(records: Sequence[dict[str, Any]], end_by_rank: dict[int, float],
     return _save(fig, dest)
 
 
-__all__ = ["step_footer", "step_gantt", "step_table"]
+__all__ = ["aggregate_lines", "aggregate_table", "per_step_table", "step_footer", "step_gantt", "step_table"]

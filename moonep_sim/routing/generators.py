@@ -393,6 +393,21 @@ def generate(num_experts: int, top_k: int, tokens: int, seed: int, *, layers: in
     return Generated(ids, w, step, lg, E, report)
 
 
+def sigma_for_maxvio(num_experts: int, top_k: int, tokens: int, maxvio: float, seed: int) -> float:
+    """The lognormal spread sigma whose *expected* maxvio over ``tokens`` tokens is ``maxvio``, for the
+    popularity scores ``generate(..., seed)`` draws (the first step of the maxvio calibration, without
+    sampling). Never refuses: a target under the sampling-noise floor of ``tokens`` tokens gives
+    SIGMA_MIN (uniform popularity), one above the reachable range SIGMA_MAX. What a stand-in for an
+    unrecorded layer is drawn at: the skew measured over a whole trace, fitted once at the trace's
+    pooled token count, then drawn at any pass's own token count (``sigma=``), where a pass of a
+    dozen tokens could not hit the target itself."""
+    E = int(num_experts)
+    z_E = _rng(seed, 0).standard_normal(E)
+    noise = _rng(seed, 2, 0, 0).standard_normal((16, E))
+    return math.exp(_expected_root(lambda ls: _expected_maxvio(math.exp(ls) * z_E, top_k, int(tokens), noise)
+                                   - float(maxvio)))
+
+
 def generate_layer(num_experts: int, top_k: int, tokens: int, seed: int, **popularity) -> LayerRouting:
     """One layer of ``tokens`` tokens (one step): ``generate(...).layer(0)``.
 

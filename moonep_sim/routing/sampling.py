@@ -22,9 +22,11 @@ it, with the same distribution (not the same outputs for a seed); :func:`sample_
   integer compares instead of ``O(T E)`` noise and a partition: one draw of a Kimi-K3 layer
   (E=896, K=16, T=262144) takes about 0.08 CPU s instead of about 2.5 s (docs/results/steps.md).
 
-The per-token work runs in compiled kernels (``sampling_kernels.py``); the numpy code they replace
-is their reference (``KERNELS = False``; ``sampling_reference.py``): the same draws bit for bit
-from the same random numbers, taken from numpy's generator in the same order and amounts.
+The per-token work runs in compiled kernels (``sampling_kernels.py``), the one path the samplers
+take; the numpy code they replaced is their test reference (``sampling_reference.py``: the same
+draws bit for bit from the same random numbers, taken from numpy's generator in the same order and
+amounts; tests/test_sampling_kernels.py). The kernels measured 3-30x faster than it
+(docs/results/steps.md); the race's tied rows, which the kernels leave, are sorted in numpy.
 - :func:`sample_topk_grouped` -- the fast path for group-limited top-K: the race of each group
   run the same way (the experts' clocks are independent), its first two arrivals giving the group
   score, the kept groups' races continued and merged (exact; its docstring). About 2x faster than
@@ -45,11 +47,7 @@ import math
 import numpy as np
 
 from moonep_sim.routing import sampling_kernels as _kn
-from moonep_sim.routing.sampling_reference import RacesNumpy, _weights_KN
 
-#: the compiled kernels (sampling_kernels.py) do the per-token work; False runs the numpy reference
-#: they are held against (the same draws bit for bit: tests/test_sampling_kernels.py)
-KERNELS = True
 CHUNK_ELEMS = 1 << 22      # tokens per chunk = CHUNK_ELEMS // E (fixed: results never depend on the machine)
 LOGP_FLOOR = -80.0         # log-popularity clipped here (exp stays a normal float32)
 _REJECT_ROUNDS = 6         # rejection rounds per position before a row's exact remainder draw
@@ -66,7 +64,7 @@ def _popularity(logp_E: np.ndarray) -> np.ndarray:
 def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
                      groups: int = 1, topk_groups: int = 1, with_logits: bool = False,
                      noise: dict | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The exponential race over a ``[T, E]`` noise matrix (the reference; see the module docstring).
+    """The exponential race over a ``[T, E]`` noise matrix (see the module docstring).
 
     Returns ids int64 [T, K] (by descending score), weights float32 [T, K] (softmax of the chosen
     scores), and the scores float32 [T, E] when ``with_logits``. Chunked: at most
@@ -78,6 +76,13 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
     values, without the draws; ``rng`` is then left untouched. Only for one chunk (the race of
     at most ``CHUNK_ELEMS`` pairs, the layers :func:`sample_topk` gives it); None: always drawn.
     """
+    return _race(logp_E, top_k, tokens, rng, groups, topk_groups, with_logits, noise, kernels=True)
+
+
+def _race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, groups: int, topk_groups: int,
+          with_logits: bool, noise: dict | None, *, kernels: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """:func:`sample_topk_race`; ``kernels`` False: the numpy reference's race
+    (``sampling_reference.sample_topk_race``: the K smallest keys sorted in numpy for every row)."""
     E, K = int(np.size(logp_E)), int(top_k)
     lp = _popularity(logp_E)
     lp32 = lp.astype(np.float32)
@@ -97,7 +102,7 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
             x = rng.standard_exponential((n, E), dtype=np.float32)
             if noise is not None:
                 noise["x"] = x
-        fast = KERNELS and not with_logits and K < E and (not grouped or E // groups >= 2)
+        fast = kernels and not with_logits and K < E and (not grouped or E // groups >= 2)
         if grouped or with_logits:                     # the noise's log: kept with the noise
             logx = _kept(noise, "log", lambda: np.log(np.maximum(x, np.float32(1e-30))))
         if fast:                                       # the kernels: the same keys' K smallest, per token
@@ -274,7 +279,7 @@ class InverseCDF:
         return lo
 
 
-class _Races(RacesNumpy):
+class _Races:
     """N independent exponential races run one arrival at a time by sequential Plackett-Luce draws
     (see the module docstring). Row r races the ``n`` experts ``[first_R[r], first_R[r] + n)``
     (its group; all E without groups). State: ``ids_KN`` the experts in arrival order, ``tau_KN``
@@ -325,7 +330,7 @@ class _Races(RacesNumpy):
 
     def subset(self, rows: np.ndarray, K: int) -> "_Races":
         """The races of ``rows`` (their arrivals so far kept), room for K arrivals in all."""
-        out = _Races.__new__(_Races)
+        out = type(self).__new__(type(self))
         out.p_E, out.icdf, out.n, out.rng, out.retry, out.small = (self.p_E, self.icdf, self.n, self.rng,
                                                                    self.retry, self.small)
         out.first_R, out.base_R, out.span_R, out.left_R, out.tau_R = (
@@ -346,8 +351,6 @@ class _Races(RacesNumpy):
 
         The compiled kernels' pass (:mod:`~moonep_sim.routing.sampling_kernels`): the same random
         numbers drawn in the same order and amounts as :meth:`advance_numpy`, the same draws."""
-        if not KERNELS:
-            return self.advance_numpy(u, keep, counts_E)
         k, N, ic = self.k, self.first_R.size, self.icdf
         clocked = u is None
         if clocked:
@@ -427,23 +430,16 @@ def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.G
     E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
     p, icdf = _normalised(logp_E)
     seed = int(rng.integers(0, 1 << 63))
-    if KERNELS:
-        x, u = np.empty((K, T), np.float32), np.empty((K, T))
-        for k in range(K):                             # the reference's order: a position's exponentials, its uniforms
-            rng.standard_exponential(dtype=np.float32, out=x[k])
-            rng.random(out=u[k])
-        if noise is not None:
-            noise.update(x=x, u=u, retry_seed=seed)   # x clamped to 1e-30 in place by the kernels
-        ids, w, counts = _pl_blocks(p, icdf, x, u, np.random.default_rng(seed), np.int64, noise is not None)
-        if noise is not None:
-            noise["counts"] = counts                   # this draw's count per expert, for the calibration
-        return ids, w
-    races = _Races(p, icdf, np.zeros(T, np.intp), E, K, rng, np.random.default_rng(seed))
+    x, u = np.empty((K, T), np.float32), np.empty((K, T))
+    for k in range(K):                                 # the reference's order: a position's exponentials, its uniforms
+        rng.standard_exponential(dtype=np.float32, out=x[k])
+        rng.random(out=u[k])
     if noise is not None:
-        noise.update(x=[], u=[], retry_seed=seed)
-    for _ in range(K):
-        races.advance(keep=noise)
-    return races.ids_KN.T.astype(np.int64, order="C"), _weights_KN(races.tau_KN)
+        noise.update(x=x, u=u, retry_seed=seed)       # x clamped to 1e-30 in place by the kernels
+    ids, w, counts = _pl_blocks(p, icdf, x, u, np.random.default_rng(seed), np.int64, noise is not None)
+    if noise is not None:
+        noise["counts"] = counts                       # this draw's count per expert, for the calibration
+    return ids, w
 
 
 def _pl_blocks(p: np.ndarray, icdf: InverseCDF, x_KN: np.ndarray | None, u_KN: np.ndarray,
@@ -499,15 +495,9 @@ def pl_ids_again(logp_E: np.ndarray, top_k: int, tokens: int, noise: dict) -> tu
     only counts needs, at about 40% of a whole draw. :func:`pl_weights` completes a draw."""
     E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
     p, icdf = _normalised(logp_E)
-    if KERNELS:
-        ids, _, counts = _pl_blocks(p, icdf, None, np.asarray(noise["u"]), np.random.default_rng(noise["retry_seed"]),
-                                    np.int16 if E <= np.iinfo(np.int16).max else np.int32, True)
-        return ids.T, counts
-    races = _Races(p, icdf, np.zeros(T, np.intp), E, K, None, np.random.default_rng(noise["retry_seed"]))
-    counts = np.zeros(E, np.int64)
-    for k in range(K):
-        races.advance(u=noise["u"][k], counts_E=counts)
-    return races.ids_KN, counts
+    ids, _, counts = _pl_blocks(p, icdf, None, np.asarray(noise["u"]), np.random.default_rng(noise["retry_seed"]),
+                                np.int16 if E <= np.iinfo(np.int16).max else np.int32, True)
+    return ids.T, counts
 
 
 def pl_weights(logp_E: np.ndarray, ids_KN: np.ndarray, noise: dict) -> np.ndarray:
@@ -515,18 +505,19 @@ def pl_weights(logp_E: np.ndarray, ids_KN: np.ndarray, noise: dict) -> np.ndarra
     :func:`pl_ids_again` at ``logp_E`` with the same ``noise``): its arrival times replayed from
     the kept exponentials (the same popularity left), float32 [T, K]."""
     K, T = ids_KN.shape
-    p, icdf = _normalised(logp_E)
-    if KERNELS:
-        w = np.empty((T, K), np.float32)
-        _kn.pl_replay_rows(np.asarray(noise["x"]), ids_KN.T, p, w)
-        return w
-    races = _Races(p, icdf, np.zeros(T, np.intp), p.size, K, None, None)
-    races.replay(ids_KN, noise["x"])
-    return _weights_KN(races.tau_KN)
+    p, _ = _normalised(logp_E)
+    w = np.empty((T, K), np.float32)
+    _kn.pl_replay_rows(np.asarray(noise["x"]), ids_KN.T, p, w)
+    return w
 
 
 def sample_topk_grouped(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
                         groups: int, topk_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    return _grouped(logp_E, top_k, tokens, rng, groups, topk_groups, _Races)
+
+
+def _grouped(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, groups: int, topk_groups: int,
+             races_cls: type) -> tuple[np.ndarray, np.ndarray]:
     """Group-limited top-K (the race's rule, see the module docstring) without the ``[T, E]`` race.
 
     Exact by the race's structure: the experts' exponential clocks are independent, so each group
@@ -535,13 +526,14 @@ def sample_topk_grouped(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.ran
     groups; each kept group's race continues (memoryless: from its second arrival, with the rest
     of its experts) to ``min(K, E/G)`` arrivals; the token's experts are the K earliest of them,
     in arrival order, weights ``∝ 1 / tau`` as in the race. Cost ``O(T (2G + M K))`` draws.
+    (``races_cls``: :class:`_Races`, or the numpy reference's races in ``sampling_reference``.)
     """
     E, K, T, G, M = int(np.size(logp_E)), int(top_k), int(tokens), int(groups), int(topk_groups)
     n = E // G
     p, icdf = _normalised(logp_E)
     retry = np.random.default_rng(int(rng.integers(0, 1 << 63)))
     # rows t * G + g: token t's race in group g
-    races = _Races(p, icdf, np.tile(np.arange(G, dtype=np.intp) * n, T), n, min(2, n), rng, retry)
+    races = races_cls(p, icdf, np.tile(np.arange(G, dtype=np.intp) * n, T), n, min(2, n), rng, retry)
     for _ in range(min(2, n)):
         races.advance()
     gscore_TG = -np.log(races.tau_KN).sum(axis=0).reshape(T, G)

@@ -1,16 +1,19 @@
-"""The numpy reference of the samplers' sequential races (:class:`moonep_sim.routing.sampling._Races`):
-a pass per step over every row. The compiled kernels (``sampling_kernels.py``) replace these on
-every path the samplers take; ``sampling.KERNELS = False`` runs these instead, and the tests hold
-the two equal, draw for draw (tests/test_sampling_kernels.py)."""
+"""The numpy reference of the samplers (:mod:`moonep_sim.routing.sampling`): their sequential races
+(:class:`moonep_sim.routing.sampling._Races`) a pass per step over every row, and the samplers
+drawn with them. The compiled kernels (``sampling_kernels.py``) are the one path the samplers
+take; the functions below, of the same names and signatures, draw what they draw from numpy
+passes, and the tests hold the two equal, draw for draw (tests/test_sampling_kernels.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from moonep_sim.routing import sampling
+
 
 class RacesNumpy:
-    """The numpy steps of ``_Races`` (a base class of it: its state; ``_knobs()`` its chunk size
-    and rejection rounds, the sampling module's)."""
+    """The numpy steps of ``sampling._Races`` (mixed into it by :class:`RacesReference`: its state;
+    ``_knobs()`` its chunk size and rejection rounds, the sampling module's)."""
 
     def _draw(self, u: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
         """Inverse-CDF draws (intp) of uniforms ``u`` within each row's experts (rows None: every row)."""
@@ -115,18 +118,71 @@ class RacesNumpy:
 _WEIGHT_BLOCK = 1 << 15    # tokens per block of _weights_KN (16 x 32768 float64: 4 MiB, cache-sized)
 
 
-def _weights_KN(tau_KN: np.ndarray) -> np.ndarray:
-    """:func:`_weights` of ``tau_KN.T`` (float32 [N, K], C order) computed on the position-major
-    arrays, a block of tokens at a time (contiguous rows; the same divisions and the same
+def _weights_KN(tau_KN: np.ndarray, block: int = _WEIGHT_BLOCK) -> np.ndarray:
+    """``sampling._weights`` of ``tau_KN.T`` (float32 [N, K], C order) computed on the position-major
+    arrays, ``block`` tokens at a time (contiguous rows; the same divisions and the same
     position-by-position sum, so the same values whatever the block)."""
     K, N = tau_KN.shape
     out = np.empty((N, K), np.float32)
-    for s in range(0, N, _WEIGHT_BLOCK):
-        tau = tau_KN[:, s:s + _WEIGHT_BLOCK]
+    for s in range(0, N, block):
+        tau = tau_KN[:, s:s + block]
         inv = tau[0] / tau
         inv /= inv.sum(axis=0)
-        out[s:s + _WEIGHT_BLOCK] = inv.T
+        out[s:s + block] = inv.T
     return out
 
 
-__all__ = ["RacesNumpy"]
+class RacesReference(sampling._Races, RacesNumpy):
+    """The samplers' races stepped by :meth:`RacesNumpy.advance_numpy`."""
+
+    advance = RacesNumpy.advance_numpy
+
+
+def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
+                     groups: int = 1, topk_groups: int = 1, with_logits: bool = False,
+                     noise: dict | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``sampling.sample_topk_race`` with every row's K smallest keys found in numpy."""
+    return sampling._race(logp_E, top_k, tokens, rng, groups, topk_groups, with_logits, noise, kernels=False)
+
+
+def sample_topk_grouped(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
+                        groups: int, topk_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """``sampling.sample_topk_grouped`` with its races stepped in numpy."""
+    return sampling._grouped(logp_E, top_k, tokens, rng, groups, topk_groups, RacesReference)
+
+
+def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, *,
+                   noise: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``sampling.sample_topk_pl``: K positions, each a numpy pass over every row."""
+    E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
+    p, icdf = sampling._normalised(logp_E)
+    seed = int(rng.integers(0, 1 << 63))
+    races = RacesReference(p, icdf, np.zeros(T, np.intp), E, K, rng, np.random.default_rng(seed))
+    if noise is not None:
+        noise.update(x=[], u=[], retry_seed=seed)
+    for _ in range(K):
+        races.advance(keep=noise)
+    return races.ids_KN.T.astype(np.int64, order="C"), _weights_KN(races.tau_KN)
+
+
+def pl_ids_again(logp_E: np.ndarray, top_k: int, tokens: int, noise: dict) -> tuple[np.ndarray, np.ndarray]:
+    """``sampling.pl_ids_again``: the kept streams' experts at ``logp_E``, a numpy pass per position."""
+    E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
+    p, icdf = sampling._normalised(logp_E)
+    races = RacesReference(p, icdf, np.zeros(T, np.intp), E, K, None, np.random.default_rng(noise["retry_seed"]))
+    counts = np.zeros(E, np.int64)
+    for k in range(K):
+        races.advance(u=noise["u"][k], counts_E=counts)
+    return races.ids_KN, counts
+
+
+def pl_weights(logp_E: np.ndarray, ids_KN: np.ndarray, noise: dict) -> np.ndarray:
+    """``sampling.pl_weights``: the arrival times replayed in numpy, then the weights."""
+    K, T = ids_KN.shape
+    p, icdf = sampling._normalised(logp_E)
+    races = RacesReference(p, icdf, np.zeros(T, np.intp), p.size, K, None, None)
+    races.replay(ids_KN, noise["x"])
+    return _weights_KN(races.tau_KN)
+
+
+__all__ = ["RacesNumpy", "RacesReference", "pl_ids_again", "pl_weights", "sample_topk_grouped", "sample_topk_pl", "sample_topk_race"]

@@ -1,32 +1,31 @@
-"""A step as a program of ops on the two-stream timeline: the layer stack, the MoE layers'
-simulated communication, the overlap schedule.
+"""A step as a program of ops on the two-stream timeline: the layer stack's ops priced, the MoE
+layers' simulated communication, and the overlap schedule that orders them.
 
 Notation: R ranks, M micro-batches, L layers. Times in microseconds.
 
-Program order (``moonep_sim.step.schedule`` explains the streams and the schedules): embedding;
-per layer its ops before the MoE block (or the whole dense layer), then the MoE block (router,
-shared experts, dispatch, routed experts, combine); the head (and loss in train). In train the
-backward follows in reverse layer order: per MoE layer the gradients' dispatch (``combine_bwd``
-of the Plan), the experts' backward, the gradients' combine (``dispatch_bwd``), the copies'
-gradient reduce, then the shared experts', router's and attention's backward. The optimizer step
-is not in the step (its memory is: ``moonep_sim.step.memory``).
-
-With M micro-batches each layer is issued as: every micro-batch's first half (the ops before the
-MoE block and its dispatch), then every micro-batch's second half (shared and routed experts and
-the combine), so micro-batch A's dispatch and combine run while B computes.
+:class:`Program` is the shared mechanism (each op's price, each micro-batch's ready time, the MoE
+block's collectives as primitives) and :func:`compose` a small driver: it builds the program and
+lets the schedule (``moonep_sim.step.schedules``: one class per schedule) issue the ops. The
+built-in schedules issue layer by layer (``LayerSchedule``): embedding; per layer its ops before
+the MoE block (or the whole dense layer), then the MoE block (router, shared experts, dispatch,
+routed experts, combine); the head (and loss in train). In train the backward follows in reverse
+layer order: per MoE layer the gradients' dispatch (``combine_bwd`` of the Plan), the experts'
+backward, the gradients' combine (``dispatch_bwd``), the copies' gradient reduce, then the shared
+experts', router's and attention's backward. The optimizer step is not in the step (its memory
+is: ``moonep_sim.step.memory``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from moonep_sim.models import ModelSpec
 from moonep_sim.step.costs import CostModel
 from moonep_sim.step.layer_sim import LayerComm
-from moonep_sim.step.schedule import Overlap, Timeline
+from moonep_sim.step.schedule import Timeline
 from moonep_sim.step.stack import LayerOps, Op, StepShape, backward_op, head_ops, layer_ops
 
 
@@ -56,96 +55,102 @@ def all_ops(ot: OpTimes, train: bool) -> list[Op]:
     return ops
 
 
-def compose(model: ModelSpec, shapes: Sequence[StepShape], costs: CostModel, overlap: Overlap,
-            comm_of: Callable[[int, int], LayerComm], R: int, train: bool) -> Timeline:
-    """Place the step's ops on a :class:`Timeline` of ``R`` ranks. ``shapes[i]``: micro-batch i's
-    shape; ``comm_of(layer, i)``: the simulated communication of MoE layer ``layer`` (an index
-    into the model's layers) for micro-batch i."""
-    M = len(shapes)
-    tl = Timeline(R)
-    ots = [stack_ops(model, s) for s in shapes]
-    memo: dict[tuple, float] = {}
+class Program:
+    """A step being composed: the shared mechanism every schedule issues its ops through.
 
-    def us(op: Op | None, bwd: bool = False) -> float:
+    tl: the :class:`Timeline` of ``R`` ranks.  M: micro-batches (``len(shapes)``).  ots[i]:
+    micro-batch i's ops.  ready[i] [R]: when micro-batch i's next op may start.  grad_end [R]: when
+    the last gradient reduce issued so far ends.  train: whether the backward is issued. The
+    primitives below place one op (or one MoE block's fixed sequence of communication and expert
+    compute) and keep ``ready`` and ``grad_end``; a schedule decides their order.
+    """
+
+    def __init__(self, model: ModelSpec, shapes: Sequence[StepShape], costs: CostModel,
+                 comm_of: Callable[[int, int], LayerComm], R: int, train: bool) -> None:
+        self.model, self.costs, self.comm_of, self.R, self.train = model, costs, comm_of, R, train
+        self.M = len(shapes)
+        self.tl = Timeline(R)
+        self.ots = [stack_ops(model, s) for s in shapes]
+        self.ready = [np.zeros(R) for _ in range(self.M)]
+        self.grad_end = np.zeros(R)
+        self._memo: dict[tuple, float] = {}
+
+    def us(self, op: Op | None, bwd: bool = False) -> float:
+        """The op's time (its backward's with ``bwd``), priced once per distinct op."""
         if op is None:
             return 0.0
         key = (op.name, op.shape, op.flops, op.bytes, bwd)
-        if key not in memo:
-            memo[key] = costs.op_us(backward_op(op) if bwd else op)
-        return memo[key]
+        if key not in self._memo:
+            self._memo[key] = self.costs.op_us(backward_op(op) if bwd else op)
+        return self._memo[key]
 
-    ready = [np.zeros(R) for _ in range(M)]
+    def layer(self, i: int, l: int) -> LayerOps:
+        """Micro-batch ``i``'s ops of layer ``l``."""
+        return self.ots[i].layers[l]
 
-    def run(op: Op, i: int, layer: int, bwd: bool = False) -> None:
-        ready[i] = tl.compute(op.name + ("_bwd" if bwd else ""), us(op, bwd), layer, "backward" if bwd else "forward",
-                              i, after=ready[i])
+    def run(self, op: Op, i: int, layer: int, bwd: bool = False) -> None:
+        """Micro-batch ``i``'s compute op (its backward with ``bwd``), after its previous op."""
+        self.ready[i] = self.tl.compute(op.name + ("_bwd" if bwd else ""), self.us(op, bwd), layer,
+                                        "backward" if bwd else "forward", i, after=self.ready[i])
 
-    for i in range(M):
-        for op in ots[i].first:
-            run(op, i, -1)
-    # ---- forward
-    for l in range(model.layers):
-        pre_end = {}
-        for i in range(M):
-            lo = ots[i].layers[l]
-            for op in lo.before:
-                run(op, i, l)
-            if not lo.moe:
-                continue
-            run(lo.router, i, l)
-            if lo.shared is not None and not overlap.shared_overlap:
-                run(lo.shared, i, l)
-            c = comm_of(l, i)
-            pre_end[i] = tl.comm("dispatch", c.forward.pre_R, l, "forward", c.sm_share, i, after=ready[i])
-        for i in pre_end:
-            lo, c = ots[i].layers[l], comm_of(l, i)
-            if lo.shared is not None and overlap.shared_overlap:
-                run(lo.shared, i, l)
-            e = tl.compute("expert", c.forward.expert_R, l, "forward", i, after=np.maximum(pre_end[i], ready[i]))
-            post = tl.comm("combine", c.forward.post_R, l, "forward", c.sm_share, i, after=np.full(R, float(e.max())))
-            ready[i] = np.maximum(ready[i], post)
-    for i in range(M):
-        for op in ots[i].last:
-            run(op, i, -1)
-    if not train:
-        return tl
-    # ---- backward
-    grad_end = np.zeros(R)
-    for i in range(M):
-        for op in reversed(ots[i].last):
-            run(op, i, -1, True)
-    for l in reversed(range(model.layers)):
-        pre_end = {}
-        for i in range(M):
-            lo = ots[i].layers[l]
-            if not lo.moe:
-                for op in reversed(lo.before):
-                    run(op, i, l, True)
-                continue
-            c = comm_of(l, i)
-            pre_end[i] = tl.comm("combine_bwd", c.backward.pre_R, l, "backward", c.sm_share, i, after=ready[i])
-        for i in pre_end:
-            lo, c = ots[i].layers[l], comm_of(l, i)
-            if lo.shared is not None and overlap.shared_overlap:
-                run(lo.shared, i, l, True)
-            e = tl.compute("expert_bwd", c.backward.expert_R, l, "backward", i, after=np.maximum(pre_end[i], ready[i]))
-            post = tl.comm("dispatch_bwd", c.backward.post_R, l, "backward", c.sm_share, i,
-                           after=np.full(R, float(e.max())))
-            g = post
-            if c.backward.grad_R.max() > 0:
-                g = tl.comm("grad_reduce", c.backward.grad_R, l, "backward", c.sm_share, i, after=post)
-            grad_end = np.maximum(grad_end, g)
-            ready[i] = np.maximum(ready[i], post if overlap.async_grad else g)
-            if lo.shared is not None and not overlap.shared_overlap:
-                run(lo.shared, i, l, True)
-            run(lo.router, i, l, True)
-            for op in reversed(lo.before):
-                run(op, i, l, True)
-    for i in range(M):
-        for op in reversed(ots[i].first):
-            run(op, i, -1, True)
-    tl.wait(grad_end)  # the step ends once every gradient reduce has arrived
-    return tl
+    def run_all(self, ops: Sequence[Op], i: int, layer: int, bwd: bool = False) -> None:
+        for op in ops:
+            self.run(op, i, layer, bwd)
+
+    def dispatch(self, l: int, i: int) -> np.ndarray:
+        """MoE layer ``l``'s dispatch (planning, dispatch, prefetch) of micro-batch ``i`` on the
+        communication stream, once ``i`` is ready; returns its end [R]."""
+        c = self.comm_of(l, i)
+        return self.tl.comm("dispatch", c.forward.pre_R, l, "forward", c.sm_share, i, after=self.ready[i])
+
+    def expert_compute(self, l: int, i: int, pre_end: np.ndarray) -> np.ndarray:
+        """The routed experts of MoE layer ``l``, micro-batch ``i``, after the dispatch ending at
+        ``pre_end`` and ``i``'s previous op; returns their end [R] (``ready`` unchanged)."""
+        c = self.comm_of(l, i)
+        return self.tl.compute("expert", c.forward.expert_R, l, "forward", i, after=np.maximum(pre_end, self.ready[i]))
+
+    def combine(self, l: int, i: int, expert_end: np.ndarray) -> np.ndarray:
+        """The combine, once the slowest rank's experts end; returns its end [R] (``ready`` unchanged)."""
+        c = self.comm_of(l, i)
+        return self.tl.comm("combine", c.forward.post_R, l, "forward", c.sm_share, i,
+                            after=np.full(self.R, float(expert_end.max())))
+
+    def experts(self, l: int, i: int, pre_end: np.ndarray) -> None:
+        """:meth:`expert_compute` then :meth:`combine`; micro-batch ``i`` is ready once the combine arrives."""
+        post = self.combine(l, i, self.expert_compute(l, i, pre_end))
+        self.ready[i] = np.maximum(self.ready[i], post)
+
+    def gradient_dispatch(self, l: int, i: int) -> np.ndarray:
+        """The backward's first collective of MoE layer ``l`` (the gradients' dispatch: the Plan's
+        ``combine_bwd``); returns its end [R]."""
+        c = self.comm_of(l, i)
+        return self.tl.comm("combine_bwd", c.backward.pre_R, l, "backward", c.sm_share, i, after=self.ready[i])
+
+    def experts_backward(self, l: int, i: int, pre_end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The experts' backward, the gradients' combine (``dispatch_bwd``) and the copies'
+        gradient reduce (when any); returns (the combine's end, the reduce's end) [R] and keeps
+        ``grad_end``. ``ready`` is the schedule's to advance (to either end)."""
+        c = self.comm_of(l, i)
+        e = self.tl.compute("expert_bwd", c.backward.expert_R, l, "backward", i,
+                            after=np.maximum(pre_end, self.ready[i]))
+        post = self.tl.comm("dispatch_bwd", c.backward.post_R, l, "backward", c.sm_share, i,
+                            after=np.full(self.R, float(e.max())))
+        g = post
+        if c.backward.grad_R.max() > 0:
+            g = self.tl.comm("grad_reduce", c.backward.grad_R, l, "backward", c.sm_share, i, after=post)
+        self.grad_end = np.maximum(self.grad_end, g)
+        return post, g
 
 
-__all__ = ["OpTimes", "all_ops", "compose", "stack_ops"]
+def compose(model: ModelSpec, shapes: Sequence[StepShape], costs: CostModel, schedule: Any,
+            comm_of: Callable[[int, int], LayerComm], R: int, train: bool) -> Timeline:
+    """Place the step's ops on a :class:`Timeline` of ``R`` ranks in the order ``schedule`` (an
+    overlap schedule of ``moonep_sim.step.schedules``) issues them. ``shapes[i]``: micro-batch i's
+    shape; ``comm_of(layer, i)``: the simulated communication of MoE layer ``layer`` (an index into
+    the model's layers) for micro-batch i."""
+    p = Program(model, shapes, costs, comm_of, R, train)
+    schedule.issue(p)
+    return p.tl
+
+
+__all__ = ["OpTimes", "Program", "all_ops", "compose", "stack_ops"]

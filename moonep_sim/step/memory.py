@@ -60,7 +60,8 @@ from moonep_sim.step.activations import (DEFAULT_SELECTIVE, RECOMPUTE, Activatio
                                          layer_saved, rank_chunks, chunks_in_flight, routed_row_saved)
 from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, get_dtype
 from moonep_sim.step.parallel import Parallel, pure_ep
-from moonep_sim.step.stack import BF16, StepShape, attention_params, kv_elems_per_token, linear_state_bytes
+from moonep_sim.step.attention import attention_kind
+from moonep_sim.step.stack import BF16, StepShape, attention_params, kv_elems_per_token
 
 #: Mixed-precision Adam: fp32 master weights, first and second moments (ZeRO's K = 12).
 ADAM_BYTES_PER_PARAM = 12
@@ -238,9 +239,11 @@ def _kv_per_seq(model: ModelSpec, l: int, ctx: int, tp: int, kvb: float) -> floa
     """Bytes of layer ``l``'s cache for one sequence of ``ctx`` keys on one TP rank."""
     kind = model.attention_kind(l)
     if kind == "linear":
-        return linear_state_bytes(model) / tp
+        return attention_kind("linear").state_bytes(model) / tp
     if kind in ("", "none"):
         return 0.0
+    if kind not in ("gqa", "sliding", "mla"):  # a registered kind: its own cache of one sequence, replicated
+        return attention_kind(kind).cache_bytes(model, StepShape("decode", 1, ctx)) * kvb / BF16
     if kind == "sliding" and model.sliding_window:
         ctx = min(ctx, model.sliding_window)
     if kind == "mla":

@@ -32,7 +32,8 @@ from moonep_sim.step.costs import CostModel
 from moonep_sim.step.layer_sim import LayerComm, simulate_moe_layer
 from moonep_sim.step.memory import MemoryOptions, PlanFootprint, memory_per_rank
 from moonep_sim.step.memory_fit import attach_fits
-from moonep_sim.step.schedule import Timeline, get_overlap
+from moonep_sim.step.schedule import Timeline
+from moonep_sim.step.schedules import get_overlap
 from moonep_sim.step.stack import StepShape
 
 #: moe_index -> (key, routing or a picklable builder of it, provenance): layers with equal keys
@@ -420,7 +421,7 @@ class _Pipeline:
             self.cond.notify_all()
 
 
-def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str], None] | None = None,
+def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str, int, int], None] | None = None,
                          ahead: int = PIPELINE_AHEAD) -> tuple[list[RoutingDone], dict[str, float]]:
     """:func:`simulate_layer_work` of every unit in ``work``, on two threads: a second thread (one
     :class:`~concurrent.futures.ThreadPoolExecutor` worker) generates the layers' routings and
@@ -448,7 +449,7 @@ def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str], None] 
         try:
             for j, (i, s, mb) in enumerate(pipe.units):
                 if progress and s == 0 and mb == 0:
-                    progress(f"layer routing {i + 1} of {len(work)}: {', '.join(n for n, _, _ in work[i].strategies)}")
+                    progress(f"layer routing {i + 1} of {len(work)}", i, len(work))
                 (plan, plan_s, plan_cpu_s), waited, stole = pipe.plan_for(j)
                 wait, stolen = wait + waited, stolen + stole
                 pipe.P[j].value = None                  # the Plan goes once simulated
@@ -464,7 +465,7 @@ def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str], None] 
                  "second_wait_s": pipe.second_wait_s}
 
 
-def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str], None] | None = None,
+def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str, int, int], None] | None = None,
                   map_fn: Callable | None = None, pipeline: bool | None = None) -> dict:
     """Every strategy's step (see the module docstring). Returns ``{"strategies": {name: figures},
     "layers_routing": [...], ...}``; each strategy's ``timeline`` (a :class:`Timeline`) is kept
@@ -515,12 +516,14 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str]
         done = []
         for i in range(len(work)):
             if progress:
-                progress(f"layer routing {i + 1} of {len(keys)}: {', '.join(n for n, _, _ in strategies)}")
+                progress(f"layer routing {i + 1} of {len(keys)}", i, len(keys))
             done.append(simulate_layer_work(work[i]))
             work[i] = None                             # the routing goes once its layer is done
     else:
         done = map_fn(simulate_layer_work, work)
     del work
+    if progress:
+        progress("composing the step", len(keys), len(keys))
     wall, layers_cpu = time.perf_counter() - t0, (time.process_time() - c0 if map_fn is None else None)
     routing_s = sum(d.routing_s for d in done)
     routing_cpu_s = sum(d.routing_cpu_s for d in done)

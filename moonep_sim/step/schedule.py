@@ -1,6 +1,7 @@
-"""Overlap schedules as data, and the two-stream timeline a step is composed on.
+"""The two-stream timeline a step is composed on (the overlap schedules issue their ops on it:
+``moonep_sim.step.schedules``), and its export as records and Perfetto events.
 
-Notation: R ranks, M micro-batches (1, or 2 with ``two-batch``). Times in microseconds.
+Notation: R ranks, M micro-batches. Times in microseconds.
 
 Every rank has a **compute stream** and a **communication stream**; each runs its ops in program
 order, an op starting once its stream is free and its inputs are ready (:class:`Timeline`).
@@ -9,19 +10,6 @@ latest rank is ready. While a communication kernel runs it takes its SMs from co
 (``KernelSpec.sms`` / the GPU's SM count): a compute op overlapping it progresses at ``1 - share``
 of its rate (``share`` 1, e.g. the low-latency kernels on every SM: no progress) -- see
 :meth:`Timeline.compute`.
-
-An overlap schedule (:class:`Overlap`) is the order ops are issued in and what each waits for:
-
-- ``none``: everything in series: router, shared experts, then dispatch (planning, dispatch,
-  prefetch), the routed experts, combine; in backward the copies' gradient reduce too.
-- ``shared-expert`` (MoonEP issue #15): planning, dispatch and prefetch run on the communication
-  stream while the shared experts compute; in backward the shared experts' backward overlaps the
-  gradients' dispatch the same way, and the gradient reduce runs on the communication stream
-  while the next layers' backward computes (the step ends when every reduce has arrived).
-- ``two-batch`` (DeepSeek's dual micro-batch overlap, SGLang's two-batch overlap): the rank's
-  tokens are split into two micro-batches; each layer issues micro-batch A's communication, then
-  B's compute, so one's dispatch and combine run while the other computes; shared experts
-  overlap as in ``shared-expert``.
 """
 
 from __future__ import annotations
@@ -30,34 +18,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
-
-from moonep_sim.errors import require
-
-OVERLAPS = ("none", "shared-expert", "two-batch")
-
-
-@dataclass(frozen=True)
-class Overlap:
-    """A schedule as data: ``micro_batches`` (1 or 2); ``shared_overlap``: the shared experts (and
-    their backward) run beside the dispatch; ``async_grad``: the gradient reduce does not hold the
-    compute stream (only the communication stream and the step's end wait for it)."""
-
-    name: str
-    micro_batches: int
-    shared_overlap: bool
-    async_grad: bool
-
-
-SCHEDULES = {
-    "none": Overlap("none", 1, False, False),
-    "shared-expert": Overlap("shared-expert", 1, True, True),
-    "two-batch": Overlap("two-batch", 2, True, True),
-}
-
-
-def get_overlap(name: str) -> Overlap:
-    require(name in SCHEDULES, f"overlap ({name!r}) must be one of {', '.join(OVERLAPS)}")
-    return SCHEDULES[name]
 
 
 @dataclass
@@ -133,8 +93,6 @@ class Timeline:
         return np.maximum(self.compute_free, self.comm_free)
 
 
-
-
 def timeline_records(tl: Timeline, ranks: Sequence[int] | None = None) -> list[dict]:
     """Plain records ``{rank, stream, name, layer, direction, micro_batch, start_us, end_us}`` of
     every op on the given ranks (default all), what the renderers draw."""
@@ -165,4 +123,4 @@ def perfetto_events(tl: Timeline, ranks: Sequence[int] | None = None) -> list[di
     return ev
 
 
-__all__ = ["Event", "OVERLAPS", "Overlap", "SCHEDULES", "Timeline", "get_overlap", "perfetto_events", "timeline_records"]
+__all__ = ["Event", "Timeline", "perfetto_events", "timeline_records"]

@@ -24,59 +24,12 @@ from dataclasses import dataclass, replace
 
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.models import ModelSpec
+from moonep_sim.step.attention import attention_kind
+from moonep_sim.step.ops import BF16, Op, StepShape, gemm
 
 MODES = ("train", "prefill", "decode")
 #: Default KV context of a decode step when none is given (assumed: a mid-length chat context).
 DEFAULT_DECODE_CONTEXT = 4096
-BF16 = 2
-
-
-@dataclass(frozen=True)
-class Op:
-    """One compute operation of one rank.
-
-    name: the op (``attn_proj``, ``attn_core``, ``router`` ...; ``_bwd`` suffix in backward).
-    kind: ``gemm`` (FLOPs at the GEMM rate, with the rows-per-GEMM efficiency curve), ``attention``
-        (FLOPs and bytes, roofline) or ``bytes`` (memory-bound: elementwise, norm, gather).
-    flops / bytes: per rank.  rows: the GEMM's M dimension (tokens), for the efficiency curve.
-    shape: the profile key of this op's shape (``tokens=4096`` or ``tokens=32,context=4096``).
-    """
-
-    name: str
-    kind: str
-    flops: float
-    bytes: float
-    rows: int
-    shape: str
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What one rank runs in a step: the mode, its tokens and the context per sequence.
-
-    tokens: T per rank (decode: sequences, one new token each).  context: keys per sequence
-    (train / prefill: the sequence length, default T; decode: the KV context, default
-    :data:`DEFAULT_DECODE_CONTEXT`).  sequences: sequences on the rank.
-    """
-
-    mode: str
-    tokens: int
-    context: int
-
-    @property
-    def sequences(self) -> int:
-        if self.mode == "decode":
-            return self.tokens
-        return max(1, self.tokens // self.context) if self.context <= self.tokens else 1
-
-    def attended(self) -> float:
-        """Mean keys one query token attends to (causal in train / prefill)."""
-        if self.mode == "decode":
-            return float(self.context)
-        if self.context <= self.tokens:  # whole sequences of `context` tokens
-            return (self.context + 1) / 2.0
-        prior = self.context - self.tokens  # one chunk at the end of a longer sequence
-        return prior + (self.tokens + 1) / 2.0
 
 
 def step_shape(model: ModelSpec, mode: str, tokens: int, context: int | None) -> StepShape:
@@ -89,10 +42,11 @@ def step_shape(model: ModelSpec, mode: str, tokens: int, context: int | None) ->
     kinds = model.attention_kinds
     require(bool(kinds), f"model ({model.name}) must give its attention (the attention, heads, ... fields) for a "
                          "step: the step model needs the whole layer stack")
-    if any(k != "none" for k in kinds):
+    attends = any(attention_kind(k).has_op for k in kinds)
+    if attends:
         require(model.heads >= 1, f"model ({model.name}) heads ({model.heads}) must be >= 1 for its attention")
     if mode == "decode":
-        require(any(k != "none" for k in kinds),
+        require(attends,
                 f"mode (decode) must be run by a model with attention: {model.name} has none, so there is no "
                 "KV context to decode against")
     if model.max_context:
@@ -104,18 +58,9 @@ def step_shape(model: ModelSpec, mode: str, tokens: int, context: int | None) ->
 
 # ---------------------------------------------------------------------------------- parameters
 def attention_params(model: ModelSpec, kind: str) -> int:
-    """Weights of one layer's attention projections (elements)."""
-    H, n, hd = model.hidden, model.heads, model.head_dim
-    if kind == "none":
-        return 0
-    if kind == "mla":
-        rope, v = model.qk_rope_dim, model.v_head_dim or hd
-        q = (H * model.q_lora_rank + model.q_lora_rank * n * (hd + rope)) if model.q_lora_rank else H * n * (hd + rope)
-        return q + H * (model.kv_lora_rank + rope) + model.kv_lora_rank * n * (hd + v) + n * v * H
-    if kind == "linear":  # q, k, v, o and the output gate (ASSUMED, KDA-like: 5 H x (heads x head_dim))
-        return 5 * H * n * hd
-    kv = model.kv_heads or n
-    return H * n * hd + 2 * H * kv * hd + n * hd * H
+    """Weights of one layer's attention projections (elements): the kind's
+    (``moonep_sim.step.attention``)."""
+    return attention_kind(kind).params(model)
 
 
 def dense_params(model: ModelSpec) -> dict[str, int]:
@@ -131,53 +76,13 @@ def dense_params(model: ModelSpec) -> dict[str, int]:
 
 
 def kv_elems_per_token(model: ModelSpec, kind: str) -> int:
-    """K/V cache elements one token of one layer keeps (0 for linear / none)."""
-    if kind == "mla":
-        return model.kv_lora_rank + model.qk_rope_dim
-    if kind in ("gqa", "sliding"):
-        return 2 * (model.kv_heads or model.heads) * model.head_dim
-    return 0
+    """K/V cache elements one token of one layer keeps (0 for a kind with a fixed state, or none)."""
+    return attention_kind(kind).kv_elems_per_token(model)
 
 
-def linear_state_bytes(model: ModelSpec) -> int:
-    """A linear-attention layer's fixed state per sequence: heads x head_dim x head_dim fp32."""
-    return model.heads * model.head_dim * model.head_dim * 4
-
-
-def _attn_dims(model: ModelSpec, kind: str, mode: str) -> tuple[int, int]:
-    """(QK width, V width) per head of the attention core."""
-    if kind == "mla":
-        if mode == "decode":  # absorbed: queries attend the latent directly
-            return model.kv_lora_rank + model.qk_rope_dim, model.kv_lora_rank
-        return model.head_dim + model.qk_rope_dim, model.v_head_dim or model.head_dim
-    return model.head_dim, model.head_dim
-
-
-# ---------------------------------------------------------------------------------- ops
-def _gemm(name: str, tokens: int, weights: int) -> Op:
-    """A GEMM of ``tokens`` rows through ``weights`` elements (weights read once, rows in/out)."""
-    return Op(name, "gemm", 2.0 * tokens * weights, float(weights) * BF16, tokens, f"tokens={tokens}")
-
-
-def attention_core(model: ModelSpec, kind: str, shape: StepShape) -> Op:
-    T, n = shape.tokens, model.heads
-    if kind == "linear":  # state update + readout per token; the state read and written once per sequence
-        dk = model.head_dim
-        flops = 4.0 * T * n * dk * dk
-        state = float(linear_state_bytes(model)) * shape.sequences * 2
-        return Op("attn_core", "attention", flops, state + 4.0 * T * n * dk * BF16, T, f"tokens={T},kind=linear")
-    dqk, dv = _attn_dims(model, kind, shape.mode)
-    keys = shape.attended()
-    if kind == "sliding" and model.sliding_window:
-        keys = min(keys, float(model.sliding_window))
-    flops = 2.0 * T * n * keys * (dqk + dv)
-    qo = float(T) * n * (dqk + dv) * BF16
-    if shape.mode == "decode":  # every sequence reads its whole K/V cache
-        kv = float(shape.sequences) * keys * kv_elems_per_token(model, kind) * BF16
-    else:  # flash attention: K/V of each sequence read once per query block (ASSUMED: once)
-        kv = float(T) * kv_elems_per_token(model, kind) * BF16
-    ctx = shape.context if kind != "sliding" or not model.sliding_window else min(shape.context, model.sliding_window)
-    return Op("attn_core", "attention", flops, qo + kv, T, f"tokens={T},context={ctx},kind={kind}")
+def attention_core(model: ModelSpec, kind: str, shape: StepShape) -> Op | None:
+    """The ``attn_core`` op of one layer of ``kind`` (None for a kind with no attention op)."""
+    return attention_kind(kind).core(model, shape)
 
 
 def _norm(T: int, H: int) -> Op:
@@ -202,20 +107,21 @@ def layer_ops(model: ModelSpec, layer: int, shape: StepShape) -> LayerOps:
     """The forward ops of layer ``layer`` (dense layers first, ``model.dense_layers`` of them)."""
     T, H = shape.tokens, model.hidden
     kind = model.attention_kind(layer)
+    att = attention_kind(kind)
     ops: list[Op] = []
-    if kind != "none":
-        ops += [_norm(T, H), _gemm("attn_proj", T, attention_params(model, kind)), attention_core(model, kind, shape)]
+    if att.has_op:
+        ops += [_norm(T, H), gemm("attn_proj", T, att.params(model)), att.core(model, shape)]
     moe = layer >= model.dense_layers
     if not moe:
         require(model.dense_ffn >= 1, f"model ({model.name}) dense_ffn must be given: it has "
                                       f"{model.dense_layers} dense layer(s)", ConfigError)
-        ops += [_norm(T, H), _gemm("dense_ffn", T, 3 * H * model.dense_ffn)]
+        ops += [_norm(T, H), gemm("dense_ffn", T, 3 * H * model.dense_ffn)]
         return LayerOps(layer, kind, False, tuple(ops), None, None)
-    if kind != "none":
+    if att.has_op:
         ops.append(_norm(T, H))
     router = Op("router", "gemm", 2.0 * T * H * model.num_experts, float(H * model.num_experts) * BF16, T,
                 f"tokens={T}")
-    shared = _gemm("shared_expert", T, 3 * H * model.expert_ffn * model.shared_experts) if model.shared_experts else None
+    shared = gemm("shared_expert", T, 3 * H * model.expert_ffn * model.shared_experts) if model.shared_experts else None
     return LayerOps(layer, kind, True, tuple(ops), router, shared)
 
 
@@ -227,7 +133,7 @@ def head_ops(model: ModelSpec, shape: StepShape) -> tuple[tuple[Op, ...], tuple[
     T, H, V = shape.tokens, model.hidden, model.vocab
     first = (Op("embed", "bytes", 0.0, 2.0 * T * H * BF16, T, f"tokens={T}"),)
     rows = T if shape.mode == "train" else shape.sequences
-    last = [_gemm("lm_head", rows, H * V)]
+    last = [gemm("lm_head", rows, H * V)]
     if shape.mode == "train":  # fp32 logits: softmax read + write, and its gradient
         last.append(Op("loss", "bytes", 0.0, 3.0 * T * V * 4, T, f"tokens={T}"))
     return first, tuple(last)
@@ -241,6 +147,6 @@ def backward_op(op: Op) -> Op:
     return replace(op, name=op.name + "_bwd", flops=op.flops * f, bytes=op.bytes * 2.0)
 
 
-__all__ = ["DEFAULT_DECODE_CONTEXT", "LayerOps", "MODES", "Op", "StepShape", "attention_core", "attention_params",
-           "backward_op", "dense_params", "head_ops", "kv_elems_per_token", "layer_ops", "linear_state_bytes",
+__all__ = ["BF16", "DEFAULT_DECODE_CONTEXT", "LayerOps", "MODES", "Op", "StepShape", "attention_core",
+           "attention_params", "backward_op", "dense_params", "head_ops", "kv_elems_per_token", "layer_ops",
            "step_shape"]

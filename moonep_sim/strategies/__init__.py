@@ -22,7 +22,6 @@ Adding a strategy
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -30,7 +29,9 @@ from typing import Any, Callable
 import numpy as np
 
 from moonep_sim.errors import ConfigError
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, Plan, RowCosts
+from moonep_sim.registry import Registry
 
 _MODULES = ("moonep", "alltoall", "capacity", "allgather", "hierarchical", "deepep", "deepep_ll", "eplb", "llep", "ultraep",
             "costaware")
@@ -50,6 +51,8 @@ class PlanContext:
         choices (``costaware``); None = such planners price with the default preset's constants
         (``h800-cx7``, read from its shipped file: ``costaware.preset_constants``). Planners must
         not need it to produce a valid Plan.
+    perf: where the builders take their compiled kernels (:class:`~moonep_sim.perf.PerfConfig`;
+        the same Plan whatever it says).
     """
 
     cluster: ClusterShape
@@ -57,6 +60,7 @@ class PlanContext:
     costs: RowCosts
     token_padding: int = 1
     topology: Any = None
+    perf: PerfConfig = DEFAULT_PERF
 
     @classmethod
     def default(cls, num_experts: int, ranks: int, gpus_per_node: int = 0, costs: RowCosts | None = None,
@@ -177,7 +181,8 @@ class StrategySpec:
         return dataclasses.replace(p, strategy=self.name, options={**opts, **p.options}, plan_seconds=seconds)
 
 
-_REGISTRY: dict[str, StrategySpec] = {}
+#: The strategies by name; the module list is :data:`_MODULES` (registering a name again replaces it).
+_REGISTRY: Registry[StrategySpec] = Registry("strategy", __name__, _MODULES, replace=True)
 
 
 #: Upper bounds of the options that size work or memory (checked before planning; listed by
@@ -204,19 +209,13 @@ def register(name: str, summary: str, options: dict[str, Option] | None = None):
         schema[k] = o
 
     def deco(fn: Callable[..., Plan]) -> Callable[..., Plan]:
-        _REGISTRY[name] = StrategySpec(name, summary, fn, schema)
+        _REGISTRY.register(StrategySpec(name, summary, fn, schema))
         return fn
     return deco
 
 
-def _load_all() -> None:
-    for mod in _MODULES:
-        importlib.import_module(f"moonep_sim.strategies.{mod}")
-
-
 def available() -> dict[str, StrategySpec]:
     """All registered strategies, by name (sorted): the one list every report and test uses."""
-    _load_all()
     return dict(sorted(_REGISTRY.items()))
 
 

@@ -21,11 +21,11 @@ from moonep_sim.strategies import PlanContext, register
 # Notation: T tokens, K top-k, R ranks, M = R*T messages.
 
 
-def _layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int, R: int, K: int) -> tuple:
+def _layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int, R: int, K: int, perf) -> tuple:
     """The entries' layout and final rows (what ``assemble_plan`` takes as ``layout``): every rank's
     buffer holds token t at row t, so the final rows' sources are the slot-sorted entries' tokens,
     by arithmetic (no scatter of each entry's buffer row)."""
-    lay = slot_layout(entry_slot_N, slot_rank_S, token_padding, ranks=R)
+    lay = slot_layout(entry_slot_N, slot_rank_S, token_padding, ranks=R, perf=perf)
     kept = lay.order_N[lay.n_drop:]
     return (lay,) + final_rows(lay, kept, None, entry_token(kept, K))
 
@@ -36,15 +36,15 @@ def plan(routing: GlobalRouting, ctx: PlanContext) -> Plan:
     sr, se, slot_of = home_slots(ctx.placement)
     entry_slot = home_entry_slots(slot_of, routing.topk_ids_TK).ravel()
     # the slot sort and layout on a second thread beside the hop (numpy's loops release the GIL)
-    layout = threads.Beside(_layout, entry_slot, sr, ctx.token_padding, R, K,
-                            run=entry_slot.size >= threads.THREAD_MIN)
+    layout = threads.Beside(_layout, entry_slot, sr, ctx.token_padding, R, K, ctx.perf,
+                            run=entry_slot.size >= ctx.perf.thread_min)
     with layout:
         hop = _hop(routing, R)
         entry_rank = sr.astype(INDEX)[entry_slot]  # the Plan's entry_rank, written as its index dtype
         dup = dup_flags(entry_rank, K)
     return assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr),
                          Entries(entry_slot, None, dup, rank_N=entry_rank), [hop],
-                         padding=Padding(ctx.token_padding), layout=layout.result())
+                         padding=Padding(ctx.token_padding), layout=layout.result(), perf=ctx.perf)
 
 
 def _hop(routing: GlobalRouting, R: int) -> Hop:

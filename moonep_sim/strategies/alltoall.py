@@ -19,4 +19,4 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, dedup: bool) -> Plan:
     # only home slots are used: replicas (if any) are ignored by this strategy
     sr, se, slot_of = home_slots(ctx.placement)
     return plan_from_slots(routing, ctx.cluster, ctx.costs, sr, se, sr, home_entry_slots(slot_of, routing.topk_ids_TK),
-                           dedup=dedup, token_padding=ctx.token_padding)
+                           dedup=dedup, token_padding=ctx.token_padding, perf=ctx.perf)

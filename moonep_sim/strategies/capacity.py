@@ -219,7 +219,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     min_rows = slot_cap if pad else None
     # the layout needs only the slot order and the kept rows: on a second thread beside the hop
     layout = threads.Beside(_layout, order_N, N - n_kept, kc_SR.sum(axis=1), sr, tp, min_rows, R, buf_row_K,
-                            run=N >= threads.THREAD_MIN)
+                            run=N >= ctx.perf.thread_min)
     # source row of a kept entry: its token's row on its own rank (written in place by _hop)
     K1 = max(K, 1)
     k_row = ke >> (K1.bit_length() - 1) if K1 & (K1 - 1) == 0 else ke // K1
@@ -231,7 +231,8 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     entries = Entries(None, None, np.zeros(T * K, dtype=bool), rank_N=entry_rank)
     return assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), entries, [hop],
                          padding=Padding(tp, min_rows, pad_slot, pad_row), capacity_R=capacity_R,
-                         options={"capacity_per_source_rank": int(cap_R.max()) if R else 0}, layout=layout.result())
+                         options={"capacity_per_source_rank": int(cap_R.max()) if R else 0}, layout=layout.result(),
+                         perf=ctx.perf)
 
 
 def _layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, tp: int,

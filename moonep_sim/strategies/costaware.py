@@ -511,6 +511,6 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, sms: int, mode: str, min_g
     # as they arrive
     hops = [to_node_of_final(ctx.cluster, dedup=True), to_final(Scope.INTRA_NODE, dedup=True)]
     p = plan_from_hops(routing, ctx.cluster, c, slot_rank, slot_expert, slot_home, entry_slot, hops,
-                       token_padding=ctx.token_padding, options=opts,
+                       token_padding=ctx.token_padding, options=opts, perf=ctx.perf,
                        kernel=family_spec(FAMILIES["deepep-v1"], sms=sms_used, relay=True))
     return dataclasses.replace(p, slot_src_S=src) if relayed.any() else p

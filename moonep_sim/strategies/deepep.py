@@ -25,27 +25,13 @@ from __future__ import annotations
 import numpy as np
 
 from moonep_sim.errors import PlanError, require
-from moonep_sim.plan import GlobalRouting, Plan, Scope, build, home_slots, plan_from_hops, to_final, to_node_of_final
+from moonep_sim.plan import GlobalRouting, Plan, Scope, home_slots, plan_from_hops, to_final, to_node_of_final
 from moonep_sim.plan.kernel import FAMILIES, family, family_spec
 from moonep_sim.plan.multihop import home_entry_slots
+from moonep_sim.plan.runs import distinct_per_token, nodes_per_token_T
 from moonep_sim.strategies import Option, PlanContext, register
 
 # Notation: T tokens, K top-k, E experts, R ranks, G GPUs per node, N = T*K entries.
-
-
-def nodes_per_token_T(node_TK: np.ndarray) -> np.ndarray:
-    """int64 [T]: distinct nodes among each token's K destinations (node_TK: any integer dtype)."""
-    if node_TK.size == 0:
-        return np.zeros(node_TK.shape[0], dtype=np.int64)
-    lo, hi = int(node_TK.min()), int(node_TK.max())
-    if hasattr(np, "bitwise_count") and lo >= 0 and hi < 64:
-        # a bit set of each token's nodes in the narrowest word that holds them, OR-reduced over
-        # its K entries (numpy >= 2.0 counts the bits)
-        dt = np.uint8 if hi < 8 else np.uint16 if hi < 16 else np.uint32 if hi < 32 else np.uint64
-        bits = np.left_shift(dt(1), node_TK.astype(dt))
-        return np.bitwise_count(np.bitwise_or.reduce(bits, axis=1)).astype(np.int64)
-    s = np.sort(node_TK, axis=1)
-    return 1 + (s[:, 1:] != s[:, :-1]).sum(axis=1).astype(np.int64)
 
 
 def node_limited_topk(logits_TE: np.ndarray, top_k: int, num_nodes: int, max_nodes: int,
@@ -93,13 +79,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, max_nodes: int, sms: int |
     # home groups number the slots as the experts: the routing's ids are the slots (no [N] gather)
     entry_slot = home_entry_slots(slot_of, ids)
     node_S = cl.node_of(sr)
-    if entry_slot.size >= build.FUSED_MIN and node_S.size and 0 <= node_S.min() and node_S.max() < 64:
-        # one compiled pass over the entries' slots (moonep_sim.plan.fused): the same counts
-        from moonep_sim.plan import fused
-
-        npt = fused.distinct_per_token(entry_slot, node_S)
-    else:  # nodes per token from one-byte node ids (an [N] gather of bytes, not of int64) when they fit
-        npt = nodes_per_token_T((node_S.astype(np.uint8) if node_S.size and node_S.max() < 256 else node_S)[entry_slot])
+    npt = distinct_per_token(entry_slot, node_S, perf=ctx.perf)
     if max_nodes and npt.size and int(npt.max()) > max_nodes:
         t = int(np.argmax(npt > max_nodes))
         raise PlanError(f"nodes of token {t} ({int(npt[t])}) must be <= max_nodes ({max_nodes}): the given "
@@ -110,4 +90,4 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, max_nodes: int, sms: int |
     # one kernel: the relay (same local index on the destination node) forwards rows as they arrive
     hops = [to_node_of_final(cl, dedup=True), to_final(Scope.INTRA_NODE, dedup=True)]
     return plan_from_hops(routing, cl, ctx.costs, sr, se, sr, entry_slot, hops, token_padding=ctx.token_padding,
-                          options=opts, kernel=family_spec(fam, sms=sms, relay=True))
+                          options=opts, perf=ctx.perf, kernel=family_spec(fam, sms=sms, relay=True))

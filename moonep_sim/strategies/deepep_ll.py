@@ -72,5 +72,5 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, dispatch_dtype: str, max_t
     capacity = local_E * (T_max * R + (tp - 1))
     return plan_from_slots(routing, ctx.cluster, ll_row_costs(ctx.costs, dispatch_dtype), sr, se, sr,
                            home_entry_slots(slot_of, routing.topk_ids_TK), dedup=fam.dedup_per_rank, token_padding=tp,
-                           capacity_R=capacity, options={"max_tokens": T_max},
+                           capacity_R=capacity, options={"max_tokens": T_max}, perf=ctx.perf,
                            kernel=family_spec(fam, sms=sms, row_messages=True, nic_only=not nvlink, planned=False))

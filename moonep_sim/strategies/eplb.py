@@ -26,7 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from moonep_sim.errors import ConfigError, require
-from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, build, plan_from_order, plan_from_slots
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
+from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, plan_from_slots
+from moonep_sim.plan.runs import cycle_runs, split_runs
 from moonep_sim.plan.order import stable_order_counts
 from moonep_sim.strategies import Option, PlanContext, make_plan, register
 
@@ -274,37 +276,29 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, num_redundant: int, groups
                                                              / np.bincount(slot_expert, minlength=E)[slot_expert],
                                                              minlength=R))}
     migrate = dict(migrate_expert_X=mx, migrate_src_X=ms, migrate_dst_X=md)
-    if ids_N.size >= build.FUSED_MIN:
-        # each entry's replica in one compiled pass over the entries, then the compiled single-hop
-        # builder: the same Plan as below (tests/test_plan_fused.py)
-        return plan_from_slots(routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_rank,
-                               replica_slots(ids_N, slot_expert, E, choice), dedup=dedup,
-                               token_padding=ctx.token_padding, options=opts, **migrate)
-    # (the slot of each entry is implied by the order and the slots' rows)
-    _, order, slot_rows = choose_replicas_ordered(ids_N, slot_expert, E, choice, with_entry_slot=False)
-    return plan_from_order(routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_rank, order, 0, slot_rows,
-                           dedup=dedup, token_padding=ctx.token_padding, options=opts, **migrate)
+    return plan_from_slots(routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_rank,
+                           replica_slots(ids_N, slot_expert, E, choice, perf=ctx.perf), dedup=dedup,
+                           token_padding=ctx.token_padding, options=opts, perf=ctx.perf, **migrate)
 
 
-def replica_slots(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_experts: int, choice: str) -> np.ndarray:
-    """INDEX [N] :func:`choose_replicas`' slot of each entry, in one compiled pass over the entries
-    (``moonep_sim.plan.fused``): the j-th entry of expert e to its replica ``j % c_e``
+def replica_slots(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_experts: int, choice: str, *,
+                  perf: PerfConfig = DEFAULT_PERF) -> np.ndarray:
+    """INDEX [N] :func:`choose_replicas`' slot of each entry, by one pass over the experts' runs
+    (:mod:`moonep_sim.plan.runs`, compiled on a large layer): the j-th entry of expert e to its replica ``j % c_e``
     (round_robin) or to the replica whose contiguous share holds j (contiguous)."""
-    from moonep_sim.plan import fused
-
     E, S = num_experts, slot_expert_S.size
     if choice not in ("round_robin", "contiguous"):
         raise ConfigError(f"choice ({choice!r}) must be 'round_robin' or 'contiguous'")
     rep = np.argsort(slot_expert_S, kind="stable")  # slots grouped by expert, in slot order
     if choice == "round_robin":
-        return fused.cycle_runs(ids_N, E, slot_expert_S[rep], rep)
+        return cycle_runs(ids_N, E, slot_expert_S[rep], rep, perf=perf)
     c = np.bincount(slot_expert_S, minlength=E)
     n_e = np.bincount(ids_N, minlength=E)
     r_S = np.empty(S, dtype=np.int64)  # replica index of each slot: its rank among its expert's slots
     r_S[rep] = np.arange(S, dtype=np.int64) - np.repeat(np.cumsum(c) - c, c)
     n_S, c_S = n_e[slot_expert_S], c[slot_expert_S].astype(np.int64)
     rows_S = ((r_S + 1) * n_S + c_S - 1) // c_S - (r_S * n_S + c_S - 1) // c_S  # replica r's share
-    return fused.split_runs(ids_N, E, slot_expert_S[rep], rows_S[rep], rep)
+    return split_runs(ids_N, E, slot_expert_S[rep], rows_S[rep], rep, perf=perf)
 
 
 class EPLBPlanner:

@@ -30,4 +30,4 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, dedup: bool) -> Plan:
     # NVLink to the GPU of the source's node on the destination's rail, then across nodes on that rail
     hops = [to_rail_of_final(ctx.cluster, dedup=dedup), to_final(Scope.INTER_NODE, dedup=dedup)]
     return plan_from_hops(routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, hops,
-                          token_padding=ctx.token_padding)
+                          token_padding=ctx.token_padding, perf=ctx.perf)

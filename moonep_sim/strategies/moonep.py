@@ -48,7 +48,8 @@ from __future__ import annotations
 import numpy as np
 
 from moonep_sim.errors import ConfigError, PlanError
-from moonep_sim.plan import INDEX, GlobalRouting, Plan, build, plan_from_order, plan_from_slots
+from moonep_sim.plan import INDEX, GlobalRouting, Plan, plan_from_slots
+from moonep_sim.plan.runs import split_runs
 from moonep_sim.plan.kinds import require_index
 from moonep_sim.plan.order import small_key_dtype, stable_order_counts
 from moonep_sim.plan.kernel import KernelSpec
@@ -207,25 +208,17 @@ def alloc_plan(routing: GlobalRouting, ctx: PlanContext, alloc_ER: np.ndarray, s
                slot_expert_S: np.ndarray, slot_home_S: np.ndarray, *, dedup: bool, token_padding: int,
                **extra) -> Plan:
     """The single-hop Plan computing ``alloc[e, d]`` entries of expert e on rank d (step 6 of the
-    module doc) in the slots ``copy_slots`` made of it; extra: ``plan_from_order``'s options and
-    further Plan fields. From ``build.FUSED_MIN`` entries each entry's slot is found in one compiled
-    pass over the entries (its expert's pieces in rank order: ``fused.split_runs``) and the Plan
-    built by the compiled single-hop builder; the same Plan as :func:`slot_order` then
-    ``plan_from_order`` (``tests/test_plan_fused.py``)."""
+    module doc) in the slots ``copy_slots`` made of it; extra: ``plan_from_slots``' options and
+    further Plan fields. Each entry's slot: its expert's run cut into pieces in rank order
+    (:func:`moonep_sim.plan.runs.split_runs`); the same Plan as :func:`slot_order` then the
+    slot-sorted layout (``tests/test_plan_fused.py``)."""
     ids_N = routing.topk_ids_TK.ravel()
-    if ids_N.size >= build.FUSED_MIN:
-        from moonep_sim.plan import fused
-
-        E, R = alloc_ER.shape
-        slot_of_ER = np.full((E, R), -1, dtype=np.int64)
-        slot_of_ER[slot_expert_S, slot_rank_S] = np.arange(slot_rank_S.size)
-        pe, pd = np.nonzero(alloc_ER)
-        if bool((slot_of_ER[pe, pd] < 0).any()):
-            raise PlanError("every allocated (expert, rank) pair must have a slot (internal error)")
-        entry_slot = fused.split_runs(ids_N, E, pe, alloc_ER[pe, pd], slot_of_ER[pe, pd])
-        return plan_from_slots(routing, ctx.cluster, ctx.costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot,
-                               dedup=dedup, token_padding=token_padding, **extra)
-    order, slot_rows = slot_order(ids_N, alloc_ER, slot_rank_S, slot_expert_S)
-    # same Plan as plan_from_slots(..., entry_slots(...)), without sorting the entries a second time
-    return plan_from_order(routing, ctx.cluster, ctx.costs, slot_rank_S, slot_expert_S, slot_home_S, order, 0,
-                           slot_rows, dedup=dedup, token_padding=token_padding, **extra)
+    E, R = alloc_ER.shape
+    slot_of_ER = np.full((E, R), -1, dtype=np.int64)
+    slot_of_ER[slot_expert_S, slot_rank_S] = np.arange(slot_rank_S.size)
+    pe, pd = np.nonzero(alloc_ER)
+    if bool((slot_of_ER[pe, pd] < 0).any()):
+        raise PlanError("every allocated (expert, rank) pair must have a slot (internal error)")
+    entry_slot = split_runs(ids_N, E, pe, alloc_ER[pe, pd], slot_of_ER[pe, pd], perf=ctx.perf)
+    return plan_from_slots(routing, ctx.cluster, ctx.costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot,
+                           dedup=dedup, token_padding=token_padding, perf=ctx.perf, **extra)

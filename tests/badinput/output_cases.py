@@ -35,7 +35,7 @@ def _inputs(d: Path) -> dict[str, Path]:
 SIM = ["simulate", "--trace", "T", "--strategy", "alltoall", "--ranks", "2", "--topology", "B", "--model", "M"]
 # command -> (argv with T/M/B/I/S placeholders for inputs, {input flag: placeholder}, output flags)
 FILE_OUTPUTS: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
-    "simulate": (SIM, {"--trace": "T", "--topology": "B", "--model": "M"}, ["--timeline"]),
+    "simulate": (SIM, {"--trace": "T", "--topology": "B", "--model": "M"}, ["--timeline", "--json"]),
     "step": (["step", "--trace", "T", "--topology", "B", "--model", "M", "--compute-profile", "P"],
              {"--trace": "T", "--topology": "B", "--model": "M", "--compute-profile": "P"}, ["--json", "--timeline", "--gantt"]),
     "trace-gen": (["trace", "gen", "--model", "M", "--tokens", "64", "--seed", "1", "--uniform"], {"--model": "M"}, ["-o"]),
@@ -45,6 +45,8 @@ FILE_OUTPUTS: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
                     ["--json", "--topology-out"]),
     "compare": (["compare", "--trace", "T", "--strategies", "alltoall", "--ranks", "2", "--topology", "B", "--model", "M",
                  "--no-plots"], {"--trace": "T", "--topology": "B", "--model": "M"}, ["--json"]),
+    "sweep": (["sweep", "--model", "M", "--over", "maxvio", "--values", "1", "--strategies", "alltoall", "--topology", "B",
+               "--no-plots"], {"--model": "M", "--topology": "B"}, ["--json"]),
     "testbed-probe": (["testbed", "probe", "--base-topology", "B"], {"--base-topology": "B"}, ["--topology-out"]),
     "testbed-agree": (["testbed", "agree", "--base-topology", "B"], {"--base-topology": "B"},
                           ["--json", "--markdown"]),

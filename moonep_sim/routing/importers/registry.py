@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from moonep_sim.errors import ConfigError
+from moonep_sim.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -44,15 +44,13 @@ class Importer:
     priority: int = 0
 
 
-IMPORTERS: dict[str, Importer] = {}
+#: The importers by format name (the package imports every module of its own, each registering one).
+IMPORTERS: Registry[Importer] = Registry("importer")
 
 
 def register(importer: Importer) -> Importer:
     """Add ``importer`` to the registry (names are unique)."""
-    if importer.name in IMPORTERS:
-        raise ConfigError(f"importer ({importer.name!r}) must be registered once")
-    IMPORTERS[importer.name] = importer
-    return importer
+    return IMPORTERS.register(importer)
 
 
 def by_priority() -> list[Importer]:

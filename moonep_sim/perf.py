@@ -1,0 +1,57 @@
+"""Performance settings: where the compiled kernels and a second thread take over, as one typed value.
+
+Each setting decides *how* a result is computed, never *what* it is: every path it picks between is
+held equal to its reference (the same Plans, draws, records, bit for bit), so a caller may pass any
+:class:`PerfConfig` and get the same result, sooner or later. Functions that branch on one take a
+``perf`` argument defaulting to :data:`DEFAULT_PERF` (DeepEP's ``get_dispatch_config`` pattern:
+documented defaults, overridden by passing a value, never by editing a module global); tests pass
+``PerfConfig(...)`` to run a path at a size where the defaults would not take it.
+
+The defaults were measured on the benchmarks named beside each field (docs/results/tiers.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from moonep_sim.errors import require
+
+
+@dataclass(frozen=True)
+class PerfConfig:
+    """Size thresholds of the package's fast paths (counts of items, not bytes).
+
+    plan_compiled_min: entries (tokens x top-k) from which the Plan builders and the planners' slot
+        passes run the compiled kernels (``moonep_sim.plan.compiled``); below it the readable numpy
+        builders run (the compiled module is imported only then: a fresh process pays numba's start,
+        ~0.25 CPU s, at its first compiled call). 65536: below it the two cost the same within a
+        few ms (benchmarks/bench_plan.py).
+    thread_min: entries plus messages from which a Plan's independent pieces of work (validation's
+        hop check; capacity's and allgather's hop beside their layout; the multi-hop table routes'
+        layout beside their hops) run on a second thread. Below it a thread's start costs more than
+        it saves. The CPU time is the same either way; the wall time falls on two cores.
+    pair_rows_compiled_min: messages from which ``Hop.rows_RR`` counts rows per (source,
+        destination) pair with its compiled pass (below: ``np.bincount``).
+    """
+
+    plan_compiled_min: int = 1 << 16
+    thread_min: int = 1 << 20
+    pair_rows_compiled_min: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        for name in ("plan_compiled_min", "thread_min", "pair_rows_compiled_min"):
+            v = getattr(self, name)
+            require(isinstance(v, int) and v >= 0, f"{name} ({v!r}) must be an integer >= 0")
+
+
+#: the settings every function uses unless given others
+DEFAULT_PERF = PerfConfig()
+
+
+def perf_config(**overrides: int) -> PerfConfig:
+    """:data:`DEFAULT_PERF` with ``overrides`` (field name -> value): e.g.
+    ``perf_config(plan_compiled_min=0)`` to run the compiled builders on a small layer."""
+    return replace(DEFAULT_PERF, **overrides)
+
+
+__all__ = ["DEFAULT_PERF", "PerfConfig", "perf_config"]

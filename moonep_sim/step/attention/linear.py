@@ -1,0 +1,42 @@
+"""``linear``: a recurrent (linear-attention) kind with a fixed state per sequence (Kimi's KDA).
+
+Projections: q, k, v, o and the output gate, ASSUMED (KDA-like) five ``H x (n x hd)`` matrices.
+State: ``n x hd x hd`` fp32 per sequence (:meth:`Linear.state_bytes`), kept in serving instead of
+a K/V cache. The core per token: the state update and readout, ``4 x n x hd x hd`` FLOPs; the
+state read and written once per sequence, q, k, v and the output once per token. Saved for the
+backward: q, k, v and the output per token.
+"""
+
+from __future__ import annotations
+
+from moonep_sim.models import ModelSpec
+from moonep_sim.step.attention import ATTENTION, AttentionKind
+from moonep_sim.step.ops import BF16, Op, StepShape
+
+
+class Linear(AttentionKind):
+    name = "linear"
+
+    def state_bytes(self, model: ModelSpec) -> int:
+        """One sequence's fixed state: heads x head_dim x head_dim fp32."""
+        return model.heads * model.head_dim * model.head_dim * 4
+
+    def params(self, model: ModelSpec) -> int:
+        return 5 * model.hidden * model.heads * model.head_dim
+
+    def cache_bytes(self, model: ModelSpec, shape: StepShape) -> float:
+        return float(self.state_bytes(model) * shape.sequences)
+
+    def core(self, model: ModelSpec, shape: StepShape) -> Op:
+        T, n, dk = shape.tokens, model.heads, model.head_dim
+        flops = 4.0 * T * n * dk * dk
+        state = float(self.state_bytes(model)) * shape.sequences * 2
+        return Op("attn_core", "attention", flops, state + 4.0 * T * n * dk * BF16, T, f"tokens={T},kind=linear")
+
+    def saved_per_token(self, model: ModelSpec, mode: str) -> float:
+        return 4.0 * model.heads * model.head_dim * BF16
+
+
+ATTENTION.register(Linear())
+
+__all__ = ["Linear"]

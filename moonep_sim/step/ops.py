@@ -1,0 +1,67 @@
+"""The step model's vocabulary: one rank's compute operation (:class:`Op`) and what it runs in a
+step (:class:`StepShape`), below the layer stack (``stack``) and the attention kinds
+(``attention``) that build ops from them. Bytes are bf16 (:data:`BF16`, 2 per element) unless
+named otherwise; FLOPs count 2 per multiply-add.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BF16 = 2
+
+
+def gemm(name: str, tokens: int, weights: int) -> "Op":
+    """A GEMM of ``tokens`` rows through ``weights`` elements (weights read once, rows in/out)."""
+    return Op(name, "gemm", 2.0 * tokens * weights, float(weights) * BF16, tokens, f"tokens={tokens}")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One compute operation of one rank.
+
+    name: the op (``attn_proj``, ``attn_core``, ``router`` ...; ``_bwd`` suffix in backward).
+    kind: ``gemm`` (FLOPs at the GEMM rate, with the rows-per-GEMM efficiency curve), ``attention``
+        (FLOPs and bytes, roofline) or ``bytes`` (memory-bound: elementwise, norm, gather).
+    flops / bytes: per rank.  rows: the GEMM's M dimension (tokens), for the efficiency curve.
+    shape: the profile key of this op's shape (``tokens=4096`` or ``tokens=32,context=4096``).
+    """
+
+    name: str
+    kind: str
+    flops: float
+    bytes: float
+    rows: int
+    shape: str
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one rank runs in a step: the mode, its tokens and the context per sequence.
+
+    tokens: T per rank (decode: sequences, one new token each).  context: keys per sequence
+    (train / prefill: the sequence length, default T; decode: the KV context, default
+    :data:`DEFAULT_DECODE_CONTEXT`).  sequences: sequences on the rank.
+    """
+
+    mode: str
+    tokens: int
+    context: int
+
+    @property
+    def sequences(self) -> int:
+        if self.mode == "decode":
+            return self.tokens
+        return max(1, self.tokens // self.context) if self.context <= self.tokens else 1
+
+    def attended(self) -> float:
+        """Mean keys one query token attends to (causal in train / prefill)."""
+        if self.mode == "decode":
+            return float(self.context)
+        if self.context <= self.tokens:  # whole sequences of `context` tokens
+            return (self.context + 1) / 2.0
+        prior = self.context - self.tokens  # one chunk at the end of a longer sequence
+        return prior + (self.tokens + 1) / 2.0
+
+
+__all__ = ["BF16", "Op", "StepShape", "gemm"]

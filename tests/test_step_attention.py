@@ -1,0 +1,70 @@
+"""Attention kinds as records (``moonep_sim.step.attention``): the registry holds exactly the kinds a
+model may name, each kind's weights, cache and core op equal the hand counts, and the step's
+figures are pinned (the registry replaced branches on the kind's name bit for bit)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moonep_sim.errors import ConfigError
+from moonep_sim.models import ATTENTION_KINDS, PRESETS, ModelSpec
+from moonep_sim.step.attention import ATTENTION, AttentionKind, attention_kind
+from moonep_sim.step.stack import StepShape, attention_params, layer_ops, step_shape
+
+
+def test_the_registry_holds_the_kinds_a_model_may_name():
+    assert ATTENTION.names() == ATTENTION_KINDS
+    for name in ATTENTION_KINDS:
+        k = attention_kind(name)
+        assert isinstance(k, AttentionKind) and k.name == name
+    assert [n for n in ATTENTION_KINDS if not attention_kind(n).has_op] == ["none"]
+
+
+def test_an_unknown_kind_is_one_line_naming_the_kinds():
+    with pytest.raises(ConfigError) as e:
+        attention_kind("swa")
+    msg = str(e.value)
+    assert "\n" not in msg and "'swa'" in msg and all(k in msg for k in ATTENTION_KINDS)
+    with pytest.raises(ConfigError, match="attention kind"):
+        ModelSpec("x", 1, 1, 8, 2, 0, 64, 32, attention="gqa,swa", heads=2, head_dim=32)
+
+
+def test_mla_weights_and_cache_by_hand():
+    v3 = PRESETS["deepseek-v3"]  # q_lora 1536, kv_lora 512, nope 128, rope 64, v 128, 128 heads, H 7168
+    q = 7168 * 1536 + 1536 * 128 * (128 + 64)
+    kv = 7168 * (512 + 64) + 512 * 128 * (128 + 128)
+    o = 128 * 128 * 7168
+    assert attention_params(v3, "mla") == q + kv + o == 187_105_280
+    assert attention_kind("mla").kv_elems_per_token(v3) == 576
+    # decode absorbs the up-projections: QK width kv_lora + rope, V width kv_lora
+    assert attention_kind("mla").dims(v3, "decode") == (576, 512)
+    assert attention_kind("mla").dims(v3, "prefill") == (192, 128)
+
+
+def test_gqa_sliding_and_linear_by_hand():
+    q3 = PRESETS["qwen3-235b"]  # H 4096, 64 heads, 4 KV heads, head_dim 128
+    assert attention_params(q3, "gqa") == 4096 * 64 * 128 * 2 + 2 * 4096 * 4 * 128
+    assert attention_kind("gqa").kv_elems_per_token(q3) == 2 * 4 * 128
+    # decode: 2 x T x n x C x (dqk + dv) FLOPs; q/o once per token, every sequence reads its cache
+    T, C = 8, 1000
+    op = attention_kind("gqa").core(q3, StepShape("decode", T, C))
+    assert op.flops == 2.0 * T * 64 * C * 256
+    assert op.bytes == T * 64 * 256 * 2 + T * C * 1024 * 2
+    oss = PRESETS["gpt-oss-20b"]  # sliding window 128
+    sl = attention_kind("sliding").core(oss, StepShape("decode", T, C))
+    assert sl.flops == 2.0 * T * 64 * 128 * 128 and sl.shape == f"tokens={T},context=128,kind=sliding"
+    assert attention_kind("sliding").cache_bytes(oss, StepShape("decode", T, C)) == T * 128 * (2 * 8 * 64) * 2
+    assert attention_kind("gqa").cache_bytes(oss, StepShape("decode", T, C)) == T * C * (2 * 8 * 64) * 2
+    k3 = PRESETS["kimi-k3"]
+    lin = attention_kind("linear")
+    assert lin.kv_elems_per_token(k3) == 0 and lin.state_bytes(k3) == k3.heads * k3.head_dim ** 2 * 4
+    assert lin.cache_bytes(k3, StepShape("decode", T, C)) == T * lin.state_bytes(k3)  # independent of C
+    assert lin.core(k3, StepShape("prefill", 64, 64)).flops == 4.0 * 64 * k3.heads * k3.head_dim ** 2
+
+
+def test_a_layer_of_kind_none_runs_no_attention_op():
+    bare = ModelSpec("bare", 1, 1, 8, 2, 0, 64, 32, attention="none")
+    lo = layer_ops(bare, 0, step_shape(bare, "prefill", 16, None))
+    assert lo.before == () and lo.router is not None
+    with pytest.raises(ConfigError, match="decode"):
+        step_shape(bare, "decode", 16, None)
