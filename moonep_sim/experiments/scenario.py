@@ -265,7 +265,6 @@ class Scenario:
                     f"ranks ({rs.cluster.ranks}) must equal nproc ({nproc}) for a real replay: each process is one EP rank")
             from moonep_sim.experiments.compare import load_topology
             load_topology("local-gloo")
-            _check_replay_batches(rs, nproc)
             opts = RealOptions(nproc, timeout_s, hidden, ffn, iters)
         return CompareResult.from_report(compare(rs, real=opts, progress=progress, jobs=jobs, cluster=cluster))
 
@@ -284,7 +283,6 @@ class Scenario:
         nproc = nproc or rs.cluster.ranks
         require(2 <= nproc <= 64, f"nproc ({nproc}) must lie in [2, 64]")
         require(rs.cluster.ranks == nproc, f"ranks ({rs.cluster.ranks}) must equal nproc ({nproc}) for a replay")
-        _check_replay_batches(rs, nproc)
         with tempfile.TemporaryDirectory(prefix="moonep-replay-") as tmp:
             path = rs.source.trace_file(Path(tmp), nproc)
             spec = replay_spec(rs, path, hidden=hidden, ffn=ffn, iters=iters, warmup=warmup, backward=backward,
@@ -411,16 +409,6 @@ def _simulate_flags(rs: Resolved, name: str, plans: list) -> list[dict[str, Any]
     out = strategy_flags(name, opts, rs.cluster.num_nodes, sum(p.dropped for p in plans), sum(p.padded for p in plans),
                          unit=f"{len(plans)} layer(s)")
     return [f for f in model_flags(rs.source.model.to_dict()) if rs.strategies[0][0] == name] + out
-
-
-def _check_replay_batches(rs: Resolved, nproc: int) -> None:
-    """Before any work: every batch a real replay runs gives each of its ``nproc`` ranks a token."""
-    src = rs.source
-    small = [(s, t) for (s, _), t in zip(src.batches, src.batch_tokens) if t is not None and t < nproc]
-    require(not small, f"tokens ({small[0][1] if small else 0} in step {small[0][0] if small else ''}) must be >= "
-                       f"nproc ({nproc}) for a real replay: every rank needs a token in every step "
-                       f"({len(small)} of {src.num_batches} steps have fewer; select steps with --steps, or "
-                       "--steps merged)")
 
 
 def default_ranks(num_experts: int) -> int:
