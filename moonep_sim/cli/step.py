@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from moonep_sim.cli.common import add_redundant_experts
 from moonep_sim.cli.common import (add_dispatch_dtype, add_output_flags, add_steps, add_strategies,
                                    check_cluster_args, parse_strategy_opts)
 from moonep_sim.errors import ConfigError, require
@@ -35,6 +36,7 @@ def register(sub) -> None:
                         "simulates (auto: on 2+ cores, for layers of >= 2^20 routed entries; same results; docs/steps.md)")
     add_steps(p)
     add_dispatch_dtype(p)
+    add_redundant_experts(p)
     p.add_argument("--timeline", metavar="OUT.json", default=None,
                    help="write a Perfetto trace of every op (compute and comm streams per rank)")
     p.add_argument("--gantt", metavar="PNG", default=None,
@@ -159,7 +161,8 @@ def scenario(args):
         routing = args.trace
     return Scenario(routing=routing, model=args.model, cluster=(args.ranks or 0, args.gpus_per_node or 0),
                     topology=args.topology, strategies=[(n, opts[n]) for n in names],
-                    steps=args.steps if not args.gen else None, dispatch_dtype=args.dispatch_dtype)
+                    steps=args.steps if not args.gen else None, dispatch_dtype=args.dispatch_dtype,
+                    redundant_experts=getattr(args, "redundant_experts", 0))
 
 
 def print_steps(doc: dict) -> None:

@@ -75,6 +75,9 @@ class Scenario:
       ``"merged"`` / ``"merged:SEL"`` costs them as one concatenated batch (with a warning).
     dispatch_dtype: ``bf16`` or ``fp8`` rows.  token_padding: pad each slot to a multiple of this.
     placement: ``home`` (contiguous groups) or ``round-robin`` expert homes.
+    redundant_experts: N extra expert slots (serving's redundant experts: ``E + N`` slots, the EP
+      size dividing them, e.g. 256 + 32 over EP72): the homes spread as evenly as they go and
+      replicas in the other slots (``Placement.redundant``); ``eplb`` places its N replicas from load.
     costs: row and weight byte sizes overriding the model's (e.g.
       :func:`~moonep_sim.experiments.compare.replay_costs` to simulate a gloo replay's plans).
     """
@@ -91,6 +94,7 @@ class Scenario:
     token_padding: int = 1
     placement: str = "home"
     costs: RowCosts | None = None
+    redundant_experts: int = 0
 
     def __post_init__(self) -> None:
         from moonep_sim.experiments.checks import check_scenario_args
@@ -119,11 +123,20 @@ class Scenario:
         R = R or default_ranks(source.num_experts)
         base = load_topology(self.topology)
         G = G or base.gpus_per_node_for(R)
-        cluster = check_cluster(source, R, G)
+        N = self.redundant_experts
+        require(isinstance(N, int) and not isinstance(N, bool) and 0 <= N <= 16 * source.num_experts,
+                f"redundant experts ({N!r}) must be an integer in [0, 16 x E = {16 * source.num_experts}]")
+        require(not N or self.placement == "home", f"placement ({self.placement}) must be home with redundant "
+                                                   "experts (their placement spreads the homes itself)")
+        cluster = check_cluster(source, R, G, N)
         topo = load_topology(self.topology, cluster)
         costs = self.costs or RowCosts.from_model(source.model, dtype)
-        place = (Placement.home_groups(source.num_experts, R) if self.placement == "home"
+        place = (Placement.redundant(source.num_experts, R, N) if N else
+                 Placement.home_groups(source.num_experts, R) if self.placement == "home"
                  else Placement.round_robin(source.num_experts, R))
+        if N:  # eplb places the deployment's redundant slots unless told otherwise
+            strategies = tuple((n, {**o, "num_redundant": N}) if n == "eplb" and o.get("num_redundant", -1) == -1
+                               else (n, o) for n, o in strategies)
         warn = []
         if source.merged:
             warn.append(f"steps merged: {source.trace_steps} recorded steps of the trace costed as one batch of "

@@ -267,11 +267,14 @@ def stages_of(model: ModelSpec, par: Parallel) -> tuple[list[_Stage], tuple[int,
 
 
 def memory_for_layout(model: ModelSpec, shape: StepShape, par: Parallel,
-                      plans: "Sequence[Plan | PlanFootprint]" = (), opts: MemoryOptions = MemoryOptions()) -> dict:
+                      plans: "Sequence[Plan | PlanFootprint]" = (), opts: MemoryOptions = MemoryOptions(),
+                      expert_slots: int = 0) -> dict:
     """Every part (see the module docstring) on every pipeline stage of layout ``par``.
 
     plans: the strategy's Plans (or :class:`PlanFootprint`) of the step's MoE layers over one EP
-    group of ``par.ep`` ranks; empty: :meth:`PlanFootprint.balanced`. Returns ``peak_bytes`` (the
+    group of ``par.ep`` ranks; empty: :meth:`PlanFootprint.balanced`. expert_slots: the expert
+    slots resident per MoE layer (``E + redundant``; 0 = what the Plans use): a strategy that routes
+    to home slots only still holds a deployment's redundant slots. Returns ``peak_bytes`` (the
     largest rank's total), ``peak_stage`` and ``peak_rank`` (its pipeline rank and EP rank),
     ``parts`` (its parts), ``parts_max`` (each part's largest over every rank), ``stages`` (per
     pipeline rank: its layers, MoE layers, micro-batch chunks alive, peak and parts), ``layout`` and
@@ -287,12 +290,12 @@ def memory_for_layout(model: ModelSpec, shape: StepShape, par: Parallel,
     notes: list[str] = []
     t_rank = shape.tokens / cp  # tokens of one micro-batch on one rank of the TP x CP group
     if not plans:
-        plans = [PlanFootprint.balanced(model, ep, int(np.ceil(t_rank / tp)))]  # MoE tokens split over TP
+        plans = [PlanFootprint.balanced(model, ep, int(np.ceil(t_rank / tp)), expert_slots)]  # MoE tokens over TP
         notes.append("balanced routing stand-in (no Plans)")
     fps = [p if isinstance(p, PlanFootprint) else PlanFootprint.of(p) for p in plans]
     R = len(fps[0].slots_R)
     require(R == ep, f"plans ({R} ranks) must span the layout's EP group (ep {ep})")
-    epn = float(fps[0].slots_R.sum() - fps[0].copies_R.sum()) / ep  # home slots per rank (E / ep)
+    epn = max(float(fps[0].slots_R.sum() - fps[0].copies_R.sum()), float(expert_slots)) / ep  # resident slots
     copy_slots, replicas, buf, act_rows = (np.zeros(R) for _ in range(4))
     fixed = 0.0
     for f in fps:
@@ -386,10 +389,10 @@ def memory_for_layout(model: ModelSpec, shape: StepShape, par: Parallel,
 
 
 def memory_per_rank(model: ModelSpec, shape: StepShape, plans: "Sequence[Plan | PlanFootprint]", R: int,
-                    opts: MemoryOptions = MemoryOptions()) -> dict:
+                    opts: MemoryOptions = MemoryOptions(), expert_slots: int = 0) -> dict:
     """:func:`memory_for_layout` under ``pure_ep(R)``: every rank a data-parallel replica of the dense
     part (ZeRO-1: its optimizer state over the R ranks), the experts EP over all R."""
-    d = memory_for_layout(model, shape, pure_ep(R), plans, opts)
+    d = memory_for_layout(model, shape, pure_ep(R), plans, opts, expert_slots)
     d.pop("stages")
     return d
 

@@ -541,7 +541,7 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
         tl = compose(m, mb_shapes, costs, ov, comm_of, R, train)
         comms = {l: comm_of(l, 0) for l in range(first_moe, m.layers)}
         d = step_metrics(tl, cfg, comms, useful_flops_per_rank(cfg), float(shape.tokens))
-        mem = memory_per_rank(m, shape, plans, R, cfg.memory)
+        mem = memory_per_rank(m, shape, plans, R, cfg.memory, cfg.ctx.placement.num_slots)
         cap = cfg.topology.gpu_memory_GiB * 2**30
         d.update(peak_memory_bytes=mem["peak_bytes"], gpu_memory_bytes=cap, oom=(mem["peak_bytes"] > cap) if cap else None,
                  memory=mem, distinct_layers_simulated=len(cache),
