@@ -40,6 +40,51 @@ def check_spec_fields(m) -> None:
         require(lo <= v <= hi, f"{field} ({v}) must lie in [{lo}, {hi}]")
     for field in ("name", "router", "note", "source"):
         require(isinstance(getattr(m, field), str), f"{field} ({getattr(m, field)!r}) must be a string")
+    check_stack_fields(m)
+
+
+def model_label(m) -> str:
+    """How an error names model ``m``: its name, and the file it was read from when it came from one
+    (``m (from /path/m.json)``), so a refusal of a model file's content names the file."""
+    src = getattr(m, "source", "")
+    if src and "://" not in src and os.path.isfile(src):
+        return f"{m.name} (from {src})"
+    return m.name
+
+
+def check_stack_fields(m) -> None:
+    """The layer-stack fields of a :class:`ModelSpec` (0 = not given): each an integer within its
+    limit, and consistent where given -- KV heads at most the heads and dividing them (GQA groups),
+    a head width wherever there are heads, MLA's KV latent width and RoPE width for an ``mla``
+    layer, a window for a ``sliding`` one. One line naming the field (the file, from a model file)."""
+    from moonep_sim.limits import MAX_CONTEXT, MAX_HEADS, MAX_VOCAB, MAX_WIDTH
+
+    for field, hi, what in (("heads", MAX_HEADS, "attention heads"), ("kv_heads", MAX_HEADS, "KV heads"),
+                            ("head_dim", MAX_WIDTH, "the per-head width"), ("q_lora_rank", MAX_WIDTH, "MLA's query latent width"),
+                            ("kv_lora_rank", MAX_WIDTH, "MLA's KV latent width"), ("qk_rope_dim", MAX_WIDTH, "the RoPE width"),
+                            ("v_head_dim", MAX_WIDTH, "the value head width"),
+                            ("sliding_window", MAX_CONTEXT, "tokens a sliding layer attends to"),
+                            ("max_context", MAX_CONTEXT, "the longest context"), ("vocab", MAX_VOCAB, "embedding rows"),
+                            ("dense_ffn", MAX_WIDTH, "the dense layers' FFN width")):
+        v = getattr(m, field)
+        require(_is_int(v), f"{field} ({v!r}) must be an integer")
+        require(0 <= v <= hi, f"{field} ({v}) must lie in [0, {hi}]: {what} (0 = not given)")
+    require(isinstance(m.attention, str), f"attention ({m.attention!r}) must be a string")
+    kinds = {k.strip() for k in m.attention.split(",") if k.strip()}
+    if m.kv_heads:
+        require(m.heads >= 1 and m.kv_heads <= m.heads and m.heads % m.kv_heads == 0,
+                f"kv_heads ({m.kv_heads}) must divide heads ({m.heads}): each KV head serves a whole group of "
+                "query heads (kv_heads = heads is MHA)")
+    if m.heads and kinds - {"none"}:
+        require(m.head_dim >= 1, f"head_dim ({m.head_dim}) must be >= 1: the {m.heads} heads need a width")
+    if "mla" in kinds:
+        for field in ("kv_lora_rank", "qk_rope_dim"):
+            require(getattr(m, field) >= 1, f"{field} ({getattr(m, field)}) must be >= 1 for attention 'mla': "
+                                            "multi-head latent attention caches the KV latent and its RoPE part "
+                                            "(q_lora_rank may be 0: a direct query projection)")
+    if "sliding" in kinds:
+        require(m.sliding_window >= 1, f"sliding_window ({m.sliding_window}) must be >= 1 for attention 'sliding': "
+                                       "the tokens a sliding layer attends to")
 
 
 @dataclass(frozen=True)
@@ -62,9 +107,10 @@ class ModelSpec:
     and a step of a model that leaves them out is refused with a one-line error):
     attention: the attention kind of every layer, or a comma-separated pattern cycled over the
         layers: ``gqa`` (MHA is GQA with kv_heads == heads), ``mla`` (multi-head latent attention,
-        DeepSeek-V2/V3, Kimi K2), ``linear`` (a recurrent / linear kind with a fixed state per
-        sequence, e.g. Kimi's KDA), ``sliding`` (GQA over the last ``sliding_window`` tokens),
-        ``none`` (no attention op: a bare MoE stack). Kimi K3: ``linear,linear,linear,mla``.
+        DeepSeek-V2/V3, Kimi K2), ``gated-mla`` (MLA with an output gate, Kimi K3), ``linear`` (a
+        recurrent / linear kind with a fixed state per sequence, laid out as Kimi's KDA),
+        ``sliding`` (GQA over the last ``sliding_window`` tokens), ``none`` (no attention op: a bare
+        MoE stack). Kimi K3: three ``linear`` then one ``gated-mla``, 23 times, then ``gated-mla``.
     heads / kv_heads / head_dim: attention heads, KV heads (GQA) and the per-head width.
     q_lora_rank / kv_lora_rank / qk_rope_dim / v_head_dim: MLA's query and KV latent widths, the
         decoupled RoPE width and the value head width (its QK head is ``head_dim + qk_rope_dim``).
@@ -194,20 +240,25 @@ _HF = "huggingface.co/{}/blob/main/config.json"
 #: and the module list of the attention registry (``moonep_sim.step.attention``: one module per
 #: kind, ``moonep_sim/step/attention/<name>.py``, states its weights, cache, core op and what it
 #: saves for the backward). A new kind is its module and its name here.
-ATTENTION_KINDS = ("gqa", "mla", "linear", "sliding", "none")
+ATTENTION_KINDS = ("gqa", "mla", "gated-mla", "linear", "sliding", "none")
 # MLA as DeepSeek-V3 / Kimi K2 configure it (q_lora_rank 1536, kv_lora_rank 512, qk_nope 128,
 # qk_rope 64, v_head 128); only the head count differs between them.
 _MLA = dict(attention="mla", head_dim=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128)
 
 PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("kimi-k3", 93, 92, 896, 16, 2, 7168, 3072, dispatch_hidden=3584, router="sigmoid",
-              note="routed experts appear to work in a 3584-wide latent (read from the weight "
-                   "layout, not stated); dispatched rows are taken as 3584 wide",
-              **{**_MLA, "attention": "linear,linear,linear,mla"}, heads=64, kv_heads=64, max_context=262144,
-              vocab=163840, dense_ffn=18432,
-              stack_source="ASSUMED: the 3 KDA : 1 gated MLA hybrid of Kimi Linear (moonshotai/Kimi-Linear-48B-A3B-"
-                           "Instruct config.json: linear_attn_config, head_dim 128) with Kimi K2's MLA widths, head "
-                           "count, vocab and dense FFN; K3's own config is not public in this form"),
+              note="LatentMoE: routed experts work in a 3584-wide latent (routed_expert_hidden_size), the rows "
+                   "dispatched are 3584 wide; 2 shared experts in the full hidden width; 2.78T total, 104.2B "
+                   "active per token (Moonshot's K3 report); AttnRes not modelled (elementwise only)",
+              **{**_MLA, "attention": ",".join(["linear,linear,linear,gated-mla"] * 23 + ["gated-mla"])},
+              heads=96, kv_heads=96, max_context=1048576, vocab=163840, dense_ffn=33792,
+              stack_source="aiconfigurator-core 0.12.0 model_configs/moonshotai--Kimi-K3_config.json (text_config: "
+                           "93 layers, KDA layers 1-91 but every 4th, full (gated MLA, mla_use_output_gate) layers "
+                           "4, 8, ..., 92, 93 = 69 KDA + 24 MLA; 96 heads of 128; MLA q_lora 1536, kv_lora 512, "
+                           "rope 64; first_k_dense_replace 1, intermediate_size 33792; vocab 163840 untied); KDA "
+                           "projections as fla's KDA layer (full-rank gate, short conv 4); totals: Moonshot's K3 "
+                           "report, 2.78T total, 104.2B active (ASSUMED: the vision tower, AttnRes and per-head "
+                           "scalars are left out of both)"),
     ModelSpec("kimi-k2", 61, 60, 384, 8, 1, 7168, 2048, router="sigmoid", **_MLA, heads=64, kv_heads=64,
               max_context=131072, vocab=163840, dense_ffn=18432,
               stack_source=_HF.format("moonshotai/Kimi-K2-Instruct") + " (first_k_dense_replace 1, 64 heads, "

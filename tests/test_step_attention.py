@@ -68,3 +68,11 @@ def test_a_layer_of_kind_none_runs_no_attention_op():
     assert lo.before == () and lo.router is not None
     with pytest.raises(ConfigError, match="decode"):
         step_shape(bare, "decode", 16, None)
+
+
+def test_tensor_parallel_splits_a_cache_by_its_heads():
+    q3, v3, k3 = PRESETS["qwen3-235b"], PRESETS["deepseek-v3"], PRESETS["kimi-k3"]  # 4 KV heads; MLA; 96 KDA heads
+    assert [attention_kind("gqa").cache_shards(q3, tp) for tp in (1, 2, 8)] == [1, 2, 4]
+    assert attention_kind("sliding").cache_shards(q3, 8) == 4
+    assert attention_kind("mla").cache_shards(v3, 8) == attention_kind("gated-mla").cache_shards(k3, 8) == 1
+    assert attention_kind("linear").cache_shards(k3, 8) == 8 and attention_kind("none").cache_shards(k3, 8) == 1

@@ -32,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    return exit_status(_main, argv)  # 1 a failed collective, 2 bad input, 130 Ctrl-C (as the launchers)
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = build_parser()  # imports every command: Ctrl-C here is one line too, as anywhere in main
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
@@ -43,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         set_quiet()  # --quiet: no progress display
     prefer_small_pages()  # fresh huge pages cost a command more system time than they save (moonep_sim.memory)
     reuse_freed_memory()  # a freed temporary's pages serve the next one, not fresh pages (moonep_sim.memory)
-    return exit_status(args.func, args)  # 1 a failed collective, 2 bad input, 130 Ctrl-C (as the launchers)
+    return args.func(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

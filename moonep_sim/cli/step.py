@@ -20,14 +20,21 @@ def register(sub) -> None:
     p = sub.add_parser("step", help="a whole train / prefill / decode step per strategy: time, overlap, memory, OOM")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="token-level trace (.safetensors): MoE layer i is its i-th layer; missing "
-                                     "layers are stand-ins generated at its measured skew (flagged)")
+                                     "layers are stand-ins drawn at the skew measured over the whole trace (flagged)")
     src.add_argument("--gen", metavar="K=V,...", help="generated routing, e.g. model=kimi-k3,maxvio=2 (one layer "
                                                        "per MoE layer; docs/traces.md)")
     p.add_argument("--model", default=None, help="model preset or file (default: the trace's or the --gen model)")
-    p.add_argument("--ranks", type=int, default=None, help="EP ranks (default: 8, or the largest divisor of E below)")
+    p.add_argument("--ranks", type=int, default=None, help="EP ranks of a pure-EP step (default: 8, or the largest "
+                                                           "divisor of E below); under a layout give --ep and --gpus")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="the job's GPUs under a layout (default: the layout's tp x cp x dp x pp) or for --search")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the topology's, at most R)")
     p.add_argument("--topology", default="h800-cx7", help="preset name or .toml file (see `moonep-sim topologies`)")
     add_strategies(p, "alltoall,deepep,moonep")
+    p.add_argument("--search", action="store_true",
+                   help="search the parallel layouts of the model on --gpus GPUs: every valid tp/pp/dp/ep split priced "
+                        "from a few layer simulations, those that fit ranked per strategy by tokens/s per GPU")
+    p.add_argument("--top", type=int, default=5, metavar="K", help="--search: the best K layouts per strategy")
     add_step_options(p)
     p.add_argument("--jobs", type=int, default=1, help="plan and simulate the distinct layers in N worker processes")
     p.add_argument("--cluster", default=None, metavar="ADDR", help="... or on a Dask cluster at ADDR")
@@ -80,7 +87,9 @@ def add_step_options(p, *, level: bool = False, tokens: bool = True) -> None:
     p.add_argument("--context", type=int, default=None,
                    help="keys per sequence (train/prefill: the sequence length, default the tokens; decode: the "
                         "KV context, default 4096)" + at)
-    p.add_argument("--overlap", choices=("none", "shared-expert", "two-batch"), default=d["overlap"],
+    from moonep_sim.step.schedules import OVERLAPS  # the registry's schedules (no simulator import)
+
+    p.add_argument("--overlap", choices=OVERLAPS, default=d["overlap"],
                    help="overlap schedule (docs/steps.md)" + at)
     p.add_argument("--distinct-layers", type=int, default=d["distinct_layers"], metavar="N",
                    help="generated routing: plan and simulate only N layers, MoE layer i reusing layer i mod N "
@@ -104,14 +113,19 @@ def add_step_options(p, *, level: bool = False, tokens: bool = True) -> None:
                    help="ranks the dense weights' optimizer state is sharded over (0 = all ranks)" + at)
     p.add_argument("--optimizer-bytes-per-param", type=float, default=d["optimizer_bytes_per_param"],
                    help="optimizer state per parameter (12 = mixed-precision Adam: fp32 master, m, v)" + at)
+    from moonep_sim.cli.layout import add_layout_options
+
+    add_layout_options(p, at=at)
 
 
 def step_level(args, *, layer_only: dict[str, bool] | None = None, tokens: bool = True) -> bool:
     """compare / sweep: True at --level step. A step option at --level layer, or a layer-only
     option (``layer_only``: flag -> given) at --level step, is one line (exit 2). ``tokens``:
     --tokens-per-rank is a step option (False: the command's own flag)."""
+    from moonep_sim.cli.layout import layout_given
+
     given = [f for f, dest, _ in STEP_FLAGS if getattr(args, dest, None) not in (None, [])
-             and (tokens or dest != "tokens_per_rank")]
+             and (tokens or dest != "tokens_per_rank")] + layout_given(args)
     if args.level == "layer":
         if given:
             raise ConfigError(f"{given[0]} applies to --level step only (the layer level has no step options; "
@@ -131,8 +145,10 @@ _WHY = {"--real": "a real replay runs one layer over gloo; a step is simulated",
 def step_options(args, *, tokens: bool = True):
     """The typed step options these arguments give (defaults: `moonep-sim step`'s; ``tokens``
     False: --tokens-per-rank is the command's own flag, not a step option)."""
+    from moonep_sim.cli.checks import check_step_flags
     from moonep_sim.experiments.step import StepOptions
 
+    check_step_flags(args)
     kw = {}
     for _, dest, default in STEP_FLAGS:
         if dest == "tokens_per_rank" and not tokens:
@@ -141,25 +157,39 @@ def step_options(args, *, tokens: bool = True):
         v = getattr(args, dest, None)
         kw[dest] = default if v is None or (v == [] and default == []) else v
     static = _static(kw.pop("static_buffer"))
-    return StepOptions(static_tokens=static, **kw)
+    from moonep_sim.cli.layout import layout_from_args
+
+    gpus = getattr(args, "gpus", None) or getattr(args, "ranks", None)
+    return StepOptions(static_tokens=static, parallel=layout_from_args(args, gpus), **kw)
 
 
 def scenario(args):
     from moonep_sim.experiments import GeneratorSpec, Scenario
 
+    from moonep_sim.cli.layout import layout_given
+
     check_cluster_args(args)
+    layout = bool(layout_given(args))
+    if getattr(args, "gpus", None) is not None:
+        require(args.gpus >= 1, f"--gpus ({args.gpus}) must be >= 1")
+        require(layout or getattr(args, "search", False), "--gpus applies to a layout (--tp, --pp, --dp, --ep, ...) "
+                                                          "or --search; a pure-EP step takes --ranks")
+    if layout and hasattr(args, "gpus"):
+        require(args.ranks is None, f"--ranks ({args.ranks}) is a pure-EP step's EP size: under a layout give --ep "
+                                    "and --gpus")
     names = [s.strip() for s in args.strategies.split(",") if s.strip()]
     opts = parse_strategy_opts(args.opt, names)
     if args.gen:
         spec = GeneratorSpec.parse(args.gen)
-        if args.tokens_per_rank:
+        if args.tokens_per_rank is not None:
             spec = dataclasses.replace(spec, tokens_per_rank=args.tokens_per_rank)
         routing = spec
     else:
         require(args.tokens_per_rank is None, "--tokens-per-rank must not be given with --trace: the trace's tokens "
                                               "over the ranks set the batch")
         routing = args.trace
-    return Scenario(routing=routing, model=args.model, cluster=(args.ranks or 0, args.gpus_per_node or 0),
+    ranks = (getattr(args, "gpus", None) or 0) if layout and hasattr(args, "gpus") else (args.ranks or 0)
+    return Scenario(routing=routing, model=args.model, cluster=(ranks, args.gpus_per_node or 0),
                     topology=args.topology, strategies=[(n, opts[n]) for n in names],
                     steps=args.steps if not args.gen else None, dispatch_dtype=args.dispatch_dtype,
                     redundant_experts=getattr(args, "redundant_experts", 0))
@@ -173,13 +203,18 @@ def print_steps(doc: dict) -> None:
                                          step_table)
     from moonep_sim.report.tables import flag_lines, verdict_lines, wide_console
 
+    from moonep_sim.report.layout import layout_footer, layout_table
+
     c = wide_console()
     docs = doc["steps"] if doc.get("kind") == "steps" else [doc]
-    if len(docs) == 1:
+    layout = "layout" in docs[0]["setup"]
+    if layout:
+        c.print(layout_table(docs[0]))
+    elif len(docs) == 1:
         c.print(step_table(docs[0]))
     else:
         c.print(per_step_table(docs))
-    for line in step_footer(docs[0]):
+    for line in layout_footer(docs[0]) if layout else step_footer(docs[0]):
         c.print(line)
     zero = [d["setup"].get("step_id") for d in docs[1:] if d["setup"].get("zero_token_ranks")]
     if zero:
@@ -212,11 +247,23 @@ def run(args) -> int:
     from moonep_sim.cli.common import emit_json, output_rule, print_warnings, progress
     from moonep_sim.experiments.step import steps_document
 
+    from moonep_sim.cli.checks import check_step_ranks, check_step_routing
+
     output_rule(args, files=("json", "timeline", "gantt"), folders={"out": OUT_FILES})  # before any work
+    if args.search:
+        return run_search(args)
+    check_step_routing(args)
+    step_options(args)  # the step options' bounds, before the routing is opened
     sc = scenario(args)
-    rs = sc.resolved  # every input checked before any work
     opts = dataclasses.replace(step_options(args), tokens_per_rank=args.tokens_per_rank if args.gen else None)
-    print_warnings(rs.warnings)
+    if opts.parallel is not None:
+        for flag, v in (("--timeline", args.timeline), ("--gantt", args.gantt)):
+            require(v is None, f"{flag} ({v}) draws one EP group's ranks of a pure-EP step: not available under a "
+                               "layout (its pipeline is in --json: strategies.*.pipeline)")
+    else:
+        rs = sc.resolved  # every input checked before any work (a layout's: its EP group, before any stage runs)
+        check_step_ranks(args, rs.cluster.ranks)
+        print_warnings(rs.warnings)
     with progress(None, "step") as cb:
         res = sc.step(opts.mode, opts.overlap, jobs=args.jobs, cluster=args.cluster, progress=cb,
                       pipeline={"auto": None, "on": True, "off": False}[args.pipeline], **opts.kwargs())
@@ -227,8 +274,8 @@ def run(args) -> int:
         print_steps(doc)
     first = results[0]
     name = first.strategies[0]
-    tl = first.timelines[name]
     if args.timeline:
+        tl = first.timelines[name]
         from moonep_sim.sim.perfetto import write_trace
         from moonep_sim.step.schedule import perfetto_events
 
@@ -242,6 +289,48 @@ def run(args) -> int:
         files = write_outputs(doc, first, args)
         if not on_stdout:
             print("wrote " + ", ".join(files.values()))
+    return 0
+
+
+#: layout flags --search takes (the rest it chooses)
+SEARCH_KEEPS = ("--micro-batch-size", "--global-batch-size", "--pp-schedule")
+
+
+def run_search(args) -> int:
+    """``step --search --gpus N``: :meth:`Scenario.search_layouts`, a progress bar, the ranked table."""
+    from moonep_sim.cli.common import progress
+    from moonep_sim.cli.layout import layout_given
+    from moonep_sim.io import to_jsonable, write_text_atomic
+    from moonep_sim.report.layout import search_table
+    from moonep_sim.report.tables import wide_console
+
+    require(args.gpus is not None, "--search needs --gpus N (the GPUs to lay the model out on)")
+    require(args.gen is not None, "--search runs on generated routing: give --gen")
+    require(args.top >= 1, f"--top ({args.top}) must be >= 1")
+    chosen = [f for f in layout_given(args) if f not in SEARCH_KEEPS]
+    require(not chosen, f"{chosen[0] if chosen else ''} is chosen by --search (it may keep only "
+                        f"{', '.join(SEARCH_KEEPS)})")
+    for flag, v in (("--timeline", args.timeline), ("--gantt", args.gantt), ("--out", args.out),
+                    ("--tokens-per-rank", args.tokens_per_rank if args.mode == "train" else None)):
+        require(v is None, f"{flag} ({v}) does not apply to --search")
+    sc = scenario(args)
+    c = wide_console()
+    schedules = (args.pp_schedule,) if args.pp_schedule else ("1f1b", "interleaved", "dualpipe")
+    with progress(c, "layouts", lines=args.json is not None) as cb:
+        rep = sc.search_layouts(args.gpus, args.mode, seq=args.context or 4096, micro_batch_size=args.micro_batch_size or 1,
+                                global_batch_size=args.global_batch_size or 0, schedules=schedules,
+                                overlap=args.overlap or "none", gemm_dtype=args.gemm_dtype or "bf16",
+                                recompute=bool(args.recompute), top=args.top, tokens_per_rank=args.tokens_per_rank,
+                                progress=lambda d, n: cb("priced" if d <= n else "", d, n))
+    if args.json:
+        text = json.dumps(to_jsonable(rep, lenient=True), indent=1)
+        if args.json == "-":
+            print(text)
+            return 0
+        write_text_atomic(args.json, text, what="--json")
+    c.print(search_table(rep))
+    for f in rep["flags"]:
+        c.print(f"flag: {f}", highlight=False, markup=False)
     return 0
 
 
@@ -278,7 +367,8 @@ def write_outputs(doc: dict, first, args) -> dict[str, str]:
             for i, d in enumerate(docs):
                 stem = "step_time" if len(docs) == 1 else f"step_time_{i}"
                 figs[stem] = step_bars(dict(d), tmp / f"{stem}.png")
-            figs["gantt"] = _gantt(first, args, tmp / "gantt.png")
+            if first.timelines:    # a layout step has pipeline ranks, not one timeline
+                figs["gantt"] = _gantt(first, args, tmp / "gantt.png")
             files = {k: str(out / f"{k}.png") for k in figs}
         doc = dict(doc)
         doc["provenance"] = provenance()

@@ -181,6 +181,34 @@ def _check_args(args: argparse.Namespace) -> None:
         require(1 <= args.nproc <= min(MAX_RANKS, 256), f"--nproc ({args.nproc}) must be in [1, 256]")
 
 
+def _check_before_ranks(args: argparse.Namespace, R: int) -> None:
+    """What every rank's :func:`run` would refuse alike, checked once before any rank starts: the
+    strategies and their options, the trace (a token-level one), its layers and steps, and the EP
+    size ``R`` against its experts and --gpus-per-node."""
+    from moonep_sim.plan.placement import Placement
+    from moonep_sim.routing.steps import step_batches
+    from moonep_sim.routing.trace import Trace
+    from moonep_sim.strategies import get_strategy
+
+    names = [n.strip() for n in str(args.strategy).split(",") if n.strip()]
+    require(len(names) >= 1 and len(set(names)) == len(names),
+            f"--strategy ({args.strategy!r}) must name one or more distinct strategies, comma-separated")
+    opts = args.options if getattr(args, "options", None) is not None else _strategy_opts(names, args.opt)
+    for n in names:
+        get_strategy(n).parse_options(opts.get(n, {}))
+    trace = Trace(args.trace)
+    meta = trace.meta
+    require(meta.kind == "tokens", f"trace kind ({meta.kind!r}) must be 'tokens' for a replay (routing per token)")
+    _parse_layers(args.layers, trace)
+    try:  # the placement the ranks use decides which EP sizes the experts allow
+        Placement.home_groups(meta.num_experts, R)
+    except ConfigError as e:
+        raise ConfigError(f"--nproc ({R}): {e}") from None
+    g = args.gpus_per_node or R
+    require(1 <= g <= R and R % g == 0, f"--gpus-per-node ({args.gpus_per_node}) must divide --nproc ({R})")
+    step_batches(trace.steps(), int(meta.num_tokens), getattr(args, "steps", None))
+
+
 def _stats(v_R: np.ndarray) -> dict[str, float]:
     return {"max_ms": float(v_R.max()) * 1e3, "mean_ms": float(v_R.mean()) * 1e3}
 
@@ -550,6 +578,7 @@ def _launch(argv: Sequence[str]) -> int:
     _check_args(args)
     if args.json:
         check_output_path(args.json, "--json", inputs=(args.trace,))
+    _check_before_ranks(args, args.nproc)
     rest = _strip_launch_args(argv)
     rep = run_replay(args.nproc, rest, timeout_s=max(600.0, 10 * args.timeout))
     if args.json:

@@ -86,14 +86,15 @@ def step_simulator(model: ModelSpec, topology: Any, ranks: int, strategies: Sequ
     from moonep_sim.experiments.scenario import Scenario
     from moonep_sim.experiments.step import layer_source
     from moonep_sim.plan import GlobalRouting
-    from moonep_sim.step import CostModel, StepConfig, simulate_step, step_shape
+    from moonep_sim.step import StepConfig, simulate_step, step_shape
+    from moonep_sim.step.costs import step_cost_model
 
     is_gen = str(routing).startswith("gen:")
     sc = Scenario(routing if is_gen else str(routing), model=model, cluster=ranks, topology=topology,
                   strategies=list(strategies))
     rs = sc.resolved
     src = rs.source
-    costs = CostModel(rs.topology)
+    costs = step_cost_model(rs.topology)
     steps = None
     if not is_gen:
         from moonep_sim.experiments.step import trace_steps

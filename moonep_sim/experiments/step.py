@@ -61,7 +61,7 @@ class StepOptions:
     prefill, decode), overlap (none, shared-expert, two-batch), tokens per rank (None: the
     routing's), context, distinct layers (0: every layer its own routing), a compute profile CSV,
     the GEMM dtype, recompute, optimizer sharding and bytes per parameter, and static buffers
-    (strategy -> tokens per rank). What ``compare``, ``sweep`` and winner maps take at
+    (strategy -> tokens per rank), and the parallel layout (None: pure EP). What ``compare``, ``sweep`` and winner maps take at
     ``level="step"``."""
 
     mode: str = "train"
@@ -77,6 +77,7 @@ class StepOptions:
     optimizer_shard: int = 0
     optimizer_bytes_per_param: float = 12.0
     static_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    parallel: Any = None
 
     def __post_init__(self) -> None:
         from moonep_sim.step.schedules import get_overlap
@@ -94,6 +95,11 @@ class StepOptions:
         require(self.optimizer_shard >= 0, f"optimizer shard ({self.optimizer_shard}) must be >= 0 (0 = all ranks)")
         require(self.optimizer_bytes_per_param >= 0,
                 f"optimizer bytes per parameter ({self.optimizer_bytes_per_param:g}) must be >= 0")
+        if self.parallel is not None:
+            from moonep_sim.step.parallel import Parallel
+
+            require(isinstance(self.parallel, Parallel),
+                    f"parallel ({type(self.parallel).__name__}) must be a Parallel (moonep_sim.step.parallel)")
 
     def kwargs(self) -> dict[str, Any]:
         """:func:`run_step`'s keywords besides mode and overlap."""
@@ -102,7 +108,7 @@ class StepOptions:
         return d
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: (dict(v) if isinstance(v, Mapping) else v)
+        return {f.name: (dict(v) if isinstance(v, Mapping) else v.to_dict() if hasattr(v, "to_dict") else v)
                 for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
 
 
@@ -231,14 +237,27 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
              kv_dtype: str = "bf16", recompute: bool = False,
              optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
              static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
-             cluster: str | None = None, pipeline: bool | None = None) -> list[StepResult]:
+             cluster: str | None = None, pipeline: bool | None = None, parallel: Any = None) -> list[StepResult]:
     """The step(s) of ``scenario`` (an :class:`~moonep_sim.experiments.scenario.Scenario`, or its
     ``Resolved``): one result, or one per recorded step of a trace with several steps. The step's distinct MoE layers
     are planned and simulated in ``jobs`` worker processes or on a Dask ``cluster``
     (:func:`moonep_sim.experiments.parallel.run_points`; each layer independently, same result).
     With one job, ``pipeline`` (None: when it pays, ``moonep_sim.step.run.pipeline_pays``; False:
-    off) builds the next layer's routing and Plans on a second thread while this one simulates."""
-    from moonep_sim.step import CostModel, MemoryOptions, read_profile
+    off) builds the next layer's routing and Plans on a second thread while this one simulates.
+    ``parallel``: a :class:`~moonep_sim.step.parallel.Parallel` layout over the scenario's GPUs
+    (:mod:`moonep_sim.experiments.layout`); None: today's pure-EP step."""
+    if parallel is not None:
+        from moonep_sim.experiments.layout import run_layout_step
+
+        figs, setup, timelines = run_layout_step(
+            scenario, mode, overlap, parallel, tokens_per_rank=tokens_per_rank, context=context, model=model,
+            distinct_layers=distinct_layers, compute_profile=compute_profile, gemm_dtype=gemm_dtype, recompute=recompute,
+            optimizer_shard=optimizer_shard, optimizer_bytes_per_param=optimizer_bytes_per_param,
+            static_tokens=static_tokens, progress=progress, jobs=jobs, cluster=cluster, pipeline=pipeline,
+            layer_source=layer_source)
+        return [StepResult(tuple(figs), figs, setup, timelines)]
+    from moonep_sim.step import MemoryOptions
+    from moonep_sim.step.costs import step_cost_model
 
     rs = getattr(scenario, "resolved", scenario)
     src = rs.source
@@ -257,8 +276,7 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
 
     wd = check_supported(get_dtype(weight_dtype, "--weight-dtype", WEIGHT_DTYPES), rs.topology, "--weight-dtype")
     check_supported(get_dtype(kv_dtype, "--kv-dtype", KV_DTYPES), rs.topology, "--kv-dtype")
-    costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None,
-                      weight_bytes=wd.weight_bytes)
+    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, weight_bytes=wd.weight_bytes)
     mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute, weight_dtype=weight_dtype,
                         kv_dtype=kv_dtype, gemm_dtype=gemm_dtype)
     out = []

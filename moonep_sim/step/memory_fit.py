@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 from moonep_sim.errors import ConfigError
 from moonep_sim.models import ModelSpec
 from moonep_sim.step.memory import MemoryOptions, PlanFootprint, memory_for_layout
-from moonep_sim.step.parallel import Parallel
+from moonep_sim.step.parallel import Parallel, pure_ep
 from moonep_sim.step.stack import StepShape
 
 Change = tuple[str, Callable[[Parallel, MemoryOptions], "tuple[Parallel, MemoryOptions] | None"]]
@@ -86,7 +86,7 @@ def _describe(par: Parallel, o: MemoryOptions, base: Parallel, bo: MemoryOptions
 
 
 def smallest_fit(model: ModelSpec, shape: StepShape, par: Parallel, plans: Sequence[Any], opts: MemoryOptions,
-                 capacity_bytes: float, *, fp8: bool = True) -> dict[str, Any] | None:
+                 capacity_bytes: float, *, fp8: bool = True, expert_slots: int = 0) -> dict[str, Any] | None:
     """The first change (alone, then two together; cheapest first) under which the account's peak
     is at most ``capacity_bytes``: ``{"change", "detail", "peak_bytes", "layout", "options"}``, or
     None when none of them fits. ``fp8``: whether the GPU runs fp8 (else no fp8 change is tried)."""
@@ -103,26 +103,27 @@ def smallest_fit(model: ModelSpec, shape: StepShape, par: Parallel, plans: Seque
             p, o = r
         if not ok:
             continue
-        fps = plans if p.ep == par.ep else [PlanFootprint.balanced(model, p.ep, max(1, shape.tokens // (p.cp * p.tp)))]
-        mem = memory_for_layout(model, shape, p, fps, o)
+        fps = plans if p.ep == par.ep else [PlanFootprint.balanced(model, p.ep, max(1, shape.tokens // (p.cp * p.tp)),
+                                                                   expert_slots)]
+        mem = memory_for_layout(model, shape, p, fps, o, expert_slots)
         if mem["peak_bytes"] <= capacity_bytes:
             return {"change": " + ".join(n for n, _ in combo), "detail": _describe(p, o, par, opts),
                     "peak_bytes": mem["peak_bytes"], "layout": p.to_dict(), "options": o.describe()}
     return None
 
 
-def attach_fits(cfg: Any, out: dict[str, Any], footprints: dict[str, list]) -> None:
+def attach_fits(cfg, out: dict, footprints: dict) -> None:
     """A step's hook (``moonep_sim.step.run``): when every strategy of ``out`` (name -> figures)
-    runs out of memory, each one's smallest change that fits (``fit``: :func:`smallest_fit` on
-    its Plans' ``footprints``, under the step's layout -- ``cfg.parallel``, default ``pure_ep``)."""
+    runs out of memory, each one's smallest change that fits (``fit``:
+    :func:`moonep_sim.step.memory_fit.smallest_fit` on its Plans' ``footprints``, under the step's
+    layout -- ``cfg.parallel``, default ``pure_ep`` -- and the slots it holds)."""
     if not out or not all(d.get("oom") for d in out.values()):
         return
-    from moonep_sim.step.parallel import pure_ep
-
     par = getattr(cfg, "parallel", None) or pure_ep(cfg.ctx.cluster.ranks)
     fp8 = float(getattr(cfg.topology, "gpu_tflops_fp8", 0) or 0) > 0
     for name, d in out.items():
-        d["fit"] = smallest_fit(cfg.model, cfg.shape, par, footprints[name], cfg.memory, d["gpu_memory_bytes"], fp8=fp8)
+        d["fit"] = smallest_fit(cfg.model, cfg.shape, par, footprints[name], cfg.memory, d["gpu_memory_bytes"],
+                                fp8=fp8, expert_slots=cfg.ctx.placement.num_slots)
 
 
 __all__ = ["attach_fits", "candidate_changes", "smallest_fit"]

@@ -59,6 +59,8 @@ class Parallel:
     dp_attention: serving with data-parallel attention (see the module docstring).
     first_stage_layers / last_stage_layers: layers of the first / last pipeline stage (0 = an even
         split; the rest is spread evenly over the other stages).
+    overlap_grad_reduce: the DP gradient reduce runs during the last micro-batch's backward
+        (Megatron ``--overlap-grad-reduce``); off, it follows the backward.
     """
 
     tp: int = 1
@@ -76,6 +78,7 @@ class Parallel:
     dp_attention: bool = False
     first_stage_layers: int = 0
     last_stage_layers: int = 0
+    overlap_grad_reduce: bool = False
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "vpp", "dp", "cp", "ep", "etp", "micro_batch_size"):
@@ -87,7 +90,7 @@ class Parallel:
         require(self.pp_schedule in PP_SCHEDULES,
                 f"pp schedule ({self.pp_schedule!r}) must be one of {', '.join(PP_SCHEDULES)}")
         require(self.zero in ZERO_STAGES, f"zero ({self.zero!r}) must be one of 0, 1, 2, 3")
-        for f in ("sequence_parallel", "dp_attention"):
+        for f in ("sequence_parallel", "dp_attention", "overlap_grad_reduce"):
             require(isinstance(getattr(self, f), bool), f"{f} ({getattr(self, f)!r}) must be true or false")
         require(self.vpp == 1 or self.pp_schedule == "interleaved",
                 f"vpp ({self.vpp}) must be 1 unless the pp schedule is interleaved ({self.pp_schedule})")

@@ -32,7 +32,7 @@ from moonep_sim.step.costs import CostModel
 from moonep_sim.step.layer_sim import LayerComm, simulate_moe_layer
 from moonep_sim.step.memory import MemoryOptions, PlanFootprint, memory_per_rank
 from moonep_sim.step.memory_fit import attach_fits
-from moonep_sim.step.schedule import Timeline
+from moonep_sim.step.schedule import Timeline, overlap_by_op
 from moonep_sim.step.schedules import get_overlap
 from moonep_sim.step.stack import StepShape
 
@@ -169,7 +169,7 @@ def step_metrics(tl: Timeline, cfg: StepConfig, comms: Mapping[int, LayerComm], 
     return {"step_time_us": t, "slowest_rank": r, "tokens_per_s_per_gpu": real_tokens / (t * 1e-6) if t > 0 else 0.0,
             "mfu": useful_flops / (t * peak) if t > 0 else 0.0, "exposed_comm_us": exposed,
             "comm_share": exposed / t if t > 0 else 0.0, "compute_us": float(busy[r]), "comm_us": float(comm[r]),
-            "layers": layers}
+            "layers": layers, "overlap_by_op": overlap_by_op(tl, r)}
 
 
 def useful_flops_per_rank(cfg: StepConfig) -> float:
@@ -531,8 +531,7 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
     fps_of: dict[str, list] = {}
     for name, _ in cfg.strategies:
         cache = {(k, mb): d.done[(name, mb)] for k, d in by_key.items() for mb in range(M)}
-        plans = [d.footprint for d in cache.values()]
-        fps_of[name] = plans
+        plans = fps_of[name] = [d.footprint for d in cache.values()]
         plan_s = sum(d.plan_s for d in cache.values())
         sim_s = sum(d.sim_s for d in cache.values())
         t0, c0 = time.perf_counter(), time.process_time()
@@ -566,7 +565,10 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
         timelines[name] = tl
     attach_fits(cfg, out, fps_of)
     return {"strategies": out, "mode": shape.mode, "tokens_per_rank": shape.tokens, "context": shape.context,
-            "overlap": ov.name, "layers_routing": provenance, "pipeline": piped, "_timelines": timelines}
+            "overlap": ov.name, "layers_routing": provenance, "pipeline": piped,
+            "compute_sources": costs.sources(all_ops(stack_ops(m, mb_shapes[0]), train), train),
+            "_timelines": timelines}
+
 
 
 def pipeline_pays(units: int, entries: int, cores: int | None = None) -> bool:

@@ -8,14 +8,16 @@ A kind (:class:`AttentionKind`) states, for one layer of a model (a :class:`Mode
   sequence at its context, or the fixed state of every sequence);
 - ``core(model, shape)``: the core op (``attn_core``: its FLOPs and the bytes it reads and writes,
   per mode), or None for a kind with no attention op;
-- ``saved_per_token(model, mode)``: the bytes the forward saves per token for the backward.
+- ``saved_per_token(model, mode)``: the bytes the forward saves per token for the backward;
+- ``cache_shards(model, tp)``: how many ranks of a tensor-parallel group split the cache.
 
 ``has_op`` is False for a kind that runs no attention at all (``none``: no norm, projections or
 core either). The built-in kinds: ``gqa`` (MHA is GQA with kv_heads == heads), ``sliding`` (GQA
-over the last ``sliding_window`` keys), ``mla`` (multi-head latent attention), ``linear`` (a
-recurrent kind with a fixed state per sequence, Kimi's KDA), ``none``.
+over the last ``sliding_window`` keys), ``mla`` (multi-head latent attention), ``gated-mla`` (MLA
+with an output gate, Kimi K3), ``linear`` (a recurrent kind with a fixed state per sequence, laid
+out as Kimi's KDA), ``none``.
 
-Adding a kind: a module ``moonep_sim/step/attention/<name>.py`` that subclasses
+Adding a kind: a module ``moonep_sim/step/attention/<name>.py`` (dashes as underscores) that subclasses
 :class:`AttentionKind` (or a built-in kind) and calls ``ATTENTION.register(Kind())``, and its name
 in :data:`moonep_sim.models.ATTENTION_KINDS` -- the registry's module list, which the model spec
 also validates its ``attention`` field against (the models sit below the step model, so the names
@@ -52,6 +54,11 @@ class AttentionKind:
         """The layer's ``attn_core`` op on one rank (FLOPs and bytes), None when it has none."""
         return None
 
+    def cache_shards(self, model: ModelSpec, tp: int) -> int:
+        """Ranks of a ``tp``-wide tensor-parallel group the layer's cache is split over (by heads;
+        the others hold copies): 1 for a cache with no heads to split."""
+        return 1
+
     def saved_per_token(self, model: ModelSpec, mode: str) -> float:
         """Bytes per token the forward saves for the backward (dropped under recompute)."""
         return 0.0
@@ -60,8 +67,10 @@ class AttentionKind:
         return f"AttentionKind({self.name!r})"
 
 
-#: The attention kinds by name; the module list is :data:`moonep_sim.models.ATTENTION_KINDS`.
-ATTENTION: Registry[AttentionKind] = Registry("attention kind", __name__, ATTENTION_KINDS)
+#: The attention kinds by name; the module list is :data:`moonep_sim.models.ATTENTION_KINDS` (a
+#: name's dashes are underscores in its module's name: ``gated-mla`` is ``gated_mla.py``).
+ATTENTION: Registry[AttentionKind] = Registry("attention kind", __name__,
+                                              tuple(k.replace("-", "_") for k in ATTENTION_KINDS))
 
 
 def attention_kind(name: str) -> AttentionKind:

@@ -35,6 +35,9 @@ class GQA(AttentionKind):
     def kv_elems_per_token(self, model: ModelSpec) -> int:
         return 2 * (model.kv_heads or model.heads) * model.head_dim
 
+    def cache_shards(self, model: ModelSpec, tp: int) -> int:
+        return min(tp, model.kv_heads or model.heads)  # KV heads split; beyond them, replicated
+
     def cache_bytes(self, model: ModelSpec, shape: StepShape) -> float:
         ctx = shape.context if shape.mode == "decode" else max(shape.context, min(shape.tokens, shape.context))
         if self.window(model):

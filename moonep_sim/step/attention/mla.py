@@ -35,6 +35,9 @@ class MLA(GQA):
     def kv_elems_per_token(self, model: ModelSpec) -> int:
         return model.kv_lora_rank + model.qk_rope_dim
 
+    def cache_shards(self, model: ModelSpec, tp: int) -> int:
+        return 1  # one latent per token, shared by every head: every TP rank holds it
+
     def saved_per_token(self, model: ModelSpec, mode: str) -> float:
         n = model.heads
         dqk, dv = self.dims(model, mode)

@@ -1,0 +1,136 @@
+"""Steps under a parallel layout, from a scenario: the EP group's routing, then the layout's step
+(:func:`moonep_sim.step.layout_step.layout_step`).
+
+The scenario's cluster is the job's GPUs (N); the layout (:class:`~moonep_sim.step.parallel.Parallel`)
+must multiply to N. Each MoE layer is planned over one EP group: ``ep`` ranks, ``G / etp`` of them
+per node (the expert grid numbers ETP fastest), on the tokens one rank of a stage's expert grid holds
+per micro-batch -- in train ``micro_batch_size x seq / (tp x cp)`` with ``seq`` the context
+(default :data:`DEFAULT_TRAIN_SEQ`); in serving the scenario's tokens per (attention-DP) rank over
+``tp x cp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from moonep_sim.errors import require
+
+#: Sequence length of a layout's training step when no context is given (Megatron recipes' 4096).
+DEFAULT_TRAIN_SEQ = 4096
+
+
+def layout_tokens(parallel, mode: str, tokens_per_rank: int | None, context: int | None,
+                  gen_tokens: int | None) -> tuple[int, int]:
+    """(tokens per expert-grid rank of one micro-batch, context) of a layout's step (one-line
+    errors for what the layout sets)."""
+    p = parallel
+    if mode == "train":
+        require(tokens_per_rank is None, f"tokens per rank ({tokens_per_rank}) is set by the layout in train: "
+                                         "micro-batch size x sequence / (tp x cp); give the sequence as the context")
+        seq = int(context or DEFAULT_TRAIN_SEQ)
+        p.check(seq_len=seq)
+        n = p.micro_batch_size * seq
+        require(n % (p.tp * p.cp) == 0, f"micro-batch tokens ({p.micro_batch_size} x {seq}) must be a multiple of "
+                                         f"tp x cp ({p.tp} x {p.cp}): each TP/CP rank takes its share")
+        return n // (p.tp * p.cp), seq
+    T = int(tokens_per_rank or gen_tokens or 0)
+    require(T >= 1, "tokens per rank must be given for a serving step under a layout")
+    require(T % (p.tp * p.cp) == 0, f"tokens per rank ({T}) must be a multiple of tp x cp ({p.tp} x {p.cp}) "
+                                    "under the layout: each TP/CP rank takes its share of the MoE tokens")
+    return T // (p.tp * p.cp), context
+
+
+def ep_group(scenario: Any, p, model=None) -> tuple[Any, int, int]:
+    """(one EP group's Resolved, the job's GPUs N, GPUs per node G) of a scenario (or its
+    Resolved) under layout ``p``. A Scenario's cluster names the job (default N: the layout's
+    product; G: the topology's GPUs per node) and is not itself resolved (N need not divide the
+    experts: only ``ep`` must); a Resolved's cluster is the job's."""
+    from moonep_sim.experiments.spec import parse_cluster
+    from moonep_sim.step.layout_step import expert_group_gpus_per_node
+
+    if hasattr(scenario, "source"):   # a Resolved (a Scenario has a routing, not yet a source)
+        rs = scenario
+        N, G = rs.cluster.ranks, rs.cluster.gpus_per_node
+        p.check(N, model or rs.source.model)
+        from moonep_sim.experiments.compare import check_cluster
+        from moonep_sim.plan.placement import Placement
+        from moonep_sim.strategies import PlanContext
+
+        cl = check_cluster(rs.source, p.ep, expert_group_gpus_per_node(p, G))
+        place = Placement.home_groups(rs.source.num_experts, p.ep)
+        ctx = PlanContext(cl, place, rs.ctx.costs, rs.ctx.token_padding, rs.topology)
+        return dataclasses.replace(rs, cluster=cl, ctx=ctx), N, G
+    from moonep_sim.experiments.compare import load_topology
+
+    N, G = parse_cluster(scenario.cluster)
+    N = N or p.world
+    G = G or load_topology(scenario.topology).gpus_per_node
+    require(N == p.world, f"tp x cp x dp x pp ({p.tp} x {p.cp} x {p.dp} x {p.pp} = {p.world}) must equal the GPUs ({N})")
+    require(N % G == 0 or N < G, f"GPUs ({N}) must be a multiple of the GPUs per node ({G})")
+    probe = dataclasses.replace(scenario, cluster=(1, 1)).resolved   # the model, before the EP group is resolved
+    p.check(N, model or probe.source.model)
+    group = dataclasses.replace(scenario, cluster=(p.ep, expert_group_gpus_per_node(p, min(G, N)))).resolved
+    return group, N, min(G, N)
+
+
+def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_per_rank: int | None = None,
+                    context: int | None = None, model=None, distinct_layers: int = 0,
+                    compute_profile: str | None = None, gemm_dtype: str = "bf16", recompute: bool = False,
+                    optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
+                    static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
+                    cluster: str | None = None, pipeline: bool | None = None, layer_source=None):
+    """``(figures, setup, timelines)`` of ``scenario``'s step under ``parallel`` (see the module
+    docstring; the keywords are :func:`~moonep_sim.experiments.step.run_step`'s, which wraps them
+    in its ``StepResult``; ``layer_source`` its routing source builder)."""
+    from moonep_sim.step import MemoryOptions, StepConfig, step_shape
+    from moonep_sim.step.costs import step_cost_model
+    from moonep_sim.step.layout_step import layout_step
+
+    p = parallel
+    group, N, G = ep_group(scenario, p, model)
+    src = group.source
+    m = model or src.model
+    require(src.gen is not None, "a step under a layout runs on generated routing (gen:...): a trace's tokens are "
+                                 "one EP group's, not a layout's")
+    p.check(N, m)
+    require(not static_tokens, "static buffers are not modelled under a layout yet")
+    T, ctx = layout_tokens(p, mode, tokens_per_rank, context, src.gen.tokens_per_rank)
+    shape = step_shape(m, mode, T, ctx)
+    g_ep = group.cluster.gpus_per_node
+    rs = group
+    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile)
+    mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
+    cfg = StepConfig(m, group.topology, group.ctx, group.strategies, shape, overlap, costs, mem, {})
+    pool = None
+    if cluster or (jobs or 1) != 1:
+        from moonep_sim.experiments.parallel import run_points
+
+        pool = lambda fn, items: run_points(fn, items, jobs=jobs, cluster=cluster)
+    res = layout_step(cfg, p, layer_source(group.source, p.ep, T, m.moe_layers, distinct_layers), G,
+                      progress=progress, map_fn=pool, pipeline=pipeline)
+    timelines = res.pop("_timelines")
+    setup = {k: v for k, v in res.items() if k != "strategies"}
+    setup.update(model=m.name, ranks=N, gpus=N, ep_group_ranks=p.ep, ep_group_gpus_per_node=g_ep, gpus_per_node=G,
+                 topology=rs.topology.name, routing=src.describe(), gemm_dtype=gemm_dtype,
+                 compute_profile=compute_profile, distinct_layers=distinct_layers, recompute=recompute, jobs=jobs,
+                 cluster=cluster, options={n: {k: str(v) for k, v in o.items()} for n, o in rs.strategies},
+                 stand_ins=0, reused_layers=sum(1 for x in res["layers_routing"] if "reused" in x),
+                 step_tokens=None, gpu_tflops=rs.topology.gpu_tflops, gpu_memory_GiB=rs.topology.gpu_memory_GiB,
+                 assumptions=LAYOUT_ASSUMPTIONS)
+    return res["strategies"], setup, timelines
+
+
+#: What a layout step assumes (stated in its JSON setup; docs/steps.md explains each).
+LAYOUT_ASSUMPTIONS = (
+    "TP/SP/ETP/CP collectives exposed (no TP-communication overlap); CP ring traffic not overlapped with attention",
+    "DP gradients reduced in fp32, parameters gathered in bf16 (ring, one per rail); optimizer step memory-bound "
+    "at 30 B/param",
+    "pipeline sends over the link the stage boundary crosses; DualPipe order by the rule of its figure, "
+    "no zero-bubble weight split",
+    "activations per micro-batch from the stage's tokens per rank (sequence-parallel sized); memory with the "
+    "layout's shards over today's per-chunk account",
+)
+
+
+__all__ = ["DEFAULT_TRAIN_SEQ", "LAYOUT_ASSUMPTIONS", "layout_tokens", "run_layout_step"]

@@ -1,0 +1,249 @@
+"""A layout search: every valid parallel layout of a model on N GPUs, priced, those that fit in
+memory ranked per strategy by tokens/s per GPU.
+
+Notation: N GPUs, G per node, t tp, p pp, d dp, e ep; T tokens per expert-grid rank of one
+micro-batch (``micro_batch_size x seq / t``).
+
+**Enumerated** (:func:`enumerate_layouts`): t over the divisors of G that divide the heads; p over
+the divisors of N / t up to the layers; d = N / (t p); e over the divisors of t d that divide the
+expert slots; cp = etp = 1, ZeRO 1 (the distributed optimizer); each pp schedule asked for where it
+applies (interleaved with vpp 2, DualPipe with an even pp). Training keeps one global batch for all
+layouts (default ``N x micro_batch_size`` sequences, so every d divides it); each layout is
+validated as a whole (:meth:`~moonep_sim.step.parallel.Parallel.check`), the invalid ones dropped.
+
+**Priced as a model** (fast: a few layer simulations, not a step per layout): the MoE and dense
+layers of a stage program depend on the layout only through (e, T, the EP group's GPUs per node),
+so for each distinct such key one layer of each kind (dense or MoE, and its attention kind) is
+simulated alone as today's step (one micro-batch of a one-layer model over the EP group, every MoE
+layer on the same generated routing -- the search is flagged so); a stage's program is the sum of
+its layers' (:func:`priced_stages`, the embedding and the head counted once), then
+:func:`~moonep_sim.step.layout_step.schedule_layout` schedules it exactly as a layout step does.
+``moonep-sim step`` with the chosen layout runs the full step (every layer its own routing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+from moonep_sim.errors import ConfigError, require
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(model, gpus: int, gpus_per_node: int, mode: str = "train", *, micro_batch_size: int = 1,
+                      global_batch_size: int = 0, schedules: tuple[str, ...] = ("1f1b",), seq: int = 4096,
+                      expert_slots: int | None = None) -> list:
+    """Every valid :class:`~moonep_sim.step.parallel.Parallel` (see the module docstring)."""
+    from moonep_sim.step.parallel import Parallel
+
+    require(gpus >= 1, f"gpus ({gpus}) must be >= 1")
+    gbs = global_batch_size or gpus * micro_batch_size
+    slots = expert_slots or model.num_experts
+    out = []
+    for tp in _divisors(min(gpus_per_node, gpus)):
+        if gpus % tp or (model.heads and model.heads % tp) or (micro_batch_size * seq) % tp:
+            continue
+        for pp in _divisors(gpus // tp):
+            if pp > model.layers or (mode != "train" and pp > 1):
+                continue
+            dp = gpus // (tp * pp)
+            for ep in _divisors(tp * dp):
+                if slots % ep:
+                    continue
+                for sch in (schedules if pp > 1 else ("1f1b",)):
+                    kw = dict(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch_size=micro_batch_size, zero=1,
+                              pp_schedule=sch, global_batch_size=gbs if mode == "train" else 0)
+                    if sch == "interleaved":
+                        kw["vpp"] = 2
+                    try:
+                        p = Parallel(**kw).check(gpus, model, expert_slots=slots)
+                        if sch == "dualpipe" and p.micro_batches % 2:
+                            continue
+                    except ConfigError:
+                        continue
+                    out.append(p)
+    return out
+
+
+def _unit_key(p, G: int, T: int) -> tuple[int, int, int]:
+    from moonep_sim.step.layout_step import expert_group_gpus_per_node
+
+    return p.ep, expert_group_gpus_per_node(p, G), T
+
+
+def _layer_class(model, l: int) -> tuple[bool, str]:
+    return l >= model.dense_layers, model.attention_kind(l)
+
+
+def price_units(scenario, model, key: tuple[int, int, int], mode: str, seq: int, costs, mem, overlap: str) -> dict:
+    """``{layer class: {strategy: StageProgram}}`` of one unit key (ep, EP GPUs per node, T): one
+    layer of each class simulated alone as a one-layer model's step over the EP group."""
+    from moonep_sim.experiments.step import layer_source
+    from moonep_sim.step import StepConfig, step_shape
+    from moonep_sim.step.layout_step import (StageProgram, _head_us, dense_probe_model, program_difference,
+                                             stage_model)
+    from moonep_sim.step.run import simulate_step
+
+    ep, g_ep, T = key
+    group = dataclasses.replace(scenario, cluster=(ep, g_ep)).resolved
+    shape = step_shape(model, mode, T, seq if mode == "train" else None)
+    src = layer_source(group.source, ep, T, model.moe_layers, 1)
+    out = {}
+
+    def run(sub) -> dict:
+        cfg = StepConfig(sub, group.topology, group.ctx, group.strategies, shape, overlap, costs, mem, {})
+        res = simulate_step(cfg, lambda i: src(0), None, None, False)
+        return {n: StageProgram.of(res, n) for n, _ in group.strategies}
+
+    first_moe = model.dense_layers
+    moe = run(stage_model(model, first_moe, first_moe + 1))
+    out[_layer_class(model, first_moe)] = moe
+    head = _head_us(model, shape, costs)
+    for l in range(model.layers):
+        cls = _layer_class(model, l)
+        if cls in out:
+            continue
+        if l >= first_moe:
+            out[cls] = run(stage_model(model, l, l + 1))
+        else:   # a dense layer runs only beside an MoE layer: that pair less the MoE layer alone
+            both = run(dense_probe_model(model, l, l + 1))
+            out[cls] = {n: program_difference(both[n], moe[n], head) for n in both}
+    return out
+
+
+def priced_stages(model, p, units: dict, name: str, shape, costs) -> list:
+    """Each model stage's :class:`~moonep_sim.step.layout_step.StageProgram` for strategy ``name``:
+    the sum of its layers' one-layer programs (each less the embedding and head it ran), the
+    embedding and head added once; memory likewise (see :func:`_stage_memory`)."""
+    from moonep_sim.step.layout_step import StageProgram, _head_us, stage_bounds
+
+    ef, hf, eb, hb = _head_us(model, shape, costs)
+    out = []
+    for a, b in stage_bounds(model, p):
+        F, B, Fc, Bc = ef + hf, eb + hb, ef + hf, eb + hb
+        progs = [units[_layer_class(model, l)][name] for l in range(a, b)]
+        for sp in progs:
+            F += sp.forward_us - ef - hf
+            B += sp.backward_us - eb - hb
+            Fc += sp.forward_compute_us - ef - hf
+            Bc += sp.backward_compute_us - eb - hb
+        out.append(StageProgram(F, B, Fc, Bc, _stage_memory(model, a, b, progs, p.ep, shape),
+                                sum(sp.dropped for sp in progs), sum(sp.entries for sp in progs)))
+    return out
+
+
+def _stage_memory(model, a: int, b: int, progs: list, ep: int, shape) -> dict:
+    """Today's memory account of layers ``[a, b)`` over ``ep`` ranks from the one-layer accounts:
+    the stage's own weights, the largest buffers, the layers' activations and KV (each one-layer
+    account's fp32 logits and embedding counted once)."""
+    from moonep_sim.step.layout_step import chunk_params
+    from moonep_sim.step.stack import BF16
+
+    logits = float(shape.tokens) * model.vocab * 4 if shape.mode == "train" else 0.0
+    dense, expert = chunk_params(model, a, b, True, True)
+    extra = 0.0
+    for l, sp in zip(range(a, b), progs):
+        if not sp.memory.get("dense_only"):
+            dn, ex = chunk_params(model, l, l + 1, True, True)
+            extra += max(sp.memory["parts"]["weights"] - (dn + ex / ep) * BF16, 0.0)
+    parts = {"weights": (dense + expert / ep) * BF16 + extra,
+             "buffers": max(sp.memory["parts"]["buffers"] for sp in progs)}
+    if shape.mode == "train":   # a dense unit's activations hold no logits (they cancelled)
+        parts["activations"] = sum(sp.memory["parts"]["activations"] - (0.0 if sp.memory.get("dense_only") else logits)
+                                   for sp in progs) + logits
+    else:
+        parts["kv_cache"] = sum(sp.memory["parts"]["kv_cache"] for sp in progs)
+    return {"parts": parts, "peak_bytes": float(sum(parts.values()))}
+
+
+def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096, micro_batch_size: int = 1,
+                   global_batch_size: int = 0, schedules: tuple[str, ...] = ("1f1b",), overlap: str = "none",
+                   gemm_dtype: str = "bf16", recompute: bool = False, top: int = 5, tokens_per_rank: int | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Every valid layout of ``scenario``'s model on ``gpus`` GPUs, priced (see the module
+    docstring). Returns ``{"ranked": {strategy: [the best ``top`` rows, fitting ones first]},
+    "rows": every (layout, strategy) row, "valid", "fit", "seconds", ...}``; ``progress(done, total)``
+    after each unit priced and each layout scheduled."""
+    from moonep_sim.experiments.compare import load_topology
+    from moonep_sim.experiments.spec import parse_cluster
+    from moonep_sim.step import MemoryOptions, StepConfig, step_shape
+    from moonep_sim.step.costs import step_cost_model
+    from moonep_sim.step.layout_step import schedule_layout
+
+    t0 = time.perf_counter()
+    require(mode in ("train", "prefill", "decode"), f"mode ({mode!r}) must be train, prefill or decode")
+    _, G = parse_cluster(scenario.cluster)
+    topo = load_topology(scenario.topology)
+    G = G or topo.gpus_per_node
+    probe = dataclasses.replace(scenario, cluster=(1, 1)).resolved
+    model = probe.source.model
+    require(probe.source.gen is not None, "a layout search runs on generated routing (gen:...)")
+    layouts = enumerate_layouts(model, gpus, min(G, gpus), mode, micro_batch_size=micro_batch_size,
+                                global_batch_size=global_batch_size, schedules=schedules, seq=seq)
+    require(bool(layouts), f"no valid layout of {model.name} on {gpus} GPUs ({G} per node): every tp, pp, dp, ep "
+                           "split breaks a rule (heads, experts, layers or the GPU count)")
+    costs = step_cost_model(topo, gemm_dtype)
+    mem = MemoryOptions(recompute=recompute)
+
+    def T_of(p) -> int:
+        if mode == "train":
+            return micro_batch_size * seq // (p.tp * p.cp)
+        return max(int(tokens_per_rank or probe.source.gen.tokens_per_rank) // p.tp, 1)
+
+    keys = sorted({_unit_key(p, min(G, gpus), T_of(p)) for p in layouts})
+    total = len(keys) + len(layouts)
+    units, skipped = {}, []
+    for i, k in enumerate(keys):
+        try:
+            units[k] = price_units(scenario, model, k, mode, seq, costs, mem, overlap)
+        except ConfigError as e:   # e.g. the asked skew below what so few tokens can show: those layouts dropped
+            skipped.append({"ep": k[0], "tokens_per_rank": k[2], "reason": str(e)})
+        if progress:
+            progress(i + 1, total)
+    names = [n for n, _ in probe.strategies]
+    rows = []
+    for j, p in enumerate(layouts):
+        T = T_of(p)
+        shape = step_shape(model, mode, T, seq if mode == "train" else None)
+        key = _unit_key(p, min(G, gpus), T)
+        if key not in units:
+            continue
+        cfg = StepConfig(model, topo, None, probe.strategies, shape, overlap, costs, mem, {})
+        figs = {}
+        for n in names:
+            progs = priced_stages(model, p, units[key], n, shape, costs)
+            figs[n] = schedule_layout(cfg, p, progs, min(G, gpus))
+        fitting = [n for n in names if not figs[n]["oom"]]
+        best = max(fitting or names, key=lambda n: figs[n]["tokens_per_s_per_gpu"])
+        for n in names:
+            f = figs[n]
+            rows.append({"layout": p.label() + (f" {p.pp_schedule}" if p.pp > 1 else ""), "parallel": p.to_dict(),
+                         "strategy": n, "tokens_per_s_per_gpu": f["tokens_per_s_per_gpu"],
+                         "step_time_us": f["step_time_us"], "mfu": f["mfu"],
+                         "bubble_fraction": f["pipeline"]["bubble_fraction"], "peak_memory_bytes": f["peak_memory_bytes"],
+                         "fits": not f["oom"], "best_at_layout": best,
+                         "verdict": (f"{best} fastest at this layout" if fitting else "no strategy fits at this layout")})
+        if progress:
+            progress(len(keys) + j + 1, total)
+    ranked = {}
+    for n in names:
+        mine = sorted((r for r in rows if r["strategy"] == n), key=lambda r: (not r["fits"], -r["tokens_per_s_per_gpu"]))
+        ranked[n] = mine[:top]
+    fit = len({r["layout"] for r in rows if r["fits"]})
+    return {"kind": "layout-search", "model": model.name, "mode": mode, "gpus": gpus, "gpus_per_node": G,
+            "topology": topo.name, "seq": seq if mode == "train" else None, "micro_batch_size": micro_batch_size,
+            "valid": len(layouts), "priced": len({r["layout"] for r in rows}), "fit": fit,
+            "units_simulated": len(units), "units_skipped": skipped, "ranked": ranked, "rows": rows,
+            "seconds": time.perf_counter() - t0,
+            "flags": ["PRICED AS A MODEL: one layer of each kind simulated per (ep, tokens per rank), every MoE "
+                      "layer on the same generated routing; run `moonep-sim step` with a chosen layout for its full "
+                      "step"] + ([] if fit else ["no layout fits in memory: more GPUs, recompute or fp8 weights"])
+            + ([f"{len(skipped)} (ep, tokens per rank) pair(s) could not be priced, their layouts dropped: "
+                f"{skipped[0]['reason']}"] if skipped else [])}
+
+
+__all__ = ["enumerate_layouts", "price_units", "priced_stages", "search_layouts"]

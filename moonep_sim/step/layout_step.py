@@ -1,0 +1,444 @@
+"""The step under a parallel layout: stage programs from today's step, scheduled over a pipeline,
+with the TP, CP, PP and DP collectives and the optimizer step around them.
+
+Notation: p pipeline ranks, v chunks per rank, m micro-batches, t tp, c cp, d dp, e ep.
+Times in microseconds; bytes.
+
+A layout (:class:`~moonep_sim.step.parallel.Parallel`) wraps today's step, never replaces it:
+
+1. **Stage programs.** Each pipeline chunk's layers (``Parallel.stage_layers``, uneven first and
+   last stages included) are a model of their own (:func:`stage_model`), and one micro-batch of it
+   is today's step (:func:`moonep_sim.step.run.simulate_step`): its MoE layers planned per strategy
+   and simulated over the **EP group** (e ranks placed as the layout puts them: ETP fastest, so
+   ``G / etp`` of a node's G GPUs per node), on the tokens each rank of the stage's expert grid
+   holds, ``micro_batch_size x seq / (t x c)`` (Megatron splits the TP group's tokens for the
+   dispatch; the dense GEMMs' FLOPs per rank are those of the TP shard). The composed timeline
+   gives the chunk's forward and backward time (and their compute share); the embedding and the
+   LM head (and loss) are kept on the first / last chunk only.
+2. **TP (and SP, ETP, CP) collectives** per layer, on the stage's critical path (ASSUMED exposed:
+   no TP-communication overlap): two all-reduces of the TP group's activations
+   (``mbs x seq/c x H`` bf16) forward and two backward (with sequence parallelism a reduce-scatter
+   and an all-gather each: the same bytes); with etp > 1 each MoE layer adds an all-reduce of its
+   expert rows over the ETP group; with c > 1 every softmax-attention layer passes its K/V chunk
+   around the CP ring (c - 1 sends forward, twice that backward; ASSUMED not overlapped with the
+   attention: an upper bound).
+3. **The pipeline**: the chunk times are scheduled by the layout's pp schedule
+   (:mod:`moonep_sim.step.pipelines`: 1F1B, interleaved, DualPipe), each boundary's activation send
+   (``mbs x seq/c x H`` bf16, divided by t with SP) over the link it crosses
+   (:func:`~moonep_sim.step.collectives.stage_boundary_links`).
+4. **DP**: after its last backward each pipeline rank reduces its gradients over its data-parallel
+   group (the dense share over ``d x c`` ranks ``t`` apart; the experts over ``edp`` ranks ``e x
+   etp`` apart): an all-reduce with ZeRO 0, a reduce-scatter with the distributed optimizer
+   (ZeRO >= 1), then its parameter all-gather; ZeRO 3 also gathers each chunk's parameters before
+   its forward and backward of every micro-batch. Gradients are reduced in fp32, parameters
+   gathered in bf16 (Megatron's defaults). With ``overlap_grad_reduce`` the reduce of all but the
+   last micro-batch's backward is hidden behind it (only what exceeds that window is exposed).
+5. **The optimizer step**: memory-bound over the rank's optimizer shard
+   (:data:`OPTIMIZER_BYTES_PER_PARAM` per parameter at the GPU's memory bandwidth x efficiency).
+
+The step ends on the pipeline rank that finishes last. Memory per pipeline rank: today's account of
+its chunks (``moonep_sim.step.memory``) with the layout's shards (:func:`layout_memory`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+from moonep_sim.errors import require
+from moonep_sim.models import ModelSpec
+from moonep_sim.step import collectives as coll
+from moonep_sim.step.parallel import Parallel
+from moonep_sim.step.pipelines import get_schedule
+from moonep_sim.step.pipelines.base import ChunkTimes, run_schedule
+from moonep_sim.step.stack import BF16, StepShape, attention_params, backward_op, head_ops, kv_elems_per_token
+
+#: ASSUMED: mixed-precision Adam reads the fp32 master weight, gradient and two moments and writes
+#: the master, the moments and the bf16 weight: 4 x 4 + 3 x 4 + 2 bytes per parameter.
+OPTIMIZER_BYTES_PER_PARAM = 30
+#: Megatron's defaults: gradients reduced in fp32, parameters gathered in bf16.
+GRAD_REDUCE_BYTES = 4
+PARAM_GATHER_BYTES = BF16
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_model(model: ModelSpec, start: int, stop: int) -> ModelSpec:
+    """Layers ``[start, stop)`` of ``model`` as a model of their own (the dense layers first, each
+    layer's attention kind kept)."""
+    require(0 <= start < stop <= model.layers, f"stage layers ({start}..{stop}) must lie in 0..{model.layers}")
+    kinds = [model.attention_kind(l) for l in range(start, stop)]
+    moe = sum(1 for l in range(start, stop) if l >= model.dense_layers)
+    return dataclasses.replace(model, name=f"{model.name}[{start}:{stop}]", layers=stop - start, moe_layers=moe,
+                               attention=",".join(kinds))
+
+
+@functools.lru_cache(maxsize=1024)
+def dense_probe_model(model: ModelSpec, start: int, stop: int) -> ModelSpec:
+    """Dense layers ``[start, stop)`` of ``model`` followed by its first MoE layer: a model the step
+    can run (a model needs an MoE layer); the dense layers' program is this model's less the MoE
+    layer's alone (:func:`stage_model` of it)."""
+    require(stop <= model.dense_layers and model.moe_layers >= 1,
+            f"dense layers ({start}..{stop}) must lie in the model's first {model.dense_layers} layers")
+    kinds = [model.attention_kind(l) for l in range(start, stop)] + [model.attention_kind(model.dense_layers)]
+    return dataclasses.replace(model, name=f"{model.name}[{start}:{stop}]+moe", layers=stop - start + 1, moe_layers=1,
+                               attention=",".join(kinds))
+
+
+def program_difference(with_moe: "StageProgram", moe: "StageProgram", head: tuple[float, float, float, float]
+                       ) -> "StageProgram":
+    """The dense layers' program of a :func:`dense_probe_model`: its program less the MoE layer's
+    alone (both ran the embedding and the head once, so they are added back once); memory: the
+    difference of activations and KV, no buffers of its own."""
+    ef, hf, eb, hb = head
+    a, b = with_moe.memory["parts"], moe.memory["parts"]
+    parts = {"weights": max(a["weights"] - b["weights"], 0.0), "buffers": 0.0}
+    if "activations" in a:
+        parts["activations"] = a["activations"] - b["activations"]   # the logits cancel
+    if "kv_cache" in a:
+        parts["kv_cache"] = a["kv_cache"] - b["kv_cache"]
+    return StageProgram(with_moe.forward_us - moe.forward_us + ef + hf, with_moe.backward_us - moe.backward_us + eb + hb,
+                        with_moe.forward_compute_us - moe.forward_compute_us + ef + hf,
+                        with_moe.backward_compute_us - moe.backward_compute_us + eb + hb,
+                        {"parts": parts, "dense_only": True}, 0, 0)
+
+
+def expert_group_gpus_per_node(p: Parallel, gpus_per_node: int) -> int:
+    """EP ranks per node of one EP group: ETP is the fastest dimension, so a node's G GPUs hold
+    ``G / etp`` ranks of the group (at most ep)."""
+    return max(1, min(p.ep, gpus_per_node // p.etp if gpus_per_node >= p.etp else 1))
+
+
+def _head_us(model: ModelSpec, shape: StepShape, costs) -> tuple[float, float, float, float]:
+    """(embed forward, head forward, embed backward, head backward) us of one micro-batch."""
+    first, last = head_ops(model, shape)
+    train = shape.mode == "train"
+    ef = sum(costs.op_us(o) for o in first)
+    hf = sum(costs.op_us(o) for o in last)
+    eb = sum(costs.op_us(backward_op(o)) for o in first) if train else 0.0
+    hb = sum(costs.op_us(backward_op(o)) for o in last) if train else 0.0
+    return ef, hf, eb, hb
+
+
+def _timeline_split(tl) -> tuple[float, float, float, float]:
+    """(forward us, backward us, forward compute us, backward compute us) of a stage's timeline:
+    the forward ends at its last forward event; compute on the rank that ends last."""
+    import numpy as np
+
+    end_R = tl.end_R()
+    r = int(np.argmax(end_R))
+    f_end = max((float(e.end_R.max()) for e in tl.events if e.direction == "forward"), default=0.0)
+    total = float(end_R[r])
+    fc = sum(float(e.end_R[r] - e.start_R[r]) for e in tl.events if e.stream == "compute" and e.direction == "forward")
+    bc = sum(float(e.end_R[r] - e.start_R[r]) for e in tl.events if e.stream == "compute" and e.direction != "forward")
+    return f_end, total - f_end, min(fc, f_end), min(bc, total - f_end)
+
+
+def tp_comm_us(model: ModelSpec, start: int, stop: int, p: Parallel, shape: StepShape, topo, tokens_tp: int,
+               gpus_per_node: int) -> tuple[float, float]:
+    """(forward, backward) us of one micro-batch's TP, ETP and CP collectives over layers
+    ``[start, stop)`` (see the module docstring). ``tokens_tp``: the TP group's tokens."""
+    H = model.hidden
+    f = b = 0.0
+    if p.tp > 1:
+        link = coll.group_link(topo, p.tp, 1, gpus_per_node)
+        S = tokens_tp * H * BF16
+        one = (coll.reduce_scatter_us(S, p.tp, link) + coll.all_gather_us(S, p.tp, link)) if p.sequence_parallel \
+            else coll.all_reduce_us(S, p.tp, link)
+        f += 2 * one * (stop - start)
+        b += 2 * one * (stop - start)
+    moe = sum(1 for l in range(start, stop) if l >= model.dense_layers)
+    if p.etp > 1 and moe:
+        link = coll.group_link(topo, p.etp, 1, gpus_per_node)
+        rows = shape.tokens * model.top_k * p.etp  # an expert-TP rank's rows: its ETP group's tokens' routed rows
+        one = coll.all_reduce_us(rows * model.dispatch_hidden * BF16, p.etp, link)
+        f += one * moe
+        b += one * moe
+    if p.cp > 1:
+        link = coll.group_link(topo, p.cp, p.tp, gpus_per_node)
+        for l in range(start, stop):
+            kind = model.attention_kind(l)
+            if kind in ("gqa", "mla", "sliding"):
+                kv = (tokens_tp // p.cp) * kv_elems_per_token(model, kind) // max(p.tp if kind != "mla" else 1, 1) * BF16
+                f += (p.cp - 1) * coll.send_us(kv, link)
+                b += 2 * (p.cp - 1) * coll.send_us(kv, link)
+    return f, b
+
+
+@functools.lru_cache(maxsize=16384)
+def chunk_params(model: ModelSpec, start: int, stop: int, first: bool, last: bool) -> tuple[float, float]:
+    """(dense, expert) parameters (elements) of layers ``[start, stop)`` (the embedding on the first
+    chunk, the LM head on the last), counted as :func:`~moonep_sim.step.stack.dense_params` counts
+    a whole model's."""
+    H, F = model.hidden, model.expert_ffn
+    dense = 0.0
+    moe = 0
+    for l in range(start, stop):
+        dense += attention_params(model, model.attention_kind(l)) + 2 * H
+        if l < model.dense_layers:
+            dense += 3 * H * model.dense_ffn
+        else:
+            moe += 1
+            dense += model.shared_experts * 3 * H * F + H * model.num_experts
+    dense += model.vocab * H * (int(first) + int(last))
+    return float(dense), float(moe) * model.num_experts * 3.0 * model.dispatch_hidden * F
+
+
+def layout_memory(mem: dict, model: ModelSpec, p: Parallel, chunks: list[tuple[int, int, int]], inflight: list[int],
+                  chunk_mem: dict[int, dict], train: bool, tokens: int = 0) -> dict:
+    """One pipeline rank's memory from today's account of each of its chunks (``chunk_mem[c]``:
+    ``memory_per_rank``'s dict of chunk c's model over the EP group), with the layout's shards:
+    dense weights over t (experts over etp), gradients over d x c (dense) and edp (experts) with
+    ZeRO >= 2, optimizer state over them with ZeRO >= 1 (parameters too with ZeRO 3), activations
+    times the micro-batches each chunk keeps in flight under the schedule (``inflight[i]`` for
+    ``chunks[i] = (chunk, start, stop)``; the fp32 logits of ``tokens`` only on the last stage).
+    ``mem``: the options' bytes per parameter."""
+    logits_bytes = float(tokens) * model.vocab * 4
+    parts = {"weights": 0.0, "buffers": 0.0}
+    if train:
+        parts.update(activations=0.0, gradients=0.0, optimizer=0.0)
+    else:
+        parts["kv_cache"] = 0.0
+    last = model.layers
+    dp_dense = p.dp * p.cp
+    for (c, a, b), live in zip(chunks, inflight):
+        cm = chunk_mem[c]["parts"]
+        dense, expert = chunk_params(model, a, b, a == 0, b == last)
+        e_local = expert / p.ep
+        w = dense / p.tp + e_local / p.etp
+        if p.zero >= 3:
+            w = dense / p.tp / dp_dense + e_local / p.etp / p.edp
+        # today's account counts the chunk model's whole embedding and head (both ends) and its home experts:
+        # what it holds beyond them (a strategy's static replicas) is kept
+        dense_only = bool(chunk_mem[c].get("dense_only"))
+        own = sum(chunk_params(model, a, b, True, True)) - expert + e_local
+        parts["weights"] += w * BF16 + (0.0 if dense_only else max(cm["weights"] - own * BF16, 0.0))
+        parts["buffers"] = max(parts["buffers"], cm["buffers"])
+        if train:
+            # today's account keeps fp32 logits on every chunk model (a dense-only program's cancel)
+            logits = 0.0 if b == last or dense_only else logits_bytes
+            parts["activations"] += (cm["activations"] - logits) * live
+            g = dense / p.tp / (dp_dense if p.zero >= 2 else 1) + e_local / p.etp / (p.edp if p.zero >= 2 else 1)
+            parts["gradients"] += g * 4.0
+            o = dense / p.tp / (dp_dense if p.zero >= 1 else 1) + e_local / p.etp / (p.edp if p.zero >= 1 else 1)
+            parts["optimizer"] += o * mem["optimizer_bytes_per_param"]
+        else:
+            parts["kv_cache"] += cm["kv_cache"] / p.tp
+    return {"peak_bytes": float(sum(parts.values())), "parts": parts}
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """One strategy's program of one pipeline stage for one micro-batch: its forward and backward
+    time and their compute share (us; the stage's model, embedding and LM head included as today's
+    step runs them), ``memory``: today's account of the stage's model over the EP group
+    (``memory_per_rank``'s dict), and the routed entries it ran and dropped."""
+
+    forward_us: float
+    backward_us: float
+    forward_compute_us: float
+    backward_compute_us: float
+    memory: dict
+    dropped: int = 0
+    entries: int = 0
+
+    @classmethod
+    def of(cls, res: dict, name: str) -> "StageProgram":
+        """From :func:`~moonep_sim.step.run.simulate_step`'s result for strategy ``name``."""
+        d = res["strategies"][name]
+        F, B, Fc, Bc = _timeline_split(res["_timelines"][name])
+        return cls(F, B, Fc, Bc, d["memory"], int(d["dropped"]), int(d["entries"]))
+
+
+def stage_bounds(model: ModelSpec, p: Parallel) -> list[tuple[int, int]]:
+    """``[start, stop)`` layers of each model stage (``Parallel.stage_layers``)."""
+    out, a = [], 0
+    for n in p.stage_layers(model.layers):
+        out.append((a, a + n))
+        a += n
+    return out
+
+
+def simulate_stages(cfg, p: Parallel, source: Callable[[int], tuple], *, progress: Callable[[str], None] | None = None,
+                    map_fn: Callable | None = None, pipeline: bool | None = None
+                    ) -> tuple[list[dict[str, StageProgram]], list[str]]:
+    """Each model stage's :class:`StageProgram` per strategy (today's step of its layers for one
+    micro-batch) and the routing provenance of every MoE layer."""
+    from moonep_sim.step.run import simulate_step
+
+    m = cfg.model
+    out, prov = [], []
+    bounds = stage_bounds(m, p)
+
+    def run(model: ModelSpec, off: int) -> dict:
+        return simulate_step(dataclasses.replace(cfg, model=model), lambda i: source(off + i), None, map_fn, pipeline)
+
+    for si, (a, b) in enumerate(bounds):
+        moe_before = max(a - m.dense_layers, 0)
+        if progress:
+            progress(f"stage {si + 1} of {len(bounds)}: layers {a}..{b - 1}", si, len(bounds))
+        if b > m.dense_layers:
+            res = run(stage_model(m, a, b), moe_before)
+            out.append({n: StageProgram.of(res, n) for n, _ in cfg.strategies})
+            prov += res["layers_routing"]
+            continue
+        # a stage of dense layers only: with the first MoE layer appended, less that layer alone
+        both, moe = run(dense_probe_model(m, a, b), 0), run(stage_model(m, m.dense_layers, m.dense_layers + 1), 0)
+        head = _head_us(m, cfg.shape, cfg.costs)
+        out.append({n: program_difference(StageProgram.of(both, n), StageProgram.of(moe, n), head)
+                    for n, _ in cfg.strategies})
+    return out, prov
+
+
+def layout_step(cfg, p: Parallel, source: Callable[[int], tuple], gpus_per_node: int, *, progress=None,
+                map_fn: Callable | None = None, pipeline: bool | None = None) -> dict:
+    """Every strategy's step under layout ``p`` (see the module docstring).
+
+    cfg: a :class:`~moonep_sim.step.run.StepConfig` whose ``ctx`` is one EP group's (``p.ep``
+    ranks) and whose ``shape`` is one micro-batch on one rank of a stage's expert grid (tokens
+    ``micro_batch_size x seq / (t x c)``; context the sequence length). source: MoE layer index
+    of the whole model -> (key, routing over the EP group, provenance). gpus_per_node: the
+    cluster's. Returns ``{"strategies": {name: figures}, "parallel": ..., ...}``."""
+    programs, prov = simulate_stages(cfg, p, source, progress=progress, map_fn=map_fn, pipeline=pipeline)
+    out = {n: schedule_layout(cfg, p, [st[n] for st in programs], gpus_per_node) for n, _ in cfg.strategies}
+    return {"strategies": out, "mode": cfg.shape.mode, "tokens_per_rank": cfg.shape.tokens,
+            "context": cfg.shape.context, "overlap": cfg.overlap, "layers_routing": prov, "parallel": p.to_dict(),
+            "layout": p.label(), "pipeline": None, "_timelines": {}}
+
+
+def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_node: int) -> dict:
+    """One strategy's figures under layout ``p`` from its stage programs (one per model stage):
+    the TP/CP collectives added, the pipeline scheduled, then DP, parameter gather and optimizer per
+    pipeline rank; memory per pipeline rank (see the module docstring)."""
+    from moonep_sim.step.run import useful_flops_per_rank
+
+    m = cfg.model
+    train = cfg.shape.mode == "train"
+    topo = cfg.topology
+    bounds = stage_bounds(m, p)
+    M = p.micro_batches
+    sched = get_schedule(p.pp_schedule, p.pp, p.vpp, M)
+    T = cfg.shape.tokens
+    tokens_tp = T * p.tp   # the TP group's tokens of one micro-batch (after the CP split)
+    ef, hf, eb, hb = _head_us(m, cfg.shape, cfg.costs)
+    links = coll.stage_boundary_links(topo, p.tp * p.cp * p.dp, p.pp, gpus_per_node)
+    act = tokens_tp * m.hidden * BF16 / (p.tp if p.sequence_parallel else 1)   # one micro-batch's activations
+    send_link = {}
+    for r in range(p.pp - 1):
+        send_link[(r, r + 1)] = send_link[(r + 1, r)] = links[r]
+    wrap = coll.nic(topo) if p.pp > 1 and p.world > gpus_per_node else coll.nvlink(topo)
+
+    def send_us(c0: int, c1: int) -> float:
+        r0, r1 = sched.rank_of(c0), sched.rank_of(c1)
+        return 0.0 if r0 == r1 else coll.send_us(act, send_link.get((r0, r1), wrap))
+
+    f_us, b_us, fc_us, bc_us, stage_fig = [], [], [], [], []
+    for (a, b), sp in zip(bounds, programs):
+        F, B, Fc, Bc = sp.forward_us, sp.backward_us, sp.forward_compute_us, sp.backward_compute_us
+        if a != 0:
+            F, Fc, B, Bc = F - ef, Fc - ef, B - eb, Bc - eb
+        if b != m.layers:
+            F, Fc, B, Bc = F - hf, Fc - hf, B - hb, Bc - hb
+        tf, tb = tp_comm_us(m, a, b, p, cfg.shape, topo, tokens_tp, gpus_per_node)
+        F, B = F + tf, (B + tb if train else 0.0)
+        f_us.append(F)
+        b_us.append(B)
+        fc_us.append(max(Fc, 0.0))
+        bc_us.append(max(Bc, 0.0) if train else 0.0)
+        stage_fig.append({"layers": [a, b], "forward_us": F, "backward_us": B, "tp_cp_comm_us": tf + (tb if train else 0.0)})
+    ch = [sched.stage_of(c) for c in range(sched.chunks())]
+    run = run_schedule(sched, ChunkTimes([f_us[s] for s in ch], [b_us[s] for s in ch], [fc_us[s] for s in ch],
+                                         [bc_us[s] for s in ch], send_us))
+    ranks_chunks = [[c for c in range(sched.chunks()) if sched.rank_of(c) == r] for r in range(p.pp)]
+    ends, last_b = [0.0] * p.pp, [0.0] * p.pp
+    for r, kind, mb, c, mb2, c2, s0, s1 in run.ops:
+        ends[r] = max(ends[r], s1)
+        if "B" in kind:
+            last_b[r] = s1 - s0
+    per_rank = [_rank_tail(cfg, p, m, r, ranks_chunks[r], sched, bounds, ends[r], last_b[r], gpus_per_node, train)
+                for r in range(p.pp)]
+    slow = max(per_rank, key=lambda x: x["end_us"])
+    step_us = slow["end_us"]
+    tokens = M * p.dp * p.micro_batch_size * cfg.shape.context if train else p.dp * T * p.tp * p.cp
+    tps = tokens / (step_us * 1e-6) / p.world if step_us > 0 else 0.0
+    useful = useful_flops_per_rank(cfg)   # the whole model's FLOPs on one micro-batch of a stage rank's tokens
+    mfu = useful * M / p.pp / (step_us * topo.gpu_tflops * 1e6) if step_us > 0 else 0.0
+    live = _inflight(run, sched)
+    mems = []
+    for r in range(p.pp):
+        cs = [(c, *bounds[sched.stage_of(c)]) for c in ranks_chunks[r]]
+        cmem = {c: programs[sched.stage_of(c)].memory for c in ranks_chunks[r]}
+        mems.append(layout_memory({"optimizer_bytes_per_param": cfg.memory.optimizer_bytes_per_param}, m, p, cs,
+                                  [live[c] for c in ranks_chunks[r]], cmem, train, T))
+    peak_r = max(range(p.pp), key=lambda r: mems[r]["peak_bytes"])
+    cap = topo.gpu_memory_GiB * 2**30
+    peak = mems[peak_r]["peak_bytes"]
+    compute = (sum(fc_us) + sum(bc_us)) * M / p.pp
+    return {"step_time_us": step_us, "tokens_per_s_per_gpu": tps, "mfu": mfu, "compute_us": compute,
+            "exposed_comm_us": max(step_us - compute, 0.0),
+            "comm_share": max(step_us - compute, 0.0) / step_us if step_us > 0 else 0.0,
+            "slowest_rank": slow["rank"], "pipeline": run.to_dict(), "stages": stage_fig, "pipeline_ranks": per_rank,
+            "peak_memory_bytes": peak, "peak_memory_pp_rank": peak_r, "gpu_memory_bytes": cap,
+            "oom": (peak > cap) if cap else None, "memory": mems[peak_r],
+            "memory_per_pp_rank": [x["peak_bytes"] for x in mems],
+            "dropped": sum(sp.dropped for sp in programs), "entries": sum(sp.entries for sp in programs),
+            "tokens_per_step": tokens}
+
+
+def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched, bounds, end_us: float,
+               last_b_us: float, gpus_per_node: int, train: bool) -> dict:
+    """Pipeline rank ``r``'s DP gradient reduce, parameter gather and optimizer step after its last op."""
+    topo = cfg.topology
+    dense = expert = 0.0
+    for c in chunks:
+        a, b = bounds[sched.stage_of(c)]
+        dn, ex = chunk_params(m, a, b, a == 0, b == m.layers)
+        dense, expert = dense + dn / p.tp, expert + ex / p.ep / p.etp
+    ddp, edp = p.dp * p.cp, p.edp
+    dl = coll.group_link(topo, ddp, p.tp, gpus_per_node)
+    el = coll.group_link(topo, edp, p.ep * p.etp, gpus_per_node)
+    grad = gather = opt = exposed = 0.0
+    if train:
+        if p.zero == 0:
+            grad = coll.all_reduce_us(dense * GRAD_REDUCE_BYTES, ddp, dl) + \
+                coll.all_reduce_us(expert * GRAD_REDUCE_BYTES, edp, el)
+        else:
+            grad = coll.reduce_scatter_us(dense * GRAD_REDUCE_BYTES, ddp, dl) + \
+                coll.reduce_scatter_us(expert * GRAD_REDUCE_BYTES, edp, el)
+            gather = coll.all_gather_us(dense * PARAM_GATHER_BYTES, ddp, dl) + \
+                coll.all_gather_us(expert * PARAM_GATHER_BYTES, edp, el)
+        if p.zero >= 3:  # every chunk's parameters gathered before each forward and backward
+            gather *= 1 + 2 * p.micro_batches
+        exposed = max(grad - last_b_us, 0.0) if p.overlap_grad_reduce else grad
+        shard = dense / (ddp if p.zero >= 1 else 1) + expert / (edp if p.zero >= 1 else 1)
+        opt = shard * OPTIMIZER_BYTES_PER_PARAM / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
+    return {"rank": r, "pipeline_end_us": end_us, "dp_grad_us": grad, "dp_grad_exposed_us": exposed,
+            "param_gather_us": gather, "optimizer_us": opt, "end_us": end_us + exposed + gather + opt,
+            "params_dense": dense, "params_expert": expert}
+
+
+def _inflight(run, sched) -> dict[int, int]:
+    """Peak micro-batches whose forward has started and backward not ended, per chunk (forward-only
+    runs: 1)."""
+    ev: dict[int, list] = {}
+    for r, kind, mb, c, mb2, c2, s0, s1 in run.ops:
+        if "F" in kind:
+            ev.setdefault(c, []).append((s0, 1))
+        if kind == "B":
+            ev.setdefault(c, []).append((s1, -1))
+        elif kind == "FB":
+            ev.setdefault(c2, []).append((s1, -1))
+    out = {}
+    for c in range(sched.chunks()):
+        live = peak = 0
+        for _, d in sorted(ev.get(c, []), key=lambda x: (x[0], x[1])):
+            live += d
+            peak = max(peak, live)
+        out[c] = max(peak, 1)
+    return out
+
+
+__all__ = ["GRAD_REDUCE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "PARAM_GATHER_BYTES", "StageProgram", "chunk_params",
+           "expert_group_gpus_per_node", "layout_memory", "layout_step", "schedule_layout", "simulate_stages",
+           "stage_bounds", "stage_model", "tp_comm_us"]

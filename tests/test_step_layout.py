@@ -1,0 +1,187 @@
+"""The step under a parallel layout (moonep_sim.step.layout_step, experiments.layout): closed forms
+against today's step, the ring/link formulas, memory shards and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from moonep_sim.errors import ConfigError
+from moonep_sim.experiments.scenario import Scenario
+from moonep_sim.models import get_model
+from moonep_sim.sim.topology import load_topology
+from moonep_sim.step import collectives as coll
+from moonep_sim.step.layout_step import (OPTIMIZER_BYTES_PER_PARAM, chunk_params, stage_model, tp_comm_us)
+from moonep_sim.step.parallel import Parallel
+from moonep_sim.step.stack import StepShape
+
+GEN = "gen:model=olmoe-1b-7b,maxvio=0.5,tokens-per-rank=128,seed=3"
+
+
+def _model(layers: int):
+    m = get_model("olmoe-1b-7b")
+    return dataclasses.replace(m, name=f"olmoe-{layers}l", layers=layers, moe_layers=layers)
+
+
+def _sc(ranks: int, layers: int = 1, G: int = 8):
+    return Scenario(routing=GEN, model=_model(layers), cluster=(ranks, min(G, ranks)), topology="h800-cx7",
+                    strategies="alltoall,moonep")
+
+
+def test_ring_and_link_formulas():
+    topo = load_topology("h800-cx7")
+    nv, ni = coll.nvlink(topo), coll.nic(topo)
+    S = 64e6
+    assert coll.all_reduce_us(S, 8, nv) == pytest.approx(2 * 7 / 8 * S / nv.bytes_per_us + 14 * nv.latency_us)
+    assert coll.reduce_scatter_us(S, 4, ni) == pytest.approx(3 / 4 * S / ni.bytes_per_us + 3 * ni.latency_us)
+    assert coll.all_gather_us(S, 4, ni) == coll.reduce_scatter_us(S, 4, ni)
+    assert coll.send_us(S, ni) == pytest.approx(S / ni.bytes_per_us + ni.latency_us)
+    assert coll.all_reduce_us(S, 1, nv) == 0.0
+    assert nv.bytes_per_us == topo.nvlink_bandwidth_GBps * topo.nvlink_efficiency * 1e3
+    # a TP group of 8 consecutive ranks stays in the node; a DP group 8 apart leaves it
+    assert coll.group_link(topo, 8, 1).name == "nvlink"
+    assert coll.group_link(topo, 2, 8).name == "nic"
+    # stages of 4 ranks on 8-GPU nodes: boundary 0 inside node 0, boundary 1 crosses to node 1, boundary 2 inside node 1
+    assert [lk.name for lk in coll.stage_boundary_links(topo, 4, 4)] == ["nvlink", "nic", "nvlink"]
+
+
+def test_tp_collectives_per_layer():
+    topo = load_topology("h800-cx7")
+    m = get_model("qwen3-30b-a3b")
+    shape = StepShape("train", 512, 4096)
+    p = Parallel(tp=4, dp=2, ep=8)
+    f, b = tp_comm_us(m, 0, 3, p, shape, topo, 2048, 8)
+    one = coll.all_reduce_us(2048 * m.hidden * 2, 4, coll.nvlink(topo))
+    assert (f, b) == pytest.approx((2 * 3 * one, 2 * 3 * one))
+    sp = Parallel(tp=4, dp=2, ep=8, sequence_parallel=True)
+    f2, _ = tp_comm_us(m, 0, 3, sp, shape, topo, 2048, 8)
+    rs = coll.reduce_scatter_us(2048 * m.hidden * 2, 4, coll.nvlink(topo))
+    assert f2 == pytest.approx(2 * 3 * 2 * rs)
+
+
+def test_stage_model_keeps_kinds_and_params_add_up():
+    m = get_model("deepseek-v3")
+    sub = stage_model(m, 2, 6)
+    assert (sub.layers, sub.moe_layers, sub.dense_layers) == (4, 3, 1)
+    assert [sub.attention_kind(i) for i in range(4)] == [m.attention_kind(l) for l in range(2, 6)]
+    p = Parallel(pp=4)
+    bounds, a = [], 0
+    for n in p.stage_layers(m.layers):
+        bounds.append((a, a + n))
+        a += n
+    whole = chunk_params(m, 0, m.layers, True, True)
+    parts = [chunk_params(m, a, b, a == 0, b == m.layers) for a, b in bounds]
+    assert sum(x[0] for x in parts) == pytest.approx(whole[0])
+    assert sum(x[1] for x in parts) == pytest.approx(whole[1])
+
+
+def test_one_moe_layer_without_tp_pp_dp_is_todays_step():
+    sc = _sc(1)
+    today = sc.step("train", tokens_per_rank=128, context=128)
+    lay = sc.step("train", parallel=Parallel(), context=128)
+    for n in today.figures:
+        f = lay.figures[n]
+        assert f["pipeline_ranks"][0]["pipeline_end_us"] == pytest.approx(today.figures[n]["step_time_us"], rel=1e-12)
+        dense, expert = chunk_params(_model(1), 0, 1, True, True)
+        topo = load_topology("h800-cx7")
+        opt = (dense + expert) * OPTIMIZER_BYTES_PER_PARAM / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
+        assert f["step_time_us"] == pytest.approx(today.figures[n]["step_time_us"] + opt, rel=1e-12)
+        assert f["pipeline"]["bubble_fraction"] == 0.0
+
+
+def test_pure_ep_layout_is_todays_step_plus_dp_and_optimizer():
+    sc = _sc(4, layers=2)
+    today = sc.step("train", tokens_per_rank=128, context=128)
+    lay = sc.step("train", parallel=Parallel(dp=4, ep=4), context=128)
+    topo = load_topology("h800-cx7")
+    dense, expert = chunk_params(_model(2), 0, 2, True, True)
+    link = coll.group_link(topo, 4, 1)
+    grad = coll.reduce_scatter_us(dense * 4, 4, link)
+    gather = coll.all_gather_us(dense * 2, 4, link)
+    opt = (dense / 4 + expert / 4) * OPTIMIZER_BYTES_PER_PARAM / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
+    for n in today.figures:
+        r0 = lay.figures[n]["pipeline_ranks"][0]
+        assert r0["pipeline_end_us"] == pytest.approx(today.figures[n]["step_time_us"], rel=1e-12)
+        assert (r0["dp_grad_us"], r0["param_gather_us"], r0["optimizer_us"]) == pytest.approx((grad, gather, opt))
+    assert lay.to_dict()["setup"]["layout"] == "DP4 EP4"
+
+
+def test_pipeline_layout_runs_and_zero_shards_memory():
+    sc = _sc(8, layers=4)
+    p0 = Parallel(pp=2, dp=4, ep=4, zero=0, global_batch_size=16)
+    p1 = dataclasses.replace(p0, zero=1)
+    r0 = sc.step("train", parallel=p0, context=128, distinct_layers=1)
+    r1 = sc.step("train", parallel=p1, context=128, distinct_layers=1)
+    for n in r0.figures:
+        f0, f1 = r0.figures[n], r1.figures[n]
+        assert f0["pipeline"]["micro_batches"] == 4 and len(f0["stages"]) == 2
+        assert f0["memory"]["parts"]["optimizer"] > f1["memory"]["parts"]["optimizer"]
+        # 1F1B keeps pp = 2 micro-batches alive on the first stage, 1 on the last
+        assert f0["pipeline_ranks"][0]["pipeline_end_us"] > 0
+        assert f0["tokens_per_step"] == 16 * 128
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(parallel=Parallel(tp=2, dp=2, ep=4)), r"tp x cp x dp x pp \(2 x 1 x 2 x 1 = 4\) must equal the GPUs \(8\)"),
+    (dict(parallel=Parallel(pp=16, dp=1)), r"tp x cp x dp x pp"),
+    (dict(parallel=Parallel(dp=8, ep=8), tokens_per_rank=64), r"tokens per rank \(64\) is set by the layout"),
+    (dict(parallel=Parallel(pp=8)), r"pp x vpp \(8 x 1 = 8\) must be <= the layers \(4"),
+    (dict(parallel=Parallel(dp=8, ep=8), context=100, mode="prefill"), r"tokens per rank \(128\) must be a multiple"),
+])
+def test_bad_layouts_are_one_line(kw, match):
+    sc = _sc(8, layers=4)
+    mode = kw.pop("mode", "train")
+    if mode == "prefill":
+        kw["parallel"] = Parallel(tp=8, dp=1, ep=8)
+        kw["tokens_per_rank"] = 100
+        match = r"tokens per rank \(100\) must be a multiple of tp x cp \(8 x 1\)"
+    with pytest.raises(ConfigError, match=match):
+        sc.step(mode, **kw)
+
+
+def _v2lite(layers: int):
+    m = get_model("deepseek-v2-lite")
+    return dataclasses.replace(m, name=f"v2lite-{layers}l", layers=layers, moe_layers=layers - 1)
+
+
+def test_a_stage_of_dense_layers_only():
+    # deepseek-v2-lite's first layer is dense; a first stage of just that layer runs beside an MoE layer, less it
+    sc = Scenario(routing="gen:model=deepseek-v2-lite,maxvio=2,tokens-per-rank=64", model=_v2lite(3), cluster=(4, 4),
+                  topology="h800-cx7", strategies="alltoall")
+    p = Parallel(pp=2, dp=2, ep=2, first_stage_layers=1, global_batch_size=4)
+    f = sc.step("train", parallel=p, context=64).figures["alltoall"]
+    assert [s["layers"] for s in f["stages"]] == [[0, 1], [1, 3]]
+    assert 0 < f["stages"][0]["forward_us"] < f["stages"][1]["forward_us"]
+    assert f["memory_per_pp_rank"][0] > 0
+
+
+def test_search_ranks_fitting_layouts():
+    from moonep_sim.experiments.layout_search import enumerate_layouts
+
+    m = _model(4)
+    lays = enumerate_layouts(m, 8, 8, "train", seq=2048)
+    # every valid layout multiplies to the GPUs, and pp, ep, tp divide what they split
+    assert lays and all(p.world == 8 and m.num_experts % p.ep == 0 and m.heads % p.tp == 0 for p in lays)
+    assert {(p.tp, p.pp) for p in lays} >= {(1, 1), (2, 2), (8, 1), (1, 4)}
+    rep = _sc(8, layers=4).search_layouts(8, "train", seq=2048, top=3)
+    assert rep["valid"] == len(lays)
+    for rows in rep["ranked"].values():
+        assert len(rows) == 3
+        fits = [r["fits"] for r in rows]
+        assert fits == sorted(fits, reverse=True)
+        ok = [r["tokens_per_s_per_gpu"] for r in rows if r["fits"]]
+        assert ok == sorted(ok, reverse=True)
+
+
+def test_search_price_matches_the_layout_step_on_one_routing():
+    # priced from one layer per kind vs the full step with every MoE layer on the same routing: same figures
+    sc = _sc(8, layers=4)
+    p = Parallel(tp=2, pp=2, dp=2, ep=4, global_batch_size=8)
+    full = sc.step("train", parallel=p, context=2048, distinct_layers=1).figures
+    rep = sc.search_layouts(8, "train", seq=2048, top=100)
+    row = {(r["strategy"], r["layout"]): r for r in rep["rows"]}
+    for n, f in full.items():
+        r = row[(n, "TP2 PP2 DP2 EP4 1f1b")]
+        assert r["step_time_us"] == pytest.approx(f["step_time_us"], rel=0.02)
+        assert r["peak_memory_bytes"] == pytest.approx(f["peak_memory_bytes"], rel=0.02)

@@ -1,0 +1,79 @@
+"""The layout flags of `moonep-sim step`, `compare --level step` and `sweep --level step`: a layout
+step's table and JSON state the layout; bad layouts are one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moonep_sim import cli
+
+GEN = "model=olmoe-1b-7b,maxvio=1"
+STEP = ["step", "--gen", GEN, "--strategies", "alltoall", "--distinct-layers", "1"]
+
+
+def _status(argv, capsys):
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--tp", "2", "--dp", "2", "--gpus", "8"], r"tp x cp x dp x pp \(2 x 1 x 2 x 1 = 4\) must equal the GPUs \(8\)"),
+    (["--pp", "32", "--gpus", "32"], r"pp x vpp \(32 x 1 = 32\) must be <= the layers \(16"),
+    (["--ep", "3", "--dp", "3"], r"ep \(3\) must divide the expert slots \(64"),
+    (["--tp", "3"], r"tp \(3\) must divide the attention heads \(16"),
+    (["--pp", "2", "--vpp", "2", "--global-batch-size", "3", "--dp", "1"], r"micro-batches \(3\) must be a multiple of pp \(2\)"),
+    (["--pp", "3", "--pp-schedule", "dualpipe"], r"pp \(3\) must be even for dualpipe"),
+    (["--zero", "4"], r"--zero: invalid choice"),
+    (["--tp", "0"], r"tp \(0\) must be an integer >= 1"),
+    (["--dp", "4", "--ep", "4", "--ranks", "4"], r"--ranks \(4\) is a pure-EP step's EP size"),
+    (["--gpus", "8"], r"--gpus applies to a layout"),
+    (["--dp", "2", "--ep", "2", "--tokens-per-rank", "64"], r"tokens per rank \(64\) is set by the layout in train"),
+    (["--sequence-parallel", "--dp", "2"], r"sequence parallel needs tp >= 2"),
+    (["--dp", "2", "--ep", "2", "--gantt", "{tmp}/g.png"], r"--gantt .* not available under a layout"),
+    (["--tp", "2", "--gpus", "7"], r"--gpus \(7\) must be a multiple of tp x cp x pp \(2\) to derive --dp"),
+    (["--search", "--tp", "2", "--gpus", "8"], r"--tp is chosen by --search"),
+    (["--search"], r"--search needs --gpus N"),
+])
+def test_bad_layout_flags_are_one_line(extra, match, capsys, tmp_path):
+    rc, out, err = _status(STEP + [x.replace("{tmp}", str(tmp_path)) for x in extra], capsys)
+    assert rc == 2
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    import re
+    assert re.search(match, lines[0]), lines[0]
+    assert "Traceback" not in err
+
+
+def test_compare_and_sweep_refuse_layout_flags_at_layer_level(capsys, tmp_path):
+    rc, _, err = _status(["compare", "--trace", f"gen:{GEN},tokens-per-rank=64", "--strategies", "alltoall",
+                          "--ranks", "2", "--no-plots", "--out", str(tmp_path / "c"), "--tp", "2"], capsys)
+    assert rc == 2 and "--tp applies to --level step only" in err
+
+
+def test_step_states_the_layout(capsys, tmp_path):
+    out = tmp_path / "s.json"
+    rc, text, err = _status(STEP + ["--tp", "2", "--pp", "2", "--dp", "2", "--ep", "4", "--global-batch-size", "8",
+                                    "--context", "1024", "--json", str(out)], capsys)
+    assert rc == 0, err
+    doc = json.loads(out.read_text())
+    s = doc["setup"]
+    assert s["layout"] == "TP2 PP2 DP2 EP4" and s["gpus"] == 8 and s["parallel"]["micro_batches"] == 4
+    assert s["ep_group_ranks"] == 4 and s["tokens_per_rank"] == 512
+    f = doc["strategies"]["alltoall"]
+    assert f["pipeline"]["schedule"] == "1f1b" and len(f["pipeline_ranks"]) == 2
+    assert "TP2 PP2 DP2 EP4" in text
+
+
+def test_compare_level_step_takes_the_layout(capsys, tmp_path):
+    rc, text, err = _status(["compare", "--trace", f"gen:{GEN},tokens-per-rank=64", "--strategies", "alltoall",
+                             "--ranks", "8", "--no-plots", "--out", str(tmp_path / "c"), "--level", "step",
+                             "--distinct-layers", "1", "--context", "512", "--pp", "2", "--ep", "4"], capsys)
+    assert rc == 0, err
+    doc = json.loads((tmp_path / "c" / "report.json").read_text())
+    assert doc["setup"]["layout"] == "PP2 DP4 EP4"
