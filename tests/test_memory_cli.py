@@ -64,3 +64,46 @@ def test_an_oom_strategy_never_wins():
     fit = {"change": "full recompute", "detail": "recompute none -> full", "peak_bytes": 60e9}
     v = step_verdict({"a": {**fits, "oom": True, "peak_memory_bytes": 100e9, "fit": fit}, "b": oom})
     assert "the smallest change that fits (a): full recompute (recompute none -> full): 55.9 GiB" in v["why"]
+
+
+def test_mtp_tokens_per_step_and_bad_values():
+    from moonep_sim.errors import ConfigError
+    from moonep_sim.step.mtp import MTP
+
+    assert MTP(1, 0.85).tokens_per_step == pytest.approx(1.85)
+    assert MTP(3, 0.5).tokens_per_step == pytest.approx(1 + 0.5 + 0.25 + 0.125) and MTP(3, 0.5).verify_tokens == 4
+    assert MTP(0).tokens_per_step == 1.0
+    with pytest.raises(ConfigError, match=r"mtp depth \(9\) must be an integer in \[0, 8\]"):
+        MTP(9)
+    with pytest.raises(ConfigError, match=r"mtp acceptance \(0\) must lie in \(0, 1\]"):
+        MTP(1, 0)
+
+
+def test_mtp_decode_routes_the_drafts_and_adds_the_draft_layer(tmp_path):
+    base = ["step", "--gen", "model=deepseek-v3,maxvio=1.5,tokens-per-rank=32", "--ranks", "32", "--mode", "decode",
+            "--weight-dtype", "fp8", "--strategies", "alltoall", "--distinct-layers", "1", "--no-plots"]
+    assert main(base + ["--out", str(tmp_path / "a")]) == 0
+    assert main(base + ["--out", str(tmp_path / "b"), "--mtp-depth", "1", "--mtp-acceptance", "0.85"]) == 0
+    a = json.loads((tmp_path / "a" / "report.json").read_text())["strategies"]["alltoall"]
+    doc = json.loads((tmp_path / "b" / "report.json").read_text())
+    b = doc["strategies"]["alltoall"]
+    m = b["mtp"]
+    assert m["tokens_per_step"] == pytest.approx(1.85) and doc["setup"]["mtp"]["sequences_per_rank"] == 32
+    # twice the routed rows per rank (1 + 1 tokens per sequence), the same sequences' KV cache
+    assert b["real_rows_per_rank"] == pytest.approx(2 * a["real_rows_per_rank"], rel=0.1)
+    assert b["memory"]["parts"]["kv_cache"] == a["memory"]["parts"]["kv_cache"]
+    assert b["peak_memory_bytes"] == pytest.approx(a["peak_memory_bytes"] + m["draft_weight_bytes"], rel=0.02)
+    assert b["tokens_per_s_per_gpu"] == pytest.approx(32 * 1.85 / (b["step_time_us"] * 1e-6))
+    assert b["step_time_us"] > a["step_time_us"] + m["draft_us"] * 0.99
+
+
+@pytest.mark.parametrize("argv,want", [
+    (["--mtp-depth", "-1"], "mtp depth (-1) must be an integer in [0, 8]"),
+    (["--mtp-depth", "1", "--mtp-acceptance", "1.5"], "mtp acceptance (1.5) must lie in (0, 1]"),
+    (["--mtp-depth", "2", "--mode", "train"], "--mtp-depth (2) needs --mode decode (mode train)"),
+])
+def test_bad_mtp_flags_are_one_line(argv, want, capsys):
+    code = main(["step", "--gen", GEN, "--ranks", "32", "--mode", "decode", "--strategies", "alltoall",
+                 "--distinct-layers", "1", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and want in err[0], err

@@ -64,6 +64,7 @@ STEP_FLAGS = (("--mode", "mode", "train"), ("--tokens-per-rank", "tokens_per_ran
               ("--distinct-layers", "distinct_layers", 0), ("--static-buffer", "static_buffer", []),
               ("--compute-profile", "compute_profile", None), ("--gemm-dtype", "gemm_dtype", "bf16"),
               ("--weight-dtype", "weight_dtype", "bf16"), ("--kv-dtype", "kv_dtype", "bf16"),
+              ("--mtp-depth", "mtp_depth", 0), ("--mtp-acceptance", "mtp_acceptance", 0.8),
               ("--recompute", "recompute", False), ("--optimizer-shard", "optimizer_shard", 0),
               ("--optimizer-bytes-per-param", "optimizer_bytes_per_param", 12.0))
 
@@ -107,6 +108,12 @@ def add_step_options(p, *, level: bool = False, tokens: bool = True) -> None:
                         "prices memory and the memory-bound GEMMs by its bytes, scales included" + at)
     p.add_argument("--kv-dtype", default=d["kv_dtype"], metavar="DTYPE",
                    help="KV-cache format: bf16, fp16, fp8, mxfp4, nvfp4 (= fp4)" + at)
+    p.add_argument("--mtp-depth", type=int, default=d["mtp_depth"], metavar="N",
+                   help="decode: N draft tokens per step (multi-token prediction / speculative decoding; the main "
+                        "model verifies 1 + N tokens per sequence, a draft layer runs N times; 0 = off)" + at)
+    p.add_argument("--mtp-acceptance", type=float, default=d["mtp_acceptance"], metavar="P",
+                   help="decode with --mtp-depth: the chance each draft is accepted (tokens per step 1 + P + ... + "
+                        "P^N; default 0.8)" + at)
     p.add_argument("--recompute", action="store_true", default=d["recompute"],
                    help="train: recompute attention and norms in the backward" + at)
     p.add_argument("--optimizer-shard", type=int, default=d["optimizer_shard"], metavar="N",

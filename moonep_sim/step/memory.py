@@ -252,6 +252,15 @@ def _kv_per_seq(model: ModelSpec, l: int, ctx: int, tp: int, kvb: float) -> floa
     return float(ctx) * kv_elems_per_token(model, kind) * kvb * max(kv // tp, 1) / kv
 
 
+def moe_layer_weight_bytes(model: ModelSpec, ranks: int, weight_dtype: str = "bf16") -> float:
+    """Bytes one more MoE layer (the last layer's kind) adds on each of ``ranks`` EP ranks: its
+    non-expert weights and ``E / ranks`` experts, GEMM weights in ``weight_dtype`` (an MTP draft
+    layer: ``moonep_sim.step.mtp``)."""
+    wb = get_dtype(weight_dtype, "weight dtype", WEIGHT_DTYPES).weight_bytes
+    expert = model.num_experts / ranks * 3.0 * model.dispatch_hidden * model.expert_ffn * wb
+    return _layer_weights(model, model.layers - 1, 1, wb) + expert
+
+
 def stages_of(model: ModelSpec, par: Parallel) -> tuple[list[_Stage], tuple[int, ...], np.ndarray]:
     """Per pipeline rank: the chunks and layers it holds and whether it holds the embedding / head;
     the layers of each chunk; the chunks' first layers (and the end)."""
@@ -399,4 +408,5 @@ def memory_per_rank(model: ModelSpec, shape: StepShape, plans: "Sequence[Plan | 
 
 __all__ = ["ADAM_BYTES_PER_PARAM", "DEEPEP_CONFIGS", "GRAD_BYTES_PER_PARAM", "MemoryOptions", "PlanFootprint",
            "deepep_ll_buffer_bytes", "deepep_normal_buffer_bytes", "memory_for_layout", "memory_per_rank",
+           "moe_layer_weight_bytes",
            "stages_of"]
