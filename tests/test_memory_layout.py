@@ -250,3 +250,19 @@ def test_smallest_fit_is_found_by_rerunning_the_account():
     assert fit["change"] == "full recompute" and again["peak_bytes"] == fit["peak_bytes"]
     # 2.7T parameters on 64 GPUs: nothing fits
     assert smallest_fit(m, shape, Parallel(pp=4, dp=16, ep=16, global_batch_size=4096), [], MemoryOptions(), cap) is None
+
+
+def test_kv_cache_by_tp_and_pipeline_stage_by_hand():
+    """GQA K/V heads split over TP (2 KV heads over tp 2: one each), MLA latents replicated, a
+    linear layer's fp32 state split over TP; each pipeline stage holds its layers' caches."""
+    m = ModelSpec("kv", 4, 3, 8, 2, 0, 256, 128, attention="gqa,mla,linear,gqa", heads=4, kv_heads=2, head_dim=64,
+                  kv_lora_rank=32, qk_rope_dim=16, v_head_dim=64, vocab=1000, dense_ffn=512)
+    par = Parallel(tp=2, pp=2, dp=2, ep=4)
+    shape = step_shape(m, "decode", 8, 512)
+    mem = memory_for_layout(m, shape, par, [_fp(4, 2, 8)], MemoryOptions(kv_dtype="fp8"))
+    kvb = 1 + 4 / 128
+    gqa = 8 * 512 * (2 * 1 * 64) * kvb          # 8 sequences x 512 keys x K and V of one head per TP rank
+    mla = 8 * 512 * (32 + 16) * kvb             # the latent and the rope key, whole on every TP rank
+    lin = 8 * 4 * 64 * 64 * 4 / 2               # heads x hd x hd fp32 per sequence, over tp
+    assert mem["stages"][0]["parts"]["kv_cache"] == pytest.approx(gqa + mla)   # layers 0, 1
+    assert mem["stages"][1]["parts"]["kv_cache"] == pytest.approx(lin + gqa)   # layers 2, 3
