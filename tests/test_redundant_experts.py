@@ -78,7 +78,8 @@ def test_resident_slots_are_held_by_every_strategy():
     (["--ranks", "72", "--redundant-experts", "30"], "--ranks (72) must divide the expert slots (286 = 256 experts + "
                                                       "30 --redundant-experts)"),
     (["--ranks", "72"], "--ranks (72) must divide the routing's expert count (E=256)"),
-    (["--ranks", "8", "--redundant-experts", "-8"], "redundant experts (-8) must be an integer in [0,"),
+    (["--ranks", "8", "--redundant-experts", "-8"], "redundant_experts (-8) must be an integer >= 0"),
+    (["--ranks", "8", "--redundant-experts", "100000"], "redundant_experts (100000) must be <= 16 x E = 4096"),
 ])
 def test_bad_redundant_experts_are_one_line(argv, want, capsys):
     code = main(["step", "--gen", "model=deepseek-v3,maxvio=2,tokens-per-rank=16", "--gpus-per-node", "8",
