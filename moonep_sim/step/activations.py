@@ -114,7 +114,7 @@ def attention_saved(model: ModelSpec, kind: str, keys: float, opts: ActivationOp
         return Saved()
     h, n, g = model.hidden, model.heads, opts.gemm_bytes
     d = model.head_dim or (h // max(n, 1))
-    sp = 2 * h * BF16 * 0 + h * BF16  # the norm's input (the layer input)
+    sp = h * BF16  # the norm's input (the layer input)
     sp += 0.0 if opts.drops("layernorm") else h * g  # the norm's output: the projections' input
     sp += h if opts.dropout else 0.0  # the dropout mask after the output projection
     tp = rep = 0.0

@@ -48,7 +48,7 @@ stage, each part on the EP rank where the stage's total is largest:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -206,7 +206,6 @@ class _Stage:
     layers: list[int]
     embed: bool
     head: bool
-    parts: dict = field(default_factory=dict)
 
 
 def _layer_weights(model: ModelSpec, l: int, tp: int, wb: float) -> float:
