@@ -85,6 +85,11 @@ def same(a, b, path="result") -> None:
             raise AssertionError(f"{path}: keys differ")
         for k in a:
             same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (tuple, list)) and any(isinstance(x, np.ndarray) for x in a):
+        if len(a) != len(b):
+            raise AssertionError(f"{path}: lengths differ")
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{path}[{i}]")
     elif isinstance(a, np.ndarray):
         if a.dtype != b.dtype or not np.array_equal(a, b, equal_nan=True):
             raise AssertionError(f"{path}: arrays differ")

@@ -350,9 +350,9 @@ def cli_argv(case: str, strategies: list[str], distinct: int, pipeline: str = "a
     c = CASES[case]
     spec, st = c["spec"], c["step"]
     R, G = c["cluster"].split("/")
-    argv = ["step", "--gen", f"model={spec['model']},maxvio={spec['maxvio']:g},tokens-per-rank={spec['tokens_per_rank']}",
-            "--ranks", R, "--gpus-per-node", G, "--topology", "h800-cx7", "--strategies", ",".join(strategies),
-            "--mode", st["mode"], "--overlap", st["overlap"]]
+    gen = f"model={spec['model']},maxvio={spec['maxvio']:g},tokens-per-rank={spec['tokens_per_rank']}"
+    argv = ["step", "--gen", gen, "--ranks", R, "--gpus-per-node", G, "--topology", "h800-cx7",
+            "--strategies", ",".join(strategies), "--mode", st["mode"], "--overlap", st["overlap"]]
     if st.get("context"):
         argv += ["--context", str(st["context"])]
     if distinct:

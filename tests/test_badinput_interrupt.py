@@ -68,3 +68,16 @@ def test_ctrl_c_while_the_hf_launcher_imports_torch_is_one_line():
     p = _interrupt_once_loaded([sys.executable, str(REPO / "launch" / "train_hf.py"), "--model", "tiny-mixtral",
                                 "--nproc", "2"], "libtorch")
     assert (p.returncode, p.stderr) == (130, "moonep-sim: interrupted\n"), p.stderr[-2000:]
+
+
+def _sigint_disposition(_):
+    return signal.getsignal(signal.SIGINT)
+
+
+def test_worker_processes_leave_ctrl_c_to_the_parent():
+    """--jobs workers ignore SIGINT (a terminal's Ctrl-C reaches the whole process group): the parent
+    stops them and prints the one line; no worker prints a KeyboardInterrupt traceback."""
+    from moonep_sim.experiments.parallel import run_points
+
+    assert run_points(_sigint_disposition, [0, 1, 2], jobs=2) == [signal.SIG_IGN] * 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the parent's own is untouched

@@ -61,6 +61,9 @@ HF_CASES = {  # name -> (make(d) -> argv, what the line must name)
                     r"config\.json.*named pipe"),
     "checkpoint-without-config": (lambda d: ((d / "ck").mkdir(), ["--model", str(d / "ck"), "--nproc", "2"])[1],
                                   r"ck.*config\.json"),
+    "vocab-huge": (lambda d: ["--model", str(_cfg(d, vocab_size=1 << 40)), "--nproc", "2"], r"config\.json.*vocab_size"),
+    "beyond-memory": (lambda d: ["--model", str(_cfg(d, hidden_size=1 << 19, intermediate_size=1 << 19)), "--nproc",
+                                 "2"], r"config\.json.*memory"),
     "nproc-not-dividing-experts": (lambda d: ["--model", str(_cfg(d)), "--nproc", "3"], r"--nproc \(3\).*experts \(8\)"),
     "nproc-beyond-experts": (lambda d: ["--model", "tiny-mixtral", "--nproc", "16"], r"--nproc \(16\).*experts \(8\)"),
     "gpus-per-node-not-dividing": (lambda d: ["--model", "tiny-mixtral", "--nproc", "4", "--gpus-per-node", "3"],
@@ -80,6 +83,7 @@ HF_CASES = {  # name -> (make(d) -> argv, what the line must name)
 
 
 def _contents(d: Path) -> dict[str, bytes]:
+    """Every regular file's bytes (links and pipes not followed or opened)."""
     return {str(p.relative_to(d)): p.read_bytes() for p in d.rglob("*") if p.is_file() and not p.is_symlink()}
 
 
@@ -119,6 +123,7 @@ REPLAY_CASES = {
     "steps-beyond-trace": (["--nproc", "2", "--steps", "7"], r"--steps \(7\)"),
     "unknown-option": (["--nproc", "2", "--opt", "cf=2"], r"option \('cf'\)"),
     "json-onto-trace": (["--nproc", "2", "--json", "{trace}"], r"--json.*destroy|--json.*input"),
+    "spec-fifo": (["--nproc", "2", "--spec", "{fifo}"], r"--spec.*named pipe"),
 }
 
 
@@ -127,13 +132,15 @@ def test_replay_refuses_before_any_rank_starts(name, tmp_path, capsys, monkeypat
     import re
 
     import moonep_sim.gloo.launcher as launcher
-    from moonep_sim.experiments import replay_rank
+    from moonep_sim.experiments.ranks import replay_rank
     from moonep_sim.routing.generators import generate_trace
 
     generate_trace(tmp_path / "t.safetensors", 8, 2, 64, 1, layers=1, maxvio=1.0)
     extra, names = REPLAY_CASES[name]
+    os.mkfifo(tmp_path / "spec.json")
     argv = ["--trace", str(tmp_path / "t.safetensors"),
-            *[a.replace("{trace}", str(tmp_path / "t.safetensors")) for a in extra]]
+            *[a.replace("{trace}", str(tmp_path / "t.safetensors")).replace("{fifo}", str(tmp_path / "spec.json"))
+              for a in extra]]
     before = _contents(tmp_path)
 
     def no_ranks(*a, **k):

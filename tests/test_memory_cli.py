@@ -8,7 +8,7 @@ import json
 import pytest
 
 from moonep_sim.cli import main
-from moonep_sim.experiments.verdict import step_verdict
+from moonep_sim.analysis.verdict import step_verdict
 from moonep_sim.sim.topology import load_topology
 from moonep_sim.step import CostModel
 from moonep_sim.step.stack import Op

@@ -12,7 +12,7 @@ import pytest
 from moonep_sim.cli import main
 from moonep_sim.experiments import Scenario
 from moonep_sim.experiments.step import StepOptions
-from moonep_sim.experiments.winner import cell
+from moonep_sim.analysis.winner import cell
 
 MIXTRAL = Path(__file__).resolve().parent.parent / "traces" / "mixtral-8x7b_humaneval.safetensors"
 GEN = "gen:model=mixtral-8x7b,maxvio=1,tokens-per-rank=64"

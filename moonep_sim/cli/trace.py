@@ -292,6 +292,8 @@ def run_route(a) -> int:
     if a.bias_file:
         if a.mode not in ("bias", "group"):
             raise ConfigError(f"--bias-file needs --mode bias or group (found --mode {a.mode})")
+        from moonep_sim.io import check_input_file
+        check_input_file(a.bias_file, "--bias-file")  # a pipe or a device would block the reader
         try:
             b = np.load(a.bias_file, allow_pickle=False)
         except (OSError, ValueError, EOFError) as e:

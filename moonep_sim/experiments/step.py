@@ -46,8 +46,8 @@ class StepResult(_TakeAway):
     timelines: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
-        from moonep_sim.experiments.flags import step_flags
-        from moonep_sim.experiments.verdict import step_verdict
+        from moonep_sim.analysis.flags import step_flags
+        from moonep_sim.analysis.verdict import step_verdict
 
         opts = {n: {} for n in self.strategies} | dict(self.setup.get("options") or {})
         flags = step_flags(self.setup, opts, {"name": self.setup.get("model")}, self.figures)
@@ -281,7 +281,7 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
 
     wd = check_supported(get_dtype(weight_dtype, "--weight-dtype", WEIGHT_DTYPES), rs.topology, "--weight-dtype")
     check_supported(get_dtype(kv_dtype, "--kv-dtype", KV_DTYPES), rs.topology, "--kv-dtype")
-    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, weight_bytes=wd.weight_bytes)
+    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, mode=mode, weight_bytes=wd.weight_bytes)
     mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute, weight_dtype=weight_dtype,
                         kv_dtype=kv_dtype, gemm_dtype=gemm_dtype)
     from moonep_sim.step.mtp import MTP
@@ -382,9 +382,9 @@ def steps_document(results: Sequence[StepResult]) -> dict[str, Any]:
     """The document of a step run (``moonep-sim step``, ``compare --level step``): one step's
     :meth:`StepResult.to_dict`, or ``{kind: steps, steps: [...], setup, flags}`` for several
     recorded steps; on a trace, ``aggregate`` holds the per-step aggregate
-    (:func:`moonep_sim.experiments.stepstats.step_aggregates`) for any selection, one step too."""
-    from moonep_sim.experiments.stepstats import step_aggregates
-    from moonep_sim.experiments.winner import dedup_flags
+    (:func:`moonep_sim.analysis.stepstats.step_aggregates`) for any selection, one step too."""
+    from moonep_sim.analysis.stepstats import step_aggregates
+    from moonep_sim.analysis.winner import dedup_flags
 
     docs = [r.to_dict() for r in results]
     if len(docs) == 1:

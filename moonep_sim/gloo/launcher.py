@@ -2,7 +2,7 @@
 
 ``run_rank_program(module, nproc, argv, timeout_s)`` starts ``nproc`` processes of ``python -m
 MODULE ARGV --json TMP`` and returns the parsed JSON; a rank's error comes back as its own
-exception class with its one line (the replay, ``moonep_sim.experiments.replay_rank``, runs
+exception class with its one line (the replay, ``moonep_sim.experiments.ranks.replay_rank``, runs
 through it: ``replay_rank.run_replay``). ``spawn_ranks(target, world, ...)`` starts ``world``
 plain processes, runs ``target(rank, world, **kwargs)`` on each and returns every rank's exit
 code, output and result.

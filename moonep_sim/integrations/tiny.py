@@ -140,8 +140,34 @@ def _check_config(path: Path) -> int:
         if doc.get("head_dim") is None:
             require(spec.hidden % heads == 0, f"{path}: num_attention_heads ({heads}) must divide hidden_size "
                                               f"({spec.hidden}) (or give head_dim)")
+    vocab = doc.get("vocab_size")
+    from moonep_sim.limits import MAX_VOCAB
+    require(vocab is None or (isinstance(vocab, int) and not isinstance(vocab, bool) and 1 <= vocab <= MAX_VOCAB),
+            f"{path}: vocab_size ({vocab!r}) must be an integer in [1, {MAX_VOCAB}]")
+    _check_memory(path, spec, int(vocab or 0))
     config_from_json(path, raw)
     return spec.num_experts
+
+
+def weight_elements(spec, vocab: int) -> int:
+    """About how many weights a rank of the HF launcher holds (every rank builds the whole model):
+    embeddings and LM head, attention (4 H^2 per layer), routers, every expert and shared expert."""
+    H, L = spec.hidden, spec.layers
+    return (2 * vocab * H + L * 4 * H * H + spec.moe_layers * (spec.num_experts + spec.shared_experts) * 3 * H * spec.expert_ffn
+            + spec.moe_layers * H * spec.num_experts)
+
+
+def _check_memory(path: Path, spec, vocab: int) -> None:
+    """Refuse a config whose weights and gradients (float32) do not fit this machine's memory on one
+    rank: the launcher runs small models on CPU, and each rank would fail allocating them."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    need = weight_elements(spec, vocab) * 4 * 2  # float32 weights and their gradients
+    require(need <= total, f"{path}: the model must fit this machine's memory on each rank: about "
+                           f"{need / 2 ** 30:,.1f} GiB of float32 weights and gradients per rank, the machine has "
+                           f"{total / 2 ** 30:,.1f} GiB (the HF launcher builds the whole model on every CPU rank)")
 
 
 def build_model(spec: str, seed: int = 0, dtype: torch.dtype = torch.float32):

@@ -129,6 +129,13 @@ def _step_cases(Case) -> list:
             mk(d / "ops.csv")
             return [*STEP, "--compute-profile", str(d / "ops.csv")]
         out.append(Case(f"step-compute-profile-{kind}", "special files", make, rf"--compute-profile.*ops\.csv.*{word}"))
+    for kind, (mk, word) in kinds.items():  # trace route's bias file
+        def make(d: Path, mk=mk) -> list[str]:
+            _trace(d)
+            mk(d / "bias.npy")
+            return ["trace", "route", "{in}/t.safetensors", "--mode", "bias", "--bias-file", str(d / "bias.npy"), "-o",
+                    "{out}/r.safetensors"]
+        out.append(Case(f"route-bias-file-{kind}", "special files", make, rf"--bias-file.*bias\.npy.*{word}"))
     for kind, (mk, word) in kinds.items():  # the model file too, through step
         def make(d: Path, mk=mk) -> list[str]:
             mk(d / "m.json")

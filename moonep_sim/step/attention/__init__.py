@@ -42,6 +42,11 @@ class AttentionKind:
         """Weights of one layer's attention projections (elements)."""
         return 0
 
+    def gemm_parts(self, model: ModelSpec) -> tuple[tuple[int, int], ...]:
+        """The projections as GEMMs, (n, k) each (their n x k sum to :meth:`params`); () = priced as
+        one GEMM of equal FLOPs. A measured GEMM table reads each at its own shape."""
+        return ()
+
     def kv_elems_per_token(self, model: ModelSpec) -> int:
         """K/V cache elements one token of one layer keeps (0: none, or a fixed state instead)."""
         return 0
