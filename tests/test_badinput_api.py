@@ -50,6 +50,9 @@ SCENARIO_MISUSE = [
     ("steps-list", dict(routing=TRACE, steps=[1]), r"^steps \(\[1\]\)"),
     ("dispatch_dtype-int", dict(routing=G, dispatch_dtype=5), r"^dispatch_dtype \(5\)"),
     ("placement-int", dict(routing=G, placement=5), r"^placement \(5\)"),
+    ("redundant_experts-negative", dict(routing=G, redundant_experts=-1), r"^redundant_experts \(-1\)"),
+    ("redundant_experts-float", dict(routing=G, redundant_experts=2.0), r"^redundant_experts \(2\.0\)"),
+    ("redundant_experts-bool", dict(routing=G, redundant_experts=True), r"^redundant_experts \(True\)"),
     ("costs-int", dict(routing=G, costs=5), r"^costs \(5\)"),
     ("costs-dict", dict(routing=G, costs={}), r"^costs \(\{\}\)"),
 ]

@@ -205,10 +205,3 @@ def test_deepep_node_limited_routing_is_one_code_path(tmp_path):
     assert rep["strategies"]["deepep"]["layers"][0]["plan"]["bytes"] == plan.bytes_summary()
     plain = Scenario(routing=str(path), cluster="8/2", strategies="deepep", steps="merged").plans().plan("deepep")
     assert plan.bytes_summary() != plain.bytes_summary()  # the node limit did change the routing
-
-
-def test_a_real_replay_refuses_steps_smaller_than_the_ranks_before_any_work(vllm_trace):
-    """Decode passes of 11-16 tokens cannot feed 20 ranks (E=60): one line, no simulation or replay run."""
-    with pytest.raises(ConfigError, match=r"tokens \(14 in step 0\) must be >= nproc \(20\) for a real replay: "
-                                          r"every rank needs a token in every step \(18 of 18 steps"):
-        Scenario(routing=str(vllm_trace), cluster="20/4", strategies="alltoall").compare(real=True, nproc=20)

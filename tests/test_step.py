@@ -17,8 +17,8 @@ from moonep_sim.routing.generators import generate_layer
 from moonep_sim.sim import SimOptions, simulate_layer, simulate_layers
 from moonep_sim.sim.topology import load_topology
 from moonep_sim.step import CostModel, MemoryOptions, StepConfig, flat_cost_model, memory_per_rank, simulate_step, step_shape
-from moonep_sim.step.memory import RELAY_FIXED_BUFFER_BYTES
 from moonep_sim.step.layer_work import pad_to_static, split_micro_batches
+from moonep_sim.step.memory import deepep_ll_buffer_bytes, deepep_normal_buffer_bytes
 from moonep_sim.strategies import PlanContext, make_plan
 
 R, G = 8, 4
@@ -141,13 +141,16 @@ def test_memory_of_every_buffer_kind_by_hand():
         plan = make_plan(name, r, ctx, **opts)
         mem = memory_per_rank(m, shape, [plan], R)
         k = mem["peak_rank"]
-        if plan.capacity_R is not None:  # static: moonep S x K, LL [local experts, max tokens x R], capacity's rows
+        if plan.capacity_R is not None:  # static: moonep S x K, capacity's rows
             rows = plan.capacity_R[k]
         else:
             rows = plan.rows_R()[k]
         copies = int((plan.slot_rank_S[plan.is_copy_S()] == k).sum())
-        want_buf = rows * (plan.costs.dispatch_row_bytes + plan.costs.combine_row_bytes) \
-            + (RELAY_FIXED_BUFFER_BYTES if name == "deepep" else 0) + copies * 3 * D * F * 2
+        row_buf = rows * (plan.costs.dispatch_row_bytes + plan.costs.combine_row_bytes)
+        if name == "deepep-ll":  # DeepEP's double-buffered LL layout for T tokens per rank
+            row_buf = deepep_ll_buffer_bytes(T, D, R, 32)
+        want_buf = row_buf + (deepep_normal_buffer_bytes(R, 2 * D)[0] if name == "deepep" else 0) \
+            + copies * 3 * D * F * 2
         assert mem["parts"]["buffers"] == pytest.approx(want_buf), name
         assert mem["parts"]["weights"] == pytest.approx((dense + home) * 2), name
         assert mem["parts"]["kv_cache"] == pytest.approx(kv), name

@@ -80,7 +80,11 @@ def test_winner_map_cells_at_step_level_follow_the_step_verdict():
     assert m["level"] == "step" and len(m["cells"]) == 2 and all(len(r) == 2 for r in m["cells"])
     for row, rep in zip(m["cells"], m["sweeps"]):
         for i, c in enumerate(row):
-            assert c["winner"] == c["verdict"]["winner"] == rep["verdicts"][i]["winner"]
+            assert c["verdict"]["winner"] == rep["verdicts"][i]["winner"]
+            if c["verdict"]["winner"] is None:  # no strategy fits: the cell lists them all as OOM
+                assert c["verdict"]["no_fit"] and sorted(c["oom"]) == sorted(c["step"])
+            else:
+                assert c["winner"] == c["verdict"]["winner"]
             assert set(c["step"]) == {"alltoall", "moonep"}
             assert c["time_us"] == rep["strategies"][c["winner"]]["step_time_us"][i]
 
@@ -124,7 +128,9 @@ def test_winner_map_cli_at_step_level(tmp_path):
                  "step", "--distinct-layers", "1", "--out", str(out), "--no-plots"]) == 0
     m = json.loads((out / "winner.json").read_text())
     assert m["level"] == "step" and [len(r) for r in m["cells"]] == [1, 1]
-    assert all(c["winner"] == c["verdict"]["winner"] for r in m["cells"] for c in r)
+    # the cell's winner is the step verdict's, or no strategy fits (every one OOM, listed in the cell)
+    assert all(c["winner"] == c["verdict"]["winner"] or (c["verdict"].get("no_fit") and c["oom"])
+               for r in m["cells"] for c in r)
     # Mixtral's 32 layers whole on 4 H800s do not fit: every cell says so, in the JSON and the table
     assert all(c["oom"] == ["alltoall", "moonep"] for r in m["cells"] for c in r)
     assert "OOM: alltoall, moonep" in (out / "winner.md").read_text()
@@ -190,8 +196,9 @@ def test_trace_knobs_of_the_layer_sweep_work_at_step_level():
 def test_a_strategy_that_drops_entries_is_flagged_and_never_wins_a_step():
     # capacity (cf 1) under skew drops entries: its step does less work and is faster for it, so it
     # is flagged and ranked behind the strategy that drops none, the mechanism naming the drops
+    # (prefill: a mixtral-8x7b training step on 4 GPUs is out of memory for every strategy)
     sc = _sc(routing="gen:model=mixtral-8x7b,maxvio=3,tokens-per-rank=64", strategies="alltoall,capacity")
-    d = sc.step("train", "none", distinct_layers=1).to_dict()
+    d = sc.step("prefill", "none", distinct_layers=1).to_dict()
     cap, a2a = d["strategies"]["capacity"], d["strategies"]["alltoall"]
     assert cap["dropped"] > 0 and a2a["dropped"] == 0 and cap["entries"] == a2a["entries"] > cap["dropped"]
     assert any(f["code"] == "dropped-rows" and f["strategy"] == "capacity" for f in d["flags"])

@@ -500,11 +500,32 @@ STEP_MECHANISMS = {
 }
 
 
+def no_fit_verdict(strategies: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The verdict when every strategy runs out of memory: no winner (an OOM strategy never wins);
+    ``why`` names the smallest need and, where the step found one (``fit`` in its figures: the
+    memory account re-run under each candidate change, ``moonep_sim.step.memory_fit``), the
+    smallest change that fits."""
+    n, f = min(strategies.items(), key=lambda kv: (float(kv[1]["peak_memory_bytes"]), kv[0]))
+    cap = float(f["gpu_memory_bytes"])
+    why = (f"no strategy fits in the GPU's {cap / _GiB:.3g} GiB: the smallest need is {n}'s "
+           f"{float(f['peak_memory_bytes']) / _GiB:.3g} GiB on its busiest GPU")
+    fit = f.get("fit")
+    why += (f"; the smallest change that fits ({n}): {fit['change']} ({fit['detail']}): "
+            f"{float(fit['peak_bytes']) / _GiB:.3g} GiB" if fit else
+            "; no single change or pair of changes tried (recompute, ZeRO, more pipeline stages, fp8 weights or "
+            "KV) fits")
+    return {"winner": None, "runner_up": None, "margin": 0.0, "tie": False, "no_fit": True, "fit": fit,
+            "confidence": {"level": "no fit", "units": 0, "unit": "step", "basis": "every strategy is out of memory"},
+            "mechanism": "memory", "why": why, "others": []}
+
+
 def step_verdict(strategies: Mapping[str, Mapping[str, Any]],
                  flags: Sequence[Mapping[str, Any]] = ()) -> dict[str, Any] | None:
     """The verdict of one step (``moonep-sim step``'s figures per strategy): the fastest strategy
     that fits in memory and drops no entry; the mechanism is the step term (:data:`STEP_MECHANISMS`) whose difference
     is the larger part of the margin. One step: confidence judged against :data:`TIE` only."""
+    if strategies and all(f.get("oom") for f in strategies.values()):
+        return no_fit_verdict(strategies)
     # those that fit before those that run out of memory; within each, those that drop nothing
     # before those that drop entries (less work: they never win, as in compare's verdict); then by time
     order = [n for *_, n in sorted((bool(f.get("oom")), bool(f.get("dropped")), float(f["step_time_us"]), n)
@@ -557,6 +578,6 @@ def step_verdict(strategies: Mapping[str, Mapping[str, Any]],
             "tied_with": [o["strategy"] for o in others if o["tie"]], "others": others}
 
 
-__all__ = ["MECHANISMS", "STEP_MECHANISMS", "step_verdict", "TIE", "attribute", "chain_figures", "compare_verdict",
+__all__ = ["MECHANISMS", "STEP_MECHANISMS", "no_fit_verdict", "step_verdict", "TIE", "attribute", "chain_figures", "compare_verdict",
            "confidence", "figures", "layer_series", "mean_figures", "simulate_verdict", "stage_figures",
            "sweep_verdicts", "terms", "tie_sentence", "verdict"]

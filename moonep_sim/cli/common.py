@@ -140,6 +140,13 @@ def add_dispatch_dtype(p, default: str = "bf16") -> None:
                                                  "--dtype is an older spelling)")
 
 
+def add_redundant_experts(p) -> None:
+    """``--redundant-experts N``: E + N expert slots, the EP size dividing them."""
+    p.add_argument("--redundant-experts", type=int, default=0, metavar="N",
+                   help="N redundant expert slots (serving: E + N slots over the ranks, which must divide them, e.g. "
+                        "256 + 32 over 72 or 144; eplb places the replicas from load; default 0)")
+
+
 def _sim_dtype(text: str) -> str:
     from moonep_sim.experiments.spec import normalise_dtype
 

@@ -10,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+from moonep_sim.cli.common import add_redundant_experts
 from moonep_sim.cli.common import (add_output_flags, add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies,
                                    output_rule, parse_int_list, parse_strategy_opts, print_json, print_warnings,
                                    progress, steps_footer, to_jsonable)
@@ -31,6 +32,7 @@ def add_cluster_args(p, topology_default: str = "h800-cx7", multi: bool = False)
                                                            "largest divisor of E up to 8)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: the topology's, at most R)")
     add_dispatch_dtype(p)
+    add_redundant_experts(p)
     p.add_argument("--token-padding", type=int, default=1, help="pad each expert segment to a multiple of this")
 
 
@@ -74,7 +76,8 @@ def scenario(args, routing=None, layers=None):
                   topology=args.topology, strategies=names, options=parse_strategy_opts(args.opt, names),
                   layers=layers if layers is not None else parse_int_list(getattr(args, "layers", None), "--layers"),
                   steps=getattr(args, "steps", None),
-                  dispatch_dtype=args.dispatch_dtype, token_padding=args.token_padding)
+                  dispatch_dtype=args.dispatch_dtype, token_padding=args.token_padding,
+                  redundant_experts=getattr(args, "redundant_experts", 0))
     sc.resolved  # noqa: B018 -- check everything now
     if args.real:
         from moonep_sim.experiments.compare import load_topology

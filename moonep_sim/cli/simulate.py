@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from moonep_sim.cli.common import add_redundant_experts
 from moonep_sim.cli.common import (add_dispatch_dtype, add_output_flags, add_steps, check_cluster_args, check_int,
                                    console, parse_int_list)
 from moonep_sim.limits import MAX_CHUNKS
@@ -41,6 +42,7 @@ def register(sub) -> None:
     p.add_argument("--opt", action="append", default=[], metavar="K=V", help="strategy option (repeatable)")
     p.add_argument("--model", default=None, help="model preset (default: the trace's or the --gen model)")
     add_dispatch_dtype(p)
+    add_redundant_experts(p)
     p.add_argument("--token-padding", type=int, default=1, help="pad each expert segment to a multiple of N rows")
     p.add_argument("--backward", action="store_true", help="also simulate the backward (a training step)")
     p.add_argument("--no-overlap-prefetch", action="store_true", help="send copied weights after dispatch")
@@ -85,7 +87,8 @@ def scenario(args):
     sc = Scenario(routing=routing, model=args.model, cluster=(args.ranks or 0, args.gpus_per_node or 0),
                   topology=args.topology, strategies=[(n, opts[n]) for n in names], layers=layers,
                   steps=args.steps if not args.gen else None,
-                  dispatch_dtype=args.dispatch_dtype, token_padding=args.token_padding)
+                  dispatch_dtype=args.dispatch_dtype, token_padding=args.token_padding,
+                  redundant_experts=getattr(args, "redundant_experts", 0))
     if layers is None:  # a trace's first layer unless --layers says otherwise
         sc = dataclasses.replace(sc, layers=sc.resolved.source.layer_ids[:1])
     return sc

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from moonep_sim.cli.common import add_redundant_experts
 from moonep_sim.cli.common import (add_dispatch_dtype, add_output_flags, add_steps, add_strategies,
                                    check_cluster_args, parse_strategy_opts)
 from moonep_sim.errors import ConfigError, require
@@ -42,6 +43,7 @@ def register(sub) -> None:
                         "simulates (auto: on 2+ cores, for layers of >= 2^20 routed entries; same results; docs/steps.md)")
     add_steps(p)
     add_dispatch_dtype(p)
+    add_redundant_experts(p)
     p.add_argument("--timeline", metavar="OUT.json", default=None,
                    help="write a Perfetto trace of every op (compute and comm streams per rank)")
     p.add_argument("--gantt", metavar="PNG", default=None,
@@ -61,6 +63,8 @@ STEP_FLAGS = (("--mode", "mode", "train"), ("--tokens-per-rank", "tokens_per_ran
               ("--context", "context", None), ("--overlap", "overlap", "none"),
               ("--distinct-layers", "distinct_layers", 0), ("--static-buffer", "static_buffer", []),
               ("--compute-profile", "compute_profile", None), ("--gemm-dtype", "gemm_dtype", "bf16"),
+              ("--weight-dtype", "weight_dtype", "bf16"), ("--kv-dtype", "kv_dtype", "bf16"),
+              ("--mtp-depth", "mtp_depth", 0), ("--mtp-acceptance", "mtp_acceptance", 0.8),
               ("--recompute", "recompute", False), ("--optimizer-shard", "optimizer_shard", 0),
               ("--optimizer-bytes-per-param", "optimizer_bytes_per_param", 12.0))
 
@@ -98,7 +102,18 @@ def add_step_options(p, *, level: bool = False, tokens: bool = True) -> None:
                    help="measured op times (op,shape,time_us) replacing the roofline defaults; every op must be in "
                         "it (benchmarks/profile_ops.py writes one)" + at)
     p.add_argument("--gemm-dtype", choices=("bf16", "fp8"), default=d["gemm_dtype"],
-                   help="GEMM peak: BF16 or FP8" + at)
+                   help="GEMM peak: BF16 or FP8 (with fp8, training saves the GEMMs' inputs in fp8)" + at)
+    p.add_argument("--weight-dtype", default=d["weight_dtype"], metavar="DTYPE",
+                   help="stored weight format: bf16, fp16, fp32, fp8 (128x128 block scales), mxfp4, nvfp4 (= fp4); "
+                        "prices memory and the memory-bound GEMMs by its bytes, scales included" + at)
+    p.add_argument("--kv-dtype", default=d["kv_dtype"], metavar="DTYPE",
+                   help="KV-cache format: bf16, fp16, fp8, mxfp4, nvfp4 (= fp4)" + at)
+    p.add_argument("--mtp-depth", type=int, default=d["mtp_depth"], metavar="N",
+                   help="decode: N draft tokens per step (multi-token prediction / speculative decoding; the main "
+                        "model verifies 1 + N tokens per sequence, a draft layer runs N times; 0 = off)" + at)
+    p.add_argument("--mtp-acceptance", type=float, default=d["mtp_acceptance"], metavar="P",
+                   help="decode with --mtp-depth: the chance each draft is accepted (tokens per step 1 + P + ... + "
+                        "P^N; default 0.8)" + at)
     p.add_argument("--recompute", action="store_true", default=d["recompute"],
                    help="train: recompute attention and norms in the backward" + at)
     p.add_argument("--optimizer-shard", type=int, default=d["optimizer_shard"], metavar="N",
@@ -183,7 +198,8 @@ def scenario(args):
     ranks = (getattr(args, "gpus", None) or 0) if layout and hasattr(args, "gpus") else (args.ranks or 0)
     return Scenario(routing=routing, model=args.model, cluster=(ranks, args.gpus_per_node or 0),
                     topology=args.topology, strategies=[(n, opts[n]) for n in names],
-                    steps=args.steps if not args.gen else None, dispatch_dtype=args.dispatch_dtype)
+                    steps=args.steps if not args.gen else None, dispatch_dtype=args.dispatch_dtype,
+                    redundant_experts=getattr(args, "redundant_experts", 0))
 
 
 def print_steps(doc: dict) -> None:

@@ -66,6 +66,8 @@ def check_scenario_args(sc) -> None:
     require(_is_int(p), f"token_padding ({p!r}) must be an integer in [1, {MAX_TOKEN_PADDING}]")
     require(1 <= p <= MAX_TOKEN_PADDING, f"token_padding ({p}) must be in [1, {MAX_TOKEN_PADDING}]")
     require(isinstance(sc.placement, str), f"placement ({sc.placement!r}) must be 'home' or 'round-robin'")
+    n = sc.redundant_experts
+    require(_is_int(n) and n >= 0, f"redundant_experts ({n!r}) must be an integer >= 0 (extra expert slots)")
     require(sc.costs is None or isinstance(sc.costs, RowCosts),
             f"costs ({sc.costs!r}) must be None (the model's) or a RowCosts")
 

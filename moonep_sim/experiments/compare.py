@@ -40,11 +40,16 @@ from moonep_sim.experiments.routing import RoutingSource, open_routing
 from moonep_sim.analysis.verdict import CRITICAL_PARTS, critical_breakdown
 
 # -- cluster ----------------------------------------------------------------------------------------
-def check_cluster(source: RoutingSource, ranks: int, gpus_per_node: int) -> ClusterShape:
+def check_cluster(source: RoutingSource, ranks: int, gpus_per_node: int, redundant: int = 0) -> ClusterShape:
     require(ranks >= 1, f"--ranks ({ranks}) must be >= 1")
-    require(source.num_experts % ranks == 0,
+    if redundant:
+        S = source.num_experts + redundant
+        require(S % ranks == 0, f"--ranks ({ranks}) must divide the expert slots ({S} = {source.num_experts} experts "
+                                f"+ {redundant} --redundant-experts): every rank holds the same number of slots")
+    require(redundant or source.num_experts % ranks == 0,
             f"--ranks ({ranks}) must divide the routing's expert count (E={source.num_experts}): each rank "
-            f"owns E/R experts (try --ranks {_divisors_hint(source.num_experts)})")
+            f"owns E/R experts (try --ranks {_divisors_hint(source.num_experts)}, or --redundant-experts N so "
+            "that R divides E + N)")
     g = gpus_per_node or ranks
     require(ranks % g == 0, f"--ranks ({ranks}) must be divisible by --gpus-per-node ({g})")
     return ClusterShape(ranks, g)

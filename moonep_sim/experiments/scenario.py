@@ -90,6 +90,9 @@ class Scenario:
       ``"merged"`` / ``"merged:SEL"`` costs them as one concatenated batch (with a warning).
     dispatch_dtype: ``bf16`` or ``fp8`` rows.  token_padding: pad each slot to a multiple of this.
     placement: ``home`` (contiguous groups) or ``round-robin`` expert homes.
+    redundant_experts: N extra expert slots (serving's redundant experts: ``E + N`` slots, the EP
+      size dividing them, e.g. 256 + 32 over EP72): the homes spread as evenly as they go and
+      replicas in the other slots (``Placement.redundant``); ``eplb`` places its N replicas from load.
     costs: row and weight byte sizes overriding the model's (e.g.
       :func:`~moonep_sim.experiments.compare.replay_costs` to simulate a gloo replay's plans).
     """
@@ -106,6 +109,7 @@ class Scenario:
     token_padding: int = 1
     placement: str = "home"
     costs: RowCosts | None = None
+    redundant_experts: int = 0
 
     def __post_init__(self) -> None:
         from moonep_sim.experiments.checks import check_scenario_args
@@ -134,11 +138,20 @@ class Scenario:
         R = R or default_ranks(source.num_experts)
         base = load_topology(self.topology)
         G = G or base.gpus_per_node_for(R)
-        cluster = check_cluster(source, R, G)
+        N = self.redundant_experts
+        require(N <= 16 * source.num_experts,
+                f"redundant_experts ({N}) must be <= 16 x E = {16 * source.num_experts} (E = {source.num_experts})")
+        require(not N or self.placement == "home", f"placement ({self.placement}) must be home with redundant "
+                                                   "experts (their placement spreads the homes itself)")
+        cluster = check_cluster(source, R, G, N)
         topo = load_topology(self.topology, cluster.gpus_per_node)
         costs = self.costs or RowCosts.from_model(source.model, dtype)
-        place = (Placement.home_groups(source.num_experts, R) if self.placement == "home"
+        place = (Placement.redundant(source.num_experts, R, N) if N else
+                 Placement.home_groups(source.num_experts, R) if self.placement == "home"
                  else Placement.round_robin(source.num_experts, R))
+        if N:  # eplb places the deployment's redundant slots unless told otherwise
+            strategies = tuple((n, {**o, "num_redundant": N}) if n == "eplb" and o.get("num_redundant", -1) == -1
+                               else (n, o) for n, o in strategies)
         warn = []
         if source.merged:
             warn.append(f"steps merged: {source.trace_steps} recorded steps of the trace costed as one batch of "
@@ -301,7 +314,6 @@ class Scenario:
                     f"ranks ({rs.cluster.ranks}) must equal nproc ({nproc}) for a real replay: each process is one EP rank")
             from moonep_sim.experiments.compare import load_topology
             load_topology("local-gloo")
-            _check_replay_batches(rs, nproc)
             opts = RealOptions(nproc, timeout_s, hidden, ffn, iters)
         return CompareResult.from_report(compare(rs, real=opts, progress=progress, jobs=jobs, cluster=cluster))
 
@@ -320,7 +332,6 @@ class Scenario:
         nproc = nproc or rs.cluster.ranks
         require(2 <= nproc <= 64, f"nproc ({nproc}) must lie in [2, 64]")
         require(rs.cluster.ranks == nproc, f"ranks ({rs.cluster.ranks}) must equal nproc ({nproc}) for a replay")
-        _check_replay_batches(rs, nproc)
         with tempfile.TemporaryDirectory(prefix="moonep-replay-") as tmp:
             path = rs.source.trace_file(Path(tmp), nproc)
             spec = replay_spec(rs, path, hidden=hidden, ffn=ffn, iters=iters, warmup=warmup, backward=backward,
@@ -449,16 +460,6 @@ def _simulate_flags(rs: Resolved, name: str, plans: list) -> list[dict[str, Any]
     out = strategy_flags(name, opts, rs.cluster.num_nodes, sum(p.dropped for p in plans), sum(p.padded for p in plans),
                          unit=f"{len(plans)} layer(s)")
     return [f for f in model_flags(rs.source.model.to_dict()) if rs.strategies[0][0] == name] + out
-
-
-def _check_replay_batches(rs: Resolved, nproc: int) -> None:
-    """Before any work: every batch a real replay runs gives each of its ``nproc`` ranks a token."""
-    src = rs.source
-    small = [(s, t) for (s, _), t in zip(src.batches, src.batch_tokens) if t is not None and t < nproc]
-    require(not small, f"tokens ({small[0][1] if small else 0} in step {small[0][0] if small else ''}) must be >= "
-                       f"nproc ({nproc}) for a real replay: every rank needs a token in every step "
-                       f"({len(small)} of {src.num_batches} steps have fewer; select steps with --steps, or "
-                       "--steps merged)")
 
 
 def default_ranks(num_experts: int) -> int:

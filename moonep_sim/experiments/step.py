@@ -71,6 +71,10 @@ class StepOptions:
     distinct_layers: int = 0
     compute_profile: str | None = None
     gemm_dtype: str = "bf16"
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    mtp_depth: int = 0
+    mtp_acceptance: float = 0.8
     recompute: bool = False
     optimizer_shard: int = 0
     optimizer_bytes_per_param: float = 12.0
@@ -84,6 +88,13 @@ class StepOptions:
         require(self.mode in MODES, f"mode ({self.mode!r}) must be one of {', '.join(MODES)}")
         get_overlap(self.overlap)
         require(self.gemm_dtype in ("bf16", "fp8"), f"gemm dtype ({self.gemm_dtype!r}) must be bf16 or fp8")
+        from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, get_dtype
+
+        get_dtype(self.weight_dtype, "--weight-dtype", WEIGHT_DTYPES)
+        get_dtype(self.kv_dtype, "--kv-dtype", KV_DTYPES)
+        from moonep_sim.step.mtp import MTP
+
+        MTP(self.mtp_depth, self.mtp_acceptance)
         require(self.distinct_layers >= 0, f"distinct layers ({self.distinct_layers}) must be >= 0 (0 = every layer "
                                            "its own)")
         require(self.optimizer_shard >= 0, f"optimizer shard ({self.optimizer_shard}) must be >= 0 (0 = all ranks)")
@@ -227,7 +238,8 @@ def _trace_layer(source: RoutingSource, layer_id: int, ranks: int, steps_T: np.n
 
 def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank: int | None = None,
              context: int | None = None, model: ModelSpec | None = None, distinct_layers: int = 0,
-             compute_profile: str | None = None, gemm_dtype: str = "bf16", recompute: bool = False,
+             compute_profile: str | None = None, gemm_dtype: str = "bf16", weight_dtype: str = "bf16",
+             kv_dtype: str = "bf16", mtp_depth: int = 0, mtp_acceptance: float = 0.8, recompute: bool = False,
              optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
              static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
              cluster: str | None = None, pipeline: bool | None = None, parallel: Any = None) -> list[StepResult]:
@@ -265,8 +277,23 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     for s, S in static.items():
         require(s in names, f"static buffer strategy ({s!r}) must be one of the strategies ({', '.join(names)})")
         require(int(S) >= 1, f"static buffer tokens ({S}) of {s} must be >= 1")
-    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, mode=mode)
-    mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
+    from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, check_supported, get_dtype
+
+    wd = check_supported(get_dtype(weight_dtype, "--weight-dtype", WEIGHT_DTYPES), rs.topology, "--weight-dtype")
+    check_supported(get_dtype(kv_dtype, "--kv-dtype", KV_DTYPES), rs.topology, "--kv-dtype")
+    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, mode=mode, weight_bytes=wd.weight_bytes)
+    mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute, weight_dtype=weight_dtype,
+                        kv_dtype=kv_dtype, gemm_dtype=gemm_dtype)
+    from moonep_sim.step.mtp import MTP
+
+    mtp = MTP(mtp_depth, mtp_acceptance)
+    seqs = None
+    if mtp.depth:
+        require(mode == "decode", f"--mtp-depth ({mtp.depth}) needs --mode decode (mode {mode}): drafts are verified "
+                                  "in decode steps")
+        require(src.gen is not None, f"--mtp-depth ({mtp.depth}) needs generated routing: a trace fixes the tokens "
+                                     "each step verifies")
+        seqs = int(tokens_per_rank or src.gen.tokens_per_rank)
     out = []
     skew = (standin_skew(src, R) if src.gen is None and m.moe_layers > len(src.layer_ids)
             else None)
@@ -283,13 +310,32 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
                       report(f"recorded step {sid} ({k + 1} of {len(passes)}): {msg}", k * t + d, len(passes) * t))
             out.append(_one_pass(rs, m, mode, overlap, tokens_per_rank, context, distinct_layers, compute_profile,
                                  gemm_dtype, recompute, static, costs, mem, skew, step_id, steps_T, cb, jobs,
-                                 cluster, pipeline))
+                                 cluster, pipeline, seqs * mtp.verify_tokens if mtp.depth else None))
+    if mtp.depth:
+        _add_mtp(out, m, mtp, seqs, costs, mem, R, context)
     return out
 
 
+def _add_mtp(out: list, m: ModelSpec, mtp: Any, seqs: int, costs: Any, mem: Any, R: int, context: int | None) -> None:
+    """The draft passes of MTP on every strategy's decode step (``moonep_sim.step.mtp``)."""
+    from moonep_sim.step.memory import moe_layer_weight_bytes
+    from moonep_sim.step.mtp import apply_mtp
+    from moonep_sim.step.stack import head_ops, step_shape
+
+    head = sum(costs.op_us(op) for op in head_ops(m, step_shape(m, "decode", seqs, context))[1])
+    wbytes = moe_layer_weight_bytes(m, R, mem.weight_dtype)
+    for res in out:
+        for fig in res.figures.values():
+            apply_mtp(fig, mtp, seqs, head, wbytes)
+        res.setup["mtp"] = {"depth": mtp.depth, "acceptance": float(mtp.acceptance), "sequences_per_rank": seqs,
+                            "tokens_per_step": mtp.tokens_per_step}
+
+
 def _one_pass(rs, m, mode, overlap, tokens_per_rank, context, distinct_layers, compute_profile, gemm_dtype,
-              recompute, static, costs, mem, skew, step_id, steps_T, progress, jobs, cluster, pipeline) -> StepResult:
-    """:func:`run_step`'s step of one recorded pass (or of the generated routing)."""
+              recompute, static, costs, mem, skew, step_id, steps_T, progress, jobs, cluster, pipeline,
+              route_tokens=None) -> StepResult:
+    """:func:`run_step`'s step of one recorded pass (or of the generated routing). ``route_tokens``: tokens
+    per rank the MoE layers route when not the step's (MTP: each sequence verifies 1 + depth tokens)."""
     from moonep_sim.step import StepConfig, simulate_step, step_shape
 
     src = rs.source
@@ -314,12 +360,13 @@ def _one_pass(rs, m, mode, overlap, tokens_per_rank, context, distinct_layers, c
 
         pool = lambda fn, items: run_points(fn, items, jobs=jobs, cluster=cluster, progress=progress,
                                             label=lambda w: "layer")
-    res = simulate_step(cfg, layer_source(src, R, T, m.moe_layers, distinct_layers, steps_T, skew, n),
+    res = simulate_step(cfg, layer_source(src, R, route_tokens or T, m.moe_layers, distinct_layers, steps_T, skew, n),
                         progress, pool, pipeline)
     timelines = res.pop("_timelines")
     setup = {k: v for k, v in res.items() if k != "strategies"}
     setup.update(model=m.name, ranks=R, gpus_per_node=rs.cluster.gpus_per_node, topology=rs.topology.name,
-                 routing=src.describe(), gemm_dtype=gemm_dtype, compute_profile=compute_profile,
+                 routing=src.describe(), gemm_dtype=gemm_dtype, weight_dtype=mem.weight_dtype,
+                 kv_dtype=mem.kv_dtype, compute_profile=compute_profile,
                  distinct_layers=distinct_layers, recompute=recompute, jobs=jobs, cluster=cluster,
                  options={name: {k: str(v) for k, v in o.items()} for name, o in rs.strategies},
                  stand_ins=sum(1 for p in res["layers_routing"] if p.startswith("STAND-IN")),

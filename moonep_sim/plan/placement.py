@@ -130,6 +130,40 @@ class Placement:
                                       "rank holds an expert")
         return cls.from_map(np.arange(num_experts, dtype=np.int64) % ranks, ranks)
 
+    @classmethod
+    def redundant(cls, num_experts: int, ranks: int, redundant: int) -> "Placement":
+        """``E + N`` expert slots, ``(E + N) / R`` on every rank (a serving deployment's redundant
+        expert slots, e.g. DeepSeek-V3's 256 + 32 over EP72 or EP144): the E homes in contiguous
+        groups as even as they go (the first ``E mod R`` ranks one more), each rank's remaining
+        slots holding replicas -- of experts 0, 1, 2, ... in turn, each on a rank that lacks it (a
+        starting placement: EPLB re-places the replicas from load, ``strategies/eplb.py``)."""
+        E, R, N = int(num_experts), int(ranks), int(redundant)
+        require(N >= 0, f"redundant experts ({N}) must be >= 0")
+        S = E + N
+        require(R >= 1 and S % R == 0, f"ranks ({R}) must divide the expert slots ({S} = {E} experts + {N} "
+                                       "redundant): every rank holds the same number of slots")
+        per = S // R
+        require(per >= -(-E // R), f"expert slots per rank ({per}) must hold each rank's home experts "
+                                   f"({-(-E // R)} of {E} over {R} ranks)")
+        require(per <= E, f"expert slots per rank ({per}) must be <= the experts ({E}): a rank holds an expert "
+                          "at most once")
+        homes = np.full(R, E // R, dtype=np.int64)
+        homes[: E % R] += 1
+        off = np.concatenate([[0], np.cumsum(homes)])
+        home_E = np.repeat(np.arange(R, dtype=np.int64), homes)
+        nxt = 0
+        ranks_S, experts_S = [], []
+        for r in range(R):  # loop over ranks and their few replica slots, not tokens
+            own = list(range(int(off[r]), int(off[r + 1])))
+            while len(own) < per:
+                e = nxt % E
+                nxt += 1
+                if e not in own:
+                    own.append(e)
+            ranks_S += [r] * per
+            experts_S += own
+        return cls(E, R, np.asarray(ranks_S, dtype=np.int64), np.asarray(experts_S, dtype=np.int64), home_E)
+
     @property
     def num_slots(self) -> int:
         return int(self.slot_rank_S.size)

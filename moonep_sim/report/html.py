@@ -126,7 +126,8 @@ def _sweep_table(d: Mapping[str, Any]) -> str:
                   for n in names]]
         v = vs[i] if i < len(vs) else None
         if v:
-            r.append(" = ".join([v["winner"], *v.get("tied_with", [])]) + " tie" if v["tie"] else
+            r.append("none fits" if v.get("no_fit") else
+                     " = ".join([v["winner"], *v.get("tied_with", [])]) + " tie" if v["tie"] else
                      f"{v['winner']} +{100 * v['margin']:.1f}% ({v.get('mechanism') or '-'})")
             r.append(v["why"])
         rows.append(r)

@@ -198,7 +198,7 @@ def _verdict_cell(v: dict[str, Any] | None) -> str:
     if not v:
         return "-"
     if v.get("runner_up") is None:
-        return v["winner"]
+        return v["winner"] or "none fits"
     if v["tie"]:
         return " = ".join([v["winner"], *v.get("tied_with", [])]) + " tie"
     return f"{v['winner']} +{100 * v['margin']:.1f}% ({v.get('mechanism') or '-'})"

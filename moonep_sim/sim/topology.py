@@ -42,7 +42,7 @@ _TABLES = {
     "nic": ("nic_", ("bandwidth_GBps", "latency_us", "efficiency", "p2p_efficiency", "duplex", "attach", "rails_per_node",
                      "message_rate_Mps")),
     "fabric": ("fabric_", ("oversubscription", "latency_us")),
-    "gpu": ("gpu_", ("tflops", "tflops_fp8", "mem_bandwidth_GBps", "memory_GiB", "compute_efficiency", "mem_efficiency",
+    "gpu": ("gpu_", ("tflops", "tflops_fp8", "tflops_fp4", "mem_bandwidth_GBps", "memory_GiB", "compute_efficiency", "mem_efficiency",
                      "launch_us", "slot_us", "padding_compute")),
     "host": ("host_", ("cores", "nodes_per_host", "sharing", "copy_bandwidth_GBps", "message_us",
                        "weight_copy_bandwidth_GBps")),
@@ -94,7 +94,8 @@ class Topology:
         direction. fabric_latency_us: extra latency of a cross-rail (spine) path.
     gpu_tflops, gpu_mem_bandwidth_GBps: dense bf16 peak and memory bandwidth of one GPU.
     gpu_tflops_fp8: dense FP8 peak (TFLOP/s) of one GPU; 0 = not given (FP8 GEMMs then run at
-        the BF16 peak).  gpu_memory_GiB: HBM capacity of one GPU (GiB); 0 = not given (the step
+        the BF16 peak).  gpu_tflops_fp4: dense FP4 peak; 0 = the GPU has no FP4 tensor cores (fp4
+        weights and KV caches are then refused: ``moonep_sim.step.dtypes``).  gpu_memory_GiB: HBM capacity of one GPU (GiB); 0 = not given (the step
         model then gives no out-of-memory verdict). Both are read by ``moonep_sim.step``.
     gpu_compute_efficiency, gpu_mem_efficiency: the achieved fraction of each in a grouped GEMM.
     gpu_launch_us: fixed cost of one grouped-GEMM launch.
@@ -200,6 +201,7 @@ class Topology:
     fabric_latency_us: float = 1.0
     gpu_tflops: float = 989.0
     gpu_tflops_fp8: float = 1979.0
+    gpu_tflops_fp4: float = 0.0
     gpu_mem_bandwidth_GBps: float = 3350.0
     gpu_memory_GiB: float = 80.0
     gpu_compute_efficiency: float = 0.6
@@ -258,7 +260,7 @@ class Topology:
                   "host_cores", "host_nodes_per_host", "host_copy_bandwidth_GBps", "host_message_us", "host_weight_copy_bandwidth_GBps", "gpu_slot_us", "plan_measured_factor",
                   "plan_routing_bytes_per_entry", "plan_per_entry_ns", "plan_per_cell_ns", "kernel_dispatch_fixed_us",
                   "kernel_combine_fixed_us", "kernel_relay_message_rows", "kernel_nic_message_us", "sm_count",
-                  "sm_copy_GBps", "weights_sms", "gpu_tflops_fp8", "gpu_memory_GiB"):
+                  "sm_copy_GBps", "weights_sms", "gpu_tflops_fp8", "gpu_tflops_fp4", "gpu_memory_GiB"):
             require(getattr(self, f) >= 0, f"{f} ({getattr(self, f)}) must be >= 0 (topology {self.name})")
         for f in ("weights_nvlink_efficiency", "weights_nic_efficiency"):
             v = getattr(self, f)

@@ -152,6 +152,9 @@ class CostModel:
     captured CUDA graph: :data:`KERNEL_GAP_GRAPH_US` per kernel); ``eager`` (a stream fed by the
     host: :data:`KERNEL_GAP_STREAM_US` per kernel, and no op shorter than the host's
     :data:`HOST_LAUNCH_US` per kernel). Not applied to a profile's times (they include it).
+    weight_bytes: bytes per stored weight element, scales included (``moonep_sim.step.dtypes``;
+    2 = bf16): the roofline prices a GEMM's weight traffic (the ops' bf16 weight bytes, the routed
+    experts' weights) at it, what bounds the memory-bound decode GEMMs.
     """
 
     topo: Topology
@@ -162,8 +165,10 @@ class CostModel:
     permute: bool = False
     fitted: dict | None = None
     launch: str = "none"
+    weight_bytes: float = 2.0
 
     def __post_init__(self) -> None:
+        require(self.weight_bytes > 0, f"weight bytes ({self.weight_bytes}) must be > 0")
         require(self.gemm_dtype in GEMM_DTYPES, f"gemm dtype ({self.gemm_dtype!r}) must be one of "
                                                 f"{', '.join(GEMM_DTYPES)}")
         require(self.half_rows >= 0, f"half_rows ({self.half_rows}) must be >= 0")
@@ -219,8 +224,9 @@ class CostModel:
             return op.bytes / mem
         if op.kind == "attention":
             return max(op.flops / (self.topo.flops_per_us), op.bytes / mem)
+        wbytes = op.bytes * self.weight_bytes / 2.0  # a GEMM op's bytes are its bf16 weights
         return max(op.flops / (self.gemm_flops_per_us * float(self.curve(float(op.rows)))),
-                   op.bytes / self.gemm_mem_bytes_per_us)
+                   wbytes / self.gemm_mem_bytes_per_us)
 
     def _gemm_shape(self, op: Op) -> tuple[float, float, float] | None:
         """(m, n, k) of a GEMM op with its width given (None otherwise)."""
@@ -372,6 +378,8 @@ class CostModel:
         scale = np.divide(rows_S, plan.slot_padded_S, out=np.zeros_like(rows_S), where=plan.slot_padded_S > 0)
         flops_S = flops_S * scale
         fixed_S = np.where(rows_S > 0, fixed_S, 0.0)
+        if self.weight_bytes != 2.0:  # bf16 weights (and fp32 gradients in the backward) -> the stored format
+            fixed_S = fixed_S * ((self.weight_bytes + 4.0) / 6.0 if backward else self.weight_bytes / 2.0)
         t_flop = flops_S / (self.gemm_flops_per_us * self.curve(rows_S))
         t_mem = (fixed_S + rows_S * per_row) / self.gemm_mem_bytes_per_us
         t_S = np.maximum(t_flop, t_mem)
@@ -395,20 +403,22 @@ def fitted_constants(topology_name: str, dtype: str) -> dict | None:
 
 
 def step_cost_model(topo: Topology, gemm_dtype: str = "bf16", compute_profile: "str | os.PathLike | None" = None,
-                    measured: bool = True, mode: str | None = None) -> CostModel:
+                    measured: bool = True, mode: str | None = None, weight_bytes: float = 2.0) -> CostModel:
     """The cost model every step path prices with (one rule): a user's ``compute_profile`` wins;
     else AIConfigurator's measured tables where installed and the GPU has one
     (``moonep_sim.step.measured``; ``measured=False`` skips them); else the roofline, its GEMM
     constants fitted on those tables where the GPU has a fit (:func:`fitted_constants`). The routed
     experts pay their permutation; launches are a captured CUDA graph in ``decode`` (serving) and
-    eager otherwise (``mode`` None: not charged)."""
+    eager otherwise (``mode`` None: not charged). weight_bytes: the stored weights' bytes per
+    element (:class:`CostModel`)."""
     from moonep_sim.step.measured import load_measured
 
     profile = read_profile(compute_profile) if compute_profile else None
     tables = load_measured(topo) if measured and profile is None else None
     return CostModel(topo, gemm_dtype, profile=profile, measured=tables, permute=True,
                      fitted=fitted_constants(topo.name, gemm_dtype) if tables is None and profile is None else None,
-                     launch="none" if mode is None else ("graph" if mode == "decode" else "eager"))
+                     launch="none" if mode is None else ("graph" if mode == "decode" else "eager"),
+                     weight_bytes=weight_bytes)
 
 
 def flat_cost_model(topo: Topology) -> CostModel:

@@ -32,6 +32,7 @@ from moonep_sim.step.layer_sim import LayerComm
 from moonep_sim.step.layer_work import (PIPELINE_AHEAD, LayerWork, pipeline_pays, pipelined_layer_work,
                                       simulate_layer_work)
 from moonep_sim.step.memory import MemoryOptions, memory_per_rank
+from moonep_sim.step.memory_fit import attach_fits
 from moonep_sim.step.schedule import Timeline, overlap_by_op
 from moonep_sim.step.schedules import get_overlap
 from moonep_sim.step.stack import StepShape
@@ -194,9 +195,10 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
     routing_s = sum(d.routing_s for d in done)
     routing_cpu_s = sum(d.routing_cpu_s for d in done)
     by_key = dict(zip(keys, done))
+    fps_of: dict[str, list] = {}
     for name, _ in cfg.strategies:
         cache = {(k, mb): d.done[(name, mb)] for k, d in by_key.items() for mb in range(M)}
-        plans = [d.footprint for d in cache.values()]
+        plans = fps_of[name] = [d.footprint for d in cache.values()]
         plan_s = sum(d.plan_s for d in cache.values())
         sim_s = sum(d.sim_s for d in cache.values())
         t0, c0 = time.perf_counter(), time.process_time()
@@ -205,7 +207,7 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
         tl = compose(m, mb_shapes, costs, ov, comm_of, R, train)
         comms = {l: comm_of(l, 0) for l in range(first_moe, m.layers)}
         d = step_metrics(tl, cfg, comms, useful_flops_per_rank(cfg), float(shape.tokens))
-        mem = memory_per_rank(m, shape, plans, R, cfg.memory)
+        mem = memory_per_rank(m, shape, plans, R, cfg.memory, cfg.ctx.placement.num_slots)
         cap = cfg.topology.gpu_memory_GiB * 2**30
         d.update(peak_memory_bytes=mem["peak_bytes"], gpu_memory_bytes=cap, oom=(mem["peak_bytes"] > cap) if cap else None,
                  memory=mem, distinct_layers_simulated=len(cache),
@@ -228,6 +230,7 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
                  entries=int(sum(comm_of(l, mb).entries for l in comms for mb in range(M))))
         out[name] = d
         timelines[name] = tl
+    attach_fits(cfg, out, fps_of)
     return {"strategies": out, "mode": shape.mode, "tokens_per_rank": shape.tokens, "context": shape.context,
             "overlap": ov.name, "layers_routing": provenance, "pipeline": piped,
             "compute_sources": costs.sources(all_ops(stack_ops(m, mb_shapes[0]), train), train),

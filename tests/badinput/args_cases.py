@@ -51,6 +51,8 @@ for nm, base in (("simulate", SIM), ("plan", PLAN), ("compare", CMP)):
     _add(nm, base, "--gpus-per-node", (["-1", "3"] if nm == "plan" else ["0", "-1", "3"]),
          "--gpus-per-node|--ranks|gpus_per_node")
     _add(nm, ON_TRACE[nm], "--steps", ["5-2", "x", "99"], "--steps|steps|step")
+    if nm != "plan":
+        _add(nm, base, "--redundant-experts", ["-1", "3", "x", "1000000000"], "--redundant-experts|redundant.experts")
 _add("simulate", SIM, "--chunks", ["0", "1000000", "-3"])
 _add("simulate", SIM, "--stall", ["0:inf", "0:nan", "9:10", "x"], "--stall|stall|fault rank")
 _add("simulate", SIM, "--jitter", ["inf", "nan", "-0.5"], "--jitter|jitter")
