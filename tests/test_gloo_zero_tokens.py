@@ -88,7 +88,7 @@ def test_gloo_layer_runs_with_fewer_tokens_than_ranks():
 def test_a_real_replay_runs_steps_with_fewer_tokens_than_ranks(tmp_path):
     """A trace of 3 tokens replayed on 4 gloo ranks, forward and backward: the last rank holds no
     token, every strategy's result is checked against the dense layer (``correct``)."""
-    from moonep_sim.experiments.replay_rank import run_replay
+    from moonep_sim.experiments.ranks.replay_rank import run_replay
     from moonep_sim.routing.generators import generate_trace
 
     path = tmp_path / "t.safetensors"
