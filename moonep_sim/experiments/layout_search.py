@@ -173,7 +173,7 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
     from moonep_sim.step import CostModel, MemoryOptions, StepConfig, step_shape
     from moonep_sim.step.layout_step import schedule_layout
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     require(mode in ("train", "prefill", "decode"), f"mode ({mode!r}) must be train, prefill or decode")
     _, G = parse_cluster(scenario.cluster)
     topo = load_topology(scenario.topology)
@@ -237,7 +237,7 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
             "topology": topo.name, "seq": seq if mode == "train" else None, "micro_batch_size": micro_batch_size,
             "valid": len(layouts), "priced": len({r["layout"] for r in rows}), "fit": fit,
             "units_simulated": len(units), "units_skipped": skipped, "ranked": ranked, "rows": rows,
-            "seconds": time.perf_counter() - t0,
+            "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
             "flags": ["PRICED AS A MODEL: one layer of each kind simulated per (ep, tokens per rank), every MoE "
                       "layer on the same generated routing; run `moonep-sim step` with a chosen layout for its full "
                       "step"] + ([] if fit else ["no layout fits in memory: more GPUs, recompute or fp8 weights"])

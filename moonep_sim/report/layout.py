@@ -53,7 +53,8 @@ def search_table(rep: dict[str, Any]):
     from rich.table import Table
 
     t = Table(title=(f"layouts of {rep['model']} ({rep['mode']}) on {rep['gpus']} GPUs of {rep['topology']}: "
-                     f"{rep['valid']} valid, {rep['fit']} fit in memory ({rep['seconds']:.1f} s)"))
+                     f"{rep['valid']} valid, {rep['fit']} fit in memory ({rep['seconds']:.1f} s, "
+                     f"{rep.get('cpu_seconds', 0.0):.1f} CPU s)"))
     for col in ("strategy", "rank", "layout", "tokens/s/GPU", "step time", "bubble", "peak memory", "fits"):
         t.add_column(col, justify="left" if col in ("strategy", "layout") else "right")
     for name, rows in rep["ranked"].items():
