@@ -185,3 +185,11 @@ def test_search_price_matches_the_layout_step_on_one_routing():
         r = row[(n, "TP2 PP2 DP2 EP4 1f1b")]
         assert r["step_time_us"] == pytest.approx(f["step_time_us"], rel=0.02)
         assert r["peak_memory_bytes"] == pytest.approx(f["peak_memory_bytes"], rel=0.02)
+
+
+def test_a_tp_or_cp_share_of_whole_sequences_attends_their_causal_mean():
+    from moonep_sim.step.stack import StepShape as Shape
+
+    assert Shape("train", 512, 4096, shards=8).attended() == pytest.approx(4097 / 2)
+    assert Shape("train", 512, 4096).attended() == pytest.approx(4096 - 512 + 513 / 2)   # a chunk ending a prompt
+    assert Shape("train", 4096, 4096, shards=1).attended() == Shape("train", 4096, 4096).attended()

@@ -95,7 +95,7 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
     p.check(N, m)
     require(not static_tokens, "static buffers are not modelled under a layout yet")
     T, ctx = layout_tokens(p, mode, tokens_per_rank, context, src.gen.tokens_per_rank)
-    shape = step_shape(m, mode, T, ctx)
+    shape = dataclasses.replace(step_shape(m, mode, T, ctx), shards=p.tp * p.cp)
     g_ep = group.cluster.gpus_per_node
     rs = group
     costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None)
