@@ -193,3 +193,13 @@ def test_a_tp_or_cp_share_of_whole_sequences_attends_their_causal_mean():
     assert Shape("train", 512, 4096, shards=8).attended() == pytest.approx(4097 / 2)
     assert Shape("train", 512, 4096).attended() == pytest.approx(4096 - 512 + 513 / 2)   # a chunk ending a prompt
     assert Shape("train", 4096, 4096, shards=1).attended() == Shape("train", 4096, 4096).attended()
+
+
+def test_cp_ring_passes_each_chunk_around_the_ring():
+    topo = load_topology("h800-cx7")
+    m = get_model("qwen3-30b-a3b")          # gqa: 4 KV heads of 128
+    p = Parallel(cp=4, dp=2, ep=8)
+    f, b = tp_comm_us(m, 0, 2, p, StepShape("train", 1024, 4096, shards=4), topo, 1024, 8)
+    kv = 1024 * 2 * 4 * 128 * 2              # the rank's 1024 tokens' K and V, bf16
+    one = coll.send_us(kv, coll.nvlink(topo))
+    assert (f, b) == pytest.approx((2 * 3 * one, 2 * 2 * 3 * one))   # 2 layers, cp-1 = 3 passes, twice backward

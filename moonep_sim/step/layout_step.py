@@ -160,7 +160,8 @@ def tp_comm_us(model: ModelSpec, start: int, stop: int, p: Parallel, shape: Step
         for l in range(start, stop):
             kind = model.attention_kind(l)
             if kind in ("gqa", "mla", "sliding"):
-                kv = (tokens_tp // p.cp) * kv_elems_per_token(model, kind) // max(p.tp if kind != "mla" else 1, 1) * BF16
+                # the rank's chunk (the TP group's tokens, already 1/cp of the sequence); K/V heads split over tp
+                kv = tokens_tp * kv_elems_per_token(model, kind) / (p.tp if kind != "mla" else 1) * BF16
                 f += (p.cp - 1) * coll.send_us(kv, link)
                 b += 2 * (p.cp - 1) * coll.send_us(kv, link)
     return f, b
