@@ -203,3 +203,14 @@ def test_cp_ring_passes_each_chunk_around_the_ring():
     kv = 1024 * 2 * 4 * 128 * 2              # the rank's 1024 tokens' K and V, bf16
     one = coll.send_us(kv, coll.nvlink(topo))
     assert (f, b) == pytest.approx((2 * 3 * one, 2 * 2 * 3 * one))   # 2 layers, cp-1 = 3 passes, twice backward
+
+
+def test_pp_send_is_the_link_formula():
+    # 16 GPUs, stages of 8 (TP2 DP4): the boundary crosses from node 0 to node 1 over the NIC
+    sc = _sc(16, layers=2)
+    p = Parallel(tp=2, pp=2, dp=4, ep=8, global_batch_size=4)
+    f = sc.step("train", parallel=p, context=2048, distinct_layers=1).figures["alltoall"]
+    topo = load_topology("h800-cx7")
+    act = 2048 * get_model("olmoe-1b-7b").hidden * 2          # one micro-batch: the TP group's 2048 tokens, bf16
+    assert f["pp_send_links"] == ["nic"]
+    assert f["pp_send_us"] == [pytest.approx(coll.send_us(act, coll.nic(topo)))]

@@ -380,6 +380,7 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
             "exposed_comm_us": max(step_us - compute, 0.0),
             "comm_share": max(step_us - compute, 0.0) / step_us if step_us > 0 else 0.0,
             "slowest_rank": slow["rank"], "pipeline": run.to_dict(), "stages": stage_fig, "pipeline_ranks": per_rank,
+            "pp_send_us": [coll.send_us(act, lk) for lk in links], "pp_send_links": [lk.name for lk in links],
             "peak_memory_bytes": peak, "peak_memory_pp_rank": peak_r, "gpu_memory_bytes": cap,
             "oom": (peak > cap) if cap else None, "memory": mems[peak_r],
             "memory_per_pp_rank": [x["peak_bytes"] for x in mems],
