@@ -214,3 +214,12 @@ def test_pp_send_is_the_link_formula():
     act = 2048 * get_model("olmoe-1b-7b").hidden * 2          # one micro-batch: the TP group's 2048 tokens, bf16
     assert f["pp_send_links"] == ["nic"]
     assert f["pp_send_us"] == [pytest.approx(coll.send_us(act, coll.nic(topo)))]
+
+
+def test_decode_with_attention_dp_is_todays_decode_step():
+    sc = _sc(8, layers=2)
+    today = sc.step("decode", tokens_per_rank=64)
+    lay = sc.step("decode", parallel=Parallel(dp=8, ep=8, dp_attention=True), tokens_per_rank=64)
+    for n, f in today.figures.items():
+        assert lay.figures[n]["step_time_us"] == pytest.approx(f["step_time_us"], rel=1e-12)
+        assert lay.figures[n]["tokens_per_step"] == 8 * 64

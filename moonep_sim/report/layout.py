@@ -22,7 +22,7 @@ def layout_table(doc: dict[str, Any]):
              f"(pp schedule {p['pp_schedule']}, {p['micro_batches']} micro-batch(es) of {p['micro_batch_size']}, "
              f"ZeRO {p['zero']}); MoE layers over EP groups of {s['ep_group_ranks']} ranks "
              f"({s['ep_group_gpus_per_node']} per node), {s['tokens_per_rank']} tokens per rank per micro-batch, "
-             f"sequence {s['context']}, overlap {s['overlap']}")
+             f"context {s['context']}, overlap {s['overlap']}")
     t = Table(title=title)
     for col in ("strategy", "step time", "tokens/s/GPU", "MFU", "bubble", "DP exposed", "TP/CP comm",
                 "peak memory (pp rank)", "OOM"):
