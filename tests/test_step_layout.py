@@ -223,3 +223,17 @@ def test_decode_with_attention_dp_is_todays_decode_step():
     for n, f in today.figures.items():
         assert lay.figures[n]["step_time_us"] == pytest.approx(f["step_time_us"], rel=1e-12)
         assert lay.figures[n]["tokens_per_step"] == 8 * 64
+
+
+def test_zero3_gathers_hide_behind_compute():
+    sc = _sc(8, layers=2)
+    p = Parallel(dp=8, ep=8, zero=3, global_batch_size=16)
+    f = sc.step("train", parallel=p, context=1024, distinct_layers=1).figures["alltoall"]
+    r0 = f["pipeline_ranks"][0]
+    topo = load_topology("h800-cx7")
+    dense, expert = chunk_params(_model(2), 0, 2, True, True)
+    ag = coll.all_gather_us(dense * 2, 8, coll.nvlink(topo)) + 0.0   # experts: edp = 1, no gather
+    assert r0["zero3_gather_us"] == pytest.approx(2 * 2 * ag)        # 2 micro-batches, forward and backward
+    busy = f["pipeline"]["busy_us"][0]
+    assert r0["zero3_gather_exposed_us"] == pytest.approx(max(2 * 2 * ag - busy, 0.0))
+    assert r0["param_gather_us"] == 0.0

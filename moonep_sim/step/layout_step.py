@@ -29,8 +29,9 @@ A layout (:class:`~moonep_sim.step.parallel.Parallel`) wraps today's step, never
 4. **DP**: after its last backward each pipeline rank reduces its gradients over its data-parallel
    group (the dense share over ``d x c`` ranks ``t`` apart; the experts over ``edp`` ranks ``e x
    etp`` apart): an all-reduce with ZeRO 0, a reduce-scatter with the distributed optimizer
-   (ZeRO >= 1), then its parameter all-gather; ZeRO 3 also gathers each chunk's parameters before
-   its forward and backward of every micro-batch. Gradients are reduced in fp32, parameters
+   (ZeRO >= 1), then its parameter all-gather; with ZeRO 3 the parameters stay sharded, gathered
+   before each chunk's forward and backward of every micro-batch and prefetched behind the rank's
+   compute (only what exceeds the rank's busy time is exposed, added at its end). Gradients are reduced in fp32, parameters
    gathered in bf16 (Megatron's defaults). With ``overlap_grad_reduce`` the reduce of all but the
    last micro-batch's backward is hidden behind it (only what exceeds that window is exposed).
 5. **The optimizer step**: memory-bound over the rank's optimizer shard
@@ -357,7 +358,8 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
         ends[r] = max(ends[r], s1)
         if "B" in kind:
             last_b[r] = s1 - s0
-    per_rank = [_rank_tail(cfg, p, m, r, ranks_chunks[r], sched, bounds, ends[r], last_b[r], gpus_per_node, train)
+    per_rank = [_rank_tail(cfg, p, m, r, ranks_chunks[r], sched, bounds, ends[r], last_b[r], gpus_per_node, train,
+                           run.busy_us[r])
                 for r in range(p.pp)]
     slow = max(per_rank, key=lambda x: x["end_us"])
     step_us = slow["end_us"]
@@ -389,8 +391,9 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
 
 
 def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched, bounds, end_us: float,
-               last_b_us: float, gpus_per_node: int, train: bool) -> dict:
-    """Pipeline rank ``r``'s DP gradient reduce, parameter gather and optimizer step after its last op."""
+               last_b_us: float, gpus_per_node: int, train: bool, busy_us: float = 0.0) -> dict:
+    """Pipeline rank ``r``'s DP gradient reduce, parameter gather and optimizer step after its last op
+    (``busy_us``: the rank's compute over the pipeline, behind which ZeRO 3 prefetches its gathers)."""
     topo = cfg.topology
     dense = expert = 0.0
     for c in chunks:
@@ -400,7 +403,7 @@ def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched,
     ddp, edp = p.dp * p.cp, p.edp
     dl = coll.group_link(topo, ddp, p.tp, gpus_per_node)
     el = coll.group_link(topo, edp, p.ep * p.etp, gpus_per_node)
-    grad = gather = opt = exposed = 0.0
+    grad = gather = opt = exposed = z3 = z3_exposed = 0.0
     if train:
         if p.zero == 0:
             grad = coll.all_reduce_us(dense * GRAD_REDUCE_BYTES, ddp, dl) + \
@@ -410,13 +413,18 @@ def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched,
                 coll.reduce_scatter_us(expert * GRAD_REDUCE_BYTES, edp, el)
             gather = coll.all_gather_us(dense * PARAM_GATHER_BYTES, ddp, dl) + \
                 coll.all_gather_us(expert * PARAM_GATHER_BYTES, edp, el)
-        if p.zero >= 3:  # every chunk's parameters gathered before each forward and backward
-            gather *= 1 + 2 * p.micro_batches
+        if p.zero >= 3:
+            # the parameters stay sharded: gathered before every chunk's forward and backward of every
+            # micro-batch, prefetched behind the rank's compute (FSDP's prefetch; what exceeds it is exposed)
+            z3 = 2 * p.micro_batches * gather
+            z3_exposed = max(z3 - busy_us, 0.0)
+            gather = 0.0
         exposed = max(grad - last_b_us, 0.0) if p.overlap_grad_reduce else grad
         shard = dense / (ddp if p.zero >= 1 else 1) + expert / (edp if p.zero >= 1 else 1)
         opt = shard * OPTIMIZER_BYTES_PER_PARAM / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
     return {"rank": r, "pipeline_end_us": end_us, "dp_grad_us": grad, "dp_grad_exposed_us": exposed,
-            "param_gather_us": gather, "optimizer_us": opt, "end_us": end_us + exposed + gather + opt,
+            "param_gather_us": gather, "zero3_gather_us": z3, "zero3_gather_exposed_us": z3_exposed,
+            "optimizer_us": opt, "end_us": end_us + z3_exposed + exposed + gather + opt,
             "params_dense": dense, "params_expert": expert}
 
 
