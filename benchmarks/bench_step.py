@@ -31,6 +31,14 @@ ours; ``floor_of``), each part named:
   phases not counted: a lower bound). What the flow-level schedule computes between them has no
   implementation-independent lower bound this bench could measure, so it is taken as 0.
 
+**The command's path.** By default (``--no-cli`` to skip; not with ``--moe-layers``, ``--floor`` or
+``--jobs``) every run is also timed as the user runs it, right before the in-process run: ``moonep-sim
+step ...`` (:func:`cli_argv`, the same case) in a fresh ``python -m moonep_sim`` process, with
+``--json`` (whose step times must equal the in-process run's) and ``--quiet`` (with ``--repeat N``
+the two alternate who goes first). Its wall and CPU
+seconds sit beside the in-process figures in the row (``cli_wall_s``, ``cli_cpu_s``,
+``cli_over_inprocess_wall``), and a table of both closes the run.
+
 "Fresh pages": the process first hands its freed memory back (``malloc_trim(0)``), so the arrays
 land on pages the kernel must zero, as a first allocation's do. Beside it, ``warm``: the same writes
 into pages the process already holds (the bound if every layer reused the last layer's pages, as
@@ -65,6 +73,7 @@ import dataclasses
 import json
 import os
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -336,6 +345,64 @@ def routing_only(case: str, moe_layers: int = 0) -> dict:
                                                                 "max": max(per), "median": sorted(per)[n // 2]}}
 
 
+def cli_argv(case: str, strategies: list[str], distinct: int, pipeline: str = "auto") -> list[str]:
+    """The ``moonep-sim step`` command a user types for this (case, strategies, distinct layers)."""
+    c = CASES[case]
+    spec, st = c["spec"], c["step"]
+    R, G = c["cluster"].split("/")
+    argv = ["step", "--gen", f"model={spec['model']},maxvio={spec['maxvio']:g},tokens-per-rank={spec['tokens_per_rank']}",
+            "--ranks", R, "--gpus-per-node", G, "--topology", "h800-cx7", "--strategies", ",".join(strategies),
+            "--mode", st["mode"], "--overlap", st["overlap"]]
+    if st.get("context"):
+        argv += ["--context", str(st["context"])]
+    if distinct:
+        argv += ["--distinct-layers", str(distinct)]
+    if pipeline != "auto":
+        argv += ["--pipeline", pipeline]
+    return argv
+
+
+def run_cli(case: str, strategies: list[str], distinct: int, pipeline: str = "auto") -> dict:
+    """The command as a user runs it: a fresh ``python -m moonep_sim`` process (imports, parsing,
+    checks, generation, the step, the JSON document), its wall and CPU seconds (user + sys, from the
+    child's rusage) and its step times (``--json``: the figures must equal the in-process run's)."""
+    argv = cli_argv(case, strategies, distinct, pipeline)
+    load0 = os.getloadavg()[0]
+    k0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "moonep_sim", *argv, "--json", "--quiet"], capture_output=True,
+                       text=True, env=dict(os.environ, MOONEP_SIM_QUIET="1"))
+    wall = time.perf_counter() - t0
+    k1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if p.returncode != 0:
+        raise SystemExit(f"moonep-sim {' '.join(argv)} failed ({p.returncode}): {p.stderr.strip()[-400:]}")
+    doc = json.loads(p.stdout)
+    return {"cli_command": "moonep-sim " + " ".join(argv), "cli_wall_s": wall,
+            "cli_cpu_s": (k1.ru_utime - k0.ru_utime) + (k1.ru_stime - k0.ru_stime), "cli_load_start": load0,
+            "cli_step_time_us": {s: doc["strategies"][s]["step_time_us"] for s in strategies}}
+
+
+def with_cli(rows: list[dict], cli: dict) -> list[dict]:
+    """The in-process rows of one run, each with the CLI's figures beside it (same step times?)."""
+    for r in rows:
+        r.update(cli, cli_over_inprocess_wall=cli["cli_wall_s"] / r["wall_s"],
+                 cli_over_inprocess_cpu=cli["cli_cpu_s"] / r["cpu_s"],
+                 cli_same_step_time=cli["cli_step_time_us"].get(r["strategy"]) == r["step_time_us"])
+    return rows
+
+
+def cli_table(rows: list[dict]) -> str:
+    """The CLI beside the in-process run, back to back: wall and CPU seconds and their ratios."""
+    out = ["| case | strategy | CLI wall s | in-process wall s | CLI / in-process | CLI CPU s | in-process CPU s | "
+           "load | same step time |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "cli_wall_s" in r:
+            out.append(f"| {r['case']} | {r['strategy']} | {r['cli_wall_s']:.1f} | {r['wall_s']:.1f} | "
+                       f"{r['cli_over_inprocess_wall']:.2f}x | {r['cli_cpu_s']:.1f} | {r['cpu_s']:.1f} | "
+                       f"{r['cli_load_start']:.1f}-{r['load_end']:.1f} | {r['cli_same_step_time']} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     from moonep_sim.memory import prefer_small_pages, reuse_freed_memory
 
@@ -355,6 +422,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="time only the step's routing (every MoE layer generated as the step does, none planned)")
     ap.add_argument("--floor", action="store_true",
                     help="also time, in the same run, each distinct layer's floor (routing, plan, simulator I/O)")
+    ap.add_argument("--no-cli", action="store_true",
+                    help="skip the command-line run (by default each run is also timed as `moonep-sim step` in a "
+                         "fresh process, right before the in-process run)")
     a = ap.parse_args(argv)
     pipelines = a.pipeline.split(",")
     if any(p not in PIPELINE for p in pipelines) or a.repeat < 1:
@@ -381,12 +451,21 @@ def main(argv: list[str] | None = None) -> int:
                 for rep in range(a.repeat):
                     modes = pipelines if rep % 2 == 0 else pipelines[::-1]  # alternate who goes first
                     for mode in modes:
-                        for r in run(case, g, distinct, a.jobs, a.moe_layers, a.floor, mode):
+                        cli = None
+                        timed_cli = not (a.no_cli or a.moe_layers or a.floor or a.jobs != 1)
+                        if timed_cli and rep % 2 == 0:  # back to back, who goes first alternating over --repeat
+                            cli = run_cli(case, g, distinct, mode)
+                        got = run(case, g, distinct, a.jobs, a.moe_layers, a.floor, mode)
+                        if timed_cli and rep % 2 == 1:
+                            cli = run_cli(case, g, distinct, mode)
+                        for r in with_cli(got, cli) if cli else got:
                             r["repeat"] = rep
                             print(json.dumps(r), flush=True)
                             rows.append(r)
     if len(pipelines) > 1 and not a.routing_only:
         print(pipeline_table(rows))
+    if any("cli_wall_s" in r for r in rows):
+        print(cli_table(rows))
     if a.floor:
         print(floor_table(rows))
         print(f"load average (1/5/15 min) at end: {'/'.join(f'{x:.1f}' for x in os.getloadavg())} on "

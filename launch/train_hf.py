@@ -6,7 +6,8 @@
     torchrun --nproc_per_node 4 launch/train_hf.py --model cfg.json --strategy moonep --record r.safetensors
 
 ``--nproc N`` starts N local ranks itself (the project's launcher: rendezvous store and gloo on
-loopback, the failing rank's one error line and status). Under torchrun every process is one rank.
+loopback, the failing rank's one error line and status), with a progress bar on a terminal (rank
+0's check and training steps; none when piped or with ``--quiet``). Under torchrun every process is one rank.
 ``--compare-sim`` simulates the measured steps (same model shape, same recorded routing, same
 strategies) on the ``local-gloo`` topology and prints measured against simulated step times
 (``moonep_sim.experiments.hf_step``). Exit status: 0; 3 when ``--check`` found a difference; 2 bad
@@ -46,7 +47,11 @@ def _main(argv) -> int:
             run_argv = list(argv)
             if a.compare_sim and not a.record:
                 run_argv += ["--record", os.path.join(tmp, "routing.safetensors")]
-            rep = train.launch(a.nproc, run_argv, timeout_s=max(600.0, 20 * a.timeout))
+            from moonep_sim.progress import followed, tracker
+
+            with tracker(f"train_hf on {a.nproc} ranks", show=False if a.quiet else None) as cb, \
+                    followed(os.path.join(tmp, "progress"), cb):  # rank 0 reports, the bar is drawn here
+                rep = train.launch(a.nproc, run_argv, timeout_s=max(600.0, 20 * a.timeout))
             if a.compare_sim:
                 rep["compare_sim"] = _compare(rep)
     if a.json:

@@ -62,9 +62,10 @@ class ModelSpec:
     and a step of a model that leaves them out is refused with a one-line error):
     attention: the attention kind of every layer, or a comma-separated pattern cycled over the
         layers: ``gqa`` (MHA is GQA with kv_heads == heads), ``mla`` (multi-head latent attention,
-        DeepSeek-V2/V3, Kimi K2), ``linear`` (a recurrent / linear kind with a fixed state per
-        sequence, e.g. Kimi's KDA), ``sliding`` (GQA over the last ``sliding_window`` tokens),
-        ``none`` (no attention op: a bare MoE stack). Kimi K3: ``linear,linear,linear,mla``.
+        DeepSeek-V2/V3, Kimi K2), ``gated-mla`` (MLA with an output gate, Kimi K3), ``linear`` (a
+        recurrent / linear kind with a fixed state per sequence, laid out as Kimi's KDA),
+        ``sliding`` (GQA over the last ``sliding_window`` tokens), ``none`` (no attention op: a bare
+        MoE stack). Kimi K3: three ``linear`` then one ``gated-mla``, 23 times, then ``gated-mla``.
     heads / kv_heads / head_dim: attention heads, KV heads (GQA) and the per-head width.
     q_lora_rank / kv_lora_rank / qk_rope_dim / v_head_dim: MLA's query and KV latent widths, the
         decoupled RoPE width and the value head width (its QK head is ``head_dim + qk_rope_dim``).
@@ -194,20 +195,25 @@ _HF = "huggingface.co/{}/blob/main/config.json"
 #: and the module list of the attention registry (``moonep_sim.step.attention``: one module per
 #: kind, ``moonep_sim/step/attention/<name>.py``, states its weights, cache, core op and what it
 #: saves for the backward). A new kind is its module and its name here.
-ATTENTION_KINDS = ("gqa", "mla", "linear", "sliding", "none")
+ATTENTION_KINDS = ("gqa", "mla", "gated-mla", "linear", "sliding", "none")
 # MLA as DeepSeek-V3 / Kimi K2 configure it (q_lora_rank 1536, kv_lora_rank 512, qk_nope 128,
 # qk_rope 64, v_head 128); only the head count differs between them.
 _MLA = dict(attention="mla", head_dim=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64, v_head_dim=128)
 
 PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("kimi-k3", 93, 92, 896, 16, 2, 7168, 3072, dispatch_hidden=3584, router="sigmoid",
-              note="routed experts appear to work in a 3584-wide latent (read from the weight "
-                   "layout, not stated); dispatched rows are taken as 3584 wide",
-              **{**_MLA, "attention": "linear,linear,linear,mla"}, heads=64, kv_heads=64, max_context=262144,
-              vocab=163840, dense_ffn=18432,
-              stack_source="ASSUMED: the 3 KDA : 1 gated MLA hybrid of Kimi Linear (moonshotai/Kimi-Linear-48B-A3B-"
-                           "Instruct config.json: linear_attn_config, head_dim 128) with Kimi K2's MLA widths, head "
-                           "count, vocab and dense FFN; K3's own config is not public in this form"),
+              note="LatentMoE: routed experts work in a 3584-wide latent (routed_expert_hidden_size), the rows "
+                   "dispatched are 3584 wide; 2 shared experts in the full hidden width; 2.78T total, 104.2B "
+                   "active per token (Moonshot's K3 report); AttnRes not modelled (elementwise only)",
+              **{**_MLA, "attention": ",".join(["linear,linear,linear,gated-mla"] * 23 + ["gated-mla"])},
+              heads=96, kv_heads=96, max_context=1048576, vocab=163840, dense_ffn=33792,
+              stack_source="aiconfigurator-core 0.12.0 model_configs/moonshotai--Kimi-K3_config.json (text_config: "
+                           "93 layers, KDA layers 1-91 but every 4th, full (gated MLA, mla_use_output_gate) layers "
+                           "4, 8, ..., 92, 93 = 69 KDA + 24 MLA; 96 heads of 128; MLA q_lora 1536, kv_lora 512, "
+                           "rope 64; first_k_dense_replace 1, intermediate_size 33792; vocab 163840 untied); KDA "
+                           "projections as fla's KDA layer (full-rank gate, short conv 4); totals: Moonshot's K3 "
+                           "report, 2.78T total, 104.2B active (ASSUMED: the vision tower, AttnRes and per-head "
+                           "scalars are left out of both)"),
     ModelSpec("kimi-k2", 61, 60, 384, 8, 1, 7168, 2048, router="sigmoid", **_MLA, heads=64, kv_heads=64,
               max_context=131072, vocab=163840, dense_ffn=18432,
               stack_source=_HF.format("moonshotai/Kimi-K2-Instruct") + " (first_k_dense_replace 1, 64 heads, "

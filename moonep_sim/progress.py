@@ -69,16 +69,18 @@ def tracker(description: str, total: int = 0, *, show: bool | None = None,
     """A progress callback for the work inside the ``with`` block (see the module docstring).
     ``show``: None -- decide (:func:`enabled`); False -- a no-op callback; True -- a bar even when
     stderr is not a terminal (tests). ``interval_s``: the plain lines' spacing."""
-    on = enabled() if show is None else bool(show)
+    if multiprocessing.parent_process() is not None:  # a worker: its parent shows the progress
+        show = False
+    with _lock:
+        outer = _live[0] if _live and show is not False else None
+    on = outer is not None or (enabled() if show is None else bool(show))
     if not on:
-        if show is None and _lines_wanted() and multiprocessing.parent_process() is None:
+        if show is None and _lines_wanted():
             with _LineProgress(description, interval_s) as cb:
                 yield cb
             return
         yield _noop
         return
-    with _lock:
-        outer = _live[0] if _live else None
     if outer is not None:                       # nested: one more bar under the live one
         task = outer.add_task(description, total=total or None, what="")
         try:
@@ -146,6 +148,73 @@ class _LineProgress:
         self.thread.join()
 
 
+#: the environment variable naming the file a child process reports its progress to (:func:`followed`)
+FILE_ENV = "MOONEP_SIM_PROGRESS_FILE"
+
+
+def to_file(path: str | os.PathLike | None = None, min_interval_s: float = 0.2) -> Callback:
+    """A callback another process can follow: each update replaces ``path`` (default: the file
+    :data:`FILE_ENV` names; a no-op when none is named) with ``done<TAB>total<TAB>message``, at most
+    every ``min_interval_s`` (and always the last piece). For work in other processes (the ranks of
+    ``launch/train_hf.py``), whose parent shows the bar (:func:`followed`)."""
+    dest = path if path is not None else os.environ.get(FILE_ENV)
+    if not dest:
+        return _noop
+    last = [0.0]
+
+    def cb(message: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] < min_interval_s and done < total:
+            return
+        last[0] = now
+        tmp = f"{dest}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                f.write(f"{int(done)}\t{int(total)}\t{message}")
+            os.replace(tmp, dest)
+        except OSError:
+            pass  # progress is never worth failing the work for
+    return cb
+
+
+@contextlib.contextmanager
+def followed(path: str | os.PathLike, callback: Callback, poll_s: float = 0.25) -> Iterator[None]:
+    """While the block runs, child processes started in it find ``path`` in :data:`FILE_ENV` (their
+    :func:`to_file` writes there) and a thread here reads it every ``poll_s`` into ``callback``."""
+    if callback is _noop:
+        yield
+        return
+    old = os.environ.get(FILE_ENV)
+    os.environ[FILE_ENV] = str(path)
+    stop = threading.Event()
+
+    def poll() -> None:
+        seen = None
+        while not stop.wait(poll_s):
+            try:
+                with open(path) as f:
+                    text = f.read()
+            except OSError:
+                continue
+            if text != seen:
+                seen = text
+                parts = text.split("\t", 2)
+                if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
+                    callback(parts[2], int(parts[0]), int(parts[1]))
+
+    t = threading.Thread(target=poll, name="moonep-sim-progress-follow", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+        if old is None:
+            os.environ.pop(FILE_ENV, None)
+        else:
+            os.environ[FILE_ENV] = old
+
+
 def resolve(progress, description: str):
     """What an API function's ``progress=`` means: a callback is used as given, False or the no-op
     means none, None means a :func:`tracker` of its own (a bar on a terminal). A context manager
@@ -155,4 +224,4 @@ def resolve(progress, description: str):
     return contextlib.nullcontext(_noop if progress is False else progress)
 
 
-__all__ = ["Callback", "LINE_INTERVAL_S", "enabled", "resolve", "set_quiet", "tracker"]
+__all__ = ["Callback", "FILE_ENV", "LINE_INTERVAL_S", "enabled", "followed", "resolve", "set_quiet", "to_file", "tracker"]

@@ -88,7 +88,7 @@ def test_simulated_time_is_the_simulator_on_that_plan(report):
     cl = ClusterShape(4, 2)
     lr = src.layer(5, 4)
     g = GlobalRouting.split_evenly(lr.topk_ids_TK, lr.topk_weights_TK, 8, 4)
-    res = simulate(make_plan("hierarchical", g, plan_context(src, cl)), load_topology("h800-cx7", cl), src.model)
+    res = simulate(make_plan("hierarchical", g, plan_context(src, cl)), load_topology("h800-cx7", cl.gpus_per_node), src.model)
     entry = next(e for e in report["strategies"]["hierarchical"]["layers"] if e["layer"] == 5)
     assert entry["sim"]["layer_time_us"] == pytest.approx(res.layer_time_us)
 

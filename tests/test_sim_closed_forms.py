@@ -85,10 +85,12 @@ def test_one_relay_of_every_normal_family(name):
     assert cap == pytest.approx(min(FAMILIES[name].sms, 100) * 0.2e3 * FAMILIES[name].sm_copy_factor)
     r0, r1 = min(2e3, cap), min(10e3, cap)
     m = relay_rows(topo, spec)
-    msgs = math.ceil(100 / m)
-    t0 = 100 * ROW / r0 + msgs * (topo.nic_message_us + spec.message_us)
     # a chunked family (DeepEP V1) relays channels x its Config's chunk of each hop's class instead
     h0, h1 = relay_hop_rows(topo, spec, 4, "dispatch", True), relay_hop_rows(topo, spec, 4, "dispatch", False)
+    # one RDMA write per relayed message: per channel's RDMA chunk for a chunked family
+    c = chunk_for(FAMILIES[name].chunks, 4)
+    msgs = math.ceil(100 / (c.dispatch_rdma if c is not None else m))
+    t0 = 100 * ROW / r0 + msgs * (topo.nic_message_us + spec.message_us)
     if FAMILIES[name].chunks:
         c = chunk_for(FAMILIES[name].chunks, 4)
         assert (h0, h1) == (12 * c.dispatch_rdma, 12 * c.dispatch_nvl)  # 24 SMs: 12 channels

@@ -173,7 +173,8 @@ def cluster_row(topology: str, preset: str, sc, impls: dict[str, dict[str, str]]
                     "busiest_port": (worst.get("busiest_port") or {}).get("name", ""),
                     "ratio_to_lower_bound": float(s["sim"]["ratio_to_lower_bound"]),
                     "phases_us": s["sim"]["phases_us_mean"]}
-    flags = [dict(f, topology=topology) for f in rep.get("flags") or []] + kernel_flags(topology, preset, impls)
+    flags = [dict(f, topology=topology) for f in rep.get("flags") or [] if f.get("code") != "kernel-not-native"]
+    flags += kernel_flags(topology, preset, impls)  # the cluster's own families (the report's are the defaults)
     return {"topology": topology, "preset": preset, "ranks": rep["cluster"]["ranks"],
             "gpus_per_node": rep["cluster"]["gpus_per_node"], "nodes": rep["cluster"]["nodes"],
             "nvlink_GBps": topo.nvlink_bytes_per_us / 1e3, "nic_GBps": topo.nic_bytes_per_us / 1e3,

@@ -64,16 +64,14 @@ def plan_context(source: RoutingSource, cluster: ClusterShape, dispatch_dtype: s
 
 
 # -- the simulator, through one narrow door -----------------------------------------------------------
-def load_topology(name, cluster: ClusterShape | None = None):
-    """A simulator topology preset, TOML path or Topology; with ``cluster``, its GPUs per node match
-    the plan's."""
-    from moonep_sim.sim.topology import Topology
-    from moonep_sim.sim.topology import load_topology as _load
+def __getattr__(name: str):
+    """``load_topology`` is the simulator's (``moonep_sim.sim.topology.load_topology``), re-exported
+    here without importing the simulator until it is asked for."""
+    if name == "load_topology":
+        from moonep_sim.sim.topology import load_topology
 
-    g = cluster.gpus_per_node if cluster is not None else None
-    if isinstance(name, Topology):
-        return name.with_gpus_per_node(g)
-    return _load(name, gpus_per_node=g)
+        return load_topology
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def replay_costs(hidden: int, ffn: int) -> RowCosts:
@@ -211,7 +209,9 @@ def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int
 
     t_start = time.perf_counter()
     source, shape, ctx, topo = rs.source, rs.cluster, rs.ctx, rs.topology
-    local_topo = load_topology("local-gloo", shape) if real is not None else None
+    from moonep_sim.sim.topology import load_topology
+
+    local_topo = load_topology("local-gloo", shape.gpus_per_node) if real is not None else None
     R = shape.ranks
     rep: dict[str, Any] = {
         "kind": "compare",

@@ -17,7 +17,9 @@ strategies they concern, and ``report.html`` lists them. Codes (:data:`FLAG_CODE
 - ``one-seed``: generated routing at one seed: no spread over seeds behind a verdict.
 - ``assumed-kernel-terms`` / ``kernel-not-native`` (the multi-cluster compare,
   :mod:`moonep_sim.experiments.clusters`): a strategy priced by a kernel family whose terms are
-  assumed / whose GPU vendor or transports are not the cluster's.
+  assumed / whose GPU vendor or transports are not the cluster's. ``kernel-not-native`` is also
+  raised on a single cluster's step and compare (:func:`native_flags`): e.g. DeepEP V1, which needs
+  GPU-initiated RDMA, on an EFA preset.
 """
 
 from __future__ import annotations
@@ -110,6 +112,8 @@ def compare_flags(rep: Mapping[str, Any], calibration: str | None = "unknown") -
         unit = f"{L} layer(s)" + (f" x {S} steps" if S > 1 else "")
         out += strategy_flags(n, s.get("options") or {}, nodes, int(s.get("dropped", 0)), int(s.get("padded", 0)),
                               unit=unit)
+    out += native_flags({n: s.get("options") or {} for n, s in (rep.get("strategies") or {}).items()},
+                        (rep.get("topology") or {}).get("name"))
     if rep.get("real"):
         if calibration == "unknown":
             from moonep_sim.experiments import calibrate as cal
@@ -134,6 +138,7 @@ def step_flags(setup: Mapping[str, Any], options: Mapping[str, Mapping[str, Any]
     for n, o in options.items():
         dropped = int((figures or {}).get(n, {}).get("dropped", 0) or 0)
         out += strategy_flags(n, o, nodes, dropped, unit="the step")
+    out += native_flags(options, setup.get("topology"))
     stand = [i for i, p in enumerate(setup.get("layers_routing") or []) if str(p).startswith("STAND-IN")]
     if stand:
         out.append(_flag("stand-in-layer", None, f"{len(stand)} MoE layer(s) the trace does not have were costed "
@@ -141,6 +146,37 @@ def step_flags(setup: Mapping[str, Any], options: Mapping[str, Mapping[str, Any]
     if setup.get("reused_layers"):
         out.append(_flag("stand-in-layer", None, f"{setup['reused_layers']} MoE layer(s) reuse another layer's "
                                                  f"routing (distinct layers {setup.get('distinct_layers')})"))
+    return out
+
+
+def native_flags(options: Mapping[str, Mapping[str, Any]], topology: str | None) -> list[dict[str, Any]]:
+    """``kernel-not-native`` flags of the strategies that take a kernel family (``impl``) on the
+    preset ``topology``: the family's GPU vendor or transports are not the preset's
+    (``moonep_sim/data/native-kernels.toml``, the table ``moonep_sim.experiments.clusters`` reads);
+    [] for a preset the table does not list."""
+    import tomllib
+    from importlib import resources
+
+    from moonep_sim.errors import ConfigError
+    from moonep_sim.plan.kernel import FAMILIES
+    from moonep_sim.strategies import get_strategy
+
+    doc = tomllib.loads(resources.files("moonep_sim.data").joinpath("native-kernels.toml").read_text())
+    nat = {e["preset"]: e for e in doc["native"]}.get(topology or "")
+    if nat is None:
+        return []
+    out = []
+    for n, o in options.items():
+        try:
+            opt = get_strategy(n).options.get("impl")
+        except ConfigError:  # a strategy this build does not know has no kernel family
+            opt = None
+        fam = FAMILIES.get(str((o or {}).get("impl") or opt.default)) if opt is not None else None
+        if fam is not None and (fam.vendor != nat["vendor"] or nat["transport"] not in (*fam.transports, "none")):
+            out.append(_flag("kernel-not-native", n, f"{n} on {topology} is priced by {fam.name}, which runs on "
+                                                     f"{fam.vendor} GPUs over {' / '.join(fam.transports)}; "
+                                                     f"{topology} is {nat['vendor']} over {nat['transport']}: a "
+                                                     "setting its library does not run"))
     return out
 
 
@@ -172,4 +208,4 @@ def sweep_flags(rep: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 __all__ = ["FLAG_CODES", "REAL_LIBRARY", "step_flags", "calibration_flags", "compare_flags", "library_of",
-           "model_flags", "strategy_flags", "sweep_flags"]
+           "model_flags", "native_flags", "strategy_flags", "sweep_flags"]

@@ -26,6 +26,8 @@ why}``, with ``others`` and ``terms_us``), built from the replay's own figures o
   Kernel fixed costs are not separated from the phases they sit in. The phase maxima need not sum
   to the layer time (different ranks are slowest in different phases): the terms name the largest
   measured difference, and its share of the margin.
+  A tie names none (``mechanism`` None): its sentence gives the two times and the spread that
+  makes them one, never a term of a difference it does not resolve.
 - ``why``: one sentence from the measured numbers, saying it was measured on local gloo.
 """
 
@@ -35,7 +37,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from moonep_sim.experiments.verdict import MECHANISMS, TIE, attribute, confidence, explain, fmt_time, terms
+from moonep_sim.experiments.verdict import (MECHANISMS, attribute, confidence, explain, fmt_time, terms,
+                                            tie_sentence)
 
 #: the measured phases each term is read from (replay_rank.PHASES: dispatch includes exchange and plan)
 PHASE_TERMS = {"planning": "exchange + plan", "weight copies": "prefetch",
@@ -159,15 +162,13 @@ def measured_verdict(reps: Mapping[str, Mapping[str, Any]], *, where: str = "") 
                 why += "; " + explain(mech, w, r, figs[w], figs[r], tw, tr, "layer")
             else:
                 mech, why = "dropped rows", why + f" (it is faster by {-100 * margin:.1f}%: it did less work)"
-        elif tie and margin <= TIE:
-            why = f"{at}: {w} and {r} take the same time ({fmt_time(times[w])} per layer): a tie"
+        elif tie:
+            why = f"a measured tie ({at}): " + tie_sentence(w, r, times[w], times[r], "layer", conf, margin)
         else:
             why = (f"{at}: " + explain(mech, w, r, figs[w], figs[r], tw, tr, "layer")
                    + f" (measured {PHASE_TERMS.get(mech, mech)}; of a {fmt_time(times[r] - times[w])} difference per layer)")
-            if tie:
-                why = f"a measured tie ({conf['basis']}); " + why
         others.append({"strategy": r, "margin": float(margin), "tie": tie, "confidence": conf,
-                       "mechanism": mech if not (tie and margin <= TIE) else None, "share": float(share), "why": why})
+                       "mechanism": None if tie else mech, "share": 0.0 if tie else float(share), "why": why})
     top = others[0]
     return {"winner": w, "runner_up": top["strategy"], "margin": top["margin"], "tie": top["tie"],
             "confidence": top["confidence"], "mechanism": top["mechanism"], "why": top["why"],

@@ -19,6 +19,7 @@ before any work. Results are frozen dataclasses with ``to_dict()`` (JSON-ready).
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,20 @@ DEFAULT_STRATEGIES = ("alltoall", "capacity", "hierarchical", "moonep")
 DEFAULT_TOPOLOGY = "h800-cx7"
 
 Progress = Callable[[str, int, int], None]
+
+
+def _with_progress(description: str):
+    """A long method's ``progress=``: None draws its own bar on a terminal (nothing when piped),
+    False none, a callback is used as given (:func:`moonep_sim.progress.resolve`)."""
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(self, *args, progress=None, **kw):
+            from moonep_sim.progress import resolve
+
+            with resolve(progress, description) as cb:
+                return fn(self, *args, progress=cb, **kw)
+        return wrapper
+    return deco
 
 
 @dataclass(frozen=True)
@@ -120,7 +135,7 @@ class Scenario:
         base = load_topology(self.topology)
         G = G or base.gpus_per_node_for(R)
         cluster = check_cluster(source, R, G)
-        topo = load_topology(self.topology, cluster)
+        topo = load_topology(self.topology, cluster.gpus_per_node)
         costs = self.costs or RowCosts.from_model(source.model, dtype)
         place = (Placement.home_groups(source.num_experts, R) if self.placement == "home"
                  else Placement.round_robin(source.num_experts, R))
@@ -248,6 +263,7 @@ class Scenario:
         return search_layouts(self, gpus, mode, **options)
 
     # -- compare, replay, sweep ---------------------------------------------------------------------
+    @_with_progress("compare")
     def compare(self, real: bool = False, *, nproc: int | None = None, iters: int = 10, hidden: int = 512,
                 ffn: int = 1024, timeout_s: float = 600.0, progress: Progress | None = None, jobs: int | None = 1,
                 cluster: str | None = None, level: str = "layer", step: Any = None) -> CompareResult:
@@ -306,6 +322,7 @@ class Scenario:
         return ReplayResult(tuple(per), {n: float(r["layer_ms_median"]) for n, r in per.items()},
                             {n: r.get("correct") for n, r in per.items()}, to_jsonable(rep, lenient=True))
 
+    @_with_progress("sweep")
     def sweep(self, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None,
               progress: Progress | None = None, jobs: int | None = 1, cluster: str | None = None,
               seeds: int = 1, level: str = "layer", step: Any = None) -> SweepResult:
@@ -344,6 +361,7 @@ class Scenario:
         return SweepResult.from_report(sweep_over_seeds(self, self.sweep_axis(over, values, maxvio=maxvio), seeds,
                                                         progress=progress, jobs=jobs, cluster=cluster))
 
+    @_with_progress("winner map")
     def winner_map(self, over: str, values: Sequence[float] | None, by: str, by_values: Sequence[float], *,
                    maxvio: float | None = None, progress: Progress | None = None, jobs: int | None = 1,
                    cluster: str | None = None, seeds: int = 1, level: str = "layer", step: Any = None) -> dict[str, Any]:

@@ -264,7 +264,11 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     for s, S in static.items():
         require(s in names, f"static buffer strategy ({s!r}) must be one of the strategies ({', '.join(names)})")
         require(int(S) >= 1, f"static buffer tokens ({S}) of {s} must be >= 1")
-    costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None)
+    from moonep_sim.step.measured import load_measured
+
+    # a user's profile wins; else AIConfigurator's measured tables where installed and the GPU has one
+    costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None,
+                      measured=None if compute_profile else load_measured(rs.topology))
     mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
     out = []
     skew = (standin_skew(src, R) if src.gen is None and m.moe_layers > len(src.layer_ids)

@@ -14,7 +14,10 @@ A verdict is the dict ``{winner, runner_up, margin, tie, confidence, mechanism, 
   loses some units), ``tie``, or ``single sample`` (one unit: no spread to measure; ``basis`` says
   the margin was judged against :data:`TIE` only).
 - ``mechanism``: the term of :data:`MECHANISMS` whose difference between the two strategies is
-  the largest part of the margin; ``why``: one sentence built from the figures behind it.
+  the largest part of the margin; ``why``: one sentence built from the figures behind it. A tie
+  names no mechanism (None) and its sentence states the two times and the spread, never a
+  difference it does not resolve; a byte term whose volumes are the same says the time differs
+  for the same bytes (never "moves X where the other moves X").
 
 Terms (microseconds, per layer; they sum to the layer time): the simulated layer time is split
 along its critical rank (:func:`critical_breakdown`: planning,
@@ -248,6 +251,16 @@ def _bytes(b: float) -> str:
     return f"{b / _GiB:.3g} GiB" if b >= _GiB / 4 else f"{b / _MiB:.3g} MiB"
 
 
+def tie_sentence(w: str, r: str, tw_us: float, tr_us: float, per: str, conf: Mapping[str, Any],
+                 margin: float) -> str:
+    """A tie's sentence: the two times and why they count as one; no mechanism (a tie names no
+    difference to explain)."""
+    if margin <= TIE:
+        return f"{w} and {r} take the same time ({fmt_time(tw_us)} per {per}): a tie"
+    return (f"{w} and {r} tie: {fmt_time(tw_us)} against {fmt_time(tr_us)} per {per}, a difference within the "
+            f"spread ({conf['basis']})")
+
+
 def explain(mech: str, w: str, r: str, fw: Mapping[str, Any], fr: Mapping[str, Any], tw: dict, tr: dict,
          unit: str) -> str:
     """One sentence from the numbers behind ``mech`` (w the faster, r the slower strategy)."""
@@ -256,6 +269,9 @@ def explain(mech: str, w: str, r: str, fw: Mapping[str, Any], fr: Mapping[str, A
     if mech in ("inter-node bytes", "intra-node bytes"):
         key = "inter_node_bytes" if mech == "inter-node bytes" else "intra_node_bytes"
         where = "across nodes" if key == "inter_node_bytes" else "over NVLink inside nodes"
+        if _bytes(fw[key]) == _bytes(fr[key]):  # the same volume: the time differs, not the bytes
+            return (f"{r}'s token traffic {where} takes {fmt_time(d)} longer{per} for the same "
+                    f"{_bytes(fw[key])} of token rows as {w} ({fw['hops']:.0f} hop(s) against {fr['hops']:.0f})")
         s = f"{w} moves {_bytes(fw[key])} of token rows {where}{per} where {r} moves {_bytes(fr[key])}"
         dup = fw["duplicates_avoided"] - fr["duplicates_avoided"]
         if dup > 0 and fw[key] < fr[key]:
@@ -362,15 +378,13 @@ def verdict(figs: Mapping[str, Mapping[str, Any]], *, series: Mapping[str, Seque
                 mech = "dropped rows"
             why = (head + "; " + explain(mech, w, r, figs[w], figs[r], tw, tr, per) if margin > 0 else
                    head + f" (it is faster by {-100 * margin:.1f}%: it did less work)")
-        elif tie and margin <= TIE:
-            why = f"{w} and {r} take the same time ({fmt_time(times[w])} per {per}): a tie"
+        elif tie:
+            why = tie_sentence(w, r, times[w], times[r], per, conf, margin)
         else:
             why = explain(mech, w, r, figs[w], figs[r], tw, tr, per)
             why += f" (of a {fmt_time(times[r] - times[w])} difference per {per})"
-            if tie:
-                why = f"a tie within the spread ({conf['basis']}); " + why
         others.append({"strategy": r, "margin": float(margin), "tie": tie, "confidence": conf,
-                       "mechanism": mech if not (tie and margin <= TIE) else None, "share": float(share), "why": why})
+                       "mechanism": None if tie else mech, "share": 0.0 if tie else float(share), "why": why})
     top = others[0]
     if top["tie"]:  # tied at the top: say what the tied strategies beat, and by what
         nxt = next((o for o in others if not o["tie"]), None)
@@ -545,4 +559,4 @@ def step_verdict(strategies: Mapping[str, Mapping[str, Any]],
 
 __all__ = ["MECHANISMS", "STEP_MECHANISMS", "step_verdict", "TIE", "attribute", "chain_figures", "compare_verdict",
            "confidence", "figures", "layer_series", "mean_figures", "simulate_verdict", "stage_figures",
-           "sweep_verdicts", "terms", "verdict"]
+           "sweep_verdicts", "terms", "tie_sentence", "verdict"]

@@ -144,7 +144,10 @@ def run(a: argparse.Namespace) -> dict[str, Any] | None:
     from moonep_sim.integrations.check import check_generate, check_training, even_shard, global_batch, prompts_of
     from moonep_sim.integrations.tiny import build_model
 
+    from moonep_sim.progress import to_file
+
     R, rank = dist.get_world_size(), dist.get_rank()
+    report = to_file() if rank == 0 else (lambda *_: None)  # the launcher's bar follows rank 0
     tr = _Tracked(a.timeout)
     names, opts = strategy_names(a.strategy), strategy_options(a)
     dtype = _DTYPES[a.dtype or ("float64" if a.check and not a.compare_sim else "float32")]
@@ -156,7 +159,8 @@ def run(a: argparse.Namespace) -> dict[str, Any] | None:
                            "seed": a.seed, "lr": a.lr, "capacity": capacity}
     if a.check:
         rep["check"] = {}
-        for n in names:
+        for i, n in enumerate(names):
+            report(f"checking {n} against the single-process model", i, len(names))
             res = check_training(build, _ep_factory(n, opts[n], capacity, a), steps=a.check_steps, batch=a.batch,
                                  seq=a.seq, seed=a.seed, lr=a.lr)
             if a.generate:
@@ -183,6 +187,7 @@ def run(a: argparse.Namespace) -> dict[str, Any] | None:
     losses = np.zeros((S, it_total))
     steps_seen: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []
     for it in range(it_total):
+        report(f"{'warm-up' if it < a.warmup else 'training'} step {it + 1} of {it_total}", it, it_total)
         ids = global_batch(vocab, R * a.batch, a.seq, a.seed + 1, it)
         lo, hi = even_shard(R * a.batch, R, rank)
         mine = ids[lo:hi]

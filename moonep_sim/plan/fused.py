@@ -31,6 +31,8 @@ caller raises.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from moonep_sim.errors import PlanError
@@ -118,9 +120,46 @@ def _single_counts(slot_N, slot_rank_S, tok_off_R, K, dedup, scnt, mcnt):
     return -1
 
 
+class SingleHop(NamedTuple):
+    """One global hop as the single-hop kernels read it: each entry's slot, the slots' ranks, each
+    rank's first token, K, and whether a token is sent once per destination rank."""
+
+    slot_N: np.ndarray
+    slot_rank_S: np.ndarray
+    tok_off_R: np.ndarray
+    K: int
+    dedup: bool
+
+
+class SingleStarts(NamedTuple):
+    """Where :func:`_single_place` starts writing: each slot's first place in the order (the dropped
+    entries' last, ``_slot_firsts``), the dropped entries, each slot's row on its rank and first
+    final row, each (source, destination) block's first message and first receive row."""
+
+    first_S: np.ndarray
+    n_drop: int
+    offset_S: np.ndarray
+    cum_S: np.ndarray
+    mstart: np.ndarray
+    row0: np.ndarray
+
+
+class SingleOut(NamedTuple):
+    """What :func:`_single_place` writes (see there); ``padded``: whether the slots have padding rows."""
+
+    order: np.ndarray
+    entry_row: np.ndarray
+    entry_rank: np.ndarray
+    dup: np.ndarray
+    m_srow: np.ndarray
+    expand: np.ndarray
+    grow: np.ndarray
+    row_entry: np.ndarray
+    padded: bool
+
+
 @kernel
-def _single_place(slot_N, slot_rank_S, tok_off_R, K, dedup, first_S, n_drop, offset_S, cum_S, mstart, row0,
-                  order, entry_row, entry_rank, dup, m_srow, expand, grow, row_entry, padded):
+def _single_place(hop, starts, out):
     """The second pass, in entry order; entry e of token t on source rank r, of slot s on rank d, the
     j-th of its slot in entry order:
 
@@ -137,7 +176,12 @@ def _single_place(slot_N, slot_rank_S, tok_off_R, K, dedup, first_S, n_drop, off
     A source's messages are one run of the hop's (its blocks, in destination order), written first
     into a run-sized buffer that stays in cache and then copied: written straight into ``m_srow``
     each store fetches a line of its own, R runs interleaved being too many for the prefetcher
-    (measured at K3 EP64: ~12 ms per [M] array scattered so, ~1 ms copied)."""
+    (measured at K3 EP64: ~12 ms per [M] array scattered so, ~1 ms copied).
+
+    hop: :class:`SingleHop`; starts: :class:`SingleStarts`; out: :class:`SingleOut`."""
+    slot_N, slot_rank_S, tok_off_R, K, dedup = hop
+    first_S, n_drop, offset_S, cum_S, mstart, row0 = starts
+    order, entry_row, entry_rank, dup, m_srow, expand, grow, row_entry, padded = out
     S, R = slot_rank_S.size, tok_off_R.size - 1
     nxt = first_S.copy()
     nxt_m = mstart.copy()
@@ -408,8 +452,9 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
     expand = np.full(W, -1, dtype=INDEX) if pad else np.empty(W, dtype=INDEX)
     grow = np.empty(n_kept if pad else 0, dtype=INDEX)
     row_entry = np.full(W, -1, dtype=INDEX) if pad else grow
-    _single_place(slot, slot_rank_S, tok_off, K, bool(dedup), first, n_drop, offset, cum, mstart, row0, order,
-                  entry_row, entry_rank, dup, m_srow, expand, grow, row_entry, pad)
+    _single_place(SingleHop(slot, slot_rank_S, tok_off, K, bool(dedup)),
+                  SingleStarts(first, n_drop, offset, cum, mstart, row0),
+                  SingleOut(order, entry_row, entry_rank, dup, m_srow, expand, grow, row_entry, pad))
     _fill_blocks(cnt, R, row0, m_src, m_dst, m_row)
     lay = SlotLayout(slot_rows, padded, offset, entry_row, order, n_drop, rows_R, grow if pad else None, entry_rank)
     hop = Hop(Scope.GLOBAL, m_src, m_srow, m_dst, m_row, per_dst)

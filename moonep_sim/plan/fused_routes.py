@@ -24,6 +24,8 @@ equals theirs (``tests/test_plan_fused.py``), and they remain the reference belo
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from moonep_sim.errors import PlanError
@@ -34,13 +36,63 @@ from moonep_sim.plan.ir import Hop
 from moonep_sim.plan.kinds import INDEX, require_index
 
 
+class Route2(NamedTuple):
+    """A two-hop table route as the kernels read it: each entry's slot (``slot_N``), the slots'
+    ranks, the relay table ``via_RR`` and its classes (``_relay_classes``: ``cls_RR``, ``class_RC``,
+    ``ncls_R``), whether hop 0 is found token by token (``by_token``), each rank's first token, K,
+    and the two hops' dedup flags."""
+
+    slot_N: np.ndarray
+    slot_rank_S: np.ndarray
+    via_RR: np.ndarray
+    cls_RR: np.ndarray
+    class_RC: np.ndarray
+    ncls_R: np.ndarray
+    by_token: bool
+    tok_off_R: np.ndarray
+    K: int
+    dedup0: bool
+    dedup1: bool
+
+
+class Route2Starts(NamedTuple):
+    """Where the second pass starts writing: each slot's first place in the slot order
+    (``first_S``), its row on its rank (``offset_S``) and first final row (``cum_S``); each hop's
+    blocks' first message and first receive row (int64 [R*R], source-major)."""
+
+    first_S: np.ndarray
+    offset_S: np.ndarray
+    cum_S: np.ndarray
+    mstart0: np.ndarray
+    row0_0: np.ndarray
+    mstart1: np.ndarray
+    row0_1: np.ndarray
+
+
+class Route2Out(NamedTuple):
+    """What the second pass writes: the slot order, each entry's row, rank and dup flag, the two
+    hops' messages' source rows, the final rows' sources; with ``padded`` each kept entry's final
+    row (``grow``) and each final row's entry (``row_entry``)."""
+
+    order: np.ndarray
+    entry_row: np.ndarray
+    entry_rank: np.ndarray
+    dup: np.ndarray
+    m_srow0: np.ndarray
+    m_srow1: np.ndarray
+    expand: np.ndarray
+    grow: np.ndarray
+    row_entry: np.ndarray
+    padded: bool
+
+
 @kernel
-def _route2_counts(slot_N, slot_rank_S, via_RR, cls_RR, class_RC, ncls_R, by_token, tok_off_R, K, dedup0, dedup1,
-                   scnt, cnt0, cnt1):
+def _route2_counts(route, scnt, cnt0, cnt1):
     """First pass: scnt int64 [S] entries per slot; cnt0 / cnt1 int64 [R*R] messages of hop 0's
     (r, v) and hop 1's (v, d) blocks, source-major (``by_token``: hop 0's from a bit set of each
     token's relay classes, as :func:`_route2_place` finds them). Returns the first entry whose slot
     is outside [0, S), else -1."""
+    slot_N, slot_rank_S, via_RR, cls_RR, class_RC, ncls_R, by_token, tok_off_R, K, dedup0, dedup1 = route
     S, R = slot_rank_S.size, tok_off_R.size - 1
     last0 = np.full(R, -1, np.int64)  # the last token counted towards each relay
     last1 = np.full(R, -1, np.int64)  # and towards each final rank
@@ -71,15 +123,13 @@ def _route2_counts(slot_N, slot_rank_S, via_RR, cls_RR, class_RC, ncls_R, by_tok
 
 
 @kernel
-def _route2_place(slot_N, slot_rank_S, via_RR, cls_RR, class_RC, ncls_R, by_token, tok_off_R, K, dedup0, dedup1,
-                  first_S, offset_S, cum_S, mstart0, row0_0, mstart1, row0_1, order, entry_row, entry_rank, dup,
-                  m_srow0, m_srow1, expand, grow, row_entry, padded):
+def _route2_place(route, starts, out):
     """Second pass, in entry order (see the module doc): each entry's place in the slot order, its
     row and rank, its hop-0 and hop-1 messages (the next of their blocks, or its token's earlier
-    one), the messages' source rows and the source of its final row. ``mstart*`` / ``row0_*``:
-    int64 [R*R] each block's first message and first receive row. A source's hop-0 messages are one
+    one), the messages' source rows and the source of its final row (route: :class:`Route2`;
+    starts: :class:`Route2Starts`; out: :class:`Route2Out`). A source's hop-0 messages are one
     run, written in a cached buffer and copied (as ``fused._single_place`` does); hop 1's blocks
-    and the slot order's are streams written with a prefetch ahead of each.
+    and the slot order's are streams.
 
     With ``by_token`` (hop 0 deduplicates, at most 64 relays per source), a token's hop-0 messages
     are found first from a bit set of its relays' classes (``cls_RR[r, d]``: the index of
@@ -87,6 +137,9 @@ def _route2_place(slot_N, slot_rank_S, via_RR, cls_RR, class_RC, ncls_R, by_toke
     per set bit in class order: entry by entry, the relay's counters are read right after the
     previous entry wrote them (~7 relays among 16 entries at K3 EP64), a chain through memory that
     cost ~20 ms of the pass."""
+    slot_N, slot_rank_S, via_RR, cls_RR, class_RC, ncls_R, by_token, tok_off_R, K, dedup0, dedup1 = route
+    first_S, offset_S, cum_S, mstart0, row0_0, mstart1, row0_1 = starts
+    order, entry_row, entry_rank, dup, m_srow0, m_srow1, expand, grow, row_entry, padded = out
     S, R = slot_rank_S.size, tok_off_R.size - 1
     nxt = first_S.copy()
     nxt0 = mstart0.copy()
@@ -198,8 +251,8 @@ def two_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, via_RR: np.n
     cnt1 = np.zeros(R * R, dtype=np.int64)
     cls_RR, class_RC, ncls = _relay_classes(via)
     by_token = d0 and (ncls.size == 0 or int(ncls.max()) <= 64)
-    _check(_route2_counts(slot, slot_rank_S, via, cls_RR, class_RC, ncls, by_token, tok_off, K, d0, d1, scnt, cnt0,
-                          cnt1), f"entry slot (must be in [0, {S}): every entry kept)")
+    route = Route2(slot, slot_rank_S, via, cls_RR, class_RC, ncls, by_token, tok_off, K, d0, d1)
+    _check(_route2_counts(route, scnt, cnt0, cnt1), f"entry slot (must be in [0, {S}): every entry kept)")
     padded, cum, offset, rows_R = slot_geometry(scnt, slot_rank_S, token_padding, None, R)
     W = int(padded.sum())
     require_index(W, "final rows")
@@ -214,9 +267,8 @@ def two_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, via_RR: np.n
     expand = np.full(W, -1, dtype=INDEX) if pad else np.empty(W, dtype=INDEX)
     grow = np.empty(N if pad else 0, dtype=INDEX)
     row_entry = np.full(W, -1, dtype=INDEX) if pad else grow
-    _route2_place(slot, slot_rank_S, via, cls_RR, class_RC, ncls, by_token, tok_off, K, d0, d1, first, offset, cum,
-                  mstart0, row0_0, mstart1, row0_1, order, entry_row, entry_rank, dup, srow0, srow1, expand, grow,
-                  row_entry, pad)
+    _route2_place(route, Route2Starts(first, offset, cum, mstart0, row0_0, mstart1, row0_1),
+                  Route2Out(order, entry_row, entry_rank, dup, srow0, srow1, expand, grow, row_entry, pad))
     _fill_blocks(cnt0, R, row0_0, src0, dst0, drow0)
     _fill_blocks(cnt1, R, row0_1, src1, dst1, drow1)
     hops = [Hop(scopes[0], src0, srow0, dst0, drow0, per0), Hop(scopes[1], src1, srow1, dst1, drow1, per1)]

@@ -112,6 +112,14 @@ class KernelSpec:
         of a chunked kernel, :func:`moonep_sim.sim.kernels.relay_hop_rows`) is exposed after its last
         rows arrived (:func:`moonep_sim.sim.kernels.receive_copy_us`); False = none (the rows land in
         the output, or a copy epilogue writes it).
+    holds_sms: True = the kernels hold their SMs for the whole collective, data in flight included
+        (normal kernels: their SMs move the bytes); False = they hold them only in their SM phases
+        (launch and send issue, the receive copy or reduce) and free them while the data is in
+        flight (DeepEP's low-latency kernels run with ``return_recv_hook``): an overlapping compute
+        op is slowed only in those phases (``moonep_sim.step.schedule.Timeline.comm``).
+    host_wait_us: the host's wait for the count exchange before each dispatch (the library's CPU
+        busy-waits for the received counts, then allocates the outputs and launches the dispatch
+        kernel): the GPU idles that long per dispatch (0 = none: the counts stay on the device).
     """
 
     sms: int = 0
@@ -134,6 +142,8 @@ class KernelSpec:
     epilogue: str = ""
     sm_read_GBps: float = 0.0
     recv_copy: bool = False
+    holds_sms: bool = True
+    host_wait_us: float = 0.0
 
     def __post_init__(self) -> None:
         require(self.epilogue in EPILOGUES, f"kernel epilogue ({self.epilogue!r}) must be one of {EPILOGUES}")
@@ -161,6 +171,8 @@ class KernelFamily:
         per (token, destination rank) instead of per selection.
     counts: how the library's own test counts its bandwidth (:data:`COUNTS`), which ``simulate
         --isolate`` prints first.
+    holds_sms: whether the kernels hold their SMs while data is in flight (:class:`KernelSpec`);
+        default: normal kernels do, low-latency ones (run with their receive hook) do not.
     The pricing terms are :class:`KernelSpec`'s (``None`` = the topology's).
     sources: term -> where its value comes from, opening with its status (sourced / FITTED on
         <row> / assumed, set from ...).
@@ -188,7 +200,14 @@ class KernelFamily:
     epilogue: str = ""
     sm_read_GBps: float = 0.0
     recv_copy: bool = False
+    holds_sms: bool | None = None
+    host_wait_us: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def holds(self) -> bool:
+        """``holds_sms``, defaulted by mode (normal: True; ll: False, the hook mode)."""
+        return self.mode == "normal" if self.holds_sms is None else bool(self.holds_sms)
 
     def __post_init__(self) -> None:
         require(self.mode in ("normal", "ll"), f"kernel family {self.name} mode ({self.mode!r}) must be normal or ll")
@@ -199,6 +218,37 @@ class KernelFamily:
 
 
 _V1 = "deepseek-ai/DeepEP V1 ('legacy') kernels"
+#: Host-proxy transports (a CPU thread posts each RDMA write the GPU asks for): proxy threads per
+#: GPU, the CPU time one thread spends posting one write, and the round trips a launch pays.
+UCCL_PROXY_THREADS = 4
+NVSHMEM_PROXY_THREADS = 1
+#: ASSUMED: CPU us one proxy thread spends per posted write (a verbs / libfabric post and its
+#: completion poll, ~5 M posts/s per thread); a proxy GPU's messages cost PROXY_POST_US / threads each.
+PROXY_POST_US = 0.2
+#: ASSUMED: two proxy round trips per launch (GPU command ring -> CPU thread -> completion back,
+#: ~2.5 us each over PCIe with polling).
+PROXY_ROUND_TRIP_US = 5.0
+_PROXY_MSG = ("assumed: PROXY_POST_US = 0.2 CPU us per posted write per proxy thread (~5 M posts/s: a verbs / "
+              "libfabric post and its completion poll), divided over the GPU's proxy threads; no published "
+              "dispatch/combine figure used")
+_PROXY_FIXED = ("assumed: V1's (the topology's [kernel]) + PROXY_ROUND_TRIP_US = 5 us per launch, two proxy round "
+                "trips (GPU command ring -> CPU thread -> completion back) of ~2.5 us each over PCIe with polling")
+#: ASSUMED: what one dispatch of a normal kernel waits on the host for its count exchange: the
+#: counters' device-to-host write (~1 us over PCIe), then the CPU allocating the receive tensors and
+#: launching the dispatch kernel, which reaches the GPU ~5 us later (~15 us of eager op overhead).
+HOST_WAIT_US = 20.0
+_HOST_WAIT = ("sourced mechanism: DeepEP csrc/deep_ep.cpp (intranode_dispatch / internode_dispatch): after "
+              "notify_dispatch the CPU busy-waits on the mapped moe_recv_counter (and per-expert counters) to size "
+              "recv_x, unless num_worst_tokens is given; the GPU stream drains meanwhile and nothing after the "
+              "dispatch can be enqueued (nor captured in a CUDA graph). assumed: HOST_WAIT_US = 20 us per "
+              "dispatch (D2H counter write, tensor allocation, kernel launch)")
+#: Why a low-latency family frees its SMs while its data is in flight.
+_LL_HOOK = ("sourced: DeepEP README ('a hook-based communication-computation overlapping method that does not "
+            "occupy any SM resource') and csrc/kernels/internode_ll.cu: with return_recv_hook=True the dispatch "
+            "and combine kernels run only their send phase (buffer clean, FP8 cast, IBGDA writes) and return; "
+            "the receive phase (wait, copy out or weighted sum) runs when the hook is called, so the SMs are "
+            "held in the launch, send and receive phases only; DeepSeek's decode profile (deepseek-ai/"
+            "profile-data README) overlaps two micro-batches this way")
 #: DeepEP V2's per-SM copy rate over V1's: FITTED on its README row EP8 B200 24 SMs dispatch.
 V2_SM_COPY_FACTOR = 1.762
 _V2_EPILOGUE = ("sourced: DeepEP V2 csrc/buffers/ep.hpp + deep_ep/include/deep_ep/impls/ep/dispatch_copy_epilogue.cuh: "
@@ -219,7 +269,8 @@ V1_CHUNKS = tuple(RelayChunk(r, dn, dr, cn, cr) for r, dn, dr, cn, cr in (
 #: they are; a family that says nothing else about its launch cost is *assumed* to pay the same.
 FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
     KernelFamily("deepep-v1", "DeepEP", "normal", "nvidia", ("ib", "roce"), sms=24, reduce="fused",
-                 chunks=V1_CHUNKS, channels_per_sm=0.5, recv_copy=True, sources={
+                 chunks=V1_CHUNKS, channels_per_sm=0.5, recv_copy=True, host_wait_us=HOST_WAIT_US, sources={
+        "host_wait_us": _HOST_WAIT,
         "design": f"sourced: {_V1}: node-deduplicated RDMA then NVLink forwarding by relay SMs in one kernel; "
                   "the combine's receiving SMs sum the rows as they arrive",
         "chunks": "sourced: DeepEP V1 deep_ep/buffer.py get_dispatch_config / get_combine_config (send-chunk "
@@ -240,7 +291,8 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
         "design": f"sourced: {_V1} low-latency: one RDMA write per (token, expert) selection into fixed "
                   "buffers, NVLink for same-node peers; the combine's receive phase waits for its rows, then "
                   "reduces the K of each token",
-        "fixed_us": "FITTED on DeepEP's low-latency EP8 dispatch / combine rows (the topology's [kernel])"}),
+        "fixed_us": "FITTED on DeepEP's low-latency EP8 dispatch / combine rows (the topology's [kernel])",
+        "holds_sms": _LL_HOOK}),
     KernelFamily("deepep-v2", "DeepEP", "normal", "nvidia", ("ib", "roce", "efa"), sms=6, sm_copy_factor=V2_SM_COPY_FACTOR,
                  reduce="fused", counts="deepep-v2", epilogue="recv", sm_read_GBps=200.0, sources={
         "design": "sourced: DeepEP V2 ElasticBuffer (deep_ep/buffers/elastic.py) in hybrid mode: scale-out "
@@ -275,30 +327,49 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                  reduce="after", counts="selections", sources={
         "design": "assumed, set from NCCL EP's low-latency mode (DESIGN: 'DeepEP LL, NCCL EP LL: one message "
                   "per selection, fixed buffers, no relay')",
+        "holds_sms": "assumed, set from DeepEP low-latency's hook mode, which NCCL EP's low-latency mode follows",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
     KernelFamily("pplx", "pplx-kernels", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS, reduce="after",
                  dedup_per_rank=True, counts="selections", sources={
         "design": "assumed, set from pplx-kernels' all-to-all design: each token goes once to every rank "
                   "holding one of its experts (per-rank deduplication, no node relay) over NVSHMEM; the "
                   "receiver reduces after the rows arrived",
+        "holds_sms": "assumed, set from pplx-kernels' split dispatch / combine (do_send / do_recv halves): the SMs are free between the halves",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
-    KernelFamily("uccl-ep", "UCCL-EP", "normal", "nvidia", ("ib", "roce", "efa"), sms=24, message_us=0.05,
-                 extra_fixed_us=5.0, reduce="fused", sources={
-        "design": "assumed, set from UCCL-EP's design: DeepEP's kernels with GPU-issued commands that CPU proxy "
-                  "threads post to the NIC (no GPU-initiated RDMA needed: EFA, RoCE)",
-        "message_us": "assumed: 0.05 us per message at the sender, set from 4 proxy threads per GPU each posting "
-                      "~5 M writes/s (CPU verbs post path); no UCCL-EP figure used",
-        "fixed_us": "assumed: V1's (the topology's [kernel]) + 5 us per launch, set from two proxy round trips "
-                    "(GPU command ring -> CPU thread -> completion back) of ~2.5 us each over PCIe with polling"}),
-    KernelFamily("uccl-ep-ll", "UCCL-EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS, message_us=0.05,
-                 extra_fixed_us=5.0,
+    KernelFamily("uccl-ep", "UCCL-EP", "normal", "nvidia", ("ib", "roce", "efa"), sms=24,
+                 message_us=PROXY_POST_US / UCCL_PROXY_THREADS, extra_fixed_us=PROXY_ROUND_TRIP_US, reduce="fused",
+                 host_wait_us=HOST_WAIT_US, sources={
+        "host_wait_us": _HOST_WAIT,
+        "design": "sourced: UCCL-EP (arXiv 2512.19849; uccl-project/uccl ep/): DeepEP's kernels whose GPU-issued "
+                  "128-bit commands go through lock-free FIFO channels to multithreaded CPU proxies, which post "
+                  "the RDMA writes (ibverbs / libfabric) on the GPU's behalf: no GPU-initiated RDMA needed (EFA, "
+                  "RoCE, Broadcom)",
+        "message_us": f"{_PROXY_MSG}; UCCL_PROXY_THREADS = 4 is sourced (uccl ep/include: kNumProxyThs = 4)",
+        "fixed_us": _PROXY_FIXED}),
+    KernelFamily("uccl-ep-ll", "UCCL-EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
+                 message_us=PROXY_POST_US / UCCL_PROXY_THREADS, extra_fixed_us=PROXY_ROUND_TRIP_US,
                  reduce="after", counts="selections", sources={
-        "design": "assumed, set from UCCL-EP's design: DeepEP's low-latency kernels through CPU proxies",
-        "message_us": "assumed, as uccl-ep", "fixed_us": "assumed: DeepEP V1 low-latency's + 5 us, as uccl-ep"}),
+        "design": "sourced: UCCL-EP: DeepEP's low-latency kernels through the same CPU proxies",
+        "message_us": f"{_PROXY_MSG}; as uccl-ep",
+        "holds_sms": "assumed, set from UCCL-EP's DeepEP-compatible low-latency API (return_recv_hook); its CPU "
+                     "proxies, not SMs, move the data in flight",
+        "fixed_us": _PROXY_FIXED}),
+    KernelFamily("deepep-nvshmem-efa", "DeepEP over NVSHMEM (libfabric)", "normal", "nvidia", ("efa",), sms=24,
+                 message_us=PROXY_POST_US / NVSHMEM_PROXY_THREADS, extra_fixed_us=PROXY_ROUND_TRIP_US,
+                 reduce="fused", chunks=V1_CHUNKS, channels_per_sm=0.5, recv_copy=True, host_wait_us=HOST_WAIT_US, sources={
+        "host_wait_us": _HOST_WAIT,
+        "design": "sourced: DeepEP V1's normal kernels built on NVSHMEM's libfabric transport for EFA, which has no "
+                  "GPU-initiated RDMA (IBGDA): each device-side put is handed to NVSHMEM's host proxy thread, which "
+                  "posts it to the NIC (NVSHMEM docs, 'proxy' transports; the awslabs Megatron-Bridge rows in "
+                  "ANCHORS run DeepEP this way)",
+        "message_us": f"{_PROXY_MSG}; NVSHMEM_PROXY_THREADS = 1 is sourced (NVSHMEM runs one host proxy thread "
+                      "per PE for its proxy-based transports)",
+        "fixed_us": _PROXY_FIXED}),
     KernelFamily("nixl-ep", "NIXL EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
                  reduce="after", counts="selections", sources={
         "design": "assumed, set from NIXL EP's design: DeepEP-style low-latency kernels over NIXL's device API "
                   "(UCX / libfabric backends), one message per selection",
+        "holds_sms": "assumed, set from DeepEP low-latency's hook mode, which NIXL EP's kernels derive from",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
     KernelFamily("mori", "mori (ROCm)", "normal", "amd", ("ib", "roce"), sms=32, reduce="fused", sources={
         "design": "assumed, set from ROCm mori-EP's design: GPU-initiated (shmem-style) dispatch / combine, "
@@ -308,6 +379,7 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
     KernelFamily("mori-ll", "mori (ROCm)", "ll", "amd", ("ib", "roce"), sms=ALL_SMS,
                  reduce="after", counts="selections", sources={
         "design": "assumed, set from mori-EP's low-latency mode: one message per selection",
+        "holds_sms": "assumed, set from DeepEP low-latency's hook mode (mori's low-latency kernels send, then a receive phase)",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
 )}
 
@@ -328,7 +400,8 @@ def family_spec(fam: KernelFamily, **kw) -> KernelSpec:
                       plan_fixed_us=fam.plan_fixed_us, extra_fixed_us=fam.extra_fixed_us, message_us=fam.message_us,
                       relay_message_rows=fam.relay_message_rows, sm_copy_factor=fam.sm_copy_factor, reduce=fam.reduce,
                       reduce_sms=fam.reduce_sms, chunks=fam.chunks, channels_per_sm=fam.channels_per_sm,
-                      epilogue=fam.epilogue, sm_read_GBps=fam.sm_read_GBps, recv_copy=fam.recv_copy)
+                      epilogue=fam.epilogue, sm_read_GBps=fam.sm_read_GBps, recv_copy=fam.recv_copy,
+                      holds_sms=fam.holds, host_wait_us=fam.host_wait_us)
     return replace(spec, **kw)
 
 

@@ -127,7 +127,16 @@ def step_footer(doc: dict[str, Any]) -> list[str]:
     if s.get("compute_profile"):
         out.append(f"compute times from the profile {s['compute_profile']}")
     else:
-        out.append("compute: roofline defaults (docs/steps.md); communication: each MoE layer simulated alone")
+        src = s.get("compute_sources") or {}
+        meas = sorted(n for n, v in src.items() if str(v).startswith("measured"))
+        roof = sorted(n for n, v in src.items() if v == "roofline-compute")
+        if meas:
+            label = src[meas[0]].split(", per-expert")[0]
+            out.append(f"compute: {', '.join(meas)} {label}; roofline-compute: {', '.join(roof) or 'none'}; "
+                       "communication: each MoE layer simulated alone")
+        else:
+            out.append("compute: roofline-compute (defaults, docs/steps.md; no measured table for this GPU or "
+                       "aiconfigurator-core not installed); communication: each MoE layer simulated alone")
     return out
 
 

@@ -47,6 +47,7 @@ import math
 import numpy as np
 
 from moonep_sim.routing import sampling_kernels as _kn
+from moonep_sim.routing import sampling_records as _rec
 
 CHUNK_ELEMS = 1 << 22      # tokens per chunk = CHUNK_ELEMS // E (fixed: results never depend on the machine)
 LOGP_FLOOR = -80.0         # log-popularity clipped here (exp stays a normal float32)
@@ -361,27 +362,28 @@ class _Races:
                 keep["u"].append(u)
         count = counts_E is not None
         update_left = clocked or self.easy_k < self.ids_KN.shape[0]
-        draw = (ic.cum_E, ic.guide, ic.M, ic.width, ic.steps, ic.width <= _LINEAR_WIDTH,
-                self.first_R, self.base_R, self.span_R, self.n, self.n != self.p_E.size)
+        icdf = _rec.icdf_record(ic, _LINEAR_WIDTH)
+        rows = _rec.RowSpan(self.first_R, self.base_R, self.span_R, self.n, self.n != self.p_E.size)
         todo, hard = np.empty(N, np.intp), np.empty(N, np.intp)
         counts = counts_E if count else _NO_COUNTS
-        nt, nh = _kn.pl_position(k, x if clocked else _NO_X, u, clocked, self.p_E, *draw, self.ids_NK,
-                                 self.tau_NK, self.left_R, k >= self.easy_k, self.hard_R, update_left, counts,
-                                 count, todo, hard)
+        tally = _rec.Tally(self.p_E, update_left, counts, count)
+        nt, nh = _kn.pl_position(k, x if clocked else _NO_X, u, clocked, icdf, rows,
+                                 _rec.RaceRows(self.ids_NK, self.tau_NK, self.left_R), k >= self.easy_k, self.hard_R,
+                                 tally, todo, hard)
         if clocked:
             self.tau_R = self.tau_NK[:, k]
         rejected, hard = todo[:nt].copy(), hard[:nh]
         for _ in range(_REJECT_ROUNDS):
             if nt == 0:
                 break
-            nt = _kn.pl_retry(k, todo, nt, self.retry.random(nt), *draw, self.ids_NK)
+            nt = _kn.pl_retry(k, todo, nt, self.retry.random(nt), icdf, rows, self.ids_NK)
         rest = np.union1d(hard, todo[:nt]) if nt else hard
         chunk = max(1, CHUNK_ELEMS // self.n)
         for s in range(0, rest.size, chunk):
             r = rest[s:s + chunk]
             _kn.pl_remainder(k, r, self.retry.random(r.size), self.p_E, self.first_R, self.n, True, self.ids_NK)
-        for rows in (rejected, hard):
-            _kn.pl_settle(k, rows, self.ids_NK, self.p_E, self.left_R, update_left, counts, count)
+        for settled in (rejected, hard):
+            _kn.pl_settle(k, settled, self.ids_NK, self.p_E, self.left_R, update_left, counts, count)
         self.k += 1
 
 
@@ -460,22 +462,23 @@ def _pl_blocks(p: np.ndarray, icdf: InverseCDF, x_KN: np.ndarray | None, u_KN: n
     w = np.empty((N, K), np.float32) if clocked else _NO_W
     counts = np.zeros(E, np.int64) if count else _NO_COUNTS
     x = x_KN if clocked else _NO_X2
-    draw = (icdf.cum_E, icdf.guide, icdf.M, icdf.width, icdf.steps, icdf.width <= _LINEAR_WIDTH)
+    ic = _rec.icdf_record(icdf, _LINEAR_WIDTH)
+    tally = _rec.Tally(p, update_left, counts, count)
+    every = _rec.RowSpan(_NO_INTP, _NO_F64, _NO_F64, E, False)   # every row races all E
     # the stopped rows' slots (room for every row; only those used are touched)
     rows2, stop2, left2 = np.empty(N, np.intp), np.empty(N, np.intp), np.empty(N)
     ids2, u2 = np.empty((N, K), dtype), np.empty((K, N))
     tau2, x2 = (np.empty((N, K)), np.empty((K, N), np.float32)) if clocked else (_NO_TAU, _NO_X2)
-    n2 = _kn.pl_pass1(x, u_KN, clocked, p, *draw, easy_k, hard, update_left, ids, w, counts, count,
-                      rows2, stop2, left2, ids2, tau2, x2, u2)
+    stopped = _rec.Stopped(rows2, stop2, left2, ids2, tau2, x2, u2)
+    n2 = _kn.pl_pass1(x, u_KN, clocked, ic, easy_k, hard, tally, ids, w, stopped)
     todo, hard_slots = np.empty(n2, np.intp), np.empty(n2, np.intp)
     for k in range(K if n2 else 0):                    # pass 2: the stopped rows, by slot
-        nt, nh = _kn.pl_pass2(k, n2, rows2, stop2, x, x2, u2, clocked, p, *draw, easy_k, hard, update_left, ids2,
-                              tau2, left2, counts, count, todo, hard_slots)
+        nt, nh = _kn.pl_pass2(k, n2, stopped, x, clocked, ic, easy_k, hard, tally, todo, hard_slots)
         rejected, hs = todo[:nt].copy(), hard_slots[:nh]
         for _ in range(_REJECT_ROUNDS):
             if nt == 0:
                 break
-            nt = _kn.pl_retry(k, todo, nt, retry.random(nt), *draw, _NO_INTP, _NO_F64, _NO_F64, E, False, ids2)
+            nt = _kn.pl_retry(k, todo, nt, retry.random(nt), ic, every, ids2)
         rest = np.union1d(hs, todo[:nt]) if nt else hs
         chunk = max(1, CHUNK_ELEMS // E)
         for s in range(0, rest.size, chunk):

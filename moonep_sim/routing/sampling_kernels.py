@@ -110,16 +110,19 @@ def _emit(bv, bi, cnt, K, t, ids, kv, ok):
 
 
 @kernel
-def pl_position(k, x, u, clocked, p, cum, guide, M, width, steps, linear, first, base, span, n, grouped,
-                ids_NK, tau_NK, left, test_hard, hard_bound, update_left, counts, count, todo, hard):
+def pl_position(k, x, u, clocked, icdf, rows, race, test_hard, hard_bound, tally, todo, hard):
     """Position ``k`` of every row: ``x`` (float32, clamped to 1e-30 in place) and ``u`` this
     position's exponentials and uniforms; ``clocked``: the arrival times ``tau_NK[:, k] =
     tau_NK[:, k - 1] + x / max(left, 1e-300)`` (0 before the first); ``ids_NK``, ``tau_NK`` the
     state by token (views of ``_Races``' position-major arrays). Rows whose draw repeats an
     earlier arrival go to ``todo``, rows past the "mostly chosen" bound (``test_hard``: ``left <
     hard_bound``) to ``hard`` (both in row order); the other rows are settled here (``left -=
-    p[e]`` when ``update_left``, ``counts[e] += 1`` when ``count``). Returns the two lists'
-    lengths."""
+    p[e]`` when ``update_left``, ``counts[e] += 1`` when ``count``: the :class:`~moonep_sim.routing.sampling_records.Tally`). Returns
+    the two lists' lengths. icdf: :class:`~moonep_sim.routing.sampling_records.Icdf`; rows: :class:`~moonep_sim.routing.sampling_records.RowSpan`; race: :class:`~moonep_sim.routing.sampling_records.RaceRows`."""
+    cum, guide, M, width, steps, linear = icdf
+    first, base, span, n, grouped = rows
+    ids_NK, tau_NK, left = race
+    p, update_left, counts, count = tally
     N = u.size
     E = cum.size
     nt = 0
@@ -176,10 +179,12 @@ def pl_position(k, x, u, clocked, p, cum, guide, M, width, steps, linear, first,
 
 
 @kernel
-def pl_retry(k, todo, nt, uu, cum, guide, M, width, steps, linear, first, base, span, n, grouped, ids_NK):
+def pl_retry(k, todo, nt, uu, icdf, rows, ids_NK):
     """One rejection round: ``todo[:nt]``'s rows redrawn with uniforms ``uu`` (one each, in row
     order); the rows that repeat again are kept, in order, at the front of ``todo``; returns how
-    many."""
+    many. icdf: :class:`~moonep_sim.routing.sampling_records.Icdf`; rows: :class:`~moonep_sim.routing.sampling_records.RowSpan`."""
+    cum, guide, M, width, steps, linear = icdf
+    first, base, span, n, grouped = rows
     E = cum.size
     m = 0
     for i in range(nt):
@@ -382,13 +387,16 @@ BLOCK = 512
 
 
 @kernel
-def pl_pass1(x_KN, u_KN, clocked, p, cum, guide, M, width, steps, linear, easy_k, hard_bound, update_left,
-             ids_NK, w_NK, counts, count, rows2, stop2, left2, ids2, tau2, x2, u2):
+def pl_pass1(x_KN, u_KN, clocked, icdf, easy_k, hard_bound, tally, ids_NK, w_NK, stopped):
     """Pass 1 over every row (see above): ``ids_NK`` and (``clocked``) the weights ``w_NK`` of
     every row settled at every position, ``counts`` kept (``count``). The stopped rows, ascending,
     get slots: ``rows2`` the row, ``stop2`` its first event, ``left2`` its popularity left,
     ``ids2`` / ``tau2`` its arrivals so far, ``x2`` / ``u2`` its random numbers (position-major,
-    ``x`` as drawn: pass 2 clamps it). Returns the number of slots."""
+    ``x`` as drawn: pass 2 clamps it): the :class:`~moonep_sim.routing.sampling_records.Stopped` record. Returns the number of slots.
+    icdf: :class:`~moonep_sim.routing.sampling_records.Icdf`; tally: :class:`~moonep_sim.routing.sampling_records.Tally`."""
+    cum, guide, M, width, steps, linear = icdf
+    p, update_left, counts, count = tally
+    rows2, stop2, left2, ids2, tau2, x2, u2 = stopped
     K, N = u_KN.shape
     E = cum.size
     bids = np.empty((K, BLOCK), np.int32)
@@ -471,11 +479,14 @@ def pl_pass1(x_KN, u_KN, clocked, p, cum, guide, M, width, steps, linear, easy_k
 
 
 @kernel
-def pl_pass2(k, n2, rows2, stop2, x_KN, x2, u2, clocked, p, cum, guide, M, width, steps, linear, easy_k, hard_bound,
-             update_left, ids2, tau2, left2, counts, count, todo, hard):
+def pl_pass2(k, n2, stopped, x_KN, clocked, icdf, easy_k, hard_bound, tally, todo, hard):
     """Position ``k`` of pass 2 over the slots ``[0, n2)`` at or past their first event, as
     :func:`pl_position` runs the rows (a clamped exponential written back to ``x_KN`` too);
-    ``todo`` and ``hard`` list slots. Returns their lengths."""
+    ``todo`` and ``hard`` list slots. Returns their lengths. stopped: :class:`~moonep_sim.routing.sampling_records.Stopped` (pass 1's);
+    icdf: :class:`~moonep_sim.routing.sampling_records.Icdf`; tally: :class:`~moonep_sim.routing.sampling_records.Tally`."""
+    cum, guide, M, width, steps, linear = icdf
+    p, update_left, counts, count = tally
+    rows2, stop2, left2, ids2, tau2, x2, u2 = stopped
     E = cum.size
     nt = 0
     nh = 0
@@ -561,5 +572,5 @@ def pl_replay_rows(x_KN, given_NK, p, w_NK):
             _row_weights(btau, i, False, K, inv, w_NK, t0 + i)
 
 
-__all__ = ["BLOCK", "pl_pass1", "pl_pass2", "pl_pass2_out", "pl_position", "pl_remainder", "pl_replay_rows", "pl_retry",
-           "pl_settle", "race_grouped", "race_plain"]
+__all__ = ["BLOCK", "pl_pass1", "pl_pass2", "pl_pass2_out", "pl_position", "pl_remainder", "pl_replay_rows", "pl_retry", "pl_settle", "race_grouped",
+           "race_plain"]

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moonep_sim.sim.fill_kernels import count_transfers, fill_levels
+from moonep_sim.sim.fill_kernels import count_transfers, fill_levels, solver_tables
 from moonep_sim.sim.ports import Block, PortMap, block_kind
 
 RUN_MAX = 256    # ports considered for one run of the block solver's filling
@@ -161,10 +161,9 @@ class BlockCounts:
                                     for x in tabs)
         #: int64 [2N] contiguous copies of ``mt_row_N`` / ``cell_col_N`` for the kernels
         self.row_U, self.col_U = c(self.mt_row_N, dtype=np.int64), c(self.cell_col_N, dtype=np.int64)
-        self._kernel_static = (bool(self.simple), int(dm), RUN_MAX, c(self.pall, dtype=np.int64),
-                               c(self.port_nodes, dtype=np.int64), c(self.pps, dtype=np.int64),
-                               c(self.nps, dtype=np.int64), c(self.cell_key_N, dtype=np.int64),
-                               self.row_U, self.col_U, *small(self.cell_NW, self.other_NW))
+        #: the solver's tables as the kernels read them (fill_kernels.SolverTables)
+        self._kernel_static = solver_tables(self.simple, dm, RUN_MAX, self.pall, self.port_nodes, self.pps, self.nps,
+                                            self.cell_key_N, self.row_U, self.col_U, *small(self.cell_NW, self.other_NW))
 
     def fresh(self) -> "BlockCounts":
         """A BlockCounts of the same port map with nothing counted: this one's tables (built once
@@ -265,7 +264,7 @@ class BlockCounts:
         float64 [2N + 1], bport_U1 int64 [2N + 1], steps), the sender nodes' levels and ports, then
         the receiver nodes', then a spare node (inf, -1)."""
         lev, bport, steps = fill_levels(np.asarray(cap_P, dtype=np.float64), self.cnt_src, self.cnt_dst, self.mm,
-                                        *self._kernel_static)
+                                        self._kernel_static)
         if steps < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
             raise RuntimeError("progressive filling made no progress")
         return lev, bport, steps

@@ -33,7 +33,6 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import simpy
-from simpy.events import PENDING
 
 from moonep_sim.errors import require
 from moonep_sim.models import ModelSpec
@@ -185,11 +184,12 @@ class AllOrAny(simpy.Event):
                 ev.callbacks.append(self._check)
 
     def _check(self, ev: simpy.Event) -> None:
-        if self._value is not PENDING:
+        # (simpy's public Event API only: triggered, ok, defused, value)
+        if self.triggered:
             return
-        if not ev._ok:
-            ev._defused = True
-            self.fail(ev._value)
+        if not ev.ok:
+            ev.defused = True
+            self.fail(ev.value)
         else:
             self._left -= 1
             if self._left == 0:

@@ -35,6 +35,8 @@ promise to match.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from moonep_sim.jit import inline, kernel
@@ -147,8 +149,7 @@ def _sort_run(g, lv, port, ng):
 
 
 @kernel
-def _freeze(g, lv, port, ng, own_load, lev, bport, free, frz, cnt, acc_c, acc_f, touched, mark, cell_UW,
-            other_UW, mm):
+def _freeze(g, lv, port, ng, own_load, nodes, scratch, cells):
     """Freeze nodes ``g[:ng]`` (increasing, no two sharing a cell) at levels ``lv`` saturated by
     ports ``port``: ``BlockCounts._freeze`` with the cell tables, the same operations in the same
     order. Its ``np.bincount`` sums each target's terms from 0.0 in (node, column) order and then
@@ -156,7 +157,11 @@ def _freeze(g, lv, port, ng, own_load, lev, bport, free, frz, cnt, acc_c, acc_f,
     ``mark`` scratch) are updated: numpy's zero terms, and its subtraction / addition of a +0.0 sum,
     leave every count and frozen load as it is (a frozen load, a sum of terms starting from +0.0, is
     never -0.0; a level of inf times a zero cell is nan, so that term is kept).
-    ``acc_c`` / ``acc_f`` / ``mark``: zeroed scratch of size U + 1, left zeroed."""
+    nodes: each node's (lev, bport, free, frz, cnt); scratch: (acc_c, acc_f, touched, mark), ``acc_c``
+    / ``acc_f`` / ``mark`` zeroed, of size U + 1, left zeroed; cells: (cell_UW, other_UW, mm)."""
+    lev, bport, free, frz, cnt = nodes
+    acc_c, acc_f, touched, mark = scratch
+    cell_UW, other_UW, mm = cells
     for i in range(ng):
         x = g[i]
         lev[x] = lv[i]
@@ -194,21 +199,59 @@ def _freeze(g, lv, port, ng, own_load, lev, bport, free, frz, cnt, acc_c, acc_f,
         mark[t] = False
 
 
+class SolverTables(NamedTuple):
+    """The block solver's tables, as :func:`fill_levels` and the network's one-kernel tick read them:
+    built once per port map by ``BlockCounts`` (:func:`solver_tables`), never written after.
+
+    simple: every node has one port and every port one node (then ``pps`` / ``nps``: the ports that
+    have a node, ascending, and their nodes).  dummy: the dummy port.  run_max: ports of one run at
+    most.  pall_UK: int64 [U, K] ports of each node (dummy-padded).  port_nodes_PD: int64 [P1, D]
+    nodes of each port (-1-padded).  key_U, row_U, col_U: int64 [U] per node its cell key, its
+    row's first index in the counts buffer and its column in the other side's rows.  cell_UW,
+    other_UW: int32 (int64 past 2^31 cells) [U, W] the cell tables (``BlockCounts._node_cells``).
+    """
+
+    simple: bool
+    dummy: int
+    run_max: int
+    pall_UK: np.ndarray
+    port_nodes_PD: np.ndarray
+    pps: np.ndarray
+    nps: np.ndarray
+    key_U: np.ndarray
+    row_U: np.ndarray
+    col_U: np.ndarray
+    cell_UW: np.ndarray
+    other_UW: np.ndarray
+
+
+def solver_tables(simple: bool, dummy: int, run_max: int, pall_UK: np.ndarray, port_nodes_PD: np.ndarray,
+                  pps: np.ndarray, nps: np.ndarray, key_U: np.ndarray, row_U: np.ndarray, col_U: np.ndarray,
+                  cell_UW: np.ndarray, other_UW: np.ndarray) -> SolverTables:
+    """:class:`SolverTables` in the dtypes the kernels read (contiguous int64; the cell tables int32
+    where 2T fits, as given)."""
+    c = np.ascontiguousarray
+    return SolverTables(bool(simple), int(dummy), int(run_max), c(pall_UK, dtype=np.int64),
+                        c(port_nodes_PD, dtype=np.int64), c(pps, dtype=np.int64), c(nps, dtype=np.int64),
+                        c(key_U, dtype=np.int64), row_U, col_U, cell_UW, other_UW)
+
+
 @kernel
-def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK, port_nodes_PD,
-                pps, nps, key_U, row_U, col_U, cell_UW, other_UW):
+def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, tables):
     """(lev_U1, bport_U1, steps): per node (and the spare node U) the level at which it froze (inf:
     never) and the port that froze it (-1: none), and the filling steps taken; steps = -1 when a
     step froze nothing (the numpy code raises there).
 
     cap_P: float64 [P1] capacities.  cnt_src_N / cnt_dst_N: float64 [N] active transfers per
     sender / receiver node.  mm: float64 [2T + 1] the counts buffer (``BlockCounts.mm``: M cells,
-    MT cells, a zero).  simple: every node has one port and every port one node (then ``pps`` /
+    MT cells, a zero).  tables: the solver's :class:`SolverTables` (built once per port map):
+    simple: every node has one port and every port one node (then ``pps`` /
     ``nps``: the ports that have a node, ascending, and their nodes).  dummy: the dummy port.
     run_max: ports of one run at most.  pall_UK: int64 [U, K] ports of each node (dummy-padded).
     port_nodes_PD: int64 [P1, D] nodes of each port (-1-padded).  key_U, row_U, col_U: int64 [U]
     per node its cell key, its row's first index in ``mm`` and its column in the other side's rows.
     cell_UW, other_UW: int32 (int64 past 2^31 cells) [U, W] the cell tables (``BlockCounts._node_cells``)."""
+    simple, dummy, run_max, pall_UK, port_nodes_PD, pps, nps, key_U, row_U, col_U, cell_UW, other_UW = tables
     N = cnt_src_N.size
     U = 2 * N
     P1 = cap_P.size
@@ -225,6 +268,7 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK
     acc_f = np.zeros(U + 1)
     mark = np.zeros(U + 1, dtype=np.bool_)
     touched = np.empty(U + 1, dtype=np.int64)
+    nodes, scratch, cells = (lev, bport, free, frz, cnt), (acc_c, acc_f, touched, mark), (cell_UW, other_UW, mm)
     D = port_nodes_PD.shape[1]
     cap_run = run_max * max(D, 1)
     run_s = np.empty(cap_run, dtype=np.int64)   # the run's sender nodes so far
@@ -266,8 +310,7 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK
                 lv[i] = share[j]
                 port[i] = pps[k]
             _sort_run(g, lv, port, cut)
-            _freeze(g, lv, port, cut, False, lev, bport, free, frz, cnt, acc_c, acc_f, touched, mark, cell_UW,
-                    other_UW, mm)
+            _freeze(g, lv, port, cut, False, nodes, scratch, cells)
             # the next step's candidates: those still carrying unfrozen transfers (counts only fall)
             mm_ = 0
             for i in range(m):
@@ -343,8 +386,7 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, simple, dummy, run_max, pall_UK
         if nrun == 0:
             return lev, bport, -1
         _sort_run(g, lv, port, nrun)
-        _freeze(g, lv, port, nrun, True, lev, bport, free, frz, cnt, acc_c, acc_f, touched, mark, cell_UW,
-                other_UW, mm)
+        _freeze(g, lv, port, nrun, True, nodes, scratch, cells)
     return lev, bport, steps
 
 
@@ -361,4 +403,4 @@ def count_transfers(mm, T, row_U, col_U, cnt_src_N, cnt_dst_N, ns_F, nd_F, sign)
         cnt_dst_N[d] += sign
 
 
-__all__ = ["count_transfers", "fill_levels"]
+__all__ = ["SolverTables", "count_transfers", "fill_levels", "solver_tables"]

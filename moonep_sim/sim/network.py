@@ -48,7 +48,8 @@ from moonep_sim.errors import require
 from moonep_sim.sim.blocks import BlockCounts, Levels
 from moonep_sim.sim.flows import ActiveFlows, FlowLog, Pending
 from moonep_sim.sim.ports import L_PATH, Block, PortMap, block_kind
-from moonep_sim.sim.tick_kernels import submit_flows, tick_blocks
+from moonep_sim.sim.tick_kernels import (LogCols, Submission, TickState, WaitCols, submit_flows, tick_blocks,
+                                         tick_records)
 from moonep_sim.sim.waterfill import waterfill
 
 
@@ -198,12 +199,12 @@ class FlowNetwork:
                 p.reserve(p.n + F)
                 log.reserve(log.n + F)
                 pd, ld = p.data, log.data
-                self._sargs = (pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"], pd["dst"], pd["blk"],
-                               ld["src"], ld["dst"], ld["phase"], ld["bytes"], ld["start"])
+                self._sargs = (WaitCols(pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"], pd["dst"], pd["blk"]),
+                               LogCols(ld["src"], ld["dst"], ld["phase"], ld["bytes"], ld["start"]))
                 self._targs = None   # the tick's buffers too
-            m, first = submit_flows(src, dst_F, np.asarray(bytes_F, dtype=np.float64),
-                                    np.asarray(eff_bytes_F, dtype=np.float64), tab[0], tab[1], self._message_us,
-                                    float(now), pid, self._R, p.n, log.n, *self._sargs)
+            m, first = submit_flows(Submission(src, pid, float(now), self._message_us), dst_F,
+                                    np.asarray(bytes_F, dtype=np.float64), np.asarray(eff_bytes_F, dtype=np.float64),
+                                    tab[0], tab[1], self._R, p.n, log.n, *self._sargs)
             if m == 0:
                 return
             p.n += m
@@ -316,28 +317,22 @@ class FlowNetwork:
             if self._done.size < 2 * a.n:
                 self._done = np.empty(2 * a.capacity, dtype=np.int64)
             a.reserve(a.n + p.n)
-            d, pd, ld, bc = a.data, p.data, self._log.data, self._blocks
-            st = bc._kernel_static
-            self._targs = (d["fin"], d["rate"], d["rem0"], d["t0"], d["alive"], d["ns"], d["nd"], d["id"], d["key"],
-                           d["src"], d["dst"], d["blk"], pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"],
-                           pd["dst"], pd["blk"])
-            self._targs_b = (self._sentinel, self.ports.ranks, ld["end"], ld["bneck"], ld["ready"], self._left,
-                             self._done, self.ports.cap_P, bc.mm, bc.T, bc.row_U, bc.col_U, bc.cnt_src, bc.cnt_dst,
-                             *st[:8], st[10], st[11])
+            self._targs = tick_records(a.data, p.data, self._log.data, self._sentinel, self.ports.ranks, self._left,
+                                       self._done, self.ports.cap_P, self._blocks)
         lev, bport = self._node_levels
-        n, self._dead, p.n, self._pend_min, m, g, lev, bport, it, fin_max, nxt = tick_blocks(
-            t, a.n, self._dead, p.n, self._pend_min, *self._targs, lev, bport, *self._targs_b)
-        a.n = n
-        if it < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
+        out = tick_blocks(t, TickState(a.n, self._dead, p.n, self._pend_min, lev, bport), *self._targs,
+                          self._blocks._kernel_static)
+        a.n, self._dead, p.n, self._pend_min = out.n, out.dead, out.pn, out.pend_min
+        if out.steps < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
             raise RuntimeError("progressive filling made no progress")
-        if g:   # the groups' keys, ascending and unique
-            self._succeed_groups(self._done[m:m + g])
-        self._node_levels = (lev, bport)
-        self.fill_iterations += it
+        if out.groups:   # the groups' keys, ascending and unique
+            self._succeed_groups(self._done[out.completed:out.completed + out.groups])
+        self._node_levels = (out.lev_U1, out.bport_U1)
+        self.fill_iterations += out.steps
         self._last_fill = t
-        if fin_max > -np.inf:
-            self._horizon = max(self._horizon, fin_max)
-        return nxt
+        if out.fin_max > -np.inf:
+            self._horizon = max(self._horizon, out.fin_max)
+        return out.next_finish
 
     def _tick_reference(self, t: float) -> float:
         """The tick in numpy (the reference of :meth:`_tick_compiled`, and the tick of the per-flow

@@ -22,11 +22,139 @@ block x R + rank, both N (the sentinel, level 0) once it finished. Slots [0, n) 
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from moonep_sim.jit import kernel
 from moonep_sim.sim.fill_kernels import fill_levels
+
+
+class TickState(NamedTuple):
+    """What one tick reads and the next one reads back (:func:`tick_blocks` returns it in
+    :class:`TickOut`): n active slots in use, dead ones among them, pn waiting flows, the earliest
+    ready time among those (inf: none), and the last fill's node levels and ports."""
+
+    n: int
+    dead: int
+    pn: int
+    pend_min: float
+    lev_U1: np.ndarray
+    bport_U1: np.ndarray
+
+
+class TickOut(NamedTuple):
+    """:func:`tick_blocks`' result: the next :class:`TickState`'s fields, then the completed slots
+    (``completed``) and receive groups (``groups``) whose ids the kernel wrote into the book's
+    ``done``, the fill's steps (< 0: it froze nothing), the latest and the earliest finish time."""
+
+    n: int
+    dead: int
+    pn: int
+    pend_min: float
+    lev_U1: np.ndarray
+    bport_U1: np.ndarray
+    completed: int
+    groups: int
+    steps: int
+    fin_max: float
+    next_finish: float
+
+
+class FlowCols(NamedTuple):
+    """The active flows' columns (``ActiveFlows.data``; slots [0, n) in use): finish time, rate,
+    bytes left at ``t0``, ``t0``, alive, sender and receiver node, flow id, receive-group key,
+    source and destination rank, block."""
+
+    fin: np.ndarray
+    rate: np.ndarray
+    rem0: np.ndarray
+    t0: np.ndarray
+    alive: np.ndarray
+    ns: np.ndarray
+    nd: np.ndarray
+    ids: np.ndarray
+    key: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    blk: np.ndarray
+
+
+class WaitCols(NamedTuple):
+    """The waiting flows' columns (``Pending.data``; slots [0, pn), in submission order): ready
+    time, bytes (efficiency applied), flow id, receive-group key, source and destination rank,
+    block."""
+
+    ready: np.ndarray
+    eff: np.ndarray
+    id: np.ndarray
+    key: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    blk: np.ndarray
+
+
+class TickBook(NamedTuple):
+    """What a tick records beside the flows: the sentinel node (N), the ranks R, the flow log's end,
+    bottleneck port and ready columns, each receive group's flows left, and ``done`` (int64 scratch
+    of twice the active slots at least: the completed slots, then the completed groups' keys)."""
+
+    sentinel: int
+    R: int
+    log_end: np.ndarray
+    log_bneck: np.ndarray
+    log_ready: np.ndarray
+    left: np.ndarray
+    done: np.ndarray
+
+
+class Submission(NamedTuple):
+    """One rank's submission to :func:`submit_flows`: the sending rank, the phase id, the time (us)
+    and the sender's serial cost per message to another rank (us; 0: none)."""
+
+    src: int
+    pid: int
+    now: float
+    message_us: float
+
+
+class LogCols(NamedTuple):
+    """The flow log's columns a submission writes (``FlowLog.data``): source and destination rank,
+    phase id, bytes, submission time."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    phase: np.ndarray
+    bytes: np.ndarray
+    start: np.ndarray
+
+
+class BlockCountsCols(NamedTuple):
+    """The block solver's counts the tick updates (``BlockCounts``): port capacities ``cap_P``, the
+    counts buffer ``mm`` (M cells, then MT cells from ``T``), per node its row and column in it
+    (``row_U`` / ``col_U``), the active transfers per sender and receiver node."""
+
+    cap_P: np.ndarray
+    mm: np.ndarray
+    T: int
+    row_U: np.ndarray
+    col_U: np.ndarray
+    cnt_src: np.ndarray
+    cnt_dst: np.ndarray
+
+
+def tick_records(active: Any, waiting: Any, log: Any, sentinel: int, ranks: int, left: np.ndarray,
+                 done: np.ndarray, cap_P: np.ndarray, blocks: Any) -> tuple[FlowCols, WaitCols, TickBook,
+                                                                             BlockCountsCols]:
+    """The records :func:`tick_blocks` reads, over the network's own columns (no copies): ``active``,
+    ``waiting``, ``log`` the ``data`` dicts of its active flows, waiting flows and flow log;
+    ``blocks`` its ``BlockCounts``. Built again whenever a column is reallocated."""
+    a, p, lg, bc = active, waiting, log, blocks
+    return (FlowCols(a["fin"], a["rate"], a["rem0"], a["t0"], a["alive"], a["ns"], a["nd"], a["id"], a["key"],
+                     a["src"], a["dst"], a["blk"]),
+            WaitCols(p["ready"], p["eff"], p["id"], p["key"], p["src"], p["dst"], p["blk"]),
+            TickBook(int(sentinel), int(ranks), lg["end"], lg["bneck"], lg["ready"], left, done),
+            BlockCountsCols(cap_P, bc.mm, int(bc.T), bc.row_U, bc.col_U, bc.cnt_src, bc.cnt_dst))
 
 
 @kernel
@@ -82,8 +210,7 @@ def set_rates(lev_U1, N, n, ns, nd, rate, rem0, t0, fin, t):
 
 
 @kernel
-def complete_due(thr, t, n, fin, rate, rem0, alive, ns, nd, ids, key, lev_U1, bport_U1, sentinel,
-                 log_end, log_bneck, left, mm, T, row_U, col_U, cnt_src, cnt_dst, done):
+def complete_due(thr, t, n, flows, lev_U1, bport_U1, book, counts):
     """Complete the active slots of [0, n) with ``fin <= thr`` (``done``: int64 scratch of 2n at
     least; the completed slots are written there in order): their log rows get end t and the
     bottleneck port of the last fill (the sender node's port where its level is the lower), their
@@ -91,7 +218,11 @@ def complete_due(thr, t, n, fin, rate, rem0, alive, ns, nd, ids, key, lev_U1, bp
     buffer, M cells then MT cells from T; ``row_U`` / ``col_U``: ``BlockCounts.mt_row_N`` /
     ``cell_col_N``), and their slots go dead (rate 0 at the sentinel node, fin and rem0 inf).
     Returns (completed slots, receive groups completed): the count of each; the groups' keys
-    (with repeats) follow the slots in ``done``."""
+    (with repeats) follow the slots in ``done``. flows: :class:`FlowCols`; book: :class:`TickBook`;
+    counts: :class:`BlockCountsCols`."""
+    fin, rate, rem0, t0, alive, ns, nd, ids, key, src, dst, blk = flows
+    sentinel, R, log_end, log_bneck, log_ready, left, done = book
+    cap_P, mm, T, row_U, col_U, cnt_src, cnt_dst = counts
     N = sentinel
     m = 0
     for i in range(n):
@@ -127,15 +258,18 @@ def complete_due(thr, t, n, fin, rate, rem0, alive, ns, nd, ids, key, lev_U1, bp
 
 
 @kernel
-def submit_flows(src, dst_F, bytes_F, eff_F, blk_RR, lat_RR, message_us, now, pid, R, pn, ln,
-                 p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk, l_src, l_dst, l_phase, l_bytes, l_start):
+def submit_flows(sub, dst_F, bytes_F, eff_F, blk_RR, lat_RR, R, pn, ln, wait, log):
     """``FlowNetwork.submit`` where the network has per-pair tables: rank ``src``'s transfers of
     phase ``pid`` to ``dst_F`` with bytes > 0 (the others skipped) appended, in order, to the
     waiting columns (``p_*``, slots from ``pn``) and the log's (``l_*``, rows from ``ln``; both with
     room for every entry). ``blk_RR`` / ``lat_RR``: the block and latency tables (the sender's
     row is read); ``message_us`` > 0 adds the sender's serial per-message cost (x its transfers to other
     ranks) to each transfer's latency to another rank. Returns (transfers kept, the earliest
-    ready time: inf when none)."""
+    ready time: inf when none). sub: :class:`Submission` (src, pid, now, message_us); wait:
+    :class:`WaitCols`; log: :class:`LogCols`."""
+    src, pid, now, message_us = sub
+    p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk = wait
+    l_src, l_dst, l_phase, l_bytes, l_start = log
     m = 0
     remote = 0
     for f in range(dst_F.size):
@@ -176,12 +310,7 @@ def submit_flows(src, dst_F, bytes_F, eff_F, blk_RR, lat_RR, message_us, now, pi
 
 
 @kernel
-def tick_blocks(t, n, dead, pn, pend_min,
-                fin, rate, rem0, t0, alive, ns, nd, ids, key, src, dst, blk,
-                p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk,
-                lev_U1, bport_U1, sentinel, R, log_end, log_bneck, log_ready, left, done,
-                cap_P, mm, T, row_U, col_U, cnt_src, cnt_dst,
-                simple, dummy, run_max, pall_UK, port_nodes_PD, pps, nps, key_U, cell_UW, other_UW):
+def tick_blocks(t, state, flows, wait, book, counts, tables):
     """One tick of ``FlowNetwork`` at time t with the block solver's compiled fill, as its numpy
     code does it, in its order: (1) the active slots [0, n) due by ``t + 2e-9 x max(t, 1)`` complete
     (:func:`complete_due` under the last fill's ``lev_U1`` / ``bport_U1``; the dead slots are
@@ -191,16 +320,20 @@ def tick_blocks(t, n, dead, pn, pend_min,
     counted into the blocks, and the others stay, in order; (3) the fill (``fill_levels`` over the
     counts and the solver's tables); (4) :func:`set_rates`.
 
-    Returns (n, dead, pn, pend_min, completed, groups completed, lev_U1, bport_U1, steps,
-    fin_max, next finish): the completed slots, then the completed groups' keys (ascending, each
-    once: as ``np.unique`` of :func:`complete_due`'s), are in ``done``; steps < 0: the fill froze
-    nothing (and (4) did not run)."""
+    state: :class:`TickState`; flows, wait, book, counts: :func:`tick_records`; tables: the solver's
+    ``fill_kernels.SolverTables``. Returns a :class:`TickOut`: the completed slots, then the
+    completed groups' keys (ascending, each once: as ``np.unique`` of :func:`complete_due`'s), are
+    in ``book.done``; steps < 0: the fill froze nothing (and (4) did not run)."""
+    n, dead, pn, pend_min, lev_U1, bport_U1 = state
+    fin, rate, rem0, t0, alive, ns, nd, ids, key, src, dst, blk = flows
+    p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk = wait
+    sentinel, R, log_end, log_bneck, log_ready, left, done = book
+    cap_P, mm, T, row_U, col_U, cnt_src, cnt_dst = counts
     m = 0
     g = 0
     if n > 0:
         thr = t + 2e-9 * max(t, 1.0)
-        m, g = complete_due(thr, t, n, fin, rate, rem0, alive, ns, nd, ids, key, lev_U1, bport_U1, sentinel,
-                            log_end, log_bneck, left, mm, T, row_U, col_U, cnt_src, cnt_dst, done)
+        m, g = complete_due(thr, t, n, flows, lev_U1, bport_U1, book, counts)
         if g > 1:   # the keys sorted, repeats dropped
             done[m:m + g].sort()
             u = m + 1
@@ -273,12 +406,12 @@ def tick_blocks(t, n, dead, pn, pend_min,
                 k += 1
         pn = k
         pend_min = rest
-    lev, bport, steps = fill_levels(cap_P, cnt_src, cnt_dst, mm, simple, dummy, run_max, pall_UK, port_nodes_PD,
-                                    pps, nps, key_U, row_U, col_U, cell_UW, other_UW)
+    lev, bport, steps = fill_levels(cap_P, cnt_src, cnt_dst, mm, tables)
     fin_max, nxt = -np.inf, np.inf
     if steps >= 0:
         fin_max, nxt = set_rates(lev, sentinel, n, ns, nd, rate, rem0, t0, fin, t)
-    return n, dead, pn, pend_min, m, g, lev, bport, steps, fin_max, nxt
+    return TickOut(n, dead, pn, pend_min, lev, bport, m, g, steps, fin_max, nxt)
 
 
-__all__ = ["complete_due", "set_rates", "submit_flows", "tick_blocks"]
+__all__ = ["BlockCountsCols", "FlowCols", "LogCols", "Submission", "TickBook", "TickOut", "TickState", "WaitCols",
+           "complete_due", "set_rates", "submit_flows", "tick_blocks", "tick_records"]

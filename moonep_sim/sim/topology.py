@@ -525,13 +525,16 @@ def list_topologies() -> list[str]:
     return list(_preset_files())
 
 
-def load_topology(name_or_path: str | os.PathLike, gpus_per_node: int | None = None) -> Topology:
-    """A preset by name (:func:`list_topologies`; or an alias of one, :data:`PRESET_ALIASES`) or a TOML file.
+def load_topology(name_or_path: "str | os.PathLike | Topology", gpus_per_node: int | None = None) -> Topology:
+    """A preset by name (:func:`list_topologies`; or an alias of one, :data:`PRESET_ALIASES`), a TOML
+    file, or a :class:`Topology` (returned as is): the one loader every command uses.
 
     ``local-gloo`` is read from :func:`calibrated_topology_path` when that file exists (measured on
     this machine by ``moonep-sim calibrate``), else from the shipped defaults.
-    ``gpus_per_node`` overrides the file's value.
+    ``gpus_per_node`` overrides the file's value (a plan's cluster passes its own).
     """
+    if isinstance(name_or_path, Topology):
+        return name_or_path.with_gpus_per_node(gpus_per_node)
     s = PRESET_ALIASES.get(str(name_or_path), str(name_or_path))
     presets = _preset_files()
     if s in presets:

@@ -12,7 +12,10 @@ routed experts, combine); the head (and loss in train). In train the backward fo
 layer order: per MoE layer the gradients' dispatch (``combine_bwd`` of the Plan), the experts'
 backward, the gradients' combine (``dispatch_bwd``), the copies' gradient reduce, then the shared
 experts', router's and attention's backward. The optimizer step is not in the step (its memory
-is: ``moonep_sim.step.memory``).
+is: ``moonep_sim.step.memory``). A kernel family whose library waits on the host for the count
+exchange (``LayerComm.host_wait_us``: DeepEP's normal kernels) puts a ``host_wait`` before each
+forward dispatch that also holds back every compute op issued after it (the CPU cannot enqueue
+them until the counts arrived).
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ def all_ops(ot: OpTimes, train: bool) -> list[Op]:
     if train:
         ops += [backward_op(o) for o in ops]
     return ops
+
+
+def _held(c: LayerComm, seg):
+    """``Timeline.comm``'s ``held`` for a segment: None (the whole collective) when the layer's
+    kernels hold their SMs while data is in flight, else the segment's (head_R, tail_R)."""
+    return None if c.holds_sms or seg is None else seg
 
 
 class Program:
@@ -101,7 +110,12 @@ class Program:
         """MoE layer ``l``'s dispatch (planning, dispatch, prefetch) of micro-batch ``i`` on the
         communication stream, once ``i`` is ready; returns its end [R]."""
         c = self.comm_of(l, i)
-        return self.tl.comm("dispatch", c.forward.pre_R, l, "forward", c.sm_share, i, after=self.ready[i])
+        if c.host_wait_us > 0:  # the CPU waits for the counts: nothing issued after it starts sooner
+            hw = self.tl.comm("host_wait", np.full(self.R, c.host_wait_us), l, "forward", 0.0, i, after=self.ready[i])
+            self.tl.wait(hw)
+            self.ready[i] = np.maximum(self.ready[i], hw)
+        return self.tl.comm("dispatch", c.forward.pre_R, l, "forward", c.sm_share, i, after=self.ready[i],
+                            held=_held(c, c.forward.pre_held))
 
     def expert_compute(self, l: int, i: int, pre_end: np.ndarray) -> np.ndarray:
         """The routed experts of MoE layer ``l``, micro-batch ``i``, after the dispatch ending at
@@ -113,7 +127,7 @@ class Program:
         """The combine, once the slowest rank's experts end; returns its end [R] (``ready`` unchanged)."""
         c = self.comm_of(l, i)
         return self.tl.comm("combine", c.forward.post_R, l, "forward", c.sm_share, i,
-                            after=np.full(self.R, float(expert_end.max())))
+                            after=np.full(self.R, float(expert_end.max())), held=_held(c, c.forward.post_held))
 
     def experts(self, l: int, i: int, pre_end: np.ndarray) -> None:
         """:meth:`expert_compute` then :meth:`combine`; micro-batch ``i`` is ready once the combine arrives."""
@@ -124,7 +138,8 @@ class Program:
         """The backward's first collective of MoE layer ``l`` (the gradients' dispatch: the Plan's
         ``combine_bwd``); returns its end [R]."""
         c = self.comm_of(l, i)
-        return self.tl.comm("combine_bwd", c.backward.pre_R, l, "backward", c.sm_share, i, after=self.ready[i])
+        return self.tl.comm("combine_bwd", c.backward.pre_R, l, "backward", c.sm_share, i, after=self.ready[i],
+                            held=_held(c, c.backward.pre_held))
 
     def experts_backward(self, l: int, i: int, pre_end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The experts' backward, the gradients' combine (``dispatch_bwd``) and the copies'
@@ -134,7 +149,7 @@ class Program:
         e = self.tl.compute("expert_bwd", c.backward.expert_R, l, "backward", i,
                             after=np.maximum(pre_end, self.ready[i]))
         post = self.tl.comm("dispatch_bwd", c.backward.post_R, l, "backward", c.sm_share, i,
-                            after=np.full(self.R, float(e.max())))
+                            after=np.full(self.R, float(e.max())), held=_held(c, c.backward.post_held))
         g = post
         if c.backward.grad_R.max() > 0:
             g = self.tl.comm("grad_reduce", c.backward.grad_R, l, "backward", c.sm_share, i, after=post)

@@ -45,6 +45,8 @@ from moonep_sim.step.stack import Op
 GEMM_HALF_ROWS = 64.0
 GEMM_DTYPES = ("bf16", "fp8")
 EXPERT_OPS = ("expert", "expert_bwd")
+#: What a figure priced by the roofline says beside itself (no measured table covers it).
+ROOFLINE = "roofline-compute"
 
 
 @dataclass(frozen=True)
@@ -120,12 +122,16 @@ class CostModel:
 
     gemm_dtype: ``bf16`` or ``fp8`` GEMM peak.  half_rows: the efficiency curve's half-rate rows
     (0 = flat at the topology's efficiency).  profile: measured times replacing the defaults.
+    measured: AIConfigurator's measured tables (``moonep_sim.step.measured.load_measured``): the
+    GEMM ops and the routed experts' GEMMs are read from them (a profile still wins); every other
+    op stays on the roofline (:meth:`op_source` says which).
     """
 
     topo: Topology
     gemm_dtype: str = "bf16"
     half_rows: float = GEMM_HALF_ROWS
     profile: Profile | None = None
+    measured: object | None = None
 
     def __post_init__(self) -> None:
         require(self.gemm_dtype in GEMM_DTYPES, f"gemm dtype ({self.gemm_dtype!r}) must be one of "
@@ -152,12 +158,71 @@ class CostModel:
             require(t is not None, f"--compute-profile ({self.profile.path}) must time op {op.name} at shape "
                                    f"{op.shape}", ConfigError)
             return float(t)
+        t = self._measured_op_us(op)
+        if t is not None:
+            return t
+        return self.roofline_op_us(op)
+
+    def roofline_op_us(self, op: Op) -> float:
+        """One op's roofline time (see the module docstring)."""
         mem = self.topo.mem_bytes_per_us
         if op.kind == "bytes":
             return op.bytes / mem
         if op.kind == "attention":
             return max(op.flops / (self.topo.flops_per_us), op.bytes / mem)
         return max(op.flops / (self.gemm_flops_per_us * float(self.curve(float(op.rows)))), op.bytes / mem)
+
+    def _gemm_shape(self, op: Op) -> tuple[float, float, float] | None:
+        """(m, n, k) of a GEMM op with its width given (None otherwise)."""
+        if op.kind != "gemm" or op.k <= 0 or op.rows <= 0:
+            return None
+        return float(op.rows), op.flops / (2.0 * op.rows * op.k), float(op.k)
+
+    def _measured_op_us(self, op: Op) -> float | None:
+        """A GEMM op's measured time (the backward: its input- and weight-gradient GEMMs), scaled to
+        this GPU's roofline when the table is another die's; None: not covered."""
+        mnk = self._gemm_shape(op) if self.measured is not None else None
+        if mnk is None:
+            return None
+        m, n, k = mnk
+        if op.name.endswith("_bwd"):  # half the FLOPs each: dX = dY W^T (m, k, n), dW = X^T dY (k, n, m)
+            n = n / 2.0
+            t = self.measured.gemm_us(self.gemm_dtype, [m, k], [k, n], [n, m])
+            t = None if t is None else float(t.sum())
+        else:
+            t = self.measured.gemm_us(self.gemm_dtype, m, n, k)
+            t = None if t is None else float(t)
+        if t is None:
+            return None
+        if self.measured.die is not None:
+            die = CostModel(self.measured.die, self.gemm_dtype, self.half_rows)
+            t *= self.roofline_op_us(op) / die.roofline_op_us(op)
+        return t
+
+    def op_source(self, op: Op) -> str:
+        """Where ``op``'s time comes from: ``profile``, ``measured (...)`` or :data:`ROOFLINE`."""
+        if self.profile is not None:
+            return f"profile ({self.profile.path})"
+        if self.measured is not None and self._gemm_shape(op) is not None \
+                and self.measured.gemm(self.gemm_dtype) is not None:
+            return self.measured.label(self.gemm_dtype)
+        return ROOFLINE
+
+    def expert_source(self) -> str:
+        """Where the routed experts' GEMM times come from."""
+        if self.profile is not None:
+            return f"profile ({self.profile.path})"
+        if self.measured is not None and self.measured.gemm(self.gemm_dtype) is not None:
+            return self.measured.label(self.gemm_dtype) + ", per-expert GEMMs"
+        return ROOFLINE
+
+    def sources(self, ops: list[Op], train: bool) -> dict[str, str]:
+        """Op name -> where its time comes from (:meth:`op_source`), the routed experts included."""
+        out = {op.name: self.op_source(op) for op in ops}
+        out["expert"] = self.expert_source()
+        if train:
+            out["expert_bwd"] = out["expert"]
+        return out
 
     def missing_ops(self, ops: list[Op]) -> list[str]:
         """``op@shape`` of every op (and expert GEMM) the profile lacks; [] without a profile."""
@@ -188,6 +253,35 @@ class CostModel:
             return np.bincount(plan.slot_rank_S, weights=prof, minlength=R)
         require(self.profile is None, f"--compute-profile ({self.profile.path if self.profile else ''}) must time "
                                       f"op {name} (rows=M rows)", ConfigError)
+        if self.measured is not None and self.measured.gemm(self.gemm_dtype) is not None:
+            return self._measured_expert_us_R(plan, model, rows_S, backward)
+        return self._roofline_expert_us_R(plan, model, rows_S, backward)
+
+    def _measured_expert_us_R(self, plan: Plan, model: ModelSpec, rows_S: np.ndarray, backward: bool) -> np.ndarray:
+        """[R] the routed experts' GEMMs read from the measured table, one expert at a time (gate/up
+        ``(m, 2F, D)`` and down ``(m, D, F)``; in backward each one's input- and weight-gradient
+        GEMMs), plus one launch; scaled by the roofline ratio for a nearest-die table."""
+        D, F = float(model.dispatch_hidden), float(model.expert_ffn)
+        live = rows_S > 0
+        m = rows_S[live]
+        if backward:
+            shapes = [(m, D, 2 * F), (D, 2 * F, m), (m, F, D), (F, D, m)]
+        else:
+            shapes = [(m, 2 * F, D), (m, D, F)]
+        t_S = np.zeros_like(rows_S)
+        for a, b, c in shapes:
+            t_S[live] += self.measured.gemm_us(self.gemm_dtype, a, b, c)
+        out = np.bincount(plan.slot_rank_S, weights=t_S, minlength=plan.ranks) + self.topo.gpu_launch_us
+        if self.measured.die is not None:
+            die = CostModel(self.measured.die, self.gemm_dtype, self.half_rows)
+            mine = self._roofline_expert_us_R(plan, model, rows_S, backward)
+            ref = die._roofline_expert_us_R(plan, model, rows_S, backward)
+            out = out * np.divide(mine, ref, out=np.ones_like(mine), where=ref > 0)
+        return out
+
+    def _roofline_expert_us_R(self, plan: Plan, model: ModelSpec, rows_S: np.ndarray, backward: bool) -> np.ndarray:
+        t = self.topo
+        R = plan.ranks
         flops_S, fixed_S, per_row = slot_work(plan, model, backward)
         scale = np.divide(rows_S, plan.slot_padded_S, out=np.zeros_like(rows_S), where=plan.slot_padded_S > 0)
         flops_S = flops_S * scale
@@ -205,4 +299,5 @@ def flat_cost_model(topo: Topology) -> CostModel:
     return CostModel(topo, "bf16", 0.0)
 
 
-__all__ = ["CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "Profile", "flat_cost_model", "read_profile"]
+__all__ = ["CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "Profile", "ROOFLINE", "flat_cost_model",
+           "read_profile"]

@@ -13,7 +13,12 @@ rank's streams:
 - ``expert_R``: the rank's routed-expert compute;
 - ``post_R``: from the *last* rank's expert compute ending to this rank holding its combined rows
   (the combine is a collective: it cannot end before every sender computed);
-- ``grad_R``: backward only, from the combine's end to the copies' gradients having reached home.
+- ``grad_R``: backward only, from the combine's end to the copies' gradients having reached home;
+- ``pre_held`` / ``post_held``: of ``pre_R`` / ``post_R``, the time the rank's SMs are busy with
+  the layer's own work, as ``(head_R, tail_R)``: at the segment's start its kernels' fixed cost
+  (launch, send issue) and planning, at its end its local passes (receive copy, reduce) -- what a
+  kernel family that frees its SMs while data is in flight (``KernelSpec.holds_sms`` False,
+  DeepEP's low-latency kernels in hook mode) takes from compute.
 
 What the composition assumes (``docs/steps.md``): every layer's communication is timed alone on
 the network (no two layers' transfers share a link at once; a rank's communication stream is
@@ -51,13 +56,18 @@ class DirectionComm:
     grad_R: np.ndarray
     plan_R: np.ndarray
     layer_us: float
+    pre_held: tuple[np.ndarray, np.ndarray] | None = None
+    post_held: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
 class LayerComm:
     """A simulated MoE layer: forward, backward (None unless train), the straggler the layer
-    simulator named, the SM share its communication kernels take from compute, and the plan's
-    rows per rank (real / padded), copies, and the entries it dropped of the layer's entries."""
+    simulator named, the SM share its communication kernels take from compute (for the whole of
+    each collective when ``holds_sms``, else in its SM phases only: ``pre_held`` /
+    ``post_held``), and the plan's rows per rank (real / padded), copies, and the entries it
+    dropped of the layer's entries; ``host_wait_us``: the host's wait for the count exchange before
+    the forward dispatch (``KernelSpec.host_wait_us``)."""
 
     forward: DirectionComm
     backward: DirectionComm | None
@@ -70,32 +80,47 @@ class LayerComm:
     plan_seconds: float
     dropped: int = 0
     entries: int = 0
+    holds_sms: bool = True
+    host_wait_us: float = 0.0
 
 
-def _span_ends(sim: StepSim) -> dict[Direction, tuple[list[float], list[float]]]:
-    """Per direction, per rank: the latest end of the rank's spans of that direction (-inf: none)
-    and its planning time (the sum of its PLANNING and ROUTING_GATHER spans, in span order). One
-    pass over the spans for both directions."""
+#: Span kinds that keep a rank's SMs busy (its own work, not data in flight): at the start of a
+#: collective (launch and send issue, planning) and at its end (receive copy, reduce).
+SM_HEAD_KINDS = frozenset({PhaseKind.KERNEL_FIXED, PhaseKind.PLANNING})
+SM_TAIL_KINDS = frozenset({PhaseKind.COPY})
+
+
+def _span_ends(sim: StepSim) -> dict[Direction, tuple[list[float], list[float], list[float], list[float]]]:
+    """Per direction, per rank: the latest end of the rank's spans of that direction (-inf: none),
+    its planning time (the sum of its PLANNING and ROUTING_GATHER spans, in span order), and its
+    SM-busy time before its expert compute and after it, each as (head, tail) (:data:`SM_HEAD_KINDS`,
+    :data:`SM_TAIL_KINDS`). One pass over the spans for both directions."""
     R = sim.R
-    out = {d: ([-np.inf] * R, [0.0] * R) for d in (Direction.FORWARD, Direction.BACKWARD)}
+    dirs = (Direction.FORWARD, Direction.BACKWARD)
+    out = {d: ([-np.inf] * R, [0.0] * R, ([0.0] * R, [0.0] * R), ([0.0] * R, [0.0] * R)) for d in dirs}
+    starts = {d: sim.compute_start[min(i, len(sim.compute_start) - 1)] for i, d in enumerate(dirs)}
     planning = (PhaseKind.PLANNING, PhaseKind.ROUTING_GATHER)
     for s in sim.spans:
-        end_R, plan_R = out.get(s.direction) or out[Direction(s.direction)]
+        d = s.direction if s.direction in out else Direction(s.direction)
+        end_R, plan_R, pre_R, post_R = out[d]
         if s.end_us > end_R[s.rank]:  # combine hops and the passes after them (a reduce, a copy)
             end_R[s.rank] = s.end_us
         if s.kind in planning:
             plan_R[s.rank] += s.end_us - s.start_us
+        if s.kind in SM_HEAD_KINDS or s.kind in SM_TAIL_KINDS:
+            seg = pre_R if s.end_us <= starts[d][s.rank] + 1e-9 else post_R
+            seg[s.kind in SM_TAIL_KINDS][s.rank] += s.end_us - s.start_us
     return out
 
 
 def _direction(sim: StepSim, si: int, direction: Direction, rec: dict[str, np.ndarray],
-               spans: dict[Direction, tuple[list[float], list[float]]] | None = None) -> DirectionComm:
+               spans: dict | None = None) -> DirectionComm:
     """Stage ``si`` of ``sim`` read back per rank (``rec``: the network's flow records;
     ``spans``: :func:`_span_ends`, if already read)."""
     R = sim.R
     start = sim.stage_start[si]
     c0, c1 = sim.compute_start[si], sim.compute_end[si]
-    span_end_R, plan_l = (spans if spans is not None else _span_ends(sim))[direction]
+    span_end_R, plan_l, pre_held, post_held = (spans if spans is not None else _span_ends(sim))[direction]
     comb_end = np.maximum(c1, np.array(span_end_R, dtype=np.float64))
     grad_end = np.zeros(R)
     plan_R = np.array(plan_l, dtype=np.float64)
@@ -109,9 +134,17 @@ def _direction(sim: StepSim, si: int, direction: Direction, rec: dict[str, np.nd
                 np.maximum.at(grad_end, rec[side][m].astype(np.int64), rec["end"][m])
     grad_end = np.maximum(grad_end, comb_end)
     last = float(c1.max())
-    return DirectionComm(pre_R=c0 - start, expert_R=c1 - c0, post_R=np.maximum(comb_end - last, 0.0),
+    pre_R, post_R = c0 - start, np.maximum(comb_end - last, 0.0)
+    return DirectionComm(pre_R=pre_R, expert_R=c1 - c0, post_R=post_R,
                          grad_R=np.maximum(np.maximum(grad_end, end) - comb_end, 0.0), plan_R=plan_R,
-                         layer_us=float(end.max() - start.min()))
+                         layer_us=float(end.max() - start.min()),
+                         pre_held=_held(pre_held, pre_R), post_held=_held(post_held, post_R))
+
+
+def _held(ht: tuple[list[float], list[float]], dur_R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(head_R, tail_R) SM-busy us of a segment, capped so that head + tail <= its duration."""
+    head = np.minimum(np.array(ht[0], dtype=np.float64), dur_R)
+    return head, np.minimum(np.array(ht[1], dtype=np.float64), dur_R - head)
 
 
 def simulate_moe_layer(plan: Plan, model: ModelSpec, topo: Topology, costs: CostModel, train: bool,
@@ -146,7 +179,9 @@ def _simulate(plan: Plan, model: ModelSpec, topo: Topology, costs: CostModel, tr
     copies = np.bincount(plan.slot_rank_S[plan.is_copy_S()], minlength=plan.ranks)
     return LayerComm(fwd, bwd, strag, share, plan.real_rows_R().astype(np.int64),
                      plan.rows_R().astype(np.int64), copies.astype(np.int64), sim_us,
-                     float(plan.plan_seconds), _dropped(plan), int(plan.num_tokens * plan.top_k))
+                     float(plan.plan_seconds), _dropped(plan), int(plan.num_tokens * plan.top_k),
+                     holds_sms=plan.kernel is None or plan.kernel.holds_sms,
+                     host_wait_us=float(plan.kernel.host_wait_us) if plan.kernel is not None else 0.0)
 
 
 def _dropped(plan: Plan) -> int:
@@ -158,4 +193,4 @@ def _dropped(plan: Plan) -> int:
     return int(plan.dropped)
 
 
-__all__ = ["DirectionComm", "LayerComm", "simulate_moe_layer"]
+__all__ = ["DirectionComm", "LayerComm", "SM_HEAD_KINDS", "SM_TAIL_KINDS", "simulate_moe_layer"]

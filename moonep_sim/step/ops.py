@@ -11,9 +11,10 @@ from dataclasses import dataclass
 BF16 = 2
 
 
-def gemm(name: str, tokens: int, weights: int) -> "Op":
-    """A GEMM of ``tokens`` rows through ``weights`` elements (weights read once, rows in/out)."""
-    return Op(name, "gemm", 2.0 * tokens * weights, float(weights) * BF16, tokens, f"tokens={tokens}")
+def gemm(name: str, tokens: int, weights: int, k: int = 0) -> "Op":
+    """A GEMM of ``tokens`` rows through ``weights`` elements (weights read once, rows in/out) whose
+    input width is ``k`` (a block of several projections is priced as one GEMM of equal FLOPs)."""
+    return Op(name, "gemm", 2.0 * tokens * weights, float(weights) * BF16, tokens, f"tokens={tokens}", int(k))
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class Op:
         (FLOPs and bytes, roofline) or ``bytes`` (memory-bound: elementwise, norm, gather).
     flops / bytes: per rank.  rows: the GEMM's M dimension (tokens), for the efficiency curve.
     shape: the profile key of this op's shape (``tokens=4096`` or ``tokens=32,context=4096``).
+    k: a GEMM's reduction dimension (its input width; 0 = not given): with ``rows`` and the FLOPs
+        it gives the (m, n, k) a measured GEMM table is read at (``moonep_sim.step.measured``).
     """
 
     name: str
@@ -33,6 +36,7 @@ class Op:
     bytes: float
     rows: int
     shape: str
+    k: int = 0
 
 
 @dataclass(frozen=True)

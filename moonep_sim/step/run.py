@@ -31,7 +31,7 @@ from moonep_sim.step.compose import all_ops, compose, stack_ops
 from moonep_sim.step.costs import CostModel
 from moonep_sim.step.layer_sim import LayerComm, simulate_moe_layer
 from moonep_sim.step.memory import MemoryOptions, PlanFootprint, memory_per_rank
-from moonep_sim.step.schedule import Timeline
+from moonep_sim.step.schedule import Timeline, overlap_by_op
 from moonep_sim.step.schedules import get_overlap
 from moonep_sim.step.stack import StepShape
 
@@ -168,7 +168,7 @@ def step_metrics(tl: Timeline, cfg: StepConfig, comms: Mapping[int, LayerComm], 
     return {"step_time_us": t, "slowest_rank": r, "tokens_per_s_per_gpu": real_tokens / (t * 1e-6) if t > 0 else 0.0,
             "mfu": useful_flops / (t * peak) if t > 0 else 0.0, "exposed_comm_us": exposed,
             "comm_share": exposed / t if t > 0 else 0.0, "compute_us": float(busy[r]), "comm_us": float(comm[r]),
-            "layers": layers}
+            "layers": layers, "overlap_by_op": overlap_by_op(tl, r)}
 
 
 def useful_flops_per_rank(cfg: StepConfig) -> float:
@@ -562,7 +562,10 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
         out[name] = d
         timelines[name] = tl
     return {"strategies": out, "mode": shape.mode, "tokens_per_rank": shape.tokens, "context": shape.context,
-            "overlap": ov.name, "layers_routing": provenance, "pipeline": piped, "_timelines": timelines}
+            "overlap": ov.name, "layers_routing": provenance, "pipeline": piped,
+            "compute_sources": costs.sources(all_ops(stack_ops(m, mb_shapes[0]), train), train),
+            "_timelines": timelines}
+
 
 
 def pipeline_pays(units: int, entries: int, cores: int | None = None) -> bool:

@@ -70,9 +70,36 @@ def dense_params(model: ModelSpec) -> dict[str, int]:
     shared = model.moe_layers * model.shared_experts * 3 * H * model.expert_ffn
     router = model.moe_layers * H * model.num_experts
     dense = model.dense_layers * 3 * H * model.dense_ffn
+    latent = model.moe_layers * latent_proj_params(model)
     norms = model.layers * 2 * H
     embed = 2 * model.vocab * H  # input embedding and LM head (untied)
-    return dict(attention=attn, shared_experts=shared, router=router, dense_ffn=dense, norms=norms, embedding=embed)
+    return dict(attention=attn, shared_experts=shared, router=router, dense_ffn=dense, latent_proj=latent, norms=norms,
+                embedding=embed)
+
+
+def latent_proj_params(model: ModelSpec) -> int:
+    """A latent MoE layer's projections (Kimi K3's LatentMoE: the routed experts work in a
+    ``dispatch_hidden``-wide latent): hidden -> latent before the dispatch and latent -> hidden
+    after the combine, ``2 x H x D`` elements, held by every rank; 0 when the rows are ``hidden`` wide."""
+    D, H = model.dispatch_hidden, model.hidden
+    return 0 if D == H else 2 * H * D
+
+
+def parameter_counts(model: ModelSpec) -> dict[str, int]:
+    """The model's parameters (elements), as model cards count them.
+
+    ``total``: every weight (:func:`dense_params`' parts and every routed expert of every MoE
+    layer; no vision tower, no MTP / draft layers, biases and per-head scalars left out).
+    ``active``: the weights one token's forward multiplies by -- every non-expert weight but the
+    input embedding (a row lookup), and its top-k routed experts per MoE layer (DeepSeek's and
+    Moonshot's convention). ``active_with_embedding``: the same with the input embedding (Qwen's,
+    Mistral's and AI2's convention). ``routed_experts``: the routed experts' weights of the whole
+    model; ``dense``: everything else."""
+    dense = sum(dense_params(model).values())
+    routed = model.moe_layers * model.num_experts * model.expert_weight_elems
+    with_embedding = dense + model.moe_layers * model.top_k * model.expert_weight_elems
+    return {"total": dense + routed, "active": with_embedding - model.vocab * model.hidden,
+            "active_with_embedding": with_embedding, "routed_experts": routed, "dense": dense}
 
 
 def kv_elems_per_token(model: ModelSpec, kind: str) -> int:
@@ -110,18 +137,20 @@ def layer_ops(model: ModelSpec, layer: int, shape: StepShape) -> LayerOps:
     att = attention_kind(kind)
     ops: list[Op] = []
     if att.has_op:
-        ops += [_norm(T, H), gemm("attn_proj", T, att.params(model)), att.core(model, shape)]
+        ops += [_norm(T, H), gemm("attn_proj", T, att.params(model), H), att.core(model, shape)]
     moe = layer >= model.dense_layers
     if not moe:
         require(model.dense_ffn >= 1, f"model ({model.name}) dense_ffn must be given: it has "
                                       f"{model.dense_layers} dense layer(s)", ConfigError)
-        ops += [_norm(T, H), gemm("dense_ffn", T, 3 * H * model.dense_ffn)]
+        ops += [_norm(T, H), gemm("dense_ffn", T, 3 * H * model.dense_ffn, H)]
         return LayerOps(layer, kind, False, tuple(ops), None, None)
     if att.has_op:
         ops.append(_norm(T, H))
+    if latent_proj_params(model):  # into the experts' latent and back (one GEMM of both)
+        ops.append(gemm("latent_proj", T, latent_proj_params(model)))
     router = Op("router", "gemm", 2.0 * T * H * model.num_experts, float(H * model.num_experts) * BF16, T,
-                f"tokens={T}")
-    shared = gemm("shared_expert", T, 3 * H * model.expert_ffn * model.shared_experts) if model.shared_experts else None
+                f"tokens={T}", H)
+    shared = gemm("shared_expert", T, 3 * H * model.expert_ffn * model.shared_experts, H) if model.shared_experts else None
     return LayerOps(layer, kind, True, tuple(ops), router, shared)
 
 
@@ -133,7 +162,7 @@ def head_ops(model: ModelSpec, shape: StepShape) -> tuple[tuple[Op, ...], tuple[
     T, H, V = shape.tokens, model.hidden, model.vocab
     first = (Op("embed", "bytes", 0.0, 2.0 * T * H * BF16, T, f"tokens={T}"),)
     rows = T if shape.mode == "train" else shape.sequences
-    last = [gemm("lm_head", rows, H * V)]
+    last = [gemm("lm_head", rows, H * V, H)]
     if shape.mode == "train":  # fp32 logits: softmax read + write, and its gradient
         last.append(Op("loss", "bytes", 0.0, 3.0 * T * V * 4, T, f"tokens={T}"))
     return first, tuple(last)
@@ -148,5 +177,5 @@ def backward_op(op: Op) -> Op:
 
 
 __all__ = ["BF16", "DEFAULT_DECODE_CONTEXT", "LayerOps", "MODES", "Op", "StepShape", "attention_core",
-           "attention_params", "backward_op", "dense_params", "head_ops", "kv_elems_per_token", "layer_ops",
-           "step_shape"]
+           "attention_params", "backward_op", "dense_params", "head_ops", "kv_elems_per_token", "latent_proj_params",
+           "layer_ops", "parameter_counts", "step_shape"]

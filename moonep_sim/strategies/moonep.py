@@ -174,6 +174,17 @@ def entry_slots(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.ndarray
     return out
 
 
+#: How MoonEP's combine sums a token's K rows: ``"fused"``. Sourced from MoonEP's moonep/combine.py
+#: (CombineKernel): a pull on the token's own rank -- one cooperative grid of ``num_sms`` CTAs (32 by
+#: default), each with one warp issuing per-row TMA bulk loads (cp.async.bulk) of the token's rows
+#: from the peers' NVLink-mapped buffers into a shared-memory pipeline, four warps accumulating each
+#: row into fp32 registers as it lands, and one warp storing the bf16 sum -- so the K-way sum runs
+#: on the same 32 SMs as the transfer, row by row, and only the pipeline's last rows are summed
+#: after they arrived; duplicate (token, rank) entries are pre-summed on the expert's rank by the
+#: combine prologue (moonep/combine_prologue.py). docs/results/moonep-combine.md.
+COMBINE_REDUCE = "fused"
+
+
 @register("moonep",
           summary="MoonEP: per-step redundant copies of hot experts on under-loaded ranks; exactly s*K rows per rank",
           options={"dedup": Option(bool, True, "send a token once per destination rank, expand there"),
@@ -201,7 +212,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, dedup: bool, sms: int) -> 
     # static buffer: cap real rows plus padding of at most 2*epn segments (home + copies)
     capacity = cap_R + 2 * epn * (tp - 1)
     return alloc_plan(routing, ctx, alloc, slot_rank, slot_expert, slot_home, dedup=dedup, token_padding=tp,
-                      capacity_R=capacity, kernel=KernelSpec(sms=sms))
+                      capacity_R=capacity, kernel=KernelSpec(sms=sms, reduce=COMBINE_REDUCE))
 
 
 def alloc_plan(routing: GlobalRouting, ctx: PlanContext, alloc_ER: np.ndarray, slot_rank_S: np.ndarray,

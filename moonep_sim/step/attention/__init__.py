@@ -12,10 +12,11 @@ A kind (:class:`AttentionKind`) states, for one layer of a model (a :class:`Mode
 
 ``has_op`` is False for a kind that runs no attention at all (``none``: no norm, projections or
 core either). The built-in kinds: ``gqa`` (MHA is GQA with kv_heads == heads), ``sliding`` (GQA
-over the last ``sliding_window`` keys), ``mla`` (multi-head latent attention), ``linear`` (a
-recurrent kind with a fixed state per sequence, Kimi's KDA), ``none``.
+over the last ``sliding_window`` keys), ``mla`` (multi-head latent attention), ``gated-mla`` (MLA
+with an output gate, Kimi K3), ``linear`` (a recurrent kind with a fixed state per sequence, laid
+out as Kimi's KDA), ``none``.
 
-Adding a kind: a module ``moonep_sim/step/attention/<name>.py`` that subclasses
+Adding a kind: a module ``moonep_sim/step/attention/<name>.py`` (dashes as underscores) that subclasses
 :class:`AttentionKind` (or a built-in kind) and calls ``ATTENTION.register(Kind())``, and its name
 in :data:`moonep_sim.models.ATTENTION_KINDS` -- the registry's module list, which the model spec
 also validates its ``attention`` field against (the models sit below the step model, so the names
@@ -60,8 +61,10 @@ class AttentionKind:
         return f"AttentionKind({self.name!r})"
 
 
-#: The attention kinds by name; the module list is :data:`moonep_sim.models.ATTENTION_KINDS`.
-ATTENTION: Registry[AttentionKind] = Registry("attention kind", __name__, ATTENTION_KINDS)
+#: The attention kinds by name; the module list is :data:`moonep_sim.models.ATTENTION_KINDS` (a
+#: name's dashes are underscores in its module's name: ``gated-mla`` is ``gated_mla.py``).
+ATTENTION: Registry[AttentionKind] = Registry("attention kind", __name__,
+                                              tuple(k.replace("-", "_") for k in ATTENTION_KINDS))
 
 
 def attention_kind(name: str) -> AttentionKind:

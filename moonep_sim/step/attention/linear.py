@@ -1,17 +1,25 @@
-"""``linear``: a recurrent (linear-attention) kind with a fixed state per sequence (Kimi's KDA).
+"""``linear``: a recurrent (linear-attention) kind with a fixed state per sequence, laid out as Kimi
+Delta Attention (KDA: Kimi Linear, Kimi K3's linear layers).
 
-Projections: q, k, v, o and the output gate, ASSUMED (KDA-like) five ``H x (n x hd)`` matrices.
+Projections, with ``P = n x hd``: q, k, v and the full-rank output gate from the hidden state
+(``4 x H x P``), the output (``P x H``), the decay's low-rank pair (``H x hd`` then ``hd x P``) and
+the per-head beta (``H x n``), and the short depthwise convolution over q, k and v
+(``3 x P x`` :data:`SHORT_CONV`) -- as fla's KDA layer and the K3 config (``linear_attn_config``:
+``use_full_rank_gate``, ``short_conv_kernel_size`` 4) give them; per-head scalars are left out.
 State: ``n x hd x hd`` fp32 per sequence (:meth:`Linear.state_bytes`), kept in serving instead of
 a K/V cache. The core per token: the state update and readout, ``4 x n x hd x hd`` FLOPs; the
 state read and written once per sequence, q, k, v and the output once per token. Saved for the
-backward: q, k, v and the output per token.
-"""
+backward: q, k, v and the output per token."""
 
 from __future__ import annotations
 
 from moonep_sim.models import ModelSpec
 from moonep_sim.step.attention import ATTENTION, AttentionKind
 from moonep_sim.step.ops import BF16, Op, StepShape
+
+
+#: The short convolution's kernel width over q, k and v (Kimi K3 / Kimi Linear: short_conv_kernel_size).
+SHORT_CONV = 4
 
 
 class Linear(AttentionKind):
@@ -22,7 +30,9 @@ class Linear(AttentionKind):
         return model.heads * model.head_dim * model.head_dim * 4
 
     def params(self, model: ModelSpec) -> int:
-        return 5 * model.hidden * model.heads * model.head_dim
+        H, n, hd = model.hidden, model.heads, model.head_dim
+        P = n * hd
+        return 4 * H * P + P * H + H * hd + hd * P + H * n + 3 * P * SHORT_CONV
 
     def cache_bytes(self, model: ModelSpec, shape: StepShape) -> float:
         return float(self.state_bytes(model) * shape.sequences)
@@ -39,4 +49,4 @@ class Linear(AttentionKind):
 
 ATTENTION.register(Linear())
 
-__all__ = ["Linear"]
+__all__ = ["Linear", "SHORT_CONV"]

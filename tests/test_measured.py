@@ -1,0 +1,94 @@
+"""Measured op times from AIConfigurator's tables (moonep_sim.step.measured): the table read back
+at its own grid points, the preset -> GPU mapping, the cost model's hook and the sources a step
+reports; without the package everything stays on the roofline, flagged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moonep_sim.sim.topology import load_topology
+from moonep_sim.step import CostModel
+from moonep_sim.step.costs import ROOFLINE
+from moonep_sim.step.measured import load_measured, system_for
+from moonep_sim.step.stack import Op
+
+
+def test_presets_map_to_their_gpu_table_or_the_nearest_die():
+    assert system_for("h100-efa") == ("h100_sxm", "own") and system_for("h200-cx7") == ("h200_sxm", "own")
+    assert system_for("b200") == ("b200_sxm", "own") and system_for("gb200-nvl72") == ("gb200", "own")
+    assert system_for("h800-cx7") == ("h100_sxm", "nearest-die") and system_for("h20-roce200")[1] == "nearest-die"
+    assert system_for("mi300x-cx7") is None and system_for("local-gloo") is None
+
+
+def test_without_the_package_every_op_is_on_the_roofline(monkeypatch):
+    import moonep_sim.step.measured as meas
+
+    monkeypatch.setattr(meas, "available", lambda: False)
+    assert meas.load_measured(load_topology("h100-cx7")) is None
+    cm = CostModel(load_topology("h100-cx7"))
+    op = Op("attn_proj", "gemm", 2.0 * 64 * 7168 * 4096, 7168 * 4096 * 2.0, 64, "tokens=64", 7168)
+    assert cm.op_source(op) == ROOFLINE and cm.expert_source() == ROOFLINE
+
+
+def test_table_reads_back_its_own_grid_points_and_the_cost_model_uses_it():
+    pytest.importorskip("aiconfigurator_core")
+    pd = pytest.importorskip("pandas")
+    topo = load_topology("h100-cx7")
+    meas = load_measured(topo)
+    tab = meas.gemm("bf16")
+    assert tab is not None and "h100_sxm/gemm" in tab.source
+    # a grid point comes back as the table's own median latency (ms -> us)
+    path = tab.source.split()[1]
+    df = pd.read_parquet(meas_root() / path / "gemm_perf.parquet")
+    kern = tab.source.split()[2]
+    row = df[(df.kernel_source == kern) & (df.m == 1024) & (df.n == 4096) & (df.k == 7168)]
+    assert float(tab.us(1024, 4096, 7168)) == pytest.approx(float(row.latency.median()) * 1e3, rel=1e-9)
+    # beyond the grid's n: the FLOP ratio of the last point
+    assert float(tab.us(1024, 2 * 65536, 7168)) == pytest.approx(2 * float(tab.us(1024, 65536, 7168)), rel=1e-9)
+    cm = CostModel(topo, measured=meas)
+    op = Op("attn_proj", "gemm", 2.0 * 1024 * 4096 * 7168, 4096 * 7168 * 2.0, 1024, "tokens=1024", 7168)
+    assert cm.op_us(op) == pytest.approx(float(tab.us(1024, 4096, 7168)), rel=1e-9)
+    assert cm.op_source(op).startswith("measured")
+    attn = Op("attn_core", "attention", 1e9, 1e6, 1024, "tokens=1024")
+    assert cm.op_source(attn) == ROOFLINE and cm.op_us(attn) == cm.roofline_op_us(attn)
+    # the held-out check: interior grid points interpolated from their neighbours in m
+    h = tab.held_out()
+    assert h["points"] > 1000 and 0 <= h["median_abs"] < 0.2
+
+
+def test_nearest_die_scales_the_h100_table_by_the_roofline_ratio():
+    pytest.importorskip("aiconfigurator_core")
+    h20, h100 = load_topology("h20"), load_topology("h100-cx7")
+    meas = load_measured(h20)
+    assert meas.how == "nearest-die" and "nearest-die" in meas.label("bf16")
+    op = Op("dense_ffn", "gemm", 2.0 * 4096 * 3 * 7168 * 18432, 3 * 7168 * 18432 * 2.0, 4096, "tokens=4096", 7168)
+    own = CostModel(h100, measured=load_measured(h100)).op_us(op)
+    got = CostModel(h20, measured=meas).op_us(op)
+    ratio = CostModel(h20).roofline_op_us(op) / CostModel(h100).roofline_op_us(op)
+    assert got == pytest.approx(own * ratio, rel=1e-9) and ratio > 3  # compute-bound: H20's far lower peak
+
+
+def meas_root():
+    from moonep_sim.step.measured import data_root
+
+    return data_root()
+
+
+def test_a_step_says_which_op_came_from_which_source():
+    pytest.importorskip("aiconfigurator_core")
+    from moonep_sim.step import StepConfig, simulate_step, step_shape
+    from tests.test_step import SMALL, _ctx, _routing
+
+    topo = load_topology("h100-cx7")
+    r = _routing(SMALL, 64)
+    cfg = StepConfig(SMALL, topo, _ctx(SMALL, topo), (("alltoall", {}),), step_shape(SMALL, "train", 64, None),
+                     "none", CostModel(topo, measured=load_measured(topo)))
+    src = simulate_step(cfg, lambda i: (0, r, "layer"))["compute_sources"]
+    for op in ("attn_proj", "router", "lm_head", "dense_ffn", "attn_proj_bwd", "expert", "expert_bwd"):
+        assert src[op].startswith("measured (aiconfigurator-core h100_sxm/gemm"), op
+    for op in ("attn_core", "norm", "embed", "loss", "attn_core_bwd"):
+        assert src[op] == ROOFLINE, op
+    plain = simulate_step(StepConfig(SMALL, topo, _ctx(SMALL, topo), (("alltoall", {}),),
+                                     step_shape(SMALL, "train", 64, None), "none"), lambda i: (0, r, "layer"))
+    assert set(plain["compute_sources"].values()) == {ROOFLINE}

@@ -1,0 +1,97 @@
+"""Communication kernels hold their SMs as the libraries run them: a family that frees its SMs
+while data is in flight (DeepEP's low-latency kernels in hook mode) slows overlapping compute only
+in its SM phases, so two-batch overlap never makes a decode step slower than running its two
+micro-batches one after the other; the timeline explains the gain op by op."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moonep_sim.plan.kernel import FAMILIES
+from moonep_sim.sim.topology import load_topology
+from moonep_sim.step import StepConfig, simulate_step, step_shape
+from moonep_sim.step.run import split_micro_batches
+from moonep_sim.step.schedule import Timeline, overlap_by_op
+from tests.test_step import SMALL, _ctx, _routing
+
+
+def test_families_declare_whether_they_hold_their_sms():
+    for f in FAMILIES.values():
+        assert f.holds == (f.mode == "normal"), f.name
+        if not f.holds:
+            assert f.sources["holds_sms"].startswith(("sourced", "assumed")), f.name
+    assert FAMILIES["deepep-v1-ll"].sources["holds_sms"].startswith("sourced")
+
+
+def test_held_phases_slow_compute_only_at_the_ends_of_a_collective():
+    tl = Timeline(1)
+    tl.comm("dispatch", np.array([100.0]), 0, "forward", 1.0, held=(np.array([10.0]), np.array([5.0])))
+    e = tl.compute("attn", 50.0, 0, "forward")
+    # compute starts at 0 but the SMs are held for the first 10 us: it ends at 60
+    assert e[0] == pytest.approx(60.0)
+    e2 = tl.compute("expert", 40.0, 0, "forward")      # 60 -> 95, then held 95..100, then 5 more
+    assert e2[0] == pytest.approx(105.0)
+    assert tl.events[0].sm_held_R[0] == pytest.approx(15.0)
+    assert tl.events[2].slowed_R[0] == pytest.approx(5.0)
+    # a family that holds its SMs: nothing progresses under the whole collective
+    tl = Timeline(1)
+    tl.comm("dispatch", np.array([100.0]), 0, "forward", 1.0)
+    assert tl.compute("attn", 50.0, 0, "forward")[0] == pytest.approx(150.0)
+    ops = {o["op"]: o for o in overlap_by_op(tl, 0)}
+    assert ops["dispatch"]["hidden_us"] == pytest.approx(0.0) and ops["attn"]["sm_us"] == pytest.approx(100.0)
+
+
+def _decode(overlap, routing, tokens, topo, costs=None):
+    cfg = StepConfig(SMALL, topo, _ctx(SMALL, topo), (("deepep-ll", {}),), step_shape(SMALL, "decode", tokens, 1024),
+                     overlap, costs)
+    return simulate_step(cfg, lambda i: (0, routing, "layer"))["strategies"]["deepep-ll"]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tokens=st.sampled_from([16, 32, 64, 128]), maxvio=st.floats(1.0, 3.0), seed=st.integers(0, 50),
+       topo=st.sampled_from(["h800-cx7", "h20"]))
+def test_two_batch_low_latency_decode_is_never_slower_than_its_micro_batches_in_series(tokens, maxvio, seed, topo):
+    t = load_topology(topo)
+    r = _routing(SMALL, tokens, maxvio=maxvio, seed=seed)
+    two = _decode("two-batch", r, tokens, t)
+    serial = sum(_decode("none", part, tokens // 2, t)["step_time_us"] for part in split_micro_batches(r, 2))
+    assert two["step_time_us"] <= serial * (1 + 1e-9)
+    ops = {(o["stream"], o["op"]): o for o in two["overlap_by_op"]}
+    # the explanation adds up: every comm op's SM phases are what the compute ops lost to them
+    held = sum(o["sm_us"] for o in two["overlap_by_op"] if o["stream"] == "comm")
+    lost = sum(o["sm_us"] for o in two["overlap_by_op"] if o["stream"] == "compute")
+    assert lost <= held + 1e-6
+    assert ops[("comm", "dispatch")]["sm_us"] < ops[("comm", "dispatch")]["us"]  # free while in flight
+
+
+def test_deepep_v1_on_efa_is_flagged_not_native_and_the_proxy_families_are_native_there():
+    from moonep_sim.experiments.flags import native_flags
+    from moonep_sim.plan.kernel import NVSHMEM_PROXY_THREADS, PROXY_POST_US, UCCL_PROXY_THREADS
+
+    got = native_flags({"deepep": {}, "deepep-ll": {}, "alltoall": {}}, "h100-efa")
+    assert {(f["code"], f["strategy"]) for f in got} == {("kernel-not-native", "deepep"),
+                                                          ("kernel-not-native", "deepep-ll")}
+    assert native_flags({"deepep": {"impl": "uccl-ep"}, "deepep-ll": {"impl": "uccl-ep-ll"}}, "h100-efa") == []
+    assert native_flags({"deepep": {"impl": "deepep-nvshmem-efa"}}, "h100-efa") == []
+    assert [f["strategy"] for f in native_flags({"deepep": {"impl": "deepep-nvshmem-efa"}}, "h800-cx7")] == ["deepep"]
+    assert native_flags({"deepep": {}}, "h800-cx7") == [] and native_flags({"deepep": {}}, "my.toml") == []
+    # a host proxy's per-message cost is its post time shared by its threads
+    assert FAMILIES["uccl-ep"].message_us == pytest.approx(PROXY_POST_US / UCCL_PROXY_THREADS)
+    assert FAMILIES["deepep-nvshmem-efa"].message_us == pytest.approx(PROXY_POST_US / NVSHMEM_PROXY_THREADS)
+
+
+def test_normal_kernels_pay_the_host_wait_of_their_count_exchange_once_per_forward_dispatch():
+    from moonep_sim.plan.kernel import HOST_WAIT_US
+
+    t = load_topology("h800-cx7")
+    r = _routing(SMALL, 32, seed=3)
+    cfg = StepConfig(SMALL, t, _ctx(SMALL, t), (("deepep", {}), ("deepep-ll", {})),
+                     step_shape(SMALL, "decode", 32, 1024), "none")
+    out = simulate_step(cfg, lambda i: (0, r, "layer"))
+    ops = {o["op"]: o for o in out["strategies"]["deepep"]["overlap_by_op"]}
+    assert ops["host_wait"]["count"] == SMALL.moe_layers
+    assert ops["host_wait"]["us"] == pytest.approx(HOST_WAIT_US * SMALL.moe_layers)
+    assert "host_wait" not in {o["op"] for o in out["strategies"]["deepep-ll"]["overlap_by_op"]}
