@@ -98,7 +98,11 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
     shape = dataclasses.replace(step_shape(m, mode, T, ctx), shards=p.tp * p.cp)
     g_ep = group.cluster.gpus_per_node
     rs = group
-    costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None)
+    from moonep_sim.step.measured import load_measured
+
+    # as today's step: a user's profile wins, else the measured tables where installed and the GPU has one
+    costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None,
+                      measured=None if compute_profile else load_measured(rs.topology))
     mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
     cfg = StepConfig(m, group.topology, group.ctx, group.strategies, shape, overlap, costs, mem, {})
     pool = None

@@ -187,7 +187,9 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
                                 global_batch_size=global_batch_size, schedules=schedules, seq=seq)
     require(bool(layouts), f"no valid layout of {model.name} on {gpus} GPUs ({G} per node): every tp, pp, dp, ep "
                            "split breaks a rule (heads, experts, layers or the GPU count)")
-    costs = CostModel(topo, gemm_dtype)
+    from moonep_sim.step.measured import load_measured
+
+    costs = CostModel(topo, gemm_dtype, measured=load_measured(topo))   # as a step prices its ops
     mem = MemoryOptions(recompute=recompute)
 
     def T_of(p) -> int:

@@ -304,8 +304,13 @@ def layout_step(cfg, p: Parallel, source: Callable[[int], tuple], gpus_per_node:
     cluster's. Returns ``{"strategies": {name: figures}, "parallel": ..., ...}``."""
     programs, prov = simulate_stages(cfg, p, source, progress=progress, map_fn=map_fn, pipeline=pipeline)
     out = {n: schedule_layout(cfg, p, [st[n] for st in programs], gpus_per_node) for n, _ in cfg.strategies}
+    from moonep_sim.step.compose import all_ops, stack_ops
+
+    train = cfg.shape.mode == "train"
+    sources = cfg.costs.sources(all_ops(stack_ops(cfg.model, cfg.shape), train), train) if cfg.costs else None
     return {"strategies": out, "mode": cfg.shape.mode, "tokens_per_rank": cfg.shape.tokens,
             "context": cfg.shape.context, "overlap": cfg.overlap, "layers_routing": prov, "parallel": p.to_dict(),
+            "compute_sources": sources,
             "layout": p.label(), "pipeline": None, "_timelines": {}}
 
 
