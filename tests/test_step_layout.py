@@ -120,6 +120,12 @@ def test_pipeline_layout_runs_and_zero_shards_memory():
         # 1F1B keeps pp = 2 micro-batches alive on the first stage, 1 on the last
         assert f0["pipeline_ranks"][0]["pipeline_end_us"] > 0
         assert f0["tokens_per_step"] == 16 * 128
+        # weights, gradients and optimizer state alone: a lower bound known before any simulation
+        from moonep_sim.step.layout_step import static_memory_bytes
+        st = static_memory_bytes(_model(4), p0)
+        parts = f0["memory"]["parts"]
+        assert st == pytest.approx(parts["weights"] + parts["gradients"] + parts["optimizer"], rel=0.01)
+        assert st < f0["peak_memory_bytes"]
 
 
 @pytest.mark.parametrize("kw, match", [

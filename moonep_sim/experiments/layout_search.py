@@ -11,7 +11,9 @@ applies (interleaved with vpp 2, DualPipe with an even pp). Training keeps one g
 layouts (default ``N x micro_batch_size`` sequences, so every d divides it); each layout is
 validated as a whole (:meth:`~moonep_sim.step.parallel.Parallel.check`), the invalid ones dropped.
 
-**Priced as a model** (fast: a few layer simulations, not a step per layout): the MoE and dense
+Layouts whose weights, gradients and optimizer state alone exceed the GPU
+(:func:`~moonep_sim.step.layout_step.static_memory_bytes`) are dropped before any simulation
+(counted and flagged). **Priced as a model** (fast: a few layer simulations, not a step per layout): the MoE and dense
 layers of a stage program depend on the layout only through (e, T, the EP group's GPUs per node),
 so for each distinct such key one layer of each kind (dense or MoE, and its attention kind) is
 simulated alone as today's step (one micro-batch of a one-layer model over the EP group, every MoE
@@ -190,6 +192,13 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
     from moonep_sim.step.measured import load_measured
 
     costs = CostModel(topo, gemm_dtype, measured=load_measured(topo))   # as a step prices its ops
+    # what cannot fit even without activations is dropped before any simulation
+    from moonep_sim.step.layout_step import static_memory_bytes
+
+    cap = topo.gpu_memory_GiB * 2**30
+    static = [(p, static_memory_bytes(model, p, mode == "train")) for p in layouts]
+    unfit = [p for p, b in static if cap and b > cap]
+    layouts = [p for p, b in static if not (cap and b > cap)]
     mem = MemoryOptions(recompute=recompute)
 
     def T_of(p) -> int:
@@ -239,12 +248,15 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
     fit = len({r["layout"] for r in rows if r["fits"]})
     return {"kind": "layout-search", "model": model.name, "mode": mode, "gpus": gpus, "gpus_per_node": G,
             "topology": topo.name, "seq": seq if mode == "train" else None, "micro_batch_size": micro_batch_size,
-            "valid": len(layouts), "priced": len({r["layout"] for r in rows}), "fit": fit,
+            "valid": len(layouts) + len(unfit), "unfit_unpriced": len(unfit),
+            "priced": len({r["layout"] for r in rows}), "fit": fit,
             "units_simulated": len(units), "units_skipped": skipped, "ranked": ranked, "rows": rows,
             "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
             "flags": ["PRICED AS A MODEL: one layer of each kind simulated per (ep, tokens per rank), every MoE "
                       "layer on the same generated routing; run `moonep-sim step` with a chosen layout for its full "
                       "step"] + ([] if fit else ["no layout fits in memory: more GPUs, recompute or fp8 weights"])
+            + ([f"{len(unfit)} valid layout(s) not priced: their weights, gradients and optimizer state alone "
+                f"exceed the GPU's {topo.gpu_memory_GiB:g} GiB"] if unfit else [])
             + ([f"{len(skipped)} (ep, tokens per rank) pair(s) could not be priced, their layouts dropped: "
                 f"{skipped[0]['reason']}"] if skipped else [])}
 

@@ -293,6 +293,28 @@ def simulate_stages(cfg, p: Parallel, source: Callable[[int], tuple], *, progres
     return out, prov
 
 
+def static_memory_bytes(model: ModelSpec, p: Parallel, train: bool = True,
+                        optimizer_bytes_per_param: float = 12.0) -> float:
+    """The fullest pipeline rank's weights, gradients and optimizer state under layout ``p`` (no
+    activations, buffers or KV cache): a lower bound of :func:`layout_memory`'s peak, known before
+    any simulation (the layout search drops the layouts it rules out unpriced)."""
+    sched = get_schedule(p.pp_schedule, p.pp, p.vpp, p.micro_batches)
+    bounds = stage_bounds(model, p)
+    best = 0.0
+    for r in range(p.pp):
+        chunks = [(c, *bounds[sched.stage_of(c)]) for c in range(sched.chunks()) if sched.rank_of(c) == r]
+        cm = {}
+        for c, a, b in chunks:
+            dense, expert = chunk_params(model, a, b, True, True)
+            parts = {"weights": (dense + expert / p.ep) * BF16, "buffers": 0.0}
+            parts.update({"activations": 0.0} if train else {"kv_cache": 0.0})
+            cm[c] = {"parts": parts, "dense_only": True}
+        mem = layout_memory({"optimizer_bytes_per_param": optimizer_bytes_per_param}, model, p, chunks,
+                            [1] * len(chunks), cm, train)
+        best = max(best, mem["peak_bytes"])
+    return best
+
+
 def layout_step(cfg, p: Parallel, source: Callable[[int], tuple], gpus_per_node: int, *, progress=None,
                 map_fn: Callable | None = None, pipeline: bool | None = None) -> dict:
     """Every strategy's step under layout ``p`` (see the module docstring).
@@ -455,5 +477,6 @@ def _inflight(run, sched) -> dict[int, int]:
 
 
 __all__ = ["GRAD_REDUCE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "PARAM_GATHER_BYTES", "StageProgram", "chunk_params",
+           "static_memory_bytes",
            "expert_group_gpus_per_node", "layout_memory", "layout_step", "schedule_layout", "simulate_stages",
            "stage_bounds", "stage_model", "tp_comm_us"]
