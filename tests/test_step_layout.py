@@ -170,7 +170,7 @@ def test_search_ranks_fitting_layouts():
     # every valid layout multiplies to the GPUs, and pp, ep, tp divide what they split
     assert lays and all(p.world == 8 and m.num_experts % p.ep == 0 and m.heads % p.tp == 0 for p in lays)
     assert {(p.tp, p.pp) for p in lays} >= {(1, 1), (2, 2), (8, 1), (1, 4)}
-    rep = _sc(8, layers=4).search_layouts(8, "train", seq=2048, top=3)
+    rep = _sc(8, layers=4).search_layouts(8, "train", seq=2048, top=3, zeros=(1,))
     assert rep["valid"] == len(lays)
     for rows in rep["ranked"].values():
         assert len(rows) == 3
@@ -185,10 +185,10 @@ def test_search_price_matches_the_layout_step_on_one_routing():
     sc = _sc(8, layers=4)
     p = Parallel(tp=2, pp=2, dp=2, ep=4, global_batch_size=8)
     full = sc.step("train", parallel=p, context=2048, distinct_layers=1).figures
-    rep = sc.search_layouts(8, "train", seq=2048, top=100)
+    rep = sc.search_layouts(8, "train", seq=2048, top=100, zeros=(1,))
     row = {(r["strategy"], r["layout"]): r for r in rep["rows"]}
     for n, f in full.items():
-        r = row[(n, "TP2 PP2 DP2 EP4 1f1b")]
+        r = row[(n, "TP2 PP2 DP2 EP4 1f1b ZeRO1")]
         assert r["step_time_us"] == pytest.approx(f["step_time_us"], rel=0.02)
         assert r["peak_memory_bytes"] == pytest.approx(f["peak_memory_bytes"], rel=0.02)
 

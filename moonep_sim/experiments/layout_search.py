@@ -6,8 +6,8 @@ micro-batch (``micro_batch_size x seq / t``).
 
 **Enumerated** (:func:`enumerate_layouts`): t over the divisors of G that divide the heads; p over
 the divisors of N / t up to the layers; d = N / (t p); e over the divisors of t d that divide the
-expert slots; cp = etp = 1, ZeRO 1 (the distributed optimizer); each pp schedule asked for where it
-applies (interleaved with vpp 2, DualPipe with an even pp). Training keeps one global batch for all
+expert slots; cp = etp = 1; each ZeRO stage asked for (default 1, 2 and 3) and each pp schedule
+where it applies (interleaved with vpp 2, DualPipe with an even pp). Training keeps one global batch for all
 layouts (default ``N x micro_batch_size`` sequences, so every d divides it); each layout is
 validated as a whole (:meth:`~moonep_sim.step.parallel.Parallel.check`), the invalid ones dropped.
 
@@ -38,7 +38,7 @@ def _divisors(n: int) -> list[int]:
 
 def enumerate_layouts(model, gpus: int, gpus_per_node: int, mode: str = "train", *, micro_batch_size: int = 1,
                       global_batch_size: int = 0, schedules: tuple[str, ...] = ("1f1b",), seq: int = 4096,
-                      expert_slots: int | None = None) -> list:
+                      expert_slots: int | None = None, zeros: tuple[int, ...] = (1,)) -> list:
     """Every valid :class:`~moonep_sim.step.parallel.Parallel` (see the module docstring)."""
     from moonep_sim.step.parallel import Parallel
 
@@ -56,8 +56,9 @@ def enumerate_layouts(model, gpus: int, gpus_per_node: int, mode: str = "train",
             for ep in _divisors(tp * dp):
                 if slots % ep:
                     continue
-                for sch in (schedules if pp > 1 else ("1f1b",)):
-                    kw = dict(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch_size=micro_batch_size, zero=1,
+                for sch, zero in ((a, z) for a in (schedules if pp > 1 else ("1f1b",))
+                                  for z in (zeros if mode == "train" else (1,))):
+                    kw = dict(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch_size=micro_batch_size, zero=zero,
                               pp_schedule=sch, global_batch_size=gbs if mode == "train" else 0)
                     if sch == "interleaved":
                         kw["vpp"] = 2
@@ -165,7 +166,8 @@ def _stage_memory(model, a: int, b: int, progs: list, ep: int, shape) -> dict:
 
 
 def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096, micro_batch_size: int = 1,
-                   global_batch_size: int = 0, schedules: tuple[str, ...] = ("1f1b",), overlap: str = "none",
+                   global_batch_size: int = 0, schedules: tuple[str, ...] = ("1f1b",), zeros: tuple[int, ...] = (1, 2, 3),
+                   overlap: str = "none",
                    gemm_dtype: str = "bf16", recompute: bool = False, top: int = 5, tokens_per_rank: int | None = None,
                    progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Every valid layout of ``scenario``'s model on ``gpus`` GPUs, priced (see the module
@@ -186,7 +188,7 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
     model = probe.source.model
     require(probe.source.gen is not None, "a layout search runs on generated routing (gen:...)")
     layouts = enumerate_layouts(model, gpus, min(G, gpus), mode, micro_batch_size=micro_batch_size,
-                                global_batch_size=global_batch_size, schedules=schedules, seq=seq)
+                                global_batch_size=global_batch_size, schedules=schedules, seq=seq, zeros=zeros)
     require(bool(layouts), f"no valid layout of {model.name} on {gpus} GPUs ({G} per node): every tp, pp, dp, ep "
                            "split breaks a rule (heads, experts, layers or the GPU count)")
     from moonep_sim.step.measured import load_measured
@@ -233,7 +235,8 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
         best = max(fitting or names, key=lambda n: figs[n]["tokens_per_s_per_gpu"])
         for n in names:
             f = figs[n]
-            rows.append({"layout": p.label() + (f" {p.pp_schedule}" if p.pp > 1 else ""), "parallel": p.to_dict(),
+            rows.append({"layout": p.label() + (f" {p.pp_schedule}" if p.pp > 1 else "") + f" ZeRO{p.zero}",
+                         "parallel": p.to_dict(),
                          "strategy": n, "tokens_per_s_per_gpu": f["tokens_per_s_per_gpu"],
                          "step_time_us": f["step_time_us"], "mfu": f["mfu"],
                          "bubble_fraction": f["pipeline"]["bubble_fraction"], "peak_memory_bytes": f["peak_memory_bytes"],
