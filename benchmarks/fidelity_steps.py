@@ -49,6 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SEQ = 4096
+#: where each run's op times came from (``setup.compute_sources`` values), gathered for the header
+SOURCES: set[str] = set()
 
 
 def _truncated(name: str, layers: int, dense: int):
@@ -63,7 +65,9 @@ def _step(model, topology: str, strategies: str, gpus: int, parallel, gen: str):
 
     sc = Scenario(routing=f"gen:model={gen},uniform=1", model=model, cluster=(gpus, 0), topology=topology,
                   strategies=strategies)
-    return sc.step("train", parallel=parallel, context=SEQ).figures
+    res = sc.step("train", parallel=parallel, context=SEQ)
+    SOURCES.update(str(v).replace(", per-expert GEMMs", "") for v in (res.setup.get("compute_sources") or {}).values())
+    return res.figures
 
 
 def row1() -> list[dict]:
@@ -179,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             f"on {os.cpu_count()} cores",
             "- nothing fitted: every figure is a prediction with the shipped presets (no leave-one-out needed); the "
             "layout, batch and dispatcher are the published ones, the rest as `moonep-sim step` defaults them "
-            "(roofline compute costs, every MoE layer its own generated balanced routing).",
+            "(every MoE layer its own generated balanced routing; op times as a step prices them, from: "
+            + (", ".join(sorted(SOURCES)) or "?") + ").",
             "- mappings and assumptions: see the docstring of `benchmarks/fidelity_steps.py` (row 2's two DeepEP "
             "transports are one prediction; its 'overlap on' is the DP gradient reduce overlapped; row 5's batch and "
             "FSDP are ASSUMED).", ""]
