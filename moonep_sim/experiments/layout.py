@@ -133,6 +133,8 @@ LAYOUT_ASSUMPTIONS = (
     "no zero-bubble weight split",
     "activations per micro-batch from the stage's tokens per rank (sequence-parallel sized); memory with the "
     "layout's shards over today's per-chunk account",
+    "a TP rank's GEMMs priced as its share of the tokens through the whole weight: the FLOPs are the shard's, the "
+    "weight bytes a memory-bound (decode) GEMM reads are not divided by tp (decode under TP priced high)",
 )
 
 
