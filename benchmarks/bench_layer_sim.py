@@ -75,7 +75,8 @@ def capture(case: str, strategy: str, k3_layers: int) -> list[tuple]:
 
 
 def same(a, b, path="result") -> None:
-    """Raise unless ``a`` and ``b`` are equal field by field (arrays element-wise, floats exactly)."""
+    """Raise unless ``a`` and ``b`` are equal field by field (arrays element-wise, tuples and lists item by
+    item, floats exactly)."""
     if dataclasses.is_dataclass(a):
         for f in dataclasses.fields(a):
             same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
@@ -84,9 +85,19 @@ def same(a, b, path="result") -> None:
             raise AssertionError(f"{path}: keys differ")
         for k in a:
             same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (tuple, list)) and any(isinstance(x, np.ndarray) for x in a):
+        if len(a) != len(b):
+            raise AssertionError(f"{path}: lengths differ")
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{path}[{i}]")
     elif isinstance(a, np.ndarray):
         if a.dtype != b.dtype or not np.array_equal(a, b, equal_nan=True):
             raise AssertionError(f"{path}: arrays differ")
+    elif isinstance(a, (tuple, list)):
+        if type(a) is not type(b) or len(a) != len(b):
+            raise AssertionError(f"{path}: lengths differ")
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{path}[{i}]")
     elif a != b and not (isinstance(a, float) and np.isnan(a) and np.isnan(b)):
         raise AssertionError(f"{path}: {a!r} != {b!r}")
 

@@ -350,9 +350,9 @@ def cli_argv(case: str, strategies: list[str], distinct: int, pipeline: str = "a
     c = CASES[case]
     spec, st = c["spec"], c["step"]
     R, G = c["cluster"].split("/")
-    argv = ["step", "--gen", f"model={spec['model']},maxvio={spec['maxvio']:g},tokens-per-rank={spec['tokens_per_rank']}",
-            "--ranks", R, "--gpus-per-node", G, "--topology", "h800-cx7", "--strategies", ",".join(strategies),
-            "--mode", st["mode"], "--overlap", st["overlap"]]
+    gen = f"model={spec['model']},maxvio={spec['maxvio']:g},tokens-per-rank={spec['tokens_per_rank']}"
+    argv = ["step", "--gen", gen, "--ranks", R, "--gpus-per-node", G, "--topology", "h800-cx7",
+            "--strategies", ",".join(strategies), "--mode", st["mode"], "--overlap", st["overlap"]]
     if st.get("context"):
         argv += ["--context", str(st["context"])]
     if distinct:
@@ -378,7 +378,8 @@ def run_cli(case: str, strategies: list[str], distinct: int, pipeline: str = "au
         raise SystemExit(f"moonep-sim {' '.join(argv)} failed ({p.returncode}): {p.stderr.strip()[-400:]}")
     doc = json.loads(p.stdout)
     return {"cli_command": "moonep-sim " + " ".join(argv), "cli_wall_s": wall,
-            "cli_cpu_s": (k1.ru_utime - k0.ru_utime) + (k1.ru_stime - k0.ru_stime), "cli_load_start": load0,
+            "cli_cpu_s": (k1.ru_utime - k0.ru_utime) + (k1.ru_stime - k0.ru_stime),
+            "cli_user_s": k1.ru_utime - k0.ru_utime, "cli_sys_s": k1.ru_stime - k0.ru_stime, "cli_load_start": load0,
             "cli_step_time_us": {s: doc["strategies"][s]["step_time_us"] for s in strategies}}
 
 

@@ -1,4 +1,4 @@
-"""Replay a trace over gloo. See ``moonep_sim.experiments.replay_rank`` and docs/gloo.md.
+"""Replay a trace over gloo. See ``moonep_sim.experiments.ranks.replay_rank`` and docs/gloo.md.
 
     python launch/replay.py --nproc 4 --trace T --strategy moonep --backward --json out.json
 
@@ -22,7 +22,7 @@ def _interrupted() -> None:
 
 if __name__ == "__main__":
     try:
-        from moonep_sim.experiments.replay_rank import main  # imports torch: a second or more
+        from moonep_sim.experiments.ranks.replay_rank import main  # imports torch: a second or more
         main()
     except KeyboardInterrupt:
         _interrupted()

@@ -11,13 +11,13 @@ loopback, the failing rank's one error line and status), with a progress bar on 
 ``--compare-sim`` simulates the measured steps (same model shape, same recorded routing, same
 strategies) on the ``local-gloo`` topology and prints measured against simulated step times
 (``moonep_sim.experiments.hf_step``). Exit status: 0; 3 when ``--check`` found a difference; 2 bad
-input; 1 a failed collective; 130 on Ctrl-C. See docs/hf.md.
+input; 1 a failed collective; 130 on Ctrl-C (at any moment after the interpreter has started: one line,
+the ranks stopped). Everything that can be checked -- the model's config, --nproc against its experts,
+the strategies, the outputs -- is checked before any rank starts. See docs/hf.md.
 """
 
-import json
 import os
 import sys
-import tempfile
 
 
 def main(argv=None) -> int:
@@ -27,6 +27,9 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
+    import json
+    import tempfile
+
     from moonep_sim.errors import require
     from moonep_sim.integrations import train
     from moonep_sim.io import write_text_atomic
@@ -70,7 +73,11 @@ def _compare(rep):
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except KeyboardInterrupt:  # Ctrl-C before the package's own handler is in place
+        print("moonep-sim: interrupted", file=sys.stderr, flush=True)
+        code = 130
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)   # under torchrun: no process-group destructors after a failed collective

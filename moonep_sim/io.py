@@ -172,6 +172,12 @@ def check_output_dir(path: PathLike, what: str = "--out") -> Path:
         raise ConfigError(f"{what} ({p}) must be a folder path: {anc} is {file_kind(anc.stat().st_mode)}")
     if not os.access(anc, os.W_OK | os.X_OK):
         raise ConfigError(f"{what} ({p}) must be creatable: {anc} is not writable")
+    probe = anc / f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+    try:  # the mode bits do not tell all (/proc, a read-only mount): try the folder the staging needs
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        raise ConfigError(f"{what} ({p}) must be creatable: {anc}: {e.strerror}") from None
     return p
 
 
@@ -386,7 +392,10 @@ def staged_dir(dest: PathLike, what: str = "--out") -> Iterator[Path]:
     clean_stale_temps(anc)
     tmp = anc / f".{d.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
     try:
-        tmp.mkdir(mode=0o777)
+        try:
+            tmp.mkdir(mode=0o777)
+        except OSError as e:
+            raise ConfigError(f"{what} ({d}) must be creatable: {anc}: {e.strerror}") from None
         try:
             yield tmp
         except ConfigError as e:  # a write inside failed: name the file where the user will look for it

@@ -43,3 +43,12 @@ MAX_TOKENS_PER_RANK = 1 << 20
 MAX_WIDTH = 1 << 20
 """A model's hidden, expert FFN or dispatch width (the widest published is 18432): bounds row and
 weight sizes before any arithmetic (2^63 would overflow int64 byte counts)."""
+
+MAX_HEADS = 1 << 12
+"""Attention heads (or KV heads) of a layer (the most published is 128)."""
+
+MAX_VOCAB = 1 << 24
+"""Embedding / LM-head rows (the largest published vocabularies are about 2.6e5)."""
+
+MAX_CONTEXT = 1 << 30
+"""A model's longest context or a step's context, in tokens (the longest published is about 1e7)."""

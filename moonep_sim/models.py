@@ -40,6 +40,51 @@ def check_spec_fields(m) -> None:
         require(lo <= v <= hi, f"{field} ({v}) must lie in [{lo}, {hi}]")
     for field in ("name", "router", "note", "source"):
         require(isinstance(getattr(m, field), str), f"{field} ({getattr(m, field)!r}) must be a string")
+    check_stack_fields(m)
+
+
+def model_label(m) -> str:
+    """How an error names model ``m``: its name, and the file it was read from when it came from one
+    (``m (from /path/m.json)``), so a refusal of a model file's content names the file."""
+    src = getattr(m, "source", "")
+    if src and "://" not in src and os.path.isfile(src):
+        return f"{m.name} (from {src})"
+    return m.name
+
+
+def check_stack_fields(m) -> None:
+    """The layer-stack fields of a :class:`ModelSpec` (0 = not given): each an integer within its
+    limit, and consistent where given -- KV heads at most the heads and dividing them (GQA groups),
+    a head width wherever there are heads, MLA's KV latent width and RoPE width for an ``mla``
+    layer, a window for a ``sliding`` one. One line naming the field (the file, from a model file)."""
+    from moonep_sim.limits import MAX_CONTEXT, MAX_HEADS, MAX_VOCAB, MAX_WIDTH
+
+    for field, hi, what in (("heads", MAX_HEADS, "attention heads"), ("kv_heads", MAX_HEADS, "KV heads"),
+                            ("head_dim", MAX_WIDTH, "the per-head width"), ("q_lora_rank", MAX_WIDTH, "MLA's query latent width"),
+                            ("kv_lora_rank", MAX_WIDTH, "MLA's KV latent width"), ("qk_rope_dim", MAX_WIDTH, "the RoPE width"),
+                            ("v_head_dim", MAX_WIDTH, "the value head width"),
+                            ("sliding_window", MAX_CONTEXT, "tokens a sliding layer attends to"),
+                            ("max_context", MAX_CONTEXT, "the longest context"), ("vocab", MAX_VOCAB, "embedding rows"),
+                            ("dense_ffn", MAX_WIDTH, "the dense layers' FFN width")):
+        v = getattr(m, field)
+        require(_is_int(v), f"{field} ({v!r}) must be an integer")
+        require(0 <= v <= hi, f"{field} ({v}) must lie in [0, {hi}]: {what} (0 = not given)")
+    require(isinstance(m.attention, str), f"attention ({m.attention!r}) must be a string")
+    kinds = {k.strip() for k in m.attention.split(",") if k.strip()}
+    if m.kv_heads:
+        require(m.heads >= 1 and m.kv_heads <= m.heads and m.heads % m.kv_heads == 0,
+                f"kv_heads ({m.kv_heads}) must divide heads ({m.heads}): each KV head serves a whole group of "
+                "query heads (kv_heads = heads is MHA)")
+    if m.heads and kinds - {"none"}:
+        require(m.head_dim >= 1, f"head_dim ({m.head_dim}) must be >= 1: the {m.heads} heads need a width")
+    if "mla" in kinds:
+        for field in ("kv_lora_rank", "qk_rope_dim"):
+            require(getattr(m, field) >= 1, f"{field} ({getattr(m, field)}) must be >= 1 for attention 'mla': "
+                                            "multi-head latent attention caches the KV latent and its RoPE part "
+                                            "(q_lora_rank may be 0: a direct query projection)")
+    if "sliding" in kinds:
+        require(m.sliding_window >= 1, f"sliding_window ({m.sliding_window}) must be >= 1 for attention 'sliding': "
+                                       "the tokens a sliding layer attends to")
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,7 @@ class PerfConfig:
         ~0.25 CPU s, at its first compiled call). 65536: below it the two cost the same within a
         few ms (benchmarks/bench_plan.py).
     thread_min: entries plus messages from which a Plan's independent pieces of work (validation's
-        hop check; capacity's and allgather's hop beside their layout; the multi-hop table routes'
-        layout beside their hops) run on a second thread. Below it a thread's start costs more than
+        hop check; capacity's and allgather's hop beside their layout) run on a second thread. Below it a thread's start costs more than
         it saves. The CPU time is the same either way; the wall time falls on two cores.
     pair_rows_compiled_min: messages from which ``Hop.rows_RR`` counts rows per (source,
         destination) pair with its compiled pass (below: ``np.bincount``).

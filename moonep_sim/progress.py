@@ -43,6 +43,18 @@ def set_quiet(quiet: bool = True) -> None:
     _quiet[0] = bool(quiet)
 
 
+@contextlib.contextmanager
+def quieted(quiet: bool = True) -> Iterator[None]:
+    """Silence every tracker for the ``with`` block when ``quiet`` (a command's ``--quiet``), and
+    restore what was set before on the way out (so an in-process call leaves no trace)."""
+    before = _quiet[0]
+    _quiet[0] = before or bool(quiet)
+    try:
+        yield
+    finally:
+        _quiet[0] = before
+
+
 def enabled() -> bool:
     """Whether :func:`tracker` draws a bar here: stderr a terminal, the main process, not quiet."""
     if _quiet[0] or os.environ.get("MOONEP_SIM_QUIET", "") not in ("", "0"):
@@ -224,4 +236,5 @@ def resolve(progress, description: str):
     return contextlib.nullcontext(_noop if progress is False else progress)
 
 
-__all__ = ["Callback", "FILE_ENV", "LINE_INTERVAL_S", "enabled", "followed", "resolve", "set_quiet", "to_file", "tracker"]
+__all__ = ["Callback", "FILE_ENV", "LINE_INTERVAL_S", "enabled", "followed", "quieted", "resolve", "set_quiet",
+           "to_file", "tracker"]

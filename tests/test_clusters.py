@@ -105,7 +105,7 @@ def test_json_to_stdout(tmp_path, capsys):
                       "layer_time_us", "verdict", "strategies", "flags", "constants"}
     assert set(r["verdict"]) == {"winner", "runner_up", "margin", "tie", "tied_with", "mechanism", "confidence", "why"}
     assert set(p["winner_change"]) == {"winners", "changes"}
-    from moonep_sim.experiments.flags import FLAG_CODES
+    from moonep_sim.analysis.flags import FLAG_CODES
     assert doc["flags"] and {f["code"] for f in doc["flags"]} <= set(FLAG_CODES)
     assert all(set(f) == {"code", "strategy", "text", "topology"} for f in doc["flags"])
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moonep_sim.experiments.validate import default_cases, summarise
-from moonep_sim.experiments.ranking import agreement, holm, kendall_tau, order, order_text, resolved_pairs, sign_test_p
+from moonep_sim.analysis.ranking import agreement, holm, kendall_tau, order, order_text, resolved_pairs, sign_test_p
 
 
 def _tau_reference(a, b):

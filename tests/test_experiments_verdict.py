@@ -8,8 +8,8 @@ import pytest
 
 from conftest import TRACES
 from moonep_sim.experiments import Scenario
-from moonep_sim.experiments.flags import REAL_LIBRARY, compare_flags
-from moonep_sim.experiments.verdict import MECHANISMS, TIE, confidence, terms, verdict
+from moonep_sim.analysis.flags import REAL_LIBRARY, compare_flags
+from moonep_sim.analysis.verdict import MECHANISMS, TIE, confidence, terms, verdict
 from moonep_sim.report.tables import verdict_line as line
 
 MIXTRAL = TRACES / "mixtral-8x7b_humaneval.safetensors"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moonep_sim.errors import ConfigError
-from moonep_sim.experiments.replay_rank import run_replay
+from moonep_sim.experiments.ranks.replay_rank import run_replay
 from moonep_sim.routing.generators import generate_trace
 
 pytestmark = pytest.mark.slow  # every test here starts gloo ranks in processes (-m "not slow" skips them)

@@ -1,5 +1,5 @@
-"""The package reads bottom-up: routing -> plan -> strategies -> (sim, gloo) -> (step, integrations) -> serve ->
-experiments -> report -> testbed -> cli. No module imports a package above its own (function-level imports included),
+"""The package reads bottom-up: routing -> plan -> strategies -> (sim, gloo) -> (step, integrations) -> analysis ->
+serve -> experiments -> report -> testbed -> cli. No module imports a package above its own (function-level imports included),
 report/ only renders (it imports none of the executors, planners or experiments) and gloo/ never
 imports the strategies."""
 
@@ -10,9 +10,10 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "moonep_sim"
 # the shared base (errors, io, models, data) sits below everything
-# the step model and integrations (model libraries over the gloo executor) sit above the executors, below experiments
+# the step model and integrations (model libraries over the gloo executor) sit above the executors, below experiments;
+# result analysis (verdicts, flags, rankings over the figures) above them, below serving and the experiments
 LEVEL = {"routing": 1, "plan": 2, "strategies": 3, "sim": 4, "gloo": 4, "step": 4.5, "integrations": 4.5,
-         "serve": 4.75, "experiments": 5, "report": 6, "testbed": 7, "cli": 8}
+         "analysis": 4.6, "serve": 4.75, "experiments": 5, "report": 6, "testbed": 7, "cli": 8}
 
 
 # what each package may not import (function-level imports included), beyond the levels above:
@@ -24,6 +25,7 @@ FORBIDDEN = {
     "strategies": {"sim", "gloo", "experiments", "report", "testbed", "cli"},
     "sim": {"gloo", "step", "experiments", "report", "testbed", "cli"},
     "step": {"gloo", "integrations", "experiments", "report", "testbed", "cli"},  # composes Plans and the simulator
+    "analysis": {"gloo", "integrations", "serve", "experiments", "report", "testbed", "cli"},  # reads figures, runs nothing
     "serve": {"gloo", "integrations", "experiments", "report", "testbed", "cli"},  # requests over the step model
     "gloo": {"strategies", "experiments", "report", "testbed", "cli"},  # the executor takes a planner callable
     "report": {"gloo", "sim", "step", "strategies", "experiments", "testbed", "cli"},  # renders the dicts it is given

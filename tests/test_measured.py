@@ -87,8 +87,51 @@ def test_a_step_says_which_op_came_from_which_source():
     src = simulate_step(cfg, lambda i: (0, r, "layer"))["compute_sources"]
     for op in ("attn_proj", "router", "lm_head", "dense_ffn", "attn_proj_bwd", "expert", "expert_bwd"):
         assert src[op].startswith("measured (aiconfigurator-core h100_sxm/gemm"), op
-    for op in ("attn_core", "norm", "embed", "loss", "attn_core_bwd"):
+    assert src["attn_core"].startswith("measured (aiconfigurator-core h100_sxm/attention")   # GQA, 4 heads
+    assert src["attn_core_bwd"].endswith("backward x 2.5 (FlashAttention-2)")
+    for op in ("norm", "embed", "loss"):
         assert src[op] == ROOFLINE, op
     plain = simulate_step(StepConfig(SMALL, topo, _ctx(SMALL, topo), (("alltoall", {}),),
                                      step_shape(SMALL, "train", 64, None), "none"), lambda i: (0, r, "layer"))
-    assert set(plain["compute_sources"].values()) == {ROOFLINE}
+    assert {v for k, v in plain["compute_sources"].items() if k != "launch"} == {ROOFLINE}
+    assert plain["compute_sources"]["launch"] == "not charged"
+
+
+def test_fitted_constants_replace_the_assumed_ones_for_gemms_only():
+    from moonep_sim.step.costs import fitted_constants
+
+    topo = load_topology("h800-cx7")
+    f = fitted_constants("h800-cx7", "bf16")
+    assert f is not None and f["source"].startswith("FITTED on h100_sxm") and fitted_constants("mi300x", "bf16") is None
+    cm = CostModel(topo, fitted=f)
+    op = Op("attn_proj", "gemm", 2.0 * 256 * 7168 * 4096, 7168 * 4096 * 2.0, 256, "tokens=256", 7168)
+    want = max(op.flops / (topo.gpu_tflops * f["compute_efficiency"] * 1e6 * 256 / (256 + f["half_rows"])),
+               op.bytes / (topo.gpu_mem_bandwidth_GBps * f["mem_efficiency"] * 1e3))
+    assert cm.op_us(op) == pytest.approx(want, rel=1e-12)
+    norm = Op("norm", "bytes", 0.0, 1e6, 256, "tokens=256")
+    assert cm.op_us(norm) == CostModel(topo).op_us(norm)       # not a GEMM: the topology's HBM efficiency
+    assert cm.op_source(op).startswith("roofline-compute (GEMM constants FITTED on")
+
+
+def test_gqa_attention_is_read_from_the_measured_tables_in_prefill_and_decode():
+    pytest.importorskip("aiconfigurator_core")
+    from moonep_sim.models import get_model
+    from moonep_sim.step.measured import ATTN_BWD_FACTOR, attention_table
+    from moonep_sim.step.stack import backward_op, layer_ops, step_shape
+
+    m, topo = get_model("qwen3-30b-a3b"), load_topology("h100-cx7")
+    cm = CostModel(topo, measured=load_measured(topo))
+    ctx = attention_table("h100_sxm", "context")
+    row = ctx[(ctx.num_heads == m.heads) & (ctx.num_key_value_heads == m.kv_heads) & (ctx.head_dim == m.head_dim)
+              & (ctx.window_size == 0) & (ctx.batch_size == 1) & (ctx.isl == 4096)]
+    assert len(row)  # a grid point: read back as measured
+    op = next(o for o in layer_ops(m, 0, step_shape(m, "train", 4096, 4096)).before if o.name == "attn_core")
+    assert cm.op_us(op) == pytest.approx(float(row.us.median()), rel=1e-9)
+    assert cm.op_us(backward_op(op)) == pytest.approx(ATTN_BWD_FACTOR * float(row.us.median()), rel=1e-9)
+    assert "fa3 context" in cm.op_source(op)
+    dec = next(o for o in layer_ops(m, 0, step_shape(m, "decode", 128, 4096)).before if o.name == "attn_core")
+    assert "fa3 generation" in cm.op_source(dec) and cm.op_us(dec) > 0
+    # MLA has no attn dims: the roofline, flagged
+    ds = get_model("deepseek-v3")
+    mla = next(o for o in layer_ops(ds, 3, step_shape(ds, "decode", 128, 4096)).before if o.name == "attn_core")
+    assert cm.op_source(mla) == ROOFLINE

@@ -1,4 +1,4 @@
-"""The measured verdict of a gloo replay (moonep_sim.experiments.measured_verdict): from the replay's
+"""The measured verdict of a gloo replay (moonep_sim.analysis.measured_verdict): from the replay's
 own figures, a win only where both the spread over measured units and the sign test resolve it,
 and the mechanism read from the measured phase behind the margin.
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from moonep_sim.experiments.measured_verdict import measured_figures, measured_verdict
-from moonep_sim.experiments.ranking import agreement
+from moonep_sim.analysis.measured_verdict import measured_figures, measured_verdict
+from moonep_sim.analysis.ranking import agreement
 
 PH = ("exchange", "plan", "dispatch", "prefetch", "expert", "combine", "backward", "total")
 
@@ -104,7 +104,7 @@ def test_several_steps_spread_over_steps_and_iterations():
 
 
 def test_the_replay_program_prints_the_measured_verdict_under_the_summaries():
-    from moonep_sim.experiments.replay_rank import _summaries
+    from moonep_sim.experiments.ranks.replay_rank import _summaries
 
     reps = {"a": _rep([_entry(iters=FAST)], FAST), "b": _rep([_entry(iters=SLOW, plan=1.1)], SLOW)}
     for n, r in reps.items():

@@ -93,3 +93,16 @@ def test_parameter_counts_by_hand():
     assert c["routed_experts"] == 8 * expert and c["dense"] == dense
     assert c["total"] == dense + 8 * expert
     assert c["active_with_embedding"] == dense + 2 * expert and c["active"] == dense + 2 * expert - 100 * 64
+
+
+def test_the_models_command_states_each_presets_parameters(capsys):
+    import json
+
+    from moonep_sim.cli import main
+
+    assert main(["models", "--json"]) == 0
+    listed = {d["name"]: d["parameters"] for d in json.loads(capsys.readouterr().out)}
+    assert listed == {name: parameter_counts(m) for name, m in PRESETS.items()}
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "69 linear + 24 gated-mla" in out and "2.78T" in out and "104.2B" in out

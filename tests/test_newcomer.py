@@ -86,7 +86,7 @@ def test_progress_lines_when_asked_for_off_a_terminal(capsys, monkeypatch):
     with progress(c, "job", interval_s=0.05) as cb:
         cb("step a", 0, 2)
         cb("step b", 1, 2)  # within the interval: not printed on its own
-        for _ in range(40):  # a long blocking step: the heartbeat speaks up
+        for _ in range(400):  # a long blocking step: the heartbeat speaks up (up to 20 s on a loaded machine)
             if "still running" in capsys.readouterr().err:
                 break
             import time
@@ -214,7 +214,7 @@ def test_quick_calibration_is_recognised(tmp_path):
 
 def test_layers_are_ids_in_the_replay_as_everywhere(tmp_path):
     """`launch/replay.py --layers` names layer ids (the trace's layer_ids), not stored positions."""
-    from moonep_sim.experiments.replay_rank import _parse_layers
+    from moonep_sim.experiments.ranks.replay_rank import _parse_layers
     from moonep_sim.routing.trace import Trace, TraceMeta, write_trace
 
     ids = np.stack([np.tile([[0, 1], [2, 3]], (4, 1))] * 2).astype(np.int32)  # [L=2, T=8, K=2]

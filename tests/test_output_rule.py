@@ -133,3 +133,37 @@ def test_json_output_is_strict_and_names_where_a_non_finite_value_is():
     for bad in (float("nan"), float("inf"), -float("inf")):
         with pytest.raises(ConfigError, match=r"JSON output must hold finite numbers: a\[1\]\.b \("):
             mio.dumps_strict({"a": [1, {"b": bad}]})
+
+
+STEP_GEN = ["step", "--gen", "model=mixtral-8x7b,maxvio=1,tokens-per-rank=64", "--ranks", "2", "--strategies",
+            "alltoall", "--mode", "decode", "--topology", "local-gloo"]
+
+
+@pytest.mark.parametrize("argv, dest", [
+    pytest.param([*STEP_GEN, "--json", "{d}/s.json"], "s.json", marks=pytest.mark.slow),
+    pytest.param([*STEP_GEN, "--timeline", "{d}/t.json"], "t.json", marks=pytest.mark.slow),
+    pytest.param([*STEP_GEN, "--out", "{d}/res", "--no-plots"], "res", marks=pytest.mark.slow),
+    (["trace", "gen", "--num-experts", "8", "--top-k", "2", "--tokens", "64", "--seed", "1", "--uniform", "-o",
+      "{d}/g.safetensors"], "g.safetensors"),
+    (["simulate", "--gen", "maxvio=1", "--strategy", "alltoall", "--ranks", "2", "--timeline", "{d}/t.json"], "t.json"),
+])
+def test_a_full_disk_leaves_no_partial_file(argv, dest, tmp_path, monkeypatch, capsys):
+    """Every write fails with ENOSPC after its first 100 bytes (as a full disk would): exit 2, one line
+    naming the output where the user looks for it, and the folder holds nothing -- no partial file, no
+    temporary, no staged folder."""
+    real_write = os.write
+    budget = {"n": 100}
+
+    def full(fd, data):
+        if budget["n"] <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = real_write(fd, bytes(data)[: budget["n"]])
+        budget["n"] -= n
+        return n
+    monkeypatch.setattr(mio.os, "write", full)
+    argv = [a.replace("{d}", str(tmp_path)) for a in argv]
+    rc = main(argv)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("moonep-sim:")]
+    assert rc == 2 and len(err) == 1 and "No space left" in err[0], err
+    assert str(tmp_path / dest) in err[0]
+    assert list(tmp_path.iterdir()) == []

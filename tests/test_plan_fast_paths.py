@@ -56,44 +56,6 @@ def test_chunked_stable_order_places_in_either_index_dtype(dtype, n, n_keys):
     np.testing.assert_array_equal(counts, np.bincount(key, minlength=n_keys))
 
 
-@pytest.mark.parametrize("dedup", [(True, True), (False, False)])
-@pytest.mark.parametrize("tp", [1, 4])
-def test_table_routes_with_the_layout_on_a_second_thread_equal_the_reference(dedup, tp):
-    """The two-hop table routes (deepep's and Tutel 2DH's) sorting and laying out the slots on a
-    second thread beside the hops (``perf.thread_min`` 0, the numpy hops) give the reference's Plan."""
-    import dataclasses
-
-    from moonep_sim.perf import perf_config
-    from moonep_sim.plan import ClusterShape, GlobalRouting, RowCosts, reference
-    from moonep_sim.plan.hops import to_node_of_final, to_rail_of_final
-    from moonep_sim.plan.multihop import plan_from_routes
-    perf = perf_config(thread_min=0, plan_compiled_min=1 << 62)
-    for seed in range(4):
-        rng = np.random.default_rng(seed)
-        R, G, K, S = 8, 4, 4, 16
-        cl = ClusterShape(R, G)
-        tpr = rng.integers(0, 20, R)
-        T = int(tpr.sum())
-        slot_rank = np.repeat(np.arange(R), S // R)
-        ids = np.argsort(rng.random((T, S)), axis=1)[:, :K]  # distinct experts per token
-        routing = GlobalRouting(ids, rng.random((T, K)).astype(np.float32), tpr, S)
-        first = to_node_of_final(cl) if dedup[0] else to_rail_of_final(cl)
-        scopes = [first.scope, "intra_node" if dedup[0] else "inter_node"]
-        args = (routing, cl, RowCosts(4, 2, 8, 16), slot_rank, np.arange(S), slot_rank, ids, [first.via_RR],
-                scopes, list(dedup))
-        p = plan_from_routes(*args, token_padding=tp, via_table=True, perf=perf)
-        q = reference.plan_from_routes(*args, token_padding=tp, via_table=True)
-        for f in dataclasses.fields(p):
-            a, b = getattr(p, f.name), getattr(q, f.name)
-            if f.name == "hops":
-                for ha, hb in zip(a, b):
-                    for g in dataclasses.fields(ha):
-                        x, y = getattr(ha, g.name), getattr(hb, g.name)
-                        assert g.name == "scope" or (x.dtype == y.dtype and np.array_equal(x, y)), g.name
-            elif isinstance(a, np.ndarray):
-                assert a.dtype == b.dtype and np.array_equal(a, b), f.name
-
-
 def _plan_arrays(p) -> dict:
     import dataclasses
     out = {}

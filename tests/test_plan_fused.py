@@ -173,16 +173,17 @@ def test_kernels_refuse_indices_out_of_range():
         fused.split_runs(np.array([0, 0, 1]), 2, np.array([0, 1]), np.array([1, 1]), np.array([0, 1]))
 
 
-@pytest.mark.parametrize("R, relays", [(70, 70), (12, 3), (8, 1)])
+@pytest.mark.parametrize("R, relays, K", [(70, 70, 4), (12, 3, 4), (8, 1, 4), (12, 5, 3), (9, 9, 6), (300, 300, 3)])
 @pytest.mark.parametrize("dedup", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("tp", [1, 4])
-def test_two_hop_table_routes_plan_the_same_compiled_and_in_numpy(R, relays, dedup, tp):
+def test_two_hop_table_routes_plan_the_same_compiled_and_in_numpy(R, relays, K, dedup, tp):
     """Random [R, R] relay tables (more than 64 relays per source takes the entry-by-entry hop 0,
-    one relay per source makes hop 0 a funnel), every pairing of the two hops' dedup flags."""
+    one relay per source makes hop 0 a funnel), every pairing of the two hops' dedup flags, K not a
+    power of two and more than 256 ranks (the compiled route covers them all)."""
     from moonep_sim.plan import Scope, plan_from_hops, to_final, via
 
-    rng = np.random.default_rng(R * 7 + relays + tp)
-    K, E = 4, 2 * R
+    rng = np.random.default_rng(R * 7 + relays + tp + K)
+    E = 2 * R
     routing = _layer(rng.integers(0, 9, size=R), K, E, R + tp, 1.3)
     ctx = _ctx(E, R, 1, tp)
     table = rng.integers(0, R, size=(R, R)) if relays == R else rng.integers(0, R, size=(R, relays))[

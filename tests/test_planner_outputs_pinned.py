@@ -516,25 +516,13 @@ def test_keep_mask_matches_reference_on_special_weights():
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.sampled_from([3, 8, 70, 300]), st.booleans())
-def test_route_hop_and_dup_flags_match_reference(seed, R, monotone):
-    """The general ``route_hop`` (any gid order, messages with several candidate sources) and
-    ``dup_flags`` (the bit-set path up to 64 ranks, the sort path beyond, with dropped entries)."""
-    from moonep_sim.plan.multihop import dup_flags, route_hop
+@given(st.integers(0, 2**31 - 1), st.sampled_from([3, 8, 70, 300]))
+def test_dup_flags_match_reference(seed, R):
+    """``dup_flags`` (the bit-set path up to 64 ranks, the sort path beyond, with dropped entries).
+    (``route_hop`` is the reference's own: the multi-hop builder is the readable one below the
+    compiled threshold, ``tests/test_plan_fused.py`` holds the compiled two-hop route to it.)"""
+    from moonep_sim.plan.multihop import dup_flags
     rng = np.random.default_rng(seed)
-    n = int(rng.integers(0, 400))
-    src = rng.integers(0, R, n)
-    srow = rng.integers(0, 50, n)
-    dst = rng.integers(0, R, n)
-    gid = rng.integers(0, max(n // 3, 1), n)
-    if monotone:
-        gid = np.sort(gid)
-    hop, row = route_hop(src, srow, dst, gid, R, "global")
-    rhop, rrow = ref_route_hop(src, srow, dst, gid, R, "global")
-    for g in dataclasses.fields(Hop):
-        if g.name != "scope":
-            _eq(g.name, getattr(hop, g.name), getattr(rhop, g.name))
-    _eq("dst_row", row, rrow)
     K = int(rng.integers(1, 6))
     er = rng.integers(-1, R, K * int(rng.integers(0, 60)))
     er[::2] = np.maximum(er[::2], 0)

@@ -123,3 +123,14 @@ def test_work_in_another_process_is_followed_through_a_file(tmp_path, monkeypatc
         assert got.wait(10)
     assert seen[-1] == ("done", 2, 2) and ("training step 2 of 2", 1, 2) not in seen
     assert P.FILE_ENV not in os.environ
+
+
+def test_an_in_process_quiet_command_leaves_no_trace(monkeypatch, capsys):
+    from moonep_sim.cli import main
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.delenv("MOONEP_SIM_QUIET", raising=False)
+    assert main(["simulate", "--gen", "model=olmoe-1b-7b,tokens-per-rank=16,maxvio=3", "--ranks", "2", "--strategy",
+                 "alltoall", "--quiet"]) == 0
+    assert P.enabled()

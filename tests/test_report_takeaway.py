@@ -210,7 +210,7 @@ def test_step_result_carries_verdict_flags_and_saves(tmp_path):
 
 
 def test_winner_map_html_and_heatmap_show_ties(tmp_path, monkeypatch):
-    from moonep_sim.experiments.winner import winner_map
+    from moonep_sim.analysis.winner import winner_map
     from moonep_sim.report import plots
     from moonep_sim.report.html import write_html
     from moonep_sim.report.winner import winner_heatmap

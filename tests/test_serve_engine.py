@@ -151,3 +151,38 @@ def test_summary_slo_and_pareto():
     assert s["output_tokens_per_s_per_gpu"] == pytest.approx(6 / 3e-3)
     assert s["usd_per_million_output_tokens"] == pytest.approx(2.0 / (2000 * 3600) * 1e6)
     assert pareto([(1, 5), (2, 4), (1.5, 3), (3, 1)]) == [0, 1, 3]
+
+
+def test_eplb_copy_every_n_iterations_hand_count():
+    cfg = EngineConfig(max_running=4, token_budget=8, kv_tokens=64, block=1, eplb_every=2, eplb_us=500.0)
+    r = simulate(_req([0.0], [4], [4]), [_one(cfg)])
+    # iterations 2 and 4 carry the weight copy: 1 + 1.5 + 1 + 1.5 ms
+    assert r.it_dur_s.tolist() == pytest.approx([1e-3, 1.5e-3, 1e-3, 1.5e-3])
+    assert r.finish_s[0] == pytest.approx(5e-3)
+
+
+def test_in_order_draws_walk_the_recorded_steps():
+    class ByDraw:
+        draws = 3
+
+        def time_us(self, n_pre, c_pre, n_dec, c_dec, draw=0):
+            return 1000.0 * (draw + 1)
+
+    w = Worker("both", 1, 1, EngineConfig(max_running=4, token_budget=8, kv_tokens=64, block=1), ByDraw())
+    r = simulate(_req([0.0], [4], [5]), [w], draw_order="in-order")
+    assert r.it_dur_s.tolist() == pytest.approx([1e-3, 2e-3, 3e-3, 1e-3, 2e-3])
+
+
+def test_arrivals_and_lengths_have_their_moments():
+    from moonep_sim.serve.requests import gamma_arrivals, lengths
+
+    rng = np.random.default_rng(0)
+    gaps = np.diff(gamma_arrivals(50.0, 20000, rng, cv=2.0), prepend=0.0)
+    assert gaps.mean() == pytest.approx(1 / 50, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(2.0, rel=0.1)
+    x = lengths("lognormal:1000:0.5", 20000, rng)
+    assert x.mean() == pytest.approx(1000, rel=0.03) and x.min() >= 1
+    u = lengths("uniform:10:20", 1000, rng)
+    assert u.min() >= 10 and u.max() <= 20
+    with pytest.raises(ConfigError, match="uniform:LO:HI"):
+        lengths("normal:3", 5, rng)

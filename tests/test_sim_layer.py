@@ -289,13 +289,12 @@ def test_host_planning_of_a_plan_is_charged_in_the_planning_step():
 
 @pytest.mark.parametrize("strategy", ["alltoall", "moonep", "capacity"])
 @pytest.mark.parametrize("even", [True, False])
-def test_lower_bound_entry_counts_match_a_per_entry_reference(strategy, even, monkeypatch):
+def test_lower_bound_entry_counts_match_a_per_entry_reference(strategy, even):
     """The bound's per-entry pass (int32 cells, chunked, a division for an even token split)
     against a plain per-entry reference: counts per (source rank, expert) and tokens needing a
     non-resident expert, on an uneven split and on dropped (padded) entries."""
     import importlib
     lbm = importlib.import_module("moonep_sim.sim.lower_bound")
-    monkeypatch.setattr(lbm, "CHUNK", 1000)   # several chunks
     R, E, K = 8, 32, 4
     rng = np.random.default_rng(7)
     T = 896
@@ -305,7 +304,7 @@ def test_lower_bound_entry_counts_match_a_per_entry_reference(strategy, even, mo
     ctx = PlanContext(ClusterShape(R, 4), Placement.from_map(np.arange(E) * R // E, R),
                       RowCosts.from_model(custom_model(E, K, hidden=256, expert_ffn=128, name="t"), "bf16"), 1)
     plan = make_plan(strategy, routing, ctx)
-    ents = lbm._Entries(plan)
+    ents = lbm._Entries(plan, chunk=1000)   # several chunks
     real = plan.row_entry_W >= 0
     tok = plan.row_entry_W[real] // K
     exp = np.repeat(plan.slot_expert_S, plan.slot_padded_S)[real]

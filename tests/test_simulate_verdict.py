@@ -10,7 +10,7 @@ import pytest
 
 from conftest import TRACES
 from moonep_sim.experiments import Scenario
-from moonep_sim.experiments.verdict import MECHANISMS, chain_figures, critical_breakdown, figures, terms
+from moonep_sim.analysis.verdict import MECHANISMS, chain_figures, critical_breakdown, figures, terms
 
 MIXTRAL = TRACES / "mixtral-8x7b_humaneval.safetensors"
 K3 = "gen:model=kimi-k3,maxvio=1,tokens-per-rank=64"

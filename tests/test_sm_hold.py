@@ -68,7 +68,7 @@ def test_two_batch_low_latency_decode_is_never_slower_than_its_micro_batches_in_
 
 
 def test_deepep_v1_on_efa_is_flagged_not_native_and_the_proxy_families_are_native_there():
-    from moonep_sim.experiments.flags import native_flags
+    from moonep_sim.analysis.flags import native_flags
     from moonep_sim.plan.kernel import NVSHMEM_PROXY_THREADS, PROXY_POST_US, UCCL_PROXY_THREADS
 
     got = native_flags({"deepep": {}, "deepep-ll": {}, "alltoall": {}}, "h100-efa")

@@ -65,6 +65,15 @@ def test_gqa_sliding_and_linear_by_hand():
 def test_a_layer_of_kind_none_runs_no_attention_op():
     bare = ModelSpec("bare", 1, 1, 8, 2, 0, 64, 32, attention="none")
     lo = layer_ops(bare, 0, step_shape(bare, "prefill", 16, None))
-    assert lo.before == () and lo.router is not None
+    # only the MoE block's own input cast and router top-k: no norm, projection or core
+    assert [o.name for o in lo.before] == ["quantize", "router_topk"] and lo.router is not None
     with pytest.raises(ConfigError, match="decode"):
         step_shape(bare, "decode", 16, None)
+
+
+def test_tensor_parallel_splits_a_cache_by_its_heads():
+    q3, v3, k3 = PRESETS["qwen3-235b"], PRESETS["deepseek-v3"], PRESETS["kimi-k3"]  # 4 KV heads; MLA; 96 KDA heads
+    assert [attention_kind("gqa").cache_shards(q3, tp) for tp in (1, 2, 8)] == [1, 2, 4]
+    assert attention_kind("sliding").cache_shards(q3, 8) == 4
+    assert attention_kind("mla").cache_shards(v3, 8) == attention_kind("gated-mla").cache_shards(k3, 8) == 1
+    assert attention_kind("linear").cache_shards(k3, 8) == 8 and attention_kind("none").cache_shards(k3, 8) == 1

@@ -12,7 +12,7 @@ import pytest
 from moonep_sim.cli import main
 from moonep_sim.experiments import Scenario
 from moonep_sim.experiments.step import StepOptions
-from moonep_sim.experiments.winner import cell
+from moonep_sim.analysis.winner import cell
 
 MIXTRAL = Path(__file__).resolve().parent.parent / "traces" / "mixtral-8x7b_humaneval.safetensors"
 GEN = "gen:model=mixtral-8x7b,maxvio=1,tokens-per-rank=64"
@@ -153,7 +153,7 @@ def test_layer_level_is_the_default_and_unchanged():
       "--mode", "decode", "--static-buffer", "moonep=16", "--strategies", "alltoall,moonep"],
      "static buffer tokens (16) of moonep must be >= the tokens per rank"),
     (["sweep", "--model", "mixtral-8x7b", "--ranks", "4", "--over", "maxvio", "--values", "1", "--level", "step",
-      "--distinct-layers", "-1"], "distinct layers (-1) must be >= 0"),
+      "--distinct-layers", "-1"], "--distinct-layers (-1) must be in [0, "),
 ])
 def test_level_combinations_refused_in_one_line(argv, message, capsys, tmp_path):
     assert main([*argv, "--out", str(tmp_path / "o")]) == 2

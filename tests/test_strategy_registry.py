@@ -98,7 +98,7 @@ def test_planner_binds_a_strategy_for_an_executor():
 
 def test_gloo_executor_modules_do_not_import_the_strategies():
     """The executor takes a planner callable; only the replay program above it
-    (moonep_sim.experiments.replay_rank, its caller) binds strategies."""
+    (moonep_sim.experiments.ranks.replay_rank, its caller) binds strategies."""
     import ast
     from pathlib import Path
 

@@ -126,3 +126,40 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     probe.write_text(src)
     got = _imports(probe, "moonep_sim.sim.engine", mods)
     assert got == {"moonep_sim.sim.ports", "moonep_sim.sim.network", "moonep_sim.plan"}
+
+
+#: the core's interfaces stay narrow and its functions short: in plan/, sim/ and routing/ no
+#: function takes more than MAX_PARAMS parameters (``*args`` / ``**kwargs`` count one each; ``self``
+#: none) or runs over MAX_FUNC_LINES lines. The compiled kernels take named records
+#: (``NamedTuple``s built beside them) instead. Known exceptions, each named with its reason:
+MAX_PARAMS, MAX_FUNC_LINES = 12, 100
+CORE = ("plan", "sim", "routing")
+WIDE_OR_LONG = {
+    # the public builders' keyword options (dedup, padding, capacity, options, perf, **extra Plan fields)
+    "plan/build.py:plan_from_slots", "plan/multihop.py:plan_from_routes", "plan/reference.py:plan_from_slots",
+    "plan/reference.py:plan_from_routes",
+    # the generator's documented keyword options (docs/traces.md)
+    "routing/generators.py:generate",
+    # file importers: one format's parse, read top to bottom
+    "routing/importers/counts_json.py:load_counts", "routing/importers/records.py:parse_records",
+    "routing/importers/records.py:load_records",
+}
+
+
+def _wide_or_long(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            n = (len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None)
+                 + (a.kwarg is not None) - (bool(a.args) and a.args[0].arg in ("self", "cls")))
+            if n > MAX_PARAMS or node.end_lineno - node.lineno + 1 > MAX_FUNC_LINES:
+                out.append(f"{path.relative_to(PKG)}:{node.name}")
+    return out
+
+
+def test_core_functions_are_narrow_and_short():
+    found = {f for pkg in CORE for p in sorted((PKG / pkg).rglob("*.py")) for f in _wide_or_long(p)}
+    assert not found - WIDE_OR_LONG, (f"functions over {MAX_PARAMS} parameters or {MAX_FUNC_LINES} lines "
+                                      f"(take a record, split by step): {sorted(found - WIDE_OR_LONG)}")
+    assert not WIDE_OR_LONG - found, f"exceptions no longer needed: {sorted(WIDE_OR_LONG - found)}"

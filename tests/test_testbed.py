@@ -89,7 +89,7 @@ def test_torchrun_command_and_env():
     opts = dict(zip(cmd[i + 1::2], cmd[i + 2::2]))
     assert opts["--nnodes"] == "2" and opts["--node-rank"] == "1" and opts["--nproc-per-node"] == "4"
     assert opts["--master-addr"] == "10.213.0.1" and opts["--master-port"] == "29600"
-    assert cmd[cmd.index("-m", i) + 1] == "moonep_sim.experiments.replay_rank"
+    assert cmd[cmd.index("-m", i) + 1] == "moonep_sim.experiments.ranks.replay_rank"
     assert _json_arg(launch.module_args) == "/tmp/o.json"
     env = node_env({"MASTER_ADDR": "1.2.3.4", "RANK": "3", "PATH": "/bin"})
     assert env["GLOO_SOCKET_IFNAME"] == "eth0" and env["OMP_NUM_THREADS"] == "1"

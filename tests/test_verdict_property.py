@@ -1,4 +1,4 @@
-"""Verdicts never contradict themselves (moonep_sim.experiments.verdict, measured_verdict), over many
+"""Verdicts never contradict themselves (moonep_sim.analysis.verdict, measured_verdict), over many
 generated cases: a tie names no mechanism of a difference and its sentence explains none; a named
 mechanism is a term the runner-up spends more on; a byte mechanism never says both strategies move
 the same bytes as if that were the difference."""
@@ -11,8 +11,8 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from moonep_sim.experiments.measured_verdict import measured_verdict
-from moonep_sim.experiments.verdict import MECHANISMS, step_verdict, verdict
+from moonep_sim.analysis.measured_verdict import measured_verdict
+from moonep_sim.analysis.verdict import MECHANISMS, step_verdict, verdict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_measured_verdict import _entry, _rep  # noqa: E402

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from moonep_sim.errors import ConfigError
-from moonep_sim.experiments.winner import cell, winner_map
+from moonep_sim.analysis.winner import cell, winner_map
 from moonep_sim.report.winner import winner_heatmap, winner_table_md
 
 

@@ -15,7 +15,7 @@ from moonep_sim.errors import OneLineArgumentParser, exit_status
 from moonep_sim.memory import prefer_small_pages, reuse_freed_memory
 
 # order = order in --help
-_COMMANDS = ("demo", "models", "strategies", "trace", "plan", "simulate", "step", "topologies", "compare", "sweep",
+_COMMANDS = ("demo", "models", "strategies", "trace", "plan", "simulate", "step", "serve", "topologies", "compare", "sweep",
              "calibrate", "validate", "testbed")
 
 
@@ -32,18 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    return exit_status(_main, argv)  # 1 a failed collective, 2 bad input, 130 Ctrl-C (as the launchers)
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = build_parser()  # imports every command: Ctrl-C here is one line too, as anywhere in main
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    if getattr(args, "quiet", False) is True:
-        from moonep_sim.progress import set_quiet
+    from moonep_sim.progress import quieted
 
-        set_quiet()  # --quiet: no progress display
     prefer_small_pages()  # fresh huge pages cost a command more system time than they save (moonep_sim.memory)
     reuse_freed_memory()  # a freed temporary's pages serve the next one, not fresh pages (moonep_sim.memory)
-    return exit_status(args.func, args)  # 1 a failed collective, 2 bad input, 130 Ctrl-C (as the launchers)
+    with quieted(getattr(args, "quiet", False) is True):  # --quiet: no progress display, for this call only
+        return args.func(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

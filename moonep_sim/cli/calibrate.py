@@ -12,6 +12,10 @@ _SUFFIX = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 <<
            "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
 
+#: the largest all-to-all message per peer a calibration sends
+MAX_SIZE_BYTES = 1 << 30
+
+
 def parse_sizes(text: str | None) -> list[int] | None:
     """``"4K,64K,1M"`` -> bytes (binary suffixes K, M, G)."""
     if text is None:
@@ -24,7 +28,13 @@ def parse_sizes(text: str | None) -> list[int] | None:
         m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]*)", part)
         if not m or m.group(2).lower() not in _SUFFIX:
             raise ConfigError(f"--sizes entry ({part!r}) must be a byte count like 4096, 64K or 2M")
-        out.append(int(float(m.group(1)) * _SUFFIX[m.group(2).lower()]))
+        n = int(float(m.group(1)) * _SUFFIX[m.group(2).lower()])
+        if not 1 <= n <= MAX_SIZE_BYTES:
+            raise ConfigError(f"--sizes entry ({part!r}) must be a byte count in [1, 1G]: a message per peer")
+        out.append(n)
+    if not out:
+        raise ConfigError(f"--sizes ({text!r}) must name at least one size, like 4K,64K,2M (leave it out for the "
+                          "default sizes)")
     return out
 
 

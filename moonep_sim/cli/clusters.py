@@ -7,6 +7,7 @@ kernel family unless ``--opt deepep.impl=`` is given); rendered by :mod:`moonep_
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from moonep_sim.errors import ConfigError
@@ -36,7 +37,7 @@ def run_clusters(args, scenario) -> int:
     names = [t for t, _ in check_topologies(args.topology)]
     to_file = args.json not in (None, "-")
     output_rule(args, files=("json",) if to_file else (), folders={"out": OUT_FILES},
-                inputs={f"--topology {t}": t for t in names if t.endswith(".toml")})
+                inputs={f"--topology {t}": t for t in names if os.path.exists(t)})  # a file, any extension
     args.topology = names[0]  # the base scenario, checked; every cluster is checked again before any work
     sc = scenario(args)
     check_jobs(args.jobs)

@@ -7,6 +7,7 @@ A thin adapter over :meth:`moonep_sim.experiments.Scenario.compare`; the tables 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from moonep_sim.cli.common import (add_output_flags, add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies,
@@ -17,6 +18,8 @@ from moonep_sim.experiments.scenario import DEFAULT_STRATEGIES as _DEFAULTS
 from moonep_sim.report.tables import wide_console as console
 
 DEFAULT_STRATEGIES = ",".join(_DEFAULTS)
+#: the longest --real-timeout (a week)
+MAX_TIMEOUT_S = 7 * 86400.0
 
 
 def add_cluster_args(p, topology_default: str = "h800-cx7", multi: bool = False) -> None:
@@ -119,6 +122,8 @@ def run(args) -> int:
         return run_clusters(args, scenario)
     to_file = args.json not in (None, "-")
     output_rule(args, files=("json",) if to_file else (), folders={"out": OUT_FILES})  # before the run
+    require(math.isfinite(args.real_timeout) and 0 < args.real_timeout <= MAX_TIMEOUT_S,
+            f"--real-timeout ({args.real_timeout:g}) must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]")
     level = step_level(args, layer_only={"--real": args.real, "--layers": args.layers is not None})
     sc = scenario(args)
     c = console()
@@ -157,7 +162,11 @@ def run_step_level(args, sc) -> int:
 
     from moonep_sim.experiments.step import steps_document
 
+    from moonep_sim.cli.checks import check_step_ranks
+
     opts = step_options(args)
+    if opts.parallel is None:
+        check_step_ranks(args, sc.resolved.cluster.ranks)  # before any work
     with progress(None, "compare --level step") as cb:
         res = sc.compare(level="step", step=opts, jobs=args.jobs, cluster=args.cluster, progress=cb)
     doc = steps_document(res if isinstance(res, list) else [res])

@@ -55,12 +55,16 @@ def run(args) -> int:
     c = console()
     require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")  # as given, --fast or not
     require(args.iters >= 1, f"--iters ({args.iters}) must be >= 1")
+    from moonep_sim.cli.common import check_int
     from moonep_sim.experiments.scenario import strategy_list
     strategy_list(args.strategies)  # an unknown strategy is refused even when --fast replaces the list
-    if args.fast:
-        args.layers, args.strategies, args.nproc, args.gpus_per_node = "0", "alltoall,moonep", 2, 2
+    check_int(args.gpus_per_node, "--gpus-per-node", 1, args.nproc, f"ranks per emulated node, at most --nproc ({args.nproc})")
     trace = _trace_path()
     require(trace.exists(), f"shipped trace ({trace}) must exist: run the demo from the repository root")
+    if args.fast:  # the arguments as given are checked too (--layers 99 is wrong with --fast as well)
+        Scenario(routing=str(trace), cluster=(args.nproc, args.gpus_per_node), topology=args.topology,
+                 strategies=args.strategies, layers=parse_int_list(args.layers, "--layers")).resolved
+        args.layers, args.strategies, args.nproc, args.gpus_per_node = "0", "alltoall,moonep", 2, 2
     require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")
     require(args.iters >= 1, f"--iters ({args.iters}) must be >= 1")
     sc = Scenario(routing=str(trace), cluster=(args.nproc, args.gpus_per_node), topology=args.topology,

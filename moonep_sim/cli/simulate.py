@@ -119,10 +119,13 @@ def run(args) -> int:
     require(len(names) == 1 or not (args.isolate or args.timeline),
             f"--{'isolate' if args.isolate else 'timeline'} takes one --strategy, not {len(names)} ({', '.join(names)})")
     t0 = time.perf_counter()
-    out = sc.simulate(backward=args.backward, overlap_prefetch=not args.no_overlap_prefetch, chunks=args.chunks,
-                      seed=args.seed, faults=tuple(faults), jitter=args.jitter,
-                      tol=DEFAULT_TOL if args.tol is None else args.tol, timeline=bool(args.timeline),
-                      isolate=args.isolate, seeds=args.seeds)
+    from moonep_sim.cli.common import progress
+
+    with progress(None, "simulate") as cb:  # a bar on a terminal while the layers are planned
+        out = sc.simulate(cb, backward=args.backward, overlap_prefetch=not args.no_overlap_prefetch,
+                          chunks=args.chunks, seed=args.seed, faults=tuple(faults), jitter=args.jitter,
+                          tol=DEFAULT_TOL if args.tol is None else args.tol, timeline=bool(args.timeline),
+                          isolate=args.isolate, seeds=args.seeds)
     print_warnings(out.steps.get("warnings"))
     plan_s = time.perf_counter() - t0 - sum(out.raw[n].sim_stats["wall_seconds"] for n in names)
     kern = None

@@ -19,7 +19,7 @@ def register(sub) -> None:
     p = sub.add_parser("step", help="a whole train / prefill / decode step per strategy: time, overlap, memory, OOM")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="token-level trace (.safetensors): MoE layer i is its i-th layer; missing "
-                                     "layers are stand-ins generated at its measured skew (flagged)")
+                                     "layers are stand-ins drawn at the skew measured over the whole trace (flagged)")
     src.add_argument("--gen", metavar="K=V,...", help="generated routing, e.g. model=kimi-k3,maxvio=2 (one layer "
                                                        "per MoE layer; docs/traces.md)")
     p.add_argument("--model", default=None, help="model preset or file (default: the trace's or the --gen model)")
@@ -84,7 +84,9 @@ def add_step_options(p, *, level: bool = False, tokens: bool = True) -> None:
     p.add_argument("--context", type=int, default=None,
                    help="keys per sequence (train/prefill: the sequence length, default the tokens; decode: the "
                         "KV context, default 4096)" + at)
-    p.add_argument("--overlap", choices=("none", "shared-expert", "two-batch"), default=d["overlap"],
+    from moonep_sim.step.schedules import OVERLAPS  # the registry's schedules (no simulator import)
+
+    p.add_argument("--overlap", choices=OVERLAPS, default=d["overlap"],
                    help="overlap schedule (docs/steps.md)" + at)
     p.add_argument("--distinct-layers", type=int, default=d["distinct_layers"], metavar="N",
                    help="generated routing: plan and simulate only N layers, MoE layer i reusing layer i mod N "
@@ -135,8 +137,10 @@ _WHY = {"--real": "a real replay runs one layer over gloo; a step is simulated",
 def step_options(args, *, tokens: bool = True):
     """The typed step options these arguments give (defaults: `moonep-sim step`'s; ``tokens``
     False: --tokens-per-rank is the command's own flag, not a step option)."""
+    from moonep_sim.cli.checks import check_step_flags
     from moonep_sim.experiments.step import StepOptions
 
+    check_step_flags(args)
     kw = {}
     for _, dest, default in STEP_FLAGS:
         if dest == "tokens_per_rank" and not tokens:
@@ -169,7 +173,7 @@ def scenario(args):
     opts = parse_strategy_opts(args.opt, names)
     if args.gen:
         spec = GeneratorSpec.parse(args.gen)
-        if args.tokens_per_rank:
+        if args.tokens_per_rank is not None:
             spec = dataclasses.replace(spec, tokens_per_rank=args.tokens_per_rank)
         routing = spec
     else:
@@ -234,9 +238,13 @@ def run(args) -> int:
     from moonep_sim.cli.common import emit_json, output_rule, print_warnings, progress
     from moonep_sim.experiments.step import steps_document
 
+    from moonep_sim.cli.checks import check_step_ranks, check_step_routing
+
     output_rule(args, files=("json", "timeline", "gantt"), folders={"out": OUT_FILES})  # before any work
     if args.search:
         return run_search(args)
+    check_step_routing(args)
+    step_options(args)  # the step options' bounds, before the routing is opened
     sc = scenario(args)
     opts = dataclasses.replace(step_options(args), tokens_per_rank=args.tokens_per_rank if args.gen else None)
     if opts.parallel is not None:
@@ -245,6 +253,7 @@ def run(args) -> int:
                                "layout (its pipeline is in --json: strategies.*.pipeline)")
     else:
         rs = sc.resolved  # every input checked before any work (a layout's: its EP group, before any stage runs)
+        check_step_ranks(args, rs.cluster.ranks)
         print_warnings(rs.warnings)
     with progress(None, "step") as cb:
         res = sc.step(opts.mode, opts.overlap, jobs=args.jobs, cluster=args.cluster, progress=cb,

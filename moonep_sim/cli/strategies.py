@@ -13,7 +13,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from moonep_sim.experiments.flags import library_of
+    from moonep_sim.analysis.flags import library_of
     from moonep_sim.strategies import available
 
     specs = available()

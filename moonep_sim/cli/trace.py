@@ -98,7 +98,7 @@ def register(sub) -> None:
     pn.add_argument("--ranks", type=int, help="EP ranks R (per-rank loads, distinct ranks per token)")
     pn.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (per-node loads)")
     pn.add_argument("--layers", help="model layer ids, e.g. 0,2,5-7 (default all)")
-    pn.add_argument("--top", type=int, default=0, help="hottest experts counted in top_share (default E/16)")
+    pn.add_argument("--top", type=int, default=None, help="hottest experts counted in top_share (default E/16)")
     pn.add_argument("--steps", help="inspect only these steps, e.g. 10-20 or 0,3,5- (default: all)")
     pn.set_defaults(func=run_inspect)
 
@@ -214,10 +214,22 @@ def run_gen(a) -> int:
 def run_inspect(a) -> int:
     from moonep_sim.routing.metrics import inspect_trace
 
+    from moonep_sim.cli.common import check_int
+    from moonep_sim.limits import MAX_NUM_EXPERTS, MAX_RANKS
+
     layers = parse_int_list(a.layers, "--layers")
-    if a.top < 0:
-        raise ConfigError(f"--top ({a.top}) must be >= 0 (0: E/16 experts)")
-    res = inspect_trace(a.file, ranks=a.ranks, gpus_per_node=a.gpus_per_node, layers=layers, top=a.top,
+    check_int(a.top, "--top", 1, MAX_NUM_EXPERTS, "the hottest experts counted in top_share (leave it out for E/16)")
+    check_int(a.ranks, "--ranks", 1, MAX_RANKS, "EP ranks")
+    if a.ranks is not None:  # the simulator's own placement decides which EP sizes a trace's experts allow
+        from moonep_sim.plan.placement import Placement
+        from moonep_sim.routing.trace import Trace
+
+        E = Trace(a.file).meta.num_experts
+        try:
+            Placement.home_groups(E, a.ranks)
+        except ConfigError as e:
+            raise ConfigError(f"--ranks ({a.ranks}): {e}") from None
+    res = inspect_trace(a.file, ranks=a.ranks, gpus_per_node=a.gpus_per_node, layers=layers, top=a.top or 0,
                         steps=a.steps)
     if a.json:
         print_json(res)
@@ -280,6 +292,8 @@ def run_route(a) -> int:
     if a.bias_file:
         if a.mode not in ("bias", "group"):
             raise ConfigError(f"--bias-file needs --mode bias or group (found --mode {a.mode})")
+        from moonep_sim.io import check_input_file
+        check_input_file(a.bias_file, "--bias-file")  # a pipe or a device would block the reader
         try:
             b = np.load(a.bias_file, allow_pickle=False)
         except (OSError, ValueError, EOFError) as e:

@@ -13,11 +13,11 @@
 Modules: :mod:`~.routing` (trace / generator spec / in-memory routing, one grammar and one set of
 defaults), :mod:`~.scenario`, :mod:`~.results` (typed results with ``to_dict()``),
 :mod:`~.compare`, :mod:`~.clusters` (the same compare on several clusters), :mod:`~.sweep`, :mod:`~.validate` (fidelity against gloo replays),
-:mod:`~.calibrate` (measure this machine: the local-gloo topology), :mod:`~.ranking` (which
-strategy orders the measurements resolve), :mod:`~.replay_rank` (the gloo replay's rank program,
-``launch/replay.py``: it binds strategies to the gloo executor), :mod:`~.verdict` (winner, margin,
-confidence and the mechanism of every comparison, computed from the figures), :mod:`~.flags`
-(the assumptions a figure rests on), :mod:`~.seeds` (sweeps over several seeds). Results render
+:mod:`~.calibrate` (measure this machine: the local-gloo topology), :mod:`~.ranks` (the rank
+programs: the gloo replay's, ``launch/replay.py``, which binds strategies to the gloo executor, and
+the calibration's measurements),
+:mod:`~.seeds` (sweeps over several seeds). What the figures say (verdicts, flags, rankings) is
+:mod:`moonep_sim.analysis`. Results render
 themselves (``save``, ``plot``) through :mod:`moonep_sim.report`. Every ``moonep-sim`` command is a thin adapter over
 these; :mod:`moonep_sim.report` only renders what they return. docs/experiments.md has the guide.
 """

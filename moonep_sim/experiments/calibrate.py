@@ -1,6 +1,6 @@
 """Calibrate the ``local-gloo`` topology: measure this machine, fit constants, write a TOML file.
 
-What is measured: ``moonep_sim.experiments.calibrate_measure`` (gloo all-to-all per size and process
+What is measured: ``moonep_sim.experiments.ranks.calibrate_measure`` (gloo all-to-all per size and process
 count, the expert SwiGLU, copies and row passes, planning and handle cost).
 
 What is fitted (weighted least squares, each point weighted by 1/time, so small and large sizes
@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from moonep_sim.errors import require
-from moonep_sim.experiments.calibrate_measure import (DEFAULT_NPROCS, DEFAULT_SIZES_BYTES, DEFAULT_SWIGLU_SHAPES,
+from moonep_sim.experiments.ranks.calibrate_measure import (DEFAULT_NPROCS, DEFAULT_SIZES_BYTES, DEFAULT_SWIGLU_SHAPES,
                                                       QUICK_SIZES_BYTES, QUICK_SWIGLU_SHAPES, host_cores, measure,
                                                       measure_planning)
 from moonep_sim.io import make_output_dir, write_text_atomic

@@ -28,6 +28,8 @@ family whose vendor or transports are not the cluster's).
 
 from __future__ import annotations
 
+import os
+
 import tomllib
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -88,13 +90,24 @@ def check_topologies(topologies: Sequence[str] | str) -> list[tuple[str, str]]:
     """(entry, its preset name) per entry of the list; a bad entry is one line naming it and its place."""
     from moonep_sim.experiments.compare import load_topology
 
+    from moonep_sim.sim.topology import PRESET_ALIASES
+
     names = parse_topologies(topologies)
     out = []
+    seen: dict[Any, str] = {}
     for i, t in enumerate(names):
         try:
             out.append((t, load_topology(t).name))
         except ConfigError as e:
             raise ConfigError(f"--topology entry {i + 1} of {len(names)} ({t!r}): {e}") from None
+        try:  # one cluster named twice: a preset and its alias, or one file by two paths or links
+            st = os.stat(t)
+            key: Any = (st.st_dev, st.st_ino)
+        except OSError:
+            key = PRESET_ALIASES.get(t, t)
+        require(key not in seen, f"--topology entry {i + 1} of {len(names)} ({t!r}) must differ from {seen.get(key)!r}: "
+                                 "they name one cluster (each cluster once)")
+        seen[key] = t
     return out
 
 

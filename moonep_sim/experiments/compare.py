@@ -13,7 +13,7 @@ evenly over the R ranks layer by layer, or a generator spec).
 
 Steps: a trace's selected steps are each their own batch (what a dispatch saw); every (step,
 layer, strategy) point is planned and simulated, identical (routing, strategy) points once
-(:func:`moonep_sim.experiments.stepstats.routing_key`), and every per-strategy figure is the
+(:func:`moonep_sim.analysis.stepstats.routing_key`), and every per-strategy figure is the
 token-weighted mean over steps of the step's mean over layers (one step: today's per-layer mean).
 Each strategy also carries ``per_step`` (the series) and ``steps_aggregate`` (token-weighted mean,
 median, p90, worst and best step). ``--steps merged`` costs the selected steps as one concatenated
@@ -37,7 +37,7 @@ from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec, custom_model
 from moonep_sim.plan import ClusterShape, Placement, RowCosts
 from moonep_sim.experiments.routing import RoutingSource, open_routing
-from moonep_sim.experiments.verdict import CRITICAL_PARTS, critical_breakdown
+from moonep_sim.analysis.verdict import CRITICAL_PARTS, critical_breakdown
 
 # -- cluster ----------------------------------------------------------------------------------------
 def check_cluster(source: RoutingSource, ranks: int, gpus_per_node: int) -> ClusterShape:
@@ -164,7 +164,7 @@ def _compare_point(pt: Point) -> dict[str, Any]:
     summ = plan.summary()
     res = simulate(plan, pt.topo, pt.model)
     sd = to_jsonable(res.to_dict(), lenient=True)
-    from moonep_sim.experiments.verdict import figures
+    from moonep_sim.analysis.verdict import figures
     entry = {"plan": to_jsonable(summ, lenient=True), "sim": sd, "figures": figures(plan, sd, pt.topo)}
     if pt.local_topo is not None:
         lplan = replace(plan, costs=pt.local_costs)
@@ -205,7 +205,7 @@ def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int
     points run in ``jobs`` worker processes or on a Dask ``cluster``
     (:mod:`moonep_sim.experiments.parallel`), with the same report as serially."""
     from moonep_sim.experiments.parallel import run_points
-    from moonep_sim.experiments.stepstats import aggregate, batch_weights, routing_key, step_wins
+    from moonep_sim.analysis.stepstats import aggregate, batch_weights, routing_key, step_wins
 
     t_start = time.perf_counter()
     source, shape, ctx, topo = rs.source, rs.cluster, rs.ctx, rs.topology
@@ -340,9 +340,14 @@ def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int
                                      excluded=[n for n in st if st[n]["dropped"]])
     if real is not None:
         rep["real"] = run_real(rs, real, local_topo, rep, progress)
-    from moonep_sim.experiments.flags import compare_flags
-    from moonep_sim.experiments.verdict import compare_verdict
-    rep["flags"] = compare_flags(rep)
+    from moonep_sim.analysis.flags import compare_flags
+    from moonep_sim.analysis.verdict import compare_verdict
+    calibration = None
+    if rep.get("real"):
+        from moonep_sim.experiments import calibrate as cal
+
+        calibration = cal.calibration_kind(cal.calibrated_path())
+    rep["flags"] = compare_flags(rep, calibration)
     rep["verdict"] = compare_verdict(rep)
     rep["seconds"] = time.perf_counter() - t_start
     return rep
@@ -367,7 +372,7 @@ def run_spec(nproc: int, spec, timeout_s: float = 600.0) -> dict[str, Any]:
     spec is written once as JSON and every rank reads it (``replay_rank --spec``)."""
     import tempfile
 
-    from moonep_sim.experiments.replay_rank import run_replay
+    from moonep_sim.experiments.ranks.replay_rank import run_replay
 
     with tempfile.TemporaryDirectory(prefix="moonep-spec-") as tmp:
         path = spec.write(Path(tmp) / "replay-spec.json")
@@ -379,10 +384,10 @@ def run_real(rs, real: RealOptions, local_topo, rep: dict[str, Any],
     """Replay every strategy over gloo with ``real.nproc`` local processes, each step its own batch
     as in the simulation; pair with the simulated time of the same plans on local-gloo. ``ranking``:
     the measured order against the simulated one; ``verdict``: the measured verdict
-    (:mod:`~moonep_sim.experiments.measured_verdict`, the same times: its winner heads that order)."""
+    (:mod:`~moonep_sim.analysis.measured_verdict`, the same times: its winner heads that order)."""
     import tempfile
 
-    from moonep_sim.experiments.ranking import agreement
+    from moonep_sim.analysis.ranking import agreement
     from moonep_sim.gloo.launcher import reports_by_strategy
 
     out: dict[str, Any] = {"nproc": real.nproc, "topology": topology_info(local_topo), "hidden": real.hidden,
@@ -420,6 +425,6 @@ def run_real(rs, real: RealOptions, local_topo, rep: dict[str, Any],
     out["ranking"] = agreement({n: out["strategies"][n]["measured_ms_samples"] for n in names},
                                {n: out["strategies"][n]["simulated_ms"] for n in names})
     # the measured verdict: same times as the measured order, a win only where the order has a '<'
-    from moonep_sim.experiments.measured_verdict import measured_verdict, replay_where
+    from moonep_sim.analysis.measured_verdict import measured_verdict, replay_where
     out["verdict"] = replayed.get("verdict") or measured_verdict(per, where=replay_where(replayed))
     return out

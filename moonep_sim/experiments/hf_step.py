@@ -22,7 +22,7 @@ rows and weights as the gloo Buffer moves them) and the same ranks, two ways:
 So the error lies in the MoE part alone; both the whole step and the MoE part are reported
 (``moe_error``: the simulated MoE part against the measured step minus the measured rest). The
 output names the simulator of every figure (``simulator``). Ranking: the matched per-step samples
-through :func:`moonep_sim.experiments.ranking.agreement` (the reading ``validate`` uses: resolved
+through :func:`moonep_sim.analysis.ranking.agreement` (the reading ``validate`` uses: resolved
 pairs by a Holm-corrected sign test).
 """
 
@@ -60,7 +60,7 @@ def step_model(rep: Mapping[str, Any]):
 def compare_steps(rep: Mapping[str, Any], topology: str = "local-gloo") -> dict[str, Any]:
     """Simulate every timed step of every strategy of a train_hf report (see the module doc)."""
     from moonep_sim.experiments.compare import topology_info
-    from moonep_sim.experiments.ranking import agreement
+    from moonep_sim.analysis.ranking import agreement
     from moonep_sim.experiments.scenario import Scenario
 
     require("record" in rep, "the train_hf report must carry its recorded routing (run with --record or --compare-sim)")

@@ -83,7 +83,8 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
     """``(figures, setup, timelines)`` of ``scenario``'s step under ``parallel`` (see the module
     docstring; the keywords are :func:`~moonep_sim.experiments.step.run_step`'s, which wraps them
     in its ``StepResult``; ``layer_source`` its routing source builder)."""
-    from moonep_sim.step import CostModel, MemoryOptions, StepConfig, read_profile, step_shape
+    from moonep_sim.step import MemoryOptions, StepConfig, step_shape
+    from moonep_sim.step.costs import step_cost_model
     from moonep_sim.step.layout_step import layout_step
 
     p = parallel
@@ -98,11 +99,7 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
     shape = dataclasses.replace(step_shape(m, mode, T, ctx), shards=p.tp * p.cp)
     g_ep = group.cluster.gpus_per_node
     rs = group
-    from moonep_sim.step.measured import load_measured
-
-    # as today's step: a user's profile wins, else the measured tables where installed and the GPU has one
-    costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None,
-                      measured=None if compute_profile else load_measured(rs.topology))
+    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, mode=mode)   # as today's step
     mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
     cfg = StepConfig(m, group.topology, group.ctx, group.strategies, shape, overlap, costs, mem, {})
     pool = None

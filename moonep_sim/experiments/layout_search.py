@@ -176,7 +176,8 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
     after each unit priced and each layout scheduled."""
     from moonep_sim.experiments.compare import load_topology
     from moonep_sim.experiments.spec import parse_cluster
-    from moonep_sim.step import CostModel, MemoryOptions, StepConfig, step_shape
+    from moonep_sim.step import MemoryOptions, StepConfig, step_shape
+    from moonep_sim.step.costs import step_cost_model
     from moonep_sim.step.layout_step import schedule_layout
 
     t0, c0 = time.perf_counter(), time.process_time()
@@ -191,9 +192,7 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
                                 global_batch_size=global_batch_size, schedules=schedules, seq=seq, zeros=zeros)
     require(bool(layouts), f"no valid layout of {model.name} on {gpus} GPUs ({G} per node): every tp, pp, dp, ep "
                            "split breaks a rule (heads, experts, layers or the GPU count)")
-    from moonep_sim.step.measured import load_measured
-
-    costs = CostModel(topo, gemm_dtype, measured=load_measured(topo))   # as a step prices its ops
+    costs = step_cost_model(topo, gemm_dtype, mode=mode)   # as a step prices its ops
     # what cannot fit even without activations is dropped before any simulation
     from moonep_sim.step.layout_step import static_memory_bytes
 

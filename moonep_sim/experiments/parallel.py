@@ -71,7 +71,8 @@ def run_points(fn: Callable[[Any], Any], items: Sequence[Any], *, jobs: int | No
 
     # fork: workers start at once with the parent's imports (no torch or threads are running here)
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
-    with ProcessPoolExecutor(max_workers=min(jobs, total), mp_context=ctx) as ex:
+    ex = ProcessPoolExecutor(max_workers=min(jobs, total), mp_context=ctx, initializer=_ignore_interrupts)
+    try:
         futs = {ex.submit(fn, x): i for i, x in enumerate(items)}
         if progress:
             progress(f"{total} points on {min(jobs, total)} workers", 0, total)
@@ -79,7 +80,20 @@ def run_points(fn: Callable[[Any], Any], items: Sequence[Any], *, jobs: int | No
             i = futs[f]
             out[i] = f.result()
             tick(i)
+    except BaseException:  # Ctrl-C or a failed point: stop the workers now, not after their running points
+        for p in list(getattr(ex, "_processes", {}).values()):
+            p.terminate()
+        ex.shutdown(wait=True, cancel_futures=True)
+        raise
+    ex.shutdown(wait=True)
     return out
+
+
+def _ignore_interrupts() -> None:
+    """A worker leaves Ctrl-C to the parent (which stops it): no worker prints a KeyboardInterrupt."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _run_dask(fn, items, address: str, out: list, tick) -> list:

@@ -173,14 +173,14 @@ class Scenario:
     # -- simulate ---------------------------------------------------------------------------------
     def simulate(self, progress: Progress | None = None, *, seeds: int = 1, **sim_options: Any) -> SimulateResult:
         """Each strategy's plans of the scenario's layers chained as one step on the topology, for
-        every selected step of a trace on its own (:mod:`moonep_sim.experiments.stepstats`).
+        every selected step of a trace on its own (:mod:`moonep_sim.analysis.stepstats`).
 
         sim_options: :class:`moonep_sim.sim.SimOptions` fields (``backward``, ``chunks``, ``faults``,
         ``jitter``, ``seed``, ``tol``, ``overlap_prefetch``, ``timeline``). ``layer_time_us``: the
         token-weighted mean over steps; ``per_strategy``: the simulator's result of the slowest step
         (the only one for a single step) with ``per_step`` and ``steps_aggregate`` beside it;
         ``verdict``: who wins and why, each chain read stage by stage
-        (:func:`~moonep_sim.experiments.verdict.simulate_verdict`; one strategy: a stated
+        (:func:`~moonep_sim.analysis.verdict.simulate_verdict`; one strategy: a stated
         single-strategy verdict; ``isolate``: none, a kernel timed alone is no comparison).
         ``seeds`` > 1 (generated routing only): the same at seeds ``seed, seed + 1, ...``, each its
         own draw; ``layer_time_us`` is then the mean over seeds, ``per_strategy`` the first seed's
@@ -191,8 +191,8 @@ class Scenario:
 
         from moonep_sim import sim
         from moonep_sim.experiments.compare import topology_info
-        from moonep_sim.experiments.stepstats import aggregate
-        from moonep_sim.experiments.verdict import simulate_verdict
+        from moonep_sim.analysis.stepstats import aggregate
+        from moonep_sim.analysis.verdict import simulate_verdict
 
         rs = self.resolved
         try:
@@ -254,6 +254,17 @@ class Scenario:
         out = run_step(self, mode, overlap, **options)
         return out[0] if len(out) == 1 else out
 
+    # -- serving ---------------------------------------------------------------------------------------
+    def serve(self, deployment: Any, requests: Any = None, **options: Any) -> dict:
+        """Requests through a serving ``deployment`` (a :class:`~moonep_sim.serve.deployment.Deployment`,
+        a TOML path or its dict) per strategy, each iteration timed by the step model on this
+        scenario's routing (:func:`moonep_sim.experiments.serve.scenario_serve`; ``options``: rate,
+        concurrency, n, isl, osl, slo, price, draws, cache, direct, seed, ...). The JSON document of
+        ``moonep-sim serve``."""
+        from moonep_sim.experiments.serve import scenario_serve
+
+        return scenario_serve(self, deployment, requests, **options)
+
     def search_layouts(self, gpus: int, mode: str = "train", **options: Any) -> dict[str, Any]:
         """Every valid parallel layout of this scenario's model on ``gpus`` GPUs, priced, those that
         fit ranked per strategy by tokens/s per GPU
@@ -301,7 +312,7 @@ class Scenario:
         """Replay the strategies over gloo with ``nproc`` local processes (default: the scenario's
         ranks), interleaved step by step, each recorded step its own batch; the replay's JSON report
         per strategy, and ``verdict``: who won on the local machine and which measured phase made
-        the margin (:mod:`~moonep_sim.experiments.measured_verdict`). The ranks receive this
+        the margin (:mod:`~moonep_sim.analysis.measured_verdict`). The ranks receive this
         scenario as one typed spec (:class:`~moonep_sim.experiments.spec.ReplaySpec`, JSON written once)."""
         from moonep_sim.experiments.compare import replay_spec, run_spec
         from moonep_sim.gloo.launcher import reports_by_strategy
@@ -318,7 +329,7 @@ class Scenario:
             rep = run_spec(nproc, spec, timeout_s=timeout_s)
         per = reports_by_strategy(rep)
         if "verdict" not in rep:  # one strategy: a stated single-strategy verdict
-            from moonep_sim.experiments.measured_verdict import measured_verdict, replay_where
+            from moonep_sim.analysis.measured_verdict import measured_verdict, replay_where
             rep = dict(rep, verdict=measured_verdict(per, where=replay_where(rep)))
         return ReplayResult(tuple(per), {n: float(r["layer_ms_median"]) for n, r in per.items()},
                             {n: r.get("correct") for n, r in per.items()}, to_jsonable(rep, lenient=True))
@@ -368,7 +379,7 @@ class Scenario:
                    cluster: str | None = None, seeds: int = 1, level: str = "layer", step: Any = None) -> dict[str, Any]:
         """The fastest strategy per cell over two knobs: one :meth:`sweep` of ``over`` per value of
         ``by`` (``tokens-per-rank``, ``maxvio`` or ``ep``), combined by
-        :func:`moonep_sim.experiments.winner.winner_map` (each cell: winner, margin over the
+        :func:`moonep_sim.analysis.winner.winner_map` (each cell: winner, margin over the
         runner-up, every strategy's time; ``sweeps`` holds the full reports). ``seeds`` > 1: every
         sweep at that many seeds, each cell's times the means and its verdict (tie, confidence) from
         the spread over seeds. ``level="step"``: each cell a whole step per strategy, its winner
@@ -432,8 +443,8 @@ def _verdict_view(res) -> dict[str, Any]:
 
 
 def _simulate_flags(rs: Resolved, name: str, plans: list) -> list[dict[str, Any]]:
-    """The flags of one strategy's simulated layers (:mod:`moonep_sim.experiments.flags`)."""
-    from moonep_sim.experiments.flags import model_flags, strategy_flags
+    """The flags of one strategy's simulated layers (:mod:`moonep_sim.analysis.flags`)."""
+    from moonep_sim.analysis.flags import model_flags, strategy_flags
 
     opts = dict(next(o for n, o in rs.strategies if n == name))
     out = strategy_flags(name, opts, rs.cluster.num_nodes, sum(p.dropped for p in plans), sum(p.padded for p in plans),

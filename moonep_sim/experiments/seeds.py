@@ -20,8 +20,8 @@ from moonep_sim.errors import require
 
 def combine_seeds(reps: list[dict[str, Any]]) -> dict[str, Any]:
     """The first report, with the seed series, their means and per-point verdicts over seeds."""
-    from moonep_sim.experiments.flags import sweep_flags
-    from moonep_sim.experiments.verdict import mean_figures, verdict
+    from moonep_sim.analysis.flags import sweep_flags
+    from moonep_sim.analysis.verdict import mean_figures, verdict
 
     require(len(reps) >= 1, "a seed sweep needs at least one report")
     out = dict(reps[0])

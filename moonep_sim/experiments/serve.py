@@ -16,9 +16,10 @@ Notation: R GPUs of a worker (its EP ranks), T tokens per rank, C context, D rou
    distinct iteration shape is simulated by the step model itself instead (slow; for checking);
 3. the **figures** (``moonep_sim.serve.metrics``) and the verdict on the SLO metric.
 
-The step model times pure expert parallelism with data-parallel attention over a worker's GPUs
-(what main's step model runs); a worker with attention TP is priced as its ``tp`` GPUs sharing
-its tokens (tokens / tp per GPU, no TP all-reduce), flagged.
+A worker of pure expert parallelism over data-parallel attention is priced by the pure-EP step
+(``simulate_step`` over its GPUs); a worker with attention TP, expert TP or EP over fewer GPUs than
+it has by the step model's layout step (``Scenario.step(parallel=...)``, generated routing only),
+its grid's T counted per GPU (an attention rank's tokens over ``tp``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ class ServeOptions:
     """What a serving run needs besides the requests and the deployment: model, topology (name or
     path), strategies (names), routing (``gen:K=V,...`` or a trace path), overlap, draws, the
     grid's distinct MoE layers per step, the step-time cache folder (None: no cache), direct
-    (every iteration simulated), the SLO (seconds), price per GPU-hour, seed, held-out shapes."""
+    (every iteration simulated), the SLO (seconds), price per GPU-hour, seed, held-out shapes, the
+    GEMM dtype of the step's compute (bf16 or fp8 peaks), and the
+    :class:`~moonep_sim.experiments.scenario.Scenario` whose routing, topology and strategies the
+    step simulations take (its cluster replaced by each worker's GPUs)."""
 
     model: str
     topology: str = "h800-cx7"
@@ -64,6 +68,8 @@ class ServeOptions:
     price: float | None = None
     seed: int = 0
     holdout: int = 4
+    gemm_dtype: str = "bf16"
+    scenario: Any = dataclasses.field(default=None, compare=False)
 
 
 class _PerGPU:
@@ -78,27 +84,56 @@ class _PerGPU:
         return self.inner.time_us(d(n_pre), c_pre, d(n_dec), c_dec, draw)
 
 
-def step_simulator(model: ModelSpec, topology: Any, ranks: int, strategies: Sequence[str], routing: str,
-                   overlap: str, distinct: int, seed: int) -> Callable[[str, int, int, int], dict[str, float]]:
-    """``simulate(mode, T, C, d)`` -> {strategy: step time us}: one step of the step model on ``ranks``
-    GPUs (pure EP, attention DP) on draw ``d`` (see the module docstring)."""
+def layout_simulator(base: Any, layout: Any, strategies: Sequence[str], overlap: str, distinct: int, seed: int,
+                     gemm_dtype: str = "bf16") -> Callable[[str, int, int, int], dict[str, float]]:
+    """``simulate(mode, T, C, d)`` for a worker whose layout is not pure EP over data-parallel
+    attention (attention TP, or EP over fewer GPUs than the worker): the step model's layout step
+    (``Scenario.step(parallel=...)``: TP collectives, the dense part sharded, one EP group planned)
+    at ``T x tp`` tokens per attention rank, i.e. ``T`` per GPU, on generated routing of seed
+    ``seed x 101 + d``."""
     from moonep_sim.experiments.routing import GeneratorSpec
-    from moonep_sim.experiments.scenario import Scenario
+
+    require(base is not None, "a serving run needs its scenario (routing, topology, strategies) to simulate steps")
+    r = base.routing
+    spec = r if isinstance(r, GeneratorSpec) else GeneratorSpec.parse(str(r)[4:]) if str(r).startswith("gen:") else None
+    require(spec is not None, f"a worker of layout {layout.label()} needs generated routing (--gen): a step under a "
+                              "layout plans one EP group's generated tokens")
+
+    def simulate(mode: str, T: int, C: int, d: int) -> dict[str, float]:
+        n = int(T) * layout.tp
+        g = dataclasses.replace(spec, tokens_per_rank=n, seed=seed * 101 + d)
+        sc = dataclasses.replace(base, routing=g, cluster=layout.world, strategies=list(strategies))
+        res = sc.step(mode, overlap, tokens_per_rank=n, context=int(C), distinct_layers=max(distinct, 1),
+                      gemm_dtype=gemm_dtype, parallel=layout, pipeline=False)
+        return {k: float(f["step_time_us"]) for k, f in res.figures.items()}
+    return simulate
+
+
+def step_simulator(base: Any, model: ModelSpec, ranks: int, strategies: Sequence[str], overlap: str, distinct: int,
+                   seed: int, gemm_dtype: str = "bf16", layout: Any = None
+                   ) -> Callable[[str, int, int, int], dict[str, float]]:
+    """``simulate(mode, T, C, d)`` -> {strategy: step time us}: one step of the step model on ``ranks``
+    GPUs (pure EP, attention DP) of the ``base`` scenario's routing and topology, on draw ``d`` (see
+    the module docstring); a ``layout`` other than that goes to :func:`layout_simulator`."""
+    if layout is not None and (layout.tp > 1 or layout.ep != layout.world or layout.etp > 1):
+        return layout_simulator(base, layout, strategies, overlap, distinct, seed, gemm_dtype)
     from moonep_sim.experiments.step import layer_source
     from moonep_sim.plan import GlobalRouting
-    from moonep_sim.step import CostModel, StepConfig, simulate_step, step_shape
+    from moonep_sim.step import StepConfig, simulate_step, step_shape
+    from moonep_sim.step.costs import step_cost_model
 
-    is_gen = str(routing).startswith("gen:")
-    sc = Scenario(routing if is_gen else str(routing), model=model, cluster=ranks, topology=topology,
-                  strategies=list(strategies))
+    require(base is not None, "a serving run needs its scenario (routing, topology, strategies) to simulate steps")
+    sc = dataclasses.replace(base, cluster=ranks, strategies=[s for s in strategies])
     rs = sc.resolved
+    is_gen = rs.source.gen is not None
     src = rs.source
-    costs = CostModel(rs.topology)
+    # the step's one cost rule: measured GEMM tables where installed and the GPU has one, else the roofline
+    costs = step_cost_model(rs.topology, gemm_dtype)
     steps = None
     if not is_gen:
-        from moonep_sim.experiments.step import trace_steps
+        from moonep_sim.experiments.step import trace_passes
 
-        steps = trace_steps(src)
+        steps = [t for _, t in trace_passes(src)]
         layers = list(src.layer_ids)[:max(distinct, 1)]
         rows = {l: src.selected_layer(l) for l in layers}
 
@@ -162,15 +197,18 @@ def default_cache() -> str:
 
 
 def pool_steptime(pool: Pool, req: Requests, model: ModelSpec, topo: Any, opts: ServeOptions,
-                  progress: Callable[[str, int, int], None] | None = None) -> tuple[dict[str, Any], dict]:
-    """One pool's step-time model per strategy and its held-out errors (from the cache when there)."""
+                  progress: Callable[[str, int, int], None] | None = None,
+                  grid: Mapping[str, list[int]] | None = None) -> tuple[dict[str, Any], dict]:
+    """One pool's step-time model per strategy and its held-out errors (from the cache when there);
+    ``grid``: the shapes to build it over (default :func:`grid_for` the pool)."""
     R = pool.layout.world
-    g = grid_for(pool, req)
-    key = st.cache_key({"role": pool.role, "model": dataclasses.asdict(model) if dataclasses.is_dataclass(model) else str(model),
+    g = dict(grid) if grid is not None else grid_for(pool, req)
+    lay = {k: v for k, v in pool.layout.to_dict().items() if k in ("tp", "dp", "ep", "etp", "dp_attention")}
+    key = st.cache_key({"role": pool.role, "layout": lay, "model": dataclasses.asdict(model) if dataclasses.is_dataclass(model) else str(model),
                         "topology": repr(topo), "ranks": R, "strategies": list(opts.strategies),
                         "routing": str(opts.routing), "routing_mtime": _mtime(opts.routing), "overlap": opts.overlap,
                         "draws": opts.draws, "distinct": opts.distinct_layers, "seed": opts.seed, "grid": g,
-                        "holdout": opts.holdout})
+                        "holdout": opts.holdout, "gemm_dtype": opts.gemm_dtype, "measured": _measured_key(topo)})
     folder = _cache_dir(opts)
     path = folder / f"{key}.npz" if folder else None
     info = {"cache_key": key, "cache": str(path) if path else None, "grid": g, "draws": opts.draws}
@@ -179,7 +217,8 @@ def pool_steptime(pool: Pool, req: Requests, model: ModelSpec, topo: Any, opts: 
         if got is not None:
             info.update(cached=True, build_s=0.0)
             return got[0], dict(info, holdout=got[1])
-    sim = step_simulator(model, topo, R, opts.strategies, opts.routing, opts.overlap, opts.distinct_layers, opts.seed)
+    sim = step_simulator(opts.scenario, model, R, opts.strategies, opts.overlap, opts.distinct_layers, opts.seed,
+                         opts.gemm_dtype, pool.layout)
     t0, c0 = time.perf_counter(), time.process_time()
     cb = (lambda a, b: progress(f"step-time grid, {pool.role} pool", a, b)) if progress else None
     models = st.build_grid(sim, opts.strategies, g["dec_T"], g["dec_C"], g["pre_T"], g["pre_C"], opts.draws, cb)
@@ -188,6 +227,14 @@ def pool_steptime(pool: Pool, req: Requests, model: ModelSpec, topo: Any, opts: 
     if path is not None:
         st.save(path, models, hold)
     return models, dict(info, holdout=hold)
+
+
+def _measured_key(topo: Any) -> str | None:
+    """Which measured GEMM tables the step model reads for ``topo`` (part of the cache key)."""
+    from moonep_sim.step.measured import load_measured
+
+    m = load_measured(topo)
+    return None if m is None else f"{m.system}:{m.how}"
 
 
 def _mtime(routing: str) -> float | None:
@@ -229,10 +276,11 @@ def kv_transfer(dep: Deployment, model: ModelSpec, topo: Any) -> Callable[[int],
 
 
 def run_serve(reqs: Requests | Sequence[Requests], dep: Deployment, opts: ServeOptions,
-              progress: Callable[[str, int, int], None] | None = None, loads: Sequence[str] | None = None
-              ) -> dict[str, Any]:
+              progress: Callable[[str, int, int], None] | None = None, loads: Sequence[str] | None = None,
+              pools: Mapping[str, tuple[dict, dict]] | None = None) -> dict[str, Any]:
     """Every strategy's serving run on ``dep`` (see the module docstring), at each load (one
-    :class:`Requests` each; the step-time grid comes from the first): the JSON document. Its
+    :class:`Requests` each; the step-time grid comes from the first; ``pools``: role -> step-time
+    models and their info built already, as a search shares them): the JSON document. Its
     ``strategies`` and ``verdict`` are the first load's; ``loads`` has every load's;
     ``points`` every (load, strategy) for the Pareto front; ``cdf`` the first load's latency
     quantiles."""
@@ -245,9 +293,10 @@ def run_serve(reqs: Requests | Sequence[Requests], dep: Deployment, opts: ServeO
     topo = load_topology(opts.topology)
     kv = dep.check(model, topo.gpu_memory_GiB)
     t0, c0 = time.perf_counter(), time.process_time()
-    pools: dict[str, tuple[dict, dict]] = {}
+    pools = dict(pools or {})
     for p in dep.pools:
-        pools[p.role] = pool_steptime(p, reqs[0], model, topo, opts, progress)
+        if p.role not in pools:
+            pools[p.role] = pool_steptime(p, reqs[0], model, topo, opts, progress)
     build_s, build_cpu = time.perf_counter() - t0, time.process_time() - c0
     err = [e["median_abs_rel_error"] for _, info in pools.values() for e in info["holdout"].values()
            if e and e.get("median_abs_rel_error") is not None]
@@ -260,7 +309,7 @@ def run_serve(reqs: Requests | Sequence[Requests], dep: Deployment, opts: ServeO
         for s in opts.strategies:
             times = {role: m[s] for role, (m, _) in pools.items()}
             if opts.direct:
-                times = {p.role: _Direct(model, topo, p.layout.world, s, opts) for p in dep.pools}
+                times = {p.role: _Direct(model, topo, p.layout.world, s, opts, p.layout) for p in dep.pools}
             ws = workers_for(dep, kv, times, model, topo)
             a, ac = time.perf_counter(), time.process_time()
             cb = (lambda i, n, s=s, load=load: progress(f"serving {s} at {load}", i, n)) if progress else None
@@ -309,12 +358,46 @@ def _quantiles(run: Any, req: Requests, q: int = 101) -> dict[str, list[float]]:
     return out
 
 
+def scenario_serve(sc: Any, deployment: Any, requests: Requests | str | None = None, *, rate: float | None = None,
+                   concurrency: int = 0, n: int = 1000, isl: Any = 1024, osl: Any = 1024, slo: Any = None,
+                   price: float | None = None, progress: Callable[[str, int, int], None] | None = None,
+                   **options: Any) -> dict[str, Any]:
+    """:meth:`Scenario.serve`: the scenario's model, topology, strategies and routing (a generator
+    spec or a trace path); ``requests`` (a :class:`Requests` or a JSONL path) or ``n`` generated at
+    ``rate`` / ``concurrency``; ``slo`` as ``"ttft=200ms,tpot=50ms"`` or a dict in seconds;
+    ``options``: the other :class:`ServeOptions` fields."""
+    from moonep_sim.experiments.routing import GeneratorSpec
+    from moonep_sim.serve.deployment import deployment_from_dict, read_deployment
+    from moonep_sim.serve.metrics import parse_slo
+    from moonep_sim.serve.requests import read_request_trace, synthetic
+
+    rs = sc.resolved
+    dep = deployment if isinstance(deployment, Deployment) else (
+        deployment_from_dict(deployment) if isinstance(deployment, Mapping) else read_deployment(deployment))
+    if isinstance(requests, Requests):
+        req = requests
+    elif requests is not None:
+        req = read_request_trace(requests)
+    else:
+        req = synthetic(n, isl, osl, options.get("seed", 0), rate=rate if not concurrency else None,
+                        concurrency=concurrency)
+    r = sc.routing
+    routing = ("gen:" + r.text() if isinstance(r, GeneratorSpec) else str(r))
+    names = tuple(n_ for n_, _ in rs.strategies)
+    opts = ServeOptions(model=rs.source.model.name, topology=rs.topology.name if not str(sc.topology).endswith(".toml")
+                        else str(sc.topology), strategies=names, routing=routing,
+                        slo=parse_slo(slo) if isinstance(slo, str) or slo is None else dict(slo), price=price,
+                        scenario=sc, **options)
+    return run_serve(req, dep, opts, progress)
+
+
 class _Direct:
     """Every distinct iteration shape simulated by the step model itself (``--direct``), memoised."""
 
-    def __init__(self, model: ModelSpec, topo: Any, R: int, strategy: str, opts: ServeOptions) -> None:
-        self.sim = step_simulator(model, topo, R, [strategy], opts.routing, opts.overlap, opts.distinct_layers,
-                                  opts.seed)
+    def __init__(self, model: ModelSpec, topo: Any, R: int, strategy: str, opts: ServeOptions, layout: Any = None
+                 ) -> None:
+        self.sim = step_simulator(opts.scenario, model, R, [strategy], opts.overlap, opts.distinct_layers, opts.seed,
+                                  opts.gemm_dtype, layout)
         self.s, self.draws, self.memo = strategy, opts.draws, {}
 
     def _t(self, mode: str, T: int, C: int, d: int) -> float:
@@ -350,8 +433,8 @@ def _mechanism(runs: Mapping[str, Any], pools: Mapping[str, Any], opts: ServeOpt
 
 
 def _flags(dep: Deployment, opts: ServeOptions, model: ModelSpec) -> list[tuple[str, str]]:
-    f = [("barrier", "step model: pure EP with data-parallel attention over each worker's GPUs; every rank charged the "
-                     "busiest attention rank's shape (the barrier waits for it)"),
+    f = [("barrier", "every rank of a worker charged the busiest attention rank's shape (the barrier waits for it); "
+                     "pure-EP workers priced by the pure-EP step over their GPUs"),
          ("mixed-iteration", "mixed prefill/decode iterations: the prefill step of all tokens + the decodes' extra KV "
                              "reads (ASSUMED)"),
          ("memory", f"weights at {dep.weight_bytes:g} B/element, KV at {dep.kv_bytes:g} B/element, "
@@ -363,12 +446,9 @@ def _flags(dep: Deployment, opts: ServeOptions, model: ModelSpec) -> list[tuple[
         f.append(("shared-layer-draw", "every MoE layer of a step shares its routing draw (--distinct-layers 1): the "
                                        "per-iteration skew is exaggerated against independent layers"))
     for p in dep.pools:
-        if p.layout.tp > 1:
-            f.append(("attention-tp", f"{p.role}: attention TP{p.layout.tp} priced as its GPUs sharing the tokens (no "
-                                      "TP all-reduce)"))
-        if p.layout.ep != p.layout.world:
-            f.append(("ep-world", f"{p.role}: EP{p.layout.ep} of {p.layout.world} GPUs priced as EP over all "
-                                  f"{p.layout.world}"))
+        if p.layout.tp > 1 or p.layout.ep != p.layout.world or p.layout.etp > 1:
+            f.append(("layout-step", f"{p.role}: {p.layout.label()} priced by the step model's layout step (TP "
+                                     "collectives exposed, one EP group planned; docs/steps.md)"))
     if dep.mtp_tokens:
         f.append(("mtp", f"MTP: {dep.mtp_tokens} draft token(s), acceptance {dep.mtp_accept:g}, draft pass = "
                          f"1/{model.layers} of a step (ASSUMED)"))
@@ -379,4 +459,5 @@ def _flags(dep: Deployment, opts: ServeOptions, model: ModelSpec) -> list[tuple[
 
 
 __all__ = ["DEFAULT_GEN", "ServeOptions", "default_cache", "grid_for", "kv_transfer", "pool_steptime", "run_serve",
+           "scenario_serve",
            "step_simulator", "workers_for"]

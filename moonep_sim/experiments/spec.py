@@ -178,11 +178,14 @@ class ReplaySpec:
 
     @classmethod
     def read(cls, path: str | Path) -> "ReplaySpec":
+        from moonep_sim.io import read_config_bytes
+
         p = Path(path)
+        raw = read_config_bytes(p, "--spec", "JSON")  # a pipe, a folder, a huge or deeply nested file: one line
         try:
-            text = p.read_text()
-        except OSError as e:
-            raise ConfigError(f"--spec ({path}) must be a readable replay spec file: {e.strerror}") from None
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--spec ({path}) must be a UTF-8 replay spec file: {e}") from None
         return cls.from_json(text, str(p))
 
 

@@ -46,8 +46,8 @@ class StepResult(_TakeAway):
     timelines: dict[str, Any]
 
     def to_dict(self) -> dict[str, Any]:
-        from moonep_sim.experiments.flags import step_flags
-        from moonep_sim.experiments.verdict import step_verdict
+        from moonep_sim.analysis.flags import step_flags
+        from moonep_sim.analysis.verdict import step_verdict
 
         opts = {n: {} for n in self.strategies} | dict(self.setup.get("options") or {})
         flags = step_flags(self.setup, opts, {"name": self.setup.get("model")}, self.figures)
@@ -249,7 +249,8 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
             static_tokens=static_tokens, progress=progress, jobs=jobs, cluster=cluster, pipeline=pipeline,
             layer_source=layer_source)
         return [StepResult(tuple(figs), figs, setup, timelines)]
-    from moonep_sim.step import CostModel, MemoryOptions, read_profile
+    from moonep_sim.step import MemoryOptions
+    from moonep_sim.step.costs import step_cost_model
 
     rs = getattr(scenario, "resolved", scenario)
     src = rs.source
@@ -264,11 +265,7 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     for s, S in static.items():
         require(s in names, f"static buffer strategy ({s!r}) must be one of the strategies ({', '.join(names)})")
         require(int(S) >= 1, f"static buffer tokens ({S}) of {s} must be >= 1")
-    from moonep_sim.step.measured import load_measured
-
-    # a user's profile wins; else AIConfigurator's measured tables where installed and the GPU has one
-    costs = CostModel(rs.topology, gemm_dtype, profile=read_profile(compute_profile) if compute_profile else None,
-                      measured=None if compute_profile else load_measured(rs.topology))
+    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, mode=mode)
     mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
     out = []
     skew = (standin_skew(src, R) if src.gen is None and m.moe_layers > len(src.layer_ids)
@@ -338,9 +335,9 @@ def steps_document(results: Sequence[StepResult]) -> dict[str, Any]:
     """The document of a step run (``moonep-sim step``, ``compare --level step``): one step's
     :meth:`StepResult.to_dict`, or ``{kind: steps, steps: [...], setup, flags}`` for several
     recorded steps; on a trace, ``aggregate`` holds the per-step aggregate
-    (:func:`moonep_sim.experiments.stepstats.step_aggregates`) for any selection, one step too."""
-    from moonep_sim.experiments.stepstats import step_aggregates
-    from moonep_sim.experiments.winner import dedup_flags
+    (:func:`moonep_sim.analysis.stepstats.step_aggregates`) for any selection, one step too."""
+    from moonep_sim.analysis.stepstats import step_aggregates
+    from moonep_sim.analysis.winner import dedup_flags
 
     docs = [r.to_dict() for r in results]
     if len(docs) == 1:

@@ -10,13 +10,13 @@ Notation: R ranks, T tokens per rank, P points of a sweep.
   :func:`moonep_sim.experiments.trace_sweep.point`) runs its whole step per strategy
   (:func:`moonep_sim.experiments.step.run_step`); the report keeps per strategy and point the step
   figures (:data:`SERIES`), and per point the step verdict
-  (:func:`moonep_sim.experiments.verdict.step_verdict`). A trace of several recorded steps is one
+  (:func:`moonep_sim.analysis.verdict.step_verdict`). A trace of several recorded steps is one
   step each; a point's figure is then the token-weighted mean over them (times), the largest
   (peak memory) and any (OOM), and ``aggregates[i]`` keeps the point's per-step aggregate
-  (:func:`moonep_sim.experiments.stepstats.step_aggregates`: mean, median, p90, worst, wins).
+  (:func:`moonep_sim.analysis.stepstats.step_aggregates`: mean, median, p90, worst, wins).
 - **winner maps** at step level: one step sweep per row; a cell's winner is the point's step
   verdict's winner (the fastest strategy that fits in memory), see
-  :func:`moonep_sim.experiments.winner.cell`.
+  :func:`moonep_sim.analysis.winner.cell`.
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ def point_step(sc, opts: StepOptions, *, jobs: int | None = 1, cluster: str | No
     """Every strategy's step at one point (``sc``: a Scenario or its Resolved): ``figures`` (strategy
     -> scalar step figures; several recorded steps combined, see the module doc), ``flags``,
     ``verdict``, ``setup`` and ``steps`` (the recorded steps it ran)."""
-    from moonep_sim.experiments.verdict import step_verdict
+    from moonep_sim.analysis.verdict import step_verdict
 
-    from moonep_sim.experiments.stepstats import step_aggregates
+    from moonep_sim.analysis.stepstats import step_aggregates
 
     res = run_step(sc, opts.mode, opts.overlap, progress=progress, jobs=jobs, cluster=cluster, **opts.kwargs())
     docs = [r.to_dict() for r in res]
@@ -81,7 +81,7 @@ def point_step(sc, opts: StepOptions, *, jobs: int | None = 1, cluster: str | No
                 f[k] = int(sum(int(p.get(k) or 0) for p in per))
             f["steps"] = len(per)
             figs[n] = f
-        from moonep_sim.experiments.winner import dedup_flags
+        from moonep_sim.analysis.winner import dedup_flags
 
         flags = dedup_flags([fl for d in docs for fl in d["flags"]])
         verdict = step_verdict(figs, flags)
@@ -93,7 +93,7 @@ def point_step(sc, opts: StepOptions, *, jobs: int | None = 1, cluster: str | No
 
 def _report(head: dict[str, Any], names: Sequence[str], options: dict, points: list, runs: list,
             opts: StepOptions, t0: float) -> dict[str, Any]:
-    from moonep_sim.experiments.winner import dedup_flags
+    from moonep_sim.analysis.winner import dedup_flags
 
     out_s = {n: {"options": dict(options[n]), **{k: [] for k in SERIES}, "figures": []} for n in names}
     for r in runs:

@@ -289,7 +289,7 @@ def _strategy_at(cfg: Setup, routing, ctx, topo, name: str, opts: dict) -> dict[
 
 
 def _figures(plan, sim, topo):
-    from moonep_sim.experiments.verdict import figures
+    from moonep_sim.analysis.verdict import figures
     return figures(plan, sim, topo)
 
 
@@ -391,8 +391,8 @@ def sweep(sc, ax: SweepAxis, progress: Callable[[str, int, int], None] | None = 
         "lower_bound_us": lb,
         "strategies": out_s,
     }
-    from moonep_sim.experiments.flags import sweep_flags
-    from moonep_sim.experiments.verdict import sweep_verdicts
+    from moonep_sim.analysis.flags import sweep_flags
+    from moonep_sim.analysis.verdict import sweep_verdicts
     rep["flags"] = sweep_flags(rep)
     rep["verdicts"] = sweep_verdicts(rep)
     rep["seconds"] = time.perf_counter() - t0
@@ -442,7 +442,7 @@ def check_rows(sc, ax: SweepAxis, by: str, by_values: Sequence[float]) -> None:
 
 def winner_of(reps: Sequence[tuple[float, dict[str, Any]]], by: str) -> dict[str, Any]:
     """The winner map of one sweep report per ``by`` value, the reports kept under ``sweeps``."""
-    from moonep_sim.experiments.winner import winner_map
+    from moonep_sim.analysis.winner import winner_map
 
     m = winner_map(reps, by)
     m["sweeps"] = [r for _, r in reps]

@@ -264,7 +264,7 @@ def trace_sweep(sc, over: str, values: Sequence[float] | None = None, *, fixed: 
     (:func:`moonep_sim.experiments.sweep.sweep`), each figure the token-weighted mean over steps."""
     from moonep_sim.experiments.compare import compare, topology_info
     from moonep_sim.experiments.sweep import routing_lower_bound
-    from moonep_sim.experiments.verdict import mean_figures
+    from moonep_sim.analysis.verdict import mean_figures
 
     t0 = time.perf_counter()
     over = knob_name(over)
@@ -311,8 +311,8 @@ def trace_sweep(sc, over: str, values: Sequence[float] | None = None, *, fixed: 
         "points": points, "lower_bound_us": None, "strategies": out_s, "warnings": list(rs0.warnings),
     }
     res["lower_bound_us"] = routing_lower_bound(out_s, len(vals))
-    from moonep_sim.experiments.flags import sweep_flags
-    from moonep_sim.experiments.verdict import sweep_verdicts
+    from moonep_sim.analysis.flags import sweep_flags
+    from moonep_sim.analysis.verdict import sweep_verdicts
 
     res["flags"] = sweep_flags(res)
     res["verdicts"] = sweep_verdicts(res)
@@ -336,8 +336,8 @@ def trace_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_
                      seed: int = 0, progress=None, jobs: int | None = 1, cluster: str | None = None) -> dict[str, Any]:
     """The fastest strategy per cell over two knobs of a trace: one :func:`trace_sweep` of ``over``
     per value of ``by`` (any knob :func:`trace_sweep` takes), combined by
-    :func:`moonep_sim.experiments.winner.winner_map`."""
-    from moonep_sim.experiments.winner import winner_map
+    :func:`moonep_sim.analysis.winner.winner_map`."""
+    from moonep_sim.analysis.winner import winner_map
 
     by = knob_name(by)
     over = knob_name(over)

@@ -6,7 +6,7 @@ topology (both through :func:`moonep_sim.experiments.compare.compare`). Reported
 
 - the signed error per (case, strategy): ``simulated / measured - 1``;
 - the median absolute error over all of them (target: <= 25%);
-- whether the strategies rank in the same order (:mod:`moonep_sim.experiments.ranking`): all strategies
+- whether the strategies rank in the same order (:mod:`moonep_sim.analysis.ranking`): all strategies
   of a case are replayed in one process group, interleaved step by step, so each iteration gives
   matched samples; a pair of strategies is ordered by the measurements when a sign test over the
   matched iterations resolves it (Holm-corrected over the case's pairs at 0.05), and the simulator
@@ -68,7 +68,7 @@ def default_cases(quick: bool, traces_dir: str = "traces") -> list[Case]:
 
 def summarise(cases: list[dict[str, Any]], per_case: list[dict[str, Any]]) -> dict[str, Any]:
     """Median absolute error and rank agreement from case records (``measured_ms``, ``simulated_ms``;
-    per case the :func:`moonep_sim.experiments.ranking.agreement` fields)."""
+    per case the :func:`moonep_sim.analysis.ranking.agreement` fields)."""
     errs = [abs(c["error"]) for c in cases]
     taus = [c["kendall_tau"] for c in per_case]
     return {

@@ -2,7 +2,7 @@
 
 ``run_rank_program(module, nproc, argv, timeout_s)`` starts ``nproc`` processes of ``python -m
 MODULE ARGV --json TMP`` and returns the parsed JSON; a rank's error comes back as its own
-exception class with its one line (the replay, ``moonep_sim.experiments.replay_rank``, runs
+exception class with its one line (the replay, ``moonep_sim.experiments.ranks.replay_rank``, runs
 through it: ``replay_rank.run_replay``). ``spawn_ranks(target, world, ...)`` starts ``world``
 plain processes, runs ``target(rank, world, **kwargs)`` on each and returns every rank's exit
 code, output and result.
@@ -152,7 +152,8 @@ def reports_by_strategy(rep: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def run_rank_program(module: str, nproc: int, argv: Sequence[str], timeout_s: float = 600.0, *,
-                     env: dict[str, str] | None = None, quiet: bool = True, grace_s: float = 10.0) -> dict[str, Any]:
+                     env: dict[str, str] | None = None, quiet: bool = True, grace_s: float = 10.0,
+                     what: str = "replay") -> dict[str, Any]:
     """Run ``python -m module`` (a rank program: the replay) on ``nproc`` local gloo ranks; return
     the JSON report rank 0 writes to the path of the ``--json`` argument added here.
 
@@ -161,7 +162,8 @@ def run_rank_program(module: str, nproc: int, argv: Sequence[str], timeout_s: fl
     PlanError, CommError) with its one-line message; a rank that fails without one, or exceeding
     ``timeout_s``, raises :class:`CommError` with the tail of its output. Once one rank has failed
     the others get ``grace_s`` to fail by themselves (naming the phase), then are killed. The
-    process group is killed on timeout and on KeyboardInterrupt (re-raised).
+    process group is killed on timeout and on KeyboardInterrupt (re-raised). ``what``: the program's
+    name in those messages (``replay``, ``training``).
     """
     if nproc < 1:
         raise ConfigError(f"nproc ({nproc}) must be >= 1")
@@ -200,10 +202,10 @@ def run_rank_program(module: str, nproc: int, argv: Sequence[str], timeout_s: fl
         if isinstance(order, tuple):
             raise _start_error(nproc, order)
         if order == "timeout":
-            raise CommError(f"replay ({nproc} ranks) must finish within timeout ({timeout_s:.0f} s): killed; "
+            raise CommError(f"{what} ({nproc} ranks) must finish within timeout ({timeout_s:.0f} s): killed; "
                             f"output tail: {_tail(texts[0])}") from None
         if any(c != 0 for c in codes) or not out.exists():
-            raise _replay_error(nproc, codes, texts, order)
+            raise _replay_error(nproc, codes, texts, order, what)
         if not quiet:
             print(texts[0], end="")
         return json.loads(out.read_text())
@@ -235,7 +237,8 @@ def _wait_ranks(procs: list[subprocess.Popen], timeout_s: float, grace_s: float,
     return failed
 
 
-def _replay_error(nproc: int, codes: list[int | None], texts: list[str], order: list[int]) -> MoonEPSimError:
+def _replay_error(nproc: int, codes: list[int | None], texts: list[str], order: list[int],
+                  what: str = "replay") -> MoonEPSimError:
     """The failing ranks' own one-line error (re-raised as its class): the first rank to fail with
     one, preferring an input error (every rank refuses bad input alike) over the CommErrors its
     exit caused in the others; else the tail of the first failing rank's output."""
@@ -254,9 +257,9 @@ def _replay_error(nproc: int, codes: list[int | None], texts: list[str], order: 
             if f"{cls.__name__}: " in msg:
                 where, rest = msg.split(f"{cls.__name__}: ", 1)
                 return cls(f"{rest} ({where.strip().rstrip(':') or f'rank {r}'} of {nproc})")
-        return CommError(f"replay ({nproc} ranks) failed: {msg}")
+        return CommError(f"{what} ({nproc} ranks) failed: {msg}")
     r = (order or [0])[0]
-    return CommError(f"replay rank {r} of {nproc} exit status ({codes[r]}) must be 0: {_tail(texts[r])}")
+    return CommError(f"{what} rank {r} of {nproc} exit status ({codes[r]}) must be 0: {_tail(texts[r])}")
 
 
 def _tail(text: str, lines: int = 6) -> str:

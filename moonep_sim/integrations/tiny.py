@@ -69,13 +69,16 @@ def tiny_config(name: str, **overrides: Any):
     return cfg
 
 
-def config_from_json(path: str | os.PathLike):
-    """A transformers config from a ``config.json`` (its ``model_type`` picks the class)."""
+def config_from_json(path: str | os.PathLike, raw: bytes | None = None):
+    """A transformers config from a ``config.json`` (its ``model_type`` picks the class); ``raw``:
+    its bytes, when already read."""
+    from moonep_sim.io import read_config_bytes
+
     tf = require_transformers()
     p = Path(path)
     try:
-        d = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
+        d = json.loads(read_config_bytes(p, "model config", "JSON") if raw is None else raw)
+    except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(f"{p}: must be a readable JSON model config: {e}") from None
     require(isinstance(d, dict) and "model_type" in d, f"{p}: config must be a JSON object with a model_type")
     try:
@@ -86,18 +89,85 @@ def config_from_json(path: str | os.PathLike):
     return cfg
 
 
-def check_model_spec(spec: str) -> None:
-    """Refuse (one line) a ``--model`` that is no preset, no existing config.json and no directory
-    holding one, before any rank starts."""
+def check_model_spec(spec: str, ranks: int | None = None) -> Path | None:
+    """Refuse (one line) a ``--model`` the ranks could not build, before any rank starts: no preset,
+    no config.json and no directory holding one; a config.json that is not a regular file, not JSON,
+    of a model_type transformers does not know, without MoE layers (a dense model), with no attention
+    heads or KV heads not dividing them; and, given the EP size ``ranks``, ranks that do not divide
+    the experts. Returns the config file (None for a preset)."""
     p = Path(spec)
     if spec in TINY:
-        return
-    if p.is_dir():
-        require((p / "config.json").is_file(), f"checkpoint directory ({p}) must hold a config.json")
-    elif p.suffix == ".json":
-        require(p.is_file(), f"model config ({p}) must exist")
+        cfg_path, E = None, globals()["E"]
     else:
-        raise ConfigError(f"model ({spec!r}) must be one of {', '.join(TINY)}, a config.json or a checkpoint directory")
+        if p.is_dir():
+            cfg_path = p / "config.json"
+            require(cfg_path.is_file(), f"checkpoint directory ({p}) must hold a config.json")
+        elif p.suffix == ".json":
+            require(os.path.lexists(p), f"model config ({p}) must exist")
+            cfg_path = p
+        else:
+            raise ConfigError(f"model ({spec!r}) must be one of {', '.join(TINY)}, a config.json or a checkpoint "
+                              "directory")
+        E = _check_config(cfg_path)
+    if ranks is not None:
+        require(1 <= ranks <= E and E % ranks == 0,
+                f"--nproc ({ranks}) must divide the model's experts ({E}): each rank homes E/R experts")
+    return cfg_path
+
+
+def _check_config(path: Path) -> int:
+    """A config.json's MoE shape and attention heads, checked as the model code will read them
+    (``moonep_sim.models.model_from_hf_config``), and its class built by transformers; returns E."""
+    from moonep_sim.io import read_config_bytes
+    from moonep_sim.limits import MAX_HEADS
+    from moonep_sim.models import model_from_hf_config
+
+    raw = read_config_bytes(path, "model config", "JSON")
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{path}: must be a readable JSON model config: {e}") from None
+    require(isinstance(doc, dict) and "model_type" in doc, f"{path}: config must be a JSON object with a model_type")
+    spec = model_from_hf_config(doc, str(path))  # a dense config (no experts) is refused here
+    heads = doc.get("num_attention_heads")
+    if heads is not None:
+        require(isinstance(heads, int) and not isinstance(heads, bool) and 1 <= heads <= MAX_HEADS,
+                f"{path}: num_attention_heads ({heads!r}) must be an integer in [1, {MAX_HEADS}]")
+        kv = doc.get("num_key_value_heads")
+        if kv is not None:
+            require(isinstance(kv, int) and not isinstance(kv, bool) and 1 <= kv <= heads and heads % kv == 0,
+                    f"{path}: num_key_value_heads ({kv!r}) must divide num_attention_heads ({heads})")
+        if doc.get("head_dim") is None:
+            require(spec.hidden % heads == 0, f"{path}: num_attention_heads ({heads}) must divide hidden_size "
+                                              f"({spec.hidden}) (or give head_dim)")
+    vocab = doc.get("vocab_size")
+    from moonep_sim.limits import MAX_VOCAB
+    require(vocab is None or (isinstance(vocab, int) and not isinstance(vocab, bool) and 1 <= vocab <= MAX_VOCAB),
+            f"{path}: vocab_size ({vocab!r}) must be an integer in [1, {MAX_VOCAB}]")
+    _check_memory(path, spec, int(vocab or 0))
+    config_from_json(path, raw)
+    return spec.num_experts
+
+
+def weight_elements(spec, vocab: int) -> int:
+    """About how many weights a rank of the HF launcher holds (every rank builds the whole model):
+    embeddings and LM head, attention (4 H^2 per layer), routers, every expert and shared expert."""
+    H, L = spec.hidden, spec.layers
+    return (2 * vocab * H + L * 4 * H * H + spec.moe_layers * (spec.num_experts + spec.shared_experts) * 3 * H * spec.expert_ffn
+            + spec.moe_layers * H * spec.num_experts)
+
+
+def _check_memory(path: Path, spec, vocab: int) -> None:
+    """Refuse a config whose weights and gradients (float32) do not fit this machine's memory on one
+    rank: the launcher runs small models on CPU, and each rank would fail allocating them."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    need = weight_elements(spec, vocab) * 4 * 2  # float32 weights and their gradients
+    require(need <= total, f"{path}: the model must fit this machine's memory on each rank: about "
+                           f"{need / 2 ** 30:,.1f} GiB of float32 weights and gradients per rank, the machine has "
+                           f"{total / 2 ** 30:,.1f} GiB (the HF launcher builds the whole model on every CPU rank)")
 
 
 def build_model(spec: str, seed: int = 0, dtype: torch.dtype = torch.float32):

@@ -27,9 +27,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -37,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from moonep_sim.errors import CommError, ConfigError, MoonEPSimError, OneLineArgumentParser, require
-from moonep_sim.io import check_output_path, write_text_atomic
+from moonep_sim.io import check_outputs, write_text_atomic
 
 MODULE = "moonep_sim.integrations.train"
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -76,17 +78,23 @@ def check_args(a: argparse.Namespace) -> None:
     require(a.batch >= 1 and a.seq >= 2, f"--batch ({a.batch}) must be >= 1 and --seq ({a.seq}) >= 2")
     require(a.check_steps >= 1 and a.generate >= 0,
             f"--check-steps ({a.check_steps}) must be >= 1 and --generate ({a.generate}) >= 0")
-    require(a.timeout > 0, f"--timeout ({a.timeout}) must be > 0")
+    require(math.isfinite(a.timeout) and 0 < a.timeout <= 86400, f"--timeout ({a.timeout}) must be > 0 and at most "
+                                                                  "86400 seconds")
+    require(a.batch * a.seq <= 1 << 20, f"--batch x --seq ({a.batch} x {a.seq}) must be at most 1048576 tokens per rank")
+    require(a.nproc >= 0, f"--nproc ({a.nproc}) must be >= 1 (or left out under torchrun)")
     from moonep_sim.integrations.tiny import check_model_spec
     from moonep_sim.strategies import get_strategy
 
-    check_model_spec(a.model)
+    world = a.nproc or (int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE", "").isdigit() else None)
+    cfg = check_model_spec(a.model, world)
+    if world is not None and a.gpus_per_node:
+        require(1 <= a.gpus_per_node <= world and world % a.gpus_per_node == 0,
+                f"--gpus-per-node ({a.gpus_per_node}) must divide the ranks ({world})")
     for n in strategy_names(a.strategy):
         get_strategy(n).parse_options(strategy_options(a)[n])
-    if a.json:
-        check_output_path(a.json, "--json")
-    if a.record:
-        check_output_path(a.record, "--record")
+    # the output rule: no output over the model's config or checkpoint (links followed), nor over the other
+    check_outputs({"--json": a.json, "--record": a.record},
+                  {"--model": (a.model if Path(a.model).is_dir() else cfg) if cfg is not None else None})
 
 
 def strategy_names(text: str) -> list[str]:
@@ -186,6 +194,8 @@ def run(a: argparse.Namespace) -> dict[str, Any] | None:
     times = np.zeros((S, a.steps, len(TIMES)))
     losses = np.zeros((S, it_total))
     steps_seen: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []
+    from moonep_sim.gloo.liveness import fault_point
+    fault_point("training", rank)  # the fault-injection hook (MOONEP_SIM_FAULT=RANK:training:SIGNAL)
     for it in range(it_total):
         report(f"{'warm-up' if it < a.warmup else 'training'} step {it + 1} of {it_total}", it, it_total)
         ids = global_batch(vocab, R * a.batch, a.seq, a.seed + 1, it)
@@ -349,7 +359,14 @@ def rank_main(argv: Sequence[str]) -> tuple[int, dict[str, Any] | None]:
             require("RANK" in os.environ and "WORLD_SIZE" in os.environ,
                     "RANK / WORLD_SIZE (unset) must be set: run with --nproc N, or under torchrun "
                     "--nproc_per_node N launch/train_hf.py ...")
+            # heartbeat and watchdog first (a peer lost while the group is set up is named "starting"), then
+            # the launcher is told the group is up: a rank lost later is named by the phase it was in
+            from moonep_sim.gloo.liveness import STARTING, fault_point, start_early
+            watch = start_early(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), max(a.timeout, 1.0))
+            fault_point(STARTING, rank)
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(a.timeout, 1.0)))
+            watch.started()
+            fault_point("started", rank)
         rep = run(a)
         if rep is not None and a.json:
             write_text_atomic(a.json, json.dumps(rep, indent=1, sort_keys=True), what="--json")
@@ -378,7 +395,7 @@ def launch(nproc: int, argv: Sequence[str], timeout_s: float) -> dict[str, Any]:
     from moonep_sim.gloo.launcher import run_rank_program
 
     require(nproc >= 1, f"--nproc ({nproc}) must be >= 1")
-    return run_rank_program(MODULE, nproc, strip_launch_args(argv), timeout_s)
+    return run_rank_program(MODULE, nproc, strip_launch_args(argv), timeout_s, what="training")
 
 
 def strip_launch_args(argv: Sequence[str]) -> list[str]:

@@ -195,21 +195,6 @@ def final_rows(lay: SlotLayout, kept_sorted: np.ndarray, entry_buf_row: np.ndarr
     return row_entry, expand
 
 
-def _single_hop_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, lay, entry_rank, hop, entry_dup,
-                     row_entry, expand, token_padding, capacity_R, options, extra) -> Plan:
-    """The single-hop Plan of a layout, its entries' ranks, the hop and the final rows."""
-    T, K = routing.topk_ids_TK.shape
-    return Plan(
-        strategy="", options=dict(options or {}), cluster=cluster, num_experts=routing.num_experts, top_k=K,
-        tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),
-        entry_rank_TK=entry_rank.reshape(T, K), entry_row_TK=lay.entry_row_N.reshape(T, K),
-        entry_dup_TK=entry_dup.reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
-        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slot_expert_S, dtype=np.int64),
-        slot_home_S=np.asarray(slot_home_S, dtype=np.int64), slot_offset_S=lay.slot_offset_S,
-        slot_rows_S=lay.slot_rows_S, slot_padded_S=lay.slot_padded_S, row_entry_W=row_entry,
-        expand_src_row_W=expand, hops=(hop,), capacity_R=capacity_R, **extra)
-
-
 def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
                     slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_TK: np.ndarray, *, dedup: bool,
                     token_padding: int = 1, min_rows_S: np.ndarray | None = None,
@@ -242,8 +227,16 @@ def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
     lay, hop, entry_dup, row_entry, expand = fused.single_hop_plan(
         entry_slot_TK, slot_rank_S, routing.tok_off_R(), routing.top_k, cluster.ranks, dedup, token_padding,
         min_rows_S)
-    return _single_hop_plan(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, lay, lay.entry_rank_N,
-                            hop, entry_dup, row_entry, expand, token_padding, capacity_R, options, extra)
+    T, K = routing.topk_ids_TK.shape
+    return Plan(
+        strategy="", options=dict(options or {}), cluster=cluster, num_experts=routing.num_experts, top_k=K,
+        tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),
+        entry_rank_TK=lay.entry_rank_N.reshape(T, K), entry_row_TK=lay.entry_row_N.reshape(T, K),
+        entry_dup_TK=entry_dup.reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
+        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slot_expert_S, dtype=np.int64),
+        slot_home_S=np.asarray(slot_home_S, dtype=np.int64), slot_offset_S=lay.slot_offset_S,
+        slot_rows_S=lay.slot_rows_S, slot_padded_S=lay.slot_padded_S, row_entry_W=row_entry,
+        expand_src_row_W=expand, hops=(hop,), capacity_R=capacity_R, **extra)
 
 
 __all__ = ["SlotLayout", "block_messages", "entry_token", "final_rows", "layout_slots", "plan_from_slots", "slot_layout",

@@ -120,6 +120,8 @@ class KernelSpec:
     host_wait_us: the host's wait for the count exchange before each dispatch (the library's CPU
         busy-waits for the received counts, then allocates the outputs and launches the dispatch
         kernel): the GPU idles that long per dispatch (0 = none: the counts stay on the device).
+    zero_copy: True = the rows land in their expert-grouped slots and the combine reads them there
+        (MoonEP): no permutation pass around the experts (``moonep_sim.step.costs.PERMUTE_PASSES``).
     """
 
     sms: int = 0
@@ -144,6 +146,7 @@ class KernelSpec:
     recv_copy: bool = False
     holds_sms: bool = True
     host_wait_us: float = 0.0
+    zero_copy: bool = False
 
     def __post_init__(self) -> None:
         require(self.epilogue in EPILOGUES, f"kernel epilogue ({self.epilogue!r}) must be one of {EPILOGUES}")

@@ -19,83 +19,14 @@ import numpy as np
 
 from moonep_sim.errors import PlanError
 from moonep_sim.perf import DEFAULT_PERF, PerfConfig
-from moonep_sim.plan import compiled, threads
+from moonep_sim.plan import compiled, reference
 from moonep_sim.plan.assembly import Entries, Padding, Slots
 from moonep_sim.plan.build import final_rows, slot_layout, sorted_layout
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
+from moonep_sim.plan.reference import route_hop
 from moonep_sim.plan.kinds import INDEX
 from moonep_sim.plan.order import segment_ranges, stable_order
 from moonep_sim.plan.placement import ClusterShape
-from moonep_sim.plan.route import Messages, Scratch, Sources, grouped_hop, pair_hop, token_hop, token_hop_fits
-
-
-def _route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,
-               ranks: int, scope: str) -> tuple[Hop, np.ndarray]:
-    """:func:`route_hop` for int64 arrays: any gid order, and entries of one message may sit on
-    different sources (the message takes the first entry's)."""
-    n = dst_rank_N.size
-    R = int(ranks)
-    if n == 0:
-        z = np.zeros(0, np.int64)
-        return Hop(scope, z, z, z, z, np.zeros(R, np.int64)), z
-    if n > 1 and bool((gid_N[1:] < gid_N[:-1]).any()):  # general case: sort on (dst, gid)
-        G = int(gid_N.max()) + 1
-        order = np.argsort(dst_rank_N * G + gid_N, kind="stable")
-    else:  # gid non-decreasing in entry order: a stable sort on dst alone gives (dst, gid, entry)
-        order = stable_order(dst_rank_N, R)
-    cnt_D = np.bincount(dst_rank_N, minlength=R)
-    gs = gid_N[order]
-    first = np.empty(n, dtype=bool)
-    np.not_equal(gs[1:], gs[:-1], out=first[1:])
-    first[0] = True
-    bound = (np.cumsum(cnt_D) - cnt_D)[cnt_D > 0]
-    first[bound] = True  # a new destination starts a new message
-    lead = order[first]  # one representative entry per message: the first in entry order
-    M = lead.size
-    del gs
-    mcum = np.cumsum(first.view(np.uint8), dtype=np.int64)  # messages up to and including each sorted entry
-    ends = np.cumsum(cnt_D)
-    m_at = np.where(ends > 0, mcum[np.maximum(ends - 1, 0)], 0)  # messages before each dst's end
-    per_dst = np.diff(np.concatenate([[0], m_at])).astype(np.int64)  # messages per destination
-    # messages are in (dst, gid) order; the receive buffer of each dst is in (src, gid) order
-    m_src = src_rank_N[lead]
-    m_srow = src_row_N[lead]
-    del lead
-    m_dst = np.repeat(np.arange(R, dtype=np.int64), per_dst)
-    o2 = stable_order(m_dst * R + m_src, R * R)  # (dst, src, gid); keeps each dst's block in place
-    dst_start = np.cumsum(per_dst) - per_dst
-    m_row = np.empty(M, dtype=np.int64)
-    m_row[o2] = np.arange(M, dtype=np.int64) - np.repeat(dst_start, per_dst)
-    del o2
-    key3 = m_src * R + m_dst
-    o3 = stable_order(key3, R * R)  # (src, dst, gid): the hop's message order
-    cnt3 = np.bincount(key3, minlength=R * R)
-    del key3
-    blocks = np.arange(R * R, dtype=np.int64)
-    hop = Hop(scope, np.repeat(blocks // R, cnt3), m_srow[o3], np.repeat(blocks % R, cnt3), m_row[o3], per_dst)
-    dst_row = np.empty(n, dtype=np.int64)
-    mcum -= 1
-    dst_row[order] = m_row[mcum]
-    return hop, dst_row
-
-
-def route_hop(src_rank_N: np.ndarray, src_row_N: np.ndarray, dst_rank_N: np.ndarray, gid_N: np.ndarray,
-              ranks: int, scope: str) -> tuple[Hop, np.ndarray]:
-    """One hop of a route, vectorised over the (kept) entries that take part in it.
-
-    src_rank_N, src_row_N: where each entry's token sits before the hop (rank, buffer row).
-    dst_rank_N: the rank the entry's token must reach.  gid_N: message key within a destination
-    (token id to deduplicate, entry id not to); entries with equal (dst, gid) share one message,
-    whose source is the first such entry's (lowest entry order) -- equal tokens, so any is correct.
-    Returns (hop, dst_row_N): the Hop and each entry's row in the hop's receive buffer.
-
-    When ``gid_N`` is non-decreasing (entries in entry order) the entries are sorted by destination
-    alone with a radix sort, and the messages by (dst, src) and (src, dst) with 16-bit ones.
-    :func:`plan_from_routes` uses a one-sort form where each message has a single source
-    (:func:`moonep_sim.plan.route.grouped_hop`).
-    """
-    return _route_hop(np.asarray(src_rank_N, dtype=np.int64), np.asarray(src_row_N, dtype=np.int64),
-                      np.asarray(dst_rank_N, dtype=np.int64), np.asarray(gid_N, dtype=np.int64), ranks, scope)
 
 
 def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
@@ -193,7 +124,8 @@ def entry_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, entry_buf_ro
     # (the final rows' sources in the buffer rows' dtype, as final_rows gives them: INDEX from the
     # route builders)
     dt = np.asarray(entry_buf_row_N).dtype
-    expand = Scratch(N, scratch).take() if dt == INDEX else np.empty(N, dtype=dt)
+    spare = [b for b in (scratch or []) if b.shape == (N,) and b.dtype == INDEX] if dt == INDEX else []
+    expand = spare.pop() if spare else np.empty(N, dtype=dt)
     if scratch:  # the other dead arrays go before the layout allocates its own
         scratch.clear()
     if lay is None:
@@ -302,201 +234,42 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
     intermediate rank of each entry after hops 0..H-2 (values at dropped entries are ignored); with
     ``via_table`` H-1 int64 [R, R] tables instead, ``via[s, d]`` the intermediate rank of every
     token going from source rank s to final rank d (a route that depends on its ends only, as
-    Tutel's 2DH and DeepEP's are; it lets the last hop be ordered with one radix sort).
+    Tutel's 2DH and DeepEP's are).
     scopes / dedup: one per hop (H = len(scopes)); dedup[h] sends a token once per receiving rank.
-    perf: where the compiled passes and a second thread take over (:class:`~moonep_sim.perf.PerfConfig`;
-    the same Plan whatever it says).
+
+    Two forms, one seam (:func:`moonep_sim.plan.compiled.covers`): a two-hop table route of every
+    entry kept (every planner's: deepep, hierarchical, costaware), from ``perf.plan_compiled_min``
+    entries, takes the compiled passes (``fused_routes.two_hop_plan``: any K, any number of ranks);
+    every other route and size the readable builder (:func:`moonep_sim.plan.reference.plan_from_routes`).
+    The same Plan (``tests/test_plan_fused.py``, ``tests/test_planner_outputs_pinned.py``).
     """
-    T, K = routing.topk_ids_TK.shape
-    R = cluster.ranks
-    H = len(scopes)
+    R, H = cluster.ranks, len(scopes)
     if len(via_N) != H - 1 or len(dedup) != H:
         raise PlanError(f"route ({len(via_N)} intermediate ranks, {len(dedup)} dedup flags) must match "
                         f"hops ({H}): H-1 intermediate ranks and H flags")
-    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    entry_slot = slot_ids(entry_slot_TK)
-    N = entry_slot.size
-    K1 = max(K, 1)
-    all_kept = bool(N == 0 or entry_slot.min() >= 0)
-    src_T = routing.src_rank_T()
-    src_sorted = bool(src_T.size < 2 or (np.diff(src_T) >= 0).all())  # tokens in rank order (as usual)
-    shift = K1.bit_length() - 1 if all_kept and K1 & (K1 - 1) == 0 else -1  # tok[i] == i >> shift
-    if (via_table and shift >= 0 and src_sorted and 0 < R <= 256
-            and all(h == 0 or not dedup[h] or h == H - 1 for h in range(H))):
-        return _plan_from_table_routes(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot,
-                                       via_N, scopes, dedup, shift, token_padding=token_padding, options=options,
-                                       perf=perf, **extra)
-    if all_kept:  # (no array of kept entry ids: they are 0..N-1)
-        kept = None
-        tok = np.repeat(np.arange(T, dtype=np.int64), K)
-        src = np.repeat(src_T, K)
-        row = np.repeat(np.arange(T, dtype=np.int64) - routing.tok_off_R()[src_T], K)
-    else:
-        kept = np.flatnonzero(entry_slot >= 0)
-        tok = kept >> (K1.bit_length() - 1) if K1 & (K1 - 1) == 0 else kept // K1
-        src = src_T[tok]
-        row = tok - routing.tok_off_R()[src]
-    pick = (lambda a: a) if all_kept else (lambda a: a[kept])
-    n_kept = N if all_kept else kept.size
-    dst = slot_rank_S[pick(entry_slot)]
     if via_table:
         for v in via_N:
-            if np.shape(v) != (R, R):
-                raise PlanError(f"via table shape ({list(np.shape(v))}) must be [R, R] = [{R}, {R}]")
-        tables = [np.asarray(v, dtype=np.int64) for v in via_N]
-        for t in tables:
+            t = np.asarray(v)
+            if t.shape != (R, R):
+                raise PlanError(f"via table shape ({list(t.shape)}) must be [R, R] = [{R}, {R}]")
             if t.size and (int(t.min()) < 0 or int(t.max()) >= R):
                 raise PlanError(f"via table values ({int(t.min())}..{int(t.max())}) must be ranks in [0, {R})")
-        if src_sorted and R <= 256:  # each source rank's entries are one run: look up its table row
-            bound = np.searchsorted(src, np.arange(R + 1))
-            mids = [np.empty(n_kept, dtype=np.int64) for _ in tables]
-            for r in range(R):  # loop over source ranks, not entries
-                lo, hi = int(bound[r]), int(bound[r + 1])
-                if hi > lo:
-                    for m, v in zip(mids, tables):
-                        np.take(v[r], dst[lo:hi], out=m[lo:hi], mode="clip")
-        else:
-            ends = src * R
-            ends += dst
-            mids = [v.ravel()[ends] for v in tables]
-            del ends
-    else:
-        mids = [pick(np.asarray(v, dtype=np.int64).ravel()) for v in via_N]
-    pos = [src] + mids + [dst]
-    del mids
-    entry_rank = pos[H] if all_kept else np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
-    entry_dup = None
-    hops = []
-    for h in range(H):
-        if h == 0 or not dedup[h]:
-            # hop 0 leaves each token's own rank; without dedup every entry is its own message: either
-            # way each message has one source, and one (src, dst) radix sort orders the hop
-            at = Sources(pos[h], row, sorted=h == 0 and src_sorted, tok_off_R=routing.tok_off_R() if h == 0 else None)
-            hop, row = grouped_hop(at, pos[h + 1], Messages(dedup[h], tok, shift), R, scopes[h])
-        else:
-            hop = None
-            if h == H - 1 and via_table:
-                # the hop's source is via[s, d]: one per (token, final rank), so messages group as
-                # (src, dst, token) and the entries after the first of each are the duplicates
-                hop, row, entry_dup = grouped_hop(Sources(pos[h], row), pos[h + 1],
-                                                  Messages(True, tok, shift, dup_N=N, kept_N=kept), R, scopes[h])
-            elif h == H - 1:
-                # the last hop's messages are (token, final rank) pairs, one per non-duplicate entry;
-                # the grouped form is exact when it finds that many (no message with two sources)
-                entry_dup = dup_flags(entry_rank, K)
-                hop2, row2 = grouped_hop(Sources(pos[h], row), pos[h + 1], Messages(True, tok, shift), R, scopes[h])
-                if hop2.src_rank_M.size == n_kept - int(np.count_nonzero(entry_dup)):
-                    hop, row = hop2, row2
-                del hop2, row2
-            if hop is None:
-                hop, row = _route_hop(pos[h], row, pos[h + 1], tok, R, scopes[h])
-        hops.append(hop)
-    entry_buf_row = row if all_kept else np.full(N, -1, dtype=np.int64)
-    if not all_kept:
-        entry_buf_row[kept] = row
-    if entry_dup is None:
-        entry_dup = dup_flags(entry_rank, K) if dedup[-1] else np.zeros(N, dtype=bool)
+    entry_slot = slot_ids(entry_slot_TK)
+    N = entry_slot.size
+    if not (via_table and H == 2 and compiled.covers(N, perf) and N and int(entry_slot.min()) >= 0):
+        return reference.plan_from_routes(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S,
+                                          entry_slot_TK, via_N, scopes, dedup, token_padding=token_padding,
+                                          via_table=via_table, options=options, **extra)
+    # both hops, the layout and the final rows in two compiled passes over the entries
+    from moonep_sim.plan import fused_routes
+
+    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    hops, entry_rank, entry_dup, layout = fused_routes.two_hop_plan(entry_slot, slot_rank_S, via_N[0],
+                                                                    routing.tok_off_R(), routing.top_k, R, scopes,
+                                                                    dedup, token_padding)
     return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slot_expert_S, slot_home_S),
-                         Entries(entry_slot, entry_buf_row, entry_dup), hops, padding=Padding(token_padding),
-                         options=options, perf=perf, **extra)
-
-
-def _plan_from_table_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
-                            slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_N: np.ndarray,
-                            via_RR: Sequence[np.ndarray], scopes: Sequence[str], dedup: Sequence[bool], shift: int, *,
-                            token_padding: int, options: dict[str, Any] | None, perf: PerfConfig,
-                            **extra) -> Plan:
-    """:func:`plan_from_routes` for the usual case: routes given as [R, R] tables, every entry kept,
-    K a power of two (``K == 1 << shift``), tokens in rank order, R <= 256, and no deduplicating
-    hop between the first and the last.
-
-    An entry's token (``e >> shift``), source rank (its run of entries) and source row then follow
-    from its id, so no [N] array of them is built; the ranks an entry passes are one byte each.
-    The Plan equals the general path's (``tests/test_planner_outputs_pinned.py``).
-    """
-    R, H = cluster.ranks, len(scopes)
-    N = entry_slot_N.size
-    tok_off = routing.tok_off_R()
-    bound = tok_off << shift  # entries of source rank r: [bound[r], bound[r + 1])
-    tables = []
-    for v in via_RR:
-        t = np.asarray(v)
-        if t.shape != (R, R):
-            raise PlanError(f"via table shape ({list(t.shape)}) must be [R, R] = [{R}, {R}]")
-        if t.size and (int(t.min()) < 0 or int(t.max()) >= R):
-            raise PlanError(f"via table values ({int(t.min())}..{int(t.max())}) must be ranks in [0, {R})")
-        tables.append(t.astype(np.uint8))
-    if H == 2 and compiled.covers(N, perf):
-        # both hops, the layout and the final rows in two compiled passes over the entries
-        # (moonep_sim.plan.fused_routes): the same arrays as below
-        from moonep_sim.plan import fused_routes
-
-        hops, entry_rank, entry_dup, layout = fused_routes.two_hop_plan(entry_slot_N, slot_rank_S, tables[0], tok_off,
-                                                                        routing.top_k, R, scopes, dedup, token_padding)
-        return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slot_expert_S, slot_home_S),
-                             Entries(entry_slot_N, None, entry_dup, rank_N=entry_rank), hops,
-                             padding=Padding(token_padding), options=options, layout=layout, **extra)
-    # the slot sort and layout depend on the slots alone: on a second thread beside the hops (the
-    # same Plan either way; numpy's loops release the GIL, so the wall time falls on two cores)
-    layout_job = threads.Beside(slot_layout, entry_slot_N, slot_rank_S, token_padding, None, R, None, perf,
-                                run=N >= perf.thread_min)
-    with layout_job:
-        hops, row, entry_rank, entry_dup, scratch = _table_hops(routing, entry_slot_N, slot_rank_S, tables, scopes,
-                                                               dedup, shift, bound)
-    layout = entry_layout(entry_slot_N, slot_rank_S, row, R, token_padding, scratch=scratch, lay=layout_job.result())
-    return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slot_expert_S, slot_home_S),
-                         Entries(entry_slot_N, row, entry_dup, rank_N=entry_rank), hops,
+                         Entries(entry_slot, None, entry_dup, rank_N=entry_rank), hops,
                          padding=Padding(token_padding), options=options, layout=layout, **extra)
-
-
-def _table_hops(routing: GlobalRouting, entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tables: list,
-                scopes: Sequence[str], dedup: Sequence[bool], shift: int, bound: np.ndarray):
-    """The hops of :func:`_plan_from_table_routes` (one-byte [R, R] ``tables``, entries of source
-    rank r ``[bound[r], bound[r + 1])``): (hops, last buffer rows, entry ranks, duplicate flags,
-    the dead INDEX [N] arrays left)."""
-    R, H, N = bound.size - 1, len(scopes), entry_slot_N.size
-    tok_off = routing.tok_off_R()
-    entry_rank = slot_rank_S.astype(INDEX)[entry_slot_N]  # INDEX [N]: the Plan's entry_rank (every entry kept)
-    dst8 = entry_rank.astype(np.uint8)
-    mids = [np.empty(N, dtype=np.uint8) for _ in tables]
-    for r in range(R):  # each source rank's entries are one run: look up its table row
-        lo, hi = int(bound[r]), int(bound[r + 1])
-        if hi > lo:
-            for m, t in zip(mids, tables):
-                np.take(t[r], dst8[lo:hi], out=m[lo:hi], mode="clip")  # (values checked above)
-    pos = [None] + mids + [dst8]
-    del mids
-    entry_dup = None
-    row = None
-    hops = []
-    scratch: list[np.ndarray] = []  # dead INDEX [N] arrays, reused rather than fresh pages
-    for h in range(H):
-        prev = row
-        if h == 0 and dedup[0] and H > 1 and token_hop_fits(tables[0], 1 << shift):  # once per (token, relay)
-            hop, row = token_hop(bound, tables[0], pos[H], shift, R, scopes[0], scratch)
-        elif h == 0:  # tokens leave their own ranks: runs by source, rows by arithmetic
-            hop, row = grouped_hop(Sources.own_ranks(bound, tok_off), pos[1], Messages(dedup[0], shift=shift), R,
-                                   scopes[0], scratch)
-        elif h == H - 1:  # the last hop: its blocks gather (source, final rank) pairs (see pair_hop)
-            out = pair_hop(bound, tables[h - 1], pos[h + 1], row,
-                           Messages(dedup[h], shift=shift, dup_N=N if dedup[h] else None), R, scopes[h], scratch)
-            hop, row = out[:2]
-            if dedup[h]:
-                entry_dup = out[2]
-        elif dedup[h]:  # (the caller's condition excludes a deduplicating hop between the first and the last)
-            raise PlanError(f"hop {h} of {H} must not deduplicate on the table path (internal error)")
-        else:
-            hop, row = grouped_hop(Sources(pos[h], row), pos[h + 1], Messages(False, shift=shift), R, scopes[h],
-                                   scratch)
-        if prev is not None:  # the previous buffer's rows: read by this hop's messages, dead now
-            scratch.append(prev)
-        del prev
-        pos[h] = None
-        hops.append(hop)
-    del pos, dst8
-    if entry_dup is None:
-        entry_dup = dup_flags(entry_rank, routing.top_k) if dedup[-1] else np.zeros(N, dtype=bool)
-    return hops, row, entry_rank, entry_dup, scratch
 
 
 def slot_ids(entry_slot) -> np.ndarray:

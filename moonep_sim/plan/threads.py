@@ -3,8 +3,8 @@
 numpy releases the GIL inside its loops over arrays (ufuncs, sorts, gathers and scatters), so two
 numpy-bound pieces that share no array being written overlap on two cores: the wall time falls,
 the CPU time (all threads: ``getrusage(RUSAGE_SELF)``) does not. Used by ``validate`` (the hop check
-beside the entry checks), the multi-hop table routes (the layout beside the hops) and the
-``capacity`` and ``allgather`` planners (their layout beside their hop). Below ``perf.thread_min`` items (:class:`~moonep_sim.perf.PerfConfig`)
+beside the entry checks) and the ``capacity`` and ``allgather`` planners (their layout beside their
+hop). Below ``perf.thread_min`` items (:class:`~moonep_sim.perf.PerfConfig`)
 a thread's start costs more than it saves, and the work runs in order on this thread.
 """
 

@@ -101,9 +101,13 @@ def step_footer(doc: dict[str, Any]) -> list[str]:
               "every recorded step pooled" if sk else "the trace's measured skew")
         out.append(f"{s['stand_ins']} MoE layer(s) are STAND-INS (the trace lacks them): drawn at {at}; "
                    "see layers_routing in --json")
-    if s.get("merged"):
+    if s.get("merged") and s.get("mode") != "decode":
         out.append("steps merged: the recorded steps are costed as one batch that never ran together; sequences "
                    f"keep one pass's length (context {s['context']})")
+    elif s.get("merged"):
+        out.append(f"steps merged: the recorded steps are costed as one decode batch of {s['tokens_per_rank']} "
+                   f"sequences per rank that never ran together, at an ASSUMED context of {s['context']} (the trace "
+                   "records no KV context: give --context)")
     if s.get("zero_token_ranks"):
         out.append(f"{s['zero_token_ranks']} rank(s) hold no token in this step (fewer tokens than ranks)")
     if s.get("reused_layers"):

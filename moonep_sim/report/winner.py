@@ -1,5 +1,5 @@
 """Winner maps rendered: a heat map PNG (cell colour = the winner, label = winner and its margin
-over the runner-up) and a Markdown table, from the map dict :mod:`moonep_sim.experiments.winner`
+over the runner-up) and a Markdown table, from the map dict :mod:`moonep_sim.analysis.winner`
 builds (``cell`` and ``winner_map`` are there).
 
 Notation: X columns (first knob's values), Y rows (second knob's values).

@@ -19,7 +19,7 @@ A deployment file is a small TOML::
 
 **Memory per GPU** (:meth:`Pool.kv_tokens`): the dense part (attention, shared experts, dense
 FFNs, router, embeddings) sharded ``tp`` ways when attention is tensor-parallel (replicated over
-attention-DP ranks), the routed experts ``E / ep`` per GPU, at ``weight_bytes``; the KV cache
+attention-DP ranks), the routed experts ``E / (ep x etp)`` per GPU (expert TP shards each), at ``weight_bytes``; the KV cache
 takes the rest of ``mem_fraction`` of HBM. One token's KV over every layer is
 ``sum_l kv_elems(l) x kv_bytes`` (MLA: the latent and the rope key; GQA: K and V of the KV heads,
 split over TP). An attention rank of a TP layout spans ``tp`` GPUs. A pool whose weights leave no
@@ -166,7 +166,7 @@ def weight_bytes_per_gpu(model: ModelSpec, layout: Parallel, weight_bytes: float
 
     dense = float(sum(dense_params(model).values()))
     experts = model.moe_layers * model.num_experts * 3.0 * model.dispatch_hidden * model.expert_ffn
-    return (dense / layout.tp + experts / layout.ep) * weight_bytes
+    return (dense / layout.tp + experts / (layout.ep * layout.etp)) * weight_bytes
 
 
 def kv_bytes_per_token(model: ModelSpec, layout: Parallel, kv_bytes: float) -> float:

@@ -71,13 +71,13 @@ def lengths(spec: str | int, n: int, rng: np.random.Generator, what: str = "--is
     s = str(spec).strip()
     parts = s.split(":")
     try:
-        if len(parts) == 1:
-            v = int(parts[0])
-            require(v >= 1, f"{what} ({s}) must be >= 1 token")
-            return np.full(n, v, np.int64)
+        v = int(parts[0]) if len(parts) == 1 else 0
         kind, args = parts[0], [float(a) for a in parts[1:]]
     except ValueError:
         raise ConfigError(f"{what} ({s!r}) must be an integer, uniform:LO:HI, lognormal:MEAN:SIGMA or exp:MEAN") from None
+    if len(parts) == 1:
+        require(v >= 1, f"{what} ({s}) must be >= 1 token")
+        return np.full(n, v, np.int64)
     if kind == "uniform" and len(args) == 2:
         lo, hi = args
         require(1 <= lo <= hi, f"{what} ({s}) must have 1 <= LO <= HI")
@@ -160,8 +160,9 @@ def read_request_trace(path: str | Path, limit: int | None = None) -> Requests:
                 raise ConfigError(f"request trace ({p}:{ln}) must have arrival_s, input_len, output_len "
                                   f"(or Mooncake's timestamp, input_length, output_length): {e!r}") from None
             require(np.isfinite(t) and t >= 0, f"request trace arrival ({t}, {p}:{ln}) must be finite and >= 0")
-            require(not arr or t >= arr[-1], f"request trace arrival ({t:g} s, {p}:{ln}) must not be before the "
-                                             f"previous line's ({arr[-1]:g} s): times must be sorted")
+            if arr and t < arr[-1]:
+                raise ConfigError(f"request trace arrival ({t:g} s, {p}:{ln}) must not be before the previous "
+                                  f"line's ({arr[-1]:g} s): times must be sorted")
             require(i >= 1 and o >= 1, f"request trace lengths (input {i}, output {o}, {p}:{ln}) must be >= 1")
             require(0 <= h_tok < i, f"request trace prefix hit ({h_tok}, {p}:{ln}) must be in [0, input length {i})")
             arr.append(t)

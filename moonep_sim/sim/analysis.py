@@ -257,7 +257,7 @@ def stage_parts(sim: StepSim, rec, t_end: float) -> list[dict[str, Any]]:
     the four parts sum to the window). Within the communication parts: ``fixed_us`` c's kernel
     launch spans of s inside the window, ``weights_us`` the span (first start to last end, over
     ranks) of s's weight flows (prefetch, migrate, gradient reduce) inside the window. (One
-    stage's reading in ``moonep_sim.experiments.verdict`` stays the one from ``per_rank`` and the
+    stage's reading in ``moonep_sim.analysis.verdict`` stays the one from ``per_rank`` and the
     phase spans, which differs only in taking the planning span over all ranks.) One entry per
     stage: ``{layer, direction, start_us, end_us, critical_rank, plan_us, dispatch_us, compute_us,
     combine_us, fixed_us, weights_us}``.

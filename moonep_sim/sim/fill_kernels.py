@@ -199,126 +199,71 @@ def _freeze(g, lv, port, ng, own_load, nodes, scratch, cells):
         mark[t] = False
 
 
-class SolverTables(NamedTuple):
-    """The block solver's tables, as :func:`fill_levels` and the network's one-kernel tick read them:
-    built once per port map by ``BlockCounts`` (:func:`solver_tables`), never written after.
-
-    simple: every node has one port and every port one node (then ``pps`` / ``nps``: the ports that
-    have a node, ascending, and their nodes).  dummy: the dummy port.  run_max: ports of one run at
-    most.  pall_UK: int64 [U, K] ports of each node (dummy-padded).  port_nodes_PD: int64 [P1, D]
-    nodes of each port (-1-padded).  key_U, row_U, col_U: int64 [U] per node its cell key, its
-    row's first index in the counts buffer and its column in the other side's rows.  cell_UW,
-    other_UW: int32 (int64 past 2^31 cells) [U, W] the cell tables (``BlockCounts._node_cells``).
-    """
-
-    simple: bool
-    dummy: int
-    run_max: int
-    pall_UK: np.ndarray
-    port_nodes_PD: np.ndarray
-    pps: np.ndarray
-    nps: np.ndarray
-    key_U: np.ndarray
-    row_U: np.ndarray
-    col_U: np.ndarray
-    cell_UW: np.ndarray
-    other_UW: np.ndarray
-
-
-def solver_tables(simple: bool, dummy: int, run_max: int, pall_UK: np.ndarray, port_nodes_PD: np.ndarray,
-                  pps: np.ndarray, nps: np.ndarray, key_U: np.ndarray, row_U: np.ndarray, col_U: np.ndarray,
-                  cell_UW: np.ndarray, other_UW: np.ndarray) -> SolverTables:
-    """:class:`SolverTables` in the dtypes the kernels read (contiguous int64; the cell tables int32
-    where 2T fits, as given)."""
-    c = np.ascontiguousarray
-    return SolverTables(bool(simple), int(dummy), int(run_max), c(pall_UK, dtype=np.int64),
-                        c(port_nodes_PD, dtype=np.int64), c(pps, dtype=np.int64), c(nps, dtype=np.int64),
-                        c(key_U, dtype=np.int64), row_U, col_U, cell_UW, other_UW)
+@kernel
+def _fill_simple(cap_P, N, tables, nodes, scratch, cells, run):
+    """:func:`fill_levels` where every node has one port and every port one node (``tables.simple``):
+    the candidate ports are the nodes' own. nodes, scratch, cells: as :func:`_freeze` takes them;
+    run: the run's buffers (sender nodes, receiver nodes, nodes, levels, ports)."""
+    simple, dummy, run_max, pall_UK, port_nodes_PD, pps, nps, key_U, row_U, col_U, cell_UW, other_UW = tables
+    lev, bport, free, frz, cnt = nodes
+    mm = cells[2]
+    run_s, run_r, g, lv, port = run
+    steps = 0
+    nP = pps.size
+    li = np.empty(nP, dtype=np.int64)   # the candidate ports' positions in pps, ascending
+    share = np.empty(nP)
+    heap = np.empty(nP, dtype=np.int64)
+    m = 0
+    for k in range(nP):
+        if cnt[nps[k]] != 0.0:
+            li[m] = k
+            m += 1
+    while m:
+        steps += 1
+        for i in range(m):
+            k = li[i]
+            x = nps[k]
+            share[i] = (cap_P[pps[k]] - frz[x]) / cnt[x]
+        _heapify(heap, m, share)
+        w = min(m, run_max)
+        cut = w
+        ns = 0
+        nr = 0
+        for i in range(w):
+            j = _pop(heap, m - i, share)
+            k = li[j]
+            x = nps[k]
+            if _touches(x, N, run_s, ns, run_r, nr, key_U, row_U, col_U, mm):
+                cut = i
+                break
+            ns, nr = _join_run(x, N, run_s, ns, run_r, nr)
+            g[i] = x
+            lv[i] = share[j]
+            port[i] = pps[k]
+        _sort_run(g, lv, port, cut)
+        _freeze(g, lv, port, cut, False, nodes, scratch, cells)
+        # the next step's candidates: those still carrying unfrozen transfers (counts only fall)
+        mm_ = 0
+        for i in range(m):
+            if cnt[nps[li[i]]] != 0.0:
+                li[mm_] = li[i]
+                mm_ += 1
+        m = mm_
+    return lev, bport, steps
 
 
 @kernel
-def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, tables):
-    """(lev_U1, bport_U1, steps): per node (and the spare node U) the level at which it froze (inf:
-    never) and the port that froze it (-1: none), and the filling steps taken; steps = -1 when a
-    step froze nothing (the numpy code raises there).
-
-    cap_P: float64 [P1] capacities.  cnt_src_N / cnt_dst_N: float64 [N] active transfers per
-    sender / receiver node.  mm: float64 [2T + 1] the counts buffer (``BlockCounts.mm``: M cells,
-    MT cells, a zero).  tables: the solver's :class:`SolverTables` (built once per port map):
-    simple: every node has one port and every port one node (then ``pps`` /
-    ``nps``: the ports that have a node, ascending, and their nodes).  dummy: the dummy port.
-    run_max: ports of one run at most.  pall_UK: int64 [U, K] ports of each node (dummy-padded).
-    port_nodes_PD: int64 [P1, D] nodes of each port (-1-padded).  key_U, row_U, col_U: int64 [U]
-    per node its cell key, its row's first index in ``mm`` and its column in the other side's rows.
-    cell_UW, other_UW: int32 (int64 past 2^31 cells) [U, W] the cell tables (``BlockCounts._node_cells``)."""
+def _fill_general(cap_P, N, tables, nodes, scratch, cells, run):
+    """:func:`fill_levels` for any port map: each step sums every port's unfrozen transfers and
+    frozen load from its nodes. Arguments as :func:`_fill_simple`'s."""
     simple, dummy, run_max, pall_UK, port_nodes_PD, pps, nps, key_U, row_U, col_U, cell_UW, other_UW = tables
-    N = cnt_src_N.size
+    lev, bport, free, frz, cnt = nodes
+    mm = cells[2]
+    run_s, run_r, g, lv, port = run
     U = 2 * N
     P1 = cap_P.size
-    cnt = np.empty(U + 1)
-    cnt[:N] = cnt_src_N
-    cnt[N:U] = cnt_dst_N
-    cnt[U] = 0.0
-    frz = np.zeros(U + 1)
-    lev = np.full(U + 1, np.inf)
-    bport = np.full(U + 1, -1, dtype=np.int64)
-    free = np.ones(U + 1, dtype=np.bool_)
-    free[U] = False
-    acc_c = np.zeros(U + 1)
-    acc_f = np.zeros(U + 1)
-    mark = np.zeros(U + 1, dtype=np.bool_)
-    touched = np.empty(U + 1, dtype=np.int64)
-    nodes, scratch, cells = (lev, bport, free, frz, cnt), (acc_c, acc_f, touched, mark), (cell_UW, other_UW, mm)
     D = port_nodes_PD.shape[1]
-    cap_run = run_max * max(D, 1)
-    run_s = np.empty(cap_run, dtype=np.int64)   # the run's sender nodes so far
-    run_r = np.empty(cap_run, dtype=np.int64)   # its receiver nodes
-    g = np.empty(cap_run, dtype=np.int64)       # the run's nodes, then sorted, with their levels and ports
-    lv = np.empty(cap_run)
-    port = np.empty(cap_run, dtype=np.int64)
     steps = 0
-    if simple:
-        nP = pps.size
-        li = np.empty(nP, dtype=np.int64)   # the candidate ports' positions in pps, ascending
-        share = np.empty(nP)
-        heap = np.empty(nP, dtype=np.int64)
-        m = 0
-        for k in range(nP):
-            if cnt[nps[k]] != 0.0:
-                li[m] = k
-                m += 1
-        while m:
-            steps += 1
-            for i in range(m):
-                k = li[i]
-                x = nps[k]
-                share[i] = (cap_P[pps[k]] - frz[x]) / cnt[x]
-            _heapify(heap, m, share)
-            w = min(m, run_max)
-            cut = w
-            ns = 0
-            nr = 0
-            for i in range(w):
-                j = _pop(heap, m - i, share)
-                k = li[j]
-                x = nps[k]
-                if _touches(x, N, run_s, ns, run_r, nr, key_U, row_U, col_U, mm):
-                    cut = i
-                    break
-                ns, nr = _join_run(x, N, run_s, ns, run_r, nr)
-                g[i] = x
-                lv[i] = share[j]
-                port[i] = pps[k]
-            _sort_run(g, lv, port, cut)
-            _freeze(g, lv, port, cut, False, nodes, scratch, cells)
-            # the next step's candidates: those still carrying unfrozen transfers (counts only fall)
-            mm_ = 0
-            for i in range(m):
-                if cnt[nps[li[i]]] != 0.0:
-                    li[mm_] = li[i]
-                    mm_ += 1
-            m = mm_
-        return lev, bport, steps
     K = pall_UK.shape[1]
     n = np.zeros(P1)
     fr = np.zeros(P1)
@@ -388,6 +333,88 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, tables):
         _sort_run(g, lv, port, nrun)
         _freeze(g, lv, port, nrun, True, nodes, scratch, cells)
     return lev, bport, steps
+
+
+class SolverTables(NamedTuple):
+    """The block solver's tables, as :func:`fill_levels` and the network's one-kernel tick read them:
+    built once per port map by ``BlockCounts`` (:func:`solver_tables`), never written after.
+
+    simple: every node has one port and every port one node (then ``pps`` / ``nps``: the ports that
+    have a node, ascending, and their nodes).  dummy: the dummy port.  run_max: ports of one run at
+    most.  pall_UK: int64 [U, K] ports of each node (dummy-padded).  port_nodes_PD: int64 [P1, D]
+    nodes of each port (-1-padded).  key_U, row_U, col_U: int64 [U] per node its cell key, its
+    row's first index in the counts buffer and its column in the other side's rows.  cell_UW,
+    other_UW: int32 (int64 past 2^31 cells) [U, W] the cell tables (``BlockCounts._node_cells``).
+    """
+
+    simple: bool
+    dummy: int
+    run_max: int
+    pall_UK: np.ndarray
+    port_nodes_PD: np.ndarray
+    pps: np.ndarray
+    nps: np.ndarray
+    key_U: np.ndarray
+    row_U: np.ndarray
+    col_U: np.ndarray
+    cell_UW: np.ndarray
+    other_UW: np.ndarray
+
+
+def solver_tables(simple: bool, dummy: int, run_max: int, pall_UK: np.ndarray, port_nodes_PD: np.ndarray,
+                  pps: np.ndarray, nps: np.ndarray, key_U: np.ndarray, row_U: np.ndarray, col_U: np.ndarray,
+                  cell_UW: np.ndarray, other_UW: np.ndarray) -> SolverTables:
+    """:class:`SolverTables` in the dtypes the kernels read (contiguous int64; the cell tables int32
+    where 2T fits, as given)."""
+    c = np.ascontiguousarray
+    return SolverTables(bool(simple), int(dummy), int(run_max), c(pall_UK, dtype=np.int64),
+                        c(port_nodes_PD, dtype=np.int64), c(pps, dtype=np.int64), c(nps, dtype=np.int64),
+                        c(key_U, dtype=np.int64), row_U, col_U, cell_UW, other_UW)
+
+
+@kernel
+def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, tables):
+    """(lev_U1, bport_U1, steps): per node (and the spare node U) the level at which it froze (inf:
+    never) and the port that froze it (-1: none), and the filling steps taken; steps = -1 when a
+    step froze nothing (the numpy code raises there).
+
+    cap_P: float64 [P1] capacities.  cnt_src_N / cnt_dst_N: float64 [N] active transfers per
+    sender / receiver node.  mm: float64 [2T + 1] the counts buffer (``BlockCounts.mm``: M cells,
+    MT cells, a zero).  tables: the solver's :class:`SolverTables` (built once per port map):
+    simple: every node has one port and every port one node (then ``pps`` /
+    ``nps``: the ports that have a node, ascending, and their nodes).  dummy: the dummy port.
+    run_max: ports of one run at most.  pall_UK: int64 [U, K] ports of each node (dummy-padded).
+    port_nodes_PD: int64 [P1, D] nodes of each port (-1-padded).  key_U, row_U, col_U: int64 [U]
+    per node its cell key, its row's first index in ``mm`` and its column in the other side's rows.
+    cell_UW, other_UW: int32 (int64 past 2^31 cells) [U, W] the cell tables (``BlockCounts._node_cells``)."""
+    simple, dummy, run_max, pall_UK, port_nodes_PD, pps, nps, key_U, row_U, col_U, cell_UW, other_UW = tables
+    N = cnt_src_N.size
+    U = 2 * N
+    cnt = np.empty(U + 1)
+    cnt[:N] = cnt_src_N
+    cnt[N:U] = cnt_dst_N
+    cnt[U] = 0.0
+    frz = np.zeros(U + 1)
+    lev = np.full(U + 1, np.inf)
+    bport = np.full(U + 1, -1, dtype=np.int64)
+    free = np.ones(U + 1, dtype=np.bool_)
+    free[U] = False
+    acc_c = np.zeros(U + 1)
+    acc_f = np.zeros(U + 1)
+    mark = np.zeros(U + 1, dtype=np.bool_)
+    touched = np.empty(U + 1, dtype=np.int64)
+    nodes, scratch, cells = (lev, bport, free, frz, cnt), (acc_c, acc_f, touched, mark), (cell_UW, other_UW, mm)
+    D = port_nodes_PD.shape[1]
+    cap_run = run_max * max(D, 1)
+    run_s = np.empty(cap_run, dtype=np.int64)   # the run's sender nodes so far
+    run_r = np.empty(cap_run, dtype=np.int64)   # its receiver nodes
+    g = np.empty(cap_run, dtype=np.int64)       # the run's nodes, then sorted, with their levels and ports
+    lv = np.empty(cap_run)
+    port = np.empty(cap_run, dtype=np.int64)
+    run = (run_s, run_r, g, lv, port)
+    if simple:
+        return _fill_simple(cap_P, N, tables, nodes, scratch, cells, run)
+    return _fill_general(cap_P, N, tables, nodes, scratch, cells, run)
 
 
 @kernel

@@ -71,11 +71,12 @@ class _Entries:
     Per entry only what the bound needs is kept: its token ``tok`` and its (source rank, expert)
     cell ``key = src * E + exp`` (int32 where they fit). These have one element per entry (8M at
     EP256 with 1M tokens of top-8), so the bound's cost is mostly fresh memory: the key is built
-    in the buffer of the experts, and the per-entry work runs in chunks of ``CHUNK`` entries."""
+    in the buffer of the experts, and the per-entry work runs in chunks of ``chunk`` entries (the
+    same counts whatever it is)."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, chunk: int = CHUNK):
         R, E, K = plan.ranks, plan.num_experts, plan.top_k
-        self.R, self.E, self.T = R, E, plan.num_tokens
+        self.R, self.E, self.T, self.chunk = R, E, plan.num_tokens, int(chunk)
         i_tok = np.int32 if self.T * K < 2**31 else np.int64
         i_key = np.int32 if R * E < 2**31 else np.int64
         key = np.repeat(plan.slot_expert_S.astype(i_key), plan.slot_padded_S)   # the expert, for now
@@ -90,12 +91,12 @@ class _Entries:
         tpr = np.asarray(plan.tokens_per_rank_R)
         even = bool(tpr.size and (tpr == tpr[0]).all() and tpr[0] > 0)
         src_T = None if even else np.repeat(np.arange(R, dtype=i_key), tpr)
-        for c0 in range(0, key.size, CHUNK):
-            tok = self.tok[c0:c0 + CHUNK]
+        for c0 in range(0, key.size, chunk):
+            tok = self.tok[c0:c0 + chunk]
             # even split: a division; else np.take (fancy indexing with 32-bit indices is slower)
             src = (tok // i_tok(tpr[0])).astype(i_key, copy=False) if even else np.take(src_T, tok)
             src *= i_key(E)
-            key[c0:c0 + CHUNK] += src
+            key[c0:c0 + chunk] += src
         self.key = key
         self.n_RE = np.bincount(self.key, minlength=R * E).reshape(R, E)
 
@@ -104,9 +105,9 @@ class _Entries:
         [R, E], per source rank) does not hold."""
         away = (~np.asarray(resident_RE, dtype=bool)).ravel()
         flag = np.zeros(self.T, dtype=bool)
-        for c0 in range(0, self.key.size, CHUNK):
-            need = np.take(away, self.key[c0:c0 + CHUNK])
-            np.put(flag, self.tok[c0:c0 + CHUNK][need], True)
+        for c0 in range(0, self.key.size, self.chunk):
+            need = np.take(away, self.key[c0:c0 + self.chunk])
+            np.put(flag, self.tok[c0:c0 + self.chunk][need], True)
         c = np.concatenate([[0], np.cumsum(flag, dtype=np.int64)])
         return c[self.tok_off_R1[1:]] - c[self.tok_off_R1[:-1]]
 

@@ -310,6 +310,31 @@ def submit_flows(sub, dst_F, bytes_F, eff_F, blk_RR, lat_RR, R, pn, ln, wait, lo
 
 
 @kernel
+def _compact(flows, n):
+    """The live slots of [0, n) moved to the front, in order (every column of :class:`FlowCols`);
+    returns how many."""
+    fin, rate, rem0, t0, alive, ns, nd, ids, key, src, dst, blk = flows
+    k = 0
+    for i in range(n):
+        if alive[i]:
+            if k != i:
+                fin[k] = fin[i]
+                rate[k] = rate[i]
+                rem0[k] = rem0[i]
+                t0[k] = t0[i]
+                alive[k] = alive[i]
+                ns[k] = ns[i]
+                nd[k] = nd[i]
+                ids[k] = ids[i]
+                key[k] = key[i]
+                src[k] = src[i]
+                dst[k] = dst[i]
+                blk[k] = blk[i]
+            k += 1
+    return k
+
+
+@kernel
 def tick_blocks(t, state, flows, wait, book, counts, tables):
     """One tick of ``FlowNetwork`` at time t with the block solver's compiled fill, as its numpy
     code does it, in its order: (1) the active slots [0, n) due by ``t + 2e-9 x max(t, 1)`` complete
@@ -345,24 +370,7 @@ def tick_blocks(t, state, flows, wait, book, counts, tables):
         if m:
             dead += m
             if 2 * dead > n:
-                k = 0
-                for i in range(n):
-                    if alive[i]:
-                        if k != i:
-                            fin[k] = fin[i]
-                            rate[k] = rate[i]
-                            rem0[k] = rem0[i]
-                            t0[k] = t0[i]
-                            alive[k] = alive[i]
-                            ns[k] = ns[i]
-                            nd[k] = nd[i]
-                            ids[k] = ids[i]
-                            key[k] = key[i]
-                            src[k] = src[i]
-                            dst[k] = dst[i]
-                            blk[k] = blk[i]
-                        k += 1
-                n = k
+                n = _compact(flows, n)
                 dead = 0
     lim = t + 1e-9
     if pend_min <= lim:

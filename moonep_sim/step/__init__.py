@@ -9,11 +9,23 @@ per-rank memory account (``memory``); ``run.simulate_step`` is the front. ``docs
 explains the model, its assumptions and its constants.
 """
 
-from moonep_sim.step.costs import CostModel, Profile, flat_cost_model, read_profile
-from moonep_sim.step.memory import MemoryOptions, memory_per_rank
-from moonep_sim.step.run import StepConfig, simulate_step
-from moonep_sim.step.schedules import OVERLAPS, get_overlap
-from moonep_sim.step.stack import MODES, StepShape, step_shape
+import importlib
 
-__all__ = ["CostModel", "MODES", "MemoryOptions", "OVERLAPS", "Profile", "StepConfig", "StepShape", "flat_cost_model",
-           "get_overlap", "memory_per_rank", "read_profile", "simulate_step", "step_shape"]
+#: What the package exports, by the module that defines it: imported on first use (PEP 562), so that
+#: reading a registry of the step model (``moonep_sim.step.schedules``, ``.attention``) does not
+#: import the simulator -- the command line builds its ``--overlap`` choices from the registry.
+_EXPORTS = {"CostModel": "costs", "Profile": "costs", "flat_cost_model": "costs", "read_profile": "costs",
+            "MemoryOptions": "memory", "memory_per_rank": "memory", "StepConfig": "run", "simulate_step": "run",
+            "OVERLAPS": "schedules", "get_overlap": "schedules", "MODES": "stack", "StepShape": "stack",
+            "step_shape": "stack"}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = sorted(_EXPORTS)

@@ -47,6 +47,22 @@ GEMM_DTYPES = ("bf16", "fp8")
 EXPERT_OPS = ("expert", "expert_bwd")
 #: What a figure priced by the roofline says beside itself (no measured table covers it).
 ROOFLINE = "roofline-compute"
+#: Per-kernel launch costs, per op (one kernel per op, one per GEMM of a block of projections):
+#: the GPU-side gap between back-to-back kernels fed from a stream and from a captured CUDA graph
+#: (NVIDIA, "Getting Started with CUDA Graphs": 2.9 us kernels run at 3.8 us each from a stream,
+#: 3.4 us each from a graph), and the host's time to submit one kernel in eager mode, which bounds
+#: an op shorter than it (4-6 us per cudaLaunchKernel path, "pegainfer (3): From Launch Overhead to
+#: CUDA Graph"; ASSUMED 5 us). ``CostModel.launch``: ``none`` (default), ``graph`` or ``eager``.
+KERNEL_GAP_STREAM_US = 0.9
+KERNEL_GAP_GRAPH_US = 0.5
+HOST_LAUNCH_US = 5.0
+LAUNCH_MODES = ("none", "graph", "eager")
+#: Ops a profile may leave out (priced by the roofline, flagged): the casts and the router's top-k.
+OPTIONAL_OPS = ("quantize", "quantize_bwd", "router_topk", "router_topk_bwd")
+#: Per routed row, the token permutation into the expert-grouped layout and back (read + write of
+#: one bf16 row each way: Megatron's permute / DeepSeek's expand_to_fused and reduce_fused), what
+#: a zero-copy kernel (MoonEP: rows land in their expert-grouped slots) does not pay.
+PERMUTE_PASSES = 4
 
 
 @dataclass(frozen=True)
@@ -125,6 +141,17 @@ class CostModel:
     measured: AIConfigurator's measured tables (``moonep_sim.step.measured.load_measured``): the
     GEMM ops and the routed experts' GEMMs are read from them (a profile still wins); every other
     op stays on the roofline (:meth:`op_source` says which).
+    permute: the routed experts also pay the token permutation into the expert-grouped layout and
+    back (:data:`PERMUTE_PASSES`) and, with FP8 GEMMs, the cast of their intermediate rows, over
+    HBM -- not for a zero-copy kernel (``KernelSpec.zero_copy``); off by default so that the
+    experts cost what the layer simulator charges (``moonep-sim step`` turns it on).
+    fitted: the GEMM roofline's constants FITTED on the measured tables for this GPU and dtype
+    (:func:`fitted_constants`: ``compute_efficiency``, ``half_rows``, ``mem_efficiency``), replacing
+    the topology's efficiencies and :data:`GEMM_HALF_ROWS` for GEMMs (None: the assumed ones).
+    launch: what launching each op's kernels costs (:data:`LAUNCH_MODES`): ``none``; ``graph`` (a
+    captured CUDA graph: :data:`KERNEL_GAP_GRAPH_US` per kernel); ``eager`` (a stream fed by the
+    host: :data:`KERNEL_GAP_STREAM_US` per kernel, and no op shorter than the host's
+    :data:`HOST_LAUNCH_US` per kernel). Not applied to a profile's times (they include it).
     """
 
     topo: Topology
@@ -132,45 +159,68 @@ class CostModel:
     half_rows: float = GEMM_HALF_ROWS
     profile: Profile | None = None
     measured: object | None = None
+    permute: bool = False
+    fitted: dict | None = None
+    launch: str = "none"
 
     def __post_init__(self) -> None:
         require(self.gemm_dtype in GEMM_DTYPES, f"gemm dtype ({self.gemm_dtype!r}) must be one of "
                                                 f"{', '.join(GEMM_DTYPES)}")
         require(self.half_rows >= 0, f"half_rows ({self.half_rows}) must be >= 0")
+        require(self.launch in LAUNCH_MODES, f"launch ({self.launch!r}) must be one of {', '.join(LAUNCH_MODES)}")
 
     @property
     def gemm_flops_per_us(self) -> float:
         t = self.topo
         peak = t.gpu_tflops_fp8 if (self.gemm_dtype == "fp8" and t.gpu_tflops_fp8 > 0) else t.gpu_tflops
-        return peak * t.gpu_compute_efficiency * 1e6
+        eff = self.fitted["compute_efficiency"] if self.fitted else t.gpu_compute_efficiency
+        return peak * eff * 1e6
+
+    @property
+    def gemm_mem_bytes_per_us(self) -> float:
+        """HBM rate of a weight-bound GEMM (the fitted efficiency where given)."""
+        if self.fitted:
+            return self.topo.gpu_mem_bandwidth_GBps * self.fitted["mem_efficiency"] * 1e3
+        return self.topo.mem_bytes_per_us
 
     def curve(self, rows: np.ndarray | float) -> np.ndarray | float:
         """eff(m) in (0, 1]: the fraction of the large-GEMM rate a GEMM of m rows reaches."""
-        if self.half_rows <= 0:
+        h = self.fitted["half_rows"] if self.fitted else self.half_rows
+        if h <= 0:
             return np.ones_like(rows, dtype=np.float64) if isinstance(rows, np.ndarray) else 1.0
         m = np.maximum(rows, 1e-9)
-        return m / (m + self.half_rows)
+        return m / (m + h)
 
     def op_us(self, op: Op) -> float:
         """One op's time (a profile's when given; ``missing_ops`` checks first)."""
-        if self.profile is not None:
+        if self.profile is not None and (op.name not in OPTIONAL_OPS or self.profile.lookup(op.name, op.shape)):
             t = self.profile.lookup(op.name, op.shape)
             require(t is not None, f"--compute-profile ({self.profile.path}) must time op {op.name} at shape "
                                    f"{op.shape}", ConfigError)
             return float(t)
         t = self._measured_op_us(op)
-        if t is not None:
+        return self._launched(op, t if t is not None else self.roofline_op_us(op))
+
+    def _launched(self, op: Op, t: float) -> float:
+        """``t`` with the op's kernel launches (``launch``); a zero-time op (a cast without FP8) none."""
+        if self.launch == "none" or t <= 0:
             return t
-        return self.roofline_op_us(op)
+        kernels = max(len(op.parts), 1) * (2 if op.name.endswith("_bwd") and op.kind == "gemm" else 1)
+        if self.launch == "graph":
+            return t + kernels * KERNEL_GAP_GRAPH_US
+        return max(t + kernels * KERNEL_GAP_STREAM_US, kernels * HOST_LAUNCH_US)
 
     def roofline_op_us(self, op: Op) -> float:
         """One op's roofline time (see the module docstring)."""
         mem = self.topo.mem_bytes_per_us
+        if op.kind == "cast":  # FP8 GEMMs only
+            return op.bytes / mem if self.gemm_dtype == "fp8" else 0.0
         if op.kind == "bytes":
             return op.bytes / mem
         if op.kind == "attention":
             return max(op.flops / (self.topo.flops_per_us), op.bytes / mem)
-        return max(op.flops / (self.gemm_flops_per_us * float(self.curve(float(op.rows)))), op.bytes / mem)
+        return max(op.flops / (self.gemm_flops_per_us * float(self.curve(float(op.rows)))),
+                   op.bytes / self.gemm_mem_bytes_per_us)
 
     def _gemm_shape(self, op: Op) -> tuple[float, float, float] | None:
         """(m, n, k) of a GEMM op with its width given (None otherwise)."""
@@ -181,17 +231,20 @@ class CostModel:
     def _measured_op_us(self, op: Op) -> float | None:
         """A GEMM op's measured time (the backward: its input- and weight-gradient GEMMs), scaled to
         this GPU's roofline when the table is another die's; None: not covered."""
+        if self.measured is not None and op.kind == "attention" and op.attn:
+            return self._measured_attention_us(op)
         mnk = self._gemm_shape(op) if self.measured is not None else None
         if mnk is None:
             return None
         m, n, k = mnk
-        if op.name.endswith("_bwd"):  # half the FLOPs each: dX = dY W^T (m, k, n), dW = X^T dY (k, n, m)
-            n = n / 2.0
-            t = self.measured.gemm_us(self.gemm_dtype, [m, k], [k, n], [n, m])
-            t = None if t is None else float(t.sum())
+        nk = [(float(a), float(b)) for a, b in op.parts] or [(n / 2.0 if op.name.endswith("_bwd") else n, k)]
+        if op.name.endswith("_bwd"):  # per GEMM: dX = dY W^T (m, k, n), dW = X^T dY (k, n, m)
+            ms, ns, ks = [m] * len(nk) + [b for _, b in nk], [b for _, b in nk] + [a for a, _ in nk], \
+                [a for a, _ in nk] + [m] * len(nk)
         else:
-            t = self.measured.gemm_us(self.gemm_dtype, m, n, k)
-            t = None if t is None else float(t)
+            ms, ns, ks = [m] * len(nk), [a for a, _ in nk], [b for _, b in nk]
+        t = self.measured.gemm_us(self.gemm_dtype, ms, ns, ks)
+        t = None if t is None else float(t.sum())
         if t is None:
             return None
         if self.measured.die is not None:
@@ -199,14 +252,36 @@ class CostModel:
             t *= self.roofline_op_us(op) / die.roofline_op_us(op)
         return t
 
+    def _measured_attention_us(self, op: Op) -> float | None:
+        """An attention core's measured forward (x ``ATTN_BWD_FACTOR`` for its backward), scaled to
+        this GPU's roofline when the table is another die's; None: not covered."""
+        from moonep_sim.step.measured import ATTN_BWD_FACTOR
+
+        got = self.measured.attention_us(op.attn)
+        if got is None:
+            return None
+        t = got[0] * (ATTN_BWD_FACTOR if op.name.endswith("_bwd") else 1.0)
+        if self.measured.die is not None:
+            die = CostModel(self.measured.die, self.gemm_dtype, self.half_rows)
+            t *= self.roofline_op_us(op) / die.roofline_op_us(op)
+        return t
+
     def op_source(self, op: Op) -> str:
         """Where ``op``'s time comes from: ``profile``, ``measured (...)`` or :data:`ROOFLINE`."""
-        if self.profile is not None:
+        if self.profile is not None and (op.name not in OPTIONAL_OPS or self.profile.lookup(op.name, op.shape)):
             return f"profile ({self.profile.path})"
+        if self.measured is not None and op.kind == "attention" and op.attn:
+            got = self.measured.attention_us(op.attn)
+            if got is not None:
+                return f"measured ({got[1]})" + (", backward x 2.5 (FlashAttention-2)" if op.name.endswith("_bwd")
+                                                 else "")
         if self.measured is not None and self._gemm_shape(op) is not None \
                 and self.measured.gemm(self.gemm_dtype) is not None:
             return self.measured.label(self.gemm_dtype)
-        return ROOFLINE
+        return self._roofline_label()
+
+    def _roofline_label(self) -> str:
+        return ROOFLINE + (f" (GEMM constants {self.fitted['source']})" if self.fitted else "")
 
     def expert_source(self) -> str:
         """Where the routed experts' GEMM times come from."""
@@ -214,7 +289,7 @@ class CostModel:
             return f"profile ({self.profile.path})"
         if self.measured is not None and self.measured.gemm(self.gemm_dtype) is not None:
             return self.measured.label(self.gemm_dtype) + ", per-expert GEMMs"
-        return ROOFLINE
+        return self._roofline_label()
 
     def sources(self, ops: list[Op], train: bool) -> dict[str, str]:
         """Op name -> where its time comes from (:meth:`op_source`), the routed experts included."""
@@ -222,6 +297,9 @@ class CostModel:
         out["expert"] = self.expert_source()
         if train:
             out["expert_bwd"] = out["expert"]
+        out["launch"] = {"none": "not charged", "graph": f"CUDA graph: {KERNEL_GAP_GRAPH_US} us per kernel",
+                         "eager": f"eager: {KERNEL_GAP_STREAM_US} us per kernel, at least {HOST_LAUNCH_US} us "
+                                  "(host submit)"}[self.launch]
         return out
 
     def missing_ops(self, ops: list[Op]) -> list[str]:
@@ -233,7 +311,7 @@ class CostModel:
             if op.name in EXPERT_OPS:
                 if op.name not in self.profile.curves:
                     out.append(f"{op.name}@rows=M")
-            elif self.profile.lookup(op.name, op.shape) is None:
+            elif op.name not in OPTIONAL_OPS and self.profile.lookup(op.name, op.shape) is None:
                 out.append(f"{op.name}@{op.shape}")
         return sorted(set(out))
 
@@ -254,8 +332,16 @@ class CostModel:
         require(self.profile is None, f"--compute-profile ({self.profile.path if self.profile else ''}) must time "
                                       f"op {name} (rows=M rows)", ConfigError)
         if self.measured is not None and self.measured.gemm(self.gemm_dtype) is not None:
-            return self._measured_expert_us_R(plan, model, rows_S, backward)
-        return self._roofline_expert_us_R(plan, model, rows_S, backward)
+            out = self._measured_expert_us_R(plan, model, rows_S, backward)
+        else:
+            out = self._roofline_expert_us_R(plan, model, rows_S, backward)
+        if self.permute and not (plan.kernel is not None and plan.kernel.zero_copy):
+            per_row = PERMUTE_PASSES * model.dispatch_hidden * 2.0
+            if self.gemm_dtype == "fp8":  # the SwiGLU output's cast (twice in backward: transposed too)
+                per_row += (2.0 if backward else 1.0) * model.expert_ffn * (2 + 1 + 4 / 128)
+            out = out + np.bincount(plan.slot_rank_S, weights=rows_S * per_row, minlength=plan.ranks) / \
+                self.topo.mem_bytes_per_us
+        return out
 
     def _measured_expert_us_R(self, plan: Plan, model: ModelSpec, rows_S: np.ndarray, backward: bool) -> np.ndarray:
         """[R] the routed experts' GEMMs read from the measured table, one expert at a time (gate/up
@@ -287,11 +373,42 @@ class CostModel:
         flops_S = flops_S * scale
         fixed_S = np.where(rows_S > 0, fixed_S, 0.0)
         t_flop = flops_S / (self.gemm_flops_per_us * self.curve(rows_S))
-        t_mem = (fixed_S + rows_S * per_row) / t.mem_bytes_per_us
+        t_mem = (fixed_S + rows_S * per_row) / self.gemm_mem_bytes_per_us
         t_S = np.maximum(t_flop, t_mem)
         if t.gpu_slot_us > 0:
             t_S = t_S + np.where(rows_S > 0, t.gpu_slot_us, 0.0)
         return np.bincount(plan.slot_rank_S, weights=t_S, minlength=R) + t.gpu_launch_us
+
+
+def fitted_constants(topology_name: str, dtype: str) -> dict | None:
+    """The GEMM roofline's constants FITTED on AIConfigurator's measured tables for the preset's GPU
+    and ``dtype`` (``moonep_sim/data/roofline-fits.toml``, ``benchmarks/fit_roofline.py``), with
+    their ``source``; None for a GPU the file does not list."""
+    import tomllib
+    from importlib import resources
+
+    doc = tomllib.loads(resources.files("moonep_sim.data").joinpath("roofline-fits.toml").read_text())
+    g = doc.get(topology_name.lower().split("-")[0])
+    if not g or dtype not in g:
+        return None
+    return dict(g[dtype], source=g["source"])
+
+
+def step_cost_model(topo: Topology, gemm_dtype: str = "bf16", compute_profile: "str | os.PathLike | None" = None,
+                    measured: bool = True, mode: str | None = None) -> CostModel:
+    """The cost model every step path prices with (one rule): a user's ``compute_profile`` wins;
+    else AIConfigurator's measured tables where installed and the GPU has one
+    (``moonep_sim.step.measured``; ``measured=False`` skips them); else the roofline, its GEMM
+    constants fitted on those tables where the GPU has a fit (:func:`fitted_constants`). The routed
+    experts pay their permutation; launches are a captured CUDA graph in ``decode`` (serving) and
+    eager otherwise (``mode`` None: not charged)."""
+    from moonep_sim.step.measured import load_measured
+
+    profile = read_profile(compute_profile) if compute_profile else None
+    tables = load_measured(topo) if measured and profile is None else None
+    return CostModel(topo, gemm_dtype, profile=profile, measured=tables, permute=True,
+                     fitted=fitted_constants(topo.name, gemm_dtype) if tables is None and profile is None else None,
+                     launch="none" if mode is None else ("graph" if mode == "decode" else "eager"))
 
 
 def flat_cost_model(topo: Topology) -> CostModel:
@@ -299,5 +416,7 @@ def flat_cost_model(topo: Topology) -> CostModel:
     return CostModel(topo, "bf16", 0.0)
 
 
-__all__ = ["CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "Profile", "ROOFLINE", "flat_cost_model",
+__all__ = ["CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "HOST_LAUNCH_US", "KERNEL_GAP_GRAPH_US",
+           "KERNEL_GAP_STREAM_US", "LAUNCH_MODES", "OPTIONAL_OPS", "PERMUTE_PASSES", "Profile", "ROOFLINE",
+           "fitted_constants", "flat_cost_model", "step_cost_model",
            "read_profile"]

@@ -178,6 +178,86 @@ def gemm_table(system: str, dtype: str) -> GemmTable | None:
     return None
 
 
+#: FlashAttention's backward over its forward (Dao, FlashAttention-2: 5 matmuls to 2), applied to a
+#: measured forward (no measured backward table exists).
+ATTN_BWD_FACTOR = 2.5
+
+
+@lru_cache(maxsize=8)
+def attention_table(system: str, phase: str):
+    """AIConfigurator's measured GQA attention of ``system`` (``context`` / ``generation``): the
+    FlashAttention-3 rows with bf16 attention and cache, as a DataFrame (latency in us); None if absent."""
+    import pandas as pd
+
+    root = data_root()
+    if root is None:
+        return None
+    for backend in BACKENDS:
+        bdir = root / system / "attention" / backend
+        if not bdir.is_dir():
+            continue
+        for vdir in sorted(bdir.iterdir(), key=lambda p: _version_key(p.name), reverse=True):
+            f = vdir / f"{phase}_attention_perf.parquet"
+            if not f.is_file():
+                continue
+            d = pd.read_parquet(f)
+            d = d[(d["kernel_source"] == "fa3") & (d["attn_dtype"] == "bfloat16") & (d["kv_cache_dtype"] == "bfloat16")]
+            if len(d):
+                d = d.assign(us=d["latency"] * 1e3)
+                d.attrs["source"] = f"aiconfigurator-core {system}/attention/{backend}/{vdir.name} fa3 {phase}"
+                return d
+    return None
+
+
+def attention_us(system: str, attn: tuple) -> tuple[float, str] | None:
+    """(us, source) of one layer's attention core on one rank from the measured tables: context
+    attention for whole sequences (train / prefill, ``context <= tokens``), generation attention in
+    decode; bilinear in (log sequences, log context) among the rows of the same query heads per KV
+    head, head dim and window (the most heads up to ours, scaled linearly in heads: the tables hold
+    one tensor-parallel GPU's share); None outside what the tables hold."""
+    mode, seqs, ctx, heads, kv, hd, window = attn
+    phase = "generation" if mode == "decode" else "context"
+    d = attention_table(system, phase)
+    if d is None:
+        return None
+    # the tables hold one GPU's share of the heads (tensor parallel): rows of the same query heads per
+    # KV head, head dim and window, the most heads up to ours, scaled linearly to our heads
+    d = d[(d["num_heads"] * kv == d["num_key_value_heads"] * heads) & (d["head_dim"] == hd)
+          & (d["window_size"] == window) & (d["num_heads"] <= heads)]
+    col = "step" if phase == "generation" else "isl"
+    if d.empty:
+        return None
+    for top in sorted(d["num_heads"].unique(), reverse=True):  # the most heads whose grid covers the point
+        v = _bilinear(d[d["num_heads"] == top], col, seqs, ctx)
+        if v is not None:
+            break
+    else:
+        return None
+    v = v + np.log(heads / top)
+    return float(np.exp(v)), d.attrs.get("source", f"aiconfigurator-core {system} {phase} attention")
+
+
+def _bilinear(d, col: str, seqs: float, ctx: float) -> float | None:
+    """log us at (seqs, ctx), bilinear in (log batch, log ``col``) over d's grid; None outside or
+    where a corner is missing."""
+    g = d.groupby(["batch_size", col])["us"].median()
+    bs = np.sort(g.index.get_level_values(0).unique().to_numpy(np.float64))
+    ls = np.sort(g.index.get_level_values(1).unique().to_numpy(np.float64))
+    if bs.size < 2 or ls.size < 2 or not (bs[0] <= seqs <= bs[-1] and ls[0] <= ctx <= ls[-1]):
+        return None
+    grid = np.full((bs.size, ls.size), np.nan)
+    for (b, l), v in g.items():
+        grid[np.searchsorted(bs, b), np.searchsorted(ls, l)] = np.log(v)
+    i = int(np.clip(np.searchsorted(bs, seqs) - 1, 0, bs.size - 2))
+    j = int(np.clip(np.searchsorted(ls, ctx) - 1, 0, ls.size - 2))
+    c = grid[i:i + 2, j:j + 2]
+    if np.isnan(c).any():
+        return None
+    wb = (np.log(seqs) - np.log(bs[i])) / (np.log(bs[i + 1]) - np.log(bs[i]))
+    wl = (np.log(ctx) - np.log(ls[j])) / (np.log(ls[j + 1]) - np.log(ls[j]))
+    return float((1 - wb) * ((1 - wl) * c[0, 0] + wl * c[0, 1]) + wb * ((1 - wl) * c[1, 0] + wl * c[1, 1]))
+
+
 @dataclass(frozen=True, eq=False)
 class Measured:
     """The measured tables a topology's ops are priced from: ``system`` (AIConfigurator's), ``how``
@@ -194,6 +274,10 @@ class Measured:
         """float64 [...]: measured (m, n, k) GEMM times in us on the table's GPU; None: no table."""
         tab = self.gemm(dtype)
         return None if tab is None else tab.us(m, n, k)
+
+    def attention_us(self, attn: tuple) -> tuple[float, str] | None:
+        """(us, source) of an attention core from the measured tables (:func:`attention_us`)."""
+        return attention_us(self.system, attn) if attn else None
 
     def label(self, dtype: str) -> str:
         """What a figure priced from it says beside itself."""
@@ -218,5 +302,5 @@ def load_measured(topology) -> Measured | None:
     return Measured(got[0], got[1], die)
 
 
-__all__ = ["BACKENDS", "DIE_PRESET", "GemmTable", "KERNELS", "Measured", "SYSTEMS", "available", "data_root",
+__all__ = ["ATTN_BWD_FACTOR", "BACKENDS", "attention_table", "attention_us", "DIE_PRESET", "GemmTable", "KERNELS", "Measured", "SYSTEMS", "available", "data_root",
            "gemm_table", "load_measured", "system_for"]

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 BF16 = 2
 
 
-def gemm(name: str, tokens: int, weights: int, k: int = 0) -> "Op":
+def gemm(name: str, tokens: int, weights: int, k: int = 0, parts: tuple = ()) -> "Op":
     """A GEMM of ``tokens`` rows through ``weights`` elements (weights read once, rows in/out) whose
-    input width is ``k`` (a block of several projections is priced as one GEMM of equal FLOPs)."""
-    return Op(name, "gemm", 2.0 * tokens * weights, float(weights) * BF16, tokens, f"tokens={tokens}", int(k))
+    input width is ``k``; ``parts``: its GEMMs as (n, k) each when it is a block of several (kept
+    only if their n x k sum to ``weights``; else the block is priced as one GEMM of equal FLOPs)."""
+    parts = tuple(parts) if sum(n * kk for n, kk in parts) == weights else ()
+    return Op(name, "gemm", 2.0 * tokens * weights, float(weights) * BF16, tokens, f"tokens={tokens}", int(k), parts)
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,9 @@ class Op:
     shape: the profile key of this op's shape (``tokens=4096`` or ``tokens=32,context=4096``).
     k: a GEMM's reduction dimension (its input width; 0 = not given): with ``rows`` and the FLOPs
         it gives the (m, n, k) a measured GEMM table is read at (``moonep_sim.step.measured``).
+    parts: the GEMMs of a block of projections as (n, k) each (() = one GEMM of equal FLOPs).
+    attn: an attention core's (mode, sequences, context, heads, kv heads, head dim, window) for a
+        measured attention table (() = none).
     """
 
     name: str
@@ -37,6 +42,8 @@ class Op:
     rows: int
     shape: str
     k: int = 0
+    parts: tuple = ()
+    attn: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from moonep_sim.errors import ConfigError, require
-from moonep_sim.models import ModelSpec
+from moonep_sim.models import ModelSpec, model_label
 from moonep_sim.step.attention import attention_kind
 from moonep_sim.step.ops import BF16, Op, StepShape, gemm
 
@@ -40,19 +40,20 @@ def step_shape(model: ModelSpec, mode: str, tokens: int, context: int | None) ->
         context = DEFAULT_DECODE_CONTEXT if mode == "decode" else tokens
     require(context >= 1, f"context ({context}) must be >= 1")
     kinds = model.attention_kinds
-    require(bool(kinds), f"model ({model.name}) must give its attention (the attention, heads, ... fields) for a "
+    name = model_label(model)  # a model file is named by its path
+    require(bool(kinds), f"model ({name}) must give its attention (the attention, heads, ... fields) for a "
                          "step: the step model needs the whole layer stack")
     attends = any(attention_kind(k).has_op for k in kinds)
     if attends:
-        require(model.heads >= 1, f"model ({model.name}) heads ({model.heads}) must be >= 1 for its attention")
+        require(model.heads >= 1, f"model ({name}) heads ({model.heads}) must be >= 1 for its attention")
     if mode == "decode":
         require(attends,
-                f"mode (decode) must be run by a model with attention: {model.name} has none, so there is no "
+                f"mode (decode) must be run by a model with attention: {name} has none, so there is no "
                 "KV context to decode against")
     if model.max_context:
         need = context if mode == "decode" else max(context, 1)
         require(need <= model.max_context, f"context ({need}) must be <= the model's max context "
-                                           f"({model.max_context}, {model.name})")
+                                           f"({model.max_context}, {name})")
     return StepShape(mode, int(tokens), int(context))
 
 
@@ -137,21 +138,36 @@ def layer_ops(model: ModelSpec, layer: int, shape: StepShape) -> LayerOps:
     att = attention_kind(kind)
     ops: list[Op] = []
     if att.has_op:
-        ops += [_norm(T, H), gemm("attn_proj", T, att.params(model), H), att.core(model, shape)]
+        parts = att.gemm_parts(model)
+        # one cast per distinct FP8 GEMM input (the layer input once, each intermediate projection's input)
+        width = sum({k for _, k in parts}) if parts else H
+        ops += [_norm(T, H), _cast(T, width), gemm("attn_proj", T, att.params(model), H, parts), att.core(model, shape)]
     moe = layer >= model.dense_layers
     if not moe:
         require(model.dense_ffn >= 1, f"model ({model.name}) dense_ffn must be given: it has "
                                       f"{model.dense_layers} dense layer(s)", ConfigError)
-        ops += [_norm(T, H), gemm("dense_ffn", T, 3 * H * model.dense_ffn, H)]
+        ops += [_norm(T, H), gemm("dense_ffn", T, 3 * H * model.dense_ffn, H, ((2 * model.dense_ffn, H), (H, model.dense_ffn)))]
         return LayerOps(layer, kind, False, tuple(ops), None, None)
     if att.has_op:
         ops.append(_norm(T, H))
+    # the MoE input cast once (dispatch payload and shared experts) and the shared experts'
+    # intermediate rows; the router's top-k pass
+    ops += [_cast(T, H + model.expert_ffn * model.shared_experts),
+            Op("router_topk", "bytes", 0.0, 3.0 * T * model.num_experts * 4, T, f"tokens={T}")]
     if latent_proj_params(model):  # into the experts' latent and back (one GEMM of both)
-        ops.append(gemm("latent_proj", T, latent_proj_params(model)))
+        ops.append(gemm("latent_proj", T, latent_proj_params(model), H))
     router = Op("router", "gemm", 2.0 * T * H * model.num_experts, float(H * model.num_experts) * BF16, T,
                 f"tokens={T}", H)
-    shared = gemm("shared_expert", T, 3 * H * model.expert_ffn * model.shared_experts, H) if model.shared_experts else None
+    shared = gemm("shared_expert", T, 3 * H * model.expert_ffn * model.shared_experts, H,
+                  ((2 * model.expert_ffn * model.shared_experts, H), (H, model.expert_ffn * model.shared_experts))) if model.shared_experts else None
     return LayerOps(layer, kind, True, tuple(ops), router, shared)
+
+
+def _cast(T: int, width: int) -> Op:
+    """FP8 quantise of T rows of ``width`` (read bf16, write fp8 and one fp32 scale per 128: DeepSeek's
+    per-token cast); priced only when the GEMMs are FP8 (``CostModel``), twice in the backward (the
+    transposed casts of the input and of the output gradient the weight gradient reads)."""
+    return Op("quantize", "cast", 0.0, float(T) * width * (BF16 + 1 + 4 / 128), T, f"tokens={T},width={width}")
 
 
 def head_ops(model: ModelSpec, shape: StepShape) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
@@ -169,10 +185,12 @@ def head_ops(model: ModelSpec, shape: StepShape) -> tuple[tuple[Op, ...], tuple[
 
 
 def backward_op(op: Op) -> Op:
-    """The backward of ``op``: GEMMs twice the FLOPs (input and weight gradients) and their
-    weights read plus the gradient written; attention 2.5x the FLOPs (FlashAttention's backward
-    runs 5 matmuls to the forward's 2) and twice the bytes; memory-bound ops twice the bytes."""
-    f = {"gemm": 2.0, "attention": 2.5, "bytes": 0.0}[op.kind]
+    """The backward of ``op``: GEMMs twice the FLOPs (input and weight gradients: Narayanan et al.,
+    "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC'21, the
+    backward pass is 2x the forward's matmul FLOPs) and their weights read plus the gradient written;
+    attention 2.5x the FLOPs (Dao, "FlashAttention-2", 2023: the backward runs 5 matmuls to the
+    forward's 2) and twice the bytes; memory-bound ops (and casts) twice the bytes."""
+    f = {"gemm": 2.0, "attention": 2.5, "bytes": 0.0, "cast": 0.0}[op.kind]
     return replace(op, name=op.name + "_bwd", flops=op.flops * f, bytes=op.bytes * 2.0)
 
 

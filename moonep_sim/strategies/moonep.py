@@ -212,7 +212,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, dedup: bool, sms: int) -> 
     # static buffer: cap real rows plus padding of at most 2*epn segments (home + copies)
     capacity = cap_R + 2 * epn * (tp - 1)
     return alloc_plan(routing, ctx, alloc, slot_rank, slot_expert, slot_home, dedup=dedup, token_padding=tp,
-                      capacity_R=capacity, kernel=KernelSpec(sms=sms, reduce=COMBINE_REDUCE))
+                      capacity_R=capacity, kernel=KernelSpec(sms=sms, reduce=COMBINE_REDUCE, zero_copy=True))
 
 
 def alloc_plan(routing: GlobalRouting, ctx: PlanContext, alloc_ER: np.ndarray, slot_rank_S: np.ndarray,

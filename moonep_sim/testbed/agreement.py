@@ -3,7 +3,7 @@
 For each testbed shape (N nodes x G ranks) the testbed is built once; a gloo probe measures what
 the shaped links deliver (that fixes ``nic.efficiency`` and ``nic.latency_us`` of the matching
 topology, :mod:`moonep_sim.testbed.topology`); then every trace is replayed for real with
-``moonep_sim.experiments.replay_rank``, all strategies in one process group, interleaved step by step (matched
+``moonep_sim.experiments.ranks.replay_rank``, all strategies in one process group, interleaved step by step (matched
 samples per iteration), and the very same plans are simulated on that topology with the
 replay's row and expert sizes (float32 rows of H, SwiGLU experts of H x F). A run with one node's
 link slowed (``degrade``) checks that the slow node is the straggler in both: measured from the
@@ -12,7 +12,7 @@ result's ``busiest_port`` and ``straggler``.
 
 Reported per row: measured ms per layer (the replay's ``layer_ms_median``: median over iterations
 of the slowest rank's layer time), simulated ms per layer, ratio simulated / measured; per (shape,
-trace) the rank agreement of :func:`moonep_sim.experiments.ranking.agreement` (every pair of strategies
+trace) the rank agreement of :func:`moonep_sim.analysis.ranking.agreement` (every pair of strategies
 a sign test over the matched iterations resolves must be simulated in the same order; also the
 exact order and Kendall tau); overall the median absolute error.
 """
@@ -33,7 +33,7 @@ import numpy as np
 from moonep_sim.errors import require
 from moonep_sim.gloo.launcher import reports_by_strategy
 from moonep_sim.io import write_text_atomic
-from moonep_sim.experiments.ranking import agreement
+from moonep_sim.analysis.ranking import agreement
 from moonep_sim.testbed.netns import Testbed, TestbedSpec, format_rate
 from moonep_sim.testbed.run import LaunchSpec, launch_nodes, measure_gloo, signals_raise
 

@@ -38,7 +38,7 @@ from typing import Iterator, Sequence
 from moonep_sim.errors import CommError, require
 from moonep_sim.testbed.netns import JOB_PREFIX, NODE_IFNAME, Testbed, TestbedSpec, die_with_parent
 
-REPLAY_MODULE = "moonep_sim.experiments.replay_rank"
+REPLAY_MODULE = "moonep_sim.experiments.ranks.replay_rank"
 PROBE_MODULE = "moonep_sim.testbed.probe"
 # variables that would make a worker join some other job's process group
 _SCRUB_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",

@@ -422,6 +422,8 @@ def cases() -> list[Case]:
     out += output_cases(Case)
     from hostile_cases import hostile_cases  # noqa: model files, HF configs, topology values, sweeps, ...
     out += hostile_cases(Case)
+    from surface_cases import surface_cases  # noqa: layer-stack fields, step options, newer surfaces
+    out += surface_cases(Case)
     ids = [c.id for c in out]
     dupes = {i for i in ids if ids.count(i) > 1}
     if dupes:

@@ -33,6 +33,7 @@ def _inputs(d: Path) -> dict[str, Path]:
 
 
 SIM = ["simulate", "--trace", "T", "--strategy", "alltoall", "--ranks", "2", "--topology", "B", "--model", "M"]
+SERVE = ["serve", "--trace", "T", "--topology", "B", "--model", "M", "--worker", "dp=2,ep=2", "--no-cache"]
 # command -> (argv with T/M/B/I/S placeholders for inputs, {input flag: placeholder}, output flags)
 FILE_OUTPUTS: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     "simulate": (SIM, {"--trace": "T", "--topology": "B", "--model": "M"}, ["--timeline", "--json"]),
@@ -50,6 +51,7 @@ FILE_OUTPUTS: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
     "testbed-probe": (["testbed", "probe", "--base-topology", "B"], {"--base-topology": "B"}, ["--topology-out"]),
     "testbed-agree": (["testbed", "agree", "--base-topology", "B"], {"--base-topology": "B"},
                           ["--json", "--markdown"]),
+    "serve": (SERVE, {"--trace": "T", "--topology": "B", "--model": "M"}, ["--json"]),
 }
 FILES = {"T": "t.safetensors", "M": "m.json", "B": "b.toml", "I": "ids.npy", "S": "bias.npy", "P": "ops.csv"}
 
@@ -65,6 +67,8 @@ FOLDER_OUTPUTS: dict[str, tuple[list[str], dict[str, str], tuple[str, ...]]] = {
     "step": (["step", "--trace", "T", "--topology", "B", "--model", "M", "--compute-profile", "P"],
              {"--trace": "T", "--topology": "B", "--model": "M", "--compute-profile": "P"},
              ("report.json", "report.html", "step_time.png", "gantt.png")),
+    "serve": (SERVE, {"--trace": "T", "--topology": "B", "--model": "M"},
+              ("report.json", "report.html", "latency_cdf.png", "pareto.png")),
     "demo": (["demo", "--fast", "--topology", "B"], {"--topology": "B"},
              ("report.json", "layer_time.png", "rows_per_rank.png", "traffic.png")),
 }

@@ -8,7 +8,8 @@ A kind (:class:`AttentionKind`) states, for one layer of a model (a :class:`Mode
   sequence at its context, or the fixed state of every sequence);
 - ``core(model, shape)``: the core op (``attn_core``: its FLOPs and the bytes it reads and writes,
   per mode), or None for a kind with no attention op;
-- ``saved_per_token(model, mode)``: the bytes the forward saves per token for the backward.
+- ``saved_per_token(model, mode)``: the bytes the forward saves per token for the backward;
+- ``cache_shards(model, tp)``: how many ranks of a tensor-parallel group split the cache.
 
 ``has_op`` is False for a kind that runs no attention at all (``none``: no norm, projections or
 core either). The built-in kinds: ``gqa`` (MHA is GQA with kv_heads == heads), ``sliding`` (GQA
@@ -41,6 +42,11 @@ class AttentionKind:
         """Weights of one layer's attention projections (elements)."""
         return 0
 
+    def gemm_parts(self, model: ModelSpec) -> tuple[tuple[int, int], ...]:
+        """The projections as GEMMs, (n, k) each (their n x k sum to :meth:`params`); () = priced as
+        one GEMM of equal FLOPs. A measured GEMM table reads each at its own shape."""
+        return ()
+
     def kv_elems_per_token(self, model: ModelSpec) -> int:
         """K/V cache elements one token of one layer keeps (0: none, or a fixed state instead)."""
         return 0
@@ -52,6 +58,11 @@ class AttentionKind:
     def core(self, model: ModelSpec, shape: StepShape) -> Op | None:
         """The layer's ``attn_core`` op on one rank (FLOPs and bytes), None when it has none."""
         return None
+
+    def cache_shards(self, model: ModelSpec, tp: int) -> int:
+        """Ranks of a ``tp``-wide tensor-parallel group the layer's cache is split over (by heads;
+        the others hold copies): 1 for a cache with no heads to split."""
+        return 1
 
     def saved_per_token(self, model: ModelSpec, mode: str) -> float:
         """Bytes per token the forward saves for the backward (dropped under recompute)."""

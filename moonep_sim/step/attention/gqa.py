@@ -18,6 +18,8 @@ from moonep_sim.step.ops import BF16, Op, StepShape
 
 class GQA(AttentionKind):
     name = "gqa"
+    #: whether AIConfigurator's GQA attention tables time this kind's core (MLA's latent: no)
+    measured_gqa = True
 
     def window(self, model: ModelSpec) -> int:
         """Keys a query may attend to at most (0: the whole context)."""
@@ -32,8 +34,15 @@ class GQA(AttentionKind):
         kv = model.kv_heads or n
         return H * n * hd + 2 * H * kv * hd + n * hd * H
 
+    def gemm_parts(self, model: ModelSpec) -> tuple[tuple[int, int], ...]:
+        H, n, hd = model.hidden, model.heads, model.head_dim
+        return ((n * hd + 2 * (model.kv_heads or n) * hd, H), (H, n * hd))
+
     def kv_elems_per_token(self, model: ModelSpec) -> int:
         return 2 * (model.kv_heads or model.heads) * model.head_dim
+
+    def cache_shards(self, model: ModelSpec, tp: int) -> int:
+        return min(tp, model.kv_heads or model.heads)  # KV heads split; beyond them, replicated
 
     def cache_bytes(self, model: ModelSpec, shape: StepShape) -> float:
         ctx = shape.context if shape.mode == "decode" else max(shape.context, min(shape.tokens, shape.context))
@@ -55,7 +64,12 @@ class GQA(AttentionKind):
         else:  # flash attention: K/V of each sequence read once per query block (ASSUMED: once)
             kv = float(T) * self.kv_elems_per_token(model) * BF16
         ctx = min(shape.context, w) if w else shape.context
-        return Op("attn_core", "attention", flops, qo + kv, T, f"tokens={T},context={ctx},kind={self.name}")
+        # (mode, sequences, context, heads, kv heads, head dim, window): what a measured GQA table is
+        # read at (a kind with other widths, MLA, has none)
+        dims = (shape.mode, shape.sequences, shape.context, n, model.kv_heads or n, model.head_dim, w) \
+            if (dqk, dv) == (model.head_dim, model.head_dim) and self.measured_gqa else ()
+        return Op("attn_core", "attention", flops, qo + kv, T, f"tokens={T},context={ctx},kind={self.name}",
+                  attn=dims)
 
     def saved_per_token(self, model: ModelSpec, mode: str) -> float:
         n = model.heads

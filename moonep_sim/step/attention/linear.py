@@ -34,6 +34,9 @@ class Linear(AttentionKind):
         P = n * hd
         return 4 * H * P + P * H + H * hd + hd * P + H * n + 3 * P * SHORT_CONV
 
+    def cache_shards(self, model: ModelSpec, tp: int) -> int:
+        return min(tp, model.heads)  # each head's state lives with its head
+
     def cache_bytes(self, model: ModelSpec, shape: StepShape) -> float:
         return float(self.state_bytes(model) * shape.sequences)
 

@@ -20,6 +20,7 @@ from moonep_sim.step.ops import BF16
 
 class MLA(GQA):
     name = "mla"
+    measured_gqa = False
 
     def dims(self, model: ModelSpec, mode: str) -> tuple[int, int]:
         if mode == "decode":  # absorbed: queries attend the latent directly
@@ -32,8 +33,17 @@ class MLA(GQA):
         q = (H * model.q_lora_rank + model.q_lora_rank * n * (hd + rope)) if model.q_lora_rank else H * n * (hd + rope)
         return q + H * (model.kv_lora_rank + rope) + model.kv_lora_rank * n * (hd + v) + n * v * H
 
+    def gemm_parts(self, model: ModelSpec) -> tuple[tuple[int, int], ...]:
+        H, n, hd = model.hidden, model.heads, model.head_dim
+        rope, v, ql, kl = model.qk_rope_dim, model.v_head_dim or hd, model.q_lora_rank, model.kv_lora_rank
+        q = ((ql, H), (n * (hd + rope), ql)) if ql else ((n * (hd + rope), H),)
+        return (*q, (kl + rope, H), (n * (hd + v), kl), (H, n * v))
+
     def kv_elems_per_token(self, model: ModelSpec) -> int:
         return model.kv_lora_rank + model.qk_rope_dim
+
+    def cache_shards(self, model: ModelSpec, tp: int) -> int:
+        return 1  # one latent per token, shared by every head: every TP rank holds it
 
     def saved_per_token(self, model: ModelSpec, mode: str) -> float:
         n = model.heads

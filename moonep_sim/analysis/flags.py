@@ -101,9 +101,9 @@ def calibration_flags(kind: str | None) -> list[dict[str, Any]]:
     return []
 
 
-def compare_flags(rep: Mapping[str, Any], calibration: str | None = "unknown") -> list[dict[str, Any]]:
+def compare_flags(rep: Mapping[str, Any], calibration: str | None = None) -> list[dict[str, Any]]:
     """Every flag of a compare report. ``calibration``: the local-gloo calibration kind behind a real
-    replay's simulated column ('unknown': look it up)."""
+    replay's simulated column (``experiments.calibrate.calibration_kind``; None: uncalibrated)."""
     out = model_flags(rep.get("model") or {})
     nodes = int((rep.get("cluster") or {}).get("nodes") or 1)
     L = len((rep.get("routing") or {}).get("layers") or []) or 1
@@ -115,10 +115,6 @@ def compare_flags(rep: Mapping[str, Any], calibration: str | None = "unknown") -
     out += native_flags({n: s.get("options") or {} for n, s in (rep.get("strategies") or {}).items()},
                         (rep.get("topology") or {}).get("name"))
     if rep.get("real"):
-        if calibration == "unknown":
-            from moonep_sim.experiments import calibrate as cal
-
-            calibration = cal.calibration_kind(cal.calibrated_path())
         out += calibration_flags(calibration)
     stand = rep.get("stand_in_layers") or []
     if stand:

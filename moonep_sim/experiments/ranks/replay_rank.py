@@ -18,13 +18,13 @@ gathered inputs, with the Plan's drops applied.
 
 ``--strategy a,b,c`` replays several strategies in one process group, interleaved step by step
 (iteration i runs each in turn, the order rotated every iteration), so that two strategies' i-th
-samples are taken moments apart: the matched pairs ``moonep_sim.experiments.ranking`` tests. The JSON
+samples are taken moments apart: the matched pairs ``moonep_sim.analysis.ranking`` tests. The JSON
 is then ``{"strategies": {name: report}, "order": [...], "interleaved": true, ...}``; ``--opt
 STRATEGY.key=value`` sets one strategy's option, ``--opt key=value`` every strategy's.
 
 The program sits above the gloo executor: it binds each strategy name to its planner
 (``moonep_sim.strategies.planner``) and hands the planner callable to ``moonep_sim.gloo.Buffer``.
-Every rank runs ``python -m moonep_sim.experiments.replay_rank``; :func:`run_replay` starts them on
+Every rank runs ``python -m moonep_sim.experiments.ranks.replay_rank``; :func:`run_replay` starts them on
 local ranks (``moonep_sim.gloo.launcher.run_rank_program``).
 
 Notation: T tokens of a layer, s tokens of this rank, H hidden, F expert width, E experts, K top-k.
@@ -44,10 +44,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moonep_sim.errors import CommError, ConfigError, MoonEPSimError, OneLineArgumentParser, exit_status, require
+from moonep_sim.errors import CommError, MoonEPSimError, OneLineArgumentParser, exit_status, require
+from moonep_sim.experiments.replay_checks import check_args as _check_args
+from moonep_sim.experiments.replay_checks import check_before_ranks as _check_before_ranks
+from moonep_sim.experiments.replay_checks import parse_layers as _parse_layers
+from moonep_sim.experiments.replay_checks import strategy_opts as _strategy_opts
 from moonep_sim.io import check_output_path, write_text_atomic
 
-MODULE = "moonep_sim.experiments.replay_rank"  # what every rank runs (python -m MODULE)
+MODULE = "moonep_sim.experiments.ranks.replay_rank"  # what every rank runs (python -m MODULE)
 PHASES = ("exchange", "plan", "dispatch", "prefetch", "expert", "combine", "backward", "total")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -117,16 +121,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _int_list(text: str, what: str) -> list[int]:
-    """``"0,2,5-7"`` -> ``[0, 2, 5, 6, 7]``."""
-    out: list[int] = []
-    try:
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            a, sep, b = part.partition("-")
-            out.extend(range(int(a), int(b) + 1) if sep and a else [int(part)])
-    except ValueError:
-        raise ConfigError(f"{what} ({text!r}) must be a list of integers like 0,2,5-7") from None
-    return out
+
 
 
 def _gather_rows(t: torch.Tensor, capacity: int, group, phase: str = "check.gather") -> list[torch.Tensor]:
@@ -152,45 +147,8 @@ def _collective(phase: str, op: str, issue) -> None:
 _TRACKER: list = []
 
 
-def _parse_layers(text: str | None, trace) -> list[int]:
-    """``--layers 0,2,5-7`` (layer ids, as in every command) -> their positions in the trace, each checked."""
-    if text is None:
-        return list(range(trace.num_layers))
-    ids = _int_list(text, "--layers")
-    require(ids, f"--layers ({text!r}) must name at least one layer id")
-    return [trace.layer_index(lid) for lid in ids]  # an id the trace lacks: one line naming its layer ids
-
-
-def _check_args(args: argparse.Namespace) -> None:
-    """Every numeric argument in range, before any rank starts work."""
-    import math
-
-    from moonep_sim.limits import MAX_RANKS
-
-    require(args.hidden >= 1 and args.ffn >= 1, f"--hidden ({args.hidden}) and --ffn ({args.ffn}) must be >= 1")
-    require(args.hidden <= 1 << 16 and args.ffn <= 1 << 16,
-            f"--hidden ({args.hidden}) and --ffn ({args.ffn}) must be <= 65536 (a CPU replay)")
-    require(args.iters >= 1 and args.warmup >= 0, f"--iters ({args.iters}) must be >= 1 and --warmup ({args.warmup}) >= 0")
-    require(args.iters + args.warmup <= 10000, f"--iters + --warmup ({args.iters + args.warmup}) must be <= 10000")
-    require(args.max_tokens >= 0, f"--max-tokens ({args.max_tokens}) must be >= 0 (0: all tokens)")
-    require(math.isfinite(args.timeout) and 0 < args.timeout <= 86400,
-            f"--timeout ({args.timeout}) must be in (0, 86400] seconds")
-    require(1 <= args.token_padding <= 1 << 16, f"--token-padding ({args.token_padding}) must be in [1, 65536]")
-    require(args.gpus_per_node >= 0, f"--gpus-per-node ({args.gpus_per_node}) must be >= 0 (0: one node)")
-    if args.nproc is not None:
-        require(1 <= args.nproc <= min(MAX_RANKS, 256), f"--nproc ({args.nproc}) must be in [1, 256]")
-
-
 def _stats(v_R: np.ndarray) -> dict[str, float]:
     return {"max_ms": float(v_R.max()) * 1e3, "mean_ms": float(v_R.mean()) * 1e3}
-
-
-def _strategy_opts(names: Sequence[str], items: Sequence[str]) -> dict[str, dict[str, str]]:
-    """``--opt`` items per strategy: ``STRATEGY.key=value`` (where STRATEGY is one of ``names``)
-    applies to that strategy, a plain ``key=value`` to every one (``experiments.spec.parse_opt_items``)."""
-    from moonep_sim.experiments.spec import parse_opt_items
-
-    return parse_opt_items(items, names, plain="all")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -309,7 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
         reps[name] = _report(args, bufs[name], name, layers, batches, per_layer)
     if S == 1:
         return reps[names[0]]
-    from moonep_sim.experiments.measured_verdict import measured_verdict, replay_where
+    from moonep_sim.analysis.measured_verdict import measured_verdict, replay_where
 
     out = {"strategies": reps, "order": names, "interleaved": True, "iters": args.iters, "warmup": args.warmup,
            "world_size": R, "trace": str(args.trace), "layers": layers}
@@ -348,7 +306,7 @@ def _step(buf, ids, w, x, params, grad_out, li: int, backward: bool) -> dict[str
 
 def _layer_entry(buf, step: dict[str, Any], lr, checked: dict[str, Any] | None) -> dict[str, Any]:
     """What the report says of one layer (its Plan's bytes and rows; the check's outcome)."""
-    from moonep_sim.experiments.verdict import _plan_figures
+    from moonep_sim.analysis.verdict import _plan_figures
 
     plan = step["handle"].plan
     sent = sum(p.remote_bytes() for p in plan.phases("forward"))
@@ -368,7 +326,7 @@ def _layer_entry(buf, step: dict[str, Any], lr, checked: dict[str, Any] | None) 
 def _report(args, buf, name: str, layers: list[int], batches: list, per_layer: list[dict[str, Any]]) -> dict[str, Any]:
     """One strategy's report; ``per_layer`` holds one entry per (step, layer) (``layer``: the stored
     position, ``layer_id``: the model layer id, ``step``: the trace's step, None when merged)."""
-    from moonep_sim.experiments.stepstats import aggregate, batch_weights
+    from moonep_sim.analysis.stepstats import aggregate, batch_weights
 
     # per iteration: each step's layer times (max over ranks) averaged over its layers, then the
     # token-weighted mean over steps -> one sample per iteration (one step: the mean over layers)
@@ -468,7 +426,7 @@ def _summary(rep: dict[str, Any]) -> str:
 
 def _summaries(rep: dict[str, Any]) -> str:
     """Each strategy's summary, then the measured verdict when several were interleaved."""
-    from moonep_sim.experiments.measured_verdict import verdict_text
+    from moonep_sim.analysis.measured_verdict import verdict_text
 
     lines = [_summary(r) for r in _each(rep)]
     if rep.get("verdict"):
@@ -477,7 +435,7 @@ def _summaries(rep: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point (``launch/replay.py`` and ``python -m moonep_sim.experiments.replay_rank``).
+    """Entry point (``launch/replay.py`` and ``python -m moonep_sim.experiments.ranks.replay_rank``).
 
     With ``--nproc N`` (and not already a rank): start N local ranks (:func:`launch`). Otherwise run
     as one rank: exit 0, 3 when a result check failed, 2 on bad input and 1 when a collective failed
@@ -550,6 +508,7 @@ def _launch(argv: Sequence[str]) -> int:
     _check_args(args)
     if args.json:
         check_output_path(args.json, "--json", inputs=(args.trace,))
+    _check_before_ranks(args, args.nproc)
     rest = _strip_launch_args(argv)
     rep = run_replay(args.nproc, rest, timeout_s=max(600.0, 10 * args.timeout))
     if args.json:

@@ -1,16 +1,16 @@
 """The verdict of a measured gloo replay: who won on the local machine, by how much, how sure, and
 which measured phase accounts for the margin -- the same dict as a simulated verdict
-(:mod:`~moonep_sim.experiments.verdict`: ``{winner, runner_up, margin, tie, confidence, mechanism,
+(:mod:`~moonep_sim.analysis.verdict`: ``{winner, runner_up, margin, tie, confidence, mechanism,
 why}``, with ``others`` and ``terms_us``), built from the replay's own figures only.
 
 - Times: each strategy's measured layer time (``layer_ms_median``: the median over iterations of
   the slowest rank's layer time, token-weighted over steps) -- the figure the measured ranking
-  (:func:`moonep_sim.experiments.ranking.agreement`) orders by, so both name the same winner.
+  (:func:`moonep_sim.analysis.ranking.agreement`) orders by, so both name the same winner.
 - ``tie``: a measured difference counts only when (a) the spread of the paired relative
   differences over the measured units -- iterations, and (step, iteration) pairs when the replay
   ran several steps, token-weighted -- excludes a tie (:func:`~.verdict.confidence`), and (b) the
   exact sign test over the matched iterations resolves the pair, Holm-corrected over every pair
-  at :data:`~moonep_sim.experiments.ranking.ALPHA` (the ranking's own test: a measured verdict
+  at :data:`~moonep_sim.analysis.ranking.ALPHA` (the ranking's own test: a measured verdict
   without a tie is a ``<`` in the measured order). With few iterations (fewer than 6 for two
   strategies) the sign test cannot resolve anything and every pair is a tie: say ``--iters``.
 - ``confidence.level``: ``high`` (both tests pass and the winner is faster in every unit),
@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from moonep_sim.experiments.verdict import (MECHANISMS, attribute, confidence, explain, fmt_time, terms,
+from moonep_sim.analysis.verdict import (MECHANISMS, attribute, confidence, explain, fmt_time, terms,
                                             tie_sentence)
 
 #: the measured phases each term is read from (replay_rank.PHASES: dispatch includes exchange and plan)
@@ -54,7 +54,7 @@ _FIG_KEYS = ("inter_node_bytes", "intra_node_bytes", "rows_max", "rows_mean", "c
 def _item_weights(per_layer: Sequence[Mapping[str, Any]]) -> np.ndarray:
     """Weight of each (step, layer) entry: its step's token weight over that step's layer count
     (so a figure is the token-weighted mean over steps of the mean over layers, as the time is)."""
-    from moonep_sim.experiments.stepstats import batch_weights
+    from moonep_sim.analysis.stepstats import batch_weights
 
     bis = sorted({int(e["batch"]) for e in per_layer})
     tok = [next(int(e["tokens"]) for e in per_layer if int(e["batch"]) == b) for b in bis]
@@ -97,7 +97,7 @@ def measured_figures(rep: Mapping[str, Any]) -> dict[str, Any]:
 def _units(reps: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, list[float]], list[float] | None, str]:
     """strategy -> measured time per unit (us), their weights, and the unit's name: one sample per
     iteration for one step, else per (step, iteration) pair, weighted by the step's tokens."""
-    from moonep_sim.experiments.stepstats import batch_weights
+    from moonep_sim.analysis.stepstats import batch_weights
 
     first = next(iter(reps.values()))
     bis = sorted({int(e["batch"]) for e in first.get("per_layer") or []})
@@ -118,7 +118,7 @@ def measured_verdict(reps: Mapping[str, Mapping[str, Any]], *, where: str = "") 
     """The verdict of a gloo replay. reps: strategy -> its replay report (interleaved strategies:
     matched iterations). where: how it ran, e.g. ``"2 local processes, hidden 64, float32"`` (the
     sentences say "measured on local gloo (...)"). None without strategies."""
-    from moonep_sim.experiments.ranking import ALPHA, resolved_pairs
+    from moonep_sim.analysis.ranking import ALPHA, resolved_pairs
 
     if not reps:
         return None

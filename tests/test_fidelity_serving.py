@@ -1,0 +1,56 @@
+"""benchmarks/fidelity_serving.py: how a silicon-sample row becomes a deployment, and its decode
+floor (three rows of AIConfigurator's public sample shipped under tests/data; no run of the
+simulator: the bench's output is the results page)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+pd = pytest.importorskip("pandas")  # the optional 'measured' extra brings it; the bench reads CSVs with it
+
+HERE = Path(__file__).resolve().parent
+BENCH = HERE.parent / "benchmarks"
+
+
+@pytest.fixture
+def fs(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module("fidelity_serving")
+
+
+@pytest.fixture
+def rows():
+    return pd.read_csv(HERE / "data" / "silicon_sample_rows.csv").set_index("id", drop=False)
+
+
+def test_rows_become_deployments(fs, rows):
+    from moonep_sim.serve.deployment import deployment_from_dict
+
+    agg = rows.loc["2026_03_25_deepseek_r1_b200_sxm_sglang_fp4_agg_1024x1024_c4_tp8_0_ep8_0_298"]
+    p = fs._pool(agg, "", 4, "both")
+    # SGLang's --tp 8 with EP8 and no DP attention: one attention rank of 8 GPUs running the 4 requests
+    assert p["layout"] == {"tp": 8, "dp": 1, "ep": 8, "etp": 1, "dp_attention": False}
+    assert p["max_running"] == 4
+    dis = rows.loc["dsr1_gb200_trtllm_fp8_disagg_1024x1024_c3_cfg386"]
+    pre, dec = fs._pool(dis, "prefill_", 3, "prefill"), fs._pool(dis, "decode_", 3, "decode")
+    assert pre["layout"]["dp_attention"] and pre["layout"]["dp"] == 8 and pre["workers"] == 1
+    assert dec["workers"] == 3 and dec["layout"]["tp"] == 8 and dec["max_running"] == 1
+    d = deployment_from_dict({"prefill": pre, "decode": dec})
+    assert d.gpus == 8 + 3 * 8
+
+
+def test_decode_floor_hand_count(fs, rows):
+    from moonep_sim.experiments.compare import load_topology
+    from moonep_sim.models import get_model
+    from moonep_sim.step.stack import dense_params
+
+    r = rows.loc["2026_03_25_deepseek_r1_b200_sxm_sglang_fp4_agg_1024x1024_c4_tp8_0_ep8_0_298"]
+    m, t = get_model("deepseek-v3"), load_topology("b200")
+    # 4 sequences x top-8 over 256 experts: E/ep x (1 - (1 - 1/E)^32) experts active per GPU
+    active = 256 / 8 * (1 - (1 - 1 / 256) ** 32)
+    want = (sum(dense_params(m).values()) / 8 + m.moe_layers * active * 3 * m.dispatch_hidden * m.expert_ffn) \
+        * 1.0 / (t.gpu_mem_bandwidth_GBps * 1e9) * 1e3
+    assert fs.tpot_floor_ms(r) == pytest.approx(want)
