@@ -162,6 +162,7 @@ def test_a_stage_of_dense_layers_only():
     assert f["memory_per_pp_rank"][0] > 0
 
 
+@pytest.mark.slow
 def test_search_ranks_fitting_layouts():
     from moonep_sim.experiments.layout_search import enumerate_layouts
 
@@ -180,6 +181,7 @@ def test_search_ranks_fitting_layouts():
         assert ok == sorted(ok, reverse=True)
 
 
+@pytest.mark.slow
 def test_search_price_matches_the_layout_step_on_one_routing():
     # priced from one layer per kind vs the full step with every MoE layer on the same routing: same figures
     sc = _sc(8, layers=4)

@@ -79,6 +79,7 @@ def test_compare_level_step_takes_the_layout(capsys, tmp_path):
     assert doc["setup"]["layout"] == "PP2 DP4 EP4"
 
 
+@pytest.mark.slow
 def test_sweep_level_step_takes_the_layout(capsys, tmp_path):
     rc, _, err = _status(["sweep", "--model", "olmoe-1b-7b", "--over", "maxvio", "--values", "1,4", "--strategies",
                           "alltoall", "--ranks", "8", "--tokens-per-rank", "256", "--level", "step", "--pp", "2",
