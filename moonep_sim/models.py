@@ -268,6 +268,12 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
               kv_heads=128, max_context=163840, vocab=129280, dense_ffn=18432,
               stack_source=_HF.format("deepseek-ai/DeepSeek-V3") + " (first_k_dense_replace 3, 128 heads, "
                                                                    "kv_lora_rank 512, intermediate_size 18432)"),
+    ModelSpec("deepseek-v2", 60, 59, 160, 6, 2, 5120, 1536, n_groups=8, topk_groups=3,
+              note="8 expert groups, top-3 groups (device-limited routing)", source=_HF.format("deepseek-ai/DeepSeek-V2"),
+              **_MLA, heads=128, kv_heads=128, max_context=163840, vocab=102400, dense_ffn=12288,
+              stack_source=_HF.format("deepseek-ai/DeepSeek-V2") + " (first_k_dense_replace 1, 128 heads, "
+                                                                   "q_lora_rank 1536, kv_lora_rank 512, intermediate_size "
+                                                                   "12288)"),
     ModelSpec("qwen3-235b", 94, 94, 128, 8, 0, 4096, 1536, attention="gqa", heads=64, kv_heads=4, head_dim=128,
               max_context=40960, vocab=151936, stack_source=_HF.format("Qwen/Qwen3-235B-A22B")),
     ModelSpec("mixtral-8x22b", 56, 56, 8, 2, 0, 6144, 16384, attention="gqa", heads=48, kv_heads=8, head_dim=128,

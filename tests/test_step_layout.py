@@ -120,6 +120,12 @@ def test_pipeline_layout_runs_and_zero_shards_memory():
         # 1F1B keeps pp = 2 micro-batches alive on the first stage, 1 on the last
         assert f0["pipeline_ranks"][0]["pipeline_end_us"] > 0
         assert f0["tokens_per_step"] == 16 * 128
+        # weights, gradients and optimizer state alone: a lower bound known before any simulation
+        from moonep_sim.step.layout_step import static_memory_bytes
+        st = static_memory_bytes(_model(4), p0)
+        parts = f0["memory"]["parts"]
+        assert st == pytest.approx(parts["weights"] + parts["gradients"] + parts["optimizer"], rel=0.01)
+        assert st < f0["peak_memory_bytes"]
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -156,6 +162,7 @@ def test_a_stage_of_dense_layers_only():
     assert f["memory_per_pp_rank"][0] > 0
 
 
+@pytest.mark.slow
 def test_search_ranks_fitting_layouts():
     from moonep_sim.experiments.layout_search import enumerate_layouts
 
@@ -164,7 +171,7 @@ def test_search_ranks_fitting_layouts():
     # every valid layout multiplies to the GPUs, and pp, ep, tp divide what they split
     assert lays and all(p.world == 8 and m.num_experts % p.ep == 0 and m.heads % p.tp == 0 for p in lays)
     assert {(p.tp, p.pp) for p in lays} >= {(1, 1), (2, 2), (8, 1), (1, 4)}
-    rep = _sc(8, layers=4).search_layouts(8, "train", seq=2048, top=3)
+    rep = _sc(8, layers=4).search_layouts(8, "train", seq=2048, top=3, zeros=(1,))
     assert rep["valid"] == len(lays)
     for rows in rep["ranked"].values():
         assert len(rows) == 3
@@ -174,14 +181,67 @@ def test_search_ranks_fitting_layouts():
         assert ok == sorted(ok, reverse=True)
 
 
+@pytest.mark.slow
 def test_search_price_matches_the_layout_step_on_one_routing():
     # priced from one layer per kind vs the full step with every MoE layer on the same routing: same figures
     sc = _sc(8, layers=4)
     p = Parallel(tp=2, pp=2, dp=2, ep=4, global_batch_size=8)
     full = sc.step("train", parallel=p, context=2048, distinct_layers=1).figures
-    rep = sc.search_layouts(8, "train", seq=2048, top=100)
+    rep = sc.search_layouts(8, "train", seq=2048, top=100, zeros=(1,))
     row = {(r["strategy"], r["layout"]): r for r in rep["rows"]}
     for n, f in full.items():
-        r = row[(n, "TP2 PP2 DP2 EP4 1f1b")]
+        r = row[(n, "TP2 PP2 DP2 EP4 1f1b ZeRO1")]
         assert r["step_time_us"] == pytest.approx(f["step_time_us"], rel=0.02)
         assert r["peak_memory_bytes"] == pytest.approx(f["peak_memory_bytes"], rel=0.02)
+
+
+def test_a_tp_or_cp_share_of_whole_sequences_attends_their_causal_mean():
+    from moonep_sim.step.stack import StepShape as Shape
+
+    assert Shape("train", 512, 4096, shards=8).attended() == pytest.approx(4097 / 2)
+    assert Shape("train", 512, 4096).attended() == pytest.approx(4096 - 512 + 513 / 2)   # a chunk ending a prompt
+    assert Shape("train", 4096, 4096, shards=1).attended() == Shape("train", 4096, 4096).attended()
+
+
+def test_cp_ring_passes_each_chunk_around_the_ring():
+    topo = load_topology("h800-cx7")
+    m = get_model("qwen3-30b-a3b")          # gqa: 4 KV heads of 128
+    p = Parallel(cp=4, dp=2, ep=8)
+    f, b = tp_comm_us(m, 0, 2, p, StepShape("train", 1024, 4096, shards=4), topo, 1024, 8)
+    kv = 1024 * 2 * 4 * 128 * 2              # the rank's 1024 tokens' K and V, bf16
+    one = coll.send_us(kv, coll.nvlink(topo))
+    assert (f, b) == pytest.approx((2 * 3 * one, 2 * 2 * 3 * one))   # 2 layers, cp-1 = 3 passes, twice backward
+
+
+def test_pp_send_is_the_link_formula():
+    # 16 GPUs, stages of 8 (TP2 DP4): the boundary crosses from node 0 to node 1 over the NIC
+    sc = _sc(16, layers=2)
+    p = Parallel(tp=2, pp=2, dp=4, ep=8, global_batch_size=4)
+    f = sc.step("train", parallel=p, context=2048, distinct_layers=1).figures["alltoall"]
+    topo = load_topology("h800-cx7")
+    act = 2048 * get_model("olmoe-1b-7b").hidden * 2          # one micro-batch: the TP group's 2048 tokens, bf16
+    assert f["pp_send_links"] == ["nic"]
+    assert f["pp_send_us"] == [pytest.approx(coll.send_us(act, coll.nic(topo)))]
+
+
+def test_decode_with_attention_dp_is_todays_decode_step():
+    sc = _sc(8, layers=2)
+    today = sc.step("decode", tokens_per_rank=64)
+    lay = sc.step("decode", parallel=Parallel(dp=8, ep=8, dp_attention=True), tokens_per_rank=64)
+    for n, f in today.figures.items():
+        assert lay.figures[n]["step_time_us"] == pytest.approx(f["step_time_us"], rel=1e-12)
+        assert lay.figures[n]["tokens_per_step"] == 8 * 64
+
+
+def test_zero3_gathers_hide_behind_compute():
+    sc = _sc(8, layers=2)
+    p = Parallel(dp=8, ep=8, zero=3, global_batch_size=16)
+    f = sc.step("train", parallel=p, context=1024, distinct_layers=1).figures["alltoall"]
+    r0 = f["pipeline_ranks"][0]
+    topo = load_topology("h800-cx7")
+    dense, expert = chunk_params(_model(2), 0, 2, True, True)
+    ag = coll.all_gather_us(dense * 2, 8, coll.nvlink(topo)) + 0.0   # experts: edp = 1, no gather
+    assert r0["zero3_gather_us"] == pytest.approx(2 * 2 * ag)        # 2 micro-batches, forward and backward
+    busy = f["pipeline"]["busy_us"][0]
+    assert r0["zero3_gather_exposed_us"] == pytest.approx(max(2 * 2 * ag - busy, 0.0))
+    assert r0["param_gather_us"] == 0.0

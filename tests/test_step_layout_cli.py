@@ -77,3 +77,15 @@ def test_compare_level_step_takes_the_layout(capsys, tmp_path):
     assert rc == 0, err
     doc = json.loads((tmp_path / "c" / "report.json").read_text())
     assert doc["setup"]["layout"] == "PP2 DP4 EP4"
+
+
+@pytest.mark.slow
+def test_sweep_level_step_takes_the_layout(capsys, tmp_path):
+    rc, _, err = _status(["sweep", "--model", "olmoe-1b-7b", "--over", "maxvio", "--values", "1,4", "--strategies",
+                          "alltoall", "--ranks", "8", "--tokens-per-rank", "256", "--level", "step", "--pp", "2",
+                          "--ep", "4", "--context", "1024", "--distinct-layers", "1", "--out", str(tmp_path / "s"),
+                          "--json"], capsys)
+    assert rc == 0, err
+    rep = json.loads((tmp_path / "s" / "sweep.json").read_text())
+    assert rep["step"]["parallel"]["pp"] == 2 and rep["step"]["parallel"]["dp"] == 4
+    assert len(rep["strategies"]["alltoall"]["step_time_us"]) == 2

@@ -39,7 +39,8 @@ _HELP = {
 
 def add_layout_options(p, *, at: str = "") -> None:
     """The layout flags (each None when not given). ``at``: a suffix for their help."""
-    g = p.add_argument_group("parallel layout (docs/steps.md#layouts; none given: pure EP over --ranks)")
+    g = p.add_argument_group("parallel layout (docs/steps.md; none given: pure EP over --ranks; under a layout the "
+                             "job's GPUs are step's --gpus, compare's and sweep's --ranks)")
     for flag, dest, typ in LAYOUT_FLAGS:
         if typ is bool:
             g.add_argument(flag, dest=dest, action="store_true", default=None, help=_HELP[dest] + at)

@@ -300,7 +300,7 @@ def run(args) -> int:
 
 
 #: layout flags --search takes (the rest it chooses)
-SEARCH_KEEPS = ("--micro-batch-size", "--global-batch-size", "--pp-schedule")
+SEARCH_KEEPS = ("--micro-batch-size", "--global-batch-size", "--pp-schedule", "--zero")
 
 
 def run_search(args) -> int:
@@ -326,6 +326,7 @@ def run_search(args) -> int:
     with progress(c, "layouts", lines=args.json is not None) as cb:
         rep = sc.search_layouts(args.gpus, args.mode, seq=args.context or 4096, micro_batch_size=args.micro_batch_size or 1,
                                 global_batch_size=args.global_batch_size or 0, schedules=schedules,
+                                zeros=(args.zero,) if args.zero is not None else (1, 2, 3),
                                 overlap=args.overlap or "none", gemm_dtype=args.gemm_dtype or "bf16",
                                 recompute=bool(args.recompute), top=args.top, tokens_per_rank=args.tokens_per_rank,
                                 progress=lambda d, n: cb("priced" if d <= n else "", d, n))

@@ -96,10 +96,10 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
     p.check(N, m)
     require(not static_tokens, "static buffers are not modelled under a layout yet")
     T, ctx = layout_tokens(p, mode, tokens_per_rank, context, src.gen.tokens_per_rank)
-    shape = step_shape(m, mode, T, ctx)
+    shape = dataclasses.replace(step_shape(m, mode, T, ctx), shards=p.tp * p.cp)
     g_ep = group.cluster.gpus_per_node
     rs = group
-    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, mode=mode)
+    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, mode=mode)   # as today's step
     mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
     cfg = StepConfig(m, group.topology, group.ctx, group.strategies, shape, overlap, costs, mem, {})
     pool = None
@@ -130,6 +130,8 @@ LAYOUT_ASSUMPTIONS = (
     "no zero-bubble weight split",
     "activations per micro-batch from the stage's tokens per rank (sequence-parallel sized); memory with the "
     "layout's shards over today's per-chunk account",
+    "a TP rank's GEMMs priced as its share of the tokens through the whole weight: the FLOPs are the shard's, the "
+    "weight bytes a memory-bound (decode) GEMM reads are not divided by tp (decode under TP priced high)",
 )
 
 

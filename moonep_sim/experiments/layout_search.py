@@ -6,12 +6,14 @@ micro-batch (``micro_batch_size x seq / t``).
 
 **Enumerated** (:func:`enumerate_layouts`): t over the divisors of G that divide the heads; p over
 the divisors of N / t up to the layers; d = N / (t p); e over the divisors of t d that divide the
-expert slots; cp = etp = 1, ZeRO 1 (the distributed optimizer); each pp schedule asked for where it
-applies (interleaved with vpp 2, DualPipe with an even pp). Training keeps one global batch for all
+expert slots; cp = etp = 1; each ZeRO stage asked for (default 1, 2 and 3) and each pp schedule
+where it applies (interleaved with vpp 2, DualPipe with an even pp). Training keeps one global batch for all
 layouts (default ``N x micro_batch_size`` sequences, so every d divides it); each layout is
 validated as a whole (:meth:`~moonep_sim.step.parallel.Parallel.check`), the invalid ones dropped.
 
-**Priced as a model** (fast: a few layer simulations, not a step per layout): the MoE and dense
+Layouts whose weights, gradients and optimizer state alone exceed the GPU
+(:func:`~moonep_sim.step.layout_step.static_memory_bytes`) are dropped before any simulation
+(counted and flagged). **Priced as a model** (fast: a few layer simulations, not a step per layout): the MoE and dense
 layers of a stage program depend on the layout only through (e, T, the EP group's GPUs per node),
 so for each distinct such key one layer of each kind (dense or MoE, and its attention kind) is
 simulated alone as today's step (one micro-batch of a one-layer model over the EP group, every MoE
@@ -36,7 +38,7 @@ def _divisors(n: int) -> list[int]:
 
 def enumerate_layouts(model, gpus: int, gpus_per_node: int, mode: str = "train", *, micro_batch_size: int = 1,
                       global_batch_size: int = 0, schedules: tuple[str, ...] = ("1f1b",), seq: int = 4096,
-                      expert_slots: int | None = None) -> list:
+                      expert_slots: int | None = None, zeros: tuple[int, ...] = (1,)) -> list:
     """Every valid :class:`~moonep_sim.step.parallel.Parallel` (see the module docstring)."""
     from moonep_sim.step.parallel import Parallel
 
@@ -54,8 +56,9 @@ def enumerate_layouts(model, gpus: int, gpus_per_node: int, mode: str = "train",
             for ep in _divisors(tp * dp):
                 if slots % ep:
                     continue
-                for sch in (schedules if pp > 1 else ("1f1b",)):
-                    kw = dict(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch_size=micro_batch_size, zero=1,
+                for sch, zero in ((a, z) for a in (schedules if pp > 1 else ("1f1b",))
+                                  for z in (zeros if mode == "train" else (1,))):
+                    kw = dict(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch_size=micro_batch_size, zero=zero,
                               pp_schedule=sch, global_batch_size=gbs if mode == "train" else 0)
                     if sch == "interleaved":
                         kw["vpp"] = 2
@@ -69,18 +72,20 @@ def enumerate_layouts(model, gpus: int, gpus_per_node: int, mode: str = "train",
     return out
 
 
-def _unit_key(p, G: int, T: int) -> tuple[int, int, int]:
+def _unit_key(p, G: int, T: int) -> tuple[int, int, int, int]:
+    """(ep, EP GPUs per node, tokens per rank, TP x CP shards): what a layer's program depends on."""
     from moonep_sim.step.layout_step import expert_group_gpus_per_node
 
-    return p.ep, expert_group_gpus_per_node(p, G), T
+    return p.ep, expert_group_gpus_per_node(p, G), T, p.tp * p.cp
 
 
 def _layer_class(model, l: int) -> tuple[bool, str]:
     return l >= model.dense_layers, model.attention_kind(l)
 
 
-def price_units(scenario, model, key: tuple[int, int, int], mode: str, seq: int, costs, mem, overlap: str) -> dict:
-    """``{layer class: {strategy: StageProgram}}`` of one unit key (ep, EP GPUs per node, T): one
+def price_units(scenario, model, key: tuple[int, int, int, int], mode: str, seq: int, costs, mem,
+                overlap: str) -> dict:
+    """``{layer class: {strategy: StageProgram}}`` of one unit key (ep, EP GPUs per node, T, shards): one
     layer of each class simulated alone as a one-layer model's step over the EP group."""
     from moonep_sim.experiments.step import layer_source
     from moonep_sim.step import StepConfig, step_shape
@@ -88,9 +93,9 @@ def price_units(scenario, model, key: tuple[int, int, int], mode: str, seq: int,
                                              stage_model)
     from moonep_sim.step.run import simulate_step
 
-    ep, g_ep, T = key
+    ep, g_ep, T, shards = key
     group = dataclasses.replace(scenario, cluster=(ep, g_ep)).resolved
-    shape = step_shape(model, mode, T, seq if mode == "train" else None)
+    shape = dataclasses.replace(step_shape(model, mode, T, seq if mode == "train" else None), shards=shards)
     src = layer_source(group.source, ep, T, model.moe_layers, 1)
     out = {}
 
@@ -161,7 +166,8 @@ def _stage_memory(model, a: int, b: int, progs: list, ep: int, shape) -> dict:
 
 
 def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096, micro_batch_size: int = 1,
-                   global_batch_size: int = 0, schedules: tuple[str, ...] = ("1f1b",), overlap: str = "none",
+                   global_batch_size: int = 0, schedules: tuple[str, ...] = ("1f1b",), zeros: tuple[int, ...] = (1, 2, 3),
+                   overlap: str = "none",
                    gemm_dtype: str = "bf16", recompute: bool = False, top: int = 5, tokens_per_rank: int | None = None,
                    progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Every valid layout of ``scenario``'s model on ``gpus`` GPUs, priced (see the module
@@ -174,7 +180,7 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
     from moonep_sim.step.costs import step_cost_model
     from moonep_sim.step.layout_step import schedule_layout
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     require(mode in ("train", "prefill", "decode"), f"mode ({mode!r}) must be train, prefill or decode")
     _, G = parse_cluster(scenario.cluster)
     topo = load_topology(scenario.topology)
@@ -183,10 +189,17 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
     model = probe.source.model
     require(probe.source.gen is not None, "a layout search runs on generated routing (gen:...)")
     layouts = enumerate_layouts(model, gpus, min(G, gpus), mode, micro_batch_size=micro_batch_size,
-                                global_batch_size=global_batch_size, schedules=schedules, seq=seq)
+                                global_batch_size=global_batch_size, schedules=schedules, seq=seq, zeros=zeros)
     require(bool(layouts), f"no valid layout of {model.name} on {gpus} GPUs ({G} per node): every tp, pp, dp, ep "
                            "split breaks a rule (heads, experts, layers or the GPU count)")
-    costs = step_cost_model(topo, gemm_dtype, mode=mode)
+    costs = step_cost_model(topo, gemm_dtype, mode=mode)   # as a step prices its ops
+    # what cannot fit even without activations is dropped before any simulation
+    from moonep_sim.step.layout_step import static_memory_bytes
+
+    cap = topo.gpu_memory_GiB * 2**30
+    static = [(p, static_memory_bytes(model, p, mode == "train")) for p in layouts]
+    unfit = [p for p, b in static if cap and b > cap]
+    layouts = [p for p, b in static if not (cap and b > cap)]
     mem = MemoryOptions(recompute=recompute)
 
     def T_of(p) -> int:
@@ -208,7 +221,7 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
     rows = []
     for j, p in enumerate(layouts):
         T = T_of(p)
-        shape = step_shape(model, mode, T, seq if mode == "train" else None)
+        shape = dataclasses.replace(step_shape(model, mode, T, seq if mode == "train" else None), shards=p.tp * p.cp)
         key = _unit_key(p, min(G, gpus), T)
         if key not in units:
             continue
@@ -221,7 +234,8 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
         best = max(fitting or names, key=lambda n: figs[n]["tokens_per_s_per_gpu"])
         for n in names:
             f = figs[n]
-            rows.append({"layout": p.label() + (f" {p.pp_schedule}" if p.pp > 1 else ""), "parallel": p.to_dict(),
+            rows.append({"layout": p.label() + (f" {p.pp_schedule}" if p.pp > 1 else "") + f" ZeRO{p.zero}",
+                         "parallel": p.to_dict(),
                          "strategy": n, "tokens_per_s_per_gpu": f["tokens_per_s_per_gpu"],
                          "step_time_us": f["step_time_us"], "mfu": f["mfu"],
                          "bubble_fraction": f["pipeline"]["bubble_fraction"], "peak_memory_bytes": f["peak_memory_bytes"],
@@ -236,12 +250,15 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
     fit = len({r["layout"] for r in rows if r["fits"]})
     return {"kind": "layout-search", "model": model.name, "mode": mode, "gpus": gpus, "gpus_per_node": G,
             "topology": topo.name, "seq": seq if mode == "train" else None, "micro_batch_size": micro_batch_size,
-            "valid": len(layouts), "priced": len({r["layout"] for r in rows}), "fit": fit,
+            "valid": len(layouts) + len(unfit), "unfit_unpriced": len(unfit),
+            "priced": len({r["layout"] for r in rows}), "fit": fit,
             "units_simulated": len(units), "units_skipped": skipped, "ranked": ranked, "rows": rows,
-            "seconds": time.perf_counter() - t0,
+            "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
             "flags": ["PRICED AS A MODEL: one layer of each kind simulated per (ep, tokens per rank), every MoE "
                       "layer on the same generated routing; run `moonep-sim step` with a chosen layout for its full "
                       "step"] + ([] if fit else ["no layout fits in memory: more GPUs, recompute or fp8 weights"])
+            + ([f"{len(unfit)} valid layout(s) not priced: their weights, gradients and optimizer state alone "
+                f"exceed the GPU's {topo.gpu_memory_GiB:g} GiB"] if unfit else [])
             + ([f"{len(skipped)} (ep, tokens per rank) pair(s) could not be priced, their layouts dropped: "
                 f"{skipped[0]['reason']}"] if skipped else [])}
 

@@ -259,7 +259,8 @@ class Scenario:
     def step(self, mode: str = "train", overlap: str = "none", **options: Any):
         """Every strategy's whole step (train, prefill or decode) on this scenario's routing: the
         model's layer stack, compute, overlap and memory (:func:`moonep_sim.experiments.step.run_step`
-        takes ``options``: tokens_per_rank, context, distinct_layers, compute_profile, ...). One
+        takes ``options``: tokens_per_rank, context, distinct_layers, compute_profile, ...; ``parallel``
+        a :class:`~moonep_sim.step.parallel.Parallel` layout over this scenario's GPUs). One
         :class:`~moonep_sim.experiments.step.StepResult`, or a list for a trace of several steps."""
         from moonep_sim.experiments.step import run_step
 

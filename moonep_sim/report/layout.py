@@ -22,7 +22,7 @@ def layout_table(doc: dict[str, Any]):
              f"(pp schedule {p['pp_schedule']}, {p['micro_batches']} micro-batch(es) of {p['micro_batch_size']}, "
              f"ZeRO {p['zero']}); MoE layers over EP groups of {s['ep_group_ranks']} ranks "
              f"({s['ep_group_gpus_per_node']} per node), {s['tokens_per_rank']} tokens per rank per micro-batch, "
-             f"sequence {s['context']}, overlap {s['overlap']}")
+             f"context {s['context']}, overlap {s['overlap']}")
     t = Table(title=title)
     for col in ("strategy", "step time", "tokens/s/GPU", "MFU", "bubble", "DP exposed", "TP/CP comm",
                 "peak memory (pp rank)", "OOM"):
@@ -53,7 +53,8 @@ def search_table(rep: dict[str, Any]):
     from rich.table import Table
 
     t = Table(title=(f"layouts of {rep['model']} ({rep['mode']}) on {rep['gpus']} GPUs of {rep['topology']}: "
-                     f"{rep['valid']} valid, {rep['fit']} fit in memory ({rep['seconds']:.1f} s)"))
+                     f"{rep['valid']} valid, {rep['fit']} fit in memory ({rep['seconds']:.1f} s, "
+                     f"{rep.get('cpu_seconds', 0.0):.1f} CPU s)"))
     for col in ("strategy", "rank", "layout", "tokens/s/GPU", "step time", "bubble", "peak memory", "fits"):
         t.add_column(col, justify="left" if col in ("strategy", "layout") else "right")
     for name, rows in rep["ranked"].items():

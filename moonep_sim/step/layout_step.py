@@ -29,8 +29,9 @@ A layout (:class:`~moonep_sim.step.parallel.Parallel`) wraps today's step, never
 4. **DP**: after its last backward each pipeline rank reduces its gradients over its data-parallel
    group (the dense share over ``d x c`` ranks ``t`` apart; the experts over ``edp`` ranks ``e x
    etp`` apart): an all-reduce with ZeRO 0, a reduce-scatter with the distributed optimizer
-   (ZeRO >= 1), then its parameter all-gather; ZeRO 3 also gathers each chunk's parameters before
-   its forward and backward of every micro-batch. Gradients are reduced in fp32, parameters
+   (ZeRO >= 1), then its parameter all-gather; with ZeRO 3 the parameters stay sharded, gathered
+   before each chunk's forward and backward of every micro-batch and prefetched behind the rank's
+   compute (only what exceeds the rank's busy time is exposed, added at its end). Gradients are reduced in fp32, parameters
    gathered in bf16 (Megatron's defaults). With ``overlap_grad_reduce`` the reduce of all but the
    last micro-batch's backward is hidden behind it (only what exceeds that window is exposed).
 5. **The optimizer step**: memory-bound over the rank's optimizer shard
@@ -160,7 +161,8 @@ def tp_comm_us(model: ModelSpec, start: int, stop: int, p: Parallel, shape: Step
         for l in range(start, stop):
             kind = model.attention_kind(l)
             if kind in ("gqa", "mla", "sliding"):
-                kv = (tokens_tp // p.cp) * kv_elems_per_token(model, kind) // max(p.tp if kind != "mla" else 1, 1) * BF16
+                # the rank's chunk (the TP group's tokens, already 1/cp of the sequence); K/V heads split over tp
+                kv = tokens_tp * kv_elems_per_token(model, kind) / (p.tp if kind != "mla" else 1) * BF16
                 f += (p.cp - 1) * coll.send_us(kv, link)
                 b += 2 * (p.cp - 1) * coll.send_us(kv, link)
     return f, b
@@ -291,6 +293,28 @@ def simulate_stages(cfg, p: Parallel, source: Callable[[int], tuple], *, progres
     return out, prov
 
 
+def static_memory_bytes(model: ModelSpec, p: Parallel, train: bool = True,
+                        optimizer_bytes_per_param: float = 12.0) -> float:
+    """The fullest pipeline rank's weights, gradients and optimizer state under layout ``p`` (no
+    activations, buffers or KV cache): a lower bound of :func:`layout_memory`'s peak, known before
+    any simulation (the layout search drops the layouts it rules out unpriced)."""
+    sched = get_schedule(p.pp_schedule, p.pp, p.vpp, p.micro_batches)
+    bounds = stage_bounds(model, p)
+    best = 0.0
+    for r in range(p.pp):
+        chunks = [(c, *bounds[sched.stage_of(c)]) for c in range(sched.chunks()) if sched.rank_of(c) == r]
+        cm = {}
+        for c, a, b in chunks:
+            dense, expert = chunk_params(model, a, b, True, True)
+            parts = {"weights": (dense + expert / p.ep) * BF16, "buffers": 0.0}
+            parts.update({"activations": 0.0} if train else {"kv_cache": 0.0})
+            cm[c] = {"parts": parts, "dense_only": True}
+        mem = layout_memory({"optimizer_bytes_per_param": optimizer_bytes_per_param}, model, p, chunks,
+                            [1] * len(chunks), cm, train)
+        best = max(best, mem["peak_bytes"])
+    return best
+
+
 def layout_step(cfg, p: Parallel, source: Callable[[int], tuple], gpus_per_node: int, *, progress=None,
                 map_fn: Callable | None = None, pipeline: bool | None = None) -> dict:
     """Every strategy's step under layout ``p`` (see the module docstring).
@@ -302,8 +326,13 @@ def layout_step(cfg, p: Parallel, source: Callable[[int], tuple], gpus_per_node:
     cluster's. Returns ``{"strategies": {name: figures}, "parallel": ..., ...}``."""
     programs, prov = simulate_stages(cfg, p, source, progress=progress, map_fn=map_fn, pipeline=pipeline)
     out = {n: schedule_layout(cfg, p, [st[n] for st in programs], gpus_per_node) for n, _ in cfg.strategies}
+    from moonep_sim.step.compose import all_ops, stack_ops
+
+    train = cfg.shape.mode == "train"
+    sources = cfg.costs.sources(all_ops(stack_ops(cfg.model, cfg.shape), train), train) if cfg.costs else None
     return {"strategies": out, "mode": cfg.shape.mode, "tokens_per_rank": cfg.shape.tokens,
             "context": cfg.shape.context, "overlap": cfg.overlap, "layers_routing": prov, "parallel": p.to_dict(),
+            "compute_sources": sources,
             "layout": p.label(), "pipeline": None, "_timelines": {}}
 
 
@@ -356,7 +385,8 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
         ends[r] = max(ends[r], s1)
         if "B" in kind:
             last_b[r] = s1 - s0
-    per_rank = [_rank_tail(cfg, p, m, r, ranks_chunks[r], sched, bounds, ends[r], last_b[r], gpus_per_node, train)
+    per_rank = [_rank_tail(cfg, p, m, r, ranks_chunks[r], sched, bounds, ends[r], last_b[r], gpus_per_node, train,
+                           run.busy_us[r])
                 for r in range(p.pp)]
     slow = max(per_rank, key=lambda x: x["end_us"])
     step_us = slow["end_us"]
@@ -379,6 +409,7 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
             "exposed_comm_us": max(step_us - compute, 0.0),
             "comm_share": max(step_us - compute, 0.0) / step_us if step_us > 0 else 0.0,
             "slowest_rank": slow["rank"], "pipeline": run.to_dict(), "stages": stage_fig, "pipeline_ranks": per_rank,
+            "pp_send_us": [coll.send_us(act, lk) for lk in links], "pp_send_links": [lk.name for lk in links],
             "peak_memory_bytes": peak, "peak_memory_pp_rank": peak_r, "gpu_memory_bytes": cap,
             "oom": (peak > cap) if cap else None, "memory": mems[peak_r],
             "memory_per_pp_rank": [x["peak_bytes"] for x in mems],
@@ -387,8 +418,9 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
 
 
 def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched, bounds, end_us: float,
-               last_b_us: float, gpus_per_node: int, train: bool) -> dict:
-    """Pipeline rank ``r``'s DP gradient reduce, parameter gather and optimizer step after its last op."""
+               last_b_us: float, gpus_per_node: int, train: bool, busy_us: float = 0.0) -> dict:
+    """Pipeline rank ``r``'s DP gradient reduce, parameter gather and optimizer step after its last op
+    (``busy_us``: the rank's compute over the pipeline, behind which ZeRO 3 prefetches its gathers)."""
     topo = cfg.topology
     dense = expert = 0.0
     for c in chunks:
@@ -398,7 +430,7 @@ def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched,
     ddp, edp = p.dp * p.cp, p.edp
     dl = coll.group_link(topo, ddp, p.tp, gpus_per_node)
     el = coll.group_link(topo, edp, p.ep * p.etp, gpus_per_node)
-    grad = gather = opt = exposed = 0.0
+    grad = gather = opt = exposed = z3 = z3_exposed = 0.0
     if train:
         if p.zero == 0:
             grad = coll.all_reduce_us(dense * GRAD_REDUCE_BYTES, ddp, dl) + \
@@ -408,13 +440,18 @@ def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched,
                 coll.reduce_scatter_us(expert * GRAD_REDUCE_BYTES, edp, el)
             gather = coll.all_gather_us(dense * PARAM_GATHER_BYTES, ddp, dl) + \
                 coll.all_gather_us(expert * PARAM_GATHER_BYTES, edp, el)
-        if p.zero >= 3:  # every chunk's parameters gathered before each forward and backward
-            gather *= 1 + 2 * p.micro_batches
+        if p.zero >= 3:
+            # the parameters stay sharded: gathered before every chunk's forward and backward of every
+            # micro-batch, prefetched behind the rank's compute (FSDP's prefetch; what exceeds it is exposed)
+            z3 = 2 * p.micro_batches * gather
+            z3_exposed = max(z3 - busy_us, 0.0)
+            gather = 0.0
         exposed = max(grad - last_b_us, 0.0) if p.overlap_grad_reduce else grad
         shard = dense / (ddp if p.zero >= 1 else 1) + expert / (edp if p.zero >= 1 else 1)
         opt = shard * OPTIMIZER_BYTES_PER_PARAM / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
     return {"rank": r, "pipeline_end_us": end_us, "dp_grad_us": grad, "dp_grad_exposed_us": exposed,
-            "param_gather_us": gather, "optimizer_us": opt, "end_us": end_us + exposed + gather + opt,
+            "param_gather_us": gather, "zero3_gather_us": z3, "zero3_gather_exposed_us": z3_exposed,
+            "optimizer_us": opt, "end_us": end_us + z3_exposed + exposed + gather + opt,
             "params_dense": dense, "params_expert": expert}
 
 
@@ -440,5 +477,6 @@ def _inflight(run, sched) -> dict[int, int]:
 
 
 __all__ = ["GRAD_REDUCE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "PARAM_GATHER_BYTES", "StageProgram", "chunk_params",
+           "static_memory_bytes",
            "expert_group_gpus_per_node", "layout_memory", "layout_step", "schedule_layout", "simulate_stages",
            "stage_bounds", "stage_model", "tp_comm_us"]

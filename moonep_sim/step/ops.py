@@ -52,12 +52,16 @@ class StepShape:
 
     tokens: T per rank (decode: sequences, one new token each).  context: keys per sequence
     (train / prefill: the sequence length, default T; decode: the KV context, default
-    :data:`DEFAULT_DECODE_CONTEXT`).  sequences: sequences on the rank.
+    :data:`DEFAULT_DECODE_CONTEXT`).  sequences: sequences on the rank.  shards: ranks the
+    sequences' tokens are shared over by a parallel layout (tensor parallelism splits the heads,
+    context parallelism the sequence): the rank's T tokens are a ``1/shards`` share of whole
+    sequences, so a query still attends the causal mean of its whole sequence (1: no layout).
     """
 
     mode: str
     tokens: int
     context: int
+    shards: int = 1
 
     @property
     def sequences(self) -> int:
@@ -69,7 +73,7 @@ class StepShape:
         """Mean keys one query token attends to (causal in train / prefill)."""
         if self.mode == "decode":
             return float(self.context)
-        if self.context <= self.tokens:  # whole sequences of `context` tokens
+        if self.context <= self.tokens * self.shards:  # whole sequences of `context` tokens (or the rank's share)
             return (self.context + 1) / 2.0
         prior = self.context - self.tokens  # one chunk at the end of a longer sequence
         return prior + (self.tokens + 1) / 2.0
