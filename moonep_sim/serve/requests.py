@@ -78,7 +78,7 @@ def lengths(spec: str | int, n: int, rng: np.random.Generator, what: str = "--is
     from moonep_sim.limits import MAX_CONTEXT
 
     if len(parts) == 1:
-        require(1 <= v <= MAX_CONTEXT, f"{what} ({s}) must be in [1, {MAX_CONTEXT}] tokens")
+        require(1 <= v <= MAX_CONTEXT, f"{what} ({s}) must be >= 1 token and at most {MAX_CONTEXT}")
         return np.full(n, v, np.int64)
     require(all(np.isfinite(a) and a <= MAX_CONTEXT for a in args),
             f"{what} ({s}) must give finite lengths of at most {MAX_CONTEXT} tokens")
