@@ -49,7 +49,7 @@ from moonep_sim.experiments.replay_checks import check_args as _check_args
 from moonep_sim.experiments.replay_checks import check_before_ranks as _check_before_ranks
 from moonep_sim.experiments.replay_checks import parse_layers as _parse_layers
 from moonep_sim.experiments.replay_checks import strategy_opts as _strategy_opts
-from moonep_sim.io import check_output_path, write_text_atomic
+from moonep_sim.io import check_outputs, write_text_atomic
 
 MODULE = "moonep_sim.experiments.ranks.replay_rank"  # what every rank runs (python -m MODULE)
 PHASES = ("exchange", "plan", "dispatch", "prefetch", "expert", "combine", "backward", "total")
@@ -452,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parse(argv)
         _check_args(args)
         if args.json:  # every rank refuses alike, before the run (not rank 0 alone, after it)
-            check_output_path(args.json, "--json", inputs=(args.trace,))
+            check_outputs({"--json": args.json}, {"--trace": args.trace, "--spec": args.spec})
         if not dist.is_initialized():
             require("RANK" in os.environ and "WORLD_SIZE" in os.environ,
                     "RANK / WORLD_SIZE (unset) must be set: run with --nproc N, or under torchrun "
@@ -507,7 +507,7 @@ def _launch(argv: Sequence[str]) -> int:
     args = _parse(argv)
     _check_args(args)
     if args.json:
-        check_output_path(args.json, "--json", inputs=(args.trace,))
+        check_outputs({"--json": args.json}, {"--trace": args.trace, "--spec": args.spec})
     _check_before_ranks(args, args.nproc)
     rest = _strip_launch_args(argv)
     rep = run_replay(args.nproc, rest, timeout_s=max(600.0, 10 * args.timeout))
