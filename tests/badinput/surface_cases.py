@@ -119,6 +119,12 @@ def _step_cases(Case) -> list:
             return ["compare", "--level", "step", "--model", str(d / "m.json"), "--trace", f"gen:{GEN}", "--ranks", "2",
                     "--topology", "local-gloo", "--strategies", "alltoall", "--no-plots", "--out", "{out}/c", *extra]
         out.append(Case(f"compare-step-{name}", "step options", make, names))
+    for over, values in (("maxvio", "1"), ("ranks", "2,4")):  # and at sweep --level step, every EP size it runs
+        out.append(Case(f"sweep-step-optimizer-shard-beyond-ranks-over-{over}", "step options",
+                        lambda d, over=over, values=values: [
+                            "sweep", "--level", "step", "--model", "mixtral-8x7b", "--ranks", "2", "--tokens-per-rank",
+                            "64", "--strategies", "alltoall", "--topology", "local-gloo", "--optimizer-shard", "3",
+                            "--over", over, "--values", values, "--no-plots", "--out", "{out}/s"], "--optimizer-shard"))
     # every kind of special file as a compute profile: refused before it is opened (a pipe would block)
     kinds = {"fifo": (lambda p: os.mkfifo(p), "named pipe"), "dir": (lambda p: p.mkdir(), "directory"),
              "missing": (lambda p: None, "no such file"), "symlink_loop": (lambda p: p.symlink_to(p), "symbolic links"),
