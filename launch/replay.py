@@ -22,7 +22,9 @@ def _interrupted() -> None:
 
 if __name__ == "__main__":
     try:
-        from moonep_sim.experiments.ranks.replay_rank import main  # imports torch: a second or more
+        from moonep_sim.errors import interrupts_deferred
+        with interrupts_deferred():  # Ctrl-C inside numpy's or torch's import would become their ImportError
+            from moonep_sim.experiments.ranks.replay_rank import main  # imports torch: a second or more
         main()
     except KeyboardInterrupt:
         _interrupted()

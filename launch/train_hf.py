@@ -30,8 +30,9 @@ def _main(argv) -> int:
     import json
     import tempfile
 
-    from moonep_sim.errors import require
-    from moonep_sim.integrations import train
+    from moonep_sim.errors import interrupts_deferred, require
+    with interrupts_deferred():  # torch and numpy load here: Ctrl-C is raised once they have
+        from moonep_sim.integrations import train
     from moonep_sim.io import write_text_atomic
 
     a = train.build_parser().parse_args(argv)

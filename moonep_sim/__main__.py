@@ -3,9 +3,11 @@ package is still being imported, ends with exit status 130 and the one line ``mo
 
 import sys
 
-try:
-    from moonep_sim.cli import main
+from moonep_sim.errors import interrupts_deferred
 
+try:
+    with interrupts_deferred():
+        from moonep_sim.cli import main
     code = main()
 except KeyboardInterrupt:
     print("moonep-sim: interrupted", file=sys.stderr, flush=True)

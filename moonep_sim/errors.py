@@ -7,6 +7,8 @@ The CLI prints it alone (no traceback) and exits with status 2.
 
 
 import argparse
+import contextlib
+import signal
 import sys
 
 
@@ -48,6 +50,26 @@ def exit_status(fn, *args, **kwargs) -> int:
     except KeyboardInterrupt:
         print("moonep-sim: interrupted", file=sys.stderr, flush=True)
         return 130
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Hold Ctrl-C back while the block runs (imports), then raise it as ``KeyboardInterrupt``:
+    an interrupt landing inside an extension module's import is otherwise turned into that
+    module's own error (numpy's "Importing the numpy C-extensions failed"), not an interrupt.
+    A no-op outside the main thread."""
+    got: list[int] = []
+    try:
+        old = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
+    if got:
+        raise KeyboardInterrupt
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

@@ -124,6 +124,7 @@ REPLAY_CASES = {
     "unknown-option": (["--nproc", "2", "--opt", "cf=2"], r"option \('cf'\)"),
     "json-onto-trace": (["--nproc", "2", "--json", "{trace}"], r"--json.*destroy|--json.*input"),
     "spec-fifo": (["--nproc", "2", "--spec", "{fifo}"], r"--spec.*named pipe"),
+    "json-onto-spec": (["--nproc", "2", "--spec", "{spec}", "--json", "{spec}"], r"--json.*--spec"),
 }
 
 
@@ -140,7 +141,9 @@ def test_replay_refuses_before_any_rank_starts(name, tmp_path, capsys, monkeypat
     os.mkfifo(tmp_path / "spec.json")
     argv = ["--trace", str(tmp_path / "t.safetensors"),
             *[a.replace("{trace}", str(tmp_path / "t.safetensors")).replace("{fifo}", str(tmp_path / "spec.json"))
-              for a in extra]]
+              .replace("{spec}", str(tmp_path / "s.json")) for a in extra]]
+    (tmp_path / "s.json").write_text(json.dumps({"moonep_sim_replay_spec": 1, "trace": str(tmp_path / "t.safetensors"),
+                                                 "strategies": [["alltoall", {}]]}))
     before = _contents(tmp_path)
 
     def no_ranks(*a, **k):

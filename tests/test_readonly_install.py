@@ -102,3 +102,23 @@ def test_a_read_only_copy_of_the_package_with_a_read_only_home_runs(tmp_path):
     finally:
         _chmod_tree(pkg, writable=True)
         _chmod_tree(home, writable=True)
+
+
+@pytest.mark.slow  # builds a small step-time grid
+def test_serve_with_an_unwritable_cache_folder_runs_and_says_so(tmp_path, monkeypatch, capsys):
+    """The step-time cache under a read-only home cannot be written: the run goes on (exit 0, its
+    result printed) and one warning line says the cache was not kept. ``.cache`` is a plain file, so
+    no one -- root included -- can create the folder under it."""
+    from moonep_sim.cli import main
+
+    (tmp_path / ".cache").write_bytes(b"")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("MOONEP_SIM_CACHE", raising=False)
+    argv = ["serve", "--model", "olmoe-1b-7b", "--topology", "h100-cx7", "--worker",
+            "workers=1,dp=4,ep=4,max_running=8,token_budget=256", "--num-requests", "20", "--isl", "64", "--osl", "8",
+            "--rate", "50", "--draws", "1", "--strategies", "alltoall", "--json"]
+    assert main(argv) == 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("moonep-sim:")]
+    assert len(err) == 1 and err[0].startswith("moonep-sim: warning: step-time cache not written"), err
+    assert (tmp_path / ".cache").read_bytes() == b""

@@ -11,7 +11,7 @@ import importlib
 import sys
 
 from moonep_sim import __version__
-from moonep_sim.errors import OneLineArgumentParser, exit_status
+from moonep_sim.errors import OneLineArgumentParser, exit_status, interrupts_deferred
 from moonep_sim.memory import prefer_small_pages, reuse_freed_memory
 
 # order = order in --help
@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = build_parser()  # imports every command: Ctrl-C here is one line too, as anywhere in main
+    with interrupts_deferred():  # imports every command: Ctrl-C here is one line too, as anywhere in main
+        parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

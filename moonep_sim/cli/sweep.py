@@ -240,6 +240,14 @@ def run_step_level(args, sc) -> int:
     vals = _values(args.values)
     by_vals = _by_values(args) or None
     check(sc, args.over, vals, opts, by=args.by if by_vals else None, by_values=by_vals)  # before any work
+    if getattr(opts, "parallel", None) is None:  # --optimizer-shard against every EP size the sweep runs
+        from moonep_sim.cli.checks import check_step_ranks
+
+        ranks = list(vals) if args.over in ("ranks", "ep") else []
+        if by_vals and args.by in ("ranks", "ep"):
+            ranks += list(by_vals)
+        for r in ranks or [sc.resolved.cluster.ranks]:
+            check_step_ranks(args, int(r))
     c = console()
     with progress(c, "step sweep", lines=args.json) as cb:
         if by_vals:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from moonep_sim.errors import require
+from moonep_sim.errors import ConfigError, require
 from moonep_sim.models import ModelSpec
 from moonep_sim.serve import steptime as st
 from moonep_sim.serve.deployment import Deployment, Pool, kv_bytes_per_token
@@ -225,7 +225,15 @@ def pool_steptime(pool: Pool, req: Requests, model: ModelSpec, topo: Any, opts: 
     hold = st.holdout_error(models, sim, st.holdout_points(next(iter(models.values())), opts.holdout, opts.seed))
     info.update(cached=False, build_s=time.perf_counter() - t0, build_cpu_s=time.process_time() - c0)
     if path is not None:
-        st.save(path, models, hold)
+        try:
+            st.save(path, models, hold)
+        except (OSError, ConfigError) as e:  # a read-only home or cache folder: the run goes on, uncached
+            import sys
+
+            why = str(e) if isinstance(e, ConfigError) else f"{path.parent}: {e.strerror}"
+            print(f"moonep-sim: warning: step-time cache not written ({why}); set MOONEP_SIM_CACHE or --cache to a "
+                  "writable folder to keep it", file=sys.stderr, flush=True)
+            info["cache"] = None
     return models, dict(info, holdout=hold)
 
 

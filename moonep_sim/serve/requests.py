@@ -75,9 +75,13 @@ def lengths(spec: str | int, n: int, rng: np.random.Generator, what: str = "--is
         kind, args = parts[0], [float(a) for a in parts[1:]]
     except ValueError:
         raise ConfigError(f"{what} ({s!r}) must be an integer, uniform:LO:HI, lognormal:MEAN:SIGMA or exp:MEAN") from None
+    from moonep_sim.limits import MAX_CONTEXT
+
     if len(parts) == 1:
-        require(v >= 1, f"{what} ({s}) must be >= 1 token")
+        require(1 <= v <= MAX_CONTEXT, f"{what} ({s}) must be >= 1 token and at most {MAX_CONTEXT}")
         return np.full(n, v, np.int64)
+    require(all(np.isfinite(a) and a <= MAX_CONTEXT for a in args),
+            f"{what} ({s}) must give finite lengths of at most {MAX_CONTEXT} tokens")
     if kind == "uniform" and len(args) == 2:
         lo, hi = args
         require(1 <= lo <= hi, f"{what} ({s}) must have 1 <= LO <= HI")

@@ -119,6 +119,12 @@ def _step_cases(Case) -> list:
             return ["compare", "--level", "step", "--model", str(d / "m.json"), "--trace", f"gen:{GEN}", "--ranks", "2",
                     "--topology", "local-gloo", "--strategies", "alltoall", "--no-plots", "--out", "{out}/c", *extra]
         out.append(Case(f"compare-step-{name}", "step options", make, names))
+    for over, values in (("maxvio", "1"), ("ranks", "2,4")):  # and at sweep --level step, every EP size it runs
+        out.append(Case(f"sweep-step-optimizer-shard-beyond-ranks-over-{over}", "step options",
+                        lambda d, over=over, values=values: [
+                            "sweep", "--level", "step", "--model", "mixtral-8x7b", "--ranks", "2", "--tokens-per-rank",
+                            "64", "--strategies", "alltoall", "--topology", "local-gloo", "--optimizer-shard", "3",
+                            "--over", over, "--values", values, "--no-plots", "--out", "{out}/s"], "--optimizer-shard"))
     # every kind of special file as a compute profile: refused before it is opened (a pipe would block)
     kinds = {"fifo": (lambda p: os.mkfifo(p), "named pipe"), "dir": (lambda p: p.mkdir(), "directory"),
              "missing": (lambda p: None, "no such file"), "symlink_loop": (lambda p: p.symlink_to(p), "symbolic links"),
@@ -136,6 +142,15 @@ def _step_cases(Case) -> list:
             return ["trace", "route", "{in}/t.safetensors", "--mode", "bias", "--bias-file", str(d / "bias.npy"), "-o",
                     "{out}/r.safetensors"]
         out.append(Case(f"route-bias-file-{kind}", "special files", make, rf"--bias-file.*bias\.npy.*{word}"))
+    for kind, (mk, word) in kinds.items():  # serve's request trace and deployment file
+        def make(d: Path, mk=mk) -> list[str]:
+            mk(d / "r.jsonl")
+            return [*SERVE, "--requests", str(d / "r.jsonl")]
+        out.append(Case(f"serve-requests-{kind}", "special files", make, r"r\.jsonl"))
+        def make2(d: Path, mk=mk) -> list[str]:
+            mk(d / "dep.toml")
+            return ["serve", "--model", "olmoe-1b-7b", "--deployment", str(d / "dep.toml"), "--rate", "50", "--json"]
+        out.append(Case(f"serve-deployment-{kind}", "special files", make2, rf"dep\.toml.*{word}"))
     for kind, (mk, word) in kinds.items():  # the model file too, through step
         def make(d: Path, mk=mk) -> list[str]:
             mk(d / "m.json")
@@ -156,6 +171,8 @@ def _trace(d: Path) -> None:
     generate_trace(d / "t.safetensors", 8, 2, 64, 1, layers=1, maxvio=1.0)
 
 
+SERVE = ["serve", "--model", "olmoe-1b-7b", "--topology", "h100-cx7", "--worker", "workers=1,dp=4,ep=4,max_running=8",
+         "--num-requests", "20", "--draws", "1", "--strategies", "alltoall", "--no-cache", "--json"]
 CMP = ["compare", "--trace", "{in}/t.safetensors", "--strategies", "alltoall", "--ranks", "2", "--no-plots"]
 ARGS: dict[str, tuple[list[str], str]] = {  # name -> (argv, what the line must name)
     "simulate-seed-negative": (["simulate", "--seed=-1", "--gen", "maxvio=1", "--strategy", "alltoall", "--ranks",
@@ -178,6 +195,11 @@ ARGS: dict[str, tuple[list[str], str]] = {  # name -> (argv, what the line must 
     "compare-out-under-a-device": ([*CMP, "--out", "/dev/null/x"], "--out.*/dev/null"),
     "compare-duplicate-alias": ([*CMP, "--topology", "h200,h200-cx7", "--out", "{out}/c"], "--topology.*h200"),
     "compare-duplicate-name": ([*CMP, "--topology", "h800-cx7,h800-cx7", "--out", "{out}/c"], "--topology.*h800"),
+    **{f"serve-{flag[2:]}-{name}": ([*SERVE, flag, value], flag) for flag, name, value in (
+        ("--isl", "huge", "10000000000"), ("--isl", "uniform-inf", "uniform:1:inf"), ("--osl", "lognormal-nan",
+                                                                                          "lognormal:nan:1"),
+        ("--osl", "exp-huge", "exp:1e20"), ("--rate", "0", "0"), ("--rate", "nan", "nan"),
+        ("--num-requests", "0", "0"))},
 }
 
 

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from moonep_sim.errors import CommError, MoonEPSimError, exit_status, require
 from moonep_sim.experiments.ranks.replay_args import (check_args, check_before_ranks, parse_args, parse_layers,
                                                      strategy_opts)
-from moonep_sim.io import check_output_path, write_text_atomic
+from moonep_sim.io import check_outputs, write_text_atomic
 
 MODULE = "moonep_sim.experiments.ranks.replay_rank"  # what every rank runs (python -m MODULE)
 PHASES = ("exchange", "plan", "dispatch", "prefetch", "expert", "combine", "backward", "total")
@@ -431,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse_args(argv)
         check_args(args)
         if args.json:  # every rank refuses alike, before the run (not rank 0 alone, after it)
-            check_output_path(args.json, "--json", inputs=(args.trace,))
+            check_outputs({"--json": args.json}, {"--trace": args.trace, "--spec": args.spec})
         if not dist.is_initialized():
             require("RANK" in os.environ and "WORLD_SIZE" in os.environ,
                     "RANK / WORLD_SIZE (unset) must be set: run with --nproc N, or under torchrun "
@@ -486,7 +486,7 @@ def _launch(argv: Sequence[str]) -> int:
     args = parse_args(argv)
     check_args(args)
     if args.json:
-        check_output_path(args.json, "--json", inputs=(args.trace,))
+        check_outputs({"--json": args.json}, {"--trace": args.trace, "--spec": args.spec})
     check_before_ranks(args, args.nproc)
     rest = _strip_launch_args(argv)
     rep = run_replay(args.nproc, rest, timeout_s=max(600.0, 10 * args.timeout))
