@@ -38,7 +38,7 @@ import numpy as np
 from moonep_sim.experiments import GeneratorSpec, Scenario
 import moonep_sim.sim.network as network
 import moonep_sim.step.layer_sim as layer_sim
-import moonep_sim.step.run as step_run
+import moonep_sim.step.layer_work as step_work
 
 CASES = {
     "k3-train": dict(scenario=dict(routing=GeneratorSpec(model="kimi-k3", maxvio=2.0, tokens_per_rank=4096, layers=92),
@@ -59,18 +59,18 @@ def capture(case: str, strategy: str, k3_layers: int) -> list[tuple]:
         m = sc.resolved.source.model
         extra["model"] = dataclasses.replace(m, layers=m.dense_layers + k3_layers, moe_layers=k3_layers)
     out = []
-    inner = step_run.simulate_moe_layer
+    inner = step_work.simulate_moe_layer
 
     def keep(*a, **k):
         r = inner(*a, **k)
         out.append((a, k, r))
         return r
 
-    step_run.simulate_moe_layer = keep
+    step_work.simulate_moe_layer = keep
     try:
         sc.step(distinct_layers=0, jobs=1, **spec["step"], **extra)
     finally:
-        step_run.simulate_moe_layer = inner
+        step_work.simulate_moe_layer = inner
     return out
 
 

@@ -46,7 +46,7 @@ the step under the CLI's allocator settings mostly does). Rows then carry the fl
 total over the layers, the target, and measured / floor.
 
 ``--pipeline off,on`` runs each (case, strategy, distinct) once serially and once with one job's
-two-thread pipeline (``moonep_sim.step.run.pipelined_layer_work``; ``auto``, the default, as the
+two-thread pipeline (``moonep_sim.step.layer_work.pipelined_layer_work``; ``auto``, the default, as the
 step decides), one right after the other (``--repeat N``: N such pairs, alternating), and prints,
 per pair, the wall ratio and whether the step times are identical.
 
@@ -108,7 +108,7 @@ def cpu_s() -> float:
 class PlanProbe:
     """Records what the floor needs of every Plan the step makes, as it makes it: shapes, dtypes and
     counts, never the arrays (``moonep_sim.strategies.make_plan`` wrapped while the step runs; the
-    step looks it up at each call, ``moonep_sim.step.run.simulate_layer_work``). One job only: with
+    step looks it up at each call, ``moonep_sim.step.layer_work.simulate_layer_work``). One job only: with
     workers the Plans are made in other processes. ``hook_cpu_s``: what the recording itself cost
     (inside the step's plan seconds)."""
 

@@ -214,7 +214,7 @@ def test_quick_calibration_is_recognised(tmp_path):
 
 def test_layers_are_ids_in_the_replay_as_everywhere(tmp_path):
     """`launch/replay.py --layers` names layer ids (the trace's layer_ids), not stored positions."""
-    from moonep_sim.experiments.ranks.replay_rank import _parse_layers
+    from moonep_sim.experiments.ranks.replay_args import parse_layers
     from moonep_sim.routing.trace import Trace, TraceMeta, write_trace
 
     ids = np.stack([np.tile([[0, 1], [2, 3]], (4, 1))] * 2).astype(np.int32)  # [L=2, T=8, K=2]
@@ -222,10 +222,10 @@ def test_layers_are_ids_in_the_replay_as_everywhere(tmp_path):
                        TraceMeta(kind="tokens", num_experts=4, top_k=2, layer_ids=[3, 7], num_tokens=8),
                        {"topk_ids": ids, "topk_weights": np.ones(ids.shape, np.float32)})
     tr = Trace(path)
-    assert _parse_layers("7", tr) == [1] and _parse_layers("3,7", tr) == [0, 1]
-    assert _parse_layers(None, tr) == [0, 1]
+    assert parse_layers("7", tr) == [1] and parse_layers("3,7", tr) == [0, 1]
+    assert parse_layers(None, tr) == [0, 1]
     with pytest.raises(MoonEPSimError, match=r"layer \(1\) must be one of the trace.s layers"):
-        _parse_layers("1", tr)
+        parse_layers("1", tr)
 
 
 def test_demo_names_the_resolved_pairs():

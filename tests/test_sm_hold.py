@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from moonep_sim.plan.kernel import FAMILIES
 from moonep_sim.sim.topology import load_topology
 from moonep_sim.step import StepConfig, simulate_step, step_shape
-from moonep_sim.step.run import split_micro_batches
+from moonep_sim.step.layer_work import split_micro_batches
 from moonep_sim.step.schedule import Timeline, overlap_by_op
 from tests.test_step import SMALL, _ctx, _routing
 

@@ -18,7 +18,7 @@ from moonep_sim.sim import SimOptions, simulate_layer, simulate_layers
 from moonep_sim.sim.topology import load_topology
 from moonep_sim.step import CostModel, MemoryOptions, StepConfig, flat_cost_model, memory_per_rank, simulate_step, step_shape
 from moonep_sim.step.memory import RELAY_FIXED_BUFFER_BYTES
-from moonep_sim.step.run import pad_to_static, split_micro_batches
+from moonep_sim.step.layer_work import pad_to_static, split_micro_batches
 from moonep_sim.strategies import PlanContext, make_plan
 
 R, G = 8, 4

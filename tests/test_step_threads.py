@@ -1,4 +1,4 @@
-"""One job's two-thread pipeline (moonep_sim.step.run.pipelined_layer_work): the same step as the
+"""One job's two-thread pipeline (moonep_sim.step.layer_work.pipelined_layer_work): the same step as the
 serial loop, the first error in the serial order raised, nothing left running."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
 from moonep_sim.routing.generators import generate_layer
 from moonep_sim.sim.topology import load_topology
 from moonep_sim.step import StepConfig, simulate_step, step_shape
-from moonep_sim.step import run as step_run
+from moonep_sim.step import layer_work as step_work
 from moonep_sim.step.costs import CostModel
 from moonep_sim.strategies import PlanContext
 
@@ -113,16 +113,16 @@ def test_pipelined_step_equals_the_serial_step(mode, tokens, overlap, strategies
 def test_pipelined_layer_results_equal_simulate_layer_work_unit_by_unit():
     cfg = _cfg("train", 32, "two-batch", ("alltoall", "moonep"), {"moonep": 48})
     strategies = (("alltoall", {}, 0), ("moonep", {}, 24))
-    work = [step_run.LayerWork(Builder(32, i), strategies, 2, cfg.ctx, SMALL, cfg.topology, CostModel(cfg.topology),
+    work = [step_work.LayerWork(Builder(32, i), strategies, 2, cfg.ctx, SMALL, cfg.topology, CostModel(cfg.topology),
                                True, None) for i in range(3)]
-    serial = [step_run.simulate_layer_work(w) for w in work]
-    piped, figures = step_run.pipelined_layer_work(list(work), ahead=2)
+    serial = [step_work.simulate_layer_work(w) for w in work]
+    piped, figures = step_work.pipelined_layer_work(list(work), ahead=2)
     _same(serial, piped)
     assert sorted(piped[0].done) == [("alltoall", 0), ("alltoall", 1), ("moonep", 0), ("moonep", 1)]
     assert figures["layers_cpu_s"] > 0 and figures["main_cpu_s"] > 0
     assert set(figures) == {"wait_s", "routings_here", "layers_cpu_s", "main_cpu_s", "second_cpu_s", "second_wait_s"}
     with pytest.raises(ConfigError, match="lookahead"):
-        step_run.pipelined_layer_work(list(work), ahead=0)
+        step_work.pipelined_layer_work(list(work), ahead=0)
 
 
 def _error(fn):
@@ -146,7 +146,7 @@ def test_a_failure_in_either_thread_is_the_first_serial_error(monkeypatch, where
     import moonep_sim.strategies as strategies
 
     calls = {"plan": 0, "simulate": 0}
-    make, sim = strategies.make_plan, step_run.simulate_moe_layer
+    make, sim = strategies.make_plan, step_work.simulate_moe_layer
     fail_at = 3  # the third unit in the serial order: layer 1's alltoall
 
     def make_plan(name, routing, ctx, **opts):
@@ -162,7 +162,7 @@ def test_a_failure_in_either_thread_is_the_first_serial_error(monkeypatch, where
         return sim(plan, *a)
 
     monkeypatch.setattr(strategies, "make_plan", make_plan)
-    monkeypatch.setattr(step_run, "simulate_moe_layer", simulate)
+    monkeypatch.setattr(step_work, "simulate_moe_layer", simulate)
     cfg = _cfg("train", 16, "none", ("alltoall", "moonep"))
     got = {}
     for pipeline in (False, True):
@@ -174,14 +174,14 @@ def test_a_failure_in_either_thread_is_the_first_serial_error(monkeypatch, where
     # serially nothing past the failing unit ran; pipelined at most the one Plan built ahead of it
     assert got[False][1] == {"plan": fail_at, "simulate": fail_at - (where == "plan")}
     assert got[True][1]["simulate"] == got[False][1]["simulate"]
-    assert got[False][1]["plan"] <= got[True][1]["plan"] <= got[False][1]["plan"] + step_run.PIPELINE_AHEAD
+    assert got[False][1]["plan"] <= got[True][1]["plan"] <= got[False][1]["plan"] + step_work.PIPELINE_AHEAD
 
 
 def test_the_pipeline_is_the_default_for_large_layers_only():
-    assert step_run.pipeline_pays(2, step_run.PIPELINE_MIN_ENTRIES, cores=2)
-    assert not step_run.pipeline_pays(1, 1 << 30, cores=2)           # one layer: nothing to overlap
-    assert not step_run.pipeline_pays(92, step_run.PIPELINE_MIN_ENTRIES - 1, cores=2)
-    assert not step_run.pipeline_pays(92, 1 << 30, cores=1)          # one core: nothing to overlap on
+    assert step_work.pipeline_pays(2, step_work.PIPELINE_MIN_ENTRIES, cores=2)
+    assert not step_work.pipeline_pays(1, 1 << 30, cores=2)           # one layer: nothing to overlap
+    assert not step_work.pipeline_pays(92, step_work.PIPELINE_MIN_ENTRIES - 1, cores=2)
+    assert not step_work.pipeline_pays(92, 1 << 30, cores=1)          # one core: nothing to overlap on
     cfg = _cfg("train", 16, "none", ("alltoall",))
     assert simulate_step(cfg, _source(16))["pipeline"] is None     # 16 x 8 x 4 entries: serial
     assert simulate_step(cfg, _source(16), map_fn=lambda f, xs: [f(x) for x in xs], pipeline=True)["pipeline"] is None
@@ -235,7 +235,7 @@ def test_the_lookahead_bound_holds(monkeypatch):
 
     plans, routings, seen = [], [], []   # weak references (Plans and routings are unhashable)
     alive = lambda refs: sum(1 for w in refs if w() is not None)
-    make, sim = strategies.make_plan, step_run.simulate_moe_layer
+    make, sim = strategies.make_plan, step_work.simulate_moe_layer
 
     class Tracked(Builder):
         def __call__(self):
@@ -254,9 +254,9 @@ def test_the_lookahead_bound_holds(monkeypatch):
         return sim(plan, *a)
 
     monkeypatch.setattr(strategies, "make_plan", make_plan)
-    monkeypatch.setattr(step_run, "simulate_moe_layer", simulate)
+    monkeypatch.setattr(step_work, "simulate_moe_layer", simulate)
     cfg = _cfg("train", 16, "none", ("alltoall",))
-    for pipeline, most in ((False, (1, 1)), (True, (1 + step_run.PIPELINE_AHEAD, 3))):
+    for pipeline, most in ((False, (1, 1)), (True, (1 + step_work.PIPELINE_AHEAD, 3))):
         seen.clear()
         simulate_step(cfg, lambda i: (i, Tracked(16, i), f"layer {i}"), pipeline=pipeline)
         assert len(seen) == SMALL.moe_layers

@@ -44,7 +44,7 @@ def _section(parser: argparse.ArgumentParser, level: int, lines: list[str]) -> N
 
 def render() -> str:
     from moonep_sim.cli import build_parser
-    from moonep_sim.experiments.ranks.replay_rank import build_parser as replay_parser
+    from moonep_sim.experiments.ranks.replay_args import build_parser as replay_parser
 
     lines = ["# Command-line reference", "",
              "Generated from the parsers by `python -m moonep_sim.cli.docgen > docs/cli.md`; do not edit",

@@ -38,7 +38,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -190,31 +190,25 @@ def fit(measurements: dict[str, list[dict[str, Any]]]) -> CalibrationFit:
 
 
 # -- the topology file ---------------------------------------------------------------------------
-def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Sequence[int]):
-    """The calibrated ``local-gloo`` :class:`~moonep_sim.sim.topology.Topology` for runs of ``nproc``
-    processes.
+class _CpuRates(NamedTuple):
+    """The CPU rates a calibration sets, each with the process count it was taken from: SwiGLU
+    FLOP/s ``flops`` (at ``cnear``, de-shared by ``share``), copy traffic ``mem`` GB/s (at
+    ``mnear``), the row passes ``copy_gbps`` (at ``rnear``; None: the preset's) and a copy into a
+    fresh tensor ``wcopy`` (at ``fnear``; None: the preset's)."""
 
-    All processes form one "node" whose "NVLink" port per process is the gloo loopback path:
-    bandwidth = the fitted per-process bandwidth at ``nproc`` (so CPU and memory sharing between
-    that many processes is inside the figure; the simulator shares each port max-min between the
-    transfers using it), latency = the fitted all-to-all latency at ``nproc``. "GPU" compute is
-    the measured per-process SwiGLU FLOP/s with ``nproc`` processes computing at once; memory
-    bandwidth the measured per-process copy rate. Constants not measured keep the shipped
-    preset's values (listed in ``sources``).
-    """
-    from dataclasses import replace
+    cnear: int
+    share: float
+    flops: float
+    mnear: int
+    mem: float
+    rnear: int | None
+    copy_gbps: float
+    fnear: int | None
+    wcopy: float
 
-    from moonep_sim.sim.topology import load_topology, topology_from_dict
 
-    from moonep_sim.sim.topology import tomllib
-    from importlib import resources
-
-    base = topology_from_dict(tomllib.loads(
-        resources.files("moonep_sim.data").joinpath("topology-local-gloo.toml").read_text()), "preset local-gloo")
-    f = fit_
-    near = min(f.proc_gbps_P, key=lambda p: abs(p - nproc))
-    bw = f.proc_gbps_P[near] if near == nproc else f.proc_gbps(nproc)
-    lat = f.latency_us_P[near] if near == nproc else f.latency_us(nproc)
+def _cpu_rates(f: CalibrationFit, base) -> _CpuRates:
+    """The calibration's CPU rates (see :class:`_CpuRates`); ``base``: the shipped preset, for what was not measured."""
     # CPU work is modelled per core: the simulator shares the cores among the busy ranks itself
     # (``[host] cores``). Rates are taken from the largest process count that does not
     # oversubscribe the cores (more processes than cores add time-slicing stalls to short timed
@@ -236,18 +230,18 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
         copy_gbps = f.rowpass_gbps_P[rnear] * f.share(rnear)
     else:
         rnear, copy_gbps = None, base.host_copy_bandwidth_GBps
-    measured_plan = f.handle_us is not None
     if f.fresh_copy_gbps_P:
         fnear = cpu_p(f.fresh_copy_gbps_P)
         wcopy = f.fresh_copy_gbps_P[fnear] * f.share(fnear)
     else:
         fnear, wcopy = None, base.host_weight_copy_bandwidth_GBps
-    # A collective's fixed cost is set by how many processes share this machine's cores (every rank
-    # of the job is active at once), not by how many peers one hop has: latency(P) grows with P
-    # because P > cores processes time-slice. So every hop of a P-process job gets latency(P) on its
-    # links, and no per-message term (the fit across P stays in [sources]).
-    lat0, msg = float(lat), 0.0
-    host = f"{f.cpu_cores} CPU cores, measured with {list(nprocs_measured)} processes"
+    return _CpuRates(cnear, s_c, flops, mnear, mem, rnear, copy_gbps, fnear, wcopy)
+
+
+def _calibration_sources(f: CalibrationFit, nproc: int, near: int, r: _CpuRates) -> dict[str, str]:
+    """Where every constant of the calibrated topology comes from (its ``[sources]``)."""
+    cnear, s_c, mnear, rnear, fnear = r.cnear, r.share, r.mnear, r.rnear, r.fnear
+    measured_plan = f.handle_us is not None
     how = "fit t = latency + (P-1) * m / bandwidth over message sizes m (median of repeats, slowest rank)"
     desh = (f"per core: P={cnear} <= {f.cpu_cores} cores" if s_c == 1 else
             f"de-shared: x max(1, P / {f.cpu_cores} cores) = {s_c:g}") + " (the simulator applies the sharing)"
@@ -298,6 +292,43 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
             f"; P={p}: row pass {v:.3f} GB/s" for p, v in sorted(f.rowpass_gbps_P.items())),
         "bandwidth_model": f"per process min(port {f.port_gbps:.4f}, aggregate {f.aggregate_gbps:.4f} / P) GB/s",
     }
+    return sources
+
+
+def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Sequence[int]):
+    """The calibrated ``local-gloo`` :class:`~moonep_sim.sim.topology.Topology` for runs of ``nproc``
+    processes.
+
+    All processes form one "node" whose "NVLink" port per process is the gloo loopback path:
+    bandwidth = the fitted per-process bandwidth at ``nproc`` (so CPU and memory sharing between
+    that many processes is inside the figure; the simulator shares each port max-min between the
+    transfers using it), latency = the fitted all-to-all latency at ``nproc``. "GPU" compute is
+    the measured per-process SwiGLU FLOP/s with ``nproc`` processes computing at once; memory
+    bandwidth the measured per-process copy rate. Constants not measured keep the shipped
+    preset's values (listed in ``sources``).
+    """
+    from dataclasses import replace
+
+    from moonep_sim.sim.topology import load_topology, topology_from_dict
+
+    from moonep_sim.sim.topology import tomllib
+    from importlib import resources
+
+    base = topology_from_dict(tomllib.loads(
+        resources.files("moonep_sim.data").joinpath("topology-local-gloo.toml").read_text()), "preset local-gloo")
+    f = fit_
+    near = min(f.proc_gbps_P, key=lambda p: abs(p - nproc))
+    bw = f.proc_gbps_P[near] if near == nproc else f.proc_gbps(nproc)
+    lat = f.latency_us_P[near] if near == nproc else f.latency_us(nproc)
+    r = _cpu_rates(f, base)
+    measured_plan = f.handle_us is not None
+    # A collective's fixed cost is set by how many processes share this machine's cores (every rank
+    # of the job is active at once), not by how many peers one hop has: latency(P) grows with P
+    # because P > cores processes time-slice. So every hop of a P-process job gets latency(P) on its
+    # links, and no per-message term (the fit across P stays in [sources]).
+    lat0, msg = float(lat), 0.0
+    host = f"{f.cpu_cores} CPU cores, measured with {list(nprocs_measured)} processes"
+    sources = _calibration_sources(f, nproc, near, r)
     _ = load_topology
     if measured_plan:
         plan_fixed = float(f.handle_us)  # one process alone: per core (the simulator shares the cores)
@@ -311,12 +342,12 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
                      f"for {nproc} processes ({host}) at {time.strftime('%Y-%m-%d %H:%M')}"),
         nvlink_bandwidth_GBps=round(bw, 6), nvlink_latency_us=round(lat0, 3), nvlink_efficiency=1.0,
         nic_bandwidth_GBps=round(bw, 6), nic_latency_us=round(lat0, 3), nic_efficiency=1.0,
-        host_message_us=round(msg, 3), host_weight_copy_bandwidth_GBps=round(wcopy, 4),
+        host_message_us=round(msg, 3), host_weight_copy_bandwidth_GBps=round(r.wcopy, 4),
         nvlink_duplex="half", nic_duplex="half",
-        gpu_tflops=round(flops / 1e12, 6), gpu_compute_efficiency=1.0,
-        gpu_mem_bandwidth_GBps=round(mem, 4), gpu_mem_efficiency=1.0,
-        gpu_launch_us=0.0, gpu_slot_us=round(f.launch_us_P[cnear] / s_c, 3), gpu_padding_compute=0.0,
-        host_cores=float(f.cpu_cores), host_nodes_per_host=0, host_copy_bandwidth_GBps=round(copy_gbps, 4),
+        gpu_tflops=round(r.flops / 1e12, 6), gpu_compute_efficiency=1.0,
+        gpu_mem_bandwidth_GBps=round(r.mem, 4), gpu_mem_efficiency=1.0,
+        gpu_launch_us=0.0, gpu_slot_us=round(f.launch_us_P[r.cnear] / r.share, 3), gpu_padding_compute=0.0,
+        host_cores=float(f.cpu_cores), host_nodes_per_host=0, host_copy_bandwidth_GBps=round(r.copy_gbps, 4),
         plan_fixed_us=round(plan_fixed, 3), plan_measured_factor=1.0 if measured_plan else 0.0,
         plan_routing_bytes_per_entry=16.0,
         sources=sources, path="")

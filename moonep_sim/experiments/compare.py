@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -198,6 +198,132 @@ def _bsum(per_entry: list, bof: np.ndarray, B: int) -> np.ndarray:
     return np.bincount(bof, weights=np.asarray(per_entry, float), minlength=B)
 
 
+class _Steps(NamedTuple):
+    """The costed steps of a compare: each batch's position ``pos[b]`` among the ``B`` costed ones,
+    their weights ``w_B``, step ids and tokens."""
+
+    pos: dict[int, int]
+    B: int
+    w_B: np.ndarray
+    step_ids: list
+    tokens: list
+
+
+def _distinct_points(rs, real: RealOptions | None, local_topo) -> tuple[list[tuple[int, int, str, int]], list[Point]]:
+    """Every (batch, layer, strategy) cell of the resolved scenario and the distinct points they
+    map to: ``cells[i] = (batch, layer id, strategy, point index)``; identical routings across
+    steps share one point."""
+    from moonep_sim.analysis.stepstats import routing_key
+
+    source, shape, ctx, topo = rs.source, rs.cluster, rs.ctx, rs.topology
+    R = shape.ranks
+    cells: list[tuple[int, int, str, int]] = []
+    index: dict[tuple[str, str], int] = {}
+    points: list[Point] = []
+    lm = real.model(source) if real is not None else None
+    for b in range(source.num_batches):
+        for lid in source.layer_ids:
+            base = source.global_routing(lid, R, b)
+            if base.num_tokens == 0:
+                continue   # this step has no token at this layer (a per-layer token mask)
+            base_key = routing_key(base)
+            for name, opts in rs.strategies:
+                routing = source.routing_for(name, opts, lid, shape, b, base=base)
+                k = (base_key if routing is base else routing_key(routing), name)
+                if k not in index:
+                    index[k] = len(points)
+                    points.append(Point(routing, name, dict(opts), ctx, topo, source.model, local_topo, lm,
+                                        real.costs() if real is not None else None))
+                cells.append((b, int(lid), name, index[k]))
+    return cells, points
+
+
+def _strategy_report(opts, mine: list, source, steps: _Steps, topology_name: str, R: int,
+                     local: bool) -> dict[str, Any]:
+    """One strategy's part of the compare report from its cells' point results ``mine`` =
+    ``[(batch, layer id, result)]``: totals, the simulated figures per costed step and weighted
+    over them, and every layer entry (``local``: with the local-gloo simulation of a real replay)."""
+    from moonep_sim.analysis.stepstats import aggregate
+
+    pos, B, w_B, step_ids, tokens = steps
+    ents = []
+    for b, lid, r in mine:
+        e = {k: v for k, v in r.items() if k != "_dispatch_RR"}
+        ents.append({"layer": lid, "step": source.batches[b][0], **e})
+    bof = np.asarray([pos[b] for b, _, _ in mine], np.int64)
+    P = [e["plan"] for e in ents]
+    S = [e["sim"] for e in ents]
+    times = [s["layer_time_us"] for s in S]
+    lbs = [s["lower_bound_us"] for s in S]
+    t_B, t_mean = _wmean(times, bof, B, w_B)
+    lb_B, lb_mean = _wmean(lbs, bof, B, w_B)
+    ratio_B = _bsum(times, bof, B) / np.maximum(_bsum(lbs, bof, B), 1e-12)
+    ph_B, ph_mean = _wmean([s["phases_us"] for s in S], bof, B, w_B)
+    cr_B, cr_mean = _wmean([critical_breakdown(s) for s in S], bof, B, w_B)
+    mom_B, mom = _wmean([p["max_over_mean_rows"] for p in P], bof, B, w_B)
+    _, rows_max = _wmean([max(p["recv_rows_per_rank"]) for p in P], bof, B, w_B)
+    _, rows_mean = _wmean([float(np.mean(p["recv_rows_per_rank"])) for p in P], bof, B, w_B)
+    _, rows_R = _wmean([p["recv_rows_per_rank"] for p in P], bof, B, w_B)
+    bytes_B = [dict() for _ in range(B)]
+    for e, bi in zip(P, bof):
+        _sum_dicts(bytes_B[bi], e["bytes"])
+    total_b: dict[str, float] = {}
+    for d in bytes_B:
+        _sum_dicts(total_b, d)
+    b_int = {k: int(v) for k, v in total_b.items()}
+    wb_B = [int(d.get("prefetch", 0) + d.get("migrate", 0)) for d in bytes_B]
+    disp = sum((r["_dispatch_RR"] for _, _, r in mine), np.zeros((R, R)))
+    worst = int(np.argmax(times))
+    series = {
+        "step": step_ids, "tokens": tokens, "layer_time_us": t_B.tolist(), "lower_bound_us": lb_B.tolist(),
+        "ratio_to_lower_bound": ratio_B.tolist(), "phases_us": ph_B, "critical_us": cr_B,
+        "plan_bytes": [{k: int(v) for k, v in d.items()} for d in bytes_B], "weight_bytes": wb_B,
+        "dropped": _bsum([p["dropped"] for p in P], bof, B).astype(int).tolist(),
+        "padded": _bsum([p["padded"] for p in P], bof, B).astype(int).tolist(),
+        "weight_copies": _bsum([p["weight_copies"] for p in P], bof, B).astype(int).tolist(),
+        "rows_max_over_mean": mom_B.tolist(),
+    }
+    out = {
+        "options": dict(opts),
+        "plan_bytes": b_int,
+        "weight_bytes": int(b_int.get("prefetch", 0) + b_int.get("migrate", 0)),
+        "dropped": int(sum(p["dropped"] for p in P)),
+        "padded": int(sum(p["padded"] for p in P)),
+        "weight_copies": int(sum(p["weight_copies"] for p in P)),
+        "rows_max": float(rows_max),
+        "rows_mean": float(rows_mean),
+        "rows_max_over_mean": float(mom),
+        "rows_per_rank_mean": np.asarray(rows_R).tolist(),
+        "dispatch_bytes_RR": disp.astype(np.int64).tolist(),
+        "plan_seconds": float(sum(p["plan_seconds"] for p in P)),
+        "invariant_violations": sum(len(p["invariant_violations"]) for p in P),
+        "sim": {
+            "topology": topology_name,
+            "layer_time_us_mean": float(t_mean),
+            "layer_time_us_total": float(np.sum(times)),
+            "phases_us_mean": ph_mean,
+            "critical_us_mean": {k: float(cr_mean.get(k, 0.0)) for k in CRITICAL_PARTS},
+            "lower_bound_us_mean": float(lb_mean),
+            "ratio_to_lower_bound": float(np.sum(times) / max(np.sum(lbs), 1e-12)),
+            "straggler": _short(S[worst].get("straggler")),
+            "busiest_port": _short(S[worst].get("busiest_port")),
+            "slowest_layer": ents[worst]["layer"],
+            "slowest_step": ents[worst]["step"],
+        },
+        "per_step": series,
+        "steps_aggregate": {k: aggregate(series[k], tokens, step_ids)
+                            for k in ("layer_time_us", "ratio_to_lower_bound", "lower_bound_us")},
+        "layers": ents,
+    }
+    if local:
+        loc = [e["sim_local"] for e in ents]
+        lt_B, lt_mean = _wmean([s["layer_time_us"] for s in loc], bof, B, w_B)
+        _, lph = _wmean([s["phases_us"] for s in loc], bof, B, w_B)
+        out["sim_local"] = {"topology": "local-gloo", "layer_time_us_mean": float(lt_mean),
+                            "phases_us_mean": lph, "per_step_layer_time_us": lt_B.tolist()}
+    return out
+
+
 def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int, int], None] | None = None,
             jobs: int | None = 1, cluster: str | None = None) -> dict[str, Any]:
     """Plan, simulate (and replay) every strategy on every (step, layer) of the resolved scenario
@@ -205,7 +331,7 @@ def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int
     points run in ``jobs`` worker processes or on a Dask ``cluster``
     (:mod:`moonep_sim.experiments.parallel`), with the same report as serially."""
     from moonep_sim.experiments.parallel import run_points
-    from moonep_sim.analysis.stepstats import aggregate, batch_weights, routing_key, step_wins
+    from moonep_sim.analysis.stepstats import batch_weights, step_wins
 
     t_start = time.perf_counter()
     source, shape, ctx, topo = rs.source, rs.cluster, rs.ctx, rs.topology
@@ -227,25 +353,7 @@ def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int
         "warnings": list(rs.warnings),
         "strategies": {},
     }
-    # every (batch, layer, strategy) cell -> a distinct point (identical routings across steps share one)
-    cells: list[tuple[int, int, str, int]] = []
-    index: dict[tuple[str, str], int] = {}
-    points: list[Point] = []
-    lm = real.model(source) if real is not None else None
-    for b in range(source.num_batches):
-        for lid in source.layer_ids:
-            base = source.global_routing(lid, R, b)
-            if base.num_tokens == 0:
-                continue   # this step has no token at this layer (a per-layer token mask)
-            base_key = routing_key(base)
-            for name, opts in rs.strategies:
-                routing = source.routing_for(name, opts, lid, shape, b, base=base)
-                k = (base_key if routing is base else routing_key(routing), name)
-                if k not in index:
-                    index[k] = len(points)
-                    points.append(Point(routing, name, dict(opts), ctx, topo, source.model, local_topo, lm,
-                                        real.costs() if real is not None else None))
-                cells.append((b, int(lid), name, index[k]))
+    cells, points = _distinct_points(rs, real, local_topo)
     results = run_points(_compare_point, points, jobs=jobs, cluster=cluster, progress=progress,
                          label=lambda p: f"{p.name} ({p.routing.num_tokens} tokens)")
     if progress:
@@ -258,83 +366,11 @@ def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int
     w_B = batch_weights(tokens)
     rep["steps"].update(reused_points=len(cells) - len(points), simulated_points=len(points),
                         costed_step_ids=step_ids, costed_tokens=tokens)
+    steps = _Steps(pos, B, w_B, step_ids, tokens)
     for name, opts in rs.strategies:
         mine = [(b, lid, results[i]) for b, lid, n, i in cells if n == name]
-        ents = []
-        for b, lid, r in mine:
-            e = {k: v for k, v in r.items() if k != "_dispatch_RR"}
-            ents.append({"layer": lid, "step": source.batches[b][0], **e})
-        bof = np.asarray([pos[b] for b, _, _ in mine], np.int64)
-        P = [e["plan"] for e in ents]
-        S = [e["sim"] for e in ents]
-        times = [s["layer_time_us"] for s in S]
-        lbs = [s["lower_bound_us"] for s in S]
-        t_B, t_mean = _wmean(times, bof, B, w_B)
-        lb_B, lb_mean = _wmean(lbs, bof, B, w_B)
-        ratio_B = _bsum(times, bof, B) / np.maximum(_bsum(lbs, bof, B), 1e-12)
-        ph_B, ph_mean = _wmean([s["phases_us"] for s in S], bof, B, w_B)
-        cr_B, cr_mean = _wmean([critical_breakdown(s) for s in S], bof, B, w_B)
-        mom_B, mom = _wmean([p["max_over_mean_rows"] for p in P], bof, B, w_B)
-        _, rows_max = _wmean([max(p["recv_rows_per_rank"]) for p in P], bof, B, w_B)
-        _, rows_mean = _wmean([float(np.mean(p["recv_rows_per_rank"])) for p in P], bof, B, w_B)
-        _, rows_R = _wmean([p["recv_rows_per_rank"] for p in P], bof, B, w_B)
-        bytes_B = [dict() for _ in range(B)]
-        for e, bi in zip(P, bof):
-            _sum_dicts(bytes_B[bi], e["bytes"])
-        total_b: dict[str, float] = {}
-        for d in bytes_B:
-            _sum_dicts(total_b, d)
-        b_int = {k: int(v) for k, v in total_b.items()}
-        wb_B = [int(d.get("prefetch", 0) + d.get("migrate", 0)) for d in bytes_B]
-        disp = sum((r["_dispatch_RR"] for _, _, r in mine), np.zeros((R, R)))
-        worst = int(np.argmax(times))
-        series = {
-            "step": step_ids, "tokens": tokens, "layer_time_us": t_B.tolist(), "lower_bound_us": lb_B.tolist(),
-            "ratio_to_lower_bound": ratio_B.tolist(), "phases_us": ph_B, "critical_us": cr_B,
-            "plan_bytes": [{k: int(v) for k, v in d.items()} for d in bytes_B], "weight_bytes": wb_B,
-            "dropped": _bsum([p["dropped"] for p in P], bof, B).astype(int).tolist(),
-            "padded": _bsum([p["padded"] for p in P], bof, B).astype(int).tolist(),
-            "weight_copies": _bsum([p["weight_copies"] for p in P], bof, B).astype(int).tolist(),
-            "rows_max_over_mean": mom_B.tolist(),
-        }
-        rep["strategies"][name] = {
-            "options": dict(opts),
-            "plan_bytes": b_int,
-            "weight_bytes": int(b_int.get("prefetch", 0) + b_int.get("migrate", 0)),
-            "dropped": int(sum(p["dropped"] for p in P)),
-            "padded": int(sum(p["padded"] for p in P)),
-            "weight_copies": int(sum(p["weight_copies"] for p in P)),
-            "rows_max": float(rows_max),
-            "rows_mean": float(rows_mean),
-            "rows_max_over_mean": float(mom),
-            "rows_per_rank_mean": np.asarray(rows_R).tolist(),
-            "dispatch_bytes_RR": disp.astype(np.int64).tolist(),
-            "plan_seconds": float(sum(p["plan_seconds"] for p in P)),
-            "invariant_violations": sum(len(p["invariant_violations"]) for p in P),
-            "sim": {
-                "topology": rep["topology"]["name"],
-                "layer_time_us_mean": float(t_mean),
-                "layer_time_us_total": float(np.sum(times)),
-                "phases_us_mean": ph_mean,
-                "critical_us_mean": {k: float(cr_mean.get(k, 0.0)) for k in CRITICAL_PARTS},
-                "lower_bound_us_mean": float(lb_mean),
-                "ratio_to_lower_bound": float(np.sum(times) / max(np.sum(lbs), 1e-12)),
-                "straggler": _short(S[worst].get("straggler")),
-                "busiest_port": _short(S[worst].get("busiest_port")),
-                "slowest_layer": ents[worst]["layer"],
-                "slowest_step": ents[worst]["step"],
-            },
-            "per_step": series,
-            "steps_aggregate": {k: aggregate(series[k], tokens, step_ids)
-                                for k in ("layer_time_us", "ratio_to_lower_bound", "lower_bound_us")},
-            "layers": ents,
-        }
-        if local_topo is not None:
-            loc = [e["sim_local"] for e in ents]
-            lt_B, lt_mean = _wmean([s["layer_time_us"] for s in loc], bof, B, w_B)
-            _, lph = _wmean([s["phases_us"] for s in loc], bof, B, w_B)
-            rep["strategies"][name]["sim_local"] = {"topology": "local-gloo", "layer_time_us_mean": float(lt_mean),
-                                                    "phases_us_mean": lph, "per_step_layer_time_us": lt_B.tolist()}
+        rep["strategies"][name] = _strategy_report(opts, mine, source, steps, rep["topology"]["name"], R,
+                                                   local_topo is not None)
     st = rep["strategies"]
     rep["steps"]["wins"] = step_wins({n: st[n]["per_step"]["layer_time_us"] for n in st},
                                      excluded=[n for n in st if st[n]["dropped"]])

@@ -181,7 +181,7 @@ def standin_skew(source: RoutingSource, ranks: int) -> dict[str, Any]:
 @dataclass(frozen=True)
 class GeneratedLayer:
     """Generated layer ``layer``'s routing over ``ranks``, built when called: the picklable builder
-    a step's layer work carries instead of the routing (``moonep_sim.step.run.LayerWork``), so
+    a step's layer work carries instead of the routing (``moonep_sim.step.layer_work.LayerWork``), so
     each layer is generated where it is planned and freed after it."""
 
     source: RoutingSource
@@ -235,7 +235,7 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     ``Resolved``): one result, or one per recorded step of a trace with several steps. The step's distinct MoE layers
     are planned and simulated in ``jobs`` worker processes or on a Dask ``cluster``
     (:func:`moonep_sim.experiments.parallel.run_points`; each layer independently, same result).
-    With one job, ``pipeline`` (None: when it pays, ``moonep_sim.step.run.pipeline_pays``; False:
+    With one job, ``pipeline`` (None: when it pays, ``moonep_sim.step.layer_work.pipeline_pays``; False:
     off) builds the next layer's routing and Plans on a second thread while this one simulates.
     ``parallel``: a :class:`~moonep_sim.step.parallel.Parallel` layout over the scenario's GPUs
     (:mod:`moonep_sim.experiments.layout`); None: today's pure-EP step."""

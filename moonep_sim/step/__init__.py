@@ -5,7 +5,8 @@ Above the per-layer simulator (``moonep_sim.sim``) and below ``experiments``: a 
 composed on two streams per rank (``schedule``, ``compose``) under an overlap schedule
 (``schedules``: one class per schedule behind a registry), each layer's attention one of the kinds
 of ``attention`` (one record per kind behind a registry), with a
-per-rank memory account (``memory``); ``run.simulate_step`` is the front. ``docs/steps.md``
+per-rank memory account (``memory``); ``run.simulate_step`` is the front, ``layer_work`` how its
+layers run (in order, on a worker pool, or pipelined on two threads). ``docs/steps.md``
 explains the model, its assumptions and its constants.
 """
 

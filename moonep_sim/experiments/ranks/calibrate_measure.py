@@ -47,109 +47,147 @@ def _worker(rank: int, world: int, store: str, sizes: Sequence[int], shapes: Seq
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        # all-to-all as the executor runs it (into a freshly allocated output), the sizes
-        # interleaved (each round times every size, the order rotated), so a load change on the
-        # machine reaches every size alike
-        xs = [torch.ones(max(1, int(size) // 4) * world) for size in sizes]
-        t_NS = torch.zeros(len(xs), repeats, dtype=torch.float64)
-        for i in range(-warmup, repeats):
-            for k in range(len(xs)):
-                j = (k + i) % len(xs)
-                dist.barrier()
-                t0 = time.perf_counter()
-                dist.all_to_all_single(torch.empty_like(xs[j]), xs[j])
-                if i >= 0:
-                    t_NS[j, i] = time.perf_counter() - t0
-        dist.all_reduce(t_NS, op=dist.ReduceOp.MAX)
-        a2a: list[dict[str, Any]] = [{"nproc": world, "bytes_per_peer": int(x.numel() // world) * 4,
-                                      "seconds": t_NS[j].tolist()} for j, x in enumerate(xs)]
-        # memory bandwidth: a 32 MiB float32 copy, all ranks at once
-        src = torch.ones(8 << 20)
-        dst = torch.empty_like(src)
-        m_S = torch.zeros(repeats, dtype=torch.float64)
-        for i in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            m_S[i] = time.perf_counter() - t0
-        dist.all_reduce(m_S, op=dist.ReduceOp.MAX)
-        mem = [{"nproc": world, "bytes": src.numel() * 4, "seconds": m_S.tolist()}]
-        # the same copy into a freshly allocated tensor (what a pass over copied expert weights does)
-        f_S = torch.zeros(repeats, dtype=torch.float64)
-        for i in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fresh = src.clone()
-            f_S[i] = time.perf_counter() - t0
-            del fresh
-        dist.all_reduce(f_S, op=dist.ReduceOp.MAX)
-        mem.append({"nproc": world, "bytes": src.numel() * 4, "seconds": f_S.tolist(), "fresh": True})
-        # the executor's local passes over rows: a gather of rows in a random order (index_select)
-        # and a scatter-add of rows into random places (index_add_), each into a reused workspace and
-        # into a fresh tensor (the executor does both; a fresh one pays its page faults), 4 MiB of
-        # float32 rows (2048 of 512: the row count of a small replayed layer per rank)
-        nrows, width = 2048, 512
-        rows_x = torch.ones(nrows, width)
-        rows_y = torch.empty_like(rows_x)
-        perm = torch.randperm(nrows, generator=torch.Generator().manual_seed(rank))
-        ops = {"gather": lambda: torch.index_select(rows_x, 0, perm, out=rows_y),
-               "gather_fresh": lambda: torch.index_select(rows_x, 0, perm),
-               "scatter_add": lambda: rows_y.index_add_(0, perm, rows_x),
-               "scatter_add_fresh": lambda: torch.zeros_like(rows_x).index_add_(0, perm, rows_x)}
-        passes = []
-        for op, fn in ops.items():
-            c_S = torch.zeros(repeats, dtype=torch.float64)
-            for i in range(repeats + 1):
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(4):
-                    fn()
-                if i > 0:
-                    c_S[i - 1] = (time.perf_counter() - t0) / 4
-            dist.all_reduce(c_S, op=dist.ReduceOp.MAX)
-            passes.append({"nproc": world, "op": op, "bytes": nrows * width * 4, "seconds": c_S.tolist()})
-        # the cost of a bare barrier, subtracted from "compute then barrier" below
-        b_S = torch.zeros(repeats, dtype=torch.float64)
-        for i in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.barrier()
-            b_S[i] = time.perf_counter() - t0
-        dist.all_reduce(b_S, op=dist.ReduceOp.MAX)
-        barrier_s = float(b_S.median())
-        comp: list[dict[str, Any]] = []
-        for rows, hidden, ffn in shapes:
-            g = torch.Generator().manual_seed(rank)
-            x = torch.randn(rows, hidden, generator=g)
-            w1 = torch.randn(hidden, ffn, generator=g) * 0.02
-            w3 = torch.randn(hidden, ffn, generator=g) * 0.02
-            w2 = torch.randn(ffn, hidden, generator=g) * 0.02
-
-            def swiglu() -> torch.Tensor:
-                return (torch.nn.functional.silu(x @ w1) * (x @ w3)) @ w2
-
-            flops = 6 * rows * hidden * ffn
-            inner = max(1, round(inner_flops / flops))  # enough calls per repeat to dwarf the barrier
-            for _ in range(warmup):
-                swiglu()
-            t_S = torch.zeros(repeats, dtype=torch.float64)
-            for i in range(repeats):
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(inner):
-                    swiglu()
-                dist.barrier()  # the time until *every* rank is done: CPU sharing counts
-                t_S[i] = time.perf_counter() - t0
-            dist.all_reduce(t_S, op=dist.ReduceOp.MAX)
-            t_S = ((t_S - barrier_s) / inner).clamp_min(1e-7)
-            comp.append({"nproc": world, "rows": rows, "hidden": hidden, "ffn": ffn,
-                         "flops": flops, "seconds": t_S.tolist(), "calls_per_repeat": inner,
-                         "barrier_s": barrier_s})
+        a2a = _measure_alltoall(world, sizes, repeats, warmup)
+        mem = _measure_memcopy(world, repeats)
+        passes = _measure_rowpasses(rank, world, repeats)
+        comp = _measure_swiglu(rank, world, shapes, repeats, warmup, inner_flops)
         if rank == 0:
             write_text_atomic(out, json.dumps({"alltoall": a2a, "swiglu": comp, "memcopy": mem, "rowpass": passes}))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _measure_alltoall(world: int, sizes: Sequence[int], repeats: int, warmup: int) -> list[dict[str, Any]]:
+    """gloo ``all_to_all_single`` per message size, the slowest rank's seconds per repeat."""
+    import torch
+    import torch.distributed as dist
+
+    # all-to-all as the executor runs it (into a freshly allocated output), the sizes
+    # interleaved (each round times every size, the order rotated), so a load change on the
+    # machine reaches every size alike
+    xs = [torch.ones(max(1, int(size) // 4) * world) for size in sizes]
+    t_NS = torch.zeros(len(xs), repeats, dtype=torch.float64)
+    for i in range(-warmup, repeats):
+        for k in range(len(xs)):
+            j = (k + i) % len(xs)
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_to_all_single(torch.empty_like(xs[j]), xs[j])
+            if i >= 0:
+                t_NS[j, i] = time.perf_counter() - t0
+    dist.all_reduce(t_NS, op=dist.ReduceOp.MAX)
+    a2a: list[dict[str, Any]] = [{"nproc": world, "bytes_per_peer": int(x.numel() // world) * 4,
+                                  "seconds": t_NS[j].tolist()} for j, x in enumerate(xs)]
+    return a2a
+
+
+def _measure_memcopy(world: int, repeats: int) -> list[dict[str, Any]]:
+    """A 32 MiB float32 copy into a reused and into a fresh tensor, all ranks at once."""
+    import torch
+    import torch.distributed as dist
+
+    # memory bandwidth: a 32 MiB float32 copy, all ranks at once
+    src = torch.ones(8 << 20)
+    dst = torch.empty_like(src)
+    m_S = torch.zeros(repeats, dtype=torch.float64)
+    for i in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        m_S[i] = time.perf_counter() - t0
+    dist.all_reduce(m_S, op=dist.ReduceOp.MAX)
+    mem = [{"nproc": world, "bytes": src.numel() * 4, "seconds": m_S.tolist()}]
+    # the same copy into a freshly allocated tensor (what a pass over copied expert weights does)
+    f_S = torch.zeros(repeats, dtype=torch.float64)
+    for i in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fresh = src.clone()
+        f_S[i] = time.perf_counter() - t0
+        del fresh
+    dist.all_reduce(f_S, op=dist.ReduceOp.MAX)
+    mem.append({"nproc": world, "bytes": src.numel() * 4, "seconds": f_S.tolist(), "fresh": True})
+    return mem
+
+
+def _measure_rowpasses(rank: int, world: int, repeats: int) -> list[dict[str, Any]]:
+    """The executor's local passes over rows (``index_select`` / ``index_add_``), all ranks at once."""
+    import torch
+    import torch.distributed as dist
+
+    # the executor's local passes over rows: a gather of rows in a random order (index_select)
+    # and a scatter-add of rows into random places (index_add_), each into a reused workspace and
+    # into a fresh tensor (the executor does both; a fresh one pays its page faults), 4 MiB of
+    # float32 rows (2048 of 512: the row count of a small replayed layer per rank)
+    nrows, width = 2048, 512
+    rows_x = torch.ones(nrows, width)
+    rows_y = torch.empty_like(rows_x)
+    perm = torch.randperm(nrows, generator=torch.Generator().manual_seed(rank))
+    ops = {"gather": lambda: torch.index_select(rows_x, 0, perm, out=rows_y),
+           "gather_fresh": lambda: torch.index_select(rows_x, 0, perm),
+           "scatter_add": lambda: rows_y.index_add_(0, perm, rows_x),
+           "scatter_add_fresh": lambda: torch.zeros_like(rows_x).index_add_(0, perm, rows_x)}
+    passes = []
+    for op, fn in ops.items():
+        c_S = torch.zeros(repeats, dtype=torch.float64)
+        for i in range(repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(4):
+                fn()
+            if i > 0:
+                c_S[i - 1] = (time.perf_counter() - t0) / 4
+        dist.all_reduce(c_S, op=dist.ReduceOp.MAX)
+        passes.append({"nproc": world, "op": op, "bytes": nrows * width * 4, "seconds": c_S.tolist()})
+    return passes
+
+
+def _measure_swiglu(rank: int, world: int, shapes: Sequence[tuple[int, int, int]], repeats: int, warmup: int,
+                    inner_flops: float) -> list[dict[str, Any]]:
+    """The expert SwiGLU per (rows, hidden, ffn) shape, timed until every rank is done (a bare
+    barrier's cost subtracted)."""
+    import torch
+    import torch.distributed as dist
+
+    # the cost of a bare barrier, subtracted from "compute then barrier" below
+    b_S = torch.zeros(repeats, dtype=torch.float64)
+    for i in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.barrier()
+        b_S[i] = time.perf_counter() - t0
+    dist.all_reduce(b_S, op=dist.ReduceOp.MAX)
+    barrier_s = float(b_S.median())
+    comp: list[dict[str, Any]] = []
+    for rows, hidden, ffn in shapes:
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(rows, hidden, generator=g)
+        w1 = torch.randn(hidden, ffn, generator=g) * 0.02
+        w3 = torch.randn(hidden, ffn, generator=g) * 0.02
+        w2 = torch.randn(ffn, hidden, generator=g) * 0.02
+
+        def swiglu() -> torch.Tensor:
+            return (torch.nn.functional.silu(x @ w1) * (x @ w3)) @ w2
+
+        flops = 6 * rows * hidden * ffn
+        inner = max(1, round(inner_flops / flops))  # enough calls per repeat to dwarf the barrier
+        for _ in range(warmup):
+            swiglu()
+        t_S = torch.zeros(repeats, dtype=torch.float64)
+        for i in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                swiglu()
+            dist.barrier()  # the time until *every* rank is done: CPU sharing counts
+            t_S[i] = time.perf_counter() - t0
+        dist.all_reduce(t_S, op=dist.ReduceOp.MAX)
+        t_S = ((t_S - barrier_s) / inner).clamp_min(1e-7)
+        comp.append({"nproc": world, "rows": rows, "hidden": hidden, "ffn": ffn,
+                     "flops": flops, "seconds": t_S.tolist(), "calls_per_repeat": inner,
+                     "barrier_s": barrier_s})
+    return comp
 
 
 def measure(nproc: int, sizes_bytes: Sequence[int], swiglu_shapes: Sequence[tuple[int, int, int]],

@@ -38,90 +38,21 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from moonep_sim.errors import CommError, MoonEPSimError, OneLineArgumentParser, exit_status, require
-from moonep_sim.experiments.replay_checks import check_args as _check_args
-from moonep_sim.experiments.replay_checks import check_before_ranks as _check_before_ranks
-from moonep_sim.experiments.replay_checks import parse_layers as _parse_layers
-from moonep_sim.experiments.replay_checks import strategy_opts as _strategy_opts
+from moonep_sim.errors import CommError, MoonEPSimError, exit_status, require
+from moonep_sim.experiments.ranks.replay_args import (check_args, check_before_ranks, parse_args, parse_layers,
+                                                     strategy_opts)
 from moonep_sim.io import check_output_path, write_text_atomic
 
 MODULE = "moonep_sim.experiments.ranks.replay_rank"  # what every rank runs (python -m MODULE)
 PHASES = ("exchange", "plan", "dispatch", "prefetch", "expert", "combine", "backward", "total")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-def _dtype_name(text: str) -> str:
-    """Any accepted spelling (``moonep_sim.experiments.spec``) -> the torch dtype's name."""
-    from moonep_sim.experiments.spec import REPLAY_DTYPES, dtype_name
-
-    return REPLAY_DTYPES[dtype_name(text, tuple(REPLAY_DTYPES), "--dispatch-dtype")]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The replay's command line (``launch/replay.py``; also rendered into docs/cli.md)."""
-    ap = OneLineArgumentParser(prog="launch/replay.py",
-                               description="Replay a trace over gloo: on N local ranks with --nproc N, or as "
-                                           "one rank under torchrun.")
-    ap.add_argument("--nproc", type=int, default=None,
-                    help="start N local ranks (store and gloo on loopback; exit status and error line of "
-                         "the failing rank); without it, run as one rank of a torchrun job")
-    ap.add_argument("--spec", default=None, metavar="SPEC.json",
-                    help="run the typed replay spec written by moonep_sim.experiments (every other option then "
-                         "comes from it, except --nproc and --json)")
-    ap.add_argument("--trace", default=None, help="trace file (moonep-sim safetensors format); required without --spec")
-    ap.add_argument("--strategy", default="moonep", help="strategy, or several comma-separated (interleaved)")
-    ap.add_argument("--opt", action="append", default=[], metavar="[S.]K=V",
-                    help="strategy option (repeatable): S.K=V for strategy S only, K=V for all")
-    ap.add_argument("--layers", default=None,
-                    help="layer ids to replay (the trace's layer_ids, as everywhere else), e.g. 0,5-7 (default: all)")
-    ap.add_argument("--hidden", type=int, default=64, help="H (default 64)")
-    ap.add_argument("--ffn", type=int, default=128, help="expert intermediate width F (default 128)")
-    ap.add_argument("--steps", default=None, metavar="SEL",
-                    help="steps of the trace, each replayed as its own batch: N, A-B, A-, a comma list (default: "
-                         "every step); merged or merged:SEL replays them as one concatenated batch")
-    ap.add_argument("--max-tokens", type=int, default=0, help="use only the first N tokens of each layer "
-                                                              "(of the selected steps)")
-    ap.add_argument("--backward", action="store_true", help="also run and time the backward pass")
-    ap.add_argument("--gpus-per-node", type=int, default=0, help="ranks per node for two-hop strategies (0 = one node)")
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--json", default=None, help="write the report here (atomically, by rank 0)")
-    ap.add_argument("--timeout", type=float, default=60.0, help="seconds before a collective is declared failed")
-    ap.add_argument("--dispatch-dtype", default="float32", type=_dtype_name, choices=sorted(_DTYPES),
-                    help="dtype of the dispatched rows (bf16 is accepted for bfloat16, fp32 for float32)")
-    ap.add_argument("--token-padding", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--check", dest="check", action="store_true", default=None,
-                    help="compare with the dense reference (default: on when T*H <= 2**22)")
-    ap.add_argument("--no-check", dest="check", action="store_false")
-    ap.add_argument("--quiet", action="store_true")
-    return ap
-
-
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    if args.spec is not None:
-        from moonep_sim.experiments.spec import ReplaySpec
-
-        sp = ReplaySpec.read(args.spec)
-        names = [n for n, _ in sp.strategies]
-        args.__dict__.update(trace=sp.trace, strategy=",".join(names), opt=[], options={n: dict(o) for n, o in sp.strategies},
-                             layers=",".join(map(str, sp.layers)) if sp.layers is not None else None, steps=sp.steps,
-                             hidden=sp.hidden, ffn=sp.ffn, iters=sp.iters, warmup=sp.warmup,
-                             gpus_per_node=sp.gpus_per_node, token_padding=sp.token_padding, backward=sp.backward,
-                             check=sp.check, max_tokens=sp.max_tokens, dispatch_dtype=_dtype_name(sp.dispatch_dtype),
-                             seed=sp.seed, timeout=sp.timeout_s, quiet=True)
-    require(args.trace is not None, "--trace (none given) must name a trace file (or give --spec)")
-    return args
-
-
-
 
 
 def _gather_rows(t: torch.Tensor, capacity: int, group, phase: str = "check.gather") -> list[torch.Tensor]:
@@ -151,6 +82,71 @@ def _stats(v_R: np.ndarray) -> dict[str, float]:
     return {"max_ms": float(v_R.max()) * 1e3, "mean_ms": float(v_R.mean()) * 1e3}
 
 
+@dataclass(frozen=True)
+class _LayerInput:
+    """One (step, layer) item on this rank: the layer's routing ``lr``, this rank's token ids and
+    weights (``ids`` [s, K], ``w`` [s, K]), inputs ``x`` [s, H] and output gradient ``grad_out``
+    [s, H], every expert's weights for the dense check (None: not checked), tokens per rank ``tpr``
+    [R] and the layer's position ``li`` in the trace."""
+
+    lr: Any
+    ids: torch.Tensor
+    w: torch.Tensor
+    x: torch.Tensor
+    grad_out: torch.Tensor
+    full_w: Any
+    tpr: np.ndarray
+    li: int
+
+
+def _replay_items(args: argparse.Namespace, trace, layers: list[int], R: int) -> tuple[list, list]:
+    """The selected steps as batches (``routing.steps.step_batches``; merged: one batch of them all)
+    and the items ``(batch, step id, layer, routing of its first --max-tokens tokens, tokens per
+    rank [R])`` of every (batch, layer) holding a token, each checked to give every rank a token."""
+    from moonep_sim.routing.steps import read_layer, step_batches
+
+    batches = step_batches(trace.steps(), int(trace.meta.num_tokens), getattr(args, "steps", None))
+    items = []
+    for bi, (step_id, ranges) in enumerate(batches):
+        for li in layers:
+            lr = read_layer(trace, li, ranges=ranges)
+            T = lr.num_tokens if not args.max_tokens else min(lr.num_tokens, args.max_tokens)
+            if T == 0:
+                continue  # the step has no token at this layer (a per-layer token mask)
+            where = f" in step {step_id}" if step_id is not None and len(batches) > 1 else ""
+            require(T >= R, f"tokens ({T}{where}) must be >= world size ({R}) to give every rank a token")
+            tpr = np.full(R, T // R, dtype=np.int64)
+            tpr[: T % R] += 1
+            items.append((bi, step_id, li, lr.take(0, T), tpr))
+    require(len(items) >= 1, "the selected steps and layers must hold at least one token")
+    return batches, items
+
+
+def _rank_inputs(args: argparse.Namespace, items: list, homes: dict[str, np.ndarray], rank: int,
+                 shape: tuple[int, int, int], init_experts) -> tuple[list[_LayerInput], dict]:
+    """Per item this rank's tokens and seeded inputs (:class:`_LayerInput`), and its home experts'
+    weights per (layer, home set): one copy shared by the strategies whose placement gives this rank
+    the same experts. ``shape``: (E, H, F). Every expert's weights are kept only for the dense check."""
+    E, H, F = shape
+    inputs, weights, full = [], {}, {}
+    for bi, step_id, li, lr, tpr in items:
+        off = np.concatenate([[0], np.cumsum(tpr)])
+        lo, hi = int(off[rank]), int(off[rank + 1])
+        check = args.check if args.check is not None else lr.num_tokens * H <= (1 << 22)
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + li * 1009 + bi * 7 + rank)
+        x = torch.randn(hi - lo, H, generator=gen)
+        if li not in full:
+            full[li] = init_experts(E, H, F, seed=args.seed * 7919 + li)
+        for home in homes.values():
+            if (li, home.tobytes()) not in weights:
+                hm = torch.from_numpy(home)
+                weights[(li, home.tobytes())] = [p[hm].clone().requires_grad_(args.backward) for p in full[li]]
+        inputs.append(_LayerInput(lr, torch.from_numpy(np.ascontiguousarray(lr.topk_ids_TK[lo:hi])),
+                                  torch.from_numpy(np.ascontiguousarray(lr.topk_weights_TK[lo:hi])), x,
+                                  torch.randn(hi - lo, H, generator=gen), full[li] if check else None, tpr, li))
+    return inputs, weights
+
+
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
     """Replay every ``--strategy`` (comma-separated) on the same tokens. With several, the steps are
     interleaved: iteration i runs each strategy in turn (the order rotated by one each iteration),
@@ -172,26 +168,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     E, K, H, F = meta.num_experts, meta.top_k, args.hidden, args.ffn
     require(H >= 1 and F >= 1, f"hidden ({H}) and ffn ({F}) must be >= 1")
     require(args.iters >= 1 and args.warmup >= 0, f"iters ({args.iters}) must be >= 1 and warmup ({args.warmup}) >= 0")
-    layers = _parse_layers(args.layers, trace)
-    from moonep_sim.routing.steps import read_layer, step_batches
-    # each selected step is its own batch (merged: one batch of them all); items are (batch, layer)
-    batches = step_batches(trace.steps(), int(meta.num_tokens), getattr(args, "steps", None))
-    items = []
-    for bi, (step_id, ranges) in enumerate(batches):
-        for li in layers:
-            lr = read_layer(trace, li, ranges=ranges)
-            T = lr.num_tokens if not args.max_tokens else min(lr.num_tokens, args.max_tokens)
-            if T == 0:
-                continue  # the step has no token at this layer (a per-layer token mask)
-            where = f" in step {step_id}" if step_id is not None and len(batches) > 1 else ""
-            require(T >= R, f"tokens ({T}{where}) must be >= world size ({R}) to give every rank a token")
-            tpr = np.full(R, T // R, dtype=np.int64)
-            tpr[: T % R] += 1
-            items.append((bi, step_id, li, lr.take(0, T), tpr))
-    require(len(items) >= 1, "the selected steps and layers must hold at least one token")
+    layers = parse_layers(args.layers, trace)
+    batches, items = _replay_items(args, trace, layers, R)
     capacity = int(max(int(it[4].max()) for it in items))
     dtype = _DTYPES[args.dispatch_dtype]
-    opts = args.options if getattr(args, "options", None) is not None else _strategy_opts(names, args.opt)
+    opts = args.options if getattr(args, "options", None) is not None else strategy_opts(names, args.opt)
     # the planners: each strategy bound to the replay's context (this program is the Buffer's caller)
     costs = RowCosts.for_rows(H, torch.tensor([], dtype=dtype).element_size(), F)
     ctx = PlanContext.default(E, R, args.gpus_per_node, costs, args.token_padding)
@@ -202,22 +183,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     # layer and distinct home set: strategies whose placement gives this rank the same experts share
     # it); every expert's weights are kept only for the dense reference check
     homes = {n: np.flatnonzero(b.home_E == rank) for n, b in bufs.items()}
-    inputs, weights, full = [], {}, {}
-    for bi, step_id, li, lr, tpr in items:
-        off = np.concatenate([[0], np.cumsum(tpr)])
-        lo, hi = int(off[rank]), int(off[rank + 1])
-        check = args.check if args.check is not None else lr.num_tokens * H <= (1 << 22)
-        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + li * 1009 + bi * 7 + rank)
-        x = torch.randn(hi - lo, H, generator=gen)
-        if li not in full:
-            full[li] = init_experts(E, H, F, seed=args.seed * 7919 + li)
-        for home in homes.values():
-            if (li, home.tobytes()) not in weights:
-                hm = torch.from_numpy(home)
-                weights[(li, home.tobytes())] = [p[hm].clone().requires_grad_(args.backward) for p in full[li]]
-        inputs.append((lr, torch.from_numpy(np.ascontiguousarray(lr.topk_ids_TK[lo:hi])),
-                       torch.from_numpy(np.ascontiguousarray(lr.topk_weights_TK[lo:hi])), x,
-                       torch.randn(hi - lo, H, generator=gen), full[li] if check else None, tpr, li))
+    inputs, weights = _rank_inputs(args, items, homes, rank, (E, H, F), init_experts)
     S, L, n_it = len(names), len(items), args.warmup + args.iters
     times = np.zeros((S, L, args.iters, len(PHASES)))
     entries: dict[tuple[int, int], dict[str, Any]] = {}
@@ -226,15 +192,25 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             si = (k + it) % S
             buf = bufs[names[si]]
             for j in range(L):
-                lr, ids, w, x, grad_out, full_w, tpr, li = inputs[j]
-                params = weights[(li, homes[names[si]].tobytes())]
-                step = _step(buf, ids, w, x, params, grad_out, li, args.backward)
+                inp = inputs[j]
+                params = weights[(inp.li, homes[names[si]].tobytes())]
+                step = _step(buf, inp.ids, inp.w, inp.x, params, inp.grad_out, inp.li, args.backward)
                 if it >= args.warmup:
                     times[si, j, it - args.warmup] = step["times"]
                 if it == n_it - 1:
-                    chk = _check(rank, buf, step["handle"], lr, x, step["xi"], step["out"], grad_out, params,
-                                 full_w, capacity, tpr, args.backward, dtype, dense_moe) if full_w is not None else None
-                    entries[(si, j)] = _layer_entry(buf, step, lr, chk)
+                    chk = (_check(rank, buf, step, inp, params, capacity, args.backward, dtype, dense_moe)
+                           if inp.full_w is not None else None)
+                    entries[(si, j)] = _layer_entry(buf, step, inp.lr, chk)
+    return _gather_reports(args, names, bufs, items, (layers, batches), times, entries)
+
+
+def _gather_reports(args: argparse.Namespace, names: list[str], bufs: dict, items: list, where: tuple,
+                    times: np.ndarray, entries: dict) -> dict[str, Any] | None:
+    """Every rank's phase times ``times[strategy, item, iteration, phase]`` and weight fetches
+    gathered on rank 0 and turned into the reports (None on the other ranks)."""
+    layers, batches = where
+    rank, R = dist.get_rank(), dist.get_world_size()
+    S, L = len(names), len(items)
     # every rank's per-iteration phase times -> rank 0
     mine = torch.from_numpy(times)
     allt = [torch.empty_like(mine) for _ in range(R)]
@@ -367,8 +343,11 @@ def _report(args, buf, name: str, layers: list[int], batches: list, per_layer: l
     }
 
 
-def _check(rank, buf, handle, lr, x, xi, out, grad_out, params, full_w, capacity, tpr, backward, dtype, dense_moe):
-    """Rank 0 compares the gathered outputs (and gradients) with the dense reference."""
+def _check(rank, buf, step: dict[str, Any], inp: "_LayerInput", params, capacity, backward, dtype, dense_moe):
+    """Rank 0 compares the gathered outputs (and gradients) with the dense reference. ``step``:
+    :func:`_step`'s result on ``inp``."""
+    handle, xi, out = step["handle"], step["xi"], step["out"]
+    lr, x, grad_out, full_w, tpr = inp.lr, inp.x, inp.grad_out, inp.full_w, inp.tpr
     outs = _gather_rows(out.detach(), capacity, None)
     xs = _gather_rows(x, capacity, None)
     gos = _gather_rows(grad_out, capacity, None)
@@ -449,8 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from moonep_sim.gloo.liveness import STARTING, PhaseTracker, announce, fault_point, start_early
     watch = None
     try:
-        args = _parse(argv)
-        _check_args(args)
+        args = parse_args(argv)
+        check_args(args)
         if args.json:  # every rank refuses alike, before the run (not rank 0 alone, after it)
             check_output_path(args.json, "--json", inputs=(args.trace,))
         if not dist.is_initialized():
@@ -504,11 +483,11 @@ def launch(argv: Sequence[str]) -> int:
 
 
 def _launch(argv: Sequence[str]) -> int:
-    args = _parse(argv)
-    _check_args(args)
+    args = parse_args(argv)
+    check_args(args)
     if args.json:
         check_output_path(args.json, "--json", inputs=(args.trace,))
-    _check_before_ranks(args, args.nproc)
+    check_before_ranks(args, args.nproc)
     rest = _strip_launch_args(argv)
     rep = run_replay(args.nproc, rest, timeout_s=max(600.0, 10 * args.timeout))
     if args.json:

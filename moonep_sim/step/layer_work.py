@@ -1,0 +1,362 @@
+"""How a step's layer work runs: one unit per distinct MoE-layer routing (:class:`LayerWork`), run
+in this process one after another, on a worker pool (``simulate_step``'s ``map_fn``: the unit is
+picklable and :func:`simulate_layer_work` module level), or with one job on two threads
+(:func:`pipelined_layer_work`: routings and Plans made ahead on a second thread -- one
+``ThreadPoolExecutor`` worker -- while this one simulates, the same results). The front that
+chooses between them and composes the step is :mod:`moonep_sim.step.run`.
+
+Notation: R ranks, M micro-batches, T tokens per rank. Times in seconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from moonep_sim.errors import require
+from moonep_sim.models import ModelSpec
+from moonep_sim.plan import GlobalRouting
+from moonep_sim.step.costs import CostModel
+from moonep_sim.step.layer_sim import LayerComm, simulate_moe_layer
+from moonep_sim.step.memory import PlanFootprint
+
+
+def split_micro_batches(r: GlobalRouting, M: int) -> list[GlobalRouting]:
+    """Each rank's tokens cut into M consecutive micro-batches (rank order kept)."""
+    if M == 1:
+        return [r]
+    n_R = r.tokens_per_rank_R.astype(np.int64)
+    pos_T = np.arange(r.num_tokens) - np.repeat(r.tok_off_R()[:-1], n_R)
+    cut_R = [(n_R * i) // M for i in range(M + 1)]
+    out = []
+    for i in range(M):
+        lo, hi = np.repeat(cut_R[i], n_R), np.repeat(cut_R[i + 1], n_R)
+        m = (pos_T >= lo) & (pos_T < hi)
+        out.append(GlobalRouting(r.topk_ids_TK[m], r.topk_weights_TK[m], cut_R[i + 1] - cut_R[i], r.num_experts))
+    return out
+
+
+def pad_to_static(r: GlobalRouting, tokens: int) -> GlobalRouting:
+    """``r`` with every rank padded to ``tokens`` tokens (a static Buffer's capacity): padding
+    token j of a rank selects experts ``(j*K + k) mod E`` (ASSUMED round-robin), weight 0."""
+    n_R = r.tokens_per_rank_R.astype(np.int64)
+    require(int(n_R.max()) <= tokens, f"static buffer tokens ({tokens}) must be >= the largest rank's tokens "
+                                      f"({int(n_R.max())})")
+    pad_R = tokens - n_R
+    if not pad_R.any():
+        return r
+    K, E = r.top_k, r.num_experts
+    ids, w = [], []
+    pos = 0
+    for off, n, p in zip(r.tok_off_R()[:-1].tolist(), n_R.tolist(), pad_R.tolist()):
+        ids.append(r.topk_ids_TK[off:off + n])
+        w.append(r.topk_weights_TK[off:off + n])
+        j = np.arange(p, dtype=np.int64)[:, None] * K + np.arange(K)[None, :] + pos
+        ids.append(j % E)
+        w.append(np.zeros((p, K), np.float32))
+        pos += p * K
+    return GlobalRouting(np.concatenate(ids), np.concatenate(w).astype(np.float32), np.full(r.ranks, tokens),
+                         r.num_experts)
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """One independent unit of a step: one distinct MoE-layer routing, built where it runs, then
+    every strategy planned on it (each micro-batch, padded to the strategy's static tokens per rank
+    when > 0) and simulated. Picklable: worker processes run it, and a routing builder (a picklable
+    zero-argument callable returning the :class:`GlobalRouting`) travels instead of the routing,
+    so a worker generates its own layer and no routing crosses a process boundary.
+
+    routing: the layer's routing, or its builder.  strategies: ``(name, options, static tokens per
+    rank of one micro-batch (0: none))`` in the step's order.  micro_batches: M.
+    """
+
+    routing: Any
+    strategies: tuple[tuple[str, dict, int], ...]
+    micro_batches: int
+    ctx: Any
+    model: ModelSpec
+    topology: Any
+    costs: CostModel
+    train: bool
+    tol: float | None
+
+
+@dataclass(frozen=True)
+class LayerDone:
+    """One (strategy, micro-batch) of a layer: its communication, Plan footprint, and the wall and
+    CPU (this process's user + sys) seconds of planning and simulating it."""
+
+    comm: LayerComm
+    footprint: PlanFootprint
+    plan_s: float
+    sim_s: float
+    plan_cpu_s: float = 0.0
+    sim_cpu_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RoutingDone:
+    """A :class:`LayerWork`'s results: ``done[(strategy, micro-batch)]`` and the wall and CPU
+    seconds its routing took to build (generate or read, split over the ranks and micro-batches)."""
+
+    done: dict[tuple[str, int], LayerDone]
+    routing_s: float
+    routing_cpu_s: float = 0.0
+
+
+def _layer_parts(w: LayerWork, cpu: Callable[[], float]) -> tuple[list[GlobalRouting], float, float]:
+    """``w``'s routing built and split into its micro-batches; its wall and CPU (``cpu()``) seconds."""
+    a, ac = time.perf_counter(), cpu()
+    routing = w.routing if isinstance(w.routing, GlobalRouting) else w.routing()
+    parts = split_micro_batches(routing, w.micro_batches)
+    return parts, time.perf_counter() - a, cpu() - ac
+
+
+def _plan_part(w: LayerWork, name: str, opts: dict, static: int, part: GlobalRouting,
+               cpu: Callable[[], float]) -> tuple[Any, float, float]:
+    """One (strategy, micro-batch) Plan of ``w`` (padded to ``static`` tokens per rank when > 0)."""
+    from moonep_sim.strategies import make_plan  # looked up per call (benchmarks wrap it)
+
+    if static:
+        part = pad_to_static(part, static)
+    a, ac = time.perf_counter(), cpu()
+    plan = make_plan(name, part, w.ctx, **opts)
+    return plan, time.perf_counter() - a, cpu() - ac
+
+
+def _simulate_plan(w: LayerWork, plan: Any, plan_s: float, plan_cpu_s: float,
+                   cpu: Callable[[], float]) -> LayerDone:
+    a, ac = time.perf_counter(), cpu()
+    comm = simulate_moe_layer(plan, w.model, w.topology, w.costs, w.train, w.tol)
+    return LayerDone(comm, PlanFootprint.of(plan), plan_s, time.perf_counter() - a, plan_cpu_s, cpu() - ac)
+
+
+def simulate_layer_work(w: LayerWork) -> RoutingDone:
+    """Build one :class:`LayerWork`'s routing, plan and simulate every strategy on it (module
+    level, so worker processes can run it). Each Plan is dropped once its layer is simulated (its
+    footprint and communication kept), and the routing when the work returns."""
+    cpu = time.process_time
+    parts, routing_s, routing_cpu_s = _layer_parts(w, cpu)
+    done = {}
+    for name, opts, static in w.strategies:
+        for mb, part in enumerate(parts):
+            plan, plan_s, plan_cpu_s = _plan_part(w, name, opts, static, part, cpu)
+            done[(name, mb)] = _simulate_plan(w, plan, plan_s, plan_cpu_s, cpu)
+            del plan
+    return RoutingDone(done, routing_s, routing_cpu_s)
+
+
+#: Plans the pipeline may have made ahead of the one being simulated
+PIPELINE_AHEAD = 1
+
+
+#: entries (tokens x K over the ranks) of a layer from which one job pipelines by default: below
+#: it a layer is milliseconds of many small numpy calls, which gain nothing beside a Python-bound
+#: simulator (both need the GIL)
+PIPELINE_MIN_ENTRIES = 1 << 20
+
+
+class _Task:
+    """One piece of a pipelined step, run once by whichever thread claims it first (under the
+    pipeline's condition); its value or error kept for the thread that needs it."""
+
+    __slots__ = ("fn", "kind", "n", "claimed", "done", "value", "error")
+
+    def __init__(self, fn: Callable[[], Any], kind: str, n: int) -> None:
+        """``kind``: "R" (layer ``n``'s routing) or "P" (unit ``n``'s Plan)."""
+        self.fn, self.kind, self.n = fn, kind, n
+        self.claimed, self.done, self.value, self.error = False, False, None, None
+
+
+class _Pipeline:
+    """The shared state of :func:`pipelined_layer_work`: tasks in the serial order (each layer's
+    routing ``R``, then its Plans ``P`` in (strategy, micro-batch) order), the unit being simulated
+    and the bound on what may be built ahead of it."""
+
+    def __init__(self, work: list[LayerWork], ahead: int) -> None:
+        import threading
+
+        self.work, self.ahead = work, ahead
+        self.cond = threading.Condition()
+        self.units = [(i, s, mb) for i, w in enumerate(work) for s in range(len(w.strategies))
+                      for mb in range(w.micro_batches)]
+        self.left = [len(w.strategies) * w.micro_batches for w in work]   # Plans of a layer not yet made
+        self.R = [_Task(lambda i=i: self._routing(i), "R", i) for i in range(len(work))]
+        self.P = [_Task(lambda j=j: self._plan(j), "P", j) for j in range(len(self.units))]
+        self.order, j = [], 0                   # the units are in layer order: each layer's Plans after its routing
+        for r, n in zip(self.R, self.left):
+            self.order += [r] + self.P[j:j + n]
+            j += n
+        self.current = 0           # the unit this thread simulates (or waits for)
+        self.stop = False
+        self.failed = False
+        self.scan = 0              # every task before order[scan] is claimed
+        self.second_cpu_s = 0.0    # the second thread's CPU seconds, when it returned
+        self.second_wait_s = 0.0   # its seconds waiting at the bound (or for a piece this thread makes)
+
+    def _routing(self, i: int) -> tuple[list[GlobalRouting], float, float]:
+        return _layer_parts(self.work[i], time.thread_time)
+
+    def _plan(self, j: int) -> tuple[Any, float, float]:
+        i, s, mb = self.units[j]
+        parts = self.get(self.R[i])[0]
+        name, opts, static = self.work[i].strategies[s]
+        out = _plan_part(self.work[i], name, opts, static, parts[mb], time.thread_time)
+        with self.cond:
+            self.left[i] -= 1
+            if not self.left[i]:
+                self.R[i].value = (None,) + self.R[i].value[1:]      # the layer's routing is done with
+        return out
+
+    def _allowed(self, t: _Task) -> bool:
+        last = min(self.current + self.ahead, len(self.units) - 1)
+        return t.n <= last if t.kind == "P" else t.n <= self.units[last][0] + 1
+
+    def _run(self, t: _Task) -> None:
+        """Run a task this thread claimed; its value or error kept, the waiters woken."""
+        try:
+            value, error = t.fn(), None
+        except BaseException as e:  # kept for the serial point that needs it
+            value, error = None, e
+        with self.cond:
+            t.value, t.error, t.done = value, error, True
+            self.failed |= error is not None
+            self.cond.notify_all()
+
+    def get(self, t: _Task) -> Any:
+        """``t``'s value (or its error raised): run here if unclaimed, else waited for."""
+        with self.cond:
+            mine = not t.claimed
+            t.claimed = True
+            while not mine and not t.done:
+                self.cond.wait()
+        if mine:
+            self._run(t)
+        if t.error is not None:
+            raise t.error
+        return t.value
+
+    def _next(self, routing_only: bool) -> _Task | None:
+        """The first unclaimed task allowed ahead (under the condition), claimed; None if none."""
+        while self.scan < len(self.order) and self.order[self.scan].claimed:
+            self.scan += 1
+        for t in itertools.islice(self.order, self.scan, None):
+            # this thread takes only a routing the second thread needs after its next layer's: one it
+            # would otherwise wait for here would stall the second thread instead
+            if not t.claimed and self._allowed(t) and (
+                    not routing_only or (t.kind == "R" and t.n >= self.units[self.current][0] + 2)):
+                t.claimed = True
+                return t
+            if t.kind == "R" and not self._allowed(t):
+                break
+        return None
+
+    def builder(self) -> None:
+        """The second thread: every task in the serial order, within the bound, until stopped or a
+        task failed (this thread then claims the tasks it reaches itself)."""
+        c0 = time.thread_time()
+        try:
+            while True:
+                with self.cond:
+                    t = None
+                    while not self.stop and not self.failed and (t := self._next(False)) is None:
+                        w0 = time.perf_counter()
+                        self.cond.wait()
+                        self.second_wait_s += time.perf_counter() - w0
+                    if t is None:
+                        return
+                self._run(t)
+        finally:
+            self.second_cpu_s = time.thread_time() - c0
+
+    def plan_for(self, j: int) -> tuple[tuple[Any, float, float], float, int]:
+        """Unit ``j``'s Plan for this thread: made here if nobody started it; while the second
+        thread makes it, a routing ahead built here (if one is allowed and unclaimed). Returns the
+        Plan's (plan, wall s, CPU s), the seconds spent waiting, and the routings built here."""
+        t, waited, stole = self.P[j], 0.0, 0
+        with self.cond:
+            self.current = j
+            self.cond.notify_all()
+        while True:
+            with self.cond:
+                if t.done or not t.claimed:
+                    break
+                r = None if self.failed else self._next(True)
+                if r is None:
+                    w0 = time.perf_counter()
+                    while t.claimed and not t.done:
+                        self.cond.wait()
+                    waited += time.perf_counter() - w0
+                    continue
+            self._run(r)
+            stole += 1
+        return self.get(t), waited, stole
+
+    def close(self) -> None:
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()
+
+
+def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str, int, int], None] | None = None,
+                         ahead: int = PIPELINE_AHEAD) -> tuple[list[RoutingDone], dict[str, float]]:
+    """:func:`simulate_layer_work` of every unit in ``work``, on two threads: a second thread (one
+    :class:`~concurrent.futures.ThreadPoolExecutor` worker) generates the layers' routings and
+    makes their Plans in the serial order, at most ``ahead`` Plans (and the routings of one more
+    layer) ahead of the Plan this thread simulates; while this thread would wait for a Plan it
+    generates a routing ahead itself (one the second thread needs only after its next layer's).
+    Each routing and Plan is made once, by either thread: the same call on the same inputs as
+    serially, so the results are the serial loop's (kept in its order).
+    The first error in the serial order is the one raised: each piece's error is kept until this
+    thread reaches it; the second thread stops at the first failure and is joined before the error
+    propagates (nothing left running). CPU seconds per part are the thread's own that ran it
+    (``time.thread_time``). Returns the results and the pipeline's figures: this thread's seconds
+    waiting for Plans, the routings it built, the layers' process CPU (all threads), each
+    thread's own CPU seconds over the layers (the larger is the wall time two free cores need) and
+    the second thread's seconds waiting (at the bound, or for a routing this thread makes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    require(ahead >= 1, f"pipeline lookahead ({ahead}) must be >= 1 Plan")
+    pipe = _Pipeline(work, ahead)
+    done: list[dict] = [{} for _ in work]
+    wait, stolen = 0.0, 0
+    c0, m0 = time.process_time(), time.thread_time()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moonep-step") as pool:
+        second = pool.submit(pipe.builder)
+        try:
+            for j, (i, s, mb) in enumerate(pipe.units):
+                if progress and s == 0 and mb == 0:
+                    progress(f"layer routing {i + 1} of {len(work)}", i, len(work))
+                (plan, plan_s, plan_cpu_s), waited, stole = pipe.plan_for(j)
+                wait, stolen = wait + waited, stolen + stole
+                pipe.P[j].value = None                  # the Plan goes once simulated
+                done[i][(work[i].strategies[s][0], mb)] = _simulate_plan(work[i], plan, plan_s, plan_cpu_s,
+                                                                         time.thread_time)
+                del plan
+        finally:
+            pipe.close()
+    second.result()  # the second thread's own failure (not a piece's: those are kept), if any
+    out = [RoutingDone(d, *pipe.R[i].value[1:]) for i, d in enumerate(done)]
+    return out, {"wait_s": wait, "routings_here": stolen, "layers_cpu_s": time.process_time() - c0,
+                 "main_cpu_s": time.thread_time() - m0, "second_cpu_s": pipe.second_cpu_s,
+                 "second_wait_s": pipe.second_wait_s}
+
+
+def pipeline_pays(units: int, entries: int, cores: int | None = None) -> bool:
+    """Whether one job pipelines by default: two or more distinct layers of at least
+    :data:`PIPELINE_MIN_ENTRIES` routed entries each, and two or more cores this process may run on
+    (``cores``; default: its CPU affinity)."""
+    if cores is None:
+        import os
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return units >= 2 and entries >= PIPELINE_MIN_ENTRIES and cores >= 2
+
+
+__all__ = ["LayerWork", "LayerDone", "RoutingDone", "PIPELINE_AHEAD", "PIPELINE_MIN_ENTRIES", "pad_to_static",
+           "pipeline_pays", "pipelined_layer_work", "simulate_layer_work", "split_micro_batches"]
