@@ -4,25 +4,23 @@ loop over the N entries (``moonep_sim.jit.kernel``).
 Notation as in :mod:`moonep_sim.plan.ir`: R ranks, T tokens (ranks concatenated, in rank order), K
 top-k, N = T*K entries (flat id ``e = t*K + k``), S slots, M messages of the hop, W final rows.
 
-The numpy builders (``build.sorted_layout``, ``build.single_hop_messages``, ``build.final_rows``)
-sort the N entries with radix sorts on narrow keys and then gather and scatter them several times
-over, one array pass per step: at K3 EP64 and 4096 tokens per rank (4.2M entries, 896 slots) that
-is ~0.18 CPU s per layer for ``alltoall``. Here the sort by slot is a counting sort (one pass counts
-the slots, a second places each entry at its slot's next place: every slot's entries in entry
-order, so it is the stable sort) and the hop is two passes in entry order: one counts the messages
-of each (source, destination) block, the other hands each entry its block's next message (or, when
-a token is sent once per rank, its token's earlier message to that rank) and writes the final row
-it expands to (:func:`single_hop_plan`; alone, the counting sort is :func:`layout_by_slot`). The
-planners whose entries' slots follow from their experts' runs get them in one pass too:
-:func:`split_runs` (an expert's entries cut into consecutive pieces: moonep, llep, eplb's
-contiguous replicas), :func:`cycle_runs` (dealt round-robin: eplb's default); and deepep's nodes
-per token, :func:`distinct_per_token`. At K3 EP64 and 4096 tokens per rank alltoall, deepep and
-moonep plan in 0.41-0.45 of the numpy builders' CPU (docs/results/planning.md).
+A numpy builder sorts the N entries and then gathers and scatters them several times over, one
+array pass per step (at K3 EP64 and 4096 tokens per rank, 4.2M entries and 896 slots, ~0.18 CPU s
+per layer for ``alltoall`` in the tuned numpy this module replaced). Here the sort by slot is a
+counting sort (one pass counts the slots, a second places each entry at its slot's next place:
+every slot's entries in entry order, so it is the stable sort) and the hop is two passes in entry
+order: one counts the messages of each (source, destination) block, the other hands each entry its
+block's next message (or, when a token is sent once per rank, its token's earlier message to that
+rank) and writes the final row it expands to (:func:`single_hop_plan`; alone, the counting sort is
+:func:`layout_by_slot`). The planners whose entries' slots follow from their experts' runs get them
+in one pass too: :func:`split_runs` (an expert's entries cut into consecutive pieces: moonep, llep,
+eplb's contiguous replicas), :func:`cycle_runs` (dealt round-robin: eplb's default); and deepep's
+nodes per token, :func:`distinct_per_token`.
 
-Every array equals the numpy builders' (values and dtypes; ``tests/test_plan_fused.py``); they
-remain the reference and run below ``build.FUSED_MIN`` entries. A process's first compiled call
-starts numba (~0.24 s of CPU where scipy is not loaded yet, ~0.05 s where it is), whichever
-kernel makes it.
+Every array equals the readable builders' (``reference.plan_from_slots``, ``runs``: values and
+dtypes; ``tests/test_plan_fused.py``), which run below ``perf.plan_compiled_min`` entries
+(``compiled.covers``, asked once per builder). A process's first compiled call starts numba
+(~0.24 s of CPU where scipy is not loaded yet, ~0.05 s where it is), whichever kernel makes it.
 
 Kernels never trust an index they read: an out-of-range slot, rank or entry id makes the kernel
 return its position (``>= 0``; -1 = all in range) before anything is written through it, and the
