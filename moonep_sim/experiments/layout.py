@@ -99,7 +99,7 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
     shape = step_shape(m, mode, T, ctx)
     g_ep = group.cluster.gpus_per_node
     rs = group
-    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile)
+    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, mode=mode)
     mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
     cfg = StepConfig(m, group.topology, group.ctx, group.strategies, shape, overlap, costs, mem, {})
     pool = None

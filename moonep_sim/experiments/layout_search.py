@@ -186,7 +186,7 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
                                 global_batch_size=global_batch_size, schedules=schedules, seq=seq)
     require(bool(layouts), f"no valid layout of {model.name} on {gpus} GPUs ({G} per node): every tp, pp, dp, ep "
                            "split breaks a rule (heads, experts, layers or the GPU count)")
-    costs = step_cost_model(topo, gemm_dtype)
+    costs = step_cost_model(topo, gemm_dtype, mode=mode)
     mem = MemoryOptions(recompute=recompute)
 
     def T_of(p) -> int:

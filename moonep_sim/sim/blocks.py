@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from moonep_sim.sim.fill_kernels import count_transfers, fill_levels, solver_tables
+from moonep_sim.sim.tick_kernels import plain
 from moonep_sim.sim.ports import Block, PortMap, block_kind
 
 RUN_MAX = 256    # ports considered for one run of the block solver's filling
@@ -161,9 +162,11 @@ class BlockCounts:
                                     for x in tabs)
         #: int64 [2N] contiguous copies of ``mt_row_N`` / ``cell_col_N`` for the kernels
         self.row_U, self.col_U = c(self.mt_row_N, dtype=np.int64), c(self.cell_col_N, dtype=np.int64)
-        #: the solver's tables as the kernels read them (fill_kernels.SolverTables)
-        self._kernel_static = solver_tables(self.simple, dm, RUN_MAX, self.pall, self.port_nodes, self.pps, self.nps,
-                                            self.cell_key_N, self.row_U, self.col_U, *small(self.cell_NW, self.other_NW))
+        #: the solver's tables as the kernels read them (fill_kernels.SolverTables, as a plain tuple:
+        #: ``tick_kernels.plain``)
+        self._kernel_static = plain(solver_tables(self.simple, dm, RUN_MAX, self.pall, self.port_nodes, self.pps, self.nps,
+                                            self.cell_key_N, self.row_U, self.col_U,
+                                            *small(self.cell_NW, self.other_NW)))
 
     def fresh(self) -> "BlockCounts":
         """A BlockCounts of the same port map with nothing counted: this one's tables (built once
