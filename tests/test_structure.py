@@ -173,8 +173,6 @@ OUTSIDE_CORE_WIDE_OR_LONG = {
     # them one to one): one typed options record shared by the three is the fix
     "experiments/step.py:run_step", "experiments/layout.py:run_layout_step",
     "experiments/layout_search.py:search_layouts",
-    # the serving engine's batch formation (preemption, continuation, admission, pricing in one pass)
-    "serve/engine.py:start",
 }
 
 
