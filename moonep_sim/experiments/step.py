@@ -300,6 +300,8 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     passes = trace_passes(src) if src.gen is None else [(None, None)]
     if context is None and src.gen is None and src.merged and mode != "decode":
         context = _longest_pass(src, R)  # the passes' own sequence length, not the concatenation's
+    shared = _Pass(mode, overlap, tokens_per_rank, context, distinct_layers, compute_profile, gemm_dtype, recompute,
+                   static, costs, mem, skew, jobs, cluster, pipeline)
     from moonep_sim.progress import resolve
 
     with resolve(progress, "step") as report:
@@ -308,9 +310,7 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
             if len(passes) > 1:
                 cb = (lambda msg, d, t, k=k, sid=step_id:
                       report(f"recorded step {sid} ({k + 1} of {len(passes)}): {msg}", k * t + d, len(passes) * t))
-            out.append(_one_pass(rs, m, mode, overlap, tokens_per_rank, context, distinct_layers, compute_profile,
-                                 gemm_dtype, recompute, static, costs, mem, skew, step_id, steps_T, cb, jobs,
-                                 cluster, pipeline, seqs * mtp.verify_tokens if mtp.depth else None))
+            out.append(_one_pass(rs, m, shared, step_id, steps_T, cb, seqs * mtp.verify_tokens if mtp.depth else None))
     if mtp.depth:
         _add_mtp(out, m, mtp, seqs, costs, mem, R, context)
     return out
@@ -331,46 +331,68 @@ def _add_mtp(out: list, m: ModelSpec, mtp: Any, seqs: int, costs: Any, mem: Any,
                             "tokens_per_step": mtp.tokens_per_step}
 
 
-def _one_pass(rs, m, mode, overlap, tokens_per_rank, context, distinct_layers, compute_profile, gemm_dtype,
-              recompute, static, costs, mem, skew, step_id, steps_T, progress, jobs, cluster, pipeline,
-              route_tokens=None) -> StepResult:
-    """:func:`run_step`'s step of one recorded pass (or of the generated routing). ``route_tokens``: tokens
-    per rank the MoE layers route when not the step's (MTP: each sequence verifies 1 + depth tokens)."""
+@dataclass(frozen=True)
+class _Pass:
+    """What every pass of :func:`run_step` shares: its arguments as given (``static``: static
+    buffer tokens per strategy; ``skew``: the stand-in layers' skew or None) and the cost model and
+    memory options built from them."""
+
+    mode: str
+    overlap: str
+    tokens_per_rank: int | None
+    context: int | None
+    distinct_layers: int
+    compute_profile: str | None
+    gemm_dtype: str
+    recompute: bool
+    static: dict
+    costs: Any
+    mem: Any
+    skew: Any
+    jobs: int | None
+    cluster: str | None
+    pipeline: bool | None
+
+
+def _one_pass(rs, m, shared: "_Pass", step_id, steps_T, progress, route_tokens: int | None = None) -> StepResult:
+    """:func:`run_step`'s step of one recorded pass (or of the generated routing); ``shared``:
+    the settings every pass shares. ``route_tokens``: tokens per rank the MoE layers route when not
+    the step's (MTP: each sequence verifies 1 + depth tokens)."""
     from moonep_sim.step import StepConfig, simulate_step, step_shape
 
     src = rs.source
     R = rs.cluster.ranks
     n = None
     if src.gen is not None:
-        T = int(tokens_per_rank or src.gen.tokens_per_rank)
+        T = int(shared.tokens_per_rank or src.gen.tokens_per_rank)
     else:
         n = int(steps_T.size) if steps_T is not None else int(src.tokens or 0)
-        require(tokens_per_rank is None or tokens_per_rank * R == n,
-                f"tokens per rank ({tokens_per_rank}) must be the trace's tokens over the ranks ({n} / {R}): "
+        require(shared.tokens_per_rank is None or shared.tokens_per_rank * R == n,
+                f"tokens per rank ({shared.tokens_per_rank}) must be the trace's tokens over the ranks ({n} / {R}): "
                 "a trace sets the batch")
         require(n >= 1, f"trace tokens ({n}) must be >= 1")
         T = max(n // R, 1)  # fewer tokens than ranks: the busiest ranks hold one, the others none
-    shape = step_shape(m, mode, T, context)
-    for s, S in static.items():
+    shape = step_shape(m, shared.mode, T, shared.context)
+    for s, S in shared.static.items():
         require(int(S) >= T, f"static buffer tokens ({S}) of {s} must be >= the tokens per rank ({T})")
-    cfg = StepConfig(m, rs.topology, rs.ctx, rs.strategies, shape, overlap, costs, mem, static)
+    cfg = StepConfig(m, rs.topology, rs.ctx, rs.strategies, shape, shared.overlap, shared.costs, shared.mem, shared.static)
     pool = None
-    if cluster or (jobs or 1) != 1:
+    if shared.cluster or (shared.jobs or 1) != 1:
         from moonep_sim.experiments.parallel import run_points
 
-        pool = lambda fn, items: run_points(fn, items, jobs=jobs, cluster=cluster, progress=progress,
+        pool = lambda fn, items: run_points(fn, items, jobs=shared.jobs, cluster=shared.cluster, progress=progress,
                                             label=lambda w: "layer")
-    res = simulate_step(cfg, layer_source(src, R, route_tokens or T, m.moe_layers, distinct_layers, steps_T, skew, n),
-                        progress, pool, pipeline)
+    res = simulate_step(cfg, layer_source(src, R, route_tokens or T, m.moe_layers, shared.distinct_layers, steps_T, shared.skew, n),
+                        progress, pool, shared.pipeline)
     timelines = res.pop("_timelines")
     setup = {k: v for k, v in res.items() if k != "strategies"}
     setup.update(model=m.name, ranks=R, gpus_per_node=rs.cluster.gpus_per_node, topology=rs.topology.name,
-                 routing=src.describe(), gemm_dtype=gemm_dtype, weight_dtype=mem.weight_dtype,
-                 kv_dtype=mem.kv_dtype, compute_profile=compute_profile,
-                 distinct_layers=distinct_layers, recompute=recompute, jobs=jobs, cluster=cluster,
+                 routing=src.describe(), gemm_dtype=shared.gemm_dtype, weight_dtype=shared.mem.weight_dtype,
+                 kv_dtype=shared.mem.kv_dtype, compute_profile=shared.compute_profile,
+                 distinct_layers=shared.distinct_layers, recompute=shared.recompute, jobs=shared.jobs, cluster=shared.cluster,
                  options={name: {k: str(v) for k, v in o.items()} for name, o in rs.strategies},
                  stand_ins=sum(1 for p in res["layers_routing"] if p.startswith("STAND-IN")),
-                 standin_skew=skew,
+                 standin_skew=shared.skew,
                  reused_layers=sum(1 for p in res["layers_routing"] if "reused" in p),
                  step_id=step_id, step_tokens=n, merged=bool(src.gen is None and src.merged),
                  zero_token_ranks=max(R - n, 0) if n is not None else 0,

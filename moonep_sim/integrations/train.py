@@ -147,9 +147,30 @@ def _ep_factory(name: str, opts: dict[str, str], capacity: int, a: argparse.Name
                                      topology=topo, timeout_s=a.timeout)
 
 
+def _check_strategies(a: argparse.Namespace, names: list[str], opts: dict[str, dict[str, str]], build,
+                      capacity: int, report) -> dict[str, Any]:
+    """``--check``: every strategy's training (and greedy generation) against the single-process
+    model; the report's ``check`` (per strategy), ``check_ok`` and ``prompts`` entries."""
+    from moonep_sim.integrations.check import check_generate, check_training, prompts_of
+
+    out: dict[str, Any] = {"check": {}}
+    for i, n in enumerate(names):
+        report(f"checking {n} against the single-process model", i, len(names))
+        res = check_training(build, _ep_factory(n, opts[n], capacity, a), steps=a.check_steps, batch=a.batch,
+                             seq=a.seq, seed=a.seed, lr=a.lr)
+        if a.generate:
+            res.update(check_generate(res["ref"], res["model"], new_tokens=a.generate, prompt_len=a.seq, seed=a.seed))
+            res["ok"] = res["ok"] and res["tokens_equal"]
+        out["check"][n] = {k: v for k, v in res.items() if k not in ("ep", "model", "ref", "tokens")}
+        del res
+    out["check_ok"] = all(c["ok"] for c in out["check"].values())
+    out["prompts"] = prompts_of(dist.get_world_size(), dist.get_world_size() - 1)[1]
+    return out
+
+
 def run(a: argparse.Namespace) -> dict[str, Any] | None:
     """The whole program on this rank; returns the report on rank 0 (None elsewhere)."""
-    from moonep_sim.integrations.check import check_generate, check_training, even_shard, global_batch, prompts_of
+    from moonep_sim.integrations.check import even_shard, global_batch
     from moonep_sim.integrations.tiny import build_model
 
     from moonep_sim.progress import to_file
@@ -159,25 +180,13 @@ def run(a: argparse.Namespace) -> dict[str, Any] | None:
     tr = _Tracked(a.timeout)
     names, opts = strategy_names(a.strategy), strategy_options(a)
     dtype = _DTYPES[a.dtype or ("float64" if a.check and not a.compare_sim else "float32")]
-    n_prompt = prompts_of(R, R - 1)[1]
     capacity = max(a.batch * a.seq, 2 * (a.seq + a.generate))
     build = lambda: build_model(a.model, a.seed, dtype)   # noqa: E731 (same weights on every rank)
     rep: dict[str, Any] = {"model": a.model, "world_size": R, "strategies": names, "options": opts,
                            "steps": a.steps, "warmup": a.warmup, "batch": a.batch, "seq": a.seq, "dtype": str(dtype)[6:],
                            "seed": a.seed, "lr": a.lr, "capacity": capacity}
     if a.check:
-        rep["check"] = {}
-        for i, n in enumerate(names):
-            report(f"checking {n} against the single-process model", i, len(names))
-            res = check_training(build, _ep_factory(n, opts[n], capacity, a), steps=a.check_steps, batch=a.batch,
-                                 seq=a.seq, seed=a.seed, lr=a.lr)
-            if a.generate:
-                res.update(check_generate(res["ref"], res["model"], new_tokens=a.generate, prompt_len=a.seq, seed=a.seed))
-                res["ok"] = res["ok"] and res["tokens_equal"]
-            rep["check"][n] = {k: v for k, v in res.items() if k not in ("ep", "model", "ref", "tokens")}
-            del res
-        rep["check_ok"] = all(c["ok"] for c in rep["check"].values())
-        rep["prompts"] = n_prompt
+        rep.update(_check_strategies(a, names, opts, build, capacity, report))
     # -- the timed run: one model per strategy, steps interleaved ---------------------------------
     base = build()
     rep["model_shape"] = model_shape(base)

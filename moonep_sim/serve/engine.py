@@ -216,12 +216,12 @@ class _Engine:
         B = self.W[i].w.cfg.block
         return -(-tokens // B)
 
-    def start(self, t: float, i: int) -> None:
+    def _preempt(self, i: int, run: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Steps 1-2 of :meth:`start` on worker ``i``: the running requests' decodes and KV growth,
+        preempting (newest first on an overflowing rank, back to the head of the queue) until every
+        rank's KV blocks fit. Returns the running and decoding requests and the blocks per rank [R]."""
         s, w = self.W[i], self.W[i].w
-        cfg, R = w.cfg, w.ranks
-        k = cfg.mtp_tokens
-        run = s.running
-        # 1-2: decodes, KV growth and preemption (newest first on an overflowing rank)
+        k, R = w.cfg.mtp_tokens, w.ranks
         while True:
             dec = run[self.comp[run] >= self.need[run]] if w.role != "prefill" else run[:0]
             grow = np.zeros(len(run), np.int64)
@@ -231,7 +231,7 @@ class _Engine:
                                    minlength=R).astype(np.int64) if len(run) else np.zeros(R, np.int64)
             over = np.flatnonzero(blocks_R > self.cap_blocks[i])
             if not len(over):
-                break
+                return run, dec, blocks_R
             victim_pos = np.flatnonzero(self.rank[run] == over[0])[-1]
             v = int(run[victim_pos])
             run = np.delete(run, victim_pos)
@@ -240,6 +240,12 @@ class _Engine:
             self.comp[v] = self.hit[v]
             self.rank[v] = -1
             s.waiting.insert(0, v)
+
+    def start(self, t: float, i: int) -> None:
+        s, w = self.W[i], self.W[i].w
+        cfg, R = w.cfg, w.ranks
+        k = cfg.mtp_tokens
+        run, dec, blocks_R = self._preempt(i, s.running)
         budget_R = np.full(R, cfg.token_budget, np.int64)
         run_R = np.bincount(self.rank[run], minlength=R) if len(run) else np.zeros(R, np.int64)
         if len(dec):
