@@ -14,6 +14,12 @@ not to advise huge pages (``--numpy-hugepages`` keeps numpy's default, for compa
 C allocator reuse freed memory (``--default-malloc`` keeps glibc's default); a tree without those
 settings is timed without them, as its command ran.
 
+**The command itself** (unless ``--no-cli``): each strategy is also timed as the user types it,
+``moonep-sim plan --trace gen:GEN --strategy S --ranks R --gpus-per-node G --json`` in fresh
+processes (``--rounds`` of them, the median; ``benchmarks/_cli.py``) -- imports, the layer
+generated, the Plan, its JSON -- beside the first run (or, without one, the best) with command /
+that figure, and whether its Plan answers the same (rows, bytes, drops, duplicates).
+
 ``--floor`` also times, per strategy and in a fresh process of its own, the physical floor of its
 Plan: allocating and writing once arrays of the sizes its Plan holds (every array the planner
 made, the routing's own excluded) -- no planner can produce that Plan in less.
