@@ -66,3 +66,22 @@ def test_a_command_past_its_time_is_killed(cli):
     run = cli.run_once(["step", "--gen", "model=kimi-k3,maxvio=2,tokens-per-rank=4096", "--ranks", "64",
                         "--gpus-per-node", "8", "--strategies", "deepep", "--quiet"], timeout_s=1.0)
     assert run["timed_out"] and run["returncode"] < 0  # killed by a signal
+
+
+@pytest.mark.slow
+def test_bench_plan_times_the_plan_command_beside_its_figure_and_gets_the_same_plan(cli, tmp_path):
+    bench_plan = importlib.import_module("bench_plan")
+    out = tmp_path / "plan.json"
+    assert bench_plan.main(["--gen", "model=mixtral-8x7b,maxvio=2,tokens-per-rank=64", "--ranks", "4",
+                            "--gpus-per-node", "4", "--strategies", "alltoall,moonep", "--repeats", "1",
+                            "--no-fresh", "--json", str(out)]) == 0
+    import json
+
+    for row in json.loads(out.read_text())["strategies"]:
+        c = row["cli"]
+        assert c["cli_command"] == ("moonep-sim plan --trace gen:model=mixtral-8x7b,maxvio=2,tokens-per-rank=64 "
+                                    f"--strategy {row['strategy']} --ranks 4 --gpus-per-node 4 --json")
+        assert c["same_answer"] is True  # the command's Plan is the one timed in process
+        assert c["inprocess_cpu_s"] == row["best"]["cpu_s"]
+        if row["best"]["cpu_s"] > 0:  # (a tiny Plan may take less than the clock's tick)
+            assert c["cli_over_inprocess_cpu"] == pytest.approx(c["cli_cpu_s"] / row["best"]["cpu_s"])
