@@ -390,12 +390,15 @@ def with_cli(rows: list[dict], cli: dict) -> list[dict]:
 def cli_table(rows: list[dict]) -> str:
     """The CLI beside the in-process run, back to back: wall and CPU seconds and their ratios."""
     out = ["| case | strategy | CLI wall s | in-process wall s | CLI / in-process | CLI CPU s | in-process CPU s | "
-           "load | same step time |", "|---|---|---|---|---|---|---|---|---|"]
+           "CLI / in-process CPU | load | same step time |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "cli_wall_s" in r:
             out.append(f"| {r['case']} | {r['strategy']} | {r['cli_wall_s']:.1f} | {r['wall_s']:.1f} | "
                        f"{r['cli_over_inprocess_wall']:.2f}x | {r['cli_cpu_s']:.1f} | {r['cpu_s']:.1f} | "
+                       f"{r['cli_over_inprocess_cpu']:.2f}x | "
                        f"{r['cli_load_start']:.1f}-{r['load_end']:.1f} | {r['cli_same_step_time']} |")
+    out += ["", "commands timed (each in a fresh process):"]
+    out += [f"  {c}" for c in dict.fromkeys(r["cli_command"] for r in rows if "cli_command" in r)]
     return "\n".join(out)
 
 
