@@ -75,9 +75,13 @@ def test_deepep_v1_on_efa_is_flagged_not_native_and_the_proxy_families_are_nativ
     got = native_flags({"deepep": {}, "deepep-ll": {}, "alltoall": {}}, "h100-efa")
     assert {(f["code"], f["strategy"]) for f in got} == {("kernel-not-native", "deepep"),
                                                           ("kernel-not-native", "deepep-ll")}
-    assert native_flags({"deepep": {"impl": "uccl-ep"}, "deepep-ll": {"impl": "uccl-ep-ll"}}, "h100-efa") == []
-    assert native_flags({"deepep": {"impl": "deepep-nvshmem-efa"}}, "h100-efa") == []
-    assert [f["strategy"] for f in native_flags({"deepep": {"impl": "deepep-nvshmem-efa"}}, "h800-cx7")] == ["deepep"]
+    codes = lambda fl: {(f["code"], f["strategy"]) for f in fl}
+    assert codes(native_flags({"deepep": {"impl": "uccl-ep"}, "deepep-ll": {"impl": "uccl-ep-ll"}}, "h100-efa")) == \
+        {("host-proxy", "deepep"), ("host-proxy", "deepep-ll")}     # native, and the proxy named
+    got = native_flags({"deepep": {"impl": "deepep-nvshmem-efa"}}, "h100-efa")
+    assert codes(got) == {("host-proxy", "deepep")} and "4.05 us of proxy time per relayed message" in got[0]["text"]
+    assert codes(native_flags({"deepep": {"impl": "deepep-nvshmem-efa"}}, "h800-cx7")) == \
+        {("kernel-not-native", "deepep"), ("host-proxy", "deepep")}
     assert native_flags({"deepep": {}}, "h800-cx7") == [] and native_flags({"deepep": {}}, "my.toml") == []
     # a host proxy's cost per relayed message (chunk) is its proxied operations' time shared by its threads
     assert FAMILIES["uccl-ep"].message_us == pytest.approx(PROXY_OP_US * UCCL_EFA_OPS_PER_CHUNK / UCCL_PROXY_THREADS)
