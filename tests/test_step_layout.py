@@ -121,8 +121,9 @@ def test_pipeline_layout_runs_and_zero_shards_memory():
         assert f0["pipeline_ranks"][0]["pipeline_end_us"] > 0
         assert f0["tokens_per_step"] == 16 * 128
         # weights, gradients and optimizer state alone: a lower bound known before any simulation
+        from moonep_sim.step import MemoryOptions, step_shape
         from moonep_sim.step.layout_step import static_memory_bytes
-        st = static_memory_bytes(_model(4), p0)
+        st = static_memory_bytes(_model(4), p0, step_shape(_model(4), "train", 128, 128), MemoryOptions())
         parts = f0["memory"]["parts"]
         assert st == pytest.approx(parts["weights"] + parts["gradients"] + parts["optimizer"], rel=0.01)
         assert st < f0["peak_memory_bytes"]

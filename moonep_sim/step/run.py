@@ -234,7 +234,7 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
     return {"strategies": out, "mode": shape.mode, "tokens_per_rank": shape.tokens, "context": shape.context,
             "overlap": ov.name, "layers_routing": provenance, "pipeline": piped,
             "compute_sources": costs.sources(all_ops(stack_ops(m, mb_shapes[0]), train), train),
-            "_timelines": timelines}
+            "_timelines": timelines, "_footprints": fps_of}
 
 
 def _run_layer_work(work: list, map_fn: Callable | None, pipeline: bool,
