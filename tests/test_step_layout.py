@@ -246,3 +246,32 @@ def test_zero3_gathers_hide_behind_compute():
     busy = f["pipeline"]["busy_us"][0]
     assert r0["zero3_gather_exposed_us"] == pytest.approx(max(2 * 2 * ag - busy, 0.0))
     assert r0["param_gather_us"] == 0.0
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_tp_decode_gemms_read_their_weight_shard(tp):
+    """A TP rank's decode GEMMs run the TP group's rows through 1/tp of the weight: the FLOPs of the
+    rank's share, 1/tp of the weight bytes, so a memory-bound decode GEMM takes 1/tp of the time."""
+    from moonep_sim.step.costs import CostModel
+    from moonep_sim.step.stack import head_ops, layer_ops, step_shape
+
+    m = get_model("deepseek-v3")
+    one = step_shape(m, "decode", 8, 4096)                      # 8 sequences, no TP
+    split = dataclasses.replace(one, shards=tp, tp=tp)          # a TP rank's 8-sequence share of 8 x tp
+    costs = CostModel(load_topology("h800-cx7"))
+    dense, moe = layer_ops(m, 0, one), layer_ops(m, m.dense_layers, one)
+    dense_t, moe_t = layer_ops(m, 0, split), layer_ops(m, m.dense_layers, split)
+    pairs = [(a, b) for a, b in zip(dense.before + moe.before, dense_t.before + moe_t.before) if a.kind == "gemm"]
+    pairs += [(moe.shared, moe_t.shared), (head_ops(m, one)[1][0], head_ops(m, split)[1][0])]
+    names = {a.name for a, _ in pairs}
+    assert {"attn_proj", "dense_ffn", "shared_expert", "lm_head"} <= names
+    for a, b in pairs:
+        if a.name == "latent_proj":
+            continue
+        assert b.flops == pytest.approx(a.flops) and b.rows == a.rows * tp
+        assert b.bytes == pytest.approx(a.bytes / tp, rel=1e-6)
+        # memory-bound at these rows: the roofline is the shard's bytes over the GEMM's bandwidth
+        assert costs.roofline_op_us(a) == pytest.approx(a.bytes / costs.gemm_mem_bytes_per_us)
+        assert costs.roofline_op_us(b) == pytest.approx(costs.roofline_op_us(a) / tp, rel=1e-6)
+    # the router stays on the rank's own tokens (replicated weight): unchanged
+    assert moe_t.router == moe.router

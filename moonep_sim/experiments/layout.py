@@ -117,7 +117,7 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
     p.check(N, m)
     require(not static_tokens, "static buffers are not modelled under a layout yet")
     T, ctx = layout_tokens(p, mode, tokens_per_rank, context, src.gen.tokens_per_rank)
-    shape = dataclasses.replace(step_shape(m, mode, T, ctx), shards=p.tp * p.cp)
+    shape = dataclasses.replace(step_shape(m, mode, T, ctx), shards=p.tp * p.cp, tp=p.tp)
     g_ep = group.cluster.gpus_per_node
     rs = group
     from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, check_supported, get_dtype
@@ -157,8 +157,9 @@ LAYOUT_ASSUMPTIONS = (
     "no zero-bubble weight split",
     "memory per pipeline rank by the layout's account (memory_for_layout) over the Plans of the layers simulated; "
     "recompute changes memory, not the priced time",
-    "a TP rank's GEMMs priced as its share of the tokens through the whole weight: the FLOPs are the shard's, the "
-    "weight bytes a memory-bound (decode) GEMM reads are not divided by tp (decode under TP priced high)",
+    "a TP rank's split GEMMs (attention projections, dense FFN, shared experts, LM head) run the TP group's rows "
+    "through 1/tp of the weight (column-parallel shape); the router, latent projection and attention core run the "
+    "rank's 1/tp share of the tokens (MLA's replicated latent cache read per rank not multiplied by tp)",
 )
 
 

@@ -72,20 +72,20 @@ def enumerate_layouts(model, gpus: int, gpus_per_node: int, mode: str = "train",
     return out
 
 
-def _unit_key(p, G: int, T: int) -> tuple[int, int, int, int]:
-    """(ep, EP GPUs per node, tokens per rank, TP x CP shards): what a layer's program depends on."""
+def _unit_key(p, G: int, T: int) -> tuple[int, int, int, int, int]:
+    """(ep, EP GPUs per node, tokens per rank, TP x CP shards, tp): what a layer's program depends on."""
     from moonep_sim.step.layout_step import expert_group_gpus_per_node
 
-    return p.ep, expert_group_gpus_per_node(p, G), T, p.tp * p.cp
+    return p.ep, expert_group_gpus_per_node(p, G), T, p.tp * p.cp, p.tp
 
 
 def _layer_class(model, l: int) -> tuple[bool, str]:
     return l >= model.dense_layers, model.attention_kind(l)
 
 
-def price_units(scenario, model, key: tuple[int, int, int, int], mode: str, seq: int, costs, mem,
+def price_units(scenario, model, key: tuple[int, int, int, int, int], mode: str, seq: int, costs, mem,
                 overlap: str) -> dict:
-    """``{layer class: {strategy: StageProgram}}`` of one unit key (ep, EP GPUs per node, T, shards): one
+    """``{layer class: {strategy: StageProgram}}`` of one unit key (ep, EP GPUs per node, T, shards, tp): one
     layer of each class simulated alone as a one-layer model's step over the EP group."""
     from moonep_sim.experiments.step import layer_source
     from moonep_sim.step import StepConfig, step_shape
@@ -93,9 +93,9 @@ def price_units(scenario, model, key: tuple[int, int, int, int], mode: str, seq:
                                              stage_model)
     from moonep_sim.step.run import simulate_step
 
-    ep, g_ep, T, shards = key
+    ep, g_ep, T, shards, tp = key
     group = dataclasses.replace(scenario, cluster=(ep, g_ep)).resolved
-    shape = dataclasses.replace(step_shape(model, mode, T, seq if mode == "train" else None), shards=shards)
+    shape = dataclasses.replace(step_shape(model, mode, T, seq if mode == "train" else None), shards=shards, tp=tp)
     src = layer_source(group.source, ep, T, model.moe_layers, 1)
     out = {}
 
@@ -246,7 +246,8 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
     rows = []
     for j, p in enumerate(layouts):
         T = T_of(p)
-        shape = dataclasses.replace(step_shape(model, mode, T, seq if mode == "train" else None), shards=p.tp * p.cp)
+        shape = dataclasses.replace(step_shape(model, mode, T, seq if mode == "train" else None), shards=p.tp * p.cp,
+                                    tp=p.tp)
         key = _unit_key(p, min(G, gpus), T)
         if key not in units:
             continue

@@ -164,7 +164,7 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
     M = ov.micro_batches
     require(shape.tokens >= M, f"tokens per rank ({shape.tokens}) must be >= {M} for overlap {ov.name}")
     mb_shapes = [StepShape(shape.mode, (shape.tokens * (i + 1)) // M - (shape.tokens * i) // M,
-                           shape.context, shape.shards) for i in range(M)]
+                           shape.context, shape.shards, shape.tp) for i in range(M)]
     missing = costs.missing_ops(all_ops(stack_ops(m, mb_shapes[0]), train) + _expert_ops(train))
     require(not missing, f"--compute-profile ({costs.profile.path if costs.profile else ''}) must time every op "
                          f"of the step: missing {len(missing)}: {', '.join(missing[:6])}"
