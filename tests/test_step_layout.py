@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from moonep_sim.errors import ConfigError
@@ -275,3 +276,48 @@ def test_tp_decode_gemms_read_their_weight_shard(tp):
         assert costs.roofline_op_us(b) == pytest.approx(costs.roofline_op_us(a) / tp, rel=1e-6)
     # the router stays on the rank's own tokens (replicated weight): unchanged
     assert moe_t.router == moe.router
+
+
+def test_attention_dp_waits_for_the_rank_with_the_longest_context():
+    """Data-parallel attention in decode: each rank's attention core at its own context; the MoE
+    dispatch (a collective) starts once the slowest rank is ready. One rank with twice the context:
+    its attention takes that context's time, every rank's first dispatch starts when it is ready --
+    as if every rank had the long context -- and the step lies between all-short and all-long."""
+    from moonep_sim.experiments.step import layer_source
+    from moonep_sim.step import MemoryOptions, StepConfig, simulate_step
+    from moonep_sim.step.costs import step_cost_model
+    from moonep_sim.step.stack import layer_ops, step_shape
+
+    sc = _sc(8, layers=2)
+    rs = sc.resolved
+    m = _model(2)
+    short, long_ = 2048, 4096
+    costs = step_cost_model(load_topology("h800-cx7"), "bf16", mode="decode")
+    core = {c: costs.op_us(next(o for o in layer_ops(m, 0, step_shape(m, "decode", 64, c)).before
+                                if o.kind == "attention")) for c in (short, long_)}
+    assert core[long_] > core[short]
+
+    def timelines(cs):
+        shape = dataclasses.replace(step_shape(m, "decode", 64, max(cs)), contexts=tuple(cs))
+        cfg = StepConfig(m, rs.topology, rs.ctx, rs.strategies, shape, "none", costs, MemoryOptions(), {})
+        return simulate_step(cfg, layer_source(rs.source, 8, 64, m.moe_layers, 1), None, None, False)["_timelines"]
+
+    mixed, alllong = timelines([short] * 7 + [long_]), timelines([long_] * 8)
+    for n, tl in mixed.items():
+        att = [e for e in tl.events if e.name == "attn_core" and e.layer == 0][0]
+        assert att.end_R[7] - att.start_R[7] == pytest.approx(core[long_])
+        assert att.end_R[0] - att.start_R[0] == pytest.approx(core[short])
+        d_mixed = [e for e in tl.events if e.name == "dispatch" and e.layer == 0][0]
+        d_long = [e for e in alllong[n].events if e.name == "dispatch" and e.layer == 0][0]
+        assert d_mixed.start_R == pytest.approx(np.full(8, d_long.start_R[0]))
+        assert d_mixed.start_R[0] >= att.end_R[7]
+    # the layout step under attention-DP takes them per EP rank
+    p = Parallel(dp=8, ep=8, dp_attention=True)
+    step = {k: sc.step("decode", parallel=p, tokens_per_rank=64, contexts_R=cs, distinct_layers=1).figures
+            for k, cs in (("mixed", [short] * 7 + [long_]), ("short", [short] * 8), ("long", [long_] * 8))}
+    for n, f in step["mixed"].items():
+        assert step["short"][n]["step_time_us"] < f["step_time_us"] <= step["long"][n]["step_time_us"] + 1e-9
+    with pytest.raises(ConfigError, match=r"contexts per rank \(3 given, least 1\) must be one >= 1 per rank"):
+        sc.step("decode", parallel=p, tokens_per_rank=64, contexts_R=[1, 2, 3])
+    with pytest.raises(ConfigError, match=r"need a decode step under data-parallel attention"):
+        sc.step("decode", parallel=Parallel(dp=8, ep=8), tokens_per_rank=64, contexts_R=[short] * 8)

@@ -100,10 +100,14 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
                     weight_dtype: str = "bf16", kv_dtype: str = "bf16",
                     optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
                     static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
-                    cluster: str | None = None, pipeline: bool | None = None, layer_source=None):
+                    cluster: str | None = None, pipeline: bool | None = None, layer_source=None,
+                    contexts_R=None):
     """``(figures, setup, timelines)`` of ``scenario``'s step under ``parallel`` (see the module
     docstring; the keywords are :func:`~moonep_sim.experiments.step.run_step`'s, which wraps them
-    in its ``StepResult``; ``layer_source`` its routing source builder)."""
+    in its ``StepResult``; ``layer_source`` its routing source builder). ``contexts_R``: decode under
+    data-parallel attention, each rank's KV context over the EP group's ``ep`` ranks (ASSUMED alike in
+    every EP group): each rank's attention at its own context, every MoE dispatch waiting for the
+    slowest; the KV cache counted at the longest)."""
     from moonep_sim.step import MemoryOptions, StepConfig, step_shape
     from moonep_sim.step.costs import step_cost_model
     from moonep_sim.step.layout_step import layout_step
@@ -118,6 +122,15 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
     require(not static_tokens, "static buffers are not modelled under a layout yet")
     T, ctx = layout_tokens(p, mode, tokens_per_rank, context, src.gen.tokens_per_rank)
     shape = dataclasses.replace(step_shape(m, mode, T, ctx), shards=p.tp * p.cp, tp=p.tp)
+    if contexts_R is not None:
+        cs = tuple(int(c) for c in contexts_R)
+        require(mode == "decode" and p.dp_attention,
+                f"contexts per rank ({len(cs)} given) need a decode step under data-parallel attention "
+                f"(--mode decode --dp-attention; mode {mode}, dp_attention {p.dp_attention})")
+        require(len(cs) == p.ep and min(cs) >= 1,
+                f"contexts per rank ({len(cs)} given, least {min(cs, default=0)}) must be one >= 1 per rank of the "
+                f"EP group ({p.ep})")
+        shape = dataclasses.replace(shape, context=max(cs), contexts=cs)
     g_ep = group.cluster.gpus_per_node
     rs = group
     from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, check_supported, get_dtype

@@ -245,7 +245,8 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
              kv_dtype: str = "bf16", mtp_depth: int = 0, mtp_acceptance: float = 0.8, recompute: bool = False,
              optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
              static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
-             cluster: str | None = None, pipeline: bool | None = None, parallel: Any = None) -> list[StepResult]:
+             cluster: str | None = None, pipeline: bool | None = None, parallel: Any = None,
+             contexts_R: Any = None) -> list[StepResult]:
     """The step(s) of ``scenario`` (an :class:`~moonep_sim.experiments.scenario.Scenario`, or its
     ``Resolved``): one result, or one per recorded step of a trace with several steps. The step's distinct MoE layers
     are planned and simulated in ``jobs`` worker processes or on a Dask ``cluster``
@@ -253,7 +254,8 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     With one job, ``pipeline`` (None: when it pays, ``moonep_sim.step.layer_work.pipeline_pays``; False:
     off) builds the next layer's routing and Plans on a second thread while this one simulates.
     ``parallel``: a :class:`~moonep_sim.step.parallel.Parallel` layout over the scenario's GPUs
-    (:mod:`moonep_sim.experiments.layout`); None: today's pure-EP step."""
+    (:mod:`moonep_sim.experiments.layout`); None: today's pure-EP step. ``contexts_R``: under a
+    decode layout with data-parallel attention, each EP rank's KV context."""
     if parallel is not None:
         from moonep_sim.experiments.layout import run_layout_step
 
@@ -265,11 +267,13 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
             distinct_layers=distinct_layers, compute_profile=compute_profile, gemm_dtype=gemm_dtype, recompute=recompute,
             weight_dtype=weight_dtype, kv_dtype=kv_dtype, optimizer_shard=optimizer_shard, optimizer_bytes_per_param=optimizer_bytes_per_param,
             static_tokens=static_tokens, progress=progress, jobs=jobs, cluster=cluster, pipeline=pipeline,
-            layer_source=layer_source)
+            layer_source=layer_source, contexts_R=contexts_R)
         return [StepResult(tuple(figs), figs, setup, timelines)]
     from moonep_sim.step import MemoryOptions
     from moonep_sim.step.costs import step_cost_model
 
+    require(contexts_R is None, "contexts per rank apply to a decode step under a layout with data-parallel "
+                                "attention (parallel=Parallel(..., dp_attention=True))")
     rs = getattr(scenario, "resolved", scenario)
     src = rs.source
     m = model or src.model

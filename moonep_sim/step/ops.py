@@ -69,6 +69,9 @@ class StepShape:
     tp: the tensor-parallel ranks among those shards: each TP-split GEMM (attention projections,
     dense FFN, shared experts, LM head) runs the TP group's ``T x tp`` rows through ``1/tp`` of its
     weight -- the FLOPs of the rank's share, the weight bytes of its shard (1: no TP).
+    contexts: decode under data-parallel attention, each rank's KV context ([R] over the ranks the
+    step composes; empty: every rank ``context``): rank r's attention core is priced at
+    ``contexts[r]``, and the MoE layer's dispatch (a collective) waits for the slowest rank.
     """
 
     mode: str
@@ -76,6 +79,7 @@ class StepShape:
     context: int
     shards: int = 1
     tp: int = 1
+    contexts: tuple = ()
 
     @property
     def sequences(self) -> int:
