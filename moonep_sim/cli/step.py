@@ -114,8 +114,10 @@ def add_step_options(p, *, level: bool = False, tokens: bool = True) -> None:
     p.add_argument("--mtp-acceptance", type=float, default=d["mtp_acceptance"], metavar="P",
                    help="decode with --mtp-depth: the chance each draft is accepted (tokens per step 1 + P + ... + "
                         "P^N; default 0.8)" + at)
-    p.add_argument("--recompute", action="store_true", default=d["recompute"],
-                   help="train: recompute attention and norms in the backward" + at)
+    p.add_argument("--recompute", nargs="?", const="selective", default=d["recompute"], metavar="LEVEL",
+                   help="train: what the backward recomputes: selective (the flag alone: the attention core, norms "
+                        "and MLA's up-projections), full (each layer from its input), none, or selective:MOD,... "
+                        "(of core_attn, mla_up_proj, layernorm, moe_act)" + at)
     p.add_argument("--optimizer-shard", type=int, default=d["optimizer_shard"], metavar="N",
                    help="ranks the dense weights' optimizer state is sharded over (0 = all ranks)" + at)
     p.add_argument("--optimizer-bytes-per-param", type=float, default=d["optimizer_bytes_per_param"],
@@ -328,7 +330,9 @@ def run_search(args) -> int:
                                 global_batch_size=args.global_batch_size or 0, schedules=schedules,
                                 zeros=(args.zero,) if args.zero is not None else (1, 2, 3),
                                 overlap=args.overlap or "none", gemm_dtype=args.gemm_dtype or "bf16",
-                                recompute=bool(args.recompute), top=args.top, tokens_per_rank=args.tokens_per_rank,
+                                recompute=args.recompute or False, top=args.top, tokens_per_rank=args.tokens_per_rank,
+                                weight_dtype=args.weight_dtype or "bf16", kv_dtype=args.kv_dtype or "bf16",
+                                optimizer_bytes_per_param=12.0 if args.optimizer_bytes_per_param is None else args.optimizer_bytes_per_param,
                                 progress=lambda d, n: cb("priced" if d <= n else "", d, n))
     if args.json:
         text = json.dumps(to_jsonable(rep, lenient=True), indent=1)
