@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from moonep_sim.errors import ConfigError
@@ -121,8 +122,9 @@ def test_pipeline_layout_runs_and_zero_shards_memory():
         assert f0["pipeline_ranks"][0]["pipeline_end_us"] > 0
         assert f0["tokens_per_step"] == 16 * 128
         # weights, gradients and optimizer state alone: a lower bound known before any simulation
+        from moonep_sim.step import MemoryOptions, step_shape
         from moonep_sim.step.layout_step import static_memory_bytes
-        st = static_memory_bytes(_model(4), p0)
+        st = static_memory_bytes(_model(4), p0, step_shape(_model(4), "train", 128, 128), MemoryOptions())
         parts = f0["memory"]["parts"]
         assert st == pytest.approx(parts["weights"] + parts["gradients"] + parts["optimizer"], rel=0.01)
         assert st < f0["peak_memory_bytes"]
@@ -245,3 +247,77 @@ def test_zero3_gathers_hide_behind_compute():
     busy = f["pipeline"]["busy_us"][0]
     assert r0["zero3_gather_exposed_us"] == pytest.approx(max(2 * 2 * ag - busy, 0.0))
     assert r0["param_gather_us"] == 0.0
+
+
+@pytest.mark.parametrize("tp", [2, 8])
+def test_tp_decode_gemms_read_their_weight_shard(tp):
+    """A TP rank's decode GEMMs run the TP group's rows through 1/tp of the weight: the FLOPs of the
+    rank's share, 1/tp of the weight bytes, so a memory-bound decode GEMM takes 1/tp of the time."""
+    from moonep_sim.step.costs import CostModel
+    from moonep_sim.step.stack import head_ops, layer_ops, step_shape
+
+    m = get_model("deepseek-v3")
+    one = step_shape(m, "decode", 8, 4096)                      # 8 sequences, no TP
+    split = dataclasses.replace(one, shards=tp, tp=tp)          # a TP rank's 8-sequence share of 8 x tp
+    costs = CostModel(load_topology("h800-cx7"))
+    dense, moe = layer_ops(m, 0, one), layer_ops(m, m.dense_layers, one)
+    dense_t, moe_t = layer_ops(m, 0, split), layer_ops(m, m.dense_layers, split)
+    pairs = [(a, b) for a, b in zip(dense.before + moe.before, dense_t.before + moe_t.before) if a.kind == "gemm"]
+    pairs += [(moe.shared, moe_t.shared), (head_ops(m, one)[1][0], head_ops(m, split)[1][0])]
+    names = {a.name for a, _ in pairs}
+    assert {"attn_proj", "dense_ffn", "shared_expert", "lm_head"} <= names
+    for a, b in pairs:
+        if a.name == "latent_proj":
+            continue
+        assert b.flops == pytest.approx(a.flops) and b.rows == a.rows * tp
+        assert b.bytes == pytest.approx(a.bytes / tp, rel=1e-6)
+        # memory-bound at these rows: the roofline is the shard's bytes over the GEMM's bandwidth
+        assert costs.roofline_op_us(a) == pytest.approx(a.bytes / costs.gemm_mem_bytes_per_us)
+        assert costs.roofline_op_us(b) == pytest.approx(costs.roofline_op_us(a) / tp, rel=1e-6)
+    # the router stays on the rank's own tokens (replicated weight): unchanged
+    assert moe_t.router == moe.router
+
+
+def test_attention_dp_waits_for_the_rank_with_the_longest_context():
+    """Data-parallel attention in decode: each rank's attention core at its own context; the MoE
+    dispatch (a collective) starts once the slowest rank is ready. One rank with twice the context:
+    its attention takes that context's time, every rank's first dispatch starts when it is ready --
+    as if every rank had the long context -- and the step lies between all-short and all-long."""
+    from moonep_sim.experiments.step import layer_source
+    from moonep_sim.step import MemoryOptions, StepConfig, simulate_step
+    from moonep_sim.step.costs import step_cost_model
+    from moonep_sim.step.stack import layer_ops, step_shape
+
+    sc = _sc(8, layers=2)
+    rs = sc.resolved
+    m = _model(2)
+    short, long_ = 2048, 4096
+    costs = step_cost_model(load_topology("h800-cx7"), "bf16", mode="decode")
+    core = {c: costs.op_us(next(o for o in layer_ops(m, 0, step_shape(m, "decode", 64, c)).before
+                                if o.kind == "attention")) for c in (short, long_)}
+    assert core[long_] > core[short]
+
+    def timelines(cs):
+        shape = dataclasses.replace(step_shape(m, "decode", 64, max(cs)), contexts=tuple(cs))
+        cfg = StepConfig(m, rs.topology, rs.ctx, rs.strategies, shape, "none", costs, MemoryOptions(), {})
+        return simulate_step(cfg, layer_source(rs.source, 8, 64, m.moe_layers, 1), None, None, False)["_timelines"]
+
+    mixed, alllong = timelines([short] * 7 + [long_]), timelines([long_] * 8)
+    for n, tl in mixed.items():
+        att = [e for e in tl.events if e.name == "attn_core" and e.layer == 0][0]
+        assert att.end_R[7] - att.start_R[7] == pytest.approx(core[long_])
+        assert att.end_R[0] - att.start_R[0] == pytest.approx(core[short])
+        d_mixed = [e for e in tl.events if e.name == "dispatch" and e.layer == 0][0]
+        d_long = [e for e in alllong[n].events if e.name == "dispatch" and e.layer == 0][0]
+        assert d_mixed.start_R == pytest.approx(np.full(8, d_long.start_R[0]))
+        assert d_mixed.start_R[0] >= att.end_R[7]
+    # the layout step under attention-DP takes them per EP rank
+    p = Parallel(dp=8, ep=8, dp_attention=True)
+    step = {k: sc.step("decode", parallel=p, tokens_per_rank=64, contexts_R=cs, distinct_layers=1).figures
+            for k, cs in (("mixed", [short] * 7 + [long_]), ("short", [short] * 8), ("long", [long_] * 8))}
+    for n, f in step["mixed"].items():
+        assert step["short"][n]["step_time_us"] < f["step_time_us"] <= step["long"][n]["step_time_us"] + 1e-9
+    with pytest.raises(ConfigError, match=r"contexts per rank \(3 given, least 1\) must be one >= 1 per rank"):
+        sc.step("decode", parallel=p, tokens_per_rank=64, contexts_R=[1, 2, 3])
+    with pytest.raises(ConfigError, match=r"need a decode step under data-parallel attention"):
+        sc.step("decode", parallel=Parallel(dp=8, ep=8), tokens_per_rank=64, contexts_R=[short] * 8)

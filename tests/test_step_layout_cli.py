@@ -89,3 +89,57 @@ def test_sweep_level_step_takes_the_layout(capsys, tmp_path):
     rep = json.loads((tmp_path / "s" / "sweep.json").read_text())
     assert rep["step"]["parallel"]["pp"] == 2 and rep["step"]["parallel"]["dp"] == 4
     assert len(rep["strategies"]["alltoall"]["step_time_us"]) == 2
+
+
+@pytest.mark.slow
+def test_deepseek_v3_pretraining_layout_fits_in_80_gb_through_step(capsys, tmp_path):
+    """DeepSeek-V3's published pretraining layout (PP16 DualPipe x DP128 x EP64, ZeRO-1, no TP, fp8
+    GEMMs, bf16 Adam moments: 8 B/param, RMSNorm, MLA up-projections and the SwiGLU output
+    recomputed; one 4096-token sequence per micro-batch, 15360 sequences per batch) through
+    `moonep-sim step`: the layout step's memory is the layout account's (memory_for_layout) over the
+    step's Plans; on routing as balanced as its auxiliary-loss-free training keeps it (maxvio 0.2,
+    ASSUMED), the busiest rank fits the 79.6 GiB an 80 GB card reports."""
+    from moonep_sim.models import get_model
+    from moonep_sim.step import MemoryOptions, step_shape
+    from moonep_sim.step.memory import memory_for_layout
+    from moonep_sim.step.parallel import Parallel
+
+    out = tmp_path / "ds.json"
+    rc, _, err = _status(["step", "--gen", "model=deepseek-v3,maxvio=0.2", "--strategies", "deepep",
+                          "--distinct-layers", "1", "--pp", "16", "--pp-schedule", "dualpipe", "--dp", "128",
+                          "--ep", "64", "--zero", "1", "--global-batch-size", "15360", "--context", "4096",
+                          "--gemm-dtype", "fp8", "--optimizer-bytes-per-param", "8",
+                          "--recompute", "selective:layernorm,mla_up_proj,moe_act", "--json", str(out)], capsys)
+    assert rc == 0, err
+    doc = json.loads(out.read_text())
+    f = doc["strategies"]["deepep"]
+    GiB = 2**30
+    assert not f["oom"] and f["peak_memory_bytes"] < 79.6 * GiB
+    assert len(f["memory_per_pp_rank"]) == 16 and f["pipeline"]["schedule"] == "dualpipe"
+    # one account: the balanced stand-in of the same layout and options is the floor of the step's
+    m = get_model("deepseek-v3")
+    par = Parallel(pp=16, dp=128, ep=64, zero=1, pp_schedule="dualpipe", global_batch_size=15360).check(2048, m)
+    opts = MemoryOptions(gemm_dtype="fp8", optimizer_bytes_per_param=8, recompute="selective",
+                         recompute_modules=("layernorm", "mla_up_proj", "moe_act"))
+    bal = memory_for_layout(m, step_shape(m, "train", 4096, 4096), par, [], opts)
+    assert bal["peak_bytes"] <= f["peak_memory_bytes"] < 1.1 * bal["peak_bytes"]
+    for k in ("weights", "gradients", "optimizer"):   # the stage's static parts do not depend on the routing
+        assert f["memory"]["stages"][0]["parts"][k] == pytest.approx(bal["stages"][0]["parts"][k])
+    assert "fp8" in f["memory"]["assumptions"] and "layernorm, mla_up_proj, moe_act" in f["memory"]["assumptions"]
+    # bf16 GEMMs, 12-byte Adam and nothing recomputed: out of memory, and the step names the smallest change that fits
+    rc, text, err = _status(["step", "--gen", "model=deepseek-v3,maxvio=0.2", "--strategies", "deepep",
+                             "--distinct-layers", "1", "--pp", "16", "--pp-schedule", "dualpipe", "--dp", "128",
+                             "--ep", "64", "--global-batch-size", "15360", "--context", "4096",
+                             "--json", str(out)], capsys)
+    f = json.loads(out.read_text())["strategies"]["deepep"]
+    assert rc == 0 and f["oom"] and f["fit"] and "recompute" in f["fit"]["change"]
+
+
+@pytest.mark.parametrize("value, match", [("partial", r"--recompute \('partial'\) must be none, selective, full"),
+                                          ("full:layernorm", r"modules must follow selective"),
+                                          ("selective:attn", r"modules must follow selective: and be among")])
+def test_bad_recompute_is_one_line(value, match, capsys):
+    rc, _, err = _status(STEP + ["--recompute", value], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    import re
+    assert re.search(match, err), err

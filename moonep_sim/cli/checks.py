@@ -36,7 +36,10 @@ def check_step_flags(args) -> None:
                 f"--optimizer-bytes-per-param ({b:g}) must be a number in [0, {MAX_OPTIMIZER_BYTES_PER_PARAM:g}]: "
                 "optimizer state per parameter (12 = mixed-precision Adam)")
     mode = getattr(args, "mode", None) or "train"
-    if getattr(args, "recompute", None):
+    if getattr(args, "recompute", None) not in (None, False, "none"):
+        from moonep_sim.experiments.layout import recompute_options
+
+        recompute_options(args.recompute)
         require(mode == "train", f"--recompute must not be given with --mode {mode}: recomputation replays the "
                                  f"forward in a training step's backward, and a {mode} step has none")
     for item in getattr(args, "static_buffer", None) or []:

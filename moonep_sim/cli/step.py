@@ -114,8 +114,10 @@ def add_step_options(p, *, level: bool = False, tokens: bool = True) -> None:
     p.add_argument("--mtp-acceptance", type=float, default=d["mtp_acceptance"], metavar="P",
                    help="decode with --mtp-depth: the chance each draft is accepted (tokens per step 1 + P + ... + "
                         "P^N; default 0.8)" + at)
-    p.add_argument("--recompute", action="store_true", default=d["recompute"],
-                   help="train: recompute attention and norms in the backward" + at)
+    p.add_argument("--recompute", nargs="?", const="selective", default=d["recompute"], metavar="LEVEL",
+                   help="train: what the backward recomputes: selective (the flag alone: the attention core, norms "
+                        "and MLA's up-projections), full (each layer from its input), none, or selective:MOD,... "
+                        "(of core_attn, mla_up_proj, layernorm, moe_act)" + at)
     p.add_argument("--optimizer-shard", type=int, default=d["optimizer_shard"], metavar="N",
                    help="ranks the dense weights' optimizer state is sharded over (0 = all ranks)" + at)
     p.add_argument("--optimizer-bytes-per-param", type=float, default=d["optimizer_bytes_per_param"],
@@ -328,7 +330,9 @@ def run_search(args) -> int:
                                 global_batch_size=args.global_batch_size or 0, schedules=schedules,
                                 zeros=(args.zero,) if args.zero is not None else (1, 2, 3),
                                 overlap=args.overlap or "none", gemm_dtype=args.gemm_dtype or "bf16",
-                                recompute=bool(args.recompute), top=args.top, tokens_per_rank=args.tokens_per_rank,
+                                recompute=args.recompute or False, top=args.top, tokens_per_rank=args.tokens_per_rank,
+                                weight_dtype=args.weight_dtype or "bf16", kv_dtype=args.kv_dtype or "bf16",
+                                optimizer_bytes_per_param=12.0 if args.optimizer_bytes_per_param is None else args.optimizer_bytes_per_param,
                                 progress=lambda d, n: cb("priced" if d <= n else "", d, n))
     if args.json:
         text = json.dumps(to_jsonable(rep, lenient=True), indent=1)
@@ -362,13 +366,12 @@ def write_outputs(doc: dict, first, args) -> dict[str, str]:
     written (a failure leaves none of them). Returns {what: path}."""
     from pathlib import Path
 
-    from moonep_sim.io import staged_dir, to_jsonable, write_text_atomic
-    from moonep_sim.report.html import provenance, write_html
+    from moonep_sim.io import staged_dir
+    from moonep_sim.report.html import write_report
     from moonep_sim.report.plots import step_bars
 
     out = Path(args.out)
     docs = doc["steps"] if doc.get("kind") == "steps" else [doc]
-    files: dict[str, str] = {}
     with staged_dir(out, "--out") as tmp:
         figs = {}
         if not args.no_plots:
@@ -377,11 +380,5 @@ def write_outputs(doc: dict, first, args) -> dict[str, str]:
                 figs[stem] = step_bars(dict(d), tmp / f"{stem}.png")
             if first.timelines:    # a layout step has pipeline ranks, not one timeline
                 figs["gantt"] = _gantt(first, args, tmp / "gantt.png")
-            files = {k: str(out / f"{k}.png") for k in figs}
-        doc = dict(doc)
-        doc["provenance"] = provenance()
-        files.update(html=str(out / "report.html"), report=str(out / "report.json"))
-        doc["files"] = dict(files)
-        write_html(doc, tmp / "report.html", figs)
-        write_text_atomic(tmp / "report.json", json.dumps(to_jsonable(doc, lenient=True), indent=1))
+        files = write_report(doc, tmp, out, figs)
     return files

@@ -41,6 +41,26 @@ def layout_tokens(parallel, mode: str, tokens_per_rank: int | None, context: int
     return T // (p.tp * p.cp), context
 
 
+def recompute_options(value: "bool | str") -> dict:
+    """``MemoryOptions``' recompute keywords from a recompute setting: False / True (none /
+    selective), ``none``, ``selective``, ``full``, or ``selective:MOD,MOD`` naming what selective
+    recompute recomputes (``core_attn``, ``mla_up_proj``, ``layernorm``, ``moe_act``)."""
+    if isinstance(value, bool) or value is None:
+        return {"recompute": bool(value)}
+    level, _, mods = str(value).partition(":")
+    from moonep_sim.step.activations import RECOMPUTE, RECOMPUTE_MODULES
+
+    require(level in RECOMPUTE, f"--recompute ({value!r}) must be none, selective, full or selective:MOD,... "
+                                "(what a training backward recomputes)")
+    if not mods:
+        return {"recompute": level}
+    names = tuple(x for x in mods.split(",") if x)
+    bad = [x for x in names if x not in RECOMPUTE_MODULES]
+    require(level == "selective" and names and not bad,
+            f"--recompute ({value!r}) modules must follow selective: and be among {', '.join(RECOMPUTE_MODULES)}")
+    return {"recompute": level, "recompute_modules": names}
+
+
 def ep_group(scenario: Any, p, model=None) -> tuple[Any, int, int]:
     """(one EP group's Resolved, the job's GPUs N, GPUs per node G) of a scenario (or its
     Resolved) under layout ``p``. A Scenario's cluster names the job (default N: the layout's
@@ -76,13 +96,18 @@ def ep_group(scenario: Any, p, model=None) -> tuple[Any, int, int]:
 
 def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_per_rank: int | None = None,
                     context: int | None = None, model=None, distinct_layers: int = 0,
-                    compute_profile: str | None = None, gemm_dtype: str = "bf16", recompute: bool = False,
+                    compute_profile: str | None = None, gemm_dtype: str = "bf16", recompute: "bool | str" = False,
+                    weight_dtype: str = "bf16", kv_dtype: str = "bf16",
                     optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
                     static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
-                    cluster: str | None = None, pipeline: bool | None = None, layer_source=None):
+                    cluster: str | None = None, pipeline: bool | None = None, layer_source=None,
+                    contexts_R=None):
     """``(figures, setup, timelines)`` of ``scenario``'s step under ``parallel`` (see the module
     docstring; the keywords are :func:`~moonep_sim.experiments.step.run_step`'s, which wraps them
-    in its ``StepResult``; ``layer_source`` its routing source builder)."""
+    in its ``StepResult``; ``layer_source`` its routing source builder). ``contexts_R``: decode under
+    data-parallel attention, each rank's KV context over the EP group's ``ep`` ranks (ASSUMED alike in
+    every EP group): each rank's attention at its own context, every MoE dispatch waiting for the
+    slowest; the KV cache counted at the longest)."""
     from moonep_sim.step import MemoryOptions, StepConfig, step_shape
     from moonep_sim.step.costs import step_cost_model
     from moonep_sim.step.layout_step import layout_step
@@ -96,11 +121,25 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
     p.check(N, m)
     require(not static_tokens, "static buffers are not modelled under a layout yet")
     T, ctx = layout_tokens(p, mode, tokens_per_rank, context, src.gen.tokens_per_rank)
-    shape = dataclasses.replace(step_shape(m, mode, T, ctx), shards=p.tp * p.cp)
+    shape = dataclasses.replace(step_shape(m, mode, T, ctx), shards=p.tp * p.cp, tp=p.tp)
+    if contexts_R is not None:
+        cs = tuple(int(c) for c in contexts_R)
+        require(mode == "decode" and p.dp_attention,
+                f"contexts per rank ({len(cs)} given) need a decode step under data-parallel attention "
+                f"(--mode decode --dp-attention; mode {mode}, dp_attention {p.dp_attention})")
+        require(len(cs) == p.ep and min(cs) >= 1,
+                f"contexts per rank ({len(cs)} given, least {min(cs, default=0)}) must be one >= 1 per rank of the "
+                f"EP group ({p.ep})")
+        shape = dataclasses.replace(shape, context=max(cs), contexts=cs)
     g_ep = group.cluster.gpus_per_node
     rs = group
-    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, mode=mode)   # as today's step
-    mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute)
+    from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, check_supported, get_dtype
+
+    wd = check_supported(get_dtype(weight_dtype, "--weight-dtype", WEIGHT_DTYPES), rs.topology, "--weight-dtype")
+    check_supported(get_dtype(kv_dtype, "--kv-dtype", KV_DTYPES), rs.topology, "--kv-dtype")
+    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, mode=mode, weight_bytes=wd.weight_bytes)
+    mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                        gemm_dtype=gemm_dtype, **recompute_options(recompute))
     cfg = StepConfig(m, group.topology, group.ctx, group.strategies, shape, overlap, costs, mem, {})
     pool = None
     if cluster or (jobs or 1) != 1:
@@ -112,8 +151,9 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
     timelines = res.pop("_timelines")
     setup = {k: v for k, v in res.items() if k != "strategies"}
     setup.update(model=m.name, ranks=N, gpus=N, ep_group_ranks=p.ep, ep_group_gpus_per_node=g_ep, gpus_per_node=G,
-                 topology=rs.topology.name, routing=src.describe(), gemm_dtype=gemm_dtype,
-                 compute_profile=compute_profile, distinct_layers=distinct_layers, recompute=recompute, jobs=jobs,
+                 topology=rs.topology.name, routing=src.describe(), gemm_dtype=gemm_dtype, weight_dtype=weight_dtype,
+                 kv_dtype=kv_dtype, memory_options=mem.describe(),
+                 compute_profile=compute_profile, distinct_layers=distinct_layers, recompute=mem.recompute, jobs=jobs,
                  cluster=cluster, options={n: {k: str(v) for k, v in o.items()} for n, o in rs.strategies},
                  stand_ins=0, reused_layers=sum(1 for x in res["layers_routing"] if "reused" in x),
                  step_tokens=None, gpu_tflops=rs.topology.gpu_tflops, gpu_memory_GiB=rs.topology.gpu_memory_GiB,
@@ -128,11 +168,12 @@ LAYOUT_ASSUMPTIONS = (
     "at 30 B/param",
     "pipeline sends over the link the stage boundary crosses; DualPipe order by the rule of its figure, "
     "no zero-bubble weight split",
-    "activations per micro-batch from the stage's tokens per rank (sequence-parallel sized); memory with the "
-    "layout's shards over today's per-chunk account",
-    "a TP rank's GEMMs priced as its share of the tokens through the whole weight: the FLOPs are the shard's, the "
-    "weight bytes a memory-bound (decode) GEMM reads are not divided by tp (decode under TP priced high)",
+    "memory per pipeline rank by the layout's account (memory_for_layout) over the Plans of the layers simulated; "
+    "recompute changes memory, not the priced time",
+    "a TP rank's split GEMMs (attention projections, dense FFN, shared experts, LM head) run the TP group's rows "
+    "through 1/tp of the weight (column-parallel shape); the router, latent projection and attention core run the "
+    "rank's 1/tp share of the tokens (MLA's replicated latent cache read per rank not multiplied by tp)",
 )
 
 
-__all__ = ["DEFAULT_TRAIN_SEQ", "LAYOUT_ASSUMPTIONS", "layout_tokens", "run_layout_step"]
+__all__ = ["DEFAULT_TRAIN_SEQ", "LAYOUT_ASSUMPTIONS", "layout_tokens", "recompute_options", "run_layout_step"]

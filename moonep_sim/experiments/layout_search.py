@@ -72,20 +72,20 @@ def enumerate_layouts(model, gpus: int, gpus_per_node: int, mode: str = "train",
     return out
 
 
-def _unit_key(p, G: int, T: int) -> tuple[int, int, int, int]:
-    """(ep, EP GPUs per node, tokens per rank, TP x CP shards): what a layer's program depends on."""
+def _unit_key(p, G: int, T: int) -> tuple[int, int, int, int, int]:
+    """(ep, EP GPUs per node, tokens per rank, TP x CP shards, tp): what a layer's program depends on."""
     from moonep_sim.step.layout_step import expert_group_gpus_per_node
 
-    return p.ep, expert_group_gpus_per_node(p, G), T, p.tp * p.cp
+    return p.ep, expert_group_gpus_per_node(p, G), T, p.tp * p.cp, p.tp
 
 
 def _layer_class(model, l: int) -> tuple[bool, str]:
     return l >= model.dense_layers, model.attention_kind(l)
 
 
-def price_units(scenario, model, key: tuple[int, int, int, int], mode: str, seq: int, costs, mem,
+def price_units(scenario, model, key: tuple[int, int, int, int, int], mode: str, seq: int, costs, mem,
                 overlap: str) -> dict:
-    """``{layer class: {strategy: StageProgram}}`` of one unit key (ep, EP GPUs per node, T, shards): one
+    """``{layer class: {strategy: StageProgram}}`` of one unit key (ep, EP GPUs per node, T, shards, tp): one
     layer of each class simulated alone as a one-layer model's step over the EP group."""
     from moonep_sim.experiments.step import layer_source
     from moonep_sim.step import StepConfig, step_shape
@@ -93,9 +93,9 @@ def price_units(scenario, model, key: tuple[int, int, int, int], mode: str, seq:
                                              stage_model)
     from moonep_sim.step.run import simulate_step
 
-    ep, g_ep, T, shards = key
+    ep, g_ep, T, shards, tp = key
     group = dataclasses.replace(scenario, cluster=(ep, g_ep)).resolved
-    shape = dataclasses.replace(step_shape(model, mode, T, seq if mode == "train" else None), shards=shards)
+    shape = dataclasses.replace(step_shape(model, mode, T, seq if mode == "train" else None), shards=shards, tp=tp)
     src = layer_source(group.source, ep, T, model.moe_layers, 1)
     out = {}
 
@@ -123,7 +123,8 @@ def price_units(scenario, model, key: tuple[int, int, int, int], mode: str, seq:
 def priced_stages(model, p, units: dict, name: str, shape, costs) -> list:
     """Each model stage's :class:`~moonep_sim.step.layout_step.StageProgram` for strategy ``name``:
     the sum of its layers' one-layer programs (each less the embedding and head it ran), the
-    embedding and head added once; memory likewise (see :func:`_stage_memory`)."""
+    embedding and head added once; its MoE layers' Plans (footprints) those of the unit's one layer,
+    which :func:`~moonep_sim.step.layout_step.layout_memory` accounts under the layout."""
     from moonep_sim.step.layout_step import StageProgram, _head_us, stage_bounds
 
     ef, hf, eb, hb = _head_us(model, shape, costs)
@@ -136,40 +137,53 @@ def priced_stages(model, p, units: dict, name: str, shape, costs) -> list:
             B += sp.backward_us - eb - hb
             Fc += sp.forward_compute_us - ef - hf
             Bc += sp.backward_compute_us - eb - hb
-        out.append(StageProgram(F, B, Fc, Bc, _stage_memory(model, a, b, progs, p.ep, shape),
-                                sum(sp.dropped for sp in progs), sum(sp.entries for sp in progs)))
+        out.append(StageProgram(F, B, Fc, Bc, {}, sum(sp.dropped for sp in progs), sum(sp.entries for sp in progs),
+                                tuple(f for sp in progs for f in sp.footprints)))
     return out
 
 
-def _stage_memory(model, a: int, b: int, progs: list, ep: int, shape) -> dict:
-    """Today's memory account of layers ``[a, b)`` over ``ep`` ranks from the one-layer accounts:
-    the stage's own weights, the largest buffers, the layers' activations and KV (each one-layer
-    account's fp32 logits and embedding counted once)."""
-    from moonep_sim.step.layout_step import chunk_params
-    from moonep_sim.step.stack import BF16
+def no_fit_note(model, gpus: int, static: list, mem, cap: float, shape_of: Callable, fp8: bool) -> dict[str, Any]:
+    """Why no layout fits on ``gpus`` GPUs of ``cap`` bytes, with the arithmetic: every parameter's
+    stored bytes (weights in their dtype, and in train the gradients and optimizer state) sharded over
+    every GPU is the floor no layout beats; and the smallest change that fits the layout with the
+    least static memory (``static``: (layout, bytes) pairs; :func:`~moonep_sim.step.memory_fit.smallest_fit`
+    on a balanced stand-in), or None."""
+    import math
 
-    logits = float(shape.tokens) * model.vocab * 4 if shape.mode == "train" else 0.0
-    dense, expert = chunk_params(model, a, b, True, True)
-    extra = 0.0
-    for l, sp in zip(range(a, b), progs):
-        if not sp.memory.get("dense_only"):
-            dn, ex = chunk_params(model, l, l + 1, True, True)
-            extra += max(sp.memory["parts"]["weights"] - (dn + ex / ep) * BF16, 0.0)
-    parts = {"weights": (dense + expert / ep) * BF16 + extra,
-             "buffers": max(sp.memory["parts"]["buffers"] for sp in progs)}
-    if shape.mode == "train":   # a dense unit's activations hold no logits (they cancelled)
-        parts["activations"] = sum(sp.memory["parts"]["activations"] - (0.0 if sp.memory.get("dense_only") else logits)
-                                   for sp in progs) + logits
-    else:
-        parts["kv_cache"] = sum(sp.memory["parts"]["kv_cache"] for sp in progs)
-    return {"parts": parts, "peak_bytes": float(sum(parts.values()))}
+    from moonep_sim.step.dtypes import WEIGHT_DTYPES, get_dtype
+    from moonep_sim.step.layout_step import chunk_params
+    from moonep_sim.step.memory_fit import smallest_fit
+
+    dense, expert = chunk_params(model, 0, model.layers, True, True)
+    params = dense + expert
+    per = get_dtype(mem.weight_dtype, "weight dtype", WEIGHT_DTYPES).weight_bytes
+    train = shape_of(static[0][0]).mode == "train" if static else False
+    if train:
+        per += mem.grad_bytes_per_param + mem.optimizer_bytes_per_param
+    floor = params * per
+    least, least_b = min(static, key=lambda x: x[1]) if static else (None, 0.0)
+    fit = smallest_fit(model, shape_of(least), least, [], mem, cap, fp8=fp8) if least is not None else None
+    line = (f"no layout fits in memory on {gpus} GPUs: {params / 1e12:.3g}T parameters x {per:g} B (weights"
+            + (", gradients and optimizer state" if train else "") + f") = {floor / 2**40:.1f} TiB, "
+            f"{floor / gpus / 2**30:.0f} GiB per GPU even fully sharded, over the {cap / 2**30:g} GiB a GPU has: "
+            f"at least {math.ceil(floor / cap)} GPUs")
+    if least is not None:
+        line += (f"; the least-loaded layout ({least.label()} ZeRO{least.zero}, {least_b / 2**30:.0f} GiB before "
+                 "activations) fits with " + (f"{fit['change']} ({fit['detail']})" if fit else
+                                              "no single change or pair tried (recompute, ZeRO, more pipeline stages, "
+                                              "fp8 weights or KV)"))
+    return {"parameters": params, "bytes_per_param": per, "floor_bytes": floor, "min_gpus": math.ceil(floor / cap),
+            "least_layout": least.to_dict() if least is not None else None, "least_static_bytes": least_b,
+            "fit": fit, "line": line}
 
 
 def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096, micro_batch_size: int = 1,
                    global_batch_size: int = 0, schedules: tuple[str, ...] = ("1f1b",), zeros: tuple[int, ...] = (1, 2, 3),
                    overlap: str = "none",
-                   gemm_dtype: str = "bf16", recompute: bool = False, top: int = 5, tokens_per_rank: int | None = None,
-                   progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                   gemm_dtype: str = "bf16", recompute: "bool | str" = False, top: int = 5,
+                   tokens_per_rank: int | None = None, progress: Callable[[int, int], None] | None = None,
+                   weight_dtype: str = "bf16", kv_dtype: str = "bf16", optimizer_bytes_per_param: float = 12.0
+                   ) -> dict[str, Any]:
     """Every valid layout of ``scenario``'s model on ``gpus`` GPUs, priced (see the module
     docstring). Returns ``{"ranked": {strategy: [the best ``top`` rows, fitting ones first]},
     "rows": every (layout, strategy) row, "valid", "fit", "seconds", ...}``; ``progress(done, total)``
@@ -192,20 +206,31 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
                                 global_batch_size=global_batch_size, schedules=schedules, seq=seq, zeros=zeros)
     require(bool(layouts), f"no valid layout of {model.name} on {gpus} GPUs ({G} per node): every tp, pp, dp, ep "
                            "split breaks a rule (heads, experts, layers or the GPU count)")
-    costs = step_cost_model(topo, gemm_dtype, mode=mode)   # as a step prices its ops
+    from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, check_supported, get_dtype
+
+    wd = check_supported(get_dtype(weight_dtype, "--weight-dtype", WEIGHT_DTYPES), topo, "--weight-dtype")
+    check_supported(get_dtype(kv_dtype, "--kv-dtype", KV_DTYPES), topo, "--kv-dtype")
+    costs = step_cost_model(topo, gemm_dtype, mode=mode, weight_bytes=wd.weight_bytes)   # as a step prices its ops
+    from moonep_sim.experiments.layout import recompute_options
+
+    mem = MemoryOptions(optimizer_bytes_per_param, 0, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                        gemm_dtype=gemm_dtype, **recompute_options(recompute))
     # what cannot fit even without activations is dropped before any simulation
     from moonep_sim.step.layout_step import static_memory_bytes
 
     cap = topo.gpu_memory_GiB * 2**30
-    static = [(p, static_memory_bytes(model, p, mode == "train")) for p in layouts]
-    unfit = [p for p, b in static if cap and b > cap]
-    layouts = [p for p, b in static if not (cap and b > cap)]
-    mem = MemoryOptions(recompute=recompute)
 
     def T_of(p) -> int:
         if mode == "train":
             return micro_batch_size * seq // (p.tp * p.cp)
         return max(int(tokens_per_rank or probe.source.gen.tokens_per_rank) // p.tp, 1)
+
+    def replica_shape(p):   # one micro-batch of one data-parallel replica
+        return step_shape(model, mode, T_of(p) * p.tp * p.cp, seq if mode == "train" else None)
+
+    static = [(p, static_memory_bytes(model, p, replica_shape(p), mem)) for p in layouts]
+    unfit = [p for p, b in static if cap and b > cap]
+    layouts = [p for p, b in static if not (cap and b > cap)]
 
     keys = sorted({_unit_key(p, min(G, gpus), T_of(p)) for p in layouts})
     total = len(keys) + len(layouts)
@@ -221,7 +246,8 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
     rows = []
     for j, p in enumerate(layouts):
         T = T_of(p)
-        shape = dataclasses.replace(step_shape(model, mode, T, seq if mode == "train" else None), shards=p.tp * p.cp)
+        shape = dataclasses.replace(step_shape(model, mode, T, seq if mode == "train" else None), shards=p.tp * p.cp,
+                                    tp=p.tp)
         key = _unit_key(p, min(G, gpus), T)
         if key not in units:
             continue
@@ -248,7 +274,9 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
         mine = sorted((r for r in rows if r["strategy"] == n), key=lambda r: (not r["fits"], -r["tokens_per_s_per_gpu"]))
         ranked[n] = mine[:top]
     fit = len({r["layout"] for r in rows if r["fits"]})
-    return {"kind": "layout-search", "model": model.name, "mode": mode, "gpus": gpus, "gpus_per_node": G,
+    fp8 = float(getattr(topo, "gpu_tflops_fp8", 0) or 0) > 0
+    why = None if fit else no_fit_note(model, gpus, static, mem, cap, replica_shape, fp8)
+    return {"no_fit": why, "kind": "layout-search", "model": model.name, "mode": mode, "gpus": gpus, "gpus_per_node": G,
             "topology": topo.name, "seq": seq if mode == "train" else None, "micro_batch_size": micro_batch_size,
             "valid": len(layouts) + len(unfit), "unfit_unpriced": len(unfit),
             "priced": len({r["layout"] for r in rows}), "fit": fit,
@@ -256,11 +284,11 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
             "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
             "flags": ["PRICED AS A MODEL: one layer of each kind simulated per (ep, tokens per rank), every MoE "
                       "layer on the same generated routing; run `moonep-sim step` with a chosen layout for its full "
-                      "step"] + ([] if fit else ["no layout fits in memory: more GPUs, recompute or fp8 weights"])
+                      "step"] + ([] if fit else [why["line"]])
             + ([f"{len(unfit)} valid layout(s) not priced: their weights, gradients and optimizer state alone "
                 f"exceed the GPU's {topo.gpu_memory_GiB:g} GiB"] if unfit else [])
             + ([f"{len(skipped)} (ep, tokens per rank) pair(s) could not be priced, their layouts dropped: "
                 f"{skipped[0]['reason']}"] if skipped else [])}
 
 
-__all__ = ["enumerate_layouts", "price_units", "priced_stages", "search_layouts"]
+__all__ = ["enumerate_layouts", "no_fit_note", "price_units", "priced_stages", "search_layouts"]

@@ -75,7 +75,7 @@ class StepOptions:
     kv_dtype: str = "bf16"
     mtp_depth: int = 0
     mtp_acceptance: float = 0.8
-    recompute: bool = False
+    recompute: "bool | str" = False
     optimizer_shard: int = 0
     optimizer_bytes_per_param: float = 12.0
     static_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
@@ -95,6 +95,9 @@ class StepOptions:
         from moonep_sim.step.mtp import MTP
 
         MTP(self.mtp_depth, self.mtp_acceptance)
+        from moonep_sim.experiments.layout import recompute_options
+
+        recompute_options(self.recompute)
         require(self.distinct_layers >= 0, f"distinct layers ({self.distinct_layers}) must be >= 0 (0 = every layer "
                                            "its own)")
         require(self.optimizer_shard >= 0, f"optimizer shard ({self.optimizer_shard}) must be >= 0 (0 = all ranks)")
@@ -242,7 +245,8 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
              kv_dtype: str = "bf16", mtp_depth: int = 0, mtp_acceptance: float = 0.8, recompute: bool = False,
              optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
              static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
-             cluster: str | None = None, pipeline: bool | None = None, parallel: Any = None) -> list[StepResult]:
+             cluster: str | None = None, pipeline: bool | None = None, parallel: Any = None,
+             contexts_R: Any = None) -> list[StepResult]:
     """The step(s) of ``scenario`` (an :class:`~moonep_sim.experiments.scenario.Scenario`, or its
     ``Resolved``): one result, or one per recorded step of a trace with several steps. The step's distinct MoE layers
     are planned and simulated in ``jobs`` worker processes or on a Dask ``cluster``
@@ -250,20 +254,26 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     With one job, ``pipeline`` (None: when it pays, ``moonep_sim.step.layer_work.pipeline_pays``; False:
     off) builds the next layer's routing and Plans on a second thread while this one simulates.
     ``parallel``: a :class:`~moonep_sim.step.parallel.Parallel` layout over the scenario's GPUs
-    (:mod:`moonep_sim.experiments.layout`); None: today's pure-EP step."""
+    (:mod:`moonep_sim.experiments.layout`); None: today's pure-EP step. ``contexts_R``: under a
+    decode layout with data-parallel attention, each EP rank's KV context."""
     if parallel is not None:
         from moonep_sim.experiments.layout import run_layout_step
+
+        require(not mtp_depth, f"--mtp-depth ({mtp_depth}) is not modelled under a parallel layout yet: run the "
+                               "MTP decode step without --tp/--pp/--dp/--ep")
 
         figs, setup, timelines = run_layout_step(
             scenario, mode, overlap, parallel, tokens_per_rank=tokens_per_rank, context=context, model=model,
             distinct_layers=distinct_layers, compute_profile=compute_profile, gemm_dtype=gemm_dtype, recompute=recompute,
-            optimizer_shard=optimizer_shard, optimizer_bytes_per_param=optimizer_bytes_per_param,
+            weight_dtype=weight_dtype, kv_dtype=kv_dtype, optimizer_shard=optimizer_shard, optimizer_bytes_per_param=optimizer_bytes_per_param,
             static_tokens=static_tokens, progress=progress, jobs=jobs, cluster=cluster, pipeline=pipeline,
-            layer_source=layer_source)
+            layer_source=layer_source, contexts_R=contexts_R)
         return [StepResult(tuple(figs), figs, setup, timelines)]
     from moonep_sim.step import MemoryOptions
     from moonep_sim.step.costs import step_cost_model
 
+    require(contexts_R is None, "contexts per rank apply to a decode step under a layout with data-parallel "
+                                "attention (parallel=Parallel(..., dp_attention=True))")
     rs = getattr(scenario, "resolved", scenario)
     src = rs.source
     m = model or src.model
@@ -282,8 +292,10 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     wd = check_supported(get_dtype(weight_dtype, "--weight-dtype", WEIGHT_DTYPES), rs.topology, "--weight-dtype")
     check_supported(get_dtype(kv_dtype, "--kv-dtype", KV_DTYPES), rs.topology, "--kv-dtype")
     costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, mode=mode, weight_bytes=wd.weight_bytes)
-    mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, recompute, weight_dtype=weight_dtype,
-                        kv_dtype=kv_dtype, gemm_dtype=gemm_dtype)
+    from moonep_sim.experiments.layout import recompute_options
+
+    mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, weight_dtype=weight_dtype,
+                        kv_dtype=kv_dtype, gemm_dtype=gemm_dtype, **recompute_options(recompute))
     from moonep_sim.step.mtp import MTP
 
     mtp = MTP(mtp_depth, mtp_acceptance)
@@ -385,6 +397,7 @@ def _one_pass(rs, m, shared: "_Pass", step_id, steps_T, progress, route_tokens: 
     res = simulate_step(cfg, layer_source(src, R, route_tokens or T, m.moe_layers, shared.distinct_layers, steps_T, shared.skew, n),
                         progress, pool, shared.pipeline)
     timelines = res.pop("_timelines")
+    res.pop("_footprints", None)
     setup = {k: v for k, v in res.items() if k != "strategies"}
     setup.update(model=m.name, ranks=R, gpus_per_node=rs.cluster.gpus_per_node, topology=rs.topology.name,
                  routing=src.describe(), gemm_dtype=shared.gemm_dtype, weight_dtype=shared.mem.weight_dtype,

@@ -20,11 +20,13 @@ them until the counts arrived).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from moonep_sim.errors import require
 from moonep_sim.models import ModelSpec
 from moonep_sim.step.costs import CostModel
 from moonep_sim.step.layer_sim import LayerComm
@@ -80,6 +82,12 @@ class Program:
         self.M = len(shapes)
         self.tl = Timeline(R)
         self.ots = [stack_ops(model, s) for s in shapes]
+        # data-parallel attention: each rank's attention core priced at its own context
+        self.contexts = tuple(shapes[0].contexts) if shapes else ()
+        require(not self.contexts or len(self.contexts) == R,
+                f"contexts per rank ({len(self.contexts)}) must be one per rank of the step ({R})")
+        self.ctx_ots = {c: [stack_ops(model, dataclasses.replace(s, context=int(c), contexts=())) for s in shapes]
+                        for c in sorted(set(self.contexts))}
         self.ready = [np.zeros(R) for _ in range(self.M)]
         self.grad_end = np.zeros(R)
         self._memo: dict[tuple, float] = {}
@@ -98,8 +106,14 @@ class Program:
         return self.ots[i].layers[l]
 
     def run(self, op: Op, i: int, layer: int, bwd: bool = False) -> None:
-        """Micro-batch ``i``'s compute op (its backward with ``bwd``), after its previous op."""
-        self.ready[i] = self.tl.compute(op.name + ("_bwd" if bwd else ""), self.us(op, bwd), layer,
+        """Micro-batch ``i``'s compute op (its backward with ``bwd``), after its previous op; an
+        attention core under per-rank contexts takes each rank's own time ([R])."""
+        us = self.us(op, bwd)
+        if self.contexts and op.kind == "attention":
+            own = {c: self.us(next(o for o in self.ctx_ots[c][i].layers[layer].before if o.name == op.name), bwd)
+                   for c in self.ctx_ots}
+            us = np.array([own[c] for c in self.contexts])
+        self.ready[i] = self.tl.compute(op.name + ("_bwd" if bwd else ""), us, layer,
                                         "backward" if bwd else "forward", i, after=self.ready[i])
 
     def run_all(self, ops: Sequence[Op], i: int, layer: int, bwd: bool = False) -> None:

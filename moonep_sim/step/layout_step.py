@@ -37,8 +37,9 @@ A layout (:class:`~moonep_sim.step.parallel.Parallel`) wraps today's step, never
 5. **The optimizer step**: memory-bound over the rank's optimizer shard
    (:data:`OPTIMIZER_BYTES_PER_PARAM` per parameter at the GPU's memory bandwidth x efficiency).
 
-The step ends on the pipeline rank that finishes last. Memory per pipeline rank: today's account of
-its chunks (``moonep_sim.step.memory``) with the layout's shards (:func:`layout_memory`).
+The step ends on the pipeline rank that finishes last. Memory per pipeline rank: the layout's account
+(:func:`moonep_sim.step.memory.memory_for_layout`, via :func:`layout_memory`) over the Plans of
+every MoE layer the stages ran, in the step's weight, KV and GEMM dtypes with its recompute.
 """
 
 from __future__ import annotations
@@ -187,47 +188,42 @@ def chunk_params(model: ModelSpec, start: int, stop: int, first: bool, last: boo
     return float(dense), float(moe) * model.num_experts * 3.0 * model.dispatch_hidden * F
 
 
-def layout_memory(mem: dict, model: ModelSpec, p: Parallel, chunks: list[tuple[int, int, int]], inflight: list[int],
-                  chunk_mem: dict[int, dict], train: bool, tokens: int = 0) -> dict:
-    """One pipeline rank's memory from today's account of each of its chunks (``chunk_mem[c]``:
-    ``memory_per_rank``'s dict of chunk c's model over the EP group), with the layout's shards:
-    dense weights over t (experts over etp), gradients over d x c (dense) and edp (experts) with
-    ZeRO >= 2, optimizer state over them with ZeRO >= 1 (parameters too with ZeRO 3), activations
-    times the micro-batches each chunk keeps in flight under the schedule (``inflight[i]`` for
-    ``chunks[i] = (chunk, start, stop)``; the fp32 logits of ``tokens`` only on the last stage).
-    ``mem``: the options' bytes per parameter."""
-    logits_bytes = float(tokens) * model.vocab * 4
-    parts = {"weights": 0.0, "buffers": 0.0}
-    if train:
-        parts.update(activations=0.0, gradients=0.0, optimizer=0.0)
-    else:
-        parts["kv_cache"] = 0.0
-    last = model.layers
-    dp_dense = p.dp * p.cp
-    for (c, a, b), live in zip(chunks, inflight):
-        cm = chunk_mem[c]["parts"]
-        dense, expert = chunk_params(model, a, b, a == 0, b == last)
-        e_local = expert / p.ep
-        w = dense / p.tp + e_local / p.etp
-        if p.zero >= 3:
-            w = dense / p.tp / dp_dense + e_local / p.etp / p.edp
-        # today's account counts the chunk model's whole embedding and head (both ends) and its home experts:
-        # what it holds beyond them (a strategy's static replicas) is kept
-        dense_only = bool(chunk_mem[c].get("dense_only"))
-        own = sum(chunk_params(model, a, b, True, True)) - expert + e_local
-        parts["weights"] += w * BF16 + (0.0 if dense_only else max(cm["weights"] - own * BF16, 0.0))
-        parts["buffers"] = max(parts["buffers"], cm["buffers"])
-        if train:
-            # today's account keeps fp32 logits on every chunk model (a dense-only program's cancel)
-            logits = 0.0 if b == last or dense_only else logits_bytes
-            parts["activations"] += (cm["activations"] - logits) * live
-            g = dense / p.tp / (dp_dense if p.zero >= 2 else 1) + e_local / p.etp / (p.edp if p.zero >= 2 else 1)
-            parts["gradients"] += g * 4.0
-            o = dense / p.tp / (dp_dense if p.zero >= 1 else 1) + e_local / p.etp / (p.edp if p.zero >= 1 else 1)
-            parts["optimizer"] += o * mem["optimizer_bytes_per_param"]
-        else:
-            parts["kv_cache"] += cm["kv_cache"] / p.tp
-    return {"peak_bytes": float(sum(parts.values())), "parts": parts}
+def layout_memory(cfg, p: Parallel, programs: list["StageProgram"]) -> dict:
+    """Every pipeline rank's memory under layout ``p``: :func:`~moonep_sim.step.memory.memory_for_layout`
+    on the whole model, the Plans (footprints) of every stage program's MoE layers over the EP group,
+    the options of ``cfg.memory`` (weight and KV dtypes, GEMM dtype, recompute, optimizer bytes) and
+    the expert slots the EP group holds. Its shape is one micro-batch of one data-parallel replica:
+    the stage rank's tokens (``cfg.shape.tokens``) times ``tp x cp``."""
+    from moonep_sim.step.memory import memory_for_layout
+    from moonep_sim.step.stack import step_shape
+
+    fps = [f for sp in programs for f in sp.footprints]
+    slots = cfg.ctx.placement.num_slots if cfg.ctx is not None else 0
+    return memory_for_layout(cfg.model, replica_shape(cfg, p), p, fps, cfg.memory, slots)
+
+
+def replica_shape(cfg, p: Parallel) -> StepShape:
+    """One micro-batch of one data-parallel replica (the shape the layout's memory account takes):
+    a stage rank's tokens (``cfg.shape.tokens``) times ``tp x cp``, the step's context."""
+    from moonep_sim.step.stack import step_shape
+
+    return step_shape(cfg.model, cfg.shape.mode, cfg.shape.tokens * p.tp * p.cp, cfg.shape.context)
+
+
+def attach_layout_fits(cfg, p: Parallel, out: dict, programs: dict[str, list["StageProgram"]]) -> None:
+    """When every strategy of ``out`` (name -> figures) runs out of memory under layout ``p``, each
+    one's smallest change that fits (``fit``: :func:`~moonep_sim.step.memory_fit.smallest_fit` on
+    its stages' Plans, the layout and the step's memory options)."""
+    if not out or not all(d.get("oom") for d in out.values()):
+        return
+    from moonep_sim.step.memory_fit import smallest_fit
+
+    fp8 = float(getattr(cfg.topology, "gpu_tflops_fp8", 0) or 0) > 0
+    slots = cfg.ctx.placement.num_slots if cfg.ctx is not None else 0
+    for name, d in out.items():
+        fps = [f for sp in programs[name] for f in sp.footprints]
+        d["fit"] = smallest_fit(cfg.model, replica_shape(cfg, p), p, fps, cfg.memory, d["gpu_memory_bytes"],
+                                fp8=fp8, expert_slots=slots)
 
 
 @dataclass(frozen=True)
@@ -244,13 +240,15 @@ class StageProgram:
     memory: dict
     dropped: int = 0
     entries: int = 0
+    footprints: tuple = ()
 
     @classmethod
     def of(cls, res: dict, name: str) -> "StageProgram":
         """From :func:`~moonep_sim.step.run.simulate_step`'s result for strategy ``name``."""
         d = res["strategies"][name]
         F, B, Fc, Bc = _timeline_split(res["_timelines"][name])
-        return cls(F, B, Fc, Bc, d["memory"], int(d["dropped"]), int(d["entries"]))
+        return cls(F, B, Fc, Bc, d["memory"], int(d["dropped"]), int(d["entries"]),
+                   tuple(res.get("_footprints", {}).get(name, ())))
 
 
 def stage_bounds(model: ModelSpec, p: Parallel) -> list[tuple[int, int]]:
@@ -293,26 +291,15 @@ def simulate_stages(cfg, p: Parallel, source: Callable[[int], tuple], *, progres
     return out, prov
 
 
-def static_memory_bytes(model: ModelSpec, p: Parallel, train: bool = True,
-                        optimizer_bytes_per_param: float = 12.0) -> float:
-    """The fullest pipeline rank's weights, gradients and optimizer state under layout ``p`` (no
-    activations, buffers or KV cache): a lower bound of :func:`layout_memory`'s peak, known before
-    any simulation (the layout search drops the layouts it rules out unpriced)."""
-    sched = get_schedule(p.pp_schedule, p.pp, p.vpp, p.micro_batches)
-    bounds = stage_bounds(model, p)
-    best = 0.0
-    for r in range(p.pp):
-        chunks = [(c, *bounds[sched.stage_of(c)]) for c in range(sched.chunks()) if sched.rank_of(c) == r]
-        cm = {}
-        for c, a, b in chunks:
-            dense, expert = chunk_params(model, a, b, True, True)
-            parts = {"weights": (dense + expert / p.ep) * BF16, "buffers": 0.0}
-            parts.update({"activations": 0.0} if train else {"kv_cache": 0.0})
-            cm[c] = {"parts": parts, "dense_only": True}
-        mem = layout_memory({"optimizer_bytes_per_param": optimizer_bytes_per_param}, model, p, chunks,
-                            [1] * len(chunks), cm, train)
-        best = max(best, mem["peak_bytes"])
-    return best
+def static_memory_bytes(model: ModelSpec, p: Parallel, shape: StepShape, opts) -> float:
+    """The fullest pipeline rank's weights, gradients and optimizer state under layout ``p`` and
+    memory options ``opts`` (no activations, buffers or KV cache; balanced routing): a lower bound of
+    :func:`layout_memory`'s peak, known before any simulation (the layout search drops the layouts
+    it rules out unpriced). ``shape``: one micro-batch of one data-parallel replica."""
+    from moonep_sim.step.memory import memory_for_layout
+
+    mem = memory_for_layout(model, shape, p, [], opts)
+    return max(sum(st["parts"].get(k, 0.0) for k in ("weights", "gradients", "optimizer")) for st in mem["stages"])
 
 
 def layout_step(cfg, p: Parallel, source: Callable[[int], tuple], gpus_per_node: int, *, progress=None,
@@ -325,7 +312,9 @@ def layout_step(cfg, p: Parallel, source: Callable[[int], tuple], gpus_per_node:
     of the whole model -> (key, routing over the EP group, provenance). gpus_per_node: the
     cluster's. Returns ``{"strategies": {name: figures}, "parallel": ..., ...}``."""
     programs, prov = simulate_stages(cfg, p, source, progress=progress, map_fn=map_fn, pipeline=pipeline)
-    out = {n: schedule_layout(cfg, p, [st[n] for st in programs], gpus_per_node) for n, _ in cfg.strategies}
+    by_name = {n: [st[n] for st in programs] for n, _ in cfg.strategies}
+    out = {n: schedule_layout(cfg, p, by_name[n], gpus_per_node) for n in by_name}
+    attach_layout_fits(cfg, p, out, by_name)
     from moonep_sim.step.compose import all_ops, stack_ops
 
     train = cfg.shape.mode == "train"
@@ -394,25 +383,18 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
     tps = tokens / (step_us * 1e-6) / p.world if step_us > 0 else 0.0
     useful = useful_flops_per_rank(cfg)   # the whole model's FLOPs on one micro-batch of a stage rank's tokens
     mfu = useful * M / p.pp / (step_us * topo.gpu_tflops * 1e6) if step_us > 0 else 0.0
-    live = _inflight(run, sched)
-    mems = []
-    for r in range(p.pp):
-        cs = [(c, *bounds[sched.stage_of(c)]) for c in ranks_chunks[r]]
-        cmem = {c: programs[sched.stage_of(c)].memory for c in ranks_chunks[r]}
-        mems.append(layout_memory({"optimizer_bytes_per_param": cfg.memory.optimizer_bytes_per_param}, m, p, cs,
-                                  [live[c] for c in ranks_chunks[r]], cmem, train, T))
-    peak_r = max(range(p.pp), key=lambda r: mems[r]["peak_bytes"])
+    mem = layout_memory(cfg, p, programs)
     cap = topo.gpu_memory_GiB * 2**30
-    peak = mems[peak_r]["peak_bytes"]
+    peak = mem["peak_bytes"]
     compute = (sum(fc_us) + sum(bc_us)) * M / p.pp
     return {"step_time_us": step_us, "tokens_per_s_per_gpu": tps, "mfu": mfu, "compute_us": compute,
             "exposed_comm_us": max(step_us - compute, 0.0),
             "comm_share": max(step_us - compute, 0.0) / step_us if step_us > 0 else 0.0,
             "slowest_rank": slow["rank"], "pipeline": run.to_dict(), "stages": stage_fig, "pipeline_ranks": per_rank,
             "pp_send_us": [coll.send_us(act, lk) for lk in links], "pp_send_links": [lk.name for lk in links],
-            "peak_memory_bytes": peak, "peak_memory_pp_rank": peak_r, "gpu_memory_bytes": cap,
-            "oom": (peak > cap) if cap else None, "memory": mems[peak_r],
-            "memory_per_pp_rank": [x["peak_bytes"] for x in mems],
+            "peak_memory_bytes": peak, "peak_memory_pp_rank": mem["peak_stage"], "gpu_memory_bytes": cap,
+            "oom": (peak > cap) if cap else None, "memory": mem,
+            "memory_per_pp_rank": [x["peak_bytes"] for x in mem["stages"]],
             "dropped": sum(sp.dropped for sp in programs), "entries": sum(sp.entries for sp in programs),
             "tokens_per_step": tokens}
 
@@ -455,28 +437,8 @@ def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched,
             "params_dense": dense, "params_expert": expert}
 
 
-def _inflight(run, sched) -> dict[int, int]:
-    """Peak micro-batches whose forward has started and backward not ended, per chunk (forward-only
-    runs: 1)."""
-    ev: dict[int, list] = {}
-    for r, kind, mb, c, mb2, c2, s0, s1 in run.ops:
-        if "F" in kind:
-            ev.setdefault(c, []).append((s0, 1))
-        if kind == "B":
-            ev.setdefault(c, []).append((s1, -1))
-        elif kind == "FB":
-            ev.setdefault(c2, []).append((s1, -1))
-    out = {}
-    for c in range(sched.chunks()):
-        live = peak = 0
-        for _, d in sorted(ev.get(c, []), key=lambda x: (x[0], x[1])):
-            live += d
-            peak = max(peak, live)
-        out[c] = max(peak, 1)
-    return out
-
-
-__all__ = ["GRAD_REDUCE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "PARAM_GATHER_BYTES", "StageProgram", "chunk_params",
+__all__ = ["GRAD_REDUCE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "PARAM_GATHER_BYTES", "StageProgram", "attach_layout_fits",
+           "chunk_params", "replica_shape",
            "static_memory_bytes",
            "expert_group_gpus_per_node", "layout_memory", "layout_step", "schedule_layout", "simulate_stages",
            "stage_bounds", "stage_model", "tp_comm_us"]

@@ -19,6 +19,16 @@ def gemm(name: str, tokens: int, weights: int, k: int = 0, parts: tuple = ()) ->
     return Op(name, "gemm", 2.0 * tokens * weights, float(weights) * BF16, tokens, f"tokens={tokens}", int(k), parts)
 
 
+def tp_gemm(name: str, tokens: int, weights: int, k: int = 0, parts: tuple = (), tp: int = 1) -> "Op":
+    """A TP-split GEMM on one rank of a ``tp``-way group whose rank holds ``tokens``: the group's
+    ``tokens x tp`` rows through ``weights / tp`` elements (each part's output width n split ``tp``
+    ways: column-parallel; a row-parallel GEMM has the same FLOPs and weight bytes, ASSUMED the same
+    shape). ``tp`` 1: :func:`gemm`."""
+    if tp <= 1:
+        return gemm(name, tokens, weights, k, parts)
+    return gemm(name, tokens * tp, weights // tp, k, tuple((n // tp, kk) for n, kk in parts))
+
+
 @dataclass(frozen=True)
 class Op:
     """One compute operation of one rank.
@@ -56,12 +66,20 @@ class StepShape:
     sequences' tokens are shared over by a parallel layout (tensor parallelism splits the heads,
     context parallelism the sequence): the rank's T tokens are a ``1/shards`` share of whole
     sequences, so a query still attends the causal mean of its whole sequence (1: no layout).
+    tp: the tensor-parallel ranks among those shards: each TP-split GEMM (attention projections,
+    dense FFN, shared experts, LM head) runs the TP group's ``T x tp`` rows through ``1/tp`` of its
+    weight -- the FLOPs of the rank's share, the weight bytes of its shard (1: no TP).
+    contexts: decode under data-parallel attention, each rank's KV context ([R] over the ranks the
+    step composes; empty: every rank ``context``): rank r's attention core is priced at
+    ``contexts[r]``, and the MoE layer's dispatch (a collective) waits for the slowest rank.
     """
 
     mode: str
     tokens: int
     context: int
     shards: int = 1
+    tp: int = 1
+    contexts: tuple = ()
 
     @property
     def sequences(self) -> int:
@@ -79,4 +97,4 @@ class StepShape:
         return prior + (self.tokens + 1) / 2.0
 
 
-__all__ = ["BF16", "Op", "StepShape", "gemm"]
+__all__ = ["BF16", "Op", "StepShape", "gemm", "tp_gemm"]

@@ -16,6 +16,7 @@ pipelined on two threads (the units, the pool's function and the pipeline:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -163,8 +164,8 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
     train = shape.mode == "train"
     M = ov.micro_batches
     require(shape.tokens >= M, f"tokens per rank ({shape.tokens}) must be >= {M} for overlap {ov.name}")
-    mb_shapes = [StepShape(shape.mode, (shape.tokens * (i + 1)) // M - (shape.tokens * i) // M,
-                           shape.context, shape.shards) for i in range(M)]
+    mb_shapes = [dataclasses.replace(shape, tokens=(shape.tokens * (i + 1)) // M - (shape.tokens * i) // M)
+                 for i in range(M)]
     missing = costs.missing_ops(all_ops(stack_ops(m, mb_shapes[0]), train) + _expert_ops(train))
     require(not missing, f"--compute-profile ({costs.profile.path if costs.profile else ''}) must time every op "
                          f"of the step: missing {len(missing)}: {', '.join(missing[:6])}"
@@ -234,7 +235,7 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
     return {"strategies": out, "mode": shape.mode, "tokens_per_rank": shape.tokens, "context": shape.context,
             "overlap": ov.name, "layers_routing": provenance, "pipeline": piped,
             "compute_sources": costs.sources(all_ops(stack_ops(m, mb_shapes[0]), train), train),
-            "_timelines": timelines}
+            "_timelines": timelines, "_footprints": fps_of}
 
 
 def _run_layer_work(work: list, map_fn: Callable | None, pipeline: bool,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.models import ModelSpec, model_label
 from moonep_sim.step.attention import attention_kind
-from moonep_sim.step.ops import BF16, Op, StepShape, gemm
+from moonep_sim.step.ops import BF16, Op, StepShape, gemm, tp_gemm
 
 MODES = ("train", "prefill", "decode")
 #: Default KV context of a decode step when none is given (assumed: a mid-length chat context).
@@ -141,12 +141,14 @@ def layer_ops(model: ModelSpec, layer: int, shape: StepShape) -> LayerOps:
         parts = att.gemm_parts(model)
         # one cast per distinct FP8 GEMM input (the layer input once, each intermediate projection's input)
         width = sum({k for _, k in parts}) if parts else H
-        ops += [_norm(T, H), _cast(T, width), gemm("attn_proj", T, att.params(model), H, parts), att.core(model, shape)]
+        ops += [_norm(T, H), _cast(T, width), tp_gemm("attn_proj", T, att.params(model), H, parts, shape.tp),
+                att.core(model, shape)]
     moe = layer >= model.dense_layers
     if not moe:
         require(model.dense_ffn >= 1, f"model ({model.name}) dense_ffn must be given: it has "
                                       f"{model.dense_layers} dense layer(s)", ConfigError)
-        ops += [_norm(T, H), gemm("dense_ffn", T, 3 * H * model.dense_ffn, H, ((2 * model.dense_ffn, H), (H, model.dense_ffn)))]
+        ops += [_norm(T, H), tp_gemm("dense_ffn", T, 3 * H * model.dense_ffn, H,
+                                     ((2 * model.dense_ffn, H), (H, model.dense_ffn)), shape.tp)]
         return LayerOps(layer, kind, False, tuple(ops), None, None)
     if att.has_op:
         ops.append(_norm(T, H))
@@ -158,8 +160,9 @@ def layer_ops(model: ModelSpec, layer: int, shape: StepShape) -> LayerOps:
         ops.append(gemm("latent_proj", T, latent_proj_params(model), H))
     router = Op("router", "gemm", 2.0 * T * H * model.num_experts, float(H * model.num_experts) * BF16, T,
                 f"tokens={T}", H)
-    shared = gemm("shared_expert", T, 3 * H * model.expert_ffn * model.shared_experts, H,
-                  ((2 * model.expert_ffn * model.shared_experts, H), (H, model.expert_ffn * model.shared_experts))) if model.shared_experts else None
+    shared = tp_gemm("shared_expert", T, 3 * H * model.expert_ffn * model.shared_experts, H,
+                     ((2 * model.expert_ffn * model.shared_experts, H), (H, model.expert_ffn * model.shared_experts)),
+                     shape.tp) if model.shared_experts else None
     return LayerOps(layer, kind, True, tuple(ops), router, shared)
 
 
@@ -178,7 +181,7 @@ def head_ops(model: ModelSpec, shape: StepShape) -> tuple[tuple[Op, ...], tuple[
     T, H, V = shape.tokens, model.hidden, model.vocab
     first = (Op("embed", "bytes", 0.0, 2.0 * T * H * BF16, T, f"tokens={T}"),)
     rows = T if shape.mode == "train" else shape.sequences
-    last = [gemm("lm_head", rows, H * V, H)]
+    last = [tp_gemm("lm_head", rows, H * V, H, (), shape.tp)]
     if shape.mode == "train":  # fp32 logits: softmax read + write, and its gradient
         last.append(Op("loss", "bytes", 0.0, 3.0 * T * V * 4, T, f"tokens={T}"))
     return first, tuple(last)
