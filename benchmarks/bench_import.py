@@ -10,6 +10,11 @@ Two synthetic logs are written to a temporary folder and imported; times are pri
   every 4th pass, at most 64 running), 4 layers.
 
 E=64, K=8. Prints `uptime` first: the machine is shared.
+
+Unless ``--no-cli``, each log is also imported as a user imports it, in a fresh process
+(``benchmarks/_cli.py``): ``moonep-sim trace import LOG --num-experts 64 -o OUT --json``, its wall and
+CPU seconds beside the in-process ``load_source`` (which writes no file) and command / in-process,
+and whether the command's import report keeps the same tokens and steps.
 """
 
 from __future__ import annotations
@@ -18,9 +23,14 @@ import argparse
 import json
 import os
 import tempfile
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import beside, report_line, time_command  # noqa: E402  (the shared fresh-process timing)
 
 from moonep_sim.routing.importers import load_source
 from moonep_sim.routing.importers.records import parse_records
@@ -73,6 +83,7 @@ def logs(records: int, rng):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--records", type=int, default=200_000)
+    ap.add_argument("--no-cli", action="store_true", help="skip the command timed in a fresh process")
     args = ap.parse_args()
     print("uptime:", os.popen("uptime").read().strip())
     rng = np.random.default_rng(0)
@@ -83,14 +94,21 @@ def main() -> None:
             size = os.path.getsize(path) / 2**20
             t0 = time.perf_counter()
             r = parse_records(__import__("pathlib").Path(path))
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             imp = load_source(path, num_experts=E)
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             rep = imp.meta.import_report
             print(f"{name}: {len(r['ids_NK'])} records ({size:.1f} MiB), {rep['tokens']} tokens kept in "
                   f"{rep['steps']} steps (generated: {sum(1 for _, dm in passes if not dm)} real passes), "
                   f"dummy records dropped {rep['dummy_records_dropped']}; parse {t1 - t0:.2f} s, "
                   f"whole import {t2 - t1:.2f} s (steps, dummy blocks, checks: {t2 - t1 - (t1 - t0):.2f} s)")
+            if not args.no_cli:  # beside the whole import in process (load_source: parse included)
+                cli = time_command(["trace", "import", path, "--num-experts", str(E), "-o",
+                                    os.path.join(d, f"{name}.safetensors"), "--json"])
+                got = json.loads(cli["stdout"])["import_report"]
+                same = got.get("tokens") == rep["tokens"] and got.get("steps") == rep["steps"]
+                print("  " + report_line(beside(cli, t2 - t1, c2 - c1, "in-process load_source (no file written)"))
+                      .replace("\n", "\n  ") + f"; {'same tokens and steps' if same else 'IMPORT DIFFERS'}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,12 @@ not to advise huge pages (``--numpy-hugepages`` keeps numpy's default, for compa
 C allocator reuse freed memory (``--default-malloc`` keeps glibc's default); a tree without those
 settings is timed without them, as its command ran.
 
+**The command itself** (unless ``--no-cli``): each strategy is also timed as the user types it,
+``moonep-sim plan --trace gen:GEN --strategy S --ranks R --gpus-per-node G --json`` in fresh
+processes (``--rounds`` of them, the median; ``benchmarks/_cli.py``) -- imports, the layer
+generated, the Plan, its JSON -- beside the first run (or, without one, the best) with command /
+that figure, and whether its Plan answers the same (rows, bytes, drops, duplicates).
+
 ``--floor`` also times, per strategy and in a fresh process of its own, the physical floor of its
 Plan: allocating and writing once arrays of the sizes its Plan holds (every array the planner
 made, the routing's own excluded) -- no planner can produce that Plan in less.
@@ -49,6 +55,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import beside, report_line, time_command  # noqa: E402  (the shared fresh-process timing)
 
 from moonep_sim.io import write_text_atomic
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
@@ -89,11 +98,36 @@ def command_path(name: str, routing: GlobalRouting, ctx: PlanContext, keep: bool
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     out = {"wall_s": wall, "user_s": r1.ru_utime - r0.ru_utime, "sys_s": r1.ru_stime - r0.ru_stime,
            "plan_seconds": plan.plan_seconds, "violations": len(summary["invariant_violations"]),
-           "peak_rss_bytes": peak_rss_bytes() if can_reset else None}
+           "peak_rss_bytes": peak_rss_bytes() if can_reset else None, "answer": plan_answer(summary)}
     out["cpu_s"] = out["user_s"] + out["sys_s"]
     if keep:
         out["plan"] = plan
     del plan, summary
+    return out
+
+
+def plan_answer(summary: dict) -> dict:
+    """What the Plan answers, from its summary (``moonep-sim plan --json`` prints the same summary):
+    rows received per rank, bytes per hop and direction, dropped entries, duplicates avoided."""
+    return {k: summary[k] for k in ("recv_rows_per_rank", "bytes", "dropped", "duplicates_avoided")}
+
+
+def cli_argv(gen: str, name: str, ranks: int, gpus_per_node: int) -> list[str]:
+    """The ``moonep-sim plan`` command a user types for this layer and strategy."""
+    return ["plan", "--trace", f"gen:{gen}", "--strategy", name, "--ranks", str(ranks), "--gpus-per-node",
+            str(gpus_per_node), "--json"]
+
+
+def cli_beside(name: str, row: dict, a, same_layer: bool) -> dict:
+    """``moonep-sim plan`` for ``name`` timed in fresh processes (``--rounds`` runs, the median),
+    beside the row's fresh-process first run (or, without one, the in-process best); whether its
+    Plan answers the same (only where the command's layer is the one timed: no other ``--layer-file``)."""
+    cli = time_command(cli_argv(a.gen, name, a.ranks, a.gpus_per_node), repeat=a.rounds, timeout_s=a.timeout)
+    ref, what = (row["first"], "fresh-process make_plan + summary") if "first" in row else (
+        row["best"], "in-process make_plan + summary (best)")
+    out = beside(cli, ref["wall_s"], ref["cpu_s"], what)
+    out["cli_runs"] = cli["runs"]
+    out["same_answer"] = plan_answer(json.loads(cli["stdout"])) == ref["answer"] if same_layer else None
     return out
 
 
@@ -251,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                          "`git worktree` of an earlier commit), just before this tree's: before/after in one run")
     ap.add_argument("--rounds", type=int, default=1,
                     help="fresh first runs per strategy (with --before and --floor, in turn); the least CPU is shown")
+    ap.add_argument("--no-cli", action="store_true",
+                    help="skip the command-line runs (by default each strategy is also timed as `moonep-sim plan "
+                         "--trace gen:GEN ...` in fresh processes, --rounds of them, beside its first run)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--floor-child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--layer", default="", help=argparse.SUPPRESS)
@@ -264,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
 
     load0 = os.getloadavg()
     t0 = time.perf_counter()
-    if a.layer_file and Path(a.layer_file).exists():
+    same_layer = not (a.layer_file and Path(a.layer_file).exists())  # else the file's layer, maybe another gen
+    if not same_layer:
         routing, ctx = load_layer(a.layer_file)
     else:
         routing, ctx = make_layer(a.gen, a.ranks, a.gpus_per_node)
@@ -329,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
                 bf = row["before"]
                 print(f"{'  before':14s} | {bf['wall_s']:11.2f} {bf['cpu_s']:6.2f} {bf['user_s']:6.2f} {bf['sys_s']:6.2f} "
                       f"{gib(bf['peak_rss_bytes']):>7s} | after / before (cpu): {f['cpu_s'] / bf['cpu_s']:.2f}")
+            if not a.no_cli:
+                row["cli"] = c = cli_beside(name, row, a, same_layer)
+                same = {True: "same Plan", False: "PLAN DIFFERS", None: "(layer from --layer-file: not compared)"}
+                print("  " + report_line(c).replace("\n", "\n  ") + f"; {same[c['same_answer']]}")
             if (f or b)["violations"]:
                 print(f"  {name}: {(f or b)['violations']} invariant violation(s)")
     load1 = os.getloadavg()

@@ -13,8 +13,11 @@ Cases:
 - ``search``: ``moonep-sim serve --search --gpus 64`` over 100 deployments x 2 strategies with
   ``--jobs 2``, 500 requests each (step-time models built afresh, then again from the cache).
 
-The machine's load average is printed before and after each case; timings are wall seconds of
-this process and CPU seconds of it and its children.
+Every case runs the command as a user types it, in a fresh process (``benchmarks/_cli.py``: wall
+seconds and the child's own CPU seconds, the command printed); ``build`` and ``serve`` also give the
+in-process figure the command's JSON reports of its own work (``timing``: the step-time model's
+build, the engine runs) and command / in-process. The machine's load average is printed before and
+after each case.
 
     python benchmarks/bench_serve.py [--case build,serve,search] [--json OUT]
 """
@@ -24,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,28 +34,23 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEP = REPO / "examples" / "serve" / "deepseek-v3-disagg-ep32.toml"
-
-
-def _cpu() -> float:
-    a = resource.getrusage(resource.RUSAGE_SELF)
-    b = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _cli import beside, report_line, time_command  # noqa: E402  (the shared fresh-process timing)
 
 
 def _load() -> float:
     return os.getloadavg()[0]
 
 
-def _run(argv: list[str]) -> tuple[float, float, dict]:
-    t0, c0 = time.perf_counter(), _cpu()
+def _run(argv: list[str]) -> tuple[float, float, dict, str]:
+    """``moonep-sim argv --json FILE --quiet`` in a fresh process: wall and CPU seconds, the JSON
+    document, the command."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    env = dict(os.environ, PYTHONPATH=str(REPO), MOONEP_SIM_QUIET="1")
-    subprocess.run([sys.executable, "-m", "moonep_sim", *argv, "--json", out, "--quiet"], check=True, env=env,
-                   stdout=subprocess.DEVNULL)
+    r = time_command([*argv, "--json", out, "--quiet"], env=dict(os.environ, MOONEP_SIM_QUIET="1"))
     doc = json.loads(Path(out).read_text())
     os.unlink(out)
-    return time.perf_counter() - t0, _cpu() - c0, doc
+    return r["wall_s"], r["cpu_s"], doc, r
 
 
 def main() -> int:
@@ -71,20 +67,26 @@ def main() -> int:
     rows = {}
     if "build" in cases or "serve" in cases:
         l0 = _load()
-        wall, cpu, doc = _run(base)
+        wall, cpu, doc, cli = _run(base)
         t = doc["timing"]
-        rows["build"] = {"wall_s": t["steptime_build_s"], "cpu_s": t["steptime_build_cpu_s"], "load_before": l0,
+        rows["build"] = {"wall_s": t["steptime_build_s"], "cpu_s": t["steptime_build_cpu_s"],
+                         **beside(cli, t["steptime_build_s"] + t["serve_s"],
+                                  t["steptime_build_cpu_s"] + t["serve_cpu_s"], "the command's own build + engine timing"),
+                         "load_before": l0,
                          "load_after": _load(), "target_s": 60,
                          "grid": {k: v["grid"] for k, v in doc["steptime"].items()},
                          "holdout_median_abs_rel_error": doc["steptime_model_error"]}
+        print(report_line(rows["build"]), flush=True)
         l0 = _load()
-        wall, cpu, doc = _run(base)
+        wall, cpu, doc, cli = _run(base)
         t = doc["timing"]
-        rows["serve"] = {"engine_wall_s": t["serve_s"], "engine_cpu_s": t["serve_cpu_s"], "command_wall_s": wall,
+        rows["serve"] = {**beside(cli, t["serve_s"], t["serve_cpu_s"], "the command's own engine timing"),
+                         "engine_wall_s": t["serve_s"], "engine_cpu_s": t["serve_cpu_s"], "command_wall_s": wall,
                          "command_cpu_s": cpu, "load_before": l0, "load_after": _load(), "target_s": 10,
                          "cached": all(v["cached"] for v in doc["steptime"].values()),
                          "iterations": {s: f["iterations"] for s, f in doc["strategies"].items()},
                          "requests": doc["setup"]["n_requests"], "strategies": list(doc["strategies"])}
+        print(report_line(rows["serve"]), flush=True)
         print(json.dumps(rows, indent=1), flush=True)
     if "search" in cases:
         s_cache = tempfile.mkdtemp(prefix="moonep-serve-search-")
@@ -94,11 +96,13 @@ def main() -> int:
                 "2", "--jobs", "2", "--cache", s_cache]
         for label in ("search_cold", "search_cached"):
             l0 = _load()
-            wall, cpu, doc = _run(argv)
-            rows[label] = {"wall_s": wall, "cpu_s": cpu, "load_before": l0, "load_after": _load(), "target_s": 120,
+            wall, cpu, doc, cli = _run(argv)
+            rows[label] = {"cli_command": cli["command"], "wall_s": wall, "cpu_s": cpu, "load_before": l0, "load_after": _load(), "target_s": 120,
                            "deployments": doc["setup"]["deployments"], "points": doc["setup"]["points"],
                            "best": {s: doc["points"][i]["deployment"] for s, i in doc["best"].items()},
                            "differs": [d["text"] for d in doc["differs"]]}
+            print(f"command: {cli['command']}\n  {wall:.1f} s wall, {cpu:.1f} CPU s (no in-process figure: the "
+                  "search is only the command)")
             print(json.dumps({label: rows[label]}, indent=1), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

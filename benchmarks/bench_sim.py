@@ -14,6 +14,14 @@ row's ``sim_seconds`` is the best of ``--repeat`` (default 3) runs of ``simulate
 includes the lower bound and result analysis. Each row also records the process CPU seconds of
 that run and the 1-minute load average, since the machine may be shared.
 
+**The command's path** (unless ``--no-cli``): each row is also run as a user runs it, in a fresh
+process (``benchmarks/_cli.py``): the row's routing written once as an ``.npz`` and imported with
+the model's shape (``moonep-sim trace import R.npz --model M.toml -o T.safetensors``, not timed),
+then ``moonep-sim simulate --trace T.safetensors --strategy S --ranks R --gpus-per-node G
+--topology TOPO --tol TOL --json`` timed: its wall and CPU seconds beside the in-process plan +
+simulation (``plan_s`` + ``sim_seconds``, and their CPU seconds), command / in-process, and whether
+its layer time is the in-process one.
+
 The growth exponent is the least-squares slope of log(sim_seconds) against log(ranks) per
 strategy, and per step between consecutive sizes.
 
@@ -32,7 +40,10 @@ import argparse
 import json
 import math
 import os
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -43,6 +54,9 @@ from moonep_sim.routing.metrics import maxvio
 from moonep_sim.sim import SimOptions, load_topology, simulate_layer
 from moonep_sim.sim.options import DEFAULT_TOL
 from moonep_sim.strategies import PlanContext, make_plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _cli import beside, report_line, time_command  # noqa: E402  (the shared fresh-process timing)
 
 BLOCK_TOKENS = 65536
 
@@ -56,6 +70,18 @@ def routing_for(R: int, tokens_per_rank: int, E: int, K: int, mv: float, seed: i
     ids = np.tile(ids, (reps, 1))[:T]
     w = np.tile(w, (reps, 1))[:T]
     return GlobalRouting.split_evenly(ids, w, E, R)
+
+
+def cli_trace(routing: GlobalRouting, m, folder: Path) -> Path:
+    """The row's routing as a trace file a user could give ``moonep-sim simulate`` (its ids and
+    weights in an ``.npz``, imported with the model's shape from a model file)."""
+    npz, model, trace = folder / "routing.npz", folder / "model.toml", folder / "trace.safetensors"
+    np.savez(npz, topk_ids=routing.topk_ids_TK, topk_weights=routing.topk_weights_TK)
+    model.write_text(f'name = "{m.name}"\nnum_experts = {m.num_experts}\ntop_k = {m.top_k}\n'
+                     f"hidden = {m.hidden}\nexpert_ffn = {m.expert_ffn}\n")
+    trace.unlink(missing_ok=True)
+    time_command(["trace", "import", str(npz), "--model", str(model), "-o", str(trace)])
+    return trace
 
 
 def step_layer_rows(strategies: list[str], topology: str, repeat: int, seed: int = 7) -> list[dict]:
@@ -106,6 +132,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per row; the row keeps the fastest (default 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-cli", action="store_true",
+                    help="skip the `moonep-sim simulate` run of each row in a fresh process")
     ap.add_argument("--step-layer", action="store_true",
                     help="time the step model's per-layer simulation of a Kimi K3 EP64 training layer instead")
     a = ap.parse_args()
@@ -128,16 +156,18 @@ def main() -> None:
           f"maxvio {a.maxvio}, tol {a.tol}, load {os.getloadavg()[0]:.2f}")
     print(f"{'strategy':>9} {'EP':>5} {'tok/rank':>8} {'maxvio':>6} {'flows':>8} {'ticks':>6} {'steps':>6} "
           f"{'plan s':>7} {'sim s':>7} {'cpu s':>7} {'layer us':>10} {'load':>5}")
+    tmp = tempfile.TemporaryDirectory(prefix="bench-sim-")
     for R in ranks:
         tpr = min(a.tokens_per_rank, a.max_tokens // R)
         routing = routing_for(R, tpr, E, a.top_k, a.maxvio, a.seed)
+        trace = None if a.no_cli else cli_trace(routing, m, Path(tmp.name))
         mv = maxvio(np.bincount(routing.topk_ids_TK.ravel(), minlength=E))
         home = np.arange(E) * R // E
         ctx = PlanContext(ClusterShape(R, min(8, R)), Placement.from_map(home, R), RowCosts.from_model(m, "bf16"), 1)
         for s in strategies:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             plan = make_plan(s, routing, ctx)
-            plan_s = time.perf_counter() - t0
+            plan_s, plan_cpu = time.perf_counter() - t0, time.process_time() - c0
             best, cpu, res = math.inf, math.inf, None
             for _ in range(a.repeat):
                 c0, t0 = time.process_time(), time.perf_counter()
@@ -152,8 +182,18 @@ def main() -> None:
                              layer_time_us=res.layer_time_us, load_1min=load))
             print(f"{s:>9} {R:>5} {tpr:>8} {mv:>6.2f} {st['flows']:>8} {st['ticks']:>6} {st['fill_iterations']:>6} "
                   f"{plan_s:>7.2f} {best:>7.2f} {cpu:>7.2f} {res.layer_time_us:>10.1f} {load:>5.2f}", flush=True)
+            if trace is not None:
+                cli = time_command(["simulate", "--trace", str(trace), "--strategy", s, "--ranks", str(R),
+                                    "--gpus-per-node", str(min(8, R)), "--topology", a.topology, "--tol", f"{a.tol:g}",
+                                    "--json"])
+                c = beside(cli, plan_s + best, plan_cpu + cpu, "in-process make_plan + simulate_layer (its best run)")
+                c["same_layer_time"] = json.loads(cli["stdout"])["layer_time_us"] == res.layer_time_us
+                rows[-1]["cli"] = c
+                print("  " + report_line(c).replace("\n", "\n  ")
+                      + f"; {'same layer time' if c['same_layer_time'] else 'LAYER TIME DIFFERS'}", flush=True)
             del plan
         del routing
+    tmp.cleanup()
     growth = {}
     for s in strategies:
         pts = [(r["ranks"], r["sim_seconds"]) for r in rows if r["strategy"] == s]

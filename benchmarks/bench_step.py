@@ -73,7 +73,6 @@ import dataclasses
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -83,6 +82,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_plan import plan_arrays, write_floor  # noqa: E402
 from bench_plan_floor import sort_floor  # noqa: E402
+from _cli import time_command  # noqa: E402  (the shared fresh-process timing)
 
 from moonep_sim.experiments import GeneratorSpec, Scenario  # noqa: E402
 
@@ -366,20 +366,15 @@ def run_cli(case: str, strategies: list[str], distinct: int, pipeline: str = "au
     """The command as a user runs it: a fresh ``python -m moonep_sim`` process (imports, parsing,
     checks, generation, the step, the JSON document), its wall and CPU seconds (user + sys, from the
     child's rusage) and its step times (``--json``: the figures must equal the in-process run's)."""
-    argv = cli_argv(case, strategies, distinct, pipeline)
-    load0 = os.getloadavg()[0]
-    k0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "moonep_sim", *argv, "--json", "--quiet"], capture_output=True,
-                       text=True, env=dict(os.environ, MOONEP_SIM_QUIET="1"))
-    wall = time.perf_counter() - t0
-    k1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if p.returncode != 0:
-        raise SystemExit(f"moonep-sim {' '.join(argv)} failed ({p.returncode}): {p.stderr.strip()[-400:]}")
-    doc = json.loads(p.stdout)
-    return {"cli_command": "moonep-sim " + " ".join(argv), "cli_wall_s": wall,
-            "cli_cpu_s": (k1.ru_utime - k0.ru_utime) + (k1.ru_stime - k0.ru_stime),
-            "cli_user_s": k1.ru_utime - k0.ru_utime, "cli_sys_s": k1.ru_stime - k0.ru_stime, "cli_load_start": load0,
+    argv = cli_argv(case, strategies, distinct, pipeline) + ["--json", "--quiet"]
+    try:
+        r = time_command(argv, env=dict(os.environ, MOONEP_SIM_QUIET="1"))
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
+    doc = json.loads(r["stdout"])
+    run0 = r["runs"][0]
+    return {"cli_command": r["command"], "cli_wall_s": run0["wall_s"], "cli_cpu_s": run0["cpu_s"],
+            "cli_user_s": run0["user_s"], "cli_sys_s": run0["sys_s"], "cli_load_start": r["load_start"],
             "cli_step_time_us": {s: doc["strategies"][s]["step_time_us"] for s in strategies}}
 
 
@@ -395,12 +390,15 @@ def with_cli(rows: list[dict], cli: dict) -> list[dict]:
 def cli_table(rows: list[dict]) -> str:
     """The CLI beside the in-process run, back to back: wall and CPU seconds and their ratios."""
     out = ["| case | strategy | CLI wall s | in-process wall s | CLI / in-process | CLI CPU s | in-process CPU s | "
-           "load | same step time |", "|---|---|---|---|---|---|---|---|---|"]
+           "CLI / in-process CPU | load | same step time |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "cli_wall_s" in r:
             out.append(f"| {r['case']} | {r['strategy']} | {r['cli_wall_s']:.1f} | {r['wall_s']:.1f} | "
                        f"{r['cli_over_inprocess_wall']:.2f}x | {r['cli_cpu_s']:.1f} | {r['cpu_s']:.1f} | "
+                       f"{r['cli_over_inprocess_cpu']:.2f}x | "
                        f"{r['cli_load_start']:.1f}-{r['load_end']:.1f} | {r['cli_same_step_time']} |")
+    out += ["", "commands timed (each in a fresh process):"]
+    out += [f"  {c}" for c in dict.fromkeys(r["cli_command"] for r in rows if "cli_command" in r)]
     return "\n".join(out)
 
 

@@ -4,6 +4,15 @@ Usage::
 
     python benchmarks/fidelity_steps.py              # every row, printed and written to docs/results/fidelity_steps.md
     python benchmarks/fidelity_steps.py --rows 1     # only ANCHORS row 1 (SimuMax B200); --no-write to print only
+    python benchmarks/fidelity_steps.py --after-only # skip the "before" column (half the time)
+
+Every row is priced twice: **before** -- with the step's earlier cost model
+(``moonep_sim.step.costs.legacy_cost_model``: the roofline at the topology's 60% x m/(m+64), FP8 =
+2 x BF16, no measured tables, no launch, cast, permutation or router top-k cost, no host wait, every
+communication kernel holding its SMs; both DeepEP transports of row 2 as DeepEP V1, ``deepep``, the
+host proxies not modelled) -- and **after**, with the cost model a step uses today
+(``step_cost_model``: measured tables where installed, launches, casts, permutation, host waits,
+kernel families' SM use and host proxies).
 
 Every development row of ``../shared/ANCHORS.md`` ("Step-level rows for development") this
 benchmark covers is predicted as a user would run it: the published layout and batch through
@@ -20,9 +29,9 @@ each row is ``predicted / published - 1``.
   step model needs an MoE layer).
 - **Row 2** (Qwen3-30B-A3B, 64 H100 on p5.48xlarge, EFA): TP8 ETP1, EP16 = TP8 PP4 DP2 and
   EP32 = TP8 PP2 DP4, global batch 256 x 4096, micro-batch 4 or 1, balanced routing, recompute
-  off; NCCL all-to-all -> ``alltoall``, DeepEP (UCCL or NVSHMEM over libfabric) -> ``deepep`` (the
-  two DeepEP transports are one prediction: the host-proxy costs that tell them apart are not
-  modelled); "overlap on" -> the DP gradient reduce overlapped (``overlap_grad_reduce``; the
+  off; NCCL all-to-all -> ``alltoall``; DeepEP + UCCL -> ``deepep impl=uccl-ep`` and DeepEP +
+  NVSHMEM over libfabric -> ``deepep impl=deepep-nvshmem-efa`` (the kernel families whose CPU proxies
+  price each RDMA chunk's proxied operations, ``moonep_sim.plan.kernel``); "overlap on" -> the DP gradient reduce overlapped (``overlap_grad_reduce``; the
   row does not say which overlaps, ASSUMED). Mean iteration seconds.
 - **Row 5** (torchtitan with DeepEP, Qwen3-30B-A3B EP8, a B200-class GPU): the ratios only --
   DeepEP over the default all-to-all in tokens/s per GPU at one node, 16 nodes over one node with
@@ -42,6 +51,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from statistics import median
 
@@ -60,11 +70,15 @@ def _truncated(name: str, layers: int, dense: int):
     return dataclasses.replace(m, name=f"{name}-l{layers}", layers=layers, moe_layers=layers - dense)
 
 
-def _step(model, topology: str, strategies: str, gpus: int, parallel, gen: str):
+#: which cost model the rows are being priced with (``main`` sets it): "legacy" or "current"
+BEFORE = {"on": False}
+
+
+def _step(model, topology: str, strategies: str, gpus: int, parallel, gen: str, options=None):
     from moonep_sim.experiments.scenario import Scenario
 
     sc = Scenario(routing=f"gen:model={gen},uniform=1", model=model, cluster=(gpus, 0), topology=topology,
-                  strategies=strategies)
+                  strategies=strategies, options=options or {})
     res = sc.step("train", parallel=parallel, context=SEQ)
     SOURCES.update(str(v).replace(", per-expert GEMMs", "") for v in (res.setup.get("compute_sources") or {}).values())
     return res.figures
@@ -103,10 +117,18 @@ def row2() -> list[dict]:
         pp, dp = (4, 2) if ep == 16 else (2, 4)
         p = Parallel(tp=8, pp=pp, dp=dp, ep=ep, micro_batch_size=mb, global_batch_size=256, zero=1,
                      overlap_grad_reduce=on)
-        f = _step("qwen3-30b-a3b", "h100-efa", "alltoall,deepep", 64, p, "qwen3-30b-a3b")
+        if BEFORE["on"]:   # the proxies were not modelled: both transports are DeepEP V1
+            f = _step("qwen3-30b-a3b", "h100-efa", "alltoall,deepep", 64, p, "qwen3-30b-a3b")
+            f = {"alltoall": f["alltoall"], "uccl": f["deepep"], "nvshmem": f["deepep"]}
+        else:
+            f = _step("qwen3-30b-a3b", "h100-efa", "alltoall,deepep", 64, p, "qwen3-30b-a3b",
+                      {"deepep": {"impl": "uccl-ep"}})
+            g = _step("qwen3-30b-a3b", "h100-efa", "deepep", 64, p, "qwen3-30b-a3b",
+                      {"deepep": {"impl": "deepep-nvshmem-efa"}})
+            f = {"alltoall": f["alltoall"], "uccl": f["deepep"], "nvshmem": g["deepep"]}
         case = f"EP{ep} TP8 PP{pp} DP{dp} mb{mb} overlap {'on' if on else 'off'}"
-        for label, pubv, strat in (("NCCL all-to-all", nccl, "alltoall"), ("DeepEP+UCCL", uccl, "deepep"),
-                                   ("DeepEP+NVSHMEM", nvshmem, "deepep")):
+        for label, pubv, strat in (("NCCL all-to-all", nccl, "alltoall"), ("DeepEP+UCCL", uccl, "uccl"),
+                                   ("DeepEP+NVSHMEM", nvshmem, "nvshmem")):
             if pubv is None:
                 out.append(dict(row=2, group="training", case=f"{case} {label}", unit="s", published=None,
                                 predicted=f[strat]["step_time_us"] / 1e6, note="preempted: no published figure"))
@@ -133,44 +155,78 @@ def row5() -> list[dict]:
                  predicted=many["deepep"]["peak_memory_bytes"] / one["deepep"]["peak_memory_bytes"])]
 
 
-def _err(r: dict) -> float | None:
-    return None if r["published"] is None else r["predicted"] / r["published"] - 1
+def _err(r: dict, key: str = "predicted") -> float | None:
+    return None if r["published"] is None or r.get(key) is None else r[key] / r["published"] - 1
+
+
+def _fmt(v, unit: str) -> str:
+    return "-" if v is None else f"{v:,.4g} {unit}"
 
 
 def summary(rows: list[dict]) -> list[str]:
-    lines = ["| row | group | case | published | predicted | error |", "| --- | --- | --- | ---: | ---: | ---: |"]
+    """The per-row table (before / after and their errors) and the per-group errors."""
+    lines = ["| row | group | case | published | before | error before | after | error after |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        e = _err(r)
-        pub = "-" if r["published"] is None else f"{r['published']:,.4g} {r['unit']}"
-        lines.append(f"| {r['row']} | {r['group']} | {r['case']} | {pub} | {r['predicted']:,.4g} {r['unit']} | "
-                     + ("n/a (" + r.get("note", "") + ")" if e is None else f"{e:+.1%}") + " |")
-    lines += ["", "| group | rows | median abs error | mean signed error | worst |", "| --- | ---: | ---: | ---: | ---: |"]
+        eb, ea = _err(r, "before"), _err(r)
+        note = "n/a (" + r.get("note", "") + ")"
+        lines.append(f"| {r['row']} | {r['group']} | {r['case']} | {_fmt(r['published'], r['unit'])} | "
+                     f"{_fmt(r.get('before'), r['unit'])} | " + (note if eb is None and r["published"] is None else
+                                                                 "-" if eb is None else f"{eb:+.1%}")
+                     + f" | {_fmt(r['predicted'], r['unit'])} | " + (note if ea is None else f"{ea:+.1%}") + " |")
+    lines += ["", "| group | rows | median abs error before | after | mean signed error before | after | worst before | "
+              "after |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     groups = ["training", "memory", "ratios"]
     for g in groups + ["all"]:
-        es = [_err(r) for r in rows if (g == "all" or r["group"] == g) and _err(r) is not None]
-        if not es:
-            lines.append(f"| {g} | 0 | - | - | - |")
+        cols = []
+        for key in ("before", "predicted"):
+            es = [_err(r, key) for r in rows if (g == "all" or r["group"] == g) and _err(r, key) is not None]
+            cols.append(es)
+        n = max(len(c) for c in cols)
+        if not n:
+            lines.append(f"| {g} | 0 | - | - | - | - | - | - |")
             continue
-        worst = max(es, key=abs)
-        lines.append(f"| {g} | {len(es)} | {median(abs(e) for e in es):.1%} | {sum(es) / len(es):+.1%} | {worst:+.1%} |")
-    lines.append("| serving | 0 | - | - | - |  (no serving development row in this benchmark)")
+        med = [f"{median(abs(e) for e in c):.1%}" if c else "-" for c in cols]
+        mean = [f"{sum(c) / len(c):+.1%}" if c else "-" for c in cols]
+        worst = [f"{max(c, key=abs):+.1%}" if c else "-" for c in cols]
+        lines.append(f"| {g} | {n} | {med[0]} | {med[1]} | {mean[0]} | {mean[1]} | {worst[0]} | {worst[1]} |")
+    lines.append("| serving | 0 | - | - | - | - | - | - |  (no serving development row in this benchmark)")
     return lines
+
+
+def run_rows(want: set[int], before: bool) -> list[dict]:
+    """Every wanted row priced with the legacy (``before``) or the current cost model."""
+    from moonep_sim.step.costs import cost_model_preset
+
+    BEFORE["on"] = before
+    rows: list[dict] = []
+    with cost_model_preset("legacy") if before else nullcontext():
+        for n, fn in ((1, row1), (2, row2), (5, row5)):
+            if n in want:
+                a = time.perf_counter()
+                rows += fn()
+                print(f"row {n} ({'before' if before else 'after'}): {time.perf_counter() - a:.0f} s", file=sys.stderr,
+                      flush=True)
+    BEFORE["on"] = False
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,5", help="ANCHORS development rows to run (default 1,2,5)")
     ap.add_argument("--no-write", action="store_true", help="print only (no docs/results/fidelity_steps.md)")
+    ap.add_argument("--after-only", action="store_true", help="skip the 'before' column (the legacy cost model)")
     args = ap.parse_args(argv)
     want = {int(x) for x in args.rows.split(",") if x.strip()}
     t0 = time.perf_counter()
     load0 = os.getloadavg()
-    rows: list[dict] = []
-    for n, fn in ((1, row1), (2, row2), (5, row5)):
-        if n in want:
-            a = time.perf_counter()
-            rows += fn()
-            print(f"row {n}: {time.perf_counter() - a:.0f} s", file=sys.stderr, flush=True)
+    rows = run_rows(want, before=False)
+    if not args.after_only:
+        sources_after = set(SOURCES)
+        for r, b in zip(rows, run_rows(want, before=True)):
+            r["before"] = b["predicted"]
+        SOURCES.clear()
+        SOURCES.update(sources_after)
     lines = summary(rows)
     print("\n".join(lines))
     if args.no_write:
@@ -178,16 +234,20 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     head = ["# Step fidelity under parallel layouts (development rows)", "",
             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}",
-            f"- command: `python benchmarks/fidelity_steps.py --rows {args.rows}` ({time.perf_counter() - t0:.0f} s)",
+            f"- command: `python benchmarks/fidelity_steps.py --rows {args.rows}{' --after-only' if args.after_only else ''}` ({time.perf_counter() - t0:.0f} s)",
             f"- machine load (1-min load average at start / end): {load0[0]:.1f} / {os.getloadavg()[0]:.1f} "
             f"on {os.cpu_count()} cores",
-            "- nothing fitted: every figure is a prediction with the shipped presets (no leave-one-out needed); the "
-            "layout, batch and dispatcher are the published ones, the rest as `moonep-sim step` defaults them "
-            "(every MoE layer its own generated balanced routing; op times as a step prices them, from: "
+            "- nothing fitted on these rows: every figure is a prediction with the shipped presets (no leave-one-out "
+            "needed); the layout, batch and dispatcher are the published ones, the rest as `moonep-sim step` defaults "
+            "them (every MoE layer its own generated balanced routing; 'after' op times as a step prices them, from: "
             + (", ".join(sorted(SOURCES)) or "?") + ").",
-            "- mappings and assumptions: see the docstring of `benchmarks/fidelity_steps.py` (row 2's two DeepEP "
-            "transports are one prediction; its 'overlap on' is the DP gradient reduce overlapped; row 5's batch and "
-            "FSDP are ASSUMED).", ""]
+            "- before: the step's earlier cost model (`moonep_sim.step.costs.legacy_cost_model`: roofline at 60% x "
+            "m/(m+64), FP8 = 2 x BF16, no measured tables, no launch / cast / permute / router / host-wait cost, every "
+            "kernel holding its SMs; row 2's DeepEP transports both as DeepEP V1)" + ("" if not args.after_only else
+                                                                                      " -- not run (--after-only)")
+            + ".",
+            "- mappings and assumptions: see the docstring of `benchmarks/fidelity_steps.py` (row 2's 'overlap on' is "
+            "the DP gradient reduce overlapped; row 5's batch and FSDP are ASSUMED).", ""]
     (ROOT / "docs" / "results" / "fidelity_steps.md").write_text("\n".join(head + lines) + "\n")
     return 0
 

@@ -128,3 +128,17 @@ def test_floor_needs_the_serial_step(bench, capsys):
         bench.main(["--floor", "--pipeline", "on"])
     assert e.value.code == 2
     assert "--pipeline off" in capsys.readouterr().err
+
+
+def test_cli_figures_sit_beside_the_in_process_rows(bench):
+    """The command's figures (from benchmarks/_cli.py) beside each in-process row: the ratios, the
+    step time compared per strategy, the command named under the table."""
+    rows = [{"case": "tiny-train", "strategy": s, "wall_s": 2.0, "cpu_s": 4.0, "load_end": 1.0, "step_time_us": t}
+            for s, t in (("alltoall", 10.0), ("moonep", 20.0))]
+    cli = {"cli_command": "moonep-sim step --gen x", "cli_wall_s": 3.0, "cli_cpu_s": 5.0, "cli_load_start": 1.0,
+           "cli_step_time_us": {"alltoall": 10.0, "moonep": 21.0}}
+    got = bench.with_cli(rows, cli)
+    assert [r["cli_same_step_time"] for r in got] == [True, False]
+    assert got[0]["cli_over_inprocess_wall"] == 1.5 and got[0]["cli_over_inprocess_cpu"] == 1.25
+    table = bench.cli_table(got)
+    assert "| 1.50x | 5.0 | 4.0 | 1.25x |" in table and table.splitlines()[-1] == "  moonep-sim step --gen x"

@@ -18,6 +18,7 @@ B, T = 1e9, 1e12
 # name: (total, its rounding unit, active, its rounding unit, active counts the embedding, source)
 PUBLISHED = {
     "kimi-k3": (2.78 * T, 0.01 * T, 104.2 * B, 0.1 * B, False, "Moonshot's Kimi K3 report: 2.78T total, 104.2B active"),
+    "deepseek-v2": (236 * B, 1 * B, 21 * B, 1 * B, False, "DeepSeek-V2 technical report (arXiv 2405.04434): 236B, 21B"),
     "deepseek-v3": (671 * B, 1 * B, 37 * B, 1 * B, False, "DeepSeek-V3 technical report (arXiv 2412.19437): 671B, 37B"),
     "qwen3-235b": (235 * B, 1 * B, 22 * B, 1 * B, True, "Qwen/Qwen3-235B-A22B model card: 235B in total, 22B activated"),
     "mixtral-8x22b": (141 * B, 1 * B, 39 * B, 1 * B, True, "Mistral's Mixtral 8x22B announcement: 39B active of 141B"),

@@ -69,18 +69,53 @@ def test_two_batch_low_latency_decode_is_never_slower_than_its_micro_batches_in_
 
 def test_deepep_v1_on_efa_is_flagged_not_native_and_the_proxy_families_are_native_there():
     from moonep_sim.analysis.flags import native_flags
-    from moonep_sim.plan.kernel import NVSHMEM_PROXY_THREADS, PROXY_POST_US, UCCL_PROXY_THREADS
+    from moonep_sim.plan.kernel import (NVSHMEM_EFA_OPS_PER_CHUNK, NVSHMEM_PROXY_THREADS, PROXY_OP_US,
+                                        UCCL_EFA_OPS_PER_CHUNK, UCCL_PROXY_THREADS)
 
     got = native_flags({"deepep": {}, "deepep-ll": {}, "alltoall": {}}, "h100-efa")
     assert {(f["code"], f["strategy"]) for f in got} == {("kernel-not-native", "deepep"),
                                                           ("kernel-not-native", "deepep-ll")}
-    assert native_flags({"deepep": {"impl": "uccl-ep"}, "deepep-ll": {"impl": "uccl-ep-ll"}}, "h100-efa") == []
-    assert native_flags({"deepep": {"impl": "deepep-nvshmem-efa"}}, "h100-efa") == []
-    assert [f["strategy"] for f in native_flags({"deepep": {"impl": "deepep-nvshmem-efa"}}, "h800-cx7")] == ["deepep"]
+    codes = lambda fl: {(f["code"], f["strategy"]) for f in fl}
+    assert codes(native_flags({"deepep": {"impl": "uccl-ep"}, "deepep-ll": {"impl": "uccl-ep-ll"}}, "h100-efa")) == \
+        {("host-proxy", "deepep"), ("host-proxy", "deepep-ll")}     # native, and the proxy named
+    got = native_flags({"deepep": {"impl": "deepep-nvshmem-efa"}}, "h100-efa")
+    assert codes(got) == {("host-proxy", "deepep")} and "4.05 us of proxy time per relayed message" in got[0]["text"]
+    assert codes(native_flags({"deepep": {"impl": "deepep-nvshmem-efa"}}, "h800-cx7")) == \
+        {("kernel-not-native", "deepep"), ("host-proxy", "deepep")}
     assert native_flags({"deepep": {}}, "h800-cx7") == [] and native_flags({"deepep": {}}, "my.toml") == []
-    # a host proxy's per-message cost is its post time shared by its threads
-    assert FAMILIES["uccl-ep"].message_us == pytest.approx(PROXY_POST_US / UCCL_PROXY_THREADS)
-    assert FAMILIES["deepep-nvshmem-efa"].message_us == pytest.approx(PROXY_POST_US / NVSHMEM_PROXY_THREADS)
+    # a host proxy's cost per relayed message (chunk) is its proxied operations' time shared by its threads
+    assert FAMILIES["uccl-ep"].message_us == pytest.approx(PROXY_OP_US * UCCL_EFA_OPS_PER_CHUNK / UCCL_PROXY_THREADS)
+    assert FAMILIES["deepep-nvshmem-efa"].message_us == pytest.approx(
+        PROXY_OP_US * NVSHMEM_EFA_OPS_PER_CHUNK / NVSHMEM_PROXY_THREADS)
+    assert FAMILIES["uccl-ep-ll"].message_us == pytest.approx(PROXY_OP_US / UCCL_PROXY_THREADS)
+
+
+def test_a_proxy_family_pays_its_proxied_operations_per_channel_chunk_of_each_node_pair():
+    """Hand count: 24 SMs = 12 channels; 1000 rows from rank 0 to rank 8 (the other node) at EP16
+    go 84 (83.3 rounded up) per channel, in ceil(84 / 20) = 5 dispatch chunks (RDMA send chunk 20
+    at EP16) and ceil(84 / 12) = 7 combine chunks: 60 and 84 chunks, each message_us; the
+    same-node pair pays nothing."""
+    from types import SimpleNamespace
+
+    from moonep_sim.plan import CommPhase
+    from moonep_sim.plan.kernel import family_spec
+    from moonep_sim.plan.kinds import Direction, PhaseKind, Scope
+    from moonep_sim.sim.program import _row_messages_scale
+
+    topo = load_topology("h100-efa")
+    spec = family_spec(FAMILIES["deepep-nvshmem-efa"], relay=True, sms=FAMILIES["deepep-nvshmem-efa"].sms)
+    R = 16
+    msgs, byts = np.zeros((R, R), np.int64), np.zeros((R, R), np.int64)
+    msgs[0, 8], byts[0, 8] = 1000, 1000 * 4096
+    msgs[0, 1], byts[0, 1] = 1000, 1000 * 4096
+    ph = CommPhase("dispatch.0", PhaseKind.DISPATCH, Direction.FORWARD, Scope.INTER_NODE, byts, msgs)
+    plan = SimpleNamespace(kernel=spec, ranks=R)
+    per_msg = topo.nic_message_us + spec.message_us
+    for direction, chunks in (("dispatch", 12 * 5), ("combine", 12 * 7)):
+        sc = _row_messages_scale(ph, plan, topo, direction)
+        extra_us = (sc[0, 8] - 1.0) * byts[0, 8] / topo.nic_bytes_per_us
+        assert extra_us == pytest.approx(chunks * per_msg)
+        assert sc[0, 1] == 1.0
 
 
 def test_normal_kernels_pay_the_host_wait_of_their_count_exchange_once_per_forward_dispatch():

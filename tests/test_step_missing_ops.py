@@ -90,3 +90,35 @@ def test_launch_costs_per_kernel_eager_and_in_a_cuda_graph():
     assert CostModel(topo, launch="eager").op_us(big) == pytest.approx(base.op_us(big) + 2 * KERNEL_GAP_STREAM_US)
     assert CostModel(topo, launch="eager").op_us(tiny) == HOST_LAUNCH_US          # bound by the host's submit
     assert CostModel(topo, launch="eager").op_us(backward_op(big)) >= 4 * HOST_LAUNCH_US
+
+
+def test_the_legacy_cost_model_prices_as_the_step_did_before_these_terms():
+    """``legacy``: no cast or top-k cost, FP8 at exactly twice the BF16 roofline, no measured
+    tables or launches whatever ``step_cost_model`` would pick; its layers hold the SMs and pay no
+    host wait."""
+    from moonep_sim.step.costs import cost_model_preset, step_cost_model
+    from moonep_sim.step.layer_sim import simulate_moe_layer
+
+    m = get_model("deepseek-v3")
+    T = 4096
+    lo = layer_ops(m, m.dense_layers, step_shape(m, "train", T, T))
+    q, topk = [o for o in lo.before if o.name == "quantize"][0], lo.before[-1]
+    topo = load_topology("h800-cx7")
+    with cost_model_preset("legacy"):
+        legacy = step_cost_model(topo, "fp8", mode="train")
+    assert legacy.legacy and legacy.measured is None and legacy.launch == "none" and not legacy.permute
+    assert legacy.op_us(q) == 0.0 and legacy.op_us(topk) == 0.0
+    assert legacy.gemm_flops_per_us == pytest.approx(2 * topo.gpu_tflops * topo.gpu_compute_efficiency * 1e6)
+    assert not step_cost_model(topo, "fp8", mode="train").legacy      # the preset ends with its block
+    with pytest.raises(Exception, match="must be one of"):
+        with cost_model_preset("old"):
+            pass
+    t = load_topology("h800-cx7")
+    r = _routing(SMALL, 32, seed=3)
+    for name in ("deepep", "deepep-ll"):
+        plan = make_plan(name, r, _ctx(SMALL, t))
+        now = simulate_moe_layer(plan, SMALL, t, CostModel(t), False)
+        old = simulate_moe_layer(plan, SMALL, t, CostModel(t, legacy=True), False)
+        assert old.holds_sms and old.host_wait_us == 0.0
+        assert now.host_wait_us == (plan.kernel.host_wait_us if plan.kernel is not None else 0.0)
+    assert not now.holds_sms   # deepep-ll frees its SMs in flight under the current model

@@ -20,6 +20,9 @@ strategies they concern, and ``report.html`` lists them. Codes (:data:`FLAG_CODE
   assumed / whose GPU vendor or transports are not the cluster's. ``kernel-not-native`` is also
   raised on a single cluster's step and compare (:func:`native_flags`): e.g. DeepEP V1, which needs
   GPU-initiated RDMA, on an EFA preset.
+- ``host-proxy``: a strategy priced by a CPU-proxy kernel family (UCCL-EP, DeepEP over NVSHMEM's
+  libfabric proxy): the flag names its proxy time per RDMA message and per launch, the mechanism
+  that makes it slower than GPU-initiated RDMA (:func:`native_flags`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any, Mapping
 
 FLAG_CODES = ("oracle", "free-migration", "dropped-rows", "padded-rows", "shape-not-given", "outside-library",
               "quick-calibration", "uncalibrated", "stand-in-layer", "one-seed", "assumed-kernel-terms",
-              "kernel-not-native")
+              "kernel-not-native", "host-proxy")
 
 #: where each strategy's real library runs: (library, where it runs, most nodes (NVLink domains) it
 #: supports; None: no limit). ``moonep-sim strategies`` prints the first two.
@@ -149,7 +152,8 @@ def native_flags(options: Mapping[str, Mapping[str, Any]], topology: str | None)
     """``kernel-not-native`` flags of the strategies that take a kernel family (``impl``) on the
     preset ``topology``: the family's GPU vendor or transports are not the preset's
     (``moonep_sim/data/native-kernels.toml``, the table ``moonep_sim.experiments.clusters`` reads);
-    [] for a preset the table does not list."""
+    and ``host-proxy`` flags naming a CPU-proxy family's cost per RDMA message (the mechanism that
+    slows it); [] for a preset the table does not list."""
     import tomllib
     from importlib import resources
 
@@ -173,6 +177,15 @@ def native_flags(options: Mapping[str, Mapping[str, Any]], topology: str | None)
                                                      f"{fam.vendor} GPUs over {' / '.join(fam.transports)}; "
                                                      f"{topology} is {nat['vendor']} over {nat['transport']}: a "
                                                      "setting its library does not run"))
+        if fam is not None and fam.message_us > 0 and fam.extra_fixed_us > 0:
+            out.append(_flag("host-proxy", n, f"{n} is priced by {fam.name}, whose RDMA writes a CPU proxy posts: "
+                                              f"{fam.message_us:.2f} us of proxy time per relayed message (one "
+                                              f"channel's chunk to one node) and +{fam.extra_fixed_us:g} us per launch, "
+                                              "serial at each GPU's proxy -- the proxied operations per chunk "
+                                              "(put, tail / head atomics; on EFA each atomic applied by the target's "
+                                              "proxy) over its proxy threads, x 0.45 us per operation (ASSUMED): it "
+                                              "grows with the chunks per token (more nodes per token, smaller RDMA "
+                                              "chunks at larger EP)"))
     return out
 
 

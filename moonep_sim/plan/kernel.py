@@ -222,18 +222,34 @@ class KernelFamily:
 
 _V1 = "deepseek-ai/DeepEP V1 ('legacy') kernels"
 #: Host-proxy transports (a CPU thread posts each RDMA write the GPU asks for): proxy threads per
-#: GPU, the CPU time one thread spends posting one write, and the round trips a launch pays.
+#: GPU, the CPU time one thread spends on one proxied operation, and the round trips a launch pays.
 UCCL_PROXY_THREADS = 4
 NVSHMEM_PROXY_THREADS = 1
-#: ASSUMED: CPU us one proxy thread spends per posted write (a verbs / libfabric post and its
-#: completion poll, ~5 M posts/s per thread); a proxy GPU's messages cost PROXY_POST_US / threads each.
-PROXY_POST_US = 0.2
+#: ASSUMED, set from UCCL's proxy benchmark (uccl-project/uccl PR #47: 2.24 M operations/s through
+#: its CPU proxy FIFO, read here as one proxy thread's rate): CPU us one proxy thread spends per
+#: proxied operation (a libfabric / verbs post, applying a remote atomic, posting or reaping an ack).
+PROXY_OP_US = 0.45
+#: Proxied operations per RDMA chunk of DeepEP's normal kernels (one chunk = up to the RDMA send-chunk
+#: tokens of one channel to one node; csrc/kernels/internode.cu: the RDMA sender posts the chunk's put
+#: and a tail atomic, the receiving forwarder returns a head atomic once it consumed the chunk).
+#: NVSHMEM over libfabric on EFA (the awslabs Megatron-Bridge build, deepep/setup_deepep_efa.sh: put and
+#: tail fused into ``nvshmemx_qp_char_put_signal_nbi_warp``, head by ``nvshmem_int_atomic_add``, one
+#: proxy endpoint per PE): EFA has no RDMA atomics, so NVSHMEM stages each signal and atomic through the
+#: target's proxy thread, which applies it on the host (GDRCopy) and writes an ack back (NVSHMEM
+#: src/modules/transport/libfabric/libfabric.cpp: perform_gdrcopy_amo, gdrcopy_amo_ack): posts 3 (put,
+#: signal, head atomic) + at the target 2 x (apply + ack) + 2 ack completions = 9 on each GPU's one
+#: thread (the traffic is symmetric: every GPU's thread does both ends' share).
+NVSHMEM_EFA_OPS_PER_CHUNK = 9
+#: UCCL-EP on EFA (uccl ep/src/internode.cu, ep/include/common.hpp ATOMICS_USE_HOST_MEMORY): the put, a
+#: tail and a head atomic posted, each atomic applied by the receiving proxy in host memory: 3 + 2 = 5,
+#: spread over UCCL_PROXY_THREADS threads.
+UCCL_EFA_OPS_PER_CHUNK = 5
 #: ASSUMED: two proxy round trips per launch (GPU command ring -> CPU thread -> completion back,
 #: ~2.5 us each over PCIe with polling).
 PROXY_ROUND_TRIP_US = 5.0
-_PROXY_MSG = ("assumed: PROXY_POST_US = 0.2 CPU us per posted write per proxy thread (~5 M posts/s: a verbs / "
-              "libfabric post and its completion poll), divided over the GPU's proxy threads; no published "
-              "dispatch/combine figure used")
+_PROXY_MSG = ("assumed: PROXY_OP_US = 0.45 CPU us per proxied operation per proxy thread, set from UCCL's proxy "
+              "benchmark (uccl PR #47, 2.24 M ops/s, read as one thread's rate); no published dispatch/combine or "
+              "step figure used")
 _PROXY_FIXED = ("assumed: V1's (the topology's [kernel]) + PROXY_ROUND_TRIP_US = 5 us per launch, two proxy round "
                 "trips (GPU command ring -> CPU thread -> completion back) of ~2.5 us each over PCIe with polling")
 #: ASSUMED: what one dispatch of a normal kernel waits on the host for its count exchange: the
@@ -340,33 +356,41 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
         "holds_sms": "assumed, set from pplx-kernels' split dispatch / combine (do_send / do_recv halves): the SMs are free between the halves",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
     KernelFamily("uccl-ep", "UCCL-EP", "normal", "nvidia", ("ib", "roce", "efa"), sms=24,
-                 message_us=PROXY_POST_US / UCCL_PROXY_THREADS, extra_fixed_us=PROXY_ROUND_TRIP_US, reduce="fused",
-                 host_wait_us=HOST_WAIT_US, sources={
+                 message_us=PROXY_OP_US * UCCL_EFA_OPS_PER_CHUNK / UCCL_PROXY_THREADS,
+                 extra_fixed_us=PROXY_ROUND_TRIP_US, reduce="fused", host_wait_us=HOST_WAIT_US, sources={
         "host_wait_us": _HOST_WAIT,
         "design": "sourced: UCCL-EP (arXiv 2512.19849; uccl-project/uccl ep/): DeepEP's kernels whose GPU-issued "
                   "128-bit commands go through lock-free FIFO channels to multithreaded CPU proxies, which post "
                   "the RDMA writes (ibverbs / libfabric) on the GPU's behalf: no GPU-initiated RDMA needed (EFA, "
                   "RoCE, Broadcom)",
-        "message_us": f"{_PROXY_MSG}; UCCL_PROXY_THREADS = 4 is sourced (uccl ep/include: kNumProxyThs = 4)",
+        "message_us": f"{_PROXY_MSG}; per relayed message (chunk) UCCL_EFA_OPS_PER_CHUNK = 5 proxied operations (put, "
+                      "tail and head atomics, each atomic applied by the receiving proxy in host memory: uccl "
+                      "ep/src/internode.cu, ep/include/common.hpp) over UCCL_PROXY_THREADS = 4, sourced (uccl "
+                      "ep/include/common.hpp: kNumProxyThs = 4)",
         "fixed_us": _PROXY_FIXED}),
     KernelFamily("uccl-ep-ll", "UCCL-EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
-                 message_us=PROXY_POST_US / UCCL_PROXY_THREADS, extra_fixed_us=PROXY_ROUND_TRIP_US,
+                 message_us=PROXY_OP_US / UCCL_PROXY_THREADS, extra_fixed_us=PROXY_ROUND_TRIP_US,
                  reduce="after", counts="selections", sources={
         "design": "sourced: UCCL-EP: DeepEP's low-latency kernels through the same CPU proxies",
-        "message_us": f"{_PROXY_MSG}; as uccl-ep",
+        "message_us": f"{_PROXY_MSG}; one operation per message (row) over UCCL_PROXY_THREADS = 4",
         "holds_sms": "assumed, set from UCCL-EP's DeepEP-compatible low-latency API (return_recv_hook); its CPU "
                      "proxies, not SMs, move the data in flight",
         "fixed_us": _PROXY_FIXED}),
     KernelFamily("deepep-nvshmem-efa", "DeepEP over NVSHMEM (libfabric)", "normal", "nvidia", ("efa",), sms=24,
-                 message_us=PROXY_POST_US / NVSHMEM_PROXY_THREADS, extra_fixed_us=PROXY_ROUND_TRIP_US,
+                 message_us=PROXY_OP_US * NVSHMEM_EFA_OPS_PER_CHUNK / NVSHMEM_PROXY_THREADS,
+                 extra_fixed_us=PROXY_ROUND_TRIP_US,
                  reduce="fused", chunks=V1_CHUNKS, channels_per_sm=0.5, recv_copy=True, host_wait_us=HOST_WAIT_US, sources={
         "host_wait_us": _HOST_WAIT,
         "design": "sourced: DeepEP V1's normal kernels built on NVSHMEM's libfabric transport for EFA, which has no "
                   "GPU-initiated RDMA (IBGDA): each device-side put is handed to NVSHMEM's host proxy thread, which "
                   "posts it to the NIC (NVSHMEM docs, 'proxy' transports; the awslabs Megatron-Bridge rows in "
                   "ANCHORS run DeepEP this way)",
-        "message_us": f"{_PROXY_MSG}; NVSHMEM_PROXY_THREADS = 1 is sourced (NVSHMEM runs one host proxy thread "
-                      "per PE for its proxy-based transports)",
+        "message_us": f"{_PROXY_MSG}; per RDMA chunk of one channel to one node NVSHMEM_EFA_OPS_PER_CHUNK = 9 "
+                      "proxied operations, sourced: put + signal + head atomic posted, each signal / atomic staged "
+                      "through the target's proxy (applied by GDRCopy, acked) since EFA has no RDMA atomics "
+                      "(NVSHMEM libfabric.cpp perform_gdrcopy_amo / gdrcopy_amo_ack; awslabs Megatron-Bridge "
+                      "deepep/setup_deepep_efa.sh: put_signal + nvshmem_int_atomic_add); NVSHMEM_PROXY_THREADS = 1 "
+                      "is sourced (the same script: 'Libfabric has 1 proxy endpoint per PE')",
         "fixed_us": _PROXY_FIXED}),
     KernelFamily("nixl-ep", "NIXL EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
                  reduce="after", counts="selections", sources={

@@ -24,7 +24,7 @@ from moonep_sim.plan.kernel import chunk_for
 from moonep_sim.plan.kinds import COMM_KINDS, WEIGHT_KINDS, Direction, PhaseKind
 from moonep_sim.sim.compute import rank_compute_us
 from moonep_sim.sim.faults import FaultState
-from moonep_sim.sim.kernels import (dispatch_epilogue_us, epilogue_rows_R, expand_read_bytes_per_us, kernel_fixed_us,
+from moonep_sim.sim.kernels import (dispatch_epilogue_us, epilogue_rows_R, expand_read_bytes_per_us, kernel_fixed_us, kernel_sms,
                                     message_us, nic_message_cost_us, receive_copy_us, reduce_bytes_per_us,
                                     relay_active, relay_hop_rows, relay_rows, sm_cap_bytes_per_us,
                                     weight_copy_bytes_per_us)
@@ -218,7 +218,8 @@ def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology, direction:
     flows, at the NIC's rate; None when off. Kernels that send one message per row pay
     ``moonep_sim.sim.kernels.nic_message_cost_us`` per row; relayed kernels, where the NIC's message
     rate or the family's own per-message cost (a CPU proxy) is set, pay it per relayed message
-    (a chunked kernel: one RDMA write per channel's chunk, its RDMA chunk in ``direction``)."""
+    (a chunked kernel: one RDMA write per channel's chunk, its RDMA chunk in ``direction``, the
+    pair's rows split evenly over the kernel's ``sms x channels_per_sm`` channels)."""
     spec = plan.kernel
     if spec is None:
         return None
@@ -228,7 +229,11 @@ def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology, direction:
     elif spec.relay and relay_rows(topo, spec) > 0 and (topo.nic_message_us > 0 or spec.message_us > 0):
         cost = topo.nic_message_us + spec.message_us
         c = chunk_for(spec.chunks, plan.ranks)
-        msgs = np.ceil(msgs / (c.rows(direction, True) if c is not None else relay_rows(topo, spec)))
+        if c is None:
+            msgs = np.ceil(msgs / relay_rows(topo, spec))
+        else:  # each channel sends its own share of the pair's rows in chunks (DeepEP internode.cu)
+            ch = max(1.0, float(np.floor(kernel_sms(topo, spec) * spec.channels_per_sm)))
+            msgs = ch * np.ceil(msgs / (ch * c.rows(direction, True)))
     else:
         return None
     if cost <= 0:

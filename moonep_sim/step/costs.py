@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import csv
 import os
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -155,6 +157,12 @@ class CostModel:
     weight_bytes: bytes per stored weight element, scales included (``moonep_sim.step.dtypes``;
     2 = bf16): the roofline prices a GEMM's weight traffic (the ops' bf16 weight bytes, the routed
     experts' weights) at it, what bounds the memory-bound decode GEMMs.
+    legacy: the step's earlier cost model, kept to show what the terms since added change
+    (:func:`legacy_cost_model`): GEMMs and attention on the roofline at the topology's efficiency x
+    ``m / (m + GEMM_HALF_ROWS)``, FP8 at exactly twice the BF16 peak, the casts and the router's
+    top-k free (with no measured tables, permutation or launches: the fields above at their
+    defaults); the layer's communication then ignores the host wait of a count exchange and has
+    every kernel hold its SMs for the whole collective (``moonep_sim.step.layer_sim``).
     """
 
     topo: Topology
@@ -166,6 +174,7 @@ class CostModel:
     fitted: dict | None = None
     launch: str = "none"
     weight_bytes: float = 2.0
+    legacy: bool = False
 
     def __post_init__(self) -> None:
         require(self.weight_bytes > 0, f"weight bytes ({self.weight_bytes}) must be > 0")
@@ -177,6 +186,8 @@ class CostModel:
     @property
     def gemm_flops_per_us(self) -> float:
         t = self.topo
+        if self.legacy:
+            return t.gpu_tflops * (2.0 if self.gemm_dtype == "fp8" else 1.0) * t.gpu_compute_efficiency * 1e6
         peak = t.gpu_tflops_fp8 if (self.gemm_dtype == "fp8" and t.gpu_tflops_fp8 > 0) else t.gpu_tflops
         eff = self.fitted["compute_efficiency"] if self.fitted else t.gpu_compute_efficiency
         return peak * eff * 1e6
@@ -203,6 +214,8 @@ class CostModel:
             require(t is not None, f"--compute-profile ({self.profile.path}) must time op {op.name} at shape "
                                    f"{op.shape}", ConfigError)
             return float(t)
+        if self.legacy and op.name in OPTIONAL_OPS:
+            return 0.0
         t = self._measured_op_us(op)
         return self._launched(op, t if t is not None else self.roofline_op_us(op))
 
@@ -303,6 +316,9 @@ class CostModel:
         out["expert"] = self.expert_source()
         if train:
             out["expert_bwd"] = out["expert"]
+        if self.legacy:
+            out["cost_model"] = "legacy: roofline at the topology's efficiency x m/(m+64), FP8 = 2 x BF16, no casts, " \
+                                "router top-k, permutation, launches or host wait; every kernel holds its SMs"
         out["launch"] = {"none": "not charged", "graph": f"CUDA graph: {KERNEL_GAP_GRAPH_US} us per kernel",
                          "eager": f"eager: {KERNEL_GAP_STREAM_US} us per kernel, at least {HOST_LAUNCH_US} us "
                                   "(host submit)"}[self.launch]
@@ -402,6 +418,33 @@ def fitted_constants(topology_name: str, dtype: str) -> dict | None:
     return dict(g[dtype], source=g["source"])
 
 
+#: The cost models a step can price with (:func:`cost_model_preset`): ``current`` (the default,
+#: :func:`step_cost_model`'s rule) and ``legacy`` (:func:`legacy_cost_model`).
+COST_MODEL_PRESETS = ("current", "legacy")
+_PRESET: ContextVar[str] = ContextVar("moonep_sim_cost_model_preset", default="current")
+
+
+@contextmanager
+def cost_model_preset(name: str):
+    """Within the block, every step priced through :func:`step_cost_model` in this thread uses the
+    cost model ``name`` (:data:`COST_MODEL_PRESETS`): ``benchmarks/fidelity_steps.py --before``
+    prices the development rows with ``legacy`` this way, without a flag on every step path."""
+    require(name in COST_MODEL_PRESETS, f"cost model ({name!r}) must be one of {', '.join(COST_MODEL_PRESETS)}")
+    token = _PRESET.set(name)
+    try:
+        yield
+    finally:
+        _PRESET.reset(token)
+
+
+def legacy_cost_model(topo: Topology, gemm_dtype: str = "bf16", profile: Profile | None = None) -> CostModel:
+    """The step's earlier cost model (``CostModel.legacy``): the roofline at the topology's
+    efficiency x ``m / (m + 64)``, FP8 at twice BF16, no measured tables, no launch, cast,
+    permutation, router top-k or host-wait cost, every kernel holding its SMs. A user's profile
+    still wins where given."""
+    return CostModel(topo, gemm_dtype, profile=profile, legacy=True)
+
+
 def step_cost_model(topo: Topology, gemm_dtype: str = "bf16", compute_profile: "str | os.PathLike | None" = None,
                     measured: bool = True, mode: str | None = None, weight_bytes: float = 2.0) -> CostModel:
     """The cost model every step path prices with (one rule): a user's ``compute_profile`` wins;
@@ -414,6 +457,8 @@ def step_cost_model(topo: Topology, gemm_dtype: str = "bf16", compute_profile: "
     from moonep_sim.step.measured import load_measured
 
     profile = read_profile(compute_profile) if compute_profile else None
+    if _PRESET.get() == "legacy":
+        return legacy_cost_model(topo, gemm_dtype, profile)
     tables = load_measured(topo) if measured and profile is None else None
     return CostModel(topo, gemm_dtype, profile=profile, measured=tables, permute=True,
                      fitted=fitted_constants(topo.name, gemm_dtype) if tables is None and profile is None else None,
@@ -426,7 +471,7 @@ def flat_cost_model(topo: Topology) -> CostModel:
     return CostModel(topo, "bf16", 0.0)
 
 
-__all__ = ["CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "HOST_LAUNCH_US", "KERNEL_GAP_GRAPH_US",
+__all__ = ["COST_MODEL_PRESETS", "CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "HOST_LAUNCH_US", "KERNEL_GAP_GRAPH_US",
            "KERNEL_GAP_STREAM_US", "LAUNCH_MODES", "OPTIONAL_OPS", "PERMUTE_PASSES", "Profile", "ROOFLINE",
-           "fitted_constants", "flat_cost_model", "step_cost_model",
+           "cost_model_preset", "fitted_constants", "flat_cost_model", "legacy_cost_model", "step_cost_model",
            "read_profile"]

@@ -180,8 +180,9 @@ def _simulate(plan: Plan, model: ModelSpec, topo: Topology, costs: CostModel, tr
     return LayerComm(fwd, bwd, strag, share, plan.real_rows_R().astype(np.int64),
                      plan.rows_R().astype(np.int64), copies.astype(np.int64), sim_us,
                      float(plan.plan_seconds), _dropped(plan), int(plan.num_tokens * plan.top_k),
-                     holds_sms=plan.kernel is None or plan.kernel.holds_sms,
-                     host_wait_us=float(plan.kernel.host_wait_us) if plan.kernel is not None else 0.0)
+                     holds_sms=plan.kernel is None or plan.kernel.holds_sms or costs.legacy,
+                     host_wait_us=float(plan.kernel.host_wait_us) if plan.kernel is not None and not costs.legacy
+                     else 0.0)
 
 
 def _dropped(plan: Plan) -> int:
