@@ -6,7 +6,6 @@ A thin adapter over :func:`moonep_sim.experiments.serve.run_serve` and
 
 from __future__ import annotations
 
-import json
 
 from moonep_sim.errors import ConfigError, require
 
@@ -236,12 +235,11 @@ def write_outputs(doc, args) -> dict[str, str]:
     assembled beside DIR and moved in whole."""
     from pathlib import Path
 
-    from moonep_sim.io import staged_dir, to_jsonable, write_text_atomic
-    from moonep_sim.report.html import provenance, write_html
+    from moonep_sim.io import staged_dir
+    from moonep_sim.report.html import write_report
     from moonep_sim.report.serve import latency_cdf, pareto_plot
 
     out = Path(args.out)
-    files: dict[str, str] = {}
     figs = {}
     with staged_dir(out, "--out") as tmp:
         if not args.no_plots:
@@ -249,11 +247,5 @@ def write_outputs(doc, args) -> dict[str, str]:
                 figs["latency_cdf"] = latency_cdf(doc, tmp / "latency_cdf.png")
             if doc.get("points"):
                 figs["pareto"] = pareto_plot(doc["points"], tmp / "pareto.png")
-            files = {k: str(out / f"{k}.png") for k in figs}
-        d = dict(doc)
-        d["provenance"] = provenance()
-        files.update(html=str(out / "report.html"), report=str(out / "report.json"))
-        d["files"] = dict(files)
-        write_html(d, tmp / "report.html", figs)
-        write_text_atomic(tmp / "report.json", json.dumps(to_jsonable(d, lenient=True), indent=1))
+        files = write_report(doc, tmp, out, figs)
     return files

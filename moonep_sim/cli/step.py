@@ -366,13 +366,12 @@ def write_outputs(doc: dict, first, args) -> dict[str, str]:
     written (a failure leaves none of them). Returns {what: path}."""
     from pathlib import Path
 
-    from moonep_sim.io import staged_dir, to_jsonable, write_text_atomic
-    from moonep_sim.report.html import provenance, write_html
+    from moonep_sim.io import staged_dir
+    from moonep_sim.report.html import write_report
     from moonep_sim.report.plots import step_bars
 
     out = Path(args.out)
     docs = doc["steps"] if doc.get("kind") == "steps" else [doc]
-    files: dict[str, str] = {}
     with staged_dir(out, "--out") as tmp:
         figs = {}
         if not args.no_plots:
@@ -381,11 +380,5 @@ def write_outputs(doc: dict, first, args) -> dict[str, str]:
                 figs[stem] = step_bars(dict(d), tmp / f"{stem}.png")
             if first.timelines:    # a layout step has pipeline ranks, not one timeline
                 figs["gantt"] = _gantt(first, args, tmp / "gantt.png")
-            files = {k: str(out / f"{k}.png") for k in figs}
-        doc = dict(doc)
-        doc["provenance"] = provenance()
-        files.update(html=str(out / "report.html"), report=str(out / "report.json"))
-        doc["files"] = dict(files)
-        write_html(doc, tmp / "report.html", figs)
-        write_text_atomic(tmp / "report.json", json.dumps(to_jsonable(doc, lenient=True), indent=1))
+        files = write_report(doc, tmp, out, figs)
     return files
