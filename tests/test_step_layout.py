@@ -321,3 +321,20 @@ def test_attention_dp_waits_for_the_rank_with_the_longest_context():
         sc.step("decode", parallel=p, tokens_per_rank=64, contexts_R=[1, 2, 3])
     with pytest.raises(ConfigError, match=r"need a decode step under data-parallel attention"):
         sc.step("decode", parallel=Parallel(dp=8, ep=8), tokens_per_rank=64, contexts_R=[short] * 8)
+
+
+def test_mtp_under_attention_dp_is_todays_mtp_decode_step():
+    # one EP group, attention data-parallel, no TP / PP: the layout's MTP decode step is today's
+    sc = _sc(8, layers=2)
+    today = sc.step("decode", tokens_per_rank=64, mtp_depth=1, mtp_acceptance=0.7)
+    lay = sc.step("decode", parallel=Parallel(dp=8, ep=8, dp_attention=True), tokens_per_rank=64, mtp_depth=1,
+                  mtp_acceptance=0.7)
+    assert lay.setup["mtp"]["tokens_per_step"] == pytest.approx(1.7)
+    for n, f in today.figures.items():
+        g = lay.figures[n]
+        assert g["mtp"]["draft_layer_us"] == pytest.approx(f["mtp"]["draft_layer_us"], rel=1e-12)
+        assert g["step_time_us"] == pytest.approx(f["step_time_us"], rel=1e-12)
+        assert g["tokens_per_s_per_gpu"] == pytest.approx(f["tokens_per_s_per_gpu"], rel=1e-12)
+        assert g["peak_memory_bytes"] - lay.figures[n]["mtp"]["draft_weight_bytes"] > 0
+    with pytest.raises(ConfigError, match=r"--mtp-depth \(1\) needs --mode decode"):
+        sc.step("train", parallel=Parallel(dp=8, ep=8, global_batch_size=8), context=128, mtp_depth=1)

@@ -101,13 +101,14 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
                     optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
                     static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
                     cluster: str | None = None, pipeline: bool | None = None, layer_source=None,
-                    contexts_R=None):
+                    contexts_R=None, mtp_depth: int = 0, mtp_acceptance: float = 0.8):
     """``(figures, setup, timelines)`` of ``scenario``'s step under ``parallel`` (see the module
     docstring; the keywords are :func:`~moonep_sim.experiments.step.run_step`'s, which wraps them
     in its ``StepResult``; ``layer_source`` its routing source builder). ``contexts_R``: decode under
     data-parallel attention, each rank's KV context over the EP group's ``ep`` ranks (ASSUMED alike in
     every EP group): each rank's attention at its own context, every MoE dispatch waiting for the
-    slowest; the KV cache counted at the longest)."""
+    slowest; the KV cache counted at the longest). ``mtp_depth`` / ``mtp_acceptance``: decode with
+    multi-token prediction, as today's step adds it (:func:`add_layout_mtp`)."""
     from moonep_sim.step import MemoryOptions, StepConfig, step_shape
     from moonep_sim.step.costs import step_cost_model
     from moonep_sim.step.layout_step import layout_step
@@ -146,8 +147,16 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
         from moonep_sim.experiments.parallel import run_points
 
         pool = lambda fn, items: run_points(fn, items, jobs=jobs, cluster=cluster)
-    res = layout_step(cfg, p, layer_source(group.source, p.ep, T, m.moe_layers, distinct_layers), G,
+    from moonep_sim.step.mtp import MTP
+
+    mtp = MTP(mtp_depth, mtp_acceptance)
+    require(not mtp.depth or mode == "decode", f"--mtp-depth ({mtp.depth}) needs --mode decode (mode {mode}): drafts "
+                                               "are verified in decode steps")
+    route = T * mtp.verify_tokens if mtp.depth else T   # each sequence verifies 1 + depth tokens
+    res = layout_step(cfg, p, layer_source(group.source, p.ep, route, m.moe_layers, distinct_layers), G,
                       progress=progress, map_fn=pool, pipeline=pipeline)
+    if mtp.depth:
+        res["mtp"] = add_layout_mtp(res["strategies"], cfg, p, mtp)
     timelines = res.pop("_timelines")
     setup = {k: v for k, v in res.items() if k != "strategies"}
     setup.update(model=m.name, ranks=N, gpus=N, ep_group_ranks=p.ep, ep_group_gpus_per_node=g_ep, gpus_per_node=G,
@@ -159,6 +168,27 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
                  step_tokens=None, gpu_tflops=rs.topology.gpu_tflops, gpu_memory_GiB=rs.topology.gpu_memory_GiB,
                  assumptions=LAYOUT_ASSUMPTIONS)
     return res["strategies"], setup, timelines
+
+
+def add_layout_mtp(figures: dict, cfg, p, mtp) -> dict:
+    """The draft passes of MTP on every strategy's decode step under layout ``p`` (in place), as
+    :func:`moonep_sim.step.mtp.apply_mtp` adds them to today's step: a draft pass costs the stages'
+    mean MoE layer plus the LM head (of a TP rank's shard); the draft layer's weights over the EP
+    group; the sequences per GPU the step's tokens over the GPUs. Returns the setup's ``mtp``."""
+    from moonep_sim.step.memory import moe_layer_weight_bytes
+    from moonep_sim.step.mtp import apply_mtp
+    from moonep_sim.step.stack import head_ops
+
+    head = sum(cfg.costs.op_us(op) for op in head_ops(cfg.model, cfg.shape)[1])
+    wbytes = moe_layer_weight_bytes(cfg.model, p.ep, cfg.memory.weight_dtype) / p.etp
+    seqs = 0
+    for fig in figures.values():
+        seqs = fig["tokens_per_step"] // p.world
+        fig["layers"] = [{"kind": "moe", "time_us": fig["moe_layer_us_mean"]}]
+        apply_mtp(fig, mtp, seqs, head, wbytes)
+        del fig["layers"]
+    return {"depth": mtp.depth, "acceptance": float(mtp.acceptance), "sequences_per_rank": seqs,
+            "tokens_per_step": mtp.tokens_per_step}
 
 
 #: What a layout step assumes (stated in its JSON setup; docs/steps.md explains each).
@@ -176,4 +206,4 @@ LAYOUT_ASSUMPTIONS = (
 )
 
 
-__all__ = ["DEFAULT_TRAIN_SEQ", "LAYOUT_ASSUMPTIONS", "layout_tokens", "recompute_options", "run_layout_step"]
+__all__ = ["DEFAULT_TRAIN_SEQ", "LAYOUT_ASSUMPTIONS", "layout_tokens", "add_layout_mtp", "recompute_options", "run_layout_step"]

@@ -259,15 +259,13 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
     if parallel is not None:
         from moonep_sim.experiments.layout import run_layout_step
 
-        require(not mtp_depth, f"--mtp-depth ({mtp_depth}) is not modelled under a parallel layout yet: run the "
-                               "MTP decode step without --tp/--pp/--dp/--ep")
 
         figs, setup, timelines = run_layout_step(
             scenario, mode, overlap, parallel, tokens_per_rank=tokens_per_rank, context=context, model=model,
             distinct_layers=distinct_layers, compute_profile=compute_profile, gemm_dtype=gemm_dtype, recompute=recompute,
             weight_dtype=weight_dtype, kv_dtype=kv_dtype, optimizer_shard=optimizer_shard, optimizer_bytes_per_param=optimizer_bytes_per_param,
             static_tokens=static_tokens, progress=progress, jobs=jobs, cluster=cluster, pipeline=pipeline,
-            layer_source=layer_source, contexts_R=contexts_R)
+            layer_source=layer_source, contexts_R=contexts_R, mtp_depth=mtp_depth, mtp_acceptance=mtp_acceptance)
         return [StepResult(tuple(figs), figs, setup, timelines)]
     from moonep_sim.step import MemoryOptions
     from moonep_sim.step.costs import step_cost_model

@@ -241,6 +241,7 @@ class StageProgram:
     dropped: int = 0
     entries: int = 0
     footprints: tuple = ()
+    moe_layer_us: tuple = ()
 
     @classmethod
     def of(cls, res: dict, name: str) -> "StageProgram":
@@ -248,7 +249,8 @@ class StageProgram:
         d = res["strategies"][name]
         F, B, Fc, Bc = _timeline_split(res["_timelines"][name])
         return cls(F, B, Fc, Bc, d["memory"], int(d["dropped"]), int(d["entries"]),
-                   tuple(res.get("_footprints", {}).get(name, ())))
+                   tuple(res.get("_footprints", {}).get(name, ())),
+                   tuple(float(x["time_us"]) for x in d.get("layers", ()) if str(x.get("kind", "")).startswith("moe")))
 
 
 def stage_bounds(model: ModelSpec, p: Parallel) -> list[tuple[int, int]]:
@@ -396,7 +398,12 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
             "oom": (peak > cap) if cap else None, "memory": mem,
             "memory_per_pp_rank": [x["peak_bytes"] for x in mem["stages"]],
             "dropped": sum(sp.dropped for sp in programs), "entries": sum(sp.entries for sp in programs),
+            "moe_layer_us_mean": _mean([t for sp in programs for t in sp.moe_layer_us]),
             "tokens_per_step": tokens}
+
+
+def _mean(xs: list[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else 0.0
 
 
 def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched, bounds, end_us: float,
