@@ -56,28 +56,34 @@ def check_step_flags(args) -> None:
 
 def check_step_routing(args) -> None:
     """``step``: the routing flags agree -- --steps selects a trace's steps (not generated routing's),
-    and a --gen spec that names a model names the --model given (or --model is left out)."""
+    and a --gen spec that names a model names the --model given (:func:`check_gen_model`)."""
     if not getattr(args, "gen", None):
         return
     require(getattr(args, "steps", None) is None,
             f"--steps ({args.steps}) must not be given with --gen: it selects recorded steps of a --trace, and "
             "generated routing is one step")
-    if getattr(args, "model", None) is None:
+    check_gen_model(args.gen, getattr(args, "model", None))
+
+
+def check_gen_model(gen: str | None, model) -> None:
+    """A generated routing spec (``gen:model=X,...`` or ``model=X,...``; None: not generated) that
+    names a model names the ``--model`` given (or --model is left out): routing generated for one
+    model is never costed for another. Models equal in every field but their names agree."""
+    if not gen or model is None:
         return
     from moonep_sim.experiments import GeneratorSpec
     from moonep_sim.models import resolve_model
 
-    body = args.gen[4:] if args.gen.startswith("gen:") else args.gen
+    body = gen[4:] if gen.startswith("gen:") else gen
     named = [p.split("=", 1)[1].strip() for p in body.split(",") if p.strip().startswith("model=")]
     if not named:
         return
-    gen_model = GeneratorSpec.parse(args.gen).model
-    a, b = resolve_model(gen_model), resolve_model(args.model)
-    same = (os.fspath(args.model) == named[-1] or a == b
+    a, b = resolve_model(GeneratorSpec.parse(gen).model), resolve_model(model)
+    same = (os.fspath(model) == named[-1] or a == b
             or {k: v for k, v in vars(a).items() if k not in ("name", "source", "note", "stack_source")}
             == {k: v for k, v in vars(b).items() if k not in ("name", "source", "note", "stack_source")})
     if not same:
-        raise ConfigError(f"--model ({args.model}) must be the --gen model ({named[-1]}) or be left out: the routing "
+        raise ConfigError(f"--model ({model}) must be the --gen model ({named[-1]}) or be left out: the routing "
                           "would be generated for one model and costed for another")
 
 

@@ -128,6 +128,9 @@ def run(args) -> int:
     require(math.isfinite(args.real_timeout) and 0 < args.real_timeout <= MAX_TIMEOUT_S,
             f"--real-timeout ({args.real_timeout:g}) must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]")
     level = step_level(args, layer_only={"--real": args.real, "--layers": args.layers is not None})
+    from moonep_sim.cli.checks import check_gen_model
+
+    check_gen_model(args.trace if args.trace.startswith("gen:") else None, args.model)
     sc = scenario(args)
     c = console()
     from moonep_sim.experiments.parallel import check_jobs

@@ -113,6 +113,9 @@ def run(args) -> int:
     require(args.seeds == 1 or args.gen, f"--seeds ({args.seeds}) applies to --gen routing: a trace's verdict rests "
                                          "on the spread over its steps")
     faults = parse_faults(args.slow_gpu, args.degrade_nic, args.degrade_nvlink, args.stall)
+    from moonep_sim.cli.checks import check_gen_model
+
+    check_gen_model(args.gen, args.model)
     sc = scenario(args)
     rs = sc.resolved  # everything checked before any work
     names = [n for n, _ in rs.strategies]

@@ -177,6 +177,12 @@ CMP = ["compare", "--trace", "{in}/t.safetensors", "--strategies", "alltoall", "
 ARGS: dict[str, tuple[list[str], str]] = {  # name -> (argv, what the line must name)
     "simulate-seed-negative": (["simulate", "--seed=-1", "--gen", "maxvio=1", "--strategy", "alltoall", "--ranks",
                                 "2"], "seed"),
+    "simulate-gen-model-other-than-model": (["simulate", "--gen", "model=mixtral-8x7b,maxvio=1", "--model",
+                                             "olmoe-1b-7b", "--strategy", "alltoall", "--ranks", "2"],
+                                            "--model.*--gen model"),
+    "compare-gen-model-other-than-model": (["compare", "--trace", "gen:model=mixtral-8x7b,maxvio=1", "--model",
+                                            "olmoe-1b-7b", "--strategies", "alltoall", "--ranks", "2", "--no-plots",
+                                            "--out", "{out}/c"], "--model.*--gen model"),
     "calibrate-sizes-empty": (["calibrate", "--sizes", "", "--dry-run"], "--sizes"),
     "calibrate-sizes-commas": (["calibrate", "--sizes", ",,", "--dry-run"], "--sizes"),
     "calibrate-sizes-zero": (["calibrate", "--sizes", "0K,4K", "--dry-run"], "--sizes"),
