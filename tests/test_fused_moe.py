@@ -33,17 +33,17 @@ def test_fused_layer_is_the_low_latency_segments_overlapped():
     closed form on the low-latency kernels' simulated dispatch, GEMM and combine."""
     topo = load_topology("h200-cx7")
     r = _routing(SMALL, 32, seed=3)
-    ll = simulate_moe_layer(make_plan("deepep-ll", r, _ctx(SMALL, topo)), SMALL, topo, CostModel(topo), False)
+    cm = CostModel(topo, "fp8")
+    ll = simulate_moe_layer(make_plan("deepep-ll", r, _ctx(SMALL, topo)), SMALL, topo, cm, False)
     plan = make_plan("fused-moe", r, _ctx(SMALL, topo))
-    fu = simulate_moe_layer(plan, SMALL, topo, CostModel(topo), False)
+    fu = simulate_moe_layer(plan, SMALL, topo, cm, False)
     floor = FUSED_KERNELS["deepgemm-mega"].floor_us
     assert plan.options["floor_us"] == floor and plan.options["dtype"] == "fp8"
     want = np.maximum(ll.forward.pre_R + ll.forward.post_R, ll.forward.expert_R) + floor
     np.testing.assert_allclose(fu.forward.expert_R, want, rtol=1e-12)
     np.testing.assert_allclose(fu.forward.pre_R + fu.forward.expert_R + fu.forward.post_R, want.max(), rtol=1e-12)
     assert fu.sm_share == 1.0 and fu.holds_sms and fu.host_wait_us == 0.0
-    own = simulate_moe_layer(make_plan("fused-moe", r, _ctx(SMALL, topo), floor_us=0.0), SMALL, topo,
-                             CostModel(topo), False)
+    own = simulate_moe_layer(make_plan("fused-moe", r, _ctx(SMALL, topo), floor_us=0.0), SMALL, topo, cm, False)
     np.testing.assert_allclose(own.forward.expert_R, want - floor, rtol=1e-12)
 
 
@@ -54,10 +54,19 @@ def test_refuses_a_dtype_or_gpu_the_kernel_does_not_run():
         make_plan("fused-moe", r, _ctx(SMALL, topo), dtype="bf16")
     with pytest.raises(ConfigError, match=r"floor_us"):
         make_plan("fused-moe", r, _ctx(SMALL, topo), floor_us=-3.0)
+    with pytest.raises(ConfigError, match=r"gemm dtype \(bf16\) must be fp8 for fused-moe.kernel=deepgemm-mega"):
+        simulate_moe_layer(make_plan("fused-moe", r, _ctx(SMALL, topo)), SMALL, topo, CostModel(topo, "bf16"), False)
     amd = load_topology("mi300x-cx7")
     plan = make_plan("fused-moe", r, _ctx(SMALL, amd))
     with pytest.raises(ConfigError, match=r"topology \(mi300x-cx7\) must have a GPU of hopper, blackwell"):
-        simulate_moe_layer(plan, SMALL, amd, CostModel(amd), False)
+        simulate_moe_layer(plan, SMALL, amd, CostModel(amd, "fp8"), False)
+    # Primus-Turbo's kernels: bf16 on gfx950 (MI350X) run; fp8 activations are refused
+    mi350 = load_topology("mi350x")
+    pt = make_plan("fused-moe", r, _ctx(SMALL, mi350), kernel="primus-turbo")
+    assert pt.options["dtype"] == "bf16" and pt.options["floor_us"] == 40.0
+    assert simulate_moe_layer(pt, SMALL, mi350, CostModel(mi350, "bf16"), False).forward.layer_us > 40.0
+    with pytest.raises(ConfigError, match=r"dtype \(fp8\) must be one of bf16"):
+        make_plan("fused-moe", r, _ctx(SMALL, mi350), kernel="primus-turbo", dtype="fp8")
     assert arch_of("mi350x") == "gfx950" and arch_of("gb200-nvl72") == "blackwell" and arch_of("mine.toml") == ""
 
 
@@ -66,10 +75,11 @@ def test_flagged_outside_one_nvlink_domain():
     assert strategy_flags("fused-moe", {}, nodes=1) == []
 
 
-@pytest.mark.parametrize("args", [["--opt", "fused-moe.kernel=nope"], ["--topology", "mi300x-cx7"]])
+@pytest.mark.parametrize("args", [["--opt", "fused-moe.kernel=nope"], ["--topology", "mi300x-cx7"],
+                                  ["--gemm-dtype", "bf16"]])
 def test_cli_bad_input_is_one_line_exit_2(args, capsys):
     from moonep_sim.cli import main
-    base = ["step", "--gen", "model=deepseek-v3,maxvio=1", "--ranks", "8", "--mode", "decode",
+    base = ["step", "--gen", "model=deepseek-v3,maxvio=1", "--ranks", "8", "--mode", "decode", "--gemm-dtype", "fp8",
             "--tokens-per-rank", "8", "--strategies", "fused-moe", "--distinct-layers", "1", "--no-plots"]
     if "--topology" not in args:
         base += ["--topology", "h200-cx7"]

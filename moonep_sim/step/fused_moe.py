@@ -81,10 +81,22 @@ def fuse_direction(d, floor_us: float):
                                pre_held=(zero, zero), post_held=(zero, zero.copy()))
 
 
-def fuse_layer(comm, plan: Plan, topology_name: str):
+def check_gemm_dtype(plan: Plan, gemm_dtype: str) -> None:
+    """Refuse (ConfigError, one line) a step whose expert GEMMs are priced in another dtype than
+    the fused kernel's activations (its GEMMs run in that dtype)."""
+    want = str(plan.options.get("dtype", kernel_of(plan).dtypes[0]))
+    name = kernel_of(plan).name
+    require(gemm_dtype == want, f"gemm dtype ({gemm_dtype}) must be {want} for fused-moe.kernel={name}: "
+                                f"its expert GEMMs run on {want} activations (pass --gemm-dtype {want})", ConfigError)
+
+
+def fuse_layer(comm, plan: Plan, topology_name: str, gemm_dtype: str | None = None):
     """A ``LayerComm`` of a ``fused-moe`` Plan re-read as one fused kernel per direction (the
-    kernel holds every SM: ``sm_share`` 1, no host wait)."""
+    kernel holds every SM: ``sm_share`` 1, no host wait). ``gemm_dtype``: the step's GEMM dtype,
+    checked against the kernel's (None: not checked)."""
     check_gpu(plan, topology_name)
+    if gemm_dtype is not None:
+        check_gemm_dtype(plan, gemm_dtype)
     floor = float(plan.options.get("floor_us", kernel_of(plan).floor_us))
     bwd = fuse_direction(comm.backward, floor) if comm.backward is not None else None
     fwd = fuse_direction(comm.forward, floor)
@@ -92,5 +104,5 @@ def fuse_layer(comm, plan: Plan, topology_name: str):
                                sim_us=fwd.layer_us + (bwd.layer_us if bwd is not None else 0.0))
 
 
-__all__ = ["PRESET_ARCH", "arch_of", "check_gpu", "fuse_direction", "fuse_layer", "fused_layer_R", "is_fused",
-           "kernel_of"]
+__all__ = ["PRESET_ARCH", "arch_of", "check_gemm_dtype", "check_gpu", "fuse_direction", "fuse_layer", "fused_layer_R",
+           "is_fused", "kernel_of"]

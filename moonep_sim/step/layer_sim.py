@@ -154,7 +154,7 @@ def simulate_moe_layer(plan: Plan, model: ModelSpec, topo: Topology, costs: Cost
     (with Python's cyclic collector paused: ``moonep_sim.sim.engine.collector_paused``)."""
     with collector_paused():
         comm = _simulate(plan, model, topo, costs, train, tol)
-    return fuse_layer(comm, plan, topo.name) if is_fused(plan) else comm  # one fused MoE kernel
+    return fuse_layer(comm, plan, topo.name, costs.gemm_dtype) if is_fused(plan) else comm  # one fused MoE kernel
 
 
 def _simulate(plan: Plan, model: ModelSpec, topo: Topology, costs: CostModel, train: bool,

@@ -19,7 +19,8 @@ their sum, on every SM of the GPU for the whole call.
 
 The kernels, the GPUs (architectures) and activation dtypes each supports, and its per-call floor
 are :data:`FUSED_KERNELS`; a dtype the kernel does not run is refused here, a GPU it does not run
-on is refused by the step (``moonep_sim.step.fused_moe.check_gpu``).
+on or a step GEMM dtype other than the kernel's is refused by the step
+(``moonep_sim.step.fused_moe.check_gpu``, ``check_gemm_dtype``).
 """
 
 from __future__ import annotations
@@ -74,9 +75,11 @@ FUSED_KERNELS: dict[str, FusedKernel] = {
                    "dtype": Option(str, "", "activation (dispatch row) dtype: fp8 or bf16 ('' = the kernel's own)",
                                    choices=("", "fp8", "bf16")),
                    "floor_us": Option(float, -1.0, "per-call floor in us (-1 = the kernel's own, ASSUMED)",
-                                      check=lambda v: v >= 0 or v == -1.0, constraint="must be >= 0 or -1 (the kernel's)"),
+                                      check=lambda v: v >= 0 or v == -1.0,
+                                      constraint="must be >= 0 or -1 (the kernel's)"),
                    "max_tokens": Option(int, 0, "tokens per rank the symmetric buffer holds (0 = the largest rank's)",
-                                        check=lambda v: v >= 0, constraint="must be >= 0 (0 = the largest rank's count)")})
+                                        check=lambda v: v >= 0,
+                                        constraint="must be >= 0 (0 = the largest rank's count)")})
 def plan(routing: GlobalRouting, ctx: PlanContext, *, kernel: str, dtype: str, floor_us: float,
          max_tokens: int) -> Plan:
     fk = FUSED_KERNELS[kernel]
