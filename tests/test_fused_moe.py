@@ -18,7 +18,8 @@ from tests.test_step import SMALL, _ctx, _routing
 
 
 def test_closed_form_by_hand():
-    """max(dispatch + combine, GEMM) + floor per rank; the layer ends at the slowest rank's kernel."""
+    """max(dispatch + combine - their fixed costs, GEMM) + floor per rank; the layer ends at the
+    slowest rank's kernel."""
     pre, exp, post = np.array([10.0, 30.0]), np.array([50.0, 20.0]), np.array([5.0, 5.0])
     assert fused_layer_R(pre, exp, post, 20.0).tolist() == [70.0, 55.0]
     d = DirectionComm(pre, exp, post, np.zeros(2), np.array([3.0, 3.0]), 85.0)
@@ -26,11 +27,17 @@ def test_closed_form_by_hand():
     assert f.pre_R.tolist() == [0.0, 0.0] and f.expert_R.tolist() == [70.0, 55.0]
     assert f.post_R.tolist() == [0.0, 15.0] and f.layer_us == 70.0 and f.plan_R.tolist() == [0.0, 0.0]
     assert (f.pre_R + f.expert_R + f.post_R).tolist() == [70.0, 70.0]   # less than the unfused 85 us
+    # the kernels' fixed costs at their start (held heads) are replaced by the floor: rank 1 hides
+    # 30 + 5 - (8 + 2) = 25 us of movement behind its 20 us GEMM -> 25 + 20
+    held = DirectionComm(pre, exp, post, np.zeros(2), np.zeros(2), 85.0, pre_held=(np.array([8.0, 8.0]), np.zeros(2)),
+                         post_held=(np.array([2.0, 2.0]), np.array([1.0, 1.0])))
+    assert fuse_direction(held, 20.0).expert_R.tolist() == [70.0, 45.0]
 
 
 def test_fused_layer_is_the_low_latency_segments_overlapped():
     """The same routing through deepep-ll and fused-moe: the fused kernel's time per rank is the
-    closed form on the low-latency kernels' simulated dispatch, GEMM and combine."""
+    closed form on the low-latency kernels' simulated dispatch, GEMM and combine, their fixed
+    costs replaced by the one floor."""
     topo = load_topology("h200-cx7")
     r = _routing(SMALL, 32, seed=3)
     cm = CostModel(topo, "fp8")
@@ -39,7 +46,10 @@ def test_fused_layer_is_the_low_latency_segments_overlapped():
     fu = simulate_moe_layer(plan, SMALL, topo, cm, False)
     floor = FUSED_KERNELS["deepgemm-mega"].floor_us
     assert plan.options["floor_us"] == floor and plan.options["dtype"] == "fp8"
-    want = np.maximum(ll.forward.pre_R + ll.forward.post_R, ll.forward.expert_R) + floor
+    lf = ll.forward
+    fixed = lf.pre_held[0] + lf.post_held[0]      # the two kernels' launch and send issue
+    assert (fixed > 0).all()
+    want = np.maximum(lf.pre_R + lf.post_R - fixed, lf.expert_R) + floor
     np.testing.assert_allclose(fu.forward.expert_R, want, rtol=1e-12)
     np.testing.assert_allclose(fu.forward.pre_R + fu.forward.expert_R + fu.forward.post_R, want.max(), rtol=1e-12)
     assert fu.sm_share == 1.0 and fu.holds_sms and fu.host_wait_us == 0.0

@@ -8,7 +8,10 @@ dispatch), the compute (``expert_R``: the step's grouped-GEMM cost) and after it
 combine). A fused kernel consumes the rows while they arrive and sends each result while the next
 tile computes, so per rank (the closed form, :func:`fused_layer_R`)::
 
-    fused_R = max(pre_R + post_R, expert_R) + floor_us
+    fused_R = max(pre_R + post_R - fixed_R, expert_R) + floor_us
+
+where ``fixed_R`` is the two kernels' fixed costs at their start (launch and send issue: the
+fused kernel launches once, and its floor replaces them)
 
 and since a token's combine needs every rank's results, the layer ends on every rank when the
 slowest rank's kernel ends: the rank's wait for it is its new ``post_R``. The kernel is persistent
@@ -72,8 +75,13 @@ def fused_layer_R(pre_R: np.ndarray, expert_R: np.ndarray, post_R: np.ndarray, f
 def fuse_direction(d, floor_us: float):
     """A ``DirectionComm`` read back as one fused kernel: no time before the compute, the kernel as
     the rank's compute, the wait for the slowest rank's kernel after it; no planning and no held
-    SM phases apart (the kernel is all of the rank's SMs for all of its time)."""
-    k_R = fused_layer_R(d.pre_R, d.expert_R, d.post_R, floor_us)
+    SM phases apart (the kernel is all of the rank's SMs for all of its time). The communication it
+    hides is the dispatch and combine less their kernels' fixed costs at their start (the heads of
+    ``pre_held`` / ``post_held``: launch and send issue), which the fused kernel's one floor
+    replaces."""
+    head_pre = d.pre_held[0] if d.pre_held is not None else 0.0
+    head_post = d.post_held[0] if d.post_held is not None else 0.0
+    k_R = fused_layer_R(d.pre_R - head_pre, d.expert_R, d.post_R - head_post, floor_us)
     zero = np.zeros_like(k_R)
     wait = float(k_R.max()) - k_R if k_R.size else zero
     return dataclasses.replace(d, pre_R=zero, expert_R=k_R, post_R=wait, plan_R=zero,
