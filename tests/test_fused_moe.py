@@ -66,6 +66,8 @@ def test_refuses_a_dtype_or_gpu_the_kernel_does_not_run():
         make_plan("fused-moe", r, _ctx(SMALL, topo), floor_us=-3.0)
     with pytest.raises(ConfigError, match=r"gemm dtype \(bf16\) must be fp8 for fused-moe.kernel=deepgemm-mega"):
         simulate_moe_layer(make_plan("fused-moe", r, _ctx(SMALL, topo)), SMALL, topo, CostModel(topo, "bf16"), False)
+    with pytest.raises(ConfigError, match=r"mode \(train\) must be decode or prefill for fused-moe.kernel=deepgemm"):
+        simulate_moe_layer(make_plan("fused-moe", r, _ctx(SMALL, topo)), SMALL, topo, CostModel(topo, "fp8"), True)
     amd = load_topology("mi300x-cx7")
     plan = make_plan("fused-moe", r, _ctx(SMALL, amd))
     with pytest.raises(ConfigError, match=r"topology \(mi300x-cx7\) must have a GPU of hopper, blackwell"):
@@ -74,7 +76,8 @@ def test_refuses_a_dtype_or_gpu_the_kernel_does_not_run():
     mi350 = load_topology("mi350x")
     pt = make_plan("fused-moe", r, _ctx(SMALL, mi350), kernel="primus-turbo")
     assert pt.options["dtype"] == "bf16" and pt.options["floor_us"] == 40.0
-    assert simulate_moe_layer(pt, SMALL, mi350, CostModel(mi350, "bf16"), False).forward.layer_us > 40.0
+    trained = simulate_moe_layer(pt, SMALL, mi350, CostModel(mi350, "bf16"), True)   # a training kernel
+    assert trained.forward.layer_us > 40.0 and trained.backward.layer_us > 40.0
     with pytest.raises(ConfigError, match=r"dtype \(fp8\) must be one of bf16"):
         make_plan("fused-moe", r, _ctx(SMALL, mi350), kernel="primus-turbo", dtype="fp8")
     assert arch_of("mi350x") == "gfx950" and arch_of("gb200-nvl72") == "blackwell" and arch_of("mine.toml") == ""

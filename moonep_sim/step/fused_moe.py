@@ -22,7 +22,8 @@ What it assumes: perfect overlap inside the kernel (neither the communication no
 by sharing the SMs and HBM -- an optimistic bound; DeepGEMM's own EP8 figures put its
 interconnect at 182-529 GB/s, well under NVLink's); the per-call floor of the kernel
 (:data:`moonep_sim.strategies.fused_moe.FUSED_KERNELS`, ASSUMED). The backward (train) is fused the
-same way, which DeepGEMM's Mega MoE does not do (it is an inference kernel): the step flags it.
+same way for Primus-Turbo's kernels (a training layer); DeepGEMM's Mega MoE is an inference
+kernel, and a train step with it is refused.
 """
 
 from __future__ import annotations
@@ -103,6 +104,10 @@ def fuse_layer(comm, plan: Plan, topology_name: str, gemm_dtype: str | None = No
     kernel holds every SM: ``sm_share`` 1, no host wait). ``gemm_dtype``: the step's GEMM dtype,
     checked against the kernel's (None: not checked)."""
     check_gpu(plan, topology_name)
+    fk = kernel_of(plan)
+    require(comm.backward is None or fk.train,
+            f"mode (train) must be decode or prefill for fused-moe.kernel={fk.name}: {fk.library} is an inference "
+            "kernel (no backward)", ConfigError)
     if gemm_dtype is not None:
         check_gemm_dtype(plan, gemm_dtype)
     floor = float(plan.options.get("floor_us", kernel_of(plan).floor_us))

@@ -41,6 +41,7 @@ class FusedKernel:
     ``gfx950``).  dtypes: the activation (dispatch row) dtypes it runs.  floor_us: its per-call
     floor (us): launch, the symmetric buffer's barrier and the pipeline's fill and drain, paid once
     per layer call on top of ``max(comm, GEMM)``.  source: where each term comes from.
+    train: whether it has a backward (a training kernel) or runs inference only.
     """
 
     name: str
@@ -49,6 +50,7 @@ class FusedKernel:
     dtypes: tuple[str, ...]
     floor_us: float
     source: str
+    train: bool = False
 
 
 #: The fused kernel families by option value.
@@ -63,7 +65,7 @@ FUSED_KERNELS: dict[str, FusedKernel] = {
         "primus-turbo", "AMD Primus-Turbo MegaMoE (dispatch_grouped_gemm + grouped_gemm_combine)",
         ("gfx950",), ("bf16",), 2 * 20.0,
         "archs (gfx950), dtype (bf16) and two kernels per call sourced (Primus technical guide 'MegaMoE'); "
-        "floor ASSUMED 20 us per kernel, two kernels"),
+        "floor ASSUMED 20 us per kernel, two kernels", train=True),
 }
 
 
