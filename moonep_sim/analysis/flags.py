@@ -42,6 +42,8 @@ REAL_LIBRARY: dict[str, tuple[str, str, int | None]] = {
     "hierarchical": ("Tutel 2DH all-to-all", "any cluster (intra-node, then inter-node)", None),
     "deepep": ("DeepEP normal kernels", "NVLink inside a node + RDMA across nodes", None),
     "deepep-ll": ("DeepEP low-latency kernels", "RDMA, NVLink for same-node peers", None),
+    "fused-moe": ("DeepGEMM Mega MoE / Primus-Turbo MegaMoE", "one NVLink domain (symmetric memory; published at EP8)",
+                  1),
     "eplb": ("DeepSeek EPLB (placement; dispatch by the serving system)", "any cluster", None),
     "llep": ("LeastLoadedEP (SalesforceAIResearch)", "any cluster (point-to-point weight copies)", None),
     "ultraep": ("UltraEP (paper; no public library)", "replicas inside one NVLink domain, dispatch across nodes",

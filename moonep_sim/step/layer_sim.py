@@ -43,6 +43,7 @@ from moonep_sim.sim.kernels import kernel_sms
 from moonep_sim.sim.options import SimOptions
 from moonep_sim.sim.topology import Topology
 from moonep_sim.step.costs import CostModel
+from moonep_sim.step.fused_moe import fuse_layer, is_fused
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,8 @@ def simulate_moe_layer(plan: Plan, model: ModelSpec, topo: Topology, costs: Cost
     """Simulate ``plan`` (forward; backward too when ``train``) with the step's expert compute
     (with Python's cyclic collector paused: ``moonep_sim.sim.engine.collector_paused``)."""
     with collector_paused():
-        return _simulate(plan, model, topo, costs, train, tol)
+        comm = _simulate(plan, model, topo, costs, train, tol)
+    return fuse_layer(comm, plan, topo.name, costs.gemm_dtype) if is_fused(plan) else comm  # one fused MoE kernel
 
 
 def _simulate(plan: Plan, model: ModelSpec, topo: Topology, costs: CostModel, train: bool,

@@ -33,8 +33,8 @@ from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, Plan, RowCosts
 from moonep_sim.registry import Registry
 
-_MODULES = ("moonep", "alltoall", "capacity", "allgather", "hierarchical", "deepep", "deepep_ll", "eplb", "llep", "ultraep",
-            "costaware")
+_MODULES = ("moonep", "alltoall", "capacity", "allgather", "hierarchical", "deepep", "deepep_ll", "fused_moe", "eplb",
+            "llep", "ultraep", "costaware")
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
