@@ -81,3 +81,18 @@ def test_the_choice_is_never_above_the_ring(S, per_node, nodes, kind, nvls):
     algo, proto, t = coll.choose(kind, S, n, link, span)
     assert 0.0 <= t <= ring
     assert algo in ("ring", "tree", "nvls", "nvls_tree") and proto in coll.PROTOCOLS
+
+
+def test_tp_across_nodes_takes_nccls_choice_in_the_step():
+    from moonep_sim.models import get_model
+    from moonep_sim.sim.topology import load_topology
+    from moonep_sim.step.layout_step import tp_comm_us
+    from moonep_sim.step.parallel import Parallel
+    from moonep_sim.step.stack import StepShape
+    topo, m = load_topology("h200-cx7"), get_model("qwen3-30b-a3b")
+    f, b = tp_comm_us(m, 0, 2, Parallel(tp=16, ep=16), StepShape("decode", 64, 2048), topo, 64, 8)
+    S, link, span = 64 * m.hidden * 2, coll.group_link(topo, 16), coll.group_shape(topo, 16)
+    assert (span.nodes, span.per_node) == (2, 8)
+    one = coll.all_reduce_us(S, 16, link, span=span)
+    assert (f, b) == pytest.approx((2 * 2 * one, 2 * 2 * one))     # 2 layers, 2 all-reduces each way
+    assert one < coll.all_reduce_us(S, 16, link, "ring")           # a small message leaves the ring

@@ -21,7 +21,8 @@ A layout (:class:`~moonep_sim.step.parallel.Parallel`) wraps today's step, never
    and an all-gather each: the same bytes); with etp > 1 each MoE layer adds an all-reduce of its
    expert rows over the ETP group; with c > 1 every softmax-attention layer passes its K/V chunk
    around the CP ring (c - 1 sends forward, twice that backward; ASSUMED not overlapped with the
-   attention: an upper bound).
+   attention: an upper bound). Each all-reduce, reduce-scatter and all-gather runs NCCL's fastest
+   algorithm and protocol for its size and span (:func:`~moonep_sim.step.collectives.choose`).
 3. **The pipeline**: the chunk times are scheduled by the layout's pp schedule
    (:mod:`moonep_sim.step.pipelines`: 1F1B, interleaved, DualPipe), each boundary's activation send
    (``mbs x seq/c x H`` bf16, divided by t with SP) over the link it crosses
