@@ -63,6 +63,9 @@ def test_group_shape_and_nvls_from_the_topology():
     assert (coll.group_shape(h200, 16, 8).nodes, coll.group_shape(h200, 16, 8).per_node) == (16, 1)
     assert coll.group_shape(h200, 8, 1).inter is None
     assert coll.nvls_capable(load_topology("mi300x-cx7")) == ""
+    nvl72 = load_topology("gb200-nvl72")      # 16 ranks 8 apart span 121 GPUs: 9 in the first domain, 7 in the next
+    assert (coll.group_shape(nvl72, 16, 8).nodes, coll.group_shape(nvl72, 16, 8).per_node) == (2, 9)
+    assert (coll.group_shape(nvl72, 64, 1).nodes, coll.group_shape(nvl72, 64, 1).nvls) == (1, "blackwell")
 
 
 def test_unknown_algorithm_is_refused():

@@ -120,7 +120,7 @@ def group_shape(topo, size: int, stride: int = 1, gpus_per_node: int | None = No
     if span <= G:
         return Span(1, size, nvlink(topo), None, nvls_capable(topo))
     per_node = max(1, min(size, G // stride)) if stride < G else 1
-    nodes = max(1, size // per_node)
+    nodes = max(2, -(-size // per_node))   # it leaves the node: at least two
     return Span(nodes, per_node, nvlink(topo), nic(topo), nvls_capable(topo))
 
 
