@@ -15,7 +15,7 @@ from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
 from moonep_sim.plan.kernel import FAMILIES, chunk_for
 from moonep_sim.sim import SimOptions, list_topologies, load_topology, simulate_layer
 from moonep_sim.sim.kernels import kernel_fixed_us, message_us, nic_message_cost_us, receive_copy_us, reduce_bytes_per_us, \
-    relay_hop_rows, relay_rows, relay_two_hop_us, sm_cap_bytes_per_us
+    kernel_sms, relay_hop_rows, relay_rows, relay_two_hop_us, sm_cap_bytes_per_us
 from moonep_sim.sim.topology import IDEAL, topology_from_dict
 from moonep_sim.strategies import PlanContext, make_plan
 
@@ -87,9 +87,14 @@ def test_one_relay_of_every_normal_family(name):
     m = relay_rows(topo, spec)
     # a chunked family (DeepEP V1) relays channels x its Config's chunk of each hop's class instead
     h0, h1 = relay_hop_rows(topo, spec, 4, "dispatch", True), relay_hop_rows(topo, spec, 4, "dispatch", False)
-    # one RDMA write per relayed message: per channel's RDMA chunk for a chunked family
+    # one RDMA write per relayed message; a chunked family: each of its channels (SMs x channels per
+    # SM) sends its even share of the pair's rows in RDMA chunks (DeepEP's internode.cu)
     c = chunk_for(FAMILIES[name].chunks, 4)
-    msgs = math.ceil(100 / (c.dispatch_rdma if c is not None else m))
+    if c is None:
+        msgs = math.ceil(100 / m)
+    else:
+        ch = max(1, math.floor(kernel_sms(topo, spec) * spec.channels_per_sm))
+        msgs = ch * math.ceil(100 / (ch * c.dispatch_rdma))
     t0 = 100 * ROW / r0 + msgs * (topo.nic_message_us + spec.message_us)
     if FAMILIES[name].chunks:
         c = chunk_for(FAMILIES[name].chunks, 4)
