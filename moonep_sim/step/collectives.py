@@ -174,6 +174,7 @@ def _nccl_time(coll: str, algo: str, proto: int, S: float, n: int, sp: Span) -> 
 
 
 def _ring_us(coll: str, S: float, n: int, link: Link) -> float:
+    """The closed-form ring (Simple) in us: ``k (n-1)/n S/B + k (n-1) a``, k = 2 for an all-reduce, else 1."""
     k = 2.0 if coll == "allreduce" else 1.0
     return k * (n - 1) / n * S / link.bytes_per_us + k * (n - 1) * link.latency_us
 
@@ -185,7 +186,8 @@ def choose(coll: str, S: float, n: int, link: Link, span: Span | None = None,
     of all; ``ring`` is the closed-form ring in Simple and NCCL's ring in LL / LL128 -- pinned to the
     closed form, Simple, when asked for by name; ``tree``; ``nvls``: NVLS or NVLS-tree). ``span``:
     where the ranks sit (:func:`group_shape`; default: all over ``link``). ``(ring, simple, 0)`` for
-    nothing to move."""
+    nothing to move; ``inf`` us where NCCL would not run the asked algorithm (a tree reduce-scatter
+    or all-gather, NVLS without an NVSwitch node or across nodes for those)."""
     require(algorithm in ALGORITHMS, f"algorithm ({algorithm!r}) must be one of {', '.join(ALGORITHMS)}")
     require(coll in ("allreduce", "reducescatter", "allgather"),
             f"collective ({coll!r}) must be allreduce, reducescatter or allgather")
