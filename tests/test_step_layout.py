@@ -34,9 +34,9 @@ def test_ring_and_link_formulas():
     topo = load_topology("h800-cx7")
     nv, ni = coll.nvlink(topo), coll.nic(topo)
     S = 64e6
-    assert coll.all_reduce_us(S, 8, nv) == pytest.approx(2 * 7 / 8 * S / nv.bytes_per_us + 14 * nv.latency_us)
-    assert coll.reduce_scatter_us(S, 4, ni) == pytest.approx(3 / 4 * S / ni.bytes_per_us + 3 * ni.latency_us)
-    assert coll.all_gather_us(S, 4, ni) == coll.reduce_scatter_us(S, 4, ni)
+    assert coll.all_reduce_us(S, 8, nv, algorithm="ring") == pytest.approx(2 * 7 / 8 * S / nv.bytes_per_us + 14 * nv.latency_us)
+    assert coll.reduce_scatter_us(S, 4, ni, algorithm="ring") == pytest.approx(3 / 4 * S / ni.bytes_per_us + 3 * ni.latency_us)
+    assert coll.all_gather_us(S, 4, ni, "ring") == coll.reduce_scatter_us(S, 4, ni, "ring")
     assert coll.send_us(S, ni) == pytest.approx(S / ni.bytes_per_us + ni.latency_us)
     assert coll.all_reduce_us(S, 1, nv) == 0.0
     assert nv.bytes_per_us == topo.nvlink_bandwidth_GBps * topo.nvlink_efficiency * 1e3
@@ -53,11 +53,11 @@ def test_tp_collectives_per_layer():
     shape = StepShape("train", 512, 4096)
     p = Parallel(tp=4, dp=2, ep=8)
     f, b = tp_comm_us(m, 0, 3, p, shape, topo, 2048, 8)
-    one = coll.all_reduce_us(2048 * m.hidden * 2, 4, coll.nvlink(topo))
+    one = coll.all_reduce_us(2048 * m.hidden * 2, 4, coll.nvlink(topo), span=coll.group_shape(topo, 4))
     assert (f, b) == pytest.approx((2 * 3 * one, 2 * 3 * one))
     sp = Parallel(tp=4, dp=2, ep=8, sequence_parallel=True)
     f2, _ = tp_comm_us(m, 0, 3, sp, shape, topo, 2048, 8)
-    rs = coll.reduce_scatter_us(2048 * m.hidden * 2, 4, coll.nvlink(topo))
+    rs = coll.reduce_scatter_us(2048 * m.hidden * 2, 4, coll.nvlink(topo), span=coll.group_shape(topo, 4))
     assert f2 == pytest.approx(2 * 3 * 2 * rs)
 
 
@@ -97,9 +97,9 @@ def test_pure_ep_layout_is_todays_step_plus_dp_and_optimizer():
     lay = sc.step("train", parallel=Parallel(dp=4, ep=4), context=128)
     topo = load_topology("h800-cx7")
     dense, expert = chunk_params(_model(2), 0, 2, True, True)
-    link = coll.group_link(topo, 4, 1)
-    grad = coll.reduce_scatter_us(dense * 4, 4, link)
-    gather = coll.all_gather_us(dense * 2, 4, link)
+    link, span = coll.group_link(topo, 4, 1), coll.group_shape(topo, 4, 1)
+    grad = coll.reduce_scatter_us(dense * 4, 4, link, span=span)
+    gather = coll.all_gather_us(dense * 2, 4, link, span=span)
     opt = (dense / 4 + expert / 4) * OPTIMIZER_BYTES_PER_PARAM / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
     for n in today.figures:
         r0 = lay.figures[n]["pipeline_ranks"][0]
@@ -242,7 +242,7 @@ def test_zero3_gathers_hide_behind_compute():
     r0 = f["pipeline_ranks"][0]
     topo = load_topology("h800-cx7")
     dense, expert = chunk_params(_model(2), 0, 2, True, True)
-    ag = coll.all_gather_us(dense * 2, 8, coll.nvlink(topo)) + 0.0   # experts: edp = 1, no gather
+    ag = coll.all_gather_us(dense * 2, 8, coll.nvlink(topo), span=coll.group_shape(topo, 8)) + 0.0   # experts: edp = 1, no gather
     assert r0["zero3_gather_us"] == pytest.approx(2 * 2 * ag)        # 2 micro-batches, forward and backward
     busy = f["pipeline"]["busy_us"][0]
     assert r0["zero3_gather_exposed_us"] == pytest.approx(max(2 * 2 * ag - busy, 0.0))

@@ -21,7 +21,8 @@ A layout (:class:`~moonep_sim.step.parallel.Parallel`) wraps today's step, never
    and an all-gather each: the same bytes); with etp > 1 each MoE layer adds an all-reduce of its
    expert rows over the ETP group; with c > 1 every softmax-attention layer passes its K/V chunk
    around the CP ring (c - 1 sends forward, twice that backward; ASSUMED not overlapped with the
-   attention: an upper bound).
+   attention: an upper bound). Each all-reduce, reduce-scatter and all-gather runs NCCL's fastest
+   algorithm and protocol for its size and span (:func:`~moonep_sim.step.collectives.choose`).
 3. **The pipeline**: the chunk times are scheduled by the layout's pp schedule
    (:mod:`moonep_sim.step.pipelines`: 1F1B, interleaved, DualPipe), each boundary's activation send
    (``mbs x seq/c x H`` bf16, divided by t with SP) over the link it crosses
@@ -144,17 +145,17 @@ def tp_comm_us(model: ModelSpec, start: int, stop: int, p: Parallel, shape: Step
     H = model.hidden
     f = b = 0.0
     if p.tp > 1:
-        link = coll.group_link(topo, p.tp, 1, gpus_per_node)
+        link, sp = coll.group_link(topo, p.tp, 1, gpus_per_node), coll.group_shape(topo, p.tp, 1, gpus_per_node)
         S = tokens_tp * H * BF16
-        one = (coll.reduce_scatter_us(S, p.tp, link) + coll.all_gather_us(S, p.tp, link)) if p.sequence_parallel \
-            else coll.all_reduce_us(S, p.tp, link)
+        one = (coll.reduce_scatter_us(S, p.tp, link, span=sp) + coll.all_gather_us(S, p.tp, link, span=sp)) \
+            if p.sequence_parallel else coll.all_reduce_us(S, p.tp, link, span=sp)
         f += 2 * one * (stop - start)
         b += 2 * one * (stop - start)
     moe = sum(1 for l in range(start, stop) if l >= model.dense_layers)
     if p.etp > 1 and moe:
-        link = coll.group_link(topo, p.etp, 1, gpus_per_node)
+        link, sp = coll.group_link(topo, p.etp, 1, gpus_per_node), coll.group_shape(topo, p.etp, 1, gpus_per_node)
         rows = shape.tokens * model.top_k * p.etp  # an expert-TP rank's rows: its ETP group's tokens' routed rows
-        one = coll.all_reduce_us(rows * model.dispatch_hidden * BF16, p.etp, link)
+        one = coll.all_reduce_us(rows * model.dispatch_hidden * BF16, p.etp, link, span=sp)
         f += one * moe
         b += one * moe
     if p.cp > 1:
@@ -419,16 +420,17 @@ def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched,
     ddp, edp = p.dp * p.cp, p.edp
     dl = coll.group_link(topo, ddp, p.tp, gpus_per_node)
     el = coll.group_link(topo, edp, p.ep * p.etp, gpus_per_node)
+    ds, es = coll.group_shape(topo, ddp, p.tp, gpus_per_node), coll.group_shape(topo, edp, p.ep * p.etp, gpus_per_node)
     grad = gather = opt = exposed = z3 = z3_exposed = 0.0
     if train:
         if p.zero == 0:
-            grad = coll.all_reduce_us(dense * GRAD_REDUCE_BYTES, ddp, dl) + \
-                coll.all_reduce_us(expert * GRAD_REDUCE_BYTES, edp, el)
+            grad = coll.all_reduce_us(dense * GRAD_REDUCE_BYTES, ddp, dl, span=ds) + \
+                coll.all_reduce_us(expert * GRAD_REDUCE_BYTES, edp, el, span=es)
         else:
-            grad = coll.reduce_scatter_us(dense * GRAD_REDUCE_BYTES, ddp, dl) + \
-                coll.reduce_scatter_us(expert * GRAD_REDUCE_BYTES, edp, el)
-            gather = coll.all_gather_us(dense * PARAM_GATHER_BYTES, ddp, dl) + \
-                coll.all_gather_us(expert * PARAM_GATHER_BYTES, edp, el)
+            grad = coll.reduce_scatter_us(dense * GRAD_REDUCE_BYTES, ddp, dl, span=ds) + \
+                coll.reduce_scatter_us(expert * GRAD_REDUCE_BYTES, edp, el, span=es)
+            gather = coll.all_gather_us(dense * PARAM_GATHER_BYTES, ddp, dl, span=ds) + \
+                coll.all_gather_us(expert * PARAM_GATHER_BYTES, edp, el, span=es)
         if p.zero >= 3:
             # the parameters stay sharded: gathered before every chunk's forward and backward of every
             # micro-batch, prefetched behind the rank's compute (FSDP's prefetch; what exceeds it is exposed)
