@@ -26,6 +26,7 @@ rank (each F/v, B/v) ``(m + (p-1)/v)(F + B)``, a bubble of ``(p-1)/(v m + p - 1)
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -70,7 +71,7 @@ class ChunkTimes:
         return max(fc + bc, (self.f_us[cf] - fc) + (self.b_us[cb] - bc))
 
 
-class Schedule:
+class Schedule(ABC):
     """A pipeline schedule (subclasses register in :data:`SCHEDULES`)."""
 
     name = ""
@@ -94,9 +95,9 @@ class Schedule:
         """Chunks micro-batch ``mb`` runs forward, in order."""
         return list(range(self.chunks()))
 
+    @abstractmethod
     def orders(self, t: "ChunkTimes | None" = None) -> list[list[PipeOp]]:
         """Each rank's ops, in the order it runs them (a schedule that orders by time reads ``t``)."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)

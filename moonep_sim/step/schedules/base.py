@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -11,7 +12,7 @@ if TYPE_CHECKING:
     from moonep_sim.step.compose import Program
 
 
-class Schedule:
+class Schedule(ABC):
     """An overlap schedule: the order a step's ops are issued in and what each waits for.
 
     name: its ``--overlap`` name.  micro_batches: how many micro-batches a rank's tokens are split
@@ -23,8 +24,9 @@ class Schedule:
     name: str = ""
     micro_batches: int = 1
 
+    @abstractmethod
     def issue(self, p: "Program") -> None:
-        raise NotImplementedError
+        """Place every op of the step on ``p.tl``."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, micro_batches={self.micro_batches})"
@@ -41,17 +43,17 @@ class LayerSchedule(Schedule):
     backward; the step ends once every gradient reduce has arrived. A subclass states the three
     phases."""
 
+    @abstractmethod
     def dispatch_phase(self, p: "Program", l: int, i: int) -> np.ndarray:
         """Micro-batch ``i``'s MoE block of layer ``l`` up to its dispatch; returns the dispatch's end [R]."""
-        raise NotImplementedError
 
+    @abstractmethod
     def expert_phase(self, p: "Program", l: int, i: int, pre_end: np.ndarray) -> None:
         """The rest of the block's forward, after the dispatch that ends at ``pre_end``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def backward_phase(self, p: "Program", l: int, i: int, pre_end: np.ndarray) -> None:
         """The block's backward after the gradients' dispatch (``pre_end``), up to the router's."""
-        raise NotImplementedError
 
     def issue(self, p: "Program") -> None:
         for i in range(p.M):
