@@ -6,14 +6,13 @@ A thin adapter over :meth:`moonep_sim.experiments.Scenario.compare`; the tables 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from moonep_sim.cli.common import add_redundant_experts
 from moonep_sim.cli.common import (add_output_flags, add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies,
                                    output_rule, parse_int_list, parse_strategy_opts, print_json, print_warnings,
-                                   progress, steps_footer, to_jsonable)
+                                   progress, steps_footer)
 from moonep_sim.errors import require
 from moonep_sim.experiments.scenario import DEFAULT_STRATEGIES as _DEFAULTS
 from moonep_sim.report.tables import wide_console as console

@@ -302,7 +302,6 @@ def run_route(a) -> int:
         if not isinstance(b, np.ndarray) or b.ndim != 1 or b.dtype.kind != "f":
             raise ConfigError(f"--bias-file ({a.bias_file}) must hold a 1-D float array [E]")
         kwargs["bias_E"] = b
-    from moonep_sim.io import check_output_path
     from moonep_sim.limits import MAX_LAYERS, MAX_NUM_EXPERTS
     from moonep_sim.routing.generators import check_size
 

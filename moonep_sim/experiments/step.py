@@ -30,7 +30,7 @@ import numpy as np
 
 from moonep_sim.errors import require
 from moonep_sim.experiments.results import _TakeAway
-from moonep_sim.experiments.routing import GeneratorSpec, RoutingSource
+from moonep_sim.experiments.routing import RoutingSource
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import GlobalRouting
 

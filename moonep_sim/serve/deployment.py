@@ -28,7 +28,7 @@ room for one KV block does not fit (one line, exit 2).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 

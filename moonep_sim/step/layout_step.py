@@ -196,7 +196,6 @@ def layout_memory(cfg, p: Parallel, programs: list["StageProgram"]) -> dict:
     the expert slots the EP group holds. Its shape is one micro-batch of one data-parallel replica:
     the stage rank's tokens (``cfg.shape.tokens``) times ``tp x cp``."""
     from moonep_sim.step.memory import memory_for_layout
-    from moonep_sim.step.stack import step_shape
 
     fps = [f for sp in programs for f in sp.footprints]
     slots = cfg.ctx.placement.num_slots if cfg.ctx is not None else 0
