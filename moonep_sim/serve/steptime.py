@@ -10,8 +10,9 @@ mean context ``c_dec`` (tokens per rank, after CUDA-graph padding where the engi
 - :class:`ConstantStepTime`: a fixed time per iteration (the closed-form checks).
 - :class:`GridStepTime`: built from the step simulator over a grid of (mode, T, C) with D routing
   draws each (:func:`build_grid`); an iteration asks for draw ``d`` and gets the bilinear
-  interpolation in (log2 T, log2 C) of that draw's grid, so the routing skew of the iteration is
-  one real draw. A mixed iteration (chunked prefill beside decodes) costs the prefill step of all
+  interpolation in (log2 T, C) of that draw's grid -- log in T (a step's time runs from flat,
+  weight-bound, to linear in its tokens), linear in C (attention's KV reads and FLOPs grow
+  linearly with the context) -- so the routing skew of the iteration is one real draw. A mixed iteration (chunked prefill beside decodes) costs the prefill step of all
   its tokens, ``P(n_pre + n_dec, c_pre)``, plus the decodes' attention beyond the smallest context
   of the grid, ``Dec(n_dec, c_dec) - Dec(n_dec, C_0)`` (ASSUMED: the decode tokens' MoE and GEMM
   work rides in the prefill step's token count; only their KV reads are added). Above the grid's
@@ -36,7 +37,7 @@ from moonep_sim.errors import ConfigError, require
 #: simulate(mode, tokens per rank, context, draw) -> {strategy: step time us}
 Simulate = Callable[[str, int, int, int], Mapping[str, float]]
 #: bump when the grid's meaning changes (it is part of every cache key)
-GRID_VERSION = 1
+GRID_VERSION = 2
 
 
 class ConstantStepTime:
@@ -70,15 +71,16 @@ class AffineStepTime:
         return {"kind": "affine", "base_us": self.base, "per_token_us": self.per}
 
 
-def _axis(v: float, grid: np.ndarray) -> tuple[int, int, float]:
-    """(lo, hi, weight of hi) of ``v`` on a log2 ``grid`` (clamped to its ends)."""
+def _axis(v: float, grid: np.ndarray, log: bool = True) -> tuple[int, int, float]:
+    """(lo, hi, weight of hi) of ``v`` on ``grid``, in log2 or linear (``log=False``), clamped to its ends."""
     if len(grid) == 1 or v <= grid[0]:
         return 0, 0, 0.0
     if v >= grid[-1]:
         return len(grid) - 1, len(grid) - 1, 0.0
     hi = int(np.searchsorted(grid, v))
     lo = hi - 1
-    w = (np.log2(v) - np.log2(grid[lo])) / (np.log2(grid[hi]) - np.log2(grid[lo]))
+    f = np.log2 if log else float
+    w = (f(v) - f(grid[lo])) / (f(grid[hi]) - f(grid[lo]))
     return lo, hi, float(w)
 
 
@@ -98,7 +100,7 @@ class Table:
         if t > self.T[-1]:              # linear in T beyond the grid
             scale, t = t / self.T[-1], float(self.T[-1])
         i0, i1, wi = _axis(t, self.T)
-        j0, j1, wj = _axis(c, self.C)
+        j0, j1, wj = _axis(c, self.C, log=False)
         v = ((1 - wi) * ((1 - wj) * g[i0, j0] + wj * g[i0, j1]) + wi * ((1 - wj) * g[i1, j0] + wj * g[i1, j1]))
         return float(v) * scale
 
