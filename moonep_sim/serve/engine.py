@@ -223,11 +223,10 @@ class _Engine:
         s, w = self.W[i], self.W[i].w
         k, R = w.cfg.mtp_tokens, w.ranks
         while True:
-            dec = run[self.comp[run] >= self.need[run]] if w.role != "prefill" else run[:0]
-            grow = np.zeros(len(run), np.int64)
-            if len(dec):
-                grow[np.isin(run, dec)] = 1 + k
-            blocks_R = np.bincount(self.rank[run], weights=self._blocks(i, self.comp[run] + grow),
+            comp = self.comp[run]
+            decoding = comp >= self.need[run] if w.role != "prefill" else np.zeros(len(run), bool)
+            dec = run[decoding]
+            blocks_R = np.bincount(self.rank[run], weights=self._blocks(i, comp + decoding * (1 + k)),
                                    minlength=R).astype(np.int64) if len(run) else np.zeros(R, np.int64)
             over = np.flatnonzero(blocks_R > self.cap_blocks[i])
             if not len(over):
@@ -307,8 +306,8 @@ class _Engine:
         dec_R = np.bincount(self.rank[dec], minlength=R) if len(dec) else np.zeros(R)
         b = int(np.argmax(pre_R + dec_R * (1 + k)))
         n_pre, n_dec = int(pre_R[b]), int(dec_R[b])
-        c_pre = float(np.mean(self.comp[pf] + pt)) if len(pf) else 0.0
-        c_dec = float(np.mean(self.comp[dec])) + 1.0 if len(dec) else 0.0
+        c_pre = float((self.comp[pf] + pt).sum()) / len(pf) if len(pf) else 0.0
+        c_dec = float(self.comp[dec].sum()) / len(dec) + 1.0 if len(dec) else 0.0
         if n_pre == 0 and cfg.cuda_graphs and n_dec <= cfg.cuda_graphs[-1]:
             n_dec = int(cfg.cuda_graphs[int(np.searchsorted(cfg.cuda_graphs, n_dec))])
         d = s.iters if self.order == "in-order" else int(self.rng.integers(1 << 30))

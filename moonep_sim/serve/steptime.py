@@ -24,8 +24,10 @@ mean context ``c_dec`` (tokens per rank, after CUDA-graph padding where the engi
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -77,11 +79,11 @@ def _axis(v: float, grid: np.ndarray, log: bool = True) -> tuple[int, int, float
         return 0, 0, 0.0
     if v >= grid[-1]:
         return len(grid) - 1, len(grid) - 1, 0.0
-    hi = int(np.searchsorted(grid, v))
+    hi = bisect.bisect_left(grid, v)
     lo = hi - 1
-    f = np.log2 if log else float
-    w = (f(v) - f(grid[lo])) / (f(grid[hi]) - f(grid[lo]))
-    return lo, hi, float(w)
+    f = math.log2 if log else float
+    a, b = float(grid[lo]), float(grid[hi])
+    return lo, hi, (f(v) - f(a)) / (f(b) - f(a))
 
 
 @dataclass(frozen=True)
@@ -92,15 +94,20 @@ class Table:
     C: np.ndarray
     us_DTC: np.ndarray
 
+    def __post_init__(self) -> None:   # plain lists: a lookup per engine iteration bisects them
+        object.__setattr__(self, "_T", [float(x) for x in self.T])
+        object.__setattr__(self, "_C", [float(x) for x in self.C])
+
     def at(self, t: float, c: float, d: int) -> float:
         if t <= 0:
             return 0.0
         g = self.us_DTC[d % self.us_DTC.shape[0]]
         scale = 1.0
-        if t > self.T[-1]:              # linear in T beyond the grid
-            scale, t = t / self.T[-1], float(self.T[-1])
-        i0, i1, wi = _axis(t, self.T)
-        j0, j1, wj = _axis(c, self.C, log=False)
+        T, C = self._T, self._C
+        if t > T[-1]:                   # linear in T beyond the grid
+            scale, t = t / T[-1], T[-1]
+        i0, i1, wi = _axis(t, T)
+        j0, j1, wj = _axis(c, C, log=False)
         v = ((1 - wi) * ((1 - wj) * g[i0, j0] + wj * g[i0, j1]) + wi * ((1 - wj) * g[i1, j0] + wj * g[i1, j1]))
         return float(v) * scale
 
