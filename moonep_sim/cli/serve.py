@@ -56,7 +56,8 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--search", action="store_true", help="enumerate deployments of --gpus that fit and simulate them")
     p.add_argument("--max-deployments", type=int, default=100, help="--search: at most this many deployments")
-    p.add_argument("--jobs", type=int, default=1, help="--search: deployments in N worker processes")
+    p.add_argument("--jobs", type=int, default=1, help="N worker processes: the step-time models' pieces and, with "
+                                                       "--search, the deployments")
     p.add_argument("--cluster", default=None, metavar="ADDR", help="--search: ... or on a Dask cluster at ADDR")
     from moonep_sim.cli.common import add_output_flags
 
@@ -142,6 +143,7 @@ def options(args):
     names = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
     require(bool(names), "--strategies must name at least one strategy")
     require(args.draws >= 1, f"--draws ({args.draws}) must be >= 1")
+    require(args.jobs >= 1, f"--jobs ({args.jobs}) must be >= 1: worker processes")
     require(args.distinct_layers >= 1, f"--distinct-layers ({args.distinct_layers}) must be >= 1")
     require(args.gpu_hour_price is None or args.gpu_hour_price > 0, f"--gpu-hour-price ({args.gpu_hour_price}) must "
                                                                      "be > 0")
@@ -158,7 +160,7 @@ def options(args):
                         overlap=args.overlap, draws=args.draws, distinct_layers=args.distinct_layers,
                         cache=None if args.no_cache else (args.cache or default_cache()), direct=args.direct,
                         slo=parse_slo(args.slo), price=args.gpu_hour_price, seed=args.seed,
-                        gemm_dtype=args.gemm_dtype)
+                        gemm_dtype=args.gemm_dtype, jobs=args.jobs)
 
 
 def run(args) -> int:

@@ -146,31 +146,49 @@ def pow2_grid(lo: int, hi: int) -> list[int]:
     return out
 
 
+def grid_piece(simulate: Simulate, strategies: Sequence[str], Ts: Sequence[int], Cs: Sequence[int], mode: str,
+               draw: int, progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
+    """One mode's grid on one routing draw: {strategy: us [len(Ts), len(Cs)]} (``simulate(mode, T,
+    C, draw)``, all strategies per call; ``progress()`` after each point). Consecutive calls share
+    T and differ in C, so a simulator may keep one T's routing for them."""
+    arr = {s: np.zeros((len(Ts), len(Cs))) for s in strategies}
+    for i, t in enumerate(Ts):
+        for j, c in enumerate(Cs):
+            r = simulate(mode, int(t), int(c), draw)
+            for s in strategies:
+                arr[s][i, j] = float(r[s])
+            if progress:
+                progress(1)
+    return arr
+
+
+def assemble(strategies: Sequence[str], dec_T: Sequence[int], dec_C: Sequence[int], pre_T: Sequence[int],
+             pre_C: Sequence[int], decode_D: Sequence[Mapping[str, np.ndarray]],
+             prefill_D: Sequence[Mapping[str, np.ndarray]]) -> dict[str, GridStepTime]:
+    """One :class:`GridStepTime` per strategy from its pieces (one per draw and mode, :func:`grid_piece`)."""
+    return {s: GridStepTime(Table(np.asarray(dec_T, float), np.asarray(dec_C, float),
+                                  np.stack([p[s] for p in decode_D])),
+                            Table(np.asarray(pre_T, float), np.asarray(pre_C, float),
+                                  np.stack([p[s] for p in prefill_D])))
+            for s in strategies}
+
+
 def build_grid(simulate: Simulate, strategies: Sequence[str], dec_T: Sequence[int], dec_C: Sequence[int],
                pre_T: Sequence[int], pre_C: Sequence[int], draws: int,
                progress: Callable[[int, int], None] | None = None) -> dict[str, GridStepTime]:
     """Every grid point simulated ``draws`` times (``simulate(mode, T, C, d)``, all strategies per
     call); one :class:`GridStepTime` per strategy. ``progress(done, total)`` after each point."""
     require(draws >= 1, f"routing draws ({draws}) must be >= 1")
-    out: dict[str, dict[str, np.ndarray]] = {s: {} for s in strategies}
     total = draws * (len(dec_T) * len(dec_C) + len(pre_T) * len(pre_C))
-    done = 0
-    for mode, Ts, Cs in (("decode", dec_T, dec_C), ("prefill", pre_T, pre_C)):
-        arr = {s: np.zeros((draws, len(Ts), len(Cs))) for s in strategies}
-        for d in range(draws):
-            for i, t in enumerate(Ts):
-                for j, c in enumerate(Cs):
-                    r = simulate(mode, int(t), int(c), d)
-                    for s in strategies:
-                        arr[s][d, i, j] = float(r[s])
-                    done += 1
-                    if progress:
-                        progress(done, total)
-        for s in strategies:
-            out[s][mode] = arr[s]
-    return {s: GridStepTime(Table(np.asarray(dec_T, float), np.asarray(dec_C, float), out[s]["decode"]),
-                            Table(np.asarray(pre_T, float), np.asarray(pre_C, float), out[s]["prefill"]))
-            for s in strategies}
+    done = [0]
+
+    def tick(n: int) -> None:
+        done[0] += n
+        if progress:
+            progress(done[0], total)
+    dec = [grid_piece(simulate, strategies, dec_T, dec_C, "decode", d, tick) for d in range(draws)]
+    pre = [grid_piece(simulate, strategies, pre_T, pre_C, "prefill", d, tick) for d in range(draws)]
+    return assemble(strategies, dec_T, dec_C, pre_T, pre_C, dec, pre)
 
 
 def holdout_points(model: GridStepTime, n: int, seed: int = 0) -> list[tuple[str, int, int]]:
@@ -190,13 +208,15 @@ def holdout_points(model: GridStepTime, n: int, seed: int = 0) -> list[tuple[str
     return out
 
 
-def holdout_error(models: Mapping[str, GridStepTime], simulate: Simulate,
-                  points: Sequence[tuple[str, int, int]]) -> dict[str, dict[str, Any]]:
-    """Per strategy: the relative error (model - direct) / direct at each held-out point (draw 0),
-    its median and largest absolute value."""
+def holdout_error(models: Mapping[str, GridStepTime], simulate: Simulate | None,
+                  points: Sequence[tuple[str, int, int]],
+                  direct: Sequence[Mapping[str, float]] | None = None) -> dict[str, dict[str, Any]]:
+    """Per strategy: the relative error (model - direct) / direct at each held-out point (draw 0:
+    ``simulate(mode, T, C, 0)``, or ``direct``, those results computed already), its median and
+    largest absolute value."""
     rows: dict[str, list] = {s: [] for s in models}
-    for mode, t, c in points:
-        r = simulate(mode, t, c, 0)
+    for k, (mode, t, c) in enumerate(points):
+        r = direct[k] if direct is not None else simulate(mode, t, c, 0)
         for s, m in models.items():
             pred = m.decode.at(t, c, 0) if mode == "decode" else m.prefill.at(t, c, 0)
             rows[s].append({"mode": mode, "tokens_per_rank": t, "context": c, "direct_us": float(r[s]),
@@ -246,5 +266,6 @@ def load(path: Path) -> tuple[dict[str, GridStepTime], dict[str, Any]] | None:
         return None
 
 
-__all__ = ["AffineStepTime", "ConstantStepTime", "GRID_VERSION", "GridStepTime", "Simulate", "Table", "build_grid",
+__all__ = ["AffineStepTime", "ConstantStepTime", "GRID_VERSION", "GridStepTime", "Simulate", "Table", "assemble",
+           "build_grid", "grid_piece",
            "cache_key", "holdout_error", "holdout_points", "load", "pow2_grid", "save"]
