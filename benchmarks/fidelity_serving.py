@@ -55,9 +55,23 @@ def _i(v, default=1) -> int:
     return default if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
 
 
-def _pool(row, pre: str, conc: int, role: str) -> dict:
+def read_layout(row, pre: str = "") -> tuple[int, int, int, int, bool]:
+    """(tp, attention dp, moe ep, moe tp, read differently) of a row's pool. A pool recorded as
+    k x k GPUs -- tp (or attention dp) k^2 with moe tp k x moe ep k, k > 1 -- is read as the k-GPU
+    deployment (tp or dp k, EP k, moe tp 1): every such row whose id names its layout names
+    ``tp{k}_ep{k}`` (194 of the 333 agg rows; the others are the same configurations without it),
+    and rows recorded both ways carry the same measurements (e.g. ``dsr1_b200_sglang_fp4_agg_8192x1024
+    _c128_cfg202`` and ``..._c128_tp4_ep4_1042``): the sample's k^2 is its conversion's product."""
     tp, dp = _i(row[f"{pre}tp_size"]), _i(row[f"{pre}attention_dp_size"])
     ep, etp = _i(row[f"{pre}moe_ep_size"]), _i(row[f"{pre}moe_tp_size"])
+    k = ep
+    if k > 1 and etp == k and tp * dp == k * k and k * k in (tp, dp):
+        return (k, 1, k, 1, True) if tp == k * k else (1, k, k, 1, True)
+    return tp, dp, ep, etp, False
+
+
+def _pool(row, pre: str, conc: int, role: str) -> dict:
+    tp, dp, ep, etp, _ = read_layout(row, pre)
     workers = _i(row.get(f"{pre}num_workers"), 1) if pre else 1
     run = max(1, -(-conc // (workers * dp)))
     if role == "prefill":
@@ -79,8 +93,9 @@ def row_setup(row, n_factor: int = 4) -> dict:
         doc = {"prefill": _pool(row, "prefill_", conc, "prefill"), "decode": _pool(row, "decode_", conc, "decode")}
     doc["weight_bytes"] = wbytes
     doc["mem_fraction"] = MEM_FRACTION
+    read = any(read_layout(row, pre)[4] for pre in (("",) if row["mode"] == "agg" else ("prefill_", "decode_")))
     return {"model": model, "topology": SYSTEMS[row["system"]], "strategy": STRATEGY[row["backend"]], "conc": conc,
-            "doc": doc, "isl": int(row["isl"]), "osl": int(row["osl"]), "n": max(n_factor * conc, 16)}
+            "doc": doc, "layout_read": read, "isl": int(row["isl"]), "osl": int(row["osl"]), "n": max(n_factor * conc, 16)}
 
 
 def _requests(su: dict):
@@ -97,20 +112,10 @@ def pool_key(su: dict, pool) -> tuple:
             (lay.tp, lay.dp, lay.ep, lay.etp, bool(lay.dp_attention)))
 
 
-def _spread(lo: int, hi: int, ratio: int = 4) -> list[int]:
-    """``lo``, ``lo x ratio``, ... below ``hi``, and ``hi``: contexts of a merged grid."""
-    out = [int(lo)]
-    while out[-1] * ratio < hi:
-        out.append(out[-1] * ratio)
-    if hi > out[-1]:
-        out.append(int(hi))
-    return out
-
-
 def merge_grids(grids: list[dict]) -> dict:
     """One grid covering every row's (``grid_for``): decode T in powers of two up to the largest,
-    prefill T 16, 64, 256, ... up to the largest, contexts from the least to the most in steps of
-    at most 4x (interpolated linearly in between)."""
+    prefill T 16, 64, 256, ... up to the largest, contexts the least and the most (a step's time is
+    interpolated linearly in context; the held-out shapes report what that costs)."""
     from moonep_sim.serve import steptime as st
 
     dec_hi = max(max(g["dec_T"]) for g in grids)
@@ -119,8 +124,8 @@ def merge_grids(grids: list[dict]) -> dict:
     pre = [t for t in st.pow2_grid(pre_lo, pre_hi) if t == pre_lo or np.log2(t) % 2 == 0 or t >= pre_hi]
     dc = [c for g in grids for c in g["dec_C"]]
     pc = [c for g in grids for c in g["pre_C"]]
-    return {"dec_T": st.pow2_grid(1, dec_hi) if dec_hi > 1 else [1], "dec_C": _spread(min(dc), max(dc)),
-            "pre_T": pre, "pre_C": _spread(min(pc), max(pc))}
+    return {"dec_T": st.pow2_grid(1, dec_hi) if dec_hi > 1 else [1], "dec_C": sorted({min(dc), max(dc)}),
+            "pre_T": pre, "pre_C": sorted({min(pc), max(pc)})}
 
 
 def build_pool(task: tuple) -> tuple:
@@ -163,7 +168,8 @@ def predict_row(task: tuple) -> dict:
     except Exception as e:  # a row the simulator refuses (memory, layout) is reported, not hidden
         return {"error": f"{type(e).__name__}: {e}"}
     f = out["strategies"][strat]
-    return {"conc": su["conc"], "strategy": strat, "deployment": dep.label(), "ttft_ms": f["ttft_s"]["p50"] * 1e3,
+    return {"conc": su["conc"], "strategy": strat, "deployment": dep.label(), "layout_read": su["layout_read"],
+            "ttft_ms": f["ttft_s"]["p50"] * 1e3,
             "tpot_ms": f["tpot_s"]["p50"] * 1e3, "steptime_error": out["steptime_model_error"],
             "preemptions": f["preemptions"], "kv_use_max": f["kv_use_max"], "wall_s": time.perf_counter() - t0,
             "iterations": f["iterations"], "mean_ttft_ms": f["ttft_s"]["mean"] * 1e3,
@@ -182,11 +188,12 @@ def tpot_floor_ms(row) -> float:
     from moonep_sim.step.stack import dense_params
 
     name, wbytes = MODELS[row["model_path"]]
+    if str(row.get("moe_quant_mode", "")).lower() == "nvfp4" or str(row.get("precision", "")).lower() == "fp4":
+        wbytes = min(wbytes, 0.5)
     m = get_model(name)
     topo = load_topology(SYSTEMS[row["system"]])
     pre = "" if row["mode"] == "agg" else "decode_"
-    tp, dp = _i(row[f"{pre}tp_size"]), _i(row[f"{pre}attention_dp_size"])
-    ep, etp = _i(row[f"{pre}moe_ep_size"]), _i(row[f"{pre}moe_tp_size"])
+    tp, dp, ep, etp, _ = read_layout(row, pre)
     workers = _i(row.get(f"{pre}num_workers"), 1) if pre else 1
     conc = int(re.search(r"silicon_concurrency=(\d+)", row["silicon_data_source"]).group(1))
     B = max(conc / workers, 1.0)
@@ -359,7 +366,7 @@ def _row_doc(r, p: dict) -> dict:
 
 TABLE_COLUMNS = ("id", "model", "system", "backend", "mode", "precision", "isl", "osl", "conc", "deployment",
                  "strategy", "measured_ttft_ms", "ttft_ms", "ttft_err", "measured_tpot_ms", "tpot_ms", "tpot_err",
-                 "tpot_floor_ms", "preemptions", "kv_use_max", "steptime_error", "error")
+                 "tpot_floor_ms", "preemptions", "kv_use_max", "steptime_error", "layout_read", "error")
 
 
 def write_table(res: list[dict], path: str) -> None:
