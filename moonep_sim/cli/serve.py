@@ -22,7 +22,8 @@ def register(sub) -> None:
     dep = p.add_mutually_exclusive_group()
     dep.add_argument("--deployment", metavar="FILE.toml", help="a deployment file (docs/serving.md)")
     dep.add_argument("--worker", metavar="K=V,...", help="an aggregated deployment's workers, e.g. "
-                                                          "workers=2,dp=16,ep=16,max_running=64")
+                                                          "workers=2,dp=16,ep=16,max_running=64 (scheduler=prefill-first: "
+                                                          "SGLang's separate prefill and decode batches)")
     p.add_argument("--prefill", metavar="K=V,...", help="a disaggregated deployment's prefill pool (with --decode)")
     p.add_argument("--decode", metavar="K=V,...", help="a disaggregated deployment's decode pool (with --prefill)")
     p.add_argument("--mtp", metavar="TOKENS:ACCEPT", default=None, help="MTP draft tokens and acceptance, e.g. 1:0.8")
@@ -76,7 +77,9 @@ def _kv(text: str, flag: str) -> dict:
         require(sep == "=" and k, f"{flag} ({part.strip()!r}) must be KEY=VALUE, e.g. dp=16")
         v = v.strip()
         val: object = v.lower() == "true" if v.lower() in ("true", "false") else v
-        if not isinstance(val, bool):
+        if k == "scheduler":     # a policy name (moonep_sim.serve.policies), checked by the pool
+            val = v
+        elif not isinstance(val, bool):
             try:
                 val = int(v)
             except ValueError:

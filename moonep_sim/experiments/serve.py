@@ -38,6 +38,7 @@ from moonep_sim.serve import steptime as st
 from moonep_sim.serve.deployment import Deployment, Pool, kv_bytes_per_token
 from moonep_sim.serve.engine import EngineConfig, Worker, cuda_graph_sizes, simulate
 from moonep_sim.serve.metrics import serve_verdict, summarize
+from moonep_sim.serve.policies import get_policy
 from moonep_sim.serve.requests import Requests
 
 #: default skew of generated routing: MoonEP's lognormal popularity sigma (the step's noise floor
@@ -333,7 +334,8 @@ def workers_for(dep: Deployment, kv: Mapping[str, int], times: Mapping[str, Any]
                                                                        (1 + dep.mtp_tokens)),
                            kv_tokens=int(kv[p.role]), block=p.block, cuda_graphs=graphs, mtp_tokens=dep.mtp_tokens,
                            mtp_accept=dep.mtp_accept, mtp_draft_share=1.0 / model.layers,
-                           eplb_every=dep.eplb_every, eplb_us=eplb_us if dep.eplb_every else 0.0)
+                           eplb_every=dep.eplb_every, eplb_us=eplb_us if dep.eplb_every else 0.0,
+                           policy=p.scheduler)
         tm = times[p.role] if p.layout.tp == 1 else _PerGPU(times[p.role], p.layout.tp)
         for j in range(p.workers):
             out.append(Worker(p.role, p.attn_ranks, p.layout.world, cfg, tm, f"{p.role}{j}"))
@@ -527,6 +529,12 @@ def _flags(dep: Deployment, opts: ServeOptions, model: ModelSpec) -> list[tuple[
         if p.layout.tp > 1 or p.layout.ep != p.layout.world or p.layout.etp > 1:
             f.append(("layout-step", f"{p.role}: {p.layout.label()} priced by the step model's layout step (TP "
                                      "collectives exposed, one EP group planned; docs/steps.md)"))
+    for p in dep.pools:
+        if p.role == "both":
+            pol = get_policy(p.scheduler)
+            f.append(("scheduler", f"{p.scheduler} scheduler ({pol.engines}): " + (
+                "prompt chunks ride in decode iterations" if pol.mixes else
+                "an iteration runs prompt chunks or decodes, never both; decodes wait for each prefill step")))
     if dep.mtp_tokens:
         f.append(("mtp", f"MTP: {dep.mtp_tokens} draft token(s), acceptance {dep.mtp_accept:g}, draft pass = "
                          f"1/{model.layers} of a step (ASSUMED)"))

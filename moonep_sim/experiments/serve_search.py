@@ -6,7 +6,7 @@ Notation: N GPUs, W GPUs of a worker, G GPUs per node.
 of ``W`` GPUs (W a power of two from G/2... N: data-parallel attention with EP over the worker,
 and for one-node workers attention TP over the node as well), and disaggregated ones with a
 prefill pool of a quarter, half or three quarters of the GPUs and the rest decoding; each with
-running-sequence limits per rank of 16 to 256 and (prefill) chunk budgets of 4096 / 8192; those that do not
+running-sequence limits per rank of 8 to 256 and (prefill) chunk budgets of 4096 / 8192; those that do not
 fit in memory are dropped, and at most ``max_deployments`` are kept (evenly spread over the list).
 
 :func:`search` builds one step-time model per distinct worker size over the widest grid any
@@ -30,7 +30,7 @@ from moonep_sim.serve.metrics import pareto, summarize
 from moonep_sim.serve.requests import Requests
 from moonep_sim.step.parallel import Parallel
 
-RUNNING = (16, 32, 64, 128, 256)
+RUNNING = (8, 16, 32, 64, 128, 256)
 BUDGETS = (4096, 8192)
 
 
@@ -79,7 +79,7 @@ def _pool_flags(p: Pool) -> str:
     lay = p.layout
     kv = [f"workers={p.workers}", f"tp={lay.tp}", f"dp={lay.dp}", f"ep={lay.ep}",
           f"dp_attention={'true' if lay.dp_attention else 'false'}", f"max_running={p.max_running}",
-          f"token_budget={p.token_budget}"]
+          f"token_budget={p.token_budget}"] + ([f"scheduler={p.scheduler}"] if p.scheduler != "mixed" else [])
     return ",".join(kv)
 
 
