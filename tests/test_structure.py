@@ -135,9 +135,6 @@ def test_the_checks_find_what_they_look_for(tmp_path):
 MAX_PARAMS, MAX_FUNC_LINES = 12, 100
 CORE = ("plan", "sim", "routing")
 WIDE_OR_LONG = {
-    # the public builders' keyword options (dedup, padding, capacity, options, perf, **extra Plan fields)
-    "plan/build.py:plan_from_slots", "plan/multihop.py:plan_from_routes", "plan/reference.py:plan_from_slots",
-    "plan/reference.py:plan_from_routes",
     # the generator's documented keyword options (docs/traces.md)
     "routing/generators.py:generate",
     # file importers: one format's parse, read top to bottom
