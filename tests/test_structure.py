@@ -135,8 +135,6 @@ def test_the_checks_find_what_they_look_for(tmp_path):
 MAX_PARAMS, MAX_FUNC_LINES = 12, 100
 CORE = ("plan", "sim", "routing")
 WIDE_OR_LONG = {
-    # the generator's documented keyword options (docs/traces.md)
-    "routing/generators.py:generate",
     # file importers: one format's parse, read top to bottom
     "routing/importers/counts_json.py:load_counts", "routing/importers/records.py:parse_records",
     "routing/importers/records.py:load_records",
