@@ -26,9 +26,9 @@ one typed description, never a config of strings worked out again here.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from moonep_sim.errors import require
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec, custom_model
 from moonep_sim.plan import ClusterShape, Placement, RowCosts
-from moonep_sim.experiments.routing import RoutingSource, open_routing
+from moonep_sim.experiments.routing import RoutingSource
 from moonep_sim.analysis.verdict import CRITICAL_PARTS, critical_breakdown
 
 # -- cluster ----------------------------------------------------------------------------------------
