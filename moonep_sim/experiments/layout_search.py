@@ -216,6 +216,9 @@ def search_layouts(scenario, space: LayoutSpace, step=None, *,
 
     t0, c0 = time.perf_counter(), time.process_time()
     o = step if step is not None else StepOptions()
+    require(isinstance(space, LayoutSpace) and isinstance(o, StepOptions),
+            f"space ({type(space).__name__}) and step ({type(o).__name__}) must be a LayoutSpace and a StepOptions "
+            "(moonep_sim.experiments.layout_search, moonep_sim.experiments.step)")
     default = StepOptions()
     for f in dataclasses.fields(o):
         require(f.name in SEARCH_STEP_OPTIONS or getattr(o, f.name) == getattr(default, f.name),
