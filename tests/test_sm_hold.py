@@ -130,3 +130,56 @@ def test_normal_kernels_pay_the_host_wait_of_their_count_exchange_once_per_forwa
     assert ops["host_wait"]["count"] == SMALL.moe_layers
     assert ops["host_wait"]["us"] == pytest.approx(HOST_WAIT_US * SMALL.moe_layers)
     assert "host_wait" not in {o["op"] for o in out["strategies"]["deepep-ll"]["overlap_by_op"]}
+
+
+def test_uccl_proxies_bind_one_nic_each_so_ten_channels_load_four_nics_three_three_two_two():
+    """UCCL-EP deals channel c to proxy thread c mod 4, which posts on NIC t mod N (N = the GPU's
+    NICs): h100-efa (4 NICs per GPU) at its 20 SMs = 10 channels carries 3, 3, 2, 2 channels' bytes,
+    so the GPU reaches 2.5 / 3 of its NIC rate; 24 SMs (12 channels) and 18 SMs (9 channels: 3, 2, 2,
+    2 -> 2.25 / 3) by hand; h200-efa's 2 NICs per GPU take 5 and 5 channels (balanced); a family
+    without bound proxies spreads over every NIC."""
+    from dataclasses import replace
+
+    from moonep_sim.plan.kernel import UCCL_SMS, family_spec
+    from moonep_sim.sim.kernels import proxy_nic_share
+
+    p5, p5en = load_topology("h100-efa"), load_topology("h200-efa")
+    spec = family_spec(FAMILIES["uccl-ep"], relay=True, sms=FAMILIES["uccl-ep"].sms)
+    assert UCCL_SMS == 20 and spec.proxy_nic_threads == 4
+    assert proxy_nic_share(p5, spec) == pytest.approx(2.5 / 3)
+    assert proxy_nic_share(p5, replace(spec, sms=24)) == 1.0
+    assert proxy_nic_share(p5, replace(spec, sms=18)) == pytest.approx(2.25 / 3)
+    assert proxy_nic_share(p5en, spec) == 1.0
+    nv = family_spec(FAMILIES["deepep-nvshmem-efa"], relay=True, sms=24)
+    assert proxy_nic_share(p5, nv) == 1.0 and proxy_nic_share(p5, None) == 1.0
+
+
+def test_uccl_pays_its_chunks_and_its_busiest_nic_on_inter_node_pairs_only():
+    """Hand count (h100-efa, EP16): 10 channels; 1000 rows of 4096 bytes from rank 0 to rank 8 (the
+    other node) go ceil(1000 / 10) = 100 per channel, in ceil(100 / 20) = 5 dispatch chunks (UCCL's
+    RDMA send chunk at EP16) and ceil(100 / 12) = 9 combine chunks: 50 and 90 chunks, each
+    message_us + the NIC's message cost, on top of the bytes stretched by 3 / 2.5 (the busiest NIC);
+    the same-node pair pays nothing."""
+    from types import SimpleNamespace
+
+    from moonep_sim.plan import CommPhase
+    from moonep_sim.plan.kernel import PROXY_OP_US, UCCL_EFA_OPS_PER_CHUNK, UCCL_PROXY_THREADS, family_spec
+    from moonep_sim.plan.kinds import Direction, PhaseKind, Scope
+    from moonep_sim.sim.program import _row_messages_scale
+
+    topo = load_topology("h100-efa")
+    spec = family_spec(FAMILIES["uccl-ep"], relay=True, sms=FAMILIES["uccl-ep"].sms)
+    assert spec.message_us == pytest.approx(0.45 * 6 / 4) and (PROXY_OP_US, UCCL_EFA_OPS_PER_CHUNK,
+                                                                UCCL_PROXY_THREADS) == (0.45, 6, 4)
+    R = 16
+    msgs, byts = np.zeros((R, R), np.int64), np.zeros((R, R), np.int64)
+    msgs[0, 8], byts[0, 8] = 1000, 1000 * 4096
+    msgs[0, 1], byts[0, 1] = 1000, 1000 * 4096
+    ph = CommPhase("dispatch.0", PhaseKind.DISPATCH, Direction.FORWARD, Scope.INTER_NODE, byts, msgs)
+    plan = SimpleNamespace(kernel=spec, ranks=R)
+    per_msg = topo.nic_message_us + spec.message_us
+    for direction, chunks in (("dispatch", 10 * 5), ("combine", 10 * 9)):
+        sc = _row_messages_scale(ph, plan, topo, direction)
+        extra_us = (sc[0, 8] - 3 / 2.5) * byts[0, 8] / topo.nic_bytes_per_us
+        assert extra_us == pytest.approx(chunks * per_msg)
+        assert sc[0, 1] == 1.0
