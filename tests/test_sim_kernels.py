@@ -373,7 +373,7 @@ def test_cli_topologies_lists_the_families_and_what_each_preset_was_checked_agai
     assert "kernel families checked on each preset" in out and "HybridEP" in out
 
 
-@pytest.mark.parametrize("strategy, impl, counts", [("deepep", "deepep-v1", ["node_pairs"]),
+@pytest.mark.parametrize("strategy, impl, counts", [("deepep", "deepep-v1", ["node_pairs", "rows_received"]),
                                                     ("deepep", "deepep-v2", ["scale_up", "scale_out"]),
                                                     ("deepep-ll", "nixl-ep", ["selections"])])
 def test_cli_isolate_counts_as_each_librarys_own_test(capsys, strategy, impl, counts):

@@ -288,7 +288,8 @@ def isolated_kernel_figures(plan, res, what: str, topo: Topology | None = None) 
     ``combine_row_bytes`` for combine; FP8 rows are ``H (1 + 4/128)`` as DeepEP counts them):
 
     - ``rows_received``: rows the rank holds after the last hop, its own included, x row -- DeepEP
-      V1's intranode (NVLink) bandwidth;
+      V1's intranode (NVLink) bandwidth, and its internode test's "NVL" figure (tests/legacy/
+      test_internode.py: ``recv_x.numel()``, printed beside the RDMA one);
     - ``node_pairs``: unique (token, destination node) pairs of the rank's tokens, the local node
       included, x row -- DeepEP V1's internode (RDMA) bandwidth (multi-node plans only);
     - ``scale_up`` / ``scale_out``: rows the rank sends, over every hop, to other GPUs of its node /
@@ -338,6 +339,6 @@ def isolated_kernel_figures(plan, res, what: str, topo: Topology | None = None) 
     fam = FAMILIES.get(plan.kernel.family) if plan.kernel is not None else None
     out["family"] = fam.name if fam is not None else ""
     counts = fam.counts if fam is not None else ""
-    out["library_counts"] = ({"deepep-v1": ["node_pairs" if R > geo.gpus_per_node else "rows_received"],
+    out["library_counts"] = ({"deepep-v1": ["node_pairs", "rows_received"] if R > geo.gpus_per_node else ["rows_received"],
                               "deepep-v2": ["scale_up", "scale_out"], "selections": ["selections"]}.get(counts, []))
     return out
