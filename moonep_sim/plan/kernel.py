@@ -306,6 +306,9 @@ V1_CHUNKS = tuple(RelayChunk(r, dn, dr, cn, cr) for r, dn, dr, cn, cr in (
     (2, 24, 6, 10, 6), (4, 6, 6, 9, 6), (8, 6, 6, 4, 6), (16, 36, 20, 4, 12), (24, 32, 8, 1, 8), (32, 32, 8, 1, 8),
     (48, 32, 8, 1, 8), (64, 32, 8, 1, 8), (96, 20, 12, 1, 8), (128, 20, 12, 1, 8), (144, 32, 12, 2, 8),
     (160, 28, 12, 2, 8)))
+#: Blocks (one workgroup per CU) mori's low-latency kernels run on: its test's ``block_num`` for
+#: ``InterNodeV1LL`` (ROCm/mori examples/ops/dispatch_combine/test_low_latency.py).
+MORI_LL_BLOCKS = 64
 #: The kernel families, by ``impl=`` name. Fixed costs ``None`` = the topology's ``[kernel]``
 #: values, which are FITTED on DeepEP V1's low-latency EP8 rows (H800): the V1 families use them as
 #: they are; a family that says nothing else about its launch cost is *assumed* to pay the same.
@@ -438,10 +441,20 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                   "node-deduplicated over RDMA then over Infinity Fabric, relayed",
         "sms": "assumed: 32 CUs, set from MoonEP's benchmark budget (ANCHORS); a CU stands for an SM",
         "fixed_us": "assumed: DeepEP V1's (the topology's [kernel])"}),
-    KernelFamily("mori-ll", "mori (ROCm)", "ll", "amd", ("ib", "roce"), sms=ALL_SMS,
+    KernelFamily("mori-ll", "mori (ROCm)", "ll", "amd", ("ib", "roce"), sms=MORI_LL_BLOCKS, holds_sms=True,
                  reduce="after", counts="selections", sources={
-        "design": "assumed, set from mori-EP's low-latency mode: one message per selection",
-        "holds_sms": "assumed, set from DeepEP low-latency's hook mode (mori's low-latency kernels send, then a receive phase)",
+        "design": "assumed, set from mori-EP's low-latency mode: one message per selection. Not what its code "
+                  "does (ROCm/mori src/ops/dispatch_combine/internode_v1.cpp, KernelType::InterNodeV1LL): a staging "
+                  "copy kernel on every CU (EpDispatchCopyToStaging), then one kernel whose RDMA blocks put every "
+                  "token -- needed there or not -- to the same-index GPU of every other node in warp-sized chunks "
+                  "with a signal (DispatchInterNodeLLSend), which forwards each to its GPUs over XGMI, one copy per "
+                  "(token, GPU) (DispatchInterNodeLLRecv), while its XGMI blocks serve the local node: a node-relayed "
+                  "broadcast of T x (nodes - 1) rows per rank, not priced here (the plan is the per-selection one)",
+        "sms": "sourced: ROCm/mori examples/ops/dispatch_combine/test_low_latency.py launches InterNodeV1LL with "
+               "block_num = 64 (32 of them RDMA blocks), one workgroup per CU",
+        "holds_sms": "sourced: ROCm/mori src/ops/dispatch_combine/launch.cpp + internode_v1.cpp: InterNodeV1LL's "
+                     "send, forward and receive run inside one kernel (EpDispatchInterNodeV1KernelLowLatency, then "
+                     "DispatchSync), with no receive hook: it holds its blocks while data is in flight",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
 )}
 
