@@ -82,6 +82,10 @@ def test_deepep_v1_on_efa_is_flagged_not_native_and_the_proxy_families_are_nativ
         {("host-proxy", "deepep"), ("host-proxy", "deepep-ll")}     # native, and the proxy named
     got = native_flags({"deepep": {"impl": "deepep-nvshmem-efa"}}, "h100-efa")
     assert codes(got) == {("host-proxy", "deepep")} and "4.05 us of proxy time per relayed message" in got[0]["text"]
+    assert "rests at EP16 on PROXY_OP_US" in got[0]["text"]
+    # UCCL-EP's code-priced win on EFA contradicts the development row: its flag says so
+    got = native_flags({"deepep": {"impl": "uccl-ep"}}, "h100-efa")
+    assert "NOT REPRODUCED" in got[0]["text"] and "each post on one NIC" in got[0]["text"]
     assert codes(native_flags({"deepep": {"impl": "deepep-nvshmem-efa"}}, "h800-cx7")) == \
         {("kernel-not-native", "deepep"), ("host-proxy", "deepep")}
     assert native_flags({"deepep": {}}, "h800-cx7") == [] and native_flags({"deepep": {}}, "my.toml") == []

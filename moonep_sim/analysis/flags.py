@@ -190,7 +190,8 @@ def native_flags(options: Mapping[str, Mapping[str, Any]], topology: str | None)
                                               "chunks at larger EP)"
                                               + (f"; its {fam.proxy_nic_threads} proxy threads each post on one NIC, "
                                                  "so its channels' bytes land unevenly on the GPU's NICs and the "
-                                                 "busiest binds" if fam.proxy_nic_threads else "")))
+                                                 "busiest binds" if fam.proxy_nic_threads else "")
+                                              + (f". {fam.caveat}" if fam.caveat else "")))
     return out
 
 

@@ -186,6 +186,8 @@ class KernelFamily:
     The pricing terms are :class:`KernelSpec`'s (``None`` = the topology's).
     sources: term -> where its value comes from, opening with its status (sourced / FITTED on
         <row> / assumed, set from ...).
+    caveat: what a user should know before acting on a figure this family prices (a published
+        measurement its pricing does not reproduce); shown with its ``host-proxy`` flag ("" = none).
     """
 
     name: str
@@ -214,6 +216,7 @@ class KernelFamily:
     host_wait_us: float = 0.0
     proxy_nic_threads: int = 0
     sources: dict[str, str] = field(default_factory=dict)
+    caveat: str = ""
 
     @property
     def holds(self) -> bool:
@@ -405,7 +408,11 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                              "thread channel mod kNumProxyThs) and ep/src/rdma.cpp per_thread_rdma_init (on p5 "
                              "thread t posts on the GPU's NIC t mod 4, on p5en t mod 2): with 10 channels the "
                              "four NICs carry 3, 3, 2, 2 channels' bytes",
-        "fixed_us": _PROXY_FIXED}),
+        "fixed_us": _PROXY_FIXED}, caveat=(
+        "NOT REPRODUCED: the development row (Qwen3-30B-A3B, Megatron on 64 H100 p5, ANCHORS row 2) measures "
+        "DeepEP + UCCL 33-187% slower than NCCL all-to-all, while this pricing -- the costs UCCL-EP's code "
+        "states -- predicts it 5-22% faster; treat a UCCL-EP win on EFA as unconfirmed "
+        "(docs/results/host-proxies.md)")),
     KernelFamily("uccl-ep-ll", "UCCL-EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
                  message_us=PROXY_OP_US / UCCL_PROXY_THREADS, extra_fixed_us=PROXY_ROUND_TRIP_US,
                  reduce="after", counts="selections", sources={
@@ -429,7 +436,9 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                       "(NVSHMEM libfabric.cpp perform_gdrcopy_amo / gdrcopy_amo_ack; awslabs Megatron-Bridge "
                       "deepep/setup_deepep_efa.sh: put_signal + nvshmem_int_atomic_add); NVSHMEM_PROXY_THREADS = 1 "
                       "is sourced (the same script: 'Libfabric has 1 proxy endpoint per PE')",
-        "fixed_us": _PROXY_FIXED}),
+        "fixed_us": _PROXY_FIXED}, caveat=(
+        "the development row's order (NCCL all-to-all ahead at EP16 by 3-7%) rests at EP16 on PROXY_OP_US "
+        "(ASSUMED 0.45 us): below ~0.43 us this pricing puts DeepEP + NVSHMEM ahead (docs/results/host-proxies.md)")),
     KernelFamily("nixl-ep", "NIXL EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
                  reduce="after", counts="selections", sources={
         "design": "assumed, set from NIXL EP's design: DeepEP-style low-latency kernels over NIXL's device API "
