@@ -189,3 +189,60 @@ def test_uccl_pays_its_chunks_and_its_busiest_nic_on_inter_node_pairs_only():
         extra_us = (sc[0, 8] - 3 / 2.5) * byts[0, 8] / topo.nic_bytes_per_us
         assert extra_us == pytest.approx(chunks * per_msg)
         assert sc[0, 1] == 1.0
+
+
+def test_a_broadcast_hop_carries_the_token_owners_tokens_on_every_cross_node_pair():
+    """mori's InterNodeV1LL puts every token to every other node's relay: hand count on 2 nodes of
+    8, 100 tokens per rank; rank 0 needs 40 rows at rank 8 (its relay on the other node), so that
+    pair carries 100 rows: 2.5x its bytes; rank 1's 100 rows there need no stretch; the same-node
+    and empty pairs pay nothing. In combine the rows go back to their owner (the receiver)."""
+    from types import SimpleNamespace
+
+    from moonep_sim.plan import CommPhase
+    from moonep_sim.plan.kernel import family_spec
+    from moonep_sim.plan.kinds import Direction, PhaseKind, Scope
+    from moonep_sim.sim.program import broadcast_scale
+
+    topo = load_topology("mi300x-cx7")
+    R = 16
+    spec = family_spec(FAMILIES["mori-ll"], relay=True, sms=64)
+    assert spec.broadcast and FAMILIES["mori-ll"].node_relay
+    plan = SimpleNamespace(kernel=spec, ranks=R, tokens_per_rank_R=np.full(R, 100))
+    msgs = np.zeros((R, R), np.int64)
+    msgs[0, 8], msgs[1, 9], msgs[0, 1] = 40, 100, 7
+    ph = CommPhase("dispatch.0", PhaseKind.DISPATCH, Direction.FORWARD, Scope.INTER_NODE, msgs * 1000, msgs)
+    sc = broadcast_scale(ph, plan, topo, "dispatch")
+    assert sc[0, 8] == pytest.approx(2.5) and sc[1, 9] == 1.0 and sc[0, 1] == 1.0 and sc[2, 10] == 1.0
+    back = CommPhase("combine.0", PhaseKind.COMBINE, Direction.FORWARD, Scope.INTER_NODE, msgs.T * 1000, msgs.T)
+    assert broadcast_scale(back, replace_tokens(plan, 0, 60), topo, "combine")[8, 0] == pytest.approx(60 / 40)
+    assert broadcast_scale(ph, SimpleNamespace(kernel=family_spec(FAMILIES["deepep-v1"]), ranks=R), topo) is None
+
+
+def replace_tokens(plan, rank: int, tokens: int):
+    """``plan`` (a namespace) with ``rank``'s token count set to ``tokens``."""
+    from types import SimpleNamespace
+
+    t = np.array(plan.tokens_per_rank_R)
+    t[rank] = tokens
+    return SimpleNamespace(kernel=plan.kernel, ranks=plan.ranks, tokens_per_rank_R=t)
+
+
+def test_mori_low_latency_relays_through_one_gpu_per_node_and_sends_at_most_its_tokens_per_other_node():
+    """``deepep-ll impl=mori-ll`` builds the node-relayed two-hop plan (hop 0 to the same-index GPU of
+    each node, hop 1 within it), one kernel that relays; a rank's hop-0 rows to other nodes are at
+    most its tokens x (nodes - 1), the broadcast's count; DeepEP's low-latency plan stays one hop."""
+    from moonep_sim.models import get_model
+    from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
+    from moonep_sim.strategies import PlanContext, make_plan
+
+    R, T, E, K = 32, 64, 256, 8
+    rng = np.random.default_rng(1)
+    ids = np.argsort(rng.random((R * T, E)), axis=1)[:, :K].astype(np.int64)
+    routing = GlobalRouting.split_evenly(ids, np.full(ids.shape, 1 / K, np.float32), E, R)
+    ctx = PlanContext(ClusterShape(R, 8), Placement.home_groups(E, R), RowCosts.from_model(get_model("deepseek-v3"), "bf16"), 1)
+    mori = make_plan("deepep-ll", routing, ctx, impl="mori-ll")
+    assert len(mori.hops) == 2 and mori.kernel.relay and mori.kernel.broadcast and mori.kernel.holds_sms
+    h0 = mori.hops[0]
+    cross = (h0.src_rank_M // 8) != (h0.dst_rank_M // 8)
+    assert np.all(np.bincount(h0.src_rank_M[cross], minlength=R) <= T * (R // 8 - 1))
+    assert len(make_plan("deepep-ll", routing, ctx).hops) == 1

@@ -122,6 +122,10 @@ class KernelSpec:
         kernel): the GPU idles that long per dispatch (0 = none: the counts stay on the device).
     zero_copy: True = the rows land in their expert-grouped slots and the combine reads them there
         (MoonEP): no permutation pass around the experts (``moonep_sim.step.costs.PERMUTE_PASSES``).
+    broadcast: True = the relayed inter-node hop carries every token to the relay of every other node,
+        whether or not any of its experts is there (mori's InterNodeV1LL): each cross-node pair of that
+        hop is priced at the token owner's token count, not at the rows it needs
+        (``moonep_sim.sim.program.broadcast_scale``).
     proxy_nic_threads: CPU proxy threads per GPU, each posting on one of the GPU's NICs, that the
         kernel's channels are dealt to round-robin (channel c -> thread c mod T -> NIC thread mod N):
         the busiest NIC carries ``ceil``-many channels, so the GPU's inter-node rate is its NICs' x
@@ -153,6 +157,7 @@ class KernelSpec:
     host_wait_us: float = 0.0
     zero_copy: bool = False
     proxy_nic_threads: int = 0
+    broadcast: bool = False
 
     def __post_init__(self) -> None:
         require(self.proxy_nic_threads >= 0, f"kernel proxy_nic_threads ({self.proxy_nic_threads}) must be >= 0")
@@ -186,6 +191,9 @@ class KernelFamily:
     The pricing terms are :class:`KernelSpec`'s (``None`` = the topology's).
     sources: term -> where its value comes from, opening with its status (sourced / FITTED on
         <row> / assumed, set from ...).
+    node_relay: ll mode only: the kernel relays through the same-index GPU of each node, as the
+        normal kernels do (``deepep-ll`` then builds the two-hop relayed plan), instead of sending
+        each row straight to its rank.  broadcast: see :class:`KernelSpec`.
     caveat: what a user should know before acting on a figure this family prices (a published
         measurement its pricing does not reproduce); shown with its ``host-proxy`` flag ("" = none).
     """
@@ -215,6 +223,8 @@ class KernelFamily:
     holds_sms: bool | None = None
     host_wait_us: float = 0.0
     proxy_nic_threads: int = 0
+    node_relay: bool = False
+    broadcast: bool = False
     sources: dict[str, str] = field(default_factory=dict)
     caveat: str = ""
 
@@ -312,6 +322,8 @@ V1_CHUNKS = tuple(RelayChunk(r, dn, dr, cn, cr) for r, dn, dr, cn, cr in (
 #: Blocks (one workgroup per CU) mori's low-latency kernels run on: its test's ``block_num`` for
 #: ``InterNodeV1LL`` (ROCm/mori examples/ops/dispatch_combine/test_low_latency.py).
 MORI_LL_BLOCKS = 64
+#: Tokens per put of mori's low-latency internode send: one warp-sized chunk (64 lanes on CDNA).
+MORI_LL_CHUNK = 64
 #: The kernel families, by ``impl=`` name. Fixed costs ``None`` = the topology's ``[kernel]``
 #: values, which are FITTED on DeepEP V1's low-latency EP8 rows (H800): the V1 families use them as
 #: they are; a family that says nothing else about its launch cost is *assumed* to pay the same.
@@ -451,14 +463,19 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
         "sms": "assumed: 32 CUs, set from MoonEP's benchmark budget (ANCHORS); a CU stands for an SM",
         "fixed_us": "assumed: DeepEP V1's (the topology's [kernel])"}),
     KernelFamily("mori-ll", "mori (ROCm)", "ll", "amd", ("ib", "roce"), sms=MORI_LL_BLOCKS, holds_sms=True,
-                 reduce="after", counts="selections", sources={
-        "design": "assumed, set from mori-EP's low-latency mode: one message per selection. Not what its code "
-                  "does (ROCm/mori src/ops/dispatch_combine/internode_v1.cpp, KernelType::InterNodeV1LL): a staging "
-                  "copy kernel on every CU (EpDispatchCopyToStaging), then one kernel whose RDMA blocks put every "
-                  "token -- needed there or not -- to the same-index GPU of every other node in warp-sized chunks "
-                  "with a signal (DispatchInterNodeLLSend), which forwards each to its GPUs over XGMI, one copy per "
-                  "(token, GPU) (DispatchInterNodeLLRecv), while its XGMI blocks serve the local node: a node-relayed "
-                  "broadcast of T x (nodes - 1) rows per rank, not priced here (the plan is the per-selection one)",
+                 reduce="fused", node_relay=True, broadcast=True, relay_message_rows=MORI_LL_CHUNK,
+                 counts="selections", sources={
+        "design": "sourced: ROCm/mori src/ops/dispatch_combine/internode_v1.cpp, KernelType::InterNodeV1LL (the "
+                  "internode mode of its low-latency test): a staging copy kernel on every CU "
+                  "(EpDispatchCopyToStaging), then one kernel whose RDMA blocks put every token -- needed there "
+                  "or not -- to the same-index GPU of every other node in warp-sized chunks with a signal each "
+                  "(DispatchInterNodeLLSend), which forwards it over XGMI once per destination GPU of its node "
+                  "(DispatchInterNodeLLRecv), while its XGMI blocks serve the local node; the combine runs it "
+                  "backwards, each relay summing its node's rows of every token it was sent "
+                  "(CombineInterNodeLLTyped, WarpAccum) before the put back: the node-relayed two-hop plan, its "
+                  "inter-node hop a broadcast of T x (nodes - 1) rows per rank (broadcast)",
+        "relay_message_rows": "sourced: one put per warp-sized chunk of tokens (64 lanes on CDNA), "
+                              "DispatchInterNodeLLSend",
         "sms": "sourced: ROCm/mori examples/ops/dispatch_combine/test_low_latency.py launches InterNodeV1LL with "
                "block_num = 64 (32 of them RDMA blocks), one workgroup per CU",
         "holds_sms": "sourced: ROCm/mori src/ops/dispatch_combine/launch.cpp + internode_v1.cpp: InterNodeV1LL's "
@@ -485,7 +502,8 @@ def family_spec(fam: KernelFamily, **kw) -> KernelSpec:
                       relay_message_rows=fam.relay_message_rows, sm_copy_factor=fam.sm_copy_factor, reduce=fam.reduce,
                       reduce_sms=fam.reduce_sms, chunks=fam.chunks, channels_per_sm=fam.channels_per_sm,
                       epilogue=fam.epilogue, sm_read_GBps=fam.sm_read_GBps, recv_copy=fam.recv_copy,
-                      holds_sms=fam.holds, host_wait_us=fam.host_wait_us, proxy_nic_threads=fam.proxy_nic_threads)
+                      holds_sms=fam.holds, host_wait_us=fam.host_wait_us, proxy_nic_threads=fam.proxy_nic_threads,
+                      broadcast=fam.broadcast)
     return replace(spec, **kw)
 
 

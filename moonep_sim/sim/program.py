@@ -249,6 +249,26 @@ def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology, direction:
     return np.where(cross & (b > 0), 1.0 / share + np.divide(extra, b, out=np.zeros_like(b), where=b > 0), 1.0)
 
 
+def broadcast_scale(phase: CommPhase, plan: Plan, topo: Topology, direction: str = "dispatch") -> np.ndarray | None:
+    """[R, R] time scale of a broadcast kernel's inter-node hop (``KernelSpec.broadcast``, mori's
+    InterNodeV1LL), None when off or the phase has no cross-node pair: every token goes to the relay
+    of every other node, needed or not, so a cross-node pair carries the token owner's token count
+    (the sender's in dispatch, the receiver's in combine) where the routing needs ``msgs`` rows:
+    its bytes are stretched by ``tokens / msgs``. A pair the routing leaves empty is not charged."""
+    spec = plan.kernel
+    if spec is None or not spec.broadcast:
+        return None
+    cross = _cross_node_RR(plan, topo)
+    msgs = phase.msgs_RR.astype(np.float64)
+    live = cross & (msgs > 0)
+    if not live.any():
+        return None
+    tokens = np.asarray(plan.tokens_per_rank_R, dtype=np.float64)
+    owner = tokens[:, None] if direction == "dispatch" else tokens[None, :]
+    rows = np.broadcast_to(owner, msgs.shape)
+    return np.where(live, np.maximum(rows, msgs) / np.where(live, msgs, 1.0), 1.0)
+
+
 def _relay_RR(phase: CommPhase, plan: Plan, topo: Topology, sm_cap: float, direction: str = "dispatch") -> np.ndarray:
     """[R, R] us for one relay message of ``phase`` to reach its receiver: path latency plus one
     message at the pair's link rate (capped by the SM rate): ``relay_rows`` rows (the family's,
@@ -295,9 +315,9 @@ def kernel_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
         out = []
         for i, ph in enumerate(phases):
             sc = prog.p2p_RR if (i == p2p_at and prog.p2p_RR is not None) else None
-            m = _row_messages_scale(ph, plan, topo, direction)
-            if m is not None:
-                sc = m if sc is None else sc * m
+            for m in (_row_messages_scale(ph, plan, topo, direction), broadcast_scale(ph, plan, topo, direction)):
+                if m is not None:
+                    sc = m if sc is None else sc * m
             out.append(sc)
         return out
 
@@ -377,5 +397,5 @@ def p2p_scale(plan: Plan, topo: Topology) -> np.ndarray | None:
     return np.where(cross, topo.nic_efficiency / topo.nic_p2p_efficiency, 1.0)
 
 
-__all__ = ["StageProgram", "combine_reduce_R", "epilogue_terms", "host_copy_us", "kernel_terms", "p2p_scale", "planning_us",
+__all__ = ["StageProgram", "broadcast_scale", "combine_reduce_R", "epilogue_terms", "host_copy_us", "kernel_terms", "p2p_scale", "planning_us",
            "receive_copy_R", "stage_program"]
