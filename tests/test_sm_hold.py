@@ -86,6 +86,9 @@ def test_deepep_v1_on_efa_is_flagged_not_native_and_the_proxy_families_are_nativ
     # UCCL-EP's code-priced win on EFA contradicts the development row: its flag says so
     got = native_flags({"deepep": {"impl": "uccl-ep"}}, "h100-efa")
     assert "NOT REPRODUCED" in got[0]["text"] and "each post on one NIC" in got[0]["text"]
+    # pplx is priced GPU-initiated (IBGDA); on EFA it would run through NVSHMEM's host proxy
+    assert codes(native_flags({"deepep-ll": {"impl": "pplx"}}, "h100-efa")) == {("kernel-not-native", "deepep-ll")}
+    assert native_flags({"deepep-ll": {"impl": "pplx"}}, "h800-cx7") == []
     assert codes(native_flags({"deepep": {"impl": "deepep-nvshmem-efa"}}, "h800-cx7")) == \
         {("kernel-not-native", "deepep"), ("host-proxy", "deepep")}
     assert native_flags({"deepep": {}}, "h800-cx7") == [] and native_flags({"deepep": {}}, "my.toml") == []

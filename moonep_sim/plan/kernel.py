@@ -389,8 +389,12 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                   "per selection, fixed buffers, no relay')",
         "holds_sms": "assumed, set from DeepEP low-latency's hook mode, which NCCL EP's low-latency mode follows",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
-    KernelFamily("pplx", "pplx-kernels", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS, reduce="after",
+    KernelFamily("pplx", "pplx-kernels", "ll", "nvidia", ("ib", "roce"), sms=ALL_SMS, reduce="after",
                  dedup_per_rank=True, counts="selections", sources={
+        "transports": "sourced: pplx-kernels' README lists NVLink, IBGDA, IBRC and EFA transports, all through "
+                      "NVSHMEM: IBGDA is GPU-initiated (what this family prices), IBRC and EFA (NVSHMEM's libfabric "
+                      "transport) go through NVSHMEM's CPU proxy thread, whose cost it does not price -- so EFA is "
+                      "not native to it here (kernel-not-native)",
         "design": "assumed, set from pplx-kernels' all-to-all design: each token goes once to every rank "
                   "holding one of its experts (per-rank deduplication, no node relay) over NVSHMEM; the "
                   "receiver reduces after the rows arrived",
