@@ -10,7 +10,9 @@ kernels do since mid-2025 (option ``nvlink = false``: every peer over the NIC, t
 pure-RDMA kernels). The kernels use every SM and send one RDMA write per row, which the simulator
 charges at the NIC (``moonep_sim.sim.kernels``). Option ``impl`` names the kernel family that
 prices them (``moonep_sim.plan.kernel``: DeepEP V1 low-latency by default; NCCL EP LL, UCCL-EP LL,
-NIXL EP, mori LL; ``pplx`` also changes the movement: one message per (token, destination rank)).
+NIXL EP, mori LL; ``pplx`` also changes the movement: one message per (token, destination rank);
+``mori-ll`` relays through the same-index GPU of each node, as ``deepep`` does, its inter-node hop
+a broadcast of every token to every other node -- ROCm/mori's InterNodeV1LL).
 
 How DeepEP counts its bandwidth (ANCHORS): bytes per selection times the number of selections,
 the local rank included, over the kernel's time (:func:`ll_counted_bytes`).
