@@ -126,6 +126,7 @@ class _W:
     iters: int = 0
     # the iteration in flight: (prefill ids, their chunk tokens, decode ids, draft tokens each)
     inflight: tuple | None = None
+    mixes: bool = True                                  # its scheduler policy mixes prompts and decodes
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class _Engine:
         require(draw_order in ("in-order", "resample"), f"draw order ({draw_order!r}) must be in-order or resample")
         self.req, self.kv_transfer_s, self.order = req, kv_transfer_s, draw_order
         self.rng = np.random.default_rng(np.random.SeedSequence([int(seed), 331]))
-        self.W = [_W(w) for w in workers]
+        self.W = [_W(w, mixes=get_policy(w.cfg.policy).mixes) for w in workers]
         self.front = [i for i, w in enumerate(workers) if w.role in ("both", "prefill")]
         self.back = [i for i, w in enumerate(workers) if w.role == "decode"]
         N = req.n
@@ -247,15 +248,14 @@ class _Engine:
 
     def start(self, t: float, i: int) -> None:
         s, w = self.W[i], self.W[i].w
-        if w.role == "both" and not get_policy(w.cfg.policy).mixes:
+        if not s.mixes and w.role == "both":
             # prefill-first: a prompt chunk that can run makes this iteration prefill-only
             if len(s.waiting) or bool(np.any(self.comp[s.running] < self.need[s.running])):
                 run, dec, blocks_R = self._preempt(i, s.running, decode=False)
                 if self._iterate(t, i, run, dec, blocks_R, decodes=False):
                     return
         run, dec, blocks_R = self._preempt(i, s.running)
-        self._iterate(t, i, run, dec, blocks_R, decodes=True, prompts=get_policy(w.cfg.policy).mixes
-                      or w.role != "both")
+        self._iterate(t, i, run, dec, blocks_R, decodes=True, prompts=s.mixes or w.role != "both")
 
     def _iterate(self, t: float, i: int, run: np.ndarray, dec: np.ndarray, blocks_R: np.ndarray, decodes: bool,
                  prompts: bool = True) -> bool:
@@ -273,9 +273,23 @@ class _Engine:
         # SGLang's prefill adder keeps them: a chunk never overflows the cache)
         pf_ids, pf_tok = [], []
         free_R = self.cap_blocks[i] - blocks_R
-        capped = not get_policy(cfg.policy).mixes
+        capped = not s.mixes
         B = cfg.block
-        for r in (run[self.comp[run] < self.need[run]] if prompts else run[:0]).tolist():
+        pr = run[self.comp[run] < self.need[run]] if prompts else run[:0]
+        if len(pr) and not capped:
+            # each takes min(its rest, the budget its rank's older prompts left): one pass per rank
+            rem, q = self.need[pr] - self.comp[pr], self.rank[pr]
+            o = np.argsort(q, kind="stable")
+            qs, rs = q[o], rem[o]
+            cs = np.cumsum(rs)
+            first = np.searchsorted(qs, qs, side="left")
+            before = cs - rs - (cs[first] - rs[first])
+            c = np.minimum(np.maximum(budget_R[qs] - before, 0), rs)
+            budget_R -= np.bincount(qs, weights=c, minlength=R).astype(np.int64)
+            live = c > 0
+            pf_ids, pf_tok = pr[o][live].tolist(), c[live].tolist()
+            pr = pr[:0]
+        for r in pr.tolist():
             q = self.rank[r]
             c = int(min(self.need[r] - self.comp[r], budget_R[q]))
             if capped:
