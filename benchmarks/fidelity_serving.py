@@ -331,7 +331,8 @@ def main() -> int:
             done[rid] = _row_doc(r, {"error": bad.get(rid) or miss[0]})
             continue
         tasks.append((rid, setups[rid], {role: built[k] for role, k in keys[rid].items()}))
-    tasks.sort(key=lambda t: -(t[1]["n"] * (t[1]["isl"] + t[1]["osl"])))
+    # cheapest first: a run stopped early (its --timeout) has predicted the most rows
+    tasks.sort(key=lambda t: t[1]["n"] * (t[1]["isl"] + t[1]["osl"]))
     by_row = {r["id"]: r for r in todo}
     for (rid, *_), p in _stream(predict_row, tasks, args.jobs, "row"):
         done[rid] = row = _row_doc(by_row[rid], p)
