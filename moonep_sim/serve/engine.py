@@ -384,16 +384,17 @@ class _Engine:
         context one token longer, its own routing draw, drawn in the same order), so the run is the
         one iteration at a time gives; returns their (start, duration, context, KV use)."""
         s, w = self.W[i], self.W[i].w
+        nxt = self.events[0][0] if self.events else np.inf
         m = int((self.osl[dec] - self.gen[dec]).min())   # iterations until the first finish, this one included
-        if m <= 1:
+        if m <= 1 or t1 >= nxt:
             return []
         m = min(m, AHEAD_MAX)
         g = np.arange(2, m + 1)                          # KV growth of iteration j = g - 1 (1, 2, ...)
-        over = (self._blocks_grown(i, run, g) > self.cap_blocks[i]).any(axis=1)
+        blocks = self._blocks_grown(i, run, g)
+        over = (blocks > self.cap_blocks[i]).any(axis=1)
         if over.any():
             m = int(g[int(np.argmax(over))]) - 1
-        kv = self._blocks_grown(i, run, np.arange(2, m + 1))[:, b] / self.cap_blocks[i] if m > 1 else []
-        nxt = self.events[0][0] if self.events else np.inf
+        kv = blocks[:m - 1, b] / self.cap_blocks[i]
         D = max(int(getattr(w.steptime, "draws", 1)), 1)
         out, t0 = [], t1
         tot, nd = int(self.comp[dec].sum()), len(dec)
@@ -419,8 +420,7 @@ class _Engine:
         base = c[d] + B - 1
         n = np.bincount(q[d], minlength=R)
         full = np.bincount(q[d], weights=base // B, minlength=R)
-        hist = np.zeros((R, B))
-        np.add.at(hist, (q[d], base % B), 1)
+        hist = np.bincount(q[d] * B + base % B, minlength=R * B).reshape(R, B)
         ge = np.cumsum(hist[:, ::-1], axis=1)[:, ::-1]     # ge[r, x]: requests on rank r with residue >= x
         thr = B - g % B                                      # ceil grows by one more where residue >= thr
         cnt = np.where((thr < B)[:, None], ge[:, np.minimum(thr, B - 1)].T, 0.0)
