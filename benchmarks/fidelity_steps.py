@@ -5,6 +5,7 @@ Usage::
     python benchmarks/fidelity_steps.py              # every row, printed and written to docs/results/fidelity_steps.md
     python benchmarks/fidelity_steps.py --rows 1     # only ANCHORS row 1 (SimuMax B200); --no-write to print only
     python benchmarks/fidelity_steps.py --after-only # skip the "before" column (half the time)
+    python benchmarks/fidelity_steps.py --fit-host 65,72.5,80,87.5,95,110   # refit Megatron's host cost per launch
 
 Every row is priced twice: **before** -- with the step's earlier cost model
 (``moonep_sim.step.costs.legacy_cost_model``: the roofline at the topology's 60% x m/(m+64), FP8 =
@@ -211,12 +212,89 @@ def run_rows(want: set[int], before: bool) -> list[dict]:
     return rows
 
 
+def _interp(grid: list[float], ys: list[float], h: float) -> float:
+    """Linear interpolation of a case's predictions ``ys`` over the launch-cost ``grid`` at ``h``."""
+    import numpy as np
+
+    return float(np.interp(h, grid, ys))
+
+
+def _best_h(grid: list[float], cases: list[tuple[float, list[float]]]) -> float:
+    """The launch cost (on a 0.5 us mesh over the grid) minimising the median absolute log error of
+    ``cases`` ((published, predictions over the grid) each)."""
+    import numpy as np
+
+    mesh = np.arange(grid[0], grid[-1] + 1e-9, 0.5)
+    cost = [median(abs(np.log(_interp(grid, ys, h) / pub)) for pub, ys in cases) for h in mesh]
+    return float(mesh[int(np.argmin(cost))])
+
+
+def fit_host(grid: list[float]) -> list[str]:
+    """Megatron-Core's host time per launch FITTED on row 2 (the median absolute log error of its
+    published iteration times, predictions interpolated over ``grid``), each case's leave-one-out
+    error, and row 1 at the fitted value (a row the fit did not see)."""
+    from moonep_sim.step.host import host_launch_cost
+
+    runs = {}
+    for h in grid:
+        with host_launch_cost(h):
+            a = time.perf_counter()
+            runs[h] = (row2(), [r for r in row1() if r["group"] == "training"])
+            print(f"launch {h:g} us: {time.perf_counter() - a:.0f} s", file=sys.stderr, flush=True)
+    r2 = [(r["case"], r["published"], [runs[h][0][i]["predicted"] for h in grid])
+          for i, r in enumerate(runs[grid[0]][0]) if r["published"] is not None]
+    h_fit = _best_h(grid, [(pub, ys) for _, pub, ys in r2])
+    lines = [f"Fitted on row 2's {len(r2)} published iteration times: **{h_fit:g} us per launch** "
+             f"(grid {', '.join(f'{h:g}' for h in grid)} us, linear between).", "",
+             "| row | case | published | at the fit | error | leave-one-out fit (us) | leave-one-out error |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    loo, ins = [], []
+    for i, (case, pub, ys) in enumerate(r2):
+        h_i = _best_h(grid, [(p, y) for j, (_, p, y) in enumerate(r2) if j != i])
+        e, e_i = _interp(grid, ys, h_fit) / pub - 1, _interp(grid, ys, h_i) / pub - 1
+        ins.append(e)
+        loo.append(e_i)
+        lines.append(f"| 2 | {case} | {pub:,.4g} s | {_interp(grid, ys, h_fit):,.4g} s | {e:+.1%} | {h_i:g} | {e_i:+.1%} |")
+    r1 = [(r["case"], r["published"], [runs[h][1][i]["predicted"] for h in grid]) for i, r in enumerate(runs[grid[0]][1])]
+    out1 = []
+    for case, pub, ys in r1:
+        base, e = ys[0] / pub - 1, _interp(grid, ys, h_fit) / pub - 1
+        out1.append((base, e))
+        lines.append(f"| 1 | {case} (not fitted) | {pub:,.4g} ms | {_interp(grid, ys, h_fit):,.4g} ms | {e:+.1%} | - | "
+                     f"at {grid[0]:g} us: {base:+.1%} |")
+    lines += ["", f"Row 2 median absolute error at the fit {median(abs(e) for e in ins):.1%}, leave-one-out "
+                  f"{median(abs(e) for e in loo):.1%} (worst {max(loo, key=abs):+.1%}); row 1 (unseen by the fit) "
+                  f"{median(abs(e) for _, e in out1):.1%} against {median(abs(b) for b, _ in out1):.1%} at "
+                  f"{grid[0]:g} us per launch."]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,5", help="ANCHORS development rows to run (default 1,2,5)")
     ap.add_argument("--no-write", action="store_true", help="print only (no docs/results/fidelity_steps.md)")
     ap.add_argument("--after-only", action="store_true", help="skip the 'before' column (the legacy cost model)")
+    ap.add_argument("--fit-host", default="", metavar="US,US,...",
+                    help="fit Megatron-Core's host time per launch on row 2 over this grid of us (leave-one-out, row 1 "
+                         "checked) and write docs/results/host-launch-fit.md")
     args = ap.parse_args(argv)
+    if args.fit_host:
+        t0, load0 = time.perf_counter(), os.getloadavg()
+        lines = fit_host(sorted(float(x) for x in args.fit_host.split(",")))
+        print("\n".join(lines))
+        if not args.no_write:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True).stdout.strip()
+            head = ["# Megatron-Core's host time per launch, fitted on development row 2", "",
+                    f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}",
+                    f"- command: `python benchmarks/fidelity_steps.py --fit-host {args.fit_host}` "
+                    f"({time.perf_counter() - t0:.0f} s)",
+                    f"- machine load (1-min load average at start / end): {load0[0]:.1f} / {os.getloadavg()[0]:.1f}",
+                    "- what is fitted: the host's time per launched kernel of the layout step's host timeline "
+                    "(`moonep_sim.step.host`), kernel counts per block from DeepSeek's H800 trace; every other "
+                    "figure as `fidelity_steps.py` predicts it", ""]
+            (ROOT / "docs" / "results" / "host-launch-fit.md").write_text("\n".join(head + lines) + "\n")
+        return 0
     want = {int(x) for x in args.rows.split(",") if x.strip()}
     t0 = time.perf_counter()
     load0 = os.getloadavg()

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moonep_sim.errors import ConfigError
-from moonep_sim.step.host import (HOST_LAUNCH_GAP_US, KERNELS, Block, host_launch_cost, host_timeline_us,
+from moonep_sim.step.host import (HOST_LAUNCH_GAP_US, KERNELS, MEGATRON_HOST_LAUNCH_US, Block, host_launch_cost, host_timeline_us,
                                   launch_us, layer_blocks)
 from moonep_sim.step.layout_step import moe_input_replicated
 from moonep_sim.step.parallel import Parallel
@@ -61,12 +61,13 @@ def test_layer_blocks_sync_only_before_the_forward_moe_block():
     assert [x.kind for x in layer_blocks(1.0, 1.0, False, True, False)] == ["attention", "dense_ffn"]
 
 
-def test_launch_cost_override_is_scoped():
-    assert launch_us() == HOST_LAUNCH_GAP_US
-    with host_launch_cost(80.0):
-        assert launch_us() == 80.0
-        assert host_timeline_us([Block("a", 10, 0.0)]) == pytest.approx(800.0)
-    assert launch_us() == HOST_LAUNCH_GAP_US
+def test_launch_cost_by_framework_and_its_override():
+    assert launch_us("dualpipe") == HOST_LAUNCH_GAP_US            # DeepSeek's, measured in its trace
+    assert launch_us("1f1b") == launch_us("interleaved") == MEGATRON_HOST_LAUNCH_US
+    with host_launch_cost(7.0):
+        assert launch_us() == launch_us("dualpipe") == 7.0
+        assert host_timeline_us([Block("a", 10, 0.0)]) == pytest.approx(70.0)
+    assert launch_us() == MEGATRON_HOST_LAUNCH_US
     with pytest.raises(ConfigError, match="host launch cost"):
         with host_launch_cost(-1.0):
             pass

@@ -32,9 +32,9 @@ thread; 29 us on the autograd thread), and a layer launches 62 kernels in its at
 forward (norms, projections, RoPE, casts, attention, the gate and its top-k: ``attn(F)``), 25 in
 its MoE block forward (``dispatch(F)`` 3 + ``mlp(F)`` 20 + ``combine(F)`` 2), 98 in the attention
 block backward (``attn(B)`` 93 + ``attn(W)`` 5) and 46 in the MoE block backward (``mlp(B)`` 29 +
-``mlp(W)`` 12 + ``dispatch(B)`` 2 + ``combine(B)`` 3). ASSUMED: another eager framework
-(Megatron-Core) launches as many kernels per block at the same host cost -- its own counts are not
-measured here; a dense FFN block launches the MoE block's ``mlp`` kernels (20 / 41); the embedding
+``mlp(W)`` 12 + ``dispatch(B)`` 2 + ``combine(B)`` 3). ASSUMED: Megatron-Core launches as
+many kernels per block; its host time per launch is FITTED on a development row
+(:data:`MEGATRON_HOST_LAUNCH_US`), no Megatron trace being at hand; a dense FFN block launches the MoE block's ``mlp`` kernels (20 / 41); the embedding
 2 / 2 and the head with its fused loss 6 / 8.
 """
 
@@ -52,8 +52,16 @@ import numpy as np
 from moonep_sim.errors import require
 
 #: Host time per launched kernel (us): the median gap between consecutive kernel launches of the
-#: forward thread in DeepSeek's H800 pretraining trace (29 us on its autograd thread).
+#: forward thread in DeepSeek's H800 pretraining trace (29 us on its autograd thread). The layout
+#: step uses it for DeepSeek's own schedule (``dualpipe``).
 HOST_LAUNCH_GAP_US = 28.5
+#: Megatron-Core's host time per launched kernel (us), FITTED on ANCHORS development row 2
+#: (Megatron-Bridge, Qwen3-30B-A3B on 64 H100 of p5.48xlarge: its 17 published iteration times,
+#: the median absolute log error; leave-one-out and the check on row 1 in
+#: docs/results/host-launch-fit.md, ``python benchmarks/fidelity_steps.py --fit-host``): at
+#: DeepSeek's kernel counts per block, the time Megatron's Python modules, TransformerEngine's
+#: wrappers and autograd spend per kernel. Not measured: no Megatron trace is at hand.
+MEGATRON_HOST_LAUNCH_US = 80.0
 #: Kernels a block launches, forward and backward, counted per annotated block in the same trace
 #: (module docstring); the dense FFN, embedding and head counts are ASSUMED.
 KERNELS = {"attention": (62, 98), "moe": (25, 46), "dense_ffn": (20, 41), "embed": (2, 2), "head": (6, 8)}
@@ -62,7 +70,7 @@ KERNELS = {"attention": (62, 98), "moe": (25, 46), "dense_ffn": (20, 41), "embed
 SYNC_BEFORE_DISPATCH = ("alltoall", "allgather")
 
 
-_LAUNCH_US: ContextVar[float] = ContextVar("moonep_sim_host_launch_us", default=HOST_LAUNCH_GAP_US)
+_LAUNCH_US: ContextVar[float | None] = ContextVar("moonep_sim_host_launch_us", default=None)
 
 
 @contextmanager
@@ -77,10 +85,14 @@ def host_launch_cost(us: float):
         _LAUNCH_US.reset(token)
 
 
-def launch_us() -> float:
-    """The host's time per launched kernel in force (:data:`HOST_LAUNCH_GAP_US` unless set by
-    :func:`host_launch_cost`)."""
-    return _LAUNCH_US.get()
+def launch_us(pp_schedule: str = "1f1b") -> float:
+    """The host's time per launched kernel in force: the one :func:`host_launch_cost` set, else the
+    framework's that runs ``pp_schedule`` -- DeepSeek's (:data:`HOST_LAUNCH_GAP_US`, measured) for
+    ``dualpipe``, Megatron-Core's (:data:`MEGATRON_HOST_LAUNCH_US`, FITTED on row 2) otherwise."""
+    v = _LAUNCH_US.get()
+    if v is not None:
+        return v
+    return HOST_LAUNCH_GAP_US if pp_schedule == "dualpipe" else MEGATRON_HOST_LAUNCH_US
 
 
 @dataclass(frozen=True)
@@ -201,12 +213,14 @@ def stacked_host_blocks(progs: list) -> tuple[tuple, tuple]:
     return stack("host_forward", False), stack("host_backward", True)
 
 
-def host_excess_us(blocks: tuple, keep, tp_us: float = 0.0, tp_kernels: int = 0) -> float:
+def host_excess_us(blocks: tuple, keep, tp_us: float = 0.0, tp_kernels: int = 0, launch: float | None = None) -> float:
     """What the host timeline adds to the GPU time of the ``(layer, Block)`` pairs whose layer
     ``keep`` accepts: ``host_timeline_us`` less the blocks' GPU time; ``tp_us`` (and
-    ``tp_kernels`` launches) of the chunk's TP collectives spread evenly over its layer blocks."""
+    ``tp_kernels`` launches) of the chunk's TP collectives spread evenly over its layer blocks;
+    ``launch``: us per launch (default :func:`launch_us`)."""
     bl = [b for l, b in blocks if keep(l)]
-    if launch_us() <= 0:
+    h = launch_us() if launch is None else launch
+    if h <= 0:
         return 0.0
     inner = [i for i, b in enumerate(bl) if b.kind in ("attention", "moe", "dense_ffn")]
     if not bl:
@@ -216,8 +230,8 @@ def host_excess_us(blocks: tuple, keep, tp_us: float = 0.0, tp_kernels: int = 0)
         add = {i: (tp_us / n, tp_kernels // n + (1 if j < tp_kernels % n else 0)) for j, i in enumerate(inner)}
         bl = [dataclasses.replace(b, gpu_us=b.gpu_us + add[i][0], kernels=b.kernels + add[i][1]) if i in add else b
               for i, b in enumerate(bl)]
-    return max(host_timeline_us(bl) - sum(b.gpu_us for b in bl), 0.0)
+    return max(host_timeline_us(bl, h) - sum(b.gpu_us for b in bl), 0.0)
 
 
-__all__ = ["Block", "HOST_LAUNCH_GAP_US", "KERNELS", "SYNC_BEFORE_DISPATCH", "host_blocks", "host_excess_us",
+__all__ = ["Block", "HOST_LAUNCH_GAP_US", "KERNELS", "MEGATRON_HOST_LAUNCH_US", "SYNC_BEFORE_DISPATCH", "host_blocks", "host_excess_us",
            "host_launch_cost", "host_timeline_us", "launch_us", "layer_blocks", "stacked_host_blocks"]

@@ -38,8 +38,9 @@ A layout (:class:`~moonep_sim.step.parallel.Parallel`) wraps today's step, never
 5. **The optimizer step**: memory-bound over the rank's optimizer shard
    (:data:`OPTIMIZER_BYTES_PER_PARAM` per parameter at the GPU's memory bandwidth x efficiency).
 6. **The host** (training, eager launches): each chunk's forward and backward run on the host
-   timeline of :mod:`moonep_sim.step.host` -- the CPU launches every block's kernels at a sourced
-   cost per launch and waits for the GPU at each device-to-host sync (Megatron's all-to-all
+   timeline of :mod:`moonep_sim.step.host` -- the CPU launches every block's kernels (counts from
+   DeepSeek's trace) at the framework's cost per launch (Megatron-Core's FITTED on development row
+   2; DeepSeek's measured, for DualPipe) and waits for the GPU at each device-to-host sync (Megatron's all-to-all
    dispatcher before every forward all-to-all, DeepEP's count wait), so a stage of short kernels
    costs its launches; what that adds to the chunk's GPU time is ``host_bound_us`` per stage
    (its TP collectives, one launch each, spread over the layers). Serving runs CUDA graphs: none.
@@ -63,7 +64,7 @@ from typing import Callable
 from moonep_sim.errors import require
 from moonep_sim.models import ModelSpec
 from moonep_sim.step import collectives as coll
-from moonep_sim.step.host import SYNC_BEFORE_DISPATCH, host_blocks, host_excess_us
+from moonep_sim.step.host import SYNC_BEFORE_DISPATCH, host_blocks, host_excess_us, launch_us
 from moonep_sim.step.parallel import Parallel
 from moonep_sim.step.pipelines import get_schedule
 from moonep_sim.step.pipelines.base import ChunkTimes, run_schedule
@@ -388,6 +389,7 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
     host_bound = cfg.costs is not None and cfg.costs.launch == "eager"
     replicated = moe_input_replicated(p, cfg.shape.mode)
     tp_kernels = (4 if p.sequence_parallel else 2) if p.tp > 1 else 0
+    h_us = launch_us(p.pp_schedule)
     f_us, b_us, fc_us, bc_us, stage_fig = [], [], [], [], []
     for (a, b), sp in zip(bounds, programs):
         F, B, Fc, Bc = sp.forward_us, sp.backward_us, sp.forward_compute_us, sp.backward_compute_us
@@ -403,8 +405,8 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
             def keep(l: int, a=a, b=b) -> bool:
                 return (l >= 0 or a == 0) and (l < b - a or b == m.layers)
             k = tp_kernels * (b - a) + (sum(1 for l in range(a, b) if l >= m.dense_layers) if p.etp > 1 else 0)
-            hf_us = host_excess_us(sp.host_forward, keep, tf, k)
-            hb_us = host_excess_us(sp.host_backward, keep, tb, k) if train else 0.0
+            hf_us = host_excess_us(sp.host_forward, keep, tf, k, h_us)
+            hb_us = host_excess_us(sp.host_backward, keep, tb, k, h_us) if train else 0.0
         F, B = F + tf + hf_us, (B + tb + hb_us if train else 0.0)
         f_us.append(F)
         b_us.append(B)
