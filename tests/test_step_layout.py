@@ -14,7 +14,8 @@ from moonep_sim.models import get_model
 from moonep_sim.sim.topology import load_topology
 from moonep_sim.step import collectives as coll
 from moonep_sim.step.host import host_launch_cost
-from moonep_sim.step.layout_step import (OPTIMIZER_BYTES_PER_PARAM, chunk_params, stage_model, tp_comm_us)
+from moonep_sim.step.layout_step import (GRAD_BUFFER_ZERO_BYTES_PER_PARAM, GRAD_NORM_BYTES_PER_PARAM,
+                                         OPTIMIZER_BYTES_PER_PARAM, chunk_params, stage_model, tp_comm_us)
 from moonep_sim.step.parallel import Parallel
 from moonep_sim.step.stack import StepShape
 
@@ -96,7 +97,9 @@ def test_one_moe_layer_without_tp_pp_dp_is_todays_step():
             today.figures[n]["step_time_us"] + h["stages"][0]["host_bound_us"], rel=1e-12)
         dense, expert = chunk_params(_model(1), 0, 1, True, True)
         topo = load_topology("h800-cx7")
-        opt = (dense + expert) * OPTIMIZER_BYTES_PER_PARAM / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
+        # Adam over the shard (all of it, dp 1), the gradient norm's read of it, the gradient buffer zeroed
+        opt = (dense + expert) * (OPTIMIZER_BYTES_PER_PARAM + GRAD_NORM_BYTES_PER_PARAM + GRAD_BUFFER_ZERO_BYTES_PER_PARAM) \
+            / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
         assert f["step_time_us"] == pytest.approx(today.figures[n]["step_time_us"] + opt, rel=1e-12)
         assert f["pipeline"]["bubble_fraction"] == 0.0
 
@@ -111,7 +114,8 @@ def test_pure_ep_layout_is_todays_step_plus_dp_and_optimizer():
     link, span = coll.group_link(topo, 4, 1), coll.group_shape(topo, 4, 1)
     grad = coll.reduce_scatter_us(dense * 4, 4, link, span=span)
     gather = coll.all_gather_us(dense * 2, 4, link, span=span)
-    opt = (dense / 4 + expert / 4) * OPTIMIZER_BYTES_PER_PARAM / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
+    opt = ((dense / 4 + expert / 4) * (OPTIMIZER_BYTES_PER_PARAM + GRAD_NORM_BYTES_PER_PARAM)
+           + (dense + expert / 4) * GRAD_BUFFER_ZERO_BYTES_PER_PARAM) / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
     for n in today.figures:
         r0 = lay.figures[n]["pipeline_ranks"][0]
         assert r0["pipeline_end_us"] == pytest.approx(today.figures[n]["step_time_us"], rel=1e-12)

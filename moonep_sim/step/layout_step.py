@@ -36,7 +36,9 @@ A layout (:class:`~moonep_sim.step.parallel.Parallel`) wraps today's step, never
    gathered in bf16 (Megatron's defaults). With ``overlap_grad_reduce`` the reduce of all but the
    last micro-batch's backward is hidden behind it (only what exceeds that window is exposed).
 5. **The optimizer step**: memory-bound over the rank's optimizer shard
-   (:data:`OPTIMIZER_BYTES_PER_PARAM` per parameter at the GPU's memory bandwidth x efficiency).
+   (:data:`OPTIMIZER_BYTES_PER_PARAM` per parameter at the GPU's memory bandwidth x efficiency),
+   with the gradient norm's read of the shard and the zeroing of the rank's whole fp32 gradient
+   buffer (:data:`GRAD_NORM_BYTES_PER_PARAM`, :data:`GRAD_BUFFER_ZERO_BYTES_PER_PARAM`).
 6. **The host** (training, eager launches): each chunk's forward and backward run on the host
    timeline of :mod:`moonep_sim.step.host` -- the CPU launches every block's kernels (counts from
    DeepSeek's trace) at the framework's cost per launch (Megatron-Core's FITTED on development row
@@ -73,6 +75,12 @@ from moonep_sim.step.stack import BF16, StepShape, attention_params, backward_op
 #: ASSUMED: mixed-precision Adam reads the fp32 master weight, gradient and two moments and writes
 #: the master, the moments and the bf16 weight: 4 x 4 + 3 x 4 + 2 bytes per parameter.
 OPTIMIZER_BYTES_PER_PARAM = 30
+#: Megatron-Core's step around the optimizer, per parameter: the gradient norm reads each fp32 main
+#: gradient of the rank's optimizer shard (``get_grad_norm_fp32``, every step, for the clipping and
+#: the log), and every iteration starts by zeroing the fp32 gradient buffer of all the rank's local
+#: parameters (``zero_grad_buffer`` in ``megatron/training/training.py``): 4 bytes each.
+GRAD_NORM_BYTES_PER_PARAM = 4
+GRAD_BUFFER_ZERO_BYTES_PER_PARAM = 4
 #: Megatron's defaults: gradients reduced in fp32, parameters gathered in bf16.
 GRAD_REDUCE_BYTES = 4
 PARAM_GATHER_BYTES = BF16
@@ -485,14 +493,16 @@ def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched,
             gather = 0.0
         exposed = max(grad - last_b_us, 0.0) if p.overlap_grad_reduce else grad
         shard = dense / (ddp if p.zero >= 1 else 1) + expert / (edp if p.zero >= 1 else 1)
-        opt = shard * OPTIMIZER_BYTES_PER_PARAM / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
+        opt = (shard * (OPTIMIZER_BYTES_PER_PARAM + GRAD_NORM_BYTES_PER_PARAM)
+               + (dense + expert) * GRAD_BUFFER_ZERO_BYTES_PER_PARAM) \
+            / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
     return {"rank": r, "pipeline_end_us": end_us, "dp_grad_us": grad, "dp_grad_exposed_us": exposed,
             "param_gather_us": gather, "zero3_gather_us": z3, "zero3_gather_exposed_us": z3_exposed,
             "optimizer_us": opt, "end_us": end_us + z3_exposed + exposed + gather + opt,
             "params_dense": dense, "params_expert": expert}
 
 
-__all__ = ["GRAD_REDUCE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "PARAM_GATHER_BYTES", "StageProgram", "attach_layout_fits",
+__all__ = ["GRAD_BUFFER_ZERO_BYTES_PER_PARAM", "GRAD_NORM_BYTES_PER_PARAM", "GRAD_REDUCE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "PARAM_GATHER_BYTES", "StageProgram", "attach_layout_fits",
            "chunk_params", "replica_shape",
            "static_memory_bytes",
            "expert_group_gpus_per_node", "layout_memory", "layout_step", "schedule_layout", "simulate_stages",
