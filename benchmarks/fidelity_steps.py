@@ -278,13 +278,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="fit Megatron-Core's host time per launch on row 2 over this grid of us (leave-one-out, row 1 "
                          "checked) and write docs/results/host-launch-fit.md")
     args = ap.parse_args(argv)
+    # the code the run prices is the head when it starts
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     if args.fit_host:
         t0, load0 = time.perf_counter(), os.getloadavg()
         lines = fit_host(sorted(float(x) for x in args.fit_host.split(",")))
         print("\n".join(lines))
         if not args.no_write:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                    text=True).stdout.strip()
             head = ["# Megatron-Core's host time per launch, fitted on development row 2", "",
                     f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}",
                     f"- command: `python benchmarks/fidelity_steps.py --fit-host {args.fit_host}` "
@@ -309,7 +309,6 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     if args.no_write:
         return 0
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     head = ["# Step fidelity under parallel layouts (development rows)", "",
             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}",
             f"- command: `python benchmarks/fidelity_steps.py --rows {args.rows}{' --after-only' if args.after_only else ''}` ({time.perf_counter() - t0:.0f} s)",
