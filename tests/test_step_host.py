@@ -79,3 +79,55 @@ def test_moe_input_replicated_only_for_serving_under_tp_attention():
     assert not moe_input_replicated(Parallel(tp=8, ep=8), "train")            # Megatron splits over the dispatch
     assert not moe_input_replicated(Parallel(dp=8, ep=8, dp_attention=True), "decode")
     assert not moe_input_replicated(Parallel(tp=4, dp=2, ep=8), "decode")     # EP spans two TP groups
+
+
+def _stage_timeline(host_wait: bool):
+    """Embedding, a dense layer, an MoE layer and the head, forward then backward, on 2 ranks."""
+    import numpy as np
+
+    from moonep_sim.step.schedule import Timeline
+
+    tl = Timeline(2)
+    t = lambda: np.maximum(tl.compute_free, tl.comm_free)
+    tl.compute("embed", 5.0, -1, "forward")
+    for name, us in (("norm", 10.0), ("attn_proj", 100.0), ("attn_core", 50.0), ("norm", 10.0), ("dense_ffn", 200.0)):
+        tl.compute(name, us, 0, "forward")
+    for name, us in (("norm", 10.0), ("attn_proj", 100.0), ("attn_core", 50.0), ("router", 20.0)):
+        tl.compute(name, us, 1, "forward")
+    if host_wait:
+        tl.wait(tl.comm("host_wait", np.full(2, 20.0), 1, "forward", 0.0, after=t()))
+    d = tl.comm("dispatch", np.full(2, 80.0), 1, "forward", 0.2, after=t())
+    e = tl.compute("expert", np.array([300.0, 400.0]), 1, "forward", after=d)
+    tl.wait(tl.comm("combine", np.full(2, 90.0), 1, "forward", 0.2, after=np.full(2, e.max())))
+    tl.compute("lm_head", 60.0, -1, "forward")
+    tl.compute("lm_head_bwd", 120.0, -1, "backward")
+    d = tl.comm("combine_bwd", np.full(2, 90.0), 1, "backward", 0.2, after=t())
+    e = tl.compute("expert_bwd", np.array([600.0, 800.0]), 1, "backward", after=d)
+    tl.wait(tl.comm("dispatch_bwd", np.full(2, 80.0), 1, "backward", 0.2, after=np.full(2, e.max())))
+    for name, us in (("router_bwd", 40.0), ("attn_core_bwd", 125.0), ("attn_proj_bwd", 200.0)):
+        tl.compute(name, us, 1, "backward")
+    for name, us in (("dense_ffn_bwd", 400.0), ("attn_core_bwd", 125.0), ("attn_proj_bwd", 200.0)):
+        tl.compute(name, us, 0, "backward")
+    tl.compute("embed_bwd", 10.0, -1, "backward")
+    return tl
+
+
+def test_host_blocks_read_a_stage_timeline():
+    from moonep_sim.step.host import host_blocks
+
+    fwd, bwd = host_blocks(_stage_timeline(False), sync=True)
+    assert [(l, b.kind, b.sync) for l, b in fwd] == [(-1, "embed", False), (0, "attention", False),
+                                                    (0, "dense_ffn", False), (1, "attention", False),
+                                                    (1, "moe", True), (2, "head", False)]
+    # spans on the rank that ends last (rank 1): dense layer 170 (norms, attention) + 200 (FFN), MoE layer 180 before the dispatch
+    # and dispatch 80 + slowest experts 400 + combine 90 after it
+    gpu = {(l, b.kind): b.gpu_us for l, b in fwd}
+    assert gpu[(0, "attention")] == pytest.approx(170.0) and gpu[(0, "dense_ffn")] == pytest.approx(200.0)
+    assert gpu[(1, "attention")] == pytest.approx(180.0) and gpu[(1, "moe")] == pytest.approx(570.0)
+    assert [(l, b.kind) for l, b in bwd] == [(2, "head"), (1, "moe"), (1, "attention"), (0, "dense_ffn"),
+                                             (0, "attention"), (-1, "embed")]
+    assert all(not b.sync for _, b in bwd)
+    assert {(l, b.kind): b.kernels for l, b in bwd}[(1, "moe")] == KERNELS["moe"][1]
+    # no sync without the library's device-to-host read, unless the timeline shows a host wait
+    assert not any(b.sync for _, b in host_blocks(_stage_timeline(False), sync=False)[0])
+    assert any(b.sync for _, b in host_blocks(_stage_timeline(True), sync=False)[0])

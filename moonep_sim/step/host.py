@@ -34,8 +34,9 @@ its MoE block forward (``dispatch(F)`` 3 + ``mlp(F)`` 20 + ``combine(F)`` 2), 98
 block backward (``attn(B)`` 93 + ``attn(W)`` 5) and 46 in the MoE block backward (``mlp(B)`` 29 +
 ``mlp(W)`` 12 + ``dispatch(B)`` 2 + ``combine(B)`` 3). ASSUMED: Megatron-Core launches as
 many kernels per block; its host time per launch is FITTED on a development row
-(:data:`MEGATRON_HOST_LAUNCH_US`), no Megatron trace being at hand; a dense FFN block launches the MoE block's ``mlp`` kernels (20 / 41); the embedding
-2 / 2 and the head with its fused loss 6 / 8.
+(:data:`MEGATRON_HOST_LAUNCH_US`), no Megatron trace being at hand; a dense FFN block launches
+the MoE block's ``mlp`` kernels (20 / 41); the embedding 2 / 2 and the head with its fused loss
+6 / 8.
 """
 
 from __future__ import annotations
