@@ -131,3 +131,20 @@ def test_host_blocks_read_a_stage_timeline():
     # no sync without the library's device-to-host read, unless the timeline shows a host wait
     assert not any(b.sync for _, b in host_blocks(_stage_timeline(False), sync=False)[0])
     assert any(b.sync for _, b in host_blocks(_stage_timeline(True), sync=False)[0])
+
+
+def test_decode_under_tp_attention_runs_no_dispatch():
+    # the EP group inside the TP group: the step's exposed communication is its TP all-reduces alone
+    from moonep_sim.experiments.scenario import Scenario
+    from moonep_sim.models import get_model
+
+    m = dataclasses.replace(get_model("olmoe-1b-7b"), name="olmoe-2l", layers=2, moe_layers=2)
+    sc = Scenario(routing="gen:model=olmoe-1b-7b,uniform=1,tokens-per-rank=64,seed=3", model=m, cluster=(4, 4),
+                  topology="h800-cx7", strategies="alltoall,deepep")
+    tp = sc.step("decode", parallel=Parallel(tp=4, ep=4), tokens_per_rank=64)
+    dpa = sc.step("decode", parallel=Parallel(dp=4, ep=4, dp_attention=True), tokens_per_rank=16)
+    for n, f in tp.figures.items():
+        st = f["stages"][0]
+        assert st["host_bound_us"] == 0.0                                    # CUDA graphs in serving
+        assert f["exposed_comm_us"] == pytest.approx(st["tp_cp_comm_us"], rel=1e-9)
+        assert dpa.figures[n]["exposed_comm_us"] > 0                         # DP attention dispatches
