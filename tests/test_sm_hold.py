@@ -178,7 +178,7 @@ def test_two_batch_low_latency_decode_is_never_slower_than_no_overlap_where_it_h
     same at half the rows) and each micro-batch's own kernel SM phases (send issue, receive copy).
 
     Where it cannot hold (tested below): few tokens per rank (16 at EP32-128, 32 below EP128:
-    micro-batches of 8-16) or few ranks (EP16 at 64-128 tokens: 16 experts per rank, 704 MB of FP8
+    micro-batches of 8-16) or few ranks (EP16 at 64 tokens: 16 experts per rank, 704 MB of FP8
     expert weights per layer re-read per micro-batch). The split's added weight reads and SM phases grow with the weights and the calls,
     the communication to hide with the tokens; below the crossover no schedule of the two
     micro-batches hides enough (``docs/results/two-batch-decode.md``). SGLang splits every decode
