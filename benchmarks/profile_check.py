@@ -79,7 +79,11 @@ WAIT_CLASSES = ("barriers (notify_dispatch, cached_notify)",)
 
 #: Where the simulation stands against the targets and what drives each gap (read off the
 #: profile's kernels; written under the table).
-GAPS = """Three constants are FITTED on the profile (named in `benchmarks/profile_check.py`), each
+GAPS = """Before (`bb575e0`, 2026-12-07 04:45): 2 of 10 classes within 20%, the pair -31.5% (the
+communication kernels' barrier waits counted as transfer, one cast per GEMM input, no recomputation,
+no SM share, the forward table's rate for the weight gradients, FlashAttention-2's backward).
+
+Three constants are FITTED on the profile (named in `benchmarks/profile_check.py`), each
 on a few kernels of one class, the rest of the class and the other classes being the check:
 `MEMBOUND_HBM_FRACTION` (0.307 of HBM, on the 32 RMSNorm forward kernels: norms forward is a fit,
 norms backward, casts, other and the attention's pre/post kernels are checks),
