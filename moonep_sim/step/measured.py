@@ -101,8 +101,6 @@ class GemmTable:
 
     def us(self, m, n, k) -> np.ndarray:
         """float64 [...]: the time of GEMMs of shapes (m, n, k) (broadcast), in us."""
-        from scipy.interpolate import RegularGridInterpolator
-
         m, n, k = np.broadcast_arrays(np.asarray(m, np.float64), np.asarray(n, np.float64), np.asarray(k, np.float64))
         mc = np.clip(m, self.m_M[0], self.m_M[-1])
         nc = np.clip(n, self.n_N[0], self.n_N[-1])
