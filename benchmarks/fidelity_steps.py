@@ -31,7 +31,8 @@ each row is ``predicted / published - 1``.
   EP32 = TP8 PP2 DP4, global batch 256 x 4096, micro-batch 4 or 1, balanced routing, recompute
   off; NCCL all-to-all -> ``alltoall``; DeepEP + UCCL -> ``deepep impl=uccl-ep`` and DeepEP +
   NVSHMEM over libfabric -> ``deepep impl=deepep-nvshmem-efa`` (the kernel families whose CPU proxies
-  price each RDMA chunk's proxied operations, ``moonep_sim.plan.kernel``); "overlap on" -> the DP gradient reduce overlapped (``overlap_grad_reduce``; the
+  price each RDMA chunk's proxied operations, ``moonep_sim.plan.kernel``), both at 20 SMs (Megatron-Core's
+  ``moe_deepep_num_sms`` default); "overlap on" -> the DP gradient reduce overlapped (``overlap_grad_reduce``; the
   row does not say which overlaps, ASSUMED). Mean iteration seconds.
 - **Row 5** (torchtitan with DeepEP, Qwen3-30B-A3B EP8, a B200-class GPU): the ratios only --
   DeepEP over the default all-to-all in tokens/s per GPU at one node, 16 nodes over one node with
@@ -121,10 +122,11 @@ def row2() -> list[dict]:
             f = _step("qwen3-30b-a3b", "h100-efa", "alltoall,deepep", 64, p, "qwen3-30b-a3b")
             f = {"alltoall": f["alltoall"], "uccl": f["deepep"], "nvshmem": f["deepep"]}
         else:
+            # sms=20: Megatron-Core's moe_deepep_num_sms default, which the row's flex dispatcher sets
             f = _step("qwen3-30b-a3b", "h100-efa", "alltoall,deepep", 64, p, "qwen3-30b-a3b",
-                      {"deepep": {"impl": "uccl-ep"}})
+                      {"deepep": {"impl": "uccl-ep", "sms": 20}})
             g = _step("qwen3-30b-a3b", "h100-efa", "deepep", 64, p, "qwen3-30b-a3b",
-                      {"deepep": {"impl": "deepep-nvshmem-efa"}})
+                      {"deepep": {"impl": "deepep-nvshmem-efa", "sms": 20}})
             f = {"alltoall": f["alltoall"], "uccl": f["deepep"], "nvshmem": g["deepep"]}
         case = f"EP{ep} TP8 PP{pp} DP{dp} mb{mb} overlap {'on' if on else 'off'}"
         for label, pubv, strat in (("NCCL all-to-all", nccl, "alltoall"), ("DeepEP+UCCL", uccl, "uccl"),

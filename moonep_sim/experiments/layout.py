@@ -104,8 +104,7 @@ def run_layout_step(scenario: Any, options, *, model=None, progress=None, jobs: 
     group): each rank's attention at its own context, every MoE dispatch waiting for the slowest; the
     KV cache counted at the longest). ``options.mtp_depth`` / ``mtp_acceptance``: decode with
     multi-token prediction, as today's step adds it (:func:`add_layout_mtp`)."""
-    from moonep_sim.step import MemoryOptions, StepConfig, step_shape
-    from moonep_sim.step.costs import step_cost_model
+    from moonep_sim.step import StepConfig, step_shape
     from moonep_sim.step.layout_step import layout_step
 
     o = options
@@ -122,13 +121,7 @@ def run_layout_step(scenario: Any, options, *, model=None, progress=None, jobs: 
         shape = dataclasses.replace(shape, context=max(o.contexts_R), contexts=o.contexts_R)
     g_ep = group.cluster.gpus_per_node
     rs = group
-    from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, check_supported, get_dtype
-
-    wd = check_supported(get_dtype(o.weight_dtype, "--weight-dtype", WEIGHT_DTYPES), rs.topology, "--weight-dtype")
-    check_supported(get_dtype(o.kv_dtype, "--kv-dtype", KV_DTYPES), rs.topology, "--kv-dtype")
-    costs = step_cost_model(rs.topology, o.gemm_dtype, o.compute_profile, mode=o.mode, weight_bytes=wd.weight_bytes)
-    mem = MemoryOptions(o.optimizer_bytes_per_param, o.optimizer_shard, weight_dtype=o.weight_dtype,
-                        kv_dtype=o.kv_dtype, gemm_dtype=o.gemm_dtype, **recompute_options(o.recompute))
+    costs, mem = o.priced(rs.topology)
     cfg = StepConfig(m, group.topology, group.ctx, group.strategies, shape, o.overlap, costs, mem, {})
     pool = None
     if cluster or (jobs or 1) != 1:

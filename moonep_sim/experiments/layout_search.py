@@ -213,10 +213,12 @@ def search_layouts(scenario, space: LayoutSpace, step=None, *,
     from moonep_sim.experiments.compare import load_topology
     from moonep_sim.experiments.spec import parse_cluster
     from moonep_sim.experiments.step import StepOptions
-    from moonep_sim.step import MemoryOptions
 
     t0, c0 = time.perf_counter(), time.process_time()
     o = step if step is not None else StepOptions()
+    require(isinstance(space, LayoutSpace) and isinstance(o, StepOptions),
+            f"space ({type(space).__name__}) and step ({type(o).__name__}) must be a LayoutSpace and a StepOptions "
+            "(moonep_sim.experiments.layout_search, moonep_sim.experiments.step)")
     default = StepOptions()
     for f in dataclasses.fields(o):
         require(f.name in SEARCH_STEP_OPTIONS or getattr(o, f.name) == getattr(default, f.name),
@@ -234,15 +236,7 @@ def search_layouts(scenario, space: LayoutSpace, step=None, *,
                                 zeros=space.zeros)
     require(bool(layouts), f"no valid layout of {model.name} on {gpus} GPUs ({G} per node): every tp, pp, dp, ep "
                            "split breaks a rule (heads, experts, layers or the GPU count)")
-    from moonep_sim.experiments.layout import recompute_options
-    from moonep_sim.step.costs import step_cost_model
-    from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, check_supported, get_dtype
-
-    wd = check_supported(get_dtype(o.weight_dtype, "--weight-dtype", WEIGHT_DTYPES), topo, "--weight-dtype")
-    check_supported(get_dtype(o.kv_dtype, "--kv-dtype", KV_DTYPES), topo, "--kv-dtype")
-    costs = step_cost_model(topo, o.gemm_dtype, mode=mode, weight_bytes=wd.weight_bytes)   # as a step prices its ops
-    mem = MemoryOptions(o.optimizer_bytes_per_param, 0, weight_dtype=o.weight_dtype, kv_dtype=o.kv_dtype,
-                        gemm_dtype=o.gemm_dtype, **recompute_options(o.recompute))
+    costs, mem = o.priced(topo)   # as a step prices its ops (no profile, the optimizer over every rank)
     run = _Search(scenario, probe, model, topo, min(G, gpus), o, seq, space.micro_batch_size, costs, mem, progress)
     # what cannot fit even without activations is dropped before any simulation
     from moonep_sim.step.layout_step import static_memory_bytes
