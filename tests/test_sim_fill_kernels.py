@@ -9,7 +9,8 @@ import pytest
 import simpy
 from hypothesis import given, settings, strategies as st
 
-from moonep_sim.sim.blocks import NODE_CELLS_WIDTH_MAX, RUN_MAX, BlockCounts
+from moonep_sim.perf import DEFAULT_PERF, perf_config
+from moonep_sim.sim.blocks import RUN_MAX, BlockCounts
 from moonep_sim.sim.network import FlowNetwork, PortMap
 from moonep_sim.sim.tick_kernels import set_rates
 from moonep_sim.sim.topology import Topology, load_topology
@@ -119,10 +120,12 @@ def test_compiled_fill_of_nothing_freezes_nothing(sm):
 def test_wide_maps_keep_the_numpy_fill():
     """Rows wider than the cell tables allow (here 72 ranks, NIC rows of 72): no tables, so the
     numpy fill runs (its per-block freeze sums by matrix products)."""
-    R = NODE_CELLS_WIDTH_MAX + 8
+    R = DEFAULT_PERF.node_cells_width_max + 8
     ports = port_map("h800-cx7", R, False)
     bc = BlockCounts(ports)
     assert bc.cell_NW is None and not bc.compiled
+    # the same map with the width given explicitly: tables, and the compiled fill
+    assert BlockCounts(ports, perf_config(node_cells_width_max=R)).compiled
     s, d = transfers(np.random.default_rng(1), ports, "uniform")
     bc.add(s, d, 1.0)
     a, b = bc.fill(ports.cap_P), bc.fill_reference(ports.cap_P)

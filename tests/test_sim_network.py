@@ -7,6 +7,7 @@ import pytest
 import simpy
 from hypothesis import example, given, settings, strategies as st
 
+from moonep_sim.perf import perf_config
 from moonep_sim.sim.blocks import BlockCounts
 from moonep_sim.sim.network import FlowNetwork, PortMap, waterfill
 from moonep_sim.sim.ports import Block, nic_group_of
@@ -223,8 +224,8 @@ def test_block_fill_with_cell_tables_equals_the_per_block_freeze(topo_name, R, s
     rng = np.random.default_rng(seed)
     fac = np.where(np.arange(R) == rng.integers(R), 0.3, 1.0) if degraded else None
     ports = PortMap.build(TOPOS[topo_name], R, nic_factor_R=fac, sm_bytes_per_us=30e3 if sm else np.inf)
-    fast, ref = BlockCounts(ports), BlockCounts(ports)
-    ref.cell_NW = ref.other_NW = None
+    fast, ref = BlockCounts(ports), BlockCounts(ports, perf_config(node_cells_width_max=0))  # ref: no tables
+    assert ref.cell_NW is None and ref.other_NW is None
     assert fast.cell_NW is not None
     ns, nd = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     for _ in range(3):

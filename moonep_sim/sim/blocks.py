@@ -26,16 +26,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.sim.fill_kernels import count_transfers, fill_levels, solver_tables
 from moonep_sim.sim.tick_kernels import plain
 from moonep_sim.sim.ports import Block, PortMap, block_kind
 
 RUN_MAX = 256    # ports considered for one run of the block solver's filling
-# the per-node cell tables (:meth:`BlockCounts._node_cells`) are built only for rows this wide at
-# most: a frozen node's whole row is read whatever its block, which pays at 32 and 64 ranks (a K3
-# EP64 layer's fills 1.15x faster, a V3 EP32 one's 1.5x) and not at 256 (2.4x slower than the
-# per-block update, whose NIC rows are one matrix product)
-NODE_CELLS_WIDTH_MAX = 64
 
 
 class Levels(NamedTuple):
@@ -72,8 +68,10 @@ class BlockCounts:
     the local block) and its transpose ``MT`` [R, W] by receiver row.
     """
 
-    def __init__(self, ports: PortMap):
+    def __init__(self, ports: PortMap, perf: PerfConfig = DEFAULT_PERF):
         self.ports = ports
+        # rows wider than this: no cell tables, the numpy fill (``PerfConfig.node_cells_width_max``)
+        self.width_max = perf.node_cells_width_max
         R, G = ports.ranks, ports.gpus_per_node
         self.R, self.G = R, G
         src_BRK, dst_BRK = ports.side_ports()
@@ -206,10 +204,10 @@ class BlockCounts:
         cell the node shares with the other side's node ``other_NW`` (a sender node reads its ``M``
         row, a receiver node its ``MT`` row). Columns past the node's block width, and the nodes of
         unused blocks, point at the zero cell ``2 T`` and the spare node 2N. (None, None) when W
-        exceeds ``NODE_CELLS_WIDTH_MAX`` (then :meth:`_freeze` updates block by block)."""
+        exceeds ``perf.node_cells_width_max`` (then :meth:`_freeze` updates block by block)."""
         R, N = self.R, self.B * self.R
         W = max(self.width[b] for b in self.blocks) if self.blocks else 1
-        if W > NODE_CELLS_WIDTH_MAX:
+        if W > self.width_max:
             return None, None
         u = np.arange(2 * N)
         side, (b_N, r_N) = u // N, np.divmod(u % N, R)
@@ -462,7 +460,7 @@ class BlockCounts:
 
         With the cell tables (:meth:`_node_cells`) the cells of every frozen node are read in one
         gather and scattered in one count per quantity, whatever the blocks (see
-        ``NODE_CELLS_WIDTH_MAX`` for where that pays); :meth:`_freeze_blocks` is the same update
+        ``PerfConfig.node_cells_width_max`` for where that pays); :meth:`_freeze_blocks` is the same update
         block by block, the reference it is tested against (equal up to the order of float
         additions)."""
         lev, bport, free, frz, cnt = state
@@ -531,4 +529,4 @@ class BlockCounts:
         return np.where(use_src, ls, ld), np.where(use_src, filled.port_src[a], filled.port_dst[c])
 
 
-__all__ = ["BlockCounts", "Levels", "NODE_CELLS_WIDTH_MAX", "RUN_MAX"]
+__all__ = ["BlockCounts", "Levels", "RUN_MAX"]

@@ -28,7 +28,7 @@ What the numpy code does, step by step, and how the kernel reproduces it:
   into per-node sums (``np.bincount`` again: a fresh 0.0 sum per target, then one subtraction /
   addition per target), which the kernel accumulates in scratch arrays in the same order.
 
-Port maps whose cell tables are not built (rows wider than ``NODE_CELLS_WIDTH_MAX``) keep the
+Port maps whose cell tables are not built (rows wider than ``PerfConfig.node_cells_width_max``) keep the
 numpy code: its per-block freeze uses a matrix product, whose order of additions a loop cannot
 promise to match.
 """
