@@ -31,14 +31,6 @@ class PerfConfig:
         it saves. The CPU time is the same either way; the wall time falls on two cores.
     pair_rows_compiled_min: messages from which ``Hop.rows_RR`` counts rows per (source,
         destination) pair with its compiled pass (below: ``np.bincount``).
-    node_cells_width_max: the simulator's block solver (``moonep_sim.sim.blocks.BlockCounts``)
-        builds its per-node cell tables, and with them runs its compiled fill and the network's
-        compiled tick, only for rows (ranks of a NIC block) this wide at most; wider maps fill in
-        numpy, whose per-block freeze sums by matrix products (an order a loop cannot match bit for
-        bit, so the figures of those maps are the numpy fill's). 64: a frozen node's whole row is
-        read whatever its block, which pays at 32 and 64 ranks (a K3 EP64 layer's fills 1.15x
-        faster, a V3 EP32 one's 1.5x) and was measured 2.4x slower at 256 in numpy
-        (docs/results/tiers.md).
     pair_table_max: (sender, receiver) pairs up to which a flow network builds its per-port-map
         pair tables (each pair's block and latency, read by the compiled submission); above it
         submissions classify their transfers in numpy. 2**18: 512 ranks.
@@ -47,12 +39,10 @@ class PerfConfig:
     plan_compiled_min: int = 1 << 16
     thread_min: int = 1 << 20
     pair_rows_compiled_min: int = 1 << 16
-    node_cells_width_max: int = 64
     pair_table_max: int = 1 << 18
 
     def __post_init__(self) -> None:
-        for name in ("plan_compiled_min", "thread_min", "pair_rows_compiled_min", "node_cells_width_max",
-                     "pair_table_max"):
+        for name in ("plan_compiled_min", "thread_min", "pair_rows_compiled_min", "pair_table_max"):
             v = getattr(self, name)
             require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{name} ({v!r}) must be an integer >= 0")
 

@@ -9,7 +9,6 @@ import pytest
 import simpy
 from hypothesis import given, settings, strategies as st
 
-from moonep_sim.perf import DEFAULT_PERF, perf_config
 from moonep_sim.sim.blocks import RUN_MAX, BlockCounts
 from moonep_sim.sim.network import FlowNetwork, PortMap
 from moonep_sim.sim.tick_kernels import set_rates
@@ -117,19 +116,22 @@ def test_compiled_fill_of_nothing_freezes_nothing(sm):
     assert_same_fill(bc, ports.cap_P)
 
 
-def test_wide_maps_keep_the_numpy_fill():
-    """Rows wider than the cell tables allow (here 72 ranks, NIC rows of 72): no tables, so the
-    numpy fill runs (its per-block freeze sums by matrix products)."""
-    R = DEFAULT_PERF.node_cells_width_max + 8
+@pytest.mark.parametrize("R", [72, 136])
+def test_wide_maps_take_the_compiled_fill(R):
+    """Rows wider than 64 ranks (NIC rows of 72 and 136): the compiled fill runs, without the
+    [2N, W] cell tables (only the numpy reference builds them), and equals the reference."""
     ports = port_map("h800-cx7", R, False)
     bc = BlockCounts(ports)
-    assert bc.cell_NW is None and not bc.compiled
-    # the same map with the width given explicitly: tables, and the compiled fill
-    assert BlockCounts(ports, perf_config(node_cells_width_max=R)).compiled
+    assert bc.compiled and bc.cell_NW is None
     s, d = transfers(np.random.default_rng(1), ports, "uniform")
     bc.add(s, d, 1.0)
-    a, b = bc.fill(ports.cap_P), bc.fill_reference(ports.cap_P)
-    assert np.array_equal(a.level_src, b.level_src) and a.steps == b.steps
+    a = bc.fill(ports.cap_P)
+    assert bc.cell_NW is None
+    b = bc.fill_reference(ports.cap_P)
+    assert bc.cell_NW is not None
+    for x, y in zip(a[:4], b[:4]):
+        assert np.array_equal(x, y)
+    assert a.steps == b.steps
 
 
 def run_network(ports: PortMap, phases_RR, compiled: bool, stagger_us: float = 0.0):
@@ -262,10 +264,12 @@ def test_a_step_whose_last_run_was_the_longest_is_filled_again():
     s, d = np.divmod(np.arange(R * R), R)
     blk = ports.pair_class(s, d, np.ones(R * R, dtype=bool))
     bc.add(blk * R + s, blk * R + d, 1.0)
-    first = bc.fill(ports.cap_P)
+    first = bc.fill_reference(ports.cap_P)
     assert bc._hint[0] == RUN_MAX
-    again = bc.fill(ports.cap_P)
+    again = bc.fill_reference(ports.cap_P)
     assert again.steps == first.steps and np.array_equal(again.level_src, first.level_src)
+    kernel = bc.fill(ports.cap_P)   # (the compiled fill, at this width too)
+    assert kernel.steps == first.steps and np.array_equal(kernel.level_src, first.level_src)
     # where the kernel runs: a hint of RUN_MAX at every step and more candidates than that
     ports = port_map("h800-cx7", 64, True)
     bc = BlockCounts(ports)

@@ -26,7 +26,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.sim.fill_kernels import count_transfers, fill_levels, solver_tables
 from moonep_sim.sim.tick_kernels import plain
 from moonep_sim.sim.ports import Block, PortMap, block_kind
@@ -68,10 +67,8 @@ class BlockCounts:
     the local block) and its transpose ``MT`` [R, W] by receiver row.
     """
 
-    def __init__(self, ports: PortMap, perf: PerfConfig = DEFAULT_PERF):
+    def __init__(self, ports: PortMap):
         self.ports = ports
-        # rows wider than this: no cell tables, the numpy fill (``PerfConfig.node_cells_width_max``)
-        self.width_max = perf.node_cells_width_max
         R, G = ports.ranks, ports.gpus_per_node
         self.R, self.G = R, G
         src_BRK, dst_BRK = ports.side_ports()
@@ -94,7 +91,6 @@ class BlockCounts:
         geo = self.cluster = ports.cluster
         # rank of row r's column j (node blocks: r's node), clipped: columns past R hold 0 counts
         self.node_cols_RG = np.minimum(geo.rank_at(geo.node_of(r)[:, None], np.arange(G)[None, :]), R - 1)
-        self.self_cols_R1 = r[:, None]
         dm = ports.dummy
         P1 = ports.cap_P.size
         unused = np.ones(B, dtype=bool)
@@ -121,7 +117,6 @@ class BlockCounts:
         self.port_one = np.full(P1, -1, dtype=np.int64)
         self.port_one[flat[real]] = g[real]
         # simple case: the nodes that have a port, in port order, and their ports
-        self.block_starts = np.arange(B + 1) * R
         self.pps = np.flatnonzero(self.port_one >= 0)
         self.nps = self.port_one[self.pps]
         # port -> its nodes, padded with -1 ([P + 1, most nodes on a port]), and each row's position
@@ -152,19 +147,17 @@ class BlockCounts:
         # per filling step, the run length of the last fill: its first prefix width is chosen above
         # it (consecutive fills are alike); any start gives the same run (:meth:`_run`)
         self._hint: list[int] = []
-        self.cell_NW, self.other_NW = self._node_cells(T)
+        # the numpy reference's cell tables ([2N, W] per node: :meth:`_node_cells`), built when it
+        # first freezes; the compiled fill derives each node's cells from per-node values instead
+        self.cell_NW = self.other_NW = None
         self._compiled = True
         c = np.ascontiguousarray
-        # the cell tables in int32 where they fit: half the cache lines a frozen node's row reads
-        small = lambda *tabs: tuple(None if x is None else c(x, dtype=np.int32 if 2 * T < 2 ** 31 else np.int64)  # noqa: E731
-                                    for x in tabs)
         #: int64 [2N] contiguous copies of ``mt_row_N`` / ``cell_col_N`` for the kernels
         self.row_U, self.col_U = c(self.mt_row_N, dtype=np.int64), c(self.cell_col_N, dtype=np.int64)
         #: the solver's tables as the kernels read them (fill_kernels.SolverTables, as a plain tuple:
         #: ``tick_kernels.plain``)
         self._kernel_static = plain(solver_tables(self.simple, dm, RUN_MAX, self.pall, self.port_nodes, self.pps, self.nps,
-                                            self.cell_key_N, self.row_U, self.col_U,
-                                            *small(self.cell_NW, self.other_NW)))
+                                                  self.cell_key_N, self.row_U, self.col_U, self._node_rows()))
 
     def fresh(self) -> "BlockCounts":
         """A BlockCounts of the same port map with nothing counted: this one's tables (built once
@@ -189,26 +182,40 @@ class BlockCounts:
     @property
     def compiled(self) -> bool:
         """:meth:`fill` and :meth:`add` run the compiled kernels (``moonep_sim.sim.fill_kernels``,
-        bit-identical to :meth:`fill_reference` and the numpy scatter); only with the cell tables
-        (without them the reference's per-block freeze sums by matrix products, an order a loop
-        cannot promise to match). Settable: False runs the numpy code (the reference)."""
-        return self._compiled and self.cell_NW is not None
+        bit-identical to :meth:`fill_reference` and the numpy scatter), at every width. Settable:
+        False runs the numpy code (the reference, for tests)."""
+        return self._compiled
 
     @compiled.setter
     def compiled(self, on: bool) -> None:
         self._compiled = bool(on)
 
-    def _node_cells(self, T: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    def _node_rows(self) -> tuple[np.ndarray, ...]:
+        """(cbase_U, wid_U, obase_U, qbase_U, cols_RG): the cells of each node (and of the spare node
+        2N: none) as the compiled freeze derives them (``fill_kernels._freeze``): its row's first
+        cell in :attr:`mm`, its row's width (0 for an unused block), the other side's first node of
+        its block, and its cells' first rank there (-1 - r for an NVLink node of rank r, whose
+        cells' ranks are ``node_cols_RG[r]``) -- what :meth:`_node_cells` tabulates."""
+        R, N = self.R, self.B * self.R
+        u = np.arange(2 * N)
+        side, (b_N, r_N) = u // N, np.divmod(u % N, R)
+        kind_N = self.kind_B[b_N]
+        used = np.zeros(self.B, dtype=bool)
+        used[self.blocks] = True
+        qbase = np.where(kind_N >= Block.NIC, 0, np.where(kind_N == Block.NVLINK, -1 - r_N, r_N))
+        spare = lambda x: np.append(x, 0)  # noqa: E731
+        return (spare(side * self.T + self.mt_row_N), spare(np.where(used[b_N], self.width_B[b_N], 0)),
+                spare((1 - side) * N + b_N * R), spare(qbase), self.node_cols_RG)
+
+    def _node_cells(self, T: int) -> tuple[np.ndarray, np.ndarray]:
         """(cell_NW, other_NW): per node (sender nodes 0..N-1, then receiver nodes N..2N-1; N = B x R)
         and column w of its block's row (W: the widest used block), the index in :attr:`mm` of the
         cell the node shares with the other side's node ``other_NW`` (a sender node reads its ``M``
         row, a receiver node its ``MT`` row). Columns past the node's block width, and the nodes of
-        unused blocks, point at the zero cell ``2 T`` and the spare node 2N. (None, None) when W
-        exceeds ``perf.node_cells_width_max`` (then :meth:`_freeze` updates block by block)."""
+        unused blocks, point at the zero cell ``2 T`` and the spare node 2N. (The numpy reference's
+        freeze reads them: [2N, W], built when it first freezes.)"""
         R, N = self.R, self.B * self.R
         W = max(self.width[b] for b in self.blocks) if self.blocks else 1
-        if W > self.width_max:
-            return None, None
         u = np.arange(2 * N)
         side, (b_N, r_N) = u // N, np.divmod(u % N, R)
         w = np.arange(W)[None, :]
@@ -237,15 +244,6 @@ class BlockCounts:
         np.add.at(self.mt_flat, row[nd_F] + col[ns_F], sign)
         np.add.at(self.cnt_src, ns_F, sign)
         np.add.at(self.cnt_dst, nd_F, sign)
-
-    def _cols(self, b: int, rows: np.ndarray) -> np.ndarray | None:
-        """Rank index of each column of rows ``rows`` of block b (None: the identity, all ranks)."""
-        kind = self.kinds[b]
-        if kind == Block.LOCAL:
-            return self.self_cols_R1[rows]
-        if kind == Block.NVLINK:
-            return self.node_cols_RG[rows]
-        return None
 
     def fill(self, cap_P: np.ndarray) -> Levels:
         """Exact max-min fair levels of the counted transfers (batched progressive filling):
@@ -458,11 +456,9 @@ class BlockCounts:
         cells' level. ``state``: :meth:`fill`'s per-node arrays (lev, bport, free, frz, cnt);
         ``own_load``: add the nodes' own frozen load to ``frz`` (read by ports of several nodes).
 
-        With the cell tables (:meth:`_node_cells`) the cells of every frozen node are read in one
-        gather and scattered in one count per quantity, whatever the blocks (see
-        ``PerfConfig.node_cells_width_max`` for where that pays); :meth:`_freeze_blocks` is the same update
-        block by block, the reference it is tested against (equal up to the order of float
-        additions)."""
+        The cells of every frozen node are read from the cell tables (:meth:`_node_cells`, built
+        here at the first freeze) in one gather and scattered in one count per quantity, whatever
+        the blocks: the order of sums the compiled freeze (``fill_kernels._freeze``) keeps."""
         lev, bport, free, frz, cnt = state
         lev[g] = lv
         bport[g] = port
@@ -471,54 +467,13 @@ class BlockCounts:
             frz[g] += lv * cnt[g]
         cnt[g] = 0.0
         if self.cell_NW is None:
-            N = self.B * self.R
-            mid = int(np.searchsorted(g, N))
-            for s0, nodes, lvn in ((0, g[:mid], lv[:mid]), (1, g[mid:] - N, lv[mid:])):
-                if nodes.size:
-                    self._freeze_blocks(nodes, lvn, s0, free, frz, cnt)
-            return
+            self.cell_NW, self.other_NW = self._node_cells(self.T)
         other = self.other_NW[g]
         Z = self.mm[self.cell_NW[g]]
         Z *= free[other]
         t = other.ravel()
         cnt -= np.bincount(t, weights=Z.ravel(), minlength=cnt.size)
         frz += np.bincount(t, weights=(lv[:, None] * Z).ravel(), minlength=frz.size)
-
-    def _freeze_blocks(self, nodes, lvn, s0, free, frz, cnt) -> None:
-        """The cells of frozen side-``s0`` nodes ``nodes`` (increasing, block x R + rank; at levels
-        ``lvn``) leave the other side's free nodes, block by block (:meth:`_freeze`'s update where
-        the cell tables would be too large, and its reference)."""
-        R, N = self.R, self.B * self.R
-        mats = self.M if s0 == 0 else self.MT
-        olo = N - s0 * N
-        rows = nodes % R
-        bounds = np.searchsorted(nodes, self.block_starts).tolist()   # nodes are sorted: a block is a slice
-        for b in self.blocks:
-            i0, i1 = bounds[b], bounds[b + 1]
-            if i0 == i1:
-                continue
-            rb = rows[i0:i1]
-            lb = lvn[i0:i1]
-            base = olo + b * R
-            of = free[base:base + R]
-            if self.kinds[b] == Block.LOCAL:   # a local block: each node's one cell is its own rank's
-                z = mats[b][rb, 0] * of[rb]
-                cnt[base + rb] -= z
-                frz[base + rb] += lb * z
-                continue
-            cols = self._cols(b, rb)
-            Mrb = mats[b][rb]
-            if cols is None:
-                w_2n = np.empty((2, rb.size))   # [ones; levels]: one product gives counts and loads
-                w_2n[0] = 1.0
-                w_2n[1] = lb
-                both = w_2n @ Mrb
-                cnt[base:base + R] -= both[0] * of
-                frz[base:base + R] += both[1] * of
-            else:
-                Z = Mrb * of[cols]
-                cnt[base:base + R] -= np.bincount(cols.ravel(), weights=Z.ravel(), minlength=R)
-                frz[base:base + R] += np.bincount(cols.ravel(), weights=(lb[:, None] * Z).ravel(), minlength=R)
 
     def rates(self, filled: Levels, blk_F, src_F, dst_F) -> tuple[np.ndarray, np.ndarray]:
         """(rate_F, bottleneck_port_F) of transfers from a :meth:`fill` result."""

@@ -95,10 +95,8 @@ class FlowNetwork:
     "blocks" or "paths"). Per active flow the state is (rate, remaining bytes at t0, t0, finish
     time); a tick touches a flow's state only when its rate changed.
 
-    perf: where the block solver builds its cell tables (its compiled fill and this network's
-    compiled tick) and the pair tables (the compiled submission): ``PerfConfig.node_cells_width_max``
-    and ``pair_table_max`` (the same records with or without pair tables; a map without cell tables
-    gets the numpy fill's, equal up to the order of its per-block float sums).
+    perf: up to how many (sender, receiver) pairs the network builds its pair tables, read by the
+    compiled submission (``PerfConfig.pair_table_max``; the same records with or without them).
     """
 
     def __init__(self, env: simpy.Environment, ports: PortMap, tol: float = 0.0, record_util: bool = False,
@@ -125,7 +123,7 @@ class FlowNetwork:
         self._blocks = None
         if use_blocks:
             if not tmpl:
-                tmpl.append(BlockCounts(ports, perf))
+                tmpl.append(BlockCounts(ports))
             self._blocks = tmpl[0].fresh()
         self._a = ActiveFlows(with_path=not use_blocks, path_len=L_PATH)
         self._dead = 0

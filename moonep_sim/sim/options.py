@@ -30,9 +30,8 @@ class SimOptions:
         no planning and no compute (how DeepEP times a kernel alone).
     timeline: record per-rank spans and port utilisation counters for a Perfetto trace.
     planning: include the planning cost in the forward.
-    perf: where the network's compiled tick and submission run (``PerfConfig.node_cells_width_max``,
-        ``pair_table_max``): how the records are computed, not what they are (see
-        :class:`~moonep_sim.sim.network.FlowNetwork`).
+    perf: where the network's compiled submission runs (``PerfConfig.pair_table_max``): how the
+        records are computed, not what they are (see :class:`~moonep_sim.sim.network.FlowNetwork`).
     """
 
     backward: bool = False
