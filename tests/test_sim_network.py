@@ -7,6 +7,7 @@ import pytest
 import simpy
 from hypothesis import example, given, settings, strategies as st
 
+from blocks_reference import BlockCountsReference
 from moonep_sim.sim.blocks import BlockCounts
 from moonep_sim.sim.network import FlowNetwork, PortMap, waterfill
 from moonep_sim.sim.ports import Block, nic_group_of
@@ -223,8 +224,7 @@ def test_block_fill_compiled_equals_the_numpy_freeze(topo_name, R, seed, sm, deg
     rng = np.random.default_rng(seed)
     fac = np.where(np.arange(R) == rng.integers(R), 0.3, 1.0) if degraded else None
     ports = PortMap.build(TOPOS[topo_name], R, nic_factor_R=fac, sm_bytes_per_us=30e3 if sm else np.inf)
-    fast, ref = BlockCounts(ports), BlockCounts(ports)
-    ref.compiled = False   # the numpy reference
+    fast, ref = BlockCounts(ports), BlockCountsReference(ports)   # ref: the numpy reference
     ns, nd = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     for _ in range(3):
         F = int(rng.integers(1, 4 * R * R))

@@ -5,8 +5,8 @@ a handful of numpy calls on arrays of a few to a few hundred ports: the cost is 
 arithmetic (a DeepSeek-V3 EP32 decode step: ~12,300 fills, ~5 s of numpy overhead). This kernel is
 the same filling written as loops over the arrays :class:`BlockCounts` holds, doing the same steps
 in the same order of floating-point operations, so its levels, bottleneck ports and step counts
-are bit-identical to the numpy code (``BlockCounts.fill_reference``, kept as the reference and
-tested against it).
+are bit-identical to the numpy code it replaced (``tests/blocks_reference.py``, kept as the test
+reference it is held equal to).
 
 Notation (as ``moonep_sim.sim.blocks``): N = B x R nodes per side; U = 2N nodes (sender nodes
 0..N-1, receiver nodes N..2N-1) plus one spare node U that stays empty (the padding of the cell
@@ -19,7 +19,7 @@ What the numpy code does, step by step, and how the kernel reproduces it:
   a sum per port in increasing node order starting from 0.0 (the loop below adds in that order);
 - the candidate ports (non-zero count, ascending) are ordered by share with a stable sort (ties
   to the lower port; merge sort here, also stable, so the same permutation);
-- the run (``_run`` / ``_prefix_run`` / ``_switch_cut`` / ``_cell_cut``) is the longest prefix,
+- the run (the reference's ``_run`` / ``_prefix_run`` / ``_switch_cut`` / ``_cell_cut``) is the longest prefix,
   at most ``run_max`` ports, in which no node belongs to two ports and no node has an active cell
   with a node of an earlier port on the other side: the kernel scans the prefix once and stops at
   the first port that breaks either rule (every prefix width the numpy code tries gives that same

@@ -344,9 +344,9 @@ class FlowNetwork:
         return out.next_finish
 
     def _tick_reference(self, t: float) -> float:
-        """The tick in numpy (the reference of :meth:`_tick_compiled`, and the tick of the per-flow
-        solver and of maps without the compiled fill): its steps 1-3 (completions, activations,
-        rates). Returns the earliest finish time."""
+        """The tick in numpy: the per-flow solver's, and the reference of :meth:`_tick_compiled`
+        (with the tests' numpy block solver, ``tests/blocks_reference.py``): its steps 1-3
+        (completions, activations, rates). Returns the earliest finish time."""
         a = self._a
         # 1. completions (a flow's finish time is exact at its current rate)
         if a.n:
