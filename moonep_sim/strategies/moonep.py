@@ -49,7 +49,7 @@ import numpy as np
 
 from moonep_sim.errors import ConfigError, PlanError
 from moonep_sim.perf import DEFAULT_PERF, PerfConfig
-from moonep_sim.plan import GlobalRouting, Plan, plan_from_slots
+from moonep_sim.plan import GlobalRouting, Plan, Slots, plan_from_slots
 from moonep_sim.plan.runs import split_runs
 from moonep_sim.plan.kernel import KernelSpec
 from moonep_sim.strategies import Option, PlanContext, register
@@ -201,5 +201,5 @@ def alloc_plan(routing: GlobalRouting, ctx: PlanContext, alloc_ER: np.ndarray, s
     further Plan fields. Each entry's slot: its expert's run cut into pieces in rank order
     (:func:`alloc_entry_slots`)."""
     entry_slot = alloc_entry_slots(routing.topk_ids_TK.ravel(), alloc_ER, slot_rank_S, slot_expert_S, ctx.perf)
-    return plan_from_slots(routing, ctx.cluster, ctx.costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot,
+    return plan_from_slots(routing, ctx.cluster, ctx.costs, Slots(slot_rank_S, slot_expert_S, slot_home_S), entry_slot,
                            dedup=dedup, token_padding=token_padding, perf=ctx.perf, **extra)
