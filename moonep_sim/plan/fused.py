@@ -359,13 +359,20 @@ def distinct_per_token(key_TK: np.ndarray, value_X: np.ndarray) -> np.ndarray:
 
 @kernel
 def _dup_flags(rank_N, K, dup):
-    """dup[e]: entry e is kept (rank >= 0) and an earlier entry of its token (of K each) has its rank."""
+    """dup[e]: entry e is kept (rank >= 0) and an earlier entry of its token (of K each) has its rank
+    (ranks below 64 looked up in a bit set of the token's ranks so far, others by a scan)."""
     N = rank_N.size
+    one = np.uint64(1)
     for t in range((N + K - 1) // K):
+        seen = np.uint64(0)
         for e in range(t * K, min(t * K + K, N)):
             r = rank_N[e]
             d = False
-            if r >= 0:
+            if 0 <= r < 64:
+                bit = one << np.uint64(r)
+                d = (seen & bit) != 0
+                seen |= bit
+            elif r >= 64:
                 for j in range(t * K, e):
                     if rank_N[j] == r:
                         d = True
