@@ -148,8 +148,6 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     drop_N = np.ones(N, dtype=bool)
     drop_N[ke] = False
     del A, keep_A, w_A
-    entry_rank = np.take(sr.astype(INDEX), slot_key)  # INDEX [N] the Plan's entry_rank (-1 dropped)
-    np.copyto(entry_rank, -1, where=drop_N)
     entry_slot = slot_key.astype(INDEX)  # INDEX [N] each entry's slot (-1 dropped): the layout's
     np.copyto(entry_slot, -1, where=drop_N)
     del slot_key, drop_N
@@ -191,18 +189,20 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
         hop, pad_slot, pad_row = _hop(routing, k_row, kc_G, per_rs, blk_len, blk_off, blk_off_SR, kc_SR, dst_of_S,
                                       dst_rows_R, pad, N)
     capacity_R = np.bincount(sr, weights=slot_cap, minlength=R).astype(np.int64)
-    entries = Entries(None, None, np.zeros(T * K, dtype=bool), rank_N=entry_rank)
+    lay = layout.result()
+    entries = Entries(None, None, np.zeros(T * K, dtype=bool), rank_N=lay[0].entry_rank_N)  # (-1 dropped)
     return assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), entries, [hop],
                          padding=Padding(tp, min_rows, pad_slot, pad_row), capacity_R=capacity_R,
-                         options={"capacity_per_source_rank": int(cap_R.max()) if R else 0}, layout=layout.result(),
+                         options={"capacity_per_source_rank": int(cap_R.max()) if R else 0}, layout=lay,
                          perf=ctx.perf)
 
 
 def _layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tp: int, min_rows_S: np.ndarray | None, R: int,
             buf_row_K: np.ndarray, perf) -> tuple:
     """The layout of the entries' slots and the final rows (what ``assemble_plan`` takes as
-    ``layout``); ``buf_row_K``: the kept entries' receive rows in the layout's (slot, entry) order."""
-    lay = slot_layout(entry_slot_N, slot_rank_S, tp, min_rows_S, R, perf=perf)
+    ``layout``, with each entry's rank); ``buf_row_K``: the kept entries' receive rows in the layout's
+    (slot, entry) order."""
+    lay = slot_layout(entry_slot_N, slot_rank_S, tp, min_rows_S, R, with_ranks=True, perf=perf)
     return (lay,) + final_rows(lay, lay.order_N[lay.n_drop:], None, buf_row_K)
 
 
