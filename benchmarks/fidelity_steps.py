@@ -87,7 +87,7 @@ def _step(model, topology: str, strategies: str, gpus: int, parallel, gen: str, 
     sc = Scenario(routing=f"gen:model={gen},uniform=1", model=model, cluster=(gpus, 0), topology=topology,
                   strategies=strategies, options=options or {})
     res = sc.step("train", parallel=parallel, context=SEQ)
-    SOURCES.update(str(v).replace(", per-expert GEMMs", "") for v in (res.setup.get("compute_sources") or {}).values())
+    SOURCES.update(str(v).replace(", grouped: a rank's experts read as one GEMM", "") for v in (res.setup.get("compute_sources") or {}).values())
     return res.figures
 
 
