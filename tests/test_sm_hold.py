@@ -141,6 +141,95 @@ def test_normal_kernels_pay_the_host_wait_of_their_count_exchange_once_per_forwa
     assert "host_wait" not in {o["op"] for o in out["strategies"]["deepep-ll"]["overlap_by_op"]}
 
 
+def _deepseek_decode(overlap, routing, ranks, tokens, topo):
+    """DeepSeek-V3's MoE layers (2 of them, no dense layer or head: the layers two-batch overlap
+    changes), FP8 weights and GEMMs as DeepSeek's decode runs them, low-latency kernels, on
+    ``ranks`` ranks of 8 per node."""
+    import dataclasses
+
+    from moonep_sim.models import get_model
+    from moonep_sim.plan import ClusterShape, Placement, RowCosts
+    from moonep_sim.step.costs import step_cost_model
+    from moonep_sim.step.dtypes import get_dtype
+    from moonep_sim.strategies import PlanContext
+
+    m = dataclasses.replace(get_model("deepseek-v3"), layers=2, moe_layers=2, vocab=0)
+    ctx = PlanContext(ClusterShape(ranks, 8), Placement.home_groups(m.num_experts, ranks), RowCosts.from_model(m, "fp8"),
+                      1, topo)
+    costs = step_cost_model(topo, "fp8", mode="decode", weight_bytes=get_dtype("fp8").weight_bytes)
+    cfg = StepConfig(m, topo, ctx, (("deepep-ll", {}),), step_shape(m, "decode", tokens, 4096), overlap, costs)
+    return simulate_step(cfg, lambda i: (0, routing, "layer"))["strategies"]["deepep-ll"]
+
+
+def _deepseek_routing(ranks, tokens, seed, maxvio):
+    from moonep_sim.plan import GlobalRouting
+    from moonep_sim.routing import generate_layer
+
+    lr = generate_layer(256, 8, tokens * ranks, seed, maxvio=maxvio)
+    return GlobalRouting.split_evenly(lr.topk_ids_TK, lr.topk_weights_TK, 256, ranks)
+
+
+def _by_op(res):
+    return {(o["stream"], o["op"]): o for o in res["overlap_by_op"]}
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.sampled_from([(32, 256), (64, 128), (64, 256)]), seed=st.integers(0, 50), maxvio=st.floats(1.0, 2.0))
+def test_two_batch_low_latency_decode_is_never_slower_than_no_overlap_where_it_holds(shape, seed, maxvio):
+    """Two-batch overlap with DeepEP's low-latency kernels (hook mode: the SMs free while the RDMA
+    is in flight) is never slower than the unsplit batch on the same routing, in the regime
+    DeepSeek's decode runs in: wide EP, FP8 weights, micro-batches of 64-128 tokens (DeepSeek's
+    decode splits 128 requests per GPU in two of 64) -- here EP64 at 128 or 256 tokens per rank (4
+    experts per rank) and EP32 at 256 (8 per rank). With the measured GEMM tables EP32 at 128 holds
+    too (17-20% faster); on the fitted roofline (no tables) it is 2-4% slower there, the roofline
+    pricing a 64-row GEMM by its assumed efficiency curve. There the communication one micro-batch
+    hides behind the other's compute is larger than what the split adds: every weight read once more per micro-batch (a weight-bound GEMM costs the
+    same at half the rows) and each micro-batch's own kernel SM phases (send issue, receive copy).
+
+    Where it cannot hold (tested below): few tokens per rank (16 at EP32-128, 32 below EP128:
+    micro-batches of 8-16) or few ranks (EP16 at 64 tokens: 16 experts per rank, 704 MB of FP8
+    expert weights per layer re-read per micro-batch). The split's added weight reads and SM phases
+    grow with the weights and the calls, the communication to hide with the tokens; below the crossover no schedule of the two
+    micro-batches hides enough (``docs/results/two-batch-decode.md``). SGLang splits every decode
+    batch of two or more sequences regardless (``compute_split_seq_index``), so a user there pays it.
+
+    The gain is explained per op: a step is its compute (the per-op rows of ``overlap_by_op``) plus
+    its exposed communication, so the gain is the exposed time two-batch removes (its comm rows'
+    ``hidden_us``) less the compute it adds (per op: the re-read weights, the SM phases lost)."""
+    ranks, tokens = shape
+    t = load_topology("h800-cx7")
+    r = _deepseek_routing(ranks, tokens, seed, maxvio)
+    none = _deepseek_decode("none", r, ranks, tokens, t)
+    two = _deepseek_decode("two-batch", r, ranks, tokens, t)
+    assert two["step_time_us"] <= none["step_time_us"]
+    for res in (none, two):
+        per_op = sum(o["us"] for o in res["overlap_by_op"] if o["stream"] == "compute")
+        assert per_op == pytest.approx(res["compute_us"], rel=1e-9)
+        assert res["step_time_us"] == pytest.approx(res["compute_us"] + res["exposed_comm_us"], rel=1e-9)
+    added = two["compute_us"] - none["compute_us"]
+    removed = none["exposed_comm_us"] - two["exposed_comm_us"]
+    assert none["step_time_us"] - two["step_time_us"] == pytest.approx(removed - added, rel=1e-9, abs=1e-6)
+    assert sum(o["hidden_us"] for o in two["overlap_by_op"] if o["stream"] == "comm") > 0
+    assert all(o["hidden_us"] == 0.0 for o in none["overlap_by_op"])     # nothing hidden without overlap
+
+
+def test_where_two_batch_decode_cannot_beat_no_overlap():
+    """At 16 tokens per rank (micro-batches of 8) on EP32, two-batch is slower than the unsplit batch,
+    and the per-op timeline says why: the compute the split adds (each micro-batch reads every
+    expert's, projection's and shared expert's weights again -- the GEMMs are weight-bound at a few
+    rows -- and the low-latency kernels' SM phases run once per micro-batch) exceeds the
+    communication it hides (a few rows per rank in flight)."""
+    t = load_topology("h800-cx7")
+    r = _deepseek_routing(32, 16, 0, 1.5)
+    none, two = _deepseek_decode("none", r, 32, 16, t), _deepseek_decode("two-batch", r, 32, 16, t)
+    assert two["step_time_us"] > none["step_time_us"]
+    n, w = _by_op(none), _by_op(two)
+    added = sum(w[k]["us"] - n[k]["us"] for k in w if k[0] == "compute")
+    removed = none["exposed_comm_us"] - two["exposed_comm_us"]
+    assert added > removed > 0
+    assert w[("compute", "expert")]["us"] > 1.5 * n[("compute", "expert")]["us"]    # the expert weights read twice
+
+
 def test_uccl_proxies_bind_one_nic_each_so_ten_channels_load_four_nics_three_three_two_two():
     """UCCL-EP deals channel c to proxy thread c mod 4, which posts on NIC t mod N (N = the GPU's
     NICs): h100-efa (4 NICs per GPU) at its 20 SMs = 10 channels carries 3, 3, 2, 2 channels' bytes,

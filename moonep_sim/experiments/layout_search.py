@@ -126,6 +126,7 @@ def priced_stages(model, p, units: dict, name: str, shape, costs) -> list:
     the sum of its layers' one-layer programs (each less the embedding and head it ran), the
     embedding and head added once; its MoE layers' Plans (footprints) those of the unit's one layer,
     which :func:`~moonep_sim.step.layout_step.layout_memory` accounts under the layout."""
+    from moonep_sim.step.host import stacked_host_blocks
     from moonep_sim.step.layout_step import StageProgram, _head_us, stage_bounds
 
     ef, hf, eb, hb = _head_us(model, shape, costs)
@@ -138,8 +139,9 @@ def priced_stages(model, p, units: dict, name: str, shape, costs) -> list:
             B += sp.backward_us - eb - hb
             Fc += sp.forward_compute_us - ef - hf
             Bc += sp.backward_compute_us - eb - hb
+        hf_, hb_ = stacked_host_blocks(progs)
         out.append(StageProgram(F, B, Fc, Bc, {}, sum(sp.dropped for sp in progs), sum(sp.entries for sp in progs),
-                                tuple(f for sp in progs for f in sp.footprints)))
+                                tuple(f for sp in progs for f in sp.footprints), host_forward=hf_, host_backward=hb_))
     return out
 
 

@@ -350,6 +350,21 @@ class _Engine:
         # 5: the busiest rank's shape, priced
         pf = np.asarray(pf_ids, np.int64)
         pt = np.asarray(pf_tok, np.int64)
+        dt, shape = self._price(i, pf, pt, dec, blocks_R)
+        more = self._ahead(t + dt, i, run, dec, shape[2], shape[3]) if self.ahead and not len(pf) and len(dec) \
+            and not cfg.mtp_tokens and not cfg.eplb_every and not self.preempted_now else []
+        s.inflight = (pf, pt, dec, (t, dt) + shape, more)
+        s.busy = True
+        self.push(more[-1][0] + more[-1][1] if more else t + dt, 1, i)   # the sums one at a time gives
+        return True
+
+    def _price(self, i: int, pf: np.ndarray, pt: np.ndarray, dec: np.ndarray, blocks_R: np.ndarray):
+        """Step 5 of an iteration on worker ``i``: the busiest rank's shape (prompt chunks ``pf`` of
+        ``pt`` tokens, decodes ``dec``) priced by the worker's step-time model. Returns the
+        iteration's seconds and its record ``(n_pre, c_pre, n_dec, c_dec, kv_use)``."""
+        s, w = self.W[i], self.W[i].w
+        cfg, R = w.cfg, w.ranks
+        k = cfg.mtp_tokens
         pre_R = np.bincount(self.rank[pf], weights=pt, minlength=R) if len(pf) else np.zeros(R)
         dec_R = np.bincount(self.rank[dec], minlength=R) if len(dec) else np.zeros(R)
         b = int(np.argmax(pre_R + dec_R * (1 + k)))
@@ -368,15 +383,9 @@ class _Engine:
             us += cfg.eplb_us
         dt = us * 1e-6
         kv_use = float((blocks_R[b] + 0.0) / self.cap_blocks[i])
-        more = self._ahead(t + dt, i, run, dec, b, n_dec, c_dec) if self.ahead and not len(pf) and len(dec) \
-            and not k and not cfg.eplb_every and not self.preempted_now else []
-        s.inflight = (pf, pt, dec, (t, dt, n_pre, c_pre, n_dec, c_dec, kv_use), more)
-        s.busy = True
-        self.push(more[-1][0] + more[-1][1] if more else t + dt, 1, i)   # the sums one at a time gives
-        return True
+        return dt, (n_pre, c_pre, n_dec, c_dec, kv_use)
 
-    def _ahead(self, t1: float, i: int, run: np.ndarray, dec: np.ndarray, b: int, n_dec: int, c_dec: float
-               ) -> list[tuple]:
+    def _ahead(self, t1: float, i: int, run: np.ndarray, dec: np.ndarray, n_dec: int, c_dec: float) -> list[tuple]:
         """The decode-only iterations that follow this one unchanged, run at once: until the first
         running request finishes, a rank's KV would overflow, or the next event (an arrival, a KV
         transfer, another worker's iteration) is due -- nothing can be admitted in between (the
@@ -389,6 +398,7 @@ class _Engine:
         if m <= 1 or t1 >= nxt:
             return []
         m = min(m, AHEAD_MAX)
+        b = int(np.argmax(np.bincount(self.rank[dec], minlength=w.ranks)))   # the busiest rank, as priced
         g = np.arange(2, m + 1)                          # KV growth of iteration j = g - 1 (1, 2, ...)
         blocks = self._blocks_grown(i, run, g)
         over = (blocks > self.cap_blocks[i]).any(axis=1)
