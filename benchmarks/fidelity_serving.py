@@ -61,11 +61,14 @@ def read_layout(row, pre: str = "") -> tuple[int, int, int, int, bool]:
     deployment (tp or dp k, EP k, moe tp 1): every such row whose id names its layout names
     ``tp{k}_ep{k}`` (194 of the 333 agg rows; the others are the same configurations without it),
     and rows recorded both ways carry the same measurements (e.g. ``dsr1_b200_sglang_fp4_agg_8192x1024
-    _c128_cfg202`` and ``..._c128_tp4_ep4_1042``): the sample's k^2 is its conversion's product."""
+    _c128_cfg202`` and ``..._c128_tp4_ep4_1042``): the sample's k^2 is its conversion's product. A
+    row whose id names another tp (``..._tp4_epnone_...`` recorded as tp 4 = moe tp 2 x ep 2) is
+    kept as recorded."""
     tp, dp = _i(row[f"{pre}tp_size"]), _i(row[f"{pre}attention_dp_size"])
     ep, etp = _i(row[f"{pre}moe_ep_size"]), _i(row[f"{pre}moe_tp_size"])
     k = ep
-    if k > 1 and etp == k and tp * dp == k * k and k * k in (tp, dp):
+    named = re.search(r"_tp(\d+)", str(row.get("id", "")))
+    if k > 1 and etp == k and tp * dp == k * k and k * k in (tp, dp) and (named is None or int(named.group(1)) == k):
         return (k, 1, k, 1, True) if tp == k * k else (1, k, k, 1, True)
     return tp, dp, ep, etp, False
 
@@ -314,9 +317,12 @@ def main() -> int:
     for f in (args.rows, args.json):
         if f and Path(f).is_file():
             done.update({x["id"]: x for x in (json.loads(ln) for ln in Path(f).read_text().splitlines() if ln.strip())})
-    todo = [r for r in picked if r["id"] not in done] if not args.rows else []
+    todo = [r for r in picked if r["id"] not in done]
     t0, c0 = time.perf_counter(), time.process_time()
     setups, keys, grids, bad = _pool_tasks(todo, args)
+    if args.rows:     # render only: the refused deployments' reasons, nothing run
+        done.update({r["id"]: _row_doc(r, {"error": bad[r["id"]]}) for r in todo if r["id"] in bad})
+        todo, grids = [], {}
     need = sorted(grids, key=lambda k: -_cost(grids[k], k))
     print(f"{len(todo)} rows to predict over {len(need)} step-time models", file=sys.stderr, flush=True)
     built = {}
@@ -329,6 +335,9 @@ def main() -> int:
         miss = [built[k][1] for k in keys.get(rid, {}).values() if built[k][0] is None]
         if rid in bad or miss:
             done[rid] = _row_doc(r, {"error": bad.get(rid) or miss[0]})
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(done[rid]) + "\n")
             continue
         tasks.append((rid, setups[rid], {role: built[k] for role, k in keys[rid].items()}))
     # cheapest first: a run stopped early (its --timeout) has predicted the most rows
@@ -431,7 +440,8 @@ def page(res, total, known, no_preset, eligible, picked, args) -> str:
            "`docs/results/data/fidelity_serving_rows.csv`.", "",
            f"EP > 1 rows in the sample: {total}; of models with a preset here: {known}; of those on systems without a "
            f"topology preset: {no_preset}; with a recorded concurrency: {eligible}; predicted: {len(ok)}; refused by "
-           f"the simulator: {len(bad)} (each with its reason in the table). Every row is predicted as a user would "
+           f"the simulator: {len(bad)} (each with its reason in the table); not run in the time the run had: "
+           f"{eligible - len(res)} (the costliest: rows run cheapest first). Every row is predicted as a user would "
            "run it (the module docstring of the benchmark); nothing here was fitted to these rows.", "",
            "Errors are (predicted - measured) / measured of the p50 TTFT and p50 TPOT.", ""]
     m_t, p_t, n = _stats(ok, "ttft_err")
