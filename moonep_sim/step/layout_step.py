@@ -36,7 +36,9 @@ A layout (:class:`~moonep_sim.step.parallel.Parallel`) wraps today's step, never
    gathered in bf16 (Megatron's defaults). With ``overlap_grad_reduce`` the reduce of all but the
    last micro-batch's backward is hidden behind it (only what exceeds that window is exposed).
 5. **The optimizer step**: memory-bound over the rank's optimizer shard
-   (:data:`OPTIMIZER_BYTES_PER_PARAM` per parameter at the GPU's memory bandwidth x efficiency).
+   (:data:`OPTIMIZER_BYTES_PER_PARAM` per parameter at the GPU's memory bandwidth x efficiency);
+   with optimizer CPU offload part of it on the host (:mod:`moonep_sim.step.offload`: the PCIe
+   copies and a CPU Adam), and the node's host memory checked beside the GPU's.
 
 The step ends on the pipeline rank that finishes last. Memory per pipeline rank: the layout's account
 (:func:`moonep_sim.step.memory.memory_for_layout`, via :func:`layout_memory`) over the Plans of
@@ -55,12 +57,12 @@ from moonep_sim.models import ModelSpec
 from moonep_sim.step import collectives as coll
 from moonep_sim.step.parallel import Parallel
 from moonep_sim.step.pipelines import get_schedule
+from moonep_sim.step.offload import GPU_ADAM_BYTES_PER_PARAM, host_check, optimizer_step_us
 from moonep_sim.step.pipelines.base import ChunkTimes, run_schedule
 from moonep_sim.step.stack import BF16, StepShape, attention_params, backward_op, head_ops, kv_elems_per_token
 
-#: ASSUMED: mixed-precision Adam reads the fp32 master weight, gradient and two moments and writes
-#: the master, the moments and the bf16 weight: 4 x 4 + 3 x 4 + 2 bytes per parameter.
-OPTIMIZER_BYTES_PER_PARAM = 30
+#: The optimizer step's bytes per parameter on the GPU (:data:`moonep_sim.step.offload.GPU_ADAM_BYTES_PER_PARAM`).
+OPTIMIZER_BYTES_PER_PARAM = GPU_ADAM_BYTES_PER_PARAM
 #: Megatron's defaults: gradients reduced in fp32, parameters gathered in bf16.
 GRAD_REDUCE_BYTES = 4
 PARAM_GATHER_BYTES = BF16
@@ -388,6 +390,7 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
     mem = layout_memory(cfg, p, programs)
     cap = topo.gpu_memory_GiB * 2**30
     peak = mem["peak_bytes"]
+    host = host_check(mem, topo, gpus_per_node, p.world)
     compute = (sum(fc_us) + sum(bc_us)) * M / p.pp
     return {"step_time_us": step_us, "tokens_per_s_per_gpu": tps, "mfu": mfu, "compute_us": compute,
             "exposed_comm_us": max(step_us - compute, 0.0),
@@ -395,7 +398,7 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
             "slowest_rank": slow["rank"], "pipeline": run.to_dict(), "stages": stage_fig, "pipeline_ranks": per_rank,
             "pp_send_us": [coll.send_us(act, lk) for lk in links], "pp_send_links": [lk.name for lk in links],
             "peak_memory_bytes": peak, "peak_memory_pp_rank": mem["peak_stage"], "gpu_memory_bytes": cap,
-            "oom": (peak > cap) if cap else None, "memory": mem,
+            "oom": ((peak > cap) if cap else None) or bool(host["oom"]), "memory": mem, "host_memory": host,
             "memory_per_pp_rank": [x["peak_bytes"] for x in mem["stages"]],
             "dropped": sum(sp.dropped for sp in programs), "entries": sum(sp.entries for sp in programs),
             "moe_layer_us_mean": _mean([t for sp in programs for t in sp.moe_layer_us]),
@@ -421,6 +424,7 @@ def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched,
     el = coll.group_link(topo, edp, p.ep * p.etp, gpus_per_node)
     ds, es = coll.group_shape(topo, ddp, p.tp, gpus_per_node), coll.group_shape(topo, edp, p.ep * p.etp, gpus_per_node)
     grad = gather = opt = exposed = z3 = z3_exposed = 0.0
+    offload: dict = {}
     if train:
         if p.zero == 0:
             grad = coll.all_reduce_us(dense * GRAD_REDUCE_BYTES, ddp, dl, span=ds) + \
@@ -438,10 +442,13 @@ def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched,
             gather = 0.0
         exposed = max(grad - last_b_us, 0.0) if p.overlap_grad_reduce else grad
         shard = dense / (ddp if p.zero >= 1 else 1) + expert / (edp if p.zero >= 1 else 1)
-        opt = shard * OPTIMIZER_BYTES_PER_PARAM / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
+        offload = optimizer_step_us(shard, cfg.memory.optimizer_offload, topo, gpus_per_node,
+                                    cfg.memory.offload_overlap)
+        opt = offload["total_us"]
     return {"rank": r, "pipeline_end_us": end_us, "dp_grad_us": grad, "dp_grad_exposed_us": exposed,
             "param_gather_us": gather, "zero3_gather_us": z3, "zero3_gather_exposed_us": z3_exposed,
-            "optimizer_us": opt, "end_us": end_us + z3_exposed + exposed + gather + opt,
+            "optimizer_us": opt, "optimizer_offload": offload if train and cfg.memory.optimizer_offload else None,
+            "end_us": end_us + z3_exposed + exposed + gather + opt,
             "params_dense": dense, "params_expert": expert}
 
 
