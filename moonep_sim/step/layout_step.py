@@ -315,6 +315,9 @@ def layout_step(cfg, p: Parallel, source: Callable[[int], tuple], gpus_per_node:
     ``micro_batch_size x seq / (t x c)``; context the sequence length). source: MoE layer index
     of the whole model -> (key, routing over the EP group, provenance). gpus_per_node: the
     cluster's. Returns ``{"strategies": {name: figures}, "parallel": ..., ...}``."""
+    from moonep_sim.step.memory import check_optimizer_shard
+
+    check_optimizer_shard(p, cfg.memory.optimizer_shard)   # before any simulation
     programs, prov = simulate_stages(cfg, p, source, progress=progress, map_fn=map_fn, pipeline=pipeline)
     by_name = {n: [st[n] for st in programs] for n, _ in cfg.strategies}
     out = {n: schedule_layout(cfg, p, by_name[n], gpus_per_node) for n in by_name}
@@ -441,7 +444,8 @@ def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched,
             z3_exposed = max(z3 - busy_us, 0.0)
             gather = 0.0
         exposed = max(grad - last_b_us, 0.0) if p.overlap_grad_reduce else grad
-        shard = dense / (ddp if p.zero >= 1 else 1) + expert / (edp if p.zero >= 1 else 1)
+        dshard = cfg.memory.optimizer_shard or (ddp if p.zero >= 1 else 1)   # as the memory account shards it
+        shard = dense / dshard + expert / (edp if p.zero >= 1 else 1)
         offload = optimizer_step_us(shard, cfg.memory.optimizer_offload, topo, gpus_per_node,
                                     cfg.memory.offload_overlap)
         opt = offload["total_us"]

@@ -273,6 +273,16 @@ def moe_layer_weight_bytes(model: ModelSpec, ranks: int, weight_dtype: str = "bf
     return _layer_weights(model, model.layers - 1, 1, wb) + expert
 
 
+def check_optimizer_shard(par: Parallel, shard: int) -> None:
+    """``--optimizer-shard`` under layout ``par``: it must divide ``dp x cp``, the ranks that hold
+    copies of a stage's dense weights (what ZeRO shards their optimizer state over); one line
+    otherwise. 0 = the layout's own group."""
+    group = par.dp * par.cp
+    require(not shard or group % shard == 0,
+            f"--optimizer-shard ({shard}) must divide dp x cp ({par.dp} x {par.cp} = {group}) of layout {par.label()}: "
+            "the optimizer state of a stage's dense weights is sharded over the ranks holding copies of them")
+
+
 def stages_of(model: ModelSpec, par: Parallel) -> tuple[list[_Stage], tuple[int, ...], np.ndarray]:
     """Per pipeline rank: the chunks and layers it holds and whether it holds the embedding / head;
     the layers of each chunk; the chunks' first layers (and the end)."""
@@ -369,6 +379,7 @@ def memory_for_layout(model: ModelSpec, shape: StepShape, par: Parallel,
     epn = max(float(fps[0].slots_R.sum() - fps[0].copies_R.sum()), float(expert_slots)) / ep  # resident slots
     copy_slots, replicas, buf, act_rows, fixed = _plans_in_memory(fps, epn, D, notes)
     stages, counts, off = stages_of(model, par)
+    check_optimizer_shard(par, opts.optimizer_shard)
     dense_group = opts.optimizer_shard or (par.dp * cp if par.zero >= 1 else 1)
     grad_group = par.dp * cp if par.zero >= 2 else 1
     param_group = par.dp * cp if par.zero >= 3 else 1
@@ -440,5 +451,5 @@ def memory_per_rank(model: ModelSpec, shape: StepShape, plans: "Sequence[Plan | 
 
 __all__ = ["ADAM_BYTES_PER_PARAM", "DEEPEP_CONFIGS", "GRAD_BYTES_PER_PARAM", "MemoryOptions", "PlanFootprint",
            "deepep_ll_buffer_bytes", "deepep_normal_buffer_bytes", "memory_for_layout", "memory_per_rank",
-           "moe_layer_weight_bytes",
+           "check_optimizer_shard", "moe_layer_weight_bytes",
            "stages_of"]
