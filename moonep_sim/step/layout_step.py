@@ -218,14 +218,15 @@ def attach_layout_fits(cfg, p: Parallel, out: dict, programs: dict[str, list["St
     its stages' Plans, the layout and the step's memory options)."""
     if not out or not all(d.get("oom") for d in out.values()):
         return
-    from moonep_sim.step.memory_fit import smallest_fit
+    from moonep_sim.step.memory_fit import host_capacity, smallest_fit
 
     fp8 = float(getattr(cfg.topology, "gpu_tflops_fp8", 0) or 0) > 0
     slots = cfg.ctx.placement.num_slots if cfg.ctx is not None else 0
     for name, d in out.items():
         fps = [f for sp in programs[name] for f in sp.footprints]
         d["fit"] = smallest_fit(cfg.model, replica_shape(cfg, p), p, fps, cfg.memory, d["gpu_memory_bytes"],
-                                fp8=fp8, expert_slots=slots)
+                                fp8=fp8, expert_slots=slots, host_bytes_per_node=host_capacity(cfg.topology),
+                                gpus_per_node=cfg.topology.gpus_per_node)
 
 
 @dataclass(frozen=True)
