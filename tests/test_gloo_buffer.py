@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from moonep_sim.errors import ConfigError, PlanError
 from moonep_sim.gloo.handle import build_handle, direct_index, emulate_combine, emulate_dispatch
 from moonep_sim.gloo.launcher import free_port, spawn_ranks
-from moonep_sim.plan import GlobalRouting, Hop, RowCosts, plan_from_slots, validate
+from moonep_sim.plan import GlobalRouting, Hop, RowCosts, Slots, plan_from_slots, validate
 from moonep_sim.strategies import PlanContext, available, make_plan, planner
 
 HERE = str(Path(__file__).resolve().parent)
@@ -78,7 +78,7 @@ def copy_plan(routing, ctx):
     ids = routing.topk_ids_TK
     even = (np.arange(ids.shape[0]) % 2 == 0)[:, None]
     entry_slot = np.where(even & (copy_slot[ids] >= 0), copy_slot[ids], home_slot[ids])
-    plan = plan_from_slots(routing, ctx.cluster, ctx.costs, rank, expert, home, entry_slot, dedup=True,
+    plan = plan_from_slots(routing, ctx.cluster, ctx.costs, Slots(rank, expert, home), entry_slot, dedup=True,
                            token_padding=2)
     return dataclasses.replace(plan, strategy="copies")
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from moonep_sim.errors import ConfigError, PlanError
-from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, plan_from_slots, validate
+from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, Slots, plan_from_slots, validate
 from moonep_sim.strategies import PlanContext, make_plan
 from moonep_sim.strategies.moonep import copy_slots, entry_slots, greedy_quotas, split_quotas
 
@@ -426,7 +426,7 @@ def test_fast_order_path_equals_generic_builder():
     cap = np.full(R, 60 * K // R)
     alloc = split_quotas(counts, greedy_quotas(counts.reshape(R, -1).sum(1), cap), E // R)
     sr, se, sh = copy_slots(alloc, E // R)
-    q = plan_from_slots(r, ctx.cluster, ctx.costs, sr, se, sh,
+    q = plan_from_slots(r, ctx.cluster, ctx.costs, Slots(sr, se, sh),
                         entry_slots(r.topk_ids_TK.ravel(), alloc, sr, se).reshape(60, K), dedup=True,
                         token_padding=4, capacity_R=p.capacity_R)
     for f in dataclasses.fields(p):

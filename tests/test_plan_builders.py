@@ -19,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, RowCosts, layout_slots, plan_from_slots, \
     single_hop_messages, validate
 from moonep_sim.perf import perf_config
-from moonep_sim.plan import INDEX, SCOPES, Hop
+from moonep_sim.plan import INDEX, SCOPES, Hop, Slots
 
 
 # --- references (the original implementations) ---------------------------------------------------
@@ -273,7 +273,7 @@ def test_builders_match_reference(case):
     routing = GlobalRouting(ids, np.ones((T, K), np.float32), tpr, max(E, K))
     cl = ClusterShape(R, 1)
     costs = RowCosts(4, 2, 100, 200)
-    args = (routing, cl, costs, slot_rank, np.zeros(E, np.int64), slot_rank, entry_slot.reshape(T, K))
+    args = (routing, cl, costs, Slots(slot_rank, np.zeros(E, np.int64), slot_rank), entry_slot.reshape(T, K))
     kw = dict(dedup=dedup, token_padding=tp, min_rows_S=min_rows)
     # builders leave strategy and options to the registry (make_plan stamps them)
     # the compiled builder against the readable one (its body below perf.plan_compiled_min entries)

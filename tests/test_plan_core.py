@@ -174,7 +174,7 @@ def test_plan_from_slots_compiled_equals_the_reference(dedup, tp):
     """``plan_from_slots`` by its compiled passes (``perf.plan_compiled_min`` 0) gives the
     reference's Plan, dropped entries and padding included."""
     from moonep_sim.perf import perf_config
-    from moonep_sim.plan import RowCosts, plan_from_slots
+    from moonep_sim.plan import RowCosts, Slots, plan_from_slots
     from moonep_sim.plan import reference
     for seed in range(4):
         rng = np.random.default_rng(seed)
@@ -184,7 +184,7 @@ def test_plan_from_slots_compiled_equals_the_reference(dedup, tp):
         slot_rank = np.sort(rng.integers(0, R, S))
         entry_slot = rng.integers(-1, S, (T, K))
         routing = GlobalRouting(np.tile(np.arange(K), (T, 1)), np.ones((T, K), np.float32), tpr, max(S, K))
-        args = (routing, ClusterShape(R, 2), RowCosts(4, 2, 8, 16), slot_rank, np.zeros(S, np.int64), slot_rank,
+        args = (routing, ClusterShape(R, 2), RowCosts(4, 2, 8, 16), Slots(slot_rank, np.zeros(S, np.int64), slot_rank),
                 entry_slot)
         p, q = plan_from_slots(*args, dedup=dedup, token_padding=tp, perf=perf_config(plan_compiled_min=0)), \
             reference.plan_from_slots(*args, dedup=dedup, token_padding=tp)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from conftest import random_routing
 from moonep_sim.errors import PlanError
 from moonep_sim.perf import DEFAULT_PERF, perf_config
-from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, build, fused, runs
+from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, Slots, build, fused, runs
 from moonep_sim.plan.kinds import INDEX
 from moonep_sim.strategies import PlanContext, make_plan
 from test_planner_outputs_pinned import assert_same_plan
@@ -193,8 +193,8 @@ def test_two_hop_table_routes_plan_the_same_compiled_and_in_numpy(R, relays, K, 
     ids = routing.topk_ids_TK
     plans = []
     for perf in (NUMPY, COMPILED):
-        plans.append(plan_from_hops(routing, ctx.cluster, COSTS, sr, ctx.placement.slot_expert_S, sr, ids, hops,
-                                    token_padding=tp, perf=perf))
+        plans.append(plan_from_hops(routing, ctx.cluster, COSTS, Slots(sr, ctx.placement.slot_expert_S, sr), ids,
+                                    hops, token_padding=tp, perf=perf))
     assert_same_plan(plans[1], plans[0])
 
 
@@ -232,8 +232,8 @@ def test_plan_from_slots_with_drops_and_minimum_rows_is_the_same_compiled(seed, 
     routing = _layer(tpr, K, 8, seed)
     cluster = ClusterShape(R, 1)
     mins = rng.integers(0, 6, size=S) if min_rows else None
-    plans = [plan_from_slots(routing, cluster, COSTS, slot_rank, slot_rank % 4, slot_rank, slot, dedup=dedup,
-                             token_padding=tp, min_rows_S=mins, perf=perf) for perf in (NUMPY, COMPILED)]
+    plans = [plan_from_slots(routing, cluster, COSTS, Slots(slot_rank, slot_rank % 4, slot_rank), slot,
+                             dedup=dedup, token_padding=tp, min_rows_S=mins, perf=perf) for perf in (NUMPY, COMPILED)]
     assert_same_plan(plans[1], plans[0])
 
 

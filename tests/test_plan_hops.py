@@ -16,7 +16,7 @@ from test_strategies_common import COSTS, check_properties
 from moonep_sim import strategies
 from moonep_sim.errors import PlanError
 from moonep_sim.plan import (ClusterShape, GlobalRouting, Placement, Scope, home_slots, plan_from_hops, reference,
-                             to_final, to_node_of_final, to_rail_of_final, via)
+                             Route, Slots, to_final, to_node_of_final, to_rail_of_final, via)
 from moonep_sim.strategies import PlanContext, make_plan
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
@@ -72,9 +72,9 @@ def test_composed_routes_equal_their_reference(dedup):
     rng = np.random.default_rng(1)
     table = rng.integers(0, 8, (8, 8))
     hops = [via(table, Scope.GLOBAL, dedup=dedup[0]), to_final(Scope.GLOBAL, dedup=dedup[1])]
-    args = (routing, ctx.cluster, ctx.costs, sr, se, sr, slot_of[routing.topk_ids_TK])
+    args = (routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), slot_of[routing.topk_ids_TK])
     got = plan_from_hops(*args, hops, token_padding=3)
-    want = reference.plan_from_routes(*args, [table], ("global", "global"), dedup, token_padding=3, via_table=True)
+    want = reference.plan_from_routes(*args, Route([table], ("global", "global"), dedup, via_table=True), token_padding=3)
     assert_same_plan(got, want)
     one = plan_from_hops(*args, [to_final(dedup=True)], token_padding=3)  # one global hop
     assert_same_plan(one, reference.plan_from_slots(*args, dedup=True, token_padding=3))
@@ -83,7 +83,7 @@ def test_composed_routes_equal_their_reference(dedup):
 def test_a_route_must_end_at_the_final_rank():
     routing, ctx = _case()
     sr, se, slot_of = home_slots(ctx.placement)
-    args = (routing, ctx.cluster, ctx.costs, sr, se, sr, slot_of[routing.topk_ids_TK])
+    args = (routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), slot_of[routing.topk_ids_TK])
     for hops in ([], [to_node_of_final(ctx.cluster)], [to_final(), to_final()]):
         with pytest.raises(PlanError, match=r"^hops \(\d\) must end with one to_final hop"):
             plan_from_hops(*args, hops)

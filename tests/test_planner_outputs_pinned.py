@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from conftest import random_routing
 from moonep_sim.errors import ConfigError, PlanError, require
-from moonep_sim.plan import (ClusterShape, Entries, GlobalRouting, Hop, Padding, Placement, Plan, RowCosts, Slots,
+from moonep_sim.plan import (ClusterShape, Entries, GlobalRouting, Hop, Padding, Placement, Plan, RowCosts, Route, Slots,
                              validate)
 from moonep_sim.strategies import PlanContext, make_plan
 
@@ -179,9 +179,10 @@ def ref_hierarchical(routing: GlobalRouting, ctx: PlanContext, dedup: bool = Fal
     dst = sr[entry_slot]
     src = np.repeat(routing.src_rank_T(), routing.top_k)
     via = (src // G) * G + dst % G  # same node as the source, local index of the destination
-    return ref_plan_from_routes("hierarchical", {"dedup": dedup}, routing, ctx.cluster, ctx.costs, sr, se, sr,
-                            entry_slot.reshape(routing.topk_ids_TK.shape), [via], ("intra_node", "inter_node"),
-                            (dedup, dedup), token_padding=ctx.token_padding, started=t0)
+    return ref_plan_from_routes("hierarchical", {"dedup": dedup}, routing, ctx.cluster, ctx.costs, Slots(sr, se, sr),
+                                entry_slot.reshape(routing.topk_ids_TK.shape),
+                                Route([via], ("intra_node", "inter_node"), (dedup, dedup)),
+                                token_padding=ctx.token_padding, started=t0)
 
 
 # --- moonep_sim.strategies.deepep --------------------------------------------------------------
@@ -214,9 +215,9 @@ def ref_deepep(routing: GlobalRouting, ctx: PlanContext, max_nodes: int = 0, sms
     opts = {"max_nodes": max_nodes, "sms": sms, "impl": impl,
             "max_nodes_per_token": int(npt.max()) if npt.size else 0,
             "mean_nodes_per_token": float(npt.mean()) if npt.size else 0.0}
-    return ref_plan_from_routes("deepep", opts, routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, [via],
-                            ("inter_node", "intra_node"), (True, True), token_padding=ctx.token_padding,
-                            started=t0)
+    return ref_plan_from_routes("deepep", opts, routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), entry_slot,
+                                Route([via], ("inter_node", "intra_node"), (True, True)),
+                                token_padding=ctx.token_padding, started=t0)
 
 
 # --- moonep_sim.strategies.allgather -----------------------------------------------------------
@@ -551,11 +552,11 @@ def test_plan_from_routes_matches_reference(case, seed, H, table):
         vias = [t[src, dst] for t in tabs]
     else:
         vias = [rng.integers(0, R, T * K) for _ in range(H - 1)]
-    args = (routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot)
+    args = (routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), entry_slot)
     # builders leave strategy and options to the registry (make_plan stamps them)
-    want = ref_plan_from_routes("", {}, *args, vias, scopes, dedup, token_padding=ctx.token_padding)
-    got = plan_from_routes(*args, tabs if table else vias, scopes, dedup, token_padding=ctx.token_padding,
-                           via_table=table)
+    want = ref_plan_from_routes("", {}, *args, Route(vias, scopes, dedup), token_padding=ctx.token_padding)
+    got = plan_from_routes(*args, Route(tabs if table else vias, scopes, dedup, via_table=table),
+                           token_padding=ctx.token_padding)
     assert_same_plan(got, want)
 
 

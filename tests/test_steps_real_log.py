@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from moonep_sim.experiments import Scenario
-from moonep_sim.experiments.step import run_step, steps_document
+from moonep_sim.experiments.step import StepOptions, run_step, steps_document
 from moonep_sim.routing.metrics import maxvio
 
 TRACE = Path(__file__).resolve().parents[1] / "traces" / "qwen1.5-moe-a2.7b_layer0.safetensors"
@@ -33,7 +33,7 @@ def test_every_pass_runs_with_stand_ins_at_the_whole_trace_s_pooled_skew():
     """Each pass's own maxvio (1.5-5.8 over 11-16 tokens) was the stand-ins' target and failed as
     unreachable; now every pass runs and every stand-in is drawn at the pooled skew."""
     sc = Scenario(routing=str(TRACE), cluster=4, strategies="alltoall,moonep")
-    res = run_step(sc, "train", model=_cut(sc))
+    res = run_step(sc, StepOptions("train"), model=_cut(sc))
     mv, n = _whole_trace_maxvio()
     assert len(res) == 18 and n == 246
     for r in res:
@@ -52,7 +52,7 @@ def test_every_pass_runs_with_stand_ins_at_the_whole_trace_s_pooled_skew():
 
 def test_the_per_step_aggregate_is_printed_for_any_selection():
     sc = Scenario(routing=str(TRACE), cluster=4, strategies="alltoall,moonep", steps="0,3,17")
-    res = run_step(sc, "train", model=_cut(sc, 2))
+    res = run_step(sc, StepOptions("train"), model=_cut(sc, 2))
     doc = steps_document(res)
     agg = doc["aggregate"]
     tok = [r.setup["step_tokens"] for r in res]
@@ -64,14 +64,15 @@ def test_the_per_step_aggregate_is_printed_for_any_selection():
         assert a["median"] == pytest.approx(np.median(t)) and a["worst"] == max(t)
         assert a["worst_step"] == [0, 3, 17][int(np.argmax(t))]
     assert sum(agg["wins"].values()) == 3
-    one = steps_document(run_step(Scenario(routing=str(TRACE), cluster=4, strategies="alltoall", steps="5"), "train",
+    one = steps_document(run_step(Scenario(routing=str(TRACE), cluster=4, strategies="alltoall", steps="5"),
+                                  StepOptions("train"),
                                   model=_cut(sc, 1)))
     assert one["aggregate"]["steps"] == 1 and one["aggregate"]["step_ids"] == [5]  # one step: still there
 
 
 def test_a_pass_with_fewer_tokens_than_ranks_runs_with_zero_token_ranks():
     sc = Scenario(routing=str(TRACE), cluster=12, strategies="alltoall,deepep,moonep", steps="17")
-    (r,) = run_step(sc, "train", model=_cut(sc, 1))
+    (r,) = run_step(sc, StepOptions("train"), model=_cut(sc, 1))
     assert r.setup["step_tokens"] == 11 and r.setup["zero_token_ranks"] == 1 and r.setup["tokens_per_rank"] == 1
     assert all(math.isfinite(r.figures[s]["step_time_us"]) for s in r.strategies)
 
@@ -88,7 +89,7 @@ def test_a_ranks_sweep_may_go_past_the_smallest_pass():
 def test_merged_passes_keep_a_pass_s_sequence_length():
     sc = Scenario(routing=str(TRACE), cluster=4, strategies="alltoall", steps="merged")
     assert any("steps merged" in w for w in sc.resolved.warnings)
-    (r,) = run_step(sc, "train", model=_cut(sc, 1))
+    (r,) = run_step(sc, StepOptions("train"), model=_cut(sc, 1))
     # 246 tokens as one batch: 61 per rank, in sequences of the longest pass's 16 / 4 ranks, not of 61
     assert (r.setup["tokens_per_rank"], r.setup["context"], r.setup["merged"]) == (61, 4, True)
     assert "aggregate" not in steps_document([r])

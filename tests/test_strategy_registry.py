@@ -11,7 +11,7 @@ import pytest
 
 from conftest import random_routing
 from moonep_sim.errors import ConfigError
-from moonep_sim.plan import GlobalRouting, plan_from_slots
+from moonep_sim.plan import GlobalRouting, Slots, plan_from_slots
 from moonep_sim.strategies import Option, PlanContext, available, get_strategy, make_plan
 
 
@@ -36,7 +36,7 @@ def test_make_plan_stamps_name_options_and_time(name):
 def test_builders_leave_the_stamp_to_the_registry():
     routing, ctx = _case()
     sr = np.repeat(np.arange(4), 2)
-    p = plan_from_slots(routing, ctx.cluster, ctx.costs, sr, np.arange(8), sr, routing.topk_ids_TK, dedup=False,
+    p = plan_from_slots(routing, ctx.cluster, ctx.costs, Slots(sr, np.arange(8), sr), routing.topk_ids_TK, dedup=False,
                         options={"seen": 1})
     assert p.strategy == "" and p.options == {"seen": 1} and p.plan_seconds == 0.0
 

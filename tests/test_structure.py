@@ -135,11 +135,6 @@ def test_the_checks_find_what_they_look_for(tmp_path):
 MAX_PARAMS, MAX_FUNC_LINES = 12, 100
 CORE = ("plan", "sim", "routing")
 WIDE_OR_LONG = {
-    # the public builders' keyword options (dedup, padding, capacity, options, perf, **extra Plan fields)
-    "plan/build.py:plan_from_slots", "plan/multihop.py:plan_from_routes", "plan/reference.py:plan_from_slots",
-    "plan/reference.py:plan_from_routes",
-    # the generator's documented keyword options (docs/traces.md)
-    "routing/generators.py:generate",
     # file importers: one format's parse, read top to bottom
     "routing/importers/counts_json.py:load_counts", "routing/importers/records.py:parse_records",
     "routing/importers/records.py:load_records",
@@ -167,13 +162,8 @@ def test_core_functions_are_narrow_and_short():
 
 #: the same rule everywhere else in the package (the step model, the executors, the experiments,
 #: the renderers, the command line): a long parameter list becomes a record, a long function named
-#: steps. Functions not yet split, each with its reason; the list only shrinks.
-OUTSIDE_CORE_WIDE_OR_LONG = {
-    # the step API's keyword options (Scenario.step, the step command and the layout step forward
-    # them one to one): one typed options record shared by the three is the fix
-    "experiments/step.py:run_step", "experiments/layout.py:run_layout_step",
-    "experiments/layout_search.py:search_layouts",
-}
+#: steps. No exception.
+OUTSIDE_CORE_WIDE_OR_LONG: set[str] = set()
 
 
 def test_functions_outside_the_core_are_narrow_and_short():

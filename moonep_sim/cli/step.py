@@ -273,10 +273,11 @@ def run(args) -> int:
         rs = sc.resolved  # every input checked before any work (a layout's: its EP group, before any stage runs)
         check_step_ranks(args, rs.cluster.ranks)
         print_warnings(rs.warnings)
+    from moonep_sim.experiments.step import run_step
+
     with progress(None, "step") as cb:
-        res = sc.step(opts.mode, opts.overlap, jobs=args.jobs, cluster=args.cluster, progress=cb,
-                      pipeline={"auto": None, "on": True, "off": False}[args.pipeline], **opts.kwargs())
-    results = res if isinstance(res, list) else [res]
+        results = run_step(sc, opts, jobs=args.jobs, cluster=args.cluster, progress=cb,
+                           pipeline={"auto": None, "on": True, "off": False}[args.pipeline])
     doc = steps_document(results)
     on_stdout = emit_json(args, doc, lenient=True)
     if not on_stdout:
@@ -325,15 +326,18 @@ def run_search(args) -> int:
     sc = scenario(args)
     c = wide_console()
     schedules = (args.pp_schedule,) if args.pp_schedule else ("1f1b", "interleaved", "dualpipe")
+    from moonep_sim.experiments.layout_search import LayoutSpace, search_layouts
+    from moonep_sim.experiments.step import StepOptions
+
+    space = LayoutSpace(args.gpus, args.micro_batch_size or 1, args.global_batch_size or 0, schedules,
+                        (args.zero,) if args.zero is not None else (1, 2, 3), args.top)
+    step = StepOptions(args.mode, args.overlap or "none", args.tokens_per_rank, args.context or 4096,
+                       gemm_dtype=args.gemm_dtype or "bf16", recompute=args.recompute or False,
+                       weight_dtype=args.weight_dtype or "bf16", kv_dtype=args.kv_dtype or "bf16",
+                       optimizer_bytes_per_param=(12.0 if args.optimizer_bytes_per_param is None
+                                                  else args.optimizer_bytes_per_param))
     with progress(c, "layouts", lines=args.json is not None) as cb:
-        rep = sc.search_layouts(args.gpus, args.mode, seq=args.context or 4096, micro_batch_size=args.micro_batch_size or 1,
-                                global_batch_size=args.global_batch_size or 0, schedules=schedules,
-                                zeros=(args.zero,) if args.zero is not None else (1, 2, 3),
-                                overlap=args.overlap or "none", gemm_dtype=args.gemm_dtype or "bf16",
-                                recompute=args.recompute or False, top=args.top, tokens_per_rank=args.tokens_per_rank,
-                                weight_dtype=args.weight_dtype or "bf16", kv_dtype=args.kv_dtype or "bf16",
-                                optimizer_bytes_per_param=12.0 if args.optimizer_bytes_per_param is None else args.optimizer_bytes_per_param,
-                                progress=lambda d, n: cb("priced" if d <= n else "", d, n))
+        rep = search_layouts(sc, space, step, progress=lambda d, n: cb("priced" if d <= n else "", d, n))
     if args.json:
         text = json.dumps(to_jsonable(rep, lenient=True), indent=1)
         if args.json == "-":

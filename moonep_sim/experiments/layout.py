@@ -12,7 +12,7 @@ per micro-batch -- in train ``micro_batch_size x seq / (tp x cp)`` with ``seq`` 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any
 
 from moonep_sim.errors import require
 
@@ -94,54 +94,42 @@ def ep_group(scenario: Any, p, model=None) -> tuple[Any, int, int]:
     return group, N, min(G, N)
 
 
-def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_per_rank: int | None = None,
-                    context: int | None = None, model=None, distinct_layers: int = 0,
-                    compute_profile: str | None = None, gemm_dtype: str = "bf16", recompute: "bool | str" = False,
-                    weight_dtype: str = "bf16", kv_dtype: str = "bf16",
-                    optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
-                    static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
-                    cluster: str | None = None, pipeline: bool | None = None, layer_source=None,
-                    contexts_R=None, mtp_depth: int = 0, mtp_acceptance: float = 0.8):
-    """``(figures, setup, timelines)`` of ``scenario``'s step under ``parallel`` (see the module
-    docstring; the keywords are :func:`~moonep_sim.experiments.step.run_step`'s, which wraps them
-    in its ``StepResult``; ``layer_source`` its routing source builder). ``contexts_R``: decode under
-    data-parallel attention, each rank's KV context over the EP group's ``ep`` ranks (ASSUMED alike in
-    every EP group): each rank's attention at its own context, every MoE dispatch waiting for the
-    slowest; the KV cache counted at the longest). ``mtp_depth`` / ``mtp_acceptance``: decode with
+def run_layout_step(scenario: Any, options, *, model=None, progress=None, jobs: int | None = 1,
+                    cluster: str | None = None, pipeline: bool | None = None, layer_source=None):
+    """``(figures, setup, timelines)`` of ``scenario``'s step under ``options.parallel`` (see the module
+    docstring; ``options`` a :class:`~moonep_sim.experiments.step.StepOptions`, the other keywords
+    :func:`~moonep_sim.experiments.step.run_step`'s, which wraps them in its ``StepResult``;
+    ``layer_source`` its routing source builder). ``options.contexts_R``: decode under data-parallel
+    attention, each rank's KV context over the EP group's ``ep`` ranks (ASSUMED alike in every EP
+    group): each rank's attention at its own context, every MoE dispatch waiting for the slowest; the
+    KV cache counted at the longest). ``options.mtp_depth`` / ``mtp_acceptance``: decode with
     multi-token prediction, as today's step adds it (:func:`add_layout_mtp`)."""
     from moonep_sim.step import MemoryOptions, StepConfig, step_shape
     from moonep_sim.step.costs import step_cost_model
     from moonep_sim.step.layout_step import layout_step
 
-    p = parallel
+    o = options
+    p = o.parallel
     group, N, G = ep_group(scenario, p, model)
     src = group.source
     m = model or src.model
     require(src.gen is not None, "a step under a layout runs on generated routing (gen:...): a trace's tokens are "
                                  "one EP group's, not a layout's")
     p.check(N, m)
-    require(not static_tokens, "static buffers are not modelled under a layout yet")
-    T, ctx = layout_tokens(p, mode, tokens_per_rank, context, src.gen.tokens_per_rank)
-    shape = dataclasses.replace(step_shape(m, mode, T, ctx), shards=p.tp * p.cp, tp=p.tp)
-    if contexts_R is not None:
-        cs = tuple(int(c) for c in contexts_R)
-        require(mode == "decode" and p.dp_attention,
-                f"contexts per rank ({len(cs)} given) need a decode step under data-parallel attention "
-                f"(--mode decode --dp-attention; mode {mode}, dp_attention {p.dp_attention})")
-        require(len(cs) == p.ep and min(cs) >= 1,
-                f"contexts per rank ({len(cs)} given, least {min(cs, default=0)}) must be one >= 1 per rank of the "
-                f"EP group ({p.ep})")
-        shape = dataclasses.replace(shape, context=max(cs), contexts=cs)
+    T, ctx = layout_tokens(p, o.mode, o.tokens_per_rank, o.context, src.gen.tokens_per_rank)
+    shape = dataclasses.replace(step_shape(m, o.mode, T, ctx), shards=p.tp * p.cp, tp=p.tp)
+    if o.contexts_R is not None:
+        shape = dataclasses.replace(shape, context=max(o.contexts_R), contexts=o.contexts_R)
     g_ep = group.cluster.gpus_per_node
     rs = group
     from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, check_supported, get_dtype
 
-    wd = check_supported(get_dtype(weight_dtype, "--weight-dtype", WEIGHT_DTYPES), rs.topology, "--weight-dtype")
-    check_supported(get_dtype(kv_dtype, "--kv-dtype", KV_DTYPES), rs.topology, "--kv-dtype")
-    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, mode=mode, weight_bytes=wd.weight_bytes)
-    mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
-                        gemm_dtype=gemm_dtype, **recompute_options(recompute))
-    cfg = StepConfig(m, group.topology, group.ctx, group.strategies, shape, overlap, costs, mem, {})
+    wd = check_supported(get_dtype(o.weight_dtype, "--weight-dtype", WEIGHT_DTYPES), rs.topology, "--weight-dtype")
+    check_supported(get_dtype(o.kv_dtype, "--kv-dtype", KV_DTYPES), rs.topology, "--kv-dtype")
+    costs = step_cost_model(rs.topology, o.gemm_dtype, o.compute_profile, mode=o.mode, weight_bytes=wd.weight_bytes)
+    mem = MemoryOptions(o.optimizer_bytes_per_param, o.optimizer_shard, weight_dtype=o.weight_dtype,
+                        kv_dtype=o.kv_dtype, gemm_dtype=o.gemm_dtype, **recompute_options(o.recompute))
+    cfg = StepConfig(m, group.topology, group.ctx, group.strategies, shape, o.overlap, costs, mem, {})
     pool = None
     if cluster or (jobs or 1) != 1:
         from moonep_sim.experiments.parallel import run_points
@@ -149,21 +137,19 @@ def run_layout_step(scenario: Any, mode: str, overlap: str, parallel, *, tokens_
         pool = lambda fn, items: run_points(fn, items, jobs=jobs, cluster=cluster)
     from moonep_sim.step.mtp import MTP
 
-    mtp = MTP(mtp_depth, mtp_acceptance)
-    require(not mtp.depth or mode == "decode", f"--mtp-depth ({mtp.depth}) needs --mode decode (mode {mode}): drafts "
-                                               "are verified in decode steps")
+    mtp = MTP(o.mtp_depth, o.mtp_acceptance)
     route = T * mtp.verify_tokens if mtp.depth else T   # each sequence verifies 1 + depth tokens
-    res = layout_step(cfg, p, layer_source(group.source, p.ep, route, m.moe_layers, distinct_layers), G,
+    res = layout_step(cfg, p, layer_source(group.source, p.ep, route, m.moe_layers, o.distinct_layers), G,
                       progress=progress, map_fn=pool, pipeline=pipeline)
     if mtp.depth:
         res["mtp"] = add_layout_mtp(res["strategies"], cfg, p, mtp)
     timelines = res.pop("_timelines")
     setup = {k: v for k, v in res.items() if k != "strategies"}
     setup.update(model=m.name, ranks=N, gpus=N, ep_group_ranks=p.ep, ep_group_gpus_per_node=g_ep, gpus_per_node=G,
-                 topology=rs.topology.name, routing=src.describe(), gemm_dtype=gemm_dtype, weight_dtype=weight_dtype,
-                 kv_dtype=kv_dtype, memory_options=mem.describe(),
-                 compute_profile=compute_profile, distinct_layers=distinct_layers, recompute=mem.recompute, jobs=jobs,
-                 cluster=cluster, options={n: {k: str(v) for k, v in o.items()} for n, o in rs.strategies},
+                 topology=rs.topology.name, routing=src.describe(), gemm_dtype=o.gemm_dtype,
+                 weight_dtype=o.weight_dtype, kv_dtype=o.kv_dtype, memory_options=mem.describe(),
+                 compute_profile=o.compute_profile, distinct_layers=o.distinct_layers, recompute=mem.recompute,
+                 jobs=jobs, cluster=cluster, options={n: {k: str(v) for k, v in opt.items()} for n, opt in rs.strategies},
                  stand_ins=0, reused_layers=sum(1 for x in res["layers_routing"] if "reused" in x),
                  step_tokens=None, gpu_tflops=rs.topology.gpu_tflops, gpu_memory_GiB=rs.topology.gpu_memory_GiB,
                  assumptions=LAYOUT_ASSUMPTIONS)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from moonep_sim.errors import ConfigError, require
@@ -177,107 +178,89 @@ def no_fit_note(model, gpus: int, static: list, mem, cap: float, shape_of: Calla
             "fit": fit, "line": line}
 
 
-def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096, micro_batch_size: int = 1,
-                   global_batch_size: int = 0, schedules: tuple[str, ...] = ("1f1b",), zeros: tuple[int, ...] = (1, 2, 3),
-                   overlap: str = "none",
-                   gemm_dtype: str = "bf16", recompute: "bool | str" = False, top: int = 5,
-                   tokens_per_rank: int | None = None, progress: Callable[[int, int], None] | None = None,
-                   weight_dtype: str = "bf16", kv_dtype: str = "bf16", optimizer_bytes_per_param: float = 12.0
-                   ) -> dict[str, Any]:
-    """Every valid layout of ``scenario``'s model on ``gpus`` GPUs, priced (see the module
-    docstring). Returns ``{"ranked": {strategy: [the best ``top`` rows, fitting ones first]},
-    "rows": every (layout, strategy) row, "valid", "fit", "seconds", ...}``; ``progress(done, total)``
-    after each unit priced and each layout scheduled."""
+@dataclass(frozen=True)
+class LayoutSpace:
+    """The layouts a search enumerates on ``gpus`` GPUs (:func:`enumerate_layouts`: micro-batch size,
+    global batch size (0: ``gpus x micro_batch_size`` sequences), the pipeline schedules and ZeRO
+    stages asked for) and how many rows per strategy it ranks (``top``)."""
+
+    gpus: int
+    micro_batch_size: int = 1
+    global_batch_size: int = 0
+    schedules: tuple[str, ...] = ("1f1b",)
+    zeros: tuple[int, ...] = (1, 2, 3)
+    top: int = 5
+
+    def __post_init__(self) -> None:
+        require(self.gpus >= 1, f"gpus ({self.gpus}) must be >= 1")
+        require(self.top >= 1, f"top ({self.top}) must be >= 1")
+
+
+#: the step options a layout search prices with; the others (the search chooses the layout and
+#: prices one layer per kind) must keep their defaults
+SEARCH_STEP_OPTIONS = ("mode", "overlap", "tokens_per_rank", "context", "gemm_dtype", "weight_dtype", "kv_dtype",
+                       "recompute", "optimizer_bytes_per_param")
+
+
+def search_layouts(scenario, space: LayoutSpace, step=None, *,
+                   progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Every valid layout of ``scenario``'s model on ``space.gpus`` GPUs, priced (see the module
+    docstring) with the step options ``step`` (a :class:`~moonep_sim.experiments.step.StepOptions`,
+    default train; of its fields :data:`SEARCH_STEP_OPTIONS`, the context the training sequence,
+    default 4096). Returns ``{"ranked": {strategy: [the best ``space.top`` rows, fitting ones
+    first]}, "rows": every (layout, strategy) row, "valid", "fit", "seconds", ...}``;
+    ``progress(done, total)`` after each unit priced and each layout scheduled."""
     from moonep_sim.experiments.compare import load_topology
     from moonep_sim.experiments.spec import parse_cluster
-    from moonep_sim.step import MemoryOptions, StepConfig, step_shape
-    from moonep_sim.step.costs import step_cost_model
-    from moonep_sim.step.layout_step import schedule_layout
+    from moonep_sim.experiments.step import StepOptions
+    from moonep_sim.step import MemoryOptions
 
     t0, c0 = time.perf_counter(), time.process_time()
-    require(mode in ("train", "prefill", "decode"), f"mode ({mode!r}) must be train, prefill or decode")
+    o = step if step is not None else StepOptions()
+    default = StepOptions()
+    for f in dataclasses.fields(o):
+        require(f.name in SEARCH_STEP_OPTIONS or getattr(o, f.name) == getattr(default, f.name),
+                f"step option {f.name} ({getattr(o, f.name)!r}) does not apply to a layout search (it takes "
+                f"{', '.join(SEARCH_STEP_OPTIONS)})")
+    mode, seq, gpus = o.mode, int(o.context or 4096), space.gpus
     _, G = parse_cluster(scenario.cluster)
     topo = load_topology(scenario.topology)
     G = G or topo.gpus_per_node
     probe = dataclasses.replace(scenario, cluster=(1, 1)).resolved
     model = probe.source.model
     require(probe.source.gen is not None, "a layout search runs on generated routing (gen:...)")
-    layouts = enumerate_layouts(model, gpus, min(G, gpus), mode, micro_batch_size=micro_batch_size,
-                                global_batch_size=global_batch_size, schedules=schedules, seq=seq, zeros=zeros)
+    layouts = enumerate_layouts(model, gpus, min(G, gpus), mode, micro_batch_size=space.micro_batch_size,
+                                global_batch_size=space.global_batch_size, schedules=space.schedules, seq=seq,
+                                zeros=space.zeros)
     require(bool(layouts), f"no valid layout of {model.name} on {gpus} GPUs ({G} per node): every tp, pp, dp, ep "
                            "split breaks a rule (heads, experts, layers or the GPU count)")
+    from moonep_sim.experiments.layout import recompute_options
+    from moonep_sim.step.costs import step_cost_model
     from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, check_supported, get_dtype
 
-    wd = check_supported(get_dtype(weight_dtype, "--weight-dtype", WEIGHT_DTYPES), topo, "--weight-dtype")
-    check_supported(get_dtype(kv_dtype, "--kv-dtype", KV_DTYPES), topo, "--kv-dtype")
-    costs = step_cost_model(topo, gemm_dtype, mode=mode, weight_bytes=wd.weight_bytes)   # as a step prices its ops
-    from moonep_sim.experiments.layout import recompute_options
-
-    mem = MemoryOptions(optimizer_bytes_per_param, 0, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
-                        gemm_dtype=gemm_dtype, **recompute_options(recompute))
+    wd = check_supported(get_dtype(o.weight_dtype, "--weight-dtype", WEIGHT_DTYPES), topo, "--weight-dtype")
+    check_supported(get_dtype(o.kv_dtype, "--kv-dtype", KV_DTYPES), topo, "--kv-dtype")
+    costs = step_cost_model(topo, o.gemm_dtype, mode=mode, weight_bytes=wd.weight_bytes)   # as a step prices its ops
+    mem = MemoryOptions(o.optimizer_bytes_per_param, 0, weight_dtype=o.weight_dtype, kv_dtype=o.kv_dtype,
+                        gemm_dtype=o.gemm_dtype, **recompute_options(o.recompute))
+    run = _Search(scenario, probe, model, topo, min(G, gpus), o, seq, space.micro_batch_size, costs, mem, progress)
     # what cannot fit even without activations is dropped before any simulation
     from moonep_sim.step.layout_step import static_memory_bytes
 
     cap = topo.gpu_memory_GiB * 2**30
-
-    def T_of(p) -> int:
-        if mode == "train":
-            return micro_batch_size * seq // (p.tp * p.cp)
-        return max(int(tokens_per_rank or probe.source.gen.tokens_per_rank) // p.tp, 1)
-
-    def replica_shape(p):   # one micro-batch of one data-parallel replica
-        return step_shape(model, mode, T_of(p) * p.tp * p.cp, seq if mode == "train" else None)
-
-    static = [(p, static_memory_bytes(model, p, replica_shape(p), mem)) for p in layouts]
+    static = [(p, static_memory_bytes(model, p, run.replica_shape(p), mem)) for p in layouts]
     unfit = [p for p, b in static if cap and b > cap]
     layouts = [p for p, b in static if not (cap and b > cap)]
-
-    keys = sorted({_unit_key(p, min(G, gpus), T_of(p)) for p in layouts})
-    total = len(keys) + len(layouts)
-    units, skipped = {}, []
-    for i, k in enumerate(keys):
-        try:
-            units[k] = price_units(scenario, model, k, mode, seq, costs, mem, overlap)
-        except ConfigError as e:   # e.g. the asked skew below what so few tokens can show: those layouts dropped
-            skipped.append({"ep": k[0], "tokens_per_rank": k[2], "reason": str(e)})
-        if progress:
-            progress(i + 1, total)
+    units, skipped, rows = run.price(layouts)
     names = [n for n, _ in probe.strategies]
-    rows = []
-    for j, p in enumerate(layouts):
-        T = T_of(p)
-        shape = dataclasses.replace(step_shape(model, mode, T, seq if mode == "train" else None), shards=p.tp * p.cp,
-                                    tp=p.tp)
-        key = _unit_key(p, min(G, gpus), T)
-        if key not in units:
-            continue
-        cfg = StepConfig(model, topo, None, probe.strategies, shape, overlap, costs, mem, {})
-        figs = {}
-        for n in names:
-            progs = priced_stages(model, p, units[key], n, shape, costs)
-            figs[n] = schedule_layout(cfg, p, progs, min(G, gpus))
-        fitting = [n for n in names if not figs[n]["oom"]]
-        best = max(fitting or names, key=lambda n: figs[n]["tokens_per_s_per_gpu"])
-        for n in names:
-            f = figs[n]
-            rows.append({"layout": p.label() + (f" {p.pp_schedule}" if p.pp > 1 else "") + f" ZeRO{p.zero}",
-                         "parallel": p.to_dict(),
-                         "strategy": n, "tokens_per_s_per_gpu": f["tokens_per_s_per_gpu"],
-                         "step_time_us": f["step_time_us"], "mfu": f["mfu"],
-                         "bubble_fraction": f["pipeline"]["bubble_fraction"], "peak_memory_bytes": f["peak_memory_bytes"],
-                         "fits": not f["oom"], "best_at_layout": best,
-                         "verdict": (f"{best} fastest at this layout" if fitting else "no strategy fits at this layout")})
-        if progress:
-            progress(len(keys) + j + 1, total)
-    ranked = {}
-    for n in names:
-        mine = sorted((r for r in rows if r["strategy"] == n), key=lambda r: (not r["fits"], -r["tokens_per_s_per_gpu"]))
-        ranked[n] = mine[:top]
+    ranked = {n: sorted((r for r in rows if r["strategy"] == n),
+                        key=lambda r: (not r["fits"], -r["tokens_per_s_per_gpu"]))[:space.top] for n in names}
     fit = len({r["layout"] for r in rows if r["fits"]})
     fp8 = float(getattr(topo, "gpu_tflops_fp8", 0) or 0) > 0
-    why = None if fit else no_fit_note(model, gpus, static, mem, cap, replica_shape, fp8)
+    why = None if fit else no_fit_note(model, gpus, static, mem, cap, run.replica_shape, fp8)
     return {"no_fit": why, "kind": "layout-search", "model": model.name, "mode": mode, "gpus": gpus, "gpus_per_node": G,
-            "topology": topo.name, "seq": seq if mode == "train" else None, "micro_batch_size": micro_batch_size,
+            "topology": topo.name, "seq": seq if mode == "train" else None,
+            "micro_batch_size": space.micro_batch_size,
             "valid": len(layouts) + len(unfit), "unfit_unpriced": len(unfit),
             "priced": len({r["layout"] for r in rows}), "fit": fit,
             "units_simulated": len(units), "units_skipped": skipped, "ranked": ranked, "rows": rows,
@@ -291,4 +274,80 @@ def search_layouts(scenario, gpus: int, mode: str = "train", *, seq: int = 4096,
                 f"{skipped[0]['reason']}"] if skipped else [])}
 
 
-__all__ = ["enumerate_layouts", "no_fit_note", "price_units", "priced_stages", "search_layouts"]
+@dataclass(frozen=True)
+class _Search:
+    """What pricing a search's layouts shares: the scenario and its one-GPU probe, the model, the
+    topology, the GPUs per node (G), the step options, the training sequence and micro-batch size,
+    the cost model, the memory options and the progress callback."""
+
+    scenario: Any
+    probe: Any
+    model: Any
+    topo: Any
+    G: int
+    options: Any
+    seq: int
+    micro_batch_size: int
+    costs: Any
+    mem: Any
+    progress: Any
+
+    def T_of(self, p) -> int:
+        """Tokens per expert-grid rank of one micro-batch under layout ``p``."""
+        if self.options.mode == "train":
+            return self.micro_batch_size * self.seq // (p.tp * p.cp)
+        return max(int(self.options.tokens_per_rank or self.probe.source.gen.tokens_per_rank) // p.tp, 1)
+
+    def replica_shape(self, p):
+        """One micro-batch of one data-parallel replica."""
+        from moonep_sim.step import step_shape
+
+        mode = self.options.mode
+        return step_shape(self.model, mode, self.T_of(p) * p.tp * p.cp, self.seq if mode == "train" else None)
+
+    def price(self, layouts: list) -> tuple[dict, list, list]:
+        """(the units priced, the unit keys skipped with why, one row per (layout, strategy))."""
+        keys = sorted({_unit_key(p, self.G, self.T_of(p)) for p in layouts})
+        total = len(keys) + len(layouts)
+        units, skipped = {}, []
+        o = self.options
+        for i, k in enumerate(keys):
+            try:
+                units[k] = price_units(self.scenario, self.model, k, o.mode, self.seq, self.costs, self.mem, o.overlap)
+            except ConfigError as e:   # e.g. the asked skew below what so few tokens can show: those layouts dropped
+                skipped.append({"ep": k[0], "tokens_per_rank": k[2], "reason": str(e)})
+            if self.progress:
+                self.progress(i + 1, total)
+        rows = []
+        for j, p in enumerate(layouts):
+            key = _unit_key(p, self.G, self.T_of(p))
+            if key in units:
+                rows += self.layout_rows(p, units[key])
+            if self.progress:
+                self.progress(len(keys) + j + 1, total)
+        return units, skipped, rows
+
+    def layout_rows(self, p, units: dict) -> list[dict]:
+        """One row per strategy of layout ``p``, scheduled from the priced ``units``."""
+        from moonep_sim.step import StepConfig, step_shape
+        from moonep_sim.step.layout_step import schedule_layout
+
+        o, model = self.options, self.model
+        shape = dataclasses.replace(step_shape(model, o.mode, self.T_of(p), self.seq if o.mode == "train" else None),
+                                    shards=p.tp * p.cp, tp=p.tp)
+        cfg = StepConfig(model, self.topo, None, self.probe.strategies, shape, o.overlap, self.costs, self.mem, {})
+        names = [n for n, _ in self.probe.strategies]
+        figs = {n: schedule_layout(cfg, p, priced_stages(model, p, units, n, shape, self.costs), self.G)
+                for n in names}
+        fitting = [n for n in names if not figs[n]["oom"]]
+        best = max(fitting or names, key=lambda n: figs[n]["tokens_per_s_per_gpu"])
+        return [{"layout": p.label() + (f" {p.pp_schedule}" if p.pp > 1 else "") + f" ZeRO{p.zero}",
+                 "parallel": p.to_dict(), "strategy": n, "tokens_per_s_per_gpu": f["tokens_per_s_per_gpu"],
+                 "step_time_us": f["step_time_us"], "mfu": f["mfu"],
+                 "bubble_fraction": f["pipeline"]["bubble_fraction"], "peak_memory_bytes": f["peak_memory_bytes"],
+                 "fits": not f["oom"], "best_at_layout": best,
+                 "verdict": (f"{best} fastest at this layout" if fitting else "no strategy fits at this layout")}
+                for n in names for f in [figs[n]]]
+
+
+__all__ = ["LayoutSpace", "SEARCH_STEP_OPTIONS", "enumerate_layouts", "no_fit_note", "price_units", "priced_stages", "search_layouts"]

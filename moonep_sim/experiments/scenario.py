@@ -258,13 +258,16 @@ class Scenario:
     # -- whole steps --------------------------------------------------------------------------------
     def step(self, mode: str = "train", overlap: str = "none", **options: Any):
         """Every strategy's whole step (train, prefill or decode) on this scenario's routing: the
-        model's layer stack, compute, overlap and memory (:func:`moonep_sim.experiments.step.run_step`
-        takes ``options``: tokens_per_rank, context, distinct_layers, compute_profile, ...; ``parallel``
-        a :class:`~moonep_sim.step.parallel.Parallel` layout over this scenario's GPUs). One
+        model's layer stack, compute, overlap and memory. ``options``: the fields of
+        :class:`~moonep_sim.experiments.step.StepOptions` (tokens_per_rank, context, distinct_layers,
+        compute_profile, ...; ``parallel`` a :class:`~moonep_sim.step.parallel.Parallel` layout over
+        this scenario's GPUs), which they build, and :func:`~moonep_sim.experiments.step.run_step`'s
+        own keywords (model, progress, jobs, cluster, pipeline). One
         :class:`~moonep_sim.experiments.step.StepResult`, or a list for a trace of several steps."""
-        from moonep_sim.experiments.step import run_step
+        from moonep_sim.experiments.step import StepOptions, run_step
 
-        out = run_step(self, mode, overlap, **options)
+        run = {k: options.pop(k) for k in ("model", "progress", "jobs", "cluster", "pipeline") if k in options}
+        out = run_step(self, StepOptions(mode, overlap, **options), **run)
         return out[0] if len(out) == 1 else out
 
     # -- serving ---------------------------------------------------------------------------------------
@@ -281,11 +284,18 @@ class Scenario:
     def search_layouts(self, gpus: int, mode: str = "train", **options: Any) -> dict[str, Any]:
         """Every valid parallel layout of this scenario's model on ``gpus`` GPUs, priced, those that
         fit ranked per strategy by tokens/s per GPU
-        (:func:`moonep_sim.experiments.layout_search.search_layouts` takes ``options``: seq,
-        micro_batch_size, global_batch_size, schedules, top, progress, ...)."""
-        from moonep_sim.experiments.layout_search import search_layouts
+        (:func:`moonep_sim.experiments.layout_search.search_layouts`). ``options``: the fields of its
+        :class:`~moonep_sim.experiments.layout_search.LayoutSpace` (micro_batch_size,
+        global_batch_size, schedules, zeros, top), ``seq`` (the training sequence, default 4096),
+        ``progress``, and the step options it prices with (overlap, gemm_dtype, recompute, ...)."""
+        from moonep_sim.experiments.layout_search import LayoutSpace, search_layouts
+        from moonep_sim.experiments.step import StepOptions
 
-        return search_layouts(self, gpus, mode, **options)
+        space = {k: options.pop(k) for k in ("micro_batch_size", "global_batch_size", "schedules", "zeros", "top")
+                 if k in options}
+        progress = options.pop("progress", None)
+        step = StepOptions(mode, context=options.pop("seq", 4096), **options)
+        return search_layouts(self, LayoutSpace(gpus, **space), step, progress=progress)
 
     # -- compare, replay, sweep ---------------------------------------------------------------------
     @_with_progress("compare")
@@ -304,7 +314,10 @@ class Scenario:
 
         if _step_level(level, step, real=real):
             opts = step or _default_step()
-            return self.step(opts.mode, opts.overlap, progress=progress, jobs=jobs, cluster=cluster, **opts.kwargs())
+            from moonep_sim.experiments.step import run_step
+
+            out = run_step(self, opts, progress=progress, jobs=jobs, cluster=cluster)
+            return out[0] if len(out) == 1 else out
         rs = self.resolved
         opts = None
         if real:

@@ -57,12 +57,15 @@ class StepResult(_TakeAway):
 
 @dataclass(frozen=True)
 class StepOptions:
-    """How a step is run (``moonep-sim step``'s flags; :func:`run_step`'s keywords): mode (train,
-    prefill, decode), overlap (none, shared-expert, two-batch), tokens per rank (None: the
-    routing's), context, distinct layers (0: every layer its own routing), a compute profile CSV,
-    the GEMM dtype, recompute, optimizer sharding and bytes per parameter, and static buffers
-    (strategy -> tokens per rank), and the parallel layout (None: pure EP). What ``compare``, ``sweep`` and winner maps take at
-    ``level="step"``."""
+    """How a step is run (``moonep-sim step``'s flags; :meth:`Scenario.step`'s keywords), checked
+    once when built: mode (train, prefill, decode), overlap (none, shared-expert, two-batch), tokens
+    per rank (None: the routing's), context, distinct layers (0: every layer its own routing), a
+    compute profile CSV, the GEMM, weight and KV dtypes, multi-token prediction (depth, acceptance),
+    recompute, optimizer sharding and bytes per parameter, static buffers (strategy -> tokens per
+    rank), the parallel layout (None: pure EP) and, for a decode step under a layout with
+    data-parallel attention, each EP rank's KV context (``contexts_R``). What :func:`run_step`,
+    :func:`~moonep_sim.experiments.layout.run_layout_step`, the layout search and ``compare``,
+    ``sweep`` and winner maps at ``level="step"`` take."""
 
     mode: str = "train"
     overlap: str = "none"
@@ -80,6 +83,7 @@ class StepOptions:
     optimizer_bytes_per_param: float = 12.0
     static_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
     parallel: Any = None
+    contexts_R: "tuple[int, ...] | None" = None
 
     def __post_init__(self) -> None:
         from moonep_sim.step.schedules import get_overlap
@@ -94,7 +98,9 @@ class StepOptions:
         get_dtype(self.kv_dtype, "--kv-dtype", KV_DTYPES)
         from moonep_sim.step.mtp import MTP
 
-        MTP(self.mtp_depth, self.mtp_acceptance)
+        mtp = MTP(self.mtp_depth, self.mtp_acceptance)
+        require(not mtp.depth or self.mode == "decode", f"--mtp-depth ({mtp.depth}) needs --mode decode (mode "
+                                                        f"{self.mode}): drafts are verified in decode steps")
         from moonep_sim.experiments.layout import recompute_options
 
         recompute_options(self.recompute)
@@ -103,21 +109,35 @@ class StepOptions:
         require(self.optimizer_shard >= 0, f"optimizer shard ({self.optimizer_shard}) must be >= 0 (0 = all ranks)")
         require(self.optimizer_bytes_per_param >= 0,
                 f"optimizer bytes per parameter ({self.optimizer_bytes_per_param:g}) must be >= 0")
+        object.__setattr__(self, "static_tokens", dict(self.static_tokens or {}))
         if self.parallel is not None:
             from moonep_sim.step.parallel import Parallel
 
             require(isinstance(self.parallel, Parallel),
                     f"parallel ({type(self.parallel).__name__}) must be a Parallel (moonep_sim.step.parallel)")
+            require(not self.static_tokens, "static buffers are not modelled under a layout yet")
+        if self.contexts_R is not None:
+            self._check_contexts()
 
-    def kwargs(self) -> dict[str, Any]:
-        """:func:`run_step`'s keywords besides mode and overlap."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("mode", "overlap")}
-        d["static_tokens"] = dict(self.static_tokens)
-        return d
+    def _check_contexts(self) -> None:
+        """Contexts per rank: a decode step under a layout with data-parallel attention, one >= 1 per
+        rank of the EP group."""
+        p = self.parallel
+        require(p is not None, "contexts per rank apply to a decode step under a layout with data-parallel "
+                               "attention (parallel=Parallel(..., dp_attention=True))")
+        cs = tuple(int(c) for c in self.contexts_R)
+        object.__setattr__(self, "contexts_R", cs)
+        require(self.mode == "decode" and p.dp_attention,
+                f"contexts per rank ({len(cs)} given) need a decode step under data-parallel attention "
+                f"(--mode decode --dp-attention; mode {self.mode}, dp_attention {p.dp_attention})")
+        require(len(cs) == p.ep and min(cs) >= 1,
+                f"contexts per rank ({len(cs)} given, least {min(cs, default=0)}) must be one >= 1 per rank of the "
+                f"EP group ({p.ep})")
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: (dict(v) if isinstance(v, Mapping) else v.to_dict() if hasattr(v, "to_dict") else v)
-                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]}
+                for f in dataclasses.fields(self) for v in [getattr(self, f.name)]
+                if f.name != "contexts_R" or v is not None}
 
 
 def layer_source(source: RoutingSource, ranks: int, tokens: int, moe_layers: int, distinct: int = 0,
@@ -239,79 +259,65 @@ def _trace_layer(source: RoutingSource, layer_id: int, ranks: int, steps_T: np.n
     return GlobalRouting.split_evenly(ids, w, source.num_experts, ranks)
 
 
-def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank: int | None = None,
-             context: int | None = None, model: ModelSpec | None = None, distinct_layers: int = 0,
-             compute_profile: str | None = None, gemm_dtype: str = "bf16", weight_dtype: str = "bf16",
-             kv_dtype: str = "bf16", mtp_depth: int = 0, mtp_acceptance: float = 0.8, recompute: bool = False,
-             optimizer_shard: int = 0, optimizer_bytes_per_param: float = 12.0,
-             static_tokens: Mapping[str, int] | None = None, progress=None, jobs: int | None = 1,
-             cluster: str | None = None, pipeline: bool | None = None, parallel: Any = None,
-             contexts_R: Any = None) -> list[StepResult]:
+def run_step(scenario: Any, options: StepOptions, *, model: ModelSpec | None = None, progress=None,
+             jobs: int | None = 1, cluster: str | None = None, pipeline: bool | None = None) -> list[StepResult]:
     """The step(s) of ``scenario`` (an :class:`~moonep_sim.experiments.scenario.Scenario`, or its
-    ``Resolved``): one result, or one per recorded step of a trace with several steps. The step's distinct MoE layers
-    are planned and simulated in ``jobs`` worker processes or on a Dask ``cluster``
-    (:func:`moonep_sim.experiments.parallel.run_points`; each layer independently, same result).
-    With one job, ``pipeline`` (None: when it pays, ``moonep_sim.step.layer_work.pipeline_pays``; False:
-    off) builds the next layer's routing and Plans on a second thread while this one simulates.
-    ``parallel``: a :class:`~moonep_sim.step.parallel.Parallel` layout over the scenario's GPUs
-    (:mod:`moonep_sim.experiments.layout`); None: today's pure-EP step. ``contexts_R``: under a
-    decode layout with data-parallel attention, each EP rank's KV context."""
-    if parallel is not None:
+    ``Resolved``) run as ``options`` say (:class:`StepOptions`; ``model``: a model to run instead of
+    the routing's, of the same experts and top-k): one result, or one per recorded step of a trace
+    with several steps. The step's distinct MoE layers are planned and simulated in ``jobs`` worker
+    processes or on a Dask ``cluster`` (:func:`moonep_sim.experiments.parallel.run_points`; each layer
+    independently, same result). With one job, ``pipeline`` (None: when it pays,
+    ``moonep_sim.step.layer_work.pipeline_pays``; False: off) builds the next layer's routing and
+    Plans on a second thread while this one simulates. ``options.parallel``: a
+    :class:`~moonep_sim.step.parallel.Parallel` layout over the scenario's GPUs
+    (:mod:`moonep_sim.experiments.layout`); None: today's pure-EP step."""
+    o = options
+    require(isinstance(o, StepOptions), f"options ({type(o).__name__}) must be a StepOptions "
+                                        "(moonep_sim.experiments.step)")
+    if o.parallel is not None:
         from moonep_sim.experiments.layout import run_layout_step
 
-
-        figs, setup, timelines = run_layout_step(
-            scenario, mode, overlap, parallel, tokens_per_rank=tokens_per_rank, context=context, model=model,
-            distinct_layers=distinct_layers, compute_profile=compute_profile, gemm_dtype=gemm_dtype, recompute=recompute,
-            weight_dtype=weight_dtype, kv_dtype=kv_dtype, optimizer_shard=optimizer_shard, optimizer_bytes_per_param=optimizer_bytes_per_param,
-            static_tokens=static_tokens, progress=progress, jobs=jobs, cluster=cluster, pipeline=pipeline,
-            layer_source=layer_source, contexts_R=contexts_R, mtp_depth=mtp_depth, mtp_acceptance=mtp_acceptance)
+        figs, setup, timelines = run_layout_step(scenario, o, model=model, progress=progress, jobs=jobs,
+                                                 cluster=cluster, pipeline=pipeline, layer_source=layer_source)
         return [StepResult(tuple(figs), figs, setup, timelines)]
     from moonep_sim.step import MemoryOptions
     from moonep_sim.step.costs import step_cost_model
 
-    require(contexts_R is None, "contexts per rank apply to a decode step under a layout with data-parallel "
-                                "attention (parallel=Parallel(..., dp_attention=True))")
     rs = getattr(scenario, "resolved", scenario)
     src = rs.source
     m = model or src.model
     require((m.num_experts, m.top_k) == (src.num_experts, src.top_k),
             f"model ({m.name}: E={m.num_experts}, K={m.top_k}) must match the routing (E={src.num_experts}, "
             f"K={src.top_k})")
-    require(distinct_layers >= 0, f"distinct layers ({distinct_layers}) must be >= 0 (0 = every layer its own)")
     R = rs.cluster.ranks
-    static = dict(static_tokens or {})
     names = [n for n, _ in rs.strategies]
-    for s, S in static.items():
+    for s, S in o.static_tokens.items():
         require(s in names, f"static buffer strategy ({s!r}) must be one of the strategies ({', '.join(names)})")
         require(int(S) >= 1, f"static buffer tokens ({S}) of {s} must be >= 1")
     from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, check_supported, get_dtype
 
-    wd = check_supported(get_dtype(weight_dtype, "--weight-dtype", WEIGHT_DTYPES), rs.topology, "--weight-dtype")
-    check_supported(get_dtype(kv_dtype, "--kv-dtype", KV_DTYPES), rs.topology, "--kv-dtype")
-    costs = step_cost_model(rs.topology, gemm_dtype, compute_profile, mode=mode, weight_bytes=wd.weight_bytes)
+    wd = check_supported(get_dtype(o.weight_dtype, "--weight-dtype", WEIGHT_DTYPES), rs.topology, "--weight-dtype")
+    check_supported(get_dtype(o.kv_dtype, "--kv-dtype", KV_DTYPES), rs.topology, "--kv-dtype")
+    costs = step_cost_model(rs.topology, o.gemm_dtype, o.compute_profile, mode=o.mode, weight_bytes=wd.weight_bytes)
     from moonep_sim.experiments.layout import recompute_options
 
-    mem = MemoryOptions(optimizer_bytes_per_param, optimizer_shard, weight_dtype=weight_dtype,
-                        kv_dtype=kv_dtype, gemm_dtype=gemm_dtype, **recompute_options(recompute))
+    mem = MemoryOptions(o.optimizer_bytes_per_param, o.optimizer_shard, weight_dtype=o.weight_dtype,
+                        kv_dtype=o.kv_dtype, gemm_dtype=o.gemm_dtype, **recompute_options(o.recompute))
     from moonep_sim.step.mtp import MTP
 
-    mtp = MTP(mtp_depth, mtp_acceptance)
+    mtp = MTP(o.mtp_depth, o.mtp_acceptance)
     seqs = None
     if mtp.depth:
-        require(mode == "decode", f"--mtp-depth ({mtp.depth}) needs --mode decode (mode {mode}): drafts are verified "
-                                  "in decode steps")
         require(src.gen is not None, f"--mtp-depth ({mtp.depth}) needs generated routing: a trace fixes the tokens "
                                      "each step verifies")
-        seqs = int(tokens_per_rank or src.gen.tokens_per_rank)
+        seqs = int(o.tokens_per_rank or src.gen.tokens_per_rank)
     out = []
     skew = (standin_skew(src, R) if src.gen is None and m.moe_layers > len(src.layer_ids)
             else None)
     passes = trace_passes(src) if src.gen is None else [(None, None)]
-    if context is None and src.gen is None and src.merged and mode != "decode":
-        context = _longest_pass(src, R)  # the passes' own sequence length, not the concatenation's
-    shared = _Pass(mode, overlap, tokens_per_rank, context, distinct_layers, compute_profile, gemm_dtype, recompute,
-                   static, costs, mem, skew, jobs, cluster, pipeline)
+    if o.context is None and src.gen is None and src.merged and o.mode != "decode":
+        o = dataclasses.replace(o, context=_longest_pass(src, R))  # the passes' own sequence length
+    shared = _Pass(o, costs, mem, skew, jobs, cluster, pipeline)
     from moonep_sim.progress import resolve
 
     with resolve(progress, "step") as report:
@@ -322,7 +328,7 @@ def run_step(scenario: Any, mode: str, overlap: str = "none", *, tokens_per_rank
                       report(f"recorded step {sid} ({k + 1} of {len(passes)}): {msg}", k * t + d, len(passes) * t))
             out.append(_one_pass(rs, m, shared, step_id, steps_T, cb, seqs * mtp.verify_tokens if mtp.depth else None))
     if mtp.depth:
-        _add_mtp(out, m, mtp, seqs, costs, mem, R, context)
+        _add_mtp(out, m, mtp, seqs, costs, mem, R, o.context)
     return out
 
 
@@ -343,19 +349,11 @@ def _add_mtp(out: list, m: ModelSpec, mtp: Any, seqs: int, costs: Any, mem: Any,
 
 @dataclass(frozen=True)
 class _Pass:
-    """What every pass of :func:`run_step` shares: its arguments as given (``static``: static
-    buffer tokens per strategy; ``skew``: the stand-in layers' skew or None) and the cost model and
-    memory options built from them."""
+    """What every pass of :func:`run_step` shares: the step options (the context a merged trace's
+    longest pass where none was given), the cost model and memory options built from them, the
+    stand-in layers' skew (or None) and how the layers run."""
 
-    mode: str
-    overlap: str
-    tokens_per_rank: int | None
-    context: int | None
-    distinct_layers: int
-    compute_profile: str | None
-    gemm_dtype: str
-    recompute: bool
-    static: dict
+    options: StepOptions
     costs: Any
     mem: Any
     skew: Any
@@ -371,37 +369,38 @@ def _one_pass(rs, m, shared: "_Pass", step_id, steps_T, progress, route_tokens: 
     from moonep_sim.step import StepConfig, simulate_step, step_shape
 
     src = rs.source
+    o = shared.options
     R = rs.cluster.ranks
     n = None
     if src.gen is not None:
-        T = int(shared.tokens_per_rank or src.gen.tokens_per_rank)
+        T = int(o.tokens_per_rank or src.gen.tokens_per_rank)
     else:
         n = int(steps_T.size) if steps_T is not None else int(src.tokens or 0)
-        require(shared.tokens_per_rank is None or shared.tokens_per_rank * R == n,
-                f"tokens per rank ({shared.tokens_per_rank}) must be the trace's tokens over the ranks ({n} / {R}): "
+        require(o.tokens_per_rank is None or o.tokens_per_rank * R == n,
+                f"tokens per rank ({o.tokens_per_rank}) must be the trace's tokens over the ranks ({n} / {R}): "
                 "a trace sets the batch")
         require(n >= 1, f"trace tokens ({n}) must be >= 1")
         T = max(n // R, 1)  # fewer tokens than ranks: the busiest ranks hold one, the others none
-    shape = step_shape(m, shared.mode, T, shared.context)
-    for s, S in shared.static.items():
+    shape = step_shape(m, o.mode, T, o.context)
+    for s, S in o.static_tokens.items():
         require(int(S) >= T, f"static buffer tokens ({S}) of {s} must be >= the tokens per rank ({T})")
-    cfg = StepConfig(m, rs.topology, rs.ctx, rs.strategies, shape, shared.overlap, shared.costs, shared.mem, shared.static)
+    cfg = StepConfig(m, rs.topology, rs.ctx, rs.strategies, shape, o.overlap, shared.costs, shared.mem, o.static_tokens)
     pool = None
     if shared.cluster or (shared.jobs or 1) != 1:
         from moonep_sim.experiments.parallel import run_points
 
         pool = lambda fn, items: run_points(fn, items, jobs=shared.jobs, cluster=shared.cluster, progress=progress,
                                             label=lambda w: "layer")
-    res = simulate_step(cfg, layer_source(src, R, route_tokens or T, m.moe_layers, shared.distinct_layers, steps_T, shared.skew, n),
+    res = simulate_step(cfg, layer_source(src, R, route_tokens or T, m.moe_layers, o.distinct_layers, steps_T, shared.skew, n),
                         progress, pool, shared.pipeline)
     timelines = res.pop("_timelines")
     res.pop("_footprints", None)
     setup = {k: v for k, v in res.items() if k != "strategies"}
     setup.update(model=m.name, ranks=R, gpus_per_node=rs.cluster.gpus_per_node, topology=rs.topology.name,
-                 routing=src.describe(), gemm_dtype=shared.gemm_dtype, weight_dtype=shared.mem.weight_dtype,
-                 kv_dtype=shared.mem.kv_dtype, compute_profile=shared.compute_profile,
-                 distinct_layers=shared.distinct_layers, recompute=shared.recompute, jobs=shared.jobs, cluster=shared.cluster,
-                 options={name: {k: str(v) for k, v in o.items()} for name, o in rs.strategies},
+                 routing=src.describe(), gemm_dtype=o.gemm_dtype, weight_dtype=shared.mem.weight_dtype,
+                 kv_dtype=shared.mem.kv_dtype, compute_profile=o.compute_profile,
+                 distinct_layers=o.distinct_layers, recompute=o.recompute, jobs=shared.jobs, cluster=shared.cluster,
+                 options={name: {k: str(v) for k, v in opt.items()} for name, opt in rs.strategies},
                  stand_ins=sum(1 for p in res["layers_routing"] if p.startswith("STAND-IN")),
                  standin_skew=shared.skew,
                  reused_layers=sum(1 for p in res["layers_routing"] if "reused" in p),

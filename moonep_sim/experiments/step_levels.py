@@ -58,7 +58,7 @@ def point_step(sc, opts: StepOptions, *, jobs: int | None = 1, cluster: str | No
 
     from moonep_sim.analysis.stepstats import step_aggregates
 
-    res = run_step(sc, opts.mode, opts.overlap, progress=progress, jobs=jobs, cluster=cluster, **opts.kwargs())
+    res = run_step(sc, opts, progress=progress, jobs=jobs, cluster=cluster)
     docs = [r.to_dict() for r in res]
     names = list(res[0].strategies)
     agg = (step_aggregates(docs) if docs[0]["setup"].get("step_tokens") is not None

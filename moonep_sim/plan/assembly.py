@@ -21,8 +21,11 @@ The records only name the arrays; :func:`~moonep_sim.plan.assemble_plan` checks 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
+
+from moonep_sim.errors import PlanError
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,38 @@ class Slots:
     rank_S: np.ndarray
     expert_S: np.ndarray
     home_S: np.ndarray
+
+
+@dataclass(frozen=True)
+class Route:
+    """The ranks a multi-hop Plan's tokens pass (:func:`~moonep_sim.plan.plan_from_routes`): entry
+    e's token goes src -> via_N[0][e] -> ... -> its slot's rank.
+
+    via_N: H-1 int64 [N] arrays, the intermediate rank of each entry after hops 0..H-2 (values at
+      dropped entries are ignored); with ``via_table`` H-1 int64 [R, R] tables instead, ``via[s, d]``
+      the intermediate rank of every token going from source rank s to final rank d (a route that
+      depends on its ends only, as Tutel's 2DH and DeepEP's are).
+    scopes / dedup: one per hop (H = len(scopes)); dedup[h] sends a token once per receiving rank.
+    """
+
+    via_N: Sequence[np.ndarray]
+    scopes: Sequence[str]
+    dedup: Sequence[bool]
+    via_table: bool = False
+
+    def check(self, ranks: int) -> None:
+        """Refuse (:class:`~moonep_sim.errors.PlanError`) a route whose parts disagree on the hops, or
+        a via table not [R, R] of ranks."""
+        H, R = len(self.scopes), int(ranks)
+        if len(self.via_N) != H - 1 or len(self.dedup) != H:
+            raise PlanError(f"route ({len(self.via_N)} intermediate ranks, {len(self.dedup)} dedup flags) must match "
+                            f"hops ({H}): H-1 intermediate ranks and H flags")
+        for v in self.via_N if self.via_table else ():
+            t = np.asarray(v)
+            if t.shape != (R, R):
+                raise PlanError(f"via table shape ({list(t.shape)}) must be [R, R] = [{R}, {R}]")
+            if t.size and (int(t.min()) < 0 or int(t.max()) >= R):
+                raise PlanError(f"via table values ({int(t.min())}..{int(t.max())}) must be ranks in [0, {R})")
 
 
 @dataclass(frozen=True)
@@ -143,4 +178,4 @@ def slot_geometry(slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, token_paddin
     return padded, cum, offset, rows_R
 
 
-__all__ = ["Entries", "Padding", "SlotLayout", "SlotOrder", "Slots", "slot_geometry"]
+__all__ = ["Entries", "Padding", "Route", "SlotLayout", "SlotOrder", "Slots", "slot_geometry"]

@@ -6,7 +6,7 @@ entries (flat id ``e = t*K + k``), S slots, M messages of one hop, W final rows.
 Typical use, in a strategy (``moonep_sim.strategies``)::
 
     sr, se, slot_of = home_slots(ctx.placement)          # moonep_sim.plan.multihop
-    return plan_from_slots(routing, ctx.cluster, ctx.costs, sr, se, sr, slot_of[routing.topk_ids_TK],
+    return plan_from_slots(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), slot_of[routing.topk_ids_TK],
                            dedup=dedup, token_padding=ctx.token_padding)
 
 :func:`plan_from_slots` has two forms and one seam (:func:`moonep_sim.plan.compiled.covers`): the
@@ -33,7 +33,7 @@ import numpy as np
 
 from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.plan import compiled, reference
-from moonep_sim.plan.assembly import SlotLayout, slot_geometry
+from moonep_sim.plan.assembly import SlotLayout, Slots, slot_geometry
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.kinds import INDEX, Scope, require_index
 from moonep_sim.plan.order import (entry_token, segment_ranges, small_key_dtype, stable_order, stable_order_counts,
@@ -195,15 +195,14 @@ def final_rows(lay: SlotLayout, kept_sorted: np.ndarray, entry_buf_row: np.ndarr
     return row_entry, expand
 
 
-def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
-                    slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_TK: np.ndarray, *, dedup: bool,
-                    token_padding: int = 1, min_rows_S: np.ndarray | None = None,
-                    capacity_R: np.ndarray | None = None, options: dict[str, Any] | None = None,
-                    perf: PerfConfig = DEFAULT_PERF, **extra) -> Plan:
+def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slots: Slots,
+                    entry_slot_TK: np.ndarray, *, dedup: bool, token_padding: int = 1,
+                    min_rows_S: np.ndarray | None = None, capacity_R: np.ndarray | None = None,
+                    options: dict[str, Any] | None = None, perf: PerfConfig = DEFAULT_PERF, **extra) -> Plan:
     """A single-hop Plan from each entry's slot: the builder behind most strategies.
 
-    slot_rank_S / slot_expert_S / slot_home_S: int64 [S] the slots (sorted by rank; a slot whose
-    home differs from its rank is a copy whose weights are prefetched).
+    slots: the expert slots (:class:`~moonep_sim.plan.Slots`: int64 [S] rank, expert and home of each,
+    sorted by rank; a slot whose home differs from its rank is a copy whose weights are prefetched).
     entry_slot_TK: int64 [T, K] index into the slot arrays, -1 = dropped. The hop sends tokens
     straight to the slot's rank (deduplicated per rank if ``dedup``); the destination expands them
     into the expert-grouped layout, each slot padded to a multiple of ``token_padding`` and to at
@@ -216,14 +215,14 @@ def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
     does: the same Plan.
     """
     if not compiled.covers(np.size(entry_slot_TK), perf):
-        return reference.plan_from_slots(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S,
-                                         entry_slot_TK, dedup=dedup, token_padding=token_padding,
-                                         min_rows_S=min_rows_S, capacity_R=capacity_R, options=options, **extra)
+        return reference.plan_from_slots(routing, cluster, costs, slots, entry_slot_TK, dedup=dedup,
+                                         token_padding=token_padding, min_rows_S=min_rows_S, capacity_R=capacity_R,
+                                         options=options, **extra)
     # the compiled passes (moonep_sim.plan.fused): the counting sort by slot, the hop and the final
     # rows in two passes over the entries; the reference's arrays
     from moonep_sim.plan import fused
 
-    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    slot_rank_S = np.asarray(slots.rank_S, dtype=np.int64)
     lay, hop, entry_dup, row_entry, expand = fused.single_hop_plan(
         entry_slot_TK, slot_rank_S, routing.tok_off_R(), routing.top_k, cluster.ranks, dedup, token_padding,
         min_rows_S)
@@ -233,8 +232,8 @@ def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
         tokens_per_rank_R=routing.tokens_per_rank_R, costs=costs, token_padding=max(int(token_padding), 1),
         entry_rank_TK=lay.entry_rank_N.reshape(T, K), entry_row_TK=lay.entry_row_N.reshape(T, K),
         entry_dup_TK=entry_dup.reshape(T, K), entry_weight_TK=routing.topk_weights_TK,
-        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slot_expert_S, dtype=np.int64),
-        slot_home_S=np.asarray(slot_home_S, dtype=np.int64), slot_offset_S=lay.slot_offset_S,
+        slot_rank_S=slot_rank_S, slot_expert_S=np.asarray(slots.expert_S, dtype=np.int64),
+        slot_home_S=np.asarray(slots.home_S, dtype=np.int64), slot_offset_S=lay.slot_offset_S,
         slot_rows_S=lay.slot_rows_S, slot_padded_S=lay.slot_padded_S, row_entry_W=row_entry,
         expand_src_row_W=expand, hops=(hop,), capacity_R=capacity_R, **extra)
 

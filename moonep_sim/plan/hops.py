@@ -22,7 +22,7 @@ route goes to the final rank. The hop builders:
     hops = [to_node_of_final(ctx.cluster), to_final(Scope.INTRA_NODE, dedup=True)]
     # Tutel 2DH: NVLink to the destination's rail, then across nodes on that rail
     hops = [to_rail_of_final(ctx.cluster, dedup=d), to_final(Scope.INTER_NODE, dedup=d)]
-    plan = plan_from_hops(routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot_TK, hops)
+    plan = plan_from_hops(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), entry_slot_TK, hops)
 
 ``docs/extending.md`` builds a new two-hop strategy this way.
 """
@@ -35,6 +35,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from moonep_sim.errors import PlanError
+from moonep_sim.plan.assembly import Route, Slots
 from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.plan.build import plan_from_slots
 from moonep_sim.plan.ir import GlobalRouting, Plan, RowCosts
@@ -87,14 +88,13 @@ def via(via_RR: np.ndarray, scope: Scope | str, *, dedup: bool) -> HopSpec:
     return HopSpec(Scope(scope), bool(dedup), np.asarray(via_RR, dtype=np.int64))
 
 
-def plan_from_hops(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
-                   slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_TK: np.ndarray,
-                   hops: Sequence[HopSpec], *, token_padding: int = 1, options: dict[str, Any] | None = None,
-                   perf: PerfConfig = DEFAULT_PERF, **extra) -> Plan:
+def plan_from_hops(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slots: Slots,
+                   entry_slot_TK: np.ndarray, hops: Sequence[HopSpec], *, token_padding: int = 1,
+                   options: dict[str, Any] | None = None, perf: PerfConfig = DEFAULT_PERF, **extra) -> Plan:
     """A Plan whose tokens take ``hops`` (the last one :func:`to_final`) to their slots' ranks.
 
-    slot_rank_S / slot_expert_S / slot_home_S / entry_slot_TK: as in
-    :func:`~moonep_sim.plan.plan_from_slots` (entry_slot_TK int64 [T, K], -1 = dropped).
+    slots / entry_slot_TK: as in :func:`~moonep_sim.plan.plan_from_slots` (a
+    :class:`~moonep_sim.plan.Slots`; entry_slot_TK int64 [T, K], -1 = dropped).
     options, extra: what the planner reports and further Plan fields (``kernel``, ...).
     perf: where the builders take their compiled passes (the same Plan whatever it says).
     One global hop is :func:`~moonep_sim.plan.plan_from_slots`; longer routes are
@@ -105,12 +105,11 @@ def plan_from_hops(routing: GlobalRouting, cluster: ClusterShape, costs: RowCost
         raise PlanError(f"hops ({len(hops)}) must end with one to_final hop, every earlier hop naming the rank "
                         "it reaches (to_node_of_final, to_rail_of_final, via)")
     if len(hops) == 1 and hops[0].scope == Scope.GLOBAL:
-        return plan_from_slots(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot_TK,
-                               dedup=hops[0].dedup, token_padding=token_padding, options=options, perf=perf,
-                               **extra)
-    return plan_from_routes(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot_TK,
-                            [h.via_RR for h in hops[:-1]], [h.scope for h in hops], [h.dedup for h in hops],
-                            token_padding=token_padding, via_table=True, options=options, perf=perf, **extra)
+        return plan_from_slots(routing, cluster, costs, slots, entry_slot_TK, dedup=hops[0].dedup,
+                               token_padding=token_padding, options=options, perf=perf, **extra)
+    route = Route([h.via_RR for h in hops[:-1]], [h.scope for h in hops], [h.dedup for h in hops], via_table=True)
+    return plan_from_routes(routing, cluster, costs, slots, entry_slot_TK, route, token_padding=token_padding,
+                            options=options, perf=perf, **extra)
 
 
 __all__ = ["HopSpec", "plan_from_hops", "to_final", "to_node_of_final", "to_rail_of_final", "via"]

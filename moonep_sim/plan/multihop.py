@@ -20,7 +20,7 @@ import numpy as np
 from moonep_sim.errors import PlanError
 from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.plan import compiled, reference
-from moonep_sim.plan.assembly import Entries, Padding, Slots
+from moonep_sim.plan.assembly import Entries, Padding, Route, Slots
 from moonep_sim.plan.build import final_rows, slot_layout, sorted_layout
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.reference import route_hop
@@ -223,19 +223,14 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
         slot_padded_S=padded, row_entry_W=row_entry, expand_src_row_W=expand, hops=tuple(hops), **extra)
 
 
-def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
-                     slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_TK: np.ndarray,
-                     via_N: Sequence[np.ndarray], scopes: Sequence[str], dedup: Sequence[bool], *,
-                     token_padding: int = 1, via_table: bool = False, options: dict[str, Any] | None = None,
-                     perf: PerfConfig = DEFAULT_PERF, **extra) -> Plan:
-    """A multi-hop Plan: entry e's token goes src -> via_N[0][e] -> ... -> its slot's rank.
+def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slots: Slots,
+                     entry_slot_TK: np.ndarray, route: Route, *, token_padding: int = 1,
+                     options: dict[str, Any] | None = None, perf: PerfConfig = DEFAULT_PERF, **extra) -> Plan:
+    """A multi-hop Plan: entry e's token goes src -> via_N[0][e] -> ... -> its slot's rank
+    (``route``: a :class:`~moonep_sim.plan.Route`, checked here).
 
-    entry_slot_TK: int64 [T, K] slot per entry (-1 dropped).  via_N: H-1 int64 [N] arrays, the
-    intermediate rank of each entry after hops 0..H-2 (values at dropped entries are ignored); with
-    ``via_table`` H-1 int64 [R, R] tables instead, ``via[s, d]`` the intermediate rank of every
-    token going from source rank s to final rank d (a route that depends on its ends only, as
-    Tutel's 2DH and DeepEP's are).
-    scopes / dedup: one per hop (H = len(scopes)); dedup[h] sends a token once per receiving rank.
+    slots: the expert slots (:class:`~moonep_sim.plan.Slots`). entry_slot_TK: int64 [T, K] slot per
+    entry (-1 dropped).
 
     Two forms, one seam (:func:`moonep_sim.plan.compiled.covers`): a two-hop table route of every
     entry kept (every planner's: deepep, hierarchical, costaware), from ``perf.plan_compiled_min``
@@ -243,31 +238,21 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
     every other route and size the readable builder (:func:`moonep_sim.plan.reference.plan_from_routes`).
     The same Plan (``tests/test_plan_fused.py``, ``tests/test_planner_outputs_pinned.py``).
     """
-    R, H = cluster.ranks, len(scopes)
-    if len(via_N) != H - 1 or len(dedup) != H:
-        raise PlanError(f"route ({len(via_N)} intermediate ranks, {len(dedup)} dedup flags) must match "
-                        f"hops ({H}): H-1 intermediate ranks and H flags")
-    if via_table:
-        for v in via_N:
-            t = np.asarray(v)
-            if t.shape != (R, R):
-                raise PlanError(f"via table shape ({list(t.shape)}) must be [R, R] = [{R}, {R}]")
-            if t.size and (int(t.min()) < 0 or int(t.max()) >= R):
-                raise PlanError(f"via table values ({int(t.min())}..{int(t.max())}) must be ranks in [0, {R})")
+    R, H = cluster.ranks, len(route.scopes)
+    route.check(R)
     entry_slot = slot_ids(entry_slot_TK)
     N = entry_slot.size
-    if not (via_table and H == 2 and compiled.covers(N, perf) and N and int(entry_slot.min()) >= 0):
-        return reference.plan_from_routes(routing, cluster, costs, slot_rank_S, slot_expert_S, slot_home_S,
-                                          entry_slot_TK, via_N, scopes, dedup, token_padding=token_padding,
-                                          via_table=via_table, options=options, **extra)
+    if not (route.via_table and H == 2 and compiled.covers(N, perf) and N and int(entry_slot.min()) >= 0):
+        return reference.plan_from_routes(routing, cluster, costs, slots, entry_slot_TK, route,
+                                          token_padding=token_padding, options=options, **extra)
     # both hops, the layout and the final rows in two compiled passes over the entries
     from moonep_sim.plan import fused_routes
 
-    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    hops, entry_rank, entry_dup, layout = fused_routes.two_hop_plan(entry_slot, slot_rank_S, via_N[0],
-                                                                    routing.tok_off_R(), routing.top_k, R, scopes,
-                                                                    dedup, token_padding)
-    return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slot_expert_S, slot_home_S),
+    slot_rank_S = np.asarray(slots.rank_S, dtype=np.int64)
+    hops, entry_rank, entry_dup, layout = fused_routes.two_hop_plan(entry_slot, slot_rank_S, route.via_N[0],
+                                                                    routing.tok_off_R(), routing.top_k, R,
+                                                                    route.scopes, route.dedup, token_padding)
+    return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slots.expert_S, slots.home_S),
                          Entries(entry_slot, None, entry_dup, rank_N=entry_rank), hops,
                          padding=Padding(token_padding), options=options, layout=layout, **extra)
 

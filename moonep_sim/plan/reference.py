@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from moonep_sim.errors import PlanError
-from moonep_sim.plan.assembly import Entries, Padding, Slots
+from moonep_sim.plan.assembly import Entries, Padding, Route, Slots
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.kinds import INDEX, Scope
 from moonep_sim.plan.placement import ClusterShape
@@ -197,56 +197,52 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
         slot_padded_S=padded, row_entry_W=row_entry, expand_src_row_W=expand, hops=tuple(hops), **extra)
 
 
-def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
-                    slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_TK: np.ndarray, *, dedup: bool,
-                    token_padding: int = 1, min_rows_S: np.ndarray | None = None,
-                    capacity_R: np.ndarray | None = None, options: dict[str, Any] | None = None, **extra) -> Plan:
+def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slots: Slots,
+                    entry_slot_TK: np.ndarray, *, dedup: bool, token_padding: int = 1,
+                    min_rows_S: np.ndarray | None = None, capacity_R: np.ndarray | None = None,
+                    options: dict[str, Any] | None = None, **extra) -> Plan:
     """The Plan of :func:`moonep_sim.plan.plan_from_slots`: one global hop to each slot's rank."""
     K = routing.top_k
-    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    slot_rank_S = np.asarray(slots.rank_S, dtype=np.int64)
     entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
     entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
     hop, entry_buf_row, entry_dup = single_hop_messages(entry_rank, routing.src_rank_T(), routing.tok_off_R(), K,
                                                         cluster.ranks, dedup)
-    return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slot_expert_S, slot_home_S),
+    return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slots.expert_S, slots.home_S),
                          Entries(entry_slot, entry_buf_row, entry_dup), [hop],
                          padding=Padding(token_padding, min_rows_S), capacity_R=capacity_R, options=options, **extra)
 
 
-def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slot_rank_S: np.ndarray,
-                     slot_expert_S: np.ndarray, slot_home_S: np.ndarray, entry_slot_TK: np.ndarray,
-                     via_N: Sequence[np.ndarray], scopes: Sequence[str], dedup: Sequence[bool], *,
-                     token_padding: int = 1, via_table: bool = False, options: dict[str, Any] | None = None,
-                     **extra) -> Plan:
+def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slots: Slots,
+                     entry_slot_TK: np.ndarray, route: Route, *, token_padding: int = 1,
+                     options: dict[str, Any] | None = None, **extra) -> Plan:
     """The Plan of :func:`moonep_sim.plan.plan_from_routes`: each hop is :func:`route_hop` of the
     ranks an entry passes, keyed by token (dedup) or by entry."""
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
-    H = len(scopes)
-    if len(via_N) != H - 1 or len(dedup) != H:
-        raise PlanError(f"route ({len(via_N)} intermediate ranks, {len(dedup)} dedup flags) must match "
-                        f"hops ({H}): H-1 intermediate ranks and H flags")
-    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    route.check(R)
+    H, dedup = len(route.scopes), route.dedup
+    slot_rank_S = np.asarray(slots.rank_S, dtype=np.int64)
     entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
     kept = np.flatnonzero(entry_slot >= 0)
     tok = kept // max(K, 1)
     src = routing.src_rank_T()[tok]
     dst = slot_rank_S[entry_slot[kept]]
-    if via_table:  # [R, R] tables: the intermediate rank of a token from s bound for d
-        mids = [np.asarray(v, dtype=np.int64)[src, dst] for v in via_N]
+    if route.via_table:  # [R, R] tables: the intermediate rank of a token from s bound for d
+        mids = [np.asarray(v, dtype=np.int64)[src, dst] for v in route.via_N]
     else:
-        mids = [np.asarray(v, dtype=np.int64).ravel()[kept] for v in via_N]
+        mids = [np.asarray(v, dtype=np.int64).ravel()[kept] for v in route.via_N]
     pos = [src] + mids + [dst]
     row = tok - routing.tok_off_R()[src]
     hops = []
     for h in range(H):
-        hop, row = route_hop(pos[h], row, pos[h + 1], tok if dedup[h] else kept, R, scopes[h])
+        hop, row = route_hop(pos[h], row, pos[h + 1], tok if dedup[h] else kept, R, route.scopes[h])
         hops.append(hop)
     entry_buf_row = np.full(entry_slot.size, -1, dtype=np.int64)
     entry_buf_row[kept] = row
     entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
     entry_dup = dup_flags(entry_rank, K) if dedup[-1] else np.zeros(entry_slot.size, dtype=bool)
-    return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slot_expert_S, slot_home_S),
+    return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slots.expert_S, slots.home_S),
                          Entries(entry_slot, entry_buf_row, entry_dup), hops, padding=Padding(token_padding),
                          options=options, **extra)
 

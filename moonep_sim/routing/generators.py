@@ -324,16 +324,16 @@ def _block(spec: PopularitySpec, z_E: np.ndarray, top_k: int, tokens: int, seed:
 
 # ---------------------------------------------------------------------------------- public API
 def generate(num_experts: int, top_k: int, tokens: int, seed: int, *, layers: int = 1, steps: int = 1,
-             maxvio: float | None = None, sigma: float | None = None, zipf: float | None = None,
-             hot: int | None = None, hot_share: float | None = None, uniform: bool = False,
              drift: float = 0.0, layer_variation: float = 0.0, groups: int = 1, topk_groups: int = 1,
-             with_logits: bool = False) -> Generated:
+             with_logits: bool = False, **popularity) -> Generated:
     """Generate ``layers`` x ``steps`` blocks of ``tokens`` tokens each (see the module docstring).
 
     tokens: T per step (the trace holds S*T tokens per layer, step-major). drift, layer_variation
-    in [0, 1]. groups / topk_groups: group-limited routing (1 / 1 = none). Deterministic by seed.
+    in [0, 1]. groups / topk_groups: group-limited routing (1 / 1 = none). popularity: the fields of
+    one :class:`PopularitySpec` (``maxvio=``, ``sigma=``, ``zipf=``, ``hot=`` + ``hot_share=``,
+    ``uniform=True``), which they build. Deterministic by seed.
     """
-    spec = PopularitySpec(maxvio, sigma, zipf, hot, hot_share, uniform)
+    spec = PopularitySpec(**popularity)
     E, K = int(num_experts), int(top_k)
     require(1 <= E <= MAX_NUM_EXPERTS, f"num_experts ({E}) must be in [1, {MAX_NUM_EXPERTS}]")
     require(1 <= K <= E, f"top_k ({K}) must be in [1, num_experts={E}]")
@@ -379,15 +379,15 @@ def generate(num_experts: int, top_k: int, tokens: int, seed: int, *, layers: in
             blocks.append({"layer": li, "step": si, "maxvio": maxvio_of(c), "gini": gini(c), **info})
     report = {
         "popularity": spec.kind,
-        "params": {k: v for k, v in (("maxvio", maxvio), ("sigma", sigma), ("zipf", zipf), ("hot", hot),
-                                     ("hot_share", hot_share)) if v is not None},
+        "params": {k: v for k in ("maxvio", "sigma", "zipf", "hot", "hot_share")
+                   if (v := getattr(spec, k)) is not None},
         "seed": int(seed), "drift": drift, "layer_variation": layer_variation,
         "groups": groups, "topk_groups": topk_groups,
         "realised_maxvio": [b["maxvio"] for b in blocks],
         "blocks": blocks,
     }
     if spec.kind == "hot":
-        hot_ids = np.argsort(-z_base, kind="stable")[:hot]
+        hot_ids = np.argsort(-z_base, kind="stable")[:spec.hot]
         report["hot_experts_layer0"] = np.sort(hot_ids).tolist()
     step = np.repeat(np.arange(steps, dtype=np.int32), tokens)
     return Generated(ids, w, step, lg, E, report)

@@ -8,7 +8,7 @@ destination rank and expanded there (as DeepEP and MoonEP do).
 
 from __future__ import annotations
 
-from moonep_sim.plan import GlobalRouting, Plan, home_slots, plan_from_slots
+from moonep_sim.plan import GlobalRouting, Plan, Slots, home_slots, plan_from_slots
 from moonep_sim.plan.multihop import home_entry_slots
 from moonep_sim.strategies import Option, PlanContext, register
 
@@ -18,5 +18,5 @@ from moonep_sim.strategies import Option, PlanContext, register
 def plan(routing: GlobalRouting, ctx: PlanContext, *, dedup: bool) -> Plan:
     # only home slots are used: replicas (if any) are ignored by this strategy
     sr, se, slot_of = home_slots(ctx.placement)
-    return plan_from_slots(routing, ctx.cluster, ctx.costs, sr, se, sr, home_entry_slots(slot_of, routing.topk_ids_TK),
-                           dedup=dedup, token_padding=ctx.token_padding, perf=ctx.perf)
+    return plan_from_slots(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr),
+                           home_entry_slots(slot_of, routing.topk_ids_TK), dedup=dedup, token_padding=ctx.token_padding, perf=ctx.perf)

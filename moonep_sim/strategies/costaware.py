@@ -72,7 +72,7 @@ from typing import Any
 
 import numpy as np
 
-from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, Scope, plan_from_hops, to_final, to_node_of_final
+from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, Slots, Scope, plan_from_hops, to_final, to_node_of_final
 from moonep_sim.plan.kernel import FAMILIES, KernelSpec, family_spec
 from moonep_sim.strategies import Option, PlanContext, register
 from moonep_sim.strategies.llep import native_alloc, plan_from_alloc, require_home_groups
@@ -510,7 +510,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, sms: int, mode: str, min_g
     # deepep's route and kernel: the relay (same local index on the destination node) forwards rows
     # as they arrive
     hops = [to_node_of_final(ctx.cluster, dedup=True), to_final(Scope.INTRA_NODE, dedup=True)]
-    p = plan_from_hops(routing, ctx.cluster, c, slot_rank, slot_expert, slot_home, entry_slot, hops,
+    p = plan_from_hops(routing, ctx.cluster, c, Slots(slot_rank, slot_expert, slot_home), entry_slot, hops,
                        token_padding=ctx.token_padding, options=opts, perf=ctx.perf,
                        kernel=family_spec(FAMILIES["deepep-v1"], sms=sms_used, relay=True))
     return dataclasses.replace(p, slot_src_S=src) if relayed.any() else p

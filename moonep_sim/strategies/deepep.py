@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from moonep_sim.errors import PlanError, require
-from moonep_sim.plan import GlobalRouting, Plan, Scope, home_slots, plan_from_hops, to_final, to_node_of_final
+from moonep_sim.plan import GlobalRouting, Plan, Slots, Scope, home_slots, plan_from_hops, to_final, to_node_of_final
 from moonep_sim.plan.kernel import FAMILIES, family, family_spec
 from moonep_sim.plan.multihop import home_entry_slots
 from moonep_sim.plan.runs import distinct_per_token, nodes_per_token_T
@@ -89,5 +89,5 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, max_nodes: int, sms: int |
     # RDMA once per (token, destination node) on the token's rail, then NVLink once per (token, GPU);
     # one kernel: the relay (same local index on the destination node) forwards rows as they arrive
     hops = [to_node_of_final(cl, dedup=True), to_final(Scope.INTRA_NODE, dedup=True)]
-    return plan_from_hops(routing, cl, ctx.costs, sr, se, sr, entry_slot, hops, token_padding=ctx.token_padding,
+    return plan_from_hops(routing, cl, ctx.costs, Slots(sr, se, sr), entry_slot, hops, token_padding=ctx.token_padding,
                           options=opts, perf=ctx.perf, kernel=family_spec(fam, sms=sms, relay=True))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from moonep_sim.errors import require
-from moonep_sim.plan import GlobalRouting, Plan, RowCosts, home_slots, plan_from_slots
+from moonep_sim.plan import GlobalRouting, Plan, Slots, RowCosts, home_slots, plan_from_slots
 from moonep_sim.plan.kernel import FAMILIES, family, family_spec
 from moonep_sim.plan.multihop import home_entry_slots
 from moonep_sim.strategies import Option, PlanContext, register
@@ -70,7 +70,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, dispatch_dtype: str, max_t
     # fixed receive buffers: [local experts, max tokens x ranks] rows, padded segments included
     tp = max(int(ctx.token_padding), 1)
     capacity = local_E * (T_max * R + (tp - 1))
-    return plan_from_slots(routing, ctx.cluster, ll_row_costs(ctx.costs, dispatch_dtype), sr, se, sr,
+    return plan_from_slots(routing, ctx.cluster, ll_row_costs(ctx.costs, dispatch_dtype), Slots(sr, se, sr),
                            home_entry_slots(slot_of, routing.topk_ids_TK), dedup=fam.dedup_per_rank, token_padding=tp,
                            capacity_R=capacity, options={"max_tokens": T_max}, perf=ctx.perf,
                            kernel=family_spec(fam, sms=sms, row_messages=True, nic_only=not nvlink, planned=False))

@@ -27,7 +27,7 @@ import numpy as np
 
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.perf import DEFAULT_PERF, PerfConfig
-from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, plan_from_slots
+from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, Slots, plan_from_slots
 from moonep_sim.plan.runs import cycle_runs, split_runs
 from moonep_sim.plan.order import stable_order_counts
 from moonep_sim.strategies import Option, PlanContext, make_plan, register
@@ -276,7 +276,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, num_redundant: int, groups
                                                              / np.bincount(slot_expert, minlength=E)[slot_expert],
                                                              minlength=R))}
     migrate = dict(migrate_expert_X=mx, migrate_src_X=ms, migrate_dst_X=md)
-    return plan_from_slots(routing, ctx.cluster, ctx.costs, slot_rank, slot_expert, slot_rank,
+    return plan_from_slots(routing, ctx.cluster, ctx.costs, Slots(slot_rank, slot_expert, slot_rank),
                            replica_slots(ids_N, slot_expert, E, choice, perf=ctx.perf), dedup=dedup,
                            token_padding=ctx.token_padding, options=opts, perf=ctx.perf, **migrate)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moonep_sim.plan import GlobalRouting, Plan, Scope, home_slots, plan_from_hops, to_final, to_rail_of_final
+from moonep_sim.plan import GlobalRouting, Plan, Slots, Scope, home_slots, plan_from_hops, to_final, to_rail_of_final
 from moonep_sim.plan.multihop import home_entry_slots
 from moonep_sim.strategies import Option, PlanContext, register
 
@@ -29,5 +29,5 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, dedup: bool) -> Plan:
     entry_slot = home_entry_slots(slot_of, ids)
     # NVLink to the GPU of the source's node on the destination's rail, then across nodes on that rail
     hops = [to_rail_of_final(ctx.cluster, dedup=dedup), to_final(Scope.INTER_NODE, dedup=dedup)]
-    return plan_from_hops(routing, ctx.cluster, ctx.costs, sr, se, sr, entry_slot, hops,
+    return plan_from_hops(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), entry_slot, hops,
                           token_padding=ctx.token_padding, perf=ctx.perf)

@@ -48,7 +48,7 @@ from __future__ import annotations
 import numpy as np
 
 from moonep_sim.errors import ConfigError, PlanError
-from moonep_sim.plan import INDEX, GlobalRouting, Plan, plan_from_slots
+from moonep_sim.plan import INDEX, GlobalRouting, Plan, Slots, plan_from_slots
 from moonep_sim.plan.runs import split_runs
 from moonep_sim.plan.kinds import require_index
 from moonep_sim.plan.order import small_key_dtype, stable_order_counts
@@ -231,5 +231,5 @@ def alloc_plan(routing: GlobalRouting, ctx: PlanContext, alloc_ER: np.ndarray, s
     if bool((slot_of_ER[pe, pd] < 0).any()):
         raise PlanError("every allocated (expert, rank) pair must have a slot (internal error)")
     entry_slot = split_runs(ids_N, E, pe, alloc_ER[pe, pd], slot_of_ER[pe, pd], perf=ctx.perf)
-    return plan_from_slots(routing, ctx.cluster, ctx.costs, slot_rank_S, slot_expert_S, slot_home_S, entry_slot,
+    return plan_from_slots(routing, ctx.cluster, ctx.costs, Slots(slot_rank_S, slot_expert_S, slot_home_S), entry_slot,
                            dedup=dedup, token_padding=token_padding, perf=ctx.perf, **extra)
