@@ -127,8 +127,12 @@ def run_layout_step(scenario: Any, options, *, model=None, progress=None, jobs: 
     wd = check_supported(get_dtype(o.weight_dtype, "--weight-dtype", WEIGHT_DTYPES), rs.topology, "--weight-dtype")
     check_supported(get_dtype(o.kv_dtype, "--kv-dtype", KV_DTYPES), rs.topology, "--kv-dtype")
     costs = step_cost_model(rs.topology, o.gemm_dtype, o.compute_profile, mode=o.mode, weight_bytes=wd.weight_bytes)
+    from moonep_sim.step.offload import check_host
+
+    check_host(rs.topology, o.optimizer_offload, o.mode)
     mem = MemoryOptions(o.optimizer_bytes_per_param, o.optimizer_shard, weight_dtype=o.weight_dtype,
-                        kv_dtype=o.kv_dtype, gemm_dtype=o.gemm_dtype, **recompute_options(o.recompute))
+                        kv_dtype=o.kv_dtype, gemm_dtype=o.gemm_dtype, optimizer_offload=o.optimizer_offload,
+                        offload_overlap=o.offload_overlap, **recompute_options(o.recompute))
     cfg = StepConfig(m, group.topology, group.ctx, group.strategies, shape, o.overlap, costs, mem, {})
     pool = None
     if cluster or (jobs or 1) != 1:
@@ -181,7 +185,8 @@ def add_layout_mtp(figures: dict, cfg, p, mtp) -> dict:
 LAYOUT_ASSUMPTIONS = (
     "TP/SP/ETP/CP collectives exposed (no TP-communication overlap); CP ring traffic not overlapped with attention",
     "DP gradients reduced in fp32, parameters gathered in bf16 (ring, one per rail); optimizer step memory-bound "
-    "at 30 B/param",
+    "at 30 B/param; with optimizer CPU offload its host part over PCIe at 80% and a CPU Adam at half the node's "
+    "DRAM bandwidth",
     "pipeline sends over the link the stage boundary crosses; DualPipe order by the rule of its figure, "
     "no zero-bubble weight split",
     "memory per pipeline rank by the layout's account (memory_for_layout) over the Plans of the layers simulated; "

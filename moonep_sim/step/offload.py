@@ -116,6 +116,28 @@ def host_check(mem: dict, topo, gpus_per_node: int, world: int) -> dict[str, Any
             "oom": (node > cap) if per_gpu > 0 else None}
 
 
+def offload_fits(mem0: dict, fraction: float, cap: float, host_cap_node: float, gpus_on_node: int,
+                 optimizer_bytes_per_param: float) -> tuple[bool, bool]:
+    """Whether an account taken with nothing offloaded (``mem0``:
+    :func:`~moonep_sim.step.memory.memory_for_layout`) fits with ``fraction`` of the optimizer state
+    on the host, without recomputing it (the offload takes ``fraction`` of each stage's optimizer
+    part off the GPU and puts it, with the pinned gradient copy, on the host): ``(its weights,
+    gradients and remaining optimizer state fit in cap and the host memory of the node's
+    gpus_on_node GPUs in host_cap_node, the whole peak fits too)``. ``cap`` 0: no limit."""
+    f, obp = float(fraction), float(optimizer_bytes_per_param)
+    static = whole = 0.0
+    host = 0.0
+    for st in mem0["stages"]:
+        p = st["parts"]
+        opt = p.get("optimizer", 0.0)
+        static = max(static, p.get("weights", 0.0) + p.get("gradients", 0.0) + opt * (1 - f))
+        whole = max(whole, st["peak_bytes"] - opt * f)
+        if obp > 0:
+            host = max(host, opt * f / obp * host_bytes_per_param(obp))
+    host_ok = f == 0 or host * max(int(gpus_on_node), 1) <= host_cap_node
+    return (not cap or static <= cap) and host_ok, (not cap or whole <= cap) and host_ok
+
+
 __all__ = ["CPU_ADAM_BYTES_PER_PARAM", "CPU_ADAM_MEM_EFFICIENCY", "D2H_BYTES", "GPU_ADAM_BYTES_PER_PARAM", "H2D_BYTES",
-           "HOST_GRAD_BYTES", "PCIE_EFFICIENCY", "check_host", "check_offload", "host_bytes_per_param", "host_check",
+           "HOST_GRAD_BYTES", "PCIE_EFFICIENCY", "check_host", "check_offload", "host_bytes_per_param", "host_check", "offload_fits",
            "optimizer_step_us"]
