@@ -192,8 +192,8 @@ def no_fit_note(model, gpus: int, static: list, mem, cap: float, shape_of: Calla
     if least is not None:
         line += (f"; the least-loaded layout ({least.label()} ZeRO{least.zero}, {least_b / 2**30:.0f} GiB before "
                  "activations) fits with " + (f"{fit['change']} ({fit['detail']})" if fit else
-                                              "no single change or pair tried (recompute, ZeRO, more pipeline stages, "
-                                              "fp8 weights or KV)"))
+                                              "no single change or pair tried (recompute, ZeRO, optimizer CPU offload, "
+                                              "more pipeline stages, fp8 weights or KV)"))
     return {"parameters": params, "bytes_per_param": per, "floor_bytes": floor, "min_gpus": min_gpus,
             "host_bytes_per_param": host_per, "min_host_nodes": host_nodes, "offload": off,
             "least_layout": least.to_dict() if least is not None else None, "least_static_bytes": least_b,
