@@ -128,17 +128,13 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     assert got == {"moonep_sim.sim.ports", "moonep_sim.sim.network", "moonep_sim.plan"}
 
 
-#: the core's interfaces stay narrow and its functions short: in plan/, sim/ and routing/ no
-#: function takes more than MAX_PARAMS parameters (``*args`` / ``**kwargs`` count one each; ``self``
-#: none) or runs over MAX_FUNC_LINES lines. The compiled kernels take named records
-#: (``NamedTuple``s built beside them) instead. Known exceptions, each named with its reason:
+#: every function stays narrow and short -- the core (plan/, sim/, routing/), the step model, the
+#: executors, the experiments, the renderers and the command line alike: none takes more than
+#: MAX_PARAMS parameters (``*args`` / ``**kwargs`` count one each; ``self`` none) or runs over
+#: MAX_FUNC_LINES lines. A long parameter list becomes a record (the compiled kernels take
+#: ``NamedTuple``s built beside them, the plan builders ``Slots`` and ``Route``, the step
+#: ``StepOptions``); a long function is split into named steps. No exception.
 MAX_PARAMS, MAX_FUNC_LINES = 12, 100
-CORE = ("plan", "sim", "routing")
-WIDE_OR_LONG = {
-    # file importers: one format's parse, read top to bottom
-    "routing/importers/counts_json.py:load_counts", "routing/importers/records.py:parse_records",
-    "routing/importers/records.py:load_records",
-}
 
 
 def _wide_or_long(path: Path) -> list[str]:
@@ -153,26 +149,10 @@ def _wide_or_long(path: Path) -> list[str]:
     return out
 
 
-def test_core_functions_are_narrow_and_short():
-    found = {f for pkg in CORE for p in sorted((PKG / pkg).rglob("*.py")) for f in _wide_or_long(p)}
-    assert not found - WIDE_OR_LONG, (f"functions over {MAX_PARAMS} parameters or {MAX_FUNC_LINES} lines "
-                                      f"(take a record, split by step): {sorted(found - WIDE_OR_LONG)}")
-    assert not WIDE_OR_LONG - found, f"exceptions no longer needed: {sorted(WIDE_OR_LONG - found)}"
-
-
-#: the same rule everywhere else in the package (the step model, the executors, the experiments,
-#: the renderers, the command line): a long parameter list becomes a record, a long function named
-#: steps. No exception.
-OUTSIDE_CORE_WIDE_OR_LONG: set[str] = set()
-
-
-def test_functions_outside_the_core_are_narrow_and_short():
-    files = [p for p in sorted(PKG.rglob("*.py")) if p.relative_to(PKG).parts[0] not in CORE]
-    found = {f for p in files for f in _wide_or_long(p)}
-    assert not found - OUTSIDE_CORE_WIDE_OR_LONG, (
-        f"functions over {MAX_PARAMS} parameters or {MAX_FUNC_LINES} lines (take a record, split by step): "
-        f"{sorted(found - OUTSIDE_CORE_WIDE_OR_LONG)}")
-    assert not OUTSIDE_CORE_WIDE_OR_LONG - found, f"exceptions no longer needed: {sorted(OUTSIDE_CORE_WIDE_OR_LONG - found)}"
+def test_functions_are_narrow_and_short():
+    found = sorted(f for p in sorted(PKG.rglob("*.py")) for f in _wide_or_long(p))
+    assert not found, (f"functions over {MAX_PARAMS} parameters or {MAX_FUNC_LINES} lines (take a record, split by "
+                       f"step): {found}")
 
 
 def test_the_width_and_length_check_counts_what_it_says(tmp_path, monkeypatch):

@@ -53,14 +53,6 @@ def aggregate(values_B: Sequence[float], tokens_B: Sequence[int | None],
             "best": float(v[lo]), "best_step": step_ids_B[lo], "steps": int(v.size)}
 
 
-def per_batch_means(values: Sequence[float], batch_of: Sequence[int], num_batches: int) -> np.ndarray:
-    """Mean of each batch's entries (one entry per layer), float64 [B]."""
-    b = np.asarray(batch_of, np.int64)
-    v = np.asarray(values, float)
-    n = np.bincount(b, minlength=num_batches).astype(float)
-    return np.bincount(b, weights=v, minlength=num_batches) / np.maximum(n, 1)
-
-
 def routing_key(routing) -> str:
     """A digest of a GlobalRouting's content (ids, weights, tokens per rank, E): equal routings,
     equal keys (plans are pure functions of the routing and the context)."""
@@ -105,5 +97,5 @@ def step_aggregates(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "excluded_from_wins": bad}
 
 
-__all__ = ["AGGREGATE_FIELDS", "STEP_SERIES", "aggregate", "batch_weights", "per_batch_means", "routing_key",
+__all__ = ["AGGREGATE_FIELDS", "STEP_SERIES", "aggregate", "batch_weights", "routing_key",
            "step_aggregates", "step_wins", "weighted_mean"]

@@ -71,17 +71,6 @@ def output_rule(args, files: Iterable[str] = (), folders: Mapping[str, Sequence[
     check_outputs(outs, ins, {k: v for k, v in fold.items() if isinstance(v[0], (str, os.PathLike))})
 
 
-def parse_kv(items: list[str] | None, what: str = "--opt") -> dict[str, str]:
-    """``["a=1", "b=x"]`` -> ``{"a": "1", "b": "x"}``."""
-    out: dict[str, str] = {}
-    for it in items or []:
-        if "=" not in it:
-            raise ConfigError(f"{what} ({it!r}) must look like key=value")
-        k, v = it.split("=", 1)
-        out[k.strip().replace("-", "_")] = v.strip()
-    return out
-
-
 def parse_strategy_opts(items: list[str] | None, names: list[str]) -> dict[str, dict[str, str]]:
     """``--opt STRATEGY.key=value`` (or ``key=value`` when one strategy is named) -> per strategy
     (:func:`moonep_sim.experiments.spec.parse_opt_items`, the one parser)."""

@@ -94,13 +94,6 @@ def scenario(args):
     return sc
 
 
-def build_plans(args):
-    """(plans, model, layer ids) from parsed arguments (shared with tests)."""
-    sc = scenario(args)
-    res = sc.plans()
-    return [it.plan for it in res.items], sc.resolved.source.model, list(sc.resolved.source.layer_ids)
-
-
 def run(args) -> int:
     from moonep_sim.sim import parse_faults
     from moonep_sim.sim.timeline import DEFAULT_TOL

@@ -301,13 +301,6 @@ class RoutingSource:
                 return GlobalRouting.split_evenly(ids, w, self.num_experts, cluster.ranks)
         return base if base is not None else self.global_routing(layer_id, cluster.ranks, batch)
 
-    def layer_position(self, layer_id: int) -> int:
-        """The stored position of ``layer_id`` in a trace (the file :meth:`trace_file` writes keeps
-        a trace's layers; generated routing: the position in ``layer_ids``)."""
-        if self._trace is not None:
-            return self._trace.layer_index(layer_id)
-        return self.layer_ids.index(layer_id)
-
     def trace_file(self, dest_dir: Path, ranks: int) -> Path:
         """A trace file holding the routing: a trace's own path (the replay selects its steps), else
         generated or in-memory routing written once, as one step."""

@@ -325,11 +325,5 @@ def _hidden_of(site: ExpertsSite) -> int:
     return int(hd)
 
 
-def home_rows(full: torch.Tensor, home_experts: torch.Tensor) -> torch.Tensor:
-    """The rows of a full ``[E, ...]`` expert tensor that a rank holds (for comparing with a
-    single-process model)."""
-    return full[home_experts]
-
-
 __all__ = ["EPExperts", "ExpertParallel", "ExpertsSite", "MISSING_TRANSFORMERS", "expert_parallel", "find_experts",
-           "home_rows", "require_transformers"]
+           "require_transformers"]

@@ -108,11 +108,6 @@ def kv_elems_per_token(model: ModelSpec, kind: str) -> int:
     return attention_kind(kind).kv_elems_per_token(model)
 
 
-def attention_core(model: ModelSpec, kind: str, shape: StepShape) -> Op | None:
-    """The ``attn_core`` op of one layer of ``kind`` (None for a kind with no attention op)."""
-    return attention_kind(kind).core(model, shape)
-
-
 def _norm(T: int, H: int) -> Op:
     # read the input and the residual, write the sum and the normalised output (ASSUMED 4 passes)
     return Op("norm", "bytes", 0.0, 4.0 * T * H * BF16, T, f"tokens={T}")
@@ -197,6 +192,6 @@ def backward_op(op: Op) -> Op:
     return replace(op, name=op.name + "_bwd", flops=op.flops * f, bytes=op.bytes * 2.0)
 
 
-__all__ = ["BF16", "DEFAULT_DECODE_CONTEXT", "LayerOps", "MODES", "Op", "StepShape", "attention_core",
+__all__ = ["BF16", "DEFAULT_DECODE_CONTEXT", "LayerOps", "MODES", "Op", "StepShape",
            "attention_params", "backward_op", "dense_params", "head_ops", "kv_elems_per_token", "latent_proj_params",
            "layer_ops", "parameter_counts", "step_shape"]

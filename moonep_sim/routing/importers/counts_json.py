@@ -30,6 +30,44 @@ def load_counts(path: Path, fmt: str, opts: ImportOptions) -> Imported:
     if not text.strip():
         raise err(where, "expected a JSON expert-count histogram, found an empty file")
     doc = load_json(where, text)
+    (file_E, file_K, file_layers), body, field = _header_and_body(where, doc)
+    items, layer_ids, rows = _layer_rows(where, body, field)
+    max_id = max((e for pairs in rows for e, _ in pairs), default=-1)
+    report: dict[str, Any] = {"format": "counts-json", "field": field}
+    E, inferred = resolve_experts(where, opts, file_E, np.asarray([max_id]) if max_id >= 0 else None, report)
+    if max_id >= E:
+        lk = next(lk for (lk, _), pairs in zip(items, rows) if any(e >= E for e, _ in pairs))
+        raise err(where, f"{field}[{lk}]: expert id: expected < num_experts ({E}), found {max_id}")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise err(where, f"{field}: layer keys: expected distinct layers, found {layer_ids}")
+    if file_layers is not None and sorted(file_layers) != sorted(layer_ids):
+        raise err(where, f"layers: expected the layers of {field} {layer_ids}, found {file_layers}: "
+                          "metadata contradicts the counts")
+    counts_LE = np.zeros((len(rows), E), np.int64)
+    for i, pairs in enumerate(rows):
+        if pairs:
+            e, c = zip(*pairs)
+            counts_LE[i, list(e)] = c
+    _check_totals(where, doc, layer_ids, counts_LE)
+    K = _top_k(where, opts, file_K, E, report)
+    sums = counts_LE.sum(axis=1)
+    if (sums == sums[0]).all() and sums[0] % K == 0:
+        T = int(sums[0] // K)
+    else:
+        T = None
+        report["num_tokens"] = "unknown: layer totals differ or are not multiples of top_k"
+    report["layers"] = len(layer_ids)
+    order = np.argsort(layer_ids, kind="stable")
+    meta = TraceMeta(kind="counts", num_experts=E, top_k=int(K), layer_ids=[layer_ids[i] for i in order],
+                     num_tokens=T, steps="counts aggregated over all tokens (one step)",
+                     source=f"imported from {path.name} (counts-json)", attribution=attribution(path),
+                     import_report=report, num_experts_inferred=inferred, **model_meta(opts))
+    return Imported(meta, {"counts": counts_LE[order]})
+
+
+def _header_and_body(where: str, doc: Any) -> tuple[tuple[Any, Any, Any], Any, str]:
+    """((num_experts, top_k, layers) the file states, or None each; the per-layer counts; the
+    field they are under)."""
     file_E = file_K = file_layers = None
     if isinstance(doc, dict):
         file_E, file_K, file_layers = doc.get("num_experts"), doc.get("top_k"), doc.get("layers")
@@ -40,14 +78,16 @@ def load_counts(path: Path, fmt: str, opts: ImportOptions) -> Imported:
             raise err(where, f"layers: expected a list of integer layer ids, found {json.dumps(file_layers)[:60]}")
         for key in ("expert_usage_by_layer", "counts", "expert_counts"):
             if key in doc:
-                body, field = doc[key], key
-                break
-        else:
-            body, field = doc, "(top level)"
-    elif isinstance(doc, list):
-        body, field = doc, "(top level)"
-    else:
-        raise err(where, f"expected a JSON object or list of per-layer counts, found {type(doc).__name__}")
+                return (file_E, file_K, file_layers), doc[key], key
+        return (file_E, file_K, file_layers), doc, "(top level)"
+    if isinstance(doc, list):
+        return (file_E, file_K, file_layers), doc, "(top level)"
+    raise err(where, f"expected a JSON object or list of per-layer counts, found {type(doc).__name__}")
+
+
+def _layer_rows(where: str, body: Any, field: str) -> tuple[list, list[int], list[list[tuple[int, Any]]]]:
+    """(the (layer key, value) items, the layer ids, each layer's (expert, count) pairs), every
+    key and count checked."""
     if isinstance(body, dict):
         items = list(body.items())
     elif isinstance(body, list):
@@ -80,23 +120,11 @@ def load_counts(path: Path, fmt: str, opts: ImportOptions) -> Imported:
                 raise err(where, f"{field}[{lk}][{e}]: expected a count (integer >= 0), found {c!r}")
             if e < 0:
                 raise err(where, f"{field}[{lk}]: expert id: expected >= 0, found {e}")
-    max_id = max((e for pairs in rows for e, _ in pairs), default=-1)
-    report: dict[str, Any] = {"format": "counts-json", "field": field}
-    E, inferred = resolve_experts(where, opts, file_E, np.asarray([max_id]) if max_id >= 0 else None, report)
-    if max_id >= E:
-        lk = next(lk for (lk, _), pairs in zip(items, rows) if any(e >= E for e, _ in pairs))
-        raise err(where, f"{field}[{lk}]: expert id: expected < num_experts ({E}), found {max_id}")
-    if len(set(layer_ids)) != len(layer_ids):
-        raise err(where, f"{field}: layer keys: expected distinct layers, found {layer_ids}")
-    if file_layers is not None and sorted(file_layers) != sorted(layer_ids):
-        raise err(where, f"layers: expected the layers of {field} {layer_ids}, found {file_layers}: "
-                          "metadata contradicts the counts")
-    counts_LE = np.zeros((len(rows), E), np.int64)
-    for i, pairs in enumerate(rows):
-        if pairs:
-            e, c = zip(*pairs)
-            counts_LE[i, list(e)] = c
-    # cross-check per-layer totals that some exporters write alongside
+    return items, layer_ids, rows
+
+
+def _check_totals(where: str, doc: Any, layer_ids: list[int], counts_LE: np.ndarray) -> None:
+    """Cross-check the per-layer totals some exporters write alongside (``layer_analysis``)."""
     analysis = doc.get("layer_analysis") if isinstance(doc, dict) else None
     if analysis is not None and not isinstance(analysis, dict):
         raise err(where, f"layer_analysis: expected an object of per-layer objects, found {type(analysis).__name__}")
@@ -109,6 +137,10 @@ def load_counts(path: Path, fmt: str, opts: ImportOptions) -> Imported:
             if tot is not None and tot != int(counts_LE[i].sum()):
                 raise err(where, f"layer_analysis[{lk}].total_usage: expected {int(counts_LE[i].sum())} "
                                   f"(the sum of its counts), found {tot}: metadata contradicts the counts")
+
+
+def _top_k(where: str, opts: ImportOptions, file_K: Any, E: int, report: dict[str, Any]) -> int:
+    """The top-k: given, the file's, the model's, else 1 (said in the report)."""
     m = model_of(opts)
     K = opts.top_k or file_K
     if K is None and m is not None:
@@ -119,19 +151,7 @@ def load_counts(path: Path, fmt: str, opts: ImportOptions) -> Imported:
     check_top_k(where, K, opts)
     if not 1 <= K <= E:
         raise err(where, f"top_k: expected an integer in [1, {E}], found {K}")
-    sums = counts_LE.sum(axis=1)
-    if (sums == sums[0]).all() and sums[0] % K == 0:
-        T = int(sums[0] // K)
-    else:
-        T = None
-        report["num_tokens"] = "unknown: layer totals differ or are not multiples of top_k"
-    report["layers"] = len(layer_ids)
-    order = np.argsort(layer_ids, kind="stable")
-    meta = TraceMeta(kind="counts", num_experts=E, top_k=int(K), layer_ids=[layer_ids[i] for i in order],
-                     num_tokens=T, steps="counts aggregated over all tokens (one step)",
-                     source=f"imported from {path.name} (counts-json)", attribution=attribution(path),
-                     import_report=report, num_experts_inferred=inferred, **model_meta(opts))
-    return Imported(meta, {"counts": counts_LE[order]})
+    return K
 
 
 register(Importer(

@@ -40,8 +40,9 @@ What happens to a log, in order (every drop is counted in the trace's ``import_r
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -57,22 +58,37 @@ MAX_BLOCKS_LISTED = 20
 def parse_records(path: Path) -> dict[str, Any]:
     """One pass over a JSONL log: raw per-record arrays plus the meta line (if any)."""
     where = str(path)
-    meta_line: dict | None = None
-    names: dict[str, str | None] | None = None
-    groups: dict[Any, int] = {}
-    steps: dict[Any, int] = {}
-    g_l, s_l, t_l, l_l, ids_l, w_l, line_l = [], [], [], [], [], [], []
-    skipped = 0
-    K0 = None
-    seen_keys: set[str] = set()
     with open(path, "rb") as f:
         data = f.read()
     if not data.strip():
         raise err(where, "expected routing records, found an empty file")
+    c = _collect(where, _records(where, data))
+    if not c.ids:
+        raise err(where, "expected at least one route record, found none")
+    line_N = np.asarray(c.line, np.int64)
+    # JSON true/false decode as Python bools, which numpy silently turns into 1/0: when the file
+    # holds the words at all, the (slow, exact) per-record type check of _ints runs
+    maybe_bools = b"true" in data or b"false" in data
+    names = c.names
+    ids_NK = _ints(where, c.ids, names["ids"], 2, line_N, maybe_bools)
+    tok_N = _ints(where, c.tok, names["token"], 1, line_N, maybe_bools)
+    lay_N = _ints(where, c.lay, names["layer"], 1, line_N, maybe_bools)
+    w_NK = _weights(where, c.w, names["weights"], line_N) if names["weights"] is not None else None
+    used = {v for v in names.values() if v}
+    ignored = sorted(c.seen_keys - used - QUIET_FIELDS)
+    return {"meta": c.meta, "names": names, "group_N": np.asarray(c.group, np.int64),
+            "stepfield_N": np.asarray(c.step, np.int64) if names["step"] else None,
+            "token_N": tok_N, "layer_N": lay_N, "ids_NK": ids_NK, "w_NK": w_NK, "line_N": line_N,
+            "skipped": c.skipped, "ignored": ignored}
+
+
+def _records(where: str, data: bytes) -> Iterator[tuple[int, dict]]:
+    """(line number, record) of each non-blank line, in order: one C-level decode of every line,
+    per line only on error (then the first bad line is named)."""
     truncated = not data.endswith(b"\n")
     lines = data.split(b"\n")
     numbered = [(i, s) for i, s in enumerate((x.strip() for x in lines), 1) if s]
-    try:                                  # one C-level decode of every line; per line only on error
+    try:
         decoded = json.loads(b"[" + b",".join(s for _, s in numbered) + b"]")
         if len(decoded) != len(numbered):
             raise ValueError("a line held more than one JSON value")
@@ -93,23 +109,52 @@ def parse_records(path: Path) -> dict[str, Any]:
                                  "to parse") from None
         if not isinstance(rec, dict):
             raise err(where, f"record {lineno}: expected a JSON object, found {type(rec).__name__}")
+        yield lineno, rec
+
+
+@dataclass
+class _Columns:
+    """What :func:`_collect` gathers, one entry per route record (lists), and what it saw."""
+
+    meta: dict | None = None
+    names: dict[str, str | None] | None = None
+    groups: dict[Any, int] = field(default_factory=dict)
+    steps: dict[Any, int] = field(default_factory=dict)
+    group: list = field(default_factory=list)
+    step: list = field(default_factory=list)
+    tok: list = field(default_factory=list)
+    lay: list = field(default_factory=list)
+    ids: list = field(default_factory=list)
+    w: list = field(default_factory=list)
+    line: list = field(default_factory=list)
+    skipped: int = 0
+    K0: int | None = None
+    seen_keys: set[str] = field(default_factory=set)
+
+
+def _collect(where: str, records: Iterable[tuple[int, dict]]) -> _Columns:
+    """The meta record, the field names (from the first route record) and each route record's
+    fields, checked as they come (the only per-record Python step)."""
+    c = _Columns()
+    for lineno, rec in records:
         kind = rec.get("type")
         if kind == "meta":
-            if meta_line is not None or ids_l:
+            if c.meta is not None or c.ids:
                 raise err(where, f"record {lineno}: type: expected the meta record first and once, found another")
-            meta_line = rec
+            c.meta = rec
             continue
         if kind is not None and kind != "route":
-            skipped += 1
+            c.skipped += 1
             continue
-        if names is None:
-            names = {role: pick(rec, role) for role in FIELDS}
+        if c.names is None:
+            c.names = {role: pick(rec, role) for role in FIELDS}
             for role in REQUIRED_ROLES:
-                if names[role] is None:
+                if c.names[role] is None:
                     raise err(where, f"record {lineno}: {role}: expected one of the fields "
                                      f"{list(FIELDS[role])}, found keys {sorted(rec)}")
-        if len(rec) > len(seen_keys) or not seen_keys.issuperset(rec):
-            seen_keys.update(rec)
+        names = c.names
+        if len(rec) > len(c.seen_keys) or not c.seen_keys.issuperset(rec):
+            c.seen_keys.update(rec)
         try:
             ids = rec[names["ids"]]
             tok = rec[names["token"]]
@@ -120,78 +165,67 @@ def parse_records(path: Path) -> dict[str, Any]:
         if not isinstance(ids, list):
             raise err(where, f"record {lineno}: {names['ids']}: expected a list of expert ids, "
                              f"found {type(ids).__name__}")
-        if K0 is None:
-            K0 = len(ids)
-            if K0 == 0:
+        if c.K0 is None:
+            c.K0 = len(ids)
+            if c.K0 == 0:
                 raise err(where, f"record {lineno}: {names['ids']}: expected at least one expert id, found []")
-        elif len(ids) != K0:
-            raise err(where, f"record {lineno}: {names['ids']}: expected {K0} ids (the top-k of the first "
+        elif len(ids) != c.K0:
+            raise err(where, f"record {lineno}: {names['ids']}: expected {c.K0} ids (the top-k of the first "
                              f"record), found {len(ids)}: top-k width varies across records")
         if names["weights"] is not None:
             w = rec.get(names["weights"])
-            if not isinstance(w, list) or len(w) != K0:
-                raise err(where, f"record {lineno}: {names['weights']}: expected a list of {K0} weights, "
+            if not isinstance(w, list) or len(w) != c.K0:
+                raise err(where, f"record {lineno}: {names['weights']}: expected a list of {c.K0} weights, "
                                  f"found {json.dumps(w)[:60]}")
-            w_l.append(w)
+            c.w.append(w)
         gkey = rec.get(names["group"]) if names["group"] else None
         if isinstance(gkey, (list, dict)):
             gkey = json.dumps(gkey, sort_keys=True)
-        g_l.append(groups.setdefault(gkey, len(groups)))
+        c.group.append(c.groups.setdefault(gkey, len(c.groups)))
         if names["step"] is not None:
             skey = rec.get(names["step"])
             if isinstance(skey, (list, dict)):
                 skey = json.dumps(skey, sort_keys=True)
-            s_l.append(steps.setdefault(skey, len(steps)))
-        t_l.append(tok)
-        l_l.append(lay)
-        ids_l.append(ids)
-        line_l.append(lineno)
-    if not ids_l:
-        raise err(where, "expected at least one route record, found none")
-    line_N = np.asarray(line_l, np.int64)
+            c.step.append(c.steps.setdefault(skey, len(c.steps)))
+        c.tok.append(tok)
+        c.lay.append(lay)
+        c.ids.append(ids)
+        c.line.append(lineno)
+    return c
 
-    # JSON true/false decode as Python bools, which numpy silently turns into 1/0: when the file
-    # holds the words at all, the (slow, exact) per-record type check below runs
-    maybe_bools = b"true" in data or b"false" in data
 
-    def ints(values, fld: str, shape_ok) -> np.ndarray:
-        try:
-            a = np.asarray(values)
-        except (ValueError, OverflowError):
-            a = np.asarray(values, dtype=object)
-        if a.dtype.kind in "iu" and shape_ok(a) and not maybe_bools:
-            return a.astype(np.int64)
-        for i, v in enumerate(values):  # error path (or true/false in the file): find the offending record
-            vv = v if isinstance(v, list) else [v]
-            if not all(isinstance(x, int) and not isinstance(x, bool) for x in vv):
-                raise err(where, f"record {line_N[i]}: {fld}: expected integers, found {json.dumps(v)[:60]}")
-            if not all(-(1 << 63) <= x < 1 << 63 for x in vv):
-                raise err(where, f"record {line_N[i]}: {fld}: expected 64-bit integers, found {json.dumps(v)[:60]}")
-        if a.dtype.kind in "iu" and shape_ok(a):
-            return a.astype(np.int64)
-        raise err(where, f"{fld}: expected integers, found dtype {a.dtype}")
+def _ints(where: str, values: list, fld: str, ndim: int, line_N: np.ndarray, maybe_bools: bool) -> np.ndarray:
+    """int64 array of ``ndim`` dimensions from one field's values, or a one-line error naming the
+    first record that is not integers (checked value by value when the file holds true/false)."""
+    try:
+        a = np.asarray(values)
+    except (ValueError, OverflowError):
+        a = np.asarray(values, dtype=object)
+    if a.dtype.kind in "iu" and a.ndim == ndim and not maybe_bools:
+        return a.astype(np.int64)
+    for i, v in enumerate(values):  # error path (or true/false in the file): find the offending record
+        vv = v if isinstance(v, list) else [v]
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in vv):
+            raise err(where, f"record {line_N[i]}: {fld}: expected integers, found {json.dumps(v)[:60]}")
+        if not all(-(1 << 63) <= x < 1 << 63 for x in vv):
+            raise err(where, f"record {line_N[i]}: {fld}: expected 64-bit integers, found {json.dumps(v)[:60]}")
+    if a.dtype.kind in "iu" and a.ndim == ndim:
+        return a.astype(np.int64)
+    raise err(where, f"{fld}: expected integers, found dtype {a.dtype}")
 
-    ids_NK = ints(ids_l, names["ids"], lambda a: a.ndim == 2)
-    tok_N = ints(t_l, names["token"], lambda a: a.ndim == 1)
-    lay_N = ints(l_l, names["layer"], lambda a: a.ndim == 1)
-    w_NK = None
-    if names["weights"] is not None:
-        try:
-            w_NK = np.asarray(w_l, dtype=np.float64)
-            if w_NK.ndim != 2:
-                raise ValueError("nested lists")
-        except (ValueError, TypeError):
-            for i, v in enumerate(w_l):
-                if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
-                    raise err(where, f"record {line_N[i]}: {names['weights']}: expected numbers, "
-                                     f"found {json.dumps(v)[:60]}") from None
-            raise err(where, f"{names['weights']}: expected lists of numbers") from None
-    used = {v for v in names.values() if v}
-    ignored = sorted(seen_keys - used - QUIET_FIELDS)
-    return {"meta": meta_line, "names": names, "group_N": np.asarray(g_l, np.int64),
-            "stepfield_N": np.asarray(s_l, np.int64) if names["step"] else None,
-            "token_N": tok_N, "layer_N": lay_N, "ids_NK": ids_NK, "w_NK": w_NK, "line_N": line_N,
-            "skipped": skipped, "ignored": ignored}
+
+def _weights(where: str, values: list, fld: str, line_N: np.ndarray) -> np.ndarray:
+    """float64 [N, K] weights, or a one-line error naming the first record that is not numbers."""
+    try:
+        w_NK = np.asarray(values, dtype=np.float64)
+        if w_NK.ndim != 2:
+            raise ValueError("nested lists")
+        return w_NK
+    except (ValueError, TypeError):
+        for i, v in enumerate(values):
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+                raise err(where, f"record {line_N[i]}: {fld}: expected numbers, found {json.dumps(v)[:60]}") from None
+        raise err(where, f"{fld}: expected lists of numbers") from None
 
 
 # ---------------------------------------------------------------------------------- steps
@@ -351,14 +385,63 @@ def load_records(path: Path, fmt: str, opts: ImportOptions) -> Imported:
     where = str(path)
     r = parse_records(path)
     names, meta_line = r["names"], r["meta"] or {}
-    ids, w, lay, tok, grp, line = r["ids_NK"], r["w_NK"], r["layer_N"], r["token_N"], r["group_N"], r["line_N"]
+    ids, lay, tok, grp = r["ids_NK"], r["layer_N"], r["token_N"], r["group_N"]
     N, K = ids.shape
     report: dict[str, Any] = {"format": fmt, "records": int(N), "fields": {k: v for k, v in names.items() if v}}
     if r["ignored"]:
         report["fields_ignored"] = r["ignored"]
     if r["skipped"]:
         report["non_route_records_skipped"] = r["skipped"]
-    # -- metadata against records
+    E, inferred, logged = _check_against_meta(where, r, meta_line, opts, report)
+    w = r["w_NK"] = _checked_weights(where, r, report)
+    keep = np.ones(N, bool)
+    # -- exact repeats of the previous record of the same layer
+    order = np.argsort(lay, kind="stable")
+    rep = np.zeros(N, bool)
+    a, b = order[:-1], order[1:]
+    rep[b] = ((lay[a] == lay[b]) & (grp[a] == grp[b]) & (tok[a] == tok[b]) & (ids[a] == ids[b]).all(axis=1)
+              & (np.abs(w[a] - w[b]) <= 1e-6).all(axis=1))
+    if r["stepfield_N"] is not None:
+        rep[b] &= r["stepfield_N"][a] == r["stepfield_N"][b]
+    keep &= ~rep
+    n_dup = int(rep.sum())
+    # -- steps, then dummy blocks
+    step, steps_rule = assign_steps(opts.steps_from, r, keep)
+    tkey = _drop_dummy_tokens(r, keep, step, opts, report)
+    report["duplicate_records_dropped"] = n_dup + _drop_step_duplicates(where, r, keep, tkey)
+    # -- tokens missing layers: kept at the layers they have (a per-layer token mask), or dropped
+    layer_ids = [int(x) for x in logged] if logged is not None else (
+        sorted(int(x) for x in np.unique(lay[keep])) if keep.any() else [])
+    if not layer_ids:
+        raise err(where, "expected route records after dropping dummy blocks and duplicates, found none")
+    tensors, step_T, n_incomplete, drop = _token_tensors(where, r, keep, tkey, step, layer_ids, opts, report)
+    ids_LTK, T, L = tensors["topk_ids"], tensors["topk_ids"].shape[1], len(layer_ids)
+    S = int(step_T.max()) + 1
+    steps = f"{steps_rule}: {S} step(s), tokens ordered by step, request, {names['token']}"
+    report["tokens"], report["layers"], report["steps"] = T, L, S
+    if n_incomplete > T - n_incomplete:
+        report.setdefault("warnings", []).append(
+            f"{n_incomplete} tokens miss some layers (more than the {T - n_incomplete} complete ones): the step "
+            "rule may split passes wrongly; try --steps-from group or none")
+    report.setdefault("warnings", []).extend(
+        sanity_warnings(ids_LTK, step_T, E, layer_ids, opts.dominant_share,
+                        tensors.get("token_mask") if n_incomplete and not drop else None))
+    if not report["warnings"]:
+        del report["warnings"]
+    src_model = meta_line.get("model_id") or meta_line.get("model")
+    meta = TraceMeta(kind="tokens", num_experts=E, top_k=K, layer_ids=layer_ids, num_tokens=T, steps=steps,
+                     source=f"imported from {path.name} ({fmt})" + (f"; model {src_model}" if src_model else ""),
+                     attribution=attribution(path), import_report=report, num_experts_inferred=inferred,
+                     **model_meta(opts))
+    return Imported(meta, tensors)
+
+
+def _check_against_meta(where: str, r: dict, meta_line: dict, opts: ImportOptions,
+                        report: dict[str, Any]) -> tuple[int, Any, list | None]:
+    """(E, whether it was inferred, the meta's layers_logged or None): the records' ids, positions
+    and layers checked, and checked against the meta record."""
+    names, ids, lay, tok, line = r["names"], r["ids_NK"], r["layer_N"], r["token_N"], r["line_N"]
+    K = ids.shape[1]
     E, inferred = resolve_experts(where, opts, meta_line.get("num_experts"), ids, report)
     mk = meta_line.get("top_k")
     if mk is not None and not is_int(mk):
@@ -393,34 +476,32 @@ def load_records(path: Path, fmt: str, opts: ImportOptions) -> Imported:
             i = first_true(extra)
             raise err(where, f"record {line[i]}: {names['layer']}: expected one of meta layers_logged "
                              f"{logged}, found {int(lay[i])}: metadata contradicts the records")
+    return E, inferred, logged
+
+
+def _checked_weights(where: str, r: dict, report: dict[str, Any]) -> np.ndarray:
+    """The records' weights, finite and >= 0 (1/K each where the log has none, said in the report)."""
+    w, ids, line, names = r["w_NK"], r["ids_NK"], r["line_N"], r["names"]
     if w is None:
-        w = np.full(ids.shape, 1.0 / K)
         report["weights"] = "absent in the source: set to 1/K"
-    else:
-        fin = np.isfinite(w).all(axis=1)
-        if not fin.all():
-            i = first_true(~fin)
-            raise err(where, f"record {line[i]}: {names['weights']}: expected finite numbers, found {w[i].tolist()}")
-        neg = (w < 0).any(axis=1)
-        if neg.any():
-            i = first_true(neg)
-            raise err(where, f"record {line[i]}: {names['weights']}: expected >= 0, found {w[i].tolist()}")
-    r["w_NK"] = w
-    keep = np.ones(N, bool)
-    # -- exact repeats of the previous record of the same layer
-    order = np.argsort(lay, kind="stable")
-    rep = np.zeros(N, bool)
-    a, b = order[:-1], order[1:]
-    rep[b] = ((lay[a] == lay[b]) & (grp[a] == grp[b]) & (tok[a] == tok[b]) & (ids[a] == ids[b]).all(axis=1)
-              & (np.abs(w[a] - w[b]) <= 1e-6).all(axis=1))
-    if r["stepfield_N"] is not None:
-        rep[b] &= r["stepfield_N"][a] == r["stepfield_N"][b]
-    keep &= ~rep
-    n_dup = int(rep.sum())
-    # -- steps, then dummy blocks
-    step, steps_rule = assign_steps(opts.steps_from, r, keep)
-    sid = set_ids(ids)
-    dmask, blocks, per_reason = dummy_rows(r, keep, step, sid, opts)
+        return np.full(ids.shape, 1.0 / ids.shape[1])
+    fin = np.isfinite(w).all(axis=1)
+    if not fin.all():
+        i = first_true(~fin)
+        raise err(where, f"record {line[i]}: {names['weights']}: expected finite numbers, found {w[i].tolist()}")
+    neg = (w < 0).any(axis=1)
+    if neg.any():
+        i = first_true(neg)
+        raise err(where, f"record {line[i]}: {names['weights']}: expected >= 0, found {w[i].tolist()}")
+    return w
+
+
+def _drop_dummy_tokens(r: dict, keep: np.ndarray, step: np.ndarray, opts: ImportOptions,
+                       report: dict[str, Any]) -> np.ndarray:
+    """Each record's token key (one id per (step, request, position)); the tokens of dummy blocks
+    dropped from ``keep`` (in place) and counted in the report."""
+    ids, grp, tok = r["ids_NK"], r["group_N"], r["token_N"]
+    dmask, blocks, per_reason = dummy_rows(r, keep, step, set_ids(ids), opts)
     G = int(grp.max()) + 1
     Tm = int(tok.max()) + 1
     S = int(step.max()) + 2
@@ -436,7 +517,7 @@ def load_records(path: Path, fmt: str, opts: ImportOptions) -> Imported:
         _, tinv = np.unique(tkey[keep], return_inverse=True)
         rows_per_tok = np.bincount(tinv)
         dummy_per_tok = np.bincount(tinv, weights=dmask[keep], minlength=len(rows_per_tok))
-        dummy_tok = np.zeros(N, bool)
+        dummy_tok = np.zeros(ids.shape[0], bool)
         dummy_tok[keep] = (dummy_per_tok == rows_per_tok)[tinv]
         keep &= ~dummy_tok
         report["dummy_records_dropped"] = int(dummy_tok.sum())
@@ -445,27 +526,37 @@ def load_records(path: Path, fmt: str, opts: ImportOptions) -> Imported:
     report["dummy_rows_by_reason"] = per_reason
     report["dummy_blocks_total"] = len(blocks)
     report["dummy_blocks"] = blocks[:MAX_BLOCKS_LISTED]
-    # -- duplicates within a step: same (step, request, position, layer)
+    return tkey
+
+
+def _drop_step_duplicates(where: str, r: dict, keep: np.ndarray, tkey: np.ndarray) -> int:
+    """Records repeating an earlier one's (step, request, position, layer): dropped from ``keep``
+    (in place) when equal, an error naming both when they differ. Returns how many were dropped."""
+    ids, w, lay, line, names = r["ids_NK"], r["w_NK"], r["layer_N"], r["line_N"], r["names"]
     k = np.flatnonzero(keep)
     o = k[np.lexsort((line[k], lay[k], tkey[k]))]
     same_key = (tkey[o][1:] == tkey[o][:-1]) & (lay[o][1:] == lay[o][:-1])
-    if same_key.any():
-        a, b = o[:-1][same_key], o[1:][same_key]              # b repeats a (a earlier in the file)
-        differ = (ids[a] != ids[b]).any(axis=1) | (np.abs(w[a] - w[b]) > 1e-6).any(axis=1)
-        if differ.any():
-            j = first_true(differ)
-            raise err(where, f"record {line[b[j]]}: {names['ids']}: expected a duplicate of record {line[a[j]]} "
-                             f"(same step, token and layer) to match it, found experts {ids[b[j]].tolist()} "
-                             f"vs {ids[a[j]].tolist()}")
-        keep[b] = False
-        n_dup += len(b)
-    report["duplicate_records_dropped"] = n_dup
-    # -- tokens missing layers: kept at the layers they have (a per-layer token mask), or dropped
-    layer_ids = [int(x) for x in logged] if logged is not None else (
-        sorted(int(x) for x in np.unique(lay[keep])) if keep.any() else [])
-    if not layer_ids:
-        raise err(where, "expected route records after dropping dummy blocks and duplicates, found none")
-    L = len(layer_ids)
+    if not same_key.any():
+        return 0
+    a, b = o[:-1][same_key], o[1:][same_key]              # b repeats a (a earlier in the file)
+    differ = (ids[a] != ids[b]).any(axis=1) | (np.abs(w[a] - w[b]) > 1e-6).any(axis=1)
+    if differ.any():
+        j = first_true(differ)
+        raise err(where, f"record {line[b[j]]}: {names['ids']}: expected a duplicate of record {line[a[j]]} "
+                         f"(same step, token and layer) to match it, found experts {ids[b[j]].tolist()} "
+                         f"vs {ids[a[j]].tolist()}")
+    keep[b] = False
+    return len(b)
+
+
+def _token_tensors(where: str, r: dict, keep: np.ndarray, tkey: np.ndarray, step: np.ndarray, layer_ids: list[int],
+                   opts: ImportOptions, report: dict[str, Any]) -> tuple[dict[str, np.ndarray], np.ndarray, int, bool]:
+    """(the trace's tensors -- ``topk_ids`` [L, T, K], ``topk_weights``, ``step``, ``token_mask``
+    where tokens miss layers --, each token's step (int64 [T]), the tokens missing layers, whether
+    they were dropped). Tokens missing layers are kept at the layers they
+    have under the mask, or dropped (``incomplete_tokens="drop"``), counted in the report."""
+    ids, w, lay = r["ids_NK"], r["w_NK"], r["layer_N"]
+    K, L = ids.shape[1], len(layer_ids)
     uk, tinv = np.unique(tkey[keep], return_inverse=True)
     per_tok = np.bincount(tinv, minlength=len(uk))
     complete = per_tok == L
@@ -501,21 +592,4 @@ def load_records(path: Path, fmt: str, opts: ImportOptions) -> Imported:
         report.setdefault("warnings", []).append(
             f"{n_incomplete} of {T} tokens miss some of the {L} layers ({missing} (token, layer) rows absent): each "
             "is kept at the layers it has (a per-layer token mask); --drop-incomplete-tokens drops them instead")
-    S = int(step_T.max()) + 1
-    steps = f"{steps_rule}: {S} step(s), tokens ordered by step, request, {names['token']}"
-    report["tokens"], report["layers"], report["steps"] = T, L, S
-    if n_incomplete > T - n_incomplete:
-        report.setdefault("warnings", []).append(
-            f"{n_incomplete} tokens miss some layers (more than the {T - n_incomplete} complete ones): the step "
-            "rule may split passes wrongly; try --steps-from group or none")
-    report.setdefault("warnings", []).extend(
-        sanity_warnings(ids_LTK, step_T, E, layer_ids, opts.dominant_share, mask_LT if n_incomplete and not drop
-                        else None))
-    if not report["warnings"]:
-        del report["warnings"]
-    src_model = meta_line.get("model_id") or meta_line.get("model")
-    meta = TraceMeta(kind="tokens", num_experts=E, top_k=K, layer_ids=layer_ids, num_tokens=T, steps=steps,
-                     source=f"imported from {path.name} ({fmt})" + (f"; model {src_model}" if src_model else ""),
-                     attribution=attribution(path), import_report=report, num_experts_inferred=inferred,
-                     **model_meta(opts))
-    return Imported(meta, tensors)
+    return tensors, step_T, n_incomplete, drop
