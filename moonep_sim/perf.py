@@ -31,16 +31,20 @@ class PerfConfig:
         it saves. The CPU time is the same either way; the wall time falls on two cores.
     pair_rows_compiled_min: messages from which ``Hop.rows_RR`` counts rows per (source,
         destination) pair with its compiled pass (below: ``np.bincount``).
+    pair_table_max: (sender, receiver) pairs up to which a flow network builds its per-port-map
+        pair tables (each pair's block and latency, read by the compiled submission); above it
+        submissions classify their transfers in numpy. 2**18: 512 ranks.
     """
 
     plan_compiled_min: int = 1 << 16
     thread_min: int = 1 << 20
     pair_rows_compiled_min: int = 1 << 16
+    pair_table_max: int = 1 << 18
 
     def __post_init__(self) -> None:
-        for name in ("plan_compiled_min", "thread_min", "pair_rows_compiled_min"):
+        for name in ("plan_compiled_min", "thread_min", "pair_rows_compiled_min", "pair_table_max"):
             v = getattr(self, name)
-            require(isinstance(v, int) and v >= 0, f"{name} ({v!r}) must be an integer >= 0")
+            require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{name} ({v!r}) must be an integer >= 0")
 
 
 #: the settings every function uses unless given others

@@ -15,6 +15,19 @@ TRACES = REPO / "traces"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def ref_entry_slots(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.ndarray,
+                    slot_expert_S: np.ndarray) -> np.ndarray:
+    """int64 [N] the slot of each entry when expert e's entries, in global order, are cut into
+    consecutive pieces of ``alloc[e, 0], alloc[e, 1], ...`` entries, piece d going to e's slot on
+    rank d (moonep's and costaware's split; the reference of ``plan.runs.split_runs`` as they call it)."""
+    E, R = alloc_ER.shape
+    slot_of_ER = np.full((E, R), -1, dtype=np.int64)
+    slot_of_ER[slot_expert_S, slot_rank_S] = np.arange(slot_rank_S.size)
+    out = np.empty(ids_N.size, dtype=np.int64)
+    out[np.argsort(ids_N, kind="stable")] = np.repeat(slot_of_ER.ravel(), alloc_ER.ravel())
+    return out
+
+
 def random_routing(T: int, K: int, E: int, seed: int = 0, skew: float = 0.0):
     """[T, K] distinct ids (Gumbel top-k over a popularity with lognormal ``skew``), weights."""
     rng = np.random.default_rng(seed)

@@ -13,7 +13,8 @@ from moonep_sim.errors import ConfigError
 from moonep_sim.experiments.scenario import Scenario
 from moonep_sim.models import get_model
 from moonep_sim.sim.topology import load_topology
-from moonep_sim.step.layout_step import OPTIMIZER_BYTES_PER_PARAM, chunk_params
+from moonep_sim.step.layout_step import (GRAD_BUFFER_ZERO_BYTES_PER_PARAM, GRAD_NORM_BYTES_PER_PARAM,
+                                         OPTIMIZER_BYTES_PER_PARAM, chunk_params)
 from moonep_sim.step.memory import MemoryOptions, memory_for_layout
 from moonep_sim.step.parallel import Parallel
 from moonep_sim.step.stack import step_shape
@@ -46,7 +47,9 @@ def test_optimizer_shard_prices_the_optimizer_step_over_the_same_ranks():
     hbm = topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3
     for shard, over in ((0, 4), (2, 2), (1, 1)):
         f = sc.step("train", parallel=p, context=128, optimizer_shard=shard).figures["alltoall"]
-        want = (dense / over + expert / 4) * OPTIMIZER_BYTES_PER_PARAM / hbm
+        shard = dense / over + expert / 4
+        want = (shard * (OPTIMIZER_BYTES_PER_PARAM + GRAD_NORM_BYTES_PER_PARAM)
+                + (dense + expert / 4) * GRAD_BUFFER_ZERO_BYTES_PER_PARAM) / hbm
         assert f["pipeline_ranks"][0]["optimizer_us"] == pytest.approx(want, rel=1e-12)
 
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from moonep_sim.errors import ConfigError, PlanError
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, Slots, plan_from_slots, validate
 from moonep_sim.strategies import PlanContext, make_plan
-from moonep_sim.strategies.moonep import copy_slots, entry_slots, greedy_quotas, split_quotas
+from moonep_sim.strategies.moonep import copy_slots, greedy_quotas, split_quotas
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,7 +416,7 @@ def test_greedy_fills_every_rank_from_one_group(loads):
 
 
 def test_fast_order_path_equals_generic_builder():
-    from conftest import random_routing
+    from conftest import random_routing, ref_entry_slots
     R, E, K = 4, 16, 4
     ids, w = random_routing(60, K, E, seed=5, skew=2.0)
     r = GlobalRouting.split_evenly(ids, w, E, R)
@@ -427,7 +427,7 @@ def test_fast_order_path_equals_generic_builder():
     alloc = split_quotas(counts, greedy_quotas(counts.reshape(R, -1).sum(1), cap), E // R)
     sr, se, sh = copy_slots(alloc, E // R)
     q = plan_from_slots(r, ctx.cluster, ctx.costs, Slots(sr, se, sh),
-                        entry_slots(r.topk_ids_TK.ravel(), alloc, sr, se).reshape(60, K), dedup=True,
+                        ref_entry_slots(r.topk_ids_TK.ravel(), alloc, sr, se).reshape(60, K), dedup=True,
                         token_padding=4, capacity_R=p.capacity_R)
     for f in dataclasses.fields(p):
         a, b = getattr(p, f.name), getattr(q, f.name)

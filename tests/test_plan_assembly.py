@@ -1,9 +1,8 @@
 """``assemble_plan`` and its layout equal their slow references element-wise.
 
-:func:`moonep_sim.plan.multihop.entry_layout` writes each entry's buffer row to its final row in
-entry order where nothing is padded or dropped; it must return what ``slot_layout`` then
-``final_rows`` return (values and dtypes), on layers large enough for the chunked slot sort, with
-and without dropped entries, token padding, minimum rows and empty slots. ``assemble_plan`` (fed
+:func:`moonep_sim.plan.slot_layout` then ``final_rows`` return the same arrays (values and dtypes)
+in both forms -- the compiled counting sort and the readable reference -- on layers above the
+compiled threshold, with and without dropped entries, token padding, minimum rows and empty slots. ``assemble_plan`` (fed
 the named records of ``moonep_sim.plan.assembly``) must equal
 ``moonep_sim.plan.reference.assemble_plan``, arrived padding rows included.
 """
@@ -16,11 +15,12 @@ import pytest
 from moonep_sim.errors import PlanError
 from moonep_sim.plan import (ClusterShape, Entries, GlobalRouting, Padding, RowCosts, Slots, assemble_plan,
                              final_rows, slot_layout)
+from moonep_sim.perf import DEFAULT_PERF, perf_config
 from moonep_sim.plan import reference
-from moonep_sim.plan.multihop import entry_layout
-from moonep_sim.plan.order import CHUNK
 
 R = 8
+CHUNK = 1 << 15  # a unit of the table's sizes: 2 * CHUNK is the compiled builders' threshold
+COMPILED, READABLE = perf_config(plan_compiled_min=0), perf_config(plan_compiled_min=1 << 62)
 
 # name: (entries, slots, drop share, token padding, minimum rows, empty slots)
 CASES = {
@@ -48,20 +48,22 @@ def _case(n, S, drop, seed, empty):
 
 
 def test_cases_cover_the_regimes():
-    """The table reaches the chunked slot sort in every case but the small one, and each regime."""
-    chunked = [n >= 4 * CHUNK for n, *_ in CASES.values()]
+    """The table reaches the compiled builders' threshold in every case but the small one, and each
+    regime."""
+    chunked = [n >= DEFAULT_PERF.plan_compiled_min for n, *_ in CASES.values()]
     assert sum(chunked) == len(CASES) - 1
     assert any(c[2] > 0 for c in CASES.values()) and any(c[3] > 1 for c in CASES.values())
     assert any(c[4] for c in CASES.values()) and any(c[5] for c in CASES.values())
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_entry_layout_matches_slot_layout_and_final_rows(name):
+def test_slot_layout_and_final_rows_are_the_same_compiled_and_readable(name):
     n, S, drop, tp, min_rows, empty = CASES[name]
     slot_rank, entry_slot, buf_row = _case(n, S, drop, list(CASES).index(name), empty)
     mins = np.random.default_rng(1).integers(0, 3 * n // S, S) if min_rows else None
-    lay, row_entry, expand = entry_layout(entry_slot, slot_rank, buf_row, R, tp, mins)
-    want = slot_layout(entry_slot, slot_rank, tp, mins, R)
+    lay = slot_layout(entry_slot, slot_rank, tp, mins, R, perf=COMPILED)
+    row_entry, expand = final_rows(lay, lay.order_N[lay.n_drop:], buf_row)
+    want = slot_layout(entry_slot, slot_rank, tp, mins, R, perf=READABLE)
     want_entry, want_expand = final_rows(want, want.order_N[want.n_drop:], buf_row)
     for field in ("slot_rows_S", "slot_padded_S", "slot_offset_S", "entry_row_N", "order_N", "rows_R"):
         got, exp = getattr(lay, field), getattr(want, field)
@@ -111,7 +113,7 @@ def test_assemble_plan_names_a_missing_record_field():
     rng = np.random.default_rng(0)
     routing = _routing(16, 2, rng)
     slots = Slots(np.arange(R), np.arange(R), np.arange(R))
-    with pytest.raises(PlanError, match=r"entries.slot_N \(None\) must be given unless entries.order"):
+    with pytest.raises(PlanError, match=r"entries.slot_N \(None\) must be given unless a layout and entries.rank_N are"):
         assemble_plan(routing, ClusterShape(R), RowCosts(8, 8), slots, Entries(None, None, np.zeros(32, bool)), [])
     with pytest.raises(PlanError, match=r"entries.buf_row_N \(None\) must be given"):
         assemble_plan(routing, ClusterShape(R), RowCosts(8, 8), slots,

@@ -1,6 +1,6 @@
 """The shared Plan builders equal their slow references element-wise.
 
-The references of ``layout_slots``, ``single_hop_messages`` and ``plan_from_slots`` are the
+The references of ``slot_layout``, ``single_hop_messages`` and ``plan_from_slots`` are the
 package's :mod:`moonep_sim.plan.reference` (argsort-based, int64 throughout): the fast builders
 must return identical arrays (values and dtypes) on literal small cases and on hypothesis-drawn
 ones (drops, padding, minimum rows, dedup on/off). ``ref_validate`` below is the first
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, RowCosts, layout_slots, plan_from_slots, \
-    single_hop_messages, validate
+from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, RowCosts, plan_from_slots, single_hop_messages, \
+    slot_layout, validate
 from moonep_sim.perf import perf_config
 from moonep_sim.plan import INDEX, SCOPES, Hop, Slots
 
@@ -25,7 +25,7 @@ from moonep_sim.plan import INDEX, SCOPES, Hop, Slots
 # --- references (the original implementations) ---------------------------------------------------
 
 # the slow references of the builders live in the package (moonep_sim.plan.reference)
-from moonep_sim.plan.reference import layout_slots as ref_layout_slots  # noqa: E402
+from moonep_sim.plan.reference import slot_layout as ref_slot_layout  # noqa: E402
 from moonep_sim.plan.reference import plan_from_slots as ref_plan_from_slots  # noqa: E402
 from moonep_sim.plan.reference import single_hop_messages as ref_single_hop_messages  # noqa: E402
 
@@ -194,13 +194,30 @@ def _eq(a, b):
     np.testing.assert_array_equal(a, b)
 
 
-def test_layout_slots_literal():
-    rows, padded, off, row = layout_slots(ENTRY_SLOT, SLOT_RANK, 2)
+def _layout4(lay):
+    """A SlotLayout's (slot_rows_S, slot_padded_S, slot_offset_S, entry_row_N)."""
+    return lay.slot_rows_S, lay.slot_padded_S, lay.slot_offset_S, lay.entry_row_N
+
+
+def _same_layout(a, b):
+    """Two SlotLayouts equal field by field (values and dtypes; None where either is)."""
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if x is None or y is None or np.isscalar(x) or isinstance(x, int):
+            assert x is y or x == y, f.name
+        else:
+            _eq(x, y)
+
+
+@pytest.mark.parametrize("min_compiled", [0, 1 << 62], ids=["compiled", "readable"])
+def test_slot_layout_literal(min_compiled):
+    perf = perf_config(plan_compiled_min=min_compiled)
+    rows, padded, off, row = _layout4(slot_layout(ENTRY_SLOT, SLOT_RANK, 2, perf=perf))
     for got, want, dt in zip((rows, padded, off, row), ([2, 2, 2, 3], [2, 2, 2, 4], [0, 2, 0, 2],
                                                        [0, 0, 2, 2, 1, 3, -1, 1, 4, 3]),
                              (np.int64, np.int64, np.int64, INDEX)):  # per-slot int64, per-entry INDEX
         _eq(got, np.array(want, dtype=dt))
-    rows, padded, off, row = layout_slots(ENTRY_SLOT, SLOT_RANK, 1, np.array([0, 3, 0, 0]))
+    rows, padded, off, row = _layout4(slot_layout(ENTRY_SLOT, SLOT_RANK, 1, np.array([0, 3, 0, 0]), perf=perf))
     _eq(padded, np.array([2, 3, 2, 3]))
     _eq(off, np.array([0, 2, 0, 2]))
 
@@ -249,9 +266,10 @@ def slot_cases(draw):
 @given(slot_cases())
 def test_builders_match_reference(case):
     R, slot_rank, tpr, K, entry_slot, tp, min_rows, dedup, shuffle, seed = case
-    for got, want in zip(layout_slots(entry_slot, slot_rank, tp, min_rows),
-                         ref_layout_slots(entry_slot, slot_rank, tp, min_rows)):
-        _eq(got, want)
+    for with_ranks in (False, True):
+        _same_layout(slot_layout(entry_slot, slot_rank, tp, min_rows, R, with_ranks=with_ranks,
+                                 perf=perf_config(plan_compiled_min=0)),
+                     ref_slot_layout(entry_slot, slot_rank, tp, min_rows, R, with_ranks))
     entry_rank = np.where(entry_slot >= 0, slot_rank[np.maximum(entry_slot, 0)], -1)
     src_T = np.repeat(np.arange(R), tpr)
     if shuffle:
@@ -416,23 +434,17 @@ def test_segment_ranges_matches_repeat_arange(segs):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.integers(-50, 50), st.integers(0, 40)), max_size=12), st.sampled_from([1, 8, 10**9]),
-       st.booleans())
-def test_segment_ranges_both_ways_equal_repeat_arange(segs, loop_min, given_out):
-    """Both ways ``segment_ranges`` builds its ranges -- segment by segment (long segments) and by a
-    cumulative sum (short ones) -- equal the two-temporary form, into a given array or a new one."""
-    import moonep_sim.plan.order as order_mod
+@given(st.lists(st.tuples(st.integers(-50, 50), st.integers(0, 40)), max_size=12), st.booleans())
+def test_segment_ranges_into_a_given_array_equal_repeat_arange(segs, given_out):
+    """``segment_ranges`` equals the two-temporary form, long segments too, into a given array or a
+    new one."""
+    from moonep_sim.plan.order import segment_ranges
     first = np.array([f for f, _ in segs], dtype=np.int64)
     lens = np.array([n for _, n in segs], dtype=np.int64)
     start = np.cumsum(lens) - lens
     want = np.repeat(first - start, lens) + np.arange(int(lens.sum()), dtype=np.int64)
     out = np.full(want.size, 7, dtype=np.int64) if given_out else None
-    default = order_mod.SEGMENT_LOOP_MIN
-    order_mod.SEGMENT_LOOP_MIN = loop_min
-    try:
-        got = order_mod.segment_ranges(first, lens, out=out)
-    finally:
-        order_mod.SEGMENT_LOOP_MIN = default
+    got = segment_ranges(first, lens, out=out)
     assert got.dtype == np.int64 and np.array_equal(got, want)
     assert out is None or got is out
 
@@ -454,36 +466,3 @@ def test_segment_mask_matches_reference(gaps_lens, tail):
         want[a:a + n] = True
     got = segment_mask(np.array(start, dtype=np.int64), np.array(lens, dtype=np.int64), n_total)
     assert got.dtype == bool and np.array_equal(got, want)
-
-
-@pytest.mark.parametrize("n, n_keys, seed", [(131_073, 300, 0), (262_144, 4096, 1), (400_000, 65_536, 2),
-                                             (140_000, 257, 3)])
-def test_stable_order_chunked_matches_argsort(n, n_keys, seed):
-    """Above a few chunks of entries the 16-bit stable order is sorted chunk by chunk and moved
-    block by block: it must still be numpy's stable argsort, skewed and sorted keys included."""
-    from moonep_sim.plan.order import key_counts, stable_order, stable_order_counts
-    rng = np.random.default_rng(seed)
-    for key in (rng.integers(0, n_keys, n), np.minimum(rng.geometric(0.01, n), n_keys - 1),
-                np.sort(rng.integers(0, n_keys, n))):
-        key16 = key.astype(np.uint16)
-        assert np.array_equal(stable_order(key16, n_keys), np.argsort(key16, kind="stable"))
-        assert np.array_equal(stable_order(key.astype(np.int64), n_keys), np.argsort(key16, kind="stable"))
-        order, counts = stable_order_counts(key16, n_keys)
-        assert np.array_equal(order, np.argsort(key16, kind="stable"))
-        assert counts.dtype == np.int64 and np.array_equal(counts, np.bincount(key16, minlength=n_keys))
-        assert np.array_equal(key_counts(key16, n_keys), counts)
-
-
-@pytest.mark.parametrize("n, n_keys, seed", [(131_073, 300, 0), (262_144, 4096, 1), (140_000, 257, 3),
-                                             (5_000, 300, 4), (200_000, 100, 5)])
-def test_stable_order_positions_invert_the_order(n, n_keys, seed):
-    """``stable_order_positions`` -- the chunked sort writing each item's place as it places it, or
-    one scatter where the sort is not chunked -- is the stable argsort, its counts and its inverse."""
-    from moonep_sim.plan.order import stable_order_positions
-    rng = np.random.default_rng(seed)
-    for key in (rng.integers(0, n_keys, n), np.minimum(rng.geometric(0.01, n), n_keys - 1)):
-        key16 = key.astype(np.uint16 if n_keys > 256 else np.uint8)
-        order, counts, pos = stable_order_positions(key16, n_keys)
-        want = np.argsort(key16, kind="stable")
-        assert np.array_equal(order, want) and np.array_equal(counts, np.bincount(key16, minlength=n_keys))
-        assert pos.dtype == np.int64 and np.array_equal(pos[want], np.arange(n))

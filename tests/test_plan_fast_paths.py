@@ -11,49 +11,38 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moonep_sim.perf import perf_config
 from moonep_sim.plan import reference
-from moonep_sim.plan.multihop import DUP_PAIRWISE_MAX_K, dup_flags
+from moonep_sim.plan.multihop import dup_flags
+
+COMPILED, READABLE = perf_config(plan_compiled_min=0), perf_config(plan_compiled_min=1 << 62)
 
 
 @settings(max_examples=120, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from([1, 2, 63, 64, 65, 254, 255, 256, 300]),
-       st.integers(1, DUP_PAIRWISE_MAX_K + 3), st.booleans())
+       st.integers(1, 19), st.booleans())
 def test_dup_flags_matches_reference_on_every_path(seed, R, K, drops):
-    """One-byte pairwise compares (R < 255, K <= DUP_PAIRWISE_MAX_K), the bit set (R <= 64, larger
-    K) and the sort (beyond), with and without dropped entries (-1: never a duplicate, marks
-    nothing), on ranks drawn from few values so that tokens repeat ranks often."""
+    """The compiled pass (each entry against its token's earlier ones) equals the reference, with
+    and without dropped entries (-1: never a duplicate, marks nothing), on ranks drawn from few
+    values so that tokens repeat ranks often."""
     rng = np.random.default_rng(seed)
     T = int(rng.integers(0, 40))
     er = rng.integers(max(R - 4, 0), R, T * K)  # few distinct ranks: many duplicates
     if drops:
         er[rng.random(er.size) < 0.3] = -1
-    got = dup_flags(er, K)
-    assert got.dtype == np.bool_
-    np.testing.assert_array_equal(got, reference.dup_flags(er, K))
+    for perf in (COMPILED, READABLE):
+        got = dup_flags(er, K, perf=perf)
+        assert got.dtype == np.bool_
+        np.testing.assert_array_equal(got, reference.dup_flags(er, K))
 
 
+@pytest.mark.parametrize("perf", [COMPILED, READABLE], ids=["compiled", "readable"])
 @pytest.mark.parametrize("dtype", [np.int64, np.int32])
-def test_dup_flags_reads_any_integer_rank_dtype(dtype):
+def test_dup_flags_reads_any_integer_rank_dtype(dtype, perf):
     """The ranks may come narrowed (a Plan's index arrays need not be int64)."""
     er = np.array([[3, 3, -1, 5], [-1, -1, 2, 2], [0, 1, 0, 1]], dtype=dtype).ravel()
     want = np.array([[0, 1, 0, 0], [0, 0, 0, 1], [0, 0, 1, 1]], dtype=bool).ravel()
-    np.testing.assert_array_equal(dup_flags(er, 4), want)
-
-
-@pytest.mark.parametrize("dtype", [np.int64, np.int32])
-@pytest.mark.parametrize("n, n_keys", [(300_000, 897), (140_000, 257), (5_000, 300)])
-def test_chunked_stable_order_places_in_either_index_dtype(dtype, n, n_keys):
-    """The chunk-by-chunk sort writes its order and each item's place in the caller's dtype (the
-    Plan's int32 index, or int64): still numpy's stable argsort and its inverse, skewed keys too."""
-    from moonep_sim.plan.order import stable_order_positions
-    rng = np.random.default_rng(n)
-    key = np.minimum(rng.geometric(0.003, n), n_keys - 1).astype(np.uint16)
-    order, counts, pos = stable_order_positions(key, n_keys, dtype)
-    want = np.argsort(key, kind="stable")
-    assert order.dtype == dtype and pos.dtype == dtype
-    np.testing.assert_array_equal(order, want)
-    np.testing.assert_array_equal(pos[want], np.arange(n))
-    np.testing.assert_array_equal(counts, np.bincount(key, minlength=n_keys))
+    np.testing.assert_array_equal(dup_flags(er, 4, perf=perf), want)
 
 
 def _plan_arrays(p) -> dict:

@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from conftest import random_routing
 from moonep_sim.errors import PlanError
 from moonep_sim.perf import DEFAULT_PERF, perf_config
-from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, Slots, build, fused, runs
-from moonep_sim.plan.kinds import INDEX
+from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, Slots, fused, reference, runs
 from moonep_sim.strategies import PlanContext, make_plan
 from test_planner_outputs_pinned import assert_same_plan
 
@@ -129,7 +128,7 @@ def test_layout_by_slot_equals_the_numpy_layout_with_drops_and_minimum_rows():
     min_rows = rng.integers(0, 90, size=S)
     for tp, with_ranks in ((1, True), (4, True), (1, False), (4, False)):
         a = fused.layout_by_slot(slot.astype(np.int16), slot_rank, tp, min_rows, 6, with_ranks=with_ranks)
-        b = build.sorted_layout(*_sorted(slot, S), slot_rank, tp, min_rows, 6, with_ranks=with_ranks)
+        b = reference.slot_layout(slot, slot_rank, tp, min_rows, 6, with_ranks)
         for f in ("slot_rows_S", "slot_padded_S", "slot_offset_S", "entry_row_N", "order_N", "rows_R", "grow_K",
                   "entry_rank_N"):
             x, y = getattr(a, f), getattr(b, f)
@@ -139,17 +138,13 @@ def test_layout_by_slot_equals_the_numpy_layout_with_drops_and_minimum_rows():
         assert a.n_drop == b.n_drop == int((slot < 0).sum())
 
 
-def _sorted(slot, S):
-    order, n_drop, rows = build.slot_sort(slot, S)
-    return order.astype(INDEX), n_drop, rows
-
-
 def test_kernels_refuse_indices_out_of_range():
     slot_rank = np.array([0, 1])
-    with pytest.raises(PlanError, match="entry slot"):
-        fused.layout_by_slot(np.array([0, 1, 2, 0]), slot_rank)
-    with pytest.raises(PlanError, match="entry slot"):
-        fused.layout_by_slot(np.array([0, -2, 1, 0]), slot_rank)
+    for layout in (fused.layout_by_slot, reference.slot_layout):  # both forms, the same refusal
+        with pytest.raises(PlanError, match=r"entry slot \(must be in \[-1, 2\)\) at position 2"):
+            layout(np.array([0, 1, 2, 0]), slot_rank)
+        with pytest.raises(PlanError, match=r"entry slot \(must be in \[-1, 2\)\) at position 1"):
+            layout(np.array([0, -2, 1, 0]), slot_rank)
     tok = np.array([0, 1, 2])
     with pytest.raises(PlanError, match="entry slot"):
         fused.single_hop_plan(np.array([0, 1, 2, 0]), slot_rank, tok, 2, 2, False)

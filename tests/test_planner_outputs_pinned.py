@@ -7,7 +7,7 @@ references themselves are checked against the named invariants and the routing
 (``test_references_are_valid_plans``). Every field of the package's Plans (values and dtypes, hops included; not
 ``plan_seconds``) must equal the reference's, on named small cases, on hypothesis-drawn routings
 (uneven ranks, padding, custom placements with replicas, every option variant) and on a
-medium-sized skewed layer. ``plan_from_slots``, ``layout_slots`` and ``single_hop_messages`` are
+medium-sized skewed layer. ``plan_from_slots``, ``slot_layout`` and ``single_hop_messages`` are
 pinned the same way in ``tests/test_plan_builders.py``.
 """
 
@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 
 from conftest import random_routing
 from moonep_sim.errors import ConfigError, PlanError, require
-from moonep_sim.plan import (ClusterShape, Entries, GlobalRouting, Hop, Padding, Placement, Plan, RowCosts, Route, Slots,
-                             validate)
+from moonep_sim.perf import perf_config
+from moonep_sim.plan import (INDEX, ClusterShape, Entries, GlobalRouting, Hop, Padding, Placement, Plan, RowCosts,
+                             Route, Slots, validate)
 from moonep_sim.strategies import PlanContext, make_plan
 
 # Notation: T tokens, K top-k, E experts, R ranks, G GPUs per node, N = T*K entries, S slots.
@@ -268,20 +269,19 @@ def ref_choose_replicas(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_expert
 
 
 def ref_eplb(routing: GlobalRouting, ctx: PlanContext, **opts) -> Plan:
-    """eplb's planning body was not rewritten, only its replica choice and the entries' slot order:
-    run the module's own body with the reference choice (and a plain stable sort) swapped in."""
+    """eplb's planning body was not rewritten, only its replica choice: run the module's own body
+    with the reference choice swapped in for its pass over the experts' runs."""
     import moonep_sim.strategies.eplb as eplb_mod
 
-    def ref_ordered(ids_N, slot_expert_S, num_experts, choice, with_entry_slot=True):
-        slot = ref_choose_replicas(ids_N, slot_expert_S, num_experts, choice)
-        return slot, np.argsort(slot, kind="stable"), np.bincount(slot, minlength=slot_expert_S.size)
+    def ref_slots(ids_N, slot_expert_S, num_experts, choice, perf=None):
+        return ref_choose_replicas(ids_N, slot_expert_S, num_experts, choice).astype(INDEX)
 
-    fast = eplb_mod.choose_replicas_ordered
-    eplb_mod.choose_replicas_ordered = ref_ordered
+    fast = eplb_mod.replica_slots
+    eplb_mod.replica_slots = ref_slots
     try:
         return make_plan("eplb", routing, ctx, **opts)  # the registry stamps name, options and time
     finally:
-        eplb_mod.choose_replicas_ordered = fast
+        eplb_mod.replica_slots = fast
 
 
 # ==================================================================================================
@@ -491,10 +491,30 @@ def test_many_ranks_match_reference():
 
 # --- the builders on their own, beyond what the strategies pass them -------------------------------
 
+def keep_mask_N(ids_N: np.ndarray, weights_N: np.ndarray, src_N: np.ndarray, cap_R: np.ndarray,
+                num_experts: int, drop: str) -> np.ndarray:
+    """bool [N]: which entries fit their (source rank, expert) capacity by capacity's own rules --
+    ``_keep_heaviest_A`` (drop=weight: the highest weights, ties by earlier entry) or the first
+    ``cap`` of each group (drop=position) -- over every (source rank, expert) group at once."""
+    from moonep_sim.plan.order import segment_mask
+    from moonep_sim.strategies.capacity import _keep_heaviest_A
+    ids_N, src_N, cap_R = (np.asarray(a, dtype=np.int64) for a in (ids_N, src_N, cap_R))
+    n, n_groups = ids_N.size, int(cap_R.size) * num_experts
+    group = src_N * num_experts + ids_N
+    A = np.argsort(group, kind="stable")  # (group, entry) order
+    cnt = np.bincount(group, minlength=n_groups).astype(np.int64) if n else np.zeros(n_groups, np.int64)
+    cap_G = np.repeat(cap_R, num_experts)
+    keep = np.empty(n, dtype=bool)
+    if drop == "weight":
+        keep[A] = _keep_heaviest_A(A, cnt, cap_G, weights_N)
+    else:  # the sorted entries of group g sit at [start_g, start_g + cnt_g); the first cap_g stay
+        keep[A] = segment_mask(np.cumsum(cnt) - cnt, np.minimum(cnt, np.maximum(cap_G, 0)), n)
+    return keep
+
+
 def test_keep_mask_matches_reference_on_special_weights():
     """NaN, infinities, signed zeros, negatives, subnormals and many ties: the radix key orders
     weights exactly as the reference's float sort does."""
-    from moonep_sim.strategies.capacity import keep_mask_N
     rng = np.random.default_rng(3)
     special = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45, 0.5, -0.5, 1.0, 3.0e38],
                        dtype=np.float32)
@@ -574,14 +594,17 @@ def test_nodes_per_token_matches_reference():
 def test_choose_replicas_matches_reference(seed, choice):
     """Each entry's replica (and the by-slot order eplb plans from) equals the reference's, with
     experts of one to several replicas and experts nobody picks."""
-    from moonep_sim.strategies.eplb import choose_replicas, choose_replicas_ordered
+    from moonep_sim.plan import slot_layout
+    from moonep_sim.strategies.eplb import replica_slots
     rng = np.random.default_rng(seed)
     E = int(rng.integers(1, 12))
     slot_expert = np.concatenate([np.arange(E), rng.integers(0, E, int(rng.integers(0, 10)))])
     rng.shuffle(slot_expert)
     ids = rng.integers(0, E, int(rng.integers(0, 300)))
     want = ref_choose_replicas(ids, slot_expert, E, choice)
-    _eq("entry_slot", choose_replicas(ids, slot_expert, E, choice), want)
-    _, order, rows = choose_replicas_ordered(ids, slot_expert, E, choice, with_entry_slot=False)
-    _eq("order", order, np.argsort(want, kind="stable"))
-    _eq("slot_rows", rows, np.bincount(want, minlength=slot_expert.size))
+    for perf in (perf_config(plan_compiled_min=0), perf_config(plan_compiled_min=1 << 62)):
+        got = replica_slots(ids, slot_expert, E, choice, perf=perf)
+        _eq("entry_slot", got.astype(np.int64), want)
+        lay = slot_layout(got, np.zeros(slot_expert.size, dtype=np.int64), perf=perf)  # one rank: the by-slot order
+        _eq("order", lay.order_N.astype(np.int64), np.argsort(want, kind="stable"))
+        _eq("slot_rows", lay.slot_rows_S, np.bincount(want, minlength=slot_expert.size))

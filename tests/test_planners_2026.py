@@ -237,9 +237,11 @@ def test_costaware_prices_with_the_topology_rates():
 @settings(max_examples=30, deadline=None)
 @given(counts_st, st.integers(0, 2), st.integers(0, 2 ** 16))
 def test_costaware_split_entry_slots_equal_moonep_layout(case, ti, seed):
-    """The sparse entry-to-slot assignment (only split experts sorted) equals moonep's full one."""
-    from moonep_sim.strategies.costaware import split_entry_slots
-    from moonep_sim.strategies.moonep import copy_slots, entry_slots
+    """costaware's entry-to-slot assignment (``alloc_entry_slots``, both forms of its pass) equals
+    the readable reference of moonep's split."""
+    from conftest import ref_entry_slots
+    from moonep_sim.perf import perf_config
+    from moonep_sim.strategies.moonep import alloc_entry_slots, copy_slots
 
     R, epn, raw = case
     c = _counts(R, epn, raw)
@@ -247,7 +249,8 @@ def test_costaware_split_entry_slots_equal_moonep_layout(case, ti, seed):
     alloc = target_alloc(c, R, R, int(np.ceil(load.mean())) + ti * 50, True)
     ids = np.random.default_rng(seed).permutation(np.repeat(np.arange(c.size), c))
     sr, se, _ = copy_slots(alloc, epn)
-    np.testing.assert_array_equal(split_entry_slots(ids, alloc, sr, se), entry_slots(ids, alloc, sr, se))
+    for perf in (perf_config(plan_compiled_min=0), perf_config(plan_compiled_min=1 << 62)):
+        np.testing.assert_array_equal(alloc_entry_slots(ids, alloc, sr, se, perf), ref_entry_slots(ids, alloc, sr, se))
 
 
 @pytest.mark.parametrize("sms", [0, 24, -1])

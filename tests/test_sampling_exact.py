@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from moonep_sim.routing import sampling, sampling_reference
+import sampling_reference
+from moonep_sim.routing import sampling
 from moonep_sim.routing.generators import generate, inclusion_probs
 from moonep_sim.routing.sampling import sample_topk_grouped, sample_topk_pl
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moonep_sim.routing import sampling, sampling_reference
+import sampling_reference
+from moonep_sim.routing import sampling
 from moonep_sim.routing import sampling_kernels as kn
 
 

@@ -9,7 +9,8 @@ import pytest
 import simpy
 from hypothesis import given, settings, strategies as st
 
-from moonep_sim.sim.blocks import NODE_CELLS_WIDTH_MAX, RUN_MAX, BlockCounts
+from blocks_reference import BlockCountsReference, reference
+from moonep_sim.sim.blocks import RUN_MAX, BlockCounts
 from moonep_sim.sim.network import FlowNetwork, PortMap
 from moonep_sim.sim.tick_kernels import set_rates
 from moonep_sim.sim.topology import Topology, load_topology
@@ -53,10 +54,13 @@ def transfers(rng, ports: PortMap, pattern: str) -> tuple[np.ndarray, np.ndarray
     return blk * R + src, blk * R + dst
 
 
-def assert_same_fill(bc: BlockCounts, cap_P: np.ndarray) -> int:
-    """The compiled fill and the numpy reference agree bit for bit; returns the steps."""
+def assert_same_fill(bc: BlockCounts, cap_P: np.ndarray, hint: list | None = None) -> int:
+    """The compiled fill and the numpy reference (of the same counts; its run hints ``hint``)
+    agree bit for bit; returns the steps."""
     assert bc.compiled
-    a, b = bc.fill(cap_P), bc.fill_reference(cap_P)
+    ref = reference(bc)
+    ref._hint = list(hint or [])
+    a, b = bc.fill(cap_P), ref.fill(cap_P)
     for name in ("level_src", "level_dst", "port_src", "port_dst"):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
     assert a.steps == b.steps
@@ -116,17 +120,22 @@ def test_compiled_fill_of_nothing_freezes_nothing(sm):
     assert_same_fill(bc, ports.cap_P)
 
 
-def test_wide_maps_keep_the_numpy_fill():
-    """Rows wider than the cell tables allow (here 72 ranks, NIC rows of 72): no tables, so the
-    numpy fill runs (its per-block freeze sums by matrix products)."""
-    R = NODE_CELLS_WIDTH_MAX + 8
+@pytest.mark.parametrize("R", [72, 136])
+def test_wide_maps_take_the_compiled_fill(R):
+    """Rows wider than 64 ranks (NIC rows of 72 and 136): the compiled fill runs, without the
+    [2N, W] cell tables (only the numpy reference builds them), and equals the reference."""
     ports = port_map("h800-cx7", R, False)
     bc = BlockCounts(ports)
-    assert bc.cell_NW is None and not bc.compiled
+    assert bc.compiled and not hasattr(bc, "cell_NW")
     s, d = transfers(np.random.default_rng(1), ports, "uniform")
     bc.add(s, d, 1.0)
-    a, b = bc.fill(ports.cap_P), bc.fill_reference(ports.cap_P)
-    assert np.array_equal(a.level_src, b.level_src) and a.steps == b.steps
+    a = bc.fill(ports.cap_P)
+    ref = reference(bc)
+    b = ref.fill(ports.cap_P)
+    assert ref.cell_NW is not None
+    for x, y in zip(a[:4], b[:4]):
+        assert np.array_equal(x, y)
+    assert a.steps == b.steps
 
 
 def run_network(ports: PortMap, phases_RR, compiled: bool, stagger_us: float = 0.0):
@@ -134,7 +143,8 @@ def run_network(ports: PortMap, phases_RR, compiled: bool, stagger_us: float = 0
     the flow records, with the block solver's compiled fill on or off."""
     env = simpy.Environment()
     net = FlowNetwork(env, ports, 0.002)
-    net._blocks.compiled = compiled
+    if not compiled:
+        net._blocks = reference(net._blocks)
     R = ports.ranks
     pids = [net.expect(f"p{i}", (b > 0).sum(0), sm=(i == 0)) for i, b in enumerate(phases_RR)]
 
@@ -198,8 +208,7 @@ def test_compiled_counting_equals_the_numpy_scatter(name, R, sm):
     the numpy scatter (``np.add.at``) it replaces."""
     rng = np.random.default_rng(3)
     ports = port_map(name, R, sm)
-    fast, ref = BlockCounts(ports), BlockCounts(ports)
-    ref.compiled = False
+    fast, ref = BlockCounts(ports), BlockCountsReference(ports)
     for pattern in PATTERNS:
         s, d = transfers(rng, ports, pattern)
         out = rng.random(s.size) < 0.4
@@ -228,7 +237,8 @@ def test_network_runs_do_not_move_with_the_compiled_kernels(name, R, sm, tol, se
     def run(compiled):
         env = simpy.Environment()
         net = FlowNetwork(env, ports, tol)
-        net._blocks.compiled = compiled
+        if not compiled:
+            net._blocks = reference(net._blocks)
         pids = [net.expect(f"p{i}", (b > 0).sum(0), sm=(i == 0)) for i, b in enumerate(phases)]
 
         def rank(r):
@@ -255,7 +265,7 @@ def test_a_step_whose_last_run_was_the_longest_is_filled_again():
     unset cut: an SM-driven all-to-all at EP256 filled twice), and equals the compiled one."""
     R = 256
     ports = port_map("h800-cx7", R, True)
-    bc = BlockCounts(ports)
+    bc = BlockCountsReference(ports)
     s, d = np.divmod(np.arange(R * R), R)
     blk = ports.pair_class(s, d, np.ones(R * R, dtype=bool))
     bc.add(blk * R + s, blk * R + d, 1.0)
@@ -263,10 +273,11 @@ def test_a_step_whose_last_run_was_the_longest_is_filled_again():
     assert bc._hint[0] == RUN_MAX
     again = bc.fill(ports.cap_P)
     assert again.steps == first.steps and np.array_equal(again.level_src, first.level_src)
+    kernel = BlockCounts.fill(bc, ports.cap_P)   # (the compiled fill of the same counts, at this width too)
+    assert kernel.steps == first.steps and np.array_equal(kernel.level_src, first.level_src)
     # where the kernel runs: a hint of RUN_MAX at every step and more candidates than that
     ports = port_map("h800-cx7", 64, True)
     bc = BlockCounts(ports)
     s, d = np.divmod(np.arange(64 * 64), 64)
     bc.add(*(ports.pair_class(s, d, np.arange(s.size) % 2 == 0) * 64 + x for x in (s, d)), 1.0)
-    bc._hint = [RUN_MAX] * 64
-    assert_same_fill(bc, ports.cap_P)
+    assert_same_fill(bc, ports.cap_P, hint=[RUN_MAX] * 64)

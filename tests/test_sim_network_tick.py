@@ -14,6 +14,8 @@ import simpy
 
 import moonep_sim.sim.network as network
 import moonep_sim.sim.ports as ports_mod
+from moonep_sim.perf import DEFAULT_PERF, perf_config
+from blocks_reference import reference
 from moonep_sim.sim.blocks import BlockCounts
 from moonep_sim.sim.network import FlowNetwork, PortMap
 from moonep_sim.sim.topology import Topology, load_topology
@@ -40,9 +42,8 @@ def case(name: str) -> tuple[PortMap, float]:
     return PortMap.build(topo, R, nic_factor_R=fac, sm_bytes_per_us=30e3 if sm else np.inf), tol
 
 
-def no_pair_tables(net: FlowNetwork) -> None:
-    """Submissions take the numpy path (as above ``PAIR_TABLE_MAX`` pairs)."""
-    net._pair_tables = {(s, n): None for s in (False, True) for n in (False, True)}
+#: submissions take the numpy path (no pair tables: every map is above ``pair_table_max`` pairs)
+NO_PAIR_TABLES = perf_config(pair_table_max=0)
 
 
 def run(name: str, compiled: bool = True, ports: PortMap | None = None, stop_at: float | None = None,
@@ -56,10 +57,9 @@ def run(name: str, compiled: bool = True, ports: PortMap | None = None, stop_at:
     ports = p if ports is None else ports
     R = ports.ranks
     env = simpy.Environment()
-    net = FlowNetwork(env, ports, tol)
-    net._blocks.compiled = compiled
-    if not tables:
-        no_pair_tables(net)
+    net = FlowNetwork(env, ports, tol, perf=DEFAULT_PERF if tables else NO_PAIR_TABLES)
+    if not compiled:
+        net._blocks = reference(net._blocks)
     pop = np.exp(rng.normal(0, 1.0, R))
     phases = [np.where(rng.random((R, R)) < 0.6, rng.poisson(30 * pop[None, :] / pop.mean(), (R, R)) * 1000.0, 0.0),
               rng.poisson(6, (R, R)) * 333.0, np.where(rng.random((R, R)) < 0.2, 4096.0, 0.0)]
@@ -130,9 +130,7 @@ def test_zero_byte_submissions_log_nothing_and_request_no_tick():
     R = ports.ranks
     for tabs in (True, False):
         env = simpy.Environment()
-        net = FlowNetwork(env, ports, 0.002)
-        if not tabs:
-            no_pair_tables(net)
+        net = FlowNetwork(env, ports, 0.002, perf=DEFAULT_PERF if tabs else NO_PAIR_TABLES)
         pid = net.expect("p", np.zeros(R, dtype=np.int64))
         net.submit(pid, 3, np.arange(R), np.zeros(R), np.zeros(R))
         assert net._pend.n == 0 and net._log.n == 0 and net._next_tick == np.inf and net.idle
@@ -153,9 +151,7 @@ def test_submission_kernel_equals_the_numpy_submission():
     rng = np.random.default_rng(5)
     nets = []
     for tabs in (True, False):
-        net = FlowNetwork(simpy.Environment(), ports, 0.002)
-        if not tabs:
-            no_pair_tables(net)
+        net = FlowNetwork(simpy.Environment(), ports, 0.002, perf=DEFAULT_PERF if tabs else NO_PAIR_TABLES)
         nets.append(net)
     for i in range(6):
         b = np.where(rng.random(R) < 0.5, rng.integers(1, 9, R) * 512.0, 0.0)
@@ -206,15 +202,16 @@ def test_fresh_block_counts_share_the_tables_and_start_empty():
     bc.fill(ports.cap_P)
     new = bc.fresh()
     assert new._kernel_static is bc._kernel_static and new.pall is bc.pall
-    assert not new.mm.any() and not new.cnt_src.any() and not new.cnt_dst.any() and new._hint == []
+    assert not new.mm.any() and not new.cnt_src.any() and not new.cnt_dst.any()
     assert all(not m.any() for m in new.M + new.MT)
     new.add(blk * R + s, blk * R + d, 1.0)
     assert np.array_equal(new.mm, bc.mm) and new.mm is not bc.mm
     assert np.shares_memory(new.M[-1], new.mm) and not np.shares_memory(new.M[-1], bc.mm)
     a, b = new.fill(ports.cap_P), bc.fill(ports.cap_P)
     assert np.array_equal(a.level_src, b.level_src) and a.steps == b.steps
-    new.compiled = False
-    assert bc.compiled
+    ref = reference(bc)   # the numpy reference: hints of its own, fresh ones empty
+    ref.fill(ports.cap_P)
+    assert ref._hint and ref.fresh()._hint == [] and not ref.fresh().compiled and bc.compiled
 
 
 def test_networks_of_one_port_map_do_not_leak_state():

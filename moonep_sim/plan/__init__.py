@@ -3,7 +3,7 @@
 Modules, bottom-up: ``kinds`` (PhaseKind, Scope, Direction; INDEX, the dtype of the Plan's index arrays), ``order`` (sorting primitives),
 ``placement`` (ClusterShape, Placement), ``validate`` (the named checks), ``ir`` (RowCosts,
 GlobalRouting, Hop, CommPhase, Plan), ``build`` (the public single-hop builder API),
-``assembly`` (the named records the builders take: Slots, Route, Entries, SlotOrder, Padding),
+``assembly`` (the named records the builders take: Slots, Route, Entries, Padding),
 ``multihop`` (routes over several hops), ``hops`` (hop builders a strategy composes into a
 route: ``to_final``, ``to_node_of_final``, ``to_rail_of_final``, ``via``; ``plan_from_hops``),
 ``reference`` (the readable builders: the body of ``plan_from_slots`` and the references the compiled and
@@ -14,21 +14,20 @@ docs/architecture.md.
 Strategies (``moonep_sim.strategies``) use the builders exported here, never private helpers.
 """
 
-from moonep_sim.plan.assembly import Entries, Padding, Route, SlotOrder, Slots
-from moonep_sim.plan.build import (SlotLayout, block_messages, final_rows, layout_slots, plan_from_slots, slot_layout,
-                                   slot_sort, sorted_layout)
+from moonep_sim.plan.assembly import Entries, Padding, Route, Slots
+from moonep_sim.plan.build import SlotLayout, final_rows, plan_from_slots, slot_layout
 from moonep_sim.plan.hops import HopSpec, plan_from_hops, to_final, to_node_of_final, to_rail_of_final, via
 from moonep_sim.plan.ir import CommPhase, GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.kinds import INDEX, SCOPES, Direction, PhaseKind, Scope
 from moonep_sim.plan.multihop import assemble_plan, dup_flags, home_slots, plan_from_routes, route_hop
-from moonep_sim.plan.order import entry_token, stable_order
+from moonep_sim.plan.order import entry_token
 from moonep_sim.plan.placement import ClusterShape, Placement
 from moonep_sim.plan.reference import single_hop_messages
 from moonep_sim.plan.validate import CHECKS, Violation, check, validate, violations
 
 __all__ = ["CHECKS", "ClusterShape", "CommPhase", "Direction", "Entries", "GlobalRouting", "Hop", "HopSpec", "INDEX", "PhaseKind",
-           "Padding", "Placement", "Route", "SlotOrder", "Slots", "plan_from_hops", "to_final", "to_node_of_final", "to_rail_of_final", "via",
-           "Plan", "RowCosts", "SCOPES", "Scope", "SlotLayout", "Violation", "assemble_plan", "block_messages",
-           "check", "dup_flags", "entry_token", "final_rows", "home_slots", "layout_slots",
-           "plan_from_routes", "plan_from_slots", "route_hop", "single_hop_messages", "slot_layout", "slot_sort",
-           "sorted_layout", "stable_order", "validate", "violations"]
+           "Padding", "Placement", "Route", "Slots", "plan_from_hops", "to_final", "to_node_of_final", "to_rail_of_final", "via",
+           "Plan", "RowCosts", "SCOPES", "Scope", "SlotLayout", "Violation", "assemble_plan",
+           "check", "dup_flags", "entry_token", "final_rows", "home_slots",
+           "plan_from_routes", "plan_from_slots", "route_hop", "single_hop_messages", "slot_layout",
+           "validate", "violations"]

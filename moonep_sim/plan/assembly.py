@@ -5,14 +5,12 @@ P padding rows that arrive over the wire.
 
 A Plan assembled from hops a planner built itself needs four things besides the routing, the
 cluster and the row costs: the expert slots (:class:`Slots`), where each entry ends up after the
-last hop (:class:`Entries`), the hops, and how slots are padded (:class:`Padding`). A planner that
-already knows the entries' slot order hands it over as a :class:`SlotOrder` (it saves a sort).
-Example (``strategies/allgather.py``)::
+last hop (:class:`Entries`), the hops, and how slots are padded (:class:`Padding`). Example::
 
     assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), Entries(entry_slot, buf_row, dup), [hop],
                   padding=Padding(ctx.token_padding))
 
-:class:`SlotLayout` is what the layout builders (``build.sorted_layout``, ``fused``) return;
+:class:`SlotLayout` is what the layout builders (``build.slot_layout``: ``reference``, ``fused``) return;
 :func:`slot_geometry` the per-slot arithmetic they share.
 
 The records only name the arrays; :func:`~moonep_sim.plan.assemble_plan` checks what it needs.
@@ -74,41 +72,22 @@ class Route:
 
 
 @dataclass(frozen=True)
-class SlotOrder:
-    """The entries sorted by (slot, entry), dropped first (what :func:`~moonep_sim.plan.slot_sort`
-    returns), for a planner that knows this order without sorting.
-
-    order_N: int64 [N] entry ids in that order.  n_drop: how many dropped ones lead.
-    slot_rows_S: int64 [S] entries of each slot, in order after them.
-    buf_row_K: optional int64 [N - n_drop] the last buffer's row of each kept entry in this order;
-      it may stand in for :attr:`Entries.buf_row_N` (then None).
-    """
-
-    order_N: np.ndarray
-    n_drop: int
-    slot_rows_S: np.ndarray
-    buf_row_K: np.ndarray | None = None
-
-
-@dataclass(frozen=True)
 class Entries:
     """Where each of the N entries (flat id ``e = t*K + k``) is after the last hop.
 
-    slot_N: int64 [N] the slot computing it, -1 = dropped; may be None when ``order`` and
-      ``rank_N`` are given (nothing else needs it).
+    slot_N: int64 [N] the slot computing it, -1 = dropped; may be None when the caller gives
+      ``assemble_plan`` its layout and ``rank_N`` (nothing else needs it).
     buf_row_N: int64 [N] the row of the last hop's buffer (on the entry's rank) holding its token;
-      may be None when ``order.buf_row_K`` is given.
+      may be None when the caller gives ``assemble_plan`` its layout.
     dup_N: bool [N] duplicate flags (see :class:`~moonep_sim.plan.Plan`'s ``entry_dup_TK``).
     rank_N: optional int64 [N] each entry's rank (``slot_rank_S[slot_N]``, -1 dropped) when the
       planner has it already: the Plan's ``entry_rank_TK`` (not copied).
-    order: optional :class:`SlotOrder` of these entries.
     """
 
     slot_N: np.ndarray | None
     buf_row_N: np.ndarray | None
     dup_N: np.ndarray
     rank_N: np.ndarray | None = None
-    order: SlotOrder | None = None
 
 
 @dataclass(frozen=True)
@@ -131,19 +110,18 @@ class Padding:
 
 @dataclass(frozen=True)
 class SlotLayout:
-    """An expert-grouped layout of final rows (what :func:`~moonep_sim.plan.build.layout_slots` returns, plus the
-    slot-sorted entry order it came from).
+    """An expert-grouped layout of final rows, and the slot-sorted entry order it came from (what
+    :func:`~moonep_sim.plan.build.slot_layout` returns).
 
     slot_rows_S / slot_padded_S / slot_offset_S: as in :class:`~moonep_sim.plan.Plan`.
     entry_row_N: INDEX [N] each entry's row within its rank's layout, -1 = dropped.
 
-    order_N: [N] entries sorted by (slot, entry); the first ``n_drop`` are the dropped ones (the
-      caller's dtype; INDEX where :func:`~moonep_sim.plan.build.slot_sort_positions` sorted them).
+    order_N: INDEX [N] entries sorted by (slot, entry); the first ``n_drop`` are the dropped ones.
     grow_K: INDEX [N - n_drop] global final row (ranks concatenated) of ``order_N[n_drop:]``,
       increasing: slots are sorted by rank and laid out in order within a rank. None when the
       layout has no padding rows (the global rows are then simply 0, 1, 2, ...).
     rows_R: int64 [R] padded rows of each rank.
-    entry_rank_N: INDEX [N] each entry's rank, -1 = dropped, where :func:`~moonep_sim.plan.build.sorted_layout` was asked
+    entry_rank_N: INDEX [N] each entry's rank, -1 = dropped, where :func:`~moonep_sim.plan.build.slot_layout` was asked
       for it (``with_ranks``), else None.
     """
 
@@ -160,7 +138,7 @@ class SlotLayout:
 
 def slot_geometry(slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, token_padding: int,
                   min_rows_S: np.ndarray | None, ranks: int | None):
-    """(padded, cum, offset, rows_R) of a :class:`SlotLayout` (``build.sorted_layout`` and the compiled
+    """(padded, cum, offset, rows_R) of a :class:`SlotLayout` (``reference.slot_layout`` and the compiled
     builders of ``fused`` and ``fused_routes`` take them from here): each slot's padded rows, its
     first global row (ranks concatenated), its first row within its rank (int64 [S]); each rank's
     padded rows (int64 [R])."""
@@ -178,4 +156,4 @@ def slot_geometry(slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, token_paddin
     return padded, cum, offset, rows_R
 
 
-__all__ = ["Entries", "Padding", "Route", "SlotLayout", "SlotOrder", "Slots", "slot_geometry"]
+__all__ = ["Entries", "Padding", "Route", "SlotLayout", "Slots", "slot_geometry"]

@@ -15,7 +15,7 @@ rank) and writes the final row it expands to (:func:`single_hop_plan`; alone, th
 :func:`layout_by_slot`). The planners whose entries' slots follow from their experts' runs get them
 in one pass too: :func:`split_runs` (an expert's entries cut into consecutive pieces: moonep, llep,
 eplb's contiguous replicas), :func:`cycle_runs` (dealt round-robin: eplb's default); and deepep's
-nodes per token, :func:`distinct_per_token`.
+nodes per token, :func:`distinct_per_token`; and each entry's duplicate flag, :func:`dup_flags`.
 
 Every array equals the readable builders' (``reference.plan_from_slots``, ``runs``: values and
 dtypes; ``tests/test_plan_fused.py``), which run below ``perf.plan_compiled_min`` entries
@@ -235,8 +235,8 @@ def _single_place(hop, starts, out):
 @kernel
 def _fill_blocks(cnt, R, row0, m_src, m_dst, m_row):
     """The messages' source, destination and receive row, block by block (block b = (src, dst),
-    source-major, ``cnt[b]`` messages from receive row ``row0[b]`` on): what
-    ``build.block_messages`` returns, written in message order."""
+    source-major, ``cnt[b]`` messages from receive row ``row0[b]`` on), written in message order
+    (the readable builders' hop lists its messages in the same (source, destination, row) order)."""
     m = 0
     for b in range(cnt.size):
         s, d, r0 = b // R, b % R, row0[b]
@@ -357,6 +357,40 @@ def distinct_per_token(key_TK: np.ndarray, value_X: np.ndarray) -> np.ndarray:
     return out
 
 
+@kernel
+def _dup_flags(rank_N, K, dup):
+    """dup[e]: entry e is kept (rank >= 0) and an earlier entry of its token (of K each) has its rank
+    (ranks below 64 looked up in a bit set of the token's ranks so far, others by a scan)."""
+    N = rank_N.size
+    one = np.uint64(1)
+    for t in range((N + K - 1) // K):
+        seen = np.uint64(0)
+        for e in range(t * K, min(t * K + K, N)):
+            r = rank_N[e]
+            d = False
+            if 0 <= r < 64:
+                bit = one << np.uint64(r)
+                d = (seen & bit) != 0
+                seen |= bit
+            elif r >= 64:
+                for j in range(t * K, e):
+                    if rank_N[j] == r:
+                        d = True
+                        break
+            dup[e] = d
+
+
+def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
+    """``multihop.dup_flags`` in one pass over the tokens: bool [N], each kept entry (rank >= 0, any
+    integer dtype [N]) against its token's earlier entries (entry e is token ``e // top_k``'s)."""
+    rank = np.asarray(entry_rank_N).ravel()
+    if rank.dtype.kind not in "iu":
+        rank = rank.astype(np.int64)
+    dup = np.empty(rank.size, dtype=bool)
+    _dup_flags(rank, max(int(top_k), 1), dup)
+    return dup
+
+
 def check_tokens_and_ranks(tok_off: np.ndarray, slot_rank_S: np.ndarray, N: int, R: int, K: int) -> None:
     """Raise :class:`PlanError` unless ``tok_off`` (int64) is R + 1 non-decreasing token offsets
     from 0 to N / K and every slot rank (int64 [S]) lies in [0, R)."""
@@ -459,4 +493,4 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
     return lay, hop, dup, (row_entry if pad else order[n_drop:]), expand
 
 
-__all__ = ["cycle_runs", "distinct_per_token", "layout_by_slot", "single_hop_plan", "split_runs"]
+__all__ = ["cycle_runs", "distinct_per_token", "dup_flags", "layout_by_slot", "single_hop_plan", "split_runs"]

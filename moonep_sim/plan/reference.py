@@ -16,7 +16,7 @@ or to build a Plan where speed does not matter.
 Notation as in :mod:`moonep_sim.plan.ir`: R ranks, T tokens (ranks concatenated), K top-k,
 N = T*K entries (flat id ``e = t*K + k``), S slots, M messages of one hop, W final rows.
 
-- :func:`layout_slots`: an entry's row is its slot's offset plus its position among the slot's
+- :func:`slot_layout`: an entry's row is its slot's offset plus its position among the slot's
   entries in entry order.
 - :func:`single_hop_messages` / :func:`route_hop`: sort entries by (destination, message key); the
   first of each run is a message; receive buffers are numbered in (source, key) order; messages
@@ -33,38 +33,40 @@ from typing import Any, Sequence
 import numpy as np
 
 from moonep_sim.errors import PlanError
-from moonep_sim.plan.assembly import Entries, Padding, Route, Slots
+from moonep_sim.plan.assembly import Entries, Padding, Route, SlotLayout, Slots, slot_geometry
+from moonep_sim.plan.compiled import check_at
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
-from moonep_sim.plan.kinds import INDEX, Scope
+from moonep_sim.plan.kinds import INDEX, Scope, require_index
 from moonep_sim.plan.placement import ClusterShape
 
 
-def layout_slots(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
-                 min_rows_S: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(slot_rows_S, slot_padded_S, slot_offset_S, entry_row_N) of :func:`moonep_sim.plan.layout_slots`."""
-    entry_slot_N = np.asarray(entry_slot_N, dtype=np.int64)
+def slot_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
+                min_rows_S: np.ndarray | None = None, ranks: int | None = None,
+                with_ranks: bool = False) -> SlotLayout:
+    """The :class:`~moonep_sim.plan.assembly.SlotLayout` of :func:`moonep_sim.plan.slot_layout`: the
+    entries (slot int [N], -1 = dropped) sorted stably by slot, dropped ones first; the j-th entry
+    of slot s gets row ``offset[s] + j`` of its rank and global final row ``cum[s] + j``."""
+    slot = np.asarray(entry_slot_N).ravel().astype(np.int64)
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    S, N = slot_rank_S.size, entry_slot_N.size
-    kept = entry_slot_N >= 0
-    slot_rows = np.bincount(entry_slot_N[kept], minlength=S).astype(np.int64)
-    padded = slot_rows if min_rows_S is None else np.maximum(slot_rows, min_rows_S)
-    tp = max(int(token_padding), 1)
-    padded = (padded + tp - 1) // tp * tp
-    cum = np.cumsum(padded) - padded
-    R = int(slot_rank_S.max()) + 1 if S else 0
-    first = np.searchsorted(slot_rank_S, np.arange(R))
-    rank_base = np.concatenate([[0], np.cumsum(padded)])[first]
-    offset = cum - rank_base[slot_rank_S] if S else cum
-    # position of each entry within its slot: a stable sort by slot keeps the global entry order
+    S, N = slot_rank_S.size, slot.size
+    require_index(N, "entries (tokens x top-k)")
+    bad = (slot < -1) | (slot >= S)
+    check_at(int(np.argmax(bad)) if bool(bad.any()) else -1, f"entry slot (must be in [-1, {S}))")
+    order = np.argsort(slot, kind="stable")  # dropped (-1) first, then by slot, entry order within
+    n_drop = int(np.count_nonzero(slot < 0))
+    kept = order[n_drop:]
+    slot_rows = np.bincount(slot[kept], minlength=S).astype(np.int64)
+    padded, cum, offset, rows_R = slot_geometry(slot_rows, slot_rank_S, token_padding, min_rows_S, ranks)
+    require_index(int(padded.sum()), "final rows")
+    j = np.arange(kept.size, dtype=np.int64) - np.repeat(np.cumsum(slot_rows) - slot_rows, slot_rows)
     entry_row = np.full(N, -1, dtype=np.int64)
-    ks = np.flatnonzero(kept)
-    sl = entry_slot_N[ks]
-    order = np.argsort(sl, kind="stable")
-    starts = np.cumsum(slot_rows) - slot_rows
-    pos = np.empty(ks.size, dtype=np.int64)
-    pos[order] = np.arange(ks.size, dtype=np.int64) - np.repeat(starts, slot_rows)
-    entry_row[ks] = offset[sl] + pos
-    return slot_rows, padded, offset, entry_row.astype(INDEX)
+    entry_row[kept] = offset[slot[kept]] + j
+    grow = None if int(padded.sum()) == kept.size else (cum[slot[kept]] + j).astype(INDEX)
+    entry_rank = None
+    if with_ranks:
+        entry_rank = np.where(slot >= 0, slot_rank_S[np.maximum(slot, 0)], -1).astype(INDEX)
+    return SlotLayout(slot_rows, padded, offset, entry_row.astype(INDEX), order.astype(INDEX), n_drop, rows_R, grow,
+                      entry_rank)
 
 
 def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_off_R: np.ndarray,
@@ -154,16 +156,15 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
                   hops: Sequence[Hop], *, padding: Padding = Padding(), options: dict[str, Any] | None = None,
                   **extra) -> Plan:
     """The Plan of :func:`moonep_sim.plan.assemble_plan` (without its fast-path hints: it reads
-    ``entries.slot_N`` and ``entries.buf_row_N``, never ``entries.order``, ``entries.rank_N`` or a
-    scratch list)."""
+    ``entries.slot_N`` and ``entries.buf_row_N``, never ``entries.rank_N`` or a given layout)."""
     T, K = routing.topk_ids_TK.shape
     R = cluster.ranks
     if entries.slot_N is None or entries.buf_row_N is None:
         raise PlanError("entries.slot_N and entries.buf_row_N (None) must be given to the reference assemble_plan")
     slot_rank_S = np.asarray(slots.rank_S, dtype=np.int64)
     entry_slot = np.asarray(entries.slot_N, dtype=np.int64).ravel()
-    slot_rows, padded, offset, entry_row = layout_slots(entry_slot, slot_rank_S, padding.token_padding,
-                                                        padding.min_rows_S)
+    lay = slot_layout(entry_slot, slot_rank_S, padding.token_padding, padding.min_rows_S)
+    slot_rows, padded, offset, entry_row = lay.slot_rows_S, lay.slot_padded_S, lay.slot_offset_S, lay.entry_row_N
     entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
     rows_R = np.bincount(slot_rank_S, weights=padded, minlength=R).astype(np.int64)
     row_off = np.concatenate([[0], np.cumsum(rows_R)])
@@ -257,5 +258,5 @@ def home_slots(placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return sr, se, slot_of
 
 
-__all__ = ["assemble_plan", "dup_flags", "home_slots", "layout_slots", "plan_from_routes", "plan_from_slots",
+__all__ = ["assemble_plan", "dup_flags", "home_slots", "plan_from_routes", "plan_from_slots",
            "route_hop", "single_hop_messages"]

@@ -23,7 +23,7 @@ it, with the same distribution (not the same outputs for a seed); :func:`sample_
   (E=896, K=16, T=262144) takes about 0.08 CPU s instead of about 2.5 s (docs/results/steps.md).
 
 The per-token work runs in compiled kernels (``sampling_kernels.py``), the one path the samplers
-take; the numpy code they replaced is their test reference (``sampling_reference.py``: the same
+take; the numpy code they replaced is their test reference (``tests/sampling_reference.py``: the same
 draws bit for bit from the same random numbers, taken from numpy's generator in the same order and
 amounts; tests/test_sampling_kernels.py). The kernels measured 3-30x faster than it
 (docs/results/steps.md); the race's tied rows, which the kernels leave, are sorted in numpy.
@@ -83,7 +83,7 @@ def sample_topk_race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random
 def _race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator, groups: int, topk_groups: int,
           with_logits: bool, noise: dict | None, *, kernels: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """:func:`sample_topk_race`; ``kernels`` False: the numpy reference's race
-    (``sampling_reference.sample_topk_race``: the K smallest keys sorted in numpy for every row)."""
+    (``tests/sampling_reference.py``'s ``sample_topk_race``: the K smallest keys sorted in numpy for every row)."""
     E, K = int(np.size(logp_E)), int(top_k)
     lp = _popularity(logp_E)
     lp32 = lp.astype(np.float32)
@@ -529,7 +529,7 @@ def _grouped(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generat
     groups; each kept group's race continues (memoryless: from its second arrival, with the rest
     of its experts) to ``min(K, E/G)`` arrivals; the token's experts are the K earliest of them,
     in arrival order, weights ``∝ 1 / tau`` as in the race. Cost ``O(T (2G + M K))`` draws.
-    (``races_cls``: :class:`_Races`, or the numpy reference's races in ``sampling_reference``.)
+    (``races_cls``: :class:`_Races`, or the numpy reference's races in ``tests/sampling_reference.py``.)
     """
     E, K, T, G, M = int(np.size(logp_E)), int(top_k), int(tokens), int(groups), int(topk_groups)
     n = E // G

@@ -2,7 +2,7 @@
 where the numpy code makes one array pass per step.
 
 Every kernel does the per-token work of a numpy reference kept beside it (``sampling.py``,
-``sampling_reference.py``, whose samplers draw with it) with the same floating-point
+``tests/sampling_reference.py``, whose samplers draw with it) with the same floating-point
 operations in the same order, so its outputs are equal bit for bit; the random numbers stay
 numpy's (drawn by the caller, in the same order and amounts), so the streams and the draws do not
 move. tests/test_sampling_kernels.py holds the samplers' draws against the reference's.

@@ -336,7 +336,8 @@ def sim_result(sim: StepSim, wall: float) -> SimResult:
                     rows=plan0.real_rows_R().tolist(), padded_rows=plan0.rows_R().tolist())
     stats = dict(wall_seconds=wall, flows=int(rec["src"].size), ticks=net.ticks, fill_iterations=net.fill_iterations,
                  tol=sim.opts.tol)
-    opts = {k: (v if k != "faults" else [repr(f) for f in v]) for k, v in sim.opts.__dict__.items()}
+    # (the performance settings decide how the records are computed, not what they are: not reported)
+    opts = {k: (v if k != "faults" else [repr(f) for f in v]) for k, v in sim.opts.__dict__.items() if k != "perf"}
     res = SimResult(
         strategy=plan0.strategy, topology=sim.topo.name, ranks=R, layer_time_us=t_end, phases_us=phases,
         lower_bound_us=lb_us, ratio_to_lower_bound=(t_end / lb_us if lb_us > 0 else 0.0), lower_bound=lb,

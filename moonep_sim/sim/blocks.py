@@ -31,11 +31,6 @@ from moonep_sim.sim.tick_kernels import plain
 from moonep_sim.sim.ports import Block, PortMap, block_kind
 
 RUN_MAX = 256    # ports considered for one run of the block solver's filling
-# the per-node cell tables (:meth:`BlockCounts._node_cells`) are built only for rows this wide at
-# most: a frozen node's whole row is read whatever its block, which pays at 32 and 64 ranks (a K3
-# EP64 layer's fills 1.15x faster, a V3 EP32 one's 1.5x) and not at 256 (2.4x slower than the
-# per-block update, whose NIC rows are one matrix product)
-NODE_CELLS_WIDTH_MAX = 64
 
 
 class Levels(NamedTuple):
@@ -70,7 +65,14 @@ class BlockCounts:
     Storage per block: ``M`` [R, W] counts of active transfers by sender row and receiver column
     (W = R for other-node blocks; G for the NVLink block, column j meaning rank node*G + j; 1 for
     the local block) and its transpose ``MT`` [R, W] by receiver row.
+
+    The fill and the counts run compiled (``moonep_sim.sim.fill_kernels``) at every width; the numpy
+    code they replaced is their test reference (``tests/blocks_reference.py``, a subclass whose
+    :attr:`compiled` is False: the network then ticks in numpy too).
     """
+
+    #: the fill and the counts are the compiled kernels (False in the tests' numpy reference)
+    compiled = True
 
     def __init__(self, ports: PortMap):
         self.ports = ports
@@ -89,14 +91,13 @@ class BlockCounts:
         self.m_off = np.concatenate([[0], np.cumsum([R * w for w in self.width])]).astype(np.int64)
         T = int(self.m_off[-1])
         self.T = T
-        # M cells, then MT cells, then one cell that stays 0 (the padding of :attr:`cell_NW`)
+        # M cells, then MT cells, then one cell that stays 0 (the padding of the reference's cell tables)
         self._reset_counts()
         self.width_B = np.asarray(self.width, dtype=np.int64)
         r = np.arange(R)
         geo = self.cluster = ports.cluster
         # rank of row r's column j (node blocks: r's node), clipped: columns past R hold 0 counts
         self.node_cols_RG = np.minimum(geo.rank_at(geo.node_of(r)[:, None], np.arange(G)[None, :]), R - 1)
-        self.self_cols_R1 = r[:, None]
         dm = ports.dummy
         P1 = ports.cap_P.size
         unused = np.ones(B, dtype=bool)
@@ -123,7 +124,6 @@ class BlockCounts:
         self.port_one = np.full(P1, -1, dtype=np.int64)
         self.port_one[flat[real]] = g[real]
         # simple case: the nodes that have a port, in port order, and their ports
-        self.block_starts = np.arange(B + 1) * R
         self.pps = np.flatnonzero(self.port_one >= 0)
         self.nps = self.port_one[self.pps]
         # port -> its nodes, padded with -1 ([P + 1, most nodes on a port]), and each row's position
@@ -151,29 +151,19 @@ class BlockCounts:
         mixed = np.bincount(np.repeat(np.arange(P1), per_port), weights=side_of, minlength=P1)
         if not np.all((mixed == 0) | (mixed == per_port)):  # pragma: no cover - side_ports lists a port on both sides
             raise RuntimeError("a port holds sender and receiver nodes")
-        # per filling step, the run length of the last fill: its first prefix width is chosen above
-        # it (consecutive fills are alike); any start gives the same run (:meth:`_run`)
-        self._hint: list[int] = []
-        self.cell_NW, self.other_NW = self._node_cells(T)
-        self._compiled = True
         c = np.ascontiguousarray
-        # the cell tables in int32 where they fit: half the cache lines a frozen node's row reads
-        small = lambda *tabs: tuple(None if x is None else c(x, dtype=np.int32 if 2 * T < 2 ** 31 else np.int64)  # noqa: E731
-                                    for x in tabs)
         #: int64 [2N] contiguous copies of ``mt_row_N`` / ``cell_col_N`` for the kernels
         self.row_U, self.col_U = c(self.mt_row_N, dtype=np.int64), c(self.cell_col_N, dtype=np.int64)
         #: the solver's tables as the kernels read them (fill_kernels.SolverTables, as a plain tuple:
         #: ``tick_kernels.plain``)
         self._kernel_static = plain(solver_tables(self.simple, dm, RUN_MAX, self.pall, self.port_nodes, self.pps, self.nps,
-                                            self.cell_key_N, self.row_U, self.col_U,
-                                            *small(self.cell_NW, self.other_NW)))
+                                                  self.cell_key_N, self.row_U, self.col_U, self._node_rows()))
 
     def fresh(self) -> "BlockCounts":
         """A BlockCounts of the same port map with nothing counted: this one's tables (built once
-        per port map, never written after ``__init__``) shared, its counts, hints and switches new."""
+        per port map, never written after ``__init__``) shared, its counts new."""
         new = copy.copy(self)
         new._reset_counts()
-        new._hint = []
         return new
 
     def _reset_counts(self) -> None:
@@ -188,82 +178,42 @@ class BlockCounts:
         self.cnt_src = np.zeros(B * R)   # active transfers per sender node (block-major)
         self.cnt_dst = np.zeros(B * R)
 
-    @property
-    def compiled(self) -> bool:
-        """:meth:`fill` and :meth:`add` run the compiled kernels (``moonep_sim.sim.fill_kernels``,
-        bit-identical to :meth:`fill_reference` and the numpy scatter); only with the cell tables
-        (without them the reference's per-block freeze sums by matrix products, an order a loop
-        cannot promise to match). Settable: False runs the numpy code (the reference)."""
-        return self._compiled and self.cell_NW is not None
-
-    @compiled.setter
-    def compiled(self, on: bool) -> None:
-        self._compiled = bool(on)
-
-    def _node_cells(self, T: int) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """(cell_NW, other_NW): per node (sender nodes 0..N-1, then receiver nodes N..2N-1; N = B x R)
-        and column w of its block's row (W: the widest used block), the index in :attr:`mm` of the
-        cell the node shares with the other side's node ``other_NW`` (a sender node reads its ``M``
-        row, a receiver node its ``MT`` row). Columns past the node's block width, and the nodes of
-        unused blocks, point at the zero cell ``2 T`` and the spare node 2N. (None, None) when W
-        exceeds ``NODE_CELLS_WIDTH_MAX`` (then :meth:`_freeze` updates block by block)."""
+    def _node_rows(self) -> tuple[np.ndarray, ...]:
+        """(cbase_U, wid_U, obase_U, qbase_U, cols_RG): the cells of each node (and of the spare node
+        2N: none) as the compiled freeze derives them (``fill_kernels._freeze``): its row's first
+        cell in :attr:`mm`, its row's width (0 for an unused block), the other side's first node of
+        its block, and its cells' first rank there (-1 - r for an NVLink node of rank r, whose
+        cells' ranks are ``node_cols_RG[r]``) -- what the numpy reference's cell tables hold."""
         R, N = self.R, self.B * self.R
-        W = max(self.width[b] for b in self.blocks) if self.blocks else 1
-        if W > NODE_CELLS_WIDTH_MAX:
-            return None, None
         u = np.arange(2 * N)
         side, (b_N, r_N) = u // N, np.divmod(u % N, R)
-        w = np.arange(W)[None, :]
         kind_N = self.kind_B[b_N]
-        rank_NW = np.where((kind_N >= Block.NIC)[:, None], w, np.where(
-            (kind_N == Block.NVLINK)[:, None], self.node_cols_RG[r_N][:, np.minimum(w[0], self.G - 1)], r_N[:, None]))
         used = np.zeros(self.B, dtype=bool)
         used[self.blocks] = True
-        ok = used[b_N][:, None] & (w < self.width_B[b_N][:, None])
-        cell = np.where(ok, side[:, None] * T + self.mt_row_N[:, None] + w, 2 * T)
-        other = np.where(ok, (1 - side)[:, None] * N + b_N[:, None] * R + rank_NW, 2 * N)
-        return cell.astype(np.intp), other.astype(np.intp)
+        qbase = np.where(kind_N >= Block.NIC, 0, np.where(kind_N == Block.NVLINK, -1 - r_N, r_N))
+        spare = lambda x: np.append(x, 0)  # noqa: E731
+        return (spare(side * self.T + self.mt_row_N), spare(np.where(used[b_N], self.width_B[b_N], 0)),
+                spare((1 - side) * N + b_N * R), spare(qbase), self.node_cols_RG)
 
     def add(self, ns_F: np.ndarray, nd_F: np.ndarray, sign: float) -> None:
         """Count transfers in (sign = 1) or out (sign = -1); ``ns_F`` / ``nd_F``: int64 [F] their
-        sender and receiver nodes (block x R + rank, the same numbering on both sides)."""
-        if ns_F.size == 0:
-            return
-        if self.compiled:   # one compiled pass (the same whole-number sums)
+        sender and receiver nodes (block x R + rank, the same numbering on both sides): one
+        compiled pass (counts are whole numbers, so the order of the additions does not matter)."""
+        if ns_F.size:
             count_transfers(self.mm, self.T, self.row_U, self.col_U, self.cnt_src, self.cnt_dst, ns_F, nd_F, sign)
-            return
-        row, col = self.mt_row_N, self.cell_col_N
-        # every block's matrix is a view of one flat buffer: one scatter per side (counts are
-        # whole numbers, so the order of the additions does not matter)
-        np.add.at(self.m_flat, row[ns_F] + col[nd_F], sign)
-        np.add.at(self.mt_flat, row[nd_F] + col[ns_F], sign)
-        np.add.at(self.cnt_src, ns_F, sign)
-        np.add.at(self.cnt_dst, nd_F, sign)
-
-    def _cols(self, b: int, rows: np.ndarray) -> np.ndarray | None:
-        """Rank index of each column of rows ``rows`` of block b (None: the identity, all ranks)."""
-        kind = self.kinds[b]
-        if kind == Block.LOCAL:
-            return self.self_cols_R1[rows]
-        if kind == Block.NVLINK:
-            return self.node_cols_RG[rows]
-        return None
 
     def fill(self, cap_P: np.ndarray) -> Levels:
         """Exact max-min fair levels of the counted transfers (batched progressive filling):
-        per node, the level at which it froze and the port that froze it (:class:`Levels`).
-
-        The compiled kernel (:func:`~moonep_sim.sim.fill_kernels.fill_levels`) where
-        :attr:`compiled`, else :meth:`fill_reference`; the two are bit-identical (tested). One
-        fill of a V3 EP32 decode layer's network: ~15x faster than the reference."""
-        if not self.compiled:
-            return self.fill_reference(cap_P)
+        per node, the level at which it froze and the port that froze it (:class:`Levels`), by the
+        compiled kernel (:func:`~moonep_sim.sim.fill_kernels.fill_levels`), bit-identical to the
+        numpy reference it replaced (``tests/blocks_reference.py``; one fill of a V3 EP32 decode
+        layer's network ~15x faster)."""
         lev, bport, steps = self.fill_nodes(cap_P)
         N = self.B * self.R
         return Levels(lev[:N], lev[N:2 * N], bport[:N], bport[N:2 * N], steps)
 
     def fill_nodes(self, cap_P: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """The compiled :meth:`fill` (only where :attr:`compiled`) as the kernel returns it: (lev_U1
+        """The compiled :meth:`fill` as the kernel returns it: (lev_U1
         float64 [2N + 1], bport_U1 int64 [2N + 1], steps), the sender nodes' levels and ports, then
         the receiver nodes', then a spare node (inf, -1)."""
         lev, bport, steps = fill_levels(np.asarray(cap_P, dtype=np.float64), self.cnt_src, self.cnt_dst, self.mm,
@@ -271,256 +221,6 @@ class BlockCounts:
         if steps < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
             raise RuntimeError("progressive filling made no progress")
         return lev, bport, steps
-
-    def fill_reference(self, cap_P: np.ndarray) -> Levels:
-        """:meth:`fill` in numpy (the reference of the compiled kernel, and the solver where the
-        cell tables are not built): the same steps, one array pass each."""
-        R = self.R
-        N = self.B * R
-        P1 = cap_P.size
-        dm = self.ports.dummy
-        cap = np.asarray(cap_P, dtype=np.float64)
-        # per node, and one spare node 2N that stays empty (the padding of the cell tables):
-        # unfrozen transfers, frozen load (bytes/us), level, the port that froze it, free
-        cnt_x = np.concatenate([self.cnt_src, self.cnt_dst, [0.0]])
-        frz_x = np.zeros(2 * N + 1)
-        lev_x = np.full(2 * N + 1, np.inf)
-        bport_x = np.full(2 * N + 1, -1, dtype=np.int64)
-        free_x = np.ones(2 * N + 1, dtype=bool)
-        free_x[-1] = False
-        state = (lev_x, bport_x, free_x, frz_x, cnt_x)
-        cnt, frz = cnt_x[:2 * N], frz_x[:2 * N]
-        lev, bport = lev_x[:2 * N], bport_x[:2 * N]
-        if self.simple:
-            steps = self._fill_simple(cap, state)
-            return Levels(lev[:N], lev[N:], bport[:N], bport[N:], steps)
-        pall, K = self.pall, self.pall.shape[1]
-        pflat = pall.ravel()
-        steps = 0
-        while cnt.any():
-            n = np.bincount(pflat, weights=cnt if K == 1 else cnt.repeat(K), minlength=P1)
-            fr = np.bincount(pflat, weights=frz if K == 1 else frz.repeat(K), minlength=P1)
-            n[dm] = 0.0
-            cand = n.nonzero()[0]
-            share = (cap[cand] - fr[cand]) / n[cand]
-            order = share.argsort(kind="stable")
-            cand, share = cand[order], share[order]
-            # the run: a prefix of ports whose nodes are all distinct with no active cell between
-            # two of them (then no port of the run shares a transfer with an earlier one)
-            cut, node, pos = self._run(cand, steps)
-            steps += 1
-            # the run's nodes that carry unfrozen transfers (each on one run port: its first
-            # saturating port freezes it), in increasing order; no two share a cell, so freezing
-            # them together equals freezing one side after the other
-            o = node.argsort()
-            node, pos = node[o], pos[o]
-            live = cnt[node] > 0
-            if not live.all():
-                node, pos = node[live], pos[live]
-            if not node.size:  # pragma: no cover - the run's ports carry unfrozen transfers
-                raise RuntimeError("progressive filling made no progress")
-            self._freeze(node, share[pos], cand[pos], state)
-        return Levels(lev[:N], lev[N:], bport[:N], bport[N:], steps)
-
-    def _run(self, cand: np.ndarray, step: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """(cut, node, pos): the run of filling step ``step`` over ports ``cand`` (in share order):
-        its length (:meth:`_prefix_run` of the longest prefix tried) and its ports' nodes with
-        their port's position in ``cand``.
-
-        Short runs are the common case, so prefixes of 8, 64 and ``RUN_MAX`` ports are tried in
-        turn, from the first width above this step's run length in the last fill (a prefix's cut
-        is the whole run's whenever it falls inside the prefix, so every start gives the same run;
-        the hint only skips prefixes that would be cut at their end: measured 1.3 calls per step
-        instead of 1.7 on a K3 EP64 deepep layer)."""
-        hint = self._hint[step] if step < len(self._hint) else 0
-        for width in (8, 64, RUN_MAX):
-            # the last width is always tried (a run of RUN_MAX ports in the last fill skipped them all)
-            if width <= hint and width < cand.size and width < RUN_MAX:
-                continue
-            cut, node, pos = self._prefix_run(cand[:width])
-            if cut < width or width >= cand.size:
-                break
-        if step < len(self._hint):
-            self._hint[step] = cut
-        else:
-            self._hint.append(cut)
-        keep = pos < cut
-        return cut, node[keep], pos[keep]
-
-    def _fill_simple(self, cap, state) -> int:
-        """:meth:`fill` when every node has one port and every port one node (``simple``): the
-        same steps, in node space (a port's count and frozen load are its node's; ties in share
-        order still go to the lower port). ``state``: :meth:`fill`'s per-node arrays. Returns the
-        steps."""
-        cnt, frz = state[4], state[3]
-        nps, pps = self.nps, self.pps
-        cap_n = cap[pps]
-        steps = 0
-        while True:
-            c_n = cnt[nps]
-            li = c_n.nonzero()[0]
-            if not li.size:   # every counted transfer crosses a port, so no node carries any now
-                break
-            steps += 1
-            cn = nps[li]
-            share = (cap_n[li] - frz[cn]) / c_n[li]
-            order = share.argsort(kind="stable")
-            cn = cn[order]
-            cut = self._switch_cut(cn[:RUN_MAX])
-            if cut is None:
-                cand = pps[li[order]]
-                for width in (8, 64, RUN_MAX):  # short runs are the common case: try small prefixes first
-                    cut = self._run_cut(cand[:width])
-                    if cut < width or width >= cand.size:
-                        break
-            # the run's nodes all carry unfrozen transfers (they are live and nothing froze yet in
-            # this step) and share no cell: frozen together, in increasing order (a frozen node's
-            # own load is never read again here: its port is its alone)
-            o = cn[:cut].argsort()
-            oo = order[o]
-            self._freeze(cn[o], share[oo], pps[li[oo]], state, own_load=False)
-        return steps
-
-    def _switch_cut(self, node: np.ndarray) -> int | None:
-        """The run's length in the simple case (one node per port; ``node``: the ports' nodes in
-        share order) when it ends where the ports first switch side: all of one side (no two of
-        them can share a transfer), or the first port of the other side has an active cell with a
-        port before it. None when that port has none (then :meth:`_run_cut` decides). Same answer
-        as :meth:`_run_cut`, which cuts at the first port sharing a transfer with an earlier one,
-        in a few array operations."""
-        is_s = node < self.B * self.R
-        q = int((is_s != is_s[0]).argmax())   # 0: no switch
-        if q == 0:
-            return node.size
-        x, prev = int(node[q]), node[:q]
-        key, row, col = self.cell_key_N, self.mt_row_N, self.cell_col_N
-        idx = row[prev] + col[x] if is_s[0] else row[x] + col[prev]   # cell (sender, receiver) in m_flat
-        act = (key[prev] == key[x]) & (self.m_flat.take(idx, mode="clip") > 0)
-        return q if bool(act.any()) else None
-
-    def _run_cut(self, cand: np.ndarray) -> int:
-        """Length of the run over ports ``cand`` (in share order): :meth:`_prefix_run`'s cut."""
-        return self._prefix_run(cand)[0]
-
-    def _prefix_run(self, cand: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
-        """(cut, node, pos): the length of the run, the longest prefix of ports ``cand`` (in share
-        order) in which no node belongs to two ports and no node has an active cell with a node of
-        an earlier port on the other side (at least 1), and the nodes of the ports before the cut
-        with their port's position in ``cand`` (ascending)."""
-        w = cand.size
-        nd_WD = self.port_nodes[cand]
-        real = nd_WD >= 0
-        node, pos = nd_WD[real], self.pos_WD[:w][real]
-        cut = w
-        if not self.simple:   # a node of two ports: cut at the later one
-            o = node.argsort(kind="stable")
-            sn = node[o]
-            dup = sn[1:] == sn[:-1]
-            if dup.any():
-                cut = int(pos[o][dup.nonzero()[0] + 1].min())
-                keep = pos < cut
-                node, pos = node[keep], pos[keep]
-            # ports before the first one of the other side share no cell; the run usually ends at
-            # that port (9 in 10 fills of K3 EP64 deepep layers): check it alone first
-            side = self.port_side[cand[:cut]]
-            q = int((side != side[0]).argmax())
-            if q == 0:
-                return max(cut, 1), node, pos
-            i0, i1 = pos.searchsorted(q), pos.searchsorted(q, "right")   # pos ascends
-            x, prev = node[i0:i1], node[:i0]
-            key, row, col = self.cell_key_N, self.mt_row_N, self.cell_col_N
-            idx = row[prev][None, :] + col[x][:, None] if side[q] else row[x][:, None] + col[prev][None, :]
-            if bool(((key[x][:, None] == key[prev][None, :]) & (np.take(self.m_flat, idx, mode="clip") > 0)).any()):
-                return q, node, pos
-        cut = self._cell_cut(node, pos, cut)
-        return max(cut, 1), node, pos
-
-    def _cell_cut(self, node: np.ndarray, pos: np.ndarray, cut: int) -> int:
-        """``cut`` lowered to the first position at which a node has an active cell with a node of
-        an earlier position on the other side (``node``, ``pos``: the prefix's nodes and their
-        ports' positions, all below ``cut``). Each receiver's earliest connected sender is read
-        from one gather of the [receivers, senders] cells of ``mt_flat`` (pairs of two blocks, or
-        of two nodes for NVLink blocks, masked by their cell key): a fixed number of array
-        operations whatever the blocks (2x faster than per block on K3 EP64 deepep layers)."""
-        N = self.B * self.R
-        is_s = node < N
-        if not is_s.any() or is_s.all():
-            return cut
-        ns, nr = node[is_s], node[~is_s]
-        act = self.cell_key_N[nr][:, None] == self.cell_key_N[ns][None, :]
-        idx = self.mt_row_N[nr][:, None] + self.cell_col_N[ns][None, :]
-        act &= np.take(self.mt_flat, idx, mode="clip") > 0   # pairs of two blocks may point past the buffer
-        first = np.where(act, pos[is_s][None, :], cut).min(axis=1)   # per receiver: its earliest connected sender
-        return min(cut, int(np.maximum(first, pos[~is_s]).min()))
-
-    def _freeze(self, g: np.ndarray, lv: np.ndarray, port: np.ndarray, state, own_load: bool = True) -> None:
-        """Freeze nodes ``g`` (int64, increasing; of either side, no two sharing a cell, each
-        carrying unfrozen transfers) at levels ``lv`` (the shares of ``port``, the run ports that
-        saturate them); their cells leave the other side's free nodes: counts, and load at the
-        cells' level. ``state``: :meth:`fill`'s per-node arrays (lev, bport, free, frz, cnt);
-        ``own_load``: add the nodes' own frozen load to ``frz`` (read by ports of several nodes).
-
-        With the cell tables (:meth:`_node_cells`) the cells of every frozen node are read in one
-        gather and scattered in one count per quantity, whatever the blocks (see
-        ``NODE_CELLS_WIDTH_MAX`` for where that pays); :meth:`_freeze_blocks` is the same update
-        block by block, the reference it is tested against (equal up to the order of float
-        additions)."""
-        lev, bport, free, frz, cnt = state
-        lev[g] = lv
-        bport[g] = port
-        free[g] = False
-        if own_load:
-            frz[g] += lv * cnt[g]
-        cnt[g] = 0.0
-        if self.cell_NW is None:
-            N = self.B * self.R
-            mid = int(np.searchsorted(g, N))
-            for s0, nodes, lvn in ((0, g[:mid], lv[:mid]), (1, g[mid:] - N, lv[mid:])):
-                if nodes.size:
-                    self._freeze_blocks(nodes, lvn, s0, free, frz, cnt)
-            return
-        other = self.other_NW[g]
-        Z = self.mm[self.cell_NW[g]]
-        Z *= free[other]
-        t = other.ravel()
-        cnt -= np.bincount(t, weights=Z.ravel(), minlength=cnt.size)
-        frz += np.bincount(t, weights=(lv[:, None] * Z).ravel(), minlength=frz.size)
-
-    def _freeze_blocks(self, nodes, lvn, s0, free, frz, cnt) -> None:
-        """The cells of frozen side-``s0`` nodes ``nodes`` (increasing, block x R + rank; at levels
-        ``lvn``) leave the other side's free nodes, block by block (:meth:`_freeze`'s update where
-        the cell tables would be too large, and its reference)."""
-        R, N = self.R, self.B * self.R
-        mats = self.M if s0 == 0 else self.MT
-        olo = N - s0 * N
-        rows = nodes % R
-        bounds = np.searchsorted(nodes, self.block_starts).tolist()   # nodes are sorted: a block is a slice
-        for b in self.blocks:
-            i0, i1 = bounds[b], bounds[b + 1]
-            if i0 == i1:
-                continue
-            rb = rows[i0:i1]
-            lb = lvn[i0:i1]
-            base = olo + b * R
-            of = free[base:base + R]
-            if self.kinds[b] == Block.LOCAL:   # a local block: each node's one cell is its own rank's
-                z = mats[b][rb, 0] * of[rb]
-                cnt[base + rb] -= z
-                frz[base + rb] += lb * z
-                continue
-            cols = self._cols(b, rb)
-            Mrb = mats[b][rb]
-            if cols is None:
-                w_2n = np.empty((2, rb.size))   # [ones; levels]: one product gives counts and loads
-                w_2n[0] = 1.0
-                w_2n[1] = lb
-                both = w_2n @ Mrb
-                cnt[base:base + R] -= both[0] * of
-                frz[base:base + R] += both[1] * of
-            else:
-                Z = Mrb * of[cols]
-                cnt[base:base + R] -= np.bincount(cols.ravel(), weights=Z.ravel(), minlength=R)
-                frz[base:base + R] += np.bincount(cols.ravel(), weights=(lb[:, None] * Z).ravel(), minlength=R)
 
     def rates(self, filled: Levels, blk_F, src_F, dst_F) -> tuple[np.ndarray, np.ndarray]:
         """(rate_F, bottleneck_port_F) of transfers from a :meth:`fill` result."""
@@ -531,4 +231,4 @@ class BlockCounts:
         return np.where(use_src, ls, ld), np.where(use_src, filled.port_src[a], filled.port_dst[c])
 
 
-__all__ = ["BlockCounts", "Levels", "NODE_CELLS_WIDTH_MAX", "RUN_MAX"]
+__all__ = ["BlockCounts", "Levels", "RUN_MAX"]

@@ -218,7 +218,7 @@ class StepSim:
         self.env = simpy.Environment()
         self.ports = PortMap.build(topo, R, self.fs.nvlink_factor_R, self.fs.nic_factor_R,
                                    sm_cap_bytes_per_us(topo, plans[0].kernel))
-        self.net = FlowNetwork(self.env, self.ports, opts.tol, record_util=opts.timeline)
+        self.net = FlowNetwork(self.env, self.ports, opts.tol, record_util=opts.timeline, perf=opts.perf)
         self.rng = np.random.default_rng(opts.seed)
         host_R = topo.host_R(R)  # CPU processes sharing a host's cores (None on GPU presets)
         self.host_R = host_R

@@ -5,8 +5,8 @@ a handful of numpy calls on arrays of a few to a few hundred ports: the cost is 
 arithmetic (a DeepSeek-V3 EP32 decode step: ~12,300 fills, ~5 s of numpy overhead). This kernel is
 the same filling written as loops over the arrays :class:`BlockCounts` holds, doing the same steps
 in the same order of floating-point operations, so its levels, bottleneck ports and step counts
-are bit-identical to the numpy code (``BlockCounts.fill_reference``, kept as the reference and
-tested against it).
+are bit-identical to the numpy code it replaced (``tests/blocks_reference.py``, kept as the test
+reference it is held equal to).
 
 Notation (as ``moonep_sim.sim.blocks``): N = B x R nodes per side; U = 2N nodes (sender nodes
 0..N-1, receiver nodes N..2N-1) plus one spare node U that stays empty (the padding of the cell
@@ -19,18 +19,16 @@ What the numpy code does, step by step, and how the kernel reproduces it:
   a sum per port in increasing node order starting from 0.0 (the loop below adds in that order);
 - the candidate ports (non-zero count, ascending) are ordered by share with a stable sort (ties
   to the lower port; merge sort here, also stable, so the same permutation);
-- the run (``_run`` / ``_prefix_run`` / ``_switch_cut`` / ``_cell_cut``) is the longest prefix,
+- the run (the reference's ``_run`` / ``_prefix_run`` / ``_switch_cut`` / ``_cell_cut``) is the longest prefix,
   at most ``run_max`` ports, in which no node belongs to two ports and no node has an active cell
   with a node of an earlier port on the other side: the kernel scans the prefix once and stops at
   the first port that breaks either rule (every prefix width the numpy code tries gives that same
   cut, its docstring's argument);
-- the freeze (``_freeze`` with the cell tables) scatters each frozen node's cells in node order
+- the freeze (``_freeze`` through the cell tables) scatters each frozen node's cells in node order
   into per-node sums (``np.bincount`` again: a fresh 0.0 sum per target, then one subtraction /
-  addition per target), which the kernel accumulates in scratch arrays in the same order.
-
-Port maps whose cell tables are not built (rows wider than ``NODE_CELLS_WIDTH_MAX``) keep the
-numpy code: its per-block freeze uses a matrix product, whose order of additions a loop cannot
-promise to match.
+  addition per target), which the kernel accumulates in scratch arrays in the same order; the
+  kernel derives each node's cells from four per-node values instead of reading the [2N, W]
+  tables, so it runs at any width (the tables grow as R^2: 128 MiB at 1024 ranks).
 """
 
 from __future__ import annotations
@@ -158,10 +156,14 @@ def _freeze(g, lv, port, ng, own_load, nodes, scratch, cells):
     leave every count and frozen load as it is (a frozen load, a sum of terms starting from +0.0, is
     never -0.0; a level of inf times a zero cell is nan, so that term is kept).
     nodes: each node's (lev, bport, free, frz, cnt); scratch: (acc_c, acc_f, touched, mark), ``acc_c``
-    / ``acc_f`` / ``mark`` zeroed, of size U + 1, left zeroed; cells: (cell_UW, other_UW, mm)."""
+    / ``acc_f`` / ``mark`` zeroed, of size U + 1, left zeroed; cells: (cbase_U, wid_U, obase_U,
+    qbase_U, cols_RG, mm) -- node x's w-th cell (w < ``wid_U[x]``) is ``mm[cbase_U[x] + w]``, shared
+    with the other side's node ``obase_U[x] + q``, q = ``qbase_U[x] + w`` (or, for an NVLink node,
+    ``qbase_U[x] = -1 - r``: ``cols_RG[r, w]``), what ``BlockCounts._node_cells`` tabulates (its
+    columns past a block's width point at a zero cell: a term that leaves every sum as it is)."""
     lev, bport, free, frz, cnt = nodes
     acc_c, acc_f, touched, mark = scratch
-    cell_UW, other_UW, mm = cells
+    cbase_U, wid_U, obase_U, qbase_U, cols_RG, mm = cells
     for i in range(ng):
         x = g[i]
         lev[x] = lv[i]
@@ -173,15 +175,15 @@ def _freeze(g, lv, port, ng, own_load, nodes, scratch, cells):
             frz[x] = frz[x] + lv[i] * cnt[x]
     for i in range(ng):
         cnt[g[i]] = 0.0
-    W = cell_UW.shape[1]
     nt = 0
     for i in range(ng):
         x = g[i]
         li = lv[i]
         finite = np.isfinite(li)
-        for w in range(W):
-            t = other_UW[x, w]
-            z = mm[cell_UW[x, w]] * (1.0 if free[t] else 0.0)
+        cb, ob, qb = cbase_U[x], obase_U[x], qbase_U[x]
+        for w in range(wid_U[x]):
+            t = ob + (cols_RG[-1 - qb, w] if qb < 0 else qb + w)
+            z = mm[cb + w] * (1.0 if free[t] else 0.0)
             if z == 0.0 and finite:   # a term of +0.0 (or -0.0): the sums stay as they are
                 continue
             if not mark[t]:
@@ -204,9 +206,9 @@ def _fill_simple(cap_P, N, tables, nodes, scratch, cells, run):
     """:func:`fill_levels` where every node has one port and every port one node (``tables.simple``):
     the candidate ports are the nodes' own. nodes, scratch, cells: as :func:`_freeze` takes them;
     run: the run's buffers (sender nodes, receiver nodes, nodes, levels, ports)."""
-    simple, dummy, run_max, pall_UK, port_nodes_PD, pps, nps, key_U, row_U, col_U, cell_UW, other_UW = tables
+    simple, dummy, run_max, pall_UK, port_nodes_PD, pps, nps, key_U, row_U, col_U = tables[:10]
     lev, bport, free, frz, cnt = nodes
-    mm = cells[2]
+    mm = cells[5]
     run_s, run_r, g, lv, port = run
     steps = 0
     nP = pps.size
@@ -256,9 +258,9 @@ def _fill_simple(cap_P, N, tables, nodes, scratch, cells, run):
 def _fill_general(cap_P, N, tables, nodes, scratch, cells, run):
     """:func:`fill_levels` for any port map: each step sums every port's unfrozen transfers and
     frozen load from its nodes. Arguments as :func:`_fill_simple`'s."""
-    simple, dummy, run_max, pall_UK, port_nodes_PD, pps, nps, key_U, row_U, col_U, cell_UW, other_UW = tables
+    simple, dummy, run_max, pall_UK, port_nodes_PD, pps, nps, key_U, row_U, col_U = tables[:10]
     lev, bport, free, frz, cnt = nodes
-    mm = cells[2]
+    mm = cells[5]
     run_s, run_r, g, lv, port = run
     U = 2 * N
     P1 = cap_P.size
@@ -343,8 +345,11 @@ class SolverTables(NamedTuple):
     have a node, ascending, and their nodes).  dummy: the dummy port.  run_max: ports of one run at
     most.  pall_UK: int64 [U, K] ports of each node (dummy-padded).  port_nodes_PD: int64 [P1, D]
     nodes of each port (-1-padded).  key_U, row_U, col_U: int64 [U] per node its cell key, its
-    row's first index in the counts buffer and its column in the other side's rows.  cell_UW,
-    other_UW: int32 (int64 past 2^31 cells) [U, W] the cell tables (``BlockCounts._node_cells``).
+    row's first index in the counts buffer and its column in the other side's rows.  cbase_U,
+    wid_U, obase_U, qbase_U: int64 [U + 1] per node (and the spare node) its row's first cell in
+    ``mm`` (its side's M or MT part), its row's width (0: an unused block), the other side's first
+    node of its block and its cells' first rank there (-1 - r for an NVLink node of rank r: its
+    node's ranks ``cols_RG[r]``, int64 [R, G]); see :func:`_freeze`.
     """
 
     simple: bool
@@ -357,19 +362,22 @@ class SolverTables(NamedTuple):
     key_U: np.ndarray
     row_U: np.ndarray
     col_U: np.ndarray
-    cell_UW: np.ndarray
-    other_UW: np.ndarray
+    cbase_U: np.ndarray
+    wid_U: np.ndarray
+    obase_U: np.ndarray
+    qbase_U: np.ndarray
+    cols_RG: np.ndarray
 
 
 def solver_tables(simple: bool, dummy: int, run_max: int, pall_UK: np.ndarray, port_nodes_PD: np.ndarray,
                   pps: np.ndarray, nps: np.ndarray, key_U: np.ndarray, row_U: np.ndarray, col_U: np.ndarray,
-                  cell_UW: np.ndarray, other_UW: np.ndarray) -> SolverTables:
-    """:class:`SolverTables` in the dtypes the kernels read (contiguous int64; the cell tables int32
-    where 2T fits, as given)."""
+                  cells: tuple) -> SolverTables:
+    """:class:`SolverTables` in the dtypes the kernels read (contiguous int64). cells: (cbase_U,
+    wid_U, obase_U, qbase_U, cols_RG), as ``BlockCounts`` derives them."""
     c = np.ascontiguousarray
     return SolverTables(bool(simple), int(dummy), int(run_max), c(pall_UK, dtype=np.int64),
                         c(port_nodes_PD, dtype=np.int64), c(pps, dtype=np.int64), c(nps, dtype=np.int64),
-                        c(key_U, dtype=np.int64), row_U, col_U, cell_UW, other_UW)
+                        c(key_U, dtype=np.int64), row_U, col_U, *(c(x, dtype=np.int64) for x in cells))
 
 
 @kernel
@@ -386,8 +394,8 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, tables):
     run_max: ports of one run at most.  pall_UK: int64 [U, K] ports of each node (dummy-padded).
     port_nodes_PD: int64 [P1, D] nodes of each port (-1-padded).  key_U, row_U, col_U: int64 [U]
     per node its cell key, its row's first index in ``mm`` and its column in the other side's rows.
-    cell_UW, other_UW: int32 (int64 past 2^31 cells) [U, W] the cell tables (``BlockCounts._node_cells``)."""
-    simple, dummy, run_max, pall_UK, port_nodes_PD, pps, nps, key_U, row_U, col_U, cell_UW, other_UW = tables
+    cbase_U, wid_U, obase_U, qbase_U, cols_RG: each node's cells (:func:`_freeze`)."""
+    simple, dummy, run_max, pall_UK, port_nodes_PD, pps, nps, key_U, row_U, col_U = tables[:10]
     N = cnt_src_N.size
     U = 2 * N
     cnt = np.empty(U + 1)
@@ -403,7 +411,7 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, tables):
     acc_f = np.zeros(U + 1)
     mark = np.zeros(U + 1, dtype=np.bool_)
     touched = np.empty(U + 1, dtype=np.int64)
-    nodes, scratch, cells = (lev, bport, free, frz, cnt), (acc_c, acc_f, touched, mark), (cell_UW, other_UW, mm)
+    nodes, scratch, cells = (lev, bport, free, frz, cnt), (acc_c, acc_f, touched, mark), tables[10:] + (mm,)
     D = port_nodes_PD.shape[1]
     cap_run = run_max * max(D, 1)
     run_s = np.empty(cap_run, dtype=np.int64)   # the run's sender nodes so far

@@ -57,11 +57,6 @@ class LowerBound:
                     binding=self.binding)
 
 
-def entry_counts_RE(plan: Plan) -> np.ndarray:
-    """int64 [R, E]: kept entries per (source rank of the token, expert), from the plan's rows."""
-    return _Entries(plan).n_RE
-
-
 CHUNK = 1 << 20   # entries per pass of the per-entry loops: their temporaries stay small and reused
 
 
@@ -176,4 +171,4 @@ def lower_bound(plan: Plan, model: ModelSpec, topo: Topology, backward: bool = F
     return LowerBound(lb, comm, comp, binding if comm >= comp else "compute")
 
 
-__all__ = ["LowerBound", "entry_counts_RE", "lower_bound"]
+__all__ = ["LowerBound", "lower_bound"]

@@ -45,6 +45,7 @@ import numpy as np
 import simpy
 
 from moonep_sim.errors import require
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.sim.blocks import BlockCounts, Levels
 from moonep_sim.sim.flows import ActiveFlows, FlowLog, Pending
 from moonep_sim.sim.ports import L_PATH, Block, PortMap, block_kind
@@ -52,24 +53,25 @@ from moonep_sim.sim.tick_kernels import LogCols, WaitCols, plain, submit_flows, 
 from moonep_sim.sim.waterfill import waterfill
 
 
-PAIR_TABLE_MAX = 1 << 18   # (sender, receiver) pairs of a network's block and latency tables at most
 STATIC_CACHE_SIZE = 8      # port maps whose solver tables and pair tables are kept (most recent first)
-# per port map (held, so its id is not reused): (BlockCounts with nothing counted, pair tables); a
-# network takes a fresh copy of the former (``BlockCounts.fresh``) and reads the latter (read-only)
-_STATIC: list[tuple[PortMap, list, dict]] = []
+# per (port map, performance settings) (the map held, so its id is not reused): (BlockCounts with
+# nothing counted, pair tables); a network takes a fresh copy of the former (``BlockCounts.fresh``)
+# and reads the latter (read-only)
+_STATIC: list[tuple[PortMap, PerfConfig, list, dict]] = []
 _STATIC_LOCK = threading.Lock()   # (the template and the tables themselves are never written once made)
 
 
-def _static(ports: PortMap) -> tuple[list, dict]:
-    """The cached ([BlockCounts template or None], pair tables) of ``ports`` (created empty on first use)."""
+def _static(ports: PortMap, perf: PerfConfig) -> tuple[list, dict]:
+    """The cached ([BlockCounts template or None], pair tables) of ``ports`` under ``perf`` (created
+    empty on first use)."""
     with _STATIC_LOCK:
-        for i, (pm, tmpl, tabs) in enumerate(_STATIC):
-            if pm is ports:
+        for i, (pm, pf, tmpl, tabs) in enumerate(_STATIC):
+            if pm is ports and pf == perf:
                 if i:
                     _STATIC.insert(0, _STATIC.pop(i))
                 return tmpl, tabs
         tmpl, tabs = [], {}
-        _STATIC.insert(0, (ports, tmpl, tabs))
+        _STATIC.insert(0, (ports, perf, tmpl, tabs))
         del _STATIC[STATIC_CACHE_SIZE:]
         return tmpl, tabs
 
@@ -92,10 +94,13 @@ class FlowNetwork:
     map has half-duplex pair ports, then :func:`waterfill` over per-flow paths (``solver``: "auto",
     "blocks" or "paths"). Per active flow the state is (rate, remaining bytes at t0, t0, finish
     time); a tick touches a flow's state only when its rate changed.
+
+    perf: up to how many (sender, receiver) pairs the network builds its pair tables, read by the
+    compiled submission (``PerfConfig.pair_table_max``; the same records with or without them).
     """
 
     def __init__(self, env: simpy.Environment, ports: PortMap, tol: float = 0.0, record_util: bool = False,
-                 solver: str = "auto"):
+                 solver: str = "auto", perf: PerfConfig = DEFAULT_PERF):
         require(solver in ("auto", "blocks", "paths"), f"solver ({solver!r}) must be 'auto', 'blocks' or 'paths'")
         require(not (solver == "blocks" and ports.per_flow),
                 "solver ('blocks') must not be used with half-duplex pair or mesh ports: their paths are not per-side")
@@ -112,7 +117,8 @@ class FlowNetwork:
         self._phase_tab: list = []        # per phase id: its pair tables (``_pair_table``), once looked up
         self._R, self._message_us = ports.ranks, float(ports.message_us)
         # the solver's tables and the pair tables do not depend on the flows: built once per port map
-        tmpl, self._pair_tables = _static(ports)
+        self._pair_max = perf.pair_table_max
+        tmpl, self._pair_tables = _static(ports, perf)
         use_blocks = solver == "blocks" or (solver == "auto" and not ports.per_flow)
         self._blocks = None
         if use_blocks:
@@ -242,12 +248,12 @@ class FlowNetwork:
         """(block_RR, latency_RR): ``PortMap.pair_class`` and ``latency`` of every (sender,
         receiver) for flows of phases with these flags (built on first use, kept per port map; a
         rank's submission then reads its row instead of classifying its transfers again). None
-        above ``PAIR_TABLE_MAX`` pairs."""
+        above ``perf.pair_table_max`` pairs."""
         key = (sm, nic)
         if key not in self._pair_tables:
             R = self.ports.ranks
             tab = None
-            if R * R <= PAIR_TABLE_MAX:
+            if R * R <= self._pair_max:
                 s, d = np.divmod(np.arange(R * R), R)
                 nic_F = np.full(R * R, True) if nic else None
                 tab = (self.ports.pair_class(s, d, np.full(R * R, sm) if self.ports.sm_ports else None, nic_F).reshape(R, R),
@@ -338,9 +344,9 @@ class FlowNetwork:
         return out.next_finish
 
     def _tick_reference(self, t: float) -> float:
-        """The tick in numpy (the reference of :meth:`_tick_compiled`, and the tick of the per-flow
-        solver and of maps without the compiled fill): its steps 1-3 (completions, activations,
-        rates). Returns the earliest finish time."""
+        """The tick in numpy: the per-flow solver's, and the reference of :meth:`_tick_compiled`
+        (with the tests' numpy block solver, ``tests/blocks_reference.py``): its steps 1-3
+        (completions, activations, rates). Returns the earliest finish time."""
         a = self._a
         # 1. completions (a flow's finish time is exact at its current rate)
         if a.n:

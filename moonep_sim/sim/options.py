@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from moonep_sim.errors import require
 from moonep_sim.limits import MAX_CHUNKS, MAX_JITTER_CV
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 
 DEFAULT_TOL = 0.002
 
@@ -29,6 +30,8 @@ class SimOptions:
         no planning and no compute (how DeepEP times a kernel alone).
     timeline: record per-rank spans and port utilisation counters for a Perfetto trace.
     planning: include the planning cost in the forward.
+    perf: where the network's compiled submission runs (``PerfConfig.pair_table_max``): how the
+        records are computed, not what they are (see :class:`~moonep_sim.sim.network.FlowNetwork`).
     """
 
     backward: bool = False
@@ -41,6 +44,7 @@ class SimOptions:
     isolate: str | None = None
     timeline: bool = False
     planning: bool = True
+    perf: PerfConfig = DEFAULT_PERF
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "faults", tuple(self.faults or ()))

@@ -32,7 +32,7 @@ def _layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: in
 
 @register("allgather", summary="all-gather every token to every rank, reduce-scatter back (Megatron-Core)")
 def plan(routing: GlobalRouting, ctx: PlanContext) -> Plan:
-    R, T, K = ctx.cluster.ranks, routing.num_tokens, routing.top_k
+    R, K = ctx.cluster.ranks, routing.top_k
     sr, se, slot_of = home_slots(ctx.placement)
     entry_slot = home_entry_slots(slot_of, routing.topk_ids_TK).ravel()
     # the slot sort and layout on a second thread beside the hop (numpy's loops release the GIL)
@@ -41,7 +41,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext) -> Plan:
     with layout:
         hop = _hop(routing, R)
         entry_rank = sr.astype(INDEX)[entry_slot]  # the Plan's entry_rank, written as its index dtype
-        dup = dup_flags(entry_rank, K)
+        dup = dup_flags(entry_rank, K, perf=ctx.perf)
     return assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr),
                          Entries(entry_slot, None, dup, rank_N=entry_rank), [hop],
                          padding=Padding(ctx.token_padding), layout=layout.result(), perf=ctx.perf)

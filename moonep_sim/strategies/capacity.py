@@ -21,7 +21,7 @@ import numpy as np
 from moonep_sim.errors import require
 from moonep_sim.limits import MAX_ELEMENTS
 from moonep_sim.plan import (INDEX, Entries, GlobalRouting, Hop, Padding, Plan, Scope, Slots, assemble_plan,
-                             final_rows, home_slots, sorted_layout, stable_order, threads)
+                             final_rows, home_slots, slot_layout, threads)
 from moonep_sim.plan.kinds import require_index
 from moonep_sim.plan.order import segment_mask, segment_ranges, small_key_dtype
 from moonep_sim.strategies import Option, PlanContext, register
@@ -41,18 +41,11 @@ def capacity_per_rank_R(tokens_per_rank_R: np.ndarray, top_k: int, num_experts: 
     return np.ceil(np.round(x, 9)).astype(np.int64)
 
 
-def _desc_weight_key_N(weights_N: np.ndarray) -> np.ndarray:
-    """uint32 [N]: a key that sorts float32 weights from highest to lowest (NaN last).
-
-    The float32 bit pattern, made monotonic (sign bit flipped for >= 0, all bits for < 0), then
-    complemented; -0.0 is folded into +0.0 first so the two tie, as they compare equal.
-    """
-    return _desc_key_inplace(np.asarray(weights_N, dtype=np.float32) + np.float32(0.0))  # -0.0 + 0.0 = +0.0
-
-
 def _desc_key_inplace(w_N: np.ndarray) -> np.ndarray:
-    """:func:`_desc_weight_key_N` of float32 ``w_N`` (no -0.0 left), written over ``w_N``'s own
-    memory (returned as its uint32 view): for a sign bit 0, ``~(u | 1 << 31) == 0x7FFFFFFF - u``;
+    """uint32 [N]: a key that sorts float32 weights ``w_N`` (no -0.0 left: add +0.0 first, so the two
+    tie) from highest to lowest, NaN last -- the float32 bit pattern made monotonic (sign bit
+    flipped for >= 0, all bits for < 0), then complemented -- written over ``w_N``'s own memory
+    (returned as its uint32 view): for a sign bit 0, ``~(u | 1 << 31) == 0x7FFFFFFF - u``;
     negative weights keep their bits; NaN becomes 0xFFFFFFFF."""
     nan = np.isnan(w_N)
     u = w_N.view(np.uint32)
@@ -64,8 +57,8 @@ def _desc_key_inplace(w_N: np.ndarray) -> np.ndarray:
 def _keep_heaviest_A(A_N: np.ndarray, cnt_G: np.ndarray, cap_G: np.ndarray,
                      weights_N: np.ndarray, weights_A: np.ndarray | None = None) -> np.ndarray:
     """bool [N], in the order ``A_N`` (entries sorted stably by group): whether each entry is among
-    the ``cap_G`` heaviest of its group (ties: earlier entry first) -- :func:`keep_mask_N`'s
-    ``drop=weight`` without a sort of the entries by weight.
+    the ``cap_G`` heaviest of its group (ties: earlier entry first): ``drop=weight`` without a sort
+    of the entries by weight.
 
     A group within its capacity keeps every entry, one without capacity none. For the groups above
     capacity (their entries only): one value sort of ``group << 32 | weight key`` (fast: no
@@ -75,7 +68,6 @@ def _keep_heaviest_A(A_N: np.ndarray, cnt_G: np.ndarray, cap_G: np.ndarray,
     order) still within the capacity. ``weights_A``: the weights already in the order ``A_N``
     (float32 [N], where the caller's sort gathered them), else gathered here.
     """
-    n = A_N.size
     over = (cnt_G > cap_G) & (cap_G > 0)
     keep = np.repeat(cnt_G <= cap_G, cnt_G)  # groups within capacity keep all, groups without none
     if not over.any():
@@ -104,30 +96,6 @@ def _keep_heaviest_A(A_N: np.ndarray, cnt_G: np.ndarray, cap_G: np.ndarray,
     rank_tie = np.arange(tie.size, dtype=np.int64) - np.searchsorted(tie, seg_O)[g_tie]
     keep_O[tie[rank_tie < (cap_O - n_less_O)[g_tie]]] = True  # the first cap - n_less ties stay
     keep[sel] = keep_O
-    return keep
-
-
-def keep_mask_N(ids_N: np.ndarray, weights_N: np.ndarray, src_N: np.ndarray, cap_R: np.ndarray,
-                num_experts: int, drop: str) -> np.ndarray:
-    """bool [N]: which entries fit their (source rank, expert) capacity (vectorised).
-
-    drop=weight keeps the highest weights (ties: earlier entry first); drop=position keeps the
-    earliest entries (token order, then k).
-    """
-    ids_N = np.asarray(ids_N, dtype=np.int64)
-    src_N = np.asarray(src_N, dtype=np.int64)
-    cap_R = np.asarray(cap_R, dtype=np.int64)
-    n = ids_N.size
-    n_groups = int(cap_R.size) * num_experts
-    group = src_N * num_experts + ids_N
-    A = stable_order(group, n_groups)  # (group, entry) order
-    cnt = np.bincount(group, minlength=n_groups).astype(np.int64) if n else np.zeros(n_groups, np.int64)
-    cap_G = np.repeat(cap_R, num_experts)
-    keep = np.empty(n, dtype=bool)
-    if drop == "weight":
-        keep[A] = _keep_heaviest_A(A, cnt, cap_G, weights_N)
-    else:  # the sorted entries of group g sit at [start_g, start_g + cnt_g); the first cap_g stay
-        keep[A] = segment_mask(np.cumsum(cnt) - cnt, np.minimum(cnt, np.maximum(cap_G, 0)), n)
     return keep
 
 
@@ -180,19 +148,12 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     drop_N = np.ones(N, dtype=bool)
     drop_N[ke] = False
     del A, keep_A, w_A
-    entry_rank = np.take(sr.astype(INDEX), slot_key)  # INDEX [N] the Plan's entry_rank (-1 dropped)
-    np.copyto(entry_rank, -1, where=drop_N)
-    del slot_key
+    entry_slot = slot_key.astype(INDEX)  # INDEX [N] each entry's slot (-1 dropped): the layout's
+    np.copyto(entry_slot, -1, where=drop_N)
+    del slot_key, drop_N
     per_rs = kc_G.reshape(R, S)
-    # the layout's (slot, entry) order, dropped entries first: the kept entries are ke with its
-    # (src, slot) blocks moved to (slot, src) order (tokens are in rank order), no sort needed
     n_kept = ke.size
-    order_N = np.empty(N, dtype=INDEX)
-    order_N[:N - n_kept] = np.flatnonzero(drop_N)
-    del drop_N
     kc_SR = np.ascontiguousarray(per_rs.T)
-    kstart_RS = (np.cumsum(kc_G) - kc_G).reshape(R, S)  # block starts within ke
-    np.take(ke, segment_ranges(kstart_RS.T.ravel(), kc_SR.ravel()), out=order_N[N - n_kept:], mode="clip")
     # receive buffer on each destination: blocks (src rank, slot in rank order), each C_src rows when
     # padding (kept rows first, zero rows after), or only the kept rows without padding
     block_RS = np.broadcast_to(cap_R[:, None], (R, S)) if pad else per_rs
@@ -218,7 +179,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     slot_cap = (slot_cap + tp - 1) // tp * tp
     min_rows = slot_cap if pad else None
     # the layout needs only the slot order and the kept rows: on a second thread beside the hop
-    layout = threads.Beside(_layout, order_N, N - n_kept, kc_SR.sum(axis=1), sr, tp, min_rows, R, buf_row_K,
+    layout = threads.Beside(_layout, entry_slot, sr, tp, min_rows, R, buf_row_K, ctx.perf,
                             run=N >= ctx.perf.thread_min)
     # source row of a kept entry: its token's row on its own rank (written in place by _hop)
     K1 = max(K, 1)
@@ -228,17 +189,20 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
         hop, pad_slot, pad_row = _hop(routing, k_row, kc_G, per_rs, blk_len, blk_off, blk_off_SR, kc_SR, dst_of_S,
                                       dst_rows_R, pad, N)
     capacity_R = np.bincount(sr, weights=slot_cap, minlength=R).astype(np.int64)
-    entries = Entries(None, None, np.zeros(T * K, dtype=bool), rank_N=entry_rank)
+    lay = layout.result()
+    entries = Entries(None, None, np.zeros(T * K, dtype=bool), rank_N=lay[0].entry_rank_N)  # (-1 dropped)
     return assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), entries, [hop],
                          padding=Padding(tp, min_rows, pad_slot, pad_row), capacity_R=capacity_R,
-                         options={"capacity_per_source_rank": int(cap_R.max()) if R else 0}, layout=layout.result(),
+                         options={"capacity_per_source_rank": int(cap_R.max()) if R else 0}, layout=lay,
                          perf=ctx.perf)
 
 
-def _layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, tp: int,
-            min_rows_S: np.ndarray | None, R: int, buf_row_K: np.ndarray) -> tuple:
-    """The layout of the slot order and the final rows (what ``assemble_plan`` takes as ``layout``)."""
-    lay = sorted_layout(order_N, n_drop, slot_rows_S, slot_rank_S, tp, min_rows_S, R)
+def _layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tp: int, min_rows_S: np.ndarray | None, R: int,
+            buf_row_K: np.ndarray, perf) -> tuple:
+    """The layout of the entries' slots and the final rows (what ``assemble_plan`` takes as
+    ``layout``, with each entry's rank); ``buf_row_K``: the kept entries' receive rows in the layout's
+    (slot, entry) order."""
+    lay = slot_layout(entry_slot_N, slot_rank_S, tp, min_rows_S, R, with_ranks=True, perf=perf)
     return (lay,) + final_rows(lay, lay.order_N[lay.n_drop:], None, buf_row_K)
 
 

@@ -76,10 +76,7 @@ from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, Slots, Scope, pla
 from moonep_sim.plan.kernel import FAMILIES, KernelSpec, family_spec
 from moonep_sim.strategies import Option, PlanContext, register
 from moonep_sim.strategies.llep import native_alloc, plan_from_alloc, require_home_groups
-from moonep_sim.errors import PlanError
-from moonep_sim.plan import stable_order
-from moonep_sim.plan.order import small_key_dtype
-from moonep_sim.strategies.moonep import capacity_split, copy_slots, greedy_quotas, split_quotas
+from moonep_sim.strategies.moonep import alloc_entry_slots, capacity_split, copy_slots, greedy_quotas, split_quotas
 
 MODES = ("forward", "training")
 
@@ -412,39 +409,6 @@ def costaware_assign(counts_E: np.ndarray, ranks: int, gpus_per_node: int, model
                   "estimate_exact_us": model.estimate_us(exact, epn) if exact is not None else est_none}
 
 
-def split_entry_slots(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.ndarray,
-                      slot_expert_S: np.ndarray) -> np.ndarray:
-    """[N] slot of each entry, the same as :func:`moonep_sim.strategies.moonep.entry_slots`
-    (an expert's entries in global order cut into pieces of ``alloc[e, 0], alloc[e, 1], ...``),
-    but sorting only the entries of experts that are split over several ranks: the others take
-    their one slot by a gather. A planner with a few copies sorts a few percent of the entries.
-    The slots come in a small unsigned dtype (every entry has one; the smallest holding the slots
-    and one code per split expert): a quarter of int64's bytes to write, and to read again in the
-    Plan's sort and gathers."""
-    E, R = alloc_ER.shape
-    slot_of_ER = np.full((E, R), -1, dtype=np.int64)
-    slot_of_ER[slot_expert_S, slot_rank_S] = np.arange(slot_rank_S.size, dtype=np.int64)
-    has = alloc_ER > 0
-    first_E = slot_of_ER[np.arange(E), np.argmax(has, axis=1)]  # an unused expert: its first slot
-    split_E = has.sum(axis=1) > 1
-    S, n_split = slot_rank_S.size, int(split_E.sum())
-    # one gather of a code per expert: its slot, or S + its index among the split experts
-    code_E = first_E.copy()
-    code_E[split_E] = S + np.arange(n_split)
-    out = code_E.astype(small_key_dtype(S + n_split))[ids_N]
-    if not n_split:
-        return out
-    sel = np.flatnonzero(out >= S)  # entries of split experts, in entry (global) order
-    key = out[sel] - S
-    o = stable_order(key, n_split)  # by expert, global order kept within each
-    pieces = alloc_ER[split_E].ravel()  # the experts' runs cut into pieces, expert-major then rank order
-    if int(sel.size) != int(pieces.sum()):
-        raise PlanError("split experts' entries must match their allocation (internal error)")
-    # the j-th entry of the concatenated runs lies in the piece holding position j: its slot
-    out[sel[o]] = np.repeat(slot_of_ER[split_E].ravel(), pieces)
-    return out
-
-
 def _why(info: dict, residual: float) -> str:
     n, x, b = info["estimate_no_copy_us"], info["estimate_exact_us"], info["estimate_us"]
     if info["kind"] == "none":
@@ -504,7 +468,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, sms: int, mode: str, min_g
     opts["copies_relayed"] = int(relayed.sum())  # of copies_cross_node: fed over NVLink by a relay
     ids = routing.topk_ids_TK
     if copies.any():
-        entry_slot = split_entry_slots(ids.ravel(), alloc, slot_rank, slot_expert).reshape(ids.shape)
+        entry_slot = alloc_entry_slots(ids.ravel(), alloc, slot_rank, slot_expert, ctx.perf).reshape(ids.shape)
     else:  # no copy: every entry at its expert's home slot (slots are the experts in order)
         entry_slot = ids
     # deepep's route and kernel: the relay (same local index on the destination node) forwards rows

@@ -29,7 +29,6 @@ from moonep_sim.errors import ConfigError, require
 from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, Slots, plan_from_slots
 from moonep_sim.plan.runs import cycle_runs, split_runs
-from moonep_sim.plan.order import stable_order_counts
 from moonep_sim.strategies import Option, PlanContext, make_plan, register
 
 # Notation: E experts, R ranks (GPUs), G GPUs per node, S slots (physical experts, E + redundant),
@@ -142,54 +141,6 @@ def balancedness(load_R: np.ndarray) -> float:
     return float(load.mean() / load.max()) if load.size and load.max() > 0 else 1.0
 
 
-def choose_replicas(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_experts: int, choice: str) -> np.ndarray:
-    """int64 [N]: the slot each entry uses. The j-th entry of expert e in global order takes
-    replica ``j % c_e`` (round_robin) or ``j * c_e // n_e`` (contiguous: equal consecutive shares)."""
-    return choose_replicas_ordered(ids_N, slot_expert_S, num_experts, choice)[0]
-
-
-def choose_replicas_ordered(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_experts: int,
-                            choice: str, with_entry_slot: bool = True) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
-    """(entry_slot_N, order_N, slot_rows_S): :func:`choose_replicas`, plus the entries sorted by
-    (slot, entry) and the entries of each slot -- what ``slot_sort`` would return, without a sort:
-    a slot's entries are those of its expert with one replica index, in global order, so the
-    j-th entry of expert e sits at row ``j // c_e`` (round_robin) or ``j - ceil(r * n_e / c_e)``
-    (contiguous, r its replica) of its slot. ``with_entry_slot=False`` skips entry_slot_N (None).
-
-    In the entries' by-expert order (one radix sort), each slot's entries are one slice of its
-    expert's run -- every c_e-th entry from the replica's index (round_robin) or a contiguous
-    share (contiguous) -- copied to the slot's place: one copy per slot, no per-entry arithmetic.
-    """
-    E = num_experts
-    S = slot_expert_S.size
-    if choice not in ("round_robin", "contiguous"):
-        raise ConfigError(f"choice ({choice!r}) must be 'round_robin' or 'contiguous'")
-    rep = np.argsort(slot_expert_S, kind="stable")  # slots grouped by expert, in slot order
-    c = np.bincount(slot_expert_S, minlength=E)
-    c_start = np.cumsum(c) - c
-    order, n_e = stable_order_counts(ids_N, E)  # entries by expert, in global order (a radix sort)
-    e_start = np.cumsum(n_e) - n_e
-    r_S = np.empty(S, dtype=np.int64)  # replica index of each slot: its rank among its expert's slots
-    r_S[rep] = np.arange(S, dtype=np.int64) - np.repeat(c_start, c)
-    n_S, c_S = n_e[slot_expert_S], c[slot_expert_S].astype(np.int64)
-    if choice == "round_robin":  # replica r: entries j = r, r + c, r + 2c, ... of its expert
-        first_S, step_S = r_S, c_S
-        slot_rows = (n_S - r_S + c_S - 1) // c_S
-    else:  # replica r: entries j in [ceil(r*n/c), ceil((r+1)*n/c))
-        first_S, step_S = (r_S * n_S + c_S - 1) // c_S, np.ones(S, dtype=np.int64)
-        slot_rows = ((r_S + 1) * n_S + c_S - 1) // c_S - first_S
-    slot_off = np.cumsum(slot_rows) - slot_rows
-    order_N = np.empty(ids_N.size, dtype=np.int64)
-    entry_slot = np.empty(ids_N.size, dtype=np.int64) if with_entry_slot else None
-    for s, a, k, step, off in zip(range(S), (e_start[slot_expert_S] + first_S).tolist(), slot_rows.tolist(),
-                                  step_S.tolist(), slot_off.tolist()):  # loop over slots, not entries
-        part = order[a:a + k * step:step]
-        order_N[off:off + k] = part
-        if entry_slot is not None:
-            entry_slot[part] = s
-    return entry_slot, order_N, slot_rows
-
-
 def _array_option(v):
     """Option converter: an array of loads, or a path to a ``.npy`` file (read without pickle)."""
     if v is None or isinstance(v, np.ndarray):
@@ -283,7 +234,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, num_redundant: int, groups
 
 def replica_slots(ids_N: np.ndarray, slot_expert_S: np.ndarray, num_experts: int, choice: str, *,
                   perf: PerfConfig = DEFAULT_PERF) -> np.ndarray:
-    """INDEX [N] :func:`choose_replicas`' slot of each entry, by one pass over the experts' runs
+    """INDEX [N] the replica slot of each entry, by one pass over the experts' runs
     (:mod:`moonep_sim.plan.runs`, compiled on a large layer): the j-th entry of expert e to its replica ``j % c_e``
     (round_robin) or to the replica whose contiguous share holds j (contiguous)."""
     E, S = num_experts, slot_expert_S.size

@@ -13,7 +13,6 @@ home rank (replicas of a custom placement are not used).
 
 from __future__ import annotations
 
-import numpy as np
 
 from moonep_sim.plan import GlobalRouting, Plan, Slots, Scope, home_slots, plan_from_hops, to_final, to_rail_of_final
 from moonep_sim.plan.multihop import home_entry_slots

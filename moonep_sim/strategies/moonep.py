@@ -48,10 +48,9 @@ from __future__ import annotations
 import numpy as np
 
 from moonep_sim.errors import ConfigError, PlanError
-from moonep_sim.plan import INDEX, GlobalRouting, Plan, Slots, plan_from_slots
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
+from moonep_sim.plan import GlobalRouting, Plan, Slots, plan_from_slots
 from moonep_sim.plan.runs import split_runs
-from moonep_sim.plan.kinds import require_index
-from moonep_sim.plan.order import small_key_dtype, stable_order_counts
 from moonep_sim.plan.kernel import KernelSpec
 from moonep_sim.strategies import Option, PlanContext, register
 
@@ -139,41 +138,6 @@ def copy_slots(alloc_ER: np.ndarray, epn: int) -> tuple[np.ndarray, np.ndarray, 
     return rank[o], expert[o], home[o]
 
 
-def slot_order(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.ndarray,
-               slot_expert_S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Entries sorted by (slot, entry) and rows per slot (step 6 of the module doc), vectorised.
-
-    A stable sort by expert lists each expert's entries in global order; expert e's run is cut into
-    consecutive pieces of ``alloc[e, 0], alloc[e, 1], ...`` entries, piece d going to e's slot on
-    rank d. Rearranging the pieces into slot order gives the slot-sorted order directly (no second
-    sort). Returns (order_N INDEX [N], the Plan's index dtype; slot_rows_S int64 [S]).
-    """
-    E, R = alloc_ER.shape
-    piece_start_ER = (np.cumsum(alloc_ER.ravel()) - alloc_ER.ravel()).reshape(E, R)
-    slot_rows = alloc_ER[slot_expert_S, slot_rank_S]
-    if int(slot_rows.sum()) != ids_N.size:
-        raise PlanError("every allocated (expert, rank) pair must have a slot (internal error)")
-    require_index(ids_N.size, "entries (tokens x top-k)")
-    # (both orders in the Plan's index dtype: the slot order becomes its final rows' entries)
-    order_e, _ = stable_order_counts(ids_N.astype(small_key_dtype(E), copy=False), E,
-                                     out=np.empty(ids_N.size, dtype=INDEX))
-    slot_start = np.cumsum(slot_rows) - slot_rows
-    order = np.empty(ids_N.size, dtype=INDEX)
-    for a, k, off in zip(piece_start_ER[slot_expert_S, slot_rank_S].tolist(), slot_rows.tolist(),
-                         slot_start.tolist()):  # loop over slots, not entries: one piece each
-        order[off:off + k] = order_e[a:a + k]
-    return order, slot_rows
-
-
-def entry_slots(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.ndarray,
-                slot_expert_S: np.ndarray) -> np.ndarray:
-    """int64 [N] slot of each entry in flat entry order (the inverse view of :func:`slot_order`)."""
-    order, slot_rows = slot_order(ids_N, alloc_ER, slot_rank_S, slot_expert_S)
-    out = np.empty(ids_N.size, dtype=np.int64)
-    out[order] = np.repeat(np.arange(slot_rows.size, dtype=np.int64), slot_rows)
-    return out
-
-
 #: How MoonEP's combine sums a token's K rows: ``"fused"``. Sourced from MoonEP's moonep/combine.py
 #: (CombineKernel): a pull on the token's own rank -- one cooperative grid of ``num_sms`` CTAs (32 by
 #: default), each with one warp issuing per-row TMA bulk loads (cp.async.bulk) of the token's rows
@@ -215,21 +179,27 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, dedup: bool, sms: int) -> 
                       capacity_R=capacity, kernel=KernelSpec(sms=sms, reduce=COMBINE_REDUCE, zero_copy=True))
 
 
-def alloc_plan(routing: GlobalRouting, ctx: PlanContext, alloc_ER: np.ndarray, slot_rank_S: np.ndarray,
-               slot_expert_S: np.ndarray, slot_home_S: np.ndarray, *, dedup: bool, token_padding: int,
-               **extra) -> Plan:
-    """The single-hop Plan computing ``alloc[e, d]`` entries of expert e on rank d (step 6 of the
-    module doc) in the slots ``copy_slots`` made of it; extra: ``plan_from_slots``' options and
-    further Plan fields. Each entry's slot: its expert's run cut into pieces in rank order
-    (:func:`moonep_sim.plan.runs.split_runs`); the same Plan as :func:`slot_order` then the
-    slot-sorted layout (``tests/test_plan_fused.py``)."""
-    ids_N = routing.topk_ids_TK.ravel()
+def alloc_entry_slots(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.ndarray, slot_expert_S: np.ndarray,
+                      perf: PerfConfig = DEFAULT_PERF) -> np.ndarray:
+    """INDEX [N] the slot of each entry (experts ``ids_N`` int [N]) when expert e's entries, in global
+    order, are cut into consecutive pieces of ``alloc[e, 0], alloc[e, 1], ...`` entries, piece d
+    going to e's slot on rank d (``copy_slots``' slots): :func:`moonep_sim.plan.runs.split_runs`."""
     E, R = alloc_ER.shape
     slot_of_ER = np.full((E, R), -1, dtype=np.int64)
     slot_of_ER[slot_expert_S, slot_rank_S] = np.arange(slot_rank_S.size)
     pe, pd = np.nonzero(alloc_ER)
     if bool((slot_of_ER[pe, pd] < 0).any()):
         raise PlanError("every allocated (expert, rank) pair must have a slot (internal error)")
-    entry_slot = split_runs(ids_N, E, pe, alloc_ER[pe, pd], slot_of_ER[pe, pd], perf=ctx.perf)
+    return split_runs(ids_N, E, pe, alloc_ER[pe, pd], slot_of_ER[pe, pd], perf=perf)
+
+
+def alloc_plan(routing: GlobalRouting, ctx: PlanContext, alloc_ER: np.ndarray, slot_rank_S: np.ndarray,
+               slot_expert_S: np.ndarray, slot_home_S: np.ndarray, *, dedup: bool, token_padding: int,
+               **extra) -> Plan:
+    """The single-hop Plan computing ``alloc[e, d]`` entries of expert e on rank d (step 6 of the
+    module doc) in the slots ``copy_slots`` made of it; extra: ``plan_from_slots``' options and
+    further Plan fields. Each entry's slot: its expert's run cut into pieces in rank order
+    (:func:`alloc_entry_slots`)."""
+    entry_slot = alloc_entry_slots(routing.topk_ids_TK.ravel(), alloc_ER, slot_rank_S, slot_expert_S, ctx.perf)
     return plan_from_slots(routing, ctx.cluster, ctx.costs, Slots(slot_rank_S, slot_expert_S, slot_home_S), entry_slot,
                            dedup=dedup, token_padding=token_padding, perf=ctx.perf, **extra)
