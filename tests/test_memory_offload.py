@@ -151,7 +151,6 @@ def test_host_memory_overflow_is_out_of_memory(tmp_path):
     assert f["peak_memory_bytes"] < f["gpu_memory_bytes"]   # the GPU itself has room
 
 
-@pytest.mark.slow
 def test_search_offloads_only_where_a_layout_needs_it(tmp_path):
     """olmoe-1b-7b (6.9B parameters) on 8 GPUs of 12 GiB: 18 B per parameter over 8 GPUs is 14.5 GiB
     before activations, so only offload fits; on the 80 GiB preset nothing is offloaded."""
