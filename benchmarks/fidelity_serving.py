@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -41,7 +42,8 @@ MODELS = {"deepseek-ai/DeepSeek-R1": ("deepseek-v3", 1.0), "deepseek-ai/DeepSeek
           "nvidia/DeepSeek-R1-NVFP4": ("deepseek-v3", 0.5), "nvidia/DeepSeek-V3.1-NVFP4": ("deepseek-v3", 0.5),
           "moonshotai/Kimi-K2.5": ("kimi-k2", 0.5), "Qwen/Qwen3-235B-A22B-FP8": ("qwen3-235b", 1.0),
           "openai/gpt-oss-120b": ("gpt-oss-120b", 0.5)}
-SYSTEMS = {"b200_sxm": "b200", "gb200": "gb200-nvl72", "h100_sxm": "h100-cx7", "h200_sxm": "h200-cx7"}
+SYSTEMS = {"b200_sxm": "b200", "gb200": "gb200-nvl72", "h100_sxm": "h100-cx7", "h200_sxm": "h200-cx7",
+           "b300_sxm": "b300", "gb300": "gb300-nvl72"}
 #: HBM share for weights + KV: the engines' KV fraction applies to the memory left after the
 #: weights (TensorRT-LLM's kv_cache_free_gpu_memory_fraction 0.9; SGLang's static fraction is tuned
 #: up to ~0.95 on these deployments), so a user states more than serve's 0.85 default
@@ -53,9 +55,23 @@ def _i(v, default=1) -> int:
     return default if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
 
 
-def _pool(row, pre: str, conc: int, role: str) -> dict:
+def read_layout(row, pre: str = "") -> tuple[int, int, int, int, bool]:
+    """(tp, attention dp, moe ep, moe tp, read differently) of a row's pool. A pool recorded as
+    k x k GPUs -- tp (or attention dp) k^2 with moe tp k x moe ep k, k > 1 -- is read as the k-GPU
+    deployment (tp or dp k, EP k, moe tp 1): every such row whose id names its layout names
+    ``tp{k}_ep{k}`` (194 of the 333 agg rows; the others are the same configurations without it),
+    and rows recorded both ways carry the same measurements (e.g. ``dsr1_b200_sglang_fp4_agg_8192x1024
+    _c128_cfg202`` and ``..._c128_tp4_ep4_1042``): the sample's k^2 is its conversion's product."""
     tp, dp = _i(row[f"{pre}tp_size"]), _i(row[f"{pre}attention_dp_size"])
     ep, etp = _i(row[f"{pre}moe_ep_size"]), _i(row[f"{pre}moe_tp_size"])
+    k = ep
+    if k > 1 and etp == k and tp * dp == k * k and k * k in (tp, dp):
+        return (k, 1, k, 1, True) if tp == k * k else (1, k, k, 1, True)
+    return tp, dp, ep, etp, False
+
+
+def _pool(row, pre: str, conc: int, role: str) -> dict:
+    tp, dp, ep, etp, _ = read_layout(row, pre)
     workers = _i(row.get(f"{pre}num_workers"), 1) if pre else 1
     run = max(1, -(-conc // (workers * dp)))
     if role == "prefill":
@@ -64,15 +80,12 @@ def _pool(row, pre: str, conc: int, role: str) -> dict:
     return {"workers": workers, "layout": lay, "max_running": run, "token_budget": max(8192, run)}
 
 
-def predict(row, cache: str, n_factor: int = 4) -> dict:
-    from moonep_sim.experiments import Scenario
-    from moonep_sim.experiments.serve import ServeOptions, run_serve
-    from moonep_sim.serve.deployment import deployment_from_dict
-    from moonep_sim.serve.metrics import summarize  # noqa: F401  (the figures' definitions)
-    from moonep_sim.serve.requests import synthetic
-
+def row_setup(row, n_factor: int = 4) -> dict:
+    """How a user runs the row: model, weight bytes, topology, strategy, concurrency, the deployment
+    document and the closed-loop requests (``n_factor x concurrency`` of them, at least 16)."""
     model, wbytes = MODELS[row["model_path"]]
-    topo = SYSTEMS[row["system"]]
+    if str(row.get("moe_quant_mode", "")).lower() == "nvfp4" or str(row.get("precision", "")).lower() == "fp4":
+        wbytes = min(wbytes, 0.5)  # the row's experts in NVFP4 (counted as 0.5 B for the whole model)
     conc = int(re.search(r"silicon_concurrency=(\d+)", row["silicon_data_source"]).group(1))
     if row["mode"] == "agg":
         doc = {"worker": _pool(row, "", conc, "both")}
@@ -80,20 +93,87 @@ def predict(row, cache: str, n_factor: int = 4) -> dict:
         doc = {"prefill": _pool(row, "prefill_", conc, "prefill"), "decode": _pool(row, "decode_", conc, "decode")}
     doc["weight_bytes"] = wbytes
     doc["mem_fraction"] = MEM_FRACTION
-    dep = deployment_from_dict(doc, f"row {row['id']}")
-    strat = STRATEGY[row["backend"]]
-    n = max(4 * conc, 16)
-    req = synthetic(n, int(row["isl"]), int(row["osl"]), 0, concurrency=conc)
-    base = Scenario(f"gen:model={model},sigma=0.5", model=model, cluster=8, topology=topo, strategies=[strat])
-    opts = ServeOptions(model=model, topology=topo, strategies=(strat,), routing=f"gen:model={model},sigma=0.5",
-                        draws=2, holdout=2, cache=cache, gemm_dtype="fp8", scenario=base)
+    read = any(read_layout(row, pre)[4] for pre in (("",) if row["mode"] == "agg" else ("prefill_", "decode_")))
+    return {"model": model, "topology": SYSTEMS[row["system"]], "strategy": STRATEGY[row["backend"]], "conc": conc,
+            "doc": doc, "layout_read": read, "isl": int(row["isl"]), "osl": int(row["osl"]), "n": max(n_factor * conc, 16)}
+
+
+def _requests(su: dict):
+    from moonep_sim.serve.requests import synthetic
+
+    return synthetic(su["n"], su["isl"], su["osl"], 0, concurrency=su["conc"])
+
+
+def pool_key(su: dict, pool) -> tuple:
+    """What one step-time model serves: model, topology, strategy and the pool's role and layout
+    (every concurrency, ISL and OSL of rows on that pool share it)."""
+    lay = pool.layout
+    return (su["model"], su["topology"], su["strategy"], pool.role,
+            (lay.tp, lay.dp, lay.ep, lay.etp, bool(lay.dp_attention)))
+
+
+def merge_grids(grids: list[dict]) -> dict:
+    """One grid covering every row's (``grid_for``): decode T in powers of two up to the largest,
+    prefill T 16, 64, 256, ... up to the largest, contexts the least and the most (a step's time is
+    interpolated linearly in context; the held-out shapes report what that costs)."""
+    from moonep_sim.serve import steptime as st
+
+    dec_hi = max(max(g["dec_T"]) for g in grids)
+    pre_hi = max(max(g["pre_T"]) for g in grids)
+    pre_lo = min(min(g["pre_T"]) for g in grids)
+    pre = [t for t in st.pow2_grid(pre_lo, pre_hi) if t == pre_lo or np.log2(t) % 2 == 0 or t >= pre_hi]
+    dc = [c for g in grids for c in g["dec_C"]]
+    pc = [c for g in grids for c in g["pre_C"]]
+    return {"dec_T": st.pow2_grid(1, dec_hi) if dec_hi > 1 else [1], "dec_C": sorted({min(dc), max(dc)}),
+            "pre_T": pre, "pre_C": sorted({min(pc), max(pc)})}
+
+
+def build_pool(task: tuple) -> tuple:
+    """One pool's step-time model (a worker process's job): ``(key, grid, draws, holdout, cache)``
+    -> ``(key, models, info)``, or ``(key, None, error)`` when the step model refuses it."""
+    from moonep_sim.experiments import Scenario
+    from moonep_sim.experiments.compare import load_topology
+    from moonep_sim.experiments.serve import ServeOptions, pool_steptime
+    from moonep_sim.models import get_model
+    from moonep_sim.serve.deployment import Pool
+    from moonep_sim.step.parallel import Parallel
+
+    key, grid, draws, holdout, cache = task
+    model, topo, strat, role, (tp, dp, ep, etp, dpa) = key
+    try:
+        base = Scenario(f"gen:model={model},sigma=0.5", model=model, cluster=8, topology=topo, strategies=[strat])
+        opts = ServeOptions(model=model, topology=topo, strategies=(strat,), routing=f"gen:model={model},sigma=0.5",
+                            draws=draws, holdout=holdout, cache=cache, gemm_dtype="fp8", scenario=base)
+        lay = Parallel(tp=tp, dp=dp, ep=ep, etp=etp, dp_attention=dpa)
+        models, info = pool_steptime(Pool(role, 1, lay), None, get_model(model), load_topology(topo), opts,
+                                     grid=grid)
+        return key, models, info
+    except Exception as e:  # a pool the step model refuses (layout, memory) is reported with its rows
+        return key, None, f"{type(e).__name__}: {e}"
+
+
+def predict_row(task: tuple) -> dict:
+    """One row through the engine on its pools' prebuilt step-time models (a worker process's job)."""
+    from moonep_sim.experiments.serve import ServeOptions, run_serve
+    from moonep_sim.serve.deployment import deployment_from_dict
+
+    rid, su, pools = task
     t0 = time.perf_counter()
-    out = run_serve(req, dep, opts)
+    try:
+        dep = deployment_from_dict(su["doc"], f"row {rid}")
+        strat = su["strategy"]
+        opts = ServeOptions(model=su["model"], topology=su["topology"], strategies=(strat,),
+                            routing=f"gen:model={su['model']},sigma=0.5", gemm_dtype="fp8")
+        out = run_serve(_requests(su), dep, opts, pools=pools)
+    except Exception as e:  # a row the simulator refuses (memory, layout) is reported, not hidden
+        return {"error": f"{type(e).__name__}: {e}"}
     f = out["strategies"][strat]
-    return {"conc": conc, "strategy": strat, "deployment": dep.label(), "ttft_ms": f["ttft_s"]["p50"] * 1e3,
+    return {"conc": su["conc"], "strategy": strat, "deployment": dep.label(), "layout_read": su["layout_read"],
+            "ttft_ms": f["ttft_s"]["p50"] * 1e3,
             "tpot_ms": f["tpot_s"]["p50"] * 1e3, "steptime_error": out["steptime_model_error"],
             "preemptions": f["preemptions"], "kv_use_max": f["kv_use_max"], "wall_s": time.perf_counter() - t0,
-            "mean_ttft_ms": f["ttft_s"]["mean"] * 1e3, "mean_tpot_ms": f["tpot_s"]["mean"] * 1e3}
+            "iterations": f["iterations"], "mean_ttft_ms": f["ttft_s"]["mean"] * 1e3,
+            "mean_tpot_ms": f["tpot_s"]["mean"] * 1e3}
 
 
 def tpot_floor_ms(row) -> float:
@@ -108,11 +188,12 @@ def tpot_floor_ms(row) -> float:
     from moonep_sim.step.stack import dense_params
 
     name, wbytes = MODELS[row["model_path"]]
+    if str(row.get("moe_quant_mode", "")).lower() == "nvfp4" or str(row.get("precision", "")).lower() == "fp4":
+        wbytes = min(wbytes, 0.5)
     m = get_model(name)
     topo = load_topology(SYSTEMS[row["system"]])
     pre = "" if row["mode"] == "agg" else "decode_"
-    tp, dp = _i(row[f"{pre}tp_size"]), _i(row[f"{pre}attention_dp_size"])
-    ep, etp = _i(row[f"{pre}moe_ep_size"]), _i(row[f"{pre}moe_tp_size"])
+    tp, dp, ep, etp, _ = read_layout(row, pre)
     workers = _i(row.get(f"{pre}num_workers"), 1) if pre else 1
     conc = int(re.search(r"silicon_concurrency=(\d+)", row["silicon_data_source"]).group(1))
     B = max(conc / workers, 1.0)
@@ -127,69 +208,176 @@ def _err(p, m):
     return (p - m) / m
 
 
+def eligible(d, max_conc: float | None):
+    """The sample's EP > 1 rows: all of them, those of models with a preset here, those on systems
+    without a topology preset, and the eligible ones (with ``conc``) under ``max_conc``."""
+    ep = d[(d.moe_ep_size.fillna(1) > 1) | (d.prefill_moe_ep_size.fillna(1) > 1) | (d.decode_moe_ep_size.fillna(1) > 1)]
+    known = ep[ep.model_path.isin(MODELS)]
+    rows = known[known.system.isin(SYSTEMS)].copy()
+    rows["conc"] = rows.silicon_data_source.str.extract(r"silicon_concurrency=(\d+)")[0].astype(float)
+    rows = rows[rows.conc.notna()]  # a row whose source records no concurrency cannot be run as a closed loop
+    if max_conc:
+        rows = rows[rows.conc <= max_conc]
+    return ep, known, known[~known.system.isin(SYSTEMS)], rows
+
+
+def _pick(rows, per_group: int) -> list:
+    if per_group <= 0:
+        return [r for _, r in rows.iterrows()]
+    picked = []
+    for _, g in rows.groupby(["model_path", "system", "backend", "mode"]):
+        g = g.sort_values(["isl", "osl", "conc"])
+        idx = np.unique(np.linspace(0, len(g) - 1, min(per_group, len(g))).round().astype(int))
+        picked += [g.iloc[i] for i in idx]
+    return picked
+
+
+def _pool_tasks(picked, args) -> tuple[dict, dict, dict]:
+    """Per row its setup and pool keys; per pool key the merged grid (rows whose deployment is
+    refused are kept with the reason)."""
+    from moonep_sim.experiments.serve import grid_for
+    from moonep_sim.serve.deployment import deployment_from_dict
+
+    setups, keys, grids, bad = {}, {}, {}, {}
+    for r in picked:
+        su = row_setup(r, args.n_factor)
+        try:
+            dep = deployment_from_dict(su["doc"], f"row {r['id']}")
+        except Exception as e:
+            bad[r["id"]] = f"{type(e).__name__}: {e}"
+            continue
+        req = _requests(su)
+        setups[r["id"]] = su
+        keys[r["id"]] = {}
+        for p in dep.pools:
+            k = pool_key(su, p)
+            keys[r["id"]][p.role] = k
+            grids.setdefault(k, []).append(grid_for(p, req))
+    return setups, keys, {k: merge_grids(g) for k, g in grids.items()}, bad
+
+
+def _stream(fn, tasks: list, jobs: int, label: str):
+    """``fn(task)`` for every task, yielded as each finishes (in ``jobs`` forked processes)."""
+    t0 = time.perf_counter()
+    if jobs <= 1:
+        for i, t in enumerate(tasks):
+            yield t, fn(t)
+            print(f"  {label} {i + 1}/{len(tasks)} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        return
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("fork")) as ex:
+        futs = {ex.submit(fn, t): t for t in tasks}
+        for i, f in enumerate(as_completed(futs)):
+            yield futs[f], f.result()
+            print(f"  {label} {i + 1}/{len(tasks)} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+
+def _cost(grid: dict, key: tuple) -> float:
+    tp, dp = key[4][0], key[4][1]
+    return (len(grid["dec_T"]) * len(grid["dec_C"]) + len(grid["pre_T"]) * len(grid["pre_C"]) * 4) * (tp * dp)
+
+
 def main() -> int:
+    import subprocess
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--csv", required=True)
-    ap.add_argument("--per-group", type=int, default=4)
-    ap.add_argument("--max-concurrency", type=int, default=1024)
-    ap.add_argument("--cache", default="/tmp/moonep-fidelity-serving-cache")
-    ap.add_argument("--json", default=None, help="per-row results (JSON lines, appended as they finish)")
+    ap.add_argument("--per-group", type=int, default=0, help="at most N rows per model/system/backend/mode (0: all)")
+    ap.add_argument("--max-concurrency", type=int, default=0, help="leave out rows above it (0: none)")
+    ap.add_argument("--limit", type=int, default=0, help="the first N rows only, cheapest first (a smoke run)")
+    ap.add_argument("--n-factor", type=int, default=4, help="closed-loop requests per client")
+    ap.add_argument("--draws", type=int, default=2)
+    ap.add_argument("--holdout", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=1)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO).stdout.strip()
+    ap.add_argument("--cache", default=f"/tmp/moonep-fidelity-serving-{commit}",
+                    help="step-time models (default: per commit, so a step-cost change never reads stale grids)")
+    ap.add_argument("--json", default=None, help="per-row results (JSON lines, appended as they finish; rows "
+                                                 "already there are not run again)")
+    ap.add_argument("--table", default=None, help="the per-row table as CSV")
     ap.add_argument("--out", default=None, help="the results page (markdown)")
-    ap.add_argument("--budget-s", type=float, default=3000.0, help="stop starting rows after this many seconds")
     ap.add_argument("--rows", default=None, help="render the page from these saved rows (JSON lines) instead")
     ap.add_argument("--note", default="", help="a line under the title (date, commit, machine load)")
     args = ap.parse_args()
     import pandas as pd
 
     d = pd.read_csv(args.csv)
-    ep = d[(d.moe_ep_size.fillna(1) > 1) | (d.prefill_moe_ep_size.fillna(1) > 1) | (d.decode_moe_ep_size.fillna(1) > 1)]
-    total = len(ep)
-    known = ep[ep.model_path.isin(MODELS)]
-    no_preset = known[~known.system.isin(SYSTEMS)]
-    rows = known[known.system.isin(SYSTEMS)].copy()
-    rows["conc"] = rows.silicon_data_source.str.extract(r"silicon_concurrency=(\d+)")[0].astype(float)
-    rows = rows[rows.conc <= args.max_concurrency]
-    picked = []
-    for _, g in rows.groupby(["model_path", "system", "backend", "mode"]):
-        g = g.sort_values(["isl", "osl", "conc"])
-        idx = np.unique(np.linspace(0, len(g) - 1, min(args.per_group, len(g))).round().astype(int))
-        picked += [g.iloc[i] for i in idx]
-    # cheapest first within the time budget: small concurrency, short sequences
+    ep, known, no_preset, rows = eligible(d, args.max_concurrency)
+    picked = _pick(rows, args.per_group)
     picked.sort(key=lambda r: (r["conc"] * (r["isl"] + r["osl"])))
-    res = []
-    t0 = time.perf_counter()
-    if args.rows:
-        res = [json.loads(x) for x in Path(args.rows).read_text().splitlines() if x.strip()]
-        picked_ = []
-    else:
-        picked_ = picked
-    for r in picked_:
-        if time.perf_counter() - t0 > args.budget_s:
-            break
-        try:
-            p = predict(r, args.cache)
-        except Exception as e:  # a row the simulator refuses (memory, layout) is reported, not hidden
-            p = {"error": f"{type(e).__name__}: {e}"}
-        row = {"id": r["id"], "model": r["model_path"], "system": r["system"], "backend": r["backend"],
-               "mode": r["mode"], "isl": int(r["isl"]), "osl": int(r["osl"]),
-               "measured_ttft_ms": float(r["silicon_ttft_ms"]), "measured_tpot_ms": float(r["silicon_tpot_ms"]), **p}
-        if "error" not in p:
-            row["ttft_err"] = _err(p["ttft_ms"], row["measured_ttft_ms"])
-            row["tpot_err"] = _err(p["tpot_ms"], row["measured_tpot_ms"])
-        res.append(row)
-        print(json.dumps(row), flush=True)
+    if args.limit:
+        picked = picked[:args.limit]
+    done = {}
+    for f in (args.rows, args.json):
+        if f and Path(f).is_file():
+            done.update({x["id"]: x for x in (json.loads(ln) for ln in Path(f).read_text().splitlines() if ln.strip())})
+    todo = [r for r in picked if r["id"] not in done] if not args.rows else []
+    t0, c0 = time.perf_counter(), time.process_time()
+    setups, keys, grids, bad = _pool_tasks(todo, args)
+    need = sorted(grids, key=lambda k: -_cost(grids[k], k))
+    print(f"{len(todo)} rows to predict over {len(need)} step-time models", file=sys.stderr, flush=True)
+    built = {}
+    for (k, *_), (_, models, info) in _stream(build_pool, [(k, grids[k], args.draws, args.holdout, args.cache)
+                                                            for k in need], args.jobs, "step-time model"):
+        built[k] = (models, info)
+    tasks = []
+    for r in todo:
+        rid = r["id"]
+        miss = [built[k][1] for k in keys.get(rid, {}).values() if built[k][0] is None]
+        if rid in bad or miss:
+            done[rid] = _row_doc(r, {"error": bad.get(rid) or miss[0]})
+            continue
+        tasks.append((rid, setups[rid], {role: built[k] for role, k in keys[rid].items()}))
+    tasks.sort(key=lambda t: -(t[1]["n"] * (t[1]["isl"] + t[1]["osl"])))
+    by_row = {r["id"]: r for r in todo}
+    for (rid, *_), p in _stream(predict_row, tasks, args.jobs, "row"):
+        done[rid] = row = _row_doc(by_row[rid], p)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(row) + "\n")
+    print(f"predicted in {time.perf_counter() - t0:.0f} s wall, {time.process_time() - c0:.0f} CPU s in this "
+          f"process (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+    res = [done[r["id"]] for r in picked if r["id"] in done]
     by_id = {r["id"]: r for _, r in d.iterrows()}
     for row in res:
-        row["tpot_floor_ms"] = tpot_floor_ms(by_id[row["id"]])
         src = by_id[row["id"]]
+        row["tpot_floor_ms"] = tpot_floor_ms(src)
         row["workers_given"] = not (isinstance(src["prefill_num_workers"], float)
                                     and math.isnan(src["prefill_num_workers"]))
+    if args.table:
+        write_table(res, args.table)
     if args.out:
-        Path(args.out).write_text(page(res, total, len(known), len(no_preset), len(rows), len(picked), args))
+        Path(args.out).write_text(page(res, len(ep), len(known), len(no_preset), len(rows), len(picked), args))
     return 0
+
+
+def _row_doc(r, p: dict) -> dict:
+    row = {"id": r["id"], "model": r["model_path"], "system": r["system"], "backend": r["backend"],
+           "mode": r["mode"], "precision": r["precision"], "isl": int(r["isl"]), "osl": int(r["osl"]),
+           "measured_ttft_ms": float(r["silicon_ttft_ms"]), "measured_tpot_ms": float(r["silicon_tpot_ms"]), **p}
+    if "error" not in p:
+        row["ttft_err"] = _err(p["ttft_ms"], row["measured_ttft_ms"])
+        row["tpot_err"] = _err(p["tpot_ms"], row["measured_tpot_ms"])
+    return row
+
+
+TABLE_COLUMNS = ("id", "model", "system", "backend", "mode", "precision", "isl", "osl", "conc", "deployment",
+                 "strategy", "measured_ttft_ms", "ttft_ms", "ttft_err", "measured_tpot_ms", "tpot_ms", "tpot_err",
+                 "tpot_floor_ms", "preemptions", "kv_use_max", "steptime_error", "layout_read", "error")
+
+
+def write_table(res: list[dict], path: str) -> None:
+    """The per-row table as CSV (one row per sample row; ``error`` where the simulator refused it)."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(TABLE_COLUMNS)
+        for r in res:
+            w.writerow([r.get(c, "") if not isinstance(r.get(c), float) else f"{r[c]:.6g}" for c in TABLE_COLUMNS])
 
 
 def _stats(rows, key):
@@ -197,80 +385,88 @@ def _stats(rows, key):
     return (float(np.median(e)), float(np.percentile(e, 90)), len(e)) if len(e) else (None, None, 0)
 
 
+def tags(r: dict) -> list[str]:
+    """The mechanisms a predicted row carries (see the page's "What drives the worst rows")."""
+    t = []
+    if r["measured_tpot_ms"] < r.get("tpot_floor_ms", 0.0):
+        t.append("below-floor")
+    if r.get("preemptions", 0) > 0:
+        t.append("preempts")
+    if r["mode"] == "disagg" and not r.get("workers_given", True):
+        t.append("no-workers")
+    if r.get("layout_read"):
+        t.append("k2-read")
+    if r.get("precision") == "fp4":
+        t.append("fp4-at-fp8")
+    if r.get("conc", 0) < 8:
+        t.append("conc<8")
+    return t
+
+
+def _group_table(ok: list, by, title: str) -> list[str]:
+    out = [f"## By {title}", "", f"| {title} | rows | TTFT median | TTFT p90 | TTFT signed median | TPOT median | "
+           "TPOT p90 | TPOT signed median |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    keys = sorted({k for r in ok for k in by(r)})
+    for k in keys:
+        g = [r for r in ok if k in by(r)]
+        a, b_, c = _stats(g, "ttft_err")
+        x, y, _ = _stats(g, "tpot_err")
+        st_, sp = np.median([r["ttft_err"] for r in g]), np.median([r["tpot_err"] for r in g])
+        out.append(f"| {k} | {c} | {a:.0%} | {b_:.0%} | {st_:+.0%} | {x:.0%} | {y:.0%} | {sp:+.0%} |")
+    return out + [""]
+
+
+READING = "<!-- reading: kept when the page is regenerated -->"
+
+
 def page(res, total, known, no_preset, eligible, picked, args) -> str:
     ok = [r for r in res if "ttft_err" in r]
-    out = ["# Serving fidelity: AIConfigurator's silicon sample", "",
-           f"Generated by `python benchmarks/fidelity_serving.py --csv .../silicon_sample.csv --per-group "
-           f"{args.per_group} --max-concurrency {args.max_concurrency}` (aiconfigurator-core 0.12.0's sample).", "",
-           f"EP > 1 rows in the sample: {total}; of models with a preset here: {known}; on systems without a topology "
-           f"preset (b300, gb300): {no_preset}; eligible (concurrency <= {args.max_concurrency}): {eligible}; "
-           f"picked ({args.per_group} per model/system/backend/mode, spread over ISL/OSL/concurrency): {picked}; "
-           f"predicted: {len(ok)}; refused by the simulator: {len(res) - len(ok)}.", "",
-           "Errors are (predicted - measured) / measured of the p50 TTFT and p50 TPOT; nothing here was fitted to "
-           "these rows.", ""]
+    bad = [r for r in res if "error" in r]
+    for r in ok:
+        r["tags"] = tags(r)
+    out = ["# Serving fidelity: AIConfigurator's silicon sample", "", args.note, "",
+           f"Generated by `python benchmarks/fidelity_serving.py --csv .../silicon_sample.csv --jobs {args.jobs} "
+           f"--draws {args.draws} --n-factor {args.n_factor}` (aiconfigurator-core 0.12.0's sample). Per-row table: "
+           "`docs/results/data/fidelity_serving_rows.csv`.", "",
+           f"EP > 1 rows in the sample: {total}; of models with a preset here: {known}; of those on systems without a "
+           f"topology preset: {no_preset}; with a recorded concurrency: {eligible}; predicted: {len(ok)}; refused by "
+           f"the simulator: {len(bad)} (each with its reason in the table). Every row is predicted as a user would "
+           "run it (the module docstring of the benchmark); nothing here was fitted to these rows.", "",
+           "Errors are (predicted - measured) / measured of the p50 TTFT and p50 TPOT.", ""]
     m_t, p_t, n = _stats(ok, "ttft_err")
     m_p, p_p, _ = _stats(ok, "tpot_err")
     if n:
         out += [f"**Overall ({n} rows): median |TTFT error| {m_t:.0%}, p90 {p_t:.0%}; median |TPOT error| {m_p:.0%}, "
-                f"p90 {p_p:.0%}.**", ""]
-    for by in ("system", "backend", "mode"):
-        out += [f"## By {by}", "", f"| {by} | rows | TTFT median | TTFT p90 | TPOT median | TPOT p90 |",
-                "| --- | --- | --- | --- | --- | --- |"]
-        for k in sorted({r[by] for r in ok}):
-            g = [r for r in ok if r[by] == k]
-            a, b, c = _stats(g, "ttft_err")
-            x, y, _ = _stats(g, "tpot_err")
-            out.append(f"| {k} | {c} | {a:.0%} | {b:.0%} | {x:.0%} | {y:.0%} |")
+                f"p90 {p_p:.0%}.** Signed medians: TTFT {np.median([r['ttft_err'] for r in ok]):+.0%}, TPOT "
+                f"{np.median([r['tpot_err'] for r in ok]):+.0%}.", ""]
+    out += _group_table(ok, lambda r: [r["system"]], "system")
+    out += _group_table(ok, lambda r: [r["backend"]], "backend")
+    out += _group_table(ok, lambda r: [r["mode"]], "mode")
+    out += _group_table(ok, lambda r: [f"{r['system']} / {r['backend']}"], "system and backend")
+    out += _group_table(ok, lambda r: r["tags"] or ["none of these"], "mechanism tag")
+    out += ["Tags: `below-floor` the measured TPOT is under one decode step's HBM floor on the row's GPUs (several "
+            "tokens a weight pass: speculative decoding the columns do not record); `preempts` the prediction "
+            "preempts (its KV cache overflows at BF16 KV); `no-workers` a disaggregated row without worker counts "
+            "(one per pool assumed); `k2-read` a k x k-GPU record read as k GPUs; `fp4-at-fp8` an NVFP4 row priced "
+            "at FP8 GEMM rates (the step has no FP4 GEMM peak); `conc<8` fewer than 8 clients.", ""]
+    worst_p = sorted(ok, key=lambda r: -abs(r["tpot_err"]))[:15]
+    worst_t = sorted(ok, key=lambda r: -abs(r["ttft_err"]))[:15]
+    for title, rows_, k in (("TPOT", worst_p, "tpot"), ("TTFT", worst_t, "ttft")):
+        out += [f"## The 15 worst rows by {title}", "", "| id | deployment | ISL/OSL | conc | TTFT meas / pred ms | "
+                "TPOT meas / pred ms | tags |", "| --- | --- | --- | ---: | --- | --- | --- |"]
+        for r in rows_:
+            out.append(f"| {r['id']} | {r['deployment'].replace(' | ', ' ; ')} | {r['isl']}/{r['osl']} | {r['conc']} | "
+                       f"{r['measured_ttft_ms']:.0f} / {r['ttft_ms']:.0f} | {r['measured_tpot_ms']:.1f} / "
+                       f"{r['tpot_ms']:.1f} | {', '.join(r['tags'])} |")
         out.append("")
-    below = [r for r in ok if r["measured_tpot_ms"] < r.get("tpot_floor_ms", 0)]
-    pre = [r for r in ok if r.get("preemptions", 0) > 0]
-    nw = [r for r in ok if r["mode"] == "disagg" and not r.get("workers_given", True)]
-    out += ["## What drives the worst rows", "",
-            f"- **Decoding several tokens per weight pass.** {len(below)} of {len(ok)} rows measure a TPOT below the "
-            "HBM floor of one decode step on their GPUs (every GPU reading its dense share and the experts its batch "
-            "selects once; `tpot_floor_ms` per row): those deployments decode more than one token per pass "
-            "(speculative decoding such as DeepSeek's MTP), which the sample's columns do not record. Predicted "
-            "without MTP, their TPOT errors are the largest: median TPOT error of those rows "
-            + (f"{np.median([abs(r['tpot_err']) for r in below]):.0%}" if below else "-") + ", of the others "
-            + (f"{np.median([abs(r['tpot_err']) for r in ok if r not in below]):.0%}" if len(below) < len(ok) else "-")
-            + ".",
-            "- **TTFT is under-predicted almost everywhere** (the signed median is negative in every group): the "
-            "engine model's TTFT is queueing plus prefill steps on the GPU; request handling, tokenisation, the "
-            "scheduler's CPU time, the router and, in disaggregated rows, the KV-transfer handshake are absent. The "
-            "disaggregated TensorRT-LLM rows at concurrency 3-11 measure TTFTs of 2-25 s for 1,024-token prompts whose "
-            "prefill step is tens of milliseconds: the worst TTFT rows, a cost outside the step that the sample does "
-            "not break down.",
-            "- **TPOT at low concurrency is over-predicted** (concurrency < 8: the largest TPOT errors): a decode step "
-            "of a few tokens per GPU is priced with every routed expert's GEMMs one expert at a time (the roofline in "
-            "this run; the measured GEMM tables give the same order: a DeepSeek-V3 EP8 decode step on B200 at one "
-            "token per GPU is 22 ms with them, 15 ms of it routed experts), so each active expert pays a small GEMM's "
-            "fixed cost, where the engines "
-            "run one grouped (masked) GEMM per layer over all local experts; and the rows' attention-TP layouts were "
-            "priced as data-parallel attention over the same GPUs (the dense weights read whole on every GPU).",
-            f"- **Predicted preemption.** {len(pre)} rows preempt in the prediction (their concurrency overflows the "
-            "KV cache as sized here: BF16 KV, 0.95 of HBM less the weights); recomputing preempted requests inflates "
-            "their TPOT: median TPOT error of those rows "
-            + (f"{np.median([abs(r['tpot_err']) for r in pre]):.0%}" if pre else "-") + ". Engines at these "
-            "concurrencies commonly run FP8 KV caches (half the bytes), which the sample's columns do not record.",
-            f"- **Worker counts missing from the sample.** {len(nw)} disaggregated rows leave prefill/decode worker "
-            "counts empty; they are predicted with one worker per pool, so at high concurrency one prefill worker "
-            "queues every prompt (the few large TTFT over-predictions, e.g. GB200 SGLang at ISL 8192, concurrency "
-            "512: 32 s predicted against 2.7 s measured).",
-            "- **Disaggregated rows are worse than aggregated ones on TPOT**: their decode pools are TP8/TP16 layouts "
-            "at small batches, where both effects above add up.", ""]
-    out += ["## Every row", "", "| id | system | backend | mode | ISL/OSL | conc | deployment | strategy | TTFT meas / "
-            "pred ms | err | TPOT meas / pred ms | err | TPOT floor ms |", "| --- | --- | --- | --- | --- | --- | --- | "
-            "--- | --- | --- | --- | --- | --- |"]
-    for r in res:
-        if "error" in r:
-            out.append(f"| {r['id']} | {r['system']} | {r['backend']} | {r['mode']} | {r['isl']}/{r['osl']} | | | | "
-                       f"refused: {r['error'][:120]} | | | |")
-            continue
-        out.append(f"| {r['id']} | {r['system']} | {r['backend']} | {r['mode']} | {r['isl']}/{r['osl']} | {r['conc']} "
-                   f"| {r['deployment'].replace(' | ', ' ; ')} | {r['strategy']} | {r['measured_ttft_ms']:.0f} / {r['ttft_ms']:.0f} | "
-                   f"{r['ttft_err']:+.0%} | {r['measured_tpot_ms']:.1f} / {r['tpot_ms']:.1f} | {r['tpot_err']:+.0%} | "
-                   f"{r.get('tpot_floor_ms', float('nan')):.1f} |")
-    return "\n".join(out) + "\n"
+    if bad:
+        out += ["## Refused", "", "| id | reason |", "| --- | --- |"]
+        out += [f"| {r['id']} | {r['error'][:200]} |" for r in bad] + [""]
+    keep = ""
+    if args.out and Path(args.out).is_file():
+        old = Path(args.out).read_text()
+        keep = old[old.index(READING):] if READING in old else ""
+    return "\n".join(out) + "\n" + (keep or READING + "\n")
 
 
 if __name__ == "__main__":

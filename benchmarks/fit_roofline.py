@@ -30,7 +30,8 @@ from moonep_sim.step.measured import available, gemm_table  # noqa: E402
 
 #: AIConfigurator system -> (the topology preset whose peaks the fit divides by, the GPUs it serves).
 FIT_SYSTEMS = {"h100_sxm": ("h100-cx7", ("h100", "h800")), "h200_sxm": ("h200-cx7", ("h200",)),
-               "b200_sxm": ("b200", ("b200",)), "gb200": ("gb200-nvl72", ("gb200",))}
+               "b200_sxm": ("b200", ("b200",)), "gb200": ("gb200-nvl72", ("gb200",)),
+               "b300_sxm": ("b300", ("b300",)), "gb300": ("gb300-nvl72", ("gb300",))}
 
 
 def fit(tab, peak_tflops: float, hbm_GBps: float) -> dict:

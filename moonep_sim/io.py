@@ -73,6 +73,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def load_average() -> list[float] | None:
+    """The machine's 1, 5 and 15 minute load averages, rounded to 0.01 (other jobs inflate measured
+    times); None where the platform has none."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def clean_stale_temps(folder: PathLike) -> list[Path]:
     """Remove temporary files of our naming in ``folder`` whose writing process is gone; returns them.
 

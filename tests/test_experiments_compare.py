@@ -47,9 +47,17 @@ def test_report_has_the_documented_keys(report):
     json.dumps(report)  # JSON-ready as it is
 
 
+def plan_context(source, cluster):
+    """The context compare plans with: the home-group placement, the model's row costs (bf16 rows)."""
+    from moonep_sim.plan import Placement, RowCosts
+    from moonep_sim.strategies import PlanContext
+
+    return PlanContext(cluster, Placement.home_groups(source.num_experts, cluster.ranks),
+                       RowCosts.from_model(source.model, "bf16"), 1, None)
+
+
 def test_each_strategy_numbers_come_from_its_own_plan(report):
     """Bytes, drops and rows per rank equal make_plan(...).summary() of that strategy, layer by layer."""
-    from moonep_sim.experiments.compare import plan_context
     from moonep_sim.experiments.routing import open_routing
     from moonep_sim.plan import ClusterShape
     from moonep_sim.strategies import make_plan
@@ -79,7 +87,7 @@ def test_each_strategy_numbers_come_from_its_own_plan(report):
 
 
 def test_simulated_time_is_the_simulator_on_that_plan(report):
-    from moonep_sim.experiments.compare import load_topology, plan_context, simulate
+    from moonep_sim.experiments.compare import load_topology, simulate
     from moonep_sim.experiments.routing import open_routing
     from moonep_sim.plan import ClusterShape
     from moonep_sim.strategies import make_plan

@@ -52,5 +52,26 @@ def test_decode_floor_hand_count(fs, rows):
     # 4 sequences x top-8 over 256 experts: E/ep x (1 - (1 - 1/E)^32) experts active per GPU
     active = 256 / 8 * (1 - (1 - 1 / 256) ** 32)
     want = (sum(dense_params(m).values()) / 8 + m.moe_layers * active * 3 * m.dispatch_hidden * m.expert_ffn) \
-        * 1.0 / (t.gpu_mem_bandwidth_GBps * 1e9) * 1e3
+        * 0.5 / (t.gpu_mem_bandwidth_GBps * 1e9) * 1e3    # an fp4 row: NVFP4 weights, 0.5 B
     assert fs.tpot_floor_ms(r) == pytest.approx(want)
+
+
+def test_k_squared_record_of_a_k_gpu_deployment_is_read_as_its_id_names(fs, rows):
+    # the sample records "tp8 ep8" deployments as tp (or attention dp) 64 with moe tp 8 x moe ep 8
+    row = {"backend": "trtllm", "tp_size": 64.0, "attention_dp_size": 1.0, "moe_tp_size": 8.0, "moe_ep_size": 8.0}
+    assert fs.read_layout(row) == (8, 1, 8, 1, True)
+    assert fs.read_layout(dict(row, tp_size=1.0, attention_dp_size=64.0)) == (1, 8, 8, 1, True)
+    assert fs.read_layout(dict(row, backend="sglang", tp_size=16.0, moe_tp_size=4.0, moe_ep_size=4.0)) == \
+        (4, 1, 4, 1, True)
+    # every other record as written: TP8 over moe tp 2 x moe ep 4 is 8 GPUs, expert TP 2
+    assert fs.read_layout(dict(row, tp_size=8.0, moe_tp_size=2.0, moe_ep_size=4.0)) == (8, 1, 4, 2, False)
+    agg = rows.loc["2026_03_25_deepseek_r1_b200_sxm_sglang_fp4_agg_1024x1024_c4_tp8_0_ep8_0_298"]
+    assert fs.read_layout(agg) == (8, 1, 8, 1, False)
+
+
+def test_merged_grid_covers_every_rows_shapes(fs):
+    g = fs.merge_grids([{"dec_T": [1, 2, 4], "dec_C": [1024, 1448, 2048], "pre_T": [16, 64, 256], "pre_C": [1024]},
+                        {"dec_T": [1, 2, 4, 8, 16], "dec_C": [8192, 8688, 9216], "pre_T": [16, 64, 256, 1024],
+                         "pre_C": [8192]}])
+    assert g == {"dec_T": [1, 2, 4, 8, 16], "dec_C": [1024, 9216], "pre_T": [16, 64, 256, 1024],
+                 "pre_C": [1024, 8192]}

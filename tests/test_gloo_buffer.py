@@ -19,13 +19,54 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moonep_sim.errors import ConfigError, PlanError
-from moonep_sim.gloo.handle import build_handle, direct_index, emulate_combine, emulate_dispatch
+from moonep_sim.gloo.handle import Handle, build_handle, direct_index
 from moonep_sim.gloo.launcher import free_port, spawn_ranks
 from moonep_sim.plan import GlobalRouting, Hop, RowCosts, Slots, plan_from_slots, validate
 from moonep_sim.strategies import PlanContext, available, make_plan, planner
 
 HERE = str(Path(__file__).resolve().parent)
 E, K, H, G = 8, 3, 4, 2
+
+
+# -- every rank in one process (no torch.distributed): the Handle's gathers and scatters, hop by hop
+
+def _emulate_hop(send_R: list[torch.Tensor], send_splits_R: list[tuple[int, ...]],
+                 members_R: list[tuple[int, ...]], rank_count: int) -> list[torch.Tensor]:
+    """What ``all_to_all_single`` delivers to each rank: chunks from each member in member order."""
+    chunks = []
+    for r in range(rank_count):
+        chunks.append(dict(zip(members_R[r], torch.split(send_R[r], list(send_splits_R[r])))))
+    return [torch.cat([chunks[src][r] for src in members_R[r]]) for r in range(rank_count)]
+
+
+def emulate_dispatch(handles: list[Handle], x_R: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Dispatch every rank's rows ``x_R[r] [s_r, C]`` in one process; returns each rank's [W_r, C]."""
+    R = len(handles)
+    buf = list(x_R)
+    n = len(handles[0].hops)
+    if n == 0:
+        return [handles[r].expand.gather(buf[r]) for r in range(R)]
+    for i in range(n):
+        hs = [h.hops[i] for h in handles]
+        send = [hs[r].send.gather(buf[r]) for r in range(R)]
+        recv = _emulate_hop(send, [hs[r].send_splits for r in range(R)], [hs[r].members for r in range(R)], R)
+        buf = [hs[r].recv.place(recv[r]) for r in range(R)] if i < n - 1 else recv
+    return [handles[r].final.gather(buf[r]) for r in range(R)]
+
+
+def emulate_combine(handles: list[Handle], y_R: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The adjoint of :func:`emulate_dispatch` (no routing weights): each rank's [s_r, C]."""
+    R = len(handles)
+    n = len(handles[0].hops)
+    if n == 0:
+        return [handles[r].expand.scatter_add(y_R[r]) for r in range(R)]
+    buf = [handles[r].final.scatter_add(y_R[r]) for r in range(R)]
+    for i in reversed(range(n)):
+        hs = [h.hops[i] for h in handles]
+        send = buf if i == n - 1 else [hs[r].recv.gather_back.gather(buf[r]) for r in range(R)]
+        recv = _emulate_hop(send, [hs[r].recv_splits for r in range(R)], [hs[r].members for r in range(R)], R)
+        buf = [hs[r].send.scatter_add(recv[r]) for r in range(R)]
+    return buf
 
 
 def routing_for(T, R, seed, skew=1.0):

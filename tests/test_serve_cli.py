@@ -32,6 +32,8 @@ def _bad(argv, tmp_path, capsys, match):
     (["--rate", "0"], "must be > 0"),
     (["--gpus", "8"], "must equal --gpus"),
     (["--mtp", "x:y"], "TOKENS:ACCEPT"),
+    (["--worker", "dp=4,ep=4,scheduler=lpm"], "scheduler policy ('lpm') must be one of mixed, prefill-first"),
+    (["--jobs", "0"], "--jobs (0) must be >= 1"),
 ])
 def test_bad_flags_one_line_exit_2(argv, match, tmp_path, capsys):
     _bad(SMALL + ["--no-cache"] + argv, tmp_path, capsys, match)

@@ -28,6 +28,8 @@ def test_grid_reproduces_its_points_and_interpolates_between():
     assert a.time_us(0, 0, 3, 256, 0) == pytest.approx((1 - w) * (1045.6) + w * (1065.6))
     # beyond the largest T: linear in T
     assert m["b"].time_us(0, 0, 16, 256, 0) == pytest.approx(2 * (1000 + 80) * 2)
+    # between contexts, linear in C: the affine step is reproduced exactly at C = 640
+    assert a.time_us(0, 0, 4, 640, 0) == pytest.approx(1000 + 40 + 64)
     # mixed: the prefill step of every token + the decodes' extra KV reads over the smallest context
     mixed = a.time_us(62, 512, 2, 1024, 0)
     assert mixed == pytest.approx((5000 + 640 + 51.2) + (0.1 * 1024 - 0.1 * 256))

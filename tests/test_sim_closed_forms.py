@@ -15,7 +15,7 @@ from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
 from moonep_sim.plan.kernel import FAMILIES, chunk_for
 from moonep_sim.sim import SimOptions, list_topologies, load_topology, simulate_layer
 from moonep_sim.sim.kernels import kernel_fixed_us, message_us, nic_message_cost_us, receive_copy_us, reduce_bytes_per_us, \
-    kernel_sms, relay_hop_rows, relay_rows, relay_two_hop_us, sm_cap_bytes_per_us
+    kernel_sms, proxy_nic_share, relay_hop_rows, relay_rows, relay_two_hop_us, sm_cap_bytes_per_us
 from moonep_sim.sim.topology import IDEAL, topology_from_dict
 from moonep_sim.strategies import PlanContext, make_plan
 
@@ -72,45 +72,44 @@ def _topo(**tables):
     return topology_from_dict(doc, defaults=IDEAL)
 
 
-@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.mode == "normal"])
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.mode == "normal" or f.node_relay])
 def test_one_relay_of_every_normal_family(name):
-    """deepep impl=<family>: 100 rows rank 0 -> relay 2 (NIC) -> rank 3 (NVLink), forwarded in
-    messages: the pipeline bound with each hop at min(link, the family's SM cap) and the family's
-    per-message cost on the NIC hop (one per relayed message of ``relay_rows``)."""
+    """deepep impl=<family> (a node-relayed low-latency family: deepep-ll): 100 rows rank 0 -> relay 2
+    (NIC) -> rank 3 (NVLink), forwarded in messages: the pipeline bound with each hop at min(link,
+    the family's SM cap) and the family's per-message cost on the NIC hop (one per relayed message of
+    ``relay_rows``); a proxy bound to one NIC per thread stretches the NIC hop by its busiest NIC."""
     topo = _topo()
-    plan = _plan("deepep", 3, 100, 4, 2, impl=name)
+    fam = FAMILIES[name]
+    plan = _plan("deepep" if fam.mode == "normal" else "deepep-ll", 3, 100, 4, 2, impl=name)
     spec = plan.kernel
+    row = plan.costs.dispatch_row_bytes
     assert plan.hops[0].rows_RR(4)[0, 2] == 100 and plan.hops[1].rows_RR(4)[2, 3] == 100
     cap = sm_cap_bytes_per_us(topo, spec)
-    assert cap == pytest.approx(min(FAMILIES[name].sms, 100) * 0.2e3 * FAMILIES[name].sm_copy_factor)
+    assert cap == pytest.approx(min(fam.sms, 100) * 0.2e3 * fam.sm_copy_factor)
     r0, r1 = min(2e3, cap), min(10e3, cap)
     m = relay_rows(topo, spec)
     # a chunked family (DeepEP V1) relays channels x its Config's chunk of each hop's class instead
     h0, h1 = relay_hop_rows(topo, spec, 4, "dispatch", True), relay_hop_rows(topo, spec, 4, "dispatch", False)
     # one RDMA write per relayed message; a chunked family: each of its channels (SMs x channels per
     # SM) sends its even share of the pair's rows in RDMA chunks (DeepEP's internode.cu)
-    c = chunk_for(FAMILIES[name].chunks, 4)
-    if c is None:
-        msgs = math.ceil(100 / m)
-    else:
-        ch = max(1, math.floor(kernel_sms(topo, spec) * spec.channels_per_sm))
-        msgs = ch * math.ceil(100 / (ch * c.dispatch_rdma))
-    t0 = 100 * ROW / r0 + msgs * (topo.nic_message_us + spec.message_us)
-    if FAMILIES[name].chunks:
-        c = chunk_for(FAMILIES[name].chunks, 4)
-        assert (h0, h1) == (12 * c.dispatch_rdma, 12 * c.dispatch_nvl)  # 24 SMs: 12 channels
+    c = chunk_for(fam.chunks, 4)
+    ch = max(1, math.floor(kernel_sms(topo, spec) * spec.channels_per_sm))
+    msgs = math.ceil(100 / m) if c is None else ch * math.ceil(100 / (ch * c.dispatch_rdma))
+    t0 = 100 * row / r0 / proxy_nic_share(topo, spec) + msgs * (topo.nic_message_us + spec.message_us)
+    if fam.chunks:
+        assert (h0, h1) == (ch * c.dispatch_rdma, ch * c.dispatch_nvl)  # DeepEP: 24 SMs, 12 channels
     else:
         assert h0 == h1 == m
-    m0, m1 = message_us(topo, ROW, True, cap, h0), message_us(topo, ROW, False, cap, h1)
-    want = kernel_fixed_us(topo, "dispatch", spec) + relay_two_hop_us(100 * ROW, 100 * ROW / t0, 2.0, 100 * ROW,
+    m0, m1 = message_us(topo, row, True, cap, h0), message_us(topo, row, False, cap, h1)
+    want = kernel_fixed_us(topo, "dispatch", spec) + relay_two_hop_us(100 * row, 100 * row / t0, 2.0, 100 * row,
                                                                        r1, 1.0, m0, m1)
     # a family whose receivers copy each chunk into the output (DeepEP V1) exposes the last message's copy
-    if FAMILIES[name].recv_copy:
-        want += receive_copy_us(100 * ROW, h1 * ROW, reduce_bytes_per_us(topo, spec))
+    if fam.recv_copy:
+        want += receive_copy_us(100 * row, h1 * row, reduce_bytes_per_us(topo, spec))
     assert _iso(plan, topo) == pytest.approx(want, rel=1e-9)
 
 
-@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.mode == "ll"])
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.mode == "ll" and not f.node_relay])
 def test_one_kernel_of_every_low_latency_family(name):
     """deepep-ll impl=<family>: 10 one-row messages rank 0 -> rank 2 (other node): the family's fixed
     cost, the NIC latency and each row at the NIC rate plus the per-message cost (the NIC's message

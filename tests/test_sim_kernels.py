@@ -272,7 +272,8 @@ def test_every_family_plans_with_its_terms_and_sources(name):
     k = plan.kernel
     assert (k.family, k.sms, k.message_us, k.sm_copy_factor, k.reduce) == \
         (name, fam.sms, fam.message_us, fam.sm_copy_factor, fam.reduce)
-    assert k.relay == (fam.mode == "normal") and k.row_messages == (fam.mode == "ll")
+    relayed = fam.mode == "normal" or fam.node_relay  # mori's low-latency kernel relays through one GPU per node
+    assert k.relay == relayed and k.row_messages == (fam.mode == "ll" and not fam.node_relay)
 
 
 def test_impl_of_the_wrong_mode_names_the_families_of_that_mode():
@@ -373,7 +374,7 @@ def test_cli_topologies_lists_the_families_and_what_each_preset_was_checked_agai
     assert "kernel families checked on each preset" in out and "HybridEP" in out
 
 
-@pytest.mark.parametrize("strategy, impl, counts", [("deepep", "deepep-v1", ["node_pairs"]),
+@pytest.mark.parametrize("strategy, impl, counts", [("deepep", "deepep-v1", ["node_pairs", "rows_received"]),
                                                     ("deepep", "deepep-v2", ["scale_up", "scale_out"]),
                                                     ("deepep-ll", "nixl-ep", ["selections"])])
 def test_cli_isolate_counts_as_each_librarys_own_test(capsys, strategy, impl, counts):

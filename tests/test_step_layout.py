@@ -13,7 +13,9 @@ from moonep_sim.experiments.scenario import Scenario
 from moonep_sim.models import get_model
 from moonep_sim.sim.topology import load_topology
 from moonep_sim.step import collectives as coll
-from moonep_sim.step.layout_step import (OPTIMIZER_BYTES_PER_PARAM, chunk_params, stage_model, tp_comm_us)
+from moonep_sim.step.host import host_launch_cost
+from moonep_sim.step.layout_step import (GRAD_BUFFER_ZERO_BYTES_PER_PARAM, GRAD_NORM_BYTES_PER_PARAM,
+                                         OPTIMIZER_BYTES_PER_PARAM, chunk_params, stage_model, tp_comm_us)
 from moonep_sim.step.parallel import Parallel
 from moonep_sim.step.stack import StepShape
 
@@ -78,15 +80,26 @@ def test_stage_model_keeps_kinds_and_params_add_up():
 
 
 def test_one_moe_layer_without_tp_pp_dp_is_todays_step():
+    # today's step does not model the host's launches: with them free the layout step is today's step
+    # exactly, and with them priced it adds the host timeline's excess (moonep_sim.step.host) and nothing else
     sc = _sc(1)
     today = sc.step("train", tokens_per_rank=128, context=128)
-    lay = sc.step("train", parallel=Parallel(), context=128)
+    with host_launch_cost(0.0):
+        lay = sc.step("train", parallel=Parallel(), context=128)
+    host = sc.step("train", parallel=Parallel(), context=128)
     for n in today.figures:
         f = lay.figures[n]
         assert f["pipeline_ranks"][0]["pipeline_end_us"] == pytest.approx(today.figures[n]["step_time_us"], rel=1e-12)
+        assert f["stages"][0]["host_bound_us"] == 0.0
+        h = host.figures[n]
+        assert h["stages"][0]["host_bound_us"] > 0   # 128 tokens: short kernels, the host's launches bind
+        assert h["pipeline_ranks"][0]["pipeline_end_us"] == pytest.approx(
+            today.figures[n]["step_time_us"] + h["stages"][0]["host_bound_us"], rel=1e-12)
         dense, expert = chunk_params(_model(1), 0, 1, True, True)
         topo = load_topology("h800-cx7")
-        opt = (dense + expert) * OPTIMIZER_BYTES_PER_PARAM / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
+        # Adam over the shard (all of it, dp 1), the gradient norm's read of it, the gradient buffer zeroed
+        opt = (dense + expert) * (OPTIMIZER_BYTES_PER_PARAM + GRAD_NORM_BYTES_PER_PARAM + GRAD_BUFFER_ZERO_BYTES_PER_PARAM) \
+            / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
         assert f["step_time_us"] == pytest.approx(today.figures[n]["step_time_us"] + opt, rel=1e-12)
         assert f["pipeline"]["bubble_fraction"] == 0.0
 
@@ -94,13 +107,15 @@ def test_one_moe_layer_without_tp_pp_dp_is_todays_step():
 def test_pure_ep_layout_is_todays_step_plus_dp_and_optimizer():
     sc = _sc(4, layers=2)
     today = sc.step("train", tokens_per_rank=128, context=128)
-    lay = sc.step("train", parallel=Parallel(dp=4, ep=4), context=128)
+    with host_launch_cost(0.0):   # today's step has no host timeline
+        lay = sc.step("train", parallel=Parallel(dp=4, ep=4), context=128)
     topo = load_topology("h800-cx7")
     dense, expert = chunk_params(_model(2), 0, 2, True, True)
     link, span = coll.group_link(topo, 4, 1), coll.group_shape(topo, 4, 1)
     grad = coll.reduce_scatter_us(dense * 4, 4, link, span=span)
     gather = coll.all_gather_us(dense * 2, 4, link, span=span)
-    opt = (dense / 4 + expert / 4) * OPTIMIZER_BYTES_PER_PARAM / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
+    opt = ((dense / 4 + expert / 4) * (OPTIMIZER_BYTES_PER_PARAM + GRAD_NORM_BYTES_PER_PARAM)
+           + (dense + expert / 4) * GRAD_BUFFER_ZERO_BYTES_PER_PARAM) / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
     for n in today.figures:
         r0 = lay.figures[n]["pipeline_ranks"][0]
         assert r0["pipeline_end_us"] == pytest.approx(today.figures[n]["step_time_us"], rel=1e-12)

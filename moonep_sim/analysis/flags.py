@@ -187,7 +187,11 @@ def native_flags(options: Mapping[str, Mapping[str, Any]], topology: str | None)
                                               "(put, tail / head atomics; on EFA each atomic applied by the target's "
                                               "proxy) over its proxy threads, x 0.45 us per operation (ASSUMED): it "
                                               "grows with the chunks per token (more nodes per token, smaller RDMA "
-                                              "chunks at larger EP)"))
+                                              "chunks at larger EP)"
+                                              + (f"; its {fam.proxy_nic_threads} proxy threads each post on one NIC, "
+                                                 "so its channels' bytes land unevenly on the GPU's NICs and the "
+                                                 "busiest binds" if fam.proxy_nic_threads else "")
+                                              + (f". {fam.caveat}" if fam.caveat else "")))
     return out
 
 

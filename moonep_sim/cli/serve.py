@@ -22,7 +22,8 @@ def register(sub) -> None:
     dep = p.add_mutually_exclusive_group()
     dep.add_argument("--deployment", metavar="FILE.toml", help="a deployment file (docs/serving.md)")
     dep.add_argument("--worker", metavar="K=V,...", help="an aggregated deployment's workers, e.g. "
-                                                          "workers=2,dp=16,ep=16,max_running=64")
+                                                          "workers=2,dp=16,ep=16,max_running=64 (scheduler=prefill-first: "
+                                                          "SGLang's separate prefill and decode batches)")
     p.add_argument("--prefill", metavar="K=V,...", help="a disaggregated deployment's prefill pool (with --decode)")
     p.add_argument("--decode", metavar="K=V,...", help="a disaggregated deployment's decode pool (with --prefill)")
     p.add_argument("--mtp", metavar="TOKENS:ACCEPT", default=None, help="MTP draft tokens and acceptance, e.g. 1:0.8")
@@ -56,7 +57,8 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--search", action="store_true", help="enumerate deployments of --gpus that fit and simulate them")
     p.add_argument("--max-deployments", type=int, default=100, help="--search: at most this many deployments")
-    p.add_argument("--jobs", type=int, default=1, help="--search: deployments in N worker processes")
+    p.add_argument("--jobs", type=int, default=1, help="N worker processes: the step-time models' pieces and, with "
+                                                       "--search, the deployments")
     p.add_argument("--cluster", default=None, metavar="ADDR", help="--search: ... or on a Dask cluster at ADDR")
     from moonep_sim.cli.common import add_output_flags
 
@@ -75,7 +77,9 @@ def _kv(text: str, flag: str) -> dict:
         require(sep == "=" and k, f"{flag} ({part.strip()!r}) must be KEY=VALUE, e.g. dp=16")
         v = v.strip()
         val: object = v.lower() == "true" if v.lower() in ("true", "false") else v
-        if not isinstance(val, bool):
+        if k == "scheduler":     # a policy name (moonep_sim.serve.policies), checked by the pool
+            val = v
+        elif not isinstance(val, bool):
             try:
                 val = int(v)
             except ValueError:
@@ -142,6 +146,7 @@ def options(args):
     names = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
     require(bool(names), "--strategies must name at least one strategy")
     require(args.draws >= 1, f"--draws ({args.draws}) must be >= 1")
+    require(args.jobs >= 1, f"--jobs ({args.jobs}) must be >= 1: worker processes")
     require(args.distinct_layers >= 1, f"--distinct-layers ({args.distinct_layers}) must be >= 1")
     require(args.gpu_hour_price is None or args.gpu_hour_price > 0, f"--gpu-hour-price ({args.gpu_hour_price}) must "
                                                                      "be > 0")
@@ -158,7 +163,7 @@ def options(args):
                         overlap=args.overlap, draws=args.draws, distinct_layers=args.distinct_layers,
                         cache=None if args.no_cache else (args.cache or default_cache()), direct=args.direct,
                         slo=parse_slo(args.slo), price=args.gpu_hour_price, seed=args.seed,
-                        gemm_dtype=args.gemm_dtype)
+                        gemm_dtype=args.gemm_dtype, jobs=args.jobs)
 
 
 def run(args) -> int:

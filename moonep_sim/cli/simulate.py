@@ -183,7 +183,7 @@ def _print_kernel(c, what: str, kern: dict) -> None:
     c.print(f"[bold]{what} kernel alone[/bold]: {kern['rank_mean_us']:,.1f} us per rank (mean of each "
             f"rank's own kernel time, as DeepEP times it), {kern['span_us']:,.1f} us to the last rank; "
             f"row {kern['row_bytes']} B")
-    hows = {"rows_received": "rows received per rank, own included (DeepEP V1 intranode / NVLink)",
+    hows = {"rows_received": "rows received per rank, own included (DeepEP V1 NVLink; internode: its NVL figure)",
             "node_pairs": "unique (token, node) pairs incl. the local node (DeepEP V1 internode / RDMA)",
             "scale_up": "rows sent to other GPUs of the node, every hop (DeepEP V2 scale-up)",
             "scale_out": "rows sent to other nodes, every hop (DeepEP V2 scale-out)",

@@ -8,7 +8,6 @@ each strategy's communication is (the part compute does not hide).
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from moonep_sim.cli.common import add_redundant_experts
 from moonep_sim.cli.common import (add_dispatch_dtype, add_output_flags, add_steps, add_strategies,
@@ -308,9 +307,8 @@ SEARCH_KEEPS = ("--micro-batch-size", "--global-batch-size", "--pp-schedule", "-
 
 def run_search(args) -> int:
     """``step --search --gpus N``: :meth:`Scenario.search_layouts`, a progress bar, the ranked table."""
-    from moonep_sim.cli.common import progress
+    from moonep_sim.cli.common import emit_json, progress
     from moonep_sim.cli.layout import layout_given
-    from moonep_sim.io import to_jsonable, write_text_atomic
     from moonep_sim.report.layout import search_table
     from moonep_sim.report.tables import wide_console
 
@@ -338,12 +336,8 @@ def run_search(args) -> int:
                                                   else args.optimizer_bytes_per_param))
     with progress(c, "layouts", lines=args.json is not None) as cb:
         rep = search_layouts(sc, space, step, progress=lambda d, n: cb("priced" if d <= n else "", d, n))
-    if args.json:
-        text = json.dumps(to_jsonable(rep, lenient=True), indent=1)
-        if args.json == "-":
-            print(text)
-            return 0
-        write_text_atomic(args.json, text, what="--json")
+    if emit_json(args, rep, lenient=True):
+        return 0
     c.print(search_table(rep))
     for f in rep["flags"]:
         c.print(f"flag: {f}", highlight=False, markup=False)

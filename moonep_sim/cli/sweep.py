@@ -5,12 +5,10 @@ A thin adapter over :meth:`moonep_sim.experiments.Scenario.sweep`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from moonep_sim.cli.common import (output_rule, add_dispatch_dtype, add_output_flags, emit_json, add_steps,
-                                   add_strategies, check_cluster_args, check_int, parse_strategy_opts, print_json,
-                                   progress, to_jsonable)
+                                   add_strategies, check_cluster_args, check_int, parse_strategy_opts, progress)
 from moonep_sim.limits import MAX_TOKENS_PER_RANK
 from moonep_sim.errors import ConfigError
 from moonep_sim.experiments.routing import GEN_DEFAULTS

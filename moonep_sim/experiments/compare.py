@@ -26,17 +26,17 @@ one typed description, never a config of strings worked out again here.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 from moonep_sim.errors import require
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec, custom_model
-from moonep_sim.plan import ClusterShape, Placement, RowCosts
-from moonep_sim.experiments.routing import RoutingSource, open_routing
+from moonep_sim.plan import ClusterShape, RowCosts
+from moonep_sim.experiments.routing import RoutingSource
 from moonep_sim.analysis.verdict import CRITICAL_PARTS, critical_breakdown
 
 # -- cluster ----------------------------------------------------------------------------------------
@@ -57,15 +57,6 @@ def check_cluster(source: RoutingSource, ranks: int, gpus_per_node: int, redunda
 
 def _divisors_hint(E: int) -> str:
     return ", ".join(str(d) for d in (2, 4, 8, 16, 32, 64, 128) if E % d == 0 and d <= E) or "1"
-
-
-def plan_context(source: RoutingSource, cluster: ClusterShape, dispatch_dtype: str = "bf16",
-                 token_padding: int = 1, topology=None):
-    from moonep_sim.strategies import PlanContext
-
-    costs = RowCosts.from_model(source.model, dispatch_dtype)
-    return PlanContext(cluster, Placement.home_groups(source.num_experts, cluster.ranks), costs, token_padding,
-                       topology)
 
 
 # -- the simulator, through one narrow door -----------------------------------------------------------

@@ -177,9 +177,10 @@ def validate_steps(models=STEP_CASES, strategies=STEP_STRATEGIES, *, nproc: int 
     import time
 
     from moonep_sim.integrations.train import launch
+    from moonep_sim.io import load_average
 
     t0 = time.perf_counter()
-    load_start = [round(v, 2) for v in os.getloadavg()]
+    load_start = load_average()
     points, per_case, reports = [], [], []
     for i, model in enumerate(models):
         if progress:
@@ -210,7 +211,7 @@ def validate_steps(models=STEP_CASES, strategies=STEP_STRATEGIES, *, nproc: int 
     return {"kind": "fidelity-step", "nproc": nproc, "steps": steps, "strategies": list(strategies),
             "models": list(models), "simulator": SIMULATOR, "points": points, "per_case": per_case,
             "summary": summary, "seconds": time.perf_counter() - t0,
-            "load_average": {"start": load_start, "end": [round(v, 2) for v in os.getloadavg()]},
+            "load_average": {"start": load_start, "end": load_average()},
             "reports": reports}
 
 

@@ -126,6 +126,7 @@ def priced_stages(model, p, units: dict, name: str, shape, costs) -> list:
     the sum of its layers' one-layer programs (each less the embedding and head it ran), the
     embedding and head added once; its MoE layers' Plans (footprints) those of the unit's one layer,
     which :func:`~moonep_sim.step.layout_step.layout_memory` accounts under the layout."""
+    from moonep_sim.step.host import stacked_host_blocks
     from moonep_sim.step.layout_step import StageProgram, _head_us, stage_bounds
 
     ef, hf, eb, hb = _head_us(model, shape, costs)
@@ -138,8 +139,9 @@ def priced_stages(model, p, units: dict, name: str, shape, costs) -> list:
             B += sp.backward_us - eb - hb
             Fc += sp.forward_compute_us - ef - hf
             Bc += sp.backward_compute_us - eb - hb
+        hf_, hb_ = stacked_host_blocks(progs)
         out.append(StageProgram(F, B, Fc, Bc, {}, sum(sp.dropped for sp in progs), sum(sp.entries for sp in progs),
-                                tuple(f for sp in progs for f in sp.footprints)))
+                                tuple(f for sp in progs for f in sp.footprints), host_forward=hf_, host_backward=hb_))
     return out
 
 
@@ -213,10 +215,12 @@ def search_layouts(scenario, space: LayoutSpace, step=None, *,
     from moonep_sim.experiments.compare import load_topology
     from moonep_sim.experiments.spec import parse_cluster
     from moonep_sim.experiments.step import StepOptions
-    from moonep_sim.step import MemoryOptions
 
     t0, c0 = time.perf_counter(), time.process_time()
     o = step if step is not None else StepOptions()
+    require(isinstance(space, LayoutSpace) and isinstance(o, StepOptions),
+            f"space ({type(space).__name__}) and step ({type(o).__name__}) must be a LayoutSpace and a StepOptions "
+            "(moonep_sim.experiments.layout_search, moonep_sim.experiments.step)")
     default = StepOptions()
     for f in dataclasses.fields(o):
         require(f.name in SEARCH_STEP_OPTIONS or getattr(o, f.name) == getattr(default, f.name),
@@ -234,15 +238,7 @@ def search_layouts(scenario, space: LayoutSpace, step=None, *,
                                 zeros=space.zeros)
     require(bool(layouts), f"no valid layout of {model.name} on {gpus} GPUs ({G} per node): every tp, pp, dp, ep "
                            "split breaks a rule (heads, experts, layers or the GPU count)")
-    from moonep_sim.experiments.layout import recompute_options
-    from moonep_sim.step.costs import step_cost_model
-    from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, check_supported, get_dtype
-
-    wd = check_supported(get_dtype(o.weight_dtype, "--weight-dtype", WEIGHT_DTYPES), topo, "--weight-dtype")
-    check_supported(get_dtype(o.kv_dtype, "--kv-dtype", KV_DTYPES), topo, "--kv-dtype")
-    costs = step_cost_model(topo, o.gemm_dtype, mode=mode, weight_bytes=wd.weight_bytes)   # as a step prices its ops
-    mem = MemoryOptions(o.optimizer_bytes_per_param, 0, weight_dtype=o.weight_dtype, kv_dtype=o.kv_dtype,
-                        gemm_dtype=o.gemm_dtype, **recompute_options(o.recompute))
+    costs, mem = o.priced(topo)   # as a step prices its ops (no profile, the optimizer over every rank)
     run = _Search(scenario, probe, model, topo, min(G, gpus), o, seq, space.micro_batch_size, costs, mem, progress)
     # what cannot fit even without activations is dropped before any simulation
     from moonep_sim.step.layout_step import static_memory_bytes

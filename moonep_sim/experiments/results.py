@@ -17,8 +17,11 @@ class _TakeAway:
     """What every result can do besides ``to_dict()``: ``save(folder)`` (report.json, its plots,
     report.html), ``plot(folder)`` (the plots alone), a short ``repr`` and a notebook view.
     Rendering lives in :mod:`moonep_sim.report` (imported inside the methods: the one place the
-    experiments layer calls the layer above it, see tests/test_layering.py). Every result class
-    defines ``to_dict()``, which these methods read."""
+    experiments layer calls the layer above it, see tests/test_layering.py). These methods read
+    ``to_dict()``: the result's ``report`` document, unless its class defines its own."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.report)
 
     @property
     def verdict(self) -> dict[str, Any] | None:
@@ -153,9 +156,6 @@ class CompareResult(_TakeAway):
                    {n: float(v["measured_ms"]) for n, v in real["strategies"].items()} if real else None,
                    {n: float(v["simulated_ms"]) for n, v in real["strategies"].items()} if real else None, rep)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.report)
-
 
 @dataclass(frozen=True, repr=False)
 class ReplayResult(_TakeAway):
@@ -166,9 +166,6 @@ class ReplayResult(_TakeAway):
     measured_ms: Mapping[str, float]
     correct: Mapping[str, bool | None]
     report: Mapping[str, Any] = field(repr=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.report)
 
 
 @dataclass(frozen=True, repr=False)
@@ -190,6 +187,3 @@ class SweepResult(_TakeAway):
                        {n: tuple(v["step_time_us"]) for n, v in rep["strategies"].items()})
         return cls(rep["over"], tuple(rep["values"]),
                    {n: tuple(v["layer_time_us"]) for n, v in rep["strategies"].items()}, rep)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.report)

@@ -38,6 +38,7 @@ from moonep_sim.serve import steptime as st
 from moonep_sim.serve.deployment import Deployment, Pool, kv_bytes_per_token
 from moonep_sim.serve.engine import EngineConfig, Worker, cuda_graph_sizes, simulate
 from moonep_sim.serve.metrics import serve_verdict, summarize
+from moonep_sim.serve.policies import get_policy
 from moonep_sim.serve.requests import Requests
 
 #: default skew of generated routing: MoonEP's lognormal popularity sigma (the step's noise floor
@@ -51,9 +52,10 @@ class ServeOptions:
     path), strategies (names), routing (``gen:K=V,...`` or a trace path), overlap, draws, the
     grid's distinct MoE layers per step, the step-time cache folder (None: no cache), direct
     (every iteration simulated), the SLO (seconds), price per GPU-hour, seed, held-out shapes, the
-    GEMM dtype of the step's compute (bf16 or fp8 peaks), and the
+    GEMM dtype of the step's compute (bf16 or fp8 peaks), the
     :class:`~moonep_sim.experiments.scenario.Scenario` whose routing, topology and strategies the
-    step simulations take (its cluster replaced by each worker's GPUs)."""
+    step simulations take (its cluster replaced by each worker's GPUs), and the worker processes
+    that build step-time models (``jobs``)."""
 
     model: str
     topology: str = "h800-cx7"
@@ -70,6 +72,7 @@ class ServeOptions:
     holdout: int = 4
     gemm_dtype: str = "bf16"
     scenario: Any = dataclasses.field(default=None, compare=False)
+    jobs: int = 1
 
 
 class _PerGPU:
@@ -130,6 +133,7 @@ def step_simulator(base: Any, model: ModelSpec, ranks: int, strategies: Sequence
     # the step's one cost rule: measured GEMM tables where installed and the GPU has one, else the roofline
     costs = step_cost_model(rs.topology, gemm_dtype)
     steps = None
+    last: dict[str, Any] = {}
     if not is_gen:
         from moonep_sim.experiments.step import trace_passes
 
@@ -141,8 +145,11 @@ def step_simulator(base: Any, model: ModelSpec, ranks: int, strategies: Sequence
         shape = step_shape(model, mode, int(T), int(C))
         cfg = StepConfig(model, rs.topology, rs.ctx, rs.strategies, shape, overlap, costs)
         if is_gen:
-            g = dataclasses.replace(src.gen, tokens_per_rank=int(T), seed=seed * 101 + d)
-            source = layer_source(dataclasses.replace(src, gen=g), ranks, int(T), model.moe_layers, max(distinct, 1))
+            if last.get("key") != (int(T), d):  # a grid walks C at one (T, draw): its routing is drawn once
+                g = dataclasses.replace(src.gen, tokens_per_rank=int(T), seed=seed * 101 + d)
+                last.update(key=(int(T), d), source=layer_source(dataclasses.replace(src, gen=g), ranks, int(T),
+                                                                 model.moe_layers, max(distinct, 1)))
+            source = last["source"]
         else:
             pick = steps[d % len(steps)]
             rng = np.random.default_rng(np.random.SeedSequence([seed, d, int(T), 77]))
@@ -201,40 +208,100 @@ def pool_steptime(pool: Pool, req: Requests, model: ModelSpec, topo: Any, opts: 
                   grid: Mapping[str, list[int]] | None = None) -> tuple[dict[str, Any], dict]:
     """One pool's step-time model per strategy and its held-out errors (from the cache when there);
     ``grid``: the shapes to build it over (default :func:`grid_for` the pool)."""
-    R = pool.layout.world
     g = dict(grid) if grid is not None else grid_for(pool, req)
+    return build_steptimes([(pool, g)], model, topo, opts, progress)[0]
+
+
+def _cache_path(pool: Pool, g: Mapping[str, list[int]], model: ModelSpec, topo: Any, opts: ServeOptions
+                ) -> tuple[str, Path | None]:
     lay = {k: v for k, v in pool.layout.to_dict().items() if k in ("tp", "dp", "ep", "etp", "dp_attention")}
-    key = st.cache_key({"role": pool.role, "layout": lay, "model": dataclasses.asdict(model) if dataclasses.is_dataclass(model) else str(model),
-                        "topology": repr(topo), "ranks": R, "strategies": list(opts.strategies),
+    key = st.cache_key({"role": pool.role, "layout": lay, "model": dataclasses.asdict(model) if
+                        dataclasses.is_dataclass(model) else str(model),
+                        "topology": repr(topo), "ranks": pool.layout.world, "strategies": list(opts.strategies),
                         "routing": str(opts.routing), "routing_mtime": _mtime(opts.routing), "overlap": opts.overlap,
-                        "draws": opts.draws, "distinct": opts.distinct_layers, "seed": opts.seed, "grid": g,
+                        "draws": opts.draws, "distinct": opts.distinct_layers, "seed": opts.seed, "grid": dict(g),
                         "holdout": opts.holdout, "gemm_dtype": opts.gemm_dtype, "measured": _measured_key(topo)})
     folder = _cache_dir(opts)
-    path = folder / f"{key}.npz" if folder else None
-    info = {"cache_key": key, "cache": str(path) if path else None, "grid": g, "draws": opts.draws}
-    if path is not None:
-        got = st.load(path)
-        if got is not None:
-            info.update(cached=True, build_s=0.0)
-            return got[0], dict(info, holdout=got[1])
-    sim = step_simulator(opts.scenario, model, R, opts.strategies, opts.overlap, opts.distinct_layers, opts.seed,
-                         opts.gemm_dtype, pool.layout)
-    t0, c0 = time.perf_counter(), time.process_time()
-    cb = (lambda a, b: progress(f"step-time grid, {pool.role} pool", a, b)) if progress else None
-    models = st.build_grid(sim, opts.strategies, g["dec_T"], g["dec_C"], g["pre_T"], g["pre_C"], opts.draws, cb)
-    hold = st.holdout_error(models, sim, st.holdout_points(next(iter(models.values())), opts.holdout, opts.seed))
-    info.update(cached=False, build_s=time.perf_counter() - t0, build_cpu_s=time.process_time() - c0)
-    if path is not None:
-        try:
-            st.save(path, models, hold)
-        except (OSError, ConfigError) as e:  # a read-only home or cache folder: the run goes on, uncached
-            import sys
+    return key, (folder / f"{key}.npz" if folder else None)
 
-            why = str(e) if isinstance(e, ConfigError) else f"{path.parent}: {e.strerror}"
-            print(f"moonep-sim: warning: step-time cache not written ({why}); set MOONEP_SIM_CACHE or --cache to a "
-                  "writable folder to keep it", file=sys.stderr, flush=True)
-            info["cache"] = None
-    return models, dict(info, holdout=hold)
+
+_SIMS: dict[str, Callable] = {}
+
+
+def _grid_job(job: tuple) -> Any:
+    """One piece of a step-time model (a worker process's job): ``(spec, mode, (Ts, Cs, d))`` -> that
+    mode's grid on draw d per strategy; ``(spec, "holdout", points)`` -> the direct step times there.
+    ``spec``: :func:`step_simulator`'s arguments."""
+    spec, what, arg = job
+    k = repr(spec)
+    if k not in _SIMS:      # one simulator per pool in a process (its resolved scenario, its last routing)
+        _SIMS.clear()
+        _SIMS[k] = step_simulator(*spec)
+    sim = _SIMS[k]
+    if what == "holdout":
+        return [sim(m, t, c, 0) for m, t, c in arg]
+    Ts, Cs, d = arg
+    return st.grid_piece(sim, spec[3], Ts, Cs, what, d)
+
+
+def build_steptimes(items: Sequence[tuple[Pool, Mapping[str, list[int]]]], model: ModelSpec, topo: Any,
+                    opts: ServeOptions, progress: Callable[[str, int, int], None] | None = None
+                    ) -> list[tuple[dict[str, Any], dict]]:
+    """Each (pool, grid)'s step-time model per strategy and its held-out errors, from the cache when
+    there; the rest built in pieces -- one per (pool, mode, draw) and the held-out shapes of each
+    pool -- in ``opts.jobs`` processes (every piece's step simulations are independent)."""
+    from moonep_sim.experiments.parallel import run_points
+
+    out: list[Any] = [None] * len(items)
+    todo, jobs = [], []
+    for n, (pool, g) in enumerate(items):
+        key, path = _cache_path(pool, g, model, topo, opts)
+        info = {"cache_key": key, "cache": str(path) if path else None, "grid": dict(g), "draws": opts.draws}
+        got = st.load(path) if path is not None else None
+        if got is not None:
+            out[n] = (got[0], dict(info, cached=True, build_s=0.0, holdout=got[1]))
+            continue
+        spec = (opts.scenario, model, pool.layout.world, tuple(opts.strategies), opts.overlap, opts.distinct_layers,
+                opts.seed, opts.gemm_dtype, pool.layout)
+        zero = lambda Ts, Cs: {s: np.zeros((len(Ts), len(Cs))) for s in opts.strategies}
+        shape = st.assemble(opts.strategies, g["dec_T"], g["dec_C"], g["pre_T"], g["pre_C"],
+                            [zero(g["dec_T"], g["dec_C"])], [zero(g["pre_T"], g["pre_C"])])
+        points = st.holdout_points(next(iter(shape.values())), opts.holdout, opts.seed)
+        first = len(jobs)
+        for d in range(opts.draws):
+            jobs += [(spec, "decode", (g["dec_T"], g["dec_C"], d)), (spec, "prefill", (g["pre_T"], g["pre_C"], d))]
+        jobs.append((spec, "holdout", points))
+        todo.append((n, path, info, g, points, first))
+    if not todo:
+        return out
+    require(opts.scenario is not None, "a serving run needs its scenario (routing, topology, strategies) to "
+                                       "simulate steps")
+    t0, c0, ch0 = time.perf_counter(), time.process_time(), os.times()
+    cb = (lambda label, a, b: progress("step-time grid pieces", a, b)) if progress else None
+    res = run_points(_grid_job, jobs, jobs=max(int(opts.jobs), 1), progress=cb,
+                     label=lambda j: f"{j[1]} grid of {j[0][8].label() if j[0][8] is not None else j[0][2]} GPUs")
+    ch1 = os.times()
+    build_s = time.perf_counter() - t0
+    build_cpu = time.process_time() - c0 + (ch1.children_user - ch0.children_user) + (ch1.children_system -
+                                                                                       ch0.children_system)
+    for n, path, info, g, points, first in todo:
+        D = opts.draws
+        models = st.assemble(opts.strategies, g["dec_T"], g["dec_C"], g["pre_T"], g["pre_C"],
+                             [res[first + 2 * d] for d in range(D)], [res[first + 2 * d + 1] for d in range(D)])
+        hold = st.holdout_error(models, None, points, direct=res[first + 2 * D])
+        info.update(cached=False, build_s=build_s, build_cpu_s=build_cpu, built_with=len(todo))
+        if path is not None:
+            try:
+                st.save(path, models, hold)
+            except (OSError, ConfigError) as e:  # a read-only home or cache folder: the run goes on, uncached
+                import sys
+
+                why = str(e) if isinstance(e, ConfigError) else f"{path.parent}: {e.strerror}"
+                print(f"moonep-sim: warning: step-time cache not written ({why}); set MOONEP_SIM_CACHE or --cache to "
+                      "a writable folder to keep it", file=sys.stderr, flush=True)
+                info["cache"] = None
+        out[n] = (models, dict(info, holdout=hold))
+    return out
 
 
 def _measured_key(topo: Any) -> str | None:
@@ -267,7 +334,8 @@ def workers_for(dep: Deployment, kv: Mapping[str, int], times: Mapping[str, Any]
                                                                        (1 + dep.mtp_tokens)),
                            kv_tokens=int(kv[p.role]), block=p.block, cuda_graphs=graphs, mtp_tokens=dep.mtp_tokens,
                            mtp_accept=dep.mtp_accept, mtp_draft_share=1.0 / model.layers,
-                           eplb_every=dep.eplb_every, eplb_us=eplb_us if dep.eplb_every else 0.0)
+                           eplb_every=dep.eplb_every, eplb_us=eplb_us if dep.eplb_every else 0.0,
+                           policy=p.scheduler)
         tm = times[p.role] if p.layout.tp == 1 else _PerGPU(times[p.role], p.layout.tp)
         for j in range(p.workers):
             out.append(Worker(p.role, p.attn_ranks, p.layout.world, cfg, tm, f"{p.role}{j}"))
@@ -300,12 +368,16 @@ def run_serve(reqs: Requests | Sequence[Requests], dep: Deployment, opts: ServeO
     model = get_model(opts.model)
     topo = load_topology(opts.topology)
     kv = dep.check(model, topo.gpu_memory_GiB)
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0, ch0 = time.perf_counter(), time.process_time(), os.times()
     pools = dict(pools or {})
-    for p in dep.pools:
-        if p.role not in pools:
-            pools[p.role] = pool_steptime(p, reqs[0], model, topo, opts, progress)
-    build_s, build_cpu = time.perf_counter() - t0, time.process_time() - c0
+    need = [p for p in dep.pools if p.role not in pools]
+    for p, got in zip(need, build_steptimes([(p, grid_for(p, reqs[0])) for p in need], model, topo, opts,
+                                            progress)):
+        pools[p.role] = got
+    ch1 = os.times()
+    build_s = time.perf_counter() - t0
+    build_cpu = time.process_time() - c0 + (ch1.children_user - ch0.children_user) + (ch1.children_system -
+                                                                                       ch0.children_system)
     err = [e["median_abs_rel_error"] for _, info in pools.values() for e in info["holdout"].values()
            if e and e.get("median_abs_rel_error") is not None]
     model_err = float(max(err)) if err else None
@@ -457,6 +529,12 @@ def _flags(dep: Deployment, opts: ServeOptions, model: ModelSpec) -> list[tuple[
         if p.layout.tp > 1 or p.layout.ep != p.layout.world or p.layout.etp > 1:
             f.append(("layout-step", f"{p.role}: {p.layout.label()} priced by the step model's layout step (TP "
                                      "collectives exposed, one EP group planned; docs/steps.md)"))
+    for p in dep.pools:
+        if p.role == "both":
+            pol = get_policy(p.scheduler)
+            f.append(("scheduler", f"{p.scheduler} scheduler ({pol.engines}): " + (
+                "prompt chunks ride in decode iterations" if pol.mixes else
+                "an iteration runs prompt chunks or decodes, never both; decodes wait for each prefill step")))
     if dep.mtp_tokens:
         f.append(("mtp", f"MTP: {dep.mtp_tokens} draft token(s), acceptance {dep.mtp_accept:g}, draft pass = "
                          f"1/{model.layers} of a step (ASSUMED)"))
@@ -466,6 +544,7 @@ def _flags(dep: Deployment, opts: ServeOptions, model: ModelSpec) -> list[tuple[
     return f
 
 
-__all__ = ["DEFAULT_GEN", "ServeOptions", "default_cache", "grid_for", "kv_transfer", "pool_steptime", "run_serve",
+__all__ = ["DEFAULT_GEN", "ServeOptions", "build_steptimes", "default_cache", "grid_for", "kv_transfer", "pool_steptime",
+           "run_serve",
            "scenario_serve",
            "step_simulator", "workers_for"]

@@ -6,7 +6,7 @@ Notation: N GPUs, W GPUs of a worker, G GPUs per node.
 of ``W`` GPUs (W a power of two from G/2... N: data-parallel attention with EP over the worker,
 and for one-node workers attention TP over the node as well), and disaggregated ones with a
 prefill pool of a quarter, half or three quarters of the GPUs and the rest decoding; each with
-running-sequence limits per rank of 16 to 256 and (prefill) chunk budgets of 4096 / 8192; those that do not
+running-sequence limits per rank of 8 to 256 and (prefill) chunk budgets of 4096 / 8192; those that do not
 fit in memory are dropped, and at most ``max_deployments`` are kept (evenly spread over the list).
 
 :func:`search` builds one step-time model per distinct worker size over the widest grid any
@@ -30,7 +30,7 @@ from moonep_sim.serve.metrics import pareto, summarize
 from moonep_sim.serve.requests import Requests
 from moonep_sim.step.parallel import Parallel
 
-RUNNING = (16, 32, 64, 128, 256)
+RUNNING = (8, 16, 32, 64, 128, 256)
 BUDGETS = (4096, 8192)
 
 
@@ -79,7 +79,7 @@ def _pool_flags(p: Pool) -> str:
     lay = p.layout
     kv = [f"workers={p.workers}", f"tp={lay.tp}", f"dp={lay.dp}", f"ep={lay.ep}",
           f"dp_attention={'true' if lay.dp_attention else 'false'}", f"max_running={p.max_running}",
-          f"token_budget={p.token_budget}"]
+          f"token_budget={p.token_budget}"] + ([f"scheduler={p.scheduler}"] if p.scheduler != "mixed" else [])
     return ",".join(kv)
 
 
@@ -129,7 +129,7 @@ def search(req: Requests, gpus: int, opts: Any, *, max_deployments: int = 100, j
     """The search (see the module docstring): the JSON document."""
     from moonep_sim.experiments.compare import load_topology
     from moonep_sim.experiments.parallel import run_points
-    from moonep_sim.experiments.serve import grid_for, pool_steptime
+    from moonep_sim.experiments.serve import build_steptimes, grid_for
     from moonep_sim.models import get_model
     from moonep_sim.serve import steptime as st
 
@@ -146,11 +146,12 @@ def search(req: Requests, gpus: int, opts: Any, *, max_deployments: int = 100, j
             a = grids.setdefault(p.layout, {k: [] for k in g})
             for k, v in g.items():
                 a[k] = sorted(set(a[k]) | set(v))
-    models: dict[Parallel, tuple[dict, dict]] = {}
-    for lay, g in grids.items():
-        g = dict(g, dec_T=st.pow2_grid(1, max(g["dec_T"])), dec_C=[min(g["dec_C"]), max(g["dec_C"])],
-                 pre_C=[min(g["pre_C"]), max(g["pre_C"])])
-        models[lay] = pool_steptime(Pool("both", 1, lay), req, model, topo, opts, progress, grid=g)
+    wide = {lay: dict(g, dec_T=st.pow2_grid(1, max(g["dec_T"])), dec_C=sorted({min(g["dec_C"]), max(g["dec_C"])}),
+                      pre_C=sorted({min(g["pre_C"]), max(g["pre_C"])})) for lay, g in grids.items()}
+    # every layout's model built together, its pieces over the worker processes
+    built = build_steptimes([(Pool("both", 1, lay), g) for lay, g in wide.items()], model, topo,
+                            dataclasses.replace(opts, jobs=jobs or 1) if not cluster else opts, progress)
+    models: dict[Parallel, tuple[dict, dict]] = dict(zip(wide, built))
     points = []
     for d in deps:
         kv = d.check(model, topo.gpu_memory_GiB, gpus)

@@ -134,6 +134,22 @@ class StepOptions:
                 f"contexts per rank ({len(cs)} given, least {min(cs, default=0)}) must be one >= 1 per rank of the "
                 f"EP group ({p.ep})")
 
+    def priced(self, topology: Any) -> tuple[Any, Any]:
+        """(the step's cost model, its memory options) on ``topology``, the weight and KV dtypes
+        checked against what its GPU supports."""
+        from moonep_sim.experiments.layout import recompute_options
+        from moonep_sim.step import MemoryOptions
+        from moonep_sim.step.costs import step_cost_model
+        from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, check_supported, get_dtype
+
+        wd = check_supported(get_dtype(self.weight_dtype, "--weight-dtype", WEIGHT_DTYPES), topology, "--weight-dtype")
+        check_supported(get_dtype(self.kv_dtype, "--kv-dtype", KV_DTYPES), topology, "--kv-dtype")
+        costs = step_cost_model(topology, self.gemm_dtype, self.compute_profile, mode=self.mode,
+                                weight_bytes=wd.weight_bytes)
+        return costs, MemoryOptions(self.optimizer_bytes_per_param, self.optimizer_shard, weight_dtype=self.weight_dtype,
+                                    kv_dtype=self.kv_dtype, gemm_dtype=self.gemm_dtype,
+                                    **recompute_options(self.recompute))
+
     def to_dict(self) -> dict[str, Any]:
         return {f.name: (dict(v) if isinstance(v, Mapping) else v.to_dict() if hasattr(v, "to_dict") else v)
                 for f in dataclasses.fields(self) for v in [getattr(self, f.name)]
@@ -280,9 +296,6 @@ def run_step(scenario: Any, options: StepOptions, *, model: ModelSpec | None = N
         figs, setup, timelines = run_layout_step(scenario, o, model=model, progress=progress, jobs=jobs,
                                                  cluster=cluster, pipeline=pipeline, layer_source=layer_source)
         return [StepResult(tuple(figs), figs, setup, timelines)]
-    from moonep_sim.step import MemoryOptions
-    from moonep_sim.step.costs import step_cost_model
-
     rs = getattr(scenario, "resolved", scenario)
     src = rs.source
     m = model or src.model
@@ -294,15 +307,7 @@ def run_step(scenario: Any, options: StepOptions, *, model: ModelSpec | None = N
     for s, S in o.static_tokens.items():
         require(s in names, f"static buffer strategy ({s!r}) must be one of the strategies ({', '.join(names)})")
         require(int(S) >= 1, f"static buffer tokens ({S}) of {s} must be >= 1")
-    from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, check_supported, get_dtype
-
-    wd = check_supported(get_dtype(o.weight_dtype, "--weight-dtype", WEIGHT_DTYPES), rs.topology, "--weight-dtype")
-    check_supported(get_dtype(o.kv_dtype, "--kv-dtype", KV_DTYPES), rs.topology, "--kv-dtype")
-    costs = step_cost_model(rs.topology, o.gemm_dtype, o.compute_profile, mode=o.mode, weight_bytes=wd.weight_bytes)
-    from moonep_sim.experiments.layout import recompute_options
-
-    mem = MemoryOptions(o.optimizer_bytes_per_param, o.optimizer_shard, weight_dtype=o.weight_dtype,
-                        kv_dtype=o.kv_dtype, gemm_dtype=o.gemm_dtype, **recompute_options(o.recompute))
+    costs, mem = o.priced(rs.topology)
     from moonep_sim.step.mtp import MTP
 
     mtp = MTP(o.mtp_depth, o.mtp_acceptance)

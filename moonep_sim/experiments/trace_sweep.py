@@ -31,7 +31,6 @@ refused with one line before any work.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -154,7 +153,7 @@ def valid_values(sc, knob: str, values: Sequence[float] | None, seed: int = 0) -
     """The values of ``knob`` for the scenario's trace: the given ones checked (out of range: one
     line), or defaults derived from what is valid at this size, with those left out and why."""
     rs = sc.resolved
-    src, R, G = rs.source, rs.cluster.ranks, rs.cluster.gpus_per_node
+    src, R = rs.source, rs.cluster.ranks
     E, K = src.num_experts, src.top_k
     check_knob(knob, rs.topology)
     min_batch = min(t for t in src.batch_tokens)

@@ -24,12 +24,12 @@ the end (other jobs on the machine inflate the measured times).
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from moonep_sim.io import load_average
 from moonep_sim.strategies import available
 
 QUICK_STRATEGIES = ("alltoall", "capacity", "hierarchical", "moonep")
@@ -108,7 +108,7 @@ def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | No
     from moonep_sim.experiments.spec import strategy_list
 
     t0 = time.perf_counter()
-    load_start = _loadavg()
+    load_start = load_average()
     strategies = strategy_list(list(cfg.strategies))
     topo = load_topology("local-gloo")
     resolved = []
@@ -141,13 +141,5 @@ def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | No
     return {"kind": "fidelity", "nproc": cfg.nproc, "iters": cfg.iters, "topology": topology_info(topo),
             "strategies": [nm for nm, _ in strategies], "cases": points, "per_case": per_case,
             "summary": summarise(points, per_case), "seconds": time.perf_counter() - t0,
-            "load_average": {"start": load_start, "end": _loadavg()},
+            "load_average": {"start": load_start, "end": load_average()},
             "compare_reports": reports}
-
-
-def _loadavg() -> list[float] | None:
-    """The machine's 1, 5 and 15 minute load averages (other jobs inflate measured times)."""
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None

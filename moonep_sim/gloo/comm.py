@@ -53,28 +53,18 @@ class GroupComm:
         """
         R, G = self.world_size, gpus_per_node
         glob = self._new_group(range(R)) if R > 1 else None
-        intra = inter = None
-        n_nodes = R // G
-        for n in range(n_nodes):
-            ranks = list(range(n * G, (n + 1) * G))
-            if G == R:
-                g = glob
-            elif G > 1:
-                g = self._new_group(ranks)
-            else:
-                g = None
-            if self.rank in ranks:
-                intra = g
-        for loc in range(G):
-            ranks = list(range(loc, R, G))
-            if n_nodes == R:
-                g = glob
-            elif n_nodes > 1:
-                g = self._new_group(ranks)
-            else:
-                g = None
-            if self.rank in ranks:
-                inter = g
+
+        def mine(groups: list[list[int]]):
+            """Every group of the partition created in order; this rank's (glob when it is all)."""
+            out = None
+            for ranks in groups:
+                g = glob if len(ranks) == R else self._new_group(ranks) if len(ranks) > 1 else None
+                if self.rank in ranks:
+                    out = g
+            return out
+
+        intra = mine([list(range(n * G, (n + 1) * G)) for n in range(R // G)])
+        inter = mine([list(range(loc, R, G)) for loc in range(G)])
         self.scopes = {"global": glob, "intra_node": intra, "inter_node": inter}
 
     # -- failure handling (moonep_sim.gloo.liveness) -----------------------------------------

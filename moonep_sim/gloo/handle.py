@@ -2,7 +2,7 @@
 
 Everything here is pure (numpy in, torch index tensors out, no communication), so one process can
 build every rank's :class:`Handle` from one Plan and check the data movement without spawning
-ranks (see :func:`emulate_dispatch` / :func:`emulate_combine`).
+ranks (``tests/test_gloo_buffer.py`` does).
 
 Notation
 --------
@@ -422,46 +422,3 @@ def build_handle(plan: Plan, rank: int, home_E: np.ndarray, weights_TK: np.ndarr
                         is_copy=torch.from_numpy(is_copy.copy()), weight_index=as_index(weight_index), home_experts=as_index(home_experts))
     return Handle(plan=plan, rank=rank, num_tokens=s, hops=tuple(hops), expand=expand, final=final, layout=layout,
                   slots=slots, weights=weight_fetch(plan, rank, home_E, fetch_S, local_of_E))
-
-
-# ---------------------------------------------------------------------------------------------
-# In-process emulation of all ranks (tests and plan debugging; no torch.distributed)
-# ---------------------------------------------------------------------------------------------
-
-def _emulate_hop(send_R: list[torch.Tensor], send_splits_R: list[tuple[int, ...]],
-                 members_R: list[tuple[int, ...]], rank_count: int) -> list[torch.Tensor]:
-    """What ``all_to_all_single`` delivers to each rank: chunks from each member in member order."""
-    chunks = []
-    for r in range(rank_count):
-        chunks.append(dict(zip(members_R[r], torch.split(send_R[r], list(send_splits_R[r])))))
-    return [torch.cat([chunks[src][r] for src in members_R[r]]) for r in range(rank_count)]
-
-
-def emulate_dispatch(handles: list[Handle], x_R: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Dispatch every rank's rows ``x_R[r] [s_r, C]`` in one process; returns each rank's [W_r, C]."""
-    R = len(handles)
-    buf = list(x_R)
-    n = len(handles[0].hops)
-    if n == 0:
-        return [handles[r].expand.gather(buf[r]) for r in range(R)]
-    for i in range(n):
-        hs = [h.hops[i] for h in handles]
-        send = [hs[r].send.gather(buf[r]) for r in range(R)]
-        recv = _emulate_hop(send, [hs[r].send_splits for r in range(R)], [hs[r].members for r in range(R)], R)
-        buf = [hs[r].recv.place(recv[r]) for r in range(R)] if i < n - 1 else recv
-    return [handles[r].final.gather(buf[r]) for r in range(R)]
-
-
-def emulate_combine(handles: list[Handle], y_R: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The adjoint of :func:`emulate_dispatch` (no routing weights): each rank's [s_r, C]."""
-    R = len(handles)
-    n = len(handles[0].hops)
-    if n == 0:
-        return [handles[r].expand.scatter_add(y_R[r]) for r in range(R)]
-    buf = [handles[r].final.scatter_add(y_R[r]) for r in range(R)]
-    for i in reversed(range(n)):
-        hs = [h.hops[i] for h in handles]
-        send = buf if i == n - 1 else [hs[r].recv.gather_back.gather(buf[r]) for r in range(R)]
-        recv = _emulate_hop(send, [hs[r].recv_splits for r in range(R)], [hs[r].members for r in range(R)], R)
-        buf = [hs[r].send.scatter_add(recv[r]) for r in range(R)]
-    return buf

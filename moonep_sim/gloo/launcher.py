@@ -151,6 +151,18 @@ def reports_by_strategy(rep: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return rep["strategies"] if "strategies" in rep else {rep["strategy"]: rep}
 
 
+def strip_launch_args(argv: Sequence[str]) -> list[str]:
+    """``argv`` without ``--nproc N`` and ``--json PATH`` (or ``--nproc=N``, ``--json=PATH``): the
+    launcher's own, which a rank program is not given."""
+    out, it = [], iter(argv)
+    for a in it:
+        if a in ("--nproc", "--json"):
+            next(it, None)
+        elif not a.startswith(("--nproc=", "--json=")):
+            out.append(a)
+    return out
+
+
 def run_rank_program(module: str, nproc: int, argv: Sequence[str], timeout_s: float = 600.0, *,
                      env: dict[str, str] | None = None, quiet: bool = True, grace_s: float = 10.0,
                      what: str = "replay") -> dict[str, Any]:

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moonep_sim.errors import CommError, ConfigError, MoonEPSimError, OneLineArgumentParser, require
+from moonep_sim.errors import CommError, MoonEPSimError, OneLineArgumentParser, require
 from moonep_sim.io import check_outputs, write_text_atomic
 
 MODULE = "moonep_sim.integrations.train"
@@ -401,26 +401,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 def launch(nproc: int, argv: Sequence[str], timeout_s: float) -> dict[str, Any]:
     """Run the program on ``nproc`` local ranks (the project's launcher); returns rank 0's report.
     A failing rank's own error is raised with its class."""
-    from moonep_sim.gloo.launcher import run_rank_program
+    from moonep_sim.gloo.launcher import run_rank_program, strip_launch_args
 
     require(nproc >= 1, f"--nproc ({nproc}) must be >= 1")
     return run_rank_program(MODULE, nproc, strip_launch_args(argv), timeout_s, what="training")
-
-
-def strip_launch_args(argv: Sequence[str]) -> list[str]:
-    """``argv`` without ``--nproc N``, ``--json PATH`` and ``--compare-sim`` (the launcher's own)."""
-    out, skip = [], False
-    for x in argv:
-        if skip:
-            skip = False
-            continue
-        if x in ("--nproc", "--json"):
-            skip = True
-            continue
-        if x.startswith(("--nproc=", "--json=")):
-            continue
-        out.append(x)
-    return out
 
 
 if __name__ == "__main__":

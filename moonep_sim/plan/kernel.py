@@ -122,6 +122,15 @@ class KernelSpec:
         kernel): the GPU idles that long per dispatch (0 = none: the counts stay on the device).
     zero_copy: True = the rows land in their expert-grouped slots and the combine reads them there
         (MoonEP): no permutation pass around the experts (``moonep_sim.step.costs.PERMUTE_PASSES``).
+    broadcast: True = the relayed inter-node hop carries every token to the relay of every other node,
+        whether or not any of its experts is there (mori's InterNodeV1LL): each cross-node pair of that
+        hop is priced at the token owner's token count, not at the rows it needs
+        (``moonep_sim.sim.program.broadcast_scale``).
+    proxy_nic_threads: CPU proxy threads per GPU, each posting on one of the GPU's NICs, that the
+        kernel's channels are dealt to round-robin (channel c -> thread c mod T -> NIC thread mod N):
+        the busiest NIC carries ``ceil``-many channels, so the GPU's inter-node rate is its NICs' x
+        ``(channels / N) / max channels per NIC`` (:func:`moonep_sim.sim.kernels.proxy_nic_share`);
+        0 = none (the bytes spread over every NIC).
     """
 
     sms: int = 0
@@ -147,8 +156,11 @@ class KernelSpec:
     holds_sms: bool = True
     host_wait_us: float = 0.0
     zero_copy: bool = False
+    proxy_nic_threads: int = 0
+    broadcast: bool = False
 
     def __post_init__(self) -> None:
+        require(self.proxy_nic_threads >= 0, f"kernel proxy_nic_threads ({self.proxy_nic_threads}) must be >= 0")
         require(self.epilogue in EPILOGUES, f"kernel epilogue ({self.epilogue!r}) must be one of {EPILOGUES}")
         require(self.channels_per_sm > 0, f"kernel channels_per_sm ({self.channels_per_sm}) must be > 0")
         require(self.sms >= ALL_SMS, f"kernel sms ({self.sms}) must be >= -1 (-1 = all SMs, 0 = not declared)")
@@ -179,6 +191,11 @@ class KernelFamily:
     The pricing terms are :class:`KernelSpec`'s (``None`` = the topology's).
     sources: term -> where its value comes from, opening with its status (sourced / FITTED on
         <row> / assumed, set from ...).
+    node_relay: ll mode only: the kernel relays through the same-index GPU of each node, as the
+        normal kernels do (``deepep-ll`` then builds the two-hop relayed plan), instead of sending
+        each row straight to its rank.  broadcast: see :class:`KernelSpec`.
+    caveat: what a user should know before acting on a figure this family prices (a published
+        measurement its pricing does not reproduce); shown with its ``host-proxy`` flag ("" = none).
     """
 
     name: str
@@ -205,7 +222,11 @@ class KernelFamily:
     recv_copy: bool = False
     holds_sms: bool | None = None
     host_wait_us: float = 0.0
+    proxy_nic_threads: int = 0
+    node_relay: bool = False
+    broadcast: bool = False
     sources: dict[str, str] = field(default_factory=dict)
+    caveat: str = ""
 
     @property
     def holds(self) -> bool:
@@ -240,10 +261,25 @@ PROXY_OP_US = 0.45
 #: signal, head atomic) + at the target 2 x (apply + ack) + 2 ack completions = 9 on each GPU's one
 #: thread (the traffic is symmetric: every GPU's thread does both ends' share).
 NVSHMEM_EFA_OPS_PER_CHUNK = 9
-#: UCCL-EP on EFA (uccl ep/src/internode.cu, ep/include/common.hpp ATOMICS_USE_HOST_MEMORY): the put, a
-#: tail and a head atomic posted, each atomic applied by the receiving proxy in host memory: 3 + 2 = 5,
-#: spread over UCCL_PROXY_THREADS threads.
-UCCL_EFA_OPS_PER_CHUNK = 5
+#: UCCL-EP on EFA, as the development row's image builds it (uccl-project/uccl @0dc87eb, the commit the
+#: awslabs Megatron-Bridge Dockerfile pins): the RDMA sender's tail rides on the chunk's write as its
+#: immediate (ep/src/internode.cu ``#ifdef EFA``: the put carries the tail's offset and value, the
+#: separate tail atomic is skipped), posted as one ``ibv_wr_rdma_write_imm`` (ep/src/rdma.cpp
+#: post_rdma_async_batched_normal_mode) and applied by the receiving proxy from the completion, in
+#: sequence order (remote_process_completions_normal_mode, a 16-entry reorder buffer: SRD does not
+#: order); the forwarder's head atomic is its own write-with-immediate, applied the same way. Per chunk:
+#: 2 posts + 2 send completions reaped + 2 immediates applied at the target = 6, spread over
+#: UCCL_PROXY_THREADS threads.
+UCCL_EFA_OPS_PER_CHUNK = 6
+#: UCCL-EP's SM budget: its ``Buffer.num_sms`` (ep/bench/buffer.py, the deep_ep wrapper's Buffer), also
+#: Megatron-Core's ``moe_deepep_num_sms`` default, which the row's flex dispatcher passes.
+UCCL_SMS = 20
+#: UCCL-EP's chunking on EFA (ep/bench/buffer.py @0dc87eb get_dispatch_config / get_combine_config:
+#: ``Config(num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)``, RDMA receive 512 tokens on EFA at
+#: EP16 and EP32): (ranks, dispatch NVLink, dispatch RDMA, combine NVLink, combine RDMA) send chunks.
+UCCL_CHUNKS = tuple(RelayChunk(r, dn, dr, cn, cr) for r, dn, dr, cn, cr in (
+    (2, 24, 6, 10, 6), (4, 6, 6, 9, 6), (8, 6, 6, 4, 6), (16, 36, 20, 4, 12), (24, 8, 32, 1, 8), (32, 32, 32, 1, 8),
+    (64, 20, 28, 1, 20), (128, 20, 32, 1, 12), (144, 32, 12, 2, 8), (160, 28, 12, 2, 8)))
 #: ASSUMED: two proxy round trips per launch (GPU command ring -> CPU thread -> completion back,
 #: ~2.5 us each over PCIe with polling).
 PROXY_ROUND_TRIP_US = 5.0
@@ -283,6 +319,11 @@ V1_CHUNKS = tuple(RelayChunk(r, dn, dr, cn, cr) for r, dn, dr, cn, cr in (
     (2, 24, 6, 10, 6), (4, 6, 6, 9, 6), (8, 6, 6, 4, 6), (16, 36, 20, 4, 12), (24, 32, 8, 1, 8), (32, 32, 8, 1, 8),
     (48, 32, 8, 1, 8), (64, 32, 8, 1, 8), (96, 20, 12, 1, 8), (128, 20, 12, 1, 8), (144, 32, 12, 2, 8),
     (160, 28, 12, 2, 8)))
+#: Blocks (one workgroup per CU) mori's low-latency kernels run on: its test's ``block_num`` for
+#: ``InterNodeV1LL`` (ROCm/mori examples/ops/dispatch_combine/test_low_latency.py).
+MORI_LL_BLOCKS = 64
+#: Tokens per put of mori's low-latency internode send: one warp-sized chunk (64 lanes on CDNA).
+MORI_LL_CHUNK = 64
 #: The kernel families, by ``impl=`` name. Fixed costs ``None`` = the topology's ``[kernel]``
 #: values, which are FITTED on DeepEP V1's low-latency EP8 rows (H800): the V1 families use them as
 #: they are; a family that says nothing else about its launch cost is *assumed* to pay the same.
@@ -348,26 +389,46 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                   "per selection, fixed buffers, no relay')",
         "holds_sms": "assumed, set from DeepEP low-latency's hook mode, which NCCL EP's low-latency mode follows",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
-    KernelFamily("pplx", "pplx-kernels", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS, reduce="after",
+    KernelFamily("pplx", "pplx-kernels", "ll", "nvidia", ("ib", "roce"), sms=ALL_SMS, reduce="after",
                  dedup_per_rank=True, counts="selections", sources={
+        "transports": "sourced: pplx-kernels' README lists NVLink, IBGDA, IBRC and EFA transports, all through "
+                      "NVSHMEM: IBGDA is GPU-initiated (what this family prices), IBRC and EFA (NVSHMEM's libfabric "
+                      "transport) go through NVSHMEM's CPU proxy thread, whose cost it does not price -- so EFA is "
+                      "not native to it here (kernel-not-native)",
         "design": "assumed, set from pplx-kernels' all-to-all design: each token goes once to every rank "
                   "holding one of its experts (per-rank deduplication, no node relay) over NVSHMEM; the "
                   "receiver reduces after the rows arrived",
         "holds_sms": "assumed, set from pplx-kernels' split dispatch / combine (do_send / do_recv halves): the SMs are free between the halves",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
-    KernelFamily("uccl-ep", "UCCL-EP", "normal", "nvidia", ("ib", "roce", "efa"), sms=24,
+    KernelFamily("uccl-ep", "UCCL-EP", "normal", "nvidia", ("ib", "roce", "efa"), sms=UCCL_SMS,
                  message_us=PROXY_OP_US * UCCL_EFA_OPS_PER_CHUNK / UCCL_PROXY_THREADS,
-                 extra_fixed_us=PROXY_ROUND_TRIP_US, reduce="fused", host_wait_us=HOST_WAIT_US, sources={
+                 extra_fixed_us=PROXY_ROUND_TRIP_US, reduce="fused", chunks=UCCL_CHUNKS, channels_per_sm=0.5,
+                 recv_copy=True, host_wait_us=HOST_WAIT_US, proxy_nic_threads=UCCL_PROXY_THREADS, sources={
         "host_wait_us": _HOST_WAIT,
-        "design": "sourced: UCCL-EP (arXiv 2512.19849; uccl-project/uccl ep/): DeepEP's kernels whose GPU-issued "
-                  "128-bit commands go through lock-free FIFO channels to multithreaded CPU proxies, which post "
-                  "the RDMA writes (ibverbs / libfabric) on the GPU's behalf: no GPU-initiated RDMA needed (EFA, "
-                  "RoCE, Broadcom)",
-        "message_us": f"{_PROXY_MSG}; per relayed message (chunk) UCCL_EFA_OPS_PER_CHUNK = 5 proxied operations (put, "
-                      "tail and head atomics, each atomic applied by the receiving proxy in host memory: uccl "
-                      "ep/src/internode.cu, ep/include/common.hpp) over UCCL_PROXY_THREADS = 4, sourced (uccl "
-                      "ep/include/common.hpp: kNumProxyThs = 4)",
-        "fixed_us": _PROXY_FIXED}),
+        "design": "sourced: UCCL-EP (arXiv 2512.19849; uccl-project/uccl ep/): DeepEP V1's internode kernels whose "
+                  "GPU-issued 128-bit commands go through lock-free FIFO channels to multithreaded CPU proxies, "
+                  "which post the RDMA writes (ibverbs; SRD queue pairs on EFA) on the GPU's behalf: no "
+                  "GPU-initiated RDMA needed (EFA, RoCE, Broadcom)",
+        "sms": "sourced: UCCL-EP ep/bench/buffer.py Buffer.num_sms = 20 (@0dc87eb), also Megatron-Core's "
+               "moe_deepep_num_sms default",
+        "chunks": "sourced: UCCL-EP ep/bench/buffer.py @0dc87eb get_dispatch_config / get_combine_config (its own "
+                  "send-chunk tokens; EFA raises the RDMA receive ring to 512 tokens at EP16 / EP32), num_sms / 2 "
+                  "channels (ep/src/internode.cu, DeepEP V1's kernel)",
+        "recv_copy": "sourced: as deepep-v1 (the same receiver code in ep/src/internode.cu)",
+        "message_us": f"{_PROXY_MSG}; per relayed message (chunk) UCCL_EFA_OPS_PER_CHUNK = 6 proxied operations, "
+                      "sourced (uccl @0dc87eb ep/src/internode.cu, ep/src/rdma.cpp): on EFA the tail rides on the "
+                      "chunk's write as its immediate and the head atomic is a second write-with-immediate, each "
+                      "posted, its completion reaped, and applied by the receiving proxy in sequence order; over "
+                      "UCCL_PROXY_THREADS = 4 (ep/include/common.hpp: kNumProxyThs = 4)",
+        "proxy_nic_threads": "sourced: uccl @0dc87eb ep/include/uccl_ibgda.cuh (a channel's commands go to proxy "
+                             "thread channel mod kNumProxyThs) and ep/src/rdma.cpp per_thread_rdma_init (on p5 "
+                             "thread t posts on the GPU's NIC t mod 4, on p5en t mod 2): with 10 channels the "
+                             "four NICs carry 3, 3, 2, 2 channels' bytes",
+        "fixed_us": _PROXY_FIXED}, caveat=(
+        "NOT REPRODUCED: the development row (Qwen3-30B-A3B, Megatron on 64 H100 p5, ANCHORS row 2) measures "
+        "DeepEP + UCCL 33-187% slower than NCCL all-to-all, while this pricing -- the costs UCCL-EP's code "
+        "states -- predicts it 5-22% faster; treat a UCCL-EP win on EFA as unconfirmed "
+        "(docs/results/host-proxies.md)")),
     KernelFamily("uccl-ep-ll", "UCCL-EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
                  message_us=PROXY_OP_US / UCCL_PROXY_THREADS, extra_fixed_us=PROXY_ROUND_TRIP_US,
                  reduce="after", counts="selections", sources={
@@ -391,7 +452,9 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                       "(NVSHMEM libfabric.cpp perform_gdrcopy_amo / gdrcopy_amo_ack; awslabs Megatron-Bridge "
                       "deepep/setup_deepep_efa.sh: put_signal + nvshmem_int_atomic_add); NVSHMEM_PROXY_THREADS = 1 "
                       "is sourced (the same script: 'Libfabric has 1 proxy endpoint per PE')",
-        "fixed_us": _PROXY_FIXED}),
+        "fixed_us": _PROXY_FIXED}, caveat=(
+        "the development row's order (NCCL all-to-all ahead at EP16 by 3-7%) rests at EP16 on PROXY_OP_US "
+        "(ASSUMED 0.45 us): below ~0.43 us this pricing puts DeepEP + NVSHMEM ahead (docs/results/host-proxies.md)")),
     KernelFamily("nixl-ep", "NIXL EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
                  reduce="after", counts="selections", sources={
         "design": "assumed, set from NIXL EP's design: DeepEP-style low-latency kernels over NIXL's device API "
@@ -403,10 +466,25 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                   "node-deduplicated over RDMA then over Infinity Fabric, relayed",
         "sms": "assumed: 32 CUs, set from MoonEP's benchmark budget (ANCHORS); a CU stands for an SM",
         "fixed_us": "assumed: DeepEP V1's (the topology's [kernel])"}),
-    KernelFamily("mori-ll", "mori (ROCm)", "ll", "amd", ("ib", "roce"), sms=ALL_SMS,
-                 reduce="after", counts="selections", sources={
-        "design": "assumed, set from mori-EP's low-latency mode: one message per selection",
-        "holds_sms": "assumed, set from DeepEP low-latency's hook mode (mori's low-latency kernels send, then a receive phase)",
+    KernelFamily("mori-ll", "mori (ROCm)", "ll", "amd", ("ib", "roce"), sms=MORI_LL_BLOCKS, holds_sms=True,
+                 reduce="fused", node_relay=True, broadcast=True, relay_message_rows=MORI_LL_CHUNK,
+                 counts="selections", sources={
+        "design": "sourced: ROCm/mori src/ops/dispatch_combine/internode_v1.cpp, KernelType::InterNodeV1LL (the "
+                  "internode mode of its low-latency test): a staging copy kernel on every CU "
+                  "(EpDispatchCopyToStaging), then one kernel whose RDMA blocks put every token -- needed there "
+                  "or not -- to the same-index GPU of every other node in warp-sized chunks with a signal each "
+                  "(DispatchInterNodeLLSend), which forwards it over XGMI once per destination GPU of its node "
+                  "(DispatchInterNodeLLRecv), while its XGMI blocks serve the local node; the combine runs it "
+                  "backwards, each relay summing its node's rows of every token it was sent "
+                  "(CombineInterNodeLLTyped, WarpAccum) before the put back: the node-relayed two-hop plan, its "
+                  "inter-node hop a broadcast of T x (nodes - 1) rows per rank (broadcast)",
+        "relay_message_rows": "sourced: one put per warp-sized chunk of tokens (64 lanes on CDNA), "
+                              "DispatchInterNodeLLSend",
+        "sms": "sourced: ROCm/mori examples/ops/dispatch_combine/test_low_latency.py launches InterNodeV1LL with "
+               "block_num = 64 (32 of them RDMA blocks), one workgroup per CU",
+        "holds_sms": "sourced: ROCm/mori src/ops/dispatch_combine/launch.cpp + internode_v1.cpp: InterNodeV1LL's "
+                     "send, forward and receive run inside one kernel (EpDispatchInterNodeV1KernelLowLatency, then "
+                     "DispatchSync), with no receive hook: it holds its blocks while data is in flight",
         "fixed_us": "assumed: DeepEP V1 low-latency's (the topology's [kernel])"}),
 )}
 
@@ -428,9 +506,10 @@ def family_spec(fam: KernelFamily, **kw) -> KernelSpec:
                       relay_message_rows=fam.relay_message_rows, sm_copy_factor=fam.sm_copy_factor, reduce=fam.reduce,
                       reduce_sms=fam.reduce_sms, chunks=fam.chunks, channels_per_sm=fam.channels_per_sm,
                       epilogue=fam.epilogue, sm_read_GBps=fam.sm_read_GBps, recv_copy=fam.recv_copy,
-                      holds_sms=fam.holds, host_wait_us=fam.host_wait_us)
+                      holds_sms=fam.holds, host_wait_us=fam.host_wait_us, proxy_nic_threads=fam.proxy_nic_threads,
+                      broadcast=fam.broadcast)
     return replace(spec, **kw)
 
 
 __all__ = ["ALL_SMS", "COUNTS", "EPILOGUES", "FAMILIES", "KernelFamily", "KernelSpec", "REDUCE_MODES", "RelayChunk",
-           "V1_CHUNKS", "V2_SM_COPY_FACTOR", "chunk_for", "family", "family_spec"]
+           "UCCL_CHUNKS", "V1_CHUNKS", "V2_SM_COPY_FACTOR", "chunk_for", "family", "family_spec"]

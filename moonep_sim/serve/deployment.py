@@ -11,6 +11,7 @@ A deployment file is a small TOML::
     layout = { dp = 32, ep = 32, dp_attention = true }     # moonep_sim.step.parallel.Parallel fields
     max_running = 128         # per attention rank
     token_budget = 8192       # per attention rank and iteration
+    scheduler = "mixed"       # or "prefill-first" (SGLang's separate batches; moonep_sim.serve.policies)
     [decode]
     workers = 1
     layout = { dp = 32, ep = 32, dp_attention = true }
@@ -34,9 +35,10 @@ from typing import Any, Mapping
 
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.models import ModelSpec
+from moonep_sim.serve.policies import DEFAULT_POLICY, get_policy
 from moonep_sim.step.parallel import Parallel
 
-POOL_KEYS = ("workers", "layout", "max_running", "token_budget", "block", "cuda_graphs")
+POOL_KEYS = ("workers", "layout", "max_running", "token_budget", "block", "cuda_graphs", "scheduler")
 TOP_KEYS = ("weight_bytes", "kv_bytes", "mem_fraction", "mtp_tokens", "mtp_accept", "eplb_every", "worker",
             "prefill", "decode")
 #: share of HBM the engine takes for weights and KV (ASSUMED, SGLang's mem_fraction_static for large GPUs)
@@ -54,9 +56,11 @@ class Pool:
     token_budget: int = 8192
     block: int = 16
     cuda_graphs: bool = True
+    scheduler: str = DEFAULT_POLICY
 
     def __post_init__(self) -> None:
         require(self.workers >= 1, f"{self.role} workers ({self.workers}) must be >= 1")
+        get_policy(self.scheduler)
         require(self.layout.pp == 1 and self.layout.cp == 1,
                 f"{self.role} layout ({self.layout.label()}) must have pp = cp = 1: serving workers here are "
                 "TP x DP with EP over them")
@@ -74,7 +78,8 @@ class Pool:
         return self.layout.world // self.layout.tp
 
     def label(self) -> str:
-        return f"{self.workers}x[{self.layout.label()}] run{self.max_running} bud{self.token_budget}"
+        pol = "" if self.scheduler == DEFAULT_POLICY else f" {self.scheduler}"
+        return f"{self.workers}x[{self.layout.label()}] run{self.max_running} bud{self.token_budget}{pol}"
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,7 @@ class Deployment:
             d["worker" if p.role == "both" else p.role] = {"workers": p.workers, "layout": lay,
                                                             "max_running": p.max_running,
                                                             "token_budget": p.token_budget, "block": p.block,
-                                                            "cuda_graphs": p.cuda_graphs}
+                                                            "cuda_graphs": p.cuda_graphs, "scheduler": p.scheduler}
         return d
 
     def to_toml(self) -> str:
@@ -226,8 +231,10 @@ def deployment_from_dict(doc: Mapping[str, Any], where: str = "deployment") -> D
         for k, v in kw.items():
             require(isinstance(v, int) and not isinstance(v, bool), f"deployment ({where}) [{key}] {k} ({v!r}) must "
                                                                      "be an integer")
+        sched = t.get("scheduler", DEFAULT_POLICY)
+        require(isinstance(sched, str), f"deployment ({where}) [{key}] scheduler ({sched!r}) must be a policy name")
         pools.append(Pool(role, layout=Parallel.from_dict(dict(lay), f"deployment ({where}) [{key}] layout"),
-                          cuda_graphs=bool(t.get("cuda_graphs", True)), **{"workers": 1, **kw}))
+                          cuda_graphs=bool(t.get("cuda_graphs", True)), scheduler=sched, **{"workers": 1, **kw}))
     kw = {k: doc[k] for k in ("weight_bytes", "kv_bytes", "mem_fraction", "mtp_tokens", "mtp_accept", "eplb_every")
           if k in doc}
     for k, v in kw.items():

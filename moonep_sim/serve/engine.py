@@ -48,6 +48,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from moonep_sim.errors import require
+from moonep_sim.serve.policies import DEFAULT_POLICY, get_policy
 from moonep_sim.serve.requests import Requests
 
 ROLES = ("both", "prefill", "decode")
@@ -66,7 +67,8 @@ class EngineConfig:
     tokens per iteration (chunked prefill), ``kv_tokens`` KV-cache capacity in tokens,
     ``block`` tokens per KV page, ``cuda_graphs`` decode batch sizes captured (empty: eager),
     ``mtp_tokens`` draft tokens per step with ``mtp_accept`` acceptance and ``mtp_draft_share``
-    (one draft pass's share of a step), EPLB every ``eplb_every`` iterations costing ``eplb_us``."""
+    (one draft pass's share of a step), EPLB every ``eplb_every`` iterations costing ``eplb_us``,
+    the scheduler ``policy`` (:mod:`moonep_sim.serve.policies`: ``mixed`` or ``prefill-first``)."""
 
     max_running: int = 256
     token_budget: int = 8192
@@ -78,8 +80,10 @@ class EngineConfig:
     mtp_draft_share: float = 0.0
     eplb_every: int = 0
     eplb_us: float = 0.0
+    policy: str = DEFAULT_POLICY
 
     def __post_init__(self) -> None:
+        get_policy(self.policy)
         require(self.max_running >= 1, f"max running ({self.max_running}) must be >= 1")
         require(self.block >= 1, f"KV block ({self.block}) must be >= 1 token")
         require(self.kv_tokens >= self.block, f"KV capacity ({self.kv_tokens} tokens per rank) must be >= one block "
@@ -122,6 +126,7 @@ class _W:
     iters: int = 0
     # the iteration in flight: (prefill ids, their chunk tokens, decode ids, draft tokens each)
     inflight: tuple | None = None
+    mixes: bool = True                                  # its scheduler policy mixes prompts and decodes
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,7 @@ class _Engine:
         require(draw_order in ("in-order", "resample"), f"draw order ({draw_order!r}) must be in-order or resample")
         self.req, self.kv_transfer_s, self.order = req, kv_transfer_s, draw_order
         self.rng = np.random.default_rng(np.random.SeedSequence([int(seed), 331]))
-        self.W = [_W(w) for w in workers]
+        self.W = [_W(w, mixes=get_policy(w.cfg.policy).mixes) for w in workers]
         self.front = [i for i, w in enumerate(workers) if w.role in ("both", "prefill")]
         self.back = [i for i, w in enumerate(workers) if w.role == "decode"]
         N = req.n
@@ -216,18 +221,18 @@ class _Engine:
         B = self.W[i].w.cfg.block
         return -(-tokens // B)
 
-    def _preempt(self, i: int, run: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Steps 1-2 of :meth:`start` on worker ``i``: the running requests' decodes and KV growth,
-        preempting (newest first on an overflowing rank, back to the head of the queue) until every
-        rank's KV blocks fit. Returns the running and decoding requests and the blocks per rank [R]."""
+    def _preempt(self, i: int, run: np.ndarray, decode: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Steps 1-2 of :meth:`start` on worker ``i``: the running requests' decodes and KV growth
+        (none when ``decode`` is False: a prefill-only iteration), preempting (newest first on an
+        overflowing rank, back to the head of the queue) until every rank's KV blocks fit. Returns
+        the running and decoding requests and the blocks per rank [R]."""
         s, w = self.W[i], self.W[i].w
         k, R = w.cfg.mtp_tokens, w.ranks
         while True:
-            dec = run[self.comp[run] >= self.need[run]] if w.role != "prefill" else run[:0]
-            grow = np.zeros(len(run), np.int64)
-            if len(dec):
-                grow[np.isin(run, dec)] = 1 + k
-            blocks_R = np.bincount(self.rank[run], weights=self._blocks(i, self.comp[run] + grow),
+            comp = self.comp[run]
+            decoding = comp >= self.need[run] if w.role != "prefill" and decode else np.zeros(len(run), bool)
+            dec = run[decoding]
+            blocks_R = np.bincount(self.rank[run], weights=self._blocks(i, comp + decoding * (1 + k)),
                                    minlength=R).astype(np.int64) if len(run) else np.zeros(R, np.int64)
             over = np.flatnonzero(blocks_R > self.cap_blocks[i])
             if not len(over):
@@ -243,26 +248,61 @@ class _Engine:
 
     def start(self, t: float, i: int) -> None:
         s, w = self.W[i], self.W[i].w
+        if not s.mixes and w.role == "both":
+            # prefill-first: a prompt chunk that can run makes this iteration prefill-only
+            if len(s.waiting) or bool(np.any(self.comp[s.running] < self.need[s.running])):
+                run, dec, blocks_R = self._preempt(i, s.running, decode=False)
+                if self._iterate(t, i, run, dec, blocks_R, decodes=False):
+                    return
+        run, dec, blocks_R = self._preempt(i, s.running)
+        self._iterate(t, i, run, dec, blocks_R, decodes=True, prompts=s.mixes or w.role != "both")
+
+    def _iterate(self, t: float, i: int, run: np.ndarray, dec: np.ndarray, blocks_R: np.ndarray, decodes: bool,
+                 prompts: bool = True) -> bool:
+        """Steps 3-5 of an iteration on worker ``i`` (see :meth:`start`): prompt chunks (none when
+        ``prompts`` is False) beside the decodes (none when ``decodes`` is False), priced and put in
+        flight. A prefill-only iteration with no chunk to run returns False and changes nothing."""
+        s, w = self.W[i], self.W[i].w
         cfg, R = w.cfg, w.ranks
         k = cfg.mtp_tokens
-        run, dec, blocks_R = self._preempt(i, s.running)
         budget_R = np.full(R, cfg.token_budget, np.int64)
         run_R = np.bincount(self.rank[run], minlength=R) if len(run) else np.zeros(R, np.int64)
         if len(dec):
             budget_R -= np.bincount(self.rank[dec], minlength=R) * (1 + k)
-        # 3: running prompts continue, oldest first
+        # 3: running prompts continue, oldest first (under prefill-first, within the free KV pages as
+        # SGLang's prefill adder keeps them: a chunk never overflows the cache)
         pf_ids, pf_tok = [], []
-        for r in run[self.comp[run] < self.need[run]].tolist():
+        free_R = self.cap_blocks[i] - blocks_R
+        capped = not s.mixes
+        B = cfg.block
+        pr = run[self.comp[run] < self.need[run]] if prompts else run[:0]
+        if len(pr) and not capped:
+            # each takes min(its rest, the budget its rank's older prompts left): one pass per rank
+            rem, q = self.need[pr] - self.comp[pr], self.rank[pr]
+            o = np.argsort(q, kind="stable")
+            qs, rs = q[o], rem[o]
+            cs = np.cumsum(rs)
+            first = np.searchsorted(qs, qs, side="left")
+            before = cs - rs - (cs[first] - rs[first])
+            c = np.minimum(np.maximum(budget_R[qs] - before, 0), rs)
+            budget_R -= np.bincount(qs, weights=c, minlength=R).astype(np.int64)
+            live = c > 0
+            pf_ids, pf_tok = pr[o][live].tolist(), c[live].tolist()
+            pr = pr[:0]
+        for r in pr.tolist():
             q = self.rank[r]
             c = int(min(self.need[r] - self.comp[r], budget_R[q]))
+            if capped:
+                have = -(-int(self.comp[r]) // B)
+                c = max(min(c, (have + int(free_R[q])) * B - int(self.comp[r])), 0)
+                free_R[q] -= -(-(int(self.comp[r]) + c) // B) - have
             if c > 0:
                 budget_R[q] -= c
                 pf_ids.append(r)
                 pf_tok.append(c)
         # 4: admission, FCFS, head-of-line
-        free_R = self.cap_blocks[i] - blocks_R
         admitted, dec_new = [], []
-        while s.waiting:
+        while s.waiting and prompts:
             r = s.waiting[0]
             ok = (run_R < cfg.max_running) & (budget_R > 0)
             with_kv = bool(self.comp[r] >= self.need[r])     # a decode worker's arrival: its prompt's KV came along
@@ -296,10 +336,12 @@ class _Engine:
             run = np.concatenate([run, np.asarray(admitted, np.int64)])
             if dec_new:
                 dec = np.concatenate([dec, np.asarray(dec_new, np.int64)])
+        if not decodes and not pf_ids:
+            return False
         s.running = run
         if not len(pf_ids) and not len(dec):
             s.busy = False
-            return
+            return True
         # 5: the busiest rank's shape, priced
         pf = np.asarray(pf_ids, np.int64)
         pt = np.asarray(pf_tok, np.int64)
@@ -307,8 +349,8 @@ class _Engine:
         dec_R = np.bincount(self.rank[dec], minlength=R) if len(dec) else np.zeros(R)
         b = int(np.argmax(pre_R + dec_R * (1 + k)))
         n_pre, n_dec = int(pre_R[b]), int(dec_R[b])
-        c_pre = float(np.mean(self.comp[pf] + pt)) if len(pf) else 0.0
-        c_dec = float(np.mean(self.comp[dec])) + 1.0 if len(dec) else 0.0
+        c_pre = float((self.comp[pf] + pt).sum()) / len(pf) if len(pf) else 0.0
+        c_dec = float(self.comp[dec].sum()) / len(dec) + 1.0 if len(dec) else 0.0
         if n_pre == 0 and cfg.cuda_graphs and n_dec <= cfg.cuda_graphs[-1]:
             n_dec = int(cfg.cuda_graphs[int(np.searchsorted(cfg.cuda_graphs, n_dec))])
         d = s.iters if self.order == "in-order" else int(self.rng.integers(1 << 30))
@@ -324,6 +366,7 @@ class _Engine:
         s.inflight = (pf, pt, dec, (t, dt, n_pre, c_pre, n_dec, c_dec, kv_use))
         s.busy = True
         self.push(t + dt, 1, i)
+        return True
 
     def end(self, t: float, i: int) -> None:
         s, w = self.W[i], self.W[i].w

@@ -10,8 +10,9 @@ mean context ``c_dec`` (tokens per rank, after CUDA-graph padding where the engi
 - :class:`ConstantStepTime`: a fixed time per iteration (the closed-form checks).
 - :class:`GridStepTime`: built from the step simulator over a grid of (mode, T, C) with D routing
   draws each (:func:`build_grid`); an iteration asks for draw ``d`` and gets the bilinear
-  interpolation in (log2 T, log2 C) of that draw's grid, so the routing skew of the iteration is
-  one real draw. A mixed iteration (chunked prefill beside decodes) costs the prefill step of all
+  interpolation in (log2 T, C) of that draw's grid -- log in T (a step's time runs from flat,
+  weight-bound, to linear in its tokens), linear in C (attention's KV reads and FLOPs grow
+  linearly with the context) -- so the routing skew of the iteration is one real draw. A mixed iteration (chunked prefill beside decodes) costs the prefill step of all
   its tokens, ``P(n_pre + n_dec, c_pre)``, plus the decodes' attention beyond the smallest context
   of the grid, ``Dec(n_dec, c_dec) - Dec(n_dec, C_0)`` (ASSUMED: the decode tokens' MoE and GEMM
   work rides in the prefill step's token count; only their KV reads are added). Above the grid's
@@ -23,8 +24,10 @@ mean context ``c_dec`` (tokens per rank, after CUDA-graph padding where the engi
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -36,7 +39,7 @@ from moonep_sim.errors import ConfigError, require
 #: simulate(mode, tokens per rank, context, draw) -> {strategy: step time us}
 Simulate = Callable[[str, int, int, int], Mapping[str, float]]
 #: bump when the grid's meaning changes (it is part of every cache key)
-GRID_VERSION = 1
+GRID_VERSION = 2
 
 
 class ConstantStepTime:
@@ -70,16 +73,17 @@ class AffineStepTime:
         return {"kind": "affine", "base_us": self.base, "per_token_us": self.per}
 
 
-def _axis(v: float, grid: np.ndarray) -> tuple[int, int, float]:
-    """(lo, hi, weight of hi) of ``v`` on a log2 ``grid`` (clamped to its ends)."""
+def _axis(v: float, grid: np.ndarray, log: bool = True) -> tuple[int, int, float]:
+    """(lo, hi, weight of hi) of ``v`` on ``grid``, in log2 or linear (``log=False``), clamped to its ends."""
     if len(grid) == 1 or v <= grid[0]:
         return 0, 0, 0.0
     if v >= grid[-1]:
         return len(grid) - 1, len(grid) - 1, 0.0
-    hi = int(np.searchsorted(grid, v))
+    hi = bisect.bisect_left(grid, v)
     lo = hi - 1
-    w = (np.log2(v) - np.log2(grid[lo])) / (np.log2(grid[hi]) - np.log2(grid[lo]))
-    return lo, hi, float(w)
+    f = math.log2 if log else float
+    a, b = float(grid[lo]), float(grid[hi])
+    return lo, hi, (f(v) - f(a)) / (f(b) - f(a))
 
 
 @dataclass(frozen=True)
@@ -90,15 +94,20 @@ class Table:
     C: np.ndarray
     us_DTC: np.ndarray
 
+    def __post_init__(self) -> None:   # plain lists: a lookup per engine iteration bisects them
+        object.__setattr__(self, "_T", [float(x) for x in self.T])
+        object.__setattr__(self, "_C", [float(x) for x in self.C])
+
     def at(self, t: float, c: float, d: int) -> float:
         if t <= 0:
             return 0.0
         g = self.us_DTC[d % self.us_DTC.shape[0]]
         scale = 1.0
-        if t > self.T[-1]:              # linear in T beyond the grid
-            scale, t = t / self.T[-1], float(self.T[-1])
-        i0, i1, wi = _axis(t, self.T)
-        j0, j1, wj = _axis(c, self.C)
+        T, C = self._T, self._C
+        if t > T[-1]:                   # linear in T beyond the grid
+            scale, t = t / T[-1], T[-1]
+        i0, i1, wi = _axis(t, T)
+        j0, j1, wj = _axis(c, C, log=False)
         v = ((1 - wi) * ((1 - wj) * g[i0, j0] + wj * g[i0, j1]) + wi * ((1 - wj) * g[i1, j0] + wj * g[i1, j1]))
         return float(v) * scale
 
@@ -137,31 +146,49 @@ def pow2_grid(lo: int, hi: int) -> list[int]:
     return out
 
 
+def grid_piece(simulate: Simulate, strategies: Sequence[str], Ts: Sequence[int], Cs: Sequence[int], mode: str,
+               draw: int, progress: Callable[[int], None] | None = None) -> dict[str, np.ndarray]:
+    """One mode's grid on one routing draw: {strategy: us [len(Ts), len(Cs)]} (``simulate(mode, T,
+    C, draw)``, all strategies per call; ``progress()`` after each point). Consecutive calls share
+    T and differ in C, so a simulator may keep one T's routing for them."""
+    arr = {s: np.zeros((len(Ts), len(Cs))) for s in strategies}
+    for i, t in enumerate(Ts):
+        for j, c in enumerate(Cs):
+            r = simulate(mode, int(t), int(c), draw)
+            for s in strategies:
+                arr[s][i, j] = float(r[s])
+            if progress:
+                progress(1)
+    return arr
+
+
+def assemble(strategies: Sequence[str], dec_T: Sequence[int], dec_C: Sequence[int], pre_T: Sequence[int],
+             pre_C: Sequence[int], decode_D: Sequence[Mapping[str, np.ndarray]],
+             prefill_D: Sequence[Mapping[str, np.ndarray]]) -> dict[str, GridStepTime]:
+    """One :class:`GridStepTime` per strategy from its pieces (one per draw and mode, :func:`grid_piece`)."""
+    return {s: GridStepTime(Table(np.asarray(dec_T, float), np.asarray(dec_C, float),
+                                  np.stack([p[s] for p in decode_D])),
+                            Table(np.asarray(pre_T, float), np.asarray(pre_C, float),
+                                  np.stack([p[s] for p in prefill_D])))
+            for s in strategies}
+
+
 def build_grid(simulate: Simulate, strategies: Sequence[str], dec_T: Sequence[int], dec_C: Sequence[int],
                pre_T: Sequence[int], pre_C: Sequence[int], draws: int,
                progress: Callable[[int, int], None] | None = None) -> dict[str, GridStepTime]:
     """Every grid point simulated ``draws`` times (``simulate(mode, T, C, d)``, all strategies per
     call); one :class:`GridStepTime` per strategy. ``progress(done, total)`` after each point."""
     require(draws >= 1, f"routing draws ({draws}) must be >= 1")
-    out: dict[str, dict[str, np.ndarray]] = {s: {} for s in strategies}
     total = draws * (len(dec_T) * len(dec_C) + len(pre_T) * len(pre_C))
-    done = 0
-    for mode, Ts, Cs in (("decode", dec_T, dec_C), ("prefill", pre_T, pre_C)):
-        arr = {s: np.zeros((draws, len(Ts), len(Cs))) for s in strategies}
-        for d in range(draws):
-            for i, t in enumerate(Ts):
-                for j, c in enumerate(Cs):
-                    r = simulate(mode, int(t), int(c), d)
-                    for s in strategies:
-                        arr[s][d, i, j] = float(r[s])
-                    done += 1
-                    if progress:
-                        progress(done, total)
-        for s in strategies:
-            out[s][mode] = arr[s]
-    return {s: GridStepTime(Table(np.asarray(dec_T, float), np.asarray(dec_C, float), out[s]["decode"]),
-                            Table(np.asarray(pre_T, float), np.asarray(pre_C, float), out[s]["prefill"]))
-            for s in strategies}
+    done = [0]
+
+    def tick(n: int) -> None:
+        done[0] += n
+        if progress:
+            progress(done[0], total)
+    dec = [grid_piece(simulate, strategies, dec_T, dec_C, "decode", d, tick) for d in range(draws)]
+    pre = [grid_piece(simulate, strategies, pre_T, pre_C, "prefill", d, tick) for d in range(draws)]
+    return assemble(strategies, dec_T, dec_C, pre_T, pre_C, dec, pre)
 
 
 def holdout_points(model: GridStepTime, n: int, seed: int = 0) -> list[tuple[str, int, int]]:
@@ -181,13 +208,15 @@ def holdout_points(model: GridStepTime, n: int, seed: int = 0) -> list[tuple[str
     return out
 
 
-def holdout_error(models: Mapping[str, GridStepTime], simulate: Simulate,
-                  points: Sequence[tuple[str, int, int]]) -> dict[str, dict[str, Any]]:
-    """Per strategy: the relative error (model - direct) / direct at each held-out point (draw 0),
-    its median and largest absolute value."""
+def holdout_error(models: Mapping[str, GridStepTime], simulate: Simulate | None,
+                  points: Sequence[tuple[str, int, int]],
+                  direct: Sequence[Mapping[str, float]] | None = None) -> dict[str, dict[str, Any]]:
+    """Per strategy: the relative error (model - direct) / direct at each held-out point (draw 0:
+    ``simulate(mode, T, C, 0)``, or ``direct``, those results computed already), its median and
+    largest absolute value."""
     rows: dict[str, list] = {s: [] for s in models}
-    for mode, t, c in points:
-        r = simulate(mode, t, c, 0)
+    for k, (mode, t, c) in enumerate(points):
+        r = direct[k] if direct is not None else simulate(mode, t, c, 0)
         for s, m in models.items():
             pred = m.decode.at(t, c, 0) if mode == "decode" else m.prefill.at(t, c, 0)
             rows[s].append({"mode": mode, "tokens_per_rank": t, "context": c, "direct_us": float(r[s]),
@@ -237,5 +266,6 @@ def load(path: Path) -> tuple[dict[str, GridStepTime], dict[str, Any]] | None:
         return None
 
 
-__all__ = ["AffineStepTime", "ConstantStepTime", "GRID_VERSION", "GridStepTime", "Simulate", "Table", "build_grid",
+__all__ = ["AffineStepTime", "ConstantStepTime", "GRID_VERSION", "GridStepTime", "Simulate", "Table", "assemble",
+           "build_grid", "grid_piece",
            "cache_key", "holdout_error", "holdout_points", "load", "pow2_grid", "save"]

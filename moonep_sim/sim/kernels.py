@@ -36,6 +36,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
+
 from moonep_sim.plan.kernel import ALL_SMS, KernelSpec, chunk_for
 from moonep_sim.sim.topology import Topology
 
@@ -85,6 +87,23 @@ def relay_hop_rows(topo: Topology, spec: KernelSpec | None, ranks: int, directio
     sms = kernel_sms(topo, spec)
     channels = max(1, int(sms * spec.channels_per_sm)) if sms else 1
     return channels * c.rows(direction, inter_node)
+
+
+def proxy_nic_share(topo: Topology, spec: KernelSpec | None) -> float:
+    """Fraction of the GPU's NIC rate a host-proxy kernel reaches when its channels are dealt to
+    ``spec.proxy_nic_threads`` proxy threads, each posting on one NIC (channel c -> thread c mod T
+    -> NIC thread mod N, N = ``Topology.nics_per_gpu``): every channel carries an equal share of the
+    bytes, so the busiest NIC binds and the rate is ``(channels / N) / max channels per NIC``
+    (UCCL-EP at 10 channels on 4 NICs: 2.5 / 3); 1 = none declared, one NIC, or balanced."""
+    if spec is None or spec.proxy_nic_threads <= 0:
+        return 1.0
+    n = int(round(topo.nics_per_gpu))
+    sms = kernel_sms(topo, spec)
+    channels = max(1, int(sms * spec.channels_per_sm)) if sms else 1
+    if n <= 1 or channels <= 0:
+        return 1.0
+    per_nic = np.bincount((np.arange(channels) % spec.proxy_nic_threads) % n, minlength=n)
+    return float(channels / n / per_nic.max())
 
 
 def nic_message_cost_us(topo: Topology, spec: KernelSpec | None = None) -> float:
@@ -239,7 +258,7 @@ def weight_copy_us(topo: Topology, nbytes: float, inter_node: bool, engine: str 
 
 __all__ = ["checked_on", "class_bytes_per_us", "dispatch_epilogue_us", "epilogue_rows_R", "expand_read_bytes_per_us",
            "kernel_checks", "combine_reduce_us", "kernel_fixed_us", "kernel_launches", "kernel_sms", "message_us",
-           "nic_message_cost_us", "planning_us", "receive_copy_us", "reduce_bytes_per_us", "relay_active", "relay_hop_rows", "relay_rows", "relay_two_hop_us",
+           "nic_message_cost_us", "planning_us", "proxy_nic_share", "receive_copy_us", "reduce_bytes_per_us", "relay_active", "relay_hop_rows", "relay_rows", "relay_two_hop_us",
            "row_messages_us", "sm_cap_bytes_per_us", "weight_copy_bytes_per_us", "weight_copy_us"]
 
 
@@ -269,7 +288,8 @@ def isolated_kernel_figures(plan, res, what: str, topo: Topology | None = None) 
     ``combine_row_bytes`` for combine; FP8 rows are ``H (1 + 4/128)`` as DeepEP counts them):
 
     - ``rows_received``: rows the rank holds after the last hop, its own included, x row -- DeepEP
-      V1's intranode (NVLink) bandwidth;
+      V1's intranode (NVLink) bandwidth, and its internode test's "NVL" figure (tests/legacy/
+      test_internode.py: ``recv_x.numel()``, printed beside the RDMA one);
     - ``node_pairs``: unique (token, destination node) pairs of the rank's tokens, the local node
       included, x row -- DeepEP V1's internode (RDMA) bandwidth (multi-node plans only);
     - ``scale_up`` / ``scale_out``: rows the rank sends, over every hop, to other GPUs of its node /
@@ -319,6 +339,6 @@ def isolated_kernel_figures(plan, res, what: str, topo: Topology | None = None) 
     fam = FAMILIES.get(plan.kernel.family) if plan.kernel is not None else None
     out["family"] = fam.name if fam is not None else ""
     counts = fam.counts if fam is not None else ""
-    out["library_counts"] = ({"deepep-v1": ["node_pairs" if R > geo.gpus_per_node else "rows_received"],
+    out["library_counts"] = ({"deepep-v1": ["node_pairs", "rows_received"] if R > geo.gpus_per_node else ["rows_received"],
                               "deepep-v2": ["scale_up", "scale_out"], "selections": ["selections"]}.get(counts, []))
     return out

@@ -26,7 +26,7 @@ from moonep_sim.sim.compute import rank_compute_us
 from moonep_sim.sim.faults import FaultState
 from moonep_sim.sim.kernels import (dispatch_epilogue_us, epilogue_rows_R, expand_read_bytes_per_us, kernel_fixed_us, kernel_sms,
                                     message_us, nic_message_cost_us, receive_copy_us, reduce_bytes_per_us,
-                                    relay_active, relay_hop_rows, relay_rows, sm_cap_bytes_per_us,
+                                    proxy_nic_share, relay_active, relay_hop_rows, relay_rows, sm_cap_bytes_per_us,
                                     weight_copy_bytes_per_us)
 from moonep_sim.sim.kernels import planning_us as kernel_planning_us
 from moonep_sim.sim.options import SimOptions
@@ -219,11 +219,15 @@ def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology, direction:
     ``moonep_sim.sim.kernels.nic_message_cost_us`` per row; relayed kernels, where the NIC's message
     rate or the family's own per-message cost (a CPU proxy) is set, pay it per relayed message
     (a chunked kernel: one RDMA write per channel's chunk, its RDMA chunk in ``direction``, the
-    pair's rows split evenly over the kernel's ``sms x channels_per_sm`` channels)."""
+    pair's rows split evenly over the kernel's ``sms x channels_per_sm`` channels). A host-proxy
+    kernel whose proxy threads each post on one NIC also stretches its inter-node bytes by
+    ``1 / moonep_sim.sim.kernels.proxy_nic_share`` (its busiest NIC binds)."""
     spec = plan.kernel
     if spec is None:
         return None
     msgs = phase.msgs_RR.astype(np.float64)
+    share = proxy_nic_share(topo, spec)
+    cost = 0.0
     if spec.row_messages:
         cost = nic_message_cost_us(topo, spec)
     elif spec.relay and relay_rows(topo, spec) > 0 and (topo.nic_message_us > 0 or spec.message_us > 0):
@@ -234,16 +238,35 @@ def _row_messages_scale(phase: CommPhase, plan: Plan, topo: Topology, direction:
         else:  # each channel sends its own share of the pair's rows in chunks (DeepEP internode.cu)
             ch = max(1.0, float(np.floor(kernel_sms(topo, spec) * spec.channels_per_sm)))
             msgs = ch * np.ceil(msgs / (ch * c.rows(direction, True)))
-    else:
-        return None
-    if cost <= 0:
+    if cost <= 0 and share >= 1.0:
         return None
     cross = _cross_node_RR(plan, topo)
     if spec.nic_only:
         cross = ~np.eye(plan.ranks, dtype=bool)
     extra = msgs * cost * topo.nic_bytes_per_us
     b = phase.bytes_RR.astype(np.float64)
-    return np.where(cross & (b > 0), 1.0 + np.divide(extra, b, out=np.zeros_like(b), where=b > 0), 1.0)
+    # a proxy's busiest NIC (proxy_nic_share) stretches every inter-node byte, then the messages' own time
+    return np.where(cross & (b > 0), 1.0 / share + np.divide(extra, b, out=np.zeros_like(b), where=b > 0), 1.0)
+
+
+def broadcast_scale(phase: CommPhase, plan: Plan, topo: Topology, direction: str = "dispatch") -> np.ndarray | None:
+    """[R, R] time scale of a broadcast kernel's inter-node hop (``KernelSpec.broadcast``, mori's
+    InterNodeV1LL), None when off or the phase has no cross-node pair: every token goes to the relay
+    of every other node, needed or not, so a cross-node pair carries the token owner's token count
+    (the sender's in dispatch, the receiver's in combine) where the routing needs ``msgs`` rows:
+    its bytes are stretched by ``tokens / msgs``. A pair the routing leaves empty is not charged."""
+    spec = plan.kernel
+    if spec is None or not spec.broadcast:
+        return None
+    cross = _cross_node_RR(plan, topo)
+    msgs = phase.msgs_RR.astype(np.float64)
+    live = cross & (msgs > 0)
+    if not live.any():
+        return None
+    tokens = np.asarray(plan.tokens_per_rank_R, dtype=np.float64)
+    owner = tokens[:, None] if direction == "dispatch" else tokens[None, :]
+    rows = np.broadcast_to(owner, msgs.shape)
+    return np.where(live, np.maximum(rows, msgs) / np.where(live, msgs, 1.0), 1.0)
 
 
 def _relay_RR(phase: CommPhase, plan: Plan, topo: Topology, sm_cap: float, direction: str = "dispatch") -> np.ndarray:
@@ -292,9 +315,9 @@ def kernel_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
         out = []
         for i, ph in enumerate(phases):
             sc = prog.p2p_RR if (i == p2p_at and prog.p2p_RR is not None) else None
-            m = _row_messages_scale(ph, plan, topo, direction)
-            if m is not None:
-                sc = m if sc is None else sc * m
+            for m in (_row_messages_scale(ph, plan, topo, direction), broadcast_scale(ph, plan, topo, direction)):
+                if m is not None:
+                    sc = m if sc is None else sc * m
             out.append(sc)
         return out
 
@@ -374,5 +397,5 @@ def p2p_scale(plan: Plan, topo: Topology) -> np.ndarray | None:
     return np.where(cross, topo.nic_efficiency / topo.nic_p2p_efficiency, 1.0)
 
 
-__all__ = ["StageProgram", "combine_reduce_R", "epilogue_terms", "host_copy_us", "kernel_terms", "p2p_scale", "planning_us",
+__all__ = ["StageProgram", "broadcast_scale", "combine_reduce_R", "epilogue_terms", "host_copy_us", "kernel_terms", "p2p_scale", "planning_us",
            "receive_copy_R", "stage_program"]

@@ -61,6 +61,12 @@ HOST_LAUNCH_US = 5.0
 LAUNCH_MODES = ("none", "graph", "eager")
 #: Ops a profile may leave out (priced by the roofline, flagged): the casts and the router's top-k.
 OPTIONAL_OPS = ("quantize", "quantize_bwd", "router_topk", "router_topk_bwd")
+#: Bytes per weight element a weight-gradient GEMM moves besides its inputs: it accumulates into the
+#: FP32 gradient (read and write 4 bytes: DeepGEMM's weight-gradient kernels take the FP32 gradient
+#: as their C and write D = C + A B -- ``fp8_dptp128c_acc`` in DeepSeek's training profile; Megatron's
+#: gradient-accumulation fusion into ``main_grad`` the same); charged on the measured path (the
+#: roofline's backward already moves its FP32 gradients).
+WGRAD_ACC_BYTES = 8.0
 #: Per routed row, the token permutation into the expert-grouped layout and back (read + write of
 #: one bf16 row each way: Megatron's permute / DeepSeek's expand_to_fused and reduce_fused), what
 #: a zero-copy kernel (MoonEP: rows land in their expert-grouped slots) does not pay.
@@ -235,8 +241,11 @@ class CostModel:
             return op.bytes / mem if self.gemm_dtype == "fp8" else 0.0
         if op.kind == "bytes":
             return op.bytes / mem
-        if op.kind == "attention":
-            return max(op.flops / (self.topo.flops_per_us), op.bytes / mem)
+        if op.kind == "attention":  # a backward at FlashAttention-3's backward rate (legacy: the forward's)
+            from moonep_sim.step.measured import ATTN_BWD_EFFICIENCY
+
+            eff = ATTN_BWD_EFFICIENCY if op.name.endswith("_bwd") and not self.legacy else 1.0
+            return max(op.flops / (self.topo.flops_per_us * eff), op.bytes / mem)
         wbytes = op.bytes * self.weight_bytes / 2.0  # a GEMM op's bytes are its bf16 weights
         return max(op.flops / (self.gemm_flops_per_us * float(self.curve(float(op.rows)))),
                    wbytes / self.gemm_mem_bytes_per_us)
@@ -269,6 +278,8 @@ class CostModel:
         if self.measured.die is not None:
             die = CostModel(self.measured.die, self.gemm_dtype, self.half_rows)
             t *= self.roofline_op_us(op) / die.roofline_op_us(op)
+        if op.name.endswith("_bwd"):  # the weight gradients accumulate into FP32
+            t += WGRAD_ACC_BYTES * sum(a * b for a, b in nk) / self.gemm_mem_bytes_per_us
         return t
 
     def _measured_attention_us(self, op: Op) -> float | None:
@@ -292,8 +303,8 @@ class CostModel:
         if self.measured is not None and op.kind == "attention" and op.attn:
             got = self.measured.attention_us(op.attn)
             if got is not None:
-                return f"measured ({got[1]})" + (", backward x 2.5 (FlashAttention-2)" if op.name.endswith("_bwd")
-                                                 else "")
+                return f"measured ({got[1]})" + (", backward x 2.5 FLOPs (FlashAttention-2) at 542/638 of the "
+                                                 "forward's rate (FlashAttention-3)" if op.name.endswith("_bwd") else "")
         if self.measured is not None and self._gemm_shape(op) is not None \
                 and self.measured.gemm(self.gemm_dtype) is not None:
             return self.measured.label(self.gemm_dtype)
@@ -307,7 +318,7 @@ class CostModel:
         if self.profile is not None:
             return f"profile ({self.profile.path})"
         if self.measured is not None and self.measured.gemm(self.gemm_dtype) is not None:
-            return self.measured.label(self.gemm_dtype) + ", per-expert GEMMs"
+            return self.measured.label(self.gemm_dtype) + ", grouped: a rank's experts read as one GEMM"
         return self._roofline_label()
 
     def sources(self, ops: list[Op], train: bool) -> dict[str, str]:
@@ -366,25 +377,42 @@ class CostModel:
         return out
 
     def _measured_expert_us_R(self, plan: Plan, model: ModelSpec, rows_S: np.ndarray, backward: bool) -> np.ndarray:
-        """[R] the routed experts' GEMMs read from the measured table, one expert at a time (gate/up
-        ``(m, 2F, D)`` and down ``(m, D, F)``; in backward each one's input- and weight-gradient
-        GEMMs), plus one launch; scaled by the roofline ratio for a nearest-die table."""
+        """[R] the routed experts' grouped GEMM read from the measured table, plus one launch; scaled
+        by the roofline ratio for a nearest-die table.
+
+        A grouped GEMM (DeepGEMM's ``m_grouped`` contiguous and masked kernels) schedules the tiles of
+        every local expert in one persistent kernel, so its c experts of mean m rows run as one GEMM
+        whose N is the experts' N side by side: gate/up ``(m, c 2F, D)`` and down ``(m, c D, F)``; in
+        backward the input gradients ``(m, c D, 2F)``, ``(m, c F, D)`` and the K-grouped weight
+        gradients ``(D, c 2F, m)``, ``(F, c D, m)`` (these accumulating into FP32:
+        :data:`WGRAD_ACC_BYTES`). Read one expert at a time instead, a weight-bound expert (a few
+        rows) fills few SMs and the table's lone small GEMM streams its weights well below the HBM
+        rate; side by side the rank's experts stream at it. At DeepSeek-V3's EP32 decode shape (8
+        experts of 64 rows, FP8) this reads 140 us on H100, against 150 us in AIConfigurator's own
+        measured DeepEP MoE table (sglang 0.5.10 ``wideep_generation_moe_perf``, EP32, uniform) and
+        209 us one expert at a time (``tests/test_measured.py``)."""
         D, F = float(model.dispatch_hidden), float(model.expert_ffn)
+        R = plan.ranks
         live = rows_S > 0
-        m = rows_S[live]
+        c_R = np.bincount(plan.slot_rank_S[live], minlength=R).astype(np.float64)
+        rows_R = np.bincount(plan.slot_rank_S, weights=rows_S, minlength=R)
+        has = c_R > 0
+        c, m = c_R[has], rows_R[has] / np.maximum(c_R[has], 1.0)
         if backward:
-            shapes = [(m, D, 2 * F), (D, 2 * F, m), (m, F, D), (F, D, m)]
+            shapes = [(m, c * D, 2 * F), (D, c * 2 * F, m), (m, c * F, D), (F, c * D, m)]
         else:
-            shapes = [(m, 2 * F, D), (m, D, F)]
-        t_S = np.zeros_like(rows_S)
-        for a, b, c in shapes:
-            t_S[live] += self.measured.gemm_us(self.gemm_dtype, a, b, c)
-        out = np.bincount(plan.slot_rank_S, weights=t_S, minlength=plan.ranks) + self.topo.gpu_launch_us
+            shapes = [(m, c * 2 * F, D), (m, c * D, F)]
+        t_R = np.zeros(R)
+        for a, b, k in shapes:
+            t_R[has] += self.measured.gemm_us(self.gemm_dtype, a, b, k)
+        out = t_R + self.topo.gpu_launch_us
         if self.measured.die is not None:
             die = CostModel(self.measured.die, self.gemm_dtype, self.half_rows)
             mine = self._roofline_expert_us_R(plan, model, rows_S, backward)
             ref = die._roofline_expert_us_R(plan, model, rows_S, backward)
             out = out * np.divide(mine, ref, out=np.ones_like(mine), where=ref > 0)
+        if backward:
+            out = out + WGRAD_ACC_BYTES * c_R * 3 * D * F / self.gemm_mem_bytes_per_us
         return out
 
     def _roofline_expert_us_R(self, plan: Plan, model: ModelSpec, rows_S: np.ndarray, backward: bool) -> np.ndarray:
@@ -472,6 +500,6 @@ def flat_cost_model(topo: Topology) -> CostModel:
 
 
 __all__ = ["COST_MODEL_PRESETS", "CostModel", "EXPERT_OPS", "GEMM_DTYPES", "GEMM_HALF_ROWS", "HOST_LAUNCH_US", "KERNEL_GAP_GRAPH_US",
-           "KERNEL_GAP_STREAM_US", "LAUNCH_MODES", "OPTIONAL_OPS", "PERMUTE_PASSES", "Profile", "ROOFLINE",
+           "KERNEL_GAP_STREAM_US", "LAUNCH_MODES", "OPTIONAL_OPS", "PERMUTE_PASSES", "Profile", "ROOFLINE", "WGRAD_ACC_BYTES",
            "cost_model_preset", "fitted_constants", "flat_cost_model", "legacy_cost_model", "step_cost_model",
            "read_profile"]

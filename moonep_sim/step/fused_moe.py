@@ -37,8 +37,8 @@ from moonep_sim.plan import Plan
 from moonep_sim.strategies.fused_moe import FUSED_KERNELS, FusedKernel
 
 #: GPU architecture of each shipped topology preset (by the preset's name prefix).
-PRESET_ARCH = (("gb200", "blackwell"), ("b200", "blackwell"), ("b300", "blackwell"), ("h100", "hopper"),
-               ("h200", "hopper"), ("h800", "hopper"), ("h20", "hopper"), ("mi350", "gfx950"),
+PRESET_ARCH = (("gb200", "blackwell"), ("gb300", "blackwell"), ("b200", "blackwell"), ("b300", "blackwell"),
+               ("h100", "hopper"), ("h200", "hopper"), ("h800", "hopper"), ("h20", "hopper"), ("mi350", "gfx950"),
                ("mi355", "gfx950"), ("mi300", "gfx942"))
 
 

@@ -36,7 +36,20 @@ A layout (:class:`~moonep_sim.step.parallel.Parallel`) wraps today's step, never
    gathered in bf16 (Megatron's defaults). With ``overlap_grad_reduce`` the reduce of all but the
    last micro-batch's backward is hidden behind it (only what exceeds that window is exposed).
 5. **The optimizer step**: memory-bound over the rank's optimizer shard
-   (:data:`OPTIMIZER_BYTES_PER_PARAM` per parameter at the GPU's memory bandwidth x efficiency).
+   (:data:`OPTIMIZER_BYTES_PER_PARAM` per parameter at the GPU's memory bandwidth x efficiency),
+   with the gradient norm's read of the shard and the zeroing of the rank's whole fp32 gradient
+   buffer (:data:`GRAD_NORM_BYTES_PER_PARAM`, :data:`GRAD_BUFFER_ZERO_BYTES_PER_PARAM`).
+6. **The host** (training, eager launches): each chunk's forward and backward run on the host
+   timeline of :mod:`moonep_sim.step.host` -- the CPU launches every block's kernels (counts from
+   DeepSeek's trace) at the framework's cost per launch (Megatron-Core's FITTED on development row
+   2; DeepSeek's measured, for DualPipe) and waits for the GPU at each device-to-host sync (Megatron's all-to-all
+   dispatcher before every forward all-to-all, DeepEP's count wait), so a stage of short kernels
+   costs its launches; what that adds to the chunk's GPU time is ``host_bound_us`` per stage
+   (its TP collectives, one launch each, spread over the layers). Serving runs CUDA graphs: none.
+7. **Serving under TP attention** (:func:`moe_input_replicated`): the attention's all-reduce leaves
+   every token on every TP rank, so an EP group inside the TP group runs its experts on them and
+   sums in the layer's second TP all-reduce: the MoE's dispatch and combine are not run (the
+   stage's forward is its compute; the TP all-reduces stay).
 
 The step ends on the pipeline rank that finishes last. Memory per pipeline rank: the layout's account
 (:func:`moonep_sim.step.memory.memory_for_layout`, via :func:`layout_memory`) over the Plans of
@@ -53,6 +66,7 @@ from typing import Callable
 from moonep_sim.errors import require
 from moonep_sim.models import ModelSpec
 from moonep_sim.step import collectives as coll
+from moonep_sim.step.host import SYNC_BEFORE_DISPATCH, host_blocks, host_excess_us, launch_us
 from moonep_sim.step.parallel import Parallel
 from moonep_sim.step.pipelines import get_schedule
 from moonep_sim.step.pipelines.base import ChunkTimes, run_schedule
@@ -61,6 +75,12 @@ from moonep_sim.step.stack import BF16, StepShape, attention_params, backward_op
 #: ASSUMED: mixed-precision Adam reads the fp32 master weight, gradient and two moments and writes
 #: the master, the moments and the bf16 weight: 4 x 4 + 3 x 4 + 2 bytes per parameter.
 OPTIMIZER_BYTES_PER_PARAM = 30
+#: Megatron-Core's step around the optimizer, per parameter: the gradient norm reads each fp32 main
+#: gradient of the rank's optimizer shard (``get_grad_norm_fp32``, every step, for the clipping and
+#: the log), and every iteration starts by zeroing the fp32 gradient buffer of all the rank's local
+#: parameters (``zero_grad_buffer`` in ``megatron/training/training.py``): 4 bytes each.
+GRAD_NORM_BYTES_PER_PARAM = 4
+GRAD_BUFFER_ZERO_BYTES_PER_PARAM = 4
 #: Megatron's defaults: gradients reduced in fp32, parameters gathered in bf16.
 GRAD_REDUCE_BYTES = 4
 PARAM_GATHER_BYTES = BF16
@@ -101,10 +121,15 @@ def program_difference(with_moe: "StageProgram", moe: "StageProgram", head: tupl
         parts["activations"] = a["activations"] - b["activations"]   # the logits cancel
     if "kv_cache" in a:
         parts["kv_cache"] = a["kv_cache"] - b["kv_cache"]
+    n = max((l for l, _ in with_moe.host_forward), default=1) - 1   # the probe's MoE layer; the head after it
+
+    def dense(blocks: tuple) -> tuple:
+        return tuple((n if l > n else l, b) for l, b in blocks if l != n)
     return StageProgram(with_moe.forward_us - moe.forward_us + ef + hf, with_moe.backward_us - moe.backward_us + eb + hb,
                         with_moe.forward_compute_us - moe.forward_compute_us + ef + hf,
                         with_moe.backward_compute_us - moe.backward_compute_us + eb + hb,
-                        {"parts": parts, "dense_only": True}, 0, 0)
+                        {"parts": parts, "dense_only": True}, 0, 0,
+                        host_forward=dense(with_moe.host_forward), host_backward=dense(with_moe.host_backward))
 
 
 def expert_group_gpus_per_node(p: Parallel, gpus_per_node: int) -> int:
@@ -136,6 +161,16 @@ def _timeline_split(tl) -> tuple[float, float, float, float]:
     fc = sum(float(e.end_R[r] - e.start_R[r]) for e in tl.events if e.stream == "compute" and e.direction == "forward")
     bc = sum(float(e.end_R[r] - e.start_R[r]) for e in tl.events if e.stream == "compute" and e.direction != "forward")
     return f_end, total - f_end, min(fc, f_end), min(bc, total - f_end)
+
+
+def moe_input_replicated(p: Parallel, mode: str) -> bool:
+    """Whether a serving step's MoE layers run on tokens every rank of their EP group already holds:
+    under TP attention (no data-parallel attention) the layer's all-reduce leaves every token on
+    every rank of the TP group, and an EP (x ETP) group inside it runs its local experts on them
+    and sums their outputs in the layer's second TP all-reduce -- no all-to-all dispatch or combine
+    (SGLang's and vLLM's expert parallelism under TP attention, TensorRT-LLM's MoE EP with attention
+    TP). Training keeps Megatron's split of the TP group's tokens over the dispatch."""
+    return mode != "train" and p.tp > 1 and not p.dp_attention and p.ep * p.etp <= p.tp
 
 
 def tp_comm_us(model: ModelSpec, start: int, stop: int, p: Parallel, shape: StepShape, topo, tokens_tp: int,
@@ -242,15 +277,20 @@ class StageProgram:
     entries: int = 0
     footprints: tuple = ()
     moe_layer_us: tuple = ()
+    host_forward: tuple = ()
+    host_backward: tuple = ()
 
     @classmethod
     def of(cls, res: dict, name: str) -> "StageProgram":
         """From :func:`~moonep_sim.step.run.simulate_step`'s result for strategy ``name``."""
         d = res["strategies"][name]
-        F, B, Fc, Bc = _timeline_split(res["_timelines"][name])
+        tl = res["_timelines"][name]
+        F, B, Fc, Bc = _timeline_split(tl)
+        hf, hb = host_blocks(tl, name in SYNC_BEFORE_DISPATCH)
         return cls(F, B, Fc, Bc, d["memory"], int(d["dropped"]), int(d["entries"]),
                    tuple(res.get("_footprints", {}).get(name, ())),
-                   tuple(float(x["time_us"]) for x in d.get("layers", ()) if str(x.get("kind", "")).startswith("moe")))
+                   tuple(float(x["time_us"]) for x in d.get("layers", ()) if str(x.get("kind", "")).startswith("moe")),
+                   hf, hb)
 
 
 def stage_bounds(model: ModelSpec, p: Parallel) -> list[tuple[int, int]]:
@@ -353,20 +393,35 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
         r0, r1 = sched.rank_of(c0), sched.rank_of(c1)
         return 0.0 if r0 == r1 else coll.send_us(act, send_link.get((r0, r1), wrap))
 
+    # eager launches (train): the host timeline; TP collectives launched per layer and direction
+    host_bound = cfg.costs is not None and cfg.costs.launch == "eager"
+    replicated = moe_input_replicated(p, cfg.shape.mode)
+    tp_kernels = (4 if p.sequence_parallel else 2) if p.tp > 1 else 0
+    h_us = launch_us(p.pp_schedule)
     f_us, b_us, fc_us, bc_us, stage_fig = [], [], [], [], []
     for (a, b), sp in zip(bounds, programs):
         F, B, Fc, Bc = sp.forward_us, sp.backward_us, sp.forward_compute_us, sp.backward_compute_us
+        if replicated:   # no dispatch or combine: the stage's exposed MoE communication is not run (7.)
+            F = Fc
         if a != 0:
             F, Fc, B, Bc = F - ef, Fc - ef, B - eb, Bc - eb
         if b != m.layers:
             F, Fc, B, Bc = F - hf, Fc - hf, B - hb, Bc - hb
         tf, tb = tp_comm_us(m, a, b, p, cfg.shape, topo, tokens_tp, gpus_per_node)
-        F, B = F + tf, (B + tb if train else 0.0)
+        hf_us = hb_us = 0.0
+        if host_bound:   # the host's launches and syncs (module docstring, 6.)
+            def keep(l: int, a=a, b=b) -> bool:
+                return (l >= 0 or a == 0) and (l < b - a or b == m.layers)
+            k = tp_kernels * (b - a) + (sum(1 for l in range(a, b) if l >= m.dense_layers) if p.etp > 1 else 0)
+            hf_us = host_excess_us(sp.host_forward, keep, tf, k, h_us)
+            hb_us = host_excess_us(sp.host_backward, keep, tb, k, h_us) if train else 0.0
+        F, B = F + tf + hf_us, (B + tb + hb_us if train else 0.0)
         f_us.append(F)
         b_us.append(B)
         fc_us.append(max(Fc, 0.0))
         bc_us.append(max(Bc, 0.0) if train else 0.0)
-        stage_fig.append({"layers": [a, b], "forward_us": F, "backward_us": B, "tp_cp_comm_us": tf + (tb if train else 0.0)})
+        stage_fig.append({"layers": [a, b], "forward_us": F, "backward_us": B, "tp_cp_comm_us": tf + (tb if train else 0.0),
+                          "host_bound_us": hf_us + hb_us})
     ch = [sched.stage_of(c) for c in range(sched.chunks())]
     run = run_schedule(sched, ChunkTimes([f_us[s] for s in ch], [b_us[s] for s in ch], [fc_us[s] for s in ch],
                                          [bc_us[s] for s in ch], send_us))
@@ -438,14 +493,16 @@ def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched,
             gather = 0.0
         exposed = max(grad - last_b_us, 0.0) if p.overlap_grad_reduce else grad
         shard = dense / (ddp if p.zero >= 1 else 1) + expert / (edp if p.zero >= 1 else 1)
-        opt = shard * OPTIMIZER_BYTES_PER_PARAM / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
+        opt = (shard * (OPTIMIZER_BYTES_PER_PARAM + GRAD_NORM_BYTES_PER_PARAM)
+               + (dense + expert) * GRAD_BUFFER_ZERO_BYTES_PER_PARAM) \
+            / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
     return {"rank": r, "pipeline_end_us": end_us, "dp_grad_us": grad, "dp_grad_exposed_us": exposed,
             "param_gather_us": gather, "zero3_gather_us": z3, "zero3_gather_exposed_us": z3_exposed,
             "optimizer_us": opt, "end_us": end_us + z3_exposed + exposed + gather + opt,
             "params_dense": dense, "params_expert": expert}
 
 
-__all__ = ["GRAD_REDUCE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "PARAM_GATHER_BYTES", "StageProgram", "attach_layout_fits",
+__all__ = ["GRAD_BUFFER_ZERO_BYTES_PER_PARAM", "GRAD_NORM_BYTES_PER_PARAM", "GRAD_REDUCE_BYTES", "OPTIMIZER_BYTES_PER_PARAM", "PARAM_GATHER_BYTES", "StageProgram", "attach_layout_fits",
            "chunk_params", "replica_shape",
            "static_memory_bytes",
            "expert_group_gpus_per_node", "layout_memory", "layout_step", "schedule_layout", "simulate_stages",

@@ -101,8 +101,6 @@ class GemmTable:
 
     def us(self, m, n, k) -> np.ndarray:
         """float64 [...]: the time of GEMMs of shapes (m, n, k) (broadcast), in us."""
-        from scipy.interpolate import RegularGridInterpolator
-
         m, n, k = np.broadcast_arrays(np.asarray(m, np.float64), np.asarray(n, np.float64), np.asarray(k, np.float64))
         mc = np.clip(m, self.m_M[0], self.m_M[-1])
         nc = np.clip(n, self.n_N[0], self.n_N[-1])
@@ -178,9 +176,15 @@ def gemm_table(system: str, dtype: str) -> GemmTable | None:
     return None
 
 
-#: FlashAttention's backward over its forward (Dao, FlashAttention-2: 5 matmuls to 2), applied to a
-#: measured forward (no measured backward table exists).
-ATTN_BWD_FACTOR = 2.5
+#: FlashAttention's backward FLOPs over its forward's (Dao, FlashAttention-2: 5 matmuls to 2).
+ATTN_BWD_FLOPS = 2.5
+#: FlashAttention-3's backward rate over its forward's on H100 SXM5 at head dim 128, 4k tokens, no
+#: causal mask: 542 / 638 TFLOP/s (Shah et al., "FlashAttention-3", 2024, the forward and backward
+#: speed figures): the backward's dQ accumulation (atomic adds in FP32) and its five matmuls keep it
+#: below the forward's rate.
+ATTN_BWD_EFFICIENCY = 542.0 / 638.0
+#: A measured forward's backward (no measured backward table exists): its FLOPs at its rate.
+ATTN_BWD_FACTOR = ATTN_BWD_FLOPS / ATTN_BWD_EFFICIENCY
 
 
 @lru_cache(maxsize=8)
@@ -302,5 +306,5 @@ def load_measured(topology) -> Measured | None:
     return Measured(got[0], got[1], die)
 
 
-__all__ = ["ATTN_BWD_FACTOR", "BACKENDS", "attention_table", "attention_us", "DIE_PRESET", "GemmTable", "KERNELS", "Measured", "SYSTEMS", "available", "data_root",
+__all__ = ["ATTN_BWD_EFFICIENCY", "ATTN_BWD_FACTOR", "ATTN_BWD_FLOPS", "BACKENDS", "attention_table", "attention_us", "DIE_PRESET", "GemmTable", "KERNELS", "Measured", "SYSTEMS", "available", "data_root",
            "gemm_table", "load_measured", "system_for"]

@@ -10,7 +10,9 @@ kernels do since mid-2025 (option ``nvlink = false``: every peer over the NIC, t
 pure-RDMA kernels). The kernels use every SM and send one RDMA write per row, which the simulator
 charges at the NIC (``moonep_sim.sim.kernels``). Option ``impl`` names the kernel family that
 prices them (``moonep_sim.plan.kernel``: DeepEP V1 low-latency by default; NCCL EP LL, UCCL-EP LL,
-NIXL EP, mori LL; ``pplx`` also changes the movement: one message per (token, destination rank)).
+NIXL EP, mori LL; ``pplx`` also changes the movement: one message per (token, destination rank);
+``mori-ll`` relays through the same-index GPU of each node, as ``deepep`` does, its inter-node hop
+a broadcast of every token to every other node -- ROCm/mori's InterNodeV1LL).
 
 How DeepEP counts its bandwidth (ANCHORS): bytes per selection times the number of selections,
 the local rank included, over the kernel's time (:func:`ll_counted_bytes`).
@@ -21,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 from moonep_sim.errors import require
-from moonep_sim.plan import GlobalRouting, Plan, Slots, RowCosts, home_slots, plan_from_slots
+from moonep_sim.plan import (GlobalRouting, Plan, RowCosts, Scope, Slots, home_slots, plan_from_hops, plan_from_slots,
+                             to_final, to_node_of_final)
 from moonep_sim.plan.kernel import FAMILIES, family, family_spec
 from moonep_sim.plan.multihop import home_entry_slots
 from moonep_sim.strategies import Option, PlanContext, register
@@ -70,6 +73,12 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, dispatch_dtype: str, max_t
     # fixed receive buffers: [local experts, max tokens x ranks] rows, padded segments included
     tp = max(int(ctx.token_padding), 1)
     capacity = local_E * (T_max * R + (tp - 1))
+    if fam.node_relay:  # mori's InterNodeV1LL: through the same-index GPU of each node, then XGMI / NVLink
+        hops = [to_node_of_final(ctx.cluster, dedup=True), to_final(Scope.INTRA_NODE, dedup=True)]
+        return plan_from_hops(routing, ctx.cluster, ll_row_costs(ctx.costs, dispatch_dtype), Slots(sr, se, sr),
+                              home_entry_slots(slot_of, routing.topk_ids_TK), hops, token_padding=tp,
+                              capacity_R=capacity, options={"max_tokens": T_max}, perf=ctx.perf,
+                              kernel=family_spec(fam, sms=sms, relay=True, nic_only=not nvlink, planned=False))
     return plan_from_slots(routing, ctx.cluster, ll_row_costs(ctx.costs, dispatch_dtype), Slots(sr, se, sr),
                            home_entry_slots(slot_of, routing.topk_ids_TK), dedup=fam.dedup_per_rank, token_padding=tp,
                            capacity_R=capacity, options={"max_tokens": T_max}, perf=ctx.perf,

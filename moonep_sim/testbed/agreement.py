@@ -32,7 +32,7 @@ import numpy as np
 
 from moonep_sim.errors import require
 from moonep_sim.gloo.launcher import reports_by_strategy
-from moonep_sim.io import write_text_atomic
+from moonep_sim.io import load_average, write_text_atomic
 from moonep_sim.analysis.ranking import agreement
 from moonep_sim.testbed.netns import Testbed, TestbedSpec, format_rate
 from moonep_sim.testbed.run import LaunchSpec, launch_nodes, measure_gloo, signals_raise
@@ -161,7 +161,7 @@ def run_agreement(cfg: AgreeConfig, progress: Callable[[str], None] | None = Non
             write_text_atomic(json_out, json.dumps(report, indent=2, default=str))
 
     t_start = time.perf_counter()
-    report["load_average_start"] = _loadavg()
+    report["load_average_start"] = load_average()
     with signals_raise():
         for (N, G) in cfg.shapes:
             spec = TestbedSpec(nodes=N, rate_bps=cfg.rate_bps)
@@ -228,7 +228,7 @@ def run_agreement(cfg: AgreeConfig, progress: Callable[[str], None] | None = Non
                         save()
     report["summary"] = summarize(report)
     report["wall_s"] = time.perf_counter() - t_start
-    report["load_average_end"] = _loadavg()
+    report["load_average_end"] = load_average()
     save()
     return report
 
@@ -241,14 +241,6 @@ def _replay_all(tb, case: AgreeCase, cfg: AgreeConfig, G: int, out: Path, logs: 
     launch_nodes(tb, LaunchSpec(G, module_args=replay_args(case, ",".join(names), G, cfg.hidden, cfg.ffn, cfg.iters,
                                                            str(out)), timeout_s=cfg.timeout_s), logs)
     return reports_by_strategy(json.loads(out.read_text()))
-
-
-def _loadavg() -> list[float] | None:
-    import os
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
 
 
 def summarize(report: dict) -> dict:

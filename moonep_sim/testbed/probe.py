@@ -88,6 +88,8 @@ def gloo_probe(json_out: str | None, mbytes: float, reps: int) -> dict:
     exchange: every rank sends its uniform all-to-all's off-node bytes to its one peer on the
     other node (hierarchical's inter-node hop: G flows per node link and direction instead of
     G x G). Reports medians over ``reps``."""
+    from statistics import median_high as median   # the upper middle of an even count, as reported
+
     import torch
     import torch.distributed as dist
 
@@ -99,10 +101,6 @@ def gloo_probe(json_out: str | None, mbytes: float, reps: int) -> dict:
     res: dict = {"world_size": world, "nodes": nodes, "gpus_per_node": local}
     small = torch.zeros(1, dtype=torch.float32)
     big = torch.zeros(int(mbytes * 2**20) // 4, dtype=torch.float32)
-
-    def median(xs):
-        xs = sorted(xs)
-        return xs[len(xs) // 2]
 
     if nodes > 1:
         rtt, one_way = [], []

@@ -488,7 +488,9 @@ def _launch(argv: Sequence[str]) -> int:
     if args.json:
         check_outputs({"--json": args.json}, {"--trace": args.trace, "--spec": args.spec})
     check_before_ranks(args, args.nproc)
-    rest = _strip_launch_args(argv)
+    from moonep_sim.gloo.launcher import strip_launch_args
+
+    rest = strip_launch_args(argv)
     rep = run_replay(args.nproc, rest, timeout_s=max(600.0, 10 * args.timeout))
     if args.json:
         write_text_atomic(args.json, json.dumps(rep, indent=1, sort_keys=True), what="--json")
@@ -506,22 +508,6 @@ def run_replay(nproc: int, argv: Sequence[str], timeout_s: float = 600.0, **kw: 
     from moonep_sim.gloo.launcher import run_rank_program
 
     return run_rank_program(MODULE, nproc, argv, timeout_s, **kw)
-
-
-def _strip_launch_args(argv: Sequence[str]) -> list[str]:
-    """``argv`` without ``--nproc N`` and ``--json PATH`` (the launcher owns both)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in ("--nproc", "--json"):
-            skip = True
-            continue
-        if a.startswith(("--nproc=", "--json=")):
-            continue
-        out.append(a)
-    return out
 
 
 if __name__ == "__main__":
