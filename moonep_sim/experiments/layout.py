@@ -183,7 +183,7 @@ LAYOUT_ASSUMPTIONS = (
     "through 1/tp of the weight (column-parallel shape); the router, latent projection and attention core run the "
     "rank's 1/tp share of the tokens (MLA's replicated latent cache read per rank not multiplied by tp)",
     "training launches eagerly: the host issues each block's kernels (counts from DeepSeek's H800 trace) and waits "
-    "at every device-to-host sync (Megatron's all-to-all dispatcher, DeepEP's count wait); 80.5 us per launch for "
+    "at every device-to-host sync (Megatron's all-to-all dispatcher, DeepEP's count wait); 82 us per launch for "
     "Megatron-Core FITTED on development row 2, 28.5 us measured in DeepSeek's trace for DualPipe (moonep_sim.step.host)",
     "serving under TP attention: an EP group inside the TP group runs its experts on the replicated tokens, no "
     "dispatch or combine (the TP all-reduces stay)",

@@ -345,6 +345,19 @@ class _Engine:
         # 5: the busiest rank's shape, priced
         pf = np.asarray(pf_ids, np.int64)
         pt = np.asarray(pf_tok, np.int64)
+        dt, shape = self._price(i, pf, pt, dec, blocks_R)
+        s.inflight = (pf, pt, dec, (t, dt) + shape)
+        s.busy = True
+        self.push(t + dt, 1, i)
+        return True
+
+    def _price(self, i: int, pf: np.ndarray, pt: np.ndarray, dec: np.ndarray, blocks_R: np.ndarray):
+        """Step 5 of an iteration on worker ``i``: the busiest rank's shape (prompt chunks ``pf`` of
+        ``pt`` tokens, decodes ``dec``) priced by the worker's step-time model. Returns the
+        iteration's seconds and its record ``(n_pre, c_pre, n_dec, c_dec, kv_use)``."""
+        s, w = self.W[i], self.W[i].w
+        cfg, R = w.cfg, w.ranks
+        k = cfg.mtp_tokens
         pre_R = np.bincount(self.rank[pf], weights=pt, minlength=R) if len(pf) else np.zeros(R)
         dec_R = np.bincount(self.rank[dec], minlength=R) if len(dec) else np.zeros(R)
         b = int(np.argmax(pre_R + dec_R * (1 + k)))
@@ -363,10 +376,7 @@ class _Engine:
             us += cfg.eplb_us
         dt = us * 1e-6
         kv_use = float((blocks_R[b] + 0.0) / self.cap_blocks[i])
-        s.inflight = (pf, pt, dec, (t, dt, n_pre, c_pre, n_dec, c_dec, kv_use))
-        s.busy = True
-        self.push(t + dt, 1, i)
-        return True
+        return dt, (n_pre, c_pre, n_dec, c_dec, kv_use)
 
     def end(self, t: float, i: int) -> None:
         s, w = self.W[i], self.W[i].w
