@@ -136,7 +136,8 @@ def attach_fits(cfg, out: dict, footprints: dict) -> None:
         return
     par = getattr(cfg, "parallel", None) or pure_ep(cfg.ctx.cluster.ranks)
     fp8 = float(getattr(cfg.topology, "gpu_tflops_fp8", 0) or 0) > 0
-    host = host_capacity(cfg.topology)
+    # the plain step (no layout) does not time the optimizer, so it takes no offload: none is suggested
+    host = host_capacity(cfg.topology) if getattr(cfg, "parallel", None) is not None else 0.0
     for name, d in out.items():
         d["fit"] = smallest_fit(cfg.model, cfg.shape, par, footprints[name], cfg.memory, d["gpu_memory_bytes"],
                                 fp8=fp8, expert_slots=cfg.ctx.placement.num_slots, host_bytes_per_node=host,
