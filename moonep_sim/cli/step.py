@@ -332,6 +332,13 @@ def run_search(args) -> int:
     for flag, v in (("--timeline", args.timeline), ("--gantt", args.gantt), ("--out", args.out),
                     ("--tokens-per-rank", args.tokens_per_rank if args.mode == "train" else None)):
         require(v is None, f"{flag} ({v}) does not apply to --search")
+    from moonep_sim.experiments.layout_search import SEARCH_STEP_OPTIONS
+
+    for flag, dest, default in STEP_FLAGS:
+        v = getattr(args, dest, None)
+        require(dest in SEARCH_STEP_OPTIONS or v is None or v == default,
+                f"{flag} ({v!r}) does not apply to --search: the search prices every layout with "
+                f"{', '.join(f for f, d, _ in STEP_FLAGS if d in SEARCH_STEP_OPTIONS)} only")
     sc = scenario(args)
     c = wide_console()
     schedules = (args.pp_schedule,) if args.pp_schedule else ("1f1b", "interleaved", "dualpipe")
