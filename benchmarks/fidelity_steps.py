@@ -40,10 +40,24 @@ error of each row is ``predicted / published - 1``.
   pipeline of 2 and recompute off): the interleaved schedule at vpp 2 and the DP gradient reduce
   overlapped (``overlap_grad_reduce``, ASSUMED from the recipe); the EP all-to-all overlap itself
   (Megatron-Core's combined 1F1B of a forward and a backward) is NOT modelled. Mean iteration seconds.
-- **Row 5** (torchtitan with DeepEP, Qwen3-30B-A3B EP8, a B200-class GPU): the ratios only --
-  DeepEP over the default all-to-all in tokens/s per GPU at one node, 16 nodes over one node with
-  DeepEP, memory per GPU 16 nodes over one; ASSUMED (the PR does not say): FSDP (ZeRO 3) over all
-  GPUs, one 4096-token sequence per GPU per step, b200 topology.
+- **Row 5** (torchtitan with DeepEP, Qwen3-30B-A3B EP8 on B200, the GPU its source's README
+  names): the ratios only -- DeepEP over the default all-to-all in tokens/s per GPU at one node,
+  16 nodes over one node with DeepEP, memory per GPU 16 nodes over one. As torchtitan runs it
+  (``torchtitan/distributed/expert_parallel.py`` and ``deepep/deepep.py`` at the DeepEP
+  integration, pytorch/torchtitan 36a4b69): FSDP2 over all GPUs (``zero=3``, the routed experts
+  sharded over the ``dp / ep`` ranks of their ``edp`` mesh), gradients reduce-scattered per block
+  during the backward (``overlap_grad_reduce``), fp32 parameter shards (16 B per parameter:
+  ``FSDP2_OPTIMIZER_BYTES_PER_PARAM``); 8 sequences per GPU per step (the source's local batch
+  size); sequence length 2048, derived from the row's 341 TFLOPS at 14,796 tokens/s by torchtitan's
+  own FLOP count (:func:`torchtitan_flops_per_token`); DeepEP's normal kernels at 24 SMs (the
+  source's B200 EP8 config). The default all-to-all -> ``alltoall`` (it sends every (token, k)
+  copy and syncs the host for its splits: ``.to("cpu", non_blocking=False)`` before
+  ``all_to_all_single``, as Megatron's dispatcher); DeepEP -> ``deepep`` (normal kernels, the host
+  waiting for the received counts). ASSUMED: eager (torchtitan's ``compile.enable`` defaults to
+  false), at Megatron's fitted host cost per launch (torchtitan's is not measured; DeepSeek's
+  measured eager 28.5 us is the other sourced value, its effect stated in the results page);
+  recompute off (torchtitan's default, a full checkpoint of every second block, would put the
+  step's activations at about half; not modelled per block).
 
 Groups: training (rows 1, 2 step times), memory (row 1), ratios (row 5); serving has no
 development row here (the serving model's own benchmark covers it).
@@ -61,6 +75,8 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 from statistics import median
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -81,12 +97,13 @@ def _truncated(name: str, layers: int, dense: int):
 BEFORE = {"on": False}
 
 
-def _step(model, topology: str, strategies: str, gpus: int, parallel, gen: str, options=None):
+def _step(model, topology: str, strategies: str, gpus: int, parallel, gen: str, options=None, context: int = SEQ,
+          **step_options):
     from moonep_sim.experiments.scenario import Scenario
 
     sc = Scenario(routing=f"gen:model={gen},uniform=1", model=model, cluster=(gpus, 0), topology=topology,
                   strategies=strategies, options=options or {})
-    res = sc.step("train", parallel=parallel, context=SEQ)
+    res = sc.step("train", parallel=parallel, context=context, **step_options)
     SOURCES.update(str(v).replace(", grouped: a rank's experts read as one GEMM", "") for v in (res.setup.get("compute_sources") or {}).values())
     return res.figures
 
@@ -146,13 +163,58 @@ def row2() -> list[dict]:
     return out
 
 
+#: Row 5's sequences per GPU per step: the local batch size (``LBS``) its source gives for the
+#: 16-node run (NousResearch/torchtitan ``torchtitan/distributed/deepep/README.md``; torchtitan's
+#: ``training.local_batch_size`` default is 8 too), one micro-batch (no gradient accumulation).
+ROW5_LOCAL_BATCH = 8
+#: FSDP2 under torchtitan's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` keeps the
+#: sharded parameters in fp32 (4 B, the master copy itself), fp32 gradients (4 B) and Adam's two
+#: moments (8 B): 16 B per parameter. The step's memory counts a weight's bf16 2 B and 4 B of
+#: gradient, so the optimizer's share is 16 - 2 - 4 = 10 B (Megatron's 12 B adds a separate fp32
+#: master beside the bf16 weight).
+FSDP2_OPTIMIZER_BYTES_PER_PARAM = 4 + 8 - 2
+#: SMs of DeepEP's normal kernels in the row's code: its default tuned B200 EP8 config (24 SMs, the
+#: same README's "Tuned Configurations").
+ROW5_DEEPEP_SMS = 24
+
+
+def torchtitan_flops_per_token(m, seq: int) -> float:
+    """torchtitan's model FLOPs per token (``get_moe_model_nparams_and_flops``, which its logged
+    TFLOPS divide by): 6 x the parameters a token uses other than the token embedding (attention,
+    norms, router, ``top_k / E`` of the routed experts, the output head) + 12 x layers x heads x
+    head_dim x ``seq``. GQA models only (Qwen3's stack: q/k norms of head_dim each)."""
+    H, hd = m.hidden, m.head_dim
+    attn = H * m.heads * hd + 2 * H * m.kv_heads * hd + m.heads * hd * H + 2 * hd   # q, k, v, o, q/k norms
+    layer = attn + 2 * H + H * m.num_experts + m.top_k * 3 * H * m.expert_ffn       # + 2 norms, router, experts
+    active = m.layers * layer + H + m.vocab * H                                      # + final norm, output head
+    return 6.0 * active + 12.0 * m.layers * m.heads * hd * seq
+
+
+def torchtitan_seq_len(m, flops_per_token: float) -> float:
+    """The sequence length at which :func:`torchtitan_flops_per_token` equals ``flops_per_token``
+    (the published TFLOPS over the published tokens/s)."""
+    base = torchtitan_flops_per_token(m, 0)
+    return (flops_per_token - base) / (12.0 * m.layers * m.heads * m.head_dim)
+
+
 def row5() -> list[dict]:
+    from moonep_sim.models import get_model
     from moonep_sim.step.parallel import Parallel
 
-    one = _step("qwen3-30b-a3b", "b200", "alltoall,deepep", 8,
-                Parallel(dp=8, ep=8, zero=3, global_batch_size=8), "qwen3-30b-a3b")
-    many = _step("qwen3-30b-a3b", "b200", "deepep", 128,
-                 Parallel(dp=128, ep=8, zero=3, global_batch_size=128), "qwen3-30b-a3b")
+    # the sequence length the row ran: its published 341 TFLOPS at 14,796 tokens/s per GPU, by
+    # torchtitan's FLOP count, gives 2033 (+-14 from the TFLOPS' rounding): 2048, torchtitan's default
+    seq = 2 ** round(np.log2(torchtitan_seq_len(get_model("qwen3-30b-a3b"), 341e12 / 14796)))
+
+    def par(gpus: int):
+        # FSDP2 reduce-scatters each block's gradients in its post-backward hook, overlapped with the
+        # backward of the blocks before it (overlap_grad_reduce); parameters all-gathered per block (ZeRO 3)
+        return Parallel(dp=gpus, ep=8, zero=3, micro_batch_size=ROW5_LOCAL_BATCH,
+                        global_batch_size=ROW5_LOCAL_BATCH * gpus, overlap_grad_reduce=True)
+
+    kw = dict(options={"deepep": {"sms": ROW5_DEEPEP_SMS}}, context=seq,
+              optimizer_bytes_per_param=FSDP2_OPTIMIZER_BYTES_PER_PARAM)
+    one = _step("qwen3-30b-a3b", "b200", "alltoall,deepep", 8, par(8), "qwen3-30b-a3b", **kw)
+    many = _step("qwen3-30b-a3b", "b200", "deepep", 128, par(128), "qwen3-30b-a3b", **kw)
     tps = lambda f: f["tokens_per_s_per_gpu"]
     return [dict(row=5, group="ratios", case="EP8 1 node: DeepEP / default all-to-all tokens/s/GPU", unit="x",
                  published=14796 / 9930, predicted=tps(one["deepep"]) / tps(one["alltoall"])),

@@ -12,6 +12,7 @@ Row-size conventions (DeepEP's):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -172,9 +173,10 @@ class ModelSpec:
             require(kind in ATTENTION_KINDS,
                     f"attention kind ({kind!r}) must be one of {', '.join(ATTENTION_KINDS)} (model {self.name})")
 
-    @property
+    @functools.cached_property
     def attention_kinds(self) -> tuple[str, ...]:
-        """The attention pattern as a tuple (cycled over the layers); () when not given."""
+        """The attention pattern as a tuple (cycled over the layers); () when not given. Parsed once
+        per instance (a 93-layer pattern is read per layer by the memory account and the step)."""
         return tuple(k.strip() for k in self.attention.split(",") if k.strip())
 
     def attention_kind(self, layer: int) -> str:

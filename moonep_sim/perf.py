@@ -34,17 +34,27 @@ class PerfConfig:
     pair_table_max: (sender, receiver) pairs up to which a flow network builds its per-port-map
         pair tables (each pair's block and latency, read by the compiled submission); above it
         submissions classify their transfers in numpy. 2**18: 512 ranks.
+    validate_chunk: entries, messages or final rows per chunk of ``moonep_sim.plan.validate``'s
+        walks (at least 1): each chunk's temporaries stay in cache and are reused, where
+        whole-array temporaries cost fresh zeroed pages -- ~3 GiB per validate of an all-gather's
+        hop (33.5M messages at K3 EP64), the bulk of a first run's system time.
+    block_walk_min_mean: messages per (source, destination) block on average from which a sorted
+        hop is walked block by block (each block's ranks scalars: an all-gather's hop ~3x faster).
     """
 
     plan_compiled_min: int = 1 << 16
     thread_min: int = 1 << 20
     pair_rows_compiled_min: int = 1 << 16
     pair_table_max: int = 1 << 18
+    validate_chunk: int = 1 << 18
+    block_walk_min_mean: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("plan_compiled_min", "thread_min", "pair_rows_compiled_min", "pair_table_max"):
+        for name in ("plan_compiled_min", "thread_min", "pair_rows_compiled_min", "pair_table_max",
+                     "validate_chunk", "block_walk_min_mean"):
             v = getattr(self, name)
             require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{name} ({v!r}) must be an integer >= 0")
+        require(self.validate_chunk >= 1, f"validate_chunk ({self.validate_chunk}) must be >= 1: entries per chunk")
 
 
 #: the settings every function uses unless given others

@@ -27,6 +27,11 @@ class BlockCountsReference(BlockCounts):
         super().__init__(ports)
         self._hint: list[int] = []
         self.cell_NW = self.other_NW = None
+        self._positions()
+
+    def _positions(self) -> None:
+        """``pos_WD``: each row's position in a prefix of candidate ports (for :meth:`_prefix_run`)."""
+        self.pos_WD = np.repeat(np.arange(RUN_MAX)[:, None], self.port_nodes.shape[1], axis=1)
 
     def fresh(self) -> "BlockCountsReference":
         new = super().fresh()
@@ -287,4 +292,5 @@ def reference(bc: BlockCounts) -> BlockCountsReference:
     new.cnt_dst[:] = bc.cnt_dst
     new._hint = []
     new.cell_NW = new.other_NW = None
+    new._positions()
     return new

@@ -20,9 +20,14 @@ def test_overrides_make_a_new_value_and_leave_the_defaults():
 
 
 @pytest.mark.parametrize("field, value", [("plan_compiled_min", -1), ("thread_min", 1.5), ("pair_rows_compiled_min", None),
-                                          ("pair_table_max", True), ("pair_table_max", -2)])
+                                          ("pair_table_max", True), ("pair_table_max", -2), ("validate_chunk", -1)])
 def test_a_bad_setting_is_refused_with_its_name(field, value):
     with pytest.raises(ConfigError, match=rf"^{field} \({value!r}\) must be an integer >= 0$"):
         perf_config(**{field: value})
     with pytest.raises(TypeError):
         perf_config(no_such_setting=1)
+
+
+def test_validate_chunk_must_hold_an_entry():
+    with pytest.raises(ConfigError, match=r"^validate_chunk \(0\) must be >= 1: entries per chunk$"):
+        perf_config(validate_chunk=0)

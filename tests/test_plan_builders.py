@@ -10,7 +10,6 @@ implementation of ``validate``, kept as its reference.
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, RowCosts, plan_from_slots, single_hop_messages, \
     slot_layout, validate
-from moonep_sim.perf import perf_config
+from moonep_sim.perf import DEFAULT_PERF, perf_config
 from moonep_sim.plan import INDEX, SCOPES, Hop, Slots
 
 
@@ -364,14 +363,14 @@ def test_validate_matches_reference_on_corrupted_plans(seed, field, delta, dedup
         if a.size:
             a.flat[rng.integers(a.size)] += delta
         p = dataclasses.replace(p, **{field: a})
-    vmod = sys.modules["moonep_sim.plan.validate"]  # (the package exports a function of that name)
-    default = vmod.HOP_CHUNK, vmod.BLOCK_MIN_MEAN
-    vmod.HOP_CHUNK = chunk or default[0]
-    vmod.BLOCK_MIN_MEAN = 0 if chunk % 2 else default[1]  # odd chunks: the block walk too
-    try:
-        assert validate(p) == ref_validate(p)
-    finally:
-        vmod.HOP_CHUNK, vmod.BLOCK_MIN_MEAN = default
+    assert validate(p, _walk_perf(chunk)) == ref_validate(p)
+
+
+def _walk_perf(chunk: int):
+    """validate's settings for a drawn ``chunk`` (0: the default chunk; odd: the block walk for every
+    sorted hop too)."""
+    return perf_config(validate_chunk=chunk or DEFAULT_PERF.validate_chunk,
+                       block_walk_min_mean=0 if chunk % 2 else DEFAULT_PERF.block_walk_min_mean)
 
 
 @settings(max_examples=100, deadline=None)
@@ -400,16 +399,9 @@ def test_validate_counting_counts_each_hops_rows(seed, field, delta, chunk, stra
         if a.size:
             a.flat[rng.integers(a.size)] += delta
         p = dataclasses.replace(p, **{field: a})
-    vmod = sys.modules["moonep_sim.plan.validate"]
-    default = vmod.HOP_CHUNK, vmod.BLOCK_MIN_MEAN
-    vmod.HOP_CHUNK = chunk or default[0]
-    vmod.BLOCK_MIN_MEAN = 0 if chunk % 2 else default[1]
-    try:
-        errs, rows = validate_counting(p)
-        assert errs == validate(p)
-        summary = p.summary() if rows is not None else None  # (a hop with ranks out of range has no rows_RR)
-    finally:
-        vmod.HOP_CHUNK, vmod.BLOCK_MIN_MEAN = default
+    errs, rows = validate_counting(p, _walk_perf(chunk))
+    assert errs == validate(p, _walk_perf(chunk))
+    summary = p.summary() if rows is not None else None  # (a hop with ranks out of range has no rows_RR)
     if valid:
         assert errs == [] and rows is not None
     if rows is not None:

@@ -43,7 +43,8 @@ from moonep_sim.strategies import PlanContext, make_plan
 
 from moonep_sim.plan import reference  # noqa: E402
 
-ref_route_hop, ref_dup_flags, ref_home_slots = reference.route_hop, reference.dup_flags, reference.home_slots
+ref_route_hop, ref_dup_flags = reference.route_hop, reference.dup_flags
+from moonep_sim.plan import home_slots as ref_home_slots  # noqa: E402  (a placement's home slots: one plain form)
 
 
 def ref_assemble_plan(strategy: str, options: dict[str, Any], *args, started: float | None = None, **kw) -> Plan:

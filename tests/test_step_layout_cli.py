@@ -39,6 +39,7 @@ def _status(argv, capsys):
     (["--tp", "2", "--gpus", "7"], r"--gpus \(7\) must be a multiple of tp x cp x pp \(2\) to derive --dp"),
     (["--search", "--tp", "2", "--gpus", "8"], r"--tp is chosen by --search"),
     (["--search"], r"--search needs --gpus N"),
+    (["--search", "--gpus", "8"], r"--distinct-layers \(1\) does not apply to --search"),
 ])
 def test_bad_layout_flags_are_one_line(extra, match, capsys, tmp_path):
     rc, out, err = _status(STEP + [x.replace("{tmp}", str(tmp_path)) for x in extra], capsys)
@@ -48,6 +49,20 @@ def test_bad_layout_flags_are_one_line(extra, match, capsys, tmp_path):
     import re
     assert re.search(match, lines[0]), lines[0]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--compute-profile", "p.csv"], r"--compute-profile \('p.csv'\) does not apply to --search"),
+    (["--optimizer-shard", "2"], r"--optimizer-shard \(2\) does not apply to --search"),
+    (["--mtp-depth", "1", "--mode", "decode"], r"--mtp-depth \(1\) does not apply to --search"),
+    (["--static-buffer", "alltoall=8"], r"--static-buffer \(\['alltoall=8'\]\) does not apply to --search"),
+])
+def test_search_refuses_step_flags_it_does_not_price(extra, match, capsys):
+    """A step flag the layout search does not price is refused in one line, never silently ignored."""
+    rc, _, err = _status(["step", "--gen", GEN, "--strategies", "alltoall", "--search", "--gpus", "8"] + extra, capsys)
+    import re
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and re.search(match, lines[0]), err
 
 
 def test_compare_and_sweep_refuse_layout_flags_at_layer_level(capsys, tmp_path):

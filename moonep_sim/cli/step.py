@@ -65,7 +65,9 @@ STEP_FLAGS = (("--mode", "mode", "train"), ("--tokens-per-rank", "tokens_per_ran
               ("--weight-dtype", "weight_dtype", "bf16"), ("--kv-dtype", "kv_dtype", "bf16"),
               ("--mtp-depth", "mtp_depth", 0), ("--mtp-acceptance", "mtp_acceptance", 0.8),
               ("--recompute", "recompute", False), ("--optimizer-shard", "optimizer_shard", 0),
-              ("--optimizer-bytes-per-param", "optimizer_bytes_per_param", 12.0))
+              ("--optimizer-bytes-per-param", "optimizer_bytes_per_param", 12.0),
+              ("--optimizer-offload-fraction", "optimizer_offload", 0.0),
+              ("--overlap-cpu-optimizer-d2h-h2d", "offload_overlap", False))
 
 
 def add_step_options(p, *, level: bool = False, tokens: bool = True) -> None:
@@ -121,6 +123,15 @@ def add_step_options(p, *, level: bool = False, tokens: bool = True) -> None:
                    help="ranks the dense weights' optimizer state is sharded over (0 = all ranks)" + at)
     p.add_argument("--optimizer-bytes-per-param", type=float, default=d["optimizer_bytes_per_param"],
                    help="optimizer state per parameter (12 = mixed-precision Adam: fp32 master, m, v)" + at)
+    p.add_argument("--optimizer-offload-fraction", dest="optimizer_offload", type=float, default=d["optimizer_offload"],
+                   metavar="F",
+                   help="train under a layout: the fraction of the optimizer state held and stepped on the host "
+                        "(Megatron's optimizer CPU offload: fp32 master and moments in host memory, gradients and "
+                        "updated weights over PCIe; 0 = none; --search: the least of 0, 0.5, 1 that fits)" + at)
+    p.add_argument("--overlap-cpu-optimizer-d2h-h2d", dest="offload_overlap", action="store_true",
+                   default=d["offload_overlap"],
+                   help="with optimizer CPU offload: pipeline its copies and CPU step over parameters (Megatron's "
+                        "flag; off: one after the other)" + at)
     from moonep_sim.cli.layout import add_layout_options
 
     add_layout_options(p, at=at)
@@ -321,6 +332,13 @@ def run_search(args) -> int:
     for flag, v in (("--timeline", args.timeline), ("--gantt", args.gantt), ("--out", args.out),
                     ("--tokens-per-rank", args.tokens_per_rank if args.mode == "train" else None)):
         require(v is None, f"{flag} ({v}) does not apply to --search")
+    from moonep_sim.experiments.layout_search import SEARCH_STEP_OPTIONS
+
+    for flag, dest, default in STEP_FLAGS:
+        v = getattr(args, dest, None)
+        require(dest in SEARCH_STEP_OPTIONS or v is None or v == default,
+                f"{flag} ({v!r}) does not apply to --search: the search prices every layout with "
+                f"{', '.join(f for f, d, _ in STEP_FLAGS if d in SEARCH_STEP_OPTIONS)} only")
     sc = scenario(args)
     c = wide_console()
     schedules = (args.pp_schedule,) if args.pp_schedule else ("1f1b", "interleaved", "dualpipe")
@@ -333,7 +351,8 @@ def run_search(args) -> int:
                        gemm_dtype=args.gemm_dtype or "bf16", recompute=args.recompute or False,
                        weight_dtype=args.weight_dtype or "bf16", kv_dtype=args.kv_dtype or "bf16",
                        optimizer_bytes_per_param=(12.0 if args.optimizer_bytes_per_param is None
-                                                  else args.optimizer_bytes_per_param))
+                                                  else args.optimizer_bytes_per_param),
+                       optimizer_offload=args.optimizer_offload or 0.0, offload_overlap=bool(args.offload_overlap))
     with progress(c, "layouts", lines=args.json is not None) as cb:
         rep = search_layouts(sc, space, step, progress=lambda d, n: cb("priced" if d <= n else "", d, n))
     if emit_json(args, rep, lenient=True):

@@ -174,7 +174,8 @@ def add_layout_mtp(figures: dict, cfg, p, mtp) -> dict:
 LAYOUT_ASSUMPTIONS = (
     "TP/SP/ETP/CP collectives exposed (no TP-communication overlap); CP ring traffic not overlapped with attention",
     "DP gradients reduced in fp32, parameters gathered in bf16 (ring, one per rail); optimizer step memory-bound "
-    "at 30 B/param of the shard, its gradient norm 4 B/param, the fp32 gradient buffer zeroed (4 B/param)",
+    "at 30 B/param of the shard, its gradient norm 4 B/param, the fp32 gradient buffer zeroed (4 B/param); with "
+    "optimizer CPU offload its host part over PCIe at 80% and a CPU Adam at half the node's DRAM bandwidth",
     "pipeline sends over the link the stage boundary crosses; DualPipe order by the rule of its figure, "
     "no zero-bubble weight split",
     "memory per pipeline rank by the layout's account (memory_for_layout) over the Plans of the layers simulated; "

@@ -11,9 +11,13 @@ where it applies (interleaved with vpp 2, DualPipe with an even pp). Training ke
 layouts (default ``N x micro_batch_size`` sequences, so every d divides it); each layout is
 validated as a whole (:meth:`~moonep_sim.step.parallel.Parallel.check`), the invalid ones dropped.
 
-Layouts whose weights, gradients and optimizer state alone exceed the GPU
-(:func:`~moonep_sim.step.layout_step.static_memory_bytes`) are dropped before any simulation
-(counted and flagged). **Priced as a model** (fast: a few layer simulations, not a step per layout): the MoE and dense
+Layouts whose weights, gradients and optimizer state alone exceed the GPU (the memory account on
+a balanced stand-in, :func:`~moonep_sim.step.memory.memory_for_layout`) are dropped before any
+simulation (counted and flagged). **Optimizer CPU offload** is enumerated where the cluster gives
+its hosts (``[cpu] memory_GiB``) and no fraction is asked for: each layout takes the least of
+``LayoutSpace.offloads`` (0, 0.5, 1) under which its account fits the GPU and the node's host
+memory (:func:`~moonep_sim.step.offload.offload_fits`), and the next one up when every strategy
+still runs out of memory on the priced Plans. **Priced as a model** (fast: a few layer simulations, not a step per layout): the MoE and dense
 layers of a stage program depend on the layout only through (e, T, the EP group's GPUs per node),
 so for each distinct such key one layer of each kind (dense or MoE, and its attention kind) is
 simulated alone as today's step (one micro-batch of a one-layer model over the EP group, every MoE
@@ -145,37 +149,55 @@ def priced_stages(model, p, units: dict, name: str, shape, costs) -> list:
     return out
 
 
-def no_fit_note(model, gpus: int, static: list, mem, cap: float, shape_of: Callable, fp8: bool) -> dict[str, Any]:
+def no_fit_note(model, gpus: int, static: list, mem, cap: float, shape_of: Callable, fp8: bool, *,
+                offload: float = 0.0, host_cap: float = 0.0, gpus_per_node: int = 8) -> dict[str, Any]:
     """Why no layout fits on ``gpus`` GPUs of ``cap`` bytes, with the arithmetic: every parameter's
-    stored bytes (weights in their dtype, and in train the gradients and optimizer state) sharded over
-    every GPU is the floor no layout beats; and the smallest change that fits the layout with the
-    least static memory (``static``: (layout, bytes) pairs; :func:`~moonep_sim.step.memory_fit.smallest_fit`
-    on a balanced stand-in), or None."""
+    bytes that must stay on the GPU (weights in their dtype, and in train the gradients and the
+    optimizer state not offloaded: ``offload``, the largest fraction the search tried) sharded over
+    every GPU is the floor no layout beats; with offload, the host's floor too (the offloaded state
+    and its gradient copy over the nodes' ``host_cap`` bytes each, ``gpus_per_node`` GPUs a node);
+    the fewest GPUs both allow; and the smallest change that fits the layout with the least static
+    memory (``static``: (layout, bytes) pairs; :func:`~moonep_sim.step.memory_fit.smallest_fit` on a
+    balanced stand-in), or None."""
     import math
 
     from moonep_sim.step.dtypes import WEIGHT_DTYPES, get_dtype
     from moonep_sim.step.layout_step import chunk_params
     from moonep_sim.step.memory_fit import smallest_fit
+    from moonep_sim.step.offload import host_bytes_per_param
 
     dense, expert = chunk_params(model, 0, model.layers, True, True)
     params = dense + expert
     per = get_dtype(mem.weight_dtype, "weight dtype", WEIGHT_DTYPES).weight_bytes
     train = shape_of(static[0][0]).mode == "train" if static else False
+    off = offload if train else 0.0
     if train:
-        per += mem.grad_bytes_per_param + mem.optimizer_bytes_per_param
+        per += mem.grad_bytes_per_param + mem.optimizer_bytes_per_param * (1 - off)
     floor = params * per
+    host_per = host_bytes_per_param(mem.optimizer_bytes_per_param) * off
+    host_nodes = math.ceil(params * host_per / host_cap) if off and host_cap else 0
+    min_gpus = max(math.ceil(floor / cap), host_nodes * gpus_per_node)
     least, least_b = min(static, key=lambda x: x[1]) if static else (None, 0.0)
-    fit = smallest_fit(model, shape_of(least), least, [], mem, cap, fp8=fp8) if least is not None else None
-    line = (f"no layout fits in memory on {gpus} GPUs: {params / 1e12:.3g}T parameters x {per:g} B (weights"
-            + (", gradients and optimizer state" if train else "") + f") = {floor / 2**40:.1f} TiB, "
-            f"{floor / gpus / 2**30:.0f} GiB per GPU even fully sharded, over the {cap / 2**30:g} GiB a GPU has: "
-            f"at least {math.ceil(floor / cap)} GPUs")
+    fit = smallest_fit(model, shape_of(least), least, [], mem, cap, fp8=fp8, host_bytes_per_node=host_cap,
+                       gpus_per_node=gpus_per_node) if least is not None else None
+    what = "weights" + (", gradients and optimizer state" if train and off < 1 else ", gradients" if train else "")
+    line = (f"no layout fits in memory on {gpus} GPUs: {params / 1e12:.3g}T parameters x {per:g} B that stay on the "
+            f"GPU ({what}" + (f"; {off:g} of the optimizer state on the host" if off else "")
+            + f") = {floor / 2**40:.1f} TiB, {floor / gpus / 2**30:.0f} GiB per GPU even fully sharded, over the "
+            f"{cap / 2**30:g} GiB a GPU has: at least {math.ceil(floor / cap)} GPUs")
+    if host_nodes:
+        line += (f"; on the host {params / 1e12:.3g}T x {host_per:g} B (the offloaded optimizer state and its fp32 "
+                 f"gradient copy) = {params * host_per / 2**40:.1f} TiB over {host_cap / 2**30:g} GiB per node: at least "
+                 f"{host_nodes} nodes ({host_nodes * gpus_per_node} GPUs)")
+    if min_gpus > gpus:
+        line += f"; the smallest change that can fit: at least {min_gpus} GPUs"
     if least is not None:
         line += (f"; the least-loaded layout ({least.label()} ZeRO{least.zero}, {least_b / 2**30:.0f} GiB before "
                  "activations) fits with " + (f"{fit['change']} ({fit['detail']})" if fit else
-                                              "no single change or pair tried (recompute, ZeRO, more pipeline stages, "
-                                              "fp8 weights or KV)"))
-    return {"parameters": params, "bytes_per_param": per, "floor_bytes": floor, "min_gpus": math.ceil(floor / cap),
+                                              "no single change or pair tried (recompute, ZeRO, optimizer CPU offload, "
+                                              "more pipeline stages, fp8 weights or KV)"))
+    return {"parameters": params, "bytes_per_param": per, "floor_bytes": floor, "min_gpus": min_gpus,
+            "host_bytes_per_param": host_per, "min_host_nodes": host_nodes, "offload": off,
             "least_layout": least.to_dict() if least is not None else None, "least_static_bytes": least_b,
             "fit": fit, "line": line}
 
@@ -184,7 +206,8 @@ def no_fit_note(model, gpus: int, static: list, mem, cap: float, shape_of: Calla
 class LayoutSpace:
     """The layouts a search enumerates on ``gpus`` GPUs (:func:`enumerate_layouts`: micro-batch size,
     global batch size (0: ``gpus x micro_batch_size`` sequences), the pipeline schedules and ZeRO
-    stages asked for) and how many rows per strategy it ranks (``top``)."""
+    stages asked for), how many rows per strategy it ranks (``top``) and the optimizer CPU offload
+    fractions a layout may take where the cluster gives its hosts (``offloads``; the least that fits)."""
 
     gpus: int
     micro_batch_size: int = 1
@@ -192,16 +215,21 @@ class LayoutSpace:
     schedules: tuple[str, ...] = ("1f1b",)
     zeros: tuple[int, ...] = (1, 2, 3)
     top: int = 5
+    offloads: tuple[float, ...] = (0.0, 0.5, 1.0)
 
     def __post_init__(self) -> None:
+        from moonep_sim.step.offload import check_offload
+
         require(self.gpus >= 1, f"gpus ({self.gpus}) must be >= 1")
+        object.__setattr__(self, "offloads", tuple(sorted({0.0} | {check_offload(f, "offload fraction")
+                                                                   for f in self.offloads})))
         require(self.top >= 1, f"top ({self.top}) must be >= 1")
 
 
 #: the step options a layout search prices with; the others (the search chooses the layout and
 #: prices one layer per kind) must keep their defaults
 SEARCH_STEP_OPTIONS = ("mode", "overlap", "tokens_per_rank", "context", "gemm_dtype", "weight_dtype", "kv_dtype",
-                       "recompute", "optimizer_bytes_per_param")
+                       "recompute", "optimizer_bytes_per_param", "optimizer_offload", "offload_overlap")
 
 
 def search_layouts(scenario, space: LayoutSpace, step=None, *,
@@ -239,25 +267,30 @@ def search_layouts(scenario, space: LayoutSpace, step=None, *,
     require(bool(layouts), f"no valid layout of {model.name} on {gpus} GPUs ({G} per node): every tp, pp, dp, ep "
                            "split breaks a rule (heads, experts, layers or the GPU count)")
     costs, mem = o.priced(topo)   # as a step prices its ops (no profile, the optimizer over every rank)
-    run = _Search(scenario, probe, model, topo, min(G, gpus), o, seq, space.micro_batch_size, costs, mem, progress)
-    # what cannot fit even without activations is dropped before any simulation
-    from moonep_sim.step.layout_step import static_memory_bytes
+    from moonep_sim.step.memory_fit import host_capacity
 
+    host_cap = host_capacity(topo)
+    offloads = ((o.optimizer_offload,) if o.optimizer_offload else
+                space.offloads if mode == "train" and host_cap > 0 else (0.0,))
+    mem = dataclasses.replace(mem, optimizer_offload=0.0)   # each layout takes its own (place_offloads)
+    run = _Search(scenario, probe, model, topo, min(G, gpus), o, seq, space.micro_batch_size, costs, mem, progress,
+                  offloads)
+    # what cannot fit even without activations is dropped before any simulation
     cap = topo.gpu_memory_GiB * 2**30
-    static = [(p, static_memory_bytes(model, p, run.replica_shape(p), mem)) for p in layouts]
-    unfit = [p for p, b in static if cap and b > cap]
-    layouts = [p for p, b in static if not (cap and b > cap)]
+    static, unfit = run.place_offloads(layouts, cap, host_cap)
+    layouts = [p for p in layouts if p in run.start]
     units, skipped, rows = run.price(layouts)
     names = [n for n, _ in probe.strategies]
     ranked = {n: sorted((r for r in rows if r["strategy"] == n),
                         key=lambda r: (not r["fits"], -r["tokens_per_s_per_gpu"]))[:space.top] for n in names}
     fit = len({r["layout"] for r in rows if r["fits"]})
     fp8 = float(getattr(topo, "gpu_tflops_fp8", 0) or 0) > 0
-    why = None if fit else no_fit_note(model, gpus, static, mem, cap, run.replica_shape, fp8)
+    why = None if fit else no_fit_note(model, gpus, static, mem, cap, run.replica_shape, fp8, offload=max(offloads),
+                                       host_cap=host_cap, gpus_per_node=min(G, gpus))
     return {"no_fit": why, "kind": "layout-search", "model": model.name, "mode": mode, "gpus": gpus, "gpus_per_node": G,
             "topology": topo.name, "seq": seq if mode == "train" else None,
             "micro_batch_size": space.micro_batch_size,
-            "valid": len(layouts) + len(unfit), "unfit_unpriced": len(unfit),
+            "valid": len(layouts) + len(unfit), "unfit_unpriced": len(unfit), "offloads": offloads,
             "priced": len({r["layout"] for r in rows}), "fit": fit,
             "units_simulated": len(units), "units_skipped": skipped, "ranked": ranked, "rows": rows,
             "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
@@ -265,7 +298,12 @@ def search_layouts(scenario, space: LayoutSpace, step=None, *,
                       "layer on the same generated routing; run `moonep-sim step` with a chosen layout for its full "
                       "step"] + ([] if fit else [why["line"]])
             + ([f"{len(unfit)} valid layout(s) not priced: their weights, gradients and optimizer state alone "
-                f"exceed the GPU's {topo.gpu_memory_GiB:g} GiB"] if unfit else [])
+                f"exceed the GPU's {topo.gpu_memory_GiB:g} GiB"
+                + (f" (or the host's {topo.cpu_memory_GiB:g} GiB per node) with as much of the optimizer state on "
+                   f"the host as tried ({max(offloads):g})" if max(offloads) else "")] if unfit else [])
+            + ([f"OPTIMIZER CPU OFFLOAD: {sum(1 for r in rows if r['optimizer_offload'])} row(s) keep part of the "
+                "optimizer state on the host, their optimizer step priced over PCIe and a CPU Adam (ASSUMED rates: "
+                "docs/steps.md)"] if any(r["optimizer_offload"] for r in rows) else [])
             + ([f"{len(skipped)} (ep, tokens per rank) pair(s) could not be priced, their layouts dropped: "
                 f"{skipped[0]['reason']}"] if skipped else [])}
 
@@ -287,6 +325,8 @@ class _Search:
     costs: Any
     mem: Any
     progress: Any
+    offloads: tuple = (0.0,)
+    start: dict = dataclasses.field(default_factory=dict)
 
     def T_of(self, p) -> int:
         """Tokens per expert-grid rank of one micro-batch under layout ``p``."""
@@ -300,6 +340,30 @@ class _Search:
 
         mode = self.options.mode
         return step_shape(self.model, mode, self.T_of(p) * p.tp * p.cp, self.seq if mode == "train" else None)
+
+    def place_offloads(self, layouts: list, cap: float, host_cap: float) -> tuple[list, list]:
+        """Each layout's least offload fraction under which its balanced account fits (``start``:
+        the least whose whole peak fits, else the largest whose weights, gradients and optimizer
+        state fit); ``(static, unfit)``: every layout's static bytes at the largest fraction, and
+        those that do not fit even so."""
+        from moonep_sim.step.memory import memory_for_layout
+        from moonep_sim.step.offload import offload_fits
+
+        static, unfit = [], []
+        obp = self.mem.optimizer_bytes_per_param
+        for p in layouts:
+            m0 = memory_for_layout(self.model, self.replica_shape(p), p, [], self.mem)
+            fits = [(f, *offload_fits(m0, f, cap, host_cap, min(self.G, p.world), obp)) for f in self.offloads]
+            top = self.offloads[-1]
+            static.append((p, max(st["parts"].get("weights", 0.0) + st["parts"].get("gradients", 0.0)
+                                  + st["parts"].get("optimizer", 0.0) * (1 - top) for st in m0["stages"])))
+            whole = [f for f, _, w in fits if w]
+            part = [f for f, s, _ in fits if s]
+            if whole or part:
+                self.start[p] = whole[0] if whole else part[-1]
+            else:
+                unfit.append(p)
+        return static, unfit
 
     def price(self, layouts: list) -> tuple[dict, list, list]:
         """(the units priced, the unit keys skipped with why, one row per (layout, strategy))."""
@@ -331,14 +395,20 @@ class _Search:
         o, model = self.options, self.model
         shape = dataclasses.replace(step_shape(model, o.mode, self.T_of(p), self.seq if o.mode == "train" else None),
                                     shards=p.tp * p.cp, tp=p.tp)
-        cfg = StepConfig(model, self.topo, None, self.probe.strategies, shape, o.overlap, self.costs, self.mem, {})
         names = [n for n, _ in self.probe.strategies]
-        figs = {n: schedule_layout(cfg, p, priced_stages(model, p, units, n, shape, self.costs), self.G)
-                for n in names}
+        progs = {n: priced_stages(model, p, units, n, shape, self.costs) for n in names}
+        for frac in [f for f in self.offloads if f >= self.start.get(p, 0.0)]:   # the least offload that fits
+            mem = dataclasses.replace(self.mem, optimizer_offload=frac)
+            cfg = StepConfig(model, self.topo, None, self.probe.strategies, shape, o.overlap, self.costs, mem, {})
+            figs = {n: schedule_layout(cfg, p, progs[n], self.G) for n in names}
+            if any(not f["oom"] for f in figs.values()):
+                break
         fitting = [n for n in names if not figs[n]["oom"]]
         best = max(fitting or names, key=lambda n: figs[n]["tokens_per_s_per_gpu"])
-        return [{"layout": p.label() + (f" {p.pp_schedule}" if p.pp > 1 else "") + f" ZeRO{p.zero}",
-                 "parallel": p.to_dict(), "strategy": n, "tokens_per_s_per_gpu": f["tokens_per_s_per_gpu"],
+        return [{"layout": p.label() + (f" {p.pp_schedule}" if p.pp > 1 else "") + f" ZeRO{p.zero}"
+                 + (f" offload {frac:g}" if frac else ""),
+                 "parallel": p.to_dict(), "optimizer_offload": frac,
+                 "host_memory_bytes_per_node": f["host_memory"]["bytes_per_node"], "strategy": n, "tokens_per_s_per_gpu": f["tokens_per_s_per_gpu"],
                  "step_time_us": f["step_time_us"], "mfu": f["mfu"],
                  "bubble_fraction": f["pipeline"]["bubble_fraction"], "peak_memory_bytes": f["peak_memory_bytes"],
                  "fits": not f["oom"], "best_at_layout": best,

@@ -61,8 +61,9 @@ class StepOptions:
     once when built: mode (train, prefill, decode), overlap (none, shared-expert, two-batch), tokens
     per rank (None: the routing's), context, distinct layers (0: every layer its own routing), a
     compute profile CSV, the GEMM, weight and KV dtypes, multi-token prediction (depth, acceptance),
-    recompute, optimizer sharding and bytes per parameter, static buffers (strategy -> tokens per
-    rank), the parallel layout (None: pure EP) and, for a decode step under a layout with
+    recompute, optimizer sharding, bytes per parameter and CPU offload (the fraction of the optimizer
+    state on the host, its copies overlapped or not: ``moonep_sim.step.offload``), static buffers
+    (strategy -> tokens per rank), the parallel layout (None: pure EP) and, for a decode step under a layout with
     data-parallel attention, each EP rank's KV context (``contexts_R``). What :func:`run_step`,
     :func:`~moonep_sim.experiments.layout.run_layout_step`, the layout search and ``compare``,
     ``sweep`` and winner maps at ``level="step"`` take."""
@@ -81,6 +82,8 @@ class StepOptions:
     recompute: "bool | str" = False
     optimizer_shard: int = 0
     optimizer_bytes_per_param: float = 12.0
+    optimizer_offload: float = 0.0
+    offload_overlap: bool = False
     static_tokens: Mapping[str, int] = dataclasses.field(default_factory=dict)
     parallel: Any = None
     contexts_R: "tuple[int, ...] | None" = None
@@ -109,6 +112,12 @@ class StepOptions:
         require(self.optimizer_shard >= 0, f"optimizer shard ({self.optimizer_shard}) must be >= 0 (0 = all ranks)")
         require(self.optimizer_bytes_per_param >= 0,
                 f"optimizer bytes per parameter ({self.optimizer_bytes_per_param:g}) must be >= 0")
+        from moonep_sim.step.offload import check_offload
+
+        object.__setattr__(self, "optimizer_offload", check_offload(self.optimizer_offload))
+        require(not self.optimizer_offload or self.mode == "train",
+                f"--optimizer-offload-fraction ({self.optimizer_offload:g}) needs --mode train (mode {self.mode}): "
+                "only training has an optimizer step")
         object.__setattr__(self, "static_tokens", dict(self.static_tokens or {}))
         if self.parallel is not None:
             from moonep_sim.step.parallel import Parallel
@@ -146,8 +155,12 @@ class StepOptions:
         check_supported(get_dtype(self.kv_dtype, "--kv-dtype", KV_DTYPES), topology, "--kv-dtype")
         costs = step_cost_model(topology, self.gemm_dtype, self.compute_profile, mode=self.mode,
                                 weight_bytes=wd.weight_bytes)
+        from moonep_sim.step.offload import check_host
+
+        check_host(topology, self.optimizer_offload, self.mode)
         return costs, MemoryOptions(self.optimizer_bytes_per_param, self.optimizer_shard, weight_dtype=self.weight_dtype,
                                     kv_dtype=self.kv_dtype, gemm_dtype=self.gemm_dtype,
+                                    optimizer_offload=self.optimizer_offload, offload_overlap=self.offload_overlap,
                                     **recompute_options(self.recompute))
 
     def to_dict(self) -> dict[str, Any]:
@@ -307,6 +320,8 @@ def run_step(scenario: Any, options: StepOptions, *, model: ModelSpec | None = N
     for s, S in o.static_tokens.items():
         require(s in names, f"static buffer strategy ({s!r}) must be one of the strategies ({', '.join(names)})")
         require(int(S) >= 1, f"static buffer tokens ({S}) of {s} must be >= 1")
+    require(not o.optimizer_offload, f"--optimizer-offload-fraction ({o.optimizer_offload:g}) needs a parallel layout "
+                                     "(--tp, --pp, --dp, --ep ...): only a layout step times the optimizer step")
     costs, mem = o.priced(rs.topology)
     from moonep_sim.step.mtp import MTP
 

@@ -37,7 +37,7 @@ from moonep_sim.errors import PlanError
 from moonep_sim.jit import inline, kernel
 from moonep_sim.plan.assembly import SlotLayout, slot_geometry
 from moonep_sim.plan.ir import Hop
-from moonep_sim.plan.kinds import INDEX, Scope, require_index
+from moonep_sim.plan.kinds import INDEX, Scope, flat_ids, require_index
 from moonep_sim.plan.compiled import check_at as _check
 from moonep_sim.plan.compiled import key_starts as _key_starts
 
@@ -383,9 +383,7 @@ def _dup_flags(rank_N, K, dup):
 def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
     """``multihop.dup_flags`` in one pass over the tokens: bool [N], each kept entry (rank >= 0, any
     integer dtype [N]) against its token's earlier entries (entry e is token ``e // top_k``'s)."""
-    rank = np.asarray(entry_rank_N).ravel()
-    if rank.dtype.kind not in "iu":
-        rank = rank.astype(np.int64)
+    rank = flat_ids(entry_rank_N)
     dup = np.empty(rank.size, dtype=bool)
     _dup_flags(rank, max(int(top_k), 1), dup)
     return dup
@@ -426,9 +424,7 @@ def layout_by_slot(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padd
     """``build.slot_layout`` by counting sort, in two passes over the entries: the
     :class:`~moonep_sim.plan.assembly.SlotLayout` of the entries' slots (any integer dtype [N], -1 =
     dropped), with ``with_ranks`` its ``entry_rank_N`` too."""
-    slot = np.asarray(entry_slot_N).ravel()
-    if slot.dtype.kind not in "iu":
-        slot = slot.astype(np.int64)
+    slot = flat_ids(entry_slot_N)
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
     S, N = slot_rank_S.size, slot.size
     require_index(N, "entries (tokens x top-k)")
@@ -459,9 +455,7 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
     entry_slot_N: any integer dtype [N], -1 = dropped.  slot_rank_S: int64 [S] sorted, in [0, R).
     tok_off_R: int64 [R+1] each rank's first token (tokens in rank order, N = T*K).
     """
-    slot = np.asarray(entry_slot_N).ravel()
-    if slot.dtype.kind not in "iu":
-        slot = slot.astype(np.int64)
+    slot = flat_ids(entry_slot_N)
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
     tok_off = np.asarray(tok_off_R, dtype=np.int64)
     S, N, R, K = slot_rank_S.size, slot.size, int(ranks), max(int(top_k), 1)

@@ -33,7 +33,7 @@ from moonep_sim.jit import kernel
 from moonep_sim.plan.assembly import SlotLayout, slot_geometry
 from moonep_sim.plan.fused import _check, _fill_blocks, _messages, check_tokens_and_ranks
 from moonep_sim.plan.ir import Hop
-from moonep_sim.plan.kinds import INDEX, require_index
+from moonep_sim.plan.kinds import INDEX, flat_ids, require_index
 
 
 class Route2(NamedTuple):
@@ -234,9 +234,7 @@ def two_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, via_RR: np.n
     sorted, in [0, R).  via_RR: [R, R] the relay of each (source, final rank), in [0, R).
     tok_off_R: int64 [R+1] each rank's first token (N = T*K).  scopes, dedup: the two hops'.
     """
-    slot = np.asarray(entry_slot_N).ravel()
-    if slot.dtype.kind not in "iu":
-        slot = slot.astype(np.int64)
+    slot = flat_ids(entry_slot_N)
     slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
     via = np.asarray(via_RR, dtype=np.int64)
     tok_off = np.asarray(tok_off_R, dtype=np.int64)

@@ -38,6 +38,14 @@ def require_index(n: int, what: str) -> None:
                         f"{np.dtype(INDEX).name}")
 
 
+def flat_ids(a) -> np.ndarray:
+    """Ids (slots, ranks) as a flat integer array, in the caller's integer dtype (a planner whose
+    entries are all kept may give them in a small unsigned one: less to write, gather and sort),
+    else int64."""
+    a = np.asarray(a)
+    return (a if a.dtype.kind in "iu" else a.astype(np.int64)).ravel()
+
+
 def as_index(a, what: str = "index array") -> np.ndarray:
     """``a`` as an :data:`INDEX` array: itself when it is one already (no copy), an integer array of
     another dtype converted after checking its values fit, anything else returned unchanged for

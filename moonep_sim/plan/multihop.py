@@ -24,7 +24,7 @@ from moonep_sim.plan.assembly import Entries, Padding, Route, Slots
 from moonep_sim.plan.build import final_rows, slot_layout
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
 from moonep_sim.plan.reference import route_hop
-from moonep_sim.plan.kinds import INDEX
+from moonep_sim.plan.kinds import INDEX, flat_ids
 from moonep_sim.plan.order import segment_ranges
 from moonep_sim.plan.placement import ClusterShape
 
@@ -65,7 +65,7 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
         raise PlanError("entries.slot_N (None) must be given unless a layout and entries.rank_N are")
     if entries.buf_row_N is None and layout is None:
         raise PlanError("entries.buf_row_N (None) must be given unless a layout is")
-    entry_slot = None if entries.slot_N is None else slot_ids(entries.slot_N)
+    entry_slot = None if entries.slot_N is None else flat_ids(entries.slot_N)
     tp = padding.token_padding
     # entries sorted by (slot, entry), dropped first: the final rows in order (see plan.slot_layout)
     if layout is not None:
@@ -122,7 +122,7 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
     """
     R, H = cluster.ranks, len(route.scopes)
     route.check(R)
-    entry_slot = slot_ids(entry_slot_TK)
+    entry_slot = flat_ids(entry_slot_TK)
     N = entry_slot.size
     if not (route.via_table and H == 2 and compiled.covers(N, perf) and N and int(entry_slot.min()) >= 0):
         return reference.plan_from_routes(routing, cluster, costs, slots, entry_slot_TK, route,
@@ -137,14 +137,6 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
     return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slots.expert_S, slots.home_S),
                          Entries(entry_slot, None, entry_dup, rank_N=entry_rank), hops,
                          padding=Padding(token_padding), options=options, layout=layout, **extra)
-
-
-def slot_ids(entry_slot) -> np.ndarray:
-    """The entries' slots as a flat integer array, in the caller's integer dtype (a planner whose
-    entries are all kept may give them in a small unsigned one: less to write, gather and sort),
-    else int64."""
-    a = np.asarray(entry_slot)
-    return (a if a.dtype.kind in "iu" else a.astype(np.int64)).ravel()
 
 
 def home_slots(placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

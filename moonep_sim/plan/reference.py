@@ -248,15 +248,5 @@ def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCo
                          options=options, **extra)
 
 
-def home_slots(placement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(slot_rank_S, slot_expert_S, slot_of_E) of :func:`moonep_sim.plan.home_slots`."""
-    p = placement
-    home = p.slot_rank_S == p.home_E[p.slot_expert_S]
-    sr, se = p.slot_rank_S[home], p.slot_expert_S[home]
-    slot_of = np.empty(p.num_experts, dtype=np.int64)
-    slot_of[se] = np.arange(se.size)
-    return sr, se, slot_of
-
-
-__all__ = ["assemble_plan", "dup_flags", "home_slots", "plan_from_routes", "plan_from_slots",
-           "route_hop", "single_hop_messages"]
+__all__ = ["assemble_plan", "dup_flags", "plan_from_routes", "plan_from_slots",
+           "route_hop", "single_hop_messages", "slot_layout"]

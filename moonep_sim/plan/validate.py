@@ -65,13 +65,8 @@ class _State:
     rows_R: np.ndarray | None = None       # padded rows per rank
     row_off: np.ndarray | None = None      # [R+1] offsets of each rank's final rows
     hop_rows: list = field(default_factory=list)  # each walked hop's rows per (src, dst): Hop.rows_RR
+    perf: PerfConfig = DEFAULT_PERF        # the chunk and block-walk settings (validate_chunk, ...)
 
-
-#: messages (entries, final rows) per chunk of the checks that walk them: each chunk's temporaries
-#: (a few arrays of this many int64) stay in cache and are reused, where whole-array temporaries
-#: cost the kernel fresh zeroed pages -- ~3 GiB per validate of an all-gather's hop (R*T messages:
-#: 33.5M at K3 EP64) -- the bulk of a first run's system time
-HOP_CHUNK = 1 << 18
 
 # A check appends to st.out and returns False when the later checks cannot run.
 CheckFn = Callable[["Plan", _State, Callable[[str], None]], bool]
@@ -134,7 +129,7 @@ def _check_entries(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
     if n and (int(rank_e.min()) < -1 or int(rank_e.max()) >= R):
         bad("entry_rank must be -1 or a rank in [0, R)")
         return False
-    # one walk, chunk by chunk of entries (HOP_CHUNK): no [N] temporaries and no masked copies. A
+    # one walk, chunk by chunk of entries (perf.validate_chunk): no [N] temporaries and no masked copies. A
     # dropped entry (rank -1) reads the appended last element of each per-rank table: 0 rows (so
     # its row must be -1), and row offset 0 (so its row -1 reads the last final row, and the
     # comparison ignores it)
@@ -144,10 +139,11 @@ def _check_entries(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
     rows_ext = np.append(rows_R, 0).astype(idt)
     off_ext = np.append(row_off[:-1], 0).astype(idt)
     row_ent = plan.row_entry_W
-    eid0 = np.arange(min(n, HOP_CHUNK), dtype=idt)
+    C = st.perf.validate_chunk
+    eid0 = np.arange(min(n, C), dtype=idt)
     n_kept, conserved = 0, True
-    for lo in range(0, n, HOP_CHUNK):  # loop over chunks of entries, not entries
-        rk, rw = rank_e[lo:lo + HOP_CHUNK], row_e[lo:lo + HOP_CHUNK]
+    for lo in range(0, n, C):  # loop over chunks of entries, not entries
+        rk, rw = rank_e[lo:lo + C], row_e[lo:lo + C]
         kept = rk >= 0
         nk = int(np.count_nonzero(kept))
         n_kept += nk
@@ -209,7 +205,7 @@ def _check_duplicates(plan: Plan, st: _State, bad: Callable[[str], None]) -> boo
     # per token, a bit set of the ranks its earlier entries go to (64 ranks per word)
     if R <= 64:  # one word per token, chunk by chunk of tokens (in cache, no [T, K] gathers)
         rank_TK, T = plan.entry_rank_TK, dup.shape[0]
-        step = max(HOP_CHUNK // max(K, 1), 1)
+        step = max(st.perf.validate_chunk // max(K, 1), 1)
         for lo in range(0, T, step):  # loop over chunks of tokens, not tokens
             d_c = dup[lo:lo + step]
             if not d_c.any():
@@ -286,11 +282,6 @@ def _check_capacity(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
     return True
 
 
-#: a sorted hop with at least this many messages per (src, dst) block on average is walked block
-#: by block (:func:`_walk_blocks`), where each block's ranks are scalars
-BLOCK_MIN_MEAN = 64
-
-
 class _HopWalk(NamedTuple):
     """What one walk over a hop's messages found (see :func:`_check_hop_provenance`)."""
 
@@ -302,15 +293,15 @@ class _HopWalk(NamedTuple):
     rows_RR: np.ndarray  # int64 [R, R] messages per (src, dst), as ``Hop.rows_RR`` counts them
 
 
-def _walk_chunks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node, local) -> _HopWalk:
+def _walk_chunks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node, local, chunk: int) -> _HopWalk:
     """Any hop, chunk by chunk of messages: checks order, rows and scope, writes ``new_origin``."""
     m = h.src_rank_M.size
     unsorted = wrong_src = wrong_dst = cross_node = cross_rail = False
     prev_key = -1
     rows = np.zeros(R * R, dtype=np.int64)
     kdt = np.int32 if R * R <= np.iinfo(np.int32).max and h.src_rank_M.dtype == np.int32 else np.int64
-    for lo in range(0, m, HOP_CHUNK):  # loop over chunks of messages, not messages
-        sl = slice(lo, min(m, lo + HOP_CHUNK))
+    for lo in range(0, m, chunk):  # loop over chunks of messages, not messages
+        sl = slice(lo, min(m, lo + chunk))
         s_r, s_w, d_r, d_w = h.src_rank_M[sl], h.src_row_M[sl], h.dst_rank_M[sl], h.dst_row_M[sl]
         key = s_r.astype(kdt) * R
         key += d_r
@@ -334,7 +325,8 @@ def _walk_chunks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
     return _HopWalk(unsorted, wrong_src, wrong_dst, cross_node, cross_rail, rows.reshape(R, R))
 
 
-def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node, local) -> _HopWalk | None:
+def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node, local,
+                 chunk: int) -> _HopWalk | None:
     """:func:`_walk_chunks` for a hop sorted by (src, dst), block by (src, dst) block: each block's
     ranks and buffer offsets are scalars, so its rows index the source and destination buffers of
     its two ranks directly -- numpy's bounds checks of that gather and scatter are its range
@@ -344,8 +336,8 @@ def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
     then walks it by chunks, which names what is wrong)."""
     m = h.src_rank_M.size
     src, dst = h.src_rank_M, h.dst_rank_M
-    for lo in range(0, m, HOP_CHUNK):  # source ranks non-decreasing, chunk by chunk
-        c = src[max(lo - 1, 0):lo + HOP_CHUNK]
+    for lo in range(0, m, chunk):  # source ranks non-decreasing, chunk by chunk
+        c = src[max(lo - 1, 0):lo + chunk]
         if (c[1:] < c[:-1]).any():
             return None
     sb = np.searchsorted(src, np.arange(R + 1, dtype=src.dtype))
@@ -417,7 +409,7 @@ def _as_run(rows, ramp, n: int) -> slice | None:
 
 
 def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
-    R, K, T = plan.ranks, plan.top_k, plan.num_tokens
+    R, K, T, C = plan.ranks, plan.top_k, plan.num_tokens, st.perf.validate_chunk
     cl = plan.cluster
     rank = np.arange(R, dtype=np.int64)
     node, local = cl.node_of(rank), cl.local_index(rank)
@@ -440,8 +432,8 @@ def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) ->
         src_rows = np.diff(buf_off)
         dst_off = np.concatenate([[0], np.cumsum(h.dst_rows_R)])
         new_origin = np.full(int(dst_off[-1]), -2, dtype=odt)
-        args = (h, R, src_rows, buf_off, dst_off, origin, new_origin, node, local)
-        w = _walk_blocks(*args) if m >= BLOCK_MIN_MEAN * R * R else None
+        args = (h, R, src_rows, buf_off, dst_off, origin, new_origin, node, local, C)
+        w = _walk_blocks(*args) if m >= st.perf.block_walk_min_mean * R * R else None
         if w is None:  # (the chunk walk names what is wrong)
             new_origin.fill(-2)
             w = _walk_chunks(*args)
@@ -455,8 +447,8 @@ def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) ->
             bad(f"hop {i}: dst_row must be a row of the destination buffer")
             return False
         # every message wrote one row (a token id or -1): fewer rows written means one twice
-        unwritten = sum(int(np.count_nonzero(new_origin[lo:lo + HOP_CHUNK] == -2))  # (chunks: in cache)
-                        for lo in range(0, new_origin.size, HOP_CHUNK))
+        unwritten = sum(int(np.count_nonzero(new_origin[lo:lo + C] == -2))  # (chunks: in cache)
+                        for lo in range(0, new_origin.size, C))
         if new_origin.size - unwritten != m:
             bad(f"hop {i}: each destination row must be written once")
         if w.cross_node:
@@ -473,8 +465,8 @@ def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) ->
         return False
     ungathered, misrouted = False, None
     for r in range(R):  # loop over ranks and chunks of their final rows, not rows
-        for lo in range(int(row_off[r]), int(row_off[r + 1]), HOP_CHUNK):
-            hi = min(int(row_off[r + 1]), lo + HOP_CHUNK)
+        for lo in range(int(row_off[r]), int(row_off[r + 1]), C):
+            hi = min(int(row_off[r + 1]), lo + C)
             e = exp[lo:hi]
             if int(e.max()) >= int(buf_off[r + 1] - buf_off[r]):
                 bad("expand_src_row must be -1 or a row of the last buffer on the same rank")
@@ -535,7 +527,7 @@ def _run(plan: Plan, perf: PerfConfig = DEFAULT_PERF) -> _State:
     checks between run on this one. The result is the sequential run's: the second thread's
     violations follow the others', and are dropped (with any exception it raised, and the hop rows
     it counted) when an earlier check stopped the run."""
-    st = _State()
+    st = _State(perf=perf)
     size = int(np.asarray(plan.entry_rank_TK).size) + sum(int(np.asarray(h.src_rank_M).size) for h in plan.hops)
     later = [(n, fn) for n, fn in CHECKS if n in CONCURRENT] if size >= perf.thread_min else []
     worker = None

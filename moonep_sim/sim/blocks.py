@@ -126,13 +126,11 @@ class BlockCounts:
         # simple case: the nodes that have a port, in port order, and their ports
         self.pps = np.flatnonzero(self.port_one >= 0)
         self.nps = self.port_one[self.pps]
-        # port -> its nodes, padded with -1 ([P + 1, most nodes on a port]), and each row's position
-        # in a prefix of candidate ports (for :meth:`_prefix_run`)
+        # port -> its nodes, padded with -1 ([P + 1, most nodes on a port])
         deg = int(per_port.max(initial=1))
         self.port_nodes = np.full((P1, max(deg, 1)), -1, dtype=np.int64)
         col = np.arange(self.pn_nodes.size) - np.repeat(self.pn_ptr[:-1], per_port)
         self.port_nodes[np.repeat(np.arange(P1), per_port), col] = self.pn_nodes
-        self.pos_WD = np.repeat(np.arange(RUN_MAX)[:, None], self.port_nodes.shape[1], axis=1)
         # per node (sender nodes 0..BR-1, then receiver nodes; block x R + rank on each side): the
         # key two nodes of an active cell share (block, and the node for NVLink blocks or the rank
         # for local ones), the node's rank's column in its block's M / MT rows and the first index
@@ -221,14 +219,6 @@ class BlockCounts:
         if steps < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
             raise RuntimeError("progressive filling made no progress")
         return lev, bport, steps
-
-    def rates(self, filled: Levels, blk_F, src_F, dst_F) -> tuple[np.ndarray, np.ndarray]:
-        """(rate_F, bottleneck_port_F) of transfers from a :meth:`fill` result."""
-        a = blk_F * self.R + src_F
-        c = blk_F * self.R + dst_F
-        ls, ld = filled.level_src[a], filled.level_dst[c]
-        use_src = ls <= ld
-        return np.where(use_src, ls, ld), np.where(use_src, filled.port_src[a], filled.port_dst[c])
 
 
 __all__ = ["BlockCounts", "Levels", "RUN_MAX"]

@@ -29,7 +29,7 @@ import gc
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import simpy
@@ -112,14 +112,6 @@ class Stage(NamedTuple):
     program: StageProgram
 
 
-class SideKey(NamedTuple):
-    """Rank ``rank``'s hops on one side of stage ``stage``."""
-
-    stage: int
-    side: Side
-    rank: int
-
-
 @dataclass
 class FirstMessage:
     """When a rank holds the first message of a relayed hop chunk: the event that fires then, and
@@ -127,16 +119,6 @@ class FirstMessage:
 
     event: simpy.Event
     t_us: float = field(default=float("inf"))
-
-
-class HopKey(NamedTuple):
-    """Rank ``rank``'s chunk ``chunk`` of hop ``hop`` on one side of stage ``stage``."""
-
-    stage: int
-    side: Side
-    hop: int
-    chunk: int
-    rank: int
 
 
 class KernelTerms(NamedTuple):
@@ -246,10 +228,11 @@ class StepSim:
         self.stage_start = np.zeros((len(self.stages), R))
         self.busy_P: np.ndarray | None = None  # us each port was busy (set by the analysis)
         self._planned_ev = [[self.env.event() for _ in range(R)] for _ in self.stages]   # [stage][rank]: planning done
-        # keyed by the tuples of SideKey / HopKey's fields (plain tuples: built per hop chunk)
-        self._done_ev: dict[tuple, list[list[simpy.Event]]] = {}   # SideKey -> [hop][chunk]
-        self._done_t: dict[tuple, float] = {}    # HopKey -> when the rank held that hop chunk
-        self._first: dict[tuple, FirstMessage] = {}   # HopKey -> its first message
+        # keyed by plain tuples (built per hop chunk): a side key (stage, side, rank) -- a rank's hops
+        # on one side of a stage -- or a hop key (stage, side, hop, chunk, rank) -- one hop chunk of it
+        self._done_ev: dict[tuple, list[list[simpy.Event]]] = {}   # side key -> [hop][chunk]
+        self._done_t: dict[tuple, float] = {}    # hop key -> when the rank held that hop chunk
+        self._first: dict[tuple, FirstMessage] = {}   # hop key -> its first message
 
     # -- helpers -------------------------------------------------------------------------
     def _work(self, r: int, us: float) -> simpy.Event:
@@ -398,14 +381,14 @@ class StepSim:
 
     def _done(self, si: int, side: Side, r: int, hops: int) -> list[list[simpy.Event]]:
         """Per (hop, chunk): fires once rank r received that chunk and made its local pass over it."""
-        key = (si, side, r)   # a SideKey's fields
+        key = (si, side, r)   # a side key
         out = self._done_ev.get(key)
         if out is None:
             out = self._done_ev[key] = [[self.env.event() for _ in range(self.opts.chunks)] for _ in range(hops)]
         return out
 
     def _first_message(self, key: tuple) -> FirstMessage:
-        """The first message of a relayed hop chunk at a rank (``key``: a HopKey's fields)."""
+        """The first message of a relayed hop chunk at a rank (``key``: a hop key)."""
         out = self._first.get(key)
         if out is None:
             out = self._first[key] = FirstMessage(self.env.event())
@@ -551,5 +534,5 @@ def _as_lists(mats: list | None) -> list | None:
     return None if mats is None else [m.tolist() for m in mats]
 
 
-__all__ = ["AllOrAny", "FirstMessage", "Gate", "HopKey", "KernelTerms", "PhaseRows", "PhaseTag", "Side", "SideKey", "Span",
+__all__ = ["AllOrAny", "FirstMessage", "Gate", "KernelTerms", "PhaseRows", "PhaseTag", "Side", "Span",
            "Stage", "StepSim", "collector_paused"]

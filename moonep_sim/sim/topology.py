@@ -46,6 +46,7 @@ _TABLES = {
                      "launch_us", "slot_us", "padding_compute")),
     "host": ("host_", ("cores", "nodes_per_host", "sharing", "copy_bandwidth_GBps", "message_us",
                        "weight_copy_bandwidth_GBps")),
+    "cpu": ("cpu_", ("memory_GiB", "pcie_GBps", "mem_bandwidth_GBps")),
     "planning": ("plan_", ("fixed_us", "measured_factor", "routing_bytes_per_entry", "per_entry_ns", "per_cell_ns")),
     "kernel": ("kernel_", ("dispatch_fixed_us", "combine_fixed_us", "relay_message_rows", "nic_message_us")),
     "sm": ("sm_", ("count", "copy_GBps")),
@@ -140,6 +141,10 @@ class Topology:
     host_message_us: serial cost per message at the sender: in each phase a rank's transfers
         start after the path latency plus ``message_us x`` the number of other ranks it sends to
         (0 = none; the link latency then stands for a whole all-to-all, as on GPUs).
+    cpu_memory_GiB / cpu_pcie_GBps / cpu_mem_bandwidth_GBps: the host side of a GPU node, what
+        optimizer CPU offload uses (``moonep_sim.step.offload``): host DRAM per node (GiB; 0 = not
+        given: offload refused), each GPU's PCIe link to the host (GB/s per direction), and the
+        node's DRAM bandwidth (GB/s, all sockets), over which the CPU Adam step streams.
     gpu_slot_us: fixed cost per expert slot with rows (0 = one grouped GEMM per rank: only
         ``gpu_launch_us``); an executor that runs one matmul chain per expert pays it per slot.
     gpu_padding_compute: the fraction of padding rows that cost compute (1 = a static-shape
@@ -219,6 +224,9 @@ class Topology:
     host_copy_bandwidth_GBps: float = 0.0
     host_message_us: float = 0.0
     host_weight_copy_bandwidth_GBps: float = 0.0
+    cpu_memory_GiB: float = 2048.0
+    cpu_pcie_GBps: float = 64.0
+    cpu_mem_bandwidth_GBps: float = 614.4
     plan_measured_factor: float = 0.0
     plan_routing_bytes_per_entry: float = 0.0
     plan_per_entry_ns: float = 0.02
@@ -260,7 +268,8 @@ class Topology:
                   "host_cores", "host_nodes_per_host", "host_copy_bandwidth_GBps", "host_message_us", "host_weight_copy_bandwidth_GBps", "gpu_slot_us", "plan_measured_factor",
                   "plan_routing_bytes_per_entry", "plan_per_entry_ns", "plan_per_cell_ns", "kernel_dispatch_fixed_us",
                   "kernel_combine_fixed_us", "kernel_relay_message_rows", "kernel_nic_message_us", "sm_count",
-                  "sm_copy_GBps", "weights_sms", "gpu_tflops_fp8", "gpu_tflops_fp4", "gpu_memory_GiB"):
+                  "sm_copy_GBps", "weights_sms", "gpu_tflops_fp8", "gpu_tflops_fp4", "gpu_memory_GiB", "cpu_memory_GiB",
+                  "cpu_pcie_GBps", "cpu_mem_bandwidth_GBps"):
             require(getattr(self, f) >= 0, f"{f} ({getattr(self, f)}) must be >= 0 (topology {self.name})")
         for f in ("weights_nvlink_efficiency", "weights_nic_efficiency"):
             v = getattr(self, f)

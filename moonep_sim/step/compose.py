@@ -11,7 +11,8 @@ the MoE block (or the whole dense layer), then the MoE block (router, shared exp
 routed experts, combine); the head (and loss in train). In train the backward follows in reverse
 layer order: per MoE layer the gradients' dispatch (``combine_bwd`` of the Plan), the experts'
 backward, the gradients' combine (``dispatch_bwd``), the copies' gradient reduce, then the shared
-experts', router's and attention's backward. The optimizer step is not in the step (its memory
+experts', router's and attention's backward; under recompute each op's backward first runs what
+it recomputes of the forward (``moonep_sim.step.recompute``). The optimizer step is not in the step (its memory
 is: ``moonep_sim.step.memory``). A kernel family whose library waits on the host for the count
 exchange (``LayerComm.host_wait_us``: DeepEP's normal kernels) puts a ``host_wait`` before each
 forward dispatch that also holds back every compute op issued after it (the CPU cannot enqueue
@@ -30,6 +31,7 @@ from moonep_sim.errors import require
 from moonep_sim.models import ModelSpec
 from moonep_sim.step.costs import CostModel
 from moonep_sim.step.layer_sim import LayerComm
+from moonep_sim.step.recompute import recompute_op_us
 from moonep_sim.step.schedule import Timeline
 from moonep_sim.step.stack import LayerOps, Op, StepShape, backward_op, head_ops, layer_ops
 
@@ -91,6 +93,7 @@ class Program:
         self.ready = [np.zeros(R) for _ in range(self.M)]
         self.grad_end = np.zeros(R)
         self._memo: dict[tuple, float] = {}
+        self.tp = shapes[0].tp if shapes else 1
 
     def us(self, op: Op | None, bwd: bool = False) -> float:
         """The op's time (its backward's with ``bwd``), priced once per distinct op."""
@@ -109,6 +112,11 @@ class Program:
         """Micro-batch ``i``'s compute op (its backward with ``bwd``), after its previous op; an
         attention core under per-rank contexts takes each rank's own time ([R])."""
         us = self.us(op, bwd)
+        if bwd and self.costs.recompute is not None:   # the forward it recomputes first
+            key = ("recompute", op.name, op.shape, op.flops, op.bytes, layer)
+            if key not in self._memo:
+                self._memo[key] = recompute_op_us(self.costs, self.model, op, layer, self.tp)
+            us = us + self._memo[key]
         if self.contexts and op.kind == "attention":
             own = {c: self.us(next(o for o in self.ctx_ots[c][i].layers[layer].before if o.name == op.name), bwd)
                    for c in self.ctx_ots}

@@ -163,6 +163,8 @@ class CostModel:
     weight_bytes: bytes per stored weight element, scales included (``moonep_sim.step.dtypes``;
     2 = bf16): the roofline prices a GEMM's weight traffic (the ops' bf16 weight bytes, the routed
     experts' weights) at it, what bounds the memory-bound decode GEMMs.
+    recompute: what a training backward recomputes of its forward first (an
+    ``ActivationOptions``; None: nothing), priced by :mod:`moonep_sim.step.recompute`.
     legacy: the step's earlier cost model, kept to show what the terms since added change
     (:func:`legacy_cost_model`): GEMMs and attention on the roofline at the topology's efficiency x
     ``m / (m + GEMM_HALF_ROWS)``, FP8 at exactly twice the BF16 peak, the casts and the router's
@@ -181,6 +183,7 @@ class CostModel:
     launch: str = "none"
     weight_bytes: float = 2.0
     legacy: bool = False
+    recompute: object | None = None
 
     def __post_init__(self) -> None:
         require(self.weight_bytes > 0, f"weight bytes ({self.weight_bytes}) must be > 0")

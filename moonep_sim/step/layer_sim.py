@@ -44,6 +44,7 @@ from moonep_sim.sim.options import SimOptions
 from moonep_sim.sim.topology import Topology
 from moonep_sim.step.costs import CostModel
 from moonep_sim.step.fused_moe import fuse_layer, is_fused
+from moonep_sim.step.recompute import expert_recompute_R
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,9 @@ def _simulate(plan: Plan, model: ModelSpec, topo: Topology, costs: CostModel, tr
     opts = SimOptions(backward=train) if tol is None else SimOptions(backward=train, tol=tol)
     sim = StepSim([plan], topo, model, opts)
     for si, (_, prog) in enumerate(sim.stages):  # the step's cost model prices the routed experts
-        prog.compute_R = costs.expert_us_R(plan, model, backward=(prog.direction == Direction.BACKWARD))
+        bwd = prog.direction == Direction.BACKWARD
+        prog.compute_R = costs.expert_us_R(plan, model, backward=bwd) + \
+            (expert_recompute_R(costs, plan, model) if bwd else 0.0)   # what the backward recomputes first
     sim.build()
     sim.run()
     rec = sim.net.records()

@@ -38,7 +38,9 @@ A layout (:class:`~moonep_sim.step.parallel.Parallel`) wraps today's step, never
 5. **The optimizer step**: memory-bound over the rank's optimizer shard
    (:data:`OPTIMIZER_BYTES_PER_PARAM` per parameter at the GPU's memory bandwidth x efficiency),
    with the gradient norm's read of the shard and the zeroing of the rank's whole fp32 gradient
-   buffer (:data:`GRAD_NORM_BYTES_PER_PARAM`, :data:`GRAD_BUFFER_ZERO_BYTES_PER_PARAM`).
+   buffer (:data:`GRAD_NORM_BYTES_PER_PARAM`, :data:`GRAD_BUFFER_ZERO_BYTES_PER_PARAM`); with
+   optimizer CPU offload part of the step on the host (:mod:`moonep_sim.step.offload`: the PCIe
+   copies and a CPU Adam), and the node's host memory checked beside the GPU's.
 6. **The host** (training, eager launches): each chunk's forward and backward run on the host
    timeline of :mod:`moonep_sim.step.host` -- the CPU launches every block's kernels (counts from
    DeepSeek's trace) at the framework's cost per launch (Megatron-Core's FITTED on development row
@@ -69,12 +71,12 @@ from moonep_sim.step import collectives as coll
 from moonep_sim.step.host import SYNC_BEFORE_DISPATCH, host_blocks, host_excess_us, launch_us
 from moonep_sim.step.parallel import Parallel
 from moonep_sim.step.pipelines import get_schedule
+from moonep_sim.step.offload import GPU_ADAM_BYTES_PER_PARAM, host_check, optimizer_step_us
 from moonep_sim.step.pipelines.base import ChunkTimes, run_schedule
 from moonep_sim.step.stack import BF16, StepShape, attention_params, backward_op, head_ops, kv_elems_per_token
 
-#: ASSUMED: mixed-precision Adam reads the fp32 master weight, gradient and two moments and writes
-#: the master, the moments and the bf16 weight: 4 x 4 + 3 x 4 + 2 bytes per parameter.
-OPTIMIZER_BYTES_PER_PARAM = 30
+#: The optimizer step's bytes per parameter on the GPU (:data:`moonep_sim.step.offload.GPU_ADAM_BYTES_PER_PARAM`).
+OPTIMIZER_BYTES_PER_PARAM = GPU_ADAM_BYTES_PER_PARAM
 #: Megatron-Core's step around the optimizer, per parameter: the gradient norm reads each fp32 main
 #: gradient of the rank's optimizer shard (``get_grad_norm_fp32``, every step, for the clipping and
 #: the log), and every iteration starts by zeroing the fp32 gradient buffer of all the rank's local
@@ -251,14 +253,15 @@ def attach_layout_fits(cfg, p: Parallel, out: dict, programs: dict[str, list["St
     its stages' Plans, the layout and the step's memory options)."""
     if not out or not all(d.get("oom") for d in out.values()):
         return
-    from moonep_sim.step.memory_fit import smallest_fit
+    from moonep_sim.step.memory_fit import host_capacity, smallest_fit
 
     fp8 = float(getattr(cfg.topology, "gpu_tflops_fp8", 0) or 0) > 0
     slots = cfg.ctx.placement.num_slots if cfg.ctx is not None else 0
     for name, d in out.items():
         fps = [f for sp in programs[name] for f in sp.footprints]
         d["fit"] = smallest_fit(cfg.model, replica_shape(cfg, p), p, fps, cfg.memory, d["gpu_memory_bytes"],
-                                fp8=fp8, expert_slots=slots)
+                                fp8=fp8, expert_slots=slots, host_bytes_per_node=host_capacity(cfg.topology),
+                                gpus_per_node=cfg.topology.gpus_per_node)
 
 
 @dataclass(frozen=True)
@@ -353,6 +356,9 @@ def layout_step(cfg, p: Parallel, source: Callable[[int], tuple], gpus_per_node:
     ``micro_batch_size x seq / (t x c)``; context the sequence length). source: MoE layer index
     of the whole model -> (key, routing over the EP group, provenance). gpus_per_node: the
     cluster's. Returns ``{"strategies": {name: figures}, "parallel": ..., ...}``."""
+    from moonep_sim.step.memory import check_optimizer_shard
+
+    check_optimizer_shard(p, cfg.memory.optimizer_shard)   # before any simulation
     programs, prov = simulate_stages(cfg, p, source, progress=progress, map_fn=map_fn, pipeline=pipeline)
     by_name = {n: [st[n] for st in programs] for n, _ in cfg.strategies}
     out = {n: schedule_layout(cfg, p, by_name[n], gpus_per_node) for n in by_name}
@@ -443,6 +449,7 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
     mem = layout_memory(cfg, p, programs)
     cap = topo.gpu_memory_GiB * 2**30
     peak = mem["peak_bytes"]
+    host = host_check(mem, topo, gpus_per_node, p.world)
     compute = (sum(fc_us) + sum(bc_us)) * M / p.pp
     return {"step_time_us": step_us, "tokens_per_s_per_gpu": tps, "mfu": mfu, "compute_us": compute,
             "exposed_comm_us": max(step_us - compute, 0.0),
@@ -450,7 +457,7 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
             "slowest_rank": slow["rank"], "pipeline": run.to_dict(), "stages": stage_fig, "pipeline_ranks": per_rank,
             "pp_send_us": [coll.send_us(act, lk) for lk in links], "pp_send_links": [lk.name for lk in links],
             "peak_memory_bytes": peak, "peak_memory_pp_rank": mem["peak_stage"], "gpu_memory_bytes": cap,
-            "oom": (peak > cap) if cap else None, "memory": mem,
+            "oom": ((peak > cap) if cap else None) or bool(host["oom"]), "memory": mem, "host_memory": host,
             "memory_per_pp_rank": [x["peak_bytes"] for x in mem["stages"]],
             "dropped": sum(sp.dropped for sp in programs), "entries": sum(sp.entries for sp in programs),
             "moe_layer_us_mean": _mean([t for sp in programs for t in sp.moe_layer_us]),
@@ -476,6 +483,7 @@ def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched,
     el = coll.group_link(topo, edp, p.ep * p.etp, gpus_per_node)
     ds, es = coll.group_shape(topo, ddp, p.tp, gpus_per_node), coll.group_shape(topo, edp, p.ep * p.etp, gpus_per_node)
     grad = gather = opt = exposed = z3 = z3_exposed = 0.0
+    offload: dict = {}
     if train:
         if p.zero == 0:
             grad = coll.all_reduce_us(dense * GRAD_REDUCE_BYTES, ddp, dl, span=ds) + \
@@ -492,13 +500,18 @@ def _rank_tail(cfg, p: Parallel, m: ModelSpec, r: int, chunks: list[int], sched,
             z3_exposed = max(z3 - busy_us, 0.0)
             gather = 0.0
         exposed = max(grad - last_b_us, 0.0) if p.overlap_grad_reduce else grad
-        shard = dense / (ddp if p.zero >= 1 else 1) + expert / (edp if p.zero >= 1 else 1)
-        opt = (shard * (OPTIMIZER_BYTES_PER_PARAM + GRAD_NORM_BYTES_PER_PARAM)
-               + (dense + expert) * GRAD_BUFFER_ZERO_BYTES_PER_PARAM) \
+        dshard = cfg.memory.optimizer_shard or (ddp if p.zero >= 1 else 1)   # as the memory account shards it
+        shard = dense / dshard + expert / (edp if p.zero >= 1 else 1)
+        offload = optimizer_step_us(shard, cfg.memory.optimizer_offload, topo, gpus_per_node,
+                                    cfg.memory.offload_overlap)
+        # Megatron's gradient norm over the shard and the zeroing of the whole fp32 gradient buffer, on the GPU
+        around = (shard * GRAD_NORM_BYTES_PER_PARAM + (dense + expert) * GRAD_BUFFER_ZERO_BYTES_PER_PARAM) \
             / (topo.gpu_mem_bandwidth_GBps * topo.gpu_mem_efficiency * 1e3)
+        opt = offload["total_us"] + around
     return {"rank": r, "pipeline_end_us": end_us, "dp_grad_us": grad, "dp_grad_exposed_us": exposed,
             "param_gather_us": gather, "zero3_gather_us": z3, "zero3_gather_exposed_us": z3_exposed,
-            "optimizer_us": opt, "end_us": end_us + z3_exposed + exposed + gather + opt,
+            "optimizer_us": opt, "optimizer_offload": offload if train and cfg.memory.optimizer_offload else None,
+            "end_us": end_us + z3_exposed + exposed + gather + opt,
             "params_dense": dense, "params_expert": expert}
 
 

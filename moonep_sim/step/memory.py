@@ -24,7 +24,9 @@ stage, each part on the EP rank where the stage's total is largest:
   with ZeRO >= 2 (dense: ``dp x cp`` ranks, Megatron's distributed-optimizer group; experts: edp).
 - ``optimizer`` (train): ``optimizer_bytes_per_param`` (mixed-precision Adam: fp32 master and two
   moments, 12; DeepSeek-V3's bf16 moments: 8) per weight held, over the DP group with ZeRO >= 1
-  (``optimizer_shard`` overrides the dense group).
+  (``optimizer_shard`` overrides the dense group); with optimizer CPU offload
+  (``optimizer_offload``, :mod:`moonep_sim.step.offload`) only ``1 - f`` of it: the rest, with a
+  pinned fp32 gradient copy, is ``host_bytes_per_gpu`` (host memory, not HBM).
 - ``activations`` (train): the micro-batches the schedule keeps alive on the rank
   (:func:`moonep_sim.step.activations.chunks_in_flight`: 1F1B pp on the first stage, interleaved
   Megatron's count, DualPipe pp + 1), each layer's saved tensors per token
@@ -59,6 +61,7 @@ from moonep_sim.plan import Plan
 from moonep_sim.step.activations import (DEFAULT_SELECTIVE, RECOMPUTE, ActivationOptions, full_recompute_saved,
                                          layer_saved, rank_chunks, chunks_in_flight, routed_row_saved)
 from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, get_dtype
+from moonep_sim.step.offload import check_offload, host_bytes_per_param
 from moonep_sim.step.parallel import Parallel, pure_ep
 from moonep_sim.step.attention import attention_kind
 from moonep_sim.step.stack import BF16, StepShape, attention_params, kv_elems_per_token
@@ -122,7 +125,10 @@ class MemoryOptions:
     attention core, the norms and MLA's up-projections).  weight_dtype / kv_dtype: stored formats
     (:mod:`moonep_sim.step.dtypes`).  gemm_dtype: the GEMMs' (their saved inputs in fp8 with fp8
     GEMMs).  grad_bytes_per_param: 4 (fp32 gradients).  flash / dropout: see
-    :class:`~moonep_sim.step.activations.ActivationOptions`."""
+    :class:`~moonep_sim.step.activations.ActivationOptions`.  optimizer_offload: the fraction of
+    each rank's optimizer state held and stepped on the host (Megatron's
+    ``--optimizer-offload-fraction``; :mod:`moonep_sim.step.offload`); offload_overlap: its copies
+    and CPU step pipelined (``--overlap-cpu-optimizer-d2h-h2d``)."""
 
     optimizer_bytes_per_param: float = ADAM_BYTES_PER_PARAM
     optimizer_shard: int = 0
@@ -134,6 +140,8 @@ class MemoryOptions:
     grad_bytes_per_param: float = GRAD_BYTES_PER_PARAM
     flash: bool = True
     dropout: bool = False
+    optimizer_offload: float = 0.0
+    offload_overlap: bool = False
 
     def __post_init__(self) -> None:
         require(self.optimizer_bytes_per_param >= 0,
@@ -143,6 +151,8 @@ class MemoryOptions:
         if isinstance(self.recompute, bool):
             object.__setattr__(self, "recompute", "selective" if self.recompute else "none")
         require(self.recompute in RECOMPUTE, f"recompute ({self.recompute!r}) must be one of {', '.join(RECOMPUTE)}")
+        object.__setattr__(self, "optimizer_offload", check_offload(self.optimizer_offload, "optimizer offload"))
+        require(isinstance(self.offload_overlap, bool), f"offload overlap ({self.offload_overlap!r}) must be true or false")
         get_dtype(self.weight_dtype, "weight dtype", WEIGHT_DTYPES)
         get_dtype(self.kv_dtype, "kv dtype", KV_DTYPES)
         require(self.gemm_dtype in ("bf16", "fp8"), f"gemm dtype ({self.gemm_dtype!r}) must be bf16 or fp8")
@@ -155,7 +165,10 @@ class MemoryOptions:
 
     def describe(self) -> str:
         return (f"weights {self.weight_dtype}, KV {self.kv_dtype}, GEMMs {self.gemm_dtype}; optimizer "
-                f"{self.optimizer_bytes_per_param:g} B/param, gradients {self.grad_bytes_per_param:g} B/param; "
+                f"{self.optimizer_bytes_per_param:g} B/param"
+                + (f" ({self.optimizer_offload:g} of it on the host, CPU Adam"
+                   + (", copies overlapped" if self.offload_overlap else "") + ")" if self.optimizer_offload else "")
+                + f", gradients {self.grad_bytes_per_param:g} B/param; "
                 f"recompute {self.recompute}" + (f" ({', '.join(self.recompute_modules)})"
                                                  if self.recompute == "selective" else ""))
 
@@ -260,6 +273,16 @@ def moe_layer_weight_bytes(model: ModelSpec, ranks: int, weight_dtype: str = "bf
     return _layer_weights(model, model.layers - 1, 1, wb) + expert
 
 
+def check_optimizer_shard(par: Parallel, shard: int) -> None:
+    """``--optimizer-shard`` under layout ``par``: it must divide ``dp x cp``, the ranks that hold
+    copies of a stage's dense weights (what ZeRO shards their optimizer state over); one line
+    otherwise. 0 = the layout's own group."""
+    group = par.dp * par.cp
+    require(not shard or group % shard == 0,
+            f"--optimizer-shard ({shard}) must divide dp x cp ({par.dp} x {par.cp} = {group}) of layout {par.label()}: "
+            "the optimizer state of a stage's dense weights is sharded over the ranks holding copies of them")
+
+
 def stages_of(model: ModelSpec, par: Parallel) -> tuple[list[_Stage], tuple[int, ...], np.ndarray]:
     """Per pipeline rank: the chunks and layers it holds and whether it holds the embedding / head;
     the layers of each chunk; the chunks' first layers (and the end)."""
@@ -356,6 +379,7 @@ def memory_for_layout(model: ModelSpec, shape: StepShape, par: Parallel,
     epn = max(float(fps[0].slots_R.sum() - fps[0].copies_R.sum()), float(expert_slots)) / ep  # resident slots
     copy_slots, replicas, buf, act_rows, fixed = _plans_in_memory(fps, epn, D, notes)
     stages, counts, off = stages_of(model, par)
+    check_optimizer_shard(par, opts.optimizer_shard)
     dense_group = opts.optimizer_shard or (par.dp * cp if par.zero >= 1 else 1)
     grad_group = par.dp * cp if par.zero >= 2 else 1
     param_group = par.dp * cp if par.zero >= 3 else 1
@@ -386,9 +410,12 @@ def memory_for_layout(model: ModelSpec, shape: StepShape, par: Parallel,
             parts["activations"] = _stage_activations(model, par, st, alive, off, aopts, keys, t_rank, act_rows, moe)
             parts["gradients"] = np.broadcast_to(dense_p * opts.grad_bytes_per_param / grad_group
                                                  + exp_p * opts.grad_bytes_per_param / e_grad, (R,)).astype(float)
-            parts["optimizer"] = np.broadcast_to(dense_p * opts.optimizer_bytes_per_param / dense_group
-                                                 + exp_p * opts.optimizer_bytes_per_param / e_opt, (R,)).astype(float)
+            shard = np.broadcast_to(dense_p / dense_group + exp_p / e_opt, (R,)).astype(float)   # optimizer params
+            frac = opts.optimizer_offload
+            parts["optimizer"] = shard * opts.optimizer_bytes_per_param * (1.0 - frac)
+            host_R = shard * frac * host_bytes_per_param(opts.optimizer_bytes_per_param)
         else:
+            host_R = np.zeros(R)
             ctx = shape.context if shape.mode == "decode" else max(shape.context, min(shape.tokens, shape.context))
             seqs = float(shape.sequences) * max(par.micro_batches, 1)
             kv = seqs * sum(_kv_per_seq(model, l, ctx, tp, kvb) for l in st.layers)
@@ -397,7 +424,7 @@ def memory_for_layout(model: ModelSpec, shape: StepShape, par: Parallel,
         r = int(np.argmax(total))
         rec = {"stage": s, "chunks": st.chunks, "layers": len(st.layers), "moe_layers": moe,
                "embedding": st.embed, "head": st.head, "chunks_alive": len(alive), "peak_bytes": float(total[r]),
-               "peak_rank": r, "parts": {k: float(v[r]) for k, v in parts.items()},
+               "peak_rank": r, "parts": {k: float(v[r]) for k, v in parts.items()}, "host_bytes": float(host_R.max()),
                "parts_max": {k: float(v.max()) for k, v in parts.items()}}
         out_stages.append(rec)
         if rec["peak_bytes"] > best[0]:
@@ -405,6 +432,7 @@ def memory_for_layout(model: ModelSpec, shape: StepShape, par: Parallel,
     top = out_stages[best[1]]
     parts_max = {k: max(st["parts_max"][k] for st in out_stages) for k in top["parts"]}
     return {"peak_bytes": best[0], "peak_stage": best[1], "peak_rank": best[2], "parts": top["parts"],
+            "host_bytes_per_gpu": max(st["host_bytes"] for st in out_stages),
             "parts_max": parts_max, "stages": out_stages, "layout": par.to_dict(),
             "assumptions": (f"layout {par.label()} (ZeRO-{par.zero}, {par.pp_schedule}"
                             + (f", {par.micro_batches} micro-batches" if train and par.pp > 1 else "") + "); "
@@ -423,5 +451,5 @@ def memory_per_rank(model: ModelSpec, shape: StepShape, plans: "Sequence[Plan | 
 
 __all__ = ["ADAM_BYTES_PER_PARAM", "DEEPEP_CONFIGS", "GRAD_BYTES_PER_PARAM", "MemoryOptions", "PlanFootprint",
            "deepep_ll_buffer_bytes", "deepep_normal_buffer_bytes", "memory_for_layout", "memory_per_rank",
-           "moe_layer_weight_bytes",
+           "check_optimizer_shard", "moe_layer_weight_bytes",
            "stages_of"]

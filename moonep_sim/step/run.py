@@ -162,6 +162,8 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
     ov = get_overlap(cfg.overlap)
     costs = cfg.costs or CostModel(cfg.topology)
     train = shape.mode == "train"
+    if train and cfg.memory.recompute != "none":   # the backward recomputes what the memory account dropped
+        costs = dataclasses.replace(costs, recompute=cfg.memory.activations())
     M = ov.micro_batches
     require(shape.tokens >= M, f"tokens per rank ({shape.tokens}) must be >= {M} for overlap {ov.name}")
     mb_shapes = [dataclasses.replace(shape, tokens=(shape.tokens * (i + 1)) // M - (shape.tokens * i) // M)

@@ -20,8 +20,9 @@ import numpy as np
 
 from moonep_sim.errors import require
 from moonep_sim.limits import MAX_ELEMENTS
-from moonep_sim.plan import (INDEX, Entries, GlobalRouting, Hop, Padding, Plan, Scope, Slots, assemble_plan,
-                             final_rows, home_slots, slot_layout, threads)
+from moonep_sim.plan import (INDEX, Entries, GlobalRouting, Hop, Padding, Plan, Scope, SlotLayout, Slots,
+                             assemble_plan, final_rows, home_slots, threads)
+from moonep_sim.plan.assembly import slot_geometry
 from moonep_sim.plan.kinds import require_index
 from moonep_sim.plan.order import segment_mask, segment_ranges, small_key_dtype
 from moonep_sim.strategies import Option, PlanContext, register
@@ -148,12 +149,19 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     drop_N = np.ones(N, dtype=bool)
     drop_N[ke] = False
     del A, keep_A, w_A
-    entry_slot = slot_key.astype(INDEX)  # INDEX [N] each entry's slot (-1 dropped): the layout's
-    np.copyto(entry_slot, -1, where=drop_N)
-    del slot_key, drop_N
+    entry_rank = np.take(sr.astype(INDEX), slot_key)  # INDEX [N] the Plan's entry_rank (-1 dropped)
+    np.copyto(entry_rank, -1, where=drop_N)
+    del slot_key
     per_rs = kc_G.reshape(R, S)
+    # the layout's (slot, entry) order, dropped entries first: the kept entries are ke with its
+    # (src, slot) blocks moved to (slot, src) order (tokens are in rank order), no sort needed
     n_kept = ke.size
+    order_N = np.empty(N, dtype=INDEX)
+    order_N[:N - n_kept] = np.flatnonzero(drop_N)
+    del drop_N
     kc_SR = np.ascontiguousarray(per_rs.T)
+    kstart_RS = (np.cumsum(kc_G) - kc_G).reshape(R, S)  # block starts within ke
+    np.take(ke, segment_ranges(kstart_RS.T.ravel(), kc_SR.ravel()), out=order_N[N - n_kept:], mode="clip")
     # receive buffer on each destination: blocks (src rank, slot in rank order), each C_src rows when
     # padding (kept rows first, zero rows after), or only the kept rows without padding
     block_RS = np.broadcast_to(cap_R[:, None], (R, S)) if pad else per_rs
@@ -179,7 +187,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
     slot_cap = (slot_cap + tp - 1) // tp * tp
     min_rows = slot_cap if pad else None
     # the layout needs only the slot order and the kept rows: on a second thread beside the hop
-    layout = threads.Beside(_layout, entry_slot, sr, tp, min_rows, R, buf_row_K, ctx.perf,
+    layout = threads.Beside(_layout, order_N, N - n_kept, kc_SR.sum(axis=1), sr, tp, min_rows, R, buf_row_K,
                             run=N >= ctx.perf.thread_min)
     # source row of a kept entry: its token's row on its own rank (written in place by _hop)
     K1 = max(K, 1)
@@ -189,21 +197,29 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, cf: float, drop: str, pad:
         hop, pad_slot, pad_row = _hop(routing, k_row, kc_G, per_rs, blk_len, blk_off, blk_off_SR, kc_SR, dst_of_S,
                                       dst_rows_R, pad, N)
     capacity_R = np.bincount(sr, weights=slot_cap, minlength=R).astype(np.int64)
-    lay = layout.result()
-    entries = Entries(None, None, np.zeros(T * K, dtype=bool), rank_N=lay[0].entry_rank_N)  # (-1 dropped)
+    entries = Entries(None, None, np.zeros(T * K, dtype=bool), rank_N=entry_rank)
     return assemble_plan(routing, ctx.cluster, ctx.costs, Slots(sr, se, sr), entries, [hop],
                          padding=Padding(tp, min_rows, pad_slot, pad_row), capacity_R=capacity_R,
-                         options={"capacity_per_source_rank": int(cap_R.max()) if R else 0}, layout=lay,
+                         options={"capacity_per_source_rank": int(cap_R.max()) if R else 0}, layout=layout.result(),
                          perf=ctx.perf)
 
 
-def _layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tp: int, min_rows_S: np.ndarray | None, R: int,
-            buf_row_K: np.ndarray, perf) -> tuple:
-    """The layout of the entries' slots and the final rows (what ``assemble_plan`` takes as
-    ``layout``, with each entry's rank); ``buf_row_K``: the kept entries' receive rows in the layout's
-    (slot, entry) order."""
-    lay = slot_layout(entry_slot_N, slot_rank_S, tp, min_rows_S, R, with_ranks=True, perf=perf)
-    return (lay,) + final_rows(lay, lay.order_N[lay.n_drop:], None, buf_row_K)
+def _layout(order_N: np.ndarray, n_drop: int, slot_rows_S: np.ndarray, slot_rank_S: np.ndarray, tp: int,
+            min_rows_S: np.ndarray | None, R: int, buf_row_K: np.ndarray) -> tuple:
+    """The layout of capacity's slot order (``order_N``: the ``n_drop`` dropped entries, then the kept
+    ones by (slot, entry), ``slot_rows_S`` of each: the stable sort by slot, known here without one)
+    and the final rows, what ``assemble_plan`` takes as ``layout``; ``buf_row_K``: the kept entries'
+    receive rows in that order. The j-th kept entry of slot s gets row ``offset[s] + j`` of its
+    rank, final row ``cum[s] + j`` (capacity's own numpy: no compiled kernel to start)."""
+    padded, cum, offset, rows_R = slot_geometry(slot_rows_S, slot_rank_S, tp, min_rows_S, R)
+    require_index(int(padded.sum()), "final rows")
+    kept, dropped = order_N[n_drop:], order_N[:n_drop]
+    entry_row = np.empty(order_N.size, dtype=INDEX)
+    entry_row[kept] = segment_ranges(offset, slot_rows_S, out=np.empty(kept.size, dtype=INDEX))
+    entry_row[dropped] = -1
+    grow = None if int(padded.sum()) == kept.size else segment_ranges(cum, slot_rows_S, out=np.empty(kept.size, INDEX))
+    lay = SlotLayout(slot_rows_S, padded, offset, entry_row, order_N, n_drop, rows_R, grow)
+    return (lay,) + final_rows(lay, kept, None, buf_row_K)
 
 
 def _hop(routing: GlobalRouting, k_row: np.ndarray, kc_G: np.ndarray, per_rs: np.ndarray, blk_len: np.ndarray,

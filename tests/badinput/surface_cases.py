@@ -85,6 +85,13 @@ STEP_BAD: dict[str, tuple[list[str], str]] = {
     "optimizer-bytes-nan": (["--optimizer-bytes-per-param", "nan"], "--optimizer-bytes-per-param"),
     "optimizer-bytes-negative": (["--optimizer-bytes-per-param", "-1"], "--optimizer-bytes-per-param"),
     "optimizer-bytes-huge": (["--optimizer-bytes-per-param", "1e300"], "--optimizer-bytes-per-param"),
+    # under a layout (--dp/--ep, which this corpus's --ranks excludes): tests/test_memory_shard.py and
+    # tests/test_memory_offload.py hold the not-dividing shard and the cluster without hosts
+    "optimizer-offload-above-1": (["--optimizer-offload-fraction", "1.5"], "--optimizer-offload-fraction"),
+    "optimizer-offload-nan": (["--optimizer-offload-fraction", "nan"], "--optimizer-offload-fraction"),
+    "optimizer-offload-without-layout": (["--optimizer-offload-fraction", "0.5"], "--optimizer-offload-fraction"),
+    "optimizer-offload-in-decode": (["--mode", "decode", "--optimizer-offload-fraction", "1"],
+                                    "--optimizer-offload-fraction"),
     "recompute-in-decode": (["--recompute", "--mode", "decode"], "--recompute"),
     "recompute-in-prefill": (["--recompute", "--mode", "prefill"], "--recompute"),
     "steps-with-gen": (["--steps", "0-3"], "--steps"),
