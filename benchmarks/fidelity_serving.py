@@ -410,6 +410,10 @@ def tags(r: dict) -> list[str]:
         t.append("fp4-at-fp8")
     if r.get("conc", 0) < 8:
         t.append("conc<8")
+    first = r.get("deployment", "").split(" | ")[0]
+    m = re.search(r"\[(?:TP(\d+) )?DP(\d+)(-attn)? EP(\d+)( ETP\d+)?\]", first)
+    if m and not (m.group(1) is None and m.group(3) and m.group(5) is None and m.group(2) == m.group(4)):
+        t.append("prefill-layout")
     return t
 
 
@@ -459,7 +463,9 @@ def page(res, total, known, no_preset, eligible, picked, args) -> str:
             "tokens a weight pass: speculative decoding the columns do not record); `preempts` the prediction "
             "preempts (its KV cache overflows at BF16 KV); `no-workers` a disaggregated row without worker counts "
             "(one per pool assumed); `k2-read` a k x k-GPU record read as k GPUs; `fp4-at-fp8` an NVFP4 row priced "
-            "at FP8 GEMM rates (the step has no FP4 GEMM peak); `conc<8` fewer than 8 clients.", ""]
+            "at FP8 GEMM rates (the step has no FP4 GEMM peak); `conc<8` fewer than 8 clients; `prefill-layout` the "
+            "prompts run on a pool the layout step prices (attention TP, expert TP or EP over fewer GPUs than the "
+            "worker), whose prefill steps carry the eager host timeline the layout step charges outside decode.", ""]
     worst_p = sorted(ok, key=lambda r: -abs(r["tpot_err"]))[:15]
     worst_t = sorted(ok, key=lambda r: -abs(r["ttft_err"]))[:15]
     for title, rows_, k in (("TPOT", worst_p, "tpot"), ("TTFT", worst_t, "ttft")):
