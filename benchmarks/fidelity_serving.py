@@ -4,22 +4,30 @@ against `moonep-sim serve`, predicted as a user would (docs/results/fidelity_ser
 The sample is ``systems/silicon_sample.csv`` inside the ``aiconfigurator-core`` wheel (unzip it;
 ``--csv`` names the file). Rows kept: expert parallelism > 1 in some pool, a model this project has
 a preset for (DeepSeek-V3/R1 -> deepseek-v3, Kimi-K2.5 -> kimi-k2 (ASSUMED: K2's text shape),
-Qwen3-235B-A22B -> qwen3-235b, gpt-oss-120b), a system with a topology preset (b200_sxm -> b200,
-gb200 -> gb200-nvl72, h100_sxm -> h100-cx7, h200_sxm -> h200-cx7; b300 and gb300 rows are counted
-as having no preset). ``--per-group N`` keeps at most N rows per (model, system, backend, mode),
-evenly spread over the group (the CPU budget of a shared machine), and ``--max-concurrency``
-leaves out the rows above it.
+Qwen3-235B-A22B -> qwen3-235b, gpt-oss-120b), a recorded concurrency; every system has a preset
+(b200_sxm -> b200, b300_sxm -> b300, gb200 -> gb200-nvl72, gb300 -> gb300-nvl72, h100_sxm ->
+h100-cx7, h200_sxm -> h200-cx7). ``--per-group N`` keeps at most N rows per (model, system,
+backend, mode) and ``--max-concurrency`` leaves out the rows above it (both off by default: every
+row); ``--limit`` the first N rows, cheapest first.
 
-Each row is predicted as a user would run it: the row's layout per pool (world = tp x attention
-DP; ``Parallel(tp, dp, ep=moe_ep, etp=moe_tp, dp_attention=dp > 1)``), workers, ISL/OSL fixed, a
-closed loop at the row's concurrency over ``4 x concurrency`` requests, FP8 weights (FP4 for
-NVFP4 checkpoints and gpt-oss's MXFP4, INT4 for Kimi-K2.5's experts, counted as 0.5 B for the
-whole model) and FP8 GEMM peaks, BF16 KV, 0.95 of HBM for weights + KV, generated routing ``sigma=0.5``, 2 draws, and the strategy the backend's wide-EP path
-uses by default (sglang: DeepEP low-latency, ``deepep-ll``; trtllm: its all-to-all, ``alltoall``;
-vllm: all-gather / reduce-scatter, ``allgather``). Nothing is fitted to these rows.
+Each row is predicted as a user would run it: the row's layout per pool (``read_layout``: world =
+tp x attention DP; ``Parallel(tp, dp, ep=moe_ep, etp=moe_tp, dp_attention=dp > 1)``; a k x k-GPU
+record of a k-GPU deployment read as its id names it), workers, ISL/OSL fixed, a closed loop at the
+row's concurrency over ``--n-factor`` x concurrency requests, FP8 weights (0.5 B for NVFP4 rows,
+gpt-oss's MXFP4 and Kimi-K2.5's INT4 experts, counted for the whole model) and FP8 GEMM peaks, BF16
+KV, 0.95 of HBM for weights + KV, generated routing ``sigma=0.5`` with ``--draws`` draws, and the
+strategy the backend's wide-EP path uses by default (sglang: DeepEP low-latency, ``deepep-ll``;
+trtllm: its all-to-all, ``alltoall``; vllm: all-gather / reduce-scatter, ``allgather``). Nothing
+is fitted to these rows.
+
+Fast by grouping: one step-time model per (model, system, strategy, pool role and layout) over
+the union of its rows' shapes (``merge_grids``) serves every concurrency, ISL and OSL of that
+pool; models are built, then rows run, in ``--jobs`` processes; models are cached per commit;
+rows are streamed to ``--json`` (a rerun skips those already there).
 
     python benchmarks/fidelity_serving.py --csv /tmp/aic_x/aiconfigurator_core/systems/silicon_sample.csv \
-        --per-group 4 --out docs/results/fidelity_serving.md
+        --jobs 2 --draws 1 --n-factor 2 --json rows.jsonl --table docs/results/data/fidelity_serving_rows.csv \
+        --out docs/results/fidelity_serving.md
 """
 
 from __future__ import annotations
