@@ -104,21 +104,13 @@ def test_a_proxy_family_pays_its_proxied_operations_per_channel_chunk_of_each_no
     go 84 (83.3 rounded up) per channel, in ceil(84 / 20) = 5 dispatch chunks (RDMA send chunk 20
     at EP16) and ceil(84 / 12) = 7 combine chunks: 60 and 84 chunks, each message_us; the
     same-node pair pays nothing."""
-    from types import SimpleNamespace
-
-    from moonep_sim.plan import CommPhase
     from moonep_sim.plan.kernel import family_spec
-    from moonep_sim.plan.kinds import Direction, PhaseKind, Scope
     from moonep_sim.sim.program import _row_messages_scale
 
     topo = load_topology("h100-efa")
     spec = family_spec(FAMILIES["deepep-nvshmem-efa"], relay=True, sms=FAMILIES["deepep-nvshmem-efa"].sms)
-    R = 16
-    msgs, byts = np.zeros((R, R), np.int64), np.zeros((R, R), np.int64)
-    msgs[0, 8], byts[0, 8] = 1000, 1000 * 4096
-    msgs[0, 1], byts[0, 1] = 1000, 1000 * 4096
-    ph = CommPhase("dispatch.0", PhaseKind.DISPATCH, Direction.FORWARD, Scope.INTER_NODE, byts, msgs)
-    plan = SimpleNamespace(kernel=spec, ranks=R)
+    ph, plan = _two_rows_of_1000(spec)
+    byts = ph.bytes_RR
     per_msg = topo.nic_message_us + spec.message_us
     for direction, chunks in (("dispatch", 12 * 5), ("combine", 12 * 7)):
         sc = _row_messages_scale(ph, plan, topo, direction)
@@ -258,23 +250,15 @@ def test_uccl_pays_its_chunks_and_its_busiest_nic_on_inter_node_pairs_only():
     RDMA send chunk at EP16) and ceil(100 / 12) = 9 combine chunks: 50 and 90 chunks, each
     message_us + the NIC's message cost, on top of the bytes stretched by 3 / 2.5 (the busiest NIC);
     the same-node pair pays nothing."""
-    from types import SimpleNamespace
-
-    from moonep_sim.plan import CommPhase
     from moonep_sim.plan.kernel import PROXY_OP_US, UCCL_EFA_OPS_PER_CHUNK, UCCL_PROXY_THREADS, family_spec
-    from moonep_sim.plan.kinds import Direction, PhaseKind, Scope
     from moonep_sim.sim.program import _row_messages_scale
 
     topo = load_topology("h100-efa")
     spec = family_spec(FAMILIES["uccl-ep"], relay=True, sms=FAMILIES["uccl-ep"].sms)
     assert spec.message_us == pytest.approx(0.45 * 6 / 4) and (PROXY_OP_US, UCCL_EFA_OPS_PER_CHUNK,
                                                                 UCCL_PROXY_THREADS) == (0.45, 6, 4)
-    R = 16
-    msgs, byts = np.zeros((R, R), np.int64), np.zeros((R, R), np.int64)
-    msgs[0, 8], byts[0, 8] = 1000, 1000 * 4096
-    msgs[0, 1], byts[0, 1] = 1000, 1000 * 4096
-    ph = CommPhase("dispatch.0", PhaseKind.DISPATCH, Direction.FORWARD, Scope.INTER_NODE, byts, msgs)
-    plan = SimpleNamespace(kernel=spec, ranks=R)
+    ph, plan = _two_rows_of_1000(spec)
+    byts = ph.bytes_RR
     per_msg = topo.nic_message_us + spec.message_us
     for direction, chunks in (("dispatch", 10 * 5), ("combine", 10 * 9)):
         sc = _row_messages_scale(ph, plan, topo, direction)
@@ -338,3 +322,19 @@ def test_mori_low_latency_relays_through_one_gpu_per_node_and_sends_at_most_its_
     cross = (h0.src_rank_M // 8) != (h0.dst_rank_M // 8)
     assert np.all(np.bincount(h0.src_rank_M[cross], minlength=R) <= T * (R // 8 - 1))
     assert len(make_plan("deepep-ll", routing, ctx).hops) == 1
+
+
+def _two_rows_of_1000(spec):
+    """An inter-node dispatch phase of 16 ranks in which rank 0 sends 1000 rows of 4 KiB to rank 8
+    (the other node) and 1000 to rank 1 (its own node), and a plan stand-in carrying ``spec``."""
+    from types import SimpleNamespace
+
+    from moonep_sim.plan.ir import CommPhase
+    from moonep_sim.plan.kinds import Direction, PhaseKind, Scope
+
+    R = 16
+    msgs, byts = np.zeros((R, R), np.int64), np.zeros((R, R), np.int64)
+    msgs[0, 8], byts[0, 8] = 1000, 1000 * 4096
+    msgs[0, 1], byts[0, 1] = 1000, 1000 * 4096
+    ph = CommPhase("dispatch.0", PhaseKind.DISPATCH, Direction.FORWARD, Scope.INTER_NODE, byts, msgs)
+    return ph, SimpleNamespace(kernel=spec, ranks=R)
