@@ -4,22 +4,30 @@ against `moonep-sim serve`, predicted as a user would (docs/results/fidelity_ser
 The sample is ``systems/silicon_sample.csv`` inside the ``aiconfigurator-core`` wheel (unzip it;
 ``--csv`` names the file). Rows kept: expert parallelism > 1 in some pool, a model this project has
 a preset for (DeepSeek-V3/R1 -> deepseek-v3, Kimi-K2.5 -> kimi-k2 (ASSUMED: K2's text shape),
-Qwen3-235B-A22B -> qwen3-235b, gpt-oss-120b), a system with a topology preset (b200_sxm -> b200,
-gb200 -> gb200-nvl72, h100_sxm -> h100-cx7, h200_sxm -> h200-cx7; b300 and gb300 rows are counted
-as having no preset). ``--per-group N`` keeps at most N rows per (model, system, backend, mode),
-evenly spread over the group (the CPU budget of a shared machine), and ``--max-concurrency``
-leaves out the rows above it.
+Qwen3-235B-A22B -> qwen3-235b, gpt-oss-120b), a recorded concurrency; every system has a preset
+(b200_sxm -> b200, b300_sxm -> b300, gb200 -> gb200-nvl72, gb300 -> gb300-nvl72, h100_sxm ->
+h100-cx7, h200_sxm -> h200-cx7). ``--per-group N`` keeps at most N rows per (model, system,
+backend, mode) and ``--max-concurrency`` leaves out the rows above it (both off by default: every
+row); ``--limit`` the first N rows, cheapest first.
 
-Each row is predicted as a user would run it: the row's layout per pool (world = tp x attention
-DP; ``Parallel(tp, dp, ep=moe_ep, etp=moe_tp, dp_attention=dp > 1)``), workers, ISL/OSL fixed, a
-closed loop at the row's concurrency over ``4 x concurrency`` requests, FP8 weights (FP4 for
-NVFP4 checkpoints and gpt-oss's MXFP4, INT4 for Kimi-K2.5's experts, counted as 0.5 B for the
-whole model) and FP8 GEMM peaks, BF16 KV, 0.95 of HBM for weights + KV, generated routing ``sigma=0.5``, 2 draws, and the strategy the backend's wide-EP path
-uses by default (sglang: DeepEP low-latency, ``deepep-ll``; trtllm: its all-to-all, ``alltoall``;
-vllm: all-gather / reduce-scatter, ``allgather``). Nothing is fitted to these rows.
+Each row is predicted as a user would run it: the row's layout per pool (``read_layout``: world =
+tp x attention DP; ``Parallel(tp, dp, ep=moe_ep, etp=moe_tp, dp_attention=dp > 1)``; a k x k-GPU
+record of a k-GPU deployment read as its id names it), workers, ISL/OSL fixed, a closed loop at the
+row's concurrency over ``--n-factor`` x concurrency requests, FP8 weights (0.5 B for NVFP4 rows,
+gpt-oss's MXFP4 and Kimi-K2.5's INT4 experts, counted for the whole model) and FP8 GEMM peaks, BF16
+KV, 0.95 of HBM for weights + KV, generated routing ``sigma=0.5`` with ``--draws`` draws, and the
+strategy the backend's wide-EP path uses by default (sglang: DeepEP low-latency, ``deepep-ll``;
+trtllm: its all-to-all, ``alltoall``; vllm: all-gather / reduce-scatter, ``allgather``). Nothing
+is fitted to these rows.
+
+Fast by grouping: one step-time model per (model, system, strategy, pool role and layout) over
+the union of its rows' shapes (``merge_grids``) serves every concurrency, ISL and OSL of that
+pool; models are built, then rows run, in ``--jobs`` processes; models are cached per commit;
+rows are streamed to ``--json`` (a rerun skips those already there).
 
     python benchmarks/fidelity_serving.py --csv /tmp/aic_x/aiconfigurator_core/systems/silicon_sample.csv \
-        --per-group 4 --out docs/results/fidelity_serving.md
+        --jobs 2 --draws 1 --n-factor 2 --json rows.jsonl --table docs/results/data/fidelity_serving_rows.csv \
+        --out docs/results/fidelity_serving.md
 """
 
 from __future__ import annotations
@@ -61,11 +69,14 @@ def read_layout(row, pre: str = "") -> tuple[int, int, int, int, bool]:
     deployment (tp or dp k, EP k, moe tp 1): every such row whose id names its layout names
     ``tp{k}_ep{k}`` (194 of the 333 agg rows; the others are the same configurations without it),
     and rows recorded both ways carry the same measurements (e.g. ``dsr1_b200_sglang_fp4_agg_8192x1024
-    _c128_cfg202`` and ``..._c128_tp4_ep4_1042``): the sample's k^2 is its conversion's product."""
+    _c128_cfg202`` and ``..._c128_tp4_ep4_1042``): the sample's k^2 is its conversion's product. A
+    row whose id names another tp (``..._tp4_epnone_...`` recorded as tp 4 = moe tp 2 x ep 2) is
+    kept as recorded."""
     tp, dp = _i(row[f"{pre}tp_size"]), _i(row[f"{pre}attention_dp_size"])
     ep, etp = _i(row[f"{pre}moe_ep_size"]), _i(row[f"{pre}moe_tp_size"])
     k = ep
-    if k > 1 and etp == k and tp * dp == k * k and k * k in (tp, dp):
+    named = re.search(r"_tp(\d+)", str(row.get("id", "")))
+    if k > 1 and etp == k and tp * dp == k * k and k * k in (tp, dp) and (named is None or int(named.group(1)) == k):
         return (k, 1, k, 1, True) if tp == k * k else (1, k, k, 1, True)
     return tp, dp, ep, etp, False
 
@@ -314,9 +325,12 @@ def main() -> int:
     for f in (args.rows, args.json):
         if f and Path(f).is_file():
             done.update({x["id"]: x for x in (json.loads(ln) for ln in Path(f).read_text().splitlines() if ln.strip())})
-    todo = [r for r in picked if r["id"] not in done] if not args.rows else []
+    todo = [r for r in picked if r["id"] not in done]
     t0, c0 = time.perf_counter(), time.process_time()
     setups, keys, grids, bad = _pool_tasks(todo, args)
+    if args.rows:     # render only: the refused deployments' reasons, nothing run
+        done.update({r["id"]: _row_doc(r, {"error": bad[r["id"]]}) for r in todo if r["id"] in bad})
+        todo, grids = [], {}
     need = sorted(grids, key=lambda k: -_cost(grids[k], k))
     print(f"{len(todo)} rows to predict over {len(need)} step-time models", file=sys.stderr, flush=True)
     built = {}
@@ -329,9 +343,13 @@ def main() -> int:
         miss = [built[k][1] for k in keys.get(rid, {}).values() if built[k][0] is None]
         if rid in bad or miss:
             done[rid] = _row_doc(r, {"error": bad.get(rid) or miss[0]})
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(done[rid]) + "\n")
             continue
         tasks.append((rid, setups[rid], {role: built[k] for role, k in keys[rid].items()}))
-    tasks.sort(key=lambda t: -(t[1]["n"] * (t[1]["isl"] + t[1]["osl"])))
+    # cheapest first: a run stopped early (its --timeout) has predicted the most rows
+    tasks.sort(key=lambda t: t[1]["n"] * (t[1]["isl"] + t[1]["osl"]))
     by_row = {r["id"]: r for r in todo}
     for (rid, *_), p in _stream(predict_row, tasks, args.jobs, "row"):
         done[rid] = row = _row_doc(by_row[rid], p)
@@ -400,6 +418,10 @@ def tags(r: dict) -> list[str]:
         t.append("fp4-at-fp8")
     if r.get("conc", 0) < 8:
         t.append("conc<8")
+    first = r.get("deployment", "").split(" | ")[0]
+    m = re.search(r"\[(?:TP(\d+) )?DP(\d+)(-attn)? EP(\d+)( ETP\d+)?\]", first)
+    if m and not (m.group(1) is None and m.group(3) and m.group(5) is None and m.group(2) == m.group(4)):
+        t.append("prefill-layout")
     return t
 
 
@@ -430,7 +452,8 @@ def page(res, total, known, no_preset, eligible, picked, args) -> str:
            "`docs/results/data/fidelity_serving_rows.csv`.", "",
            f"EP > 1 rows in the sample: {total}; of models with a preset here: {known}; of those on systems without a "
            f"topology preset: {no_preset}; with a recorded concurrency: {eligible}; predicted: {len(ok)}; refused by "
-           f"the simulator: {len(bad)} (each with its reason in the table). Every row is predicted as a user would "
+           f"the simulator: {len(bad)} (each with its reason in the table); not run in the time the run had: "
+           f"{eligible - len(res)} (the costliest: rows run cheapest first). Every row is predicted as a user would "
            "run it (the module docstring of the benchmark); nothing here was fitted to these rows.", "",
            "Errors are (predicted - measured) / measured of the p50 TTFT and p50 TPOT.", ""]
     m_t, p_t, n = _stats(ok, "ttft_err")
@@ -448,7 +471,9 @@ def page(res, total, known, no_preset, eligible, picked, args) -> str:
             "tokens a weight pass: speculative decoding the columns do not record); `preempts` the prediction "
             "preempts (its KV cache overflows at BF16 KV); `no-workers` a disaggregated row without worker counts "
             "(one per pool assumed); `k2-read` a k x k-GPU record read as k GPUs; `fp4-at-fp8` an NVFP4 row priced "
-            "at FP8 GEMM rates (the step has no FP4 GEMM peak); `conc<8` fewer than 8 clients.", ""]
+            "at FP8 GEMM rates (the step has no FP4 GEMM peak); `conc<8` fewer than 8 clients; `prefill-layout` the "
+            "prompts run on a pool the layout step prices (attention TP, expert TP or EP over fewer GPUs than the "
+            "worker), whose prefill steps carry the eager host timeline the layout step charges outside decode.", ""]
     worst_p = sorted(ok, key=lambda r: -abs(r["tpot_err"]))[:15]
     worst_t = sorted(ok, key=lambda r: -abs(r["ttft_err"]))[:15]
     for title, rows_, k in (("TPOT", worst_p, "tpot"), ("TTFT", worst_t, "ttft")):

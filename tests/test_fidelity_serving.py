@@ -65,6 +65,11 @@ def test_k_squared_record_of_a_k_gpu_deployment_is_read_as_its_id_names(fs, rows
         (4, 1, 4, 1, True)
     # every other record as written: TP8 over moe tp 2 x moe ep 4 is 8 GPUs, expert TP 2
     assert fs.read_layout(dict(row, tp_size=8.0, moe_tp_size=2.0, moe_ep_size=4.0)) == (8, 1, 4, 2, False)
+    # an id naming tp 4 over moe tp 2 x ep 2 is the 4-GPU deployment it says
+    named = dict(row, id="qwen_x_h100_sxm_trtllm_agg_128x128_c16_tp4_epnone_16", tp_size=4.0, moe_tp_size=2.0,
+                 moe_ep_size=2.0)
+    assert fs.read_layout(named) == (4, 1, 2, 2, False)
+    assert fs.read_layout(dict(named, id="x_c16_tp2_ep2_1")) == (2, 1, 2, 1, True)
     agg = rows.loc["2026_03_25_deepseek_r1_b200_sxm_sglang_fp4_agg_1024x1024_c4_tp8_0_ep8_0_298"]
     assert fs.read_layout(agg) == (8, 1, 8, 1, False)
 

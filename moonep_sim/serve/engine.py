@@ -52,6 +52,8 @@ from moonep_sim.serve.policies import DEFAULT_POLICY, get_policy
 from moonep_sim.serve.requests import Requests
 
 ROLES = ("both", "prefill", "decode")
+#: the most decode-only iterations run ahead at once (bounds the arrays of one look-ahead)
+AHEAD_MAX = 4096
 
 
 def cuda_graph_sizes(largest: int) -> tuple[int, ...]:
@@ -132,7 +134,7 @@ class _W:
 @dataclass(frozen=True)
 class ServeRun:
     """What a run produced. Per request (N): ``arrival_s``, ``first_s`` (first token), ``finish_s``,
-    ``preempted`` (times), ``worker`` (the decode-side worker). Per iteration (I): ``it_worker``,
+    ``preempted`` (times), ``worker`` (the decode-side worker). Per iteration (I, by start time): ``it_worker``,
     ``it_start_s``, ``it_dur_s``, ``it_decode_seqs`` (sequences that emitted a decode token),
     ``it_tokens`` (tokens emitted), ``it_prefill_tokens``, ``it_kv_use`` (the busiest rank's KV use,
     0..1), ``it_shape`` ([I, 4]: n_pre, c_pre, n_dec, c_dec of the busiest rank as priced)."""
@@ -155,13 +157,13 @@ class ServeRun:
 
 class _Engine:
     def __init__(self, req: Requests, workers: Sequence[Worker], kv_transfer_s: Callable[[int], float],
-                 seed: int, draw_order: str) -> None:
+                 seed: int, draw_order: str, ahead: bool = True) -> None:
         require(len(workers) >= 1, "a deployment needs at least one worker")
         roles = {w.role for w in workers}
         require(roles == {"both"} or roles == {"prefill", "decode"},
                 f"workers ({', '.join(sorted(roles))}) must be all aggregated (both) or prefill and decode pools")
         require(draw_order in ("in-order", "resample"), f"draw order ({draw_order!r}) must be in-order or resample")
-        self.req, self.kv_transfer_s, self.order = req, kv_transfer_s, draw_order
+        self.req, self.kv_transfer_s, self.order, self.ahead = req, kv_transfer_s, draw_order, ahead
         self.rng = np.random.default_rng(np.random.SeedSequence([int(seed), 331]))
         self.W = [_W(w, mixes=get_policy(w.cfg.policy).mixes) for w in workers]
         self.front = [i for i, w in enumerate(workers) if w.role in ("both", "prefill")]
@@ -191,6 +193,7 @@ class _Engine:
                         f"longest prompt ({int(self.isl.max())} tokens): the deployment does not fit")
         self.events: list = []
         self.seq = 0
+        self.preempted_now = False
         self.its: list[tuple] = []
         self.next_issue = 0
 
@@ -237,6 +240,7 @@ class _Engine:
             over = np.flatnonzero(blocks_R > self.cap_blocks[i])
             if not len(over):
                 return run, dec, blocks_R
+            self.preempted_now = True
             victim_pos = np.flatnonzero(self.rank[run] == over[0])[-1]
             v = int(run[victim_pos])
             run = np.delete(run, victim_pos)
@@ -248,6 +252,7 @@ class _Engine:
 
     def start(self, t: float, i: int) -> None:
         s, w = self.W[i], self.W[i].w
+        self.preempted_now = False    # a request preempted here may be admitted next: no iterations run ahead
         if not s.mixes and w.role == "both":
             # prefill-first: a prompt chunk that can run makes this iteration prefill-only
             if len(s.waiting) or bool(np.any(self.comp[s.running] < self.need[s.running])):
@@ -346,9 +351,11 @@ class _Engine:
         pf = np.asarray(pf_ids, np.int64)
         pt = np.asarray(pf_tok, np.int64)
         dt, shape = self._price(i, pf, pt, dec, blocks_R)
-        s.inflight = (pf, pt, dec, (t, dt) + shape)
+        more = self._ahead(t + dt, i, run, dec, shape[2], shape[3]) if self.ahead and not len(pf) and len(dec) \
+            and not cfg.mtp_tokens and not cfg.eplb_every and not self.preempted_now else []
+        s.inflight = (pf, pt, dec, (t, dt) + shape, more)
         s.busy = True
-        self.push(t + dt, 1, i)
+        self.push(more[-1][0] + more[-1][1] if more else t + dt, 1, i)   # the sums one at a time gives
         return True
 
     def _price(self, i: int, pf: np.ndarray, pt: np.ndarray, dec: np.ndarray, blocks_R: np.ndarray):
@@ -378,19 +385,70 @@ class _Engine:
         kv_use = float((blocks_R[b] + 0.0) / self.cap_blocks[i])
         return dt, (n_pre, c_pre, n_dec, c_dec, kv_use)
 
+    def _ahead(self, t1: float, i: int, run: np.ndarray, dec: np.ndarray, n_dec: int, c_dec: float) -> list[tuple]:
+        """The decode-only iterations that follow this one unchanged, run at once: until the first
+        running request finishes, a rank's KV would overflow, or the next event (an arrival, a KV
+        transfer, another worker's iteration) is due -- nothing can be admitted in between (the
+        limits only tighten while the batch grows). Each is priced as its own iteration (its
+        context one token longer, its own routing draw, drawn in the same order), so the run is the
+        one iteration at a time gives; returns their (start, duration, context, KV use)."""
+        s, w = self.W[i], self.W[i].w
+        nxt = self.events[0][0] if self.events else np.inf
+        m = int((self.osl[dec] - self.gen[dec]).min())   # iterations until the first finish, this one included
+        if m <= 1 or t1 >= nxt:
+            return []
+        m = min(m, AHEAD_MAX)
+        b = int(np.argmax(np.bincount(self.rank[dec], minlength=w.ranks)))   # the busiest rank, as priced
+        g = np.arange(2, m + 1)                          # KV growth of iteration j = g - 1 (1, 2, ...)
+        blocks = self._blocks_grown(i, run, g)
+        over = (blocks > self.cap_blocks[i]).any(axis=1)
+        if over.any():
+            m = int(g[int(np.argmax(over))]) - 1
+        kv = blocks[:m - 1, b] / self.cap_blocks[i]
+        D = max(int(getattr(w.steptime, "draws", 1)), 1)
+        out, t0 = [], t1
+        tot, nd = int(self.comp[dec].sum()), len(dec)
+        for j in range(1, m):
+            if t0 >= nxt:
+                break
+            d = (s.iters if self.order == "in-order" else int(self.rng.integers(1 << 30))) % D
+            c = float(tot + j * nd) / nd + 1.0                  # the mean context as the iteration computes it
+            dt = w.steptime.time_us(0, 0.0, n_dec, c, d) * 1e-6
+            s.iters += 1
+            out.append((t0, dt, c, float(kv[j - 1])))
+            t0 += dt
+        return out
+
+    def _blocks_grown(self, i: int, run: np.ndarray, g: np.ndarray) -> np.ndarray:
+        """[len(g), R] KV blocks per rank with every decoding request ``g`` tokens longer (the
+        others as they are): per rank, sum of ceil((c + g) / B) by the residues of c mod B."""
+        cfg, R = self.W[i].w.cfg, self.W[i].w.ranks
+        B = cfg.block
+        c, q = self.comp[run], self.rank[run]
+        d = c >= self.need[run]
+        static = np.bincount(q[~d], weights=-(-c[~d] // B), minlength=R)
+        base = c[d] + B - 1
+        n = np.bincount(q[d], minlength=R)
+        full = np.bincount(q[d], weights=base // B, minlength=R)
+        hist = np.bincount(q[d] * B + base % B, minlength=R * B).reshape(R, B)
+        ge = np.cumsum(hist[:, ::-1], axis=1)[:, ::-1]     # ge[r, x]: requests on rank r with residue >= x
+        thr = B - g % B                                      # ceil grows by one more where residue >= thr
+        cnt = np.where((thr < B)[:, None], ge[:, np.minimum(thr, B - 1)].T, 0.0)
+        return static[None, :] + full[None, :] + n[None, :] * (g // B)[:, None] + cnt
+
     def end(self, t: float, i: int) -> None:
         s, w = self.W[i], self.W[i].w
         k = w.cfg.mtp_tokens
-        pf, pt, dec, info = s.inflight
+        pf, pt, dec, info, more = s.inflight
         s.inflight = None
         emitted = 0
-        # decodes: 1 + accepted draft tokens each
+        # decodes: 1 + accepted draft tokens each (and one per iteration run ahead)
         if len(dec):
             if k:
                 acc = np.cumprod(self.rng.random((len(dec), k)) < w.cfg.mtp_accept, axis=1).sum(axis=1)
                 m = 1 + acc
             else:
-                m = np.ones(len(dec), np.int64)
+                m = np.full(len(dec), 1 + len(more), np.int64)
             m = np.minimum(m, self.osl[dec] - self.gen[dec])
             self.gen[dec] += m
             self.comp[dec] += m
@@ -405,8 +463,10 @@ class _Engine:
                 self.gen[done_pf] += 1
                 emitted += len(done_pf)
         t0, dt, n_pre, c_pre, n_dec, c_dec, kv_use = info
-        self.its.append((i, t0, dt, len(dec), emitted, int(pt.sum()) if len(pt) else 0, kv_use, n_pre, c_pre,
+        first = emitted - len(dec) * len(more)
+        self.its.append((i, t0, dt, len(dec), first, int(pt.sum()) if len(pt) else 0, kv_use, n_pre, c_pre,
                          n_dec, c_dec))
+        self.its += [(i, a, b_, len(dec), len(dec), 0, u, 0, 0.0, n_dec, c) for a, b_, c, u in more]
         run = s.running
         fin = run[self.gen[run] >= self.osl[run]]
         if len(fin):
@@ -458,6 +518,7 @@ class _Engine:
             else:
                 self.start(t, a)
         its = np.asarray(self.its, float).reshape(-1, 11)
+        its = its[np.lexsort((its[:, 0], its[:, 1]))]     # iterations by start time, then worker
         return ServeRun(self.arr, self.first, self.finish, self.pre, self.where, its[:, 0].astype(np.int64),
                         its[:, 1], its[:, 2], its[:, 3].astype(np.int64), its[:, 4].astype(np.int64),
                         its[:, 5].astype(np.int64), its[:, 6], its[:, 7:11], self.gen.copy())
@@ -465,12 +526,14 @@ class _Engine:
 
 def simulate(req: Requests, workers: Sequence[Worker], *, kv_transfer_s: Callable[[int], float] = lambda n: 0.0,
              seed: int = 0, draw_order: str = "resample",
-             progress: Callable[[int, int], None] | None = None) -> ServeRun:
+             progress: Callable[[int, int], None] | None = None, ahead: bool = True) -> ServeRun:
     """Run ``req`` through ``workers`` (see the module docstring). ``kv_transfer_s(tokens)``: the
     seconds a prompt's KV takes from a prefill to a decode worker. ``draw_order``: each iteration's
     routing draw of the step-time model, ``in-order`` (iteration j of a worker takes draw j mod D:
-    a recorded trace's steps in order) or ``resample`` (uniform, seeded)."""
-    return _Engine(req, workers, kv_transfer_s, seed, draw_order).run(progress)
+    a recorded trace's steps in order) or ``resample`` (uniform, seeded). ``ahead``: run the
+    decode-only iterations in which nothing can change at once (:meth:`_Engine._ahead`; the same
+    run, faster); False steps every iteration through the event queue (for checking)."""
+    return _Engine(req, workers, kv_transfer_s, seed, draw_order, ahead).run(progress)
 
 
 __all__ = ["EngineConfig", "ROLES", "ServeRun", "Worker", "cuda_graph_sizes", "simulate"]
