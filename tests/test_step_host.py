@@ -148,3 +148,19 @@ def test_decode_under_tp_attention_runs_no_dispatch():
         assert st["host_bound_us"] == 0.0                                    # CUDA graphs in serving
         assert f["exposed_comm_us"] == pytest.approx(st["tp_cp_comm_us"], rel=1e-9)
         assert dpa.figures[n]["exposed_comm_us"] > 0                         # DP attention dispatches
+
+
+def test_prefill_under_a_layout_pays_no_training_host_time():
+    """The host timeline is a training framework's (Megatron's launches, autograd, syncs): a serving
+    prefill under a layout keeps the cost model's own launch costs, so its stages carry no
+    ``host_bound_us``, while the same layout in training does."""
+    from moonep_sim.experiments.scenario import Scenario
+    from moonep_sim.models import get_model
+
+    m = dataclasses.replace(get_model("olmoe-1b-7b"), name="olmoe-2l", layers=2, moe_layers=2)
+    sc = Scenario(routing="gen:model=olmoe-1b-7b,uniform=1,tokens-per-rank=64,seed=3", model=m, cluster=(4, 4),
+                  topology="h800-cx7", strategies="alltoall")
+    pre = sc.step("prefill", parallel=Parallel(tp=2, dp=2, ep=2), tokens_per_rank=64, context=64)
+    train = sc.step("train", parallel=Parallel(tp=2, dp=2, ep=2), context=64)
+    assert all(st["host_bound_us"] == 0.0 for f in pre.figures.values() for st in f["stages"])
+    assert any(st["host_bound_us"] > 0.0 for f in train.figures.values() for st in f["stages"])

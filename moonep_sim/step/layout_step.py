@@ -399,8 +399,10 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
         r0, r1 = sched.rank_of(c0), sched.rank_of(c1)
         return 0.0 if r0 == r1 else coll.send_us(act, send_link.get((r0, r1), wrap))
 
-    # eager launches (train): the host timeline; TP collectives launched per layer and direction
-    host_bound = cfg.costs is not None and cfg.costs.launch == "eager"
+    # eager launches in training: the host timeline (a training framework's launches, autograd and
+    # syncs; serving engines' prefill and decode keep the cost model's own launch costs); TP
+    # collectives launched per layer and direction
+    host_bound = train and cfg.costs is not None and cfg.costs.launch == "eager"
     replicated = moe_input_replicated(p, cfg.shape.mode)
     tp_kernels = (4 if p.sequence_parallel else 2) if p.tp > 1 else 0
     h_us = launch_us(p.pp_schedule)
