@@ -473,7 +473,7 @@ def page(res, total, known, no_preset, eligible, picked, args) -> str:
             "(one per pool assumed); `k2-read` a k x k-GPU record read as k GPUs; `fp4-at-fp8` an NVFP4 row priced "
             "at FP8 GEMM rates (the step has no FP4 GEMM peak); `conc<8` fewer than 8 clients; `prefill-layout` the "
             "prompts run on a pool the layout step prices (attention TP, expert TP or EP over fewer GPUs than the "
-            "worker), whose prefill steps carry the eager host timeline the layout step charges outside decode.", ""]
+            "worker).", ""]
     worst_p = sorted(ok, key=lambda r: -abs(r["tpot_err"]))[:15]
     worst_t = sorted(ok, key=lambda r: -abs(r["ttft_err"]))[:15]
     for title, rows_, k in (("TPOT", worst_p, "tpot"), ("TTFT", worst_t, "ttft")):
