@@ -1,4 +1,4 @@
-"""The package's size against a base commit, with this round's new capabilities counted apart.
+"""The package's size against a base commit, with the capabilities added since it counted apart.
 
     python benchmarks/line_count.py                    # the working tree against BASE (863da57)
     python benchmarks/line_count.py --base 863da57 --json out.json
@@ -9,7 +9,7 @@ tree. Two accounts, both printed:
 
 - **By file** (strict): a file counts as a *new capability* when it matches
   :data:`NEW_CAPABILITIES` (the layouts, pipelines, collectives, measured ops, memory shapes,
-  serving and progress that this round's other work adds); every other file -- new files made by
+  serving and progress that the work since the base adds); every other file -- new files made by
   moving or splitting existing code included -- is the *rest*. Growth that a new capability adds
   inside an existing file (a flag, a branch) stays in the rest; the rest's files that grew most are
   listed, moves followed.
@@ -57,7 +57,7 @@ NEW_CAPABILITIES = (
 )
 
 
-#: branches whose merges brought the capabilities this round adds (the line-by-commit account counts
+#: branches whose merges brought the capabilities added since the base (the line-by-commit account counts
 #: their lines apart, wherever they sit); every other branch's lines, and commits made on main
 #: itself, count to the core
 CAPABILITY_BRANCHES = {
