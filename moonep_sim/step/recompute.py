@@ -56,15 +56,15 @@ def recompute_op_us(costs, model: ModelSpec, op: Op, layer: int, tp: int = 1) ->
         return 0.0
     if a.recompute == "full":
         return costs.op_us(op)
-    mods = a.modules
+    # selective: the modules the memory account drops (ActivationOptions.drops), one rule for both
     if op.kind == "attention":
-        return costs.op_us(op) if "core_attn" in mods else 0.0
+        return costs.op_us(op) if a.drops("core_attn") else 0.0
     if op.name == "norm":
-        return costs.op_us(op) if "layernorm" in mods else 0.0
-    if op.name == "attn_proj" and "mla_up_proj" in mods and model.attention_kind(layer) in MLA_KINDS:
+        return costs.op_us(op) if a.drops("layernorm") else 0.0
+    if op.name == "attn_proj" and a.drops("mla_up_proj") and model.attention_kind(layer) in MLA_KINDS:
         up = mla_up_proj_op(model, op, tp)
         return costs.op_us(up) if up is not None else 0.0
-    if op.name == "shared_expert" and "moe_act" in mods:
+    if op.name == "shared_expert" and a.drops("moe_act"):
         width = model.expert_ffn * model.shared_experts / max(tp, 1)
         return _act_bytes(op.rows, width) / costs.topo.mem_bytes_per_us
     return 0.0
@@ -84,7 +84,7 @@ def expert_recompute_R(costs, plan, model: ModelSpec) -> np.ndarray | float:
         return 0.0
     if a.recompute == "full":
         return costs.expert_us_R(plan, model, backward=False)
-    if "moe_act" in a.modules:
+    if a.drops("moe_act"):
         return _act_bytes(plan.rows_R().astype(np.float64), model.expert_ffn) / costs.topo.mem_bytes_per_us
     return 0.0
 
