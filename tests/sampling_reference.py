@@ -13,7 +13,7 @@ from moonep_sim.routing import sampling
 
 class RacesNumpy:
     """The numpy steps of ``sampling._Races`` (mixed into it by :class:`RacesReference`: its state;
-    ``_knobs()`` its chunk size and rejection rounds, the sampling module's)."""
+    its rejection rounds the sampling module's)."""
 
     def _draw(self, u: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
         """Inverse-CDF draws (intp) of uniforms ``u`` within each row's experts (rows None: every row)."""
@@ -41,7 +41,7 @@ class RacesNumpy:
         CDF over the row's own cumulative sum; chunked over rows)."""
         n, k = self.n, self.k
         out = np.empty(rows.size, np.int64)
-        chunk = max(1, self._knobs()[0] // n)
+        chunk = max(1, sampling.CHUNK_ELEMS // n)
         for s in range(0, rows.size, chunk):
             r = rows[s:s + chunk]
             first = self.first_R[r][:, None]
@@ -88,7 +88,7 @@ class RacesNumpy:
                 hard, todo = todo[hard_R[todo]], todo[~hard_R[todo]]
             else:
                 todo, hard = np.flatnonzero(rep), np.empty(0, np.intp)
-            for _ in range(self._knobs()[1]):
+            for _ in range(sampling._REJECT_ROUNDS):
                 if todo.size == 0:
                     break
                 ee = self._draw(self.retry.random(todo.size), todo)

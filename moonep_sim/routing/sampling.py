@@ -315,10 +315,6 @@ class _Races:
         floor = float(self.span_R.min() - self.hard_R.max()) if self.span_R.size else 0.0
         self.easy_k = int(np.searchsorted(top, floor - 1e-9, side="left")) + 1
 
-    @staticmethod
-    def _knobs() -> tuple[int, int]:   # the chunk size, the rejection rounds: read when used
-        return CHUNK_ELEMS, _REJECT_ROUNDS
-
     @property
     def ids_NK(self) -> np.ndarray:
         """``ids_KN`` token by token, ``[N, K]`` (a view: what the kernels index)."""
@@ -364,10 +360,11 @@ class _Races:
         update_left = clocked or self.easy_k < self.ids_KN.shape[0]
         icdf = _rec.icdf_record(ic, _LINEAR_WIDTH)
         rows = _rec.RowSpan(self.first_R, self.base_R, self.span_R, self.n, self.n != self.p_E.size)
-        todo, hard = np.empty(N, np.intp), np.empty(N, np.intp)
+        todo, hard, e = np.empty(N, np.intp), np.empty(N, np.intp), np.empty(N, np.int32)
         counts = counts_E if count else _NO_COUNTS
         tally = _rec.Tally(self.p_E, update_left, counts, count)
-        nt, nh = _kn.pl_position(k, x if clocked else _NO_X, u, clocked, icdf, rows,
+        _kn.draw(u, _NO_INTP, icdf, rows, e)
+        nt, nh = _kn.pl_position(k, x if clocked else _NO_X, e, clocked,
                                  _rec.RaceRows(self.ids_NK, self.tau_NK, self.left_R), k >= self.easy_k, self.hard_R,
                                  tally, todo, hard)
         if clocked:
@@ -376,12 +373,10 @@ class _Races:
         for _ in range(_REJECT_ROUNDS):
             if nt == 0:
                 break
-            nt = _kn.pl_retry(k, todo, nt, self.retry.random(nt), icdf, rows, self.ids_NK)
-        rest = np.union1d(hard, todo[:nt]) if nt else hard
-        chunk = max(1, CHUNK_ELEMS // self.n)
-        for s in range(0, rest.size, chunk):
-            r = rest[s:s + chunk]
-            _kn.pl_remainder(k, r, self.retry.random(r.size), self.p_E, self.first_R, self.n, True, self.ids_NK)
+            _kn.draw(self.retry.random(nt), todo[:nt], icdf, rows, e)
+            nt = _kn.pl_retry(k, todo, nt, e, self.ids_NK)
+        rest = np.sort(np.concatenate((hard, todo[:nt])), kind="stable") if nt else hard   # disjoint, each ascending
+        _kn.pl_remainder(k, rest, self.retry.random(rest.size), self.p_E, self.first_R, self.n, True, self.ids_NK)
         for settled in (rejected, hard):
             _kn.pl_settle(k, settled, self.ids_NK, self.p_E, self.left_R, update_left, counts, count)
         self.k += 1
@@ -467,23 +462,23 @@ def _pl_blocks(p: np.ndarray, icdf: InverseCDF, x_KN: np.ndarray | None, u_KN: n
     every = _rec.RowSpan(_NO_INTP, _NO_F64, _NO_F64, E, False)   # every row races all E
     # the stopped rows' slots (room for every row; only those used are touched)
     rows2, stop2, left2 = np.empty(N, np.intp), np.empty(N, np.intp), np.empty(N)
-    ids2, u2 = np.empty((N, K), dtype), np.empty((K, N))
+    ids2, e2 = np.empty((N, K), dtype), np.empty((K, N), np.int32)
     tau2, x2 = (np.empty((N, K)), np.empty((K, N), np.float32)) if clocked else (_NO_TAU, _NO_X2)
-    stopped = _rec.Stopped(rows2, stop2, left2, ids2, tau2, x2, u2)
-    n2 = _kn.pl_pass1(x, u_KN, clocked, ic, easy_k, hard, tally, ids, w, stopped)
-    todo, hard_slots = np.empty(n2, np.intp), np.empty(n2, np.intp)
+    stopped = _rec.Stopped(rows2, stop2, left2, ids2, tau2, x2, e2)
+    e_KN = np.empty((K, N), np.int32)
+    _kn.draw(u_KN.reshape(-1), _NO_INTP, ic, every, e_KN.reshape(-1))
+    n2 = _kn.pl_pass1(x, e_KN, clocked, easy_k, hard, tally, ids, w, stopped)
+    todo, hard_slots, ee = np.empty(n2, np.intp), np.empty(n2, np.intp), np.empty(n2, np.int32)
     for k in range(K if n2 else 0):                    # pass 2: the stopped rows, by slot
-        nt, nh = _kn.pl_pass2(k, n2, stopped, x, clocked, ic, easy_k, hard, tally, todo, hard_slots)
+        nt, nh = _kn.pl_pass2(k, n2, stopped, x, clocked, easy_k, hard, tally, todo, hard_slots)
         rejected, hs = todo[:nt].copy(), hard_slots[:nh]
         for _ in range(_REJECT_ROUNDS):
             if nt == 0:
                 break
-            nt = _kn.pl_retry(k, todo, nt, retry.random(nt), ic, every, ids2)
-        rest = np.union1d(hs, todo[:nt]) if nt else hs
-        chunk = max(1, CHUNK_ELEMS // E)
-        for s in range(0, rest.size, chunk):
-            r = rest[s:s + chunk]
-            _kn.pl_remainder(k, r, retry.random(r.size), p, _NO_INTP, E, False, ids2)
+            _kn.draw(retry.random(nt), _NO_INTP, ic, every, ee)
+            nt = _kn.pl_retry(k, todo, nt, ee, ids2)
+        rest = np.sort(np.concatenate((hs, todo[:nt])), kind="stable") if nt else hs   # disjoint, each ascending
+        _kn.pl_remainder(k, rest, retry.random(rest.size), p, _NO_INTP, E, False, ids2)
         for slots in (rejected, hs):
             _kn.pl_settle(k, slots, ids2, p, left2, update_left, counts, count)
     _kn.pl_pass2_out(n2, rows2, ids2, tau2, clocked, ids, w)

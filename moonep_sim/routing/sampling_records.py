@@ -65,8 +65,8 @@ class Tally(NamedTuple):
 
 class Stopped(NamedTuple):
     """Pass 1's stopped rows, one slot each (ascending rows): ``rows2`` the row, ``stop2`` its first
-    event, ``left2`` its popularity left, ``ids2`` / ``tau2`` its arrivals so far, ``x2`` / ``u2``
-    its random numbers (position-major)."""
+    event, ``left2`` its popularity left, ``ids2`` / ``tau2`` its arrivals so far, ``x2`` / ``e2``
+    its exponentials and experts drawn (position-major)."""
 
     rows2: np.ndarray
     stop2: np.ndarray
@@ -74,7 +74,7 @@ class Stopped(NamedTuple):
     ids2: np.ndarray
     tau2: np.ndarray
     x2: np.ndarray
-    u2: np.ndarray
+    e2: np.ndarray
 
 
 __all__ = ["Icdf", "RaceRows", "RowSpan", "Stopped", "Tally", "icdf_record"]
