@@ -352,26 +352,32 @@ class _Races:
         icdf = _rec.icdf_record(ic, _LINEAR_WIDTH)
         rows = _rec.RowSpan(self.first_R, self.base_R, self.span_R, self.n, self.n != self.p_E.size)
         todo, hard, e = np.empty(N, np.intp), np.empty(N, np.intp), np.empty(N, np.int32)
-        counts = counts_E if count else _NO_COUNTS
-        tally = _rec.Tally(self.p_E, update_left, counts, count)
+        tally = _rec.Tally(self.p_E, update_left, counts_E if count else _NO_COUNTS, count)
         _kn.draw(u, _NO_INTP, icdf, rows, e)
         nt, nh = _kn.pl_position(k, x if clocked else _NO_X, e, clocked,
                                  _rec.RaceRows(self.ids_NK, self.tau_NK, self.left_R), k >= self.easy_k, self.hard_R,
                                  tally, todo, hard)
         if clocked:
             self.tau_R = self.tau_NK[:, k]
-        rejected, hard = todo[:nt].copy(), hard[:nh]
-        for _ in range(_REJECT_ROUNDS):
-            if nt == 0:
-                break
-            _kn.draw(self.retry.random(nt), todo[:nt], icdf, rows, e)
-            nt = _kn.pl_retry(k, todo, nt, e, self.ids_NK)
-        rest = np.sort(np.concatenate((hard, todo[:nt])), kind="stable") if nt else hard   # disjoint, each ascending
-        _kn.pl_remainder(k, rest, self.retry.random(rest.size), self.p_E, self.first_R, self.n, True, self.ids_NK)
-        for settled in (rejected, hard):
-            _kn.pl_settle(k, settled, self.ids_NK, self.p_E, self.left_R, update_left, counts, count)
+        _settle_left(k, todo, nt, hard[:nh], self.retry, icdf, rows, self.ids_NK, self.left_R, tally)
         self.k += 1
 
+
+def _settle_left(k: int, todo: np.ndarray, nt: int, hard: np.ndarray, retry: np.random.Generator, icdf: _rec.Icdf,
+                 rows: _rec.RowSpan, ids_NK: np.ndarray, left: np.ndarray, tally: _rec.Tally) -> None:
+    """The rows a position's pass left at ``k``: ``todo[:nt]`` (a repeat) redrawn from ``retry`` up to
+    ``_REJECT_ROUNDS`` times, then those still repeating and ``hard`` (past the "mostly chosen" bound)
+    given their exact remainder draws, in ascending rows; all of them then settled (``left``, counts)."""
+    rejected, e = todo[:nt].copy(), np.empty(nt, np.int32)
+    for _ in range(_REJECT_ROUNDS):
+        if nt == 0:
+            break
+        _kn.draw(retry.random(nt), todo[:nt], icdf, rows, e)
+        nt = _kn.pl_retry(k, todo, nt, e, ids_NK)
+    rest = np.sort(np.concatenate((hard, todo[:nt])), kind="stable") if nt else hard   # disjoint, each ascending
+    _kn.pl_remainder(k, rest, retry.random(rest.size), tally.p, rows, ids_NK)
+    for settled in (rejected, hard):
+        _kn.pl_settle(k, settled, ids_NK, left, tally)
 
 
 _NO_X, _NO_X2, _NO_W = np.empty(0, np.float32), np.empty((0, 0), np.float32), np.empty((0, 0), np.float32)  # unused
@@ -459,19 +465,10 @@ def _pl_blocks(p: np.ndarray, icdf: InverseCDF, x_KN: np.ndarray | None, u_KN: n
     e_KN = np.empty((K, N), np.int32)
     _kn.draw(u_KN.reshape(-1), _NO_INTP, ic, every, e_KN.reshape(-1))
     n2 = _kn.pl_pass1(x, e_KN, clocked, easy_k, hard, tally, ids, w, stopped)
-    todo, hard_slots, ee = np.empty(n2, np.intp), np.empty(n2, np.intp), np.empty(n2, np.int32)
+    todo, hard_slots = np.empty(n2, np.intp), np.empty(n2, np.intp)
     for k in range(K if n2 else 0):                    # pass 2: the stopped rows, by slot
         nt, nh = _kn.pl_pass2(k, n2, stopped, x, clocked, easy_k, hard, tally, todo, hard_slots)
-        rejected, hs = todo[:nt].copy(), hard_slots[:nh]
-        for _ in range(_REJECT_ROUNDS):
-            if nt == 0:
-                break
-            _kn.draw(retry.random(nt), _NO_INTP, ic, every, ee)
-            nt = _kn.pl_retry(k, todo, nt, ee, ids2)
-        rest = np.sort(np.concatenate((hs, todo[:nt])), kind="stable") if nt else hs   # disjoint, each ascending
-        _kn.pl_remainder(k, rest, retry.random(rest.size), p, _NO_INTP, E, False, ids2)
-        for slots in (rejected, hs):
-            _kn.pl_settle(k, slots, ids2, p, left2, update_left, counts, count)
+        _settle_left(k, todo, nt, hard_slots[:nh], retry, ic, every, ids2, left2, tally)
     _kn.pl_pass2_out(n2, rows2, ids2, tau2, clocked, ids, w)
     w = w if clocked else None
     return ids, w, (counts if count else None)

@@ -216,10 +216,12 @@ def pl_retry(k, todo, nt, ee, ids_NK):
 
 
 @kernel
-def pl_remainder(k, rows, uu, p, first, n, grouped, ids_NK):
+def pl_remainder(k, rows, uu, p, rowspan, ids_NK):
     """Each row of ``rows`` draws position ``k`` from its experts not yet chosen, renormalised:
     the cumulative sum of its popularity with its arrivals zeroed, ``uu * total`` searched in it
-    (``_Races._remainder``, the same sums in the same order)."""
+    (``_Races._remainder``, the same sums in the same order). rowspan:
+    :class:`~moonep_sim.routing.sampling_records.RowSpan`."""
+    first, base, mass, n, grouped = rowspan
     P = np.empty(n)
     c = np.empty(n)
     for i in range(rows.size):
@@ -248,8 +250,10 @@ def pl_remainder(k, rows, uu, p, first, n, grouped, ids_NK):
 
 
 @kernel
-def pl_settle(k, rows, ids_NK, p, left, update_left, counts, count):
-    """The rows settled after :func:`pl_position`'s pass: the popularity left and the counts."""
+def pl_settle(k, rows, ids_NK, left, tally):
+    """The rows settled after :func:`pl_position`'s pass: the popularity left and the counts
+    (:class:`~moonep_sim.routing.sampling_records.Tally`)."""
+    p, update_left, counts, count = tally
     for i in range(rows.size):
         t = rows[i]
         e = ids_NK[t, k]
