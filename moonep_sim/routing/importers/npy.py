@@ -15,7 +15,7 @@ from moonep_sim.errors import TraceFormatError
 from moonep_sim.routing.importers.common import (ImportOptions, Imported, attribution, check_top_k, err,
                                                  model_meta, resolve_experts, sanity_warnings)
 from moonep_sim.routing.importers.registry import Importer, Sniff, register
-from moonep_sim.routing.trace import TraceMeta
+from moonep_sim.routing.trace import TraceMeta, find_bad_token
 
 
 def sniff(s: Sniff) -> bool:
@@ -122,15 +122,11 @@ def load_npy(path: Path, fmt: str, opts: ImportOptions) -> Imported:
     E, inferred = resolve_experts(where, opts, None, ids, report)
     check_top_k(where, K, opts)
     ids_LTK = np.ascontiguousarray(ids.transpose(1, 0, 2)).astype(np.int64)
-    bad = (ids_LTK < 0) | (ids_LTK >= E)
-    if bad.any():
-        l, t = np.unravel_index(int(np.argmax(bad.any(axis=2))), (L, T))
-        raise err(where, f"token {t}: layer {l}: topk_ids: expected ids in [0, {E}), found {ids_LTK[l, t].tolist()}")
-    s = np.sort(ids_LTK, axis=2)
-    dup = (s[:, :, 1:] == s[:, :, :-1]).any(axis=2)
-    if dup.any():
-        l, t = np.unravel_index(int(np.argmax(dup)), (L, T))
-        raise err(where, f"token {t}: layer {l}: topk_ids: expected distinct experts, found {ids_LTK[l, t].tolist()}")
+    bad = find_bad_token(ids_LTK.reshape(L * T, K), E)
+    if bad is not None:
+        l, t = divmod(bad[1], T)
+        expected = f"ids in [0, {E})" if bad[0] == "range" else "distinct experts"
+        raise err(where, f"token {t}: layer {l}: topk_ids: expected {expected}, found {ids_LTK[l, t].tolist()}")
     if "topk_weights" in extra:
         w = extra["topk_weights"]
         if w.shape != (T, L, K) and not (w.ndim == 2 and L == 1 and w.shape == (T, K)):
