@@ -342,7 +342,7 @@ class _Races:
         k, N, ic = self.k, self.first_R.size, self.icdf
         clocked = u is None
         if clocked:
-            x = self.rng.standard_exponential(N, dtype=np.float32)   # clamped to 1e-30 by the kernel
+            x = self.rng.standard_exponential(N, dtype=np.float32)   # clamped to 1e-30 by pl_position
             u = self.rng.random(N)
             if keep is not None:
                 keep["x"].append(x)
@@ -356,7 +356,7 @@ class _Races:
         _kn.draw(u, _NO_INTP, icdf, rows, e)
         nt, nh = _kn.pl_position(k, x if clocked else _NO_X, e, clocked,
                                  _rec.RaceRows(self.ids_NK, self.tau_NK, self.left_R), k >= self.easy_k, self.hard_R,
-                                 tally, todo, hard)
+                                 tally, todo, hard, _NO_INTP)
         if clocked:
             self.tau_R = self.tau_NK[:, k]
         _settle_left(k, todo, nt, hard[:nh], self.retry, icdf, rows, self.ids_NK, self.left_R, tally)
@@ -428,8 +428,9 @@ def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.G
     for k in range(K):                                 # the reference's order: a position's exponentials, its uniforms
         rng.standard_exponential(dtype=np.float32, out=x[k])
         rng.random(out=u[k])
+    np.maximum(x, np.float32(1e-30), out=x)            # an exact 0 would give a zero time (infinite score)
     if noise is not None:
-        noise.update(x=x, u=u, retry_seed=seed)       # x clamped to 1e-30 in place by the kernels
+        noise.update(x=x, u=u, retry_seed=seed)
     ids, w, counts = _pl_blocks(p, icdf, x, u, np.random.default_rng(seed), np.int64, noise is not None)
     if noise is not None:
         noise["counts"] = counts                       # this draw's count per expert, for the calibration
@@ -465,9 +466,11 @@ def _pl_blocks(p: np.ndarray, icdf: InverseCDF, x_KN: np.ndarray | None, u_KN: n
     e_KN = np.empty((K, N), np.int32)
     _kn.draw(u_KN.reshape(-1), _NO_INTP, ic, every, e_KN.reshape(-1))
     n2 = _kn.pl_pass1(x, e_KN, clocked, easy_k, hard, tally, ids, w, stopped)
-    todo, hard_slots = np.empty(n2, np.intp), np.empty(n2, np.intp)
-    for k in range(K if n2 else 0):                    # pass 2: the stopped rows, by slot
-        nt, nh = _kn.pl_pass2(k, n2, stopped, x, clocked, easy_k, hard, tally, todo, hard_slots)
+    todo, hard_slots, hard_S = np.empty(n2, np.intp), np.empty(n2, np.intp), np.full(n2, hard)
+    for k in range(K if n2 else 0):                    # pass 2: the stopped rows, by slot, from their first event
+        nt, nh = _kn.pl_position(k, x2[k, :n2] if clocked else _NO_X, e2[k, :n2], clocked,
+                                 _rec.RaceRows(ids2, tau2, left2), k >= easy_k, hard_S, tally, todo, hard_slots,
+                                 stop2[:n2])
         _settle_left(k, todo, nt, hard_slots[:nh], retry, ic, every, ids2, left2, tally)
     _kn.pl_pass2_out(n2, rows2, ids2, tau2, clocked, ids, w)
     w = w if clocked else None

@@ -7,10 +7,10 @@ operations in the same order, so its outputs are equal bit for bit; the random n
 numpy's (drawn by the caller, in the same order and amounts), so the streams and the draws do not
 move. tests/test_sampling_kernels.py holds the samplers' draws against the reference's.
 
-- :func:`pl_pass1`, :func:`pl_pass2`, :func:`pl_pass2_out` -- the plain path (every token races
-  all E experts: ``sample_topk_pl`` and its counted redraws ``pl_ids_again``) in token blocks, the
-  rows a repeat or the "mostly chosen" test stops left to a second pass by position (the section
-  "plain top-K" below); :func:`pl_replay_rows` the weights of a counted draw (``pl_weights``).
+- :func:`pl_pass1`, :func:`pl_pass2_out` -- the plain path (every token races all E experts:
+  ``sample_topk_pl`` and its counted redraws ``pl_ids_again``) in token blocks, the rows a repeat
+  or the "mostly chosen" test stops left to a second pass by position (:func:`pl_position` over
+  their slots; the section "plain top-K" below); :func:`pl_replay_rows` the weights of a counted draw (``pl_weights``).
 - :func:`draw` -- the inverse-CDF draws of every kernel (the guide table of
   :class:`~moonep_sim.routing.sampling.InverseCDF`, within each row's group): one pass over a
   block of uniforms before the kernels that read the experts drawn.
@@ -35,7 +35,7 @@ from moonep_sim.jit import inline, kernel
 # The steps the kernels share are the helpers below, inlined by numba itself (``inline="always"``:
 # the helper's IR is pasted into the caller's before compiling): the arrival time and the clamp of
 # an exponential (scalars only), a row's weights, the race's insertion of a key and its row's output.
-# The repeat check and the settling of a row (in pl_position, pl_retry, pl_pass1, pl_pass2) stay
+# The repeat check and the settling of a row (in pl_position, pl_retry, pl_pass1) stay
 # written out: a helper taking arrays, even inlined at the IR level, keeps the arrays' reference
 # counts (atomic increments and decrements) on every call in the loop. Measured (numba 0.68, 65,536
 # rows x K 8): as helpers, pl_pass1's plain path took 2.6x the time, the grouped path (pl_position,
@@ -151,21 +151,24 @@ def _emit(bv, bi, cnt, K, t, ids, kv, ok):
 
 
 @kernel
-def pl_position(k, x, e_N, clocked, race, test_hard, hard_bound, tally, todo, hard):
+def pl_position(k, x, e_N, clocked, race, test_hard, hard_bound, tally, todo, hard, stop):
     """Position ``k`` of every row: ``x`` (float32, clamped to 1e-30 in place) this position's
     exponentials and ``e_N`` its experts drawn (:func:`draw`); ``clocked``: the arrival times
     ``tau_NK[:, k] = tau_NK[:, k - 1] + x / max(left, 1e-300)`` (0 before the first); ``ids_NK``,
-    ``tau_NK`` the state by token (views of ``_Races``' position-major arrays). Rows whose draw
-    repeats an earlier arrival go to ``todo``, rows past the "mostly chosen" bound (``test_hard``:
-    ``left < hard_bound``) to ``hard`` (both in row order); the other rows are settled here (``left
-    -= p[e]`` when ``update_left``, ``counts[e] += 1`` when ``count``: the
-    :class:`~moonep_sim.routing.sampling_records.Tally`). Returns the two lists' lengths. race:
+    ``tau_NK`` the state by token (views of ``_Races``' position-major arrays, or pass 2's slots).
+    Rows whose draw repeats an earlier arrival go to ``todo``, rows past the "mostly chosen" bound
+    (``test_hard``: ``left < hard_bound``) to ``hard`` (both in row order); the other rows are
+    settled here (``left -= p[e]`` when ``update_left``, ``counts[e] += 1`` when ``count``: the
+    :class:`~moonep_sim.routing.sampling_records.Tally`). ``stop`` (pass 2; empty: none): rows with
+    ``stop[t] > k`` are skipped (pass 1 settled them there). Returns the two lists' lengths. race:
     :class:`~moonep_sim.routing.sampling_records.RaceRows`."""
     ids_NK, tau_NK, left = race
     p, update_left, counts, count = tally
     nt = 0
     nh = 0
     for t in range(e_N.size):
+        if stop.size and stop[t] > k:
+            continue
         if clocked:
             xv = x[t]
             xf = _floored(xv)
@@ -372,7 +375,7 @@ def race_plain(x, inv_p, K, ids, kv, ok):
 # (position-major block buffers), up to each row's first event: a repeat (a redraw) or the "mostly
 # chosen" test (a remainder draw). Those need the child stream's draws in the reference's order
 # (position by position, row by row) and are left to pass 2, which runs the stopped rows alone --
-# their state gathered into slots, in row order -- position by position, exactly as
+# their state gathered into slots, in row order -- position by position through pl_position, as
 # _Races.advance does; the rows settled at a position by pass 1 are the ones the reference settles
 # at once there (no repeat, no test). The random numbers are the same, read from the [K, N] arrays
 # the caller drew position by position.
@@ -385,7 +388,7 @@ def pl_pass1(x_KN, e_KN, clocked, easy_k, hard_bound, tally, ids_NK, w_NK, stopp
     and (``clocked``) the weights ``w_NK`` of every row settled at every position, ``counts`` kept
     (``count``). The stopped rows, ascending, get slots: ``rows2`` the row, ``stop2`` its first
     event, ``left2`` its popularity left, ``ids2`` / ``tau2`` its arrivals so far, ``x2`` / ``e2``
-    its exponentials and draws (position-major, ``x`` as drawn: pass 2 clamps it): the
+    its exponentials and draws (position-major): the
     :class:`~moonep_sim.routing.sampling_records.Stopped` record. Returns the number of slots.
     tally: :class:`~moonep_sim.routing.sampling_records.Tally`."""
     p, update_left, counts, count = tally
@@ -413,12 +416,8 @@ def pl_pass1(x_KN, e_KN, clocked, easy_k, hard_bound, tally, ids_NK, w_NK, stopp
                 if bstop[i] < K:
                     continue
                 t = t0 + i
-                if clocked:
-                    xv = x_KN[k, t]
-                    xf = _floored(xv)
-                    if xf != xv:
-                        x_KN[k, t] = xf
-                    btau[k, i] = _arrival(btau[k - 1, i] if k else 0.0, xf, bleft[i])
+                if clocked:                          # (x clamped to 1e-30 by the caller)
+                    btau[k, i] = _arrival(btau[k - 1, i] if k else 0.0, x_KN[k, t], bleft[i])
                 e = e_KN[k, t]
                 rep = (bits[i, e >> 6] >> (e & 63)) & 1   # a repeat of the row's earlier arrivals
                 if rep or (test and bleft[i] < hard_bound):
@@ -455,47 +454,6 @@ def pl_pass1(x_KN, e_KN, clocked, easy_k, hard_bound, tally, ids_NK, w_NK, stopp
 
 
 @kernel
-def pl_pass2(k, n2, stopped, x_KN, clocked, easy_k, hard_bound, tally, todo, hard):
-    """Position ``k`` of pass 2 over the slots ``[0, n2)`` at or past their first event, as
-    :func:`pl_position` runs the rows (a clamped exponential written back to ``x_KN`` too);
-    ``todo`` and ``hard`` list slots. Returns their lengths. stopped: :class:`~moonep_sim.routing.sampling_records.Stopped` (pass 1's);
-    tally: :class:`~moonep_sim.routing.sampling_records.Tally`."""
-    p, update_left, counts, count = tally
-    rows2, stop2, left2, ids2, tau2, x2, e2 = stopped
-    nt = 0
-    nh = 0
-    for i in range(n2):
-        if stop2[i] > k:
-            continue
-        if clocked:
-            xv = x2[k, i]
-            xf = _floored(xv)
-            if xf != xv:
-                x2[k, i] = xf
-                x_KN[k, rows2[i]] = xf
-            tau2[i, k] = _arrival(tau2[i, k - 1] if k else 0.0, xf, left2[i])
-        e = e2[k, i]
-        rep = False                          # a repeat of the row's earlier arrivals
-        for j in range(k):
-            if ids2[i, j] == e:
-                rep = True
-                break
-        if k >= easy_k and left2[i] < hard_bound:
-            hard[nh] = i
-            nh += 1
-        elif rep:
-            todo[nt] = i
-            nt += 1
-        else:
-            ids2[i, k] = e
-            if update_left:
-                left2[i] -= p[e]
-            if count:
-                counts[e] += 1
-    return nt, nh
-
-
-@kernel
 def pl_pass2_out(n2, rows2, ids2, tau2, clocked, ids_NK, w_NK):
     """The slots' experts (and, ``clocked``, weights from their arrival times) to their rows."""
     K = ids2.shape[1]
@@ -529,5 +487,5 @@ def pl_replay_rows(x_KN, given_NK, p, w_NK):
             _row_weights(btau, i, False, K, inv, w_NK, t0 + i)
 
 
-__all__ = ["BLOCK", "draw", "pl_pass1", "pl_pass2", "pl_pass2_out", "pl_position", "pl_remainder", "pl_replay_rows", "pl_retry", "pl_settle", "race_grouped",
+__all__ = ["BLOCK", "draw", "pl_pass1", "pl_pass2_out", "pl_position", "pl_remainder", "pl_replay_rows", "pl_retry", "pl_settle", "race_grouped",
            "race_plain"]
