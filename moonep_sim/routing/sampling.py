@@ -262,12 +262,13 @@ class InverseCDF:
         self.guide = np.minimum(g, E - 1)
         self.width = int((self.guide[1:] - self.guide[:-1]).max())
         self.steps = int(math.ceil(math.log2(self.width + 1))) if self.width else 0
+        self.record = _rec.Icdf(cum, self.guide, self.M, self.width, self.steps, self.width <= _LINEAR_WIDTH)
 
     def draw(self, u: np.ndarray) -> np.ndarray:
         """Expert ids, int32 [N], of uniforms ``u`` float64 [N] in [0, 1) (the kernels' draw)."""
         e = np.empty(u.size, np.int32)
         every = _rec.RowSpan(_NO_INTP, _NO_F64, _NO_F64, self.cum_E.size, False)
-        _kn.draw(u, _NO_INTP, _rec.icdf_record(self, _LINEAR_WIDTH), every, e)
+        _kn.draw(u, _NO_INTP, self.record, every, e)
         return e
 
 
@@ -339,7 +340,7 @@ class _Races:
 
         The compiled kernels' pass (:mod:`~moonep_sim.routing.sampling_kernels`): the same random
         numbers drawn in the same order and amounts as :meth:`advance_numpy`, the same draws."""
-        k, N, ic = self.k, self.first_R.size, self.icdf
+        k, N, icdf = self.k, self.first_R.size, self.icdf.record
         clocked = u is None
         if clocked:
             x = self.rng.standard_exponential(N, dtype=np.float32)   # clamped to 1e-30 by pl_position
@@ -349,7 +350,6 @@ class _Races:
                 keep["u"].append(u)
         count = counts_E is not None
         update_left = clocked or self.easy_k < self.ids_KN.shape[0]
-        icdf = _rec.icdf_record(ic, _LINEAR_WIDTH)
         rows = _rec.RowSpan(self.first_R, self.base_R, self.span_R, self.n, self.n != self.p_E.size)
         todo, hard, e = np.empty(N, np.intp), np.empty(N, np.intp), np.empty(N, np.int32)
         tally = _rec.Tally(self.p_E, update_left, counts_E if count else _NO_COUNTS, count)
@@ -455,7 +455,7 @@ def _pl_blocks(p: np.ndarray, icdf: InverseCDF, x_KN: np.ndarray | None, u_KN: n
     w = np.empty((N, K), np.float32) if clocked else _NO_W
     counts = np.zeros(E, np.int64) if count else _NO_COUNTS
     x = x_KN if clocked else _NO_X2
-    ic = _rec.icdf_record(icdf, _LINEAR_WIDTH)
+    ic = icdf.record
     tally = _rec.Tally(p, update_left, counts, count)
     every = _rec.RowSpan(_NO_INTP, _NO_F64, _NO_F64, E, False)   # every row races all E
     # the stopped rows' slots (room for every row; only those used are touched)
