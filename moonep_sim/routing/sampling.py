@@ -204,21 +204,14 @@ def smallest_k(key: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:
     srt = np.sort(key, axis=1)[:, :K + 1]
     good = (srt[:, 1:] > srt[:, :-1]).all(axis=1)           # distinct, and the K-th below the next
     mask = key <= srt[:, K - 1:K]
-    ids = np.empty((n, K), np.int64)
-    kv = np.ascontiguousarray(srt[:, :K])
-    if good.all():
-        cols = (np.flatnonzero(mask) % E).reshape(n, K)   # each row's K columns, in column order
-        kk = np.take_along_axis(key, cols, axis=1)
-    else:
-        mask[~good] = False
-        cols = (np.flatnonzero(mask) % E).reshape(-1, K)
-        kk = np.take_along_axis(key[good], cols, axis=1)
-    order = np.argsort(kk, axis=1)                          # distinct values: the only order
-    if good.all():
-        ids[...] = np.take_along_axis(cols, order, axis=1)
-    else:
-        ids[good] = np.take_along_axis(cols, order, axis=1)
-        ids[~good], kv[~good] = _smallest_k_by_partition(key[~good], K)
+    bad = np.flatnonzero(~good)
+    mask[bad] = False
+    mask[bad, :K] = True                                    # placeholder columns: the reference's below
+    cols = (np.flatnonzero(mask) % E).reshape(n, K)         # each row's K columns, in column order
+    order = np.argsort(np.take_along_axis(key, cols, axis=1), axis=1)   # distinct values: the only order
+    ids, kv = np.take_along_axis(cols, order, axis=1), np.ascontiguousarray(srt[:, :K])
+    if bad.size:
+        ids[bad], kv[bad] = _smallest_k_by_partition(key[bad], K)
     return ids, kv
 
 
