@@ -143,13 +143,14 @@ def load_npy(path: Path, fmt: str, opts: ImportOptions) -> Imported:
         w_LTK = np.full((L, T, K), 1.0 / K, np.float32)
         report["weights"] = "absent in the source: set to 1/K"
     tensors = {"topk_ids": ids_LTK, "topk_weights": w_LTK}
-    steps = "one step holds all tokens"
+    steps, step_T = "one step holds all tokens", None
     if "step" in extra:
         st = extra["step"]
         if st.shape != (T,) or st.dtype.kind not in "iu" or (T > 1 and (np.diff(st) < 0).any()):
             raise err(where, f"step: expected non-decreasing integers of shape [{T}], found shape "
                               f"{list(st.shape)} dtype {st.dtype}")
-        tensors["step"] = st.astype(np.int32)
+        step_T = np.unique(st, return_inverse=True)[1].reshape(-1)   # dense 0..S-1, order kept
+        tensors["step"] = step_T.astype(np.int32)
         steps = "step tensor from the source"
     layer_ids = list(range(L))
     if "layer_ids" in extra:
@@ -158,11 +159,6 @@ def load_npy(path: Path, fmt: str, opts: ImportOptions) -> Imported:
             raise err(where, f"layer_ids: expected {L} integers, found shape {list(li.shape)} dtype {li.dtype}")
         layer_ids = [int(x) for x in li]
     report["tokens"], report["layers"] = T, L
-    step_T = tensors["step"].astype(np.int64) if "step" in tensors else None
-    if step_T is not None:
-        _, step_T = np.unique(step_T, return_inverse=True)
-        step_T = step_T.reshape(-1)
-        tensors["step"] = step_T.astype(np.int32)
     report["warnings"] = report.get("warnings", []) + sanity_warnings(ids_LTK, step_T, E, layer_ids,
                                                                        opts.dominant_share)
     if not report["warnings"]:
