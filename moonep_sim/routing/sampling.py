@@ -117,11 +117,8 @@ def _race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator,
             if grouped:                                # in place: the logits hold their own copy
                 score = mask_groups(score, groups, topk_groups, copy=False)
             key = np.negative(score, out=score)
-        elif noise is not None:
+        else:                                          # (K = E, or the numpy reference)
             key = x * inv_p                                                 # X / p: smaller wins
-        else:
-            key = x
-            key *= inv_p
         if not fast:
             ids[s:s + n], kv = smallest_k(key, K)
         kv = kv.astype(np.float64)
@@ -312,16 +309,9 @@ class _Races:
 
     def subset(self, rows: np.ndarray, K: int) -> "_Races":
         """The races of ``rows`` (their arrivals so far kept), room for K arrivals in all."""
-        out = type(self).__new__(type(self))
-        out.p_E, out.icdf, out.n, out.rng, out.retry, out.small = (self.p_E, self.icdf, self.n, self.rng,
-                                                                   self.retry, self.small)
-        out.first_R, out.base_R, out.span_R, out.left_R, out.tau_R = (
-            self.first_R[rows], self.base_R[rows], self.span_R[rows], self.left_R[rows], self.tau_R[rows])
-        out.ids_KN = _position_major(K, rows.size, self.small)
-        out.tau_KN = _position_major(K, rows.size, np.float64)
+        out = type(self)(self.p_E, self.icdf, self.first_R[rows], self.n, K, self.rng, self.retry)
+        out.left_R, out.tau_R, out.k = self.left_R[rows], self.tau_R[rows], self.k
         out.ids_KN[:self.k], out.tau_KN[:self.k] = self.ids_KN[:self.k, rows], self.tau_KN[:self.k, rows]
-        out.k = self.k
-        out._set_hard_bound()
         return out
 
     def advance(self, u: np.ndarray | None = None, keep: dict | None = None,
