@@ -143,6 +143,17 @@ class TraceMeta:
             raise bad("import_report", "a JSON object", self.import_report)
 
 
+def model_meta(model: Any) -> dict[str, Any]:
+    """:class:`TraceMeta` fields naming ``model`` (a preset name, a model file or a ModelSpec; None:
+    none): ``model`` (a preset's name) or ``model_spec`` (the shape of a model that is not a preset;
+    ``Trace.model()`` reads either)."""
+    if model is None:
+        return {}
+    from moonep_sim.models import PRESETS, model_fields, resolve_model
+    m = resolve_model(model)
+    return {"model": m.name} if PRESETS.get(m.name) == m else {"model_spec": model_fields(m)}
+
+
 def _is_int(v: Any) -> bool:
     """A JSON integer (``true``/``false`` are not ids or counts)."""
     return isinstance(v, int) and not isinstance(v, bool)

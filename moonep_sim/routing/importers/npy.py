@@ -13,9 +13,9 @@ import numpy as np
 
 from moonep_sim.errors import TraceFormatError
 from moonep_sim.routing.importers.common import (ImportOptions, Imported, attribution, check_top_k, err,
-                                                 model_meta, resolve_experts, sanity_warnings)
+                                                 resolve_experts, sanity_warnings)
 from moonep_sim.routing.importers.registry import Importer, Sniff, register
-from moonep_sim.routing.trace import TraceMeta, find_bad_token
+from moonep_sim.routing.trace import TraceMeta, find_bad_token, model_meta
 
 
 def sniff(s: Sniff) -> bool:
@@ -165,7 +165,7 @@ def load_npy(path: Path, fmt: str, opts: ImportOptions) -> Imported:
         del report["warnings"]
     meta = TraceMeta(kind="tokens", num_experts=E, top_k=K, layer_ids=layer_ids, num_tokens=T,
                      steps=steps, source=f"imported from {path.name} (npy)", attribution=attribution(path),
-                     import_report=report, num_experts_inferred=inferred, **model_meta(opts))
+                     import_report=report, num_experts_inferred=inferred, **model_meta(opts.model))
     return Imported(meta, tensors)
 
 

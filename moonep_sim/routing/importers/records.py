@@ -47,9 +47,9 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from moonep_sim.routing.importers.common import (FIELDS, QUIET_FIELDS, REQUIRED_ROLES, ImportOptions, Imported,
-                                                 attribution, check_top_k, err, first_true, is_int, model_meta, pick,
+                                                 attribution, check_top_k, err, first_true, is_int, pick,
                                                  resolve_experts, sanity_warnings, set_ids)
-from moonep_sim.routing.trace import TraceMeta, find_bad_token
+from moonep_sim.routing.trace import TraceMeta, find_bad_token, model_meta
 
 MAX_BLOCKS_LISTED = 20
 
@@ -432,7 +432,7 @@ def load_records(path: Path, fmt: str, opts: ImportOptions) -> Imported:
     meta = TraceMeta(kind="tokens", num_experts=E, top_k=K, layer_ids=layer_ids, num_tokens=T, steps=steps,
                      source=f"imported from {path.name} ({fmt})" + (f"; model {src_model}" if src_model else ""),
                      attribution=attribution(path), import_report=report, num_experts_inferred=inferred,
-                     **model_meta(opts))
+                     **model_meta(opts.model))
     return Imported(meta, tensors)
 
 
