@@ -298,34 +298,21 @@ class _Races:
         out.ids_KN[:self.k], out.tau_KN[:self.k] = self.ids_KN[:self.k, rows], self.tau_KN[:self.k, rows]
         return out
 
-    def advance(self, u: np.ndarray | None = None, keep: dict | None = None,
-                counts_E: np.ndarray | None = None) -> None:
-        """Every row's next arrival. ``u``: this position's uniforms, kept from an earlier run of the
-        same streams (``keep`` keeps the exponentials and uniforms, lists ``x`` and ``u``): the
-        experts drawn without the arrival times (``tau_KN`` left unset, and ``left_R`` too when no
-        position tests it). ``counts_E``: the drawn experts added to it.
-
-        The compiled kernels' pass (:mod:`~moonep_sim.routing.sampling_kernels`): the same random
-        numbers drawn in the same order and amounts as :meth:`advance_numpy`, the same draws."""
+    def advance(self) -> None:
+        """Every row's next arrival: its exponential and uniform from ``rng``, its arrival time and
+        expert, redraws and remainder draws from ``retry``. The compiled kernels' pass
+        (:mod:`~moonep_sim.routing.sampling_kernels`): the same random numbers drawn in the same
+        order and amounts as the numpy reference's (``tests/sampling_reference.py``), the same draws."""
         k, N, icdf = self.k, self.first_R.size, self.icdf.record
-        clocked = u is None
-        if clocked:
-            x = self.rng.standard_exponential(N, dtype=np.float32)   # clamped to 1e-30 by pl_position
-            u = self.rng.random(N)
-            if keep is not None:
-                keep["x"].append(x)
-                keep["u"].append(u)
-        count = counts_E is not None
-        update_left = clocked or self.easy_k < self.ids_KN.shape[0]
+        x = self.rng.standard_exponential(N, dtype=np.float32)   # clamped to 1e-30 by pl_position
+        u = self.rng.random(N)
         rows = _rec.RowSpan(self.first_R, self.base_R, self.span_R, self.n, self.n != self.p_E.size)
         todo, hard, e = np.empty(N, np.intp), np.empty(N, np.intp), np.empty(N, np.int32)
-        tally = _rec.Tally(self.p_E, update_left, counts_E if count else _NO_COUNTS, count)
+        tally = _rec.Tally(self.p_E, True, _NO_COUNTS, False)
         _kn.draw(u, _NO_INTP, icdf, rows, e)
-        nt, nh = _kn.pl_position(k, x if clocked else _NO_X, e, clocked,
-                                 _rec.RaceRows(self.ids_NK, self.tau_NK, self.left_R), k >= self.easy_k, self.hard_R,
-                                 tally, todo, hard, _NO_INTP)
-        if clocked:
-            self.tau_R = self.tau_NK[:, k]
+        nt, nh = _kn.pl_position(k, x, e, True, _rec.RaceRows(self.ids_NK, self.tau_NK, self.left_R),
+                                 k >= self.easy_k, self.hard_R, tally, todo, hard, _NO_INTP)
+        self.tau_R = self.tau_NK[:, k]
         _settle_left(k, todo, nt, hard[:nh], self.retry, icdf, rows, self.ids_NK, self.left_R, tally)
         self.k += 1
 
