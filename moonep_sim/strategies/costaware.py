@@ -75,8 +75,9 @@ import numpy as np
 from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, Slots, Scope, plan_from_hops, to_final, to_node_of_final
 from moonep_sim.plan.kernel import FAMILIES, KernelSpec, family_spec
 from moonep_sim.strategies import Option, PlanContext, register
-from moonep_sim.strategies.llep import native_alloc, plan_from_alloc, require_home_groups
-from moonep_sim.strategies.moonep import alloc_entry_slots, capacity_split, copy_slots, greedy_quotas, split_quotas
+from moonep_sim.strategies.llep import native_alloc
+from moonep_sim.strategies.moonep import (alloc_entry_slots, capacity_split, copy_slots, greedy_quotas, plan_from_alloc,
+                                          require_home_groups, split_quotas)
 
 MODES = ("forward", "training")
 
