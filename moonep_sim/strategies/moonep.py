@@ -50,16 +50,10 @@ import numpy as np
 from moonep_sim.errors import ConfigError, PlanError, require
 from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.plan import GlobalRouting, Plan, Slots, plan_from_slots
+from moonep_sim.plan.ir import even_tokens_per_rank
 from moonep_sim.plan.runs import split_runs
 from moonep_sim.plan.kernel import KernelSpec
 from moonep_sim.strategies import Option, PlanContext, register
-
-
-def capacity_split(total_entries: int, ranks: int) -> np.ndarray:
-    """int64 [R]: ``total_entries`` split as evenly as possible, the first ``total % R`` ranks one more."""
-    cap = np.full(ranks, total_entries // ranks, dtype=np.int64)
-    cap[: total_entries % ranks] += 1
-    return cap
 
 
 def greedy_quotas(group_tokens_R: np.ndarray, cap_R: np.ndarray) -> np.ndarray:
@@ -159,7 +153,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, dedup: bool, sms: int) -> 
     epn = require_home_groups(routing, ctx, "moonep")
     ids_N = routing.topk_ids_TK.ravel()
     counts_E = np.bincount(ids_N, minlength=E).astype(np.int64)
-    cap_R = capacity_split(ids_N.size, R)
+    cap_R = even_tokens_per_rank(ids_N.size, R)  # N split as evenly as possible (step 2)
     z = greedy_quotas(counts_E.reshape(R, epn).sum(axis=1), cap_R)
     alloc = split_quotas(counts_E, z, epn)
     # static buffer: cap real rows plus padding of at most 2*epn segments (home + copies)
