@@ -451,8 +451,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, sms: int, mode: str, min_g
     opts["sms_used"] = sms_used
     if one_node:  # no network hop to dedup: one NVLink hop, MoonEP's transport and kernel
         return plan_from_alloc(routing, ctx, alloc, epn, True, options=opts, kernel=KernelSpec(sms=sms_used))
-    src = slot_home.copy()
-    src[~copies] = slot_rank[~copies]
+    src = slot_home.copy()  # (a slot that is not a copy is on its home)
     src[copies] = relay_sources(slot_expert[copies], slot_rank[copies], slot_home[copies], ctx.cluster)
     relayed = copies & (src != slot_home)
     opts["copies_relayed"] = int(relayed.sum())  # of copies_cross_node: fed over NVLink by a relay
