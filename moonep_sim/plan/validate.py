@@ -202,43 +202,34 @@ def _check_duplicates(plan: Plan, st: _State, bad: Callable[[str], None]) -> boo
     dup = plan.entry_dup_TK
     if not dup.any():
         return True
-    # per token, a bit set of the ranks its earlier entries go to (64 ranks per word)
-    if R <= 64:  # one word per token, chunk by chunk of tokens (in cache, no [T, K] gathers)
-        rank_TK, T = plan.entry_rank_TK, dup.shape[0]
-        step = max(st.perf.validate_chunk // max(K, 1), 1)
-        for lo in range(0, T, step):  # loop over chunks of tokens, not tokens
-            d_c = dup[lo:lo + step]
-            if not d_c.any():
-                continue
-            r_c = rank_TK[lo:lo + step]
-            drops = bool((r_c < 0).any())
-            seen1 = np.zeros(r_c.shape[0], dtype=np.uint64)
-            bit = np.empty(r_c.shape[0], dtype=np.uint64)
-            for k in range(K):  # loop over top-k slots, not tokens
-                col = r_c[:, k]
-                np.left_shift(np.uint64(1), (np.maximum(col, 0) if drops else col).astype(np.uint64), out=bit)
-                if drops:
-                    bit[col < 0] = 0  # dropped entries mark nothing and are never duplicates
-                if (d_c[:, k] & ((seen1 & bit) == 0)).any():
-                    bad("a duplicate entry must share its destination rank with an earlier entry of its token")
-                    return True
-                seen1 |= bit
-        return True
-    has = np.flatnonzero(dup.any(axis=1))  # only tokens with a duplicate need the check
-    ranks_TK, dup_TK = plan.entry_rank_TK[has], dup[has]
-    seen = np.zeros((has.size, (R + 63) // 64), dtype=np.uint64)
-    tok = np.arange(has.size)
-    for k in range(K):  # loop over top-k slots, not tokens
-        col = ranks_TK[:, k]
-        valid = col >= 0
-        word = np.where(valid, col >> 6, 0)
-        bit = np.left_shift(np.uint64(1), (col & 63).astype(np.uint64))
-        cur = seen[tok, word]
-        had = ((cur & bit) != 0) & valid
-        if (dup_TK[:, k] & ~had).any():
-            bad("a duplicate entry must share its destination rank with an earlier entry of its token")
-            break
-        seen[tok, word] = cur | np.where(valid, bit, np.uint64(0))
+    # per token, a bit set of the ranks its earlier entries go to (W words of 64 ranks), chunk by
+    # chunk of tokens (in cache, no [T, K] gathers; one word per token needs no gather at all)
+    rank_TK, T, W = plan.entry_rank_TK, dup.shape[0], (R + 63) // 64
+    step = max(st.perf.validate_chunk // max(K * W, 1), 1)
+    for lo in range(0, T, step):  # loop over chunks of tokens, not tokens
+        d_c = dup[lo:lo + step]
+        if not d_c.any():
+            continue
+        r_c = rank_TK[lo:lo + step]
+        drops = bool((r_c < 0).any())
+        seen = np.zeros(r_c.shape[0] * W, dtype=np.uint64)
+        word0 = np.arange(0, seen.size, W) if W > 1 else None  # each token's first word
+        bit = np.empty(r_c.shape[0], dtype=np.uint64)
+        for k in range(K):  # loop over top-k slots, not tokens
+            col = r_c[:, k]
+            sh = np.maximum(col, 0) if drops else col
+            np.left_shift(np.uint64(1), (sh if W == 1 else sh & 63).astype(np.uint64), out=bit)
+            if drops:
+                bit[col < 0] = 0  # dropped entries mark nothing and are never duplicates
+            at = None if W == 1 else word0 + (sh >> 6)
+            cur = seen if at is None else seen[at]
+            if (d_c[:, k] & ((cur & bit) == 0)).any():
+                bad("a duplicate entry must share its destination rank with an earlier entry of its token")
+                return True
+            if at is None:
+                seen |= bit
+            else:
+                seen[at] = cur | bit
     return True
 
 
