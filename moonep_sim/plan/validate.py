@@ -326,19 +326,17 @@ def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
     faster than by chunks). None when the hop is not sorted or a row is out of range (the caller
     then walks it by chunks, which names what is wrong)."""
     m = h.src_rank_M.size
-    src, dst = h.src_rank_M, h.dst_rank_M
+    src, dst, s_rows, d_rows = h.src_rank_M, h.dst_rank_M, h.src_row_M, h.dst_row_M
+    if s_rows.dtype != np.int32 or d_rows.dtype != np.int32:  # (INDEX rows read as unsigned, below)
+        return None
     for lo in range(0, m, chunk):  # source ranks non-decreasing, chunk by chunk
         c = src[max(lo - 1, 0):lo + chunk]
         if (c[1:] < c[:-1]).any():
             return None
     sb = np.searchsorted(src, np.arange(R + 1, dtype=src.dtype))
     rows = np.zeros((R, R), dtype=np.int64)
-    unsigned = {np.dtype(np.int32): np.uint32, np.dtype(np.int64): None}.get(h.src_row_M.dtype)
-    if unsigned is None or h.dst_row_M.dtype != h.src_row_M.dtype:
-        unsigned = None
-    s_rows, d_rows = h.src_row_M, h.dst_row_M
     buf_off, dst_off = np.asarray(buf_off).tolist(), np.asarray(dst_off).tolist()  # (scalars per rank)
-    ramp = np.zeros(0, dtype=s_rows.dtype)  # 0, 1, 2, ...: the rows of a run
+    ramp = np.zeros(0, dtype=np.int32)  # 0, 1, 2, ...: the rows of a run
     cross_node = cross_rail = False
     for r in range(R):  # loop over source ranks and their (src, dst) blocks, not messages
         a, b = int(sb[r]), int(sb[r + 1])
@@ -359,29 +357,24 @@ def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
             lo, hi = db[q], db[q + 1]
             sw, dw = s_rows[lo:hi], d_rows[lo:hi]
             dst_buf = new_origin[dst_off[q]:dst_off[q + 1]]  # rank q's rows of the destination buffer
-            dst_run = None
-            if unsigned is not None:
-                if hi - lo > ramp.size:
-                    ramp = np.arange(hi - lo, dtype=s_rows.dtype)
-                # a block's rows are often one run (every builder numbers a block's receive rows
-                # so; an all-gather's source rows too): then its gather or scatter is a slice
-                src_vals, dst_run = _as_run(sw, ramp, len(src_buf)), _as_run(dw, ramp, len(dst_buf))
-                try:  # (an IndexError: a zero row, a negative row or one beyond its rank's buffer)
-                    vals = src_buf[src_vals] if isinstance(src_vals, slice) else src_buf.take(sw.view(unsigned))
-                    if isinstance(dst_run, slice):
-                        dst_buf[dst_run] = vals
-                        continue
-                    if int(dw.view(unsigned).max()) < len(dst_buf):
-                        # (numpy scatters through an intp index ~2x faster than through an int32 one)
-                        dst_buf[dw.astype(np.intp)] = vals
-                        continue
-                except IndexError:
-                    pass
+            if hi - lo > ramp.size:
+                ramp = np.arange(hi - lo, dtype=np.int32)
+            # a block's rows are often one run (every builder numbers a block's receive rows so; an
+            # all-gather's source rows too): then its gather or scatter is a slice. Rows read as
+            # unsigned: a zero row (-1), a negative row or one beyond its rank's buffer is an IndexError
+            # (numpy scatters through an intp index ~2x faster than through an int32 one)
+            src_run, dst_run = _as_run(sw, ramp, len(src_buf)), _as_run(dw, ramp, len(dst_buf))
+            try:
+                vals = src_buf[src_run] if src_run else src_buf.take(sw.view(np.uint32))
+                dst_buf[dst_run if dst_run else dw.view(np.uint32).astype(np.intp)] = vals
+                continue
+            except IndexError:
+                pass
             if int(sw.min()) < -1 or int(dw.min()) < 0:
                 return None
             try:  # (an IndexError: a row beyond its rank's buffer)
                 vals = np.where(sw >= 0, src_buf.take(np.maximum(sw, 0)), -1)  # (-1: a zero row)
-                dst_buf[dst_run if isinstance(dst_run, slice) else dw.astype(np.intp)] = vals
+                dst_buf[dst_run if dst_run else dw.astype(np.intp)] = vals
             except IndexError:
                 return None
     return _HopWalk(False, False, False, cross_node, cross_rail, rows)
