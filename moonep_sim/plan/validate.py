@@ -133,9 +133,9 @@ def _check_entries(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
     # dropped entry (rank -1) reads the appended last element of each per-rank table: 0 rows (so
     # its row must be -1), and row offset 0 (so its row -1 reads the last final row, and the
     # comparison ignores it)
-    # the per-rank tables in the entries' own dtype (int32: the final rows, all ranks, fit it),
-    # read with ``take`` (faster than fancy indexing for a table this small)
-    idt = _index_dtype(rank_e, row_e, int(row_off[-1]) + 1)
+    # the per-rank tables in the entries' own dtype (int32 where both are: the final rows, all ranks,
+    # fit it, as the Plan requires), read with ``take`` (faster than fancy indexing for a table this small)
+    idt = np.int32 if rank_e.dtype == row_e.dtype == np.int32 and int(row_off[-1]) < 2**31 - 1 else np.int64
     rows_ext = np.append(rows_R, 0).astype(idt)
     off_ext = np.append(row_off[:-1], 0).astype(idt)
     row_ent = plan.row_entry_W
@@ -187,14 +187,6 @@ def _check_entries(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
     if (count_S != plan.slot_rows_S).any():
         bad("slot_rows must count the entries in each slot")
     return True
-
-
-def _index_dtype(*arrays_and_bound) -> type:
-    """int32 where every given array is int32 and the bound (an int) fits it, else int64: the
-    dtype a check's own index tables take, so that no [N] operand is widened."""
-    *arrays, bound = arrays_and_bound
-    ok = all(a.dtype == np.int32 for a in arrays) and int(bound) <= np.iinfo(np.int32).max
-    return np.int32 if ok else np.int64
 
 
 def _check_duplicates(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
