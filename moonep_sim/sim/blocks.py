@@ -67,12 +67,9 @@ class BlockCounts:
     the local block) and its transpose ``MT`` [R, W] by receiver row.
 
     The fill and the counts run compiled (``moonep_sim.sim.fill_kernels``) at every width; the numpy
-    code they replaced is their test reference (``tests/blocks_reference.py``, a subclass whose
-    :attr:`compiled` is False: the network then ticks in numpy too).
+    code they replaced is their test reference (``tests/blocks_reference.py``, with the numpy tick
+    of the network it is held equal to).
     """
-
-    #: the fill and the counts are the compiled kernels (False in the tests' numpy reference)
-    compiled = True
 
     def __init__(self, ports: PortMap):
         self.ports = ports
@@ -142,13 +139,6 @@ class BlockCounts:
                                              np.where(kind_N == Block.NVLINK, geo.node_of(r_N), r_N))
         self.cell_col_N = np.where(kind_N >= Block.NIC, r_N, np.where(kind_N == Block.NVLINK, geo.local_index(r_N), 0))
         self.mt_row_N = self.m_off[b_N] + r_N * self.width_B[b_N]
-        # per port: True when its nodes are receiver nodes (every port belongs to one side)
-        self.port_side = np.zeros(P1, dtype=bool)
-        side_of = self.pn_nodes >= B * R
-        self.port_side[np.repeat(np.arange(P1), per_port)] = side_of
-        mixed = np.bincount(np.repeat(np.arange(P1), per_port), weights=side_of, minlength=P1)
-        if not np.all((mixed == 0) | (mixed == per_port)):  # pragma: no cover - side_ports lists a port on both sides
-            raise RuntimeError("a port holds sender and receiver nodes")
         c = np.ascontiguousarray
         #: int64 [2N] contiguous copies of ``mt_row_N`` / ``cell_col_N`` for the kernels
         self.row_U, self.col_U = c(self.mt_row_N, dtype=np.int64), c(self.cell_col_N, dtype=np.int64)
@@ -206,19 +196,12 @@ class BlockCounts:
         compiled kernel (:func:`~moonep_sim.sim.fill_kernels.fill_levels`), bit-identical to the
         numpy reference it replaced (``tests/blocks_reference.py``; one fill of a V3 EP32 decode
         layer's network ~15x faster)."""
-        lev, bport, steps = self.fill_nodes(cap_P)
-        N = self.B * self.R
-        return Levels(lev[:N], lev[N:2 * N], bport[:N], bport[N:2 * N], steps)
-
-    def fill_nodes(self, cap_P: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """The compiled :meth:`fill` as the kernel returns it: (lev_U1
-        float64 [2N + 1], bport_U1 int64 [2N + 1], steps), the sender nodes' levels and ports, then
-        the receiver nodes', then a spare node (inf, -1)."""
         lev, bport, steps = fill_levels(np.asarray(cap_P, dtype=np.float64), self.cnt_src, self.cnt_dst, self.mm,
                                         self._kernel_static)
         if steps < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
             raise RuntimeError("progressive filling made no progress")
-        return lev, bport, steps
+        N = self.B * self.R   # (the kernel's levels and ports: sender nodes, receiver nodes, a spare node)
+        return Levels(lev[:N], lev[N:2 * N], bport[:N], bport[N:2 * N], steps)
 
 
 __all__ = ["BlockCounts", "Levels", "RUN_MAX"]

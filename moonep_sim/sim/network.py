@@ -46,7 +46,7 @@ import simpy
 
 from moonep_sim.errors import require
 from moonep_sim.perf import DEFAULT_PERF, PerfConfig
-from moonep_sim.sim.blocks import BlockCounts, Levels
+from moonep_sim.sim.blocks import BlockCounts
 from moonep_sim.sim.flows import ActiveFlows, FlowLog, Pending
 from moonep_sim.sim.ports import L_PATH, Block, PortMap, block_kind
 from moonep_sim.sim.tick_kernels import LogCols, WaitCols, plain, submit_flows, tick_blocks, tick_records
@@ -128,8 +128,7 @@ class FlowNetwork:
         self._a = ActiveFlows(with_path=not use_blocks, path_len=L_PATH)
         self._dead = 0
         self._sentinel = ports.num_blocks * ports.ranks   # node index of finished flows (level 0)
-        self._levels: Levels | None = None         # the last fill of the block solver
-        # the same, compiled: lev_U1, bport_U1 (none yet: placeholders, read only by flows of a fill)
+        # the last fill of the block solver: lev_U1, bport_U1 (none yet: placeholders, read only by flows of a fill)
         self._node_levels = (np.zeros(1), np.full(1, -1, dtype=np.int64))
         self._done = np.empty(32, dtype=np.int64)  # scratch of the compiled completions
         self._bneck_paths: np.ndarray | None = None   # the last fill of the per-flow solver: bottleneck per slot
@@ -277,16 +276,6 @@ class FlowNetwork:
             ev = self.env.timeout(t - now)
             ev.callbacks.append(lambda _e, v=v: self._tick(v))
 
-    def _bottlenecks(self, sel: np.ndarray) -> np.ndarray:
-        """Bottleneck port of active flows ``sel`` under the last fill."""
-        a = self._a
-        if self._levels is None:
-            return self._bneck_paths[sel]
-        lv = self._levels
-        i = a.ns[sel]
-        j = a.nd[sel]
-        return np.where(lv.level_src[i] <= lv.level_dst[j], lv.port_src[i], lv.port_dst[j])
-
     def _tick(self, version: int) -> None:
         if version != self._version:
             return  # stale: superseded by a later rate change
@@ -294,12 +283,7 @@ class FlowNetwork:
         t = float(self.env.now)
         self.ticks += 1
         a = self._a
-        # the block solver's compiled fill, and with it the whole tick in one kernel (tick_kernels):
-        # the same operations as the numpy code below, bit for bit
-        if self._blocks is not None and self._blocks.compiled:
-            nxt = self._tick_compiled(t)
-        else:
-            nxt = self._tick_reference(t)
+        nxt = self._tick_compiled(t) if self._blocks is not None else self._tick_paths(t)
         if self.record_util:
             live = np.flatnonzero(a.alive)
             if self._blocks is None:
@@ -310,7 +294,7 @@ class FlowNetwork:
             use = np.bincount(path.ravel(), weights=np.repeat(a.rate[live], path.shape[1]),
                               minlength=self.ports.cap_P.size)[:-1]
             self.util_samples.append(UtilSample(t, use / self.ports.cap_P[:-1]))
-        # 4. next tick
+        # the next tick
         if self._pend.n:
             nxt = min(nxt, self._pend_min)
         if math.isfinite(nxt):
@@ -343,53 +327,45 @@ class FlowNetwork:
             self._horizon = max(self._horizon, out.fin_max)
         return out.next_finish
 
-    def _tick_reference(self, t: float) -> float:
-        """The tick in numpy: the per-flow solver's, and the reference of :meth:`_tick_compiled`
-        (with the tests' numpy block solver, ``tests/blocks_reference.py``): its steps 1-3
-        (completions, activations, rates). Returns the earliest finish time."""
+    def _tick_paths(self, t: float) -> float:
+        """The per-flow solver's tick, in numpy: (1) the active flows due by now complete (a flow's
+        finish time is exact at its current rate), (2) the waiting flows ready by now start, in
+        submission order, (3) :func:`waterfill` rates them (:meth:`_set_rates`). Returns the
+        earliest finish time."""
         a = self._a
-        # 1. completions (a flow's finish time is exact at its current rate)
         if a.n:
-            thr = t + 2e-9 * max(t, 1.0)
-            done = self._complete_due(thr, t)
-            if done:
-                self._dead += done
-                if 2 * self._dead > a.n:
-                    a.keep(a.alive.copy())
-                    self._dead = 0
-        # 2. activations: the waiting flows ready by now, in submission order
-        if self._pend_min <= t + 1e-9:
-            p = self._pend
-            add = p.take(p.ready <= t + 1e-9)
-            self._pend_min = float(p.ready.min()) if p.n else np.inf
-            ids = add["id"]
-            if ids.size:
-                self._log.ready[ids] = t
-                m = ids.size
-                src_F, dst_F, blk_F = add["src"], add["dst"], add["blk"]
-                extra = {} if self._blocks is not None else dict(path=add["path"])
-                ns_F, nd_F = blk_F * self.ports.ranks + src_F, blk_F * self.ports.ranks + dst_F
-                a.append(rate=np.zeros(m), rem0=add["eff"], t0=np.full(m, t), fin=np.full(m, np.inf), id=ids,
-                         key=add["key"], src=src_F, dst=dst_F, blk=blk_F, alive=np.ones(m, dtype=bool),
-                         ns=ns_F, nd=nd_F, **extra)
-                if self._blocks is not None:
-                    self._blocks.add(ns_F, nd_F, 1.0)
-        # 3. rates: exact max-min levels, then only flows whose rate changed are touched
-        if self._blocks is not None:
-            lv = self._levels = self._blocks.fill(self.ports.cap_P)
-            rate = np.minimum(np.take(np.append(lv.level_src, 0.0), a.ns), np.take(np.append(lv.level_dst, 0.0), a.nd))
-            it = lv.steps
-        else:
-            live = np.flatnonzero(a.alive)
-            r_live, b_live, it = waterfill(a.path[live], self.ports.cap_P, self.tol)
-            rate = np.zeros(a.n)
-            rate[live] = r_live
-            bneck = np.full(a.n, -1, dtype=np.int64)
-            bneck[live] = b_live
-            self._bneck_paths = bneck
+            sel = np.flatnonzero(a.fin <= t + 2e-9 * max(t, 1.0))
+            if sel.size:
+                self._complete(sel, self._bneck_paths[sel], t)
+        cols = self._start_ready(t)
+        if cols is not None:
+            a.append(**cols)
+        live = np.flatnonzero(a.alive)
+        r_live, b_live, it = waterfill(a.path[live], self.ports.cap_P, self.tol)
+        rate = np.zeros(a.n)
+        rate[live] = r_live
+        self._bneck_paths = np.full(a.n, -1, dtype=np.int64)
+        self._bneck_paths[live] = b_live
         self.fill_iterations += it
         self._last_fill = t
         return self._set_rates(rate, t)
+
+    def _start_ready(self, t: float) -> dict[str, np.ndarray] | None:
+        """The waiting flows ready by t, taken in submission order (their log rows marked ready at
+        t), as the active columns they start with (and their paths, for the per-flow solver); None
+        when none is."""
+        if self._pend_min > t + 1e-9:
+            return None
+        p = self._pend
+        add = p.take(p.ready <= t + 1e-9)
+        self._pend_min = float(p.ready.min()) if p.n else np.inf
+        m = add["id"].size
+        if not m:
+            return None
+        self._log.ready[add["id"]] = t
+        del add["ready"]
+        add["rem0"] = add.pop("eff")
+        return dict(add, rate=np.zeros(m), t0=np.full(m, t), fin=np.full(m, np.inf), alive=np.ones(m, dtype=bool))
 
     def _set_rates(self, rate: np.ndarray, t: float) -> float:
         """Give the active flows the rates ``rate`` [n] of a fill at t: a flow whose rate changed
@@ -414,28 +390,12 @@ class FlowNetwork:
                     self._horizon = max(self._horizon, float(fin_live.max()))
         return float(a.fin.min()) if a.n else np.inf
 
-    def _complete_due(self, thr: float, t: float) -> int:
-        """Complete the active flows due by ``thr`` (their finish time is exact at their current
-        rate) at time t; returns how many (the reference of ``tick_kernels.complete_due``)."""
+    def _complete(self, sel: np.ndarray, bneck: np.ndarray, t: float) -> None:
+        """Complete the active slots ``sel`` at t (``bneck``: their bottleneck ports): their log
+        rows, their receive groups, and the slots dead (rate 0, never changing); the dead slots are
+        dropped in bulk once they are more than half."""
         a = self._a
-        sel = np.flatnonzero(a.fin <= thr)
-        if sel.size:
-            self._complete(a.id[sel], self._bottlenecks(sel), a.key[sel], t)
-            if self._blocks is not None:
-                self._blocks.add(a.ns[sel], a.nd[sel], -1.0)
-            a.alive[sel] = False
-            a.fin[sel] = np.inf
-            a.rem0[sel] = np.inf
-            a.rate[sel] = 0.0          # dead: rate 0 at the sentinel node (level 0), never changes
-            a.ns[sel] = self._sentinel
-            a.nd[sel] = self._sentinel
-        return int(sel.size)
-
-    def active_rates(self) -> np.ndarray:
-        """float64 [active flows]: the current rate (bytes/us) of every transferring flow."""
-        return self._a.rate[self._a.alive].copy()
-
-    def _complete(self, ids: np.ndarray, bneck: np.ndarray, key: np.ndarray, t: float) -> None:
+        ids, key = a.id[sel], a.key[sel]
         self._log.end[ids] = t
         self._log.bneck[ids] = bneck
         left = self._left
@@ -443,6 +403,14 @@ class FlowNetwork:
         full = key[left[key] == 0]
         if full.size:
             self._succeed_groups(np.unique(full))
+        a.alive[sel] = False
+        a.fin[sel] = np.inf
+        a.rem0[sel] = np.inf
+        a.rate[sel] = 0.0
+        self._dead += sel.size
+        if 2 * self._dead > a.n:
+            a.keep(a.alive.copy())
+            self._dead = 0
 
     def _succeed_groups(self, keys: np.ndarray) -> None:
         """Fire the receive groups of ``keys`` (phase id x R + dst; ascending and unique), in that order."""
@@ -499,10 +467,6 @@ class FlowNetwork:
         if not any(self._phase_nic):
             return None
         return np.asarray(self._phase_nic, dtype=bool)[rec["phase"]] if rec["phase"].size else np.zeros(0, bool)
-
-    @property
-    def idle(self) -> bool:
-        return not self._a.alive.any() and self._pend.n == 0
 
 
 

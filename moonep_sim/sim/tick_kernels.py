@@ -8,9 +8,8 @@ A tick of ``moonep_sim.sim.network.FlowNetwork`` completes a transfer or two, st
 re-rates the active ones; in numpy that is some thirty calls on arrays of tens to hundreds of
 slots, whose cost is the calls (a DeepSeek-V3 EP32 decode step: ~12,300 ticks, ~3,700 submissions
 of 32 entries). These kernels do the same element operations in the same order, so every rate,
-remaining byte count, finish time and record is bit-identical to the numpy code of
-``FlowNetwork`` they stand beside (its reference, run when the block solver's fill is not
-compiled, and tested against them).
+remaining byte count, finish time and record is bit-identical to the numpy tick they replaced
+(``tests/blocks_reference.py``, the reference they are tested against).
 
 Notation (as ``moonep_sim.sim.blocks``): N = B x R nodes per side; node levels ``lev_U1`` [2N + 1]
 (sender nodes, receiver nodes, a spare) and the ports that froze them ``bport_U1``, as
@@ -344,8 +343,8 @@ def _compact(flows, n):
 
 @kernel
 def tick_blocks(t, state, flows, wait, book, counts, tables):
-    """One tick of ``FlowNetwork`` at time t with the block solver's compiled fill, as its numpy
-    code does it, in its order: (1) the active slots [0, n) due by ``t + 2e-9 x max(t, 1)`` complete
+    """One tick of ``FlowNetwork`` at time t with the block solver's compiled fill, as the numpy
+    reference does it, in its order: (1) the active slots [0, n) due by ``t + 2e-9 x max(t, 1)`` complete
     (:func:`complete_due` under the last fill's ``lev_U1`` / ``bport_U1``; the dead slots are
     dropped, in order, once they are more than half of them: ``dead`` counts them); (2) where
     ``pend_min <= t + 1e-9`` the waiting flows ready by then (``p_*``, slots [0, pn) in submission
