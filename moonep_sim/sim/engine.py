@@ -246,6 +246,12 @@ class StepSim:
         """Record rank r's span from ``t0`` to now."""
         self.spans.append(Span(r, name, kind, direction, t0, self.env.now))
 
+    def _timed(self, r: int, ev: simpy.Event, name: str, kind: PhaseKind, direction: Direction):
+        """Wait for ``ev`` (made now: rank r's local work or a delay) and record the span r spent in it."""
+        t0 = self.env.now
+        yield ev
+        self._span(r, name, kind, direction, t0)
+
     def _jit(self, shape) -> np.ndarray:
         return lognormal_factors(self.rng, self.opts.jitter, shape)
 
@@ -329,19 +335,14 @@ class StepSim:
         yield start_ev
         self.stage_start[si, r] = env.now
         if d.plan_cpu_us > 0 or d.plan_comm_us > 0:
-            t0 = env.now
-            yield self._work(r, d.plan_cpu_us)
-            self._span(r, prefix + "plan", PhaseKind.PLANNING, d.direction, t0)
+            yield from self._timed(r, self._work(r, d.plan_cpu_us), prefix + "plan", PhaseKind.PLANNING, d.direction)
             if d.plan_comm_us > 0:  # the all-gather of the routing: its own kind, in the same "plan" phase
-                t1 = env.now
-                yield env.timeout(d.plan_comm_us)
-                self._span(r, prefix + "plan", PhaseKind.ROUTING_GATHER, d.direction, t1)
+                yield from self._timed(r, env.timeout(d.plan_comm_us), prefix + "plan", PhaseKind.ROUTING_GATHER,
+                                       d.direction)
         self._planned(si, r).succeed()
         st = self._stall(r, "dispatch", si)
         if st > 0:
-            t0 = env.now
-            yield env.timeout(st)
-            self._span(r, prefix + "stall", PhaseKind.STALL, d.direction, t0)
+            yield from self._timed(r, env.timeout(st), prefix + "stall", PhaseKind.STALL, d.direction)
         if self.opts.overlap_prefetch:
             yield from self._weight_pass(d, r, prefix)
             self._send_gated(d.weights, wts, r)
@@ -371,9 +372,7 @@ class StepSim:
     def _weight_pass(self, d: StageProgram, r: int, prefix: str):
         """The home's local pass over the weights it sends (``host_copy_bandwidth_GBps``)."""
         if d.w_pre_R is not None and d.w_pre_R[r] > 0:
-            t0 = self.env.now
-            yield self._work(r, float(d.w_pre_R[r]))
-            self._span(r, prefix + "copy", PhaseKind.COPY, d.direction, t0)
+            yield from self._timed(r, self._work(r, float(d.w_pre_R[r])), prefix + "copy", PhaseKind.COPY, d.direction)
 
     def _planned(self, si: int, r: int) -> simpy.Event:
         """Fires once rank r finished planning stage si (at once when there is no planning)."""
@@ -436,14 +435,11 @@ class StepSim:
             elif first_gate is not None:
                 yield first_gate[j]
             if j == 0 and pays_fixed:
-                t0 = env.now
-                yield env.timeout(fixed)
                 # named after its hop (``dispatch.0.fixed``), so phases_us gives each launch's own span
-                self._span(r, f"{prefix}{tag.name}.fixed", PhaseKind.KERNEL_FIXED, tag.direction, t0)
+                yield from self._timed(r, env.timeout(fixed), f"{prefix}{tag.name}.fixed", PhaseKind.KERNEL_FIXED,
+                                       tag.direction)
             if pre_us > 0:
-                t0 = env.now
-                yield self._work(r, float(pre_us) / c)
-                self._span(r, copy_name, PhaseKind.COPY, tag.direction, t0)
+                yield from self._timed(r, self._work(r, float(pre_us) / c), copy_name, PhaseKind.COPY, tag.direction)
             t0 = env.now
             if relay is not None and h + 1 < len(rows):
                 self._announce(si, side, h, j, r, relay[h], self._nonzero(item, False)[r])
@@ -462,9 +458,7 @@ class StepSim:
                     yield env.timeout(t_need - env.now)
             self._span(r, net.phase_name(pid), tag.kind, tag.direction, t0)
             if post_us > 0:
-                t0 = env.now
-                yield self._work(r, float(post_us) / c)
-                self._span(r, copy_name, PhaseKind.COPY, tag.direction, t0)
+                yield from self._timed(r, self._work(r, float(post_us) / c), copy_name, PhaseKind.COPY, tag.direction)
             if done is not None:
                 if si is not None:
                     self._done_t[(si, side, h, j, r)] = env.now
@@ -483,25 +477,21 @@ class StepSim:
                 t_before = env.now
                 yield AllOrAny(env, [self.net.received(w.pid, r) for w in wts], True)
                 if d.w_post_R is not None and d.w_post_R[r] > 0:
-                    t0 = env.now
-                    yield self._work(r, float(d.w_post_R[r]))
-                    self._span(r, prefix + "copy", PhaseKind.COPY, d.direction, t0)
+                    yield from self._timed(r, self._work(r, float(d.w_post_R[r])), prefix + "copy", PhaseKind.COPY,
+                                           d.direction)
                 if env.now > t_before:
                     gate = Gate.WEIGHTS
             if j == 0:
                 st = self._stall(r, "compute", si)
                 if st > 0:
-                    t0 = env.now
-                    yield env.timeout(st)
-                    self._span(r, prefix + "stall", PhaseKind.STALL, d.direction, t0)
+                    yield from self._timed(r, env.timeout(st), prefix + "stall", PhaseKind.STALL, d.direction)
                     gate = Gate.STALL
                 self.compute_start[si, r] = env.now
                 self.compute_gate[si][r] = gate
-            t0 = env.now
             if self.opts.isolate is None:
-                yield self._work(r, float(d.compute_R[r] * jit[j]))
                 name = "expert_bwd" if d.direction == Direction.BACKWARD else "expert"
-                self._span(r, prefix + name, PhaseKind.EXPERT_COMPUTE, d.direction, t0)
+                yield from self._timed(r, self._work(r, float(d.compute_R[r] * jit[j])), prefix + name,
+                                       PhaseKind.EXPERT_COMPUTE, d.direction)
             comp_done[j].succeed()
         self.compute_end[si, r] = env.now
         self._send_gated(d.after, aft, r)
@@ -513,9 +503,7 @@ class StepSim:
         st = self._stall(r, "combine", si)
         if st > 0:
             yield comp_done[0] if gate is not None else env.timeout(0)
-            t0 = env.now
-            yield env.timeout(st)
-            self._span(r, prefix + "stall", PhaseKind.STALL, d.direction, t0)
+            yield from self._timed(r, env.timeout(st), prefix + "stall", PhaseKind.STALL, d.direction)
         if post:
             done = self._done(si, Side.POST, r, len(post))
             procs = [env.process(self._hop(r, post, h, gate, prefix, d.post_pre_copy[h][r], d.post_post_copy[h][r],
