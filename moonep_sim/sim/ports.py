@@ -213,20 +213,8 @@ class PortMap:
         sm_nom = np.full(2 * R, float(sm_bytes_per_us)) if sm_ports else np.zeros(0)
         nominal = np.concatenate([np.full(R, nv), np.full(R, nv), np.full(R, nic), np.full(R, nic), np.full(R, hbm),
                                   np.full(2 * rails, spine), pair_nom, node_nom, sm_nom, mesh_nom, [np.inf]])
-        cap = nominal.copy()
-        cap[0:R] *= nvf
-        cap[R:2 * R] *= nvf
-        cap[2 * R:3 * R] *= nicf
-        cap[3 * R:4 * R] *= nicf
-        base = 5 * R + 2 * rails
-        if pairs:
-            cap[base:base + R * R] = pair_cap
-        nb = base + (R * R if pairs else 0)
-        if node_links:
-            cap[nb:nb + 2 * groups] = node_cap
-        if mesh:
-            mb = nb + (2 * groups if node_links else 0) + sm_nom.size
-            cap[mb:mb + R * R] = mesh_cap
+        cap = np.concatenate([np.full(R, nv) * nvf, np.full(R, nv) * nvf, np.full(R, nic) * nicf, np.full(R, nic) * nicf,
+                              np.full(R, hbm), np.full(2 * rails, spine), pair_cap, node_cap, sm_nom, mesh_cap, [np.inf]])
         return cls(R, G, rails, nodes, cap, nominal, topo.nvlink_latency_us, topo.nic_latency_us,
                    topo.nic_latency_us + topo.fabric_latency_us, bool(spine_binds), bool(pairs), bool(node_links),
                    float(topo.host_message_us), sm_ports, group, bool(mesh), geo)
@@ -293,18 +281,6 @@ class PortMap:
         p -= 5 * R
         return f"rail{p % self.rails}.spine_{'up' if p < self.rails else 'down'}"
 
-    def kind(self, p: int) -> str:
-        R = self.ranks
-        if self.mesh and p >= self.mesh_base:
-            return "mesh"
-        if self.sm_ports and p >= self.sm_base:
-            return "sm_send" if p - self.sm_base < R else "sm_recv"
-        if p >= self.node_base:
-            return "node_nic_out" if p - self.node_base < self.groups else "node_nic_in"
-        if p >= self.pair_base:
-            return "pair"
-        return self.KINDS[p // R] if p < 5 * R else ("spine_up" if p - 5 * R < self.rails else "spine_down")
-
     def physical(self, p: int) -> bool:
         """Whether port p is a rank's, a spine's or a node link's (not a half-duplex pair's)."""
         return p < self.pair_base or p >= self.node_base
@@ -325,7 +301,6 @@ class PortMap:
     # sm_send and the receiver's sm_recv. A port added to the model must be listed here on the
     # side of the rank it belongs to: ``paths`` and the simulator's block solver
     # (``moonep_sim.sim.blocks``) both read these tables.
-    BLOCKS = tuple(b.name.lower() for b in Block)   # "local", "nvlink", "nic", "nic_spine"
 
     @property
     def num_blocks(self) -> int:

@@ -52,8 +52,6 @@ _TABLES = {
     "sm": ("sm_", ("count", "copy_GBps")),
     "weights": ("weights_", ("engine", "nvlink_efficiency", "nic_efficiency", "sms")),
 }
-#: Table -> the constants it holds, as reports group them (``moonep-sim topologies``).
-KERNEL_TABLES = ("kernel", "sm", "weights")
 DUPLEX = ("full", "half")
 ATTACH = ("gpu", "node")
 SHARING = ("static", "processor")
