@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moonep_sim.sim.fill_kernels import count_transfers, fill_levels, solver_tables
+from moonep_sim.sim.fill_kernels import SolverTables, count_transfers, fill_levels
 from moonep_sim.sim.tick_kernels import plain
 from moonep_sim.sim.ports import Block, PortMap, block_kind
 
@@ -139,13 +139,13 @@ class BlockCounts:
                                              np.where(kind_N == Block.NVLINK, geo.node_of(r_N), r_N))
         self.cell_col_N = np.where(kind_N >= Block.NIC, r_N, np.where(kind_N == Block.NVLINK, geo.local_index(r_N), 0))
         self.mt_row_N = self.m_off[b_N] + r_N * self.width_B[b_N]
-        c = np.ascontiguousarray
+        c = lambda x: np.ascontiguousarray(x, dtype=np.int64)  # noqa: E731   (the kernels' dtype)
         #: int64 [2N] contiguous copies of ``mt_row_N`` / ``cell_col_N`` for the kernels
-        self.row_U, self.col_U = c(self.mt_row_N, dtype=np.int64), c(self.cell_col_N, dtype=np.int64)
-        #: the solver's tables as the kernels read them (fill_kernels.SolverTables, as a plain tuple:
-        #: ``tick_kernels.plain``)
-        self._kernel_static = plain(solver_tables(self.simple, dm, RUN_MAX, self.pall, self.port_nodes, self.pps, self.nps,
-                                                  self.cell_key_N, self.row_U, self.col_U, self._node_rows()))
+        self.row_U, self.col_U = c(self.mt_row_N), c(self.cell_col_N)
+        #: the solver's tables as the kernels read them (as a plain tuple: ``tick_kernels.plain``)
+        self._kernel_static = plain(SolverTables(bool(self.simple), int(dm), RUN_MAX, c(self.pall), c(self.port_nodes),
+                                                 c(self.pps), c(self.nps), c(self.cell_key_N), self.row_U, self.col_U,
+                                                 *(c(x) for x in self._node_rows())))
 
     def fresh(self) -> "BlockCounts":
         """A BlockCounts of the same port map with nothing counted: this one's tables (built once
