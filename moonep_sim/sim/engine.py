@@ -227,7 +227,8 @@ class StepSim:
         self.stage_end = np.zeros((len(self.stages), R))
         self.stage_start = np.zeros((len(self.stages), R))
         self.busy_P: np.ndarray | None = None  # us each port was busy (set by the analysis)
-        self._planned_ev = [[self.env.event() for _ in range(R)] for _ in self.stages]   # [stage][rank]: planning done
+        # [stage][rank]: fires once the rank finished planning the stage (at once when there is no planning)
+        self._planned = [[self.env.event() for _ in range(R)] for _ in self.stages]
         # keyed by plain tuples (built per hop chunk): a side key (stage, side, rank) -- a rank's hops
         # on one side of a stage -- or a hop key (stage, side, hop, chunk, rank) -- one hop chunk of it
         self._done_ev: dict[tuple, list[list[simpy.Event]]] = {}   # side key -> [hop][chunk]
@@ -339,7 +340,7 @@ class StepSim:
             if d.plan_comm_us > 0:  # the all-gather of the routing: its own kind, in the same "plan" phase
                 yield from self._timed(r, env.timeout(d.plan_comm_us), prefix + "plan", PhaseKind.ROUTING_GATHER,
                                        d.direction)
-        self._planned(si, r).succeed()
+        self._planned[si][r].succeed()
         st = self._stall(r, "dispatch", si)
         if st > 0:
             yield from self._timed(r, env.timeout(st), prefix + "stall", PhaseKind.STALL, d.direction)
@@ -373,10 +374,6 @@ class StepSim:
         """The home's local pass over the weights it sends (``host_copy_bandwidth_GBps``)."""
         if d.w_pre_R is not None and d.w_pre_R[r] > 0:
             yield from self._timed(r, self._work(r, float(d.w_pre_R[r])), prefix + "copy", PhaseKind.COPY, d.direction)
-
-    def _planned(self, si: int, r: int) -> simpy.Event:
-        """Fires once rank r finished planning stage si (at once when there is no planning)."""
-        return self._planned_ev[si][r]
 
     def _done(self, si: int, side: Side, r: int, hops: int) -> list[list[simpy.Event]]:
         """Per (hop, chunk): fires once rank r received that chunk and made its local pass over it."""
@@ -467,7 +464,7 @@ class StepSim:
     def _computer(self, si, d: StageProgram, r, start_ev, pre, wts, aft, comp_done, jit, prefix):
         env = self.env
         yield start_ev
-        yield self._planned(si, r)
+        yield self._planned[si][r]
         for j in range(self.opts.chunks):
             gate = Gate.START
             if pre:

@@ -28,6 +28,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.plan.placement import ClusterShape
 
@@ -372,21 +374,17 @@ class Topology:
         """Local row-pass rate (bytes per microsecond); 0 = passes are free."""
         return self.host_copy_bandwidth_GBps * 1e3
 
-    def cpu_share_R(self, ranks: int) -> "np.ndarray":
+    def cpu_share_R(self, ranks: int) -> np.ndarray:
         """float64 [R]: ``max(1, ranks on its host / host_cores)`` per rank (all ones when CPU
         sharing is not modelled): the stretch of ``"static"`` sharing."""
-        import numpy as np
-
         host = self.host_R(ranks)
         if host is None:
             return np.ones(max(ranks, 0))
         return np.maximum(1.0, np.bincount(host)[host].astype(np.float64) / self.host_cores)
 
-    def host_R(self, ranks: int) -> "np.ndarray | None":
+    def host_R(self, ranks: int) -> np.ndarray | None:
         """int64 [R]: the host (set of ``host_cores`` shared cores) each rank runs on; None when
         CPU sharing is not modelled (``host_cores`` 0, as on the GPU presets)."""
-        import numpy as np
-
         if self.host_cores <= 0 or ranks <= 0:
             return None
         node_R = self.cluster(ranks).node_of(np.arange(ranks))
