@@ -191,76 +191,63 @@ class FlowNetwork:
         eff_bytes_F: the bytes the flow is timed for (bytes x jitter factor).
         """
         tab = self._phase_tab[pid]
+        sm, nic = self.ports.sm_ports and self._phase_sm[pid], self._phase_nic[pid]
         if tab is False:   # the phase's pair tables, looked up at its first submission
-            sm, nic = self.ports.sm_ports and self._phase_sm[pid], self._phase_nic[pid]
-            tab = self._phase_tab[pid] = self._pair_table(sm, nic) if self._blocks is not None else None
-        now = self.env.now
-        if tab is not None:   # one kernel: the entries with bytes, their cells of the pair tables
-            dst_F = np.asarray(dst_F, dtype=np.int64)
-            F = dst_F.size
-            p, log = self._pend, self._log
-            if p.n + F > p.capacity or log.n + F > log.capacity or self._sargs is None:
-                p.reserve(p.n + F)
-                log.reserve(log.n + F)
-                pd, ld = p.data, log.data
-                # (the records as plain tuples in their fields' order: numba types a plain tuple in C at
-                # each call, a NamedTuple field by field in Python -- ~20 us a tick, 15% of a layer)
-                self._sargs = (plain(WaitCols(pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"], pd["dst"],
-                                              pd["blk"])),
-                               plain(LogCols(ld["src"], ld["dst"], ld["phase"], ld["bytes"], ld["start"])))
-                self._targs = None   # the tick's buffers too
-            m, first = submit_flows((src, pid, float(now), self._message_us), dst_F,   # a Submission
-                                    np.asarray(bytes_F, dtype=np.float64), np.asarray(eff_bytes_F, dtype=np.float64),
-                                    tab[0], tab[1], self._R, p.n, log.n, *self._sargs)
-            if m == 0:
-                return
-            p.n += m
-            log.n += m
-        else:
-            sm, nic = self.ports.sm_ports and self._phase_sm[pid], self._phase_nic[pid]
-            keep = bytes_F > 0
-            dst = np.asarray(dst_F, dtype=np.int64)[keep]
-            if dst.size == 0:
-                return
-            src_F = np.full(dst.size, src, dtype=np.int64)
-            path = None
-            sm_F = np.full(dst.size, sm) if self.ports.sm_ports else None
-            nic_F = np.full(dst.size, True) if nic else None
-            blk = self.ports.pair_class(src_F, dst, sm_F, nic_F)
-            lat = self.ports.latency(src_F, dst, nic_F)
-            if self._blocks is None:
-                path = self.ports.paths(src_F, dst, sm_F, nic_F)[0]
-            if self.ports.message_us > 0:  # the sender's serial per-message cost (host_message_us)
-                remote = dst != src
-                lat = lat + np.where(remote, self.ports.message_us * float(remote.sum()), 0.0)
-            ids = self._log.add(src_F, dst, pid, np.asarray(bytes_F, dtype=np.float64)[keep], float(now))
-            ready = now + lat
-            extra = {} if path is None else dict(path=path)
-            self._pend.append(ready=ready, eff=np.asarray(eff_bytes_F, dtype=np.float64)[keep], id=ids,
-                              key=pid * self.ports.ranks + dst, src=src_F, dst=dst, blk=blk, **extra)
-            first = float(ready.min())
-            self._sargs = self._targs = None   # the columns may have grown
+            tab = self._phase_tab[pid] = self._pair_table(sm, nic)
+        R = self._R
+        # the sender's rows of the pair tables (classified here above ``perf.pair_table_max`` pairs)
+        blk_R, lat_R = (tab[0][src], tab[1][src]) if tab is not None else self._pairs(np.full(R, src), np.arange(R), sm, nic)
+        dst_F = np.asarray(dst_F, dtype=np.int64)
+        F = dst_F.size
+        p, log = self._pend, self._log
+        if p.n + F > p.capacity or log.n + F > log.capacity or self._sargs is None:
+            p.reserve(p.n + F)
+            log.reserve(log.n + F)
+            pd, ld = p.data, log.data
+            # (the records as plain tuples in their fields' order: numba types a plain tuple in C at
+            # each call, a NamedTuple field by field in Python -- ~20 us a tick, 15% of a layer)
+            self._sargs = (plain(WaitCols(pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"], pd["dst"], pd["blk"])),
+                           plain(LogCols(ld["src"], ld["dst"], ld["phase"], ld["bytes"], ld["start"])))
+            self._targs = None   # the tick's buffers too
+        # one kernel: the entries with bytes, their cells of the sender's rows
+        m, first = submit_flows((src, pid, float(self.env.now), self._message_us), dst_F,   # a Submission
+                                np.asarray(bytes_F, dtype=np.float64), np.asarray(eff_bytes_F, dtype=np.float64),
+                                blk_R, lat_R, R, p.n, log.n, *self._sargs)
+        if m == 0:
+            return
+        p.n += m
+        log.n += m
+        if self._blocks is None:   # the per-flow solver's paths
+            new = slice(p.n - m, p.n)
+            p.data["path"][new] = self.ports.paths(np.full(m, src), p.data["dst"][new],
+                                                   np.full(m, sm) if self.ports.sm_ports else None,
+                                                   np.full(m, True) if nic else None)[0]
         self._pend_min = min(self._pend_min, first)
         self._request_tick(first)
 
     def _pair_table(self, sm: bool, nic: bool) -> tuple[np.ndarray, np.ndarray] | None:
-        """(block_RR, latency_RR): ``PortMap.pair_class`` and ``latency`` of every (sender,
-        receiver) for flows of phases with these flags (built on first use, kept per port map; a
-        rank's submission then reads its row instead of classifying its transfers again). None
-        above ``perf.pair_table_max`` pairs."""
+        """(block_RR, latency_RR): :meth:`_pairs` of every (sender, receiver) (built on first use,
+        kept per port map; a rank's submission then reads its row instead of classifying its
+        transfers again). None above ``perf.pair_table_max`` pairs."""
         key = (sm, nic)
         if key not in self._pair_tables:
             R = self.ports.ranks
             tab = None
-            if R * R <= self._pair_max:
-                s, d = np.divmod(np.arange(R * R), R)
-                nic_F = np.full(R * R, True) if nic else None
-                tab = (self.ports.pair_class(s, d, np.full(R * R, sm) if self.ports.sm_ports else None, nic_F).reshape(R, R),
-                       self.ports.latency(s, d, nic_F).reshape(R, R))
-                for x in tab:
-                    x.setflags(write=False)   # shared by the networks of this port map
+            if R * R <= self._pair_max:   # (read-only: shared by the networks of this port map)
+                tab = tuple(x.reshape(R, R) for x in self._pairs(*np.divmod(np.arange(R * R), R), sm, nic))
             self._pair_tables[key] = tab
         return self._pair_tables[key]
+
+    def _pairs(self, src_F: np.ndarray, dst_F: np.ndarray, sm: bool, nic: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(block_F int64, latency_F float64), read-only: ``PortMap.pair_class`` and ``latency`` of
+        transfers ``src -> dst`` of a phase with these flags."""
+        F = src_F.size
+        nic_F = np.full(F, True) if nic else None
+        out = (self.ports.pair_class(src_F, dst_F, np.full(F, sm) if self.ports.sm_ports else None, nic_F),
+               self.ports.latency(src_F, dst_F, nic_F))
+        for x in out:
+            x.setflags(write=False)
+        return out
 
     # -- the tick machinery --------------------------------------------------------------
     def _request_tick(self, t: float) -> None:

@@ -1,8 +1,7 @@
 """The flow network's per-tick bookkeeping as compiled kernels (with the block solver's compiled
 fill): the transfers that finish (:func:`complete_due`), the rates after a fill (:func:`set_rates`),
 the whole tick in one call (:func:`tick_blocks`: completions, the waiting flows that start, the
-fill, the rates) and a rank's submission through the network's per-pair tables
-(:func:`submit_flows`).
+fill, the rates) and a rank's submission (:func:`submit_flows`).
 
 A tick of ``moonep_sim.sim.network.FlowNetwork`` completes a transfer or two, starts a few and
 re-rates the active ones; in numpy that is some thirty calls on arrays of tens to hundreds of
@@ -265,12 +264,11 @@ def complete_due(thr, t, n, flows, lev_U1, bport_U1, book, counts):
 
 
 @kernel
-def submit_flows(sub, dst_F, bytes_F, eff_F, blk_RR, lat_RR, R, pn, ln, wait, log):
-    """``FlowNetwork.submit`` where the network has per-pair tables: rank ``src``'s transfers of
-    phase ``pid`` to ``dst_F`` with bytes > 0 (the others skipped) appended, in order, to the
-    waiting columns (``p_*``, slots from ``pn``) and the log's (``l_*``, rows from ``ln``; both with
-    room for every entry). ``blk_RR`` / ``lat_RR``: the block and latency tables (the sender's
-    row is read); ``message_us`` > 0 adds the sender's serial per-message cost (x its transfers to other
+def submit_flows(sub, dst_F, bytes_F, eff_F, blk_R, lat_R, R, pn, ln, wait, log):
+    """``FlowNetwork.submit``: rank ``src``'s transfers of phase ``pid`` to ``dst_F`` with bytes > 0
+    (the others skipped) appended, in order, to the waiting columns (``p_*``, slots from ``pn``)
+    and the log's (``l_*``, rows from ``ln``; both with room for every entry). ``blk_R`` / ``lat_R``: the block and latency of the sender's transfer to
+    each rank (its rows of the network's pair tables); ``message_us`` > 0 adds the sender's serial per-message cost (x its transfers to other
     ranks) to each transfer's latency to another rank. Returns (transfers kept, the earliest
     ready time: inf when none). sub: :class:`Submission` (src, pid, now, message_us); wait:
     :class:`WaitCols`; log: :class:`LogCols`."""
@@ -292,7 +290,7 @@ def submit_flows(sub, dst_F, bytes_F, eff_F, blk_RR, lat_RR, R, pn, ln, wait, lo
     for f in range(dst_F.size):
         if bytes_F[f] > 0:
             d = dst_F[f]
-            lat = lat_RR[src, d]
+            lat = lat_R[d]
             if message_us > 0:
                 lat = lat + (extra if d != src else 0.0)
             r = now + lat
@@ -305,7 +303,7 @@ def submit_flows(sub, dst_F, bytes_F, eff_F, blk_RR, lat_RR, R, pn, ln, wait, lo
             p_key[k] = pid * R + d
             p_src[k] = src
             p_dst[k] = d
-            p_blk[k] = blk_RR[src, d]
+            p_blk[k] = blk_R[d]
             q = ln + j
             l_src[q] = src
             l_dst[q] = d
