@@ -8,12 +8,37 @@ fill; a flow network switched to it (:func:`numpy_tick`) ticks in numpy too
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import numpy as np
 
-from moonep_sim.sim.blocks import RUN_MAX, BlockCounts, Levels
+from moonep_sim.sim.blocks import RUN_MAX, BlockCounts
+from moonep_sim.sim.fill_kernels import fill_levels
 from moonep_sim.sim.network import FlowNetwork
 from moonep_sim.sim.ports import Block
+
+
+class Levels(NamedTuple):
+    """A fill's result, per node (block-major [B x R]) on each side: the level (bytes/us) at which
+    it froze (inf if it carried nothing unfrozen) and the saturated port that froze it (-1 if
+    none); ``steps``: the filling steps taken."""
+
+    level_src: np.ndarray
+    level_dst: np.ndarray
+    port_src: np.ndarray
+    port_dst: np.ndarray
+    steps: int
+
+
+def compiled_fill(bc: BlockCounts, cap_P: np.ndarray) -> Levels:
+    """The exact max-min fair levels of ``bc``'s counted transfers by the compiled kernel the
+    network's tick runs (``fill_kernels.fill_levels``, its levels and ports per sender node, per
+    receiver node, then a spare node), as :class:`Levels`."""
+    lev, bport, steps = fill_levels(np.asarray(cap_P, dtype=np.float64), bc.cnt_src, bc.cnt_dst, bc.mm,
+                                    bc._kernel_static)
+    assert steps >= 0, "progressive filling made no progress"
+    N = bc.B * bc.R
+    return Levels(lev[:N], lev[N:2 * N], bport[:N], bport[N:2 * N], steps)
 
 
 class BlockCountsReference(BlockCounts):

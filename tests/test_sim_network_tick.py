@@ -15,7 +15,7 @@ import simpy
 import moonep_sim.sim.network as network
 import moonep_sim.sim.ports as ports_mod
 from moonep_sim.perf import DEFAULT_PERF, perf_config
-from blocks_reference import BlockCountsReference, numpy_tick, reference
+from blocks_reference import BlockCountsReference, compiled_fill, numpy_tick, reference
 from moonep_sim.sim.blocks import BlockCounts
 from moonep_sim.sim.network import FlowNetwork, PortMap
 from moonep_sim.sim.topology import Topology, load_topology
@@ -204,7 +204,7 @@ def test_fresh_block_counts_share_the_tables_and_start_empty():
     s, d = np.arange(R), (np.arange(R) + 5) % R
     blk = ports.pair_class(s, d)
     bc.add(blk * R + s, blk * R + d, 1.0)
-    bc.fill(ports.cap_P)
+    compiled_fill(bc, ports.cap_P)
     new = bc.fresh()
     assert new._kernel_static is bc._kernel_static and new.pall is bc.pall
     assert not new.mm.any() and not new.cnt_src.any() and not new.cnt_dst.any()
@@ -212,7 +212,7 @@ def test_fresh_block_counts_share_the_tables_and_start_empty():
     new.add(blk * R + s, blk * R + d, 1.0)
     assert np.array_equal(new.mm, bc.mm) and new.mm is not bc.mm
     assert np.shares_memory(new.M[-1], new.mm) and not np.shares_memory(new.M[-1], bc.mm)
-    a, b = new.fill(ports.cap_P), bc.fill(ports.cap_P)
+    a, b = compiled_fill(new, ports.cap_P), compiled_fill(bc, ports.cap_P)
     assert np.array_equal(a.level_src, b.level_src) and a.steps == b.steps
     ref = reference(bc)   # the numpy reference: hints of its own, fresh ones empty
     ref.fill(ports.cap_P)

@@ -22,27 +22,14 @@ Notation and units: ``moonep_sim.sim.ports``.
 from __future__ import annotations
 
 import copy
-from typing import NamedTuple
 
 import numpy as np
 
-from moonep_sim.sim.fill_kernels import SolverTables, count_transfers, fill_levels
+from moonep_sim.sim.fill_kernels import SolverTables, count_transfers
 from moonep_sim.sim.tick_kernels import plain
 from moonep_sim.sim.ports import Block, PortMap, block_kind
 
 RUN_MAX = 256    # ports considered for one run of the block solver's filling
-
-
-class Levels(NamedTuple):
-    """A :meth:`BlockCounts.fill` result, per node (block-major [B x R]) on each side: the level
-    (bytes/us) at which it froze (inf if it carried nothing unfrozen) and the saturated port that
-    froze it (-1 if none); ``steps``: the filling steps taken."""
-
-    level_src: np.ndarray
-    level_dst: np.ndarray
-    port_src: np.ndarray
-    port_dst: np.ndarray
-    steps: int
 
 
 class BlockCounts:
@@ -66,9 +53,9 @@ class BlockCounts:
     (W = R for other-node blocks; G for the NVLink block, column j meaning rank node*G + j; 1 for
     the local block) and its transpose ``MT`` [R, W] by receiver row.
 
-    The fill and the counts run compiled (``moonep_sim.sim.fill_kernels``) at every width; the numpy
-    code they replaced is their test reference (``tests/blocks_reference.py``, with the numpy tick
-    of the network it is held equal to).
+    The fill (``fill_kernels.fill_levels`` over these counts and :attr:`_kernel_static`, run by the
+    network's one-kernel tick) and the counts run compiled at every width; the numpy code they
+    replaced is their test reference (``tests/blocks_reference.py``, with the network's numpy tick).
     """
 
     def __init__(self, ports: PortMap):
@@ -190,18 +177,5 @@ class BlockCounts:
         if ns_F.size:
             count_transfers(self.mm, self.T, self.row_U, self.col_U, self.cnt_src, self.cnt_dst, ns_F, nd_F, sign)
 
-    def fill(self, cap_P: np.ndarray) -> Levels:
-        """Exact max-min fair levels of the counted transfers (batched progressive filling):
-        per node, the level at which it froze and the port that froze it (:class:`Levels`), by the
-        compiled kernel (:func:`~moonep_sim.sim.fill_kernels.fill_levels`), bit-identical to the
-        numpy reference it replaced (``tests/blocks_reference.py``; one fill of a V3 EP32 decode
-        layer's network ~15x faster)."""
-        lev, bport, steps = fill_levels(np.asarray(cap_P, dtype=np.float64), self.cnt_src, self.cnt_dst, self.mm,
-                                        self._kernel_static)
-        if steps < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
-            raise RuntimeError("progressive filling made no progress")
-        N = self.B * self.R   # (the kernel's levels and ports: sender nodes, receiver nodes, a spare node)
-        return Levels(lev[:N], lev[N:2 * N], bport[:N], bport[N:2 * N], steps)
 
-
-__all__ = ["BlockCounts", "Levels", "RUN_MAX"]
+__all__ = ["BlockCounts", "RUN_MAX"]

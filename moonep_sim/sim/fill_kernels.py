@@ -1,6 +1,6 @@
 """The block solver's progressive filling as one compiled kernel (:func:`fill_levels`).
 
-:meth:`moonep_sim.sim.blocks.BlockCounts.fill` takes about ten filling steps per rate change, each
+The block solver's fill (``moonep_sim.sim.blocks``) takes about ten filling steps per rate change, each
 a handful of numpy calls on arrays of a few to a few hundred ports: the cost is the calls, not the
 arithmetic (a DeepSeek-V3 EP32 decode step: ~12,300 fills, ~5 s of numpy overhead). This kernel is
 the same filling written as loops over the arrays :class:`BlockCounts` holds, doing the same steps
