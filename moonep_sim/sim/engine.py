@@ -345,16 +345,14 @@ class StepSim:
         if st > 0:
             yield from self._timed(r, env.timeout(st), prefix + "stall", PhaseKind.STALL, d.direction)
         if self.opts.overlap_prefetch:
-            yield from self._weight_pass(d, r, prefix)
-            self._send_gated(d.weights, wts, r)
+            yield from self._send_weights(d, r, prefix, wts)
         if pre:
             done = self._done(si, Side.PRE, r, len(pre))
             procs = [env.process(self._hop(r, pre, h, None, prefix, d.pre_copy[h][r], d.post_copy[h][r], done, kern))
                      for h in range(len(pre))]
             yield AllOrAny(env, procs, True)
         if not self.opts.overlap_prefetch:
-            yield from self._weight_pass(d, r, prefix)
-            self._send_gated(d.weights, wts, r)
+            yield from self._send_weights(d, r, prefix, wts)
 
     def _send_gated(self, phases, items, r: int) -> None:
         """Rank r sends its part of each phase now, or -- for a phase with ``after`` (a relay's
@@ -370,10 +368,11 @@ class StepSim:
         yield self.net.received(gate.pid, r)
         self._send(item, r)
 
-    def _weight_pass(self, d: StageProgram, r: int, prefix: str):
-        """The home's local pass over the weights it sends (``host_copy_bandwidth_GBps``)."""
+    def _send_weights(self, d: StageProgram, r: int, prefix: str, wts: list[PhaseRows]):
+        """The home's local pass over the weights it sends (``host_copy_bandwidth_GBps``), then its sends."""
         if d.w_pre_R is not None and d.w_pre_R[r] > 0:
             yield from self._timed(r, self._work(r, float(d.w_pre_R[r])), prefix + "copy", PhaseKind.COPY, d.direction)
+        self._send_gated(d.weights, wts, r)
 
     def _done(self, si: int, side: Side, r: int, hops: int) -> list[list[simpy.Event]]:
         """Per (hop, chunk): fires once rank r received that chunk and made its local pass over it."""
