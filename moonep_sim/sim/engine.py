@@ -347,8 +347,7 @@ class StepSim:
         if self.opts.overlap_prefetch:
             yield from self._send_weights(d, r, prefix, wts)
         if pre:
-            done = self._done(si, Side.PRE, r, len(pre))
-            procs = [env.process(self._hop(r, pre, h, None, prefix, d.pre_copy[h][r], d.post_copy[h][r], done, kern))
+            procs = [env.process(self._hop(r, pre, h, None, prefix, d.pre_copy[h][r], d.post_copy[h][r], kern))
                      for h in range(len(pre))]
             yield AllOrAny(env, procs, True)
         if not self.opts.overlap_prefetch:
@@ -402,22 +401,21 @@ class StepSim:
                 ev = slot.event
                 self.env.timeout(t - now).callbacks.append(lambda _e, ev=ev: None if ev.triggered else ev.succeed())
 
-    def _hop(self, r, rows, h, first_gate, prefix, pre_us=0.0, post_us=0.0, done=None,
-             kern: KernelTerms | None = None):
+    def _hop(self, r, rows, h, first_gate, prefix, pre_us, post_us, kern: KernelTerms):
         """Rank r's part of hop h, chunk by chunk: chunk j is sent once r received chunk j of the
         previous hop and made its local pass over it (or ``first_gate[j]`` fired, for the first
         hop) and chunk j-1 of this hop; ``pre_us`` / ``post_us`` (whole hop, split over chunks) are
         the local gather before sending and the pass over the received rows.
 
-        ``kern``: the kernel terms (:class:`KernelTerms`; None: none). The fixed cost is paid
+        ``kern``: the side's kernel terms (:class:`KernelTerms`). The fixed cost is paid
         before the first chunk of every hop (only hop 0 when relayed). With
         ``relay_RR``, hop h > 0 is sent once r holds the first message of hop h-1 (or all of it,
         if that is sooner), and r holds hop h once every relay v feeding it held its hop h-1
         chunk and forwarded the last message (``relay_RR[v][r]`` us after)."""
         env, net = self.env, self.net
         c = self.opts.chunks
-        si, side, relay = (kern.stage, kern.side, kern.relay) if kern is not None else (None, None, None)
-        fixed = kern.fixed_us if kern is not None else 0.0
+        si, side, relay, fixed = kern.stage, kern.side, kern.relay, kern.fixed_us
+        done = self._done(si, side, r, len(rows))
         pays_fixed = fixed > 0 and (h == 0 or not kern.program.relayed)
         copy_name = prefix + "copy"
         for j in range(c):
@@ -427,7 +425,7 @@ class StepSim:
             if h > 0 and relay is not None:
                 yield AllOrAny(env, [self._first_message((si, side, h - 1, j, r)).event, done[h - 1][j]], False)
             elif h > 0:
-                yield done[h - 1][j] if done is not None else net.received(rows[h - 1][j].pid, r)
+                yield done[h - 1][j]
             elif first_gate is not None:
                 yield first_gate[j]
             if j == 0 and pays_fixed:
@@ -455,10 +453,8 @@ class StepSim:
             self._span(r, net.phase_name(pid), tag.kind, tag.direction, t0)
             if post_us > 0:
                 yield from self._timed(r, self._work(r, float(post_us) / c), copy_name, PhaseKind.COPY, tag.direction)
-            if done is not None:
-                if si is not None:
-                    self._done_t[(si, side, h, j, r)] = env.now
-                done[h][j].succeed()
+            self._done_t[(si, side, h, j, r)] = env.now
+            done[h][j].succeed()
 
     def _computer(self, si, d: StageProgram, r, start_ev, pre, wts, aft, comp_done, jit, prefix):
         env = self.env
@@ -501,9 +497,8 @@ class StepSim:
             yield comp_done[0] if gate is not None else env.timeout(0)
             yield from self._timed(r, env.timeout(st), prefix + "stall", PhaseKind.STALL, d.direction)
         if post:
-            done = self._done(si, Side.POST, r, len(post))
             procs = [env.process(self._hop(r, post, h, gate, prefix, d.post_pre_copy[h][r], d.post_post_copy[h][r],
-                                           done, kern))
+                                           kern))
                      for h in range(len(post))]
             yield AllOrAny(env, procs, True)
         if aft:
