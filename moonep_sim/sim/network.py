@@ -302,12 +302,12 @@ class FlowNetwork:
         lev, bport = self._node_levels
         # (a TickState, as a plain tuple: see _sargs)
         out = tick_blocks(t, (a.n, self._dead, p.n, self._pend_min, lev, bport), *self._targs)
-        a.n, self._dead, p.n, self._pend_min = out.n, out.dead, out.pn, out.pend_min
+        a.n, self._dead, p.n, self._pend_min, lev, bport = out.state
         if out.steps < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
             raise RuntimeError("progressive filling made no progress")
         if out.groups:   # the groups' keys, ascending and unique
             self._succeed_groups(self._done[out.completed:out.completed + out.groups])
-        self._node_levels = (out.lev_U1, out.bport_U1)
+        self._node_levels = (lev, bport)
         self.fill_iterations += out.steps
         self._last_fill = t
         if out.fin_max > -np.inf:

@@ -42,16 +42,11 @@ class TickState(NamedTuple):
 
 
 class TickOut(NamedTuple):
-    """:func:`tick_blocks`' result: the next :class:`TickState`'s fields, then the completed slots
+    """:func:`tick_blocks`' result: the next :class:`TickState`, then the completed slots
     (``completed``) and receive groups (``groups``) whose ids the kernel wrote into the book's
     ``done``, the fill's steps (< 0: it froze nothing), the latest and the earliest finish time."""
 
-    n: int
-    dead: int
-    pn: int
-    pend_min: float
-    lev_U1: np.ndarray
-    bport_U1: np.ndarray
+    state: TickState
     completed: int
     groups: int
     steps: int
@@ -423,7 +418,7 @@ def tick_blocks(t, state, flows, wait, book, counts, tables):
     fin_max, nxt = -np.inf, np.inf
     if steps >= 0:
         fin_max, nxt = set_rates(lev, sentinel, n, ns, nd, rate, rem0, t0, fin, t)
-    return TickOut(n, dead, pn, pend_min, lev, bport, m, g, steps, fin_max, nxt)
+    return TickOut(TickState(n, dead, pn, pend_min, lev, bport), m, g, steps, fin_max, nxt)
 
 
 __all__ = ["BlockCountsCols", "FlowCols", "LogCols", "Submission", "TickBook", "TickOut", "TickState", "WaitCols",
