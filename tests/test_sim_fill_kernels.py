@@ -13,14 +13,15 @@ from blocks_reference import BlockCountsReference, compiled_fill, numpy_tick, re
 from moonep_sim.sim.blocks import RUN_MAX, BlockCounts
 from moonep_sim.sim.network import FlowNetwork, PortMap
 from moonep_sim.sim.tick_kernels import set_rates
-from moonep_sim.sim.topology import Topology, load_topology
+from moonep_sim.sim.topology import load_topology
+from ideal_topology import ideal
 
 IDEAL = {
-    "spine": Topology.ideal("os", gpus_per_node=4, nvlink_bandwidth_GBps=100.0, nic_bandwidth_GBps=25.0,
+    "spine": ideal("os", gpus_per_node=4, nvlink_bandwidth_GBps=100.0, nic_bandwidth_GBps=25.0,
                             nic_latency_us=5.0, fabric_latency_us=1.0, fabric_oversubscription=3.0),
-    "node-links": Topology.ideal("nl", gpus_per_node=2, nvlink_bandwidth_GBps=50.0, nic_bandwidth_GBps=10.0,
+    "node-links": ideal("nl", gpus_per_node=2, nvlink_bandwidth_GBps=50.0, nic_bandwidth_GBps=10.0,
                                  nic_attach="node", fabric_oversubscription=2.0),
-    "nvlink-only": Topology.ideal("one", gpus_per_node=8, nvlink_bandwidth_GBps=100.0, nvlink_latency_us=2.0),
+    "nvlink-only": ideal("one", gpus_per_node=8, nvlink_bandwidth_GBps=100.0, nvlink_latency_us=2.0),
 }
 
 

@@ -18,9 +18,10 @@ from moonep_sim.perf import DEFAULT_PERF, perf_config
 from blocks_reference import BlockCountsReference, compiled_fill, numpy_tick, reference
 from moonep_sim.sim.blocks import BlockCounts
 from moonep_sim.sim.network import FlowNetwork, PortMap
-from moonep_sim.sim.topology import Topology, load_topology
+from moonep_sim.sim.topology import load_topology
+from ideal_topology import ideal
 
-SPINE = Topology.ideal("os", gpus_per_node=4, nvlink_bandwidth_GBps=100.0, nic_bandwidth_GBps=25.0,
+SPINE = ideal("os", gpus_per_node=4, nvlink_bandwidth_GBps=100.0, nic_bandwidth_GBps=25.0,
                        nic_latency_us=5.0, fabric_latency_us=1.0, fabric_oversubscription=3.0)
 
 # sha256 (first 16 hex digits) of every record column, the ticks and filling steps of each case,

@@ -60,15 +60,6 @@ SHARING = ("static", "processor")
 WEIGHT_ENGINES = ("copy_engine", "sm")
 
 
-#: What :meth:`Topology.ideal` changes from the defaults (the ``h800-cx7`` preset): links at full
-#: bandwidth with round latencies, no kernel fixed costs, relays, SM caps or planning work terms.
-IDEAL: dict[str, Any] = dict(
-    nvlink_bandwidth_GBps=160.0, nvlink_latency_us=3.0, nvlink_efficiency=1.0, nic_latency_us=5.0,
-    nic_efficiency=1.0, plan_per_entry_ns=0.0, plan_per_cell_ns=0.0, kernel_dispatch_fixed_us=0.0,
-    kernel_combine_fixed_us=0.0, kernel_relay_message_rows=0, kernel_nic_message_us=0.0, sm_count=0,
-    sm_copy_GBps=0.0, weights_nvlink_efficiency=0.0)
-
-
 @dataclass(frozen=True)
 class Topology:
     """One cluster's constants (see the module docstring for units and the fabric model).
@@ -298,12 +289,6 @@ class Topology:
         require(self.fabric_oversubscription >= 1,
                 f"fabric oversubscription ({self.fabric_oversubscription}) must be >= 1 (topology {self.name})")
 
-    @classmethod
-    def ideal(cls, name: str, **kw: Any) -> "Topology":
-        """An idealised cluster for closed-form checks: :data:`IDEAL` (every link at its full
-        bandwidth, every GPU-kernel term off) under ``kw``; the other constants are ``h800-cx7``'s."""
-        return cls(name, **{**IDEAL, **kw})
-
     # -- effective rates (bytes per microsecond, FLOP per microsecond) --------------------
     @property
     def nvlink_bytes_per_us(self) -> float:
@@ -449,10 +434,10 @@ def _toml_val(v: Any) -> str:
     return _toml_str(v) if isinstance(v, str) else repr(v)
 
 
-def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>", defaults: dict[str, Any] | None = None) -> Topology:
+def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>") -> Topology:
     """Build a :class:`Topology` from a parsed TOML document (unknown keys are errors). A key left
-    out takes ``defaults`` (field -> value; e.g. :data:`IDEAL`) or else the class default."""
-    kw: dict[str, Any] = dict(defaults or {})
+    out takes the class default."""
+    kw: dict[str, Any] = {}
     names = {f.name: f for f in fields(Topology)}
     for key, val in doc.items():
         if key in ("name", "description"):
@@ -556,5 +541,5 @@ def load_topology(name_or_path: "str | os.PathLike | Topology", gpus_per_node: i
     return topo.with_gpus_per_node(gpus_per_node)
 
 
-__all__ = ["IDEAL", "PRESET_ALIASES", "Topology", "calibrated_topology_path", "list_topologies", "load_topology", "read_topology_file",
+__all__ = ["PRESET_ALIASES", "Topology", "calibrated_topology_path", "list_topologies", "load_topology", "read_topology_file",
            "topology_from_dict"]
