@@ -342,7 +342,7 @@ def test_side_ports_cover_exactly_the_paths(topo_name):
     pm = PortMap.build(TOPOS[topo_name], R, sm_bytes_per_us=50e3)
     s, d = np.divmod(np.arange(R * R), R)
     sm = (s + d) % 2 == 0
-    path, lat = pm.paths(s, d, sm)
+    path, lat = pm.paths(s, d, sm), pm.latency(s, d)
     blk = pm.pair_class(s, d, sm)
     src_BRK, dst_BRK = pm.side_ports()
     for f in range(R * R):

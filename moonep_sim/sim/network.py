@@ -221,7 +221,7 @@ class FlowNetwork:
             new = slice(p.n - m, p.n)
             p.data["path"][new] = self.ports.paths(np.full(m, src), p.data["dst"][new],
                                                    np.full(m, sm) if self.ports.sm_ports else None,
-                                                   np.full(m, True) if nic else None)[0]
+                                                   np.full(m, True) if nic else None)
         self._pend_min = min(self._pend_min, first)
         self._request_tick(first)
 

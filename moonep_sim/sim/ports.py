@@ -374,19 +374,17 @@ class PortMap:
         return np.where(~same_node & ~self.cluster.same_rail(src_F, dst_F), self.lat_spine_us, lat)
 
     def paths(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None,
-              nic_F: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(path_FL int64 [F, L_PATH], latency_F float64 [F]) of transfers ``src -> dst`` (vectorised).
-
-        Columns: the sender's ports of the transfer's block, then the receiver's (``side_ports``;
+              nic_F: np.ndarray | None = None) -> np.ndarray:
+        """path_FL int64 [F, L_PATH]: the ports of transfers ``src -> dst`` (vectorised; their
+        latency: :meth:`latency`). Columns: the sender's ports of the transfer's block, then the receiver's (``side_ports``;
         SM send / receive ports for flows with ``sm_F`` True when the map has them), then the pair
         port (half duplex) where it exists; padded with the dummy port. Flows with ``nic_F`` True
-        take the NIC path between ranks of one node too (pure-RDMA kernels). Latency: ``latency``."""
+        take the NIC path between ranks of one node too (pure-RDMA kernels)."""
         src_F = np.asarray(src_F, dtype=np.int64)
         dst_F = np.asarray(dst_F, dtype=np.int64)
         F = src_F.size
         src_BRK, dst_BRK = self.side_ports()
         cls = self.pair_class(src_F, dst_F, sm_F, nic_F)
-        lat = self.latency(src_F, dst_F, nic_F)
         cols = [src_BRK[cls, src_F], dst_BRK[cls, dst_F]]
         if self.pairs:
             lo, hi = np.minimum(src_F, dst_F), np.maximum(src_F, dst_F)
@@ -397,13 +395,13 @@ class PortMap:
         cat = np.concatenate(cols, axis=1)
         path = np.full((F, L_PATH), self.dummy, dtype=np.int64)
         path[:, :cat.shape[1]] = cat
-        return path, lat
+        return path
 
     def route(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None,
               nic_F: np.ndarray | None = None) -> np.ndarray:
         """path_FL including spine ports even where they cannot bind (for byte accounting)."""
         full = PortMap(**{**self.__dict__, "spine_binds": True})
-        return full.paths(src_F, dst_F, sm_F, nic_F)[0]
+        return full.paths(src_F, dst_F, sm_F, nic_F)
 
 
 __all__ = ["Block", "L_PATH", "PortMap", "RankPort", "SM_BLOCK", "block_kind", "nic_group_of"]

@@ -96,9 +96,8 @@ def host_copy_us(plan: Plan, topo: Topology, direction: Direction, pre: list[Com
     rate = topo.copy_bytes_per_us
     R = plan.ranks
     if rate <= 0:
-        z = [np.zeros(R) for _ in pre], [np.zeros(R) for _ in pre], [np.zeros(R) for _ in post], \
+        return [np.zeros(R) for _ in pre], [np.zeros(R) for _ in pre], [np.zeros(R) for _ in post], \
             [np.zeros(R) for _ in post]
-        return z
     rows_R = plan.rows_R().astype(np.float64)
     fwd = direction == Direction.FORWARD
     disp_row = plan.costs.dispatch_row_bytes if fwd else plan.costs.combine_row_bytes
