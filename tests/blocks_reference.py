@@ -359,6 +359,29 @@ class NumpyTickNetwork(FlowNetwork):
         self._last_fill = t
         return self._set_rates(rate, t)
 
+    def _set_rates(self, rate: np.ndarray, t: float) -> float:
+        """Give the active flows the rates ``rate`` [n] of a fill at t: a flow whose rate changed
+        gets its remaining bytes at t and its new finish time (the numpy reference of
+        ``tick_kernels.set_rates``). Returns the earliest finish time (inf: none)."""
+        a = self._a
+        ch = np.flatnonzero(rate != a.rate)   # dead flows keep rate 0
+        if ch.size:
+            rem = a.rem0[ch] - a.rate[ch] * (t - a.t0[ch])
+            a.rem0[ch] = rem
+            a.t0[ch] = t
+            r_ch = rate[ch]
+            a.rate[ch] = r_ch
+            fin = t + rem / r_ch
+            a.fin[ch] = fin
+            fin_max = float(fin.max())
+            if np.isfinite(fin_max):
+                self._horizon = max(self._horizon, fin_max)
+            else:
+                fin_live = fin[np.isfinite(fin)]
+                if fin_live.size:
+                    self._horizon = max(self._horizon, float(fin_live.max()))
+        return float(a.fin.min()) if a.n else np.inf
+
 
 def numpy_tick(net: FlowNetwork) -> FlowNetwork:
     """``net`` (of the block solver, before its first tick) switched to the numpy tick over a numpy

@@ -189,8 +189,8 @@ def test_set_rates_equals_the_numpy_update_with_zero_and_unchanged_rates():
     rem0, t0, t = rng.choice([0.0, 100.0, 2e5], n), rng.random(n), 3.0
     fin = rng.random(n) + 5.0
     cols = [rate.copy(), rem0.copy(), t0.copy(), fin.copy()]
-    fin_max, fin_min = set_rates(lev, N, n, ns, nd, *cols, t)
     new = np.minimum(np.append(lev[:N], 0.0)[ns], np.append(lev[N:2 * N], 0.0)[nd])
+    fin_max, fin_min = set_rates(new, n, *cols, t)
     ch = new != rate
     with np.errstate(divide="ignore", invalid="ignore"):
         rem = rem0[ch] - rate[ch] * (t - t0[ch])

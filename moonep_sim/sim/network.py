@@ -49,7 +49,7 @@ from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.sim.blocks import BlockCounts
 from moonep_sim.sim.flows import ActiveFlows, FlowLog, Pending
 from moonep_sim.sim.ports import L_PATH, Block, PortMap, block_kind
-from moonep_sim.sim.tick_kernels import LogCols, WaitCols, plain, submit_flows, tick_blocks, tick_records
+from moonep_sim.sim.tick_kernels import LogCols, WaitCols, plain, set_rates, submit_flows, tick_blocks, tick_records
 from moonep_sim.sim.waterfill import waterfill
 
 
@@ -317,7 +317,7 @@ class FlowNetwork:
     def _tick_paths(self, t: float) -> float:
         """The per-flow solver's tick, in numpy: (1) the active flows due by now complete (a flow's
         finish time is exact at its current rate), (2) the waiting flows ready by now start, in
-        submission order, (3) :func:`waterfill` rates them (:meth:`_set_rates`). Returns the
+        submission order, (3) :func:`waterfill` rates them (``tick_kernels.set_rates``). Returns the
         earliest finish time."""
         a = self._a
         if a.n:
@@ -335,7 +335,11 @@ class FlowNetwork:
         self._bneck_paths[live] = b_live
         self.fill_iterations += it
         self._last_fill = t
-        return self._set_rates(rate, t)
+        d = a.data
+        fin_max, nxt = set_rates(rate, a.n, d["rate"], d["rem0"], d["t0"], d["fin"], t)
+        if fin_max > -np.inf:
+            self._horizon = max(self._horizon, fin_max)
+        return nxt
 
     def _start_ready(self, t: float) -> dict[str, np.ndarray] | None:
         """The waiting flows ready by t, taken in submission order (their log rows marked ready at
@@ -353,29 +357,6 @@ class FlowNetwork:
         del add["ready"]
         add["rem0"] = add.pop("eff")
         return dict(add, rate=np.zeros(m), t0=np.full(m, t), fin=np.full(m, np.inf), alive=np.ones(m, dtype=bool))
-
-    def _set_rates(self, rate: np.ndarray, t: float) -> float:
-        """Give the active flows the rates ``rate`` [n] of a fill at t: a flow whose rate changed
-        gets its remaining bytes at t and its new finish time (the reference of
-        ``tick_kernels.set_rates``). Returns the earliest finish time (inf: none)."""
-        a = self._a
-        ch = np.flatnonzero(rate != a.rate)   # dead flows keep rate 0
-        if ch.size:
-            rem = a.rem0[ch] - a.rate[ch] * (t - a.t0[ch])
-            a.rem0[ch] = rem
-            a.t0[ch] = t
-            r_ch = rate[ch]
-            a.rate[ch] = r_ch
-            fin = t + rem / r_ch
-            a.fin[ch] = fin
-            fin_max = float(fin.max())
-            if np.isfinite(fin_max):
-                self._horizon = max(self._horizon, fin_max)
-            else:
-                fin_live = fin[np.isfinite(fin)]
-                if fin_live.size:
-                    self._horizon = max(self._horizon, float(fin_live.max()))
-        return float(a.fin.min()) if a.n else np.inf
 
     def _complete(self, sel: np.ndarray, bneck: np.ndarray, t: float) -> None:
         """Complete the active slots ``sel`` at t (``bneck``: their bottleneck ports): their log

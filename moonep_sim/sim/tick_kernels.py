@@ -182,9 +182,9 @@ def _level(lev_U1, N, s, d):
 
 
 @kernel
-def set_rates(lev_U1, N, n, ns, nd, rate, rem0, t0, fin, t):
-    """Re-rate active slots [0, n) after a fill at time t: a slot whose rate changed gets its
-    remaining bytes at t, t0 = t, the new rate and its finish time; the others are left alone.
+def set_rates(rate_F, n, rate, rem0, t0, fin, t):
+    """Re-rate active slots [0, n) to ``rate_F`` after a fill at time t: a slot whose rate changed
+    gets its remaining bytes at t, t0 = t, the new rate and its finish time; the others are left alone.
     Returns (fin_max, fin_min): the largest finite finish time among the changed slots (-inf if
     none) and the smallest finish time of all slots (nan if one is nan, inf if n = 0), as the numpy
     code's ``fin.max()`` / ``fin[isfinite].max()`` and ``a.fin.min()`` read them."""
@@ -192,7 +192,7 @@ def set_rates(lev_U1, N, n, ns, nd, rate, rem0, t0, fin, t):
     fin_min = np.inf
     nan = False
     for i in range(n):
-        r = _level(lev_U1, N, ns[i], nd[i])
+        r = rate_F[i]
         if r != rate[i]:   # dead slots keep rate 0
             rem = rem0[i] - rate[i] * (t - t0[i])
             rem0[i] = rem
@@ -417,7 +417,10 @@ def tick_blocks(t, state, flows, wait, book, counts, tables):
     lev, bport, steps = fill_levels(cap_P, cnt_src, cnt_dst, mm, tables)
     fin_max, nxt = -np.inf, np.inf
     if steps >= 0:
-        fin_max, nxt = set_rates(lev, sentinel, n, ns, nd, rate, rem0, t0, fin, t)
+        rate_F = np.empty(n)   # each slot's rate: the lower level of its two nodes
+        for i in range(n):
+            rate_F[i] = _level(lev, sentinel, ns[i], nd[i])
+        fin_max, nxt = set_rates(rate_F, n, rate, rem0, t0, fin, t)
     return TickOut(TickState(n, dead, pn, pend_min, lev, bport), m, g, steps, fin_max, nxt)
 
 
