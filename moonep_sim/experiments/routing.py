@@ -40,7 +40,6 @@ GEN_DEFAULTS: dict[str, Any] = {"model": "mixtral-8x7b", "maxvio": 1.0, "tokens_
 
 _POPULARITY = ("maxvio", "sigma", "zipf", "uniform", "hot")
 _INT_KEYS = ("tokens_per_rank", "layers", "seed", "hot", "groups", "topk_groups", "experts", "top_k")
-_FLOAT_KEYS = ("maxvio", "sigma", "zipf", "hot_share")
 GEN_KEYS = ("model", "maxvio", "sigma", "zipf", "uniform", "hot", "hot_share", "tokens_per_rank", "layers", "seed",
             "groups", "topk_groups", "experts", "top_k")
 

@@ -269,6 +269,7 @@ def _point_setup(cfg: Setup, base, v: float, fixed):
 
 def _strategy_at(cfg: Setup, routing, ctx, topo, name: str, opts: dict) -> dict[str, Any]:
     """One strategy planned and simulated on one point's routing."""
+    from moonep_sim.analysis.verdict import figures
     from moonep_sim.strategies import make_plan
 
     t1 = time.perf_counter()
@@ -285,12 +286,7 @@ def _strategy_at(cfg: Setup, routing, ctx, topo, name: str, opts: dict) -> dict[
             "rows_max_over_mean": float(real.max() / max(real.mean(), 1e-12)),
             "straggler": _short(to_jsonable(res.to_dict(), lenient=True).get("straggler")),
             "plan_seconds": t2 - t1, "sim_seconds": t3 - t2,
-            "figures": _figures(plan, to_jsonable(res.to_dict(), lenient=True), topo)}
-
-
-def _figures(plan, sim, topo):
-    from moonep_sim.analysis.verdict import figures
-    return figures(plan, sim, topo)
+            "figures": figures(plan, to_jsonable(res.to_dict(), lenient=True), topo)}
 
 
 def _point(task) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -351,7 +347,6 @@ def sweep(sc, ax: SweepAxis, progress: Callable[[str, int, int], None] | None = 
     t0 = time.perf_counter()
     cfg = setup(sc, ax)
     base = cfg.topology
-    m = cfg.model
     names = [n for n, _ in cfg.strategies]
     out_s = {n: {"options": dict(o), "layer_time_us": [], "lower_bound_us": [], "ratio_to_lower_bound": [],
                  "phases_us": [], "dropped": [], "weight_bytes": [], "rows_max_over_mean": [], "straggler": [],
@@ -373,26 +368,25 @@ def sweep(sc, ax: SweepAxis, progress: Callable[[str, int, int], None] | None = 
                 out_s[name][k].append(x)
     if progress:
         progress("done", total, total)
-    lb = routing_lower_bound(out_s, len(cfg.values))
-    rep = {
-        "kind": "sweep",
-        "over": cfg.over,
-        "values": [float(v) for v in cfg.values],
-        "left_out": list(cfg.axis.left_out),
-        "model": m.to_dict(),
-        "topology": topology_info(base),
-        "cluster": {"ranks": cfg.ranks if cfg.over != "ep" else None,
-                    "gpus_per_node": cfg.gpus_per_node or base.gpus_per_node},
-        "tokens_per_rank": cfg.tokens_per_rank,
-        "maxvio": cfg.maxvio if cfg.over != "maxvio" else None,
-        "seed": cfg.seed,
-        "dispatch_dtype": cfg.dispatch_dtype,
-        "points": points,
-        "lower_bound_us": lb,
-        "strategies": out_s,
-    }
+    rep = dict(head(cfg), points=points, lower_bound_us=routing_lower_bound(out_s, len(cfg.values)), strategies=out_s)
+    return finish(rep, t0)
+
+
+def head(cfg: Setup) -> dict[str, Any]:
+    """What a generated sweep's report (layer or step level) says of its setup, before its points."""
+    return {"kind": "sweep", "over": cfg.over, "values": [float(v) for v in cfg.values],
+            "left_out": list(cfg.axis.left_out), "model": cfg.model.to_dict(), "topology": topology_info(cfg.topology),
+            "cluster": {"ranks": cfg.ranks if cfg.over != "ep" else None,
+                        "gpus_per_node": cfg.gpus_per_node or cfg.topology.gpus_per_node},
+            "tokens_per_rank": cfg.tokens_per_rank, "maxvio": cfg.maxvio if cfg.over != "maxvio" else None,
+            "seed": cfg.seed, "dispatch_dtype": cfg.dispatch_dtype}
+
+
+def finish(rep: dict[str, Any], t0: float) -> dict[str, Any]:
+    """A layer-level sweep report completed: its flags, one verdict per point, and its seconds."""
     from moonep_sim.analysis.flags import sweep_flags
     from moonep_sim.analysis.verdict import sweep_verdicts
+
     rep["flags"] = sweep_flags(rep)
     rep["verdicts"] = sweep_verdicts(rep)
     rep["seconds"] = time.perf_counter() - t0

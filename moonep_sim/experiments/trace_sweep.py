@@ -262,7 +262,7 @@ def trace_sweep(sc, over: str, values: Sequence[float] | None = None, *, fixed: 
     value (a winner map's row). The report has the shape of a generated sweep's
     (:func:`moonep_sim.experiments.sweep.sweep`), each figure the token-weighted mean over steps."""
     from moonep_sim.experiments.compare import compare, topology_info
-    from moonep_sim.experiments.sweep import routing_lower_bound
+    from moonep_sim.experiments.sweep import finish, routing_lower_bound
     from moonep_sim.analysis.verdict import mean_figures
 
     t0 = time.perf_counter()
@@ -299,24 +299,24 @@ def trace_sweep(sc, over: str, values: Sequence[float] | None = None, *, fixed: 
             o["per_step_layer_time_us"].append(s["per_step"]["layer_time_us"])
     if progress:
         progress("done", len(vals), len(vals))
-    res = {
-        "kind": "sweep", "over": over, "values": [float(v) for v in vals], "left_out": left_out,
-        "routing": rs0.source.describe(), "trace": str(rs0.source.path), "fixed": dict(fixed or {}),
-        "model": rs0.source.model.to_dict(), "topology": topology_info(rs0.topology),
-        "cluster": {"ranks": rs0.cluster.ranks if over != "ranks" else None,
-                    "gpus_per_node": rs0.cluster.gpus_per_node},
-        "tokens_per_rank": None, "maxvio": None, "seed": seed if (over == "maxvio" or "maxvio" in (fixed or {}))
-        else None, "dispatch_dtype": rs0.dispatch_dtype, "method": _METHOD.get(over, _METHOD["topology"]),
-        "points": points, "lower_bound_us": None, "strategies": out_s, "warnings": list(rs0.warnings),
-    }
-    res["lower_bound_us"] = routing_lower_bound(out_s, len(vals))
-    from moonep_sim.analysis.flags import sweep_flags
-    from moonep_sim.analysis.verdict import sweep_verdicts
+    res = dict(head(rs0, over, vals, left_out, fixed, seed), points=points,
+               lower_bound_us=routing_lower_bound(out_s, len(vals)), strategies=out_s, warnings=list(rs0.warnings))
+    return finish(res, t0)
 
-    res["flags"] = sweep_flags(res)
-    res["verdicts"] = sweep_verdicts(res)
-    res["seconds"] = time.perf_counter() - t0
-    return res
+
+def head(rs0, over: str, vals: Sequence[float], left_out: list, fixed: dict[str, float] | None,
+         seed: int) -> dict[str, Any]:
+    """What a trace sweep's report (layer or step level) says of its setup, before its points."""
+    from moonep_sim.experiments.compare import topology_info
+
+    return {"kind": "sweep", "over": over, "values": [float(v) for v in vals], "left_out": left_out,
+            "routing": rs0.source.describe(), "trace": str(rs0.source.path), "fixed": dict(fixed or {}),
+            "model": rs0.source.model.to_dict(), "topology": topology_info(rs0.topology),
+            "cluster": {"ranks": rs0.cluster.ranks if over != "ranks" else None,
+                        "gpus_per_node": rs0.cluster.gpus_per_node},
+            "tokens_per_rank": None, "maxvio": None,
+            "seed": seed if (over == "maxvio" or "maxvio" in (fixed or {})) else None,
+            "dispatch_dtype": rs0.dispatch_dtype, "method": _METHOD.get(over, _METHOD["topology"])}
 
 
 _METHOD = {
@@ -336,7 +336,7 @@ def trace_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_
     """The fastest strategy per cell over two knobs of a trace: one :func:`trace_sweep` of ``over``
     per value of ``by`` (any knob :func:`trace_sweep` takes), combined by
     :func:`moonep_sim.analysis.winner.winner_map`."""
-    from moonep_sim.analysis.winner import winner_map
+    from moonep_sim.experiments.sweep import winner_of
 
     by = knob_name(by)
     over = knob_name(over)
@@ -346,11 +346,8 @@ def trace_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_
     for b in bys:       # every cell checked before any work
         for v in vals:
             point(sc, {by: b, over: v}, seed)
-    reps = [(float(b), trace_sweep(sc, over, vals, fixed={by: b}, seed=seed, progress=progress, jobs=jobs,
-                                   cluster=cluster)) for b in bys]
-    m = winner_map(reps, by)
-    m["sweeps"] = [r for _, r in reps]
-    return m
+    return winner_of([(float(b), trace_sweep(sc, over, vals, fixed={by: b}, seed=seed, progress=progress, jobs=jobs,
+                                             cluster=cluster)) for b in bys], by)
 
 
 __all__ = ["Reweight", "TRACE_KNOBS", "check_knob", "knob_name", "noise_floor", "point", "recut", "reweighted",

@@ -18,8 +18,7 @@ import numpy as np
 
 from moonep_sim.io import write_bytes_atomic
 
-# fixed phase order and colours, so plots of different runs read alike
-PHASE_ORDER = ("plan", "dispatch", "prefetch", "migrate", "compute", "combine", "grad_reduce", "other")
+# fixed phase colours, so plots of different runs read alike
 PHASE_COLORS = {"plan": "#9e9e9e", "dispatch": "#1f77b4", "prefetch": "#ff7f0e", "migrate": "#8c564b",
                 "compute": "#2ca02c", "combine": "#9467bd", "grad_reduce": "#e377c2", "other": "#7f7f7f"}
 
