@@ -312,8 +312,8 @@ class Scenario:
         :meth:`step` returns (:mod:`moonep_sim.experiments.step_levels`)."""
         from moonep_sim.experiments.compare import RealOptions, compare
 
-        if _step_level(level, step, real=real):
-            opts = step or _default_step()
+        opts = _step_level(level, step, real=real)
+        if opts is not None:
             from moonep_sim.experiments.step import run_step
 
             out = run_step(self, opts, progress=progress, jobs=jobs, cluster=cluster)
@@ -380,10 +380,10 @@ class Scenario:
         and each point's verdict the step verdict (:mod:`moonep_sim.experiments.step_levels`)."""
         from moonep_sim.experiments.sweep import sweep_over_seeds
 
-        if _step_level(level, step, seeds=seeds):
+        opts = _step_level(level, step, seeds=seeds)
+        if opts is not None:
             from moonep_sim.experiments.step_levels import step_sweep, trace_step_sweep
 
-            opts = step or _default_step()
             if self.is_trace():
                 return SweepResult.from_report(trace_step_sweep(self, over, values, opts, progress=progress, jobs=jobs,
                                                                 cluster=cluster))
@@ -410,10 +410,11 @@ class Scenario:
         the step verdict's (``step``: a :class:`~moonep_sim.experiments.step.StepOptions`)."""
         from moonep_sim.experiments.sweep import at, check_rows, sweep_over_seeds, winner_of
 
-        if _step_level(level, step, seeds=seeds):
+        opts = _step_level(level, step, seeds=seeds)
+        if opts is not None:
             from moonep_sim.experiments.step_levels import step_winner_map
 
-            return step_winner_map(self, over, values, by, by_values, step or _default_step(), maxvio=maxvio,
+            return step_winner_map(self, over, values, by, by_values, opts, maxvio=maxvio,
                                    progress=progress, jobs=jobs, cluster=cluster)
         if self.is_trace():
             from moonep_sim.experiments.trace_sweep import trace_winner_map
@@ -437,25 +438,20 @@ class Scenario:
         return axis(self, over, values, maxvio=maxvio)
 
 
-def _step_level(level: str, step: Any, *, real: bool = False, seeds: int = 1) -> bool:
-    """True at level step (checked: the step options typed, no layer-only option given)."""
+def _step_level(level: str, step: Any, *, real: bool = False, seeds: int = 1):
+    """At level step, the step options to run (``step``, default train without overlap; checked:
+    typed, no layer-only option given); None at level layer."""
     from moonep_sim.experiments.step import StepOptions
     from moonep_sim.experiments.step_levels import check_level
 
     if check_level(level) == "layer":
         require(step is None, "step options must be given with level='step' only (the layer level has none)")
-        return False
+        return None
     require(step is None or isinstance(step, StepOptions),
             f"step ({type(step).__name__}) must be a StepOptions (moonep_sim.experiments.step)")
     require(not real, "real replays run the layer level only (level='step' is simulated)")
     require(seeds == 1, f"seeds ({seeds}) must be 1 at level step (the spread over seeds is layer-level)")
-    return True
-
-
-def _default_step():
-    from moonep_sim.experiments.step import StepOptions
-
-    return StepOptions()
+    return step or StepOptions()
 
 
 def _verdict_view(res) -> dict[str, Any]:

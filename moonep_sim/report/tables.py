@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from moonep_sim.analysis.verdict import fmt_time
 from moonep_sim.report.plots import grouped_phases
 
 
@@ -13,11 +14,7 @@ def _mib(b: float) -> str:
 
 def _time(us: float) -> str:
     """Three significant digits, in us, ms or s."""
-    if us == 0:
-        return "0"
-    if us >= 1e6:
-        return f"{us / 1e6:.3g} s"
-    return f"{us / 1e3:.3g} ms" if us >= 1000 else f"{us:.3g} us"
+    return fmt_time(us) if us else "0"
 
 
 def compare_table(report: dict[str, Any]) -> list:
