@@ -279,24 +279,18 @@ def trace_sweep(sc, over: str, values: Sequence[float] | None = None, *, fixed: 
         rep = compare(rs, jobs=jobs, cluster=cluster)
         points.append({"value": v, **rec, "topology": topology_info(rs.topology)})
         for n in names:
-            s, o = rep["strategies"][n], out_s[n]
-            agg = s["steps_aggregate"]["layer_time_us"]
-            o["layer_time_us"].append(agg["token_weighted_mean"])
-            o["lower_bound_us"].append(s["sim"]["lower_bound_us_mean"])
-            o["ratio_to_lower_bound"].append(s["sim"]["ratio_to_lower_bound"])
-            o["phases_us"].append(s["sim"]["phases_us_mean"])
-            o["dropped"].append(s["dropped"])
-            o["weight_bytes"].append(s["weight_bytes"])
-            o["rows_max_over_mean"].append(s["rows_max_over_mean"])
-            o["straggler"].append(s["sim"]["straggler"])
-            o["plan_seconds"].append(s["plan_seconds"])
-            o["sim_seconds"].append(float(sum(e["sim"].get("sim_stats", {}).get("wall_seconds", 0.0)
-                                              for e in s["layers"])))
-            f = mean_figures([e["figures"] for e in s["layers"] if "figures" in e])
-            f["time_us"] = agg["token_weighted_mean"]
-            o["figures"].append(f)
-            o["steps_aggregate"].append(s["steps_aggregate"])
-            o["per_step_layer_time_us"].append(s["per_step"]["layer_time_us"])
+            s, sim = rep["strategies"][n], rep["strategies"][n]["sim"]
+            t = s["steps_aggregate"]["layer_time_us"]["token_weighted_mean"]
+            at = {"layer_time_us": t, "lower_bound_us": sim["lower_bound_us_mean"],
+                  "ratio_to_lower_bound": sim["ratio_to_lower_bound"], "phases_us": sim["phases_us_mean"],
+                  "dropped": s["dropped"], "weight_bytes": s["weight_bytes"],
+                  "rows_max_over_mean": s["rows_max_over_mean"], "straggler": sim["straggler"],
+                  "plan_seconds": s["plan_seconds"],
+                  "sim_seconds": float(sum(e["sim"].get("sim_stats", {}).get("wall_seconds", 0.0) for e in s["layers"])),
+                  "figures": dict(mean_figures([e["figures"] for e in s["layers"] if "figures" in e]), time_us=t),
+                  "steps_aggregate": s["steps_aggregate"], "per_step_layer_time_us": s["per_step"]["layer_time_us"]}
+            for k in _SERIES:
+                out_s[n][k].append(at[k])
     if progress:
         progress("done", len(vals), len(vals))
     res = dict(head(rs0, over, vals, left_out, fixed, seed), points=points,
