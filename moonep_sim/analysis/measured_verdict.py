@@ -182,14 +182,4 @@ def replay_where(rep: Mapping[str, Any]) -> str:
             f"{r['iters']} iterations")
 
 
-def verdict_text(v: Mapping[str, Any]) -> str:
-    """The measured verdict as one line (the replay program's summary)."""
-    if v.get("runner_up") is None:
-        return f"measured verdict: {v['why']}"
-    head = (f"{' = '.join([v['winner'], *v.get('tied_with', [])])} tie" if v["tie"] else
-            f"{v['winner']} wins by {100 * v['margin']:.1f}% over {v['runner_up']}")
-    mech = f", mechanism: {v['mechanism']}" if v.get("mechanism") else ""
-    return f"measured verdict: {head} (confidence: {v['confidence']['level']}{mech}): {v['why']}"
-
-
-__all__ = ["MECHANISMS", "PHASE_TERMS", "measured_figures", "measured_verdict", "replay_where", "verdict_text"]
+__all__ = ["MECHANISMS", "PHASE_TERMS", "measured_figures", "measured_verdict", "replay_where"]

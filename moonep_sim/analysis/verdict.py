@@ -247,6 +247,19 @@ def fmt_time(us: float) -> str:
     return f"{us / 1e3:.3g} ms" if abs(us) >= 1000 else f"{us:.3g} us"
 
 
+def verdict_line(v: Mapping[str, Any] | None) -> str:
+    """The verdict as one line (tables, the demo; ``"measured " +`` it: a replay's measured verdict)."""
+    if not v:
+        return "verdict: -"
+    if v["runner_up"] is None:
+        return f"verdict: {v['why']}"
+    head = (f"verdict: {' = '.join([v['winner'], *v.get('tied_with', [])])} tie" if v["tie"] else
+            f"verdict: {v['winner']} wins by {100 * v['margin']:.1f}% over {v['runner_up']}")
+    mech = f", mechanism: {v['mechanism']}" if v.get("mechanism") else ""
+    fl = "".join(f" ({n} flagged: {', '.join(c)})" for n, c in (v.get("flags") or {}).items())
+    return f"{head} (confidence: {v['confidence']['level']}{mech}): {v['why']}{fl}"
+
+
 def _bytes(b: float) -> str:
     return f"{b / _GiB:.3g} GiB" if b >= _GiB / 4 else f"{b / _MiB:.3g} MiB"
 
@@ -580,4 +593,4 @@ def step_verdict(strategies: Mapping[str, Mapping[str, Any]],
 
 __all__ = ["MECHANISMS", "STEP_MECHANISMS", "no_fit_verdict", "step_verdict", "TIE", "attribute", "chain_figures", "compare_verdict",
            "confidence", "figures", "layer_series", "mean_figures", "simulate_verdict", "stage_figures",
-           "sweep_verdicts", "terms", "tie_sentence", "verdict"]
+           "sweep_verdicts", "terms", "tie_sentence", "verdict", "verdict_line"]

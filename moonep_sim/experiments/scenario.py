@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from moonep_sim.errors import ConfigError, require
-from moonep_sim.limits import MAX_TOKEN_PADDING
 from moonep_sim.experiments.results import (CompareResult, LayerPlans, PlansResult, ReplayResult, SimulateResult,
                                             SweepResult)
 from moonep_sim.experiments.routing import GeneratorSpec, RoutingSource, open_routing
@@ -125,9 +124,7 @@ class Scenario:
         from moonep_sim.experiments.compare import check_cluster, load_topology
         from moonep_sim.strategies import PlanContext
 
-        dtype = normalise_dtype(self.dispatch_dtype)
-        require(1 <= self.token_padding <= MAX_TOKEN_PADDING,
-                f"token padding ({self.token_padding}) must be in [1, {MAX_TOKEN_PADDING}]")
+        dtype = normalise_dtype(self.dispatch_dtype)  # (token padding: checked when built, checks.py)
         require(self.placement in ("home", "round-robin"),
                 f"placement ({self.placement!r}) must be home or round-robin")
         strategies = strategy_list(self.strategies, self.options)

@@ -405,11 +405,11 @@ def _summary(rep: dict[str, Any]) -> str:
 
 def _summaries(rep: dict[str, Any]) -> str:
     """Each strategy's summary, then the measured verdict when several were interleaved."""
-    from moonep_sim.analysis.measured_verdict import verdict_text
+    from moonep_sim.analysis.verdict import verdict_line
 
     lines = [_summary(r) for r in _each(rep)]
     if rep.get("verdict"):
-        lines.append(verdict_text(rep["verdict"]))
+        lines.append("measured " + verdict_line(rep["verdict"]))
     return "\n".join(lines)
 
 
