@@ -20,11 +20,9 @@ before any work. Results are frozen dataclasses with ``to_dict()`` (JSON-ready).
 from __future__ import annotations
 
 import functools
-import tempfile
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from moonep_sim.errors import ConfigError, require
@@ -336,18 +334,15 @@ class Scenario:
         per strategy, and ``verdict``: who won on the local machine and which measured phase made
         the margin (:mod:`~moonep_sim.analysis.measured_verdict`). The ranks receive this
         scenario as one typed spec (:class:`~moonep_sim.experiments.spec.ReplaySpec`, JSON written once)."""
-        from moonep_sim.experiments.compare import replay_spec, run_spec
+        from moonep_sim.experiments.compare import run_spec
         from moonep_sim.gloo.launcher import reports_by_strategy
 
         rs = self.resolved
         nproc = nproc or rs.cluster.ranks
         require(2 <= nproc <= 64, f"nproc ({nproc}) must lie in [2, 64]")
         require(rs.cluster.ranks == nproc, f"ranks ({rs.cluster.ranks}) must equal nproc ({nproc}) for a replay")
-        with tempfile.TemporaryDirectory(prefix="moonep-replay-") as tmp:
-            path = rs.source.trace_file(Path(tmp), nproc)
-            spec = replay_spec(rs, path, hidden=hidden, ffn=ffn, iters=iters, warmup=warmup, backward=backward,
-                               check=check, max_tokens=max_tokens)
-            rep = run_spec(nproc, spec, timeout_s=timeout_s)
+        rep = run_spec(rs, nproc, timeout_s, hidden=hidden, ffn=ffn, iters=iters, warmup=warmup, backward=backward,
+                       check=check, max_tokens=max_tokens)
         per = reports_by_strategy(rep)
         if "verdict" not in rep:  # one strategy: a stated single-strategy verdict
             from moonep_sim.analysis.measured_verdict import measured_verdict, replay_where

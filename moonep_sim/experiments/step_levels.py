@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from moonep_sim.errors import require
-from moonep_sim.experiments.step import StepOptions, run_step
+from moonep_sim.experiments.step import StepOptions, run_step, steps_document
 
 #: the levels compare, sweep and winner maps run at
 LEVELS = ("layer", "step")
@@ -56,16 +56,13 @@ def point_step(sc, opts: StepOptions, *, jobs: int | None = 1, cluster: str | No
     ``verdict``, ``setup`` and ``steps`` (the recorded steps it ran)."""
     from moonep_sim.analysis.verdict import step_verdict
 
-    from moonep_sim.analysis.stepstats import step_aggregates
-
     res = run_step(sc, opts, progress=progress, jobs=jobs, cluster=cluster)
-    docs = [r.to_dict() for r in res]
+    doc = steps_document(res)   # its flags: every recorded step's, each once
+    docs = doc.get("steps") or [doc]
     names = list(res[0].strategies)
-    agg = (step_aggregates(docs) if docs[0]["setup"].get("step_tokens") is not None
-           and not docs[0]["setup"].get("merged") else None)
     if len(docs) == 1:
         figs = {n: scalars(docs[0]["strategies"][n]) for n in names}
-        verdict, flags = docs[0]["verdict"], docs[0]["flags"]
+        verdict = docs[0]["verdict"]
     else:
         w = np.array([float(d["setup"].get("step_tokens") or 1) for d in docs])
         figs = {}
@@ -81,12 +78,9 @@ def point_step(sc, opts: StepOptions, *, jobs: int | None = 1, cluster: str | No
                 f[k] = int(sum(int(p.get(k) or 0) for p in per))
             f["steps"] = len(per)
             figs[n] = f
-        from moonep_sim.analysis.winner import dedup_flags
-
-        flags = dedup_flags([fl for d in docs for fl in d["flags"]])
-        verdict = step_verdict(figs, flags)
-    return {"figures": figs, "flags": flags, "verdict": verdict, "setup": docs[0]["setup"], "steps": len(docs),
-            "aggregate": agg}
+        verdict = step_verdict(figs, doc["flags"])
+    return {"figures": figs, "flags": doc["flags"], "verdict": verdict, "setup": docs[0]["setup"], "steps": len(docs),
+            "aggregate": doc.get("aggregate")}
 
 
 def _report(head: dict[str, Any], names: Sequence[str], options: dict, points: list, runs: list,
