@@ -372,22 +372,20 @@ class Scenario:
         and each point's verdict the step verdict (:mod:`moonep_sim.experiments.step_levels`)."""
         from moonep_sim.experiments.sweep import sweep_over_seeds
 
+        run = {"progress": progress, "jobs": jobs, "cluster": cluster}
         opts = _step_level(level, step, seeds=seeds)
         if opts is not None:
             from moonep_sim.experiments.step_levels import step_sweep, trace_step_sweep
 
-            if self.is_trace():
-                return SweepResult.from_report(trace_step_sweep(self, over, values, opts, progress=progress, jobs=jobs,
-                                                                cluster=cluster))
-            return SweepResult.from_report(step_sweep(self, self.sweep_axis(over, values, maxvio=maxvio), opts,
-                                                      progress=progress, jobs=jobs, cluster=cluster))
-        if self.is_trace():
+            rep = (trace_step_sweep(self, over, values, opts, **run) if self.is_trace() else
+                   step_sweep(self, self.sweep_axis(over, values, maxvio=maxvio), opts, **run))
+        elif self.is_trace():
             from moonep_sim.experiments.trace_sweep import trace_sweep
 
-            return SweepResult.from_report(trace_sweep(self, over, values, progress=progress, jobs=jobs,
-                                                       cluster=cluster))
-        return SweepResult.from_report(sweep_over_seeds(self, self.sweep_axis(over, values, maxvio=maxvio), seeds,
-                                                        progress=progress, jobs=jobs, cluster=cluster))
+            rep = trace_sweep(self, over, values, **run)
+        else:
+            rep = sweep_over_seeds(self, self.sweep_axis(over, values, maxvio=maxvio), seeds, **run)
+        return SweepResult.from_report(rep)
 
     @_with_progress("winner map")
     def winner_map(self, over: str, values: Sequence[float] | None, by: str, by_values: Sequence[float], *,
@@ -402,20 +400,19 @@ class Scenario:
         the step verdict's (``step``: a :class:`~moonep_sim.experiments.step.StepOptions`)."""
         from moonep_sim.experiments.sweep import at, check_rows, sweep_over_seeds, winner_of
 
+        run = {"progress": progress, "jobs": jobs, "cluster": cluster}
         opts = _step_level(level, step, seeds=seeds)
         if opts is not None:
             from moonep_sim.experiments.step_levels import step_winner_map
 
-            return step_winner_map(self, over, values, by, by_values, opts, maxvio=maxvio,
-                                   progress=progress, jobs=jobs, cluster=cluster)
+            return step_winner_map(self, over, values, by, by_values, opts, maxvio=maxvio, **run)
         if self.is_trace():
             from moonep_sim.experiments.trace_sweep import trace_winner_map
 
-            return trace_winner_map(self, over, values, by, by_values, progress=progress, jobs=jobs, cluster=cluster)
+            return trace_winner_map(self, over, values, by, by_values, **run)
         ax = self.sweep_axis(over, values, maxvio=maxvio)
         check_rows(self, ax, by, by_values)  # every input checked before any work
-        return winner_of([(float(v), sweep_over_seeds(*at(self, ax, by, v), seeds, progress=progress, jobs=jobs,
-                                                      cluster=cluster)) for v in by_values], by)
+        return winner_of([(float(v), sweep_over_seeds(*at(self, ax, by, v), seeds, **run)) for v in by_values], by)
 
     def is_trace(self) -> bool:
         """True when the routing is a trace file (not a generator spec or routing in memory)."""

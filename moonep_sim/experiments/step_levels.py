@@ -222,10 +222,10 @@ def check(sc, over: str, values: Sequence[float] | None, opts: StepOptions, *, b
 
 
 def step_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_values: Sequence[float],
-                    opts: StepOptions, *, maxvio: float | None = None, progress=None, jobs: int | None = 1,
-                    cluster: str | None = None) -> dict[str, Any]:
+                    opts: StepOptions, *, maxvio: float | None = None, **run: Any) -> dict[str, Any]:
     """A winner map at step level: one step sweep of ``over`` per value of ``by`` (generated:
-    tokens-per-rank, maxvio or ep; a trace: any of its knobs)."""
+    tokens-per-rank, maxvio or ep; a trace: any of its knobs); ``run``: the sweeps' progress, jobs
+    and cluster."""
     from moonep_sim.experiments.sweep import at, winner_of
 
     check(sc, over, values, opts, by=by, by_values=by_values, maxvio=maxvio)  # every cell before any work
@@ -235,11 +235,9 @@ def step_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_v
         by, over = knob_name(by), knob_name(over)
         bys, _ = valid_values(sc, by, by_values, 0)
         vals, _ = valid_values(sc, over, values, 0)
-        return winner_of([(float(b), trace_step_sweep(sc, over, vals, opts, fixed={by: b}, progress=progress,
-                                                      jobs=jobs, cluster=cluster)) for b in bys], by)
+        return winner_of([(float(b), trace_step_sweep(sc, over, vals, opts, fixed={by: b}, **run)) for b in bys], by)
     ax = sc.sweep_axis(over, values, maxvio=maxvio)
-    return winner_of([(float(v), step_sweep(*at(sc, ax, by, v), opts, progress=progress, jobs=jobs, cluster=cluster))
-                      for v in by_values], by)
+    return winner_of([(float(v), step_sweep(*at(sc, ax, by, v), opts, **run)) for v in by_values], by)
 
 
 __all__ = ["LEVELS", "SERIES", "check", "check_level", "point_step", "scalars", "step_sweep", "step_winner_map",
