@@ -135,16 +135,10 @@ def recut(source, batch_tokens: int):
 
 
 # -- values -------------------------------------------------------------------------------------------
-def _is_topology_knob(knob: str, topo) -> bool:
-    from moonep_sim.experiments.sweep import topology_params
-
-    return knob in topology_params(topo)
-
-
 def check_knob(knob: str, topo) -> None:
     from moonep_sim.experiments.sweep import topology_params
 
-    if knob not in TRACE_KNOBS and not _is_topology_knob(knob, topo):
+    if knob not in TRACE_KNOBS and knob not in topology_params(topo):
         raise ConfigError(f"--over ({knob!r}) must be one of {', '.join(TRACE_KNOBS)} (ep = ranks) or a topology "
                           f"constant: {', '.join(topology_params(topo))}")
 

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from moonep_sim.analysis.verdict import TIE as SAME  # series within it are drawn as one ("a = b")
 from moonep_sim.io import write_bytes_atomic
 
 # fixed phase colours, so plots of different runs read alike
@@ -66,8 +67,6 @@ def _unit(max_us: float) -> tuple[str, float]:
 
 #: traffic panels get one colour scale each when their peaks differ by more than this factor
 OWN_SCALE = 4.0
-#: relative difference under which two series are drawn as one ("a = b"); the verdict's tie threshold
-SAME = 5e-4
 
 
 def merge_identical(series: dict[str, Sequence[float]]) -> list[tuple[str, list[str], np.ndarray]]:
