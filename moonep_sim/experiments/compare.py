@@ -368,14 +368,14 @@ def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int
     st = rep["strategies"]
     rep["steps"]["wins"] = step_wins({n: st[n]["per_step"]["layer_time_us"] for n in st},
                                      excluded=[n for n in st if st[n]["dropped"]])
-    if real is not None:
-        rep["real"] = run_real(rs, real, local_topo, rep, progress)
     from moonep_sim.analysis.flags import compare_flags
     from moonep_sim.analysis.verdict import compare_verdict
-    calibration = None
-    if rep.get("real"):
+
+    calibration = None   # the local-gloo constants behind a real replay's simulated column
+    if real is not None:
         from moonep_sim.experiments import calibrate as cal
 
+        rep["real"] = run_real(rs, real, local_topo, rep, progress)
         calibration = cal.calibration_kind(cal.calibrated_path())
     rep["flags"] = compare_flags(rep, calibration)
     rep["verdict"] = compare_verdict(rep)

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from moonep_sim.errors import CommError, MoonEPSimError, exit_status, require
 from moonep_sim.experiments.ranks.replay_args import (check_args, check_before_ranks, parse_args, parse_layers,
-                                                     strategy_opts)
+                                                     strategy_names, strategy_opts)
 from moonep_sim.io import check_outputs, write_text_atomic
 
 MODULE = "moonep_sim.experiments.ranks.replay_rank"  # what every rank runs (python -m MODULE)
@@ -159,15 +159,11 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     from moonep_sim.strategies import PlanContext, planner
 
     rank, R = dist.get_rank(), dist.get_world_size()
-    names = [n.strip() for n in str(args.strategy).split(",") if n.strip()]
-    require(len(names) >= 1 and len(set(names)) == len(names),
-            f"--strategy ({args.strategy!r}) must name one or more distinct strategies, comma-separated")
+    names = strategy_names(args)   # (the numbers: check_args, which main runs first)
     trace = Trace(args.trace)
     meta = trace.meta
     require(meta.kind == "tokens", f"trace kind ({meta.kind!r}) must be 'tokens' for a replay (routing per token)")
     E, K, H, F = meta.num_experts, meta.top_k, args.hidden, args.ffn
-    require(H >= 1 and F >= 1, f"hidden ({H}) and ffn ({F}) must be >= 1")
-    require(args.iters >= 1 and args.warmup >= 0, f"iters ({args.iters}) must be >= 1 and warmup ({args.warmup}) >= 0")
     layers = parse_layers(args.layers, trace)
     batches, items = _replay_items(args, trace, layers, R)
     capacity = int(max(int(it[4].max()) for it in items))
