@@ -468,22 +468,15 @@ def simulate_verdict(runs: Mapping[str, Sequence[tuple[Sequence[Any], Mapping[st
 
 
 def _step_series(strat: Mapping[str, Any]):
-    """(strategy -> time per step, tokens per step) when the report carries a per-step series."""
+    """(strategy -> time per step, tokens per step) when the report carries a per-step series of
+    several steps (compare's ``per_step``, :mod:`moonep_sim.experiments.compare`: lists keyed by field)."""
     out, w = {}, None
     for n, s in strat.items():
-        ps = s.get("per_step")   # compare's series (experiments.compare): lists keyed by field
-        if isinstance(ps, Mapping) and len(ps.get("layer_time_us") or []) > 1:
-            out[n] = [float(x) for x in ps["layer_time_us"]]
-            w = [float(x or 1) for x in ps.get("tokens") or [1] * len(out[n])]
-            continue
-        st = s.get("steps") or (s.get("sim") or {}).get("steps")
-        if not isinstance(st, list) or not st or not isinstance(st[0], Mapping):
+        ps = s.get("per_step")
+        if not isinstance(ps, Mapping) or len(ps.get("layer_time_us") or []) <= 1:
             return None
-        key = next((k for k in ("layer_time_us", "time_us", "step_time_us") if k in st[0]), None)
-        if key is None:
-            return None
-        out[n] = [float(x[key]) for x in st]
-        w = [float(x.get("tokens", 1)) for x in st]
+        out[n] = [float(x) for x in ps["layer_time_us"]]
+        w = [float(x or 1) for x in ps.get("tokens") or [1] * len(out[n])]
     return out, w
 
 
