@@ -94,7 +94,7 @@ def figures(plan, sim: Mapping[str, Any], topo=None) -> dict[str, Any]:
     return {
         "time_us": float(sim["layer_time_us"]),
         "plan_us": crit["plan"], "compute_us": crit["compute"], "comm_us": crit["dispatch + wait"] + crit["combine"],
-        "fixed_us": _fixed_us(plan, topo, phases),
+        "fixed_us": _fixed_us(plan, topo),
         "weights_us": sum(v for k, v in phases.items() if k.split(".")[0] in ("prefetch", "migrate", "grad_reduce")),
         **_plan_figures(plan, topo, "forward")}
 
@@ -129,7 +129,7 @@ def _plan_figures(plan, topo, direction: str) -> dict[str, Any]:
     }
 
 
-def _fixed_us(plan, topo, phases: Mapping[str, float]) -> float:
+def _fixed_us(plan, topo) -> float:
     """Fixed kernel costs on a rank's path: launches per direction x (dispatch + combine fixed
     cost) from the topology (phase spans of ``*.fixed`` stretch over every rank's wait)."""
     if topo is None or not hasattr(topo, "kernel_dispatch_fixed_us"):
