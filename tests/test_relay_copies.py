@@ -183,8 +183,8 @@ def relay_worker(rank, world, T, H, F, E, K, G, seed):
     exp = h.plan.slot_expert_S[sl][cp]
     return {"out": out.detach(), "gx": xr.grad, "ggate": layer.gate.grad, "gup": layer.up.grad,
             "gdown": layer.down.grad, "home": layer.home_experts, "copy_experts": exp,
-            "copy_gate": copies[0][h.slot_weight_index[torch.from_numpy(np.flatnonzero(cp))]] if cp.any()
-            else torch.zeros(0), "relayed": np.array(h.num_relayed_global), "valid": np.array(len(validate(h.plan))),
+            "copy_gate": copies[0][h.slots.weight_index[torch.from_numpy(np.flatnonzero(cp))]] if cp.any()
+            else torch.zeros(0), "relayed": np.array(h.weights.relay.total), "valid": np.array(len(validate(h.plan))),
             "hot": np.array(int(np.argmax(h.plan.tokens_per_expert_RE().sum(axis=0))))}
 
 

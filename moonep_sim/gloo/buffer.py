@@ -300,7 +300,7 @@ class Buffer:
 
         Returns ``(recv_x [W, H], recv_weights [W], cu_seqlens [S+1] int64, handle)``: rows
         grouped by slot (slot i owns rows ``cu_seqlens[i]:cu_seqlens[i+1]``, the first
-        ``handle.slot_rows[i]`` real, the rest zero padding), each row's routing weight (0 for
+        ``handle.slots.rows[i]`` real, the rest zero padding), each row's routing weight (0 for
         padding). Differentiable in ``x`` and ``topk_weights``.
         """
         if handle is None:
@@ -312,9 +312,9 @@ class Buffer:
         else:
             require(tuple(x.shape) == (handle.num_tokens, self.hidden),
                     f"x shape ({list(x.shape)}) must be [{handle.num_tokens}, {self.hidden}] (the handle's tokens)")
-            w = handle.token_weights
+            w = handle.layout.token_weights
         recv_x, recv_w = dispatch_fn(self, handle, x, w)
-        return recv_x, recv_w, handle.cu_seqlens, handle
+        return recv_x, recv_w, handle.layout.cu_seqlens, handle
 
     def combine(self, y: torch.Tensor, handle: Handle, weights: torch.Tensor | None = None) -> torch.Tensor:
         """[W, H] expert outputs -> [s, H]: each token's sum of ``weight * output`` over its rows.
@@ -324,7 +324,7 @@ class Buffer:
         """
         require(y.dim() == 2 and y.shape[0] == handle.rows,
                 f"y shape ({list(y.shape)}) must be [{handle.rows}, C] (the handle's rows)")
-        w = handle.row_weights.to(y.dtype) if weights is None else weights
+        w = handle.layout.weights.to(y.dtype) if weights is None else weights
         require(tuple(w.shape) == (handle.rows,), f"weights shape ({list(w.shape)}) must be [{handle.rows}]")
         return combine_fn(self, handle, y, w)
 
@@ -333,9 +333,9 @@ class Buffer:
         """The weights of this rank's copy slots, fetched from their home ranks.
 
         local_weights: a tuple/list of tensors ``[epn_r, ...]`` (one per projection, e.g. gate
-        ``[epn_r, H, H']``, up, down) or a dict of them, row i = ``handle.home_experts[i]``.
+        ``[epn_r, H, H']``, up, down) or a dict of them, row i = ``handle.slots.home_experts[i]``.
         Returns the same structure with ``[X, ...]`` tensors, row j = this rank's j-th copy slot
-        (``handle.slot_weight_index`` of a copy slot). Differentiable: the backward reduces the
+        (``handle.slots.weight_index`` of a copy slot). Differentiable: the backward reduces the
         copies' gradients to their homes.
 
         Plan copies are fetched on every call. Resident replicas (fetched slots the Plan does not
@@ -351,7 +351,7 @@ class Buffer:
         are returned.
         """
         keys, tensors = _unpack(local_weights)
-        n_home = int(handle.home_experts.numel())
+        n_home = int(handle.slots.home_experts.numel())
         for k, t in zip(keys, tensors):
             require(t.shape[0] == n_home, f"local weight {k} rows ({t.shape[0]}) must equal this rank's home "
                                           f"experts ({n_home})")
@@ -370,7 +370,7 @@ class Buffer:
         lkeys, ltensors = _unpack(local_grads)
         require(ckeys == lkeys, f"copy_grads keys ({ckeys}) must match local_grads keys ({lkeys})")
         flat = flatten_rows(ctensors, handle.num_copies)
-        red = self.rows.reduce_flat(handle, flat, int(handle.home_experts.numel()))
+        red = self.rows.reduce_flat(handle, flat, int(handle.slots.home_experts.numel()))
         parts = unflatten_rows(red, ltensors)
         return _pack(local_grads, lkeys, tuple(lg + p for lg, p in zip(ltensors, parts)))
 
