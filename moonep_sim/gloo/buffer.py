@@ -66,13 +66,7 @@ from moonep_sim.plan.direct import MAX_RUNS, MIN_RUN_BYTES
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16)
 
-# fields compared across ranks at build time, in this order
-_FINGERPRINT_FIELDS = ("num_experts", "top_k", "hidden", "planner", "options", "capacity", "gpus_per_node",
-                       "dispatch_dtype", "world_size", "direct")
 _DIRECT_MODES = ("auto", "on", "off")
-# direct="auto": the executor's point-to-point thresholds (moonep_sim.plan.direct: measured there)
-_DIRECT_MAX_RUNS = MAX_RUNS
-_DIRECT_MIN_RUN_BYTES = MIN_RUN_BYTES
 
 
 def _code(v: Any) -> int:
@@ -163,25 +157,24 @@ class Buffer:
         self.comm.make_scopes(self.gpus_per_node)
 
     # -- setup --------------------------------------------------------------------------------
-    def _fingerprint(self) -> list[int]:
+    def _fingerprint(self) -> dict[str, Any]:
+        """The fields compared across ranks at build time, in this order."""
         p = self.planner
-        vals = dict(num_experts=self.num_experts, top_k=self.top_k, hidden=self.hidden,
+        return dict(num_experts=self.num_experts, top_k=self.top_k, hidden=self.hidden,
                     planner=getattr(p, "name", None) or getattr(p, "__qualname__", type(p).__name__),
                     options=sorted(getattr(p, "options", {}).items()), capacity=self.capacity,
                     gpus_per_node=self.gpus_per_node, dispatch_dtype=str(self.dispatch_dtype),
                     world_size=self.world_size, direct=self.direct)
-        self._fp_values = vals
-        return [_code(vals[f]) for f in _FINGERPRINT_FIELDS]
 
     def _check_config(self) -> None:
-        mine = torch.tensor(self._fingerprint(), dtype=torch.int64)
+        vals = self._fingerprint()
+        mine = torch.tensor([_code(v) for v in vals.values()], dtype=torch.int64)
         allfp = torch.stack(self.comm.all_gather("build.check", mine))
-        for j, f in enumerate(_FINGERPRINT_FIELDS):
+        for j, (f, mine_v) in enumerate(vals.items()):
             col = allfp[:, j]
             if (col != col[0]).any():
                 differ = torch.nonzero(col != col[0]).flatten().tolist()
                 same = torch.nonzero(col == col[0]).flatten().tolist()
-                mine_v = self._fp_values[f]
                 shown = col.tolist() if f in ("num_experts", "top_k", "hidden", "capacity", "gpus_per_node",
                                               "world_size") else None
                 detail = (f"values by rank {shown}" if shown is not None else f"this rank has {mine_v!r}")
@@ -273,8 +266,9 @@ class Buffer:
         handle = build_handle(plan, self.rank, self.placement.home_E, weights_TK)
         if self.direct != "off" and plan.hops:
             elem = torch.tensor([], dtype=self.dispatch_dtype).element_size()
-            d = direct_index(plan, self.rank, None if self.direct == "on" else _DIRECT_MAX_RUNS,
-                             _DIRECT_MIN_RUN_BYTES, self.hidden * elem)
+            # direct="auto": the point-to-point thresholds of moonep_sim.plan.direct (measured there)
+            d = direct_index(plan, self.rank, None if self.direct == "on" else MAX_RUNS, MIN_RUN_BYTES,
+                             self.hidden * elem)
             if d is not None:
                 handle = dataclasses.replace(handle, direct=d)
         return handle
