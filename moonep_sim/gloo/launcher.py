@@ -140,10 +140,8 @@ def _start_error(nproc: int, fault: tuple[int, str]) -> CommError:
 
 
 def _kill_group(p: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def reports_by_strategy(rep: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -22,6 +22,7 @@ interpreter exit for processes that built a Buffer and left the group initialise
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 
 import torch.distributed as dist
@@ -60,23 +61,19 @@ def _wait_all_exited(store, rank: int, world: int, timeout_s: float) -> None:
     """Count this rank out in the store and wait until every rank has (step 4 of the module
     docstring). Best effort: the store may be hosted by a rank that has already left."""
     keys = [f"moonep_sim/teardown/exited{r}" for r in range(world)]
-    try:
+    with contextlib.suppress(Exception):  # the store's host left first: every rank got past its destroy anyway
         store.set(keys[rank], "1")
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except Exception:  # the store's host left first: every rank got past its destroy anyway
-        pass
 
 
 def _at_exit() -> None:
     """At interpreter exit: the heartbeat joined always; a group left initialised is shut down with
     a short barrier unless this rank announced a failure (its peers may be gone: no waiting then)."""
-    try:
+    with contextlib.suppress(Exception):  # interpreter exit: nothing left to report to
         if liveness.announced_failure():
             liveness.stop_heartbeat()
             return
         shutdown(timeout_s=10.0)
-    except Exception:  # interpreter exit: nothing left to report to
-        pass
 
 
 def register_at_exit() -> None:

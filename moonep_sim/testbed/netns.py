@@ -27,6 +27,7 @@ stalls that no simulator models), which matters more here than queueing delay.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -239,19 +240,15 @@ def kill_namespace_processes(namespaces: Sequence[str], grace_s: float = 3.0) ->
     they were all started into them by a testbed."""
     pids = sorted({p for ns in namespaces for p in namespace_pids(ns)} - {os.getpid()})
     for p in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
         time.sleep(0.05)
     for p in pids:
         if pid_alive(p):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     return pids
 
 
