@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from moonep_sim.errors import ConfigError, PlanError
 from moonep_sim.gloo.handle import Handle, build_handle, direct_index
-from moonep_sim.gloo.launcher import free_port, spawn_ranks
+from rank_spawner import free_port, spawn_ranks
 from moonep_sim.plan import GlobalRouting, Hop, RowCosts, Slots, plan_from_slots, validate
 from moonep_sim.strategies import PlanContext, available, make_plan, planner
 

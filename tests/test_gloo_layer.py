@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from moonep_sim.gloo.launcher import spawn_ranks
+from rank_spawner import spawn_ranks
 from moonep_sim.gloo.moe import dense_moe, init_experts
 from moonep_sim.strategies import available
 

@@ -190,7 +190,7 @@ def relay_worker(rank, world, T, H, F, E, K, G, seed):
 
 @pytest.mark.slow
 def test_gloo_relayed_copies_equal_home_weights_and_gradients_the_dense_reference():
-    from moonep_sim.gloo.launcher import spawn_ranks
+    from rank_spawner import spawn_ranks
     from moonep_sim.gloo.moe import dense_moe
     from test_gloo_layer import make_inputs
 
