@@ -477,9 +477,7 @@ def resolve_model(spec: "ModelSpec | str | os.PathLike | Mapping[str, Any]") -> 
         return model_from_fields(spec)
     if isinstance(spec, (str, os.PathLike)):
         text = os.fspath(spec)
-        if text in PRESETS:
-            return PRESETS[text]
-        if text.lower() in PRESETS:
+        if text.lower() in PRESETS:   # preset names are lower-case
             return PRESETS[text.lower()]
         path = Path(text)
         if path.suffix.lower() in (".toml", ".json") or os.path.lexists(path):

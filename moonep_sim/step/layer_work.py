@@ -41,26 +41,20 @@ def split_micro_batches(r: GlobalRouting, M: int) -> list[GlobalRouting]:
 
 
 def pad_to_static(r: GlobalRouting, tokens: int) -> GlobalRouting:
-    """``r`` with every rank padded to ``tokens`` tokens (a static Buffer's capacity): padding
-    token j of a rank selects experts ``(j*K + k) mod E`` (ASSUMED round-robin), weight 0."""
+    """``r`` with every rank padded to ``tokens`` tokens (a static Buffer's capacity): padding token j
+    (counted over the ranks in order) selects experts ``(j*K + k) mod E`` (ASSUMED round-robin), weight 0."""
     n_R = r.tokens_per_rank_R.astype(np.int64)
     require(int(n_R.max()) <= tokens, f"static buffer tokens ({tokens}) must be >= the largest rank's tokens "
                                       f"({int(n_R.max())})")
     pad_R = tokens - n_R
     if not pad_R.any():
         return r
-    K, E = r.top_k, r.num_experts
-    ids, w = [], []
-    pos = 0
-    for off, n, p in zip(r.tok_off_R()[:-1].tolist(), n_R.tolist(), pad_R.tolist()):
-        ids.append(r.topk_ids_TK[off:off + n])
-        w.append(r.topk_weights_TK[off:off + n])
-        j = np.arange(p, dtype=np.int64)[:, None] * K + np.arange(K)[None, :] + pos
-        ids.append(j % E)
-        w.append(np.zeros((p, K), np.float32))
-        pos += p * K
-    return GlobalRouting(np.concatenate(ids), np.concatenate(w).astype(np.float32), np.full(r.ranks, tokens),
-                         r.num_experts)
+    K, R = r.top_k, r.ranks
+    real_T = (np.arange(tokens)[None, :] < n_R[:, None]).ravel()   # [R x tokens]: each rank's own tokens first
+    ids, w = np.empty((R * tokens, K), np.int64), np.zeros((R * tokens, K), np.float32)
+    ids[real_T], w[real_T] = r.topk_ids_TK, r.topk_weights_TK
+    ids[~real_T] = np.arange(int(pad_R.sum()) * K).reshape(-1, K) % r.num_experts
+    return GlobalRouting(ids, w, np.full(R, tokens), r.num_experts)
 
 
 @dataclass(frozen=True)

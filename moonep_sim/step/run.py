@@ -202,8 +202,6 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
     for name, _ in cfg.strategies:
         cache = {(k, mb): d.done[(name, mb)] for k, d in by_key.items() for mb in range(M)}
         plans = fps_of[name] = [d.footprint for d in cache.values()]
-        plan_s = sum(d.plan_s for d in cache.values())
-        sim_s = sum(d.sim_s for d in cache.values())
         t0, c0 = time.perf_counter(), time.process_time()
         first_moe = m.dense_layers
         comm_of = lambda layer, mb, cache=cache: cache[(layer_keys[layer - first_moe], mb)].comm
@@ -215,7 +213,8 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
         d.update(peak_memory_bytes=mem["peak_bytes"], gpu_memory_bytes=cap, oom=(mem["peak_bytes"] > cap) if cap else None,
                  memory=mem, distinct_layers_simulated=len(cache),
                  static_tokens=int(cfg.static_tokens[name]) if name in cfg.static_tokens else None,
-                 wall_seconds=dict(routing=routing_s, plan=plan_s, simulate=sim_s, layers_wall=wall,
+                 wall_seconds=dict(routing=routing_s, plan=sum(d.plan_s for d in cache.values()),
+                                   simulate=sum(d.sim_s for d in cache.values()), layers_wall=wall,
                                    compose=time.perf_counter() - t0,
                                    pipeline_wait=piped["wait_s"] if piped else None),
                  # CPU seconds where they ran (workers' own with a pool; each thread's own when
@@ -224,10 +223,11 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
                  cpu_seconds=dict(routing=routing_cpu_s, plan=sum(d.plan_cpu_s for d in cache.values()),
                                   simulate=sum(d.sim_cpu_s for d in cache.values()),
                                   compose=time.process_time() - c0, layers=layers_cpu),
-                 rows_max_mean=_rows_ratio(comms),
-                 padded_rows_per_rank=float(np.mean([c.padded_rows_R.max() for c in comms.values()])) if comms else 0.0,
-                 real_rows_per_rank=float(np.mean([c.rows_R.max() for c in comms.values()])) if comms else 0.0,
-                 copies_per_layer=float(np.mean([c.copies_R.sum() for c in comms.values()])) if comms else 0.0,
+                 # means over the MoE layers: the busiest rank's real rows over the mean rank's, ...
+                 rows_max_mean=_layer_mean(comms, lambda c: float(c.rows_R.max()) / max(float(c.rows_R.mean()), 1e-9)),
+                 padded_rows_per_rank=_layer_mean(comms, lambda c: c.padded_rows_R.max()),
+                 real_rows_per_rank=_layer_mean(comms, lambda c: c.rows_R.max()),
+                 copies_per_layer=_layer_mean(comms, lambda c: c.copies_R.sum()),
                  # entries the strategy dropped over the step's MoE layers (less work: it never wins)
                  dropped=int(sum(comm_of(l, mb).dropped for l in comms for mb in range(M))),
                  entries=int(sum(comm_of(l, mb).entries for l in comms for mb in range(M))))
@@ -268,10 +268,9 @@ def _expert_ops(train: bool) -> list:
     return ops + ([Op("expert_bwd", "gemm", 0.0, 0.0, 1, "rows=M")] if train else [])
 
 
-def _rows_ratio(comms: Mapping[int, LayerComm]) -> float:
-    """Mean over MoE layers of the busiest rank's real rows over the mean rank's."""
-    r = [float(c.rows_R.max()) / max(float(c.rows_R.mean()), 1e-9) for c in comms.values()]
-    return float(np.mean(r)) if r else 0.0
+def _layer_mean(comms: Mapping[int, LayerComm], f: Callable[[LayerComm], float]) -> float:
+    """Mean over the MoE layers of ``f(layer's communication)`` (0 without any)."""
+    return float(np.mean([f(c) for c in comms.values()])) if comms else 0.0
 
 
 __all__ = ["LayerSource", "ROUTING_FIELDS", "StepConfig", "simulate_step", "step_metrics", "trusted_routing",
