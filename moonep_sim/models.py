@@ -39,7 +39,7 @@ def check_spec_fields(m) -> None:
         v = getattr(m, field)
         require(_is_int(v), f"{field} ({v!r}) must be an integer")
         require(lo <= v <= hi, f"{field} ({v}) must lie in [{lo}, {hi}]")
-    for field in ("name", "router", "note", "source"):
+    for field in ("name", "router", "note", "source", "stack_source"):
         require(isinstance(getattr(m, field), str), f"{field} ({getattr(m, field)!r}) must be a string")
     check_stack_fields(m)
 
@@ -329,7 +329,6 @@ MODEL_FILE_FIELDS: dict[str, str] = {
     "moe_layers": "moe_layers", "router": "router", "note": "note", "source": "source",
     **{k: k for k in STACK_FIELDS}}
 _REQUIRED = ("num_experts", "top_k", "hidden", "expert_ffn")
-_INT_FIELDS = {n for n, f in ModelSpec.__dataclass_fields__.items() if f.type == "int"}
 
 
 def model_from_fields(fields: Mapping[str, Any], where: str = "model") -> ModelSpec:
@@ -341,14 +340,7 @@ def model_from_fields(fields: Mapping[str, Any], where: str = "model") -> ModelS
     if missing:
         raise ConfigError(f"{where}: fields ({', '.join(missing)}) must be given: a model needs "
                           f"{', '.join(_REQUIRED)}")
-    kw: dict[str, Any] = {}
-    for key, value in fields.items():
-        f = MODEL_FILE_FIELDS[key]
-        if f in _INT_FIELDS and not _is_int(value):
-            raise ConfigError(f"{where}: {key} ({value!r}) must be an integer")
-        if f not in _INT_FIELDS and not isinstance(value, str):
-            raise ConfigError(f"{where}: {key} ({value!r}) must be a string")
-        kw[f] = value
+    kw = {MODEL_FILE_FIELDS[k]: v for k, v in fields.items()}   # each value's type: ModelSpec's first check
     layers = kw.pop("layers", 1)
     moe_layers = kw.pop("moe_layers", layers)
     name = kw.pop("name", "custom")
