@@ -304,12 +304,6 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
 ]}
 
 
-def get_model(name: "str | os.PathLike | ModelSpec") -> ModelSpec:
-    """The model called ``name``: a preset, or (see :func:`resolve_model`) a TOML/JSON model file;
-    a clear error listing the presets otherwise."""
-    return resolve_model(name)
-
-
 def custom_model(num_experts: int, top_k: int, hidden: int = 1024, expert_ffn: int = 512,
                  name: str = "custom", **kw) -> ModelSpec:
     """A model of an explicit shape (for traces that name no preset)."""
@@ -481,6 +475,10 @@ def resolve_model(spec: "ModelSpec | str | os.PathLike | Mapping[str, Any]") -> 
                           "or a .toml/.json model file")
     raise ConfigError(f"model ({spec!r}) must be a preset name, a model file path, a mapping of fields "
                       "or a ModelSpec")
+
+
+#: The model called ``name``: a preset or a model file (:func:`resolve_model`, the one rule).
+get_model = resolve_model
 
 
 def model_fields(m: ModelSpec) -> dict[str, Any]:
