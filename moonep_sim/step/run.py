@@ -28,7 +28,7 @@ from moonep_sim.models import ModelSpec
 from moonep_sim.plan import GlobalRouting
 from moonep_sim.plan.ir import even_tokens_per_rank
 from moonep_sim.step.compose import all_ops, compose, stack_ops
-from moonep_sim.step.costs import CostModel
+from moonep_sim.step.costs import EXPERT_OPS, CostModel
 from moonep_sim.step.layer_sim import LayerComm
 from moonep_sim.step.layer_work import (PIPELINE_AHEAD, LayerWork, pipeline_pays, pipelined_layer_work,
                                       simulate_layer_work)
@@ -36,7 +36,7 @@ from moonep_sim.step.memory import MemoryOptions, memory_per_rank
 from moonep_sim.step.memory_fit import attach_fits
 from moonep_sim.step.schedule import Timeline, overlap_by_op
 from moonep_sim.step.schedules import get_overlap
-from moonep_sim.step.stack import StepShape
+from moonep_sim.step.stack import Op, StepShape
 
 #: moe_index -> (key, routing or a picklable builder of it, provenance): layers with equal keys
 #: share one routing (built once, planned once per strategy).
@@ -140,9 +140,7 @@ def useful_flops_per_rank(cfg: StepConfig) -> float:
     """Model FLOPs per rank of the step's real tokens (no padding): the stack's ops and the routed
     experts' T x K rows, with the backward's twice the GEMMs in train."""
     shape, m = cfg.shape, cfg.model
-    ot = stack_ops(m, shape)
-    ops = all_ops(ot, shape.mode == "train")
-    f = sum(o.flops for o in ops)
+    f = sum(o.flops for o in all_ops(stack_ops(m, shape), shape.mode == "train"))
     fwd_exp = shape.tokens * m.top_k * m.expert_flops_per_row() * m.moe_layers
     return f + fwd_exp * (3.0 if shape.mode == "train" else 1.0)
 
@@ -261,11 +259,9 @@ def _run_layer_work(work: list, map_fn: Callable | None, pipeline: bool,
     return done, None
 
 
-def _expert_ops(train: bool) -> list:
-    from moonep_sim.step.stack import Op
-
-    ops = [Op("expert", "gemm", 0.0, 0.0, 1, "rows=M")]
-    return ops + ([Op("expert_bwd", "gemm", 0.0, 0.0, 1, "rows=M")] if train else [])
+def _expert_ops(train: bool) -> list[Op]:
+    """The routed experts' GEMMs as ops (what a profile must time: ``rows=M`` curves)."""
+    return [Op(name, "gemm", 0.0, 0.0, 1, "rows=M") for name in EXPERT_OPS[:1 + train]]
 
 
 def _layer_mean(comms: Mapping[int, LayerComm], f: Callable[[LayerComm], float]) -> float:
