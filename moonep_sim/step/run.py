@@ -91,22 +91,14 @@ def trusted_routing(topk_ids_TK: np.ndarray, topk_weights_TK: np.ndarray, num_ex
     return r
 
 
-def _rank_sums(tl: Timeline, stream: str, layer: int | None = None) -> np.ndarray:
-    out = np.zeros(tl.R)
-    for e in tl.events:
-        if e.stream == stream and (layer is None or e.layer == layer):
-            out += e.end_R - e.start_R
-    return out
-
-
 def step_metrics(tl: Timeline, cfg: StepConfig, comms: Mapping[int, LayerComm], useful_flops: float,
                  real_tokens: float) -> dict:
     """The per-strategy figures of one composed step (the JSON contract of ``moonep-sim step``)."""
     end_R = tl.end_R()
     r = int(np.argmax(end_R))
     t = float(end_R[r])
-    busy = _rank_sums(tl, "compute")
-    comm = _rank_sums(tl, "comm")
+    busy, comm = (sum((e.end_R - e.start_R for e in tl.events if e.stream == stream), np.zeros(tl.R))
+                  for stream in ("compute", "comm"))   # [R] each stream's busy us
     exposed = max(t - float(busy[r]), 0.0)
     peak = cfg.topology.gpu_tflops * 1e6
     layers = []
