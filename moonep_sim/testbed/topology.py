@@ -54,8 +54,7 @@ def testbed_topology(spec: TestbedSpec, gpus_per_node: int, probes: dict | None 
     probes = probes or {}
     b = base_topology(base)
     G = int(gpus_per_node)
-    sources = dict(b.sources)
-    sources = {k: v for k, v in sources.items() if not k.startswith("nic")}
+    sources = {k: v for k, v in b.sources.items() if not k.startswith("nic")}
     eff, eff_src = DEFAULT_NIC_EFFICIENCY, "assumed: TCP payload over wire bytes at MTU 1500 (~0.95)"
     lat, lat_src = DEFAULT_NIC_LATENCY_US, "assumed"
     gl = probes.get("gloo") or {}
