@@ -22,7 +22,7 @@ from moonep_sim.sim import SimOptions, load_topology, simulate_layer
 from moonep_sim.sim.kernels import weight_copy_bytes_per_us
 from moonep_sim.strategies import PlanContext, make_plan
 from moonep_sim.strategies.costaware import relay_sources
-from moonep_sim.strategies.llep import plan_from_alloc
+from moonep_sim.strategies.moonep import plan_from_alloc
 
 HERE = str(Path(__file__).resolve().parent)
 R, G, E = 8, 4, 8
