@@ -228,6 +228,7 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
                  padded_rows_per_rank=float(np.mean([c.padded_rows_R.max() for c in comms.values()])) if comms else 0.0,
                  real_rows_per_rank=float(np.mean([c.rows_R.max() for c in comms.values()])) if comms else 0.0,
                  copies_per_layer=float(np.mean([c.copies_R.sum() for c in comms.values()])) if comms else 0.0,
+                 proxy_host_us=float(np.mean([c.proxy_host_us for c in comms.values()])) if comms else 0.0,
                  # entries the strategy dropped over the step's MoE layers (less work: it never wins)
                  dropped=int(sum(comm_of(l, mb).dropped for l in comms for mb in range(M))),
                  entries=int(sum(comm_of(l, mb).entries for l in comms for mb in range(M))))
