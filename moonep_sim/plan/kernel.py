@@ -457,7 +457,7 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                              "thread t posts on the GPU's NIC t mod 4, on p5en t mod 2): with 10 channels the "
                              "four NICs carry 3, 3, 2, 2 channels' bytes",
         "fixed_us": _PROXY_FIXED}, caveat=(
-        "its place behind DeepEP + NVSHMEM and NCCL all-to-all on EFA (ANCHORS row 2) comes from the host-proxy "
+        "Its place behind DeepEP + NVSHMEM and NCCL all-to-all on EFA (ANCHORS row 2) comes from the host-proxy "
         "per-call cost and throughput FITTED on that row (in-sample there; leave-one-out by EP size in "
         "docs/results/host-proxy-fit.md): the costs UCCL-EP's code states alone would put it ahead of NCCL "
         "(docs/results/host-proxies.md)")),
@@ -485,7 +485,7 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                       "deepep/setup_deepep_efa.sh: put_signal + nvshmem_int_atomic_add); NVSHMEM_PROXY_THREADS = 1 "
                       "is sourced (the same script: 'Libfabric has 1 proxy endpoint per PE')",
         "fixed_us": _PROXY_FIXED}, caveat=(
-        "its place between NCCL all-to-all and DeepEP + UCCL on EFA (ANCHORS row 2) comes from the host-proxy "
+        "Its place between NCCL all-to-all and DeepEP + UCCL on EFA (ANCHORS row 2) comes from the host-proxy "
         "per-call cost and throughput FITTED on that row (in-sample there; leave-one-out by EP size in "
         "docs/results/host-proxy-fit.md), on top of PROXY_OP_US (ASSUMED 0.45 us per proxied operation)")),
     KernelFamily("nixl-ep", "NIXL EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
