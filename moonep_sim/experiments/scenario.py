@@ -147,13 +147,11 @@ class Scenario:
         if N:  # eplb places the deployment's redundant slots unless told otherwise
             strategies = tuple((n, {**o, "num_redundant": N}) if n == "eplb" and o.get("num_redundant", -1) == -1
                                else (n, o) for n, o in strategies)
-        warn = []
-        if source.merged:
-            warn.append(f"steps merged: {source.trace_steps} recorded steps of the trace costed as one batch of "
-                        f"{source.tokens} tokens that never ran together (the default, --steps each, costs every "
-                        "step on its own)")
+        warn = (f"steps merged: {source.trace_steps} recorded steps of the trace costed as one batch of "
+                f"{source.tokens} tokens that never ran together (the default, --steps each, costs every "
+                "step on its own)",) if source.merged else ()
         return Resolved(source, cluster, PlanContext(cluster, place, costs, self.token_padding, topo), topo,
-                        strategies, dtype, tuple(warn))
+                        strategies, dtype, warn)
 
     # -- plans --------------------------------------------------------------------------------------
     def plans(self, progress: Progress | None = None) -> PlansResult:

@@ -187,14 +187,13 @@ def topology_params(topo) -> list[str]:
 
 def check(cfg: Setup) -> Any:
     """Validate everything before any work; returns the loaded base topology."""
-    m = cfg.model
     from moonep_sim.experiments.checks import check_axis_value, check_axis_values
 
-    topo = cfg.topology
+    m, topo = cfg.model, cfg.topology
+    hi = m.num_experts / m.top_k - 1
     check_axis_values(cfg.over, cfg.values, topo)  # each value as the flag it stands for
     check_axis_value("tokens-per-rank", cfg.tokens_per_rank, flag="--tokens-per-rank")
     if cfg.over == "maxvio":
-        hi = m.num_experts / m.top_k - 1
         for v in cfg.values:
             require(0 < v <= hi, f"maxvio ({v:g}) must lie in (0, E/K-1 = {hi:g}] for {m.name} (E={m.num_experts}, "
                                  f"K={m.top_k})")
@@ -216,7 +215,6 @@ def check(cfg: Setup) -> Any:
         g = cfg.gpus_per_node or topo.gpus_per_node_for(R)
         require(R % g == 0, f"EP size ({R}) must be divisible by gpus per node ({g})")
     if cfg.over != "maxvio":
-        hi = m.num_experts / m.top_k - 1
         require(0 < cfg.maxvio <= hi, f"--maxvio ({cfg.maxvio:g}) must lie in (0, {hi:g}] for {m.name}")
     return topo
 

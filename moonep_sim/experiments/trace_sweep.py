@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.routing.metrics import maxvio
 from moonep_sim.routing.trace import LayerRouting
 
 #: the trace knobs that are not topology constants (``ep`` is ``ranks``)
@@ -84,8 +85,6 @@ def _expected_maxvio(logp: np.ndarray, K: int) -> float:
 def reweighted(source, target: float, ranks: int, seed: int = 0):
     """``source`` with every layer's experts redrawn from its re-weighted popularity for ``target``
     maxvio, and the realised maxvio (mean over layers, of all selected tokens' counts)."""
-    from moonep_sim.routing.metrics import maxvio
-
     K = source.top_k
     logp = {}
     for lid in source.layer_ids:
@@ -105,8 +104,6 @@ def reweighted(source, target: float, ranks: int, seed: int = 0):
 
 def noise_floor(source, ranks: int, seed: int = 0) -> float:
     """The realised maxvio of a uniform redraw of the trace (its sampling-noise floor at this size)."""
-    from moonep_sim.routing.metrics import maxvio
-
     flat = {int(l): np.zeros(source.num_experts) for l in source.layer_ids}
     src = dataclasses.replace(source, transform=Reweight(flat, seed))
     return float(np.mean([maxvio(_layer_counts(src, l, ranks)) for l in src.layer_ids]))
@@ -181,7 +178,6 @@ def valid_values(sc, knob: str, values: Sequence[float] | None, seed: int = 0) -
                 reasons[v] = f"must be <= the trace's tokens per rank ({total} tokens / {R} ranks = {per})"
     elif knob == "maxvio":
         from moonep_sim.experiments.sweep import MAXVIO_TARGETS
-        from moonep_sim.routing.metrics import maxvio
 
         floor = noise_floor(src, R, seed)
         cap = E / K - 1
@@ -236,8 +232,6 @@ def point(sc, knobs: dict[str, float], seed: int = 0):
     if "maxvio" in knobs:
         src, rec["realised_maxvio"] = reweighted(src, float(knobs["maxvio"]), R, seed)
     else:
-        from moonep_sim.routing.metrics import maxvio
-
         rec["realised_maxvio"] = float(np.mean([maxvio(_layer_counts(src, l, R)) for l in src.layer_ids]))
     rec.update(tokens=int(sum(src.batch_tokens)), steps=src.num_batches)
     return dataclasses.replace(rs, source=src), rec
