@@ -37,6 +37,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from moonep_sim.analysis.stepstats import batch_weights
 from moonep_sim.analysis.verdict import (MECHANISMS, attribute, confidence, explain, fmt_time, terms,
                                             tie_sentence)
 
@@ -54,8 +55,6 @@ _FIG_KEYS = ("inter_node_bytes", "intra_node_bytes", "rows_max", "rows_mean", "c
 def _item_weights(per_layer: Sequence[Mapping[str, Any]]) -> np.ndarray:
     """Weight of each (step, layer) entry: its step's token weight over that step's layer count
     (so a figure is the token-weighted mean over steps of the mean over layers, as the time is)."""
-    from moonep_sim.analysis.stepstats import batch_weights
-
     bis = sorted({int(e["batch"]) for e in per_layer})
     tok = [next(int(e["tokens"]) for e in per_layer if int(e["batch"]) == b) for b in bis]
     wb = dict(zip(bis, batch_weights(tok)))
@@ -95,8 +94,6 @@ def measured_figures(rep: Mapping[str, Any]) -> dict[str, Any]:
 def _units(reps: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, list[float]], list[float] | None, str]:
     """strategy -> measured time per unit (us), their weights, and the unit's name: one sample per
     iteration for one step, else per (step, iteration) pair, weighted by the step's tokens."""
-    from moonep_sim.analysis.stepstats import batch_weights
-
     first = next(iter(reps.values()))
     bis = sorted({int(e["batch"]) for e in first.get("per_layer") or []})
     if len(bis) <= 1:

@@ -30,6 +30,7 @@ from moonep_sim.errors import ConfigError, require
 from moonep_sim.limits import MAX_TOKENS_PER_RANK
 from moonep_sim.models import ModelSpec, custom_model, resolve_model
 from moonep_sim.plan import GlobalRouting
+from moonep_sim.routing.steps import parse_step_mode, read_layer, step_batches
 from moonep_sim.routing.trace import LayerRouting
 
 GEN_PREFIX = "gen:"
@@ -236,16 +237,12 @@ class RoutingSource:
             r = generate_layer(self.num_experts, self.top_k, g.tokens_per_rank * ranks,
                                g.seed * 1009 + int(layer_id), **g.popularity(), **extra)
             return LayerRouting(r.topk_ids_TK, r.topk_weights_TK, self.num_experts, layer_id)
-        from moonep_sim.routing.steps import read_layer
-
         lr = read_layer(self._trace, self._trace.layer_index(layer_id), ranges=self.batches[batch][1])
         return self.transform(lr, int(layer_id), batch) if self.transform is not None else lr
 
     def selected_layer(self, layer_id: int) -> LayerRouting:
         """A trace layer's tokens of every batch, concatenated in token order (what a step model
         splits by :meth:`selected_steps_T`)."""
-        from moonep_sim.routing.steps import read_layer
-
         require(self.num_batches <= 1 or not self._trace.has("token_mask"),
                 f"trace ({self.path}) has a per-layer token mask: its steps cannot be split by token index here "
                 "(select one step with --steps N, or re-import with --drop-incomplete-tokens)")
@@ -365,8 +362,6 @@ def open_routing(routing: "str | Path | GeneratorSpec | GlobalRouting", layers: 
         ids = list(layers)
     else:
         ids = all_ids
-    from moonep_sim.routing.steps import parse_step_mode, step_batches
-
     mode = parse_step_mode(steps)
     batches = step_batches(tr.steps(), int(tr.meta.num_tokens or 0), mode)
     btok = [int(sum(b - a for a, b in rs)) for _, rs in batches]

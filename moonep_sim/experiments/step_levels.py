@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from moonep_sim.errors import require
+from moonep_sim.experiments.compare import topology_info
 from moonep_sim.experiments.step import StepOptions, run_step, steps_document
 
 #: the levels compare, sweep and winner maps run at
@@ -107,7 +108,6 @@ def _report(head: dict[str, Any], names: Sequence[str], options: dict, points: l
 def step_sweep(sc, ax, opts: StepOptions, *, progress: Callable[[str, int, int], None] | None = None,
                jobs: int | None = 1, cluster: str | None = None) -> dict[str, Any]:
     """A generated sweep (``ax``: :class:`~moonep_sim.experiments.sweep.SweepAxis`) at step level."""
-    from moonep_sim.experiments.compare import topology_info
     from moonep_sim.experiments.sweep import head, setup
 
     t0 = time.perf_counter()
@@ -167,7 +167,6 @@ def trace_step_sweep(sc, over: str, values: Sequence[float] | None, opts: StepOp
                      cluster: str | None = None) -> dict[str, Any]:
     """A sweep over a trace (:mod:`moonep_sim.experiments.trace_sweep`'s knobs and points) at step
     level; ``fixed``: other knobs held (a winner map's row)."""
-    from moonep_sim.experiments.compare import topology_info
     from moonep_sim.experiments.trace_sweep import head, knob_name, point, valid_values
 
     t0 = time.perf_counter()

@@ -26,6 +26,7 @@ from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
 from moonep_sim.experiments.compare import _short, load_topology, simulate, topology_info
+from moonep_sim.experiments.spec import normalise_dtype, parse_cluster, strategy_list
 
 MAXVIO_TARGETS = (0.2, 1.0, 10.0, 20.0)
 _MAXVIO_FILL = (5.0, 2.0, 0.5)  # taken, in this order, when a model's E/K rules out some targets
@@ -150,8 +151,6 @@ def generator_spec(sc) -> Any:
 def axis(sc, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None) -> SweepAxis:
     """The axis of a generated sweep of scenario ``sc`` over ``over`` (``ranks`` = ``ep``); default
     values: :func:`default_values` (those left out named)."""
-    from moonep_sim.experiments.spec import parse_cluster
-
     spec = generator_spec(sc)
     over = {"ranks": "ep"}.get(over, over)
     left_out: list = []
@@ -165,8 +164,6 @@ def setup(sc, ax: SweepAxis) -> Setup:
     """Scenario ``sc`` read once for a sweep along ``ax``: the strategies parsed, the topology
     loaded, the model resolved (default ranks: 64; GPUs per node: the scenario's, else the
     topology's at each point); checked (:func:`check`) before any work."""
-    from moonep_sim.experiments.spec import normalise_dtype, parse_cluster, strategy_list
-
     spec = generator_spec(sc)
     model = spec.resolve_model(sc.model)
     strategies = tuple((n, dict(o)) for n, o in strategy_list(sc.strategies, sc.options))
@@ -404,8 +401,6 @@ def sweep_over_seeds(sc, ax: SweepAxis, seeds: int = 1, **kw: Any) -> dict[str, 
 
 def at(sc, ax: SweepAxis, by: str, v: float):
     """The (scenario, axis) of a winner map's row ``by = v`` (tokens-per-rank, maxvio or ep)."""
-    from moonep_sim.experiments.spec import parse_cluster
-
     require(by in BY_KNOBS, f"by ({by!r}) must be tokens-per-rank, maxvio or ep")
     require(by != ax.over, f"by ({by}) must differ from over ({ax.over})")
     if by == "maxvio":
