@@ -36,7 +36,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -303,7 +303,6 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
     bandwidth the measured per-process copy rate. Constants not measured keep the shipped
     preset's values (listed in ``sources``).
     """
-    from dataclasses import replace
     from importlib import resources
 
     from moonep_sim.sim.topology import tomllib, topology_from_dict

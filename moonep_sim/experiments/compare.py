@@ -37,7 +37,7 @@ from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec, custom_model
 from moonep_sim.plan import ClusterShape, RowCosts
 from moonep_sim.experiments.routing import RoutingSource
-from moonep_sim.analysis.verdict import CRITICAL_PARTS, critical_breakdown
+from moonep_sim.analysis.verdict import CRITICAL_PARTS, compare_verdict, critical_breakdown, figures
 
 # -- cluster ----------------------------------------------------------------------------------------
 def check_cluster(source: RoutingSource, ranks: int, gpus_per_node: int, redundant: int = 0) -> ClusterShape:
@@ -160,7 +160,6 @@ def _compare_point(pt: Point) -> dict[str, Any]:
     summ = plan.summary()
     res = simulate(plan, pt.topo, pt.model)
     sd = to_jsonable(res.to_dict(), lenient=True)
-    from moonep_sim.analysis.verdict import figures
     entry = {"plan": to_jsonable(summ, lenient=True), "sim": sd, "figures": figures(plan, sd, pt.topo)}
     if pt.local_topo is not None:
         lplan = replace(plan, costs=pt.local_costs)
@@ -369,7 +368,6 @@ def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int
     rep["steps"]["wins"] = step_wins({n: st[n]["per_step"]["layer_time_us"] for n in st},
                                      excluded=[n for n in st if st[n]["dropped"]])
     from moonep_sim.analysis.flags import compare_flags
-    from moonep_sim.analysis.verdict import compare_verdict
 
     calibration = None   # the local-gloo constants behind a real replay's simulated column
     if real is not None:

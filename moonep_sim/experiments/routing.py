@@ -28,10 +28,10 @@ import numpy as np
 
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.limits import MAX_TOKENS_PER_RANK
-from moonep_sim.models import ModelSpec, custom_model, resolve_model
+from moonep_sim.models import PRESETS, ModelSpec, custom_model, resolve_model
 from moonep_sim.plan import GlobalRouting
 from moonep_sim.routing.steps import parse_step_mode, read_layer, step_batches
-from moonep_sim.routing.trace import LayerRouting
+from moonep_sim.routing.trace import LayerRouting, Trace, TraceMeta, write_trace
 
 GEN_PREFIX = "gen:"
 
@@ -294,9 +294,6 @@ class RoutingSource:
         generated or in-memory routing written once, as one step."""
         if self.path is not None:
             return self.path
-        from moonep_sim.models import PRESETS
-        from moonep_sim.routing.trace import TraceMeta, write_trace
-
         layers = [self.layer(i, ranks) for i in self.layer_ids]
         ids = np.stack([l.topk_ids_TK for l in layers]).astype(np.int32)
         w = np.stack([l.topk_weights_TK for l in layers]).astype(np.float32)
@@ -340,8 +337,6 @@ def open_routing(routing: "str | Path | GeneratorSpec | GlobalRouting", layers: 
                 f"model ({m.name}: E={m.num_experts}, K={m.top_k}) must match the routing (E={E}, K={K})")
         return RoutingSource(f"in-memory routing ({routing.num_tokens} tokens)", E, K, m,
                              list(layers)[:1] if layers else [0], tokens=routing.num_tokens, _routing=routing)
-    from moonep_sim.routing.trace import Trace
-
     path = Path(routing)
     require(path.exists(), f"trace ({routing}) must be an existing trace file: no such file (generated routing: "
                            "gen:model=...,maxvio=...,tokens-per-rank=...)")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Callable, Mapping, Sequence
 
@@ -193,8 +193,6 @@ class Scenario:
         with ``seeds`` and ``seed_layer_time_us`` beside it, and the verdict rests on the spread
         over seeds.
         """
-        from dataclasses import replace
-
         from moonep_sim import sim
         from moonep_sim.experiments.compare import topology_info
         from moonep_sim.analysis.stepstats import aggregate

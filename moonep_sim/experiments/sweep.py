@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Sequence
 
-from moonep_sim.errors import require
+from moonep_sim.errors import ConfigError, require
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
@@ -62,8 +62,6 @@ def default_values(over: str, model: ModelSpec, topology: str | None = None, *, 
     """The default values of a sweep over ``over`` (maxvio: :func:`maxvio_targets`, without those
     below the sampling-noise floor of ``tokens`` tokens -- appended to ``left_out`` with the
     reason; ep: the EP sizes that divide E); a topology constant has no default."""
-    from moonep_sim.errors import ConfigError
-
     if over == "maxvio":
         vals = maxvio_targets(model)
         if tokens:
