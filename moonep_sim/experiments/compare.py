@@ -32,6 +32,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from moonep_sim.analysis.stepstats import aggregate, batch_weights, routing_key, step_wins
 from moonep_sim.errors import require
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec, custom_model
@@ -208,8 +209,6 @@ def _distinct_points(rs, real: RealOptions | None, local_topo) -> tuple[list[tup
     """Every (batch, layer, strategy) cell of the resolved scenario and the distinct points they
     map to: ``cells[i] = (batch, layer id, strategy, point index)``; identical routings across
     steps share one point."""
-    from moonep_sim.analysis.stepstats import routing_key
-
     source, shape, ctx, topo = rs.source, rs.cluster, rs.ctx, rs.topology
     R = shape.ranks
     cells: list[tuple[int, int, str, int]] = []
@@ -242,8 +241,6 @@ def _strategy_report(opts, mine: list, source, steps: _Steps, topology_name: str
     """One strategy's part of the compare report from its cells' point results ``mine`` =
     ``[(batch, layer id, result)]``: totals, the simulated figures per costed step and weighted
     over them, and every layer entry (``local``: with the local-gloo simulation of a real replay)."""
-    from moonep_sim.analysis.stepstats import aggregate
-
     pos, B, w_B, step_ids, tokens = steps
     ents = [{"layer": lid, "step": source.batches[b][0], **{k: v for k, v in r.items() if k != "_dispatch_RR"}}
             for b, lid, r in mine]
@@ -324,7 +321,6 @@ def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int
     points run in ``jobs`` worker processes or on a Dask ``cluster``
     (:mod:`moonep_sim.experiments.parallel`), with the same report as serially."""
     from moonep_sim.experiments.parallel import run_points
-    from moonep_sim.analysis.stepstats import batch_weights, step_wins
 
     t_start = time.perf_counter()
     source, shape, ctx, topo = rs.source, rs.cluster, rs.ctx, rs.topology

@@ -30,6 +30,7 @@ import numpy as np
 from moonep_sim.errors import require
 from moonep_sim.experiments.compare import topology_info
 from moonep_sim.experiments.step import StepOptions, run_step, steps_document
+from moonep_sim.experiments.sweep import at, check_rows, head, setup, winner_of
 
 #: the levels compare, sweep and winner maps run at
 LEVELS = ("layer", "step")
@@ -84,7 +85,7 @@ def point_step(sc, opts: StepOptions, *, jobs: int | None = 1, cluster: str | No
             "aggregate": doc.get("aggregate")}
 
 
-def _report(head: dict[str, Any], names: Sequence[str], options: dict, points: list, runs: list,
+def _report(setup_head: dict[str, Any], names: Sequence[str], options: dict, points: list, runs: list,
             opts: StepOptions, t0: float) -> dict[str, Any]:
     from moonep_sim.analysis.winner import dedup_flags
 
@@ -96,7 +97,7 @@ def _report(head: dict[str, Any], names: Sequence[str], options: dict, points: l
                 out_s[n][k].append(f.get(k))
             out_s[n]["figures"].append(f)
     first = runs[0]["setup"] if runs else {}
-    rep = dict(head, level="step", step=dict(opts.to_dict(), context=first.get("context"),
+    rep = dict(setup_head, level="step", step=dict(opts.to_dict(), context=first.get("context"),
                                              tokens_per_rank=first.get("tokens_per_rank")),
                points=points, strategies=out_s, verdicts=[r["verdict"] for r in runs],
                aggregates=[r.get("aggregate") for r in runs], standin_skew=first.get("standin_skew"),
@@ -108,8 +109,6 @@ def _report(head: dict[str, Any], names: Sequence[str], options: dict, points: l
 def step_sweep(sc, ax, opts: StepOptions, *, progress: Callable[[str, int, int], None] | None = None,
                jobs: int | None = 1, cluster: str | None = None) -> dict[str, Any]:
     """A generated sweep (``ax``: :class:`~moonep_sim.experiments.sweep.SweepAxis`) at step level."""
-    from moonep_sim.experiments.sweep import head, setup
-
     t0 = time.perf_counter()
     require(opts.tokens_per_rank is None, "step tokens per rank must not be set in a sweep: the generator spec's "
                                           "tokens per rank (--tokens-per-rank) set the batch")
@@ -167,7 +166,7 @@ def trace_step_sweep(sc, over: str, values: Sequence[float] | None, opts: StepOp
                      cluster: str | None = None) -> dict[str, Any]:
     """A sweep over a trace (:mod:`moonep_sim.experiments.trace_sweep`'s knobs and points) at step
     level; ``fixed``: other knobs held (a winner map's row)."""
-    from moonep_sim.experiments.trace_sweep import head, knob_name, point, valid_values
+    from moonep_sim.experiments.trace_sweep import head as trace_head, knob_name, point, valid_values
 
     t0 = time.perf_counter()
     require(opts.tokens_per_rank is None, "tokens per rank must not be given with a trace: the trace's tokens over "
@@ -186,15 +185,13 @@ def trace_step_sweep(sc, over: str, values: Sequence[float] | None, opts: StepOp
         points.append({"value": float(v), **rec, "topology": topology_info(rs.topology)})
     if progress:
         progress("done", len(vals), len(vals))
-    return _report(dict(head(rs0, over, vals, left_out, fixed, seed), warnings=list(rs0.warnings)),
+    return _report(dict(trace_head(rs0, over, vals, left_out, fixed, seed), warnings=list(rs0.warnings)),
                    [n for n, _ in rs0.strategies], dict(rs0.strategies), points, runs, opts, t0)
 
 
 def check(sc, over: str, values: Sequence[float] | None, opts: StepOptions, *, by: str | None = None,
           by_values: Sequence[float] | None = None, maxvio: float | None = None) -> None:
     """Every point (every cell, with ``by``) of a step-level sweep checked before any work."""
-    from moonep_sim.experiments.sweep import at, check_rows, setup
-
     if sc.is_trace():
         from moonep_sim.experiments.trace_sweep import knob_name, point, valid_values
 
@@ -225,8 +222,6 @@ def step_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_v
     """A winner map at step level: one step sweep of ``over`` per value of ``by`` (generated:
     tokens-per-rank, maxvio or ep; a trace: any of its knobs); ``run``: the sweeps' progress, jobs
     and cluster."""
-    from moonep_sim.experiments.sweep import at, winner_of
-
     check(sc, over, values, opts, by=by, by_values=by_values, maxvio=maxvio)  # every cell before any work
     if sc.is_trace():
         from moonep_sim.experiments.trace_sweep import knob_name, valid_values

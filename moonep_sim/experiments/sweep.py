@@ -21,11 +21,13 @@ import time
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Sequence
 
+from moonep_sim.analysis.verdict import figures, sweep_verdicts
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
 from moonep_sim.experiments.compare import _short, load_topology, simulate, topology_info
+from moonep_sim.experiments.parallel import check_jobs, run_points
 from moonep_sim.experiments.spec import normalise_dtype, parse_cluster, strategy_list
 
 MAXVIO_TARGETS = (0.2, 1.0, 10.0, 20.0)
@@ -257,7 +259,6 @@ def _point_setup(cfg: Setup, base, v: float, fixed):
 
 def _strategy_at(cfg: Setup, routing, ctx, topo, name: str, opts: dict) -> dict[str, Any]:
     """One strategy planned and simulated on one point's routing."""
-    from moonep_sim.analysis.verdict import figures
     from moonep_sim.strategies import make_plan
 
     t1 = time.perf_counter()
@@ -306,8 +307,6 @@ def _strategy_task(task) -> dict[str, Any]:
 
 
 def _run_staged(cfg: Setup, base, fixed, jobs: int | None, progress) -> list:
-    from moonep_sim.experiments.parallel import run_points
-
     if fixed is None:
         routings = run_points(_setup_task, [(cfg, base, v, None) for v in cfg.values], jobs=jobs,
                               progress=progress, label=lambda t: f"{cfg.over}={t[2]:g} routing")
@@ -330,8 +329,6 @@ def sweep(sc, ax: SweepAxis, progress: Callable[[str, int, int], None] | None = 
     """Sweep scenario ``sc`` (a :class:`~moonep_sim.experiments.Scenario` on generated routing)
     along ``ax``; its values are independent points, computed in ``jobs`` worker processes or on a
     Dask ``cluster`` (``moonep_sim.experiments.parallel``) with the same report as serially."""
-    from moonep_sim.experiments.parallel import check_jobs, run_points
-
     t0 = time.perf_counter()
     cfg = setup(sc, ax)
     base = cfg.topology
@@ -368,7 +365,6 @@ def head(cfg: Setup) -> dict[str, Any]:
 def finish(rep: dict[str, Any], t0: float) -> dict[str, Any]:
     """A layer-level sweep report completed: its flags, one verdict per point, and its seconds."""
     from moonep_sim.analysis.flags import sweep_flags
-    from moonep_sim.analysis.verdict import sweep_verdicts
 
     rep["flags"] = sweep_flags(rep)
     rep["verdicts"] = sweep_verdicts(rep)

@@ -38,6 +38,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.experiments.compare import compare, topology_info
+from moonep_sim.experiments.sweep import MAXVIO_TARGETS, finish, routing_lower_bound, topology_params, winner_of
 from moonep_sim.routing.metrics import maxvio
 from moonep_sim.routing.trace import LayerRouting
 
@@ -133,8 +135,6 @@ def recut(source, batch_tokens: int):
 
 # -- values -------------------------------------------------------------------------------------------
 def check_knob(knob: str, topo) -> None:
-    from moonep_sim.experiments.sweep import topology_params
-
     if knob not in TRACE_KNOBS and knob not in topology_params(topo):
         raise ConfigError(f"--over ({knob!r}) must be one of {', '.join(TRACE_KNOBS)} (ep = ranks) or a topology "
                           f"constant: {', '.join(topology_params(topo))}")
@@ -177,8 +177,6 @@ def valid_values(sc, knob: str, values: Sequence[float] | None, seed: int = 0) -
             elif int(v) > per:
                 reasons[v] = f"must be <= the trace's tokens per rank ({total} tokens / {R} ranks = {per})"
     elif knob == "maxvio":
-        from moonep_sim.experiments.sweep import MAXVIO_TARGETS
-
         floor = noise_floor(src, R, seed)
         cap = E / K - 1
         recorded = float(np.mean([maxvio(_layer_counts(src, l, R)) for l in src.layer_ids]))
@@ -249,8 +247,6 @@ def trace_sweep(sc, over: str, values: Sequence[float] | None = None, *, fixed: 
     """Sweep ``over`` on the scenario's trace (see the module doc); ``fixed``: other knobs held at a
     value (a winner map's row). The report has the shape of a generated sweep's
     (:func:`moonep_sim.experiments.sweep.sweep`), each figure the token-weighted mean over steps."""
-    from moonep_sim.experiments.compare import compare, topology_info
-    from moonep_sim.experiments.sweep import finish, routing_lower_bound
     from moonep_sim.analysis.verdict import mean_figures
 
     t0 = time.perf_counter()
@@ -289,8 +285,6 @@ def trace_sweep(sc, over: str, values: Sequence[float] | None = None, *, fixed: 
 def head(rs0, over: str, vals: Sequence[float], left_out: list, fixed: dict[str, float] | None,
          seed: int) -> dict[str, Any]:
     """What a trace sweep's report (layer or step level) says of its setup, before its points."""
-    from moonep_sim.experiments.compare import topology_info
-
     return {"kind": "sweep", "over": over, "values": [float(v) for v in vals], "left_out": left_out,
             "routing": rs0.source.describe(), "trace": str(rs0.source.path), "fixed": dict(fixed or {}),
             "model": rs0.source.model.to_dict(), "topology": topology_info(rs0.topology),
@@ -318,8 +312,6 @@ def trace_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_
     """The fastest strategy per cell over two knobs of a trace: one :func:`trace_sweep` of ``over``
     per value of ``by`` (any knob :func:`trace_sweep` takes), combined by
     :func:`moonep_sim.analysis.winner.winner_map`."""
-    from moonep_sim.experiments.sweep import winner_of
-
     by = knob_name(by)
     over = knob_name(over)
     require(by != over, f"--by ({by}) must differ from --over ({over})")
