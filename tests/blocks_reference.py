@@ -1,18 +1,44 @@
 """The numpy reference of the block solver's compiled fill and counts (``moonep_sim.sim.blocks``,
 ``moonep_sim.sim.fill_kernels``): the same progressive filling, one array pass per step, that the
 kernels replaced and are held equal to, bit for bit (tests/test_sim_fill_kernels.py,
-tests/test_sim_network*.py). A :class:`BlockCountsReference` is a ``BlockCounts`` whose
-``compiled`` is False: a flow network holding one (:func:`reference`) ticks in numpy too
-(``FlowNetwork._tick_reference``)."""
+tests/test_sim_network*.py). A :class:`BlockCountsReference` is a ``BlockCounts`` with the numpy
+fill; a flow network switched to it (:func:`numpy_tick`) ticks in numpy too
+(:class:`NumpyTickNetwork`, the reference of the one-kernel tick)."""
 
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import numpy as np
 
-from moonep_sim.sim.blocks import RUN_MAX, BlockCounts, Levels
+from moonep_sim.sim.blocks import RUN_MAX, BlockCounts
+from moonep_sim.sim.fill_kernels import fill_levels
+from moonep_sim.sim.network import FlowNetwork
 from moonep_sim.sim.ports import Block
+
+
+class Levels(NamedTuple):
+    """A fill's result, per node (block-major [B x R]) on each side: the level (bytes/us) at which
+    it froze (inf if it carried nothing unfrozen) and the saturated port that froze it (-1 if
+    none); ``steps``: the filling steps taken."""
+
+    level_src: np.ndarray
+    level_dst: np.ndarray
+    port_src: np.ndarray
+    port_dst: np.ndarray
+    steps: int
+
+
+def compiled_fill(bc: BlockCounts, cap_P: np.ndarray) -> Levels:
+    """The exact max-min fair levels of ``bc``'s counted transfers by the compiled kernel the
+    network's tick runs (``fill_kernels.fill_levels``, its levels and ports per sender node, per
+    receiver node, then a spare node), as :class:`Levels`."""
+    lev, bport, steps = fill_levels(np.asarray(cap_P, dtype=np.float64), bc.cnt_src, bc.cnt_dst, bc.mm,
+                                    bc._kernel_static)
+    assert steps >= 0, "progressive filling made no progress"
+    N = bc.B * bc.R
+    return Levels(lev[:N], lev[N:2 * N], bport[:N], bport[N:2 * N], steps)
 
 
 class BlockCountsReference(BlockCounts):
@@ -30,8 +56,13 @@ class BlockCountsReference(BlockCounts):
         self._positions()
 
     def _positions(self) -> None:
-        """``pos_WD``: each row's position in a prefix of candidate ports (for :meth:`_prefix_run`)."""
+        """``pos_WD``: each row's position in a prefix of candidate ports, and ``port_side``: per port,
+        True when its nodes are receiver nodes (every port belongs to one side), for :meth:`_prefix_run`."""
         self.pos_WD = np.repeat(np.arange(RUN_MAX)[:, None], self.port_nodes.shape[1], axis=1)
+        recv = self.port_nodes >= self.B * self.R   # (the -1 padding is no receiver node)
+        self.port_side = recv.any(axis=1)
+        # every port's nodes on one side (``PortMap.side_ports`` lists each port on one side only)
+        assert np.array_equal(recv.sum(axis=1), np.where(self.port_side, (self.port_nodes >= 0).sum(axis=1), 0))
 
     def fresh(self) -> "BlockCountsReference":
         new = super().fresh()
@@ -294,3 +325,67 @@ def reference(bc: BlockCounts) -> BlockCountsReference:
     new.cell_NW = new.other_NW = None
     new._positions()
     return new
+
+
+class NumpyTickNetwork(FlowNetwork):
+    """A ``FlowNetwork`` of the block solver whose tick runs in numpy over its (numpy) block counts:
+    the reference the one-kernel tick (``tick_kernels.tick_blocks``) is held equal to, the same
+    steps in the same order. ``_levels``: the last fill's :class:`Levels` (None before the first)."""
+
+    _levels: Levels | None = None
+
+    def _tick_compiled(self, t: float) -> float:
+        a, bc, R = self._a, self._blocks, self.ports.ranks
+        # 1. completions (a flow's finish time is exact at its current rate), bottlenecked as the last fill said
+        if a.n:
+            sel = np.flatnonzero(a.fin <= t + 2e-9 * max(t, 1.0))
+            if sel.size:
+                lv, i, j = self._levels, a.ns[sel], a.nd[sel]
+                bneck = np.where(lv.level_src[i] <= lv.level_dst[j], lv.port_src[i], lv.port_dst[j])
+                bc.add(i, j, -1.0)
+                a.ns[sel] = self._sentinel   # dead: rate 0 at the sentinel node (level 0), never changes
+                a.nd[sel] = self._sentinel
+                self._complete(sel, bneck, t)
+        # 2. activations: the waiting flows ready by now, in submission order, counted in
+        cols = self._start_ready(t)
+        if cols is not None:
+            ns_F, nd_F = cols["blk"] * R + cols["src"], cols["blk"] * R + cols["dst"]
+            a.append(ns=ns_F, nd=nd_F, **cols)
+            bc.add(ns_F, nd_F, 1.0)
+        # 3. rates: exact max-min levels, then only flows whose rate changed are touched
+        lv = self._levels = bc.fill(self.ports.cap_P)
+        rate = np.minimum(np.take(np.append(lv.level_src, 0.0), a.ns), np.take(np.append(lv.level_dst, 0.0), a.nd))
+        self.fill_iterations += lv.steps
+        self._last_fill = t
+        return self._set_rates(rate, t)
+
+    def _set_rates(self, rate: np.ndarray, t: float) -> float:
+        """Give the active flows the rates ``rate`` [n] of a fill at t: a flow whose rate changed
+        gets its remaining bytes at t and its new finish time (the numpy reference of
+        ``tick_kernels.set_rates``). Returns the earliest finish time (inf: none)."""
+        a = self._a
+        ch = np.flatnonzero(rate != a.rate)   # dead flows keep rate 0
+        if ch.size:
+            rem = a.rem0[ch] - a.rate[ch] * (t - a.t0[ch])
+            a.rem0[ch] = rem
+            a.t0[ch] = t
+            r_ch = rate[ch]
+            a.rate[ch] = r_ch
+            fin = t + rem / r_ch
+            a.fin[ch] = fin
+            fin_max = float(fin.max())
+            if np.isfinite(fin_max):
+                self._horizon = max(self._horizon, fin_max)
+            else:
+                fin_live = fin[np.isfinite(fin)]
+                if fin_live.size:
+                    self._horizon = max(self._horizon, float(fin_live.max()))
+        return float(a.fin.min()) if a.n else np.inf
+
+
+def numpy_tick(net: FlowNetwork) -> FlowNetwork:
+    """``net`` (of the block solver, before its first tick) switched to the numpy tick over a numpy
+    reference of its block counts (:func:`reference`)."""
+    net._blocks = reference(net._blocks)
+    net.__class__ = NumpyTickNetwork
+    return net

@@ -16,7 +16,7 @@ from moonep_sim.plan.kernel import FAMILIES, chunk_for
 from moonep_sim.sim import SimOptions, list_topologies, load_topology, simulate_layer
 from moonep_sim.sim.kernels import kernel_fixed_us, message_us, nic_message_cost_us, receive_copy_us, reduce_bytes_per_us, \
     kernel_sms, proxy_nic_share, relay_hop_rows, relay_rows, relay_two_hop_us, sm_cap_bytes_per_us
-from moonep_sim.sim.topology import IDEAL, topology_from_dict
+from ideal_topology import ideal_from_dict
 from moonep_sim.strategies import PlanContext, make_plan
 
 ROW = 1000
@@ -69,7 +69,7 @@ def _topo(**tables):
            "sm": {"count": 100, "copy_GBps": 0.2}}
     for k, v in tables.items():
         doc[k] = {**doc.get(k, {}), **v}
-    return topology_from_dict(doc, defaults=IDEAL)
+    return ideal_from_dict(doc)
 
 
 @pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.mode == "normal" or f.node_relay])

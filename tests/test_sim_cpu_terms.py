@@ -15,11 +15,12 @@ from moonep_sim.models import custom_model
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
 from moonep_sim.sim import SimOptions, Topology, list_topologies, load_topology, simulate_layer
 from moonep_sim.sim.topology import topology_from_dict
+from ideal_topology import ideal
 from moonep_sim.strategies import PlanContext, make_plan
 
 MODEL = custom_model(8, 2, hidden=256, expert_ffn=128, name="tiny-cpu")
 # a plain topology: 1 GB/s links, no latency, very fast compute, so transfers dominate
-BASE = Topology.ideal("t", gpus_per_node=4, nvlink_bandwidth_GBps=1.0, nvlink_latency_us=0.0, nic_bandwidth_GBps=1.0,
+BASE = ideal("t", gpus_per_node=4, nvlink_bandwidth_GBps=1.0, nvlink_latency_us=0.0, nic_bandwidth_GBps=1.0,
                 nic_latency_us=0.0, fabric_latency_us=0.0, gpu_tflops=1e6, gpu_mem_bandwidth_GBps=1e6,
                 gpu_launch_us=0.0, plan_fixed_us=0.0)
 

@@ -9,18 +9,19 @@ import pytest
 import simpy
 from hypothesis import given, settings, strategies as st
 
-from blocks_reference import BlockCountsReference, reference
+from blocks_reference import BlockCountsReference, compiled_fill, numpy_tick, reference
 from moonep_sim.sim.blocks import RUN_MAX, BlockCounts
 from moonep_sim.sim.network import FlowNetwork, PortMap
 from moonep_sim.sim.tick_kernels import set_rates
-from moonep_sim.sim.topology import Topology, load_topology
+from moonep_sim.sim.topology import load_topology
+from ideal_topology import ideal
 
 IDEAL = {
-    "spine": Topology.ideal("os", gpus_per_node=4, nvlink_bandwidth_GBps=100.0, nic_bandwidth_GBps=25.0,
+    "spine": ideal("os", gpus_per_node=4, nvlink_bandwidth_GBps=100.0, nic_bandwidth_GBps=25.0,
                             nic_latency_us=5.0, fabric_latency_us=1.0, fabric_oversubscription=3.0),
-    "node-links": Topology.ideal("nl", gpus_per_node=2, nvlink_bandwidth_GBps=50.0, nic_bandwidth_GBps=10.0,
+    "node-links": ideal("nl", gpus_per_node=2, nvlink_bandwidth_GBps=50.0, nic_bandwidth_GBps=10.0,
                                  nic_attach="node", fabric_oversubscription=2.0),
-    "nvlink-only": Topology.ideal("one", gpus_per_node=8, nvlink_bandwidth_GBps=100.0, nvlink_latency_us=2.0),
+    "nvlink-only": ideal("one", gpus_per_node=8, nvlink_bandwidth_GBps=100.0, nvlink_latency_us=2.0),
 }
 
 
@@ -57,10 +58,10 @@ def transfers(rng, ports: PortMap, pattern: str) -> tuple[np.ndarray, np.ndarray
 def assert_same_fill(bc: BlockCounts, cap_P: np.ndarray, hint: list | None = None) -> int:
     """The compiled fill and the numpy reference (of the same counts; its run hints ``hint``)
     agree bit for bit; returns the steps."""
-    assert bc.compiled
+    assert not isinstance(bc, BlockCountsReference)   # the compiled fill
     ref = reference(bc)
     ref._hint = list(hint or [])
-    a, b = bc.fill(cap_P), ref.fill(cap_P)
+    a, b = compiled_fill(bc, cap_P), ref.fill(cap_P)
     for name in ("level_src", "level_dst", "port_src", "port_dst"):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
     assert a.steps == b.steps
@@ -115,7 +116,7 @@ def test_compiled_fill_equals_the_numpy_fill_on_h800_ep_sizes(R, sm):
 def test_compiled_fill_of_nothing_freezes_nothing(sm):
     ports = port_map("h800-cx7", 16, sm)
     bc = BlockCounts(ports)
-    lv = bc.fill(ports.cap_P)
+    lv = compiled_fill(bc, ports.cap_P)
     assert lv.steps == 0 and np.isinf(lv.level_src).all() and (lv.port_dst == -1).all()
     assert_same_fill(bc, ports.cap_P)
 
@@ -126,10 +127,10 @@ def test_wide_maps_take_the_compiled_fill(R):
     [2N, W] cell tables (only the numpy reference builds them), and equals the reference."""
     ports = port_map("h800-cx7", R, False)
     bc = BlockCounts(ports)
-    assert bc.compiled and not hasattr(bc, "cell_NW")
+    assert not isinstance(bc, BlockCountsReference) and not hasattr(bc, "cell_NW")
     s, d = transfers(np.random.default_rng(1), ports, "uniform")
     bc.add(s, d, 1.0)
-    a = bc.fill(ports.cap_P)
+    a = compiled_fill(bc, ports.cap_P)
     ref = reference(bc)
     b = ref.fill(ports.cap_P)
     assert ref.cell_NW is not None
@@ -144,7 +145,7 @@ def run_network(ports: PortMap, phases_RR, compiled: bool, stagger_us: float = 0
     env = simpy.Environment()
     net = FlowNetwork(env, ports, 0.002)
     if not compiled:
-        net._blocks = reference(net._blocks)
+        numpy_tick(net)
     R = ports.ranks
     pids = [net.expect(f"p{i}", (b > 0).sum(0), sm=(i == 0)) for i, b in enumerate(phases_RR)]
 
@@ -188,8 +189,8 @@ def test_set_rates_equals_the_numpy_update_with_zero_and_unchanged_rates():
     rem0, t0, t = rng.choice([0.0, 100.0, 2e5], n), rng.random(n), 3.0
     fin = rng.random(n) + 5.0
     cols = [rate.copy(), rem0.copy(), t0.copy(), fin.copy()]
-    fin_max, fin_min = set_rates(lev, N, n, ns, nd, *cols, t)
     new = np.minimum(np.append(lev[:N], 0.0)[ns], np.append(lev[N:2 * N], 0.0)[nd])
+    fin_max, fin_min = set_rates(new, n, *cols, t)
     ch = new != rate
     with np.errstate(divide="ignore", invalid="ignore"):
         rem = rem0[ch] - rate[ch] * (t - t0[ch])
@@ -238,7 +239,7 @@ def test_network_runs_do_not_move_with_the_compiled_kernels(name, R, sm, tol, se
         env = simpy.Environment()
         net = FlowNetwork(env, ports, tol)
         if not compiled:
-            net._blocks = reference(net._blocks)
+            numpy_tick(net)
         pids = [net.expect(f"p{i}", (b > 0).sum(0), sm=(i == 0)) for i, b in enumerate(phases)]
 
         def rank(r):
@@ -273,7 +274,7 @@ def test_a_step_whose_last_run_was_the_longest_is_filled_again():
     assert bc._hint[0] == RUN_MAX
     again = bc.fill(ports.cap_P)
     assert again.steps == first.steps and np.array_equal(again.level_src, first.level_src)
-    kernel = BlockCounts.fill(bc, ports.cap_P)   # (the compiled fill of the same counts, at this width too)
+    kernel = compiled_fill(bc, ports.cap_P)   # (the compiled fill of the same counts, at this width too)
     assert kernel.steps == first.steps and np.array_equal(kernel.level_src, first.level_src)
     # where the kernel runs: a hint of RUN_MAX at every step and more candidates than that
     ports = port_map("h800-cx7", 64, True)

@@ -11,7 +11,7 @@ from moonep_sim.plan.kernel import ALL_SMS, KernelSpec
 from moonep_sim.sim import load_topology
 from moonep_sim.sim.kernels import (kernel_fixed_us, kernel_launches, kernel_sms, planning_us, relay_two_hop_us,
                                     sm_cap_bytes_per_us, weight_copy_us)
-from moonep_sim.sim.topology import IDEAL, topology_from_dict
+from ideal_topology import ideal_from_dict
 
 
 def test_kernel_terms_are_off_on_the_cpu_preset():
@@ -22,7 +22,7 @@ def test_kernel_terms_are_off_on_the_cpu_preset():
 
 
 def test_sm_cap_is_sms_times_rate_and_all_sms_means_the_gpu():
-    t = topology_from_dict(defaults=IDEAL, doc={"name": "x", "sm": {"count": 100, "copy_GBps": 10.0}})
+    t = ideal_from_dict({"name": "x", "sm": {"count": 100, "copy_GBps": 10.0}})
     assert sm_cap_bytes_per_us(t, KernelSpec(sms=24)) == pytest.approx(24 * 10.0 * 1e3)
     assert kernel_sms(t, KernelSpec(sms=ALL_SMS)) == 100
     assert kernel_sms(t, KernelSpec(sms=500)) == 100
@@ -30,7 +30,7 @@ def test_sm_cap_is_sms_times_rate_and_all_sms_means_the_gpu():
 
 
 def test_fixed_costs_per_launch_and_relayed_plans_launch_once():
-    t = topology_from_dict(defaults=IDEAL, doc={"name": "x", "kernel": {"dispatch_fixed_us": 30.0, "combine_fixed_us": 20.0}})
+    t = ideal_from_dict({"name": "x", "kernel": {"dispatch_fixed_us": 30.0, "combine_fixed_us": 20.0}})
     assert (kernel_fixed_us(t, "dispatch"), kernel_fixed_us(t, "combine")) == (30.0, 20.0)
     assert kernel_launches(KernelSpec(relay=True), 2) == 1
     assert kernel_launches(KernelSpec(), 2) == 2 and kernel_launches(None, 0) == 0
@@ -44,12 +44,12 @@ def test_relay_closed_form_is_the_pipeline_bound():
 
 
 def test_planning_grows_with_entries_and_cells():
-    t = topology_from_dict(defaults=IDEAL, doc={"name": "x", "planning": {"fixed_us": 20.0, "per_entry_ns": 0.02, "per_cell_ns": 3.0}})
+    t = ideal_from_dict({"name": "x", "planning": {"fixed_us": 20.0, "per_entry_ns": 0.02, "per_cell_ns": 3.0}})
     assert planning_us(t, 65536, 256, 64) == pytest.approx(20 + 65536 * 0.02e-3 + 256 * 64 * 3e-3)
 
 
 def test_weight_copy_closed_form_and_h800_epic_row():
-    t = topology_from_dict(defaults=IDEAL, doc={"name": "x", "nvlink": {"bandwidth_GBps": 200.0, "latency_us": 2.0, "efficiency": 0.5},
+    t = ideal_from_dict({"name": "x", "nvlink": {"bandwidth_GBps": 200.0, "latency_us": 2.0, "efficiency": 0.5},
                             "nic": {"bandwidth_GBps": 50.0, "latency_us": 4.0, "efficiency": 0.9},
                             "weights": {"nvlink_efficiency": 1.0}, "sm": {"count": 10, "copy_GBps": 10.0}})
     assert weight_copy_us(t, 42e6, False) == pytest.approx(2 + 42e6 / 200e3)
@@ -68,7 +68,7 @@ def test_weight_copy_closed_form_and_h800_epic_row():
 ])
 def test_bad_kernel_constants_fail_with_one_line(doc, match):
     with pytest.raises(ConfigError, match=match):
-        topology_from_dict(defaults=IDEAL, doc={"name": "x", **doc})
+        ideal_from_dict({"name": "x", **doc})
 
 
 # -- the timeline against the closed forms (one flow, one kernel, one relay) ---------------------
@@ -93,7 +93,7 @@ def _topo(**tables):
            "fabric": {"latency_us": 0.0}, "planning": {"fixed_us": 0.0}}
     for k, v in tables.items():
         doc[k] = {**doc.get(k, {}), **v}
-    return topology_from_dict(doc, defaults=IDEAL)
+    return ideal_from_dict(doc)
 
 
 def _plan(strategy, ids_T, tokens_per_rank, R=4, G=2, **opts):

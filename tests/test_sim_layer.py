@@ -13,7 +13,7 @@ import pytest
 from conftest import random_routing
 from moonep_sim.models import custom_model, get_model
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
-from moonep_sim.sim import (DegradedLink, SimOptions, SlowGPU, Stall, list_topologies, load_topology, lower_bound_us,
+from moonep_sim.sim import (DegradedLink, SimOptions, SlowGPU, Stall, list_topologies, load_topology, lower_bound,
                             simulate_layer, simulate_layers)
 from moonep_sim.strategies import PlanContext, available, make_plan
 
@@ -39,7 +39,7 @@ def test_every_strategy_runs_and_never_beats_the_lower_bound(strategy):
             res = simulate_layer(plan, topo, MODEL, opts)
             assert res.layer_time_us >= res.lower_bound_us > 0
             assert res.ratio_to_lower_bound >= 1.0
-            assert res.lower_bound_us == pytest.approx(lower_bound_us(plan, topo, MODEL, backward=opts.backward))
+            assert res.lower_bound_us == pytest.approx(lower_bound(plan, MODEL, topo, backward=opts.backward).lower_bound_us)
 
 
 @pytest.mark.parametrize("topo_name", list_topologies())

@@ -7,13 +7,14 @@ import pytest
 import simpy
 from hypothesis import example, given, settings, strategies as st
 
-from blocks_reference import BlockCountsReference
+from blocks_reference import BlockCountsReference, compiled_fill
 from moonep_sim.sim.blocks import BlockCounts
 from moonep_sim.sim.network import FlowNetwork, PortMap, waterfill
 from moonep_sim.sim.ports import Block, nic_group_of
 from moonep_sim.sim.topology import Topology
+from ideal_topology import ideal
 
-TOPO = Topology.ideal("t", gpus_per_node=4, nvlink_bandwidth_GBps=100.0, nvlink_latency_us=2.0, nic_bandwidth_GBps=25.0,
+TOPO = ideal("t", gpus_per_node=4, nvlink_bandwidth_GBps=100.0, nvlink_latency_us=2.0, nic_bandwidth_GBps=25.0,
                 nic_latency_us=5.0, fabric_latency_us=0.0, gpu_mem_bandwidth_GBps=1000.0)
 NV, NIC = 100e3, 25e3  # bytes per us
 
@@ -36,7 +37,7 @@ def test_one_flow_is_latency_plus_bytes_over_bandwidth():
 @pytest.mark.parametrize("n", [2, 3, 7])
 def test_n_flows_through_one_port_share_it_equally(n):
     R = 4 if n < 4 else 8
-    topo = Topology.ideal("one-node", gpus_per_node=8, nvlink_bandwidth_GBps=100.0, nvlink_latency_us=2.0)
+    topo = ideal("one-node", gpus_per_node=8, nvlink_bandwidth_GBps=100.0, nvlink_latency_us=2.0)
     b = np.zeros((8, 8)); b[1:n + 1, 0] = 1e6        # n senders into rank 0's NVLink-in
     env = simpy.Environment()
     net = FlowNetwork(env, PortMap.build(topo, 8), 0.0)
@@ -45,7 +46,7 @@ def test_n_flows_through_one_port_share_it_equally(n):
         net.submit(pid, s, np.arange(8), b[s], b[s])
     env.run(until=2.0 + 1e-9)
     env.run(until=3.0)
-    assert np.allclose(net.active_rates(), NV / n)
+    assert np.allclose(net._a.rate[net._a.alive], NV / n)
     env.run()
     assert np.allclose(net.records()["end"], 2.0 + n * 1e6 / NV)
     assert R >= 2
@@ -73,14 +74,14 @@ def test_two_phases_that_do_not_overlap_take_the_sum():
 
 
 def test_oversubscribed_spine_binds_cross_rail_traffic():
-    topo = Topology.ideal("os", gpus_per_node=2, nvlink_bandwidth_GBps=100.0, nic_bandwidth_GBps=25.0,
+    topo = ideal("os", gpus_per_node=2, nvlink_bandwidth_GBps=100.0, nic_bandwidth_GBps=25.0,
                     nic_latency_us=0.0, fabric_latency_us=0.0, nvlink_latency_us=0.0, fabric_oversubscription=4.0)
     R = 4  # 2 nodes x 2 rails; ranks 0 -> 3 and 2 -> 1 both climb rail 0's spine-up port
     b = np.zeros((R, R)); b[0, 3] = 1e6; b[2, 1] = 1e6
     t, _ = run_phases(R, [b], topo=topo)
     spine = 2 * NIC / 4.0
     assert t == pytest.approx(1e6 / (spine / 2), rel=1e-9)
-    flat = Topology.ideal("flat", **{**{k: v for k, v in topo.__dict__.items() if k not in ("name", "fabric_oversubscription")}})
+    flat = ideal("flat", **{**{k: v for k, v in topo.__dict__.items() if k not in ("name", "fabric_oversubscription")}})
     t1, _ = run_phases(R, [b], topo=flat)
     assert t1 == pytest.approx(1e6 / NIC, rel=1e-9)
 
@@ -172,11 +173,11 @@ def run_solver(R, phases_RR, topo, tol, solver, nic_factor=None, stagger_us=0.0,
 
 TOPOS = {
     "flat": TOPO,
-    "oversubscribed": Topology.ideal("os", gpus_per_node=4, nvlink_bandwidth_GBps=100.0, nic_bandwidth_GBps=25.0,
+    "oversubscribed": ideal("os", gpus_per_node=4, nvlink_bandwidth_GBps=100.0, nic_bandwidth_GBps=25.0,
                                nic_latency_us=5.0, fabric_latency_us=1.0, fabric_oversubscription=3.0),
-    "node-links": Topology.ideal("nl", gpus_per_node=2, nvlink_bandwidth_GBps=50.0, nic_bandwidth_GBps=10.0,
+    "node-links": ideal("nl", gpus_per_node=2, nvlink_bandwidth_GBps=50.0, nic_bandwidth_GBps=10.0,
                            nic_attach="node", fabric_oversubscription=2.0),
-    "one-node": Topology.ideal("one", gpus_per_node=8, nvlink_bandwidth_GBps=100.0, nvlink_latency_us=2.0),
+    "one-node": ideal("one", gpus_per_node=8, nvlink_bandwidth_GBps=100.0, nvlink_latency_us=2.0),
 }
 
 
@@ -233,7 +234,7 @@ def test_block_fill_compiled_equals_the_numpy_freeze(topo_name, R, seed, sm, deg
         for bc in (fast, ref):
             bc.add(blk * R + src, blk * R + dst, 1.0)
         ns, nd = np.r_[ns, blk * R + src], np.r_[nd, blk * R + dst]
-        a, b = fast.fill(ports.cap_P), ref.fill(ports.cap_P)
+        a, b = compiled_fill(fast, ports.cap_P), ref.fill(ports.cap_P)
         rate_a = np.minimum(a.level_src[ns], a.level_dst[nd])
         rate_b = np.minimum(b.level_src[ns], b.level_dst[nd])
         assert np.isfinite(rate_b).all() and np.allclose(rate_a, rate_b, rtol=1e-12, atol=0.0)
@@ -274,7 +275,7 @@ def test_coalescing_stays_within_tolerance_of_exact(topo_name, kind, R, seed, to
     assert (np.abs(last_a[ok] - last_e[ok]) <= 40 * tol * ex["end"].max() + 1e-9).all()
 
 
-ONE_GPU = Topology.ideal("g1", gpus_per_node=1, nic_bandwidth_GBps=10.0, nic_latency_us=0.0, fabric_latency_us=0.0)
+ONE_GPU = ideal("g1", gpus_per_node=1, nic_bandwidth_GBps=10.0, nic_latency_us=0.0, fabric_latency_us=0.0)
 
 
 def rate_drop_case(tol, k=5, m=9, b_bytes=4e6, a_bytes=2e5, c_bytes=2e6, z_bytes=1.6e7):
@@ -341,13 +342,14 @@ def test_side_ports_cover_exactly_the_paths(topo_name):
     pm = PortMap.build(TOPOS[topo_name], R, sm_bytes_per_us=50e3)
     s, d = np.divmod(np.arange(R * R), R)
     sm = (s + d) % 2 == 0
-    path, lat = pm.paths(s, d, sm)
+    path, lat = pm.paths(s, d, sm), pm.latency(s, d)
     blk = pm.pair_class(s, d, sm)
     src_BRK, dst_BRK = pm.side_ports()
     for f in range(R * R):
         want = (set(src_BRK[blk[f], s[f]].tolist()) | set(dst_BRK[blk[f], d[f]].tolist())) - {pm.dummy}
         assert set(path[f].tolist()) - {pm.dummy} == want
-        kinds = {pm.kind(int(p)) for p in path[f] if p != pm.dummy}
+        names = [pm.name(int(p)) for p in path[f] if p != pm.dummy]
+        kinds = {n.split(".", 1)[1] if n.startswith("rank") else n for n in names}   # a rank's own ports by kind
         assert ({"sm_send", "sm_recv"} <= kinds) == bool(sm[f])
         kinds -= {"sm_send", "sm_recv"}
         if s[f] == d[f]:
@@ -360,7 +362,7 @@ def test_side_ports_cover_exactly_the_paths(topo_name):
 
 
 def test_block_solver_is_refused_with_pair_ports():
-    half = Topology.ideal("half", gpus_per_node=2, nic_duplex="half")
+    half = ideal("half", gpus_per_node=2, nic_duplex="half")
     env = simpy.Environment()
     with pytest.raises(Exception, match="solver"):
         FlowNetwork(env, PortMap.build(half, 4), 0.0, solver="blocks")
@@ -370,7 +372,7 @@ def test_block_solver_is_refused_with_pair_ports():
 def test_port_bytes_equal_the_per_flow_route_sums(topo_name):
     """port_bytes sums whole-byte flows per side before spreading them over ports; it must equal
     the per-flow sum over every flow's full route (spine, node-link, SM and pair ports included)."""
-    topo = TOPOS.get(topo_name) or Topology.ideal("half", gpus_per_node=2, nic_duplex="half", fabric_oversubscription=2.0)
+    topo = TOPOS.get(topo_name) or ideal("half", gpus_per_node=2, nic_duplex="half", fabric_oversubscription=2.0)
     R = 8
     phases = random_phases(np.random.default_rng(5), R, "hot-sender")
     _, net = run_solver(R, phases, topo, 0.0, "auto", sm_cap=30e3, nic_only=True)
@@ -388,7 +390,7 @@ def test_port_bytes_equal_the_per_flow_route_sums(topo_name):
 def test_port_map_asks_the_cluster_geometry_which_node_and_rail(R, G):
     """Blocks and latencies follow ``Topology.cluster``: same rank local, same node NVLink, same
     rail NIC, other rail NIC + spine (a partly used last node included)."""
-    topo = Topology.ideal("g", gpus_per_node=G, nvlink_latency_us=2.0, nic_latency_us=5.0, fabric_latency_us=3.0,
+    topo = ideal("g", gpus_per_node=G, nvlink_latency_us=2.0, nic_latency_us=5.0, fabric_latency_us=3.0,
                           fabric_oversubscription=2.0)
     geo = topo.cluster(R)
     assert (geo.gpus_per_node, geo.num_nodes) == (min(G, R), -(-R // G))
@@ -406,7 +408,7 @@ def test_port_map_asks_the_cluster_geometry_which_node_and_rail(R, G):
 
 
 def test_nic_groups_number_the_shared_links_node_by_node():
-    geo = Topology.ideal("g", gpus_per_node=8).cluster(24)
+    geo = ideal("g", gpus_per_node=8).cluster(24)
     r = np.arange(24)
     for group in (1, 2, 4, 8):
         assert np.array_equal(nic_group_of(geo, group, r), r // group)

@@ -15,12 +15,13 @@ import simpy
 import moonep_sim.sim.network as network
 import moonep_sim.sim.ports as ports_mod
 from moonep_sim.perf import DEFAULT_PERF, perf_config
-from blocks_reference import reference
+from blocks_reference import BlockCountsReference, compiled_fill, numpy_tick, reference
 from moonep_sim.sim.blocks import BlockCounts
 from moonep_sim.sim.network import FlowNetwork, PortMap
-from moonep_sim.sim.topology import Topology, load_topology
+from moonep_sim.sim.topology import load_topology
+from ideal_topology import ideal
 
-SPINE = Topology.ideal("os", gpus_per_node=4, nvlink_bandwidth_GBps=100.0, nic_bandwidth_GBps=25.0,
+SPINE = ideal("os", gpus_per_node=4, nvlink_bandwidth_GBps=100.0, nic_bandwidth_GBps=25.0,
                        nic_latency_us=5.0, fabric_latency_us=1.0, fabric_oversubscription=3.0)
 
 # sha256 (first 16 hex digits) of every record column, the ticks and filling steps of each case,
@@ -59,7 +60,7 @@ def run(name: str, compiled: bool = True, ports: PortMap | None = None, stop_at:
     env = simpy.Environment()
     net = FlowNetwork(env, ports, tol, perf=DEFAULT_PERF if tables else NO_PAIR_TABLES)
     if not compiled:
-        net._blocks = reference(net._blocks)
+        numpy_tick(net)
     pop = np.exp(rng.normal(0, 1.0, R))
     phases = [np.where(rng.random((R, R)) < 0.6, rng.poisson(30 * pop[None, :] / pop.mean(), (R, R)) * 1000.0, 0.0),
               rng.poisson(6, (R, R)) * 333.0, np.where(rng.random((R, R)) < 0.2, 4096.0, 0.0)]
@@ -123,6 +124,11 @@ def test_phases_registered_during_the_run_give_the_same_records(name):
         assert np.array_equal(a[0][k], b[0][k], equal_nan=True), k
 
 
+def idle(net: FlowNetwork) -> bool:
+    """No flow transferring and none waiting."""
+    return not net._a.alive.any() and net._pend.n == 0
+
+
 def test_zero_byte_submissions_log_nothing_and_request_no_tick():
     """Entries of 0 bytes are skipped; a submission of only those adds no flow, no waiting flow
     and no tick (as the numpy path)."""
@@ -133,14 +139,14 @@ def test_zero_byte_submissions_log_nothing_and_request_no_tick():
         net = FlowNetwork(env, ports, 0.002, perf=DEFAULT_PERF if tabs else NO_PAIR_TABLES)
         pid = net.expect("p", np.zeros(R, dtype=np.int64))
         net.submit(pid, 3, np.arange(R), np.zeros(R), np.zeros(R))
-        assert net._pend.n == 0 and net._log.n == 0 and net._next_tick == np.inf and net.idle
+        assert net._pend.n == 0 and net._log.n == 0 and net._next_tick == np.inf and idle(net)
         b = np.where(np.arange(R) % 3 == 0, 100.0, 0.0)
         pid = net.expect("q", np.r_[(b > 0).astype(np.int64)])
         net.submit(pid, 3, np.arange(R), b, b)
         assert net._pend.n == int((b > 0).sum()) == net._log.n
         assert np.array_equal(net._log.dst, np.flatnonzero(b > 0))
         env.run()
-        assert net.idle and not np.isnan(net.records()["end"]).any()
+        assert idle(net) and not np.isnan(net.records()["end"]).any()
 
 
 def test_submission_kernel_equals_the_numpy_submission():
@@ -199,7 +205,7 @@ def test_fresh_block_counts_share_the_tables_and_start_empty():
     s, d = np.arange(R), (np.arange(R) + 5) % R
     blk = ports.pair_class(s, d)
     bc.add(blk * R + s, blk * R + d, 1.0)
-    bc.fill(ports.cap_P)
+    compiled_fill(bc, ports.cap_P)
     new = bc.fresh()
     assert new._kernel_static is bc._kernel_static and new.pall is bc.pall
     assert not new.mm.any() and not new.cnt_src.any() and not new.cnt_dst.any()
@@ -207,11 +213,12 @@ def test_fresh_block_counts_share_the_tables_and_start_empty():
     new.add(blk * R + s, blk * R + d, 1.0)
     assert np.array_equal(new.mm, bc.mm) and new.mm is not bc.mm
     assert np.shares_memory(new.M[-1], new.mm) and not np.shares_memory(new.M[-1], bc.mm)
-    a, b = new.fill(ports.cap_P), bc.fill(ports.cap_P)
+    a, b = compiled_fill(new, ports.cap_P), compiled_fill(bc, ports.cap_P)
     assert np.array_equal(a.level_src, b.level_src) and a.steps == b.steps
     ref = reference(bc)   # the numpy reference: hints of its own, fresh ones empty
     ref.fill(ports.cap_P)
-    assert ref._hint and ref.fresh()._hint == [] and not ref.fresh().compiled and bc.compiled
+    assert ref._hint and ref.fresh()._hint == [] and isinstance(ref.fresh(), BlockCountsReference)
+    assert not isinstance(bc, BlockCountsReference)
 
 
 def test_networks_of_one_port_map_do_not_leak_state():

@@ -20,7 +20,7 @@ from moonep_sim.sim import SimOptions, load_topology, simulate_layer
 from moonep_sim.sim.kernels import (combine_reduce_us, kernel_fixed_us, receive_copy_us, reduce_bytes_per_us,
                                     relay_hop_rows, sm_cap_bytes_per_us)
 from moonep_sim.sim.program import combine_reduce_R, receive_copy_R
-from moonep_sim.sim.topology import IDEAL, topology_from_dict
+from ideal_topology import ideal_from_dict
 from moonep_sim.strategies import PlanContext, make_plan
 
 ROW = 1000
@@ -29,13 +29,13 @@ ROW = 1000
 def _topo():
     """2 GPUs per node; NVLink 10 GB/s (1 us), NIC 2 GB/s (2 us); 100 SMs of 0.2 GB/s: a 24-SM kernel
     copies at 4.8 GB/s; HBM 1 TB/s (never binds)."""
-    return topology_from_dict({
+    return ideal_from_dict({
         "name": "t", "node": {"gpus_per_node": 2},
         "nvlink": {"bandwidth_GBps": 10.0, "latency_us": 1.0, "efficiency": 1.0},
         "nic": {"bandwidth_GBps": 2.0, "latency_us": 2.0, "efficiency": 1.0}, "fabric": {"latency_us": 0.0},
         "gpu": {"mem_bandwidth_GBps": 1000.0, "mem_efficiency": 1.0},
         "kernel": {"dispatch_fixed_us": 7.0, "combine_fixed_us": 5.0, "relay_message_rows": 4},
-        "sm": {"count": 100, "copy_GBps": 0.2}}, defaults=IDEAL)
+        "sm": {"count": 100, "copy_GBps": 0.2}})
 
 
 def _plan(dst_expert, rows, R, impl="deepep-v1"):

@@ -10,6 +10,7 @@ import pytest
 from moonep_sim.errors import ConfigError
 from moonep_sim.sim import Topology, calibrated_topology_path, list_topologies, load_topology
 from moonep_sim.sim.topology import read_topology_file, topology_from_dict
+from ideal_topology import ideal
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,9 +118,9 @@ def test_class_defaults_are_the_h800_cx7_preset():
 
 
 def test_ideal_topology_turns_the_kernel_terms_off():
-    t = Topology.ideal("t")
+    t = ideal("t")
     assert (t.nvlink_efficiency, t.nic_efficiency, t.sm_count, t.kernel_dispatch_fixed_us) == (1.0, 1.0, 0, 0.0)
-    assert Topology.ideal("t", nic_efficiency=0.5).nic_efficiency == 0.5
+    assert ideal("t", nic_efficiency=0.5).nic_efficiency == 0.5
 
 
 @pytest.mark.parametrize("name, rails, per_gpu_GBps, msg_us", [

@@ -15,11 +15,6 @@ from moonep_sim.sim.topology import (Topology, calibrated_topology_path, list_to
                                      read_topology_file)
 
 
-def lower_bound_us(plan, topo, model, backward: bool = False) -> float:
-    """The layer's lower bound in microseconds (``moonep_sim.sim.lower_bound``)."""
-    return lower_bound(plan, model, topo, backward).lower_bound_us
-
-
 __all__ = ["DegradedLink", "LowerBound", "SimOptions", "SimResult", "SlowGPU", "Stall", "Topology",
-           "calibrated_topology_path", "list_topologies", "load_topology", "lower_bound", "lower_bound_us",
+           "calibrated_topology_path", "list_topologies", "load_topology", "lower_bound",
            "parse_faults", "read_topology_file", "simulate_layer", "simulate_layers"]

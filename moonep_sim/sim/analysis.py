@@ -124,15 +124,6 @@ def straggler(sim: StepSim, rec, end_R: np.ndarray) -> dict[str, Any]:
     si = 0
     plan = sim.plans[0]
 
-    def rows_R() -> np.ndarray:   # each rank's real rows: read only by the details that name them
-        return plan.real_rows_R()
-
-    def recv_rows() -> np.ndarray:   # rows each rank receives in the last hop (a pass over its messages)
-        out = np.zeros(sim.R)
-        for h in plan.hops[-1:]:
-            out = np.bincount(h.dst_rank_M, minlength=sim.R).astype(float)
-        return out
-
     last_rank = int(np.argmax(end_R))
     if sim.opts.isolate is not None or rec["end"].size == 0:
         if rec["end"].size == 0:
@@ -155,7 +146,7 @@ def straggler(sim: StepSim, rec, end_R: np.ndarray) -> dict[str, Any]:
         return dict(rank=rc, cause="stall", phase=PhaseKind.STALL.value, detail=f"rank {rc} stalled {stall:.1f} us")
     if seg == "compute":
         sp = fs.gpu_speed_R[rc]
-        rows = rows_R()
+        rows = plan.real_rows_R()
         mean_rows = max(float(rows.mean()), 1e-9)
         det = (f"expert compute {dur:.1f} us on {int(rows[rc])} rows ({rows[rc] / mean_rows:.2f}x mean)"
                + (f", GPU at {sp:g}x speed" if sp != 1 else ""))
@@ -182,7 +173,9 @@ def straggler(sim: StepSim, rec, end_R: np.ndarray) -> dict[str, Any]:
     what = _label(tag)
     if cause == "tokens received":
         into = tag.kind == PhaseKind.DISPATCH
-        rows = recv_rows() if into else rows_R()
+        rows = np.zeros(sim.R) if into else plan.real_rows_R()
+        if into and plan.hops:   # rows each rank receives in the last hop
+            rows = np.bincount(plan.hops[-1].dst_rank_M, minlength=sim.R).astype(float)
         rr = rows[owner]
         det = (f"{what}: rank {owner} {'receives' if into else 'returns'} {int(rr)} rows "
                f"({rr / max(float(rows.mean()), 1e-9):.2f}x mean); "

@@ -22,27 +22,14 @@ Notation and units: ``moonep_sim.sim.ports``.
 from __future__ import annotations
 
 import copy
-from typing import NamedTuple
 
 import numpy as np
 
-from moonep_sim.sim.fill_kernels import count_transfers, fill_levels, solver_tables
+from moonep_sim.sim.fill_kernels import SolverTables, count_transfers
 from moonep_sim.sim.tick_kernels import plain
 from moonep_sim.sim.ports import Block, PortMap, block_kind
 
 RUN_MAX = 256    # ports considered for one run of the block solver's filling
-
-
-class Levels(NamedTuple):
-    """A :meth:`BlockCounts.fill` result, per node (block-major [B x R]) on each side: the level
-    (bytes/us) at which it froze (inf if it carried nothing unfrozen) and the saturated port that
-    froze it (-1 if none); ``steps``: the filling steps taken."""
-
-    level_src: np.ndarray
-    level_dst: np.ndarray
-    port_src: np.ndarray
-    port_dst: np.ndarray
-    steps: int
 
 
 class BlockCounts:
@@ -66,13 +53,10 @@ class BlockCounts:
     (W = R for other-node blocks; G for the NVLink block, column j meaning rank node*G + j; 1 for
     the local block) and its transpose ``MT`` [R, W] by receiver row.
 
-    The fill and the counts run compiled (``moonep_sim.sim.fill_kernels``) at every width; the numpy
-    code they replaced is their test reference (``tests/blocks_reference.py``, a subclass whose
-    :attr:`compiled` is False: the network then ticks in numpy too).
+    The fill (``fill_kernels.fill_levels`` over these counts and :attr:`_kernel_static`, run by the
+    network's one-kernel tick) and the counts run compiled at every width; the numpy code they
+    replaced is their test reference (``tests/blocks_reference.py``, with the network's numpy tick).
     """
-
-    #: the fill and the counts are the compiled kernels (False in the tests' numpy reference)
-    compiled = True
 
     def __init__(self, ports: PortMap):
         self.ports = ports
@@ -142,20 +126,13 @@ class BlockCounts:
                                              np.where(kind_N == Block.NVLINK, geo.node_of(r_N), r_N))
         self.cell_col_N = np.where(kind_N >= Block.NIC, r_N, np.where(kind_N == Block.NVLINK, geo.local_index(r_N), 0))
         self.mt_row_N = self.m_off[b_N] + r_N * self.width_B[b_N]
-        # per port: True when its nodes are receiver nodes (every port belongs to one side)
-        self.port_side = np.zeros(P1, dtype=bool)
-        side_of = self.pn_nodes >= B * R
-        self.port_side[np.repeat(np.arange(P1), per_port)] = side_of
-        mixed = np.bincount(np.repeat(np.arange(P1), per_port), weights=side_of, minlength=P1)
-        if not np.all((mixed == 0) | (mixed == per_port)):  # pragma: no cover - side_ports lists a port on both sides
-            raise RuntimeError("a port holds sender and receiver nodes")
-        c = np.ascontiguousarray
+        c = lambda x: np.ascontiguousarray(x, dtype=np.int64)  # noqa: E731   (the kernels' dtype)
         #: int64 [2N] contiguous copies of ``mt_row_N`` / ``cell_col_N`` for the kernels
-        self.row_U, self.col_U = c(self.mt_row_N, dtype=np.int64), c(self.cell_col_N, dtype=np.int64)
-        #: the solver's tables as the kernels read them (fill_kernels.SolverTables, as a plain tuple:
-        #: ``tick_kernels.plain``)
-        self._kernel_static = plain(solver_tables(self.simple, dm, RUN_MAX, self.pall, self.port_nodes, self.pps, self.nps,
-                                                  self.cell_key_N, self.row_U, self.col_U, self._node_rows()))
+        self.row_U, self.col_U = c(self.mt_row_N), c(self.cell_col_N)
+        #: the solver's tables as the kernels read them (as a plain tuple: ``tick_kernels.plain``)
+        self._kernel_static = plain(SolverTables(bool(self.simple), int(dm), RUN_MAX, c(self.pall), c(self.port_nodes),
+                                                 c(self.pps), c(self.nps), c(self.cell_key_N), self.row_U, self.col_U,
+                                                 *(c(x) for x in self._node_rows())))
 
     def fresh(self) -> "BlockCounts":
         """A BlockCounts of the same port map with nothing counted: this one's tables (built once
@@ -200,25 +177,5 @@ class BlockCounts:
         if ns_F.size:
             count_transfers(self.mm, self.T, self.row_U, self.col_U, self.cnt_src, self.cnt_dst, ns_F, nd_F, sign)
 
-    def fill(self, cap_P: np.ndarray) -> Levels:
-        """Exact max-min fair levels of the counted transfers (batched progressive filling):
-        per node, the level at which it froze and the port that froze it (:class:`Levels`), by the
-        compiled kernel (:func:`~moonep_sim.sim.fill_kernels.fill_levels`), bit-identical to the
-        numpy reference it replaced (``tests/blocks_reference.py``; one fill of a V3 EP32 decode
-        layer's network ~15x faster)."""
-        lev, bport, steps = self.fill_nodes(cap_P)
-        N = self.B * self.R
-        return Levels(lev[:N], lev[N:2 * N], bport[:N], bport[N:2 * N], steps)
 
-    def fill_nodes(self, cap_P: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """The compiled :meth:`fill` as the kernel returns it: (lev_U1
-        float64 [2N + 1], bport_U1 int64 [2N + 1], steps), the sender nodes' levels and ports, then
-        the receiver nodes', then a spare node (inf, -1)."""
-        lev, bport, steps = fill_levels(np.asarray(cap_P, dtype=np.float64), self.cnt_src, self.cnt_dst, self.mm,
-                                        self._kernel_static)
-        if steps < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
-            raise RuntimeError("progressive filling made no progress")
-        return lev, bport, steps
-
-
-__all__ = ["BlockCounts", "Levels", "RUN_MAX"]
+__all__ = ["BlockCounts", "RUN_MAX"]

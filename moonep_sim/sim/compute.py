@@ -34,14 +34,17 @@ def slot_work(plan: Plan, model: ModelSpec, backward: bool = False) -> tuple[np.
 
     fixed_bytes_S is the weight traffic (0 for slots without rows: an empty expert is skipped).
     """
-    D, Hf = model.dispatch_hidden, model.expert_ffn
     rows = plan.slot_padded_S.astype(np.float64)
-    elems = 3.0 * D * Hf
     flops = rows * model.expert_flops_per_row() * (2.0 if backward else 1.0)
-    wbytes = elems * ((2 + 4) if backward else 2)
-    fixed = np.where(rows > 0, wbytes, 0.0)
-    per_row = 2.0 * (2 * D + 6 * Hf) * (2.0 if backward else 1.0)
-    return flops, fixed, per_row
+    wbytes, per_row = _expert_bytes(model, backward)
+    return flops, np.where(rows > 0, wbytes, 0.0), per_row
+
+
+def _expert_bytes(model: ModelSpec, backward: bool) -> tuple[float, float]:
+    """(one expert's weight bytes -- read, and in backward read again with its fp32 gradient
+    written --, the activation bytes per row): the module docstring's counts."""
+    D, Hf = model.dispatch_hidden, model.expert_ffn
+    return 3.0 * D * Hf * ((2 + 4) if backward else 2), 2.0 * (2 * D + 6 * Hf) * (2.0 if backward else 1.0)
 
 
 def rank_compute_us(plan: Plan, model: ModelSpec, topo: Topology, backward: bool = False, chunks: int = 1,
@@ -80,15 +83,12 @@ def compute_lower_bound_us(plan: Plan, model: ModelSpec, topo: Topology, backwar
     achievable peak (roofline of the totals, which bounds every per-slot roofline sum), plus one
     launch.
     """
-    D, Hf = model.dispatch_hidden, model.expert_ffn
     real = plan.slot_rows_S.astype(np.float64)
-    f = 2.0 if backward else 1.0
-    flops = float(real.sum()) * model.expert_flops_per_row() * f
+    flops = float(real.sum()) * model.expert_flops_per_row() * (2.0 if backward else 1.0)
     used = np.zeros(plan.num_experts, dtype=bool)
     used[plan.slot_expert_S[plan.slot_rows_S > 0]] = True
-    elems = 3.0 * D * Hf
-    wbytes = elems * ((2 + 4) if backward else 2)
-    bytes_ = float(used.sum()) * wbytes + float(real.sum()) * 2.0 * (2 * D + 6 * Hf) * f
+    wbytes, per_row = _expert_bytes(model, backward)
+    bytes_ = float(used.sum()) * wbytes + float(real.sum()) * per_row
     R = plan.ranks
     return max(flops / (R * topo.flops_per_us), bytes_ / (R * topo.mem_bytes_per_us)) + topo.gpu_launch_us
 

@@ -227,7 +227,8 @@ class StepSim:
         self.stage_end = np.zeros((len(self.stages), R))
         self.stage_start = np.zeros((len(self.stages), R))
         self.busy_P: np.ndarray | None = None  # us each port was busy (set by the analysis)
-        self._planned_ev = [[self.env.event() for _ in range(R)] for _ in self.stages]   # [stage][rank]: planning done
+        # [stage][rank]: fires once the rank finished planning the stage (at once when there is no planning)
+        self._planned = [[self.env.event() for _ in range(R)] for _ in self.stages]
         # keyed by plain tuples (built per hop chunk): a side key (stage, side, rank) -- a rank's hops
         # on one side of a stage -- or a hop key (stage, side, hop, chunk, rank) -- one hop chunk of it
         self._done_ev: dict[tuple, list[list[simpy.Event]]] = {}   # side key -> [hop][chunk]
@@ -245,6 +246,12 @@ class StepSim:
     def _span(self, r: int, name: str, kind: PhaseKind, direction: Direction, t0: float) -> None:
         """Record rank r's span from ``t0`` to now."""
         self.spans.append(Span(r, name, kind, direction, t0, self.env.now))
+
+    def _timed(self, r: int, ev: simpy.Event, name: str, kind: PhaseKind, direction: Direction):
+        """Wait for ``ev`` (made now: rank r's local work or a delay) and record the span r spent in it."""
+        t0 = self.env.now
+        yield ev
+        self._span(r, name, kind, direction, t0)
 
     def _jit(self, shape) -> np.ndarray:
         return lognormal_factors(self.rng, self.opts.jitter, shape)
@@ -329,30 +336,22 @@ class StepSim:
         yield start_ev
         self.stage_start[si, r] = env.now
         if d.plan_cpu_us > 0 or d.plan_comm_us > 0:
-            t0 = env.now
-            yield self._work(r, d.plan_cpu_us)
-            self._span(r, prefix + "plan", PhaseKind.PLANNING, d.direction, t0)
+            yield from self._timed(r, self._work(r, d.plan_cpu_us), prefix + "plan", PhaseKind.PLANNING, d.direction)
             if d.plan_comm_us > 0:  # the all-gather of the routing: its own kind, in the same "plan" phase
-                t1 = env.now
-                yield env.timeout(d.plan_comm_us)
-                self._span(r, prefix + "plan", PhaseKind.ROUTING_GATHER, d.direction, t1)
-        self._planned(si, r).succeed()
+                yield from self._timed(r, env.timeout(d.plan_comm_us), prefix + "plan", PhaseKind.ROUTING_GATHER,
+                                       d.direction)
+        self._planned[si][r].succeed()
         st = self._stall(r, "dispatch", si)
         if st > 0:
-            t0 = env.now
-            yield env.timeout(st)
-            self._span(r, prefix + "stall", PhaseKind.STALL, d.direction, t0)
+            yield from self._timed(r, env.timeout(st), prefix + "stall", PhaseKind.STALL, d.direction)
         if self.opts.overlap_prefetch:
-            yield from self._weight_pass(d, r, prefix)
-            self._send_gated(d.weights, wts, r)
+            yield from self._send_weights(d, r, prefix, wts)
         if pre:
-            done = self._done(si, Side.PRE, r, len(pre))
-            procs = [env.process(self._hop(r, pre, h, None, prefix, d.pre_copy[h][r], d.post_copy[h][r], done, kern))
+            procs = [env.process(self._hop(r, pre, h, None, prefix, d.pre_copy[h][r], d.post_copy[h][r], kern))
                      for h in range(len(pre))]
             yield AllOrAny(env, procs, True)
         if not self.opts.overlap_prefetch:
-            yield from self._weight_pass(d, r, prefix)
-            self._send_gated(d.weights, wts, r)
+            yield from self._send_weights(d, r, prefix, wts)
 
     def _send_gated(self, phases, items, r: int) -> None:
         """Rank r sends its part of each phase now, or -- for a phase with ``after`` (a relay's
@@ -368,16 +367,11 @@ class StepSim:
         yield self.net.received(gate.pid, r)
         self._send(item, r)
 
-    def _weight_pass(self, d: StageProgram, r: int, prefix: str):
-        """The home's local pass over the weights it sends (``host_copy_bandwidth_GBps``)."""
+    def _send_weights(self, d: StageProgram, r: int, prefix: str, wts: list[PhaseRows]):
+        """The home's local pass over the weights it sends (``host_copy_bandwidth_GBps``), then its sends."""
         if d.w_pre_R is not None and d.w_pre_R[r] > 0:
-            t0 = self.env.now
-            yield self._work(r, float(d.w_pre_R[r]))
-            self._span(r, prefix + "copy", PhaseKind.COPY, d.direction, t0)
-
-    def _planned(self, si: int, r: int) -> simpy.Event:
-        """Fires once rank r finished planning stage si (at once when there is no planning)."""
-        return self._planned_ev[si][r]
+            yield from self._timed(r, self._work(r, float(d.w_pre_R[r])), prefix + "copy", PhaseKind.COPY, d.direction)
+        self._send_gated(d.weights, wts, r)
 
     def _done(self, si: int, side: Side, r: int, hops: int) -> list[list[simpy.Event]]:
         """Per (hop, chunk): fires once rank r received that chunk and made its local pass over it."""
@@ -407,22 +401,21 @@ class StepSim:
                 ev = slot.event
                 self.env.timeout(t - now).callbacks.append(lambda _e, ev=ev: None if ev.triggered else ev.succeed())
 
-    def _hop(self, r, rows, h, first_gate, prefix, pre_us=0.0, post_us=0.0, done=None,
-             kern: KernelTerms | None = None):
+    def _hop(self, r, rows, h, first_gate, prefix, pre_us, post_us, kern: KernelTerms):
         """Rank r's part of hop h, chunk by chunk: chunk j is sent once r received chunk j of the
         previous hop and made its local pass over it (or ``first_gate[j]`` fired, for the first
         hop) and chunk j-1 of this hop; ``pre_us`` / ``post_us`` (whole hop, split over chunks) are
         the local gather before sending and the pass over the received rows.
 
-        ``kern``: the kernel terms (:class:`KernelTerms`; None: none). The fixed cost is paid
+        ``kern``: the side's kernel terms (:class:`KernelTerms`). The fixed cost is paid
         before the first chunk of every hop (only hop 0 when relayed). With
         ``relay_RR``, hop h > 0 is sent once r holds the first message of hop h-1 (or all of it,
         if that is sooner), and r holds hop h once every relay v feeding it held its hop h-1
         chunk and forwarded the last message (``relay_RR[v][r]`` us after)."""
         env, net = self.env, self.net
         c = self.opts.chunks
-        si, side, relay = (kern.stage, kern.side, kern.relay) if kern is not None else (None, None, None)
-        fixed = kern.fixed_us if kern is not None else 0.0
+        si, side, relay, fixed = kern.stage, kern.side, kern.relay, kern.fixed_us
+        done = self._done(si, side, r, len(rows))
         pays_fixed = fixed > 0 and (h == 0 or not kern.program.relayed)
         copy_name = prefix + "copy"
         for j in range(c):
@@ -432,18 +425,15 @@ class StepSim:
             if h > 0 and relay is not None:
                 yield AllOrAny(env, [self._first_message((si, side, h - 1, j, r)).event, done[h - 1][j]], False)
             elif h > 0:
-                yield done[h - 1][j] if done is not None else net.received(rows[h - 1][j].pid, r)
+                yield done[h - 1][j]
             elif first_gate is not None:
                 yield first_gate[j]
             if j == 0 and pays_fixed:
-                t0 = env.now
-                yield env.timeout(fixed)
                 # named after its hop (``dispatch.0.fixed``), so phases_us gives each launch's own span
-                self._span(r, f"{prefix}{tag.name}.fixed", PhaseKind.KERNEL_FIXED, tag.direction, t0)
+                yield from self._timed(r, env.timeout(fixed), f"{prefix}{tag.name}.fixed", PhaseKind.KERNEL_FIXED,
+                                       tag.direction)
             if pre_us > 0:
-                t0 = env.now
-                yield self._work(r, float(pre_us) / c)
-                self._span(r, copy_name, PhaseKind.COPY, tag.direction, t0)
+                yield from self._timed(r, self._work(r, float(pre_us) / c), copy_name, PhaseKind.COPY, tag.direction)
             t0 = env.now
             if relay is not None and h + 1 < len(rows):
                 self._announce(si, side, h, j, r, relay[h], self._nonzero(item, False)[r])
@@ -462,18 +452,14 @@ class StepSim:
                     yield env.timeout(t_need - env.now)
             self._span(r, net.phase_name(pid), tag.kind, tag.direction, t0)
             if post_us > 0:
-                t0 = env.now
-                yield self._work(r, float(post_us) / c)
-                self._span(r, copy_name, PhaseKind.COPY, tag.direction, t0)
-            if done is not None:
-                if si is not None:
-                    self._done_t[(si, side, h, j, r)] = env.now
-                done[h][j].succeed()
+                yield from self._timed(r, self._work(r, float(post_us) / c), copy_name, PhaseKind.COPY, tag.direction)
+            self._done_t[(si, side, h, j, r)] = env.now
+            done[h][j].succeed()
 
     def _computer(self, si, d: StageProgram, r, start_ev, pre, wts, aft, comp_done, jit, prefix):
         env = self.env
         yield start_ev
-        yield self._planned(si, r)
+        yield self._planned[si][r]
         for j in range(self.opts.chunks):
             gate = Gate.START
             if pre:
@@ -483,25 +469,21 @@ class StepSim:
                 t_before = env.now
                 yield AllOrAny(env, [self.net.received(w.pid, r) for w in wts], True)
                 if d.w_post_R is not None and d.w_post_R[r] > 0:
-                    t0 = env.now
-                    yield self._work(r, float(d.w_post_R[r]))
-                    self._span(r, prefix + "copy", PhaseKind.COPY, d.direction, t0)
+                    yield from self._timed(r, self._work(r, float(d.w_post_R[r])), prefix + "copy", PhaseKind.COPY,
+                                           d.direction)
                 if env.now > t_before:
                     gate = Gate.WEIGHTS
             if j == 0:
                 st = self._stall(r, "compute", si)
                 if st > 0:
-                    t0 = env.now
-                    yield env.timeout(st)
-                    self._span(r, prefix + "stall", PhaseKind.STALL, d.direction, t0)
+                    yield from self._timed(r, env.timeout(st), prefix + "stall", PhaseKind.STALL, d.direction)
                     gate = Gate.STALL
                 self.compute_start[si, r] = env.now
                 self.compute_gate[si][r] = gate
-            t0 = env.now
             if self.opts.isolate is None:
-                yield self._work(r, float(d.compute_R[r] * jit[j]))
                 name = "expert_bwd" if d.direction == Direction.BACKWARD else "expert"
-                self._span(r, prefix + name, PhaseKind.EXPERT_COMPUTE, d.direction, t0)
+                yield from self._timed(r, self._work(r, float(d.compute_R[r] * jit[j])), prefix + name,
+                                       PhaseKind.EXPERT_COMPUTE, d.direction)
             comp_done[j].succeed()
         self.compute_end[si, r] = env.now
         self._send_gated(d.after, aft, r)
@@ -513,13 +495,10 @@ class StepSim:
         st = self._stall(r, "combine", si)
         if st > 0:
             yield comp_done[0] if gate is not None else env.timeout(0)
-            t0 = env.now
-            yield env.timeout(st)
-            self._span(r, prefix + "stall", PhaseKind.STALL, d.direction, t0)
+            yield from self._timed(r, env.timeout(st), prefix + "stall", PhaseKind.STALL, d.direction)
         if post:
-            done = self._done(si, Side.POST, r, len(post))
             procs = [env.process(self._hop(r, post, h, gate, prefix, d.post_pre_copy[h][r], d.post_post_copy[h][r],
-                                           done, kern))
+                                           kern))
                      for h in range(len(post))]
             yield AllOrAny(env, procs, True)
         if aft:

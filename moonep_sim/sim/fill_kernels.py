@@ -1,6 +1,6 @@
 """The block solver's progressive filling as one compiled kernel (:func:`fill_levels`).
 
-:meth:`moonep_sim.sim.blocks.BlockCounts.fill` takes about ten filling steps per rate change, each
+The block solver's fill (``moonep_sim.sim.blocks``) takes about ten filling steps per rate change, each
 a handful of numpy calls on arrays of a few to a few hundred ports: the cost is the calls, not the
 arithmetic (a DeepSeek-V3 EP32 decode step: ~12,300 fills, ~5 s of numpy overhead). This kernel is
 the same filling written as loops over the arrays :class:`BlockCounts` holds, doing the same steps
@@ -339,7 +339,7 @@ def _fill_general(cap_P, N, tables, nodes, scratch, cells, run):
 
 class SolverTables(NamedTuple):
     """The block solver's tables, as :func:`fill_levels` and the network's one-kernel tick read them:
-    built once per port map by ``BlockCounts`` (:func:`solver_tables`), never written after.
+    built once per port map by ``BlockCounts`` (contiguous int64 arrays), never written after.
 
     simple: every node has one port and every port one node (then ``pps`` / ``nps``: the ports that
     have a node, ascending, and their nodes).  dummy: the dummy port.  run_max: ports of one run at
@@ -369,17 +369,6 @@ class SolverTables(NamedTuple):
     cols_RG: np.ndarray
 
 
-def solver_tables(simple: bool, dummy: int, run_max: int, pall_UK: np.ndarray, port_nodes_PD: np.ndarray,
-                  pps: np.ndarray, nps: np.ndarray, key_U: np.ndarray, row_U: np.ndarray, col_U: np.ndarray,
-                  cells: tuple) -> SolverTables:
-    """:class:`SolverTables` in the dtypes the kernels read (contiguous int64). cells: (cbase_U,
-    wid_U, obase_U, qbase_U, cols_RG), as ``BlockCounts`` derives them."""
-    c = np.ascontiguousarray
-    return SolverTables(bool(simple), int(dummy), int(run_max), c(pall_UK, dtype=np.int64),
-                        c(port_nodes_PD, dtype=np.int64), c(pps, dtype=np.int64), c(nps, dtype=np.int64),
-                        c(key_U, dtype=np.int64), row_U, col_U, *(c(x, dtype=np.int64) for x in cells))
-
-
 @kernel
 def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, tables):
     """(lev_U1, bport_U1, steps): per node (and the spare node U) the level at which it froze (inf:
@@ -388,13 +377,7 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, tables):
 
     cap_P: float64 [P1] capacities.  cnt_src_N / cnt_dst_N: float64 [N] active transfers per
     sender / receiver node.  mm: float64 [2T + 1] the counts buffer (``BlockCounts.mm``: M cells,
-    MT cells, a zero).  tables: the solver's :class:`SolverTables` (built once per port map):
-    simple: every node has one port and every port one node (then ``pps`` /
-    ``nps``: the ports that have a node, ascending, and their nodes).  dummy: the dummy port.
-    run_max: ports of one run at most.  pall_UK: int64 [U, K] ports of each node (dummy-padded).
-    port_nodes_PD: int64 [P1, D] nodes of each port (-1-padded).  key_U, row_U, col_U: int64 [U]
-    per node its cell key, its row's first index in ``mm`` and its column in the other side's rows.
-    cbase_U, wid_U, obase_U, qbase_U, cols_RG: each node's cells (:func:`_freeze`)."""
+    MT cells, a zero).  tables: the solver's :class:`SolverTables` (built once per port map)."""
     simple, dummy, run_max, pall_UK, port_nodes_PD, pps, nps, key_U, row_U, col_U = tables[:10]
     N = cnt_src_N.size
     U = 2 * N
@@ -438,4 +421,4 @@ def count_transfers(mm, T, row_U, col_U, cnt_src_N, cnt_dst_N, ns_F, nd_F, sign)
         cnt_dst_N[d] += sign
 
 
-__all__ = ["SolverTables", "count_transfers", "fill_levels", "solver_tables"]
+__all__ = ["SolverTables", "count_transfers", "fill_levels"]

@@ -136,12 +136,6 @@ class FlowLog(_Columns):
     end = _Column(np.float64, np.nan)
     bneck = _Column(np.int64, -1)
 
-    def add(self, src_F: np.ndarray, dst_F: np.ndarray, pid: int, bytes_F: np.ndarray, now: float) -> np.ndarray:
-        """Log a batch of flows submitted at ``now``; returns their ids."""
-        ids = np.arange(self.n, self.n + dst_F.size)
-        self.append(src=src_F, dst=dst_F, phase=pid, bytes=bytes_F, start=now)
-        return ids
-
     def records(self) -> dict[str, np.ndarray]:
         """Per flow: src, dst, phase id, bytes, start (submit), ready, end, bottleneck port."""
         n = self.n

@@ -35,7 +35,7 @@ faster than nominal on a draw, is the one input under which the bound may be bea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -53,8 +53,7 @@ class LowerBound:
     binding: str        # "compute" | "rank R ports" | "node N NICs"
 
     def to_dict(self) -> dict:
-        return dict(lower_bound_us=self.lower_bound_us, comm_us=self.comm_us, compute_us=self.compute_us,
-                    binding=self.binding)
+        return asdict(self)
 
 
 CHUNK = 1 << 20   # entries per pass of the per-entry loops: their temporaries stay small and reused

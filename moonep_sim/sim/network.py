@@ -46,10 +46,10 @@ import simpy
 
 from moonep_sim.errors import require
 from moonep_sim.perf import DEFAULT_PERF, PerfConfig
-from moonep_sim.sim.blocks import BlockCounts, Levels
+from moonep_sim.sim.blocks import BlockCounts
 from moonep_sim.sim.flows import ActiveFlows, FlowLog, Pending
 from moonep_sim.sim.ports import L_PATH, Block, PortMap, block_kind
-from moonep_sim.sim.tick_kernels import LogCols, WaitCols, plain, submit_flows, tick_blocks, tick_records
+from moonep_sim.sim.tick_kernels import LogCols, WaitCols, plain, set_rates, submit_flows, tick_blocks, tick_records
 from moonep_sim.sim.waterfill import waterfill
 
 
@@ -128,8 +128,7 @@ class FlowNetwork:
         self._a = ActiveFlows(with_path=not use_blocks, path_len=L_PATH)
         self._dead = 0
         self._sentinel = ports.num_blocks * ports.ranks   # node index of finished flows (level 0)
-        self._levels: Levels | None = None         # the last fill of the block solver
-        # the same, compiled: lev_U1, bport_U1 (none yet: placeholders, read only by flows of a fill)
+        # the last fill of the block solver: lev_U1, bport_U1 (none yet: placeholders, read only by flows of a fill)
         self._node_levels = (np.zeros(1), np.full(1, -1, dtype=np.int64))
         self._done = np.empty(32, dtype=np.int64)  # scratch of the compiled completions
         self._bneck_paths: np.ndarray | None = None   # the last fill of the per-flow solver: bottleneck per slot
@@ -192,76 +191,63 @@ class FlowNetwork:
         eff_bytes_F: the bytes the flow is timed for (bytes x jitter factor).
         """
         tab = self._phase_tab[pid]
+        sm, nic = self.ports.sm_ports and self._phase_sm[pid], self._phase_nic[pid]
         if tab is False:   # the phase's pair tables, looked up at its first submission
-            sm, nic = self.ports.sm_ports and self._phase_sm[pid], self._phase_nic[pid]
-            tab = self._phase_tab[pid] = self._pair_table(sm, nic) if self._blocks is not None else None
-        now = self.env.now
-        if tab is not None:   # one kernel: the entries with bytes, their cells of the pair tables
-            dst_F = np.asarray(dst_F, dtype=np.int64)
-            F = dst_F.size
-            p, log = self._pend, self._log
-            if p.n + F > p.capacity or log.n + F > log.capacity or self._sargs is None:
-                p.reserve(p.n + F)
-                log.reserve(log.n + F)
-                pd, ld = p.data, log.data
-                # (the records as plain tuples in their fields' order: numba types a plain tuple in C at
-                # each call, a NamedTuple field by field in Python -- ~20 us a tick, 15% of a layer)
-                self._sargs = (plain(WaitCols(pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"], pd["dst"],
-                                              pd["blk"])),
-                               plain(LogCols(ld["src"], ld["dst"], ld["phase"], ld["bytes"], ld["start"])))
-                self._targs = None   # the tick's buffers too
-            m, first = submit_flows((src, pid, float(now), self._message_us), dst_F,   # a Submission
-                                    np.asarray(bytes_F, dtype=np.float64), np.asarray(eff_bytes_F, dtype=np.float64),
-                                    tab[0], tab[1], self._R, p.n, log.n, *self._sargs)
-            if m == 0:
-                return
-            p.n += m
-            log.n += m
-        else:
-            sm, nic = self.ports.sm_ports and self._phase_sm[pid], self._phase_nic[pid]
-            keep = bytes_F > 0
-            dst = np.asarray(dst_F, dtype=np.int64)[keep]
-            if dst.size == 0:
-                return
-            src_F = np.full(dst.size, src, dtype=np.int64)
-            path = None
-            sm_F = np.full(dst.size, sm) if self.ports.sm_ports else None
-            nic_F = np.full(dst.size, True) if nic else None
-            blk = self.ports.pair_class(src_F, dst, sm_F, nic_F)
-            lat = self.ports.latency(src_F, dst, nic_F)
-            if self._blocks is None:
-                path = self.ports.paths(src_F, dst, sm_F, nic_F)[0]
-            if self.ports.message_us > 0:  # the sender's serial per-message cost (host_message_us)
-                remote = dst != src
-                lat = lat + np.where(remote, self.ports.message_us * float(remote.sum()), 0.0)
-            ids = self._log.add(src_F, dst, pid, np.asarray(bytes_F, dtype=np.float64)[keep], float(now))
-            ready = now + lat
-            extra = {} if path is None else dict(path=path)
-            self._pend.append(ready=ready, eff=np.asarray(eff_bytes_F, dtype=np.float64)[keep], id=ids,
-                              key=pid * self.ports.ranks + dst, src=src_F, dst=dst, blk=blk, **extra)
-            first = float(ready.min())
-            self._sargs = self._targs = None   # the columns may have grown
+            tab = self._phase_tab[pid] = self._pair_table(sm, nic)
+        R = self._R
+        # the sender's rows of the pair tables (classified here above ``perf.pair_table_max`` pairs)
+        blk_R, lat_R = (tab[0][src], tab[1][src]) if tab is not None else self._pairs(np.full(R, src), np.arange(R), sm, nic)
+        dst_F = np.asarray(dst_F, dtype=np.int64)
+        F = dst_F.size
+        p, log = self._pend, self._log
+        if p.n + F > p.capacity or log.n + F > log.capacity or self._sargs is None:
+            p.reserve(p.n + F)
+            log.reserve(log.n + F)
+            pd, ld = p.data, log.data
+            # (the records as plain tuples in their fields' order: numba types a plain tuple in C at
+            # each call, a NamedTuple field by field in Python -- ~20 us a tick, 15% of a layer)
+            self._sargs = (plain(WaitCols(pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"], pd["dst"], pd["blk"])),
+                           plain(LogCols(ld["src"], ld["dst"], ld["phase"], ld["bytes"], ld["start"])))
+            self._targs = None   # the tick's buffers too
+        # one kernel: the entries with bytes, their cells of the sender's rows
+        m, first = submit_flows((src, pid, float(self.env.now), self._message_us), dst_F,   # a Submission
+                                np.asarray(bytes_F, dtype=np.float64), np.asarray(eff_bytes_F, dtype=np.float64),
+                                blk_R, lat_R, R, p.n, log.n, *self._sargs)
+        if m == 0:
+            return
+        p.n += m
+        log.n += m
+        if self._blocks is None:   # the per-flow solver's paths
+            new = slice(p.n - m, p.n)
+            p.data["path"][new] = self.ports.paths(np.full(m, src), p.data["dst"][new],
+                                                   np.full(m, sm) if self.ports.sm_ports else None,
+                                                   np.full(m, True) if nic else None)
         self._pend_min = min(self._pend_min, first)
         self._request_tick(first)
 
     def _pair_table(self, sm: bool, nic: bool) -> tuple[np.ndarray, np.ndarray] | None:
-        """(block_RR, latency_RR): ``PortMap.pair_class`` and ``latency`` of every (sender,
-        receiver) for flows of phases with these flags (built on first use, kept per port map; a
-        rank's submission then reads its row instead of classifying its transfers again). None
-        above ``perf.pair_table_max`` pairs."""
+        """(block_RR, latency_RR): :meth:`_pairs` of every (sender, receiver) (built on first use,
+        kept per port map; a rank's submission then reads its row instead of classifying its
+        transfers again). None above ``perf.pair_table_max`` pairs."""
         key = (sm, nic)
         if key not in self._pair_tables:
             R = self.ports.ranks
             tab = None
-            if R * R <= self._pair_max:
-                s, d = np.divmod(np.arange(R * R), R)
-                nic_F = np.full(R * R, True) if nic else None
-                tab = (self.ports.pair_class(s, d, np.full(R * R, sm) if self.ports.sm_ports else None, nic_F).reshape(R, R),
-                       self.ports.latency(s, d, nic_F).reshape(R, R))
-                for x in tab:
-                    x.setflags(write=False)   # shared by the networks of this port map
+            if R * R <= self._pair_max:   # (read-only: shared by the networks of this port map)
+                tab = tuple(x.reshape(R, R) for x in self._pairs(*np.divmod(np.arange(R * R), R), sm, nic))
             self._pair_tables[key] = tab
         return self._pair_tables[key]
+
+    def _pairs(self, src_F: np.ndarray, dst_F: np.ndarray, sm: bool, nic: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(block_F int64, latency_F float64), read-only: ``PortMap.pair_class`` and ``latency`` of
+        transfers ``src -> dst`` of a phase with these flags."""
+        F = src_F.size
+        nic_F = np.full(F, True) if nic else None
+        out = (self.ports.pair_class(src_F, dst_F, np.full(F, sm) if self.ports.sm_ports else None, nic_F),
+               self.ports.latency(src_F, dst_F, nic_F))
+        for x in out:
+            x.setflags(write=False)
+        return out
 
     # -- the tick machinery --------------------------------------------------------------
     def _request_tick(self, t: float) -> None:
@@ -277,16 +263,6 @@ class FlowNetwork:
             ev = self.env.timeout(t - now)
             ev.callbacks.append(lambda _e, v=v: self._tick(v))
 
-    def _bottlenecks(self, sel: np.ndarray) -> np.ndarray:
-        """Bottleneck port of active flows ``sel`` under the last fill."""
-        a = self._a
-        if self._levels is None:
-            return self._bneck_paths[sel]
-        lv = self._levels
-        i = a.ns[sel]
-        j = a.nd[sel]
-        return np.where(lv.level_src[i] <= lv.level_dst[j], lv.port_src[i], lv.port_dst[j])
-
     def _tick(self, version: int) -> None:
         if version != self._version:
             return  # stale: superseded by a later rate change
@@ -294,12 +270,7 @@ class FlowNetwork:
         t = float(self.env.now)
         self.ticks += 1
         a = self._a
-        # the block solver's compiled fill, and with it the whole tick in one kernel (tick_kernels):
-        # the same operations as the numpy code below, bit for bit
-        if self._blocks is not None and self._blocks.compiled:
-            nxt = self._tick_compiled(t)
-        else:
-            nxt = self._tick_reference(t)
+        nxt = self._tick_compiled(t) if self._blocks is not None else self._tick_paths(t)
         if self.record_util:
             live = np.flatnonzero(a.alive)
             if self._blocks is None:
@@ -310,7 +281,7 @@ class FlowNetwork:
             use = np.bincount(path.ravel(), weights=np.repeat(a.rate[live], path.shape[1]),
                               minlength=self.ports.cap_P.size)[:-1]
             self.util_samples.append(UtilSample(t, use / self.ports.cap_P[:-1]))
-        # 4. next tick
+        # the next tick
         if self._pend.n:
             nxt = min(nxt, self._pend_min)
         if math.isfinite(nxt):
@@ -331,111 +302,68 @@ class FlowNetwork:
         lev, bport = self._node_levels
         # (a TickState, as a plain tuple: see _sargs)
         out = tick_blocks(t, (a.n, self._dead, p.n, self._pend_min, lev, bport), *self._targs)
-        a.n, self._dead, p.n, self._pend_min = out.n, out.dead, out.pn, out.pend_min
+        a.n, self._dead, p.n, self._pend_min, lev, bport = out.state
         if out.steps < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
             raise RuntimeError("progressive filling made no progress")
         if out.groups:   # the groups' keys, ascending and unique
             self._succeed_groups(self._done[out.completed:out.completed + out.groups])
-        self._node_levels = (out.lev_U1, out.bport_U1)
+        self._node_levels = (lev, bport)
         self.fill_iterations += out.steps
         self._last_fill = t
         if out.fin_max > -np.inf:
             self._horizon = max(self._horizon, out.fin_max)
         return out.next_finish
 
-    def _tick_reference(self, t: float) -> float:
-        """The tick in numpy: the per-flow solver's, and the reference of :meth:`_tick_compiled`
-        (with the tests' numpy block solver, ``tests/blocks_reference.py``): its steps 1-3
-        (completions, activations, rates). Returns the earliest finish time."""
+    def _tick_paths(self, t: float) -> float:
+        """The per-flow solver's tick, in numpy: (1) the active flows due by now complete (a flow's
+        finish time is exact at its current rate), (2) the waiting flows ready by now start, in
+        submission order, (3) :func:`waterfill` rates them (``tick_kernels.set_rates``). Returns the
+        earliest finish time."""
         a = self._a
-        # 1. completions (a flow's finish time is exact at its current rate)
         if a.n:
-            thr = t + 2e-9 * max(t, 1.0)
-            done = self._complete_due(thr, t)
-            if done:
-                self._dead += done
-                if 2 * self._dead > a.n:
-                    a.keep(a.alive.copy())
-                    self._dead = 0
-        # 2. activations: the waiting flows ready by now, in submission order
-        if self._pend_min <= t + 1e-9:
-            p = self._pend
-            add = p.take(p.ready <= t + 1e-9)
-            self._pend_min = float(p.ready.min()) if p.n else np.inf
-            ids = add["id"]
-            if ids.size:
-                self._log.ready[ids] = t
-                m = ids.size
-                src_F, dst_F, blk_F = add["src"], add["dst"], add["blk"]
-                extra = {} if self._blocks is not None else dict(path=add["path"])
-                ns_F, nd_F = blk_F * self.ports.ranks + src_F, blk_F * self.ports.ranks + dst_F
-                a.append(rate=np.zeros(m), rem0=add["eff"], t0=np.full(m, t), fin=np.full(m, np.inf), id=ids,
-                         key=add["key"], src=src_F, dst=dst_F, blk=blk_F, alive=np.ones(m, dtype=bool),
-                         ns=ns_F, nd=nd_F, **extra)
-                if self._blocks is not None:
-                    self._blocks.add(ns_F, nd_F, 1.0)
-        # 3. rates: exact max-min levels, then only flows whose rate changed are touched
-        if self._blocks is not None:
-            lv = self._levels = self._blocks.fill(self.ports.cap_P)
-            rate = np.minimum(np.take(np.append(lv.level_src, 0.0), a.ns), np.take(np.append(lv.level_dst, 0.0), a.nd))
-            it = lv.steps
-        else:
-            live = np.flatnonzero(a.alive)
-            r_live, b_live, it = waterfill(a.path[live], self.ports.cap_P, self.tol)
-            rate = np.zeros(a.n)
-            rate[live] = r_live
-            bneck = np.full(a.n, -1, dtype=np.int64)
-            bneck[live] = b_live
-            self._bneck_paths = bneck
+            sel = np.flatnonzero(a.fin <= t + 2e-9 * max(t, 1.0))
+            if sel.size:
+                self._complete(sel, self._bneck_paths[sel], t)
+        cols = self._start_ready(t)
+        if cols is not None:
+            a.append(**cols)
+        live = np.flatnonzero(a.alive)
+        r_live, b_live, it = waterfill(a.path[live], self.ports.cap_P, self.tol)
+        rate = np.zeros(a.n)
+        rate[live] = r_live
+        self._bneck_paths = np.full(a.n, -1, dtype=np.int64)
+        self._bneck_paths[live] = b_live
         self.fill_iterations += it
         self._last_fill = t
-        return self._set_rates(rate, t)
+        d = a.data
+        fin_max, nxt = set_rates(rate, a.n, d["rate"], d["rem0"], d["t0"], d["fin"], t)
+        if fin_max > -np.inf:
+            self._horizon = max(self._horizon, fin_max)
+        return nxt
 
-    def _set_rates(self, rate: np.ndarray, t: float) -> float:
-        """Give the active flows the rates ``rate`` [n] of a fill at t: a flow whose rate changed
-        gets its remaining bytes at t and its new finish time (the reference of
-        ``tick_kernels.set_rates``). Returns the earliest finish time (inf: none)."""
+    def _start_ready(self, t: float) -> dict[str, np.ndarray] | None:
+        """The waiting flows ready by t, taken in submission order (their log rows marked ready at
+        t), as the active columns they start with (and their paths, for the per-flow solver); None
+        when none is."""
+        if self._pend_min > t + 1e-9:
+            return None
+        p = self._pend
+        add = p.take(p.ready <= t + 1e-9)
+        self._pend_min = float(p.ready.min()) if p.n else np.inf
+        m = add["id"].size
+        if not m:
+            return None
+        self._log.ready[add["id"]] = t
+        del add["ready"]
+        add["rem0"] = add.pop("eff")
+        return dict(add, rate=np.zeros(m), t0=np.full(m, t), fin=np.full(m, np.inf), alive=np.ones(m, dtype=bool))
+
+    def _complete(self, sel: np.ndarray, bneck: np.ndarray, t: float) -> None:
+        """Complete the active slots ``sel`` at t (``bneck``: their bottleneck ports): their log
+        rows, their receive groups, and the slots dead (rate 0, never changing); the dead slots are
+        dropped in bulk once they are more than half."""
         a = self._a
-        ch = np.flatnonzero(rate != a.rate)   # dead flows keep rate 0
-        if ch.size:
-            rem = a.rem0[ch] - a.rate[ch] * (t - a.t0[ch])
-            a.rem0[ch] = rem
-            a.t0[ch] = t
-            r_ch = rate[ch]
-            a.rate[ch] = r_ch
-            fin = t + rem / r_ch
-            a.fin[ch] = fin
-            fin_max = float(fin.max())
-            if np.isfinite(fin_max):
-                self._horizon = max(self._horizon, fin_max)
-            else:
-                fin_live = fin[np.isfinite(fin)]
-                if fin_live.size:
-                    self._horizon = max(self._horizon, float(fin_live.max()))
-        return float(a.fin.min()) if a.n else np.inf
-
-    def _complete_due(self, thr: float, t: float) -> int:
-        """Complete the active flows due by ``thr`` (their finish time is exact at their current
-        rate) at time t; returns how many (the reference of ``tick_kernels.complete_due``)."""
-        a = self._a
-        sel = np.flatnonzero(a.fin <= thr)
-        if sel.size:
-            self._complete(a.id[sel], self._bottlenecks(sel), a.key[sel], t)
-            if self._blocks is not None:
-                self._blocks.add(a.ns[sel], a.nd[sel], -1.0)
-            a.alive[sel] = False
-            a.fin[sel] = np.inf
-            a.rem0[sel] = np.inf
-            a.rate[sel] = 0.0          # dead: rate 0 at the sentinel node (level 0), never changes
-            a.ns[sel] = self._sentinel
-            a.nd[sel] = self._sentinel
-        return int(sel.size)
-
-    def active_rates(self) -> np.ndarray:
-        """float64 [active flows]: the current rate (bytes/us) of every transferring flow."""
-        return self._a.rate[self._a.alive].copy()
-
-    def _complete(self, ids: np.ndarray, bneck: np.ndarray, key: np.ndarray, t: float) -> None:
+        ids, key = a.id[sel], a.key[sel]
         self._log.end[ids] = t
         self._log.bneck[ids] = bneck
         left = self._left
@@ -443,6 +371,14 @@ class FlowNetwork:
         full = key[left[key] == 0]
         if full.size:
             self._succeed_groups(np.unique(full))
+        a.alive[sel] = False
+        a.fin[sel] = np.inf
+        a.rem0[sel] = np.inf
+        a.rate[sel] = 0.0
+        self._dead += sel.size
+        if 2 * self._dead > a.n:
+            a.keep(a.alive.copy())
+            self._dead = 0
 
     def _succeed_groups(self, keys: np.ndarray) -> None:
         """Fire the receive groups of ``keys`` (phase id x R + dst; ascending and unique), in that order."""
@@ -499,10 +435,6 @@ class FlowNetwork:
         if not any(self._phase_nic):
             return None
         return np.asarray(self._phase_nic, dtype=bool)[rec["phase"]] if rec["phase"].size else np.zeros(0, bool)
-
-    @property
-    def idle(self) -> bool:
-        return not self._a.alive.any() and self._pend.n == 0
 
 
 

@@ -46,7 +46,6 @@ def trace_events(spans, net, rec: dict[str, np.ndarray], ranks: int) -> list[dic
                        "args": {"utilisation": round(float(util[p]), 6)}})
     if rec["src"].size and top:
         path = ports.route(rec["src"], rec["dst"], net.flow_sm(rec), net.flow_nic(rec))
-        n = 0
         for k, p in enumerate(top):
             fl = np.flatnonzero((path == p).any(axis=1))
             for f in fl[: max(MAX_FLOW_EVENTS // len(top), 1)].tolist():
@@ -54,7 +53,6 @@ def trace_events(spans, net, rec: dict[str, np.ndarray], ranks: int) -> list[dic
                            "ts": float(rec["ready"][f]), "dur": float(max(rec["end"][f] - rec["ready"][f], 0.0)),
                            "args": {"src": int(rec["src"][f]), "dst": int(rec["dst"][f]),
                                     "bytes": float(rec["bytes"][f])}})
-                n += 1
     return ev
 
 

@@ -213,20 +213,8 @@ class PortMap:
         sm_nom = np.full(2 * R, float(sm_bytes_per_us)) if sm_ports else np.zeros(0)
         nominal = np.concatenate([np.full(R, nv), np.full(R, nv), np.full(R, nic), np.full(R, nic), np.full(R, hbm),
                                   np.full(2 * rails, spine), pair_nom, node_nom, sm_nom, mesh_nom, [np.inf]])
-        cap = nominal.copy()
-        cap[0:R] *= nvf
-        cap[R:2 * R] *= nvf
-        cap[2 * R:3 * R] *= nicf
-        cap[3 * R:4 * R] *= nicf
-        base = 5 * R + 2 * rails
-        if pairs:
-            cap[base:base + R * R] = pair_cap
-        nb = base + (R * R if pairs else 0)
-        if node_links:
-            cap[nb:nb + 2 * groups] = node_cap
-        if mesh:
-            mb = nb + (2 * groups if node_links else 0) + sm_nom.size
-            cap[mb:mb + R * R] = mesh_cap
+        cap = np.concatenate([np.full(R, nv) * nvf, np.full(R, nv) * nvf, np.full(R, nic) * nicf, np.full(R, nic) * nicf,
+                              np.full(R, hbm), np.full(2 * rails, spine), pair_cap, node_cap, sm_nom, mesh_cap, [np.inf]])
         return cls(R, G, rails, nodes, cap, nominal, topo.nvlink_latency_us, topo.nic_latency_us,
                    topo.nic_latency_us + topo.fabric_latency_us, bool(spine_binds), bool(pairs), bool(node_links),
                    float(topo.host_message_us), sm_ports, group, bool(mesh), geo)
@@ -293,18 +281,6 @@ class PortMap:
         p -= 5 * R
         return f"rail{p % self.rails}.spine_{'up' if p < self.rails else 'down'}"
 
-    def kind(self, p: int) -> str:
-        R = self.ranks
-        if self.mesh and p >= self.mesh_base:
-            return "mesh"
-        if self.sm_ports and p >= self.sm_base:
-            return "sm_send" if p - self.sm_base < R else "sm_recv"
-        if p >= self.node_base:
-            return "node_nic_out" if p - self.node_base < self.groups else "node_nic_in"
-        if p >= self.pair_base:
-            return "pair"
-        return self.KINDS[p // R] if p < 5 * R else ("spine_up" if p - 5 * R < self.rails else "spine_down")
-
     def physical(self, p: int) -> bool:
         """Whether port p is a rank's, a spine's or a node link's (not a half-duplex pair's)."""
         return p < self.pair_base or p >= self.node_base
@@ -325,7 +301,6 @@ class PortMap:
     # sm_send and the receiver's sm_recv. A port added to the model must be listed here on the
     # side of the rank it belongs to: ``paths`` and the simulator's block solver
     # (``moonep_sim.sim.blocks``) both read these tables.
-    BLOCKS = tuple(b.name.lower() for b in Block)   # "local", "nvlink", "nic", "nic_spine"
 
     @property
     def num_blocks(self) -> int:
@@ -399,19 +374,17 @@ class PortMap:
         return np.where(~same_node & ~self.cluster.same_rail(src_F, dst_F), self.lat_spine_us, lat)
 
     def paths(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None,
-              nic_F: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(path_FL int64 [F, L_PATH], latency_F float64 [F]) of transfers ``src -> dst`` (vectorised).
-
-        Columns: the sender's ports of the transfer's block, then the receiver's (``side_ports``;
+              nic_F: np.ndarray | None = None) -> np.ndarray:
+        """path_FL int64 [F, L_PATH]: the ports of transfers ``src -> dst`` (vectorised; their
+        latency: :meth:`latency`). Columns: the sender's ports of the transfer's block, then the receiver's (``side_ports``;
         SM send / receive ports for flows with ``sm_F`` True when the map has them), then the pair
         port (half duplex) where it exists; padded with the dummy port. Flows with ``nic_F`` True
-        take the NIC path between ranks of one node too (pure-RDMA kernels). Latency: ``latency``."""
+        take the NIC path between ranks of one node too (pure-RDMA kernels)."""
         src_F = np.asarray(src_F, dtype=np.int64)
         dst_F = np.asarray(dst_F, dtype=np.int64)
         F = src_F.size
         src_BRK, dst_BRK = self.side_ports()
         cls = self.pair_class(src_F, dst_F, sm_F, nic_F)
-        lat = self.latency(src_F, dst_F, nic_F)
         cols = [src_BRK[cls, src_F], dst_BRK[cls, dst_F]]
         if self.pairs:
             lo, hi = np.minimum(src_F, dst_F), np.maximum(src_F, dst_F)
@@ -422,13 +395,13 @@ class PortMap:
         cat = np.concatenate(cols, axis=1)
         path = np.full((F, L_PATH), self.dummy, dtype=np.int64)
         path[:, :cat.shape[1]] = cat
-        return path, lat
+        return path
 
     def route(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None,
               nic_F: np.ndarray | None = None) -> np.ndarray:
         """path_FL including spine ports even where they cannot bind (for byte accounting)."""
         full = PortMap(**{**self.__dict__, "spine_binds": True})
-        return full.paths(src_F, dst_F, sm_F, nic_F)[0]
+        return full.paths(src_F, dst_F, sm_F, nic_F)
 
 
 __all__ = ["Block", "L_PATH", "PortMap", "RankPort", "SM_BLOCK", "block_kind", "nic_group_of"]

@@ -96,9 +96,8 @@ def host_copy_us(plan: Plan, topo: Topology, direction: Direction, pre: list[Com
     rate = topo.copy_bytes_per_us
     R = plan.ranks
     if rate <= 0:
-        z = [np.zeros(R) for _ in pre], [np.zeros(R) for _ in pre], [np.zeros(R) for _ in post], \
+        return [np.zeros(R) for _ in pre], [np.zeros(R) for _ in pre], [np.zeros(R) for _ in post], \
             [np.zeros(R) for _ in post]
-        return z
     rows_R = plan.rows_R().astype(np.float64)
     fwd = direction == Direction.FORWARD
     disp_row = plan.costs.dispatch_row_bytes if fwd else plan.costs.combine_row_bytes
@@ -186,15 +185,17 @@ def epilogue_terms(prog: StageProgram, plan: Plan, topo: Topology) -> None:
     if recv_R is None or topo.sm_count <= 0:
         return
     if prog.pre:
-        ph = prog.pre[-1]
-        rows = float(ph.msgs_RR.sum())
-        row = float(ph.bytes_RR.sum()) / rows if rows > 0 else 0.0
+        row = _row_bytes(prog.pre[-1])
         prog.post_copy[-1] = prog.post_copy[-1] + dispatch_epilogue_us(recv_R, out_R, row, topo.mem_bytes_per_us)
     if prog.post and plan.kernel.epilogue == "expand":
-        ph = prog.post[0]
-        rows = float(ph.msgs_RR.sum())
-        row = float(ph.bytes_RR.sum()) / rows if rows > 0 else 0.0
+        row = _row_bytes(prog.post[0])
         prog.post_pre_copy[0] = prog.post_pre_copy[0] + out_R * row / expand_read_bytes_per_us(topo, plan.kernel)
+
+
+def _row_bytes(phase: CommPhase) -> float:
+    """Bytes per row of ``phase``, over all its rows (0 when it moves none)."""
+    rows = float(phase.msgs_RR.sum())
+    return float(phase.bytes_RR.sum()) / rows if rows > 0 else 0.0
 
 
 def _cross_node_RR(plan: Plan, topo: Topology) -> np.ndarray:
@@ -276,12 +277,10 @@ def _relay_RR(phase: CommPhase, plan: Plan, topo: Topology, sm_cap: float, direc
     the hop crosses nodes, its local-node copies included; else NVLink) in ``direction``
     (``moonep_sim.sim.kernels.relay_hop_rows``)."""
     cross = _cross_node_RR(plan, topo)
-    rows = float(phase.msgs_RR.sum())
-    row_bytes = float(phase.bytes_RR.sum()) / rows if rows > 0 else 0.0
-    R = plan.ranks
-    same = np.eye(R, dtype=bool)
+    row_bytes = _row_bytes(phase)
+    same = np.eye(plan.ranks, dtype=bool)
     lat = np.where(cross, topo.nic_latency_us, topo.nvlink_latency_us)
-    m = relay_hop_rows(topo, plan.kernel, R, direction, bool((phase.bytes_RR.astype(np.float64) * cross).sum() > 0))
+    m = _message_rows(plan, topo, phase, direction)
     msg = np.where(cross, message_us(topo, row_bytes, True, sm_cap, m), message_us(topo, row_bytes, False, sm_cap, m))
     local = m * row_bytes / min(topo.mem_bytes_per_us / 2.0, sm_cap)
     return np.where(same, local, lat + msg)
@@ -349,10 +348,9 @@ def receive_copy_R(plan: Plan, topo: Topology, pre: list[CommPhase]) -> np.ndarr
     if spec is None or not spec.recv_copy or topo.sm_count <= 0 or not pre:
         return None
     ph = pre[-1]
-    rows = float(ph.msgs_RR.sum())
-    row = float(ph.bytes_RR.sum()) / rows if rows > 0 else 0.0
     m = max(_message_rows(plan, topo, ph, "dispatch"), 1)
-    return receive_copy_us(ph.bytes_RR.sum(axis=0).astype(np.float64), m * row, reduce_bytes_per_us(topo, spec))
+    recv_R = ph.bytes_RR.sum(axis=0).astype(np.float64)
+    return receive_copy_us(recv_R, m * _row_bytes(ph), reduce_bytes_per_us(topo, spec))
 
 
 def combine_reduce_R(plan: Plan, topo: Topology, post: list[CommPhase]) -> list[np.ndarray]:
@@ -373,8 +371,7 @@ def combine_reduce_R(plan: Plan, topo: Topology, post: list[CommPhase]) -> list[
     for h, ph in enumerate(post):
         m = _message_rows(plan, topo, ph, "combine")
         recv_R = ph.bytes_RR.sum(axis=0).astype(np.float64)
-        rows = float(ph.msgs_RR.sum())
-        row = float(ph.bytes_RR.sum()) / rows if rows > 0 else 0.0
+        row = _row_bytes(ph)
         if h + 1 < len(post):
             sent_R = post[h + 1].bytes_RR.sum(axis=1).astype(np.float64)
         else:

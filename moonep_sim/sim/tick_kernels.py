@@ -1,16 +1,14 @@
 """The flow network's per-tick bookkeeping as compiled kernels (with the block solver's compiled
 fill): the transfers that finish (:func:`complete_due`), the rates after a fill (:func:`set_rates`),
 the whole tick in one call (:func:`tick_blocks`: completions, the waiting flows that start, the
-fill, the rates) and a rank's submission through the network's per-pair tables
-(:func:`submit_flows`).
+fill, the rates) and a rank's submission (:func:`submit_flows`).
 
 A tick of ``moonep_sim.sim.network.FlowNetwork`` completes a transfer or two, starts a few and
 re-rates the active ones; in numpy that is some thirty calls on arrays of tens to hundreds of
 slots, whose cost is the calls (a DeepSeek-V3 EP32 decode step: ~12,300 ticks, ~3,700 submissions
 of 32 entries). These kernels do the same element operations in the same order, so every rate,
-remaining byte count, finish time and record is bit-identical to the numpy code of
-``FlowNetwork`` they stand beside (its reference, run when the block solver's fill is not
-compiled, and tested against them).
+remaining byte count, finish time and record is bit-identical to the numpy tick they replaced
+(``tests/blocks_reference.py``, the reference they are tested against).
 
 Notation (as ``moonep_sim.sim.blocks``): N = B x R nodes per side; node levels ``lev_U1`` [2N + 1]
 (sender nodes, receiver nodes, a spare) and the ports that froze them ``bport_U1``, as
@@ -44,16 +42,11 @@ class TickState(NamedTuple):
 
 
 class TickOut(NamedTuple):
-    """:func:`tick_blocks`' result: the next :class:`TickState`'s fields, then the completed slots
+    """:func:`tick_blocks`' result: the next :class:`TickState`, then the completed slots
     (``completed``) and receive groups (``groups``) whose ids the kernel wrote into the book's
     ``done``, the fill's steps (< 0: it froze nothing), the latest and the earliest finish time."""
 
-    n: int
-    dead: int
-    pn: int
-    pend_min: float
-    lev_U1: np.ndarray
-    bport_U1: np.ndarray
+    state: TickState
     completed: int
     groups: int
     steps: int
@@ -189,9 +182,9 @@ def _level(lev_U1, N, s, d):
 
 
 @kernel
-def set_rates(lev_U1, N, n, ns, nd, rate, rem0, t0, fin, t):
-    """Re-rate active slots [0, n) after a fill at time t: a slot whose rate changed gets its
-    remaining bytes at t, t0 = t, the new rate and its finish time; the others are left alone.
+def set_rates(rate_F, n, rate, rem0, t0, fin, t):
+    """Re-rate active slots [0, n) to ``rate_F`` after a fill at time t: a slot whose rate changed
+    gets its remaining bytes at t, t0 = t, the new rate and its finish time; the others are left alone.
     Returns (fin_max, fin_min): the largest finite finish time among the changed slots (-inf if
     none) and the smallest finish time of all slots (nan if one is nan, inf if n = 0), as the numpy
     code's ``fin.max()`` / ``fin[isfinite].max()`` and ``a.fin.min()`` read them."""
@@ -199,7 +192,7 @@ def set_rates(lev_U1, N, n, ns, nd, rate, rem0, t0, fin, t):
     fin_min = np.inf
     nan = False
     for i in range(n):
-        r = _level(lev_U1, N, ns[i], nd[i])
+        r = rate_F[i]
         if r != rate[i]:   # dead slots keep rate 0
             rem = rem0[i] - rate[i] * (t - t0[i])
             rem0[i] = rem
@@ -266,12 +259,11 @@ def complete_due(thr, t, n, flows, lev_U1, bport_U1, book, counts):
 
 
 @kernel
-def submit_flows(sub, dst_F, bytes_F, eff_F, blk_RR, lat_RR, R, pn, ln, wait, log):
-    """``FlowNetwork.submit`` where the network has per-pair tables: rank ``src``'s transfers of
-    phase ``pid`` to ``dst_F`` with bytes > 0 (the others skipped) appended, in order, to the
-    waiting columns (``p_*``, slots from ``pn``) and the log's (``l_*``, rows from ``ln``; both with
-    room for every entry). ``blk_RR`` / ``lat_RR``: the block and latency tables (the sender's
-    row is read); ``message_us`` > 0 adds the sender's serial per-message cost (x its transfers to other
+def submit_flows(sub, dst_F, bytes_F, eff_F, blk_R, lat_R, R, pn, ln, wait, log):
+    """``FlowNetwork.submit``: rank ``src``'s transfers of phase ``pid`` to ``dst_F`` with bytes > 0
+    (the others skipped) appended, in order, to the waiting columns (``p_*``, slots from ``pn``)
+    and the log's (``l_*``, rows from ``ln``; both with room for every entry). ``blk_R`` / ``lat_R``: the block and latency of the sender's transfer to
+    each rank (its rows of the network's pair tables); ``message_us`` > 0 adds the sender's serial per-message cost (x its transfers to other
     ranks) to each transfer's latency to another rank. Returns (transfers kept, the earliest
     ready time: inf when none). sub: :class:`Submission` (src, pid, now, message_us); wait:
     :class:`WaitCols`; log: :class:`LogCols`."""
@@ -293,7 +285,7 @@ def submit_flows(sub, dst_F, bytes_F, eff_F, blk_RR, lat_RR, R, pn, ln, wait, lo
     for f in range(dst_F.size):
         if bytes_F[f] > 0:
             d = dst_F[f]
-            lat = lat_RR[src, d]
+            lat = lat_R[d]
             if message_us > 0:
                 lat = lat + (extra if d != src else 0.0)
             r = now + lat
@@ -306,7 +298,7 @@ def submit_flows(sub, dst_F, bytes_F, eff_F, blk_RR, lat_RR, R, pn, ln, wait, lo
             p_key[k] = pid * R + d
             p_src[k] = src
             p_dst[k] = d
-            p_blk[k] = blk_RR[src, d]
+            p_blk[k] = blk_R[d]
             q = ln + j
             l_src[q] = src
             l_dst[q] = d
@@ -344,8 +336,8 @@ def _compact(flows, n):
 
 @kernel
 def tick_blocks(t, state, flows, wait, book, counts, tables):
-    """One tick of ``FlowNetwork`` at time t with the block solver's compiled fill, as its numpy
-    code does it, in its order: (1) the active slots [0, n) due by ``t + 2e-9 x max(t, 1)`` complete
+    """One tick of ``FlowNetwork`` at time t with the block solver's compiled fill, as the numpy
+    reference does it, in its order: (1) the active slots [0, n) due by ``t + 2e-9 x max(t, 1)`` complete
     (:func:`complete_due` under the last fill's ``lev_U1`` / ``bport_U1``; the dead slots are
     dropped, in order, once they are more than half of them: ``dead`` counts them); (2) where
     ``pend_min <= t + 1e-9`` the waiting flows ready by then (``p_*``, slots [0, pn) in submission
@@ -425,8 +417,11 @@ def tick_blocks(t, state, flows, wait, book, counts, tables):
     lev, bport, steps = fill_levels(cap_P, cnt_src, cnt_dst, mm, tables)
     fin_max, nxt = -np.inf, np.inf
     if steps >= 0:
-        fin_max, nxt = set_rates(lev, sentinel, n, ns, nd, rate, rem0, t0, fin, t)
-    return TickOut(n, dead, pn, pend_min, lev, bport, m, g, steps, fin_max, nxt)
+        rate_F = np.empty(n)   # each slot's rate: the lower level of its two nodes
+        for i in range(n):
+            rate_F[i] = _level(lev, sentinel, ns[i], nd[i])
+        fin_max, nxt = set_rates(rate_F, n, rate, rem0, t0, fin, t)
+    return TickOut(TickState(n, dead, pn, pend_min, lev, bport), m, g, steps, fin_max, nxt)
 
 
 __all__ = ["BlockCountsCols", "FlowCols", "LogCols", "Submission", "TickBook", "TickOut", "TickState", "WaitCols",

@@ -28,6 +28,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.plan.placement import ClusterShape
 
@@ -52,21 +54,10 @@ _TABLES = {
     "sm": ("sm_", ("count", "copy_GBps")),
     "weights": ("weights_", ("engine", "nvlink_efficiency", "nic_efficiency", "sms")),
 }
-#: Table -> the constants it holds, as reports group them (``moonep-sim topologies``).
-KERNEL_TABLES = ("kernel", "sm", "weights")
 DUPLEX = ("full", "half")
 ATTACH = ("gpu", "node")
 SHARING = ("static", "processor")
 WEIGHT_ENGINES = ("copy_engine", "sm")
-
-
-#: What :meth:`Topology.ideal` changes from the defaults (the ``h800-cx7`` preset): links at full
-#: bandwidth with round latencies, no kernel fixed costs, relays, SM caps or planning work terms.
-IDEAL: dict[str, Any] = dict(
-    nvlink_bandwidth_GBps=160.0, nvlink_latency_us=3.0, nvlink_efficiency=1.0, nic_latency_us=5.0,
-    nic_efficiency=1.0, plan_per_entry_ns=0.0, plan_per_cell_ns=0.0, kernel_dispatch_fixed_us=0.0,
-    kernel_combine_fixed_us=0.0, kernel_relay_message_rows=0, kernel_nic_message_us=0.0, sm_count=0,
-    sm_copy_GBps=0.0, weights_nvlink_efficiency=0.0)
 
 
 @dataclass(frozen=True)
@@ -298,12 +289,6 @@ class Topology:
         require(self.fabric_oversubscription >= 1,
                 f"fabric oversubscription ({self.fabric_oversubscription}) must be >= 1 (topology {self.name})")
 
-    @classmethod
-    def ideal(cls, name: str, **kw: Any) -> "Topology":
-        """An idealised cluster for closed-form checks: :data:`IDEAL` (every link at its full
-        bandwidth, every GPU-kernel term off) under ``kw``; the other constants are ``h800-cx7``'s."""
-        return cls(name, **{**IDEAL, **kw})
-
     # -- effective rates (bytes per microsecond, FLOP per microsecond) --------------------
     @property
     def nvlink_bytes_per_us(self) -> float:
@@ -374,21 +359,17 @@ class Topology:
         """Local row-pass rate (bytes per microsecond); 0 = passes are free."""
         return self.host_copy_bandwidth_GBps * 1e3
 
-    def cpu_share_R(self, ranks: int) -> "np.ndarray":
+    def cpu_share_R(self, ranks: int) -> np.ndarray:
         """float64 [R]: ``max(1, ranks on its host / host_cores)`` per rank (all ones when CPU
         sharing is not modelled): the stretch of ``"static"`` sharing."""
-        import numpy as np
-
         host = self.host_R(ranks)
         if host is None:
             return np.ones(max(ranks, 0))
         return np.maximum(1.0, np.bincount(host)[host].astype(np.float64) / self.host_cores)
 
-    def host_R(self, ranks: int) -> "np.ndarray | None":
+    def host_R(self, ranks: int) -> np.ndarray | None:
         """int64 [R]: the host (set of ``host_cores`` shared cores) each rank runs on; None when
         CPU sharing is not modelled (``host_cores`` 0, as on the GPU presets)."""
-        import numpy as np
-
         if self.host_cores <= 0 or ranks <= 0:
             return None
         node_R = self.cluster(ranks).node_of(np.arange(ranks))
@@ -453,10 +434,10 @@ def _toml_val(v: Any) -> str:
     return _toml_str(v) if isinstance(v, str) else repr(v)
 
 
-def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>", defaults: dict[str, Any] | None = None) -> Topology:
+def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>") -> Topology:
     """Build a :class:`Topology` from a parsed TOML document (unknown keys are errors). A key left
-    out takes ``defaults`` (field -> value; e.g. :data:`IDEAL`) or else the class default."""
-    kw: dict[str, Any] = dict(defaults or {})
+    out takes the class default."""
+    kw: dict[str, Any] = {}
     names = {f.name: f for f in fields(Topology)}
     for key, val in doc.items():
         if key in ("name", "description"):
@@ -560,5 +541,5 @@ def load_topology(name_or_path: "str | os.PathLike | Topology", gpus_per_node: i
     return topo.with_gpus_per_node(gpus_per_node)
 
 
-__all__ = ["IDEAL", "PRESET_ALIASES", "Topology", "calibrated_topology_path", "list_topologies", "load_topology", "read_topology_file",
+__all__ = ["PRESET_ALIASES", "Topology", "calibrated_topology_path", "list_topologies", "load_topology", "read_topology_file",
            "topology_from_dict"]
