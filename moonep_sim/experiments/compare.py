@@ -61,14 +61,11 @@ def _divisors_hint(E: int) -> str:
 
 
 # -- the simulator, through one narrow door -----------------------------------------------------------
-def __getattr__(name: str):
-    """``load_topology`` is the simulator's (``moonep_sim.sim.topology.load_topology``), re-exported
-    here without importing the simulator until it is asked for."""
-    if name == "load_topology":
-        from moonep_sim.sim.topology import load_topology
+def load_topology(*args: Any, **kw: Any):
+    """The simulator's :func:`moonep_sim.sim.topology.load_topology`, imported when first called."""
+    from moonep_sim.sim.topology import load_topology
 
-        return load_topology
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return load_topology(*args, **kw)
 
 
 def replay_costs(hidden: int, ffn: int) -> RowCosts:
@@ -324,8 +321,6 @@ def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int
 
     t_start = time.perf_counter()
     source, shape, ctx, topo = rs.source, rs.cluster, rs.ctx, rs.topology
-    from moonep_sim.sim.topology import load_topology
-
     local_topo = load_topology("local-gloo", shape.gpus_per_node) if real is not None else None
     R = shape.ranks
     rep: dict[str, Any] = {

@@ -26,7 +26,8 @@ from functools import cached_property
 from typing import Any, Callable, Mapping, Sequence
 
 from moonep_sim.errors import ConfigError, require
-from moonep_sim.experiments.compare import RealOptions, check_cluster, compare, run_spec, topology_info
+from moonep_sim.experiments.compare import (RealOptions, check_cluster, compare, load_topology, run_spec,
+                                            topology_info)
 from moonep_sim.experiments.results import (CompareResult, LayerPlans, PlansResult, ReplayResult, SimulateResult,
                                             SweepResult)
 from moonep_sim.experiments.routing import GeneratorSpec, RoutingSource, open_routing
@@ -121,7 +122,6 @@ class Scenario:
 
     def check(self) -> Resolved:
         """Open and check everything (routing, cluster, topology, strategies, options) before any work."""
-        from moonep_sim.experiments.compare import load_topology
         from moonep_sim.strategies import PlanContext
 
         dtype = normalise_dtype(self.dispatch_dtype)  # (token padding: checked when built, checks.py)
@@ -311,7 +311,6 @@ class Scenario:
             require(iters >= 1, f"iters ({iters}) must be >= 1")
             require(rs.cluster.ranks == nproc,
                     f"ranks ({rs.cluster.ranks}) must equal nproc ({nproc}) for a real replay: each process is one EP rank")
-            from moonep_sim.experiments.compare import load_topology
             load_topology("local-gloo")
             opts = RealOptions(nproc, timeout_s, hidden, ffn, iters)
         return CompareResult.from_report(compare(rs, real=opts, progress=progress, jobs=jobs, cluster=cluster))
