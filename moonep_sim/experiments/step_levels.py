@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -224,12 +225,9 @@ def step_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_v
     and cluster."""
     check(sc, over, values, opts, by=by, by_values=by_values, maxvio=maxvio)  # every cell before any work
     if sc.is_trace():
-        from moonep_sim.experiments.trace_sweep import knob_name, valid_values
+        from moonep_sim.experiments.trace_sweep import trace_winner_map
 
-        by, over = knob_name(by), knob_name(over)
-        bys, _ = valid_values(sc, by, by_values, 0)
-        vals, _ = valid_values(sc, over, values, 0)
-        return winner_of([(float(b), trace_step_sweep(sc, over, vals, opts, fixed={by: b}, **run)) for b in bys], by)
+        return trace_winner_map(sc, over, values, by, by_values, sweep=partial(trace_step_sweep, opts=opts), **run)
     ax = sc.sweep_axis(over, values, maxvio=maxvio)
     return winner_of([(float(v), step_sweep(*at(sc, ax, by, v), opts, **run)) for v in by_values], by)
 

@@ -308,10 +308,11 @@ _METHOD = {
 
 
 def trace_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_values: Sequence[float], *,
-                     seed: int = 0, progress=None, jobs: int | None = 1, cluster: str | None = None) -> dict[str, Any]:
-    """The fastest strategy per cell over two knobs of a trace: one :func:`trace_sweep` of ``over``
-    per value of ``by`` (any knob :func:`trace_sweep` takes), combined by
-    :func:`moonep_sim.analysis.winner.winner_map`."""
+                     seed: int = 0, sweep: Callable[..., dict[str, Any]] | None = None, **run: Any) -> dict[str, Any]:
+    """The fastest strategy per cell over two knobs of a trace: one :func:`trace_sweep` (or ``sweep``,
+    e.g. the step level's) of ``over`` per value of ``by`` (any knob :func:`trace_sweep` takes),
+    combined by :func:`moonep_sim.analysis.winner.winner_map`; ``run``: the sweeps' progress, jobs
+    and cluster."""
     by = knob_name(by)
     over = knob_name(over)
     require(by != over, f"--by ({by}) must differ from --over ({over})")
@@ -320,8 +321,8 @@ def trace_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_
     for b in bys:       # every cell checked before any work
         for v in vals:
             point(sc, {by: b, over: v}, seed)
-    return winner_of([(float(b), trace_sweep(sc, over, vals, fixed={by: b}, seed=seed, progress=progress, jobs=jobs,
-                                             cluster=cluster)) for b in bys], by)
+    return winner_of([(float(b), (sweep or trace_sweep)(sc, over, vals, fixed={by: b}, seed=seed, **run))
+                      for b in bys], by)
 
 
 __all__ = ["Reweight", "TRACE_KNOBS", "check_knob", "knob_name", "noise_floor", "point", "recut", "reweighted",
