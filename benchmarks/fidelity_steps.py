@@ -19,10 +19,12 @@ Every development row of ``../shared/ANCHORS.md`` ("Step-level rows for developm
 benchmark covers is predicted as a user would run it: the published layout and batch through
 ``Scenario.step(parallel=...)`` with the shipped presets and topologies, the strategy that names
 the row's dispatcher, balanced routing where the row says so, every layer its own routing, and
-no knob chosen to match. One constant is fitted on row 2 and shipped: Megatron-Core's host time
-per launched kernel (``moonep_sim.step.host.MEGATRON_HOST_LAUNCH_US``, ``--fit-host`` refits it
-and gives its leave-one-out error and the check on row 1, docs/results/host-launch-fit.md); the
-error of each row is ``predicted / published - 1``.
+no knob chosen to match. Fitted on row 2 and shipped: Megatron-Core's host time per launched
+kernel (``moonep_sim.step.host.MEGATRON_HOST_LAUNCH_US``, ``--fit-host`` refits it and gives its
+leave-one-out error and the check on row 1, docs/results/host-launch-fit.md), and the host-proxy
+per-call cost and throughput of the two DeepEP transports of row 2 (``benchmarks/fit_host_proxy.py``,
+docs/results/host-proxy-fit.md), so row 2's DeepEP columns are in-sample; the error of each row
+is ``predicted / published - 1``.
 
 - **Row 1** (SimuMax B200 release table, 8 x B200, bf16, seq 4096): DeepSeek-V2 and DeepSeek-V3
   truncated to 4 layers (1 dense + 3 MoE, as the table's DeepSeek rows run them), TP1 EP8 PP1 DP8
@@ -383,9 +385,12 @@ def main(argv: list[str] | None = None) -> int:
             f"- command: `python benchmarks/fidelity_steps.py --rows {args.rows}{' --after-only' if args.after_only else ''}` ({time.perf_counter() - t0:.0f} s)",
             f"- machine load (1-min load average at start / end): {load0[0]:.1f} / {os.getloadavg()[0]:.1f} "
             f"on {os.cpu_count()} cores",
-            "- one constant FITTED on row 2: Megatron-Core's host time per launched kernel "
+            "- FITTED on row 2: Megatron-Core's host time per launched kernel "
             "(`moonep_sim.step.host.MEGATRON_HOST_LAUNCH_US`; leave-one-out and the check on row 1 in "
-            "docs/results/host-launch-fit.md); everything else a prediction with the shipped presets: "
+            "docs/results/host-launch-fit.md) and the host-proxy per-call cost and throughput of DeepEP + UCCL and "
+            "DeepEP + NVSHMEM (`moonep_sim.plan.kernel.UCCL_EFA_CALL_US` and its kin; leave-one-out in "
+            "docs/results/host-proxy-fit.md), so row 2's DeepEP columns are in-sample; everything else a prediction "
+            "with the shipped presets: "
             "the layout, batch and dispatcher are the published ones, the rest as `moonep-sim step` defaults "
             "them (every MoE layer its own generated balanced routing; 'after' op times as a step prices them, from: "
             + (", ".join(sorted(SOURCES)) or "?") + ").",

@@ -65,6 +65,7 @@ CAPABILITY_BRANCHES = {
     "memshapes": "memory under layouts, precision, recompute, model presets",
     "costs": "measured op costs, kernel families",
     "proxies": "host-proxy transports, kernel families",
+    "uccl": "host-proxy transports: per-call cost and throughput on EFA",
     "serve": "serving: requests, batching, SLOs, deployment search",
     "usercli": "the command line's first hour: progress, output rules, checks before work",
     "hostile": "bad input refused in one line",

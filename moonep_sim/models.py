@@ -334,13 +334,11 @@ def model_from_fields(fields: Mapping[str, Any], where: str = "model") -> ModelS
     if missing:
         raise ConfigError(f"{where}: fields ({', '.join(missing)}) must be given: a model needs "
                           f"{', '.join(_REQUIRED)}")
-    kw = {MODEL_FILE_FIELDS[k]: v for k, v in fields.items()}   # each value's type: ModelSpec's first check
-    layers = kw.pop("layers", 1)
-    moe_layers = kw.pop("moe_layers", layers)
-    name = kw.pop("name", "custom")
+    # each value's type is ModelSpec's first check; every MoE layer unless said otherwise
+    kw = {"name": "custom", "layers": 1, "shared_experts": 0, **{MODEL_FILE_FIELDS[k]: v for k, v in fields.items()}}
+    kw.setdefault("moe_layers", kw["layers"])
     try:
-        return ModelSpec(name, layers, moe_layers, kw.pop("num_experts"), kw.pop("top_k"),
-                         kw.pop("shared_experts", 0), kw.pop("hidden"), kw.pop("expert_ffn"), **kw)
+        return ModelSpec(**kw)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
 

@@ -28,6 +28,13 @@ def ref_entry_slots(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.nda
     return out
 
 
+def tokens_per_expert_RE(plan) -> np.ndarray:
+    """int64 [R, E] real rows each rank of ``plan`` computes per expert (copies included)."""
+    flat = plan.slot_rank_S * plan.num_experts + plan.slot_expert_S
+    return np.bincount(flat, weights=plan.slot_rows_S,
+                       minlength=plan.ranks * plan.num_experts).reshape(plan.ranks, plan.num_experts).astype(np.int64)
+
+
 def random_routing(T: int, K: int, E: int, seed: int = 0, skew: float = 0.0):
     """[T, K] distinct ids (Gumbel top-k over a popularity with lognormal ``skew``), weights."""
     rng = np.random.default_rng(seed)

@@ -17,6 +17,7 @@ from moonep_sim.errors import ConfigError, PlanError
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, Slots, plan_from_slots, validate
 from moonep_sim.strategies import PlanContext, make_plan
 from moonep_sim.strategies.moonep import copy_slots, greedy_quotas, split_quotas
+from conftest import tokens_per_expert_RE
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,7 +326,7 @@ def test_excess_below_room_gives_the_full_room():
     np.testing.assert_array_equal(greedy_quotas(np.array([5, 7, 0]), np.array([4, 4, 4])),
                                   [[0, 1, 0], [0, 0, 4], [0, 0, 0]])
     np.testing.assert_array_equal(p.real_rows_R(), [4, 4, 4])
-    te = p.tokens_per_expert_RE()
+    te = tokens_per_expert_RE(p)
     np.testing.assert_array_equal(te, [[4, 0, 0], [1, 3, 0], [0, 4, 0]])
 
 
@@ -348,7 +349,7 @@ def _assert_invariants(r, p, R, E, K, tpr):
         np.testing.assert_array_equal(p.real_rows_R(), np.full(R, tpr[0] * K))
     assert p.dropped == 0
     # per-expert conservation: the rows of each expert over all ranks equal its global count
-    np.testing.assert_array_equal(p.tokens_per_expert_RE().sum(axis=0), r.counts_E())
+    np.testing.assert_array_equal(tokens_per_expert_RE(p).sum(axis=0), r.counts_E())
     # every entry lands at a slot of its own expert
     slot_of = {(int(a), int(b)): i for i, (a, b) in enumerate(zip(p.slot_rank_S, p.slot_expert_S))}
     off = dict()

@@ -47,6 +47,7 @@ from moonep_sim.plan import reference  # noqa: E402
 
 ref_route_hop, ref_dup_flags = reference.route_hop, reference.dup_flags
 from moonep_sim.plan import home_slots as ref_home_slots  # noqa: E402  (a placement's home slots: one plain form)
+from conftest import tokens_per_expert_RE  # noqa: E402
 
 
 def ref_assemble_plan(strategy: str, options: dict[str, Any], *args, started: float | None = None, **kw) -> Plan:
@@ -410,7 +411,7 @@ def test_references_are_valid_plans(name, case):
         slot[kept] = slot_of_row[g]
         np.testing.assert_array_equal(q.slot_expert_S[slot[kept]], routing.topk_ids_TK.ravel()[kept])
         per_e = np.bincount(routing.topk_ids_TK.ravel()[kept], minlength=routing.num_experts)
-        np.testing.assert_array_equal(q.tokens_per_expert_RE().sum(axis=0), per_e)
+        np.testing.assert_array_equal(tokens_per_expert_RE(q).sum(axis=0), per_e)
         if name != "capacity":
             assert q.dropped == 0, (name, case, opts)
 

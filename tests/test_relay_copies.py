@@ -23,6 +23,7 @@ from moonep_sim.sim.kernels import weight_copy_bytes_per_us
 from moonep_sim.strategies import PlanContext, make_plan
 from moonep_sim.strategies.costaware import relay_sources
 from moonep_sim.strategies.moonep import plan_from_alloc
+from conftest import tokens_per_expert_RE
 
 HERE = str(Path(__file__).resolve().parent)
 R, G, E = 8, 4, 8
@@ -185,7 +186,7 @@ def relay_worker(rank, world, T, H, F, E, K, G, seed):
             "gdown": layer.down.grad, "home": layer.home_experts, "copy_experts": exp,
             "copy_gate": copies[0][h.slots.weight_index[torch.from_numpy(np.flatnonzero(cp))]] if cp.any()
             else torch.zeros(0), "relayed": np.array(h.weights.relay.total), "valid": np.array(len(validate(h.plan))),
-            "hot": np.array(int(np.argmax(h.plan.tokens_per_expert_RE().sum(axis=0))))}
+            "hot": np.array(int(np.argmax(tokens_per_expert_RE(h.plan).sum(axis=0))))}
 
 
 @pytest.mark.slow

@@ -82,10 +82,16 @@ def test_deepep_v1_on_efa_is_flagged_not_native_and_the_proxy_families_are_nativ
         {("host-proxy", "deepep"), ("host-proxy", "deepep-ll")}     # native, and the proxy named
     got = native_flags({"deepep": {"impl": "deepep-nvshmem-efa"}}, "h100-efa")
     assert codes(got) == {("host-proxy", "deepep")} and "4.05 us of proxy time per relayed message" in got[0]["text"]
-    assert "rests at EP16 on PROXY_OP_US" in got[0]["text"]
-    # UCCL-EP's code-priced win on EFA contradicts the development row: its flag says so
+    # the order of development row 2 comes from the host-proxy terms fitted on it: both flags name them so
+    for impl in ("deepep-nvshmem-efa", "uccl-ep"):
+        text = native_flags({"deepep": {"impl": impl}}, "h100-efa")[0]["text"]
+        fam = FAMILIES[impl]
+        assert fam.proxy_GBps > 0
+        assert "host-proxy per-call cost and throughput, FITTED on development row 2" in text
+        assert f"{fam.proxy_call_us:g} us per dispatch or combine call" in text and "FITTED on that row" in text
+        assert fam.sources["proxy_call_us"].startswith("FITTED on ANCHORS development row 2")
     got = native_flags({"deepep": {"impl": "uccl-ep"}}, "h100-efa")
-    assert "NOT REPRODUCED" in got[0]["text"] and "each post on one NIC" in got[0]["text"]
+    assert "each post on one NIC" in got[0]["text"]
     # pplx is priced GPU-initiated (IBGDA); on EFA it would run through NVSHMEM's host proxy
     assert codes(native_flags({"deepep-ll": {"impl": "pplx"}}, "h100-efa")) == {("kernel-not-native", "deepep-ll")}
     assert native_flags({"deepep-ll": {"impl": "pplx"}}, "h800-cx7") == []
@@ -338,3 +344,33 @@ def _two_rows_of_1000(spec):
     msgs[0, 1], byts[0, 1] = 1000, 1000 * 4096
     ph = CommPhase("dispatch.0", PhaseKind.DISPATCH, Direction.FORWARD, Scope.INTER_NODE, byts, msgs)
     return ph, SimpleNamespace(kernel=spec, ranks=R)
+
+
+def test_a_proxy_family_s_host_time_per_call_is_its_call_cost_plus_the_busiest_rank_s_inter_node_bytes():
+    """Hand count (h100-efa, EP16 on 2 nodes): rank 0 sends 1000 rows of 4096 bytes to rank 8 (the
+    other node) and 1000 to rank 1 (its own node): 4,096,000 inter-node bytes; at 1000 us per call
+    and 2 GB/s (2000 bytes per us) the host pays 1000 + 2048 us per call; the same-node rows and the
+    combine's phases are not counted; a family without the two terms costs the host nothing."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from moonep_sim.plan import ClusterShape
+    from moonep_sim.plan.kernel import family_spec
+    from moonep_sim.sim.kernels import proxy_host_us
+
+    spec = family_spec(FAMILIES["uccl-ep"], relay=True, sms=FAMILIES["uccl-ep"].sms)
+    ph, _ = _two_rows_of_1000(spec)
+    comb = replace(ph, name="combine.0", kind=type(ph.kind).COMBINE)
+
+    def plan(s):
+        return SimpleNamespace(kernel=s, cluster=ClusterShape(16, 8), phases=lambda direction: [ph, comb])
+
+    assert proxy_host_us(plan(replace(spec, proxy_call_us=1000.0, proxy_GBps=2.0))) == pytest.approx(1000.0 + 2048.0)
+    assert proxy_host_us(plan(replace(spec, proxy_call_us=0.0, proxy_GBps=4.0))) == pytest.approx(1024.0)
+    assert proxy_host_us(plan(replace(spec, proxy_call_us=250.0, proxy_GBps=0.0))) == pytest.approx(250.0)
+    assert proxy_host_us(plan(replace(spec, proxy_call_us=0.0, proxy_GBps=0.0))) == 0.0
+    assert proxy_host_us(plan(None)) == 0.0
+    from moonep_sim.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="proxy_call_us"):
+        replace(spec, proxy_call_us=-1.0)

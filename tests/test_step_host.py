@@ -52,6 +52,18 @@ def test_bounds(blocks, h):
     assert t <= gpu + launches + 1e-6
 
 
+def test_host_time_of_a_block_delays_its_launches():
+    # a block's host time is spread over its launches: kernel j is issued at j (h + H / n)
+    h = 10.0
+    assert host_timeline_us([Block("moe", 4, 0.0, False, 100.0)], h) == pytest.approx(4 * h + 100.0)
+    # GPU-bound: max(issue_1 + G, issue_n + g) = max(35 + 1000, 70 + 500)
+    assert host_timeline_us([Block("moe", 2, 1000.0, False, 50.0)], h) == pytest.approx(1035.0)
+    # after a host-bound block the next one starts later by the host time, even without a sync
+    a, m = Block("a", 10, 10.0), Block("moe", 5, 10.0, False, 300.0)
+    assert host_timeline_us([a, m], h) == pytest.approx(15 * h + 300.0 + 10.0 / 5)
+    assert host_timeline_us([a, dataclasses.replace(m, host_us=0.0)], h) == pytest.approx(15 * h + 10.0 / 5)
+
+
 def test_layer_blocks_sync_only_before_the_forward_moe_block():
     f = layer_blocks(300.0, 900.0, True, True, False)
     assert [(b.kind, b.kernels, b.sync) for b in f] == [("attention", KERNELS["attention"][0], False),
@@ -128,6 +140,11 @@ def test_host_blocks_read_a_stage_timeline():
                                              (0, "attention"), (-1, "embed")]
     assert all(not b.sync for _, b in bwd)
     assert {(l, b.kind): b.kernels for l, b in bwd}[(1, "moe")] == KERNELS["moe"][1]
+    # a host-proxy family's host time per call: two calls (dispatch, combine) per micro-batch on each MoE block
+    hf, hb = host_blocks(_stage_timeline(False), sync=True, call_us=300.0)
+    assert {(l, b.kind): b.host_us for l, b in hf + hb if b.host_us} == {(1, "moe"): 600.0}
+    assert sum(b.host_us for _, b in hb) == pytest.approx(600.0)
+    assert all(b.host_us == 0.0 for _, b in fwd + bwd)
     # no sync without the library's device-to-host read, unless the timeline shows a host wait
     assert not any(b.sync for _, b in host_blocks(_stage_timeline(False), sync=False)[0])
     assert any(b.sync for _, b in host_blocks(_stage_timeline(True), sync=False)[0])

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, validate
 from moonep_sim.strategies import PlanContext, available, get_strategy
+from conftest import tokens_per_expert_RE
 
 # Strategies that may drop entries (all others are dropless).
 DROPPING = {"capacity"}
@@ -139,7 +140,7 @@ def check_properties(name: str, plan, routing) -> None:
     np.testing.assert_array_equal(plan.entry_weight_TK, routing.topk_weights_TK)
     # per-expert conservation: rows computed per expert == kept entries per expert
     per_e = np.bincount(routing.topk_ids_TK.ravel()[kept], minlength=routing.num_experts)
-    np.testing.assert_array_equal(plan.tokens_per_expert_RE().sum(axis=0), per_e)
+    np.testing.assert_array_equal(tokens_per_expert_RE(plan).sum(axis=0), per_e)
     # byte matrices consistent with the hops and the entries
     R = plan.ranks
     fwd = {p.name: p for p in plan.phases("forward")}

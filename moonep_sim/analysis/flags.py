@@ -191,6 +191,11 @@ def native_flags(options: Mapping[str, Mapping[str, Any]], topology: str | None)
                                               + (f"; its {fam.proxy_nic_threads} proxy threads each post on one NIC, "
                                                  "so its channels' bytes land unevenly on the GPU's NICs and the "
                                                  "busiest binds" if fam.proxy_nic_threads else "")
+                                              + (f"; in a training step its host pays {fam.proxy_call_us:g} us per "
+                                                 f"dispatch or combine call plus the call's inter-node bytes at "
+                                                 f"{fam.proxy_GBps:g} GB/s (host-proxy per-call cost and throughput, "
+                                                 "FITTED on development row 2)" if fam.proxy_call_us or fam.proxy_GBps
+                                                 else "")
                                               + (f". {fam.caveat}" if fam.caveat else "")))
     return out
 

@@ -71,14 +71,6 @@ def output_rule(args, files: Iterable[str] = (), folders: Mapping[str, Sequence[
     check_outputs(outs, ins, {k: v for k, v in fold.items() if isinstance(v[0], (str, os.PathLike))})
 
 
-def parse_strategy_opts(items: list[str] | None, names: list[str]) -> dict[str, dict[str, str]]:
-    """``--opt STRATEGY.key=value`` (or ``key=value`` when one strategy is named) -> per strategy
-    (:func:`moonep_sim.experiments.spec.parse_opt_items`, the one parser)."""
-    from moonep_sim.experiments.spec import parse_opt_items
-
-    return parse_opt_items(items, names, plain="single")
-
-
 def parse_int_list(text: str | None, what: str) -> list[int] | None:
     """``"0,2,5-7"`` -> ``[0, 2, 5, 6, 7]``; None stays None."""
     if text is None:

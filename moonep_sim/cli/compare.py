@@ -9,9 +9,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from moonep_sim.cli.common import add_redundant_experts
 from moonep_sim.cli.common import (add_output_flags, add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies,
-                                   output_rule, parse_int_list, parse_strategy_opts, print_json, print_warnings,
+                                   add_redundant_experts, output_rule, parse_int_list, print_json, print_warnings,
                                    progress, steps_footer)
 from moonep_sim.errors import require
 from moonep_sim.experiments.scenario import DEFAULT_STRATEGIES as _DEFAULTS
@@ -62,8 +61,9 @@ def register(sub) -> None:
 def scenario(args, routing=None, layers=None):
     """The Scenario these arguments describe; checked (one line on bad input) before any work."""
     from moonep_sim.experiments import Scenario
+    from moonep_sim.experiments.spec import parse_opt_items, split_names
 
-    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    names = split_names(args.strategies)
     check_cluster_args(args)
     if args.real:
         require(2 <= args.nproc <= 64, f"--nproc ({args.nproc}) must lie in [2, 64]")
@@ -72,7 +72,7 @@ def scenario(args, routing=None, layers=None):
                 f"--ranks ({args.ranks}) must equal --nproc ({args.nproc}) with --real: each process is one EP rank")
     sc = Scenario(routing=routing or args.trace, model=getattr(args, "model", None),
                   cluster=((args.nproc if args.real else args.ranks) or 0, args.gpus_per_node or 0),
-                  topology=args.topology, strategies=names, options=parse_strategy_opts(args.opt, names),
+                  topology=args.topology, strategies=names, options=parse_opt_items(args.opt, names),
                   layers=layers if layers is not None else parse_int_list(getattr(args, "layers", None), "--layers"),
                   steps=getattr(args, "steps", None),
                   dispatch_dtype=args.dispatch_dtype, token_padding=args.token_padding,

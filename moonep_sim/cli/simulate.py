@@ -14,9 +14,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from moonep_sim.cli.common import add_redundant_experts
-from moonep_sim.cli.common import (add_dispatch_dtype, add_output_flags, add_steps, check_cluster_args, check_int,
-                                   console, parse_int_list)
+from moonep_sim.cli.common import (add_dispatch_dtype, add_output_flags, add_redundant_experts, add_steps,
+                                   check_cluster_args, check_int, console, parse_int_list)
 from moonep_sim.limits import MAX_CHUNKS
 from moonep_sim.errors import require
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from moonep_sim.cli.common import add_redundant_experts
-from moonep_sim.cli.common import (add_dispatch_dtype, add_output_flags, add_steps, add_strategies,
-                                   check_cluster_args, parse_strategy_opts)
+from moonep_sim.cli.common import (add_dispatch_dtype, add_output_flags, add_redundant_experts, add_steps,
+                                   add_strategies, check_cluster_args)
 from moonep_sim.errors import ConfigError, require
 
 
@@ -184,6 +183,7 @@ def step_options(args, *, tokens: bool = True):
 
 def scenario(args):
     from moonep_sim.experiments import GeneratorSpec, Scenario
+    from moonep_sim.experiments.spec import parse_opt_items, split_names
 
     from moonep_sim.cli.layout import layout_given
 
@@ -196,8 +196,8 @@ def scenario(args):
     if layout and hasattr(args, "gpus"):
         require(args.ranks is None, f"--ranks ({args.ranks}) is a pure-EP step's EP size: under a layout give --ep "
                                     "and --gpus")
-    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    opts = parse_strategy_opts(args.opt, names)
+    names = split_names(args.strategies)
+    opts = parse_opt_items(args.opt, names)
     if args.gen:
         spec = GeneratorSpec.parse(args.gen)
         if args.tokens_per_rank is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moonep_sim.cli.common import (output_rule, add_dispatch_dtype, add_output_flags, emit_json, add_steps,
-                                   add_strategies, check_cluster_args, check_int, parse_strategy_opts, progress)
+                                   add_strategies, check_cluster_args, check_int, progress)
 from moonep_sim.limits import MAX_TOKENS_PER_RANK
 from moonep_sim.errors import ConfigError
 from moonep_sim.experiments.routing import GEN_DEFAULTS
@@ -172,12 +172,13 @@ def _values(text: str | None, flag: str = "--values") -> list[float] | None:
 
 def scenario(args):
     from moonep_sim.experiments import GeneratorSpec, Scenario
+    from moonep_sim.experiments.spec import parse_opt_items, split_names
 
     from moonep_sim.cli.common import parse_int_list
 
-    names = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    names = split_names(args.strategies)
     check_cluster_args(args)
-    opts = parse_strategy_opts(args.opt, names)
+    opts = parse_opt_items(args.opt, names)
     if args.trace is not None:
         if args.seeds != 1:
             raise ConfigError(f"--seeds ({args.seeds}) applies to generated routing: a trace's verdicts rest on the "

@@ -35,7 +35,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, buffer, handle: Handle):
         ctx.buffer, ctx.handle = buffer, handle
-        ctx.K = topk_weights.shape[1] if topk_weights.dim() == 2 else handle.top_k
+        ctx.K = topk_weights.shape[1] if topk_weights.dim() == 2 else handle.plan.top_k
         ctx.w_dtype = topk_weights.dtype
         rows = buffer.rows.dispatch_rows(handle, x, "dispatch", comm_dtype=buffer.dispatch_dtype)
         # a copy: an output of forward joins the graph, and the handle's own tensor must not (it

@@ -23,7 +23,6 @@ class GroupComm:
 
     group: the EP process group (None = the default group); its ranks are EP ranks 0..R-1 in
     ascending global rank order.  timeout_s: limit on every collective (seconds).
-    ``seq`` counts the collectives this rank entered (a test can check that nothing was sent).
     Failures are named by a :class:`~moonep_sim.gloo.liveness.PhaseTracker` (progress records and
     heartbeats in the store).
     """
@@ -67,28 +66,18 @@ class GroupComm:
         inter = mine([list(range(loc, R, G)) for loc in range(G)])
         self.scopes = {"global": glob, "intra_node": intra, "inter_node": inter}
 
-    # -- failure handling (moonep_sim.gloo.liveness) -----------------------------------------
-    @property
-    def seq(self) -> int:
-        """Collectives this rank has entered (phase progress)."""
-        return self.tracker.seq
-
+    # -- failure handling (moonep_sim.gloo.liveness: tracker.run issues one operation and waits for it
+    # with the timeout; a failure raises a CommError naming the phase, the op, this rank and the culprit)
     def mark(self, phase: str) -> None:
         """Record that this rank enters a phase (read by a peer that fails)."""
         self.tracker.mark(phase)
-
-    def run(self, phase: str, op: str, issue: Callable[[], Any], peers: Sequence[int],
-            focus: int | None = None) -> None:
-        """Issue one asynchronous operation and wait for it with the timeout; a failure raises
-        :class:`~moonep_sim.errors.CommError` naming ``phase``, ``op``, this rank and the culprit."""
-        self.tracker.run(phase, op, issue, peers, focus)
 
     # -- collectives --------------------------------------------------------------------------
     def all_gather(self, phase: str, t: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
         """Every rank's ``t`` (same shape everywhere), in EP rank order."""
         out = [torch.empty_like(t) for _ in range(self.world_size)]
-        self.run(phase, "all_gather", lambda: dist.all_gather(out, t, group=group or self.group, async_op=True),
-                 range(self.world_size))
+        self.tracker.run(phase, "all_gather",
+                         lambda: dist.all_gather(out, t, group=group or self.group, async_op=True), range(self.world_size))
         return out
 
     def all_to_all(self, phase: str, scope: str, members: Sequence[int], send: torch.Tensor,
@@ -102,7 +91,7 @@ class GroupComm:
         send = send.contiguous()
         if out is None or out.data_ptr() == send.data_ptr():
             out = send.new_empty((int(sum(recv_splits)),) + tuple(send.shape[1:]))
-        self.run(phase, "all_to_all", lambda: dist.all_to_all_single(
+        self.tracker.run(phase, "all_to_all", lambda: dist.all_to_all_single(
             out, send, list(recv_splits), list(send_splits), group=group, async_op=True), members)
         return out
 
@@ -123,12 +112,12 @@ class GroupComm:
                 op()
                 continue
             fn = dist.isend if op == "send" else dist.irecv
-            self.run(phase, "send/recv", lambda fn=fn, t=t, p=p, tag=tag: works.append(
+            self.tracker.run(phase, "send/recv", lambda fn=fn, t=t, p=p, tag=tag: works.append(
                 (fn(t, self.members[p], group=group, tag=tag), p)), members, p)
         if local is not None:
             local()
         for w, p in works:
-            self.run(phase, "send/recv", lambda w=w: w, members, p)
+            self.tracker.run(phase, "send/recv", lambda w=w: w, members, p)
 
 
 __all__ = ["GroupComm"]

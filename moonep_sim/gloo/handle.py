@@ -297,10 +297,6 @@ class Handle:
         """X: this rank's fetched slots."""
         return int(self.slots.is_copy.sum())
 
-    @property
-    def top_k(self) -> int:
-        return self.plan.top_k
-
 
 def build_handle(plan: Plan, rank: int, home_E: np.ndarray, weights_TK: np.ndarray | None = None) -> Handle:
     """Rank ``rank``'s :class:`Handle` for ``plan`` (vectorised over messages and rows).

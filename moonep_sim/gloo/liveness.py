@@ -85,19 +85,14 @@ def default_store():
         return None
 
 
-def ensure_heartbeat(rank: int | None = None, interval_s: float = HEARTBEAT_INTERVAL_S) -> bool:
-    """Start this process's heartbeat (once); True when one runs."""
+def ensure_heartbeat(rank: int | None = None, store=None) -> bool:
+    """Start this process's heartbeat (once) in ``store`` (default: the default group's); True when one runs."""
     global _PROCESS_HEARTBEAT
-    if _PROCESS_HEARTBEAT is not None:
-        return True
-    store = default_store()
-    if store is None:
-        return False
-    try:
-        _PROCESS_HEARTBEAT = _Heartbeat(store, dist.get_rank() if rank is None else rank, interval_s)
-    except Exception:
-        return False
-    return True
+    store = default_store() if _PROCESS_HEARTBEAT is None and store is None else store
+    if _PROCESS_HEARTBEAT is None and store is not None:
+        with contextlib.suppress(Exception):
+            _PROCESS_HEARTBEAT = _Heartbeat(store, dist.get_rank() if rank is None else rank, HEARTBEAT_INTERVAL_S)
+    return _PROCESS_HEARTBEAT is not None
 
 
 def announced_failure() -> bool:
@@ -322,10 +317,8 @@ class StartWatch:
         self.base = base_store
         self.up = threading.Event()
         self._claim = threading.Lock()
-        global _PROCESS_HEARTBEAT
-        if _PROCESS_HEARTBEAT is None and base_store is not None:
-            with contextlib.suppress(Exception):
-                _PROCESS_HEARTBEAT = _Heartbeat(base_store, rank, HEARTBEAT_INTERVAL_S)
+        if base_store is not None:  # before the group is up there is no default store to fall back on
+            ensure_heartbeat(rank, base_store)
         self._thread = threading.Thread(target=self._watch, name=f"moonep-start-{rank}", daemon=True)
         self._thread.start()
 

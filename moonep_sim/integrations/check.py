@@ -140,11 +140,9 @@ def check_training(build: Callable[[], torch.nn.Module], make_ep: Callable[[torc
     errs = _all_max([loss_err, logits_err, grad_err, router_err], group)
     # the worst parameter of the rank with the largest gradient error
     mine = torch.tensor([grad_err, float(r)], dtype=torch.float64)
-    allm = [torch.empty_like(mine) for _ in range(R)]
+    allm = [torch.empty_like(mine) for _ in range(R)] if R > 1 else [mine]
     if R > 1:
         dist.all_gather(allm, mine, group=group)
-    else:
-        allm = [mine]
     worst_rank = int(max(allm, key=lambda t: float(t[0]))[1])
     dtype = next(ref.parameters()).dtype
     tol = TOLERANCE.get(dtype, 1e-3)

@@ -426,12 +426,6 @@ class Plan:
         """int64 [S]: 0 for a slot fed from its home (or no copy), 1 for a copy fed by a relay."""
         return (self.copy_src_S() != self.slot_home_S).astype(np.int64)
 
-    def tokens_per_expert_RE(self) -> np.ndarray:
-        """[R, E] real rows each rank computes per expert (copies included)."""
-        flat = self.slot_rank_S * self.num_experts + self.slot_expert_S
-        return np.bincount(flat, weights=self.slot_rows_S,
-                           minlength=self.ranks * self.num_experts).reshape(self.ranks, self.num_experts).astype(np.int64)
-
     @property
     def dropped(self) -> int:
         return int(np.count_nonzero(self.entry_rank_TK < 0))

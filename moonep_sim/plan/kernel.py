@@ -131,6 +131,10 @@ class KernelSpec:
         the busiest NIC carries ``ceil``-many channels, so the GPU's inter-node rate is its NICs' x
         ``(channels / N) / max channels per NIC`` (:func:`moonep_sim.sim.kernels.proxy_nic_share`);
         0 = none (the bytes spread over every NIC).
+    proxy_call_us, proxy_GBps: what a training step's host pays per dispatch or combine call of a
+        host-proxy family beyond its kernels' own time: ``proxy_call_us`` plus the call's inter-node
+        bytes at ``proxy_GBps`` (:func:`moonep_sim.sim.kernels.proxy_host_us`; charged on the step's
+        host timeline, :mod:`moonep_sim.step.host`); 0 = none.
     """
 
     sms: int = 0
@@ -158,9 +162,13 @@ class KernelSpec:
     zero_copy: bool = False
     proxy_nic_threads: int = 0
     broadcast: bool = False
+    proxy_call_us: float = 0.0
+    proxy_GBps: float = 0.0
 
     def __post_init__(self) -> None:
-        require(self.proxy_nic_threads >= 0, f"kernel proxy_nic_threads ({self.proxy_nic_threads}) must be >= 0")
+        require(self.proxy_nic_threads >= 0 and self.proxy_call_us >= 0 and self.proxy_GBps >= 0,
+                f"kernel proxy_nic_threads ({self.proxy_nic_threads}), proxy_call_us ({self.proxy_call_us}) and "
+                f"proxy_GBps ({self.proxy_GBps}) must be >= 0")
         require(self.epilogue in EPILOGUES, f"kernel epilogue ({self.epilogue!r}) must be one of {EPILOGUES}")
         require(self.channels_per_sm > 0, f"kernel channels_per_sm ({self.channels_per_sm}) must be > 0")
         require(self.sms >= ALL_SMS, f"kernel sms ({self.sms}) must be >= -1 (-1 = all SMs, 0 = not declared)")
@@ -225,6 +233,8 @@ class KernelFamily:
     proxy_nic_threads: int = 0
     node_relay: bool = False
     broadcast: bool = False
+    proxy_call_us: float = 0.0
+    proxy_GBps: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
     caveat: str = ""
 
@@ -283,6 +293,26 @@ UCCL_CHUNKS = tuple(RelayChunk(r, dn, dr, cn, cr) for r, dn, dr, cn, cr in (
 #: ASSUMED: two proxy round trips per launch (GPU command ring -> CPU thread -> completion back,
 #: ~2.5 us each over PCIe with polling).
 PROXY_ROUND_TRIP_US = 5.0
+#: FITTED on ANCHORS development row 2 (Qwen3-30B-A3B, Megatron-Bridge on 64 H100 of p5.48xlarge, EFA:
+#: each transport's step time relative to NCCL all-to-all in its published layouts;
+#: ``benchmarks/fit_host_proxy.py``, leave-one-out by EP size in docs/results/host-proxy-fit.md): what a
+#: training step's host pays per dispatch or combine call of the transport (``proxy_call_us``, us) and
+#: the rate at which it pays for the call's inter-node bytes (``proxy_GBps``, GB/s) -- the host-proxy
+#: per-call cost and throughput (``moonep_sim.sim.kernels.proxy_host_us``). Not measured: no trace of
+#: the row is at hand, and the kernels alone are faster (docs/results/host-proxies.md).
+UCCL_EFA_CALL_US, UCCL_EFA_PROXY_GBPS = 960.0, 2.92
+NVSHMEM_EFA_CALL_US, NVSHMEM_EFA_PROXY_GBPS = 0.0, 7.02
+_PROXY_FIT = ("FITTED on ANCHORS development row 2 (Qwen3-30B-A3B, Megatron-Bridge, 64 H100 p5.48xlarge, EFA): "
+              "the transport's step time relative to NCCL all-to-all in the row's layouts (benchmarks/"
+              "fit_host_proxy.py; leave-one-out by EP size in docs/results/host-proxy-fit.md): the host-proxy "
+              "per-call cost and throughput a training step's host pays per dispatch or combine call, beyond the "
+              "kernels' own time (moonep_sim.sim.kernels.proxy_host_us). Mechanism named, magnitude not sourced: "
+              "UCCL-EP's Megatron guide at the row's commit (uccl 0dc87eb ep/bench/megatron/README.md, 'Known or "
+              "potential Issues') says containers inflate its proxy threads' FIFO round trips and that NCCL's "
+              "channels for the optimizer collectives congest EFA when UCCL-EP is active; the row ran in EKS "
+              "pods without NCCL_MAX_NCHANNELS. The kernels alone, same images on p5.48xlarge, run at 30-46 GB/s "
+              "per layer (awslabs/awsome-distributed-ai@40e398b micro-benchmarks/expert-parallelism/"
+              "ep-backend-comparison/RESULTS-p5.md), so the cost is not the kernels'")
 _PROXY_MSG = ("assumed: PROXY_OP_US = 0.45 CPU us per proxied operation per proxy thread, set from UCCL's proxy "
               "benchmark (uccl PR #47, 2.24 M ops/s, read as one thread's rate); no published dispatch/combine or "
               "step figure used")
@@ -403,7 +433,9 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
     KernelFamily("uccl-ep", "UCCL-EP", "normal", "nvidia", ("ib", "roce", "efa"), sms=UCCL_SMS,
                  message_us=PROXY_OP_US * UCCL_EFA_OPS_PER_CHUNK / UCCL_PROXY_THREADS,
                  extra_fixed_us=PROXY_ROUND_TRIP_US, reduce="fused", chunks=UCCL_CHUNKS, channels_per_sm=0.5,
-                 recv_copy=True, host_wait_us=HOST_WAIT_US, proxy_nic_threads=UCCL_PROXY_THREADS, sources={
+                 recv_copy=True, host_wait_us=HOST_WAIT_US, proxy_nic_threads=UCCL_PROXY_THREADS,
+                 proxy_call_us=UCCL_EFA_CALL_US, proxy_GBps=UCCL_EFA_PROXY_GBPS, sources={
+        "proxy_call_us": _PROXY_FIT, "proxy_GBps": _PROXY_FIT,
         "host_wait_us": _HOST_WAIT,
         "design": "sourced: UCCL-EP (arXiv 2512.19849; uccl-project/uccl ep/): DeepEP V1's internode kernels whose "
                   "GPU-issued 128-bit commands go through lock-free FIFO channels to multithreaded CPU proxies, "
@@ -425,9 +457,9 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                              "thread t posts on the GPU's NIC t mod 4, on p5en t mod 2): with 10 channels the "
                              "four NICs carry 3, 3, 2, 2 channels' bytes",
         "fixed_us": _PROXY_FIXED}, caveat=(
-        "NOT REPRODUCED: the development row (Qwen3-30B-A3B, Megatron on 64 H100 p5, ANCHORS row 2) measures "
-        "DeepEP + UCCL 33-187% slower than NCCL all-to-all, while this pricing -- the costs UCCL-EP's code "
-        "states -- predicts it 5-22% faster; treat a UCCL-EP win on EFA as unconfirmed "
+        "Its place behind DeepEP + NVSHMEM and NCCL all-to-all on EFA (ANCHORS row 2) comes from the host-proxy "
+        "per-call cost and throughput FITTED on that row (in-sample there; leave-one-out by EP size in "
+        "docs/results/host-proxy-fit.md): the costs UCCL-EP's code states alone would put it ahead of NCCL "
         "(docs/results/host-proxies.md)")),
     KernelFamily("uccl-ep-ll", "UCCL-EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
                  message_us=PROXY_OP_US / UCCL_PROXY_THREADS, extra_fixed_us=PROXY_ROUND_TRIP_US,
@@ -439,9 +471,9 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
         "fixed_us": _PROXY_FIXED}),
     KernelFamily("deepep-nvshmem-efa", "DeepEP over NVSHMEM (libfabric)", "normal", "nvidia", ("efa",), sms=24,
                  message_us=PROXY_OP_US * NVSHMEM_EFA_OPS_PER_CHUNK / NVSHMEM_PROXY_THREADS,
-                 extra_fixed_us=PROXY_ROUND_TRIP_US,
+                 extra_fixed_us=PROXY_ROUND_TRIP_US, proxy_call_us=NVSHMEM_EFA_CALL_US, proxy_GBps=NVSHMEM_EFA_PROXY_GBPS,
                  reduce="fused", chunks=V1_CHUNKS, channels_per_sm=0.5, recv_copy=True, host_wait_us=HOST_WAIT_US, sources={
-        "host_wait_us": _HOST_WAIT,
+        "host_wait_us": _HOST_WAIT, "proxy_call_us": _PROXY_FIT, "proxy_GBps": _PROXY_FIT,
         "design": "sourced: DeepEP V1's normal kernels built on NVSHMEM's libfabric transport for EFA, which has no "
                   "GPU-initiated RDMA (IBGDA): each device-side put is handed to NVSHMEM's host proxy thread, which "
                   "posts it to the NIC (NVSHMEM docs, 'proxy' transports; the awslabs Megatron-Bridge rows in "
@@ -453,8 +485,9 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (
                       "deepep/setup_deepep_efa.sh: put_signal + nvshmem_int_atomic_add); NVSHMEM_PROXY_THREADS = 1 "
                       "is sourced (the same script: 'Libfabric has 1 proxy endpoint per PE')",
         "fixed_us": _PROXY_FIXED}, caveat=(
-        "the development row's order (NCCL all-to-all ahead at EP16 by 3-7%) rests at EP16 on PROXY_OP_US "
-        "(ASSUMED 0.45 us): below ~0.43 us this pricing puts DeepEP + NVSHMEM ahead (docs/results/host-proxies.md)")),
+        "Its place between NCCL all-to-all and DeepEP + UCCL on EFA (ANCHORS row 2) comes from the host-proxy "
+        "per-call cost and throughput FITTED on that row (in-sample there; leave-one-out by EP size in "
+        "docs/results/host-proxy-fit.md), on top of PROXY_OP_US (ASSUMED 0.45 us per proxied operation)")),
     KernelFamily("nixl-ep", "NIXL EP", "ll", "nvidia", ("ib", "roce", "efa"), sms=ALL_SMS,
                  reduce="after", counts="selections", sources={
         "design": "assumed, set from NIXL EP's design: DeepEP-style low-latency kernels over NIXL's device API "
@@ -507,7 +540,8 @@ def family_spec(fam: KernelFamily, **kw) -> KernelSpec:
                       reduce_sms=fam.reduce_sms, chunks=fam.chunks, channels_per_sm=fam.channels_per_sm,
                       epilogue=fam.epilogue, sm_read_GBps=fam.sm_read_GBps, recv_copy=fam.recv_copy,
                       holds_sms=fam.holds, host_wait_us=fam.host_wait_us, proxy_nic_threads=fam.proxy_nic_threads,
-                      broadcast=fam.broadcast)
+                      broadcast=fam.broadcast, proxy_call_us=fam.proxy_call_us,
+                      proxy_GBps=fam.proxy_GBps)
     return replace(spec, **kw)
 
 

@@ -39,6 +39,8 @@ from dataclasses import replace
 import numpy as np
 
 from moonep_sim.plan.kernel import ALL_SMS, KernelSpec, chunk_for
+from moonep_sim.plan.ir import Plan
+from moonep_sim.plan.kinds import PhaseKind
 from moonep_sim.sim.topology import Topology
 
 
@@ -104,6 +106,23 @@ def proxy_nic_share(topo: Topology, spec: KernelSpec | None) -> float:
         return 1.0
     per_nic = np.bincount((np.arange(channels) % spec.proxy_nic_threads) % n, minlength=n)
     return float(channels / n / per_nic.max())
+
+
+def proxy_host_us(plan: Plan) -> float:
+    """Host time (us) a training step pays per dispatch or combine call of a host-proxy kernel family
+    (``KernelSpec.proxy_call_us`` / ``proxy_GBps``) beyond its kernels' own time: the per-call cost
+    plus the busiest rank's inter-node bytes of the forward dispatch (the rows a combine returns) at
+    the proxy's rate, ``proxy_call_us + max_r inter_r / proxy_GBps``; 0 for any other family. The
+    step charges it on its host timeline (``moonep_sim.step.host``), once per call."""
+    spec = plan.kernel
+    if spec is None or (spec.proxy_call_us <= 0 and spec.proxy_GBps <= 0):
+        return 0.0
+    per_byte = 0.0
+    if spec.proxy_GBps > 0:
+        inter = ~plan.cluster.intra_node_RR()
+        sent_R = sum((p.bytes_RR * inter).sum(axis=1) for p in plan.phases("forward") if p.kind == PhaseKind.DISPATCH)
+        per_byte = float(np.max(sent_R, initial=0.0)) / (spec.proxy_GBps * 1e3)
+    return float(spec.proxy_call_us) + per_byte
 
 
 def nic_message_cost_us(topo: Topology, spec: KernelSpec | None = None) -> float:
@@ -258,7 +277,7 @@ def weight_copy_us(topo: Topology, nbytes: float, inter_node: bool, engine: str 
 
 __all__ = ["checked_on", "class_bytes_per_us", "dispatch_epilogue_us", "epilogue_rows_R", "expand_read_bytes_per_us",
            "kernel_checks", "combine_reduce_us", "kernel_fixed_us", "kernel_launches", "kernel_sms", "message_us",
-           "nic_message_cost_us", "planning_us", "proxy_nic_share", "receive_copy_us", "reduce_bytes_per_us", "relay_active", "relay_hop_rows", "relay_rows", "relay_two_hop_us",
+           "nic_message_cost_us", "planning_us", "proxy_host_us", "proxy_nic_share", "receive_copy_us", "reduce_bytes_per_us", "relay_active", "relay_hop_rows", "relay_rows", "relay_two_hop_us",
            "row_messages_us", "sm_cap_bytes_per_us", "weight_copy_bytes_per_us", "weight_copy_us"]
 
 

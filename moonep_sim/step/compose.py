@@ -38,8 +38,8 @@ from moonep_sim.step.stack import LayerOps, Op, StepShape, backward_op, head_ops
 
 @dataclass(frozen=True)
 class OpTimes:
-    """The compute ops of one micro-batch's layers, priced: per layer ``before`` [(name, us)],
-    ``router_us``, ``shared_us``; and the head ops."""
+    """The compute ops of one micro-batch: each layer's (:class:`LayerOps`), and the head ops before
+    the first layer and after the last (:func:`head_ops`)."""
 
     layers: list[LayerOps]
     first: tuple[Op, ...]

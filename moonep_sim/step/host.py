@@ -99,12 +99,15 @@ def launch_us(pp_schedule: str = "1f1b") -> float:
 @dataclass(frozen=True)
 class Block:
     """``kernels`` launched for ``gpu_us`` of GPU time; ``sync``: the host waits for the GPU to
-    drain before launching them."""
+    drain before launching them; ``host_us``: host time the block spends beyond its launches (a
+    host-proxy family's per-call cost, :func:`moonep_sim.sim.kernels.proxy_host_us`), spread evenly
+    over its launches."""
 
     kind: str
     kernels: int
     gpu_us: float
     sync: bool = False
+    host_us: float = 0.0
 
 
 def host_timeline_us(blocks: Sequence[Block], launch: float | None = None) -> float:
@@ -125,10 +128,12 @@ def host_timeline_us(blocks: Sequence[Block], launch: float | None = None) -> fl
 
 
 def _segment_us(seg: Sequence[Block], h: float) -> float:
-    """GPU finish time of one segment from a synchronised start: ``max_j (j h + sum_{k >= j} g_k)``."""
+    """GPU finish time of one segment from a synchronised start: ``max_j (issue_j + sum_{k >= j} g_k)``,
+    kernel j issued once the host spent ``h`` plus its block's share of ``host_us`` on it and on
+    every kernel before it (``issue_j = j h`` without host time)."""
     n = np.array([b.kernels for b in seg], dtype=np.int64)
     g = np.repeat(np.array([max(b.gpu_us, 0.0) for b in seg]) / n, n)
-    issue = h * np.arange(1, g.size + 1, dtype=np.float64)
+    issue = np.cumsum(h + np.repeat(np.array([max(b.host_us, 0.0) for b in seg]) / n, n))
     tail = np.cumsum(g[::-1])[::-1]   # sum of g_k for k >= j
     return float(np.max(issue + tail))
 
@@ -149,13 +154,15 @@ _MOE_FWD = ("host_wait", "dispatch")
 _MOE_BWD_END = ("dispatch_bwd", "grad_reduce")
 
 
-def host_blocks(tl, sync: bool) -> tuple[tuple, tuple]:
+def host_blocks(tl, sync: bool, call_us: float = 0.0) -> tuple[tuple, tuple]:
     """(forward, backward) ``(layer, Block)`` of a stage's timeline for the host timeline
     (:mod:`moonep_sim.step.host`): per layer its attention block and its MoE (or dense FFN) block,
     each the GPU span it takes on the rank that ends last, with the kernels it launches (times the
     micro-batches the timeline runs together), the embedding (layer -1) first and the head (layer
     ``L``) last. ``sync``: the strategy's library syncs the host before each forward dispatch; a
-    ``host_wait`` event (DeepEP's normal kernels) syncs as well."""
+    ``host_wait`` event (DeepEP's normal kernels) syncs as well. ``call_us``: the host's time per
+    dispatch or combine call (a host-proxy family's, ``moonep_sim.sim.kernels.proxy_host_us``),
+    charged to each MoE block for its two calls per micro-batch."""
     if not tl.events:
         return (), ()
     r = int(np.argmax(tl.end_R()))
@@ -171,7 +178,7 @@ def host_blocks(tl, sync: bool) -> tuple[tuple, tuple]:
         return min(float(e.start_R[r]) for e in evs), max(float(e.end_R[r]) for e in evs)
 
     def blk(kind: str, gpu: float, bwd: bool, s: bool = False) -> Block:
-        return Block(kind, KERNELS[kind][int(bwd)] * mbs, max(gpu, 0.0), s)
+        return Block(kind, KERNELS[kind][int(bwd)] * mbs, max(gpu, 0.0), s, 2 * mbs * call_us if kind == "moe" else 0.0)
 
     fwd, bwd = [], []
     for (layer, direction), evs in sorted(by.items()):

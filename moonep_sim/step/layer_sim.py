@@ -39,7 +39,7 @@ from moonep_sim.plan import Plan
 from moonep_sim.plan.kinds import Direction, PhaseKind
 from moonep_sim.sim.analysis import straggler
 from moonep_sim.sim.engine import StepSim, collector_paused
-from moonep_sim.sim.kernels import kernel_sms
+from moonep_sim.sim.kernels import kernel_sms, proxy_host_us
 from moonep_sim.sim.options import SimOptions
 from moonep_sim.sim.topology import Topology
 from moonep_sim.step.costs import CostModel
@@ -69,7 +69,8 @@ class LayerComm:
     each collective when ``holds_sms``, else in its SM phases only: ``pre_held`` /
     ``post_held``), and the plan's rows per rank (real / padded), copies, and the entries it
     dropped of the layer's entries; ``host_wait_us``: the host's wait for the count exchange before
-    the forward dispatch (``KernelSpec.host_wait_us``)."""
+    the forward dispatch (``KernelSpec.host_wait_us``); ``proxy_host_us``: the host's time per
+    dispatch or combine call of a host-proxy family (``moonep_sim.sim.kernels.proxy_host_us``)."""
 
     forward: DirectionComm
     backward: DirectionComm | None
@@ -83,6 +84,7 @@ class LayerComm:
     entries: int = 0
     holds_sms: bool = True
     host_wait_us: float = 0.0
+    proxy_host_us: float = 0.0
 
 
 #: Span kinds that keep a rank's SMs busy (its own work, not data in flight): at the start of a
@@ -186,7 +188,7 @@ def _simulate(plan: Plan, model: ModelSpec, topo: Topology, costs: CostModel, tr
                      int(plan.num_tokens * plan.top_k),
                      holds_sms=plan.kernel is None or plan.kernel.holds_sms or costs.legacy,
                      host_wait_us=float(plan.kernel.host_wait_us) if plan.kernel is not None and not costs.legacy
-                     else 0.0)
+                     else 0.0, proxy_host_us=0.0 if costs.legacy else proxy_host_us(plan))
 
 
 def _dropped(plan: Plan) -> int:

@@ -289,7 +289,7 @@ class StageProgram:
         d = res["strategies"][name]
         tl = res["_timelines"][name]
         F, B, Fc, Bc = _timeline_split(tl)
-        hf, hb = host_blocks(tl, name in SYNC_BEFORE_DISPATCH)
+        hf, hb = host_blocks(tl, name in SYNC_BEFORE_DISPATCH, float(d.get("proxy_host_us", 0.0)))
         return cls(F, B, Fc, Bc, d["memory"], int(d["dropped"]), int(d["entries"]),
                    tuple(res.get("_footprints", {}).get(name, ())),
                    tuple(float(x["time_us"]) for x in d.get("layers", ()) if str(x.get("kind", "")).startswith("moe")),

@@ -218,6 +218,7 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
                  padded_rows_per_rank=_layer_mean(comms, lambda c: c.padded_rows_R.max()),
                  real_rows_per_rank=_layer_mean(comms, lambda c: c.rows_R.max()),
                  copies_per_layer=_layer_mean(comms, lambda c: c.copies_R.sum()),
+                 proxy_host_us=_layer_mean(comms, lambda c: c.proxy_host_us),
                  # entries the strategy dropped over the step's MoE layers (less work: it never wins)
                  dropped=int(sum(comm_of(l, mb).dropped for l in comms for mb in range(M))),
                  entries=int(sum(comm_of(l, mb).entries for l in comms for mb in range(M))))

@@ -42,20 +42,14 @@ DEFAULT_NIC_EFFICIENCY = 0.95
 DEFAULT_NIC_LATENCY_US = 200.0
 
 
-def base_topology(base: str | None = None):
-    """The intra-node constants: ``base`` (a preset name or TOML file) or ``local-gloo`` (the
-    calibrated file when present, else the preset)."""
-    from moonep_sim.sim.topology import load_topology
-    return load_topology(base or "local-gloo")
-
-
 def testbed_topology(spec: TestbedSpec, gpus_per_node: int, probes: dict | None = None, base: str | None = None):
     """A :class:`moonep_sim.sim.topology.Topology` for ``spec`` with G ranks per node (see module doc)."""
+    from moonep_sim.sim.topology import load_topology
+
     probes = probes or {}
-    b = base_topology(base)
+    b = load_topology(base or "local-gloo")  # the intra-node constants (local-gloo: the calibrated file if present)
     G = int(gpus_per_node)
-    sources = dict(b.sources)
-    sources = {k: v for k, v in sources.items() if not k.startswith("nic")}
+    sources = {k: v for k, v in b.sources.items() if not k.startswith("nic")}
     eff, eff_src = DEFAULT_NIC_EFFICIENCY, "assumed: TCP payload over wire bytes at MTU 1500 (~0.95)"
     lat, lat_src = DEFAULT_NIC_LATENCY_US, "assumed"
     gl = probes.get("gloo") or {}

@@ -40,9 +40,7 @@ class GQA(AttentionKind):
         return min(tp, model.kv_heads or model.heads)  # KV heads split; beyond them, replicated
 
     def cache_bytes(self, model: ModelSpec, shape: StepShape) -> float:
-        ctx = shape.context if shape.mode == "decode" else max(shape.context, min(shape.tokens, shape.context))
-        if self.window(model):
-            ctx = min(ctx, self.window(model))
+        ctx = min(shape.context, self.window(model) or shape.context)   # every mode: the sequence's keys
         return float(shape.sequences) * ctx * self.kv_elems_per_token(model) * BF16
 
     def core(self, model: ModelSpec, shape: StepShape) -> Op:
