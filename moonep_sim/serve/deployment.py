@@ -199,18 +199,9 @@ def kv_tokens(model: ModelSpec, layout: Parallel, gpu_memory_GiB: float, weight_
 
 def read_deployment(path: str | Path) -> Deployment:
     """A deployment file (see the module docstring); every bad key is one line naming it."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python < 3.11
-        import tomli as tomllib
-    from moonep_sim.io import read_config_bytes
+    from moonep_sim.io import read_toml
 
-    raw = read_config_bytes(path, "deployment", "TOML")
-    try:
-        doc = tomllib.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"deployment ({path}) must be valid TOML: {e}") from None
-    return deployment_from_dict(doc, str(path))
+    return deployment_from_dict(read_toml(path, "deployment"), str(path))
 
 
 def deployment_from_dict(doc: Mapping[str, Any], where: str = "deployment") -> Deployment:

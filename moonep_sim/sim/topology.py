@@ -19,10 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
@@ -31,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.io import data_toml, read_toml
 from moonep_sim.plan.placement import ClusterShape
 
 MAX_CONSTANT = 1e15
@@ -478,15 +475,7 @@ def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>") -> Topology:
 def read_topology_file(path: str | os.PathLike) -> Topology:
     """A topology TOML file; a missing, special (pipe, folder, link loop), oversized or too deeply
     nested file is refused in one line naming it, as is every value (see :func:`topology_from_dict`)."""
-    from moonep_sim.io import read_config_bytes
-
-    p = Path(path)
-    raw = read_config_bytes(p, "topology file", "TOML")
-    try:
-        doc = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ConfigError(f"{p}: must be valid TOML: {e}") from None
-    return topology_from_dict(doc, str(p))
+    return topology_from_dict(read_toml(path, "topology file"), str(Path(path)))
 
 
 def calibrated_topology_path() -> Path:
@@ -533,7 +522,7 @@ def load_topology(name_or_path: "str | os.PathLike | Topology", gpus_per_node: i
         if s == "local-gloo" and calibrated_topology_path().is_file():
             topo = read_topology_file(calibrated_topology_path())
         else:
-            topo = topology_from_dict(tomllib.loads(presets[s].read_text()), f"preset {s}")
+            topo = topology_from_dict(data_toml(presets[s].name), f"preset {s}")
     elif s.endswith(".toml") or os.path.sep in s or os.path.lexists(s):
         topo = read_topology_file(s)
     else:
