@@ -410,25 +410,11 @@ class Topology:
 
     def to_toml(self) -> str:
         """The topology as a TOML document in the ``docs/topology.md`` format."""
-        lines = [f"name = {_toml_str(self.name)}", f"description = {_toml_str(self.description)}", ""]
-        for table, (prefix, keys) in _TABLES.items():
-            lines.append(f"[{table}]")
-            for k in keys:
-                lines.append(f"{k} = {_toml_val(getattr(self, prefix + k))}")
-            lines.append("")
-        if self.sources:
-            lines.append("[sources]")
-            for k, v in self.sources.items():
-                lines.append(f"{k} = {_toml_str(v)}")
-        return "\n".join(lines) + "\n"
+        import tomli_w
 
-
-def _toml_str(s: str) -> str:
-    return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _toml_val(v: Any) -> str:
-    return _toml_str(v) if isinstance(v, str) else repr(v)
+        doc = {"name": self.name, "description": self.description,
+               **{table: {k: getattr(self, prefix + k) for k in keys} for table, (prefix, keys) in _TABLES.items()}}
+        return tomli_w.dumps({**doc, "sources": self.sources} if self.sources else doc)
 
 
 def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>") -> Topology:
