@@ -60,3 +60,13 @@ def test_with_chunk_sets_one_config_for_both_directions(fe):
     assert (c.ranks, c.rows("dispatch", True), c.rows("dispatch", False)) == (16, 28, 4)
     assert (c.rows("combine", True), c.rows("combine", False)) == (28, 4)
     assert plan.kernel.family == "uccl-ep"
+
+
+@pytest.mark.slow
+def test_swept_point_is_never_slower_than_the_own_table(fe):
+    # the family's own Config at EP32 is a point of the test's grid, so the test's best is at least it
+    from moonep_sim.sim import load_topology
+
+    r = fe.point("deepep-nvshmem-efa", 32, "dispatch", load_topology("h100-efa"))
+    assert r["chunk"] in fe.DISPATCH_GRID
+    assert r["swept"] >= r["own"] * (1 - 1e-12)
