@@ -68,6 +68,7 @@ from typing import Callable
 from moonep_sim.errors import require
 from moonep_sim.models import ModelSpec
 from moonep_sim.step import collectives as coll
+from moonep_sim.step.attention import attention_kind
 from moonep_sim.step.host import SYNC_BEFORE_DISPATCH, host_blocks, host_excess_us, launch_us
 from moonep_sim.step.parallel import Parallel
 from moonep_sim.step.pipelines import get_schedule
@@ -200,8 +201,8 @@ def tp_comm_us(model: ModelSpec, start: int, stop: int, p: Parallel, shape: Step
         for l in range(start, stop):
             kind = model.attention_kind(l)
             if kind in ("gqa", "mla", "sliding"):
-                # the rank's chunk (the TP group's tokens, already 1/cp of the sequence); K/V heads split over tp
-                kv = tokens_tp * kv_elems_per_token(model, kind) / (p.tp if kind != "mla" else 1) * BF16
+                # the rank's chunk (the TP group's tokens, already 1/cp of the sequence), its TP rank's share
+                kv = tokens_tp * kv_elems_per_token(model, kind) / attention_kind(kind).cache_shards(model, p.tp) * BF16
                 f += (p.cp - 1) * coll.send_us(kv, link)
                 b += 2 * (p.cp - 1) * coll.send_us(kv, link)
     return f, b
