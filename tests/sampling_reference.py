@@ -70,7 +70,12 @@ class RacesNumpy:
 
     def advance_numpy(self, u: np.ndarray | None = None, keep: dict | None = None,
                       counts_E: np.ndarray | None = None) -> None:
-        """:meth:`advance` in numpy, a pass per step over every row (the kernels' reference)."""
+        """``sampling._Races.advance`` in numpy, a pass per step over every row (the kernels'
+        reference; the plain path's too, for which ``sampling._pl_blocks`` runs the kernels). ``u``:
+        this position's uniforms, kept from an earlier run of the same streams (``keep`` keeps the
+        exponentials and uniforms, lists ``x`` and ``u``): the experts drawn without the arrival
+        times (``tau_KN`` left unset, and ``left_R`` too when no position tests it). ``counts_E``:
+        the drawn experts added to it."""
         k, N = self.k, self.first_R.size
         clocked = u is None
         if clocked:

@@ -69,7 +69,6 @@ class Recording:
     def tensors(self) -> tuple[dict[str, np.ndarray], int]:
         """Trace tensors ``topk_ids [L, T, K]``, ``topk_weights``, ``step [T]``; steps with no routing
         (a forward call that never reached a router) are left out. Returns (tensors, steps kept)."""
-        L, K = len(self.layer_ids), self.top_k
         ids_parts, w_parts, steps = [], [], []
         for s, rec in enumerate(self.steps):
             if not rec:
@@ -89,9 +88,6 @@ class Recording:
             raise ConfigError("record: expected at least one forward call through the model's routers, found none")
         ids = np.concatenate(ids_parts, axis=1).astype(np.int64)
         w = np.concatenate(w_parts, axis=1).astype(np.float32)
-        assert_shape = (L, ids.shape[1], K)
-        if ids.shape != assert_shape:  # invariant of the stacking above
-            raise ConfigError(f"record: internal shape {ids.shape} must be {assert_shape}")
         return {"topk_ids": ids, "topk_weights": w, "step": np.concatenate(steps)}, len(steps)
 
     def meta(self, num_tokens: int, num_steps: int, source: str, attribution: str) -> TraceMeta:

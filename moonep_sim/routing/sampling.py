@@ -106,21 +106,29 @@ def _race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator,
         fast = kernels and not with_logits and K < E and (not grouped or E // groups >= 2)
         if grouped or with_logits:                     # the noise's log: kept with the noise
             logx = _kept(noise, "log", lambda: np.log(np.maximum(x, np.float32(1e-30))))
-        if fast:                                       # the kernels: the same keys' K smallest, per token
-            logT = _kept(noise, "logT", lambda: np.ascontiguousarray(logx.T)) if grouped else None
-            ids[s:s + n], kv = _race_k_smallest(lp32, logx if grouped else x, inv_p, K, groups if grouped else 0,
-                                                topk_groups, logT)
-        elif grouped or with_logits:
-            score = lp32 - logx                                             # logp + Gumbel
-            if with_logits:
-                logits[s:s + n] = score
-            if grouped:                                # in place: the logits hold their own copy
-                score = mask_groups(score, groups, topk_groups, copy=False)
-            key = np.negative(score, out=score)
-        else:                                          # (K = E, or the numpy reference)
-            key = x * inv_p                                                 # X / p: smaller wins
-        if not fast:
-            ids[s:s + n], kv = smallest_k(key, K)
+        rows = slice(None)                             # the rows whose keys numpy sorts: all, or
+        if fast:                                       # the kernels': the same keys' K smallest, per token
+            kv, ok = np.empty((n, K), np.float32), np.empty(n, np.bool_)
+            if grouped:
+                logT = _kept(noise, "logT", lambda: np.ascontiguousarray(logx.T))
+                _kn.race_grouped(lp32, logT, logx, groups, topk_groups, K, ids[s:s + n], kv, ok)
+            else:
+                _kn.race_plain(x, inv_p, K, ids[s:s + n], kv, ok)
+            rows = np.flatnonzero(~ok)                 # but for ties: which tied column wins is the partition's
+        if not fast or rows.size:
+            if grouped or with_logits:
+                score = lp32 - logx[rows]                                   # logp + Gumbel
+                if with_logits:
+                    logits[s:s + n] = score
+                if grouped:                            # in place: the logits hold their own copy
+                    score = mask_groups(score, groups, topk_groups, copy=False)
+                key = np.negative(score, out=score)
+            else:                                      # (K = E, ties, or the numpy reference)
+                key = x[rows] * inv_p                                       # X / p: smaller wins
+            if fast:
+                ids[s:s + n][rows], kv[rows] = smallest_k(key, K)
+            else:
+                ids[s:s + n], kv = smallest_k(key, K)
         kv = kv.astype(np.float64)
         # chosen scores: -log(key) (race) or -key (scores); softmax over the K chosen
         sc = kv if (grouped or with_logits) else np.log(np.maximum(kv, 1e-300))
@@ -135,30 +143,6 @@ def _kept(noise: dict | None, key: str, make) -> np.ndarray:
     if noise is not None and key not in noise:
         noise[key] = make()
     return make() if noise is None else noise[key]
-
-
-def _race_k_smallest(lp32: np.ndarray, m_TE: np.ndarray, inv_p: np.ndarray, K: int, groups: int,
-                     topk_groups: int, m_ET: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The race's K smallest keys per token and their experts, as :func:`smallest_k` finds them
-    (after :func:`mask_groups` with ``groups``; 0: none): by the kernels for the tokens without
-    ties, by the reference for the others. ``m_TE``: the noise's log (grouped; ``m_ET`` the same
-    transposed, contiguous) or the noise."""
-    T = m_TE.shape[0]
-    ids = np.empty((T, K), np.int64)
-    kv = np.empty((T, K), np.float32)
-    ok = np.empty(T, np.bool_)
-    if groups:
-        _kn.race_grouped(lp32, m_ET, m_TE, groups, topk_groups, K, ids, kv, ok)
-    else:
-        _kn.race_plain(m_TE, inv_p, K, ids, kv, ok)
-    if not ok.all():                                   # ties: which tied column wins is the partition's
-        bad = np.flatnonzero(~ok)
-        if groups:
-            key = -mask_groups(lp32 - m_TE[bad], groups, topk_groups, copy=False)
-        else:
-            key = m_TE[bad] * inv_p
-        ids[bad], kv[bad] = smallest_k(key, K)
-    return ids, kv
 
 
 def _top2_sum(g_TGn: np.ndarray) -> np.ndarray:
@@ -314,34 +298,21 @@ class _Races:
         out.ids_KN[:self.k], out.tau_KN[:self.k] = self.ids_KN[:self.k, rows], self.tau_KN[:self.k, rows]
         return out
 
-    def advance(self, u: np.ndarray | None = None, keep: dict | None = None,
-                counts_E: np.ndarray | None = None) -> None:
-        """Every row's next arrival. ``u``: this position's uniforms, kept from an earlier run of the
-        same streams (``keep`` keeps the exponentials and uniforms, lists ``x`` and ``u``): the
-        experts drawn without the arrival times (``tau_KN`` left unset, and ``left_R`` too when no
-        position tests it). ``counts_E``: the drawn experts added to it.
-
-        The compiled kernels' pass (:mod:`~moonep_sim.routing.sampling_kernels`): the same random
-        numbers drawn in the same order and amounts as :meth:`advance_numpy`, the same draws."""
+    def advance(self) -> None:
+        """Every row's next arrival: its exponential and uniform from ``rng``, its arrival time and
+        expert, redraws and remainder draws from ``retry``. The compiled kernels' pass
+        (:mod:`~moonep_sim.routing.sampling_kernels`): the same random numbers drawn in the same
+        order and amounts as the numpy reference's (``tests/sampling_reference.py``), the same draws."""
         k, N, icdf = self.k, self.first_R.size, self.icdf.record
-        clocked = u is None
-        if clocked:
-            x = self.rng.standard_exponential(N, dtype=np.float32)   # clamped to 1e-30 by pl_position
-            u = self.rng.random(N)
-            if keep is not None:
-                keep["x"].append(x)
-                keep["u"].append(u)
-        count = counts_E is not None
-        update_left = clocked or self.easy_k < self.ids_KN.shape[0]
+        x = self.rng.standard_exponential(N, dtype=np.float32)   # clamped to 1e-30 by pl_position
+        u = self.rng.random(N)
         rows = _rec.RowSpan(self.first_R, self.base_R, self.span_R, self.n, self.n != self.p_E.size)
         todo, hard, e = np.empty(N, np.intp), np.empty(N, np.intp), np.empty(N, np.int32)
-        tally = _rec.Tally(self.p_E, update_left, counts_E if count else _NO_COUNTS, count)
+        tally = _rec.Tally(self.p_E, True, _NO_COUNTS, False)
         _kn.draw(u, _NO_INTP, icdf, rows, e)
-        nt, nh = _kn.pl_position(k, x if clocked else _NO_X, e, clocked,
-                                 _rec.RaceRows(self.ids_NK, self.tau_NK, self.left_R), k >= self.easy_k, self.hard_R,
-                                 tally, todo, hard, _NO_INTP)
-        if clocked:
-            self.tau_R = self.tau_NK[:, k]
+        nt, nh = _kn.pl_position(k, x, e, True, _rec.RaceRows(self.ids_NK, self.tau_NK, self.left_R),
+                                 k >= self.easy_k, self.hard_R, tally, todo, hard, _NO_INTP)
+        self.tau_R = self.tau_NK[:, k]
         _settle_left(k, todo, nt, hard[:nh], self.retry, icdf, rows, self.ids_NK, self.left_R, tally)
         self.k += 1
 
