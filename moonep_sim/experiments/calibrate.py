@@ -300,12 +300,10 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
     bandwidth the measured per-process copy rate. Constants not measured keep the shipped
     preset's values (listed in ``sources``).
     """
-    from importlib import resources
+    from moonep_sim.io import data_toml
+    from moonep_sim.sim.topology import topology_from_dict
 
-    from moonep_sim.sim.topology import tomllib, topology_from_dict
-
-    base = topology_from_dict(tomllib.loads(
-        resources.files("moonep_sim.data").joinpath("topology-local-gloo.toml").read_text()), "preset local-gloo")
+    base = topology_from_dict(data_toml("topology-local-gloo.toml"), "preset local-gloo")
     f = fit_
     near = min(f.proc_gbps_P, key=lambda p: abs(p - nproc))
     bw = f.proc_gbps_P[near] if near == nproc else f.proc_gbps(nproc)

@@ -29,15 +29,13 @@ family whose vendor or transports are not the cluster's).
 from __future__ import annotations
 
 import os
-
-import tomllib
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from importlib import resources
 from typing import Any, Callable, Sequence
 
 from moonep_sim.analysis.winner import dedup_flags
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.io import data_toml
 
 Progress = Callable[[str, int, int], None]
 
@@ -65,8 +63,7 @@ class Native:
 @lru_cache(maxsize=1)
 def native_kernels() -> dict[str, Native]:
     """preset -> :class:`Native`, from ``moonep_sim/data/native-kernels.toml``."""
-    doc = tomllib.loads(resources.files("moonep_sim.data").joinpath("native-kernels.toml").read_text())
-    return {e["preset"]: Native(**e) for e in doc["native"]}
+    return {e["preset"]: Native(**e) for e in data_toml("native-kernels.toml")["native"]}
 
 
 def native_impl(preset: str, strategy: str = "deepep") -> tuple[str | None, str]:
