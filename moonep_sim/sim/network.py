@@ -319,8 +319,8 @@ class FlowNetwork:
     def _tick_paths(self, t: float) -> float:
         """The per-flow solver's tick, in numpy: (1) the active flows due by now complete (a flow's
         finish time is exact at its current rate), (2) the waiting flows ready by now start, in
-        submission order, (3) :func:`waterfill` rates them (``tick_kernels.set_rates``). Returns the
-        earliest finish time."""
+        submission order, (3) :func:`waterfill` rates them and ``tick_kernels.set_rates`` re-times
+        those whose rate changed. Returns the earliest finish time."""
         a = self._a
         if a.n:
             sel = np.flatnonzero(a.fin <= t + 2e-9 * max(t, 1.0))
