@@ -294,7 +294,8 @@ def main(argv=None) -> None:
                          "page-fault (a CPU stand-in for a caching allocator)")
     a = ap.parse_args(argv)
     sys.path.insert(0, HERE)
-    from moonep_sim.gloo.launcher import spawn_ranks
+    sys.path.insert(0, str(Path(HERE).parent / "tests"))  # the tests' rank spawner
+    from rank_spawner import spawn_ranks
 
     env = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(16 << 30)} if a.malloc_tuning else {}
 

@@ -1,6 +1,6 @@
 """Fault test: a rank killed (SIGKILL) or stopped (SIGSTOP) during start-up, and after it, is named.
 
-Each run starts 3 gloo ranks (``moonep_sim.gloo.launcher.spawn_ranks``, no torchrun agent); the
+Each run starts 3 gloo ranks (``tests/rank_spawner.spawn_ranks``, no torchrun agent); the
 victim (rotating over the ranks) sends itself the signal at a point (rotating):
 
 - during start-up: ``starting`` (before the process group is set up, through the
@@ -35,8 +35,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "tests"))  # the tests' rank spawner
 
-from moonep_sim.gloo.launcher import spawn_ranks  # noqa: E402
+from rank_spawner import spawn_ranks  # noqa: E402
 
 WORLD = 3
 AFTER_POINTS = ("build", "exchange", "hop", "combine")

@@ -19,9 +19,6 @@ MAX_RANKS = 1 << 14
 MAX_LAYERS = 1 << 12
 """Layers stored in one trace (L)."""
 
-MAX_TOKENS = 1 << 28
-"""Tokens of one generated layer or step (T); a stored trace's tokens are bounded by its bytes."""
-
 MAX_ELEMENTS = 1 << 28
 """Elements of one array built from sizes given by a user (e.g. L * T * K generated ids: 2 GiB as int64)."""
 

@@ -39,7 +39,7 @@ def check_spec_fields(m) -> None:
         v = getattr(m, field)
         require(_is_int(v), f"{field} ({v!r}) must be an integer")
         require(lo <= v <= hi, f"{field} ({v}) must lie in [{lo}, {hi}]")
-    for field in ("name", "router", "note", "source"):
+    for field in ("name", "router", "note", "source", "stack_source"):
         require(isinstance(getattr(m, field), str), f"{field} ({getattr(m, field)!r}) must be a string")
     check_stack_fields(m)
 
@@ -151,12 +151,9 @@ class ModelSpec:
     stack_source: str = ""
 
     def __post_init__(self) -> None:
-        check_spec_fields(self)
+        check_spec_fields(self)   # every size an integer within its range (>= 1; >= 0 where 0 = not given)
         if self.dispatch_hidden == 0:
             object.__setattr__(self, "dispatch_hidden", self.hidden)
-        for field in ("layers", "moe_layers", "num_experts", "top_k", "hidden", "expert_ffn",
-                      "dispatch_hidden", "n_groups", "topk_groups"):
-            require(getattr(self, field) >= 1, f"{field} ({getattr(self, field)}) must be >= 1")
         require(self.moe_layers <= self.layers, f"moe_layers ({self.moe_layers}) must be <= layers ({self.layers})")
         require(self.top_k <= self.num_experts,
                 f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
@@ -166,9 +163,6 @@ class ModelSpec:
                 f"topk_groups ({self.topk_groups}) must be <= n_groups ({self.n_groups})")
         require(self.router in ("softmax", "sigmoid"),
                 f"router ({self.router!r}) must be 'softmax' or 'sigmoid'")
-        for field in ("heads", "kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_dim", "v_head_dim",
-                      "sliding_window", "max_context", "vocab", "dense_ffn"):
-            require(getattr(self, field) >= 0, f"{field} ({getattr(self, field)}) must be >= 0 (0 = not given)")
         for kind in self.attention_kinds:
             require(kind in ATTENTION_KINDS,
                     f"attention kind ({kind!r}) must be one of {', '.join(ATTENTION_KINDS)} (model {self.name})")
@@ -310,12 +304,6 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in [
 ]}
 
 
-def get_model(name: "str | os.PathLike | ModelSpec") -> ModelSpec:
-    """The model called ``name``: a preset, or (see :func:`resolve_model`) a TOML/JSON model file;
-    a clear error listing the presets otherwise."""
-    return resolve_model(name)
-
-
 def custom_model(num_experts: int, top_k: int, hidden: int = 1024, expert_ffn: int = 512,
                  name: str = "custom", **kw) -> ModelSpec:
     """A model of an explicit shape (for traces that name no preset)."""
@@ -324,20 +312,17 @@ def custom_model(num_experts: int, top_k: int, hidden: int = 1024, expert_ffn: i
 
 
 # ---------------------------------------------------------------------------------- any model shape
+#: The layer-stack fields (``moonep_sim.step``) a model file may give beside the MoE shape (all optional).
+STACK_FIELDS = ("attention", "heads", "kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_dim",
+                "v_head_dim", "sliding_window", "max_context", "vocab", "dense_ffn", "stack_source")
 # A model file (TOML or JSON) or mapping: key -> ModelSpec field. The first four are required.
 MODEL_FILE_FIELDS: dict[str, str] = {
     "num_experts": "num_experts", "top_k": "top_k", "hidden": "hidden", "expert_ffn": "expert_ffn",
     "name": "name", "dispatch_hidden": "dispatch_hidden", "groups": "n_groups", "n_groups": "n_groups",
     "topk_groups": "topk_groups", "shared_experts": "shared_experts", "layers": "layers",
     "moe_layers": "moe_layers", "router": "router", "note": "note", "source": "source",
-    # the layer stack beyond the MoE (the step model's fields; all optional)
-    **{k: k for k in ("attention", "heads", "kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_dim",
-                      "v_head_dim", "sliding_window", "max_context", "vocab", "dense_ffn", "stack_source")},
-}
+    **{k: k for k in STACK_FIELDS}}
 _REQUIRED = ("num_experts", "top_k", "hidden", "expert_ffn")
-_INT_FIELDS = {"num_experts", "top_k", "hidden", "expert_ffn", "dispatch_hidden", "n_groups", "topk_groups",
-               "shared_experts", "layers", "moe_layers", "heads", "kv_heads", "head_dim", "q_lora_rank",
-               "kv_lora_rank", "qk_rope_dim", "v_head_dim", "sliding_window", "max_context", "vocab", "dense_ffn"}
 
 
 def model_from_fields(fields: Mapping[str, Any], where: str = "model") -> ModelSpec:
@@ -349,14 +334,7 @@ def model_from_fields(fields: Mapping[str, Any], where: str = "model") -> ModelS
     if missing:
         raise ConfigError(f"{where}: fields ({', '.join(missing)}) must be given: a model needs "
                           f"{', '.join(_REQUIRED)}")
-    kw: dict[str, Any] = {}
-    for key, value in fields.items():
-        f = MODEL_FILE_FIELDS[key]
-        if f in _INT_FIELDS and not _is_int(value):
-            raise ConfigError(f"{where}: {key} ({value!r}) must be an integer")
-        if f not in _INT_FIELDS and not isinstance(value, str):
-            raise ConfigError(f"{where}: {key} ({value!r}) must be a string")
-        kw[f] = value
+    kw = {MODEL_FILE_FIELDS[k]: v for k, v in fields.items()}   # each value's type: ModelSpec's first check
     layers = kw.pop("layers", 1)
     moe_layers = kw.pop("moe_layers", layers)
     name = kw.pop("name", "custom")
@@ -485,9 +463,7 @@ def resolve_model(spec: "ModelSpec | str | os.PathLike | Mapping[str, Any]") -> 
         return model_from_fields(spec)
     if isinstance(spec, (str, os.PathLike)):
         text = os.fspath(spec)
-        if text in PRESETS:
-            return PRESETS[text]
-        if text.lower() in PRESETS:
+        if text.lower() in PRESETS:   # preset names are lower-case
             return PRESETS[text.lower()]
         path = Path(text)
         if path.suffix.lower() in (".toml", ".json") or os.path.lexists(path):
@@ -501,16 +477,12 @@ def resolve_model(spec: "ModelSpec | str | os.PathLike | Mapping[str, Any]") -> 
                       "or a ModelSpec")
 
 
+#: The model called ``name``: a preset or a model file (:func:`resolve_model`, the one rule).
+get_model = resolve_model
+
+
 def model_fields(m: ModelSpec) -> dict[str, Any]:
     """The model-file fields of ``m`` (what a trace stores as ``model_spec``; ``resolve_model`` reads
     them back to an equal ModelSpec)."""
-    return {"name": m.name, "num_experts": m.num_experts, "top_k": m.top_k, "hidden": m.hidden,
-            "expert_ffn": m.expert_ffn, "dispatch_hidden": m.dispatch_hidden, "groups": m.n_groups,
-            "topk_groups": m.topk_groups, "shared_experts": m.shared_experts, "layers": m.layers,
-            "moe_layers": m.moe_layers, "router": m.router, "note": m.note, "source": m.source,
-            **{k: getattr(m, k) for k in STACK_FIELDS}}
-
-
-#: The layer-stack fields (``moonep_sim.step``) a model file may give beside the MoE shape.
-STACK_FIELDS = ("attention", "heads", "kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_rope_dim",
-                "v_head_dim", "sliding_window", "max_context", "vocab", "dense_ffn", "stack_source")
+    return {"name": m.name, **{k: getattr(m, f) for k, f in MODEL_FILE_FIELDS.items()
+                               if k not in ("name", "n_groups")}}

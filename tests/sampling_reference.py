@@ -13,15 +13,17 @@ from moonep_sim.routing import sampling
 
 class RacesNumpy:
     """The numpy steps of ``sampling._Races`` (mixed into it by :class:`RacesReference`: its state;
-    ``_knobs()`` its chunk size and rejection rounds, the sampling module's)."""
+    its rejection rounds the sampling module's)."""
 
     def _draw(self, u: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
-        """Inverse-CDF draws (intp) of uniforms ``u`` within each row's experts (rows None: every row)."""
-        if self.n == self.p_E.size:                    # every row races all E: u itself
-            return self.icdf.draw(u)
+        """Inverse-CDF draws (intp) of uniforms ``u`` within each row's experts (rows None: every
+        row): ``np.searchsorted``, which tests/test_sampling.py holds equal to ``InverseCDF.draw``."""
+        E = self.p_E.size
+        if self.n == E:                                # every row races all E: u itself
+            return np.minimum(np.searchsorted(self.icdf.cum_E, u, side="right"), E - 1)
         base, span, first = ((self.base_R, self.span_R, self.first_R) if rows is None else
                              (self.base_R[rows], self.span_R[rows], self.first_R[rows]))
-        e = self.icdf.draw(base + u * span)
+        e = np.minimum(np.searchsorted(self.icdf.cum_E, base + u * span, side="right"), E - 1)
         np.minimum(e, first + (self.n - 1), out=e)     # u rounded onto the group's end: its last expert
         return e
 
@@ -41,7 +43,7 @@ class RacesNumpy:
         CDF over the row's own cumulative sum; chunked over rows)."""
         n, k = self.n, self.k
         out = np.empty(rows.size, np.int64)
-        chunk = max(1, self._knobs()[0] // n)
+        chunk = max(1, sampling.CHUNK_ELEMS // n)
         for s in range(0, rows.size, chunk):
             r = rows[s:s + chunk]
             first = self.first_R[r][:, None]
@@ -88,7 +90,7 @@ class RacesNumpy:
                 hard, todo = todo[hard_R[todo]], todo[~hard_R[todo]]
             else:
                 todo, hard = np.flatnonzero(rep), np.empty(0, np.intp)
-            for _ in range(self._knobs()[1]):
+            for _ in range(sampling._REJECT_ROUNDS):
                 if todo.size == 0:
                     break
                 ee = self._draw(self.retry.random(todo.size), todo)

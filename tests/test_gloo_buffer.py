@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from moonep_sim.errors import ConfigError, PlanError
 from moonep_sim.gloo.handle import Handle, build_handle, direct_index
-from moonep_sim.gloo.launcher import free_port, spawn_ranks
+from rank_spawner import free_port, spawn_ranks
 from moonep_sim.plan import GlobalRouting, Hop, RowCosts, Slots, plan_from_slots, validate
 from moonep_sim.strategies import PlanContext, available, make_plan, planner
 
@@ -338,9 +338,9 @@ def movement_worker(rank, world, T, seed, direct="off"):
         res[f"{i}/reuse_bad"] = int((rows2 != 2 * rows).sum())
         res[f"{i}/cu_ok"] = bool(cu[-1] == h.rows)
         # prefetch: copies equal their home weights; reduce: sums over copies land at home
-        local = tuple(t[h.home_experts] for t in home_w)
+        local = tuple(t[h.slots.home_experts] for t in home_w)
         copies = buf.prefetch_weight(h, local)
-        copy_experts = h.slot_expert[h.slot_is_copy]
+        copy_experts = h.slots.expert[h.slots.is_copy]
         res[f"{i}/prefetch_bad"] = int(sum((c != t[copy_experts]).sum() for c, t in zip(copies, home_w)))
         res[f"{i}/copies"] = int(copy_experts.numel())
         cg = tuple(torch.full_like(c, float(rank + 1)) * (1 + torch.arange(c.shape[0], dtype=c.dtype)).view(
@@ -352,7 +352,7 @@ def movement_worker(rank, world, T, seed, direct="off"):
         cr, ce = plan.slot_rank_S[fetch], plan.slot_expert_S[fetch]
         j = np.concatenate([np.arange((cr == r).sum()) for r in range(world)])
         want_E = np.bincount(ce, weights=(cr + 1) * (j + 1), minlength=E)
-        want = want_E[h.home_experts.numpy()]
+        want = want_E[h.slots.home_experts.numpy()]
         res[f"{i}/reduce_bad"] = int(sum((r_.reshape(r_.shape[0], -1) != torch.from_numpy(want)[:, None]).sum()
                                          for r_ in red))
         res[f"{i}/hops"] = len(plan.hops)
@@ -468,12 +468,12 @@ def test_dispatch_keeps_the_handles_weights_out_of_the_graph(world_of_one):
     x = torch.randn(4, H, dtype=torch.float64, requires_grad=True)
     w = torch.rand(4, 2, dtype=torch.float64, requires_grad=True)
     rows, rw, _, h = buf.dispatch(x, torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]]), w)
-    assert h.row_weights.dtype == x.dtype
-    assert rw.requires_grad and not h.row_weights.requires_grad and h.row_weights.grad_fn is None
+    assert h.layout.weights.dtype == x.dtype
+    assert rw.requires_grad and not h.layout.weights.requires_grad and h.layout.weights.grad_fn is None
     buf.combine(rows, h, rw).sum().backward()
     assert w.grad is not None and x.grad is not None
     rows2, rw2, _, _ = buf.dispatch(x, handle=h)  # reusing the handle, then combining with its weights
-    assert not h.row_weights.requires_grad
+    assert not h.layout.weights.requires_grad
     buf.combine(rows2, h).sum().backward()  # a fresh graph: nothing from the first step is reused
 
 

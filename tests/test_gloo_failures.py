@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moonep_sim.gloo.launcher import spawn_ranks
+from rank_spawner import spawn_ranks
 
 pytestmark = pytest.mark.slow  # every test here starts gloo ranks in processes (-m "not slow" skips them)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from moonep_sim.gloo.launcher import spawn_ranks
+from rank_spawner import spawn_ranks
 from moonep_sim.gloo.moe import dense_moe, init_experts
 from moonep_sim.strategies import available
 
@@ -151,7 +151,7 @@ def replica_cache_worker(rank, world, T, H, F, E, K, G, seed):
                     f"{step}/replica_fetches": np.array(buf.replica_fetches),
                     f"{step}/fetch_calls": np.array(buf.fetch_calls),
                     f"{step}/last_fetched": np.array(buf.last_fetched),
-                    f"{step}/residents": np.array(int(h.resident_pos.numel())),
+                    f"{step}/residents": np.array(int(h.weights.residents.pos.numel())),
                     f"{step}/plan_copies": np.array(int(h.plan.is_copy_S()[h.plan.rank_slots(rank)].sum()))})
     return res
 

@@ -60,7 +60,7 @@ def test_every_strategy_plans_and_simulates_ranks_with_zero_tokens(case):
 def test_gloo_layer_runs_with_fewer_tokens_than_ranks():
     """4 gloo ranks, 2 tokens: ranks 2 and 3 hold none; every strategy's output and gradients equal
     the dense layer's (the layer test's worker and reference)."""
-    from moonep_sim.gloo.launcher import spawn_ranks
+    from rank_spawner import spawn_ranks
     from moonep_sim.gloo.moe import dense_moe
     from test_gloo_layer import make_inputs, variants  # the tests folder is on the path
 

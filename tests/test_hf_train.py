@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 from moonep_sim.errors import ConfigError  # noqa: E402
-from moonep_sim.gloo.launcher import spawn_ranks  # noqa: E402
+from rank_spawner import spawn_ranks  # noqa: E402
 from moonep_sim.integrations.hf import expert_parallel, find_experts  # noqa: E402
 from moonep_sim.integrations.tiny import FAMILY, TINY, build_model  # noqa: E402
 

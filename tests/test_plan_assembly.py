@@ -4,7 +4,7 @@
 in both forms -- the compiled counting sort and the readable reference -- on layers above the
 compiled threshold, with and without dropped entries, token padding, minimum rows and empty slots. ``assemble_plan`` (fed
 the named records of ``moonep_sim.plan.assembly``) must equal
-``moonep_sim.plan.reference.assemble_plan``, arrived padding rows included.
+the reference ``assemble_plan`` of ``tests/plan_reference.py``, arrived padding rows included.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from moonep_sim.errors import PlanError
 from moonep_sim.plan import (ClusterShape, Entries, GlobalRouting, Padding, RowCosts, Slots, assemble_plan,
                              final_rows, slot_layout)
 from moonep_sim.perf import DEFAULT_PERF, perf_config
-from moonep_sim.plan import reference
+import plan_reference as reference
 
 R = 8
 CHUNK = 1 << 15  # a unit of the table's sizes: 2 * CHUNK is the compiled builders' threshold

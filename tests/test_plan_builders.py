@@ -1,7 +1,8 @@
 """The shared Plan builders equal their slow references element-wise.
 
-The references of ``slot_layout``, ``single_hop_messages`` and ``plan_from_slots`` are the
-package's :mod:`moonep_sim.plan.reference` (argsort-based, int64 throughout): the fast builders
+The references of ``slot_layout`` and ``single_hop_messages`` are the package's
+:mod:`moonep_sim.plan.reference` (argsort-based, int64 throughout), ``plan_from_slots``'s is
+``tests/plan_reference.py``'s composition of them: the fast builders
 must return identical arrays (values and dtypes) on literal small cases and on hypothesis-drawn
 ones (drops, padding, minimum rows, dedup on/off). ``ref_validate`` below is the first
 implementation of ``validate``, kept as its reference.
@@ -23,9 +24,9 @@ from moonep_sim.plan import INDEX, SCOPES, Hop, Slots
 
 # --- references (the original implementations) ---------------------------------------------------
 
-# the slow references of the builders live in the package (moonep_sim.plan.reference)
+# the slow references of the builders: moonep_sim.plan.reference and tests/plan_reference.py
 from moonep_sim.plan.reference import slot_layout as ref_slot_layout  # noqa: E402
-from moonep_sim.plan.reference import plan_from_slots as ref_plan_from_slots  # noqa: E402
+from plan_reference import plan_from_slots as ref_plan_from_slots  # noqa: E402
 from moonep_sim.plan.reference import single_hop_messages as ref_single_hop_messages  # noqa: E402
 
 

@@ -175,7 +175,7 @@ def test_plan_from_slots_compiled_equals_the_reference(dedup, tp):
     reference's Plan, dropped entries and padding included."""
     from moonep_sim.perf import perf_config
     from moonep_sim.plan import RowCosts, Slots, plan_from_slots
-    from moonep_sim.plan import reference
+    import plan_reference as reference
     for seed in range(4):
         rng = np.random.default_rng(seed)
         R, K, S = 4, 3, 9

@@ -12,10 +12,11 @@ import pytest
 
 from conftest import random_routing
 from test_planner_outputs_pinned import assert_same_plan
+import plan_reference as reference
 from test_strategies_common import COSTS, check_properties
 from moonep_sim import strategies
 from moonep_sim.errors import PlanError
-from moonep_sim.plan import (ClusterShape, GlobalRouting, Placement, Scope, home_slots, plan_from_hops, reference,
+from moonep_sim.plan import (ClusterShape, GlobalRouting, Placement, Scope, home_slots, plan_from_hops,
                              Route, Slots, to_final, to_node_of_final, to_rail_of_final, via)
 from moonep_sim.strategies import PlanContext, make_plan
 

@@ -2,7 +2,7 @@
 multi-hop builders behind them) equal their slow references element-wise.
 
 ``ref_*`` below are the strategies' first, straightforward implementations (argsort/lexsort over
-int64 keys), built on the package's reference builders (:mod:`moonep_sim.plan.reference`); the
+int64 keys), built on the reference builders (:mod:`moonep_sim.plan.reference`, ``tests/plan_reference.py``); the
 references themselves are checked against the named invariants and the routing
 (``test_references_are_valid_plans``). Every field of the package's Plans (values and dtypes, hops included; not
 ``plan_seconds``) must equal the reference's, on named small cases, on hypothesis-drawn routings
@@ -38,9 +38,11 @@ from moonep_sim.strategies import PlanContext, make_plan
 
 # --- moonep_sim.plan.multihop ------------------------------------------------------------------
 
-# the references of the builders live in the package (moonep_sim.plan.reference); the strategies'
-# references below call them with the strategy's name and options, as make_plan stamps them
+# the references of the builders: the package's readable primitives (moonep_sim.plan.reference) and
+# tests/plan_reference.py's compositions of them; the strategies' references below call them with
+# the strategy's name and options, as make_plan stamps them
 
+import plan_reference  # noqa: E402
 from moonep_sim.plan import reference  # noqa: E402
 
 ref_route_hop, ref_dup_flags = reference.route_hop, reference.dup_flags
@@ -48,15 +50,15 @@ from moonep_sim.plan import home_slots as ref_home_slots  # noqa: E402  (a place
 
 
 def ref_assemble_plan(strategy: str, options: dict[str, Any], *args, started: float | None = None, **kw) -> Plan:
-    """:func:`moonep_sim.plan.reference.assemble_plan`, stamped as ``make_plan`` stamps a Plan."""
-    p = reference.assemble_plan(*args, options=options, **kw)
+    """``plan_reference.assemble_plan``, stamped as ``make_plan`` stamps a Plan."""
+    p = plan_reference.assemble_plan(*args, options=options, **kw)
     return dataclasses.replace(p, strategy=strategy, plan_seconds=time.perf_counter() - started if started else 0.0)
 
 
 def ref_plan_from_routes(strategy: str, options: dict[str, Any], *args, started: float | None = None,
                          **kw) -> Plan:
-    """:func:`moonep_sim.plan.reference.plan_from_routes`, stamped as ``make_plan`` stamps a Plan."""
-    p = reference.plan_from_routes(*args, options=options, **kw)
+    """``plan_reference.plan_from_routes``, stamped as ``make_plan`` stamps a Plan."""
+    p = plan_reference.plan_from_routes(*args, options=options, **kw)
     return dataclasses.replace(p, strategy=strategy, plan_seconds=time.perf_counter() - started if started else 0.0)
 
 
@@ -582,7 +584,7 @@ def test_plan_from_routes_matches_reference(case, seed, H, table):
 
 
 def test_nodes_per_token_matches_reference():
-    from moonep_sim.strategies.deepep import nodes_per_token_T
+    from moonep_sim.plan.runs import nodes_per_token_T
     rng = np.random.default_rng(9)
     for hi in (1, 8, 64, 200):  # bit-set path below 64 nodes, sort path from 64
         node = rng.integers(0, hi, (300, 6))

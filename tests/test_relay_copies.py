@@ -22,7 +22,7 @@ from moonep_sim.sim import SimOptions, load_topology, simulate_layer
 from moonep_sim.sim.kernels import weight_copy_bytes_per_us
 from moonep_sim.strategies import PlanContext, make_plan
 from moonep_sim.strategies.costaware import relay_sources
-from moonep_sim.strategies.llep import plan_from_alloc
+from moonep_sim.strategies.moonep import plan_from_alloc
 
 HERE = str(Path(__file__).resolve().parent)
 R, G, E = 8, 4, 8
@@ -183,14 +183,14 @@ def relay_worker(rank, world, T, H, F, E, K, G, seed):
     exp = h.plan.slot_expert_S[sl][cp]
     return {"out": out.detach(), "gx": xr.grad, "ggate": layer.gate.grad, "gup": layer.up.grad,
             "gdown": layer.down.grad, "home": layer.home_experts, "copy_experts": exp,
-            "copy_gate": copies[0][h.slot_weight_index[torch.from_numpy(np.flatnonzero(cp))]] if cp.any()
-            else torch.zeros(0), "relayed": np.array(h.num_relayed_global), "valid": np.array(len(validate(h.plan))),
+            "copy_gate": copies[0][h.slots.weight_index[torch.from_numpy(np.flatnonzero(cp))]] if cp.any()
+            else torch.zeros(0), "relayed": np.array(h.weights.relay.total), "valid": np.array(len(validate(h.plan))),
             "hot": np.array(int(np.argmax(h.plan.tokens_per_expert_RE().sum(axis=0))))}
 
 
 @pytest.mark.slow
 def test_gloo_relayed_copies_equal_home_weights_and_gradients_the_dense_reference():
-    from moonep_sim.gloo.launcher import spawn_ranks
+    from rank_spawner import spawn_ranks
     from moonep_sim.gloo.moe import dense_moe
     from test_gloo_layer import make_inputs
 

@@ -92,7 +92,7 @@ def test_same_seed_same_draws_and_nearby_popularities_are_coupled():
     assert (a == d).mean() < 0.2
 
 
-def test_dispatch_logits_take_the_race_and_groups_their_own_path(monkeypatch):
+def test_dispatch_logits_take_the_race_and_groups_their_own_path():
     logp = np.random.default_rng(0).normal(0, 1, 16)
     ids, w, lg = sample_topk(logp, 2, 50, np.random.default_rng(1), with_logits=True)
     assert lg.shape == (50, 16)
@@ -103,14 +103,14 @@ def test_dispatch_logits_take_the_race_and_groups_their_own_path(monkeypatch):
         race, wr, _ = sample_topk_race(logp, 2, 50, np.random.default_rng(1), **kw)
         np.testing.assert_array_equal(small, race)
         np.testing.assert_array_equal(ws, wr)
-    monkeypatch.setattr(sampling, "CHUNK_ELEMS", 16 * 49)  # from here on the layer is "large"
-    ids, w, lg = sample_topk(logp, 2, 50, np.random.default_rng(1), groups=4, topk_groups=1)
-    g, wg = sample_topk_grouped(logp, 2, 50, np.random.default_rng(1), groups=4, topk_groups=1)
+    T = sampling.CHUNK_ELEMS // 16 + 1                # a "large" layer: over one chunk of the race
+    ids, w, lg = sample_topk(logp, 2, T, np.random.default_rng(1), groups=4, topk_groups=1)
+    g, wg = sample_topk_grouped(logp, 2, T, np.random.default_rng(1), groups=4, topk_groups=1)
     assert lg is None and (ids // 4 == ids[:, :1] // 4).all()
     np.testing.assert_array_equal(ids, g)
     np.testing.assert_array_equal(w, wg)
-    ids, w, lg = sample_topk(logp, 2, 50, np.random.default_rng(1))
-    fast, wf = sample_topk_pl(logp, 2, 50, np.random.default_rng(1))
+    ids, w, lg = sample_topk(logp, 2, T, np.random.default_rng(1))
+    fast, wf = sample_topk_pl(logp, 2, T, np.random.default_rng(1))
     assert lg is None
     np.testing.assert_array_equal(ids, fast)
     np.testing.assert_array_equal(w, wf)

@@ -108,11 +108,11 @@ def test_the_race_reusing_its_noise_draws_what_a_fresh_race_draws(kw):
     assert set(noise) >= {"x"}
 
 
-def test_the_race_keeps_no_noise_over_several_chunks(monkeypatch):
-    monkeypatch.setattr(sampling, "CHUNK_ELEMS", 64)
+def test_the_race_keeps_no_noise_over_several_chunks():
+    T = sampling.CHUNK_ELEMS // 16 + 1                # two chunks of the race
     noise: dict = {}
-    a = sampling.sample_topk_race(np.zeros(16), 2, 20, np.random.default_rng(1), noise=noise)
-    assert noise == {} and np.array_equal(a[0], sampling.sample_topk_race(np.zeros(16), 2, 20,
+    a = sampling.sample_topk_race(np.zeros(16), 2, T, np.random.default_rng(1), noise=noise)
+    assert noise == {} and np.array_equal(a[0], sampling.sample_topk_race(np.zeros(16), 2, T,
                                                                           np.random.default_rng(1))[0])
 
 
@@ -140,17 +140,17 @@ def test_a_refined_calibration_returns_a_whole_draw(monkeypatch):
     # plain fast path (T x E above one race chunk) with a target the first guess misses by > 2%
     from moonep_sim.routing import generators
 
-    monkeypatch.setattr(sampling, "CHUNK_ELEMS", 1 << 12)
+    T = sampling.CHUNK_ELEMS // 32 + 1
     replayed = []
     monkeypatch.setattr(generators, "pl_weights", lambda *a: replayed.append(1) or sampling.pl_weights(*a))
-    g = generate(32, 4, 6000, seed=21, maxvio=1.0)
+    g = generate(32, 4, T, seed=23, maxvio=1.0)
     assert g.report["blocks"][0]["calibration_samples"] > 1 and replayed == [1]   # the best was a counted draw
     ids, w = g.topk_ids_LTK[0], g.topk_weights_LTK[0]
     sigma = g.report["blocks"][0]["sigma"]
     from moonep_sim.routing.generators import _rng
 
-    z = _rng(21, 0).standard_normal(32)
-    ref_ids, ref_w = sample_topk_pl(sigma * z, 4, 6000, _rng(21, 1, 0, 0))
+    z = _rng(23, 0).standard_normal(32)
+    ref_ids, ref_w = sample_topk_pl(sigma * z, 4, T, _rng(23, 1, 0, 0))
     assert ids.dtype == np.int64 and ids.flags["C_CONTIGUOUS"]
     assert np.array_equal(ids, ref_ids) and np.array_equal(w, ref_w)
 

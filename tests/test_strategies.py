@@ -15,7 +15,8 @@ from moonep_sim.errors import ConfigError, PlanError
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, validate
 from moonep_sim.strategies import PlanContext, available, make_plan
 from moonep_sim.strategies.capacity import capacity_per_rank_R
-from moonep_sim.strategies.deepep import deepep_rdma_bytes, node_limited_topk, nodes_per_token_T
+from moonep_sim.plan.runs import nodes_per_token_T
+from moonep_sim.strategies.deepep import deepep_rdma_bytes, node_limited_topk
 from moonep_sim.strategies.eplb import (EPLBPlanner, balanced_packing, balancedness, migrations, rebalance,
                                         replicate_experts)
 

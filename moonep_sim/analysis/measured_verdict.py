@@ -73,10 +73,8 @@ def measured_figures(rep: Mapping[str, Any]) -> dict[str, Any]:
     def avg(xs) -> float:
         return float(np.dot(w, np.asarray(xs, float))) if len(xs) else 0.0
 
-    def phase_ms(e, p) -> float:  # the median over iterations of the slowest rank's time (older reports: mean)
-        return float(e["phase_ms_median"][p]) if "phase_ms_median" in e else float(e["phases"][p]["max_ms"])
-
-    ph = {p: avg([1e3 * phase_ms(e, p) for e in pl])
+    # each phase: the median over iterations of the slowest rank's time
+    ph = {p: avg([1e3 * float(e["phase_ms_median"][p]) for e in pl])
           for p in ("exchange", "plan", "dispatch", "prefetch", "expert", "combine", "backward")}
     if not rep.get("backward"):
         ph["backward"] = 0.0  # (the untimed no-op between combine and the step's end)
@@ -182,14 +180,4 @@ def replay_where(rep: Mapping[str, Any]) -> str:
             f"{r['iters']} iterations")
 
 
-def verdict_text(v: Mapping[str, Any]) -> str:
-    """The measured verdict as one line (the replay program's summary)."""
-    if v.get("runner_up") is None:
-        return f"measured verdict: {v['why']}"
-    head = (f"{' = '.join([v['winner'], *v.get('tied_with', [])])} tie" if v["tie"] else
-            f"{v['winner']} wins by {100 * v['margin']:.1f}% over {v['runner_up']}")
-    mech = f", mechanism: {v['mechanism']}" if v.get("mechanism") else ""
-    return f"measured verdict: {head} (confidence: {v['confidence']['level']}{mech}): {v['why']}"
-
-
-__all__ = ["MECHANISMS", "PHASE_TERMS", "measured_figures", "measured_verdict", "replay_where", "verdict_text"]
+__all__ = ["MECHANISMS", "PHASE_TERMS", "measured_figures", "measured_verdict", "replay_where"]

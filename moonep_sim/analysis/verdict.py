@@ -94,7 +94,7 @@ def figures(plan, sim: Mapping[str, Any], topo=None) -> dict[str, Any]:
     return {
         "time_us": float(sim["layer_time_us"]),
         "plan_us": crit["plan"], "compute_us": crit["compute"], "comm_us": crit["dispatch + wait"] + crit["combine"],
-        "fixed_us": _fixed_us(plan, topo, phases),
+        "fixed_us": _fixed_us(plan, topo),
         "weights_us": sum(v for k, v in phases.items() if k.split(".")[0] in ("prefetch", "migrate", "grad_reduce")),
         **_plan_figures(plan, topo, "forward")}
 
@@ -129,7 +129,7 @@ def _plan_figures(plan, topo, direction: str) -> dict[str, Any]:
     }
 
 
-def _fixed_us(plan, topo, phases: Mapping[str, float]) -> float:
+def _fixed_us(plan, topo) -> float:
     """Fixed kernel costs on a rank's path: launches per direction x (dispatch + combine fixed
     cost) from the topology (phase spans of ``*.fixed`` stretch over every rank's wait)."""
     if topo is None or not hasattr(topo, "kernel_dispatch_fixed_us"):
@@ -245,6 +245,19 @@ def fmt_time(us: float) -> str:
     if abs(us) >= 1e6:
         return f"{us / 1e6:.3g} s"
     return f"{us / 1e3:.3g} ms" if abs(us) >= 1000 else f"{us:.3g} us"
+
+
+def verdict_line(v: Mapping[str, Any] | None) -> str:
+    """The verdict as one line (tables, the demo; ``"measured " +`` it: a replay's measured verdict)."""
+    if not v:
+        return "verdict: -"
+    if v["runner_up"] is None:
+        return f"verdict: {v['why']}"
+    head = (f"verdict: {' = '.join([v['winner'], *v.get('tied_with', [])])} tie" if v["tie"] else
+            f"verdict: {v['winner']} wins by {100 * v['margin']:.1f}% over {v['runner_up']}")
+    mech = f", mechanism: {v['mechanism']}" if v.get("mechanism") else ""
+    fl = "".join(f" ({n} flagged: {', '.join(c)})" for n, c in (v.get("flags") or {}).items())
+    return f"{head} (confidence: {v['confidence']['level']}{mech}): {v['why']}{fl}"
 
 
 def _bytes(b: float) -> str:
@@ -455,22 +468,15 @@ def simulate_verdict(runs: Mapping[str, Sequence[tuple[Sequence[Any], Mapping[st
 
 
 def _step_series(strat: Mapping[str, Any]):
-    """(strategy -> time per step, tokens per step) when the report carries a per-step series."""
+    """(strategy -> time per step, tokens per step) when the report carries a per-step series of
+    several steps (compare's ``per_step``, :mod:`moonep_sim.experiments.compare`: lists keyed by field)."""
     out, w = {}, None
     for n, s in strat.items():
-        ps = s.get("per_step")   # compare's series (experiments.compare): lists keyed by field
-        if isinstance(ps, Mapping) and len(ps.get("layer_time_us") or []) > 1:
-            out[n] = [float(x) for x in ps["layer_time_us"]]
-            w = [float(x or 1) for x in ps.get("tokens") or [1] * len(out[n])]
-            continue
-        st = s.get("steps") or (s.get("sim") or {}).get("steps")
-        if not isinstance(st, list) or not st or not isinstance(st[0], Mapping):
+        ps = s.get("per_step")
+        if not isinstance(ps, Mapping) or len(ps.get("layer_time_us") or []) <= 1:
             return None
-        key = next((k for k in ("layer_time_us", "time_us", "step_time_us") if k in st[0]), None)
-        if key is None:
-            return None
-        out[n] = [float(x[key]) for x in st]
-        w = [float(x.get("tokens", 1)) for x in st]
+        out[n] = [float(x) for x in ps["layer_time_us"]]
+        w = [float(x or 1) for x in ps.get("tokens") or [1] * len(out[n])]
     return out, w
 
 
@@ -580,4 +586,4 @@ def step_verdict(strategies: Mapping[str, Mapping[str, Any]],
 
 __all__ = ["MECHANISMS", "STEP_MECHANISMS", "no_fit_verdict", "step_verdict", "TIE", "attribute", "chain_figures", "compare_verdict",
            "confidence", "figures", "layer_series", "mean_figures", "simulate_verdict", "stage_figures",
-           "sweep_verdicts", "terms", "tie_sentence", "verdict"]
+           "sweep_verdicts", "terms", "tie_sentence", "verdict", "verdict_line"]

@@ -21,14 +21,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from moonep_sim.analysis.verdict import TIE  # strategies within it of the winner share a cell
 from moonep_sim.errors import require
 
 #: the step figures a step-level cell keeps per strategy
 _STEP_CELL = ("step_time_us", "exposed_comm_us", "peak_memory_bytes", "gpu_memory_bytes", "oom")
-
-#: relative difference under which strategies share a cell (a tie, e.g. a planner that planned no copy
-#: and its base strategy)
-TIE = 5e-4
 
 
 def cell(times_us: dict[str, float], dropped: dict[str, int] | None = None,

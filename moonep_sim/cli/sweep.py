@@ -99,10 +99,7 @@ def _by_values(args) -> list[float]:
         raise ConfigError(f"--by ({args.by}) must differ from --over ({args.over})")
     if args.model is not None and args.by not in BY_KNOBS:
         raise ConfigError(f"--by ({args.by!r}) must be one of {', '.join(BY_KNOBS)} for generated routing")
-    try:
-        vals = [float(v) for v in args.by_values.split(",") if v.strip()]
-    except ValueError:
-        raise ConfigError(f"--by-values ({args.by_values!r}) must be comma-separated numbers") from None
+    vals = _values(args.by_values, "--by-values")
     from moonep_sim.experiments.checks import check_axis_values
 
     check_axis_values(args.by, vals, flag="--by-values")  # the same check as the flag it stands for
@@ -164,13 +161,13 @@ def write_winner(args, m: dict, con) -> int:
     return 0
 
 
-def _values(text: str | None) -> list[float] | None:
+def _values(text: str | None, flag: str = "--values") -> list[float] | None:
     if text is None:
         return None
     try:
         return [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ConfigError(f"--values ({text!r}) must be comma-separated numbers") from None
+        raise ConfigError(f"{flag} ({text!r}) must be comma-separated numbers") from None
 
 
 def scenario(args):
@@ -214,7 +211,7 @@ def run(args) -> int:
     if level:
         return run_step_level(args, sc)
     if sc.is_trace():
-        return run_trace(args, sc)
+        return run_points(args, sc, _values(args.values), _by_values(args), "sweep")
     ax = sc.sweep_axis(args.over, _values(args.values))
     by_vals = _by_values(args)
     if by_vals:
@@ -230,7 +227,6 @@ def run(args) -> int:
 def run_step_level(args, sc) -> int:
     """--level step: a sweep (or, with --by, a winner map) whose every point is a whole step per
     strategy (:mod:`moonep_sim.experiments.step_levels`), on generated routing or a trace."""
-    from moonep_sim.cli.common import print_warnings
     from moonep_sim.cli.step import step_options
     from moonep_sim.experiments.step_levels import check
 
@@ -246,37 +242,24 @@ def run_step_level(args, sc) -> int:
             ranks += list(by_vals)
         for r in ranks or [sc.resolved.cluster.ranks]:
             check_step_ranks(args, int(r))
-    c = console()
-    with progress(c, "step sweep", lines=args.json) as cb:
-        if by_vals:
-            m = sc.winner_map(args.over, vals, args.by, by_vals, progress=cb, jobs=args.jobs, cluster=args.cluster,
-                              level="step", step=opts)
-        else:
-            rep = sc.sweep(args.over, vals, progress=cb, jobs=args.jobs, cluster=args.cluster, level="step",
-                           step=opts).to_dict()
-    if sc.is_trace():
-        print_warnings(sc.resolved.warnings)
-    if by_vals:
-        return write_winner(args, m, c)
-    return write_sweep(args, rep, c)
+    return run_points(args, sc, vals, by_vals, "step sweep", level="step", step=opts)
 
 
-def run_trace(args, sc) -> int:
-    """A sweep (or, with --by, a winner map) over the trace's recorded routing."""
+def run_points(args, sc, vals, by_vals, label: str, **kw) -> int:
+    """``Scenario.sweep`` over --values (or, with --by, ``Scenario.winner_map``) with ``kw``; a
+    trace's warnings; then the files and the table (or JSON)."""
     from moonep_sim.cli.common import print_warnings
 
     c = console()
-    vals = _values(args.values)
-    by_vals = _by_values(args)
-    with progress(c, "sweep", lines=args.json) as cb:
+    with progress(c, label, lines=args.json) as cb:
         if by_vals:
-            m = sc.winner_map(args.over, vals, args.by, by_vals, progress=cb, jobs=args.jobs, cluster=args.cluster)
+            doc = sc.winner_map(args.over, vals, args.by, by_vals, progress=cb, jobs=args.jobs, cluster=args.cluster,
+                                **kw)
         else:
-            rep = sc.sweep(args.over, vals, progress=cb, jobs=args.jobs, cluster=args.cluster).to_dict()
-    print_warnings(sc.resolved.warnings)
-    if by_vals:
-        return write_winner(args, m, c)
-    return write_sweep(args, rep, c)
+            doc = sc.sweep(args.over, vals, progress=cb, jobs=args.jobs, cluster=args.cluster, **kw).to_dict()
+    if sc.is_trace():
+        print_warnings(sc.resolved.warnings)
+    return write_winner(args, doc, c) if by_vals else write_sweep(args, doc, c)
 
 
 def write_sweep(args, rep: dict, c) -> int:

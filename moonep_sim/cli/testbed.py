@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from moonep_sim.cli.common import print_json
+from moonep_sim.cli.common import output_rule, print_json
 from moonep_sim.errors import require
 
 
@@ -88,7 +88,7 @@ def _spec(args):
 def _run(args) -> int:
     from moonep_sim.testbed.netns import check_host
 
-    _check_outputs(args, "json", "topology_out")
+    output_rule(args, files=("json", "topology_out"))  # unusable output paths refused before the (long) run
     check_host()
     spec = _spec(args)
     require(Path(args.trace).is_file(), f"--trace ({args.trace}) must be an existing trace file")
@@ -125,13 +125,6 @@ def _run_in(args, spec, out: str) -> int:
     return 0
 
 
-def _check_outputs(args, *names: str) -> None:
-    """Refuse unusable output paths before the (long) run."""
-    from moonep_sim.cli.common import output_rule
-
-    output_rule(args, files=names)
-
-
 _SUMMARY_KEYS = ("strategy", "world_size", "layers", "layer_ms_median", "dispatch_ms", "combine_ms", "total_ms",
                  "bytes_sent", "correct")
 
@@ -153,7 +146,7 @@ def _probe(args) -> int:
     from moonep_sim.testbed.netns import check_host
     from moonep_sim.testbed.run import run_testbed
 
-    _check_outputs(args, "topology_out")
+    output_rule(args, files=("topology_out",))
     check_host()
     res = run_testbed(_spec(args), None, probe_gloo=args.gloo, topology_out=args.topology_out,
                       topology_base=args.base_topology, gpus_per_node=args.gpus_per_node)
@@ -166,7 +159,7 @@ def _agree(args) -> int:
     from moonep_sim.testbed.agreement import AgreeConfig, markdown_table, run_agreement
     from moonep_sim.testbed.netns import check_host, parse_node_rates, parse_rate
 
-    _check_outputs(args, "json", "markdown")
+    output_rule(args, files=("json", "markdown"))
     check_host()
     shapes = []
     for part in args.shapes.split(","):

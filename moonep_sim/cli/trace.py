@@ -6,7 +6,7 @@ import math
 import sys
 import time
 
-from moonep_sim.cli.common import console, output_rule, parse_int_list, print_json
+from moonep_sim.cli.common import check_int, console, output_rule, parse_int_list, print_json
 from moonep_sim.errors import ConfigError
 
 
@@ -214,7 +214,6 @@ def run_gen(a) -> int:
 def run_inspect(a) -> int:
     from moonep_sim.routing.metrics import inspect_trace
 
-    from moonep_sim.cli.common import check_int
     from moonep_sim.limits import MAX_NUM_EXPERTS, MAX_RANKS
 
     layers = parse_int_list(a.layers, "--layers")
@@ -318,12 +317,10 @@ def run_route(a) -> int:
             raise ConfigError("SRC and --synthetic must not be combined")
         if a.num_experts is None or a.top_k is None:
             raise ConfigError("--synthetic needs --num-experts and --top-k")
-        if not 1 <= a.num_experts <= MAX_NUM_EXPERTS:
-            raise ConfigError(f"--num-experts ({a.num_experts}) must be in [1, {MAX_NUM_EXPERTS}]")
+        check_int(a.num_experts, "--num-experts", 1, MAX_NUM_EXPERTS)
         if not 1 <= a.top_k <= a.num_experts:
             raise ConfigError(f"--top-k ({a.top_k}) must be in [1, --num-experts={a.num_experts}]")
-        if not 1 <= a.layers <= MAX_LAYERS:
-            raise ConfigError(f"--layers ({a.layers}) must be in [1, {MAX_LAYERS}]")
+        check_int(a.layers, "--layers", 1, MAX_LAYERS)
         if not (math.isfinite(a.skew) and a.skew >= 0):
             raise ConfigError(f"--skew ({a.skew}) must be a finite number >= 0")
         if a.synthetic < 1:

@@ -223,19 +223,15 @@ def _cpu_rates(f: CalibrationFit, base) -> _CpuRates:
     # memory bandwidth counts traffic (each byte of a copy is read and written: 2 x the copy's size
     # per second); the simulator counts expert activations and weights in bf16 bytes while the CPU
     # replay moves float32, twice as many: the bf16-equivalent traffic rate is the copy-size rate
-    mnear = cpu_p(f.mem_gbps_P) if f.mem_gbps_P else cnear
-    mem = f.mem_gbps_P[mnear] * f.share(mnear) if f.mem_gbps_P else base.gpu_mem_bandwidth_GBps
-    if f.rowpass_gbps_P:
-        rnear = cpu_p(f.rowpass_gbps_P)
-        copy_gbps = f.rowpass_gbps_P[rnear] * f.share(rnear)
-    else:
-        rnear, copy_gbps = None, base.host_copy_bandwidth_GBps
-    if f.fresh_copy_gbps_P:
-        fnear = cpu_p(f.fresh_copy_gbps_P)
-        wcopy = f.fresh_copy_gbps_P[fnear] * f.share(fnear)
-    else:
-        fnear, wcopy = None, base.host_weight_copy_bandwidth_GBps
-    return _CpuRates(cnear, s_c, flops, mnear, mem, rnear, copy_gbps, fnear, wcopy)
+    def rate(measured: dict[int, float], preset: float) -> tuple[int | None, float]:
+        """(the process count a measured rate is taken at, the rate de-shared); (None, ``preset``) unmeasured."""
+        p = cpu_p(measured) if measured else None
+        return p, (measured[p] * f.share(p) if measured else preset)
+
+    mnear, mem = rate(f.mem_gbps_P, base.gpu_mem_bandwidth_GBps)
+    rnear, copy_gbps = rate(f.rowpass_gbps_P, base.host_copy_bandwidth_GBps)
+    fnear, wcopy = rate(f.fresh_copy_gbps_P, base.host_weight_copy_bandwidth_GBps)
+    return _CpuRates(cnear, s_c, flops, mnear if mnear is not None else cnear, mem, rnear, copy_gbps, fnear, wcopy)
 
 
 def _calibration_sources(f: CalibrationFit, nproc: int, near: int, r: _CpuRates) -> dict[str, str]:
@@ -308,11 +304,9 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
     preset's values (listed in ``sources``).
     """
     from dataclasses import replace
-
-    from moonep_sim.sim.topology import load_topology, topology_from_dict
-
-    from moonep_sim.sim.topology import tomllib
     from importlib import resources
+
+    from moonep_sim.sim.topology import tomllib, topology_from_dict
 
     base = topology_from_dict(tomllib.loads(
         resources.files("moonep_sim.data").joinpath("topology-local-gloo.toml").read_text()), "preset local-gloo")
@@ -326,23 +320,18 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
     # of the job is active at once), not by how many peers one hop has: latency(P) grows with P
     # because P > cores processes time-slice. So every hop of a P-process job gets latency(P) on its
     # links, and no per-message term (the fit across P stays in [sources]).
-    lat0, msg = float(lat), 0.0
+    lat0 = float(lat)
     host = f"{f.cpu_cores} CPU cores, measured with {list(nprocs_measured)} processes"
     sources = _calibration_sources(f, nproc, near, r)
-    _ = load_topology
-    if measured_plan:
-        plan_fixed = float(f.handle_us)  # one process alone: per core (the simulator shares the cores)
-    elif f.plan_us is not None:
-        plan_fixed = float(f.plan_us)
-    else:
-        plan_fixed = base.plan_fixed_us
+    # the handle's cost measured by one process alone: per core (the simulator shares the cores)
+    plan_fixed = float(f.handle_us if measured_plan else f.plan_us if f.plan_us is not None else base.plan_fixed_us)
     return replace(
         base,
         description=(f"this machine's CPU processes over loopback gloo, calibrated by moonep-sim calibrate "
                      f"for {nproc} processes ({host}) at {time.strftime('%Y-%m-%d %H:%M')}"),
         nvlink_bandwidth_GBps=round(bw, 6), nvlink_latency_us=round(lat0, 3), nvlink_efficiency=1.0,
         nic_bandwidth_GBps=round(bw, 6), nic_latency_us=round(lat0, 3), nic_efficiency=1.0,
-        host_message_us=round(msg, 3), host_weight_copy_bandwidth_GBps=round(r.wcopy, 4),
+        host_message_us=0.0, host_weight_copy_bandwidth_GBps=round(r.wcopy, 4),
         nvlink_duplex="half", nic_duplex="half",
         gpu_tflops=round(r.flops / 1e12, 6), gpu_compute_efficiency=1.0,
         gpu_mem_bandwidth_GBps=round(r.mem, 4), gpu_mem_efficiency=1.0,

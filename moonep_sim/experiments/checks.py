@@ -100,11 +100,6 @@ def _check_strategies(s: Any) -> None:
 
 
 # ------------------------------------------------------------------------------ swept values
-#: sweep axes -> the flag whose check a value of that axis goes through
-AXIS_FLAGS = {"tokens-per-rank": "--tokens-per-rank", "tokens_per_rank": "--tokens-per-rank", "ep": "--ranks",
-              "ranks": "--ranks", "maxvio": "--maxvio"}
-
-
 def check_axis_value(axis: str, v: Any, topo=None, flag: str = "--values") -> None:
     """One value of a sweep axis (``--over X --values``, ``--by X --by-values``), checked as the flag
     it stands for: type, finiteness, integer-ness and range; a topology constant as its field in

@@ -234,6 +234,10 @@ def _distinct_points(rs, real: RealOptions | None, local_topo) -> tuple[list[tup
     return cells, points
 
 
+#: the counts of a plan a compare report sums per step and over the run
+_COUNTS = ("dropped", "padded", "weight_copies")
+
+
 def _strategy_report(opts, mine: list, source, steps: _Steps, topology_name: str, R: int,
                      local: bool) -> dict[str, Any]:
     """One strategy's part of the compare report from its cells' point results ``mine`` =
@@ -242,10 +246,8 @@ def _strategy_report(opts, mine: list, source, steps: _Steps, topology_name: str
     from moonep_sim.analysis.stepstats import aggregate
 
     pos, B, w_B, step_ids, tokens = steps
-    ents = []
-    for b, lid, r in mine:
-        e = {k: v for k, v in r.items() if k != "_dispatch_RR"}
-        ents.append({"layer": lid, "step": source.batches[b][0], **e})
+    ents = [{"layer": lid, "step": source.batches[b][0], **{k: v for k, v in r.items() if k != "_dispatch_RR"}}
+            for b, lid, r in mine]
     bof = np.asarray([pos[b] for b, _, _ in mine], np.int64)
     P = [e["plan"] for e in ents]
     S = [e["sim"] for e in ents]
@@ -274,18 +276,14 @@ def _strategy_report(opts, mine: list, source, steps: _Steps, topology_name: str
         "step": step_ids, "tokens": tokens, "layer_time_us": t_B.tolist(), "lower_bound_us": lb_B.tolist(),
         "ratio_to_lower_bound": ratio_B.tolist(), "phases_us": ph_B, "critical_us": cr_B,
         "plan_bytes": [{k: int(v) for k, v in d.items()} for d in bytes_B], "weight_bytes": wb_B,
-        "dropped": _bsum([p["dropped"] for p in P], bof, B).astype(int).tolist(),
-        "padded": _bsum([p["padded"] for p in P], bof, B).astype(int).tolist(),
-        "weight_copies": _bsum([p["weight_copies"] for p in P], bof, B).astype(int).tolist(),
+        **{k: _bsum([p[k] for p in P], bof, B).astype(int).tolist() for k in _COUNTS},
         "rows_max_over_mean": mom_B.tolist(),
     }
     out = {
         "options": dict(opts),
         "plan_bytes": b_int,
         "weight_bytes": int(b_int.get("prefetch", 0) + b_int.get("migrate", 0)),
-        "dropped": int(sum(p["dropped"] for p in P)),
-        "padded": int(sum(p["padded"] for p in P)),
-        "weight_copies": int(sum(p["weight_copies"] for p in P)),
+        **{k: int(sum(p[k] for p in P)) for k in _COUNTS},
         "rows_max": float(rows_max),
         "rows_mean": float(rows_mean),
         "rows_max_over_mean": float(mom),
@@ -370,14 +368,14 @@ def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int
     st = rep["strategies"]
     rep["steps"]["wins"] = step_wins({n: st[n]["per_step"]["layer_time_us"] for n in st},
                                      excluded=[n for n in st if st[n]["dropped"]])
-    if real is not None:
-        rep["real"] = run_real(rs, real, local_topo, rep, progress)
     from moonep_sim.analysis.flags import compare_flags
     from moonep_sim.analysis.verdict import compare_verdict
-    calibration = None
-    if rep.get("real"):
+
+    calibration = None   # the local-gloo constants behind a real replay's simulated column
+    if real is not None:
         from moonep_sim.experiments import calibrate as cal
 
+        rep["real"] = run_real(rs, real, local_topo, rep, progress)
         calibration = cal.calibration_kind(cal.calibrated_path())
     rep["flags"] = compare_flags(rep, calibration)
     rep["verdict"] = compare_verdict(rep)
@@ -399,15 +397,16 @@ def replay_spec(rs, trace_path: Path, *, hidden: int, ffn: int, iters: int, warm
                       timeout_s=timeout_s)
 
 
-def run_spec(nproc: int, spec, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Run a :class:`~moonep_sim.experiments.spec.ReplaySpec` on ``nproc`` local gloo ranks: the
-    spec is written once as JSON and every rank reads it (``replay_rank --spec``)."""
+def run_spec(rs, nproc: int, timeout_s: float = 600.0, **spec: Any) -> dict[str, Any]:
+    """Replay the resolved scenario ``rs`` on ``nproc`` local gloo ranks: its routing as a trace file
+    (a trace: its own path), and its :func:`replay_spec` (``spec``: its keywords) written once as
+    JSON beside it, which every rank reads (``replay_rank --spec``)."""
     import tempfile
 
     from moonep_sim.experiments.ranks.replay_rank import run_replay
 
-    with tempfile.TemporaryDirectory(prefix="moonep-spec-") as tmp:
-        path = spec.write(Path(tmp) / "replay-spec.json")
+    with tempfile.TemporaryDirectory(prefix="moonep-replay-") as tmp:
+        path = replay_spec(rs, rs.source.trace_file(Path(tmp), nproc), **spec).write(Path(tmp) / "replay-spec.json")
         return run_replay(nproc, ["--spec", str(path)], timeout_s=timeout_s)
 
 
@@ -417,22 +416,18 @@ def run_real(rs, real: RealOptions, local_topo, rep: dict[str, Any],
     as in the simulation; pair with the simulated time of the same plans on local-gloo. ``ranking``:
     the measured order against the simulated one; ``verdict``: the measured verdict
     (:mod:`~moonep_sim.analysis.measured_verdict`, the same times: its winner heads that order)."""
-    import tempfile
-
     from moonep_sim.analysis.ranking import agreement
     from moonep_sim.gloo.launcher import reports_by_strategy
 
     out: dict[str, Any] = {"nproc": real.nproc, "topology": topology_info(local_topo), "hidden": real.hidden,
                            "ffn": real.ffn, "dtype": "float32", "iters": real.iters, "strategies": {}}
     names = [name for name, _ in rs.strategies]
-    with tempfile.TemporaryDirectory(prefix="moonep-compare-") as tmp:
-        trace_path = rs.source.trace_file(Path(tmp), rs.cluster.ranks)
-        if progress:
-            progress(f"gloo replay: {', '.join(names)} interleaved", 0, 1)
-        # one process group replays every strategy, step by step in turn: matched samples
-        spec = replay_spec(rs, trace_path, hidden=real.hidden, ffn=real.ffn, iters=real.iters, warmup=real.warmup)
-        replayed = run_spec(real.nproc, spec, timeout_s=real.timeout_s)
-        per = reports_by_strategy(replayed)
+    if progress:
+        progress(f"gloo replay: {', '.join(names)} interleaved", 0, 1)
+    # one process group replays every strategy, step by step in turn: matched samples
+    replayed = run_spec(rs, real.nproc, real.timeout_s, hidden=real.hidden, ffn=real.ffn, iters=real.iters,
+                        warmup=real.warmup)
+    per = reports_by_strategy(replayed)
     for name in names:
         res = per[name]
         meas_ms = float(res["layer_ms_median"])

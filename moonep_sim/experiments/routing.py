@@ -28,7 +28,7 @@ import numpy as np
 
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.limits import MAX_TOKENS_PER_RANK
-from moonep_sim.models import ModelSpec, custom_model
+from moonep_sim.models import ModelSpec, custom_model, resolve_model
 from moonep_sim.plan import GlobalRouting
 from moonep_sim.routing.trace import LayerRouting
 
@@ -40,7 +40,6 @@ GEN_DEFAULTS: dict[str, Any] = {"model": "mixtral-8x7b", "maxvio": 1.0, "tokens_
 
 _POPULARITY = ("maxvio", "sigma", "zipf", "uniform", "hot")
 _INT_KEYS = ("tokens_per_rank", "layers", "seed", "hot", "groups", "topk_groups", "experts", "top_k")
-_FLOAT_KEYS = ("maxvio", "sigma", "zipf", "hot_share")
 GEN_KEYS = ("model", "maxvio", "sigma", "zipf", "uniform", "hot", "hot_share", "tokens_per_rank", "layers", "seed",
             "groups", "topk_groups", "experts", "top_k")
 
@@ -160,14 +159,6 @@ def _typed(key: str, v: str) -> Any:
         require(num == int(num), f"generator spec {key.replace('_', '-')} ({v}) must be an integer")
         return int(v) if v.strip().lstrip("+-").isdigit() else int(num)
     return num
-
-
-def resolve_model(model: "str | ModelSpec") -> ModelSpec:
-    """A preset name, a TOML/JSON model file or a Hugging Face config.json (or a ModelSpec) ->
-    ModelSpec (:func:`moonep_sim.models.resolve_model`)."""
-    from moonep_sim.models import resolve_model as _resolve
-
-    return _resolve(model)
 
 
 @dataclass

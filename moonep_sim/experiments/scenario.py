@@ -20,15 +20,12 @@ before any work. Results are frozen dataclasses with ``to_dict()`` (JSON-ready).
 from __future__ import annotations
 
 import functools
-import tempfile
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from moonep_sim.errors import ConfigError, require
-from moonep_sim.limits import MAX_TOKEN_PADDING
 from moonep_sim.experiments.results import (CompareResult, LayerPlans, PlansResult, ReplayResult, SimulateResult,
                                             SweepResult)
 from moonep_sim.experiments.routing import GeneratorSpec, RoutingSource, open_routing
@@ -125,9 +122,7 @@ class Scenario:
         from moonep_sim.experiments.compare import check_cluster, load_topology
         from moonep_sim.strategies import PlanContext
 
-        dtype = normalise_dtype(self.dispatch_dtype)
-        require(1 <= self.token_padding <= MAX_TOKEN_PADDING,
-                f"token padding ({self.token_padding}) must be in [1, {MAX_TOKEN_PADDING}]")
+        dtype = normalise_dtype(self.dispatch_dtype)  # (token padding: checked when built, checks.py)
         require(self.placement in ("home", "round-robin"),
                 f"placement ({self.placement!r}) must be home or round-robin")
         strategies = strategy_list(self.strategies, self.options)
@@ -312,8 +307,8 @@ class Scenario:
         :meth:`step` returns (:mod:`moonep_sim.experiments.step_levels`)."""
         from moonep_sim.experiments.compare import RealOptions, compare
 
-        if _step_level(level, step, real=real):
-            opts = step or _default_step()
+        opts = _step_level(level, step, real=real)
+        if opts is not None:
             from moonep_sim.experiments.step import run_step
 
             out = run_step(self, opts, progress=progress, jobs=jobs, cluster=cluster)
@@ -339,18 +334,15 @@ class Scenario:
         per strategy, and ``verdict``: who won on the local machine and which measured phase made
         the margin (:mod:`~moonep_sim.analysis.measured_verdict`). The ranks receive this
         scenario as one typed spec (:class:`~moonep_sim.experiments.spec.ReplaySpec`, JSON written once)."""
-        from moonep_sim.experiments.compare import replay_spec, run_spec
+        from moonep_sim.experiments.compare import run_spec
         from moonep_sim.gloo.launcher import reports_by_strategy
 
         rs = self.resolved
         nproc = nproc or rs.cluster.ranks
         require(2 <= nproc <= 64, f"nproc ({nproc}) must lie in [2, 64]")
         require(rs.cluster.ranks == nproc, f"ranks ({rs.cluster.ranks}) must equal nproc ({nproc}) for a replay")
-        with tempfile.TemporaryDirectory(prefix="moonep-replay-") as tmp:
-            path = rs.source.trace_file(Path(tmp), nproc)
-            spec = replay_spec(rs, path, hidden=hidden, ffn=ffn, iters=iters, warmup=warmup, backward=backward,
-                               check=check, max_tokens=max_tokens)
-            rep = run_spec(nproc, spec, timeout_s=timeout_s)
+        rep = run_spec(rs, nproc, timeout_s, hidden=hidden, ffn=ffn, iters=iters, warmup=warmup, backward=backward,
+                       check=check, max_tokens=max_tokens)
         per = reports_by_strategy(rep)
         if "verdict" not in rep:  # one strategy: a stated single-strategy verdict
             from moonep_sim.analysis.measured_verdict import measured_verdict, replay_where
@@ -380,22 +372,20 @@ class Scenario:
         and each point's verdict the step verdict (:mod:`moonep_sim.experiments.step_levels`)."""
         from moonep_sim.experiments.sweep import sweep_over_seeds
 
-        if _step_level(level, step, seeds=seeds):
+        run = {"progress": progress, "jobs": jobs, "cluster": cluster}
+        opts = _step_level(level, step, seeds=seeds)
+        if opts is not None:
             from moonep_sim.experiments.step_levels import step_sweep, trace_step_sweep
 
-            opts = step or _default_step()
-            if self.is_trace():
-                return SweepResult.from_report(trace_step_sweep(self, over, values, opts, progress=progress, jobs=jobs,
-                                                                cluster=cluster))
-            return SweepResult.from_report(step_sweep(self, self.sweep_axis(over, values, maxvio=maxvio), opts,
-                                                      progress=progress, jobs=jobs, cluster=cluster))
-        if self.is_trace():
+            rep = (trace_step_sweep(self, over, values, opts, **run) if self.is_trace() else
+                   step_sweep(self, self.sweep_axis(over, values, maxvio=maxvio), opts, **run))
+        elif self.is_trace():
             from moonep_sim.experiments.trace_sweep import trace_sweep
 
-            return SweepResult.from_report(trace_sweep(self, over, values, progress=progress, jobs=jobs,
-                                                       cluster=cluster))
-        return SweepResult.from_report(sweep_over_seeds(self, self.sweep_axis(over, values, maxvio=maxvio), seeds,
-                                                        progress=progress, jobs=jobs, cluster=cluster))
+            rep = trace_sweep(self, over, values, **run)
+        else:
+            rep = sweep_over_seeds(self, self.sweep_axis(over, values, maxvio=maxvio), seeds, **run)
+        return SweepResult.from_report(rep)
 
     @_with_progress("winner map")
     def winner_map(self, over: str, values: Sequence[float] | None, by: str, by_values: Sequence[float], *,
@@ -410,19 +400,19 @@ class Scenario:
         the step verdict's (``step``: a :class:`~moonep_sim.experiments.step.StepOptions`)."""
         from moonep_sim.experiments.sweep import at, check_rows, sweep_over_seeds, winner_of
 
-        if _step_level(level, step, seeds=seeds):
+        run = {"progress": progress, "jobs": jobs, "cluster": cluster}
+        opts = _step_level(level, step, seeds=seeds)
+        if opts is not None:
             from moonep_sim.experiments.step_levels import step_winner_map
 
-            return step_winner_map(self, over, values, by, by_values, step or _default_step(), maxvio=maxvio,
-                                   progress=progress, jobs=jobs, cluster=cluster)
+            return step_winner_map(self, over, values, by, by_values, opts, maxvio=maxvio, **run)
         if self.is_trace():
             from moonep_sim.experiments.trace_sweep import trace_winner_map
 
-            return trace_winner_map(self, over, values, by, by_values, progress=progress, jobs=jobs, cluster=cluster)
+            return trace_winner_map(self, over, values, by, by_values, **run)
         ax = self.sweep_axis(over, values, maxvio=maxvio)
         check_rows(self, ax, by, by_values)  # every input checked before any work
-        return winner_of([(float(v), sweep_over_seeds(*at(self, ax, by, v), seeds, progress=progress, jobs=jobs,
-                                                      cluster=cluster)) for v in by_values], by)
+        return winner_of([(float(v), sweep_over_seeds(*at(self, ax, by, v), seeds, **run)) for v in by_values], by)
 
     def is_trace(self) -> bool:
         """True when the routing is a trace file (not a generator spec or routing in memory)."""
@@ -437,25 +427,20 @@ class Scenario:
         return axis(self, over, values, maxvio=maxvio)
 
 
-def _step_level(level: str, step: Any, *, real: bool = False, seeds: int = 1) -> bool:
-    """True at level step (checked: the step options typed, no layer-only option given)."""
+def _step_level(level: str, step: Any, *, real: bool = False, seeds: int = 1):
+    """At level step, the step options to run (``step``, default train without overlap; checked:
+    typed, no layer-only option given); None at level layer."""
     from moonep_sim.experiments.step import StepOptions
     from moonep_sim.experiments.step_levels import check_level
 
     if check_level(level) == "layer":
         require(step is None, "step options must be given with level='step' only (the layer level has none)")
-        return False
+        return None
     require(step is None or isinstance(step, StepOptions),
             f"step ({type(step).__name__}) must be a StepOptions (moonep_sim.experiments.step)")
     require(not real, "real replays run the layer level only (level='step' is simulated)")
     require(seeds == 1, f"seeds ({seeds}) must be 1 at level step (the spread over seeds is layer-level)")
-    return True
-
-
-def _default_step():
-    from moonep_sim.experiments.step import StepOptions
-
-    return StepOptions()
+    return step or StepOptions()
 
 
 def _verdict_view(res) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """A sweep repeated over seeds of its generated routing, so that a verdict's tie and confidence
 rest on the spread over seeds (a winner-map cell that wins by 2% at one seed may lose at the next).
 
-:func:`sweep_seeds` runs the same sweep at seeds ``seed, seed + 1, ...`` and returns the first
+:func:`over_seeds` runs the same sweep at seeds ``seed, seed + 1, ...`` and returns the first
 seed's report with, added: ``seeds`` (the seeds run), ``seed_layer_time_us`` (strategy -> per point,
 the time at every seed), ``mean_layer_time_us`` (strategy -> per point, the mean over seeds), and
 ``verdicts`` recomputed per point from the figures averaged over seeds with the spread over seeds
@@ -10,7 +10,6 @@ the time at every seed), ``mean_layer_time_us`` (strategy -> per point, the mean
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
@@ -49,11 +48,6 @@ def combine_seeds(reps: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def sweep_seeds(cfg, seeds: int, run: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
-    """``run(cfg)`` at ``seeds`` consecutive seeds from ``cfg.seed``, combined (:func:`combine_seeds`)."""
-    return over_seeds(seeds, lambda k: run(replace(cfg, seed=cfg.seed + k)))
-
-
 def over_seeds(seeds: int, run: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
     """``run(k)`` for the seed offsets k = 0 .. seeds-1 (each a sweep at seed ``seed + k``), combined
     (:func:`combine_seeds`); one seed: its report as it is."""
@@ -62,4 +56,4 @@ def over_seeds(seeds: int, run: Callable[[int], dict[str, Any]]) -> dict[str, An
     return combine_seeds(reps) if seeds > 1 else reps[0]
 
 
-__all__ = ["combine_seeds", "over_seeds", "sweep_seeds"]
+__all__ = ["combine_seeds", "over_seeds"]

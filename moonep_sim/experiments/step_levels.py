@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from moonep_sim.errors import require
-from moonep_sim.experiments.step import StepOptions, run_step
+from moonep_sim.experiments.step import StepOptions, run_step, steps_document
 
 #: the levels compare, sweep and winner maps run at
 LEVELS = ("layer", "step")
@@ -56,13 +56,10 @@ def point_step(sc, opts: StepOptions, *, jobs: int | None = 1, cluster: str | No
     ``verdict``, ``setup`` and ``steps`` (the recorded steps it ran)."""
     from moonep_sim.analysis.verdict import step_verdict
 
-    from moonep_sim.analysis.stepstats import step_aggregates
-
     res = run_step(sc, opts, progress=progress, jobs=jobs, cluster=cluster)
-    docs = [r.to_dict() for r in res]
+    doc = steps_document(res)   # its flags: every recorded step's, each once
+    docs = doc.get("steps") or [doc]
     names = list(res[0].strategies)
-    agg = (step_aggregates(docs) if docs[0]["setup"].get("step_tokens") is not None
-           and not docs[0]["setup"].get("merged") else None)
     if len(docs) == 1:
         figs = {n: scalars(docs[0]["strategies"][n]) for n in names}
         verdict = docs[0]["verdict"]
@@ -81,14 +78,9 @@ def point_step(sc, opts: StepOptions, *, jobs: int | None = 1, cluster: str | No
                 f[k] = int(sum(int(p.get(k) or 0) for p in per))
             f["steps"] = len(per)
             figs[n] = f
-        from moonep_sim.analysis.winner import dedup_flags
-
-        flags = dedup_flags([fl for d in docs for fl in d["flags"]])
-        verdict = step_verdict(figs, flags)
-        return {"figures": figs, "flags": flags, "verdict": verdict, "setup": docs[0]["setup"], "steps": len(docs),
-                "aggregate": agg}
-    return {"figures": figs, "flags": docs[0]["flags"], "verdict": verdict, "setup": docs[0]["setup"],
-            "steps": len(docs), "aggregate": agg}
+        verdict = step_verdict(figs, doc["flags"])
+    return {"figures": figs, "flags": doc["flags"], "verdict": verdict, "setup": docs[0]["setup"], "steps": len(docs),
+            "aggregate": doc.get("aggregate")}
 
 
 def _report(head: dict[str, Any], names: Sequence[str], options: dict, points: list, runs: list,
@@ -116,7 +108,7 @@ def step_sweep(sc, ax, opts: StepOptions, *, progress: Callable[[str, int, int],
                jobs: int | None = 1, cluster: str | None = None) -> dict[str, Any]:
     """A generated sweep (``ax``: :class:`~moonep_sim.experiments.sweep.SweepAxis`) at step level."""
     from moonep_sim.experiments.compare import topology_info
-    from moonep_sim.experiments.sweep import setup
+    from moonep_sim.experiments.sweep import head, setup
 
     t0 = time.perf_counter()
     require(opts.tokens_per_rank is None, "step tokens per rank must not be set in a sweep: the generator spec's "
@@ -136,13 +128,7 @@ def step_sweep(sc, ax, opts: StepOptions, *, progress: Callable[[str, int, int],
                        "target_maxvio": float(rs.source.gen.maxvio), "topology": topology_info(rs.topology)})
     if progress:
         progress("done", len(scs), len(scs))
-    head = {"kind": "sweep", "over": st.over, "values": [float(v) for v in st.values],
-            "left_out": list(st.axis.left_out), "model": st.model.to_dict(), "topology": topology_info(st.topology),
-            "cluster": {"ranks": st.ranks if st.over != "ep" else None,
-                        "gpus_per_node": st.gpus_per_node or st.topology.gpus_per_node},
-            "tokens_per_rank": st.tokens_per_rank, "maxvio": st.maxvio if st.over != "maxvio" else None,
-            "seed": st.seed, "dispatch_dtype": st.dispatch_dtype}
-    return _report(head, [n for n, _ in st.strategies], dict(st.strategies), points, runs, opts, t0)
+    return _report(head(st), [n for n, _ in st.strategies], dict(st.strategies), points, runs, opts, t0)
 
 
 def _point_scenario(sc, st, v: float):
@@ -182,7 +168,7 @@ def trace_step_sweep(sc, over: str, values: Sequence[float] | None, opts: StepOp
     """A sweep over a trace (:mod:`moonep_sim.experiments.trace_sweep`'s knobs and points) at step
     level; ``fixed``: other knobs held (a winner map's row)."""
     from moonep_sim.experiments.compare import topology_info
-    from moonep_sim.experiments.trace_sweep import _METHOD, knob_name, point, valid_values
+    from moonep_sim.experiments.trace_sweep import head, knob_name, point, valid_values
 
     t0 = time.perf_counter()
     require(opts.tokens_per_rank is None, "tokens per rank must not be given with a trace: the trace's tokens over "
@@ -201,15 +187,8 @@ def trace_step_sweep(sc, over: str, values: Sequence[float] | None, opts: StepOp
         points.append({"value": float(v), **rec, "topology": topology_info(rs.topology)})
     if progress:
         progress("done", len(vals), len(vals))
-    head = {"kind": "sweep", "over": over, "values": [float(v) for v in vals], "left_out": left_out,
-            "routing": rs0.source.describe(), "trace": str(rs0.source.path), "fixed": dict(fixed or {}),
-            "model": rs0.source.model.to_dict(), "topology": topology_info(rs0.topology),
-            "cluster": {"ranks": rs0.cluster.ranks if over != "ranks" else None,
-                        "gpus_per_node": rs0.cluster.gpus_per_node},
-            "tokens_per_rank": None, "maxvio": None, "dispatch_dtype": rs0.dispatch_dtype,
-            "seed": seed if (over == "maxvio" or "maxvio" in (fixed or {})) else None,
-            "warnings": list(rs0.warnings), "method": _METHOD.get(over, _METHOD["topology"])}
-    return _report(head, [n for n, _ in rs0.strategies], dict(rs0.strategies), points, runs, opts, t0)
+    return _report(dict(head(rs0, over, vals, left_out, fixed, seed), warnings=list(rs0.warnings)),
+                   [n for n, _ in rs0.strategies], dict(rs0.strategies), points, runs, opts, t0)
 
 
 def check(sc, over: str, values: Sequence[float] | None, opts: StepOptions, *, by: str | None = None,
@@ -243,10 +222,10 @@ def check(sc, over: str, values: Sequence[float] | None, opts: StepOptions, *, b
 
 
 def step_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_values: Sequence[float],
-                    opts: StepOptions, *, maxvio: float | None = None, progress=None, jobs: int | None = 1,
-                    cluster: str | None = None) -> dict[str, Any]:
+                    opts: StepOptions, *, maxvio: float | None = None, **run: Any) -> dict[str, Any]:
     """A winner map at step level: one step sweep of ``over`` per value of ``by`` (generated:
-    tokens-per-rank, maxvio or ep; a trace: any of its knobs)."""
+    tokens-per-rank, maxvio or ep; a trace: any of its knobs); ``run``: the sweeps' progress, jobs
+    and cluster."""
     from moonep_sim.experiments.sweep import at, winner_of
 
     check(sc, over, values, opts, by=by, by_values=by_values, maxvio=maxvio)  # every cell before any work
@@ -256,11 +235,9 @@ def step_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_v
         by, over = knob_name(by), knob_name(over)
         bys, _ = valid_values(sc, by, by_values, 0)
         vals, _ = valid_values(sc, over, values, 0)
-        return winner_of([(float(b), trace_step_sweep(sc, over, vals, opts, fixed={by: b}, progress=progress,
-                                                      jobs=jobs, cluster=cluster)) for b in bys], by)
+        return winner_of([(float(b), trace_step_sweep(sc, over, vals, opts, fixed={by: b}, **run)) for b in bys], by)
     ax = sc.sweep_axis(over, values, maxvio=maxvio)
-    return winner_of([(float(v), step_sweep(*at(sc, ax, by, v), opts, progress=progress, jobs=jobs, cluster=cluster))
-                      for v in by_values], by)
+    return winner_of([(float(v), step_sweep(*at(sc, ax, by, v), opts, **run)) for v in by_values], by)
 
 
 __all__ = ["LEVELS", "SERIES", "check", "check_level", "point_step", "scalars", "step_sweep", "step_winner_map",

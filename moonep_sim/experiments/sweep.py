@@ -247,21 +247,16 @@ def _point_setup(cfg: Setup, base, v: float, fixed):
     from moonep_sim.strategies import PlanContext
 
     m = cfg.model
-    costs = cfg.costs
     ranks = int(v) if cfg.over == "ep" else cfg.ranks
-    topo = base
-    if cfg.over not in ("maxvio", "ep"):
-        topo = replace(base, **{cfg.over: type(getattr(base, cfg.over))(v)})
-    if fixed is not None:
-        routing, realised = fixed
-    else:
-        routing, realised = _routing(cfg, ranks, v if cfg.over == "maxvio" else cfg.maxvio, cfg.seed)
+    topo = replace(base, **{cfg.over: type(getattr(base, cfg.over))(v)}) if cfg.over not in ("maxvio", "ep") else base
+    routing, realised = fixed if fixed is not None else _routing(cfg, ranks, v if cfg.over == "maxvio" else cfg.maxvio,
+                                                                 cfg.seed)
     g = cfg.gpus_per_node or topo.gpus_per_node_for(ranks)
     cluster = ClusterShape(ranks, g)
     topo_g = topo.with_gpus_per_node(g) if hasattr(topo, "with_gpus_per_node") else topo
     place = (Placement.home_groups(m.num_experts, ranks) if cfg.placement == "home"
              else Placement.round_robin(m.num_experts, ranks))
-    ctx = PlanContext(cluster, place, costs, cfg.token_padding, topo_g)
+    ctx = PlanContext(cluster, place, cfg.costs, cfg.token_padding, topo_g)
     point = {"value": v, "ranks": ranks, "gpus_per_node": g, "tokens": routing.num_tokens,
              "realised_maxvio": realised, "topology": topology_info(topo_g)}
     return routing, ctx, topo_g, point
@@ -269,6 +264,7 @@ def _point_setup(cfg: Setup, base, v: float, fixed):
 
 def _strategy_at(cfg: Setup, routing, ctx, topo, name: str, opts: dict) -> dict[str, Any]:
     """One strategy planned and simulated on one point's routing."""
+    from moonep_sim.analysis.verdict import figures
     from moonep_sim.strategies import make_plan
 
     t1 = time.perf_counter()
@@ -285,12 +281,7 @@ def _strategy_at(cfg: Setup, routing, ctx, topo, name: str, opts: dict) -> dict[
             "rows_max_over_mean": float(real.max() / max(real.mean(), 1e-12)),
             "straggler": _short(to_jsonable(res.to_dict(), lenient=True).get("straggler")),
             "plan_seconds": t2 - t1, "sim_seconds": t3 - t2,
-            "figures": _figures(plan, to_jsonable(res.to_dict(), lenient=True), topo)}
-
-
-def _figures(plan, sim, topo):
-    from moonep_sim.analysis.verdict import figures
-    return figures(plan, sim, topo)
+            "figures": figures(plan, to_jsonable(res.to_dict(), lenient=True), topo)}
 
 
 def _point(task) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
@@ -351,15 +342,9 @@ def sweep(sc, ax: SweepAxis, progress: Callable[[str, int, int], None] | None = 
     t0 = time.perf_counter()
     cfg = setup(sc, ax)
     base = cfg.topology
-    m = cfg.model
-    names = [n for n, _ in cfg.strategies]
-    out_s = {n: {"options": dict(o), "layer_time_us": [], "lower_bound_us": [], "ratio_to_lower_bound": [],
-                 "phases_us": [], "dropped": [], "weight_bytes": [], "rows_max_over_mean": [], "straggler": [],
-                 "plan_seconds": [], "sim_seconds": [], "figures": []} for n, o in cfg.strategies}
+    out_s = {n: {"options": dict(o)} for n, o in cfg.strategies}   # then each series of _strategy_at, per point
     total = len(cfg.values)
-    fixed = None
-    if cfg.over not in ("maxvio", "ep"):
-        fixed = _routing(cfg, cfg.ranks, cfg.maxvio, cfg.seed)
+    fixed = _routing(cfg, cfg.ranks, cfg.maxvio, cfg.seed) if cfg.over not in ("maxvio", "ep") else None
     tasks = [(cfg, base, v, fixed) for v in cfg.values]
     if cluster or check_jobs(jobs) == 1 or total * len(cfg.strategies) <= 1:
         results = run_points(_point, tasks, jobs=jobs, cluster=cluster, progress=progress,
@@ -368,31 +353,30 @@ def sweep(sc, ax: SweepAxis, progress: Callable[[str, int, int], None] | None = 
         results = _run_staged(cfg, base, fixed, jobs, progress)
     points = [pt for pt, _ in results]
     for _, per in results:
-        for name in names:
+        for name in out_s:
             for k, x in per[name].items():
-                out_s[name][k].append(x)
+                out_s[name].setdefault(k, []).append(x)
     if progress:
         progress("done", total, total)
-    lb = routing_lower_bound(out_s, len(cfg.values))
-    rep = {
-        "kind": "sweep",
-        "over": cfg.over,
-        "values": [float(v) for v in cfg.values],
-        "left_out": list(cfg.axis.left_out),
-        "model": m.to_dict(),
-        "topology": topology_info(base),
-        "cluster": {"ranks": cfg.ranks if cfg.over != "ep" else None,
-                    "gpus_per_node": cfg.gpus_per_node or base.gpus_per_node},
-        "tokens_per_rank": cfg.tokens_per_rank,
-        "maxvio": cfg.maxvio if cfg.over != "maxvio" else None,
-        "seed": cfg.seed,
-        "dispatch_dtype": cfg.dispatch_dtype,
-        "points": points,
-        "lower_bound_us": lb,
-        "strategies": out_s,
-    }
+    rep = dict(head(cfg), points=points, lower_bound_us=routing_lower_bound(out_s, len(cfg.values)), strategies=out_s)
+    return finish(rep, t0)
+
+
+def head(cfg: Setup) -> dict[str, Any]:
+    """What a generated sweep's report (layer or step level) says of its setup, before its points."""
+    return {"kind": "sweep", "over": cfg.over, "values": [float(v) for v in cfg.values],
+            "left_out": list(cfg.axis.left_out), "model": cfg.model.to_dict(), "topology": topology_info(cfg.topology),
+            "cluster": {"ranks": cfg.ranks if cfg.over != "ep" else None,
+                        "gpus_per_node": cfg.gpus_per_node or cfg.topology.gpus_per_node},
+            "tokens_per_rank": cfg.tokens_per_rank, "maxvio": cfg.maxvio if cfg.over != "maxvio" else None,
+            "seed": cfg.seed, "dispatch_dtype": cfg.dispatch_dtype}
+
+
+def finish(rep: dict[str, Any], t0: float) -> dict[str, Any]:
+    """A layer-level sweep report completed: its flags, one verdict per point, and its seconds."""
     from moonep_sim.analysis.flags import sweep_flags
     from moonep_sim.analysis.verdict import sweep_verdicts
+
     rep["flags"] = sweep_flags(rep)
     rep["verdicts"] = sweep_verdicts(rep)
     rep["seconds"] = time.perf_counter() - t0

@@ -135,16 +135,10 @@ def recut(source, batch_tokens: int):
 
 
 # -- values -------------------------------------------------------------------------------------------
-def _is_topology_knob(knob: str, topo) -> bool:
-    from moonep_sim.experiments.sweep import topology_params
-
-    return knob in topology_params(topo)
-
-
 def check_knob(knob: str, topo) -> None:
     from moonep_sim.experiments.sweep import topology_params
 
-    if knob not in TRACE_KNOBS and not _is_topology_knob(knob, topo):
+    if knob not in TRACE_KNOBS and knob not in topology_params(topo):
         raise ConfigError(f"--over ({knob!r}) must be one of {', '.join(TRACE_KNOBS)} (ep = ranks) or a topology "
                           f"constant: {', '.join(topology_params(topo))}")
 
@@ -262,7 +256,7 @@ def trace_sweep(sc, over: str, values: Sequence[float] | None = None, *, fixed: 
     value (a winner map's row). The report has the shape of a generated sweep's
     (:func:`moonep_sim.experiments.sweep.sweep`), each figure the token-weighted mean over steps."""
     from moonep_sim.experiments.compare import compare, topology_info
-    from moonep_sim.experiments.sweep import routing_lower_bound
+    from moonep_sim.experiments.sweep import finish, routing_lower_bound
     from moonep_sim.analysis.verdict import mean_figures
 
     t0 = time.perf_counter()
@@ -279,44 +273,38 @@ def trace_sweep(sc, over: str, values: Sequence[float] | None = None, *, fixed: 
         rep = compare(rs, jobs=jobs, cluster=cluster)
         points.append({"value": v, **rec, "topology": topology_info(rs.topology)})
         for n in names:
-            s, o = rep["strategies"][n], out_s[n]
-            agg = s["steps_aggregate"]["layer_time_us"]
-            o["layer_time_us"].append(agg["token_weighted_mean"])
-            o["lower_bound_us"].append(s["sim"]["lower_bound_us_mean"])
-            o["ratio_to_lower_bound"].append(s["sim"]["ratio_to_lower_bound"])
-            o["phases_us"].append(s["sim"]["phases_us_mean"])
-            o["dropped"].append(s["dropped"])
-            o["weight_bytes"].append(s["weight_bytes"])
-            o["rows_max_over_mean"].append(s["rows_max_over_mean"])
-            o["straggler"].append(s["sim"]["straggler"])
-            o["plan_seconds"].append(s["plan_seconds"])
-            o["sim_seconds"].append(float(sum(e["sim"].get("sim_stats", {}).get("wall_seconds", 0.0)
-                                              for e in s["layers"])))
-            f = mean_figures([e["figures"] for e in s["layers"] if "figures" in e])
-            f["time_us"] = agg["token_weighted_mean"]
-            o["figures"].append(f)
-            o["steps_aggregate"].append(s["steps_aggregate"])
-            o["per_step_layer_time_us"].append(s["per_step"]["layer_time_us"])
+            s, sim = rep["strategies"][n], rep["strategies"][n]["sim"]
+            t = s["steps_aggregate"]["layer_time_us"]["token_weighted_mean"]
+            at = {"layer_time_us": t, "lower_bound_us": sim["lower_bound_us_mean"],
+                  "ratio_to_lower_bound": sim["ratio_to_lower_bound"], "phases_us": sim["phases_us_mean"],
+                  "dropped": s["dropped"], "weight_bytes": s["weight_bytes"],
+                  "rows_max_over_mean": s["rows_max_over_mean"], "straggler": sim["straggler"],
+                  "plan_seconds": s["plan_seconds"],
+                  "sim_seconds": float(sum(e["sim"].get("sim_stats", {}).get("wall_seconds", 0.0) for e in s["layers"])),
+                  "figures": dict(mean_figures([e["figures"] for e in s["layers"] if "figures" in e]), time_us=t),
+                  "steps_aggregate": s["steps_aggregate"], "per_step_layer_time_us": s["per_step"]["layer_time_us"]}
+            for k in _SERIES:
+                out_s[n][k].append(at[k])
     if progress:
         progress("done", len(vals), len(vals))
-    res = {
-        "kind": "sweep", "over": over, "values": [float(v) for v in vals], "left_out": left_out,
-        "routing": rs0.source.describe(), "trace": str(rs0.source.path), "fixed": dict(fixed or {}),
-        "model": rs0.source.model.to_dict(), "topology": topology_info(rs0.topology),
-        "cluster": {"ranks": rs0.cluster.ranks if over != "ranks" else None,
-                    "gpus_per_node": rs0.cluster.gpus_per_node},
-        "tokens_per_rank": None, "maxvio": None, "seed": seed if (over == "maxvio" or "maxvio" in (fixed or {}))
-        else None, "dispatch_dtype": rs0.dispatch_dtype, "method": _METHOD.get(over, _METHOD["topology"]),
-        "points": points, "lower_bound_us": None, "strategies": out_s, "warnings": list(rs0.warnings),
-    }
-    res["lower_bound_us"] = routing_lower_bound(out_s, len(vals))
-    from moonep_sim.analysis.flags import sweep_flags
-    from moonep_sim.analysis.verdict import sweep_verdicts
+    res = dict(head(rs0, over, vals, left_out, fixed, seed), points=points,
+               lower_bound_us=routing_lower_bound(out_s, len(vals)), strategies=out_s, warnings=list(rs0.warnings))
+    return finish(res, t0)
 
-    res["flags"] = sweep_flags(res)
-    res["verdicts"] = sweep_verdicts(res)
-    res["seconds"] = time.perf_counter() - t0
-    return res
+
+def head(rs0, over: str, vals: Sequence[float], left_out: list, fixed: dict[str, float] | None,
+         seed: int) -> dict[str, Any]:
+    """What a trace sweep's report (layer or step level) says of its setup, before its points."""
+    from moonep_sim.experiments.compare import topology_info
+
+    return {"kind": "sweep", "over": over, "values": [float(v) for v in vals], "left_out": left_out,
+            "routing": rs0.source.describe(), "trace": str(rs0.source.path), "fixed": dict(fixed or {}),
+            "model": rs0.source.model.to_dict(), "topology": topology_info(rs0.topology),
+            "cluster": {"ranks": rs0.cluster.ranks if over != "ranks" else None,
+                        "gpus_per_node": rs0.cluster.gpus_per_node},
+            "tokens_per_rank": None, "maxvio": None,
+            "seed": seed if (over == "maxvio" or "maxvio" in (fixed or {})) else None,
+            "dispatch_dtype": rs0.dispatch_dtype, "method": _METHOD.get(over, _METHOD["topology"])}
 
 
 _METHOD = {
@@ -336,7 +324,7 @@ def trace_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_
     """The fastest strategy per cell over two knobs of a trace: one :func:`trace_sweep` of ``over``
     per value of ``by`` (any knob :func:`trace_sweep` takes), combined by
     :func:`moonep_sim.analysis.winner.winner_map`."""
-    from moonep_sim.analysis.winner import winner_map
+    from moonep_sim.experiments.sweep import winner_of
 
     by = knob_name(by)
     over = knob_name(over)
@@ -346,11 +334,8 @@ def trace_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_
     for b in bys:       # every cell checked before any work
         for v in vals:
             point(sc, {by: b, over: v}, seed)
-    reps = [(float(b), trace_sweep(sc, over, vals, fixed={by: b}, seed=seed, progress=progress, jobs=jobs,
-                                   cluster=cluster)) for b in bys]
-    m = winner_map(reps, by)
-    m["sweeps"] = [r for _, r in reps]
-    return m
+    return winner_of([(float(b), trace_sweep(sc, over, vals, fixed={by: b}, seed=seed, progress=progress, jobs=jobs,
+                                             cluster=cluster)) for b in bys], by)
 
 
 __all__ = ["Reweight", "TRACE_KNOBS", "check_knob", "knob_name", "noise_floor", "point", "recut", "reweighted",

@@ -40,7 +40,7 @@ class _Dispatch(torch.autograd.Function):
         rows = buffer.rows.dispatch_rows(handle, x, "dispatch", comm_dtype=buffer.dispatch_dtype)
         # a copy: an output of forward joins the graph, and the handle's own tensor must not (it
         # is reused by later steps and by combine's default weights)
-        return rows, handle.row_weights.to(x.dtype, copy=True)
+        return rows, handle.layout.weights.to(x.dtype, copy=True)
 
     @staticmethod
     def backward(ctx, g_rows, g_w):
@@ -90,7 +90,7 @@ class _Prefetch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_tie, *g_copies):
         handle = ctx.handle
-        n_home = int(handle.home_experts.numel())
+        n_home = int(handle.slots.home_experts.numel())
         flat = flatten_rows([g.contiguous() for g in g_copies], handle.num_copies)
         red = ctx.buffer.rows.reduce_flat(handle, flat, n_home)
         like = [g.new_empty((0,) + tuple(s[1:])) for g, s in zip(g_copies, ctx.shapes)]

@@ -66,13 +66,7 @@ from moonep_sim.plan.direct import MAX_RUNS, MIN_RUN_BYTES
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16)
 
-# fields compared across ranks at build time, in this order
-_FINGERPRINT_FIELDS = ("num_experts", "top_k", "hidden", "planner", "options", "capacity", "gpus_per_node",
-                       "dispatch_dtype", "world_size", "direct")
 _DIRECT_MODES = ("auto", "on", "off")
-# direct="auto": the executor's point-to-point thresholds (moonep_sim.plan.direct: measured there)
-_DIRECT_MAX_RUNS = MAX_RUNS
-_DIRECT_MIN_RUN_BYTES = MIN_RUN_BYTES
 
 
 def _code(v: Any) -> int:
@@ -163,25 +157,24 @@ class Buffer:
         self.comm.make_scopes(self.gpus_per_node)
 
     # -- setup --------------------------------------------------------------------------------
-    def _fingerprint(self) -> list[int]:
+    def _fingerprint(self) -> dict[str, Any]:
+        """The fields compared across ranks at build time, in this order."""
         p = self.planner
-        vals = dict(num_experts=self.num_experts, top_k=self.top_k, hidden=self.hidden,
+        return dict(num_experts=self.num_experts, top_k=self.top_k, hidden=self.hidden,
                     planner=getattr(p, "name", None) or getattr(p, "__qualname__", type(p).__name__),
                     options=sorted(getattr(p, "options", {}).items()), capacity=self.capacity,
                     gpus_per_node=self.gpus_per_node, dispatch_dtype=str(self.dispatch_dtype),
                     world_size=self.world_size, direct=self.direct)
-        self._fp_values = vals
-        return [_code(vals[f]) for f in _FINGERPRINT_FIELDS]
 
     def _check_config(self) -> None:
-        mine = torch.tensor(self._fingerprint(), dtype=torch.int64)
+        vals = self._fingerprint()
+        mine = torch.tensor([_code(v) for v in vals.values()], dtype=torch.int64)
         allfp = torch.stack(self.comm.all_gather("build.check", mine))
-        for j, f in enumerate(_FINGERPRINT_FIELDS):
+        for j, (f, mine_v) in enumerate(vals.items()):
             col = allfp[:, j]
             if (col != col[0]).any():
                 differ = torch.nonzero(col != col[0]).flatten().tolist()
                 same = torch.nonzero(col == col[0]).flatten().tolist()
-                mine_v = self._fp_values[f]
                 shown = col.tolist() if f in ("num_experts", "top_k", "hidden", "capacity", "gpus_per_node",
                                               "world_size") else None
                 detail = (f"values by rank {shown}" if shown is not None else f"this rank has {mine_v!r}")
@@ -273,8 +266,9 @@ class Buffer:
         handle = build_handle(plan, self.rank, self.placement.home_E, weights_TK)
         if self.direct != "off" and plan.hops:
             elem = torch.tensor([], dtype=self.dispatch_dtype).element_size()
-            d = direct_index(plan, self.rank, None if self.direct == "on" else _DIRECT_MAX_RUNS,
-                             _DIRECT_MIN_RUN_BYTES, self.hidden * elem)
+            # direct="auto": the point-to-point thresholds of moonep_sim.plan.direct (measured there)
+            d = direct_index(plan, self.rank, None if self.direct == "on" else MAX_RUNS, MIN_RUN_BYTES,
+                             self.hidden * elem)
             if d is not None:
                 handle = dataclasses.replace(handle, direct=d)
         return handle
@@ -300,7 +294,7 @@ class Buffer:
 
         Returns ``(recv_x [W, H], recv_weights [W], cu_seqlens [S+1] int64, handle)``: rows
         grouped by slot (slot i owns rows ``cu_seqlens[i]:cu_seqlens[i+1]``, the first
-        ``handle.slot_rows[i]`` real, the rest zero padding), each row's routing weight (0 for
+        ``handle.slots.rows[i]`` real, the rest zero padding), each row's routing weight (0 for
         padding). Differentiable in ``x`` and ``topk_weights``.
         """
         if handle is None:
@@ -312,9 +306,9 @@ class Buffer:
         else:
             require(tuple(x.shape) == (handle.num_tokens, self.hidden),
                     f"x shape ({list(x.shape)}) must be [{handle.num_tokens}, {self.hidden}] (the handle's tokens)")
-            w = handle.token_weights
+            w = handle.layout.token_weights
         recv_x, recv_w = dispatch_fn(self, handle, x, w)
-        return recv_x, recv_w, handle.cu_seqlens, handle
+        return recv_x, recv_w, handle.layout.cu_seqlens, handle
 
     def combine(self, y: torch.Tensor, handle: Handle, weights: torch.Tensor | None = None) -> torch.Tensor:
         """[W, H] expert outputs -> [s, H]: each token's sum of ``weight * output`` over its rows.
@@ -324,7 +318,7 @@ class Buffer:
         """
         require(y.dim() == 2 and y.shape[0] == handle.rows,
                 f"y shape ({list(y.shape)}) must be [{handle.rows}, C] (the handle's rows)")
-        w = handle.row_weights.to(y.dtype) if weights is None else weights
+        w = handle.layout.weights.to(y.dtype) if weights is None else weights
         require(tuple(w.shape) == (handle.rows,), f"weights shape ({list(w.shape)}) must be [{handle.rows}]")
         return combine_fn(self, handle, y, w)
 
@@ -333,9 +327,9 @@ class Buffer:
         """The weights of this rank's copy slots, fetched from their home ranks.
 
         local_weights: a tuple/list of tensors ``[epn_r, ...]`` (one per projection, e.g. gate
-        ``[epn_r, H, H']``, up, down) or a dict of them, row i = ``handle.home_experts[i]``.
+        ``[epn_r, H, H']``, up, down) or a dict of them, row i = ``handle.slots.home_experts[i]``.
         Returns the same structure with ``[X, ...]`` tensors, row j = this rank's j-th copy slot
-        (``handle.slot_weight_index`` of a copy slot). Differentiable: the backward reduces the
+        (``handle.slots.weight_index`` of a copy slot). Differentiable: the backward reduces the
         copies' gradients to their homes.
 
         Plan copies are fetched on every call. Resident replicas (fetched slots the Plan does not
@@ -351,7 +345,7 @@ class Buffer:
         are returned.
         """
         keys, tensors = _unpack(local_weights)
-        n_home = int(handle.home_experts.numel())
+        n_home = int(handle.slots.home_experts.numel())
         for k, t in zip(keys, tensors):
             require(t.shape[0] == n_home, f"local weight {k} rows ({t.shape[0]}) must equal this rank's home "
                                           f"experts ({n_home})")
@@ -370,7 +364,7 @@ class Buffer:
         lkeys, ltensors = _unpack(local_grads)
         require(ckeys == lkeys, f"copy_grads keys ({ckeys}) must match local_grads keys ({lkeys})")
         flat = flatten_rows(ctensors, handle.num_copies)
-        red = self.rows.reduce_flat(handle, flat, int(handle.home_experts.numel()))
+        red = self.rows.reduce_flat(handle, flat, int(handle.slots.home_experts.numel()))
         parts = unflatten_rows(red, ltensors)
         return _pack(local_grads, lkeys, tuple(lg + p for lg, p in zip(ltensors, parts)))
 

@@ -274,8 +274,6 @@ class Handle:
     weights: the weight exchanges that fill the fetched slots and reduce their gradients
       (:class:`~moonep_sim.gloo.weights.WeightFetch`: three
       :class:`~moonep_sim.gloo.weights.WeightExchange`\\ s and the resident replicas).
-    The properties below read the most used fields of the records (``cu_seqlens``,
-    ``row_weights``, ``slot_*``, ``home_experts``, ...).
     """
 
     plan: Plan
@@ -302,48 +300,6 @@ class Handle:
     @property
     def top_k(self) -> int:
         return self.plan.top_k
-
-    # -- shorthands for the records' most used fields ----------------------------------------
-    @property
-    def cu_seqlens(self) -> torch.Tensor:
-        return self.layout.cu_seqlens
-
-    @property
-    def row_weights(self) -> torch.Tensor:
-        return self.layout.weights
-
-    @property
-    def token_weights(self) -> torch.Tensor:
-        return self.layout.token_weights
-
-    @property
-    def slot_expert(self) -> torch.Tensor:
-        return self.slots.expert
-
-    @property
-    def slot_rows(self) -> torch.Tensor:
-        return self.slots.rows
-
-    @property
-    def slot_is_copy(self) -> torch.Tensor:
-        return self.slots.is_copy
-
-    @property
-    def slot_weight_index(self) -> torch.Tensor:
-        return self.slots.weight_index
-
-    @property
-    def home_experts(self) -> torch.Tensor:
-        return self.slots.home_experts
-
-    @property
-    def resident_pos(self) -> torch.Tensor:
-        return self.weights.residents.pos
-
-    @property
-    def num_relayed_global(self) -> int:
-        """Relayed (stage-1) copies over all ranks (0: no second exchange round)."""
-        return self.weights.relay.total
 
 
 def build_handle(plan: Plan, rank: int, home_E: np.ndarray, weights_TK: np.ndarray | None = None) -> Handle:

@@ -35,16 +35,16 @@ def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Te
 
 def expert_forward(rows_WH: torch.Tensor, handle: Handle, home_w: Sequence[torch.Tensor],
                    copy_w: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Each slot's SwiGLU over its rows (grouped by ``handle.cu_seqlens``) -> [W, H].
+    """Each slot's SwiGLU over its rows (grouped by ``handle.layout.cu_seqlens``) -> [W, H].
 
     home_w: (gate [epn_r, H, F], up, down [epn_r, F, H]) of this rank's home experts.
     copy_w: the same for this rank's copies ([X, ...], from :meth:`Buffer.prefetch_weight`).
     Padding rows are zero and stay zero (no bias). One matmul chain per slot (not per token).
     """
-    cu = handle.cu_seqlens.tolist()
-    real = handle.slot_rows.tolist()
-    widx = handle.slot_weight_index.tolist()
-    is_copy = handle.slot_is_copy.tolist()
+    cu = handle.layout.cu_seqlens.tolist()
+    real = handle.slots.rows.tolist()
+    widx = handle.slots.weight_index.tolist()
+    is_copy = handle.slots.is_copy.tolist()
     outs = [rows_WH[:0]]  # keeps the output attached to the rows even when this rank has none
     for i in range(len(cu) - 1):
         lo, hi, n = cu[i], cu[i + 1], real[i]

@@ -133,13 +133,6 @@ class RowMap:
             out = vals.new_empty((self.n_src,) + tuple(vals.shape[1:]))
         return self._reduce_slow(vals, out, weights)
 
-    def reduce_into(self, vals: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`reduce` written into ``out`` [n_src, C]. Returns ``out``."""
-        r = self.reduce(vals, weights, out)
-        if r is not out:
-            out.copy_(r)
-        return out
-
     def _reduce_slow(self, vals: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         yw = vals if weights is None else vals * weights[:, None]
         if self.inverse is not None or self.identity:

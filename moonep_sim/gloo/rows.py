@@ -108,11 +108,7 @@ class RowEngine:
             if d.pad_pos.numel():
                 out.index_fill_(0, d.pad_pos, 0)
 
-        if ops:
-            self.comm.p2p(phase, hop.scope, ops, local)
-        else:
-            self.comm.mark(phase)
-            local()
+        self.comm.p2p(phase, hop.scope, ops, local)
         return out
 
     def combine_rows(self, handle: Handle, y: torch.Tensor, phase: str = "combine",
@@ -201,11 +197,7 @@ class RowEngine:
                 if recv_w is not None:
                     recv_w[b:b + m].copy_(weights[a:a + m])
 
-        if ops:
-            self.comm.p2p(phase, hop.scope, ops, local)
-        else:
-            self.comm.mark(phase)
-            local()
+        self.comm.p2p(phase, hop.scope, ops, local)
         return recv, recv_w, part[0] if part else None
 
     def fetch_weights_flat(self, handle: Handle, local: Sequence[torch.Tensor], cache_key: Any = None,

@@ -22,11 +22,13 @@ interpreter exit for processes that built a Buffer and left the group initialise
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 
 import torch.distributed as dist
 
 from moonep_sim.errors import CommError
+from moonep_sim.gloo import liveness
 
 _REGISTERED = [False]  # the atexit hook is registered once per process
 
@@ -36,17 +38,17 @@ def shutdown(timeout_s: float = 60.0) -> None:
     A no-op when no process group is initialised. Raises :class:`CommError` (one line) when a peer
     does not reach the barrier within ``timeout_s``; the groups are destroyed either way."""
     if not (dist.is_available() and dist.is_initialized()):
-        _stop_heartbeat()
+        liveness.stop_heartbeat()
         return
     err: BaseException | None = None
-    store, rank, world = _default_store(), dist.get_rank(), dist.get_world_size()
+    store, rank, world = liveness.default_store(), dist.get_rank(), dist.get_world_size()
     try:
         work = dist.barrier(async_op=True)
         work.wait(timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:  # a peer gone or stuck: still tear down, then say so
         err = e
     finally:
-        _stop_heartbeat()
+        liveness.stop_heartbeat()
         dist.destroy_process_group()
     if err is None and store is not None and world > 1:
         _wait_all_exited(store, rank, world, timeout_s)
@@ -55,41 +57,23 @@ def shutdown(timeout_s: float = 60.0) -> None:
                         f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__}")
 
 
-def _default_store():
-    from moonep_sim.gloo import liveness
-
-    return liveness.default_store()
-
-
 def _wait_all_exited(store, rank: int, world: int, timeout_s: float) -> None:
     """Count this rank out in the store and wait until every rank has (step 4 of the module
     docstring). Best effort: the store may be hosted by a rank that has already left."""
     keys = [f"moonep_sim/teardown/exited{r}" for r in range(world)]
-    try:
+    with contextlib.suppress(Exception):  # the store's host left first: every rank got past its destroy anyway
         store.set(keys[rank], "1")
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except Exception:  # the store's host left first: every rank got past its destroy anyway
-        pass
-
-
-def _stop_heartbeat() -> None:
-    from moonep_sim.gloo import liveness
-
-    liveness.stop_heartbeat()
 
 
 def _at_exit() -> None:
     """At interpreter exit: the heartbeat joined always; a group left initialised is shut down with
     a short barrier unless this rank announced a failure (its peers may be gone: no waiting then)."""
-    from moonep_sim.gloo import liveness
-
-    try:
+    with contextlib.suppress(Exception):  # interpreter exit: nothing left to report to
         if liveness.announced_failure():
-            _stop_heartbeat()
+            liveness.stop_heartbeat()
             return
         shutdown(timeout_s=10.0)
-    except Exception:  # interpreter exit: nothing left to report to
-        pass
 
 
 def register_at_exit() -> None:

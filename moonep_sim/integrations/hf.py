@@ -154,9 +154,8 @@ class EPExperts(torch.nn.Module):
         experts, then the fetched copies), each real row routed to its slot's weights with weight
         1 (the routing weights are applied by combine). Vectorised over rows.
         """
-        cu, n_S = handle.cu_seqlens, handle.slot_rows
-        widx_S = torch.where(handle.slot_is_copy, handle.slot_weight_index + len(self.home_experts),
-                             handle.slot_weight_index)
+        cu, n_S, sl = handle.layout.cu_seqlens, handle.slots.rows, handle.slots
+        widx_S = torch.where(sl.is_copy, sl.weight_index + len(self.home_experts), sl.weight_index)
         S = int(n_S.numel())
         slot_of_row = torch.repeat_interleave(torch.arange(S), n_S)
         first_S = torch.cumsum(n_S, 0) - n_S

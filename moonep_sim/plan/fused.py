@@ -17,7 +17,7 @@ in one pass too: :func:`split_runs` (an expert's entries cut into consecutive pi
 eplb's contiguous replicas), :func:`cycle_runs` (dealt round-robin: eplb's default); and deepep's
 nodes per token, :func:`distinct_per_token`; and each entry's duplicate flag, :func:`dup_flags`.
 
-Every array equals the readable builders' (``reference.plan_from_slots``, ``runs``: values and
+Every array equals the readable builders' (``build.plan_from_slots``', ``runs``: values and
 dtypes; ``tests/test_plan_fused.py``), which run below ``perf.plan_compiled_min`` entries
 (``compiled.covers``, asked once per builder). A process's first compiled call starts numba
 (~0.24 s of CPU where scipy is not loaded yet, ~0.05 s where it is), whichever kernel makes it.

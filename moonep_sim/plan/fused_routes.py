@@ -16,7 +16,7 @@ travels r -> v = via[r, d] -> d:
 - the layout is ``fused``'s counting sort by slot, and each final row is gathered from its
   entry's hop-1 receive row.
 
-Every array equals the readable builder's (``reference.plan_from_routes``: ``tests/test_plan_fused.py``,
+Every array equals the readable form's (of ``multihop.plan_from_routes``: ``tests/test_plan_fused.py``,
 any K, more than 256 ranks included), which builds the routes this one does not cover and every
 route below ``perf.plan_compiled_min`` entries (``multihop.plan_from_routes`` asks
 ``compiled.covers``).
@@ -228,7 +228,7 @@ def _relay_classes(via_RR: np.ndarray):
 def two_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, via_RR: np.ndarray, tok_off_R: np.ndarray,
                  top_k: int, ranks: int, scopes, dedup, token_padding: int = 1):
     """(hops, entry_rank_N, entry_dup_N, (lay, row_entry_W, expand_src_row_W)) of a two-hop table route
-    (see the module doc): what ``reference.plan_from_routes`` builds for it.
+    (see the module doc): what ``multihop.plan_from_routes`` builds for it readably.
 
     entry_slot_N: any integer dtype [N], every entry kept (slots in [0, S)).  slot_rank_S: int64 [S]
     sorted, in [0, R).  via_RR: [R, R] the relay of each (source, final rank), in [0, R).

@@ -104,13 +104,6 @@ def nodes_per_token_T(node_TK: np.ndarray) -> np.ndarray:
     """int64 [T]: distinct values among each token's K (node_TK: any integer dtype [T, K])."""
     if node_TK.size == 0:
         return np.zeros(node_TK.shape[0], dtype=np.int64)
-    lo, hi = int(node_TK.min()), int(node_TK.max())
-    if hasattr(np, "bitwise_count") and lo >= 0 and hi < 64:
-        # a bit set of each token's values in the narrowest word that holds them, OR-reduced over
-        # its K entries (numpy >= 2.0 counts the bits)
-        dt = np.uint8 if hi < 8 else np.uint16 if hi < 16 else np.uint32 if hi < 32 else np.uint64
-        bits = np.left_shift(dt(1), node_TK.astype(dt))
-        return np.bitwise_count(np.bitwise_or.reduce(bits, axis=1)).astype(np.int64)
     s = np.sort(node_TK, axis=1)
     return 1 + (s[:, 1:] != s[:, :-1]).sum(axis=1).astype(np.int64)
 

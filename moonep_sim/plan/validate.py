@@ -133,9 +133,9 @@ def _check_entries(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
     # dropped entry (rank -1) reads the appended last element of each per-rank table: 0 rows (so
     # its row must be -1), and row offset 0 (so its row -1 reads the last final row, and the
     # comparison ignores it)
-    # the per-rank tables in the entries' own dtype (int32: the final rows, all ranks, fit it),
-    # read with ``take`` (faster than fancy indexing for a table this small)
-    idt = _index_dtype(rank_e, row_e, int(row_off[-1]) + 1)
+    # the per-rank tables in the entries' own dtype (int32 where both are: the final rows, all ranks,
+    # fit it, as the Plan requires), read with ``take`` (faster than fancy indexing for a table this small)
+    idt = np.int32 if rank_e.dtype == row_e.dtype == np.int32 and int(row_off[-1]) < 2**31 - 1 else np.int64
     rows_ext = np.append(rows_R, 0).astype(idt)
     off_ext = np.append(row_off[:-1], 0).astype(idt)
     row_ent = plan.row_entry_W
@@ -189,56 +189,39 @@ def _check_entries(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
     return True
 
 
-def _index_dtype(*arrays_and_bound) -> type:
-    """int32 where every given array is int32 and the bound (an int) fits it, else int64: the
-    dtype a check's own index tables take, so that no [N] operand is widened."""
-    *arrays, bound = arrays_and_bound
-    ok = all(a.dtype == np.int32 for a in arrays) and int(bound) <= np.iinfo(np.int32).max
-    return np.int32 if ok else np.int64
-
-
 def _check_duplicates(plan: Plan, st: _State, bad: Callable[[str], None]) -> bool:
     R, K = plan.ranks, plan.top_k
     dup = plan.entry_dup_TK
     if not dup.any():
         return True
-    # per token, a bit set of the ranks its earlier entries go to (64 ranks per word)
-    if R <= 64:  # one word per token, chunk by chunk of tokens (in cache, no [T, K] gathers)
-        rank_TK, T = plan.entry_rank_TK, dup.shape[0]
-        step = max(st.perf.validate_chunk // max(K, 1), 1)
-        for lo in range(0, T, step):  # loop over chunks of tokens, not tokens
-            d_c = dup[lo:lo + step]
-            if not d_c.any():
-                continue
-            r_c = rank_TK[lo:lo + step]
-            drops = bool((r_c < 0).any())
-            seen1 = np.zeros(r_c.shape[0], dtype=np.uint64)
-            bit = np.empty(r_c.shape[0], dtype=np.uint64)
-            for k in range(K):  # loop over top-k slots, not tokens
-                col = r_c[:, k]
-                np.left_shift(np.uint64(1), (np.maximum(col, 0) if drops else col).astype(np.uint64), out=bit)
-                if drops:
-                    bit[col < 0] = 0  # dropped entries mark nothing and are never duplicates
-                if (d_c[:, k] & ((seen1 & bit) == 0)).any():
-                    bad("a duplicate entry must share its destination rank with an earlier entry of its token")
-                    return True
-                seen1 |= bit
-        return True
-    has = np.flatnonzero(dup.any(axis=1))  # only tokens with a duplicate need the check
-    ranks_TK, dup_TK = plan.entry_rank_TK[has], dup[has]
-    seen = np.zeros((has.size, (R + 63) // 64), dtype=np.uint64)
-    tok = np.arange(has.size)
-    for k in range(K):  # loop over top-k slots, not tokens
-        col = ranks_TK[:, k]
-        valid = col >= 0
-        word = np.where(valid, col >> 6, 0)
-        bit = np.left_shift(np.uint64(1), (col & 63).astype(np.uint64))
-        cur = seen[tok, word]
-        had = ((cur & bit) != 0) & valid
-        if (dup_TK[:, k] & ~had).any():
-            bad("a duplicate entry must share its destination rank with an earlier entry of its token")
-            break
-        seen[tok, word] = cur | np.where(valid, bit, np.uint64(0))
+    # per token, a bit set of the ranks its earlier entries go to (W words of 64 ranks), chunk by
+    # chunk of tokens (in cache, no [T, K] gathers; one word per token needs no gather at all)
+    rank_TK, T, W = plan.entry_rank_TK, dup.shape[0], (R + 63) // 64
+    step = max(st.perf.validate_chunk // max(K * W, 1), 1)
+    for lo in range(0, T, step):  # loop over chunks of tokens, not tokens
+        d_c = dup[lo:lo + step]
+        if not d_c.any():
+            continue
+        r_c = rank_TK[lo:lo + step]
+        drops = bool((r_c < 0).any())
+        seen = np.zeros(r_c.shape[0] * W, dtype=np.uint64)
+        word0 = np.arange(0, seen.size, W) if W > 1 else None  # each token's first word
+        bit = np.empty(r_c.shape[0], dtype=np.uint64)
+        for k in range(K):  # loop over top-k slots, not tokens
+            col = r_c[:, k]
+            sh = np.maximum(col, 0) if drops else col
+            np.left_shift(np.uint64(1), (sh if W == 1 else sh & 63).astype(np.uint64), out=bit)
+            if drops:
+                bit[col < 0] = 0  # dropped entries mark nothing and are never duplicates
+            at = None if W == 1 else word0 + (sh >> 6)
+            cur = seen if at is None else seen[at]
+            if (d_c[:, k] & ((cur & bit) == 0)).any():
+                bad("a duplicate entry must share its destination rank with an earlier entry of its token")
+                return True
+            if at is None:
+                seen |= bit
+            else:
+                seen[at] = cur | bit
     return True
 
 
@@ -335,19 +318,17 @@ def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
     faster than by chunks). None when the hop is not sorted or a row is out of range (the caller
     then walks it by chunks, which names what is wrong)."""
     m = h.src_rank_M.size
-    src, dst = h.src_rank_M, h.dst_rank_M
+    src, dst, s_rows, d_rows = h.src_rank_M, h.dst_rank_M, h.src_row_M, h.dst_row_M
+    if s_rows.dtype != np.int32 or d_rows.dtype != np.int32:  # (INDEX rows read as unsigned, below)
+        return None
     for lo in range(0, m, chunk):  # source ranks non-decreasing, chunk by chunk
         c = src[max(lo - 1, 0):lo + chunk]
         if (c[1:] < c[:-1]).any():
             return None
     sb = np.searchsorted(src, np.arange(R + 1, dtype=src.dtype))
     rows = np.zeros((R, R), dtype=np.int64)
-    unsigned = {np.dtype(np.int32): np.uint32, np.dtype(np.int64): None}.get(h.src_row_M.dtype)
-    if unsigned is None or h.dst_row_M.dtype != h.src_row_M.dtype:
-        unsigned = None
-    s_rows, d_rows = h.src_row_M, h.dst_row_M
     buf_off, dst_off = np.asarray(buf_off).tolist(), np.asarray(dst_off).tolist()  # (scalars per rank)
-    ramp = np.zeros(0, dtype=s_rows.dtype)  # 0, 1, 2, ...: the rows of a run
+    ramp = np.zeros(0, dtype=np.int32)  # 0, 1, 2, ...: the rows of a run
     cross_node = cross_rail = False
     for r in range(R):  # loop over source ranks and their (src, dst) blocks, not messages
         a, b = int(sb[r]), int(sb[r + 1])
@@ -368,29 +349,24 @@ def _walk_blocks(h, R: int, src_rows, buf_off, dst_off, origin, new_origin, node
             lo, hi = db[q], db[q + 1]
             sw, dw = s_rows[lo:hi], d_rows[lo:hi]
             dst_buf = new_origin[dst_off[q]:dst_off[q + 1]]  # rank q's rows of the destination buffer
-            dst_run = None
-            if unsigned is not None:
-                if hi - lo > ramp.size:
-                    ramp = np.arange(hi - lo, dtype=s_rows.dtype)
-                # a block's rows are often one run (every builder numbers a block's receive rows
-                # so; an all-gather's source rows too): then its gather or scatter is a slice
-                src_vals, dst_run = _as_run(sw, ramp, len(src_buf)), _as_run(dw, ramp, len(dst_buf))
-                try:  # (an IndexError: a zero row, a negative row or one beyond its rank's buffer)
-                    vals = src_buf[src_vals] if isinstance(src_vals, slice) else src_buf.take(sw.view(unsigned))
-                    if isinstance(dst_run, slice):
-                        dst_buf[dst_run] = vals
-                        continue
-                    if int(dw.view(unsigned).max()) < len(dst_buf):
-                        # (numpy scatters through an intp index ~2x faster than through an int32 one)
-                        dst_buf[dw.astype(np.intp)] = vals
-                        continue
-                except IndexError:
-                    pass
+            if hi - lo > ramp.size:
+                ramp = np.arange(hi - lo, dtype=np.int32)
+            # a block's rows are often one run (every builder numbers a block's receive rows so; an
+            # all-gather's source rows too): then its gather or scatter is a slice. Rows read as
+            # unsigned: a zero row (-1), a negative row or one beyond its rank's buffer is an IndexError
+            # (numpy scatters through an intp index ~2x faster than through an int32 one)
+            src_run, dst_run = _as_run(sw, ramp, len(src_buf)), _as_run(dw, ramp, len(dst_buf))
+            try:
+                vals = src_buf[src_run] if src_run else src_buf.take(sw.view(np.uint32))
+                dst_buf[dst_run if dst_run else dw.view(np.uint32).astype(np.intp)] = vals
+                continue
+            except IndexError:
+                pass
             if int(sw.min()) < -1 or int(dw.min()) < 0:
                 return None
             try:  # (an IndexError: a row beyond its rank's buffer)
                 vals = np.where(sw >= 0, src_buf.take(np.maximum(sw, 0)), -1)  # (-1: a zero row)
-                dst_buf[dst_run if isinstance(dst_run, slice) else dw.astype(np.intp)] = vals
+                dst_buf[dst_run if dst_run else dw.astype(np.intp)] = vals
             except IndexError:
                 return None
     return _HopWalk(False, False, False, cross_node, cross_rail, rows)

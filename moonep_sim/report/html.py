@@ -239,7 +239,7 @@ def write_report(doc: Mapping[str, Any], staging: Path, out: Path,
     """A command's report folder: ``doc`` with its provenance and the final paths of its files,
     written as report.json and report.html (embedding ``figures``, the PNGs already written under
     ``staging`` as ``<name>.png``) into ``staging``, the folder that becomes ``out`` once complete
-    (``moonep_sim.io.staged_dir``). Returns {what: final path}."""
+    (``moonep_sim.io.staged_dir``); a provenance ``doc`` already carries is kept. Returns {what: final path}."""
     import json
 
     from moonep_sim.io import to_jsonable
@@ -247,7 +247,7 @@ def write_report(doc: Mapping[str, Any], staging: Path, out: Path,
     files = {k: str(out / f"{k}.png") for k in figures}
     files.update(html=str(out / "report.html"), report=str(out / "report.json"))
     d = dict(doc)
-    d["provenance"] = provenance()
+    d.setdefault("provenance", provenance())
     d["files"] = dict(files)
     write_html(d, staging / "report.html", figures)
     write_text_atomic(staging / "report.json", json.dumps(to_jsonable(d, lenient=True), indent=1))

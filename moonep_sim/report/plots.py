@@ -16,10 +16,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from moonep_sim.analysis.verdict import TIE as SAME  # series within it are drawn as one ("a = b")
 from moonep_sim.io import write_bytes_atomic
 
-# fixed phase order and colours, so plots of different runs read alike
-PHASE_ORDER = ("plan", "dispatch", "prefetch", "migrate", "compute", "combine", "grad_reduce", "other")
+# fixed phase colours, so plots of different runs read alike
 PHASE_COLORS = {"plan": "#9e9e9e", "dispatch": "#1f77b4", "prefetch": "#ff7f0e", "migrate": "#8c564b",
                 "compute": "#2ca02c", "combine": "#9467bd", "grad_reduce": "#e377c2", "other": "#7f7f7f"}
 
@@ -67,8 +67,6 @@ def _unit(max_us: float) -> tuple[str, float]:
 
 #: traffic panels get one colour scale each when their peaks differ by more than this factor
 OWN_SCALE = 4.0
-#: relative difference under which two series are drawn as one ("a = b"); the verdict's tie threshold
-SAME = 5e-4
 
 
 def merge_identical(series: dict[str, Sequence[float]]) -> list[tuple[str, list[str], np.ndarray]]:
@@ -300,17 +298,13 @@ def sweep_lines(report: dict[str, Any], dest: str | os.PathLike) -> Path:
     lb = report.get("lower_bound_us")
     if lb:
         a1.plot(xs, np.array(lb) * scale, ls=":", color="black", label="lower bound (dropless)")
-    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
-
     for a in (a1, a2):
         a.set_xlabel(xlabel)
         if over in ("maxvio", "ep") and min(xs) > 0 and max(xs) / min(xs) >= 20:
             a.set_xscale("log")
             # ticks at the swept values only: the log axis's own minor labels overlap them
-            a.xaxis.set_major_locator(FixedLocator(xs))
-            a.xaxis.set_minor_locator(NullLocator())
-            a.xaxis.set_minor_formatter(NullFormatter())
             a.set_xticks(xs, [f"{v:g}" for v in xs])
+            a.xaxis.minorticks_off()
         a.grid(alpha=0.3)
         a.legend(fontsize=8)
     a1.set_ylabel(f"simulated layer time ({unit})")

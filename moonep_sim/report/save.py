@@ -9,12 +9,11 @@ without plots (plans, replay, a new kind) still gets its JSON and HTML.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from moonep_sim.io import make_output_dir, staged_dir, to_jsonable, write_text_atomic
+from moonep_sim.io import make_output_dir, staged_dir
 from moonep_sim.report import plots as P
 
 #: kind -> [(file stem, plot function(report dict, dest) -> Path)]
@@ -42,20 +41,15 @@ def save_report(data: dict[str, Any], folder: str | os.PathLike, *, plots: bool 
     """report.json, the plots and report.html under ``folder``, assembled beside it and moved in
     when all are written (a failure leaves none of them); returns {what: path}. The report dict
     gets ``provenance`` (command, versions, date) and ``files``."""
-    from moonep_sim.report.html import provenance, write_html
+    from moonep_sim.report.html import provenance, write_report
 
     folder = Path(folder)
     with staged_dir(folder, "folder") as tmp:
-        figs = {}
-        for stem, fn in (PLOTS.get(str(data.get("kind")), []) if plots else []):
-            figs[stem] = fn(dict(data), tmp / f"{stem}.png")
+        kind_plots = PLOTS.get(str(data.get("kind")), []) if plots else []
+        figs = {stem: fn(dict(data), tmp / f"{stem}.png") for stem, fn in kind_plots}
         data.setdefault("provenance", provenance(command))
-        files = {k: str(folder / f"{k}.png") for k in figs}
-        files["html"] = str(folder / "report.html")
-        files["report"] = str(folder / "report.json")
-        data["files"] = dict(files)
-        write_html(data, tmp / "report.html", figs)
-        write_text_atomic(tmp / "report.json", json.dumps(to_jsonable(data, lenient=True), indent=1))
+        files = write_report(data, tmp, folder, figs)
+    data["files"] = dict(files)
     return files
 
 

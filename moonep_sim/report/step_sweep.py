@@ -15,10 +15,7 @@ from typing import Any
 import numpy as np
 
 from moonep_sim.report.plots import _plt, _save, _unit, flagged, mark
-
-
-def _t(us: float) -> str:
-    return f"{us / 1e3:,.2f} ms" if us >= 1e3 else f"{us:,.1f} us"
+from moonep_sim.report.steps import _t
 
 
 def step_sweep_table(rep: dict[str, Any]):

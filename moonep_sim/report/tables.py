@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
+from moonep_sim.analysis.verdict import fmt_time, verdict_line
 from moonep_sim.report.plots import grouped_phases
 
 
@@ -13,11 +14,7 @@ def _mib(b: float) -> str:
 
 def _time(us: float) -> str:
     """Three significant digits, in us, ms or s."""
-    if us == 0:
-        return "0"
-    if us >= 1e6:
-        return f"{us / 1e6:.3g} s"
-    return f"{us / 1e3:.3g} ms" if us >= 1000 else f"{us:.3g} us"
+    return fmt_time(us) if us else "0"
 
 
 def compare_table(report: dict[str, Any]) -> list:
@@ -113,19 +110,6 @@ def resolved_line(report: dict[str, Any]) -> str | None:
                 f"this noise level; more --iters may resolve some)")
     return (f"the measurements resolved {len(rk['resolved'])} of {rk['pairs']} pairs: {', '.join(rk['resolved'])} "
             f"(the other pairs are measured ties)")
-
-
-def verdict_line(v: Mapping[str, Any] | None) -> str:
-    """The verdict as one line (tables, the demo)."""
-    if not v:
-        return "verdict: -"
-    if v["runner_up"] is None:
-        return f"verdict: {v['why']}"
-    head = (f"verdict: {' = '.join([v['winner'], *v.get('tied_with', [])])} tie" if v["tie"] else
-            f"verdict: {v['winner']} wins by {100 * v['margin']:.1f}% over {v['runner_up']}")
-    mech = f", mechanism: {v['mechanism']}" if v.get("mechanism") else ""
-    fl = "".join(f" ({n} flagged: {', '.join(c)})" for n, c in (v.get("flags") or {}).items())
-    return f"{head} (confidence: {v['confidence']['level']}{mech}): {v['why']}{fl}"
 
 
 def verdict_lines(report: dict[str, Any]) -> list[str]:

@@ -46,7 +46,8 @@ def winner_table_md(m: dict[str, Any]) -> str:
 def winner_heatmap(m: dict[str, Any], dest: str | os.PathLike, title: str | None = None) -> Path:
     """PNG heat map: colour = the cell's winner, brightness = its margin over the runner-up
     (saturated at 25%), label = winner, margin and the runner-up it is measured against."""
-    from matplotlib.patches import Patch
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Patch, Rectangle
 
     from moonep_sim.report.plots import _plt, _save
 
@@ -55,8 +56,6 @@ def winner_heatmap(m: dict[str, Any], dest: str | os.PathLike, title: str | None
     winners = sorted({c["winner"] for row in m["cells"] for c in row})
     cmap = plt.get_cmap("tab20")
     colors = {n: STRATEGY_COLORS.get(n, cmap(i % 20)) for i, n in enumerate(winners)}
-    from matplotlib.colors import to_rgb
-
     img = np.ones((len(ys), len(xs), 3))
     ties = []
     for i, row in enumerate(m["cells"]):
@@ -69,8 +68,6 @@ def winner_heatmap(m: dict[str, Any], dest: str | os.PathLike, title: str | None
             img[i, j] = 1 - a * (1 - np.array(to_rgb(colors[c["winner"]])))
     fig, ax = plt.subplots(figsize=(1.9 * len(xs) + 2.5, 0.9 * len(ys) + 1.8))
     ax.imshow(img, aspect="auto", origin="lower")
-    from matplotlib.patches import Rectangle
-
     for i, j in ties:
         ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//", edgecolor="#999999", lw=0))
     for i, row in enumerate(m["cells"]):

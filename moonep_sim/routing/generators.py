@@ -55,7 +55,7 @@ from moonep_sim.routing.sampling import sample_topk  # re-exported: the sampler 
 from moonep_sim.routing.sampling import pl_ids_again, pl_weights, sampler_of
 from moonep_sim.io import check_output_path
 from moonep_sim.limits import MAX_ELEMENTS, MAX_LAYERS, MAX_NUM_EXPERTS
-from moonep_sim.routing.trace import LayerRouting, TraceMeta, write_trace
+from moonep_sim.routing.trace import LayerRouting, TraceMeta, model_meta, write_trace
 
 TOLERANCE = 0.05           # promised relative accuracy of a maxvio target
 _REFINE_TOL = 0.02         # refine when the first realised value is further off than this
@@ -431,18 +431,14 @@ def generate_trace(path, num_experts: int, top_k: int, tokens: int, seed: int, *
     model: a preset name, a model file or a ModelSpec (``models.resolve_model``), stored with the
     trace (a preset by name, any other shape as ``model_spec``)."""
     check_output_path(path, "-o")  # before the work
-    model_meta: dict[str, Any] = {}
-    if model is not None:
-        from moonep_sim.models import PRESETS, model_fields, resolve_model
-        m = resolve_model(model)
-        model_meta = {"model": m.name} if PRESETS.get(m.name) == m else {"model_spec": model_fields(m)}
+    named = model_meta(model)
     g = generate(num_experts, top_k, tokens, seed, **kwargs)
     L = g.topk_ids_LTK.shape[0]
     steps = int(kwargs.get("steps", 1))
     desc = ", ".join(f"{k}={v}" for k, v in g.report["params"].items()) or g.report["popularity"]
     meta = TraceMeta(
         kind="tokens", num_experts=num_experts, top_k=top_k, layer_ids=list(range(L)),
-        num_tokens=int(g.topk_ids_LTK.shape[1]), **model_meta,
+        num_tokens=int(g.topk_ids_LTK.shape[1]), **named,
         steps=f"{steps} step(s) of {tokens} tokens each (step tensor)",
         source=f"synthetic: moonep-sim trace gen ({desc}, seed={seed})",
         attribution="synthetic (moonep-sim)",

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.routing.sampling import mask_groups, smallest_k
 from moonep_sim.routing.trace import LayerRouting
 
 SCORES = ("softmax", "sigmoid")
@@ -43,12 +44,9 @@ def scores(logits_TE: np.ndarray, score: str = "softmax") -> np.ndarray:
 
 
 def _topk(sel_TE: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest per row, ordered by descending value, int64 [T, k]."""
-    E = sel_TE.shape[1]
-    part = np.argpartition(-sel_TE, k - 1, axis=1)[:, :k] if k < E else np.tile(np.arange(E), (len(sel_TE), 1))
-    v = np.take_along_axis(sel_TE, part, axis=1)
-    order = np.argsort(-v, axis=1, kind="stable")
-    return np.take_along_axis(part, order, axis=1).astype(np.int64)
+    """Indices of the k largest per row, ordered by descending value, int64 [T, k] (ties as
+    ``np.argpartition`` breaks them: :func:`~moonep_sim.routing.sampling.smallest_k`)."""
+    return smallest_k(-sel_TE, k)[0]
 
 
 def _finish(ids_TK: np.ndarray, score_TE: np.ndarray, num_experts: int, layer: int) -> LayerRouting:
@@ -85,22 +83,14 @@ def route_group(logits_TE: np.ndarray, top_k: int, groups: int, topk_groups: int
                 bias_E: np.ndarray | None = None, layer: int = -1) -> LayerRouting:
     """Group-limited top-K (each token confined to its top-``topk_groups`` of ``groups`` groups)."""
     x = _check(logits_TE, top_k)
-    T, E = x.shape
+    E = x.shape[1]
     require(groups >= 1 and E % groups == 0, f"groups ({groups}) must divide num_experts ({E})")
     require(1 <= topk_groups <= groups, f"topk_groups ({topk_groups}) must be in [1, groups={groups}]")
     require(top_k <= topk_groups * (E // groups),
             f"top_k ({top_k}) must be <= topk_groups * E/groups ({topk_groups * (E // groups)})")
     s = scores(x, score)
     sel = s + (np.asarray(bias_E, np.float32) if bias_E is not None else 0)
-    g = sel.reshape(T, groups, E // groups)
-    gscore = (np.partition(g, E // groups - 2, axis=2)[:, :, -2:].sum(axis=2) if E // groups >= 2
-              else g[:, :, 0])
-    keep = np.argpartition(-gscore, topk_groups - 1, axis=1)[:, :topk_groups]
-    mask = np.ones((T, groups), bool)
-    np.put_along_axis(mask, keep, False, axis=1)
-    masked = g.copy()
-    masked[mask] = -np.inf
-    return _finish(_topk(masked.reshape(T, E), top_k), s, E, layer)
+    return _finish(_topk(mask_groups(sel, groups, topk_groups, copy=False), top_k), s, E, layer)
 
 
 def route_quantile(logits_TE: np.ndarray, top_k: int, beta_E: np.ndarray, *, score: str = "softmax",

@@ -117,11 +117,8 @@ def _race(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.Generator,
             if grouped:                                # in place: the logits hold their own copy
                 score = mask_groups(score, groups, topk_groups, copy=False)
             key = np.negative(score, out=score)
-        elif noise is not None:
+        else:                                          # (K = E, or the numpy reference)
             key = x * inv_p                                                 # X / p: smaller wins
-        else:
-            key = x
-            key *= inv_p
         if not fast:
             ids[s:s + n], kv = smallest_k(key, K)
         kv = kv.astype(np.float64)
@@ -204,21 +201,14 @@ def smallest_k(key: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:
     srt = np.sort(key, axis=1)[:, :K + 1]
     good = (srt[:, 1:] > srt[:, :-1]).all(axis=1)           # distinct, and the K-th below the next
     mask = key <= srt[:, K - 1:K]
-    ids = np.empty((n, K), np.int64)
-    kv = np.ascontiguousarray(srt[:, :K])
-    if good.all():
-        cols = (np.flatnonzero(mask) % E).reshape(n, K)   # each row's K columns, in column order
-        kk = np.take_along_axis(key, cols, axis=1)
-    else:
-        mask[~good] = False
-        cols = (np.flatnonzero(mask) % E).reshape(-1, K)
-        kk = np.take_along_axis(key[good], cols, axis=1)
-    order = np.argsort(kk, axis=1)                          # distinct values: the only order
-    if good.all():
-        ids[...] = np.take_along_axis(cols, order, axis=1)
-    else:
-        ids[good] = np.take_along_axis(cols, order, axis=1)
-        ids[~good], kv[~good] = _smallest_k_by_partition(key[~good], K)
+    bad = np.flatnonzero(~good)
+    mask[bad] = False
+    mask[bad, :K] = True                                    # placeholder columns: the reference's below
+    cols = (np.flatnonzero(mask) % E).reshape(n, K)         # each row's K columns, in column order
+    order = np.argsort(np.take_along_axis(key, cols, axis=1), axis=1)   # distinct values: the only order
+    ids, kv = np.take_along_axis(cols, order, axis=1), np.ascontiguousarray(srt[:, :K])
+    if bad.size:
+        ids[bad], kv[bad] = _smallest_k_by_partition(key[bad], K)
     return ids, kv
 
 
@@ -246,7 +236,7 @@ class InverseCDF:
     the maxvio calibration relies on: the realised statistic is a smooth function of sigma).
     Faster than ``np.searchsorted`` by a guide table (Chen and Asau's indexed search): M >= 8E
     equal buckets of u, each storing the answer range ``[lo, hi]`` of its bucket, then a
-    walk of at most 4 steps (a range that wide or less) or a vectorised binary search of
+    walk of at most 4 steps (a range that wide or less) or a binary search of
     ``ceil(log2(widest range + 1))`` steps (ranges 1 to 6 wide for lognormal popularity at E=896;
     measured 2-4x faster than ``np.searchsorted`` there).
     """
@@ -262,22 +252,14 @@ class InverseCDF:
         self.guide = np.minimum(g, E - 1)
         self.width = int((self.guide[1:] - self.guide[:-1]).max())
         self.steps = int(math.ceil(math.log2(self.width + 1))) if self.width else 0
+        self.record = _rec.Icdf(cum, self.guide, self.M, self.width, self.steps, self.width <= _LINEAR_WIDTH)
 
     def draw(self, u: np.ndarray) -> np.ndarray:
-        """Expert ids, intp [N], of uniforms ``u`` float64 [N] in [0, 1)."""
-        b = (u * self.M).astype(np.intp)
-        lo = self.guide.take(b)
-        if self.width <= _LINEAR_WIDTH:                # step forward while the boundary is passed
-            for _ in range(self.width):
-                lo += self.cum_E.take(lo) <= u
-        else:
-            hi = self.guide.take(b + 1)
-            for _ in range(self.steps):                # invariant: the answer lies in [lo, hi]
-                mid = (lo + hi) >> 1
-                right = self.cum_E.take(mid) <= u
-                lo = np.where(right, mid + 1, lo)
-                hi = np.where(right, hi, mid)
-        return lo
+        """Expert ids, int32 [N], of uniforms ``u`` float64 [N] in [0, 1) (the kernels' draw)."""
+        e = np.empty(u.size, np.int32)
+        every = _rec.RowSpan(_NO_INTP, _NO_F64, _NO_F64, self.cum_E.size, False)
+        _kn.draw(u, _NO_INTP, self.record, every, e)
+        return e
 
 
 class _Races:
@@ -315,10 +297,6 @@ class _Races:
         floor = float(self.span_R.min() - self.hard_R.max()) if self.span_R.size else 0.0
         self.easy_k = int(np.searchsorted(top, floor - 1e-9, side="left")) + 1
 
-    @staticmethod
-    def _knobs() -> tuple[int, int]:   # the chunk size, the rejection rounds: read when used
-        return CHUNK_ELEMS, _REJECT_ROUNDS
-
     @property
     def ids_NK(self) -> np.ndarray:
         """``ids_KN`` token by token, ``[N, K]`` (a view: what the kernels index)."""
@@ -331,16 +309,9 @@ class _Races:
 
     def subset(self, rows: np.ndarray, K: int) -> "_Races":
         """The races of ``rows`` (their arrivals so far kept), room for K arrivals in all."""
-        out = type(self).__new__(type(self))
-        out.p_E, out.icdf, out.n, out.rng, out.retry, out.small = (self.p_E, self.icdf, self.n, self.rng,
-                                                                   self.retry, self.small)
-        out.first_R, out.base_R, out.span_R, out.left_R, out.tau_R = (
-            self.first_R[rows], self.base_R[rows], self.span_R[rows], self.left_R[rows], self.tau_R[rows])
-        out.ids_KN = _position_major(K, rows.size, self.small)
-        out.tau_KN = _position_major(K, rows.size, np.float64)
+        out = type(self)(self.p_E, self.icdf, self.first_R[rows], self.n, K, self.rng, self.retry)
+        out.left_R, out.tau_R, out.k = self.left_R[rows], self.tau_R[rows], self.k
         out.ids_KN[:self.k], out.tau_KN[:self.k] = self.ids_KN[:self.k, rows], self.tau_KN[:self.k, rows]
-        out.k = self.k
-        out._set_hard_bound()
         return out
 
     def advance(self, u: np.ndarray | None = None, keep: dict | None = None,
@@ -352,40 +323,44 @@ class _Races:
 
         The compiled kernels' pass (:mod:`~moonep_sim.routing.sampling_kernels`): the same random
         numbers drawn in the same order and amounts as :meth:`advance_numpy`, the same draws."""
-        k, N, ic = self.k, self.first_R.size, self.icdf
+        k, N, icdf = self.k, self.first_R.size, self.icdf.record
         clocked = u is None
         if clocked:
-            x = self.rng.standard_exponential(N, dtype=np.float32)   # clamped to 1e-30 by the kernel
+            x = self.rng.standard_exponential(N, dtype=np.float32)   # clamped to 1e-30 by pl_position
             u = self.rng.random(N)
             if keep is not None:
                 keep["x"].append(x)
                 keep["u"].append(u)
         count = counts_E is not None
         update_left = clocked or self.easy_k < self.ids_KN.shape[0]
-        icdf = _rec.icdf_record(ic, _LINEAR_WIDTH)
         rows = _rec.RowSpan(self.first_R, self.base_R, self.span_R, self.n, self.n != self.p_E.size)
-        todo, hard = np.empty(N, np.intp), np.empty(N, np.intp)
-        counts = counts_E if count else _NO_COUNTS
-        tally = _rec.Tally(self.p_E, update_left, counts, count)
-        nt, nh = _kn.pl_position(k, x if clocked else _NO_X, u, clocked, icdf, rows,
+        todo, hard, e = np.empty(N, np.intp), np.empty(N, np.intp), np.empty(N, np.int32)
+        tally = _rec.Tally(self.p_E, update_left, counts_E if count else _NO_COUNTS, count)
+        _kn.draw(u, _NO_INTP, icdf, rows, e)
+        nt, nh = _kn.pl_position(k, x if clocked else _NO_X, e, clocked,
                                  _rec.RaceRows(self.ids_NK, self.tau_NK, self.left_R), k >= self.easy_k, self.hard_R,
-                                 tally, todo, hard)
+                                 tally, todo, hard, _NO_INTP)
         if clocked:
             self.tau_R = self.tau_NK[:, k]
-        rejected, hard = todo[:nt].copy(), hard[:nh]
-        for _ in range(_REJECT_ROUNDS):
-            if nt == 0:
-                break
-            nt = _kn.pl_retry(k, todo, nt, self.retry.random(nt), icdf, rows, self.ids_NK)
-        rest = np.union1d(hard, todo[:nt]) if nt else hard
-        chunk = max(1, CHUNK_ELEMS // self.n)
-        for s in range(0, rest.size, chunk):
-            r = rest[s:s + chunk]
-            _kn.pl_remainder(k, r, self.retry.random(r.size), self.p_E, self.first_R, self.n, True, self.ids_NK)
-        for settled in (rejected, hard):
-            _kn.pl_settle(k, settled, self.ids_NK, self.p_E, self.left_R, update_left, counts, count)
+        _settle_left(k, todo, nt, hard[:nh], self.retry, icdf, rows, self.ids_NK, self.left_R, tally)
         self.k += 1
 
+
+def _settle_left(k: int, todo: np.ndarray, nt: int, hard: np.ndarray, retry: np.random.Generator, icdf: _rec.Icdf,
+                 rows: _rec.RowSpan, ids_NK: np.ndarray, left: np.ndarray, tally: _rec.Tally) -> None:
+    """The rows a position's pass left at ``k``: ``todo[:nt]`` (a repeat) redrawn from ``retry`` up to
+    ``_REJECT_ROUNDS`` times, then those still repeating and ``hard`` (past the "mostly chosen" bound)
+    given their exact remainder draws, in ascending rows; all of them then settled (``left``, counts)."""
+    rejected, e = todo[:nt].copy(), np.empty(nt, np.int32)
+    for _ in range(_REJECT_ROUNDS):
+        if nt == 0:
+            break
+        _kn.draw(retry.random(nt), todo[:nt], icdf, rows, e)
+        nt = _kn.pl_retry(k, todo, nt, e, ids_NK)
+    rest = np.sort(np.concatenate((hard, todo[:nt])), kind="stable") if nt else hard   # disjoint, each ascending
+    _kn.pl_remainder(k, rest, retry.random(rest.size), tally.p, rows, ids_NK)
+    for settled in (rejected, hard):
+        _kn.pl_settle(k, settled, ids_NK, left, tally)
 
 
 _NO_X, _NO_X2, _NO_W = np.empty(0, np.float32), np.empty((0, 0), np.float32), np.empty((0, 0), np.float32)  # unused
@@ -436,8 +411,9 @@ def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.G
     for k in range(K):                                 # the reference's order: a position's exponentials, its uniforms
         rng.standard_exponential(dtype=np.float32, out=x[k])
         rng.random(out=u[k])
+    np.maximum(x, np.float32(1e-30), out=x)            # an exact 0 would give a zero time (infinite score)
     if noise is not None:
-        noise.update(x=x, u=u, retry_seed=seed)       # x clamped to 1e-30 in place by the kernels
+        noise.update(x=x, u=u, retry_seed=seed)
     ids, w, counts = _pl_blocks(p, icdf, x, u, np.random.default_rng(seed), np.int64, noise is not None)
     if noise is not None:
         noise["counts"] = counts                       # this draw's count per expert, for the calibration
@@ -462,30 +438,23 @@ def _pl_blocks(p: np.ndarray, icdf: InverseCDF, x_KN: np.ndarray | None, u_KN: n
     w = np.empty((N, K), np.float32) if clocked else _NO_W
     counts = np.zeros(E, np.int64) if count else _NO_COUNTS
     x = x_KN if clocked else _NO_X2
-    ic = _rec.icdf_record(icdf, _LINEAR_WIDTH)
+    ic = icdf.record
     tally = _rec.Tally(p, update_left, counts, count)
     every = _rec.RowSpan(_NO_INTP, _NO_F64, _NO_F64, E, False)   # every row races all E
     # the stopped rows' slots (room for every row; only those used are touched)
     rows2, stop2, left2 = np.empty(N, np.intp), np.empty(N, np.intp), np.empty(N)
-    ids2, u2 = np.empty((N, K), dtype), np.empty((K, N))
+    ids2, e2 = np.empty((N, K), dtype), np.empty((K, N), np.int32)
     tau2, x2 = (np.empty((N, K)), np.empty((K, N), np.float32)) if clocked else (_NO_TAU, _NO_X2)
-    stopped = _rec.Stopped(rows2, stop2, left2, ids2, tau2, x2, u2)
-    n2 = _kn.pl_pass1(x, u_KN, clocked, ic, easy_k, hard, tally, ids, w, stopped)
-    todo, hard_slots = np.empty(n2, np.intp), np.empty(n2, np.intp)
-    for k in range(K if n2 else 0):                    # pass 2: the stopped rows, by slot
-        nt, nh = _kn.pl_pass2(k, n2, stopped, x, clocked, ic, easy_k, hard, tally, todo, hard_slots)
-        rejected, hs = todo[:nt].copy(), hard_slots[:nh]
-        for _ in range(_REJECT_ROUNDS):
-            if nt == 0:
-                break
-            nt = _kn.pl_retry(k, todo, nt, retry.random(nt), ic, every, ids2)
-        rest = np.union1d(hs, todo[:nt]) if nt else hs
-        chunk = max(1, CHUNK_ELEMS // E)
-        for s in range(0, rest.size, chunk):
-            r = rest[s:s + chunk]
-            _kn.pl_remainder(k, r, retry.random(r.size), p, _NO_INTP, E, False, ids2)
-        for slots in (rejected, hs):
-            _kn.pl_settle(k, slots, ids2, p, left2, update_left, counts, count)
+    stopped = _rec.Stopped(rows2, stop2, left2, ids2, tau2, x2, e2)
+    e_KN = np.empty((K, N), np.int32)
+    _kn.draw(u_KN.reshape(-1), _NO_INTP, ic, every, e_KN.reshape(-1))
+    n2 = _kn.pl_pass1(x, e_KN, clocked, easy_k, hard, tally, ids, w, stopped)
+    todo, hard_slots, hard_S = np.empty(n2, np.intp), np.empty(n2, np.intp), np.full(n2, hard)
+    for k in range(K if n2 else 0):                    # pass 2: the stopped rows, by slot, from their first event
+        nt, nh = _kn.pl_position(k, x2[k, :n2] if clocked else _NO_X, e2[k, :n2], clocked,
+                                 _rec.RaceRows(ids2, tau2, left2), k >= easy_k, hard_S, tally, todo, hard_slots,
+                                 stop2[:n2])
+        _settle_left(k, todo, nt, hard_slots[:nh], retry, ic, every, ids2, left2, tally)
     _kn.pl_pass2_out(n2, rows2, ids2, tau2, clocked, ids, w)
     w = w if clocked else None
     return ids, w, (counts if count else None)

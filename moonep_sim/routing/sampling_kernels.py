@@ -7,15 +7,17 @@ operations in the same order, so its outputs are equal bit for bit; the random n
 numpy's (drawn by the caller, in the same order and amounts), so the streams and the draws do not
 move. tests/test_sampling_kernels.py holds the samplers' draws against the reference's.
 
-- :func:`pl_pass1`, :func:`pl_pass2`, :func:`pl_pass2_out` -- the plain path (every token races
-  all E experts: ``sample_topk_pl`` and its counted redraws ``pl_ids_again``) in token blocks, the
-  rows a repeat or the "mostly chosen" test stops left to a second pass by position (the section
-  "plain top-K" below); :func:`pl_replay_rows` the weights of a counted draw (``pl_weights``).
+- :func:`pl_pass1`, :func:`pl_pass2_out` -- the plain path (every token races all E experts:
+  ``sample_topk_pl`` and its counted redraws ``pl_ids_again``) in token blocks, the rows a repeat
+  or the "mostly chosen" test stops left to a second pass by position (:func:`pl_position` over
+  their slots; the section "plain top-K" below); :func:`pl_replay_rows` the weights of a counted draw (``pl_weights``).
+- :func:`draw` -- the inverse-CDF draws of every kernel (the guide table of
+  :class:`~moonep_sim.routing.sampling.InverseCDF`, within each row's group): one pass over a
+  block of uniforms before the kernels that read the experts drawn.
 - :func:`pl_position` -- the grouped fast path's races (``_Races.advance``), one position of
-  every row: its arrival time (``tau += X / left``), its inverse-CDF draw (the guide table of
-  :class:`~moonep_sim.routing.sampling.InverseCDF`, within the row's group), the repeat check
-  against the row's earlier arrivals and the "mostly chosen" test, listing the rows a redraw or
-  a remainder draw must settle; :func:`pl_retry` one rejection round of those rows;
+  every row: its arrival time (``tau += X / left``), the repeat check of its draw against the
+  row's earlier arrivals and the "mostly chosen" test, listing the rows a redraw or a remainder
+  draw must settle; :func:`pl_retry` one rejection round of those rows;
   :func:`pl_remainder` their exact remainder draws; :func:`pl_settle` the popularity left and the
   counts of the rows settled after the pass.
 - :func:`race_grouped` / :func:`race_plain` -- the race's K smallest keys per token
@@ -33,12 +35,51 @@ from moonep_sim.jit import inline, kernel
 # The steps the kernels share are the helpers below, inlined by numba itself (``inline="always"``:
 # the helper's IR is pasted into the caller's before compiling): the arrival time and the clamp of
 # an exponential (scalars only), a row's weights, the race's insertion of a key and its row's output.
-# The inverse-CDF draw, the repeat check and the settling of a row (in pl_position, pl_retry,
-# pl_pass1, pl_pass2) stay written out, word for word: a helper taking arrays, even inlined at the
-# IR level, keeps the arrays' reference counts (atomic increments and decrements) on every call in
-# the loop. Measured (numba 0.68, 65,536 rows x K 8): as helpers, pl_pass1's plain path took 2.6x
-# the time, the grouped path (pl_position, pl_retry) 2.0x, pl_retry's alone 1.2x; a plain call
-# costs ten to twenty times more (14 ms instead of 1.4 ms a position at 262,144 rows).
+# The repeat check and the settling of a row (in pl_position, pl_retry, pl_pass1) stay
+# written out: a helper taking arrays, even inlined at the IR level, keeps the arrays' reference
+# counts (atomic increments and decrements) on every call in the loop. Measured (numba 0.68, 65,536
+# rows x K 8): as helpers, pl_pass1's plain path took 2.6x the time, the grouped path (pl_position,
+# pl_retry) 2.0x; the inverse-CDF draw as an inlined helper, 1.6x on a Kimi-K3 layer. So the draw
+# is its own kernel (:func:`draw`), run over a whole block of uniforms before the kernel that reads
+# the experts drawn.
+
+
+@kernel
+def draw(u, rows, icdf, rowspan, e):
+    """``e[i]``: the expert of uniform ``u[i]`` (``InverseCDF.draw``: the guide's bucket, then its
+    walk or bisection), within row ``rows[i]``'s group (``rows`` empty: row i) when the rows race a
+    group each. icdf: :class:`~moonep_sim.routing.sampling_records.Icdf`; span:
+    :class:`~moonep_sim.routing.sampling_records.RowSpan`."""
+    cum, guide, M, width, steps, linear = icdf
+    first, base, mass, n, grouped = rowspan
+    E = cum.size
+    for i in range(u.size):
+        v = u[i]
+        if grouped:
+            t = rows[i] if rows.size else i
+            v = base[t] + v * mass[t]
+        b = int(v * M)
+        if b > M:
+            b = M
+        x = guide[b]
+        if linear:
+            for _ in range(width):           # (v = 1 only by a group's rounding: no read past cum)
+                x += cum[x if x < E else E - 1] <= v
+            if x > E:
+                x = E
+        else:
+            hi = guide[b + 1] if b < M else guide[M]
+            for _ in range(steps):
+                mid = (x + hi) >> 1
+                if cum[mid] <= v:
+                    x = mid + 1
+                else:
+                    hi = mid
+        if grouped:                          # u rounded onto the group's end: its last expert
+            last = first[t] + (n - 1)
+            if x > last:
+                x = last
+        e[i] = x
 
 
 @inline
@@ -110,54 +151,31 @@ def _emit(bv, bi, cnt, K, t, ids, kv, ok):
 
 
 @kernel
-def pl_position(k, x, u, clocked, icdf, rows, race, test_hard, hard_bound, tally, todo, hard):
-    """Position ``k`` of every row: ``x`` (float32, clamped to 1e-30 in place) and ``u`` this
-    position's exponentials and uniforms; ``clocked``: the arrival times ``tau_NK[:, k] =
-    tau_NK[:, k - 1] + x / max(left, 1e-300)`` (0 before the first); ``ids_NK``, ``tau_NK`` the
-    state by token (views of ``_Races``' position-major arrays). Rows whose draw repeats an
-    earlier arrival go to ``todo``, rows past the "mostly chosen" bound (``test_hard``: ``left <
-    hard_bound``) to ``hard`` (both in row order); the other rows are settled here (``left -=
-    p[e]`` when ``update_left``, ``counts[e] += 1`` when ``count``: the :class:`~moonep_sim.routing.sampling_records.Tally`). Returns
-    the two lists' lengths. icdf: :class:`~moonep_sim.routing.sampling_records.Icdf`; rows: :class:`~moonep_sim.routing.sampling_records.RowSpan`; race: :class:`~moonep_sim.routing.sampling_records.RaceRows`."""
-    cum, guide, M, width, steps, linear = icdf
-    first, base, span, n, grouped = rows
+def pl_position(k, x, e_N, clocked, race, test_hard, hard_bound, tally, todo, hard, stop):
+    """Position ``k`` of every row: ``x`` (float32, clamped to 1e-30 in place) this position's
+    exponentials and ``e_N`` its experts drawn (:func:`draw`); ``clocked``: the arrival times
+    ``tau_NK[:, k] = tau_NK[:, k - 1] + x / max(left, 1e-300)`` (0 before the first); ``ids_NK``,
+    ``tau_NK`` the state by token (views of ``_Races``' position-major arrays, or pass 2's slots).
+    Rows whose draw repeats an earlier arrival go to ``todo``, rows past the "mostly chosen" bound
+    (``test_hard``: ``left < hard_bound``) to ``hard`` (both in row order); the other rows are
+    settled here (``left -= p[e]`` when ``update_left``, ``counts[e] += 1`` when ``count``: the
+    :class:`~moonep_sim.routing.sampling_records.Tally`). ``stop`` (pass 2; empty: none): rows with
+    ``stop[t] > k`` are skipped (pass 1 settled them there). Returns the two lists' lengths. race:
+    :class:`~moonep_sim.routing.sampling_records.RaceRows`."""
     ids_NK, tau_NK, left = race
     p, update_left, counts, count = tally
-    N = u.size
-    E = cum.size
     nt = 0
     nh = 0
-    for t in range(N):
+    for t in range(e_N.size):
+        if stop.size and stop[t] > k:
+            continue
         if clocked:
             xv = x[t]
             xf = _floored(xv)
             if xf != xv:
                 x[t] = xf
             tau_NK[t, k] = _arrival(tau_NK[t, k - 1] if k else 0.0, xf, left[t])
-        v = u[t]
-        if grouped:
-            v = base[t] + v * span[t]
-        b = int(v * M)                       # InverseCDF.draw: the guide's bucket, then its walk or bisection
-        if b > M:
-            b = M
-        e = guide[b]
-        if linear:
-            for _ in range(width):           # (v = 1 only by a group's rounding: no read past cum)
-                e += cum[e if e < E else E - 1] <= v
-            if e > E:
-                e = E
-        else:
-            hi = guide[b + 1] if b < M else guide[M]
-            for _ in range(steps):
-                mid = (e + hi) >> 1
-                if cum[mid] <= v:
-                    e = mid + 1
-                else:
-                    hi = mid
-        if grouped:                          # u rounded onto the group's end: its last expert
-            last = first[t] + (n - 1)
-            if e > last:
-                e = last
+        e = e_N[t]
         rep = False                          # a repeat of the row's earlier arrivals
         for j in range(k):
             if ids_NK[t, j] == e:
@@ -179,40 +197,14 @@ def pl_position(k, x, u, clocked, icdf, rows, race, test_hard, hard_bound, tally
 
 
 @kernel
-def pl_retry(k, todo, nt, uu, icdf, rows, ids_NK):
-    """One rejection round: ``todo[:nt]``'s rows redrawn with uniforms ``uu`` (one each, in row
-    order); the rows that repeat again are kept, in order, at the front of ``todo``; returns how
-    many. icdf: :class:`~moonep_sim.routing.sampling_records.Icdf`; rows: :class:`~moonep_sim.routing.sampling_records.RowSpan`."""
-    cum, guide, M, width, steps, linear = icdf
-    first, base, span, n, grouped = rows
-    E = cum.size
+def pl_retry(k, todo, nt, ee, ids_NK):
+    """One rejection round: ``todo[:nt]``'s rows redrawn, ``ee`` their experts drawn
+    (:func:`draw`, one each, in row order); the rows that repeat again are kept, in order, at the
+    front of ``todo``; returns how many."""
     m = 0
     for i in range(nt):
         t = todo[i]
-        v = uu[i]
-        if grouped:
-            v = base[t] + v * span[t]
-        b = int(v * M)                       # InverseCDF.draw: the guide's bucket, then its walk or bisection
-        if b > M:
-            b = M
-        e = guide[b]
-        if linear:
-            for _ in range(width):           # (v = 1 only by a group's rounding: no read past cum)
-                e += cum[e if e < E else E - 1] <= v
-            if e > E:
-                e = E
-        else:
-            hi = guide[b + 1] if b < M else guide[M]
-            for _ in range(steps):
-                mid = (e + hi) >> 1
-                if cum[mid] <= v:
-                    e = mid + 1
-                else:
-                    hi = mid
-        if grouped:                          # u rounded onto the group's end: its last expert
-            last = first[t] + (n - 1)
-            if e > last:
-                e = last
+        e = ee[i]
         rep = False                          # a repeat of the row's earlier arrivals
         for j in range(k):
             if ids_NK[t, j] == e:
@@ -227,10 +219,12 @@ def pl_retry(k, todo, nt, uu, icdf, rows, ids_NK):
 
 
 @kernel
-def pl_remainder(k, rows, uu, p, first, n, grouped, ids_NK):
+def pl_remainder(k, rows, uu, p, rowspan, ids_NK):
     """Each row of ``rows`` draws position ``k`` from its experts not yet chosen, renormalised:
     the cumulative sum of its popularity with its arrivals zeroed, ``uu * total`` searched in it
-    (``_Races._remainder``, the same sums in the same order)."""
+    (``_Races._remainder``, the same sums in the same order). rowspan:
+    :class:`~moonep_sim.routing.sampling_records.RowSpan`."""
+    first, base, mass, n, grouped = rowspan
     P = np.empty(n)
     c = np.empty(n)
     for i in range(rows.size):
@@ -259,8 +253,10 @@ def pl_remainder(k, rows, uu, p, first, n, grouped, ids_NK):
 
 
 @kernel
-def pl_settle(k, rows, ids_NK, p, left, update_left, counts, count):
-    """The rows settled after :func:`pl_position`'s pass: the popularity left and the counts."""
+def pl_settle(k, rows, ids_NK, left, tally):
+    """The rows settled after :func:`pl_position`'s pass: the popularity left and the counts
+    (:class:`~moonep_sim.routing.sampling_records.Tally`)."""
+    p, update_left, counts, count = tally
     for i in range(rows.size):
         t = rows[i]
         e = ids_NK[t, k]
@@ -379,7 +375,7 @@ def race_plain(x, inv_p, K, ids, kv, ok):
 # (position-major block buffers), up to each row's first event: a repeat (a redraw) or the "mostly
 # chosen" test (a remainder draw). Those need the child stream's draws in the reference's order
 # (position by position, row by row) and are left to pass 2, which runs the stopped rows alone --
-# their state gathered into slots, in row order -- position by position, exactly as
+# their state gathered into slots, in row order -- position by position through pl_position, as
 # _Races.advance does; the rows settled at a position by pass 1 are the ones the reference settles
 # at once there (no repeat, no test). The random numbers are the same, read from the [K, N] arrays
 # the caller drew position by position.
@@ -387,18 +383,18 @@ BLOCK = 512
 
 
 @kernel
-def pl_pass1(x_KN, u_KN, clocked, icdf, easy_k, hard_bound, tally, ids_NK, w_NK, stopped):
-    """Pass 1 over every row (see above): ``ids_NK`` and (``clocked``) the weights ``w_NK`` of
-    every row settled at every position, ``counts`` kept (``count``). The stopped rows, ascending,
-    get slots: ``rows2`` the row, ``stop2`` its first event, ``left2`` its popularity left,
-    ``ids2`` / ``tau2`` its arrivals so far, ``x2`` / ``u2`` its random numbers (position-major,
-    ``x`` as drawn: pass 2 clamps it): the :class:`~moonep_sim.routing.sampling_records.Stopped` record. Returns the number of slots.
-    icdf: :class:`~moonep_sim.routing.sampling_records.Icdf`; tally: :class:`~moonep_sim.routing.sampling_records.Tally`."""
-    cum, guide, M, width, steps, linear = icdf
+def pl_pass1(x_KN, e_KN, clocked, easy_k, hard_bound, tally, ids_NK, w_NK, stopped):
+    """Pass 1 over every row (see above), ``e_KN`` the experts drawn (:func:`draw`): ``ids_NK``
+    and (``clocked``) the weights ``w_NK`` of every row settled at every position, ``counts`` kept
+    (``count``). The stopped rows, ascending, get slots: ``rows2`` the row, ``stop2`` its first
+    event, ``left2`` its popularity left, ``ids2`` / ``tau2`` its arrivals so far, ``x2`` / ``e2``
+    its exponentials and draws (position-major): the
+    :class:`~moonep_sim.routing.sampling_records.Stopped` record. Returns the number of slots.
+    tally: :class:`~moonep_sim.routing.sampling_records.Tally`."""
     p, update_left, counts, count = tally
-    rows2, stop2, left2, ids2, tau2, x2, u2 = stopped
-    K, N = u_KN.shape
-    E = cum.size
+    rows2, stop2, left2, ids2, tau2, x2, e2 = stopped
+    K, N = e_KN.shape
+    E = p.size
     bids = np.empty((K, BLOCK), np.int32)
     btau = np.empty((K, BLOCK))
     bleft = np.empty(BLOCK)
@@ -420,30 +416,9 @@ def pl_pass1(x_KN, u_KN, clocked, icdf, easy_k, hard_bound, tally, ids_NK, w_NK,
                 if bstop[i] < K:
                     continue
                 t = t0 + i
-                if clocked:
-                    xv = x_KN[k, t]
-                    xf = _floored(xv)
-                    if xf != xv:
-                        x_KN[k, t] = xf
-                    btau[k, i] = _arrival(btau[k - 1, i] if k else 0.0, xf, bleft[i])
-                v = u_KN[k, t]
-                b = int(v * M)                       # InverseCDF.draw: the guide's bucket, then its walk or bisection
-                if b > M:
-                    b = M
-                e = guide[b]
-                if linear:
-                    for _ in range(width):
-                        e += cum[e if e < E else E - 1] <= v
-                    if e > E:
-                        e = E
-                else:
-                    hi = guide[b + 1] if b < M else guide[M]
-                    for _ in range(steps):
-                        mid = (e + hi) >> 1
-                        if cum[mid] <= v:
-                            e = mid + 1
-                        else:
-                            hi = mid
+                if clocked:                          # (x clamped to 1e-30 by the caller)
+                    btau[k, i] = _arrival(btau[k - 1, i] if k else 0.0, x_KN[k, t], bleft[i])
+                e = e_KN[k, t]
                 rep = (bits[i, e >> 6] >> (e & 63)) & 1   # a repeat of the row's earlier arrivals
                 if rep or (test and bleft[i] < hard_bound):
                     bstop[i] = k
@@ -466,7 +441,7 @@ def pl_pass1(x_KN, u_KN, clocked, icdf, easy_k, hard_bound, tally, ids_NK, w_NK,
                     if clocked:
                         tau2[n2, j] = btau[j, i]
                 for j in range(st, K):
-                    u2[j, n2] = u_KN[j, t]
+                    e2[j, n2] = e_KN[j, t]
                     if clocked:
                         x2[j, n2] = x_KN[j, t]
                 n2 += 1
@@ -476,66 +451,6 @@ def pl_pass1(x_KN, u_KN, clocked, icdf, easy_k, hard_bound, tally, ids_NK, w_NK,
                 if clocked:
                     _row_weights(btau, i, False, K, inv, w_NK, t)
     return n2
-
-
-@kernel
-def pl_pass2(k, n2, stopped, x_KN, clocked, icdf, easy_k, hard_bound, tally, todo, hard):
-    """Position ``k`` of pass 2 over the slots ``[0, n2)`` at or past their first event, as
-    :func:`pl_position` runs the rows (a clamped exponential written back to ``x_KN`` too);
-    ``todo`` and ``hard`` list slots. Returns their lengths. stopped: :class:`~moonep_sim.routing.sampling_records.Stopped` (pass 1's);
-    icdf: :class:`~moonep_sim.routing.sampling_records.Icdf`; tally: :class:`~moonep_sim.routing.sampling_records.Tally`."""
-    cum, guide, M, width, steps, linear = icdf
-    p, update_left, counts, count = tally
-    rows2, stop2, left2, ids2, tau2, x2, u2 = stopped
-    E = cum.size
-    nt = 0
-    nh = 0
-    for i in range(n2):
-        if stop2[i] > k:
-            continue
-        if clocked:
-            xv = x2[k, i]
-            xf = _floored(xv)
-            if xf != xv:
-                x2[k, i] = xf
-                x_KN[k, rows2[i]] = xf
-            tau2[i, k] = _arrival(tau2[i, k - 1] if k else 0.0, xf, left2[i])
-        v = u2[k, i]
-        b = int(v * M)                       # InverseCDF.draw: the guide's bucket, then its walk or bisection
-        if b > M:
-            b = M
-        e = guide[b]
-        if linear:
-            for _ in range(width):
-                e += cum[e if e < E else E - 1] <= v
-            if e > E:
-                e = E
-        else:
-            hi = guide[b + 1] if b < M else guide[M]
-            for _ in range(steps):
-                mid = (e + hi) >> 1
-                if cum[mid] <= v:
-                    e = mid + 1
-                else:
-                    hi = mid
-        rep = False                          # a repeat of the row's earlier arrivals
-        for j in range(k):
-            if ids2[i, j] == e:
-                rep = True
-                break
-        if k >= easy_k and left2[i] < hard_bound:
-            hard[nh] = i
-            nh += 1
-        elif rep:
-            todo[nt] = i
-            nt += 1
-        else:
-            ids2[i, k] = e
-            if update_left:
-                left2[i] -= p[e]
-            if count:
-                counts[e] += 1
-    return nt, nh
 
 
 @kernel
@@ -572,5 +487,5 @@ def pl_replay_rows(x_KN, given_NK, p, w_NK):
             _row_weights(btau, i, False, K, inv, w_NK, t0 + i)
 
 
-__all__ = ["BLOCK", "pl_pass1", "pl_pass2", "pl_pass2_out", "pl_position", "pl_remainder", "pl_replay_rows", "pl_retry", "pl_settle", "race_grouped",
+__all__ = ["BLOCK", "draw", "pl_pass1", "pl_pass2_out", "pl_position", "pl_remainder", "pl_replay_rows", "pl_retry", "pl_settle", "race_grouped",
            "race_plain"]

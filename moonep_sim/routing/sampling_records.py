@@ -1,6 +1,6 @@
-"""The named records the samplers' kernels (:mod:`moonep_sim.routing.sampling_kernels`) take, and
-the function that builds each from the samplers' state (``sampling._Races``, ``InverseCDF``):
-a kernel reads a few of these instead of two dozen positional arrays and flags.
+"""The named records the samplers' kernels (:mod:`moonep_sim.routing.sampling_kernels`) take, built
+from the samplers' state (``sampling._Races``, ``InverseCDF``): a kernel reads a few of these
+instead of two dozen positional arrays and flags.
 
 Notation as in :mod:`moonep_sim.routing.sampling`: N rows (tokens, or token-group races), K
 positions, E experts, M guide buckets.
@@ -14,7 +14,7 @@ import numpy as np
 
 
 class Icdf(NamedTuple):
-    """An ``InverseCDF``'s tables as the kernels read them (:func:`icdf_record`): the cumulative
+    """An ``InverseCDF``'s tables as the kernels read them (its ``record``): the cumulative
     popularity ``cum`` [E], the guide table [M + 1] of M buckets, the widest bucket's width, the
     bisection steps it needs, and whether buckets are walked (``linear``) rather than bisected."""
 
@@ -24,12 +24,6 @@ class Icdf(NamedTuple):
     width: int
     steps: int
     linear: bool
-
-
-def icdf_record(icdf, linear_width: int) -> Icdf:
-    """:class:`Icdf` of ``icdf`` (a ``sampling.InverseCDF``): buckets up to ``linear_width`` wide walked."""
-    return Icdf(icdf.cum_E, icdf.guide, int(icdf.M), int(icdf.width), int(icdf.steps),
-                bool(icdf.width <= linear_width))
 
 
 class RowSpan(NamedTuple):
@@ -65,8 +59,8 @@ class Tally(NamedTuple):
 
 class Stopped(NamedTuple):
     """Pass 1's stopped rows, one slot each (ascending rows): ``rows2`` the row, ``stop2`` its first
-    event, ``left2`` its popularity left, ``ids2`` / ``tau2`` its arrivals so far, ``x2`` / ``u2``
-    its random numbers (position-major)."""
+    event, ``left2`` its popularity left, ``ids2`` / ``tau2`` its arrivals so far, ``x2`` / ``e2``
+    its exponentials and experts drawn (position-major)."""
 
     rows2: np.ndarray
     stop2: np.ndarray
@@ -74,7 +68,7 @@ class Stopped(NamedTuple):
     ids2: np.ndarray
     tau2: np.ndarray
     x2: np.ndarray
-    u2: np.ndarray
+    e2: np.ndarray
 
 
-__all__ = ["Icdf", "RaceRows", "RowSpan", "Stopped", "Tally", "icdf_record"]
+__all__ = ["Icdf", "RaceRows", "RowSpan", "Stopped", "Tally"]

@@ -181,7 +181,6 @@ def read_layer(trace: "Trace | str", index: int, steps: "str | StepSelection | N
 def selected_steps_T(trace: "Trace | str", steps: "str | StepSelection | None" = None) -> np.ndarray:
     """The step id of each selected token, int64 [T'] (what ``read_layer`` returns rows for)."""
     tr = trace if isinstance(trace, Trace) else Trace(trace)
-    T = tr.meta.num_tokens or 0
     st = tr.steps()
-    st = np.zeros(T, np.int64) if st is None else st
-    return st[token_index(tr.steps(), T, steps)]
+    idx = token_index(st, tr.meta.num_tokens or 0, steps)
+    return np.zeros(idx.size, np.int64) if st is None else st[idx]

@@ -143,6 +143,17 @@ class TraceMeta:
             raise bad("import_report", "a JSON object", self.import_report)
 
 
+def model_meta(model: Any) -> dict[str, Any]:
+    """:class:`TraceMeta` fields naming ``model`` (a preset name, a model file or a ModelSpec; None:
+    none): ``model`` (a preset's name) or ``model_spec`` (the shape of a model that is not a preset;
+    ``Trace.model()`` reads either)."""
+    if model is None:
+        return {}
+    from moonep_sim.models import PRESETS, model_fields, resolve_model
+    m = resolve_model(model)
+    return {"model": m.name} if PRESETS.get(m.name) == m else {"model_spec": model_fields(m)}
+
+
 def _is_int(v: Any) -> bool:
     """A JSON integer (``true``/``false`` are not ids or counts)."""
     return isinstance(v, int) and not isinstance(v, bool)
@@ -203,18 +214,24 @@ def _read_header(path: Path) -> tuple[bytes, int]:
     size = st.st_size
     try:
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise TraceFormatError(f"{where}: expected a safetensors trace (8-byte header length), "
-                                       f"found a {size}-byte file")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, _MAX_HEADER_BYTES):
-                raise TraceFormatError(f"{where}: header: expected length <= {min(size - 8, _MAX_HEADER_BYTES)} "
-                                       f"bytes, found {n} (truncated or not a safetensors file)")
+            n = _header_length(f.read(8), size, where)
             raw = f.read(n)
     except OSError as e:
         raise TraceFormatError(f"{where}: cannot read: {e.strerror}") from None
     return raw, size - 8 - n
+
+
+def _header_length(head: bytes, size: int, where: str) -> int:
+    """The header length a safetensors file of ``size`` bytes starting ``head`` gives, refused when
+    the 8 bytes are missing or the header would not fit."""
+    if len(head) < 8:
+        raise TraceFormatError(f"{where}: expected a safetensors trace (8-byte header length), "
+                               f"found a {size}-byte file")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > min(size - 8, _MAX_HEADER_BYTES):
+        raise TraceFormatError(f"{where}: header: expected length <= {min(size - 8, _MAX_HEADER_BYTES)} "
+                               f"bytes, found {n} (truncated or not a safetensors file)")
+    return n
 
 
 def _parse_header(raw: bytes, data_len: int, where: str) -> dict:
@@ -323,11 +340,7 @@ class Trace:
     def check_bytes(cls, data: bytes, where: str) -> TraceMeta:
         """Check a whole serialised trace (as :func:`write_trace` is about to write it) the way
         opening it would; returns its metadata."""
-        if len(data) < 8:
-            raise TraceFormatError(f"{where}: expected a safetensors trace, found {len(data)} bytes")
-        (n,) = struct.unpack("<Q", data[:8])
-        if n > len(data) - 8:
-            raise TraceFormatError(f"{where}: header: expected length <= {len(data) - 8} bytes, found {n}")
+        n = _header_length(bytes(data[:8]), len(data), where)
         header = _parse_header(bytes(data[8:8 + n]), len(data) - 8 - n, where)
         return cls._validate(header, where)[0]
 

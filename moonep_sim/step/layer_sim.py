@@ -79,7 +79,6 @@ class LayerComm:
     padded_rows_R: np.ndarray
     copies_R: np.ndarray
     sim_us: float
-    plan_seconds: float
     dropped: int = 0
     entries: int = 0
     holds_sms: bool = True
@@ -183,8 +182,8 @@ def _simulate(plan: Plan, model: ModelSpec, topo: Topology, costs: CostModel, tr
     share = min(1.0, sms / topo.sm_count) if topo.sm_count > 0 and sms > 0 else 0.0
     copies = np.bincount(plan.slot_rank_S[plan.is_copy_S()], minlength=plan.ranks)
     return LayerComm(fwd, bwd, strag, share, plan.real_rows_R().astype(np.int64),
-                     plan.rows_R().astype(np.int64), copies.astype(np.int64), sim_us,
-                     float(plan.plan_seconds), _dropped(plan), int(plan.num_tokens * plan.top_k),
+                     plan.rows_R().astype(np.int64), copies.astype(np.int64), sim_us, _dropped(plan),
+                     int(plan.num_tokens * plan.top_k),
                      holds_sms=plan.kernel is None or plan.kernel.holds_sms or costs.legacy,
                      host_wait_us=float(plan.kernel.host_wait_us) if plan.kernel is not None and not costs.legacy
                      else 0.0)

@@ -10,7 +10,7 @@ Notation: R ranks, M micro-batches, T tokens per rank. Times in seconds.
 
 from __future__ import annotations
 
-import itertools
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -41,26 +41,20 @@ def split_micro_batches(r: GlobalRouting, M: int) -> list[GlobalRouting]:
 
 
 def pad_to_static(r: GlobalRouting, tokens: int) -> GlobalRouting:
-    """``r`` with every rank padded to ``tokens`` tokens (a static Buffer's capacity): padding
-    token j of a rank selects experts ``(j*K + k) mod E`` (ASSUMED round-robin), weight 0."""
+    """``r`` with every rank padded to ``tokens`` tokens (a static Buffer's capacity): padding token j
+    (counted over the ranks in order) selects experts ``(j*K + k) mod E`` (ASSUMED round-robin), weight 0."""
     n_R = r.tokens_per_rank_R.astype(np.int64)
     require(int(n_R.max()) <= tokens, f"static buffer tokens ({tokens}) must be >= the largest rank's tokens "
                                       f"({int(n_R.max())})")
     pad_R = tokens - n_R
     if not pad_R.any():
         return r
-    K, E = r.top_k, r.num_experts
-    ids, w = [], []
-    pos = 0
-    for off, n, p in zip(r.tok_off_R()[:-1].tolist(), n_R.tolist(), pad_R.tolist()):
-        ids.append(r.topk_ids_TK[off:off + n])
-        w.append(r.topk_weights_TK[off:off + n])
-        j = np.arange(p, dtype=np.int64)[:, None] * K + np.arange(K)[None, :] + pos
-        ids.append(j % E)
-        w.append(np.zeros((p, K), np.float32))
-        pos += p * K
-    return GlobalRouting(np.concatenate(ids), np.concatenate(w).astype(np.float32), np.full(r.ranks, tokens),
-                         r.num_experts)
+    K, R = r.top_k, r.ranks
+    real_T = (np.arange(tokens)[None, :] < n_R[:, None]).ravel()   # [R x tokens]: each rank's own tokens first
+    ids, w = np.empty((R * tokens, K), np.int64), np.zeros((R * tokens, K), np.float32)
+    ids[real_T], w[real_T] = r.topk_ids_TK, r.topk_weights_TK
+    ids[~real_T] = np.arange(int(pad_R.sum()) * K).reshape(-1, K) % r.num_experts
+    return GlobalRouting(ids, w, np.full(R, tokens), r.num_experts)
 
 
 @dataclass(frozen=True)
@@ -161,146 +155,117 @@ PIPELINE_AHEAD = 1
 PIPELINE_MIN_ENTRIES = 1 << 20
 
 
-class _Task:
-    """One piece of a pipelined step, run once by whichever thread claims it first (under the
-    pipeline's condition); its value or error kept for the thread that needs it."""
+class _Piece:
+    """One piece of a pipelined step -- ``kind`` "R" (layer ``n``'s routing) or "P" (unit ``n``'s
+    Plan) -- run once, by whichever thread claims it first; its value or error kept for the thread
+    that needs it."""
 
-    __slots__ = ("fn", "kind", "n", "claimed", "done", "value", "error")
+    __slots__ = ("fn", "kind", "n", "queued", "value", "error", "ready", "_claim")
 
     def __init__(self, fn: Callable[[], Any], kind: str, n: int) -> None:
-        """``kind``: "R" (layer ``n``'s routing) or "P" (unit ``n``'s Plan)."""
-        self.fn, self.kind, self.n = fn, kind, n
-        self.claimed, self.done, self.value, self.error = False, False, None, None
+        self.fn, self.kind, self.n, self.queued = fn, kind, n, False
+        self.value, self.error, self.ready, self._claim = None, None, threading.Event(), threading.Lock()
+
+    def claim(self) -> bool:
+        """Whether the calling thread is the first to claim it (and so runs it)."""
+        return self._claim.acquire(blocking=False)
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as e:  # kept for the serial point that needs it
+            self.error = e
+        self.ready.set()
+
+    def get(self) -> Any:
+        """Its value (or its error raised): run here if unclaimed, else waited for."""
+        if self.claim():
+            self.run()
+        self.ready.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 class _Pipeline:
-    """The shared state of :func:`pipelined_layer_work`: tasks in the serial order (each layer's
-    routing ``R``, then its Plans ``P`` in (strategy, micro-batch) order), the unit being simulated
-    and the bound on what may be built ahead of it."""
+    """The shared state of :func:`pipelined_layer_work`: the pieces in the serial order (each layer's
+    routing ``R``, then its Plans ``P`` in (strategy, micro-batch) order), of which this thread
+    queues for the second thread (:meth:`feed`) those within the bound of the unit it simulates."""
 
     def __init__(self, work: list[LayerWork], ahead: int) -> None:
-        import threading
-
         self.work, self.ahead = work, ahead
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
         self.units = [(i, s, mb) for i, w in enumerate(work) for s in range(len(w.strategies))
                       for mb in range(w.micro_batches)]
         self.left = [len(w.strategies) * w.micro_batches for w in work]   # Plans of a layer not yet made
-        self.R = [_Task(lambda i=i: self._routing(i), "R", i) for i in range(len(work))]
-        self.P = [_Task(lambda j=j: self._plan(j), "P", j) for j in range(len(self.units))]
+        self.R = [_Piece(lambda i=i: _layer_parts(work[i], time.thread_time), "R", i) for i in range(len(work))]
+        self.P = [_Piece(lambda j=j: self._plan(j), "P", j) for j in range(len(self.units))]
         self.order, j = [], 0                   # the units are in layer order: each layer's Plans after its routing
         for r, n in zip(self.R, self.left):
             self.order += [r] + self.P[j:j + n]
             j += n
-        self.current = 0           # the unit this thread simulates (or waits for)
-        self.stop = False
-        self.failed = False
-        self.scan = 0              # every task before order[scan] is claimed
-        self.second_cpu_s = 0.0    # the second thread's CPU seconds, when it returned
-        self.second_wait_s = 0.0   # its seconds waiting at the bound (or for a piece this thread makes)
-
-    def _routing(self, i: int) -> tuple[list[GlobalRouting], float, float]:
-        return _layer_parts(self.work[i], time.thread_time)
+        self.fed = 0               # every piece before order[fed] is queued
+        self.failed = False        # a piece failed on the second thread: it runs no more
+        self.second_cpu_s = 0.0    # the second thread's CPU seconds running pieces
+        self.second_busy_s = 0.0   # and its wall seconds doing so
 
     def _plan(self, j: int) -> tuple[Any, float, float]:
         i, s, mb = self.units[j]
-        parts = self.get(self.R[i])[0]
         name, opts, static = self.work[i].strategies[s]
-        out = _plan_part(self.work[i], name, opts, static, parts[mb], time.thread_time)
-        with self.cond:
+        out = _plan_part(self.work[i], name, opts, static, self.R[i].get()[0][mb], time.thread_time)
+        with self.lock:
             self.left[i] -= 1
             if not self.left[i]:
                 self.R[i].value = (None,) + self.R[i].value[1:]      # the layer's routing is done with
         return out
 
-    def _allowed(self, t: _Task) -> bool:
-        last = min(self.current + self.ahead, len(self.units) - 1)
-        return t.n <= last if t.kind == "P" else t.n <= self.units[last][0] + 1
+    def _second(self, t: _Piece) -> None:
+        """The second thread's turn at a queued piece: run unless claimed already or a piece failed."""
+        if self.failed or not t.claim():
+            return
+        w0, c0 = time.perf_counter(), time.thread_time()
+        t.run()
+        self.failed |= t.error is not None
+        self.second_busy_s += time.perf_counter() - w0
+        self.second_cpu_s += time.thread_time() - c0
 
-    def _run(self, t: _Task) -> None:
-        """Run a task this thread claimed; its value or error kept, the waiters woken."""
-        try:
-            value, error = t.fn(), None
-        except BaseException as e:  # kept for the serial point that needs it
-            value, error = None, e
-        with self.cond:
-            t.value, t.error, t.done = value, error, True
-            self.failed |= error is not None
-            self.cond.notify_all()
+    def _bound(self, j: int) -> tuple[int, int]:
+        """(the last Plan, the last layer's routing) that may be made while unit ``j`` is simulated."""
+        last = min(j + self.ahead, len(self.units) - 1)
+        return last, self.units[last][0] + 1
 
-    def get(self, t: _Task) -> Any:
-        """``t``'s value (or its error raised): run here if unclaimed, else waited for."""
-        with self.cond:
-            mine = not t.claimed
-            t.claimed = True
-            while not mine and not t.done:
-                self.cond.wait()
-        if mine:
-            self._run(t)
-        if t.error is not None:
-            raise t.error
-        return t.value
-
-    def _next(self, routing_only: bool) -> _Task | None:
-        """The first unclaimed task allowed ahead (under the condition), claimed; None if none."""
-        while self.scan < len(self.order) and self.order[self.scan].claimed:
-            self.scan += 1
-        for t in itertools.islice(self.order, self.scan, None):
-            # this thread takes only a routing the second thread needs after its next layer's: one it
-            # would otherwise wait for here would stall the second thread instead
-            if not t.claimed and self._allowed(t) and (
-                    not routing_only or (t.kind == "R" and t.n >= self.units[self.current][0] + 2)):
-                t.claimed = True
-                return t
-            if t.kind == "R" and not self._allowed(t):
+    def feed(self, pool: Any, j: int) -> None:
+        """Queue on ``pool`` (the second thread), in the serial order, every piece not queued yet that
+        the bound of unit ``j`` allows."""
+        last, top = self._bound(j)
+        for t in self.order[self.fed:]:
+            if t.kind == "R" and t.n > top:
                 break
-        return None
-
-    def builder(self) -> None:
-        """The second thread: every task in the serial order, within the bound, until stopped or a
-        task failed (this thread then claims the tasks it reaches itself)."""
-        c0 = time.thread_time()
-        try:
-            while True:
-                with self.cond:
-                    t = None
-                    while not self.stop and not self.failed and (t := self._next(False)) is None:
-                        w0 = time.perf_counter()
-                        self.cond.wait()
-                        self.second_wait_s += time.perf_counter() - w0
-                    if t is None:
-                        return
-                self._run(t)
-        finally:
-            self.second_cpu_s = time.thread_time() - c0
+            if not t.queued and (t.kind == "R" or t.n <= last):
+                t.queued = True
+                pool.submit(self._second, t)
+        while self.fed < len(self.order) and self.order[self.fed].queued:
+            self.fed += 1
 
     def plan_for(self, j: int) -> tuple[tuple[Any, float, float], float, int]:
         """Unit ``j``'s Plan for this thread: made here if nobody started it; while the second
-        thread makes it, a routing ahead built here (if one is allowed and unclaimed). Returns the
-        Plan's (plan, wall s, CPU s), the seconds spent waiting, and the routings built here."""
+        thread makes it, a routing ahead built here (one queued and unclaimed that the second thread
+        needs only after its next layer's). Returns the Plan's (plan, wall s, CPU s), the seconds
+        spent waiting, and the routings built here."""
         t, waited, stole = self.P[j], 0.0, 0
-        with self.cond:
-            self.current = j
-            self.cond.notify_all()
-        while True:
-            with self.cond:
-                if t.done or not t.claimed:
-                    break
-                r = None if self.failed else self._next(True)
-                if r is None:
-                    w0 = time.perf_counter()
-                    while t.claimed and not t.done:
-                        self.cond.wait()
-                    waited += time.perf_counter() - w0
-                    continue
-            self._run(r)
-            stole += 1
-        return self.get(t), waited, stole
-
-    def close(self) -> None:
-        with self.cond:
-            self.stop = True
-            self.cond.notify_all()
+        ahead = self.R[self.units[j][0] + 2:self._bound(j)[1] + 1]
+        if t.claim():
+            t.run()
+        while not t.ready.is_set():
+            r = None if self.failed else next((r for r in ahead if r.claim()), None)
+            if r is None:
+                w0 = time.perf_counter()
+                t.ready.wait()
+                waited += time.perf_counter() - w0
+            else:
+                r.run()
+                stole += 1
+        return t.get(), waited, stole
 
 
 def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str, int, int], None] | None = None,
@@ -325,13 +290,13 @@ def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str, int, in
     pipe = _Pipeline(work, ahead)
     done: list[dict] = [{} for _ in work]
     wait, stolen = 0.0, 0
-    c0, m0 = time.process_time(), time.thread_time()
+    c0, m0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="moonep-step") as pool:
-        second = pool.submit(pipe.builder)
         try:
             for j, (i, s, mb) in enumerate(pipe.units):
                 if progress and s == 0 and mb == 0:
                     progress(f"layer routing {i + 1} of {len(work)}", i, len(work))
+                pipe.feed(pool, j)
                 (plan, plan_s, plan_cpu_s), waited, stole = pipe.plan_for(j)
                 wait, stolen = wait + waited, stolen + stole
                 pipe.P[j].value = None                  # the Plan goes once simulated
@@ -339,12 +304,11 @@ def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str, int, in
                                                                          time.thread_time)
                 del plan
         finally:
-            pipe.close()
-    second.result()  # the second thread's own failure (not a piece's: those are kept), if any
+            pool.shutdown(cancel_futures=True)          # what is still queued is not started
     out = [RoutingDone(d, *pipe.R[i].value[1:]) for i, d in enumerate(done)]
     return out, {"wait_s": wait, "routings_here": stolen, "layers_cpu_s": time.process_time() - c0,
                  "main_cpu_s": time.thread_time() - m0, "second_cpu_s": pipe.second_cpu_s,
-                 "second_wait_s": pipe.second_wait_s}
+                 "second_wait_s": time.perf_counter() - w0 - pipe.second_busy_s}
 
 
 def pipeline_pays(units: int, entries: int, cores: int | None = None) -> bool:

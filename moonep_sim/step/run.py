@@ -28,7 +28,7 @@ from moonep_sim.models import ModelSpec
 from moonep_sim.plan import GlobalRouting
 from moonep_sim.plan.ir import even_tokens_per_rank
 from moonep_sim.step.compose import all_ops, compose, stack_ops
-from moonep_sim.step.costs import CostModel
+from moonep_sim.step.costs import EXPERT_OPS, CostModel
 from moonep_sim.step.layer_sim import LayerComm
 from moonep_sim.step.layer_work import (PIPELINE_AHEAD, LayerWork, pipeline_pays, pipelined_layer_work,
                                       simulate_layer_work)
@@ -36,7 +36,7 @@ from moonep_sim.step.memory import MemoryOptions, memory_per_rank
 from moonep_sim.step.memory_fit import attach_fits
 from moonep_sim.step.schedule import Timeline, overlap_by_op
 from moonep_sim.step.schedules import get_overlap
-from moonep_sim.step.stack import StepShape
+from moonep_sim.step.stack import Op, StepShape
 
 #: moe_index -> (key, routing or a picklable builder of it, provenance): layers with equal keys
 #: share one routing (built once, planned once per strategy).
@@ -91,22 +91,14 @@ def trusted_routing(topk_ids_TK: np.ndarray, topk_weights_TK: np.ndarray, num_ex
     return r
 
 
-def _rank_sums(tl: Timeline, stream: str, layer: int | None = None) -> np.ndarray:
-    out = np.zeros(tl.R)
-    for e in tl.events:
-        if e.stream == stream and (layer is None or e.layer == layer):
-            out += e.end_R - e.start_R
-    return out
-
-
 def step_metrics(tl: Timeline, cfg: StepConfig, comms: Mapping[int, LayerComm], useful_flops: float,
                  real_tokens: float) -> dict:
     """The per-strategy figures of one composed step (the JSON contract of ``moonep-sim step``)."""
     end_R = tl.end_R()
     r = int(np.argmax(end_R))
     t = float(end_R[r])
-    busy = _rank_sums(tl, "compute")
-    comm = _rank_sums(tl, "comm")
+    busy, comm = (sum((e.end_R - e.start_R for e in tl.events if e.stream == stream), np.zeros(tl.R))
+                  for stream in ("compute", "comm"))   # [R] each stream's busy us
     exposed = max(t - float(busy[r]), 0.0)
     peak = cfg.topology.gpu_tflops * 1e6
     layers = []
@@ -140,9 +132,7 @@ def useful_flops_per_rank(cfg: StepConfig) -> float:
     """Model FLOPs per rank of the step's real tokens (no padding): the stack's ops and the routed
     experts' T x K rows, with the backward's twice the GEMMs in train."""
     shape, m = cfg.shape, cfg.model
-    ot = stack_ops(m, shape)
-    ops = all_ops(ot, shape.mode == "train")
-    f = sum(o.flops for o in ops)
+    f = sum(o.flops for o in all_ops(stack_ops(m, shape), shape.mode == "train"))
     fwd_exp = shape.tokens * m.top_k * m.expert_flops_per_row() * m.moe_layers
     return f + fwd_exp * (3.0 if shape.mode == "train" else 1.0)
 
@@ -202,8 +192,6 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
     for name, _ in cfg.strategies:
         cache = {(k, mb): d.done[(name, mb)] for k, d in by_key.items() for mb in range(M)}
         plans = fps_of[name] = [d.footprint for d in cache.values()]
-        plan_s = sum(d.plan_s for d in cache.values())
-        sim_s = sum(d.sim_s for d in cache.values())
         t0, c0 = time.perf_counter(), time.process_time()
         first_moe = m.dense_layers
         comm_of = lambda layer, mb, cache=cache: cache[(layer_keys[layer - first_moe], mb)].comm
@@ -215,7 +203,8 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
         d.update(peak_memory_bytes=mem["peak_bytes"], gpu_memory_bytes=cap, oom=(mem["peak_bytes"] > cap) if cap else None,
                  memory=mem, distinct_layers_simulated=len(cache),
                  static_tokens=int(cfg.static_tokens[name]) if name in cfg.static_tokens else None,
-                 wall_seconds=dict(routing=routing_s, plan=plan_s, simulate=sim_s, layers_wall=wall,
+                 wall_seconds=dict(routing=routing_s, plan=sum(d.plan_s for d in cache.values()),
+                                   simulate=sum(d.sim_s for d in cache.values()), layers_wall=wall,
                                    compose=time.perf_counter() - t0,
                                    pipeline_wait=piped["wait_s"] if piped else None),
                  # CPU seconds where they ran (workers' own with a pool; each thread's own when
@@ -224,10 +213,11 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
                  cpu_seconds=dict(routing=routing_cpu_s, plan=sum(d.plan_cpu_s for d in cache.values()),
                                   simulate=sum(d.sim_cpu_s for d in cache.values()),
                                   compose=time.process_time() - c0, layers=layers_cpu),
-                 rows_max_mean=_rows_ratio(comms),
-                 padded_rows_per_rank=float(np.mean([c.padded_rows_R.max() for c in comms.values()])) if comms else 0.0,
-                 real_rows_per_rank=float(np.mean([c.rows_R.max() for c in comms.values()])) if comms else 0.0,
-                 copies_per_layer=float(np.mean([c.copies_R.sum() for c in comms.values()])) if comms else 0.0,
+                 # means over the MoE layers: the busiest rank's real rows over the mean rank's, ...
+                 rows_max_mean=_layer_mean(comms, lambda c: float(c.rows_R.max()) / max(float(c.rows_R.mean()), 1e-9)),
+                 padded_rows_per_rank=_layer_mean(comms, lambda c: c.padded_rows_R.max()),
+                 real_rows_per_rank=_layer_mean(comms, lambda c: c.rows_R.max()),
+                 copies_per_layer=_layer_mean(comms, lambda c: c.copies_R.sum()),
                  # entries the strategy dropped over the step's MoE layers (less work: it never wins)
                  dropped=int(sum(comm_of(l, mb).dropped for l in comms for mb in range(M))),
                  entries=int(sum(comm_of(l, mb).entries for l in comms for mb in range(M))))
@@ -261,17 +251,14 @@ def _run_layer_work(work: list, map_fn: Callable | None, pipeline: bool,
     return done, None
 
 
-def _expert_ops(train: bool) -> list:
-    from moonep_sim.step.stack import Op
-
-    ops = [Op("expert", "gemm", 0.0, 0.0, 1, "rows=M")]
-    return ops + ([Op("expert_bwd", "gemm", 0.0, 0.0, 1, "rows=M")] if train else [])
+def _expert_ops(train: bool) -> list[Op]:
+    """The routed experts' GEMMs as ops (what a profile must time: ``rows=M`` curves)."""
+    return [Op(name, "gemm", 0.0, 0.0, 1, "rows=M") for name in EXPERT_OPS[:1 + train]]
 
 
-def _rows_ratio(comms: Mapping[int, LayerComm]) -> float:
-    """Mean over MoE layers of the busiest rank's real rows over the mean rank's."""
-    r = [float(c.rows_R.max()) / max(float(c.rows_R.mean()), 1e-9) for c in comms.values()]
-    return float(np.mean(r)) if r else 0.0
+def _layer_mean(comms: Mapping[int, LayerComm], f: Callable[[LayerComm], float]) -> float:
+    """Mean over the MoE layers of ``f(layer's communication)`` (0 without any)."""
+    return float(np.mean([f(c) for c in comms.values()])) if comms else 0.0
 
 
 __all__ = ["LayerSource", "ROUTING_FIELDS", "StepConfig", "simulate_step", "step_metrics", "trusted_routing",

@@ -51,9 +51,8 @@ def step_shape(model: ModelSpec, mode: str, tokens: int, context: int | None) ->
                 f"mode (decode) must be run by a model with attention: {name} has none, so there is no "
                 "KV context to decode against")
     if model.max_context:
-        need = context if mode == "decode" else max(context, 1)
-        require(need <= model.max_context, f"context ({need}) must be <= the model's max context "
-                                           f"({model.max_context}, {name})")
+        require(context <= model.max_context, f"context ({context}) must be <= the model's max context "
+                                              f"({model.max_context}, {name})")
     return StepShape(mode, int(tokens), int(context))
 
 

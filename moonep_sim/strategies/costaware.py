@@ -75,8 +75,10 @@ import numpy as np
 from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, Slots, Scope, plan_from_hops, to_final, to_node_of_final
 from moonep_sim.plan.kernel import FAMILIES, KernelSpec, family_spec
 from moonep_sim.strategies import Option, PlanContext, register
-from moonep_sim.strategies.llep import native_alloc, plan_from_alloc, require_home_groups
-from moonep_sim.strategies.moonep import alloc_entry_slots, capacity_split, copy_slots, greedy_quotas, split_quotas
+from moonep_sim.strategies.llep import native_alloc
+from moonep_sim.plan.ir import even_tokens_per_rank
+from moonep_sim.strategies.moonep import (alloc_entry_slots, copy_slots, greedy_quotas, plan_from_alloc,
+                                          require_home_groups, split_quotas)
 
 MODES = ("forward", "training")
 
@@ -115,8 +117,8 @@ class Rates:
             nv = min(nv, float(t.sm_bytes_per_us(int(t.sm_count) if sms < 0 else int(sms))))
         # the weight-copy rates of a topology that models them (its ``weights_*`` terms: the
         # engine's achieved fraction of each link, an SM kernel's cap), else the links' rates
-        w_nv = _rate(t, "weights_nvlink_bytes_per_us") or _rate_GBps(t, ("weight_copy_nvlink_GBps",)) or nv
-        w_nic = _rate(t, "weights_nic_bytes_per_us") or _rate_GBps(t, ("weight_copy_rdma_GBps",)) or nic
+        w_nv = _rate(t, "weights_nvlink_bytes_per_us") or _rate(t, "weight_copy_nvlink_GBps") * 1e3 or nv
+        w_nic = _rate(t, "weights_nic_bytes_per_us") or _rate(t, "weight_copy_rdma_GBps") * 1e3 or nic
         if getattr(t, "weights_engine", "copy_engine") == "sm" and hasattr(t, "sm_bytes_per_us"):
             cap = float(t.sm_bytes_per_us(int(getattr(t, "weights_sms", 0))))
             w_nv, w_nic = min(w_nv, cap), min(w_nic, cap)
@@ -158,18 +160,9 @@ def preset_constants(name: str) -> Any:
 
 
 def _rate(t: Any, name: str) -> float:
-    """A topology's rate attribute in bytes per us (0 = absent or not positive)."""
+    """A topology's rate attribute as it is given (0 = absent or not positive)."""
     v = getattr(t, name, None)
     return float(v) if isinstance(v, (int, float)) and v > 0 else 0.0
-
-
-def _rate_GBps(t: Any, names: tuple[str, ...]) -> float:
-    """The first of ``names`` the topology has with a positive value, in bytes per us (0 = none)."""
-    for n in names:
-        v = getattr(t, n, None)
-        if isinstance(v, (int, float)) and v > 0:
-            return float(v) * 1e3
-    return 0.0
 
 
 @dataclass(frozen=True)
@@ -378,12 +371,9 @@ def costaware_assign(counts_E: np.ndarray, ranks: int, gpus_per_node: int, model
     """Pick the allocation with the smallest estimate (steps 1-2). Returns (alloc_ER, info).
 
     Without ``cross_node`` no candidate copies across nodes (exact balance only on one node)."""
-    counts = np.asarray(counts_E, dtype=np.int64)
-    E, R = counts.size, int(ranks)
+    counts, _, base, load = native_alloc(counts_E, ranks)
+    E, R = base.shape
     epn = E // R
-    load = counts.reshape(R, epn).sum(axis=1)
-    base = np.zeros((E, R), dtype=np.int64)
-    base[np.arange(E), np.arange(E) // epn] = counts
     est_none = model.estimate_us(base, epn)
     best, best_est, best_kind, best_tau = base, est_none, "none", int(load.max()) if R else 0
     mean = float(load.sum()) / max(R, 1)
@@ -391,7 +381,7 @@ def costaware_assign(counts_E: np.ndarray, ranks: int, gpus_per_node: int, model
     multi = R > gpus_per_node
     if R > 1 and load.sum() > 0:
         if cross_node or not multi:
-            z = greedy_quotas(load, capacity_split(int(load.sum()), R))
+            z = greedy_quotas(load, even_tokens_per_rank(int(load.sum()), R))
             exact = split_quotas(counts, z, epn)
             est_exact = model.estimate_us(exact, epn)
             if est_exact < best_est * (1.0 - min_gain):
@@ -461,8 +451,7 @@ def plan(routing: GlobalRouting, ctx: PlanContext, *, sms: int, mode: str, min_g
     opts["sms_used"] = sms_used
     if one_node:  # no network hop to dedup: one NVLink hop, MoonEP's transport and kernel
         return plan_from_alloc(routing, ctx, alloc, epn, True, options=opts, kernel=KernelSpec(sms=sms_used))
-    src = slot_home.copy()
-    src[~copies] = slot_rank[~copies]
+    src = slot_home.copy()  # (a slot that is not a copy is on its home)
     src[copies] = relay_sources(slot_expert[copies], slot_rank[copies], slot_home[copies], ctx.cluster)
     relayed = copies & (src != slot_home)
     opts["copies_relayed"] = int(relayed.sum())  # of copies_cross_node: fed over NVLink by a relay

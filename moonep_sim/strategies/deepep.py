@@ -28,7 +28,7 @@ from moonep_sim.errors import PlanError, require
 from moonep_sim.plan import GlobalRouting, Plan, Slots, Scope, home_slots, plan_from_hops, to_final, to_node_of_final
 from moonep_sim.plan.kernel import FAMILIES, family, family_spec
 from moonep_sim.plan.multihop import home_entry_slots
-from moonep_sim.plan.runs import distinct_per_token, nodes_per_token_T
+from moonep_sim.plan.runs import distinct_per_token
 from moonep_sim.strategies import Option, PlanContext, register
 
 # Notation: T tokens, K top-k, E experts, R ranks, G GPUs per node, N = T*K entries.

@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from moonep_sim.errors import ConfigError, require
+from moonep_sim.errors import ConfigError
 from moonep_sim.plan import GlobalRouting, Plan
 from moonep_sim.strategies import Option, PlanContext, register
-from moonep_sim.strategies.moonep import alloc_plan, copy_slots
+from moonep_sim.strategies.moonep import plan_from_alloc, require_home_groups
 
 #: assumed: one device-to-host copy of the counts plus the per-layer barrier on the EP group
 HOST_SYNC_US = 30.0
@@ -50,20 +50,6 @@ HOST_SYNC_US = 30.0
 HOST_US_PER_EXPERT = 1.0
 #: assumed: per helper considered in one spill round (list building and sorting of R ranks)
 HOST_US_PER_HELPER = 0.5
-
-
-def require_home_groups(routing: GlobalRouting, ctx: PlanContext, name: str) -> int:
-    """epn; raises unless the placement is contiguous home groups (rank h owns [h*epn, (h+1)*epn))."""
-    E, R = routing.num_experts, ctx.cluster.ranks
-    require(routing.ranks == R, f"routing ranks ({routing.ranks}) must equal cluster ranks ({R})")
-    if E % R:
-        raise ConfigError(f"num_experts ({E}) must be divisible by ranks ({R}) for {name}'s home-group placement")
-    epn = E // R
-    p = ctx.placement
-    if p.num_experts != E or p.num_slots != E or not np.array_equal(p.home_E, np.arange(E) // epn):
-        raise ConfigError(f"placement must be home groups (rank h owns experts [h*{epn}, (h+1)*{epn})) for "
-                          f"{name}: its helpers are planned per step, not placed statically")
-    return epn
 
 
 def native_alloc(counts_E: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -172,16 +158,6 @@ def host_plan_us(info: dict, num_experts_with_tokens: int) -> float:
         return HOST_SYNC_US
     return (HOST_SYNC_US + HOST_US_PER_EXPERT * num_experts_with_tokens
             + HOST_US_PER_HELPER * info["helpers_considered"])
-
-
-def plan_from_alloc(routing: GlobalRouting, ctx: PlanContext, alloc_ER: np.ndarray, epn: int, dedup: bool,
-                    options: dict | None = None, **extra) -> Plan:
-    """A single-hop Plan computing ``alloc[e, r]`` entries of expert e on rank r (copies where r is not
-    e's home), entries split over an expert's ranks in rank order (moonep's layout). ``options``:
-    what the planner reports (see :func:`moonep_sim.plan.plan_from_slots`)."""
-    slot_rank, slot_expert, slot_home = copy_slots(alloc_ER, epn)
-    return alloc_plan(routing, ctx, alloc_ER, slot_rank, slot_expert, slot_home, dedup=dedup,
-                      token_padding=max(int(ctx.token_padding), 1), options=options, **extra)
 
 
 @register("llep", summary="LLEP (ICML 2026): spill each hot expert's excess to the least-loaded rank above "

@@ -47,19 +47,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from moonep_sim.errors import ConfigError, PlanError
+from moonep_sim.errors import ConfigError, PlanError, require
 from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.plan import GlobalRouting, Plan, Slots, plan_from_slots
+from moonep_sim.plan.ir import even_tokens_per_rank
 from moonep_sim.plan.runs import split_runs
 from moonep_sim.plan.kernel import KernelSpec
 from moonep_sim.strategies import Option, PlanContext, register
-
-
-def capacity_split(total_entries: int, ranks: int) -> np.ndarray:
-    """int64 [R]: ``total_entries`` split as evenly as possible, the first ``total % R`` ranks one more."""
-    cap = np.full(ranks, total_entries // ranks, dtype=np.int64)
-    cap[: total_entries % ranks] += 1
-    return cap
 
 
 def greedy_quotas(group_tokens_R: np.ndarray, cap_R: np.ndarray) -> np.ndarray:
@@ -156,27 +150,30 @@ COMBINE_REDUCE = "fused"
                                  check=lambda v: v >= -1, constraint="must be >= 1, 0 (no SM cap) or -1 (all)")})
 def plan(routing: GlobalRouting, ctx: PlanContext, *, dedup: bool, sms: int) -> Plan:
     E, R = routing.num_experts, ctx.cluster.ranks
-    if E % R:
-        raise ConfigError(f"num_experts ({E}) must be divisible by ranks ({R}) for moonep's home-group placement")
-    if routing.ranks != R:
-        raise ConfigError(f"routing ranks ({routing.ranks}) must equal cluster ranks ({R})")
-    p = ctx.placement
-    epn = E // R
-    if (p.num_experts != E or p.num_slots != E
-            or not np.array_equal(p.home_E, np.arange(E) // epn)):
-        raise ConfigError(f"placement must be home groups (rank h owns experts [h*{epn}, (h+1)*{epn})) "
-                          "for moonep: its copies are planned per step, not placed statically")
+    epn = require_home_groups(routing, ctx, "moonep")
     ids_N = routing.topk_ids_TK.ravel()
     counts_E = np.bincount(ids_N, minlength=E).astype(np.int64)
-    cap_R = capacity_split(ids_N.size, R)
+    cap_R = even_tokens_per_rank(ids_N.size, R)  # N split as evenly as possible (step 2)
     z = greedy_quotas(counts_E.reshape(R, epn).sum(axis=1), cap_R)
     alloc = split_quotas(counts_E, z, epn)
-    slot_rank, slot_expert, slot_home = copy_slots(alloc, epn)
-    tp = max(int(ctx.token_padding), 1)
     # static buffer: cap real rows plus padding of at most 2*epn segments (home + copies)
-    capacity = cap_R + 2 * epn * (tp - 1)
-    return alloc_plan(routing, ctx, alloc, slot_rank, slot_expert, slot_home, dedup=dedup, token_padding=tp,
-                      capacity_R=capacity, kernel=KernelSpec(sms=sms, reduce=COMBINE_REDUCE, zero_copy=True))
+    capacity = cap_R + 2 * epn * (max(int(ctx.token_padding), 1) - 1)
+    return plan_from_alloc(routing, ctx, alloc, epn, dedup, capacity_R=capacity,
+                           kernel=KernelSpec(sms=sms, reduce=COMBINE_REDUCE, zero_copy=True))
+
+
+def require_home_groups(routing: GlobalRouting, ctx: PlanContext, name: str) -> int:
+    """epn; raises unless the placement is contiguous home groups (rank h owns [h*epn, (h+1)*epn))."""
+    E, R = routing.num_experts, ctx.cluster.ranks
+    require(routing.ranks == R, f"routing ranks ({routing.ranks}) must equal cluster ranks ({R})")
+    if E % R:
+        raise ConfigError(f"num_experts ({E}) must be divisible by ranks ({R}) for {name}'s home-group placement")
+    epn = E // R
+    p = ctx.placement
+    if p.num_experts != E or p.num_slots != E or not np.array_equal(p.home_E, np.arange(E) // epn):
+        raise ConfigError(f"placement must be home groups (rank h owns experts [h*{epn}, (h+1)*{epn})) for "
+                          f"{name}: its copies are planned per step, not placed statically")
+    return epn
 
 
 def alloc_entry_slots(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.ndarray, slot_expert_S: np.ndarray,
@@ -193,13 +190,15 @@ def alloc_entry_slots(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.n
     return split_runs(ids_N, E, pe, alloc_ER[pe, pd], slot_of_ER[pe, pd], perf=perf)
 
 
-def alloc_plan(routing: GlobalRouting, ctx: PlanContext, alloc_ER: np.ndarray, slot_rank_S: np.ndarray,
-               slot_expert_S: np.ndarray, slot_home_S: np.ndarray, *, dedup: bool, token_padding: int,
-               **extra) -> Plan:
-    """The single-hop Plan computing ``alloc[e, d]`` entries of expert e on rank d (step 6 of the
-    module doc) in the slots ``copy_slots`` made of it; extra: ``plan_from_slots``' options and
-    further Plan fields. Each entry's slot: its expert's run cut into pieces in rank order
-    (:func:`alloc_entry_slots`)."""
-    entry_slot = alloc_entry_slots(routing.topk_ids_TK.ravel(), alloc_ER, slot_rank_S, slot_expert_S, ctx.perf)
-    return plan_from_slots(routing, ctx.cluster, ctx.costs, Slots(slot_rank_S, slot_expert_S, slot_home_S), entry_slot,
-                           dedup=dedup, token_padding=token_padding, perf=ctx.perf, **extra)
+def plan_from_alloc(routing: GlobalRouting, ctx: PlanContext, alloc_ER: np.ndarray, epn: int, dedup: bool,
+                    options: dict | None = None, **extra) -> Plan:
+    """The single-hop Plan computing ``alloc[e, r]`` entries of expert e on rank r (step 6 of the
+    module doc; copies where r is not e's home) in the slots :func:`copy_slots` makes of it, each
+    entry's slot its expert's run cut into pieces in rank order (:func:`alloc_entry_slots`).
+    ``options``: what the planner reports (see :func:`moonep_sim.plan.plan_from_slots`); extra:
+    further Plan fields."""
+    slot_rank, slot_expert, slot_home = copy_slots(alloc_ER, epn)
+    entry_slot = alloc_entry_slots(routing.topk_ids_TK.ravel(), alloc_ER, slot_rank, slot_expert, ctx.perf)
+    return plan_from_slots(routing, ctx.cluster, ctx.costs, Slots(slot_rank, slot_expert, slot_home), entry_slot,
+                           dedup=dedup, token_padding=max(int(ctx.token_padding), 1), options=options, perf=ctx.perf,
+                           **extra)

@@ -34,7 +34,8 @@ import numpy as np
 from moonep_sim.errors import require
 from moonep_sim.plan import ClusterShape, GlobalRouting, Plan
 from moonep_sim.strategies import Option, PlanContext, register
-from moonep_sim.strategies.llep import native_alloc, plan_from_alloc, require_home_groups
+from moonep_sim.strategies.llep import native_alloc
+from moonep_sim.strategies.moonep import plan_from_alloc, require_home_groups
 
 
 def quota_for(counts_E: np.ndarray, ranks: int, domain: int, gpus_per_node: int, tau: float,

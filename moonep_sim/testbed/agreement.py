@@ -116,21 +116,13 @@ def simulate_case(case: AgreeCase, strategy: str, ranks: int, gpus_per_node: int
 
 
 def _qdisc_bytes(stats: dict[str, str]) -> dict[str, int]:
-    out = {}
-    for k, text in stats.items():
-        m = re.search(r"Sent (\d+) bytes", text)
-        out[k] = int(m.group(1)) if m else 0
-    return out
+    return {k: int(m.group(1)) if (m := re.search(r"Sent (\d+) bytes", text)) else 0 for k, text in stats.items()}
 
 
 def link_busy_ms(before: dict[str, int], after: dict[str, int], spec: TestbedSpec) -> dict[str, float]:
     """Per node link direction (``n<i>.egress`` / ``n<i>.ingress``): bytes through its tbf during the
     run over its rate, in ms -- how long that link was necessarily busy."""
-    out = {}
-    for k in after:
-        node = int(k[1:].split(".")[0])
-        out[k] = 8e3 * (after[k] - before.get(k, 0)) / spec.node_rate(node)
-    return out
+    return {k: 8e3 * (after[k] - before.get(k, 0)) / spec.node_rate(int(k[1:].split(".")[0])) for k in after}
 
 
 def _node_of_port(name: str, gpus_per_node: int) -> int | None:

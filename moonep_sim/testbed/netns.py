@@ -27,6 +27,7 @@ stalls that no simulator models), which matters more here than queueing delay.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -220,12 +221,7 @@ def list_namespaces() -> list[str]:
 
 def project_namespaces(tag: int | None = None) -> list[str]:
     """Namespaces named like a testbed's (``msim<tag>h``, ``msim<tag>n<i>``); all tags if None."""
-    out = []
-    for ns in list_namespaces():
-        m = _NAME_RE.match(ns)
-        if m and (tag is None or int(m.group(1)) == tag):
-            out.append(ns)
-    return out
+    return [ns for ns in list_namespaces() if (m := _NAME_RE.match(ns)) and (tag is None or int(m.group(1)) == tag)]
 
 
 def namespace_pids(ns: str) -> list[int]:
@@ -239,19 +235,15 @@ def kill_namespace_processes(namespaces: Sequence[str], grace_s: float = 3.0) ->
     they were all started into them by a testbed."""
     pids = sorted({p for ns in namespaces for p in namespace_pids(ns)} - {os.getpid()})
     for p in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
         time.sleep(0.05)
     for p in pids:
         if pid_alive(p):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     return pids
 
 
@@ -271,13 +263,8 @@ _FOLDER_RE = re.compile(rf"^{PROJECT_PREFIX}(\d+)-")
 
 def project_folders(tag: int | None = None) -> list[Path]:
     """Temporary folders of testbed runs (``<tmp>/msim<tag>-*``: logs, replay outputs)."""
-    root = Path(tempfile.gettempdir())
-    out = []
-    for p in root.iterdir():
-        m = _FOLDER_RE.match(p.name)
-        if m and p.is_dir() and not p.is_symlink() and (tag is None or int(m.group(1)) == tag):
-            out.append(p)
-    return sorted(out)
+    return sorted(p for p in Path(tempfile.gettempdir()).iterdir() if (m := _FOLDER_RE.match(p.name))
+                  and p.is_dir() and not p.is_symlink() and (tag is None or int(m.group(1)) == tag))
 
 
 def cleanup_folders(all_tags: bool = False, tag: int | None = None) -> list[str]:

@@ -82,39 +82,41 @@ def _measure_alltoall(world: int, sizes: Sequence[int], repeats: int, warmup: in
     return a2a
 
 
+def _timed(fn, repeats: int, skip: int = 0):
+    """Seconds of ``fn()`` per repeat (after ``skip`` untimed ones), each started after a barrier,
+    the slowest rank's: float64 [repeats]. What ``fn`` returns is freed after the clock stops."""
+    import torch
+    import torch.distributed as dist
+
+    t_S = torch.zeros(repeats, dtype=torch.float64)
+    for i in range(-skip, repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = fn()
+        if i >= 0:
+            t_S[i] = time.perf_counter() - t0
+        del out
+    dist.all_reduce(t_S, op=dist.ReduceOp.MAX)
+    return t_S
+
+
 def _measure_memcopy(world: int, repeats: int) -> list[dict[str, Any]]:
     """A 32 MiB float32 copy into a reused and into a fresh tensor, all ranks at once."""
     import torch
-    import torch.distributed as dist
 
     # memory bandwidth: a 32 MiB float32 copy, all ranks at once
     src = torch.ones(8 << 20)
     dst = torch.empty_like(src)
-    m_S = torch.zeros(repeats, dtype=torch.float64)
-    for i in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        m_S[i] = time.perf_counter() - t0
-    dist.all_reduce(m_S, op=dist.ReduceOp.MAX)
-    mem = [{"nproc": world, "bytes": src.numel() * 4, "seconds": m_S.tolist()}]
+    m_S = _timed(lambda: dst.copy_(src), repeats)
     # the same copy into a freshly allocated tensor (what a pass over copied expert weights does)
-    f_S = torch.zeros(repeats, dtype=torch.float64)
-    for i in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fresh = src.clone()
-        f_S[i] = time.perf_counter() - t0
-        del fresh
-    dist.all_reduce(f_S, op=dist.ReduceOp.MAX)
-    mem.append({"nproc": world, "bytes": src.numel() * 4, "seconds": f_S.tolist(), "fresh": True})
-    return mem
+    f_S = _timed(src.clone, repeats)
+    return [{"nproc": world, "bytes": src.numel() * 4, "seconds": m_S.tolist()},
+            {"nproc": world, "bytes": src.numel() * 4, "seconds": f_S.tolist(), "fresh": True}]
 
 
 def _measure_rowpasses(rank: int, world: int, repeats: int) -> list[dict[str, Any]]:
     """The executor's local passes over rows (``index_select`` / ``index_add_``), all ranks at once."""
     import torch
-    import torch.distributed as dist
 
     # the executor's local passes over rows: a gather of rows in a random order (index_select)
     # and a scatter-add of rows into random places (index_add_), each into a reused workspace and
@@ -130,15 +132,10 @@ def _measure_rowpasses(rank: int, world: int, repeats: int) -> list[dict[str, An
            "scatter_add_fresh": lambda: torch.zeros_like(rows_x).index_add_(0, perm, rows_x)}
     passes = []
     for op, fn in ops.items():
-        c_S = torch.zeros(repeats, dtype=torch.float64)
-        for i in range(repeats + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
+        def four(fn=fn) -> None:
             for _ in range(4):
                 fn()
-            if i > 0:
-                c_S[i - 1] = (time.perf_counter() - t0) / 4
-        dist.all_reduce(c_S, op=dist.ReduceOp.MAX)
+        c_S = _timed(four, repeats, skip=1) / 4
         passes.append({"nproc": world, "op": op, "bytes": nrows * width * 4, "seconds": c_S.tolist()})
     return passes
 
@@ -151,14 +148,7 @@ def _measure_swiglu(rank: int, world: int, shapes: Sequence[tuple[int, int, int]
     import torch.distributed as dist
 
     # the cost of a bare barrier, subtracted from "compute then barrier" below
-    b_S = torch.zeros(repeats, dtype=torch.float64)
-    for i in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.barrier()
-        b_S[i] = time.perf_counter() - t0
-    dist.all_reduce(b_S, op=dist.ReduceOp.MAX)
-    barrier_s = float(b_S.median())
+    barrier_s = float(_timed(dist.barrier, repeats).median())
     comp: list[dict[str, Any]] = []
     for rows, hidden, ffn in shapes:
         g = torch.Generator().manual_seed(rank)
@@ -170,20 +160,16 @@ def _measure_swiglu(rank: int, world: int, shapes: Sequence[tuple[int, int, int]
         def swiglu() -> torch.Tensor:
             return (torch.nn.functional.silu(x @ w1) * (x @ w3)) @ w2
 
+        def calls(inner: int) -> None:
+            for _ in range(inner):
+                swiglu()
+            dist.barrier()  # the time until *every* rank is done: CPU sharing counts
+
         flops = 6 * rows * hidden * ffn
         inner = max(1, round(inner_flops / flops))  # enough calls per repeat to dwarf the barrier
         for _ in range(warmup):
             swiglu()
-        t_S = torch.zeros(repeats, dtype=torch.float64)
-        for i in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                swiglu()
-            dist.barrier()  # the time until *every* rank is done: CPU sharing counts
-            t_S[i] = time.perf_counter() - t0
-        dist.all_reduce(t_S, op=dist.ReduceOp.MAX)
-        t_S = ((t_S - barrier_s) / inner).clamp_min(1e-7)
+        t_S = ((_timed(lambda: calls(inner), repeats) - barrier_s) / inner).clamp_min(1e-7)
         comp.append({"nproc": world, "rows": rows, "hidden": hidden, "ffn": ffn,
                      "flops": flops, "seconds": t_S.tolist(), "calls_per_repeat": inner,
                      "barrier_s": barrier_s})

@@ -124,9 +124,7 @@ def check_before_ranks(args: argparse.Namespace, R: int) -> None:
     from moonep_sim.routing.trace import Trace
     from moonep_sim.strategies import get_strategy
 
-    names = [n.strip() for n in str(args.strategy).split(",") if n.strip()]
-    require(len(names) >= 1 and len(set(names)) == len(names),
-            f"--strategy ({args.strategy!r}) must name one or more distinct strategies, comma-separated")
+    names = strategy_names(args)
     opts = args.options if getattr(args, "options", None) is not None else strategy_opts(names, args.opt)
     for n in names:
         get_strategy(n).parse_options(opts.get(n, {}))
@@ -141,6 +139,14 @@ def check_before_ranks(args: argparse.Namespace, R: int) -> None:
     g = args.gpus_per_node or R
     require(1 <= g <= R and R % g == 0, f"--gpus-per-node ({args.gpus_per_node}) must divide --nproc ({R})")
     step_batches(trace.steps(), int(meta.num_tokens), getattr(args, "steps", None))
+
+
+def strategy_names(args: argparse.Namespace) -> list[str]:
+    """``--strategy a,b`` -> its names: one or more, none twice."""
+    names = [n.strip() for n in str(args.strategy).split(",") if n.strip()]
+    require(len(names) >= 1 and len(set(names)) == len(names),
+            f"--strategy ({args.strategy!r}) must name one or more distinct strategies, comma-separated")
+    return names
 
 
 def strategy_opts(names: Sequence[str], items: Sequence[str]) -> dict[str, dict[str, str]]:

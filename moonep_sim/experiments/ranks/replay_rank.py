@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from moonep_sim.errors import CommError, MoonEPSimError, exit_status, require
 from moonep_sim.experiments.ranks.replay_args import (check_args, check_before_ranks, parse_args, parse_layers,
-                                                     strategy_opts)
+                                                     strategy_names, strategy_opts)
 from moonep_sim.io import check_outputs, write_text_atomic
 
 MODULE = "moonep_sim.experiments.ranks.replay_rank"  # what every rank runs (python -m MODULE)
@@ -99,10 +99,10 @@ class _LayerInput:
     li: int
 
 
-def _replay_items(args: argparse.Namespace, trace, layers: list[int], R: int) -> tuple[list, list]:
-    """The selected steps as batches (``routing.steps.step_batches``; merged: one batch of them all)
-    and the items ``(batch, step id, layer, routing of its first --max-tokens tokens, tokens per
-    rank [R], zeros where a pass has fewer tokens than ranks)`` of every (batch, layer) holding a token."""
+def _replay_items(args: argparse.Namespace, trace, layers: list[int], R: int) -> list:
+    """The items ``(batch, step id, layer, routing of its first --max-tokens tokens, tokens per rank
+    [R], zeros where a pass has fewer tokens than ranks)`` of every (batch, layer) holding a token,
+    the selected steps each a batch (``routing.steps.step_batches``; merged: one batch of them all)."""
     from moonep_sim.routing.steps import read_layer, step_batches
 
     batches = step_batches(trace.steps(), int(trace.meta.num_tokens), getattr(args, "steps", None))
@@ -119,7 +119,7 @@ def _replay_items(args: argparse.Namespace, trace, layers: list[int], R: int) ->
             tpr[: T % R] += 1
             items.append((bi, step_id, li, lr.take(0, T), tpr))
     require(len(items) >= 1, "the selected steps and layers must hold at least one token")
-    return batches, items
+    return items
 
 
 def _rank_inputs(args: argparse.Namespace, items: list, homes: dict[str, np.ndarray], rank: int,
@@ -159,17 +159,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     from moonep_sim.strategies import PlanContext, planner
 
     rank, R = dist.get_rank(), dist.get_world_size()
-    names = [n.strip() for n in str(args.strategy).split(",") if n.strip()]
-    require(len(names) >= 1 and len(set(names)) == len(names),
-            f"--strategy ({args.strategy!r}) must name one or more distinct strategies, comma-separated")
+    names = strategy_names(args)   # (the numbers: check_args, which main runs first)
     trace = Trace(args.trace)
     meta = trace.meta
     require(meta.kind == "tokens", f"trace kind ({meta.kind!r}) must be 'tokens' for a replay (routing per token)")
     E, K, H, F = meta.num_experts, meta.top_k, args.hidden, args.ffn
-    require(H >= 1 and F >= 1, f"hidden ({H}) and ffn ({F}) must be >= 1")
-    require(args.iters >= 1 and args.warmup >= 0, f"iters ({args.iters}) must be >= 1 and warmup ({args.warmup}) >= 0")
     layers = parse_layers(args.layers, trace)
-    batches, items = _replay_items(args, trace, layers, R)
+    items = _replay_items(args, trace, layers, R)
     capacity = int(max(int(it[4].max()) for it in items))
     dtype = _DTYPES[args.dispatch_dtype]
     opts = args.options if getattr(args, "options", None) is not None else strategy_opts(names, args.opt)
@@ -201,14 +197,13 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
                     chk = (_check(rank, buf, step, inp, params, capacity, args.backward, dtype, dense_moe)
                            if inp.full_w is not None else None)
                     entries[(si, j)] = _layer_entry(buf, step, inp.lr, chk)
-    return _gather_reports(args, names, bufs, items, (layers, batches), times, entries)
+    return _gather_reports(args, names, bufs, items, layers, times, entries)
 
 
-def _gather_reports(args: argparse.Namespace, names: list[str], bufs: dict, items: list, where: tuple,
+def _gather_reports(args: argparse.Namespace, names: list[str], bufs: dict, items: list, layers: list[int],
                     times: np.ndarray, entries: dict) -> dict[str, Any] | None:
     """Every rank's phase times ``times[strategy, item, iteration, phase]`` and weight fetches
     gathered on rank 0 and turned into the reports (None on the other ranks)."""
-    layers, batches = where
     rank, R = dist.get_rank(), dist.get_world_size()
     S, L = len(names), len(items)
     # every rank's per-iteration phase times -> rank 0
@@ -240,7 +235,7 @@ def _gather_reports(args: argparse.Namespace, names: list[str], bufs: dict, item
             e["phase_ms_median"] = {name_: float(np.median(t_RIP[:, :, p].max(axis=0))) * 1e3
                                     for p, name_ in enumerate(PHASES)}
             per_layer.append(e)
-        reps[name] = _report(args, bufs[name], name, layers, batches, per_layer)
+        reps[name] = _report(args, bufs[name], name, layers, per_layer)
     if S == 1:
         return reps[names[0]]
     from moonep_sim.analysis.measured_verdict import measured_verdict, replay_where
@@ -299,7 +294,7 @@ def _layer_entry(buf, step: dict[str, Any], lr, checked: dict[str, Any] | None) 
     return e
 
 
-def _report(args, buf, name: str, layers: list[int], batches: list, per_layer: list[dict[str, Any]]) -> dict[str, Any]:
+def _report(args, buf, name: str, layers: list[int], per_layer: list[dict[str, Any]]) -> dict[str, Any]:
     """One strategy's report; ``per_layer`` holds one entry per (step, layer) (``layer``: the stored
     position, ``layer_id``: the model layer id, ``step``: the trace's step, None when merged)."""
     from moonep_sim.analysis.stepstats import aggregate, batch_weights
@@ -405,11 +400,11 @@ def _summary(rep: dict[str, Any]) -> str:
 
 def _summaries(rep: dict[str, Any]) -> str:
     """Each strategy's summary, then the measured verdict when several were interleaved."""
-    from moonep_sim.analysis.measured_verdict import verdict_text
+    from moonep_sim.analysis.verdict import verdict_line
 
     lines = [_summary(r) for r in _each(rep)]
     if rep.get("verdict"):
-        lines.append(verdict_text(rep["verdict"]))
+        lines.append("measured " + verdict_line(rep["verdict"]))
     return "\n".join(lines)
 
 

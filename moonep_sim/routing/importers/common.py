@@ -148,18 +148,6 @@ def model_of(opts: ImportOptions):
     return resolve_model(opts.model)
 
 
-def model_meta(opts: ImportOptions) -> dict[str, Any]:
-    """TraceMeta fields naming the model: ``model`` (a preset's name) or ``model_spec`` (the shape of a
-    model that is not a preset; ``Trace.model()`` reads either)."""
-    m = model_of(opts)
-    if m is None:
-        return {}
-    from moonep_sim.models import PRESETS, model_fields
-    if PRESETS.get(m.name) == m:
-        return {"model": m.name}
-    return {"model": None, "model_spec": model_fields(m)}   # `model` names presets only
-
-
 def resolve_experts(where: str, opts: ImportOptions, in_file: Any, ids: np.ndarray | None,
                     report: dict) -> tuple[int, bool]:
     """E from the command line, the file's metadata and the model (must agree), else inferred from

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 
 from moonep_sim.routing.importers.common import (ImportOptions, Imported, attribution, check_top_k, err, is_int,
-                                                 load_json, model_meta, model_of, resolve_experts)
+                                                 load_json, model_of, resolve_experts)
 from moonep_sim.routing.importers.registry import Importer, Sniff, register
-from moonep_sim.routing.trace import TraceMeta
+from moonep_sim.routing.trace import TraceMeta, model_meta
 
 
 def sniff(s: Sniff) -> bool:
@@ -61,7 +61,7 @@ def load_counts(path: Path, fmt: str, opts: ImportOptions) -> Imported:
     meta = TraceMeta(kind="counts", num_experts=E, top_k=int(K), layer_ids=[layer_ids[i] for i in order],
                      num_tokens=T, steps="counts aggregated over all tokens (one step)",
                      source=f"imported from {path.name} (counts-json)", attribution=attribution(path),
-                     import_report=report, num_experts_inferred=inferred, **model_meta(opts))
+                     import_report=report, num_experts_inferred=inferred, **model_meta(opts.model))
     return Imported(meta, {"counts": counts_LE[order]})
 
 

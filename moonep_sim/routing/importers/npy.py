@@ -13,9 +13,9 @@ import numpy as np
 
 from moonep_sim.errors import TraceFormatError
 from moonep_sim.routing.importers.common import (ImportOptions, Imported, attribution, check_top_k, err,
-                                                 model_meta, resolve_experts, sanity_warnings)
+                                                 resolve_experts, sanity_warnings)
 from moonep_sim.routing.importers.registry import Importer, Sniff, register
-from moonep_sim.routing.trace import TraceMeta
+from moonep_sim.routing.trace import TraceMeta, find_bad_token, model_meta
 
 
 def sniff(s: Sniff) -> bool:
@@ -122,15 +122,11 @@ def load_npy(path: Path, fmt: str, opts: ImportOptions) -> Imported:
     E, inferred = resolve_experts(where, opts, None, ids, report)
     check_top_k(where, K, opts)
     ids_LTK = np.ascontiguousarray(ids.transpose(1, 0, 2)).astype(np.int64)
-    bad = (ids_LTK < 0) | (ids_LTK >= E)
-    if bad.any():
-        l, t = np.unravel_index(int(np.argmax(bad.any(axis=2))), (L, T))
-        raise err(where, f"token {t}: layer {l}: topk_ids: expected ids in [0, {E}), found {ids_LTK[l, t].tolist()}")
-    s = np.sort(ids_LTK, axis=2)
-    dup = (s[:, :, 1:] == s[:, :, :-1]).any(axis=2)
-    if dup.any():
-        l, t = np.unravel_index(int(np.argmax(dup)), (L, T))
-        raise err(where, f"token {t}: layer {l}: topk_ids: expected distinct experts, found {ids_LTK[l, t].tolist()}")
+    bad = find_bad_token(ids_LTK.reshape(L * T, K), E)
+    if bad is not None:
+        l, t = divmod(bad[1], T)
+        expected = f"ids in [0, {E})" if bad[0] == "range" else "distinct experts"
+        raise err(where, f"token {t}: layer {l}: topk_ids: expected {expected}, found {ids_LTK[l, t].tolist()}")
     if "topk_weights" in extra:
         w = extra["topk_weights"]
         if w.shape != (T, L, K) and not (w.ndim == 2 and L == 1 and w.shape == (T, K)):
@@ -147,13 +143,14 @@ def load_npy(path: Path, fmt: str, opts: ImportOptions) -> Imported:
         w_LTK = np.full((L, T, K), 1.0 / K, np.float32)
         report["weights"] = "absent in the source: set to 1/K"
     tensors = {"topk_ids": ids_LTK, "topk_weights": w_LTK}
-    steps = "one step holds all tokens"
+    steps, step_T = "one step holds all tokens", None
     if "step" in extra:
         st = extra["step"]
         if st.shape != (T,) or st.dtype.kind not in "iu" or (T > 1 and (np.diff(st) < 0).any()):
             raise err(where, f"step: expected non-decreasing integers of shape [{T}], found shape "
                               f"{list(st.shape)} dtype {st.dtype}")
-        tensors["step"] = st.astype(np.int32)
+        step_T = np.unique(st, return_inverse=True)[1].reshape(-1)   # dense 0..S-1, order kept
+        tensors["step"] = step_T.astype(np.int32)
         steps = "step tensor from the source"
     layer_ids = list(range(L))
     if "layer_ids" in extra:
@@ -162,18 +159,13 @@ def load_npy(path: Path, fmt: str, opts: ImportOptions) -> Imported:
             raise err(where, f"layer_ids: expected {L} integers, found shape {list(li.shape)} dtype {li.dtype}")
         layer_ids = [int(x) for x in li]
     report["tokens"], report["layers"] = T, L
-    step_T = tensors["step"].astype(np.int64) if "step" in tensors else None
-    if step_T is not None:
-        _, step_T = np.unique(step_T, return_inverse=True)
-        step_T = step_T.reshape(-1)
-        tensors["step"] = step_T.astype(np.int32)
     report["warnings"] = report.get("warnings", []) + sanity_warnings(ids_LTK, step_T, E, layer_ids,
                                                                        opts.dominant_share)
     if not report["warnings"]:
         del report["warnings"]
     meta = TraceMeta(kind="tokens", num_experts=E, top_k=K, layer_ids=layer_ids, num_tokens=T,
                      steps=steps, source=f"imported from {path.name} (npy)", attribution=attribution(path),
-                     import_report=report, num_experts_inferred=inferred, **model_meta(opts))
+                     import_report=report, num_experts_inferred=inferred, **model_meta(opts.model))
     return Imported(meta, tensors)
 
 

@@ -47,9 +47,9 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from moonep_sim.routing.importers.common import (FIELDS, QUIET_FIELDS, REQUIRED_ROLES, ImportOptions, Imported,
-                                                 attribution, check_top_k, err, first_true, is_int, model_meta, pick,
+                                                 attribution, check_top_k, err, first_true, is_int, pick,
                                                  resolve_experts, sanity_warnings, set_ids)
-from moonep_sim.routing.trace import TraceMeta
+from moonep_sim.routing.trace import TraceMeta, find_bad_token, model_meta
 
 MAX_BLOCKS_LISTED = 20
 
@@ -432,7 +432,7 @@ def load_records(path: Path, fmt: str, opts: ImportOptions) -> Imported:
     meta = TraceMeta(kind="tokens", num_experts=E, top_k=K, layer_ids=layer_ids, num_tokens=T, steps=steps,
                      source=f"imported from {path.name} ({fmt})" + (f"; model {src_model}" if src_model else ""),
                      attribution=attribution(path), import_report=report, num_experts_inferred=inferred,
-                     **model_meta(opts))
+                     **model_meta(opts.model))
     return Imported(meta, tensors)
 
 
@@ -450,15 +450,11 @@ def _check_against_meta(where: str, r: dict, meta_line: dict, opts: ImportOption
         raise err(where, f"record {line[0]}: {names['ids']}: expected {mk} ids (meta top_k), found {K}: "
                          "metadata contradicts the records")
     check_top_k(where, K, opts)
-    bad = (ids < 0) | (ids >= E)
-    if bad.any():
-        i = first_true(bad.any(axis=1))
-        raise err(where, f"record {line[i]}: {names['ids']}: expected ids in [0, {E}), found {ids[i].tolist()}")
-    s = np.sort(ids, axis=1)
-    dup = (s[:, 1:] == s[:, :-1]).any(axis=1)
-    if dup.any():
-        i = first_true(dup)
-        raise err(where, f"record {line[i]}: {names['ids']}: expected distinct experts, found {ids[i].tolist()}")
+    bad = find_bad_token(ids, E)
+    if bad is not None:
+        i = bad[1]
+        expected = f"ids in [0, {E})" if bad[0] == "range" else "distinct experts"
+        raise err(where, f"record {line[i]}: {names['ids']}: expected {expected}, found {ids[i].tolist()}")
     for arr, role in ((tok, "token"), (lay, "layer")):
         if (arr < 0).any():
             i = first_true(arr < 0)

@@ -39,12 +39,13 @@ class AttentionKind:
     has_op: bool = True
 
     def params(self, model: ModelSpec) -> int:
-        """Weights of one layer's attention projections (elements)."""
-        return 0
+        """Weights of one layer's attention projections (elements): its GEMMs' (:meth:`gemm_parts`)."""
+        return sum(n * k for n, k in self.gemm_parts(model))
 
     def gemm_parts(self, model: ModelSpec) -> tuple[tuple[int, int], ...]:
-        """The projections as GEMMs, (n, k) each (their n x k sum to :meth:`params`); () = priced as
-        one GEMM of equal FLOPs. A measured GEMM table reads each at its own shape."""
+        """The projections as GEMMs, (n, k) each; () or parts whose n x k do not sum to
+        :meth:`params` = priced as one GEMM of equal FLOPs. A measured GEMM table reads each at its
+        own shape."""
         return ()
 
     def kv_elems_per_token(self, model: ModelSpec) -> int:

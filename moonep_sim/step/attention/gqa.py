@@ -29,11 +29,6 @@ class GQA(AttentionKind):
         """(QK width, V width) per head of the core."""
         return model.head_dim, model.head_dim
 
-    def params(self, model: ModelSpec) -> int:
-        H, n, hd = model.hidden, model.heads, model.head_dim
-        kv = model.kv_heads or n
-        return H * n * hd + 2 * H * kv * hd + n * hd * H
-
     def gemm_parts(self, model: ModelSpec) -> tuple[tuple[int, int], ...]:
         H, n, hd = model.hidden, model.heads, model.head_dim
         return ((n * hd + 2 * (model.kv_heads or n) * hd, H), (H, n * hd))

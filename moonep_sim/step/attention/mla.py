@@ -27,12 +27,6 @@ class MLA(GQA):
             return model.kv_lora_rank + model.qk_rope_dim, model.kv_lora_rank
         return model.head_dim + model.qk_rope_dim, model.v_head_dim or model.head_dim
 
-    def params(self, model: ModelSpec) -> int:
-        H, n, hd = model.hidden, model.heads, model.head_dim
-        rope, v = model.qk_rope_dim, model.v_head_dim or hd
-        q = (H * model.q_lora_rank + model.q_lora_rank * n * (hd + rope)) if model.q_lora_rank else H * n * (hd + rope)
-        return q + H * (model.kv_lora_rank + rope) + model.kv_lora_rank * n * (hd + v) + n * v * H
-
     def gemm_parts(self, model: ModelSpec) -> tuple[tuple[int, int], ...]:
         H, n, hd = model.hidden, model.heads, model.head_dim
         rope, v, ql, kl = model.qk_rope_dim, model.v_head_dim or hd, model.q_lora_rank, model.kv_lora_rank
