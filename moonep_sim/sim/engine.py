@@ -145,6 +145,39 @@ class Span(NamedTuple):
     end_us: float
 
 
+class AllOrAny(simpy.Event):
+    """Fires once all of ``events`` fired (``need_all``; simpy's ``AllOf``) or once one of them did
+    (simpy's ``AnyOf``), failing as soon as one fails: simpy's ``Condition`` without the
+    ``ConditionValue`` it builds when it fires (the engine never reads it). The event is scheduled
+    at the same moment a Condition's is, so runs are unchanged; created, fired by two events and
+    processed it takes 3.4 us against 4.3 for simpy's (there is one per rank and hop side, and
+    per relayed hop chunk)."""
+
+    def __init__(self, env: simpy.Environment, events: Sequence[simpy.Event], need_all: bool):
+        super().__init__(env)
+        self._left = len(events) if need_all else 1
+        if not events:
+            self.succeed()
+            return
+        for ev in events:
+            if ev.callbacks is None:   # processed already: counted now
+                self._check(ev)
+            else:
+                ev.callbacks.append(self._check)
+
+    def _check(self, ev: simpy.Event) -> None:
+        # (simpy's public Event API only: triggered, ok, defused, value)
+        if self.triggered:
+            return
+        if not ev.ok:
+            ev.defused = True
+            self.fail(ev.value)
+        else:
+            self._left -= 1
+            if self._left == 0:
+                self.succeed()
+
+
 class StepSim:
     """One simpy run over a sequence of (plan, direction) stages chained per rank.
 
@@ -316,7 +349,7 @@ class StepSim:
         if pre:
             procs = [env.process(self._hop(r, pre, h, None, prefix, d.pre_copy[h][r], d.post_copy[h][r], kern))
                      for h in range(len(pre))]
-            yield env.all_of(procs)
+            yield AllOrAny(env, procs, True)
         if not self.opts.overlap_prefetch:
             yield from self._send_weights(d, r, prefix, wts)
 
@@ -390,7 +423,7 @@ class StepSim:
             pid = item.pid
             tag = net.phase_tag(pid)
             if h > 0 and relay is not None:
-                yield env.any_of([self._first_message((si, side, h - 1, j, r)).event, done[h - 1][j]])
+                yield AllOrAny(env, [self._first_message((si, side, h - 1, j, r)).event, done[h - 1][j]], False)
             elif h > 0:
                 yield done[h - 1][j]
             elif first_gate is not None:
@@ -434,7 +467,7 @@ class StepSim:
                 gate = Gate.DISPATCH
             if j == 0 and wts:
                 t_before = env.now
-                yield env.all_of([self.net.received(w.pid, r) for w in wts])
+                yield AllOrAny(env, [self.net.received(w.pid, r) for w in wts], True)
                 if d.w_post_R is not None and d.w_post_R[r] > 0:
                     yield from self._timed(r, self._work(r, float(d.w_post_R[r])), prefix + "copy", PhaseKind.COPY,
                                            d.direction)
@@ -467,9 +500,9 @@ class StepSim:
             procs = [env.process(self._hop(r, post, h, gate, prefix, d.post_pre_copy[h][r], d.post_post_copy[h][r],
                                            kern))
                      for h in range(len(post))]
-            yield env.all_of(procs)
+            yield AllOrAny(env, procs, True)
         if aft:
-            yield env.all_of([self.net.received(a.pid, r) for a in aft])
+            yield AllOrAny(env, [self.net.received(a.pid, r) for a in aft], True)
         yield comp_done[-1]
         self.stage_end[si, r] = env.now
         fin.succeed()
@@ -480,5 +513,5 @@ def _as_lists(mats: list | None) -> list | None:
     return None if mats is None else [m.tolist() for m in mats]
 
 
-__all__ = ["FirstMessage", "Gate", "KernelTerms", "PhaseRows", "PhaseTag", "Side", "Span",
+__all__ = ["AllOrAny", "FirstMessage", "Gate", "KernelTerms", "PhaseRows", "PhaseTag", "Side", "Span",
            "Stage", "StepSim", "collector_paused"]
