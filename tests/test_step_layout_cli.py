@@ -35,6 +35,8 @@ def _status(argv, capsys):
     (["--gpus", "8"], r"--gpus applies to a layout"),
     (["--dp", "2", "--ep", "2", "--tokens-per-rank", "64"], r"tokens per rank \(64\) is set by the layout in train"),
     (["--sequence-parallel", "--dp", "2"], r"sequence parallel needs tp >= 2"),
+    (["--overlap-moe-expert-parallel-comm", "--pp", "2", "--ep", "2", "--gpus", "4"],
+     r"overlap_moe_expert_parallel_comm needs the interleaved pp schedule with vpp >= 2"),
     (["--dp", "2", "--ep", "2", "--gantt", "{tmp}/g.png"], r"--gantt .* not available under a layout"),
     (["--tp", "2", "--gpus", "7"], r"--gpus \(7\) must be a multiple of tp x cp x pp \(2\) to derive --dp"),
     (["--search", "--tp", "2", "--gpus", "8"], r"--tp is chosen by --search"),
