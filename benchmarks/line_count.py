@@ -66,6 +66,8 @@ CAPABILITY_BRANCHES = {
     "costs": "measured op costs, kernel families",
     "proxies": "host-proxy transports, kernel families",
     "uccl": "host-proxy transports: per-call cost and throughput on EFA",
+    "p5rows": "host-proxy transports: the per-layer EFA check",
+    "a2aoverlap": "pipeline schedules: the EP all-to-all overlap of interleaved pipelines",
     "serve": "serving: requests, batching, SLOs, deployment search",
     "usercli": "the command line's first hour: progress, output rules, checks before work",
     "hostile": "bad input refused in one line",

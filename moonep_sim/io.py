@@ -467,6 +467,30 @@ def read_config_bytes(path: PathLike, what: str, kind: str) -> bytes:
     return raw
 
 
+try:  # the one TOML reader of the package (read_toml, data_toml)
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, published as tomli
+    import tomli as tomllib
+
+
+def read_toml(path: PathLike, what: str) -> dict[str, Any]:
+    """A TOML config file, parsed: refused in one line naming ``what`` and the path where
+    :func:`read_config_bytes` refuses it, or where it is not UTF-8 or not valid TOML."""
+    raw = read_config_bytes(path, what, "TOML")
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
+        raise ConfigError(f"{what} ({path}) must be valid TOML: {e}") from None
+
+
+def data_toml(name: str) -> dict[str, Any]:
+    """The TOML file ``name`` shipped in ``moonep_sim/data``, parsed (the package's own data: a
+    parse error there is a packaging fault, not bad input)."""
+    from importlib import resources
+
+    return tomllib.loads(resources.files("moonep_sim.data").joinpath(name).read_text())
+
+
 def _first_non_finite(obj: Any, path: str = "") -> str | None:
     if isinstance(obj, float) and not math.isfinite(obj):
         return f"{path or 'the value'} ({obj})"

@@ -412,22 +412,14 @@ def model_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json", nam
 
 
 def _read_model_file(path: Path) -> ModelSpec:
-    from moonep_sim.io import read_config_bytes
+    from moonep_sim.io import read_config_bytes, read_toml
 
     where = str(path)
-    toml = path.suffix.lower() == ".toml"
-    raw = read_config_bytes(path, "model", "TOML" if toml else "JSON")
-    if toml:
-        try:
-            import tomllib
-        except ModuleNotFoundError:   # Python < 3.11
-            import tomli as tomllib
-        try:
-            doc = tomllib.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
-            raise ConfigError(f"{where}: expected a TOML model file, found invalid TOML ({e})") from None
+    if path.suffix.lower() == ".toml":
+        doc = read_toml(path, "model")
         doc = doc.get("model", doc) if isinstance(doc.get("model"), dict) else doc
     else:
+        raw = read_config_bytes(path, "model", "JSON")
         try:
             doc = json.loads(raw)  # a NaN / Infinity is refused by the field it stands in
         except (UnicodeDecodeError, ValueError, RecursionError) as e:

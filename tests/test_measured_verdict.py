@@ -137,10 +137,14 @@ def test_a_real_replay_names_the_weight_copies_moonep_pays():
     assert v == res.to_dict()["verdict"]
     moon = res.to_dict()["strategies"]["moonep"]
     assert moon["per_layer"][0]["weight_copies"] >= 1 and "phase_ms_median" in moon["per_layer"][0]
+    assert "measured on local gloo (2 processes, hidden 1024" in v["why"]
+    assert v["phases_us"]["moonep"]["prefetch"] > v["phases_us"]["alltoall"]["prefetch"]
+    if v["tie"]:   # measured times on a loaded machine may tie: the verdict then names no winner's mechanism
+        assert {v["winner"], *v["tied_with"]} == {"alltoall", "moonep"}
+        return
     assert v["winner"] == "alltoall" and v["runner_up"] == "moonep"
     assert v["mechanism"] == "weight copies", v["terms_us"]
-    assert "measured on local gloo (2 processes, hidden 1024" in v["why"] and "moonep copies 1 expert" in v["why"]
-    assert v["phases_us"]["moonep"]["prefetch"] > v["phases_us"]["alltoall"]["prefetch"]
+    assert "moonep copies 1 expert" in v["why"]
 
 
 @pytest.mark.slow

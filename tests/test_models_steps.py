@@ -59,7 +59,7 @@ def test_model_files(tmp_path):
     ('num_experts = 8\ntop_k = 2\nhidden = 64\nexpert_ffn = 32\nhiden = 3\n', r"field \('hiden'\) must be one of"),
     ('num_experts = 8\ntop_k = 9\nhidden = 64\nexpert_ffn = 32\n', r"top_k \(9\) must be <= num_experts \(8\)"),
     ('num_experts = "8"\ntop_k = 2\nhidden = 64\nexpert_ffn = 32\n', r"num_experts \('8'\) must be an integer"),
-    ('num_experts = [', r"expected a TOML model file"),
+    ('num_experts = [', r"model \(.*bad\.toml\) must be valid TOML"),
 ])
 def test_bad_model_files(tmp_path, text, match):
     f = tmp_path / "bad.toml"

@@ -206,7 +206,7 @@ def test_toml_round_trip_and_bad_values(tmp_path):
     t = replace(BASE, nvlink_duplex="half", nic_duplex="half", nic_attach="node", host_cores=2.0,
                 host_message_us=7.0, host_copy_bandwidth_GBps=3.0,
                 gpu_slot_us=5.0, gpu_padding_compute=0.0, plan_measured_factor=1.0, plan_routing_bytes_per_entry=16.0)
-    import tomllib
+    from moonep_sim.io import tomllib
     back = topology_from_dict(tomllib.loads(t.to_toml()), "x")
     assert replace(back, path="") == t
     with pytest.raises(ConfigError, match="nvlink_duplex .'quarter'. must be one of full, half"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,14 @@ def test_toml_round_trip_and_override(tmp_path):
     assert u.fabric_oversubscription == 2.0 and u.gpus_per_node == 4
     assert {k: v for k, v in u.constants().items() if k not in ("fabric_oversubscription", "gpus_per_node")} == \
         {k: v for k, v in t.constants().items() if k not in ("fabric_oversubscription", "gpus_per_node")}
+
+
+def test_toml_round_trip_of_awkward_strings(tmp_path):
+    t = replace(load_topology("h800-cx7"), description='a "quoted" C:\\path\nand a second line, µs',
+                sources={"nic_bandwidth_GBps": 'ib_write_bw "-s 1M" \\ 2026', "gpu_tflops": "spec sheet"})
+    f = tmp_path / "awkward.toml"
+    f.write_text(t.to_toml(), encoding="utf-8")
+    assert replace(load_topology(str(f)), path="") == replace(t, path="")
 
 
 def test_local_gloo_prefers_the_calibrated_file(tmp_path, monkeypatch):

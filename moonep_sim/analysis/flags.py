@@ -156,15 +156,12 @@ def native_flags(options: Mapping[str, Mapping[str, Any]], topology: str | None)
     (``moonep_sim/data/native-kernels.toml``, the table ``moonep_sim.experiments.clusters`` reads);
     and ``host-proxy`` flags naming a CPU-proxy family's cost per RDMA message (the mechanism that
     slows it); [] for a preset the table does not list."""
-    import tomllib
-    from importlib import resources
-
     from moonep_sim.errors import ConfigError
+    from moonep_sim.io import data_toml
     from moonep_sim.plan.kernel import FAMILIES
     from moonep_sim.strategies import get_strategy
 
-    doc = tomllib.loads(resources.files("moonep_sim.data").joinpath("native-kernels.toml").read_text())
-    nat = {e["preset"]: e for e in doc["native"]}.get(topology or "")
+    nat = {e["preset"]: e for e in data_toml("native-kernels.toml")["native"]}.get(topology or "")
     if nat is None:
         return []
     out = []

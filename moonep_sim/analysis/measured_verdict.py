@@ -37,8 +37,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from moonep_sim.analysis.verdict import (MECHANISMS, attribute, confidence, explain, fmt_time, terms,
-                                            tie_sentence)
+from moonep_sim.analysis.stepstats import batch_weights
+from moonep_sim.analysis.verdict import MECHANISMS, confidence, fmt_time, reading, terms
 
 #: the measured phases each term is read from (replay_rank.PHASES: dispatch includes exchange and plan)
 PHASE_TERMS = {"planning": "exchange + plan", "weight copies": "prefetch",
@@ -54,8 +54,6 @@ _FIG_KEYS = ("inter_node_bytes", "intra_node_bytes", "rows_max", "rows_mean", "c
 def _item_weights(per_layer: Sequence[Mapping[str, Any]]) -> np.ndarray:
     """Weight of each (step, layer) entry: its step's token weight over that step's layer count
     (so a figure is the token-weighted mean over steps of the mean over layers, as the time is)."""
-    from moonep_sim.analysis.stepstats import batch_weights
-
     bis = sorted({int(e["batch"]) for e in per_layer})
     tok = [next(int(e["tokens"]) for e in per_layer if int(e["batch"]) == b) for b in bis]
     wb = dict(zip(bis, batch_weights(tok)))
@@ -95,8 +93,6 @@ def measured_figures(rep: Mapping[str, Any]) -> dict[str, Any]:
 def _units(reps: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, list[float]], list[float] | None, str]:
     """strategy -> measured time per unit (us), their weights, and the unit's name: one sample per
     iteration for one step, else per (step, iteration) pair, weighted by the step's tokens."""
-    from moonep_sim.analysis.stepstats import batch_weights
-
     first = next(iter(reps.values()))
     bis = sorted({int(e["batch"]) for e in first.get("per_layer") or []})
     if len(bis) <= 1:
@@ -138,35 +134,23 @@ def measured_verdict(reps: Mapping[str, Mapping[str, Any]], *, where: str = "") 
     series, weights, unit = _units(reps)
     samples = {n: reps[n]["layer_ms_samples"] for n in order}
     sign = {frozenset((p["faster"], p["slower"])): p for p in resolved_pairs(samples, ALPHA)}
-    others = []
-    for r in order[1:]:
-        margin = times[r] / times[w] - 1.0 if times[w] > 0 else 0.0
-        mech, share, tw, tr = attribute(figs[w], figs[r])
+    n_it = len(samples[w])
+
+    def conf_of(r: str, margin: float) -> dict[str, Any]:
+        """The confidence over the units, then the sign test over matched iterations: a pair it
+        does not resolve is a measured tie."""
         conf = confidence(series, w, r, margin, unit, weights)
         p = sign[frozenset((w, r))]
         resolved = bool(p["resolved"]) and p["faster"] == w
-        n_it = len(samples[w])
         conf = dict(conf, sign_test={"p": p["p"], "resolved": resolved, "iterations": n_it, "alpha": ALPHA},
                     basis=f"{conf['basis']}; sign test over {n_it} matched iterations: p={p['p']:.3g}, "
                           f"{'resolved' if resolved else 'not resolved'} (Holm over {len(sign)} pair(s) at {ALPHA:g})")
         if conf["level"] != "tie" and not resolved:
             conf["level"] = "tie"
-        tie = conf["level"] == "tie"
-        if figs[r]["dropped"] and not figs[w]["dropped"]:
-            tie = False
-            conf = dict(conf, level="drops rows", basis=f"{r} dropped entries: it did less work and never wins")
-            why = f"{at}: {r} drops {figs[r]['dropped']:,.0f} entries per layer and never wins"
-            if margin > 0:
-                why += "; " + explain(mech, w, r, figs[w], figs[r], tw, tr, "layer")
-            else:
-                mech, why = "dropped rows", why + f" (it is faster by {-100 * margin:.1f}%: it did less work)"
-        elif tie:
-            why = f"a measured tie ({at}): " + tie_sentence(w, r, times[w], times[r], "layer", conf, margin)
-        else:
-            why = (f"{at}: " + explain(mech, w, r, figs[w], figs[r], tw, tr, "layer")
-                   + f" (measured {PHASE_TERMS.get(mech, mech)}; of a {fmt_time(times[r] - times[w])} difference per layer)")
-        others.append({"strategy": r, "margin": float(margin), "tie": tie, "confidence": conf,
-                       "mechanism": None if tie else mech, "share": 0.0 if tie else float(share), "why": why})
+        return conf
+
+    others = [reading(w, r, figs, times, lambda m, r=r: conf_of(r, m), "layer", at=at, measured_as=PHASE_TERMS)
+              for r in order[1:]]
     top = others[0]
     return {"winner": w, "runner_up": top["strategy"], "margin": top["margin"], "tie": top["tie"],
             "confidence": top["confidence"], "mechanism": top["mechanism"], "why": top["why"],

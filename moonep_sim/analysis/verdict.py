@@ -376,28 +376,8 @@ def verdict(figs: Mapping[str, Mapping[str, Any]], *, series: Mapping[str, Seque
                 "confidence": {"level": "single strategy", "units": 0, "unit": unit, "basis": "one strategy compared"},
                 "mechanism": None, "why": f"{w} is the only strategy compared", "others": [], "terms_us": {
                     w: terms(figs[w])}}
-    others = []
-    for r in order[1:]:
-        margin = times[r] / times[w] - 1.0 if times[w] > 0 else 0.0
-        mech, share, tw, tr = attribute(figs[w], figs[r])
-        conf = confidence(series, w, r, margin, unit, weights)
-        tie = conf["level"] == "tie"
-        if figs[r].get("dropped") and not figs[w].get("dropped"):
-            tie = False
-            conf = {"level": "drops rows", "units": conf["units"], "unit": unit,
-                    "basis": f"{r} dropped entries: it did less work and never wins"}
-            head = f"{r} drops {figs[r]['dropped']:,.0f} entries per {per} and never wins"
-            if margin <= 0:
-                mech = "dropped rows"
-            why = (head + "; " + explain(mech, w, r, figs[w], figs[r], tw, tr, per) if margin > 0 else
-                   head + f" (it is faster by {-100 * margin:.1f}%: it did less work)")
-        elif tie:
-            why = tie_sentence(w, r, times[w], times[r], per, conf, margin)
-        else:
-            why = explain(mech, w, r, figs[w], figs[r], tw, tr, per)
-            why += f" (of a {fmt_time(times[r] - times[w])} difference per {per})"
-        others.append({"strategy": r, "margin": float(margin), "tie": tie, "confidence": conf,
-                       "mechanism": None if tie else mech, "share": 0.0 if tie else float(share), "why": why})
+    others = [reading(w, r, figs, times, lambda m, r=r: confidence(series, w, r, m, unit, weights), per)
+              for r in order[1:]]
     top = others[0]
     if top["tie"]:  # tied at the top: say what the tied strategies beat, and by what
         nxt = next((o for o in others if not o["tie"]), None)
@@ -410,6 +390,36 @@ def verdict(figs: Mapping[str, Mapping[str, Any]], *, series: Mapping[str, Seque
             "flags": {n: c for n, c in codes.items() if c},
             "tied_with": [o["strategy"] for o in others if o["tie"]], "others": others,
             "terms_us": {n: terms(figs[n]) for n in order}}
+
+
+def reading(w: str, r: str, figs: Mapping[str, Mapping[str, Any]], times: Mapping[str, float], conf_of,
+            per: str, *, at: str = "", measured_as: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Strategy ``r`` read against the winner ``w`` (an entry of a verdict's ``others``): margin,
+    tie, confidence (``conf_of(margin)``), mechanism, its share of the difference and the sentence.
+    ``at``: where a measured verdict's times come from, said in its sentences, which name the
+    measured phase of the mechanism (``measured_as``); empty for a simulated verdict."""
+    margin = times[r] / times[w] - 1.0 if times[w] > 0 else 0.0
+    mech, share, tw, tr = attribute(figs[w], figs[r])
+    conf = conf_of(margin)
+    tie = conf["level"] == "tie"
+    pre = f"{at}: " if at else ""
+    if figs[r].get("dropped") and not figs[w].get("dropped"):
+        tie = False
+        conf = dict(conf if at else {"level": "", "units": conf["units"], "unit": conf["unit"]}, level="drops rows",
+                    basis=f"{r} dropped entries: it did less work and never wins")
+        why = f"{pre}{r} drops {figs[r]['dropped']:,.0f} entries per {per} and never wins"
+        if margin > 0:
+            why += "; " + explain(mech, w, r, figs[w], figs[r], tw, tr, per)
+        else:
+            mech, why = "dropped rows", why + f" (it is faster by {-100 * margin:.1f}%: it did less work)"
+    elif tie:
+        why = (f"a measured tie ({at}): " if at else "") + tie_sentence(w, r, times[w], times[r], per, conf, margin)
+    else:
+        how = f"measured {(measured_as or {}).get(mech, mech)}; " if at else ""
+        why = (pre + explain(mech, w, r, figs[w], figs[r], tw, tr, per)
+               + f" ({how}of a {fmt_time(times[r] - times[w])} difference per {per})")
+    return {"strategy": r, "margin": float(margin), "tie": tie, "confidence": conf,
+            "mechanism": None if tie else mech, "share": 0.0 if tie else float(share), "why": why}
 
 
 # -- hooks: reports ---------------------------------------------------------------------------------
@@ -586,4 +596,4 @@ def step_verdict(strategies: Mapping[str, Mapping[str, Any]],
 
 __all__ = ["MECHANISMS", "STEP_MECHANISMS", "no_fit_verdict", "step_verdict", "TIE", "attribute", "chain_figures", "compare_verdict",
            "confidence", "figures", "layer_series", "mean_figures", "simulate_verdict", "stage_figures",
-           "sweep_verdicts", "terms", "tie_sentence", "verdict", "verdict_line"]
+           "reading", "sweep_verdicts", "terms", "tie_sentence", "verdict", "verdict_line"]

@@ -91,11 +91,11 @@ def winner_map(reports: Sequence[tuple[float, dict[str, Any]]], y_knob: str) -> 
             "cells": rows, "flags": dedup_flags([f for _, r in reports for f in r.get("flags") or []])}
 
 
-def dedup_flags(flags: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The flags of every sweep, each (code, strategy) once."""
+def dedup_flags(flags: list[dict[str, Any]], key: Sequence[str] = ("code", "strategy")) -> list[dict[str, Any]]:
+    """The flags of every sweep (or cluster), each ``key`` (default: code and strategy) once."""
     seen, out = set(), []
     for f in flags:
-        k = (f.get("code"), f.get("strategy"))
+        k = tuple(f.get(x) for x in key)
         if k not in seen:
             seen.add(k)
             out.append(f)

@@ -36,7 +36,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -113,11 +113,8 @@ class CalibrationFit:
         return self.latency_base_us + self.latency_per_peer_us * (nproc - 1)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for k in ("latency_us_P", "proc_gbps_P", "flops_per_s_P", "launch_us_P", "mem_gbps_P", "rowpass_gbps_P",
-                  "fresh_copy_gbps_P"):
-            d[k] = {str(p): v for p, v in d[k].items()}
-        return d
+        """The fit as JSON: the per-P fields (``*_P``) keyed by P as text."""
+        return {k: {str(p): x for p, x in v.items()} if k.endswith("_P") else v for k, v in asdict(self).items()}
 
 
 def fit(measurements: dict[str, list[dict[str, Any]]]) -> CalibrationFit:
@@ -303,13 +300,10 @@ def local_gloo_topology(fit_: CalibrationFit, nproc: int, nprocs_measured: Seque
     bandwidth the measured per-process copy rate. Constants not measured keep the shipped
     preset's values (listed in ``sources``).
     """
-    from dataclasses import replace
-    from importlib import resources
+    from moonep_sim.io import data_toml
+    from moonep_sim.sim.topology import topology_from_dict
 
-    from moonep_sim.sim.topology import tomllib, topology_from_dict
-
-    base = topology_from_dict(tomllib.loads(
-        resources.files("moonep_sim.data").joinpath("topology-local-gloo.toml").read_text()), "preset local-gloo")
+    base = topology_from_dict(data_toml("topology-local-gloo.toml"), "preset local-gloo")
     f = fit_
     near = min(f.proc_gbps_P, key=lambda p: abs(p - nproc))
     bw = f.proc_gbps_P[near] if near == nproc else f.proc_gbps(nproc)

@@ -29,14 +29,13 @@ family whose vendor or transports are not the cluster's).
 from __future__ import annotations
 
 import os
-
-import tomllib
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from importlib import resources
 from typing import Any, Callable, Sequence
 
+from moonep_sim.analysis.winner import dedup_flags
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.io import data_toml
 
 Progress = Callable[[str, int, int], None]
 
@@ -64,8 +63,7 @@ class Native:
 @lru_cache(maxsize=1)
 def native_kernels() -> dict[str, Native]:
     """preset -> :class:`Native`, from ``moonep_sim/data/native-kernels.toml``."""
-    doc = tomllib.loads(resources.files("moonep_sim.data").joinpath("native-kernels.toml").read_text())
-    return {e["preset"]: Native(**e) for e in doc["native"]}
+    return {e["preset"]: Native(**e) for e in data_toml("native-kernels.toml")["native"]}
 
 
 def native_impl(preset: str, strategy: str = "deepep") -> tuple[str | None, str]:
@@ -243,18 +241,9 @@ def compare_clusters(scenarios, topologies: Sequence[str] | str, *, labels: Sequ
     strategies = [n for n, _ in scs[0].resolved.strategies]
     return {"kind": "clusters", "topologies": [t for t, _, _ in plan[0]], "strategies": strategies,
             "ranks": scs[0].resolved.cluster.ranks, "points": points,
-            "flags": _dedupe([f for p in points for r in p["clusters"] for f in r["flags"]]),
+            "flags": dedup_flags([f for p in points for r in p["clusters"] for f in r["flags"]],
+                                 key=("code", "strategy", "topology", "text")),
             "native_kernels": "moonep_sim/data/native-kernels.toml"}
-
-
-def _dedupe(flags: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    seen, out = set(), []
-    for f in flags:
-        key = (f["code"], f.get("strategy"), f.get("topology"), f["text"])
-        if key not in seen:
-            seen.add(key)
-            out.append(f)
-    return out
 
 
 __all__ = ["KERNEL_OPTION", "FIXED_FAMILY", "Native", "call", "check_topologies", "cluster_row", "cluster_scenarios", "compare_clusters",

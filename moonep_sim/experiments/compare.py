@@ -32,12 +32,13 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from moonep_sim.analysis.stepstats import aggregate, batch_weights, routing_key, step_wins
 from moonep_sim.errors import require
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec, custom_model
 from moonep_sim.plan import ClusterShape, RowCosts
 from moonep_sim.experiments.routing import RoutingSource
-from moonep_sim.analysis.verdict import CRITICAL_PARTS, critical_breakdown
+from moonep_sim.analysis.verdict import CRITICAL_PARTS, compare_verdict, critical_breakdown, figures
 
 # -- cluster ----------------------------------------------------------------------------------------
 def check_cluster(source: RoutingSource, ranks: int, gpus_per_node: int, redundant: int = 0) -> ClusterShape:
@@ -60,14 +61,11 @@ def _divisors_hint(E: int) -> str:
 
 
 # -- the simulator, through one narrow door -----------------------------------------------------------
-def __getattr__(name: str):
-    """``load_topology`` is the simulator's (``moonep_sim.sim.topology.load_topology``), re-exported
-    here without importing the simulator until it is asked for."""
-    if name == "load_topology":
-        from moonep_sim.sim.topology import load_topology
+def load_topology(*args: Any, **kw: Any):
+    """The simulator's :func:`moonep_sim.sim.topology.load_topology`, imported when first called."""
+    from moonep_sim.sim.topology import load_topology
 
-        return load_topology
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return load_topology(*args, **kw)
 
 
 def replay_costs(hidden: int, ffn: int) -> RowCosts:
@@ -160,7 +158,6 @@ def _compare_point(pt: Point) -> dict[str, Any]:
     summ = plan.summary()
     res = simulate(plan, pt.topo, pt.model)
     sd = to_jsonable(res.to_dict(), lenient=True)
-    from moonep_sim.analysis.verdict import figures
     entry = {"plan": to_jsonable(summ, lenient=True), "sim": sd, "figures": figures(plan, sd, pt.topo)}
     if pt.local_topo is not None:
         lplan = replace(plan, costs=pt.local_costs)
@@ -209,8 +206,6 @@ def _distinct_points(rs, real: RealOptions | None, local_topo) -> tuple[list[tup
     """Every (batch, layer, strategy) cell of the resolved scenario and the distinct points they
     map to: ``cells[i] = (batch, layer id, strategy, point index)``; identical routings across
     steps share one point."""
-    from moonep_sim.analysis.stepstats import routing_key
-
     source, shape, ctx, topo = rs.source, rs.cluster, rs.ctx, rs.topology
     R = shape.ranks
     cells: list[tuple[int, int, str, int]] = []
@@ -243,8 +238,6 @@ def _strategy_report(opts, mine: list, source, steps: _Steps, topology_name: str
     """One strategy's part of the compare report from its cells' point results ``mine`` =
     ``[(batch, layer id, result)]``: totals, the simulated figures per costed step and weighted
     over them, and every layer entry (``local``: with the local-gloo simulation of a real replay)."""
-    from moonep_sim.analysis.stepstats import aggregate
-
     pos, B, w_B, step_ids, tokens = steps
     ents = [{"layer": lid, "step": source.batches[b][0], **{k: v for k, v in r.items() if k != "_dispatch_RR"}}
             for b, lid, r in mine]
@@ -325,12 +318,9 @@ def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int
     points run in ``jobs`` worker processes or on a Dask ``cluster``
     (:mod:`moonep_sim.experiments.parallel`), with the same report as serially."""
     from moonep_sim.experiments.parallel import run_points
-    from moonep_sim.analysis.stepstats import batch_weights, step_wins
 
     t_start = time.perf_counter()
     source, shape, ctx, topo = rs.source, rs.cluster, rs.ctx, rs.topology
-    from moonep_sim.sim.topology import load_topology
-
     local_topo = load_topology("local-gloo", shape.gpus_per_node) if real is not None else None
     R = shape.ranks
     rep: dict[str, Any] = {
@@ -369,7 +359,6 @@ def compare(rs, *, real: RealOptions | None = None, progress: Callable[[str, int
     rep["steps"]["wins"] = step_wins({n: st[n]["per_step"]["layer_time_us"] for n in st},
                                      excluded=[n for n in st if st[n]["dropped"]])
     from moonep_sim.analysis.flags import compare_flags
-    from moonep_sim.analysis.verdict import compare_verdict
 
     calibration = None   # the local-gloo constants behind a real replay's simulated column
     if real is not None:

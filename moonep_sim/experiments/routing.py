@@ -28,9 +28,10 @@ import numpy as np
 
 from moonep_sim.errors import ConfigError, require
 from moonep_sim.limits import MAX_TOKENS_PER_RANK
-from moonep_sim.models import ModelSpec, custom_model, resolve_model
+from moonep_sim.models import PRESETS, ModelSpec, custom_model, resolve_model
 from moonep_sim.plan import GlobalRouting
-from moonep_sim.routing.trace import LayerRouting
+from moonep_sim.routing.steps import parse_step_mode, read_layer, step_batches
+from moonep_sim.routing.trace import LayerRouting, Trace, TraceMeta, write_trace
 
 GEN_PREFIX = "gen:"
 
@@ -236,16 +237,12 @@ class RoutingSource:
             r = generate_layer(self.num_experts, self.top_k, g.tokens_per_rank * ranks,
                                g.seed * 1009 + int(layer_id), **g.popularity(), **extra)
             return LayerRouting(r.topk_ids_TK, r.topk_weights_TK, self.num_experts, layer_id)
-        from moonep_sim.routing.steps import read_layer
-
         lr = read_layer(self._trace, self._trace.layer_index(layer_id), ranges=self.batches[batch][1])
         return self.transform(lr, int(layer_id), batch) if self.transform is not None else lr
 
     def selected_layer(self, layer_id: int) -> LayerRouting:
         """A trace layer's tokens of every batch, concatenated in token order (what a step model
         splits by :meth:`selected_steps_T`)."""
-        from moonep_sim.routing.steps import read_layer
-
         require(self.num_batches <= 1 or not self._trace.has("token_mask"),
                 f"trace ({self.path}) has a per-layer token mask: its steps cannot be split by token index here "
                 "(select one step with --steps N, or re-import with --drop-incomplete-tokens)")
@@ -297,9 +294,6 @@ class RoutingSource:
         generated or in-memory routing written once, as one step."""
         if self.path is not None:
             return self.path
-        from moonep_sim.models import PRESETS
-        from moonep_sim.routing.trace import TraceMeta, write_trace
-
         layers = [self.layer(i, ranks) for i in self.layer_ids]
         ids = np.stack([l.topk_ids_TK for l in layers]).astype(np.int32)
         w = np.stack([l.topk_weights_TK for l in layers]).astype(np.float32)
@@ -343,8 +337,6 @@ def open_routing(routing: "str | Path | GeneratorSpec | GlobalRouting", layers: 
                 f"model ({m.name}: E={m.num_experts}, K={m.top_k}) must match the routing (E={E}, K={K})")
         return RoutingSource(f"in-memory routing ({routing.num_tokens} tokens)", E, K, m,
                              list(layers)[:1] if layers else [0], tokens=routing.num_tokens, _routing=routing)
-    from moonep_sim.routing.trace import Trace
-
     path = Path(routing)
     require(path.exists(), f"trace ({routing}) must be an existing trace file: no such file (generated routing: "
                            "gen:model=...,maxvio=...,tokens-per-rank=...)")
@@ -365,8 +357,6 @@ def open_routing(routing: "str | Path | GeneratorSpec | GlobalRouting", layers: 
         ids = list(layers)
     else:
         ids = all_ids
-    from moonep_sim.routing.steps import parse_step_mode, step_batches
-
     mode = parse_step_mode(steps)
     batches = step_batches(tr.steps(), int(tr.meta.num_tokens or 0), mode)
     btok = [int(sum(b - a for a, b in rs)) for _, rs in batches]

@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, Callable, Mapping, Sequence
 
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.experiments.compare import (RealOptions, check_cluster, compare, load_topology, run_spec,
+                                            topology_info)
 from moonep_sim.experiments.results import (CompareResult, LayerPlans, PlansResult, ReplayResult, SimulateResult,
                                             SweepResult)
 from moonep_sim.experiments.routing import GeneratorSpec, RoutingSource, open_routing
 from moonep_sim.experiments.spec import DISPATCH_DTYPES, normalise_dtype, parse_cluster, strategy_list
+from moonep_sim.experiments.step import StepOptions, run_step
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
@@ -119,7 +122,6 @@ class Scenario:
 
     def check(self) -> Resolved:
         """Open and check everything (routing, cluster, topology, strategies, options) before any work."""
-        from moonep_sim.experiments.compare import check_cluster, load_topology
         from moonep_sim.strategies import PlanContext
 
         dtype = normalise_dtype(self.dispatch_dtype)  # (token padding: checked when built, checks.py)
@@ -147,13 +149,11 @@ class Scenario:
         if N:  # eplb places the deployment's redundant slots unless told otherwise
             strategies = tuple((n, {**o, "num_redundant": N}) if n == "eplb" and o.get("num_redundant", -1) == -1
                                else (n, o) for n, o in strategies)
-        warn = []
-        if source.merged:
-            warn.append(f"steps merged: {source.trace_steps} recorded steps of the trace costed as one batch of "
-                        f"{source.tokens} tokens that never ran together (the default, --steps each, costs every "
-                        "step on its own)")
+        warn = (f"steps merged: {source.trace_steps} recorded steps of the trace costed as one batch of "
+                f"{source.tokens} tokens that never ran together (the default, --steps each, costs every "
+                "step on its own)",) if source.merged else ()
         return Resolved(source, cluster, PlanContext(cluster, place, costs, self.token_padding, topo), topo,
-                        strategies, dtype, tuple(warn))
+                        strategies, dtype, warn)
 
     # -- plans --------------------------------------------------------------------------------------
     def plans(self, progress: Progress | None = None) -> PlansResult:
@@ -195,10 +195,7 @@ class Scenario:
         with ``seeds`` and ``seed_layer_time_us`` beside it, and the verdict rests on the spread
         over seeds.
         """
-        from dataclasses import replace
-
         from moonep_sim import sim
-        from moonep_sim.experiments.compare import topology_info
         from moonep_sim.analysis.stepstats import aggregate
         from moonep_sim.analysis.verdict import simulate_verdict
 
@@ -259,8 +256,6 @@ class Scenario:
         this scenario's GPUs), which they build, and :func:`~moonep_sim.experiments.step.run_step`'s
         own keywords (model, progress, jobs, cluster, pipeline). One
         :class:`~moonep_sim.experiments.step.StepResult`, or a list for a trace of several steps."""
-        from moonep_sim.experiments.step import StepOptions, run_step
-
         run = {k: options.pop(k) for k in ("model", "progress", "jobs", "cluster", "pipeline") if k in options}
         out = run_step(self, StepOptions(mode, overlap, **options), **run)
         return out[0] if len(out) == 1 else out
@@ -284,7 +279,6 @@ class Scenario:
         global_batch_size, schedules, zeros, top), ``seq`` (the training sequence, default 4096),
         ``progress``, and the step options it prices with (overlap, gemm_dtype, recompute, ...)."""
         from moonep_sim.experiments.layout_search import LayoutSpace, search_layouts
-        from moonep_sim.experiments.step import StepOptions
 
         space = {k: options.pop(k) for k in ("micro_batch_size", "global_batch_size", "schedules", "zeros", "top")
                  if k in options}
@@ -305,12 +299,8 @@ class Scenario:
         ``level="step"``: every strategy's whole step instead (``step``: a
         :class:`~moonep_sim.experiments.step.StepOptions`, default train without overlap), what
         :meth:`step` returns (:mod:`moonep_sim.experiments.step_levels`)."""
-        from moonep_sim.experiments.compare import RealOptions, compare
-
         opts = _step_level(level, step, real=real)
         if opts is not None:
-            from moonep_sim.experiments.step import run_step
-
             out = run_step(self, opts, progress=progress, jobs=jobs, cluster=cluster)
             return out[0] if len(out) == 1 else out
         rs = self.resolved
@@ -321,7 +311,6 @@ class Scenario:
             require(iters >= 1, f"iters ({iters}) must be >= 1")
             require(rs.cluster.ranks == nproc,
                     f"ranks ({rs.cluster.ranks}) must equal nproc ({nproc}) for a real replay: each process is one EP rank")
-            from moonep_sim.experiments.compare import load_topology
             load_topology("local-gloo")
             opts = RealOptions(nproc, timeout_s, hidden, ffn, iters)
         return CompareResult.from_report(compare(rs, real=opts, progress=progress, jobs=jobs, cluster=cluster))
@@ -334,7 +323,6 @@ class Scenario:
         per strategy, and ``verdict``: who won on the local machine and which measured phase made
         the margin (:mod:`~moonep_sim.analysis.measured_verdict`). The ranks receive this
         scenario as one typed spec (:class:`~moonep_sim.experiments.spec.ReplaySpec`, JSON written once)."""
-        from moonep_sim.experiments.compare import run_spec
         from moonep_sim.gloo.launcher import reports_by_strategy
 
         rs = self.resolved
@@ -430,7 +418,6 @@ class Scenario:
 def _step_level(level: str, step: Any, *, real: bool = False, seeds: int = 1):
     """At level step, the step options to run (``step``, default train without overlap; checked:
     typed, no layer-only option given); None at level layer."""
-    from moonep_sim.experiments.step import StepOptions
     from moonep_sim.experiments.step_levels import check_level
 
     if check_level(level) == "layer":

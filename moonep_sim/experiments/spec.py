@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.io import read_config_bytes, write_text_atomic
 
 # -- clusters ----------------------------------------------------------------------------------------
 def parse_cluster(cluster: Any) -> tuple[int | None, int | None]:
@@ -171,15 +172,11 @@ class ReplaySpec:
         return cls(**d)
 
     def write(self, path: str | Path) -> Path:
-        from moonep_sim.io import write_text_atomic
-
         write_text_atomic(path, self.to_json())
         return Path(path)
 
     @classmethod
     def read(cls, path: str | Path) -> "ReplaySpec":
-        from moonep_sim.io import read_config_bytes
-
         p = Path(path)
         raw = read_config_bytes(p, "--spec", "JSON")  # a pipe, a folder, a huge or deeply nested file: one line
         try:

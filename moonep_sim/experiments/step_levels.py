@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from moonep_sim.errors import require
+from moonep_sim.experiments.compare import topology_info
 from moonep_sim.experiments.step import StepOptions, run_step, steps_document
+from moonep_sim.experiments.sweep import at, check_rows, head, setup, winner_of
 
 #: the levels compare, sweep and winner maps run at
 LEVELS = ("layer", "step")
@@ -83,7 +86,7 @@ def point_step(sc, opts: StepOptions, *, jobs: int | None = 1, cluster: str | No
             "aggregate": doc.get("aggregate")}
 
 
-def _report(head: dict[str, Any], names: Sequence[str], options: dict, points: list, runs: list,
+def _report(setup_head: dict[str, Any], names: Sequence[str], options: dict, points: list, runs: list,
             opts: StepOptions, t0: float) -> dict[str, Any]:
     from moonep_sim.analysis.winner import dedup_flags
 
@@ -95,7 +98,7 @@ def _report(head: dict[str, Any], names: Sequence[str], options: dict, points: l
                 out_s[n][k].append(f.get(k))
             out_s[n]["figures"].append(f)
     first = runs[0]["setup"] if runs else {}
-    rep = dict(head, level="step", step=dict(opts.to_dict(), context=first.get("context"),
+    rep = dict(setup_head, level="step", step=dict(opts.to_dict(), context=first.get("context"),
                                              tokens_per_rank=first.get("tokens_per_rank")),
                points=points, strategies=out_s, verdicts=[r["verdict"] for r in runs],
                aggregates=[r.get("aggregate") for r in runs], standin_skew=first.get("standin_skew"),
@@ -107,9 +110,6 @@ def _report(head: dict[str, Any], names: Sequence[str], options: dict, points: l
 def step_sweep(sc, ax, opts: StepOptions, *, progress: Callable[[str, int, int], None] | None = None,
                jobs: int | None = 1, cluster: str | None = None) -> dict[str, Any]:
     """A generated sweep (``ax``: :class:`~moonep_sim.experiments.sweep.SweepAxis`) at step level."""
-    from moonep_sim.experiments.compare import topology_info
-    from moonep_sim.experiments.sweep import head, setup
-
     t0 = time.perf_counter()
     require(opts.tokens_per_rank is None, "step tokens per rank must not be set in a sweep: the generator spec's "
                                           "tokens per rank (--tokens-per-rank) set the batch")
@@ -167,8 +167,7 @@ def trace_step_sweep(sc, over: str, values: Sequence[float] | None, opts: StepOp
                      cluster: str | None = None) -> dict[str, Any]:
     """A sweep over a trace (:mod:`moonep_sim.experiments.trace_sweep`'s knobs and points) at step
     level; ``fixed``: other knobs held (a winner map's row)."""
-    from moonep_sim.experiments.compare import topology_info
-    from moonep_sim.experiments.trace_sweep import head, knob_name, point, valid_values
+    from moonep_sim.experiments.trace_sweep import head as trace_head, knob_name, point, valid_values
 
     t0 = time.perf_counter()
     require(opts.tokens_per_rank is None, "tokens per rank must not be given with a trace: the trace's tokens over "
@@ -187,15 +186,13 @@ def trace_step_sweep(sc, over: str, values: Sequence[float] | None, opts: StepOp
         points.append({"value": float(v), **rec, "topology": topology_info(rs.topology)})
     if progress:
         progress("done", len(vals), len(vals))
-    return _report(dict(head(rs0, over, vals, left_out, fixed, seed), warnings=list(rs0.warnings)),
+    return _report(dict(trace_head(rs0, over, vals, left_out, fixed, seed), warnings=list(rs0.warnings)),
                    [n for n, _ in rs0.strategies], dict(rs0.strategies), points, runs, opts, t0)
 
 
 def check(sc, over: str, values: Sequence[float] | None, opts: StepOptions, *, by: str | None = None,
           by_values: Sequence[float] | None = None, maxvio: float | None = None) -> None:
     """Every point (every cell, with ``by``) of a step-level sweep checked before any work."""
-    from moonep_sim.experiments.sweep import at, check_rows, setup
-
     if sc.is_trace():
         from moonep_sim.experiments.trace_sweep import knob_name, point, valid_values
 
@@ -226,16 +223,11 @@ def step_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_v
     """A winner map at step level: one step sweep of ``over`` per value of ``by`` (generated:
     tokens-per-rank, maxvio or ep; a trace: any of its knobs); ``run``: the sweeps' progress, jobs
     and cluster."""
-    from moonep_sim.experiments.sweep import at, winner_of
-
     check(sc, over, values, opts, by=by, by_values=by_values, maxvio=maxvio)  # every cell before any work
     if sc.is_trace():
-        from moonep_sim.experiments.trace_sweep import knob_name, valid_values
+        from moonep_sim.experiments.trace_sweep import trace_winner_map
 
-        by, over = knob_name(by), knob_name(over)
-        bys, _ = valid_values(sc, by, by_values, 0)
-        vals, _ = valid_values(sc, over, values, 0)
-        return winner_of([(float(b), trace_step_sweep(sc, over, vals, opts, fixed={by: b}, **run)) for b in bys], by)
+        return trace_winner_map(sc, over, values, by, by_values, sweep=partial(trace_step_sweep, opts=opts), **run)
     ax = sc.sweep_axis(over, values, maxvio=maxvio)
     return winner_of([(float(v), step_sweep(*at(sc, ax, by, v), opts, **run)) for v in by_values], by)
 

@@ -21,11 +21,14 @@ import time
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Sequence
 
-from moonep_sim.errors import require
+from moonep_sim.analysis.verdict import figures, sweep_verdicts
+from moonep_sim.errors import ConfigError, require
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
 from moonep_sim.experiments.compare import _short, load_topology, simulate, topology_info
+from moonep_sim.experiments.parallel import check_jobs, run_points
+from moonep_sim.experiments.spec import normalise_dtype, parse_cluster, strategy_list
 
 MAXVIO_TARGETS = (0.2, 1.0, 10.0, 20.0)
 _MAXVIO_FILL = (5.0, 2.0, 0.5)  # taken, in this order, when a model's E/K rules out some targets
@@ -61,8 +64,6 @@ def default_values(over: str, model: ModelSpec, topology: str | None = None, *, 
     """The default values of a sweep over ``over`` (maxvio: :func:`maxvio_targets`, without those
     below the sampling-noise floor of ``tokens`` tokens -- appended to ``left_out`` with the
     reason; ep: the EP sizes that divide E); a topology constant has no default."""
-    from moonep_sim.errors import ConfigError
-
     if over == "maxvio":
         vals = maxvio_targets(model)
         if tokens:
@@ -150,8 +151,6 @@ def generator_spec(sc) -> Any:
 def axis(sc, over: str, values: Sequence[float] | None = None, *, maxvio: float | None = None) -> SweepAxis:
     """The axis of a generated sweep of scenario ``sc`` over ``over`` (``ranks`` = ``ep``); default
     values: :func:`default_values` (those left out named)."""
-    from moonep_sim.experiments.spec import parse_cluster
-
     spec = generator_spec(sc)
     over = {"ranks": "ep"}.get(over, over)
     left_out: list = []
@@ -165,8 +164,6 @@ def setup(sc, ax: SweepAxis) -> Setup:
     """Scenario ``sc`` read once for a sweep along ``ax``: the strategies parsed, the topology
     loaded, the model resolved (default ranks: 64; GPUs per node: the scenario's, else the
     topology's at each point); checked (:func:`check`) before any work."""
-    from moonep_sim.experiments.spec import normalise_dtype, parse_cluster, strategy_list
-
     spec = generator_spec(sc)
     model = spec.resolve_model(sc.model)
     strategies = tuple((n, dict(o)) for n, o in strategy_list(sc.strategies, sc.options))
@@ -187,14 +184,13 @@ def topology_params(topo) -> list[str]:
 
 def check(cfg: Setup) -> Any:
     """Validate everything before any work; returns the loaded base topology."""
-    m = cfg.model
     from moonep_sim.experiments.checks import check_axis_value, check_axis_values
 
-    topo = cfg.topology
+    m, topo = cfg.model, cfg.topology
+    hi = m.num_experts / m.top_k - 1
     check_axis_values(cfg.over, cfg.values, topo)  # each value as the flag it stands for
     check_axis_value("tokens-per-rank", cfg.tokens_per_rank, flag="--tokens-per-rank")
     if cfg.over == "maxvio":
-        hi = m.num_experts / m.top_k - 1
         for v in cfg.values:
             require(0 < v <= hi, f"maxvio ({v:g}) must lie in (0, E/K-1 = {hi:g}] for {m.name} (E={m.num_experts}, "
                                  f"K={m.top_k})")
@@ -216,7 +212,6 @@ def check(cfg: Setup) -> Any:
         g = cfg.gpus_per_node or topo.gpus_per_node_for(R)
         require(R % g == 0, f"EP size ({R}) must be divisible by gpus per node ({g})")
     if cfg.over != "maxvio":
-        hi = m.num_experts / m.top_k - 1
         require(0 < cfg.maxvio <= hi, f"--maxvio ({cfg.maxvio:g}) must lie in (0, {hi:g}] for {m.name}")
     return topo
 
@@ -264,7 +259,6 @@ def _point_setup(cfg: Setup, base, v: float, fixed):
 
 def _strategy_at(cfg: Setup, routing, ctx, topo, name: str, opts: dict) -> dict[str, Any]:
     """One strategy planned and simulated on one point's routing."""
-    from moonep_sim.analysis.verdict import figures
     from moonep_sim.strategies import make_plan
 
     t1 = time.perf_counter()
@@ -313,8 +307,6 @@ def _strategy_task(task) -> dict[str, Any]:
 
 
 def _run_staged(cfg: Setup, base, fixed, jobs: int | None, progress) -> list:
-    from moonep_sim.experiments.parallel import run_points
-
     if fixed is None:
         routings = run_points(_setup_task, [(cfg, base, v, None) for v in cfg.values], jobs=jobs,
                               progress=progress, label=lambda t: f"{cfg.over}={t[2]:g} routing")
@@ -337,8 +329,6 @@ def sweep(sc, ax: SweepAxis, progress: Callable[[str, int, int], None] | None = 
     """Sweep scenario ``sc`` (a :class:`~moonep_sim.experiments.Scenario` on generated routing)
     along ``ax``; its values are independent points, computed in ``jobs`` worker processes or on a
     Dask ``cluster`` (``moonep_sim.experiments.parallel``) with the same report as serially."""
-    from moonep_sim.experiments.parallel import check_jobs, run_points
-
     t0 = time.perf_counter()
     cfg = setup(sc, ax)
     base = cfg.topology
@@ -375,7 +365,6 @@ def head(cfg: Setup) -> dict[str, Any]:
 def finish(rep: dict[str, Any], t0: float) -> dict[str, Any]:
     """A layer-level sweep report completed: its flags, one verdict per point, and its seconds."""
     from moonep_sim.analysis.flags import sweep_flags
-    from moonep_sim.analysis.verdict import sweep_verdicts
 
     rep["flags"] = sweep_flags(rep)
     rep["verdicts"] = sweep_verdicts(rep)
@@ -406,8 +395,6 @@ def sweep_over_seeds(sc, ax: SweepAxis, seeds: int = 1, **kw: Any) -> dict[str, 
 
 def at(sc, ax: SweepAxis, by: str, v: float):
     """The (scenario, axis) of a winner map's row ``by = v`` (tokens-per-rank, maxvio or ep)."""
-    from moonep_sim.experiments.spec import parse_cluster
-
     require(by in BY_KNOBS, f"by ({by!r}) must be tokens-per-rank, maxvio or ep")
     require(by != ax.over, f"by ({by}) must differ from over ({ax.over})")
     if by == "maxvio":

@@ -38,6 +38,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.experiments.compare import compare, topology_info
+from moonep_sim.experiments.sweep import MAXVIO_TARGETS, finish, routing_lower_bound, topology_params, winner_of
+from moonep_sim.routing.metrics import maxvio
 from moonep_sim.routing.trace import LayerRouting
 
 #: the trace knobs that are not topology constants (``ep`` is ``ranks``)
@@ -84,8 +87,6 @@ def _expected_maxvio(logp: np.ndarray, K: int) -> float:
 def reweighted(source, target: float, ranks: int, seed: int = 0):
     """``source`` with every layer's experts redrawn from its re-weighted popularity for ``target``
     maxvio, and the realised maxvio (mean over layers, of all selected tokens' counts)."""
-    from moonep_sim.routing.metrics import maxvio
-
     K = source.top_k
     logp = {}
     for lid in source.layer_ids:
@@ -105,8 +106,6 @@ def reweighted(source, target: float, ranks: int, seed: int = 0):
 
 def noise_floor(source, ranks: int, seed: int = 0) -> float:
     """The realised maxvio of a uniform redraw of the trace (its sampling-noise floor at this size)."""
-    from moonep_sim.routing.metrics import maxvio
-
     flat = {int(l): np.zeros(source.num_experts) for l in source.layer_ids}
     src = dataclasses.replace(source, transform=Reweight(flat, seed))
     return float(np.mean([maxvio(_layer_counts(src, l, ranks)) for l in src.layer_ids]))
@@ -136,8 +135,6 @@ def recut(source, batch_tokens: int):
 
 # -- values -------------------------------------------------------------------------------------------
 def check_knob(knob: str, topo) -> None:
-    from moonep_sim.experiments.sweep import topology_params
-
     if knob not in TRACE_KNOBS and knob not in topology_params(topo):
         raise ConfigError(f"--over ({knob!r}) must be one of {', '.join(TRACE_KNOBS)} (ep = ranks) or a topology "
                           f"constant: {', '.join(topology_params(topo))}")
@@ -180,9 +177,6 @@ def valid_values(sc, knob: str, values: Sequence[float] | None, seed: int = 0) -
             elif int(v) > per:
                 reasons[v] = f"must be <= the trace's tokens per rank ({total} tokens / {R} ranks = {per})"
     elif knob == "maxvio":
-        from moonep_sim.experiments.sweep import MAXVIO_TARGETS
-        from moonep_sim.routing.metrics import maxvio
-
         floor = noise_floor(src, R, seed)
         cap = E / K - 1
         recorded = float(np.mean([maxvio(_layer_counts(src, l, R)) for l in src.layer_ids]))
@@ -236,8 +230,6 @@ def point(sc, knobs: dict[str, float], seed: int = 0):
     if "maxvio" in knobs:
         src, rec["realised_maxvio"] = reweighted(src, float(knobs["maxvio"]), R, seed)
     else:
-        from moonep_sim.routing.metrics import maxvio
-
         rec["realised_maxvio"] = float(np.mean([maxvio(_layer_counts(src, l, R)) for l in src.layer_ids]))
     rec.update(tokens=int(sum(src.batch_tokens)), steps=src.num_batches)
     return dataclasses.replace(rs, source=src), rec
@@ -255,8 +247,6 @@ def trace_sweep(sc, over: str, values: Sequence[float] | None = None, *, fixed: 
     """Sweep ``over`` on the scenario's trace (see the module doc); ``fixed``: other knobs held at a
     value (a winner map's row). The report has the shape of a generated sweep's
     (:func:`moonep_sim.experiments.sweep.sweep`), each figure the token-weighted mean over steps."""
-    from moonep_sim.experiments.compare import compare, topology_info
-    from moonep_sim.experiments.sweep import finish, routing_lower_bound
     from moonep_sim.analysis.verdict import mean_figures
 
     t0 = time.perf_counter()
@@ -295,8 +285,6 @@ def trace_sweep(sc, over: str, values: Sequence[float] | None = None, *, fixed: 
 def head(rs0, over: str, vals: Sequence[float], left_out: list, fixed: dict[str, float] | None,
          seed: int) -> dict[str, Any]:
     """What a trace sweep's report (layer or step level) says of its setup, before its points."""
-    from moonep_sim.experiments.compare import topology_info
-
     return {"kind": "sweep", "over": over, "values": [float(v) for v in vals], "left_out": left_out,
             "routing": rs0.source.describe(), "trace": str(rs0.source.path), "fixed": dict(fixed or {}),
             "model": rs0.source.model.to_dict(), "topology": topology_info(rs0.topology),
@@ -320,12 +308,11 @@ _METHOD = {
 
 
 def trace_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_values: Sequence[float], *,
-                     seed: int = 0, progress=None, jobs: int | None = 1, cluster: str | None = None) -> dict[str, Any]:
-    """The fastest strategy per cell over two knobs of a trace: one :func:`trace_sweep` of ``over``
-    per value of ``by`` (any knob :func:`trace_sweep` takes), combined by
-    :func:`moonep_sim.analysis.winner.winner_map`."""
-    from moonep_sim.experiments.sweep import winner_of
-
+                     seed: int = 0, sweep: Callable[..., dict[str, Any]] | None = None, **run: Any) -> dict[str, Any]:
+    """The fastest strategy per cell over two knobs of a trace: one :func:`trace_sweep` (or ``sweep``,
+    e.g. the step level's) of ``over`` per value of ``by`` (any knob :func:`trace_sweep` takes),
+    combined by :func:`moonep_sim.analysis.winner.winner_map`; ``run``: the sweeps' progress, jobs
+    and cluster."""
     by = knob_name(by)
     over = knob_name(over)
     require(by != over, f"--by ({by}) must differ from --over ({over})")
@@ -334,8 +321,8 @@ def trace_winner_map(sc, over: str, values: Sequence[float] | None, by: str, by_
     for b in bys:       # every cell checked before any work
         for v in vals:
             point(sc, {by: b, over: v}, seed)
-    return winner_of([(float(b), trace_sweep(sc, over, vals, fixed={by: b}, seed=seed, progress=progress, jobs=jobs,
-                                             cluster=cluster)) for b in bys], by)
+    return winner_of([(float(b), (sweep or trace_sweep)(sc, over, vals, fixed={by: b}, seed=seed, **run))
+                      for b in bys], by)
 
 
 __all__ = ["Reweight", "TRACE_KNOBS", "check_knob", "knob_name", "noise_floor", "point", "recut", "reweighted",

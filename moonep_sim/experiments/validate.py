@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from moonep_sim.experiments.compare import RealOptions, compare, load_topology, topology_info
 from moonep_sim.io import load_average
 from moonep_sim.strategies import available
 
@@ -103,7 +104,6 @@ def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | No
              cluster: str | None = None) -> dict[str, Any]:
     """Replay and simulate every case; the simulated points run in ``jobs`` worker processes or on a
     Dask ``cluster`` (same report), the gloo replays one at a time (they are the measurement)."""
-    from moonep_sim.experiments.compare import RealOptions, compare, load_topology
     from moonep_sim.experiments.scenario import Scenario
     from moonep_sim.experiments.spec import strategy_list
 
@@ -136,8 +136,6 @@ def validate(cfg: FidelityConfig, progress: Callable[[str, int, int], None] | No
                          "gpus_per_node": case.gpus_per_node or cfg.nproc, **rep["real"]["ranking"]})
     if progress:
         progress("done", n, n)
-    from moonep_sim.experiments.compare import topology_info
-
     return {"kind": "fidelity", "nproc": cfg.nproc, "iters": cfg.iters, "topology": topology_info(topo),
             "strategies": [nm for nm, _ in strategies], "cases": points, "per_case": per_case,
             "summary": summarise(points, per_case), "seconds": time.perf_counter() - t0,

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from moonep_sim.io import write_text_atomic
+from moonep_sim.io import to_jsonable, write_text_atomic
 
 _CSS = """body{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:1200px;color:#222}
 table{border-collapse:collapse;margin:.6em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
@@ -241,8 +241,6 @@ def write_report(doc: Mapping[str, Any], staging: Path, out: Path,
     ``staging`` as ``<name>.png``) into ``staging``, the folder that becomes ``out`` once complete
     (``moonep_sim.io.staged_dir``); a provenance ``doc`` already carries is kept. Returns {what: final path}."""
     import json
-
-    from moonep_sim.io import to_jsonable
 
     files = {k: str(out / f"{k}.png") for k in figures}
     files.update(html=str(out / "report.html"), report=str(out / "report.json"))

@@ -21,30 +21,14 @@ from moonep_sim.report.steps import _t
 def step_sweep_table(rep: dict[str, Any]):
     """A rich Table: per value, each strategy's step time, exposed communication share, peak
     memory (OOM marked), then the step verdict."""
-    from rich.table import Table
-
-    from moonep_sim.report.tables import _verdict_cell
+    from moonep_sim.report.tables import sweep_grid
 
     st = rep["step"]
-    t = Table(title=f"sweep over {rep['over']} at step level: {st['mode']} step, overlap {st['overlap']} -- "
-                    f"{rep['model']['name']} on {rep['topology']['name']} (step time; exposed comm share; peak "
-                    "memory per rank)", title_justify="left")
-    t.add_column(rep["over"], justify="right")
-    names = list(rep["strategies"])
-    for n in names:
-        t.add_column(n, justify="right")
-    t.add_column("verdict (mechanism)")
-    for i, v in enumerate(rep["values"]):
-        row = [f"{v:g}"]
-        for n in names:
-            s = rep["strategies"][n]
-            oom = " OOM" if s["oom"][i] else ""
-            row.append(f"{_t(s['step_time_us'][i])}; {s['comm_share'][i]:.0%}; "
-                       f"{s['peak_memory_bytes'][i] / 2**30:,.1f} GiB{oom}")
-        vs = rep.get("verdicts") or []
-        row.append(_verdict_cell(vs[i] if i < len(vs) else None))
-        t.add_row(*row)
-    return t
+    return sweep_grid(rep, f"sweep over {rep['over']} at step level: {st['mode']} step, overlap {st['overlap']} -- "
+                           f"{rep['model']['name']} on {rep['topology']['name']} (step time; exposed comm share; peak "
+                           "memory per rank)",
+                      lambda s, i: f"{_t(s['step_time_us'][i])}; {s['comm_share'][i]:.0%}; "
+                                   f"{s['peak_memory_bytes'][i] / 2**30:,.1f} GiB" + (" OOM" if s["oom"][i] else ""))
 
 
 def step_sweep_footer(rep: dict[str, Any]) -> list[str]:

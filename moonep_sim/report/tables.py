@@ -155,25 +155,27 @@ def _topo_line(c: dict[str, Any]) -> str:
 
 
 def sweep_table(report: dict[str, Any]):
+    return sweep_grid(report, f"sweep over {report['over']}: simulated layer time (x lower bound) -- "
+                              f"{report['model']['name']} on {report['topology']['name']}",
+                      lambda s, i: f"{_time(s['layer_time_us'][i])} ({s['ratio_to_lower_bound'][i]:.2f}x)",
+                      lambda n: _flag_mark(report, n))
+
+
+def sweep_grid(rep: dict[str, Any], title: str, cell, head=str):
+    """A sweep's table (layer or step level): a row per swept value, a column per strategy
+    (``head(name)`` over ``cell(its series, value index)``), then each point's verdict."""
     from rich.table import Table
 
-    t = Table(title=f"sweep over {report['over']}: simulated layer time (x lower bound) -- "
-                    f"{report['model']['name']} on {report['topology']['name']}", title_justify="left")
-    t.add_column(report["over"], justify="right")
-    names = list(report["strategies"])
-    for n in names:
-        t.add_column(_flag_mark(report, n), justify="right")
-    verdicts = report.get("verdicts") or []
-    if verdicts:
+    t = Table(title=title, title_justify="left")
+    t.add_column(rep["over"], justify="right")
+    for n in rep["strategies"]:
+        t.add_column(head(n), justify="right")
+    vs = rep.get("verdicts") or []
+    if vs:
         t.add_column("verdict (mechanism)")
-    for i, v in enumerate(report["values"]):
-        row = [f"{v:g}" if isinstance(v, float) else str(v)]
-        for n in names:
-            s = report["strategies"][n]
-            row.append(f"{_time(s['layer_time_us'][i])} ({s['ratio_to_lower_bound'][i]:.2f}x)")
-        if verdicts:
-            row.append(_verdict_cell(verdicts[i] if i < len(verdicts) else None))
-        t.add_row(*row)
+    for i, v in enumerate(rep["values"]):
+        t.add_row(f"{v:g}", *[cell(s, i) for s in rep["strategies"].values()],
+                  *([_verdict_cell(vs[i] if i < len(vs) else None)] if vs else []))
     return t
 
 

@@ -133,13 +133,9 @@ class Deployment:
 
     def to_toml(self) -> str:
         """The deployment as the TOML :func:`read_deployment` reads back."""
-        d = self.to_dict()
-        out = [f"{k} = {_toml_value(v)}" for k, v in d.items() if not isinstance(v, dict)]
-        for k, v in d.items():
-            if isinstance(v, dict):
-                out.append(f"\n[{k}]")
-                out += [f"{a} = {_toml_value(b)}" for a, b in v.items()]
-        return "\n".join(out) + "\n"
+        import tomli_w
+
+        return tomli_w.dumps(self.to_dict())
 
     def check(self, model: ModelSpec, gpu_memory_GiB: float, gpus: int | None = None) -> dict[str, int]:
         """Every pool's layout against the model, and its KV capacity per attention rank (tokens);
@@ -155,14 +151,6 @@ class Deployment:
                                             f"weights leave {out[p.role]} KV tokens per attention rank of "
                                             f"{gpu_memory_GiB:g} GiB GPUs (need >= one block of {p.block})")
         return out
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    return repr(v) if isinstance(v, (int, float)) else f'"{v}"'
 
 
 def weight_bytes_per_gpu(model: ModelSpec, layout: Parallel, weight_bytes: float) -> float:
@@ -199,18 +187,9 @@ def kv_tokens(model: ModelSpec, layout: Parallel, gpu_memory_GiB: float, weight_
 
 def read_deployment(path: str | Path) -> Deployment:
     """A deployment file (see the module docstring); every bad key is one line naming it."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python < 3.11
-        import tomli as tomllib
-    from moonep_sim.io import read_config_bytes
+    from moonep_sim.io import read_toml
 
-    raw = read_config_bytes(path, "deployment", "TOML")
-    try:
-        doc = tomllib.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"deployment ({path}) must be valid TOML: {e}") from None
-    return deployment_from_dict(doc, str(path))
+    return deployment_from_dict(read_toml(path, "deployment"), str(path))
 
 
 def deployment_from_dict(doc: Mapping[str, Any], where: str = "deployment") -> Deployment:

@@ -284,13 +284,9 @@ __all__ = ["checked_on", "class_bytes_per_us", "dispatch_epilogue_us", "epilogue
 def kernel_checks() -> list[dict]:
     """The rows of ``moonep_sim/data/kernel-checks.toml``: which kernel family was checked on which
     preset against which published rows (``benchmarks/fidelity_gpu.py``)."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
-    from importlib import resources
+    from moonep_sim.io import data_toml
 
-    return list(tomllib.loads(resources.files("moonep_sim.data").joinpath("kernel-checks.toml").read_text())["check"])
+    return list(data_toml("kernel-checks.toml")["check"])
 
 
 def checked_on(preset: str) -> list[tuple[str, str]]:

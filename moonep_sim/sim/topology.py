@@ -19,10 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
@@ -31,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.io import data_toml, read_toml
 from moonep_sim.plan.placement import ClusterShape
 
 MAX_CONSTANT = 1e15
@@ -413,25 +410,11 @@ class Topology:
 
     def to_toml(self) -> str:
         """The topology as a TOML document in the ``docs/topology.md`` format."""
-        lines = [f"name = {_toml_str(self.name)}", f"description = {_toml_str(self.description)}", ""]
-        for table, (prefix, keys) in _TABLES.items():
-            lines.append(f"[{table}]")
-            for k in keys:
-                lines.append(f"{k} = {_toml_val(getattr(self, prefix + k))}")
-            lines.append("")
-        if self.sources:
-            lines.append("[sources]")
-            for k, v in self.sources.items():
-                lines.append(f"{k} = {_toml_str(v)}")
-        return "\n".join(lines) + "\n"
+        import tomli_w
 
-
-def _toml_str(s: str) -> str:
-    return '"' + str(s).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _toml_val(v: Any) -> str:
-    return _toml_str(v) if isinstance(v, str) else repr(v)
+        doc = {"name": self.name, "description": self.description,
+               **{table: {k: getattr(self, prefix + k) for k in keys} for table, (prefix, keys) in _TABLES.items()}}
+        return tomli_w.dumps({**doc, "sources": self.sources} if self.sources else doc)
 
 
 def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>") -> Topology:
@@ -478,15 +461,7 @@ def topology_from_dict(doc: dict[str, Any], origin: str = "<dict>") -> Topology:
 def read_topology_file(path: str | os.PathLike) -> Topology:
     """A topology TOML file; a missing, special (pipe, folder, link loop), oversized or too deeply
     nested file is refused in one line naming it, as is every value (see :func:`topology_from_dict`)."""
-    from moonep_sim.io import read_config_bytes
-
-    p = Path(path)
-    raw = read_config_bytes(p, "topology file", "TOML")
-    try:
-        doc = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ConfigError(f"{p}: must be valid TOML: {e}") from None
-    return topology_from_dict(doc, str(p))
+    return topology_from_dict(read_toml(path, "topology file"), str(Path(path)))
 
 
 def calibrated_topology_path() -> Path:
@@ -533,7 +508,7 @@ def load_topology(name_or_path: "str | os.PathLike | Topology", gpus_per_node: i
         if s == "local-gloo" and calibrated_topology_path().is_file():
             topo = read_topology_file(calibrated_topology_path())
         else:
-            topo = topology_from_dict(tomllib.loads(presets[s].read_text()), f"preset {s}")
+            topo = topology_from_dict(data_toml(presets[s].name), f"preset {s}")
     elif s.endswith(".toml") or os.path.sep in s or os.path.lexists(s):
         topo = read_topology_file(s)
     else:

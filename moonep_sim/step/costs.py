@@ -439,12 +439,9 @@ def fitted_constants(topology_name: str, dtype: str) -> dict | None:
     """The GEMM roofline's constants FITTED on AIConfigurator's measured tables for the preset's GPU
     and ``dtype`` (``moonep_sim/data/roofline-fits.toml``, ``benchmarks/fit_roofline.py``), with
     their ``source``; None for a GPU the file does not list."""
-    from importlib import resources
+    from moonep_sim.io import data_toml
 
-    from moonep_sim.sim.topology import tomllib   # tomli on Python 3.10
-
-    doc = tomllib.loads(resources.files("moonep_sim.data").joinpath("roofline-fits.toml").read_text())
-    g = doc.get(topology_name.lower().split("-")[0])
+    g = data_toml("roofline-fits.toml").get(topology_name.lower().split("-")[0])
     if not g or dtype not in g:
         return None
     return dict(g[dtype], source=g["source"])

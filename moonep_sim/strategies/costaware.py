@@ -138,15 +138,11 @@ def preset_constants(name: str) -> Any:
     ``nvlink_bandwidth_GBps``), with the Topology's two derived weight-copy rates and its SM copy
     cap. The planners sit below the simulator, so they read the file, not the class; a test holds
     ``Rates.of(None)`` equal to ``Rates.of(load_topology(DEFAULT_PRESET))``."""
-    from importlib import resources
     from types import SimpleNamespace
 
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python < 3.11
-        import tomli as tomllib
+    from moonep_sim.io import data_toml
 
-    doc = tomllib.loads(resources.files("moonep_sim.data").joinpath(f"topology-{name}.toml").read_text())
+    doc = data_toml(f"topology-{name}.toml")
     c = SimpleNamespace(name=doc.get("name", name), **{f"{sec}_{k}": v for sec, tbl in doc.items()
                                                        if isinstance(tbl, dict) and sec != "sources"
                                                        for k, v in tbl.items()})

@@ -8,7 +8,7 @@ import argparse
 from typing import Sequence
 
 from moonep_sim.errors import ConfigError, OneLineArgumentParser, require
-from moonep_sim.experiments.spec import REPLAY_DTYPES, dtype_name
+from moonep_sim.experiments.spec import REPLAY_DTYPES, ReplaySpec, dtype_name, parse_opt_items
 
 
 def torch_dtype_name(text: str) -> str:
@@ -60,8 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.spec is not None:
-        from moonep_sim.experiments.spec import ReplaySpec
-
         sp = ReplaySpec.read(args.spec)
         names = [n for n, _ in sp.strategies]
         args.__dict__.update(trace=sp.trace, strategy=",".join(names), opt=[], options={n: dict(o) for n, o in sp.strategies},
@@ -152,6 +150,4 @@ def strategy_names(args: argparse.Namespace) -> list[str]:
 def strategy_opts(names: Sequence[str], items: Sequence[str]) -> dict[str, dict[str, str]]:
     """``--opt`` items per strategy: ``STRATEGY.key=value`` (where STRATEGY is one of ``names``)
     applies to that strategy, a plain ``key=value`` to every one (``experiments.spec.parse_opt_items``)."""
-    from moonep_sim.experiments.spec import parse_opt_items
-
     return parse_opt_items(items, names, plain="all")
