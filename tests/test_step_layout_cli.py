@@ -87,6 +87,18 @@ def test_step_states_the_layout(capsys, tmp_path):
     assert "TP2 PP2 DP2 EP4" in text
 
 
+def test_step_takes_the_ep_a2a_overlap(capsys, tmp_path):
+    out = tmp_path / "s.json"
+    rc, text, err = _status(STEP + ["--pp", "2", "--vpp", "2", "--dp", "4", "--ep", "4", "--global-batch-size", "8",
+                                    "--overlap-moe-expert-parallel-comm", "--context", "512", "--json", str(out)], capsys)
+    assert rc == 0, err
+    doc = json.loads(out.read_text())
+    assert doc["setup"]["layout"] == "PP2x2 DP4 EP4 EP-a2a-overlap"
+    assert doc["setup"]["parallel"]["overlap_moe_expert_parallel_comm"] is True
+    assert doc["strategies"]["alltoall"]["pipeline"]["schedule"] == "combined-1f1b"
+    assert "EP-a2a-overlap" in text
+
+
 def test_compare_level_step_takes_the_layout(capsys, tmp_path):
     rc, text, err = _status(["compare", "--trace", f"gen:{GEN},tokens-per-rank=64", "--strategies", "alltoall",
                              "--ranks", "8", "--no-plots", "--out", str(tmp_path / "c"), "--level", "step",

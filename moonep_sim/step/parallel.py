@@ -216,12 +216,14 @@ class Parallel:
         return d
 
     def label(self) -> str:
-        """A short label, e.g. ``TP1 PP16 DP64 EP64`` (degrees of 1 left out, except DP and EP)."""
+        """A short label, e.g. ``TP1 PP16 DP64 EP64`` (degrees of 1 left out, except DP and EP; the EP
+        all-to-all overlap named when on)."""
         parts = [f"TP{self.tp}"] if self.tp > 1 else []
         parts += [f"PP{self.pp}" + (f"x{self.vpp}" if self.vpp > 1 else "")] if self.pp > 1 else []
         parts += [f"CP{self.cp}"] if self.cp > 1 else []
         parts += [f"DP{self.dp}" + ("-attn" if self.dp_attention else ""), f"EP{self.ep}"]
         parts += [f"ETP{self.etp}"] if self.etp > 1 else []
+        parts += ["EP-a2a-overlap"] if self.overlap_moe_expert_parallel_comm else []
         return " ".join(parts)
 
     @classmethod
