@@ -15,6 +15,12 @@ forward and the backward of each steady step belong to different micro-batches a
 independent), then each steady step's forward and backward run as one ``FB`` op (the EP dispatch
 and combine of each half on a communication stream beside the other half's compute,
 :meth:`~moonep_sim.step.pipelines.base.ChunkTimes.fb_us`), then the cool-down backwards.
+Megatron pairs the two halves layer by layer on a compute and a communication stream
+(``TransformerLayerSchedulePlan.run`` in ``megatron/core/models/common/model_chunk_schedule_plan.py``):
+backward combine beside forward attention, forward then backward dispatch beside backward then
+forward expert MLP, forward combine beside backward attention. The op's time here pairs the
+chunk's sums (compute with compute, EP communication with EP communication): ASSUMED, an upper
+bound on what the per-layer phases hide.
 """
 
 from __future__ import annotations
