@@ -162,33 +162,14 @@ def run(log=print) -> list[str]:
     return lines
 
 
-#: Per-layer figures of the same images on p5.48xlarge (awslabs/awsome-distributed-ai@40e398b
-#: micro-benchmarks/expert-parallelism/ep-backend-comparison/RESULTS-p5.md; DeepEP's internode test:
-#: 4096 tokens per rank, hidden 7168, top-8 of 256, BF16 dispatch, the RDMA bottleneck bandwidth of the
-#: best chunk sizes its tuning finds): (family, EP) -> (dispatch, combine) GB/s.
-P5_LAYER = {("deepep-nvshmem-efa", 32): (43.7, 46.1), ("uccl-ep", 32): (38.2, 30.2),
-            ("deepep-nvshmem-efa", 64): (39.6, 39.2), ("uccl-ep", 64): (29.9, 26.7)}
-
-
 def per_layer() -> list[str]:
-    """The kernels alone against the p5 per-layer rows (``P5_LAYER``), priced as
-    ``benchmarks/fidelity_gpu.py`` prices DeepEP's internode rows, at each family's own chunk table
-    (the published figure is the best over a sweep of chunk sizes) at the tests' 24 SMs (their tuning
-    logs print "SMs 24", e.g. uccl-project/uccl PR #441). The fitted host terms do not enter (an isolated kernel has no host timeline)."""
-    import fidelity_gpu as fg
-    from moonep_sim.sim import load_topology
+    """The kernels alone against the same images' per-layer rows on p5.48xlarge, simulated as DeepEP's
+    internode test measures them, at each family's own chunk table and swept over the test's chunk
+    grid as the published figure is (``benchmarks/fidelity_efa.py``, docs/results/fidelity-efa.md).
+    The fitted host terms do not enter (an isolated kernel has no host timeline)."""
+    import fidelity_efa
 
-    topos = {"h100-efa": load_topology("h100-efa")}
-    lines = ["| family | EP | kernel | published (best chunks) | predicted (own chunk table) | error | bound |",
-             "| --- | ---: | --- | ---: | ---: | ---: | --- |"]
-    for (impl, ep), pub in P5_LAYER.items():
-        for what, p in zip(("dispatch", "combine"), pub):
-            r = dict(spec=dict(kind="normal", topo="h100-efa", ep=ep, tokens=4096, sms=24,
-                               what=what, dtype="bf16", impl=impl))
-            out = fg.simulate(r, topos)
-            lines.append(f"| {impl} | {ep} | {what} | {p:g} GB/s | {out['value']:.1f} GB/s | {out['value'] / p - 1:+.1%} "
-                         f"| {out['bound']} |")
-    return lines
+    return fidelity_efa.table()[0]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,3 +77,33 @@ def test_tensor_parallel_splits_a_cache_by_its_heads():
     assert attention_kind("sliding").cache_shards(q3, 8) == 4
     assert attention_kind("mla").cache_shards(v3, 8) == attention_kind("gated-mla").cache_shards(k3, 8) == 1
     assert attention_kind("linear").cache_shards(k3, 8) == 8 and attention_kind("none").cache_shards(k3, 8) == 1
+
+
+def test_tp_past_or_across_the_kv_heads_sizes_every_cache_by_one_rule():
+    """8 KV heads of 64 over TP16: each rank holds one head (copies beyond the heads, as vLLM and
+    SGLang replicate KV heads), in the serving KV, a layout's memory and its CP ring alike; over TP3
+    (3 does not divide 8) each rank holds 8 // 3 = 2 heads."""
+    from moonep_sim.serve.deployment import kv_bytes_per_token
+    from moonep_sim.sim.topology import load_topology
+    from moonep_sim.step import collectives as coll
+    from moonep_sim.step.layout_step import tp_comm_us
+    from moonep_sim.step.memory import MemoryOptions, memory_for_layout
+    from moonep_sim.step.parallel import Parallel
+
+    m = ModelSpec("kv8", 2, 2, 16, 2, 0, 1024, 256, attention="gqa", heads=16, kv_heads=8, head_dim=64,
+                  vocab=1000)
+    head = 2 * 64 * 2                                          # one head's K and V of one token, bf16
+    gqa, lin = attention_kind("gqa"), attention_kind("linear")
+    assert (gqa.cache_shards(m, 16), gqa.cache_shards(m, 3), gqa.cache_shards(m, 4)) == (8, 4, 4)
+    assert (lin.cache_shards(m, 32), lin.cache_shards(m, 3)) == (16, 16 / 5)   # 16 heads: 1, then 5 per rank
+    assert kv_bytes_per_token(m, Parallel(tp=16, ep=16), 2) == 2 * head        # 2 layers, one head each
+    assert kv_bytes_per_token(m, Parallel(tp=3), 2) == 2 * 2 * head            # 2 heads each (was 8/3)
+    shape = step_shape(m, "decode", 4, 512)
+    mem = memory_for_layout(m, shape, Parallel(tp=16, ep=16), [], MemoryOptions())
+    assert mem["parts"]["kv_cache"] == 4 * 512 * 2 * head                      # 4 sequences x 512 keys x 2 layers
+    topo, tokens = load_topology("h800-cx7"), 1024
+    ring, plain = Parallel(tp=16, cp=2, ep=32), Parallel(tp=16, ep=16)
+    f, _ = tp_comm_us(m, 0, 2, ring, StepShape("train", tokens, 2048, shards=2), topo, tokens, 8)
+    f0, _ = tp_comm_us(m, 0, 2, plain, StepShape("train", tokens, 2048, shards=2), topo, tokens, 8)
+    one = coll.send_us(tokens * head, coll.group_link(topo, 2, 16, 8))   # the chunk's one head (was half a head)
+    assert f - f0 == pytest.approx(2 * one)                                    # 2 layers, cp - 1 = 1 pass

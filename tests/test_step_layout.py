@@ -228,6 +228,10 @@ def test_cp_ring_passes_each_chunk_around_the_ring():
     kv = 1024 * 2 * 4 * 128 * 2              # the rank's 1024 tokens' K and V, bf16
     one = coll.send_us(kv, coll.nvlink(topo))
     assert (f, b) == pytest.approx((2 * 3 * one, 2 * 2 * 3 * one))   # 2 layers, cp-1 = 3 passes, twice backward
+    k3 = get_model("kimi-k3")                 # layer 3 gated MLA (its latent, whole on every TP rank), 4 KDA
+    f, b = tp_comm_us(k3, 3, 5, p, StepShape("train", 1024, 4096, shards=4), topo, 1024, 8)
+    one = coll.send_us(1024 * (512 + 64) * 2, coll.nvlink(topo))   # a KDA layer's fixed state does not travel
+    assert (f, b) == pytest.approx((3 * one, 2 * 3 * one))
 
 
 def test_pp_send_is_the_link_formula():

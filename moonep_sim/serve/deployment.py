@@ -22,9 +22,9 @@ A deployment file is a small TOML::
 FFNs, router, embeddings) sharded ``tp`` ways when attention is tensor-parallel (replicated over
 attention-DP ranks), the routed experts ``E / (ep x etp)`` per GPU (expert TP shards each), at ``weight_bytes``; the KV cache
 takes the rest of ``mem_fraction`` of HBM. One token's KV over every layer is
-``sum_l kv_elems(l) x kv_bytes`` (MLA: the latent and the rope key; GQA: K and V of the KV heads,
-split over TP). An attention rank of a TP layout spans ``tp`` GPUs. A pool whose weights leave no
-room for one KV block does not fit (one line, exit 2).
+``sum_l kv_elems(l) / cache_shards(l) x kv_bytes`` (MLA: the latent and the rope key, whole; GQA: K
+and V of the KV heads, split over TP by the kind's ``cache_shards``). An attention rank of a TP layout
+spans ``tp`` GPUs. A pool whose weights leave no room for one KV block does not fit (one line, exit 2).
 """
 
 from __future__ import annotations
@@ -164,15 +164,12 @@ def weight_bytes_per_gpu(model: ModelSpec, layout: Parallel, weight_bytes: float
 
 def kv_bytes_per_token(model: ModelSpec, layout: Parallel, kv_bytes: float) -> float:
     """KV-cache bytes one token of one sequence takes on one GPU over every layer."""
-    from moonep_sim.step.stack import kv_elems_per_token
+    from moonep_sim.step.attention import attention_kind
 
     tot = 0.0
     for l in range(model.layers):
-        kind = model.attention_kind(l)
-        e = kv_elems_per_token(model, kind)
-        if kind in ("gqa", "sliding"):
-            e = e / min(layout.tp, model.kv_heads or model.heads)
-        tot += e * kv_bytes
+        kind = attention_kind(model.attention_kind(l))
+        tot += kind.kv_elems_per_token(model) / kind.cache_shards(model, layout.tp) * kv_bytes
     return tot
 
 

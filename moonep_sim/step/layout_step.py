@@ -19,8 +19,8 @@ A layout (:class:`~moonep_sim.step.parallel.Parallel`) wraps today's step, never
    no TP-communication overlap): two all-reduces of the TP group's activations
    (``mbs x seq/c x H`` bf16) forward and two backward (with sequence parallelism a reduce-scatter
    and an all-gather each: the same bytes); with etp > 1 each MoE layer adds an all-reduce of its
-   expert rows over the ETP group; with c > 1 every softmax-attention layer passes its K/V chunk
-   around the CP ring (c - 1 sends forward, twice that backward; ASSUMED not overlapped with the
+   expert rows over the ETP group; with c > 1 every layer with a per-token cache passes its chunk
+   of it (a TP rank's ``cache_shards`` share) around the CP ring (c - 1 sends forward, twice that backward; ASSUMED not overlapped with the
    attention: an upper bound). Each all-reduce, reduce-scatter and all-gather runs NCCL's fastest
    algorithm and protocol for its size and span (:func:`~moonep_sim.step.collectives.choose`).
 3. **The pipeline**: the chunk times are scheduled by the layout's pp schedule
@@ -75,6 +75,7 @@ from typing import Callable
 from moonep_sim.errors import require
 from moonep_sim.models import ModelSpec
 from moonep_sim.step import collectives as coll
+from moonep_sim.step.attention import attention_kind
 from moonep_sim.step.host import SYNC_BEFORE_DISPATCH, host_blocks, host_excess_us, launch_us
 from moonep_sim.step.parallel import Parallel
 from moonep_sim.step.pipelines import get_schedule
@@ -206,9 +207,9 @@ def tp_comm_us(model: ModelSpec, start: int, stop: int, p: Parallel, shape: Step
         link = coll.group_link(topo, p.cp, p.tp, gpus_per_node)
         for l in range(start, stop):
             kind = model.attention_kind(l)
-            if kind in ("gqa", "mla", "sliding"):
-                # the rank's chunk (the TP group's tokens, already 1/cp of the sequence); K/V heads split over tp
-                kv = tokens_tp * kv_elems_per_token(model, kind) / (p.tp if kind != "mla" else 1) * BF16
+            if kind and kv_elems_per_token(model, kind):   # a per-token cache (a fixed state stays put)
+                # the rank's chunk (the TP group's tokens, already 1/cp of the sequence), its TP rank's share
+                kv = tokens_tp * kv_elems_per_token(model, kind) / attention_kind(kind).cache_shards(model, p.tp) * BF16
                 f += (p.cp - 1) * coll.send_us(kv, link)
                 b += 2 * (p.cp - 1) * coll.send_us(kv, link)
     return f, b

@@ -42,8 +42,8 @@ stage, each part on the EP rank where the stage's total is largest:
   (:func:`deepep_ll_buffer_bytes`); per-step copies (MoonEP's prefetch slots, and in train as many
   fp32 gradient slots); with pp > 1 the stage's activation send and receive buffers.
 - ``kv_cache`` (prefill / decode): K/V (MLA latents, a linear layer's fp32 state) of every
-  sequence on the rank for the stage's layers, in ``kv_dtype``; GQA heads and linear states split
-  over tp, MLA latents replicated (why wide-EP serving runs attention data-parallel).
+  sequence on the rank for the stage's layers, in ``kv_dtype``; split over tp as the kind's
+  ``cache_shards`` says (GQA heads, linear states), MLA latents whole (why wide-EP serving runs attention DP).
 
 :func:`memory_per_rank` is the same account under ``pure_ep(R)``.
 """
@@ -64,7 +64,7 @@ from moonep_sim.step.dtypes import KV_DTYPES, WEIGHT_DTYPES, get_dtype
 from moonep_sim.step.offload import check_offload, host_bytes_per_param
 from moonep_sim.step.parallel import Parallel, pure_ep
 from moonep_sim.step.attention import attention_kind
-from moonep_sim.step.stack import BF16, StepShape, attention_params, kv_elems_per_token
+from moonep_sim.step.stack import BF16, StepShape, attention_params
 
 #: Mixed-precision Adam: fp32 master weights, first and second moments (ZeRO's K = 12).
 ADAM_BYTES_PER_PARAM = 12
@@ -249,19 +249,13 @@ def _layer_params(model: ModelSpec, l: int, tp: int) -> float:
 
 def _kv_per_seq(model: ModelSpec, l: int, ctx: int, tp: int, kvb: float) -> float:
     """Bytes of layer ``l``'s cache for one sequence of ``ctx`` keys on one TP rank."""
-    kind = model.attention_kind(l)
-    if kind == "linear":
-        return attention_kind("linear").state_bytes(model) / tp
-    if kind in ("", "none"):
+    name = model.attention_kind(l)
+    if name in ("", "none"):
         return 0.0
-    if kind not in ("gqa", "sliding", "mla"):  # a registered kind: its own cache of one sequence, replicated
-        return attention_kind(kind).cache_bytes(model, StepShape("decode", 1, ctx)) * kvb / BF16
-    if kind == "sliding" and model.sliding_window:
-        ctx = min(ctx, model.sliding_window)
-    if kind == "mla":
-        return float(ctx) * kv_elems_per_token(model, kind) * kvb
-    kv = model.kv_heads or model.heads
-    return float(ctx) * kv_elems_per_token(model, kind) * kvb * max(kv // tp, 1) / kv
+    kind = attention_kind(name)
+    if name == "linear":  # its fixed state, in its own dtype
+        return kind.state_bytes(model) / kind.cache_shards(model, tp)
+    return kind.cache_bytes(model, StepShape("decode", 1, ctx)) * kvb / BF16 / kind.cache_shards(model, tp)
 
 
 def moe_layer_weight_bytes(model: ModelSpec, ranks: int, weight_dtype: str = "bf16") -> float:

@@ -9,7 +9,7 @@ A kind (:class:`AttentionKind`) states, for one layer of a model (a :class:`Mode
 - ``core(model, shape)``: the core op (``attn_core``: its FLOPs and the bytes it reads and writes,
   per mode), or None for a kind with no attention op;
 - ``saved_per_token(model, mode)``: the bytes the forward saves per token for the backward;
-- ``cache_shards(model, tp)``: how many ranks of a tensor-parallel group split the cache.
+- ``cache_shards(model, tp)``: how many ways a tensor-parallel group splits the cache (:func:`head_shards`).
 
 ``has_op`` is False for a kind that runs no attention at all (``none``: no norm, projections or
 core either). The built-in kinds: ``gqa`` (MHA is GQA with kv_heads == heads), ``sliding`` (GQA
@@ -60,9 +60,9 @@ class AttentionKind:
         """The layer's ``attn_core`` op on one rank (FLOPs and bytes), None when it has none."""
         return None
 
-    def cache_shards(self, model: ModelSpec, tp: int) -> int:
-        """Ranks of a ``tp``-wide tensor-parallel group the layer's cache is split over (by heads;
-        the others hold copies): 1 for a cache with no heads to split."""
+    def cache_shards(self, model: ModelSpec, tp: int) -> float:
+        """How many ways a ``tp``-wide tensor-parallel group splits the layer's cache (one rank holds
+        ``1 / cache_shards`` of it): 1 for a cache with no heads to split, whole on every rank."""
         return 1
 
     def saved_per_token(self, model: ModelSpec, mode: str) -> float:
@@ -79,9 +79,15 @@ ATTENTION: Registry[AttentionKind] = Registry("attention kind", __name__,
                                               tuple(k.replace("-", "_") for k in ATTENTION_KINDS))
 
 
+def head_shards(heads: int, tp: int) -> float:
+    """``cache_shards`` of a cache split by ``heads`` heads over ``tp`` ranks: each holds ``max(heads
+    // tp, 1)`` heads (copies beyond the heads, as vLLM and SGLang replicate KV heads)."""
+    return heads / max(heads // tp, 1)
+
+
 def attention_kind(name: str) -> AttentionKind:
     """The kind called ``name`` (one-line ConfigError naming the kinds otherwise)."""
     return ATTENTION.get(name)
 
 
-__all__ = ["ATTENTION", "AttentionKind", "attention_kind"]
+__all__ = ["ATTENTION", "AttentionKind", "attention_kind", "head_shards"]

@@ -12,7 +12,7 @@ output and the softmax statistics (fp32 per head).
 from __future__ import annotations
 
 from moonep_sim.models import ModelSpec
-from moonep_sim.step.attention import ATTENTION, AttentionKind
+from moonep_sim.step.attention import ATTENTION, AttentionKind, head_shards
 from moonep_sim.step.ops import BF16, Op, StepShape
 
 
@@ -36,8 +36,8 @@ class GQA(AttentionKind):
     def kv_elems_per_token(self, model: ModelSpec) -> int:
         return 2 * (model.kv_heads or model.heads) * model.head_dim
 
-    def cache_shards(self, model: ModelSpec, tp: int) -> int:
-        return min(tp, model.kv_heads or model.heads)  # KV heads split; beyond them, replicated
+    def cache_shards(self, model: ModelSpec, tp: int) -> float:
+        return head_shards(model.kv_heads or model.heads, tp)  # KV heads split; beyond them, replicated
 
     def cache_bytes(self, model: ModelSpec, shape: StepShape) -> float:
         ctx = min(shape.context, self.window(model) or shape.context)   # every mode: the sequence's keys

@@ -14,7 +14,7 @@ backward: q, k, v and the output per token."""
 from __future__ import annotations
 
 from moonep_sim.models import ModelSpec
-from moonep_sim.step.attention import ATTENTION, AttentionKind
+from moonep_sim.step.attention import ATTENTION, AttentionKind, head_shards
 from moonep_sim.step.ops import BF16, Op, StepShape
 
 
@@ -34,8 +34,8 @@ class Linear(AttentionKind):
         P = n * hd
         return 4 * H * P + P * H + H * hd + hd * P + H * n + 3 * P * SHORT_CONV
 
-    def cache_shards(self, model: ModelSpec, tp: int) -> int:
-        return min(tp, model.heads)  # each head's state lives with its head
+    def cache_shards(self, model: ModelSpec, tp: int) -> float:
+        return head_shards(model.heads, tp)  # each head's state lives with its head
 
     def cache_bytes(self, model: ModelSpec, shape: StepShape) -> float:
         return float(self.state_bytes(model) * shape.sequences)

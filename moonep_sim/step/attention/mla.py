@@ -36,7 +36,7 @@ class MLA(GQA):
     def kv_elems_per_token(self, model: ModelSpec) -> int:
         return model.kv_lora_rank + model.qk_rope_dim
 
-    def cache_shards(self, model: ModelSpec, tp: int) -> int:
+    def cache_shards(self, model: ModelSpec, tp: int) -> float:
         return 1  # one latent per token, shared by every head: every TP rank holds it
 
     def saved_per_token(self, model: ModelSpec, mode: str) -> float:
