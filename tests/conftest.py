@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / "traces"
@@ -17,9 +17,10 @@ TRACES = REPO / "traces"
 # keep torch single-threaded in tests: the machine has 2 cores and many tests spawn processes
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# no hypothesis test may fail on its 200 ms deadline because the machine is loaded (each @settings says
-# deadline=None as well; this holds for one that forgets)
-settings.register_profile("moonep-sim-tests", deadline=None)
+# no hypothesis test may fail on its 200 ms deadline or its too-slow health check (a timing of the
+# example generation) because the machine is loaded; each @settings says deadline=None as well, this
+# holds for one that forgets
+settings.register_profile("moonep-sim-tests", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("moonep-sim-tests")
 
 
