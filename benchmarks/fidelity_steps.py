@@ -39,9 +39,11 @@ is ``predicted / published - 1``.
   price each RDMA chunk's proxied operations, ``moonep_sim.plan.kernel``), both at 20 SMs (Megatron-Core's
   ``moe_deepep_num_sms`` default); "overlap on" -> what the row's harness turns on
   (``bench_qwen3_pretrain.py`` beside it: ``overlap_moe_expert_parallel_comm`` with a virtual
-  pipeline of 2 and recompute off): the interleaved schedule at vpp 2 and the DP gradient reduce
-  overlapped (``overlap_grad_reduce``, ASSUMED from the recipe); the EP all-to-all overlap itself
-  (Megatron-Core's combined 1F1B of a forward and a backward) is NOT modelled. Mean iteration seconds.
+  pipeline of 2 and recompute off): the interleaved schedule at vpp 2 run as Megatron-Core's
+  combined 1F1B (``overlap_moe_expert_parallel_comm``: each steady forward and backward of two
+  micro-batches as one op, the dispatch/combine of each behind the other's compute; the host
+  launching both halves, its syncs ASSUMED hidden) and the DP gradient reduce overlapped
+  (``overlap_grad_reduce``, ASSUMED from the recipe). Mean iteration seconds.
 - **Row 5** (torchtitan with DeepEP, Qwen3-30B-A3B EP8 on B200, the GPU its source's README
   names): the ratios only -- DeepEP over the default all-to-all in tokens/s per GPU at one node,
   16 nodes over one node with DeepEP, memory per GPU 16 nodes over one. As torchtitan runs it
@@ -142,7 +144,8 @@ def row2() -> list[dict]:
     for (ep, mb, on), (nccl, uccl, nvshmem) in pub.items():
         pp, dp = (4, 2) if ep == 16 else (2, 4)
         p = Parallel(tp=8, pp=pp, dp=dp, ep=ep, micro_batch_size=mb, global_batch_size=256, zero=1,
-                     overlap_grad_reduce=on, **(dict(vpp=2, pp_schedule="interleaved") if on else {}))
+                     overlap_grad_reduce=on,
+                     **(dict(vpp=2, pp_schedule="interleaved", overlap_moe_expert_parallel_comm=True) if on else {}))
         if BEFORE["on"]:   # the proxies were not modelled: both transports are DeepEP V1
             f = _step("qwen3-30b-a3b", "h100-efa", "alltoall,deepep", 64, p, "qwen3-30b-a3b")
             f = {"alltoall": f["alltoall"], "uccl": f["deepep"], "nvshmem": f["deepep"]}
@@ -400,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                                       " -- not run (--after-only)")
             + ".",
             "- mappings and assumptions: see the docstring of `benchmarks/fidelity_steps.py` (row 2's 'overlap on' is "
-            "interleaved at vpp 2 with the DP gradient reduce overlapped, its EP all-to-all overlap not modelled; row 5's "
+            "interleaved at vpp 2 as Megatron's combined 1F1B (EP all-to-all overlap) with the DP gradient reduce overlapped; row 5's "
             "batch and FSDP are ASSUMED).", ""]
     (ROOT / "docs" / "results" / "fidelity_steps.md").write_text("\n".join(head + lines) + "\n")
     return 0

@@ -248,6 +248,7 @@ def test_block_fill_compiled_equals_the_numpy_freeze(topo_name, R, seed, sm, deg
 @given(st.sampled_from(sorted(TOPOS)), st.sampled_from(["skew", "hot-sender", "sparse", "ties"]),
        st.integers(4, 16), st.integers(0, 10_000), st.sampled_from([0.001, 0.002, 0.005, 0.02]))
 @example("node-links", "hot-sender", 14, 78, 0.002)   # the latest end seen: 28.3 x tol
+@example("flat", "hot-sender", 7, 370, 0.005)          # the earliest end seen: 1.86 x tol
 def test_coalescing_stays_within_tolerance_of_exact(topo_name, kind, R, seed, tol):
     """tol > 0 only delays events (completions and starts move to the next tick), yet the end is
     not bounded below by the exact end: max-min sharing is not monotone (a transfer that ends late
@@ -255,14 +256,15 @@ def test_coalescing_stays_within_tolerance_of_exact(topo_name, kind, R, seed, to
     test_coalescing_can_end_earlier_than_exact). On these random and adversarial families the
     last transfer ends at most 40 x tol later than exact (a chain of phases pays up to two tick
     gaps per hop; measured up to 28.3 x tol: node links, one hot sender, 14 ranks, tol 0.002, the
-    example above; 23 x tol at tol 0.005 on the same family) and at most tol earlier (2e-5
-    relative seen: R=14, sparse, oversubscribed). A single receive group may move either way by
-    at most 40 x tol of the end."""
+    first example above; 23 x tol at tol 0.005 on the same family) and at most 4 x tol earlier
+    (1.86 x tol seen: flat, one hot sender, 7 ranks, tol 0.005, the second example; the
+    constructed case of test_coalescing_can_end_earlier_than_exact reaches 2.2 x tol). A single
+    receive group may move either way by at most 40 x tol of the end."""
     topo = TOPOS[topo_name]
     phases = random_phases(np.random.default_rng(seed), R, kind)
     ex, _ = run_solver(R, phases, topo, 0.0, "blocks", stagger_us=1.3)
     ap, _ = run_solver(R, phases, topo, tol, "blocks", stagger_us=1.3)
-    assert ap["end"].max() >= ex["end"].max() * (1 - tol)
+    assert ap["end"].max() >= ex["end"].max() * (1 - 4 * tol)
     assert ap["end"].max() <= ex["end"].max() * (1 + 40 * tol)
     # per receive group (phase, receiver)
     key_e = ex["phase"] * R + ex["dst"]

@@ -357,3 +357,21 @@ def test_mtp_under_attention_dp_is_todays_mtp_decode_step():
         assert g["peak_memory_bytes"] - lay.figures[n]["mtp"]["draft_weight_bytes"] > 0
     with pytest.raises(ConfigError, match=r"--mtp-depth \(1\) needs --mode decode"):
         sc.step("train", parallel=Parallel(dp=8, ep=8, global_batch_size=8), context=128, mtp_depth=1)
+
+
+def test_ep_a2a_overlap_runs_megatrons_combined_1f1b():
+    # the flag swaps the interleaved pipeline for the combined 1F1B (its order: tests/test_step_pipeline.py)
+    sc = _sc(8, layers=4)
+    off = Parallel(pp=2, vpp=2, pp_schedule="interleaved", dp=4, ep=4, global_batch_size=16)
+    on = dataclasses.replace(off, overlap_moe_expert_parallel_comm=True)
+    with host_launch_cost(0.0):
+        r0 = sc.step("train", parallel=off, context=128, distinct_layers=1)
+        r1 = sc.step("train", parallel=on, context=128, distinct_layers=1)
+    for n in r0.figures:
+        f0, f1 = r0.figures[n], r1.figures[n]
+        assert f0["pipeline"]["schedule"] == "interleaved" and f1["pipeline"]["schedule"] == "combined-1f1b"
+        assert f1["step_time_us"] <= f0["step_time_us"] + 1e-6
+        assert f1["pipeline"]["makespan_us"] <= f0["pipeline"]["makespan_us"] + 1e-6
+        # the stage programs are the same: the overlap only reorders and pairs them
+        assert [s["forward_us"] for s in f1["stages"]] == [s["forward_us"] for s in f0["stages"]]
+    assert r1.setup["parallel"]["overlap_moe_expert_parallel_comm"] is True

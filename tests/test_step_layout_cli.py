@@ -35,6 +35,8 @@ def _status(argv, capsys):
     (["--gpus", "8"], r"--gpus applies to a layout"),
     (["--dp", "2", "--ep", "2", "--tokens-per-rank", "64"], r"tokens per rank \(64\) is set by the layout in train"),
     (["--sequence-parallel", "--dp", "2"], r"sequence parallel needs tp >= 2"),
+    (["--overlap-moe-expert-parallel-comm", "--pp", "2", "--ep", "2", "--gpus", "4"],
+     r"overlap_moe_expert_parallel_comm needs the interleaved pp schedule with vpp >= 2"),
     (["--dp", "2", "--ep", "2", "--gantt", "{tmp}/g.png"], r"--gantt .* not available under a layout"),
     (["--tp", "2", "--gpus", "7"], r"--gpus \(7\) must be a multiple of tp x cp x pp \(2\) to derive --dp"),
     (["--search", "--tp", "2", "--gpus", "8"], r"--tp is chosen by --search"),
@@ -83,6 +85,18 @@ def test_step_states_the_layout(capsys, tmp_path):
     f = doc["strategies"]["alltoall"]
     assert f["pipeline"]["schedule"] == "1f1b" and len(f["pipeline_ranks"]) == 2
     assert "TP2 PP2 DP2 EP4" in text
+
+
+def test_step_takes_the_ep_a2a_overlap(capsys, tmp_path):
+    out = tmp_path / "s.json"
+    rc, text, err = _status(STEP + ["--pp", "2", "--vpp", "2", "--dp", "4", "--ep", "4", "--global-batch-size", "8",
+                                    "--overlap-moe-expert-parallel-comm", "--context", "512", "--json", str(out)], capsys)
+    assert rc == 0, err
+    doc = json.loads(out.read_text())
+    assert doc["setup"]["layout"] == "PP2x2 DP4 EP4 EP-a2a-overlap"
+    assert doc["setup"]["parallel"]["overlap_moe_expert_parallel_comm"] is True
+    assert doc["strategies"]["alltoall"]["pipeline"]["schedule"] == "combined-1f1b"
+    assert "EP-a2a-overlap" in text
 
 
 def test_compare_level_step_takes_the_layout(capsys, tmp_path):

@@ -41,6 +41,11 @@ def test_pure_ep_is_todays_layout():
     (dict(tp=1, sequence_parallel=True), 1, r"sequence parallel needs tp >= 2"),
     (dict(zero=4), 1, r"zero \(4\) must be one of 0, 1, 2, 3"),
     (dict(tp=0), 1, r"tp \(0\) must be an integer >= 1"),
+    (dict(pp=2, dp=2, ep=2, overlap_moe_expert_parallel_comm=True), 4,
+     r"overlap_moe_expert_parallel_comm needs the interleaved pp schedule with vpp >= 2 \(pp schedule 1f1b, vpp 1\)"),
+    (dict(pp=2, vpp=2, pp_schedule="interleaved", dp=2, overlap_moe_expert_parallel_comm=True), 4,
+     r"overlap_moe_expert_parallel_comm needs ep >= 2 \(ep 1\)"),
+    (dict(overlap_moe_expert_parallel_comm=1), 1, r"overlap_moe_expert_parallel_comm \(1\) must be true or false"),
 ])
 def test_bad_layouts_are_one_line(kw, gpus, match):
     with pytest.raises(ConfigError, match=match):
@@ -90,3 +95,11 @@ def test_stage_split_partitions_the_layers(pp, vpp, dp, first, layers, last):
     if pp > 1:
         assert s[0] == first
         assert max(s[1:]) - min(s[1:]) <= 1
+
+
+def test_ep_a2a_overlap_is_named_and_round_trips():
+    # development row 2's "overlap on" layout as its harness runs it (Megatron's flag with a virtual pipeline of 2)
+    p = Parallel(tp=8, pp=4, vpp=2, pp_schedule="interleaved", dp=2, ep=16, micro_batch_size=4, global_batch_size=256,
+                 overlap_moe_expert_parallel_comm=True).check(64)
+    assert p.label() == "TP8 PP4x2 DP2 EP16 EP-a2a-overlap"
+    assert Parallel.from_dict(p.to_dict()) == p

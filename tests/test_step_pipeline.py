@@ -126,3 +126,66 @@ def test_schedules_keep_their_order(name, p, v, k, times, send):
     _check_invariants(s, run)
     assert len(run.ops) <= 2 * m * n
     assert sum(run.busy_us) <= p * run.makespan_us + 1e-6
+
+
+# --------------------------------------------------------------- Megatron's combined 1F1B (EP a2a overlap)
+def _split(s, fc, fx, bc, bx):
+    n = s.chunks()
+    return run_schedule(s, ChunkTimes([fc + fx] * n, [bc + bx] * n, [fc] * n, [bc] * n))
+
+
+def _hidden_ops(p, v, m):
+    """FB ops of the last pipeline rank: v m less its (v - 1) p + 1 warm-up forwards."""
+    return v * m - min((v - 1) * p + 1, v * m)
+
+
+def test_combined_1f1b_hand_count():
+    # p=2, v=2, m=2; forward 4 = 3 compute + 1 EP comm, backward 8 = 6 + 2. Rank 1 (chunks 1, 3) warms up with
+    # 3 forwards [4-8] [8-12] [12-16], then F(mb1, c3) + B(mb0, c3) as one op of max(3 + 6, 1 + 2) = 9 [16-25],
+    # then B(mb1,c3) [25-33], B(mb0,c1) [33-41], B(mb1,c1) [41-49]; rank 0 ends with B(mb1, c0) [49-57].
+    s = get_schedule("combined-1f1b", 2, 2, 2)
+    o = s.orders()
+    assert [op.kind for op in o[1]] == ["F", "F", "F", "FB", "B", "B", "B"]
+    assert [op.kind for op in o[0]] == ["F"] * 4 + ["B"] * 4
+    assert (o[1][3].mb, o[1][3].chunk, o[1][3].mb2, o[1][3].chunk2) == (1, 3, 0, 3)
+    run = _split(s, 3.0, 1.0, 6.0, 2.0)
+    assert run.makespan_us == 57.0
+    assert _split(get_schedule("interleaved", 2, 2, 2), 3.0, 1.0, 6.0, 2.0).makespan_us == 60.0   # (2 + 1/2)(8 + 16)
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(2, 6), v=st.integers(2, 4), k=st.integers(1, 4), fc=st.floats(1.0, 5.0),
+       share=st.floats(0.0, 0.5))
+def test_combined_1f1b_hides_the_last_ranks_dispatch_and_combine(p, v, k, fc, share):
+    # The rule: equal chunks, free sends, backward twice the forward (compute and EP comm each) and the EP comm at
+    # most half the compute: the step is the interleaved step less the EP comm of the last rank's FB ops,
+    # (v (m - p) + p - 1) (fx + bx); the steady state keeps every rank busy (each FB op's compute covers the
+    # round trip of its inputs).
+    m, fx = p * k, share * fc
+    inter = _split(get_schedule("interleaved", p, v, m), fc, fx, 2 * fc, 2 * fx).makespan_us
+    comb = _split(get_schedule("combined-1f1b", p, v, m), fc, fx, 2 * fc, 2 * fx).makespan_us
+    assert comb == pytest.approx(inter - _hidden_ops(p, v, m) * 3 * fx)
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(2, 5), v=st.integers(2, 3), k=st.integers(1, 3), fc=st.floats(1.0, 5.0),
+       fx=st.floats(0.0, 5.0), bc=st.floats(1.0, 10.0), bx=st.floats(0.0, 10.0))
+def test_combined_1f1b_hides_at_most_that(p, v, k, fc, fx, bc, bx):
+    # outside the rule the steady state may wait on its neighbours: the saving is never more than the rule's,
+    # and the combined schedule is never slower than the interleaved one it reorders
+    m = p * k
+    inter = _split(get_schedule("interleaved", p, v, m), fc, fx, bc, bx).makespan_us
+    comb = _split(get_schedule("combined-1f1b", p, v, m), fc, fx, bc, bx).makespan_us
+    assert inter - comb <= _hidden_ops(p, v, m) * (fx + bx) + 1e-6
+    assert comb <= inter + 1e-6
+
+
+def test_fb_parts_keep_tp_and_host_serial():
+    from moonep_sim.step.pipelines.base import FBParts
+
+    # forward 2 compute + 1 EP comm + 0.5 TP, backward 4 + 2 + 1: the pair is max(6, 3) + 1.5 = 7.5 ...
+    t = ChunkTimes([3.5], [7.0], [2.0], [4.0], fb=FBParts([1.0], [2.0], [0.5], [1.0], [0.0], [0.0]))
+    assert t.fb_us(0, 0) == 7.5
+    # ... unless the host's launches of both halves take longer: 5 + 4 = 9
+    t = ChunkTimes([3.5], [7.0], [2.0], [4.0], fb=FBParts([1.0], [2.0], [0.5], [1.0], [5.0], [4.0]))
+    assert t.fb_us(0, 0) == 9.0

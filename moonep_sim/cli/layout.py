@@ -1,7 +1,8 @@
 """The parallel layout's flags (Megatron-Core's and vLLM/SGLang's names), shared by ``step``,
 ``compare --level step`` and ``sweep --level step``: ``--tp --pp --vpp --dp --cp --ep --etp
 --micro-batch-size --global-batch-size --pp-schedule --zero --sequence-parallel --dp-attention``
-(and ``--first-stage-layers --last-stage-layers --overlap-grad-reduce``). No layout flag: today's
+(and ``--first-stage-layers --last-stage-layers --overlap-grad-reduce
+--overlap-moe-expert-parallel-comm``). No layout flag: today's
 pure-EP step. ``--dp`` left out is the GPUs over ``tp x cp x pp`` (Megatron derives it so)."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ LAYOUT_FLAGS = (("--tp", "tp", int), ("--pp", "pp", int), ("--vpp", "vpp", int),
                 ("--pp-schedule", "pp_schedule", str), ("--zero", "zero", int),
                 ("--first-stage-layers", "first_stage_layers", int), ("--last-stage-layers", "last_stage_layers", int),
                 ("--sequence-parallel", "sequence_parallel", bool), ("--dp-attention", "dp_attention", bool),
-                ("--overlap-grad-reduce", "overlap_grad_reduce", bool))
+                ("--overlap-grad-reduce", "overlap_grad_reduce", bool),
+                ("--overlap-moe-expert-parallel-comm", "overlap_moe_expert_parallel_comm", bool))
 
 _HELP = {
     "tp": "tensor-parallel size: attention and dense weights sharded over tp GPUs of a node",
@@ -34,6 +36,8 @@ _HELP = {
     "sequence_parallel": "sequence parallelism: reduce-scatter + all-gather instead of TP all-reduces",
     "dp_attention": "serving: data-parallel attention with EP experts (SGLang --enable-dp-attention, wide EP)",
     "overlap_grad_reduce": "DP gradient reduce during the last micro-batch's backward (Megatron's flag)",
+    "overlap_moe_expert_parallel_comm": "EP all-to-all overlap: Megatron's combined 1F1B of the interleaved pipeline "
+                                        "(needs --vpp >= 2; Megatron's flag)",
 }
 
 

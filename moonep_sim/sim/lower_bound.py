@@ -107,8 +107,9 @@ class _Entries:
 
 
 def _choice_bound(n_XE: np.ndarray, resident_XE: np.ndarray, a_in: float, b_in: float, a_out: float,
-                  b_out: float, bw_in: float, bw_out: float, tokens_X: np.ndarray | None = None) -> np.ndarray:
-    """[X] min over j of max(in_j / bw_in, out_j / bw_out) (see the module docstring)."""
+                  b_out: float, bw_in, bw_out, tokens_X: np.ndarray | None = None) -> np.ndarray:
+    """[X] min over j of max(in_j / bw_in, out_j / bw_out) (see the module docstring); ``bw_in`` /
+    ``bw_out``: one bandwidth, or float64 [X, 1] one per row."""
     m = np.where(resident_XE, 0, n_XE).astype(np.float64)
     srt = -np.sort(-m, axis=1)
     X, E = srt.shape
@@ -159,9 +160,8 @@ def lower_bound(plan: Plan, model: ModelSpec, topo: Topology, backward: bool = F
         np.logical_or.at(res_NE, node, res)
         tok_N = np.bincount(node, weights=ents.tokens_needing(res_NE[node]), minlength=nodes).astype(np.int64)
         gpus_N = np.bincount(node, minlength=nodes).astype(np.float64)
-        bwn = gpus_N * topo.nic_bytes_per_us
-        t_N = np.array([_choice_bound(n_NE[i:i + 1], res_NE[i:i + 1], a_in, b_in, a_out, b_out,
-                                      float(bwn[i]), float(bwn[i]), tok_N[i:i + 1])[0] for i in range(nodes)])
+        bwn = (gpus_N * topo.nic_bytes_per_us)[:, None]   # each node's NICs
+        t_N = _choice_bound(n_NE, res_NE, a_in, b_in, a_out, b_out, bwn, bwn, tok_N)
         t_N = np.where(t_N > 0, t_N + topo.nic_latency_us, 0.0)
         k = int(np.argmax(t_N))
         if t_N[k] > comm:

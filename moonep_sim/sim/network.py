@@ -196,7 +196,8 @@ class FlowNetwork:
             tab = self._phase_tab[pid] = self._pair_table(sm, nic)
         R = self._R
         # the sender's rows of the pair tables (classified here above ``perf.pair_table_max`` pairs)
-        blk_R, lat_R = (tab[0][src], tab[1][src]) if tab is not None else self._pairs(np.full(R, src), np.arange(R), sm, nic)
+        blk_R, lat_R = (tab[0][src], tab[1][src]) if tab is not None else \
+            self._pairs(np.full(R, src), np.arange(R), sm, nic)
         dst_F = np.asarray(dst_F, dtype=np.int64)
         F = dst_F.size
         p, log = self._pend, self._log
@@ -206,7 +207,8 @@ class FlowNetwork:
             pd, ld = p.data, log.data
             # (the records as plain tuples in their fields' order: numba types a plain tuple in C at
             # each call, a NamedTuple field by field in Python -- ~20 us a tick, 15% of a layer)
-            self._sargs = (plain(WaitCols(pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"], pd["dst"], pd["blk"])),
+            self._sargs = (plain(WaitCols(pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"], pd["dst"],
+                                          pd["blk"])),
                            plain(LogCols(ld["src"], ld["dst"], ld["phase"], ld["bytes"], ld["start"])))
             self._targs = None   # the tick's buffers too
         # one kernel: the entries with bytes, their cells of the sender's rows
@@ -317,8 +319,8 @@ class FlowNetwork:
     def _tick_paths(self, t: float) -> float:
         """The per-flow solver's tick, in numpy: (1) the active flows due by now complete (a flow's
         finish time is exact at its current rate), (2) the waiting flows ready by now start, in
-        submission order, (3) :func:`waterfill` rates them (``tick_kernels.set_rates``). Returns the
-        earliest finish time."""
+        submission order, (3) :func:`waterfill` rates them and ``tick_kernels.set_rates`` re-times
+        those whose rate changed. Returns the earliest finish time."""
         a = self._a
         if a.n:
             sel = np.flatnonzero(a.fin <= t + 2e-9 * max(t, 1.0))

@@ -376,10 +376,10 @@ class PortMap:
     def paths(self, src_F: np.ndarray, dst_F: np.ndarray, sm_F: np.ndarray | None = None,
               nic_F: np.ndarray | None = None) -> np.ndarray:
         """path_FL int64 [F, L_PATH]: the ports of transfers ``src -> dst`` (vectorised; their
-        latency: :meth:`latency`). Columns: the sender's ports of the transfer's block, then the receiver's (``side_ports``;
-        SM send / receive ports for flows with ``sm_F`` True when the map has them), then the pair
-        port (half duplex) where it exists; padded with the dummy port. Flows with ``nic_F`` True
-        take the NIC path between ranks of one node too (pure-RDMA kernels)."""
+        latency: :meth:`latency`). Columns: the sender's ports of the transfer's block, then the
+        receiver's (``side_ports``; SM send / receive ports for flows with ``sm_F`` True when the map
+        has them), then the pair port (half duplex) where it exists; padded with the dummy port.
+        Flows with ``nic_F`` True take the NIC path between ranks of one node too (pure-RDMA kernels)."""
         src_F = np.asarray(src_F, dtype=np.int64)
         dst_F = np.asarray(dst_F, dtype=np.int64)
         F = src_F.size

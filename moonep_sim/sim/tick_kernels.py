@@ -262,9 +262,10 @@ def complete_due(thr, t, n, flows, lev_U1, bport_U1, book, counts):
 def submit_flows(sub, dst_F, bytes_F, eff_F, blk_R, lat_R, R, pn, ln, wait, log):
     """``FlowNetwork.submit``: rank ``src``'s transfers of phase ``pid`` to ``dst_F`` with bytes > 0
     (the others skipped) appended, in order, to the waiting columns (``p_*``, slots from ``pn``)
-    and the log's (``l_*``, rows from ``ln``; both with room for every entry). ``blk_R`` / ``lat_R``: the block and latency of the sender's transfer to
-    each rank (its rows of the network's pair tables); ``message_us`` > 0 adds the sender's serial per-message cost (x its transfers to other
-    ranks) to each transfer's latency to another rank. Returns (transfers kept, the earliest
+    and the log's (``l_*``, rows from ``ln``; both with room for every entry). ``blk_R`` /
+    ``lat_R``: the block and latency of the sender's transfer to each rank (its rows of the
+    network's pair tables); ``message_us`` > 0 adds the sender's serial per-message cost (x its
+    transfers to other ranks) to each transfer's latency to another rank. Returns (transfers kept, the earliest
     ready time: inf when none). sub: :class:`Submission` (src, pid, now, message_us); wait:
     :class:`WaitCols`; log: :class:`LogCols`."""
     src, pid, now, message_us = sub

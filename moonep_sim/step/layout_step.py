@@ -26,7 +26,14 @@ A layout (:class:`~moonep_sim.step.parallel.Parallel`) wraps today's step, never
 3. **The pipeline**: the chunk times are scheduled by the layout's pp schedule
    (:mod:`moonep_sim.step.pipelines`: 1F1B, interleaved, DualPipe), each boundary's activation send
    (``mbs x seq/c x H`` bf16, divided by t with SP) over the link it crosses
-   (:func:`~moonep_sim.step.collectives.stage_boundary_links`).
+   (:func:`~moonep_sim.step.collectives.stage_boundary_links`). With
+   ``overlap_moe_expert_parallel_comm`` (training) the interleaved pipeline runs as Megatron-Core's
+   combined 1F1B (``combined-1f1b``): each steady forward-backward pair one op of
+   ``max(max(compute F + compute B, EP comm F + EP comm B) + TP F + TP B, launches F + launches B)``
+   (:class:`~moonep_sim.step.pipelines.base.FBParts`): the dispatch and combine of each half
+   hidden behind the other's compute, the TP collectives still on the compute stream, and the host
+   launching both halves' kernels (its syncs ASSUMED hidden behind queued GPU work); warm-up and
+   cool-down ops as before.
 4. **DP**: after its last backward each pipeline rank reduces its gradients over its data-parallel
    group (the dense share over ``d x c`` ranks ``t`` apart; the experts over ``edp`` ranks ``e x
    etp`` apart): an all-reduce with ZeRO 0, a reduce-scatter with the distributed optimizer
@@ -73,7 +80,7 @@ from moonep_sim.step.host import SYNC_BEFORE_DISPATCH, host_blocks, host_excess_
 from moonep_sim.step.parallel import Parallel
 from moonep_sim.step.pipelines import get_schedule
 from moonep_sim.step.offload import GPU_ADAM_BYTES_PER_PARAM, host_check, optimizer_step_us
-from moonep_sim.step.pipelines.base import ChunkTimes, run_schedule
+from moonep_sim.step.pipelines.base import ChunkTimes, FBParts, run_schedule
 from moonep_sim.step.stack import BF16, StepShape, attention_params, backward_op, head_ops, kv_elems_per_token
 
 #: The optimizer step's bytes per parameter on the GPU (:data:`moonep_sim.step.offload.GPU_ADAM_BYTES_PER_PARAM`).
@@ -385,7 +392,8 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
     topo = cfg.topology
     bounds = stage_bounds(m, p)
     M = p.micro_batches
-    sched = get_schedule(p.pp_schedule, p.pp, p.vpp, M)
+    combined = train and p.overlap_moe_expert_parallel_comm   # Megatron's combined 1F1B (module docstring, 3.)
+    sched = get_schedule("combined-1f1b" if combined else p.pp_schedule, p.pp, p.vpp, M)
     T = cfg.shape.tokens
     tokens_tp = T * p.tp   # the TP group's tokens of one micro-batch (after the CP split)
     ef, hf, eb, hb = _head_us(m, cfg.shape, cfg.costs)
@@ -408,6 +416,7 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
     tp_kernels = (4 if p.sequence_parallel else 2) if p.tp > 1 else 0
     h_us = launch_us(p.pp_schedule)
     f_us, b_us, fc_us, bc_us, stage_fig = [], [], [], [], []
+    parts: list[tuple[float, ...]] = []   # per stage: EP comm, TP comm and host launches, forward and backward
     for (a, b), sp in zip(bounds, programs):
         F, B, Fc, Bc = sp.forward_us, sp.backward_us, sp.forward_compute_us, sp.backward_compute_us
         if replicated:   # no dispatch or combine: the stage's exposed MoE communication is not run (7.)
@@ -417,13 +426,15 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
         if b != m.layers:
             F, Fc, B, Bc = F - hf, Fc - hf, B - hb, Bc - hb
         tf, tb = tp_comm_us(m, a, b, p, cfg.shape, topo, tokens_tp, gpus_per_node)
-        hf_us = hb_us = 0.0
+        hf_us = hb_us = lf_us = lb_us = 0.0
         if host_bound:   # the host's launches and syncs (module docstring, 6.)
             def keep(l: int, a=a, b=b) -> bool:
                 return (l >= 0 or a == 0) and (l < b - a or b == m.layers)
             k = tp_kernels * (b - a) + (sum(1 for l in range(a, b) if l >= m.dense_layers) if p.etp > 1 else 0)
             hf_us = host_excess_us(sp.host_forward, keep, tf, k, h_us)
             hb_us = host_excess_us(sp.host_backward, keep, tb, k, h_us) if train else 0.0
+            lf_us, lb_us = (_launches_us(blk, keep, k, h_us) for blk in (sp.host_forward, sp.host_backward))
+        parts.append((max(F - Fc, 0.0), max(B - Bc, 0.0), tf, tb, lf_us, lb_us))
         F, B = F + tf + hf_us, (B + tb + hb_us if train else 0.0)
         f_us.append(F)
         b_us.append(B)
@@ -432,8 +443,9 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
         stage_fig.append({"layers": [a, b], "forward_us": F, "backward_us": B, "tp_cp_comm_us": tf + (tb if train else 0.0),
                           "host_bound_us": hf_us + hb_us})
     ch = [sched.stage_of(c) for c in range(sched.chunks())]
+    fb = FBParts(*([parts[s][i] for s in ch] for i in range(6))) if combined else None
     run = run_schedule(sched, ChunkTimes([f_us[s] for s in ch], [b_us[s] for s in ch], [fc_us[s] for s in ch],
-                                         [bc_us[s] for s in ch], send_us))
+                                         [bc_us[s] for s in ch], send_us, fb))
     ranks_chunks = [[c for c in range(sched.chunks()) if sched.rank_of(c) == r] for r in range(p.pp)]
     ends, last_b = [0.0] * p.pp, [0.0] * p.pp
     for r, kind, mb, c, mb2, c2, s0, s1 in run.ops:
@@ -465,6 +477,14 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
             "dropped": sum(sp.dropped for sp in programs), "entries": sum(sp.entries for sp in programs),
             "moe_layer_us_mean": _mean([t for sp in programs for t in sp.moe_layer_us]),
             "tokens_per_step": tokens}
+
+
+def _launches_us(blocks: tuple, keep, tp_kernels: int, launch: float) -> float:
+    """The host's time to launch the kept ``(layer, Block)`` pairs' kernels and ``tp_kernels`` more
+    at ``launch`` us each, never waiting for the GPU (what one host thread spends on a chunk inside
+    a combined 1F1B op, whose syncs wait on GPU work queued behind the other half: ASSUMED)."""
+    bl = [b for l, b in blocks if keep(l)]
+    return (sum(b.kernels for b in bl) + tp_kernels) * launch + sum(b.host_us for b in bl)
 
 
 def _mean(xs: list[float]) -> float:

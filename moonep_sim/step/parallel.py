@@ -61,6 +61,11 @@ class Parallel:
         split; the rest is spread evenly over the other stages).
     overlap_grad_reduce: the DP gradient reduce runs during the last micro-batch's backward
         (Megatron ``--overlap-grad-reduce``); off, it follows the backward.
+    overlap_moe_expert_parallel_comm: Megatron-Core's EP all-to-all overlap (its
+        ``--overlap-moe-expert-parallel-comm``): in training the interleaved pipeline runs as its
+        combined 1F1B, each steady forward and backward of two micro-batches together, the
+        dispatch/combine of each behind the other's compute. Needs the interleaved schedule (vpp >= 2,
+        as Megatron requires a virtual pipeline when pp > 1) and ep >= 2.
     """
 
     tp: int = 1
@@ -79,6 +84,7 @@ class Parallel:
     first_stage_layers: int = 0
     last_stage_layers: int = 0
     overlap_grad_reduce: bool = False
+    overlap_moe_expert_parallel_comm: bool = False
 
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "vpp", "dp", "cp", "ep", "etp", "micro_batch_size"):
@@ -90,7 +96,7 @@ class Parallel:
         require(self.pp_schedule in PP_SCHEDULES,
                 f"pp schedule ({self.pp_schedule!r}) must be one of {', '.join(PP_SCHEDULES)}")
         require(self.zero in ZERO_STAGES, f"zero ({self.zero!r}) must be one of 0, 1, 2, 3")
-        for f in ("sequence_parallel", "dp_attention", "overlap_grad_reduce"):
+        for f in ("sequence_parallel", "dp_attention", "overlap_grad_reduce", "overlap_moe_expert_parallel_comm"):
             require(isinstance(getattr(self, f), bool), f"{f} ({getattr(self, f)!r}) must be true or false")
         require(self.vpp == 1 or self.pp_schedule == "interleaved",
                 f"vpp ({self.vpp}) must be 1 unless the pp schedule is interleaved ({self.pp_schedule})")
@@ -98,6 +104,12 @@ class Parallel:
                 f"pp schedule (interleaved) needs vpp >= 2 virtual stages per rank (vpp {self.vpp})")
         require(self.pp_schedule != "interleaved" or self.pp >= 2,
                 f"pp schedule (interleaved) needs pp >= 2 stages (pp {self.pp})")
+        require(not self.overlap_moe_expert_parallel_comm or (self.pp_schedule == "interleaved" and self.vpp >= 2),
+                f"overlap_moe_expert_parallel_comm needs the interleaved pp schedule with vpp >= 2 (pp schedule "
+                f"{self.pp_schedule}, vpp {self.vpp}): Megatron-Core runs its EP all-to-all overlap on a virtual "
+                "pipeline (its pp = 1 path is not modelled)")
+        require(not self.overlap_moe_expert_parallel_comm or self.ep >= 2,
+                f"overlap_moe_expert_parallel_comm needs ep >= 2 (ep {self.ep}): it overlaps the EP all-to-all")
         require(not self.sequence_parallel or self.tp >= 2,
                 f"sequence parallel needs tp >= 2 (tp {self.tp}): it splits activations over the TP group")
         require(self.pp >= 2 or not (self.first_stage_layers or self.last_stage_layers),
@@ -204,12 +216,14 @@ class Parallel:
         return d
 
     def label(self) -> str:
-        """A short label, e.g. ``TP1 PP16 DP64 EP64`` (degrees of 1 left out, except DP and EP)."""
+        """A short label, e.g. ``TP1 PP16 DP64 EP64`` (degrees of 1 left out, except DP and EP; the EP
+        all-to-all overlap named when on)."""
         parts = [f"TP{self.tp}"] if self.tp > 1 else []
         parts += [f"PP{self.pp}" + (f"x{self.vpp}" if self.vpp > 1 else "")] if self.pp > 1 else []
         parts += [f"CP{self.cp}"] if self.cp > 1 else []
         parts += [f"DP{self.dp}" + ("-attn" if self.dp_attention else ""), f"EP{self.ep}"]
         parts += [f"ETP{self.etp}"] if self.etp > 1 else []
+        parts += ["EP-a2a-overlap"] if self.overlap_moe_expert_parallel_comm else []
         return " ".join(parts)
 
     @classmethod

@@ -5,6 +5,8 @@ per-rank orders, the timed run); the schedules:
 
 - ``1f1b`` (:mod:`.one_f_one_b`): PipeDream-flush, Megatron-Core's default.
 - ``interleaved`` (:mod:`.interleaved`): Megatron-Core's virtual pipeline, vpp chunks per rank.
+- ``combined-1f1b`` (:mod:`.interleaved`): interleaved with Megatron-Core's EP all-to-all overlap
+  (``overlap_moe_expert_parallel_comm``: steady forward-backward pairs as FB ops), chosen by that flag.
 - ``dualpipe`` (:mod:`.dualpipe`): DeepSeek-V3's bidirectional schedule with overlapped chunk pairs.
 
 Adding a schedule: a module here with a :class:`~.base.Schedule` subclass decorated

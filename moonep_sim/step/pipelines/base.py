@@ -52,23 +52,46 @@ class PipeOp:
 
 
 @dataclass(frozen=True)
+class FBParts:
+    """What an FB op of Megatron's combined 1F1B hides and what it cannot, per chunk id (forward
+    ``f_*``, backward ``b_*``; us): ``*_comm_us`` the chunk's exposed EP dispatch/combine (on the
+    communication stream, hidden behind the other half's compute), ``*_serial_us`` what stays on the
+    compute stream beside the compute (TP collectives), ``*_host_us`` the host's launches of the
+    chunk's kernels (one host thread launches both halves)."""
+
+    f_comm_us: Sequence[float]
+    b_comm_us: Sequence[float]
+    f_serial_us: Sequence[float]
+    b_serial_us: Sequence[float]
+    f_host_us: Sequence[float]
+    b_host_us: Sequence[float]
+
+
+@dataclass(frozen=True)
 class ChunkTimes:
     """What the schedule is timed on, per chunk id: forward and backward us (``f_us`` / ``b_us``)
     and the part of each that is compute (``f_compute_us`` / ``b_compute_us``: the rest is exposed
     communication, which an FB op hides behind the other half's compute); ``send_us(a, b)``: the
-    activation (or gradient) send from chunk ``a``'s rank to chunk ``b``'s (0 on the same rank)."""
+    activation (or gradient) send from chunk ``a``'s rank to chunk ``b``'s (0 on the same rank);
+    ``fb``: the parts an FB op composes instead (:class:`FBParts`, Megatron's combined 1F1B)."""
 
     f_us: Sequence[float]
     b_us: Sequence[float]
     f_compute_us: Sequence[float] | None = None
     b_compute_us: Sequence[float] | None = None
     send_us: Callable[[int, int], float] = field(default=lambda a, b: 0.0)
+    fb: FBParts | None = None
 
     def fb_us(self, cf: int, cb: int) -> float:
-        """An FB op's time: ``max(compute F + compute B, exposed F + exposed B)``."""
+        """An FB op's time: ``max(compute F + compute B, exposed F + exposed B)``; with :attr:`fb`,
+        ``max(max(compute F + compute B, comm F + comm B) + serial F + serial B, host F + host B)``."""
         fc = self.f_compute_us[cf] if self.f_compute_us is not None else self.f_us[cf]
         bc = self.b_compute_us[cb] if self.b_compute_us is not None else self.b_us[cb]
-        return max(fc + bc, (self.f_us[cf] - fc) + (self.b_us[cb] - bc))
+        if self.fb is None:
+            return max(fc + bc, (self.f_us[cf] - fc) + (self.b_us[cb] - bc))
+        o = self.fb
+        gpu = max(fc + bc, o.f_comm_us[cf] + o.b_comm_us[cb]) + o.f_serial_us[cf] + o.b_serial_us[cb]
+        return max(gpu, o.f_host_us[cf] + o.b_host_us[cb])
 
 
 class Schedule(ABC):
@@ -208,4 +231,4 @@ def run_schedule(s: Schedule, t: ChunkTimes) -> PipelineRun:
     return PipelineRun(s.name, s.pp, s.vpp, s.m, ops, mk, busy, [mk - b for b in busy], warm, steady, cool)
 
 
-__all__ = ["ChunkTimes", "PipeOp", "PipelineRun", "Schedule", "run_schedule"]
+__all__ = ["ChunkTimes", "FBParts", "PipeOp", "PipelineRun", "Schedule", "run_schedule"]
