@@ -426,7 +426,7 @@ def test_bad_input_is_rejected_before_communication(world_of_one):
     x = torch.zeros(4, H)
     ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]])
     w = torch.ones(4, 2)
-    seq0 = buf.comm.seq
+    seq0 = buf.comm.tracker.seq   # collectives this rank has entered
     with pytest.raises(ConfigError, match=r"tokens \(5\) must be <= capacity \(4\)"):
         buf.dispatch(torch.zeros(5, H), torch.zeros(5, 2, dtype=torch.long), torch.ones(5, 2))
     with pytest.raises(ConfigError, match=r"x shape \(\[4, 3\]\) must be \[s, 4\]"):
@@ -443,7 +443,7 @@ def test_bad_input_is_rejected_before_communication(world_of_one):
         buf.dispatch(x, torch.zeros(4, 2, dtype=torch.long), w)
     with pytest.raises(ConfigError, match="topk_weights shape"):
         buf.dispatch(x, ids, torch.ones(4))
-    assert buf.comm.seq == seq0  # nothing was communicated
+    assert buf.comm.tracker.seq == seq0  # nothing was communicated
     with pytest.raises(ConfigError, match=r"strategy \('nope'\) must be one of"):
         planner("nope", ctx)
     with pytest.raises(ConfigError, match="option"):

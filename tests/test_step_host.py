@@ -23,6 +23,13 @@ def test_one_block_closed_form():
         assert host_timeline_us([Block("a", n, G)], h) == pytest.approx(max(h + n * g, n * h + g))
 
 
+def test_without_host_time_kernel_j_is_issued_at_exactly_j_h():
+    """Without host time the issue times are j x h exactly (not a running sum of h): the closed form
+    of one block, bit for bit, at a launch cost binary fractions do not hold."""
+    for n, h in ((10, 0.1), (62, 7.3), (7, 5.6)):   # host-bound (no GPU time): the last issue, n x h
+        assert host_timeline_us([Block("a", n, 0.0)], h) == n * h
+
+
 def test_without_launch_cost_it_is_the_gpu_time():
     bl = [Block("a", 62, 400.0), Block("moe", 25, 900.0, True), Block("a", 62, 410.0), Block("moe", 25, 880.0, True)]
     assert host_timeline_us(bl, 0.0) == pytest.approx(sum(b.gpu_us for b in bl))

@@ -133,7 +133,7 @@ def _segment_us(seg: Sequence[Block], h: float) -> float:
     every kernel before it (``issue_j = j h`` without host time)."""
     n = np.array([b.kernels for b in seg], dtype=np.int64)
     g = np.repeat(np.array([max(b.gpu_us, 0.0) for b in seg]) / n, n)
-    issue = np.cumsum(h + np.repeat(np.array([max(b.host_us, 0.0) for b in seg]) / n, n))
+    issue = h * np.arange(1, g.size + 1) + np.cumsum(np.repeat(np.array([max(b.host_us, 0.0) for b in seg]) / n, n))
     tail = np.cumsum(g[::-1])[::-1]   # sum of g_k for k >= j
     return float(np.max(issue + tail))
 

@@ -283,7 +283,7 @@ def pipelined_layer_work(work: list[LayerWork], progress: Callable[[str, int, in
     (``time.thread_time``). Returns the results and the pipeline's figures: this thread's seconds
     waiting for Plans, the routings it built, the layers' process CPU (all threads), each
     thread's own CPU seconds over the layers (the larger is the wall time two free cores need) and
-    the second thread's seconds waiting (at the bound, or for a routing this thread makes)."""
+    the second thread's wall seconds outside its pieces (idle at the bound; not a piece's own waits)."""
     from concurrent.futures import ThreadPoolExecutor
 
     require(ahead >= 1, f"pipeline lookahead ({ahead}) must be >= 1 Plan")
