@@ -3,16 +3,41 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO / "traces"
 
 # keep torch single-threaded in tests: the machine has 2 cores and many tests spawn processes
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# no hypothesis test may fail on its 200 ms deadline or its too-slow health check (a timing of the
+# example generation) because the machine is loaded; each @settings says deadline=None as well, this
+# holds for one that forgets
+settings.register_profile("moonep-sim-tests", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("moonep-sim-tests")
+
+
+def pytest_configure(config):
+    """No test reads or writes the machine user's files: the calibrated local-gloo topology
+    (``~/.cache/moonep-sim/local-gloo.toml``, which any ``moonep-sim calibrate`` on the machine rewrites)
+    and the step-time cache live in a folder of this run (child processes inherit it); a test that
+    needs its own sets its own."""
+    config._moonep_sim_home = tempfile.mkdtemp(prefix="moonep-sim-tests-")
+    os.environ["MOONEP_SIM_HOME"] = config._moonep_sim_home
+    os.environ["MOONEP_SIM_CACHE"] = os.path.join(config._moonep_sim_home, "cache")
+
+
+def pytest_unconfigure(config):
+    home = getattr(config, "_moonep_sim_home", None)
+    if home:
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def ref_entry_slots(ids_N: np.ndarray, alloc_ER: np.ndarray, slot_rank_S: np.ndarray,

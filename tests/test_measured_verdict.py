@@ -157,13 +157,17 @@ def test_compare_real_shows_the_measured_verdict_beside_the_simulated_one(tmp_pa
         real=True, nproc=2, iters=8, hidden=1024, ffn=2048, timeout_s=300)
     rep = res.to_dict()
     mv = rep["real"]["verdict"]
-    assert mv["measured"] and mv["winner"] == "alltoall" and mv["mechanism"] == "weight copies"
+    assert mv["measured"]
     rk = rep["real"]["ranking"]
     assert rk["measured_order"][0] == mv["winner"]  # the same times: the measured order's head
-    if not mv["tie"]:
-        assert "alltoall < moonep" in rk["resolved"]
     lines = verdict_lines(rep)
     assert lines[0].startswith("verdict: ") and "measured on local gloo" not in lines[0]  # the simulated one
-    assert any(ln.startswith("measured verdict: ") and "mechanism: weight copies" in ln for ln in lines)
+    if mv["tie"]:  # measured times on a loaded machine may tie: the verdict then names no mechanism
+        assert {mv["winner"], *mv["tied_with"]} == {"alltoall", "moonep"} and mv["mechanism"] is None
+        assert any(ln.startswith("measured verdict: ") and " tie" in ln for ln in lines)
+    else:
+        assert mv["winner"] == "alltoall" and mv["mechanism"] == "weight copies"
+        assert "alltoall < moonep" in rk["resolved"]
+        assert any(ln.startswith("measured verdict: ") and "mechanism: weight copies" in ln for ln in lines)
     html = render_html(rep, None)
     assert "Measured verdict (local gloo)" in html and "measured on local gloo" in html

@@ -92,7 +92,8 @@ def test_a_read_only_copy_of_the_package_with_a_read_only_home_runs(tmp_path):
     _chmod_tree(pkg, writable=False)
     _chmod_tree(home, writable=False)
     before = _tree(pkg), _tree(home)
-    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "XDG_CACHE_HOME", "PYTHONPATH")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NUMBA_CACHE_DIR", "XDG_CACHE_HOME", "PYTHONPATH", "MOONEP_SIM_HOME", "MOONEP_SIM_CACHE")}
     env.update(HOME=str(home), PYTHONPATH=str(pkg))
     runs = {"version": (["--version"], False), "models": (["models"], False),
             "simulate": (["simulate", "--gen", "maxvio=1.5,model=mixtral-8x7b,tokens-per-rank=64", "--strategy",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -189,10 +190,13 @@ def test_two_node_replay_and_cleanup(tmp_path):
     assert res.replay["world_size"] == 2 and res.replay["correct"] is True
     assert res.replay["bytes_sent"] > 0
     tcp = res.probes["tcp"][0]
-    # the upper bound is the shaping (tbf rate plus its bucket); the lower one only says the link is not
-    # mis-shaped by an order of magnitude: a loaded machine's probe process may get the CPU late
-    assert 0.2e9 < tcp["bits_per_s"] <= 1.0e9 * _burst_allowance(tcp["bytes"], spec.shape(0).burst_bytes, buckets=2)
-    assert "Sent" in res.probes["qdisc"]["n0.egress"]
+    # the upper bound is the shaping (tbf rate plus its bucket): a loaded machine only lowers the measured
+    # rate, so no lower bound beyond a transfer that happened; that the link is shaped at the spec's rate
+    # (not mis-shaped by an order of magnitude) is read from the qdisc node 0's bytes went through
+    assert 0 < tcp["bits_per_s"] <= 1.0e9 * _burst_allowance(tcp["bytes"], spec.shape(0).burst_bytes, buckets=2)
+    q = res.probes["qdisc"]["n0.egress"]
+    assert "tbf" in q and "rate 1Gbit" in q, q
+    assert int(re.search(r"Sent (\d+) bytes", q).group(1)) >= tcp["bytes"], q
     assert (tmp_path / "topo.toml").read_text().count("[nic]") == 1
     assert _leftovers(spec) == []
 

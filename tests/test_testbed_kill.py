@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from moonep_sim.testbed.netns import namespace_pids
 from test_testbed import needs_netns
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,11 +26,13 @@ run_testbed(TestbedSpec(nodes=2, rate_bps=10**9), LaunchSpec(2, module="msim_blo
 """
 
 
-def _workers() -> list[int]:
-    """Processes running the blocking job (torchrun's workers on every node)."""
+def _workers(tag: int) -> list[int]:
+    """Processes running the blocking job (torchrun's workers on every node) inside testbed ``tag``'s
+    namespaces: another testbed on the machine (a concurrent run of this test) is never counted."""
+    mine = {p for i in range(2) for p in namespace_pids(f"msim{tag}n{i}")}
     out = []
     for d in Path("/proc").iterdir():
-        if d.name.isdigit():
+        if d.name.isdigit() and int(d.name) in mine:
             try:
                 cmd = (d / "cmdline").read_bytes().split(b"\0")
             except OSError:
@@ -61,14 +64,13 @@ def _until(cond, timeout_s: float) -> bool:
 def test_sigkilled_testbed_leaves_nothing_after_cleanup(tmp_path):
     (tmp_path / "msim_block_forever.py").write_text("import threading\nthreading.Event().wait()\n")
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}", OMP_NUM_THREADS="1")
-    before = set(_workers())
     driver = subprocess.Popen([sys.executable, "-c", DRIVER], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     tag = driver.pid
     try:
-        assert _until(lambda: len(set(_workers()) - before) >= 4 or driver.poll() is not None, 120), \
+        assert _until(lambda: len(_workers(tag)) >= 4 or driver.poll() is not None, 120), \
             "the testbed job never started"
-        jobs = sorted(set(_workers()) - before)
+        jobs = sorted(_workers(tag))
         assert len(jobs) == 4 and driver.poll() is None
         ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert f"msim{tag}n0" in ns and f"msim{tag}n1" in ns
