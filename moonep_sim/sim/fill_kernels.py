@@ -383,8 +383,9 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, tables):
     N = cnt_src_N.size
     U = 2 * N
     cnt = np.empty(U + 1)
-    cnt[:N] = cnt_src_N
-    cnt[N:U] = cnt_dst_N
+    for i in range(N):   # (a loop, not slice assignments: no shape check's message to compile)
+        cnt[i] = cnt_src_N[i]
+        cnt[N + i] = cnt_dst_N[i]
     cnt[U] = 0.0
     frz = np.zeros(U + 1)
     lev = np.full(U + 1, np.inf)
