@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import simpy
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import assume, example, given, settings, strategies as st
 
 from blocks_reference import BlockCountsReference, compiled_fill
 from moonep_sim.sim.blocks import BlockCounts
@@ -264,6 +264,8 @@ def test_coalescing_stays_within_tolerance_of_exact(topo_name, kind, R, seed, to
     phases = random_phases(np.random.default_rng(seed), R, kind)
     ex, _ = run_solver(R, phases, topo, 0.0, "blocks", stagger_us=1.3)
     ap, _ = run_solver(R, phases, topo, tol, "blocks", stagger_us=1.3)
+    assert ap["end"].size == ex["end"].size
+    assume(ex["end"].size > 0)   # a sparse family can draw no transfer at all (4 ranks, seed 45)
     assert ap["end"].max() >= ex["end"].max() * (1 - 4 * tol)
     assert ap["end"].max() <= ex["end"].max() * (1 + 40 * tol)
     # per receive group (phase, receiver)

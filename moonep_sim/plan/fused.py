@@ -229,7 +229,8 @@ def _single_place(hop, starts, out):
                 if padded:
                     grow[p - n_drop] = g
                     row_entry[g] = e
-        m_srow[m0:m1] = win[:m1 - m0]
+        for i in range(m1 - m0):   # (a loop, not a slice assignment: no shape check's message to compile)
+            m_srow[m0 + i] = win[i]
 
 
 @kernel

@@ -204,7 +204,8 @@ def _route2_place(route, starts, out):
                 if padded:
                     grow[p] = g
                     row_entry[g] = e
-        m_srow0[a0:a1] = win[:a1 - a0]
+        for i in range(a1 - a0):   # (a loop, not a slice assignment: no shape check's message to compile)
+            m_srow0[a0 + i] = win[i]
 
 
 def _relay_classes(via_RR: np.ndarray):

@@ -119,11 +119,13 @@ def _heapify(heap, m, share):
 
 @kernel
 def _pop(heap, size, share):
-    """The first candidate of ``heap[:size]`` in share order, removed (size - 1 remain)."""
+    """The first candidate of ``heap[:size]`` in share order, removed (size - 1 remain). (A constant
+    passed to a kernel is typed ``np.int64`` / ``np.bool_`` in these kernels: numba compiles a callee
+    once more for each literal constant it is first seen with.)"""
     top = heap[0]
     heap[0] = heap[size - 1]
     if size > 2:
-        _sift(heap, size - 1, 0, share)
+        _sift(heap, size - 1, np.int64(0), share)
     return top
 
 
@@ -140,10 +142,9 @@ def _sort_run(g, lv, port, ng):
             g[j + 1], lv[j + 1], port[j + 1] = x, y, z
         return
     o = np.argsort(g[:ng])
-    gs, ls, ps = g[:ng][o], lv[:ng][o], port[:ng][o]
-    g[:ng] = gs
-    lv[:ng] = ls
-    port[:ng] = ps
+    gs, ls, ps = g[:ng].copy(), lv[:ng].copy(), port[:ng].copy()
+    for i in range(ng):   # (a loop, not fancy indexing: less to compile)
+        g[i], lv[i], port[i] = gs[o[i]], ls[o[i]], ps[o[i]]
 
 
 @kernel
@@ -215,7 +216,7 @@ def _fill_simple(cap_P, N, tables, nodes, scratch, cells, run):
     li = np.empty(nP, dtype=np.int64)   # the candidate ports' positions in pps, ascending
     share = np.empty(nP)
     heap = np.empty(nP, dtype=np.int64)
-    m = 0
+    m = np.int64(0)   # (not a literal 0: see _pop)
     for k in range(nP):
         if cnt[nps[k]] != 0.0:
             li[m] = k
@@ -229,8 +230,8 @@ def _fill_simple(cap_P, N, tables, nodes, scratch, cells, run):
         _heapify(heap, m, share)
         w = min(m, run_max)
         cut = w
-        ns = 0
-        nr = 0
+        ns = np.int64(0)
+        nr = np.int64(0)
         for i in range(w):
             j = _pop(heap, m - i, share)
             k = li[j]
@@ -243,7 +244,7 @@ def _fill_simple(cap_P, N, tables, nodes, scratch, cells, run):
             lv[i] = share[j]
             port[i] = pps[k]
         _sort_run(g, lv, port, cut)
-        _freeze(g, lv, port, cut, False, nodes, scratch, cells)
+        _freeze(g, lv, port, cut, np.bool_(False), nodes, scratch, cells)
         # the next step's candidates: those still carrying unfrozen transfers (counts only fall)
         mm_ = 0
         for i in range(m):
@@ -294,7 +295,7 @@ def _fill_general(cap_P, N, tables, nodes, scratch, cells, run):
                 n[p] += c
                 fr[p] += f
         n[dummy] = 0.0
-        m = 0
+        m = np.int64(0)
         for p in range(P1):
             if n[p] != 0.0:
                 cand[m] = p
@@ -303,9 +304,9 @@ def _fill_general(cap_P, N, tables, nodes, scratch, cells, run):
         _heapify(heap, m, share)
         steps += 1
         w = min(m, run_max)
-        ns = 0
-        nr = 0
-        nrun = 0
+        ns = np.int64(0)
+        nr = np.int64(0)
+        nrun = np.int64(0)
         for i in range(w):
             j = _pop(heap, m - i, share)
             p = cand[j]
@@ -333,7 +334,7 @@ def _fill_general(cap_P, N, tables, nodes, scratch, cells, run):
         if nrun == 0:
             return lev, bport, -1
         _sort_run(g, lv, port, nrun)
-        _freeze(g, lv, port, nrun, True, nodes, scratch, cells)
+        _freeze(g, lv, port, nrun, np.bool_(True), nodes, scratch, cells)
     return lev, bport, steps
 
 
@@ -382,8 +383,9 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, tables):
     N = cnt_src_N.size
     U = 2 * N
     cnt = np.empty(U + 1)
-    cnt[:N] = cnt_src_N
-    cnt[N:U] = cnt_dst_N
+    for i in range(N):   # (a loop, not slice assignments: no shape check's message to compile)
+        cnt[i] = cnt_src_N[i]
+        cnt[N + i] = cnt_dst_N[i]
     cnt[U] = 0.0
     frz = np.zeros(U + 1)
     lev = np.full(U + 1, np.inf)

@@ -213,7 +213,8 @@ class FlowNetwork:
             self._targs = None   # the tick's buffers too
         # one kernel: the entries with bytes, their cells of the sender's rows
         m, first = submit_flows((src, pid, float(self.env.now), self._message_us), dst_F,   # a Submission
-                                np.asarray(bytes_F, dtype=np.float64), np.asarray(eff_bytes_F, dtype=np.float64),
+                                np.ascontiguousarray(bytes_F, dtype=np.float64),   # (one layout: one compile)
+                                np.ascontiguousarray(eff_bytes_F, dtype=np.float64),
                                 blk_R, lat_R, R, p.n, log.n, *self._sargs)
         if m == 0:
             return

@@ -51,19 +51,22 @@ class Timeline:
     def __post_init__(self) -> None:
         self.compute_free = np.zeros(self.R)
         self.comm_free = np.zeros(self.R)
-        self._comm_iv: list[tuple[np.ndarray, np.ndarray, float]] = []
+        # SM-holding comm intervals: (start_R, end_R, share, latest end) us
+        self._comm_iv: list[tuple[np.ndarray, np.ndarray, float, float]] = []
 
     def _stretch(self, s: np.ndarray, work: np.ndarray) -> np.ndarray:
-        """End of ``work`` us of compute started at ``s``, slowed where communication kernels run."""
+        """End of ``work`` us of compute started at ``s``, slowed where communication kernels run.
+        An interval that ended on every rank before the op starts changes nothing and is skipped."""
         t, rem = s.copy(), work.astype(np.float64).copy()
-        for a, b, f in self._comm_iv[-8:]:
-            if f <= 0:
+        t0 = float(t.min()) if t.size else 0.0
+        for a, b, f, b_max in self._comm_iv[-8:]:
+            if f <= 0 or b_max <= t0:
                 continue
-            use = np.minimum(np.clip(a - t, 0.0, None), rem)  # before the interval: full rate
+            use = np.minimum(np.maximum(a - t, 0.0), rem)  # before the interval: full rate
             t, rem = t + use, rem - use
             busy = rem > 0
             t = np.where(busy, np.maximum(t, a), t)
-            inside = np.clip(b - t, 0.0, None) * busy
+            inside = np.maximum(b - t, 0.0) * busy
             if f >= 1:
                 t = t + inside
             else:
@@ -97,16 +100,19 @@ class Timeline:
         if share <= 0:
             used = np.zeros(self.R)
         elif held is None:
-            self._comm_iv.append((s, e, float(share)))
+            self._held(s, e, share)
             used = d.copy()
         else:
             head = np.minimum(np.asarray(held[0], np.float64), d)
             tail = np.minimum(np.asarray(held[1], np.float64), d - head)
-            self._comm_iv.append((s, s + head, float(share)))
-            self._comm_iv.append((e - tail, e, float(share)))
+            self._held(s, s + head, share)
+            self._held(e - tail, e, share)
             used = head + tail
         self.events.append(Event(name, "comm", layer, direction, mb, s, e.copy(), sm_held_R=used))
         return e
+
+    def _held(self, a: np.ndarray, b: np.ndarray, share: float) -> None:
+        self._comm_iv.append((a, b, float(share), float(b.max()) if b.size else 0.0))
 
     def wait(self, ready_R: np.ndarray) -> None:
         """The compute stream waits for ``ready_R`` (a combine's result the next op consumes)."""
