@@ -101,7 +101,6 @@ def _span_ends(sim: StepSim) -> dict[Direction, tuple[list[float], list[float], 
     R = sim.R
     dirs = (Direction.FORWARD, Direction.BACKWARD)
     out = {d: ([-np.inf] * R, [0.0] * R, ([0.0] * R, [0.0] * R), ([0.0] * R, [0.0] * R)) for d in dirs}
-    # (Python floats and unpacked spans: a K3 EP64 layer has ~900-1,500 spans)
     starts = {d: sim.compute_start[min(i, len(sim.compute_start) - 1)].tolist() for i, d in enumerate(dirs)}
     planning = (PhaseKind.PLANNING, PhaseKind.ROUTING_GATHER)
     for r, _, kind, d, t0, t1 in sim.spans:
