@@ -19,9 +19,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # no hypothesis test may fail on its 200 ms deadline or its too-slow health check (a timing of the
 # example generation) because the machine is loaded; each @settings says deadline=None as well, this
-# holds for one that forgets
-settings.register_profile("moonep-sim-tests", deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile("moonep-sim-tests")
+# holds for one that forgets. The suite draws the same examples on every run (derandomize: a green
+# main stays green); MOONEP_SIM_HYPOTHESIS=explore draws new ones, more of them, to look for cases
+settings.register_profile("moonep-sim-tests", deadline=None, suppress_health_check=[HealthCheck.too_slow],
+                          derandomize=True)
+settings.register_profile("explore", deadline=None, suppress_health_check=[HealthCheck.too_slow],
+                          max_examples=200)
+settings.load_profile(os.environ.get("MOONEP_SIM_HYPOTHESIS", "moonep-sim-tests"))
 
 
 def pytest_configure(config):
