@@ -101,18 +101,18 @@ def _span_ends(sim: StepSim) -> dict[Direction, tuple[list[float], list[float], 
     R = sim.R
     dirs = (Direction.FORWARD, Direction.BACKWARD)
     out = {d: ([-np.inf] * R, [0.0] * R, ([0.0] * R, [0.0] * R), ([0.0] * R, [0.0] * R)) for d in dirs}
-    starts = {d: sim.compute_start[min(i, len(sim.compute_start) - 1)] for i, d in enumerate(dirs)}
+    starts = {d: sim.compute_start[min(i, len(sim.compute_start) - 1)].tolist() for i, d in enumerate(dirs)}
     planning = (PhaseKind.PLANNING, PhaseKind.ROUTING_GATHER)
-    for s in sim.spans:
-        d = s.direction if s.direction in out else Direction(s.direction)
+    for r, _, kind, d, t0, t1 in sim.spans:
+        d = d if d in out else Direction(d)
         end_R, plan_R, pre_R, post_R = out[d]
-        if s.end_us > end_R[s.rank]:  # combine hops and the passes after them (a reduce, a copy)
-            end_R[s.rank] = s.end_us
-        if s.kind in planning:
-            plan_R[s.rank] += s.end_us - s.start_us
-        if s.kind in SM_HEAD_KINDS or s.kind in SM_TAIL_KINDS:
-            seg = pre_R if s.end_us <= starts[d][s.rank] + 1e-9 else post_R
-            seg[s.kind in SM_TAIL_KINDS][s.rank] += s.end_us - s.start_us
+        if t1 > end_R[r]:  # combine hops and the passes after them (a reduce, a copy)
+            end_R[r] = t1
+        if kind in planning:
+            plan_R[r] += t1 - t0
+        if kind in SM_HEAD_KINDS or kind in SM_TAIL_KINDS:
+            seg = pre_R if t1 <= starts[d][r] + 1e-9 else post_R
+            seg[kind in SM_TAIL_KINDS][r] += t1 - t0
     return out
 
 
