@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import os
 import subprocess
 import sys
@@ -53,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 import fidelity_gpu as fg  # noqa: E402
+import fidelity_steps as fs  # noqa: E402
 
 from moonep_sim.plan.kernel import RelayChunk  # noqa: E402
 from moonep_sim.sim import SimOptions, load_topology, simulate_layer  # noqa: E402
@@ -144,11 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{np.median(np.abs(swept_err)):.1%} ({len(swept_err)} points).", ""] + order_lines(swept)
     print("\n".join(body))
     if not args.no_write:
-        head = ["# Host-proxy kernels on EFA against the p5.48xlarge per-layer rows", "",
-                f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}",
-                f"- command: `python benchmarks/fidelity_efa.py` ({time.perf_counter() - t0:.0f} s)",
-                f"- machine load (1-min load average at start / end): {load0[0]:.1f} / {os.getloadavg()[0]:.1f} on "
-                f"{os.cpu_count()} cores",
+        head = fs.page_head("Host-proxy kernels on EFA against the p5.48xlarge per-layer rows",
+                            "python benchmarks/fidelity_efa.py", t0, load0, commit) + [
                 f"- published: {SOURCE}; DeepEP's internode test, {TOKENS} tokens per rank, hidden 7168, top-8 of "
                 f"256, BF16, {TEST_SMS} SMs, GB/s = unique (token, node) pairs (own node included) x 2H over the "
                 "kernel's time, best over the test's chunk sweep",

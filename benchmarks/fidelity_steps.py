@@ -343,6 +343,16 @@ def fit_host(grid: list[float]) -> list[str]:
     return lines
 
 
+
+def page_head(title: str, command: str, t0: float, load0: tuple, commit: str) -> list[str]:
+    """A results page's first lines: its title, the date, commit, command (with its wall seconds since
+    ``t0``) and the 1-minute load average at the start (``load0``) and now."""
+    return [f"# {title}", "",
+            f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}",
+            f"- command: `{command}` ({time.perf_counter() - t0:.0f} s)",
+            f"- machine load (1-min load average at start / end): {load0[0]:.1f} / {os.getloadavg()[0]:.1f} on "
+            f"{os.cpu_count()} cores"]
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,5", help="ANCHORS development rows to run (default 1,2,5)")
@@ -359,11 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         lines = fit_host(sorted(float(x) for x in args.fit_host.split(",")))
         print("\n".join(lines))
         if not args.no_write:
-            head = ["# Megatron-Core's host time per launch, fitted on development row 2", "",
-                    f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}",
-                    f"- command: `python benchmarks/fidelity_steps.py --fit-host {args.fit_host}` "
-                    f"({time.perf_counter() - t0:.0f} s)",
-                    f"- machine load (1-min load average at start / end): {load0[0]:.1f} / {os.getloadavg()[0]:.1f}",
+            head = page_head("Megatron-Core's host time per launch, fitted on development row 2",
+                             f"python benchmarks/fidelity_steps.py --fit-host {args.fit_host}", t0, load0, commit) + [
                     "- what is fitted: the host's time per launched kernel of the layout step's host timeline "
                     "(`moonep_sim.step.host`), kernel counts per block from DeepSeek's H800 trace; every other "
                     "figure as `fidelity_steps.py` predicts it", ""]
@@ -383,11 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     if args.no_write:
         return 0
-    head = ["# Step fidelity under parallel layouts (development rows)", "",
-            f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}",
-            f"- command: `python benchmarks/fidelity_steps.py --rows {args.rows}{' --after-only' if args.after_only else ''}` ({time.perf_counter() - t0:.0f} s)",
-            f"- machine load (1-min load average at start / end): {load0[0]:.1f} / {os.getloadavg()[0]:.1f} "
-            f"on {os.cpu_count()} cores",
+    head = page_head("Step fidelity under parallel layouts (development rows)",
+                     f"python benchmarks/fidelity_steps.py --rows {args.rows}{' --after-only' if args.after_only else ''}",
+                     t0, load0, commit) + [
             "- FITTED on row 2: Megatron-Core's host time per launched kernel "
             "(`moonep_sim.step.host.MEGATRON_HOST_LAUNCH_US`; leave-one-out and the check on row 1 in "
             "docs/results/host-launch-fit.md) and the host-proxy per-call cost and throughput of DeepEP + UCCL and "

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import os
 import subprocess
 import sys
@@ -183,11 +182,8 @@ def main(argv: list[str] | None = None) -> int:
               per_layer.__doc__.split("\n\n")[0].replace("\n    ", " "), ""] + per_layer()
     print("\n".join(lines))
     if not args.no_write:
-        head = ["# Host-proxy transports' per-call cost and throughput, fitted on development row 2", "",
-                f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}",
-                f"- command: `python benchmarks/fit_host_proxy.py` ({time.perf_counter() - t0:.0f} s)",
-                f"- machine load (1-min load average at start / end): {load0[0]:.1f} / {os.getloadavg()[0]:.1f} on "
-                f"{os.cpu_count()} cores",
+        head = fs.page_head("Host-proxy transports' per-call cost and throughput, fitted on development row 2",
+                            "python benchmarks/fit_host_proxy.py", t0, load0, commit) + [
                 "- what is fitted and why: `docs/results/host-proxies.md`; the method: this script's docstring", ""]
         (ROOT / "docs" / "results" / "host-proxy-fit.md").write_text("\n".join(head + lines) + "\n")
     return 0
