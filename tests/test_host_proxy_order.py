@@ -24,10 +24,12 @@ def _steps(ep: int, mb: int) -> dict[str, float]:
         sc = Scenario(routing="gen:model=qwen3-30b-a3b,uniform=1", model="qwen3-30b-a3b", cluster=(64, 0),
                       topology="h100-efa", strategies="alltoall,deepep" if label == "uccl" else "deepep",
                       options={"deepep": {"impl": impl, "sms": 20}})
-        f = sc.step("train", parallel=p, context=4096).figures
+        res = sc.step("train", parallel=p, context=4096)
+        f = res.figures
         out[label] = f["deepep"]["step_time_us"]
         if "alltoall" in f:
             out["nccl"] = f["alltoall"]["step_time_us"]
+            out["verdict"] = res.to_dict()["verdict"]
     return out
 
 
@@ -35,3 +37,5 @@ def _steps(ep: int, mb: int) -> dict[str, float]:
 def test_row2_order_in_sample_nccl_then_nvshmem_then_uccl(ep):
     t = _steps(ep, 4)
     assert t["nccl"] < t["nvshmem"] < t["uccl"]
+    v = t["verdict"]   # the mechanism the verdict names: the GPUs waiting on UCCL-EP's host proxy
+    assert (v["winner"], v["runner_up"], v["mechanism"]) == ("alltoall", "deepep", "host time"), v["why"]

@@ -92,3 +92,19 @@ def test_a_step_verdict_never_contradicts_itself(rows):
                 "peak_memory_bytes": 1.0, "gpu_memory_bytes": 2.0, "rows_max_mean": 1.0}
             for n, (t, c, k, oom) in zip("abcd", rows)}
     _consistent(step_verdict(figs))
+
+
+def test_a_step_verdict_names_host_time_when_the_host_holds_the_runner_up_back():
+    """A layout step whose runner-up loses by time its GPUs wait on the host (``host_bound_us``, a
+    part of ``exposed_comm_us``: launches, syncs, host-proxy calls) names "host time", not exposed
+    communication; the same step gap as real communication is still exposed communication."""
+    base = {"oom": False, "dropped": 0, "peak_memory_bytes": 1.0, "gpu_memory_bytes": 2.0, "rows_max_mean": 1.0,
+            "compute_us": 5e6}
+    nccl = dict(base, step_time_us=8.3e6, exposed_comm_us=3.3e6, host_bound_us=2.5e6)
+    uccl = dict(base, step_time_us=14.7e6, exposed_comm_us=9.7e6, host_bound_us=8.6e6)
+    v = step_verdict({"alltoall": nccl, "deepep": uccl})
+    assert (v["winner"], v["runner_up"], v["mechanism"]) == ("alltoall", "deepep", "host time")
+    assert "wait" in v["why"] and "host-proxy" in v["why"]
+    comm = dict(uccl, host_bound_us=2.6e6)
+    v = step_verdict({"alltoall": nccl, "deepep": comm})
+    assert v["mechanism"] == "exposed communication"

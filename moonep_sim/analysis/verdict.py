@@ -67,10 +67,8 @@ def critical_breakdown(sim: dict[str, Any]) -> dict[str, float]:
     expert compute, and the combine until the layer ends. The parts sum to ``layer_time_us``."""
     stages = sim.get("stages") or []
     if len(stages) > 1:  # a chain: each stage's window read on its own critical rank, summed
-        return {"plan": sum(float(s["plan_us"]) for s in stages),
-                "dispatch + wait": sum(float(s["dispatch_us"]) for s in stages),
-                "compute": sum(float(s["compute_us"]) for s in stages),
-                "combine": sum(float(s["combine_us"]) for s in stages)}
+        keys = zip(CRITICAL_PARTS, ("plan_us", "dispatch_us", "compute_us", "combine_us"))
+        return {part: sum(float(s[k]) for s in stages) for part, k in keys}
     total = float(sim["layer_time_us"])
     pr = sim.get("per_rank") or {}
     starts, durs = pr.get("compute_start_us"), pr.get("compute_us")
@@ -510,6 +508,7 @@ def sweep_verdicts(rep: Mapping[str, Any]) -> list[dict[str, Any] | None]:
 #: the terms a step verdict may name (a step's figures are whole-step totals, not per-phase spans)
 STEP_MECHANISMS = {
     "exposed communication": "communication not hidden behind compute on the slowest rank",
+    "host time": "the GPU waiting on the host: kernel launches, syncs and host-proxy calls (layout steps)",
     "compute": "the slowest rank's compute (expert imbalance, padding and the rest of the model)",
     "memory": "the runner-up runs out of GPU memory (OOM)",
     "dropped rows": "the runner-up is faster only by dropping entries (less work: it never wins)",
@@ -557,6 +556,7 @@ def step_verdict(strategies: Mapping[str, Mapping[str, Any]],
         conf = confidence(None, w, r, margin, "step")
         d_comm = float(fr.get("exposed_comm_us", 0)) - float(fw.get("exposed_comm_us", 0))
         d_comp = float(fr.get("compute_us", 0)) - float(fw.get("compute_us", 0))
+        d_host = float(fr.get("host_bound_us", 0)) - float(fw.get("host_bound_us", 0))  # inside exposed_comm_us
         tie = conf["level"] == "tie"
         if fr.get("oom") and not fw.get("oom"):
             mech, tie = "memory", False
@@ -571,15 +571,16 @@ def step_verdict(strategies: Mapping[str, Mapping[str, Any]],
                    f"(less work: it never wins) where {w} drops none")
         elif tie:
             mech, why = None, f"{w} and {r} take the same step time ({fmt_time(float(fw['step_time_us']))}): a tie"
+        elif d_host > 0 and d_host >= max(d_comm - d_host, d_comp):
+            mech, why = "host time", (f"{r}'s GPUs wait {fmt_time(float(fr['host_bound_us']))} per step on the host (launches, "
+                                      f"syncs, host-proxy calls) where {w}'s wait {fmt_time(float(fw.get('host_bound_us', 0)))}")
         elif d_comm >= d_comp:
-            mech = "exposed communication"
-            why = (f"{r} leaves {fmt_time(float(fr['exposed_comm_us']))} of communication exposed per step where {w} leaves "
-                   f"{fmt_time(float(fw['exposed_comm_us']))}")
+            mech, why = "exposed communication", (f"{r} leaves {fmt_time(float(fr['exposed_comm_us']))} of communication exposed per step where {w} leaves "
+                                                  f"{fmt_time(float(fw['exposed_comm_us']))}")
         else:
-            mech = "compute"
-            why = (f"{r}'s slowest rank computes for {fmt_time(float(fr['compute_us']))} per step where {w}'s computes for "
-                   f"{fmt_time(float(fw['compute_us']))} (rows max/mean {float(fr.get('rows_max_mean', 0)):.2f} against "
-                   f"{float(fw.get('rows_max_mean', 0)):.2f})")
+            mech, why = "compute", (f"{r}'s slowest rank computes for {fmt_time(float(fr['compute_us']))} per step where {w}'s computes for "
+                                    f"{fmt_time(float(fw['compute_us']))} (rows max/mean {float(fr.get('rows_max_mean', 0)):.2f} "
+                                    f"against {float(fw.get('rows_max_mean', 0)):.2f})")
         others.append({"strategy": r, "margin": margin, "tie": tie, "confidence": conf, "mechanism": mech,
                        "share": 0.0, "why": why})
     if not others:
@@ -594,6 +595,6 @@ def step_verdict(strategies: Mapping[str, Mapping[str, Any]],
             "tied_with": [o["strategy"] for o in others if o["tie"]], "others": others}
 
 
-__all__ = ["MECHANISMS", "STEP_MECHANISMS", "no_fit_verdict", "step_verdict", "TIE", "attribute", "chain_figures", "compare_verdict",
-           "confidence", "figures", "layer_series", "mean_figures", "simulate_verdict", "stage_figures",
-           "reading", "sweep_verdicts", "terms", "tie_sentence", "verdict", "verdict_line"]
+__all__ = ["MECHANISMS", "STEP_MECHANISMS", "no_fit_verdict", "step_verdict", "TIE", "attribute", "chain_figures",
+           "compare_verdict", "confidence", "figures", "layer_series", "mean_figures", "simulate_verdict",
+           "stage_figures", "reading", "sweep_verdicts", "terms", "tie_sentence", "verdict", "verdict_line"]

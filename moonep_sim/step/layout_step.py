@@ -466,8 +466,9 @@ def schedule_layout(cfg, p: Parallel, programs: list[StageProgram], gpus_per_nod
     peak = mem["peak_bytes"]
     host = host_check(mem, topo, gpus_per_node, p.world)
     compute = (sum(fc_us) + sum(bc_us)) * M / p.pp
+    host_us = sum(st["host_bound_us"] for st in stage_fig) * M / p.pp   # the GPU waiting on the host, per rank
     return {"step_time_us": step_us, "tokens_per_s_per_gpu": tps, "mfu": mfu, "compute_us": compute,
-            "exposed_comm_us": max(step_us - compute, 0.0),
+            "exposed_comm_us": max(step_us - compute, 0.0), "host_bound_us": host_us,
             "comm_share": max(step_us - compute, 0.0) / step_us if step_us > 0 else 0.0,
             "slowest_rank": slow["rank"], "pipeline": run.to_dict(), "stages": stage_fig, "pipeline_ranks": per_rank,
             "pp_send_us": [coll.send_us(act, lk) for lk in links], "pp_send_links": [lk.name for lk in links],
