@@ -1,8 +1,9 @@
 """The readable references the Plan builders are held equal to (element-wise, values and dtypes):
-``assemble_plan``, ``plan_from_slots`` and ``plan_from_routes`` in their plainest numpy, each with
-the signature of the public builder of the same name (:mod:`moonep_sim.plan`) and built on the
-package's own readable primitives (:mod:`moonep_sim.plan.reference`: ``slot_layout``,
-``single_hop_messages``, ``route_hop``, ``dup_flags``). ``assemble_plan`` here reads
+``assemble_plan`` and ``plan_from_slots`` in their plainest numpy, each with the signature of the
+public builder of the same name (:mod:`moonep_sim.plan`) and built on the package's own readable
+primitives (:mod:`moonep_sim.plan.reference`: ``slot_layout``, ``single_hop_messages``);
+``plan_from_routes`` is the package's readable branch itself with the compiled kernels off (a copy of
+it here would test it against itself). ``assemble_plan`` here reads
 ``entries.slot_N`` and ``entries.buf_row_N`` only (no layout hint) and fills arrived padding rows
 by one stable sort; the package's uses segment ranges (tests/test_plan_assembly.py,
 tests/test_planner_outputs_pinned.py, tests/test_plan_builders.py, tests/test_plan_hops.py,
@@ -17,8 +18,13 @@ import numpy as np
 from moonep_sim.errors import PlanError
 from moonep_sim.plan.assembly import Entries, Padding, Route, Slots
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
+from moonep_sim.perf import perf_config
+from moonep_sim.plan import multihop
 from moonep_sim.plan.placement import ClusterShape
-from moonep_sim.plan.reference import dup_flags, route_hop, single_hop_messages, slot_layout
+from moonep_sim.plan.reference import single_hop_messages, slot_layout
+
+#: the builders with no compiled kernel (the readable forms at every size)
+READABLE = perf_config(plan_compiled_min=1 << 62)
 
 
 def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slots: Slots, entries: Entries,
@@ -86,32 +92,8 @@ def plan_from_slots(routing: GlobalRouting, cluster: ClusterShape, costs: RowCos
 def plan_from_routes(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slots: Slots,
                      entry_slot_TK: np.ndarray, route: Route, *, token_padding: int = 1,
                      options: dict[str, Any] | None = None, **extra) -> Plan:
-    """The Plan of :func:`moonep_sim.plan.plan_from_routes`: each hop is :func:`route_hop` of the
-    ranks an entry passes, keyed by token (dedup) or by entry."""
-    T, K = routing.topk_ids_TK.shape
-    R = cluster.ranks
-    route.check(R)
-    H, dedup = len(route.scopes), route.dedup
-    slot_rank_S = np.asarray(slots.rank_S, dtype=np.int64)
-    entry_slot = np.asarray(entry_slot_TK, dtype=np.int64).ravel()
-    kept = np.flatnonzero(entry_slot >= 0)
-    tok = kept // max(K, 1)
-    src = routing.src_rank_T()[tok]
-    dst = slot_rank_S[entry_slot[kept]]
-    if route.via_table:  # [R, R] tables: the intermediate rank of a token from s bound for d
-        mids = [np.asarray(v, dtype=np.int64)[src, dst] for v in route.via_N]
-    else:
-        mids = [np.asarray(v, dtype=np.int64).ravel()[kept] for v in route.via_N]
-    pos = [src] + mids + [dst]
-    row = tok - routing.tok_off_R()[src]
-    hops = []
-    for h in range(H):
-        hop, row = route_hop(pos[h], row, pos[h + 1], tok if dedup[h] else kept, R, route.scopes[h])
-        hops.append(hop)
-    entry_buf_row = np.full(entry_slot.size, -1, dtype=np.int64)
-    entry_buf_row[kept] = row
-    entry_rank = np.where(entry_slot >= 0, slot_rank_S[np.maximum(entry_slot, 0)], -1)
-    entry_dup = dup_flags(entry_rank, K) if dedup[-1] else np.zeros(entry_slot.size, dtype=bool)
-    return assemble_plan(routing, cluster, costs, Slots(slot_rank_S, slots.expert_S, slots.home_S),
-                         Entries(entry_slot, entry_buf_row, entry_dup), hops, padding=Padding(token_padding),
-                         options=options, **extra)
+    """The Plan of :func:`moonep_sim.plan.plan_from_routes` in its readable form: the package's
+    own readable branch (each hop :func:`route_hop` of the ranks an entry passes, keyed by token
+    (dedup) or by entry), with every compiled kernel switched off."""
+    return multihop.plan_from_routes(routing, cluster, costs, slots, entry_slot_TK, route,
+                                     token_padding=token_padding, options=options, perf=READABLE, **extra)
