@@ -124,12 +124,10 @@ _BLOCK = 1 << 16
 
 @kernel
 def _next_block(slot_N, e0, e1, nxt, blk, buf, g_delta, out, n_drop):
-    """A placing pass's block buffer out, and the next block, of entries [e0, e1), started. ``blk``
-    int64 [3, S]: each slot's kept entries in the block (row 0), its next place of the order then
-    (``nxt``, row 1) and the shift from there to the slot's place in ``buf`` (slots in order, row 2);
-    ``buf`` [2, B]: the block's entries and their final rows' sources, in slot order. Each slot's run
-    goes out to ``out.order`` and ``out.expand`` (place + ``g_delta[s]``), with ``out.padded`` to
-    ``grow`` and ``row_entry`` too (``grow`` from place ``n_drop`` on)."""
+    """A block buffer out, the next block (entries [e0, e1)) started. ``blk`` int64 [3, S]: each slot's
+    kept entries in the block, its next place (``nxt``) then, and the shift from there to its place in
+    ``buf`` [2, B] (the entries and their final rows' sources, slots in order). Each slot's run goes
+    to ``out.order`` and ``out.expand`` (place + ``g_delta[s]``), ``grow``/``row_entry`` if padded."""
     for s in range(blk.shape[1]):
         p0, q0, g0 = blk[1, s], blk[1, s] + blk[2, s], blk[1, s] + g_delta[s]
         for i in range(blk[0, s]):
