@@ -195,13 +195,13 @@ def test_two_hop_table_routes_plan_the_same_compiled_and_in_numpy(R, relays, K, 
 
 @pytest.mark.parametrize("T, K, X, hi", [(0, 4, 5, 3), (1, 1, 3, 1), (300, 16, 896, 8), (200, 6, 70, 64)])
 def test_distinct_per_token_equals_deepep_nodes_per_token(T, K, X, hi):
-    from moonep_sim.plan.runs import nodes_per_token_T
+    from moonep_sim.routing.metrics import distinct_per_token
 
     rng = np.random.default_rng(T + K + X)
     key = rng.integers(0, X, size=(T, K))
     value = rng.integers(0, hi, size=X)
     got = fused.distinct_per_token(key, value)
-    assert got.dtype == np.int64 and np.array_equal(got, nodes_per_token_T(value[key]))
+    assert got.dtype == np.int64 and np.array_equal(got, distinct_per_token(key, value))
     with pytest.raises(PlanError, match="must lie in"):
         fused.distinct_per_token(key, np.full(X, 64))
     if key.size:

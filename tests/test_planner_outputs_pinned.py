@@ -585,12 +585,13 @@ def test_plan_from_routes_matches_reference(case, seed, H, table):
 
 
 def test_nodes_per_token_matches_reference():
-    from moonep_sim.plan.runs import nodes_per_token_T
+    from moonep_sim.routing.metrics import distinct_per_token
     rng = np.random.default_rng(9)
     for hi in (1, 8, 64, 200):  # bit-set path below 64 nodes, sort path from 64
         node = rng.integers(0, hi, (300, 6))
-        _eq(f"nodes < {hi}", nodes_per_token_T(node), ref_nodes_per_token_T(node))
-    _eq("no tokens", nodes_per_token_T(np.zeros((0, 3), np.int64)), ref_nodes_per_token_T(np.zeros((0, 3), np.int64)))
+        _eq(f"nodes < {hi}", distinct_per_token(node, np.arange(hi)), ref_nodes_per_token_T(node))
+    _eq("no tokens", distinct_per_token(np.zeros((0, 3), np.int64), np.arange(1)),
+        ref_nodes_per_token_T(np.zeros((0, 3), np.int64)))
 
 
 @settings(max_examples=60, deadline=None)

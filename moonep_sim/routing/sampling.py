@@ -57,8 +57,7 @@ _REJECT_MASS = 0.5         # rows whose chosen popularity exceeds this share dra
 
 
 def _popularity(logp_E: np.ndarray) -> np.ndarray:
-    lp = np.maximum(np.asarray(logp_E, np.float64) - np.max(logp_E), LOGP_FLOOR)
-    return lp
+    return np.maximum(np.asarray(logp_E, np.float64) - np.max(logp_E), LOGP_FLOOR)
 
 
 # ---------------------------------------------------------------------------------- reference: the race
