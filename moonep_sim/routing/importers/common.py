@@ -123,10 +123,8 @@ def first_true(mask_N: np.ndarray) -> int:
 
 
 def pick(rec: dict, role: str) -> str | None:
-    for name in FIELDS[role]:
-        if name in rec:
-            return name
-    return None
+    """The first of ``role``'s accepted field names that ``rec`` holds (None: none)."""
+    return next((name for name in FIELDS[role] if name in rec), None)
 
 
 def attribution(src: Path) -> str:
