@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from moonep_sim.errors import require
+from moonep_sim.errors import is_int, require
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class PerfConfig:
         for name in ("plan_compiled_min", "thread_min", "pair_rows_compiled_min", "pair_table_max",
                      "validate_chunk", "block_walk_min_mean"):
             v = getattr(self, name)
-            require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{name} ({v!r}) must be an integer >= 0")
+            require(is_int(v) and v >= 0, f"{name} ({v!r}) must be an integer >= 0")
         require(self.validate_chunk >= 1, f"validate_chunk ({self.validate_chunk}) must be >= 1: entries per chunk")
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from moonep_sim.errors import TraceFormatError
+from moonep_sim.errors import TraceFormatError, is_int
 from moonep_sim.limits import MAX_NUM_EXPERTS, MAX_TOP_K
 from moonep_sim.routing.metrics import per_step_maxvio, step_expert_counts
 from moonep_sim.routing.trace import TraceMeta
@@ -91,11 +91,6 @@ class Imported:
 
 def err(where: str, msg: str) -> TraceFormatError:
     return TraceFormatError(f"{where}: {msg}")
-
-
-def is_int(v: Any) -> bool:
-    """A JSON integer (``true``/``false`` are not ids, counts or sizes)."""
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def load_json(where: str, data: bytes | str, what: str = "JSON") -> Any:
