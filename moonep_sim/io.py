@@ -248,33 +248,6 @@ def write_text_atomic(dest: PathLike, text: str, *, what: str = "output",
     return write_bytes_atomic(dest, text.encode("utf-8"), what=what, inputs=inputs)
 
 
-@contextlib.contextmanager
-def atomic_path(dest: PathLike, *, what: str = "output") -> Iterator[Path]:
-    """For a writer that can only write to a path: yield a temporary path beside ``dest`` (our
-    naming); on success it is fsynced, given the umask's mode and renamed onto ``dest``, else removed.
-    Prefer :func:`write_bytes_atomic` (serialise to bytes first)."""
-    p = check_output_path(dest, what)
-    clean_stale_temps(p.parent)
-    tmp = temp_name(p)
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        os.close(fd)
-        yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, p)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-    _fsync_dir(p.parent)
-
-
 def to_jsonable(obj: Any, *, lenient: bool = False) -> Any:
     """numpy scalars/arrays -> Python values, recursively (dict keys become strings).
 
