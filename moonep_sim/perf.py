@@ -12,7 +12,7 @@ The defaults were measured on the benchmarks named beside each field (docs/resul
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from moonep_sim.errors import is_int, require
 
@@ -61,10 +61,4 @@ class PerfConfig:
 DEFAULT_PERF = PerfConfig()
 
 
-def perf_config(**overrides: int) -> PerfConfig:
-    """:data:`DEFAULT_PERF` with ``overrides`` (field name -> value): e.g.
-    ``perf_config(plan_compiled_min=0)`` to run the compiled builders on a small layer."""
-    return replace(DEFAULT_PERF, **overrides)
-
-
-__all__ = ["DEFAULT_PERF", "PerfConfig", "perf_config"]
+__all__ = ["DEFAULT_PERF", "PerfConfig"]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import random_routing
 from moonep_sim.errors import PlanError
-from moonep_sim.perf import DEFAULT_PERF, perf_config
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, Slots, fused, reference, runs
 from moonep_sim.strategies import PlanContext, make_plan
 from test_planner_outputs_pinned import assert_same_plan
@@ -31,7 +31,7 @@ STRATEGIES = [("alltoall", {}), ("alltoall", {"dedup": True}), ("moonep", {}), (
 
 
 #: the readable builders everywhere, the compiled kernels everywhere
-NUMPY, COMPILED = perf_config(plan_compiled_min=1 << 62), perf_config(plan_compiled_min=0)
+NUMPY, COMPILED = PerfConfig(plan_compiled_min=1 << 62), PerfConfig(plan_compiled_min=0)
 
 
 def _plans(name, routing, ctx, **opts):

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from conftest import random_routing
 from moonep_sim.errors import ConfigError, PlanError, require
-from moonep_sim.perf import perf_config
+from moonep_sim.perf import PerfConfig
 from moonep_sim.plan import (INDEX, ClusterShape, Entries, GlobalRouting, Hop, Padding, Placement, Plan, RowCosts,
                              Route, Slots, validate)
 from moonep_sim.strategies import PlanContext, make_plan
@@ -607,7 +607,7 @@ def test_choose_replicas_matches_reference(seed, choice):
     rng.shuffle(slot_expert)
     ids = rng.integers(0, E, int(rng.integers(0, 300)))
     want = ref_choose_replicas(ids, slot_expert, E, choice)
-    for perf in (perf_config(plan_compiled_min=0), perf_config(plan_compiled_min=1 << 62)):
+    for perf in (PerfConfig(plan_compiled_min=0), PerfConfig(plan_compiled_min=1 << 62)):
         got = replica_slots(ids, slot_expert, E, choice, perf=perf)
         _eq("entry_slot", got.astype(np.int64), want)
         lay = slot_layout(got, np.zeros(slot_expert.size, dtype=np.int64), perf=perf)  # one rank: the by-slot order
