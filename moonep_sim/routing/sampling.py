@@ -237,13 +237,6 @@ class InverseCDF:
         self.steps = int(math.ceil(math.log2(self.width + 1))) if self.width else 0
         self.record = _rec.Icdf(cum, self.guide, self.M, self.width, self.steps, self.width <= _LINEAR_WIDTH)
 
-    def draw(self, u: np.ndarray) -> np.ndarray:
-        """Expert ids, int32 [N], of uniforms ``u`` float64 [N] in [0, 1) (the kernels' draw)."""
-        e = np.empty(u.size, np.int32)
-        every = _rec.RowSpan(_NO_INTP, _NO_F64, _NO_F64, self.cum_E.size, False)
-        _kn.draw(u, _NO_INTP, self.record, every, e)
-        return e
-
 
 class _Races:
     """N independent exponential races run one arrival at a time by sequential Plackett-Luce draws
