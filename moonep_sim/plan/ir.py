@@ -419,12 +419,9 @@ class Plan:
         return self.slot_home_S != self.slot_rank_S
 
     def copy_src_S(self) -> np.ndarray:
-        """[S] the rank each slot's weights come from (its home unless relayed; see ``slot_src_S``)."""
+        """[S] the rank each slot's weights come from: its home (stage 0, or no copy), or a relay
+        (stage 1; see ``slot_src_S``)."""
         return self.slot_home_S if self.slot_src_S is None else self.slot_src_S
-
-    def copy_stage_S(self) -> np.ndarray:
-        """int64 [S]: 0 for a slot fed from its home (or no copy), 1 for a copy fed by a relay."""
-        return (self.copy_src_S() != self.slot_home_S).astype(np.int64)
 
     @property
     def dropped(self) -> int:
@@ -457,7 +454,7 @@ class Plan:
             hop_rows = [h.rows_RR(self.ranks) for h in self.hops]
         c = self.costs
         copies = self.is_copy_S()
-        stage1 = copies & (self.copy_stage_S() == 1)
+        stage1 = copies & (self.copy_src_S() != self.slot_home_S)
         copies = copies & ~stage1
         copy_RR = self._weights_RR(self.slot_home_S[copies], self.slot_rank_S[copies])
         relay_RR = self._weights_RR(self.copy_src_S()[stage1], self.slot_rank_S[stage1]) if stage1.any() else None
