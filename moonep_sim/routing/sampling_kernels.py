@@ -46,7 +46,7 @@ from moonep_sim.jit import inline, kernel
 
 @kernel
 def draw(u, rows, icdf, rowspan, e):
-    """``e[i]``: the expert of uniform ``u[i]`` (``InverseCDF.draw``: the guide's bucket, then its
+    """``e[i]``: the expert of uniform ``u[i]`` (``InverseCDF``'s guide: its bucket, then its
     walk or bisection), within row ``rows[i]``'s group (``rows`` empty: row i) when the rows race a
     group each. icdf: :class:`~moonep_sim.routing.sampling_records.Icdf`; span:
     :class:`~moonep_sim.routing.sampling_records.RowSpan`."""
