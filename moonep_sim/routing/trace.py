@@ -132,15 +132,12 @@ class TraceMeta:
             for k in ("num_experts", "top_k"):
                 if self.model_spec.get(k) != getattr(self, k):
                     raise bad(f"model_spec.{k}", f"{getattr(self, k)} (the trace's {k})", self.model_spec.get(k))
-        if not isinstance(self.num_experts_inferred, bool):
-            raise bad("num_experts_inferred", "true or false", self.num_experts_inferred)
-        if self.model is not None and not isinstance(self.model, str):
-            raise bad("model", "null or a preset name", self.model)
-        for fld in ("steps", "source", "attribution"):
-            if not isinstance(getattr(self, fld), str):
-                raise bad(fld, "a string", getattr(self, fld))
-        if not isinstance(self.import_report, dict):
-            raise bad("import_report", "a JSON object", self.import_report)
+        for fld, typ, expected in (("num_experts_inferred", bool, "true or false"),
+                                   ("model", (str, type(None)), "null or a preset name"), ("steps", str, "a string"),
+                                   ("source", str, "a string"), ("attribution", str, "a string"),
+                                   ("import_report", dict, "a JSON object")):
+            if not isinstance(getattr(self, fld), typ):
+                raise bad(fld, expected, getattr(self, fld))
 
 
 def model_meta(model: Any) -> dict[str, Any]:
