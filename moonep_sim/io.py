@@ -58,7 +58,7 @@ def file_kind(mode: int) -> str:
 
 
 def temp_name(dest: Path) -> Path:
-    """The temporary file beside ``dest`` a write uses (our naming: see the module docstring)."""
+    """The temporary path beside ``dest`` a write or a staged folder uses (our naming: see the module docstring)."""
     return dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
 
 
@@ -181,7 +181,7 @@ def check_output_dir(path: PathLike, what: str = "--out") -> Path:
         raise ConfigError(f"{what} ({p}) must be a folder path: {anc} is {file_kind(anc.stat().st_mode)}")
     if not os.access(anc, os.W_OK | os.X_OK):
         raise ConfigError(f"{what} ({p}) must be creatable: {anc} is not writable")
-    probe = anc / f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+    probe = temp_name(anc / p.name)
     try:  # the mode bits do not tell all (/proc, a read-only mount): try the folder the staging needs
         probe.mkdir()
         probe.rmdir()
@@ -372,7 +372,7 @@ def staged_dir(dest: PathLike, what: str = "--out") -> Iterator[Path]:
     while not anc.exists():  # missing parents are created only once the folder is complete
         anc = anc.parent
     clean_stale_temps(anc)
-    tmp = anc / f".{d.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+    tmp = temp_name(anc / d.name)
     try:
         try:
             tmp.mkdir(mode=0o777)
