@@ -100,7 +100,7 @@ def test_relay_sources_pick_one_relay_per_expert_and_node():
     e = np.array([0, 0, 0, 0, 3, 3])
     r = np.array([6, 5, 4, 1, 9, 2])
     h = np.array([0, 0, 0, 0, 0, 0])
-    assert relay_sources(e, r, h, 4).tolist() == [4, 4, 0, 0, 0, 0]
+    assert relay_sources(e, r, h, ClusterShape(12, 4)).tolist() == [4, 4, 0, 0, 0, 0]
 
 
 def hot_on_one_node(T_per=8192, seed=0):
