@@ -367,7 +367,7 @@ def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.G
     and float64), for :func:`pl_ids_again` to draw the same streams' experts at another
     popularity and :func:`pl_weights` their weights.
     """
-    E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
+    K, T = int(top_k), int(tokens)
     p, icdf = _normalised(logp_E)
     seed = int(rng.integers(0, 1 << 63))
     x, u = np.empty((K, T), np.float32), np.empty((K, T))
@@ -428,7 +428,7 @@ def pl_ids_again(logp_E: np.ndarray, top_k: int, tokens: int, noise: dict) -> tu
     ``noise`` kept (the same values, position-major ``[K, T]`` of a small int dtype) and their
     count per expert (int64 [E]), without their arrival times or weights: what a calibration that
     only counts needs, at about 40% of a whole draw. :func:`pl_weights` completes a draw."""
-    E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
+    E = int(np.size(logp_E))
     p, icdf = _normalised(logp_E)
     ids, _, counts = _pl_blocks(p, icdf, None, np.asarray(noise["u"]), np.random.default_rng(noise["retry_seed"]),
                                 np.int16 if E <= np.iinfo(np.int16).max else np.int32, True)

@@ -308,7 +308,6 @@ def race_grouped(lp32, logT, logx, G, M, K, ids, kv, ok):
                 a3[t] = x3 if x3 >= lo2 else lo2
     gs = np.empty(G, np.float32)
     srt = np.empty(G, np.float32)
-    top = np.empty(3 * G, np.float32)
     bv = np.empty(K + 1, np.float32)
     bi = np.empty(K + 1, np.int64)
     for t in range(T):
