@@ -140,10 +140,8 @@ def _next_block(slot_N, e0, e1, nxt, blk, buf, g_delta, out, n_drop):
     for e in range(e0, e1):
         if slot_N[e] >= 0:
             blk[0, slot_N[e]] += 1
-    q = 0
-    for s in range(blk.shape[1]):
-        blk[1, s], blk[2, s] = nxt[s], q - nxt[s]
-        q += blk[0, s]
+    blk[1] = nxt[:blk.shape[1]]
+    blk[2] = np.cumsum(blk[0]) - blk[0] - blk[1]
 
 
 class SingleHop(NamedTuple):
