@@ -232,6 +232,27 @@ def test_plan_from_slots_with_drops_and_minimum_rows_is_the_same_compiled(seed, 
     assert_same_plan(plans[1], plans[0])
 
 
+@pytest.mark.parametrize("dedup, tp, drop", [(False, 1, 0.0), (True, 4, 0.2), (False, 4, 0.6)])
+def test_plan_from_slots_over_several_blocks_is_the_same_compiled(dedup, tp, drop):
+    """More entries than one block of the compiled pass (``fused._BLOCK``: 10,000 tokens of K = 16
+    are three blocks of 4,096 tokens and a part, their ends inside ranks): the runs each block writes
+    out meet the next block's, with dropped entries, padding and minimum rows."""
+    from moonep_sim.plan import plan_from_slots
+
+    rng = np.random.default_rng(int(drop * 10) + tp)
+    K, tpr = 16, np.array([3000, 1, 0, 4500, 2499])
+    S = 23
+    assert tpr.sum() * K > 2 * fused._BLOCK
+    slot_rank = np.sort(rng.integers(0, tpr.size, size=S))
+    slot = rng.integers(0, S, size=(int(tpr.sum()), K))
+    slot[rng.random(slot.shape) < drop] = -1
+    mins = rng.integers(0, 3000, size=S)
+    plans = [plan_from_slots(_layer(tpr, K, 32, 5), ClusterShape(tpr.size, 1), COSTS,
+                             Slots(slot_rank, slot_rank % 4, slot_rank), slot, dedup=dedup, token_padding=tp,
+                             min_rows_S=mins, perf=perf) for perf in (NUMPY, COMPILED)]
+    assert_same_plan(plans[1], plans[0])
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.integers(0, 200), st.integers(1, 9), st.integers(1, 4))
 def test_slot_passes_of_the_runs_are_the_same_compiled_and_in_numpy(seed, N, X, pieces):
