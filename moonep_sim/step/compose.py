@@ -47,7 +47,11 @@ class OpTimes:
 
 
 def stack_ops(model: ModelSpec, shape: StepShape) -> OpTimes:
-    layers = [layer_ops(model, l, shape) for l in range(model.layers)]
+    built: dict[tuple, LayerOps] = {}  # one build per (attention kind, dense or MoE), shared by its layers
+    layers = []
+    for l in range(model.layers):
+        k = (model.attention_kind(l), l >= model.dense_layers)
+        layers.append(built[k] if k in built else built.setdefault(k, layer_ops(model, l, shape)))
     first, last = head_ops(model, shape)
     return OpTimes(layers, first, last)
 
@@ -57,8 +61,9 @@ def all_ops(ot: OpTimes, train: bool) -> list[Op]:
     ops = list(ot.first) + list(ot.last)
     for lo in ot.layers:
         ops += list(lo.before) + [o for o in (lo.router, lo.shared) if o is not None]
-    if train:
-        ops += [backward_op(o) for o in ops]
+    if train:  # one backward per distinct op (layers of a kind share theirs)
+        bwd: dict[int, Op] = {}
+        ops += [bwd.get(id(o)) or bwd.setdefault(id(o), backward_op(o)) for o in ops]
     return ops
 
 
