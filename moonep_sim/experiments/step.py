@@ -252,7 +252,7 @@ class GeneratedLayer:
     ranks: int
 
     def __call__(self) -> GlobalRouting:
-        from moonep_sim.step.run import trusted_routing
+        from moonep_sim.step.layer_work import trusted_routing
 
         # the generator's routing is valid by construction: not re-checked (trusted_routing)
         lr = self.source.layer(self.layer, self.ranks)
@@ -264,9 +264,8 @@ def relabel_experts(r: GlobalRouting, seed: int, groups: int = 1) -> GlobalRouti
     statistics (the sorted per-expert counts, the maxvio, the co-selection structure), other hot
     experts on other home ranks. With expert groups (group-limited routing) the permutation keeps
     groups whole (groups permuted, experts permuted within them), so a token still spans its groups.
-    One gather over the entries: the fast path's per-layer stand-in for a fresh draw. A permutation
-    keeps every token's experts distinct and in range, so they are not re-checked (trusted_routing)."""
-    from moonep_sim.step.run import trusted_routing
+    One gather over the entries (ids not re-checked: trusted_routing): the per-layer stand-in for a fresh draw."""
+    from moonep_sim.step.layer_work import trusted_routing
 
     E = r.num_experts
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 11]))

@@ -48,10 +48,8 @@ class OpTimes:
 
 def stack_ops(model: ModelSpec, shape: StepShape) -> OpTimes:
     built: dict[tuple, LayerOps] = {}  # one build per (attention kind, dense or MoE), shared by its layers
-    layers = []
-    for l in range(model.layers):
-        k = (model.attention_kind(l), l >= model.dense_layers)
-        layers.append(built[k] if k in built else built.setdefault(k, layer_ops(model, l, shape)))
+    keys = [(model.attention_kind(l), l >= model.dense_layers) for l in range(model.layers)]
+    layers = [built[k] if k in built else built.setdefault(k, layer_ops(model, l, shape)) for l, k in enumerate(keys)]
     first, last = head_ops(model, shape)
     return OpTimes(layers, first, last)
 
@@ -100,10 +98,8 @@ class Program:
         self._memo: dict[tuple, float] = {}
         self.tp = shapes[0].tp if shapes else 1
 
-    def us(self, op: Op | None, bwd: bool = False) -> float:
+    def us(self, op: Op, bwd: bool = False) -> float:
         """The op's time (its backward's with ``bwd``), priced once per distinct op."""
-        if op is None:
-            return 0.0
         key = (op.name, op.shape, op.flops, op.bytes, bwd)
         if key not in self._memo:
             self._memo[key] = self.costs.op_us(backward_op(op) if bwd else op)
@@ -113,9 +109,11 @@ class Program:
         """Micro-batch ``i``'s ops of layer ``l``."""
         return self.ots[i].layers[l]
 
-    def run(self, op: Op, i: int, layer: int, bwd: bool = False) -> None:
+    def run(self, op: Op | None, i: int, layer: int, bwd: bool = False) -> None:
         """Micro-batch ``i``'s compute op (its backward with ``bwd``), after its previous op; an
         attention core under per-rank contexts takes each rank's own time ([R])."""
+        if op is None:   # a layer without it (no shared experts)
+            return
         us = self.us(op, bwd)
         if bwd and self.costs.recompute is not None:   # the forward it recomputes first
             key = ("recompute", op.name, op.shape, op.flops, op.bytes, layer)

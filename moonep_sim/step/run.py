@@ -26,7 +26,6 @@ import numpy as np
 from moonep_sim.errors import require
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import GlobalRouting
-from moonep_sim.plan.ir import even_tokens_per_rank
 from moonep_sim.step.compose import all_ops, compose, stack_ops
 from moonep_sim.step.costs import EXPERT_OPS, CostModel
 from moonep_sim.step.layer_sim import LayerComm
@@ -64,31 +63,6 @@ class StepConfig:
     memory: MemoryOptions = MemoryOptions()
     static_tokens: Mapping[str, int] = field(default_factory=dict)
     tol: float | None = None
-
-
-#: GlobalRouting's fields, in order: what :func:`trusted_routing` sets (a test pins them, so a new
-#: field cannot be skipped silently).
-ROUTING_FIELDS = ("topk_ids_TK", "topk_weights_TK", "tokens_per_rank_R", "num_experts")
-
-
-def trusted_routing(topk_ids_TK: np.ndarray, topk_weights_TK: np.ndarray, num_experts: int,
-                    ranks: "int | np.ndarray") -> GlobalRouting:
-    """``GlobalRouting.split_evenly(...)`` of routing the generator made, without re-checking what
-    it guarantees. ``GlobalRouting`` checks every token's ids are distinct and in ``[0, E)``: a
-    K(K-1)/2-pass scan over T, 0.03-0.04 CPU s of a Kimi K3 EP64 layer (262,144 x 16), about a
-    fifth of generating it. The samplers (``moonep_sim.routing.sampling``) draw distinct experts of
-    ``[0, E)`` by construction, so a step's generated layers (and only they) skip it. The cheap
-    checks stay: dtypes (int64 ids and float32 weights, which the generator returns, so nothing is
-    converted) and shapes. ``ranks``: their count (the tokens split evenly) or the tokens per rank [R]."""
-    ids, w = topk_ids_TK, topk_weights_TK
-    require(ids.dtype == np.int64 and w.dtype == np.float32 and ids.ndim == 2 and w.shape == ids.shape,
-            f"trusted routing ({ids.dtype} {list(ids.shape)} ids, {w.dtype} {list(w.shape)} weights) must be int64 "
-            "[T, K] ids and float32 weights of the same shape, as the generator returns them")
-    tpr = even_tokens_per_rank(ids.shape[0], ranks) if np.ndim(ranks) == 0 else ranks
-    r = object.__new__(GlobalRouting)
-    for name, v in zip(ROUTING_FIELDS, (ids, w, tpr, int(num_experts))):
-        object.__setattr__(r, name, v)
-    return r
 
 
 def step_metrics(tl: Timeline, cfg: StepConfig, comms: Mapping[int, LayerComm], useful_flops: float,
@@ -266,5 +240,4 @@ def _layer_mean(comms: Mapping[int, LayerComm], f: Callable[[LayerComm], float])
     return float(np.mean([f(c) for c in comms.values()])) if comms else 0.0
 
 
-__all__ = ["LayerSource", "ROUTING_FIELDS", "StepConfig", "simulate_step", "step_metrics", "trusted_routing",
-           "useful_flops_per_rank"]
+__all__ = ["LayerSource", "StepConfig", "simulate_step", "step_metrics", "useful_flops_per_rank"]

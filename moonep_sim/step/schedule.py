@@ -54,10 +54,9 @@ class Timeline:
         # SM-holding comm intervals: (start_R, end_R, share, latest end) us
         self._comm_iv: list[tuple[np.ndarray, np.ndarray, float, float]] = []
 
-    def _stretch(self, s: np.ndarray, work: np.ndarray) -> np.ndarray:
-        """End of ``work`` us of compute started at ``s``, slowed where communication kernels run.
-        An interval that ended on every rank before the op starts changes nothing and is skipped."""
-        t, rem = s, work   # float64 [R], never written in place
+    def _stretch(self, t: np.ndarray, rem: np.ndarray) -> np.ndarray:
+        """End of ``rem`` us of compute started at ``t`` (float64 [R], not written), slowed where comm
+        kernels run. An interval that ended on every rank before the op starts changes nothing and is skipped."""
         t0 = float(t.min()) if t.size else 0.0
         for a, b, f, b_max in self._comm_iv[-8:]:
             if f <= 0 or b_max <= t0:
