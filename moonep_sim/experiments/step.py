@@ -274,7 +274,7 @@ def relabel_experts(r: GlobalRouting, seed: int, groups: int = 1) -> GlobalRouti
     g_perm = rng.permutation(G)
     within = np.argsort(rng.random((G, per)), axis=1)
     perm_E = (g_perm[:, None] * per + within).reshape(-1)[np.arange(E).reshape(G, per).reshape(-1)]
-    return trusted_routing(perm_E[r.topk_ids_TK], r.topk_weights_TK, E, r.tokens_per_rank_R)
+    return trusted_routing(np.take(perm_E, r.topk_ids_TK), r.topk_weights_TK, E, r.tokens_per_rank_R)
 
 
 def _trace_layer(source: RoutingSource, layer_id: int, ranks: int, steps_T: np.ndarray | None) -> GlobalRouting:
