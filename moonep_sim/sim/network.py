@@ -128,8 +128,8 @@ class FlowNetwork:
         self._a = ActiveFlows(with_path=not use_blocks, path_len=L_PATH)
         self._dead = 0
         self._sentinel = ports.num_blocks * ports.ranks   # node index of finished flows (level 0)
-        # the last fill of the block solver: lev_U1, bport_U1 (none yet: placeholders, read only by flows of a fill)
-        self._node_levels = (np.zeros(1), np.full(1, -1, dtype=np.int64))
+        # the last fill of the block solver: lev_U1, bport_U1 [2N + 1] (each fill writes them in place)
+        self._node_levels = (np.zeros(2 * self._sentinel + 1), np.full(2 * self._sentinel + 1, -1, dtype=np.int64))
         self._done = np.empty(32, dtype=np.int64)  # scratch of the compiled completions
         self._bneck_paths: np.ndarray | None = None   # the last fill of the per-flow solver: bottleneck per slot
         # flows waiting for their latency, in submission order
@@ -299,18 +299,16 @@ class FlowNetwork:
             if self._done.size < 2 * a.n:
                 self._done = np.empty(2 * a.capacity, dtype=np.int64)
             a.reserve(a.n + p.n)
-            recs = tick_records(a.data, p.data, self._log.data, self._sentinel, self.ports.ranks, self._left,
-                                self._done, self.ports.cap_P, self._blocks)
+            book = (self._sentinel, self.ports.ranks, self._left, self._done, *self._node_levels)
+            recs = tick_records(a.data, p.data, self._log.data, book, self.ports.cap_P, self._blocks)
             self._targs = tuple(plain(r) for r in recs) + (self._blocks._kernel_static,)
-        lev, bport = self._node_levels
         # (a TickState, as a plain tuple: see _sargs)
-        out = tick_blocks(t, (a.n, self._dead, p.n, self._pend_min, lev, bport), *self._targs)
-        a.n, self._dead, p.n, self._pend_min, lev, bport = out.state
+        out = tick_blocks(t, (a.n, self._dead, p.n, self._pend_min), *self._targs)
+        a.n, self._dead, p.n, self._pend_min = out.n, out.dead, out.pn, out.pend_min
         if out.steps < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
             raise RuntimeError("progressive filling made no progress")
         if out.groups:   # the groups' keys, ascending and unique
             self._succeed_groups(self._done[out.completed:out.completed + out.groups])
-        self._node_levels = (lev, bport)
         self.fill_iterations += out.steps
         self._last_fill = t
         if out.fin_max > -np.inf:

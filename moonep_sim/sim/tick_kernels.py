@@ -12,7 +12,7 @@ remaining byte count, finish time and record is bit-identical to the numpy tick 
 
 Notation (as ``moonep_sim.sim.blocks``): N = B x R nodes per side; node levels ``lev_U1`` [2N + 1]
 (sender nodes, receiver nodes, a spare) and the ports that froze them ``bport_U1``, as
-``fill_levels`` returns them; an active transfer's sender node ``ns`` and receiver node ``nd`` are
+``fill_levels`` writes them; an active transfer's sender node ``ns`` and receiver node ``nd`` are
 block x R + rank, both N (the sentinel, level 0) once it finished. Slots [0, n) of the
 ``ActiveFlows`` columns are in use. Units: bytes, microseconds, bytes per microsecond.
 """
@@ -29,24 +29,25 @@ from moonep_sim.sim.fill_kernels import fill_levels
 
 
 class TickState(NamedTuple):
-    """What one tick reads and the next one reads back (:func:`tick_blocks` returns it in
-    :class:`TickOut`): n active slots in use, dead ones among them, pn waiting flows, the earliest
-    ready time among those (inf: none), and the last fill's node levels and ports."""
+    """What one tick reads and the next one reads back (:func:`tick_blocks` returns it as the
+    first fields of :class:`TickOut`): n active slots in use, dead ones among them, pn waiting
+    flows, the earliest ready time among those (inf: none)."""
 
     n: int
     dead: int
     pn: int
     pend_min: float
-    lev_U1: np.ndarray
-    bport_U1: np.ndarray
 
 
 class TickOut(NamedTuple):
-    """:func:`tick_blocks`' result: the next :class:`TickState`, then the completed slots
+    """:func:`tick_blocks`' result: the next :class:`TickState`'s fields, then the completed slots
     (``completed``) and receive groups (``groups``) whose ids the kernel wrote into the book's
     ``done``, the fill's steps (< 0: it froze nothing), the latest and the earliest finish time."""
 
-    state: TickState
+    n: int
+    dead: int
+    pn: int
+    pend_min: float
     completed: int
     groups: int
     steps: int
@@ -89,8 +90,10 @@ class WaitCols(NamedTuple):
 
 class TickBook(NamedTuple):
     """What a tick records beside the flows: the sentinel node (N), the ranks R, the flow log's end,
-    bottleneck port and ready columns, each receive group's flows left, and ``done`` (int64 scratch
-    of twice the active slots at least: the completed slots, then the completed groups' keys)."""
+    bottleneck port and ready columns, each receive group's flows left, ``done`` (int64 scratch
+    of twice the active slots at least: the completed slots, then the completed groups' keys) and
+    the last fill's node levels and ports (``lev_U1`` / ``bport_U1``, [2N + 1]: each fill writes
+    them in place)."""
 
     sentinel: int
     R: int
@@ -99,6 +102,8 @@ class TickBook(NamedTuple):
     log_ready: np.ndarray
     left: np.ndarray
     done: np.ndarray
+    lev_U1: np.ndarray
+    bport_U1: np.ndarray
 
 
 class Submission(NamedTuple):
@@ -144,17 +149,17 @@ def plain(record: tuple) -> tuple:
     return tuple(record)
 
 
-def tick_records(active: Any, waiting: Any, log: Any, sentinel: int, ranks: int, left: np.ndarray,
-                 done: np.ndarray, cap_P: np.ndarray, blocks: Any) -> tuple[FlowCols, WaitCols, TickBook,
-                                                                             BlockCountsCols]:
+def tick_records(active: Any, waiting: Any, log: Any, book: tuple, cap_P: np.ndarray,
+                 blocks: Any) -> tuple[FlowCols, WaitCols, TickBook, BlockCountsCols]:
     """The records :func:`tick_blocks` reads, over the network's own columns (no copies): ``active``,
     ``waiting``, ``log`` the ``data`` dicts of its active flows, waiting flows and flow log;
+    ``book`` (sentinel, ranks, left, done, lev_U1, bport_U1) as :class:`TickBook` names them;
     ``blocks`` its ``BlockCounts``. Built again whenever a column is reallocated."""
     a, p, lg, bc = active, waiting, log, blocks
     return (FlowCols(a["fin"], a["rate"], a["rem0"], a["t0"], a["alive"], a["ns"], a["nd"], a["id"], a["key"],
                      a["src"], a["dst"], a["blk"]),
             WaitCols(p["ready"], p["eff"], p["id"], p["key"], p["src"], p["dst"], p["blk"]),
-            TickBook(int(sentinel), int(ranks), lg["end"], lg["bneck"], lg["ready"], left, done),
+            TickBook(int(book[0]), int(book[1]), lg["end"], lg["bneck"], lg["ready"], *book[2:]),
             BlockCountsCols(cap_P, bc.mm, int(bc.T), bc.row_U, bc.col_U, bc.cnt_src, bc.cnt_dst))
 
 
@@ -211,10 +216,11 @@ def set_rates(rate_F, n, rate, rem0, t0, fin, t):
 
 
 @kernel
-def complete_due(thr, t, n, flows, lev_U1, bport_U1, book, counts):
+def complete_due(thr, t, n, flows, book, counts):
     """Complete the active slots of [0, n) with ``fin <= thr`` (``done``: int64 scratch of 2n at
     least; the completed slots are written there in order): their log rows get end t and the
-    bottleneck port of the last fill (the sender node's port where its level is the lower), their
+    bottleneck port of the last fill (``lev_U1`` / ``bport_U1``: the sender node's port where its
+    level is the lower), their
     receive groups one flow fewer (``left``), the block counts lose them (``mm``: the counts
     buffer, M cells then MT cells from T; ``row_U`` / ``col_U``: ``BlockCounts.mt_row_N`` /
     ``cell_col_N``), and their slots go dead (rate 0 at the sentinel node, fin and rem0 inf).
@@ -222,7 +228,7 @@ def complete_due(thr, t, n, flows, lev_U1, bport_U1, book, counts):
     (with repeats) follow the slots in ``done``. flows: :class:`FlowCols`; book: :class:`TickBook`;
     counts: :class:`BlockCountsCols`."""
     fin, rate, rem0, t0, alive, ns, nd, ids, key, src, dst, blk = flows
-    sentinel, R, log_end, log_bneck, log_ready, left, done = book
+    sentinel, R, log_end, log_bneck, log_ready, left, done, lev_U1, bport_U1 = book
     cap_P, mm, T, row_U, col_U, cnt_src, cnt_dst = counts
     N = sentinel
     m = 0
@@ -339,27 +345,27 @@ def _compact(flows, n):
 def tick_blocks(t, state, flows, wait, book, counts, tables):
     """One tick of ``FlowNetwork`` at time t with the block solver's compiled fill, as the numpy
     reference does it, in its order: (1) the active slots [0, n) due by ``t + 2e-9 x max(t, 1)`` complete
-    (:func:`complete_due` under the last fill's ``lev_U1`` / ``bport_U1``; the dead slots are
+    (:func:`complete_due` under the last fill's ``book.lev_U1`` / ``bport_U1``; the dead slots are
     dropped, in order, once they are more than half of them: ``dead`` counts them); (2) where
     ``pend_min <= t + 1e-9`` the waiting flows ready by then (``p_*``, slots [0, pn) in submission
     order) start, in order, at the end of the active columns (room for all of them is there),
     counted into the blocks, and the others stay, in order; (3) the fill (``fill_levels`` over the
-    counts and the solver's tables); (4) :func:`set_rates`.
+    counts and the solver's tables, into the book's levels); (4) :func:`set_rates`.
 
     state: :class:`TickState`; flows, wait, book, counts: :func:`tick_records`; tables: the solver's
     ``fill_kernels.SolverTables``. Returns a :class:`TickOut`: the completed slots, then the
     completed groups' keys (ascending, each once: as ``np.unique`` of :func:`complete_due`'s), are
     in ``book.done``; steps < 0: the fill froze nothing (and (4) did not run)."""
-    n, dead, pn, pend_min, lev_U1, bport_U1 = state
+    n, dead, pn, pend_min = state
     fin, rate, rem0, t0, alive, ns, nd, ids, key, src, dst, blk = flows
     p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk = wait
-    sentinel, R, log_end, log_bneck, log_ready, left, done = book
+    sentinel, R, log_end, log_bneck, log_ready, left, done, lev, bport = book
     cap_P, mm, T, row_U, col_U, cnt_src, cnt_dst = counts
     m = 0
     g = 0
     if n > 0:
         thr = t + 2e-9 * max(t, 1.0)
-        m, g = complete_due(thr, t, n, flows, lev_U1, bport_U1, book, counts)
+        m, g = complete_due(thr, t, n, flows, book, counts)
         if g > 1:   # the keys sorted (by argsort: the sort fill_kernels._sort_run compiles), repeats dropped
             keys = done[m:m + g].copy()
             for i, j in enumerate(np.argsort(keys)):
@@ -417,14 +423,14 @@ def tick_blocks(t, state, flows, wait, book, counts, tables):
                 k += 1
         pn = k
         pend_min = rest
-    lev, bport, steps = fill_levels(cap_P, cnt_src, cnt_dst, mm, tables)
+    steps = fill_levels(cap_P, cnt_src, cnt_dst, mm, tables, lev, bport)
     fin_max, nxt = -np.inf, np.inf
     if steps >= 0:
         rate_F = np.empty(n)   # each slot's rate: the lower level of its two nodes
         for i in range(n):
             rate_F[i] = _level(lev, sentinel, ns[i], nd[i])
         fin_max, nxt = set_rates(rate_F, n, rate, rem0, t0, fin, t)
-    return TickOut(TickState(n, dead, pn, pend_min, lev, bport), m, g, steps, fin_max, nxt)
+    return TickOut(n, dead, pn, pend_min, m, g, steps, fin_max, nxt)
 
 
 __all__ = ["BlockCountsCols", "FlowCols", "LogCols", "Submission", "TickBook", "TickOut", "TickState", "WaitCols",
