@@ -49,7 +49,7 @@ from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.sim.blocks import BlockCounts
 from moonep_sim.sim.flows import ActiveFlows, FlowLog, Pending
 from moonep_sim.sim.ports import L_PATH, Block, PortMap, block_kind
-from moonep_sim.sim.tick_kernels import LogCols, WaitCols, plain, set_rates, submit_flows, tick_blocks, tick_records
+from moonep_sim.sim.tick_kernels import LogCols, plain, set_rates, submit_flows, tick_blocks, tick_records, wait_cols
 from moonep_sim.sim.waterfill import waterfill
 
 
@@ -204,11 +204,10 @@ class FlowNetwork:
         if p.n + F > p.capacity or log.n + F > log.capacity or self._sargs is None:
             p.reserve(p.n + F)
             log.reserve(log.n + F)
-            pd, ld = p.data, log.data
+            ld = log.data
             # (the records as plain tuples in their fields' order: numba types a plain tuple in C at
             # each call, a NamedTuple field by field in Python -- ~20 us a tick, 15% of a layer)
-            self._sargs = (plain(WaitCols(pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"], pd["dst"],
-                                          pd["blk"])),
+            self._sargs = (plain(wait_cols(p)),
                            plain(LogCols(ld["src"], ld["dst"], ld["phase"], ld["bytes"], ld["start"])))
             self._targs = None   # the tick's buffers too
         # one kernel: the entries with bytes, their cells of the sender's rows
@@ -300,7 +299,7 @@ class FlowNetwork:
                 self._done = np.empty(2 * a.capacity, dtype=np.int64)
             a.reserve(a.n + p.n)
             book = (self._sentinel, self.ports.ranks, self._left, self._done, *self._node_levels)
-            recs = tick_records(a.data, p.data, self._log.data, book, self.ports.cap_P, self._blocks)
+            recs = tick_records(a, p, self._log.data, book, self.ports.cap_P, self._blocks)
             self._targs = tuple(plain(r) for r in recs) + (self._blocks._kernel_static,)
         # (a TickState, as a plain tuple: see _sargs)
         out = tick_blocks(t, (a.n, self._dead, p.n, self._pend_min), *self._targs)

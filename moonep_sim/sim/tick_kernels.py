@@ -56,36 +56,23 @@ class TickOut(NamedTuple):
 
 
 class FlowCols(NamedTuple):
-    """The active flows' columns (``ActiveFlows.data``; slots [0, n) in use): finish time, rate,
-    bytes left at ``t0``, ``t0``, alive, sender and receiver node, flow id, receive-group key,
-    source and destination rank, block."""
+    """The active flows' columns (``ActiveFlows.data``; slots [0, n) in use) as the buffers that
+    hold them (``ActiveFlows.block``): ``f`` float64 [4, capacity] rate, bytes left at ``t0``,
+    ``t0``, finish time; ``alive``; ``i`` int64 [7, capacity] flow id, receive-group key, source
+    and destination rank, block, sender and receiver node."""
 
-    fin: np.ndarray
-    rate: np.ndarray
-    rem0: np.ndarray
-    t0: np.ndarray
+    f: np.ndarray
     alive: np.ndarray
-    ns: np.ndarray
-    nd: np.ndarray
-    ids: np.ndarray
-    key: np.ndarray
-    src: np.ndarray
-    dst: np.ndarray
-    blk: np.ndarray
+    i: np.ndarray
 
 
 class WaitCols(NamedTuple):
-    """The waiting flows' columns (``Pending.data``; slots [0, pn), in submission order): ready
-    time, bytes (efficiency applied), flow id, receive-group key, source and destination rank,
-    block."""
+    """The waiting flows' columns (``Pending.data``; slots [0, pn), in submission order) as the
+    buffers that hold them: ``f`` float64 [2, capacity] ready time, bytes (efficiency applied);
+    ``i`` int64 [5, capacity] flow id, receive-group key, source and destination rank, block."""
 
-    ready: np.ndarray
-    eff: np.ndarray
-    id: np.ndarray
-    key: np.ndarray
-    src: np.ndarray
-    dst: np.ndarray
-    blk: np.ndarray
+    f: np.ndarray
+    i: np.ndarray
 
 
 class TickBook(NamedTuple):
@@ -149,16 +136,19 @@ def plain(record: tuple) -> tuple:
     return tuple(record)
 
 
+def wait_cols(waiting: Any) -> WaitCols:
+    """:class:`WaitCols` over ``waiting``'s buffers (a ``Pending``; no copies)."""
+    return WaitCols(waiting.block("ready"), waiting.block("id"))
+
+
 def tick_records(active: Any, waiting: Any, log: Any, book: tuple, cap_P: np.ndarray,
                  blocks: Any) -> tuple[FlowCols, WaitCols, TickBook, BlockCountsCols]:
     """The records :func:`tick_blocks` reads, over the network's own columns (no copies): ``active``,
-    ``waiting``, ``log`` the ``data`` dicts of its active flows, waiting flows and flow log;
+    ``waiting`` its ``ActiveFlows`` and ``Pending``, ``log`` its flow log's ``data``;
     ``book`` (sentinel, ranks, left, done, lev_U1, bport_U1) as :class:`TickBook` names them;
     ``blocks`` its ``BlockCounts``. Built again whenever a column is reallocated."""
     a, p, lg, bc = active, waiting, log, blocks
-    return (FlowCols(a["fin"], a["rate"], a["rem0"], a["t0"], a["alive"], a["ns"], a["nd"], a["id"], a["key"],
-                     a["src"], a["dst"], a["blk"]),
-            WaitCols(p["ready"], p["eff"], p["id"], p["key"], p["src"], p["dst"], p["blk"]),
+    return (FlowCols(a.block("rate"), a.data["alive"], a.block("id")), wait_cols(p),
             TickBook(int(book[0]), int(book[1]), lg["end"], lg["bneck"], lg["ready"], *book[2:]),
             BlockCountsCols(cap_P, bc.mm, int(bc.T), bc.row_U, bc.col_U, bc.cnt_src, bc.cnt_dst))
 
@@ -227,7 +217,7 @@ def complete_due(thr, t, n, flows, book, counts):
     Returns (completed slots, receive groups completed): the count of each; the groups' keys
     (with repeats) follow the slots in ``done``. flows: :class:`FlowCols`; book: :class:`TickBook`;
     counts: :class:`BlockCountsCols`."""
-    fin, rate, rem0, t0, alive, ns, nd, ids, key, src, dst, blk = flows
+    (rate, rem0, t0, fin), alive, (ids, key, src, dst, blk, ns, nd) = flows
     sentinel, R, log_end, log_bneck, log_ready, left, done, lev_U1, bport_U1 = book
     cap_P, mm, T, row_U, col_U, cnt_src, cnt_dst = counts
     N = sentinel
@@ -275,7 +265,7 @@ def submit_flows(sub, dst_F, bytes_F, eff_F, blk_R, lat_R, R, pn, ln, wait, log)
     ready time: inf when none). sub: :class:`Submission` (src, pid, now, message_us); wait:
     :class:`WaitCols`; log: :class:`LogCols`."""
     src, pid, now, message_us = sub
-    p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk = wait
+    (p_ready, p_eff), (p_id, p_key, p_src, p_dst, p_blk) = wait
     l_src, l_dst, l_phase, l_bytes, l_start = log
     m = 0
     remote = 0
@@ -320,23 +310,16 @@ def submit_flows(sub, dst_F, bytes_F, eff_F, blk_R, lat_R, R, pn, ln, wait, log)
 def _compact(flows, n):
     """The live slots of [0, n) moved to the front, in order (every column of :class:`FlowCols`);
     returns how many."""
-    fin, rate, rem0, t0, alive, ns, nd, ids, key, src, dst, blk = flows
+    f, alive, ints = flows
     k = 0
-    for i in range(n):
-        if alive[i]:
-            if k != i:
-                fin[k] = fin[i]
-                rate[k] = rate[i]
-                rem0[k] = rem0[i]
-                t0[k] = t0[i]
-                alive[k] = alive[i]
-                ns[k] = ns[i]
-                nd[k] = nd[i]
-                ids[k] = ids[i]
-                key[k] = key[i]
-                src[k] = src[i]
-                dst[k] = dst[i]
-                blk[k] = blk[i]
+    for j in range(n):
+        if alive[j]:
+            if k != j:
+                alive[k] = True
+                for c in range(f.shape[0]):
+                    f[c, k] = f[c, j]
+                for c in range(ints.shape[0]):
+                    ints[c, k] = ints[c, j]
             k += 1
     return k
 
@@ -357,8 +340,8 @@ def tick_blocks(t, state, flows, wait, book, counts, tables):
     completed groups' keys (ascending, each once: as ``np.unique`` of :func:`complete_due`'s), are
     in ``book.done``; steps < 0: the fill froze nothing (and (4) did not run)."""
     n, dead, pn, pend_min = state
-    fin, rate, rem0, t0, alive, ns, nd, ids, key, src, dst, blk = flows
-    p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk = wait
+    (rate, rem0, t0, fin), alive, (ids, key, src, dst, blk, ns, nd) = flows
+    (p_ready, p_eff), (p_id, p_key, p_src, p_dst, p_blk) = wait
     sentinel, R, log_end, log_bneck, log_ready, left, done, lev, bport = book
     cap_P, mm, T, row_U, col_U, cnt_src, cnt_dst = counts
     m = 0
@@ -434,4 +417,4 @@ def tick_blocks(t, state, flows, wait, book, counts, tables):
 
 
 __all__ = ["BlockCountsCols", "FlowCols", "LogCols", "Submission", "TickBook", "TickOut", "TickState", "WaitCols",
-           "complete_due", "plain", "set_rates", "submit_flows", "tick_blocks", "tick_records"]
+           "complete_due", "plain", "set_rates", "submit_flows", "tick_blocks", "tick_records", "wait_cols"]
