@@ -251,7 +251,7 @@ class StepSim:
         """Wait for ``ev`` (made now: rank r's local work or a delay) and record the span r spent in it."""
         t0 = self.env.now
         yield ev
-        self._span(r, name, kind, direction, t0)
+        self.spans.append(Span(r, name, kind, direction, t0, self.env.now))
 
     def _jit(self, shape) -> np.ndarray:
         return lognormal_factors(self.rng, self.opts.jitter, shape)

@@ -196,8 +196,7 @@ class FlowNetwork:
             tab = self._phase_tab[pid] = self._pair_table(sm, nic)
         R = self._R
         # the sender's rows of the pair tables (classified here above ``perf.pair_table_max`` pairs)
-        blk_R, lat_R = (tab[0][src], tab[1][src]) if tab is not None else \
-            self._pairs(np.full(R, src), np.arange(R), sm, nic)
+        blk_R, lat_R = tab[src] if tab is not None else self._pairs(np.full(R, src), np.arange(R), sm, nic)
         dst_F = np.asarray(dst_F, dtype=np.int64)
         F = dst_F.size
         p, log = self._pend, self._log
@@ -227,16 +226,16 @@ class FlowNetwork:
         self._pend_min = min(self._pend_min, first)
         self._request_tick(first)
 
-    def _pair_table(self, sm: bool, nic: bool) -> tuple[np.ndarray, np.ndarray] | None:
-        """(block_RR, latency_RR): :meth:`_pairs` of every (sender, receiver) (built on first use,
-        kept per port map; a rank's submission then reads its row instead of classifying its
-        transfers again). None above ``perf.pair_table_max`` pairs."""
+    def _pair_table(self, sm: bool, nic: bool) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Per sender, its rows (block_R, latency_R) of :meth:`_pairs` of every (sender, receiver)
+        (built on first use, kept per port map; a rank's submission then reads its rows instead of
+        classifying its transfers again). None above ``perf.pair_table_max`` pairs."""
         key = (sm, nic)
         if key not in self._pair_tables:
             R = self.ports.ranks
             tab = None
             if R * R <= self._pair_max:   # (read-only: shared by the networks of this port map)
-                tab = tuple(x.reshape(R, R) for x in self._pairs(*np.divmod(np.arange(R * R), R), sm, nic))
+                tab = list(zip(*(x.reshape(R, R) for x in self._pairs(*np.divmod(np.arange(R * R), R), sm, nic))))
             self._pair_tables[key] = tab
         return self._pair_tables[key]
 

@@ -116,14 +116,12 @@ class LogCols(NamedTuple):
 
 class BlockCountsCols(NamedTuple):
     """The block solver's counts the tick updates (``BlockCounts``): port capacities ``cap_P``, the
-    counts buffer ``mm`` (M cells, then MT cells from ``T``), per node its row and column in it
-    (``row_U`` / ``col_U``), the active transfers per sender and receiver node."""
+    counts buffer ``mm`` (M cells, then MT cells from ``T``; per node its row and column in it are
+    the solver tables' ``row_U`` / ``col_U``), the active transfers per sender and receiver node."""
 
     cap_P: np.ndarray
     mm: np.ndarray
     T: int
-    row_U: np.ndarray
-    col_U: np.ndarray
     cnt_src: np.ndarray
     cnt_dst: np.ndarray
 
@@ -150,7 +148,7 @@ def tick_records(active: Any, waiting: Any, log: Any, book: tuple, cap_P: np.nda
     a, p, lg, bc = active, waiting, log, blocks
     return (FlowCols(a.block("rate"), a.data["alive"], a.block("id")), wait_cols(p),
             TickBook(int(book[0]), int(book[1]), lg["end"], lg["bneck"], lg["ready"], *book[2:]),
-            BlockCountsCols(cap_P, bc.mm, int(bc.T), bc.row_U, bc.col_U, bc.cnt_src, bc.cnt_dst))
+            BlockCountsCols(cap_P, bc.mm, int(bc.T), bc.cnt_src, bc.cnt_dst))
 
 
 @kernel
@@ -206,20 +204,21 @@ def set_rates(rate_F, n, rate, rem0, t0, fin, t):
 
 
 @kernel
-def complete_due(thr, t, n, flows, book, counts):
+def complete_due(thr, t, n, flows, book, counts, tables):
     """Complete the active slots of [0, n) with ``fin <= thr`` (``done``: int64 scratch of 2n at
     least; the completed slots are written there in order): their log rows get end t and the
     bottleneck port of the last fill (``lev_U1`` / ``bport_U1``: the sender node's port where its
-    level is the lower), their
-    receive groups one flow fewer (``left``), the block counts lose them (``mm``: the counts
-    buffer, M cells then MT cells from T; ``row_U`` / ``col_U``: ``BlockCounts.mt_row_N`` /
-    ``cell_col_N``), and their slots go dead (rate 0 at the sentinel node, fin and rem0 inf).
+    level is the lower), their receive groups one flow fewer (``left``), the block counts lose them
+    (``mm``: the counts buffer, M cells then MT cells from T; ``row_U`` / ``col_U``:
+    ``BlockCounts.mt_row_N`` / ``cell_col_N``), and their slots go dead (rate 0 at the sentinel
+    node, fin and rem0 inf).
     Returns (completed slots, receive groups completed): the count of each; the groups' keys
     (with repeats) follow the slots in ``done``. flows: :class:`FlowCols`; book: :class:`TickBook`;
-    counts: :class:`BlockCountsCols`."""
+    counts: :class:`BlockCountsCols`; tables: ``fill_kernels.SolverTables``."""
     (rate, rem0, t0, fin), alive, (ids, key, src, dst, blk, ns, nd) = flows
     sentinel, R, log_end, log_bneck, log_ready, left, done, lev_U1, bport_U1 = book
-    cap_P, mm, T, row_U, col_U, cnt_src, cnt_dst = counts
+    cap_P, mm, T, cnt_src, cnt_dst = counts
+    row_U, col_U = tables[8], tables[9]   # (SolverTables.row_U, col_U)
     N = sentinel
     m = 0
     for i in range(n):
@@ -343,12 +342,13 @@ def tick_blocks(t, state, flows, wait, book, counts, tables):
     (rate, rem0, t0, fin), alive, (ids, key, src, dst, blk, ns, nd) = flows
     (p_ready, p_eff), (p_id, p_key, p_src, p_dst, p_blk) = wait
     sentinel, R, log_end, log_bneck, log_ready, left, done, lev, bport = book
-    cap_P, mm, T, row_U, col_U, cnt_src, cnt_dst = counts
+    cap_P, mm, T, cnt_src, cnt_dst = counts
+    row_U, col_U = tables[8], tables[9]   # (SolverTables.row_U, col_U)
     m = 0
     g = 0
     if n > 0:
         thr = t + 2e-9 * max(t, 1.0)
-        m, g = complete_due(thr, t, n, flows, book, counts)
+        m, g = complete_due(thr, t, n, flows, book, counts, tables)
         if g > 1:   # the keys sorted (by argsort: the sort fill_kernels._sort_run compiles), repeats dropped
             keys = done[m:m + g].copy()
             for i, j in enumerate(np.argsort(keys)):
