@@ -215,7 +215,9 @@ def complete_due(thr, t, n, flows, book, counts, tables):
     Returns (completed slots, receive groups completed): the count of each; the groups' keys
     (with repeats) follow the slots in ``done``. flows: :class:`FlowCols`; book: :class:`TickBook`;
     counts: :class:`BlockCountsCols`; tables: ``fill_kernels.SolverTables``."""
-    (rate, rem0, t0, fin), alive, (ids, key, src, dst, blk, ns, nd) = flows
+    ff, alive, fi = flows   # (rows by index: an array unpacked gives rows of any layout, slower loops)
+    rate, rem0, t0, fin = ff[0], ff[1], ff[2], ff[3]
+    ids, key, src, dst, blk, ns, nd = fi[0], fi[1], fi[2], fi[3], fi[4], fi[5], fi[6]
     sentinel, R, log_end, log_bneck, log_ready, left, done, lev_U1, bport_U1 = book
     cap_P, mm, T, cnt_src, cnt_dst = counts
     row_U, col_U = tables[8], tables[9]   # (SolverTables.row_U, col_U)
@@ -264,7 +266,8 @@ def submit_flows(sub, dst_F, bytes_F, eff_F, blk_R, lat_R, R, pn, ln, wait, log)
     ready time: inf when none). sub: :class:`Submission` (src, pid, now, message_us); wait:
     :class:`WaitCols`; log: :class:`LogCols`."""
     src, pid, now, message_us = sub
-    (p_ready, p_eff), (p_id, p_key, p_src, p_dst, p_blk) = wait
+    wf, wi = wait
+    p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk = wf[0], wf[1], wi[0], wi[1], wi[2], wi[3], wi[4]
     l_src, l_dst, l_phase, l_bytes, l_start = log
     m = 0
     remote = 0
@@ -339,8 +342,11 @@ def tick_blocks(t, state, flows, wait, book, counts, tables):
     completed groups' keys (ascending, each once: as ``np.unique`` of :func:`complete_due`'s), are
     in ``book.done``; steps < 0: the fill froze nothing (and (4) did not run)."""
     n, dead, pn, pend_min = state
-    (rate, rem0, t0, fin), alive, (ids, key, src, dst, blk, ns, nd) = flows
-    (p_ready, p_eff), (p_id, p_key, p_src, p_dst, p_blk) = wait
+    ff, alive, fi = flows   # (rows by index: an array unpacked gives rows of any layout, slower loops)
+    rate, rem0, t0, fin = ff[0], ff[1], ff[2], ff[3]
+    ids, key, src, dst, blk, ns, nd = fi[0], fi[1], fi[2], fi[3], fi[4], fi[5], fi[6]
+    wf, wi = wait
+    p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk = wf[0], wf[1], wi[0], wi[1], wi[2], wi[3], wi[4]
     sentinel, R, log_end, log_bneck, log_ready, left, done, lev, bport = book
     cap_P, mm, T, cnt_src, cnt_dst = counts
     row_U, col_U = tables[8], tables[9]   # (SolverTables.row_U, col_U)
