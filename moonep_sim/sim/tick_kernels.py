@@ -145,10 +145,9 @@ def tick_records(active: Any, waiting: Any, log: Any, book: tuple, cap_P: np.nda
     ``waiting`` its ``ActiveFlows`` and ``Pending``, ``log`` its flow log's ``data``;
     ``book`` (sentinel, ranks, left, done, lev_U1, bport_U1) as :class:`TickBook` names them;
     ``blocks`` its ``BlockCounts``. Built again whenever a column is reallocated."""
-    a, p, lg, bc = active, waiting, log, blocks
-    return (FlowCols(a.block("rate"), a.data["alive"], a.block("id")), wait_cols(p),
-            TickBook(int(book[0]), int(book[1]), lg["end"], lg["bneck"], lg["ready"], *book[2:]),
-            BlockCountsCols(cap_P, bc.mm, int(bc.T), bc.cnt_src, bc.cnt_dst))
+    return (FlowCols(active.block("rate"), active.data["alive"], active.block("id")), wait_cols(waiting),
+            TickBook(int(book[0]), int(book[1]), log["end"], log["bneck"], log["ready"], *book[2:]),
+            BlockCountsCols(cap_P, blocks.mm, int(blocks.T), blocks.cnt_src, blocks.cnt_dst))
 
 
 @kernel
