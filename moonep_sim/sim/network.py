@@ -203,11 +203,9 @@ class FlowNetwork:
         if p.n + F > p.capacity or log.n + F > log.capacity or self._sargs is None:
             p.reserve(p.n + F)
             log.reserve(log.n + F)
-            ld = log.data
             # (the records as plain tuples in their fields' order: numba types a plain tuple in C at
             # each call, a NamedTuple field by field in Python -- ~20 us a tick, 15% of a layer)
-            self._sargs = (plain(wait_cols(p)),
-                           plain(LogCols(ld["src"], ld["dst"], ld["phase"], ld["bytes"], ld["start"])))
+            self._sargs = (plain(wait_cols(p)), plain(LogCols(log.block("src"), log.block("bytes"))))
             self._targs = None   # the tick's buffers too
         # one kernel: the entries with bytes, their cells of the sender's rows
         m, first = submit_flows((src, pid, float(self.env.now), self._message_us), dst_F,   # a Submission

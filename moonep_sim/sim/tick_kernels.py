@@ -104,14 +104,12 @@ class Submission(NamedTuple):
 
 
 class LogCols(NamedTuple):
-    """The flow log's columns a submission writes (``FlowLog.data``): source and destination rank,
-    phase id, bytes, submission time."""
+    """The flow log's columns a submission writes (``FlowLog.data``) as the buffers that hold them:
+    ``i`` int64 [3, capacity] source and destination rank, phase id; ``f`` float64 [2, capacity]
+    bytes, submission time."""
 
-    src: np.ndarray
-    dst: np.ndarray
-    phase: np.ndarray
-    bytes: np.ndarray
-    start: np.ndarray
+    i: np.ndarray
+    f: np.ndarray
 
 
 class BlockCountsCols(NamedTuple):
@@ -265,9 +263,9 @@ def submit_flows(sub, dst_F, bytes_F, eff_F, blk_R, lat_R, R, pn, ln, wait, log)
     ready time: inf when none). sub: :class:`Submission` (src, pid, now, message_us); wait:
     :class:`WaitCols`; log: :class:`LogCols`."""
     src, pid, now, message_us = sub
-    wf, wi = wait
+    (wf, wi), (li, lf) = wait, log
     p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk = wf[0], wf[1], wi[0], wi[1], wi[2], wi[3], wi[4]
-    l_src, l_dst, l_phase, l_bytes, l_start = log
+    l_src, l_dst, l_phase, l_bytes, l_start = li[0], li[1], li[2], lf[0], lf[1]
     m = 0
     remote = 0
     for f in range(dst_F.size):
