@@ -33,7 +33,6 @@ Notation: T tokens of a layer, s tokens of this rank, H hidden, F expert width, 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -420,23 +419,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.exit(launch(argv))
     args = None
     rank = os.environ.get("RANK", "?")
-    from moonep_sim.gloo.liveness import STARTING, PhaseTracker, announce, fault_point, start_early
+    from moonep_sim.gloo.liveness import PhaseTracker, announce, join_group
     watch = None
     try:
         args = parse_args(argv)
         check_args(args)
         if args.json:  # every rank refuses alike, before the run (not rank 0 alone, after it)
             check_outputs({"--json": args.json}, {"--trace": args.trace, "--spec": args.spec})
-        if not dist.is_initialized():
-            require("RANK" in os.environ and "WORLD_SIZE" in os.environ,
-                    "RANK / WORLD_SIZE (unset) must be set: run with --nproc N, or under torchrun "
-                    "--nproc_per_node N launch/replay.py ...")
-            # heartbeat and watchdog first: a peer lost while the group is set up is named ("starting")
-            watch = start_early(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), max(args.timeout, 1.0))
-            fault_point(STARTING, rank)
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(args.timeout, 1.0)))
-            watch.started()
-            fault_point("started", rank)
+        watch = join_group(args.timeout, "launch/replay.py")
         _TRACKER[:] = [PhaseTracker("moonep_sim/replay/", dist.get_rank(), range(dist.get_world_size()),
                                     args.timeout)]
         rep = run(args)
