@@ -182,20 +182,23 @@ def json_target(args) -> str | None:
     return "-" if v is True else str(v)
 
 
-def emit_json(args, doc: Any, lenient: bool = False) -> bool:
-    """``doc`` as strict JSON where ``--json`` says (written atomically to a file, or on stdout);
-    True when it went to stdout (the table is then left out). ``lenient``: a NaN becomes null
-    (:func:`moonep_sim.io.to_jsonable`) instead of refusing."""
+def emit_json(args, doc: Any, lenient: bool = False, stdout_indent: int = 1) -> bool:
+    """``doc`` as strict JSON where ``--json`` says (written atomically to a file, or on stdout
+    indented by ``stdout_indent``); True when it went to stdout (the table is then left out).
+    ``lenient``: a NaN becomes null (:func:`moonep_sim.io.to_jsonable`) instead of refusing."""
     from moonep_sim.io import dumps_strict, write_text_atomic
 
     dest = json_target(args)
     if dest is None:
         return False
-    text = json.dumps(to_jsonable(doc, lenient=True), indent=1) if lenient else dumps_strict(doc, indent=1)
+
+    def text(indent: int) -> str:
+        return json.dumps(to_jsonable(doc, lenient=True), indent=indent) if lenient else dumps_strict(doc, indent=indent)
+
     if dest == "-":
-        sys.stdout.write(text + "\n")
+        sys.stdout.write(text(stdout_indent) + "\n")
         return True
-    write_text_atomic(dest, text, what="--json")
+    write_text_atomic(dest, text(1), what="--json")
     return False
 
 

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from moonep_sim.cli.common import (add_output_flags, add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies,
-                                   add_redundant_experts, output_rule, parse_int_list, print_json, print_warnings,
+                                   add_redundant_experts, emit_json, output_rule, parse_int_list, print_warnings,
                                    progress, steps_footer)
 from moonep_sim.errors import require
 from moonep_sim.experiments.scenario import DEFAULT_STRATEGIES as _DEFAULTS
@@ -122,8 +122,7 @@ def run(args) -> int:
 
     if is_multi(args):
         return run_clusters(args, scenario)
-    to_file = args.json not in (None, "-")
-    output_rule(args, files=("json",) if to_file else (), folders={"out": OUT_FILES})  # before the run
+    output_rule(args, files=("json",), folders={"out": OUT_FILES})  # before the run ('-': stdout)
     require(math.isfinite(args.real_timeout) and 0 < args.real_timeout <= MAX_TIMEOUT_S,
             f"--real-timeout ({args.real_timeout:g}) must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]")
     level = step_level(args, layer_only={"--real": args.real, "--layers": args.layers is not None})
@@ -143,11 +142,7 @@ def run(args) -> int:
         rep = sc.compare(progress=cb, **kw).to_dict()
     files = write_outputs(rep, Path(args.out), plots=not args.no_plots)
     print_warnings(rep.get("warnings"))
-    if to_file:
-        from moonep_sim.io import dumps_strict, write_text_atomic
-        write_text_atomic(args.json, dumps_strict(rep, indent=1), what="--json")
-    elif args.json:
-        print_json(rep)
+    if emit_json(args, rep, stdout_indent=2):
         return 0
     for t in compare_table(rep):
         c.print(t)
@@ -177,11 +172,7 @@ def run_step_level(args, sc) -> int:
     doc = steps_document(res if isinstance(res, list) else [res])
     files = save_report(doc, Path(args.out), plots=not args.no_plots)
     print_warnings(sc.resolved.warnings)
-    if args.json not in (None, "-"):
-        from moonep_sim.io import dumps_strict, write_text_atomic
-        write_text_atomic(args.json, dumps_strict(doc, indent=1), what="--json")
-    elif args.json:
-        print_json(doc)
+    if emit_json(args, doc, stdout_indent=2):
         return 0
     print_steps(doc)
     console().print("wrote " + ", ".join(files.values()))
