@@ -1,20 +1,16 @@
-"""Helpers shared by subcommands: JSON output, option parsing, the shared flags, progress."""
+"""Helpers shared by subcommands: JSON output, option parsing, the shared flags (progress:
+:func:`moonep_sim.progress.tracker`)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from moonep_sim.errors import ConfigError
 from moonep_sim.io import to_jsonable
-
-#: Seconds between progress lines when stderr is not a terminal (a log file, CI, a pipe).
-PROGRESS_INTERVAL_S = 15.0
-
 
 def print_json(obj: Any) -> None:
     """``obj`` as strict JSON on stdout (no ``NaN``/``Infinity``: :func:`moonep_sim.io.dumps_strict`)."""
@@ -242,17 +238,3 @@ def steps_footer(rep: dict) -> list[str]:
 def console():
     from rich.console import Console
     return Console()
-
-
-# -- progress -------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def progress(c=None, description: str = "", interval_s: float = PROGRESS_INTERVAL_S,
-             lines: bool = False) -> Iterator[Callable[[str, int, int], None]]:
-    """A progress callback ``(message, done, total)`` for a long command: the one helper,
-    :func:`moonep_sim.progress.tracker` (a bar on stderr on a terminal; nothing when piped or with
-    ``--quiet``; plain lines with ``MOONEP_SIM_PROGRESS=lines``). ``c`` and ``lines`` are kept for
-    the callers' signatures: the bar is on stderr, so a ``--json`` stdout stays JSON either way."""
-    from moonep_sim.progress import tracker
-
-    with tracker(description, interval_s=interval_s) as cb:
-        yield cb

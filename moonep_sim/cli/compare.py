@@ -11,8 +11,9 @@ from pathlib import Path
 
 from moonep_sim.cli.common import (add_output_flags, add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies,
                                    add_redundant_experts, emit_json, output_rule, parse_int_list, print_warnings,
-                                   progress, steps_footer)
+                                   steps_footer)
 from moonep_sim.errors import require
+from moonep_sim.progress import tracker
 from moonep_sim.experiments.scenario import DEFAULT_STRATEGIES as _DEFAULTS
 from moonep_sim.report.tables import wide_console as console
 
@@ -138,7 +139,7 @@ def run(args) -> int:
         return run_step_level(args, sc)
     kw = dict(real=args.real, nproc=args.nproc if args.real else None, iters=args.iters, timeout_s=args.real_timeout,
               jobs=args.jobs, cluster=args.cluster)
-    with progress(c, "compare", lines=args.json) as cb:
+    with tracker("compare") as cb:
         rep = sc.compare(progress=cb, **kw).to_dict()
     files = write_outputs(rep, Path(args.out), plots=not args.no_plots)
     print_warnings(rep.get("warnings"))
@@ -167,7 +168,7 @@ def run_step_level(args, sc) -> int:
     opts = step_options(args)
     if opts.parallel is None:
         check_step_ranks(args, sc.resolved.cluster.ranks)  # before any work
-    with progress(None, "compare --level step") as cb:
+    with tracker("compare --level step") as cb:
         res = sc.compare(level="step", step=opts, jobs=args.jobs, cluster=args.cluster, progress=cb)
     doc = steps_document(res if isinstance(res, list) else [res])
     files = save_report(doc, Path(args.out), plots=not args.no_plots)

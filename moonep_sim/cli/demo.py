@@ -39,7 +39,8 @@ def _trace_path() -> Path:
 
 
 def run(args) -> int:
-    from moonep_sim.cli.common import parse_int_list, progress
+    from moonep_sim.cli.common import parse_int_list
+    from moonep_sim.progress import tracker
     from moonep_sim.cli.compare import write_outputs
     from moonep_sim.errors import require
     from moonep_sim.experiments import Scenario
@@ -91,7 +92,7 @@ def run(args) -> int:
     c.print(f"replaying {rs.source.label}, layers {args.layers}, through {', '.join(names)}: "
             f"gloo with {args.nproc} processes ({rs.cluster.num_nodes} emulated node(s) of {rs.cluster.gpus_per_node}), "
             f"and simulated on local-gloo and {args.topology}")
-    with progress(c, "demo") as cb:
+    with tracker("demo") as cb:
         rep = sc.compare(real=True, nproc=args.nproc, iters=args.iters, timeout_s=300.0, progress=cb).to_dict()
     files = write_outputs(rep, Path(args.out), plots=not args.no_plots)
     for t in compare_table(rep):

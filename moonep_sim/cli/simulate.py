@@ -117,9 +117,9 @@ def run(args) -> int:
     require(len(names) == 1 or not (args.isolate or args.timeline),
             f"--{'isolate' if args.isolate else 'timeline'} takes one --strategy, not {len(names)} ({', '.join(names)})")
     t0 = time.perf_counter()
-    from moonep_sim.cli.common import progress
+    from moonep_sim.progress import tracker
 
-    with progress(None, "simulate") as cb:  # a bar on a terminal while the layers are planned
+    with tracker("simulate") as cb:  # a bar on a terminal while the layers are planned
         out = sc.simulate(cb, backward=args.backward, overlap_prefetch=not args.no_overlap_prefetch,
                           chunks=args.chunks, seed=args.seed, faults=tuple(faults), jitter=args.jitter,
                           tol=DEFAULT_TOL if args.tol is None else args.tol, timeline=bool(args.timeline),

@@ -8,9 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from moonep_sim.cli.common import (output_rule, add_dispatch_dtype, add_output_flags, emit_json, add_steps,
-                                   add_strategies, check_cluster_args, check_int, progress)
+                                   add_strategies, check_cluster_args, check_int)
 from moonep_sim.limits import MAX_TOKENS_PER_RANK
 from moonep_sim.errors import ConfigError
+from moonep_sim.progress import tracker
 from moonep_sim.experiments.routing import GEN_DEFAULTS
 from moonep_sim.report.tables import wide_console as console
 
@@ -222,7 +223,7 @@ def run_points(args, sc, vals, by_vals, label: str, **kw) -> int:
     from moonep_sim.cli.common import print_warnings
 
     c = console()
-    with progress(c, label, lines=args.json) as cb:
+    with tracker(label) as cb:
         if by_vals:
             doc = sc.winner_map(args.over, vals, args.by, by_vals, progress=cb, jobs=args.jobs, cluster=args.cluster,
                                 **kw)
