@@ -64,6 +64,14 @@ the routings it built itself -- and the layers' process CPU over every thread::
     python benchmarks/bench_step.py --routing-only      # each case's generation alone, per layer
     python benchmarks/bench_step.py --cases k3-train --strategies alltoall --floor --moe-layers 4
     python benchmarks/bench_step.py --cases k3-train --strategies alltoall --distinct-layers 0 --pipeline off,on
+    python benchmarks/bench_step.py --before /tmp/base --cases k3-train --distinct-layers 4 --rounds 2
+
+``--before TREE`` (an unpacked ``git archive`` of an earlier commit) times the warm step of each
+(case, strategy, distinct) in both trees, in turn, ``--rounds`` times: each run a fresh process of
+that tree's package that makes the ``Scenario``, steps once to warm up (the kernels' load, the first
+touch of its pages), then ``--warm`` more times, the least process CPU seconds of those kept (the
+figure a second step of the same Scenario costs). Then the table of before, after and after /
+before per row. Only the package's public ``Scenario`` API is used, so any tree with it works.
 """
 
 from __future__ import annotations
@@ -137,6 +145,59 @@ class PlanProbe:
 
     def __exit__(self, *exc) -> None:
         self._mod.make_plan = self._make
+
+
+#: the warm step, in a fresh process of either tree (argv: case JSON, strategy, distinct, warm runs)
+WARM_CHILD = """
+import json, sys, time
+from moonep_sim.experiments import GeneratorSpec, Scenario
+c, s, distinct, warm = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+sc = Scenario(routing=GeneratorSpec(**c["spec"]), cluster=c["cluster"], topology="h800-cx7", strategies=s)
+sc.step(distinct_layers=distinct, **c["step"])
+best = float("inf")
+for _ in range(warm):
+    c0 = time.process_time()
+    sc.step(distinct_layers=distinct, **c["step"])
+    best = min(best, time.process_time() - c0)
+print(json.dumps({"cpu_s": best}))
+"""
+
+
+def warm_step(case: str, strategy: str, distinct: int, warm: int, tree: str = "") -> float:
+    """The least CPU seconds of ``warm`` warm steps (see ``--before``) in a fresh process of ``tree``'s
+    package (this PYTHONPATH's if empty)."""
+    import subprocess
+
+    env = dict(os.environ, **({"PYTHONPATH": str(Path(tree).resolve())} if tree else {}))
+    out = subprocess.run([sys.executable, "-c", WARM_CHILD, json.dumps(CASES[case]), strategy, str(distinct),
+                          str(warm)], env=env, cwd=tree or None, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["cpu_s"]
+
+
+def before_after(a) -> list[dict]:
+    """``--before``: each (case, strategy, distinct)'s warm step in the earlier tree and this one, in
+    turn, ``a.rounds`` times; the least of each kept."""
+    rows = []
+    for case in a.cases.split(","):
+        for distinct in (int(x) for x in a.distinct_layers.split(",")):
+            for s in a.strategies.split(","):
+                runs = {"before": [], "after": []}
+                for _ in range(a.rounds):
+                    runs["before"].append(warm_step(case, s, distinct, a.warm, a.before))
+                    runs["after"].append(warm_step(case, s, distinct, a.warm))
+                row = {"case": case, "strategy": s, "distinct_layers": distinct, "warm": a.warm,
+                       "rounds": a.rounds, "before": a.before, "before_cpu_s": min(runs["before"]),
+                       "after_cpu_s": min(runs["after"]), "runs": runs, "load_end": os.getloadavg()[0]}
+                row["after_over_before"] = row["after_cpu_s"] / row["before_cpu_s"]
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    print(f"{'case':10s} {'strategy':12s} {'distinct':>8s} {'before s':>9s} {'after s':>9s} {'after/before':>12s}")
+    for r in rows:
+        print(f"{r['case']:10s} {r['strategy']:12s} {r['distinct_layers']:8d} {r['before_cpu_s']:9.3f} "
+              f"{r['after_cpu_s']:9.3f} {r['after_over_before']:12.3f}")
+    print(f"(warm steps, least of {a.warm} per run x {a.rounds} rounds, CPU s; load average at end "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+    return rows
 
 
 def fresh_pages() -> None:
@@ -424,7 +485,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cli", action="store_true",
                     help="skip the command-line run (by default each run is also timed as `moonep-sim step` in a "
                          "fresh process, right before the in-process run)")
+    ap.add_argument("--before", default="", metavar="TREE",
+                    help="time the warm step here and in TREE (an earlier commit's unpacked tree), in turn: "
+                         "before/after in one run (--rounds, --warm)")
+    ap.add_argument("--rounds", type=int, default=2, help="with --before: runs per tree, alternated")
+    ap.add_argument("--warm", type=int, default=4, help="with --before: warm steps per run (the least kept)")
     a = ap.parse_args(argv)
+    if a.before:
+        if a.rounds < 1 or a.warm < 1 or not Path(a.before, "moonep_sim").is_dir():
+            ap.error(f"--before ({a.before}) must be a tree holding moonep_sim/, --rounds ({a.rounds}) and "
+                     f"--warm ({a.warm}) >= 1")
+        rows = before_after(a)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"rows": rows, "load_end": os.getloadavg()}, f, indent=1)
+        return 0
     pipelines = a.pipeline.split(",")
     if any(p not in PIPELINE for p in pipelines) or a.repeat < 1:
         ap.error(f"--pipeline ({a.pipeline}) must be a comma list of {', '.join(PIPELINE)} and --repeat "

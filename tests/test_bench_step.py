@@ -142,3 +142,26 @@ def test_cli_figures_sit_beside_the_in_process_rows(bench):
     assert got[0]["cli_over_inprocess_wall"] == 1.5 and got[0]["cli_over_inprocess_cpu"] == 1.25
     table = bench.cli_table(got)
     assert "| 1.50x | 5.0 | 4.0 | 1.25x |" in table and table.splitlines()[-1] == "  moonep-sim step --gen x"
+
+
+@pytest.mark.slow
+def test_before_times_the_warm_step_in_both_trees(bench, capsys):
+    """--before with this tree as the earlier one: a row per (case, strategy, distinct) with the least
+    of each tree's runs and their ratio (the same package both sides: no timing asserted)."""
+    tree = str(Path(__file__).resolve().parents[1])
+    assert bench.main(["--before", tree, "--cases", "tiny-train", "--strategies", "moonep",
+                       "--distinct-layers", "2", "--rounds", "1", "--warm", "1"]) == 0
+    out = capsys.readouterr().out
+    row = bench.json.loads(out.splitlines()[0])
+    assert (row["case"], row["strategy"], row["distinct_layers"], row["rounds"]) == ("tiny-train", "moonep", 2, 1)
+    assert row["before_cpu_s"] == min(row["runs"]["before"]) > 0
+    assert row["after_cpu_s"] == min(row["runs"]["after"]) > 0
+    assert row["after_over_before"] == row["after_cpu_s"] / row["before_cpu_s"]
+    assert "after/before" in out
+
+
+def test_before_needs_a_tree_with_the_package(bench, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--before", str(tmp_path), "--cases", "tiny-train"])
+    assert e.value.code == 2
+    assert "--before" in capsys.readouterr().err
