@@ -87,22 +87,12 @@ def topology_info(topo) -> dict[str, Any]:
             "constants": to_jsonable(c, lenient=True)}
 
 
-def _short(v: Any) -> str:
-    """A one-line description of a straggler (``{rank, cause, detail}``) or busiest port record."""
-    if v is None:
-        return "-"
-    if isinstance(v, str):
-        return v
-    if isinstance(v, dict):
-        if "rank" in v and "cause" in v:
-            return f"rank {v['rank']}: {v['cause']}"
-        if "name" in v and "utilisation" in v:
-            return f"{v['name']} ({float(v['utilisation']) * 100:.0f}% busy)"
-        for k in ("describe", "label", "name", "what"):
-            if k in v and isinstance(v[k], str):
-                return v[k]
-        return ", ".join(f"{k}={v[k]}" for k in list(v)[:3])
-    return str(v)
+def _short(v: dict[str, Any]) -> str:
+    """A one-line description of a straggler (``{rank, cause, ...}``) or of the busiest port
+    (``{name, utilisation, ...}``), as the simulator's result gives them."""
+    if "cause" in v:
+        return f"rank {v['rank']}: {v['cause']}"
+    return f"{v['name']} ({float(v['utilisation']) * 100:.0f}% busy)"
 
 
 # -- the comparison ---------------------------------------------------------------------------------
