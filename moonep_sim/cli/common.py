@@ -67,33 +67,6 @@ def output_rule(args, files: Iterable[str] = (), folders: Mapping[str, Sequence[
     check_outputs(outs, ins, {k: v for k, v in fold.items() if isinstance(v[0], (str, os.PathLike))})
 
 
-def parse_int_list(text: str | None, what: str) -> list[int] | None:
-    """``"0,2,5-7"`` -> ``[0, 2, 5, 6, 7]``; None stays None."""
-    if text is None:
-        return None
-    out: list[int] = []
-    try:
-        for part in text.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            if "-" in part[1:]:
-                a, b = part.split("-", 1) if not part.startswith("-") else (part, part)
-                lo, hi = int(a), int(b)
-                if lo > hi:
-                    raise ConfigError(f"{what} ({text!r}) must give ranges low-high: {part} runs backwards")
-                if hi - lo >= 1 << 16:
-                    raise ConfigError(f"{what} ({text!r}) must give ranges of at most 65536 values: {part}")
-                out.extend(range(lo, hi + 1))
-            else:
-                out.append(int(part))
-    except ValueError:
-        raise ConfigError(f"{what} ({text!r}) must be a list of integers like 0,2,5-7") from None
-    if not out:
-        raise ConfigError(f"{what} ({text!r}) must name at least one integer, like 0,2,5-7")
-    return out
-
-
 def check_int(value: int | None, flag: str, lo: int, hi: int, meaning: str = "") -> None:
     """Refuse an explicitly given integer argument outside [lo, hi] (None: not given, the default applies)."""
     if value is not None and not lo <= value <= hi:

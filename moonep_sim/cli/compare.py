@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from moonep_sim.cli.common import (add_output_flags, add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies,
-                                   add_redundant_experts, emit_json, output_rule, parse_int_list, print_warnings,
+                                   add_redundant_experts, emit_json, output_rule, print_warnings,
                                    steps_footer)
 from moonep_sim.errors import require
 from moonep_sim.progress import tracker
@@ -62,7 +62,7 @@ def register(sub) -> None:
 def scenario(args, routing=None, layers=None):
     """The Scenario these arguments describe; checked (one line on bad input) before any work."""
     from moonep_sim.experiments import Scenario
-    from moonep_sim.experiments.spec import parse_opt_items, split_names
+    from moonep_sim.experiments.spec import parse_int_list, parse_opt_items, split_names
 
     names = split_names(args.strategies)
     check_cluster_args(args)
@@ -78,10 +78,7 @@ def scenario(args, routing=None, layers=None):
                   steps=getattr(args, "steps", None),
                   dispatch_dtype=args.dispatch_dtype, token_padding=args.token_padding,
                   redundant_experts=getattr(args, "redundant_experts", 0))
-    sc.resolved  # noqa: B018 -- check everything now
-    if args.real:
-        from moonep_sim.experiments.compare import load_topology
-        load_topology("local-gloo")
+    sc.resolved  # noqa: B018 -- check everything now (a real replay's local-gloo: Scenario.compare, before any work)
     return sc
 
 

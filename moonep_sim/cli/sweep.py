@@ -156,9 +156,7 @@ def _values(text: str | None, flag: str = "--values") -> list[float] | None:
 
 def scenario(args):
     from moonep_sim.experiments import GeneratorSpec, Scenario
-    from moonep_sim.experiments.spec import parse_opt_items, split_names
-
-    from moonep_sim.cli.common import parse_int_list
+    from moonep_sim.experiments.spec import parse_int_list, parse_opt_items, split_names
 
     names = split_names(args.strategies)
     check_cluster_args(args)

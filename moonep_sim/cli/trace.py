@@ -6,7 +6,8 @@ import math
 import sys
 import time
 
-from moonep_sim.cli.common import check_int, console, output_rule, parse_int_list, print_json
+from moonep_sim.cli.common import check_int, console, output_rule, print_json
+from moonep_sim.experiments.spec import parse_int_list
 from moonep_sim.errors import ConfigError
 
 
