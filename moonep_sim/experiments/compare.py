@@ -74,12 +74,6 @@ def replay_costs(hidden: int, ffn: int) -> RowCosts:
     return RowCosts(hidden * 4, hidden * 4, 3 * hidden * ffn * 4, 3 * hidden * ffn * 4)
 
 
-def simulate(plan, topo, model: ModelSpec, **opts):
-    from moonep_sim import sim
-
-    return sim.simulate_layer(plan, topo, model, sim.SimOptions(**opts))
-
-
 def topology_info(topo) -> dict[str, Any]:
     """Name and every constant of a topology (what a simulated figure is reported with)."""
     c = topo.constants() if hasattr(topo, "constants") else {"repr": repr(topo)}
@@ -142,16 +136,17 @@ def _sum_dicts(acc: dict[str, float], d: dict[str, Any]) -> None:
 
 def _compare_point(pt: Point) -> dict[str, Any]:
     """Plan and simulate one point (and, with a real replay, the same plan costed as the replay moves it)."""
+    from moonep_sim.sim import simulate_layer
     from moonep_sim.strategies import make_plan
 
     plan = make_plan(pt.name, pt.routing, pt.ctx, **pt.opts)
     summ = plan.summary()
-    res = simulate(plan, pt.topo, pt.model)
+    res = simulate_layer(plan, pt.topo, pt.model)
     sd = to_jsonable(res.to_dict(), lenient=True)
     entry = {"plan": to_jsonable(summ, lenient=True), "sim": sd, "figures": figures(plan, sd, pt.topo)}
     if pt.local_topo is not None:
         lplan = replace(plan, costs=pt.local_costs)
-        entry["sim_local"] = to_jsonable(simulate(lplan, pt.local_topo, pt.local_model).to_dict(), lenient=True)
+        entry["sim_local"] = to_jsonable(simulate_layer(lplan, pt.local_topo, pt.local_model).to_dict(), lenient=True)
         entry["sim_local_bytes"] = lplan.bytes_summary()
     disp = np.zeros((plan.ranks, plan.ranks))
     for p in plan.phases("forward"):

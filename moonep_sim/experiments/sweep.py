@@ -26,7 +26,7 @@ from moonep_sim.errors import ConfigError, require
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
-from moonep_sim.experiments.compare import _short, load_topology, simulate, topology_info
+from moonep_sim.experiments.compare import _short, load_topology, topology_info
 from moonep_sim.experiments.parallel import check_jobs, run_points
 from moonep_sim.experiments.spec import normalise_dtype, parse_cluster, strategy_list
 
@@ -259,12 +259,13 @@ def _point_setup(cfg: Setup, base, v: float, fixed):
 
 def _strategy_at(cfg: Setup, routing, ctx, topo, name: str, opts: dict) -> dict[str, Any]:
     """One strategy planned and simulated on one point's routing."""
+    from moonep_sim.sim import simulate_layer
     from moonep_sim.strategies import make_plan
 
     t1 = time.perf_counter()
     plan = make_plan(name, routing, ctx, **opts)
     t2 = time.perf_counter()
-    res = simulate(plan, topo, cfg.model)
+    res = simulate_layer(plan, topo, cfg.model)
     t3 = time.perf_counter()
     real = plan.real_rows_R()
     wb = plan.weight_copies * plan.costs.weight_bytes + int(plan.migrate_expert_X.size) * plan.costs.weight_bytes
