@@ -127,14 +127,6 @@ class Setup:
     def values(self) -> tuple[float, ...]:
         return self.axis.values
 
-    @property
-    def tokens_per_rank(self) -> int:
-        return int(self.spec.tokens_per_rank)
-
-    @property
-    def seed(self) -> int:
-        return int(self.spec.seed)
-
 
 def generator_spec(sc) -> Any:
     """The scenario's generator spec (a sweep generates routing at every point)."""
@@ -189,7 +181,7 @@ def check(cfg: Setup) -> Any:
     m, topo = cfg.model, cfg.topology
     hi = m.num_experts / m.top_k - 1
     check_axis_values(cfg.over, cfg.values, topo)  # each value as the flag it stands for
-    check_axis_value("tokens-per-rank", cfg.tokens_per_rank, flag="--tokens-per-rank")
+    check_axis_value("tokens-per-rank", cfg.spec.tokens_per_rank, flag="--tokens-per-rank")
     if cfg.over == "maxvio":
         for v in cfg.values:
             require(0 < v <= hi, f"maxvio ({v:g}) must lie in (0, E/K-1 = {hi:g}] for {m.name} (E={m.num_experts}, "
@@ -216,13 +208,13 @@ def check(cfg: Setup) -> Any:
     return topo
 
 
-def _routing(cfg: Setup, ranks: int, maxvio: float, seed: int):
+def _routing(cfg: Setup, ranks: int, maxvio: float):
     from moonep_sim.routing.generators import generate_layer
     from moonep_sim.routing.metrics import maxvio as maxvio_of
 
     m = cfg.model
     extra = {"groups": m.n_groups, "topk_groups": m.topk_groups} if m.n_groups > 1 else {}
-    lr = generate_layer(m.num_experts, m.top_k, cfg.tokens_per_rank * ranks, seed, maxvio=maxvio, **extra)
+    lr = generate_layer(m.num_experts, m.top_k, cfg.spec.tokens_per_rank * ranks, cfg.spec.seed, maxvio=maxvio, **extra)
     gr = GlobalRouting.split_evenly(lr.topk_ids_TK, lr.topk_weights_TK, m.num_experts, ranks)
     return gr, float(maxvio_of(gr.counts_E()))
 
@@ -244,8 +236,7 @@ def _point_setup(cfg: Setup, base, v: float, fixed):
     m = cfg.model
     ranks = int(v) if cfg.over == "ep" else cfg.ranks
     topo = replace(base, **{cfg.over: type(getattr(base, cfg.over))(v)}) if cfg.over not in ("maxvio", "ep") else base
-    routing, realised = fixed if fixed is not None else _routing(cfg, ranks, v if cfg.over == "maxvio" else cfg.maxvio,
-                                                                 cfg.seed)
+    routing, realised = fixed if fixed is not None else _routing(cfg, ranks, v if cfg.over == "maxvio" else cfg.maxvio)
     g = cfg.gpus_per_node or topo.gpus_per_node_for(ranks)
     cluster = ClusterShape(ranks, g)
     topo_g = topo.with_gpus_per_node(g) if hasattr(topo, "with_gpus_per_node") else topo
@@ -335,7 +326,7 @@ def sweep(sc, ax: SweepAxis, progress: Callable[[str, int, int], None] | None = 
     base = cfg.topology
     out_s = {n: {"options": dict(o)} for n, o in cfg.strategies}   # then each series of _strategy_at, per point
     total = len(cfg.values)
-    fixed = _routing(cfg, cfg.ranks, cfg.maxvio, cfg.seed) if cfg.over not in ("maxvio", "ep") else None
+    fixed = _routing(cfg, cfg.ranks, cfg.maxvio) if cfg.over not in ("maxvio", "ep") else None
     tasks = [(cfg, base, v, fixed) for v in cfg.values]
     if cluster or check_jobs(jobs) == 1 or total * len(cfg.strategies) <= 1:
         results = run_points(_point, tasks, jobs=jobs, cluster=cluster, progress=progress,
@@ -359,8 +350,8 @@ def head(cfg: Setup) -> dict[str, Any]:
             "left_out": list(cfg.axis.left_out), "model": cfg.model.to_dict(), "topology": topology_info(cfg.topology),
             "cluster": {"ranks": cfg.ranks if cfg.over != "ep" else None,
                         "gpus_per_node": cfg.gpus_per_node or cfg.topology.gpus_per_node},
-            "tokens_per_rank": cfg.tokens_per_rank, "maxvio": cfg.maxvio if cfg.over != "maxvio" else None,
-            "seed": cfg.seed, "dispatch_dtype": cfg.dispatch_dtype}
+            "tokens_per_rank": cfg.spec.tokens_per_rank, "maxvio": cfg.maxvio if cfg.over != "maxvio" else None,
+            "seed": cfg.spec.seed, "dispatch_dtype": cfg.dispatch_dtype}
 
 
 def finish(rep: dict[str, Any], t0: float) -> dict[str, Any]:
