@@ -119,14 +119,6 @@ class Setup:
     placement: str
     axis: SweepAxis
 
-    @property
-    def over(self) -> str:
-        return self.axis.over
-
-    @property
-    def values(self) -> tuple[float, ...]:
-        return self.axis.values
-
 
 def generator_spec(sc) -> Any:
     """The scenario's generator spec (a sweep generates routing at every point)."""
@@ -180,30 +172,30 @@ def check(cfg: Setup) -> Any:
 
     m, topo = cfg.model, cfg.topology
     hi = m.num_experts / m.top_k - 1
-    check_axis_values(cfg.over, cfg.values, topo)  # each value as the flag it stands for
+    check_axis_values(cfg.axis.over, cfg.axis.values, topo)  # each value as the flag it stands for
     check_axis_value("tokens-per-rank", cfg.spec.tokens_per_rank, flag="--tokens-per-rank")
-    if cfg.over == "maxvio":
-        for v in cfg.values:
+    if cfg.axis.over == "maxvio":
+        for v in cfg.axis.values:
             require(0 < v <= hi, f"maxvio ({v:g}) must lie in (0, E/K-1 = {hi:g}] for {m.name} (E={m.num_experts}, "
                                  f"K={m.top_k})")
         sizes = [cfg.ranks]
-    elif cfg.over == "ep":
-        sizes = [int(v) for v in cfg.values]
-        for v in cfg.values:
+    elif cfg.axis.over == "ep":
+        sizes = [int(v) for v in cfg.axis.values]
+        for v in cfg.axis.values:
             require(v == int(v) and v >= 1, f"EP size ({v:g}) must be a positive integer")
     else:
         params = topology_params(topo)
-        require(cfg.over in params, f"--over ({cfg.over!r}) must be maxvio, ep or a topology constant: "
+        require(cfg.axis.over in params, f"--over ({cfg.axis.over!r}) must be maxvio, ep or a topology constant: "
                                     f"{', '.join(params)}")
         sizes = [cfg.ranks]
-        for v in cfg.values:
-            replace(topo, **{cfg.over: type(getattr(topo, cfg.over))(v)})  # the topology checks the value
+        for v in cfg.axis.values:
+            replace(topo, **{cfg.axis.over: type(getattr(topo, cfg.axis.over))(v)})  # the topology checks the value
     for R in sizes:
         require(m.num_experts % R == 0,
                 f"EP size ({R}) must divide {m.name}'s expert count (E={m.num_experts}): each rank owns E/R experts")
         g = cfg.gpus_per_node or topo.gpus_per_node_for(R)
         require(R % g == 0, f"EP size ({R}) must be divisible by gpus per node ({g})")
-    if cfg.over != "maxvio":
+    if cfg.axis.over != "maxvio":
         require(0 < cfg.maxvio <= hi, f"--maxvio ({cfg.maxvio:g}) must lie in (0, {hi:g}] for {m.name}")
     return topo
 
@@ -234,9 +226,9 @@ def _point_setup(cfg: Setup, base, v: float, fixed):
     from moonep_sim.strategies import PlanContext
 
     m = cfg.model
-    ranks = int(v) if cfg.over == "ep" else cfg.ranks
-    topo = replace(base, **{cfg.over: type(getattr(base, cfg.over))(v)}) if cfg.over not in ("maxvio", "ep") else base
-    routing, realised = fixed if fixed is not None else _routing(cfg, ranks, v if cfg.over == "maxvio" else cfg.maxvio)
+    ranks = int(v) if cfg.axis.over == "ep" else cfg.ranks
+    topo = replace(base, **{cfg.axis.over: type(getattr(base, cfg.axis.over))(v)}) if cfg.axis.over not in ("maxvio", "ep") else base
+    routing, realised = fixed if fixed is not None else _routing(cfg, ranks, v if cfg.axis.over == "maxvio" else cfg.maxvio)
     g = cfg.gpus_per_node or topo.gpus_per_node_for(ranks)
     cluster = ClusterShape(ranks, g)
     topo_g = topo.with_gpus_per_node(g) if hasattr(topo, "with_gpus_per_node") else topo
@@ -300,18 +292,18 @@ def _strategy_task(task) -> dict[str, Any]:
 
 def _run_staged(cfg: Setup, base, fixed, jobs: int | None, progress) -> list:
     if fixed is None:
-        routings = run_points(_setup_task, [(cfg, base, v, None) for v in cfg.values], jobs=jobs,
-                              progress=progress, label=lambda t: f"{cfg.over}={t[2]:g} routing")
+        routings = run_points(_setup_task, [(cfg, base, v, None) for v in cfg.axis.values], jobs=jobs,
+                              progress=progress, label=lambda t: f"{cfg.axis.over}={t[2]:g} routing")
     else:
-        routings = [fixed] * len(cfg.values)
-    _SETUPS[:] = [_point_setup(cfg, base, v, fixed) for v, fixed in zip(cfg.values, routings)]
+        routings = [fixed] * len(cfg.axis.values)
+    _SETUPS[:] = [_point_setup(cfg, base, v, fixed) for v, fixed in zip(cfg.axis.values, routings)]
     try:
-        tasks = [(cfg, i, name, opts) for i in range(len(cfg.values)) for name, opts in cfg.strategies]
+        tasks = [(cfg, i, name, opts) for i in range(len(cfg.axis.values)) for name, opts in cfg.strategies]
         per = run_points(_strategy_task, tasks, jobs=jobs, progress=progress,
-                         label=lambda t: f"{cfg.over}={cfg.values[t[1]]:g} {t[2]}")
+                         label=lambda t: f"{cfg.axis.over}={cfg.axis.values[t[1]]:g} {t[2]}")
         n = len(cfg.strategies)
         return [(_SETUPS[i][3], {name: per[i * n + j] for j, (name, _) in enumerate(cfg.strategies)})
-                for i in range(len(cfg.values))]
+                for i in range(len(cfg.axis.values))]
     finally:
         _SETUPS.clear()
 
@@ -325,12 +317,12 @@ def sweep(sc, ax: SweepAxis, progress: Callable[[str, int, int], None] | None = 
     cfg = setup(sc, ax)
     base = cfg.topology
     out_s = {n: {"options": dict(o)} for n, o in cfg.strategies}   # then each series of _strategy_at, per point
-    total = len(cfg.values)
-    fixed = _routing(cfg, cfg.ranks, cfg.maxvio) if cfg.over not in ("maxvio", "ep") else None
-    tasks = [(cfg, base, v, fixed) for v in cfg.values]
+    total = len(cfg.axis.values)
+    fixed = _routing(cfg, cfg.ranks, cfg.maxvio) if cfg.axis.over not in ("maxvio", "ep") else None
+    tasks = [(cfg, base, v, fixed) for v in cfg.axis.values]
     if cluster or check_jobs(jobs) == 1 or total * len(cfg.strategies) <= 1:
         results = run_points(_point, tasks, jobs=jobs, cluster=cluster, progress=progress,
-                             label=lambda t: f"{cfg.over}={t[2]:g}")
+                             label=lambda t: f"{cfg.axis.over}={t[2]:g}")
     else:
         results = _run_staged(cfg, base, fixed, jobs, progress)
     points = [pt for pt, _ in results]
@@ -340,17 +332,17 @@ def sweep(sc, ax: SweepAxis, progress: Callable[[str, int, int], None] | None = 
                 out_s[name].setdefault(k, []).append(x)
     if progress:
         progress("done", total, total)
-    rep = dict(head(cfg), points=points, lower_bound_us=routing_lower_bound(out_s, len(cfg.values)), strategies=out_s)
+    rep = dict(head(cfg), points=points, lower_bound_us=routing_lower_bound(out_s, len(cfg.axis.values)), strategies=out_s)
     return finish(rep, t0)
 
 
 def head(cfg: Setup) -> dict[str, Any]:
     """What a generated sweep's report (layer or step level) says of its setup, before its points."""
-    return {"kind": "sweep", "over": cfg.over, "values": [float(v) for v in cfg.values],
+    return {"kind": "sweep", "over": cfg.axis.over, "values": [float(v) for v in cfg.axis.values],
             "left_out": list(cfg.axis.left_out), "model": cfg.model.to_dict(), "topology": topology_info(cfg.topology),
-            "cluster": {"ranks": cfg.ranks if cfg.over != "ep" else None,
+            "cluster": {"ranks": cfg.ranks if cfg.axis.over != "ep" else None,
                         "gpus_per_node": cfg.gpus_per_node or cfg.topology.gpus_per_node},
-            "tokens_per_rank": cfg.spec.tokens_per_rank, "maxvio": cfg.maxvio if cfg.over != "maxvio" else None,
+            "tokens_per_rank": cfg.spec.tokens_per_rank, "maxvio": cfg.maxvio if cfg.axis.over != "maxvio" else None,
             "seed": cfg.spec.seed, "dispatch_dtype": cfg.dispatch_dtype}
 
 
