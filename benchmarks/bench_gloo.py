@@ -219,7 +219,7 @@ def imbalance_worker(rank, world, hidden, ffn, tokens, experts, top_k, maxvios, 
         layers, info = {}, {}
         for n in names:
             buf = bufs[n]
-            home = torch.from_numpy(np.flatnonzero(buf.home_E == rank))
+            home = torch.from_numpy(np.flatnonzero(buf.placement.home_E == rank))
             params = [p[home] for p in full_w]
 
             def layer(buf=buf, params=params, n=n):
