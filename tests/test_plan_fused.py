@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import random_routing
 from moonep_sim.errors import PlanError
-from moonep_sim.perf import DEFAULT_PERF, perf_config
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, Slots, fused, reference, runs
 from moonep_sim.strategies import PlanContext, make_plan
 from test_planner_outputs_pinned import assert_same_plan
@@ -31,7 +31,7 @@ STRATEGIES = [("alltoall", {}), ("alltoall", {"dedup": True}), ("moonep", {}), (
 
 
 #: the readable builders everywhere, the compiled kernels everywhere
-NUMPY, COMPILED = perf_config(plan_compiled_min=1 << 62), perf_config(plan_compiled_min=0)
+NUMPY, COMPILED = PerfConfig(plan_compiled_min=1 << 62), PerfConfig(plan_compiled_min=0)
 
 
 def _plans(name, routing, ctx, **opts):
@@ -195,13 +195,13 @@ def test_two_hop_table_routes_plan_the_same_compiled_and_in_numpy(R, relays, K, 
 
 @pytest.mark.parametrize("T, K, X, hi", [(0, 4, 5, 3), (1, 1, 3, 1), (300, 16, 896, 8), (200, 6, 70, 64)])
 def test_distinct_per_token_equals_deepep_nodes_per_token(T, K, X, hi):
-    from moonep_sim.plan.runs import nodes_per_token_T
+    from moonep_sim.routing.metrics import distinct_per_token
 
     rng = np.random.default_rng(T + K + X)
     key = rng.integers(0, X, size=(T, K))
     value = rng.integers(0, hi, size=X)
     got = fused.distinct_per_token(key, value)
-    assert got.dtype == np.int64 and np.array_equal(got, nodes_per_token_T(value[key]))
+    assert got.dtype == np.int64 and np.array_equal(got, distinct_per_token(key, value))
     with pytest.raises(PlanError, match="must lie in"):
         fused.distinct_per_token(key, np.full(X, 64))
     if key.size:
