@@ -76,9 +76,7 @@ def replay_costs(hidden: int, ffn: int) -> RowCosts:
 
 def topology_info(topo) -> dict[str, Any]:
     """Name and every constant of a topology (what a simulated figure is reported with)."""
-    c = topo.constants() if hasattr(topo, "constants") else {"repr": repr(topo)}
-    return {"name": getattr(topo, "name", "?"), "path": getattr(topo, "path", "") or None,
-            "constants": to_jsonable(c, lenient=True)}
+    return {"name": topo.name, "path": topo.path or None, "constants": to_jsonable(topo.constants(), lenient=True)}
 
 
 def _short(v: dict[str, Any]) -> str:
