@@ -38,6 +38,11 @@ def require(ok: bool, message: str, exc: type[MoonEPSimError] = ConfigError) -> 
         raise exc(message)
 
 
+def is_int(v: object) -> bool:
+    """An integer that is not a bool (JSON's ``true``/``false`` are not ids, counts or sizes)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def exit_status(fn, *args, **kwargs) -> int:
     """Run an entry point's body and turn its outcome into the exit status the launchers share:
     its own return value (0 when None); on a package error its one line on stderr and 1 for a

@@ -58,7 +58,7 @@ def file_kind(mode: int) -> str:
 
 
 def temp_name(dest: Path) -> Path:
-    """The temporary file beside ``dest`` a write uses (our naming: see the module docstring)."""
+    """The temporary path beside ``dest`` a write or a staged folder uses (our naming: see the module docstring)."""
     return dest.with_name(f".{dest.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
 
 
@@ -181,7 +181,7 @@ def check_output_dir(path: PathLike, what: str = "--out") -> Path:
         raise ConfigError(f"{what} ({p}) must be a folder path: {anc} is {file_kind(anc.stat().st_mode)}")
     if not os.access(anc, os.W_OK | os.X_OK):
         raise ConfigError(f"{what} ({p}) must be creatable: {anc} is not writable")
-    probe = anc / f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+    probe = temp_name(anc / p.name)
     try:  # the mode bits do not tell all (/proc, a read-only mount): try the folder the staging needs
         probe.mkdir()
         probe.rmdir()
@@ -246,33 +246,6 @@ def write_text_atomic(dest: PathLike, text: str, *, what: str = "output",
                       inputs: Iterable[PathLike | None] = ()) -> Path:
     """:func:`write_bytes_atomic` of ``text`` encoded as UTF-8."""
     return write_bytes_atomic(dest, text.encode("utf-8"), what=what, inputs=inputs)
-
-
-@contextlib.contextmanager
-def atomic_path(dest: PathLike, *, what: str = "output") -> Iterator[Path]:
-    """For a writer that can only write to a path: yield a temporary path beside ``dest`` (our
-    naming); on success it is fsynced, given the umask's mode and renamed onto ``dest``, else removed.
-    Prefer :func:`write_bytes_atomic` (serialise to bytes first)."""
-    p = check_output_path(dest, what)
-    clean_stale_temps(p.parent)
-    tmp = temp_name(p)
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        os.close(fd)
-        yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, p)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-    _fsync_dir(p.parent)
 
 
 def to_jsonable(obj: Any, *, lenient: bool = False) -> Any:
@@ -399,7 +372,7 @@ def staged_dir(dest: PathLike, what: str = "--out") -> Iterator[Path]:
     while not anc.exists():  # missing parents are created only once the folder is complete
         anc = anc.parent
     clean_stale_temps(anc)
-    tmp = anc / f".{d.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+    tmp = temp_name(anc / d.name)
     try:
         try:
             tmp.mkdir(mode=0o777)

@@ -12,9 +12,9 @@ The defaults were measured on the benchmarks named beside each field (docs/resul
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 
-from moonep_sim.errors import require
+from moonep_sim.errors import is_int, require
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,9 @@ class PerfConfig:
     block_walk_min_mean: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("plan_compiled_min", "thread_min", "pair_rows_compiled_min", "pair_table_max",
-                     "validate_chunk", "block_walk_min_mean"):
-            v = getattr(self, name)
-            require(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{name} ({v!r}) must be an integer >= 0")
+        for f in fields(self):  # every setting is a count
+            v = getattr(self, f.name)
+            require(is_int(v) and v >= 0, f"{f.name} ({v!r}) must be an integer >= 0")
         require(self.validate_chunk >= 1, f"validate_chunk ({self.validate_chunk}) must be >= 1: entries per chunk")
 
 
@@ -61,10 +60,4 @@ class PerfConfig:
 DEFAULT_PERF = PerfConfig()
 
 
-def perf_config(**overrides: int) -> PerfConfig:
-    """:data:`DEFAULT_PERF` with ``overrides`` (field name -> value): e.g.
-    ``perf_config(plan_compiled_min=0)`` to run the compiled builders on a small layer."""
-    return replace(DEFAULT_PERF, **overrides)
-
-
-__all__ = ["DEFAULT_PERF", "PerfConfig", "perf_config"]
+__all__ = ["DEFAULT_PERF", "PerfConfig"]

@@ -18,13 +18,13 @@ import numpy as np
 from moonep_sim.errors import PlanError
 from moonep_sim.plan.assembly import Entries, Padding, Route, Slots
 from moonep_sim.plan.ir import GlobalRouting, Hop, Plan, RowCosts
-from moonep_sim.perf import perf_config
+from moonep_sim.perf import PerfConfig
 from moonep_sim.plan import multihop
 from moonep_sim.plan.placement import ClusterShape
 from moonep_sim.plan.reference import single_hop_messages, slot_layout
 
 #: the builders with no compiled kernel (the readable forms at every size)
-READABLE = perf_config(plan_compiled_min=1 << 62)
+READABLE = PerfConfig(plan_compiled_min=1 << 62)
 
 
 def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts, slots: Slots, entries: Entries,

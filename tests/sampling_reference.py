@@ -17,7 +17,7 @@ class RacesNumpy:
 
     def _draw(self, u: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
         """Inverse-CDF draws (intp) of uniforms ``u`` within each row's experts (rows None: every
-        row): ``np.searchsorted``, which tests/test_sampling.py holds equal to ``InverseCDF.draw``."""
+        row): ``np.searchsorted``, which tests/test_sampling.py holds equal to the kernels' draw."""
         E = self.p_E.size
         if self.n == E:                                # every row races all E: u itself
             return np.minimum(np.searchsorted(self.icdf.cum_E, u, side="right"), E - 1)

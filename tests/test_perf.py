@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 
 from moonep_sim.errors import ConfigError
-from moonep_sim.perf import DEFAULT_PERF, PerfConfig, perf_config
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 
 
 def test_overrides_make_a_new_value_and_leave_the_defaults():
-    p = perf_config(plan_compiled_min=0, thread_min=5)
+    p = PerfConfig(plan_compiled_min=0, thread_min=5)
     assert (p.plan_compiled_min, p.thread_min, p.pair_rows_compiled_min) == (0, 5, DEFAULT_PERF.pair_rows_compiled_min)
     assert DEFAULT_PERF == PerfConfig() and DEFAULT_PERF.plan_compiled_min == 1 << 16
     assert DEFAULT_PERF.pair_table_max == 1 << 18
@@ -23,11 +23,11 @@ def test_overrides_make_a_new_value_and_leave_the_defaults():
                                           ("pair_table_max", True), ("pair_table_max", -2), ("validate_chunk", -1)])
 def test_a_bad_setting_is_refused_with_its_name(field, value):
     with pytest.raises(ConfigError, match=rf"^{field} \({value!r}\) must be an integer >= 0$"):
-        perf_config(**{field: value})
+        PerfConfig(**{field: value})
     with pytest.raises(TypeError):
-        perf_config(no_such_setting=1)
+        PerfConfig(no_such_setting=1)
 
 
 def test_validate_chunk_must_hold_an_entry():
     with pytest.raises(ConfigError, match=r"^validate_chunk \(0\) must be >= 1: entries per chunk$"):
-        perf_config(validate_chunk=0)
+        PerfConfig(validate_chunk=0)

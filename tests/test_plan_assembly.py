@@ -15,12 +15,12 @@ import pytest
 from moonep_sim.errors import PlanError
 from moonep_sim.plan import (ClusterShape, Entries, GlobalRouting, Padding, RowCosts, Slots, assemble_plan,
                              final_rows, slot_layout)
-from moonep_sim.perf import DEFAULT_PERF, perf_config
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 import plan_reference as reference
 
 R = 8
 CHUNK = 1 << 15  # a unit of the table's sizes: 2 * CHUNK is the compiled builders' threshold
-COMPILED, READABLE = perf_config(plan_compiled_min=0), perf_config(plan_compiled_min=1 << 62)
+COMPILED, READABLE = PerfConfig(plan_compiled_min=0), PerfConfig(plan_compiled_min=1 << 62)
 
 # name: (entries, slots, drop share, token padding, minimum rows, empty slots)
 CASES = {

@@ -18,7 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 from moonep_sim.plan import ClusterShape, GlobalRouting, Plan, RowCosts, plan_from_slots, single_hop_messages, \
     slot_layout, validate
-from moonep_sim.perf import DEFAULT_PERF, perf_config
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.plan import INDEX, SCOPES, Hop, Slots
 
 
@@ -211,7 +211,7 @@ def _same_layout(a, b):
 
 @pytest.mark.parametrize("min_compiled", [0, 1 << 62], ids=["compiled", "readable"])
 def test_slot_layout_literal(min_compiled):
-    perf = perf_config(plan_compiled_min=min_compiled)
+    perf = PerfConfig(plan_compiled_min=min_compiled)
     rows, padded, off, row = _layout4(slot_layout(ENTRY_SLOT, SLOT_RANK, 2, perf=perf))
     for got, want, dt in zip((rows, padded, off, row), ([2, 2, 2, 3], [2, 2, 2, 4], [0, 2, 0, 2],
                                                        [0, 0, 2, 2, 1, 3, -1, 1, 4, 3]),
@@ -268,7 +268,7 @@ def test_builders_match_reference(case):
     R, slot_rank, tpr, K, entry_slot, tp, min_rows, dedup, shuffle, seed = case
     for with_ranks in (False, True):
         _same_layout(slot_layout(entry_slot, slot_rank, tp, min_rows, R, with_ranks=with_ranks,
-                                 perf=perf_config(plan_compiled_min=0)),
+                                 perf=PerfConfig(plan_compiled_min=0)),
                      ref_slot_layout(entry_slot, slot_rank, tp, min_rows, R, with_ranks))
     entry_rank = np.where(entry_slot >= 0, slot_rank[np.maximum(entry_slot, 0)], -1)
     src_T = np.repeat(np.arange(R), tpr)
@@ -295,7 +295,7 @@ def test_builders_match_reference(case):
     kw = dict(dedup=dedup, token_padding=tp, min_rows_S=min_rows)
     # builders leave strategy and options to the registry (make_plan stamps them)
     # the compiled builder against the readable one (its body below perf.plan_compiled_min entries)
-    p, q = plan_from_slots(*args, perf=perf_config(plan_compiled_min=0), **kw), ref_plan_from_slots(*args, **kw)
+    p, q = plan_from_slots(*args, perf=PerfConfig(plan_compiled_min=0), **kw), ref_plan_from_slots(*args, **kw)
     for f in dataclasses.fields(Plan):
         a, b = getattr(p, f.name), getattr(q, f.name)
         if f.name == "hops":
@@ -370,7 +370,7 @@ def test_validate_matches_reference_on_corrupted_plans(seed, field, delta, dedup
 def _walk_perf(chunk: int):
     """validate's settings for a drawn ``chunk`` (0: the default chunk; odd: the block walk for every
     sorted hop too)."""
-    return perf_config(validate_chunk=chunk or DEFAULT_PERF.validate_chunk,
+    return PerfConfig(validate_chunk=chunk or DEFAULT_PERF.validate_chunk,
                        block_walk_min_mean=0 if chunk % 2 else DEFAULT_PERF.block_walk_min_mean)
 
 

@@ -142,7 +142,7 @@ def test_validate_on_two_threads_reports_what_one_thread_does(strategy, field):
     """With the hop check on a second thread (``perf.thread_min`` 0) validate reports exactly the
     sequential run's violations, in its order, and counts hop rows only where that run walked
     every hop -- on valid plans and on plans corrupted where an earlier check stops the run."""
-    from moonep_sim.perf import perf_config
+    from moonep_sim.perf import PerfConfig
     from moonep_sim.plan.validate import validate_counting
     R, E, K = 4, 8, 3
     for seed in range(6):
@@ -157,8 +157,8 @@ def test_validate_on_two_threads_reports_what_one_thread_does(strategy, field):
             a = getattr(p, field).copy()
             a.flat[rng.integers(a.size)] += int(rng.choice([-2, -1, 1, 2, 50]))
             p = dataclasses.replace(p, **{field: a})
-        one = validate_counting(p, perf_config(thread_min=1 << 62))
-        two = validate_counting(p, perf_config(thread_min=0))
+        one = validate_counting(p, PerfConfig(thread_min=1 << 62))
+        two = validate_counting(p, PerfConfig(thread_min=0))
         assert two[0] == one[0], (field, seed)
         assert (two[1] is None) == (one[1] is None), (field, seed)
         if one[1] is not None:
@@ -173,7 +173,7 @@ def test_validate_on_two_threads_reports_what_one_thread_does(strategy, field):
 def test_plan_from_slots_compiled_equals_the_reference(dedup, tp):
     """``plan_from_slots`` by its compiled passes (``perf.plan_compiled_min`` 0) gives the
     reference's Plan, dropped entries and padding included."""
-    from moonep_sim.perf import perf_config
+    from moonep_sim.perf import PerfConfig
     from moonep_sim.plan import RowCosts, Slots, plan_from_slots
     import plan_reference as reference
     for seed in range(4):
@@ -186,7 +186,7 @@ def test_plan_from_slots_compiled_equals_the_reference(dedup, tp):
         routing = GlobalRouting(np.tile(np.arange(K), (T, 1)), np.ones((T, K), np.float32), tpr, max(S, K))
         args = (routing, ClusterShape(R, 2), RowCosts(4, 2, 8, 16), Slots(slot_rank, np.zeros(S, np.int64), slot_rank),
                 entry_slot)
-        p, q = plan_from_slots(*args, dedup=dedup, token_padding=tp, perf=perf_config(plan_compiled_min=0)), \
+        p, q = plan_from_slots(*args, dedup=dedup, token_padding=tp, perf=PerfConfig(plan_compiled_min=0)), \
             reference.plan_from_slots(*args, dedup=dedup, token_padding=tp)
         for f in dataclasses.fields(p):
             a, b = getattr(p, f.name), getattr(q, f.name)

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moonep_sim.perf import perf_config
+from moonep_sim.perf import PerfConfig
 from moonep_sim.plan import reference
 from moonep_sim.plan.multihop import dup_flags
 
-COMPILED, READABLE = perf_config(plan_compiled_min=0), perf_config(plan_compiled_min=1 << 62)
+COMPILED, READABLE = PerfConfig(plan_compiled_min=0), PerfConfig(plan_compiled_min=1 << 62)
 
 
 @settings(max_examples=120, deadline=None)
@@ -71,7 +71,7 @@ def test_strategies_plan_the_same_with_and_without_a_second_thread(name, opts, t
     import dataclasses
 
     from conftest import random_routing
-    from moonep_sim.perf import perf_config
+    from moonep_sim.perf import PerfConfig
     from moonep_sim.plan import GlobalRouting
     from moonep_sim.strategies import PlanContext, make_plan
     R, G, E, K = 8, 4, 32, 4
@@ -80,7 +80,7 @@ def test_strategies_plan_the_same_with_and_without_a_second_thread(name, opts, t
     ctx = PlanContext.default(E, R, G, token_padding=tp)
     plans = []
     for thread_min in (1 << 62, 0):
-        perf = perf_config(thread_min=thread_min, plan_compiled_min=1 << 62)
+        perf = PerfConfig(thread_min=thread_min, plan_compiled_min=1 << 62)
         plans.append(_plan_arrays(make_plan(name, routing, dataclasses.replace(ctx, perf=perf), **opts)))
     one, two = plans
     assert one.keys() == two.keys()

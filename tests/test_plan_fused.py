@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import random_routing
 from moonep_sim.errors import PlanError
-from moonep_sim.perf import DEFAULT_PERF, perf_config
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, Slots, fused, reference, runs
 from moonep_sim.strategies import PlanContext, make_plan
 from test_planner_outputs_pinned import assert_same_plan
@@ -31,7 +31,7 @@ STRATEGIES = [("alltoall", {}), ("alltoall", {"dedup": True}), ("moonep", {}), (
 
 
 #: the readable builders everywhere, the compiled kernels everywhere
-NUMPY, COMPILED = perf_config(plan_compiled_min=1 << 62), perf_config(plan_compiled_min=0)
+NUMPY, COMPILED = PerfConfig(plan_compiled_min=1 << 62), PerfConfig(plan_compiled_min=0)
 
 
 def _plans(name, routing, ctx, **opts):
@@ -195,13 +195,13 @@ def test_two_hop_table_routes_plan_the_same_compiled_and_in_numpy(R, relays, K, 
 
 @pytest.mark.parametrize("T, K, X, hi", [(0, 4, 5, 3), (1, 1, 3, 1), (300, 16, 896, 8), (200, 6, 70, 64)])
 def test_distinct_per_token_equals_deepep_nodes_per_token(T, K, X, hi):
-    from moonep_sim.plan.runs import nodes_per_token_T
+    from moonep_sim.routing.metrics import distinct_per_token
 
     rng = np.random.default_rng(T + K + X)
     key = rng.integers(0, X, size=(T, K))
     value = rng.integers(0, hi, size=X)
     got = fused.distinct_per_token(key, value)
-    assert got.dtype == np.int64 and np.array_equal(got, nodes_per_token_T(value[key]))
+    assert got.dtype == np.int64 and np.array_equal(got, distinct_per_token(key, value))
     with pytest.raises(PlanError, match="must lie in"):
         fused.distinct_per_token(key, np.full(X, 64))
     if key.size:
@@ -229,6 +229,27 @@ def test_plan_from_slots_with_drops_and_minimum_rows_is_the_same_compiled(seed, 
     mins = rng.integers(0, 6, size=S) if min_rows else None
     plans = [plan_from_slots(routing, cluster, COSTS, Slots(slot_rank, slot_rank % 4, slot_rank), slot,
                              dedup=dedup, token_padding=tp, min_rows_S=mins, perf=perf) for perf in (NUMPY, COMPILED)]
+    assert_same_plan(plans[1], plans[0])
+
+
+@pytest.mark.parametrize("dedup, tp, drop", [(False, 1, 0.0), (True, 4, 0.2), (False, 4, 0.6)])
+def test_plan_from_slots_over_several_blocks_is_the_same_compiled(dedup, tp, drop):
+    """More entries than one block of the compiled pass (``fused._BLOCK``: 10,000 tokens of K = 16
+    are three blocks of 4,096 tokens and a part, their ends inside ranks): the runs each block writes
+    out meet the next block's, with dropped entries, padding and minimum rows."""
+    from moonep_sim.plan import plan_from_slots
+
+    rng = np.random.default_rng(int(drop * 10) + tp)
+    K, tpr = 16, np.array([3000, 1, 0, 4500, 2499])
+    S = 23
+    assert tpr.sum() * K > 2 * fused._BLOCK
+    slot_rank = np.sort(rng.integers(0, tpr.size, size=S))
+    slot = rng.integers(0, S, size=(int(tpr.sum()), K))
+    slot[rng.random(slot.shape) < drop] = -1
+    mins = rng.integers(0, 3000, size=S)
+    plans = [plan_from_slots(_layer(tpr, K, 32, 5), ClusterShape(tpr.size, 1), COSTS,
+                             Slots(slot_rank, slot_rank % 4, slot_rank), slot, dedup=dedup, token_padding=tp,
+                             min_rows_S=mins, perf=perf) for perf in (NUMPY, COMPILED)]
     assert_same_plan(plans[1], plans[0])
 
 

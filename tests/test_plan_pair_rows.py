@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from moonep_sim.errors import PlanError
-from moonep_sim.perf import perf_config
+from moonep_sim.perf import PerfConfig
 from moonep_sim.plan import INDEX, Hop
 from moonep_sim.plan import ir
 from moonep_sim.plan.ir import _ROWS_CHUNK, pair_rows_reference
@@ -21,7 +21,7 @@ def _hop(src, dst) -> Hop:
 
 
 #: every hop counted by the compiled pass (by default hops this small take the reference)
-COMPILED = perf_config(pair_rows_compiled_min=0)
+COMPILED = PerfConfig(pair_rows_compiled_min=0)
 
 
 def _check(src, dst, R):
@@ -89,5 +89,5 @@ def test_rows_rr_non_integer_messages_take_the_reference():
 def test_rows_rr_small_hops_take_the_reference(monkeypatch):
     """Below ``perf.pair_rows_compiled_min`` messages the reference counts (the same matrix)."""
     monkeypatch.setattr(ir, "_pair_rows", None)   # a call would fail: the reference must count
-    np.testing.assert_array_equal(_hop([0, 1, 1], [1, 1, 0]).rows_RR(2, perf_config(pair_rows_compiled_min=10)),
+    np.testing.assert_array_equal(_hop([0, 1, 1], [1, 1, 0]).rows_RR(2, PerfConfig(pair_rows_compiled_min=10)),
                                   [[0, 1], [1, 1]])

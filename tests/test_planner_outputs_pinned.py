@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from conftest import random_routing
 from moonep_sim.errors import ConfigError, PlanError, require
-from moonep_sim.perf import perf_config
+from moonep_sim.perf import PerfConfig
 from moonep_sim.plan import (INDEX, ClusterShape, Entries, GlobalRouting, Hop, Padding, Placement, Plan, RowCosts,
                              Route, Slots, validate)
 from moonep_sim.strategies import PlanContext, make_plan
@@ -585,12 +585,13 @@ def test_plan_from_routes_matches_reference(case, seed, H, table):
 
 
 def test_nodes_per_token_matches_reference():
-    from moonep_sim.plan.runs import nodes_per_token_T
+    from moonep_sim.routing.metrics import distinct_per_token
     rng = np.random.default_rng(9)
     for hi in (1, 8, 64, 200):  # bit-set path below 64 nodes, sort path from 64
         node = rng.integers(0, hi, (300, 6))
-        _eq(f"nodes < {hi}", nodes_per_token_T(node), ref_nodes_per_token_T(node))
-    _eq("no tokens", nodes_per_token_T(np.zeros((0, 3), np.int64)), ref_nodes_per_token_T(np.zeros((0, 3), np.int64)))
+        _eq(f"nodes < {hi}", distinct_per_token(node, np.arange(hi)), ref_nodes_per_token_T(node))
+    _eq("no tokens", distinct_per_token(np.zeros((0, 3), np.int64), np.arange(1)),
+        ref_nodes_per_token_T(np.zeros((0, 3), np.int64)))
 
 
 @settings(max_examples=60, deadline=None)
@@ -606,7 +607,7 @@ def test_choose_replicas_matches_reference(seed, choice):
     rng.shuffle(slot_expert)
     ids = rng.integers(0, E, int(rng.integers(0, 300)))
     want = ref_choose_replicas(ids, slot_expert, E, choice)
-    for perf in (perf_config(plan_compiled_min=0), perf_config(plan_compiled_min=1 << 62)):
+    for perf in (PerfConfig(plan_compiled_min=0), PerfConfig(plan_compiled_min=1 << 62)):
         got = replica_slots(ids, slot_expert, E, choice, perf=perf)
         _eq("entry_slot", got.astype(np.int64), want)
         lay = slot_layout(got, np.zeros(slot_expert.size, dtype=np.int64), perf=perf)  # one rank: the by-slot order

@@ -240,7 +240,7 @@ def test_costaware_split_entry_slots_equal_moonep_layout(case, ti, seed):
     """costaware's entry-to-slot assignment (``alloc_entry_slots``, both forms of its pass) equals
     the readable reference of moonep's split."""
     from conftest import ref_entry_slots
-    from moonep_sim.perf import perf_config
+    from moonep_sim.perf import PerfConfig
     from moonep_sim.strategies.moonep import alloc_entry_slots, copy_slots
 
     R, epn, raw = case
@@ -249,7 +249,7 @@ def test_costaware_split_entry_slots_equal_moonep_layout(case, ti, seed):
     alloc = target_alloc(c, R, R, int(np.ceil(load.mean())) + ti * 50, True)
     ids = np.random.default_rng(seed).permutation(np.repeat(np.arange(c.size), c))
     sr, se, _ = copy_slots(alloc, epn)
-    for perf in (perf_config(plan_compiled_min=0), perf_config(plan_compiled_min=1 << 62)):
+    for perf in (PerfConfig(plan_compiled_min=0), PerfConfig(plan_compiled_min=1 << 62)):
         np.testing.assert_array_equal(alloc_entry_slots(ids, alloc, sr, se, perf), ref_entry_slots(ids, alloc, sr, se))
 
 

@@ -156,12 +156,23 @@ def test_inverse_cdf_cases_walk_and_bisect():
     assert min(widths) <= 4 < max(widths)
 
 
+def _icdf_draw(icdf: InverseCDF, u: np.ndarray) -> np.ndarray:
+    """Expert ids, int32 [N], of uniforms ``u`` float64 [N] in [0, 1): the kernels' draw over every expert."""
+    from moonep_sim.routing import sampling_kernels, sampling_records
+
+    e, none = np.empty(u.size, np.int32), np.empty(0, np.intp)
+    every = sampling_records.RowSpan(none, np.empty(0), np.empty(0), icdf.cum_E.size, False)
+    sampling_kernels.draw(u, none, icdf.record, every, e)
+    return e
+
+
 @pytest.mark.parametrize("name", sorted(_icdf_cases()))
 def test_inverse_cdf_equals_searchsorted(name):
     p = _icdf_cases()[name]
     icdf = InverseCDF(p)
     u = np.concatenate([np.random.default_rng(2).random(20000), icdf.cum_E[:-1], [0.0, np.nextafter(1.0, 0)]])
-    np.testing.assert_array_equal(icdf.draw(u), np.minimum(np.searchsorted(icdf.cum_E, u, side="right"), p.size - 1))
+    want = np.minimum(np.searchsorted(icdf.cum_E, u, side="right"), p.size - 1)
+    np.testing.assert_array_equal(_icdf_draw(icdf, u), want)
 
 
 class _ZeroExponentials:

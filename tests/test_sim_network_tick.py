@@ -14,7 +14,7 @@ import simpy
 
 import moonep_sim.sim.network as network
 import moonep_sim.sim.ports as ports_mod
-from moonep_sim.perf import DEFAULT_PERF, perf_config
+from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from blocks_reference import BlockCountsReference, compiled_fill, numpy_tick, reference
 from moonep_sim.sim.blocks import BlockCounts
 from moonep_sim.sim.network import FlowNetwork, PortMap
@@ -44,7 +44,7 @@ def case(name: str) -> tuple[PortMap, float]:
 
 
 #: submissions take the numpy path (no pair tables: every map is above ``pair_table_max`` pairs)
-NO_PAIR_TABLES = perf_config(pair_table_max=0)
+NO_PAIR_TABLES = PerfConfig(pair_table_max=0)
 
 
 def run(name: str, compiled: bool = True, ports: PortMap | None = None, stop_at: float | None = None,
@@ -238,6 +238,6 @@ def test_networks_of_one_port_map_do_not_leak_state():
     assert net._blocks is not half._blocks and net._blocks.mm is not half._blocks.mm
     assert net._blocks._kernel_static is half._blocks._kernel_static
     assert net._pair_tables is half._pair_tables and len(network._STATIC) == 1
-    tab = net._pair_table(False, False)
+    tab = net._pair_table(False, False)   # per sender, its (block, latency) rows
     with pytest.raises(ValueError):
-        tab[0][0, 0] = 1
+        tab[0][0][0] = 1

@@ -15,7 +15,7 @@ from moonep_sim.errors import ConfigError, PlanError
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts, validate
 from moonep_sim.strategies import PlanContext, available, make_plan
 from moonep_sim.strategies.capacity import capacity_per_rank_R
-from moonep_sim.plan.runs import nodes_per_token_T
+from moonep_sim.routing.metrics import distinct_per_token
 from moonep_sim.strategies.deepep import deepep_rdma_bytes, node_limited_topk
 from moonep_sim.strategies.eplb import (EPLBPlanner, balanced_packing, balancedness, migrations, rebalance,
                                         replicate_experts)
@@ -174,7 +174,7 @@ def test_deepep_hops_match_reference_and_dedup_per_node():
     assert fwd["dispatch.0"].split_bytes(p.cluster) == (0, len(remote) * COSTS.dispatch_row_bytes)
     flat = make_plan("alltoall", r, _ctx(E, R, G), dedup=True)
     assert p.bytes_summary()["inter_node"] < flat.bytes_summary()["inter_node"]
-    npt = nodes_per_token_T(dst // G)
+    npt = distinct_per_token(dst, np.arange(R) // G)
     assert p.options["max_nodes_per_token"] == int(npt.max())
 
 
@@ -183,7 +183,7 @@ def test_node_limited_routing_and_max_nodes_check():
     E, nodes, M, K = 32, 4, 2, 6
     logits = rng.normal(size=(200, E)) + rng.normal(0, 1.5, E)[None]
     ids, w = node_limited_topk(logits, K, nodes, M)
-    assert (nodes_per_token_T(ids // (E // nodes)) <= M).all()
+    assert (distinct_per_token(ids, np.arange(E) // (E // nodes)) <= M).all()
     assert (np.sort(ids, 1)[:, 1:] != np.sort(ids, 1)[:, :-1]).all()
     np.testing.assert_allclose(w.sum(1), 1, rtol=1e-5)
     # with every node allowed it is the plain top-k of the scores

@@ -118,10 +118,8 @@ def assemble_plan(routing: GlobalRouting, cluster: ClusterShape, costs: RowCosts
     # (per-entry arrays are the Plan's index dtype: its caller's where given, else written as INDEX)
     if entries.rank_N is not None:
         entry_rank = np.asarray(entries.rank_N).ravel()
-    elif lay.n_drop:
-        entry_rank = np.append(slot_rank_S, -1).astype(INDEX)[entry_slot]  # (slot -1 reads the -1)
     else:
-        entry_rank = slot_rank_S.astype(INDEX)[entry_slot]
+        entry_rank = np.append(slot_rank_S, -1).astype(INDEX)[entry_slot]  # (a dropped entry's slot -1 reads the -1)
     row_off = np.concatenate([[0], np.cumsum(lay.rows_R)])
     del lay
     if padding.slot_P is not None and len(padding.slot_P):

@@ -7,8 +7,8 @@ imported only when they run (a fresh process pays numba's start, ~0.25 CPU s, at
 call). The answer depends on the layer's size and the caller's
 :class:`~moonep_sim.perf.PerfConfig` alone, never on the result: every kernel gives its readable
 builder's arrays, values and dtypes (``tests/test_plan_fused.py``), so a test passes
-``perf_config(plan_compiled_min=0)`` to run the kernels on a small layer and
-``perf_config(plan_compiled_min=1 << 62)`` to run the readable builders on a large one.
+``PerfConfig(plan_compiled_min=0)`` to run the kernels on a small layer and
+``PerfConfig(plan_compiled_min=1 << 62)`` to run the readable builders on a large one.
 
 Both forms check their inputs alike: :func:`key_starts` (pieces or replicas given by key) and
 :func:`check_at` (the refusal naming the first entry out of range) are shared by them.

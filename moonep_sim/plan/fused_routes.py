@@ -150,6 +150,8 @@ def _route2_place(route, starts, out):
     row_b = np.zeros(R, np.int64)  # receive row of the last token's hop-1 message to each final rank
     win = np.empty(0, m_srow0.dtype)
     one = np.uint64(1)
+    d0, d1 = row0_0 - mstart0, row0_1 - mstart1  # (a block's m-th message's receive row: m + a constant)
+    row_delta, g_delta = offset_S - first_S, cum_S - first_S
     for r in range(R):
         a0 = mstart0[r * R]
         a1 = mstart0[r * R + R] if r + 1 < R else m_srow0.size
@@ -167,7 +169,7 @@ def _route2_place(route, starts, out):
                         b = r * R + v
                         m = nxt0[b]
                         nxt0[b] = m + 1
-                        row_a[v] = row0_0[b] + (m - mstart0[b])
+                        row_a[v] = m + d0[b]
                         win[m - a0] = t - tok_off_R[r]
             for e in range(t * K, t * K + K):
                 s = slot_N[e]
@@ -180,7 +182,7 @@ def _route2_place(route, starts, out):
                     b = r * R + v
                     m = nxt0[b]
                     nxt0[b] = m + new0
-                    row_a[v] = row0_0[b] + (m - mstart0[b]) if new0 else row_a[v]
+                    row_a[v] = m + d0[b] if new0 else row_a[v]
                     win[m - a0 if new0 else spare] = t - tok_off_R[r]
                     last0[v] = t
                 if not dedup1 or last1[d] != t:
@@ -188,17 +190,16 @@ def _route2_place(route, starts, out):
                     m = nxt1[b]
                     nxt1[b] = m + 1
                     m_srow1[m] = row_a[v]
-                    row_b[d] = row0_1[b] + (m - mstart1[b])
+                    row_b[d] = m + d1[b]
                     last1[d] = t
                     dup[e] = False
                 else:
                     dup[e] = True
                 p = nxt[s]
                 nxt[s] = p + 1
-                j = p - first_S[s]
-                g = cum_S[s] + j
+                g = p + g_delta[s]
                 order[p] = e
-                entry_row[e] = offset_S[s] + j
+                entry_row[e] = p + row_delta[s]
                 entry_rank[e] = d
                 expand[g] = row_b[d]
                 if padded:

@@ -419,12 +419,9 @@ class Plan:
         return self.slot_home_S != self.slot_rank_S
 
     def copy_src_S(self) -> np.ndarray:
-        """[S] the rank each slot's weights come from (its home unless relayed; see ``slot_src_S``)."""
+        """[S] the rank each slot's weights come from: its home (stage 0, or no copy), or a relay
+        (stage 1; see ``slot_src_S``)."""
         return self.slot_home_S if self.slot_src_S is None else self.slot_src_S
-
-    def copy_stage_S(self) -> np.ndarray:
-        """int64 [S]: 0 for a slot fed from its home (or no copy), 1 for a copy fed by a relay."""
-        return (self.copy_src_S() != self.slot_home_S).astype(np.int64)
 
     @property
     def dropped(self) -> int:
@@ -455,13 +452,9 @@ class Plan:
         """
         if hop_rows is None:
             hop_rows = [h.rows_RR(self.ranks) for h in self.hops]
-        return self._phases(direction, hop_rows)
-
-    def _phases(self, direction: str, hop_rows: list[np.ndarray]) -> list[CommPhase]:
-        """:meth:`phases` from each hop's ``rows_RR`` (counted once for both directions)."""
-        R, c = self.ranks, self.costs
+        c = self.costs
         copies = self.is_copy_S()
-        stage1 = copies & (self.copy_stage_S() == 1)
+        stage1 = copies & (self.copy_src_S() != self.slot_home_S)
         copies = copies & ~stage1
         copy_RR = self._weights_RR(self.slot_home_S[copies], self.slot_rank_S[copies])
         relay_RR = self._weights_RR(self.copy_src_S()[stage1], self.slot_rank_S[stage1]) if stage1.any() else None
@@ -492,10 +485,8 @@ class Plan:
             if relay_RR is not None:  # the adjoint: stage 1 reduced into the relays first, then stage 0 home
                 out.append(CommPhase("grad_reduce.1", K.GRAD_REDUCE, d, Scope.INTRA_NODE, relay_RR.T * c.grad_bytes,
                                      relay_RR.T))
-                out.append(CommPhase("grad_reduce", K.GRAD_REDUCE, d, G, copy_RR.T * c.grad_bytes, copy_RR.T,
-                                     after="grad_reduce.1"))
-            else:
-                out.append(CommPhase("grad_reduce", K.GRAD_REDUCE, d, G, copy_RR.T * c.grad_bytes, copy_RR.T))
+            out.append(CommPhase("grad_reduce", K.GRAD_REDUCE, d, G, copy_RR.T * c.grad_bytes, copy_RR.T,
+                                 after=None if relay_RR is None else "grad_reduce.1"))
         else:
             raise PlanError(f"direction ({direction!r}) must be 'forward' or 'backward'")
         return out
@@ -511,7 +502,7 @@ class Plan:
         if hop_rows is None:
             hop_rows = [h.rows_RR(self.ranks) for h in self.hops]
         for direction in ("forward", "backward"):
-            for p in self._phases(direction, hop_rows):
+            for p in self.phases(direction, hop_rows):
                 intra, inter = p.split_bytes(self.cluster)
                 if direction == "forward" or p.kind == PhaseKind.GRAD_REDUCE:
                     out[p.kind.value] += intra + inter

@@ -25,6 +25,7 @@ from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.plan import compiled
 from moonep_sim.plan.compiled import check_at, key_starts
 from moonep_sim.plan.kinds import INDEX
+from moonep_sim.routing.metrics import distinct_per_token as distinct_owners
 
 
 def _place_in_run(key_N: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -100,14 +101,6 @@ def cycle_runs(key_N: np.ndarray, n_keys: int, rep_key_P: np.ndarray, rep_slot_P
     return rep[first[k] + j % np.maximum(c[k], 1)].astype(INDEX)
 
 
-def nodes_per_token_T(node_TK: np.ndarray) -> np.ndarray:
-    """int64 [T]: distinct values among each token's K (node_TK: any integer dtype [T, K])."""
-    if node_TK.size == 0:
-        return np.zeros(node_TK.shape[0], dtype=np.int64)
-    s = np.sort(node_TK, axis=1)
-    return 1 + (s[:, 1:] != s[:, :-1]).sum(axis=1).astype(np.int64)
-
-
 def distinct_per_token(key_TK: np.ndarray, value_X: np.ndarray, *, perf: PerfConfig = DEFAULT_PERF) -> np.ndarray:
     """int64 [T]: the distinct ``value_X[key]`` among each token's K keys (``deepep``'s nodes per
     token from the entries' slots and the slots' nodes). value_X: int [X], non-negative; values
@@ -120,7 +113,7 @@ def distinct_per_token(key_TK: np.ndarray, value_X: np.ndarray, *, perf: PerfCon
 
         return fused.distinct_per_token(key, val)
     narrow = val.astype(np.uint8) if val.size and int(val.max()) < 256 else val
-    return nodes_per_token_T(narrow[key])
+    return distinct_owners(key, narrow)
 
 
-__all__ = ["cycle_runs", "distinct_per_token", "nodes_per_token_T", "split_runs"]
+__all__ = ["cycle_runs", "distinct_per_token", "split_runs"]

@@ -449,10 +449,7 @@ def _check_hop_provenance(plan: Plan, st: _State, bad: Callable[[str], None]) ->
                 return False
             org = origin[int(buf_off[r]):int(buf_off[r + 1])]  # rank r's rows of the last buffer
             zero_rows = int(e.min()) < 0
-            if zero_rows:
-                got = np.where(e >= 0, org.take(np.maximum(e, 0)), -1)
-            else:
-                got = org.take(e)
+            got = np.where(e >= 0, org.take(np.maximum(e, 0)), -1) if zero_rows else org.take(e)
             ent = row_ent[lo:hi]
             want = entry_token(ent, max(K, 1))  # a token, or < 0 at padding rows
             np.maximum(want, -1, out=want)

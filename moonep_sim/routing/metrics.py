@@ -146,11 +146,9 @@ def layer_stats(counts_E: np.ndarray, *, layer: int, top: int = 0,
         "top_n": int(top),
     }
     if layout is not None:
-        rl, nl = rank_loads(c, layout), node_loads(c, layout)
-        out["rank_loads"] = rl.tolist()
-        out["rank_max_over_mean"] = float(rl.max() / rl.mean()) if rl.mean() > 0 else 0.0
-        out["node_loads"] = nl.tolist()
-        out["node_max_over_mean"] = float(nl.max() / nl.mean()) if nl.mean() > 0 else 0.0
+        for where, loads in (("rank", rank_loads(c, layout)), ("node", node_loads(c, layout))):
+            out[f"{where}_loads"] = loads.tolist()
+            out[f"{where}_max_over_mean"] = float(loads.max() / loads.mean()) if loads.mean() > 0 else 0.0
         if not counts_only:
             out["mean_distinct_ranks"] = distinct_ranks_sum / tokens if tokens else 0.0
             out["mean_distinct_nodes"] = distinct_nodes_sum / tokens if tokens else 0.0

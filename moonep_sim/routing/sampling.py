@@ -57,8 +57,7 @@ _REJECT_MASS = 0.5         # rows whose chosen popularity exceeds this share dra
 
 
 def _popularity(logp_E: np.ndarray) -> np.ndarray:
-    lp = np.maximum(np.asarray(logp_E, np.float64) - np.max(logp_E), LOGP_FLOOR)
-    return lp
+    return np.maximum(np.asarray(logp_E, np.float64) - np.max(logp_E), LOGP_FLOOR)
 
 
 # ---------------------------------------------------------------------------------- reference: the race
@@ -238,13 +237,6 @@ class InverseCDF:
         self.steps = int(math.ceil(math.log2(self.width + 1))) if self.width else 0
         self.record = _rec.Icdf(cum, self.guide, self.M, self.width, self.steps, self.width <= _LINEAR_WIDTH)
 
-    def draw(self, u: np.ndarray) -> np.ndarray:
-        """Expert ids, int32 [N], of uniforms ``u`` float64 [N] in [0, 1) (the kernels' draw)."""
-        e = np.empty(u.size, np.int32)
-        every = _rec.RowSpan(_NO_INTP, _NO_F64, _NO_F64, self.cum_E.size, False)
-        _kn.draw(u, _NO_INTP, self.record, every, e)
-        return e
-
 
 class _Races:
     """N independent exponential races run one arrival at a time by sequential Plackett-Luce draws
@@ -375,7 +367,7 @@ def sample_topk_pl(logp_E: np.ndarray, top_k: int, tokens: int, rng: np.random.G
     and float64), for :func:`pl_ids_again` to draw the same streams' experts at another
     popularity and :func:`pl_weights` their weights.
     """
-    E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
+    K, T = int(top_k), int(tokens)
     p, icdf = _normalised(logp_E)
     seed = int(rng.integers(0, 1 << 63))
     x, u = np.empty((K, T), np.float32), np.empty((K, T))
@@ -436,7 +428,7 @@ def pl_ids_again(logp_E: np.ndarray, top_k: int, tokens: int, noise: dict) -> tu
     ``noise`` kept (the same values, position-major ``[K, T]`` of a small int dtype) and their
     count per expert (int64 [E]), without their arrival times or weights: what a calibration that
     only counts needs, at about 40% of a whole draw. :func:`pl_weights` completes a draw."""
-    E, K, T = int(np.size(logp_E)), int(top_k), int(tokens)
+    E = int(np.size(logp_E))
     p, icdf = _normalised(logp_E)
     ids, _, counts = _pl_blocks(p, icdf, None, np.asarray(noise["u"]), np.random.default_rng(noise["retry_seed"]),
                                 np.int16 if E <= np.iinfo(np.int16).max else np.int32, True)

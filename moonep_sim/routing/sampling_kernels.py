@@ -46,7 +46,7 @@ from moonep_sim.jit import inline, kernel
 
 @kernel
 def draw(u, rows, icdf, rowspan, e):
-    """``e[i]``: the expert of uniform ``u[i]`` (``InverseCDF.draw``: the guide's bucket, then its
+    """``e[i]``: the expert of uniform ``u[i]`` (``InverseCDF``'s guide: its bucket, then its
     walk or bisection), within row ``rows[i]``'s group (``rows`` empty: row i) when the rows race a
     group each. icdf: :class:`~moonep_sim.routing.sampling_records.Icdf`; span:
     :class:`~moonep_sim.routing.sampling_records.RowSpan`."""
@@ -308,7 +308,6 @@ def race_grouped(lp32, logT, logx, G, M, K, ids, kv, ok):
                 a3[t] = x3 if x3 >= lo2 else lo2
     gs = np.empty(G, np.float32)
     srt = np.empty(G, np.float32)
-    top = np.empty(3 * G, np.float32)
     bv = np.empty(K + 1, np.float32)
     bi = np.empty(K + 1, np.int64)
     for t in range(T):

@@ -44,7 +44,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from moonep_sim.errors import TraceFormatError
+from moonep_sim.errors import TraceFormatError, is_int
 from moonep_sim.io import check_output_path, file_kind, write_bytes_atomic
 from moonep_sim.limits import MAX_LAYERS, MAX_NUM_EXPERTS, MAX_TOP_K
 
@@ -106,23 +106,23 @@ class TraceMeta:
             return TraceFormatError(f"{where}: metadata: {fld}: expected {expected}, "
                                     f"found {text if len(text) <= 80 else text[:77] + '...'}")
 
-        if not _is_int(self.format_version) or self.format_version != FORMAT_VERSION:
+        if not is_int(self.format_version) or self.format_version != FORMAT_VERSION:
             raise bad("format_version", str(FORMAT_VERSION), self.format_version)
         if self.kind not in KINDS:
             raise bad("kind", " or ".join(KINDS), self.kind)
-        if not _is_int(self.num_experts) or not 1 <= self.num_experts <= MAX_NUM_EXPERTS:
+        if not is_int(self.num_experts) or not 1 <= self.num_experts <= MAX_NUM_EXPERTS:
             raise bad("num_experts", f"an integer in [1, {MAX_NUM_EXPERTS}] (the largest expert count "
                       "moonep-sim handles)", self.num_experts)
-        if not _is_int(self.top_k) or not 1 <= self.top_k <= min(self.num_experts, MAX_TOP_K):
+        if not is_int(self.top_k) or not 1 <= self.top_k <= min(self.num_experts, MAX_TOP_K):
             raise bad("top_k", f"an integer in [1, num_experts={self.num_experts}]", self.top_k)
         if (not isinstance(self.layer_ids, list) or not self.layer_ids
-                or not all(_is_int(x) and -(1 << 31) <= x < 1 << 31 for x in self.layer_ids)):
+                or not all(is_int(x) and -(1 << 31) <= x < 1 << 31 for x in self.layer_ids)):
             raise bad("layer_ids", "a non-empty list of 32-bit integers", self.layer_ids)
         if len(self.layer_ids) > MAX_LAYERS:
             raise bad("layer_ids", f"at most {MAX_LAYERS} layers", f"{len(self.layer_ids)} layers")
         if len(set(self.layer_ids)) != len(self.layer_ids):
             raise bad("layer_ids", "distinct layer ids", self.layer_ids)
-        if self.num_tokens is not None and (not _is_int(self.num_tokens) or not 0 <= self.num_tokens < 1 << 62):
+        if self.num_tokens is not None and (not is_int(self.num_tokens) or not 0 <= self.num_tokens < 1 << 62):
             raise bad("num_tokens", "null or an integer in [0, 2^62)", self.num_tokens)
         if self.kind == "tokens" and self.num_tokens is None:
             raise bad("num_tokens", "an integer for a token-level trace", None)
@@ -132,15 +132,12 @@ class TraceMeta:
             for k in ("num_experts", "top_k"):
                 if self.model_spec.get(k) != getattr(self, k):
                     raise bad(f"model_spec.{k}", f"{getattr(self, k)} (the trace's {k})", self.model_spec.get(k))
-        if not isinstance(self.num_experts_inferred, bool):
-            raise bad("num_experts_inferred", "true or false", self.num_experts_inferred)
-        if self.model is not None and not isinstance(self.model, str):
-            raise bad("model", "null or a preset name", self.model)
-        for fld in ("steps", "source", "attribution"):
-            if not isinstance(getattr(self, fld), str):
-                raise bad(fld, "a string", getattr(self, fld))
-        if not isinstance(self.import_report, dict):
-            raise bad("import_report", "a JSON object", self.import_report)
+        for fld, typ, expected in (("num_experts_inferred", bool, "true or false"),
+                                   ("model", (str, type(None)), "null or a preset name"), ("steps", str, "a string"),
+                                   ("source", str, "a string"), ("attribution", str, "a string"),
+                                   ("import_report", dict, "a JSON object")):
+            if not isinstance(getattr(self, fld), typ):
+                raise bad(fld, expected, getattr(self, fld))
 
 
 def model_meta(model: Any) -> dict[str, Any]:
@@ -152,11 +149,6 @@ def model_meta(model: Any) -> dict[str, Any]:
     from moonep_sim.models import PRESETS, model_fields, resolve_model
     m = resolve_model(model)
     return {"model": m.name} if PRESETS.get(m.name) == m else {"model_spec": model_fields(m)}
-
-
-def _is_int(v: Any) -> bool:
-    """A JSON integer (``true``/``false`` are not ids or counts)."""
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -261,9 +253,9 @@ def _parse_header(raw: bytes, data_len: int, where: str) -> dict:
         dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
             raise TraceFormatError(f"{t}: dtype: expected a safetensors dtype name, found {dtype!r}")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
             raise TraceFormatError(f"{t}: shape: expected a list of integers >= 0, found {shape!r}")
-        if (not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) for o in offs)
+        if (not isinstance(offs, list) or len(offs) != 2 or not all(is_int(o) for o in offs)
                 or not 0 <= offs[0] <= offs[1]):
             raise TraceFormatError(f"{t}: data_offsets: expected [begin, end] with 0 <= begin <= end, found {offs!r}")
         if offs[1] > data_len:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import io
 import json
 import math
 from dataclasses import dataclass
@@ -237,7 +238,7 @@ def cache_key(parts: Mapping[str, Any]) -> str:
 
 def save(path: Path, models: Mapping[str, GridStepTime], holdout: Mapping[str, Any]) -> None:
     """The grids (plain arrays) and the held-out errors (JSON text) in one ``.npz``, written atomically."""
-    from moonep_sim.io import atomic_path
+    from moonep_sim.io import write_bytes_atomic
 
     arrays: dict[str, np.ndarray] = {"strategies": np.asarray(list(models), dtype=np.str_),
                                      "holdout_json": np.asarray(json.dumps(holdout))}
@@ -245,9 +246,9 @@ def save(path: Path, models: Mapping[str, GridStepTime], holdout: Mapping[str, A
         for mode, tab in (("decode", m.decode), ("prefill", m.prefill)):
             arrays[f"{i}_{mode}_T"], arrays[f"{i}_{mode}_C"], arrays[f"{i}_{mode}_us"] = tab.T, tab.C, tab.us_DTC
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path, what="step-time cache") as tmp:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    write_bytes_atomic(path, buf.getbuffer(), what="step-time cache")
 
 
 def load(path: Path) -> tuple[dict[str, GridStepTime], dict[str, Any]] | None:

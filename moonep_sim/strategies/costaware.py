@@ -218,7 +218,7 @@ class CostModel:
         cp = home[ce] != cd
         ce, cd = ce[cp], cd[cp]
         ch = home[ce]
-        geo = _geometry(self.gpus_per_node)
+        geo = ClusterShape(R, self.gpus_per_node)
         src = relay_sources(ce, cd, ch, geo)
         fan = src != ch  # stage 1: from the relay over NVLink, after the relay's NIC copy arrived
         cross = ~geo.same_node(ch, cd) & ~fan
@@ -265,23 +265,15 @@ class CostModel:
         return max(float(np.max(self.rank_us(alloc_ER) + per_in)), self.floor_us(alloc_ER)) + out
 
 
-def _geometry(cluster: ClusterShape | int) -> ClusterShape:
-    """The cluster geometry a cost-model function asks which node a rank is on: a ClusterShape, or
-    G (GPUs per node) for one whose node rule (``ClusterShape.node_of``) is all that is read."""
-    return cluster if isinstance(cluster, ClusterShape) else ClusterShape(int(cluster), int(cluster))
-
-
-def relay_sources(expert_C: np.ndarray, rank_C: np.ndarray, home_C: np.ndarray,
-                  cluster: ClusterShape | int) -> np.ndarray:
+def relay_sources(expert_C: np.ndarray, rank_C: np.ndarray, home_C: np.ndarray, geo: ClusterShape) -> np.ndarray:
     """int64 [C]: where each copy's weights come from. Copies of one expert to several ranks of one
     node other than its home's are relayed: the lowest such rank (the relay) gets it from the home
     over the NIC (stage 0), the others from the relay over NVLink (stage 1). Every other copy comes
-    from its home. C copies, given as (expert, receiving rank, home rank); ``cluster``: the
-    ClusterShape (or G, GPUs per node) saying which node a rank is on."""
+    from its home. C copies, given as (expert, receiving rank, home rank); ``geo``: the cluster,
+    saying which node a rank is on."""
     src = np.asarray(home_C, dtype=np.int64).copy()
     if src.size == 0:
         return src
-    geo = _geometry(cluster)
     cross = ~geo.same_node(home_C, rank_C)
     if not cross.any():
         return src

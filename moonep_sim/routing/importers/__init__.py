@@ -36,9 +36,7 @@ for _m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
     if _m.name not in _MACHINERY and not _m.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_m.name}")
 
-FORMATS = formats()
-
-__all__ = ["FIELDS", "FORMATS", "IMPORTERS", "ImportOptions", "Imported", "Importer", "Sniff", "STEPS_FROM",
+__all__ = ["FIELDS", "IMPORTERS", "ImportOptions", "Imported", "Importer", "Sniff", "STEPS_FROM",
            "detect_format", "fields_markdown", "formats", "formats_markdown", "import_trace", "load_source"]
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from moonep_sim.errors import TraceFormatError
+from moonep_sim.errors import TraceFormatError, is_int
 from moonep_sim.limits import MAX_NUM_EXPERTS, MAX_TOP_K
 from moonep_sim.routing.metrics import per_step_maxvio, step_expert_counts
 from moonep_sim.routing.trace import TraceMeta
@@ -93,11 +93,6 @@ def err(where: str, msg: str) -> TraceFormatError:
     return TraceFormatError(f"{where}: {msg}")
 
 
-def is_int(v: Any) -> bool:
-    """A JSON integer (``true``/``false`` are not ids, counts or sizes)."""
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def load_json(where: str, data: bytes | str, what: str = "JSON") -> Any:
     """``json.loads`` with every failure (invalid, not UTF-8, nested too deep) as one line."""
     try:
@@ -123,10 +118,8 @@ def first_true(mask_N: np.ndarray) -> int:
 
 
 def pick(rec: dict, role: str) -> str | None:
-    for name in FIELDS[role]:
-        if name in rec:
-            return name
-    return None
+    """The first of ``role``'s accepted field names that ``rec`` holds (None: none)."""
+    return next((name for name in FIELDS[role] if name in rec), None)
 
 
 def attribution(src: Path) -> str:

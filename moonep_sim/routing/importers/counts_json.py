@@ -68,21 +68,18 @@ def load_counts(path: Path, fmt: str, opts: ImportOptions) -> Imported:
 def _header_and_body(where: str, doc: Any) -> tuple[tuple[Any, Any, Any], Any, str]:
     """((num_experts, top_k, layers) the file states, or None each; the per-layer counts; the
     field they are under)."""
-    file_E = file_K = file_layers = None
-    if isinstance(doc, dict):
-        file_E, file_K, file_layers = doc.get("num_experts"), doc.get("top_k"), doc.get("layers")
-        if file_K is not None and (not is_int(file_K) or file_K < 1):
-            raise err(where, f"top_k: expected an integer >= 1, found {json.dumps(file_K)[:40]}")
-        if file_layers is not None and (not isinstance(file_layers, list)
-                                        or not all(is_int(x) for x in file_layers)):
-            raise err(where, f"layers: expected a list of integer layer ids, found {json.dumps(file_layers)[:60]}")
-        for key in ("expert_usage_by_layer", "counts", "expert_counts"):
-            if key in doc:
-                return (file_E, file_K, file_layers), doc[key], key
-        return (file_E, file_K, file_layers), doc, "(top level)"
     if isinstance(doc, list):
-        return (file_E, file_K, file_layers), doc, "(top level)"
-    raise err(where, f"expected a JSON object or list of per-layer counts, found {type(doc).__name__}")
+        return (None, None, None), doc, "(top level)"
+    if not isinstance(doc, dict):
+        raise err(where, f"expected a JSON object or list of per-layer counts, found {type(doc).__name__}")
+    file_E, file_K, file_layers = doc.get("num_experts"), doc.get("top_k"), doc.get("layers")
+    if file_K is not None and (not is_int(file_K) or file_K < 1):
+        raise err(where, f"top_k: expected an integer >= 1, found {json.dumps(file_K)[:40]}")
+    if file_layers is not None and (not isinstance(file_layers, list)
+                                    or not all(is_int(x) for x in file_layers)):
+        raise err(where, f"layers: expected a list of integer layer ids, found {json.dumps(file_layers)[:60]}")
+    key = next((k for k in ("expert_usage_by_layer", "counts", "expert_counts") if k in doc), None)
+    return (file_E, file_K, file_layers), (doc if key is None else doc[key]), key or "(top level)"
 
 
 def _layer_rows(where: str, body: Any, field: str) -> tuple[list, list[int], list[list[tuple[int, Any]]]]:

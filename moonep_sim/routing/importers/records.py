@@ -302,10 +302,7 @@ def assign_steps(mode: str, r: dict, keep: np.ndarray) -> tuple[np.ndarray, str]
         if r["stepfield_N"] is None:
             raise err("--steps-from", f"field: expected a step field ({', '.join(FIELDS['step'])}) in the "
                                       "records, found none")
-        v = r["stepfield_N"][k]
-        new = np.ones(len(v), np.int64)
-        new[1:] = v[1:] != v[:-1]
-        step[k] = np.cumsum(new) - 1
+        step[k] = np.cumsum(_segment_starts(r["stepfield_N"][k])) - 1
         return step, f"one step per value run of {names['step']}"
     if mode == "passes":
         step[k] = steps_by_passes(r["layer_N"][k], r["group_N"][k], r["token_N"][k])
@@ -334,9 +331,7 @@ def dummy_rows(r: dict, keep: np.ndarray, step: np.ndarray, sid: np.ndarray, opt
     # identical runs: per layer, file order
     order = k[np.argsort(lay[k], kind="stable")]
     if opts.warmup_min_rows > 0:
-        start = np.ones(len(order), bool)
-        start[1:] = (sid[order][1:] != sid[order][:-1]) | (lay[order][1:] != lay[order][:-1])
-        s = np.flatnonzero(start)
+        s = np.flatnonzero(_segment_starts(sid[order]) | _segment_starts(lay[order]))
         e = np.append(s[1:], len(order))
         long_runs = np.flatnonzero(e - s >= opts.warmup_min_rows)
         S = int(step[k].max()) + 1
