@@ -406,8 +406,9 @@ class CostModel:
         else:
             shapes = [(m, c * 2 * F, D), (m, c * D, F)]
         t_R = np.zeros(R)
-        for a, b, k in shapes:
-            t_R[has] += self.measured.gemm_us(self.gemm_dtype, a, b, k)
+        mnk = np.array([np.broadcast_arrays(*abk) for abk in shapes]).transpose(1, 0, 2)  # one lookup: [3, GEMMs, ranks]
+        for t in self.measured.gemm_us(self.gemm_dtype, *mnk):
+            t_R[has] += t
         out = t_R + self.topo.gpu_launch_us
         if self.measured.die is not None:
             die = CostModel(self.measured.die, self.gemm_dtype, self.half_rows)

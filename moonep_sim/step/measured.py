@@ -298,12 +298,15 @@ def load_measured(topology) -> Measured | None:
     root = data_root()
     if got is None or root is None or not (root / got[0]).is_dir():
         return None
-    die = None
-    if got[1] == "nearest-die":
-        from moonep_sim.sim.topology import load_topology
+    return Measured(got[0], got[1], _die(DIE_PRESET[got[0]]) if got[1] == "nearest-die" else None)
 
-        die = load_topology(DIE_PRESET[got[0]])
-    return Measured(got[0], got[1], die)
+
+@lru_cache(maxsize=4)
+def _die(preset: str):
+    """The nearest die's topology preset, read once (every step loads the tables)."""
+    from moonep_sim.sim.topology import load_topology
+
+    return load_topology(preset)
 
 
 __all__ = ["ATTN_BWD_EFFICIENCY", "ATTN_BWD_FACTOR", "ATTN_BWD_FLOPS", "BACKENDS", "attention_table", "attention_us", "DIE_PRESET", "GemmTable", "KERNELS", "Measured", "SYSTEMS", "available", "data_root",
