@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moonep_sim.sim.topology import load_topology
+
 #: Topology preset (its name up to the first ``-`` after the GPU) -> (AIConfigurator system, how):
 #: ``own`` = the GPU's own table; ``nearest-die`` = another GPU's table scaled by the roofline ratio.
 SYSTEMS: dict[str, tuple[str, str]] = {
@@ -301,12 +303,8 @@ def load_measured(topology) -> Measured | None:
     return Measured(got[0], got[1], _die(DIE_PRESET[got[0]]) if got[1] == "nearest-die" else None)
 
 
-@lru_cache(maxsize=4)
-def _die(preset: str):
-    """The nearest die's topology preset, read once (every step loads the tables)."""
-    from moonep_sim.sim.topology import load_topology
-
-    return load_topology(preset)
+#: The nearest die's topology by preset name, read once (every step loads the tables).
+_die = lru_cache(maxsize=4)(load_topology)
 
 
 __all__ = ["ATTN_BWD_EFFICIENCY", "ATTN_BWD_FACTOR", "ATTN_BWD_FLOPS", "BACKENDS", "attention_table", "attention_us", "DIE_PRESET", "GemmTable", "KERNELS", "Measured", "SYSTEMS", "available", "data_root",
