@@ -202,9 +202,9 @@ def _single_place(hop, starts, out):
     each store fetches a line of its own, R runs interleaved being too many for the prefetcher
     (measured at K3 EP64: ~12 ms per [M] array scattered so, ~1 ms copied). ``order`` and
     ``expand`` (S streams each) likewise: a block of tokens' entries go into a buffer in slot order,
-    then out in one run per slot (``_next_block``); at K3 EP64 (4.2M entries, 896 slots) 52-57 ms of
-    CPU for the pass, as fast as a prefetch ahead of each stream (53-57 ms; numba's public API has
-    none), 64-70 ms with both written straight.
+    then out in one run per slot (``_next_block``). At K3 EP64 (4.2M entries, 896 slots; CPU, least
+    of 9-15): alltoall 52-55 ms, moonep 55-60, against 54-58 and 54-57 with an LLVM prefetch ahead of
+    each stream (numba's public API has none) and 64-70 with both written straight.
 
     hop: :class:`SingleHop`; starts: :class:`SingleStarts`; out: :class:`SingleOut`."""
     slot_N, slot_rank_S, tok_off_R, K, dedup = hop
