@@ -189,7 +189,7 @@ def overhead_worker(rank, world, hidden, tokens, experts, top_k, iters, pin=Fals
     out.update({f"{n}_cpu_ms": float(v) * 1e3 for n, v in med_cpu.items()})
     out.update({f"cpu_ratio_{n}": float(med_cpu[n] / med_cpu["raw"]) for n in names if n != "raw"})
     out.update({"rows_per_rank": int(h.rows), "remote_bytes_per_direction": remote,
-                "direct_messages_per_rank": int(h.direct.messages) if h.direct is not None else 0})
+                "direct_messages_per_rank": len(h.direct.send_runs) + len(h.direct.recv_runs) if h.direct else 0})
     return out
 
 
@@ -219,7 +219,7 @@ def imbalance_worker(rank, world, hidden, ffn, tokens, experts, top_k, maxvios, 
         layers, info = {}, {}
         for n in names:
             buf = bufs[n]
-            home = torch.from_numpy(np.flatnonzero(buf.home_E == rank))
+            home = torch.from_numpy(np.flatnonzero(buf.placement.home_E == rank))
             params = [p[home] for p in full_w]
 
             def layer(buf=buf, params=params, n=n):

@@ -29,12 +29,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Sequence
 
 HERE = Path(__file__).resolve().parent
 
 from moonep_sim.experiments import Scenario  # noqa: E402
 from moonep_sim.experiments.clusters import compare_clusters  # noqa: E402
-from moonep_sim.report.clusters import clusters_markdown  # noqa: E402
+from moonep_sim.report.clusters import (_call, _marks, change_line, cluster_cell, flag_lines,  # noqa: E402
+                                        impl_cell)
 
 STRATEGIES = ("alltoall", "hierarchical", "deepep", "moonep", "costaware")
 INTRO = ("Kimi K3 (896 experts, top-16, hidden 7168, expert FFN 3072), EP{ranks}, one generated layer per maxvio "
@@ -45,6 +47,41 @@ INTRO = ("Kimi K3 (896 experts, top-16, hidden 7168, expert FFN 3072), EP{ranks}
          "compare --trace gen:model=kimi-k3,maxvio=10,tokens-per-rank={tokens} --ranks {ranks} --topology {topos} "
          "--strategies {strategies}`. One generated layer per maxvio, forward only: a layer figure, not a training or "
          "serving step.")
+
+
+def clusters_markdown(doc: dict[str, Any], meta: dict[str, Any], intro: Sequence[str] = ()) -> str:
+    """The document as markdown (docs/results/clusters.md): table, winner changes, causes, flags."""
+    strategies = doc["strategies"]
+    L = [f"# {meta.get('title', 'The same layer on several clusters: does the winner change, and why')}", "",
+         f"Date {meta['date']}, commit `{meta['commit']}`, command `{meta['command']}`, machine load "
+         f"`{meta['uptime']}` ({meta['wall_s']:.0f} s wall, {meta['cpu_s']:.0f} CPU s).", "", *intro]
+    multi = len(doc["points"]) > 1
+    L += ["| cluster (G per node; NVLink / NIC GB/s per GPU, effective; TFLOP/s) | " + ("point | " if multi else "")
+          + "deepep impl | " + " | ".join(strategies) + " | winner (margin) |",
+          "| --- | " + ("--- | " if multi else "") + "--- | " + " | ".join("---" for _ in strategies) + " | --- |"]
+    for p in doc["points"]:
+        for r in p["clusters"]:
+            cells = [f"{r['layer_time_us'][s] / 1e3:.2f}{_marks(doc, r, s)}" for s in strategies]
+            v = _call(r)
+            v = v if r["verdict"].get("tie") else f"**{r['verdict']['winner']}**" + v[len(r["verdict"]["winner"]):]
+            L.append(f"| {cluster_cell(r)} | " + (f"{p['label']} | " if multi else "") + f"{impl_cell(r)} | "
+                     + " | ".join(cells) + f" | {v} |")
+    L += ["", "Flags beside these figures (`*` in the table):", ""] + [f"- {x}" for x in flag_lines(doc)]
+    L += ["", "## Does the winner change?", ""] + [f"- {change_line(p, bold=True)}" for p in doc["points"]]
+    L += ["", "## The verdict's cause, per cluster (each cluster's compare verdict)", ""]
+    for p in doc["points"]:
+        for r in p["clusters"]:
+            if r["verdict"].get("why"):
+                L.append(f"- **{r['topology']}, {p['label']}** ({r['verdict'].get('mechanism') or '-'}): "
+                         f"{r['verdict']['why']}")
+    L += ["", "## Why (per cluster and strategy: straggler; busiest port)", ""]
+    for p in doc["points"]:
+        for r in p["clusters"]:
+            L.append(f"- **{r['topology']}, {p['label']}**: " + "; ".join(
+                f"{s}: {d['straggler'] or '-'} ({d['busiest_port']}, x{d['ratio_to_lower_bound']:.2f} LB)"
+                for s, d in r["strategies"].items()))
+    L.append("")
+    return "\n".join(L)
 
 
 def run(topologies, maxvios, tokens, ranks, strategies, seed=0) -> dict:

@@ -34,10 +34,11 @@ def compiled_fill(bc: BlockCounts, cap_P: np.ndarray) -> Levels:
     """The exact max-min fair levels of ``bc``'s counted transfers by the compiled kernel the
     network's tick runs (``fill_kernels.fill_levels``, its levels and ports per sender node, per
     receiver node, then a spare node), as :class:`Levels`."""
-    lev, bport, steps = fill_levels(np.asarray(cap_P, dtype=np.float64), bc.cnt_src, bc.cnt_dst, bc.mm,
-                                    bc._kernel_static)
-    assert steps >= 0, "progressive filling made no progress"
     N = bc.B * bc.R
+    lev, bport = np.empty(2 * N + 1), np.empty(2 * N + 1, dtype=np.int64)
+    steps = fill_levels(np.asarray(cap_P, dtype=np.float64), bc.cnt_src, bc.cnt_dst, bc.mm, bc._kernel_static,
+                        lev, bport)
+    assert steps >= 0, "progressive filling made no progress"
     return Levels(lev[:N], lev[N:2 * N], bport[:N], bport[N:2 * N], steps)
 
 

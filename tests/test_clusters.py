@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +15,6 @@ from moonep_sim.experiments.clusters import (compare_clusters, native_impl, nati
                                              winner_change)
 from moonep_sim.errors import ConfigError
 from moonep_sim.plan.kernel import FAMILIES
-from moonep_sim.report.clusters import clusters_markdown
 from moonep_sim.sim.topology import list_topologies
 
 GEN = "gen:model=olmoe-1b-7b,maxvio=4,tokens-per-rank=32,seed=3"   # E=64: EP16 = 2 nodes of 8
@@ -162,6 +163,11 @@ def test_parse_topologies_and_api_labels():
     doc = compare_clusters(sc, ["h800-cx7", "gb200-nvl72"], labels=["maxvio 1", "maxvio 6"])
     assert [p["label"] for p in doc["points"]] == ["maxvio 1", "maxvio 6"]
     assert [r["gpus_per_node"] for r in doc["points"][0]["clusters"]] == [8, 16]  # NVL72: EP16 in one domain
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from cluster_compare import clusters_markdown   # the results page's writer (docs/results/clusters.md)
+    finally:
+        sys.path.pop(0)
     md = clusters_markdown(doc, dict(date="d", commit="c", command="x", uptime="u", wall_s=1.0, cpu_s=1.0))
     assert md.count("| maxvio ") == 4 and "## Does the winner change?" in md
 

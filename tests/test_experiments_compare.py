@@ -87,16 +87,17 @@ def test_each_strategy_numbers_come_from_its_own_plan(report):
 
 
 def test_simulated_time_is_the_simulator_on_that_plan(report):
-    from moonep_sim.experiments.compare import load_topology, simulate
+    from moonep_sim.experiments.compare import load_topology
     from moonep_sim.experiments.routing import open_routing
     from moonep_sim.plan import ClusterShape
+    from moonep_sim.sim import simulate_layer
     from moonep_sim.strategies import make_plan
 
     src = open_routing(str(MIXTRAL), [5], steps="merged")
     cl = ClusterShape(4, 2)
     lr = src.layer(5, 4)
     g = GlobalRouting.split_evenly(lr.topk_ids_TK, lr.topk_weights_TK, 8, 4)
-    res = simulate(make_plan("hierarchical", g, plan_context(src, cl)), load_topology("h800-cx7", cl.gpus_per_node), src.model)
+    res = simulate_layer(make_plan("hierarchical", g, plan_context(src, cl)), load_topology("h800-cx7", cl.gpus_per_node), src.model)
     entry = next(e for e in report["strategies"]["hierarchical"]["layers"] if e["layer"] == 5)
     assert entry["sim"]["layer_time_us"] == pytest.approx(res.layer_time_us)
 

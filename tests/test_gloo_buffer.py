@@ -348,7 +348,7 @@ def movement_worker(rank, world, T, seed, direct="off"):
         lg = tuple(torch.zeros_like(t) for t in local)
         red = buf.reduce_grad(h, cg, lg)
         # expected: copy j on rank r contributes (r+1)*(j+1) to its expert's home
-        fetch = plan.is_copy_S() | (buf.home_E[plan.slot_expert_S] != plan.slot_rank_S)
+        fetch = plan.is_copy_S() | (buf.placement.home_E[plan.slot_expert_S] != plan.slot_rank_S)
         cr, ce = plan.slot_rank_S[fetch], plan.slot_expert_S[fetch]
         j = np.concatenate([np.arange((cr == r).sum()) for r in range(world)])
         want_E = np.bincount(ce, weights=(cr + 1) * (j + 1), minlength=E)

@@ -148,9 +148,9 @@ def replica_cache_worker(rank, world, T, H, F, E, K, G, seed):
         h = layer.last_handle
         res.update({f"{step}/out": out.detach(), f"{step}/gx": xr.grad, f"{step}/ggate": layer.gate.grad,
                     f"{step}/gup": layer.up.grad, f"{step}/gdown": layer.down.grad,
-                    f"{step}/replica_fetches": np.array(buf.replica_fetches),
-                    f"{step}/fetch_calls": np.array(buf.fetch_calls),
-                    f"{step}/last_fetched": np.array(buf.last_fetched),
+                    f"{step}/replica_fetches": np.array(buf.rows.replica_fetches),
+                    f"{step}/fetch_calls": np.array(buf.rows.fetch_calls),
+                    f"{step}/last_fetched": np.array(buf.rows.last_fetched),
                     f"{step}/residents": np.array(int(h.weights.residents.pos.numel())),
                     f"{step}/plan_copies": np.array(int(h.plan.is_copy_S()[h.plan.rank_slots(rank)].sum()))})
     return res

@@ -4,12 +4,10 @@ every preset can reach, plots that stay readable, the testbed's multi-strategy s
 
 from __future__ import annotations
 
-import io
 import re
 
 import numpy as np
 import pytest
-from rich.console import Console
 
 from conftest import TRACES
 from moonep_sim.cli import main
@@ -79,11 +77,10 @@ def test_generator_spec_is_strict_and_shared(capsys):
 
 
 def test_progress_lines_when_asked_for_off_a_terminal(capsys, monkeypatch):
-    from moonep_sim.cli.common import progress
+    from moonep_sim.progress import tracker
 
     monkeypatch.setenv("MOONEP_SIM_PROGRESS", "lines")  # a CI log: plain lines (piped, it is quiet)
-    c = Console(file=io.StringIO(), force_terminal=False)
-    with progress(c, "job", interval_s=0.05) as cb:
+    with tracker("job", interval_s=0.05) as cb:
         cb("step a", 0, 2)
         cb("step b", 1, 2)  # within the interval: not printed on its own
         for _ in range(400):  # a long blocking step: the heartbeat speaks up (up to 20 s on a loaded machine)

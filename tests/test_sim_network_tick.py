@@ -238,6 +238,6 @@ def test_networks_of_one_port_map_do_not_leak_state():
     assert net._blocks is not half._blocks and net._blocks.mm is not half._blocks.mm
     assert net._blocks._kernel_static is half._blocks._kernel_static
     assert net._pair_tables is half._pair_tables and len(network._STATIC) == 1
-    tab = net._pair_table(False, False)
+    tab = net._pair_table(False, False)   # per sender, its (block, latency) rows
     with pytest.raises(ValueError):
-        tab[0][0, 0] = 1
+        tab[0][0][0] = 1

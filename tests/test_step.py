@@ -17,7 +17,7 @@ from moonep_sim.routing.generators import generate_layer
 from moonep_sim.sim import SimOptions, simulate_layer, simulate_layers
 from moonep_sim.sim.topology import load_topology
 from moonep_sim.step import CostModel, MemoryOptions, StepConfig, flat_cost_model, memory_per_rank, simulate_step, step_shape
-from moonep_sim.step.layer_work import pad_to_static, split_micro_batches
+from moonep_sim.step.layer_work import ROUTING_FIELDS, pad_to_static, split_micro_batches
 from moonep_sim.step.memory import deepep_ll_buffer_bytes, deepep_normal_buffer_bytes
 from moonep_sim.strategies import PlanContext, make_plan
 
@@ -111,6 +111,18 @@ def test_two_batch_splits_every_rank_in_halves_and_runs():
     out = _step(SMALL, load_topology("h800-cx7"), ["alltoall"], "train", 65, "two-batch", routing=r)
     assert out["strategies"]["alltoall"]["step_time_us"] > 0
     assert out["strategies"]["alltoall"]["distinct_layers_simulated"] == 4  # 2 MoE layers x 2 halves
+
+
+def test_cut_and_padded_routing_is_what_the_checked_constructor_gives():
+    # micro-batches and padded passes skip GlobalRouting's id check (trusted_routing): the same
+    # arrays as the checked constructor's, which still accepts them, and every field set
+    assert ROUTING_FIELDS == tuple(f.name for f in dataclasses.fields(GlobalRouting))
+    r = _routing(SMALL, 65)
+    for got in (*split_micro_batches(r, 2), pad_to_static(r, 80)):
+        ref = GlobalRouting(got.topk_ids_TK, got.topk_weights_TK, got.tokens_per_rank_R, got.num_experts)
+        for f in ROUTING_FIELDS:
+            a, b = getattr(got, f), getattr(ref, f)
+            assert np.array_equal(a, b) and np.asarray(a).dtype == np.asarray(b).dtype, f
 
 
 def test_static_buffer_pads_every_pass_and_costs_a_decode_step():

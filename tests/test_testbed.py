@@ -14,10 +14,25 @@ import pytest
 
 from moonep_sim.errors import CommError, ConfigError
 from moonep_sim.testbed.netns import (LinkShape, TestbedSpec, format_rate, parse_node_rates, parse_rate,
-                                      setup_commands, teardown_commands)
+                                      setup_commands)
 from moonep_sim.testbed.run import LaunchSpec, _json_arg, node_env, torchrun_command
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def teardown_commands(spec: TestbedSpec) -> list[list[str]]:
+    """Deleting the namespaces removes every veth, the bridge and the qdiscs with them."""
+    return [["ip", "netns", "del", ns] for ns in reversed(spec.namespaces())]
+
+
+def degrade_nic_args(spec: TestbedSpec, gpus_per_node: int) -> list[str]:
+    """The ``moonep-sim simulate`` flags matching :func:`degraded_faults`."""
+    from moonep_sim.testbed.topology import degraded_faults
+
+    out: list[str] = []
+    for f in degraded_faults(spec, gpus_per_node):
+        out += ["--degrade-nic", f"{f.rank}:{f.factor:g}"]
+    return out
 
 
 # ---------------------------------------------------------------- pure: parsing and commands
@@ -98,7 +113,7 @@ def test_torchrun_command_and_env():
 
 
 def test_topology_matches_the_testbed():
-    from moonep_sim.testbed.topology import degrade_nic_args, degraded_faults, testbed_topology
+    from moonep_sim.testbed.topology import degraded_faults, testbed_topology
 
     spec = TestbedSpec(nodes=2, rate_bps=2 * 10**8, node_rate_bps={1: 5 * 10**7}, tag=5)
     probes = {"gloo": {"a2a_node_bits_per_s": 1.5e8, "p2p_rtt_us": 400.0, "nodes": 2, "gpus_per_node": 2}}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 import statistics
 
-from moonep_sim.cli.common import console, parse_int_list, print_json
+from moonep_sim.cli.common import console, print_json
+from moonep_sim.experiments.spec import parse_int_list
 from moonep_sim.errors import ConfigError
 
 _SUFFIX = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,

@@ -23,10 +23,11 @@ def is_multi(args) -> bool:
 
 def run_clusters(args, scenario) -> int:
     """``scenario``: compare's ``scenario(args)`` (the base Scenario of these arguments, checked)."""
-    from moonep_sim.cli.common import output_rule, print_json, progress
+    from moonep_sim.cli.common import emit_json, output_rule
     from moonep_sim.experiments.clusters import check_topologies, compare_clusters
     from moonep_sim.experiments.parallel import check_jobs
     from moonep_sim.io import dumps_strict, write_text_atomic
+    from moonep_sim.progress import tracker
     from moonep_sim.report.clusters import clusters_lines, clusters_table
     from moonep_sim.report.tables import wide_console
 
@@ -42,16 +43,13 @@ def run_clusters(args, scenario) -> int:
     sc = scenario(args)
     check_jobs(args.jobs)
     c = wide_console(200)
-    with progress(c, "compare on clusters", lines=args.json is not None) as cb:
+    with tracker("compare on clusters") as cb:
         doc = compare_clusters(sc, names, progress=cb, jobs=args.jobs, cluster=args.cluster)
     text = dumps_strict(doc, indent=1)
     out = Path(args.out) / "clusters.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, text, what="--out")
-    if to_file:
-        write_text_atomic(args.json, text, what="--json")
-    if args.json == "-":
-        print_json(doc)
+    if emit_json(args, doc, stdout_indent=2):
         return 0
     c.print(clusters_table(doc))
     for line in clusters_lines(doc):

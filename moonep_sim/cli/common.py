@@ -1,20 +1,16 @@
-"""Helpers shared by subcommands: JSON output, option parsing, the shared flags, progress."""
+"""Helpers shared by subcommands: JSON output, option parsing, the shared flags (progress:
+:func:`moonep_sim.progress.tracker`)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from moonep_sim.errors import ConfigError
 from moonep_sim.io import to_jsonable
-
-#: Seconds between progress lines when stderr is not a terminal (a log file, CI, a pipe).
-PROGRESS_INTERVAL_S = 15.0
-
 
 def print_json(obj: Any) -> None:
     """``obj`` as strict JSON on stdout (no ``NaN``/``Infinity``: :func:`moonep_sim.io.dumps_strict`)."""
@@ -69,33 +65,6 @@ def output_rule(args, files: Iterable[str] = (), folders: Mapping[str, Sequence[
     outs = {k: v for k, v in outs.items() if isinstance(v, (str, os.PathLike)) and str(v) != "-"}  # '-': stdout
     fold = {flag_of(d, out_flag): (getattr(args, d, None), tuple(names)) for d, names in (folders or {}).items()}
     check_outputs(outs, ins, {k: v for k, v in fold.items() if isinstance(v[0], (str, os.PathLike))})
-
-
-def parse_int_list(text: str | None, what: str) -> list[int] | None:
-    """``"0,2,5-7"`` -> ``[0, 2, 5, 6, 7]``; None stays None."""
-    if text is None:
-        return None
-    out: list[int] = []
-    try:
-        for part in text.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            if "-" in part[1:]:
-                a, b = part.split("-", 1) if not part.startswith("-") else (part, part)
-                lo, hi = int(a), int(b)
-                if lo > hi:
-                    raise ConfigError(f"{what} ({text!r}) must give ranges low-high: {part} runs backwards")
-                if hi - lo >= 1 << 16:
-                    raise ConfigError(f"{what} ({text!r}) must give ranges of at most 65536 values: {part}")
-                out.extend(range(lo, hi + 1))
-            else:
-                out.append(int(part))
-    except ValueError:
-        raise ConfigError(f"{what} ({text!r}) must be a list of integers like 0,2,5-7") from None
-    if not out:
-        raise ConfigError(f"{what} ({text!r}) must name at least one integer, like 0,2,5-7")
-    return out
 
 
 def check_int(value: int | None, flag: str, lo: int, hi: int, meaning: str = "") -> None:
@@ -182,20 +151,23 @@ def json_target(args) -> str | None:
     return "-" if v is True else str(v)
 
 
-def emit_json(args, doc: Any, lenient: bool = False) -> bool:
-    """``doc`` as strict JSON where ``--json`` says (written atomically to a file, or on stdout);
-    True when it went to stdout (the table is then left out). ``lenient``: a NaN becomes null
-    (:func:`moonep_sim.io.to_jsonable`) instead of refusing."""
+def emit_json(args, doc: Any, lenient: bool = False, stdout_indent: int = 1) -> bool:
+    """``doc`` as strict JSON where ``--json`` says (written atomically to a file, or on stdout
+    indented by ``stdout_indent``); True when it went to stdout (the table is then left out).
+    ``lenient``: a NaN becomes null (:func:`moonep_sim.io.to_jsonable`) instead of refusing."""
     from moonep_sim.io import dumps_strict, write_text_atomic
 
     dest = json_target(args)
     if dest is None:
         return False
-    text = json.dumps(to_jsonable(doc, lenient=True), indent=1) if lenient else dumps_strict(doc, indent=1)
+
+    def text(indent: int) -> str:
+        return json.dumps(to_jsonable(doc, lenient=True), indent=indent) if lenient else dumps_strict(doc, indent=indent)
+
     if dest == "-":
-        sys.stdout.write(text + "\n")
+        sys.stdout.write(text(stdout_indent) + "\n")
         return True
-    write_text_atomic(dest, text, what="--json")
+    write_text_atomic(dest, text(1), what="--json")
     return False
 
 
@@ -239,17 +211,3 @@ def steps_footer(rep: dict) -> list[str]:
 def console():
     from rich.console import Console
     return Console()
-
-
-# -- progress -------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def progress(c=None, description: str = "", interval_s: float = PROGRESS_INTERVAL_S,
-             lines: bool = False) -> Iterator[Callable[[str, int, int], None]]:
-    """A progress callback ``(message, done, total)`` for a long command: the one helper,
-    :func:`moonep_sim.progress.tracker` (a bar on stderr on a terminal; nothing when piped or with
-    ``--quiet``; plain lines with ``MOONEP_SIM_PROGRESS=lines``). ``c`` and ``lines`` are kept for
-    the callers' signatures: the bar is on stderr, so a ``--json`` stdout stays JSON either way."""
-    from moonep_sim.progress import tracker
-
-    with tracker(description, interval_s=interval_s) as cb:
-        yield cb

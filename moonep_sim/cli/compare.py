@@ -10,9 +10,10 @@ import math
 from pathlib import Path
 
 from moonep_sim.cli.common import (add_output_flags, add_steps, check_cluster_args, add_dispatch_dtype, add_layers, add_strategies,
-                                   add_redundant_experts, output_rule, parse_int_list, print_json, print_warnings,
-                                   progress, steps_footer)
+                                   add_redundant_experts, emit_json, output_rule, print_warnings,
+                                   steps_footer)
 from moonep_sim.errors import require
+from moonep_sim.progress import tracker
 from moonep_sim.experiments.scenario import DEFAULT_STRATEGIES as _DEFAULTS
 from moonep_sim.report.tables import wide_console as console
 
@@ -61,7 +62,7 @@ def register(sub) -> None:
 def scenario(args, routing=None, layers=None):
     """The Scenario these arguments describe; checked (one line on bad input) before any work."""
     from moonep_sim.experiments import Scenario
-    from moonep_sim.experiments.spec import parse_opt_items, split_names
+    from moonep_sim.experiments.spec import parse_int_list, parse_opt_items, split_names
 
     names = split_names(args.strategies)
     check_cluster_args(args)
@@ -77,10 +78,7 @@ def scenario(args, routing=None, layers=None):
                   steps=getattr(args, "steps", None),
                   dispatch_dtype=args.dispatch_dtype, token_padding=args.token_padding,
                   redundant_experts=getattr(args, "redundant_experts", 0))
-    sc.resolved  # noqa: B018 -- check everything now
-    if args.real:
-        from moonep_sim.experiments.compare import load_topology
-        load_topology("local-gloo")
+    sc.resolved  # noqa: B018 -- check everything now (a real replay's local-gloo: Scenario.compare, before any work)
     return sc
 
 
@@ -122,8 +120,7 @@ def run(args) -> int:
 
     if is_multi(args):
         return run_clusters(args, scenario)
-    to_file = args.json not in (None, "-")
-    output_rule(args, files=("json",) if to_file else (), folders={"out": OUT_FILES})  # before the run
+    output_rule(args, files=("json",), folders={"out": OUT_FILES})  # before the run ('-': stdout)
     require(math.isfinite(args.real_timeout) and 0 < args.real_timeout <= MAX_TIMEOUT_S,
             f"--real-timeout ({args.real_timeout:g}) must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]")
     level = step_level(args, layer_only={"--real": args.real, "--layers": args.layers is not None})
@@ -139,15 +136,11 @@ def run(args) -> int:
         return run_step_level(args, sc)
     kw = dict(real=args.real, nproc=args.nproc if args.real else None, iters=args.iters, timeout_s=args.real_timeout,
               jobs=args.jobs, cluster=args.cluster)
-    with progress(c, "compare", lines=args.json) as cb:
+    with tracker("compare") as cb:
         rep = sc.compare(progress=cb, **kw).to_dict()
     files = write_outputs(rep, Path(args.out), plots=not args.no_plots)
     print_warnings(rep.get("warnings"))
-    if to_file:
-        from moonep_sim.io import dumps_strict, write_text_atomic
-        write_text_atomic(args.json, dumps_strict(rep, indent=1), what="--json")
-    elif args.json:
-        print_json(rep)
+    if emit_json(args, rep, stdout_indent=2):
         return 0
     for t in compare_table(rep):
         c.print(t)
@@ -172,16 +165,12 @@ def run_step_level(args, sc) -> int:
     opts = step_options(args)
     if opts.parallel is None:
         check_step_ranks(args, sc.resolved.cluster.ranks)  # before any work
-    with progress(None, "compare --level step") as cb:
+    with tracker("compare --level step") as cb:
         res = sc.compare(level="step", step=opts, jobs=args.jobs, cluster=args.cluster, progress=cb)
     doc = steps_document(res if isinstance(res, list) else [res])
     files = save_report(doc, Path(args.out), plots=not args.no_plots)
     print_warnings(sc.resolved.warnings)
-    if args.json not in (None, "-"):
-        from moonep_sim.io import dumps_strict, write_text_atomic
-        write_text_atomic(args.json, dumps_strict(doc, indent=1), what="--json")
-    elif args.json:
-        print_json(doc)
+    if emit_json(args, doc, stdout_indent=2):
         return 0
     print_steps(doc)
     console().print("wrote " + ", ".join(files.values()))

@@ -39,12 +39,12 @@ def _trace_path() -> Path:
 
 
 def run(args) -> int:
-    from moonep_sim.cli.common import parse_int_list, progress
+    from moonep_sim.experiments.spec import parse_int_list
+    from moonep_sim.progress import tracker
     from moonep_sim.cli.compare import write_outputs
     from moonep_sim.errors import require
     from moonep_sim.experiments import Scenario
     from moonep_sim.experiments import calibrate as cal
-    from moonep_sim.experiments.compare import load_topology
     from moonep_sim.report.tables import compare_footer, compare_table, resolved_line, verdict_lines
 
     from moonep_sim.cli.common import output_rule
@@ -85,13 +85,12 @@ def run(args) -> int:
                             target_nproc=args.nproc, kind="quick")
         quality = "quick"
         c.print(f"[dim]  measured in {res.seconds:.0f} s, wrote {res.path} (`moonep-sim calibrate` does a fuller job)[/dim]")
-    load_topology("local-gloo")
 
     names = [n for n, _ in rs.strategies]
     c.print(f"replaying {rs.source.label}, layers {args.layers}, through {', '.join(names)}: "
             f"gloo with {args.nproc} processes ({rs.cluster.num_nodes} emulated node(s) of {rs.cluster.gpus_per_node}), "
             f"and simulated on local-gloo and {args.topology}")
-    with progress(c, "demo") as cb:
+    with tracker("demo") as cb:
         rep = sc.compare(real=True, nproc=args.nproc, iters=args.iters, timeout_s=300.0, progress=cb).to_dict()
     files = write_outputs(rep, Path(args.out), plots=not args.no_plots)
     for t in compare_table(rep):

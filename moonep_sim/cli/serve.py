@@ -167,20 +167,20 @@ def options(args):
 
 
 def run(args) -> int:
-    from moonep_sim.cli.common import console, emit_json, output_rule, progress
+    from moonep_sim.cli.common import emit_json, output_rule
+    from moonep_sim.progress import tracker
 
     output_rule(args, files=("json",), folders={"out": OUT_FILES},
                 inputs={k: v for k, v in (("--deployment", args.deployment), ("--requests", args.requests),
                                           ("--trace", args.trace)) if v})
     opts = options(args)
     reqs, loads = requests(args)
-    c = console()
     if args.search:
         from moonep_sim.experiments.serve_search import search
         from moonep_sim.report.serve import print_search
 
         require(args.gpus is not None and args.gpus >= 1, "--search needs --gpus N (the GPU budget)")
-        with progress(c, "search", lines=args.json == "-") as cb:
+        with tracker("search") as cb:
             doc = search(reqs[0], args.gpus, opts, max_deployments=args.max_deployments, jobs=args.jobs,
                          cluster=args.cluster, progress=cb, load=loads[0], argv=_argv(args))
     else:
@@ -190,7 +190,7 @@ def run(args) -> int:
         if args.gpus is not None:
             require(dep.gpus == args.gpus, f"deployment GPUs ({dep.gpus}: {dep.label()}) must equal --gpus "
                                            f"({args.gpus})")
-        with progress(c, "serve", lines=args.json == "-") as cb:
+        with tracker("serve") as cb:
             doc = run_serve(reqs, dep, opts, cb, loads)
     stdout = emit_json(args, doc, lenient=True)
     if not stdout:

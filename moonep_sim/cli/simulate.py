@@ -15,7 +15,7 @@ import dataclasses
 import time
 
 from moonep_sim.cli.common import (add_dispatch_dtype, add_output_flags, add_redundant_experts, add_steps,
-                                   check_cluster_args, check_int, console, parse_int_list)
+                                   check_cluster_args, check_int, console)
 from moonep_sim.limits import MAX_CHUNKS
 from moonep_sim.errors import require
 
@@ -70,7 +70,7 @@ def register(sub) -> None:
 def scenario(args):
     """The Scenario these arguments describe (shared with tests)."""
     from moonep_sim.experiments import GeneratorSpec, Scenario
-    from moonep_sim.experiments.spec import parse_opt_items, split_names
+    from moonep_sim.experiments.spec import parse_int_list, parse_opt_items, split_names
 
     check_cluster_args(args)
     if args.gen:
@@ -117,9 +117,9 @@ def run(args) -> int:
     require(len(names) == 1 or not (args.isolate or args.timeline),
             f"--{'isolate' if args.isolate else 'timeline'} takes one --strategy, not {len(names)} ({', '.join(names)})")
     t0 = time.perf_counter()
-    from moonep_sim.cli.common import progress
+    from moonep_sim.progress import tracker
 
-    with progress(None, "simulate") as cb:  # a bar on a terminal while the layers are planned
+    with tracker("simulate") as cb:  # a bar on a terminal while the layers are planned
         out = sc.simulate(cb, backward=args.backward, overlap_prefetch=not args.no_overlap_prefetch,
                           chunks=args.chunks, seed=args.seed, faults=tuple(faults), jitter=args.jitter,
                           tol=DEFAULT_TOL if args.tol is None else args.tol, timeline=bool(args.timeline),

@@ -263,7 +263,8 @@ def _static(items) -> dict[str, int]:
 
 
 def run(args) -> int:
-    from moonep_sim.cli.common import emit_json, output_rule, print_warnings, progress
+    from moonep_sim.cli.common import emit_json, output_rule, print_warnings
+    from moonep_sim.progress import tracker
     from moonep_sim.experiments.step import steps_document
 
     from moonep_sim.cli.checks import check_step_ranks, check_step_routing
@@ -285,7 +286,7 @@ def run(args) -> int:
         print_warnings(rs.warnings)
     from moonep_sim.experiments.step import run_step
 
-    with progress(None, "step") as cb:
+    with tracker("step") as cb:
         results = run_step(sc, opts, jobs=args.jobs, cluster=args.cluster, progress=cb,
                            pipeline={"auto": None, "on": True, "off": False}[args.pipeline])
     doc = steps_document(results)
@@ -318,7 +319,8 @@ SEARCH_KEEPS = ("--micro-batch-size", "--global-batch-size", "--pp-schedule", "-
 
 def run_search(args) -> int:
     """``step --search --gpus N``: :meth:`Scenario.search_layouts`, a progress bar, the ranked table."""
-    from moonep_sim.cli.common import emit_json, progress
+    from moonep_sim.cli.common import emit_json
+    from moonep_sim.progress import tracker
     from moonep_sim.cli.layout import layout_given
     from moonep_sim.report.layout import search_table
     from moonep_sim.report.tables import wide_console
@@ -353,7 +355,7 @@ def run_search(args) -> int:
                        optimizer_bytes_per_param=(12.0 if args.optimizer_bytes_per_param is None
                                                   else args.optimizer_bytes_per_param),
                        optimizer_offload=args.optimizer_offload or 0.0, offload_overlap=bool(args.offload_overlap))
-    with progress(c, "layouts", lines=args.json is not None) as cb:
+    with tracker("layouts") as cb:
         rep = search_layouts(sc, space, step, progress=lambda d, n: cb("priced" if d <= n else "", d, n))
     if emit_json(args, rep, lenient=True):
         return 0

@@ -8,9 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from moonep_sim.cli.common import (output_rule, add_dispatch_dtype, add_output_flags, emit_json, add_steps,
-                                   add_strategies, check_cluster_args, check_int, progress)
+                                   add_strategies, check_cluster_args, check_int)
 from moonep_sim.limits import MAX_TOKENS_PER_RANK
 from moonep_sim.errors import ConfigError
+from moonep_sim.progress import tracker
 from moonep_sim.experiments.routing import GEN_DEFAULTS
 from moonep_sim.report.tables import wide_console as console
 
@@ -84,44 +85,27 @@ def add_parallel(p) -> None:
                    help="run the points on a Dask scheduler (tcp://host:8786; pip install 'moonep-sim[cluster]')")
 
 
-#: second knobs of a winner map on generated routing (experiments.sweep.at varies the scenario)
-BY_KNOBS = ("tokens-per-rank", "maxvio", "ep")
-
-
 def _by_values(args) -> list[float]:
+    from moonep_sim.experiments.checks import check_axis_values
+    from moonep_sim.experiments.sweep import BY_KNOBS
+
     if args.by is None:
         if args.by_values is not None:
             raise ConfigError("--by-values needs --by (the knob they are values of)")
         return []
     if args.by_values is None:
         raise ConfigError(f"--by-values must be given with --by ({args.by})")
-    if args.by == args.over or (args.by == "ep" and args.over == "ep"):
+    if args.by == args.over:
         raise ConfigError(f"--by ({args.by}) must differ from --over ({args.over})")
     if args.model is not None and args.by not in BY_KNOBS:
         raise ConfigError(f"--by ({args.by!r}) must be one of {', '.join(BY_KNOBS)} for generated routing")
     vals = _values(args.by_values, "--by-values")
-    from moonep_sim.experiments.checks import check_axis_values
-
     check_axis_values(args.by, vals, flag="--by-values")  # the same check as the flag it stands for
     return vals
 
 
 #: The files sweep writes into --out (a winner map: the winner.* ones): what the output rule checks.
 OUT_FILES = ("sweep.json", "sweep.png", "report.html", "winner.png", "winner.md", "winner.json")
-
-
-def run_winner_map(args, sc, ax, by_vals: list[float]) -> int:
-    """One sweep per --by value, then the winner map of them all."""
-    from moonep_sim.experiments.sweep import at, check_rows, sweep_over_seeds, winner_of
-
-    check_rows(sc, ax, args.by, by_vals)  # every input checked before any work
-    con = console()
-    reps = []
-    for v in by_vals:
-        with progress(con, f"sweep {args.by}={v:g}", lines=args.json) as cb:
-            reps.append((v, sweep_over_seeds(*at(sc, ax, args.by, v), args.seeds, progress=cb, jobs=args.jobs,
-                                             cluster=args.cluster)))
-    return write_winner(args, winner_of(reps, args.by), con)
 
 
 def write_winner(args, m: dict, con) -> int:
@@ -172,9 +156,7 @@ def _values(text: str | None, flag: str = "--values") -> list[float] | None:
 
 def scenario(args):
     from moonep_sim.experiments import GeneratorSpec, Scenario
-    from moonep_sim.experiments.spec import parse_opt_items, split_names
-
-    from moonep_sim.cli.common import parse_int_list
+    from moonep_sim.experiments.spec import parse_int_list, parse_opt_items, split_names
 
     names = split_names(args.strategies)
     check_cluster_args(args)
@@ -199,8 +181,6 @@ def scenario(args):
 
 def run(args) -> int:
     from moonep_sim.experiments.parallel import check_jobs
-    from moonep_sim.experiments.results import SweepResult
-    from moonep_sim.experiments.sweep import setup, sweep_over_seeds
 
     from moonep_sim.cli.step import step_level
 
@@ -211,18 +191,7 @@ def run(args) -> int:
     check_jobs(args.jobs)
     if level:
         return run_step_level(args, sc)
-    if sc.is_trace():
-        return run_points(args, sc, _values(args.values), _by_values(args), "sweep")
-    ax = sc.sweep_axis(args.over, _values(args.values))
-    by_vals = _by_values(args)
-    if by_vals:
-        return run_winner_map(args, sc, ax, by_vals)
-    setup(sc, ax)  # every input checked before any work
-    c = console()
-    with progress(c, "sweep", lines=args.json) as cb:
-        rep = SweepResult.from_report(sweep_over_seeds(sc, ax, args.seeds, progress=cb, jobs=args.jobs,
-                                                       cluster=args.cluster)).to_dict()
-    return write_sweep(args, rep, c)
+    return run_points(args, sc, _values(args.values), _by_values(args), "sweep", seeds=args.seeds)
 
 
 def run_step_level(args, sc) -> int:
@@ -247,12 +216,12 @@ def run_step_level(args, sc) -> int:
 
 
 def run_points(args, sc, vals, by_vals, label: str, **kw) -> int:
-    """``Scenario.sweep`` over --values (or, with --by, ``Scenario.winner_map``) with ``kw``; a
-    trace's warnings; then the files and the table (or JSON)."""
+    """``Scenario.sweep`` over --values (or, with --by, ``Scenario.winner_map``) with ``kw``, on
+    generated routing or a trace (then its warnings); then the files and the table (or JSON)."""
     from moonep_sim.cli.common import print_warnings
 
     c = console()
-    with progress(c, label, lines=args.json) as cb:
+    with tracker(label) as cb:
         if by_vals:
             doc = sc.winner_map(args.over, vals, args.by, by_vals, progress=cb, jobs=args.jobs, cluster=args.cluster,
                                 **kw)

@@ -6,7 +6,8 @@ import math
 import sys
 import time
 
-from moonep_sim.cli.common import check_int, console, output_rule, parse_int_list, print_json
+from moonep_sim.cli.common import check_int, console, output_rule, print_json
+from moonep_sim.experiments.spec import parse_int_list
 from moonep_sim.errors import ConfigError
 
 
@@ -21,12 +22,9 @@ def _tokens(text: str) -> int:
         raise ConfigError(f"--tokens ({text!r}) must be an integer or RANKSxTOKENS like 64x8192") from None
 
 
-def import_formats() -> tuple[str, ...]:
-    from moonep_sim.routing.importers import formats
-    return formats()
-
-
 def register(sub) -> None:
+    from moonep_sim.routing.importers import formats
+
     p = sub.add_parser("trace", help="import, generate, inspect and re-route routing traces")
     tsub = p.add_subparsers(dest="trace_command", metavar="ACTION")
     p.set_defaults(func=lambda a: (p.print_help(), 0)[1])
@@ -35,7 +33,7 @@ def register(sub) -> None:
     pi = tsub.add_parser("import", help="convert a routing log / histogram / array to a trace")
     pi.add_argument("src", help="source file (JSONL records, vLLM route log, counts JSON, .npy/.npz)")
     pi.add_argument("-o", "--out", required=True, help="output trace (.safetensors)")
-    pi.add_argument("--format", default="auto", choices=("auto",) + import_formats(),
+    pi.add_argument("--format", default="auto", choices=("auto",) + formats(),
                     help="source format (default: detected; `moonep-sim trace formats` lists them)")
     pi.add_argument("--model", help="model preset or a .toml/.json model file (its experts and top-k must "
                                     "agree with the file; stored with the trace)")

@@ -41,7 +41,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from moonep_sim.cli.common import progress
+    from moonep_sim.progress import tracker
     from moonep_sim.cli.demo import _trace_path
     from moonep_sim.errors import require
     from moonep_sim.cli.common import output_rule
@@ -68,7 +68,7 @@ def run(args) -> int:
     calibrated = path.is_file()
     if not args.json:
         c.print(f"[dim]local-gloo constants: {path if calibrated else 'shipped preset defaults (no calibration file; run `moonep-sim calibrate` first)'}[/dim]")
-    with progress(c, "validate", lines=args.json) as cb:
+    with tracker("validate") as cb:
         rep = F.validate(cfg, progress=cb, jobs=args.jobs, cluster=args.cluster)
     rep["calibrated"] = calibrated
     out = Path(args.out)
@@ -102,7 +102,8 @@ def run(args) -> int:
 
 def _run_step(args) -> int:
     """``--level step``: whole training steps measured against the step model (experiments.hf_step)."""
-    from moonep_sim.cli.common import output_rule, progress
+    from moonep_sim.cli.common import output_rule
+    from moonep_sim.progress import tracker
     from moonep_sim.errors import require
     from moonep_sim.experiments import calibrate as cal
     from moonep_sim.experiments import hf_step
@@ -123,7 +124,7 @@ def _run_step(args) -> int:
     if not args.json:
         c.print(f"[dim]local-gloo constants: {path if path.is_file() else 'shipped preset defaults (run `moonep-sim calibrate` first)'}[/dim]")
     out = Path(args.out)
-    with staged_dir(out, "--out") as tmp, progress(c, "validate --level step", lines=args.json) as cb:
+    with staged_dir(out, "--out") as tmp, tracker("validate --level step") as cb:
         # each model's recorded routing is kept beside the report (routing-MODEL.safetensors)
         rep = hf_step.validate_steps(models, strategies, nproc=args.nproc, steps=args.iters, progress=cb,
                                      record_dir=str(tmp))

@@ -15,12 +15,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from moonep_sim.errors import ConfigError, require
+from moonep_sim.errors import ConfigError, is_int, require
 from moonep_sim.limits import MAX_LAYERS, MAX_RANKS, MAX_TOKEN_PADDING, MAX_TOKENS_PER_RANK
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_path(v: Any) -> bool:
@@ -57,17 +53,17 @@ def check_scenario_args(sc) -> None:
         require(len(lay) >= 1, "layers ([]) must name at least one layer id (None: every layer)")
         require(len(lay) <= MAX_LAYERS, f"layers ({len(lay)} ids) must name at most {MAX_LAYERS}")
         for i in lay:
-            require(_is_int(i) and i >= 0, f"layers entry ({i!r}) must be a layer id, an integer >= 0")
+            require(is_int(i) and i >= 0, f"layers entry ({i!r}) must be a layer id, an integer >= 0")
     s = sc.steps
     require(s is None or isinstance(s, str),
             f"steps ({s!r}) must be a step selection string: 'all', 'N', 'A-B', 'A-' or a comma list such as '0,2,5-7'")
     require(isinstance(sc.dispatch_dtype, str), f"dispatch_dtype ({sc.dispatch_dtype!r}) must be 'bf16' or 'fp8'")
     p = sc.token_padding
-    require(_is_int(p), f"token_padding ({p!r}) must be an integer in [1, {MAX_TOKEN_PADDING}]")
+    require(is_int(p), f"token_padding ({p!r}) must be an integer in [1, {MAX_TOKEN_PADDING}]")
     require(1 <= p <= MAX_TOKEN_PADDING, f"token_padding ({p}) must be in [1, {MAX_TOKEN_PADDING}]")
     require(isinstance(sc.placement, str), f"placement ({sc.placement!r}) must be 'home' or 'round-robin'")
     n = sc.redundant_experts
-    require(_is_int(n) and n >= 0, f"redundant_experts ({n!r}) must be an integer >= 0 (extra expert slots)")
+    require(is_int(n) and n >= 0, f"redundant_experts ({n!r}) must be an integer >= 0 (extra expert slots)")
     require(sc.costs is None or isinstance(sc.costs, RowCosts),
             f"costs ({sc.costs!r}) must be None (the model's) or a RowCosts")
 
@@ -77,14 +73,14 @@ def _check_cluster(c: Any, ClusterShape) -> None:
         return
     what = ("must be R, 'R/G', (R, G) or a ClusterShape: R EP ranks (0: the default), G GPUs per node "
             "(0: the topology's)")
-    if _is_int(c):
+    if is_int(c):
         require(1 <= c <= MAX_RANKS, f"cluster ({c}) {what}, R at most {MAX_RANKS}")
         return
     require(isinstance(c, (tuple, list)) and len(c) == 2, f"cluster ({c!r}) {what}")
     R, G = c
-    require(_is_int(R) and 0 <= R <= MAX_RANKS, f"cluster ranks ({R!r}) must be an integer in [0, {MAX_RANKS}] "
+    require(is_int(R) and 0 <= R <= MAX_RANKS, f"cluster ranks ({R!r}) must be an integer in [0, {MAX_RANKS}] "
                                                 "(0: the default)")
-    require(_is_int(G) and 0 <= G <= MAX_RANKS, f"cluster gpus_per_node ({G!r}) must be an integer in [0, {MAX_RANKS}] "
+    require(is_int(G) and 0 <= G <= MAX_RANKS, f"cluster gpus_per_node ({G!r}) must be an integer in [0, {MAX_RANKS}] "
                                                 "(0: the topology's)")
 
 

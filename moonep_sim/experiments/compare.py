@@ -74,35 +74,17 @@ def replay_costs(hidden: int, ffn: int) -> RowCosts:
     return RowCosts(hidden * 4, hidden * 4, 3 * hidden * ffn * 4, 3 * hidden * ffn * 4)
 
 
-def simulate(plan, topo, model: ModelSpec, **opts):
-    from moonep_sim import sim
-
-    return sim.simulate_layer(plan, topo, model, sim.SimOptions(**opts))
-
-
 def topology_info(topo) -> dict[str, Any]:
     """Name and every constant of a topology (what a simulated figure is reported with)."""
-    c = topo.constants() if hasattr(topo, "constants") else {"repr": repr(topo)}
-    return {"name": getattr(topo, "name", "?"), "path": getattr(topo, "path", "") or None,
-            "constants": to_jsonable(c, lenient=True)}
+    return {"name": topo.name, "path": topo.path or None, "constants": to_jsonable(topo.constants(), lenient=True)}
 
 
-def _short(v: Any) -> str:
-    """A one-line description of a straggler (``{rank, cause, detail}``) or busiest port record."""
-    if v is None:
-        return "-"
-    if isinstance(v, str):
-        return v
-    if isinstance(v, dict):
-        if "rank" in v and "cause" in v:
-            return f"rank {v['rank']}: {v['cause']}"
-        if "name" in v and "utilisation" in v:
-            return f"{v['name']} ({float(v['utilisation']) * 100:.0f}% busy)"
-        for k in ("describe", "label", "name", "what"):
-            if k in v and isinstance(v[k], str):
-                return v[k]
-        return ", ".join(f"{k}={v[k]}" for k in list(v)[:3])
-    return str(v)
+def _short(v: dict[str, Any]) -> str:
+    """A one-line description of a straggler (``{rank, cause, ...}``) or of the busiest port
+    (``{name, utilisation, ...}``), as the simulator's result gives them."""
+    if "cause" in v:
+        return f"rank {v['rank']}: {v['cause']}"
+    return f"{v['name']} ({float(v['utilisation']) * 100:.0f}% busy)"
 
 
 # -- the comparison ---------------------------------------------------------------------------------
@@ -152,16 +134,17 @@ def _sum_dicts(acc: dict[str, float], d: dict[str, Any]) -> None:
 
 def _compare_point(pt: Point) -> dict[str, Any]:
     """Plan and simulate one point (and, with a real replay, the same plan costed as the replay moves it)."""
+    from moonep_sim.sim import simulate_layer
     from moonep_sim.strategies import make_plan
 
     plan = make_plan(pt.name, pt.routing, pt.ctx, **pt.opts)
     summ = plan.summary()
-    res = simulate(plan, pt.topo, pt.model)
+    res = simulate_layer(plan, pt.topo, pt.model)
     sd = to_jsonable(res.to_dict(), lenient=True)
     entry = {"plan": to_jsonable(summ, lenient=True), "sim": sd, "figures": figures(plan, sd, pt.topo)}
     if pt.local_topo is not None:
         lplan = replace(plan, costs=pt.local_costs)
-        entry["sim_local"] = to_jsonable(simulate(lplan, pt.local_topo, pt.local_model).to_dict(), lenient=True)
+        entry["sim_local"] = to_jsonable(simulate_layer(lplan, pt.local_topo, pt.local_model).to_dict(), lenient=True)
         entry["sim_local_bytes"] = lplan.bytes_summary()
     disp = np.zeros((plan.ranks, plan.ranks))
     for p in plan.phases("forward"):

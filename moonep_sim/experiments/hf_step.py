@@ -59,7 +59,6 @@ def step_model(rep: Mapping[str, Any]):
 
 def compare_steps(rep: Mapping[str, Any], topology: str = "local-gloo") -> dict[str, Any]:
     """Simulate every timed step of every strategy of a train_hf report (see the module doc)."""
-    from moonep_sim.experiments.compare import topology_info
     from moonep_sim.analysis.ranking import agreement
     from moonep_sim.experiments.scenario import Scenario
 
@@ -108,8 +107,6 @@ def compare_steps(rep: Mapping[str, Any], topology: str = "local-gloo") -> dict[
         e.update(simulated_ms=e["step"]["simulated_ms"], error=e["step"]["error"],
                  simulated_moe_ms=e["step"]["simulated_moe_ms"], moe_error=e["step"]["moe_error"])
         out["strategies"][n] = e
-    if topo_info is None:
-        out["topology"] = topology_info(topology)
     for kind in ("step", "chain"):
         errs = [abs(v[kind]["error"]) for v in out["strategies"].values() if v[kind]["error"] is not None]
         moe = [abs(v[kind]["moe_error"]) for v in out["strategies"].values() if v[kind]["moe_error"] is not None]

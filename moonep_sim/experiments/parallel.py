@@ -27,16 +27,17 @@ from moonep_sim.errors import ConfigError, require
 Progress = Callable[[str, int, int], None]
 
 
-def default_jobs() -> int:
-    """The cores this process may run on."""
+def host_cores() -> int:
+    """The CPU cores this process may run on (its affinity set, else ``os.cpu_count()``): the
+    default number of worker processes, and a calibration's ``cpu_cores``."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
         return max(1, os.cpu_count() or 1)
 
 
 def check_jobs(jobs: int | None) -> int:
-    jobs = default_jobs() if jobs is None else int(jobs)
+    jobs = host_cores() if jobs is None else int(jobs)
     require(jobs >= 1, f"--jobs ({jobs}) must be >= 1")
     return jobs
 
@@ -119,4 +120,4 @@ def _run_dask(fn, items, address: str, out: list, tick) -> list:
     return out
 
 
-__all__ = ["check_jobs", "default_jobs", "run_points"]
+__all__ = ["check_jobs", "host_cores", "run_points"]

@@ -45,10 +45,6 @@ GEN_KEYS = ("model", "maxvio", "sigma", "zipf", "uniform", "hot", "hot_share", "
             "groups", "topk_groups", "experts", "top_k")
 
 
-def _key_list() -> str:
-    return ", ".join(k.replace("_", "-") for k in GEN_KEYS)
-
-
 @dataclass(frozen=True)
 class GeneratorSpec:
     """Generated routing (see the module docstring for the grammar).
@@ -103,7 +99,8 @@ class GeneratorSpec:
             k, v = (s.strip() for s in part.split("=", 1))
             key = k.replace("-", "_")
             if key not in GEN_KEYS:
-                raise ConfigError(f"generator spec key ({k!r}) must be one of: {_key_list()}")
+                raise ConfigError(f"generator spec key ({k!r}) must be one of: "
+                                  f"{', '.join(g.replace('_', '-') for g in GEN_KEYS)}")
             require(key not in kw, f"generator spec key ({k!r}) must be given once")
             kw[key] = _typed(key, v)
         return cls(**kw)

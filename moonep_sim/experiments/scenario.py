@@ -31,7 +31,7 @@ from moonep_sim.experiments.compare import (RealOptions, check_cluster, compare,
 from moonep_sim.experiments.results import (CompareResult, LayerPlans, PlansResult, ReplayResult, SimulateResult,
                                             SweepResult)
 from moonep_sim.experiments.routing import GeneratorSpec, RoutingSource, open_routing
-from moonep_sim.experiments.spec import DISPATCH_DTYPES, normalise_dtype, parse_cluster, strategy_list
+from moonep_sim.experiments.spec import normalise_dtype, parse_cluster, strategy_list
 from moonep_sim.experiments.step import StepOptions, run_step
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec
@@ -450,10 +450,7 @@ def _simulate_flags(rs: Resolved, name: str, plans: list) -> list[dict[str, Any]
 
 def default_ranks(num_experts: int) -> int:
     """The default EP size: 8, or the largest divisor of E below it."""
-    for r in (8, 4, 2, 1):
-        if num_experts % r == 0:
-            return r
-    return 1
+    return next(r for r in (8, 4, 2, 1) if num_experts % r == 0)
 
 
 __all__ = ["Scenario", "Resolved", "DEFAULT_STRATEGIES", "DEFAULT_TOPOLOGY", "normalise_dtype", "parse_cluster",

@@ -1,4 +1,5 @@
-"""The one place that parses strategy names, strategy options and dtypes, and the typed replay spec.
+"""The one place that parses strategy names, strategy options, dtypes and id lists, and the typed
+replay spec.
 
 Every command, the Python API and the replay's rank program read strategies, ``--opt`` items and
 dtype names through these functions, so a spelling accepted (or refused) by one is accepted (or
@@ -41,6 +42,35 @@ def parse_cluster(cluster: Any) -> tuple[int | None, int | None]:
         return int(r), (int(g) if sep else None)
     except ValueError:
         raise ConfigError(f"cluster ({text!r}) must look like RANKS or RANKS/GPUS_PER_NODE, e.g. 16/8") from None
+
+
+# -- id lists ----------------------------------------------------------------------------------------
+def parse_int_list(text: str | None, what: str) -> list[int] | None:
+    """``"0,2,5-7"`` -> ``[0, 2, 5, 6, 7]``; None stays None."""
+    if text is None:
+        return None
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if "-" in part[1:]:
+                a, b = part.split("-", 1) if not part.startswith("-") else (part, part)
+                lo, hi = int(a), int(b)
+                if lo > hi:
+                    raise ConfigError(f"{what} ({text!r}) must give ranges low-high: {part} runs backwards")
+                if hi - lo >= 1 << 16:
+                    raise ConfigError(f"{what} ({text!r}) must give ranges of at most 65536 values: {part}")
+                out.extend(range(lo, hi + 1))
+            else:
+                out.append(int(part))
+    except ValueError:
+        raise ConfigError(f"{what} ({text!r}) must be a list of integers like 0,2,5-7") from None
+    if not out:
+        raise ConfigError(f"{what} ({text!r}) must name at least one integer, like 0,2,5-7")
+    return out
+
 
 
 # -- dtypes -------------------------------------------------------------------------------------------

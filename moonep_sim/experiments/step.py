@@ -187,7 +187,7 @@ def layer_source(source: RoutingSource, ranks: int, tokens: int, moe_layers: int
             j = i % distinct
             if j not in memo:
                 if 0 not in memo:
-                    memo[0] = src.global_routing(0, ranks)
+                    memo[0] = GeneratedLayer(src, 0, ranks)()
                 memo[j] = memo[0] if j == 0 else relabel_experts(memo[0], g.seed * 1009 + j,
                                                                   g.groups or source.model.n_groups)
             how = "generated layer 0" if j == 0 else f"generated layer 0, experts relabelled (seed {g.seed * 1009 + j})"
@@ -252,7 +252,7 @@ class GeneratedLayer:
     ranks: int
 
     def __call__(self) -> GlobalRouting:
-        from moonep_sim.step.run import trusted_routing
+        from moonep_sim.step.layer_work import trusted_routing
 
         # the generator's routing is valid by construction: not re-checked (trusted_routing)
         lr = self.source.layer(self.layer, self.ranks)
@@ -264,7 +264,9 @@ def relabel_experts(r: GlobalRouting, seed: int, groups: int = 1) -> GlobalRouti
     statistics (the sorted per-expert counts, the maxvio, the co-selection structure), other hot
     experts on other home ranks. With expert groups (group-limited routing) the permutation keeps
     groups whole (groups permuted, experts permuted within them), so a token still spans its groups.
-    One gather over the entries: the fast path's per-layer stand-in for a fresh draw."""
+    One gather over the entries (ids not re-checked: trusted_routing): the per-layer stand-in for a fresh draw."""
+    from moonep_sim.step.layer_work import trusted_routing
+
     E = r.num_experts
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 11]))
     G = max(int(groups), 1)
@@ -272,7 +274,7 @@ def relabel_experts(r: GlobalRouting, seed: int, groups: int = 1) -> GlobalRouti
     g_perm = rng.permutation(G)
     within = np.argsort(rng.random((G, per)), axis=1)
     perm_E = (g_perm[:, None] * per + within).reshape(-1)[np.arange(E).reshape(G, per).reshape(-1)]
-    return GlobalRouting(perm_E[r.topk_ids_TK], r.topk_weights_TK, r.tokens_per_rank_R, E)
+    return trusted_routing(np.take(perm_E, r.topk_ids_TK), r.topk_weights_TK, E, r.tokens_per_rank_R)
 
 
 def _trace_layer(source: RoutingSource, layer_id: int, ranks: int, steps_T: np.ndarray | None) -> GlobalRouting:

@@ -114,13 +114,13 @@ def step_sweep(sc, ax, opts: StepOptions, *, progress: Callable[[str, int, int],
     require(opts.tokens_per_rank is None, "step tokens per rank must not be set in a sweep: the generator spec's "
                                           "tokens per rank (--tokens-per-rank) set the batch")
     st = setup(sc, ax)
-    scs = [_point_scenario(sc, st, v) for v in st.values]
+    scs = [_point_scenario(sc, st, v) for v in st.axis.values]
     for p in scs:   # every point checked before any work
         _check_point(p, opts)
     points, runs = [], []
-    for i, (v, p) in enumerate(zip(st.values, scs)):
+    for i, (v, p) in enumerate(zip(st.axis.values, scs)):
         if progress:
-            progress(f"{st.over}={v:g}", i, len(scs))
+            progress(f"{st.axis.over}={v:g}", i, len(scs))
         rs = p.resolved
         runs.append(point_step(p, opts, jobs=jobs, cluster=cluster))
         points.append({"value": float(v), "ranks": rs.cluster.ranks, "gpus_per_node": rs.cluster.gpus_per_node,
@@ -134,11 +134,11 @@ def step_sweep(sc, ax, opts: StepOptions, *, progress: Callable[[str, int, int],
 def _point_scenario(sc, st, v: float):
     """The scenario of one generated sweep point: its ranks, topology and target maxvio."""
     topo = st.topology
-    if st.over not in ("maxvio", "ep"):
-        topo = dataclasses.replace(topo, **{st.over: type(getattr(topo, st.over))(v)})
-    ranks = int(v) if st.over == "ep" else st.ranks
+    if st.axis.over not in ("maxvio", "ep"):
+        topo = dataclasses.replace(topo, **{st.axis.over: type(getattr(topo, st.axis.over))(v)})
+    ranks = int(v) if st.axis.over == "ep" else st.ranks
     g = st.gpus_per_node or topo.gpus_per_node_for(ranks)
-    spec = st.spec.with_(maxvio=float(v) if st.over == "maxvio" else st.maxvio)
+    spec = st.spec.with_(maxvio=float(v) if st.axis.over == "maxvio" else st.maxvio)
     return dataclasses.replace(sc, routing=spec, cluster=(ranks, g), topology=topo)
 
 
@@ -214,7 +214,7 @@ def check(sc, over: str, values: Sequence[float] | None, opts: StepOptions, *, b
         pairs = [at(sc, ax, by, v) for v in by_values or []]
     for r_sc, r_ax in pairs:
         st = setup(r_sc, r_ax)
-        for x in st.values:
+        for x in st.axis.values:
             _check_point(_point_scenario(r_sc, st, x), opts)
 
 

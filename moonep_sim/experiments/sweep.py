@@ -26,7 +26,7 @@ from moonep_sim.errors import ConfigError, require
 from moonep_sim.io import to_jsonable
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import ClusterShape, GlobalRouting, Placement, RowCosts
-from moonep_sim.experiments.compare import _short, load_topology, simulate, topology_info
+from moonep_sim.experiments.compare import _short, load_topology, topology_info
 from moonep_sim.experiments.parallel import check_jobs, run_points
 from moonep_sim.experiments.spec import normalise_dtype, parse_cluster, strategy_list
 
@@ -119,22 +119,6 @@ class Setup:
     placement: str
     axis: SweepAxis
 
-    @property
-    def over(self) -> str:
-        return self.axis.over
-
-    @property
-    def values(self) -> tuple[float, ...]:
-        return self.axis.values
-
-    @property
-    def tokens_per_rank(self) -> int:
-        return int(self.spec.tokens_per_rank)
-
-    @property
-    def seed(self) -> int:
-        return int(self.spec.seed)
-
 
 def generator_spec(sc) -> Any:
     """The scenario's generator spec (a sweep generates routing at every point)."""
@@ -188,41 +172,41 @@ def check(cfg: Setup) -> Any:
 
     m, topo = cfg.model, cfg.topology
     hi = m.num_experts / m.top_k - 1
-    check_axis_values(cfg.over, cfg.values, topo)  # each value as the flag it stands for
-    check_axis_value("tokens-per-rank", cfg.tokens_per_rank, flag="--tokens-per-rank")
-    if cfg.over == "maxvio":
-        for v in cfg.values:
+    check_axis_values(cfg.axis.over, cfg.axis.values, topo)  # each value as the flag it stands for
+    check_axis_value("tokens-per-rank", cfg.spec.tokens_per_rank, flag="--tokens-per-rank")
+    if cfg.axis.over == "maxvio":
+        for v in cfg.axis.values:
             require(0 < v <= hi, f"maxvio ({v:g}) must lie in (0, E/K-1 = {hi:g}] for {m.name} (E={m.num_experts}, "
                                  f"K={m.top_k})")
         sizes = [cfg.ranks]
-    elif cfg.over == "ep":
-        sizes = [int(v) for v in cfg.values]
-        for v in cfg.values:
+    elif cfg.axis.over == "ep":
+        sizes = [int(v) for v in cfg.axis.values]
+        for v in cfg.axis.values:
             require(v == int(v) and v >= 1, f"EP size ({v:g}) must be a positive integer")
     else:
         params = topology_params(topo)
-        require(cfg.over in params, f"--over ({cfg.over!r}) must be maxvio, ep or a topology constant: "
+        require(cfg.axis.over in params, f"--over ({cfg.axis.over!r}) must be maxvio, ep or a topology constant: "
                                     f"{', '.join(params)}")
         sizes = [cfg.ranks]
-        for v in cfg.values:
-            replace(topo, **{cfg.over: type(getattr(topo, cfg.over))(v)})  # the topology checks the value
+        for v in cfg.axis.values:
+            replace(topo, **{cfg.axis.over: type(getattr(topo, cfg.axis.over))(v)})  # the topology checks the value
     for R in sizes:
         require(m.num_experts % R == 0,
                 f"EP size ({R}) must divide {m.name}'s expert count (E={m.num_experts}): each rank owns E/R experts")
         g = cfg.gpus_per_node or topo.gpus_per_node_for(R)
         require(R % g == 0, f"EP size ({R}) must be divisible by gpus per node ({g})")
-    if cfg.over != "maxvio":
+    if cfg.axis.over != "maxvio":
         require(0 < cfg.maxvio <= hi, f"--maxvio ({cfg.maxvio:g}) must lie in (0, {hi:g}] for {m.name}")
     return topo
 
 
-def _routing(cfg: Setup, ranks: int, maxvio: float, seed: int):
+def _routing(cfg: Setup, ranks: int, maxvio: float):
     from moonep_sim.routing.generators import generate_layer
     from moonep_sim.routing.metrics import maxvio as maxvio_of
 
     m = cfg.model
     extra = {"groups": m.n_groups, "topk_groups": m.topk_groups} if m.n_groups > 1 else {}
-    lr = generate_layer(m.num_experts, m.top_k, cfg.tokens_per_rank * ranks, seed, maxvio=maxvio, **extra)
+    lr = generate_layer(m.num_experts, m.top_k, cfg.spec.tokens_per_rank * ranks, cfg.spec.seed, maxvio=maxvio, **extra)
     gr = GlobalRouting.split_evenly(lr.topk_ids_TK, lr.topk_weights_TK, m.num_experts, ranks)
     return gr, float(maxvio_of(gr.counts_E()))
 
@@ -242,10 +226,9 @@ def _point_setup(cfg: Setup, base, v: float, fixed):
     from moonep_sim.strategies import PlanContext
 
     m = cfg.model
-    ranks = int(v) if cfg.over == "ep" else cfg.ranks
-    topo = replace(base, **{cfg.over: type(getattr(base, cfg.over))(v)}) if cfg.over not in ("maxvio", "ep") else base
-    routing, realised = fixed if fixed is not None else _routing(cfg, ranks, v if cfg.over == "maxvio" else cfg.maxvio,
-                                                                 cfg.seed)
+    ranks = int(v) if cfg.axis.over == "ep" else cfg.ranks
+    topo = replace(base, **{cfg.axis.over: type(getattr(base, cfg.axis.over))(v)}) if cfg.axis.over not in ("maxvio", "ep") else base
+    routing, realised = fixed if fixed is not None else _routing(cfg, ranks, v if cfg.axis.over == "maxvio" else cfg.maxvio)
     g = cfg.gpus_per_node or topo.gpus_per_node_for(ranks)
     cluster = ClusterShape(ranks, g)
     topo_g = topo.with_gpus_per_node(g) if hasattr(topo, "with_gpus_per_node") else topo
@@ -259,12 +242,13 @@ def _point_setup(cfg: Setup, base, v: float, fixed):
 
 def _strategy_at(cfg: Setup, routing, ctx, topo, name: str, opts: dict) -> dict[str, Any]:
     """One strategy planned and simulated on one point's routing."""
+    from moonep_sim.sim import simulate_layer
     from moonep_sim.strategies import make_plan
 
     t1 = time.perf_counter()
     plan = make_plan(name, routing, ctx, **opts)
     t2 = time.perf_counter()
-    res = simulate(plan, topo, cfg.model)
+    res = simulate_layer(plan, topo, cfg.model)
     t3 = time.perf_counter()
     real = plan.real_rows_R()
     wb = plan.weight_copies * plan.costs.weight_bytes + int(plan.migrate_expert_X.size) * plan.costs.weight_bytes
@@ -308,18 +292,18 @@ def _strategy_task(task) -> dict[str, Any]:
 
 def _run_staged(cfg: Setup, base, fixed, jobs: int | None, progress) -> list:
     if fixed is None:
-        routings = run_points(_setup_task, [(cfg, base, v, None) for v in cfg.values], jobs=jobs,
-                              progress=progress, label=lambda t: f"{cfg.over}={t[2]:g} routing")
+        routings = run_points(_setup_task, [(cfg, base, v, None) for v in cfg.axis.values], jobs=jobs,
+                              progress=progress, label=lambda t: f"{cfg.axis.over}={t[2]:g} routing")
     else:
-        routings = [fixed] * len(cfg.values)
-    _SETUPS[:] = [_point_setup(cfg, base, v, fixed) for v, fixed in zip(cfg.values, routings)]
+        routings = [fixed] * len(cfg.axis.values)
+    _SETUPS[:] = [_point_setup(cfg, base, v, fixed) for v, fixed in zip(cfg.axis.values, routings)]
     try:
-        tasks = [(cfg, i, name, opts) for i in range(len(cfg.values)) for name, opts in cfg.strategies]
+        tasks = [(cfg, i, name, opts) for i in range(len(cfg.axis.values)) for name, opts in cfg.strategies]
         per = run_points(_strategy_task, tasks, jobs=jobs, progress=progress,
-                         label=lambda t: f"{cfg.over}={cfg.values[t[1]]:g} {t[2]}")
+                         label=lambda t: f"{cfg.axis.over}={cfg.axis.values[t[1]]:g} {t[2]}")
         n = len(cfg.strategies)
         return [(_SETUPS[i][3], {name: per[i * n + j] for j, (name, _) in enumerate(cfg.strategies)})
-                for i in range(len(cfg.values))]
+                for i in range(len(cfg.axis.values))]
     finally:
         _SETUPS.clear()
 
@@ -333,12 +317,12 @@ def sweep(sc, ax: SweepAxis, progress: Callable[[str, int, int], None] | None = 
     cfg = setup(sc, ax)
     base = cfg.topology
     out_s = {n: {"options": dict(o)} for n, o in cfg.strategies}   # then each series of _strategy_at, per point
-    total = len(cfg.values)
-    fixed = _routing(cfg, cfg.ranks, cfg.maxvio, cfg.seed) if cfg.over not in ("maxvio", "ep") else None
-    tasks = [(cfg, base, v, fixed) for v in cfg.values]
+    total = len(cfg.axis.values)
+    fixed = _routing(cfg, cfg.ranks, cfg.maxvio) if cfg.axis.over not in ("maxvio", "ep") else None
+    tasks = [(cfg, base, v, fixed) for v in cfg.axis.values]
     if cluster or check_jobs(jobs) == 1 or total * len(cfg.strategies) <= 1:
         results = run_points(_point, tasks, jobs=jobs, cluster=cluster, progress=progress,
-                             label=lambda t: f"{cfg.over}={t[2]:g}")
+                             label=lambda t: f"{cfg.axis.over}={t[2]:g}")
     else:
         results = _run_staged(cfg, base, fixed, jobs, progress)
     points = [pt for pt, _ in results]
@@ -348,18 +332,18 @@ def sweep(sc, ax: SweepAxis, progress: Callable[[str, int, int], None] | None = 
                 out_s[name].setdefault(k, []).append(x)
     if progress:
         progress("done", total, total)
-    rep = dict(head(cfg), points=points, lower_bound_us=routing_lower_bound(out_s, len(cfg.values)), strategies=out_s)
+    rep = dict(head(cfg), points=points, lower_bound_us=routing_lower_bound(out_s, len(cfg.axis.values)), strategies=out_s)
     return finish(rep, t0)
 
 
 def head(cfg: Setup) -> dict[str, Any]:
     """What a generated sweep's report (layer or step level) says of its setup, before its points."""
-    return {"kind": "sweep", "over": cfg.over, "values": [float(v) for v in cfg.values],
+    return {"kind": "sweep", "over": cfg.axis.over, "values": [float(v) for v in cfg.axis.values],
             "left_out": list(cfg.axis.left_out), "model": cfg.model.to_dict(), "topology": topology_info(cfg.topology),
-            "cluster": {"ranks": cfg.ranks if cfg.over != "ep" else None,
+            "cluster": {"ranks": cfg.ranks if cfg.axis.over != "ep" else None,
                         "gpus_per_node": cfg.gpus_per_node or cfg.topology.gpus_per_node},
-            "tokens_per_rank": cfg.tokens_per_rank, "maxvio": cfg.maxvio if cfg.over != "maxvio" else None,
-            "seed": cfg.seed, "dispatch_dtype": cfg.dispatch_dtype}
+            "tokens_per_rank": cfg.spec.tokens_per_rank, "maxvio": cfg.maxvio if cfg.axis.over != "maxvio" else None,
+            "seed": cfg.spec.seed, "dispatch_dtype": cfg.dispatch_dtype}
 
 
 def finish(rep: dict[str, Any], t0: float) -> dict[str, Any]:

@@ -181,17 +181,6 @@ class Buffer:
                 raise ConfigError(f"Buffer {f} must be equal on every rank (ranks {same} agree with rank 0, ranks "
                                   f"{differ} differ; {detail}): build the Buffer with one configuration")
 
-    @property
-    def home_E(self) -> np.ndarray:
-        """int64 [E]: each expert's home rank (the placement's)."""
-        return self.placement.home_E
-
-    # observability counters of the weight movement (see RowEngine)
-    fetch_calls = property(lambda self: self.rows.fetch_calls)
-    replica_fetches = property(lambda self: self.rows.replica_fetches)
-    fetched_experts = property(lambda self: self.rows.fetched_experts)
-    last_fetched = property(lambda self: self.rows.last_fetched)
-
     # -- planning -----------------------------------------------------------------------------
     def check_inputs(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         """Shapes, dtypes, ranges and s <= capacity, checked locally before any communication."""

@@ -176,10 +176,6 @@ class DirectIndex:
     list_rows: int  # m
     split: SplitReduce | None = None
 
-    @property
-    def messages(self) -> int:
-        return len(self.send_runs) + len(self.recv_runs)
-
 
 def direct_index(plan: Plan, rank: int, max_runs: int | None = MAX_RUNS, min_run_bytes: int = MIN_RUN_BYTES,
                  row_bytes: int = 1) -> DirectIndex | None:

@@ -178,12 +178,7 @@ def run_rank_program(module: str, nproc: int, argv: Sequence[str], timeout_s: fl
                                                   env=_child_env({**(env or {}), **up_env, **_rank_env(r, nproc, port)}),
                                                   start_new_session=True))
             order = _wait_ranks(procs, timeout_s, grace_s, Path(tmp))
-        except BaseException:
-            for p in procs:
-                _kill_group(p)
-                p.wait()
-            raise
-        finally:
+        finally:  # a failure or an interrupt included: no rank outlives the call
             for p in procs:
                 if p.poll() is None:
                     _kill_group(p)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-from moonep_sim.errors import CommError
+from moonep_sim.errors import CommError, require
 
 HEARTBEAT_INTERVAL_S = 0.2
 LIVENESS_WINDOW_S = 2.0  # a live rank beats ~10 times in this window, even on a loaded machine
@@ -373,3 +373,21 @@ def start_early(rank: int, world: int, timeout_s: float, store=None, prefix: str
     if base is not None and prefix:
         base = dist.PrefixStore(prefix, base)
     return StartWatch(base, rank, world, timeout_s)
+
+
+def join_group(timeout_s: float, script: str) -> StartWatch | None:
+    """Join the gloo process group torchrun's environment describes (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``): the heartbeat and start-up watchdog first (:func:`start_early`), then
+    ``init_process_group``, the :data:`FAULT_ENV` hooks around it. Returns the start-up watch; None
+    when the group is already up. ``script``: the launch script a missing environment names."""
+    if dist.is_initialized():
+        return None
+    require("RANK" in os.environ and "WORLD_SIZE" in os.environ, "RANK / WORLD_SIZE (unset) must be set: run with "
+            f"--nproc N, or under torchrun --nproc_per_node N {script} ...")
+    rank = os.environ["RANK"]
+    watch = start_early(int(rank), int(os.environ["WORLD_SIZE"]), max(timeout_s, 1.0))
+    fault_point(STARTING, rank)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)))
+    watch.started()
+    fault_point("started", rank)
+    return watch

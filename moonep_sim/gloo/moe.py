@@ -110,7 +110,7 @@ class EPMoELayer(torch.nn.Module):
         super().__init__()
         self.buffer = buffer
         E, H = buffer.num_experts, buffer.hidden
-        home_E = buffer.home_E
+        home_E = buffer.placement.home_E
         self.home_experts = torch.from_numpy(np.flatnonzero(home_E == buffer.rank))
         if experts_w is None:
             experts_w = init_experts(E, H, ffn, seed)

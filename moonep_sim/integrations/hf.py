@@ -305,7 +305,7 @@ def expert_parallel(model: torch.nn.Module, *, strategy: str = "moonep", options
     buf = Buffer(group, capacity=int(capacity), hidden=H, top_k=K, num_experts=E,
                  planner=planner(strategy, ctx, **dict(options or {})), gpus_per_node=gpus_per_node,
                  timeout_s=timeout_s, dispatch_dtype=dtype, validate_plans=validate_plans)
-    home = torch.from_numpy(np.flatnonzero(buf.home_E == buf.rank)).to(torch.long)
+    home = torch.from_numpy(np.flatnonzero(buf.placement.home_E == buf.rank)).to(torch.long)
     layers: dict[int, EPExperts] = {}
     for s in sites:
         for n in s.weight_names:

@@ -25,7 +25,6 @@ and the silent peer, as the replay does), 130 on Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -359,23 +358,12 @@ def rank_main(argv: Sequence[str]) -> tuple[int, dict[str, Any] | None]:
     collective; 130 Ctrl-C, and the report on rank 0); prints a failure as one line
     ``moonep-sim: error: rank R: Class: message``."""
     rank = os.environ.get("RANK", "?")
-    from moonep_sim.gloo.liveness import announce
+    from moonep_sim.gloo.liveness import announce, join_group
     rep = None
     try:
         a = build_parser().parse_args(list(argv))
         check_args(a)
-        if not dist.is_initialized():
-            require("RANK" in os.environ and "WORLD_SIZE" in os.environ,
-                    "RANK / WORLD_SIZE (unset) must be set: run with --nproc N, or under torchrun "
-                    "--nproc_per_node N launch/train_hf.py ...")
-            # heartbeat and watchdog first (a peer lost while the group is set up is named "starting"), then
-            # the launcher is told the group is up: a rank lost later is named by the phase it was in
-            from moonep_sim.gloo.liveness import STARTING, fault_point, start_early
-            watch = start_early(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), max(a.timeout, 1.0))
-            fault_point(STARTING, rank)
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(a.timeout, 1.0)))
-            watch.started()
-            fault_point("started", rank)
+        join_group(a.timeout, "launch/train_hf.py")
         rep = run(a)
         if rep is not None and a.json:
             write_text_atomic(a.json, json.dumps(rep, indent=1, sort_keys=True), what="--json")

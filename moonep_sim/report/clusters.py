@@ -4,7 +4,7 @@ rendered from its document (:func:`moonep_sim.experiments.clusters.compare_clust
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 
 def _call(r: dict[str, Any]) -> str:
@@ -98,40 +98,5 @@ def clusters_lines(doc: dict[str, Any]) -> list[str]:
     return out
 
 
-def clusters_markdown(doc: dict[str, Any], meta: dict[str, Any], intro: Sequence[str] = ()) -> str:
-    """The document as markdown (docs/results/clusters.md): table, winner changes, causes, flags."""
-    strategies = doc["strategies"]
-    L = [f"# {meta.get('title', 'The same layer on several clusters: does the winner change, and why')}", "",
-         f"Date {meta['date']}, commit `{meta['commit']}`, command `{meta['command']}`, machine load "
-         f"`{meta['uptime']}` ({meta['wall_s']:.0f} s wall, {meta['cpu_s']:.0f} CPU s).", "", *intro]
-    multi = len(doc["points"]) > 1
-    L += ["| cluster (G per node; NVLink / NIC GB/s per GPU, effective; TFLOP/s) | " + ("point | " if multi else "")
-          + "deepep impl | " + " | ".join(strategies) + " | winner (margin) |",
-          "| --- | " + ("--- | " if multi else "") + "--- | " + " | ".join("---" for _ in strategies) + " | --- |"]
-    for p in doc["points"]:
-        for r in p["clusters"]:
-            cells = [f"{r['layer_time_us'][s] / 1e3:.2f}{_marks(doc, r, s)}" for s in strategies]
-            v = _call(r)
-            v = v if r["verdict"].get("tie") else f"**{r['verdict']['winner']}**" + v[len(r["verdict"]["winner"]):]
-            L.append(f"| {cluster_cell(r)} | " + (f"{p['label']} | " if multi else "") + f"{impl_cell(r)} | "
-                     + " | ".join(cells) + f" | {v} |")
-    L += ["", "Flags beside these figures (`*` in the table):", ""] + [f"- {x}" for x in flag_lines(doc)]
-    L += ["", "## Does the winner change?", ""] + [f"- {change_line(p, bold=True)}" for p in doc["points"]]
-    L += ["", "## The verdict's cause, per cluster (each cluster's compare verdict)", ""]
-    for p in doc["points"]:
-        for r in p["clusters"]:
-            if r["verdict"].get("why"):
-                L.append(f"- **{r['topology']}, {p['label']}** ({r['verdict'].get('mechanism') or '-'}): "
-                         f"{r['verdict']['why']}")
-    L += ["", "## Why (per cluster and strategy: straggler; busiest port)", ""]
-    for p in doc["points"]:
-        for r in p["clusters"]:
-            L.append(f"- **{r['topology']}, {p['label']}**: " + "; ".join(
-                f"{s}: {d['straggler'] or '-'} ({d['busiest_port']}, x{d['ratio_to_lower_bound']:.2f} LB)"
-                for s, d in r["strategies"].items()))
-    L.append("")
-    return "\n".join(L)
-
-
-__all__ = ["change_line", "cluster_cell", "clusters_lines", "clusters_markdown", "clusters_table", "flag_lines",
+__all__ = ["change_line", "cluster_cell", "clusters_lines", "clusters_table", "flag_lines",
            "impl_cell"]

@@ -243,15 +243,11 @@ class StepSim:
             return self.env.timeout(us * self._share_l[r])
         return self.cpus[int(self.host_R[r])].run(us)
 
-    def _span(self, r: int, name: str, kind: PhaseKind, direction: Direction, t0: float) -> None:
-        """Record rank r's span from ``t0`` to now."""
-        self.spans.append(Span(r, name, kind, direction, t0, self.env.now))
-
     def _timed(self, r: int, ev: simpy.Event, name: str, kind: PhaseKind, direction: Direction):
         """Wait for ``ev`` (made now: rank r's local work or a delay) and record the span r spent in it."""
         t0 = self.env.now
         yield ev
-        self._span(r, name, kind, direction, t0)
+        self.spans.append(Span(r, name, kind, direction, t0, self.env.now))
 
     def _jit(self, shape) -> np.ndarray:
         return lognormal_factors(self.rng, self.opts.jitter, shape)
@@ -450,7 +446,7 @@ class StepSim:
                     t_need = max(t_need, done_t[(si, side, h - 1, j, v)] + row[v][r])
                 if t_need > env.now:
                     yield env.timeout(t_need - env.now)
-            self._span(r, net.phase_name(pid), tag.kind, tag.direction, t0)
+            self.spans.append(Span(r, net.phase_name(pid), tag.kind, tag.direction, t0, env.now))
             if post_us > 0:
                 yield from self._timed(r, self._work(r, float(post_us) / c), copy_name, PhaseKind.COPY, tag.direction)
             self._done_t[(si, side, h, j, r)] = env.now

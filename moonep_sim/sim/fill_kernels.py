@@ -252,7 +252,7 @@ def _fill_simple(cap_P, N, tables, nodes, scratch, cells, run):
                 li[mm_] = li[i]
                 mm_ += 1
         m = mm_
-    return lev, bport, steps
+    return steps
 
 
 @kernel
@@ -332,10 +332,10 @@ def _fill_general(cap_P, N, tables, nodes, scratch, cells, run):
                     port[nrun] = p
                     nrun += 1
         if nrun == 0:
-            return lev, bport, -1
+            return -1
         _sort_run(g, lv, port, nrun)
         _freeze(g, lv, port, nrun, np.bool_(True), nodes, scratch, cells)
-    return lev, bport, steps
+    return steps
 
 
 class SolverTables(NamedTuple):
@@ -371,10 +371,10 @@ class SolverTables(NamedTuple):
 
 
 @kernel
-def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, tables):
-    """(lev_U1, bport_U1, steps): per node (and the spare node U) the level at which it froze (inf:
-    never) and the port that froze it (-1: none), and the filling steps taken; steps = -1 when a
-    step froze nothing (the numpy code raises there).
+def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, tables, lev, bport):
+    """The filling steps taken (-1 when a step froze nothing: the numpy code raises there), with
+    ``lev`` / ``bport`` (float64 / int64 [U + 1], written whole) per node (and the spare node U)
+    the level at which it froze (inf: never) and the port that froze it (-1: none).
 
     cap_P: float64 [P1] capacities.  cnt_src_N / cnt_dst_N: float64 [N] active transfers per
     sender / receiver node.  mm: float64 [2T + 1] the counts buffer (``BlockCounts.mm``: M cells,
@@ -387,9 +387,10 @@ def fill_levels(cap_P, cnt_src_N, cnt_dst_N, mm, tables):
         cnt[i] = cnt_src_N[i]
         cnt[N + i] = cnt_dst_N[i]
     cnt[U] = 0.0
+    for u in range(U + 1):
+        lev[u] = np.inf
+        bport[u] = -1
     frz = np.zeros(U + 1)
-    lev = np.full(U + 1, np.inf)
-    bport = np.full(U + 1, -1, dtype=np.int64)
     free = np.ones(U + 1, dtype=np.bool_)
     free[U] = False
     acc_c = np.zeros(U + 1)

@@ -29,29 +29,42 @@ class _Column:
 
 class _Columns:
     """Growable named columns: slots [0, n) are in use; ``data[name]`` the whole buffer (at
-    least n slots; the compiled kernels write into it)."""
+    least n slots; the compiled kernels write into it). The one-dimensional columns of one dtype
+    and empty value are the rows of one buffer (:meth:`block`), in the order they are declared:
+    a kernel takes the block once instead of each column."""
 
     def __init__(self, with_path: bool = False, path_len: int = 0, capacity: int = 16):
-        cols = [c for c in vars(type(self)).values() if isinstance(c, _Column) and (with_path or c.name != "path")]
         self.n = 0
         self.capacity = capacity   # slots of every buffer in ``data``
-        self._cols = cols
-        self.data = {c.name: np.full((capacity, path_len) if c.name == "path" else capacity, c.empty, dtype=c.dtype)
-                     for c in cols}
+        self._groups: dict[tuple, list[str]] = {}   # (dtype, empty, a slot's shape) -> its columns, in order
+        for c in vars(type(self)).values():
+            if isinstance(c, _Column) and (with_path or c.name != "path"):
+                key = (c.dtype, c.empty, (path_len,) if c.name == "path" else ())
+                self._groups.setdefault(key, []).append(c.name)
+        self.data: dict[str, np.ndarray] = {}
+        self._alloc(capacity)
+
+    def _alloc(self, capacity: int) -> None:
+        """New buffers of ``capacity`` slots, slots [0, n) copied over from the old ones."""
+        old, self.data, self._block = self.data, {}, {}
+        for (dtype, empty, shape), names in self._groups.items():
+            buf = np.full((len(names), capacity) + shape, empty, dtype=dtype)
+            for name, row in zip(names, buf):
+                if name in old:
+                    row[:self.n] = old[name][:self.n]
+                self.data[name], self._block[name] = row, buf
+
+    def block(self, name: str) -> np.ndarray:
+        """The buffer holding column ``name``: [columns, capacity], the columns of its dtype and
+        empty value as rows in declaration order (``data[name]`` is its row)."""
+        return self._block[name]
 
     def reserve(self, need: int) -> None:
         """Make room for ``need`` slots (at least doubling when growing; the buffers are then
         replaced); slots [0, n) are kept."""
-        cap = self.capacity
-        if need <= cap:
-            return
-        new = max(need, 2 * cap)
-        for c in self._cols:
-            arr = self.data[c.name]
-            grown = np.full((new,) + arr.shape[1:], c.empty, dtype=arr.dtype)
-            grown[:self.n] = arr[:self.n]
-            self.data[c.name] = grown
-        self.capacity = new
+        if need > self.capacity:
+            self.capacity = max(need, 2 * self.capacity)
+            self._alloc(self.capacity)
 
     def append(self, **vals: np.ndarray) -> None:
         """Add slots: one array (or scalar) per column, ``vals``' first array giving the length."""

@@ -49,7 +49,7 @@ from moonep_sim.perf import DEFAULT_PERF, PerfConfig
 from moonep_sim.sim.blocks import BlockCounts
 from moonep_sim.sim.flows import ActiveFlows, FlowLog, Pending
 from moonep_sim.sim.ports import L_PATH, Block, PortMap, block_kind
-from moonep_sim.sim.tick_kernels import LogCols, WaitCols, plain, set_rates, submit_flows, tick_blocks, tick_records
+from moonep_sim.sim.tick_kernels import LogCols, plain, set_rates, submit_flows, tick_blocks, tick_records, wait_cols
 from moonep_sim.sim.waterfill import waterfill
 
 
@@ -128,8 +128,8 @@ class FlowNetwork:
         self._a = ActiveFlows(with_path=not use_blocks, path_len=L_PATH)
         self._dead = 0
         self._sentinel = ports.num_blocks * ports.ranks   # node index of finished flows (level 0)
-        # the last fill of the block solver: lev_U1, bport_U1 (none yet: placeholders, read only by flows of a fill)
-        self._node_levels = (np.zeros(1), np.full(1, -1, dtype=np.int64))
+        # the last fill of the block solver: lev_U1, bport_U1 [2N + 1] (each fill writes them in place)
+        self._node_levels = (np.zeros(2 * self._sentinel + 1), np.full(2 * self._sentinel + 1, -1, dtype=np.int64))
         self._done = np.empty(32, dtype=np.int64)  # scratch of the compiled completions
         self._bneck_paths: np.ndarray | None = None   # the last fill of the per-flow solver: bottleneck per slot
         # flows waiting for their latency, in submission order
@@ -196,20 +196,16 @@ class FlowNetwork:
             tab = self._phase_tab[pid] = self._pair_table(sm, nic)
         R = self._R
         # the sender's rows of the pair tables (classified here above ``perf.pair_table_max`` pairs)
-        blk_R, lat_R = (tab[0][src], tab[1][src]) if tab is not None else \
-            self._pairs(np.full(R, src), np.arange(R), sm, nic)
+        blk_R, lat_R = tab[src] if tab is not None else self._pairs(np.full(R, src), np.arange(R), sm, nic)
         dst_F = np.asarray(dst_F, dtype=np.int64)
         F = dst_F.size
         p, log = self._pend, self._log
         if p.n + F > p.capacity or log.n + F > log.capacity or self._sargs is None:
             p.reserve(p.n + F)
             log.reserve(log.n + F)
-            pd, ld = p.data, log.data
             # (the records as plain tuples in their fields' order: numba types a plain tuple in C at
             # each call, a NamedTuple field by field in Python -- ~20 us a tick, 15% of a layer)
-            self._sargs = (plain(WaitCols(pd["ready"], pd["eff"], pd["id"], pd["key"], pd["src"], pd["dst"],
-                                          pd["blk"])),
-                           plain(LogCols(ld["src"], ld["dst"], ld["phase"], ld["bytes"], ld["start"])))
+            self._sargs = (plain(wait_cols(p)), plain(LogCols(log.block("src"), log.block("bytes"))))
             self._targs = None   # the tick's buffers too
         # one kernel: the entries with bytes, their cells of the sender's rows
         m, first = submit_flows((src, pid, float(self.env.now), self._message_us), dst_F,   # a Submission
@@ -228,16 +224,16 @@ class FlowNetwork:
         self._pend_min = min(self._pend_min, first)
         self._request_tick(first)
 
-    def _pair_table(self, sm: bool, nic: bool) -> tuple[np.ndarray, np.ndarray] | None:
-        """(block_RR, latency_RR): :meth:`_pairs` of every (sender, receiver) (built on first use,
-        kept per port map; a rank's submission then reads its row instead of classifying its
-        transfers again). None above ``perf.pair_table_max`` pairs."""
+    def _pair_table(self, sm: bool, nic: bool) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Per sender, its rows (block_R, latency_R) of :meth:`_pairs` of every (sender, receiver)
+        (built on first use, kept per port map; a rank's submission then reads its rows instead of
+        classifying its transfers again). None above ``perf.pair_table_max`` pairs."""
         key = (sm, nic)
         if key not in self._pair_tables:
             R = self.ports.ranks
             tab = None
             if R * R <= self._pair_max:   # (read-only: shared by the networks of this port map)
-                tab = tuple(x.reshape(R, R) for x in self._pairs(*np.divmod(np.arange(R * R), R), sm, nic))
+                tab = list(zip(*(x.reshape(R, R) for x in self._pairs(*np.divmod(np.arange(R * R), R), sm, nic))))
             self._pair_tables[key] = tab
         return self._pair_tables[key]
 
@@ -299,18 +295,16 @@ class FlowNetwork:
             if self._done.size < 2 * a.n:
                 self._done = np.empty(2 * a.capacity, dtype=np.int64)
             a.reserve(a.n + p.n)
-            recs = tick_records(a.data, p.data, self._log.data, self._sentinel, self.ports.ranks, self._left,
-                                self._done, self.ports.cap_P, self._blocks)
+            book = (self._sentinel, self.ports.ranks, self._left, self._done, *self._node_levels)
+            recs = tick_records(a, p, self._log.data, book, self.ports.cap_P, self._blocks)
             self._targs = tuple(plain(r) for r in recs) + (self._blocks._kernel_static,)
-        lev, bport = self._node_levels
         # (a TickState, as a plain tuple: see _sargs)
-        out = tick_blocks(t, (a.n, self._dead, p.n, self._pend_min, lev, bport), *self._targs)
-        a.n, self._dead, p.n, self._pend_min, lev, bport = out.state
+        out = tick_blocks(t, (a.n, self._dead, p.n, self._pend_min), *self._targs)
+        a.n, self._dead, p.n, self._pend_min = out.n, out.dead, out.pn, out.pend_min
         if out.steps < 0:  # pragma: no cover - the run's ports carry unfrozen transfers
             raise RuntimeError("progressive filling made no progress")
         if out.groups:   # the groups' keys, ascending and unique
             self._succeed_groups(self._done[out.completed:out.completed + out.groups])
-        self._node_levels = (lev, bport)
         self.fill_iterations += out.steps
         self._last_fill = t
         if out.fin_max > -np.inf:

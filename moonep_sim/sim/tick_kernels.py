@@ -12,7 +12,7 @@ remaining byte count, finish time and record is bit-identical to the numpy tick 
 
 Notation (as ``moonep_sim.sim.blocks``): N = B x R nodes per side; node levels ``lev_U1`` [2N + 1]
 (sender nodes, receiver nodes, a spare) and the ports that froze them ``bport_U1``, as
-``fill_levels`` returns them; an active transfer's sender node ``ns`` and receiver node ``nd`` are
+``fill_levels`` writes them; an active transfer's sender node ``ns`` and receiver node ``nd`` are
 block x R + rank, both N (the sentinel, level 0) once it finished. Slots [0, n) of the
 ``ActiveFlows`` columns are in use. Units: bytes, microseconds, bytes per microsecond.
 """
@@ -29,24 +29,25 @@ from moonep_sim.sim.fill_kernels import fill_levels
 
 
 class TickState(NamedTuple):
-    """What one tick reads and the next one reads back (:func:`tick_blocks` returns it in
-    :class:`TickOut`): n active slots in use, dead ones among them, pn waiting flows, the earliest
-    ready time among those (inf: none), and the last fill's node levels and ports."""
+    """What one tick reads and the next one reads back (:func:`tick_blocks` returns it as the
+    first fields of :class:`TickOut`): n active slots in use, dead ones among them, pn waiting
+    flows, the earliest ready time among those (inf: none)."""
 
     n: int
     dead: int
     pn: int
     pend_min: float
-    lev_U1: np.ndarray
-    bport_U1: np.ndarray
 
 
 class TickOut(NamedTuple):
-    """:func:`tick_blocks`' result: the next :class:`TickState`, then the completed slots
+    """:func:`tick_blocks`' result: the next :class:`TickState`'s fields, then the completed slots
     (``completed``) and receive groups (``groups``) whose ids the kernel wrote into the book's
     ``done``, the fill's steps (< 0: it froze nothing), the latest and the earliest finish time."""
 
-    state: TickState
+    n: int
+    dead: int
+    pn: int
+    pend_min: float
     completed: int
     groups: int
     steps: int
@@ -55,42 +56,31 @@ class TickOut(NamedTuple):
 
 
 class FlowCols(NamedTuple):
-    """The active flows' columns (``ActiveFlows.data``; slots [0, n) in use): finish time, rate,
-    bytes left at ``t0``, ``t0``, alive, sender and receiver node, flow id, receive-group key,
-    source and destination rank, block."""
+    """The active flows' columns (``ActiveFlows.data``; slots [0, n) in use) as the buffers that
+    hold them (``ActiveFlows.block``): ``f`` float64 [4, capacity] rate, bytes left at ``t0``,
+    ``t0``, finish time; ``alive``; ``i`` int64 [7, capacity] flow id, receive-group key, source
+    and destination rank, block, sender and receiver node."""
 
-    fin: np.ndarray
-    rate: np.ndarray
-    rem0: np.ndarray
-    t0: np.ndarray
+    f: np.ndarray
     alive: np.ndarray
-    ns: np.ndarray
-    nd: np.ndarray
-    ids: np.ndarray
-    key: np.ndarray
-    src: np.ndarray
-    dst: np.ndarray
-    blk: np.ndarray
+    i: np.ndarray
 
 
 class WaitCols(NamedTuple):
-    """The waiting flows' columns (``Pending.data``; slots [0, pn), in submission order): ready
-    time, bytes (efficiency applied), flow id, receive-group key, source and destination rank,
-    block."""
+    """The waiting flows' columns (``Pending.data``; slots [0, pn), in submission order) as the
+    buffers that hold them: ``f`` float64 [2, capacity] ready time, bytes (efficiency applied);
+    ``i`` int64 [5, capacity] flow id, receive-group key, source and destination rank, block."""
 
-    ready: np.ndarray
-    eff: np.ndarray
-    id: np.ndarray
-    key: np.ndarray
-    src: np.ndarray
-    dst: np.ndarray
-    blk: np.ndarray
+    f: np.ndarray
+    i: np.ndarray
 
 
 class TickBook(NamedTuple):
     """What a tick records beside the flows: the sentinel node (N), the ranks R, the flow log's end,
-    bottleneck port and ready columns, each receive group's flows left, and ``done`` (int64 scratch
-    of twice the active slots at least: the completed slots, then the completed groups' keys)."""
+    bottleneck port and ready columns, each receive group's flows left, ``done`` (int64 scratch
+    of twice the active slots at least: the completed slots, then the completed groups' keys) and
+    the last fill's node levels and ports (``lev_U1`` / ``bport_U1``, [2N + 1]: each fill writes
+    them in place)."""
 
     sentinel: int
     R: int
@@ -99,6 +89,8 @@ class TickBook(NamedTuple):
     log_ready: np.ndarray
     left: np.ndarray
     done: np.ndarray
+    lev_U1: np.ndarray
+    bport_U1: np.ndarray
 
 
 class Submission(NamedTuple):
@@ -112,26 +104,22 @@ class Submission(NamedTuple):
 
 
 class LogCols(NamedTuple):
-    """The flow log's columns a submission writes (``FlowLog.data``): source and destination rank,
-    phase id, bytes, submission time."""
+    """The flow log's columns a submission writes (``FlowLog.data``) as the buffers that hold them:
+    ``i`` int64 [3, capacity] source and destination rank, phase id; ``f`` float64 [2, capacity]
+    bytes, submission time."""
 
-    src: np.ndarray
-    dst: np.ndarray
-    phase: np.ndarray
-    bytes: np.ndarray
-    start: np.ndarray
+    i: np.ndarray
+    f: np.ndarray
 
 
 class BlockCountsCols(NamedTuple):
     """The block solver's counts the tick updates (``BlockCounts``): port capacities ``cap_P``, the
-    counts buffer ``mm`` (M cells, then MT cells from ``T``), per node its row and column in it
-    (``row_U`` / ``col_U``), the active transfers per sender and receiver node."""
+    counts buffer ``mm`` (M cells, then MT cells from ``T``; per node its row and column in it are
+    the solver tables' ``row_U`` / ``col_U``), the active transfers per sender and receiver node."""
 
     cap_P: np.ndarray
     mm: np.ndarray
     T: int
-    row_U: np.ndarray
-    col_U: np.ndarray
     cnt_src: np.ndarray
     cnt_dst: np.ndarray
 
@@ -144,18 +132,20 @@ def plain(record: tuple) -> tuple:
     return tuple(record)
 
 
-def tick_records(active: Any, waiting: Any, log: Any, sentinel: int, ranks: int, left: np.ndarray,
-                 done: np.ndarray, cap_P: np.ndarray, blocks: Any) -> tuple[FlowCols, WaitCols, TickBook,
-                                                                             BlockCountsCols]:
+def wait_cols(waiting: Any) -> WaitCols:
+    """:class:`WaitCols` over ``waiting``'s buffers (a ``Pending``; no copies)."""
+    return WaitCols(waiting.block("ready"), waiting.block("id"))
+
+
+def tick_records(active: Any, waiting: Any, log: Any, book: tuple, cap_P: np.ndarray,
+                 blocks: Any) -> tuple[FlowCols, WaitCols, TickBook, BlockCountsCols]:
     """The records :func:`tick_blocks` reads, over the network's own columns (no copies): ``active``,
-    ``waiting``, ``log`` the ``data`` dicts of its active flows, waiting flows and flow log;
+    ``waiting`` its ``ActiveFlows`` and ``Pending``, ``log`` its flow log's ``data``;
+    ``book`` (sentinel, ranks, left, done, lev_U1, bport_U1) as :class:`TickBook` names them;
     ``blocks`` its ``BlockCounts``. Built again whenever a column is reallocated."""
-    a, p, lg, bc = active, waiting, log, blocks
-    return (FlowCols(a["fin"], a["rate"], a["rem0"], a["t0"], a["alive"], a["ns"], a["nd"], a["id"], a["key"],
-                     a["src"], a["dst"], a["blk"]),
-            WaitCols(p["ready"], p["eff"], p["id"], p["key"], p["src"], p["dst"], p["blk"]),
-            TickBook(int(sentinel), int(ranks), lg["end"], lg["bneck"], lg["ready"], left, done),
-            BlockCountsCols(cap_P, bc.mm, int(bc.T), bc.row_U, bc.col_U, bc.cnt_src, bc.cnt_dst))
+    return (FlowCols(active.block("rate"), active.data["alive"], active.block("id")), wait_cols(waiting),
+            TickBook(int(book[0]), int(book[1]), log["end"], log["bneck"], log["ready"], *book[2:]),
+            BlockCountsCols(cap_P, blocks.mm, int(blocks.T), blocks.cnt_src, blocks.cnt_dst))
 
 
 @kernel
@@ -211,19 +201,23 @@ def set_rates(rate_F, n, rate, rem0, t0, fin, t):
 
 
 @kernel
-def complete_due(thr, t, n, flows, lev_U1, bport_U1, book, counts):
+def complete_due(thr, t, n, flows, book, counts, tables):
     """Complete the active slots of [0, n) with ``fin <= thr`` (``done``: int64 scratch of 2n at
     least; the completed slots are written there in order): their log rows get end t and the
-    bottleneck port of the last fill (the sender node's port where its level is the lower), their
-    receive groups one flow fewer (``left``), the block counts lose them (``mm``: the counts
-    buffer, M cells then MT cells from T; ``row_U`` / ``col_U``: ``BlockCounts.mt_row_N`` /
-    ``cell_col_N``), and their slots go dead (rate 0 at the sentinel node, fin and rem0 inf).
+    bottleneck port of the last fill (``lev_U1`` / ``bport_U1``: the sender node's port where its
+    level is the lower), their receive groups one flow fewer (``left``), the block counts lose them
+    (``mm``: the counts buffer, M cells then MT cells from T; ``row_U`` / ``col_U``:
+    ``BlockCounts.mt_row_N`` / ``cell_col_N``), and their slots go dead (rate 0 at the sentinel
+    node, fin and rem0 inf).
     Returns (completed slots, receive groups completed): the count of each; the groups' keys
     (with repeats) follow the slots in ``done``. flows: :class:`FlowCols`; book: :class:`TickBook`;
-    counts: :class:`BlockCountsCols`."""
-    fin, rate, rem0, t0, alive, ns, nd, ids, key, src, dst, blk = flows
-    sentinel, R, log_end, log_bneck, log_ready, left, done = book
-    cap_P, mm, T, row_U, col_U, cnt_src, cnt_dst = counts
+    counts: :class:`BlockCountsCols`; tables: ``fill_kernels.SolverTables``."""
+    ff, alive, fi = flows   # (rows by index: an array unpacked gives rows of any layout, slower loops)
+    rate, rem0, t0, fin = ff[0], ff[1], ff[2], ff[3]
+    ids, key, src, dst, blk, ns, nd = fi[0], fi[1], fi[2], fi[3], fi[4], fi[5], fi[6]
+    sentinel, R, log_end, log_bneck, log_ready, left, done, lev_U1, bport_U1 = book
+    cap_P, mm, T, cnt_src, cnt_dst = counts
+    row_U, col_U = tables[8], tables[9]   # (SolverTables.row_U, col_U)
     N = sentinel
     m = 0
     for i in range(n):
@@ -269,8 +263,9 @@ def submit_flows(sub, dst_F, bytes_F, eff_F, blk_R, lat_R, R, pn, ln, wait, log)
     ready time: inf when none). sub: :class:`Submission` (src, pid, now, message_us); wait:
     :class:`WaitCols`; log: :class:`LogCols`."""
     src, pid, now, message_us = sub
-    p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk = wait
-    l_src, l_dst, l_phase, l_bytes, l_start = log
+    (wf, wi), (li, lf) = wait, log
+    p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk = wf[0], wf[1], wi[0], wi[1], wi[2], wi[3], wi[4]
+    l_src, l_dst, l_phase, l_bytes, l_start = li[0], li[1], li[2], lf[0], lf[1]
     m = 0
     remote = 0
     for f in range(dst_F.size):
@@ -314,23 +309,16 @@ def submit_flows(sub, dst_F, bytes_F, eff_F, blk_R, lat_R, R, pn, ln, wait, log)
 def _compact(flows, n):
     """The live slots of [0, n) moved to the front, in order (every column of :class:`FlowCols`);
     returns how many."""
-    fin, rate, rem0, t0, alive, ns, nd, ids, key, src, dst, blk = flows
+    f, alive, ints = flows
     k = 0
-    for i in range(n):
-        if alive[i]:
-            if k != i:
-                fin[k] = fin[i]
-                rate[k] = rate[i]
-                rem0[k] = rem0[i]
-                t0[k] = t0[i]
-                alive[k] = alive[i]
-                ns[k] = ns[i]
-                nd[k] = nd[i]
-                ids[k] = ids[i]
-                key[k] = key[i]
-                src[k] = src[i]
-                dst[k] = dst[i]
-                blk[k] = blk[i]
+    for j in range(n):
+        if alive[j]:
+            if k != j:
+                alive[k] = True
+                for c in range(f.shape[0]):
+                    f[c, k] = f[c, j]
+                for c in range(ints.shape[0]):
+                    ints[c, k] = ints[c, j]
             k += 1
     return k
 
@@ -339,27 +327,31 @@ def _compact(flows, n):
 def tick_blocks(t, state, flows, wait, book, counts, tables):
     """One tick of ``FlowNetwork`` at time t with the block solver's compiled fill, as the numpy
     reference does it, in its order: (1) the active slots [0, n) due by ``t + 2e-9 x max(t, 1)`` complete
-    (:func:`complete_due` under the last fill's ``lev_U1`` / ``bport_U1``; the dead slots are
+    (:func:`complete_due` under the last fill's ``book.lev_U1`` / ``bport_U1``; the dead slots are
     dropped, in order, once they are more than half of them: ``dead`` counts them); (2) where
     ``pend_min <= t + 1e-9`` the waiting flows ready by then (``p_*``, slots [0, pn) in submission
     order) start, in order, at the end of the active columns (room for all of them is there),
     counted into the blocks, and the others stay, in order; (3) the fill (``fill_levels`` over the
-    counts and the solver's tables); (4) :func:`set_rates`.
+    counts and the solver's tables, into the book's levels); (4) :func:`set_rates`.
 
     state: :class:`TickState`; flows, wait, book, counts: :func:`tick_records`; tables: the solver's
     ``fill_kernels.SolverTables``. Returns a :class:`TickOut`: the completed slots, then the
     completed groups' keys (ascending, each once: as ``np.unique`` of :func:`complete_due`'s), are
     in ``book.done``; steps < 0: the fill froze nothing (and (4) did not run)."""
-    n, dead, pn, pend_min, lev_U1, bport_U1 = state
-    fin, rate, rem0, t0, alive, ns, nd, ids, key, src, dst, blk = flows
-    p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk = wait
-    sentinel, R, log_end, log_bneck, log_ready, left, done = book
-    cap_P, mm, T, row_U, col_U, cnt_src, cnt_dst = counts
+    n, dead, pn, pend_min = state
+    ff, alive, fi = flows   # (rows by index: an array unpacked gives rows of any layout, slower loops)
+    rate, rem0, t0, fin = ff[0], ff[1], ff[2], ff[3]
+    ids, key, src, dst, blk, ns, nd = fi[0], fi[1], fi[2], fi[3], fi[4], fi[5], fi[6]
+    wf, wi = wait
+    p_ready, p_eff, p_id, p_key, p_src, p_dst, p_blk = wf[0], wf[1], wi[0], wi[1], wi[2], wi[3], wi[4]
+    sentinel, R, log_end, log_bneck, log_ready, left, done, lev, bport = book
+    cap_P, mm, T, cnt_src, cnt_dst = counts
+    row_U, col_U = tables[8], tables[9]   # (SolverTables.row_U, col_U)
     m = 0
     g = 0
     if n > 0:
         thr = t + 2e-9 * max(t, 1.0)
-        m, g = complete_due(thr, t, n, flows, lev_U1, bport_U1, book, counts)
+        m, g = complete_due(thr, t, n, flows, book, counts, tables)
         if g > 1:   # the keys sorted (by argsort: the sort fill_kernels._sort_run compiles), repeats dropped
             keys = done[m:m + g].copy()
             for i, j in enumerate(np.argsort(keys)):
@@ -417,15 +409,15 @@ def tick_blocks(t, state, flows, wait, book, counts, tables):
                 k += 1
         pn = k
         pend_min = rest
-    lev, bport, steps = fill_levels(cap_P, cnt_src, cnt_dst, mm, tables)
+    steps = fill_levels(cap_P, cnt_src, cnt_dst, mm, tables, lev, bport)
     fin_max, nxt = -np.inf, np.inf
     if steps >= 0:
         rate_F = np.empty(n)   # each slot's rate: the lower level of its two nodes
         for i in range(n):
             rate_F[i] = _level(lev, sentinel, ns[i], nd[i])
         fin_max, nxt = set_rates(rate_F, n, rate, rem0, t0, fin, t)
-    return TickOut(TickState(n, dead, pn, pend_min, lev, bport), m, g, steps, fin_max, nxt)
+    return TickOut(n, dead, pn, pend_min, m, g, steps, fin_max, nxt)
 
 
 __all__ = ["BlockCountsCols", "FlowCols", "LogCols", "Submission", "TickBook", "TickOut", "TickState", "WaitCols",
-           "complete_due", "plain", "set_rates", "submit_flows", "tick_blocks", "tick_records"]
+           "complete_due", "plain", "set_rates", "submit_flows", "tick_blocks", "tick_records", "wait_cols"]

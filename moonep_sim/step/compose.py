@@ -47,7 +47,9 @@ class OpTimes:
 
 
 def stack_ops(model: ModelSpec, shape: StepShape) -> OpTimes:
-    layers = [layer_ops(model, l, shape) for l in range(model.layers)]
+    built: dict[tuple, LayerOps] = {}  # one build per (attention kind, dense or MoE), shared by its layers
+    keys = [(model.attention_kind(l), l >= model.dense_layers) for l in range(model.layers)]
+    layers = [built[k] if k in built else built.setdefault(k, layer_ops(model, l, shape)) for l, k in enumerate(keys)]
     first, last = head_ops(model, shape)
     return OpTimes(layers, first, last)
 
@@ -57,8 +59,9 @@ def all_ops(ot: OpTimes, train: bool) -> list[Op]:
     ops = list(ot.first) + list(ot.last)
     for lo in ot.layers:
         ops += list(lo.before) + [o for o in (lo.router, lo.shared) if o is not None]
-    if train:
-        ops += [backward_op(o) for o in ops]
+    if train:  # one backward per distinct op (layers of a kind share theirs)
+        bwd: dict[int, Op] = {}
+        ops += [bwd.get(id(o)) or bwd.setdefault(id(o), backward_op(o)) for o in ops]
     return ops
 
 
@@ -95,10 +98,8 @@ class Program:
         self._memo: dict[tuple, float] = {}
         self.tp = shapes[0].tp if shapes else 1
 
-    def us(self, op: Op | None, bwd: bool = False) -> float:
+    def us(self, op: Op, bwd: bool = False) -> float:
         """The op's time (its backward's with ``bwd``), priced once per distinct op."""
-        if op is None:
-            return 0.0
         key = (op.name, op.shape, op.flops, op.bytes, bwd)
         if key not in self._memo:
             self._memo[key] = self.costs.op_us(backward_op(op) if bwd else op)
@@ -108,9 +109,11 @@ class Program:
         """Micro-batch ``i``'s ops of layer ``l``."""
         return self.ots[i].layers[l]
 
-    def run(self, op: Op, i: int, layer: int, bwd: bool = False) -> None:
+    def run(self, op: Op | None, i: int, layer: int, bwd: bool = False) -> None:
         """Micro-batch ``i``'s compute op (its backward with ``bwd``), after its previous op; an
         attention core under per-rank contexts takes each rank's own time ([R])."""
+        if op is None:   # a layer without it (no shared experts)
+            return
         us = self.us(op, bwd)
         if bwd and self.costs.recompute is not None:   # the forward it recomputes first
             key = ("recompute", op.name, op.shape, op.flops, op.bytes, layer)

@@ -26,7 +26,6 @@ import numpy as np
 from moonep_sim.errors import require
 from moonep_sim.models import ModelSpec
 from moonep_sim.plan import GlobalRouting
-from moonep_sim.plan.ir import even_tokens_per_rank
 from moonep_sim.step.compose import all_ops, compose, stack_ops
 from moonep_sim.step.costs import EXPERT_OPS, CostModel
 from moonep_sim.step.layer_sim import LayerComm
@@ -66,62 +65,39 @@ class StepConfig:
     tol: float | None = None
 
 
-#: GlobalRouting's fields, in order: what :func:`trusted_routing` sets (a test pins them, so a new
-#: field cannot be skipped silently).
-ROUTING_FIELDS = ("topk_ids_TK", "topk_weights_TK", "tokens_per_rank_R", "num_experts")
-
-
-def trusted_routing(topk_ids_TK: np.ndarray, topk_weights_TK: np.ndarray, num_experts: int,
-                    ranks: int) -> GlobalRouting:
-    """``GlobalRouting.split_evenly(...)`` of routing the generator made, without re-checking what
-    it guarantees. ``GlobalRouting`` checks every token's ids are distinct and in ``[0, E)``: a
-    K(K-1)/2-pass scan over T, 0.03-0.04 CPU s of a Kimi K3 EP64 layer (262,144 x 16), about a
-    fifth of generating it. The samplers (``moonep_sim.routing.sampling``) draw distinct experts of
-    ``[0, E)`` by construction, so a step's generated layers (and only they) skip it. The cheap
-    checks stay: dtypes (int64 ids and float32 weights, which the generator returns, so nothing is
-    converted) and shapes."""
-    ids, w = topk_ids_TK, topk_weights_TK
-    require(ids.dtype == np.int64 and w.dtype == np.float32 and ids.ndim == 2 and w.shape == ids.shape,
-            f"trusted routing ({ids.dtype} {list(ids.shape)} ids, {w.dtype} {list(w.shape)} weights) must be int64 "
-            "[T, K] ids and float32 weights of the same shape, as the generator returns them")
-    tpr = even_tokens_per_rank(ids.shape[0], ranks)
-    r = object.__new__(GlobalRouting)
-    for name, v in zip(ROUTING_FIELDS, (ids, w, tpr, int(num_experts))):
-        object.__setattr__(r, name, v)
-    return r
-
-
 def step_metrics(tl: Timeline, cfg: StepConfig, comms: Mapping[int, LayerComm], useful_flops: float,
                  real_tokens: float) -> dict:
     """The per-strategy figures of one composed step (the JSON contract of ``moonep-sim step``)."""
     end_R = tl.end_R()
     r = int(np.argmax(end_R))
     t = float(end_R[r])
-    busy, comm = (sum((e.end_R - e.start_R for e in tl.events if e.stream == stream), np.zeros(tl.R))
-                  for stream in ("compute", "comm"))   # [R] each stream's busy us
+    ev, R, L = tl.events, tl.R, cfg.model.layers
+    start_NR, end_NR = np.array([e.start_R for e in ev]).reshape(-1, R), np.array([e.end_R for e in ev]).reshape(-1, R)
+    dur_NR = end_NR - start_NR
+    comp_N = np.array([e.stream == "compute" for e in ev], bool)
+    # [R] each stream's busy us, summed in issue order
+    busy, comm = (np.cumsum(np.vstack([np.zeros(R), dur_NR[m]]), axis=0)[-1] for m in (comp_N, ~comp_N))
     exposed = max(t - float(busy[r]), 0.0)
     peak = cfg.topology.gpu_tflops * 1e6
     layers = []
-    span: dict[int, list] = {}
-    for e in tl.events:
-        if e.layer >= 0:
-            s = span.setdefault(e.layer, [np.full(tl.R, np.inf), np.zeros(tl.R), np.zeros(tl.R),
-                                          np.full(tl.R, np.inf), np.zeros(tl.R)])
-            k = 0 if e.direction == "forward" else 3
-            s[k] = np.minimum(s[k], e.start_R)
-            s[k + 1] = np.maximum(s[k + 1], e.end_R)
-            if e.stream == "compute":
-                s[2] += e.end_R - e.start_R
-    for l in range(cfg.model.layers):
-        s = span[l]
-        dur_R = (s[1] - s[0]) + np.where(np.isfinite(s[3]), s[4] - s[3], 0.0)
+    # per layer l (forward) and L + l (backward) [2L, R]: the first start and the last end; compute us [L, R]
+    layer_N = np.array([e.layer for e in ev], int)
+    own = layer_N >= 0
+    g_N = np.where([e.direction == "forward" for e in ev], layer_N, layer_N + L)[own]
+    o = np.argsort(g_N, kind="stable")
+    g, at = np.unique(g_N[o], return_index=True)
+    first, last, compute = np.full((2 * L, R), np.inf), np.zeros((2 * L, R)), np.zeros((L, R))
+    first[g], last[g] = np.minimum.reduceat(start_NR[own][o], at), np.maximum.reduceat(end_NR[own][o], at)
+    np.add.at(compute, layer_N[comp_N & own], dur_NR[comp_N & own])   # in issue order
+    for l in range(L):
+        dur_R = (last[l] - first[l]) + np.where(np.isfinite(first[L + l]), last[L + l] - first[L + l], 0.0)
         slow = int(np.argmax(dur_R))
         c = comms.get(l)
         kind = ("moe" if l >= cfg.model.dense_layers else "dense") + f"/{cfg.model.attention_kind(l)}"
         st = dict(c.straggler) if c is not None else {"rank": slow, "cause": "compute", "phase": None,
                                                      "detail": "dense layer (same work on every rank)"}
         layers.append({"layer": l, "kind": kind, "time_us": float(dur_R[slow]),
-                       "exposed_comm_us": float(max(dur_R[slow] - s[2][slow], 0.0)), "straggler": st})
+                       "exposed_comm_us": float(max(dur_R[slow] - compute[l, slow], 0.0)), "straggler": st})
     return {"step_time_us": t, "slowest_rank": r, "tokens_per_s_per_gpu": real_tokens / (t * 1e-6) if t > 0 else 0.0,
             "mfu": useful_flops / (t * peak) if t > 0 else 0.0, "exposed_comm_us": exposed,
             "comm_share": exposed / t if t > 0 else 0.0, "compute_us": float(busy[r]), "comm_us": float(comm[r]),
@@ -158,7 +134,8 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
     require(shape.tokens >= M, f"tokens per rank ({shape.tokens}) must be >= {M} for overlap {ov.name}")
     mb_shapes = [dataclasses.replace(shape, tokens=(shape.tokens * (i + 1)) // M - (shape.tokens * i) // M)
                  for i in range(M)]
-    missing = costs.missing_ops(all_ops(stack_ops(m, mb_shapes[0]), train) + _expert_ops(train))
+    ops = all_ops(stack_ops(m, mb_shapes[0]), train)
+    missing = costs.missing_ops(ops + _expert_ops(train))
     require(not missing, f"--compute-profile ({costs.profile.path if costs.profile else ''}) must time every op "
                          f"of the step: missing {len(missing)}: {', '.join(missing[:6])}"
                          + (" ..." if len(missing) > 6 else ""))
@@ -189,6 +166,7 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
     routing_cpu_s = sum(d.routing_cpu_s for d in done)
     by_key = dict(zip(keys, done))
     fps_of: dict[str, list] = {}
+    useful_flops = useful_flops_per_rank(cfg)
     for name, _ in cfg.strategies:
         cache = {(k, mb): d.done[(name, mb)] for k, d in by_key.items() for mb in range(M)}
         plans = fps_of[name] = [d.footprint for d in cache.values()]
@@ -197,7 +175,7 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
         comm_of = lambda layer, mb, cache=cache: cache[(layer_keys[layer - first_moe], mb)].comm
         tl = compose(m, mb_shapes, costs, ov, comm_of, R, train)
         comms = {l: comm_of(l, 0) for l in range(first_moe, m.layers)}
-        d = step_metrics(tl, cfg, comms, useful_flops_per_rank(cfg), float(shape.tokens))
+        d = step_metrics(tl, cfg, comms, useful_flops, float(shape.tokens))
         mem = memory_per_rank(m, shape, plans, R, cfg.memory, cfg.ctx.placement.num_slots)
         cap = cfg.topology.gpu_memory_GiB * 2**30
         d.update(peak_memory_bytes=mem["peak_bytes"], gpu_memory_bytes=cap, oom=(mem["peak_bytes"] > cap) if cap else None,
@@ -227,7 +205,7 @@ def simulate_step(cfg: StepConfig, source: LayerSource, progress: Callable[[str,
     attach_fits(cfg, out, fps_of)
     return {"strategies": out, "mode": shape.mode, "tokens_per_rank": shape.tokens, "context": shape.context,
             "overlap": ov.name, "layers_routing": provenance, "pipeline": piped,
-            "compute_sources": costs.sources(all_ops(stack_ops(m, mb_shapes[0]), train), train),
+            "compute_sources": costs.sources(ops, train),
             "_timelines": timelines, "_footprints": fps_of}
 
 
@@ -262,5 +240,4 @@ def _layer_mean(comms: Mapping[int, LayerComm], f: Callable[[LayerComm], float])
     return float(np.mean([f(c) for c in comms.values()])) if comms else 0.0
 
 
-__all__ = ["LayerSource", "ROUTING_FIELDS", "StepConfig", "simulate_step", "step_metrics", "trusted_routing",
-           "useful_flops_per_rank"]
+__all__ = ["LayerSource", "StepConfig", "simulate_step", "step_metrics", "useful_flops_per_rank"]

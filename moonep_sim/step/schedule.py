@@ -54,10 +54,9 @@ class Timeline:
         # SM-holding comm intervals: (start_R, end_R, share, latest end) us
         self._comm_iv: list[tuple[np.ndarray, np.ndarray, float, float]] = []
 
-    def _stretch(self, s: np.ndarray, work: np.ndarray) -> np.ndarray:
-        """End of ``work`` us of compute started at ``s``, slowed where communication kernels run.
-        An interval that ended on every rank before the op starts changes nothing and is skipped."""
-        t, rem = s.copy(), work.astype(np.float64).copy()
+    def _stretch(self, t: np.ndarray, rem: np.ndarray) -> np.ndarray:
+        """End of ``rem`` us of compute started at ``t`` (float64 [R], not written), slowed where comm
+        kernels run. An interval that ended on every rank before the op starts changes nothing and is skipped."""
         t0 = float(t.min()) if t.size else 0.0
         for a, b, f, b_max in self._comm_iv[-8:]:
             if f <= 0 or b_max <= t0:
@@ -77,12 +76,11 @@ class Timeline:
     def compute(self, name: str, us, layer: int, direction: str, mb: int = 0,
                 after: np.ndarray | None = None) -> np.ndarray:
         """Place a compute op of ``us`` (scalar or [R]) after ``after`` [R]; returns its end [R]."""
-        dur = np.broadcast_to(np.asarray(us, np.float64), (self.R,))
+        dur = np.zeros(self.R) + us
         s = self.compute_free if after is None else np.maximum(self.compute_free, after)
         e = self._stretch(s, dur)
         self.compute_free = e
-        self.events.append(Event(name, "compute", layer, direction, mb, s.copy(), e.copy(),
-                                 slowed_R=np.maximum(e - s - dur, 0.0)))
+        self.events.append(Event(name, "compute", layer, direction, mb, s, e, slowed_R=np.maximum(e - s - dur, 0.0)))
         return e
 
     def comm(self, name: str, dur_R: np.ndarray, layer: int, direction: str, share: float, mb: int = 0,

@@ -117,8 +117,6 @@ class LayerOps:
     """One layer's forward ops: ``before`` the MoE block (or the whole dense layer), the MoE
     block's ``router`` and ``shared`` ops (None for a dense layer). ``moe`` says which."""
 
-    index: int
-    attention: str
     moe: bool
     before: tuple[Op, ...]
     router: Op | None
@@ -143,7 +141,7 @@ def layer_ops(model: ModelSpec, layer: int, shape: StepShape) -> LayerOps:
                                       f"{model.dense_layers} dense layer(s)", ConfigError)
         ops += [_norm(T, H), tp_gemm("dense_ffn", T, 3 * H * model.dense_ffn, H,
                                      ((2 * model.dense_ffn, H), (H, model.dense_ffn)), shape.tp)]
-        return LayerOps(layer, kind, False, tuple(ops), None, None)
+        return LayerOps(False, tuple(ops), None, None)
     if att.has_op:
         ops.append(_norm(T, H))
     # the MoE input cast once (dispatch payload and shared experts) and the shared experts'
@@ -157,7 +155,7 @@ def layer_ops(model: ModelSpec, layer: int, shape: StepShape) -> LayerOps:
     shared = tp_gemm("shared_expert", T, 3 * H * model.expert_ffn * model.shared_experts, H,
                      ((2 * model.expert_ffn * model.shared_experts, H), (H, model.expert_ffn * model.shared_experts)),
                      shape.tp) if model.shared_experts else None
-    return LayerOps(layer, kind, True, tuple(ops), router, shared)
+    return LayerOps(True, tuple(ops), router, shared)
 
 
 def _cast(T: int, width: int) -> Op:

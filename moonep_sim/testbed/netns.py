@@ -172,11 +172,6 @@ def setup_commands(spec: TestbedSpec) -> list[list[str]]:
     return cmds
 
 
-def teardown_commands(spec: TestbedSpec) -> list[list[str]]:
-    """Deleting the namespaces removes every veth, the bridge and the qdiscs with them."""
-    return [["ip", "netns", "del", ns] for ns in reversed(spec.namespaces())]
-
-
 # ---------------------------------------------------------------- side effects below this line
 
 

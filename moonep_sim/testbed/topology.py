@@ -126,14 +126,6 @@ def degraded_faults(spec: TestbedSpec, gpus_per_node: int) -> tuple:
     return tuple(out)
 
 
-def degrade_nic_args(spec: TestbedSpec, gpus_per_node: int) -> list[str]:
-    """The ``moonep-sim simulate`` flags matching :func:`degraded_faults`."""
-    out: list[str] = []
-    for f in degraded_faults(spec, gpus_per_node):
-        out += ["--degrade-nic", f"{f.rank}:{f.factor:g}"]
-    return out
-
-
 def write_topology(path: str | Path, spec: TestbedSpec, gpus_per_node: int, probes: dict | None = None,
                    base: str | None = None) -> Path:
     """Write the testbed's topology TOML atomically; returns the path."""

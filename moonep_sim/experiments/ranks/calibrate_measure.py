@@ -250,14 +250,5 @@ def measure_planning(repeats: int = 7) -> dict[str, Any]:
     return {"tokens": T, "experts": E, "top_k": K, "ranks": R, "seconds": t_S[1:], "plan_seconds": p_S[1:]}
 
 
-def host_cores() -> int:
-    """CPU cores this process may run on (its affinity set, else ``os.cpu_count()``)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-
 __all__ = ["DEFAULT_NPROCS", "DEFAULT_SIZES_BYTES", "DEFAULT_SWIGLU_SHAPES", "QUICK_SIZES_BYTES",
-           "QUICK_SWIGLU_SHAPES", "host_cores", "measure", "measure_planning"]
+           "QUICK_SWIGLU_SHAPES", "measure", "measure_planning"]

@@ -8,7 +8,7 @@ import argparse
 from typing import Sequence
 
 from moonep_sim.errors import ConfigError, OneLineArgumentParser, require
-from moonep_sim.experiments.spec import REPLAY_DTYPES, ReplaySpec, dtype_name, parse_opt_items
+from moonep_sim.experiments.spec import REPLAY_DTYPES, ReplaySpec, dtype_name, parse_int_list, parse_opt_items
 
 
 def torch_dtype_name(text: str) -> str:
@@ -72,25 +72,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def int_list(text: str, what: str) -> list[int]:
-    """``"0,2,5-7"`` -> ``[0, 2, 5, 6, 7]``."""
-    out: list[int] = []
-    try:
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            a, sep, b = part.partition("-")
-            out.extend(range(int(a), int(b) + 1) if sep and a else [int(part)])
-    except ValueError:
-        raise ConfigError(f"{what} ({text!r}) must be a list of integers like 0,2,5-7") from None
-    return out
-
-
 def parse_layers(text: str | None, trace) -> list[int]:
     """``--layers 0,2,5-7`` (layer ids, as in every command) -> their positions in the trace, each checked."""
     if text is None:
         return list(range(trace.num_layers))
-    ids = int_list(text, "--layers")
-    require(ids, f"--layers ({text!r}) must name at least one layer id")
-    return [trace.layer_index(lid) for lid in ids]  # an id the trace lacks: one line naming its layer ids
+    return [trace.layer_index(lid) for lid in parse_int_list(text, "--layers")]  # an id the trace lacks: one line naming its layer ids
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -33,7 +33,6 @@ Notation: T tokens of a layer, s tokens of this rank, H hidden, F expert width, 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -178,7 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     # per (step, layer): this rank's tokens and inputs, and its home experts' weights (one copy per
     # layer and distinct home set: strategies whose placement gives this rank the same experts share
     # it); every expert's weights are kept only for the dense reference check
-    homes = {n: np.flatnonzero(b.home_E == rank) for n, b in bufs.items()}
+    homes = {n: np.flatnonzero(b.placement.home_E == rank) for n, b in bufs.items()}
     inputs, weights = _rank_inputs(args, items, homes, rank, (E, H, F), init_experts)
     S, L, n_it = len(names), len(items), args.warmup + args.iters
     times = np.zeros((S, L, args.iters, len(PHASES)))
@@ -286,7 +285,7 @@ def _layer_entry(buf, step: dict[str, Any], lr, checked: dict[str, Any] | None) 
     e = {"layer": None, "layer_id": int(lr.layer), "bytes": {**plan.bytes_summary(), "sent": int(sent)},
          "recv_rows_per_rank": plan.real_rows_R().tolist(), "rows_per_rank_padded": plan.rows_R().tolist(),
          "dropped": plan.dropped, "padded": plan.padded, "weight_copies": plan.weight_copies,
-         "fetched": int(buf.last_fetched),  # actually fetched in the last iteration (cached replicas not)
+         "fetched": int(buf.rows.last_fetched),  # actually fetched in the last iteration (cached replicas not)
          "hops": len(plan.hops), "plan_seconds": plan.plan_seconds, "correct": None, "max_abs_err": None,
          "plan_figures": _plan_figures(plan, None, "forward")}  # what the measured verdict reads
     if checked:
@@ -368,7 +367,7 @@ def _check(rank, buf, step: dict[str, Any], inp: "_LayerInput", params, capacity
         (ref * cut(gos).double()).sum().backward()
         errs.append(float((cut(gxs).double() - X.grad).abs().max()))
         scale.append(float(X.grad.abs().max()))
-        home_E = buf.home_E
+        home_E = buf.placement.home_E
         P = [int(np.prod(p.shape[1:])) for p in full_w]
         for r in range(buf.world_size):
             experts = np.flatnonzero(home_E == r)
@@ -420,23 +419,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.exit(launch(argv))
     args = None
     rank = os.environ.get("RANK", "?")
-    from moonep_sim.gloo.liveness import STARTING, PhaseTracker, announce, fault_point, start_early
+    from moonep_sim.gloo.liveness import PhaseTracker, announce, join_group
     watch = None
     try:
         args = parse_args(argv)
         check_args(args)
         if args.json:  # every rank refuses alike, before the run (not rank 0 alone, after it)
             check_outputs({"--json": args.json}, {"--trace": args.trace, "--spec": args.spec})
-        if not dist.is_initialized():
-            require("RANK" in os.environ and "WORLD_SIZE" in os.environ,
-                    "RANK / WORLD_SIZE (unset) must be set: run with --nproc N, or under torchrun "
-                    "--nproc_per_node N launch/replay.py ...")
-            # heartbeat and watchdog first: a peer lost while the group is set up is named ("starting")
-            watch = start_early(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), max(args.timeout, 1.0))
-            fault_point(STARTING, rank)
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=max(args.timeout, 1.0)))
-            watch.started()
-            fault_point("started", rank)
+        watch = join_group(args.timeout, "launch/replay.py")
         _TRACKER[:] = [PhaseTracker("moonep_sim/replay/", dist.get_rank(), range(dist.get_world_size()),
                                     args.timeout)]
         rep = run(args)

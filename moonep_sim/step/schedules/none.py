@@ -17,8 +17,7 @@ class Serial(LayerSchedule):
     def dispatch_phase(self, p, l, i):
         lo = p.layer(i, l)
         p.run(lo.router, i, l)
-        if lo.shared is not None:
-            p.run(lo.shared, i, l)
+        p.run(lo.shared, i, l)
         return p.dispatch(l, i)
 
     def expert_phase(self, p, l, i, pre_end):
@@ -27,9 +26,7 @@ class Serial(LayerSchedule):
     def backward_phase(self, p, l, i, pre_end):
         post, reduced = p.experts_backward(l, i, pre_end)
         p.ready[i] = np.maximum(p.ready[i], reduced)
-        lo = p.layer(i, l)
-        if lo.shared is not None:
-            p.run(lo.shared, i, l, True)
+        p.run(p.layer(i, l).shared, i, l, True)
 
 
 __all__ = ["Serial"]

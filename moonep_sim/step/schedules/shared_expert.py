@@ -21,15 +21,11 @@ class SharedExpertOverlap(LayerSchedule):
         return p.dispatch(l, i)
 
     def expert_phase(self, p, l, i, pre_end):
-        lo = p.layer(i, l)
-        if lo.shared is not None:
-            p.run(lo.shared, i, l)
+        p.run(p.layer(i, l).shared, i, l)
         p.experts(l, i, pre_end)
 
     def backward_phase(self, p, l, i, pre_end):
-        lo = p.layer(i, l)
-        if lo.shared is not None:
-            p.run(lo.shared, i, l, True)
+        p.run(p.layer(i, l).shared, i, l, True)
         post, _ = p.experts_backward(l, i, pre_end)
         p.ready[i] = np.maximum(p.ready[i], post)  # the reduce holds only the communication stream
 
