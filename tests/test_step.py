@@ -373,3 +373,38 @@ def test_a_comm_kernel_slows_the_compute_beside_it_by_its_sm_share():
     tl2.comm("dispatch_ll", np.array([5.0]), 0, "forward", share=1.0)  # every SM: no compute beside it
     np.testing.assert_allclose(tl2.compute("x", 2.0, 0, "forward"), [7.0])
     np.testing.assert_allclose(Timeline(1).compute("x", 2.0, 0, "forward"), [2.0])
+
+
+def test_stack_ops_share_one_build_per_attention_kind_and_equal_the_per_layer_ops():
+    from moonep_sim.models import get_model
+    from moonep_sim.step.compose import all_ops, stack_ops
+    from moonep_sim.step.stack import backward_op, layer_ops
+
+    m = get_model("kimi-k3")   # 1 dense layer, then linear x3 + gated-mla cycles
+    shape = step_shape(m, "train", 512, None)
+    ot = stack_ops(m, shape)
+    assert [lo == layer_ops(m, l, shape) for l, lo in enumerate(ot.layers)] == [True] * m.layers
+    kinds = {(m.attention_kind(l), l >= m.dense_layers) for l in range(m.layers)}
+    assert len({id(lo) for lo in ot.layers}) == len(kinds) == 3
+    fwd = all_ops(ot, False)
+    assert all_ops(ot, True) == fwd + [backward_op(o) for o in fwd]
+
+
+def test_step_metrics_equal_a_per_event_account_bit_for_bit():
+    # the per-layer spans, compute and stream sums, read event by event (the plain form of step_metrics)
+    topo = load_topology("h800-cx7")
+    out = _step(SMALL, topo, ["alltoall"], "train", 64, "two-batch")
+    fig, tl = out["strategies"]["alltoall"], out["_timelines"]["alltoall"]
+    r = fig["slowest_rank"]
+    busy = {s: sum((e.end_R - e.start_R for e in tl.events if e.stream == s), np.zeros(tl.R))
+            for s in ("compute", "comm")}
+    assert (fig["compute_us"], fig["comm_us"]) == (float(busy["compute"][r]), float(busy["comm"][r]))
+    for row in fig["layers"]:
+        ev = [e for e in tl.events if e.layer == row["layer"]]
+        fwd, bwd = [e for e in ev if e.direction == "forward"], [e for e in ev if e.direction == "backward"]
+        span = lambda es: np.max([e.end_R for e in es], axis=0) - np.min([e.start_R for e in es], axis=0)
+        dur_R = span(fwd) + (span(bwd) if bwd else 0.0)
+        comp = sum((e.end_R - e.start_R for e in ev if e.stream == "compute"), np.zeros(tl.R))
+        slow = int(np.argmax(dur_R))
+        assert row["time_us"] == float(dur_R[slow])
+        assert row["exposed_comm_us"] == float(max(dur_R[slow] - comp[slow], 0.0))

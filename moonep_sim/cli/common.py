@@ -98,9 +98,17 @@ def add_redundant_experts(p) -> None:
 
 
 def _sim_dtype(text: str) -> str:
+    """argparse's type for ``--dispatch-dtype``: a refusal is its own message, not argparse's "invalid
+    _sim_dtype value"."""
+    from argparse import ArgumentTypeError
+
+    from moonep_sim.errors import ConfigError
     from moonep_sim.experiments.spec import normalise_dtype
 
-    return normalise_dtype(text)
+    try:
+        return normalise_dtype(text)
+    except ConfigError as e:
+        raise ArgumentTypeError(str(e)) from None
 
 
 def add_strategies(p, default: str) -> None:

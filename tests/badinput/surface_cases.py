@@ -182,6 +182,9 @@ SERVE = ["serve", "--model", "olmoe-1b-7b", "--topology", "h100-cx7", "--worker"
          "--num-requests", "20", "--draws", "1", "--strategies", "alltoall", "--no-cache", "--json"]
 CMP = ["compare", "--trace", "{in}/t.safetensors", "--strategies", "alltoall", "--ranks", "2", "--no-plots"]
 ARGS: dict[str, tuple[list[str], str]] = {  # name -> (argv, what the line must name)
+    # (the refusal's own words, not argparse's "invalid <function name> value")
+    "simulate-dispatch-dtype-unknown": (["simulate", "--dispatch-dtype", "fp4", "--gen", "maxvio=1", "--ranks", "2"],
+                                        r"--dispatch-dtype.*\('fp4'\) must be one of bf16, fp8"),
     "simulate-seed-negative": (["simulate", "--seed=-1", "--gen", "maxvio=1", "--strategy", "alltoall", "--ranks",
                                 "2"], "seed"),
     "simulate-gen-model-other-than-model": (["simulate", "--gen", "model=mixtral-8x7b,maxvio=1", "--model",
