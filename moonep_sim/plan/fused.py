@@ -201,7 +201,7 @@ def _single_place(hop, starts, out):
     into a run-sized buffer that stays in cache and then copied: written straight into ``m_srow``
     each store fetches a line of its own, R runs interleaved being too many for the prefetcher
     (measured at K3 EP64: ~12 ms per [M] array scattered so, ~1 ms copied). ``order`` and
-    ``expand`` (S streams each) likewise: a block of tokens' entries go into a buffer in slot order,
+    ``expand`` (S streams each) likewise: a block of tokens' entries goes into a buffer in slot order,
     then out in one run per slot (``_next_block``). At K3 EP64 (4.2M entries, 896 slots; CPU, least
     of 9-15): alltoall 52-55 ms, moonep 55-60, against 54-58 and 54-57 with an LLVM prefetch ahead of
     each stream (numba's public API has none) and 64-70 with both written straight.
