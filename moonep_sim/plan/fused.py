@@ -201,10 +201,10 @@ def _single_place(hop, starts, out):
     into a run-sized buffer that stays in cache and then copied: written straight into ``m_srow``
     each store fetches a line of its own, R runs interleaved being too many for the prefetcher
     (measured at K3 EP64: ~12 ms per [M] array scattered so, ~1 ms copied). ``order`` and
-    ``expand`` (S streams each) likewise: a block of tokens' entries go into a buffer in slot order,
-    then out in one run per slot (``_next_block``); at K3 EP64 (4.2M entries, 896 slots) 52-57 ms of
-    CPU for the pass, as fast as a prefetch ahead of each stream (53-57 ms; numba's public API has
-    none), 64-70 ms with both written straight.
+    ``expand`` (S streams each) likewise: a block of tokens' entries goes into a buffer in slot order,
+    then out in one run per slot (``_next_block``). At K3 EP64 (4.2M entries, 896 slots; CPU, least
+    of 9-15): alltoall 52-55 ms, moonep 55-60, against 54-58 and 54-57 with an LLVM prefetch ahead of
+    each stream (numba's public API has none) and 64-70 with both written straight.
 
     hop: :class:`SingleHop`; starts: :class:`SingleStarts`; out: :class:`SingleOut`."""
     slot_N, slot_rank_S, tok_off_R, K, dedup = hop
@@ -424,15 +424,21 @@ def dup_flags(entry_rank_N: np.ndarray, top_k: int) -> np.ndarray:
     return dup
 
 
-def check_tokens_and_ranks(tok_off: np.ndarray, slot_rank_S: np.ndarray, N: int, R: int, K: int) -> None:
-    """Raise :class:`PlanError` unless ``tok_off`` (int64) is R + 1 non-decreasing token offsets
-    from 0 to N / K and every slot rank (int64 [S]) lies in [0, R)."""
-    S = slot_rank_S.size
+def token_entries(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R: np.ndarray, top_k: int, ranks: int):
+    """(slot_N, slot_rank_S int64, tok_off int64, S, N, R, K) of a route's entries, checked: else
+    :class:`PlanError` unless ``tok_off`` is R + 1 non-decreasing token offsets from 0 to N / K and
+    every slot rank lies in [0, R)."""
+    slot = flat_ids(entry_slot_N)
+    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    tok_off = np.asarray(tok_off_R, dtype=np.int64)
+    S, N, R, K = slot_rank_S.size, slot.size, int(ranks), max(int(top_k), 1)
+    require_index(N, "entries (tokens x top-k)")
     if tok_off.size != R + 1 or int(tok_off[-1]) * K != N or bool((np.diff(tok_off) < 0).any()) or tok_off[0] != 0:
         raise PlanError(f"token offsets ({tok_off.size} values, {int(tok_off[-1]) if tok_off.size else 0} tokens) "
                         f"must be R + 1 = {R + 1} non-decreasing values from 0 to N / K = {N // K}")
     if S and (int(slot_rank_S.min()) < 0 or int(slot_rank_S.max()) >= R):
         raise PlanError(f"slot ranks ({int(slot_rank_S.min())}..{int(slot_rank_S.max())}) must lie in [0, {R})")
+    return slot, slot_rank_S, tok_off, S, N, R, K
 
 
 def _slot_firsts(slot_rows_S: np.ndarray, n_drop: int) -> np.ndarray:
@@ -490,12 +496,7 @@ def single_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, tok_off_R
     entry_slot_N: any integer dtype [N], -1 = dropped.  slot_rank_S: int64 [S] sorted, in [0, R).
     tok_off_R: int64 [R+1] each rank's first token (tokens in rank order, N = T*K).
     """
-    slot = flat_ids(entry_slot_N)
-    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
-    tok_off = np.asarray(tok_off_R, dtype=np.int64)
-    S, N, R, K = slot_rank_S.size, slot.size, int(ranks), max(int(top_k), 1)
-    require_index(N, "entries (tokens x top-k)")
-    check_tokens_and_ranks(tok_off, slot_rank_S, N, R, K)
+    slot, slot_rank_S, tok_off, S, N, R, K = token_entries(entry_slot_N, slot_rank_S, tok_off_R, top_k, ranks)
     scnt = np.zeros(S + 1, dtype=np.int64)
     cnt = np.zeros(R * R, dtype=np.int64)
     _check(_single_counts(slot, slot_rank_S, tok_off, K, bool(dedup), scnt, cnt), f"entry slot (must be in [-1, {S}))")

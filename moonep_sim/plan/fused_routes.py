@@ -31,9 +31,9 @@ import numpy as np
 from moonep_sim.errors import PlanError
 from moonep_sim.jit import kernel
 from moonep_sim.plan.assembly import SlotLayout, slot_geometry
-from moonep_sim.plan.fused import _check, _fill_blocks, _messages, check_tokens_and_ranks
+from moonep_sim.plan.fused import _check, _fill_blocks, _messages, token_entries
 from moonep_sim.plan.ir import Hop
-from moonep_sim.plan.kinds import INDEX, flat_ids, require_index
+from moonep_sim.plan.kinds import INDEX, require_index
 
 
 class Route2(NamedTuple):
@@ -236,13 +236,8 @@ def two_hop_plan(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, via_RR: np.n
     sorted, in [0, R).  via_RR: [R, R] the relay of each (source, final rank), in [0, R).
     tok_off_R: int64 [R+1] each rank's first token (N = T*K).  scopes, dedup: the two hops'.
     """
-    slot = flat_ids(entry_slot_N)
-    slot_rank_S = np.asarray(slot_rank_S, dtype=np.int64)
+    slot, slot_rank_S, tok_off, S, N, R, K = token_entries(entry_slot_N, slot_rank_S, tok_off_R, top_k, ranks)
     via = np.asarray(via_RR, dtype=np.int64)
-    tok_off = np.asarray(tok_off_R, dtype=np.int64)
-    S, N, R, K = slot_rank_S.size, slot.size, int(ranks), max(int(top_k), 1)
-    require_index(N, "entries (tokens x top-k)")
-    check_tokens_and_ranks(tok_off, slot_rank_S, N, R, K)
     if via.shape != (R, R) or (via.size and (int(via.min()) < 0 or int(via.max()) >= R)):
         raise PlanError(f"via table (shape {list(via.shape)}) must be [R, R] = [{R}, {R}] of ranks in [0, {R})")
     d0, d1 = bool(dedup[0]), bool(dedup[1])
