@@ -3,11 +3,11 @@ compiled kernels of ``fused`` / ``fused_routes`` are held equal to.
 
 Each function returns the arrays its public caller needs (values and dtypes: per-entry and
 per-message arrays as the Plan holds them, :data:`~moonep_sim.plan.kinds.INDEX`, converted once at
-the end; the rest int64), computing in int64 throughout, with one stable ``argsort`` over an int64
-key. The tests check every compiled form against them element-wise (``tests/test_plan_fused.py``,
-``tests/test_plan_builders.py``, ``tests/test_planner_outputs_pinned.py``: named cases,
-hypothesis-drawn routings, a medium layer, more than 256 ranks); ``tests/plan_reference.py``
-composes them into the builders' references.
+the end; the rest int64), computing in int64, each stable ``argsort`` over its key in the narrowest
+dtype that holds it (``small_key_dtype``: a radix sort up to 16 bits). The tests check every compiled
+form against them element-wise (``tests/test_plan_fused.py``, ``tests/test_plan_builders.py``,
+``tests/test_planner_outputs_pinned.py``: named cases, hypothesis-drawn routings, a medium layer,
+more than 256 ranks); ``tests/plan_reference.py`` composes them into the builders' references.
 
 Notation as in :mod:`moonep_sim.plan.ir`: R ranks, T tokens (ranks concatenated), K top-k,
 N = T*K entries (flat id ``e = t*K + k``), S slots, M messages of one hop, W final rows.
@@ -28,6 +28,7 @@ from moonep_sim.plan.assembly import SlotLayout, slot_geometry
 from moonep_sim.plan.compiled import check_at
 from moonep_sim.plan.ir import Hop
 from moonep_sim.plan.kinds import INDEX, Scope, require_index
+from moonep_sim.plan.order import small_key_dtype
 
 
 def slot_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding: int = 1,
@@ -42,7 +43,7 @@ def slot_layout(entry_slot_N: np.ndarray, slot_rank_S: np.ndarray, token_padding
     require_index(N, "entries (tokens x top-k)")
     bad = (slot < -1) | (slot >= S)
     check_at(int(np.argmax(bad)) if bool(bad.any()) else -1, f"entry slot (must be in [-1, {S}))")
-    order = np.argsort(slot, kind="stable")  # dropped (-1) first, then by slot, entry order within
+    order = np.argsort((slot + 1).astype(small_key_dtype(S + 1)), kind="stable")  # dropped first, then by slot
     n_drop = int(np.count_nonzero(slot < 0))
     kept = order[n_drop:]
     slot_rows = np.bincount(slot[kept], minlength=S).astype(np.int64)
@@ -69,7 +70,7 @@ def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_of
     kept = np.flatnonzero(entry_rank_N >= 0)
     dst = entry_rank_N[kept]
     tok = kept // max(int(top_k), 1)
-    order = np.argsort(dst, kind="stable")  # (dst, entry) order
+    order = np.argsort(dst.astype(small_key_dtype(ranks)), kind="stable")  # (dst, entry) order
     d_s, t_s = dst[order], tok[order]
     first = np.ones(order.size, dtype=bool)
     if dedup:  # a token's later entries bound for the same destination share its message
@@ -84,7 +85,7 @@ def single_hop_messages(entry_rank_N: np.ndarray, src_rank_T: np.ndarray, tok_of
     entry_dup = np.zeros(N, dtype=bool)
     entry_dup[kept[order]] = ~first
     msg_src = src_rank_T[msg_tok]
-    o2 = np.argsort(msg_src, kind="stable")  # (src, dst, token): messages were in (dst, token) order
+    o2 = np.argsort(msg_src.astype(small_key_dtype(ranks)), kind="stable")  # (src, dst, token): were (dst, token)
     hop = Hop(Scope.GLOBAL, msg_src[o2], (msg_tok - tok_off_R[msg_src])[o2], msg_dst[o2], msg_row[o2],
               per_dst.astype(np.int64))
     return hop, entry_buf_row.astype(INDEX), entry_dup

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moonep_sim.sim.topology import load_topology
+
 #: Topology preset (its name up to the first ``-`` after the GPU) -> (AIConfigurator system, how):
 #: ``own`` = the GPU's own table; ``nearest-die`` = another GPU's table scaled by the roofline ratio.
 SYSTEMS: dict[str, tuple[str, str]] = {
@@ -298,12 +300,11 @@ def load_measured(topology) -> Measured | None:
     root = data_root()
     if got is None or root is None or not (root / got[0]).is_dir():
         return None
-    die = None
-    if got[1] == "nearest-die":
-        from moonep_sim.sim.topology import load_topology
+    return Measured(got[0], got[1], _die(DIE_PRESET[got[0]]) if got[1] == "nearest-die" else None)
 
-        die = load_topology(DIE_PRESET[got[0]])
-    return Measured(got[0], got[1], die)
+
+#: The nearest die's topology by preset name, read once (every step loads the tables).
+_die = lru_cache(maxsize=4)(load_topology)
 
 
 __all__ = ["ATTN_BWD_EFFICIENCY", "ATTN_BWD_FACTOR", "ATTN_BWD_FLOPS", "BACKENDS", "attention_table", "attention_us", "DIE_PRESET", "GemmTable", "KERNELS", "Measured", "SYSTEMS", "available", "data_root",

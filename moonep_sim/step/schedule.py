@@ -133,6 +133,7 @@ def overlap_by_op(tl: Timeline, rank: int) -> list[dict]:
     comp = sorted((float(e.start_R[rank]), float(e.end_R[rank])) for e in tl.events if e.stream == "compute")
     starts = np.array([a for a, _ in comp])
     ends = np.array([b for _, b in comp])
+    reach = np.maximum.accumulate(ends)  # [i]: the latest end of compute ops 0..i (a comm op none overlaps adds 0)
     out: dict[tuple[str, str], dict] = {}
     for e in tl.events:
         a, b = float(e.start_R[rank]), float(e.end_R[rank])
@@ -141,7 +142,7 @@ def overlap_by_op(tl: Timeline, rank: int) -> list[dict]:
         d["count"] += 1
         d["us"] += b - a
         d["sm_us"] += float(_sm(e)[rank])
-        if e.stream == "comm" and b > a and starts.size:  # beside compute, outside its SM phases
+        if e.stream == "comm" and b > a and starts.size and reach[max(np.searchsorted(starts, b) - 1, 0)] > a:  # beside compute, outside its SM phases
             beside = float(np.clip(np.minimum(ends, b) - np.maximum(starts, a), 0.0, None).sum())
             d["hidden_us"] += max(beside - float(_sm(e)[rank]), 0.0)
     return sorted(out.values(), key=lambda d: (d["stream"], -d["us"]))
