@@ -140,8 +140,11 @@ def _next_block(slot_N, e0, e1, nxt, blk, buf, g_delta, out, n_drop):
     for e in range(e0, e1):
         if slot_N[e] >= 0:
             blk[0, slot_N[e]] += 1
-    blk[1] = nxt[:blk.shape[1]]
-    blk[2] = np.cumsum(blk[0]) - blk[0] - blk[1]
+    run = 0  # (loops, not slice assignments between arrays: no shape check's message to compile)
+    for s in range(blk.shape[1]):
+        blk[1, s] = nxt[s]
+        blk[2, s] = run - nxt[s]
+        run += blk[0, s]
 
 
 class SingleHop(NamedTuple):
