@@ -19,11 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from moonep_sim.errors import ConfigError, require
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+from moonep_sim.errors import ConfigError, is_int, require
 
 
 def check_spec_fields(m) -> None:
@@ -37,7 +33,7 @@ def check_spec_fields(m) -> None:
                           ("expert_ffn", 1, MAX_WIDTH), ("dispatch_hidden", 0, MAX_WIDTH),
                           ("n_groups", 1, MAX_NUM_EXPERTS), ("topk_groups", 1, MAX_NUM_EXPERTS)):
         v = getattr(m, field)
-        require(_is_int(v), f"{field} ({v!r}) must be an integer")
+        require(is_int(v), f"{field} ({v!r}) must be an integer")
         require(lo <= v <= hi, f"{field} ({v}) must lie in [{lo}, {hi}]")
     for field in ("name", "router", "note", "source", "stack_source"):
         require(isinstance(getattr(m, field), str), f"{field} ({getattr(m, field)!r}) must be a string")
@@ -68,7 +64,7 @@ def check_stack_fields(m) -> None:
                             ("max_context", MAX_CONTEXT, "the longest context"), ("vocab", MAX_VOCAB, "embedding rows"),
                             ("dense_ffn", MAX_WIDTH, "the dense layers' FFN width")):
         v = getattr(m, field)
-        require(_is_int(v), f"{field} ({v!r}) must be an integer")
+        require(is_int(v), f"{field} ({v!r}) must be an integer")
         require(0 <= v <= hi, f"{field} ({v}) must lie in [0, {hi}]: {what} (0 = not given)")
     require(isinstance(m.attention, str), f"attention ({m.attention!r}) must be a string")
     kinds = {k.strip() for k in m.attention.split(",") if k.strip()}
@@ -363,7 +359,7 @@ def model_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json", nam
         for k in keys:
             if given(k):
                 v = cfg[k]
-                if not _is_int(v) or not lo <= v <= hi:
+                if not is_int(v) or not lo <= v <= hi:
                     raise ConfigError(f"{where}: {k} ({v!r}) must be an integer in [{lo}, {hi}]" + (f": {why}" if why else ""))
                 return k, v
         return None, default
@@ -381,7 +377,7 @@ def model_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json", nam
                        f"the first layers that are dense, fewer than num_hidden_layers ({layers})")
     mlp_only = cfg.get("mlp_only_layers")
     mlp_only = [] if mlp_only is None else mlp_only
-    if not isinstance(mlp_only, list) or not all(_is_int(i) and 0 <= i < layers for i in mlp_only) \
+    if not isinstance(mlp_only, list) or not all(is_int(i) and 0 <= i < layers for i in mlp_only) \
             or len(set(mlp_only)) != len(mlp_only):
         raise ConfigError(f"{where}: mlp_only_layers ({mlp_only!r}) must be a list of distinct layer ids "
                           f"in [0, {layers})")

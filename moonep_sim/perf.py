@@ -12,6 +12,7 @@ The defaults were measured on the benchmarks named beside each field (docs/resul
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 from moonep_sim.errors import is_int, require
@@ -60,4 +61,13 @@ class PerfConfig:
 DEFAULT_PERF = PerfConfig()
 
 
-__all__ = ["DEFAULT_PERF", "PerfConfig"]
+def host_cores() -> int:
+    """The CPU cores this process may run on (its affinity set, else ``os.cpu_count()``): whether a
+    step's second thread pays, the default number of worker processes, a calibration's ``cpu_cores``."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+__all__ = ["DEFAULT_PERF", "PerfConfig", "host_cores"]

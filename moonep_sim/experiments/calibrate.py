@@ -43,7 +43,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from moonep_sim.errors import require
-from moonep_sim.experiments.parallel import host_cores
+from moonep_sim.perf import host_cores
 from moonep_sim.experiments.ranks.calibrate_measure import (DEFAULT_NPROCS, DEFAULT_SIZES_BYTES, DEFAULT_SWIGLU_SHAPES,
                                                       QUICK_SIZES_BYTES, QUICK_SWIGLU_SHAPES, measure,
                                                       measure_planning)

@@ -19,21 +19,12 @@ total)`` is called as points complete.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Sequence
 
 from moonep_sim.errors import ConfigError, require
+from moonep_sim.perf import host_cores
 
 Progress = Callable[[str, int, int], None]
-
-
-def host_cores() -> int:
-    """The CPU cores this process may run on (its affinity set, else ``os.cpu_count()``): the
-    default number of worker processes, and a calibration's ``cpu_cores``."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def check_jobs(jobs: int | None) -> int:
@@ -120,4 +111,4 @@ def _run_dask(fn, items, address: str, out: list, tick) -> list:
     return out
 
 
-__all__ = ["check_jobs", "host_cores", "run_points"]
+__all__ = ["check_jobs", "run_points"]

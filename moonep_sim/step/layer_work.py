@@ -341,9 +341,9 @@ def pipeline_pays(units: int, entries: int, cores: int | None = None) -> bool:
     :data:`PIPELINE_MIN_ENTRIES` routed entries each, and two or more cores this process may run on
     (``cores``; default: its CPU affinity)."""
     if cores is None:
-        import os
+        from moonep_sim.perf import host_cores
 
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = host_cores()
     return units >= 2 and entries >= PIPELINE_MIN_ENTRIES and cores >= 2
 
 

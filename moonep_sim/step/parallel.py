@@ -33,16 +33,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from moonep_sim.errors import ConfigError, require
+from moonep_sim.errors import ConfigError, is_int, require
 from moonep_sim.models import ModelSpec
 
 #: Pipeline schedules a layout may name (the step model's pipeline registry implements them).
 PP_SCHEDULES = ("1f1b", "interleaved", "dualpipe")
 ZERO_STAGES = (0, 1, 2, 3)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -89,10 +85,10 @@ class Parallel:
     def __post_init__(self) -> None:
         for f in ("tp", "pp", "vpp", "dp", "cp", "ep", "etp", "micro_batch_size"):
             v = getattr(self, f)
-            require(_is_int(v) and v >= 1, f"{f} ({v!r}) must be an integer >= 1")
+            require(is_int(v) and v >= 1, f"{f} ({v!r}) must be an integer >= 1")
         for f in ("global_batch_size", "first_stage_layers", "last_stage_layers"):
             v = getattr(self, f)
-            require(_is_int(v) and v >= 0, f"{f} ({v!r}) must be an integer >= 0 (0 = default)")
+            require(is_int(v) and v >= 0, f"{f} ({v!r}) must be an integer >= 0 (0 = default)")
         require(self.pp_schedule in PP_SCHEDULES,
                 f"pp schedule ({self.pp_schedule!r}) must be one of {', '.join(PP_SCHEDULES)}")
         require(self.zero in ZERO_STAGES, f"zero ({self.zero!r}) must be one of 0, 1, 2, 3")
@@ -166,7 +162,7 @@ class Parallel:
         the model's experts; more with redundant experts).  seq_len: the sequence length CP splits.
         """
         if gpus is not None:
-            require(_is_int(gpus) and gpus >= 1, f"gpus ({gpus!r}) must be an integer >= 1")
+            require(is_int(gpus) and gpus >= 1, f"gpus ({gpus!r}) must be an integer >= 1")
             require(self.world == gpus, f"tp x cp x dp x pp ({self.tp} x {self.cp} x {self.dp} x {self.pp} = "
                                         f"{self.world}) must equal the GPUs ({gpus})")
         if model is not None:
