@@ -9,7 +9,7 @@ import pytest
 
 from moonep_sim.errors import ConfigError
 from moonep_sim.models import PRESETS, model_fields, resolve_model
-from moonep_sim.routing.steps import parse_steps, read_layer, selected_steps_T, token_ranges
+from moonep_sim.routing.steps import parse_steps, read_layer, select_layer, selected_steps_T, token_ranges
 from moonep_sim.routing.trace import Trace, TraceMeta, write_trace
 
 
@@ -100,6 +100,10 @@ def test_step_selection(tmp_path):
         np.testing.assert_array_equal(lr.topk_ids_TK, ids[1][want])
         np.testing.assert_array_equal(lr.topk_weights_TK, w[1][want])
         np.testing.assert_array_equal(selected_steps_T(tr, text), step[want])
+        cut = select_layer(tr.layer(1), step, text)  # the same selection of a layer already read
+        np.testing.assert_array_equal(cut.topk_ids_TK, ids[1][want])
+        np.testing.assert_array_equal(cut.topk_weights_TK, w[1][want])
+        assert (cut.num_experts, cut.layer) == (16, 5)
     assert token_ranges(step, len(step), "0-2") == [(0, 7)]
     assert token_ranges(None, 10, "0") == [(0, 10)]
 
