@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -336,7 +337,11 @@ def model_from_fields(fields: Mapping[str, Any], where: str = "model") -> ModelS
     try:
         return ModelSpec(**kw)
     except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
+        msg = str(e)
+        for k in fields:  # a field named as the file spells it ("groups", not ModelSpec's "n_groups")
+            if MODEL_FILE_FIELDS[k] != k:
+                msg = re.sub(rf"\b{MODEL_FILE_FIELDS[k]}\b", k, msg)
+        raise ConfigError(f"{where}: {msg}") from None
 
 
 def model_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json", name: str = "") -> ModelSpec:

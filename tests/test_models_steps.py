@@ -59,6 +59,11 @@ def test_model_files(tmp_path):
     ('num_experts = 8\ntop_k = 2\nhidden = 64\nexpert_ffn = 32\nhiden = 3\n', r"field \('hiden'\) must be one of"),
     ('num_experts = 8\ntop_k = 9\nhidden = 64\nexpert_ffn = 32\n', r"top_k \(9\) must be <= num_experts \(8\)"),
     ('num_experts = "8"\ntop_k = 2\nhidden = 64\nexpert_ffn = 32\n', r"num_experts \('8'\) must be an integer"),
+    # a field named as the file spells it (``groups``, not ModelSpec's ``n_groups``)
+    ('num_experts = 8\ntop_k = 2\nhidden = 64\nexpert_ffn = 32\ngroups = 3\n',
+     r"num_experts \(8\) must be divisible by groups \(3\)$"),
+    ('num_experts = 8\ntop_k = 2\nhidden = 64\nexpert_ffn = 32\nn_groups = 3\n',
+     r"num_experts \(8\) must be divisible by n_groups \(3\)$"),
     ('num_experts = [', r"model \(.*bad\.toml\) must be valid TOML"),
 ])
 def test_bad_model_files(tmp_path, text, match):
