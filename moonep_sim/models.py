@@ -407,7 +407,7 @@ def model_from_hf_config(cfg: Mapping[str, Any], where: str = "config.json", nam
         raise ConfigError(f"{where}: _name_or_path / model_type ({label!r}) must be a string")
     fields = {"name": (name or label).split("/")[-1].lower(),
               "num_experts": E, "top_k": K, "hidden": H, "expert_ffn": F, "layers": layers,
-              "moe_layers": moe_layers, "shared_experts": shared, "groups": groups, "topk_groups": topk_groups,
+              "moe_layers": moe_layers, "shared_experts": shared, "n_groups": groups, "topk_groups": topk_groups,
               "router": router, "source": where}
     return model_from_fields(fields, where)
 
