@@ -406,8 +406,9 @@ class CostModel:
         else:
             shapes = [(m, c * 2 * F, D), (m, c * D, F)]
         t_R = np.zeros(R)
-        for t in self.measured.gemm_us(self.gemm_dtype, *np.array([np.broadcast_arrays(*g) for g in shapes]).transpose(1, 0, 2)):
-            t_R[has] += t  # (the GEMMs of every rank read in one lookup, summed GEMM by GEMM)
+        mnk = np.array([np.broadcast_arrays(*g) for g in shapes])  # [G, 3, ranks with experts]
+        for t in self.measured.gemm_us(self.gemm_dtype, *mnk.transpose(1, 0, 2)):  # every GEMM in one lookup
+            t_R[has] += t  # (summed GEMM by GEMM)
         out = t_R + self.topo.gpu_launch_us
         if self.measured.die is not None:
             die = CostModel(self.measured.die, self.gemm_dtype, self.half_rows)
